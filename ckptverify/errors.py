@@ -1,0 +1,40 @@
+"""Errors for "the tool could not run" (exit code 2).
+
+Anything a check *concludes* about a checkpoint is a :class:`~ckptverify.findings.Finding`, never an
+exception. Exceptions are reserved for situations where no conclusion can be drawn: bad arguments, a path
+that does not exist, an environment that cannot run the check. Every error knows its exit code, so front
+ends catch :class:`CkptVerifyError` once at the boundary.
+"""
+
+from __future__ import annotations
+
+
+class CkptVerifyError(Exception):
+    """Root of all ckptverify errors. ``exit_code`` is what the command line exits with."""
+
+    exit_code = 2
+
+
+class UsageError(CkptVerifyError, ValueError):
+    """The caller asked for something that cannot be done (bad option, inconsistent arguments)."""
+
+
+class CheckpointNotFoundError(CkptVerifyError, FileNotFoundError):
+    """The checkpoint path does not exist or is not a directory."""
+
+
+class ManifestExistsError(CkptVerifyError, FileExistsError):
+    """A manifest is already present and overwriting it was not requested."""
+
+
+class CheckpointRefusedError(CkptVerifyError):
+    """A checkpoint failed verification and the caller asked for it to be refused.
+
+    Carries the report whose findings explain the refusal.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, report: object | None = None) -> None:
+        super().__init__(message)
+        self.report = report
