@@ -1,0 +1,3 @@
+from ckptverify.cli import main
+
+main()

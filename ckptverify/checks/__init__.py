@@ -1,0 +1,25 @@
+"""Checks: each takes what it needs and returns findings; none of them prints."""
+
+from __future__ import annotations
+
+from ckptverify.dcp.layout import Item
+from ckptverify.findings import Location
+
+
+def item_label(item: Item) -> str:
+    """How findings name an item: its FQN, and its chunk offsets for a tensor chunk."""
+    if item.chunk is not None:
+        return f"{item.fqn!r} chunk {list(item.chunk.offsets)}"
+    return repr(item.fqn)
+
+
+def item_location(item: Item, **kw: object) -> Location:
+    """A location naming ``item`` (file, FQN, chunk, rank) plus any narrower fields in ``kw``."""
+    return Location(
+        file=item.file,
+        fqn=item.fqn,
+        chunk_offsets=item.chunk.offsets if item.chunk else None,
+        chunk_sizes=item.chunk.sizes if item.chunk else None,
+        rank=item.rank,
+        **kw,  # type: ignore[arg-type]
+    )

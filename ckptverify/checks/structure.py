@@ -1,0 +1,198 @@
+"""Structural checks: does the metadata describe a complete, consistent set of files?
+
+Nothing here reads item contents; only directory listings, file sizes and the layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections import defaultdict
+from collections.abc import Iterable
+
+from ckptverify.checks import item_label, item_location
+from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
+from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
+
+#: Files ckptverify itself may write beside a checkpoint; never reported as unreferenced.
+OWN_FILES = frozenset({"ckptverify.manifest.json"})
+
+
+def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | None]:
+    """``os.stat`` of each referenced file (following links), ``None`` where missing or not a regular file."""
+    out: dict[str, os.stat_result | None] = {}
+    for name in names:
+        try:
+            st = os.stat(os.path.join(root, name))
+        except OSError:
+            out[name] = None
+            continue
+        out[name] = st if stat.S_ISREG(st.st_mode) else None
+    return out
+
+
+def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | None]) -> list[Finding]:
+    """Referenced files that are missing, and files nobody references."""
+    findings: list[Finding] = []
+    for name, st in sorted(stats.items()):
+        if st is None:
+            n = sum(1 for it in layout.items if it.file == name)
+            exists = os.path.lexists(os.path.join(root, name))
+            what = "is not a regular file" if exists else "is missing"
+            findings.append(error(
+                "file-missing",
+                f"{name} {what}; the metadata places {n} item(s) in it",
+                location=Location(file=name),
+            ))
+    referenced = set(stats) | set(layout.metadata_files) | OWN_FILES
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for fname in sorted(filenames):
+            rel = os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
+            if rel not in referenced:
+                size = os.lstat(os.path.join(dirpath, fname)).st_size
+                findings.append(warning(
+                    "file-unreferenced",
+                    f"{rel} ({size} bytes) is not referenced by the metadata: a leftover, a file from another "
+                    "checkpoint, or something planted",
+                    location=Location(file=rel),
+                ))
+    return findings
+
+
+def check_items(layout: Layout, stats: dict[str, os.stat_result | None], skip: set[str]) -> list[Finding]:
+    """Every item inside its file; no two items overlapping; no bytes outside all items.
+
+    Files in ``skip`` (e.g. safetensors-format files, whose tensor items do not address their bytes)
+    are left out of the overlap and coverage checks.
+    """
+    findings: list[Finding] = []
+    by_file: dict[str, list[Item]] = defaultdict(list)
+    for item in layout.items:
+        by_file[item.file].append(item)
+    for name, items in sorted(by_file.items()):
+        st = stats.get(name)
+        if st is None:
+            continue
+        size = st.st_size
+        for item in items:
+            if item.end > size:
+                findings.append(error(
+                    "item-bounds",
+                    f"{item_label(item)} ends at byte {item.end} but {name} has only {size} bytes "
+                    f"(truncated by {item.end - size} or more)",
+                    location=item_location(item, byte_range=(item.offset, item.end)),
+                    expected=item.end, actual=size,
+                ))
+        if name in skip:
+            continue
+        items = sorted(items, key=lambda it: (it.offset, it.end))
+        cursor = 0
+        prev: Item | None = None
+        for item in items:
+            if prev is not None and item.offset < prev.end:
+                findings.append(error(
+                    "item-overlap",
+                    f"{item_label(item)} overlaps {item_label(prev)} in {name} "
+                    f"(bytes [{item.offset}, {min(prev.end, item.end)}))",
+                    location=item_location(item, byte_range=(item.offset, min(prev.end, item.end))),
+                ))
+            elif item.offset > cursor:
+                findings.append(_gap(name, cursor, item.offset))
+            cursor = max(cursor, item.end)
+            prev = item if prev is None or item.end > prev.end else prev
+        if cursor < size:
+            findings.append(_gap(name, cursor, size))
+    return findings
+
+
+def _gap(name: str, start: int, end: int) -> Finding:
+    return warning(
+        "bytes-unreferenced",
+        f"{name} holds {end - start} bytes at [{start}, {end}) that no item covers",
+        location=Location(file=name, byte_range=(start, end)),
+    )
+
+
+def check_coverage(layout: Layout) -> list[Finding]:
+    """Every chunk and byte value of the state dict has a storage entry."""
+    findings: list[Finding] = []
+    stored_chunks = {(it.fqn, it.chunk.offsets) for it in layout.items if it.chunk is not None}
+    stored_bytes = {it.fqn for it in layout.items if it.kind == "bytes"}
+    for fqn, tinfo in sorted(layout.tensors.items()):
+        for chunk in tinfo.chunks:
+            if (fqn, chunk.offsets) not in stored_chunks and chunk.numel > 0:
+                findings.append(error(
+                    "item-missing",
+                    f"chunk {list(chunk.offsets)} of {fqn!r} has no storage entry: its values are nowhere",
+                    location=Location(fqn=fqn, chunk_offsets=chunk.offsets, chunk_sizes=chunk.sizes),
+                ))
+    for fqn in sorted(layout.byte_values - stored_bytes):
+        findings.append(error(
+            "item-missing",
+            f"value {fqn!r} has no storage entry",
+            location=Location(fqn=fqn),
+        ))
+    return findings
+
+
+def check_tiling(layout: Layout) -> tuple[list[Finding], CheckCoverage]:
+    """The chunks of each tensor tile its global shape exactly: inside bounds, no overlap, no gap."""
+    findings: list[Finding] = []
+    for tinfo in layout.tensors.values():
+        findings.extend(_tiling(tinfo, dedupe=layout.per_rank))
+    return findings, CheckCoverage(check="chunk-tiling", count=len(layout.tensors), unit="tensors")
+
+
+def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
+    fqn, shape = tinfo.fqn, tinfo.shape
+    chunks = list(tinfo.chunks)
+    if dedupe:
+        # Per-rank metadata lists a replicated tensor once per rank: identical boxes are replicas.
+        chunks = list(dict.fromkeys(chunks))
+    out: list[Finding] = []
+    boxes: list[Chunk] = []
+    for c in chunks:
+        loc = Location(fqn=fqn, chunk_offsets=c.offsets, chunk_sizes=c.sizes)
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+            out.append(error("chunk-tiling", f"chunk {list(c.offsets)} of {fqn!r} has {len(c.offsets)} dims, "
+                             f"the tensor has {len(shape)}", location=loc))
+            continue
+        if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)):
+            out.append(error("chunk-tiling", f"chunk {list(c.offsets)}+{list(c.sizes)} of {fqn!r} reaches past "
+                             f"its global shape {list(shape)}", location=loc))
+            continue
+        if c.numel:
+            boxes.append(c)
+    # Sweep along dim 0 so only chunks whose first-dim intervals meet are compared.
+    overlap = False
+    if shape:
+        boxes.sort(key=lambda c: c.offsets[0])
+        active: list[Chunk] = []
+        for c in boxes:
+            active = [a for a in active if a.offsets[0] + a.sizes[0] > c.offsets[0]]
+            for a in active:
+                if all(ao < co + cs and co < ao + asz for ao, asz, co, cs
+                       in zip(a.offsets, a.sizes, c.offsets, c.sizes, strict=True)):
+                    overlap = True
+                    out.append(error(
+                        "chunk-tiling",
+                        f"chunks {list(a.offsets)} and {list(c.offsets)} of {fqn!r} overlap",
+                        location=Location(fqn=fqn, chunk_offsets=c.offsets, chunk_sizes=c.sizes),
+                    ))
+                    break
+            active.append(c)
+    elif len(boxes) > 1:
+        overlap = True
+        out.append(error("chunk-tiling", f"scalar {fqn!r} is stored more than once", location=Location(fqn=fqn)))
+    covered = sum(c.numel for c in boxes)
+    total = math.prod(shape)
+    if not overlap and covered != total and not out:
+        out.append(error(
+            "chunk-tiling",
+            f"chunks of {fqn!r} cover {covered} of its {total} elements: {total - covered} are in no chunk",
+            location=Location(fqn=fqn),
+            expected=total, actual=covered,
+        ))
+    return out

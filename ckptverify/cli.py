@@ -1,0 +1,121 @@
+"""The ``ckptverify`` command line: turns options into one library call and renders its report.
+
+Exit codes everywhere: 0 all checks passed, 1 a check failed, 2 the tool could not run.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from ckptverify import __version__
+from ckptverify.errors import CkptVerifyError
+
+
+class _RichProgress:
+    """Byte progress bar on a terminal (stderr), for the library's ``ProgressSink``."""
+
+    def __init__(self, description: str) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._progress = Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+        )
+        self._description = description
+        self._task: Any = None
+
+    def __enter__(self) -> _RichProgress:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.__exit__(None, None, None)
+
+    def start(self, total_bytes: int) -> None:
+        self._task = self._progress.add_task(self._description, total=total_bytes)
+
+    def advance(self, n: int) -> None:
+        if self._task is not None:
+            self._progress.advance(self._task, n)
+
+
+def _want_progress(flag: bool | None, json_out: bool) -> bool:
+    if flag is not None:
+        return flag
+    return not json_out and sys.stderr.isatty()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckptverify")
+def main() -> None:
+    """Prove PyTorch distributed checkpoints intact, and resumption bitwise exact.
+
+    Exit codes: 0 all checks passed, 1 a check failed, 2 the tool could not run.
+    """
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON (schema: docs/json-schema.md).")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="Files read in parallel [default: one per core].")
+@click.option("--progress/--no-progress", default=None,
+              help="Show a progress bar [default: on a terminal, without --json].")
+def verify(path: str, json_out: bool, jobs: int | None, progress: bool | None) -> None:
+    """Verify the DCP checkpoint directory PATH: structure, metadata safety, every record's CRC.
+
+    Never writes into PATH and never executes anything from it.
+    """
+    from ckptverify.verify import verify_checkpoint
+
+    try:
+        if _want_progress(progress, json_out):
+            with _RichProgress("verifying") as bar:
+                report = verify_checkpoint(path, jobs=jobs, progress=bar)
+        else:
+            report = verify_checkpoint(path, jobs=jobs)
+    except CkptVerifyError as exc:
+        _fail(exc, json_out, "verify", path)
+    _emit(report, json_out)
+
+
+def _emit(report: Any, json_out: bool) -> None:
+    from ckptverify.report import render_text, to_json
+
+    if json_out:
+        click.echo(to_json(report))
+    else:
+        from rich.console import Console
+
+        render_text(report, Console(highlight=False))
+    sys.exit(report.exit_code)
+
+
+def _fail(exc: CkptVerifyError, json_out: bool, command: str, target: str) -> None:
+    if json_out:
+        import json
+
+        from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
+
+        click.echo(json.dumps({
+            "schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
+            "target": target, "passed": False, "exit_code": exc.exit_code, "error": str(exc),
+            "findings": [],
+        }, indent=2))
+    else:
+        click.echo(f"ckptverify {command}: error: {exc}", err=True)
+    sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

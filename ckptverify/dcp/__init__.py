@@ -1,0 +1,1 @@
+"""Everything that knows how PyTorch DCP lays a checkpoint out on disk."""

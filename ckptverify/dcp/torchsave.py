@@ -1,0 +1,382 @@
+"""Reading ``torch.save`` archives (each DCP item) without unpickling or decompressing anything.
+
+A DCP item written with the default serialization is a complete ``torch.save`` zip: stored (never
+compressed) records, 64-byte aligned through ``FB`` padding extras of ``Z`` bytes, each followed by a
+data descriptor, then a central directory, a zip64 end record, its locator and the classic end record.
+:func:`parse_archive` walks that structure over an item's byte range and cross-checks every field that
+is stored twice (local header vs central directory vs data descriptor), so a flipped bit anywhere
+outside the record payloads is caught structurally; the payloads are then covered by their CRC-32,
+which the caller computes (see :mod:`ckptverify.checks.content`).
+
+:func:`tensor_header` reads the small ``data.pkl`` of a tensor item with an allowlist that resolves to
+stand-ins, to learn dtype, shape, strides and storage offset without executing anything.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Reader = Callable[[int, int], bytes]
+"""``read(offset, n)``: up to ``n`` bytes at ``offset`` relative to the item's first byte."""
+
+_LOCAL = b"PK\x03\x04"
+_CENTRAL = b"PK\x01\x02"
+_DESCRIPTOR = b"PK\x07\x08"
+_EOCD = b"PK\x05\x06"
+_EOCD64 = b"PK\x06\x06"
+_LOCATOR64 = b"PK\x06\x07"
+_ZIP64_EXTRA = 0x0001
+_PAD_EXTRA = 0x4246  # "FB": torch's alignment padding
+_PAD_BYTE = 0x5A  # "Z"
+_FLAG_DESCRIPTOR = 0x0008
+_FLAG_UTF8 = 0x0800
+#: The only record flags and compression torch writes: data descriptor + UTF-8 names, stored.
+TORCH_FLAGS = {_FLAG_DESCRIPTOR | _FLAG_UTF8, _FLAG_UTF8, _FLAG_DESCRIPTOR, 0}
+MAX_RECORDS = 1 << 20
+
+
+class ArchiveError(Exception):
+    """The item is not a well-formed torch.save archive. ``start``/``end`` locate the bad bytes."""
+
+    def __init__(self, message: str, start: int | None = None, end: int | None = None) -> None:
+        super().__init__(message)
+        self.start = start
+        self.end = end
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One archive member. Offsets are relative to the item's first byte."""
+
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    crc: int
+
+    @property
+    def data_end(self) -> int:
+        return self.data_offset + self.size
+
+
+@dataclass(frozen=True, slots=True)
+class Archive:
+    records: tuple[Record, ...]
+    prefix: str
+
+    def record(self, suffix: str) -> Record | None:
+        name = f"{self.prefix}/{suffix}"
+        return next((r for r in self.records if r.name == name), None)
+
+
+def looks_like_zip(head: bytes) -> bool:
+    return head[:4] == _LOCAL
+
+
+def _unpack(fmt: str, data: bytes, at: int, what: str, base: int) -> tuple[Any, ...]:
+    size = struct.calcsize(fmt)
+    if len(data) < at + size:
+        raise ArchiveError(f"{what} is cut short", base + at, base + len(data))
+    return struct.unpack_from(fmt, data, at)
+
+
+def parse_archive(read: Reader, length: int) -> Archive:
+    """Parse and cross-check the archive occupying ``[0, length)``; raise :class:`ArchiveError`."""
+    if length < 22:
+        raise ArchiveError(f"{length} bytes is too short for a zip archive", 0, length)
+    tail_len = min(length, 22 + 20 + 56)
+    tail_at = length - tail_len
+    tail = read(tail_at, tail_len)
+    # torch writes no archive comment, so the end record is the last 22 bytes.
+    eocd_at = length - 22
+    sig, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, comment_len = _unpack(
+        "<4sHHHHIIH", tail, eocd_at - tail_at, "end of central directory", tail_at
+    )
+    if sig != _EOCD or comment_len != 0:
+        raise ArchiveError("end of central directory record not found at the end of the item",
+                           eocd_at, length)
+    if disk not in (0, 0xFFFF) or cd_disk not in (0, 0xFFFF) or n_disk != n_total:
+        raise ArchiveError("end of central directory has inconsistent disk fields", eocd_at, length)
+    cd_end = eocd_at
+    locator_at = eocd_at - 20
+    if locator_at >= 0 and tail[locator_at - tail_at : locator_at - tail_at + 4] == _LOCATOR64:
+        _, l_disk, z64_at, l_disks = _unpack("<4sIQI", tail, locator_at - tail_at, "zip64 locator", tail_at)
+        if l_disk != 0 or l_disks != 1 or z64_at != locator_at - 56:
+            raise ArchiveError("zip64 end locator fields are inconsistent", locator_at, eocd_at)
+        if z64_at < 0:
+            raise ArchiveError("zip64 end record lies before the item", locator_at, eocd_at)
+        z = _unpack("<4sQHHIIQQQQ", read(z64_at, 56), 0, "zip64 end record", z64_at)
+        zsig, zsize, made_by, needed, zdisk, zcd_disk, zn_disk, zn_total, zcd_size, zcd_offset = z
+        if zsig != _EOCD64 or zsize != 44 or zdisk != 0 or zcd_disk != 0 or zn_disk != zn_total:
+            raise ArchiveError("zip64 end record is malformed", z64_at, locator_at)
+        if (made_by, needed) != (798, 45):
+            raise ArchiveError(f"zip64 end record version fields ({made_by}, {needed}) differ from what "
+                               "torch writes (798, 45)", z64_at, locator_at)
+        for small, big, what in ((n_total, zn_total, "entry count"), (cd_size, zcd_size, "directory size"),
+                                 (cd_offset, zcd_offset, "directory offset")):
+            sentinel = 0xFFFF if what == "entry count" else 0xFFFFFFFF
+            if small != big and small != sentinel:
+                raise ArchiveError(f"end records disagree on the {what} ({small} vs {big})", z64_at, length)
+        n_total, cd_size, cd_offset = zn_total, zcd_size, zcd_offset
+        cd_end = z64_at
+    if cd_offset + cd_size != cd_end:
+        raise ArchiveError("central directory does not end where the end records begin",
+                           min(cd_offset, cd_end), cd_end)
+    if n_total > MAX_RECORDS or cd_size > length:
+        raise ArchiveError("implausible central directory", cd_offset, cd_end)
+    cd = read(cd_offset, cd_size)
+    if len(cd) != cd_size:
+        raise ArchiveError("central directory is cut short", cd_offset, cd_end)
+
+    entries = []
+    at = 0
+    names: set[str] = set()
+    for _ in range(n_total):
+        f = _unpack("<4sHHHHHHIIIHHHHHII", cd, at, "central directory entry", cd_offset)
+        (sig, made_by, needed, flags, method, mtime, mdate, crc, csize, usize, nlen, xlen, clen,
+         dstart, iattr, eattr, lh_off) = f
+        if sig != _CENTRAL:
+            raise ArchiveError("central directory entry signature is wrong", cd_offset + at, cd_offset + at + 4)
+        name_b = cd[at + 46 : at + 46 + nlen]
+        extra = cd[at + 46 + nlen : at + 46 + nlen + xlen]
+        if len(name_b) != nlen or len(extra) != xlen or clen or dstart or iattr or eattr or made_by:
+            raise ArchiveError("central directory entry has fields torch never writes",
+                               cd_offset + at, cd_offset + at + 46 + nlen + xlen + clen)
+        try:
+            name = name_b.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ArchiveError("record name is not UTF-8", cd_offset + at, cd_offset + at + 46 + nlen) from None
+        if name in names:
+            raise ArchiveError(f"record {name!r} appears twice", cd_offset + at, cd_offset + at + 46 + nlen)
+        names.add(name)
+        usize, csize, lh_off = _zip64_values(extra, usize, csize, lh_off, cd_offset + at)
+        entries.append((name, needed, flags, method, mtime, mdate, crc, csize, usize, lh_off))
+        at += 46 + nlen + xlen
+    if at != cd_size:
+        raise ArchiveError("central directory has trailing bytes", cd_offset + at, cd_end)
+
+    records = []
+    cursor = 0
+    for name, needed, flags, method, mtime, mdate, crc, csize, usize, lh_off in sorted(entries, key=lambda e: e[9]):
+        if lh_off != cursor:
+            raise ArchiveError(f"record {name!r} does not start where the previous one ended "
+                               f"({lh_off} vs {cursor})", min(lh_off, cursor), max(lh_off, cursor))
+        if method != 0 or csize != usize or flags not in TORCH_FLAGS:
+            raise ArchiveError(f"record {name!r} is compressed or uses flags torch never writes",
+                               lh_off, lh_off + 30)
+        head = read(lh_off, 30)
+        sig, l_needed, l_flags, l_method, l_mtime, l_mdate, l_crc, l_csize, l_usize, l_nlen, l_xlen = _unpack(
+            "<4sHHHHHIIIHH", head, 0, f"local header of {name!r}", lh_off
+        )
+        if sig != _LOCAL:
+            raise ArchiveError(f"local header signature of {name!r} is wrong", lh_off, lh_off + 4)
+        if (l_needed, l_flags, l_method, l_mtime, l_mdate) != (needed, flags, method, mtime, mdate):
+            raise ArchiveError(f"local header of {name!r} disagrees with the central directory",
+                               lh_off, lh_off + 30)
+        var = read(lh_off + 30, l_nlen + l_xlen)
+        if var[:l_nlen] != name.encode("utf-8") or len(var) != l_nlen + l_xlen:
+            raise ArchiveError(f"local header name of {name!r} disagrees with the central directory",
+                               lh_off + 30, lh_off + 30 + l_nlen)
+        l_extra = var[l_nlen:]
+        _check_local_extra(l_extra, name, lh_off + 30 + l_nlen)
+        if flags & _FLAG_DESCRIPTOR:
+            if (l_crc, l_csize, l_usize) not in ((0, 0, 0), (crc, csize & 0xFFFFFFFF, usize & 0xFFFFFFFF)):
+                raise ArchiveError(f"local header sizes of {name!r} are not zero", lh_off + 14, lh_off + 26)
+        elif l_crc != crc or (l_csize != csize and l_csize != 0xFFFFFFFF) or (
+            l_usize != usize and l_usize != 0xFFFFFFFF
+        ):
+            raise ArchiveError(f"local header CRC/sizes of {name!r} disagree with the central directory",
+                               lh_off + 14, lh_off + 26)
+        data_at = lh_off + 30 + l_nlen + l_xlen
+        cursor = data_at + usize
+        if flags & _FLAG_DESCRIPTOR:
+            cursor = _check_descriptor(read, cursor, name, crc, usize)
+        records.append(Record(name, lh_off, data_at, usize, crc))
+    if cursor != cd_offset:
+        raise ArchiveError("bytes between the last record and the central directory are unaccounted for",
+                           min(cursor, cd_offset), max(cursor, cd_offset))
+    prefix = _common_prefix(records)
+    return Archive(tuple(records), prefix)
+
+
+def _zip64_values(extra: bytes, usize: int, csize: int, lh_off: int, where: int) -> tuple[int, int, int]:
+    at = 0
+    while at + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, at)
+        body = extra[at + 4 : at + 4 + size]
+        if tag == _ZIP64_EXTRA:
+            vals = [v[0] for v in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
+            it = iter(vals)
+            try:
+                if usize == 0xFFFFFFFF:
+                    usize = next(it)
+                if csize == 0xFFFFFFFF:
+                    csize = next(it)
+                if lh_off == 0xFFFFFFFF:
+                    lh_off = next(it)
+            except StopIteration:
+                raise ArchiveError("zip64 extra field is too short", where, where + 46) from None
+        else:
+            raise ArchiveError(f"central directory extra field 0x{tag:04x} is not one torch writes", where,
+                               where + 46)
+        at += 4 + size
+    if at != len(extra):
+        raise ArchiveError("central directory extra field is malformed", where, where + 46)
+    return usize, csize, lh_off
+
+
+def _check_local_extra(extra: bytes, name: str, where: int) -> None:
+    at = 0
+    while at + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, at)
+        body = extra[at + 4 : at + 4 + size]
+        if len(body) != size:
+            break
+        if tag == _PAD_EXTRA:
+            if body.count(_PAD_BYTE) != size:
+                bad = next(i for i, b in enumerate(body) if b != _PAD_BYTE)
+                raise ArchiveError(f"alignment padding of {name!r} has been altered",
+                                   where + at + 4 + bad, where + at + 5 + bad)
+        elif tag != _ZIP64_EXTRA:
+            raise ArchiveError(f"local extra field 0x{tag:04x} of {name!r} is not one torch writes",
+                               where + at, where + at + 4)
+        at += 4 + size
+    if at != len(extra):
+        raise ArchiveError(f"local extra field of {name!r} is malformed", where, where + len(extra))
+
+
+def _check_descriptor(read: Reader, at: int, name: str, crc: int, size: int) -> int:
+    blob = read(at, 24)
+    if blob[:4] == _DESCRIPTOR:
+        if len(blob) >= 16 and struct.unpack_from("<III", blob, 4) == (crc, size, size):
+            return at + 16
+        if len(blob) >= 24 and struct.unpack_from("<IQQ", blob, 4) == (crc, size, size):
+            return at + 24
+    raise ArchiveError(f"data descriptor of {name!r} disagrees with the central directory", at, at + 16)
+
+
+def _common_prefix(records: list[Record]) -> str:
+    prefixes = {r.name.split("/", 1)[0] for r in records if "/" in r.name}
+    if len(prefixes) != 1 or any("/" not in r.name for r in records):
+        raise ArchiveError("records do not share one top-level folder as torch.save writes them", 0, 0)
+    return prefixes.pop()
+
+
+# ---------------------------------------------------------------------------------------------
+# data.pkl of a tensor item
+
+_LEGACY_STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+    "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexDoubleStorage": "complex128", "ComplexFloatStorage": "complex64",
+    "QInt8Storage": "qint8", "QUInt8Storage": "quint8", "QInt32Storage": "qint32",
+    "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TensorHeader:
+    """What a tensor item's ``data.pkl`` says: the storage record and the view onto it."""
+
+    dtype: str
+    storage_key: str
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def is_row_major(self) -> bool:
+        expected, acc = [], 1
+        for n in reversed(self.size):
+            expected.append(acc)
+            acc *= n
+        return all(s == e or n == 1 for s, e, n in zip(self.stride, reversed(expected), self.size, strict=True))
+
+
+class _StorageRef:
+    def __init__(self, dtype: str | None, key: str, numel: int) -> None:
+        self.dtype, self.key, self.numel = dtype, key, numel
+
+
+class _StorageType:
+    def __init__(self, dtype: str | None) -> None:
+        self.dtype = dtype
+
+
+class _DTypeName(str):
+    pass
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorHeader:
+    return _header(storage, offset, size, stride, storage.dtype if isinstance(storage, _StorageRef) else None)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, req: Any, hooks: Any, dtype: Any,
+                *rest: Any) -> TensorHeader:
+    return _header(storage, offset, size, stride, dtype if isinstance(dtype, _DTypeName) else None)
+
+
+def _header(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None) -> TensorHeader:
+    if not isinstance(storage, _StorageRef) or dtype is None:
+        raise pickle.UnpicklingError("tensor without a storage or dtype")
+    ints = (offset, *size, *stride)
+    if not all(type(v) is int and 0 <= v < 1 << 63 for v in ints) or len(size) != len(stride):
+        raise pickle.UnpicklingError("tensor view fields are not small non-negative integers")
+    return TensorHeader(str(dtype), storage.key, storage.numel, offset, tuple(size), tuple(stride))
+
+
+class _OrderedDictStandIn(dict):
+    pass
+
+
+def _tensor_globals() -> dict[tuple[str, str], Any]:
+    from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+        ("collections", "OrderedDict"): _OrderedDictStandIn,
+        ("torch.storage", "UntypedStorage"): _StorageType(None),
+    }
+    for cls, dtype in _LEGACY_STORAGE_DTYPES.items():
+        allowed[("torch", cls)] = _StorageType(dtype)
+    for dtype in DTYPE_ITEMSIZE:
+        allowed[("torch", dtype)] = _DTypeName(dtype)
+    return allowed
+
+
+_TENSOR_GLOBALS = _tensor_globals()
+
+
+class _TensorHeaderUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _TENSOR_GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor record") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        _, stype, key, _location, numel = pid
+        if not isinstance(stype, _StorageType) or type(key) is not str or type(numel) is not int or numel < 0:
+            raise pickle.UnpicklingError("malformed storage reference")
+        return _StorageRef(stype.dtype, key, numel)
+
+
+def tensor_header(data_pkl: bytes) -> TensorHeader:
+    """Read a tensor item's ``data.pkl`` safely. Raises ``pickle.UnpicklingError`` on anything else."""
+    try:
+        obj = _TensorHeaderUnpickler(io.BytesIO(data_pkl)).load()
+    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, RecursionError) as exc:
+        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, TensorHeader):
+        raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
+    return obj
