@@ -8,6 +8,7 @@ files here, this ran CRC-32 faster than ``cat`` reads; ``os.pread`` into a buffe
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
@@ -62,10 +63,8 @@ class ReadOnlyFile:
             base = pos - pos % _GRANULARITY
             stop = min(end, base + WINDOW)
             mm = mmap.mmap(self.fd, stop - base, prot=mmap.PROT_READ, offset=base)
-            try:
+            with contextlib.suppress(AttributeError, OSError):  # platforms without madvise
                 mm.madvise(mmap.MADV_SEQUENTIAL)
-            except (AttributeError, OSError):  # pragma: no cover - platform without madvise
-                pass
             view = memoryview(mm)
             part = view[pos - base : stop - base]
             try:

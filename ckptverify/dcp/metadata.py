@@ -183,31 +183,31 @@ def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
     for name in names:
         match = RANK_METADATA_RE.match(name)
         rank = int(match.group(1)) if match else None
-        file_findings = _read_one(root, name, rank, layout)
+        ok, file_findings = _read_one(root, name, rank, layout)
         findings.extend(file_findings)
-        if not any(f.check in ("metadata-unreadable", "metadata-unsafe") for f in file_findings):
-            usable += 1
+        usable += ok
     if usable == 0:
         return None, findings
     return layout, findings
 
 
-def _read_one(root: str, name: str, rank: int | None, layout: Layout) -> list[Finding]:
+def _read_one(root: str, name: str, rank: int | None, layout: Layout) -> tuple[bool, list[Finding]]:
+    """Merge one metadata file into ``layout``; ``False`` when nothing of it could be used."""
     where = Location(file=name, rank=rank)
     path = os.path.join(root, name)
     try:
         size = os.stat(path).st_size
         if size > MAX_METADATA_BYTES:
-            return [error("metadata-unreadable", f"{name} is {size} bytes, larger than any DCP metadata "
+            return False, [error("metadata-unreadable", f"{name} is {size} bytes, larger than any DCP metadata "
                           f"this tool accepts ({MAX_METADATA_BYTES})", location=where)]
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        return [error("metadata-unreadable", f"cannot read {name}: {exc}", location=where)]
+        return False, [error("metadata-unreadable", f"cannot read {name}: {exc}", location=where)]
     try:
         md = safe_unpickle(data)
     except _UnsafeGlobal as exc:
-        return [
+        return False, [
             error(
                 "metadata-unsafe",
                 f"{name} asks to load the global {exc.name}, which DCP metadata never contains; "
@@ -219,12 +219,12 @@ def _read_one(root: str, name: str, rank: int | None, layout: Layout) -> list[Fi
         ]
     except (_BadMetadata, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
             AttributeError, RecursionError, MemoryError, OverflowError) as exc:
-        return [error("metadata-unreadable", f"{name} is not a readable DCP metadata pickle: "
+        return False, [error("metadata-unreadable", f"{name} is not a readable DCP metadata pickle: "
                       f"{type(exc).__name__}: {exc}", location=where)]
     try:
-        return _convert(md, name, rank, layout)
+        return True, _convert(md, name, rank, layout)
     except (_BadMetadata, RecursionError) as exc:
-        return [error("metadata-unreadable", f"{name} does not have the structure DCP writes: {exc}",
+        return False, [error("metadata-unreadable", f"{name} does not have the structure DCP writes: {exc}",
                       location=where)]
 
 

@@ -1,0 +1,152 @@
+"""The safe metadata reader against the installed torch: breaks loudly if DCP's classes change."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import io
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptverify.dcp import metadata as md
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+
+
+def _save(tmp_path, state, **kw):
+    path = tmp_path / "ckpt"
+    dcp.save(state, checkpoint_id=str(path), **kw)
+    return path
+
+
+def _globals_in(data: bytes) -> set[str]:
+    """Every global a (trusted, test-made) pickle names."""
+    names: set[str] = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            names.add(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    Recorder(io.BytesIO(data)).load()
+    return names
+
+
+def test_every_global_dcp_writes_is_allowlisted(tmp_path):
+    state = {"f": torch.randn(3, 4), "i": torch.arange(5), "b": torch.ones(2, dtype=torch.bool),
+             "h": torch.zeros(4, dtype=torch.bfloat16), "x": {"n": 3, "s": "text"}}
+    path = _save(tmp_path, state)
+    used = _globals_in((path / ".metadata").read_bytes())
+    assert used, "expected DCP metadata to name globals"
+    assert used <= md.ALLOWED_GLOBALS, f"DCP now pickles globals the reader refuses: {used - md.ALLOWED_GLOBALS}"
+
+
+def test_dcp_dataclass_fields_are_the_ones_the_reader_expects():
+    for qualname, expected in md.field_names_for_tests().items():
+        module, _, name = qualname.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+        assert fields == expected, f"{qualname} fields changed: {fields} (reader expects {expected})"
+
+
+def test_tensor_properties_still_pickle_as_a_five_tuple():
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    state = TensorProperties(dtype=torch.float16).__getstate__()
+    assert isinstance(state, tuple) and len(state) == 5 and state[0] is torch.float16
+
+
+def test_every_torch_dtype_is_known():
+    dtypes = {str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    missing = dtypes - set(DTYPE_ITEMSIZE)
+    assert not missing, f"torch has dtypes the layout does not know: {sorted(missing)}"
+    for name, size in DTYPE_ITEMSIZE.items():
+        dtype = getattr(torch, name, None)
+        if dtype is not None:
+            assert dtype.itemsize == size, name
+
+
+def test_layout_matches_what_dcp_itself_reads(tmp_path):
+    state = {"w": torch.randn(6, 5), "v": torch.arange(7), "meta": {"step": 3}}
+    path = _save(tmp_path, state)
+    layout, findings = md.read_layout(str(path))
+    assert findings == [] and layout is not None
+    real = dcp.FileSystemReader(str(path)).read_metadata()
+    assert set(layout.tensors) == {k for k, v in real.state_dict_metadata.items() if hasattr(v, "chunks")}
+    assert layout.byte_values == {"meta.step"}
+    assert layout.tensors["w"].dtype == "float32" and layout.tensors["w"].shape == (6, 5)
+    real_items = {(k.fqn, None if k.offset is None else tuple(k.offset)): (v.relative_path, v.offset, v.length)
+                  for k, v in real.storage_data.items()}
+    ours = {(i.fqn, i.chunk.offsets if i.chunk else None): (i.file, i.offset, i.length) for i in layout.items}
+    assert ours == real_items
+    assert layout.dcp_version == real.version
+
+
+class _Canary:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_hostile_pickle_is_refused_and_never_run(tmp_path):
+    canary = tmp_path / "canary"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Canary(str(canary))))
+    layout, findings = md.read_layout(str(ckpt))
+    assert layout is None
+    assert [f.check for f in findings] == ["metadata-unsafe"]
+    assert findings[0].actual in ("builtins.open", "io.open")
+    assert not canary.exists()
+
+
+def test_hostile_global_nested_inside_real_metadata_is_refused(tmp_path):
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    real = pickle.loads((path / ".metadata").read_bytes())
+    real.planner_data = {"evil": _Canary(str(tmp_path / "canary"))}
+    (path / ".metadata").write_bytes(pickle.dumps(real))
+    layout, findings = md.read_layout(str(path))
+    assert layout is None and findings[0].check == "metadata-unsafe"
+    assert not (tmp_path / "canary").exists()
+
+
+@pytest.mark.parametrize("bad", ["../outside.distcp", "/etc/passwd", "a/../../b", "", "x\x00y", "..", "a\\b"])
+def test_storage_paths_outside_the_directory_are_refused(tmp_path, bad):
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    real = pickle.loads((path / ".metadata").read_bytes())
+    for info in real.storage_data.values():
+        info.relative_path = bad
+    (path / ".metadata").write_bytes(pickle.dumps(real))
+    layout, findings = md.read_layout(str(path))
+    assert any(f.check == "metadata-unsafe" for f in findings)
+    assert layout is not None and layout.items == []
+
+
+@pytest.mark.parametrize("field,value", [("offset", -1), ("length", 2**70), ("offset", "12"), ("length", True)])
+def test_hostile_offsets_and_lengths_are_unreadable_not_trusted(tmp_path, field, value):
+    path = _save(tmp_path, {"w": torch.ones(2)})
+    real = pickle.loads((path / ".metadata").read_bytes())
+    for info in real.storage_data.values():
+        setattr(info, field, value)
+    (path / ".metadata").write_bytes(pickle.dumps(real))
+    layout, findings = md.read_layout(str(path))
+    assert layout is None and findings[0].check == "metadata-unreadable"
+
+
+def test_garbage_and_empty_metadata_are_unreadable(tmp_path):
+    for content in (b"", b"not a pickle", os.urandom(64), pickle.dumps({"a": 1})):
+        ckpt = tmp_path / f"c{len(content)}"
+        ckpt.mkdir()
+        (ckpt / ".metadata").write_bytes(content)
+        layout, findings = md.read_layout(str(ckpt))
+        assert layout is None and findings[0].check == "metadata-unreadable", content
+
+
+def test_no_metadata_is_an_incomplete_checkpoint(tmp_path):
+    layout, findings = md.read_layout(str(tmp_path))
+    assert layout is None and [f.check for f in findings] == ["metadata-missing"]

@@ -1,0 +1,99 @@
+"""torch.save archive parsing: agrees with zipfile on real archives, and misses no flipped bit."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+import zlib
+
+import pytest
+import torch
+
+from ckptverify.dcp.torchsave import ArchiveError, parse_archive, tensor_header
+
+
+def _saved(value) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _reader(blob: bytes):
+    return lambda offset, n: blob[offset : offset + max(0, n)]
+
+
+TENSORS = [
+    torch.randn(3, 4),
+    torch.tensor(2.5, dtype=torch.float64),
+    torch.zeros(0, 5),
+    torch.arange(10, dtype=torch.int16),
+    torch.ones(7, dtype=torch.bool),
+    torch.randn(4, dtype=torch.complex64),
+    torch.randn(5).to(torch.bfloat16),
+    torch.randn(6).to(torch.float8_e4m3fn),
+    torch.arange(4, dtype=torch.int32).to(torch.uint16),
+    torch.randn(3, 4).t(),
+]
+
+
+@pytest.mark.parametrize("tensor", TENSORS, ids=lambda t: f"{t.dtype}{list(t.shape)}")
+def test_records_agree_with_zipfile_and_header_with_the_tensor(tensor):
+    blob = _saved(tensor)
+    archive = parse_archive(_reader(blob), len(blob))
+    zf = zipfile.ZipFile(io.BytesIO(blob))
+    assert [r.name for r in sorted(archive.records, key=lambda r: r.name)] == sorted(zf.namelist())
+    for rec in archive.records:
+        info = zf.getinfo(rec.name)
+        assert (rec.size, rec.crc) == (info.file_size, info.CRC)
+        assert blob[rec.data_offset : rec.data_end] == zf.read(rec.name)
+        assert zlib.crc32(blob[rec.data_offset : rec.data_end]) == rec.crc
+    assert archive.prefix == "archive"
+    header = tensor_header(zf.read("archive/data.pkl"))
+    assert header.dtype == str(tensor.dtype).removeprefix("torch.")
+    assert header.size == tuple(tensor.shape)
+    assert header.stride == tuple(tensor.stride())
+    assert header.storage_offset == tensor.storage_offset()
+    assert header.is_row_major == tensor.is_contiguous()
+
+
+def _detected(blob: bytes) -> bool:
+    try:
+        archive = parse_archive(_reader(blob), len(blob))
+    except ArchiveError:
+        return True
+    return any(zlib.crc32(blob[r.data_offset : r.data_end]) != r.crc for r in archive.records)
+
+
+@pytest.mark.parametrize("value", [torch.randn(2, 3), {"step": 7}], ids=["tensor", "bytes-item"])
+def test_every_single_bit_flip_anywhere_in_an_archive_is_detected(value):
+    blob = bytearray(_saved(value))
+    assert not _detected(bytes(blob))
+    missed = []
+    for byte in range(len(blob)):
+        for bit in range(8):
+            blob[byte] ^= 1 << bit
+            if not _detected(bytes(blob)):
+                missed.append((byte, bit))
+            blob[byte] ^= 1 << bit
+    assert missed == [], f"{len(missed)} undetected flips, first at (byte, bit) {missed[:5]}"
+
+
+def test_truncated_or_extended_archives_are_malformed():
+    blob = _saved(torch.randn(8))
+    for bad in (blob[:-1], blob[1:], blob + b"\0", b"\0" + blob, blob[: len(blob) // 2], b""):
+        with pytest.raises(ArchiveError):
+            parse_archive(_reader(bad), len(bad))
+
+
+def test_tensor_header_refuses_anything_but_a_plain_tensor():
+    evil = _saved({"a": 1})
+    with pytest.raises(pickle.UnpicklingError):
+        tensor_header(zipfile.ZipFile(io.BytesIO(evil)).read("archive/data.pkl"))
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    with pytest.raises(pickle.UnpicklingError, match="print"):
+        tensor_header(pickle.dumps(Evil(), protocol=2))
