@@ -11,17 +11,27 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from ckptverify.checks.content import FileResult, check_file, safetensors_files
+from ckptverify.checks.content import (
+    FileResult,
+    ItemPlan,
+    Segment,
+    judge_item,
+    plan_file,
+    safetensors_files,
+    segments,
+)
 from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
 from ckptverify.dcp.layout import Item
 from ckptverify.dcp.metadata import read_layout
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, merge_coverage
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.readers import ReadOnlyFile, crc32_combine
+
+#: Largest byte range hashed as one task; larger records are split and their CRCs combined.
+SEGMENT_BYTES = 64 << 20
 
 
 class ProgressSink(Protocol):
@@ -131,24 +141,46 @@ def _check_contents(opened: dict[str, ReadOnlyFile | None], items: list[Item], s
     for item in items:
         if opened.get(item.file) is not None:
             by_file[item.file].append(item)
-    total = sum(it.length for its in by_file.values() for it in its if it.end <= opened[it.file].size)  # type: ignore[union-attr]
-    advance: Callable[[int], None] | None = None
-    if progress is not None:
-        progress.start(total)
+    names = sorted(by_file)
+    pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
+    run = pool.map if pool is not None else map
+    try:
+        # 1. Structure of every item (headers and directories only), files in parallel.
+        planned = list(run(lambda n: plan_file(opened[n], n, by_file[n], safetensors=n in st_files), names))
+        plans: list[ItemPlan] = []
+        results: dict[str, FileResult] = {}
+        segs = []
+        for name, (file_plans, result) in zip(names, planned, strict=True):
+            results[name] = result
+            segs.extend(segments(file_plans, len(plans), SEGMENT_BYTES))
+            plans.extend(file_plans)
+        # 2. Every record payload, split into segments hashed in parallel, largest first.
+        segs.sort(key=lambda s: s.start - s.end)
+        if progress is not None:
+            progress.start(sum(s.end - s.start for s in segs))
         lock = threading.Lock()
 
-        def advance(n: int) -> None:
-            with lock:
-                progress.advance(n)
+        def hash_segment(seg: Segment) -> int:
+            value = opened[seg.file].crc32(seg.start, seg.end)  # type: ignore[union-attr]
+            if progress is not None:
+                with lock:
+                    progress.advance(seg.end - seg.start)
+            return value
 
-    # Largest files first, so one big file does not start last and run alone.
-    order = sorted(by_file, key=lambda n: -opened[n].size)  # type: ignore[union-attr]
-
-    def work(name: str) -> FileResult:
-        return check_file(opened[name], name, by_file[name], safetensors=name in st_files,  # type: ignore[arg-type]
-                          progress=advance)
-
-    if jobs == 1 or len(order) <= 1:
-        return [work(n) for n in order]
-    with ThreadPoolExecutor(max_workers=min(jobs, len(order)), thread_name_prefix="ckptverify") as pool:
-        return list(pool.map(work, order))
+        crc_of = dict(zip(segs, run(hash_segment, segs), strict=True))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    # 3. Combine segment CRCs per record and judge each item.
+    parts: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+    for seg in segs:
+        parts[(seg.plan, seg.record)].append(seg)
+    for p, plan in enumerate(plans):
+        crcs = []
+        for r in range(len(plan.archive.records)):
+            value = 0
+            for seg in sorted(parts[(p, r)], key=lambda s: s.index):
+                value = crc32_combine(value, crc_of[seg], seg.end - seg.start)
+            crcs.append(value)
+        judge_item(opened[plan.item.file], plan, crcs, results[plan.item.file])  # type: ignore[arg-type]
+    return [results[n] for n in names]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import pickle
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptverify.checks import item_label, item_location
@@ -19,8 +18,6 @@ from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
 from ckptverify.dcp.torchsave import Archive, ArchiveError, Record, TensorHeader, parse_archive, tensor_header
 from ckptverify.findings import Finding, Location, error, warning
 from ckptverify.readers import ReadOnlyFile
-
-Progress = Callable[[int], None]
 
 
 @dataclass(slots=True)
@@ -56,10 +53,34 @@ def safetensors_files(root_files: dict[str, ReadOnlyFile | None], items: list[It
     return found
 
 
-def check_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool,
-               progress: Progress | None = None) -> FileResult:
-    """Check every item of one file that lies within it. ``items`` must all belong to ``name``."""
+@dataclass(slots=True)
+class ItemPlan:
+    """An item whose archive structure parsed: the records whose CRCs must be computed."""
+
+    item: Item
+    archive: Archive
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A byte range ``[start, end)`` of ``file``, part ``index`` of record ``record`` of plan ``plan``."""
+
+    file: str
+    start: int
+    end: int
+    plan: int
+    record: int
+    index: int
+
+
+def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool) -> tuple[list[ItemPlan], FileResult]:
+    """Parse the archive structure of every item of one file that lies within it.
+
+    Returns the items whose structure is intact (their record payloads still to be hashed) and a result
+    holding the structural findings. Reads only headers and directories: cheap.
+    """
     result = FileResult(file=name)
+    plans: list[ItemPlan] = []
     for item in sorted(items, key=lambda it: it.offset):
         if item.end > f.size:
             continue  # reported by the structural check; reading it would only add noise
@@ -67,18 +88,27 @@ def check_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bo
             result.uncheckable += 1
             result.findings.append(warning(
                 "content-uncheckable",
-                f"{item_label(item)} was written through stream transforms {list(item.transforms)}; its content "
-                "cannot be checked without a manifest",
+                f"{item_label(item)} was written through stream transforms {list(item.transforms)}; "
+                "its content cannot be checked without a manifest",
                 location=item_location(item),
             ))
-            _advance(progress, item.length)
             continue
         if safetensors and item.kind == "tensor":
             result.uncheckable += 1
-            _advance(progress, item.length)
             continue
         result.items += 1
-        _check_item(f, item, result, progress)
+        try:
+            archive = parse_archive(_item_reader(f, item), item.length)
+        except ArchiveError as exc:
+            start = item.offset + (exc.start or 0)
+            end = item.offset + (exc.end if exc.end else item.length)
+            result.findings.append(error(
+                "zip-structure",
+                f"{item_label(item)} is not an intact torch.save archive: {exc}",
+                location=item_location(item, byte_range=(start, max(end, start + 1))),
+            ))
+            continue
+        plans.append(ItemPlan(item, archive))
     if safetensors:
         result.findings.append(warning(
             "content-uncheckable",
@@ -86,38 +116,38 @@ def check_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bo
             f"{result.uncheckable} tensor item(s) cannot be checked without a manifest",
             location=Location(file=name),
         ))
-    return result
+    return plans, result
 
 
-def _check_item(f: ReadOnlyFile, item: Item, result: FileResult, progress: Progress | None) -> None:
-    base = item.offset
+def segments(plans: list[ItemPlan], first_plan: int, max_bytes: int) -> list[Segment]:
+    """Split every record payload of ``plans`` into segments of at most ``max_bytes``.
 
-    def read(offset: int, n: int) -> bytes:
-        n = max(0, min(n, item.length - offset))
-        return f.pread(base + offset, n) if offset >= 0 else b""
+    Segments are hashed independently (in parallel) and their CRCs combined, so one huge record or
+    one huge file does not serialise the work.
+    """
+    out: list[Segment] = []
+    for p, plan in enumerate(plans, start=first_plan):
+        base = plan.item.offset
+        for r, rec in enumerate(plan.archive.records):
+            start, end = base + rec.data_offset, base + rec.data_end
+            index = 0
+            while True:
+                stop = min(end, start + max_bytes)
+                out.append(Segment(plan.item.file, start, stop, p, r, index))
+                index += 1
+                start = stop
+                if start >= end:
+                    break
+    return out
 
-    try:
-        archive = parse_archive(read, item.length)
-    except ArchiveError as exc:
-        start = base + (exc.start or 0)
-        end = base + (exc.end if exc.end else item.length)
-        result.findings.append(error(
-            "zip-structure",
-            f"{item_label(item)} is not an intact torch.save archive: {exc}",
-            location=item_location(item, byte_range=(start, max(end, start + 1))),
-        ))
-        _advance(progress, item.length)
-        return
 
-    crcs: dict[str, int] = {}
-    for rec in archive.records:
-        crcs[rec.name] = f.crc32(base + rec.data_offset, base + rec.data_end, progress)
-        result.records += 1
-        result.bytes_hashed += rec.size
-    _advance(progress, item.length - sum(r.size for r in archive.records))
-
-    stored = [r.crc for r in archive.records]
-    if all(c == 0 for c in stored) and any(crcs[r.name] != 0 for r in archive.records):
+def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileResult) -> None:
+    """Compare the computed CRCs (one per record, in archive order) with the recorded ones."""
+    item, archive = plan.item, plan.archive
+    result.records += len(archive.records)
+    result.bytes_hashed += sum(r.size for r in archive.records)
+    computed = dict(zip((r.name for r in archive.records), crcs, strict=True))
+    if all(r.crc == 0 for r in archive.records) and any(computed.values()):
         result.uncheckable += 1
         result.findings.append(warning(
             "content-uncheckable",
@@ -134,23 +164,31 @@ def _check_item(f: ReadOnlyFile, item: Item, result: FileResult, progress: Progr
             "zip-structure", f"{item_label(item)} has no data.pkl record",
             location=item_location(item, byte_range=(item.offset, item.end)),
         ))
-    elif item.kind == "tensor" and crcs[pkl.name] == pkl.crc:
+    elif item.kind == "tensor" and computed[pkl.name] == pkl.crc:
         try:
-            header = tensor_header(read(pkl.data_offset, pkl.size))
+            header = tensor_header(_item_reader(f, item)(pkl.data_offset, pkl.size))
         except pickle.UnpicklingError as exc:
             result.findings.append(error(
                 "tensor-record",
                 f"{item_label(item)} should hold a plain tensor but its data.pkl does not describe one: {exc}",
                 location=item_location(item, record=pkl.name,
-                              byte_range=(base + pkl.data_offset, base + pkl.data_end)),
+                                       byte_range=(item.offset + pkl.data_offset, item.offset + pkl.data_end)),
             ))
 
     for rec in archive.records:
-        if crcs[rec.name] != rec.crc:
-            result.findings.append(_crc_finding(item, archive, rec, header, crcs[rec.name]))
+        if computed[rec.name] != rec.crc:
+            result.findings.append(_crc_finding(item, archive, rec, header, computed[rec.name]))
 
     if header is not None:
         result.findings.extend(_tensor_consistency(item, archive, header))
+
+
+def _item_reader(f: ReadOnlyFile, item: Item):
+    def read(offset: int, n: int) -> bytes:
+        n = max(0, min(n, item.length - offset))
+        return f.pread(item.offset + offset, n) if offset >= 0 else b""
+
+    return read
 
 
 def _crc_finding(item: Item, archive: Archive, rec: Record, header: TensorHeader | None, actual: int) -> Finding:
@@ -225,7 +263,3 @@ def _global_index(item: Item, linear: int) -> tuple[int, ...]:
         linear = linear // size if size else 0
     return tuple(o + c for o, c in zip(item.chunk.offsets, reversed(coords), strict=True))
 
-
-def _advance(progress: Progress | None, n: int) -> None:
-    if progress is not None and n > 0:
-        progress(n)
