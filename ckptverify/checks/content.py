@@ -14,9 +14,10 @@ import struct
 from dataclasses import dataclass, field
 
 from ckptverify.checks import item_label, item_location
+from ckptverify.crcflip import false_match_probability, locate_single_bit
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
 from ckptverify.dcp.torchsave import Archive, ArchiveError, Record, TensorHeader, parse_archive, tensor_header
-from ckptverify.findings import Finding, Location, error, warning
+from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.readers import ReadOnlyFile
 
 
@@ -177,7 +178,7 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
 
     for rec in archive.records:
         if computed[rec.name] != rec.crc:
-            result.findings.append(_crc_finding(item, archive, rec, header, computed[rec.name]))
+            result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
 
     if header is not None:
         result.findings.extend(_tensor_consistency(item, archive, header))
@@ -191,39 +192,69 @@ def _item_reader(f: ReadOnlyFile, item: Item):
     return read
 
 
-def _crc_finding(item: Item, archive: Archive, rec: Record, header: TensorHeader | None, actual: int) -> Finding:
+def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeader | None,
+                  actual: int) -> list[Finding]:
+    """The ``zip-crc`` error for a record, plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
     base = item.offset
     byte_range = (base + rec.data_offset, base + rec.data_end)
     expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
     storage = header.storage_key if header is not None else "0"
     is_payload = item.kind == "tensor" and rec.name == f"{archive.prefix}/data/{storage}"
+    bit = locate_single_bit(rec.crc, actual, rec.size)
     if not is_payload:
         role = "tensor header (data.pkl)" if rec.name.endswith("/data.pkl") else f"record {rec.name!r}"
-        return error(
+        out = [error(
             "zip-crc",
             f"{item_label(item)}: {role} is corrupt (CRC-32 {actual_hex}, recorded {expected_hex})",
             location=item_location(item, record=rec.name, byte_range=byte_range),
             expected=expected_hex, actual=actual_hex,
-        )
+        )]
+        if bit is not None:
+            at = byte_range[0] + bit[0]
+            out.append(_bit_hint(item, rec, bit, item_location(item, record=rec.name, byte_range=(at, at + 1))))
+        return out
     assert item.chunk is not None and item.dtype is not None
     itemsize = DTYPE_ITEMSIZE[item.dtype]
     offset = header.storage_offset if header is not None else 0
     row_major = header.is_row_major if header is not None else True
     numel = item.chunk.numel
-    if row_major and numel:
-        first = max(0, min(numel - 1, 0 - offset))
-        last = max(0, min(numel - 1, math.ceil(rec.size / itemsize) - 1 - offset))
-        elements = (first, last + 1)
-    else:
-        elements = (0, numel)
+    elements = _elements(0, rec.size, itemsize, offset, numel) if row_major else (0, numel)
     loc = item_location(item, record=rec.name, byte_range=byte_range, element_range=elements,
-               global_index_first=_global_index(item, elements[0]) if numel else None,
-               global_index_last=_global_index(item, elements[1] - 1) if numel else None)
-    return error(
+                        global_index_first=_global_index(item, elements[0]) if numel else None,
+                        global_index_last=_global_index(item, elements[1] - 1) if numel else None)
+    out = [error(
         "zip-crc",
         f"{item_label(item)}: tensor payload is corrupt (CRC-32 {actual_hex}, recorded {expected_hex}); "
         f"affected elements [{elements[0]}, {elements[1]}) of the chunk",
         location=loc, expected=expected_hex, actual=actual_hex,
+    )]
+    if bit is not None and row_major and numel:
+        first, last = _elements(bit[0], bit[0] + 1, itemsize, offset, numel)
+        at = byte_range[0] + bit[0]
+        out.append(_bit_hint(item, rec, bit, item_location(
+            item, record=rec.name, byte_range=(at, at + 1), element_range=(first, last),
+            global_index_first=_global_index(item, first), global_index_last=_global_index(item, first))))
+    return out
+
+
+def _elements(byte_start: int, byte_end: int, itemsize: int, storage_offset: int, numel: int) -> tuple[int, int]:
+    """Chunk elements (row-major, half-open) touched by storage bytes ``[byte_start, byte_end)``."""
+    first = max(0, min(numel - 1, byte_start // itemsize - storage_offset))
+    last = max(0, min(numel - 1, math.ceil(byte_end / itemsize) - 1 - storage_offset))
+    return first, last + 1
+
+
+def _bit_hint(item: Item, rec: Record, bit: tuple[int, int], loc: Location) -> Finding:
+    chance = false_match_probability(rec.size)
+    where = f"element {loc.element_range[0]} " if loc.element_range else ""
+    return info(
+        "zip-crc-bit",
+        f"{item_label(item)}: the CRC mismatch is exactly what one flipped bit would give: bit {bit[1]} of byte "
+        f"{bit[0]} of record {rec.name!r} ({where}at file byte {loc.byte_range[0]}). If more than one bit "
+        f"changed, this position matches by chance (probability {chance:.2%}) and the whole range above "
+        "is suspect.",
+        location=loc,
+        actual={"record_byte": bit[0], "bit": bit[1], "false_match_probability": chance},
     )
 
 

@@ -1,0 +1,88 @@
+"""Locate a single flipped bit from a CRC-32 mismatch alone.
+
+CRC-32 is linear: flipping bit ``k`` (LSB-first numbering, ``k = 8 * byte + bit``) of an ``L``-byte
+message changes the CRC by ``T^(8L - k)(1)``, where ``T`` is one step of the reflected CRC register
+(shift right, fold in the polynomial). So the syndrome ``recorded ^ computed`` determines ``8L - k``
+as a discrete logarithm, found here by baby-step giant-step in ``O(sqrt(8L))``. The CRC-32 polynomial's
+register sequence has period ``2^32 - 1``, so for messages shorter than that a single-bit error has
+exactly one solution.
+
+The converse does not hold: an error of several bits yields an arbitrary syndrome, which matches *some*
+single-bit position with probability about ``8L / 2^32``. Callers must present the answer as "consistent
+with one flipped bit at ...", with that probability, never as a certainty.
+"""
+
+from __future__ import annotations
+
+import math
+
+_POLY = 0xEDB88320
+_MASK = 0xFFFFFFFF
+#: Messages longer than this many bits are not searched: the chance of a false match grows too large.
+MAX_BITS = 1 << 28
+
+
+def _step(r: int) -> int:
+    return (r >> 1) ^ (_POLY if r & 1 else 0)
+
+
+def _unstep(y: int) -> int:
+    # T(r) sets bit 31 exactly when r was odd (the polynomial has bit 31 set), so T is invertible.
+    if y & 0x80000000:
+        return (((y ^ _POLY) << 1) | 1) & _MASK
+    return (y << 1) & _MASK
+
+
+def _power_tables(m: int) -> list[list[int]]:
+    """Byte tables of the linear map T^-m, so applying it costs four lookups."""
+    columns = []
+    for b in range(32):
+        v = 1 << b
+        for _ in range(m):
+            v = _unstep(v)
+        columns.append(v)
+    tables = []
+    for t in range(4):
+        table = [0] * 256
+        for byte in range(256):
+            acc = 0
+            for bit in range(8):
+                if byte >> bit & 1:
+                    acc ^= columns[8 * t + bit]
+            table[byte] = acc
+        tables.append(table)
+    return tables
+
+
+def false_match_probability(nbytes: int) -> float:
+    """Chance that a random multi-bit error is mistaken for a single flipped bit in ``nbytes`` bytes."""
+    return min(1.0, 8 * nbytes / float(1 << 32))
+
+
+def locate_single_bit(recorded: int, computed: int, nbytes: int) -> tuple[int, int] | None:
+    """``(byte, bit)`` of the one flipped bit that explains the mismatch, or ``None`` if none does.
+
+    ``bit`` is 0 for the least significant bit of the byte. Returns ``None`` when the CRCs agree, when
+    the message is longer than :data:`MAX_BITS`, or when no single-bit flip produces this syndrome.
+    """
+    syndrome = (recorded ^ computed) & _MASK
+    n_bits = 8 * nbytes
+    if syndrome == 0 or n_bits == 0 or n_bits > MAX_BITS:
+        return None
+    m = math.isqrt(n_bits) + 1
+    baby: dict[int, int] = {}
+    v = 1
+    for j in range(m):
+        baby.setdefault(v, j)
+        v = _step(v)
+    t0, t1, t2, t3 = _power_tables(m)
+    y = syndrome
+    for i in range(n_bits // m + 2):
+        j = baby.get(y)
+        if j is not None:
+            d = i * m + j
+            if 1 <= d <= n_bits:
+                k = n_bits - d
+                return k // 8, k % 8
+        y = t0[y & 255] ^ t1[(y >> 8) & 255] ^ t2[(y >> 16) & 255] ^ t3[y >> 24]
+    return None
