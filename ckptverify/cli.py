@@ -69,24 +69,36 @@ def main() -> None:
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON (schema: docs/json-schema.md).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Files read in parallel [default: one per core].")
+@click.option("--deep", is_flag=True,
+              help="Also rebuild every tensor and compare its logical fingerprint with the manifest's "
+                   "(memory -> disk -> memory); count NaN/Inf.")
+@click.option("--no-manifest", is_flag=True, help="Ignore ckptverify.manifest.json even if present.")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar [default: on a terminal, without --json].")
-def verify(path: str, json_out: bool, jobs: int | None, progress: bool | None) -> None:
-    """Verify the DCP checkpoint directory PATH: structure, metadata safety, every record's CRC.
+def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool,
+           progress: bool | None) -> None:
+    """Verify the DCP checkpoint directory PATH.
 
-    Never writes into PATH and never executes anything from it.
+    Checks metadata safety, structure, every record's CRC-32 and, when the checkpoint has a manifest,
+    every byte against the digests taken at save time. Never writes into PATH and never executes
+    anything from it.
     """
     from ckptverify.verify import verify_checkpoint
 
+    def call(bar: Any) -> Any:
+        return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, progress=bar)
+
+    _emit(_with_progress(call, progress, json_out, "verify", path), json_out)
+
+
+def _with_progress(call: Any, progress: bool | None, json_out: bool, command: str, target: str) -> Any:
     try:
         if _want_progress(progress, json_out):
-            with _RichProgress("verifying") as bar:
-                report = verify_checkpoint(path, jobs=jobs, progress=bar)
-        else:
-            report = verify_checkpoint(path, jobs=jobs)
+            with _RichProgress(command) as bar:
+                return call(bar)
+        return call(None)
     except CkptVerifyError as exc:
-        _fail(exc, json_out, "verify", path)
-    _emit(report, json_out)
+        _fail(exc, json_out, command, target)
 
 
 def _emit(report: Any, json_out: bool) -> None:

@@ -1,7 +1,9 @@
 """``verify``: prove a DCP checkpoint intact, or say exactly where it is not.
 
-Order of work: read the metadata safely, check the structure (files, bounds, overlaps, chunk tiling),
-then read every item once, files in parallel, checking each item's zip structure and record CRCs.
+Stages: read the metadata safely; check the structure (files, bounds, overlaps, chunk tiling); parse every
+item's archive structure; hash every record payload for its CRC-32 (segments on all cores); with a
+manifest, compare the metadata with it and hash every item block against the digests taken at save time;
+with ``deep``, rebuild every tensor and compare its logical fingerprint with the one taken in memory.
 Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and mapped ``PROT_READ``.
 """
 
@@ -11,9 +13,12 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
+from ckptverify.checks import deep as deep_check
+from ckptverify.checks import item_label, item_location, manifest_check
 from ckptverify.checks.content import (
     FileResult,
     ItemPlan,
@@ -24,18 +29,23 @@ from ckptverify.checks.content import (
     segments,
 )
 from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
-from ckptverify.dcp.layout import Item
+from ckptverify.dcp import safetensors
+from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import read_layout
 from ckptverify.errors import CheckpointNotFoundError, UsageError
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, merge_coverage
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage
+from ckptverify.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from ckptverify.readers import ReadOnlyFile, crc32_combine
 
 #: Largest byte range hashed as one task; larger records are split and their CRCs combined.
 SEGMENT_BYTES = 64 << 20
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 
 class ProgressSink(Protocol):
-    """Receives progress of long work. ``start`` once with the total bytes, then ``advance`` calls."""
+    """Receives progress of long work: ``start`` with the total bytes of a stage, then ``advance`` calls."""
 
     def start(self, total_bytes: int) -> None: ...
 
@@ -50,11 +60,13 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None,
-                      progress: ProgressSink | None = None) -> Report:
+def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
+                      use_manifest: bool = True, progress: ProgressSink | None = None) -> Report:
     """Verify the DCP checkpoint directory at ``path`` and return a report of findings.
 
-    ``jobs`` is the number of files read in parallel (default: one per core). Raises
+    ``jobs``: parallel workers (default one per core). ``use_manifest``: compare with
+    ``ckptverify.manifest.json`` when present. ``deep``: also rebuild every tensor and compare logical
+    fingerprints with those taken at save time (and count NaN/Inf). Raises
     :class:`~ckptverify.errors.CheckpointNotFoundError` when ``path`` is not a directory and
     :class:`~ckptverify.errors.UsageError` for bad arguments; every problem *with* the checkpoint is a
     finding in the report, never an exception.
@@ -67,120 +79,236 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None,
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"a DCP checkpoint is a directory; {root} is not one")
     started = time.perf_counter()
-    findings: list[Finding] = []
-    coverage: list[CheckCoverage] = []
-
-    layout, md_findings = read_layout(root)
-    findings.extend(md_findings)
-    if layout is None:
-        return Report(command="verify", target=root, findings=tuple(findings),
-                      stats={"seconds": round(time.perf_counter() - started, 6)})
-    coverage.append(CheckCoverage(check="metadata", count=len(layout.metadata_files), unit="metadata files"))
-
-    stats = stat_files(root, layout.files)
-    findings.extend(check_files(root, layout, stats))
-    findings.extend(check_coverage(layout))
-    tiling_findings, tiling_cov = check_tiling(layout)
-    findings.extend(tiling_findings)
-    coverage.append(tiling_cov)
-
-    opened: dict[str, ReadOnlyFile | None] = {}
+    run = VerificationRun(root, jobs or default_jobs(), progress)
     try:
-        for name, st in stats.items():
-            opened[name] = _open(root, name, findings) if st is not None else None
-        st_files = safetensors_files(opened, layout.items)
-        findings.extend(check_items(layout, {n: (s if opened.get(n) else None) for n, s in stats.items()},
-                                    skip=st_files))
-        coverage.append(CheckCoverage(check="item-bounds", count=len(layout.items), unit="items"))
-        results = _check_contents(opened, layout.items, st_files, jobs or default_jobs(), progress)
+        run.execute(deep=deep, use_manifest=use_manifest)
     finally:
-        for f in opened.values():
+        run.close()
+    seconds = time.perf_counter() - started
+    files = [f for f in run.opened.values() if f is not None]
+    file_bytes = sum(f.size for f in files)
+    stats: dict[str, Any] = {"seconds": round(seconds, 6)}
+    if run.layout is not None:
+        stats.update({
+            "files": len(files),
+            "items": len(run.layout.items),
+            "tensors": len(run.layout.tensors),
+            "bytes": file_bytes,
+            "bytes_hashed": run.bytes_hashed,
+            "throughput_bytes_per_s": round(file_bytes / seconds) if seconds > 0 else None,
+            "jobs": run.jobs,
+            "dcp_version": run.layout.dcp_version,
+            "per_rank_metadata": run.layout.per_rank,
+            "manifest": run.manifest is not None,
+            "deep": deep,
+        })
+    return Report(command="verify", target=root, findings=tuple(run.findings),
+                  coverage=merge_coverage(run.coverage), stats=stats)
+
+
+class VerificationRun:
+    """The state of one verification, stage by stage (also used by ``fingerprint`` and ``diff``)."""
+
+    def __init__(self, root: str, jobs: int, progress: ProgressSink | None) -> None:
+        self.root = root
+        self.jobs = jobs
+        self.progress = progress
+        self.findings: list[Finding] = []
+        self.coverage: list[CheckCoverage] = []
+        self.layout: Layout | None = None
+        self.manifest: Manifest | None = None
+        self.opened: dict[str, ReadOnlyFile | None] = {}
+        self.plans: list[ItemPlan] = []
+        self.results: dict[str, FileResult] = {}
+        self.bytes_hashed = 0
+        self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        for f in self.opened.values():
             if f is not None:
                 f.close()
 
-    total_bytes = 0
-    for res in results:
-        findings.extend(res.findings)
-        coverage.append(CheckCoverage(check="zip-structure", count=res.items, unit="items"))
-        coverage.append(CheckCoverage(check="zip-crc", count=res.records, unit="records"))
-        total_bytes += res.bytes_hashed
-    seconds = time.perf_counter() - started
-    file_bytes = sum(f.size for f in opened.values() if f is not None)
-    return Report(
-        command="verify",
-        target=root,
-        findings=tuple(findings),
-        coverage=merge_coverage(coverage),
-        stats={
-            "files": len([f for f in opened.values() if f is not None]),
-            "items": len(layout.items),
-            "tensors": len(layout.tensors),
-            "bytes": file_bytes,
-            "bytes_hashed": total_bytes,
-            "seconds": round(seconds, 6),
-            "throughput_bytes_per_s": round(file_bytes / seconds) if seconds > 0 else None,
-            "jobs": jobs or default_jobs(),
-            "dcp_version": layout.dcp_version,
-            "per_rank_metadata": layout.per_rank,
-        },
-    )
+    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        if self._pool is None:
+            return [fn(x) for x in items]
+        return list(self._pool.map(fn, items))
 
+    def advance(self, n: int) -> None:
+        if self.progress is not None:
+            with self._lock:
+                self.progress.advance(n)
 
-def _open(root: str, name: str, findings: list[Finding]) -> ReadOnlyFile | None:
-    try:
-        return ReadOnlyFile(os.path.join(root, name))
-    except OSError as exc:
-        findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
-                              location=Location(file=name)))
-        return None
+    def execute(self, *, deep: bool, use_manifest: bool) -> None:
+        layout, md_findings = read_layout(self.root)
+        self.findings.extend(md_findings)
+        if layout is None:
+            return
+        self.layout = layout
+        self.coverage.append(CheckCoverage(check="metadata", count=len(layout.metadata_files),
+                                           unit="metadata files"))
+        if use_manifest:
+            self._read_manifest()
+        self._structure(layout)
+        self._archives(layout)
+        self._crcs()
+        if self.manifest is not None:
+            self._against_manifest(layout, self.manifest)
+        if deep:
+            self._deep(layout)
 
+    def _read_manifest(self) -> None:
+        try:
+            self.manifest = read_manifest(self.root)
+        except ManifestError as exc:
+            self.findings.append(error("manifest-invalid", f"{MANIFEST_FILE} cannot be trusted: {exc}",
+                                       location=Location(file=MANIFEST_FILE)))
+            return
+        if self.manifest is None:
+            self.findings.append(info(
+                "manifest-absent",
+                f"no {MANIFEST_FILE}: content is checked against the CRC-32s inside the items only, not against "
+                "what was in memory at save time (write one with ckptverify.save or `ckptverify fingerprint`)",
+            ))
 
-def _check_contents(opened: dict[str, ReadOnlyFile | None], items: list[Item], st_files: set[str], jobs: int,
-                    progress: ProgressSink | None) -> list[FileResult]:
-    by_file: dict[str, list[Item]] = defaultdict(list)
-    for item in items:
-        if opened.get(item.file) is not None:
-            by_file[item.file].append(item)
-    names = sorted(by_file)
-    pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
-    run = pool.map if pool is not None else map
-    try:
-        # 1. Structure of every item (headers and directories only), files in parallel.
-        planned = list(run(lambda n: plan_file(opened[n], n, by_file[n], safetensors=n in st_files), names))
-        plans: list[ItemPlan] = []
-        results: dict[str, FileResult] = {}
-        segs = []
+    def _structure(self, layout: Layout) -> None:
+        stats = stat_files(self.root, layout.files)
+        self.findings.extend(check_files(self.root, layout, stats))
+        self.findings.extend(check_coverage(layout))
+        tiling, cov = check_tiling(layout)
+        self.findings.extend(tiling)
+        self.coverage.append(cov)
+        for name, st in stats.items():
+            self.opened[name] = self._open(name) if st is not None else None
+        self.safetensors = safetensors_files(self.opened, layout.items)
+        blobs = self._blobs(layout)
+        usable = {n: (s if self.opened.get(n) else None) for n, s in stats.items()}
+        self.findings.extend(check_items(layout, usable, blobs))
+        self.coverage.append(CheckCoverage(check="item-bounds", count=len(layout.items), unit="items"))
+
+    def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
+        """Parse each safetensors blob; check it against the metadata's tensor items."""
+        blobs: dict[str, tuple[int, int]] = {}
+        for name in sorted(self.safetensors):
+            f = self.opened[name]
+            tensor_items = [i for i in layout.items if i.file == name and i.kind == "tensor"]
+            start = min(i.offset for i in tensor_items)
+            try:
+                blob = safetensors.read_blob(f, start)  # type: ignore[arg-type]
+            except safetensors.BlobError as exc:
+                self.findings.append(error("blob-structure", f"{name}: the safetensors blob is malformed: {exc}",
+                                           location=Location(file=name, byte_range=(exc.start, exc.end))))
+                blobs[name] = (start, f.size)  # type: ignore[union-attr]
+                continue
+            blobs[name] = (blob.start, blob.end)
+            for item in tensor_items:
+                entry = blob.tensors.get(item.fqn)
+                want = item.chunk.sizes if item.chunk else ()
+                if entry is None or entry.shape != want or (entry.dtype is not None and entry.dtype != item.dtype):
+                    got = "nothing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
+                    self.findings.append(error(
+                        "tensor-record",
+                        f"{item_label(item)}: the safetensors blob holds {got} under this name, the metadata "
+                        f"says {item.dtype}{list(want)}",
+                        location=item_location(item),
+                    ))
+        return blobs
+
+    def _open(self, name: str) -> ReadOnlyFile | None:
+        try:
+            return ReadOnlyFile(os.path.join(self.root, name))
+        except OSError as exc:
+            self.findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
+                                       location=Location(file=name)))
+            return None
+
+    def _archives(self, layout: Layout) -> None:
+        by_file: dict[str, list[Item]] = defaultdict(list)
+        for item in layout.items:
+            if self.opened.get(item.file) is not None:
+                by_file[item.file].append(item)
+        names = sorted(by_file)
+        planned = self.map(lambda n: plan_file(self.opened[n], n, by_file[n],  # type: ignore[arg-type]
+                                               safetensors=n in self.safetensors), names)
         for name, (file_plans, result) in zip(names, planned, strict=True):
-            results[name] = result
-            segs.extend(segments(file_plans, len(plans), SEGMENT_BYTES))
-            plans.extend(file_plans)
-        # 2. Every record payload, split into segments hashed in parallel, largest first.
-        segs.sort(key=lambda s: s.start - s.end)
-        if progress is not None:
-            progress.start(sum(s.end - s.start for s in segs))
-        lock = threading.Lock()
+            self.results[name] = result
+            self.plans.extend(file_plans)
+
+    def _crcs(self) -> None:
+        segs = segments(self.plans, 0, SEGMENT_BYTES)
+        segs.sort(key=lambda s: s.start - s.end)  # largest first
+        if self.progress is not None:
+            self.progress.start(sum(s.end - s.start for s in segs))
 
         def hash_segment(seg: Segment) -> int:
-            value = opened[seg.file].crc32(seg.start, seg.end)  # type: ignore[union-attr]
-            if progress is not None:
-                with lock:
-                    progress.advance(seg.end - seg.start)
+            value = self.opened[seg.file].crc32(seg.start, seg.end)  # type: ignore[union-attr]
+            self.advance(seg.end - seg.start)
             return value
 
-        crc_of = dict(zip(segs, run(hash_segment, segs), strict=True))
-    finally:
-        if pool is not None:
-            pool.shutdown()
-    # 3. Combine segment CRCs per record and judge each item.
-    parts: dict[tuple[int, int], list[Segment]] = defaultdict(list)
-    for seg in segs:
-        parts[(seg.plan, seg.record)].append(seg)
-    for p, plan in enumerate(plans):
-        crcs = []
-        for r in range(len(plan.archive.records)):
-            value = 0
-            for seg in sorted(parts[(p, r)], key=lambda s: s.index):
-                value = crc32_combine(value, crc_of[seg], seg.end - seg.start)
-            crcs.append(value)
-        judge_item(opened[plan.item.file], plan, crcs, results[plan.item.file])  # type: ignore[arg-type]
-    return [results[n] for n in names]
+        crc_of = dict(zip(segs, self.map(hash_segment, segs), strict=True))
+        parts: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+        for seg in segs:
+            parts[(seg.plan, seg.record)].append(seg)
+        for p, plan in enumerate(self.plans):
+            crcs = []
+            for r in range(len(plan.archive.records)):
+                value = 0
+                for seg in sorted(parts[(p, r)], key=lambda s: s.index):
+                    value = crc32_combine(value, crc_of[seg], seg.end - seg.start)
+                crcs.append(value)
+            judge_item(self.opened[plan.item.file], plan, crcs, self.results[plan.item.file])  # type: ignore[arg-type]
+        for name in sorted(self.results):
+            res = self.results[name]
+            self.findings.extend(res.findings)
+            self.coverage.append(CheckCoverage(check="zip-structure", count=res.items, unit="items"))
+            self.coverage.append(CheckCoverage(check="zip-crc", count=res.records, unit="records"))
+            self.bytes_hashed += res.bytes_hashed
+
+    def _against_manifest(self, layout: Layout, manifest: Manifest) -> None:
+        found, matched = manifest_check.compare_layout(manifest, layout)
+        self.findings.extend(found)
+        self.findings.extend(manifest_check.check_files(manifest, self.opened, self.root))
+        tasks = manifest_check.block_tasks(manifest, matched, self.opened, SEGMENT_BYTES)
+        tasks.sort(key=lambda t: t.start - t.end)
+        if self.progress is not None:
+            self.progress.start(sum(t.end - t.start for t in tasks))
+
+        def hash_task(task: manifest_check.BlockTask) -> list[str]:
+            digests = manifest_check.hash_task(self.opened[task.file], task, manifest)  # type: ignore[arg-type]
+            self.advance(task.end - task.start)
+            return digests
+
+        digests = self.map(hash_task, tasks)
+        plan_of = {(p.item.fqn, p.item.chunk.offsets if p.item.chunk else None, p.item.file): p for p in self.plans}
+        blocks = 0
+        for task, result in zip(tasks, digests, strict=True):
+            item = matched[task.entry]
+            plan = plan_of.get((item.fqn, item.chunk.offsets if item.chunk else None, item.file))
+            self.findings.extend(manifest_check.judge_blocks(manifest, task, item, result, plan))
+            blocks += len(result)
+        self.coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
+        # Content the CRCs could not cover is now covered by the manifest's digests.
+        verified = {matched[t.entry].file for t in tasks}
+        covered_items = {(i.fqn, i.file) for i in matched.values()}
+        self.findings = [
+            f for f in self.findings
+            if not (f.check == "content-uncheckable"
+                    and ((f.location.fqn is None and f.location.file in verified)
+                         or (f.location.fqn, f.location.file) in covered_items))
+        ]
+
+    def _deep(self, layout: Layout) -> None:
+        tensor_plans = [p for p in self.plans if p.item.kind == "tensor" and p.item.chunk is not None]
+        if self.progress is not None:
+            self.progress.start(sum(p.item.length for p in tensor_plans))
+
+        def scan(plan: ItemPlan) -> tuple[str, deep_check.TensorScan]:
+            shape = layout.tensors[plan.item.fqn].shape
+            return plan.item.fqn, deep_check.scan_plan(self.opened[plan.item.file], plan, shape,  # type: ignore[arg-type]
+                                                       self.advance)
+
+        scans = deep_check.merge_scans(self.map(scan, tensor_plans))
+        self.findings.extend(deep_check.judge(layout, self.manifest, scans))
+        self.coverage.append(CheckCoverage(check="fingerprint", count=len(scans), unit="tensors"))

@@ -60,6 +60,8 @@ class ItemPlan:
 
     item: Item
     archive: Archive
+    #: The tensor header read from ``data.pkl`` once its CRC checked out (tensor items only).
+    header: TensorHeader | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +178,7 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
                                        byte_range=(item.offset + pkl.data_offset, item.offset + pkl.data_end)),
             ))
 
+    plan.header = header
     for rec in archive.records:
         if computed[rec.name] != rec.crc:
             result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
@@ -220,8 +223,8 @@ def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeade
     numel = item.chunk.numel
     elements = _elements(0, rec.size, itemsize, offset, numel) if row_major else (0, numel)
     loc = item_location(item, record=rec.name, byte_range=byte_range, element_range=elements,
-                        global_index_first=_global_index(item, elements[0]) if numel else None,
-                        global_index_last=_global_index(item, elements[1] - 1) if numel else None)
+                        global_index_first=global_index(item, elements[0]) if numel else None,
+                        global_index_last=global_index(item, elements[1] - 1) if numel else None)
     out = [error(
         "zip-crc",
         f"{item_label(item)}: tensor payload is corrupt (CRC-32 {actual_hex}, recorded {expected_hex}); "
@@ -233,7 +236,7 @@ def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeade
         at = byte_range[0] + bit[0]
         out.append(_bit_hint(item, rec, bit, item_location(
             item, record=rec.name, byte_range=(at, at + 1), element_range=(first, last),
-            global_index_first=_global_index(item, first), global_index_last=_global_index(item, first))))
+            global_index_first=global_index(item, first), global_index_last=global_index(item, first))))
     return out
 
 
@@ -286,7 +289,7 @@ def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> l
     return out
 
 
-def _global_index(item: Item, linear: int) -> tuple[int, ...]:
+def global_index(item: Item, linear: int) -> tuple[int, ...]:
     assert item.chunk is not None
     coords = []
     for size in reversed(item.chunk.sizes):

@@ -61,16 +61,23 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     return findings
 
 
-def check_items(layout: Layout, stats: dict[str, os.stat_result | None], skip: set[str]) -> list[Finding]:
+def check_items(layout: Layout, stats: dict[str, os.stat_result | None],
+                blobs: dict[str, tuple[int, int]] | None = None) -> list[Finding]:
     """Every item inside its file; no two items overlapping; no bytes outside all items.
 
-    Files in ``skip`` (e.g. safetensors-format files, whose tensor items do not address their bytes)
-    are left out of the overlap and coverage checks.
+    ``blobs`` maps safetensors-format files to the byte range of their tensor blob: their tensor items do
+    not address their own bytes, so the blob stands in for them as one range.
     """
     findings: list[Finding] = []
+    blobs = blobs or {}
     by_file: dict[str, list[Item]] = defaultdict(list)
     for item in layout.items:
+        if item.file in blobs and item.kind == "tensor":
+            continue
         by_file[item.file].append(item)
+    for name, (start, end) in blobs.items():
+        by_file[name].append(Item(fqn="<safetensors blob>", kind="bytes", file=name, offset=start,
+                                  length=end - start))
     for name, items in sorted(by_file.items()):
         st = stats.get(name)
         if st is None:
@@ -85,8 +92,6 @@ def check_items(layout: Layout, stats: dict[str, os.stat_result | None], skip: s
                     location=item_location(item, byte_range=(item.offset, item.end)),
                     expected=item.end, actual=size,
                 ))
-        if name in skip:
-            continue
         items = sorted(items, key=lambda it: (it.offset, it.end))
         cursor = 0
         prev: Item | None = None

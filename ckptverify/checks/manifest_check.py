@@ -1,0 +1,240 @@
+"""Checks against the manifest written at save time: is the checkpoint on disk what was saved?
+
+The manifest pins every item's bytes (one digest per fixed-size block, so damage is narrowed to a block's
+element range), every file's size, the ``.metadata`` files, and each tensor's logical fingerprint at save
+time. These checks compare; :mod:`ckptverify.verify` schedules the hashing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from ckptverify.checks import item_label, item_location
+from ckptverify.checks.content import ItemPlan
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
+from ckptverify.findings import Finding, Location, error
+from ckptverify.manifest import ItemEntry, Manifest
+from ckptverify.readers import ReadOnlyFile
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTask:
+    """Hash blocks ``[first, last)`` of a manifest item (block ``i`` covers ``block_bytes`` from its start)."""
+
+    file: str
+    entry: int
+    first: int
+    last: int
+    start: int
+    end: int
+
+
+def compare_layout(manifest: Manifest, layout: Layout) -> tuple[list[Finding], dict[int, Item]]:
+    """Manifest items vs the metadata's items: same set, same places, same tensor dtypes and shapes.
+
+    Returns the findings and, for every manifest entry that matches a metadata item, that item.
+    """
+    findings: list[Finding] = []
+    by_key: dict[tuple[str, tuple[int, ...] | None, str], Item] = {}
+    for item in layout.items:
+        by_key[(item.fqn, item.chunk.offsets if item.chunk else None, item.file)] = item
+    matched: dict[int, Item] = {}
+    seen: set[tuple[str, tuple[int, ...] | None, str]] = set()
+    for n, entry in enumerate(manifest.items):
+        item = by_key.get(entry.key)
+        seen.add(entry.key)
+        if item is None:
+            findings.append(error(
+                "manifest-mismatch",
+                f"the manifest lists {entry.fqn!r}" + (f" chunk {list(entry.chunk_offsets)}" if entry.chunk_offsets
+                                                       is not None else "")
+                + f" in {entry.file}, but the metadata has no such item (metadata replaced or edited?)",
+                location=Location(file=entry.file, fqn=entry.fqn, chunk_offsets=entry.chunk_offsets),
+            ))
+            continue
+        if (item.offset, item.length) != (entry.offset, entry.length):
+            findings.append(error(
+                "manifest-mismatch",
+                f"{item_label(item)}: the metadata places it at bytes [{item.offset}, {item.end}) of {item.file}, "
+                f"the manifest at [{entry.offset}, {entry.offset + entry.length})",
+                location=item_location(item), expected=[entry.offset, entry.length],
+                actual=[item.offset, item.length],
+            ))
+            continue
+        matched[n] = item
+    for key, item in by_key.items():
+        if key not in seen:
+            findings.append(error(
+                "manifest-mismatch",
+                f"{item_label(item)} in {item.file} is in the metadata but not in the manifest "
+                "(metadata replaced or edited?)",
+                location=item_location(item),
+            ))
+    for fqn, tinfo in layout.tensors.items():
+        entry_t = manifest.tensors.get(fqn)
+        if entry_t is None:
+            findings.append(error("manifest-mismatch", f"tensor {fqn!r} is not in the manifest",
+                                  location=Location(fqn=fqn)))
+        elif (entry_t.dtype, entry_t.shape) != (tinfo.dtype, tinfo.shape):
+            findings.append(error(
+                "manifest-mismatch",
+                f"tensor {fqn!r} is {tinfo.dtype}{list(tinfo.shape)} in the metadata but was saved as "
+                f"{entry_t.dtype}{list(entry_t.shape)}",
+                location=Location(fqn=fqn), expected=f"{entry_t.dtype}{list(entry_t.shape)}",
+                actual=f"{tinfo.dtype}{list(tinfo.shape)}",
+            ))
+    for fqn in set(manifest.tensors) - set(layout.tensors):
+        findings.append(error("manifest-mismatch", f"tensor {fqn!r} was saved but the metadata no longer lists it",
+                              location=Location(fqn=fqn)))
+    return findings, matched
+
+
+def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root: str) -> list[Finding]:
+    """File sizes, files the manifest knows that are gone, and the ``.metadata`` digests."""
+    from ckptverify.fingerprint import digest_file_range
+
+    findings: list[Finding] = []
+    for name, entry in sorted(manifest.files.items()):
+        f = opened.get(name)
+        if f is None:
+            if not os.path.lexists(os.path.join(root, name)):
+                findings.append(error("manifest-digest", f"{name} was saved but is gone",
+                                      location=Location(file=name)))
+            continue
+        if f.size != entry.size:
+            findings.append(error(
+                "manifest-digest",
+                f"{name} is {f.size} bytes; it was {entry.size} bytes when saved",
+                location=Location(file=name), expected=entry.size, actual=f.size,
+            ))
+    for name, entry in sorted(manifest.metadata_files.items()):
+        path = os.path.join(root, name)
+        try:
+            size = os.path.getsize(path)
+            digest = digest_file_range(path, 0, size, manifest.digest_algorithm)
+        except OSError:
+            continue  # reported by the metadata checks
+        if size != entry.size or digest != entry.digest:
+            findings.append(error(
+                "manifest-digest",
+                f"{name} differs from the one written at save time: the checkpoint's index was replaced or edited",
+                location=Location(file=name), expected=entry.digest, actual=digest,
+            ))
+    return findings
+
+
+def block_tasks(manifest: Manifest, matched: dict[int, Item], opened: dict[str, ReadOnlyFile | None],
+                max_bytes: int) -> list[BlockTask]:
+    """Split every matched item's blocks into hashing tasks of at most ``max_bytes`` (whole blocks)."""
+    tasks: list[BlockTask] = []
+    bb = manifest.block_bytes
+    per_task = max(1, max_bytes // bb) if bb else 1
+    for n, item in matched.items():
+        f = opened.get(item.file)
+        if f is None or item.end > f.size:
+            continue
+        entry = manifest.items[n]
+        nblocks = math.ceil(entry.length / bb) if bb and entry.blocks else 0
+        if nblocks == 0:
+            tasks.append(BlockTask(item.file, n, 0, 0, item.offset, item.end))  # whole-item digest
+            continue
+        for first in range(0, nblocks, per_task):
+            last = min(nblocks, first + per_task)
+            tasks.append(BlockTask(item.file, n, first, last, item.offset + first * bb,
+                                   min(item.end, item.offset + last * bb)))
+    return tasks
+
+
+def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest) -> list[str]:
+    """Digests of the task's blocks (or of the whole item when it has no blocks)."""
+    from ckptverify.fingerprint import new_digest
+
+    algorithm, bb = manifest.digest_algorithm, manifest.block_bytes
+    if task.last == task.first:
+        d = new_digest(algorithm)
+        f.fold(task.start, task.end, d.update)
+        return [d.hexdigest()]
+    out: list[str] = []
+    state = {"digest": new_digest(algorithm), "filled": 0}
+
+    def feed(view: memoryview) -> None:
+        pos = 0
+        while pos < len(view):
+            take = min(bb - state["filled"], len(view) - pos)
+            state["digest"].update(view[pos : pos + take])
+            state["filled"] += take
+            pos += take
+            if state["filled"] == bb:
+                out.append(state["digest"].hexdigest())
+                state["digest"], state["filled"] = new_digest(algorithm), 0
+
+    f.fold(task.start, task.end, feed)
+    if state["filled"]:
+        out.append(state["digest"].hexdigest())
+    return out
+
+
+def judge_blocks(manifest: Manifest, task: BlockTask, item: Item, digests: list[str],
+                 plan: ItemPlan | None) -> list[Finding]:
+    """Compare computed block digests with the manifest's; localize each mismatching block."""
+    entry: ItemEntry = manifest.items[task.entry]
+    if task.last == task.first:
+        if digests[0] == entry.digest:
+            return []
+        return [error("manifest-digest", f"{item_label(item)} differs from what was saved",
+                      location=item_location(item, byte_range=(item.offset, item.end)),
+                      expected=entry.digest, actual=digests[0])]
+    out: list[Finding] = []
+    bb = manifest.block_bytes
+    for i, digest in enumerate(digests, start=task.first):
+        expected = entry.blocks[i] if i < len(entry.blocks) else None
+        if digest == expected:
+            continue
+        start = item.offset + i * bb
+        end = min(item.end, start + bb)
+        out.append(error(
+            "manifest-digest",
+            f"{item_label(item)}: bytes [{start}, {end}) of {item.file} differ from what was saved"
+            + _element_note(item, plan, start, end),
+            location=_block_location(item, plan, start, end),
+            expected=expected, actual=digest,
+        ))
+    return out
+
+
+def _payload_elements(item: Item, plan: ItemPlan | None, start: int, end: int) -> tuple[int, int] | None:
+    if plan is None or plan.header is None or item.chunk is None or not plan.header.is_row_major:
+        return None
+    rec = plan.archive.record(f"data/{plan.header.storage_key}")
+    if rec is None:
+        return None
+    lo = max(start, item.offset + rec.data_offset)
+    hi = min(end, item.offset + rec.data_end)
+    if lo >= hi:
+        return None
+    itemsize = DTYPE_ITEMSIZE[plan.header.dtype]
+    rel_lo, rel_hi = lo - item.offset - rec.data_offset, hi - item.offset - rec.data_offset
+    numel = item.chunk.numel
+    first = max(0, min(numel - 1, rel_lo // itemsize - plan.header.storage_offset))
+    last = max(0, min(numel - 1, math.ceil(rel_hi / itemsize) - 1 - plan.header.storage_offset))
+    return first, last + 1
+
+
+def _element_note(item: Item, plan: ItemPlan | None, start: int, end: int) -> str:
+    span = _payload_elements(item, plan, start, end)
+    if span is None:
+        return " (outside the tensor payload: headers or a non-tensor value)"
+    return f": elements [{span[0]}, {span[1]}) of the chunk"
+
+
+def _block_location(item: Item, plan: ItemPlan | None, start: int, end: int) -> Location:
+    from ckptverify.checks.content import global_index
+
+    span = _payload_elements(item, plan, start, end)
+    if span is None:
+        return item_location(item, byte_range=(start, end))
+    return item_location(item, byte_range=(start, end), element_range=span,
+                         global_index_first=global_index(item, span[0]),
+                         global_index_last=global_index(item, span[1] - 1))

@@ -1,0 +1,94 @@
+"""DCP's safetensors serialization: one safetensors blob per file, after the non-tensor items.
+
+With ``FileSystemWriter(serialization_format=SAFETENSORS)`` DCP writes the file's non-tensor values as
+``torch.save`` archives first, then all its tensors as one safetensors blob: an 8-byte little-endian header
+length, a JSON header (``{fqn: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": ...}``),
+then the tensor bytes. The metadata's storage entries for tensors all point at the blob's start and do not
+address their bytes, so the blob is checked here as a unit. It carries no checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+from ckptverify.readers import ReadOnlyFile
+
+MAX_HEADER_BYTES = 100 << 20
+
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}  # fmt: skip
+
+
+class BlobError(Exception):
+    """The blob is malformed. ``start``/``end`` locate the bad bytes in the file."""
+
+    def __init__(self, message: str, start: int, end: int) -> None:
+        super().__init__(message)
+        self.start, self.end = start, end
+
+
+@dataclass(frozen=True, slots=True)
+class BlobTensor:
+    dtype: str | None
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Blob:
+    start: int
+    data_start: int
+    end: int
+    tensors: dict[str, BlobTensor]
+
+
+def read_blob(f: ReadOnlyFile, start: int) -> Blob:
+    """Parse and check the safetensors blob at ``start``: header, tensor ranges tiling the data, length."""
+    head = f.pread(start, 8)
+    if len(head) != 8:
+        raise BlobError("safetensors header length is cut short", start, start + 8)
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or start + 8 + n > f.size:
+        raise BlobError(f"safetensors header claims {n} bytes, past the end of the file", start, start + 8)
+    try:
+        header = json.loads(f.pread(start + 8, n))
+    except (ValueError, RecursionError) as exc:
+        raise BlobError(f"safetensors header is not valid JSON: {exc}", start + 8, start + 8 + n) from None
+    if not isinstance(header, dict):
+        raise BlobError("safetensors header is not a JSON object", start + 8, start + 8 + n)
+    data_start = start + 8 + n
+    tensors: dict[str, BlobTensor] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shape = tuple(int(x) for x in spec["shape"])
+            begin, end = (int(x) for x in spec["data_offsets"])
+            dtype = _DTYPES.get(spec["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise BlobError(f"safetensors entry {name!r} is malformed", start + 8, data_start) from None
+        if begin < 0 or end < begin or any(x < 0 for x in shape):
+            raise BlobError(f"safetensors entry {name!r} has an invalid range", start + 8, data_start)
+        if dtype is not None and end - begin != math.prod(shape) * DTYPE_ITEMSIZE[dtype]:
+            raise BlobError(f"safetensors entry {name!r}: {end - begin} bytes for {dtype}{list(shape)}",
+                            data_start + begin, data_start + end)
+        tensors[name] = BlobTensor(dtype, shape, begin, end)
+    cursor = 0
+    for name, t in sorted(tensors.items(), key=lambda kv: kv[1].begin):
+        if t.begin != cursor:
+            raise BlobError(f"safetensors entry {name!r} does not start where the previous one ended",
+                            data_start + min(cursor, t.begin), data_start + max(cursor, t.begin))
+        cursor = t.end
+    end = data_start + cursor
+    if end > f.size:
+        raise BlobError(f"safetensors data ends at byte {end} but the file has only {f.size} bytes",
+                        f.size, end)
+    return Blob(start, data_start, end, tensors)

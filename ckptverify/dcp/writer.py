@@ -1,0 +1,556 @@
+"""A DCP storage writer that digests every byte as it is written and writes the manifest last.
+
+:class:`HashingFileSystemWriter` is a :class:`~torch.distributed.checkpoint.FileSystemWriter` whose file
+system wraps each output stream in a :class:`_HashingStream`:
+
+* every byte written goes into a digest of the whole file;
+* the byte stream is cut into *segments* at every ``tell()`` call. DCP's ``_write_item`` calls
+  ``stream.tell()`` right before and right after writing each item, so each segment is exactly one item's
+  bytes. Each segment is digested whole and in blocks of ``block_bytes`` counted from its first byte.
+
+``write_data`` then replaces each ``WriteResult.storage_data`` (a ``_StorageInfo``) by a
+:class:`HashedStorageInfo` carrying the item's digests, its file's size and digest and, when asked, the
+logical fingerprint of the tensor chunk. These travel to the coordinator through DCP's own gather of
+write results. ``finish`` takes them out again, puts plain ``_StorageInfo`` objects back (so ``.metadata``
+is an ordinary DCP file any torch reads without ckptverify), lets DCP write ``.metadata``, digests it, and
+writes the manifest last (:func:`ckptverify.manifest.write_manifest`, atomic).
+
+This module and :mod:`ckptverify.dcp.metadata` are the only ones that touch DCP's private classes
+(``_StorageInfo``, ``FileSystem.create_stream``, ``FileSystemWriter.fs``, ``WriteResult``); the tests in
+``tests/test_save.py`` check every assumption made here against the installed torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckptverify.errors import UsageError
+from ckptverify.fingerprint import (
+    ALGORITHMS,
+    FINGERPRINT_VERSION,
+    BlockDigest,
+    TensorFingerprint,
+    block_digests,
+    chunk_fingerprint,
+    combine,
+    digest_file_range,
+    new_digest,
+)
+from ckptverify.manifest import (
+    DEFAULT_BLOCK_BYTES,
+    MANIFEST_FILE,
+    FileEntry,
+    ItemEntry,
+    Manifest,
+    TensorEntry,
+    write_manifest,
+)
+
+__all__ = ["HashedStorageInfo", "HashingFileSystemWriter", "validate_digest_options"]
+
+#: Name of DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
+METADATA_FILE = ".metadata"
+
+
+def validate_digest_options(digest: str, block_bytes: int) -> None:
+    """Raise :class:`UsageError` unless ``digest`` is a known algorithm and ``block_bytes`` a positive int."""
+    if digest not in ALGORITHMS:
+        raise UsageError(f"unknown digest algorithm {digest!r}; choose one of {', '.join(ALGORITHMS)}")
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+        raise UsageError(f"block size must be a positive number of bytes, got {block_bytes!r}")
+
+
+# ------------------------------------------------------------------------------------------ the stream
+
+
+@dataclass(frozen=True)
+class _Segment:
+    digest: str
+    blocks: tuple[str, ...]
+
+
+@dataclass
+class _FileRecord:
+    """What a :class:`_HashingStream` saw: the file's size and digest, and its digested segments."""
+
+    size: int
+    digest: str
+    segments: dict[tuple[int, int], _Segment]  # (offset, length) -> digests; non-empty segments only
+
+
+class _HashingStream:
+    """A write-only stream that digests what it forwards to ``raw`` and cuts segments at ``tell()``.
+
+    ``tell()`` reports the number of bytes written through this stream (the stream is opened for
+    writing from offset 0); seeking is refused, since it would make the digests meaningless.
+    """
+
+    def __init__(self, raw: Any, algorithm: str, block_bytes: int) -> None:
+        self._raw = raw
+        self._algorithm = algorithm
+        self._block_bytes = block_bytes
+        self._file_digest = new_digest(algorithm)
+        self._pos = 0
+        self._seg_start = 0
+        self._seg: BlockDigest | None = None
+        self._segments: dict[tuple[int, int], _Segment] = {}
+        self._record: _FileRecord | None = None
+        self.tell_calls = 0
+
+    # -- the part of the file-object protocol DCP and torch.save use
+    def write(self, b: Any, /) -> int:
+        if self._record is not None:
+            raise ValueError("write to a closed stream")
+        view = memoryview(b).cast("B")
+        n = self._raw.write(view)
+        if n is None:  # a non-blocking raw stream; DCP never opens one
+            raise OSError("the underlying stream accepted no bytes")
+        if n != len(view):
+            view = view[:n]
+        if n:
+            self._file_digest.update(view)
+            if self._seg is None:
+                self._seg = BlockDigest(self._algorithm, self._block_bytes)
+            self._seg.update(view)
+            self._pos += n
+        return n
+
+    def tell(self) -> int:
+        self.tell_calls += 1
+        self._cut()
+        return self._pos
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def seek(self, *args: Any) -> int:
+        raise OSError("a hashing checkpoint stream cannot seek")
+
+    @property
+    def closed(self) -> bool:
+        return self._record is not None
+
+    def close(self) -> None:
+        self.finalize()
+        self._raw.close()
+
+    def __enter__(self) -> _HashingStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- bookkeeping
+    def _cut(self) -> None:
+        if self._seg is not None:
+            length = self._pos - self._seg_start
+            self._segments[(self._seg_start, length)] = _Segment(
+                self._seg.hexdigest(), tuple(self._seg.block_hexdigests())
+            )
+            self._seg = None
+        self._seg_start = self._pos
+
+    def finalize(self) -> _FileRecord:
+        if self._record is None:
+            self._cut()
+            self._record = _FileRecord(self._pos, self._file_digest.hexdigest(), self._segments)
+        return self._record
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local :class:`FileSystem`, with every stream opened for writing wrapped in a hashing stream.
+
+    Records are kept by absolute path until :meth:`take_records` collects them.
+    """
+
+    def __init__(self, algorithm: str, block_bytes: int) -> None:
+        super().__init__()
+        self.algorithm = algorithm
+        self.block_bytes = block_bytes
+        self._lock = threading.Lock()
+        self._records: dict[str, _FileRecord] = {}
+        self._tell_calls = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state["_records"] = {}
+        state["_tell_calls"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        if "w" not in mode or "+" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw, self.algorithm, self.block_bytes)
+            yield stream
+            record = stream.finalize()
+        with self._lock:
+            self._records[_key(path)] = record
+            self._tell_calls += stream.tell_calls
+
+    def take_records(self) -> tuple[dict[str, _FileRecord], int]:
+        """The records of all streams closed since the last call, and how many ``tell()`` calls they saw."""
+        with self._lock:
+            records, self._records = self._records, {}
+            tells, self._tell_calls = self._tell_calls, 0
+        return records, tells
+
+
+def _key(path: str | os.PathLike) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+# ------------------------------------------------------------------------------ what travels to rank 0
+
+
+@dataclass
+class HashedStorageInfo(_StorageInfo):
+    """A ``_StorageInfo`` that also carries what the writing rank learned about the item.
+
+    Lives only between ``write_data`` and ``finish``: ``finish`` replaces it by a plain ``_StorageInfo``
+    before ``.metadata`` is written. ``extra_files`` carries files of the writing rank that hold no item
+    (DCP creates one per empty bucket); it is set on one result per rank.
+    """
+
+    digest: str | None = None
+    blocks: tuple[str, ...] = ()
+    file_size: int | None = None
+    file_digest: str | None = None
+    fingerprint: TensorFingerprint | None = None
+    nan_count: int | None = None
+    inf_count: int | None = None
+    from_stream: bool = True
+    extra_files: tuple[tuple[str, int, str], ...] = ()
+
+    def plain(self) -> _StorageInfo:
+        return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
+
+
+@dataclass(frozen=True)
+class _ChunkFacts:
+    fingerprint: TensorFingerprint | None
+    nan_count: int | None
+    inf_count: int | None
+
+
+def _nonfinite_counts(t: torch.Tensor) -> tuple[int | None, int | None]:
+    """(NaN count, Inf count) of a floating or complex tensor; (None, None) for other dtypes."""
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        return None, None
+    try:
+        finite = int(torch.isfinite(t).sum())
+        nonfinite = t.numel() - finite
+        if nonfinite == 0:
+            return 0, 0
+        nan = int(torch.isnan(t).sum())
+        return nan, nonfinite - nan
+    except (RuntimeError, NotImplementedError, TypeError):
+        # Formats torch cannot test element-wise (e.g. packed float4) get no counts.
+        return None, None
+
+
+def _chunk_facts(t: torch.Tensor, item: WriteItem) -> _ChunkFacts:
+    td = item.tensor_data
+    assert td is not None
+    try:
+        fp: TensorFingerprint | None = chunk_fingerprint(t, td.chunk.offsets, td.size)
+    except UsageError:
+        fp = None  # a dtype the fingerprint is not defined for
+    nan, inf = _nonfinite_counts(t)
+    return _ChunkFacts(fp, nan, inf)
+
+
+# --------------------------------------------------------------------------------------------- writer
+
+
+class HashingFileSystemWriter(FileSystemWriter):
+    """A :class:`FileSystemWriter` that digests every item and file as it is written, and writes a
+    :data:`~ckptverify.manifest.MANIFEST_FILE` beside ``.metadata`` when the save commits.
+
+    Args:
+        path: the checkpoint directory.
+        digest: byte digest algorithm, ``"xxh3-128"`` (default) or ``"sha256"``.
+        block_bytes: size of the blocks each item is also digested in (counted from the item's first byte).
+        fingerprint: also take the logical fingerprint (and NaN/Inf counts) of every tensor chunk, on
+            the chunk's own device, before it is written.
+        **kwargs: passed to :class:`FileSystemWriter` (``thread_count``, ``single_file_per_rank``, ...).
+
+    After a save, ``manifest`` holds the manifest on the coordinator (``None`` elsewhere) and ``stats``
+    counts what was digested. The writer is picklable, so ``dcp.async_save`` can hand it to a checkpoint
+    process. DCP must gather write results on a coordinator (``use_collectives=True``), except in a
+    single process.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        digest: str = "xxh3-128",
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        fingerprint: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        validate_digest_options(digest, block_bytes)
+        super().__init__(path, **kwargs)
+        self.digest = digest
+        self.block_bytes = block_bytes
+        self.fingerprint = bool(fingerprint)
+        self.fs = _HashingFileSystem(digest, block_bytes)
+        self.is_coordinator = True
+        self.manifest: Manifest | None = None
+        self.stats: dict[str, int] = {}
+
+    # -- set-up
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.is_coordinator = is_coordinator
+        self.manifest = None
+        if not self.use_collectives and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            raise UsageError(
+                "a hashing save needs use_collectives=True when several ranks save: the manifest is "
+                "assembled from all ranks' write results on the coordinator"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        plan = super().prepare_local_plan(plan)
+        if self.is_coordinator:
+            # A manifest from an earlier save in this directory no longer describes it: remove it before
+            # any rank writes (all ranks write only after every local plan has been gathered), so a
+            # manifest is present only once this save has committed.
+            stale = os.path.join(os.fspath(self.path), MANIFEST_FILE)
+            if os.path.lexists(stale):
+                os.unlink(stale)
+        return plan
+
+    # -- writing
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        facts: dict[MetadataIndex, _ChunkFacts] = {}
+        if self.fingerprint:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                    continue
+                data = planner.resolve_data(item)
+                if isinstance(data, torch.Tensor):
+                    facts[item.index] = _chunk_facts(data.detach(), item)
+
+        self.fs.take_records()  # drop anything left by an earlier, failed save
+        results = super().write_data(plan, planner).wait()
+        records, tells = self.fs.take_records()
+
+        out: list[WriteResult] = []
+        rereads = 0
+        used: set[str] = set()
+        for wr in results:
+            info = wr.storage_data
+            if type(info) is not _StorageInfo:
+                raise RuntimeError(
+                    f"DCP returned storage data of type {type(info).__name__} for {wr.index.fqn!r}; "
+                    "ckptverify expects torch.distributed.checkpoint.filesystem._StorageInfo"
+                )
+            path = self.fs.concat_path(self.path, info.relative_path)
+            record = records.get(_key(path))
+            if record is None:
+                raise RuntimeError(f"no hashing stream wrote {info.relative_path} (item {wr.index.fqn!r})")
+            used.add(_key(path))
+            segment = record.segments.get((info.offset, info.length))
+            from_stream = segment is not None
+            if segment is None and info.length == 0:
+                segment = _Segment(new_digest(self.digest).hexdigest(), ())
+            elif segment is None:
+                # Not written as one segment between two tell() calls (e.g. safetensors-format tensors,
+                # which all point into one blob): digest the range from the closed file.
+                rd = block_digests(path, info.offset, info.length, self.digest, self.block_bytes)
+                segment = _Segment(rd.digest, rd.blocks)
+                rereads += 1
+            f = facts.get(wr.index)
+            hashed = HashedStorageInfo(
+                info.relative_path,
+                info.offset,
+                info.length,
+                info.transform_descriptors,
+                digest=segment.digest,
+                blocks=segment.blocks,
+                file_size=record.size,
+                file_digest=record.digest,
+                fingerprint=None if f is None else f.fingerprint,
+                nan_count=None if f is None else f.nan_count,
+                inf_count=None if f is None else f.inf_count,
+                from_stream=from_stream,
+            )
+            out.append(dataclasses.replace(wr, storage_data=hashed))
+
+        extra = tuple(
+            sorted(
+                (os.path.relpath(k, _key(self.path)).replace(os.sep, "/"), r.size, r.digest)
+                for k, r in records.items()
+                if k not in used
+            )
+        )
+        if extra and out:
+            first = out[0]
+            out[0] = dataclasses.replace(
+                first, storage_data=dataclasses.replace(first.storage_data, extra_files=extra)
+            )
+        self.stats = {
+            "items": len(out),
+            "files": len(records),
+            "tell_calls": tells,
+            "reread_items": rereads,
+            "fingerprinted": sum(1 for f in facts.values() if f.fingerprint is not None),
+        }
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(out)
+        return fut
+
+    # -- committing
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        plain_results: list[list[WriteResult]] = []
+        hashed: list[tuple[MetadataIndex, HashedStorageInfo]] = []
+        for wr_list in results:
+            plain_list = []
+            for wr in wr_list:
+                info = wr.storage_data
+                if not isinstance(info, HashedStorageInfo):
+                    raise RuntimeError(
+                        f"write result for {wr.index.fqn!r} carries no digests (storage data of type "
+                        f"{type(info).__name__}): was it written by another storage writer?"
+                    )
+                hashed.append((wr.index, info))
+                plain_list.append(dataclasses.replace(wr, storage_data=info.plain()))
+            plain_results.append(plain_list)
+
+        super().finish(metadata, plain_results)
+
+        root = os.fspath(self.path)
+        metadata_name = (
+            f"__{self.rank}{METADATA_FILE}" if not self.use_collectives and self.rank is not None else METADATA_FILE
+        )
+        metadata_path = os.path.join(root, metadata_name)
+        metadata_files = {
+            metadata_name: FileEntry(os.path.getsize(metadata_path), digest_file_range(
+                metadata_path, 0, os.path.getsize(metadata_path), self.digest))
+        }
+        manifest = self._build_manifest(metadata, hashed, len(results), metadata_files)
+        write_manifest(root, manifest)
+        self.manifest = manifest
+
+    def _build_manifest(
+        self,
+        metadata: Metadata,
+        hashed: list[tuple[MetadataIndex, HashedStorageInfo]],
+        world_size: int,
+        metadata_files: dict[str, FileEntry],
+    ) -> Manifest:
+        items: list[ItemEntry] = []
+        files: dict[str, FileEntry] = {}
+        chunks: dict[str, dict[tuple[int, ...], HashedStorageInfo]] = {}
+        for index, info in hashed:
+            assert info.digest is not None and info.file_size is not None and info.file_digest is not None
+            offsets = None if index.offset is None else tuple(int(o) for o in index.offset)
+            items.append(ItemEntry(
+                fqn=index.fqn,
+                chunk_offsets=offsets,
+                file=info.relative_path,
+                offset=info.offset,
+                length=info.length,
+                digest=info.digest,
+                blocks=tuple(info.blocks),
+            ))
+            _add_file(files, info.relative_path, info.file_size, info.file_digest)
+            for name, size, digest in info.extra_files:
+                _add_file(files, name, size, digest)
+            if offsets is not None:
+                chunks.setdefault(index.fqn, {}).setdefault(offsets, info)
+
+        tensors: dict[str, TensorEntry] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            dtype = str(md.properties.dtype).removeprefix("torch.")
+            shape = tuple(int(s) for s in md.size)
+            fp, nan, inf = _combine_chunks(chunks.get(fqn, {}).values(), shape) if self.fingerprint \
+                else (None, None, None)
+            tensors[fqn] = TensorEntry(dtype=dtype, shape=shape, fingerprint=fp, nan_count=nan, inf_count=inf)
+
+        import ckptverify
+
+        return Manifest(
+            digest_algorithm=self.digest,
+            block_bytes=self.block_bytes,
+            items=tuple(items),
+            files=files,
+            tensors=tensors,
+            metadata_files=metadata_files,
+            world_size=world_size,
+            fingerprint_version=FINGERPRINT_VERSION if self.fingerprint else None,
+            created=datetime.now(UTC).isoformat(timespec="microseconds"),
+            tool_version=ckptverify.__version__,
+            torch_version=str(torch.__version__),
+            source="save",
+        )
+
+
+def _add_file(files: dict[str, FileEntry], name: str, size: int, digest: str) -> None:
+    entry = FileEntry(size=size, digest=digest)
+    previous = files.setdefault(name, entry)
+    if previous != entry:
+        raise RuntimeError(f"two ranks report different contents for {name}: {previous} vs {entry}")
+
+
+def _combine_chunks(
+    infos: Iterable[HashedStorageInfo], shape: tuple[int, ...]
+) -> tuple[str | None, int | None, int | None]:
+    """The tensor's fingerprint and NaN/Inf counts from its unique chunks; None where any chunk lacks one
+    or the chunks do not add up to the whole tensor."""
+    infos = list(infos)
+    if not infos:
+        return None, None, None
+    fps = [i.fingerprint for i in infos]
+    fp: str | None = None
+    if all(f is not None for f in fps):
+        whole = combine(f for f in fps if f is not None)
+        if whole.complete and whole.shape == shape:
+            fp = whole.value
+    nans = [i.nan_count for i in infos]
+    infs = [i.inf_count for i in infos]
+    nan = sum(n for n in nans if n is not None) if all(n is not None for n in nans) else None
+    inf = sum(n for n in infs if n is not None) if all(n is not None for n in infs) else None
+    return fp, nan, inf

@@ -1,0 +1,65 @@
+"""Shared fixtures: real DCP checkpoints, built once per session, handed out as fresh copies.
+
+``tests/`` (for ``ckpt_factory``) and ``scripts/`` (for ``inject_fault``) are put on ``sys.path`` so test
+modules can import both helpers directly.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+SCRIPTS_DIR = TESTS_DIR.parent / "scripts"
+for _p in (TESTS_DIR, SCRIPTS_DIR):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import ckpt_factory  # noqa: E402
+
+
+class CheckpointStore:
+    """Clean checkpoints of every layout, each built at most once, on first request.
+
+    The sources are never handed to tests directly; use :meth:`copy` (or the ``fresh_ckpt`` fixture).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._built: dict[str, Path] = {}
+
+    def source(self, layout: str) -> Path:
+        if layout not in ckpt_factory.LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}")
+        if layout == "safetensors" and not ckpt_factory.safetensors_supported():
+            pytest.skip("this torch cannot write the safetensors layout")
+        if layout not in self._built:
+            if layout in ckpt_factory.MULTI_RANK:
+                # Both two-rank layouts come from one pair of processes: spawning is the slow part.
+                todo = tuple(lay for lay in sorted(ckpt_factory.MULTI_RANK) if lay not in self._built)
+            else:
+                todo = (layout,)
+            self._built.update(ckpt_factory.build_all(self.root, todo))
+        return self._built[layout]
+
+    def copy(self, layout: str, dst: Path) -> Path:
+        return ckpt_factory.copy_checkpoint(self.source(layout), dst)
+
+
+@pytest.fixture(scope="session")
+def ckpt_store(tmp_path_factory: pytest.TempPathFactory) -> CheckpointStore:
+    return CheckpointStore(tmp_path_factory.mktemp("ckpt-sources"))
+
+
+@pytest.fixture
+def fresh_ckpt(ckpt_store: CheckpointStore, tmp_path: Path) -> Callable[..., Path]:
+    """``fresh_ckpt(layout, name=None)``: a private, writable copy of a clean checkpoint."""
+    counter = iter(range(1_000_000))
+
+    def make(layout: str, name: str | None = None) -> Path:
+        return ckpt_store.copy(layout, tmp_path / (name or f"{layout}-{next(counter)}"))
+
+    return make
