@@ -91,6 +91,52 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
     _emit(_with_progress(call, progress, json_out, "verify", path), json_out)
 
 
+@main.command()
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--digest", type=click.Choice(["xxh3-128", "sha256"]), default="xxh3-128", show_default=True,
+              help="Byte digest: xxh3-128 (fast) or sha256 (tamper evidence).")
+@click.option("--block-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True,
+              help="Block size of the per-item block digests that localize damage.")
+@click.option("--force", is_flag=True, help="Replace an existing manifest.")
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
+def fingerprint(path: str, digest: str, block_bytes: int, force: bool, json_out: bool, jobs: int | None,
+                progress: bool | None) -> None:
+    """Adopt the DCP checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
+
+    A checkpoint that fails verification is refused (exit 1) and nothing is written. Writes nothing
+    but the manifest.
+    """
+    from ckptverify.adopt import fingerprint_checkpoint
+
+    def call(bar: Any) -> Any:
+        return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
+                                      progress=bar)[0]
+
+    _emit(_with_progress(call, progress, json_out, "fingerprint", path), json_out)
+
+
+@main.command()
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
+def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None) -> None:
+    """Compare checkpoints A and B tensor by tensor, whatever their sharding (exit 1 if they differ).
+
+    Differing tensors are reported with the count of differing elements, max |a-b|, max ULP distance and
+    the first differing index.
+    """
+    from ckptverify.diff import diff_checkpoints
+
+    def call(bar: Any) -> Any:
+        return diff_checkpoints(a, b, jobs=jobs, progress=bar)
+
+    _emit(_with_progress(call, progress, json_out, "diff", f"{a} {b}"), json_out)
+
+
 def _with_progress(call: Any, progress: bool | None, json_out: bool, command: str, target: str) -> Any:
     try:
         if _want_progress(progress, json_out):

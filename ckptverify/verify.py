@@ -84,26 +84,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
         run.close()
-    seconds = time.perf_counter() - started
-    files = [f for f in run.opened.values() if f is not None]
-    file_bytes = sum(f.size for f in files)
-    stats: dict[str, Any] = {"seconds": round(seconds, 6)}
-    if run.layout is not None:
-        stats.update({
-            "files": len(files),
-            "items": len(run.layout.items),
-            "tensors": len(run.layout.tensors),
-            "bytes": file_bytes,
-            "bytes_hashed": run.bytes_hashed,
-            "throughput_bytes_per_s": round(file_bytes / seconds) if seconds > 0 else None,
-            "jobs": run.jobs,
-            "dcp_version": run.layout.dcp_version,
-            "per_rank_metadata": run.layout.per_rank,
-            "manifest": run.manifest is not None,
-            "deep": deep,
-        })
-    return Report(command="verify", target=root, findings=tuple(run.findings),
-                  coverage=merge_coverage(run.coverage), stats=stats)
+    return run.report("verify", time.perf_counter() - started)
 
 
 class VerificationRun:
@@ -121,8 +102,31 @@ class VerificationRun:
         self.plans: list[ItemPlan] = []
         self.results: dict[str, FileResult] = {}
         self.bytes_hashed = 0
+        self.deep = False
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
         self._lock = threading.Lock()
+
+    def report(self, command: str, seconds: float) -> Report:
+        """The findings so far as a report, with sizes and timings."""
+        files = [f for f in self.opened.values() if f is not None]
+        file_bytes = sum(f.size for f in files)
+        stats: dict[str, Any] = {"seconds": round(seconds, 6)}
+        if self.layout is not None:
+            stats.update({
+                "files": len(files),
+                "items": len(self.layout.items),
+                "tensors": len(self.layout.tensors),
+                "bytes": file_bytes,
+                "bytes_hashed": self.bytes_hashed,
+                "throughput_bytes_per_s": round(file_bytes / seconds) if seconds > 0 else None,
+                "jobs": self.jobs,
+                "dcp_version": self.layout.dcp_version,
+                "per_rank_metadata": self.layout.per_rank,
+                "manifest": self.manifest is not None,
+                "deep": self.deep,
+            })
+        return Report(command=command, target=self.root, findings=tuple(self.findings),
+                      coverage=merge_coverage(self.coverage), stats=stats)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -142,6 +146,7 @@ class VerificationRun:
                 self.progress.advance(n)
 
     def execute(self, *, deep: bool, use_manifest: bool) -> None:
+        self.deep = deep
         layout, md_findings = read_layout(self.root)
         self.findings.extend(md_findings)
         if layout is None:
@@ -289,6 +294,7 @@ class VerificationRun:
             self.findings.extend(manifest_check.judge_blocks(manifest, task, item, result, plan))
             blocks += len(result)
         self.coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
+        self._untiled_files(manifest, matched)
         # Content the CRCs could not cover is now covered by the manifest's digests.
         verified = {matched[t.entry].file for t in tasks}
         covered_items = {(i.fqn, i.file) for i in matched.values()}
@@ -298,6 +304,38 @@ class VerificationRun:
                     and ((f.location.fqn is None and f.location.file in verified)
                          or (f.location.fqn, f.location.file) in covered_items))
         ]
+
+    def _untiled_files(self, manifest: Manifest, matched: dict[int, Item]) -> None:
+        """Whole-file digests for files whose items do not cover every byte (blobs, gaps, trailing bytes).
+
+        Where matched items tile a file exactly and every block matched, the file equals what was saved
+        and its digest needs no second pass.
+        """
+        from ckptverify.fingerprint import digest_file_range
+
+        ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for item in matched.values():
+            ranges[item.file].append((item.offset, item.end))
+        todo = []
+        for name, entry in manifest.files.items():
+            f = self.opened.get(name)
+            if f is None or f.size != entry.size:
+                continue  # missing or resized: already reported
+            cursor = 0
+            for start, end in sorted(ranges.get(name, [])):
+                if start != cursor:
+                    break
+                cursor = end
+            if cursor != f.size:
+                todo.append(name)
+        got = self.map(lambda n: digest_file_range(os.path.join(self.root, n), 0, self.opened[n].size,  # type: ignore[union-attr]
+                                                   manifest.digest_algorithm), todo)
+        for name, digest in zip(todo, got, strict=True):
+            if digest != manifest.files[name].digest:
+                self.findings.append(error(
+                    "manifest-digest", f"{name} differs from the file written at save time",
+                    location=Location(file=name), expected=manifest.files[name].digest, actual=digest))
+        self.coverage.append(CheckCoverage(check="manifest-digest", count=len(todo), unit="whole files"))
 
     def _deep(self, layout: Layout) -> None:
         tensor_plans = [p for p in self.plans if p.item.kind == "tensor" and p.item.chunk is not None]

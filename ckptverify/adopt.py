@@ -1,0 +1,131 @@
+"""``fingerprint``: adopt an existing DCP checkpoint by computing and writing its manifest.
+
+For checkpoints written by another tool (torchtitan, Megatron, plain ``dcp.save``). The checkpoint is
+verified first (structure, metadata safety, every CRC-32); one that fails is refused, never blessed. Then
+every item, block, file and metadata file is digested and every tensor fingerprinted from its bytes, and
+the manifest is written atomically. This is the only command that writes into a checkpoint directory, and
+it writes only ``ckptverify.manifest.json``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import time
+from typing import Any
+
+from ckptverify.checks import deep as deep_check
+from ckptverify.errors import CheckpointNotFoundError, ManifestExistsError, UsageError
+from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage
+from ckptverify.manifest import (
+    DEFAULT_BLOCK_BYTES,
+    MANIFEST_FILE,
+    FileEntry,
+    ItemEntry,
+    Manifest,
+    TensorEntry,
+    write_manifest,
+)
+from ckptverify.verify import ProgressSink, VerificationRun, default_jobs
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-128",
+                           block_bytes: int = DEFAULT_BLOCK_BYTES, force: bool = False, jobs: int | None = None,
+                           progress: ProgressSink | None = None) -> tuple[Report, Manifest | None]:
+    """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the
+    manifest (``None`` when refused). Raises :class:`~ckptverify.errors.ManifestExistsError` when a
+    manifest exists and ``force`` is false, :class:`~ckptverify.errors.UsageError` for bad arguments."""
+    from ckptverify import __version__
+    from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, combine, digest_file_range
+
+    root = os.fspath(path)
+    if digest not in ALGORITHMS:
+        raise UsageError(f"unknown digest {digest!r}; choose one of {', '.join(ALGORITHMS)}")
+    if block_bytes <= 0:
+        raise UsageError(f"--block-bytes must be positive, got {block_bytes}")
+    if os.path.isdir(root) and os.path.lexists(os.path.join(root, MANIFEST_FILE)) and not force:
+        raise ManifestExistsError(f"{os.path.join(root, MANIFEST_FILE)} exists; pass --force to replace it")
+
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
+    started = time.perf_counter()
+    run = VerificationRun(root, jobs or default_jobs(), progress)
+    try:
+        run.execute(deep=False, use_manifest=False)
+        checked = run.report("fingerprint", time.perf_counter() - started)
+        if not checked.passed:
+            refusal = error("fingerprint-refused", "the checkpoint fails verification; refusing to write a "
+                            "manifest that would bless it", location=Location(file=MANIFEST_FILE))
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
+                          coverage=checked.coverage, stats=checked.stats), None
+        layout = run.layout
+        assert layout is not None
+        items = [i for i in layout.items if run.opened.get(i.file) is not None]
+        if progress is not None:
+            progress.start(sum(i.length for i in items))
+
+        def digest_item(item: Any) -> ItemEntry:
+            d = BlockDigest(digest, block_bytes)
+            run.opened[item.file].fold(item.offset, item.end, d.update)  # type: ignore[union-attr]
+            run.advance(item.length)
+            return ItemEntry(fqn=item.fqn, chunk_offsets=item.chunk.offsets if item.chunk else None,
+                             file=item.file, offset=item.offset, length=item.length, digest=d.hexdigest(),
+                             blocks=tuple(d.block_hexdigests()))
+
+        entries = run.map(digest_item, sorted(items, key=lambda i: -i.length))
+        names = sorted(n for n, f in run.opened.items() if f is not None)
+        file_digests = run.map(
+            lambda n: FileEntry(size=run.opened[n].size,  # type: ignore[union-attr]
+                                digest=digest_file_range(os.path.join(root, n), 0, run.opened[n].size, digest)),  # type: ignore[union-attr]
+            names)
+        metadata = {n: FileEntry(size=os.path.getsize(os.path.join(root, n)),
+                                 digest=digest_file_range(os.path.join(root, n), 0,
+                                                          os.path.getsize(os.path.join(root, n)), digest))
+                    for n in layout.metadata_files}
+        tensor_plans = [p for p in run.plans if p.item.kind == "tensor" and p.item.chunk is not None]
+        scans = deep_check.merge_scans(run.map(
+            lambda p: (p.item.fqn, deep_check.scan_plan(run.opened[p.item.file], p,  # type: ignore[arg-type]
+                                                        layout.tensors[p.item.fqn].shape)),
+            tensor_plans))
+        tensors: dict[str, TensorEntry] = {}
+        unfingerprinted = 0
+        for fqn, tinfo in layout.tensors.items():
+            scan = scans.get(fqn)
+            total = 1
+            for n in tinfo.shape:
+                total *= n
+            value = None
+            if scan is not None and not scan.unreadable and scan.parts and scan.elements == total:
+                value = combine(scan.parts).value
+            elif total:
+                unfingerprinted += 1
+            tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
+                                       nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None)
+        ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
+        import torch
+
+        manifest = Manifest(
+            digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
+            files=dict(zip(names, file_digests, strict=True)), tensors=tensors, metadata_files=metadata,
+            world_size=max(ranks) + 1 if ranks else 1, fingerprint_version=FINGERPRINT_VERSION,
+            created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
+            torch_version=str(torch.__version__), source="fingerprint",
+        )
+        written = write_manifest(root, manifest)
+    finally:
+        run.close()
+    notes = [info("manifest-written",
+                  f"wrote {written}: {len(entries)} items, {len(names)} files, "
+                  f"{len(tensors) - unfingerprinted} of {len(tensors)} tensors fingerprinted",
+                  location=Location(file=MANIFEST_FILE))]
+    if unfingerprinted:
+        notes.append(info("fingerprint", f"{unfingerprinted} tensor(s) could not be rebuilt from their bytes "
+                          "(e.g. safetensors format) and carry no logical fingerprint; their bytes are digested",
+                          location=Location(file=MANIFEST_FILE)))
+    coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(entries), unit="items"))
+    findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
+    return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
+                  stats=checked.stats), manifest
