@@ -85,11 +85,12 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                                  digest=digest_file_range(os.path.join(root, n), 0,
                                                           os.path.getsize(os.path.join(root, n)), digest))
                     for n in layout.metadata_files}
-        tensor_plans = [p for p in run.plans if p.item.kind == "tensor" and p.item.chunk is not None]
-        scans = deep_check.merge_scans(run.map(
-            lambda p: (p.item.fqn, deep_check.scan_plan(run.opened[p.item.file], p,  # type: ignore[arg-type]
-                                                        layout.tensors[p.item.fqn].shape)),
-            tensor_plans))
+        scans, replica_findings = deep_check.scan_tensors(run.plans, run.opened, layout, run.map)
+        if replica_findings:
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
+                "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
+                "the checkpoint", location=Location(file=MANIFEST_FILE))), coverage=checked.coverage,
+                stats=checked.stats), None
         tensors: dict[str, TensorEntry] = {}
         unfingerprinted = 0
         for fqn, tinfo in layout.tensors.items():

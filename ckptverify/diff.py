@@ -105,11 +105,7 @@ def _fingerprints(run: VerificationRun) -> dict[str, str]:
             out[fqn] = saved.fingerprint
         else:
             todo.append(fqn)
-    wanted = set(todo)
-    plans = [p for p in run.plans if p.item.fqn in wanted and p.item.chunk is not None]
-    scans = deep_check.merge_scans(run.map(
-        lambda p: (p.item.fqn, deep_check.scan_plan(run.opened[p.item.file], p,  # type: ignore[arg-type]
-                                                    layout.tensors[p.item.fqn].shape)), plans))
+    scans, _ = deep_check.scan_tensors(run.plans, run.opened, layout, run.map, only=set(todo))
     for fqn in todo:
         scan = scans.get(fqn)
         total = math.prod(layout.tensors[fqn].shape)

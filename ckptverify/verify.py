@@ -341,12 +341,7 @@ class VerificationRun:
         tensor_plans = [p for p in self.plans if p.item.kind == "tensor" and p.item.chunk is not None]
         if self.progress is not None:
             self.progress.start(sum(p.item.length for p in tensor_plans))
-
-        def scan(plan: ItemPlan) -> tuple[str, deep_check.TensorScan]:
-            shape = layout.tensors[plan.item.fqn].shape
-            return plan.item.fqn, deep_check.scan_plan(self.opened[plan.item.file], plan, shape,  # type: ignore[arg-type]
-                                                       self.advance)
-
-        scans = deep_check.merge_scans(self.map(scan, tensor_plans))
+        scans, found = deep_check.scan_tensors(tensor_plans, self.opened, layout, self.map, self.advance)
+        self.findings.extend(found)
         self.findings.extend(deep_check.judge(layout, self.manifest, scans))
         self.coverage.append(CheckCoverage(check="fingerprint", count=len(scans), unit="tensors"))

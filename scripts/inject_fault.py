@@ -32,6 +32,7 @@ import shlex
 import struct
 import sys
 import zipfile
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -450,6 +451,37 @@ def flip_payload_byte(ckpt: str | os.PathLike[str], item: Item, byte_in_payload:
     fault.kind = "payload-bit-flip"
     fault.element = byte_in_payload // item.itemsize
     fault.element_range = (fault.element, fault.element + 1)
+    return _locate(fault, item, rec)
+
+
+def rewrite_payload_valid_crc(ckpt: str | os.PathLike[str], fqn: str | None = None, element: int = 0,
+                              value: bytes | None = None, file: str | None = None) -> Fault:
+    """Change one element of a tensor payload AND rewrite the record's CRC-32 (central directory and data
+    descriptor) to match, as a buggy or malicious re-save would: every self-check of the item still passes.
+    """
+    candidates = [it for it in tensor_zip_items(ckpt) if file is None or it.file == file]
+    item = _pick_item(candidates, fqn, None, "tensor")
+    rec = payload_record(zip_records(ckpt, item))
+    size = item.itemsize
+    start = rec.data_start + element * size
+    target = Path(ckpt) / item.file
+    with open(target, "r+b") as fh:
+        fh.seek(start)
+        old = fh.read(size)
+        new = value if value is not None else bytes(b ^ 0x5A for b in old)
+        if len(new) != size or new == old:
+            raise InjectError("replacement must be a different value of the element's size")
+        fh.seek(start)
+        fh.write(new)
+        fh.seek(rec.data_start)
+        crc = zlib.crc32(fh.read(rec.data_len))
+        fh.seek(rec.central_header + 16)  # CRC-32 field of the central directory entry
+        fh.write(struct.pack("<I", crc))
+        fh.seek(rec.data_end)
+        if fh.read(4) == b"PK\x07\x08":  # data descriptor: signature, then CRC-32
+            fh.write(struct.pack("<I", crc))
+    fault = Fault(kind="silent-rewrite", file=item.file, byte_offset=start, byte_range=(start, start + size),
+                  element=element, element_range=(element, element + 1), details={"new_crc": crc})
     return _locate(fault, item, rec)
 
 

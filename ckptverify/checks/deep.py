@@ -61,17 +61,47 @@ def scan_plan(f: ReadOnlyFile, plan: ItemPlan, shape: tuple[int, ...],
     return scan
 
 
-def merge_scans(scans: list[tuple[str, TensorScan]]) -> dict[str, TensorScan]:
+def scan_tensors(plans: list[ItemPlan], opened: dict[str, ReadOnlyFile | None], layout: Layout,
+                 run_map: Callable[[Callable[[ItemPlan], TensorScan], list[ItemPlan]], list[TensorScan]],
+                 progress: Callable[[int], None] | None = None,
+                 only: set[str] | None = None) -> tuple[dict[str, TensorScan], list[Finding]]:
+    """Rebuild and fingerprint every tensor chunk of ``plans`` (in parallel through ``run_map``).
+
+    A chunk stored more than once (per-rank metadata keeps one copy per rank of a replicated tensor) is
+    read in every copy: the copies must hold identical values (``replica-mismatch`` otherwise), and the
+    tensor's fingerprint counts the chunk once.
+    """
+    from ckptverify.fingerprint import combine
+
+    wanted = [p for p in plans if p.item.kind == "tensor" and p.item.chunk is not None
+              and p.item.fqn in layout.tensors and (only is None or p.item.fqn in only)]
+    results = run_map(lambda p: scan_plan(opened[p.item.file], p, layout.tensors[p.item.fqn].shape,  # type: ignore[arg-type]
+                                          progress), wanted)
+    by_chunk: dict[tuple[str, tuple[int, ...]], list[tuple[ItemPlan, TensorScan]]] = defaultdict(list)
+    for plan, scan in zip(wanted, results, strict=True):
+        by_chunk[(plan.item.fqn, plan.item.chunk.offsets)].append((plan, scan))  # type: ignore[union-attr]
     merged: dict[str, TensorScan] = defaultdict(TensorScan)
-    for fqn, s in scans:
+    findings: list[Finding] = []
+    for (fqn, offsets), copies in by_chunk.items():
+        first_plan, first = copies[0]
+        if not first.unreadable and first.parts:
+            reference = combine(first.parts).value
+            for plan, other in copies[1:]:
+                if not other.unreadable and other.parts and combine(other.parts).value != reference:
+                    findings.append(error(
+                        "replica-mismatch",
+                        f"{fqn!r} chunk {list(offsets)} is stored in {first_plan.item.file} and {plan.item.file} "
+                        "with different values: replicas that should be identical are not",
+                        location=Location(fqn=fqn, chunk_offsets=offsets, file=plan.item.file),
+                    ))
         m = merged[fqn]
-        m.parts.extend(s.parts)
-        m.elements += s.elements
-        m.nan += s.nan
-        m.inf += s.inf
-        m.unreadable.extend(s.unreadable)
-        m.chunks |= s.chunks
-    return dict(merged)
+        m.parts.extend(first.parts)
+        m.elements += first.elements
+        m.nan += first.nan
+        m.inf += first.inf
+        m.unreadable.extend(first.unreadable)
+        m.chunks |= first.chunks
+    return dict(merged), findings
 
 
 def judge(layout: Layout, manifest: Manifest | None, scans: dict[str, TensorScan]) -> list[Finding]:

@@ -1,0 +1,203 @@
+"""Verification against a manifest: adopt a checkpoint, then every fault is caught through the manifest,
+including those no self-check can see."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import inject_fault as inj
+import pytest
+from ckpt_factory import ZIP_LAYOUTS
+from click.testing import CliRunner
+
+from ckptverify.adopt import fingerprint_checkpoint
+from ckptverify.cli import main
+from ckptverify.errors import ManifestExistsError
+from ckptverify.manifest import MANIFEST_FILE, read_manifest
+from ckptverify.verify import verify_checkpoint
+
+
+def _adopted(fresh_ckpt: Any, layout: str) -> Path:
+    path = fresh_ckpt(layout)
+    report, manifest = fingerprint_checkpoint(path, block_bytes=4096)
+    assert report.passed and manifest is not None, [f.message for f in report.findings]
+    return path
+
+
+def _checks(report: Any) -> set[str]:
+    return {f.check for f in report.errors}
+
+
+@pytest.mark.parametrize("layout", ZIP_LAYOUTS)
+def test_adopted_clean_checkpoint_passes_plain_and_deep(fresh_ckpt, layout):
+    path = _adopted(fresh_ckpt, layout)
+    manifest = read_manifest(str(path))
+    assert manifest is not None and manifest.source == "fingerprint"
+    assert all(t.fingerprint for t in manifest.tensors.values() if 0 not in t.shape)
+    for deep in (False, True):
+        report = verify_checkpoint(path, deep=deep)
+        assert report.passed, [f.message for f in report.errors]
+        assert any(c.check == "manifest-digest" for c in report.coverage)
+        assert not [f for f in report.findings if f.check == "manifest-absent"]
+    moved = path.parent / "moved-elsewhere"
+    shutil.move(str(path), moved)
+    assert verify_checkpoint(moved, deep=True).passed
+
+
+def test_fingerprint_refuses_to_overwrite_and_to_bless_a_corrupt_checkpoint(fresh_ckpt):
+    path = _adopted(fresh_ckpt, "single")
+    with pytest.raises(ManifestExistsError):
+        fingerprint_checkpoint(path)
+    runner = CliRunner()
+    assert runner.invoke(main, ["fingerprint", str(path)]).exit_code == 2
+    assert runner.invoke(main, ["fingerprint", "--force", "--no-progress", str(path)]).exit_code == 0
+
+    bad = fresh_ckpt("single")
+    inj.flip_in_tensor_payload(bad)
+    report, manifest = fingerprint_checkpoint(bad)
+    assert manifest is None and report.exit_code == 1
+    assert "fingerprint-refused" in _checks(report)
+    assert not (bad / MANIFEST_FILE).exists()
+
+
+@pytest.mark.parametrize("layout", ["single", "fsdp2"])
+def test_payload_flip_is_localized_to_the_block_through_the_manifest(fresh_ckpt, layout):
+    path = _adopted(fresh_ckpt, layout)
+    fault = inj.flip_in_tensor_payload(path, rng=7)
+    report = verify_checkpoint(path)
+    hits = [f for f in report.errors if f.check == "manifest-digest" and f.location.fqn == fault.fqn]
+    assert hits, [f.message for f in report.findings]
+    loc = hits[0].location
+    assert loc.byte_range[0] <= fault.byte_offset < loc.byte_range[1]
+    assert loc.byte_range[1] - loc.byte_range[0] <= 4096  # one block
+    assert loc.element_range[0] <= fault.element < loc.element_range[1]
+
+
+def test_silent_rewrite_with_valid_crc_is_caught_only_through_the_manifest(fresh_ckpt):
+    path = _adopted(fresh_ckpt, "single")
+    fault = inj.rewrite_payload_valid_crc(path, element=3)
+    assert verify_checkpoint(path, use_manifest=False).passed  # every self-check still passes
+    report = verify_checkpoint(path)
+    hits = [f for f in report.errors if f.check == "manifest-digest"]
+    assert hits and hits[0].location.fqn == fault.fqn
+    assert hits[0].location.element_range[0] <= 3 < hits[0].location.element_range[1]
+    deep = verify_checkpoint(path, deep=True)
+    assert any(f.check == "fingerprint" and f.location.fqn == fault.fqn for f in deep.errors)
+
+
+def test_equal_layout_swap_is_caught_through_the_manifest(fresh_ckpt):
+    path = _adopted(fresh_ckpt, "nocoll")
+    a, b = path / "__0_0.distcp", path / "__1_0.distcp"
+    tmp = path / "swap.tmp"
+    os.rename(a, tmp)
+    os.rename(b, a)
+    os.rename(tmp, b)
+    report = verify_checkpoint(path)
+    assert report.exit_code == 1 and "manifest-digest" in _checks(report)
+
+
+def test_file_swapped_with_one_from_another_checkpoint_is_caught(fresh_ckpt):
+    path = _adopted(fresh_ckpt, "single")
+    other = fresh_ckpt("single")
+    inj.rewrite_payload_valid_crc(other, element=0)  # same shapes, different values, valid CRCs
+    for name in os.listdir(other):
+        if name.endswith(".distcp"):
+            shutil.copyfile(other / name, path / name)
+    report = verify_checkpoint(path)
+    assert report.exit_code == 1 and "manifest-digest" in _checks(report)
+
+
+@pytest.mark.parametrize("fault", ["truncate", "delete-file", "zero-page", "metadata-edit", "bytes-item"])
+def test_faults_are_caught_with_a_manifest(fresh_ckpt, fault):
+    path = _adopted(fresh_ckpt, "threads")
+    if fault == "truncate":
+        inj.truncate(path)
+    elif fault == "delete-file":
+        inj.delete_file(path, sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0])
+    elif fault == "zero-page":
+        inj.zero_page(path)
+    elif fault == "bytes-item":
+        inj.flip_in_bytes_item(path)
+    else:
+        def edit(md: Any) -> str:
+            md.planner_data = {"edited": ("x",)}
+            return "planner data edited"
+
+        inj.edit_metadata(path, edit)
+    report = verify_checkpoint(path)
+    assert report.exit_code == 1, [f.message for f in report.findings]
+    if fault == "metadata-edit":
+        assert "manifest-digest" in _checks(report)  # a valid but different .metadata
+
+
+def _rewrite_manifest(path: Path, edit: Any, keep_digest: bool) -> None:
+    from ckptverify.manifest import _self_digest
+
+    data = json.loads((path / MANIFEST_FILE).read_text())
+    edit(data)
+    if not keep_digest:
+        data["self_digest"] = _self_digest({k: v for k, v in data.items() if k != "self_digest"})
+    (path / MANIFEST_FILE).write_text(json.dumps(data))
+
+
+def test_tampered_or_truncated_manifest_is_a_finding_never_a_crash(fresh_ckpt):
+    path = _adopted(fresh_ckpt, "single")
+    raw = (path / MANIFEST_FILE).read_bytes()
+    for bad in (raw[: len(raw) // 2], b"", b"[1, 2]", raw.replace(b'"digest"', b'"digesT"', 1)):
+        (path / MANIFEST_FILE).write_bytes(bad)
+        report = verify_checkpoint(path)
+        assert report.exit_code == 1 and "manifest-invalid" in _checks(report)
+    (path / MANIFEST_FILE).write_bytes(raw)
+
+    # An entry edited without fixing the self-digest: refused as a whole.
+    _rewrite_manifest(path, lambda d: d["items"][0].update(digest="0" * 32), keep_digest=True)
+    assert "manifest-invalid" in _checks(verify_checkpoint(path))
+    # An entry edited consistently: the bytes no longer match it.
+    (path / MANIFEST_FILE).write_bytes(raw)
+    _rewrite_manifest(path, lambda d: d["items"][0]["blocks"].__setitem__(0, "0" * 32), keep_digest=False)
+    assert "manifest-digest" in _checks(verify_checkpoint(path))
+    # An entry that disagrees with .metadata about where an item lives.
+    (path / MANIFEST_FILE).write_bytes(raw)
+    _rewrite_manifest(path, lambda d: d["items"][0].update(offset=d["items"][0]["offset"] + 1), keep_digest=False)
+    assert "manifest-mismatch" in _checks(verify_checkpoint(path))
+
+
+def test_deep_verify_catches_values_that_differ_from_memory(fresh_ckpt):
+    path = _adopted(fresh_ckpt, "fsdp2")
+
+    def edit(d: dict) -> None:
+        name = sorted(k for k, t in d["tensors"].items() if t["fingerprint"])[0]
+        d["tensors"][name]["fingerprint"] = "f" * 32
+
+    _rewrite_manifest(path, edit, keep_digest=False)
+    assert verify_checkpoint(path).passed  # bytes match the manifest's digests
+    deep = verify_checkpoint(path, deep=True)
+    assert [f.check for f in deep.errors] == ["fingerprint"]
+
+
+def test_verify_cli_deep_json(fresh_ckpt):
+    path = _adopted(fresh_ckpt, "single")
+    result = CliRunner().invoke(main, ["verify", "--deep", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["stats"]["deep"] and data["stats"]["manifest"]
+    assert {c["check"] for c in data["coverage"]} >= {"manifest-digest", "fingerprint"}
+
+
+def test_replicas_that_differ_are_reported_by_deep_verify(fresh_ckpt):
+    path = fresh_ckpt("nocoll")  # per-rank metadata: each rank stores its own copy of replicated tensors
+    replicated = sorted({it.fqn for it in inj.tensor_zip_items(path) if it.file == "__1_0.distcp"}
+                        & {it.fqn for it in inj.tensor_zip_items(path) if it.file == "__0_0.distcp"
+                           and it.chunk_offsets == tuple(0 for _ in it.chunk_offsets or ())})
+    fqn = next(f for f in replicated if f.startswith("extra."))
+    inj.rewrite_payload_valid_crc(path, fqn=fqn, file="__1_0.distcp")
+    assert verify_checkpoint(path, use_manifest=False).passed  # each copy is self-consistent
+    report = verify_checkpoint(path, use_manifest=False, deep=True)
+    hits = [f for f in report.errors if f.check == "replica-mismatch"]
+    assert hits and hits[0].location.fqn == fqn
+    report, manifest = fingerprint_checkpoint(path)
+    assert manifest is None and "fingerprint-refused" in _checks(report)
