@@ -55,6 +55,11 @@ class ReadOnlyFile:
     def fold(self, start: int, end: int, fn: Callable[[memoryview], None],
              progress: Callable[[int], None] | None = None) -> None:
         """Call ``fn`` on consecutive views covering ``[start, end)``; views die after each call."""
+        self.fold_at(start, end, lambda view, _at: fn(view), progress)
+
+    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
+                progress: Callable[[int], None] | None = None) -> None:
+        """Like :meth:`fold`, also passing each view's offset in the file."""
         end = min(end, self.size)
         pos = start
         while pos < end:
@@ -67,7 +72,7 @@ class ReadOnlyFile:
             view = memoryview(mm)
             part = view[pos - base : stop - base]
             try:
-                fn(part)
+                fn(part, pos)
             finally:
                 part.release()
                 view.release()

@@ -9,12 +9,14 @@ Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and m
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from ckptverify.checks import deep as deep_check
@@ -104,6 +106,7 @@ class VerificationRun:
         self.bytes_hashed = 0
         self.deep = False
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
+        self._processes: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def report(self, command: str, seconds: float) -> Report:
@@ -128,7 +131,22 @@ class VerificationRun:
         return Report(command=command, target=self.root, findings=tuple(self.findings),
                       coverage=merge_coverage(self.coverage), stats=stats)
 
+    def _start_digest_processes(self) -> None:
+        """Worker processes for the manifest's block digests: the xxh3 binding holds the GIL, so threads
+        would hash one block at a time. Forked (cheap) before this run starts any thread, and only while
+        torch is not loaded (forking a process with torch's thread pools can hang); otherwise threads."""
+        if self.jobs < 2 or "torch" in sys.modules or "fork" not in multiprocessing.get_all_start_methods():
+            return
+        if os.environ.get("CKPTVERIFY_DIGEST_PROCESSES", "1") == "0":
+            return
+        ctx = multiprocessing.get_context("fork")
+        self._processes = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx)
+        # Fork every worker now, while this process has no other thread.
+        list(self._processes.map(abs, range(self.jobs)))
+
     def close(self) -> None:
+        if self._processes is not None:
+            self._processes.shutdown()
         if self._pool is not None:
             self._pool.shutdown()
         for f in self.opened.values():
@@ -156,11 +174,11 @@ class VerificationRun:
                                            unit="metadata files"))
         if use_manifest:
             self._read_manifest()
+        if self.manifest is not None:
+            self._start_digest_processes()
         self._structure(layout)
         self._archives(layout)
-        self._crcs()
-        if self.manifest is not None:
-            self._against_manifest(layout, self.manifest)
+        self._hash(layout)
         if deep:
             self._deep(layout)
 
@@ -241,27 +259,83 @@ class VerificationRun:
             self.results[name] = result
             self.plans.extend(file_plans)
 
-    def _crcs(self) -> None:
-        segs = segments(self.plans, 0, SEGMENT_BYTES)
-        segs.sort(key=lambda s: s.start - s.end)  # largest first
+    def _hash(self, layout: Layout) -> None:
+        """One pass over the bytes, on all cores: CRC-32 of every record and, with a manifest, the digest of
+        every block. Items the manifest covers are hashed as block-aligned tasks that compute both in the
+        same pass; the rest as record segments (CRC only)."""
+        manifest = self.manifest
+        matched: dict[int, Item] = {}
+        tasks: list[manifest_check.BlockTask] = []
+        crc_ranges: list[list[tuple[int, int]]] = []
+        crc_keys: list[list[tuple[int, int]]] = []
+        covered: set[int] = set()
+        if manifest is not None:
+            found, matched = manifest_check.compare_layout(manifest, layout)
+            self.findings.extend(found)
+            self.findings.extend(manifest_check.check_files(manifest, self.opened, self.root))
+            tasks = manifest_check.block_tasks(manifest, matched, self.opened, SEGMENT_BYTES)
+            plan_index = {(p.item.file, p.item.offset, p.item.length): n for n, p in enumerate(self.plans)}
+            for task in tasks:
+                item = matched[task.entry]
+                n = plan_index.get((item.file, item.offset, item.length))
+                ranges, keys = [], []
+                if n is not None:
+                    covered.add(n)
+                    base = item.offset
+                    for r, rec in enumerate(self.plans[n].archive.records):
+                        lo, hi = max(task.start, base + rec.data_offset), min(task.end, base + rec.data_end)
+                        if lo < hi or (rec.size == 0 and task.start <= base + rec.data_offset < task.end):
+                            ranges.append((lo, max(lo, hi)))
+                            keys.append((n, r))
+                crc_ranges.append(ranges)
+                crc_keys.append(keys)
+        rest = [p for n, p in enumerate(self.plans) if n not in covered]
+        index_of = {id(p): n for n, p in enumerate(self.plans)}
+        segs = [Segment(s.file, s.start, s.end, index_of[id(rest[s.plan])], s.record, s.index)
+                for s in segments(rest, 0, SEGMENT_BYTES)]
+        work: list[Any] = [("blocks", k) for k in range(len(tasks))] + [("crc", s) for s in segs]
+        size = {("blocks", k): tasks[k].end - tasks[k].start for k in range(len(tasks))}
+        work.sort(key=lambda w: -(size[w] if w[0] == "blocks" else w[1].end - w[1].start))
         if self.progress is not None:
-            self.progress.start(sum(s.end - s.start for s in segs))
+            self.progress.start(sum(t.end - t.start for t in tasks) + sum(s.end - s.start for s in segs))
 
-        def hash_segment(seg: Segment) -> int:
-            value = self.opened[seg.file].crc32(seg.start, seg.end)  # type: ignore[union-attr]
-            self.advance(seg.end - seg.start)
-            return value
+        remote: dict[Any, Any] = {}
+        if self._processes is not None and manifest is not None:
+            for w in [w for w in work if w[0] == "blocks"]:
+                task = tasks[w[1]]
+                fut = self._processes.submit(manifest_check.hash_task_at, os.path.join(self.root, task.file), task,
+                                             manifest.digest_algorithm, manifest.block_bytes, crc_ranges[w[1]])
+                fut.add_done_callback(lambda _f, n=task.end - task.start: self.advance(n))
+                remote[w] = fut
+            work = [w for w in work if w not in remote]
 
-        crc_of = dict(zip(segs, self.map(hash_segment, segs), strict=True))
-        parts: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+        def run(w: Any) -> Any:
+            kind, what = w
+            if kind == "crc":
+                value = self.opened[what.file].crc32(what.start, what.end)  # type: ignore[union-attr]
+                self.advance(what.end - what.start)
+                return value
+            task = tasks[what]
+            result = manifest_check.hash_task(self.opened[task.file], task, manifest, crc_ranges[what])  # type: ignore[arg-type]
+            self.advance(task.end - task.start)
+            return result
+
+        results = dict(zip(work, self.map(run, work), strict=True))
+        results.update({w: fut.result() for w, fut in remote.items()})
+        # CRC partials per record, combined in file order.
+        partials: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
         for seg in segs:
-            parts[(seg.plan, seg.record)].append(seg)
-        for p, plan in enumerate(self.plans):
+            partials[(seg.plan, seg.record)].append((seg.start, seg.end - seg.start, results[("crc", seg)]))
+        for k in range(len(tasks)):
+            _, crcs = results[("blocks", k)]
+            for (lo, hi), key, value in zip(crc_ranges[k], crc_keys[k], crcs, strict=True):
+                partials[key].append((lo, hi - lo, value))
+        for n, plan in enumerate(self.plans):
             crcs = []
             for r in range(len(plan.archive.records)):
                 value = 0
-                for seg in sorted(parts[(p, r)], key=lambda s: s.index):
-                    value = crc32_combine(value, crc_of[seg], seg.end - seg.start)
+                for _, length, part in sorted(partials[(n, r)]):
+                    value = crc32_combine(value, part, length)
                 crcs.append(value)
             judge_item(self.opened[plan.item.file], plan, crcs, self.results[plan.item.file])  # type: ignore[arg-type]
         for name in sorted(self.results):
@@ -270,29 +344,16 @@ class VerificationRun:
             self.coverage.append(CheckCoverage(check="zip-structure", count=res.items, unit="items"))
             self.coverage.append(CheckCoverage(check="zip-crc", count=res.records, unit="records"))
             self.bytes_hashed += res.bytes_hashed
-
-    def _against_manifest(self, layout: Layout, manifest: Manifest) -> None:
-        found, matched = manifest_check.compare_layout(manifest, layout)
-        self.findings.extend(found)
-        self.findings.extend(manifest_check.check_files(manifest, self.opened, self.root))
-        tasks = manifest_check.block_tasks(manifest, matched, self.opened, SEGMENT_BYTES)
-        tasks.sort(key=lambda t: t.start - t.end)
-        if self.progress is not None:
-            self.progress.start(sum(t.end - t.start for t in tasks))
-
-        def hash_task(task: manifest_check.BlockTask) -> list[str]:
-            digests = manifest_check.hash_task(self.opened[task.file], task, manifest)  # type: ignore[arg-type]
-            self.advance(task.end - task.start)
-            return digests
-
-        digests = self.map(hash_task, tasks)
-        plan_of = {(p.item.fqn, p.item.chunk.offsets if p.item.chunk else None, p.item.file): p for p in self.plans}
+        if manifest is None:
+            return
+        plan_of = {(p.item.file, p.item.offset, p.item.length): p for p in self.plans}
         blocks = 0
-        for task, result in zip(tasks, digests, strict=True):
+        for k, task in enumerate(tasks):
+            digests, _ = results[("blocks", k)]
             item = matched[task.entry]
-            plan = plan_of.get((item.fqn, item.chunk.offsets if item.chunk else None, item.file))
-            self.findings.extend(manifest_check.judge_blocks(manifest, task, item, result, plan))
-            blocks += len(result)
+            self.findings.extend(manifest_check.judge_blocks(
+                manifest, task, item, digests, plan_of.get((item.file, item.offset, item.length))))
+            blocks += len(digests)
         self.coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
         self._untiled_files(manifest, matched)
         # Content the CRCs could not cover is now covered by the manifest's digests.

@@ -201,3 +201,23 @@ def test_replicas_that_differ_are_reported_by_deep_verify(fresh_ckpt):
     assert hits and hits[0].location.fqn == fqn
     report, manifest = fingerprint_checkpoint(path)
     assert manifest is None and "fingerprint-refused" in _checks(report)
+
+
+@pytest.mark.parametrize("processes", ["1", "0"])
+def test_cli_process_and_thread_digest_paths_agree(fresh_ckpt, processes):
+    # The command line (no torch imported) hashes manifest blocks in forked worker processes; the
+    # environment switch forces threads. Both must find the same damage.
+    import subprocess
+    import sys
+
+    path = _adopted(fresh_ckpt, "threads")
+    env = {**os.environ, "CKPTVERIFY_DIGEST_PROCESSES": processes}
+    cmd = [sys.executable, "-m", "ckptverify", "verify", "--json", "--jobs", "2", str(path)]
+    clean = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert clean.returncode == 0, clean.stdout[-2000:] + clean.stderr[-2000:]
+    fault = inj.flip_in_tensor_payload(path, rng=3)
+    bad = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert bad.returncode == 1
+    hits = [f for f in json.loads(bad.stdout)["findings"] if f["check"] == "manifest-digest"]
+    assert hits and hits[0]["location"]["fqn"] == fault.fqn
+    assert hits[0]["location"]["byte_range"][0] <= fault.byte_offset < hits[0]["location"]["byte_range"][1]

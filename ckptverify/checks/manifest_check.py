@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptverify.checks import item_label, item_location
@@ -16,7 +17,7 @@ from ckptverify.checks.content import ItemPlan
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
 from ckptverify.findings import Finding, Location, error
 from ckptverify.manifest import ItemEntry, Manifest
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.readers import ReadOnlyFile, crc32
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,19 +148,31 @@ def block_tasks(manifest: Manifest, matched: dict[int, Item], opened: dict[str, 
     return tasks
 
 
-def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest) -> list[str]:
-    """Digests of the task's blocks (or of the whole item when it has no blocks)."""
+def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest,
+              crc_ranges: Sequence[tuple[int, int]] = ()) -> tuple[list[str], list[int]]:
+    """Digests of the task's blocks (or of the whole item when it has no blocks), and, in the same pass
+    over the bytes, the CRC-32 of each ``[start, end)`` in ``crc_ranges`` (each inside the task)."""
+    return _hash(f, task, manifest.digest_algorithm, manifest.block_bytes, crc_ranges)
+
+
+def _hash(f: ReadOnlyFile, task: BlockTask, algorithm: str, bb: int,
+          crc_ranges: Sequence[tuple[int, int]]) -> tuple[list[str], list[int]]:
     from ckptverify.fingerprint import new_digest
 
-    algorithm, bb = manifest.digest_algorithm, manifest.block_bytes
-    if task.last == task.first:
-        d = new_digest(algorithm)
-        f.fold(task.start, task.end, d.update)
-        return [d.hexdigest()]
+    whole = task.last == task.first
     out: list[str] = []
+    crcs = [0] * len(crc_ranges)
     state = {"digest": new_digest(algorithm), "filled": 0}
 
-    def feed(view: memoryview) -> None:
+    def feed(view: memoryview, at: int) -> None:
+        end = at + len(view)
+        for k, (lo, hi) in enumerate(crc_ranges):
+            a, b = max(lo, at), min(hi, end)
+            if a < b:
+                crcs[k] = crc32(view[a - at : b - at], crcs[k])
+        if whole:
+            state["digest"].update(view)
+            return
         pos = 0
         while pos < len(view):
             take = min(bb - state["filled"], len(view) - pos)
@@ -170,10 +183,17 @@ def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest) -> list[str]
                 out.append(state["digest"].hexdigest())
                 state["digest"], state["filled"] = new_digest(algorithm), 0
 
-    f.fold(task.start, task.end, feed)
-    if state["filled"]:
+    f.fold_at(task.start, task.end, feed)
+    if whole or state["filled"]:
         out.append(state["digest"].hexdigest())
-    return out
+    return out, crcs
+
+
+def hash_task_at(path: str, task: BlockTask, algorithm: str, block_bytes: int,
+                 crc_ranges: Sequence[tuple[int, int]]) -> tuple[list[str], list[int]]:
+    """:func:`hash_task` in a worker process: opens ``path`` itself (read-only)."""
+    with ReadOnlyFile(path) as f:
+        return _hash(f, task, algorithm, block_bytes, crc_ranges)
 
 
 def judge_blocks(manifest: Manifest, task: BlockTask, item: Item, digests: list[str],
