@@ -108,8 +108,8 @@ class TensorEntry:
             dtype=_s(d["dtype"]),
             shape=tuple(_i(x) for x in d["shape"]),
             fingerprint=None if fp is None else _s(fp),
-            nan_count=d.get("nan_count"),
-            inf_count=d.get("inf_count"),
+            nan_count=_opt_i(d.get("nan_count")),
+            inf_count=_opt_i(d.get("inf_count")),
         )
 
 
@@ -128,6 +128,10 @@ class Manifest:
     torch_version: str = ""
     source: str = "save"  # "save": digests taken while writing; "fingerprint": adopted afterwards
 
+    def __post_init__(self) -> None:
+        # One canonical item order (by file, then offset), so a manifest equals itself read back.
+        object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: (i.file, i.offset, i.fqn))))
+
     def to_dict(self) -> dict[str, Any]:
         body = {
             "schema": MANIFEST_SCHEMA,
@@ -143,7 +147,7 @@ class Manifest:
             "metadata_files": {k: v.to_dict() for k, v in sorted(self.metadata_files.items())},
             "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
             "tensors": {k: v.to_dict() for k, v in sorted(self.tensors.items())},
-            "items": [i.to_dict() for i in sorted(self.items, key=lambda i: (i.file, i.offset))],
+            "items": [i.to_dict() for i in self.items],
         }
         body["self_digest"] = _self_digest(body)
         return body
@@ -168,7 +172,7 @@ class Manifest:
                 tensors={_s(k): TensorEntry.from_dict(v) for k, v in d["tensors"].items()},
                 metadata_files={_s(k): FileEntry.from_dict(v) for k, v in d.get("metadata_files", {}).items()},
                 world_size=_i(d.get("world_size", 1)),
-                fingerprint_version=d.get("fingerprint_version"),
+                fingerprint_version=_opt_i(d.get("fingerprint_version")),
                 created=str(d.get("created", "")),
                 tool_version=str(d.get("tool_version", "")),
                 torch_version=str(d.get("torch_version", "")),
@@ -189,6 +193,10 @@ def _i(v: Any) -> int:
     if type(v) is not int or v < 0:
         raise ValueError(f"expected a non-negative integer, got {v!r}"[:120])
     return v
+
+
+def _opt_i(v: Any) -> int | None:
+    return None if v is None else _i(v)
 
 
 def _s(v: Any) -> str:
@@ -214,12 +222,26 @@ def read_manifest(root: str, *, max_bytes: int = 1 << 30) -> Manifest | None:
     return Manifest.from_dict(data)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (``os.umask`` would race with other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 def write_manifest(root: str, manifest: Manifest) -> str:
     """Write ``manifest`` into ``root`` atomically (temp file, fsync, rename, fsync dir). Returns its path."""
     path = os.path.join(root, MANIFEST_FILE)
     data = json.dumps(manifest.to_dict(), indent=1, sort_keys=False).encode()
     fd, tmp = tempfile.mkstemp(prefix=".ckptverify-manifest-", dir=root)
     try:
+        # mkstemp creates 0600; give the manifest the permissions any new file here would get.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -26,6 +26,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Generator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -78,6 +79,25 @@ def validate_digest_options(digest: str, block_bytes: int) -> None:
 
 # ------------------------------------------------------------------------------------------ the stream
 
+#: Buffers at least this large are written and digested concurrently (see ``_HashingStream._write_parallel``).
+PARALLEL_HASH_MIN_BYTES = 1 << 20
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """The process-wide pool that digests large buffers (created on first use, re-created after a fork,
+    never pickled)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            workers = max(2, min(16, 2 * (os.cpu_count() or 1)))
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptverify-hash")
+            _pool_pid = os.getpid()
+        return _pool
+
 
 @dataclass(frozen=True)
 class _Segment:
@@ -97,7 +117,7 @@ class _FileRecord:
 class _HashingStream:
     """A write-only stream that digests what it forwards to ``raw`` and cuts segments at ``tell()``.
 
-    ``tell()`` reports the number of bytes written through this stream (the stream is opened for
+    ``tell()`` reports the number of bytes written through this stream (DCP opens every data file for
     writing from offset 0); seeking is refused, since it would make the digests meaningless.
     """
 
@@ -118,6 +138,10 @@ class _HashingStream:
         if self._record is not None:
             raise ValueError("write to a closed stream")
         view = memoryview(b).cast("B")
+        if self._seg is None:
+            self._seg = BlockDigest(self._algorithm, self._block_bytes)
+        if len(view) >= PARALLEL_HASH_MIN_BYTES:
+            return self._write_parallel(view, self._seg)
         n = self._raw.write(view)
         if n is None:  # a non-blocking raw stream; DCP never opens one
             raise OSError("the underlying stream accepted no bytes")
@@ -125,10 +149,25 @@ class _HashingStream:
             view = view[:n]
         if n:
             self._file_digest.update(view)
-            if self._seg is None:
-                self._seg = BlockDigest(self._algorithm, self._block_bytes)
             self._seg.update(view)
             self._pos += n
+        return n
+
+    def _write_parallel(self, view: memoryview, seg: BlockDigest) -> int:
+        """Write a large buffer while two pool threads digest it (xxhash and hashlib release the GIL on
+        large buffers, and so does the write). The buffer is only read while this call runs: the caller
+        may free or reuse it as soon as ``write`` returns."""
+        pool = _hash_pool()
+        jobs = [pool.submit(self._file_digest.update, view), pool.submit(seg.update, view)]
+        try:
+            n = self._raw.write(view)
+        finally:
+            for job in jobs:
+                job.result()
+        if n != len(view):
+            # The digests took the whole buffer: a short write would make them wrong.
+            raise OSError(f"short write: {n} of {len(view)} bytes")
+        self._pos += n
         return n
 
     def tell(self) -> int:
@@ -171,11 +210,13 @@ class _HashingStream:
 
     # -- bookkeeping
     def _cut(self) -> None:
+        """End the current segment here (if it holds bytes) and start the next one."""
         if self._seg is not None:
             length = self._pos - self._seg_start
-            self._segments[(self._seg_start, length)] = _Segment(
-                self._seg.hexdigest(), tuple(self._seg.block_hexdigests())
-            )
+            if length:
+                self._segments[(self._seg_start, length)] = _Segment(
+                    self._seg.hexdigest(), tuple(self._seg.block_hexdigests())
+                )
             self._seg = None
         self._seg_start = self._pos
 
@@ -256,7 +297,6 @@ class HashedStorageInfo(_StorageInfo):
     fingerprint: TensorFingerprint | None = None
     nan_count: int | None = None
     inf_count: int | None = None
-    from_stream: bool = True
     extra_files: tuple[tuple[str, int, str], ...] = ()
 
     def plain(self) -> _StorageInfo:
@@ -271,18 +311,26 @@ class _ChunkFacts:
 
 
 def _nonfinite_counts(t: torch.Tensor) -> tuple[int | None, int | None]:
-    """(NaN count, Inf count) of a floating or complex tensor; (None, None) for other dtypes."""
+    """(NaN count, Inf count) of a floating or complex tensor; (None, None) for other dtypes.
+
+    A sum is a fast screen: NaN and Inf propagate through it (Inf - Inf gives NaN), so a finite sum means
+    no NaN and no Inf. Only a non-finite sum (a NaN, an Inf, or an overflow of finite values) pays for the
+    element-wise count.
+    """
     if not (t.dtype.is_floating_point or t.dtype.is_complex):
         return None, None
     try:
-        finite = int(torch.isfinite(t).sum())
-        nonfinite = t.numel() - finite
-        if nonfinite == 0:
+        if t.dtype in (torch.float32, torch.float64) or t.dtype.is_complex:
+            total = t.sum()
+        else:
+            total = t.sum(dtype=torch.float32)
+        if bool(torch.isfinite(total).all()):
             return 0, 0
+        finite = int(torch.isfinite(t).sum())
         nan = int(torch.isnan(t).sum())
-        return nan, nonfinite - nan
+        return nan, t.numel() - finite - nan
     except (RuntimeError, NotImplementedError, TypeError):
-        # Formats torch cannot test element-wise (e.g. packed float4) get no counts.
+        # Formats torch cannot sum or test element-wise (e.g. packed float4) get no counts.
         return None, None
 
 
@@ -308,8 +356,8 @@ class HashingFileSystemWriter(FileSystemWriter):
         path: the checkpoint directory.
         digest: byte digest algorithm, ``"xxh3-128"`` (default) or ``"sha256"``.
         block_bytes: size of the blocks each item is also digested in (counted from the item's first byte).
-        fingerprint: also take the logical fingerprint (and NaN/Inf counts) of every tensor chunk, on
-            the chunk's own device, before it is written.
+        fingerprint: also take the logical fingerprint (and NaN/Inf counts) of every tensor chunk this
+            rank writes, on the chunk's own device, in a thread that runs while DCP writes.
         **kwargs: passed to :class:`FileSystemWriter` (``thread_count``, ``single_file_per_rank``, ...).
 
     After a save, ``manifest`` holds the manifest on the coordinator (``None`` elsewhere) and ``stats``
@@ -362,17 +410,12 @@ class HashingFileSystemWriter(FileSystemWriter):
 
     # -- writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        facts: dict[MetadataIndex, _ChunkFacts] = {}
-        if self.fingerprint:
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-                    continue
-                data = planner.resolve_data(item)
-                if isinstance(data, torch.Tensor):
-                    facts[item.index] = _chunk_facts(data.detach(), item)
-
         self.fs.take_records()  # drop anything left by an earlier, failed save
-        results = super().write_data(plan, planner).wait()
+        # Fingerprints are taken while DCP writes (torch kernels and the writes both release the GIL).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptverify-fingerprint") as pool:
+            fp_job = pool.submit(self._fingerprint_items, plan, planner) if self.fingerprint else None
+            results = super().write_data(plan, planner).wait()
+            facts = fp_job.result() if fp_job is not None else {}
         records, tells = self.fs.take_records()
 
         out: list[WriteResult] = []
@@ -391,7 +434,6 @@ class HashingFileSystemWriter(FileSystemWriter):
                 raise RuntimeError(f"no hashing stream wrote {info.relative_path} (item {wr.index.fqn!r})")
             used.add(_key(path))
             segment = record.segments.get((info.offset, info.length))
-            from_stream = segment is not None
             if segment is None and info.length == 0:
                 segment = _Segment(new_digest(self.digest).hexdigest(), ())
             elif segment is None:
@@ -413,7 +455,6 @@ class HashingFileSystemWriter(FileSystemWriter):
                 fingerprint=None if f is None else f.fingerprint,
                 nan_count=None if f is None else f.nan_count,
                 inf_count=None if f is None else f.inf_count,
-                from_stream=from_stream,
             )
             out.append(dataclasses.replace(wr, storage_data=hashed))
 
@@ -440,6 +481,18 @@ class HashingFileSystemWriter(FileSystemWriter):
         fut.set_result(out)
         return fut
 
+    @staticmethod
+    def _fingerprint_items(plan: SavePlan, planner: SavePlanner) -> dict[MetadataIndex, _ChunkFacts]:
+        facts: dict[MetadataIndex, _ChunkFacts] = {}
+        with torch.no_grad():
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                    continue
+                data = planner.resolve_data(item)
+                if isinstance(data, torch.Tensor):
+                    facts[item.index] = _chunk_facts(data.detach(), item)
+        return facts
+
     # -- committing
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         plain_results: list[list[WriteResult]] = []
@@ -464,10 +517,8 @@ class HashingFileSystemWriter(FileSystemWriter):
             f"__{self.rank}{METADATA_FILE}" if not self.use_collectives and self.rank is not None else METADATA_FILE
         )
         metadata_path = os.path.join(root, metadata_name)
-        metadata_files = {
-            metadata_name: FileEntry(os.path.getsize(metadata_path), digest_file_range(
-                metadata_path, 0, os.path.getsize(metadata_path), self.digest))
-        }
+        size = os.path.getsize(metadata_path)
+        metadata_files = {metadata_name: FileEntry(size, digest_file_range(metadata_path, 0, size, self.digest))}
         manifest = self._build_manifest(metadata, hashed, len(results), metadata_files)
         write_manifest(root, manifest)
         self.manifest = manifest
@@ -515,7 +566,7 @@ class HashingFileSystemWriter(FileSystemWriter):
         return Manifest(
             digest_algorithm=self.digest,
             block_bytes=self.block_bytes,
-            items=tuple(items),
+            items=tuple(sorted(items, key=lambda i: (i.file, i.offset))),  # the order the file keeps
             files=files,
             tensors=tensors,
             metadata_files=metadata_files,

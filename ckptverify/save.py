@@ -1,0 +1,147 @@
+"""Save a DCP checkpoint and its manifest in one pass: ``save`` and ``async_save``.
+
+A thin layer over :func:`torch.distributed.checkpoint.save` and :func:`~torch.distributed.checkpoint.async_save`
+with a :class:`~ckptverify.dcp.writer.HashingFileSystemWriter` as the storage writer. The checkpoint written is
+an ordinary DCP checkpoint (any torch loads it without ckptverify); beside it, the coordinator writes
+``ckptverify.manifest.json`` last, once ``.metadata`` is in place, so its presence marks a committed checkpoint.
+
+Every rank of the process group calls these functions, exactly as it would call DCP's.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ckptverify.errors import UsageError
+from ckptverify.manifest import DEFAULT_BLOCK_BYTES, Manifest
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ckptverify.dcp.writer import HashingFileSystemWriter
+
+__all__ = ["async_save", "save"]
+
+#: Keyword arguments forwarded to the storage writer (``FileSystemWriter``).
+WRITER_KWARGS = frozenset({
+    "single_file_per_rank", "sync_files", "per_thread_copy_ahead", "cache_staged_state_dict", "overwrite",
+    "serialization_format", "_extensions",
+})
+#: Keyword arguments forwarded to ``dcp.save``.
+SAVE_KWARGS = frozenset({"planner", "no_dist", "use_collectives"})
+#: Keyword arguments forwarded to ``dcp.async_save`` (besides those of ``dcp.save``).
+ASYNC_SAVE_KWARGS = SAVE_KWARGS | {"async_checkpointer_type", "async_stager"}
+
+
+def _split_kwargs(kwargs: dict[str, Any], allowed: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    writer_kw: dict[str, Any] = {}
+    dcp_kw: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in WRITER_KWARGS:
+            writer_kw[key] = value
+        elif key in allowed:
+            dcp_kw[key] = value
+        elif key in ("storage_writer", "checkpoint_id"):
+            raise UsageError(f"{key} cannot be given: ckptverify writes to `path` with its own storage writer")
+        else:
+            raise UsageError(
+                f"unknown keyword argument {key!r}; accepted: {', '.join(sorted(WRITER_KWARGS | allowed))}"
+            )
+    return writer_kw, dcp_kw
+
+
+def _make_writer(
+    path: str | os.PathLike[str],
+    digest: str,
+    block_bytes: int,
+    fingerprint: bool,
+    thread_count: int,
+    writer_kw: dict[str, Any],
+) -> HashingFileSystemWriter:
+    from ckptverify.dcp.writer import HashingFileSystemWriter, validate_digest_options
+
+    validate_digest_options(digest, block_bytes)
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise UsageError(f"thread_count must be a positive integer, got {thread_count!r}")
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        raise UsageError(f"path must be a local directory path, got {path!r}")
+    return HashingFileSystemWriter(
+        os.fspath(path),
+        digest=digest,
+        block_bytes=block_bytes,
+        fingerprint=fingerprint,
+        thread_count=thread_count,
+        **writer_kw,
+    )
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    digest: str = "xxh3-128",
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    fingerprint: bool = True,
+    thread_count: int = 1,
+    process_group: dist.ProcessGroup | None = None,
+    **dcp_kwargs: Any,
+) -> Manifest | None:
+    """Save ``state_dict`` to the directory ``path`` with DCP, and write its manifest.
+
+    Args:
+        state_dict: what to save, as for :func:`torch.distributed.checkpoint.save`.
+        path: the checkpoint directory (created if missing).
+        digest: byte digest, ``"xxh3-128"`` (fast, the default) or ``"sha256"`` (tamper evidence).
+        block_bytes: every item is also digested in blocks of this many bytes, to localize damage.
+        fingerprint: record each tensor's logical fingerprint and NaN/Inf counts (taken on the tensor's
+            own device before it is written).
+        thread_count: writer threads per rank (several files per rank), as for ``FileSystemWriter``.
+        process_group: the process group to save over (default: the default group, if initialized).
+        **dcp_kwargs: ``FileSystemWriter`` options (``single_file_per_rank``, ``sync_files``, ``overwrite``,
+            ``serialization_format``, ...) and ``dcp.save`` options (``planner``, ``no_dist``,
+            ``use_collectives``).
+
+    Returns:
+        The manifest on the coordinator rank, ``None`` on the others.
+
+    Raises:
+        UsageError: an unknown digest, a non-positive block size or thread count, an unknown keyword.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    writer_kw, save_kw = _split_kwargs(dcp_kwargs, SAVE_KWARGS)
+    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
+    with warnings.catch_warnings():
+        # Saving in a single process without a process group is intended here, not a mistake.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw)
+    return writer.manifest if writer.is_coordinator else None
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    digest: str = "xxh3-128",
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    fingerprint: bool = True,
+    thread_count: int = 1,
+    process_group: dist.ProcessGroup | None = None,
+    **dcp_kwargs: Any,
+) -> Any:
+    """Like :func:`save`, through :func:`torch.distributed.checkpoint.async_save`.
+
+    Returns what DCP returns (a future, or an ``AsyncSaveResponse`` with a stager that reports staging
+    separately). The manifest is written when the upload finishes, before the future completes; read it
+    with :func:`ckptverify.manifest.read_manifest`. ``async_checkpointer_type`` and ``async_stager`` are
+    accepted besides the options of :func:`save`.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS)
+    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        return dcp.async_save(state_dict, storage_writer=writer, process_group=process_group, **save_kw)

@@ -1,0 +1,136 @@
+"""Benchmark: plain ``dcp.save`` against ``ckptverify.save`` (fingerprints on and off).
+
+The same state dict (by default 16 float32 tensors of 64 MiB: 1 GiB) is saved by each variant in turn,
+alternating the variants within every repeat so drifts in machine load hit them all alike, each time into a
+fresh directory that is deleted right after. Prints every time, the best time of each variant and its ratio
+to plain ``dcp.save``.
+
+    python scripts/bench_save.py                                  # 1 GiB, 5 repeats, under $TMPDIR
+    python scripts/bench_save.py --dir /dev/shm --no-sync --serial-hash   # no I/O to hide digests behind
+
+``--serial-hash`` adds a variant whose digests are all computed in the writing thread, to show what the
+concurrent digesting (a pool of threads hashing each large buffer while it is written) saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+import ckptverify.dcp.writer as writer_mod
+import ckptverify.save as cs
+
+
+def make_state(n: int, mib: int, seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    numel = mib * (1 << 20) // 4
+    return {f"layer{i}.weight": torch.randn(numel, generator=gen) for i in range(n)}
+
+
+def variants(sync: bool, threads: int, serial: bool) -> dict[str, Callable[[dict[str, Any], str], Any]]:
+    def plain(state: dict[str, Any], path: str) -> None:
+        dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=sync, thread_count=threads))
+
+    def hashed(state: dict[str, Any], path: str) -> None:
+        cs.save(state, path, fingerprint=False, sync_files=sync, thread_count=threads)
+
+    def hashed_fp(state: dict[str, Any], path: str) -> None:
+        cs.save(state, path, fingerprint=True, sync_files=sync, thread_count=threads)
+
+    def hashed_serial(state: dict[str, Any], path: str) -> None:
+        # Every digest computed in the writing thread, after each write (no hashing pool).
+        saved = writer_mod.PARALLEL_HASH_MIN_BYTES
+        writer_mod.PARALLEL_HASH_MIN_BYTES = 1 << 62
+        try:
+            cs.save(state, path, fingerprint=False, sync_files=sync, thread_count=threads)
+        finally:
+            writer_mod.PARALLEL_HASH_MIN_BYTES = saved
+
+    out = {
+        "dcp.save": plain,
+        "ckptverify.save fingerprint=False": hashed,
+        "ckptverify.save fingerprint=True": hashed_fp,
+    }
+    if serial:
+        out["ckptverify.save fp=False serial hash"] = hashed_serial
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--mib", type=int, default=64, help="MiB per tensor")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="FileSystemWriter thread_count")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--no-sync", action="store_true", help="sync_files=False (no fsync)")
+    ap.add_argument("--only", default=None, help="run only the variants whose name contains this")
+    ap.add_argument("--serial-hash", action="store_true",
+                    help="add a variant that digests in the writing thread (no concurrent hashing)")
+    ap.add_argument("--fingerprint-backend", default=None, choices=["auto", "eager", "compiled"],
+                    help="tensor fingerprint backend (default: the library's, 'auto')")
+    args = ap.parse_args(argv)
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from ckptverify.fingerprint import get_fingerprint_backend, set_fingerprint_backend, tensor_fingerprint
+
+    if args.fingerprint_backend:
+        set_fingerprint_backend(args.fingerprint_backend)
+    state = make_state(args.tensors, args.mib)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    runs = variants(not args.no_sync, args.threads, args.serial_hash)
+    if args.only:
+        runs = {k: v for k, v in runs.items() if args.only in k or k == "dcp.save"}
+    base = tempfile.mkdtemp(prefix="bench-save-", dir=args.dir)
+    print(f"state: {args.tensors} x {args.mib} MiB float32 = {total / (1 << 30):.2f} GiB; "
+          f"sync_files={not args.no_sync}; thread_count={args.threads}; torch {torch.__version__}; "
+          f"{os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}; "
+          f"fingerprint backend {get_fingerprint_backend()}; dir {base}")
+    # Warm-up (imports, first use of the fingerprint kernels, their compilation if asked), not timed.
+    tensor_fingerprint(next(iter(state.values())))
+    warm = make_state(2, 4)
+    for name, fn in runs.items():
+        path = os.path.join(base, "warm")
+        fn(warm, path)
+        shutil.rmtree(path)
+        del name
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    try:
+        for rep in range(args.repeats):
+            order = list(runs) if rep % 2 == 0 else list(reversed(runs))
+            for name in order:
+                path = os.path.join(base, f"ckpt-{rep}")
+                gc.collect()
+                t0 = time.perf_counter()
+                runs[name](state, path)
+                dt = time.perf_counter() - t0
+                shutil.rmtree(path)
+                times[name].append(dt)
+                print(f"  repeat {rep}: {name:36s} {dt:7.3f} s  ({total / dt / 1e9:5.2f} GB/s)", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    ref = min(times["dcp.save"])
+    print("\nvariant                               best s   median s   ratio(best)  ratio(median)")
+    ref_med = statistics.median(times["dcp.save"])
+    for name, ts in times.items():
+        best, med = min(ts), statistics.median(ts)
+        print(f"{name:36s} {best:7.3f}   {med:7.3f}     {best / ref:6.3f}       {med / ref_med:6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
