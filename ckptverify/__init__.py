@@ -6,19 +6,34 @@ The public surface is small and imported lazily, so ``import ckptverify`` (and t
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "verify_checkpoint"]
+#: Public name -> module that defines it.
+_EXPORTS = {
+    "verify_checkpoint": "ckptverify.verify",
+    "fingerprint_checkpoint": "ckptverify.adopt",
+    "diff_checkpoints": "ckptverify.diff",
+    "save": "ckptverify.save",
+    "async_save": "ckptverify.save",
+    "tensor_fingerprint": "ckptverify.fingerprint",
+    "chunk_fingerprint": "ckptverify.fingerprint",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:
+    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.diff import diff_checkpoints
+    from ckptverify.fingerprint import chunk_fingerprint, tensor_fingerprint
+    from ckptverify.save import async_save, save
     from ckptverify.verify import verify_checkpoint
 
 
 def __getattr__(name: str) -> Any:
-    if name == "verify_checkpoint":
-        from ckptverify.verify import verify_checkpoint
-
-        return verify_checkpoint
-    raise AttributeError(f"module 'ckptverify' has no attribute {name!r}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptverify' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

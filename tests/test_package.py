@@ -1,0 +1,25 @@
+"""The package surface: lazy exports, light imports, the command line's help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ckptverify
+
+
+def test_every_export_resolves():
+    for name in ckptverify.__all__:
+        assert getattr(ckptverify, name) is not None, name
+
+
+def test_importing_the_package_and_the_cli_does_not_import_torch():
+    code = "import sys, ckptverify, ckptverify.cli, ckptverify.verify; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cli_help_lists_the_commands():
+    out = subprocess.run([sys.executable, "-m", "ckptverify", "--help"], capture_output=True, text=True, check=True)
+    for command in ("verify", "fingerprint", "diff"):
+        assert command in out.stdout
