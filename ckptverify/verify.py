@@ -9,14 +9,12 @@ Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and m
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import sys
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from ckptverify.checks import deep as deep_check
@@ -106,7 +104,6 @@ class VerificationRun:
         self.bytes_hashed = 0
         self.deep = False
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
-        self._processes: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def report(self, command: str, seconds: float) -> Report:
@@ -131,22 +128,7 @@ class VerificationRun:
         return Report(command=command, target=self.root, findings=tuple(self.findings),
                       coverage=merge_coverage(self.coverage), stats=stats)
 
-    def _start_digest_processes(self) -> None:
-        """Worker processes for the manifest's block digests: the xxh3 binding holds the GIL, so threads
-        would hash one block at a time. Forked (cheap) before this run starts any thread, and only while
-        torch is not loaded (forking a process with torch's thread pools can hang); otherwise threads."""
-        if self.jobs < 2 or "torch" in sys.modules or "fork" not in multiprocessing.get_all_start_methods():
-            return
-        if os.environ.get("CKPTVERIFY_DIGEST_PROCESSES", "1") == "0":
-            return
-        ctx = multiprocessing.get_context("fork")
-        self._processes = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx)
-        # Fork every worker now, while this process has no other thread.
-        list(self._processes.map(abs, range(self.jobs)))
-
     def close(self) -> None:
-        if self._processes is not None:
-            self._processes.shutdown()
         if self._pool is not None:
             self._pool.shutdown()
         for f in self.opened.values():
@@ -174,8 +156,6 @@ class VerificationRun:
                                            unit="metadata files"))
         if use_manifest:
             self._read_manifest()
-        if self.manifest is not None:
-            self._start_digest_processes()
         self._structure(layout)
         self._archives(layout)
         self._hash(layout)
@@ -299,16 +279,6 @@ class VerificationRun:
         if self.progress is not None:
             self.progress.start(sum(t.end - t.start for t in tasks) + sum(s.end - s.start for s in segs))
 
-        remote: dict[Any, Any] = {}
-        if self._processes is not None and manifest is not None:
-            for w in [w for w in work if w[0] == "blocks"]:
-                task = tasks[w[1]]
-                fut = self._processes.submit(manifest_check.hash_task_at, os.path.join(self.root, task.file), task,
-                                             manifest.digest_algorithm, manifest.block_bytes, crc_ranges[w[1]])
-                fut.add_done_callback(lambda _f, n=task.end - task.start: self.advance(n))
-                remote[w] = fut
-            work = [w for w in work if w not in remote]
-
         def run(w: Any) -> Any:
             kind, what = w
             if kind == "crc":
@@ -321,7 +291,6 @@ class VerificationRun:
             return result
 
         results = dict(zip(work, self.map(run, work), strict=True))
-        results.update({w: fut.result() for w, fut in remote.items()})
         # CRC partials per record, combined in file order.
         partials: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
         for seg in segs:

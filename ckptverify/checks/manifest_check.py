@@ -189,13 +189,6 @@ def _hash(f: ReadOnlyFile, task: BlockTask, algorithm: str, bb: int,
     return out, crcs
 
 
-def hash_task_at(path: str, task: BlockTask, algorithm: str, block_bytes: int,
-                 crc_ranges: Sequence[tuple[int, int]]) -> tuple[list[str], list[int]]:
-    """:func:`hash_task` in a worker process: opens ``path`` itself (read-only)."""
-    with ReadOnlyFile(path) as f:
-        return _hash(f, task, algorithm, block_bytes, crc_ranges)
-
-
 def judge_blocks(manifest: Manifest, task: BlockTask, item: Item, digests: list[str],
                  plan: ItemPlan | None) -> list[Finding]:
     """Compare computed block digests with the manifest's; localize each mismatching block."""
