@@ -22,7 +22,16 @@ _EXPORTS = {
     "chunk_fingerprint": "ckptverify.fingerprint",
 }
 
-__all__ = ["__version__", *sorted(_EXPORTS)]
+__all__ = [
+    "__version__",
+    "async_save",
+    "chunk_fingerprint",
+    "diff_checkpoints",
+    "fingerprint_checkpoint",
+    "save",
+    "tensor_fingerprint",
+    "verify_checkpoint",
+]
 
 if TYPE_CHECKING:
     from ckptverify.adopt import fingerprint_checkpoint

@@ -23,3 +23,7 @@ def test_cli_help_lists_the_commands():
     out = subprocess.run([sys.executable, "-m", "ckptverify", "--help"], capture_output=True, text=True, check=True)
     for command in ("verify", "fingerprint", "diff"):
         assert command in out.stdout
+
+
+def test_all_lists_exactly_the_lazy_exports():
+    assert set(ckptverify.__all__) - {"__version__"} == set(ckptverify._EXPORTS)
