@@ -17,17 +17,23 @@ _EXPORTS = {
     "fingerprint_checkpoint": "ckptverify.adopt",
     "diff_checkpoints": "ckptverify.diff",
     "save": "ckptverify.save",
+    "load": "ckptverify.load",
+    "TrainState": "ckptverify.state.train_state",
+    "Counters": "ckptverify.state.train_state",
     "async_save": "ckptverify.save",
     "tensor_fingerprint": "ckptverify.fingerprint",
     "chunk_fingerprint": "ckptverify.fingerprint",
 }
 
 __all__ = [
+    "Counters",
+    "TrainState",
     "__version__",
     "async_save",
     "chunk_fingerprint",
     "diff_checkpoints",
     "fingerprint_checkpoint",
+    "load",
     "save",
     "tensor_fingerprint",
     "verify_checkpoint",
@@ -37,7 +43,9 @@ if TYPE_CHECKING:
     from ckptverify.adopt import fingerprint_checkpoint
     from ckptverify.diff import diff_checkpoints
     from ckptverify.fingerprint import chunk_fingerprint, tensor_fingerprint
+    from ckptverify.load import load
     from ckptverify.save import async_save, save
+    from ckptverify.state.train_state import Counters, TrainState
     from ckptverify.verify import verify_checkpoint
 
 

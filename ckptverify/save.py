@@ -77,6 +77,14 @@ def _make_writer(
     )
 
 
+def _plain(state: Any) -> dict[str, Any]:
+    """A :class:`~ckptverify.state.train_state.TrainState` is saved as its state dict (flat names
+    ``model.*``, ``optim.*``, ...); a dict as is."""
+    from ckptverify.state.train_state import TrainState
+
+    return state.state_dict() if isinstance(state, TrainState) else state
+
+
 def save(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -91,7 +99,8 @@ def save(
     """Save ``state_dict`` to the directory ``path`` with DCP, and write its manifest.
 
     Args:
-        state_dict: what to save, as for :func:`torch.distributed.checkpoint.save`.
+        state_dict: what to save, as for :func:`torch.distributed.checkpoint.save`, or a
+            :class:`~ckptverify.state.train_state.TrainState` (restore it with :func:`ckptverify.load.load`).
         path: the checkpoint directory (created if missing).
         digest: byte digest, ``"xxh3-128"`` (fast, the default) or ``"sha256"`` (tamper evidence).
         block_bytes: every item is also digested in blocks of this many bytes, to localize damage.
@@ -111,6 +120,7 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
+    state_dict = _plain(state_dict)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, SAVE_KWARGS)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
     with warnings.catch_warnings():
@@ -140,6 +150,7 @@ def async_save(
     """
     import torch.distributed.checkpoint as dcp
 
+    state_dict = _plain(state_dict)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
     with warnings.catch_warnings():

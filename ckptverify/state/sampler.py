@@ -1,0 +1,358 @@
+"""A map-style sampler that shards like ``DistributedSampler`` and resumes at the exact next index.
+
+:class:`ResumableSampler` yields, for epoch ``e``, exactly the indices ``DistributedSampler`` yields for the
+same ``(len, num_replicas, rank, shuffle, seed, drop_last)`` (the permutation is
+``torch.randperm(n, generator=torch.Generator().manual_seed(seed + e))``, padded or truncated to a multiple of
+the replica count, and rank ``r`` takes ``indices[r::num_replicas]``), and it remembers how far into the epoch
+this rank has got.
+
+**Position counts consumed samples.** A ``DataLoader`` with workers pulls indices from its sampler ahead of
+the training loop (``prefetch_factor * num_workers`` batches), so the number of indices *drawn* from the
+sampler is not the number of samples *trained on*. The position saved by :meth:`ResumableSampler.state_dict`
+is therefore:
+
+* the number of samples the loop reported as consumed, once it reports: iterate with
+  ``for batch in sampler.track(loader)`` (each batch counts as consumed when it is handed to the loop, so a
+  checkpoint taken inside the loop body after K batches of size B records position ``K * B``), or call
+  :meth:`ResumableSampler.advance` yourself;
+* otherwise, the number of indices drawn. That equals consumption when nothing draws ahead: a ``DataLoader``
+  with ``num_workers=0``, and torchdata's ``StatefulDataLoader``, which takes the sampler's state when it
+  dispatches each batch and hands back the snapshot matching the batches the loop received.
+
+Use one or the other, not both: :meth:`ResumableSampler.track` refuses a ``StatefulDataLoader``, and
+:func:`ckptverify.state.dataloader.loader_state` refuses a standard ``DataLoader`` with workers whose sampler
+was drawn from without reporting consumption.
+
+**Resuming.** :meth:`ResumableSampler.load_state_dict` restores the epoch and position; the next pass over the
+sampler starts at the saved position, so the next index is exactly the one an uninterrupted run would have
+drawn next. ``set_epoch`` with the epoch already loaded keeps the position (the usual loop calls
+``set_epoch(epoch)`` at the top of every epoch, including the resumed one); a different epoch starts at 0.
+A state saved at the very end of an epoch resumes to an empty pass, and the loop moves on to the next epoch.
+
+**Changing the number of replicas.** All ranks consume at the same rate, so after ``p`` samples per rank on
+``R`` replicas the first ``C = p * R`` samples of the global interleaved order were consumed. On ``R'``
+replicas, rank ``r'`` continues exactly at global index ``C + r'`` when ``C`` is divisible by ``R'``
+(new position ``C / R'``). Otherwise no assignment avoids skipping or repeating samples, and loading raises
+:class:`CannotReshardError`. A state saved at the end of an epoch reshards to the end of that epoch. The
+epoch's tail follows the new replica count: without ``drop_last`` the padding (repeats of the first samples
+that make the length a multiple of the replica count) is the new count's, and no sample is ever skipped; with
+``drop_last``, a change that would end the epoch at a different sample is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch.utils.data import Sampler
+
+from ckptverify.errors import UsageError
+
+__all__ = [
+    "SAMPLER_STATE_VERSION",
+    "CannotReshardError",
+    "ResumableSampler",
+    "epoch_indices",
+    "num_samples_per_replica",
+]
+
+#: Version of the :meth:`ResumableSampler.state_dict` layout.
+SAMPLER_STATE_VERSION = 1
+
+_T = TypeVar("_T")
+
+_STATE_KEYS = ("version", "epoch", "position", "seed", "num_replicas", "rank", "dataset_len", "shuffle", "drop_last")
+
+
+class CannotReshardError(UsageError):
+    """A sampler position cannot be carried to a different number of replicas without skipping or repeating."""
+
+
+def _int(value: Any, name: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def num_samples_per_replica(dataset_len: int, num_replicas: int, drop_last: bool) -> int:
+    """How many indices each rank yields per epoch (``DistributedSampler.num_samples``)."""
+    if drop_last and dataset_len % num_replicas != 0:
+        return math.ceil((dataset_len - num_replicas) / num_replicas)
+    return math.ceil(dataset_len / num_replicas)
+
+
+def epoch_indices(
+    dataset_len: int, num_replicas: int, rank: int, *, epoch: int, shuffle: bool, seed: int, drop_last: bool
+) -> list[int]:
+    """One rank's indices for one epoch, as ``DistributedSampler`` computes them."""
+    num_samples = num_samples_per_replica(dataset_len, num_replicas, drop_last)
+    total_size = num_samples * num_replicas
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        indices = torch.randperm(dataset_len, generator=g).tolist()
+    else:
+        indices = list(range(dataset_len))
+    if not drop_last:
+        padding = total_size - len(indices)
+        if padding > 0:
+            if padding <= len(indices):
+                indices += indices[:padding]
+            else:
+                indices += (indices * math.ceil(padding / len(indices)))[:padding]
+    else:
+        indices = indices[:total_size]
+    return indices[rank:total_size:num_replicas]
+
+
+def _default_replicas_rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _is_stateful_dataloader(obj: Any) -> bool:
+    mod = sys.modules.get("torchdata.stateful_dataloader")
+    cls = getattr(mod, "StatefulDataLoader", None) if mod is not None else None
+    return cls is not None and isinstance(obj, cls)
+
+
+class ResumableSampler(Sampler[int]):
+    """``DistributedSampler``'s index order, with a saved and restored position (see the module docstring).
+
+    ``num_replicas`` and ``rank`` default to the initialized process group, else 1 and 0.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        default_replicas, default_rank = _default_replicas_rank()
+        self.dataset_len = _int(dataset_len, "dataset_len")
+        self.num_replicas = _int(default_replicas if num_replicas is None else num_replicas, "num_replicas", minimum=1)
+        self.rank = _int(default_rank if rank is None else rank, "rank")
+        if self.rank >= self.num_replicas:
+            raise UsageError(f"rank {self.rank} is out of range for {self.num_replicas} replica(s)")
+        self.shuffle = bool(shuffle)
+        self.seed = _int(seed, "seed")
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        # Positions are indices into this rank's list for the current epoch.
+        self._resume_at: int | None = None  # where the next pass starts (set by load_state_dict)
+        self._pass_start = 0
+        self._drawn = 0  # next index to be drawn in the current pass
+        self._consumed = 0  # reported consumption (meaningful once self._tracking)
+        self._tracking = False
+        self._pass_id = 0
+
+    # ------------------------------------------------------------------------------------ sizes
+
+    @property
+    def num_samples(self) -> int:
+        """Indices this rank yields in a whole epoch (``DistributedSampler.num_samples``)."""
+        return num_samples_per_replica(self.dataset_len, self.num_replicas, self.drop_last)
+
+    @property
+    def total_size(self) -> int:
+        """Length of the global (padded or truncated) index list of an epoch."""
+        return self.num_samples * self.num_replicas
+
+    def __len__(self) -> int:
+        """Indices the next pass yields: the whole epoch, or what is left of it after a resume."""
+        return self.num_samples - (self._resume_at or 0)
+
+    # ------------------------------------------------------------------------------------ position
+
+    @property
+    def position(self) -> int:
+        """Samples of the current epoch this rank has consumed (see the module docstring)."""
+        return self._consumed if self._tracking else self._drawn
+
+    @property
+    def tracking(self) -> bool:
+        """Whether the training loop reports consumption (:meth:`track` or :meth:`advance` was used)."""
+        return self._tracking
+
+    @property
+    def drawn_ahead(self) -> int:
+        """Indices drawn in the current pass beyond the reported consumption (0 when not tracking)."""
+        return self._drawn - self._consumed if self._tracking else 0
+
+    @property
+    def drawn_this_pass(self) -> int:
+        """Indices drawn from the sampler in the current pass."""
+        return self._drawn - self._pass_start
+
+    def advance(self, n: int) -> None:
+        """Report that the training loop consumed ``n`` more samples of this rank's current epoch."""
+        n = _int(n, "n")
+        if self._consumed + n > self._drawn:
+            raise UsageError(
+                f"advance({n}) would count {self._consumed + n} samples consumed in epoch {self.epoch}, but only "
+                f"{self._drawn} were drawn from the sampler; consumption is being counted twice"
+            )
+        self._tracking = True
+        self._consumed += n
+
+    def track(self, batches: Iterable[_T], batch_size: int | None = None) -> Iterator[_T]:
+        """Iterate ``batches`` (a ``DataLoader`` over this sampler), counting each batch as consumed.
+
+        Each batch is counted when it is handed to the caller, as ``min(batch_size, samples left in the
+        epoch)`` (the last batch of an epoch may be short). ``batch_size`` defaults to ``batches.batch_size``.
+        """
+        if _is_stateful_dataloader(batches):
+            raise UsageError(
+                "do not track a StatefulDataLoader: it snapshots the sampler when it dispatches each batch and "
+                "already accounts for prefetching; iterate it directly"
+            )
+        size = getattr(batches, "batch_size", None) if batch_size is None else batch_size
+        if size is None:
+            raise UsageError(
+                "track() needs the batch size: pass batch_size= (the loader has no batch_size attribute or uses "
+                "a custom batch_sampler)"
+            )
+        size = _int(size, "batch_size", minimum=1)
+        self._tracking = True
+        return self._track(batches, size)
+
+    def _track(self, batches: Iterable[_T], size: int) -> Iterator[_T]:
+        for batch in batches:
+            self.advance(min(size, self.num_samples - self._consumed))
+            yield batch
+
+    # ------------------------------------------------------------------------------------ iteration
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (its seed is ``seed + epoch``). A new epoch starts at position 0; the epoch
+        already set (for example, restored by :meth:`load_state_dict`) keeps its position."""
+        epoch = _int(epoch, "epoch")
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        self._resume_at = None
+        self._pass_start = self._drawn = self._consumed = 0
+        self._pass_id += 1
+
+    def epoch_indices(self) -> list[int]:
+        """This rank's full index list for the current epoch."""
+        return epoch_indices(
+            self.dataset_len,
+            self.num_replicas,
+            self.rank,
+            epoch=self.epoch,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        start = self._resume_at if self._resume_at is not None else 0
+        self._resume_at = None
+        self._pass_id += 1
+        self._pass_start = self._drawn = self._consumed = start
+        return self._iterate(self.epoch_indices()[start:], self._pass_id)
+
+    def _iterate(self, indices: list[int], pass_id: int) -> Iterator[int]:
+        for index in indices:
+            if pass_id == self._pass_id:  # a stale iterator of an earlier pass no longer moves the position
+                self._drawn += 1
+            yield index
+
+    # ------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": SAMPLER_STATE_VERSION,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "dataset_len": self.dataset_len,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume: the next pass starts at the saved position of the saved epoch.
+
+        The dataset length, ``shuffle``, ``seed`` and ``drop_last`` must match the saved ones. With the same
+        replica count the saved rank must be this rank; with a different one, the position is resharded when
+        that is exact, else :class:`CannotReshardError` is raised.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise UsageError(f"sampler state must be a mapping, got {type(state_dict).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise UsageError(f"sampler state lacks {missing}")
+        if state_dict["version"] != SAMPLER_STATE_VERSION:
+            raise UsageError(
+                f"sampler state version {state_dict['version']!r} is not supported (expected {SAMPLER_STATE_VERSION})"
+            )
+        for name in ("dataset_len", "seed"):
+            saved = _int(state_dict[name], f"saved {name}")
+            if saved != getattr(self, name):
+                raise UsageError(f"sampler state was saved with {name}={saved}, this sampler has {getattr(self, name)}")
+        for name in ("shuffle", "drop_last"):
+            saved_flag = bool(state_dict[name])
+            if saved_flag != getattr(self, name):
+                raise UsageError(
+                    f"sampler state was saved with {name}={saved_flag}, this sampler has {getattr(self, name)}"
+                )
+        epoch = _int(state_dict["epoch"], "saved epoch")
+        old_replicas = _int(state_dict["num_replicas"], "saved num_replicas", minimum=1)
+        old_rank = _int(state_dict["rank"], "saved rank")
+        position = _int(state_dict["position"], "saved position")
+        old_num_samples = num_samples_per_replica(self.dataset_len, old_replicas, self.drop_last)
+        if position > old_num_samples or old_rank >= old_replicas:
+            raise UsageError(
+                f"sampler state is inconsistent: position {position} of {old_num_samples} samples per rank, "
+                f"rank {old_rank} of {old_replicas}"
+            )
+        if old_replicas == self.num_replicas:
+            if old_rank != self.rank:
+                raise UsageError(f"sampler state belongs to rank {old_rank}, this sampler is rank {self.rank}")
+            new_position = position
+        else:
+            new_position = self._reshard(position, old_replicas, old_num_samples)
+        self.epoch = epoch
+        self._pass_id += 1
+        self._resume_at = self._pass_start = self._drawn = self._consumed = new_position
+
+    def _reshard(self, position: int, old_replicas: int, old_num_samples: int) -> int:
+        new_replicas = self.num_replicas
+        if position == old_num_samples:
+            return self.num_samples  # the epoch was finished
+        consumed = position * old_replicas
+        if consumed % new_replicas != 0:
+            raise CannotReshardError(
+                f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas: each rank consumed "
+                f"{position} samples, {consumed} globally, which is not divisible by {new_replicas}; resuming would "
+                f"skip or repeat samples. Resume on {old_replicas} replicas, or checkpoint at a global sample count "
+                f"divisible by {new_replicas}."
+            )
+        old_total = old_num_samples * old_replicas
+        if self.drop_last and old_total != self.total_size:
+            raise CannotReshardError(
+                f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas with drop_last=True: the "
+                f"epoch would end after {self.total_size} samples instead of {old_total}, so samples would be "
+                "skipped or added"
+            )
+        new_position = consumed // new_replicas
+        if new_position > self.num_samples:  # pragma: no cover - excluded by the arithmetic above
+            raise CannotReshardError(
+                f"cannot reshard the sampler: {consumed} samples consumed exceed the {self.total_size} samples of an "
+                f"epoch on {new_replicas} replicas"
+            )
+        return new_position
