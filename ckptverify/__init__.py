@@ -16,11 +16,11 @@ _EXPORTS = {
     "verify_checkpoint": "ckptverify.verify",
     "fingerprint_checkpoint": "ckptverify.adopt",
     "diff_checkpoints": "ckptverify.diff",
-    "save": "ckptverify.save",
-    "load": "ckptverify.load",
+    "save": "ckptverify.saving",
+    "load": "ckptverify.restore",
     "TrainState": "ckptverify.state.train_state",
     "Counters": "ckptverify.state.train_state",
-    "async_save": "ckptverify.save",
+    "async_save": "ckptverify.saving",
     "tensor_fingerprint": "ckptverify.fingerprint",
     "chunk_fingerprint": "ckptverify.fingerprint",
 }
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from ckptverify.adopt import fingerprint_checkpoint
     from ckptverify.diff import diff_checkpoints
     from ckptverify.fingerprint import chunk_fingerprint, tensor_fingerprint
-    from ckptverify.load import load
-    from ckptverify.save import async_save, save
+    from ckptverify.restore import load
+    from ckptverify.saving import async_save, save
     from ckptverify.state.train_state import Counters, TrainState
     from ckptverify.verify import verify_checkpoint
 

@@ -38,25 +38,31 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+#: K: the odd multiplier that spreads the global index over 64 bits before it meets the element's bits.
+INDEX_MULTIPLIER = 0x9E3779B97F4A7C15
+
+
 @dataclass(frozen=True)
-class _Lane:
-    index_multiplier: int  # K: odd, multiplies the global index
+class _Mixer:
+    """``x ^= x >> s1; x *= m1; x ^= x >> s2; x *= m2; x ^= x >> s3`` (logical shifts, modulo 2**64)."""
+
     shifts: tuple[int, int, int]
     multipliers: tuple[int, int]
 
 
 #: Lane 0 mixes with the MurmurHash3 ``fmix64`` finalizer, lane 1 with the SplitMix64 finalizer
 #: (Stafford's "Mix13"). Both are bijections of 64-bit words.
-LANES: tuple[_Lane, _Lane] = (
-    _Lane(0x9E3779B97F4A7C15, (33, 33, 33), (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)),
-    _Lane(0xD6E8FEB86659FD93, (30, 27, 31), (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)),
+LANES: tuple[_Mixer, _Mixer] = (
+    _Mixer((33, 33, 33), (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)),
+    _Mixer((30, 27, 31), (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)),
 )
 
 
-def _mix_python(x: int, lane: _Lane) -> int:
-    """The lane's mixer on one word, in plain Python (reference for docs and tests)."""
-    s1, s2, s3 = lane.shifts
-    m1, m2 = lane.multipliers
+def mix_python(x: int, lane: int) -> int:
+    """The lane's mixer on one unsigned 64-bit word, in plain Python (the reference for docs and tests)."""
+    mixer = LANES[lane]
+    s1, s2, s3 = mixer.shifts
+    m1, m2 = mixer.multipliers
     x &= _MASK64
     x ^= x >> s1
     x = (x * m1) & _MASK64
@@ -168,12 +174,19 @@ def chunk_geometry(shape: Sequence[int], offsets: Sequence[int], global_shape: S
 
 # --------------------------------------------------------------------------------------------- blocks
 
-#: Elements per block of the eager path (buffers of this many int64 words, a few per call).
+#: Elements per block of the eager path on CPU (a few int64 buffers of this many words per call: small
+#: enough to stay in cache, large enough to amortize the per-operation overhead).
 EAGER_BLOCK = 1 << 16
-#: Width of a block row: runs longer than this are cut into rows of this width.
+#: Elements per block of the eager path on accelerators, where each operation costs a kernel launch.
+EAGER_BLOCK_ACCELERATOR = 1 << 22
+#: Width of the rows that runs at least one block long are cut into (shorter runs are one row each).
 ROW_WIDTH = 1 << 13
 #: Elements per block of the compiled path (``COMPILED_BLOCK // ROW_WIDTH`` rows of ``ROW_WIDTH``).
 COMPILED_BLOCK = 1 << 20
+
+
+def eager_block(device: torch.device) -> int:
+    return EAGER_BLOCK if device.type == "cpu" else EAGER_BLOCK_ACCELERATOR
 
 
 @dataclass
@@ -188,22 +201,23 @@ def iter_blocks(flat: torch.Tensor, geometry: _Geometry, block: int) -> Iterator
     """Cut the chunk's flat integer view into blocks of about ``block`` elements, each a set of rows of
     consecutive global indices."""
     run = geometry.run_length
-    if run >= ROW_WIDTH:
-        rows_per_block = max(1, block // ROW_WIDTH)
+    if run >= block:  # long runs: each cut into rows, a block holding rows of one run
+        width = min(ROW_WIDTH, block)
+        rows_per_block = block // width
         for q in range(geometry.num_runs):
             g = geometry.run_start(q)
             seg = flat[q * run : (q + 1) * run]
             pos = 0
-            full_rows = run // ROW_WIDTH
+            full_rows = run // width
             while full_rows > 0:
                 rows = min(rows_per_block, full_rows)
-                n = rows * ROW_WIDTH
-                yield _Block(seg[pos : pos + n].view(rows, ROW_WIDTH), None, g + pos, ROW_WIDTH)
+                n = rows * width
+                yield _Block(seg[pos : pos + n].view(rows, width), None, g + pos, width)
                 pos += n
                 full_rows -= rows
             if pos < run:
                 yield _Block(seg[pos:].view(1, run - pos), None, g + pos, 0)
-    else:
+    else:  # short runs: one row per run, a block holding whole runs
         runs_per_block = max(1, block // run)
         total = geometry.num_runs
         for q0 in range(0, total, runs_per_block):
@@ -217,20 +231,22 @@ def iter_blocks(flat: torch.Tensor, geometry: _Geometry, block: int) -> Iterator
 
 
 class _EagerState:
-    """Buffers and tables for one fingerprint call on one device."""
+    """Buffers and tables for one fingerprint call on one device, allocated once per call."""
 
-    def __init__(self, device: torch.device, block: int, seeds: tuple[int, int]) -> None:
-        self.block = block
-        kw = {"dtype": torch.int64, "device": device}
-        self.w = torch.empty(block, **kw)
-        self.idx = torch.empty(block, **kw)
-        self.y = torch.empty(block, **kw)
-        self.t = torch.empty(block, **kw)
-        self.row_terms = torch.empty(block, **kw)
-        ar = torch.arange(ROW_WIDTH, **kw)  # rows are never wider than ROW_WIDTH
-        # idx_table[L][k] = k * K_L (mod 2**64); row_term[L][r] = start_r * K_L + S_L (mod 2**64).
-        self.idx_tables = [ar * _signed(lane.index_multiplier) for lane in LANES]
-        self.seeds = seeds
+    def __init__(self, device: torch.device, seeds: tuple[int, int], numel: int) -> None:
+        kw: dict = {"dtype": torch.int64, "device": device}
+        self.block = eager_block(device)
+        n = min(self.block, numel)  # no block holds more elements than this
+        self.w = torch.empty(n, **kw)
+        self.idx = torch.empty(n, **kw)
+        self.y = torch.empty(n, **kw)
+        self.t = torch.empty(n, **kw)
+        self.row_terms = torch.empty(n, **kw)
+        self.lane_terms = torch.empty(n, **kw)
+        # column_table[k] = k * K; a row starting at global index r contributes r * K + S on top.
+        width = min(max(ROW_WIDTH, self.block), numel)  # no row is wider
+        self.column_table = torch.arange(width, **kw).mul_(_signed(INDEX_MULTIPLIER))
+        self.seeds = [_signed(s) for s in seeds]
         self.acc = torch.zeros(2, **kw)
 
     def add_block(self, blk: _Block) -> None:
@@ -244,23 +260,24 @@ class _EagerState:
             row_terms.mul_(blk.row_step).add_(blk.first_start)
         else:
             row_terms.copy_(blk.starts)
+        row_terms.mul_(_signed(INDEX_MULTIPLIER))
+        lane_terms = self.lane_terms[:rows]
         idx = self.idx[:n].view(rows, width)
         y = self.y[:n].view(rows, width)
         t = self.t[:n].view(rows, width)
-        for L, lane in enumerate(LANES):
-            k = _signed(lane.index_multiplier)
-            # idx = (start_row + k) * K + S, built as row term + column table, all modulo 2**64
-            terms = torch.mul(row_terms, k).add_(_signed(self.seeds[L]))
-            torch.add(self.idx_tables[L][:width], terms[:, None], out=idx)
+        for lane, mixer in enumerate(LANES):
+            # idx = (row start + column) * K + S_lane, modulo 2**64
+            torch.add(row_terms, self.seeds[lane], out=lane_terms)
+            torch.add(self.column_table[:width], lane_terms[:, None], out=idx)
             torch.bitwise_xor(w, idx, out=y)
-            s1, s2, s3 = lane.shifts
-            m1, m2 = lane.multipliers
+            s1, s2, s3 = mixer.shifts
+            m1, m2 = mixer.multipliers
             _xorshift(y, t, s1)
             y.mul_(_signed(m1))
             _xorshift(y, t, s2)
             y.mul_(_signed(m2))
             _xorshift(y, t, s3)
-            self.acc[L] += y.sum()
+            self.acc[lane] += y.sum()
 
 
 def _xorshift(y: torch.Tensor, t: torch.Tensor, s: int) -> None:
@@ -273,9 +290,9 @@ def _xorshift(y: torch.Tensor, t: torch.Tensor, s: int) -> None:
 # --------------------------------------------------------------------------------------- compiled path
 
 
-def _mix_tensor(x: torch.Tensor, lane: _Lane) -> torch.Tensor:
-    s1, s2, s3 = lane.shifts
-    m1, m2 = lane.multipliers
+def _mix_tensor(x: torch.Tensor, mixer: _Mixer) -> torch.Tensor:
+    s1, s2, s3 = mixer.shifts
+    m1, m2 = mixer.multipliers
     x = x ^ ((x >> s1) & ((1 << (64 - s1)) - 1))
     x = x * _signed(m1)
     x = x ^ ((x >> s2) & ((1 << (64 - s2)) - 1))
@@ -283,30 +300,40 @@ def _mix_tensor(x: torch.Tensor, lane: _Lane) -> torch.Tensor:
     return x ^ ((x >> s3) & ((1 << (64 - s3)) - 1))
 
 
-def _block_lanes(bits: torch.Tensor, first: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """Lane sums of one block of consecutive global indices starting at ``first`` (0-d int64)."""
-    w = bits.reshape(-1).to(torch.int64)
-    g = torch.arange(w.shape[0], dtype=torch.int64, device=w.device) + first
-    out = []
-    for L, lane in enumerate(LANES):
-        x = w ^ (g * _signed(lane.index_multiplier) + seeds[L])
-        out.append(_mix_tensor(x, lane).sum())
+def _block_lanes(
+    bits: torch.Tensor, row_terms: torch.Tensor, column_table: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
+    """Lane sums of one block: ``bits`` (rows, width), where row ``r`` starts at global index ``start_r``.
+
+    ``row_terms[r] = start_r * K`` and ``column_table[k] = k * K`` (mod 2**64), so ``p = g * K`` is one
+    addition; ``seeds`` is ``[S_0, S_1]``. Building ``p`` from tables rather than from ``arange * K`` in the
+    kernel ran about 1.5x faster, and a constant-folded ``arange * K`` has given wrong values from 16-bit
+    inputs under ``torch.compile`` (which the self-check would catch).
+    """
+    w = bits.to(torch.int64)
+    p = row_terms[:, None] + column_table[None, :]
+    out = [_mix_tensor(w ^ (p + seeds[lane]), mixer).sum() for lane, mixer in enumerate(LANES)]
     return torch.stack(out)
 
 
 _BACKENDS = ("auto", "eager", "compiled")
 _backend = os.environ.get("CKPTVERIFY_FINGERPRINT_BACKEND", "auto")
-#: "auto" switches to the compiled path once this many bytes went through the eager path on CPU
-#: (compiling costs a few seconds once; past this point it pays for itself).
-AUTO_COMPILE_AFTER_BYTES = 1 << 30
+if _backend not in _BACKENDS:  # pragma: no cover - environment
+    _log.warning("ignoring CKPTVERIFY_FINGERPRINT_BACKEND=%r (not one of %s)", _backend, _BACKENDS)
+    _backend = "auto"
+#: "auto" turns to the compiled path once this many bytes went through the eager path on CPU in this
+#: process. Compiling costs 5-15 s once, about what the eager path spends on this many bytes, so the
+#: total time is never much more than twice the better choice made in hindsight.
+AUTO_COMPILE_AFTER_BYTES = 2 << 30
 _eager_cpu_bytes = 0
-_compiled: Callable[..., torch.Tensor] | None = None
+_compiled_fn: Callable[..., torch.Tensor] | None = None
 _compile_failed = False
-_compile_lock = threading.Lock()
+#: (device type, bits dtype) -> whether the compiled kernel passed its check against the eager path.
+_verified: dict[tuple[str, torch.dtype], bool] = {}
+_lock = threading.Lock()
 
 
 def set_backend(name: str) -> None:
-    """Choose how fingerprints are computed: ``"eager"``, ``"compiled"`` or ``"auto"`` (the default)."""
     global _backend
     if name not in _BACKENDS:
         raise UsageError(f"unknown fingerprint backend {name!r}; choose one of {', '.join(_BACKENDS)}")
@@ -317,38 +344,79 @@ def get_backend() -> str:
     return _backend
 
 
-def _get_compiled() -> Callable[..., torch.Tensor] | None:
-    global _compiled, _compile_failed
-    if _compiled is not None or _compile_failed:
-        return _compiled
-    with _compile_lock:
-        if _compiled is None and not _compile_failed:
-            try:
-                _compiled = torch.compile(_block_lanes, dynamic=False, fullgraph=True)
-            except Exception as exc:  # pragma: no cover - depends on the environment
-                _log.warning("torch.compile unavailable for fingerprints, using eager torch: %s", exc)
-                _compile_failed = True
-    return _compiled
-
-
-def _run_compiled(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor | None:
-    global _compile_failed
-    try:
-        return fn(*args)
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        _log.warning("compiled fingerprint kernel failed, using eager torch from now on: %s", exc)
-        _compile_failed = True
-        return None
-
-
-def _use_compiled(device: torch.device, nbytes: int) -> bool:
-    if _compile_failed or (device.type != "cpu" and _backend != "compiled"):
+def _wants_compiled(device: torch.device, numel: int) -> bool:
+    if _compile_failed or _backend == "eager" or numel < COMPILED_BLOCK:
         return False
     if _backend == "compiled":
         return True
-    if _backend == "eager":
+    return device.type == "cpu" and _eager_cpu_bytes >= AUTO_COMPILE_AFTER_BYTES
+
+
+def _disable_compiled(reason: object) -> None:
+    global _compile_failed
+    if not _compile_failed:
+        _log.warning("compiled fingerprint kernel unavailable, using eager torch: %s", reason)
+    _compile_failed = True
+
+
+def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The compiled block kernel, once it has matched the eager path on a test block of this dtype."""
+    global _compiled_fn
+    key = (device.type, bits_dtype)
+    with _lock:
+        if _compile_failed or _verified.get(key) is False:
+            return None
+        if _compiled_fn is None:
+            try:
+                _compiled_fn = torch.compile(_block_lanes, dynamic=False, fullgraph=True)
+            except Exception as exc:  # pragma: no cover - depends on the environment
+                _disable_compiled(exc)
+                return None
+        if key not in _verified:
+            _verified[key] = _self_check(_compiled_fn, bits_dtype, device)
+        return _compiled_fn if _verified[key] else None
+
+
+def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device: torch.device) -> bool:
+    """Run the compiled kernel and the eager path on one pseudo-random block; they must agree."""
+    info = torch.iinfo(bits_dtype)
+    gen = torch.Generator(device="cpu").manual_seed(0x5EED)
+    bits = torch.randint(info.min, info.max, (COMPILED_BLOCK,), dtype=bits_dtype, generator=gen)
+    bits = bits.to(device).view(COMPILED_BLOCK // ROW_WIDTH, ROW_WIDTH)
+    first = (1 << 40) + 12345
+    seeds = (dtype_seed("self-check", 0), dtype_seed("self-check", 1))
+    tables = _CompiledTables(device, seeds)
+    try:
+        got = fn(bits, tables.row_terms(first), tables.column_table, tables.seeds).tolist()
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        _disable_compiled(exc)
         return False
-    return _eager_cpu_bytes >= AUTO_COMPILE_AFTER_BYTES and nbytes >= COMPILED_BLOCK
+    eager = _EagerState(device, seeds, COMPILED_BLOCK)
+    rows = max(1, eager.block // ROW_WIDTH)
+    for r in range(0, bits.shape[0], rows):
+        eager.add_block(_Block(bits[r : r + rows], None, first + r * ROW_WIDTH, ROW_WIDTH))
+    if got != eager.acc.tolist():  # pragma: no cover - a miscompilation
+        _log.warning("compiled fingerprint kernel disagrees with eager torch for %s; not using it", bits_dtype)
+        return False
+    return True
+
+
+class _CompiledTables:
+    """The compiled kernel's inputs besides the bits, for blocks of ``COMPILED_BLOCK // ROW_WIDTH`` rows of
+    ``ROW_WIDTH`` consecutive global indices."""
+
+    def __init__(self, device: torch.device, seeds: tuple[int, int]) -> None:
+        k = _signed(INDEX_MULTIPLIER)
+        kw: dict = {"dtype": torch.int64, "device": device}
+        self.column_table = torch.arange(ROW_WIDTH, **kw).mul_(k)
+        self._row_steps = torch.arange(COMPILED_BLOCK // ROW_WIDTH, **kw).mul_(ROW_WIDTH)
+        self._row_terms = torch.empty_like(self._row_steps)
+        self.seeds = torch.tensor([_signed(s) for s in seeds], **kw)
+        self._k = k
+
+    def row_terms(self, first: int) -> torch.Tensor:
+        """``(first + r * ROW_WIDTH) * K`` for each row ``r``."""
+        return torch.add(self._row_steps, first, out=self._row_terms).mul_(self._k)
 
 
 # ------------------------------------------------------------------------------------------- entry
@@ -373,33 +441,42 @@ def fingerprint_lanes(
     device = flat.device
     nbytes = flat.numel() * flat.element_size()
 
-    compiled = _get_compiled() if _use_compiled(device, nbytes) else None
-    long_runs = geometry.run_length >= ROW_WIDTH
-    block = COMPILED_BLOCK if compiled is not None and long_runs else EAGER_BLOCK
-    seeds_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=device)
+    compiled = None
+    if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel()):
+        compiled = _compiled_kernel(flat.dtype, device)
+    block = COMPILED_BLOCK if compiled is not None else eager_block(device)
+    compiled_shape = (COMPILED_BLOCK // ROW_WIDTH, ROW_WIDTH)
+    tables = stage = None
+    if compiled is not None:
+        tables = _CompiledTables(device, seeds)
+        if device.type == "cpu":
+            # Copying each block into one reused buffer first, then running the fused kernel on it, was
+            # 1.5-1.8x faster on CPU than running the kernel on the tensor's memory directly.
+            stage = torch.empty(compiled_shape, dtype=flat.dtype, device=device)
     lanes = [0, 0]
     eager: _EagerState | None = None
     for blk in iter_blocks(flat, geometry, block):
-        full = blk.bits.numel() == COMPILED_BLOCK and (blk.row_step == ROW_WIDTH or blk.bits.shape[0] == 1)
-        if compiled is not None and full:
-            first = torch.tensor(blk.first_start, dtype=torch.int64, device=device)
-            res = _run_compiled(compiled, blk.bits, first, seeds_t)
-            if res is not None:
+        if compiled is not None and tables is not None and blk.bits.shape == compiled_shape:
+            src = blk.bits if stage is None else stage.copy_(blk.bits)
+            try:
+                res = compiled(src, tables.row_terms(blk.first_start), tables.column_table, tables.seeds)
                 a, b = res.tolist()
+            except Exception as exc:  # pragma: no cover - depends on the environment
+                _disable_compiled(exc)
+                compiled = None
+            else:
                 lanes[0] += a
                 lanes[1] += b
                 continue
-            compiled = None
         if eager is None:
-            eager = _EagerState(device, EAGER_BLOCK, seeds)
-        if blk.bits.numel() <= EAGER_BLOCK:
+            eager = _EagerState(device, seeds, flat.numel())
+        if blk.bits.numel() <= eager.block:
             eager.add_block(blk)
             continue
-        # A compiled-size block (consecutive rows of one run) that the compiled path did not take.
-        rows = max(1, EAGER_BLOCK // blk.bits.shape[1])
+        # A compiled-size block (consecutive rows of one run) that the compiled kernel did not take.
+        rows = max(1, eager.block // ROW_WIDTH)
         for r in range(0, blk.bits.shape[0], rows):
-            sub = blk.bits[r : r + rows]
-            eager.add_block(_Block(sub, None, blk.first_start + r * blk.row_step, blk.row_step))
+            eager.add_block(_Block(blk.bits[r : r + rows], None, blk.first_start + r * ROW_WIDTH, ROW_WIDTH))
     if eager is not None:
         a, b = eager.acc.tolist()
         lanes[0] += a

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import ckptverify.dcp.writer as writer_mod
-import ckptverify.save as cs
+import ckptverify.saving as cs
 
 
 def make_state(n: int, mib: int, seed: int = 0) -> dict[str, Any]:

@@ -27,3 +27,11 @@ def test_cli_help_lists_the_commands():
 
 def test_all_lists_exactly_the_lazy_exports():
     assert set(ckptverify.__all__) - {"__version__"} == set(ckptverify._EXPORTS)
+
+
+def test_exports_stay_callable_after_their_modules_are_imported():
+    import importlib
+
+    for name, module in ckptverify._EXPORTS.items():
+        importlib.import_module(module)
+        assert getattr(ckptverify, name) is getattr(importlib.import_module(module), name), name

@@ -38,7 +38,7 @@ from ckptverify.dcp.writer import HashedStorageInfo, HashingFileSystemWriter
 from ckptverify.errors import UsageError
 from ckptverify.fingerprint import FINGERPRINT_VERSION, block_digests, digest_file_range, tensor_fingerprint
 from ckptverify.manifest import MANIFEST_FILE, Manifest, read_manifest
-from ckptverify.save import async_save, save
+from ckptverify.saving import async_save, save
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from ckptverify.examples.corpus import TokenDataset
 
@@ -265,13 +265,15 @@ def make_loader(
     loader_cls: type = DataLoader,
     **kwargs: Any,
 ) -> Any:
-    """A loader over this rank's part of ``dataset``: a seeded ``DistributedSampler`` (``drop_last``) and fixed-size
-    batches. ``loader_cls`` may be ``torchdata.stateful_dataloader.StatefulDataLoader`` for a resumable data
-    position; ``kwargs`` go to it. Call ``loader.sampler.set_epoch(epoch)`` between epochs for a new order.
+    """A loader over this rank's part of ``dataset``: a seeded :class:`~ckptverify.state.sampler.ResumableSampler`
+    (sharded like ``DistributedSampler``, ``drop_last``, resumable mid-epoch) and fixed-size batches.
+    ``loader_cls`` may be ``torchdata.stateful_dataloader.StatefulDataLoader``; ``kwargs`` go to it. Call
+    ``loader.sampler.set_epoch(epoch)`` between epochs for a new order.
     """
-    sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
-    )
+    from ckptverify.state.sampler import ResumableSampler
+
+    sampler = ResumableSampler(len(dataset), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                               drop_last=True)
     return loader_cls(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **kwargs)
 
 

@@ -7,7 +7,7 @@ streams, data position, state digests) is stored under ``rank{r}`` keys, because
 copy of items several ranks save under the same key.
 
 Besides the state itself, every rank stores a digest of each non-tensor field as it was at save time
-(``digests.rank{r}.<field>``); after a load, :func:`ckptverify.load.load` recomputes them from the restored
+(``digests.rank{r}.<field>``); after a load, :func:`ckptverify.restore.load` recomputes them from the restored
 objects, so a field that a ``load_state_dict`` silently ignored is reported.
 """
 
@@ -22,7 +22,7 @@ import torch
 from ckptverify.errors import UsageError
 from ckptverify.state.dataloader import loader_state, restore_loader
 from ckptverify.state.digest import state_digest
-from ckptverify.state.rng import RngState, capture_rng, rank_key
+from ckptverify.state.rng import RNG_STATE_VERSION, RngState, capture_rng, rank_key, restore_rng
 
 STATE_VERSION = 1
 
@@ -104,8 +104,9 @@ class TrainState:
                             seed=seed)
         #: Digests of each non-tensor field as saved (filled by ``load_state_dict``).
         self.saved_digests: dict[str, str] = {}
-        #: World size of the checkpoint about to be loaded (set by :func:`ckptverify.load.load`).
+        #: World size of the checkpoint about to be loaded (set by :func:`ckptverify.restore.load`).
         self.saved_world_size: int | None = None
+        self._restored_rng: dict[str, Any] | None = None
         #: Fields whose state the last load did not restore on purpose (e.g. re-seeded RNG).
         self.warnings: list[str] = self.rng.warnings
 
@@ -118,25 +119,32 @@ class TrainState:
             return {}, {}
         return get_state_dict(self.model, self.optimizers)
 
-    def fields(self) -> dict[str, Any]:
-        """The non-tensor-model fields, as they are now (the ones digested for the restore check)."""
+    def fields(self, rng: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The non-tensor-model fields, as they are now (the ones digested for the restore check).
+
+        Random streams are captured first: reading other state (a loader's ``state_dict`` may start an
+        iterator) can draw from them.
+        """
+        rng = capture_rng(self.rng.generators) if rng is None else rng
         out: dict[str, Any] = {"counters": self.counters.state_dict()}
         for i, sched in enumerate(self.schedulers):
             out[f"scheduler.{i}"] = sched.state_dict()
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         if self.dataloader is not None:
-            out["data"] = loader_state(self.dataloader)
-        for kind, value in capture_rng(self.rng.generators).items():
+            out["data"] = self._loader_state()
+        for kind, value in rng.items():
             out[f"rng.{kind}"] = value
         for name, obj in self.extras.items():
             out[f"extras.{name}"] = obj.state_dict()
         return out
 
-    def digests(self) -> dict[str, str]:
-        return {name: state_digest(value) for name, value in self.fields().items()}
+    def digests(self, rng: Mapping[str, Any] | None = None) -> dict[str, str]:
+        return {name: state_digest(value) for name, value in self.fields(rng).items()}
 
     def state_dict(self) -> dict[str, Any]:
+        rng = capture_rng(self.rng.generators)  # first: reading other state may draw from the streams
+        digests = self.digests(rng)
         model_sd, optim_sd = self._model_optim()
         me = rank_key(self.rank)
         sd: dict[str, Any] = {"version": STATE_VERSION, "world_size": self.world_size}
@@ -149,7 +157,7 @@ class TrainState:
         if self.scaler is not None:
             sd["scaler"] = self.scaler.state_dict()
         sd["counters"] = self.counters.state_dict()
-        sd["rng"] = self.rng.state_dict()
+        sd["rng"] = {"version": RNG_STATE_VERSION, "world_size": self.world_size, me: rng}
         data_key, digest_key = me, me
         if self.resharding:
             # Loading a checkpoint of another world size: this rank's keys may not exist. RNG streams
@@ -159,12 +167,33 @@ class TrainState:
             data_key = rank_key(0)
             digest_key = me if self.rank < (self.saved_world_size or 0) else None
         if self.dataloader is not None:
-            sd["data"] = {data_key: loader_state(self.dataloader)}
+            sd["data"] = {data_key: self._loader_state()}
         if self.extras:
             sd["extras"] = {name: obj.state_dict() for name, obj in self.extras.items()}
         if digest_key is not None:
-            sd["digests"] = {digest_key: self.digests()}
+            sd["digests"] = {digest_key: digests}
         return sd
+
+    def _loader_state(self) -> dict[str, Any]:
+        # A loader's state_dict may start an iterator, which draws a base seed from the global generator:
+        # reading the position must not move any random stream.
+        before = capture_rng(self.rng.generators)
+        try:
+            return loader_state(self.dataloader)
+        finally:
+            restore_rng(before, self.rng.generators)
+
+    def reapply_rng(self) -> None:
+        """Put back the random streams as they were restored by the last load.
+
+        Creating a ``DataLoader`` iterator draws a base seed from the global generator (or the loader's
+        ``generator``). An uninterrupted run drew it when the epoch began, before the checkpoint; a resumed
+        run draws it again after loading. Call this right after creating the resumed iterator (the resume
+        harness does) so the next draws are the uninterrupted run's.
+        """
+        if self._restored_rng is None:
+            raise UsageError("reapply_rng() needs a state restored by ckptverify.load()")
+        restore_rng(self._restored_rng, self.rng.generators)
 
     @property
     def resharding(self) -> bool:
@@ -188,6 +217,7 @@ class TrainState:
             self.scaler.load_state_dict(sd["scaler"])
         self.counters.load_state_dict(sd["counters"])
         self.rng.load_state_dict(sd["rng"])
+        self._restored_rng = capture_rng(self.rng.generators)
         if self.dataloader is not None:
             data = sd["data"]
             restore_loader(self.dataloader, data.get(me) if me in data else next(iter(data.values())))

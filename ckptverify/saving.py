@@ -100,7 +100,7 @@ def save(
 
     Args:
         state_dict: what to save, as for :func:`torch.distributed.checkpoint.save`, or a
-            :class:`~ckptverify.state.train_state.TrainState` (restore it with :func:`ckptverify.load.load`).
+            :class:`~ckptverify.state.train_state.TrainState` (restore it with :func:`ckptverify.restore.load`).
         path: the checkpoint directory (created if missing).
         digest: byte digest, ``"xxh3-128"`` (fast, the default) or ``"sha256"`` (tamper evidence).
         block_bytes: every item is also digested in blocks of this many bytes, to localize damage.
