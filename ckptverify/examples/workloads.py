@@ -1,0 +1,150 @@
+"""Training functions for the resume-equivalence harness: the correct built-in workload and planted bugs.
+
+Each is ``train(run)`` in the five-line :class:`~ckptverify.resume.run.Run` protocol, on the tiny GPT
+(:mod:`ckptverify.examples.tinygpt`), and runs on 1 or N ranks (FSDP2 over gloo on CPU, or on CUDA). The
+planted bugs each break resumption in one way, with the verdict the harness must reach:
+
+| workload | bug | verdict |
+|---|---|---|
+| ``correct`` | none | ``pass`` |
+| ``rng_not_restored`` | re-seeds the global generator after loading, as some frameworks do | ``rng`` |
+| ``data_not_restored`` | the data loader is left out of the TrainState | ``data`` |
+| ``scheduler_not_saved`` | the LR scheduler is left out of the TrainState | ``scheduler`` |
+| ``hidden_counter`` | a module-level counter drives the learning rate | ``hidden-state`` |
+| ``nondeterministic`` | the loss is summed in an order that changes between processes | ``nondeterministic`` |
+
+Run one: ``ckptverify resume-check ckptverify.examples.workloads:correct --steps 8 --resume-at 4``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ckptverify.examples.tinygpt import TinyGPTConfig, Training, build_training, make_loader, train_step
+from ckptverify.resume.run import Run
+from ckptverify.state.train_state import TrainState
+
+CONFIG = TinyGPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+BATCH = 4
+EXPECTED_VERDICTS = {
+    "correct": "pass",
+    "rng_not_restored": "rng",
+    "data_not_restored": "data",
+    "scheduler_not_saved": "scheduler",
+    "hidden_counter": "hidden-state",
+    "nondeterministic": "nondeterministic",
+}
+
+
+def _setup(run: Run) -> tuple[Training, Any]:
+    torch.set_num_threads(1)  # bitwise reproducibility on CPU needs a fixed thread count
+    mesh = None
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("CKPTVERIFY_DEVICE") == "cuda" else "cpu"
+    if run.world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device, (run.world_size,))
+    training = build_training(CONFIG, total_steps=40, num_sequences=512, mesh=mesh, device=device, seed=0)
+    loader = make_loader(training.dataset, BATCH, rank=run.rank, world_size=run.world_size, seed=1)
+    return training, loader
+
+
+def _loop(run: Run, training: Training, loader: Any, step: Any = train_step) -> None:
+    for batch in run.steps(loader):
+        out = step(training, batch)
+        run.record(loss=out["loss"], batch=batch, lr=out["lr"], grad_norm=out["grad_norm"])
+
+
+def correct(run: Run) -> None:
+    """The built-in workload, with its full state registered: resumes bitwise."""
+    training, loader = _setup(run)
+    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
+                       dataloader=loader)
+    run.restore(state)
+    _loop(run, training, loader)
+
+
+def rng_not_restored(run: Run) -> None:
+    training, loader = _setup(run)
+    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
+                       dataloader=loader)
+    run.restore(state)
+    torch.manual_seed(1234 + run.rank)  # BUG: re-seeding after the restore throws the restored streams away
+    _loop(run, training, loader)
+
+
+def data_not_restored(run: Run) -> None:
+    training, loader = _setup(run)
+    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler)  # BUG
+    run.restore(state)
+    _loop(run, training, loader)
+
+
+def scheduler_not_saved(run: Run) -> None:
+    training, loader = _setup(run)
+    state = TrainState(model=training.model, optimizer=training.optimizer, dataloader=loader)  # BUG: no scheduler
+    run.restore(state)
+    _loop(run, training, loader)
+
+
+_LR_COUNTER = 0  # BUG: module-level state that drives the learning rate, saved nowhere
+
+
+def hidden_counter(run: Run) -> None:
+    training, loader = _setup(run)
+    state = TrainState(model=training.model, optimizer=training.optimizer, dataloader=loader)
+    run.restore(state)
+
+    def step(training: Training, batch: Any) -> dict[str, Any]:
+        global _LR_COUNTER
+        for group in training.optimizer.param_groups:
+            group["lr"] = 3e-3 * 0.8**_LR_COUNTER
+        _LR_COUNTER += 1
+        return _step_without_scheduler(training, batch)
+
+    _loop(run, training, loader, step)
+
+
+def _step_without_scheduler(training: Training, batch: Any, loss_fn: Any = None) -> dict[str, Any]:
+    model, optimizer = training.model, training.optimizer
+    model.train()
+    input_ids, targets = (z.to(training.device) for z in batch)
+    logits = model(input_ids)
+    if loss_fn is None:
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    else:
+        loss = loss_fn(logits, targets)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr}
+
+
+def nondeterministic(run: Run) -> None:
+    training, loader = _setup(run)
+    state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
+                       dataloader=loader)
+    run.restore(state)
+    order = torch.Generator().manual_seed(os.getpid())  # BUG: the summation order depends on the process
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        terms = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        total = terms.new_zeros(())
+        for i in torch.randperm(terms.numel(), generator=order).tolist():
+            total = total + terms[i]
+        return total / terms.numel()
+
+    def step(training: Training, batch: Any) -> dict[str, Any]:
+        out = _step_without_scheduler(training, batch, loss_fn)
+        training.scheduler.step()
+        return out
+
+    _loop(run, training, loader, step)

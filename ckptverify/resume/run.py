@@ -1,0 +1,289 @@
+"""The ``Run`` protocol: five lines that make a training function resumable, traceable and checkable.
+
+```python
+import ckptverify as cv
+
+def train(run: cv.Run) -> None:
+    ...                                          # build model, optimizer, scheduler, loader as usual
+    state = cv.TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=loader)
+    run.restore(state)                           # resumes here under the harness; no-op on a fresh start
+    for batch in run.steps(loader):              # yields until the stop step
+        loss = ...
+        run.record(loss=loss, batch=batch)       # end of step: trace; saves when asked
+```
+
+The same function runs unchanged under plain ``python`` (``cv.Run.main(train, steps=100)``), under
+``torchrun`` on N ranks, and under the harness (``ckptverify resume-check``), which passes its plan (stop
+step, save steps, resume checkpoint, trace level and directory) through the environment variable
+``CKPTVERIFY_RUN``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptverify.errors import UsageError
+
+ENV_VAR = "CKPTVERIFY_RUN"
+LEVELS = ("metrics", "state", "module")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What the harness asks of one run. Defaults describe a plain run: no saves, no trace."""
+
+    name: str = "plain"
+    stop_step: int | None = None
+    save_at: tuple[int, ...] = ()
+    checkpoint_dir: str | None = None
+    resume_from: str | None = None
+    trace_dir: str | None = None
+    level: str = "state"
+    workload: str = ""
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise UsageError(f"trace level must be one of {', '.join(LEVELS)}, got {self.level!r}")
+        if self.save_at and not self.checkpoint_dir:
+            raise UsageError("save_at needs checkpoint_dir")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        data = json.loads(text)
+        data["save_at"] = tuple(data.get("save_at", ()))
+        return cls(**data)
+
+
+def checkpoint_path(checkpoint_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir, f"step_{step}")
+
+
+@dataclass
+class _Progress:
+    step: int = 0
+    restored_from: str | None = None
+    restore_report: Any = None
+    records: int = 0
+    saved: list[str] = field(default_factory=list)
+
+
+class Run:
+    """One run of a training function: where to stop, when to save, what to trace, where to resume from."""
+
+    def __init__(self, config: RunConfig | None = None) -> None:
+        self.config = config or RunConfig()
+        self.state: Any = None
+        self._p = _Progress()
+        self._recorder: Any = None
+        self._rank, self._world = _rank_world()
+
+    @classmethod
+    def from_env(cls, *, steps: int | None = None) -> Run:
+        """The harness's run when ``CKPTVERIFY_RUN`` is set, else a plain run of ``steps`` steps."""
+        text = os.environ.get(ENV_VAR)
+        if text:
+            return cls(RunConfig.from_json(text))
+        return cls(RunConfig(stop_step=steps))
+
+    @classmethod
+    def main(cls, train: Callable[[Run], None], *, steps: int | None = None) -> None:
+        """Run ``train`` once, as the harness (if it launched this process) or plainly for ``steps`` steps."""
+        run = cls.from_env(steps=steps)
+        try:
+            train(run)
+        finally:
+            run.close()
+
+    # ------------------------------------------------------------------ the protocol
+
+    @property
+    def step(self) -> int:
+        """Steps completed so far (restored from the checkpoint when resuming)."""
+        return self._p.step
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def restore(self, state: Any) -> None:
+        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint."""
+        from ckptverify.state.train_state import TrainState
+
+        if not isinstance(state, TrainState):
+            raise UsageError(f"run.restore() takes a TrainState, got {type(state).__name__}")
+        self.state = state
+        if self.config.resume_from:
+            from ckptverify.restore import load
+
+            report = load(state, self.config.resume_from)
+            self._p.restored_from = self.config.resume_from
+            self._p.restore_report = report
+            self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
+        self._p.step = state.counters.step
+        self._write_json(f"notes-rank{self._rank}.json", {"unsaved_schedulers": unsaved_schedulers(state)})
+        self._open_trace()
+
+    def steps(self, loader: Iterable[Any] | None = None) -> Iterator[Any]:
+        """Yield batches from ``loader`` (or step numbers without one) until the stop step.
+
+        With a built-in ``ResumableSampler`` the consumed position is tracked; after resuming, the random
+        streams are put back once the loader's iterator exists (creating it draws a base seed).
+        """
+        stop = self.config.stop_step
+        if loader is None:
+            it: Iterator[Any] = _count(self._p.step + 1)
+        else:
+            it = _epochs(loader, self.state)
+            # Creating the loader's iterator draws a base seed from a random stream; an uninterrupted run
+            # drew it when the epoch began, before the checkpoint. A resumed run must not draw it again.
+            resumed = self._p.restored_from is not None and self.state is not None
+            if resumed:
+                from ckptverify.state.rng import capture_rng, restore_rng
+
+                before = capture_rng(self.state.rng.generators)
+            marker = next(it, _END)
+            assert marker is _ITER_READY
+            if resumed:
+                restore_rng(before, self.state.rng.generators)
+        self._pending = False
+        while stop is None or self._p.step < stop:
+            if self._pending:
+                raise UsageError("call run.record(...) once at the end of every step")
+            item = next(it, _END)
+            if item is _END:
+                return
+            self._pending = True
+            yield item
+
+    def record(self, *, loss: Any = None, batch: Any = None, **metrics: Any) -> None:
+        """End of a step: record the trace row, advance the step counter, save if this step is planned."""
+        if not getattr(self, "_pending", False):
+            raise UsageError("run.record() must be called once per step yielded by run.steps()")
+        self._pending = False
+        self._p.step += 1
+        if self.state is not None:
+            self.state.counters.step = self._p.step
+        values = dict(metrics)
+        if loss is not None:
+            values["loss"] = loss
+        if self._recorder is not None:
+            self._recorder.record_step(self._p.step, metrics=values, batch=batch,
+                                       state=self.state if self.config.level != "metrics" else None)
+        self._p.records += 1
+        if self._p.step in self.config.save_at:
+            self._save()
+
+    def close(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
+        if self.config.trace_dir and self._rank == 0:
+            self._write_json("run.json", {"name": self.config.name, "steps": self._p.step,
+                                          "saved": self._p.saved, "world_size": self._world})
+
+    # ------------------------------------------------------------------ internals
+
+    def _save(self) -> None:
+        from ckptverify.saving import save
+
+        if self.state is None:
+            raise UsageError("the harness asked for a checkpoint but run.restore(state) was never called")
+        assert self.config.checkpoint_dir is not None
+        path = checkpoint_path(self.config.checkpoint_dir, self._p.step)
+        if self._recorder is not None:
+            self._recorder.flush()
+        save(self.state, path)
+        self._p.saved.append(path)
+
+    def _open_trace(self) -> None:
+        if not self.config.trace_dir or self._recorder is not None:
+            return
+        from ckptverify.trace import TraceHeader, TraceRecorder
+
+        header = TraceHeader(run=self.config.name, rank=self._rank, world_size=self._world, level=self.config.level,
+                             workload=self.config.workload)
+        self._recorder = TraceRecorder(os.path.join(self.config.trace_dir, f"rank{self._rank}"), header=header)
+        if self.config.level == "module" and self.state is not None and self.state.model is not None:
+            self._recorder.attach(self.state.model)
+
+    def _write_json(self, name: str, data: Any) -> None:
+        if not self.config.trace_dir:
+            return
+        os.makedirs(self.config.trace_dir, exist_ok=True)
+        tmp = os.path.join(self.config.trace_dir, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+        os.replace(tmp, os.path.join(self.config.trace_dir, name))
+
+
+_END = object()
+
+
+def _epochs(loader: Iterable[Any], state: Any) -> Iterator[Any]:
+    """Batches over epochs. The first item yielded is a marker once the epoch's iterator exists (so the
+    caller can act right after the base-seed draw), then batches; at the end of an epoch the sampler moves
+    to the next epoch and the epoch counter advances."""
+    from ckptverify.state.dataloader import find_resumable_sampler
+
+    sampler = find_resumable_sampler(loader)
+    stateful = type(loader).__name__.startswith("Stateful")
+    first_epoch = True
+    while True:
+        inner = iter(loader)  # draws the base seed now
+        batches = sampler.track(inner, batch_size=getattr(loader, "batch_size", None)) if (
+            sampler is not None and not stateful) else inner
+        if first_epoch:
+            yield _ITER_READY
+            first_epoch = False
+        got = False
+        for batch in batches:
+            got = True
+            yield batch
+        if not got and sampler is None:
+            return
+        if sampler is None:
+            return  # a plain loader: one pass
+        sampler.set_epoch(sampler.epoch + 1)
+        if state is not None:
+            state.counters.epoch = sampler.epoch
+
+
+_ITER_READY = object()
+
+
+def unsaved_schedulers(state: Any) -> list[str]:
+    """Optimizers of ``state`` driven by an LR scheduler that ``state`` does not hold.
+
+    torch's LR schedulers wrap their optimizer's ``step`` (marking it ``_wrapped_by_lr_sched``); a scheduler
+    that wraps a registered optimizer but is not registered itself will not be saved.
+    """
+    if state.schedulers:
+        return []
+    return [f"optimizer {i} ({type(opt).__name__})" for i, opt in enumerate(state.optimizers)
+            if hasattr(getattr(opt, "step", None), "_wrapped_by_lr_sched")]
+
+
+def _count(start: int) -> Iterator[int]:
+    n = start
+    while True:
+        yield n
+        n += 1
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
