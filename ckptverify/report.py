@@ -57,7 +57,7 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
     counts = report.summary()
     tail = f"{counts['error']} error(s), {counts['warning']} warning(s)"
     if report.passed:
-        note = " — see warnings: some content could not be checked" if counts["warning"] else ""
+        note = " — read the warnings" if counts["warning"] else ""
         console.print(f"[bold green]PASSED[/] {report.command} {report.target}: {tail}{note}")
     else:
         console.print(f"[bold red]FAILED[/] {report.command} {report.target}: {tail}")

@@ -15,6 +15,7 @@ Every rank of the process group calls :func:`load`.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CheckpointRefusedError, UsageError
@@ -88,7 +89,10 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
         _verify_on_coordinator(root, deep_verify)
     state.saved_world_size = saved_world_size(root)
     template = state.state_dict()
-    dcp.load(template, checkpoint_id=root, planner=SafeLoadPlanner())
+    with warnings.catch_warnings():
+        # Loading in a single process without a process group is intended here, not a mistake.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(template, checkpoint_id=root, planner=SafeLoadPlanner())
     state.load_state_dict(template)
     findings: list[Finding] = [warning("restore-inexact", w) for w in state.warnings]
     coverage: list[CheckCoverage] = []

@@ -19,8 +19,10 @@ Run one: ``ckptverify resume-check ckptverify.examples.workloads:correct --steps
 from __future__ import annotations
 
 import os
+import random
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,8 @@ EXPECTED_VERDICTS = {
 
 def _setup(run: Run) -> tuple[Training, Any]:
     torch.set_num_threads(1)  # bitwise reproducibility on CPU needs a fixed thread count
+    random.seed(run.rank)  # every random stream seeded, used or not
+    np.random.seed(run.rank)
     mesh = None
     device = "cuda" if torch.cuda.is_available() and os.environ.get("CKPTVERIFY_DEVICE") == "cuda" else "cpu"
     if run.world_size > 1:
@@ -96,6 +100,8 @@ _LR_COUNTER = 0  # BUG: module-level state that drives the learning rate, saved 
 
 def hidden_counter(run: Run) -> None:
     training, loader = _setup(run)
+    # Manual learning-rate control: no scheduler at all, the rate comes from a counter.
+    training.optimizer = torch.optim.AdamW(training.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     state = TrainState(model=training.model, optimizer=training.optimizer, dataloader=loader)
     run.restore(state)
 

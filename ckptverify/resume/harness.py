@@ -198,7 +198,6 @@ def resume_check(plan: Plan, *, keep: str | None = None,
 
 def _compare(plan: Plan, configs: dict[str, RunConfig]) -> tuple[list[Finding], dict[str, Any]]:
     from ckptverify.diff import diff_checkpoints
-    from ckptverify.trace.compare import compare_runs, first_divergence
 
     T, K = plan.steps, plan.resume_at
     findings: list[Finding] = []
@@ -217,21 +216,64 @@ def _compare(plan: Plan, configs: dict[str, RunConfig]) -> tuple[list[Finding], 
     # (b) A vs A2: nondeterminism
     a_trace = configs["A"].trace_dir
     if "A2" in configs:
-        nd = compare_runs(a_trace, configs["A2"].trace_dir)
-        findings.extend(_tag("A vs A2", nd))
-        analysis["nondeterminism"] = first_divergence(a_trace, configs["A2"].trace_dir) if nd else None
+        nd, analysis["nondeterminism"] = _trace_stage("A vs A2", a_trace, configs["A2"].trace_dir, None)
+        findings.extend(nd)
+        if analysis["nondeterminism"] is not None:
+            step = analysis["nondeterminism"].step
+            analysis["nondeterminism_sites"] = _differing_sites(a_trace, configs["A2"].trace_dir,
+                                                                range(step, step + 1))
     # (c) A vs B after the resume
     if "B" in configs:
         steps = range(K + 1, T + 1)
-        ab = compare_runs(a_trace, configs["B"].trace_dir, steps=steps)
-        findings.extend(_tag("A vs B", ab))
-        analysis["resume"] = first_divergence(a_trace, configs["B"].trace_dir, steps=steps) if ab else None
+        ab, analysis["resume"] = _trace_stage("A vs B", a_trace, configs["B"].trace_dir, steps)
+        findings.extend(ab)
+        if analysis["resume"] is not None:
+            step = analysis["resume"].step
+            analysis["resume_sites"] = _differing_sites(a_trace, configs["B"].trace_dir, range(step, step + 1))
         # (d) final states
         final = diff_checkpoints(checkpoint_path(configs["A"].checkpoint_dir, T),  # type: ignore[arg-type]
                                  checkpoint_path(configs["B"].checkpoint_dir, T))  # type: ignore[arg-type]
         findings.extend(_tag("final A vs B", [f for f in final.findings if f.severity.value == "error"]))
         analysis["final"] = [f for f in final.findings if f.severity.value == "error"]
     return findings, analysis
+
+
+def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) -> tuple[list[Finding], Any]:
+    """Compare two runs' traces. Random streams that differ while no value computed from them does (an
+    unseeded, unused generator) are a warning, not a divergence."""
+    from ckptverify.findings import warning
+    from ckptverify.trace.compare import compare_runs, first_divergence
+
+    found = compare_runs(a, b, steps=steps)  # type: ignore[arg-type]
+    if not any(f.severity.value == "error" for f in found):
+        return _tag(stage, found), None
+    first = first_divergence(a, b, steps=steps)  # type: ignore[arg-type]
+    differing = _differing_sites(a, b, steps)  # type: ignore[arg-type]
+    if differing and all(name.startswith("rng.") for name in differing):
+        names = ", ".join(sorted(differing))
+        return [warning("trace-rng-unused", f"[{stage}] random stream(s) {names} differ between the runs, but no "
+                        "traced value computed in these steps depends on them (an unseeded generator the job "
+                        "does not draw from?)")], None
+    return _tag(stage, found), first
+
+
+def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:
+    from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.store import open_trace
+
+    out: set[str] = set()
+    stores_a, stores_b = run_stores(dir_a), run_stores(dir_b)
+    for rank in set(stores_a) & set(stores_b):
+        ta, tb = open_trace(stores_a[rank]), open_trace(stores_b[rank])
+        common = set(int(s) for s in ta.steps) & set(int(s) for s in tb.steps)
+        if steps is not None:
+            common &= set(steps)
+        names = {s.name for s in ta.sites} | {s.name for s in tb.sites}
+        for step in sorted(common):
+            for name in names - out:
+                if ta.value(step, name) != tb.value(step, name):
+                    out.add(name)
+    return out
 
 
 def _read_notes(config: RunConfig) -> list[str]:

@@ -211,11 +211,12 @@ class Run:
             return
         from ckptverify.trace import TraceHeader, TraceRecorder
 
-        header = TraceHeader(run=self.config.name, rank=self._rank, world_size=self._world, level=self.config.level,
-                             workload=self.config.workload)
-        self._recorder = TraceRecorder(os.path.join(self.config.trace_dir, f"rank{self._rank}"), header=header)
-        if self.config.level == "module" and self.state is not None and self.state.model is not None:
-            self._recorder.attach(self.state.model)
+        header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload)
+        self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True)
+        if self.config.level != "metrics" and self.state is not None and self.state.model is not None:
+            # Gradients are captured right before each optimizer step (wherever the loop zeroes them);
+            # at level "module" every module's output and input gradient too.
+            self._recorder.attach(self.state.model, optimizer=self.state.optimizers or None)
 
     def _write_json(self, name: str, data: Any) -> None:
         if not self.config.trace_dir:

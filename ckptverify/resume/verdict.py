@@ -89,14 +89,19 @@ def decide(plan: Any, analysis: dict[str, Any]) -> Verdict:
                       origin=_get(div, "origin"))
         first_resumed = _get(div, "step") == plan.resume_at + 1
         when = "the first resumed step" if first_resumed else f"step {_get(div, 'step')}"
-        if category == "data":
+        # Every site that differs at that step, not only the first: causes (batch, random streams, learning
+        # rate) are recorded after the values they changed within a step's row.
+        sites = set(analysis.get("resume_sites") or ()) | {site}
+        if category == "data" or any(s.startswith("batch") for s in sites):
             return Verdict("data", f"hidden state: the batch of {when} differs ({_where(div)}): the data loader's "
                            "position was not saved or not restored", **common)
-        if category == "rng":
-            return Verdict("rng", f"resume drops state: random stream {site} differs at {when} ({_where(div)}): "
-                           "an RNG was not restored (or was re-seeded after loading)", **common)
+        rngs = sorted(s for s in sites if s.startswith("rng."))
+        if category == "rng" or rngs:
+            return Verdict("rng", f"resume drops state: random stream {', '.join(rngs) or site} differs at {when} "
+                           f"({_where(div)}): an RNG was not restored, or was re-seeded after loading", **common)
         unsaved = analysis.get("unsaved_schedulers") or []
-        if category == "scheduler" or (unsaved and (category == "metric" and "lr" in site)):
+        lr_moved = any(s.startswith(("optim.param_groups", "metric.lr")) for s in sites)
+        if category == "scheduler" or any(s.startswith("scheduler") for s in sites) or (unsaved and lr_moved):
             return Verdict("scheduler", f"resume drops state: the learning rate differs at {when} ({_where(div)}); "
                            f"an LR scheduler drives {', '.join(unsaved) or 'the optimizer'} but is not saved in the "
                            "TrainState", **common)

@@ -1,0 +1,78 @@
+"""Per-step traces: record fingerprints of every training step, and find where two runs first diverge.
+
+* :class:`TraceRecorder` records one row per step (metrics, and at higher levels the batch, gradients,
+  parameters, optimizer state, non-tensor state, module outputs and input gradients) into a rank-local
+  zarr store ``<run_dir>/rank<r>``;
+* :class:`TraceWriter` / :func:`open_trace` write and read one store;
+* :func:`compare_traces` / :func:`compare_runs` return findings, :func:`first_divergence` the structured
+  first divergence.
+
+The layout, levels, site names and comparison semantics are documented in ``docs/trace.md``.
+"""
+
+from __future__ import annotations
+
+from ckptverify.trace.compare import (
+    FirstDivergence,
+    RankComparison,
+    TraceHeaderMismatchError,
+    compare_runs,
+    compare_traces,
+    divergences,
+    first_divergence,
+    module_of,
+    rank_comparisons,
+    run_stores,
+)
+from ckptverify.trace.recorder import ROOT_MODULE, TraceRecorder, canonical_name, module_site
+from ckptverify.trace.store import (
+    CATEGORIES,
+    ENCODINGS,
+    KINDS,
+    LEVELS,
+    TRACE_SCHEMA,
+    TRACE_SCHEMA_VERSION,
+    Cell,
+    Site,
+    Trace,
+    TraceFormatError,
+    TraceHeader,
+    TraceNotFoundError,
+    TraceRow,
+    TraceWriter,
+    open_trace,
+    rank_store_path,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "ENCODINGS",
+    "KINDS",
+    "LEVELS",
+    "ROOT_MODULE",
+    "TRACE_SCHEMA",
+    "TRACE_SCHEMA_VERSION",
+    "Cell",
+    "FirstDivergence",
+    "RankComparison",
+    "Site",
+    "Trace",
+    "TraceFormatError",
+    "TraceHeader",
+    "TraceHeaderMismatchError",
+    "TraceNotFoundError",
+    "TraceRecorder",
+    "TraceRow",
+    "TraceWriter",
+    "canonical_name",
+    "compare_runs",
+    "compare_traces",
+    "divergences",
+    "first_divergence",
+    "module_of",
+    "module_site",
+    "open_trace",
+    "rank_comparisons",
+    "rank_store_path",
+    "run_stores",
+]

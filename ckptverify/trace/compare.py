@@ -1,0 +1,469 @@
+"""Compare two traces step by step and find where they first diverge (see ``docs/trace.md``).
+
+Cells are aligned by identity: the step number and the site name (which carries the occurrence, ``#k``).
+For each rank the first divergent step is the first common step with any differing cell (a different value,
+or a value recorded in one trace only), and the first divergent site is the first differing site of that step
+in execution order. At level ``module`` the differing module sites of that step are classified: the first
+one, when the step's batch and the parameters it started from are equal, is the *origin* (its recorded
+inputs are equal, its output differs); the later ones are *receivers*.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptverify.errors import UsageError
+from ckptverify.findings import Finding, Location, error, info, warning
+from ckptverify.trace.store import (
+    Trace,
+    TraceNotFoundError,
+    open_trace,
+    step_ranges,
+)
+
+__all__ = [
+    "FirstDivergence",
+    "RankComparison",
+    "TraceHeaderMismatchError",
+    "compare_runs",
+    "compare_traces",
+    "divergences",
+    "first_divergence",
+    "module_of",
+    "rank_comparisons",
+    "run_stores",
+]
+
+TraceLike = Trace | str | os.PathLike[str]
+
+_MODULE_KINDS = frozenset({"module_out", "module_grad_in"})
+#: Rows compared at once.
+_BLOCK = 256
+#: Receivers named in a message (all are in the finding's ``actual``).
+_SHOWN = 5
+
+
+class TraceHeaderMismatchError(UsageError):
+    """Two traces describe different things (level, workload, world size, versions, config)."""
+
+    def __init__(self, fields: Sequence[str], a: Trace, b: Trace) -> None:
+        da, db = a.header.to_dict(), b.header.to_dict()
+        detail = "; ".join(f"{name}: {da.get(name)!r} vs {db.get(name)!r}" for name in fields)
+        super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}; "
+                         "pass force=True to compare anyway")
+        self.fields = tuple(fields)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FirstDivergence:
+    """Where one rank's traces first differ.
+
+    ``expected`` is trace A's value, ``actual`` trace B's (``None`` where the site was not recorded). At
+    level ``module``: ``origin`` is the module named as origin (``None`` when there is none: the first
+    difference is not a module site, or the step's inputs differ), ``origin_site`` its site,
+    ``receivers`` the module sites that differ after it, and ``inputs_verified`` whether the step's batch
+    and the parameters it started from were recorded in both traces and found equal (when ``False`` the
+    origin assumes equal parameters, e.g. on the first step after a restore, which the restore check covers).
+    """
+
+    step: int
+    rank: int
+    site: str
+    category: str
+    kind: str
+    expected: float | int | str | None = None
+    actual: float | int | str | None = None
+    origin: str | None = None
+    origin_site: str | None = None
+    origin_type: str | None = None
+    receivers: tuple[str, ...] = ()
+    inputs_verified: bool | None = None
+    differing_sites: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        out["receivers"] = list(self.receivers)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankComparison:
+    """The comparison of one rank's two traces."""
+
+    rank: int
+    path_a: str
+    path_b: str
+    run_a: str
+    run_b: str
+    level: str
+    first: FirstDivergence | None
+    compared_steps: int
+    compared_sites: int
+    only_a: tuple[int, ...] = ()
+    only_b: tuple[int, ...] = ()
+    sites_only_a: tuple[str, ...] = ()
+    sites_only_b: tuple[str, ...] = ()
+    header_differences: tuple[str, ...] = ()
+    missing: str | None = field(default=None)  # "a" or "b" when that run has no store for this rank
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def _as_trace(x: TraceLike) -> Trace:
+    return x if isinstance(x, Trace) else open_trace(x)
+
+
+def _is_store(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / "zarr.json").is_file()
+
+
+def run_stores(run_dir: str | os.PathLike[str]) -> dict[int, Path]:
+    """``{rank: store path}`` of a run's trace directory (its ``rank<r>/`` stores)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise TraceNotFoundError(f"no trace directory at {root}")
+    out: dict[int, Path] = {}
+    for child in root.iterdir():
+        name = child.name
+        if name.startswith("rank") and name[4:].isdigit() and _is_store(child):
+            out[int(name[4:])] = child
+    return dict(sorted(out.items()))
+
+
+def _step_mask(steps: np.ndarray, wanted: Iterable[int] | None) -> np.ndarray:
+    if wanted is None:
+        return np.ones(steps.shape, dtype=bool)
+    if isinstance(wanted, range):
+        return np.fromiter((int(s) in wanted for s in steps), dtype=bool, count=steps.shape[0])
+    chosen = np.asarray(sorted({int(s) for s in wanted}), dtype=np.int64)
+    return np.isin(steps, chosen)
+
+
+def _merged_order(a: Sequence[str], b: Sequence[str]) -> list[str]:
+    """A's execution order, with B's extra sites placed right after the site B records before them."""
+    in_a = set(a)
+    after: dict[str | None, list[str]] = {}
+    prev: str | None = None
+    for name in b:
+        if name in in_a:
+            prev = name
+        else:
+            after.setdefault(prev, []).append(name)
+    out = list(after.get(None, []))
+    for name in a:
+        out.append(name)
+        out.extend(after.get(name, []))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ compare
+
+
+class _Aligned:
+    """Two traces' columns lined up over a common list of site names."""
+
+    def __init__(self, ta: Trace, tb: Trace, names: list[str]) -> None:
+        self.ta, self.tb, self.names = ta, tb, names
+        self.kinds = [(ta.site(n) if ta.has_site(n) else tb.site(n)).kind for n in names]
+        pad_a, pad_b = len(ta._by_column), len(tb._by_column)
+        self.col_a = np.asarray([c if (c := ta.column(n)) is not None else pad_a for n in names], dtype=np.int64)
+        self.col_b = np.asarray([c if (c := tb.column(n)) is not None else pad_b for n in names], dtype=np.int64)
+
+    @staticmethod
+    def _take(trace: Trace, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        base = int(rows[0])
+        values, present = trace.rows(base, int(rows[-1]) + 1)
+        values = np.concatenate([values, np.zeros((values.shape[0], 1, 2), np.uint64)], axis=1)
+        present = np.concatenate([present, np.zeros((present.shape[0], 1), bool)], axis=1)
+        idx = rows - base
+        return values[idx][:, cols], present[idx][:, cols]
+
+    def diff(self, rows_a: np.ndarray, rows_b: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """``[rows, sites]`` bool: cell differs (value, or present in one trace only); plus the raw blocks."""
+        va, pa = self._take(self.ta, rows_a, self.col_a)
+        vb, pb = self._take(self.tb, rows_b, self.col_b)
+        differs = (pa != pb) | (pa & pb & (va != vb).any(axis=-1))
+        return differs, (va, pa, vb, pb)
+
+    def value(self, trace: Trace, step: int, name: str) -> float | int | str | None:
+        return trace.value(step, name) if trace.has_site(name) else None
+
+
+def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool,
+                  ignore: Iterable[str]) -> RankComparison:
+    diffs = ta.header.differences(tb.header, ignore=("run", *ignore))
+    if diffs and not force:
+        raise TraceHeaderMismatchError(diffs, ta, tb)
+    rank = ta.header.rank if ta.header.rank is not None else 0
+    sa, sb = ta.step_array, tb.step_array
+    fa, fb = sa[_step_mask(sa, steps)], sb[_step_mask(sb, steps)]
+    common = np.intersect1d(fa, fb)
+    only_a = tuple(int(s) for s in np.setdiff1d(fa, fb))
+    only_b = tuple(int(s) for s in np.setdiff1d(fb, fa))
+
+    names_a = [s.name for s in ta.sites]
+    names_b = [s.name for s in tb.sites]
+    sites_only_a: tuple[str, ...] = ()
+    sites_only_b: tuple[str, ...] = ()
+    if force:
+        # Traces that describe different things: compare what both record, and say what was left out.
+        names = [n for n in names_a if tb.has_site(n)]
+        sites_only_a = tuple(n for n in names_a if not tb.has_site(n))
+        sites_only_b = tuple(n for n in names_b if not ta.has_site(n))
+    else:
+        names = _merged_order(names_a, names_b)
+    aligned = _Aligned(ta, tb, names)
+    rows_a = np.searchsorted(sa, common)
+    rows_b = np.searchsorted(sb, common)
+
+    first: FirstDivergence | None = None
+    if names:
+        for i0 in range(0, common.shape[0], _BLOCK):
+            ra, rb = rows_a[i0 : i0 + _BLOCK], rows_b[i0 : i0 + _BLOCK]
+            differs, _ = aligned.diff(ra, rb)
+            bad_rows = np.flatnonzero(differs.any(axis=1))
+            if bad_rows.size:
+                i = int(bad_rows[0])
+                first = _describe(aligned, rank, int(common[i0 + i]), differs[i])
+                break
+    level = ta.header.level
+    return RankComparison(rank=rank, path_a=str(ta.path), path_b=str(tb.path), run_a=ta.header.run,
+                          run_b=tb.header.run, level=level, first=first, compared_steps=int(common.shape[0]),
+                          compared_sites=len(names), only_a=only_a, only_b=only_b, sites_only_a=sites_only_a,
+                          sites_only_b=sites_only_b, header_differences=tuple(diffs))
+
+
+def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> FirstDivergence:
+    """The first divergence at ``step`` (``row``: which sites differ), with the module classification."""
+    ta, tb = aligned.ta, aligned.tb
+    j = int(np.argmax(row))
+    name = aligned.names[j]
+    site = ta.site(name) if ta.has_site(name) else tb.site(name)
+    base = {
+        "step": step, "rank": rank, "site": name, "category": site.category, "kind": site.kind,
+        "expected": aligned.value(ta, step, name), "actual": aligned.value(tb, step, name),
+        "differing_sites": int(row.sum()),
+    }
+    module_cols = [k for k, kind in enumerate(aligned.kinds) if kind in _MODULE_KINDS]
+    if ta.header.level != "module" and tb.header.level != "module" and not module_cols:
+        return FirstDivergence(**base)
+    differing_modules = [k for k in module_cols if row[k]]
+    batch_cols = [k for k, kind in enumerate(aligned.kinds) if kind == "batch"]
+    batch_equal = not any(row[k] for k in batch_cols)
+    params_state = _previous_params(aligned, step)  # True equal, False differ, None not recorded
+    inputs_verified = bool(batch_cols) and batch_equal and params_state is True
+    if not differing_modules or not batch_equal or params_state is False:
+        # No module to blame: the difference is not in a module, or it came in with the step's inputs.
+        receivers = tuple(aligned.names[k] for k in differing_modules)
+        return FirstDivergence(**base, receivers=receivers, inputs_verified=inputs_verified)
+    k0 = differing_modules[0]
+    origin_name = aligned.names[k0]
+    origin_site = ta.site(origin_name) if ta.has_site(origin_name) else tb.site(origin_name)
+    return FirstDivergence(
+        **base,
+        origin=module_of(origin_name),
+        origin_site=origin_name,
+        origin_type=origin_site.info or None,
+        receivers=tuple(aligned.names[k] for k in differing_modules[1:]),
+        inputs_verified=inputs_verified,
+    )
+
+
+def module_of(site: str) -> str:
+    """The module name in a module site name: ``module.blocks.0.attn.fwd#1`` -> ``blocks.0.attn``."""
+    body = site[len("module."):] if site.startswith("module.") else site
+    return body.rsplit(".", 1)[0]
+
+
+def _previous_params(aligned: _Aligned, step: int) -> bool | None:
+    """Whether the parameters recorded at the step before ``step`` are equal in both traces (``None`` when
+    that step or its parameters are not in both)."""
+    ta, tb = aligned.ta, aligned.tb
+    row_a = ta.row_index(step)
+    if not row_a:
+        return None
+    prev = int(ta.step_array[row_a - 1])
+    row_b = tb.row_index(prev)
+    if row_b is None:
+        return None
+    cols = [k for k, kind in enumerate(aligned.kinds) if kind == "param"]
+    if not cols:
+        return None
+    differs, (_, pa, _, pb) = aligned.diff(np.asarray([row_a - 1]), np.asarray([row_b]))
+    if not (pa[0, cols].any() or pb[0, cols].any()):
+        return None
+    return not bool(differs[0, cols].any())
+
+
+# ------------------------------------------------------------------------------------------ findings
+
+
+def _show(value: float | int | str | None) -> str:
+    if value is None:
+        return "not recorded"
+    if isinstance(value, str):
+        return value[:12] + "…"
+    return repr(value)
+
+
+def _location(site: str, kind: str, rank: int) -> Location:
+    fqn = None
+    if kind in ("param", "grad"):
+        fqn = site.split(".", 1)[1]
+    elif kind in _MODULE_KINDS:
+        fqn = module_of(site)
+    return Location(rank=rank, record=site, fqn=fqn)
+
+
+def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
+    out: list[Finding] = []
+    for comp in comparisons:
+        r = comp.rank
+        if comp.missing is not None:
+            have, lack = ("A", "B") if comp.missing == "b" else ("B", "A")
+            out.append(error("trace-incomplete", f"rank {r}: trace {have} has a store for this rank, trace {lack} "
+                             "has none", location=Location(rank=r),
+                             actual={"rank": r, "missing_in": lack}))
+            continue
+        for tag, run, missing in (("A", comp.run_a, comp.only_a), ("B", comp.run_b, comp.only_b)):
+            if missing:
+                out.append(error(
+                    "trace-incomplete",
+                    f"rank {r}: steps {step_ranges(missing)} are recorded only in trace {tag} (run {run!r}); "
+                    "they were not compared",
+                    location=Location(rank=r),
+                    actual={"rank": r, "only_in": tag, "steps": list(missing)},
+                ))
+        for tag, names in (("A", comp.sites_only_a), ("B", comp.sites_only_b)):
+            if names:
+                shown = ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
+                out.append(warning(
+                    "trace-sites", f"rank {r}: {len(names)} sites are recorded only in trace {tag} and were not "
+                    f"compared: {shown}", location=Location(rank=r),
+                    actual={"rank": r, "only_in": tag, "sites": list(names)},
+                ))
+    divergent = [c for c in comparisons if c.first is not None]
+    if not divergent:
+        return out
+    first_step = min(c.first.step for c in divergent if c.first is not None)
+    for comp in divergent:
+        d = comp.first
+        assert d is not None
+        later = "" if d.step == first_step else f" (after the first divergence of the job at step {first_step})"
+        out.append(error(
+            "trace-divergence",
+            f"rank {d.rank}: first divergence at step {d.step}{later}, in {d.category}: site {d.site} ({d.kind}) "
+            f"is {_show(d.expected)} in A ({comp.run_a!r}) and {_show(d.actual)} in B ({comp.run_b!r}); "
+            f"{d.differing_sites} sites differ at that step",
+            location=_location(d.site, d.kind, d.rank),
+            expected={"value": d.expected},
+            actual={"step": d.step, "site": d.site, "category": d.category, "kind": d.kind, "rank": d.rank,
+                    "value": d.actual, "differing_sites": d.differing_sites},
+        ))
+        if d.origin is not None:
+            kind = f" ({d.origin_type})" if d.origin_type else ""
+            shown = ", ".join(d.receivers[:_SHOWN]) + (", …" if len(d.receivers) > _SHOWN else "")
+            caveat = "" if d.inputs_verified else (
+                "; the parameters this step started from are not in both traces, so equal inputs are assumed")
+            out.append(info(
+                "trace-origin",
+                f"rank {d.rank}, step {d.step}: module {d.origin}{kind} is the origin — inputs equal, "
+                f"{d.origin_site} differs{caveat}; {len(d.receivers)} later module sites differ as receivers"
+                + (f": {shown}" if shown else ""),
+                location=Location(rank=d.rank, fqn=d.origin, record=d.origin_site),
+                actual={"step": d.step, "rank": d.rank, "origin": d.origin, "origin_site": d.origin_site,
+                        "origin_type": d.origin_type, "receivers": list(d.receivers),
+                        "inputs_verified": d.inputs_verified},
+            ))
+    per_rank = {c.rank: c.first.category for c in divergent if c.first is not None}
+    ranks_first = sorted(c.rank for c in divergent if c.first is not None and c.first.step == first_step)
+    text = ", ".join(f"rank {r}: {cat}" for r, cat in per_rank.items())
+    out.append(info(
+        "trace-summary",
+        f"traces first diverge at step {first_step} (ranks {', '.join(map(str, ranks_first))}); first divergent "
+        f"category per rank: {text}",
+        actual={"first_step": first_step, "ranks": ranks_first,
+                "categories": {str(r): cat for r, cat in per_rank.items()},
+                "steps": {str(c.rank): c.first.step for c in divergent if c.first is not None}},
+    ))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
+                     ignore: Iterable[str] = ()) -> list[RankComparison]:
+    """Compare two traces, or two run directories rank by rank (each ``rank<r>/`` store with its peer).
+
+    Headers are checked for every rank before anything is compared: they must agree on every field but
+    ``run`` (and those in ``ignore``), else :class:`TraceHeaderMismatchError`, unless ``force``.
+    """
+    ignore = tuple(ignore)
+    if isinstance(a, Trace) or isinstance(b, Trace) or _is_store(a) or _is_store(b):
+        pairs = [(_as_trace(a), _as_trace(b))]
+        missing: list[RankComparison] = []
+    else:
+        stores_a, stores_b = run_stores(a), run_stores(b)
+        if not stores_a and not stores_b:
+            raise TraceNotFoundError(f"no rank<r>/ trace stores in {a} or {b}")
+        pairs = [(open_trace(stores_a[r]), open_trace(stores_b[r])) for r in stores_a if r in stores_b]
+        missing = [
+            RankComparison(rank=r, path_a=str(stores_a.get(r, "")), path_b=str(stores_b.get(r, "")), run_a="",
+                           run_b="", level="", first=None, compared_steps=0, compared_sites=0,
+                           missing="b" if r in stores_a else "a")
+            for r in sorted(set(stores_a) ^ set(stores_b))
+        ]
+    if not force:
+        for ta, tb in pairs:
+            diffs = ta.header.differences(tb.header, ignore=("run", *ignore))
+            if diffs:
+                raise TraceHeaderMismatchError(diffs, ta, tb)
+    comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore=ignore) for ta, tb in pairs]
+    return sorted([*comps, *missing], key=lambda c: c.rank)
+
+
+def compare_traces(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
+                   ignore: Iterable[str] = ()) -> list[Finding]:
+    """Findings of comparing two traces (stores or open :class:`Trace`\\ s); no findings when they are equal
+    over the compared steps.
+
+    ``steps`` restricts the comparison (e.g. ``range(K + 1, T + 1)`` for a run resumed at ``K``); steps in
+    the range recorded by only one trace are a ``trace-incomplete`` error. Findings: ``trace-divergence``
+    (error, the first divergent step and site), ``trace-origin`` (info, level ``module``),
+    ``trace-summary`` (info), ``trace-incomplete`` (error), ``trace-sites`` (warning, only with ``force``).
+    """
+    return _findings(rank_comparisons(a, b, steps=steps, force=force, ignore=ignore))
+
+
+def compare_runs(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *,
+                 steps: Iterable[int] | None = None, force: bool = False, ignore: Iterable[str] = ()) -> list[Finding]:
+    """:func:`compare_traces` over all ranks of two run directories (``rank<r>/`` stores). A rank with a
+    store in only one run is a ``trace-incomplete`` error."""
+    for d in (dir_a, dir_b):
+        if _is_store(d):
+            raise UsageError(f"{d} is a single trace store, not a run directory; use compare_traces")
+    return _findings(rank_comparisons(dir_a, dir_b, steps=steps, force=force, ignore=ignore))
+
+
+def divergences(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
+                ignore: Iterable[str] = ()) -> list[FirstDivergence]:
+    """Each divergent rank's first divergence (traces or run directories), by rank."""
+    return [c.first for c in rank_comparisons(a, b, steps=steps, force=force, ignore=ignore) if c.first is not None]
+
+
+def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
+                     ignore: Iterable[str] = ()) -> FirstDivergence | None:
+    """The job's first divergence: the earliest step over all ranks (lowest rank on a tie); ``None`` when the
+    traces agree on every common step. Accepts two traces or two run directories."""
+    found = divergences(a, b, steps=steps, force=force, ignore=ignore)
+    if not found:
+        return None
+    return min(found, key=lambda d: (d.step, d.rank))

@@ -1,0 +1,369 @@
+"""Per-step traces: the store round-trips, identical runs trace identically, and a planted change is found at
+the step, site and category the documented semantics (docs/trace.md) say."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ckptverify import TrainState
+from ckptverify.trace import (
+    Cell,
+    TraceHeader,
+    TraceHeaderMismatchError,
+    TraceRecorder,
+    TraceWriter,
+    compare_runs,
+    compare_traces,
+    first_divergence,
+    open_trace,
+)
+from ckptverify.trace.compare import _merged_order
+
+STEPS = 5
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+
+
+def _batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(steps)]
+
+
+def _train(run_dir: Path, level: str, *, steps: int = STEPS, lr_change_at: int | None = None,
+           perturb_rng_at: int | None = None, zero_grad_at_end: bool = False, grads: str = "record_step",
+           workload: str = "mlp", flush_every: int = 64) -> Path:
+    """A small job: Linear/ReLU/Dropout/Linear, AdamW, StepLR. Batches come from their own generator, so the
+    global generator feeds dropout only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    state = TrainState(model=model, optimizer=opt, scheduler=sched)
+    header = TraceHeader(run=run_dir.name, level=level, workload=workload, extra={"optimizer": "adamw"})
+    with TraceRecorder(run_dir, header=header, flush_every=flush_every) as rec:
+        rec.attach(model, optimizer=opt if grads == "hook" else None)
+        for step, (x, y) in enumerate(_batches(steps), start=1):
+            if perturb_rng_at == step:
+                torch.rand(1)  # one extra draw: dropout's mask changes from here on
+            if not zero_grad_at_end:
+                opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            if lr_change_at == step:
+                for group in opt.param_groups:
+                    group["lr"] *= 0.5
+            opt.step()
+            if zero_grad_at_end:
+                if grads == "record_grads":
+                    rec.record_grads()
+                opt.zero_grad(set_to_none=True)
+            sched.step()
+            state.counters.step = step
+            rec.record_step(step, metrics={"loss": loss}, batch=(x, y), state=state)
+    return run_dir
+
+
+# ------------------------------------------------------------------------------------------- store
+
+
+def test_header_round_trip_and_validation() -> None:
+    h = TraceHeader(run="a", level="module", workload="w", rank=1, world_size=2, extra={"k": [1, 2]})
+    assert TraceHeader.from_dict(h.to_dict()) == h
+    assert h.to_dict()["schema"] == "ckptverify/trace" and h.to_dict()["schema_version"] == 1
+    assert h.differences(TraceHeader.from_dict({**h.to_dict(), "run": "b", "workload": "v"})) == ["workload"]
+    with pytest.raises(ValueError, match="unknown trace level"):
+        TraceHeader(run="a", level="everything")
+
+
+def test_batched_appends_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    header = TraceHeader(run="r", level="metrics", rank=0, world_size=1)
+    rng = np.random.default_rng(0)
+    expected: dict[int, dict[str, tuple[int, int]]] = {}
+    writer = TraceWriter(path, header=header, flush_every=16, site_chunk=4)
+    for step in range(0, 400, 2):  # 200 rows, steps need only increase
+        row = {f"s{j}": (int(rng.integers(2**63)) * 2 + 1, int(rng.integers(2**63))) for j in range(6)}
+        cells = [Cell(f"s{j}", "metric", row[f"s{j}"], "fp128") for j in range(3)]
+        if step >= 200:  # a site first seen late, recorded between s2 and s3 in execution order
+            row["late"] = (step, 0)
+            cells.append(Cell.from_int("late", "counter", step))
+        cells += [Cell(f"s{j}", "metric", row[f"s{j}"], "fp128") for j in range(3, 6)]
+        if step % 10 == 0:  # a site recorded only at some steps
+            cells.append(Cell.from_float("metric.nan", "metric", math.nan if step == 0 else -0.0))
+        writer.append(step, cells)
+        expected[step] = row
+        if step == 100:
+            mid = open_trace(path)  # flushed rows are readable while the writer is open
+            assert mid.steps == tuple(range(0, 96, 2)) and mid.value(0, "s0") is not None
+    writer.close()
+    chunk_files = [f for f in (path / "values" / "c").rglob("*") if f.is_file()]
+    assert len(chunk_files) == math.ceil(200 / 16) * math.ceil(8 / 4)  # (rows / flush_every) x (sites / site_chunk)
+
+    trace = open_trace(path)
+    assert trace.header == header and len(trace) == 200
+    assert [s.name for s in trace.sites] == ["s0", "s1", "s2", "late", "s3", "s4", "s5", "metric.nan"]
+    assert trace.site("late").category == "counters" and trace.site("s0").category == "metric"
+    for step, row in expected.items():
+        for j in range(6):
+            assert trace.lanes(step, f"s{j}") == row[f"s{j}"]
+        assert trace.value(step, "late") == (step if step >= 200 else None)
+    assert math.isnan(trace.metric(0, "nan")) and math.copysign(1.0, trace.metric(10, "nan")) == -1.0
+    assert trace.value(2, "metric.nan") is None and trace.value(3, "s0") is None
+    assert list(trace.row(200).values) == ["s0", "s1", "s2", "late", "s3", "s4", "s5", "metric.nan"]
+    assert sum(1 for _ in trace) == 200
+
+
+def test_writer_refuses_misuse(tmp_path: Path) -> None:
+    header = TraceHeader(run="r", level="metrics", rank=0, world_size=1)
+    with TraceWriter(tmp_path / "s", header=header) as w:
+        w.append(1, [Cell.from_float("a", "metric", 1.0)])
+        with pytest.raises(ValueError, match="must increase"):
+            w.append(1, [])
+        with pytest.raises(ValueError, match="changed encoding"):
+            w.append(2, [Cell.from_int("a", "metric", 1)])
+        with pytest.raises(ValueError, match="twice"):
+            w.append(3, [Cell.from_float("b", "metric", 1.0), Cell.from_float("b", "metric", 2.0)])
+    with pytest.raises(ValueError, match="already exists"):
+        TraceWriter(tmp_path / "s", header=header)
+
+
+def test_fingerprint_many_matches_tensor_fingerprint() -> None:
+    from ckptverify.fingerprint import tensor_fingerprint
+    from ckptverify.trace.recorder import SMALL_TENSOR, fingerprint_many
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 4, generator=g), torch.randn((), generator=g), torch.zeros(0),
+               torch.randint(-5, 5, (7,), dtype=torch.int8, generator=g), torch.randn(5, generator=g).bfloat16(),
+               torch.randn(2, 3, dtype=torch.complex64, generator=g), torch.tensor([True, False]),
+               torch.randn(4, 5, generator=g).t(), torch.randn(SMALL_TENSOR + 1, generator=g),
+               torch.randint(-(2**62), 2**62, (9,), dtype=torch.int64, generator=g),
+               torch.randn(6, dtype=torch.float64, generator=g)]
+    tensors += [torch.randn(SMALL_TENSOR, generator=g) for _ in range(40)]  # several batched passes
+    assert fingerprint_many(tensors) == [tensor_fingerprint(t).value for t in tensors]
+
+
+def test_presence_difference_is_a_divergence(tmp_path: Path) -> None:
+    header = TraceHeader(run="a", level="metrics", rank=0, world_size=1)
+    for name, extra_at in (("a", None), ("b", 2)):
+        with TraceWriter(tmp_path / name, header=header) as w:
+            for step in (1, 2, 3):
+                cells = [Cell.from_float("metric.loss", "metric", 1.0)]
+                if step == extra_at:
+                    cells.append(Cell.from_int("metric.skipped", "metric", 1))
+                w.append(step, cells)
+    d = first_divergence(tmp_path / "a", tmp_path / "b")
+    assert d is not None and (d.step, d.site, d.expected, d.actual) == (2, "metric.skipped", None, 1)
+    (div,) = [f for f in compare_traces(tmp_path / "a", tmp_path / "b") if f.check == "trace-divergence"]
+    assert "not recorded in A" in div.message
+    with pytest.raises(FileNotFoundError, match="no trace store"):
+        open_trace(tmp_path / "missing")
+
+
+def test_merged_order() -> None:
+    assert _merged_order(["a", "b", "c"], ["x", "a", "c", "y"]) == ["x", "a", "b", "c", "y"]
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+
+@pytest.mark.parametrize("level", ["metrics", "state", "module"])
+def test_identical_runs_trace_identically(tmp_path: Path, level: str) -> None:
+    a = _train(tmp_path / "a", level)
+    b = _train(tmp_path / "b", level, flush_every=2)  # batching does not change a trace's content
+    assert compare_runs(a, b) == []
+    assert compare_traces(a / "rank0", b / "rank0") == []
+    assert first_divergence(a, b) is None
+    trace = open_trace(a / "rank0")
+    names = [s.name for s in trace.sites]
+    assert trace.steps == tuple(range(1, STEPS + 1)) and trace.header.rank == 0
+    assert isinstance(trace.metric(1, "loss"), float)
+    if level == "metrics":
+        assert names == ["metric.loss"]
+        return
+    for name in ["batch.0", "grad.0.weight", "optim.param_groups.0", "optim.state.0.weight.exp_avg",
+                 "param.3.bias", "scheduler.0", "rng.torch_cpu", "counters"]:
+        assert name in names
+    assert names.index("grad.0.weight") < names.index("optim.param_groups.0") < names.index("param.0.weight")
+    assert any(n.startswith("module.") for n in names) == (level == "module")
+    if level == "module":
+        assert names[2:7] == ["module.0.fwd#0", "module.1.fwd#0", "module.2.fwd#0", "module.3.fwd#0",
+                              "module.(root).fwd#0"]
+        assert trace.site("module.2.fwd#0").info == "Dropout"
+
+
+@pytest.mark.parametrize(("level", "step", "site", "category"), [
+    ("metrics", 4, "metric.loss", "metric"),  # the loss sees the new parameters one step later
+    ("state", 3, "optim.param_groups.0", "optimizer"),  # the hyperparameters precede the update they drive
+    ("module", 3, "optim.param_groups.0", "optimizer"),
+])
+def test_learning_rate_change(tmp_path: Path, level: str, step: int, site: str, category: str) -> None:
+    a = _train(tmp_path / "a", level)
+    b = _train(tmp_path / "b", level, lr_change_at=3)
+    d = first_divergence(a, b)
+    assert d is not None
+    assert (d.step, d.site, d.category, d.rank, d.origin) == (step, site, category, 0, None)
+    if level != "metrics":
+        ta, tb = open_trace(a / "rank0"), open_trace(b / "rank0")
+        assert ta.value(3, "metric.loss") == tb.value(3, "metric.loss")
+        assert ta.value(3, "grad.0.weight") == tb.value(3, "grad.0.weight")
+        assert ta.value(3, "param.0.weight") != tb.value(3, "param.0.weight")
+    findings = compare_runs(a, b)
+    div = [f for f in findings if f.check == "trace-divergence"]
+    assert len(div) == 1 and div[0].severity == "error" and div[0].location.rank == 0
+    assert div[0].actual["step"] == step and div[0].actual["category"] == category and site in div[0].message
+    summary = [f for f in findings if f.check == "trace-summary"]
+    assert summary[0].actual["first_step"] == step and summary[0].actual["categories"] == {"0": category}
+
+
+def test_dropout_rng_perturbation_names_dropout_as_origin(tmp_path: Path) -> None:
+    a = _train(tmp_path / "a", "module")
+    b = _train(tmp_path / "b", "module", perturb_rng_at=2)
+    d = first_divergence(a, b)
+    assert d is not None
+    assert (d.step, d.site, d.category, d.kind) == (2, "module.2.fwd#0", "module", "module_out")
+    assert (d.origin, d.origin_type, d.inputs_verified) == ("2", "Dropout", True)
+    assert d.receivers[:2] == ("module.3.fwd#0", "module.(root).fwd#0")
+    assert "module.0.fwd#0" not in d.receivers and "module.1.fwd#0" not in d.receivers
+    origin = [f for f in compare_runs(a, b) if f.check == "trace-origin"]
+    assert len(origin) == 1 and origin[0].location.fqn == "2" and "Dropout" in origin[0].message
+    # Restricted to steps after the perturbation's first effect, the origin is unverified but still named.
+    d3 = first_divergence(a, b, steps=range(3, STEPS + 1))
+    assert d3 is not None and d3.step == 3
+    # Without module hooks the loss is the first thing to differ.
+    sa = _train(tmp_path / "sa", "state")
+    sb = _train(tmp_path / "sb", "state", perturb_rng_at=2)
+    d = first_divergence(sa, sb)
+    assert d is not None and (d.step, d.site, d.origin) == (2, "metric.loss", None)
+
+
+def test_gradients_recorded_wherever_zero_grad_is(tmp_path: Path) -> None:
+    a = _train(tmp_path / "a", "state")  # zero_grad first: record_step reads p.grad
+    b = _train(tmp_path / "b", "state", zero_grad_at_end=True, grads="record_grads")
+    c = _train(tmp_path / "c", "state", zero_grad_at_end=True, grads="hook")  # optimizer step pre-hook
+    assert compare_runs(a, b) == [] and compare_runs(a, c) == []
+    assert any(s.kind == "grad" for s in open_trace(c / "rank0").sites)
+    # Neither: the gradients are gone by record_step and are not recorded at all.
+    d = _train(tmp_path / "d", "state", zero_grad_at_end=True)
+    assert not any(s.kind == "grad" for s in open_trace(d / "rank0").sites)
+
+
+def test_module_called_twice_gets_occurrences(tmp_path: Path) -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(torch.relu(self.block(x)))
+
+    torch.manual_seed(0)
+    model = Twice()
+    with TraceRecorder(tmp_path / "run", header=TraceHeader(run="t", level="module")) as rec:
+        rec.attach(model)
+        for step in (1, 2):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+            rec.record_step(step, metrics={"n": step})
+    names = [s.name for s in open_trace(tmp_path / "run" / "rank0").sites]
+    # Backward hooks fire in backward order: bwd#0 belongs to the last call, and the root's input gradient
+    # comes last. Level module includes level state: the gradients are recorded too.
+    assert names == ["module.block.fwd#0", "module.block.fwd#1", "module.(root).fwd#0", "module.block.bwd#0",
+                     "module.block.bwd#1", "module.(root).bwd#0", "metric.n", "grad.block.weight",
+                     "grad.block.bias"]
+
+
+def test_header_mismatch_refused_unless_forced(tmp_path: Path) -> None:
+    a = _train(tmp_path / "a", "state")
+    b = _train(tmp_path / "b", "state", workload="other")
+    with pytest.raises(TraceHeaderMismatchError, match="workload") as exc:
+        compare_runs(a, b)
+    assert exc.value.fields == ("workload",) and exc.value.exit_code == 2
+    assert compare_runs(a, b, force=True) == []
+    assert compare_runs(a, b, ignore=["workload"]) == []
+    m = _train(tmp_path / "m", "metrics")
+    with pytest.raises(TraceHeaderMismatchError, match="level"):
+        compare_traces(a / "rank0", m / "rank0")
+    forced = compare_traces(a / "rank0", m / "rank0", force=True)
+    assert [f.check for f in forced] == ["trace-sites"] and forced[0].severity == "warning"
+
+
+def test_incomplete_steps(tmp_path: Path) -> None:
+    a = _train(tmp_path / "a", "metrics")
+    b = _train(tmp_path / "b", "metrics", steps=3)
+    findings = compare_runs(a, b)
+    assert [f.check for f in findings] == ["trace-incomplete"]
+    assert findings[0].actual["steps"] == [4, 5] and findings[0].actual["only_in"] == "A"
+    assert compare_runs(a, b, steps=range(1, 4)) == []
+    (tmp_path / "a" / "rank1").mkdir()
+    os.replace(_train(tmp_path / "x", "metrics") / "rank0", tmp_path / "a" / "rank1")
+    missing = [f for f in compare_runs(a, b, steps=range(1, 4)) if f.check == "trace-incomplete"]
+    assert len(missing) == 1 and missing[0].location.rank == 1
+
+
+# --------------------------------------------------------------------------------------- two ranks
+
+
+def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for run, perturb in (("a", False), ("b", False), ("c", True)):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model[2], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            state = TrainState(model=model, optimizer=opt)
+            batches = _batches(3, seed=10 + rank)
+            with TraceRecorder(Path(out_dir) / run, header=TraceHeader(run=run, level="module")) as rec:
+                rec.attach(model)
+                for step, (x, y) in enumerate(batches, start=1):
+                    if perturb and rank == 1 and step == 2:
+                        x = x + 1.0
+                    opt.zero_grad()
+                    loss = ((model(x) - y) ** 2).mean()
+                    loss.backward()
+                    opt.step()
+                    rec.record_step(step, metrics={"loss": loss}, batch=(x, y), state=state)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp2(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
+    for run in "abc":
+        assert sorted(p.name for p in (tmp_path / run).iterdir()) == ["rank0", "rank1"]
+    t0, t1 = open_trace(tmp_path / "a" / "rank0"), open_trace(tmp_path / "a" / "rank1")
+    assert (t0.header.rank, t1.header.rank, t0.header.world_size) == (0, 1, 2)
+    # DTensor parameters are fingerprinted collectively: both ranks hold the global value.
+    assert t0.value(3, "param.0.weight") == t1.value(3, "param.0.weight")
+    assert t0.value(1, "batch.0") != t1.value(1, "batch.0")
+    assert compare_runs(tmp_path / "a", tmp_path / "b") == []
+
+    findings = compare_runs(tmp_path / "a", tmp_path / "c")
+    by_rank = {f.location.rank: f for f in findings if f.check == "trace-divergence"}
+    assert by_rank[1].actual["site"] == "batch.0" and by_rank[1].actual["category"] == "data"
+    # Rank 0's own batch and forward are unchanged; the gradients reduced over both ranks are not.
+    assert by_rank[0].actual["step"] == 2 and by_rank[0].actual["category"] == "gradients"
+    summary = next(f for f in findings if f.check == "trace-summary")
+    assert summary.actual["first_step"] == 2 and summary.actual["ranks"] == [0, 1]
+    d = first_divergence(tmp_path / "a", tmp_path / "c")
+    assert d is not None and (d.step, d.rank, d.category) == (2, 0, "gradients")
