@@ -14,6 +14,7 @@ Both compute exactly the same integers (wrapping 64-bit arithmetic has no roundi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -100,6 +101,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise UsageError(f"the tensor fingerprint is not defined for dtype {dtype}") from None
 
 
+@functools.cache
 def dtype_seed(name: str, lane: int) -> int:
     """S: the per-dtype, per-lane seed, as an unsigned 64-bit integer."""
     text = f"ckptverify/fingerprint/v{FINGERPRINT_VERSION}/lane{lane}/{name}".encode()
@@ -387,7 +389,8 @@ def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device
     seeds = (dtype_seed("self-check", 0), dtype_seed("self-check", 1))
     tables = _CompiledTables(device, seeds)
     try:
-        got = fn(bits, tables.row_terms(first), tables.column_table, tables.seeds).tolist()
+        with torch.no_grad():  # one grad mode for every call: no recompilation on its account
+            got = fn(bits, tables.row_terms(first), tables.column_table, tables.seeds).tolist()
     except Exception as exc:  # pragma: no cover - depends on the environment
         _disable_compiled(exc)
         return False
@@ -459,7 +462,8 @@ def fingerprint_lanes(
         if compiled is not None and tables is not None and blk.bits.shape == compiled_shape:
             src = blk.bits if stage is None else stage.copy_(blk.bits)
             try:
-                res = compiled(src, tables.row_terms(blk.first_start), tables.column_table, tables.seeds)
+                with torch.no_grad():
+                    res = compiled(src, tables.row_terms(blk.first_start), tables.column_table, tables.seeds)
                 a, b = res.tolist()
             except Exception as exc:  # pragma: no cover - depends on the environment
                 _disable_compiled(exc)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -360,15 +361,9 @@ def get_fingerprint_backend() -> str:
 
 
 def _dtensor_type() -> type | None:
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - very old torch
-        return None
-    return DTensor
+    """``DTensor``, if its module is loaded (a tensor cannot be a DTensor otherwise)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
