@@ -20,6 +20,8 @@ _EXPORTS = {
     "load": "ckptverify.restore",
     "TrainState": "ckptverify.state.train_state",
     "Counters": "ckptverify.state.train_state",
+    "Run": "ckptverify.resume.run",
+    "resume_check": "ckptverify.resume.harness",
     "async_save": "ckptverify.saving",
     "tensor_fingerprint": "ckptverify.fingerprint",
     "chunk_fingerprint": "ckptverify.fingerprint",
@@ -27,6 +29,7 @@ _EXPORTS = {
 
 __all__ = [
     "Counters",
+    "Run",
     "TrainState",
     "__version__",
     "async_save",
@@ -34,6 +37,7 @@ __all__ = [
     "diff_checkpoints",
     "fingerprint_checkpoint",
     "load",
+    "resume_check",
     "save",
     "tensor_fingerprint",
     "verify_checkpoint",
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
     from ckptverify.diff import diff_checkpoints
     from ckptverify.fingerprint import chunk_fingerprint, tensor_fingerprint
     from ckptverify.restore import load
+    from ckptverify.resume.harness import resume_check
+    from ckptverify.resume.run import Run
     from ckptverify.saving import async_save, save
     from ckptverify.state.train_state import Counters, TrainState
     from ckptverify.verify import verify_checkpoint
