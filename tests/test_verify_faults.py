@@ -568,3 +568,23 @@ def test_one_payload_flip_per_tensor_item(fresh_ckpt: Any) -> None:
         assert report.exit_code == 1
         inj.flip_bit(path, fault.file, fault.byte_offset, fault.bit)  # type: ignore[arg-type]
     assert verify_checkpoint(path).exit_code == 0
+
+
+@pytest.mark.parametrize(("layout", "fault_name"), _matrix())
+def test_fault_is_detected_with_a_manifest(layout: str, fault_name: str, fresh_ckpt: Any, tmp_path: Path) -> None:
+    """The whole matrix again on adopted checkpoints (manifest present): every fault is still an error, except
+    a planted extra file, which changes no byte the checkpoint references (a warning), and bytes appended to a
+    referenced file, which the manifest's recorded file size now turns into an error."""
+    from ckptverify.adopt import fingerprint_checkpoint
+
+    path = fresh_ckpt(layout)
+    _, manifest = fingerprint_checkpoint(path)
+    assert manifest is not None
+    fault = CASES[fault_name].inject(path, tmp_path)
+    report = verify_checkpoint(path)
+    if fault_name == "extra-file":
+        assert report.exit_code == 0 and any(f.check == "file-unreferenced" for f in report.warnings)
+        return
+    assert report.exit_code == 1, f"fault {fault.to_dict()}\n{describe(report)}"
+    if fault_name == "append-bytes":
+        assert any(f.check == "manifest-digest" for f in report.errors), describe(report)
