@@ -177,13 +177,46 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
 
 
 def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
-    return Cell(site, kind, hex_lanes(fingerprint_many([t])[0]), "fp128", info)
+    cell = _tensor_cells([(site, kind, t)])[0]
+    return Cell(cell.site, cell.kind, cell.lanes, cell.encoding, info)
 
 
 def _tensor_cells(specs: list[tuple[str, str, torch.Tensor]]) -> list[Cell]:
-    """One ``fp128`` cell per ``(site, kind, tensor)``, fingerprinted in one batch."""
-    values = fingerprint_many([t for _, _, t in specs])
-    return [Cell(site, kind, hex_lanes(v), "fp128") for (site, kind, _), v in zip(specs, values, strict=True)]
+    """One cell per ``(site, kind, tensor)``.
+
+    Traces compare runs of one configuration (equal headers: same world size, same sharding), so a site only
+    needs a value that changes with the bits this rank holds; sharding-independence is not needed. Tensors
+    in host memory therefore get an xxh3-128 digest of this rank's bytes (with dtype and shape), which
+    costs a fraction of the logical fingerprint on a CPU; tensors on an accelerator get the logical
+    fingerprint, computed there, in one batch (no copy to the host)."""
+    out: list[Cell | None] = [None] * len(specs)
+    device_side = []
+    for n, (site, kind, t) in enumerate(specs):
+        local = t.to_local() if _is_dtensor(t) else t
+        if local.device.type == "cpu":
+            out[n] = Cell(site, kind, hex_lanes(host_digest(local)), "digest128")
+        else:
+            device_side.append(n)
+    if device_side:
+        values = fingerprint_many([specs[n][2] for n in device_side])
+        for n, value in zip(device_side, values, strict=True):
+            out[n] = Cell(specs[n][0], specs[n][1], hex_lanes(value), "fp128")
+    return [c for c in out if c is not None]
+
+
+def host_digest(t: torch.Tensor) -> str:
+    """xxh3-128 of a host tensor's dtype, shape and bytes (row-major)."""
+    import struct
+
+    import torch
+    import xxhash
+
+    t = t.detach().contiguous()
+    h = xxhash.xxh3_128()
+    h.update(str(t.dtype).encode() + b"|" + struct.pack(f"<{t.dim()}q", *t.shape))
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 def _summary(obj: Any) -> Any:
@@ -268,6 +301,24 @@ def _split_leaves(flat: Mapping[str, Any], prefix: str, site_prefix: str,
     return digests, tensors
 
 
+def _state_signature(state: TrainState) -> tuple[Any, ...]:
+    """Identity and storage of every parameter and optimizer state tensor, and the param group layout."""
+    import torch
+
+    def key(t: Any) -> tuple[int, int]:
+        local = t.to_local() if _is_dtensor(t) else t
+        return id(t), local.untyped_storage().data_ptr() if local.numel() else 0
+
+    params = tuple(key(p) for p in state.model.parameters()) if state.model is not None else ()
+    buffers = tuple(key(b) for b in state.model.buffers()) if state.model is not None else ()
+    optim = tuple(
+        (id(p), k, key(v)) for opt in state.optimizers for p, st in opt.state.items() for k, v in st.items()
+        if isinstance(v, torch.Tensor)
+    )
+    groups = tuple(tuple(sorted(g)) for opt in state.optimizers for g in opt.param_groups)
+    return params, buffers, optim, groups
+
+
 # ------------------------------------------------------------------------------------------ recorder
 
 
@@ -301,6 +352,7 @@ class TraceRecorder:
         self._occurrences: dict[tuple[str, str], int] = {}
         self._grad_cells: list[Cell] | None = None
         self._paused = 0
+        self._flat_cache: tuple[Any, dict[str, Any], dict[str, Any]] | None = None
 
     @property
     def records_state(self) -> bool:
@@ -461,17 +513,13 @@ class TraceRecorder:
             return [_object_cell(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
         return [_object_cell("batch", "batch", batch)]
 
-    @staticmethod
-    def _state_cells(state: TrainState) -> list[Cell]:
-        from ckptverify.dcp.loading import flat_names
+    def _state_cells(self, state: TrainState) -> list[Cell]:
         from ckptverify.state.digest import state_digest
 
         fields = state.fields()  # first: it captures the random streams before anything else runs
-        model_sd, optim_sd = state._model_optim()
-        optim_digests, optim_tensors = _split_leaves(flat_names({"optim": optim_sd}) if optim_sd else {},
-                                                     "optim.", "optim.", "optim")
-        param_digests, param_tensors = _split_leaves(flat_names({"model": model_sd}) if model_sd else {},
-                                                     "model.", "param.", "param")
+        optim_flat, param_flat = self._flat_state(state)
+        optim_digests, optim_tensors = _split_leaves(optim_flat, "optim.", "optim.", "optim")
+        param_digests, param_tensors = _split_leaves(param_flat, "model.", "param.", "param")
         field_cells = [Cell(name, _field_kind(name), hex_lanes(state_digest(value)), "digest128")
                        for name, value in fields.items()]
         scaler = [c for c in field_cells if c.kind == "optim"]
@@ -479,6 +527,40 @@ class TraceRecorder:
         tensor_cells = _tensor_cells([*optim_tensors, *param_tensors])
         optim_cells, param_cells = tensor_cells[: len(optim_tensors)], tensor_cells[len(optim_tensors):]
         return [*optim_digests, *scaler, *optim_cells, *param_digests, *param_cells, *others]
+
+    def _flat_state(self, state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Flattened optimizer and model state dicts, as ``get_state_dict`` names them.
+
+        ``get_state_dict`` costs milliseconds a call, and between steps the tensors it returns are the same
+        storage updated in place; so the names and tensors are cached while every parameter and optimizer
+        state tensor keeps its identity and storage, and only the param groups' hyperparameters (which a
+        scheduler changes every step) are re-read live."""
+        from ckptverify.dcp.loading import flat_names
+
+        signature = _state_signature(state)
+        cached = self._flat_cache
+        if cached is None or cached[0] != signature:
+            model_sd, optim_sd = state._model_optim()
+            optim_flat = flat_names({"optim": optim_sd}) if optim_sd else {}
+            param_flat = flat_names({"model": model_sd}) if model_sd else {}
+            self._flat_cache = cached = (signature, optim_flat, param_flat)
+            return optim_flat, param_flat
+        optim_flat = dict(cached[1])
+        groups = [g for opt in state.optimizers for g in opt.param_groups]
+        for name in optim_flat:
+            if name.startswith("optim.param_groups."):
+                index, _, key = name[len("optim.param_groups."):].partition(".")
+                head, _, rest = key.partition(".")
+                if head == "params" or not index.isdigit() or int(index) >= len(groups):
+                    continue
+                value = groups[int(index)].get(head)
+                if rest:  # a sequence hyperparameter flattened per element (e.g. betas.0)
+                    try:
+                        value = value[int(rest)]  # type: ignore[index]
+                    except (TypeError, ValueError, IndexError):
+                        continue
+                optim_flat[name] = value
+        return optim_flat, cached[2]
 
     # -------------------------------------------------------------- lifetime
 
