@@ -52,6 +52,7 @@ def _save(out: str, rank: int, world: int, size_mib: int, port: int) -> None:
     dcp.save({"model": model_sd, "optim": optim_sd, "train": {"step": 1, "tokens_seen": 64 * world}},
              checkpoint_id=out)
     if world > 1:
+        dist.barrier()  # no rank tears down while another is still in a collective
         dist.destroy_process_group()
 
 

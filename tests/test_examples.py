@@ -206,6 +206,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
         }
         record["grad_norm_type"] = type(results[0]["grad_norm"]).__name__
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
 

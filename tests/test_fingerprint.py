@@ -659,6 +659,7 @@ def _dtensor_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         bf = make_tensor(torch.bfloat16, (3, 4, 9), 99)
         results["bf16_shard2"] = fp.tensor_fingerprint(distribute_tensor(bf, mesh, [Shard(2)])).to_dict()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
 

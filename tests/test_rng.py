@@ -245,6 +245,7 @@ def _two_rank_worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) 
             "naive_is_own": bool(torch.equal(naive["torch_cpu"], own_cpu)),
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
 

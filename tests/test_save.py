@@ -691,6 +691,7 @@ def _two_rank_worker(rank: int, port: int, root: str, process_based: bool) -> No
         dist.barrier()
         with open(os.path.join(root, f"report.{rank}.json"), "w") as f:
             json.dump(report, f)
+        dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
 

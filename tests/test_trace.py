@@ -338,6 +338,7 @@ def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
                     loss.backward()
                     opt.step()
                     rec.record_step(step, metrics={"loss": loss}, batch=(x, y), state=state)
+        dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
 

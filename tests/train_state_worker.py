@@ -100,6 +100,8 @@ def run(rank: int, world: int, port: int, mode: str, ckpt: str, out_dir: str, st
                 state.reapply_rng()  # the iterator drew a base seed; the uninterrupted run drew it before saving
                 result = {"report": report.to_dict(), **_next_things(training, state, gen, batches)}
         torch.save(result, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+        if world > 1:
+            dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -119,6 +119,8 @@ def _worker(rank: int, nproc: int, port: int, target: str, config_json: str, bac
             load_target(target)(run)
         finally:
             run.close()
+        if nproc > 1:
+            dist.barrier()  # no rank tears down while another is still in a collective
     except BaseException:
         if config.trace_dir:
             os.makedirs(config.trace_dir, exist_ok=True)
