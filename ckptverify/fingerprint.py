@@ -19,6 +19,7 @@ import hashlib
 import mmap
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -410,7 +411,10 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
         size = dist.get_world_size(group)
         mine = torch.tensor(values, dtype=torch.int64, device=local.device)
         gathered = torch.empty(size * 3, dtype=torch.int64, device=local.device)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        with warnings.catch_warnings():
+            # torch 2.13 marks the name deprecated in favour of one older releases lack; same collective.
+            warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+            dist.all_gather_into_tensor(gathered, mine, group=group)
         rows = gathered.view(size, 3).tolist()
         values = [
             kern._signed(sum(r[0] for r in rows)),
