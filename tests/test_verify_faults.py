@@ -8,7 +8,6 @@ that cannot apply are skipped with the reason in the test id.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -23,10 +22,6 @@ import ckpt_factory
 import inject_fault as inj
 import pytest
 import torch
-
-if importlib.util.find_spec("ckptverify.verify") is None:  # pragma: no cover
-    pytest.skip("ckptverify.verify is not available", allow_module_level=True)
-
 from click.testing import CliRunner
 
 from ckptverify.cli import main as cli_main

@@ -7,7 +7,6 @@ back, so examples are independent and fast.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +16,6 @@ import inject_fault as inj
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-if importlib.util.find_spec("ckptverify.verify") is None:  # pragma: no cover
-    pytest.skip("ckptverify.verify is not available", allow_module_level=True)
 
 from ckptverify.findings import Report
 from ckptverify.verify import verify_checkpoint

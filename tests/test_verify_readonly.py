@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import builtins
 import hashlib
-import importlib.util
 import io
 import os
 import stat
@@ -19,10 +18,6 @@ from typing import Any
 
 import inject_fault as inj
 import pytest
-
-if importlib.util.find_spec("ckptverify.verify") is None:  # pragma: no cover
-    pytest.skip("ckptverify.verify is not available", allow_module_level=True)
-
 from click.testing import CliRunner
 
 from ckptverify.cli import main as cli_main
