@@ -39,7 +39,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     manifest (``None`` when refused). Raises :class:`~ckptverify.errors.ManifestExistsError` when a
     manifest exists and ``force`` is false, :class:`~ckptverify.errors.UsageError` for bad arguments."""
     from ckptverify import __version__
-    from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, combine, digest_file_range
+    from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_file_range
 
     root = os.fspath(path)
     if digest not in ALGORITHMS:
@@ -95,13 +95,8 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         unfingerprinted = 0
         for fqn, tinfo in layout.tensors.items():
             scan = scans.get(fqn)
-            total = 1
-            for n in tinfo.shape:
-                total *= n
-            value = None
-            if scan is not None and not scan.unreadable and scan.parts and scan.elements == total:
-                value = combine(scan.parts).value
-            elif total:
+            value = scan.value(tinfo.shape) if scan is not None else None
+            if value is None and 0 not in tinfo.shape:
                 unfingerprinted += 1
             tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
                                        nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None)

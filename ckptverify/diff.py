@@ -87,7 +87,6 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
 
 def _fingerprints(run: VerificationRun) -> dict[str, str]:
     """Logical fingerprint per tensor: the manifest's if it is valid and the bytes match, else rebuilt."""
-    from ckptverify.fingerprint import combine
 
     layout = run.layout
     if layout is None:
@@ -108,10 +107,11 @@ def _fingerprints(run: VerificationRun) -> dict[str, str]:
     scans, _ = deep_check.scan_tensors(run.plans, run.opened, layout, run.map, only=set(todo))
     for fqn in todo:
         scan = scans.get(fqn)
-        total = math.prod(layout.tensors[fqn].shape)
-        if scan is not None and not scan.unreadable and scan.parts and scan.elements == total:
-            out[fqn] = combine(scan.parts).value
-        elif total == 0:
+        shape = layout.tensors[fqn].shape
+        value = scan.value(shape) if scan is not None else None
+        if value is not None:
+            out[fqn] = value
+        elif math.prod(shape) == 0:
             out[fqn] = "empty"
     return out
 

@@ -7,6 +7,7 @@ Tensors are rebuilt from their payload bytes (:mod:`ckptverify.dcp.tensors`), ne
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,14 @@ class TensorScan:
     nan: int = 0
     inf: int = 0
     unreadable: list[str] = field(default_factory=list)
+
+    def value(self, shape: tuple[int, ...]) -> str | None:
+        """The tensor's logical fingerprint if every element of ``shape`` was read back, else ``None``."""
+        from ckptverify.fingerprint import combine
+
+        if self.unreadable or not self.parts or self.elements != math.prod(shape):
+            return None
+        return combine(self.parts).value
 
 
 def scan_plan(f: ReadOnlyFile, plan: ItemPlan, shape: tuple[int, ...],
@@ -106,7 +115,6 @@ def scan_tensors(plans: list[ItemPlan], opened: dict[str, ReadOnlyFile | None], 
 
 def judge(layout: Layout, manifest: Manifest | None, scans: dict[str, TensorScan]) -> list[Finding]:
     """Compare rebuilt fingerprints with the manifest's; report non-finite counts."""
-    from ckptverify.fingerprint import combine
 
     out: list[Finding] = []
     for fqn, tinfo in sorted(layout.tensors.items()):
@@ -126,18 +134,15 @@ def judge(layout: Layout, manifest: Manifest | None, scans: dict[str, TensorScan
             out.append(info("fingerprint", f"{fqn!r} was not fingerprinted: {scan.unreadable[0]} "
                             "(its corruption is reported above)", location=loc))
             continue
-        total = 1
-        for n in tinfo.shape:
-            total *= n
-        if not scan.parts or scan.elements != total:
-            out.append(info("fingerprint", f"{fqn!r}: only {scan.elements} of {total} elements could be read back; "
-                            "fingerprint not compared", location=loc))
+        rebuilt = scan.value(tinfo.shape)
+        if rebuilt is None:
+            out.append(info("fingerprint", f"{fqn!r}: only {scan.elements} of {math.prod(tinfo.shape)} elements "
+                            "could be read back; fingerprint not compared", location=loc))
             continue
-        rebuilt = combine(scan.parts)
-        if rebuilt.value != saved.fingerprint:
+        if rebuilt != saved.fingerprint:
             out.append(error(
                 "fingerprint",
                 f"{fqn!r}: the values read back from disk are not the values that were in memory at save time",
-                location=loc, expected=saved.fingerprint, actual=rebuilt.value,
+                location=loc, expected=saved.fingerprint, actual=rebuilt,
             ))
     return out
