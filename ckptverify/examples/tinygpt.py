@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ckptverify._distributed import rank_world
 from ckptverify.examples.corpus import TokenDataset
 
 __all__ = [
@@ -211,12 +212,6 @@ def wrap_fsdp2(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
     return model
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def build_training(
     config: TinyGPTConfig,
     *,
@@ -241,7 +236,7 @@ def build_training(
     model = TinyGPT(config, seed=seed).to(device)
     if mesh is not None:
         wrap_fsdp2(model, mesh)
-    torch.manual_seed(seed + _rank())
+    torch.manual_seed(seed + rank_world()[0])
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(

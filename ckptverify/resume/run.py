@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
 
 ENV_VAR = "CKPTVERIFY_RUN"
@@ -82,7 +83,7 @@ class Run:
         self.state: Any = None
         self._p = _Progress()
         self._recorder: Any = None
-        self._rank, self._world = _rank_world()
+        self._rank, self._world = rank_world(env_fallback=True)
 
     @classmethod
     def from_env(cls, *, steps: int | None = None) -> Run:
@@ -280,11 +281,3 @@ def _count(start: int) -> Iterator[int]:
     while True:
         yield n
         n += 1
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -17,12 +17,11 @@ ranks).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 from ckptverify.errors import UsageError
-from ckptverify.state.sampler import ResumableSampler
+from ckptverify.state.sampler import ResumableSampler, _is_stateful_dataloader
 
 __all__ = [
     "KIND_RESUMABLE_SAMPLER",
@@ -39,16 +38,6 @@ _SUPPORTED = (
     "supported loaders are torchdata's StatefulDataLoader, and torch.utils.data.DataLoader whose sampler (or "
     "batch_sampler.sampler) is a ckptverify.state.sampler.ResumableSampler"
 )
-
-
-def _stateful_dataloader_class() -> type | None:
-    mod = sys.modules.get("torchdata.stateful_dataloader")
-    return getattr(mod, "StatefulDataLoader", None) if mod is not None else None
-
-
-def _is_stateful_dataloader(loader: Any) -> bool:
-    cls = _stateful_dataloader_class()
-    return cls is not None and isinstance(loader, cls)
 
 
 def find_resumable_sampler(loader: Any) -> ResumableSampler | None:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
 
 __all__ = [
@@ -349,14 +350,6 @@ def rng_fingerprints(state: Mapping[str, Any]) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------- Stateful
 
 
-def _default_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class RngState:
     """This rank's random streams as a DCP ``Stateful``.
 
@@ -384,7 +377,7 @@ class RngState:
         allow_reseed: bool = False,
         seed: int = 0,
     ) -> None:
-        default_rank, default_world = _default_rank_world()
+        default_rank, default_world = rank_world()
         self.rank = default_rank if rank is None else rank
         self.world_size = default_world if world_size is None else world_size
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:

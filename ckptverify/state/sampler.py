@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Sampler
 
+from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
 
 __all__ = [
@@ -108,14 +109,6 @@ def epoch_indices(
     return indices[rank:total_size:num_replicas]
 
 
-def _default_replicas_rank() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
 def _is_stateful_dataloader(obj: Any) -> bool:
     mod = sys.modules.get("torchdata.stateful_dataloader")
     cls = getattr(mod, "StatefulDataLoader", None) if mod is not None else None
@@ -138,7 +131,7 @@ class ResumableSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        default_replicas, default_rank = _default_replicas_rank()
+        default_rank, default_replicas = rank_world()
         self.dataset_len = _int(dataset_len, "dataset_len")
         self.num_replicas = _int(default_replicas if num_replicas is None else num_replicas, "num_replicas", minimum=1)
         self.rank = _int(default_rank if rank is None else rank, "rank")

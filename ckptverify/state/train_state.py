@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
 from ckptverify.state.dataloader import loader_state, restore_loader
 from ckptverify.state.digest import state_digest
@@ -47,14 +48,6 @@ class Counters:
             if type(value) is not int:
                 raise UsageError(f"counter {name!r} in the checkpoint is {value!r}, not an int")
             setattr(self, name, value)
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _as_list(obj: Any) -> list[Any]:
@@ -99,7 +92,7 @@ class TrainState:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise UsageError(f"extra {name!r} has no state_dict()/load_state_dict()")
         self.counters = counters if counters is not None else Counters()
-        self.rank, self.world_size = _rank_world()
+        self.rank, self.world_size = rank_world()
         self.rng = RngState(generators, rank=self.rank, world_size=self.world_size, allow_reseed=allow_reseed,
                             seed=seed)
         #: Digests of each non-tensor field as saved (filled by ``load_state_dict``).

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
 from ckptverify.trace.store import (
     DEFAULT_FLUSH_EVERY,
@@ -82,14 +83,6 @@ def _unwrap(model: Any) -> Any:
             model = model._orig_mod
         else:
             return model
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -335,7 +328,7 @@ class TraceRecorder:
 
     def __init__(self, path: str | os.PathLike[str], *, header: TraceHeader, flush_every: int = DEFAULT_FLUSH_EVERY,
                  overwrite: bool = False) -> None:
-        rank, world = _rank_world()
+        rank, world = rank_world()
         if header.rank is not None and header.rank != rank:
             raise UsageError(f"trace header says rank {header.rank}, but this process is rank {rank}")
         if header.world_size is not None and header.world_size != world:
