@@ -55,7 +55,53 @@ def _want_progress(flag: bool | None, json_out: bool) -> bool:
     return not json_out and sys.stderr.isatty()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """The command group, with the project's exit codes for every way a command line can go wrong.
+
+    Click's own usage errors exit 2 as ours do, but print plain text: with ``--json`` anywhere on the command
+    line they are printed as a JSON error report instead, so a pipe into ``jq`` never sees prose. An unexpected
+    exception (a bug, never a property of the input: inputs are judged in findings) exits 2 with one line,
+    not a traceback; ``CKPTVERIFY_DEBUG=1`` shows the traceback.
+    """
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        json_out = "--json" in argv
+        command = next((a for a in argv if not a.startswith("-")), "ckptverify")
+        try:
+            return super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(130)
+        except click.ClickException as exc:
+            if json_out:
+                _echo_json_error(command, " ".join(argv), exc.format_message(), 2)
+                sys.exit(2)
+            exc.show()
+            sys.exit(exc.exit_code)
+        except CkptVerifyError as exc:
+            _fail(exc, json_out, command, " ".join(argv))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:  # the last line of defence: no traceback for any input
+            import os
+
+            if os.environ.get("CKPTVERIFY_DEBUG"):
+                raise
+            message = f"internal error ({type(exc).__name__}: {exc}); set CKPTVERIFY_DEBUG=1 for the traceback"
+            if json_out:
+                _echo_json_error(command, " ".join(argv), message, 2)
+            else:
+                click.echo(f"ckptverify {command}: {_printable(message)}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptverify")
 def main() -> None:
     """Prove PyTorch distributed checkpoints intact, and resumption bitwise exact.
@@ -73,9 +119,11 @@ def main() -> None:
               help="Also rebuild every tensor and compare its logical fingerprint with the manifest's "
                    "(memory -> disk -> memory); count NaN/Inf.")
 @click.option("--no-manifest", is_flag=True, help="Ignore ckptverify.manifest.json even if present.")
+@click.option("--strict", is_flag=True,
+              help="Fail closed: content that cannot be checked (no CRC-32 and no manifest) is an error.")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar [default: on a terminal, without --json].")
-def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool,
+def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool, strict: bool,
            progress: bool | None) -> None:
     """Verify the DCP checkpoint directory PATH.
 
@@ -86,7 +134,8 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
     from ckptverify.verify import verify_checkpoint
 
     def call(bar: Any) -> Any:
-        return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, progress=bar)
+        return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
+                                 progress=bar)
 
     _emit(_with_progress(call, progress, json_out, "verify", path), json_out)
 
@@ -98,21 +147,24 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
 @click.option("--block-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True,
               help="Block size of the per-item block digests that localize damage.")
 @click.option("--force", is_flag=True, help="Replace an existing manifest.")
+@click.option("--trust-uncheckable", is_flag=True,
+              help="Adopt content that nothing could check (no CRC-32: stream transforms, safetensors, CRC "
+                   "disabled) as it is; without it such a checkpoint is refused.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
-def fingerprint(path: str, digest: str, block_bytes: int, force: bool, json_out: bool, jobs: int | None,
-                progress: bool | None) -> None:
+def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_uncheckable: bool, json_out: bool,
+                jobs: int | None, progress: bool | None) -> None:
     """Adopt the DCP checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
 
-    A checkpoint that fails verification is refused (exit 1) and nothing is written. Writes nothing
-    but the manifest.
+    A checkpoint that fails verification is refused (exit 1) and nothing is written; so is one holding
+    content that nothing could check, unless --trust-uncheckable. Writes nothing but the manifest.
     """
     from ckptverify.adopt import fingerprint_checkpoint
 
     def call(bar: Any) -> Any:
         return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
-                                      progress=bar)[0]
+                                      trust_uncheckable=trust_uncheckable, progress=bar)[0]
 
     _emit(_with_progress(call, progress, json_out, "fingerprint", path), json_out)
 
@@ -176,7 +228,7 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
             from rich.console import Console
 
             err = Console(stderr=True)
-            say = lambda msg: err.print(f"[dim]· {msg}[/]")  # noqa: E731
+            say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
         outcome = resume_check(plan, keep=keep, progress=say)
     except CkptVerifyError as exc:
         _fail(exc, json_out, "resume-check", target)
@@ -197,8 +249,8 @@ def demo(nproc: int, keep: str | None, json_out: bool) -> None:
         from rich.console import Console
 
         err = Console(stderr=True)
-        say = lambda msg: err.print(f"[bold cyan]{msg}[/]" if msg[:2] in {"1/", "2/", "3/", "4/"}  # noqa: E731
-                                    else f"[dim]  · {msg}[/]")
+        say = lambda msg: err.print(_text(msg, "bold cyan") if msg[:2] in {"1/", "2/", "3/", "4/"}  # noqa: E731
+                                    else _text(f"  · {msg}", "dim"))
     try:
         report = run_demo(nproc=nproc, keep=keep, say=say)
     except CkptVerifyError as exc:
@@ -251,19 +303,34 @@ def _emit(report: Any, json_out: bool) -> None:
     sys.exit(report.exit_code)
 
 
+def _printable(value: object) -> str:
+    from ckptverify.report import printable
+
+    return printable(value)
+
+
+def _text(value: object, style: str) -> Any:
+    from rich.text import Text
+
+    return Text(_printable(value), style=style)
+
+
+def _echo_json_error(command: str, target: str, message: str, exit_code: int) -> None:
+    import json
+
+    from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
+
+    click.echo(json.dumps({
+        "schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
+        "target": target, "passed": False, "exit_code": exit_code, "error": message, "findings": [],
+    }, indent=2))
+
+
 def _fail(exc: CkptVerifyError, json_out: bool, command: str, target: str) -> None:
     if json_out:
-        import json
-
-        from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
-
-        click.echo(json.dumps({
-            "schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
-            "target": target, "passed": False, "exit_code": exc.exit_code, "error": str(exc),
-            "findings": [],
-        }, indent=2))
+        _echo_json_error(command, target, str(exc), exc.exit_code)
     else:
-        click.echo(f"ckptverify {command}: error: {exc}", err=True)
+        click.echo(f"ckptverify {command}: error: {_printable(exc)}", err=True)
     sys.exit(exc.exit_code)
 
 
