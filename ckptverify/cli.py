@@ -189,6 +189,32 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
     _emit(_with_progress(call, progress, json_out, "diff", f"{a} {b}"), json_out)
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+def scan(run_dir: str, json_out: bool, jobs: int | None) -> None:
+    """Verify every checkpoint under the training run directory RUN_DIR and name the newest good one.
+
+    Finds checkpoints by what they hold (torchtitan step-N/, Lightning checkpoints/, transformers
+    checkpoint-N/, Megatron iter_N/, ckptverify step_N/, .pt/.ckpt/.safetensors files) and gives each a
+    state: verified, intact, uncheckable, incomplete or corrupt. Exit 1 if any is corrupt or none is good.
+    """
+    from ckptverify.scan import render_scan, scan_run_dir
+
+    say = None
+    if not json_out and sys.stderr.isatty():
+        from rich.console import Console
+
+        err = Console(stderr=True)
+        say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
+    try:
+        report = scan_run_dir(run_dir, jobs=jobs, progress=say)
+    except CkptVerifyError as exc:
+        _fail(exc, json_out, "scan", run_dir)
+    _emit(report, json_out, render=render_scan)
+
+
 @main.command("resume-check")
 @click.argument("target")
 @click.option("--steps", "-T", type=click.IntRange(min=2), required=True, help="Steps of the continuous run.")
@@ -291,7 +317,7 @@ def _with_progress(call: Any, progress: bool | None, json_out: bool, command: st
         _fail(exc, json_out, command, target)
 
 
-def _emit(report: Any, json_out: bool) -> None:
+def _emit(report: Any, json_out: bool, render: Any = None) -> None:
     from ckptverify.report import render_text, to_json
 
     if json_out:
@@ -299,7 +325,7 @@ def _emit(report: Any, json_out: bool) -> None:
     else:
         from rich.console import Console
 
-        render_text(report, Console(highlight=False))
+        (render or render_text)(report, Console(highlight=False))
     sys.exit(report.exit_code)
 
 

@@ -1,0 +1,155 @@
+"""``scan``: every checkpoint under a run directory, its state, and the newest good one.
+
+Each checkpoint found by :func:`~ckptverify.formats.rundir.find_checkpoints` is verified and given one state:
+
+- ``verified``: every byte checked against the manifest's digests (taken at save time);
+- ``intact``: structure and every CRC-32 check out, but no manifest says what was in memory;
+- ``uncheckable``: nothing could check some of its content (no CRC-32 and no manifest), or its format is not
+  one ckptverify reads yet;
+- ``incomplete``: a save that never committed (no metadata, or a ckptverify save's in-progress marker);
+- ``corrupt``: a check failed.
+
+Good means ``verified`` or ``intact``. The report has one finding per checkpoint (an error for a corrupt one,
+a warning for an incomplete or uncheckable one, info otherwise), and ``stats`` lists them all, ordered by step,
+with the newest good one named. Exit code 1 when any checkpoint is corrupt or none is good.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ckptverify.errors import CheckpointNotFoundError, UsageError
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.formats.rundir import Candidate, find_checkpoints
+
+__all__ = ["GOOD_STATES", "STATES", "scan_run_dir"]
+
+STATES = ("verified", "intact", "uncheckable", "incomplete", "corrupt")
+GOOD_STATES = frozenset({"verified", "intact"})
+_INCOMPLETE_CHECKS = frozenset({"metadata-missing", "save-uncommitted"})
+
+
+def _judge_dcp(path: str, jobs: int | None) -> tuple[str, Report]:
+    from ckptverify.verify import UNCHECKABLE, verify_checkpoint
+
+    report = verify_checkpoint(path, jobs=jobs)
+    checks = {f.check for f in report.errors}
+    if checks & _INCOMPLETE_CHECKS:
+        return "incomplete", report
+    if checks:
+        return "corrupt", report
+    if any(f.check == UNCHECKABLE for f in report.findings):
+        return "uncheckable", report
+    return ("verified" if report.stats.get("manifest") else "intact"), report
+
+
+_WORST = {s: n for n, s in enumerate(("verified", "intact", "uncheckable", "incomplete", "corrupt"))}
+
+
+def _judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
+    """State, one-line reason, and counts for one candidate."""
+    path = os.path.join(root, cand.path)
+    if cand.format in ("dcp", "dcp-uncommitted"):
+        state, report = _judge_dcp(path, jobs)
+        return state, _reason(state, report), _counts(report)
+    if cand.format == "composite":
+        states, counts, reasons = [], {"errors": 0, "warnings": 0, "bytes_checked": 0}, []
+        for part in cand.parts:
+            state, report = _judge_dcp(os.path.join(path, part), jobs)
+            states.append(state)
+            for k, v in _counts(report).items():
+                counts[k] += v
+            reasons.append(f"{part}: {state}")
+        worst = max(states, key=_WORST.__getitem__)
+        # Files beside the DCP folders (trainer state, scheduler, RNG) are not read yet: never "verified".
+        if worst in GOOD_STATES:
+            worst = "uncheckable"
+            reasons.append("files beside the DCP folders are not checked yet")
+        return worst, "; ".join(reasons), counts
+    return "uncheckable", f"{cand.format} checkpoints are not read by this version: nothing was checked", {
+        "errors": 0, "warnings": 0, "bytes_checked": 0}
+
+
+def _counts(report: Report) -> dict[str, int]:
+    return {"errors": len(report.errors), "warnings": len(report.warnings),
+            "bytes_checked": int(report.stats.get("bytes", 0) or 0)}
+
+
+def _reason(state: str, report: Report) -> str:
+    if state in ("corrupt", "incomplete"):
+        first = report.errors[0]
+        return f"{len(report.errors)} error(s); first: {first.check}: {first.message}"
+    if state == "uncheckable":
+        return "some content carries no checksum and no manifest covers it"
+    if state == "verified":
+        return "every byte matches the manifest"
+    return "structure and every CRC-32 check out; no manifest"
+
+
+def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, progress: Any = None) -> Report:
+    """Verify every checkpoint under ``run_dir``; see the module docstring.
+
+    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory and
+    :class:`~ckptverify.errors.UsageError` when it holds no checkpoint at all.
+    """
+    root = os.fspath(run_dir)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a directory: {root}")
+    started = time.perf_counter()
+    candidates = find_checkpoints(root)
+    if not candidates:
+        raise UsageError(f"no checkpoint found under {root} (looked for DCP folders, Hugging Face and accelerate "
+                         "folders, .pt/.pth/.bin/.ckpt/.safetensors files)")
+    rows: list[dict[str, Any]] = []
+    findings: list[Finding] = []
+    for n, cand in enumerate(candidates):
+        if progress is not None:
+            progress(f"{n + 1}/{len(candidates)} {cand.path}")
+        state, reason, counts = _judge(root, cand, jobs)
+        rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts})
+        make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable") else info
+        findings.append(make("scan", f"{cand.path}: {state} ({cand.format}"
+                             f"{'' if cand.step is None else f', step {cand.step}'}): {reason}",
+                             location=Location(file=cand.path)))
+    good = [r for r in rows if r["state"] in GOOD_STATES]
+    newest = good[-1] if good else None
+    if newest is None:
+        findings.append(error("scan-no-good-checkpoint",
+                              f"none of the {len(rows)} checkpoint(s) under {root} is verified or intact"))
+    stats = {"seconds": round(time.perf_counter() - started, 6), "checkpoints": rows,
+             "newest_good": None if newest is None else {"path": newest["path"], "step": newest["step"]},
+             "bytes": sum(r["bytes_checked"] for r in rows)}
+    coverage = (CheckCoverage(check="scan", count=len(rows), unit="checkpoints"),)
+    return Report(command="scan", target=root, findings=tuple(findings), coverage=coverage, stats=stats)
+
+
+def render_scan(report: Report, console: Any) -> None:
+    """A table of the checkpoints in step order, the newest good one last, then the verdict."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from ckptverify.report import _human, printable
+
+    style = {"verified": "green", "intact": "green", "uncheckable": "yellow", "incomplete": "yellow",
+             "corrupt": "bold red"}
+    table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
+    for col in ("step", "checkpoint", "format", "size", "state", "why"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("step", "state"))
+    for row in report.stats.get("checkpoints", []):
+        table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
+                      Text(row["format"]), Text(_human(row["size"])), Text(row["state"], style=style[row["state"]]),
+                      Text(printable(row["reason"])))
+    console.print(table)
+    newest = report.stats.get("newest_good")
+    if newest:
+        console.print(Text.assemble(("newest good: ", "bold"), printable(newest["path"]),
+                                    f" (step {newest['step']})" if newest["step"] is not None else ""))
+    counts = report.summary()
+    verdict = ("PASSED", "bold green") if report.passed else ("FAILED", "bold red")
+    console.print(Text.assemble(verdict, " ", printable(
+        f"scan {report.target}: {len(report.stats.get('checkpoints', []))} checkpoint(s), "
+        f"{counts['error']} error(s), {counts['warning']} warning(s)")))
+
+
