@@ -37,11 +37,11 @@ def _model(wrap: str) -> torch.nn.Module:
     raise ValueError(wrap)
 
 
-def run(rank: int, world: int, port: int, out_dir: str, wrap: str, fault: str | None, on_mismatch: str,
+def run(rank: int, world: int, rendezvous: str, out_dir: str, wrap: str, fault: str | None, on_mismatch: str,
         steps: int) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous: no TCP port to race for with other jobs on a busy machine.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     result: dict[str, Any] = {"mismatch_steps": [], "compared": [], "error": None, "fired": False}
     try:
         model = _model(wrap)

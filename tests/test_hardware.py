@@ -14,7 +14,6 @@ import hardware_worker as worker
 import pytest
 import torch
 import torch.multiprocessing as mp
-from ckpt_factory import free_port
 
 from ckptverify.errors import UsageError
 from ckptverify.events import read_events
@@ -23,7 +22,8 @@ from ckptverify.hardware.inject import BitFlip, FaultInjector, flip_bit_
 
 def _launch(tmp: Path, wrap: str, fault: BitFlip | None = None, on_mismatch: str = "warn",
             steps: int = 4) -> list[dict[str, Any]]:
-    args = (2, free_port(), str(tmp), wrap, fault.to_json() if fault else None, on_mismatch, steps)
+    tmp.mkdir(parents=True, exist_ok=True)
+    args = (2, str(tmp / ".rendezvous"), str(tmp), wrap, fault.to_json() if fault else None, on_mismatch, steps)
     mp.start_processes(worker.run, args=args, nprocs=2, join=True, start_method="spawn")
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -168,15 +168,14 @@ class ReplicaCheck:
     def _check_bucket(self, bucket: _Bucket, names: list[str], tensors: list[Any], step: int,
                       kind: str) -> ReplicaMismatch | None:
         present = [n for n, t in enumerate(tensors) if t is not None]
-        lanes = [_lanes(d) for d in _digests([tensors[n] for n in present])]
         self.compared += len(present)
         device = _collective_device(bucket.group)
-        gathered = _all_gather(torch_tensor([_fold(lanes, present, len(tensors))], device), bucket.group,
-                               len(bucket.ranks))
+        gathered = _all_gather(torch_tensor([_stream_digest(tensors)], device), bucket.group, len(bucket.ranks))
         if all(g == gathered[0] for g in gathered):
             return None
-        # They differ. Per-tensor digests, padded to a common length (a member may hold optimizer state the
-        # others lack): missing tensors count as all-zero digests.
+        # They differ: now (only now) a digest per tensor, padded to a common length (a member may hold
+        # optimizer state the others lack): missing tensors count as all-zero digests.
+        lanes = [_lanes(d) for d in _digests([tensors[n] for n in present])]
         width = _all_gather(torch_tensor([(len(tensors), 0)], device), bucket.group, len(bucket.ranks))
         longest = max(w[0][0] for w in width)
         rows = [(0, 0)] * longest
@@ -259,16 +258,29 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _fold(lanes: list[tuple[int, int]], positions: list[int], count: int) -> tuple[int, int]:
-    """One order-sensitive 128-bit value for the bucket: xxh3-128 of the count, per-tensor digests and
-    positions."""
+def _stream_digest(tensors: list[Any]) -> tuple[int, int]:
+    """One 128-bit value for a bucket, in one pass: xxh3-128 over every host tensor's dtype, shape and bytes
+    in order (one hash stream, no per-tensor digest: ~4x cheaper than digesting each), with the device-side
+    fingerprints of accelerator tensors folded in."""
     import struct
 
+    import torch
     import xxhash
 
-    h = xxhash.xxh3_128(struct.pack("<q", count))
-    for n, (a, b) in zip(positions, lanes, strict=True):
-        h.update(struct.pack("<qqq", n, a, b))
+    from ckptverify.trace.recorder import fingerprint_many
+
+    h = xxhash.xxh3_128(struct.pack("<q", len(tensors)))
+    device_side = [t.detach() for t in tensors if t is not None and t.device.type != "cpu"]
+    device_values = iter(fingerprint_many(device_side)) if device_side else iter(())
+    for n, t in enumerate(tensors):
+        if t is None:
+            h.update(struct.pack("<qq", n, -1))
+            continue
+        h.update(struct.pack(f"<qq{t.dim()}q", n, t.dim(), *t.shape) + str(t.dtype).encode())
+        if t.device.type != "cpu":
+            h.update(next(device_values).encode())
+        elif t.numel():
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return _lanes(h.hexdigest())
 
 
