@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ckptverify import __version__
-from ckptverify.errors import CkptVerifyError
+from ckptverify.errors import CkptVerifyError, UsageError
 
 
 class _RichProgress:
@@ -121,10 +121,12 @@ def main() -> None:
 @click.option("--no-manifest", is_flag=True, help="Ignore ckptverify.manifest.json even if present.")
 @click.option("--strict", is_flag=True,
               help="Fail closed: content that cannot be checked (no CRC-32 and no manifest) is an error.")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Also write Prometheus gauges (passed, errors, bytes checked, seconds) to this file.")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar [default: on a terminal, without --json].")
 def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool, strict: bool,
-           progress: bool | None) -> None:
+           metrics_file: str | None, progress: bool | None) -> None:
     """Verify the DCP checkpoint directory PATH.
 
     Checks metadata safety, structure, every record's CRC-32 and, when the checkpoint has a manifest,
@@ -137,7 +139,7 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
         return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
                                  progress=bar)
 
-    _emit(_with_progress(call, progress, json_out, "verify", path), json_out)
+    _emit(_with_progress(call, progress, json_out, "verify", path), json_out, metrics_file=metrics_file)
 
 
 @main.command()
@@ -193,7 +195,9 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
 @click.argument("run_dir", type=click.Path(path_type=str))
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
-def scan(run_dir: str, json_out: bool, jobs: int | None) -> None:
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Also write Prometheus gauges (last good step, corrupt checkpoints, ...) to this file.")
+def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | None) -> None:
     """Verify every checkpoint under the training run directory RUN_DIR and name the newest good one.
 
     Finds checkpoints by what they hold (torchtitan step-N/, Lightning checkpoints/, transformers
@@ -212,7 +216,7 @@ def scan(run_dir: str, json_out: bool, jobs: int | None) -> None:
         report = scan_run_dir(run_dir, jobs=jobs, progress=say)
     except CkptVerifyError as exc:
         _fail(exc, json_out, "scan", run_dir)
-    _emit(report, json_out, render=render_scan)
+    _emit(report, json_out, render=render_scan, metrics_file=metrics_file)
 
 
 @main.command("resume-check")
@@ -317,8 +321,17 @@ def _with_progress(call: Any, progress: bool | None, json_out: bool, command: st
         _fail(exc, json_out, command, target)
 
 
-def _emit(report: Any, json_out: bool, render: Any = None) -> None:
+def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> None:
     from ckptverify.report import render_text, to_json
+
+    if metrics_file is not None:
+        from ckptverify.metrics import write_metrics
+
+        try:
+            write_metrics(metrics_file, report)
+        except OSError as exc:
+            _fail(UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out, report.command,
+                  report.target)
 
     if json_out:
         click.echo(to_json(report))

@@ -96,3 +96,22 @@ def test_composite_checkpoints_are_never_called_verified(tmp_path: Path) -> None
     assert (found.format, found.step, sorted(found.parts)) == ("composite", 5, ["optimizer_0", "pytorch_model_fsdp_0"])
     (row,) = scan_run_dir(run).stats["checkpoints"]
     assert row["state"] == "uncheckable" and "not checked" in row["reason"]
+
+
+def test_metrics_file_has_prometheus_gauges(run_dir: Path, tmp_path: Path) -> None:
+    metrics = tmp_path / "ckptverify.prom"
+    result = CliRunner().invoke(main, ["scan", "--json", "--metrics-file", str(metrics), str(run_dir)])
+    assert result.exit_code == 1
+    lines = [ln for ln in metrics.read_text().splitlines() if not ln.startswith("#")]
+    values = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines}
+    assert values["ckptverify_passed"] == 0 and values["ckptverify_last_good_step"] == 20
+    assert values["ckptverify_corrupt_checkpoints"] == 1 and values["ckptverify_checkpoints"] == 5
+    assert all(f'target="{run_dir}"' in ln for ln in lines)
+    good = run_dir / "checkpoint" / "step-20"
+    ok = CliRunner().invoke(main, ["verify", "--no-progress", "--metrics-file", str(metrics), str(good)])
+    assert ok.exit_code == 0
+    text = metrics.read_text()
+    assert 'ckptverify_passed{command="verify"' in text and "ckptverify_bytes_checked" in text
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckptverify-metrics-")]
+    bad = CliRunner().invoke(main, ["verify", "--metrics-file", str(tmp_path / "no" / "dir.prom"), str(good)])
+    assert bad.exit_code == 2
