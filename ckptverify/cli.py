@@ -204,7 +204,7 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
     checkpoint-N/, Megatron iter_N/, ckptverify step_N/, .pt/.ckpt/.safetensors files) and gives each a
     state: verified, intact, uncheckable, incomplete or corrupt. Exit 1 if any is corrupt or none is good.
     """
-    from ckptverify.scan import render_scan, scan_run_dir
+    from ckptverify.runs.scan import render_scan, scan_run_dir
 
     say = None
     if not json_out and sys.stderr.isatty():
@@ -217,6 +217,90 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
     except CkptVerifyError as exc:
         _fail(exc, json_out, "scan", run_dir)
     _emit(report, json_out, render=render_scan, metrics_file=metrics_file)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--json", "json_out", is_flag=True, help="Print {path, step, skipped} and the findings as JSON.")
+@click.option("--path-only", is_flag=True, help="Print only the path (nothing when none is good): for scripts.")
+@click.option("--no-stamps", is_flag=True, help="Verify every candidate now, even those with a current stamp.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+def latest(run_dir: str, json_out: bool, path_only: bool, no_stamps: bool, jobs: int | None) -> None:
+    """Print the newest checkpoint under RUN_DIR that verifies (exit 1 when none does).
+
+    Newest first: a checkpoint with a current verification stamp is judged by it, any other is verified now;
+    corrupt, torn, incomplete and uncheckable ones are skipped, each with a line saying why.
+    """
+    from ckptverify.runs.latest import latest_verified
+
+    try:
+        found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps)
+    except CkptVerifyError as exc:
+        if path_only:
+            click.echo(f"ckptverify latest: error: {_printable(exc)}", err=True)
+            sys.exit(exc.exit_code)
+        _fail(exc, json_out, "latest", run_dir)
+    report = found.report
+    if path_only:
+        if found.path is not None:
+            click.echo(found.path)
+        sys.exit(report.exit_code)
+    if json_out:
+        import json
+
+        click.echo(json.dumps({**found.to_dict(), **report.to_dict()}, indent=2, default=str))
+        sys.exit(report.exit_code)
+    _emit(report, json_out)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--once", is_flag=True, help="One pass, then exit (1 if any checkpoint failed): for cron.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between passes.")
+@click.option("--exit-on-failure", is_flag=True, help="Exit 1 at the first checkpoint that fails.")
+@click.option("--log", "log_path", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Append one JSON line per result here [default: RUN_DIR/ckptverify-watch.jsonl].")
+@click.option("--deep", is_flag=True, help="Also rebuild tensors and compare fingerprints.")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Write Prometheus gauges after every pass.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_path: str | None, deep: bool,
+          metrics_file: str | None, jobs: int | None) -> None:
+    """Verify and stamp every checkpoint under RUN_DIR as it commits; one JSON line per result.
+
+    Polls RUN_DIR; a committed DCP checkpoint without a current stamp is verified and stamped
+    (ckptverify.verified.json). Runs until interrupted, or one pass with --once.
+    """
+    from ckptverify.runs.watch import watch as run_watch
+
+    def show(item: dict) -> None:
+        import json
+
+        click.echo(json.dumps(item, default=str))
+        if metrics_file is not None:
+            from ckptverify.metrics import write_metrics
+
+            write_metrics(metrics_file, _watch_report(run_dir, [item]))
+
+    try:
+        result = run_watch(run_dir, once=once, interval=interval, exit_on_failure=exit_on_failure, log=log_path,
+                           jobs=jobs, deep=deep, on_result=show)
+    except CkptVerifyError as exc:
+        _fail(exc, True, "watch", run_dir)
+    sys.exit(1 if result.failed else 0)
+
+
+def _watch_report(run_dir: str, items: list) -> Any:
+    from ckptverify.findings import Location, Report, error, info
+
+    findings = tuple(
+        (error if item["event"] == "failed" else info)(
+            "watch", f"{item['path']}: {item['event']}", location=Location(file=item["path"]))
+        for item in items)
+    return Report(command="watch", target=run_dir, findings=findings,
+                  stats={"bytes": sum(int(i.get("bytes") or 0) for i in items),
+                         "seconds": sum(float(i.get("seconds") or 0) for i in items)})
 
 
 @main.command("resume-check")

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from ckptverify.adopt import fingerprint_checkpoint
 from ckptverify.cli import main
 from ckptverify.formats.rundir import find_checkpoints, step_of
-from ckptverify.scan import scan_run_dir
+from ckptverify.runs.scan import scan_run_dir
 
 
 @pytest.mark.parametrize(("name", "step"), [

@@ -16,7 +16,7 @@ from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
 
 #: Files ckptverify itself may write beside a checkpoint; never reported as unreferenced.
-OWN_FILES = frozenset({"ckptverify.manifest.json"})
+OWN_FILES = frozenset({"ckptverify.manifest.json", "ckptverify.verified.json", ".ckptverify-verifying"})
 
 
 def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | None]:

@@ -24,42 +24,49 @@ from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, find_checkpoints
 
-__all__ = ["GOOD_STATES", "STATES", "scan_run_dir"]
+__all__ = ["GOOD_STATES", "STATES", "judge", "judge_report", "render_scan", "scan_run_dir"]
 
 STATES = ("verified", "intact", "uncheckable", "incomplete", "corrupt")
 GOOD_STATES = frozenset({"verified", "intact"})
 _INCOMPLETE_CHECKS = frozenset({"metadata-missing", "save-uncommitted"})
 
 
-def _judge_dcp(path: str, jobs: int | None) -> tuple[str, Report]:
-    from ckptverify.verify import UNCHECKABLE, verify_checkpoint
+def judge_report(report: Report) -> str:
+    """The state (one of :data:`STATES`) a ``verify`` report gives a DCP checkpoint."""
+    from ckptverify.verify import UNCHECKABLE
 
-    report = verify_checkpoint(path, jobs=jobs)
     checks = {f.check for f in report.errors}
     if checks & _INCOMPLETE_CHECKS:
-        return "incomplete", report
+        return "incomplete"
     if checks:
-        return "corrupt", report
+        return "corrupt"
     if any(f.check == UNCHECKABLE for f in report.findings):
-        return "uncheckable", report
-    return ("verified" if report.stats.get("manifest") else "intact"), report
+        return "uncheckable"
+    return "verified" if report.stats.get("manifest") else "intact"
+
+
+def _judge_dcp(path: str, jobs: int | None) -> tuple[str, Report]:
+    from ckptverify.verify import verify_checkpoint
+
+    report = verify_checkpoint(path, jobs=jobs)
+    return judge_report(report), report
 
 
 _WORST = {s: n for n, s in enumerate(("verified", "intact", "uncheckable", "incomplete", "corrupt"))}
 
 
-def _judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
+def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
     """State, one-line reason, and counts for one candidate."""
     path = os.path.join(root, cand.path)
     if cand.format in ("dcp", "dcp-uncommitted"):
         state, report = _judge_dcp(path, jobs)
-        return state, _reason(state, report), _counts(report)
+        return state, reason_of(state, report), counts_of(report)
     if cand.format == "composite":
         states, counts, reasons = [], {"errors": 0, "warnings": 0, "bytes_checked": 0}, []
         for part in cand.parts:
             state, report = _judge_dcp(os.path.join(path, part), jobs)
             states.append(state)
-            for k, v in _counts(report).items():
+            for k, v in counts_of(report).items():
                 counts[k] += v
             reasons.append(f"{part}: {state}")
         worst = max(states, key=_WORST.__getitem__)
@@ -72,12 +79,13 @@ def _judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict
         "errors": 0, "warnings": 0, "bytes_checked": 0}
 
 
-def _counts(report: Report) -> dict[str, int]:
+def counts_of(report: Report) -> dict[str, int]:
     return {"errors": len(report.errors), "warnings": len(report.warnings),
             "bytes_checked": int(report.stats.get("bytes", 0) or 0)}
 
 
-def _reason(state: str, report: Report) -> str:
+def reason_of(state: str, report: Report) -> str:
+    """One line saying why a checkpoint has ``state``."""
     if state in ("corrupt", "incomplete"):
         first = report.errors[0]
         return f"{len(report.errors)} error(s); first: {first.check}: {first.message}"
@@ -107,7 +115,7 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     for n, cand in enumerate(candidates):
         if progress is not None:
             progress(f"{n + 1}/{len(candidates)} {cand.path}")
-        state, reason, counts = _judge(root, cand, jobs)
+        state, reason, counts = judge(root, cand, jobs)
         rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts})
         make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable") else info
         findings.append(make("scan", f"{cand.path}: {state} ({cand.format}"
