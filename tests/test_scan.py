@@ -53,7 +53,7 @@ def test_scan_names_each_state_and_the_newest_good_checkpoint(run_dir: Path) -> 
     states = {r["path"]: r["state"] for r in report.stats["checkpoints"]}
     assert states == {"checkpoint/step-10": "intact", "checkpoint/step-20": "verified",
                       "checkpoint/step-30": "corrupt", "checkpoint/step-40": "incomplete",
-                      "last.ckpt": "uncheckable"}
+                      "last.ckpt": "intact"}
     assert [r["step"] for r in report.stats["checkpoints"]] == [None, 10, 20, 30, 40]
     assert report.stats["newest_good"] == {"path": "checkpoint/step-20", "step": 20}
     assert report.exit_code == 1 and [f.location.file for f in report.errors] == ["checkpoint/step-30"]
@@ -86,7 +86,7 @@ def test_the_walk_follows_no_link_and_opens_no_special_file(tmp_path: Path) -> N
     assert scan_run_dir(run).exit_code == 0
 
 
-def test_composite_checkpoints_are_never_called_verified(tmp_path: Path) -> None:
+def test_composite_checkpoints_check_their_dcp_parts_and_side_files(tmp_path: Path) -> None:
     run = tmp_path / "out"
     ck = run / "checkpoint-5"
     _dcp(ck / "pytorch_model_fsdp_0", 1.0)
@@ -95,7 +95,14 @@ def test_composite_checkpoints_are_never_called_verified(tmp_path: Path) -> None
     (found,) = find_checkpoints(run)
     assert (found.format, found.step, sorted(found.parts)) == ("composite", 5, ["optimizer_0", "pytorch_model_fsdp_0"])
     (row,) = scan_run_dir(run).stats["checkpoints"]
-    assert row["state"] == "uncheckable" and "not checked" in row["reason"]
+    assert row["state"] == "intact" and "optimizer_0/: intact" in row["reason"]
+    (ck / "trainer_state.json").write_text("{torn")
+    (row,) = scan_run_dir(run).stats["checkpoints"]
+    assert row["state"] == "corrupt" and "json-invalid" in row["reason"]
+    inj.flip_in_tensor_payload(ck / "optimizer_0", "w")
+    (ck / "trainer_state.json").write_text("{}")
+    (row,) = scan_run_dir(run).stats["checkpoints"]
+    assert row["state"] == "corrupt" and "optimizer_0/: corrupt" in row["reason"]
 
 
 def test_metrics_file_has_prometheus_gauges(run_dir: Path, tmp_path: Path) -> None:

@@ -61,22 +61,31 @@ def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[
     if cand.format in ("dcp", "dcp-uncommitted"):
         state, report = _judge_dcp(path, jobs)
         return state, reason_of(state, report), counts_of(report)
-    if cand.format == "composite":
-        states, counts, reasons = [], {"errors": 0, "warnings": 0, "bytes_checked": 0}, []
-        for part in cand.parts:
-            state, report = _judge_dcp(os.path.join(path, part), jobs)
-            states.append(state)
-            for k, v in counts_of(report).items():
-                counts[k] += v
-            reasons.append(f"{part}: {state}")
-        worst = max(states, key=_WORST.__getitem__)
-        # Files beside the DCP folders (trainer state, scheduler, RNG) are not read yet: never "verified".
-        if worst in GOOD_STATES:
-            worst = "uncheckable"
-            reasons.append("files beside the DCP folders are not checked yet")
-        return worst, "; ".join(reasons), counts
-    return "uncheckable", f"{cand.format} checkpoints are not read by this version: nothing was checked", {
-        "errors": 0, "warnings": 0, "bytes_checked": 0}
+    if cand.kind == "file":
+        from ckptverify.formats.single import check_file
+
+        found, cov, facts = check_file(path, name=cand.path)
+        report = Report(command="verify", target=path, findings=tuple(found), coverage=tuple(cov),
+                        stats={"bytes": facts.get("bytes", 0)})
+        state = judge_report(report)
+        return state, reason_of(state, report), counts_of(report)
+    from ckptverify.formats.folder import check_folder
+
+    found, cov, facts = check_folder(path)
+    folder = Report(command="verify", target=path, findings=tuple(found), coverage=tuple(cov),
+                    stats={"bytes": facts.get("bytes", 0)})
+    states, reasons = [judge_report(folder)], []
+    counts = counts_of(folder)
+    if found or not facts["dcp_parts"]:
+        reasons.append(f"files: {reason_of(states[0], folder)}")
+    for part in facts["dcp_parts"]:
+        state, report = _judge_dcp(os.path.join(path, part), jobs)
+        states.append(state)
+        for k, v in counts_of(report).items():
+            counts[k] += v
+        reasons.append(f"{part}/: {state}")
+    worst = max(states, key=_WORST.__getitem__)
+    return worst, "; ".join(reasons), counts
 
 
 def counts_of(report: Report) -> dict[str, int]:
