@@ -14,6 +14,7 @@ Then, in order: (a) the state restored in B against the state A saved, field by 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -81,6 +82,10 @@ def load_target(target: str) -> Callable[[Run], None]:
         path = os.path.abspath(where)
         if not os.path.isfile(path):
             raise UsageError(f"workload file not found: {where}")
+        # As `python train.py` does: the script's folder comes first on sys.path (its sibling modules import).
+        folder = os.path.dirname(path)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         spec = importlib.util.spec_from_file_location(f"_ckptverify_workload_{abs(hash(path))}", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -107,19 +112,30 @@ def _worker(rank: int, nproc: int, port: int, target: str, config_json: str, bac
                       MASTER_PORT=str(port))
     os.environ[ENV_VAR] = config_json
     config = RunConfig.from_json(config_json)
+    if config.log_dir:
+        # The workload's prints go to a per-rank log file, so the command's own stdout stays machine-readable.
+        os.makedirs(config.log_dir, exist_ok=True)
+        log = os.open(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"),
+                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
     if nproc > 1:
         if backend == "nccl":
             import torch
 
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=nproc)
+        _tolerate_init(dist)
     try:
         run = Run(config)
         try:
             load_target(target)(run)
         finally:
             run.close()
-        if nproc > 1:
+        if nproc > 1 and dist.is_initialized():
             dist.barrier()  # no rank tears down while another is still in a collective
     except BaseException:
         if config.trace_dir:
@@ -130,6 +146,22 @@ def _worker(rank: int, nproc: int, port: int, target: str, config_json: str, bac
     finally:
         if nproc > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _tolerate_init(dist: Any) -> None:
+    """Make the workload's own ``init_process_group`` call a no-op while the harness's group exists (a script
+    written for torchrun calls it unconditionally)."""
+    original = dist.init_process_group
+    if getattr(original, "_ckptverify_tolerant", False):
+        return
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            return None
+        return original(*args, **kwargs)
+
+    init_process_group._ckptverify_tolerant = True  # type: ignore[attr-defined]
+    dist.init_process_group = init_process_group
 
 
 def launch(plan: Plan, config: RunConfig) -> None:
@@ -151,9 +183,14 @@ def launch(plan: Plan, config: RunConfig) -> None:
                                    text or str(exc)) from None
 
 
-def resume_check(plan: Plan, *, keep: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> Outcome:
-    """Run the resume-equivalence check of ``plan``; return findings and verdict. Workdir kept if ``keep``."""
+def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
+                 verbose: bool = False, log_dir: str | None = None) -> Outcome:
+    """Run the resume-equivalence check of ``plan``; return findings and verdict. Workdir kept if ``keep``.
+
+    ``verbose`` lists every final-state difference (else many are folded into one row; the JSON report
+    carries the full list either way). With ``log_dir``, each rank's stdout and stderr go to
+    ``<log_dir>/<run>-rank<r>.log`` (named in the report's stats) instead of the terminal.
+    """
     from ckptverify.resume import verdict as verdicts
 
     say = progress or (lambda _msg: None)
@@ -176,6 +213,9 @@ def resume_check(plan: Plan, *, keep: str | None = None,
         configs["B"] = RunConfig(name="B", stop_step=T, save_at=(T,), checkpoint_dir=os.path.join(dirs["B"], "ckpt"),
                                  resume_from=checkpoint_path(os.path.join(dirs["A"], "ckpt"), K),
                                  trace_dir=os.path.join(dirs["B"], "trace"), level=plan.level, workload=plan.target)
+    if log_dir:
+        log_dir = os.path.abspath(log_dir)
+        configs = {name: dataclasses.replace(c, log_dir=log_dir) for name, c in configs.items()}
     try:
         for name in ("A", "A2", "B"):
             if name in configs:
@@ -185,12 +225,14 @@ def resume_check(plan: Plan, *, keep: str | None = None,
                 say(what)
                 launch(plan, configs[name])
         say("comparing")
-        findings, analysis = _compare(plan, configs)
+        findings, analysis = _compare(plan, configs, verbose=verbose)
         verdict = verdicts.decide(plan, analysis)
         findings.append(verdict.finding())
         report = Report(command="resume-check", target=plan.target, findings=tuple(findings),
                         stats={"steps": T, "resume_at": K, "nproc": plan.nproc, "level": plan.level,
                                "runs": list(configs), "workdir": workdir if keep else None,
+                               "logs": sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir))
+                               if log_dir and os.path.isdir(log_dir) else None,
                                "verdict": verdict.to_dict()})
         return Outcome(report=report, verdict=verdict, workdir=workdir, runs=dirs)
     finally:
@@ -198,12 +240,17 @@ def resume_check(plan: Plan, *, keep: str | None = None,
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _compare(plan: Plan, configs: dict[str, RunConfig]) -> tuple[list[Finding], dict[str, Any]]:
+def _compare(plan: Plan, configs: dict[str, RunConfig], *, verbose: bool = False
+             ) -> tuple[list[Finding], dict[str, Any]]:
     from ckptverify.diff import diff_checkpoints
 
     T, K = plan.steps, plan.resume_at
     findings: list[Finding] = []
-    analysis: dict[str, Any] = {"unsaved_schedulers": _read_notes(configs["A"])}
+    notes_a = _read_notes(configs["A"])
+    analysis: dict[str, Any] = {"unsaved_schedulers": list(notes_a.get(0, {}).get("unsaved_schedulers", [])),
+                                "unregistered": _unregistered(notes_a),
+                                "missing_optimizer": notes_a.get(0, {}).get("missing_optimizer")}
+    findings.extend(_forgotten_findings(analysis))
     # (a) restored state vs saved state
     if "B" in configs:
         restore: list[Finding] = []
@@ -229,21 +276,115 @@ def _compare(plan: Plan, configs: dict[str, RunConfig]) -> tuple[list[Finding], 
         steps = range(K + 1, T + 1)
         ab, analysis["resume"] = _trace_stage("A vs B", a_trace, configs["B"].trace_dir, steps)
         findings.extend(ab)
-        if analysis["resume"] is not None:
-            step = analysis["resume"].step
+        div = analysis["resume"]
+        if div is not None:
+            step = div.step
             analysis["resume_sites"] = _differing_sites(a_trace, configs["B"].trace_dir, range(step, step + 1))
+            restored = _read_notes(configs["B"]).get(div.rank, {}).get("restored", {})
+            analysis["evidence"] = step_evidence(a_trace, configs["B"].trace_dir, div.rank,  # type: ignore[arg-type]
+                                                 step, first_resumed=step == K + 1, restored=restored)
         # (d) final states
         final = diff_checkpoints(checkpoint_path(configs["A"].checkpoint_dir, T),  # type: ignore[arg-type]
                                  checkpoint_path(configs["B"].checkpoint_dir, T))  # type: ignore[arg-type]
-        findings.extend(_tag("final A vs B", [f for f in final.findings if f.severity.value == "error"]))
-        analysis["final"] = [f for f in final.findings if f.severity.value == "error"]
+        errors = [f for f in final.findings if f.severity.value == "error"]
+        findings.extend(_tag("final A vs B", errors if verbose else _fold(errors)))
+        analysis["final"] = errors
     return findings, analysis
+
+
+#: Final-state differences listed one by one in the text report (all of them under ``--verbose`` and in JSON).
+FOLD_ABOVE = 3
+
+
+def _fold(errors: list[Finding]) -> list[Finding]:
+    """Many final-state differences as one row: how many, which come first, and the full list in ``actual``."""
+    if len(errors) <= FOLD_ABOVE:
+        return errors
+    names = [f.location.fqn or f.location.record or f.check for f in errors]
+    shown = ", ".join(str(n) for n in names[:FOLD_ABOVE])
+    return [error("final-state", f"{len(errors)} items of the final checkpoints differ ({shown}, …); the full "
+                  "list is under --verbose and in the JSON report", location=Location(),
+                  actual={"differing": len(errors), "items": [f.to_dict() for f in errors]})]
+
+
+def _unregistered(notes: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+    """Unregistered objects over all ranks, once each (by variable name)."""
+    out: dict[str, dict[str, str]] = {}
+    for rank in sorted(notes):
+        for item in notes[rank].get("unregistered", []) or []:
+            out.setdefault(item["name"], item)
+    return list(out.values())
+
+
+def _forgotten_findings(analysis: dict[str, Any]) -> list[Finding]:
+    from ckptverify.findings import warning
+
+    out = [warning("unregistered-state", f"{u['name']} ({u['type']}: {u['kind']}) is not in the TrainState: a "
+                   "resume does not save or restore it", location=Location(fqn=u["name"]), actual=u)
+           for u in analysis["unregistered"]]
+    if analysis.get("missing_optimizer"):
+        out.append(warning("no-optimizer", analysis["missing_optimizer"]))
+    return out
+
+
+def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed: bool,
+                  restored: dict[str, Any]) -> dict[str, Any]:
+    """What differs at ``step`` on ``rank`` among the causes a step starts from, and which run moved them.
+
+    * ``rng``: random streams that differ when the step starts (``start.rng.<stream>``), each with
+      ``a_moved`` / ``b_moved``: whether that run's stream at the start of the step differs from where the
+      previous step (for B on the first resumed step: the restore) left it;
+    * ``hparams_start``: optimizer hyperparameters that differ when the step starts, with ``b_moved`` /
+      ``a_moved`` as above (on the first resumed step, against the restored value);
+    * ``hparams_step``: hyperparameters that differ as the optimizer step uses them;
+    * ``buffers``: non-persistent buffers (``buffer.<fqn>``) that differ after the step;
+    * ``batch``: whether the batch differs.
+    """
+    from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.store import open_trace
+
+    ta, tb = open_trace(run_stores(a_dir)[rank]), open_trace(run_stores(b_dir)[rank])
+    names = [s.name for s in ta.sites] + [s.name for s in tb.sites if not ta.has_site(s.name)]
+
+    def val(trace: Any, at: int, name: str) -> Any:
+        return trace.value(at, name) if trace.has_site(name) and trace.row_index(at) is not None else None
+
+    differing = [n for n in names if val(ta, step, n) != val(tb, step, n)]
+    out: dict[str, Any] = {"step": step, "rank": rank, "rng": [], "hparams_start": [], "hparams_step": [],
+                           "buffers": [n for n in differing if n.startswith("buffer.")],
+                           "batch": any(n == "batch" or n.startswith("batch.") for n in differing)}
+
+    def moved(trace: Any, name: str, end_name: str, is_b: bool) -> bool | None:
+        now = val(trace, step, name)
+        if is_b and first_resumed:
+            before = restored.get(name)
+        elif first_resumed and not is_b:
+            # A's value at the end of the previous step is what it saved; B restored exactly that.
+            before = restored.get(name) if name in restored else val(trace, step - 1, end_name)
+        else:
+            before = val(trace, step - 1, end_name)
+        if before is None or now is None:
+            return None
+        return bool(now != before)
+
+    for n in differing:
+        if n.startswith("start.rng."):
+            out["rng"].append({"stream": n[len("start."):], "a": val(ta, step, n), "b": val(tb, step, n),
+                               "a_moved": moved(ta, n, n[len("start."):], False),
+                               "b_moved": moved(tb, n, n[len("start."):], True)})
+        elif n.startswith("start.hparam."):
+            out["hparams_start"].append({"field": n[len("start.hparam."):], "a": val(ta, step, n),
+                                         "b": val(tb, step, n), "a_moved": moved(ta, n, "", False),
+                                         "b_moved": moved(tb, n, "", True)})
+        elif n.startswith("hparam."):
+            out["hparams_step"].append({"field": n[len("hparam."):], "a": val(ta, step, n), "b": val(tb, step, n)})
+    return out
 
 
 def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) -> tuple[list[Finding], Any]:
     """Compare two runs' traces. Random streams that differ while no value computed from them does (an
-    unseeded, unused generator) are a warning, not a divergence."""
-    from ckptverify.findings import warning
+    unseeded, unused generator) are an info line, not a divergence."""
+    from ckptverify.findings import info
     from ckptverify.trace.compare import compare_runs, first_divergence
 
     found = compare_runs(a, b, steps=steps)  # type: ignore[arg-type]
@@ -251,11 +392,10 @@ def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) 
         return _tag(stage, found), None
     first = first_divergence(a, b, steps=steps)  # type: ignore[arg-type]
     differing = _differing_sites(a, b, steps)  # type: ignore[arg-type]
-    if differing and all(name.startswith("rng.") for name in differing):
-        names = ", ".join(sorted(differing))
-        return [warning("trace-rng-unused", f"[{stage}] random stream(s) {names} differ between the runs, but no "
-                        "traced value computed in these steps depends on them (an unseeded generator the job "
-                        "does not draw from?)")], None
+    if differing and all(name.startswith(("rng.", "start.rng.")) for name in differing):
+        names = ", ".join(sorted({n.removeprefix("start.") for n in differing}))
+        return [info("trace-rng-unused", f"[{stage}] unused random stream(s) differ: {names} (no traced value "
+                     "depends on them: an unseeded generator the job does not draw from)")], None
     return _tag(stage, found), first
 
 
@@ -278,12 +418,17 @@ def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:
     return out
 
 
-def _read_notes(config: RunConfig) -> list[str]:
-    path = os.path.join(config.trace_dir or "", "notes-rank0.json")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return list(json.load(f).get("unsaved_schedulers", []))
+def _read_notes(config: RunConfig) -> dict[int, dict[str, Any]]:
+    """Each rank's notes (``notes-rank<r>.json``: what ``run.restore`` found), by rank."""
+    out: dict[int, dict[str, Any]] = {}
+    d = config.trace_dir or ""
+    if not os.path.isdir(d):
+        return out
+    for name in os.listdir(d):
+        if name.startswith("notes-rank") and name.endswith(".json") and name[10:-5].isdigit():
+            with open(os.path.join(d, name)) as f:
+                out[int(name[10:-5])] = json.load(f)
+    return out
 
 
 def _tag(stage: str, findings: list[Finding]) -> list[Finding]:
