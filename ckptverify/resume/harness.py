@@ -14,7 +14,6 @@ Then, in order: (a) the state restored in B against the state A saved, field by 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -105,11 +104,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, nproc: int, port: int, target: str, config_json: str, backend: str) -> None:
+def _worker(rank: int, nproc: int, port: int, jobs: list[tuple[str, str]], backend: str) -> None:
+    """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn, in this one process."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    if nproc > 1:
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=nproc)
+        _tolerate_init(dist)
+    try:
+        for target, config_json in jobs:
+            _run_job(rank, nproc, target, config_json)
+    finally:
+        if nproc > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
+    import torch.distributed as dist
+
     os.environ[ENV_VAR] = config_json
     config = RunConfig.from_json(config_json)
     if config.log_dir:
@@ -122,13 +140,6 @@ def _worker(rank: int, nproc: int, port: int, target: str, config_json: str, bac
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
-    if nproc > 1:
-        if backend == "nccl":
-            import torch
-
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=nproc)
-        _tolerate_init(dist)
     try:
         run = Run(config)
         try:
@@ -143,9 +154,6 @@ def _worker(rank: int, nproc: int, port: int, target: str, config_json: str, bac
             with open(os.path.join(config.trace_dir, f"error-rank{rank}.txt"), "w") as f:
                 f.write(traceback.format_exc())
         raise
-    finally:
-        if nproc > 1 and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _tolerate_init(dist: Any) -> None:
@@ -166,20 +174,32 @@ def _tolerate_init(dist: Any) -> None:
 
 def launch(plan: Plan, config: RunConfig) -> None:
     """Run ``plan.target`` under ``config`` in ``plan.nproc`` fresh processes; raise if any rank fails."""
+    launch_jobs(plan.nproc, plan.device, [(plan.target, config)])
+
+
+def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> None:
+    """Run each ``(target, config)`` in turn in one set of ``nproc`` fresh processes; raise if any rank fails.
+
+    Several jobs share the processes' start-up (interpreter, torch import, process group); each job's
+    training function still starts from its own seeds and state. Module-level state of a workload does
+    carry from one job to the next, as it would in any long-lived process."""
     import torch.multiprocessing as mp
 
-    backend = "nccl" if plan.device == "cuda" else "gloo"
-    args = (plan.nproc, _free_port(), plan.target, config.to_json(), backend)
+    backend = "nccl" if device == "cuda" else "gloo"
+    args = (nproc, _free_port(), [(target, config.to_json()) for target, config in jobs], backend)
     try:
-        mp.start_processes(_worker, args=args, nprocs=plan.nproc, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")
     except Exception as exc:
         text = ""
-        if config.trace_dir and os.path.isdir(config.trace_dir):
-            for name in sorted(os.listdir(config.trace_dir)):
-                if name.startswith("error-rank"):
-                    with open(os.path.join(config.trace_dir, name)) as f:
-                        text += f"--- {name} ---\n{f.read()}"
-        raise WorkloadCrashedError(f"the workload crashed in run {config.name}: {type(exc).__name__}",
+        failed = jobs[0][1].name
+        for _, config in jobs:
+            if config.trace_dir and os.path.isdir(config.trace_dir):
+                for name in sorted(os.listdir(config.trace_dir)):
+                    if name.startswith("error-rank"):
+                        failed = config.name
+                        with open(os.path.join(config.trace_dir, name)) as f:
+                            text += f"--- {name} ---\n{f.read()}"
+        raise WorkloadCrashedError(f"the workload crashed in run {failed}: {type(exc).__name__}",
                                    text or str(exc)) from None
 
 
@@ -191,53 +211,83 @@ def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str
     carries the full list either way). With ``log_dir``, each rank's stdout and stderr go to
     ``<log_dir>/<run>-rank<r>.log`` (named in the report's stats) instead of the terminal.
     """
-    from ckptverify.resume import verdict as verdicts
+    return resume_check_many([plan], keep=keep, progress=progress, verbose=verbose, log_dir=log_dir)[0]
 
+
+def resume_check_many(plans: list[Plan], *, keep: str | None = None,
+                      progress: Callable[[str], None] | None = None, verbose: bool = False,
+                      log_dir: str | None = None) -> list[Outcome]:
+    """:func:`resume_check` of several plans with one launch per run (A, A2, B) for all of them.
+
+    The plans must agree on ``nproc`` and ``device``. Each plan's runs are its own (own checkpoints, traces,
+    verdict); only process start-up is shared. Plan ``i`` works in ``<workdir>/<i>`` when there are several.
+    """
+    if not plans:
+        return []
+    if len({(p.nproc, p.device) for p in plans}) != 1:
+        raise UsageError("plans checked together must have the same nproc and device")
     say = progress or (lambda _msg: None)
     workdir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-resume-")
     if keep:
         os.makedirs(workdir, exist_ok=True)
-    T, K = plan.steps, plan.resume_at
-    dirs = {name: os.path.join(workdir, name) for name in plan.runs}
-    for d in dirs.values():
-        if os.path.exists(d):
-            shutil.rmtree(d)
-    configs = {
-        "A": RunConfig(name="A", stop_step=T, save_at=(K, T), checkpoint_dir=os.path.join(dirs["A"], "ckpt"),
-                       trace_dir=os.path.join(dirs["A"], "trace"), level=plan.level, workload=plan.target),
-    }
-    if "A2" in plan.runs:
-        configs["A2"] = RunConfig(name="A2", stop_step=T, save_at=(T,), checkpoint_dir=os.path.join(dirs["A2"], "ckpt"),
-                                  trace_dir=os.path.join(dirs["A2"], "trace"), level=plan.level, workload=plan.target)
-    if "B" in plan.runs:
-        configs["B"] = RunConfig(name="B", stop_step=T, save_at=(T,), checkpoint_dir=os.path.join(dirs["B"], "ckpt"),
-                                 resume_from=checkpoint_path(os.path.join(dirs["A"], "ckpt"), K),
-                                 trace_dir=os.path.join(dirs["B"], "trace"), level=plan.level, workload=plan.target)
     if log_dir:
         log_dir = os.path.abspath(log_dir)
-        configs = {name: dataclasses.replace(c, log_dir=log_dir) for name, c in configs.items()}
+    roots = [workdir] if len(plans) == 1 else [os.path.join(workdir, str(i)) for i in range(len(plans))]
+    configs = [_configs(plan, root, log_dir) for plan, root in zip(plans, roots, strict=True)]
     try:
         for name in ("A", "A2", "B"):
-            if name in configs:
-                what = {"A": f"run A: steps 1..{T} continuously, saving at step {K}",
-                        "A2": f"run A2: steps 1..{T} again (determinism)",
-                        "B": f"run B: resume from A's checkpoint at step {K}, steps {K + 1}..{T}"}[name]
-                say(what)
-                launch(plan, configs[name])
+            jobs = [(plan.target, c[name]) for plan, c in zip(plans, configs, strict=True) if name in c]
+            if not jobs:
+                continue
+            if len(plans) == 1:
+                T, K = plans[0].steps, plans[0].resume_at
+                say({"A": f"run A: steps 1..{T} continuously, saving at step {K}",
+                     "A2": f"run A2: steps 1..{T} again (determinism)",
+                     "B": f"run B: resume from A's checkpoint at step {K}, steps {K + 1}..{T}"}[name])
+            else:
+                say(f"run {name} of {len(jobs)} checks")
+            launch_jobs(plans[0].nproc, plans[0].device, jobs)
         say("comparing")
-        findings, analysis = _compare(plan, configs, verbose=verbose)
-        verdict = verdicts.decide(plan, analysis)
-        findings.append(verdict.finding())
-        report = Report(command="resume-check", target=plan.target, findings=tuple(findings),
-                        stats={"steps": T, "resume_at": K, "nproc": plan.nproc, "level": plan.level,
-                               "runs": list(configs), "workdir": workdir if keep else None,
-                               "logs": sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir))
-                               if log_dir and os.path.isdir(log_dir) else None,
-                               "verdict": verdict.to_dict()})
-        return Outcome(report=report, verdict=verdict, workdir=workdir, runs=dirs)
+        return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, log_dir=log_dir)
+                for plan, c, root in zip(plans, configs, roots, strict=True)]
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]:
+    T, K = plan.steps, plan.resume_at
+    dirs = {name: os.path.join(root, name) for name in plan.runs}
+    for d in dirs.values():
+        if os.path.exists(d):
+            shutil.rmtree(d)
+    common = dict(stop_step=T, level=plan.level, workload=plan.target, log_dir=log_dir)
+    configs = {"A": RunConfig(name="A", save_at=(K, T), checkpoint_dir=os.path.join(dirs["A"], "ckpt"),
+                              trace_dir=os.path.join(dirs["A"], "trace"), **common)}  # type: ignore[arg-type]
+    if "A2" in plan.runs:
+        configs["A2"] = RunConfig(name="A2", save_at=(T,), checkpoint_dir=os.path.join(dirs["A2"], "ckpt"),
+                                  trace_dir=os.path.join(dirs["A2"], "trace"), **common)  # type: ignore[arg-type]
+    if "B" in plan.runs:
+        configs["B"] = RunConfig(name="B", save_at=(T,), checkpoint_dir=os.path.join(dirs["B"], "ckpt"),
+                                 resume_from=checkpoint_path(os.path.join(dirs["A"], "ckpt"), K),
+                                 trace_dir=os.path.join(dirs["B"], "trace"), **common)  # type: ignore[arg-type]
+    return configs
+
+
+def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool, verbose: bool,
+             log_dir: str | None) -> Outcome:
+    from ckptverify.resume import verdict as verdicts
+
+    findings, analysis = _compare(plan, configs, verbose=verbose)
+    verdict = verdicts.decide(plan, analysis)
+    findings.append(verdict.finding())
+    logs = sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) if log_dir and os.path.isdir(log_dir) else None
+    report = Report(command="resume-check", target=plan.target, findings=tuple(findings),
+                    stats={"steps": plan.steps, "resume_at": plan.resume_at, "nproc": plan.nproc,
+                           "level": plan.level, "runs": list(configs), "workdir": root if keep else None,
+                           "logs": logs, "verdict": verdict.to_dict()})
+    return Outcome(report=report, verdict=verdict, workdir=root,
+                   runs={name: os.path.dirname(c.trace_dir or "") for name, c in configs.items()})
 
 
 def _compare(plan: Plan, configs: dict[str, RunConfig], *, verbose: bool = False

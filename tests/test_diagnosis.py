@@ -1,0 +1,102 @@
+"""Diagnosis a user can act on: every planted bug gets the right verdict kind and names the right site or
+variable, on 1 and 2 ranks. All cases of one rank count share one launch per run (see resume_check_many)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptverify.examples.planted import EXPECTED
+from ckptverify.examples.workloads import EXPECTED_VERDICTS
+from ckptverify.resume.harness import Plan, resume_check_many
+
+PLANTED = "ckptverify.examples.planted"
+WORKLOADS = "ckptverify.examples.workloads"
+
+
+def _plans(nproc: int) -> list[tuple[str, Plan]]:
+    steps = 5 if nproc == 1 else 4
+    out = []
+    for name in sorted(EXPECTED):
+        level = "module" if name == "parent_forward" else "state"
+        out.append((name, Plan(target=f"{PLANTED}:{name}", steps=steps, resume_at=2, nproc=nproc, level=level,
+                               runs=("A", "B"))))
+    for name in sorted(EXPECTED_VERDICTS):
+        runs = ("A", "A2", "B") if name in ("correct", "nondeterministic") else ("A", "B")
+        out.append((name, Plan(target=f"{WORKLOADS}:{name}", steps=steps, resume_at=2, nproc=nproc, runs=runs)))
+    return out
+
+
+def _named(outcome) -> set[str]:
+    """Every name the verdict or a warning gives: the verdict's site and origin, warned-about variables."""
+    v = outcome.verdict
+    names = {v.site or "", v.origin or ""}
+    names |= {f.location.fqn or "" for f in outcome.report.findings if f.severity.value == "warning"}
+    return names
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def outcomes(request):
+    cases = _plans(request.param)
+    found = resume_check_many([plan for _, plan in cases])
+    return request.param, {name: outcome for (name, _), outcome in zip(cases, found, strict=True)}
+
+
+def test_every_planted_bug_gets_its_verdict_and_names_its_cause(outcomes):
+    _, by_name = outcomes
+    wrong = {}
+    for name, (kind, named) in EXPECTED.items():
+        o = by_name[name]
+        names = _named(o)
+        if o.verdict.kind != kind or not any(named == n or n.endswith("." + named) or n.endswith(named)
+                                             for n in names):
+            wrong[name] = (o.verdict.kind, sorted(names), o.verdict.message)
+    assert not wrong, wrong
+
+
+def test_built_in_workloads_keep_their_verdicts(outcomes):
+    _, by_name = outcomes
+    got = {name: by_name[name].verdict.kind for name in EXPECTED_VERDICTS}
+    assert got == EXPECTED_VERDICTS
+    assert by_name["correct"].report.exit_code == 0
+
+
+def test_rng_verdicts_say_which_run_moved_the_stream(outcomes):
+    _, by_name = outcomes
+    assert "B re-seeded or drew" in by_name["reseed_after_restore"].verdict.message
+    assert "A drew from rng.torch_cpu after its save point" in by_name["eval_after_save"].verdict.message
+    # A batch drawn from the moved stream differs too, but it is the consequence, not the verdict.
+    for name in ("reseed_after_restore", "eval_after_save"):
+        assert by_name[name].verdict.step == 3 and by_name[name].verdict.kind == "rng"
+
+
+def test_data_verdicts_read_as_data_and_name_the_forgotten_loader(outcomes):
+    _, by_name = outcomes
+    v = by_name["data_not_restored"].verdict
+    assert v.message.startswith("the batch of step 3 differs")
+    assert "loader (DataLoader)" in v.message
+    assert v.advice and v.headline().startswith("verdict: data (step 3")
+
+
+def test_parent_forward_names_the_parent_and_the_child_it_fed(outcomes):
+    _, by_name = outcomes
+    v = by_name["parent_forward"].verdict
+    assert v.origin == "blocks.0" and v.site == "module.blocks.0.ln1.in#0"
+    assert "blocks.0.ln1" in v.message
+
+
+def test_restored_value_changed_after_restore_is_not_called_outside_the_train_state(outcomes):
+    _, by_name = outcomes
+    v = by_name["hparam_reapplied"].verdict
+    assert v.site == "optim.param_groups[0].weight_decay"
+    assert "restored exactly" in v.message and "outside the TrainState" not in v.message
+
+
+def test_forgotten_objects_are_warnings_and_in_the_pass_message(outcomes):
+    _, by_name = outcomes
+    for name, var in (("ema_unregistered", "ema"), ("scaler_unregistered", "scaler")):
+        o = by_name[name]
+        assert o.verdict.passed and var in o.verdict.message
+        assert [f.check for f in o.report.findings if f.severity.value == "warning"] == ["unregistered-state"]
+    assert any(f.check == "no-optimizer" for f in by_name["missing_optimizer"].report.findings)
+    # The correct workload holds nothing unregistered: no warning at all.
+    assert not [f for f in by_name["correct"].report.findings if f.severity.value == "warning"]
