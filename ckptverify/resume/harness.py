@@ -4,7 +4,8 @@ Each run is a fresh set of processes (``torch.multiprocessing`` spawn, one per r
 CUDA) executing the user's ``train(run)`` under a :class:`~ckptverify.resume.run.RunConfig`:
 
 * **A** runs steps 1..T continuously, saving at K and T, tracing every step;
-* **A2** runs 1..T again (saving at T), to tell nondeterminism from missing state;
+* **A2** runs 1..T again (no saves: only its trace is compared), to tell nondeterminism from missing state;
+  when the machine has a core per rank to spare, A and A2 run at the same time;
 * **B** starts in a new process group from A's checkpoint K, runs K+1..T (saving at T), tracing.
 
 Then, in order: (a) the state restored in B against the state A saved, field by field, before any step;
@@ -235,24 +236,70 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
     roots = [workdir] if len(plans) == 1 else [os.path.join(workdir, str(i)) for i in range(len(plans))]
     configs = [_configs(plan, root, log_dir) for plan, root in zip(plans, roots, strict=True)]
     try:
-        for name in ("A", "A2", "B"):
-            jobs = [(plan.target, c[name]) for plan, c in zip(plans, configs, strict=True) if name in c]
-            if not jobs:
-                continue
+        nproc, device = plans[0].nproc, plans[0].device
+        jobs = {name: [(plan.target, c[name]) for plan, c in zip(plans, configs, strict=True) if name in c]
+                for name in ("A", "A2", "B")}
+
+        def announce(name: str) -> None:
             if len(plans) == 1:
                 T, K = plans[0].steps, plans[0].resume_at
                 say({"A": f"run A: steps 1..{T} continuously, saving at step {K}",
                      "A2": f"run A2: steps 1..{T} again (determinism)",
                      "B": f"run B: resume from A's checkpoint at step {K}, steps {K + 1}..{T}"}[name])
             else:
-                say(f"run {name} of {len(jobs)} checks")
-            launch_jobs(plans[0].nproc, plans[0].device, jobs)
+                say(f"run {name} of {len(jobs[name])} checks")
+
+        if jobs["A2"] and _spare_cores(nproc, device):
+            # A and A2 are independent: side by side they cost one start-up's wall time, not two.
+            announce("A")
+            announce("A2")
+            _launch_side_by_side(nproc, device, jobs["A"], jobs["A2"])
+        else:
+            for name in ("A", "A2"):
+                if jobs[name]:
+                    announce(name)
+                    launch_jobs(nproc, device, jobs[name])
+        if jobs["B"]:
+            announce("B")
+            launch_jobs(nproc, device, jobs["B"])
         say("comparing")
         return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, log_dir=log_dir)
                 for plan, c, root in zip(plans, configs, roots, strict=True)]
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _spare_cores(nproc: int, device: str) -> bool:
+    """Whether two runs of ``nproc`` ranks fit side by side: a core each on CPU (the built-in workloads run
+    one intra-op thread per rank)."""
+    if device != "cpu":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2 * nproc
+
+
+def _launch_side_by_side(nproc: int, device: str, first: list[tuple[str, RunConfig]],
+                         second: list[tuple[str, RunConfig]]) -> None:
+    """Launch two independent sets of jobs at once; raise the first one's error if both fail."""
+    import threading
+
+    errors: dict[int, BaseException] = {}
+
+    def go(i: int, jobs: list[tuple[str, RunConfig]]) -> None:
+        try:
+            launch_jobs(nproc, device, jobs)
+        except BaseException as exc:  # re-raised in the caller's thread below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i, j), daemon=True) for i, j in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        if i in errors:
+            raise errors[i]
 
 
 def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]:
@@ -265,8 +312,7 @@ def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]
     configs = {"A": RunConfig(name="A", save_at=(K, T), checkpoint_dir=os.path.join(dirs["A"], "ckpt"),
                               trace_dir=os.path.join(dirs["A"], "trace"), **common)}  # type: ignore[arg-type]
     if "A2" in plan.runs:
-        configs["A2"] = RunConfig(name="A2", save_at=(T,), checkpoint_dir=os.path.join(dirs["A2"], "ckpt"),
-                                  trace_dir=os.path.join(dirs["A2"], "trace"), **common)  # type: ignore[arg-type]
+        configs["A2"] = RunConfig(name="A2", trace_dir=os.path.join(dirs["A2"], "trace"), **common)  # type: ignore[arg-type]
     if "B" in plan.runs:
         configs["B"] = RunConfig(name="B", save_at=(T,), checkpoint_dir=os.path.join(dirs["B"], "ckpt"),
                                  resume_from=checkpoint_path(os.path.join(dirs["A"], "ckpt"), K),
