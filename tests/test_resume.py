@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -138,7 +139,7 @@ def test_a_torchrun_style_script_adopts_unchanged_and_json_stdout_stays_clean(tm
     assert report["stats"]["verdict"]["kind"] == "pass"
     logs = report["stats"]["logs"]
     assert sorted(os.path.basename(p) for p in logs) == ["A-rank0.log", "A-rank1.log", "B-rank0.log", "B-rank1.log"]
-    text = open(next(p for p in logs if p.endswith("B-rank1.log"))).read()
+    text = Path(next(p for p in logs if p.endswith("B-rank1.log"))).read_text()
     assert "hello from rank 1" in text and "warming up" in text
 
 

@@ -205,28 +205,36 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> N
 
 
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
-                 verbose: bool = False, log_dir: str | None = None) -> Outcome:
+                 verbose: bool = False, log_dir: str | None = None, report_dir: str | None = None) -> Outcome:
     """Run the resume-equivalence check of ``plan``; return findings and verdict. Workdir kept if ``keep``.
 
     ``verbose`` lists every final-state difference (else many are folded into one row; the JSON report
     carries the full list either way). With ``log_dir``, each rank's stdout and stderr go to
-    ``<log_dir>/<run>-rank<r>.log`` (named in the report's stats) instead of the terminal.
+    ``<log_dir>/<run>-rank<r>.log`` (named in the report's stats) instead of the terminal. With
+    ``report_dir``, an HTML page with figures is written there (:mod:`ckptverify.resume.figures`; needs
+    matplotlib), its path in the report's stats as ``report_page``.
     """
-    return resume_check_many([plan], keep=keep, progress=progress, verbose=verbose, log_dir=log_dir)[0]
+    return resume_check_many([plan], keep=keep, progress=progress, verbose=verbose, log_dir=log_dir,
+                             report_dir=report_dir)[0]
 
 
 def resume_check_many(plans: list[Plan], *, keep: str | None = None,
                       progress: Callable[[str], None] | None = None, verbose: bool = False,
-                      log_dir: str | None = None) -> list[Outcome]:
+                      log_dir: str | None = None, report_dir: str | None = None) -> list[Outcome]:
     """:func:`resume_check` of several plans with one launch per run (A, A2, B) for all of them.
 
     The plans must agree on ``nproc`` and ``device``. Each plan's runs are its own (own checkpoints, traces,
-    verdict); only process start-up is shared. Plan ``i`` works in ``<workdir>/<i>`` when there are several.
+    verdict); only process start-up is shared. Plan ``i`` works in ``<workdir>/<i>`` when there are several
+    (and writes its report page, if asked, to ``<report_dir>/<i>``).
     """
     if not plans:
         return []
     if len({(p.nproc, p.device) for p in plans}) != 1:
         raise UsageError("plans checked together must have the same nproc and device")
+    if report_dir:
+        from ckptverify.resume.figures import _pyplot
+
+        _pyplot()  # refuse before the runs, not after them, when matplotlib is missing
     say = progress or (lambda _msg: None)
     workdir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-resume-")
     if keep:
@@ -263,8 +271,11 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
             announce("B")
             launch_jobs(nproc, device, jobs["B"])
         say("comparing")
-        return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, log_dir=log_dir)
-                for plan, c, root in zip(plans, configs, roots, strict=True)]
+        pages = [None] * len(plans) if not report_dir else (
+            [os.path.abspath(report_dir)] if len(plans) == 1
+            else [os.path.join(os.path.abspath(report_dir), str(i)) for i in range(len(plans))])
+        return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, log_dir=log_dir, report_dir=page)
+                for plan, c, root, page in zip(plans, configs, roots, pages, strict=True)]
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -321,17 +332,22 @@ def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]
 
 
 def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool, verbose: bool,
-             log_dir: str | None) -> Outcome:
+             log_dir: str | None, report_dir: str | None) -> Outcome:
     from ckptverify.resume import verdict as verdicts
 
     findings, analysis = _compare(plan, configs, verbose=verbose)
     verdict = verdicts.decide(plan, analysis)
     findings.append(verdict.finding())
     logs = sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) if log_dir and os.path.isdir(log_dir) else None
-    report = Report(command="resume-check", target=plan.target, findings=tuple(findings),
-                    stats={"steps": plan.steps, "resume_at": plan.resume_at, "nproc": plan.nproc,
-                           "level": plan.level, "runs": list(configs), "workdir": root if keep else None,
-                           "logs": logs, "verdict": verdict.to_dict()})
+    stats = {"steps": plan.steps, "resume_at": plan.resume_at, "nproc": plan.nproc, "level": plan.level,
+             "runs": list(configs), "workdir": root if keep else None, "logs": logs, "verdict": verdict.to_dict()}
+    report = Report(command="resume-check", target=plan.target, findings=tuple(findings), stats=stats)
+    if report_dir:
+        from ckptverify.resume.figures import write_report
+
+        stats["report_page"] = write_report(report_dir, report=report, verdict=verdict,
+                                            trace_dirs={n: c.trace_dir or "" for n, c in configs.items()},
+                                            steps=range(plan.resume_at + 1, plan.steps + 1))
     return Outcome(report=report, verdict=verdict, workdir=root,
                    runs={name: os.path.dirname(c.trace_dir or "") for name, c in configs.items()})
 
