@@ -100,3 +100,60 @@ def test_forgotten_objects_are_warnings_and_in_the_pass_message(outcomes):
     assert any(f.check == "no-optimizer" for f in by_name["missing_optimizer"].report.findings)
     # The correct workload holds nothing unregistered: no warning at all.
     assert not [f for f in by_name["correct"].report.findings if f.severity.value == "warning"]
+
+
+def test_runs_are_labelled_by_their_own_names(outcomes):
+    _, by_name = outcomes
+    nd = [f for f in by_name["nondeterministic"].report.findings if f.check == "trace-divergence"]
+    assert nd and all("in run A and" in f.message and "in run A2" in f.message for f in nd)
+    assert not any("('A2')" in f.message for f in by_name["nondeterministic"].report.findings)
+
+
+def _write(path, run: str, rng: int) -> None:
+    from ckptverify.trace.store import Cell, TraceHeader, TraceWriter
+
+    with TraceWriter(path / "rank0", header=TraceHeader(run=run, level="state", rank=0, world_size=1)) as w:
+        for step in (1, 2, 3):
+            w.append(step, [Cell("start.rng.python", "rng", (rng, step), "digest128"),
+                            Cell.from_float("metric.loss", "metric", 1.0 / step),
+                            Cell("rng.python", "rng", (rng, step + 1), "digest128")])
+
+
+def test_an_unused_random_stream_is_one_info_line_naming_it(tmp_path):
+    from ckptverify.resume.harness import _trace_stage
+
+    _write(tmp_path / "a", "A", 1)
+    _write(tmp_path / "b", "A2", 2)
+    found, first = _trace_stage("A vs A2", str(tmp_path / "a"), str(tmp_path / "b"), None)
+    assert first is None
+    assert [(f.check, f.severity.value) for f in found] == [("trace-rng-unused", "info")]
+    assert "rng.python" in found[0].message
+
+
+def test_find_unregistered_names_locals_container_fields_and_module_attributes():
+    import types
+
+    import torch
+
+    from ckptverify.resume.unregistered import find_unregistered, missing_optimizer
+    from ckptverify.state.train_state import TrainState
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+    model[1].noise = torch.Generator().manual_seed(0)  # a layer's own generator, saved nowhere
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    ema = torch.nn.Linear(2, 2)
+    scaler = torch.amp.GradScaler("cpu")
+    box = types.SimpleNamespace(aux_opt=torch.optim.SGD(ema.parameters(), lr=0.1), width=3)
+    state = TrainState(model=model, optimizer=opt)
+    found = {u.name: (u.kind, u.type) for u in find_unregistered(
+        {"model": model, "opt": opt, "sched": sched, "ema": ema, "scaler": scaler, "box": box, "state": state,
+         "_": torch.nn.Linear(1, 1), "n": 3}, state)}
+    assert found == {"sched": ("LR scheduler", "StepLR"), "ema": ("module", "Linear"),
+                     "scaler": ("gradient scaler", "GradScaler"), "box.aux_opt": ("optimizer", "SGD"),
+                     "model.1.noise": ("random generator", "Generator")}
+    assert missing_optimizer(state) is None and "no optimizer" in missing_optimizer(TrainState(model=model))
+    # Wrappers around the registered model are not "another module"; a registered generator is registered.
+    wrapper = torch.nn.Sequential(model)
+    full = TrainState(model=model, optimizer=opt, generators={"noise": model[1].noise})
+    assert find_unregistered({"wrapper": wrapper}, full) == []

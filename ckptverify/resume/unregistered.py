@@ -2,7 +2,8 @@
 
 At ``run.restore(state)`` the harness looks through the calling function's local variables (and, one level
 down, the attributes of plain containers among them: a dataclass or namespace holding model, optimizer and
-loader) for objects whose state a resume needs and that ``state`` does not register:
+loader), and through the plain attributes of the registered model's modules, for objects whose state a
+resume needs and that ``state`` does not register:
 
 * ``torch.nn.Module``\\ s other than the model, its submodules and wrappers around it (an EMA copy);
 * optimizers, LR schedulers, GradScalers (``torch.amp`` and ``torch.cuda.amp``), ``torch.Generator``\\ s;
@@ -137,6 +138,13 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregis
         else:
             for attr, value in _container_attrs(obj).items():
                 visit(f"{name}.{attr}", value)
+    # Reachable from what is registered: plain attributes of the model's modules (a generator a layer
+    # draws its noise from, an EMA kept as an attribute rather than a submodule).
+    if state.model is not None:
+        for mod_name, module in state.model.named_modules():
+            for attr, value in vars(module).items():
+                if not attr.startswith("_") and not isinstance(value, bool | int | float | str):
+                    visit(".".join(p for p in ("model", mod_name, attr) if p), value)
     return out
 
 
