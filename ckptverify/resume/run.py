@@ -119,7 +119,11 @@ class Run:
         return self._world
 
     def restore(self, state: Any) -> None:
-        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint."""
+        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint.
+
+        Under the harness it also notes what the calling function holds outside ``state`` (stateful local
+        variables, see :mod:`ckptverify.resume.unregistered`) and, when resuming, the random streams and
+        hyperparameters as restored (to tell later which run moved them)."""
         from ckptverify.state.train_state import TrainState
 
         if not isinstance(state, TrainState):
