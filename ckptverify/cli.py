@@ -318,9 +318,13 @@ def _watch_report(run_dir: str, items: list) -> Any:
               help="cpu: gloo; cuda: NCCL, one GPU per rank.")
 @click.option("--keep", type=click.Path(path_type=str), default=None,
               help="Keep checkpoints and traces in this directory.")
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@click.option("--verbose", is_flag=True, help="List every final-state difference (else folded into one row).")
+@click.option("--report", "report_dir", type=click.Path(path_type=str), default=None,
+              help="Write an HTML page with figures here (needs matplotlib: pip install 'ckptverify[report]').")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print the report as JSON (the workload's output goes to per-rank log files it names).")
 def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level: str, runs: str, device: str,
-                     keep: str | None, json_out: bool) -> None:
+                     keep: str | None, verbose: bool, report_dir: str | None, json_out: bool) -> None:
     """Prove that resuming TARGET from a checkpoint is bitwise identical to never stopping.
 
     TARGET is FILE.py:FUNC or package.module:FUNC, a function train(run) following the Run protocol
@@ -331,6 +335,7 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     import os
 
     from ckptverify.resume.harness import Plan, resume_check
+    from ckptverify.resume.render import emit_resume, log_dir_for
 
     if device == "cuda":
         os.environ["CKPTVERIFY_DEVICE"] = "cuda"
@@ -341,12 +346,13 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
         if not json_out:
             from rich.console import Console
 
-            err = Console(stderr=True)
+            err = Console(stderr=True, emoji=False)
             say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
-        outcome = resume_check(plan, keep=keep, progress=say)
+        outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose,
+                               log_dir=log_dir_for(keep) if json_out else None, report_dir=report_dir)
     except CkptVerifyError as exc:
         _fail(exc, json_out, "resume-check", target)
-    _emit(outcome.report, json_out)
+    sys.exit(emit_resume(outcome, json_out))
 
 
 @main.command()

@@ -45,6 +45,7 @@ class RunConfig:
     trace_dir: str | None = None
     level: str = "state"
     workload: str = ""
+    log_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -118,12 +119,26 @@ class Run:
         return self._world
 
     def restore(self, state: Any) -> None:
-        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint."""
+        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint.
+
+        Under the harness it also notes what the calling function holds outside ``state`` (stateful local
+        variables, see :mod:`ckptverify.resume.unregistered`) and, when resuming, the random streams and
+        hyperparameters as restored (to tell later which run moved them)."""
         from ckptverify.state.train_state import TrainState
 
         if not isinstance(state, TrainState):
             raise UsageError(f"run.restore() takes a TrainState, got {type(state).__name__}")
         self.state = state
+        notes: dict[str, Any] = {"unsaved_schedulers": unsaved_schedulers(state)}
+        if self.config.trace_dir:
+            import sys
+
+            from ckptverify.resume.unregistered import find_unregistered, missing_optimizer
+
+            caller = sys._getframe(1)
+            notes["unregistered"] = [u.to_dict() for u in find_unregistered(caller.f_locals, state)]
+            del caller
+            notes["missing_optimizer"] = missing_optimizer(state)
         if self.config.resume_from:
             from ckptverify.restore import load
 
@@ -131,8 +146,9 @@ class Run:
             self._p.restored_from = self.config.resume_from
             self._p.restore_report = report
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
+            notes["restored"] = _start_values(state)
         self._p.step = state.counters.step
-        self._write_json(f"notes-rank{self._rank}.json", {"unsaved_schedulers": unsaved_schedulers(state)})
+        self._write_json(f"notes-rank{self._rank}.json", notes)
         self._open_trace()
 
     def steps(self, loader: Iterable[Any] | None = None) -> Iterator[Any]:
@@ -165,6 +181,9 @@ class Run:
             if item is _END:
                 return
             self._pending = True
+            if self._recorder is not None:
+                # Before the step draws anything: a random stream that differs here is a cause.
+                self._recorder.record_step_start(self.state)
             yield item
 
     def record(self, *, loss: Any = None, batch: Any = None, **metrics: Any) -> None:
@@ -201,6 +220,13 @@ class Run:
         if self.state is None:
             raise UsageError("the harness asked for a checkpoint but run.restore(state) was never called")
         assert self.config.checkpoint_dir is not None
+        if self._world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise UsageError(f"the harness runs {self._world} ranks, but the process group was destroyed before "
+                                 f"the checkpoint of step {self._p.step}: leave destroy_process_group() to the "
+                                 "harness (or call it only after the last run.record)")
         path = checkpoint_path(self.config.checkpoint_dir, self._p.step)
         if self._recorder is not None:
             self._recorder.flush()
@@ -262,6 +288,36 @@ def _epochs(loader: Iterable[Any], state: Any) -> Iterator[Any]:
 
 
 _ITER_READY = object()
+
+
+def _start_values(state: Any) -> dict[str, Any]:
+    """The step-start sites (see ``TraceRecorder.record_step_start``) as ``state`` holds them now, decoded
+    as a trace reads them: what a resumed run restored, before any step."""
+    from ckptverify.state.digest import state_digest
+    from ckptverify.state.rng import capture_rng
+    from ckptverify.trace.recorder import hparam_cells
+    from ckptverify.trace.store import decode
+
+    out: dict[str, Any] = {f"start.rng.{kind}": state_digest(value)
+                           for kind, value in capture_rng(state.rng.generators).items()}
+    for cell in hparam_cells("start.hparam.", state.optimizers):
+        out[cell.site] = decode(cell.lanes, cell.encoding)
+    return out
+
+
+def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` for a training function that may run under the harness.
+
+    The harness owns the process group when it runs several ranks (it creates it before ``train(run)`` and
+    destroys it after) and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    even on one rank. This creates the group only when none exists, so the same script runs plainly, under
+    ``torchrun`` and under the harness.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend, **kwargs)
 
 
 def unsaved_schedulers(state: Any) -> list[str]:
