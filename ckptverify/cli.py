@@ -356,6 +356,40 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
 
 
 @main.command()
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--from", "start", type=click.IntRange(min=0), default=None,
+              help="Step of the production checkpoint to replay from [default: the second newest verified].")
+@click.option("--to", "end", type=click.IntRange(min=1), default=None,
+              help="Step of the production checkpoint to replay to [default: the newest verified].")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: gloo; cuda: NCCL, one GPU per rank.")
+@click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the replays' files here.")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Also write Prometheus gauges to this file.")
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON (stats.verdict).")
+def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
+           metrics_file: str | None, json_out: bool) -> None:
+    """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
+
+    Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, checkpoint-corrupt (exit 1).
+    RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...).
+    """
+    from ckptverify.resume.replay import replay as run_replay
+
+    say = None
+    if not json_out:
+        from rich.console import Console
+
+        err = Console(stderr=True, emoji=False)
+        say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
+    try:
+        report = run_replay(run_dir, start=start, end=end, device=device, keep=keep, progress=say)
+    except CkptVerifyError as exc:
+        _fail(exc, json_out, "replay", run_dir)
+    _emit(report, json_out, metrics_file=metrics_file)
+
+
+@main.command()
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks (gloo, CPU).")
 @click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep everything in this directory.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")

@@ -159,8 +159,11 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
                 resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
                 level=str(meta.get("level", "metrics")), workload=meta["target"],
                 trace_every=int(meta.get("trace_every", 1)))
-        say(f"replay steps {steps.start}..{steps.stop - 1} twice on {world} rank(s)")
-        launch_jobs(world, device, [(meta["target"], configs["R1"]), (meta["target"], configs["R2"])])
+        for name in ("R1", "R2"):
+            # Each replay in its own fresh processes: nondeterminism that depends on the process (hash seeds,
+            # allocation order, thread start-up) must show between the two.
+            say(f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)")
+            launch_jobs(world, device, [(meta["target"], configs[name])])
         r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
         assert r1 is not None and r2 is not None
         twin = [f for f in compare_runs(r1, r2, steps=steps) if f.severity.value == "error"]
@@ -181,8 +184,8 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
             findings.extend(prod[:20])
             found = divergences(segment, r1, steps=steps)
             d = min(found, key=lambda x: (x.step, x.rank)) if found else None
-            bad = sorted({x.rank for x in found})
-            agreed = [r for r in range(world) if r not in bad]
+            # Ranks that still agreed at the first divergent step (later steps mix the fault in everywhere).
+            agreed = [r for r in range(world) if d is None or all(x.rank != r or x.step > d.step for x in found)]
             host = _where(hosts.get(d.rank)) if d else "host unknown"
             return done("hardware-fault-suspected",
                         f"production differs from two agreeing replays first at step {d.step} on rank {d.rank} "

@@ -436,6 +436,8 @@ class TraceRecorder:
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(name, cls)))
 
     def _optimizer_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._paused:
+            return  # a step that is not recorded (trace_every > 1): no fingerprints to pay for
         if self._model is not None:
             self.record_grads(self._model)
         # The hyperparameters this optimizer step uses (a loop sets lr from its own counter right before it).
@@ -479,6 +481,13 @@ class TraceRecorder:
         return hook
 
     @contextlib.contextmanager
+    def skip_step(self) -> None:
+        """Forget what was gathered for a step that is not recorded (``trace_every`` > 1)."""
+        self._module_cells = []
+        self._start_cells = []
+        self._grad_cells = None
+        self._hparam_cells = []
+
     def paused(self) -> Iterator[None]:
         """Module hooks record nothing inside this block (e.g. an evaluation pass between steps)."""
         self._paused += 1
