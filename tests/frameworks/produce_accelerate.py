@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import out_dir, spawn, write_produced  # noqa: E402
+from _launch import out_dir, spawn, write_produced
 
 STEPS = 4
 

@@ -17,11 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import out_dir, spawn, write_produced  # noqa: E402
+from _launch import out_dir, spawn, write_produced
 
 STEPS = 4
 INTERVAL = 2

@@ -17,10 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import out_dir, write_produced  # noqa: E402
+from _launch import out_dir, write_produced
 
 
 class TokenDataset(torch.utils.data.Dataset):
