@@ -195,3 +195,48 @@ def fixture(framework: str) -> Any:
         return build(framework, base)
 
     return built
+
+
+# ---------------------------------------------------------------------------------------------------------
+# faults in files that are not DCP items (scripts/inject_fault.py covers the DCP items)
+
+
+def flip_in_zip_member(path: Path, bit: int = 6) -> str:
+    """Flip one bit in the middle of the largest member of a zip (``torch.save``) file; return its name."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        info = max(zf.infolist(), key=lambda i: i.file_size)
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", fh.read(4))
+    start = info.header_offset + 30 + name_len + extra_len
+    _flip(path, start + info.compress_size // 2, bit)
+    return info.filename
+
+
+def flip_in_safetensors(path: Path, bit: int = 6) -> str:
+    """Flip one bit in the middle of the largest tensor of a ``.safetensors`` file; return the tensor's name."""
+    import struct
+
+    with open(path, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+    name, entry = max(((k, v) for k, v in header.items() if k != "__metadata__"),
+                      key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])
+    begin, end = entry["data_offsets"]
+    _flip(path, 8 + header_len + (begin + end) // 2, bit)
+    return name
+
+
+def flip_middle_byte(path: Path, bit: int = 6) -> None:
+    _flip(path, path.stat().st_size // 2, bit)
+
+
+def _flip(path: Path, offset: int, bit: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)[0]
+        fh.seek(offset)
+        fh.write(bytes([byte ^ (1 << bit)]))
