@@ -9,6 +9,8 @@ import inject_fault as inj
 import pytest
 from frameworks import harness as h
 
+pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
+
 acc = h.fixture("accelerate")
 
 DCP = [f"ws{ws}-{what}-step{s}" for ws, steps in ((2, (2, 4)), (1, (4,))) for s in steps

@@ -9,6 +9,8 @@ import inject_fault as inj
 import pytest
 from frameworks import harness as h
 
+pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
+
 lightning = h.fixture("lightning")
 
 DCP = ["ws2-step2", "ws2-step4", "ws1-step4"]

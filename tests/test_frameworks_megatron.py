@@ -16,6 +16,8 @@ import pytest
 import torch
 from frameworks import harness as h
 
+pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
+
 megatron = h.fixture("megatron")
 
 ITEM1 = "issue 9 item 1: .metadata carrying DCP's planner dataclasses (all_local_plans) is refused as unsafe"

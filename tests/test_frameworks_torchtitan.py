@@ -8,6 +8,8 @@ import inject_fault as inj
 import pytest
 from frameworks import harness as h
 
+pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
+
 titan = h.fixture("torchtitan")
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from frameworks import harness as h
 
+pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
+
 hf = h.fixture("transformers")
 
 

@@ -84,7 +84,9 @@ def build(framework: str, base: Path) -> Built:
         except importlib.metadata.PackageNotFoundError:
             pytest.skip(f"{dist} is not installed: {producer.hint}")
     out = base / framework
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    # Nothing of an enclosing distributed job may leak in: each producer sets up its own ranks.
+    leaked = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k not in leaked}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
