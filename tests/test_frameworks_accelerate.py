@@ -50,10 +50,9 @@ def test_diff_of_one_rank_and_two_rank_saves_of_the_same_state_passes(acc: h.Bui
                    reason="issue 9 item 5: an accelerate save_state folder is not read ('metadata-missing')")
 @pytest.mark.parametrize("name", ["state-step2", "state-step4"])
 def test_save_state_folder_verifies_clean(acc: h.Built, name: str) -> None:
-    report = h.verify(acc.path(name))
-    h.assert_clean(report)
-    # Every file of the folder is accounted for: weights, optimizer, scheduler, one RNG state per rank.
-    assert not h.named(report, "file-unreferenced")
+    # model.safetensors and the pickled RNG states carry no checksum; optimizer.bin and scheduler.bin are
+    # torch.save archives (zip CRC-32) and must be checked.
+    h.assert_clean(h.verify(acc.path(name)), uncheckable=("*.safetensors", "random_states_*.pkl"))
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,

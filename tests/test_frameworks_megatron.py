@@ -26,7 +26,7 @@ ITEM1 = "issue 9 item 1: .metadata carrying DCP's planner dataclasses (all_local
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM1 + "; metadata.json is a known side file")
 @pytest.mark.parametrize("name", ["tp2-step2", "tp2-step4", "tp1-step4"])
 def test_iteration_folder_verifies_clean(megatron: h.Built, name: str) -> None:
-    h.assert_clean(h.verify(megatron.path(name)))
+    h.assert_clean(h.verify(megatron.path(name)), uncheckable=("metadata.json",))
 
 
 def test_real_metadata_carries_dcp_planner_dataclasses(megatron: h.Built) -> None:

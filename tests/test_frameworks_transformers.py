@@ -19,9 +19,9 @@ hf = h.fixture("transformers")
                    reason="issue 9 item 5: a transformers checkpoint-N folder is not read ('metadata-missing')")
 @pytest.mark.parametrize("name", ["checkpoint-2", "checkpoint-4"])
 def test_checkpoint_folder_verifies_clean(hf: h.Built, name: str) -> None:
-    report = h.verify(hf.path(name))
-    h.assert_clean(report)
-    assert not h.named(report, "file-unreferenced")
+    # Weights (safetensors) and JSON carry no checksum; optimizer.pt, scheduler.pt, rng_state.pth and
+    # training_args.bin are torch.save archives (zip CRC-32) and must be checked.
+    h.assert_clean(h.verify(hf.path(name)), uncheckable=("*.safetensors", "*.json"))
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
