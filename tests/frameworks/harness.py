@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -94,12 +95,14 @@ def build(framework: str, base: Path) -> Built:
     log = base / f"{framework}.log"
     start = time.monotonic()
     with open(log, "wb") as fh:
+        # Its own session, so that a timeout ends the producer with every rank it started (its process group).
+        proc = subprocess.Popen([sys.executable, str(HERE / producer.script), str(out)], stdout=fh,
+                                stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            proc = subprocess.run([sys.executable, str(HERE / producer.script), str(out)], stdout=fh,
-                                  stderr=subprocess.STDOUT, env=env, timeout=producer.timeout_s,
-                                  stdin=subprocess.DEVNULL, start_new_session=True)
-            rc: int | str = proc.returncode
+            rc: int | str = proc.wait(timeout=producer.timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = f"timeout after {producer.timeout_s} s"
     seconds = time.monotonic() - start
     if rc != 0:
