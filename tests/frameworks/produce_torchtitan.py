@@ -111,12 +111,13 @@ def reshard(rank: int, world: int, out: Path) -> None:
     if train_state.step != STEPS:
         raise RuntimeError(f"resumed step {train_state.step}, expected {STEPS}")
     loader.close()
-    *_, saver = build_saver_from(loader, out / "ws1" / "checkpoint")
+    saver = saver_like(loader, out / "ws1" / "checkpoint")
     saver.save(STEPS, last_step=False)
     saver.close()
 
 
-def build_saver_from(loader, folder: Path):
+def saver_like(loader, folder: Path):
+    """A second CheckpointManager over the same (just loaded) model, optimizers and states, saving to ``folder``."""
     from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER, CheckpointManager
 
     cfg = CheckpointManager.Config(enable=True, folder=str(folder), interval=INTERVAL, keep_latest_k=0)
@@ -124,7 +125,7 @@ def build_saver_from(loader, folder: Path):
     saver = cfg.build(dataloader=None, model_parts=states[MODEL].model, optimizers=states[OPTIMIZER],
                       lr_schedulers=states[LR_SCHEDULER], states={"train_state": states["train_state"]},
                       sd_adapter=None)
-    return (saver,)
+    return saver
 
 
 def main() -> None:
