@@ -146,7 +146,7 @@ class Obj:
     fields: dict[str, Any]
 
 
-class Size(tuple):  # noqa: SLOT001 - a tuple subclass like torch.Size, compared and hashed as a tuple
+class Size(tuple):
     """``torch.Size``: a tuple of non-negative-or-not Python ints (checked by the caller)."""
 
     __slots__ = ()
@@ -225,7 +225,7 @@ class _Global:
 class _Record:
     """Base of the per-parse record classes: stores what ``BUILD`` sets, as real unpickling would."""
 
-    __slots__ = ("_f", "_built")
+    __slots__ = ("_built", "_f")
     _kind: Kind
     _budget: _Budget
 

@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import safepickle as sp
 from ckptverify.errors import UnsafeMetadataError
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
 
 
 class SafeFileSystemReader(FileSystemReader):
