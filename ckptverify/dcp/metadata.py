@@ -283,10 +283,16 @@ def _bool(value: Any, what: str) -> bool:
     return value
 
 
+_INT = frozenset({int})
+
+
 def _dims(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, sp.Size | tuple | list) or len(value) > MAX_DIMS:
         raise BadMetadata(f"{what} must be a short sequence of integers")
-    return tuple(_int(v, what) for v in value)
+    if value and (not set(map(type, value)) <= _INT or min(value) < 0 or max(value) >= 1 << 63):
+        for v in value:
+            _int(v, what)
+    return tuple(value)
 
 
 def _str(value: Any, what: str, limit: int = MAX_STRING) -> str:

@@ -328,6 +328,9 @@ class _SafeUnpickler(pickle.Unpickler):
         raise BadPickle("persistent ids are not used by DCP metadata")
 
 
+_INT_ONLY = frozenset({int})
+
+
 def _int_arg(value: Any) -> bool:
     return type(value) is int
 
@@ -343,7 +346,7 @@ def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
         if len(args) != 1 or not isinstance(args[0], tuple | list):
             raise BadPickle("torch.Size with unexpected arguments")
         budget.charge(len(args[0]) + 1)
-        if not all(_int_arg(v) for v in args[0]):
+        if not set(map(type, args[0])) <= _INT_ONLY:
             raise BadPickle("torch.Size of non-integers (torch.Size raises on it)")
         return Size(args[0])
 
@@ -424,30 +427,42 @@ class _Plain:
         self.budget = budget
 
     def convert(self, value: Any, depth: int) -> Any:
-        self.budget.charge()
+        budget = self.budget
+        budget.left -= 1
+        if budget.left < 0:
+            budget.charge(0)
         if depth > MAX_DEPTH:
             raise BadPickle(f"the pickle nests deeper than {MAX_DEPTH} levels")
         t = type(value)
-        if value is None or t in (str, int, float, bool, bytes, Size, Enum, Path, Layout):
+        if t in _LEAVES or value is None:
             if t is Size:
-                self.budget.charge(len(value))
+                budget.charge(len(value))
             return value
+        depth += 1
         if t is tuple:
-            return tuple(self.convert(v, depth + 1) for v in value)
+            return tuple(v if type(v) in _SCALAR_LEAVES else self.convert(v, depth) for v in value)
         if t is list:
-            return [self.convert(v, depth + 1) for v in value]
+            return [v if type(v) in _SCALAR_LEAVES else self.convert(v, depth) for v in value]
         if t is dict:
-            return PDict(tuple((self.convert(k, depth + 1), self.convert(v, depth + 1)) for k, v in value.items()))
+            return PDict(tuple((self.convert(k, depth), self.convert(v, depth)) for k, v in value.items()))
         if isinstance(value, _DTypeGlobal):
             return DType(value._label[len("torch."):])
         if isinstance(value, _Record):
             kind = value._kind
             fields = dict(kind.defaults)
             fields.update(value._f)
-            missing = [f for f in kind.fields if f not in fields]
-            if missing:
-                raise BadPickle(f"{kind.name} lacks the field(s) {missing}")
-            return Obj(kind.name, {k: self.convert(v, depth + 1) for k, v in fields.items()})
+            for f in kind.fields:
+                if f not in fields:
+                    missing = [f for f in kind.fields if f not in fields]
+                    raise BadPickle(f"{kind.name} lacks the field(s) {missing}")
+            return Obj(kind.name, {k: v if type(v) in _SCALAR_LEAVES else self.convert(v, depth)
+                                   for k, v in fields.items()})
         if isinstance(value, _Global) or (isinstance(value, type) and issubclass(value, _Record)):
             raise BadPickle("a class or function itself appears as a value")
         raise BadPickle(f"a value of type {t.__name__} appears, which DCP metadata never holds")
+
+
+#: Values the plain tree keeps as they are.
+_LEAVES = frozenset({str, int, float, bool, bytes, Size, Enum, Path, Layout})
+#: Leaves cheap enough to copy without a charge of their own (the container was charged for them).
+_SCALAR_LEAVES = frozenset({str, int, float, bool, type(None)})
