@@ -5,6 +5,7 @@ Nothing here reads item contents; only directory listings, file sizes and the la
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import stat
@@ -233,7 +234,7 @@ def _overlaps(boxes: list[Chunk]) -> tuple[list[tuple[Chunk, Chunk]], bool]:
             if intervals.setdefault(c.offsets[d], c.sizes[d]) != c.sizes[d]:
                 grid = False
         starts = sorted(intervals)
-        if any(a + intervals[a] > b for a, b in zip(starts, starts[1:])):
+        if any(a + intervals[a] > b for a, b in itertools.pairwise(starts)):
             grid = False
         if len(starts) > best_starts:
             best_dim, best_starts = d, len(starts)
