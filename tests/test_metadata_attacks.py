@@ -204,3 +204,15 @@ def test_budget_counts_each_node_once_per_reference():
     sp._Plain(budget).convert(raw, 0)
     charged = before - budget.left
     assert 10**4 <= charged <= 3 * 10**4
+
+
+@pytest.mark.parametrize("index", [2**28, 2**31 - 1])
+def test_a_huge_memo_index_costs_nothing(index):
+    # LONG_BINPUT with a huge index: the C unpickler would allocate and zero-fill index * 16 bytes.
+    data = b"\x80\x04\x8c\x25torch.distributed.checkpoint.metadata\x8c\x08Metadata\x93r" + index.to_bytes(4, "little")
+    budget = sp._Budget(10**6)
+    unpickler = sp._SafeUnpickler(data + b".", sp._allowlist(budget))
+    unpickler.load()
+    assert len(unpickler.memo) == 1
+    with pytest.raises(sp.BadPickle):
+        sp.parse(data + b".")  # a class as the value: refused, quickly

@@ -313,9 +313,35 @@ def _check_properties_state(state: Any) -> None:
         raise BadPickle("TensorProperties memory format is not a _MEM_FORMAT_ENCODING")
 
 
-class _SafeUnpickler(pickle.Unpickler):
+class _StrictBytes(io.BytesIO):
+    """Input that fails a short read, as the C unpickler does ("pickle data was truncated"); the Python
+    unpickler would otherwise accept a string whose length runs past the end of the file."""
+
+    def read(self, n: int | None = -1) -> bytes:
+        data = super().read(n)
+        if n is not None and n > 0 and len(data) < n:
+            raise pickle.UnpicklingError("pickle data was truncated")
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        n = super().readinto(buffer)
+        if n < len(buffer):
+            raise pickle.UnpicklingError("pickle data was truncated")
+        return n
+
+    def readline(self, size: int | None = -1) -> bytes:
+        line = super().readline(size)
+        if not line.endswith(b"\n"):
+            raise pickle.UnpicklingError("pickle data was truncated")
+        return line
+
+
+class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler: its memo is a dict. (The C unpickler grows its memo array to any index a
+    ``LONG_BINPUT`` names and zero-fills it: a 10-byte pickle makes it touch gigabytes.)"""
+
     def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(_StrictBytes(data))
         self._allowed = allowed
 
     def find_class(self, module: str, name: str) -> Any:
@@ -439,6 +465,8 @@ class _Plain:
                 budget.charge(len(value))
             return value
         depth += 1
+        if t is tuple or t is list or t is dict:
+            budget.charge(len(value))  # every element, scalar or not, is work
         if t is tuple:
             return tuple(v if type(v) in _SCALAR_LEAVES else self.convert(v, depth) for v in value)
         if t is list:

@@ -114,10 +114,10 @@ def _dtype(name: str) -> Any:
 def _layout(name: str) -> Any:
     import torch
 
-    for value in vars(torch).values():
-        if isinstance(value, torch.layout) and str(value) == name:
-            return value
-    raise UnsafeMetadataError(f"this torch has no layout {name!r}")
+    value = getattr(torch, name.removeprefix("torch."), None) if name.startswith("torch.") else None
+    if not isinstance(value, torch.layout) or str(value) != name:
+        raise UnsafeMetadataError(f"this torch has no layout {name!r}")
+    return value
 
 
 def _properties(p: md.TensorProps) -> Any:
