@@ -216,3 +216,20 @@ def test_a_huge_memo_index_costs_nothing(index):
     assert len(unpickler.memo) == 1
     with pytest.raises(sp.BadPickle):
         sp.parse(data + b".")  # a class as the value: refused, quickly
+
+
+@pytest.mark.parametrize("layout", ["single", "threads", "per_item", "safetensors", "fsdp2", "nocoll"])
+def test_safe_reader_gives_dcp_the_same_metadata_in_every_layout(fresh_ckpt, layout):
+    from ckpt_factory import safetensors_supported
+
+    if layout == "safetensors" and not safetensors_supported():
+        pytest.skip("this torch has no safetensors serialization")
+    path = fresh_ckpt(layout)
+    ranks = [None] if (path / ".metadata").exists() else [0, 1]
+    for rank in ranks:
+        kwargs = {} if rank is None else {"rank": rank}
+        real = dcp.FileSystemReader(str(path)).read_metadata(**kwargs)  # test-made checkpoint: trusted
+        ours = SafeFileSystemReader(str(path)).read_metadata(**kwargs)
+        ours.storage_meta.load_id = real.storage_meta.load_id
+        assert ours == real
+        assert pickle.dumps(ours) == pickle.dumps(real)
