@@ -233,3 +233,15 @@ def test_safe_reader_gives_dcp_the_same_metadata_in_every_layout(fresh_ckpt, lay
         ours.storage_meta.load_id = real.storage_meta.load_id
         assert ours == real
         assert pickle.dumps(ours) == pickle.dumps(real)
+
+
+@pytest.mark.parametrize("value", [
+    b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R",  # an enum member
+    b"cpathlib\nPosixPath\nX\x01\x00\x00\x00a\x85R",  # a path
+    b"ctorch\nSize\nK\x01K\x02\x86\x85R",  # a torch.Size
+])
+def test_values_made_by_stand_ins_cannot_be_rewritten(value):
+    # BUILD a new state onto the value after the stand-in checked it (a frozen slotted dataclass would obey).
+    for state in (b"X\x0d\x00\x00\x00WriteItemTypeK\x63\x86", b"}X\x01\x00\x00\x00aK\x01s"):
+        with pytest.raises(sp.BadPickle):
+            sp.parse(b"\x80\x02" + value + state + b"b.")

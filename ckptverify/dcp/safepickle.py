@@ -138,12 +138,20 @@ class UnsafeGlobal(pickle.UnpicklingError):
 # The plain tree handed to validation: immutable values, no behaviour.
 
 
+def _refuse_build(self: Any, state: Any) -> None:
+    # Frozen slotted dataclasses get a __setstate__ that sets their fields: a pickle BUILDing onto a value
+    # a stand-in returned (an Enum, a Path) would rewrite it after its check. Refuse, as for the globals.
+    raise BadPickle(f"the pickle modifies a {type(self).__name__} value")
+
+
 @dataclass(frozen=True, slots=True)
 class Obj:
     """An allowlisted dataclass instance: its kind and the fields its pickle set (defaults filled in)."""
 
     kind: str
     fields: dict[str, Any]
+
+    __setstate__ = _refuse_build
 
 
 class Size(tuple):
@@ -156,6 +164,8 @@ class Size(tuple):
 class DType:
     name: str
 
+    __setstate__ = _refuse_build
+
 
 @dataclass(frozen=True, slots=True)
 class Enum:
@@ -166,15 +176,21 @@ class Enum:
     def name(self) -> str:
         return ENUMS[self.kind][1][self.value]
 
+    __setstate__ = _refuse_build
+
 
 @dataclass(frozen=True, slots=True)
 class Path:
     value: str
 
+    __setstate__ = _refuse_build
+
 
 @dataclass(frozen=True, slots=True)
 class Layout:
     name: str
+
+    __setstate__ = _refuse_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +198,8 @@ class PDict:
     """A dict as the pickle built it: its items in insertion order (keys may repeat after conversion)."""
 
     items: tuple[tuple[Any, Any], ...]
+
+    __setstate__ = _refuse_build
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +497,7 @@ class _Plain:
             kind = value._kind
             fields = dict(kind.defaults)
             fields.update(value._f)
+            budget.charge(len(fields))
             for f in kind.fields:
                 if f not in fields:
                     missing = [f for f in kind.fields if f not in fields]
