@@ -56,6 +56,8 @@ def check_metadata_bytes(data: bytes) -> str:
         parsed = md.parse_metadata(data)
     except EXPECTED as exc:
         return type(exc).__name__
+    if parsed.unsafe_paths:
+        return "unsafe path"  # a metadata-unsafe finding; the reader refuses to load it
     try:
         ours = build_metadata(parsed)
     except UnsafeMetadataError:

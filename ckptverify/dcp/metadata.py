@@ -287,8 +287,9 @@ _INT = frozenset({int})
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, sp.Size | tuple | list) or len(value) > MAX_DIMS:
-        raise BadMetadata(f"{what} must be a short sequence of integers")
+    # DCP stores every shape, offset and size as a torch.Size; anything else is not what it wrote.
+    if type(value) is not sp.Size or len(value) > MAX_DIMS:
+        raise BadMetadata(f"{what} must be a torch.Size of at most {MAX_DIMS} integers")
     if value and (not set(map(type, value)) <= _INT or min(value) < 0 or max(value) >= 1 << 63):
         for v in value:
             _int(v, what)
@@ -387,8 +388,6 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
         if props.dtype not in DTYPE_ITEMSIZE:
             raise BadMetadata(f"{fqn!r} has an unknown dtype")
         shape = _dims(tsm["size"], f"size of {fqn!r}")
-        if not isinstance(tsm["size"], sp.Size):
-            raise BadMetadata(f"size of {fqn!r} is not a torch.Size")
         chunks = tuple(_chunk(c, f"a chunk of {fqn!r}") for c in _seq(tsm["chunks"], f"chunks of {fqn!r}"))
         entries[fqn] = TensorEntry(props.dtype, shape, chunks, props)
 
