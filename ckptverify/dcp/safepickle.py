@@ -371,6 +371,41 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def persistent_load(self, pid: Any) -> Any:
         raise BadPickle("persistent ids are not used by DCP metadata")
 
+    # Where the pure-Python unpickler is more lenient than the C one that DCP uses, follow the C one (or
+    # refuse), so that a file accepted here is never one real unpickling fails on.
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        setstate = getattr(self.stack[-1], "__setstate__", None)
+        if setstate is None:
+            raise BadPickle("BUILD on a value that is not an allowlisted dataclass")
+        setstate(state)
+
+    def _memo_put(self, index: int) -> None:
+        # A pickler numbers memo entries in order; the C unpickler allocates (and zero-fills) index * 2 slots.
+        if index < 0 or index > len(self.memo):
+            raise BadPickle(f"memo index {index} is beyond the {len(self.memo)} objects memoized so far")
+        self.memo[index] = self.stack[-1]
+
+    def load_binput(self) -> None:
+        self._memo_put(self.read(1)[0])
+
+    def load_long_binput(self) -> None:
+        self._memo_put(int.from_bytes(self.read(4), "little"))
+
+    def _refuse_text_opcode(self) -> None:
+        raise BadPickle("protocol-0 text opcodes (INT, LONG, FLOAT, STRING, GET, PUT, INST, OBJ, ...) are "
+                        "not used by DCP metadata")
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.BINPUT[0]] = load_binput
+    dispatch[pickle.LONG_BINPUT[0]] = load_long_binput
+    for _op in (pickle.INT, pickle.LONG, pickle.FLOAT, pickle.STRING, pickle.UNICODE, pickle.GET, pickle.PUT,
+                pickle.INST, pickle.OBJ, pickle.PERSID, pickle.BINPERSID, pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_op[0]] = _refuse_text_opcode
+    del _op
+
 
 _INT_ONLY = frozenset({int})
 
