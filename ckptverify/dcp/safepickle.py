@@ -26,7 +26,7 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 
@@ -397,7 +397,7 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         raise BadPickle("protocol-0 text opcodes (INT, LONG, FLOAT, STRING, GET, PUT, INST, OBJ, ...) are "
                         "not used by DCP metadata")
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     dispatch[pickle.BUILD[0]] = load_build
     dispatch[pickle.BINPUT[0]] = load_binput
     dispatch[pickle.LONG_BINPUT[0]] = load_long_binput
