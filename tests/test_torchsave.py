@@ -117,3 +117,10 @@ def test_hostile_data_pkl_cannot_change_how_the_next_is_read(hostile):
     with pytest.raises(pickle.UnpicklingError):
         tensor_header(hostile)
     assert tensor_header(clean) == before
+
+
+def test_a_huge_memo_index_in_data_pkl_allocates_nothing():
+    # LONG_BINPUT 2^30: the C unpickler would zero-fill 16 GiB of memo slots for this 30-byte record.
+    data = b"\x80\x02ctorch\nFloatStorage\nr" + (2**30).to_bytes(4, "little") + b"0N."
+    with pytest.raises(pickle.UnpicklingError):
+        tensor_header(data)

@@ -19,7 +19,7 @@ import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 Reader = Callable[[int, int], bytes]
 """``read(offset, n)``: up to ``n`` bytes at ``offset`` relative to the item's first byte."""
@@ -362,7 +362,8 @@ def _header(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None
 
 
 def _tensor_globals() -> dict[tuple[str, str], Any]:
-    """A fresh allowlist for one ``data.pkl``: nothing a hostile file does reaches the next parse."""
+    """The allowlist for ``data.pkl``. Shared by every parse, so every member is immutable: the globals
+    refuse ``BUILD`` and attribute writes, and the OrderedDict stand-in's class is never handed out."""
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 
     def rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorHeader:
@@ -397,10 +398,29 @@ class _StorageType(_Frozen):
         return self.value
 
 
-class _TensorHeaderUnpickler(pickle.Unpickler):
+_TENSOR_GLOBALS: dict[tuple[str, str], Any] | None = None
+
+
+class _TensorHeaderUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler (dict memo: no allocation a memo index can inflate), BUILD only onto
+    objects that define ``__setstate__`` (all of which refuse it)."""
+
     def __init__(self, data: bytes) -> None:
+        global _TENSOR_GLOBALS
         super().__init__(io.BytesIO(data))
-        self._allowed = _tensor_globals()
+        if _TENSOR_GLOBALS is None:
+            _TENSOR_GLOBALS = _tensor_globals()
+        self._allowed = _TENSOR_GLOBALS
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        setstate = getattr(self.stack[-1], "__setstate__", None)
+        if setstate is None:
+            raise pickle.UnpicklingError("data.pkl sets the state of a value that has none")
+        setstate(state)
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str) -> Any:
         try:
