@@ -331,35 +331,14 @@ def _check_properties_state(state: Any) -> None:
         raise BadPickle("TensorProperties memory format is not a _MEM_FORMAT_ENCODING")
 
 
-class _StrictBytes(io.BytesIO):
-    """Input that fails a short read, as the C unpickler does ("pickle data was truncated"); the Python
-    unpickler would otherwise accept a string whose length runs past the end of the file."""
-
-    def read(self, n: int | None = -1) -> bytes:
-        data = super().read(n)
-        if n is not None and n > 0 and len(data) < n:
-            raise pickle.UnpicklingError("pickle data was truncated")
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        n = super().readinto(buffer)
-        if n < len(buffer):
-            raise pickle.UnpicklingError("pickle data was truncated")
-        return n
-
-    def readline(self, size: int | None = -1) -> bytes:
-        line = super().readline(size)
-        if not line.endswith(b"\n"):
-            raise pickle.UnpicklingError("pickle data was truncated")
-        return line
-
-
 class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """The pure-Python unpickler: its memo is a dict. (The C unpickler grows its memo array to any index a
     ``LONG_BINPUT`` names and zero-fills it: a 10-byte pickle makes it touch gigabytes.)"""
 
     def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
-        super().__init__(_StrictBytes(data))
+        self._stream = io.BytesIO(data)
+        self._size = len(data)
+        super().__init__(self._stream)
         self._allowed = allowed
 
     def find_class(self, module: str, name: str) -> Any:
@@ -381,6 +360,13 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             raise BadPickle("BUILD on a value that is not an allowlisted dataclass")
         setstate(state)
 
+    def load_frame(self) -> None:
+        # The Python unpickler accepts a frame that claims more bytes than remain; the C one does not.
+        size = int.from_bytes(self.read(8), "little")
+        if size > self._size - self._stream.tell():
+            raise BadPickle("pickle data was truncated (a frame runs past the end)")
+        self._unframer.load_frame(size)
+
     def _memo_put(self, index: int) -> None:
         # A pickler numbers memo entries in order; the C unpickler allocates (and zero-fills) index * 2 slots.
         if index < 0 or index > len(self.memo):
@@ -399,6 +385,7 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.FRAME[0]] = load_frame
     dispatch[pickle.BINPUT[0]] = load_binput
     dispatch[pickle.LONG_BINPUT[0]] = load_long_binput
     for _op in (pickle.INT, pickle.LONG, pickle.FLOAT, pickle.STRING, pickle.UNICODE, pickle.GET, pickle.PUT,
