@@ -19,7 +19,6 @@ All work is linear in the size of the metadata and the number of chunks.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import stat
@@ -599,7 +598,3 @@ class _Merger:
 def field_names_for_tests() -> dict[str, tuple[str, ...]]:
     """The DCP class fields this reader relies on, keyed by ``module.Class`` (used by the tests)."""
     return {f"{k.module}.{k.name}": k.fields for k in sp.KINDS.values() if not k.module.startswith("megatron")}
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
