@@ -25,7 +25,7 @@ def test_dcp_folder_verifies_with_no_error(lightning: h.Built, name: str) -> Non
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 9 item 2: Lightning's meta.pt is a known side file, not file-unreferenced")
+                   reason="Lightning's meta.pt is a known side file, not file-unreferenced")
 @pytest.mark.parametrize("name", DCP)
 def test_dcp_folder_verifies_clean_with_meta_pt(lightning: h.Built, name: str) -> None:
     h.assert_clean(h.verify(lightning.path(name)))
@@ -38,7 +38,7 @@ def test_flipped_payload_bit_is_caught_and_localized(lightning: h.Built, tmp_pat
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 9 item 2: meta.pt is not covered by the manifest, so a flipped byte passes")
+                   reason="meta.pt is not covered by the manifest, so a flipped byte passes")
 def test_flipped_byte_in_meta_pt_after_fingerprint_is_caught(lightning: h.Built, tmp_path: Path) -> None:
     ckpt = lightning.copy("ws2-step4", tmp_path / "step=4.ckpt")
     adopted = h.fingerprint(ckpt)
@@ -62,7 +62,7 @@ def test_diff_of_one_rank_and_two_rank_saves_of_the_same_state_passes(lightning:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 9 item 2: diff should compare meta.pt's values (global step, loops, schedulers)")
+                   reason="diff should compare meta.pt's values (global step, loops, schedulers)")
 def test_diff_of_two_steps_compares_meta_pt(lightning: h.Built) -> None:
     report = h.diff(lightning.path("ws2-step2"), lightning.path("ws2-step4"))
     assert any("global_step" in fqn for fqn in h.named(report, "diff-value") | h.named(report, "diff-tensor")), \
@@ -72,13 +72,13 @@ def test_diff_of_two_steps_compares_meta_pt(lightning: h.Built) -> None:
 # ---- the default strategy's single .ckpt file (a torch.save archive) --------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 9 item 5: a Lightning .ckpt file is not read")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a Lightning .ckpt file is not read")
 @pytest.mark.parametrize("name", ["plain-step2", "plain-step4"])
 def test_plain_ckpt_file_verifies_clean(lightning: h.Built, name: str) -> None:
     h.assert_clean(h.verify(lightning.path(name)))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 9 item 5: a Lightning .ckpt file is not read")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a Lightning .ckpt file is not read")
 def test_flipped_byte_in_plain_ckpt_file_is_caught(lightning: h.Built, tmp_path: Path) -> None:
     ckpt = lightning.copy("plain-step4", tmp_path / "step=4.ckpt")
     record = h.flip_in_zip_member(ckpt)
@@ -87,7 +87,7 @@ def test_flipped_byte_in_plain_ckpt_file_is_caught(lightning: h.Built, tmp_path:
     assert any(record in str(f["location"]) for f in h.findings(report, "error")), h.describe(report)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 9 item 5: a Lightning .ckpt file is not read")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a Lightning .ckpt file is not read")
 def test_diff_of_two_plain_ckpt_files_names_the_weights(lightning: h.Built) -> None:
     report = h.diff(lightning.path("plain-step2"), lightning.path("plain-step4"))
     assert report["exit_code"] == 1, h.describe(report)

@@ -1,10 +1,9 @@
 """Megatron Core 0.19 ``dist_checkpointing`` (``torch_dist``) checkpoints judged by ckptverify.
 
 Megatron attaches DCP's own planner dataclasses to ``.metadata`` (``all_local_plans``: ``SavePlan``,
-``WriteItem``, ``TensorWriteData``, ...), which today's metadata allowlist refuses, so every expectation on the
-real checkpoints waits on issue 9 item 1. The last tests build the same kind of metadata with DCP alone (a save
-planner that attaches ``all_local_plans`` exactly where Megatron's saver does), so they run wherever
-megatron-core does not install.
+``WriteItem``, ``TensorWriteData``, ...), which the metadata reader accepts as inert data and checks. The last
+tests build the same kind of metadata with DCP alone (a save planner that attaches ``all_local_plans`` exactly
+where Megatron's saver does), so they run wherever megatron-core does not install.
 """
 
 from __future__ import annotations
@@ -20,10 +19,8 @@ pytestmark = pytest.mark.slow  # each framework's producer runs once per session
 
 megatron = h.fixture("megatron")
 
-ITEM1 = "issue 9 item 1: .metadata carrying DCP's planner dataclasses (all_local_plans) is refused as unsafe"
 
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM1 + "; metadata.json is a known side file")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="metadata.json is a known side file, not yet recognized")
 @pytest.mark.parametrize("name", ["tp2-step2", "tp2-step4", "tp1-step4"])
 def test_iteration_folder_verifies_clean(megatron: h.Built, name: str) -> None:
     h.assert_clean(h.verify(megatron.path(name)), uncheckable=("metadata.json",))
@@ -37,14 +34,12 @@ def test_real_metadata_carries_dcp_planner_dataclasses(megatron: h.Built) -> Non
     assert (megatron.path("tp2-step4") / "metadata.json").is_file()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM1)
 def test_flipped_payload_bit_is_caught_and_localized(megatron: h.Built, tmp_path: Path) -> None:
     ckpt = megatron.copy("tp2-step4", tmp_path / "iter_0000004")
     fault = inj.flip_in_tensor_payload(ckpt)
     h.assert_flip_localized(h.verify(ckpt), fault)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM1)
 def test_diff_of_two_steps_names_every_trained_tensor(megatron: h.Built) -> None:
     report = h.diff(megatron.path("tp2-step2"), megatron.path("tp2-step4"))
     assert report["exit_code"] == 1, h.describe(report)
@@ -52,7 +47,7 @@ def test_diff_of_two_steps_names_every_trained_tensor(megatron: h.Built) -> None
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason=ITEM1 + "; issue 9 item 6: diff --ignore for per-rank entries (_extra_state/shard_R_N)")
+                   reason="diff --ignore for per-rank entries (_extra_state/shard_R_N) is not there yet")
 def test_diff_of_tp1_and_tp2_saves_of_the_same_state_passes(megatron: h.Built) -> None:
     # Each TP rank writes its own `_extra_state/shard_<rank>_<tp>` entry: they legitimately differ in name.
     report = h.cli("diff", megatron.path("tp2-step4"), megatron.path("tp1-step4"), "--no-progress",
@@ -89,12 +84,10 @@ def test_megatron_style_metadata_is_built_as_megatron_writes_it(tmp_path: Path) 
     assert {"WriteItem", "TensorWriteData"} <= kinds
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM1)
 def test_megatron_style_metadata_verifies_clean(tmp_path: Path) -> None:
     h.assert_clean(h.verify(save_with_plans_in_metadata(tmp_path / "ckpt")))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM1)
 def test_megatron_style_metadata_flipped_payload_bit_is_caught_and_localized(tmp_path: Path) -> None:
     ckpt = save_with_plans_in_metadata(tmp_path / "ckpt")
     fault = inj.flip_in_tensor_payload(ckpt)

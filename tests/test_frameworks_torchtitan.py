@@ -39,7 +39,7 @@ def test_diff_of_one_rank_and_two_rank_saves_of_the_same_state_passes(titan: h.B
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 9 item 6: verify RUN_DIR should say it is a run directory and point at `scan`")
+                   reason="verify RUN_DIR should say it is a run directory and point at `scan`")
 def test_verify_of_the_run_directory_points_at_scan(titan: h.Built) -> None:
     report = h.verify(titan.path("ws2-step4").parent)
     assert report["exit_code"] == 2, h.describe(report)

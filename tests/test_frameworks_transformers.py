@@ -1,6 +1,6 @@
 """transformers Trainer ``checkpoint-N`` folders (tiny GPT-2 from a config, CPU, no downloads) judged by ckptverify.
 
-None of these is DCP: every expectation here waits on issue 9 (items 5 and 6) and is marked so.
+None of these is DCP: expectations that wait on reading these folders through `verify` are marked xfail.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ hf = h.fixture("transformers")
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 9 item 5: a transformers checkpoint-N folder is not read ('metadata-missing')")
+                   reason="a transformers checkpoint-N folder is not read ('metadata-missing')")
 @pytest.mark.parametrize("name", ["checkpoint-2", "checkpoint-4"])
 def test_checkpoint_folder_verifies_clean(hf: h.Built, name: str) -> None:
     # Weights (safetensors) and JSON carry no checksum; optimizer.pt, scheduler.pt, rng_state.pth and
@@ -25,7 +25,7 @@ def test_checkpoint_folder_verifies_clean(hf: h.Built, name: str) -> None:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 9 item 5: model.safetensors in a checkpoint-N folder is not read")
+                   reason="model.safetensors in a checkpoint-N folder is not read")
 def test_flipped_byte_in_weights_after_fingerprint_is_caught(hf: h.Built, tmp_path: Path) -> None:
     ckpt = hf.copy("checkpoint-4", tmp_path / "checkpoint-4")
     adopted = h.fingerprint(ckpt, "--trust-uncheckable")
@@ -38,7 +38,7 @@ def test_flipped_byte_in_weights_after_fingerprint_is_caught(hf: h.Built, tmp_pa
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 9 item 5: a transformers checkpoint-N folder is not read")
+                   reason="a transformers checkpoint-N folder is not read")
 def test_diff_of_two_checkpoints_names_the_weights(hf: h.Built) -> None:
     report = h.diff(hf.path("checkpoint-2"), hf.path("checkpoint-4"))
     assert report["exit_code"] == 1, h.describe(report)
@@ -47,7 +47,7 @@ def test_diff_of_two_checkpoints_names_the_weights(hf: h.Built) -> None:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 9 item 6: verify OUTPUT_DIR should say it is a run directory and point at `scan`")
+                   reason="verify OUTPUT_DIR should say it is a run directory and point at `scan`")
 def test_verify_of_the_output_dir_points_at_scan(hf: h.Built) -> None:
     report = h.verify(hf.path("checkpoint-4").parent)
     assert report["exit_code"] == 2, h.describe(report)

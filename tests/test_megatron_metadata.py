@@ -1,4 +1,4 @@
-"""Megatron-style metadata: DCP's planner dataclasses attached to ``.metadata`` (issue 9, item 1).
+"""Megatron-style metadata: DCP's planner dataclasses attached to ``.metadata``.
 
 Megatron Core's ``torch_dist`` backend sets ``metadata.all_local_plans`` (its ``MCoreSavePlan`` subclass of
 DCP's ``SavePlan``, holding ``WriteItem``/``TensorWriteData``/``BytesIOWriteData``) and ``mcore_data``. These
