@@ -11,7 +11,7 @@ planted bugs each break resumption in one way, with the verdict the harness must
 | ``data_not_restored`` | the data loader is left out of the TrainState | ``data`` |
 | ``scheduler_not_saved`` | the LR scheduler is left out of the TrainState | ``scheduler`` |
 | ``hidden_counter`` | a module-level counter drives the learning rate | ``scheduler`` (names ``lr``) |
-| ``nondeterministic`` | the loss is summed in an order that changes between processes | ``nondeterministic`` |
+| ``nondeterministic`` | gradients are accumulated in an order that changes between processes | ``nondeterministic`` |
 
 Run one: ``ckptverify resume-check ckptverify.examples.workloads:correct --steps 8 --resume-at 4``.
 """
@@ -139,18 +139,30 @@ def nondeterministic(run: Run) -> None:
     state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
                        dataloader=loader)
     run.restore(state)
-    order = torch.Generator().manual_seed(os.getpid())  # BUG: the summation order depends on the process
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        terms = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-        total = terms.new_zeros(())
-        for i in torch.randperm(terms.numel(), generator=order).tolist():
-            total = total + terms[i]
-        return total / terms.numel()
+    order = torch.Generator().manual_seed(os.getpid())  # BUG: the accumulation order depends on the process
 
     def step(training: Training, batch: Any) -> dict[str, Any]:
-        out = _step_without_scheduler(training, batch, loss_fn)
+        # Gradients accumulated over micro-batches in a process-dependent order: the sums round differently,
+        # so the parameters part between two processes (a loss summed in another order would not do: its
+        # gradient is the same whatever the order).
+        model, optimizer = training.model, training.optimizer
+        model.train()
+        input_ids, targets = (z.to(training.device) for z in batch)
+        parts = list(zip(input_ids.chunk(input_ids.shape[0]), targets.chunk(targets.shape[0]), strict=True))
+        total = torch.zeros((), device=training.device)
+        for i in torch.randperm(len(parts), generator=order).tolist():
+            x, y = parts[i]
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / len(parts)
+            loss.backward()
+            total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         training.scheduler.step()
-        return out
+        return {"loss": total, "grad_norm": grad_norm.detach(), "lr": lr}
 
     _loop(run, training, loader, step)
