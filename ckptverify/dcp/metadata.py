@@ -22,6 +22,7 @@ from typing import Any
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import Finding, Location, error
+from ckptverify.readers import read_small_file
 
 METADATA_FILE = ".metadata"
 #: ``__{rank}.metadata``, written per rank when DCP saves with ``use_collectives=False``.
@@ -196,12 +197,8 @@ def _read_one(root: str, name: str, rank: int | None, layout: Layout) -> tuple[b
     where = Location(file=name, rank=rank)
     path = os.path.join(root, name)
     try:
-        size = os.stat(path).st_size
-        if size > MAX_METADATA_BYTES:
-            return False, [error("metadata-unreadable", f"{name} is {size} bytes, larger than any DCP metadata "
-                          f"this tool accepts ({MAX_METADATA_BYTES})", location=where)]
-        with open(path, "rb") as f:
-            data = f.read()
+        # A regular file inside the checkpoint, at most MAX_METADATA_BYTES: never a FIFO, device or link out.
+        data = read_small_file(path, MAX_METADATA_BYTES, root=root)
     except OSError as exc:
         return False, [error("metadata-unreadable", f"cannot read {name}: {exc}", location=where)]
     try:
