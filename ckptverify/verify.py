@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -132,6 +132,10 @@ class VerificationRun:
                 "manifest": self.manifest is not None,
                 "deep": self.deep,
             })
+        per_check = Counter(f.check for f in self.findings)
+        omitted = {c: n - MAX_FINDINGS_PER_CHECK for c, n in sorted(per_check.items()) if n > MAX_FINDINGS_PER_CHECK}
+        if omitted:
+            stats["findings_omitted"] = omitted
         return Report(command=command, target=self.root, findings=tuple(cap_findings(self.findings)),
                       coverage=merge_coverage(self.coverage), stats=stats)
 
