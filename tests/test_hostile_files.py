@@ -210,3 +210,16 @@ def test_oversized_manifest_is_refused_unread(fresh_ckpt: Any) -> None:
         f.truncate(1 << 20)  # sparse: costs no disk
     with pytest.raises(ManifestError, match="more than"):
         read_manifest(str(path), max_bytes=1 << 19)
+
+
+def test_checkpoint_reached_through_a_linked_root_passes(fresh_ckpt: Any, tmp_path: Path) -> None:
+    """Containment is judged against the resolved root: ``latest -> step_1000`` is not "outside"."""
+    from ckptverify.verify import verify_checkpoint
+
+    path = fresh_ckpt("threads")
+    fingerprint_checkpoint(path, block_bytes=4096)
+    link = tmp_path / "latest"
+    link.symlink_to(path)
+    report = verify_checkpoint(link)
+    assert report.exit_code == 0, [f.message for f in report.findings]
+    assert report.stats["files"] > 1 and report.stats["manifest"]
