@@ -25,6 +25,9 @@ _EXPORTS = {
     "async_save": "ckptverify.saving",
     "tensor_fingerprint": "ckptverify.fingerprint",
     "chunk_fingerprint": "ckptverify.fingerprint",
+    "scan_run_dir": "ckptverify.runs.scan",
+    "latest_verified": "ckptverify.runs.latest",
+    "prune": "ckptverify.runs.prune",
 }
 
 __all__ = [
@@ -36,9 +39,12 @@ __all__ = [
     "chunk_fingerprint",
     "diff_checkpoints",
     "fingerprint_checkpoint",
+    "latest_verified",
     "load",
+    "prune",
     "resume_check",
     "save",
+    "scan_run_dir",
     "tensor_fingerprint",
     "verify_checkpoint",
 ]
@@ -50,6 +56,9 @@ if TYPE_CHECKING:
     from ckptverify.restore import load
     from ckptverify.resume.harness import resume_check
     from ckptverify.resume.run import Run
+    from ckptverify.runs.latest import latest_verified
+    from ckptverify.runs.prune import prune
+    from ckptverify.runs.scan import scan_run_dir
     from ckptverify.saving import async_save, save
     from ckptverify.state.train_state import Counters, TrainState
     from ckptverify.verify import verify_checkpoint

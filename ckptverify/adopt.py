@@ -30,17 +30,23 @@ from ckptverify.manifest import (
     write_manifest,
 )
 from ckptverify.readers import FileChangedError
-from ckptverify.verify import ProgressSink, VerificationRun, changed_finding, default_jobs
+from ckptverify.verify import UNCHECKABLE, ProgressSink, VerificationRun, changed_finding, default_jobs
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-128",
                            block_bytes: int = DEFAULT_BLOCK_BYTES, force: bool = False, jobs: int | None = None,
+                           trust_uncheckable: bool = False,
                            progress: ProgressSink | None = None) -> tuple[Report, Manifest | None]:
     """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the
-    manifest (``None`` when refused). Raises :class:`~ckptverify.errors.ManifestExistsError` when a
-    manifest exists and ``force`` is false, :class:`~ckptverify.errors.UsageError` for bad arguments."""
+    manifest (``None`` when refused).
+
+    Content that verification could not check (items without CRC-32: stream transforms, DCP's safetensors
+    serialization, CRC disabled at save) would be blessed as it is by a manifest, so it is refused unless
+    ``trust_uncheckable``; the report names every such item either way. Raises
+    :class:`~ckptverify.errors.ManifestExistsError` when a manifest exists and ``force`` is false, or the
+    manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments."""
     from ckptverify import __version__
     from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
 
@@ -49,8 +55,13 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         raise UsageError(f"unknown digest {digest!r}; choose one of {', '.join(ALGORITHMS)}")
     if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
         raise UsageError(f"--block-bytes must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], got {block_bytes}")
-    if os.path.isdir(root) and os.path.lexists(os.path.join(root, MANIFEST_FILE)) and not force:
-        raise ManifestExistsError(f"{os.path.join(root, MANIFEST_FILE)} exists; pass --force to replace it")
+    manifest_path = os.path.join(root, MANIFEST_FILE)
+    if os.path.isdir(root) and os.path.lexists(manifest_path):
+        if not force:
+            raise ManifestExistsError(f"{manifest_path} exists; pass --force to replace it")
+        if os.path.islink(manifest_path) or not os.path.isfile(manifest_path):
+            raise ManifestExistsError(f"{manifest_path} exists and is not a regular file (a directory, link or "
+                                      "special file); it is not replaced: remove it by hand if it is yours")
 
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
@@ -62,6 +73,15 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         if not checked.passed:
             refusal = error("fingerprint-refused", "the checkpoint fails verification; refusing to write a "
                             "manifest that would bless it", location=Location(file=MANIFEST_FILE))
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
+                          coverage=checked.coverage, stats=checked.stats), None
+        uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
+        if uncheckable and not trust_uncheckable:
+            refusal = error(
+                "fingerprint-refused",
+                f"{len(uncheckable)} finding(s) name content that nothing could check (no CRC-32); a manifest "
+                "would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
+                location=Location(file=MANIFEST_FILE))
             return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
                           coverage=checked.coverage, stats=checked.stats), None
         layout = run.layout
@@ -127,6 +147,10 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                           "(e.g. safetensors format) and carry no logical fingerprint; their bytes are digested",
                           location=Location(file=MANIFEST_FILE)))
     coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(entries), unit="items"))
+    if uncheckable:
+        notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
+                          f"could check: {len(uncheckable)} uncheckable finding(s) above",
+                          location=Location(file=MANIFEST_FILE)))
     findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
     return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
                   stats=checked.stats), manifest

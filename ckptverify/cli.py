@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ckptverify import __version__
-from ckptverify.errors import CkptVerifyError
+from ckptverify.errors import CkptVerifyError, UsageError
 
 
 class _RichProgress:
@@ -55,7 +55,53 @@ def _want_progress(flag: bool | None, json_out: bool) -> bool:
     return not json_out and sys.stderr.isatty()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """The command group, with the project's exit codes for every way a command line can go wrong.
+
+    Click's own usage errors exit 2 as ours do, but print plain text: with ``--json`` anywhere on the command
+    line they are printed as a JSON error report instead, so a pipe into ``jq`` never sees prose. An unexpected
+    exception (a bug, never a property of the input: inputs are judged in findings) exits 2 with one line,
+    not a traceback; ``CKPTVERIFY_DEBUG=1`` shows the traceback.
+    """
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        json_out = "--json" in argv
+        command = next((a for a in argv if not a.startswith("-")), "ckptverify")
+        try:
+            return super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(130)
+        except click.ClickException as exc:
+            if json_out:
+                _echo_json_error(command, " ".join(argv), exc.format_message(), 2)
+                sys.exit(2)
+            exc.show()
+            sys.exit(exc.exit_code)
+        except CkptVerifyError as exc:
+            _fail(exc, json_out, command, " ".join(argv))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:  # the last line of defence: no traceback for any input
+            import os
+
+            if os.environ.get("CKPTVERIFY_DEBUG"):
+                raise
+            message = f"internal error ({type(exc).__name__}: {exc}); set CKPTVERIFY_DEBUG=1 for the traceback"
+            if json_out:
+                _echo_json_error(command, " ".join(argv), message, 2)
+            else:
+                click.echo(f"ckptverify {command}: {_printable(message)}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptverify")
 def main() -> None:
     """Prove PyTorch distributed checkpoints intact, and resumption bitwise exact.
@@ -73,10 +119,14 @@ def main() -> None:
               help="Also rebuild every tensor and compare its logical fingerprint with the manifest's "
                    "(memory -> disk -> memory); count NaN/Inf.")
 @click.option("--no-manifest", is_flag=True, help="Ignore ckptverify.manifest.json even if present.")
+@click.option("--strict", is_flag=True,
+              help="Fail closed: content that cannot be checked (no CRC-32 and no manifest) is an error.")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Also write Prometheus gauges (passed, errors, bytes checked, seconds) to this file.")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar [default: on a terminal, without --json].")
-def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool,
-           progress: bool | None) -> None:
+def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool, strict: bool,
+           metrics_file: str | None, progress: bool | None) -> None:
     """Verify the DCP checkpoint directory PATH.
 
     Checks metadata safety, structure, every record's CRC-32 and, when the checkpoint has a manifest,
@@ -86,9 +136,10 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
     from ckptverify.verify import verify_checkpoint
 
     def call(bar: Any) -> Any:
-        return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, progress=bar)
+        return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
+                                 progress=bar)
 
-    _emit(_with_progress(call, progress, json_out, "verify", path), json_out)
+    _emit(_with_progress(call, progress, json_out, "verify", path), json_out, metrics_file=metrics_file)
 
 
 @main.command()
@@ -98,21 +149,24 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
 @click.option("--block-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True,
               help="Block size of the per-item block digests that localize damage.")
 @click.option("--force", is_flag=True, help="Replace an existing manifest.")
+@click.option("--trust-uncheckable", is_flag=True,
+              help="Adopt content that nothing could check (no CRC-32: stream transforms, safetensors, CRC "
+                   "disabled) as it is; without it such a checkpoint is refused.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
-def fingerprint(path: str, digest: str, block_bytes: int, force: bool, json_out: bool, jobs: int | None,
-                progress: bool | None) -> None:
+def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_uncheckable: bool, json_out: bool,
+                jobs: int | None, progress: bool | None) -> None:
     """Adopt the DCP checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
 
-    A checkpoint that fails verification is refused (exit 1) and nothing is written. Writes nothing
-    but the manifest.
+    A checkpoint that fails verification is refused (exit 1) and nothing is written; so is one holding
+    content that nothing could check, unless --trust-uncheckable. Writes nothing but the manifest.
     """
     from ckptverify.adopt import fingerprint_checkpoint
 
     def call(bar: Any) -> Any:
         return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
-                                      progress=bar)[0]
+                                      trust_uncheckable=trust_uncheckable, progress=bar)[0]
 
     _emit(_with_progress(call, progress, json_out, "fingerprint", path), json_out)
 
@@ -137,6 +191,118 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
     _emit(_with_progress(call, progress, json_out, "diff", f"{a} {b}"), json_out)
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Also write Prometheus gauges (last good step, corrupt checkpoints, ...) to this file.")
+def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | None) -> None:
+    """Verify every checkpoint under the training run directory RUN_DIR and name the newest good one.
+
+    Finds checkpoints by what they hold (torchtitan step-N/, Lightning checkpoints/, transformers
+    checkpoint-N/, Megatron iter_N/, ckptverify step_N/, .pt/.ckpt/.safetensors files) and gives each a
+    state: verified, intact, uncheckable, incomplete or corrupt. Exit 1 if any is corrupt or none is good.
+    """
+    from ckptverify.runs.scan import render_scan, scan_run_dir
+
+    say = None
+    if not json_out and sys.stderr.isatty():
+        from rich.console import Console
+
+        err = Console(stderr=True)
+        say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
+    try:
+        report = scan_run_dir(run_dir, jobs=jobs, progress=say)
+    except CkptVerifyError as exc:
+        _fail(exc, json_out, "scan", run_dir)
+    _emit(report, json_out, render=render_scan, metrics_file=metrics_file)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--json", "json_out", is_flag=True, help="Print {path, step, skipped} and the findings as JSON.")
+@click.option("--path-only", is_flag=True, help="Print only the path (nothing when none is good): for scripts.")
+@click.option("--no-stamps", is_flag=True, help="Verify every candidate now, even those with a current stamp.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+def latest(run_dir: str, json_out: bool, path_only: bool, no_stamps: bool, jobs: int | None) -> None:
+    """Print the newest checkpoint under RUN_DIR that verifies (exit 1 when none does).
+
+    Newest first: a checkpoint with a current verification stamp is judged by it, any other is verified now;
+    corrupt, torn, incomplete and uncheckable ones are skipped, each with a line saying why.
+    """
+    from ckptverify.runs.latest import latest_verified
+
+    try:
+        found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps)
+    except CkptVerifyError as exc:
+        if path_only:
+            click.echo(f"ckptverify latest: error: {_printable(exc)}", err=True)
+            sys.exit(exc.exit_code)
+        _fail(exc, json_out, "latest", run_dir)
+    report = found.report
+    if path_only:
+        if found.path is not None:
+            click.echo(found.path)
+        sys.exit(report.exit_code)
+    if json_out:
+        import json
+
+        click.echo(json.dumps({**found.to_dict(), **report.to_dict()}, indent=2, default=str))
+        sys.exit(report.exit_code)
+    _emit(report, json_out)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--once", is_flag=True, help="One pass, then exit (1 if any checkpoint failed): for cron.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between passes.")
+@click.option("--exit-on-failure", is_flag=True, help="Exit 1 at the first checkpoint that fails.")
+@click.option("--log", "log_path", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Append one JSON line per result here [default: RUN_DIR/ckptverify-watch.jsonl].")
+@click.option("--deep", is_flag=True, help="Also rebuild tensors and compare fingerprints.")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Write Prometheus gauges after every pass.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_path: str | None, deep: bool,
+          metrics_file: str | None, jobs: int | None) -> None:
+    """Verify and stamp every checkpoint under RUN_DIR as it commits; one JSON line per result.
+
+    Polls RUN_DIR; a committed DCP checkpoint without a current stamp is verified and stamped
+    (ckptverify.verified.json). Runs until interrupted, or one pass with --once.
+    """
+    from ckptverify.runs.watch import watch as run_watch
+
+    def show(item: dict) -> None:
+        import json
+
+        click.echo(json.dumps(item, default=str))
+        if metrics_file is not None:
+            from ckptverify.metrics import write_metrics
+
+            write_metrics(metrics_file, _watch_report(run_dir, [item]))
+
+    try:
+        result = run_watch(run_dir, once=once, interval=interval, exit_on_failure=exit_on_failure, log=log_path,
+                           jobs=jobs, deep=deep, on_result=show)
+    except CkptVerifyError as exc:
+        _fail(exc, True, "watch", run_dir)
+    sys.exit(1 if result.failed else 0)
+
+
+def _watch_report(run_dir: str, items: list) -> Any:
+    from ckptverify.findings import Location, Report, error, info
+
+    findings = tuple(
+        (error if item["event"] == "failed" else info)(
+            "watch", f"{item['path']}: {item['event']}", location=Location(file=item["path"]))
+        for item in items)
+    return Report(command="watch", target=run_dir, findings=findings,
+                  stats={"bytes": sum(int(i.get("bytes") or 0) for i in items),
+                         "seconds": sum(float(i.get("seconds") or 0) for i in items)})
+
+
 @main.command("resume-check")
 @click.argument("target")
 @click.option("--steps", "-T", type=click.IntRange(min=2), required=True, help="Steps of the continuous run.")
@@ -152,9 +318,13 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
               help="cpu: gloo; cuda: NCCL, one GPU per rank.")
 @click.option("--keep", type=click.Path(path_type=str), default=None,
               help="Keep checkpoints and traces in this directory.")
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@click.option("--verbose", is_flag=True, help="List every final-state difference (else folded into one row).")
+@click.option("--report", "report_dir", type=click.Path(path_type=str), default=None,
+              help="Write an HTML page with figures here (needs matplotlib: pip install 'ckptverify[report]').")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print the report as JSON (the workload's output goes to per-rank log files it names).")
 def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level: str, runs: str, device: str,
-                     keep: str | None, json_out: bool) -> None:
+                     keep: str | None, verbose: bool, report_dir: str | None, json_out: bool) -> None:
     """Prove that resuming TARGET from a checkpoint is bitwise identical to never stopping.
 
     TARGET is FILE.py:FUNC or package.module:FUNC, a function train(run) following the Run protocol
@@ -165,6 +335,7 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     import os
 
     from ckptverify.resume.harness import Plan, resume_check
+    from ckptverify.resume.render import emit_resume, log_dir_for
 
     if device == "cuda":
         os.environ["CKPTVERIFY_DEVICE"] = "cuda"
@@ -175,12 +346,47 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
         if not json_out:
             from rich.console import Console
 
-            err = Console(stderr=True)
-            say = lambda msg: err.print(f"[dim]· {msg}[/]")  # noqa: E731
-        outcome = resume_check(plan, keep=keep, progress=say)
+            err = Console(stderr=True, emoji=False)
+            say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
+        outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose,
+                               log_dir=log_dir_for(keep) if json_out else None, report_dir=report_dir)
     except CkptVerifyError as exc:
         _fail(exc, json_out, "resume-check", target)
-    _emit(outcome.report, json_out)
+    sys.exit(emit_resume(outcome, json_out))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--from", "start", type=click.IntRange(min=0), default=None,
+              help="Step of the production checkpoint to replay from [default: the second newest verified].")
+@click.option("--to", "end", type=click.IntRange(min=1), default=None,
+              help="Step of the production checkpoint to replay to [default: the newest verified].")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: gloo; cuda: NCCL, one GPU per rank.")
+@click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the replays' files here.")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Also write Prometheus gauges to this file.")
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON (stats.verdict).")
+def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
+           metrics_file: str | None, json_out: bool) -> None:
+    """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
+
+    Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, checkpoint-corrupt (exit 1).
+    RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...).
+    """
+    from ckptverify.resume.replay import replay as run_replay
+
+    say = None
+    if not json_out:
+        from rich.console import Console
+
+        err = Console(stderr=True, emoji=False)
+        say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
+    try:
+        report = run_replay(run_dir, start=start, end=end, device=device, keep=keep, progress=say)
+    except CkptVerifyError as exc:
+        _fail(exc, json_out, "replay", run_dir)
+    _emit(report, json_out, metrics_file=metrics_file)
 
 
 @main.command()
@@ -197,8 +403,8 @@ def demo(nproc: int, keep: str | None, json_out: bool) -> None:
         from rich.console import Console
 
         err = Console(stderr=True)
-        say = lambda msg: err.print(f"[bold cyan]{msg}[/]" if msg[:2] in {"1/", "2/", "3/", "4/"}  # noqa: E731
-                                    else f"[dim]  · {msg}[/]")
+        say = lambda msg: err.print(_text(msg, "bold cyan") if msg[:2] in {"1/", "2/", "3/", "4/"}  # noqa: E731
+                                    else _text(f"  · {msg}", "dim"))
     try:
         report = run_demo(nproc=nproc, keep=keep, say=say)
     except CkptVerifyError as exc:
@@ -239,31 +445,55 @@ def _with_progress(call: Any, progress: bool | None, json_out: bool, command: st
         _fail(exc, json_out, command, target)
 
 
-def _emit(report: Any, json_out: bool) -> None:
+def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> None:
     from ckptverify.report import render_text, to_json
+
+    if metrics_file is not None:
+        from ckptverify.metrics import write_metrics
+
+        try:
+            write_metrics(metrics_file, report)
+        except OSError as exc:
+            _fail(UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out, report.command,
+                  report.target)
 
     if json_out:
         click.echo(to_json(report))
     else:
         from rich.console import Console
 
-        render_text(report, Console(highlight=False))
+        (render or render_text)(report, Console(highlight=False))
     sys.exit(report.exit_code)
+
+
+def _printable(value: object) -> str:
+    from ckptverify.report import printable
+
+    return printable(value)
+
+
+def _text(value: object, style: str) -> Any:
+    from rich.text import Text
+
+    return Text(_printable(value), style=style)
+
+
+def _echo_json_error(command: str, target: str, message: str, exit_code: int) -> None:
+    import json
+
+    from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
+
+    click.echo(json.dumps({
+        "schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
+        "target": target, "passed": False, "exit_code": exit_code, "error": message, "findings": [],
+    }, indent=2))
 
 
 def _fail(exc: CkptVerifyError, json_out: bool, command: str, target: str) -> None:
     if json_out:
-        import json
-
-        from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
-
-        click.echo(json.dumps({
-            "schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
-            "target": target, "passed": False, "exit_code": exc.exit_code, "error": str(exc),
-            "findings": [],
-        }, indent=2))
+        _echo_json_error(command, target, str(exc), exc.exit_code)
     else:
-        click.echo(f"ckptverify {command}: error: {exc}", err=True)
+        click.echo(f"ckptverify {command}: error: {_printable(exc)}", err=True)
     sys.exit(exc.exit_code)
 
 

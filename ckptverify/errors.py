@@ -59,3 +59,7 @@ class CheckpointRefusedError(CkptVerifyError):
     def __init__(self, message: str, report: object | None = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class UnsafeMetadataError(CheckpointRefusedError):
+    """DCP asked for metadata the safe reader refuses (hostile, malformed, or a second entry point)."""

@@ -1,20 +1,37 @@
 """Rendering a :class:`~ckptverify.findings.Report` for people (rich) and machines (JSON).
 
-Library code never prints; the command line calls these.
+Library code never prints; the command line calls these. Every name and value in a report may come from a
+hostile checkpoint (an FQN, a file name, a pickled string), so text output never lets them act as rich
+markup, emoji codes or terminal control sequences: they are rendered as :class:`rich.text.Text` (never parsed)
+after :func:`printable` has made every control character visible.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ckptverify.findings import Report, Severity, sort_findings
 
+__all__ = ["printable", "render_text", "to_json"]
+
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+
+# C0 and C1 control characters, DEL, and the bidirectional overrides and isolates (which can make a
+# name read differently from what it is). Tabs and newlines are escaped too: one finding, one cell.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(value: object) -> str:
+    """``str(value)`` with every control character shown as an escape (``\\x1b``, ``\\u202e``)."""
+    text = str(value)
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                        text)
 
 
 def to_json(report: Report, indent: int | None = 2) -> str:
-    """The documented JSON form (``docs/json-schema.md``)."""
+    """The documented JSON form (``docs/json-schema.md``). JSON escapes control characters itself."""
     return json.dumps(report.to_dict(), indent=indent, sort_keys=False, default=_jsonable)
 
 
@@ -24,43 +41,50 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _text(value: object, style: str = "") -> Any:
+    from rich.text import Text
+
+    return Text(printable(value), style=style)
+
+
 def render_text(report: Report, console: Any, *, max_findings: int = 200) -> None:
     """Print ``report`` on a rich ``Console``: a findings table, what was covered, and the verdict."""
     from rich.table import Table
+    from rich.text import Text
 
     findings = sort_findings(report.findings)
     if findings:
-        table = Table(title=f"{report.command}: {report.target}", show_lines=False, expand=False)
+        table = Table(title=_text(f"{report.command}: {report.target}"), show_lines=False, expand=False)
         table.add_column("severity", no_wrap=True)
         table.add_column("check", no_wrap=True)
         table.add_column("where", overflow="fold")
         table.add_column("what", overflow="fold")
         for f in findings[:max_findings]:
             table.add_row(
-                f"[{_STYLE[f.severity]}]{f.severity.value}[/]",
-                f.check,
-                f.location.describe() or "-",
-                f.message,
+                _text(f.severity.value, _STYLE[f.severity]),
+                _text(f.check),
+                _text(f.location.describe() or "-"),
+                _text(f.message),
             )
         console.print(table)
         if len(findings) > max_findings:
-            console.print(f"... and {len(findings) - max_findings} more findings (use --json for all)")
+            console.print(_text(f"... and {len(findings) - max_findings} more findings (use --json for all)"))
     if report.coverage:
         covered = ", ".join(f"{c.check}: {c.count} {c.unit}" for c in report.coverage)
-        console.print(f"[dim]checked {covered}[/]")
+        console.print(_text(f"checked {covered}", "dim"))
     stats = report.stats
     if stats.get("bytes") is not None and stats.get("seconds"):
-        console.print(
-            f"[dim]{stats.get('files', 0)} files, {_human(stats['bytes'])} in {stats['seconds']:.2f} s "
-            f"({_human(stats.get('throughput_bytes_per_s') or 0)}/s)[/]"
-        )
+        console.print(_text(
+            f"{stats.get('files', 0)} files, {_human(stats['bytes'])} in {stats['seconds']:.2f} s "
+            f"({_human(stats.get('throughput_bytes_per_s') or 0)}/s)", "dim"))
     counts = report.summary()
     tail = f"{counts['error']} error(s), {counts['warning']} warning(s)"
     if report.passed:
         note = " — read the warnings" if counts["warning"] else ""
-        console.print(f"[bold green]PASSED[/] {report.command} {report.target}: {tail}{note}")
+        verdict = Text.assemble(("PASSED", "bold green"), " ", _text(f"{report.command} {report.target}: {tail}{note}"))
     else:
-        console.print(f"[bold red]FAILED[/] {report.command} {report.target}: {tail}")
+        verdict = Text.assemble(("FAILED", "bold red"), " ", _text(f"{report.command} {report.target}: {tail}"))
+    console.print(verdict)
 
 
 def _human(n: float) -> str:

@@ -79,6 +79,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
     import torch.distributed.checkpoint as dcp
 
     from ckptverify.dcp.loading import SafeLoadPlanner
+    from ckptverify.dcp.storage_reader import SafeFileSystemReader
 
     root = os.fspath(path)
     if not isinstance(state, TrainState):
@@ -92,7 +93,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
     with warnings.catch_warnings():
         # Loading in a single process without a process group is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(template, checkpoint_id=root, planner=SafeLoadPlanner())
+        dcp.load(template, storage_reader=SafeFileSystemReader(root), planner=SafeLoadPlanner())
     state.load_state_dict(template)
     findings: list[Finding] = [warning("restore-inexact", w) for w in state.warnings]
     coverage: list[CheckCoverage] = []

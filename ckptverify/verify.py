@@ -42,6 +42,8 @@ SEGMENT_BYTES = 64 << 20
 #: With a manifest, records larger than this (tensor payloads) are checked by the manifest's block digests
 #: only; smaller ones (``data.pkl``, headers) also by their CRC, so a tensor header is read only once proven.
 SMALL_RECORD_BYTES = 64 << 10
+#: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
+UNCHECKABLE = "content-uncheckable"
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -64,12 +66,14 @@ def default_jobs() -> int:
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
-                      use_manifest: bool = True, progress: ProgressSink | None = None) -> Report:
+                      use_manifest: bool = True, strict: bool = False,
+                      progress: ProgressSink | None = None) -> Report:
     """Verify the DCP checkpoint directory at ``path`` and return a report of findings.
 
     ``jobs``: parallel workers (default one per core). ``use_manifest``: compare with
     ``ckptverify.manifest.json`` when present. ``deep``: also rebuild every tensor and compare logical
-    fingerprints with those taken at save time (and count NaN/Inf). Raises
+    fingerprints with those taken at save time (and count NaN/Inf). ``strict``: fail closed, content that
+    cannot be checked (no CRC-32 and no manifest covering it) is an error instead of a warning. Raises
     :class:`~ckptverify.errors.CheckpointNotFoundError` when ``path`` is not a directory and
     :class:`~ckptverify.errors.UsageError` for bad arguments; every problem *with* the checkpoint is a
     finding in the report, never an exception.
@@ -87,7 +91,23 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
         run.close()
-    return run.report("verify", time.perf_counter() - started)
+    report = run.report("verify", time.perf_counter() - started)
+    return fail_uncheckable(report) if strict else report
+
+
+def fail_uncheckable(report: Report) -> Report:
+    """``report`` with every ``content-uncheckable`` warning raised to an error (fail closed)."""
+    import dataclasses
+
+    from ckptverify.findings import Severity
+
+    findings = tuple(
+        dataclasses.replace(f, severity=Severity.ERROR,
+                            message=f"{f.message} (an error under --strict: unchecked content fails)")
+        if f.check == UNCHECKABLE and f.severity is Severity.WARNING else f
+        for f in report.findings
+    )
+    return dataclasses.replace(report, findings=findings)
 
 
 class VerificationRun:

@@ -97,3 +97,30 @@ def test_tensor_header_refuses_anything_but_a_plain_tensor():
 
     with pytest.raises(pickle.UnpicklingError, match="print"):
         tensor_header(pickle.dumps(Evil(), protocol=2))
+
+
+def _data_pkl(value) -> bytes:
+    z = zipfile.ZipFile(io.BytesIO(_saved(value)))
+    return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+
+
+@pytest.mark.parametrize("hostile", [
+    b"\x80\x02ctorch\nFloatStorage\n}X\x05\x00\x00\x00dtypeX\x04\x00\x00\x00int8sb.",  # dict state
+    b"\x80\x02ctorch\nFloatStorage\nN}X\x05\x00\x00\x00valueX\x04\x00\x00\x00int8s\x86b.",  # slot state
+    b"\x80\x02ccollections\nOrderedDict\nN}X\x07\x00\x00\x00__len__K\x01s\x86b.",  # a stand-in class
+    b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nN}X\x05\x00\x00\x00_callK\x01s\x86b.",
+])
+def test_hostile_data_pkl_cannot_change_how_the_next_is_read(hostile):
+    clean = _data_pkl(torch.randn(4, 2))
+    before = tensor_header(clean)
+    assert before.dtype == "float32" and before.storage_numel == 8
+    with pytest.raises(pickle.UnpicklingError):
+        tensor_header(hostile)
+    assert tensor_header(clean) == before
+
+
+def test_a_huge_memo_index_in_data_pkl_allocates_nothing():
+    # LONG_BINPUT 2^30: the C unpickler would zero-fill 16 GiB of memo slots for this 30-byte record.
+    data = b"\x80\x02ctorch\nFloatStorage\nr" + (2**30).to_bytes(4, "little") + b"0N."
+    with pytest.raises(pickle.UnpicklingError):
+        tensor_header(data)

@@ -194,8 +194,11 @@ def test_identical_runs_trace_identically(tmp_path: Path, level: str) -> None:
     assert names.index("grad.0.weight") < names.index("optim.param_groups.0") < names.index("param.0.weight")
     assert any(n.startswith("module.") for n in names) == (level == "module")
     if level == "module":
-        assert names[2:7] == ["module.0.fwd#0", "module.1.fwd#0", "module.2.fwd#0", "module.3.fwd#0",
-                              "module.(root).fwd#0"]
+        forward = [n for n in names if n.startswith("module.") and ".bwd#" not in n]
+        # In execution order: the root's input, then each child's input and output, then the root's output.
+        assert forward == ["module.(root).in#0", "module.0.in#0", "module.0.fwd#0", "module.1.in#0",
+                           "module.1.fwd#0", "module.2.in#0", "module.2.fwd#0", "module.3.in#0", "module.3.fwd#0",
+                           "module.(root).fwd#0"]
         assert trace.site("module.2.fwd#0").info == "Dropout"
 
 
@@ -230,7 +233,7 @@ def test_dropout_rng_perturbation_names_dropout_as_origin(tmp_path: Path) -> Non
     assert d is not None
     assert (d.step, d.site, d.category, d.kind) == (2, "module.2.fwd#0", "module", "module_out")
     assert (d.origin, d.origin_type, d.inputs_verified) == ("2", "Dropout", True)
-    assert d.receivers[:2] == ("module.3.fwd#0", "module.(root).fwd#0")
+    assert d.receivers[:3] == ("module.3.in#0", "module.3.fwd#0", "module.(root).fwd#0")
     assert "module.0.fwd#0" not in d.receivers and "module.1.fwd#0" not in d.receivers
     origin = [f for f in compare_runs(a, b) if f.check == "trace-origin"]
     assert len(origin) == 1 and origin[0].location.fqn == "2" and "Dropout" in origin[0].message
@@ -248,7 +251,10 @@ def test_gradients_recorded_wherever_zero_grad_is(tmp_path: Path) -> None:
     a = _train(tmp_path / "a", "state")  # zero_grad first: record_step reads p.grad
     b = _train(tmp_path / "b", "state", zero_grad_at_end=True, grads="record_grads")
     c = _train(tmp_path / "c", "state", zero_grad_at_end=True, grads="hook")  # optimizer step pre-hook
-    assert compare_runs(a, b) == [] and compare_runs(a, c) == []
+    assert compare_runs(a, b) == []
+    # The hook also records the hyperparameters the optimizer step used; everything both record is equal.
+    both = compare_runs(a, c, force=True)
+    assert [f.check for f in both] == ["trace-sites"] and all(n.startswith("hparam.") for n in both[0].actual["sites"])
     assert any(s.kind == "grad" for s in open_trace(c / "rank0").sites)
     # Neither: the gradients are gone by record_step and are not recorded at all.
     d = _train(tmp_path / "d", "state", zero_grad_at_end=True)
@@ -274,9 +280,9 @@ def test_module_called_twice_gets_occurrences(tmp_path: Path) -> None:
     names = [s.name for s in open_trace(tmp_path / "run" / "rank0").sites]
     # Backward hooks fire in backward order: bwd#0 belongs to the last call, and the root's input gradient
     # comes last. Level module includes level state: the gradients are recorded too.
-    assert names == ["module.block.fwd#0", "module.block.fwd#1", "module.(root).fwd#0", "module.block.bwd#0",
-                     "module.block.bwd#1", "module.(root).bwd#0", "metric.n", "grad.block.weight",
-                     "grad.block.bias"]
+    assert names == ["module.(root).in#0", "module.block.in#0", "module.block.fwd#0", "module.block.in#1",
+                     "module.block.fwd#1", "module.(root).fwd#0", "module.block.bwd#0", "module.block.bwd#1",
+                     "module.(root).bwd#0", "metric.n", "grad.block.weight", "grad.block.bias"]
 
 
 def test_header_mismatch_refused_unless_forced(tmp_path: Path) -> None:

@@ -26,7 +26,11 @@ def test_items_saved_with_crc_disabled_are_uncheckable_then_covered_by_a_manifes
     assert verify_checkpoint(path).exit_code == 0  # nothing can see it without checksums ...
     inj.flip_bit(path, fault.file, fault.byte_offset, fault.bit)  # (undo)
 
-    _, manifest = fingerprint_checkpoint(path)
+    refused, manifest = fingerprint_checkpoint(path)  # fail closed: nothing could check these bytes
+    assert manifest is None and "fingerprint-refused" in {f.check for f in refused.errors}
+    assert not (path / "ckptverify.manifest.json").exists()
+    assert verify_checkpoint(path, strict=True).exit_code == 1
+    _, manifest = fingerprint_checkpoint(path, trust_uncheckable=True)
     assert manifest is not None
     covered = verify_checkpoint(path)
     assert covered.passed and not [f for f in covered.warnings if f.check == "content-uncheckable"]

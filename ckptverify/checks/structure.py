@@ -5,6 +5,7 @@ Nothing here reads item contents; only directory listings, file sizes and the la
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import stat
@@ -17,7 +18,7 @@ from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
 from ckptverify.readers import file_kind, is_inside
 
 #: Files ckptverify itself may write beside a checkpoint; never reported as unreferenced.
-OWN_FILES = frozenset({"ckptverify.manifest.json"})
+OWN_FILES = frozenset({"ckptverify.manifest.json", "ckptverify.verified.json", ".ckptverify-verifying"})
 
 
 def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | None]:
@@ -39,9 +40,12 @@ def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | No
 def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | None]) -> list[Finding]:
     """Referenced files that are missing or must not be opened, and files nobody references."""
     findings: list[Finding] = []
+    per_file: dict[str, int] = defaultdict(int)
+    for it in layout.items:
+        per_file[it.file] += 1
     for name, st in sorted(stats.items()):
         if st is None:
-            n = sum(1 for it in layout.items if it.file == name)
+            n = per_file[name]
             path = os.path.join(root, name)
             unsafe = _unsafe_reason(root, path)
             if unsafe is not None:
@@ -198,24 +202,24 @@ def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
             continue
         if c.numel:
             boxes.append(c)
-    # Sweep along dim 0 so only chunks whose first-dim intervals meet are compared.
     overlap = False
     if shape:
-        boxes.sort(key=lambda c: c.offsets[0])
-        active: list[Chunk] = []
-        for c in boxes:
-            active = [a for a in active if a.offsets[0] + a.sizes[0] > c.offsets[0]]
-            for a in active:
-                if all(ao < co + cs and co < ao + asz for ao, asz, co, cs
-                       in zip(a.offsets, a.sizes, c.offsets, c.sizes, strict=True)):
-                    overlap = True
-                    out.append(error(
-                        "chunk-tiling",
-                        f"chunks {list(a.offsets)} and {list(c.offsets)} of {fqn!r} overlap",
-                        location=Location(fqn=fqn, chunk_offsets=c.offsets, chunk_sizes=c.sizes),
-                    ))
-                    break
-            active.append(c)
+        pairs, complete = _overlaps(boxes)
+        for a, c in pairs:
+            overlap = True
+            out.append(error(
+                "chunk-tiling",
+                f"chunks {list(a.offsets)} and {list(c.offsets)} of {fqn!r} overlap",
+                location=Location(fqn=fqn, chunk_offsets=c.offsets, chunk_sizes=c.sizes),
+            ))
+        if not complete:
+            out.append(error(
+                "chunk-tiling",
+                f"the {len(boxes)} chunks of {fqn!r} form no grid and are too irregular to compare within "
+                f"{MAX_TILING_COMPARISONS} box comparisons; their tiling is not proven",
+                location=Location(fqn=fqn),
+            ))
+            return out
     elif len(boxes) > 1:
         overlap = True
         out.append(error("chunk-tiling", f"scalar {fqn!r} is stored more than once", location=Location(fqn=fqn)))
@@ -229,3 +233,55 @@ def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
             expected=total, actual=covered,
         ))
     return out
+
+
+#: Most pairwise box comparisons spent on one tensor whose chunks do not form a grid.
+MAX_TILING_COMPARISONS = 2_000_000
+
+
+def _overlaps(boxes: list[Chunk]) -> tuple[list[tuple[Chunk, Chunk]], bool]:
+    """Overlapping pairs among ``boxes`` (same rank, inside bounds, non-empty) and whether the search was complete.
+
+    Linear when the chunks form a grid (in every dimension, any two chunk intervals are equal or disjoint),
+    which is how DCP shards tensors: then two boxes overlap exactly when they start at the same offsets.
+    Otherwise a sweep along the dimension with the most distinct starts, capped at
+    :data:`MAX_TILING_COMPARISONS`.
+    """
+    pairs: list[tuple[Chunk, Chunk]] = []
+    first: dict[tuple[int, ...], Chunk] = {}
+    for c in boxes:
+        prev = first.setdefault(c.offsets, c)
+        if prev is not c:
+            pairs.append((prev, c))
+    ndim = len(boxes[0].offsets) if boxes else 0
+    grid = True
+    best_dim, best_starts = 0, -1
+    for d in range(ndim):
+        intervals: dict[int, int] = {}
+        for c in boxes:
+            if intervals.setdefault(c.offsets[d], c.sizes[d]) != c.sizes[d]:
+                grid = False
+        starts = sorted(intervals)
+        if any(a + intervals[a] > b for a, b in itertools.pairwise(starts)):
+            grid = False
+        if len(starts) > best_starts:
+            best_dim, best_starts = d, len(starts)
+    if grid:
+        return pairs, True
+    pairs = []
+    d = best_dim
+    order = sorted(boxes, key=lambda c: c.offsets[d])
+    active: list[Chunk] = []
+    budget = MAX_TILING_COMPARISONS
+    for c in order:
+        active = [a for a in active if a.offsets[d] + a.sizes[d] > c.offsets[d]]
+        budget -= len(active) + 1
+        if budget < 0:
+            return pairs, False
+        for a in active:
+            if all(ao < co + cs and co < ao + asz for ao, asz, co, cs
+                   in zip(a.offsets, a.sizes, c.offsets, c.sizes, strict=True)):
+                pairs.append((a, c))
+                break
+        active.append(c)
+    return pairs, True

@@ -1,25 +1,30 @@
-"""Safe reader for DCP's ``.metadata`` — the one module that knows DCP's private classes.
+"""Safe reader for DCP's ``.metadata`` — the one module that knows DCP's metadata structure.
 
 DCP's own ``FileSystemReader.read_metadata`` calls ``pickle.load`` with no restriction, so a crafted
-``.metadata`` runs arbitrary code on whoever opens it. Here the pickle is read by an unpickler whose
-``find_class`` resolves only an allowlist of names, and resolves them to *stand-ins* defined in this
-module, never to torch's classes or functions: unpickling executes nothing from torch or from the file.
-The stand-ins record the state the pickle carries; :func:`read_layout` then validates every field
-(names, paths, offsets, lengths are hostile input) and builds :class:`~ckptverify.dcp.layout.Layout`.
+``.metadata`` runs arbitrary code on whoever opens it; and when that unpickling raises, ``dcp.load`` falls
+back to ``__{rank}.metadata``, so a file that merely *fails* to unpickle hands control to another one.
+Here every metadata file DCP could read (``.metadata`` and every ``__N.metadata``) is parsed by
+:mod:`ckptverify.dcp.safepickle` (allowlist, per-parse stand-ins, a work budget; nothing from torch or
+from the file runs) and then **every field** is validated: the state dict entries, the storage entries,
+``planner_data``, ``storage_meta``, ``version`` and whatever a writer attached (Megatron's
+``all_local_plans`` of DCP planner dataclasses, ``mcore_data``). The result is a :class:`ParsedMetadata`
+(what :mod:`ckptverify.dcp.storage_reader` turns into real DCP objects for loading) and, merged over the
+files, a :class:`~ckptverify.dcp.layout.Layout` for the checks.
 
-If torch renames or reshapes these classes, ``tests/test_dcp_metadata.py`` fails loudly: it checks the
-allowlist and the field names below against the installed torch.
+A ``__N.metadata`` beside ``.metadata`` is an error (``metadata-stray``): DCP reads it whenever
+``.metadata`` fails to load, so it is a second, unverified entry point.
+
+All work is linear in the size of the metadata and the number of chunks.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import re
-from pathlib import PurePosixPath
+from dataclasses import dataclass, field
 from typing import Any
 
+from ckptverify.dcp import safepickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import Finding, Location, error
 from ckptverify.readers import read_small_file
@@ -29,145 +34,135 @@ METADATA_FILE = ".metadata"
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 #: A metadata file larger than this is refused rather than read (a pickle can be made to claim anything).
 MAX_METADATA_BYTES = 1 << 30
+#: Longest state dict key, storage path or other string the reader accepts.
+MAX_STRING = 1 << 16
+#: Most dimensions of a tensor.
+MAX_DIMS = 64
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
 _DCP_FS = "torch.distributed.checkpoint.filesystem"
 
 #: Field names of DCP's dataclasses, as pickled by torch (checked against torch by the tests).
-METADATA_FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
-TENSOR_STORAGE_FIELDS = ("properties", "size", "chunks")
-CHUNK_FIELDS = ("offsets", "sizes")
-INDEX_FIELDS = ("fqn", "offset", "index")
-STORAGE_INFO_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
-STORAGE_META_FIELDS = ("checkpoint_id", "save_id", "load_id", "modules")
-
-
-class _Record:
-    """Stand-in for an instance of an allowlisted DCP class: it only stores what the pickle sets."""
-
-    kind = "object"
-    # NEWOBJ calls only __new__, so the defaults live on the class.
-    args: tuple[Any, ...] = ()
-    state: Any = None
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def fields(self) -> dict[str, Any]:
-        """The instance dict the pickle carried (dataclass state, or ``(None, slots)`` form)."""
-        state = self.state
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
-            merged: dict[str, Any] = dict(state[0] or {})
-            merged.update(state[1] or {})
-            return merged
-        if state is None:
-            return {}
-        if isinstance(state, dict):
-            return state
-        raise _BadMetadata(f"{self.kind} carries state of type {type(state).__name__}, expected a dict")
-
-
-def _record_class(kind: str) -> type[_Record]:
-    return type(f"_Shadow_{kind}", (_Record,), {"kind": kind})
-
-
-class _DType(str):
-    """Stand-in for a ``torch.dtype`` global: just its name."""
-
-
-class _BadMetadata(Exception):
-    """The metadata parsed as a pickle but does not have the shape DCP writes."""
-
-
-class _UnsafeGlobal(pickle.UnpicklingError):
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-
-def _size(*args: Any) -> tuple[Any, ...]:
-    # torch.Size((a, b, ...)) pickles as REDUCE(torch.Size, ((a, b, ...),))
-    if len(args) != 1 or not isinstance(args[0], tuple | list):
-        raise _BadMetadata("torch.Size with unexpected arguments")
-    return tuple(args[0])
-
-
-def _layout(name: Any) -> str:
-    if not isinstance(name, str):
-        raise _BadMetadata("layout is not a string")
-    return name
-
-
-def _mem_format(value: Any) -> int:
-    return value if isinstance(value, int) else -1
-
-
-def _path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise _BadMetadata("path with non-string parts")
-    return str(PurePosixPath(*parts)) if parts else ""
-
-
-_ALLOWED: dict[tuple[str, str], Any] = {
-    (_DCP_MD, "Metadata"): _record_class("Metadata"),
-    (_DCP_MD, "TensorStorageMetadata"): _record_class("TensorStorageMetadata"),
-    (_DCP_MD, "TensorProperties"): _record_class("TensorProperties"),
-    (_DCP_MD, "ChunkStorageMetadata"): _record_class("ChunkStorageMetadata"),
-    (_DCP_MD, "BytesStorageMetadata"): _record_class("BytesStorageMetadata"),
-    (_DCP_MD, "MetadataIndex"): _record_class("MetadataIndex"),
-    (_DCP_MD, "StorageMeta"): _record_class("StorageMeta"),
-    (_DCP_MD, "_MEM_FORMAT_ENCODING"): _mem_format,
-    (_DCP_FS, "_StorageInfo"): _record_class("_StorageInfo"),
-    ("torch", "Size"): _size,
-    ("torch.serialization", "_get_layout"): _layout,
-    ("pathlib", "PosixPath"): _path,
-    ("pathlib", "PurePosixPath"): _path,
-    ("pathlib", "WindowsPath"): _path,
-    ("pathlib", "PureWindowsPath"): _path,
-    ("pathlib", "Path"): _path,
-}
-for _name in DTYPE_ITEMSIZE:
-    _ALLOWED[("torch", _name)] = _DType(_name)
+METADATA_FIELDS = sp.KINDS["Metadata"].fields
+TENSOR_STORAGE_FIELDS = sp.KINDS["TensorStorageMetadata"].fields
+CHUNK_FIELDS = sp.KINDS["ChunkStorageMetadata"].fields
+INDEX_FIELDS = sp.KINDS["MetadataIndex"].fields
+STORAGE_INFO_FIELDS = sp.KINDS["_StorageInfo"].fields
+STORAGE_META_FIELDS = sp.KINDS["StorageMeta"].fields
 
 #: Every global a DCP ``.metadata`` may name, as ``module.name`` (documented; checked by the tests).
-ALLOWED_GLOBALS: frozenset[str] = frozenset(f"{m}.{n}" for m, n in _ALLOWED)
+ALLOWED_GLOBALS = sp.ALLOWED_GLOBALS
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED[(module, name)]
-        except KeyError:
-            raise _UnsafeGlobal(f"{module}.{name}") from None
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _BadMetadata("persistent ids are not used by DCP metadata")
+class BadMetadata(Exception):
+    """The metadata parsed as a pickle but does not have the structure DCP writes."""
 
 
-def safe_unpickle(data: bytes) -> Any:
-    """Unpickle ``data`` resolving only DCP metadata globals, to stand-ins. Raises on anything else."""
-    return _SafeUnpickler(io.BytesIO(data)).load()
+# ---------------------------------------------------------------------------------------------
+# What a validated metadata file says.
+
+
+@dataclass(frozen=True, slots=True)
+class TensorProps:
+    """``TensorProperties``: dtype name, layout name, and the three deprecated fields as pickled."""
+
+    dtype: str
+    layout: str
+    requires_grad: bool
+    memory_format: int
+    pin_memory: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    properties: TensorProps
+
+
+@dataclass(frozen=True, slots=True)
+class StorageEntry:
+    """One ``MetadataIndex -> _StorageInfo`` entry of ``storage_data``."""
+
+    fqn: str
+    chunk_offsets: tuple[int, ...] | None
+    index: int | None
+    relative_path: str
+    offset: int
+    length: int
+    #: ``None`` when the pickle had ``None`` (older DCP), else the descriptors.
+    transforms: tuple[str, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageMetaInfo:
+    checkpoint_id: str | None
+    checkpoint_id_is_path: bool
+    save_id: str | None
+    load_id: str | None
+    modules: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class ParsedMetadata:
+    """Everything one metadata file says, validated. Values of ``planner_data`` and ``extras`` are the
+    plain tree of :mod:`ckptverify.dcp.safepickle` (checked inert)."""
+
+    name: str
+    entries: dict[str, TensorEntry | None]  # None: a BytesStorageMetadata (a non-tensor value)
+    storage: list[StorageEntry]
+    planner_data: Any
+    storage_meta: StorageMetaInfo | None
+    version: str | None
+    extras: dict[str, Any] = field(default_factory=dict)
+    #: Storage entries whose path leaves the directory (reported, not usable).
+    unsafe_paths: list[tuple[str, tuple[int, ...] | None, str]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files.
 
 
 def metadata_files(root: str) -> list[str]:
-    """Names of the metadata files in ``root``: ``.metadata`` if present, else every ``__N.metadata``."""
+    """Every metadata file DCP could read in ``root``: ``.metadata`` first, then each ``__N.metadata``."""
     names = os.listdir(root)
-    if METADATA_FILE in names:
-        return [METADATA_FILE]
-    ranked = [n for n in names if RANK_METADATA_RE.match(n)]
-    return sorted(ranked, key=lambda n: int(RANK_METADATA_RE.match(n).group(1)))  # type: ignore[union-attr]
+    ranked = sorted((n for n in names if RANK_METADATA_RE.match(n)),
+                    key=lambda n: int(RANK_METADATA_RE.match(n).group(1)))  # type: ignore[union-attr]
+    return ([METADATA_FILE] if METADATA_FILE in names else []) + ranked
+
+
+def read_metadata_bytes(path: str) -> bytes:
+    """The bytes of a metadata file: a regular file (not a FIFO, device or socket: refused unopened) whose
+    resolved location is inside its checkpoint directory (the directory holding ``path``), at most
+    :data:`MAX_METADATA_BYTES`. Never blocks. Raises ``OSError`` (:class:`~ckptverify.errors.UnsafeFileError`
+    for what is refused)."""
+    return read_small_file(path, MAX_METADATA_BYTES, root=os.path.dirname(os.path.abspath(path)))
+
+
+def parse_metadata(data: bytes, name: str = METADATA_FILE) -> ParsedMetadata:
+    """Parse and validate one metadata file's bytes.
+
+    Raises :class:`~ckptverify.dcp.safepickle.UnsafeGlobal` (a global outside the allowlist),
+    :class:`~ckptverify.dcp.safepickle.BadPickle` (including the budget) or :class:`BadMetadata`.
+    """
+    tree = sp.parse(data)
+    return _validate_metadata(tree, name)
 
 
 def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
     """Read and validate all metadata of the checkpoint at ``root``.
 
     Returns the merged layout, or ``None`` when no metadata could be trusted, and the findings
-    (``metadata-missing``, ``metadata-unreadable``, ``metadata-unsafe``, ``metadata-inconsistent``).
-    Nothing from the files is executed.
+    (``metadata-missing``, ``metadata-unreadable``, ``metadata-unsafe``, ``metadata-inconsistent``,
+    ``metadata-stray``). Nothing from the files is executed.
     """
+    layout, findings, _ = read_all(root)
+    return layout, findings
+
+
+def read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, ParsedMetadata]]:
+    """:func:`read_layout`, also returning each file that parsed, by name."""
     names = metadata_files(root)
     if not names:
         return None, [
@@ -177,84 +172,134 @@ def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
                 "or its save never committed",
                 location=Location(file=METADATA_FILE),
             )
-        ]
-    layout = Layout(metadata_files=names, per_rank=names != [METADATA_FILE])
+        ], {}
     findings: list[Finding] = []
-    usable = 0
+    parsed: dict[str, ParsedMetadata] = {}
     for name in names:
         match = RANK_METADATA_RE.match(name)
         rank = int(match.group(1)) if match else None
-        ok, file_findings = _read_one(root, name, rank, layout)
-        findings.extend(file_findings)
-        usable += ok
-    if usable == 0:
-        return None, findings
-    return layout, findings
+        result = _read_one(root, name, rank)
+        if isinstance(result, ParsedMetadata):
+            parsed[name] = result
+        else:
+            findings.append(result)
+    ranked = [n for n in names if n != METADATA_FILE]
+    if METADATA_FILE in names:
+        for name in ranked:
+            findings.append(error(
+                "metadata-stray",
+                f"{name} lies beside .metadata: DCP loads it instead whenever .metadata fails to unpickle, so "
+                "it is a second, unchecked way into this checkpoint (a leftover of another save, or planted)",
+                location=Location(file=name),
+            ))
+        used = [METADATA_FILE] if METADATA_FILE in parsed else []
+    else:
+        used = [n for n in ranked if n in parsed]
+    if not used:
+        return None, findings, parsed
+    layout = Layout(metadata_files=names, per_rank=METADATA_FILE not in names)
+    merger = _Merger(layout)
+    for name in used:
+        match = RANK_METADATA_RE.match(name)
+        findings.extend(merger.add(parsed[name], int(match.group(1)) if match else None))
+    return layout, findings, parsed
 
 
-def _read_one(root: str, name: str, rank: int | None, layout: Layout) -> tuple[bool, list[Finding]]:
-    """Merge one metadata file into ``layout``; ``False`` when nothing of it could be used."""
+def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Finding:
     where = Location(file=name, rank=rank)
-    path = os.path.join(root, name)
     try:
-        # A regular file inside the checkpoint, at most MAX_METADATA_BYTES: never a FIFO, device or link out.
-        data = read_small_file(path, MAX_METADATA_BYTES, root=root)
+        data = read_metadata_bytes(os.path.join(root, name))
     except OSError as exc:
-        return False, [error("metadata-unreadable", f"cannot read {name}: {exc}", location=where)]
+        return error("metadata-unreadable", f"cannot read {name}: {exc.strerror or exc}", location=where)
+    except BadMetadata as exc:
+        return error("metadata-unreadable", str(exc), location=where)
     try:
-        md = safe_unpickle(data)
-    except _UnsafeGlobal as exc:
-        return False, [
-            error(
-                "metadata-unsafe",
-                f"{name} asks to load the global {exc.name}, which DCP metadata never contains; "
-                "refused without executing anything (the file may be hostile)",
-                location=where,
-                expected="only DCP metadata classes, torch.Size, torch dtypes, pathlib paths",
-                actual=exc.name,
-            )
-        ]
-    except (_BadMetadata, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
-            AttributeError, RecursionError, MemoryError, OverflowError) as exc:
-        return False, [error("metadata-unreadable", f"{name} is not a readable DCP metadata pickle: "
-                      f"{type(exc).__name__}: {exc}", location=where)]
-    try:
-        return True, _convert(md, name, rank, layout)
-    except (_BadMetadata, RecursionError) as exc:
-        return False, [error("metadata-unreadable", f"{name} does not have the structure DCP writes: {exc}",
-                      location=where)]
+        return parse_metadata(data, name)
+    except sp.UnsafeGlobal as exc:
+        return error(
+            "metadata-unsafe",
+            f"{name} asks to load the global {exc.name}, which DCP metadata never contains; "
+            "refused without executing anything (the file may be hostile)",
+            location=where,
+            expected="only DCP metadata and planner classes, torch.Size, torch dtypes and layouts, pathlib paths",
+            actual=exc.name,
+        )
+    except sp.BudgetExceeded as exc:
+        return error("metadata-unreadable", f"{name} is refused: {exc} (limit: {sp.BUDGET_PER_BYTE} per byte "
+                     f"+ {sp.BUDGET_BASE})", location=where)
+    except (sp.BadPickle, BadMetadata) as exc:
+        return error("metadata-unreadable", f"{name} is not a DCP metadata file torch could load: {exc}",
+                     location=where)
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation of the stand-ins. Everything below treats the values as hostile.
+# Validation of the plain tree. Everything below treats the values as hostile.
 
 
-def _want(obj: Any, kind: str, what: str) -> _Record:
-    if not isinstance(obj, _Record) or obj.kind != kind:
-        raise _BadMetadata(f"{what} is {type(obj).__name__}, expected {kind}")
-    return obj
+def _short(value: Any) -> str:
+    if type(value) in (str, int, bool, float) or value is None:
+        return repr(value)[:120]
+    return type(value).__name__
 
 
-def _int(value: Any, what: str, *, allow_none: bool = False) -> int:
-    if value is None and allow_none:
-        return None  # type: ignore[return-value]
+def _obj(value: Any, kind: str, what: str) -> dict[str, Any]:
+    if not isinstance(value, sp.Obj) or value.kind != kind:
+        raise BadMetadata(f"{what} is {value.kind if isinstance(value, sp.Obj) else _short(value)}, "
+                          f"expected {kind}")
+    return value.fields
+
+
+def _int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0 or value >= 1 << 63:
-        raise _BadMetadata(f"{what} must be an integer in [0, 2^63), got {value!r}"[:200])
+        raise BadMetadata(f"{what} must be an integer in [0, 2^63), got {_short(value)}")
     return value
 
 
+def _opt_int(value: Any, what: str) -> int | None:
+    return None if value is None else _int(value, what)
+
+
+def _bool(value: Any, what: str) -> bool:
+    if type(value) is not bool:
+        raise BadMetadata(f"{what} must be a bool, got {_short(value)}")
+    return value
+
+
+_INT = frozenset({int})
+
+
 def _dims(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, tuple | list) or len(value) > 64:
-        raise _BadMetadata(f"{what} must be a short sequence of integers")
-    return tuple(_int(v, what) for v in value)
+    # DCP stores every shape, offset and size as a torch.Size; anything else is not what it wrote.
+    if type(value) is not sp.Size or len(value) > MAX_DIMS:
+        raise BadMetadata(f"{what} must be a torch.Size of at most {MAX_DIMS} integers")
+    if value and (not set(map(type, value)) <= _INT or min(value) < 0 or max(value) >= 1 << 63):
+        for v in value:
+            _int(v, what)
+    return tuple(value)
 
 
-def _str(value: Any, what: str, limit: int = 1 << 16) -> str:
-    if type(value) is not str and not isinstance(value, _DType):
-        raise _BadMetadata(f"{what} must be a string, got {type(value).__name__}")
+def _str(value: Any, what: str, limit: int = MAX_STRING) -> str:
+    if type(value) is not str:
+        raise BadMetadata(f"{what} must be a string, got {_short(value)}")
     if len(value) > limit or "\x00" in value:
-        raise _BadMetadata(f"{what} is not an acceptable string")
-    return str(value)
+        raise BadMetadata(f"{what} is not an acceptable string")
+    return value
+
+
+def _opt_str(value: Any, what: str, limit: int = MAX_STRING) -> str | None:
+    return None if value is None else _str(value, what, limit)
+
+
+def _seq(value: Any, what: str) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, list | tuple):
+        raise BadMetadata(f"{what} is {_short(value)}, expected a list")
+    return value
+
+
+def _dict(value: Any, what: str) -> tuple[tuple[Any, Any], ...]:
+    if not isinstance(value, sp.PDict):
+        raise BadMetadata(f"{what} is {_short(value)}, expected a dict")
+    return value.items
 
 
 def safe_relative_path(value: Any) -> str | None:
@@ -267,134 +312,272 @@ def safe_relative_path(value: Any) -> str | None:
     return value
 
 
-def _dtype_of(properties: _Record) -> str:
-    state = properties.state
-    if isinstance(state, tuple) and len(state) == 5:
-        dtype = state[0]
-    elif isinstance(state, dict) and "dtype" in state:
-        dtype = state["dtype"]
-    else:
-        raise _BadMetadata("tensor properties without a dtype")
-    if not isinstance(dtype, _DType):
-        raise _BadMetadata(f"tensor dtype is {type(dtype).__name__}, expected a torch dtype")
-    return str(dtype)
+def _properties(value: Any, what: str) -> TensorProps:
+    f = _obj(value, "TensorProperties", what)
+    dtype = f["dtype"]
+    if not isinstance(dtype, sp.DType):
+        raise BadMetadata(f"dtype of {what} is {_short(dtype)}, expected a torch dtype")
+    layout = f["layout"]
+    if not isinstance(layout, sp.Layout):
+        raise BadMetadata(f"layout of {what} is {_short(layout)}, expected a torch layout")
+    mem = f["memory_format"]
+    if not isinstance(mem, sp.Enum) or mem.kind != "_MEM_FORMAT_ENCODING":
+        raise BadMetadata(f"memory format of {what} is not a _MEM_FORMAT_ENCODING")
+    return TensorProps(dtype.name, layout.name, _bool(f["requires_grad"], f"requires_grad of {what}"),
+                       mem.value, _bool(f["pin_memory"], f"pin_memory of {what}"))
 
 
-def _convert(md: Any, name: str, rank: int | None, layout: Layout) -> list[Finding]:
-    findings: list[Finding] = []
-    fields = _want(md, "Metadata", "the top-level object").fields()
-    unknown = set(fields) - set(METADATA_FIELDS)
-    if unknown:
-        raise _BadMetadata(f"Metadata has unexpected fields {sorted(unknown)}")
-    sd_md = fields.get("state_dict_metadata")
-    storage = fields.get("storage_data")
-    if not isinstance(sd_md, dict):
-        raise _BadMetadata("state_dict_metadata is not a dict")
-    if not isinstance(storage, dict):
-        raise _BadMetadata("storage_data is not a dict (was the checkpoint written by FileSystemWriter?)")
-    version = fields.get("version")
-    if version is not None:
-        layout.dcp_version = _str(version, "version", 64)
-    smeta = fields.get("storage_meta")
-    if isinstance(smeta, _Record) and smeta.kind == "StorageMeta":
-        save_id = smeta.fields().get("save_id")
-        if isinstance(save_id, str) and len(save_id) < 256:
-            layout.save_id = save_id
+def _chunk(value: Any, what: str) -> Chunk:
+    f = _obj(value, "ChunkStorageMetadata", what)
+    offsets = _dims(f["offsets"], f"offsets of {what}")
+    sizes = _dims(f["sizes"], f"sizes of {what}")
+    return Chunk(offsets, sizes)
 
-    # State dict entries: tensors (with their chunks) and opaque byte values.
-    for fqn_raw, entry in sd_md.items():
+
+def _index(value: Any, what: str) -> tuple[str, tuple[int, ...] | None, int | None]:
+    f = _obj(value, "MetadataIndex", what)
+    fqn = _str(f["fqn"], f"fqn of {what}")
+    offset = None if f["offset"] is None else _dims(f["offset"], f"offset of {fqn!r}")
+    return fqn, offset, _opt_int(f["index"], f"index hint of {fqn!r}")
+
+
+def _storage_meta(value: Any) -> StorageMetaInfo | None:
+    if value is None:
+        return None
+    f = _obj(value, "StorageMeta", "storage_meta")
+    cid = f["checkpoint_id"]
+    is_path = isinstance(cid, sp.Path)
+    if is_path:
+        cid = cid.value
+    modules = tuple(_str(m, "a storage_meta module") for m in _seq(f["modules"], "storage_meta modules"))
+    return StorageMetaInfo(_opt_str(cid, "storage_meta checkpoint_id"), is_path,
+                           _opt_str(f["save_id"], "storage_meta save_id", 256),
+                           _opt_str(f["load_id"], "storage_meta load_id", 256), modules)
+
+
+def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
+    fields = _obj(tree, "Metadata", "the top-level object")
+    entries: dict[str, TensorEntry | None] = {}
+    for fqn_raw, entry in _dict(fields["state_dict_metadata"], "state_dict_metadata"):
         fqn = _str(fqn_raw, "a state dict key")
-        if isinstance(entry, _Record) and entry.kind == "BytesStorageMetadata":
-            layout.byte_values.add(fqn)
+        if fqn in entries:
+            raise BadMetadata(f"state dict key {fqn!r} appears twice")
+        if isinstance(entry, sp.Obj) and entry.kind == "BytesStorageMetadata":
+            entries[fqn] = None
             continue
-        tsm = _want(entry, "TensorStorageMetadata", f"entry {fqn!r}").fields()
-        props = _want(tsm.get("properties"), "TensorProperties", f"properties of {fqn!r}")
-        dtype = _dtype_of(props)
-        shape = _dims(tsm.get("size"), f"size of {fqn!r}")
-        chunks_raw = tsm.get("chunks")
-        if not isinstance(chunks_raw, list | tuple):
-            raise _BadMetadata(f"chunks of {fqn!r} is not a list")
-        chunks = []
-        for c in chunks_raw:
-            cf = _want(c, "ChunkStorageMetadata", f"a chunk of {fqn!r}").fields()
-            offsets = _dims(cf.get("offsets"), f"chunk offsets of {fqn!r}")
-            sizes = _dims(cf.get("sizes"), f"chunk sizes of {fqn!r}")
-            chunks.append(Chunk(offsets, sizes))
-        previous = layout.tensors.get(fqn)
-        if previous is None:
-            layout.tensors[fqn] = TensorInfo(fqn, dtype, shape, tuple(chunks))
-        elif previous.dtype != dtype or previous.shape != shape:
-            findings.append(error(
-                "metadata-inconsistent",
-                f"{name} describes {fqn!r} as {dtype}{list(shape)} but another metadata file as "
-                f"{previous.dtype}{list(previous.shape)}",
-                location=Location(file=name, fqn=fqn, rank=rank),
-            ))
-        else:
-            merged = previous.chunks + tuple(c for c in chunks if c not in previous.chunks)
-            layout.tensors[fqn] = TensorInfo(fqn, dtype, shape, merged)
+        tsm = _obj(entry, "TensorStorageMetadata", f"entry {fqn!r}")
+        props = _properties(tsm["properties"], f"{fqn!r}")
+        if props.dtype not in DTYPE_ITEMSIZE:
+            raise BadMetadata(f"{fqn!r} has an unknown dtype")
+        shape = _dims(tsm["size"], f"size of {fqn!r}")
+        chunks = tuple(_chunk(c, f"a chunk of {fqn!r}") for c in _seq(tsm["chunks"], f"chunks of {fqn!r}"))
+        entries[fqn] = TensorEntry(props.dtype, shape, chunks, props)
 
-    # Storage entries: where each item lives.
-    for key, info in storage.items():
-        idx = _want(key, "MetadataIndex", "a storage key").fields()
-        fqn = _str(idx.get("fqn"), "a storage key's fqn")
-        offset_raw = idx.get("offset")
-        chunk_offsets = None if offset_raw is None else _dims(offset_raw, f"storage offset of {fqn!r}")
-        sinfo = _want(info, "_StorageInfo", f"storage info of {fqn!r}").fields()
-        where = Location(file=name, fqn=fqn, chunk_offsets=chunk_offsets, rank=rank)
-        rel = safe_relative_path(sinfo.get("relative_path"))
+    storage_raw = fields["storage_data"]
+    if not isinstance(storage_raw, sp.PDict):
+        raise BadMetadata("storage_data is not a dict (was the checkpoint written by FileSystemWriter?)")
+    parsed = ParsedMetadata(name=name, entries=entries, storage=[], planner_data=None, storage_meta=None,
+                            version=None)
+    seen: set[tuple[str, tuple[int, ...] | None]] = set()
+    for key, info in storage_raw.items:
+        fqn, chunk_offsets, hint = _index(key, "a storage key")
+        if (fqn, chunk_offsets) in seen:
+            raise BadMetadata(f"storage entry {fqn!r} at {chunk_offsets} appears twice (DCP would keep one)")
+        seen.add((fqn, chunk_offsets))
+        sinfo = _obj(info, "_StorageInfo", f"storage info of {fqn!r}")
+        raw_path = sinfo["relative_path"]
+        start = _int(sinfo["offset"], f"storage offset of {fqn!r}")
+        length = _int(sinfo["length"], f"storage length of {fqn!r}")
+        transforms_raw = sinfo["transform_descriptors"]
+        transforms = None if transforms_raw is None else tuple(
+            _str(t, "a transform descriptor", 256) for t in _seq(transforms_raw, f"transforms of {fqn!r}"))
+        rel = safe_relative_path(raw_path)
         if rel is None:
+            parsed.unsafe_paths.append((fqn, chunk_offsets, raw_path[:200] if type(raw_path) is str
+                                        else _short(raw_path)))
+            continue
+        parsed.storage.append(StorageEntry(fqn, chunk_offsets, hint, rel, start, length, transforms))
+
+    parsed.planner_data = _inert(fields["planner_data"], "planner_data")
+    parsed.storage_meta = _storage_meta(fields["storage_meta"])
+    parsed.version = _opt_str(fields["version"], "version", 64)
+    for extra in sorted(set(fields) - set(METADATA_FIELDS)):
+        parsed.extras[extra] = _inert(fields[extra], extra)
+    return parsed
+
+
+# Inert data: what planner_data and writer-attached fields may hold.
+
+_SCALARS = (str, int, float, bool, bytes)
+
+
+def _inert(value: Any, what: str) -> Any:
+    """Check that ``value`` is plain data or DCP planner dataclasses of the right shape; return it."""
+    stack = [(value, what)]
+    while stack:
+        v, where = stack.pop()
+        t = type(v)
+        if v is None or t in _SCALARS:
+            if t is str and len(v) > MAX_STRING:
+                raise BadMetadata(f"a string in {where} is too long")
+            continue
+        if t in (sp.Size, sp.DType, sp.Path, sp.Layout):
+            if t is sp.Size:
+                _dims(v, where)
+            continue
+        if t is sp.Enum:
+            if v.kind != "WriteItemType":
+                raise BadMetadata(f"{where} holds a {v.kind}")
+            continue
+        if t in (list, tuple):
+            stack.extend((x, where) for x in v)
+            continue
+        if t is sp.PDict:
+            for k, x in v.items:
+                if not _hashable_key(k):
+                    raise BadMetadata(f"{where} has a dict key of type {type(k).__name__}")
+                stack.append((x, where))
+            continue
+        if t is sp.Obj:
+            stack.extend(_planner_children(v, where))
+            continue
+        raise BadMetadata(f"{where} holds a {t.__name__}")
+    return value
+
+
+def _hashable_key(k: Any) -> bool:
+    if k is None or type(k) in _SCALARS or type(k) in (sp.Size, sp.DType, sp.Path, sp.Enum, sp.Layout):
+        return True
+    return type(k) is tuple and all(_hashable_key(x) for x in k)
+
+
+def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
+    """Validate one planner dataclass in inert data; return the values still to check."""
+    f = v.fields
+    kind = v.kind
+    if kind in ("SavePlan", "MCoreSavePlan"):
+        for item in _seq(f["items"], f"items of a plan in {where}"):
+            if not (isinstance(item, sp.Obj) and item.kind == "WriteItem"):
+                raise BadMetadata(f"a plan in {where} holds {_short(item)} among its write items")
+        _bool(f["usable"], f"usable of a plan in {where}")
+        out = [(f["items"], where), (f["storage_data"], where), (f["planner_data"], where)]
+        if kind == "MCoreSavePlan":
+            out.append((f["mcore_data"], where))
+        return out
+    if kind == "WriteItem":
+        _index(f["index"], f"the index of a write item in {where}")
+        t = f["type"]
+        if not (isinstance(t, sp.Enum) and t.kind == "WriteItemType"):
+            raise BadMetadata(f"a write item in {where} has no WriteItemType")
+        if f["bytes_io_data"] is not None:
+            _int(_obj(f["bytes_io_data"], "BytesIOWriteData", f"bytes data in {where}")["nbytes"], "nbytes")
+        if f["tensor_data"] is not None:
+            td = _obj(f["tensor_data"], "TensorWriteData", f"tensor data in {where}")
+            _chunk(td["chunk"], f"a write item chunk in {where}")
+            _properties(td["properties"], f"a write item in {where}")
+            _dims(td["size"], f"a write item size in {where}")
+        return []
+    if kind == "_StoragePrefix":
+        _str(f["prefix"], f"a storage prefix in {where}")
+        return []
+    if kind == "MetadataIndex":
+        _index(v, where)
+        return []
+    if kind == "ChunkStorageMetadata":
+        _chunk(v, where)
+        return []
+    if kind == "StorageMeta":
+        _storage_meta(v)
+        return []
+    raise BadMetadata(f"{where} holds a {kind}, which belongs elsewhere in DCP metadata")
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging validated files into the layout the checks use: linear in entries and chunks.
+
+
+class _Merger:
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        #: Per tensor: the set of its chunks (dedupe) and chunk offsets -> chunk (storage lookup).
+        self.chunk_sets: dict[str, set[Chunk]] = {}
+        self.by_offsets: dict[str, dict[tuple[int, ...], Chunk]] = {}
+
+    def add(self, parsed: ParsedMetadata, rank: int | None) -> list[Finding]:
+        layout, name = self.layout, parsed.name
+        findings: list[Finding] = []
+        if parsed.version is not None:
+            layout.dcp_version = parsed.version
+        if parsed.storage_meta is not None and parsed.storage_meta.save_id is not None:
+            layout.save_id = parsed.storage_meta.save_id
+        for fqn, entry in parsed.entries.items():
+            if entry is None:
+                layout.byte_values.add(fqn)
+                continue
+            previous = layout.tensors.get(fqn)
+            if previous is None:
+                layout.tensors[fqn] = TensorInfo(fqn, entry.dtype, entry.shape, entry.chunks)
+                self.chunk_sets[fqn] = set(entry.chunks)
+                index: dict[tuple[int, ...], Chunk] = {}
+                for c in entry.chunks:
+                    index.setdefault(c.offsets, c)
+                self.by_offsets[fqn] = index
+            elif previous.dtype != entry.dtype or previous.shape != entry.shape:
+                findings.append(error(
+                    "metadata-inconsistent",
+                    f"{name} describes {fqn!r} as {entry.dtype}{list(entry.shape)} but another metadata file as "
+                    f"{previous.dtype}{list(previous.shape)}",
+                    location=Location(file=name, fqn=fqn, rank=rank),
+                ))
+            else:
+                known = self.chunk_sets[fqn]
+                new = []
+                for c in entry.chunks:
+                    if c not in known:
+                        known.add(c)
+                        new.append(c)
+                        self.by_offsets[fqn].setdefault(c.offsets, c)
+                if new:
+                    layout.tensors[fqn] = TensorInfo(fqn, entry.dtype, entry.shape, previous.chunks + tuple(new))
+
+        for fqn, chunk_offsets, raw in parsed.unsafe_paths:
             findings.append(error(
                 "metadata-unsafe",
-                f"storage path {str(sinfo.get('relative_path'))[:200]!r} of {fqn!r} points outside the "
-                "checkpoint directory; it is not opened",
-                location=where,
-                actual=str(sinfo.get("relative_path"))[:200],
+                f"storage path {raw!r} of {fqn!r} points outside the checkpoint directory; it is not opened",
+                location=Location(file=name, fqn=fqn, chunk_offsets=chunk_offsets, rank=rank),
+                actual=raw,
             ))
-            continue
-        start = _int(sinfo.get("offset"), f"storage offset of {fqn!r}")
-        length = _int(sinfo.get("length"), f"storage length of {fqn!r}")
-        transforms_raw = sinfo.get("transform_descriptors") or ()
-        if not isinstance(transforms_raw, list | tuple):
-            raise _BadMetadata(f"transform descriptors of {fqn!r} are not a list")
-        transforms = tuple(_str(t, "a transform descriptor", 256) for t in transforms_raw)
-        if chunk_offsets is None:
-            kind, chunk, dtype = "bytes", None, None
-            if fqn not in layout.byte_values:
-                findings.append(error(
-                    "metadata-inconsistent",
-                    f"storage entry for {fqn!r} has no tensor offset, but the state dict metadata does not "
-                    "list it as a byte value",
-                    location=where,
-                ))
-        else:
-            kind = "tensor"
-            tinfo = layout.tensors.get(fqn)
-            match = None if tinfo is None else next((c for c in tinfo.chunks if c.offsets == chunk_offsets), None)
-            if match is None:
-                findings.append(error(
-                    "metadata-inconsistent",
-                    f"storage entry for {fqn!r} at offsets {list(chunk_offsets)} matches no chunk in the "
-                    "state dict metadata",
-                    location=where,
-                ))
-                continue
-            chunk, dtype = match, tinfo.dtype  # type: ignore[union-attr]
-        layout.items.append(Item(
-            fqn=fqn, kind=kind, file=rel, offset=start, length=length, chunk=chunk, dtype=dtype,
-            transforms=transforms, source=name, rank=rank,
-        ))
-    return findings
+        for s in parsed.storage:
+            where = Location(file=name, fqn=s.fqn, chunk_offsets=s.chunk_offsets, rank=rank)
+            if s.chunk_offsets is None:
+                kind, chunk, dtype = "bytes", None, None
+                if s.fqn not in layout.byte_values:
+                    findings.append(error(
+                        "metadata-inconsistent",
+                        f"storage entry for {s.fqn!r} has no tensor offset, but the state dict metadata does not "
+                        "list it as a byte value",
+                        location=where,
+                    ))
+            else:
+                kind = "tensor"
+                tinfo = layout.tensors.get(s.fqn)
+                chunk = None if tinfo is None else self.by_offsets[s.fqn].get(s.chunk_offsets)
+                if chunk is None:
+                    findings.append(error(
+                        "metadata-inconsistent",
+                        f"storage entry for {s.fqn!r} at offsets {list(s.chunk_offsets)} matches no chunk in the "
+                        "state dict metadata",
+                        location=where,
+                    ))
+                    continue
+                dtype = tinfo.dtype  # type: ignore[union-attr]
+            layout.items.append(Item(
+                fqn=s.fqn, kind=kind, file=s.relative_path, offset=s.offset, length=s.length, chunk=chunk,
+                dtype=dtype, transforms=s.transforms or (), source=name, rank=rank,
+            ))
+        return findings
 
 
 def field_names_for_tests() -> dict[str, tuple[str, ...]]:
     """The DCP class fields this reader relies on, keyed by ``module.Class`` (used by the tests)."""
-    return {
-        f"{_DCP_MD}.Metadata": METADATA_FIELDS,
-        f"{_DCP_MD}.TensorStorageMetadata": TENSOR_STORAGE_FIELDS,
-        f"{_DCP_MD}.ChunkStorageMetadata": CHUNK_FIELDS,
-        f"{_DCP_MD}.MetadataIndex": INDEX_FIELDS,
-        f"{_DCP_FS}._StorageInfo": STORAGE_INFO_FIELDS,
-        f"{_DCP_MD}.StorageMeta": STORAGE_META_FIELDS,
-    }
-
+    return {f"{k.module}.{k.name}": k.fields for k in sp.KINDS.values() if not k.module.startswith("megatron")}

@@ -19,7 +19,7 @@ import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 Reader = Callable[[int, int], bytes]
 """``read(offset, n)``: up to ``n`` bytes at ``offset`` relative to the item's first byte."""
@@ -301,66 +301,132 @@ class TensorHeader:
 
 
 class _StorageRef:
+    """A storage reference from a persistent id: immutable once made."""
+
+    __slots__ = ("dtype", "key", "numel")
+
     def __init__(self, dtype: str | None, key: str, numel: int) -> None:
-        self.dtype, self.key, self.numel = dtype, key, numel
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "numel", numel)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise pickle.UnpicklingError("data.pkl modifies a storage reference")
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError("data.pkl modifies a storage reference")
 
 
-class _StorageType:
-    def __init__(self, dtype: str | None) -> None:
-        self.dtype = dtype
+class _Frozen:
+    """A global of the tensor allowlist (storage type, dtype, function): refuses ``BUILD``."""
 
+    __slots__ = ("_call", "value")
 
-class _DTypeName(str):
-    pass
+    def __init__(self, value: str | None, call: Any = None) -> None:
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "_call", call)
 
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise pickle.UnpicklingError("data.pkl modifies a global")
 
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorHeader:
-    return _header(storage, offset, size, stride, storage.dtype if isinstance(storage, _StorageRef) else None)
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError("data.pkl modifies a global")
 
-
-def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, req: Any, hooks: Any, dtype: Any,
-                *rest: Any) -> TensorHeader:
-    return _header(storage, offset, size, stride, dtype if isinstance(dtype, _DTypeName) else None)
+    def __call__(self, *args: Any) -> Any:
+        if self._call is None:
+            raise pickle.UnpicklingError("data.pkl calls a global that is not callable")
+        return self._call(*args)
 
 
 def _header(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None) -> TensorHeader:
+    from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+
     if not isinstance(storage, _StorageRef) or dtype is None:
         raise pickle.UnpicklingError("tensor without a storage or dtype")
+    if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64:
+        raise pickle.UnpicklingError("tensor size or stride is not a short tuple")
     ints = (offset, *size, *stride)
     if not all(type(v) is int and 0 <= v < 1 << 63 for v in ints) or len(size) != len(stride):
         raise pickle.UnpicklingError("tensor view fields are not small non-negative integers")
-    return TensorHeader(str(dtype), storage.key, storage.numel, offset, tuple(size), tuple(stride))
-
-
-class _OrderedDictStandIn(dict):
-    pass
+    itemsize = DTYPE_ITEMSIZE.get(str(dtype))
+    if itemsize is None:
+        raise pickle.UnpicklingError(f"unknown dtype {str(dtype)[:40]!r}")
+    numel = storage.numel
+    if storage.dtype is None:
+        # torch.save writes dtypes without a legacy typed storage (uint16/32/64, complex32, float8, ...)
+        # as an UntypedStorage, whose size is counted in bytes.
+        if numel % itemsize:
+            raise pickle.UnpicklingError(f"untyped storage of {numel} bytes does not hold whole {dtype} elements")
+        numel //= itemsize
+    return TensorHeader(str(dtype), storage.key, numel, offset, tuple(size), tuple(stride))
 
 
 def _tensor_globals() -> dict[tuple[str, str], Any]:
+    """The allowlist for ``data.pkl``. Shared by every parse, so every member is immutable: the globals
+    refuse ``BUILD`` and attribute writes, and the OrderedDict stand-in's class is never handed out."""
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 
+    def rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorHeader:
+        return _header(storage, offset, size, stride, storage.dtype if isinstance(storage, _StorageRef) else None)
+
+    def rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, req: Any, hooks: Any, dtype: Any,
+                   *rest: Any) -> TensorHeader:
+        name = dtype.value if type(dtype) is _Frozen and dtype._call is None else None
+        return _header(storage, offset, size, stride, name)
+
+    ordered_dict = type("_OrderedDictStandIn", (dict,), {"__slots__": ()})
     allowed: dict[tuple[str, str], Any] = {
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-        ("collections", "OrderedDict"): _OrderedDictStandIn,
+        ("torch._utils", "_rebuild_tensor_v2"): _Frozen(None, rebuild_v2),
+        ("torch._utils", "_rebuild_tensor_v3"): _Frozen(None, rebuild_v3),
+        ("collections", "OrderedDict"): _Frozen(None, lambda *a: ordered_dict(*a)),
         ("torch.storage", "UntypedStorage"): _StorageType(None),
     }
     for cls, dtype in _LEGACY_STORAGE_DTYPES.items():
         allowed[("torch", cls)] = _StorageType(dtype)
     for dtype in DTYPE_ITEMSIZE:
-        allowed[("torch", dtype)] = _DTypeName(dtype)
+        allowed[("torch", dtype)] = _Frozen(dtype)
     return allowed
 
 
-_TENSOR_GLOBALS = _tensor_globals()
+class _StorageType(_Frozen):
+    """A storage class global; ``value`` is its dtype (``None`` for ``UntypedStorage``)."""
+
+    __slots__ = ()
+
+    @property
+    def dtype(self) -> str | None:
+        return self.value
 
 
-class _TensorHeaderUnpickler(pickle.Unpickler):
+_TENSOR_GLOBALS: dict[tuple[str, str], Any] | None = None
+
+
+class _TensorHeaderUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler (dict memo: no allocation a memo index can inflate), BUILD only onto
+    objects that define ``__setstate__`` (all of which refuse it)."""
+
+    def __init__(self, data: bytes) -> None:
+        global _TENSOR_GLOBALS
+        super().__init__(io.BytesIO(data))
+        if _TENSOR_GLOBALS is None:
+            _TENSOR_GLOBALS = _tensor_globals()
+        self._allowed = _TENSOR_GLOBALS
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        setstate = getattr(self.stack[-1], "__setstate__", None)
+        if setstate is None:
+            raise pickle.UnpicklingError("data.pkl sets the state of a value that has none")
+        setstate(state)
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[pickle.BUILD[0]] = load_build
+
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return _TENSOR_GLOBALS[(module, name)]
+            return self._allowed[(module, name)]
         except KeyError:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor record") from None
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor record"[:300]) from None
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -374,9 +440,11 @@ class _TensorHeaderUnpickler(pickle.Unpickler):
 def tensor_header(data_pkl: bytes) -> TensorHeader:
     """Read a tensor item's ``data.pkl`` safely. Raises ``pickle.UnpicklingError`` on anything else."""
     try:
-        obj = _TensorHeaderUnpickler(io.BytesIO(data_pkl)).load()
-    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, RecursionError) as exc:
-        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}") from None
+        obj = _TensorHeaderUnpickler(data_pkl).load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception as exc:  # hostile bytes: any failure is "not a plain tensor", never a traceback
+        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
     if not isinstance(obj, TensorHeader):
         raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
     return obj

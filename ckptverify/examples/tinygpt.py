@@ -126,8 +126,9 @@ class TinyGPT(nn.Module):
     The head is untied so that every parameter has exactly one FQN in state dicts.
     """
 
-    def __init__(self, config: TinyGPTConfig, *, seed: int = 0) -> None:
+    def __init__(self, config: TinyGPTConfig, *, seed: int = 0, block_cls: type[Block] | None = None) -> None:
         super().__init__()
+        block_cls = block_cls or Block
         self.config = config
         # The layers' default initialisation draws from the global CPU RNG; fork it so that building a model
         # leaves the caller's RNG stream untouched (the weights are overwritten by reset_parameters anyway).
@@ -135,7 +136,7 @@ class TinyGPT(nn.Module):
             self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
             self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
             self.drop = nn.Dropout(config.dropout)
-            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.blocks = nn.ModuleList(block_cls(config) for _ in range(config.n_layers))
             self.ln_f = nn.LayerNorm(config.d_model)
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters(seed)
@@ -224,16 +225,18 @@ def build_training(
     device: str | torch.device = "cpu",
     num_sequences: int = 2048,
     mesh: Any = None,
+    block_cls: type[Block] | None = None,
 ) -> Training:
     """Model, AdamW, warmup+cosine ``LambdaLR`` and the token dataset, all from ``seed``.
 
     The model is initialised from ``seed`` (identically on every rank), moved to ``device`` and, when ``mesh`` is
     given, sharded with :func:`wrap_fsdp2` before the optimizer is built. The dataset is ``TokenDataset``
     (``num_sequences`` sequences of ``config.seq_len`` tokens, same ``seed``). Side effect: the global RNG of
-    every device (used by dropout) is seeded with ``seed + rank``.
+    every device (used by dropout) is seeded with ``seed + rank``. ``block_cls`` replaces the transformer block
+    (a :class:`Block` subclass; the planted-bug workloads use it).
     """
     device = torch.device(device)
-    model = TinyGPT(config, seed=seed).to(device)
+    model = TinyGPT(config, seed=seed, block_cls=block_cls).to(device)
     if mesh is not None:
         wrap_fsdp2(model, mesh)
     torch.manual_seed(seed + rank_world()[0])

@@ -10,7 +10,7 @@ planted bugs each break resumption in one way, with the verdict the harness must
 | ``rng_not_restored`` | re-seeds the global generator after loading, as some frameworks do | ``rng`` |
 | ``data_not_restored`` | the data loader is left out of the TrainState | ``data`` |
 | ``scheduler_not_saved`` | the LR scheduler is left out of the TrainState | ``scheduler`` |
-| ``hidden_counter`` | a module-level counter drives the learning rate | ``hidden-state`` |
+| ``hidden_counter`` | a module-level counter drives the learning rate | ``scheduler`` (names ``lr``) |
 | ``nondeterministic`` | the loss is summed in an order that changes between processes | ``nondeterministic`` |
 
 Run one: ``ckptverify resume-check ckptverify.examples.workloads:correct --steps 8 --resume-at 4``.
@@ -37,7 +37,7 @@ EXPECTED_VERDICTS = {
     "rng_not_restored": "rng",
     "data_not_restored": "data",
     "scheduler_not_saved": "scheduler",
-    "hidden_counter": "hidden-state",
+    "hidden_counter": "scheduler",
     "nondeterministic": "nondeterministic",
 }
 

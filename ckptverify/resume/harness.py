@@ -4,7 +4,8 @@ Each run is a fresh set of processes (``torch.multiprocessing`` spawn, one per r
 CUDA) executing the user's ``train(run)`` under a :class:`~ckptverify.resume.run.RunConfig`:
 
 * **A** runs steps 1..T continuously, saving at K and T, tracing every step;
-* **A2** runs 1..T again (saving at T), to tell nondeterminism from missing state;
+* **A2** runs 1..T again (no saves: only its trace is compared), to tell nondeterminism from missing state;
+  when the machine has a core per rank to spare, A and A2 run at the same time;
 * **B** starts in a new process group from A's checkpoint K, runs K+1..T (saving at T), tracing.
 
 Then, in order: (a) the state restored in B against the state A saved, field by field, before any step;
@@ -81,6 +82,10 @@ def load_target(target: str) -> Callable[[Run], None]:
         path = os.path.abspath(where)
         if not os.path.isfile(path):
             raise UsageError(f"workload file not found: {where}")
+        # As `python train.py` does: the script's folder comes first on sys.path (its sibling modules import).
+        folder = os.path.dirname(path)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         spec = importlib.util.spec_from_file_location(f"_ckptverify_workload_{abs(hash(path))}", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -100,26 +105,49 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, nproc: int, port: int, target: str, config_json: str, backend: str) -> None:
+def _worker(rank: int, nproc: int, port: int, jobs: list[tuple[str, str]], backend: str) -> None:
+    """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn, in this one process."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    os.environ[ENV_VAR] = config_json
-    config = RunConfig.from_json(config_json)
     if nproc > 1:
         if backend == "nccl":
             import torch
 
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=nproc)
+        _tolerate_init(dist)
+    try:
+        for target, config_json in jobs:
+            _run_job(rank, nproc, target, config_json)
+    finally:
+        if nproc > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
+    import torch.distributed as dist
+
+    os.environ[ENV_VAR] = config_json
+    config = RunConfig.from_json(config_json)
+    if config.log_dir:
+        # The workload's prints go to a per-rank log file, so the command's own stdout stays machine-readable.
+        os.makedirs(config.log_dir, exist_ok=True)
+        log = os.open(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"),
+                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
     try:
         run = Run(config)
         try:
             load_target(target)(run)
         finally:
             run.close()
-        if nproc > 1:
+        if nproc > 1 and dist.is_initialized():
             dist.barrier()  # no rank tears down while another is still in a collective
     except BaseException:
         if config.trace_dir:
@@ -127,83 +155,214 @@ def _worker(rank: int, nproc: int, port: int, target: str, config_json: str, bac
             with open(os.path.join(config.trace_dir, f"error-rank{rank}.txt"), "w") as f:
                 f.write(traceback.format_exc())
         raise
-    finally:
-        if nproc > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+
+
+def _tolerate_init(dist: Any) -> None:
+    """Make the workload's own ``init_process_group`` call a no-op while the harness's group exists (a script
+    written for torchrun calls it unconditionally)."""
+    original = dist.init_process_group
+    if getattr(original, "_ckptverify_tolerant", False):
+        return
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            return None
+        return original(*args, **kwargs)
+
+    init_process_group._ckptverify_tolerant = True  # type: ignore[attr-defined]
+    dist.init_process_group = init_process_group
 
 
 def launch(plan: Plan, config: RunConfig) -> None:
     """Run ``plan.target`` under ``config`` in ``plan.nproc`` fresh processes; raise if any rank fails."""
+    launch_jobs(plan.nproc, plan.device, [(plan.target, config)])
+
+
+def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> None:
+    """Run each ``(target, config)`` in turn in one set of ``nproc`` fresh processes; raise if any rank fails.
+
+    Several jobs share the processes' start-up (interpreter, torch import, process group); each job's
+    training function still starts from its own seeds and state. Module-level state of a workload does
+    carry from one job to the next, as it would in any long-lived process."""
     import torch.multiprocessing as mp
 
-    backend = "nccl" if plan.device == "cuda" else "gloo"
-    args = (plan.nproc, _free_port(), plan.target, config.to_json(), backend)
+    backend = "nccl" if device == "cuda" else "gloo"
+    args = (nproc, _free_port(), [(target, config.to_json()) for target, config in jobs], backend)
     try:
-        mp.start_processes(_worker, args=args, nprocs=plan.nproc, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")
     except Exception as exc:
         text = ""
-        if config.trace_dir and os.path.isdir(config.trace_dir):
-            for name in sorted(os.listdir(config.trace_dir)):
-                if name.startswith("error-rank"):
-                    with open(os.path.join(config.trace_dir, name)) as f:
-                        text += f"--- {name} ---\n{f.read()}"
-        raise WorkloadCrashedError(f"the workload crashed in run {config.name}: {type(exc).__name__}",
+        failed = jobs[0][1].name
+        for _, config in jobs:
+            if config.trace_dir and os.path.isdir(config.trace_dir):
+                for name in sorted(os.listdir(config.trace_dir)):
+                    if name.startswith("error-rank"):
+                        failed = config.name
+                        with open(os.path.join(config.trace_dir, name)) as f:
+                            text += f"--- {name} ---\n{f.read()}"
+        raise WorkloadCrashedError(f"the workload crashed in run {failed}: {type(exc).__name__}",
                                    text or str(exc)) from None
 
 
-def resume_check(plan: Plan, *, keep: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> Outcome:
-    """Run the resume-equivalence check of ``plan``; return findings and verdict. Workdir kept if ``keep``."""
-    from ckptverify.resume import verdict as verdicts
+def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
+                 verbose: bool = False, log_dir: str | None = None, report_dir: str | None = None) -> Outcome:
+    """Run the resume-equivalence check of ``plan``; return findings and verdict. Workdir kept if ``keep``.
 
+    ``verbose`` lists every final-state difference (else many are folded into one row; the JSON report
+    carries the full list either way). With ``log_dir``, each rank's stdout and stderr go to
+    ``<log_dir>/<run>-rank<r>.log`` (named in the report's stats) instead of the terminal. With
+    ``report_dir``, an HTML page with figures is written there (:mod:`ckptverify.resume.figures`; needs
+    matplotlib), its path in the report's stats as ``report_page``.
+    """
+    return resume_check_many([plan], keep=keep, progress=progress, verbose=verbose, log_dir=log_dir,
+                             report_dir=report_dir)[0]
+
+
+def resume_check_many(plans: list[Plan], *, keep: str | None = None,
+                      progress: Callable[[str], None] | None = None, verbose: bool = False,
+                      log_dir: str | None = None, report_dir: str | None = None) -> list[Outcome]:
+    """:func:`resume_check` of several plans with one launch per run (A, A2, B) for all of them.
+
+    The plans must agree on ``nproc`` and ``device``. Each plan's runs are its own (own checkpoints, traces,
+    verdict); only process start-up is shared. Plan ``i`` works in ``<workdir>/<i>`` when there are several
+    (and writes its report page, if asked, to ``<report_dir>/<i>``).
+    """
+    if not plans:
+        return []
+    if len({(p.nproc, p.device) for p in plans}) != 1:
+        raise UsageError("plans checked together must have the same nproc and device")
+    if report_dir:
+        from ckptverify.resume.figures import _pyplot
+
+        _pyplot()  # refuse before the runs, not after them, when matplotlib is missing
     say = progress or (lambda _msg: None)
     workdir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-resume-")
     if keep:
         os.makedirs(workdir, exist_ok=True)
-    T, K = plan.steps, plan.resume_at
-    dirs = {name: os.path.join(workdir, name) for name in plan.runs}
-    for d in dirs.values():
-        if os.path.exists(d):
-            shutil.rmtree(d)
-    configs = {
-        "A": RunConfig(name="A", stop_step=T, save_at=(K, T), checkpoint_dir=os.path.join(dirs["A"], "ckpt"),
-                       trace_dir=os.path.join(dirs["A"], "trace"), level=plan.level, workload=plan.target),
-    }
-    if "A2" in plan.runs:
-        configs["A2"] = RunConfig(name="A2", stop_step=T, save_at=(T,), checkpoint_dir=os.path.join(dirs["A2"], "ckpt"),
-                                  trace_dir=os.path.join(dirs["A2"], "trace"), level=plan.level, workload=plan.target)
-    if "B" in plan.runs:
-        configs["B"] = RunConfig(name="B", stop_step=T, save_at=(T,), checkpoint_dir=os.path.join(dirs["B"], "ckpt"),
-                                 resume_from=checkpoint_path(os.path.join(dirs["A"], "ckpt"), K),
-                                 trace_dir=os.path.join(dirs["B"], "trace"), level=plan.level, workload=plan.target)
+    if log_dir:
+        log_dir = os.path.abspath(log_dir)
+    roots = [workdir] if len(plans) == 1 else [os.path.join(workdir, str(i)) for i in range(len(plans))]
+    configs = [_configs(plan, root, log_dir) for plan, root in zip(plans, roots, strict=True)]
     try:
-        for name in ("A", "A2", "B"):
-            if name in configs:
-                what = {"A": f"run A: steps 1..{T} continuously, saving at step {K}",
-                        "A2": f"run A2: steps 1..{T} again (determinism)",
-                        "B": f"run B: resume from A's checkpoint at step {K}, steps {K + 1}..{T}"}[name]
-                say(what)
-                launch(plan, configs[name])
+        nproc, device = plans[0].nproc, plans[0].device
+        jobs = {name: [(plan.target, c[name]) for plan, c in zip(plans, configs, strict=True) if name in c]
+                for name in ("A", "A2", "B")}
+
+        def announce(name: str) -> None:
+            if len(plans) == 1:
+                T, K = plans[0].steps, plans[0].resume_at
+                say({"A": f"run A: steps 1..{T} continuously, saving at step {K}",
+                     "A2": f"run A2: steps 1..{T} again (determinism)",
+                     "B": f"run B: resume from A's checkpoint at step {K}, steps {K + 1}..{T}"}[name])
+            else:
+                say(f"run {name} of {len(jobs[name])} checks")
+
+        if jobs["A2"] and _spare_cores(nproc, device):
+            # A and A2 are independent: side by side they cost one start-up's wall time, not two.
+            announce("A")
+            announce("A2")
+            _launch_side_by_side(nproc, device, jobs["A"], jobs["A2"])
+        else:
+            for name in ("A", "A2"):
+                if jobs[name]:
+                    announce(name)
+                    launch_jobs(nproc, device, jobs[name])
+        if jobs["B"]:
+            announce("B")
+            launch_jobs(nproc, device, jobs["B"])
         say("comparing")
-        findings, analysis = _compare(plan, configs)
-        verdict = verdicts.decide(plan, analysis)
-        findings.append(verdict.finding())
-        report = Report(command="resume-check", target=plan.target, findings=tuple(findings),
-                        stats={"steps": T, "resume_at": K, "nproc": plan.nproc, "level": plan.level,
-                               "runs": list(configs), "workdir": workdir if keep else None,
-                               "verdict": verdict.to_dict()})
-        return Outcome(report=report, verdict=verdict, workdir=workdir, runs=dirs)
+        pages = [None] * len(plans) if not report_dir else (
+            [os.path.abspath(report_dir)] if len(plans) == 1
+            else [os.path.join(os.path.abspath(report_dir), str(i)) for i in range(len(plans))])
+        return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, log_dir=log_dir, report_dir=page)
+                for plan, c, root, page in zip(plans, configs, roots, pages, strict=True)]
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _compare(plan: Plan, configs: dict[str, RunConfig]) -> tuple[list[Finding], dict[str, Any]]:
+def _spare_cores(nproc: int, device: str) -> bool:
+    """Whether two runs of ``nproc`` ranks fit side by side: a core each on CPU (the built-in workloads run
+    one intra-op thread per rank)."""
+    if device != "cpu":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2 * nproc
+
+
+def _launch_side_by_side(nproc: int, device: str, first: list[tuple[str, RunConfig]],
+                         second: list[tuple[str, RunConfig]]) -> None:
+    """Launch two independent sets of jobs at once; raise the first one's error if both fail."""
+    import threading
+
+    errors: dict[int, BaseException] = {}
+
+    def go(i: int, jobs: list[tuple[str, RunConfig]]) -> None:
+        try:
+            launch_jobs(nproc, device, jobs)
+        except BaseException as exc:  # re-raised in the caller's thread below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i, j), daemon=True) for i, j in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        if i in errors:
+            raise errors[i]
+
+
+def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]:
+    T, K = plan.steps, plan.resume_at
+    dirs = {name: os.path.join(root, name) for name in plan.runs}
+    for d in dirs.values():
+        if os.path.exists(d):
+            shutil.rmtree(d)
+    common = dict(stop_step=T, level=plan.level, workload=plan.target, log_dir=log_dir)
+    configs = {"A": RunConfig(name="A", save_at=(K, T), checkpoint_dir=os.path.join(dirs["A"], "ckpt"),
+                              trace_dir=os.path.join(dirs["A"], "trace"), **common)}  # type: ignore[arg-type]
+    if "A2" in plan.runs:
+        configs["A2"] = RunConfig(name="A2", trace_dir=os.path.join(dirs["A2"], "trace"), **common)  # type: ignore[arg-type]
+    if "B" in plan.runs:
+        configs["B"] = RunConfig(name="B", save_at=(T,), checkpoint_dir=os.path.join(dirs["B"], "ckpt"),
+                                 resume_from=checkpoint_path(os.path.join(dirs["A"], "ckpt"), K),
+                                 trace_dir=os.path.join(dirs["B"], "trace"), **common)  # type: ignore[arg-type]
+    return configs
+
+
+def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool, verbose: bool,
+             log_dir: str | None, report_dir: str | None) -> Outcome:
+    from ckptverify.resume import verdict as verdicts
+
+    findings, analysis = _compare(plan, configs, verbose=verbose)
+    verdict = verdicts.decide(plan, analysis)
+    findings.append(verdict.finding())
+    logs = sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) if log_dir and os.path.isdir(log_dir) else None
+    stats = {"steps": plan.steps, "resume_at": plan.resume_at, "nproc": plan.nproc, "level": plan.level,
+             "runs": list(configs), "workdir": root if keep else None, "logs": logs, "verdict": verdict.to_dict()}
+    report = Report(command="resume-check", target=plan.target, findings=tuple(findings), stats=stats)
+    if report_dir:
+        from ckptverify.resume.figures import write_report
+
+        stats["report_page"] = write_report(report_dir, report=report, verdict=verdict,
+                                            trace_dirs={n: c.trace_dir or "" for n, c in configs.items()},
+                                            steps=range(plan.resume_at + 1, plan.steps + 1))
+    return Outcome(report=report, verdict=verdict, workdir=root,
+                   runs={name: os.path.dirname(c.trace_dir or "") for name, c in configs.items()})
+
+
+def _compare(plan: Plan, configs: dict[str, RunConfig], *, verbose: bool = False
+             ) -> tuple[list[Finding], dict[str, Any]]:
     from ckptverify.diff import diff_checkpoints
 
     T, K = plan.steps, plan.resume_at
     findings: list[Finding] = []
-    analysis: dict[str, Any] = {"unsaved_schedulers": _read_notes(configs["A"])}
+    notes_a = _read_notes(configs["A"])
+    analysis: dict[str, Any] = {"unsaved_schedulers": list(notes_a.get(0, {}).get("unsaved_schedulers", [])),
+                                "unregistered": _unregistered(notes_a),
+                                "missing_optimizer": notes_a.get(0, {}).get("missing_optimizer")}
+    findings.extend(_forgotten_findings(analysis))
     # (a) restored state vs saved state
     if "B" in configs:
         restore: list[Finding] = []
@@ -229,21 +388,115 @@ def _compare(plan: Plan, configs: dict[str, RunConfig]) -> tuple[list[Finding], 
         steps = range(K + 1, T + 1)
         ab, analysis["resume"] = _trace_stage("A vs B", a_trace, configs["B"].trace_dir, steps)
         findings.extend(ab)
-        if analysis["resume"] is not None:
-            step = analysis["resume"].step
+        div = analysis["resume"]
+        if div is not None:
+            step = div.step
             analysis["resume_sites"] = _differing_sites(a_trace, configs["B"].trace_dir, range(step, step + 1))
+            restored = _read_notes(configs["B"]).get(div.rank, {}).get("restored", {})
+            analysis["evidence"] = step_evidence(a_trace, configs["B"].trace_dir, div.rank,  # type: ignore[arg-type]
+                                                 step, first_resumed=step == K + 1, restored=restored)
         # (d) final states
         final = diff_checkpoints(checkpoint_path(configs["A"].checkpoint_dir, T),  # type: ignore[arg-type]
                                  checkpoint_path(configs["B"].checkpoint_dir, T))  # type: ignore[arg-type]
-        findings.extend(_tag("final A vs B", [f for f in final.findings if f.severity.value == "error"]))
-        analysis["final"] = [f for f in final.findings if f.severity.value == "error"]
+        errors = [f for f in final.findings if f.severity.value == "error"]
+        findings.extend(_tag("final A vs B", errors if verbose else _fold(errors)))
+        analysis["final"] = errors
     return findings, analysis
+
+
+#: Final-state differences listed one by one in the text report (all of them under ``--verbose`` and in JSON).
+FOLD_ABOVE = 3
+
+
+def _fold(errors: list[Finding]) -> list[Finding]:
+    """Many final-state differences as one row: how many, which come first, and the full list in ``actual``."""
+    if len(errors) <= FOLD_ABOVE:
+        return errors
+    names = [f.location.fqn or f.location.record or f.check for f in errors]
+    shown = ", ".join(str(n) for n in names[:FOLD_ABOVE])
+    return [error("final-state", f"{len(errors)} items of the final checkpoints differ ({shown}, …); the full "
+                  "list is under --verbose and in the JSON report", location=Location(),
+                  actual={"differing": len(errors), "items": [f.to_dict() for f in errors]})]
+
+
+def _unregistered(notes: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+    """Unregistered objects over all ranks, once each (by variable name)."""
+    out: dict[str, dict[str, str]] = {}
+    for rank in sorted(notes):
+        for item in notes[rank].get("unregistered", []) or []:
+            out.setdefault(item["name"], item)
+    return list(out.values())
+
+
+def _forgotten_findings(analysis: dict[str, Any]) -> list[Finding]:
+    from ckptverify.findings import warning
+
+    out = [warning("unregistered-state", f"{u['name']} ({u['type']}: {u['kind']}) is not in the TrainState: a "
+                   "resume does not save or restore it", location=Location(fqn=u["name"]), actual=u)
+           for u in analysis["unregistered"]]
+    if analysis.get("missing_optimizer"):
+        out.append(warning("no-optimizer", analysis["missing_optimizer"]))
+    return out
+
+
+def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed: bool,
+                  restored: dict[str, Any]) -> dict[str, Any]:
+    """What differs at ``step`` on ``rank`` among the causes a step starts from, and which run moved them.
+
+    * ``rng``: random streams that differ when the step starts (``start.rng.<stream>``), each with
+      ``a_moved`` / ``b_moved``: whether that run's stream at the start of the step differs from where the
+      previous step (for B on the first resumed step: the restore) left it;
+    * ``hparams_start``: optimizer hyperparameters that differ when the step starts, with ``b_moved`` /
+      ``a_moved`` as above (on the first resumed step, against the restored value);
+    * ``hparams_step``: hyperparameters that differ as the optimizer step uses them;
+    * ``buffers``: non-persistent buffers (``buffer.<fqn>``) that differ after the step;
+    * ``batch``: whether the batch differs.
+    """
+    from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.store import open_trace
+
+    ta, tb = open_trace(run_stores(a_dir)[rank]), open_trace(run_stores(b_dir)[rank])
+    names = [s.name for s in ta.sites] + [s.name for s in tb.sites if not ta.has_site(s.name)]
+
+    def val(trace: Any, at: int, name: str) -> Any:
+        return trace.value(at, name) if trace.has_site(name) and trace.row_index(at) is not None else None
+
+    differing = [n for n in names if val(ta, step, n) != val(tb, step, n)]
+    out: dict[str, Any] = {"step": step, "rank": rank, "rng": [], "hparams_start": [], "hparams_step": [],
+                           "buffers": [n for n in differing if n.startswith("buffer.")],
+                           "batch": any(n == "batch" or n.startswith("batch.") for n in differing)}
+
+    def moved(trace: Any, name: str, end_name: str, is_b: bool) -> bool | None:
+        now = val(trace, step, name)
+        if is_b and first_resumed:
+            before = restored.get(name)
+        elif first_resumed and not is_b:
+            # A's value at the end of the previous step is what it saved; B restored exactly that.
+            before = restored.get(name) if name in restored else val(trace, step - 1, end_name)
+        else:
+            before = val(trace, step - 1, end_name)
+        if before is None or now is None:
+            return None
+        return bool(now != before)
+
+    for n in differing:
+        if n.startswith("start.rng."):
+            out["rng"].append({"stream": n[len("start."):], "a": val(ta, step, n), "b": val(tb, step, n),
+                               "a_moved": moved(ta, n, n[len("start."):], False),
+                               "b_moved": moved(tb, n, n[len("start."):], True)})
+        elif n.startswith("start.hparam."):
+            out["hparams_start"].append({"field": n[len("start.hparam."):], "a": val(ta, step, n),
+                                         "b": val(tb, step, n), "a_moved": moved(ta, n, "", False),
+                                         "b_moved": moved(tb, n, "", True)})
+        elif n.startswith("hparam."):
+            out["hparams_step"].append({"field": n[len("hparam."):], "a": val(ta, step, n), "b": val(tb, step, n)})
+    return out
 
 
 def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) -> tuple[list[Finding], Any]:
     """Compare two runs' traces. Random streams that differ while no value computed from them does (an
-    unseeded, unused generator) are a warning, not a divergence."""
-    from ckptverify.findings import warning
+    unseeded, unused generator) are an info line, not a divergence."""
+    from ckptverify.findings import info
     from ckptverify.trace.compare import compare_runs, first_divergence
 
     found = compare_runs(a, b, steps=steps)  # type: ignore[arg-type]
@@ -251,11 +504,10 @@ def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) 
         return _tag(stage, found), None
     first = first_divergence(a, b, steps=steps)  # type: ignore[arg-type]
     differing = _differing_sites(a, b, steps)  # type: ignore[arg-type]
-    if differing and all(name.startswith("rng.") for name in differing):
-        names = ", ".join(sorted(differing))
-        return [warning("trace-rng-unused", f"[{stage}] random stream(s) {names} differ between the runs, but no "
-                        "traced value computed in these steps depends on them (an unseeded generator the job "
-                        "does not draw from?)")], None
+    if differing and all(name.startswith(("rng.", "start.rng.")) for name in differing):
+        names = ", ".join(sorted({n.removeprefix("start.") for n in differing}))
+        return [info("trace-rng-unused", f"[{stage}] unused random stream(s) differ: {names} (no traced value "
+                     "depends on them: an unseeded generator the job does not draw from)")], None
     return _tag(stage, found), first
 
 
@@ -278,12 +530,17 @@ def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:
     return out
 
 
-def _read_notes(config: RunConfig) -> list[str]:
-    path = os.path.join(config.trace_dir or "", "notes-rank0.json")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return list(json.load(f).get("unsaved_schedulers", []))
+def _read_notes(config: RunConfig) -> dict[int, dict[str, Any]]:
+    """Each rank's notes (``notes-rank<r>.json``: what ``run.restore`` found), by rank."""
+    out: dict[int, dict[str, Any]] = {}
+    d = config.trace_dir or ""
+    if not os.path.isdir(d):
+        return out
+    for name in os.listdir(d):
+        if name.startswith("notes-rank") and name.endswith(".json") and name[10:-5].isdigit():
+            with open(os.path.join(d, name)) as f:
+                out[int(name[10:-5])] = json.load(f)
+    return out
 
 
 def _tag(stage: str, findings: list[Finding]) -> list[Finding]:

@@ -45,10 +45,15 @@ class RunConfig:
     trace_dir: str | None = None
     level: str = "state"
     workload: str = ""
+    log_dir: str | None = None
+    #: Record every ``trace_every``-th step (those with ``step % trace_every == 0``); 1 records every step.
+    trace_every: int = 1
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise UsageError(f"trace level must be one of {', '.join(LEVELS)}, got {self.level!r}")
+        if self.trace_every < 1:
+            raise UsageError(f"trace_every must be at least 1, got {self.trace_every}")
         if self.save_at and not self.checkpoint_dir:
             raise UsageError("save_at needs checkpoint_dir")
 
@@ -83,6 +88,8 @@ class Run:
         self.state: Any = None
         self._p = _Progress()
         self._recorder: Any = None
+        self._production: Any = None
+        self._owns_group = False
         self._rank, self._world = rank_world(env_fallback=True)
 
     @classmethod
@@ -94,13 +101,50 @@ class Run:
         return cls(RunConfig(stop_step=steps))
 
     @classmethod
-    def main(cls, train: Callable[[Run], None], *, steps: int | None = None) -> None:
-        """Run ``train`` once, as the harness (if it launched this process) or plainly for ``steps`` steps."""
-        run = cls.from_env(steps=steps)
+    def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
+             save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
+             on_mismatch: str = "warn", fault: str | None = None) -> None:
+        """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with
+        ``run_dir``: see :mod:`ckptverify.resume.production`), or plainly for ``steps`` steps.
+
+        Production mode: ``steps`` total steps; the full state saved every ``save_every`` steps to
+        ``run_dir/step_N``; a trace at level ``trace`` every ``trace_every`` steps; replicas compared on more
+        than one rank (``on_mismatch``: ``"warn"`` or ``"raise"``); ``fault``: a
+        :class:`~ckptverify.hardware.inject.BitFlip` as JSON, for fire drills. Started by ``python`` or
+        ``torchrun``: the process group is created from torchrun's environment when none exists.
+        """
+        if os.environ.get(ENV_VAR) or run_dir is None:
+            run = cls.from_env(steps=steps)
+        else:
+            from ckptverify.resume.production import ProductionOptions, target_of
+
+            if steps is None:
+                raise UsageError("production mode needs steps=")
+            options = ProductionOptions(run_dir=os.path.abspath(run_dir), steps=steps, save_every=save_every,
+                                        trace=trace, trace_every=trace_every, on_mismatch=on_mismatch, fault=fault)
+            run = cls._for_production(options, target_of(train))
         try:
             train(run)
         finally:
             run.close()
+
+    @classmethod
+    def _for_production(cls, options: Any, target: str) -> Run:
+        from ckptverify.resume.production import Production, segment_dir
+
+        owns = _init_group_from_env()
+        rank, world = rank_world(env_fallback=True)
+        resume_from, start = _resume_point(options.run_dir, world)
+        every = options.save_every
+        config = RunConfig(
+            name="production", stop_step=options.steps, checkpoint_dir=options.run_dir, resume_from=resume_from,
+            save_at=tuple(range(start + every, options.steps + 1, every)) if every else (),
+            trace_dir=segment_dir(options.run_dir, start), level=options.trace, workload=target,
+            trace_every=options.trace_every)
+        run = cls(config)
+        run._owns_group = owns
+        run._production = Production(options, rank=rank, world=world, target=target, start=start)
+        return run
 
     # ------------------------------------------------------------------ the protocol
 
@@ -118,12 +162,26 @@ class Run:
         return self._world
 
     def restore(self, state: Any) -> None:
-        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint."""
+        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint.
+
+        Under the harness it also notes what the calling function holds outside ``state`` (stateful local
+        variables, see :mod:`ckptverify.resume.unregistered`) and, when resuming, the random streams and
+        hyperparameters as restored (to tell later which run moved them)."""
         from ckptverify.state.train_state import TrainState
 
         if not isinstance(state, TrainState):
             raise UsageError(f"run.restore() takes a TrainState, got {type(state).__name__}")
         self.state = state
+        notes: dict[str, Any] = {"unsaved_schedulers": unsaved_schedulers(state)}
+        if self.config.trace_dir:
+            import sys
+
+            from ckptverify.resume.unregistered import find_unregistered, missing_optimizer
+
+            caller = sys._getframe(1)
+            notes["unregistered"] = [u.to_dict() for u in find_unregistered(caller.f_locals, state)]
+            del caller
+            notes["missing_optimizer"] = missing_optimizer(state)
         if self.config.resume_from:
             from ckptverify.restore import load
 
@@ -131,8 +189,13 @@ class Run:
             self._p.restored_from = self.config.resume_from
             self._p.restore_report = report
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
+            notes["restored"] = _start_values(state)
         self._p.step = state.counters.step
-        self._write_json(f"notes-rank{self._rank}.json", {"unsaved_schedulers": unsaved_schedulers(state)})
+        self._write_json(f"notes-rank{self._rank}.json", notes)
+        if self._production is not None:
+            # Before the trace attaches its hooks: a planted fault must precede the trace's view of the step,
+            # as a real one in the computation would.
+            self._production.began(state, self._p.restored_from)
         self._open_trace()
 
     def steps(self, loader: Iterable[Any] | None = None) -> Iterator[Any]:
@@ -165,6 +228,12 @@ class Run:
             if item is _END:
                 return
             self._pending = True
+            if self._recorder is not None:
+                if self._traced(self._p.step + 1):
+                    # Before the step draws anything: a random stream that differs here is a cause.
+                    self._recorder.record_step_start(self.state)
+                else:
+                    self._recorder._paused += 1  # hooks gather nothing during a step that is not recorded
             yield item
 
     def record(self, *, loss: Any = None, batch: Any = None, **metrics: Any) -> None:
@@ -178,12 +247,22 @@ class Run:
         values = dict(metrics)
         if loss is not None:
             values["loss"] = loss
+        traced = self._traced(self._p.step)
         if self._recorder is not None:
-            self._recorder.record_step(self._p.step, metrics=values, batch=batch,
-                                       state=self.state if self.config.level != "metrics" else None)
+            if traced:
+                self._recorder.record_step(self._p.step, metrics=values, batch=batch,
+                                           state=self.state if self.config.level != "metrics" else None)
+            else:
+                self._recorder._paused -= 1
+                self._recorder.skip_step()
         self._p.records += 1
+        if self._production is not None:
+            self._production.stepped(self._p.step, traced=traced)
         if self._p.step in self.config.save_at:
             self._save()
+
+    def _traced(self, step: int) -> bool:
+        return step % self.config.trace_every == 0
 
     def close(self) -> None:
         if self._recorder is not None:
@@ -192,6 +271,16 @@ class Run:
         if self.config.trace_dir and self._rank == 0:
             self._write_json("run.json", {"name": self.config.name, "steps": self._p.step,
                                           "saved": self._p.saved, "world_size": self._world})
+        if self._production is not None:
+            self._production.close(self._p.step)
+            self._production = None
+        if self._owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()  # no rank tears down while another is still in a collective
+                dist.destroy_process_group()
+            self._owns_group = False
 
     # ------------------------------------------------------------------ internals
 
@@ -201,11 +290,20 @@ class Run:
         if self.state is None:
             raise UsageError("the harness asked for a checkpoint but run.restore(state) was never called")
         assert self.config.checkpoint_dir is not None
+        if self._world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise UsageError(f"the harness runs {self._world} ranks, but the process group was destroyed before "
+                                 f"the checkpoint of step {self._p.step}: leave destroy_process_group() to the "
+                                 "harness (or call it only after the last run.record)")
         path = checkpoint_path(self.config.checkpoint_dir, self._p.step)
         if self._recorder is not None:
             self._recorder.flush()
         save(self.state, path)
         self._p.saved.append(path)
+        if self._production is not None:
+            self._production.saved(self._p.step, path)
 
     def _open_trace(self) -> None:
         if not self.config.trace_dir or self._recorder is not None:
@@ -262,6 +360,70 @@ def _epochs(loader: Iterable[Any], state: Any) -> Iterator[Any]:
 
 
 _ITER_READY = object()
+
+
+def _start_values(state: Any) -> dict[str, Any]:
+    """The step-start sites (see ``TraceRecorder.record_step_start``) as ``state`` holds them now, decoded
+    as a trace reads them: what a resumed run restored, before any step."""
+    from ckptverify.state.digest import state_digest
+    from ckptverify.state.rng import capture_rng
+    from ckptverify.trace.recorder import hparam_cells
+    from ckptverify.trace.store import decode
+
+    out: dict[str, Any] = {f"start.rng.{kind}": state_digest(value)
+                           for kind, value in capture_rng(state.rng.generators).items()}
+    for cell in hparam_cells("start.hparam.", state.optimizers):
+        out[cell.site] = decode(cell.lanes, cell.encoding)
+    return out
+
+
+def _init_group_from_env() -> bool:
+    """Create the default process group from torchrun's environment (``WORLD_SIZE`` > 1) when none exists;
+    ``True`` when this call created it (and the run must destroy it)."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or dist.is_initialized():
+        return False
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return True
+
+
+def _resume_point(run_dir: str, world: int) -> tuple[str | None, int]:
+    """The newest checkpoint of ``run_dir`` that verifies, and its step (``(None, 0)`` for a fresh start).
+    Decided on rank 0 and broadcast, so every rank resumes from the same one."""
+    box: list[Any] = [None]
+    import torch.distributed as dist
+
+    coordinator = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if coordinator and os.path.isdir(run_dir):
+        from ckptverify.runs.latest import latest_verified
+
+        found = latest_verified(run_dir)
+        if found.path is not None and found.step is not None:
+            box[0] = (found.path, found.step)
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return (box[0][0], box[0][1]) if box[0] else (None, 0)
+
+
+def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` for a training function that may run under the harness.
+
+    The harness owns the process group when it runs several ranks (it creates it before ``train(run)`` and
+    destroys it after) and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    even on one rank. This creates the group only when none exists, so the same script runs plainly, under
+    ``torchrun`` and under the harness.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend, **kwargs)
 
 
 def unsaved_schedulers(state: Any) -> list[str]:

@@ -1,18 +1,30 @@
 """From comparisons to a verdict in plain words.
 
 The harness compares (a) the state B restored with the state A saved, (b) A with A2, (c) A with B after the
-resume, (d) the final states. The verdict takes the first conclusive comparison in that order:
+resume, (d) the final states. The verdict takes the first conclusive comparison in that order. Within (c),
+the causes a step starts from come before what they change (a batch drawn from a moved random stream is a
+consequence, not the cause):
 
-| kind | when |
-|---|---|
-| ``restore-mismatch`` | (a) some restored field differs from the saved one: the loader dropped or changed state |
-| ``nondeterministic`` | (b) two continuous runs differ: saving more state cannot make a resume exact |
-| ``data`` | (c) first divergence is the batch: the data position was not restored (hidden data state) |
-| ``rng`` | (c) first divergence is a random stream: an RNG was not restored |
-| ``scheduler`` | (c) the learning rate parts while an LR scheduler drives an optimizer but is not saved |
-| ``hidden-state`` | (c) the first divergence is in a value no saved field explains (e.g. a global counter) |
-| ``diverged`` | (c)/(d) the runs part in a category not covered above |
-| ``pass`` | none of the above: B equals A bitwise for steps K+1..T, A equals A2, final states equal |
+* ``restore-mismatch`` — (a) a restored field differs from the saved one: the loader dropped or changed state;
+* ``nondeterministic`` — (b) two continuous runs differ: saving more state cannot make a resume exact;
+* ``rng`` — (c) a random stream differs when the step starts: re-seeded or drawn after the restore in B, or
+  drawn in A after the save point;
+* ``changed-after-restore`` — (c) a hyperparameter restored exactly differs when the first resumed step
+  starts: code after ``run.restore`` set it;
+* ``changed-after-save`` — (c) A changed a hyperparameter after its save point, before the next step;
+* ``scheduler`` — (c) the learning rate (or another hyperparameter) the optimizer step used differs: an
+  unsaved LR scheduler, or a step counter that restarted;
+* ``data`` — (c) the batch differs while the random streams and hyperparameters do not: the data position
+  was not restored;
+* ``hidden-state`` — (c) a value no saved field explains differs: a non-persistent buffer, a global
+  counter, a cache;
+* ``unregistered-state`` — (c) as ``hidden-state``, and the training function holds a stateful object (or
+  no optimizer) that the TrainState does not;
+* ``diverged`` — (c)/(d) the runs part in a category not covered above;
+* ``pass`` — none of the above: B equals A bitwise for steps K+1..T, A equals A2, final states equal.
+
+Every verdict carries one sentence of cause (``message``) and one of what to do (``advice``); the command
+prints :meth:`Verdict.headline` as its last line.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ class Verdict:
     site: str | None = None
     category: str | None = None
     origin: str | None = None
+    advice: str = ""
 
     @property
     def passed(self) -> bool:
@@ -40,11 +53,20 @@ class Verdict:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def headline(self) -> str:
+        """One line: kind, step, rank, category, site, the cause and what to do."""
+        where = [f"step {self.step}" if self.step is not None else None,
+                 f"rank {self.rank}" if self.rank is not None else None,
+                 self.category, self.site]
+        head = " · ".join(w for w in where if w)
+        text = f"verdict: {self.kind}" + (f" ({head})" if head else "") + f" — {self.message}"
+        return text + (f" What to do: {self.advice}" if self.advice else "")
+
     def finding(self) -> Finding:
         return Finding(
             check="resume-verdict",
             severity=Severity.INFO if self.passed else Severity.ERROR,
-            message=self.message,
+            message=self.message + (f" What to do: {self.advice}" if self.advice else ""),
             location=Location(rank=self.rank, fqn=self.site),
             actual=self.to_dict(),
         )
@@ -63,58 +85,194 @@ def _where(div: Any) -> str:
         parts.append(f"first at {site}")
     origin = _get(div, "origin")
     if origin:
-        parts.append(f"originating in module {origin}")
+        fed = _get(div, "origin_fed")
+        parts.append(f"originating in module {origin}" + (
+            f" (its own forward changed the input of {fed})" if fed else ""))
     return ", ".join(parts)
+
+
+def _forgotten(analysis: dict[str, Any]) -> str:
+    items = analysis.get("unregistered") or []
+    parts = [f"{u['name']} ({u['type']})" for u in items]
+    text = ""
+    if analysis.get("missing_optimizer"):
+        text += " No optimizer is registered in the TrainState."
+    if parts:
+        text += f" Not in the TrainState: {', '.join(parts)}."
+    return text
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str) and len(value) > 12:
+        return value[:12] + "…"
+    return repr(value)
 
 
 def decide(plan: Any, analysis: dict[str, Any]) -> Verdict:
     """The verdict for the harness's ``analysis`` (see the module docstring for the order of rules)."""
     restore: list[Finding] = analysis.get("restore") or []
+    forgotten = _forgotten(analysis)
     if restore:
         f = restore[0]
         return Verdict("restore-mismatch", f"resume drops state: restored {f.location.fqn or 'state'} differs from "
-                       f"what was saved (rank {f.location.rank}); {len(restore)} field(s) in all",
-                       rank=f.location.rank, site=f.location.fqn, category="restore")
+                       f"what was saved (rank {f.location.rank}); {len(restore)} field(s) in all.{forgotten}",
+                       rank=f.location.rank, site=f.location.fqn, category="restore",
+                       advice="make the object's load_state_dict restore exactly what its state_dict saved.")
     nd = analysis.get("nondeterminism")
     if nd is not None:
-        return Verdict("nondeterministic", f"nondeterministic: two continuous runs differ at {_where(nd)}; a resume "
-                       "cannot be exact until the computation is deterministic",
+        return Verdict("nondeterministic", f"two continuous runs (A and A2) differ at {_where(nd)}: the "
+                       "computation is not deterministic, so no resume can be exact.",
                        step=_get(nd, "step"), rank=_get(nd, "rank"), site=_get(nd, "site"),
-                       category=_get(nd, "category"), origin=_get(nd, "origin"))
+                       category=_get(nd, "category"), origin=_get(nd, "origin"),
+                       advice="fix the thread count, seeds and nondeterministic kernels "
+                       "(torch.use_deterministic_algorithms) until A and A2 agree.")
     div = analysis.get("resume")
     if div is not None:
-        category = _get(div, "category")
-        site = _get(div, "site") or ""
-        common = dict(step=_get(div, "step"), rank=_get(div, "rank"), site=site, category=category,
-                      origin=_get(div, "origin"))
-        first_resumed = _get(div, "step") == plan.resume_at + 1
-        when = "the first resumed step" if first_resumed else f"step {_get(div, 'step')}"
-        # Every site that differs at that step, not only the first: causes (batch, random streams, learning
-        # rate) are recorded after the values they changed within a step's row.
-        sites = set(analysis.get("resume_sites") or ()) | {site}
-        if category == "data" or any(s.startswith("batch") for s in sites):
-            return Verdict("data", f"hidden state: the batch of {when} differs ({_where(div)}): the data loader's "
-                           "position was not saved or not restored", **common)
-        rngs = sorted(s for s in sites if s.startswith("rng."))
-        if category == "rng" or rngs:
-            return Verdict("rng", f"resume drops state: random stream {', '.join(rngs) or site} differs at {when} "
-                           f"({_where(div)}): an RNG was not restored, or was re-seeded after loading", **common)
-        unsaved = analysis.get("unsaved_schedulers") or []
-        lr_moved = any(s.startswith(("optim.param_groups", "metric.lr")) for s in sites)
-        if category == "scheduler" or any(s.startswith("scheduler") for s in sites) or (unsaved and lr_moved):
-            return Verdict("scheduler", f"resume drops state: the learning rate differs at {when} ({_where(div)}); "
-                           f"an LR scheduler drives {', '.join(unsaved) or 'the optimizer'} but is not saved in the "
-                           "TrainState", **common)
-        if category in ("metric", "parameters", "gradients", "optimizer", "module"):
-            return Verdict("hidden-state", f"hidden state: the runs part at {when} ({_where(div)}) although every "
-                           "saved field was restored exactly: state outside the TrainState (a global counter, a "
-                           "cache, an unregistered generator) drives the computation", **common)
-        return Verdict("diverged", f"resumed run diverges at {_where(div)}", **common)
+        return _resume_verdict(plan, analysis, div, forgotten)
     final = analysis.get("final") or []
     if final:
         f = final[0]
-        return Verdict("diverged", f"final states differ: {f.message}", site=f.location.fqn)
+        return Verdict("diverged", f"the traced steps agree, but the final checkpoints differ ({len(final)} "
+                       f"item(s), first {f.location.fqn or f.message}).{forgotten}", site=f.location.fqn,
+                       category="final", advice="trace at a higher --level to see the step where they part.")
     runs = "B equals A" if "B" in plan.runs else "A ran"
-    return Verdict("pass", f"resume-equivalent: {runs} bitwise for steps {plan.resume_at + 1}..{plan.steps}"
-                   + (", and two continuous runs agree" if "A2" in plan.runs else "")
-                   + f" ({plan.nproc} rank(s), level {plan.level})")
+    message = (f"resume-equivalent: {runs} bitwise for steps {plan.resume_at + 1}..{plan.steps}"
+               + (", and two continuous runs agree" if "A2" in plan.runs else "")
+               + f" ({plan.nproc} rank(s), level {plan.level}).")
+    if forgotten:
+        return Verdict("pass", message + " But a real resume would lose state that no traced value shows:"
+                       + forgotten, advice="register those objects in the TrainState (extras= for your own).")
+    return Verdict("pass", message)
+
+
+def _resume_verdict(plan: Any, analysis: dict[str, Any], div: Any, forgotten: str) -> Verdict:
+    category = _get(div, "category")
+    site = _get(div, "site") or ""
+    step = _get(div, "step")
+    common = dict(step=step, rank=_get(div, "rank"), site=site, category=category, origin=_get(div, "origin"))
+    first_resumed = step == plan.resume_at + 1
+    when = "the first resumed step" if first_resumed else f"step {step}"
+    sites = set(analysis.get("resume_sites") or ()) | {site}
+    ev = analysis.get("evidence") or {}
+    K = plan.resume_at
+
+    # 1. Random streams at the start of the step: the cause of whatever they feed.
+    rngs = ev.get("rng") or []
+    if rngs:
+        names = ", ".join(r["stream"] for r in rngs)
+        b_moved = [r["stream"] for r in rngs if r.get("b_moved")]
+        a_moved = [r["stream"] for r in rngs if r.get("a_moved")]
+        if b_moved and first_resumed:
+            cause = (f"B re-seeded or drew from {', '.join(b_moved)} after run.restore() and before step {step} "
+                     "(e.g. torch.manual_seed after the restore)")
+            advice = "seed before run.restore(state), never after it; draw nothing between restore and the loop."
+        elif a_moved and first_resumed:
+            cause = (f"A drew from {', '.join(a_moved)} after its save point (between run.record() of step {K}, "
+                     f"which saved, and step {step}: e.g. an evaluation placed after the end-of-step save)")
+            advice = ("do that work inside the step, before run.record(), or draw it from its own generator "
+                      "registered in TrainState(generators=...).")
+        elif b_moved or a_moved:
+            side = "B" if b_moved else "A"
+            cause = f"run {side} drew from {', '.join(b_moved or a_moved)} between steps {step - 1} and {step}"
+            advice = "draw random numbers only inside the steps, the same way in every run."
+        else:
+            cause = "the stream was not restored"
+            advice = "register every generator the job draws from in the TrainState."
+        rng_site = rngs[0]["stream"]
+        later = "" if site.startswith("start.") else f" What differs after it (first {site}) is a consequence."
+        return Verdict("rng", f"random stream {names} differs when {when} begins (step {step}, rank "
+                       f"{common['rank']}): {cause}; the batch and values computed from it differ as a "
+                       f"consequence.{later}"
+                       + forgotten, advice=advice, **{**common, "site": rng_site, "category": "rng"})
+
+    # 2. Hyperparameters at the start of the step.
+    hstart = ev.get("hparams_start") or []
+    if hstart:
+        h = hstart[0]
+        fields = ", ".join(x["field"] for x in hstart)
+        name = f"param_groups[{h['field'].split('.')[0]}].{'.'.join(h['field'].split('.')[1:])}"
+        if first_resumed and h.get("b_moved"):
+            return Verdict("changed-after-restore", f"{name} was restored exactly from the checkpoint, then "
+                           f"changed after run.restore(): step {step} starts with {_show(h['b'])} in B and "
+                           f"{_show(h['a'])} in A (fields: {fields}).{forgotten}",
+                           advice="do not re-apply configuration values to restored objects after "
+                           "run.restore(state); apply them only on a fresh start (run.step == 0).",
+                           **{**common, "site": f"optim.{name}", "category": "hyperparameters"})
+        if first_resumed and h.get("a_moved"):
+            return Verdict("changed-after-save", f"A changed {name} after its save point (between run.record() "
+                           f"of step {K} and step {step}): the checkpoint holds {_show(h['b'])}, A's step {step} "
+                           f"uses {_show(h['a'])} (fields: {fields}).{forgotten}",
+                           advice="change hyperparameters (scheduler.step()) inside the step, before run.record().",
+                           **{**common, "site": f"optim.{name}", "category": "hyperparameters"})
+        return Verdict("scheduler", f"{name} differs when {when} begins ({_show(h['a'])} in A, {_show(h['b'])} in "
+                       f"B).{forgotten}", advice="register the LR scheduler in the TrainState and derive "
+                       "schedules from run.step.", **{**common, "site": f"optim.{name}",
+                                                       "category": "hyperparameters"})
+
+    # 3. Hyperparameters as the optimizer step used them (set during the step, e.g. from a counter).
+    unsaved = analysis.get("unsaved_schedulers") or []
+    hstep = ev.get("hparams_step") or []
+    lr_moved = any(s.startswith(("optim.param_groups", "metric.lr")) for s in sites)
+    if hstep or category == "scheduler" or any(s.startswith("scheduler") for s in sites) or (unsaved and lr_moved):
+        if hstep:
+            h = next((x for x in hstep if x["field"].endswith(".lr") or x["field"] == "lr"), hstep[0])
+            g, _, key = h["field"].partition(".")
+            what = (f"the {key} the optimizer used at step {step} differs (param group {g}: {_show(h['a'])} in A, "
+                    f"{_show(h['b'])} in B) although the step started from equal state")
+            lr_site = f"optim.param_groups[{g}].{key}"
+        else:
+            what = f"the learning rate differs at {when} ({_where(div)})"
+            lr_site = site
+        if unsaved:
+            cause = f"an LR scheduler drives {', '.join(unsaved)} but is not saved in the TrainState"
+            advice = "register it: TrainState(scheduler=...)."
+        else:
+            cause = ("the code that sets it during the step reads a step counter or schedule that was not "
+                     "restored (a counter that restarts at 0 on resume)")
+            advice = "compute it from run.step (restored with the checkpoint), or register the scheduler."
+        return Verdict("scheduler", f"{what}: {cause}. A batch or value that differs in the same step is a "
+                       f"consequence.{forgotten}", advice=advice,
+                       **{**common, "site": lr_site, "category": "scheduler"})
+
+    # 4. The batch.
+    if ev.get("batch") or category == "data" or any(s.startswith("batch") for s in sites):
+        return Verdict("data", f"the batch of step {step} differs ({_where(div)}) while the random streams and "
+                       f"hyperparameters it started from are equal: the data loader's position was not saved or "
+                       f"not restored.{forgotten}", advice="register the loader: TrainState(dataloader=...), and "
+                       "keep the batch fetch inside the step (a batch prefetched before the save is lost).",
+                       **common)
+    # 5. Non-persistent buffers: state a checkpoint never holds.
+    buffers = ev.get("buffers") or []
+    if buffers:
+        name = buffers[0][len("buffer."):]
+        return Verdict("hidden-state", f"buffer {name} differs at {when} (rank {common['rank']}); it is registered "
+                       "with persistent=False, so no checkpoint holds it and a resumed run starts it afresh."
+                       + forgotten, advice=f"register {name} as a persistent buffer, or recompute it from "
+                       "saved state.", **{**common, "site": buffers[0], "category": "buffers"})
+    if category in ("metric", "parameters", "gradients", "optimizer", "module", "buffers"):
+        if analysis.get("missing_optimizer") or analysis.get("unregistered"):
+            items = analysis.get("unregistered") or []
+            optim = next((u for u in items if u["kind"] == "optimizer"), None)
+            named = optim or (items[0] if items else None)
+            lead = ("no optimizer is registered in the TrainState, so B starts its moments from zero"
+                    if analysis.get("missing_optimizer") else "state the TrainState does not hold drives the run")
+            listed = _forgotten({"unregistered": items})
+            return Verdict("unregistered-state", f"the runs part at {when} ({_where(div)}): {lead}.{listed}",
+                           advice="register it in the TrainState (optimizer=, scheduler=, scaler=, generators=, "
+                           "extras= for your own objects).",
+                           **{**common, "site": named["name"] if named else "optimizer"})
+        origin, fed = _get(div, "origin"), _get(div, "origin_fed")
+        if origin and fed:
+            advice = (f"look at what {origin}.forward computes before it calls {fed}: the state it reads (a global "
+                      "counter, a cache) is not saved; keep it in the model as a persistent buffer or save it "
+                      "with TrainState(extras=...).")
+        elif origin:
+            advice = (f"look at the state module {origin} reads besides its inputs and parameters, and save it "
+                      "(a persistent buffer, or TrainState(extras=...)).")
+        else:
+            advice = ("find the value the first differing site reads and save it (TrainState(extras=...)); "
+                      "trace with --level module to name the module.")
+        return Verdict("hidden-state", f"the runs part at {when} ({_where(div)}) although every saved field was "
+                       "restored exactly: state outside the TrainState (a global counter, a cache, an "
+                       "unregistered generator) drives the computation.", advice=advice, **common)
+    return Verdict("diverged", f"resumed run diverges at {_where(div)}.{forgotten}", **common)

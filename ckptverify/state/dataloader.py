@@ -26,6 +26,7 @@ from ckptverify.state.sampler import ResumableSampler, _is_stateful_dataloader
 __all__ = [
     "KIND_RESUMABLE_SAMPLER",
     "KIND_STATEFUL_DATALOADER",
+    "check_loader",
     "find_resumable_sampler",
     "loader_state",
     "restore_loader",
@@ -49,6 +50,13 @@ def find_resumable_sampler(loader: Any) -> ResumableSampler | None:
     if isinstance(inner, ResumableSampler):
         return inner
     return None
+
+
+def check_loader(loader: Any) -> None:
+    """Refuse, when the training state is created, a loader whose position cannot be saved."""
+    if _is_stateful_dataloader(loader) or find_resumable_sampler(loader) is not None:
+        return
+    raise UsageError(f"TrainState(dataloader=...) cannot save the position of a {_describe(loader)}: {_SUPPORTED}")
 
 
 def _describe(loader: Any) -> str:

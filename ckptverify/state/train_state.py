@@ -87,6 +87,10 @@ class TrainState:
         self.schedulers = _as_list(scheduler)
         self.scaler = scaler
         self.dataloader = dataloader
+        if dataloader is not None:
+            from ckptverify.state.dataloader import check_loader
+
+            check_loader(dataloader)  # here, in plain runs too: not at the first save
         self.extras = dict(extras or {})
         for name, obj in self.extras.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):

@@ -42,7 +42,7 @@ __all__ = [
 
 TraceLike = Trace | str | os.PathLike[str]
 
-_MODULE_KINDS = frozenset({"module_out", "module_grad_in"})
+_MODULE_KINDS = frozenset({"module_in", "module_out", "module_grad_in"})
 #: Rows compared at once.
 _BLOCK = 256
 #: Receivers named in a message (all are in the finding's ``actual``).
@@ -70,6 +70,9 @@ class FirstDivergence:
     ``receivers`` the module sites that differ after it, and ``inputs_verified`` whether the step's batch
     and the parameters it started from were recorded in both traces and found equal (when ``False`` the
     origin assumes equal parameters, e.g. on the first step after a restore, which the restore check covers).
+    When the first differing module site is a child's *input* (``module.<child>.in#k``) while the input of
+    its parent was equal, the work that changed it was done in the parent's own ``forward``: ``origin`` is
+    the parent and ``origin_fed`` the child it fed.
     """
 
     step: int
@@ -82,6 +85,7 @@ class FirstDivergence:
     origin: str | None = None
     origin_site: str | None = None
     origin_type: str | None = None
+    origin_fed: str | None = None
     receivers: tuple[str, ...] = ()
     inputs_verified: bool | None = None
     differing_sites: int = 1
@@ -266,14 +270,38 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     k0 = differing_modules[0]
     origin_name = aligned.names[k0]
     origin_site = ta.site(origin_name) if ta.has_site(origin_name) else tb.site(origin_name)
+    origin, fed, origin_type = module_of(origin_name), None, origin_site.info or None
+    if origin_site.kind == "module_in":
+        # Its input differs while everything recorded before (the parent's input included) is equal: the
+        # parent's own forward computed it.
+        fed = origin
+        origin = parent_module(origin)
+        origin_type = _module_type(aligned, origin)
     return FirstDivergence(
         **base,
-        origin=module_of(origin_name),
+        origin=origin,
         origin_site=origin_name,
-        origin_type=origin_site.info or None,
+        origin_type=origin_type,
+        origin_fed=fed,
         receivers=tuple(aligned.names[k] for k in differing_modules[1:]),
         inputs_verified=inputs_verified,
     )
+
+
+def parent_module(name: str) -> str:
+    """The parent module's name (``blocks.0.ln1`` -> ``blocks.0``; a top-level module's is the root's)."""
+    from ckptverify.trace.recorder import ROOT_MODULE
+
+    head, dot, _ = name.rpartition(".")
+    return head if dot and name != ROOT_MODULE else ROOT_MODULE
+
+
+def _module_type(aligned: _Aligned, module: str) -> str | None:
+    for name in aligned.names:
+        if name.startswith("module.") and module_of(name) == module:
+            site = aligned.ta.site(name) if aligned.ta.has_site(name) else aligned.tb.site(name)
+            return site.info or None
+    return None
 
 
 def module_of(site: str) -> str:
@@ -311,6 +339,15 @@ def _show(value: float | int | str | None) -> str:
     if isinstance(value, str):
         return value[:12] + "…"
     return repr(value)
+
+
+def _run_label(run: str, tag: str) -> str:
+    """How a message names a run: by its own name (``A2``), with the comparison side only when they differ."""
+    if not run or run == tag:
+        return f"run {tag}"
+    if len(run) <= 3 and run[:1].isupper():
+        return f"run {run}"
+    return f"{tag} ({run!r})"
 
 
 def _location(site: str, kind: str, rank: int) -> Location:
@@ -360,7 +397,8 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
         out.append(error(
             "trace-divergence",
             f"rank {d.rank}: first divergence at step {d.step}{later}, in {d.category}: site {d.site} ({d.kind}) "
-            f"is {_show(d.expected)} in A ({comp.run_a!r}) and {_show(d.actual)} in B ({comp.run_b!r}); "
+            f"is {_show(d.expected)} in {_run_label(comp.run_a, 'A')} and {_show(d.actual)} in "
+            f"{_run_label(comp.run_b, 'B')}; "
             f"{d.differing_sites} sites differ at that step",
             location=_location(d.site, d.kind, d.rank),
             expected={"value": d.expected},
@@ -372,14 +410,17 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
             shown = ", ".join(d.receivers[:_SHOWN]) + (", …" if len(d.receivers) > _SHOWN else "")
             caveat = "" if d.inputs_verified else (
                 "; the parameters this step started from are not in both traces, so equal inputs are assumed")
+            what = (f"its input is equal, but its own forward changed the input of {d.origin_fed} "
+                    f"({d.origin_site})" if d.origin_fed else f"inputs equal, {d.origin_site} differs")
             out.append(info(
                 "trace-origin",
-                f"rank {d.rank}, step {d.step}: module {d.origin}{kind} is the origin — inputs equal, "
-                f"{d.origin_site} differs{caveat}; {len(d.receivers)} later module sites differ as receivers"
+                f"rank {d.rank}, step {d.step}: module {d.origin}{kind} is the origin — {what}{caveat}; "
+                f"{len(d.receivers)} later module sites differ as receivers"
                 + (f": {shown}" if shown else ""),
                 location=Location(rank=d.rank, fqn=d.origin, record=d.origin_site),
                 actual={"step": d.step, "rank": d.rank, "origin": d.origin, "origin_site": d.origin_site,
-                        "origin_type": d.origin_type, "receivers": list(d.receivers),
+                        "origin_type": d.origin_type, "origin_fed": d.origin_fed,
+                        "receivers": list(d.receivers),
                         "inputs_verified": d.inputs_verified},
             ))
     per_rank = {c.rank: c.first.category for c in divergent if c.first is not None}

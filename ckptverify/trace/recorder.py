@@ -68,7 +68,8 @@ def canonical_name(name: str) -> str:
 
 
 def module_site(module: str, direction: str, occurrence: int) -> str:
-    """Site name of a module's forward output (``fwd``) or input gradient (``bwd``) at one occurrence."""
+    """Site name of a module's forward input (``in``), forward output (``fwd``) or input gradient (``bwd``)
+    at one occurrence."""
     return f"module.{module or ROOT_MODULE}.{direction}#{occurrence}"
 
 
@@ -263,6 +264,43 @@ def _metric_cell(name: str, value: Any) -> Cell:
     return _object_cell(site, "metric", value)
 
 
+def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
+    """One exact-value cell per hyperparameter of every param group: ``<prefix><g>.<key>`` (``<prefix><o>.<g>.<key>``
+    with several optimizers; a sequence such as ``betas`` one cell per element). Numbers by their bits;
+    other values (``None``, strings) are left out: what drives a step's arithmetic is numeric."""
+    import numpy as np
+
+    cells: list[Cell] = []
+    for o, opt in enumerate(optimizers):
+        head = f"{prefix}{o}." if len(optimizers) > 1 else prefix
+        for g, group in enumerate(opt.param_groups):
+            for key, value in group.items():
+                if key == "params":
+                    continue
+                items = list(enumerate(value)) if isinstance(value, list | tuple) else [(None, value)]
+                for k, v in items:
+                    site = f"{head}{g}.{key}" + ("" if k is None else f".{k}")
+                    if isinstance(v, bool | np.bool_ | int | np.integer):
+                        cells.append(Cell.from_int(site, "hparam", int(v)))
+                    elif isinstance(v, float | np.floating):
+                        cells.append(Cell.from_float(site, "hparam", float(v)))
+                    elif hasattr(v, "numel") and v.numel() == 1 and not _is_dtensor(v):
+                        cells.append(Cell.from_float(site, "hparam", float(v.detach().reshape(()).item())))
+    return cells
+
+
+def non_persistent_buffers(model: Any) -> list[tuple[str, Any]]:
+    """``(canonical name, tensor)`` of every buffer of ``model`` registered with ``persistent=False`` (state
+    dicts, and so checkpoints, leave them out)."""
+    out = []
+    for mod_name, module in _unwrap(model).named_modules():
+        for name in sorted(getattr(module, "_non_persistent_buffers_set", ())):
+            buf = module._buffers.get(name)
+            if buf is not None:
+                out.append((canonical_name(f"{mod_name}.{name}" if mod_name else name), buf))
+    return out
+
+
 def _field_kind(name: str) -> str:
     if name == "counters":
         return "counter"
@@ -344,6 +382,9 @@ class TraceRecorder:
         self._module_cells: list[Cell] = []
         self._occurrences: dict[tuple[str, str], int] = {}
         self._grad_cells: list[Cell] | None = None
+        self._hparam_cells: list[Cell] = []
+        self._start_cells: list[Cell] = []
+        self._optimizers: list[Any] = []
         self._paused = 0
         self._flat_cache: tuple[Any, dict[str, Any], dict[str, Any]] | None = None
 
@@ -365,8 +406,10 @@ class TraceRecorder:
           :meth:`record_grads` right before each ``optimizer.step()``, so gradients are recorded as the
           optimizer consumes them (after clipping and unscaling), wherever the loop calls ``zero_grad``.
         * At level ``module``, every module (``include(name, module)`` narrows the set) gets a forward hook
-          recording its output's fingerprint, and with ``backward`` a full backward hook recording the
-          fingerprint of the gradient with respect to its inputs. Sites are ``module.<name>.fwd#k`` /
+          recording its output's fingerprint, a forward pre-hook recording its inputs' (so work a parent does
+          in its own ``forward`` between children shows as a child input that differs while the parent's
+          does not), and with ``backward`` a full backward hook recording the fingerprint of the gradient
+          with respect to its inputs. Sites are ``module.<name>.in#k`` / ``module.<name>.fwd#k`` /
           ``module.<name>.bwd#k``, ``k`` counting the hook's calls for that module in the step.
         """
         if self._model is not None:
@@ -374,6 +417,7 @@ class TraceRecorder:
         self._model = model
         if optimizer is not None and self.records_state:
             optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
+            self._optimizers = list(optimizers)
             for opt in optimizers:
                 self._handles.append(opt.register_step_pre_hook(self._optimizer_hook))
         if not self.records_modules:
@@ -386,13 +430,18 @@ class TraceRecorder:
             if any(p in _WRAPPER_PARTS for p in raw_name.split(".")[-1:]):
                 continue  # a wrapper's inner module: the wrapper already records this output
             cls = type(module).__name__
+            self._handles.append(module.register_forward_pre_hook(self._input_hook(name, cls)))
             self._handles.append(module.register_forward_hook(self._forward_hook(name, cls)))
             if backward:
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(name, cls)))
 
     def _optimizer_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._paused:
+            return  # a step that is not recorded (trace_every > 1): no fingerprints to pay for
         if self._model is not None:
             self.record_grads(self._model)
+        # The hyperparameters this optimizer step uses (a loop sets lr from its own counter right before it).
+        self._hparam_cells = hparam_cells("hparam.", self._optimizers)
 
     def detach(self) -> None:
         """Remove the hooks and forget the attached model."""
@@ -406,6 +455,14 @@ class TraceRecorder:
         k = self._occurrences.get(key, 0)
         self._occurrences[key] = k + 1
         return k
+
+    def _input_hook(self, name: str, cls: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any) -> None:
+            if not self._paused:
+                site = module_site(name, "in", self._next(name, "in"))
+                self._module_cells.append(_object_cell(site, "module_in", args, cls))
+
+        return hook
 
     def _forward_hook(self, name: str, cls: str) -> Callable[..., None]:
         def hook(module: Any, args: Any, output: Any) -> None:
@@ -424,6 +481,13 @@ class TraceRecorder:
         return hook
 
     @contextlib.contextmanager
+    def skip_step(self) -> None:
+        """Forget what was gathered for a step that is not recorded (``trace_every`` > 1)."""
+        self._module_cells = []
+        self._start_cells = []
+        self._grad_cells = None
+        self._hparam_cells = []
+
     def paused(self) -> Iterator[None]:
         """Module hooks record nothing inside this block (e.g. an evaluation pass between steps)."""
         self._paused += 1
@@ -456,17 +520,35 @@ class TraceRecorder:
 
     # -------------------------------------------------------------- steps
 
+    def record_step_start(self, state: TrainState | None) -> None:
+        """The state a step starts from, for the next :meth:`record_step`: every random stream
+        (``start.rng.<stream>``) and every optimizer hyperparameter (``start.hparam.<g>.<key>``) as they are
+        before the step draws or computes anything. A stream that differs here is a cause (re-seeded, or drawn
+        outside the steps), not a consequence of a different batch. Does nothing below level ``state``."""
+        if not self.records_state or state is None:
+            return
+        from ckptverify.state.digest import state_digest
+        from ckptverify.state.rng import capture_rng
+
+        self._start_cells = [Cell(f"start.rng.{kind}", "rng", hex_lanes(state_digest(value)), "digest128")
+                             for kind, value in capture_rng(state.rng.generators).items()]
+        self._start_cells.extend(hparam_cells("start.hparam.", state.optimizers))
+
     def record_step(self, step: int, *, metrics: Mapping[str, Any] | None = None, batch: Any = None,
                     state: TrainState | None = None) -> None:
         """Record the row of ``step``: call once at the end of each step, after ``optimizer.step()``.
 
         * every level: ``metrics`` (name -> number or tensor) by their exact bits;
+        * ``state`` and ``module``: what :meth:`record_step_start` captured when the step began (random
+          streams, hyperparameters), and the hyperparameters the optimizer step used (``hparam.<g>.<key>``,
+          captured by the optimizer hook);
         * ``state`` and ``module``: the ``batch`` fingerprint (a tensor, or one site per element of a
           tuple/list/dict), the gradients (those captured by :meth:`record_grads` — or the optimizer hook —
           in this step, else the ``.grad`` of ``state.model`` / the attached model as they are now;
           parameters without a gradient are not recorded), and from ``state``: optimizer state
           (``optim.<name>``, hyperparameters digested per param group), parameters and buffers
-          (``param.<fqn>``), and a digest of each non-tensor field (``scheduler.<i>``, ``rng.<stream>``,
+          (``param.<fqn>``), buffers registered with ``persistent=False`` (``buffer.<fqn>``: no checkpoint holds
+          them), and a digest of each non-tensor field (``scheduler.<i>``, ``rng.<stream>``,
           ``data``, ``counters``, ...);
         * ``module``: the module outputs and input gradients recorded by the hooks since the last row.
 
@@ -476,7 +558,7 @@ class TraceRecorder:
         """
         import torch
 
-        cells: list[Cell] = []
+        cells: list[Cell] = list(self._start_cells) if self.records_state else []
         deep = self.records_state
         if deep and batch is not None:
             cells.extend(self._batch_cells(batch, torch))
@@ -488,10 +570,13 @@ class TraceRecorder:
             if grads is None:
                 model = state.model if state is not None and state.model is not None else self._model
                 grads = self._grads_of(model) if model is not None else []
+            cells.extend(self._hparam_cells)
             cells.extend(grads)
             if state is not None:
                 cells.extend(self._state_cells(state))
         self._module_cells = []
+        self._start_cells = []
+        self._hparam_cells = []
         self._occurrences.clear()
         self._grad_cells = None
         self.writer.append(step, cells)
@@ -517,9 +602,13 @@ class TraceRecorder:
                        for name, value in fields.items()]
         scaler = [c for c in field_cells if c.kind == "optim"]
         others = sorted((c for c in field_cells if c.kind != "optim"), key=lambda c: _FIELD_ORDER[c.kind])
-        tensor_cells = _tensor_cells([*optim_tensors, *param_tensors])
-        optim_cells, param_cells = tensor_cells[: len(optim_tensors)], tensor_cells[len(optim_tensors):]
-        return [*optim_digests, *scaler, *optim_cells, *param_digests, *param_cells, *others]
+        buffers = ([(f"buffer.{name}", "buffer", buf) for name, buf in non_persistent_buffers(state.model)]
+                   if state.model is not None else [])
+        tensor_cells = _tensor_cells([*optim_tensors, *param_tensors, *buffers])
+        n_opt, n_par = len(optim_tensors), len(param_tensors)
+        optim_cells, param_cells = tensor_cells[:n_opt], tensor_cells[n_opt:n_opt + n_par]
+        buffer_cells = tensor_cells[n_opt + n_par:]
+        return [*optim_digests, *scaler, *optim_cells, *param_digests, *param_cells, *buffer_cells, *others]
 
     def _flat_state(self, state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
         """Flattened optimizer and model state dicts, as ``get_state_dict`` names them.

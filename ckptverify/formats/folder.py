@@ -1,0 +1,115 @@
+"""Folders of checkpoint files: Hugging Face model folders, accelerate ``save_state`` and transformers
+``checkpoint-N`` folders.
+
+Every file is judged by its content (:func:`~ckptverify.formats.single.check_file`): ``torch.save`` archives
+(``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``random_states_N.pkl``, ``rng_state.pth``,
+``scheduler.pt``) get structure + CRC + a safe pickle read; safetensors files their header and layout; JSON side
+files (``config.json``, ``trainer_state.json``, ``*.index.json``) are parsed. A sharded model's index
+(``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) is checked against its shards: every
+shard it names exists inside the folder, every tensor it maps is in that shard, and no shard holds a tensor the
+index does not map there. DCP folders inside (FSDP saves) are listed in ``dcp_parts`` for the caller to verify.
+Symbolic links are not followed out of the folder; special files are findings, never opened.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.formats.rundir import dir_format
+from ckptverify.formats.single import check_file, check_json
+
+__all__ = ["CHECKPOINT_SUFFIXES", "check_folder"]
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
+    """Check every file of the (non-DCP) checkpoint folder ``root``. Facts: ``files`` (name -> format),
+    ``tensors`` (file -> tensor -> dtype/shape), ``dcp_parts`` (sub-folders holding DCP checkpoints), ``bytes``."""
+    findings: list[Finding] = []
+    coverage: list[CheckCoverage] = []
+    facts: dict[str, Any] = {"files": {}, "tensors": {}, "dcp_parts": [], "bytes": 0, "unchecked": []}
+    indexes: dict[str, Any] = {}
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                names = os.listdir(e.path)
+            except OSError:
+                names = []
+            if dir_format(names) in ("dcp", "dcp-uncommitted"):
+                facts["dcp_parts"].append(e.name)
+            else:
+                facts["unchecked"].append(e.name + "/")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a special file"
+            findings.append(error("file-type", f"{e.name} is {kind}; checkpoint files must be regular files inside "
+                                  "the folder (not opened)", location=Location(file=e.name)))
+            continue
+        if e.name.endswith(".json"):
+            found, value = check_json(e.path, name=e.name)
+            findings.extend(found)
+            facts["files"][e.name] = "json"
+            if e.name.endswith(".index.json") and value is not None:
+                indexes[e.name] = value
+            continue
+        if not e.name.endswith(CHECKPOINT_SUFFIXES):
+            facts["unchecked"].append(e.name)
+            continue
+        found, cov, file_facts = check_file(e.path, name=e.name)
+        findings.extend(found)
+        coverage.extend(cov)
+        facts["files"][e.name] = file_facts.get("format")
+        facts["tensors"][e.name] = file_facts.get("tensors", {})
+        facts["bytes"] += file_facts.get("bytes", 0)
+    for name, index in sorted(indexes.items()):
+        findings.extend(_check_index(root, name, index, facts))
+    if indexes:
+        coverage.append(CheckCoverage(check="index", count=len(indexes), unit="index files"))
+    if facts["unchecked"]:
+        findings.append(info("file-unchecked", f"{len(facts['unchecked'])} entr(ies) are not checkpoint files and "
+                             f"were not checked: {facts['unchecked'][:8]}"))
+    return findings, coverage, facts
+
+
+def _check_index(root: str, name: str, index: Any, facts: dict[str, Any]) -> list[Finding]:
+    where = Location(file=name)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in weight_map.items()):
+        return [error("index-invalid", f"{name} has no weight_map of tensor names to shard files", location=where)]
+    out: list[Finding] = []
+    by_shard: dict[str, set[str]] = {}
+    for tensor, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(tensor)
+    for shard, mapped in sorted(by_shard.items()):
+        if "/" in shard or "\\" in shard or shard in ("", ".", "..") or "\x00" in shard:
+            out.append(error("index-invalid", f"{name} maps tensors to {shard[:200]!r}, which is not a file inside "
+                             "the folder; it is not opened", location=where))
+            continue
+        if shard not in facts["tensors"]:
+            out.append(error("file-missing", f"{shard} is missing; {name} places {len(mapped)} tensor(s) in it",
+                             location=Location(file=shard)))
+            continue
+        held = set(facts["tensors"][shard])
+        for tensor in sorted(mapped - held)[:50]:
+            out.append(error("index-mismatch", f"{name} maps {tensor!r} to {shard}, which does not hold it",
+                             location=Location(file=shard, fqn=tensor)))
+        for tensor in sorted(held - mapped)[:50]:
+            out.append(error("index-mismatch", f"{shard} holds {tensor!r}, which {name} does not map to it",
+                             location=Location(file=shard, fqn=tensor)))
+    suffix = name[: -len(".index.json")].rsplit(".", 1)[-1] if name.endswith(".index.json") else ""
+    for shard in sorted(facts["tensors"]):
+        if shard.endswith("." + suffix) and shard not in by_shard and suffix:
+            out.append(warning("index-mismatch", f"{shard} is not named by {name}: a leftover shard, or the index is "
+                             "stale", location=Location(file=shard)))
+    return out

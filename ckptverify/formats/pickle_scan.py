@@ -1,0 +1,212 @@
+"""Find the tensors in a ``torch.save`` pickle (``data.pkl``) without executing anything.
+
+A whole-file ``torch.save`` (a ``.pt``/``.bin``/``.ckpt``: a state dict, a Lightning checkpoint, an optimizer)
+pickles nested containers whose leaves are tensors (``torch._utils._rebuild_tensor_v2`` over a persistent
+storage reference) and plain values. This unpickler resolves the tensor machinery (rebuild functions, storage
+types, dtypes, ``torch.Size``) and plain containers to inert stand-ins of its own; every other global (a
+framework's ``AttributeDict``, a ``Path``, a user class) becomes an :class:`Opaque` placeholder that records
+its name and whatever the pickle hands it, and is **never called or imported**. So nothing in the file runs,
+whatever it names, and the report says which globals were left uninterpreted.
+
+Work is bounded: the pickle's size, the objects it may build (:data:`MAX_OBJECTS`), and the walk over the
+result visits each object once (a "billion laughs" of shared references stays linear).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+
+__all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "Opaque", "PickleScan", "PickleScanError", "TensorRef", "scan_pickle"]
+
+#: Largest ``data.pkl`` read.
+MAX_PICKLE_BYTES = 256 << 20
+#: Most objects (globals resolved, calls, storages) one pickle may make.
+MAX_OBJECTS = 2_000_000
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8",
+}  # fmt: skip
+
+
+class PickleScanError(Exception):
+    """The pickle is malformed, too large, or builds more than the budget allows."""
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str
+    dtype: str | None
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor as the pickle describes it: its storage record, dtype, shape, stride, storage offset."""
+
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dtype(self) -> str | None:
+        return self.storage.dtype
+
+    def extent(self) -> int:
+        """Elements of the storage this tensor reaches (offset + the furthest element + 1; 0 when empty)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        return self.offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride, strict=False)) + 1
+
+
+class Opaque:
+    """A global outside the tensor allowlist: named, never imported, never called."""
+
+    __slots__ = ("args", "name", "state")
+
+    def __init__(self, name: str, args: tuple[Any, ...] = ()) -> None:
+        self.name = name
+        self.args = args
+        self.state: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
+        return Opaque(self.name, args)
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __reduce__(self) -> Any:  # pragma: no cover - never pickled again
+        raise TypeError("Opaque stand-ins are not picklable")
+
+
+@dataclass
+class PickleScan:
+    """What a pickle holds: its tensors by path (``state_dict.layer.weight``) and the storages they use."""
+
+    root: Any
+    tensors: dict[str, TensorRef] = field(default_factory=dict)
+    storages: dict[str, StorageRef] = field(default_factory=dict)
+    opaque: set[str] = field(default_factory=set)
+
+
+class _Budget:
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def spend(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise PickleScanError(f"the pickle builds more than {MAX_OBJECTS} objects; refused (a decompression "
+                                  "bomb, or not a checkpoint)")
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, scan: PickleScan, budget: _Budget) -> None:
+        super().__init__(io.BytesIO(data))
+        self.scan = scan
+        self.budget = budget
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.budget.spend()
+        qual = f"{module}.{name}"
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
+            return self._rebuild_tensor
+        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+            return lambda data, *rest: data
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return ("storage-type", _STORAGE_DTYPES[name])
+        if module == "torch" and name in DTYPE_ITEMSIZE:
+            return ("dtype", name)
+        if module == "torch" and name == "Size":
+            return lambda dims=(): tuple(dims)
+        if module == "collections" and name == "OrderedDict":
+            return _OrderedDict
+        if module == "builtins" and name in ("set", "frozenset"):
+            return lambda items=(): list(items)
+        if module == "_codecs" and name == "encode":
+            return _encode
+        self.scan.opaque.add(qual)
+        return Opaque(qual)
+
+    def persistent_load(self, pid: Any) -> Any:
+        self.budget.spend()
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise PickleScanError("a persistent reference that is not a torch storage")
+        _, kind, key, _location, numel = pid
+        dtype = kind[1] if isinstance(kind, tuple) and len(kind) == 2 else None
+        if not isinstance(key, str) or type(numel) is not int or numel < 0:
+            raise PickleScanError("a storage reference with a bad key or size")
+        ref = self.scan.storages.get(key)
+        if ref is None:
+            ref = StorageRef(key, dtype, numel)
+            self.scan.storages[key] = ref
+        return ref
+
+    def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
+        self.budget.spend()
+        if not isinstance(storage, StorageRef):
+            return Opaque("torch._utils._rebuild_tensor_v2 (not over a storage)")
+        if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
+            raise PickleScanError("a tensor with a bad offset, shape or stride")
+        shape, strides = tuple(size), tuple(stride)
+        if not all(type(v) is int and v >= 0 for v in (*shape, *strides, offset)):
+            raise PickleScanError("a tensor with a bad offset, shape or stride")
+        return TensorRef(storage, offset, shape, strides)
+
+
+class _OrderedDict(dict):  # type: ignore[type-arg]
+    """``collections.OrderedDict`` without its methods beyond ``dict``'s (``__reduce__`` rebuilds by items)."""
+
+
+def _encode(text: Any, encoding: Any = "latin1") -> bytes:
+    if not isinstance(text, str) or encoding != "latin1":
+        raise PickleScanError("_codecs.encode outside the bytes-in-protocol-2 form")
+    return text.encode("latin1")
+
+
+def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
+    """Unpickle ``data`` into inert stand-ins and list its tensors; raises :class:`PickleScanError`."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise PickleScanError(f"data.pkl is {len(data)} bytes, more than this tool reads ({MAX_PICKLE_BYTES})")
+    scan = PickleScan(root=None)
+    budget = _Budget(max_objects)
+    try:
+        scan.root = _Unpickler(data, scan, budget).load()
+    except PickleScanError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            RecursionError, MemoryError, OverflowError, UnicodeDecodeError, ImportError) as exc:
+        raise PickleScanError(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
+    _walk(scan, budget)
+    return scan
+
+
+def _walk(scan: PickleScan, budget: _Budget) -> None:
+    """Name every tensor by its path of keys; each object is visited once (shared references stay linear)."""
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", scan.root)]
+    while stack:
+        path, obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        budget.spend()
+        if isinstance(obj, TensorRef):
+            scan.tensors.setdefault(path or "<root>", obj)
+        elif isinstance(obj, dict):
+            for k, v in reversed(list(obj.items())):
+                stack.append((f"{path}.{k}" if path else str(k), v))
+        elif isinstance(obj, list | tuple):
+            for i in reversed(range(len(obj))):
+                stack.append((f"{path}.{i}" if path else str(i), obj[i]))
+        elif isinstance(obj, Opaque):
+            stack.append((path, obj.state))
+            stack.append((path, obj.args))

@@ -1,0 +1,125 @@
+"""A whole-file ``torch.save`` checkpoint (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output).
+
+What is checked: the zip structure (every duplicated field cross-checked, as for DCP items), the CRC-32 of every
+record, and the pickle (``data.pkl``), read through :mod:`~ckptverify.formats.pickle_scan` (nothing executes):
+every tensor's storage record exists and is large enough for the tensor's extent, no storage record is
+orphaned. What is guaranteed when it passes: every byte of every record is what was written (up to CRC-32), and
+every tensor's bytes lie where its header says. Not guaranteed: that the values are what was in memory (no
+manifest yet), nor anything about objects outside the tensor allowlist (they are named, not interpreted).
+The legacy (pre-1.6, non-zip) format carries no checksum: uncheckable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+from ckptverify.dcp.torchsave import ArchiveError, looks_like_zip, parse_archive
+from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.formats.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, scan_pickle
+from ckptverify.readers import ReadOnlyFile
+
+__all__ = ["verify_torchsave_file"]
+
+
+def verify_torchsave_file(path: str, *, name: str | None = None,
+                          root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
+    """Check the ``torch.save`` file at ``path``; ``name`` is how findings call it. Returns findings, coverage
+    and facts (``tensors``: path -> dtype/shape, ``bytes``)."""
+    label = name or os.path.basename(path)
+    findings: list[Finding] = []
+    coverage: list[CheckCoverage] = []
+    facts: dict[str, Any] = {"tensors": {}, "bytes": 0}
+    try:
+        f = ReadOnlyFile(path, root=root) if root is not None else ReadOnlyFile(path)
+    except OSError as exc:
+        return [error("file-missing", f"{label} cannot be opened for reading: {exc}", location=Location(file=label))], \
+            coverage, facts
+    with f:
+        facts["bytes"] = f.size
+        head = f.pread(0, 4)
+        if not looks_like_zip(head):
+            if head[:1] == b"\x80":
+                findings.append(warning(
+                    "content-uncheckable", f"{label} is in the legacy (non-zip) torch.save format, which carries "
+                    "no checksum: its content cannot be checked", location=Location(file=label)))
+            else:
+                findings.append(error("zip-structure", f"{label} is not a torch.save archive (it starts with "
+                                      f"{head.hex() or 'nothing'})", location=Location(file=label, byte_range=(0, 4))))
+            return findings, coverage, facts
+
+        def read(offset: int, n: int) -> bytes:
+            return f.pread(offset, max(0, min(n, f.size - offset))) if offset >= 0 else b""
+
+        try:
+            archive = parse_archive(read, f.size)
+        except ArchiveError as exc:
+            start = exc.start or 0
+            end = exc.end if exc.end else f.size
+            findings.append(error("zip-structure", f"{label} is not an intact torch.save archive: {exc}",
+                                  location=Location(file=label, byte_range=(start, max(end, start + 1)))))
+            return findings, coverage, facts
+        coverage.append(CheckCoverage(check="zip-structure", count=1, unit="files"))
+        crcs = {rec.name: f.crc32(rec.data_offset, rec.data_end) for rec in archive.records}
+        coverage.append(CheckCoverage(check="zip-crc", count=len(crcs), unit="records"))
+        facts["bytes_hashed"] = sum(r.size for r in archive.records)
+        if archive.records and all(r.crc == 0 for r in archive.records) and any(crcs.values()):
+            findings.append(warning("content-uncheckable", f"{label} was saved with CRC-32 disabled: its structure "
+                                    "is intact but its content cannot be checked", location=Location(file=label)))
+            bad = []
+        else:
+            bad = [r for r in archive.records if crcs[r.name] != r.crc]
+        pkl = archive.record("data.pkl")
+        scan = None
+        if pkl is None:
+            findings.append(error("zip-structure", f"{label} has no data.pkl record", location=Location(file=label)))
+        elif pkl.size > MAX_PICKLE_BYTES:
+            findings.append(warning("pickle-unread", f"{label}: data.pkl is {pkl.size} bytes, more than this tool "
+                                    f"reads ({MAX_PICKLE_BYTES}); tensors are not mapped to records",
+                                    location=Location(file=label, record=pkl.name)))
+        elif pkl not in bad:
+            try:
+                scan = scan_pickle(f.pread(pkl.data_offset, pkl.size))
+            except PickleScanError as exc:
+                findings.append(error("pickle-structure", f"{label}: data.pkl cannot be read safely: {exc}",
+                                      location=Location(file=label, record=pkl.name,
+                                                        byte_range=(pkl.data_offset, pkl.data_end))))
+        owners: dict[str, list[str]] = {}
+        if scan is not None:
+            records = {r.name: r for r in archive.records}
+            for tname, ref in scan.tensors.items():
+                owners.setdefault(ref.storage.key, []).append(tname)
+                facts["tensors"][tname] = {"dtype": ref.dtype, "shape": list(ref.shape)}
+            for key, ref in scan.storages.items():
+                rec = records.get(f"{archive.prefix}/data/{key}")
+                where = Location(file=label, fqn=", ".join(owners.get(key, [])[:3]) or None,
+                                 record=f"{archive.prefix}/data/{key}")
+                if rec is None:
+                    findings.append(error("tensor-record", f"{label}: storage {key!r} has no record: the bytes of "
+                                          f"{owners.get(key, ['a tensor'])[0]!r} are missing", location=where))
+                    continue
+                itemsize = DTYPE_ITEMSIZE.get(ref.dtype or "", None)
+                need = max((t.extent() for t in scan.tensors.values() if t.storage.key == key), default=0)
+                if itemsize is not None and need * itemsize > rec.size:
+                    findings.append(error(
+                        "tensor-record", f"{label}: record {rec.name} holds {rec.size} bytes, but its tensors reach "
+                        f"{need} {ref.dtype} elements ({need * itemsize} bytes)", location=where,
+                        expected=need * itemsize, actual=rec.size))
+            coverage.append(CheckCoverage(check="tensor-record", count=len(scan.tensors), unit="tensors"))
+            if scan.opaque:
+                findings.append(info("pickle-opaque", f"{label}: objects of {len(scan.opaque)} type(s) outside the "
+                                     f"tensor allowlist were named, not interpreted: {sorted(scan.opaque)[:8]}",
+                                     location=Location(file=label, record=pkl.name if pkl else None)))
+        for rec in bad:
+            key = rec.name.rsplit("/", 1)[-1]
+            names = owners.get(key, [])
+            findings.append(error(
+                "zip-crc",
+                f"{label}: record {rec.name}"
+                + (f" (tensor {', '.join(repr(n) for n in names[:3])})" if names else "")
+                + f" is corrupt (CRC-32 {crcs[rec.name]:08x}, recorded {rec.crc:08x})",
+                location=Location(file=label, fqn=names[0] if names else None, record=rec.name,
+                                  byte_range=(rec.data_offset, rec.data_end)),
+                expected=f"{rec.crc:08x}", actual=f"{crcs[rec.name]:08x}"))
+    return findings, coverage, facts

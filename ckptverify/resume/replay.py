@@ -1,0 +1,212 @@
+"""``ckptverify replay RUN_DIR --from K --to L``: re-run production steps and judge the hardware.
+
+The periodic job of hardware-fault detection. From the production checkpoint ``K`` of a job run in production
+mode (:mod:`~ckptverify.resume.production`), steps ``K+1..L`` are run again in fresh processes at the
+production world size, **twice** (R1 and R2), tracing the same sites at the same steps. Then:
+
+1. checkpoints ``K`` and ``L`` must verify, else ``checkpoint-corrupt``;
+2. R1 and R2 must agree with each other, else ``nondeterministic``: the replay itself is not reproducible, so it
+   cannot judge the hardware (make the job deterministic first);
+3. production must agree with R1 on every traced site of steps ``K+1..L`` and in the final state (the
+   production checkpoint ``L`` against R1's), else ``hardware-fault-suspected``, first at step ``s`` on rank
+   ``r`` (with its host and device), at site ``x``, naming the ranks that agreed;
+4. otherwise ``reproduced``: the production steps are bitwise reproducible, no fault seen.
+
+Without ``--from``/``--to`` the two newest verified checkpoints are taken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptverify.errors import UsageError
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
+from ckptverify.resume.production import read_run_file, segments
+
+__all__ = ["VERDICTS", "replay"]
+
+VERDICTS = ("reproduced", "nondeterministic", "hardware-fault-suspected", "checkpoint-corrupt")
+
+
+@dataclass(frozen=True)
+class _Checkpoints:
+    start: int
+    end: int
+    start_path: str
+    end_path: str
+
+
+def _pick(run_dir: str, start: int | None, end: int | None) -> _Checkpoints:
+    from ckptverify.formats.rundir import find_checkpoints
+
+    steps = {c.step: os.path.join(run_dir, c.path) for c in find_checkpoints(run_dir)
+             if c.kind == "dir" and c.format == "dcp" and c.step is not None}
+    if start is None or end is None:
+        from ckptverify.runs.latest import latest_verified
+
+        newest = latest_verified(run_dir)
+        if newest.path is None or newest.step is None:
+            raise UsageError(f"no verified checkpoint under {run_dir} to replay from")
+        older = [s for s in steps if s < newest.step]
+        chosen_end = newest.step if end is None else end
+        if start is None:
+            candidates = sorted((s for s in older if s < chosen_end), reverse=True)
+            good = None
+            for s in candidates:
+                from ckptverify.verify import verify_checkpoint
+
+                if verify_checkpoint(steps[s]).passed:
+                    good = s
+                    break
+            if good is None:
+                raise UsageError(f"no verified checkpoint before step {chosen_end} under {run_dir} to replay from")
+            start = good
+        end = chosen_end
+    if not 0 <= start < end:
+        raise UsageError(f"--from must be below --to, got {start} and {end}")
+    for s in (start, end):
+        if s not in steps:
+            raise UsageError(f"no checkpoint of step {s} under {run_dir} (have: {sorted(steps) or 'none'})")
+    return _Checkpoints(start, end, steps[start], steps[end])
+
+
+def _hosts(segment: str) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for name in os.listdir(segment) if os.path.isdir(segment) else []:
+        if name.startswith("host-rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(segment, name)) as f:
+                    out[int(name[len("host-rank"):-5])] = json.load(f)
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def _where(host: dict[str, Any] | None) -> str:
+    if not host:
+        return "host unknown"
+    dev = host.get("device") or {}
+    device = dev.get("type", "?")
+    if dev.get("index") is not None:
+        device += f":{dev['index']}"
+    if dev.get("name"):
+        device += f" ({dev['name']}{', ' + dev['uuid'] if dev.get('uuid') else ''})"
+    return f"host {host.get('hostname', '?')}, device {device}"
+
+
+def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: int | None = None,
+           device: str = "cpu", keep: str | None = None, progress: Callable[[str], None] | None = None) -> Report:
+    """Replay production steps ``start+1..end`` twice and judge them; see the module docstring.
+
+    Returns a report whose ``stats["verdict"]`` has ``kind`` (one of :data:`VERDICTS`), ``step``, ``rank``,
+    ``site``, ``host`` and ``sentence``. Raises :class:`~ckptverify.errors.UsageError` when ``run_dir`` is not a
+    production run directory or the checkpoints cannot be found, and
+    :class:`~ckptverify.resume.harness.WorkloadCrashedError` when the workload crashes.
+    """
+    from ckptverify.diff import diff_checkpoints
+    from ckptverify.resume.harness import launch_jobs
+    from ckptverify.resume.run import RunConfig, checkpoint_path
+    from ckptverify.trace.compare import compare_runs, divergences
+    from ckptverify.verify import verify_checkpoint
+
+    root = os.fspath(run_dir)
+    say = progress or (lambda _msg: None)
+    began = time.perf_counter()
+    meta = read_run_file(root)
+    ckpts = _pick(root, start, end)
+    findings: list[Finding] = []
+    coverage: list[CheckCoverage] = []
+    stats: dict[str, Any] = {"from": ckpts.start, "to": ckpts.end, "world_size": meta.get("world_size"),
+                             "target": meta["target"]}
+
+    def done(kind: str, sentence: str, **where: Any) -> Report:
+        verdict = {"kind": kind, "sentence": sentence, "step": where.get("step"), "rank": where.get("rank"),
+                   "site": where.get("site"), "host": where.get("host")}
+        stats.update(verdict=verdict, seconds=round(time.perf_counter() - began, 3))
+        make = info if kind == "reproduced" else error
+        findings.append(make(f"replay-{kind}", sentence, location=Location(
+            rank=where.get("rank"), fqn=where.get("site"))))
+        return Report(command="replay", target=root, findings=tuple(findings), coverage=tuple(coverage),
+                      stats=stats)
+
+    say(f"verify checkpoints of steps {ckpts.start} and {ckpts.end}")
+    for step, path in ((ckpts.start, ckpts.start_path), (ckpts.end, ckpts.end_path)):
+        report = verify_checkpoint(path)
+        if not report.passed:
+            findings.extend(report.errors[:20])
+            return done("checkpoint-corrupt", f"the production checkpoint of step {step} fails verification "
+                        f"({report.errors[0].check}): nothing can be replayed or judged from it", step=step)
+    segs = [(s, p) for s, p in segments(root) if s <= ckpts.start]
+    if not segs:
+        raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
+    segment = max(segs)[1]
+    hosts = _hosts(segment)
+    world = int(meta.get("world_size") or 1)
+    steps = range(ckpts.start + 1, ckpts.end + 1)
+    work = keep or tempfile.mkdtemp(prefix="ckptverify-replay-")
+    try:
+        configs = {}
+        for name in ("R1", "R2"):
+            configs[name] = RunConfig(
+                name=name, stop_step=ckpts.end, save_at=(ckpts.end,), checkpoint_dir=os.path.join(work, name),
+                resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
+                level=str(meta.get("level", "metrics")), workload=meta["target"],
+                trace_every=int(meta.get("trace_every", 1)))
+        for name in ("R1", "R2"):
+            # Each replay in its own fresh processes: nondeterminism that depends on the process (hash seeds,
+            # allocation order, thread start-up) must show between the two.
+            say(f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)")
+            launch_jobs(world, device, [(meta["target"], configs[name])])
+        r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
+        assert r1 is not None and r2 is not None
+        twin = [f for f in compare_runs(r1, r2, steps=steps) if f.severity.value == "error"]
+        coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
+        if twin:
+            findings.extend(twin[:20])
+            first = divergences(r1, r2, steps=steps)
+            d = min(first, key=lambda x: (x.step, x.rank)) if first else None
+            return done("nondeterministic", "the two replays differ from each other"
+                        + (f", first at step {d.step} on rank {d.rank}, site {d.site}" if d else "")
+                        + ": the job is not deterministic, so no judgement about the hardware is possible; make it "
+                        "deterministic (torch.use_deterministic_algorithms, fixed seeds) and replay again",
+                        step=d.step if d else None, rank=d.rank if d else None, site=d.site if d else None)
+        say("compare production with the replay")
+        prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
+        coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
+        if prod:
+            findings.extend(prod[:20])
+            found = divergences(segment, r1, steps=steps)
+            d = min(found, key=lambda x: (x.step, x.rank)) if found else None
+            # Ranks that still agreed at the first divergent step (later steps mix the fault in everywhere).
+            agreed = [r for r in range(world) if d is None or all(x.rank != r or x.step > d.step for x in found)]
+            host = _where(hosts.get(d.rank)) if d else "host unknown"
+            return done("hardware-fault-suspected",
+                        f"production differs from two agreeing replays first at step {d.step} on rank {d.rank} "
+                        f"({host}), site {d.site}; ranks that agreed with the replay: {agreed or 'none'}; suspect the "
+                        "hardware of that rank" if d else "production differs from two agreeing replays",
+                        step=d.step if d else None, rank=d.rank if d else None, site=d.site if d else None,
+                        host=hosts.get(d.rank, {}).get("hostname") if d else None)
+        say("compare the final state with the production checkpoint")
+        final = diff_checkpoints(ckpts.end_path, checkpoint_path(os.path.join(work, "R1"), ckpts.end))
+        coverage.extend(final.coverage)
+        if not final.passed:
+            findings.extend(final.errors[:20])
+            first = final.errors[0]
+            return done("hardware-fault-suspected",
+                        f"every traced site agreed, but the production checkpoint of step {ckpts.end} differs from "
+                        f"the replay's ({first.location.fqn or first.check}): a fault between the last traced site "
+                        "and the save, or in state the trace does not cover", step=ckpts.end,
+                        site=first.location.fqn)
+        return done("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise reproducible on "
+                    f"{world} rank(s): two replays agree with each other and with production, traces and final "
+                    "state: no fault seen")
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,9 @@
+"""A training run's checkpoints over time: which exist, which were verified, which to resume from, which to
+delete.
+
+- :mod:`~ckptverify.runs.scan`: every checkpoint under a run directory and its state;
+- :mod:`~ckptverify.runs.stamp`: the verification stamp written beside a verified checkpoint;
+- :mod:`~ckptverify.runs.latest`: the newest checkpoint that verifies;
+- :mod:`~ckptverify.runs.prune`: retention that never deletes the newest verified checkpoint;
+- :mod:`~ckptverify.runs.watch`: verify each checkpoint as it commits.
+"""

@@ -1,0 +1,100 @@
+"""Retention that never deletes what a restart would need.
+
+:func:`prune` keeps the ``keep`` newest checkpoints of a run (by step) and deletes older ones, except:
+
+- the newest checkpoint that verifies (:func:`~ckptverify.runs.latest.latest_verified`), however old: deleting
+  it while every newer one is corrupt or torn would leave nothing to resume from;
+- a checkpoint being verified right now (its verifying lock is held);
+- a checkpoint a save is writing right now (its in-progress marker is locked by a live save);
+- anything whose step is unknown, and anything that is not a checkpoint ``find_checkpoints`` recognized.
+
+Deletion never follows a symbolic link and never leaves the run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptverify.errors import CheckpointNotFoundError, UsageError
+from ckptverify.formats.rundir import find_checkpoints
+from ckptverify.runs.stamp import VERIFYING_LOCK
+
+__all__ = ["PruneResult", "is_locked", "prune"]
+
+_SAVE_MARKER = ".ckptverify-save-in-progress"
+
+
+@dataclass
+class PruneResult:
+    deleted: list[str] = field(default_factory=list)
+    kept: list[dict[str, Any]] = field(default_factory=list)
+    dry_run: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"deleted": self.deleted, "kept": self.kept, "dry_run": self.dry_run}
+
+
+def is_locked(path: str) -> bool:
+    """Whether another process holds an ``flock`` on ``path`` (a missing file is not locked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, jobs: int | None = None) -> PruneResult:
+    """Delete all but the ``keep`` newest checkpoints of ``run_dir``, with the exceptions of the module docstring.
+
+    ``dry_run`` deletes nothing and says what would go. Returns what was deleted and what was kept, and why.
+    """
+    from ckptverify.runs.latest import latest_verified
+
+    root = os.path.realpath(os.fspath(run_dir))
+    if keep < 1:
+        raise UsageError(f"keep must be at least 1, got {keep}")
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a directory: {root}")
+    candidates = [c for c in find_checkpoints(root) if c.step is not None]
+    newest_first = sorted(candidates, key=lambda c: (c.step, c.mtime_ns), reverse=True)
+    good = latest_verified(root, jobs=jobs)
+    protected_good = os.path.relpath(good.path, root) if good.path else None
+    result = PruneResult(dry_run=dry_run)
+    for n, cand in enumerate(newest_first):
+        path = os.path.join(root, cand.path)
+        why = None
+        if n < keep:
+            why = f"one of the {keep} newest"
+        elif cand.path == protected_good:
+            why = "the newest checkpoint that verifies"
+        elif cand.kind == "dir" and (is_locked(os.path.join(path, VERIFYING_LOCK))
+                                     or is_locked(os.path.join(path, _SAVE_MARKER))):
+            why = "being verified or saved right now"
+        elif os.path.islink(path) or not os.path.realpath(path).startswith(root + os.sep):
+            why = "not inside the run directory"
+        if why is not None:
+            result.kept.append({"path": cand.path, "step": cand.step, "why": why})
+            continue
+        if not dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                if cand.kind == "dir":
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+        result.deleted.append(cand.path)
+    return result

@@ -1,0 +1,172 @@
+"""``scan``: every checkpoint under a run directory, its state, and the newest good one.
+
+Each checkpoint found by :func:`~ckptverify.formats.rundir.find_checkpoints` is verified and given one state:
+
+- ``verified``: every byte checked against the manifest's digests (taken at save time);
+- ``intact``: structure and every CRC-32 check out, but no manifest says what was in memory;
+- ``uncheckable``: nothing could check some of its content (no CRC-32 and no manifest), or its format is not
+  one ckptverify reads yet;
+- ``incomplete``: a save that never committed (no metadata, or a ckptverify save's in-progress marker);
+- ``corrupt``: a check failed.
+
+Good means ``verified`` or ``intact``. The report has one finding per checkpoint (an error for a corrupt one,
+a warning for an incomplete or uncheckable one, info otherwise), and ``stats`` lists them all, ordered by step,
+with the newest good one named. Exit code 1 when any checkpoint is corrupt or none is good.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ckptverify.errors import CheckpointNotFoundError, UsageError
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.formats.rundir import Candidate, find_checkpoints
+
+__all__ = ["GOOD_STATES", "STATES", "judge", "judge_report", "render_scan", "scan_run_dir"]
+
+STATES = ("verified", "intact", "uncheckable", "incomplete", "corrupt")
+GOOD_STATES = frozenset({"verified", "intact"})
+_INCOMPLETE_CHECKS = frozenset({"metadata-missing", "save-uncommitted"})
+
+
+def judge_report(report: Report) -> str:
+    """The state (one of :data:`STATES`) a ``verify`` report gives a DCP checkpoint."""
+    from ckptverify.verify import UNCHECKABLE
+
+    checks = {f.check for f in report.errors}
+    if checks & _INCOMPLETE_CHECKS:
+        return "incomplete"
+    if checks:
+        return "corrupt"
+    if any(f.check == UNCHECKABLE for f in report.findings):
+        return "uncheckable"
+    return "verified" if report.stats.get("manifest") else "intact"
+
+
+def _judge_dcp(path: str, jobs: int | None) -> tuple[str, Report]:
+    from ckptverify.verify import verify_checkpoint
+
+    report = verify_checkpoint(path, jobs=jobs)
+    return judge_report(report), report
+
+
+_WORST = {s: n for n, s in enumerate(("verified", "intact", "uncheckable", "incomplete", "corrupt"))}
+
+
+def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
+    """State, one-line reason, and counts for one candidate."""
+    path = os.path.join(root, cand.path)
+    if cand.format in ("dcp", "dcp-uncommitted"):
+        state, report = _judge_dcp(path, jobs)
+        return state, reason_of(state, report), counts_of(report)
+    if cand.kind == "file":
+        from ckptverify.formats.single import check_file
+
+        found, cov, facts = check_file(path, name=cand.path)
+        report = Report(command="verify", target=path, findings=tuple(found), coverage=tuple(cov),
+                        stats={"bytes": facts.get("bytes", 0)})
+        state = judge_report(report)
+        return state, reason_of(state, report), counts_of(report)
+    from ckptverify.formats.folder import check_folder
+
+    found, cov, facts = check_folder(path)
+    folder = Report(command="verify", target=path, findings=tuple(found), coverage=tuple(cov),
+                    stats={"bytes": facts.get("bytes", 0)})
+    states, reasons = [judge_report(folder)], []
+    counts = counts_of(folder)
+    if found or not facts["dcp_parts"]:
+        reasons.append(f"files: {reason_of(states[0], folder)}")
+    for part in facts["dcp_parts"]:
+        state, report = _judge_dcp(os.path.join(path, part), jobs)
+        states.append(state)
+        for k, v in counts_of(report).items():
+            counts[k] += v
+        reasons.append(f"{part}/: {state}")
+    worst = max(states, key=_WORST.__getitem__)
+    return worst, "; ".join(reasons), counts
+
+
+def counts_of(report: Report) -> dict[str, int]:
+    return {"errors": len(report.errors), "warnings": len(report.warnings),
+            "bytes_checked": int(report.stats.get("bytes", 0) or 0)}
+
+
+def reason_of(state: str, report: Report) -> str:
+    """One line saying why a checkpoint has ``state``."""
+    if state in ("corrupt", "incomplete"):
+        first = report.errors[0]
+        return f"{len(report.errors)} error(s); first: {first.check}: {first.message}"
+    if state == "uncheckable":
+        return "some content carries no checksum and no manifest covers it"
+    if state == "verified":
+        return "every byte matches the manifest"
+    return "structure and every CRC-32 check out; no manifest"
+
+
+def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, progress: Any = None) -> Report:
+    """Verify every checkpoint under ``run_dir``; see the module docstring.
+
+    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory and
+    :class:`~ckptverify.errors.UsageError` when it holds no checkpoint at all.
+    """
+    root = os.fspath(run_dir)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a directory: {root}")
+    started = time.perf_counter()
+    candidates = find_checkpoints(root)
+    if not candidates:
+        raise UsageError(f"no checkpoint found under {root} (looked for DCP folders, Hugging Face and accelerate "
+                         "folders, .pt/.pth/.bin/.ckpt/.safetensors files)")
+    rows: list[dict[str, Any]] = []
+    findings: list[Finding] = []
+    for n, cand in enumerate(candidates):
+        if progress is not None:
+            progress(f"{n + 1}/{len(candidates)} {cand.path}")
+        state, reason, counts = judge(root, cand, jobs)
+        rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts})
+        make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable") else info
+        findings.append(make("scan", f"{cand.path}: {state} ({cand.format}"
+                             f"{'' if cand.step is None else f', step {cand.step}'}): {reason}",
+                             location=Location(file=cand.path)))
+    good = [r for r in rows if r["state"] in GOOD_STATES]
+    newest = good[-1] if good else None
+    if newest is None:
+        findings.append(error("scan-no-good-checkpoint",
+                              f"none of the {len(rows)} checkpoint(s) under {root} is verified or intact"))
+    stats = {"seconds": round(time.perf_counter() - started, 6), "checkpoints": rows,
+             "newest_good": None if newest is None else {"path": newest["path"], "step": newest["step"]},
+             "bytes": sum(r["bytes_checked"] for r in rows)}
+    coverage = (CheckCoverage(check="scan", count=len(rows), unit="checkpoints"),)
+    return Report(command="scan", target=root, findings=tuple(findings), coverage=coverage, stats=stats)
+
+
+def render_scan(report: Report, console: Any) -> None:
+    """A table of the checkpoints in step order, the newest good one last, then the verdict."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from ckptverify.report import _human, printable
+
+    style = {"verified": "green", "intact": "green", "uncheckable": "yellow", "incomplete": "yellow",
+             "corrupt": "bold red"}
+    table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
+    for col in ("step", "checkpoint", "format", "size", "state", "why"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("step", "state"))
+    for row in report.stats.get("checkpoints", []):
+        table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
+                      Text(row["format"]), Text(_human(row["size"])), Text(row["state"], style=style[row["state"]]),
+                      Text(printable(row["reason"])))
+    console.print(table)
+    newest = report.stats.get("newest_good")
+    if newest:
+        console.print(Text.assemble(("newest good: ", "bold"), printable(newest["path"]),
+                                    f" (step {newest['step']})" if newest["step"] is not None else ""))
+    counts = report.summary()
+    verdict = ("PASSED", "bold green") if report.passed else ("FAILED", "bold red")
+    console.print(Text.assemble(verdict, " ", printable(
+        f"scan {report.target}: {len(report.stats.get('checkpoints', []))} checkpoint(s), "
+        f"{counts['error']} error(s), {counts['warning']} warning(s)")))
+
+

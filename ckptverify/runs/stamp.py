@@ -1,0 +1,170 @@
+"""The verification stamp: ``ckptverify.verified.json``, written beside a checkpoint once it was verified.
+
+A stamp records the verdict (passed or not, the counts, the first errors), what was checked (bytes, deep or
+not), the tool version, the time taken, the digest of the manifest, and a fingerprint of the directory's files
+(name, size, modification time, inode of every file but the stamp itself). A stamp is **current** only while
+that fingerprint still matches: a file rewritten, added, removed or touched after the verification makes it
+stale, and a stale stamp is never trusted (the checkpoint is verified again). A stamp is written atomically (a
+temporary file, then ``rename``), so a reader sees a whole stamp or none.
+
+The stamp is a cache of a verification, not evidence against an attacker who can write the directory: such an
+attacker can write a stamp too (``docs/security.md``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from ckptverify.findings import Report
+
+__all__ = ["STAMP_FILE", "VERIFYING_LOCK", "Stamp", "files_fingerprint", "read_stamp", "write_stamp"]
+
+STAMP_FILE = "ckptverify.verified.json"
+#: Held (``flock``) by whoever is verifying a checkpoint right now; retention skips a locked checkpoint.
+VERIFYING_LOCK = ".ckptverify-verifying"
+STAMP_SCHEMA = "ckptverify/stamp"
+STAMP_VERSION = 1
+#: The most of a stamp that is ever read.
+MAX_STAMP_BYTES = 1 << 20
+_IGNORED = frozenset({STAMP_FILE, VERIFYING_LOCK})
+
+
+def files_fingerprint(root: str) -> str:
+    """xxh3-128 over (relative path, size, mtime_ns, inode) of every file under ``root``, links not followed,
+    the stamp and the verifying lock excluded."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    stack = [root]
+    entries: list[str] = []
+    while stack:
+        folder = stack.pop()
+        try:
+            with os.scandir(folder) as it:
+                listing = list(it)
+        except OSError:
+            continue
+        for e in listing:
+            rel = os.path.relpath(e.path, root)
+            if rel in _IGNORED or e.name.startswith(".ckptverify-stamp-"):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(e.path)
+                continue
+            entries.append(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
+    for line in sorted(entries):
+        h.update(line.encode("utf-8", "surrogateescape") + b"\n")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """A stamp as read back. ``current`` says whether the directory is still what was verified."""
+
+    passed: bool
+    data: dict[str, Any]
+    current: bool
+
+    @property
+    def step(self) -> int | None:
+        value = self.data.get("step")
+        return value if isinstance(value, int) else None
+
+
+def _manifest_digest(root: str) -> str | None:
+    from ckptverify.fingerprint import digest_bytes
+    from ckptverify.manifest import MANIFEST_FILE
+
+    path = os.path.join(root, MANIFEST_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return digest_bytes(f.read(64 << 20))
+    finally:
+        os.close(fd)
+
+
+def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | None = None,
+                fingerprint: str | None = None) -> dict[str, Any]:
+    """Write the stamp for ``report`` (a ``verify`` report of ``root``) into ``root``; return what was written.
+
+    ``fingerprint``: :func:`files_fingerprint` taken *before* the verification began (default: now). Taking it
+    before means a file changed during the verification leaves a stamp that is already stale.
+    """
+    from ckptverify import __version__
+
+    folder = os.fspath(root)
+    counts = report.summary()
+    data = {
+        "schema": STAMP_SCHEMA,
+        "schema_version": STAMP_VERSION,
+        "tool_version": __version__,
+        "verdict": "passed" if report.passed else "failed",
+        "passed": report.passed,
+        "summary": counts,
+        "errors": [f.to_dict() for f in report.errors[:20]],
+        "coverage": [c.to_dict() for c in report.coverage],
+        "bytes_checked": report.stats.get("bytes"),
+        "seconds": report.stats.get("seconds"),
+        "deep": bool(report.stats.get("deep")),
+        "manifest": bool(report.stats.get("manifest")),
+        "manifest_digest": _manifest_digest(folder),
+        "files_fingerprint": fingerprint or files_fingerprint(folder),
+        "step": step,
+        "checked_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+    fd, tmp = tempfile.mkstemp(prefix=".ckptverify-stamp-", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, os.path.join(folder, STAMP_FILE))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return data
+
+
+def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
+    """The stamp in ``root``, or ``None`` when there is none or it cannot be read as one (never trusted then)."""
+    folder = os.fspath(root)
+    path = os.path.join(folder, STAMP_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STAMP_BYTES:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_STAMP_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != STAMP_SCHEMA or not isinstance(data.get("passed"), bool):
+        return None
+    current = (data.get("files_fingerprint") == files_fingerprint(folder)
+               and data.get("manifest_digest") == _manifest_digest(folder))
+    return Stamp(passed=data["passed"], data=data, current=current)

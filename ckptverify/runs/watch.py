@@ -1,0 +1,190 @@
+"""Verify every checkpoint of a run as it commits: ``ckptverify watch RUN_DIR``.
+
+Each pass lists the run's checkpoints (:func:`~ckptverify.formats.rundir.find_checkpoints`), and every committed
+DCP checkpoint without a current stamp is verified and stamped (:mod:`~ckptverify.runs.stamp`), with one JSON
+line appended to the log for each result. *Committed* means its ``.metadata`` is in place and no ckptverify save
+is in progress in it; a checkpoint still being written is left for a later pass. While verifying, the watcher
+holds the checkpoint's verifying lock, so retention (:func:`~ckptverify.runs.prune.prune`) leaves it alone. A
+checkpoint deleted while being verified (retention elsewhere) is logged as ``deleted``, not as a failure.
+
+The directory is polled (``interval`` seconds): it works the same on local and network file systems, where
+change notification is not reliable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError
+from ckptverify.formats.rundir import Candidate, find_checkpoints
+from ckptverify.runs.scan import judge_report
+from ckptverify.runs.stamp import VERIFYING_LOCK, files_fingerprint, read_stamp, write_stamp
+
+__all__ = ["WatchResult", "watch", "watch_pass"]
+
+#: After a failed verification, how long to wait before judging: a checkpoint being deleted file by file must
+#: not be reported as corrupt.
+SETTLE_SECONDS = 1.0
+_SAVE_MARKER = ".ckptverify-save-in-progress"
+_METADATA = ".metadata"
+
+
+@dataclass
+class WatchResult:
+    """What the passes so far found: one entry per checkpoint verified (or seen failed), in order."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    passes: int = 0
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        return [r for r in self.results if r["event"] == "failed"]
+
+
+def _committed(path: str) -> bool:
+    try:
+        names = set(os.listdir(path))
+    except OSError:  # gone (retention), or not a directory
+        return False
+    has_metadata = _METADATA in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
+    return has_metadata and _SAVE_MARKER not in names
+
+
+@contextlib.contextmanager
+def _verifying_lock(path: str) -> Any:
+    """Hold the checkpoint's verifying lock; yields ``False`` (and holds nothing) if someone else holds it."""
+    lock = os.path.join(path, VERIFYING_LOCK)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+    finally:
+        os.close(fd)
+
+
+def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool, settle: float) -> dict[str, Any] | None:
+    from ckptverify.verify import verify_checkpoint
+
+    path = os.path.join(root, cand.path)
+    base = {"path": cand.path, "step": cand.step}
+    try:
+        with _verifying_lock(path) as mine:
+            if not mine:
+                return None  # another watcher is on it
+            before = files_fingerprint(path)
+            started = time.perf_counter()
+            report = verify_checkpoint(path, jobs=jobs, deep=deep)
+            if not report.passed:
+                # Retention deletes a checkpoint file by file: what looks torn may be on its way out. Let it
+                # settle, then judge only if nothing moved.
+                time.sleep(settle)
+            if not os.path.isdir(path) or not _committed(path):
+                return {"event": "deleted", **base, "reason": "removed while it was being verified"}
+            if files_fingerprint(path) != before:
+                # Not a verdict on anything: the files verified are not the files there now.
+                return {"event": "changed", **base, "reason": "its files changed while it was being verified; "
+                        "it is verified again in a later pass"}
+            write_stamp(path, report, step=cand.step, fingerprint=before)
+    except FileNotFoundError:
+        return {"event": "deleted", **base, "reason": "removed while it was being verified"}
+    except CheckpointNotFoundError:
+        return {"event": "deleted", **base, "reason": "removed while it was being verified"}
+    except OSError as exc:  # e.g. a read-only run directory: the stamp cannot be written
+        return {"event": "error", **base, "reason": f"{type(exc).__name__}: {exc}"}
+    state = judge_report(report)
+    event = "verified" if report.passed else "failed"
+    out = {"event": event, **base, "state": state, "errors": len(report.errors),
+           "warnings": len(report.warnings), "bytes": report.stats.get("bytes"),
+           "seconds": round(time.perf_counter() - started, 3)}
+    if report.errors:
+        first = report.errors[0]
+        out["first_error"] = {"check": first.check, "message": first.message}
+    return out
+
+
+def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
+               settle: float = SETTLE_SECONDS) -> list[dict[str, Any]]:
+    """One pass: verify and stamp every committed, unstamped (or stale) DCP checkpoint; report failed stamps.
+
+    Returns one result per checkpoint acted on: ``verified``, ``failed`` (a new failure, or a current stamp that
+    says failed), ``deleted``, ``changed`` (its files changed during the verification: no verdict, no stamp) or
+    ``error``.
+    """
+    root = os.fspath(run_dir)
+    out: list[dict[str, Any]] = []
+    for cand in find_checkpoints(root):
+        if cand.kind != "dir" or cand.format != "dcp":
+            continue
+        path = os.path.join(root, cand.path)
+        if not _committed(path):
+            continue
+        stamp = read_stamp(path)
+        if stamp is not None and stamp.current:
+            if not stamp.passed:
+                out.append({"event": "failed", "path": cand.path, "step": cand.step, "state": "corrupt",
+                            "stamped": True, "checked_at": stamp.data.get("checked_at")})
+            continue
+        result = _verify_one(root, cand, jobs, deep, settle)
+        if result is not None:
+            out.append(result)
+    return out
+
+
+def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: float = 2.0,
+          exit_on_failure: bool = False, log: str | None = None, jobs: int | None = None, deep: bool = False,
+          max_passes: int | None = None, on_result: Callable[[dict[str, Any]], None] | None = None) -> WatchResult:
+    """Watch ``run_dir``; see the module docstring. Returns when ``once`` (after one pass), at the first failure
+    with ``exit_on_failure``, after ``max_passes`` passes, or on ``KeyboardInterrupt``.
+
+    ``log``: a file to append one JSON line per result to (default: ``RUN_DIR/ckptverify-watch.jsonl``).
+    """
+    root = os.fspath(run_dir)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a directory: {root}")
+    log_path = log or os.path.join(root, "ckptverify-watch.jsonl")
+    result = WatchResult()
+    reported_failures: set[tuple[str, str | None]] = set()
+    try:
+        while True:
+            for item in watch_pass(root, jobs=jobs, deep=deep):
+                key = (item["path"], item.get("checked_at"))
+                if item.get("stamped") and key in reported_failures:
+                    continue  # a failed stamp is reported once per watcher, not every pass
+                reported_failures.add(key)
+                item = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **item}
+                result.results.append(item)
+                _append(log_path, item)
+                if on_result is not None:
+                    on_result(item)
+            result.passes += 1
+            if once or (exit_on_failure and result.failed) or (max_passes and result.passes >= max_passes):
+                return result
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return result
+
+
+def _append(path: str, item: dict[str, Any]) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise CkptVerifyError(f"cannot append to the watch log {path}: {exc}") from None
+    try:
+        os.write(fd, (json.dumps(item, default=str) + "\n").encode())
+    finally:
+        os.close(fd)

@@ -1,0 +1,75 @@
+"""Worker for the hardware tests: a small data-parallel job (DDP, or HSDP through FSDP2 on a 2x1 mesh) that
+checks its replicas every step, optionally with one planted bit flip. Run under torch.multiprocessing, gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptverify.events import EventLog
+from ckptverify.hardware.inject import BitFlip, FaultInjector
+from ckptverify.hardware.replica import ReplicaCheck, ReplicaMismatchError
+
+
+def _model(wrap: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if wrap == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if wrap == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    if wrap == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    raise ValueError(wrap)
+
+
+def run(rank: int, world: int, rendezvous: str, out_dir: str, wrap: str, fault: str | None, on_mismatch: str,
+        steps: int) -> None:
+    torch.set_num_threads(1)
+    # A file rendezvous: no TCP port to race for with other jobs on a busy machine.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    result: dict[str, Any] = {"mismatch_steps": [], "compared": [], "error": None, "fired": False}
+    try:
+        model = _model(wrap)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = 0
+        injector = None
+        if fault:
+            injector = FaultInjector(BitFlip.from_json(fault), model=model, optimizer=opt, rank=rank,
+                                     step_in_progress=lambda: step + 1)
+        check = ReplicaCheck(model, optimizer=opt, on_mismatch=on_mismatch, events=EventLog(out_dir, rank=rank))
+        result["tensors"] = check.tensors
+        gen = torch.Generator().manual_seed(1 + rank)  # each replica its own data, as in data parallelism
+        try:
+            for _ in range(steps):
+                x = torch.randn(4, 8, generator=gen)
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                step += 1
+                found = check.check(step)
+                result["compared"].append(check.compared)
+                result["mismatch_steps"] += [(m.step, list(m.tensors), [s["ranks"] for s in m.sides]) for m in found]
+        except ReplicaMismatchError as exc:
+            result["error"] = {"type": "ReplicaMismatchError", "step": exc.mismatch.step}
+        result["fired"] = bool(injector and injector.fired)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,96 @@
+"""PyTorch Lightning 2.6 checkpoints judged by ckptverify: ``ModelParallelStrategy`` (FSDP2) DCP folders with
+``meta.pt``, on 2 ranks and resharded to 1, and the default strategy's single-file ``.ckpt``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import inject_fault as inj
+import pytest
+from frameworks import harness as h
+
+pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
+
+lightning = h.fixture("lightning")
+
+DCP = ["ws2-step2", "ws2-step4", "ws1-step4"]
+
+
+@pytest.mark.parametrize("name", DCP)
+def test_dcp_folder_verifies_with_no_error(lightning: h.Built, name: str) -> None:
+    report = h.verify(lightning.path(name))
+    assert report["exit_code"] == 0, h.describe(report)
+    assert not h.findings(report, "error"), h.describe(report)
+    assert h.covered(report, "zip-crc") > 0
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="Lightning's meta.pt is a known side file, not file-unreferenced")
+@pytest.mark.parametrize("name", DCP)
+def test_dcp_folder_verifies_clean_with_meta_pt(lightning: h.Built, name: str) -> None:
+    h.assert_clean(h.verify(lightning.path(name)))
+
+
+def test_flipped_payload_bit_is_caught_and_localized(lightning: h.Built, tmp_path: Path) -> None:
+    ckpt = lightning.copy("ws2-step4", tmp_path / "step=4.ckpt")
+    fault = inj.flip_in_tensor_payload(ckpt)
+    h.assert_flip_localized(h.verify(ckpt), fault)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="meta.pt is not covered by the manifest, so a flipped byte passes")
+def test_flipped_byte_in_meta_pt_after_fingerprint_is_caught(lightning: h.Built, tmp_path: Path) -> None:
+    ckpt = lightning.copy("ws2-step4", tmp_path / "step=4.ckpt")
+    adopted = h.fingerprint(ckpt)
+    assert adopted["exit_code"] == 0, h.describe(adopted)
+    h.flip_in_zip_member(ckpt / "meta.pt")
+    report = h.verify(ckpt)
+    assert report["exit_code"] == 1, h.describe(report)
+    assert any(f["location"].get("file") == "meta.pt" for f in h.findings(report, "error")), h.describe(report)
+
+
+def test_diff_of_two_steps_names_every_trained_tensor(lightning: h.Built) -> None:
+    report = h.diff(lightning.path("ws2-step2"), lightning.path("ws2-step4"))
+    assert report["exit_code"] == 1, h.describe(report)
+    assert h.named(report, "diff-tensor") == h.tensor_fqns(lightning.path("ws2-step4"))
+
+
+def test_diff_of_one_rank_and_two_rank_saves_of_the_same_state_passes(lightning: h.Built) -> None:
+    report = h.diff(lightning.path("ws2-step4"), lightning.path("ws1-step4"))
+    assert report["exit_code"] == 0, h.describe(report)
+    assert h.covered(report, "diff-tensor") == len(h.tensor_fqns(lightning.path("ws1-step4")))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="diff should compare meta.pt's values (global step, loops, schedulers)")
+def test_diff_of_two_steps_compares_meta_pt(lightning: h.Built) -> None:
+    report = h.diff(lightning.path("ws2-step2"), lightning.path("ws2-step4"))
+    assert any("global_step" in fqn for fqn in h.named(report, "diff-value") | h.named(report, "diff-tensor")), \
+        h.describe(report)
+
+
+# ---- the default strategy's single .ckpt file (a torch.save archive) --------------------------------------
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a Lightning .ckpt file is not read")
+@pytest.mark.parametrize("name", ["plain-step2", "plain-step4"])
+def test_plain_ckpt_file_verifies_clean(lightning: h.Built, name: str) -> None:
+    h.assert_clean(h.verify(lightning.path(name)))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a Lightning .ckpt file is not read")
+def test_flipped_byte_in_plain_ckpt_file_is_caught(lightning: h.Built, tmp_path: Path) -> None:
+    ckpt = lightning.copy("plain-step4", tmp_path / "step=4.ckpt")
+    record = h.flip_in_zip_member(ckpt)
+    report = h.verify(ckpt)
+    assert report["exit_code"] == 1, h.describe(report)
+    assert any(record in str(f["location"]) for f in h.findings(report, "error")), h.describe(report)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a Lightning .ckpt file is not read")
+def test_diff_of_two_plain_ckpt_files_names_the_weights(lightning: h.Built) -> None:
+    report = h.diff(lightning.path("plain-step2"), lightning.path("plain-step4"))
+    assert report["exit_code"] == 1, h.describe(report)
+    differing = h.named(report, "diff-tensor")
+    for weight in ("net.0.weight", "net.4.bias"):  # under the archive's "state_dict"; optimizer moments too
+        assert any(fqn.endswith(weight) for fqn in differing), h.describe(report)

@@ -1,0 +1,110 @@
+"""Metadata reading and the structural checks are linear in the number of chunks (issue 8, item 6).
+
+Work is measured by counting Python function calls (``sys.setprofile``), which does not depend on machine
+load: quadrupling the chunks must roughly quadruple the calls (a quadratic loop would multiply them by 16).
+One test also reads and checks 100 000 chunks end to end under a generous time bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
+from ckptverify.dcp.metadata import read_layout
+
+
+def write_metadata(root: Path, grid: tuple[int, ...], step: int = 2, files: int = 8) -> int:
+    """A ``.metadata`` (pickled by torch from DCP's own classes) for one tensor cut into a grid of chunks."""
+    shape = tuple(g * step for g in grid)
+    chunks, storage = [], {}
+    for i, idx in enumerate(itertools.product(*(range(g) for g in grid))):
+        offsets = torch.Size(k * step for k in idx)
+        chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([step] * len(grid))))
+        storage[MetadataIndex("w", offsets, i)] = _StorageInfo(f"__{i % files}_0.distcp", (i // files) * 64, 64)
+    md = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), chunks)},
+                  storage_data=storage)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / ".metadata").write_bytes(pickle.dumps(md))
+    return len(chunks)
+
+
+def read_and_check(root: Path) -> int:
+    """Everything verify does with the metadata alone; returns the number of findings."""
+    layout, findings = read_layout(str(root))
+    assert layout is not None, findings
+    tiling, _ = check_tiling(layout)
+    stats = stat_files(str(root), layout.files)
+    out = findings + tiling + check_coverage(layout) + check_files(str(root), layout, stats)
+    out += check_items(layout, stats)
+    return len(out)
+
+
+def count_calls(fn, *args) -> int:
+    calls = 0
+
+    def profiler(frame, event, arg):
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(profiler)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+# 1-D split along dim 0, along dim 1 (every chunk starts at row 0), and a 2-D grid.
+ARRANGEMENTS = {
+    "rows": lambda n: (n, 1),
+    "columns": lambda n: (1, n),
+    "grid": lambda n: (int(n**0.5), int(n**0.5)),
+}
+
+
+@pytest.mark.parametrize("arrangement", sorted(ARRANGEMENTS))
+def test_work_grows_linearly_with_chunks(tmp_path, arrangement):
+    small, large = 2500, 10000
+    n_small = write_metadata(tmp_path / "s", ARRANGEMENTS[arrangement](small))
+    n_large = write_metadata(tmp_path / "l", ARRANGEMENTS[arrangement](large))
+    calls_small = count_calls(read_and_check, tmp_path / "s")
+    calls_large = count_calls(read_and_check, tmp_path / "l")
+    ratio = calls_large / calls_small
+    assert ratio < 1.5 * n_large / n_small, (arrangement, calls_small, calls_large)
+
+
+def test_irregular_chunks_are_bounded_not_quadratic(tmp_path):
+    # Chunks of different widths stacked in one column: no grid, every chunk starts at row 0.
+    chunks = [ChunkStorageMetadata(torch.Size([0, i]), torch.Size([1 + i % 2, 1])) for i in range(3000)]
+    md = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2, 3000]),
+                                              chunks)}, storage_data={})
+    tmp_path.joinpath(".metadata").write_bytes(pickle.dumps(md))
+    layout, _ = read_layout(str(tmp_path))
+    findings, _ = check_tiling(layout)
+    assert any(f.check == "chunk-tiling" for f in findings)  # half the rows [1, 2) are in no chunk
+
+
+def test_hundred_thousand_chunks_read_and_check_in_seconds(tmp_path):
+    n = write_metadata(tmp_path, (100_000, 1))
+    assert n == 100_000
+    started = time.perf_counter()
+    read_and_check(tmp_path)
+    elapsed = time.perf_counter() - started
+    # Seconds on an idle machine; the bound is generous for loaded CI (it was minutes when quadratic).
+    assert elapsed < 120, elapsed

@@ -1,0 +1,167 @@
+"""A run's checkpoints over time: stamps, the newest good checkpoint, retention, and the watcher."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import inject_fault as inj
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+from ckptverify.adopt import fingerprint_checkpoint
+from ckptverify.cli import main
+from ckptverify.runs.latest import latest_verified
+from ckptverify.runs.prune import prune
+from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp, write_stamp
+from ckptverify.runs.watch import watch, watch_pass
+from ckptverify.verify import verify_checkpoint
+
+
+def _dcp(path: Path, value: float, manifest: bool = True) -> Path:
+    dcp.save({"w": torch.full((64, 64), value), "step": int(value)}, checkpoint_id=str(path))
+    if manifest:
+        fingerprint_checkpoint(path)
+    return path
+
+
+def test_a_stamp_is_current_until_any_file_changes(tmp_path: Path) -> None:
+    path = _dcp(tmp_path / "step_1", 1.0)
+    write_stamp(path, verify_checkpoint(path), step=1)
+    stamp = read_stamp(path)
+    assert stamp is not None and stamp.passed and stamp.current and stamp.step == 1
+    assert verify_checkpoint(path).passed and not verify_checkpoint(path).warnings  # the stamp is our own file
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert not read_stamp(path).current
+    (path / STAMP_FILE).write_text("{not json")
+    assert read_stamp(path) is None
+    os.unlink(path / STAMP_FILE)
+    os.mkfifo(path / STAMP_FILE)  # never blocks, never trusted
+    assert read_stamp(path) is None
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    root = tmp_path / "run"
+    for step in (10, 20, 30, 40):
+        _dcp(root / f"step_{step}", float(step))
+    inj.flip_in_tensor_payload(root / "step_40", "w")  # the newest is corrupt
+    os.remove(root / "step_30" / ".metadata")  # the one before was torn
+    return root
+
+
+def test_latest_skips_corrupt_and_torn_checkpoints_and_says_why(run: Path) -> None:
+    found = latest_verified(run)
+    assert found.path == str(run / "step_20") and found.step == 20
+    assert [(s["path"], s["state"]) for s in found.skipped] == [("step_40", "corrupt"), ("step_30", "incomplete")]
+    as_json = CliRunner().invoke(main, ["latest", "--json", str(run)])
+    data = json.loads(as_json.output)
+    assert as_json.exit_code == 0 and data["path"] == str(run / "step_20") and len(data["skipped"]) == 2
+    only = CliRunner().invoke(main, ["latest", "--path-only", str(run)])
+    assert only.exit_code == 0 and only.output == f"{run / 'step_20'}\n"
+
+
+def test_latest_trusts_current_stamps_only(run: Path) -> None:
+    # A stamp that says "failed" on a good checkpoint is believed while current ...
+    good = run / "step_20"
+    report = verify_checkpoint(run / "step_40")
+    write_stamp(good, report, step=20)
+    assert latest_verified(run).step == 10
+    # ... and ignored once stale, or when asked to verify everything now.
+    assert latest_verified(run, use_stamps=False).step == 20
+    os.utime(good / ".metadata", ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert latest_verified(run).step == 20
+
+
+def test_latest_with_nothing_good_exits_1(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    bad = _dcp(root / "step_1", 1.0)
+    inj.flip_in_tensor_payload(bad, "w")
+    assert latest_verified(root).path is None
+    result = CliRunner().invoke(main, ["latest", "--path-only", str(root)])
+    assert result.exit_code == 1 and result.output == ""
+
+
+def test_prune_never_deletes_the_newest_good_checkpoint(run: Path) -> None:
+    dry = prune(run, keep=2, dry_run=True)
+    assert dry.deleted == ["step_10"] and all(p.exists() for p in run.iterdir())
+    kept = {k["path"]: k["why"] for k in dry.kept}
+    assert kept["step_20"] == "the newest checkpoint that verifies"
+    result = prune(run, keep=2)
+    assert result.deleted == ["step_10"] and not (run / "step_10").exists() and (run / "step_20").exists()
+
+
+def test_prune_skips_a_checkpoint_being_verified(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for step in (1, 2, 3):
+        _dcp(root / f"step_{step}", float(step))
+    lock = os.open(root / "step_1" / VERIFYING_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        result = prune(root, keep=1)
+    finally:
+        os.close(lock)
+    assert result.deleted == ["step_2"] and (root / "step_1").exists()
+
+
+def test_watch_once_stamps_every_committed_checkpoint_and_fails_on_a_bad_one(run: Path, tmp_path: Path) -> None:
+    log = tmp_path / "watch.jsonl"
+    result = watch(run, once=True, log=str(log))
+    events = {r["path"]: r["event"] for r in result.results}
+    assert events == {"step_10": "verified", "step_20": "verified", "step_40": "failed"}  # step_30 not committed
+    assert [json.loads(line)["path"] for line in log.read_text().splitlines()] == [r["path"] for r in result.results]
+    for step in (10, 20, 40):
+        stamp = read_stamp(run / f"step_{step}")
+        assert stamp is not None and stamp.current and stamp.passed == (step != 40)
+    # A second pass verifies nothing again: the stamps are current (the failed one is reported again).
+    again = watch_pass(str(run))
+    assert [(r["path"], r["event"], r.get("stamped")) for r in again] == [("step_40", "failed", True)]
+    cli = CliRunner().invoke(main, ["watch", "--once", "--log", str(log), str(run)])
+    assert cli.exit_code == 1 and '"step_40"' in cli.output
+
+
+def test_watch_picks_up_a_checkpoint_committed_later(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    _dcp(root / "step_1", 1.0)
+    seen: list[dict] = []
+
+    def late_save() -> None:
+        time.sleep(0.5)
+        _dcp(root / "step_2", 2.0)
+
+    saver = threading.Thread(target=late_save)
+    saver.start()
+    watch(root, interval=0.2, max_passes=15, on_result=seen.append, log=str(tmp_path / "w.jsonl"))
+    saver.join()
+    assert {r["path"] for r in seen if r["event"] == "verified"} >= {"step_1"}
+    # Whatever the timing, once the save is done one more pass stamps it.
+    watch(root, once=True, log=str(tmp_path / "w.jsonl"))
+    assert read_stamp(root / "step_2").current
+
+
+def test_watch_copes_with_retention_deleting_checkpoints(tmp_path: Path) -> None:
+    """A checkpoint removed mid-verification is logged as deleted, never as a failure, and the watcher lives."""
+    root = tmp_path / "run"
+    for step in range(1, 7):
+        _dcp(root / f"step_{step}", float(step), manifest=False)
+    code = (
+        "import shutil, sys, time, pathlib\n"
+        "root = pathlib.Path(sys.argv[1])\n"
+        "for p in sorted(root.iterdir()):\n"
+        "    time.sleep(0.02)\n"
+        "    shutil.rmtree(p, ignore_errors=True)\n"
+    )
+    deleter = subprocess.Popen([sys.executable, "-c", code, str(root)])
+    result = watch(root, interval=0.05, max_passes=5, log=str(tmp_path / "w.jsonl"))
+    deleter.wait(timeout=60)
+    assert all(r["event"] in ("verified", "deleted", "changed") for r in result.results), [
+        r for r in result.results if r["event"] not in ("verified", "deleted", "changed")]
