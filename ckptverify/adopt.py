@@ -21,13 +21,16 @@ from ckptverify.findings import CheckCoverage, Location, Report, error, info, me
 from ckptverify.manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_FILE,
+    MAX_BLOCK_BYTES,
+    MIN_BLOCK_BYTES,
     FileEntry,
     ItemEntry,
     Manifest,
     TensorEntry,
     write_manifest,
 )
-from ckptverify.verify import UNCHECKABLE, ProgressSink, VerificationRun, default_jobs
+from ckptverify.readers import FileChangedError
+from ckptverify.verify import UNCHECKABLE, ProgressSink, VerificationRun, changed_finding, default_jobs
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -45,13 +48,13 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     :class:`~ckptverify.errors.ManifestExistsError` when a manifest exists and ``force`` is false, or the
     manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments."""
     from ckptverify import __version__
-    from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_file_range
+    from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
 
     root = os.fspath(path)
     if digest not in ALGORITHMS:
         raise UsageError(f"unknown digest {digest!r}; choose one of {', '.join(ALGORITHMS)}")
-    if block_bytes <= 0:
-        raise UsageError(f"--block-bytes must be positive, got {block_bytes}")
+    if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+        raise UsageError(f"--block-bytes must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], got {block_bytes}")
     manifest_path = os.path.join(root, MANIFEST_FILE)
     if os.path.isdir(root) and os.path.lexists(manifest_path):
         if not force:
@@ -98,13 +101,9 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         entries = run.map(digest_item, sorted(items, key=lambda i: -i.length))
         names = sorted(n for n, f in run.opened.items() if f is not None)
         file_digests = run.map(
-            lambda n: FileEntry(size=run.opened[n].size,  # type: ignore[union-attr]
-                                digest=digest_file_range(os.path.join(root, n), 0, run.opened[n].size, digest)),  # type: ignore[union-attr]
+            lambda n: FileEntry(size=run.opened[n].size, digest=digest_reader(run.opened[n], digest)),  # type: ignore[union-attr, arg-type]
             names)
-        metadata = {n: FileEntry(size=os.path.getsize(os.path.join(root, n)),
-                                 digest=digest_file_range(os.path.join(root, n), 0,
-                                                          os.path.getsize(os.path.join(root, n)), digest))
-                    for n in layout.metadata_files}
+        metadata = {n: _metadata_entry(root, n, digest) for n in layout.metadata_files}
         scans, replica_findings = deep_check.scan_tensors(run.plans, run.opened, layout, run.map)
         if replica_findings:
             return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
@@ -130,7 +129,13 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
             torch_version=str(torch.__version__), source="fingerprint",
         )
+        changed = run.changed_files()
+        if changed:
+            return _refused(checked, changed, "files changed while they were digested"), None
         written = write_manifest(root, manifest)
+    except FileChangedError as exc:
+        name = os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?"
+        return _refused(checked, [changed_finding(name, str(exc))], "a file changed while it was digested"), None
     finally:
         run.close()
     notes = [info("manifest-written",
@@ -149,3 +154,19 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
     return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
                   stats=checked.stats), manifest
+
+
+def _refused(checked: Report, findings: list[Any], why: str) -> Report:
+    refusal = error("fingerprint-refused", f"{why}; refusing to write a manifest of bytes that are no longer "
+                    "on disk", location=Location(file=MANIFEST_FILE))
+    return Report(command="fingerprint", target=checked.target, findings=(*checked.findings, *findings, refusal),
+                  coverage=checked.coverage, stats=checked.stats)
+
+
+def _metadata_entry(root: str, name: str, algorithm: str) -> FileEntry:
+    """Size and digest of a metadata file, opened as a regular file inside the checkpoint only."""
+    from ckptverify.fingerprint import digest_reader
+    from ckptverify.readers import ReadOnlyFile
+
+    with ReadOnlyFile(os.path.join(root, name), root=root) as f:
+        return FileEntry(size=f.size, digest=digest_reader(f, algorithm))

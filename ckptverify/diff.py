@@ -18,7 +18,8 @@ from ckptverify.checks import deep as deep_check
 from ckptverify.dcp.tensors import read_chunk
 from ckptverify.dcp.torchsave import Archive
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
-from ckptverify.verify import ProgressSink, VerificationRun, default_jobs
+from ckptverify.readers import FileChangedError
+from ckptverify.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
 
 if TYPE_CHECKING:
     import torch
@@ -78,10 +79,16 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
             ))
         findings.extend(_values(runs[0], runs[1]))
         coverage = (CheckCoverage(check="diff-tensor", count=compared, unit="tensors"),)
+        for tag, run in zip("AB", runs, strict=True):
+            findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location) for f in run.changed_files())
+    except FileChangedError as exc:
+        findings.append(error("file-changed", f"file changed during the comparison: {exc}",
+                              location=Location(file=exc.path if isinstance(exc.path, str) else None)))
+        coverage = ()
     finally:
         for run in runs:
             run.close()
-    return Report(command="diff", target=f"{roots[0]} {roots[1]}", findings=tuple(findings),
+    return Report(command="diff", target=f"{roots[0]} {roots[1]}", findings=tuple(cap_findings(findings)),
                   coverage=coverage, stats={"seconds": round(time.perf_counter() - started, 6)})
 
 

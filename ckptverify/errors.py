@@ -27,6 +27,27 @@ class ManifestExistsError(CkptVerifyError, FileExistsError):
     """A manifest is already present and overwriting it was not requested."""
 
 
+class _FileError(CkptVerifyError, OSError):
+    """An error about one file; ``path`` is that file's path."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsafeFileError(_FileError):
+    """A file was not opened because opening or reading it could hang, exhaust memory or leave the checkpoint:
+    it is not a regular file (FIFO, device, socket, directory), it resolves outside the checkpoint directory,
+    or it is larger than the limit for its role. Checks turn it into a finding."""
+
+
+class FileChangedError(_FileError):
+    """A file changed while it was being read (it shrank, grew, or was rewritten or replaced).
+
+    What was read is no evidence about what is on disk now; checks turn it into a ``file-changed`` finding.
+    """
+
+
 class CheckpointRefusedError(CkptVerifyError):
     """A checkpoint failed verification and the caller asked for it to be refused.
 

@@ -16,7 +16,6 @@ This module imports torch only when a tensor is fingerprinted, so byte digests s
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import sys
 import warnings
@@ -45,6 +44,7 @@ __all__ = [
     "combine",
     "digest_bytes",
     "digest_file_range",
+    "digest_reader",
     "get_fingerprint_backend",
     "new_digest",
     "set_fingerprint_backend",
@@ -154,39 +154,25 @@ class RangeDigest:
     blocks: tuple[str, ...]
 
 
-def _read_range(path: str | os.PathLike[str], offset: int, length: int, read_size: int, sink: ByteDigest) -> None:
-    """Feed ``length`` bytes of ``path`` from ``offset`` to ``sink`` through one reused page-aligned buffer."""
+def _read_range(path: str | os.PathLike[str], offset: int, length: int, read_size: int, sink: ByteDigest,
+                root: str | None = None) -> None:
+    """Feed ``length`` bytes of ``path`` from ``offset`` to ``sink``.
+
+    The file is opened by :class:`~ckptverify.readers.ReadOnlyFile`: only a regular file (a FIFO or device is
+    refused unopened, with :class:`~ckptverify.errors.UnsafeFileError`), inside ``root`` when given, read
+    through a reused page-aligned buffer. ``read_size`` is kept for compatibility; the reader's buffer size
+    applies.
+    """
+    from ckptverify.readers import ReadOnlyFile
+
     if offset < 0 or length < 0:
         raise UsageError(f"byte range must be non-negative, got offset={offset} length={length}")
     if read_size <= 0:
         raise UsageError(f"read buffer size must be positive, got {read_size}")
-    if length == 0:
-        if not os.path.exists(path):
-            raise FileNotFoundError(path)
-        return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    try:
-        page = mmap.PAGESIZE
-        size = min(-(-read_size // page) * page, -(-length // page) * page)
-        # An anonymous mapping is page aligned: reads land in it directly, at full speed.
-        with mmap.mmap(-1, size) as buf, memoryview(buf) as view:
-            pos, done = offset, 0
-            while done < length:
-                chunk = view[: min(size, length - done)]
-                if hasattr(os, "preadv"):
-                    got = os.preadv(fd, [chunk], pos)
-                else:  # pragma: no cover - platforms without preadv
-                    os.lseek(fd, pos, os.SEEK_SET)
-                    got = os.readv(fd, [chunk])
-                chunk.release()
-                if got == 0:
-                    raise TruncatedRangeError(path, offset, length, done)
-                with view[:got] as filled:
-                    sink.update(filled)
-                pos += got
-                done += got
-    finally:
-        os.close(fd)
+    with ReadOnlyFile(os.fspath(path), root=root) as f:
+        if offset + length > f.size:
+            raise TruncatedRangeError(path, offset, length, max(0, f.size - offset))
+        f.fold(offset, offset + length, sink.update)
 
 
 def digest_file_range(
@@ -195,14 +181,28 @@ def digest_file_range(
     length: int,
     algorithm: str = DEFAULT_ALGORITHM,
     block_size: int = READ_BUFFER_SIZE,
+    *,
+    root: str | None = None,
 ) -> str:
     """Hex digest of ``length`` bytes of ``path`` starting at ``offset``.
 
-    Reads with ``os.preadv`` into one reused page-aligned buffer of ``block_size`` bytes, so memory stays
-    flat whatever the range. Raises :class:`TruncatedRangeError` if the file ends inside the range.
+    Reads with ``os.preadv`` into one reused page-aligned buffer, so memory stays flat whatever the range.
+    Raises :class:`TruncatedRangeError` if the file ends inside the range,
+    :class:`~ckptverify.errors.UnsafeFileError` if ``path`` is not a regular file (or, with ``root``, resolves
+    outside it) and :class:`~ckptverify.errors.FileChangedError` if it shrinks while being read.
     """
     digest = new_digest(algorithm)
-    _read_range(path, offset, length, block_size, digest)
+    _read_range(path, offset, length, block_size, digest, root)
+    return digest.hexdigest()
+
+
+def digest_reader(f: Any, algorithm: str = DEFAULT_ALGORITHM, start: int = 0, end: int | None = None) -> str:
+    """Hex digest of bytes ``[start, end)`` (default: all) of an open :class:`~ckptverify.readers.ReadOnlyFile`.
+
+    For a file already opened and checked: no second open by name, which could meet another file.
+    """
+    digest = new_digest(algorithm)
+    f.fold(start, f.size if end is None else end, digest.update)
     return digest.hexdigest()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -31,14 +31,17 @@ from ckptverify.checks.content import (
 from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
 from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import Item, Layout
-from ckptverify.dcp.metadata import read_layout
+from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage
 from ckptverify.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
-from ckptverify.readers import ReadOnlyFile, crc32_combine
+from ckptverify.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
 
 #: Largest byte range hashed as one task; larger records are split and their CRCs combined.
 SEGMENT_BYTES = 64 << 20
+#: With a manifest, records larger than this (tensor payloads) are checked by the manifest's block digests
+#: only; smaller ones (``data.pkl``, headers) also by their CRC, so a tensor header is read only once proven.
+SMALL_RECORD_BYTES = 64 << 10
 #: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
 UNCHECKABLE = "content-uncheckable"
 
@@ -123,6 +126,10 @@ class VerificationRun:
         self.results: dict[str, FileResult] = {}
         self.bytes_hashed = 0
         self.deep = False
+        #: True when a file changed under the run and the remaining stages were skipped.
+        self.stopped = False
+        self._named: dict[str, tuple[int, int, int, int] | None] = {}
+        self._reported_changed: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
         self._lock = threading.Lock()
 
@@ -145,7 +152,11 @@ class VerificationRun:
                 "manifest": self.manifest is not None,
                 "deep": self.deep,
             })
-        return Report(command=command, target=self.root, findings=tuple(self.findings),
+        per_check = Counter(f.check for f in self.findings)
+        omitted = {c: n - MAX_FINDINGS_PER_CHECK for c, n in sorted(per_check.items()) if n > MAX_FINDINGS_PER_CHECK}
+        if omitted:
+            stats["findings_omitted"] = omitted
+        return Report(command=command, target=self.root, findings=tuple(cap_findings(self.findings)),
                       coverage=merge_coverage(self.coverage), stats=stats)
 
     def close(self) -> None:
@@ -166,6 +177,35 @@ class VerificationRun:
                 self.progress.advance(n)
 
     def execute(self, *, deep: bool, use_manifest: bool) -> None:
+        """Run every stage. A file that changes under the run stops it with a ``file-changed`` finding."""
+        self._named = _name_signatures(self.root)
+        try:
+            self._stages(deep=deep, use_manifest=use_manifest)
+        except FileChangedError as exc:
+            self.findings.append(changed_finding(_changed_name(self.root, exc), str(exc)))
+            self.stopped = True
+        self.findings.extend(self.changed_files())
+
+    def changed_files(self) -> list[Finding]:
+        """A ``file-changed`` finding for every file that differs from when this run first saw it (opened
+        files by ``fstat`` and the inode behind their name; the metadata and manifest by ``stat``), each
+        reported once."""
+        out: list[Finding] = []
+        for name, f in sorted(self.opened.items()):
+            if f is None or name in self._reported_changed:
+                continue
+            how = f.changed()
+            if how is not None:
+                out.append(changed_finding(name, how))
+        now = _name_signatures(self.root)
+        for name in sorted(set(self._named) | set(now)):
+            if name not in self._reported_changed and self._named.get(name) != now.get(name):
+                out.append(changed_finding(name, "it was replaced, rewritten, created or removed"))
+        for finding in out:
+            self._reported_changed.add(finding.location.file or "")
+        return out
+
+    def _stages(self, *, deep: bool, use_manifest: bool) -> None:
         self.deep = deep
         layout, md_findings = read_layout(self.root)
         self.findings.extend(md_findings)
@@ -241,11 +281,15 @@ class VerificationRun:
 
     def _open(self, name: str) -> ReadOnlyFile | None:
         try:
-            return ReadOnlyFile(os.path.join(self.root, name))
+            return ReadOnlyFile(os.path.join(self.root, name), root=self.root)
+        except FileChangedError as exc:
+            self.findings.append(changed_finding(name, str(exc)))
+        except UnsafeFileError as exc:
+            self.findings.append(error("file-unsafe", f"{name} is not opened: {exc}", location=Location(file=name)))
         except OSError as exc:
             self.findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
                                        location=Location(file=name)))
-            return None
+        return None
 
     def _archives(self, layout: Layout) -> None:
         by_file: dict[str, list[Item]] = defaultdict(list)
@@ -269,6 +313,7 @@ class VerificationRun:
         crc_ranges: list[list[tuple[int, int]]] = []
         crc_keys: list[list[tuple[int, int]]] = []
         covered: set[int] = set()
+        by_manifest: set[tuple[int, int]] = set()  # (plan, record) whose bytes only the manifest checks
         if manifest is not None:
             found, matched = manifest_check.compare_layout(manifest, layout)
             self.findings.extend(found)
@@ -283,6 +328,10 @@ class VerificationRun:
                     covered.add(n)
                     base = item.offset
                     for r, rec in enumerate(self.plans[n].archive.records):
+                        if rec.size > SMALL_RECORD_BYTES:
+                            # The block digests cover these bytes: a CRC on top would only halve the speed.
+                            by_manifest.add((n, r))
+                            continue
                         lo, hi = max(task.start, base + rec.data_offset), min(task.end, base + rec.data_end)
                         if lo < hi or (rec.size == 0 and task.start <= base + rec.data_offset < task.end):
                             ranges.append((lo, max(lo, hi)))
@@ -321,7 +370,10 @@ class VerificationRun:
                 partials[key].append((lo, hi - lo, value))
         for n, plan in enumerate(self.plans):
             crcs = []
-            for r in range(len(plan.archive.records)):
+            for r, rec in enumerate(plan.archive.records):
+                if (n, r) in by_manifest:
+                    crcs.append(rec.crc)  # judged by its block digests below, not by a CRC
+                    continue
                 value = 0
                 for _, length, part in sorted(partials[(n, r)]):
                     value = crc32_combine(value, part, length)
@@ -361,7 +413,7 @@ class VerificationRun:
         Where matched items tile a file exactly and every block matched, the file equals what was saved
         and its digest needs no second pass.
         """
-        from ckptverify.fingerprint import digest_file_range
+        from ckptverify.fingerprint import digest_reader
 
         ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
         for item in matched.values():
@@ -378,8 +430,7 @@ class VerificationRun:
                 cursor = end
             if cursor != f.size:
                 todo.append(name)
-        got = self.map(lambda n: digest_file_range(os.path.join(self.root, n), 0, self.opened[n].size,  # type: ignore[union-attr]
-                                                   manifest.digest_algorithm), todo)
+        got = self.map(lambda n: digest_reader(self.opened[n], manifest.digest_algorithm), todo)  # type: ignore[arg-type]
         for name, digest in zip(todo, got, strict=True):
             if digest != manifest.files[name].digest:
                 self.findings.append(error(
@@ -395,3 +446,61 @@ class VerificationRun:
         self.findings.extend(found)
         self.findings.extend(deep_check.judge(layout, self.manifest, scans))
         self.coverage.append(CheckCoverage(check="fingerprint", count=len(scans), unit="tensors"))
+
+
+#: At most this many findings of one check are reported in full; the rest are counted in one more finding.
+MAX_FINDINGS_PER_CHECK = 100
+
+
+def cap_findings(findings: Iterable[Finding], limit: int = MAX_FINDINGS_PER_CHECK) -> list[Finding]:
+    """The first ``limit`` findings of each check, in order, then per check one summary finding (same check,
+    the worst severity of those left out) that counts the rest: a checkpoint damaged everywhere gives a
+    readable report, and the count says how far the damage goes."""
+    kept: list[Finding] = []
+    left: dict[str, list[Finding]] = defaultdict(list)
+    seen: dict[str, int] = defaultdict(int)
+    for f in findings:
+        seen[f.check] += 1
+        if seen[f.check] <= limit:
+            kept.append(f)
+        else:
+            left[f.check].append(f)
+    for check, rest in left.items():
+        worst = max(rest, key=lambda f: f.severity.rank)
+        kept.append(Finding(
+            check=check, severity=worst.severity,
+            message=f"{len(rest)} more {check} finding(s) not listed (the first {limit} are); "
+                    f"{seen[check]} in all",
+            location=Location(), actual={"omitted": len(rest), "total": seen[check]},
+        ))
+    return kept
+
+
+def changed_finding(name: str, how: str) -> Finding:
+    """The ``file-changed`` error: ``name`` changed while it was being verified."""
+    return error("file-changed", f"{name}: file changed during verification ({how}); what was read proves "
+                 "nothing about what is on disk now: verify again once nothing writes to the checkpoint",
+                 location=Location(file=name))
+
+
+def _changed_name(root: str, exc: FileChangedError) -> str:
+    """The checkpoint-relative name of the file an error is about."""
+    path = exc.path
+    return os.path.relpath(path, root).replace(os.sep, "/") if isinstance(path, str) else "?"
+
+
+def _name_signatures(root: str) -> dict[str, tuple[int, int, int, int] | None]:
+    """``stat`` (size, mtime, device, inode) of the metadata files and the manifest, by name; nothing opened."""
+    out: dict[str, tuple[int, int, int, int] | None] = {}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return out
+    for name in names:
+        if name in (".metadata", MANIFEST_FILE) or RANK_METADATA_RE.match(name):
+            try:
+                st = os.stat(os.path.join(root, name))
+                out[name] = (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+            except OSError:
+                out[name] = None
+    return out

@@ -218,3 +218,89 @@ def test_cli_in_a_fresh_process_finds_damage_through_the_manifest(fresh_ckpt):
     hits = [f for f in json.loads(bad.stdout)["findings"] if f["check"] == "manifest-digest"]
     assert hits and hits[0]["location"]["fqn"] == fault.fqn
     assert hits[0]["location"]["byte_range"][0] <= fault.byte_offset < hits[0]["location"]["byte_range"][1]
+
+
+def _first_item_with_blocks(d: dict) -> dict:
+    return next(i for i in d["items"] if len(i["blocks"]) > 1)
+
+
+_OUTSIDE = "/etc/passwd"
+
+# Each edit keeps the manifest's self-digest consistent: only the field checks can refuse it.
+_BAD_FIELDS = {
+    "block-bytes-1": lambda d: d.update(block_bytes=1),
+    "block-bytes-0": lambda d: d.update(block_bytes=0),
+    "block-bytes-huge": lambda d: d.update(block_bytes=1 << 40),
+    "block-bytes-bool": lambda d: d.update(block_bytes=True),
+    "unknown-algorithm": lambda d: d.update(digest_algorithm="md5"),
+    "metadata-outside": lambda d: d["metadata_files"].update({_OUTSIDE: {"size": 1, "digest": "0" * 32}}),
+    "metadata-dotdot": lambda d: d["metadata_files"].update({"../.metadata": {"size": 1, "digest": "0" * 32}}),
+    "metadata-other-name": lambda d: d["metadata_files"].update({"__0_0.distcp": {"size": 1, "digest": "0" * 32}}),
+    "file-outside": lambda d: d["files"].update({_OUTSIDE: {"size": 1, "digest": "0" * 32}}),
+    "item-file-outside": lambda d: d["items"][0].update(file="../x.distcp"),
+    "item-past-file-end": lambda d: d["items"][0].update(length=d["files"][d["items"][0]["file"]]["size"] + 1),
+    "offset-huge": lambda d: d["items"][0].update(offset=1 << 70),
+    "offset-negative": lambda d: d["items"][0].update(offset=-1),
+    "offset-float": lambda d: d["items"][0].update(offset=1.0),
+    "block-count": lambda d: _first_item_with_blocks(d)["blocks"].pop(),
+    "digest-form": lambda d: d["items"][0].update(digest="zz" * 16),
+    "item-twice": lambda d: d["items"].append(dict(d["items"][0])),
+    "world-size-0": lambda d: d.update(world_size=0),
+    "items-not-list": lambda d: d.update(items={"a": 1}),
+    "chunk-offsets-rank": lambda d: next(i for i in d["items"] if i["chunk_offsets"]).update(chunk_offsets=[0] * 9),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_BAD_FIELDS))
+def test_every_manifest_field_is_validated(fresh_ckpt, edit):
+    path = _adopted(fresh_ckpt, "single")
+    _rewrite_manifest(path, _BAD_FIELDS[edit], keep_digest=False)
+    report = verify_checkpoint(path)
+    assert report.exit_code == 1, [f.message for f in report.findings]
+    invalid = [f for f in report.errors if f.check == "manifest-invalid"]
+    assert len(invalid) == 1, [f.message for f in report.findings]
+    # Refused as a whole: nothing is compared with (or read because of) a manifest that is not sensible.
+    assert not {"manifest-digest", "manifest-mismatch"} & _checks(report)
+
+
+def test_manifest_never_makes_verify_read_outside_the_checkpoint(fresh_ckpt):
+    """Even through the command line, a manifest naming /etc/passwd gets neither it read nor its digest printed."""
+    from ckptverify.fingerprint import digest_bytes
+
+    path = _adopted(fresh_ckpt, "single")
+    _rewrite_manifest(path, _BAD_FIELDS["metadata-outside"], keep_digest=False)
+    result = CliRunner().invoke(main, ["verify", "--json", "--no-progress", str(path)])
+    assert result.exit_code == 1
+    with open(_OUTSIDE, "rb") as f:
+        secret = digest_bytes(f.read())
+    assert secret not in result.output
+
+
+def test_findings_are_capped_per_check_with_a_count_of_the_rest(fresh_ckpt):
+    from ckptverify.verify import MAX_FINDINGS_PER_CHECK
+
+    path = _adopted(fresh_ckpt, "single")
+
+    def wrong_everywhere(d: dict) -> None:
+        for item in d["items"]:
+            item["blocks"] = ["0" * 32 for _ in item["blocks"]]
+
+    _rewrite_manifest(path, wrong_everywhere, keep_digest=False)
+    total = sum(len(i.blocks) for i in read_manifest(str(path)).items)
+    assert total > MAX_FINDINGS_PER_CHECK + 10
+    report = verify_checkpoint(path)
+    digests = [f for f in report.findings if f.check == "manifest-digest"]
+    assert len(digests) == MAX_FINDINGS_PER_CHECK + 1
+    summary = digests[-1]
+    assert summary.actual == {"omitted": total - MAX_FINDINGS_PER_CHECK, "total": total}
+    assert summary.severity.value == "error"
+    assert report.stats["findings_omitted"] == {"manifest-digest": total - MAX_FINDINGS_PER_CHECK}
+    as_json = CliRunner().invoke(main, ["verify", "--json", "--no-progress", str(path)])
+    listed = [f for f in json.loads(as_json.output)["findings"] if f["check"] == "manifest-digest"]
+    assert len(listed) == MAX_FINDINGS_PER_CHECK + 1
+    assert any(f.get("actual") == {"omitted": total - MAX_FINDINGS_PER_CHECK, "total": total} for f in listed)
+    as_text = CliRunner().invoke(main, ["verify", "--no-progress", str(path)])
+    # The table wraps messages inside their cells: read the message column back as one text.
+    messages = " ".join(cells[4].strip() for line in as_text.output.splitlines()
+                        if len(cells := line.split("\u2502")) > 4)
+    assert f"{total - MAX_FINDINGS_PER_CHECK} more manifest-digest finding(s) not listed" in " ".join(messages.split())

@@ -435,8 +435,8 @@ def test_stream_transform_extension_items_are_digested(tmp_path: Path) -> None:
         def transform_from(self, input: Any) -> Any:  # pragma: no cover - this test only saves
             raise AssertionError("the test saves with this extension; nothing loads through it")
 
-    state = {"w": torch.randn(20, 20), "k": [1, 2, 3]}
-    writer = HashingFileSystemWriter(str(tmp_path), _extensions=[XorExtension()], block_bytes=512)
+    state = {"w": torch.randn(64, 64), "k": [1, 2, 3]}
+    writer = HashingFileSystemWriter(str(tmp_path), _extensions=[XorExtension()], block_bytes=4096)
     dcp.save(state, storage_writer=writer)
     assert writer.stats["reread_items"] == 0
     check_manifest_against_disk(tmp_path, writer.manifest)
@@ -473,6 +473,8 @@ def test_writer_is_picklable(tmp_path: Path) -> None:
         ({"block_bytes": -4096}, "block size"),
         ({"block_bytes": 1.5}, "block size"),
         ({"block_bytes": True}, "block size"),
+        ({"block_bytes": 512}, "block size"),
+        ({"block_bytes": 1 << 31}, "block size"),
         ({"thread_count": 0}, "thread_count"),
         ({"frobnicate": 1}, "unknown keyword"),
         ({"storage_writer": None}, "storage_writer"),

@@ -168,3 +168,42 @@ def test_guard_catches_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.undo()
     assert len(guard.violations) == 2
     assert (root / "f").read_bytes() == b"x" and not (root / "g").exists()
+
+
+def test_verify_opens_only_regular_files_inside_the_checkpoint_without_blocking(
+        fresh_ckpt: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``os.open`` verify makes is non-blocking and inside the checkpoint, even when a shard links out
+    of it and the manifest names a file outside."""
+    import json
+
+    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.manifest import MANIFEST_FILE, _self_digest
+
+    path = fresh_ckpt("threads")
+    _, manifest = fingerprint_checkpoint(path, block_bytes=4096)
+    assert manifest is not None
+    data = json.loads((path / MANIFEST_FILE).read_text())
+    data["metadata_files"]["/etc/hostname"] = {"size": 1, "digest": "0" * 32}
+    data["self_digest"] = _self_digest({k: v for k, v in data.items() if k != "self_digest"})
+    (path / MANIFEST_FILE).write_text(json.dumps(data))
+    elsewhere = tmp_path / "elsewhere.distcp"
+    victim = sorted(p for p in path.iterdir() if p.suffix == ".distcp")[-1]
+    os.replace(victim, elsewhere)
+    victim.symlink_to(elsewhere)
+
+    root = os.path.realpath(path)
+    opened: list[tuple[str, int]] = []
+    real_open = os.open
+
+    def recording_open(p: Any, flags: int, *args: Any, **kwargs: Any) -> Any:
+        opened.append((os.path.realpath(os.fsdecode(os.fspath(p))), flags))
+        return real_open(p, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    report = verify_checkpoint(path, jobs=2)
+    monkeypatch.undo()
+    assert {"file-unsafe", "manifest-invalid"} <= {f.check for f in report.errors}, report.findings
+    under_root = [(p, fl) for p, fl in opened if p.startswith(root + os.sep)]
+    assert under_root, "verify opened nothing: the test checked nothing"
+    assert [p for p, _ in opened if not p.startswith(root + os.sep)] == []
+    assert all(fl & os.O_NONBLOCK for _, fl in under_root)

@@ -17,7 +17,7 @@ from ckptverify.checks.content import ItemPlan
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
 from ckptverify.findings import Finding, Location, error
 from ckptverify.manifest import ItemEntry, Manifest
-from ckptverify.readers import ReadOnlyFile, crc32
+from ckptverify.readers import FileChangedError, ReadOnlyFile, crc32
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ def compare_layout(manifest: Manifest, layout: Layout) -> tuple[list[Finding], d
 
 def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root: str) -> list[Finding]:
     """File sizes, files the manifest knows that are gone, and the ``.metadata`` digests."""
-    from ckptverify.fingerprint import digest_file_range
+    from ckptverify.fingerprint import digest_reader
 
     findings: list[Finding] = []
     for name, entry in sorted(manifest.files.items()):
@@ -111,12 +111,14 @@ def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root
                 location=Location(file=name), expected=entry.size, actual=f.size,
             ))
     for name, entry in sorted(manifest.metadata_files.items()):
-        path = os.path.join(root, name)
-        try:
-            size = os.path.getsize(path)
-            digest = digest_file_range(path, 0, size, manifest.digest_algorithm)
+        try:  # only a regular file inside the checkpoint (names are checked when the manifest is read)
+            with ReadOnlyFile(os.path.join(root, name), root=root) as f:
+                size = f.size
+                digest = digest_reader(f, manifest.digest_algorithm)
+        except FileChangedError:
+            raise  # the run reports it
         except OSError:
-            continue  # reported by the metadata checks
+            continue  # a missing, unreadable or unsafe metadata file is reported by the metadata checks
         if size != entry.size or digest != entry.digest:
             findings.append(error(
                 "manifest-digest",

@@ -15,26 +15,30 @@ from collections.abc import Iterable
 from ckptverify.checks import item_label, item_location
 from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
+from ckptverify.readers import file_kind, is_inside
 
 #: Files ckptverify itself may write beside a checkpoint; never reported as unreferenced.
 OWN_FILES = frozenset({"ckptverify.manifest.json", "ckptverify.verified.json", ".ckptverify-verifying"})
 
 
 def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | None]:
-    """``os.stat`` of each referenced file (following links), ``None`` where missing or not a regular file."""
+    """``os.stat`` of each referenced file (following links), ``None`` where it must not be opened: missing,
+    not a regular file (FIFO, device, socket, directory), or resolving outside the checkpoint directory.
+    Nothing is opened here."""
     out: dict[str, os.stat_result | None] = {}
     for name in names:
+        path = os.path.join(root, name)
         try:
-            st = os.stat(os.path.join(root, name))
+            st = os.stat(path)
         except OSError:
             out[name] = None
             continue
-        out[name] = st if stat.S_ISREG(st.st_mode) else None
+        out[name] = st if stat.S_ISREG(st.st_mode) and is_inside(root, path) else None
     return out
 
 
 def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | None]) -> list[Finding]:
-    """Referenced files that are missing, and files nobody references."""
+    """Referenced files that are missing or must not be opened, and files nobody references."""
     findings: list[Finding] = []
     per_file: dict[str, int] = defaultdict(int)
     for it in layout.items:
@@ -42,11 +46,18 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     for name, st in sorted(stats.items()):
         if st is None:
             n = per_file[name]
-            exists = os.path.lexists(os.path.join(root, name))
-            what = "is not a regular file" if exists else "is missing"
+            path = os.path.join(root, name)
+            unsafe = _unsafe_reason(root, path)
+            if unsafe is not None:
+                findings.append(error(
+                    "file-unsafe",
+                    f"{name} {unsafe}; it is not opened, and the {n} item(s) the metadata places in it are unchecked",
+                    location=Location(file=name),
+                ))
+                continue
             findings.append(error(
                 "file-missing",
-                f"{name} {what}; the metadata places {n} item(s) in it",
+                f"{name} is missing; the metadata places {n} item(s) in it",
                 location=Location(file=name),
             ))
     referenced = set(stats) | set(layout.metadata_files) | OWN_FILES
@@ -55,14 +66,31 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
         for fname in sorted(filenames):
             rel = os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
             if rel not in referenced:
-                size = os.lstat(os.path.join(dirpath, fname)).st_size
+                try:  # lstat: listed, never opened (it may be a FIFO or a link to a device)
+                    st = os.lstat(os.path.join(dirpath, fname))
+                except OSError:
+                    continue  # gone since the listing
+                what = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
                 findings.append(warning(
                     "file-unreferenced",
-                    f"{rel} ({size} bytes) is not referenced by the metadata: a leftover, a file from another "
+                    f"{rel} ({what}) is not referenced by the metadata: a leftover, a file from another "
                     "checkpoint, or something planted",
                     location=Location(file=rel),
                 ))
     return findings
+
+
+def _unsafe_reason(root: str, path: str) -> str | None:
+    """Why an existing ``path`` must not be opened as a checkpoint file; ``None`` if it is missing."""
+    if not os.path.lexists(path):
+        return None
+    if not is_inside(root, path):
+        return f"resolves to {os.path.realpath(path)!r}, outside the checkpoint directory"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return f"cannot be examined ({exc.strerror})"
+    return f"is a {file_kind(mode)}, not a regular file"
 
 
 def check_items(layout: Layout, stats: dict[str, os.stat_result | None],

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.dcp import safepickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import Finding, Location, error
+from ckptverify.readers import read_small_file
 
 METADATA_FILE = ".metadata"
 #: ``__{rank}.metadata``, written per rank when DCP saves with ``use_collectives=False``.
@@ -133,28 +133,11 @@ def metadata_files(root: str) -> list[str]:
 
 
 def read_metadata_bytes(path: str) -> bytes:
-    """The bytes of a metadata file: a regular file (not a FIFO or device), at most
-    :data:`MAX_METADATA_BYTES`. Never blocks on a special file. Raises ``OSError`` or :class:`BadMetadata`."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadMetadata(f"{os.path.basename(path)} is not a regular file")
-        if st.st_size > MAX_METADATA_BYTES:
-            raise BadMetadata(f"{os.path.basename(path)} is {st.st_size} bytes, larger than any DCP metadata "
-                              f"this tool accepts ({MAX_METADATA_BYTES})")
-        chunks, total = [], 0
-        while True:
-            block = os.read(fd, min(1 << 24, MAX_METADATA_BYTES + 1 - total))
-            if not block:
-                break
-            chunks.append(block)
-            total += len(block)
-            if total > MAX_METADATA_BYTES:
-                raise BadMetadata(f"{os.path.basename(path)} grew past {MAX_METADATA_BYTES} bytes while read")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    """The bytes of a metadata file: a regular file (not a FIFO, device or socket: refused unopened) whose
+    resolved location is inside its checkpoint directory (the directory holding ``path``), at most
+    :data:`MAX_METADATA_BYTES`. Never blocks. Raises ``OSError`` (:class:`~ckptverify.errors.UnsafeFileError`
+    for what is refused)."""
+    return read_small_file(path, MAX_METADATA_BYTES, root=os.path.dirname(os.path.abspath(path)))
 
 
 def parse_metadata(data: bytes, name: str = METADATA_FILE) -> ParsedMetadata:

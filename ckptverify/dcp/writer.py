@@ -56,6 +56,8 @@ from ckptverify.fingerprint import (
 from ckptverify.manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_FILE,
+    MAX_BLOCK_BYTES,
+    MIN_BLOCK_BYTES,
     FileEntry,
     ItemEntry,
     Manifest,
@@ -70,11 +72,15 @@ METADATA_FILE = ".metadata"
 
 
 def validate_digest_options(digest: str, block_bytes: int) -> None:
-    """Raise :class:`UsageError` unless ``digest`` is a known algorithm and ``block_bytes`` a positive int."""
+    """Raise :class:`UsageError` unless ``digest`` is a known algorithm and ``block_bytes`` an int within
+    [``MIN_BLOCK_BYTES``, ``MAX_BLOCK_BYTES``] (the bounds verify accepts)."""
     if digest not in ALGORITHMS:
         raise UsageError(f"unknown digest algorithm {digest!r}; choose one of {', '.join(ALGORITHMS)}")
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
         raise UsageError(f"block size must be a positive number of bytes, got {block_bytes!r}")
+    if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+        # verify refuses a manifest with other block sizes: never write one
+        raise UsageError(f"block size must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}] bytes, got {block_bytes}")
 
 
 # ------------------------------------------------------------------------------------------ the stream
