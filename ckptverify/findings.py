@@ -193,9 +193,15 @@ class Report:
         return 0 if self.passed else 1
 
     def summary(self) -> dict[str, int]:
+        """Findings per severity, counting those a capped report left out (see ``omitted_by_severity``)."""
         counts = {s.value: 0 for s in Severity}
         for f in self.findings:
-            counts[f.severity.value] += 1
+            omitted = f.actual.get("omitted_by_severity") if isinstance(f.actual, dict) else None
+            if isinstance(omitted, dict):
+                for severity, n in omitted.items():
+                    counts[severity] = counts.get(severity, 0) + int(n)
+            else:
+                counts[f.severity.value] += 1
         return counts
 
     def to_dict(self) -> dict[str, Any]:

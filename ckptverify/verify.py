@@ -467,11 +467,13 @@ def cap_findings(findings: Iterable[Finding], limit: int = MAX_FINDINGS_PER_CHEC
             left[f.check].append(f)
     for check, rest in left.items():
         worst = max(rest, key=lambda f: f.severity.rank)
+        by_severity = Counter(f.severity.value for f in rest)
         kept.append(Finding(
             check=check, severity=worst.severity,
             message=f"{len(rest)} more {check} finding(s) not listed (the first {limit} are); "
                     f"{seen[check]} in all",
-            location=Location(), actual={"omitted": len(rest), "total": seen[check]},
+            location=Location(),
+            actual={"omitted": len(rest), "total": seen[check], "omitted_by_severity": dict(by_severity)},
         ))
     return kept
 

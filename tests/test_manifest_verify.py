@@ -292,13 +292,17 @@ def test_findings_are_capped_per_check_with_a_count_of_the_rest(fresh_ckpt):
     digests = [f for f in report.findings if f.check == "manifest-digest"]
     assert len(digests) == MAX_FINDINGS_PER_CHECK + 1
     summary = digests[-1]
-    assert summary.actual == {"omitted": total - MAX_FINDINGS_PER_CHECK, "total": total}
+    expected_actual = {"omitted": total - MAX_FINDINGS_PER_CHECK, "total": total,
+                       "omitted_by_severity": {"error": total - MAX_FINDINGS_PER_CHECK}}
+    assert summary.actual == expected_actual
     assert summary.severity.value == "error"
+    # The summary counts every finding, listed or not.
+    assert report.summary()["error"] == sum(1 for f in report.errors if f.check != "manifest-digest") + total
     assert report.stats["findings_omitted"] == {"manifest-digest": total - MAX_FINDINGS_PER_CHECK}
     as_json = CliRunner().invoke(main, ["verify", "--json", "--no-progress", str(path)])
     listed = [f for f in json.loads(as_json.output)["findings"] if f["check"] == "manifest-digest"]
     assert len(listed) == MAX_FINDINGS_PER_CHECK + 1
-    assert any(f.get("actual") == {"omitted": total - MAX_FINDINGS_PER_CHECK, "total": total} for f in listed)
+    assert any(f.get("actual") == expected_actual for f in listed)
     as_text = CliRunner().invoke(main, ["verify", "--no-progress", str(path)])
     # The table wraps messages inside their cells: read the message column back as one text.
     messages = " ".join(cells[4].strip() for line in as_text.output.splitlines()
