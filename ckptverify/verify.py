@@ -68,24 +68,40 @@ def default_jobs() -> int:
 def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
                       use_manifest: bool = True, strict: bool = False,
                       progress: ProgressSink | None = None) -> Report:
-    """Verify the DCP checkpoint directory at ``path`` and return a report of findings.
+    """Verify the checkpoint at ``path`` and return a report of findings.
+
+    ``path`` is a DCP checkpoint directory; or a single ``torch.save``/safetensors file, or a folder of such
+    files (Hugging Face, accelerate, transformers), judged by their content (``docs/formats.md``). A run
+    directory (a folder of checkpoints) is refused with a pointer to ``scan``.
 
     ``jobs``: parallel workers (default one per core). ``use_manifest``: compare with
     ``ckptverify.manifest.json`` when present. ``deep``: also rebuild every tensor and compare logical
     fingerprints with those taken at save time (and count NaN/Inf). ``strict``: fail closed, content that
     cannot be checked (no CRC-32 and no manifest covering it) is an error instead of a warning. Raises
-    :class:`~ckptverify.errors.CheckpointNotFoundError` when ``path`` is not a directory and
-    :class:`~ckptverify.errors.UsageError` for bad arguments; every problem *with* the checkpoint is a
-    finding in the report, never an exception.
+    :class:`~ckptverify.errors.CheckpointNotFoundError` when ``path`` does not exist and
+    :class:`~ckptverify.errors.UsageError` for bad arguments or a run directory; every problem *with* the
+    checkpoint is a finding in the report, never an exception.
     """
     root = os.fspath(path)
     if jobs is not None and jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {jobs}")
-    if not os.path.exists(root):
+    if not os.path.lexists(root):
         raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
-    if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"a DCP checkpoint is a directory; {root} is not one")
     started = time.perf_counter()
+    if not os.path.isdir(root):
+        report = _verify_file(root, started)
+        return fail_uncheckable(report) if strict else report
+    other = _other_format(root)
+    if other == "run-directory":
+        from ckptverify.formats.rundir import find_checkpoints
+
+        found = find_checkpoints(root)
+        newest = next((c for c in reversed(found) if c.step is not None), found[-1])
+        raise UsageError(f"{root} is a run directory holding {len(found)} checkpoint(s) (newest: {newest.path}), "
+                         f"not a checkpoint: verify one of them, or run `ckptverify scan {root}` for all")
+    if other is not None:
+        report = _verify_folder(root, jobs, deep, use_manifest, started)
+        return fail_uncheckable(report) if strict else report
     run = VerificationRun(root, jobs or default_jobs(), progress)
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
@@ -93,6 +109,75 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         run.close()
     report = run.report("verify", time.perf_counter() - started)
     return fail_uncheckable(report) if strict else report
+
+
+def _other_format(root: str) -> str | None:
+    """``None`` for a DCP checkpoint (or a torn one: judged as DCP), ``"folder"`` for a folder of checkpoint
+    files (Hugging Face, accelerate, transformers), ``"run-directory"`` for a folder of checkpoints."""
+    from ckptverify.formats.folder import CHECKPOINT_SUFFIXES
+    from ckptverify.formats.rundir import dir_format, find_checkpoints
+
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    fmt = dir_format(names)
+    if fmt in ("dcp", "dcp-uncommitted"):
+        return None
+    if fmt is not None or any(n.endswith(CHECKPOINT_SUFFIXES) for n in names):
+        return "folder"
+    subdirs = [n for n in names if os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))]
+    if any(dir_format(_listdir(os.path.join(root, n))) in ("dcp", "dcp-uncommitted") for n in subdirs):
+        # DCP folders beside each other: the parts of one checkpoint (model + optimizer) when the folder's own
+        # name carries a step, else a run directory.
+        from ckptverify.formats.rundir import step_of
+
+        if step_of(os.path.basename(os.path.normpath(root))) is not None and len(subdirs) <= 8:
+            return "folder"
+    return "run-directory" if find_checkpoints(root) else None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _verify_file(path: str, started: float) -> Report:
+    """A single checkpoint file (``torch.save``, safetensors), judged by its content."""
+    from ckptverify.formats.single import check_file
+
+    found, coverage, facts = check_file(path, name=os.path.basename(path), root=os.path.dirname(os.path.abspath(path)))
+    stats = {"seconds": round(time.perf_counter() - started, 6), "files": 1, "bytes": facts.get("bytes", 0),
+             "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": False}
+    return Report(command="verify", target=path, findings=tuple(cap_findings(found)),
+                  coverage=merge_coverage(coverage), stats=stats)
+
+
+def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float) -> Report:
+    """A folder of checkpoint files, and the DCP checkpoints inside it (FSDP saves of accelerate and
+    transformers), each verified in full; findings of a part name the part in their file."""
+    import dataclasses
+
+    from ckptverify.formats.folder import check_folder
+
+    found, coverage, facts = check_folder(root)
+    findings = list(found)
+    cover = list(coverage)
+    total = facts.get("bytes", 0)
+    for part in facts["dcp_parts"]:
+        sub = verify_checkpoint(os.path.join(root, part), jobs=jobs, deep=deep, use_manifest=use_manifest)
+        for f in sub.findings:
+            where = f.location
+            findings.append(dataclasses.replace(f, location=dataclasses.replace(
+                where, file=f"{part}/{where.file}" if where.file else f"{part}/")))
+        cover.extend(sub.coverage)
+        total += int(sub.stats.get("bytes", 0) or 0)
+    stats = {"seconds": round(time.perf_counter() - started, 6), "files": len(facts["files"]), "bytes": total,
+             "format": "folder", "parts": facts["dcp_parts"], "manifest": False}
+    return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
+                  coverage=merge_coverage(cover), stats=stats)
 
 
 def fail_uncheckable(report: Report) -> Report:
