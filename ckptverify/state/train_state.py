@@ -13,6 +13,8 @@ objects, so a field that a ``load_state_dict`` silently ignored is reported.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -273,8 +275,6 @@ class TrainState:
     def _snapshot(self) -> Any:
         """Capture what applying a state dict changes outside the model and optimizer; return a function
         that puts it back (each part independently, so one failing part does not stop the others)."""
-        import copy
-
         rng = capture_rng(self.rng.generators)
         counters = self.counters.state_dict()
         scheds = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
@@ -293,11 +293,9 @@ class TrainState:
                 steps.append(lambda: restore_loader(self.dataloader, loader))
             steps += [lambda o=self.extras[n], st=st: o.load_state_dict(st) for n, st in extras.items()]
             steps.append(lambda: restore_rng(rng, self.rng.generators))  # last: the others may draw
-            for step in steps:
-                try:
+            for step in steps:  # put back as much as possible; the caller re-raises the failure
+                with contextlib.suppress(Exception):
                     step()
-                except Exception:  # noqa: BLE001 - put back as much as possible; the caller re-raises
-                    pass
             self.saved_digests = kept["saved_digests"]
             self._restored_rng = kept["_restored_rng"]
             self.warnings[:] = kept["warnings"]
