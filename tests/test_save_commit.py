@@ -219,3 +219,13 @@ def test_begin_save_writes_who_is_saving_and_commit_removes_it(tmp_path: Path) -
     assert read_marker(str(tmp_path)) is None and not lock.held
     begin_save(str(tmp_path), "save-3").release()  # free again; release leaves the marker
     assert read_marker(str(tmp_path))["save_id"] == "save-3"
+
+
+def test_chaos_script_runs_and_counts_every_kill(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A few random kills through the script's command line: every kill is judged, none passes torn."""
+    code = chaos.main(["--kills", "3", "--seed", "5", "--json", "--workdir", str(tmp_path)])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0, result
+    assert result["kills"] == 3 and sum(result["outcomes"].values()) == 3
+    assert result["torn_passed"] == 0 and result["hung"] == 0
+    assert set(result["outcomes"]) == {"refused", "old", "new", "torn"}
