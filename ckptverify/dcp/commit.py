@@ -84,6 +84,12 @@ class SaveLock:
     def held(self) -> bool:
         return self.fd is not None
 
+    def __del__(self) -> None:
+        # A writer whose save failed and that nobody releases (a checkpoint process of async_save, a
+        # HashingFileSystemWriter given to dcp.save directly) lets go of the directory when it is collected.
+        with contextlib.suppress(Exception):
+            self.release()
+
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a SaveLock cannot be pickled: its lock lives in the process that took it")
 
