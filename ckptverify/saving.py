@@ -102,10 +102,12 @@ def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseExceptio
     """What a failed DCP save is raised as: a conflict or a usage error found on any rank as itself (so
     every rank sees the same type), anything else as :class:`SaveFailedError` naming the first failure."""
     failures = _failures(exc)
-    for kind in (SaveConflictError, UsageError):
-        found = next((e for e in failures.values() if isinstance(e, kind)), None)
-        if found is not None:
-            return SaveConflictError(str(found), failures) if kind is SaveConflictError else UsageError(str(found))
+    conflict = next((e for e in failures.values() if isinstance(e, SaveConflictError)), None)
+    if conflict is not None:
+        return SaveConflictError(str(conflict), failures)
+    usage = next((e for e in failures.values() if isinstance(e, UsageError)), None)
+    if usage is not None:
+        return usage
     if isinstance(exc, CkptVerifyError):
         return exc
     if failures:
@@ -137,6 +139,9 @@ def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.Pat
 
     def done(f: Any) -> None:
         writer._release_lock()
+        if f.cancelled():
+            out.cancel()
+            return
         exc = f.exception()
         if exc is None:
             out.set_result(f.result())
