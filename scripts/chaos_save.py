@@ -208,26 +208,119 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(job: Job, path: Path, *, kill_after: float | None = None, timeout: float = 240.0) -> dict[str, Any]:
+def _worker_args(job: Job, path: Path, rank: int, port: int, signal_file: str) -> list[str]:
+    cmd = ["--path", str(path), "--rank", str(rank), "--world", str(job.world), "--port", str(port),
+           "--mode", job.mode, "--layout", job.layout, "--signal", signal_file, "--kill-rank", str(job.kill_rank),
+           "--late", str(job.late), "--late-rank", str(job.late_rank)]
+    if job.existing:
+        cmd.append("--existing")
+    if job.kill_at:
+        cmd += ["--kill-at", job.kill_at]
+    return cmd
+
+
+class Zygote:
+    """A process that has imported torch and ckptverify once and forks the ranks of each job: a job then
+    starts in milliseconds instead of paying the imports (seconds, more on a busy machine) per rank."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, __file__, "zygote"], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        self._buf = b""
+
+    def start(self, jobs: list[list[str]], log: str) -> int:
+        """Fork one rank per argument list; return the process group of the job."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"ranks": jobs, "log": log}) + "\n").encode())
+        self.proc.stdin.flush()
+        line = self.reply(timeout=120)
+        if line is None:
+            raise RuntimeError("the zygote did not start the job")
+        return int(line["pgid"])
+
+    def reply(self, timeout: float) -> dict[str, Any] | None:
+        """The zygote's next reply, or None if none came within ``timeout`` seconds."""
+        import select
+
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError("the zygote exited")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def zygote() -> None:
+    """Serve :class:`Zygote` requests on stdin: fork the ranks, report the group, then their exit codes."""
+    # Imported once, before forking, so that no rank pays for it.
+    import ckptverify
+    import ckptverify.dcp.writer
+    import ckptverify.restore
+
+    del ckptverify
+
+    parser = _parser()
+    for line in sys.stdin:
+        request = json.loads(line)
+        pids: list[int] = []
+        for argv in request["ranks"]:
+            pid = os.fork()
+            if pid == 0:  # a rank
+                code = 1
+                try:
+                    os.setpgid(0, pids[0] if pids else 0)
+                    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    os.dup2(fd, 1)
+                    os.dup2(fd, 2)
+                    sys.stdin.close()
+                    worker(parser.parse_args(["worker", *argv]))
+                    code = 0
+                except BaseException:  # reported through the exit code and the log
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    os._exit(code)
+            with contextlib.suppress(OSError):  # the child does the same; whichever runs first wins
+                os.setpgid(pid, pids[0] if pids else pid)
+            pids.append(pid)
+        print(json.dumps({"pgid": pids[0]}), flush=True)
+        codes = []
+        for pid in pids:
+            _, status = os.waitpid(pid, 0)
+            codes.append(os.waitstatus_to_exitcode(status))
+        print(json.dumps({"returncodes": codes}), flush=True)
+
+
+def run_job(job: Job, path: Path, *, kill_after: float | None = None, timeout: float = 240.0,
+            zygote: Zygote | None = None) -> dict[str, Any]:
     """Run one save job into ``path``. With ``kill_after``, SIGKILL all its ranks that many seconds after
     the new save starts. Returns how it ended (``killed``, return codes, the seconds the save took if it
-    finished)."""
+    finished). With a ``zygote``, the ranks are forked from it."""
     signal_file = str(path) + ".saving"
     for f in (signal_file, signal_file + ".done"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f)
     port = _free_port()
+    if zygote is not None:
+        return _run_forked(job, path, kill_after, timeout, zygote, signal_file, port)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(job.world):
-        cmd = [sys.executable, __file__, "worker", "--path", str(path), "--rank", str(rank), "--world",
-               str(job.world), "--port", str(port), "--mode", job.mode, "--layout", job.layout,
-               "--signal", signal_file, "--kill-rank", str(job.kill_rank), "--late", str(job.late),
-               "--late-rank", str(job.late_rank)]
-        if job.existing:
-            cmd.append("--existing")
-        if job.kill_at:
-            cmd += ["--kill-at", job.kill_at]
+        cmd = [sys.executable, __file__, "worker", *_worker_args(job, path, rank, port, signal_file)]
         group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one process group per job
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **group))
     pgid = procs[0].pid
@@ -258,6 +351,39 @@ def run_job(job: Job, path: Path, *, kill_after: float | None = None, timeout: f
     return {"returncodes": [p.returncode for p in procs], "killed": killed_by_us or any(
         p.returncode == -signal.SIGKILL for p in procs), "save_seconds": seconds,
         "output": b"".join(outputs).decode(errors="replace")[-4000:]}
+
+
+def _run_forked(job: Job, path: Path, kill_after: float | None, timeout: float, zygote: Zygote,
+                signal_file: str, port: int) -> dict[str, Any]:
+    log = str(path) + ".log"
+    pgid = zygote.start([_worker_args(job, path, rank, port, signal_file) for rank in range(job.world)], log)
+    deadline = time.monotonic() + timeout
+    killed_by_us = timed_out = False
+    reply = None
+    if kill_after is not None:
+        while not os.path.exists(signal_file) and time.monotonic() < deadline:
+            reply = zygote.reply(timeout=0.002)
+            if reply is not None:
+                break  # the job ended before its save began (it failed)
+        if reply is None and os.path.exists(signal_file):
+            reply = zygote.reply(timeout=kill_after)
+            if reply is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                killed_by_us = True
+    if reply is None:
+        reply = zygote.reply(timeout=max(0.0, deadline - time.monotonic()))
+    if reply is None:
+        timed_out = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        reply = zygote.reply(timeout=60) or {"returncodes": []}
+    codes = reply["returncodes"]
+    done = Path(signal_file + ".done")
+    output = Path(log).read_text(errors="replace")[-4000:] if os.path.exists(log) else ""
+    return {"returncodes": codes, "killed": killed_by_us or any(c == -signal.SIGKILL for c in codes),
+            "save_seconds": float(done.read_text()) if done.exists() else None,
+            "output": ("(timed out)\n" if timed_out else "") + output}
 
 
 def judge(path: Path, *, existing: bool) -> tuple[str, str]:
@@ -319,41 +445,51 @@ def chaos(kills: int, seed: int, workdir: Path, log: Any = None) -> dict[str, An
     by_kind: Counter[str] = Counter()
     torn: list[dict[str, Any]] = []
     hung = 0
-    duration: dict[tuple[int, str, str], float] = {}
+    durations: dict[tuple[int, str, str], list[float]] = {}
     started = time.perf_counter()
-    for i in range(kills):
-        job = random_job(rng)
-        path = workdir / f"ckpt-{i}"
-        kill_after = None
-        if job.kill_at is None:
+    zygote = Zygote()
+    try:
+        for i in range(kills):
+            job = random_job(rng)
+            path = workdir / f"ckpt-{i}"
+            kill_after = None
             key = (job.world, job.mode, job.layout)
-            if key not in duration:  # calibrate: one uninterrupted save of this kind
-                cal = run_job(Job(world=job.world, mode=job.mode, existing=False, layout=job.layout),
-                              workdir / f"calibrate-{len(duration)}")
-                duration[key] = cal["save_seconds"] or 1.0
-                shutil.rmtree(workdir / f"calibrate-{len(duration) - 1}", ignore_errors=True)
-            kill_after = rng.uniform(0.0, 1.3 * duration[key] + job.late)
-        result = run_job(job, path, kill_after=kill_after)
-        if "(timed out)" in result["output"]:
-            hung += 1
-        outcome, detail = judge(path, existing=job.existing)
-        counts[outcome] += 1
-        by_kind[f"{'random' if job.kill_at is None else job.kill_at.split(':')[0]}:{outcome}"] += 1
-        if outcome == "torn":
-            torn.append({"job": asdict(job), "kill_after": kill_after, "detail": detail,
-                         "output": result["output"][-1500:]})
-        if log is not None:
-            when = f"{kill_after:.3f}s" if kill_after is not None else job.kill_at
-            print(f"[{i + 1}/{kills}] {job.describe()} ({when}): {outcome} {detail}", file=log, flush=True)
-        shutil.rmtree(path, ignore_errors=True)
+            if job.kill_at is None:
+                if key not in durations:  # calibrate: one uninterrupted save of this kind
+                    cal = workdir / f"calibrate-{len(durations)}"
+                    got = run_job(Job(world=job.world, mode=job.mode, existing=False, layout=job.layout), cal,
+                                  zygote=zygote)
+                    durations[key] = [got["save_seconds"] or 1.0]
+                    shutil.rmtree(cal, ignore_errors=True)
+                # A random instant of the save, by the median time saves of this kind took so far.
+                seen = sorted(durations[key])
+                kill_after = rng.uniform(0.0, 1.2 * seen[len(seen) // 2] + job.late)
+            result = run_job(job, path, kill_after=kill_after, zygote=zygote)
+            if result["save_seconds"] is not None:
+                durations.setdefault(key, []).append(result["save_seconds"])
+            if "(timed out)" in result["output"]:
+                hung += 1
+            outcome, detail = judge(path, existing=job.existing)
+            counts[outcome] += 1
+            by_kind[f"{'random' if job.kill_at is None else job.kill_at.split(':')[0]}:{outcome}"] += 1
+            if outcome == "torn":
+                torn.append({"job": asdict(job), "kill_after": kill_after, "detail": detail,
+                             "output": result["output"][-1500:]})
+            if log is not None:
+                when = f"{kill_after:.3f}s" if kill_after is not None else job.kill_at
+                print(f"[{i + 1}/{kills}] {job.describe()} ({when}): {outcome} {detail}", file=log, flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        zygote.close()
     return {"kills": kills, "torn_passed": counts["torn"], "outcomes": {k: counts[k] for k in OUTCOMES},
             "by_kill_kind": dict(sorted(by_kind.items())), "hung": hung, "seed": seed,
             "seconds": round(time.perf_counter() - started, 1), "torn": torn}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
+    sub.add_parser("zygote", help="fork the ranks of jobs read from stdin (started by the driver)")
     w = sub.add_parser("worker", help="one rank of a save job (started by the driver)")
     w.add_argument("--path", required=True)
     w.add_argument("--rank", type=int, default=0)
@@ -367,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--late", type=float, default=0.0)
     w.add_argument("--late-rank", type=int, default=1)
     w.add_argument("--signal")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     parser.add_argument("--kills", type=int, default=50, help="killed saves to run (default 50)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, help="where to save (default: a temporary directory)")
@@ -375,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         worker(args)
+        return 0
+    if args.command == "zygote":
+        zygote()
         return 0
     with tempfile.TemporaryDirectory(prefix="chaos-save-", dir=args.workdir) as tmp:
         result = chaos(args.kills, args.seed, Path(tmp), log=None if args.quiet or args.json else sys.stderr)
