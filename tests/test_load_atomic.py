@@ -154,6 +154,7 @@ def _set(path: tuple[str, ...], value: Any) -> Any:
     # Counters are checked before anything is applied.
     ("counter of the wrong type", _set(("counters", "step"), "seven"), LoadFailedError),
     ("counter that is a float", _set(("counters", "tokens_seen"), 1.5), LoadFailedError),
+    ("field digests that are not a mapping", _set(("digests", "rank0"), "junk"), LoadFailedError),
     # These fail while applying, after the counters, scheduler and scaler were set: all of it is put back.
     ("python RNG state of the wrong length", _set(("rng", "rank0", "python", "state"),
                                                   torch.zeros(7, dtype=torch.int64)), CkptVerifyError),

@@ -267,10 +267,11 @@ class TrainState:
             for name in self.extras:
                 if name not in extras:
                     raise LoadFailedError(f"the checkpoint holds no state for extra {name!r}")
-        digests = sd.get("digests", {})
-        if not isinstance(digests, Mapping):
-            raise LoadFailedError("the saved field digests are not a mapping")
-        return {"counters": counters, "loader": loader}
+        digests = mapping(sd.get("digests", {}), "the saved field digests")
+        mine = mapping(digests.get(rank_key(self.rank), {}), "this rank's saved field digests")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in mine.items()):
+            raise LoadFailedError("this rank's saved field digests are not all strings")
+        return {"counters": counters, "loader": loader, "digests": dict(mine)}
 
     def _snapshot(self) -> Any:
         """Capture what applying a state dict changes outside the model and optimizer; return a function
@@ -323,9 +324,7 @@ class TrainState:
             set_state_dict(self.model, self.optimizers, model_state_dict=sd["model"],
                            optim_state_dict=sd.get("optim", {}))
         self._restored_rng = restored_rng
-        me = rank_key(self.rank)
-        digests = sd.get("digests", {})
-        self.saved_digests = dict(digests.get(me, {}))
+        self.saved_digests = plan["digests"]
         if self.resharding:
             # Rank-local fields legitimately differ after resharding; everything else must still match.
             self.saved_digests = {k: v for k, v in self.saved_digests.items()
