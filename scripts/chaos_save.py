@@ -152,13 +152,16 @@ def worker(args: argparse.Namespace) -> None:
         save(make_state(OLD_STEP))
         if args.world > 1:
             dist.barrier()
-    if args.late and args.rank == args.late_rank:
+    if (args.late or args.hold) and args.rank == args.late_rank:
         import ckptverify.dcp.writer as writer
 
         original = writer.HashingFileSystemWriter.write_data
 
         def late_write_data(self: Any, plan: Any, planner: Any) -> Any:
             time.sleep(args.late)  # this rank starts writing its shards late
+            deadline = time.monotonic() + 300
+            while args.hold and not os.path.exists(args.hold) and time.monotonic() < deadline:
+                time.sleep(0.01)  # ... or only once told to
             return original(self, plan, planner)
 
         writer.HashingFileSystemWriter.write_data = late_write_data
@@ -194,6 +197,7 @@ class Job:
     kill_rank: int = 0
     late: float = 0.0
     late_rank: int = 1
+    hold: str | None = None  # the late rank writes only once this file exists
 
     def describe(self) -> str:
         where = self.kill_at or "random time"
@@ -216,6 +220,8 @@ def _worker_args(job: Job, path: Path, rank: int, port: int, signal_file: str) -
         cmd.append("--existing")
     if job.kill_at:
         cmd += ["--kill-at", job.kill_at]
+    if job.hold:
+        cmd += ["--hold", job.hold]
     return cmd
 
 
@@ -503,6 +509,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--late", type=float, default=0.0)
     w.add_argument("--late-rank", type=int, default=1)
     w.add_argument("--signal")
+    w.add_argument("--hold", help="the late rank starts writing only once this file exists")
     return parser
 
 

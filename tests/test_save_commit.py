@@ -58,11 +58,12 @@ def test_an_async_resave_killed_between_shards_is_refused(tmp_path: Path) -> Non
 
 
 def test_two_ranks_one_writing_late_killed_when_the_other_has_written(tmp_path: Path) -> None:
-    """Rank 1 starts writing its shards late; the job dies as soon as rank 0 has written one: old shards
-    of rank 1 beside new shards of rank 0, and the directory must not pass."""
+    """Rank 1 starts writing its shards late (here: not before the job dies); the job dies as soon as rank 0
+    has written one: old shards of rank 1 beside new shards of rank 0, and the directory must not pass."""
     path = tmp_path / "ckpt"
+    never = str(tmp_path / "never")  # rank 1 waits for this file, which never appears
     _killed(chaos.Job(world=2, mode="sync", existing=True, layout="single", kill_at="file:1", kill_rank=0,
-                      late=3.0, late_rank=1), path)
+                      late=0.5, late_rank=1, hold=never), path)
     assert chaos.judge(path, existing=True)[0] == "refused"
 
 
@@ -141,6 +142,35 @@ def test_a_second_save_into_a_directory_being_saved_fails_clearly(tmp_path: Path
 
     dcp.load(template, checkpoint_id=str(path))
     assert torch.equal(template["w"], torch.ones(8))
+
+
+def test_a_save_from_another_process_into_a_directory_being_saved_fails_clearly(tmp_path: Path) -> None:
+    """The lock holds across processes: a job holds inside its save (before writing its shards) while this
+    process tries to save into the same directory."""
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "ckpt"
+    go = tmp_path / "go"
+    job = chaos.Job(world=1, existing=False, late_rank=0, hold=str(go))
+    args = chaos._worker_args(job, path, 0, 0, str(tmp_path / "signal"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(chaos.ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, chaos.__file__, "worker", *args], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while read_marker(str(path)) is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        info = read_marker(str(path))
+        assert info is not None and info["pid"] == proc.pid
+        with pytest.raises(SaveConflictError, match=f"pid {proc.pid}"):
+            ckptverify.save(chaos.make_state(9), path)
+        go.touch()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert chaos.judge(path, existing=False) == ("new", "")  # the job's save, whole
 
 
 def test_saves_into_one_directory_from_many_threads_never_mix(tmp_path: Path) -> None:
