@@ -63,3 +63,27 @@ class CheckpointRefusedError(CkptVerifyError):
 
 class UnsafeMetadataError(CheckpointRefusedError):
     """DCP asked for metadata the safe reader refuses (hostile, malformed, or a second entry point)."""
+
+
+class SaveFailedError(CkptVerifyError):
+    """A save did not commit (some rank failed while planning, writing or committing).
+
+    The directory holds no committed checkpoint of this save: if the save got as far as marking it, it is
+    marked as not committed and ``verify``/``load`` refuse it. ``failures`` maps each failed rank to its
+    exception (as DCP reported them); the DCP exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, failures: dict[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class SaveConflictError(SaveFailedError):
+    """Another save into the same directory is in progress; this one wrote nothing."""
+
+
+class LoadFailedError(CkptVerifyError):
+    """A checkpoint could not be loaded into the given state (DCP failed, or a saved field does not fit).
+
+    Raised only before anything was changed: the state is exactly what it was before the call.
+    """

@@ -18,7 +18,13 @@ import os
 import warnings
 from typing import Any
 
-from ckptverify.errors import CheckpointNotFoundError, CheckpointRefusedError, UsageError
+from ckptverify.errors import (
+    CheckpointNotFoundError,
+    CheckpointRefusedError,
+    CkptVerifyError,
+    LoadFailedError,
+    UsageError,
+)
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, warning
 from ckptverify.state.train_state import TrainState
 
@@ -29,13 +35,19 @@ def _dist() -> Any:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _verify_on_coordinator(path: str, deep: bool) -> None:
+def _verify_on_coordinator(path: str, deep: bool, full: bool = True) -> None:
+    """Verify on the coordinator and broadcast the verdict; with ``full=False`` only check that the save
+    that wrote ``path`` committed (cheap, and never skipped)."""
+    from ckptverify.checks.commit import check_commit
     from ckptverify.verify import verify_checkpoint
 
     dist = _dist()
     report = None
     if dist is None or dist.get_rank() == 0:
-        report = verify_checkpoint(path, deep=deep)
+        if full:
+            report = verify_checkpoint(path, deep=deep)
+        else:
+            report = Report(command="load", target=path, findings=tuple(check_commit(path)))
     if dist is not None:
         box = [None if report is None else [f.to_dict() for f in report.errors]]
         dist.broadcast_object_list(box, src=0)
@@ -50,6 +62,32 @@ def _verify_on_coordinator(path: str, deep: bool) -> None:
             f"{first['check']} ({where}): {first['message']}",
             report,
         )
+
+
+def _private_copy(obj: Any) -> Any:
+    """``obj`` with every container and tensor copied (tensors detached, same device, same DTensor layout),
+    other leaves shared: DCP loads into the copy, never into the live state."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _private_copy(v)) for k, v in obj.items())  # dict, OrderedDict
+    if isinstance(obj, list):
+        return [_private_copy(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_private_copy(v) for v in obj)
+    return obj
+
+
+def _first_line(exc: BaseException) -> str:
+    """The innermost failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def saved_world_size(path: str) -> int | None:
@@ -70,11 +108,16 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
          deep_verify: bool = False) -> Report:
     """Restore ``state`` from the checkpoint at ``path``; return the restore check's findings.
 
-    ``verify=False`` skips the verification (explicit opt-out); ``check=False`` skips the restore check.
-    Raises :class:`~ckptverify.errors.CheckpointRefusedError` for a checkpoint that fails verification, and
-    :class:`~ckptverify.state.rng.WorldSizeChangedError` /
+    ``verify=False`` skips the verification (explicit opt-out; a directory whose save did not commit is
+    still refused); ``check=False`` skips the restore check.
+
+    All or nothing: if this raises, ``state`` (parameters, optimizer, every random stream, counters,
+    schedulers, scaler, data position, extras) is exactly what it was before the call. Raises
+    :class:`~ckptverify.errors.CheckpointRefusedError` for a checkpoint that fails verification or whose save
+    did not commit, :class:`~ckptverify.errors.LoadFailedError` when DCP cannot load it into ``state`` or a
+    saved field does not fit, and :class:`~ckptverify.state.rng.WorldSizeChangedError` /
     :class:`~ckptverify.state.sampler.CannotReshardError` when the world size changed in a way that cannot be
-    restored exactly (and re-seeding was not allowed).
+    restored exactly (and re-seeding was not allowed). Every one is an ``Exception``.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -86,15 +129,32 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
         raise UsageError(f"load() restores a TrainState, got {type(state).__name__}")
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
-    if verify:
-        _verify_on_coordinator(root, deep_verify)
-    state.saved_world_size = saved_world_size(root)
-    template = state.state_dict()
-    with warnings.catch_warnings():
-        # Loading in a single process without a process group is intended here, not a mistake.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(template, storage_reader=SafeFileSystemReader(root), planner=SafeLoadPlanner())
-    state.load_state_dict(template)
+    _verify_on_coordinator(root, deep_verify, full=verify)
+    # All or nothing: DCP loads into a private copy of the state (twice the model and optimizer memory
+    # while this runs), the copy is checked field by field, and only then applied. On any refusal the
+    # state is put back as it was: getting a template initializes a fresh optimizer's state, undone here.
+    before = (state.saved_world_size, [not opt.state for opt in state.optimizers])
+    try:
+        state.saved_world_size = saved_world_size(root)
+        template = _private_copy(state.state_dict())
+        with warnings.catch_warnings():
+            # Loading in a single process without a process group is intended here, not a mistake.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            try:
+                dcp.load(template, storage_reader=SafeFileSystemReader(root), planner=SafeLoadPlanner())
+            except BaseException as exc:
+                if isinstance(exc, (KeyboardInterrupt, SystemExit, CkptVerifyError)):
+                    raise
+                # DCP's CheckpointException is a BaseException, which `except Exception` would miss.
+                raise LoadFailedError(f"DCP could not load {root} into this state; nothing was changed: "
+                                      f"{_first_line(exc)}") from exc
+        state.load_state_dict(template)
+    except BaseException:
+        state.saved_world_size = before[0]
+        for opt, was_fresh in zip(state.optimizers, before[1], strict=True):
+            if was_fresh:
+                opt.state.clear()
+        raise
     findings: list[Finding] = [warning("restore-inexact", w) for w in state.warnings]
     coverage: list[CheckCoverage] = []
     if check:

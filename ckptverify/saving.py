@@ -5,16 +5,24 @@ with a :class:`~ckptverify.dcp.writer.HashingFileSystemWriter` as the storage wr
 an ordinary DCP checkpoint (any torch loads it without ckptverify); beside it, the coordinator writes
 ``ckptverify.manifest.json`` last, once ``.metadata`` is in place, so its presence marks a committed checkpoint.
 
-Every rank of the process group calls these functions, exactly as it would call DCP's.
+A save into a directory that already holds a checkpoint follows the commit protocol of
+:mod:`ckptverify.dcp.commit`: the directory is locked and marked as not committed before any shard is
+rewritten, so a save killed at any point never leaves something that verifies or loads as complete, and a
+second save into the same directory fails with :class:`~ckptverify.errors.SaveConflictError`.
+
+Every rank of the process group calls these functions, exactly as it would call DCP's. A save that does not
+commit raises :class:`~ckptverify.errors.SaveFailedError` on every rank (DCP's own ``CheckpointException``
+is a ``BaseException``, which ``except Exception`` would miss; it is the ``__cause__``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import CkptVerifyError, SaveConflictError, SaveFailedError, UsageError
 from ckptverify.manifest import DEFAULT_BLOCK_BYTES, Manifest
 
 if TYPE_CHECKING:
@@ -77,6 +85,75 @@ def _make_writer(
     )
 
 
+def _failures(exc: BaseException) -> dict[int, BaseException]:
+    """The per-rank exceptions DCP wrapped in a ``CheckpointException`` (``{rank: (exc, trace)}``)."""
+    raw = getattr(exc, "failures", None)
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[int, BaseException] = {}
+    for rank, pair in raw.items():
+        inner = pair[0] if isinstance(pair, tuple) and pair else pair
+        if isinstance(inner, BaseException):
+            out[rank] = inner
+    return out
+
+
+def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseException:
+    """What a failed DCP save is raised as: a conflict or a usage error found on any rank as itself (so
+    every rank sees the same type), anything else as :class:`SaveFailedError` naming the first failure."""
+    failures = _failures(exc)
+    conflict = next((e for e in failures.values() if isinstance(e, SaveConflictError)), None)
+    if conflict is not None:
+        return SaveConflictError(str(conflict), failures)
+    usage = next((e for e in failures.values() if isinstance(e, UsageError)), None)
+    if usage is not None:
+        return usage
+    if isinstance(exc, CkptVerifyError):
+        return exc
+    if failures:
+        rank = min(failures)
+        first = failures[rank]
+        what = f"rank {rank} failed: {type(first).__name__}: {first}"
+    else:
+        what = f"{type(exc).__name__}: {exc}"
+    return SaveFailedError(f"the save into {os.fspath(path)} did not commit; {what}", failures)
+
+
+def _run(fn: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str]) -> Any:
+    try:
+        return fn()
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise save_error(exc, path) from exc
+    finally:
+        writer._release_lock()  # normally released at commit; here also when any rank failed
+
+
+def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str]) -> Any:
+    """A future that completes with ``future``, failures raised as :class:`SaveFailedError`; the lock is
+    dropped as soon as the upload ends, whatever the outcome."""
+    from concurrent.futures import Future
+
+    out: Future[Any] = Future()
+
+    def done(f: Any) -> None:
+        writer._release_lock()
+        if f.cancelled():
+            out.cancel()
+            return
+        exc = f.exception()
+        if exc is None:
+            out.set_result(f.result())
+            return
+        error = save_error(exc, path)
+        error.__cause__ = exc
+        out.set_exception(error)
+
+    future.add_done_callback(done)
+    return out
+
+
 def _plain(state: Any) -> dict[str, Any]:
     """A :class:`~ckptverify.state.train_state.TrainState` is saved as its state dict (flat names
     ``model.*``, ``optim.*``, ...); a dict as is."""
@@ -117,6 +194,8 @@ def save(
 
     Raises:
         UsageError: an unknown digest, a non-positive block size or thread count, an unknown keyword.
+        SaveConflictError: another save into ``path`` is in progress (nothing was written).
+        SaveFailedError: the save did not commit on some rank; ``path`` holds no committed checkpoint.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -126,7 +205,8 @@ def save(
     with warnings.catch_warnings():
         # Saving in a single process without a process group is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw)
+        _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
+             writer, path)
     return writer.manifest if writer.is_coordinator else None
 
 
@@ -144,8 +224,10 @@ def async_save(
     """Like :func:`save`, through :func:`torch.distributed.checkpoint.async_save`.
 
     Returns what DCP returns (a future, or an ``AsyncSaveResponse`` with a stager that reports staging
-    separately). The manifest is written when the upload finishes, before the future completes; read it
-    with :func:`ckptverify.manifest.read_manifest`. ``async_checkpointer_type`` and ``async_stager`` are
+    separately), except that the upload future fails with :class:`~ckptverify.errors.SaveFailedError` (or
+    :class:`~ckptverify.errors.SaveConflictError`) instead of DCP's ``CheckpointException``. The manifest is
+    written when the upload finishes, before the future completes; read it with
+    :func:`ckptverify.manifest.read_manifest`. ``async_checkpointer_type`` and ``async_stager`` are
     accepted besides the options of :func:`save`.
     """
     import torch.distributed.checkpoint as dcp
@@ -155,4 +237,19 @@ def async_save(
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        return dcp.async_save(state_dict, storage_writer=writer, process_group=process_group, **save_kw)
+        return _start_async(dcp, state_dict, writer, path, process_group, save_kw)
+
+
+def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
+                 process_group: Any, save_kw: dict[str, Any]) -> Any:
+    try:
+        response = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group, **save_kw)
+    except BaseException as exc:
+        writer._release_lock()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise save_error(exc, path) from exc
+    upload = getattr(response, "upload_completion", None)
+    if upload is not None:
+        return dataclasses.replace(response, upload_completion=_translated(upload, writer, path))
+    return _translated(response, writer, path)

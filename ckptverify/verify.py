@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 from ckptverify.checks import deep as deep_check
 from ckptverify.checks import item_label, item_location, manifest_check
+from ckptverify.checks.commit import check_commit
 from ckptverify.checks.content import (
     FileResult,
     ItemPlan,
@@ -292,6 +293,7 @@ class VerificationRun:
 
     def _stages(self, *, deep: bool, use_manifest: bool) -> None:
         self.deep = deep
+        self.findings.extend(check_commit(self.root))  # a save that did not commit: never complete
         layout, md_findings = read_layout(self.root)
         self.findings.extend(md_findings)
         if layout is None:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from dist_exit import exit_without_teardown
 
 import ckptverify
 from ckptverify.examples import TinyGPTConfig, build_training, make_loader, train_step
@@ -105,3 +106,6 @@ def run(rank: int, world: int, port: int, mode: str, ckpt: str, out_dir: str, st
     finally:
         if world > 1:
             dist.destroy_process_group()
+    if world > 1:
+        exit_without_teardown()
+

@@ -15,6 +15,12 @@ write results. ``finish`` takes them out again, puts plain ``_StorageInfo`` obje
 is an ordinary DCP file any torch reads without ckptverify), lets DCP write ``.metadata``, digests it, and
 writes the manifest last (:func:`ckptverify.manifest.write_manifest`, atomic).
 
+The writer follows the commit protocol of :mod:`ckptverify.dcp.commit`: in ``prepare_global_plan`` (on
+the coordinator, before any rank writes) it locks the directory, marks it as not committed and removes the
+earlier save's manifest and metadata; ``finish`` removes the marker once the manifest is in place. Every
+rank's shards are written before ``finish`` runs (DCP gathers all write results first), so no shard of
+this save is written after its commit.
+
 This module and :mod:`ckptverify.dcp.metadata` are the only ones that touch DCP's private classes
 (``_StorageInfo``, ``FileSystem.create_stream``, ``FileSystemWriter.fs``, ``WriteResult``); the tests in
 ``tests/test_save.py`` check every assumption made here against the installed torch.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import uuid
 from collections.abc import Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -41,6 +48,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
 from ckptverify.errors import UsageError
 from ckptverify.fingerprint import (
     ALGORITHMS,
@@ -390,12 +398,14 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.is_coordinator = True
         self.manifest: Manifest | None = None
         self.stats: dict[str, int] = {}
+        self._lock: SaveLock | None = None
 
     # -- set-up
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self.is_coordinator = is_coordinator
         self.manifest = None
+        self._release_lock()  # an earlier save through this writer failed before committing
         if not self.use_collectives and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1:
             raise UsageError(
@@ -403,16 +413,33 @@ class HashingFileSystemWriter(FileSystemWriter):
                 "assembled from all ranks' write results on the coordinator"
             )
 
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        plan = super().prepare_local_plan(plan)
-        if self.is_coordinator:
-            # A manifest from an earlier save in this directory no longer describes it: remove it before
-            # any rank writes (all ranks write only after every local plan has been gathered), so a
-            # manifest is present only once this save has committed.
-            stale = os.path.join(os.fspath(self.path), MANIFEST_FILE)
-            if os.path.lexists(stale):
-                os.unlink(stale)
-        return plan
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator, after every rank has planned and before any rank writes: lock the directory
+        and mark it as not committed, then remove the earlier save's manifest and metadata
+        (:mod:`ckptverify.dcp.commit`). A conflicting save fails here, on every rank, having written nothing."""
+        plans = super().prepare_global_plan(plans)
+        root = os.fspath(self.path)
+        self._release_lock()
+        self._lock = begin_save(root, str(getattr(self, "save_id", "") or uuid.uuid4()))
+        try:
+            invalidate_previous(root, MANIFEST_FILE)
+        except BaseException:
+            self._release_lock()
+            raise
+        return plans
+
+    def _release_lock(self) -> None:
+        """Drop this writer's hold on its directory, leaving it marked as not committed (a failed save)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The lock is a descriptor of the process that took it; a pickled writer (async_save with a
+        # checkpoint process) takes its own.
+        state = dict(self.__dict__)
+        state["_lock"] = None
+        return state
 
     # -- writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -501,6 +528,17 @@ class HashingFileSystemWriter(FileSystemWriter):
 
     # -- committing
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit (coordinator only; every rank's writes are done): write ``.metadata``, then the manifest,
+        then remove the in-progress marker and drop the lock. Anything that fails leaves the marker."""
+        try:
+            self._finish(metadata, results)
+            if self._lock is not None:
+                lock, self._lock = self._lock, None
+                lock.commit()
+        finally:
+            self._release_lock()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         plain_results: list[list[WriteResult]] = []
         hashed: list[tuple[MetadataIndex, HashedStorageInfo]] = []
         for wr_list in results:

@@ -13,6 +13,8 @@ objects, so a field that a ``load_state_dict`` silently ignored is reported.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from ckptverify._distributed import rank_world
-from ckptverify.errors import UsageError
+from ckptverify.errors import CkptVerifyError, LoadFailedError, UsageError
 from ckptverify.state.dataloader import loader_state, restore_loader
 from ckptverify.state.digest import state_digest
 from ckptverify.state.rng import RNG_STATE_VERSION, RngState, capture_rng, rank_key, restore_rng
@@ -41,13 +43,26 @@ class Counters:
         return asdict(self)
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Set every counter from ``sd``, or none: all are checked before any is set."""
+        values = self.validated(sd)
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    def validated(self, sd: Any) -> dict[str, int]:
+        """The counters in ``sd`` as ints; :class:`~ckptverify.errors.LoadFailedError` unless every one is
+        an int (or a one-element integer tensor)."""
+        if not isinstance(sd, Mapping):
+            raise LoadFailedError(f"counters in the checkpoint are a {type(sd).__name__}, not a mapping")
+        out: dict[str, int] = {}
         for name in asdict(self):
             value = sd.get(name)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point \
+                    and not value.dtype.is_complex and value.dtype != torch.bool:
                 value = int(value)
             if type(value) is not int:
-                raise UsageError(f"counter {name!r} in the checkpoint is {value!r}, not an int")
-            setattr(self, name, value)
+                raise LoadFailedError(f"counter {name!r} in the checkpoint is {value!r}, not an int")
+            out[name] = value
+        return out
 
 
 def _as_list(obj: Any) -> list[Any]:
@@ -200,28 +215,120 @@ class TrainState:
     # ------------------------------------------------------------------ restoring
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore every field from ``sd``, or none of them.
+
+        Every field is checked first (types, versions, the RNG state's shape); then the fields are applied
+        in order of how easily they are undone, the model and optimizer last. If anything fails, the fields
+        already applied are put back as they were and :class:`~ckptverify.errors.LoadFailedError` (or the
+        :class:`~ckptverify.errors.UsageError` that explains it, such as a world size change) is raised:
+        the state is then what it was before the call.
+        """
+        plan = self._check(sd)
+        undo = self._snapshot()
+        try:
+            self._apply(sd, plan)
+        except BaseException as exc:
+            undo()
+            if isinstance(exc, CkptVerifyError) or not isinstance(exc, Exception):
+                raise
+            raise LoadFailedError(f"restoring the train state failed ({type(exc).__name__}: {exc}); "
+                                  "nothing was changed") from exc
+
+    def _check(self, sd: Any) -> dict[str, Any]:
+        """Everything about ``sd`` that can be checked without changing the state; returns what applying
+        needs (validated counters, this rank's loader state)."""
+        if not isinstance(sd, Mapping):
+            raise LoadFailedError(f"a train state must be a mapping, got {type(sd).__name__}")
+        if sd.get("version") != STATE_VERSION:
+            raise LoadFailedError(f"train state version {sd.get('version')!r} is not supported")
+
+        def mapping(value: Any, what: str) -> Mapping[str, Any]:
+            if not isinstance(value, Mapping):
+                raise LoadFailedError(f"{what} in the checkpoint is a {type(value).__name__}, not a mapping")
+            return value
+
+        if self.model is not None:
+            mapping(sd.get("model"), "the model state")
+        if self.optimizers:
+            mapping(sd.get("optim"), "the optimizer state")
+        if self.schedulers:
+            scheds = mapping(sd.get("scheduler"), "the scheduler state")
+            for i in range(len(self.schedulers)):
+                mapping(scheds.get(str(i)), f"scheduler {i}'s state")
+        if self.scaler is not None:
+            mapping(sd.get("scaler"), "the scaler state")
+        counters = self.counters.validated(sd.get("counters"))
+        mapping(sd.get("rng"), "the RNG state")
+        loader = None
+        if self.dataloader is not None:
+            data = mapping(sd.get("data"), "the data loader state")
+            me = rank_key(self.rank)
+            if me not in data and not data:
+                raise LoadFailedError("the checkpoint holds no data loader state")
+            loader = mapping(data[me] if me in data else next(iter(data.values())), "the data loader state")
+        if self.extras:
+            extras = mapping(sd.get("extras"), "the extras")
+            for name in self.extras:
+                if name not in extras:
+                    raise LoadFailedError(f"the checkpoint holds no state for extra {name!r}")
+        digests = mapping(sd.get("digests", {}), "the saved field digests")
+        mine = mapping(digests.get(rank_key(self.rank), {}), "this rank's saved field digests")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in mine.items()):
+            raise LoadFailedError("this rank's saved field digests are not all strings")
+        return {"counters": counters, "loader": loader, "digests": dict(mine)}
+
+    def _snapshot(self) -> Any:
+        """Capture what applying a state dict changes outside the model and optimizer; return a function
+        that puts it back (each part independently, so one failing part does not stop the others)."""
+        rng = capture_rng(self.rng.generators)
+        counters = self.counters.state_dict()
+        scheds = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
+        scaler = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
+        loader = copy.deepcopy(self._loader_state()) if self.dataloader is not None else None
+        extras = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.extras.items()}
+        kept = {"saved_digests": dict(self.saved_digests), "_restored_rng": self._restored_rng,
+                "warnings": list(self.warnings), "restored_fingerprints": dict(self.rng.restored_fingerprints)}
+
+        def undo() -> None:
+            steps: list[Any] = [lambda: self.counters.load_state_dict(counters)]
+            steps += [lambda s=s, st=st: s.load_state_dict(st) for s, st in zip(self.schedulers, scheds, strict=True)]
+            if scaler is not None:
+                steps.append(lambda: self.scaler.load_state_dict(scaler))
+            if loader is not None:
+                steps.append(lambda: restore_loader(self.dataloader, loader))
+            steps += [lambda o=self.extras[n], st=st: o.load_state_dict(st) for n, st in extras.items()]
+            steps.append(lambda: restore_rng(rng, self.rng.generators))  # last: the others may draw
+            for step in steps:  # put back as much as possible; the caller re-raises the failure
+                with contextlib.suppress(Exception):
+                    step()
+            self.saved_digests = kept["saved_digests"]
+            self._restored_rng = kept["_restored_rng"]
+            self.warnings[:] = kept["warnings"]
+            self.rng.restored_fingerprints = kept["restored_fingerprints"]
+
+        return undo
+
+    def _apply(self, sd: Mapping[str, Any], plan: Mapping[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        if sd.get("version") != STATE_VERSION:
-            raise UsageError(f"train state version {sd.get('version')!r} is not supported")
-        me = rank_key(self.rank)
-        if self.model is not None:
-            set_state_dict(self.model, self.optimizers, model_state_dict=sd["model"],
-                           optim_state_dict=sd.get("optim", {}))
+        self.counters.load_state_dict(plan["counters"])
         for i, sched in enumerate(self.schedulers):
             sched.load_state_dict(sd["scheduler"][str(i)])
         if self.scaler is not None:
             self.scaler.load_state_dict(sd["scaler"])
-        self.counters.load_state_dict(sd["counters"])
         self.rng.load_state_dict(sd["rng"])
-        self._restored_rng = capture_rng(self.rng.generators)
-        if self.dataloader is not None:
-            data = sd["data"]
-            restore_loader(self.dataloader, data.get(me) if me in data else next(iter(data.values())))
+        restored_rng = capture_rng(self.rng.generators)
         for name, obj in self.extras.items():
             obj.load_state_dict(sd["extras"][name])
-        digests = sd.get("digests", {})
-        self.saved_digests = dict(digests.get(me, {})) if isinstance(digests, Mapping) else {}
+        if self.dataloader is not None:
+            restore_loader(self.dataloader, plan["loader"])
+            restore_rng(restored_rng, self.rng.generators)  # restoring a loader must not move a stream
+        if self.model is not None:
+            # Last: its keys and shapes come from this model's own state dict, so copying cannot fail halfway.
+            set_state_dict(self.model, self.optimizers, model_state_dict=sd["model"],
+                           optim_state_dict=sd.get("optim", {}))
+        self._restored_rng = restored_rng
+        self.saved_digests = plan["digests"]
         if self.resharding:
             # Rank-local fields legitimately differ after resharding; everything else must still match.
             self.saved_digests = {k: v for k, v in self.saved_digests.items()
