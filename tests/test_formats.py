@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -15,6 +16,14 @@ import torch
 from ckptverify.formats.folder import check_folder
 from ckptverify.formats.pickle_scan import PickleScanError, scan_pickle
 from ckptverify.formats.single import check_file
+
+
+@dataclasses.dataclass
+class TrainingArgs:
+    """A user object pickled with NEWOBJ (as transformers' training_args.bin is)."""
+
+    lr: float = 1e-3
+    name: str = "run"
 
 
 def _errors(findings):
@@ -46,7 +55,7 @@ def pt_file(tmp_path: Path) -> Path:
     opt.step()
     path = tmp_path / "epoch=0-step=10.ckpt"
     torch.save({"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 10,
-                "hyper_parameters": {"lr": 1e-3, "path": Path("/data")},
+                "hyper_parameters": {"lr": 1e-3, "path": Path("/data"), "args": TrainingArgs()},
                 "extra": {"u16": torch.arange(5).to(torch.uint16), "bf": torch.ones(3, dtype=torch.bfloat16),
                           "view": torch.arange(20.0)[5:15:2]}}, path)
     return path
@@ -58,7 +67,8 @@ def test_a_clean_torch_save_file_passes_and_names_its_tensors(pt_file: Path) -> 
     assert facts["format"] == "torch.save" and "state_dict.0.weight" in facts["tensors"]
     assert "optimizer_states.0.state.0.exp_avg" in facts["tensors"]
     assert {c.check for c in coverage} >= {"zip-structure", "zip-crc", "tensor-record"}
-    assert any(f.check == "pickle-opaque" and "pathlib" in f.message for f in findings)
+    assert any(f.check == "pickle-opaque" and "pathlib" in f.message and "TrainingArgs" in f.message
+               for f in findings)
 
 
 def test_a_flipped_payload_bit_is_caught_and_named(pt_file: Path) -> None:

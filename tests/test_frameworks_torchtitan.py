@@ -38,8 +38,6 @@ def test_diff_of_one_rank_and_two_rank_saves_of_the_same_state_passes(titan: h.B
     assert h.covered(report, "diff-tensor") == len(h.tensor_fqns(titan.path("ws1-step4")))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="verify RUN_DIR should say it is a run directory and point at `scan`")
 def test_verify_of_the_run_directory_points_at_scan(titan: h.Built) -> None:
     report = h.verify(titan.path("ws2-step4").parent)
     assert report["exit_code"] == 2, h.describe(report)

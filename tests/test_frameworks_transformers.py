@@ -15,8 +15,6 @@ pytestmark = pytest.mark.slow  # each framework's producer runs once per session
 hf = h.fixture("transformers")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a transformers checkpoint-N folder is not read ('metadata-missing')")
 @pytest.mark.parametrize("name", ["checkpoint-2", "checkpoint-4"])
 def test_checkpoint_folder_verifies_clean(hf: h.Built, name: str) -> None:
     # Weights (safetensors) and JSON carry no checksum; optimizer.pt, scheduler.pt, rng_state.pth and
@@ -25,7 +23,7 @@ def test_checkpoint_folder_verifies_clean(hf: h.Built, name: str) -> None:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="model.safetensors in a checkpoint-N folder is not read")
+                   reason="fingerprint does not write a manifest for a folder of files yet")
 def test_flipped_byte_in_weights_after_fingerprint_is_caught(hf: h.Built, tmp_path: Path) -> None:
     ckpt = hf.copy("checkpoint-4", tmp_path / "checkpoint-4")
     adopted = h.fingerprint(ckpt, "--trust-uncheckable")
@@ -38,7 +36,7 @@ def test_flipped_byte_in_weights_after_fingerprint_is_caught(hf: h.Built, tmp_pa
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a transformers checkpoint-N folder is not read")
+                   reason="diff does not read folders of files yet")
 def test_diff_of_two_checkpoints_names_the_weights(hf: h.Built) -> None:
     report = h.diff(hf.path("checkpoint-2"), hf.path("checkpoint-4"))
     assert report["exit_code"] == 1, h.describe(report)
@@ -46,8 +44,6 @@ def test_diff_of_two_checkpoints_names_the_weights(hf: h.Built) -> None:
     assert any(fqn.endswith("transformer.h.0.attn.c_attn.weight") for fqn in differing), h.describe(report)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="verify OUTPUT_DIR should say it is a run directory and point at `scan`")
 def test_verify_of_the_output_dir_points_at_scan(hf: h.Built) -> None:
     report = h.verify(hf.path("checkpoint-4").parent)
     assert report["exit_code"] == 2, h.describe(report)

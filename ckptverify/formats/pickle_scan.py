@@ -68,23 +68,30 @@ class TensorRef:
 
 
 class Opaque:
-    """A global outside the tensor allowlist: named, never imported, never called."""
+    """An instance of a global outside the tensor allowlist: it records the arguments and state the pickle
+    gives it. Its class is made per name by the unpickler (so ``NEWOBJ``, which needs a class, works); nothing
+    of the real global is ever imported or called."""
 
-    __slots__ = ("args", "name", "state")
+    name = "?"
 
-    def __init__(self, name: str, args: tuple[Any, ...] = ()) -> None:
-        self.name = name
-        self.args = args
-        self.state: Any = None
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        obj = object.__new__(cls)
+        obj.args = args
+        obj.state = None
+        return obj
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
-        return Opaque(self.name, args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
     def __reduce__(self) -> Any:  # pragma: no cover - never pickled again
         raise TypeError("Opaque stand-ins are not picklable")
+
+
+def _opaque_class(qual: str) -> type[Opaque]:
+    return type("Opaque", (Opaque,), {"name": qual})
 
 
 @dataclass
@@ -113,6 +120,7 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self.scan = scan
         self.budget = budget
+        self._classes: dict[str, type[Opaque]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         self.budget.spend()
@@ -134,7 +142,9 @@ class _Unpickler(pickle.Unpickler):
         if module == "_codecs" and name == "encode":
             return _encode
         self.scan.opaque.add(qual)
-        return Opaque(qual)
+        if qual not in self._classes:
+            self._classes[qual] = _opaque_class(qual)
+        return self._classes[qual]
 
     def persistent_load(self, pid: Any) -> Any:
         self.budget.spend()
@@ -153,7 +163,7 @@ class _Unpickler(pickle.Unpickler):
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
         self.budget.spend()
         if not isinstance(storage, StorageRef):
-            return Opaque("torch._utils._rebuild_tensor_v2 (not over a storage)")
+            return _opaque_class("torch._utils._rebuild_tensor_v2 (not over a storage)")()
         if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
             raise PickleScanError("a tensor with a bad offset, shape or stride")
         shape, strides = tuple(size), tuple(stride)
