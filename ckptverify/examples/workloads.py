@@ -116,7 +116,7 @@ def hidden_counter(run: Run) -> None:
 
 
 def _step_without_scheduler(training: Training, batch: Any, loss_fn: Any = None) -> dict[str, Any]:
-    model, optimizer = training.model, training.optimizer
+    model = training.model
     model.train()
     input_ids, targets = (z.to(training.device) for z in batch)
     logits = model(input_ids)
@@ -125,13 +125,19 @@ def _step_without_scheduler(training: Training, batch: Any, loss_fn: Any = None)
     else:
         loss = loss_fn(logits, targets)
     loss.backward()
+    return _clip_and_step(training, loss.detach())
+
+
+def _clip_and_step(training: Training, loss: torch.Tensor) -> dict[str, Any]:
+    """Clip the gradients, take the optimizer step, clear the gradients; the step's loss, norm and lr."""
+    model, optimizer = training.model, training.optimizer
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr}
+    return {"loss": loss, "grad_norm": grad_norm.detach(), "lr": lr}
 
 
 def nondeterministic(run: Run) -> None:
@@ -145,7 +151,7 @@ def nondeterministic(run: Run) -> None:
         # Gradients accumulated over micro-batches in a process-dependent order: the sums round differently,
         # so the parameters part between two processes (a loss summed in another order would not do: its
         # gradient is the same whatever the order).
-        model, optimizer = training.model, training.optimizer
+        model = training.model
         model.train()
         input_ids, targets = (z.to(training.device) for z in batch)
         parts = list(zip(input_ids.chunk(input_ids.shape[0]), targets.chunk(targets.shape[0]), strict=True))
@@ -156,13 +162,8 @@ def nondeterministic(run: Run) -> None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / len(parts)
             loss.backward()
             total += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        lr = float(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        out = _clip_and_step(training, total)
         training.scheduler.step()
-        return {"loss": total, "grad_norm": grad_norm.detach(), "lr": lr}
+        return out
 
     _loop(run, training, loader, step)

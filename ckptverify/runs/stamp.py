@@ -81,22 +81,22 @@ class Stamp:
         return value if isinstance(value, int) else None
 
 
+def _read(path: str, limit: int) -> bytes | None:
+    """A small regular file's bytes (never a FIFO, device or link; capped), or ``None``."""
+    from ckptverify.readers import read_small_file
+
+    try:
+        return read_small_file(path, limit)
+    except OSError:
+        return None
+
+
 def _manifest_digest(root: str) -> str | None:
     from ckptverify.fingerprint import digest_bytes
     from ckptverify.manifest import MANIFEST_FILE
 
-    path = os.path.join(root, MANIFEST_FILE)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return digest_bytes(f.read(64 << 20))
-    finally:
-        os.close(fd)
+    raw = _read(os.path.join(root, MANIFEST_FILE), 256 << 20)
+    return None if raw is None else digest_bytes(raw)
 
 
 def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | None = None,
@@ -146,19 +146,9 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
 def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
     """The stamp in ``root``, or ``None`` when there is none or it cannot be read as one (never trusted then)."""
     folder = os.fspath(root)
-    path = os.path.join(folder, STAMP_FILE)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+    raw = _read(os.path.join(folder, STAMP_FILE), MAX_STAMP_BYTES)
+    if raw is None:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STAMP_BYTES:
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(MAX_STAMP_BYTES + 1)
-    finally:
-        os.close(fd)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
