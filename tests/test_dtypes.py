@@ -1,7 +1,7 @@
 """Every dtype torch can save, in every layout the factory builds: clean -> verify passes; save -> load works.
 
 uint16/uint32/uint64, complex32, the float8 kinds and float4 are written by ``torch.save`` as an
-``UntypedStorage`` whose size counts bytes, not elements (issue 8, item 5).
+``UntypedStorage`` whose size counts bytes, not elements.
 """
 
 from __future__ import annotations

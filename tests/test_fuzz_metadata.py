@@ -1,4 +1,4 @@
-"""Fuzzing the metadata reader and the zip walker (issue 8, item 9).
+"""Fuzzing the metadata reader and the zip walker.
 
 Every case must end in a parse or in one of the documented exceptions (the metadata reader:
 ``UnsafeGlobal``, ``BadPickle``, ``BadMetadata``; the zip walker: ``ArchiveError``; the tensor header reader:

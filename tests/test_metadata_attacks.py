@@ -1,4 +1,5 @@
-"""Hostile metadata: the attacks of issue 8 (items 1, 7, 9) against verify, the safe reader and load."""
+"""Hostile metadata (a fallback to a second metadata file, shared stand-ins, malformed state) against verify,
+the safe reader and load."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Metadata reading and the structural checks are linear in the number of chunks (issue 8, item 6).
+"""Metadata reading and the structural checks are linear in the number of chunks.
 
 Work is measured by counting Python function calls (``sys.setprofile``), which does not depend on machine
 load: quadrupling the chunks must roughly quadruple the calls (a quadratic loop would multiply them by 16).
