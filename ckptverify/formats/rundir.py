@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "file_format",
     "find_checkpoints",
     "step_of",
+    "walk_files",
 ]
 
 #: How deep below the run directory checkpoints are looked for.
@@ -105,22 +107,31 @@ def _scandir(path: str) -> list[os.DirEntry[str]]:
         return []
 
 
-def _size(path: str, budget: list[int]) -> tuple[int, int]:
-    """Bytes of the regular files under ``path`` (links not followed) and the newest mtime."""
-    total, newest = 0, 0
-    stack = [path]
-    while stack and budget[0] > 0:
+def walk_files(root: str, budget: list[int] | None = None) -> Iterator[tuple[os.DirEntry[str], os.stat_result]]:
+    """Every entry under ``root`` that is not a directory, with its ``lstat``: links are not followed, nothing is
+    opened. ``budget`` (a one-element list) counts entries down and stops the walk at zero."""
+    stack = [root]
+    while stack and (budget is None or budget[0] > 0):
         for entry in _scandir(stack.pop()):
-            budget[0] -= 1
+            if budget is not None:
+                budget[0] -= 1
             try:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
             if stat.S_ISDIR(st.st_mode):
                 stack.append(entry.path)
-            elif stat.S_ISREG(st.st_mode):
-                total += st.st_size
-                newest = max(newest, st.st_mtime_ns)
+            else:
+                yield entry, st
+
+
+def _size(path: str, budget: list[int]) -> tuple[int, int]:
+    """Bytes of the regular files under ``path`` (links not followed) and the newest mtime."""
+    total, newest = 0, 0
+    for _, st in walk_files(path, budget):
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+            newest = max(newest, st.st_mtime_ns)
     return total, newest
 
 

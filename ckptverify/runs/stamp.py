@@ -40,28 +40,15 @@ def files_fingerprint(root: str) -> str:
     the stamp and the verifying lock excluded."""
     import xxhash
 
+    from ckptverify.formats.rundir import walk_files
+
     h = xxhash.xxh3_128()
-    stack = [root]
     entries: list[str] = []
-    while stack:
-        folder = stack.pop()
-        try:
-            with os.scandir(folder) as it:
-                listing = list(it)
-        except OSError:
+    for e, st in walk_files(root):
+        rel = os.path.relpath(e.path, root)
+        if rel in _IGNORED or e.name.startswith(".ckptverify-stamp-"):
             continue
-        for e in listing:
-            rel = os.path.relpath(e.path, root)
-            if rel in _IGNORED or e.name.startswith(".ckptverify-stamp-"):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                stack.append(e.path)
-                continue
-            entries.append(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
+        entries.append(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
     for line in sorted(entries):
         h.update(line.encode("utf-8", "surrogateescape") + b"\n")
     return h.hexdigest()
