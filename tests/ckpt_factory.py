@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from dist_exit import exit_without_teardown
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -176,6 +177,7 @@ def _fsdp2_worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, b
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()  # only after success: see tests/dist_exit.py
 
 
 def build_two_rank(paths: dict[str, Path]) -> None:

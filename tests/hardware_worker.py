@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_exit import exit_without_teardown
 
 from ckptverify.events import EventLog
 from ckptverify.hardware.inject import BitFlip, FaultInjector
@@ -73,3 +74,4 @@ def run(rank: int, world: int, rendezvous: str, out_dir: str, wrap: str, fault: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()  # only after success: see tests/dist_exit.py

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from ckpt_factory import free_port, safetensors_supported
+from dist_exit import exit_without_teardown
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
@@ -114,6 +115,7 @@ def _two_rank_worker(rank: int, world: int, port: int, jobs: list[tuple[str, boo
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()  # only after success: see tests/dist_exit.py
 
 
 def test_every_dtype_verifies_clean_sharded_on_two_ranks(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_exit import exit_without_teardown
 
 from ckptverify.examples import (
     TinyGPT,
@@ -209,6 +210,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
         dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()  # only after success: see tests/dist_exit.py
 
 
 def _launch_fsdp(out_dir: Path) -> list[dict[str, str]]:

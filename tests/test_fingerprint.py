@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from dist_exit import exit_without_teardown
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -662,6 +663,7 @@ def _dtensor_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()  # only after success: see tests/dist_exit.py
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from dist_exit import exit_without_teardown
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from ckptverify.errors import CkptVerifyError, UsageError
@@ -248,6 +249,7 @@ def _two_rank_worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) 
         dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()  # only after success: see tests/dist_exit.py
 
 
 def test_two_ranks_one_checkpoint_each_restores_its_own(tmp_path: Path) -> None:

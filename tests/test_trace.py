@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dist_exit import exit_without_teardown
 from torch import nn
 
 from ckptverify import TrainState
@@ -347,6 +348,7 @@ def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()  # only after success: see tests/dist_exit.py
 
 
 @pytest.mark.slow

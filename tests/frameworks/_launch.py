@@ -34,6 +34,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., None], args: tup
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Only after success: leave without interpreter teardown, which can abort around the gloo threads a
+    # destroyed group leaves alive (see tests/dist_exit.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(world: int, fn: Callable[..., None], *args: Any) -> None:
