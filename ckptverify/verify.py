@@ -92,11 +92,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     if not os.path.isdir(root):
         report = _verify_file(root, started)
         return fail_uncheckable(report) if strict else report
-    other = _other_format(root)
+    other, found = _other_format(root)
     if other == "run-directory":
-        from ckptverify.formats.rundir import find_checkpoints
-
-        found = find_checkpoints(root)
         newest = next((c for c in reversed(found) if c.step is not None), found[-1])
         raise UsageError(f"{root} is a run directory holding {len(found)} checkpoint(s) (newest: {newest.path}), "
                          f"not a checkpoint: verify one of them, or run `ckptverify scan {root}` for all")
@@ -112,21 +109,22 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     return fail_uncheckable(report) if strict else report
 
 
-def _other_format(root: str) -> str | None:
+def _other_format(root: str) -> tuple[str | None, list[Any]]:
     """``None`` for a DCP checkpoint (or a torn one: judged as DCP), ``"folder"`` for a folder of checkpoint
-    files (Hugging Face, accelerate, transformers), ``"run-directory"`` for a folder of checkpoints."""
+    files (Hugging Face, accelerate, transformers), ``"run-directory"`` for a folder of checkpoints (with the
+    checkpoints found, which the caller names: the walk is done once)."""
     from ckptverify.formats.folder import CHECKPOINT_SUFFIXES
     from ckptverify.formats.rundir import dir_format, find_checkpoints
 
     try:
         names = os.listdir(root)
     except OSError:
-        return None
+        return None, []
     fmt = dir_format(names)
     if fmt in ("dcp", "dcp-uncommitted"):
-        return None
+        return None, []
     if fmt is not None or any(n.endswith(CHECKPOINT_SUFFIXES) for n in names):
-        return "folder"
+        return "folder", []
     subdirs = [n for n in names if os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))]
     if any(dir_format(_listdir(os.path.join(root, n))) in ("dcp", "dcp-uncommitted") for n in subdirs):
         # DCP folders beside each other: the parts of one checkpoint (model + optimizer) when the folder's own
@@ -134,8 +132,9 @@ def _other_format(root: str) -> str | None:
         from ckptverify.formats.rundir import step_of
 
         if step_of(os.path.basename(os.path.normpath(root))) is not None and len(subdirs) <= 8:
-            return "folder"
-    return "run-directory" if find_checkpoints(root) else None
+            return "folder", []
+    found = find_checkpoints(root)
+    return ("run-directory" if found else None), found
 
 
 def _listdir(path: str) -> list[str]:

@@ -41,6 +41,8 @@ class _Checkpoints:
     end: int
     start_path: str
     end_path: str
+    #: Paths that already verified while they were picked (not verified a second time).
+    verified: frozenset[str] = frozenset()
 
 
 def _pick(run_dir: str, start: int | None, end: int | None) -> _Checkpoints:
@@ -48,25 +50,24 @@ def _pick(run_dir: str, start: int | None, end: int | None) -> _Checkpoints:
 
     steps = {c.step: os.path.join(run_dir, c.path) for c in find_checkpoints(run_dir)
              if c.kind == "dir" and c.format == "dcp" and c.step is not None}
+    verified: set[str] = set()
     if start is None or end is None:
         from ckptverify.runs.latest import latest_verified
 
         newest = latest_verified(run_dir)
         if newest.path is None or newest.step is None:
             raise UsageError(f"no verified checkpoint under {run_dir} to replay from")
-        older = [s for s in steps if s < newest.step]
         chosen_end = newest.step if end is None else end
+        if end is None and chosen_end in steps and os.path.abspath(steps[chosen_end]) == newest.path:
+            verified.add(steps[chosen_end])
         if start is None:
-            candidates = sorted((s for s in older if s < chosen_end), reverse=True)
-            good = None
-            for s in candidates:
-                from ckptverify.verify import verify_checkpoint
+            from ckptverify.verify import verify_checkpoint
 
-                if verify_checkpoint(steps[s]).passed:
-                    good = s
-                    break
+            good = next((s for s in sorted((s for s in steps if s < chosen_end), reverse=True)
+                         if verify_checkpoint(steps[s]).passed), None)
             if good is None:
                 raise UsageError(f"no verified checkpoint before step {chosen_end} under {run_dir} to replay from")
+            verified.add(steps[good])
             start = good
         end = chosen_end
     if not 0 <= start < end:
@@ -74,7 +75,7 @@ def _pick(run_dir: str, start: int | None, end: int | None) -> _Checkpoints:
     for s in (start, end):
         if s not in steps:
             raise UsageError(f"no checkpoint of step {s} under {run_dir} (have: {sorted(steps) or 'none'})")
-    return _Checkpoints(start, end, steps[start], steps[end])
+    return _Checkpoints(start, end, steps[start], steps[end], frozenset(verified))
 
 
 def _hosts(segment: str) -> dict[int, dict[str, Any]]:
@@ -138,6 +139,8 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
 
     say(f"verify checkpoints of steps {ckpts.start} and {ckpts.end}")
     for step, path in ((ckpts.start, ckpts.start_path), (ckpts.end, ckpts.end_path)):
+        if path in ckpts.verified:
+            continue
         report = verify_checkpoint(path)
         if not report.passed:
             findings.extend(report.errors[:20])

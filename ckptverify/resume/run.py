@@ -233,7 +233,7 @@ class Run:
                     # Before the step draws anything: a random stream that differs here is a cause.
                     self._recorder.record_step_start(self.state)
                 else:
-                    self._recorder._paused += 1  # hooks gather nothing during a step that is not recorded
+                    self._recorder.begin_skipped_step()
             yield item
 
     def record(self, *, loss: Any = None, batch: Any = None, **metrics: Any) -> None:
@@ -253,7 +253,6 @@ class Run:
                 self._recorder.record_step(self._p.step, metrics=values, batch=batch,
                                            state=self.state if self.config.level != "metrics" else None)
             else:
-                self._recorder._paused -= 1
                 self._recorder.skip_step()
         self._p.records += 1
         if self._production is not None:

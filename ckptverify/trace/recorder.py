@@ -481,8 +481,14 @@ class TraceRecorder:
         return hook
 
     @contextlib.contextmanager
+    def begin_skipped_step(self) -> None:
+        """A step that will not be recorded (``trace_every`` > 1) begins: hooks gather nothing until
+        :meth:`skip_step`."""
+        self._paused += 1
+
     def skip_step(self) -> None:
-        """Forget what was gathered for a step that is not recorded (``trace_every`` > 1)."""
+        """End a step begun with :meth:`begin_skipped_step`: forget anything gathered for it."""
+        self._paused -= 1
         self._module_cells = []
         self._start_cells = []
         self._grad_cells = None
