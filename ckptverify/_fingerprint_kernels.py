@@ -318,7 +318,7 @@ def _block_lanes(
     return torch.stack(out)
 
 
-_BACKENDS = ("auto", "eager", "compiled")
+_BACKENDS = ("auto", "eager", "compiled", "triton")
 _backend = os.environ.get("CKPTVERIFY_FINGERPRINT_BACKEND", "auto")
 if _backend not in _BACKENDS:  # pragma: no cover - environment
     _log.warning("ignoring CKPTVERIFY_FINGERPRINT_BACKEND=%r (not one of %s)", _backend, _BACKENDS)
@@ -443,6 +443,14 @@ def fingerprint_lanes(
     seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
     device = flat.device
     nbytes = flat.numel() * flat.element_size()
+
+    if device.type == "cuda" and _backend in ("auto", "triton"):
+        # One fused Triton pass on the GPU (checked against this module's eager path before first use).
+        from ckptverify import _fingerprint_triton
+
+        got = _fingerprint_triton.lanes(flat, geometry, seeds)
+        if got is not None:
+            return got
 
     compiled = None
     if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel()):

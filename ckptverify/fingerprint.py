@@ -344,9 +344,10 @@ def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
 
 def set_fingerprint_backend(name: str) -> None:
     """How tensor fingerprints are computed: ``"eager"`` (plain torch operations, any device),
-    ``"compiled"`` (``torch.compile`` fused kernel for large blocks) or ``"auto"`` (the default: eager,
-    switching to compiled on CPU once enough data went through to pay for the compilation). All give the
-    same values. The environment variable ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets the initial choice."""
+    ``"compiled"`` (``torch.compile`` fused kernel for large blocks), ``"triton"`` (one fused Triton kernel
+    for CUDA tensors; other devices take eager) or ``"auto"`` (the default: Triton for CUDA tensors when it
+    imports; on CPU eager, switching to compiled once enough data went through to pay for the
+    compilation). All give the same values; the fused kernels are checked against eager before first use. The environment variable ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets the initial choice."""
     from ckptverify import _fingerprint_kernels as kern
 
     kern.set_backend(name)

@@ -77,7 +77,8 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256, help="tensor size in MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the best counts")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--backends", default="eager,compiled", help="comma-separated: eager, compiled")
+    parser.add_argument("--backends", default="eager,compiled,triton",
+                        help="comma-separated: eager, compiled, triton (CUDA only)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtype names")
     parser.add_argument("--devices", default=None, help="comma-separated (default: cpu, and cuda if present)")
     parser.add_argument(
@@ -124,6 +125,8 @@ def main() -> None:
             )
             values = set()
             for backend in backends:
+                if backend == "triton" and device.type != "cuda":
+                    continue  # the Triton kernel is for CUDA tensors; elsewhere it is the eager path
                 fp.set_fingerprint_backend(backend)
                 start = time.perf_counter()
                 values.add(fp.tensor_fingerprint(t))  # warm-up; compiles on first use of "compiled"
@@ -136,7 +139,7 @@ def main() -> None:
                     f"{device_name:<7} {dtype_name:<9} {label:<22} {best:>10.2f} "
                     f"{nbytes / statistics.median(times) / 1e9:>12.2f} {best / ceiling:>9.2f}"
                 )
-                if backend == "compiled" and first > 2 * min(times):
+                if backend in ("compiled", "triton") and first > 2 * min(times):
                     print(f"{'':<17} (first call incl. compile and self-check: {first:.1f} s)")
             if len(values) != 1:
                 raise SystemExit(f"backends disagree on {dtype_name}: {values}")

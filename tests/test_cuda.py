@@ -1,0 +1,194 @@
+"""The CUDA paths: fingerprints, saves, loads, traces, resume-check and replay on a GPU.
+
+Every test here is skipped without CUDA. The CPU suite covers the same logic on CPU tensors; these tests hold
+the GPU results to the CPU ones bit for bit (a fingerprint is defined by the values, not the device), and run
+the harness and the production job with NCCL on one GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptverify as cv
+from ckptverify.fingerprint import chunk_fingerprint, set_fingerprint_backend, tensor_fingerprint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+
+def _values(dtype: torch.dtype, n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=gen) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=gen) * 3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), (n,), generator=gen, dtype=torch.int64
+                         ).to(dtype)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compiled", "triton", "auto"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fingerprints_on_the_gpu_equal_the_cpu_ones(dtype: torch.dtype, backend: str) -> None:
+    set_fingerprint_backend(backend)
+    try:
+        for n in (1, 1000, (1 << 20) + 7):
+            t = _values(dtype, n)
+            assert tensor_fingerprint(t.cuda()) == tensor_fingerprint(t), (dtype, n)
+        t = _values(dtype, 6 * 1024).view(64, 96)
+        part = t[16:48, 32:96]
+        on_gpu = chunk_fingerprint(part.cuda(), [16, 32], [64, 96])
+        assert on_gpu == chunk_fingerprint(part, [16, 32], [64, 96])
+        # Non-contiguous views on the GPU fingerprint as their values.
+        assert tensor_fingerprint(t.cuda().t()) == tensor_fingerprint(t.t().contiguous())
+        if backend in ("triton", "auto"):
+            from ckptverify import _fingerprint_kernels as kern
+            from ckptverify import _fingerprint_triton as tri
+
+            width = kern._INT_VIEW_BY_SIZE[t.element_size()]
+            assert tri._verified.get(("cuda", width)) is True  # the fused kernel ran, and matched eager first
+    finally:
+        set_fingerprint_backend("auto")
+
+
+def test_one_flipped_bit_on_the_gpu_changes_the_fingerprint() -> None:
+    t = torch.randn(1 << 16, device="cuda")
+    before = tensor_fingerprint(t)
+    t.view(torch.int32)[12345] ^= 1 << 7
+    assert tensor_fingerprint(t) != before
+
+
+def _cuda_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, cv.TrainState]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, cv.TrainState(model=model, optimizer=opt)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randn(32, 64, device="cuda")  # draws from the CUDA generator
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_save_verify_load_of_gpu_state_is_bitwise_and_restores_the_cuda_generator(tmp_path: Path) -> None:
+    model, opt, state = _cuda_state(0)
+    for _ in range(3):
+        _step(model, opt)
+    ckpt = tmp_path / "ckpt"
+    manifest = cv.save(state, ckpt)
+    assert manifest is not None
+    report = cv.verify_checkpoint(ckpt, deep=True)
+    assert report.passed and report.exit_code == 0, report.findings
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _step(model, opt)  # what the continuous run does next
+    after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    model2, opt2, state2 = _cuda_state(1)  # different weights and a different CUDA stream
+    torch.cuda.manual_seed_all(999)
+    loaded = cv.load(state2, ckpt)
+    assert loaded.passed, loaded.findings
+    assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
+    assert all(v.is_cuda for v in model2.state_dict().values())
+    _step(model2, opt2)  # same CUDA random draws, same kernels: bitwise the same step
+    assert all(torch.equal(after[k], v) for k, v in model2.state_dict().items())
+
+
+def test_a_flipped_byte_in_a_gpu_checkpoint_is_found(tmp_path: Path) -> None:
+    model, opt, state = _cuda_state(0)
+    _step(model, opt)
+    ckpt = tmp_path / "ckpt"
+    cv.save(state, ckpt)
+    shard = max((p for p in ckpt.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    report = cv.verify_checkpoint(ckpt)
+    assert not report.passed and report.exit_code == 1
+
+
+def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptverify", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_resume_check_on_the_gpu_passes_the_correct_workload_and_names_a_planted_bug(tmp_path: Path) -> None:
+    good = _cli("resume-check", "ckptverify.examples.workloads:correct", "-T", "6", "-K", "3", "--device", "cuda",
+                "--json", "--keep", str(tmp_path / "good"))
+    assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
+    report = json.loads(good.stdout)
+    assert report["passed"]
+    bad = _cli("resume-check", "ckptverify.examples.workloads:rng_not_restored", "-T", "6", "-K", "3",
+               "--device", "cuda", "--json", "--keep", str(tmp_path / "bad"))
+    assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
+    verdict = json.loads(bad.stdout)["stats"]["verdict"]
+    assert (verdict["kind"], verdict["step"]) == ("rng", 4), verdict
+
+
+WORKLOAD = textwrap.dedent('''
+    import sys
+    import torch
+    import ckptverify as cv
+    from ckptverify.examples import TinyGPTConfig, build_training, make_loader, train_step
+
+    CONFIG = TinyGPTConfig(d_model=64, n_layers=2, n_heads=2, seq_len=32)
+
+    def train(run):
+        training = build_training(CONFIG, total_steps=40, num_sequences=256, seed=0, device="cuda")
+        loader = make_loader(training.dataset, 4, rank=run.rank, world_size=run.world_size, seed=1)
+        state = cv.TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
+                              dataloader=loader)
+        run.restore(state)
+        for batch in run.steps(loader):
+            out = train_step(training, batch)
+            run.record(loss=out["loss"], lr=out["lr"])
+
+    if __name__ == "__main__":
+        fault = sys.argv[3] if len(sys.argv) > 3 else None
+        cv.Run.main(train, steps=int(sys.argv[2]), run_dir=sys.argv[1], save_every=3, trace="state", fault=fault)
+''')
+
+
+def test_production_on_the_gpu_replays_as_reproduced_and_a_flipped_gradient_is_named(tmp_path: Path) -> None:
+    from ckptverify.hardware.inject import BitFlip
+    from ckptverify.resume.replay import replay
+
+    torch.backends.cudnn.deterministic = True
+    script = tmp_path / "gpu_job.py"
+    script.write_text(WORKLOAD)
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def job(run: Path, *extra: str) -> None:
+        done = subprocess.run([sys.executable, str(script), str(run), "6", *extra], capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    clean = tmp_path / "clean"
+    job(clean)
+    host = json.loads((clean / "trace" / "from-00000000" / "host-rank0.json").read_text())
+    assert host["device"]["type"] == "cuda" and host["device"]["name"], host
+    report = replay(clean, device="cuda")
+    assert report.stats["verdict"]["kind"] == "reproduced", report.stats["verdict"]
+
+    site = "blocks.0.mlp.fc.weight"
+    faulty = tmp_path / "faulty"
+    job(faulty, BitFlip(kind="grad", name=site, step=5, rank=0, element=3, bit=22).to_json())
+    report = replay(faulty, start=3, end=6, device="cuda")
+    verdict = report.stats["verdict"]
+    assert verdict["kind"] == "hardware-fault-suspected", verdict
+    assert (verdict["step"], verdict["rank"], verdict["site"]) == (5, 0, f"grad.{site}")
+    assert "device cuda" in verdict["sentence"]
