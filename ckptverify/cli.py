@@ -265,12 +265,14 @@ def latest(run_dir: str, json_out: bool, path_only: bool, no_stamps: bool, jobs:
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help="Write Prometheus gauges after every pass.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+@click.option("--poll", is_flag=True, help="Poll only: no inotify wake-ups (e.g. on network file systems).")
 def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_path: str | None, deep: bool,
-          metrics_file: str | None, jobs: int | None) -> None:
+          metrics_file: str | None, jobs: int | None, poll: bool) -> None:
     """Verify and stamp every checkpoint under RUN_DIR as it commits; one JSON line per result.
 
-    Polls RUN_DIR; a committed DCP checkpoint without a current stamp is verified and stamped
-    (ckptverify.verified.json). Runs until interrupted, or one pass with --once.
+    Lists RUN_DIR every --interval seconds, and at once on a change where inotify is available; a committed
+    checkpoint without a current stamp is verified and stamped (ckptverify.verified.json). Runs until
+    interrupted, or one pass with --once.
     """
     from ckptverify.runs.watch import watch as run_watch
 
@@ -285,7 +287,7 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
 
     try:
         result = run_watch(run_dir, once=once, interval=interval, exit_on_failure=exit_on_failure, log=log_path,
-                           jobs=jobs, deep=deep, on_result=show)
+                           jobs=jobs, deep=deep, on_result=show, notify=not poll)
     except CkptVerifyError as exc:
         _fail(exc, True, "watch", run_dir)
     sys.exit(1 if result.failed else 0)

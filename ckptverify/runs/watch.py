@@ -7,8 +7,11 @@ is in progress in it; a checkpoint still being written is left for a later pass.
 holds the checkpoint's verifying lock, so retention (:func:`~ckptverify.runs.prune.prune`) leaves it alone. A
 checkpoint deleted while being verified (retention elsewhere) is logged as ``deleted``, not as a failure.
 
-The directory is polled (``interval`` seconds): it works the same on local and network file systems, where
-change notification is not reliable.
+The directory is listed at least every ``interval`` seconds, which works the same on local and network file
+systems; where Linux ``inotify`` is available (:mod:`~ckptverify.runs.notify`), a change in the run directory or
+in a checkpoint directory wakes the watcher at once, so a pass follows a save within a fraction of a second.
+Notification only hastens a pass: the listing stays the source of truth, so a lost event costs at most one
+interval.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class WatchResult:
 
     results: list[dict[str, Any]] = field(default_factory=list)
     passes: int = 0
+    #: Whether change notification (inotify) woke the watcher, rather than polling alone.
+    notify: bool = False
 
     @property
     def failed(self) -> list[dict[str, Any]]:
@@ -147,18 +152,24 @@ def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
 
 def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: float = 2.0,
           exit_on_failure: bool = False, log: str | None = None, jobs: int | None = None, deep: bool = False,
-          max_passes: int | None = None, on_result: Callable[[dict[str, Any]], None] | None = None) -> WatchResult:
+          max_passes: int | None = None, on_result: Callable[[dict[str, Any]], None] | None = None,
+          notify: bool = True) -> WatchResult:
     """Watch ``run_dir``; see the module docstring. Returns when ``once`` (after one pass), at the first failure
     with ``exit_on_failure``, after ``max_passes`` passes, or on ``KeyboardInterrupt``.
 
     ``log``: a file to append one JSON line per result to (default: ``RUN_DIR/ckptverify-watch.jsonl``).
+    ``notify``: wake at once on changes where inotify is available (else, and with ``False``: poll only).
     """
+    from ckptverify.runs.notify import DirectoryNotifier
+
     root = os.fspath(run_dir)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
     log_path = log or os.path.join(root, "ckptverify-watch.jsonl")
     result = WatchResult()
     reported_failures: set[tuple[str, str | None]] = set()
+    notifier = DirectoryNotifier.open(root) if notify and not once else None
+    result.notify = notifier is not None
     try:
         while True:
             for item in watch_pass(root, jobs=jobs, deep=deep):
@@ -174,9 +185,15 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
             result.passes += 1
             if once or (exit_on_failure and result.failed) or (max_passes and result.passes >= max_passes):
                 return result
-            time.sleep(interval)
+            if notifier is not None:
+                notifier.wait(interval)
+            else:
+                time.sleep(interval)
     except KeyboardInterrupt:
         return result
+    finally:
+        if notifier is not None:
+            notifier.close()
 
 
 def _append(path: str, item: dict[str, Any]) -> None:
