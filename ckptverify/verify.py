@@ -9,6 +9,7 @@ Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and m
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -215,6 +216,12 @@ class VerificationRun:
         self.stopped = False
         self._named: dict[str, tuple[int, int, int, int] | None] = {}
         self._reported_changed: set[str] = set()
+        #: Plans read through their own reader (``ItemPlan.reader``): items written through stream transforms
+        #: (their decoded bytes) and tensors in DCP's safetensors blobs (their raw payloads). They join
+        #: ``plans`` after the hashing pass, which reads the files as stored.
+        self.extra_plans: list[ItemPlan] = []
+        #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
+        self.extension_registry: Any = None
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
         self._lock = threading.Lock()
 
@@ -305,6 +312,7 @@ class VerificationRun:
         self._structure(layout)
         self._archives(layout)
         self._hash(layout)
+        self.plans.extend(self.extra_plans)
         if deep:
             self._deep(layout)
 
@@ -340,6 +348,7 @@ class VerificationRun:
     def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
         """Parse each safetensors blob; check it against the metadata's tensor items."""
         blobs: dict[str, tuple[int, int]] = {}
+        resolved: dict[Item, tuple[int, int]] = {}
         for name in sorted(self.safetensors):
             f = self.opened[name]
             tensor_items = [i for i in layout.items if i.file == name and i.kind == "tensor"]
@@ -363,6 +372,19 @@ class VerificationRun:
                         f"says {item.dtype}{list(want)}",
                         location=item_location(item),
                     ))
+                    continue
+                resolved[item] = safetensors.data_range(blob, item.fqn)  # type: ignore[assignment]
+        # The metadata places every tensor at the blob's start; from here on each item addresses its own
+        # bytes (the blob header's data offsets), so manifests digest, and findings name, the real ranges.
+        for n, item in enumerate(layout.items):
+            if item not in resolved:
+                continue
+            offset, length = resolved[item]
+            item = layout.items[n] = dataclasses.replace(item, offset=offset, length=length)
+            if item.chunk is not None and item.dtype is not None:
+                archive, header = safetensors.raw_payload(item.dtype, item.chunk.sizes, length)
+                self.extra_plans.append(ItemPlan(dataclasses.replace(item, offset=0), archive, header,
+                                                 reader=_Window(self.opened[item.file], offset, length)))  # type: ignore[arg-type]
         return blobs
 
     def _open(self, name: str) -> ReadOnlyFile | None:
@@ -383,11 +405,31 @@ class VerificationRun:
             if self.opened.get(item.file) is not None:
                 by_file[item.file].append(item)
         names = sorted(by_file)
-        planned = self.map(lambda n: plan_file(self.opened[n], n, by_file[n],  # type: ignore[arg-type]
+        planned = self.map(lambda n: plan_file(self.opened[n], n, [i for i in by_file[n] if not i.transforms],  # type: ignore[arg-type]
                                                safetensors=n in self.safetensors), names)
         for name, (file_plans, result) in zip(names, planned, strict=True):
             self.results[name] = result
             self.plans.extend(file_plans)
+        # Items written through stream transforms: decoded and judged now (CRC-32s of the decoded archive);
+        # their plans read the decoded bytes and join the others after the hashing pass.
+        transformed = [i for n in names for i in by_file[n] if i.transforms]
+        decoded = self.map(lambda i: self._transformed(i), transformed)
+        self.extra_plans.extend(p for p in decoded if p is not None)
+
+    def _transformed(self, item: Item) -> ItemPlan | None:
+        from ckptverify.checks.transformed import plan_transformed
+
+        result = FileResult(file=item.file)
+        plan = plan_transformed(self.opened[item.file], item, result,  # type: ignore[arg-type]
+                                registry=self.extension_registry)
+        with self._lock:
+            into = self.results[item.file]
+            into.findings.extend(result.findings)
+            into.items += result.items
+            into.records += result.records
+            into.bytes_hashed += result.bytes_hashed
+            into.uncheckable += result.uncheckable
+        return plan
 
     def _hash(self, layout: Layout) -> None:
         """One pass over the bytes, on all cores: CRC-32 of every record and, with a manifest, the digest of
@@ -532,6 +574,24 @@ class VerificationRun:
         self.findings.extend(found)
         self.findings.extend(deep_check.judge(layout, self.manifest, scans))
         self.coverage.append(CheckCoverage(check="fingerprint", count=len(scans), unit="tensors"))
+
+
+class _Window:
+    """Bytes ``[offset, offset + length)`` of an opened file, read as if they were a file of their own."""
+
+    def __init__(self, f: ReadOnlyFile, offset: int, length: int) -> None:
+        self._f, self._offset, self.size = f, offset, length
+        self.path = f.path
+
+    def pread(self, offset: int, n: int) -> bytes:
+        n = min(n, self.size - offset)
+        return self._f.pread(self._offset + offset, n) if offset >= 0 and n > 0 else b""
+
+    def crc32(self, start: int, end: int, progress: Any = None) -> int:
+        return self._f.crc32(self._offset + start, self._offset + min(end, self.size), progress)
+
+    def changed(self) -> str | None:
+        return self._f.changed()
 
 
 #: At most this many findings of one check are reported in full; the rest are counted in one more finding.
