@@ -177,16 +177,20 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
-def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None) -> None:
-    """Compare checkpoints A and B tensor by tensor, whatever their sharding (exit 1 if they differ).
+@click.option("--ignore", "ignore", multiple=True, metavar="PATTERN",
+              help="Leave out tensors and values whose name matches this glob (repeatable), e.g. per-rank "
+                   "entries that legitimately differ: --ignore '*_extra_state/shard_*'.")
+def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None, ignore: tuple[str, ...]) -> None:
+    """Compare checkpoints A and B tensor by tensor and value by value, whatever their sharding or format
+    (DCP folders, single torch.save/safetensors files, Hugging Face/accelerate/transformers folders).
 
-    Differing tensors are reported with the count of differing elements, max |a-b|, max ULP distance and
-    the first differing index.
+    Exit 1 if they differ, or if nothing could be compared. Differing tensors are reported with the count
+    of differing elements, max |a-b|, max ULP distance and the first differing index.
     """
     from ckptverify.diff import diff_checkpoints
 
     def call(bar: Any) -> Any:
-        return diff_checkpoints(a, b, jobs=jobs, progress=bar)
+        return diff_checkpoints(a, b, jobs=jobs, progress=bar, ignore=ignore)
 
     _emit(_with_progress(call, progress, json_out, "diff", f"{a} {b}"), json_out)
 

@@ -220,6 +220,8 @@ class VerificationRun:
         #: (their decoded bytes) and tensors in DCP's safetensors blobs (their raw payloads). They join
         #: ``plans`` after the hashing pass, which reads the files as stored.
         self.extra_plans: list[ItemPlan] = []
+        #: Framework side files beside the shards (``meta.pt``, ``metadata.json``), checked and opened.
+        self.side_files: list[str] = []
         #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
         self.extension_registry: Any = None
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
@@ -331,8 +333,19 @@ class VerificationRun:
             ))
 
     def _structure(self, layout: Layout) -> None:
+        from ckptverify.formats.sidefiles import check_side_files, side_files
+
         stats = stat_files(self.root, layout.files)
-        self.findings.extend(check_files(self.root, layout, stats))
+        # Framework side files (Lightning's meta.pt, Megatron's metadata.json) are checked by their content
+        # and opened like shards (so a manifest digests them), not reported as unreferenced.
+        known = [n for n in side_files(self.root) if n not in stats]
+        self.findings.extend(f for f in check_files(self.root, layout, stats)
+                             if not (f.check == "file-unreferenced" and f.location.file in known))
+        found, cov, self.side_files = check_side_files(self.root, known)
+        self.findings.extend(found)
+        self.coverage.extend(cov)
+        for name in self.side_files:
+            self.opened[name] = self._open(name)
         self.findings.extend(check_coverage(layout))
         tiling, cov = check_tiling(layout)
         self.findings.extend(tiling)
