@@ -91,7 +91,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     started = time.perf_counter()
     if not os.path.isdir(root):
-        report = _verify_file(root, started)
+        report = _verify_file(root, started, deep)
         return fail_uncheckable(report) if strict else report
     other, found = _other_format(root)
     if other == "run-directory":
@@ -145,11 +145,15 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _verify_file(path: str, started: float) -> Report:
+def _verify_file(path: str, started: float, deep: bool = False) -> Report:
     """A single checkpoint file (``torch.save``, safetensors), judged by its content."""
+    from ckptverify.checks.described import judge_described
     from ckptverify.formats.single import check_file
 
     found, coverage, facts = check_file(path, name=os.path.basename(path), root=os.path.dirname(os.path.abspath(path)))
+    if deep:
+        found, more, _ = judge_described(path, found, deep=True, use_manifest=False)
+        coverage = [*coverage, *more]
     stats = {"seconds": round(time.perf_counter() - started, 6), "files": 1, "bytes": facts.get("bytes", 0),
              "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": False}
     return Report(command="verify", target=path, findings=tuple(cap_findings(found)),
@@ -163,9 +167,11 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
 
     from ckptverify.formats.folder import check_folder
 
+    from ckptverify.checks.described import judge_described
+
     found, coverage, facts = check_folder(root)
-    findings = list(found)
-    cover = list(coverage)
+    findings, more, with_manifest = judge_described(root, found, deep=deep, use_manifest=use_manifest)
+    cover = [*coverage, *more]
     total = facts.get("bytes", 0)
     for part in facts["dcp_parts"]:
         sub = verify_checkpoint(os.path.join(root, part), jobs=jobs, deep=deep, use_manifest=use_manifest)
@@ -176,7 +182,7 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
         cover.extend(sub.coverage)
         total += int(sub.stats.get("bytes", 0) or 0)
     stats = {"seconds": round(time.perf_counter() - started, 6), "files": len(facts["files"]), "bytes": total,
-             "format": "folder", "parts": facts["dcp_parts"], "manifest": False}
+             "format": "folder", "parts": facts["dcp_parts"], "manifest": with_manifest}
     return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
                   coverage=merge_coverage(cover), stats=stats)
 
