@@ -35,7 +35,7 @@ from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
 from ckptverify.errors import CheckpointNotFoundError, UsageError
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
 from ckptverify.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from ckptverify.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
 
@@ -165,9 +165,8 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
     transformers), each verified in full; findings of a part name the part in their file."""
     import dataclasses
 
-    from ckptverify.formats.folder import check_folder
-
     from ckptverify.checks.described import judge_described
+    from ckptverify.formats.folder import check_folder
 
     found, coverage, facts = check_folder(root)
     findings, more, with_manifest = judge_described(root, found, deep=deep, use_manifest=use_manifest)
@@ -592,7 +591,17 @@ class VerificationRun:
         scans, found = deep_check.scan_tensors(tensor_plans, self.opened, layout, self.map, self.advance)
         self.findings.extend(found)
         self.findings.extend(deep_check.judge(layout, self.manifest, scans))
-        self.coverage.append(CheckCoverage(check="fingerprint", count=len(scans), unit="tensors"))
+        rebuilt = sum(1 for fqn, scan in scans.items() if fqn in layout.tensors
+                      and scan.value(layout.tensors[fqn].shape) is not None)
+        self.coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
+        # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
+        wanted = sum(1 for t in layout.tensors.values() if 0 not in t.shape)
+        if wanted and not rebuilt:
+            self.findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {wanted} tensor(s) from "
+                                       "their bytes: nothing was checked end to end"))
+        elif rebuilt < wanted:
+            self.findings.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
+                                         "others could not be read back (see the findings above)"))
 
 
 class _Window:

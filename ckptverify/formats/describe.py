@@ -225,7 +225,8 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
         desc.unread[name] = f"not valid JSON: {exc}"[:200]
         return
     desc.files[name] = "json"
-    _values(desc, json_values(value), prefix)
+    if not name.endswith(".index.json"):  # a shard index is layout (which file holds what), not state
+        _values(desc, json_values(value), prefix)
 
 
 def json_values(value: Any) -> dict[str, str]:
