@@ -55,25 +55,26 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         raise UsageError(f"unknown digest {digest!r}; choose one of {', '.join(ALGORITHMS)}")
     if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
         raise UsageError(f"--block-bytes must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], got {block_bytes}")
-    manifest_path = os.path.join(root, MANIFEST_FILE)
-    if os.path.isdir(root) and os.path.lexists(manifest_path):
+    single = os.path.lexists(root) and not os.path.isdir(root)
+    manifest_path = os.path.join(root, MANIFEST_FILE) if not single else file_manifest_path(root)
+    if os.path.lexists(manifest_path) and (single or os.path.isdir(root)):
         if not force:
             raise ManifestExistsError(f"{manifest_path} exists; pass --force to replace it")
         if os.path.islink(manifest_path) or not os.path.isfile(manifest_path):
             raise ManifestExistsError(f"{manifest_path} exists and is not a regular file (a directory, link or "
                                       "special file); it is not replaced: remove it by hand if it is yours")
 
-    if not os.path.isdir(root):
-        if os.path.lexists(root):
-            raise UsageError(f"{root} is a single file: fingerprint writes a manifest into a checkpoint folder; "
-                             "put the file in a folder of its own, or rely on its own checks (`verify`)")
-        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
+    if single:
+        return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
+                                      trust_uncheckable=trust_uncheckable, started=started)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     from ckptverify.verify import _other_format
 
     if _other_format(root)[0] == "folder":
-        return _fingerprint_folder(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
-                                   trust_uncheckable=trust_uncheckable, started=started)
+        return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
+                                      trust_uncheckable=trust_uncheckable, started=started)
     run = VerificationRun(root, jobs or default_jobs(), progress)
     try:
         run.execute(deep=False, use_manifest=False)
@@ -180,12 +181,21 @@ def _metadata_entry(root: str, name: str, algorithm: str) -> FileEntry:
         return FileEntry(size=f.size, digest=digest_reader(f, algorithm))
 
 
-def _fingerprint_folder(root: str, *, digest: str, block_bytes: int, force: bool, jobs: int | None,
-                        trust_uncheckable: bool, started: float) -> tuple[Report, Manifest | None]:
-    """A folder of checkpoint files (Hugging Face, accelerate, transformers): verified by every file's own
-    checks, then every regular file digested and every tensor payload digested by blocks and fingerprinted
-    from its description (:mod:`ckptverify.checks.described`). DCP checkpoints inside (FSDP saves) are
-    adopted each with its own manifest."""
+def file_manifest_path(path: str) -> str:
+    """Where the manifest of the single checkpoint file ``path`` is written: beside it."""
+    from ckptverify.manifest import file_manifest_name
+
+    head, base = os.path.split(os.path.abspath(path))
+    return os.path.join(head, file_manifest_name(base))
+
+
+def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: bool, jobs: int | None,
+                           trust_uncheckable: bool, started: float) -> tuple[Report, Manifest | None]:
+    """A folder of checkpoint files (Hugging Face, accelerate, transformers) or a single file: verified by
+    every file's own checks, then every regular file digested and every tensor payload digested by blocks
+    and fingerprinted from its description (:mod:`ckptverify.checks.described`). DCP checkpoints inside a
+    folder (FSDP saves) are adopted each with its own manifest. A single file's manifest is written beside
+    it (``NAME.ckptverify.manifest.json``)."""
     from ckptverify import __version__
     from ckptverify.checks.described import folder_files, manifest_entries
     from ckptverify.fingerprint import FINGERPRINT_VERSION
@@ -213,7 +223,8 @@ def _fingerprint_folder(root: str, *, digest: str, block_bytes: int, force: bool
             return Report(command="fingerprint", target=root, findings=(*findings, *sub.findings),
                           coverage=checked.coverage, stats=checked.stats), None
     desc = describe(root)
-    names = folder_files(root)
+    single = not os.path.isdir(root)
+    names = [os.path.basename(os.path.abspath(root))] if single else folder_files(root)
     try:
         files, items, tensors, missing = manifest_entries(desc, names, digest, block_bytes)
     except FileChangedError as exc:
@@ -225,9 +236,10 @@ def _fingerprint_folder(root: str, *, digest: str, block_bytes: int, force: bool
                         tensors=tensors, world_size=1, fingerprint_version=FINGERPRINT_VERSION,
                         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
                         torch_version=str(torch.__version__), source="fingerprint")
-    if set(folder_files(root)) != set(names):
+    if not single and set(folder_files(root)) != set(names):
         return _refused(checked, [], "files were added or removed while they were digested"), None
-    written = write_manifest(root, manifest)
+    written = write_manifest(desc.root, manifest, name=os.path.basename(file_manifest_path(root)) if single
+                             else MANIFEST_FILE)
     notes = [info("manifest-written", f"wrote {written}: {len(files)} files, {len(items)} tensor payloads, "
                   f"{len(tensors) - missing} of {len(tensors)} tensors fingerprinted"
                   + (f", and a manifest in each of {len(parts)} DCP part(s)" if parts else ""),

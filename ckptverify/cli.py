@@ -157,10 +157,13 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
 def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_uncheckable: bool, json_out: bool,
                 jobs: int | None, progress: bool | None) -> None:
-    """Adopt the DCP checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
+    """Adopt the checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
 
-    A checkpoint that fails verification is refused (exit 1) and nothing is written; so is one holding
-    content that nothing could check, unless --trust-uncheckable. Writes nothing but the manifest.
+    PATH is a DCP folder, a folder of checkpoint files (Hugging Face, accelerate, transformers; DCP parts
+    inside get their own manifest), or a single file (its manifest is written beside it as
+    NAME.ckptverify.manifest.json). A checkpoint that fails verification is refused (exit 1) and nothing is
+    written; so is one holding content that nothing could check (safetensors, no CRC-32), unless
+    --trust-uncheckable. Writes nothing but the manifest.
     """
     from ckptverify.adopt import fingerprint_checkpoint
 

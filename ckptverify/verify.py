@@ -91,7 +91,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     started = time.perf_counter()
     if not os.path.isdir(root):
-        report = _verify_file(root, started, deep)
+        report = _verify_file(root, started, deep, use_manifest)
         return fail_uncheckable(report) if strict else report
     other, found = _other_format(root)
     if other == "run-directory":
@@ -145,17 +145,16 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _verify_file(path: str, started: float, deep: bool = False) -> Report:
+def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bool = True) -> Report:
     """A single checkpoint file (``torch.save``, safetensors), judged by its content."""
     from ckptverify.checks.described import judge_described
     from ckptverify.formats.single import check_file
 
     found, coverage, facts = check_file(path, name=os.path.basename(path), root=os.path.dirname(os.path.abspath(path)))
-    if deep:
-        found, more, _ = judge_described(path, found, deep=True, use_manifest=False)
-        coverage = [*coverage, *more]
+    found, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest)
+    coverage = [*coverage, *more]
     stats = {"seconds": round(time.perf_counter() - started, 6), "files": 1, "bytes": facts.get("bytes", 0),
-             "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": False}
+             "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": with_manifest}
     return Report(command="verify", target=path, findings=tuple(cap_findings(found)),
                   coverage=merge_coverage(coverage), stats=stats)
 

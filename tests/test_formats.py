@@ -433,3 +433,23 @@ def test_plain_values_of_a_pickle_are_listed_exactly() -> None:
     values = leaf_values(scan.root)
     assert values["a.0"] == "int:1" and values["a.2"] == "float:-0.0" and values["b.c"] == "NoneType:None"
     assert values["b.d"].startswith("bytes[1000]:xxh3-128:") and values["e"] == "str:'x'"
+
+
+def test_a_single_file_gets_its_manifest_beside_it(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.verify import verify_checkpoint
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(64, 64), "b": torch.arange(10)}, str(path))
+    _, manifest = fingerprint_checkpoint(path, trust_uncheckable=True, block_bytes=4096)
+    assert manifest is not None and list(manifest.files) == ["w.safetensors"]
+    assert (tmp_path / "w.safetensors.ckptverify.manifest.json").is_file()
+    clean = verify_checkpoint(path, deep=True)
+    assert clean.passed and not clean.warnings and clean.stats["manifest"], [f.message for f in clean.findings]
+    flip_safetensors(path)
+    errors = verify_checkpoint(path).errors
+    assert {f.location.fqn for f in errors if f.location.fqn} == {"a"}
+    # The folder holding it has no manifest of its own: the file's manifest is not taken for a file of it.
+    assert "w.safetensors.ckptverify.manifest.json" not in str(verify_checkpoint(tmp_path).findings)

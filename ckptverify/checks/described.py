@@ -16,7 +16,7 @@ from collections import defaultdict
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.formats.describe import OWN_FILES, Description, read_tensor
+from ckptverify.formats.describe import Description, is_own_file, read_tensor
 from ckptverify.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
 from ckptverify.readers import ReadOnlyFile
 
@@ -32,7 +32,7 @@ def folder_files(root: str) -> list[str]:
     with os.scandir(root) as it:
         for e in it:
             try:
-                if e.name not in OWN_FILES and stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
+                if not is_own_file(e.name) and stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
                     out.append(e.name)
             except OSError:
                 continue
@@ -142,7 +142,8 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
             else:
                 findings.append(error("manifest-digest", f"{name} differs from when it was fingerprinted",
                                       location=where, expected=entry.digest, actual=got))
-    for name in sorted(set(folder_files(desc.root)) - set(manifest.files)):
+    added = set(folder_files(desc.root)) - set(manifest.files) if os.path.isdir(desc.target) else set()
+    for name in sorted(added):
         findings.append(warning("manifest-unlisted", f"{name} was not there when the folder was fingerprinted: "
                                 "added since (nothing vouches for it)", location=Location(file=name)))
     for name, t in sorted(desc.tensors.items()):
@@ -200,17 +201,22 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
     file; content it proves unchanged is no longer ``content-uncheckable``. Returns all findings, the added
     coverage and whether a manifest was used."""
     from ckptverify.formats.describe import describe
-    from ckptverify.manifest import MANIFEST_FILE, ManifestError, read_manifest
+    from ckptverify.manifest import MANIFEST_FILE, ManifestError, file_manifest_name, read_manifest
 
     manifest = None
     findings = list(found)
     coverage: list[CheckCoverage] = []
-    if use_manifest and os.path.isdir(path):
+    if os.path.isdir(path):
+        where, name = path, MANIFEST_FILE
+    else:
+        where, base = os.path.split(os.path.abspath(path))
+        name = file_manifest_name(base)
+    if use_manifest:
         try:
-            manifest = read_manifest(path)
+            manifest = read_manifest(where, name=name)
         except ManifestError as exc:
-            findings.append(error("manifest-invalid", f"{MANIFEST_FILE} cannot be trusted: {exc}",
-                                  location=Location(file=MANIFEST_FILE)))
+            findings.append(error("manifest-invalid", f"{name} cannot be trusted: {exc}",
+                                  location=Location(file=name)))
     if manifest is None and not deep:
         return findings, coverage, False
     desc = describe(path)

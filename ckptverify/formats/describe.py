@@ -41,10 +41,16 @@ from ckptverify.readers import ReadOnlyFile
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Description", "Payload", "TensorDesc", "describe", "json_values", "read_tensor", "side_file_description"]
+__all__ = ["OWN_FILES", "Description", "Payload", "TensorDesc", "describe", "is_own_file", "json_values", "read_tensor",
+           "side_file_description"]
 
 #: Files ckptverify writes beside a checkpoint: never part of its description.
 OWN_FILES = frozenset({"ckptverify.manifest.json", "ckptverify.verified.json", ".ckptverify-verifying"})
+
+
+def is_own_file(name: str) -> bool:
+    """ckptverify's own files: a folder's manifest and stamp, and a single file's manifest beside it."""
+    return name in OWN_FILES or name.endswith(".ckptverify.manifest.json")
 _WEIGHT_PREFIXES = ("pytorch_model", "model")
 
 
@@ -107,7 +113,7 @@ def describe(path: str | os.PathLike[str]) -> Description:
     with os.scandir(target) as it:
         entries = sorted(it, key=lambda e: e.name)
     for e in entries:
-        if e.name in OWN_FILES:
+        if is_own_file(e.name):
             continue
         try:
             st = e.stat(follow_symlinks=False)
