@@ -112,7 +112,12 @@ def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...]) -> tuple[list[Findin
         compared += 1
         if fa == fb:
             continue
-        stats = tensor_difference(sa.load(name), sb.load(name))
+        try:
+            stats = tensor_difference(sa.load(name), sb.load(name))
+        except (ValueError, RuntimeError, TypeError) as exc:
+            findings.append(error("diff-tensor", f"{name!r} differs (by fingerprint); loading it to say how failed: "
+                                  f"{exc}"[:300], location=Location(fqn=name), expected=fa, actual=fb))
+            continue
         findings.append(error(
             "diff-tensor",
             f"{name!r} differs: {stats['differing']} of {stats['elements']} elements, max |a-b| "

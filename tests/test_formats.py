@@ -146,6 +146,7 @@ def _hf_folder(root: Path) -> Path:
     from safetensors.torch import save_file
 
     root.mkdir()
+    torch.manual_seed(0)
     save_file({"embed.weight": torch.randn(8, 4)}, str(root / "model-00001-of-00002.safetensors"))
     save_file({"head.weight": torch.randn(4, 4), "head.bias": torch.zeros(4)},
               str(root / "model-00002-of-00002.safetensors"))
@@ -453,3 +454,60 @@ def test_a_single_file_gets_its_manifest_beside_it(tmp_path: Path) -> None:
     assert {f.location.fqn for f in errors if f.location.fqn} == {"a"}
     # The folder holding it has no manifest of its own: the file's manifest is not taken for a file of it.
     assert "w.safetensors.ckptverify.manifest.json" not in str(verify_checkpoint(tmp_path).findings)
+
+
+# ---- one conformance suite that every format runs ---------------------------------------------------------
+
+
+def _make_pt(path: Path) -> Path:
+    torch.manual_seed(0)
+    torch.save({"w": torch.randn(64, 32), "b": torch.zeros(32), "step": 3}, path)
+    return path
+
+
+def _make_st(path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file({"w": torch.randn(64, 32), "b": torch.zeros(32)}, str(path))
+    return path
+
+
+FORMATS = {
+    "dcp": lambda p: _dcp(p), "dcp-zstd": lambda p: zstd_ckpt(p), "dcp-safetensors": lambda p: safetensors_ckpt(p),
+    "torch.save": lambda p: _make_pt(p.with_suffix(".pt")), "safetensors": lambda p: _make_st(p.with_suffix(".safetensors")),
+    "hf-folder": lambda p: _hf_folder(p),
+}
+
+
+def _largest_payload(path: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of the largest tensor's stored bytes, as the format's own reader places it."""
+    if path.is_dir() and (path / ".metadata").exists():
+        item = max((i for i in _items(path).items if i.kind == "tensor"), key=lambda i: i.length)
+        return path / item.file, item.offset, item.length
+    from ckptverify.formats.describe import describe
+
+    desc = describe(path)
+    p = max((t.payloads[0] for t in desc.tensors.values()), key=lambda p: p.length)
+    return Path(desc.root) / p.file, p.offset, p.length
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_passes_clean_catches_or_declares_a_flip_and_equals_its_copy(tmp_path: Path, fmt: str) -> None:
+    from ckptverify.diff import diff_checkpoints
+    from ckptverify.verify import verify_checkpoint
+
+    a, b = FORMATS[fmt](tmp_path / "a"), FORMATS[fmt](tmp_path / "b")
+    clean = verify_checkpoint(a, deep=True)
+    assert clean.passed, [f.message for f in clean.findings]
+    assert not [f for f in clean.warnings if f.check != "content-uncheckable"], [f.message for f in clean.warnings]
+    assert {c.check: c.count for c in clean.coverage}["fingerprint"] > 0
+    same = diff_checkpoints(a, b)
+    assert same.passed and sum(c.count for c in same.coverage if c.check == "diff-tensor") > 0
+    file, offset, length = _largest_payload(b)
+    _flip(file, offset + length // 2)
+    report = verify_checkpoint(b)
+    named = {f.location.file for f in report.errors} | {f.location.file for f in report.warnings
+                                                        if f.check == "content-uncheckable"}
+    assert file.name in named, [f.message for f in report.findings]
+    assert not diff_checkpoints(a, b).passed

@@ -52,6 +52,8 @@ def is_own_file(name: str) -> bool:
     """ckptverify's own files: a folder's manifest and stamp, and a single file's manifest beside it."""
     return name in OWN_FILES or name.endswith(".ckptverify.manifest.json")
 _WEIGHT_PREFIXES = ("pytorch_model", "model")
+#: A view larger than its stored bytes (overlapping strides) is read up to this size.
+MAX_VIEW_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +272,10 @@ def read_payload(f: ReadOnlyFile, p: Payload) -> torch.Tensor:
     if math.prod(p.shape) == 0:
         return torch.empty(p.shape, dtype=dtype)
     extent = p.storage_offset + sum((n - 1) * s for n, s in zip(p.shape, p.stride, strict=True)) + 1
+    size = math.prod(p.shape) * itemsize
+    if size > max(p.length, MAX_VIEW_BYTES):
+        # Overlapping strides (stride 0) could make a few stored bytes into any number of elements.
+        raise ValueError(f"the view holds {size} bytes over {p.length} stored: refused")
     if extent * itemsize > p.length:
         raise ValueError(f"the view reaches element {extent} but the storage holds {p.length // itemsize}")
     raw = bytearray(f.pread(p.offset, p.length))
