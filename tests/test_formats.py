@@ -475,7 +475,8 @@ def _make_st(path: Path) -> Path:
 
 FORMATS = {
     "dcp": lambda p: _dcp(p), "dcp-zstd": lambda p: zstd_ckpt(p), "dcp-safetensors": lambda p: safetensors_ckpt(p),
-    "torch.save": lambda p: _make_pt(p.with_suffix(".pt")), "safetensors": lambda p: _make_st(p.with_suffix(".safetensors")),
+    "torch.save": lambda p: _make_pt(p.with_suffix(".pt")),
+    "safetensors": lambda p: _make_st(p.with_suffix(".safetensors")),
     "hf-folder": lambda p: _hf_folder(p),
 }
 
