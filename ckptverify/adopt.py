@@ -55,17 +55,26 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         raise UsageError(f"unknown digest {digest!r}; choose one of {', '.join(ALGORITHMS)}")
     if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
         raise UsageError(f"--block-bytes must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], got {block_bytes}")
-    manifest_path = os.path.join(root, MANIFEST_FILE)
-    if os.path.isdir(root) and os.path.lexists(manifest_path):
+    single = os.path.lexists(root) and not os.path.isdir(root)
+    manifest_path = os.path.join(root, MANIFEST_FILE) if not single else file_manifest_path(root)
+    if os.path.lexists(manifest_path) and (single or os.path.isdir(root)):
         if not force:
             raise ManifestExistsError(f"{manifest_path} exists; pass --force to replace it")
         if os.path.islink(manifest_path) or not os.path.isfile(manifest_path):
             raise ManifestExistsError(f"{manifest_path} exists and is not a regular file (a directory, link or "
                                       "special file); it is not replaced: remove it by hand if it is yours")
 
-    if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
+    if single:
+        return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
+                                      trust_uncheckable=trust_uncheckable, started=started)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
+    from ckptverify.verify import _other_format
+
+    if _other_format(root)[0] == "folder":
+        return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
+                                      trust_uncheckable=trust_uncheckable, started=started)
     run = VerificationRun(root, jobs or default_jobs(), progress)
     try:
         run.execute(deep=False, use_manifest=False)
@@ -170,3 +179,77 @@ def _metadata_entry(root: str, name: str, algorithm: str) -> FileEntry:
 
     with ReadOnlyFile(os.path.join(root, name), root=root) as f:
         return FileEntry(size=f.size, digest=digest_reader(f, algorithm))
+
+
+def file_manifest_path(path: str) -> str:
+    """Where the manifest of the single checkpoint file ``path`` is written: beside it."""
+    from ckptverify.manifest import file_manifest_name
+
+    head, base = os.path.split(os.path.abspath(path))
+    return os.path.join(head, file_manifest_name(base))
+
+
+def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: bool, jobs: int | None,
+                           trust_uncheckable: bool, started: float) -> tuple[Report, Manifest | None]:
+    """A folder of checkpoint files (Hugging Face, accelerate, transformers) or a single file: verified by
+    every file's own checks, then every regular file digested and every tensor payload digested by blocks
+    and fingerprinted from its description (:mod:`ckptverify.checks.described`). DCP checkpoints inside a
+    folder (FSDP saves) are adopted each with its own manifest. A single file's manifest is written beside
+    it (``NAME.ckptverify.manifest.json``)."""
+    from ckptverify import __version__
+    from ckptverify.checks.described import folder_files, manifest_entries
+    from ckptverify.fingerprint import FINGERPRINT_VERSION
+    from ckptverify.formats.describe import describe
+    from ckptverify.verify import verify_checkpoint
+
+    checked = verify_checkpoint(root, jobs=jobs, use_manifest=False)
+    findings = [f for f in checked.findings if f.check != "manifest-absent"]
+    if not checked.passed:
+        return Report(command="fingerprint", target=root, findings=(*findings, error(
+            "fingerprint-refused", "the checkpoint fails verification; refusing to write a manifest that would "
+            "bless it", location=Location(file=MANIFEST_FILE))), coverage=checked.coverage, stats=checked.stats), None
+    uncheckable = [f for f in findings if f.check == UNCHECKABLE]
+    if uncheckable and not trust_uncheckable:
+        return Report(command="fingerprint", target=root, findings=(*findings, error(
+            "fingerprint-refused",
+            f"{len(uncheckable)} finding(s) name content that nothing could check (no checksum: safetensors, "
+            "pickles); a manifest would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
+            location=Location(file=MANIFEST_FILE))), coverage=checked.coverage, stats=checked.stats), None
+    parts = list(checked.stats.get("parts") or [])
+    for part in parts:  # each DCP part gets its own manifest, as `fingerprint PART` would write it
+        sub, _ = fingerprint_checkpoint(os.path.join(root, part), digest=digest, block_bytes=block_bytes, force=force,
+                                        jobs=jobs, trust_uncheckable=trust_uncheckable)
+        if not sub.passed:
+            return Report(command="fingerprint", target=root, findings=(*findings, *sub.findings),
+                          coverage=checked.coverage, stats=checked.stats), None
+    desc = describe(root)
+    single = not os.path.isdir(root)
+    names = [os.path.basename(os.path.abspath(root))] if single else folder_files(root)
+    try:
+        files, items, tensors, missing = manifest_entries(desc, names, digest, block_bytes)
+    except FileChangedError as exc:
+        return _refused(checked, [changed_finding(os.path.basename(str(exc.path)), str(exc))],
+                        "a file changed while it was digested"), None
+    import torch
+
+    manifest = Manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(items), files=files,
+                        tensors=tensors, world_size=1, fingerprint_version=FINGERPRINT_VERSION,
+                        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
+                        torch_version=str(torch.__version__), source="fingerprint")
+    if not single and set(folder_files(root)) != set(names):
+        return _refused(checked, [], "files were added or removed while they were digested"), None
+    written = write_manifest(desc.root, manifest, name=os.path.basename(file_manifest_path(root)) if single
+                             else MANIFEST_FILE)
+    notes = [info("manifest-written", f"wrote {written}: {len(files)} files, {len(items)} tensor payloads, "
+                  f"{len(tensors) - missing} of {len(tensors)} tensors fingerprinted"
+                  + (f", and a manifest in each of {len(parts)} DCP part(s)" if parts else ""),
+                  location=Location(file=MANIFEST_FILE))]
+    if uncheckable:
+        notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
+                          f"could check: {len(uncheckable)} uncheckable finding(s) above",
+                          location=Location(file=MANIFEST_FILE)))
+    coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(files), unit="files"),
+                CheckCoverage(check="fingerprint", count=len(tensors) - missing, unit="tensors"))
+    stats = {**checked.stats, "seconds": round(time.perf_counter() - started, 6)}
+    return Report(command="fingerprint", target=root, findings=(*findings, *notes),
+                  coverage=merge_coverage(coverage), stats=stats), manifest

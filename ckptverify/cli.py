@@ -157,10 +157,13 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
 def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_uncheckable: bool, json_out: bool,
                 jobs: int | None, progress: bool | None) -> None:
-    """Adopt the DCP checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
+    """Adopt the checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
 
-    A checkpoint that fails verification is refused (exit 1) and nothing is written; so is one holding
-    content that nothing could check, unless --trust-uncheckable. Writes nothing but the manifest.
+    PATH is a DCP folder, a folder of checkpoint files (Hugging Face, accelerate, transformers; DCP parts
+    inside get their own manifest), or a single file (its manifest is written beside it as
+    NAME.ckptverify.manifest.json). A checkpoint that fails verification is refused (exit 1) and nothing is
+    written; so is one holding content that nothing could check (safetensors, no CRC-32), unless
+    --trust-uncheckable. Writes nothing but the manifest.
     """
     from ckptverify.adopt import fingerprint_checkpoint
 
@@ -177,16 +180,20 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
-def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None) -> None:
-    """Compare checkpoints A and B tensor by tensor, whatever their sharding (exit 1 if they differ).
+@click.option("--ignore", "ignore", multiple=True, metavar="PATTERN",
+              help="Leave out tensors and values whose name matches this glob (repeatable), e.g. per-rank "
+                   "entries that legitimately differ: --ignore '*_extra_state/shard_*'.")
+def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None, ignore: tuple[str, ...]) -> None:
+    """Compare checkpoints A and B tensor by tensor and value by value, whatever their sharding or format
+    (DCP folders, single torch.save/safetensors files, Hugging Face/accelerate/transformers folders).
 
-    Differing tensors are reported with the count of differing elements, max |a-b|, max ULP distance and
-    the first differing index.
+    Exit 1 if they differ, or if nothing could be compared. Differing tensors are reported with the count
+    of differing elements, max |a-b|, max ULP distance and the first differing index.
     """
     from ckptverify.diff import diff_checkpoints
 
     def call(bar: Any) -> Any:
-        return diff_checkpoints(a, b, jobs=jobs, progress=bar)
+        return diff_checkpoints(a, b, jobs=jobs, progress=bar, ignore=ignore)
 
     _emit(_with_progress(call, progress, json_out, "diff", f"{a} {b}"), json_out)
 

@@ -1,22 +1,31 @@
-"""``diff``: compare two checkpoints tensor by tensor, whatever their sharding.
+"""``diff``: compare two checkpoints tensor by tensor and value by value, whatever their sharding or format.
 
-Tensors are compared by logical fingerprint (from each checkpoint's manifest when it has a valid one, else
-rebuilt from the bytes), so checkpoints saved with different world sizes or chunkings compare correctly.
-Only tensors whose fingerprints differ are loaded in full (both sides, one tensor at a time) to report how
-they differ: number of differing elements, max absolute difference, max ULP distance, first differing index.
-Both checkpoints are verified first; their errors are reported and their damaged tensors not compared.
+Each side is read through its format's description (:mod:`ckptverify.formats.describe`; DCP through its
+metadata), so a DCP checkpoint, its ``dcp_to_torch_save`` file and its Hugging Face export compare by
+tensor name. Tensors are compared by logical fingerprint (from a DCP checkpoint's manifest when it has a
+valid one, else rebuilt from the bytes), so checkpoints saved with different world sizes or chunkings
+compare correctly; only tensors whose fingerprints differ are loaded in full (both sides, one tensor at a
+time) to say how they differ: differing elements, max absolute difference, max ULP distance, first
+differing index. Plain values (non-tensor DCP items, pickled and JSON values of framework files such as
+Lightning's ``meta.pt`` or ``trainer_state.json``) are compared exactly.
+
+Both checkpoints are verified first; their errors are reported and their damaged tensors not compared. A
+tensor present on both sides that could not be read back fails the comparison (it was not compared), and a
+comparison that compared nothing never passes. ``ignore``: glob patterns of names left out on both sides
+(per-rank entries that legitimately differ); the report counts them.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.checks import deep as deep_check
 from ckptverify.dcp.tensors import read_chunk
-from ckptverify.dcp.torchsave import Archive
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
 from ckptverify.readers import FileChangedError
 from ckptverify.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
@@ -24,75 +33,254 @@ from ckptverify.verify import ProgressSink, VerificationRun, cap_findings, defau
 if TYPE_CHECKING:
     import torch
 
+    from ckptverify.formats.describe import Description
+
 
 def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jobs: int | None = None,
-                     progress: ProgressSink | None = None) -> Report:
-    """Compare checkpoints ``a`` and ``b``; exit code 0 when every tensor and value is bitwise equal."""
+                     progress: ProgressSink | None = None, ignore: Sequence[str] = ()) -> Report:
+    """Compare checkpoints ``a`` and ``b`` (each a DCP folder, a folder of checkpoint files or a single
+    file); exit code 0 when every tensor and value is bitwise equal and something was compared."""
     from ckptverify.errors import CheckpointNotFoundError
 
     roots = (os.fspath(a), os.fspath(b))
     for root in roots:
-        if not os.path.isdir(root):
-            raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
+        if not os.path.lexists(root):
+            raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     started = time.perf_counter()
-    runs = [VerificationRun(r, jobs or default_jobs(), progress) for r in roots]
+    sides: list[_Side] = []
     findings: list[Finding] = []
+    coverage: tuple[CheckCoverage, ...] = ()
+    stats: dict[str, Any] = {}
     try:
-        for tag, run in zip("AB", runs, strict=True):
-            run.execute(deep=False, use_manifest=True)
-            for f in run.findings:
-                if f.severity.value == "error":
-                    findings.append(error(f.check, f"[{tag}] {f.message}", location=f.location,
-                                          expected=f.expected, actual=f.actual))
-        fps = [_fingerprints(run) for run in runs]
-        compared = 0
-        la, lb = runs[0].layout, runs[1].layout
-        if la is None or lb is None:
-            return Report(command="diff", target=f"{roots[0]} {roots[1]}", findings=tuple(findings))
-        for fqn in sorted(set(la.tensors) | set(lb.tensors)):
-            ta, tb = la.tensors.get(fqn), lb.tensors.get(fqn)
-            if ta is None or tb is None:
-                side = "A" if ta is None else "B"
-                findings.append(error("diff-missing", f"tensor {fqn!r} is missing from {side}",
-                                      location=Location(fqn=fqn)))
-                continue
-            if (ta.dtype, ta.shape) != (tb.dtype, tb.shape):
-                findings.append(error("diff-tensor", f"{fqn!r} is {ta.dtype}{list(ta.shape)} in A and "
-                                      f"{tb.dtype}{list(tb.shape)} in B", location=Location(fqn=fqn),
-                                      expected=f"{ta.dtype}{list(ta.shape)}", actual=f"{tb.dtype}{list(tb.shape)}"))
-                continue
-            fa, fb = fps[0].get(fqn), fps[1].get(fqn)
-            if fa is None or fb is None:
-                findings.append(info("diff-tensor", f"{fqn!r} could not be read back from "
-                                     f"{'A' if fa is None else 'B'}; not compared", location=Location(fqn=fqn)))
-                continue
-            compared += 1
-            if fa == fb:
-                continue
-            stats = _difference(runs[0], runs[1], fqn)
-            findings.append(error(
-                "diff-tensor",
-                f"{fqn!r} differs: {stats['differing']} of {stats['elements']} elements, max |a-b| "
-                f"{stats['max_abs_diff']}, max ULP distance {stats['max_ulp']}, first at {stats['first_index']}",
-                location=Location(fqn=fqn, global_index_first=tuple(stats["first_index"] or ())),
-                expected=fa, actual=stats,
-            ))
-        findings.extend(_values(runs[0], runs[1]))
-        coverage = (CheckCoverage(check="diff-tensor", count=compared, unit="tensors"),)
-        for tag, run in zip("AB", runs, strict=True):
-            findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location) for f in run.changed_files())
+        for tag, root in zip("AB", roots, strict=True):
+            side = _open_side(root, jobs or default_jobs(), progress)
+            sides.append(side)
+            findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location, expected=f.expected,
+                                  actual=f.actual) for f in side.errors)
+        found, coverage, stats = _compare(sides[0], sides[1], tuple(ignore))
+        findings.extend(found)
+        for tag, side in zip("AB", sides, strict=True):
+            findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location) for f in side.changed())
     except FileChangedError as exc:
         findings.append(error("file-changed", f"file changed during the comparison: {exc}",
                               location=Location(file=exc.path if isinstance(exc.path, str) else None)))
         coverage = ()
     finally:
-        for run in runs:
-            run.close()
+        for side in sides:
+            side.close()
+    stats["seconds"] = round(time.perf_counter() - started, 6)
     return Report(command="diff", target=f"{roots[0]} {roots[1]}", findings=tuple(cap_findings(findings)),
-                  coverage=coverage, stats={"seconds": round(time.perf_counter() - started, 6)})
+                  coverage=coverage, stats=stats)
 
 
-def _fingerprints(run: VerificationRun) -> dict[str, str]:
+def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...]) -> tuple[list[Finding], tuple[CheckCoverage, ...],
+                                                                   dict[str, Any]]:
+    findings: list[Finding] = []
+
+    def ignored(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+
+    names = sorted(n for n in set(sa.tensors) | set(sb.tensors) if not ignored(n))
+    values = sorted(n for n in set(sa.values) | set(sb.values) if not ignored(n))
+    left_out = len(set(sa.tensors) | set(sb.tensors)) - len(names) + len(set(sa.values) | set(sb.values)) - len(values)
+    both = [n for n in names if n in sa.tensors and n in sb.tensors
+            and sa.tensors[n] == sb.tensors[n]]
+    fps = [side.fingerprints(set(both)) for side in (sa, sb)]
+    compared = uncompared = 0
+    for name in names:
+        ta, tb = sa.tensors.get(name), sb.tensors.get(name)
+        if ta is None or tb is None:
+            findings.append(error("diff-missing", f"tensor {name!r} is missing from {'A' if ta is None else 'B'}",
+                                  location=Location(fqn=name)))
+            continue
+        if ta != tb:
+            findings.append(error("diff-tensor", f"{name!r} is {ta[0]}{list(ta[1])} in A and {tb[0]}{list(tb[1])} in B",
+                                  location=Location(fqn=name), expected=f"{ta[0]}{list(ta[1])}",
+                                  actual=f"{tb[0]}{list(tb[1])}"))
+            continue
+        fa, fb = fps[0].get(name), fps[1].get(name)
+        if fa is None or fb is None:
+            uncompared += 1
+            side = "A" if fa is None else "B"
+            if name in (sa.damaged if fa is None else sb.damaged):  # its damage is the error reported above
+                findings.append(info("diff-uncompared", f"{name!r} is damaged in {side}; not compared",
+                                     location=Location(fqn=name)))
+            else:
+                findings.append(error("diff-uncompared", f"{name!r} could not be rebuilt from its bytes in {side}; "
+                                      "not compared, so its equality is not shown", location=Location(fqn=name)))
+            continue
+        compared += 1
+        if fa == fb:
+            continue
+        try:
+            stats = tensor_difference(sa.load(name), sb.load(name))
+        except (ValueError, RuntimeError, TypeError) as exc:
+            findings.append(error("diff-tensor", f"{name!r} differs (by fingerprint); loading it to say how failed: "
+                                  f"{exc}"[:300], location=Location(fqn=name), expected=fa, actual=fb))
+            continue
+        findings.append(error(
+            "diff-tensor",
+            f"{name!r} differs: {stats['differing']} of {stats['elements']} elements, max |a-b| "
+            f"{stats['max_abs_diff']}, max ULP distance {stats['max_ulp']}, first at {stats['first_index']}",
+            location=Location(fqn=name, global_index_first=tuple(stats["first_index"] or ())),
+            expected=fa, actual=stats,
+        ))
+    values_compared = 0
+    for name in values:
+        va, vb = sa.values.get(name), sb.values.get(name)
+        if va is None or vb is None:
+            findings.append(error("diff-missing", f"value {name!r} is missing from {'A' if va is None else 'B'}",
+                                  location=Location(fqn=name)))
+            continue
+        values_compared += 1
+        if va != vb:
+            findings.append(error("diff-value", f"value {name!r} differs: {_short(va)} in A, {_short(vb)} in B",
+                                  location=Location(fqn=name), expected=va, actual=vb))
+    if ignore:
+        findings.append(info("diff-ignored", f"{left_out} name(s) matching --ignore {list(ignore)} left out of the "
+                             "comparison", actual={"ignored": left_out, "patterns": list(ignore)}))
+    if compared == 0 and (names or values_compared == 0):
+        why = ("neither checkpoint holds a tensor or value it could read" if not names and not values
+               else f"none of the {len(names)} tensor name(s) could be compared on both sides")
+        findings.append(error("diff-nothing-compared", f"nothing was compared: {why}; equality is not shown"))
+    coverage = (CheckCoverage(check="diff-tensor", count=compared, unit="tensors"),
+                CheckCoverage(check="diff-value", count=values_compared, unit="values"))
+    return findings, coverage, {"tensors_compared": compared, "tensors_not_compared": uncompared,
+                                "values_compared": values_compared, "ignored": left_out,
+                                "formats": [sa.format, sb.format]}
+
+
+def _short(value: str) -> str:
+    return value if len(value) <= 80 else value[:77] + "..."
+
+
+class _Side:
+    """One checkpoint as ``diff`` sees it: tensor names with (dtype, shape), plain values, and how to
+    fingerprint and load a tensor."""
+
+    format = "?"
+    errors: list[Finding]
+    damaged: set[str]
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    values: dict[str, str]
+
+    def fingerprints(self, names: set[str]) -> dict[str, str]:
+        raise NotImplementedError
+
+    def load(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def changed(self) -> list[Finding]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
+    from ckptverify.formats.rundir import dir_format
+
+    if os.path.isdir(root):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            names = []
+        if dir_format(names) in ("dcp", "dcp-uncommitted"):
+            return _DcpSide(root, jobs, progress)
+    return _DescribedSide(root, jobs)
+
+
+class _DescribedSide(_Side):
+    """A single file or a folder of files, through :func:`~ckptverify.formats.describe.describe`."""
+
+    def __init__(self, root: str, jobs: int) -> None:
+        from ckptverify.formats.describe import describe
+        from ckptverify.verify import verify_checkpoint
+
+        checked = verify_checkpoint(root, jobs=jobs)
+        self.errors = [f for f in checked.findings if f.severity.value == "error"]
+        self.desc = describe(root)
+        self.format = self.desc.format
+        bad_files = {f.location.file for f in self.errors if f.location.file}
+        self.damaged = {t.name for t in self.desc.tensors.values() if any(p.file in bad_files for p in t.payloads)}
+        self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
+        self.values = {n: v for n, v in self.desc.values.items() if n.partition(":")[0] not in bad_files}
+        for name, why in sorted(self.desc.unread.items()):
+            if name not in bad_files:
+                self.errors.append(error("diff-unread", f"{name} cannot be read for the comparison: {why}",
+                                         location=Location(file=name)))
+
+    def fingerprints(self, names: set[str]) -> dict[str, str]:
+        return _described_fingerprints(self.desc, names - self.damaged)
+
+    def load(self, name: str) -> torch.Tensor:
+        from ckptverify.formats.describe import read_tensor
+
+        return read_tensor(self.desc, name)
+
+
+def _described_fingerprints(desc: Description, names: set[str]) -> dict[str, str]:
+    from ckptverify.fingerprint import tensor_fingerprint
+    from ckptverify.formats.describe import read_tensor
+
+    out: dict[str, str] = {}
+    for name in sorted(names):
+        if name not in desc.tensors:
+            continue
+        try:
+            out[name] = tensor_fingerprint(read_tensor(desc, name)).value
+        except (ValueError, RuntimeError, TypeError, OSError):
+            continue  # reported by the caller as not compared
+    return out
+
+
+class _DcpSide(_Side):
+    """A DCP checkpoint, through a verification run (metadata, plans, manifest), and its side files."""
+
+    format = "dcp"
+
+    def __init__(self, root: str, jobs: int, progress: ProgressSink | None) -> None:
+        self.run = VerificationRun(root, jobs, progress)
+        self.run.execute(deep=False, use_manifest=True)
+        self.errors = [f for f in self.run.findings if f.severity.value == "error"]
+        self.damaged = {f.location.fqn for f in self.errors if f.location.fqn}
+        layout = self.run.layout
+        self.tensors = {} if layout is None else {n: (t.dtype, t.shape) for n, t in layout.tensors.items()}
+        self.values = _dcp_values(self.run)
+        self.side = None
+        side_names = getattr(self.run, "side_files", [])
+        if side_names:
+            from ckptverify.formats.describe import side_file_description
+
+            self.side = side_file_description(root, list(side_names))
+            bad_files = {f.location.file for f in self.errors if f.location.file}
+            for n, t in self.side.tensors.items():
+                self.tensors[n] = (t.dtype, t.shape)
+                if any(p.file in bad_files for p in t.payloads):
+                    self.damaged.add(n)
+            self.values.update((n, v) for n, v in self.side.values.items() if n.partition(":")[0] not in bad_files)
+
+    def fingerprints(self, names: set[str]) -> dict[str, str]:
+        out = _fingerprints(self.run, names)
+        if self.side is not None:
+            out.update(_described_fingerprints(self.side, {n for n in names if n in self.side.tensors} - self.damaged))
+        return out
+
+    def load(self, name: str) -> torch.Tensor:
+        if self.side is not None and name in self.side.tensors:
+            from ckptverify.formats.describe import read_tensor
+
+            return read_tensor(self.side, name)
+        return load_global(self.run, name)
+
+    def changed(self) -> list[Finding]:
+        return self.run.changed_files()
+
+    def close(self) -> None:
+        self.run.close()
+
+
+def _fingerprints(run: VerificationRun, names: set[str] | None = None) -> dict[str, str]:
     """Logical fingerprint per tensor: the manifest's if it is valid and the bytes match, else rebuilt."""
 
     layout = run.layout
@@ -104,7 +292,7 @@ def _fingerprints(run: VerificationRun) -> dict[str, str]:
         f.check.startswith("manifest") and f.severity.value == "error" for f in run.findings)
     todo = []
     for fqn in layout.tensors:
-        if fqn in damaged:
+        if fqn in damaged or (names is not None and fqn not in names):
             continue
         saved = run.manifest.tensors.get(fqn) if manifest_ok and run.manifest is not None else None
         if saved is not None and saved.fingerprint is not None:
@@ -138,7 +326,8 @@ def load_global(run: VerificationRun, fqn: str) -> torch.Tensor:
         if item.fqn != fqn or item.chunk is None or item.chunk.offsets in seen or plan.header is None:
             continue
         seen.add(item.chunk.offsets)
-        chunk = read_chunk(run.opened[item.file], item, plan.archive, plan.header)  # type: ignore[arg-type]
+        f = plan.reader if plan.reader is not None else run.opened[item.file]
+        chunk = read_chunk(f, item, plan.archive, plan.header)  # type: ignore[arg-type]
         view = out
         for dim, (o, n) in enumerate(zip(item.chunk.offsets, item.chunk.sizes, strict=True)):
             view = view.narrow(dim, o, n)
@@ -215,33 +404,29 @@ def _max_ulp(ia: torch.Tensor, ib: torch.Tensor, size: int) -> int:
     return abs(int(oa[k]) - int(ob[k]))
 
 
-def _values(run_a: VerificationRun, run_b: VerificationRun) -> list[Finding]:
-    """Non-tensor values: equal when their pickled records are byte-identical."""
-    out: list[Finding] = []
+def _dcp_values(run: VerificationRun) -> dict[str, str]:
+    """Non-tensor DCP items as plain values: each item's ``data.pkl`` read through the inert pickle reader
+    (:func:`~ckptverify.formats.pickle_scan.leaf_values`), so ``lr_scheduler`` compares entry by entry
+    and with other formats; a pickle that cannot be read safely compares by its bytes' digest."""
+    from ckptverify.fingerprint import digest_bytes
+    from ckptverify.formats.pickle_scan import PickleScanError, leaf_values, scan_pickle
 
-    def records(run: VerificationRun) -> dict[str, bytes]:
-        got: dict[str, bytes] = {}
-        for plan in run.plans:
-            if plan.item.kind != "bytes" or plan.item.fqn in got:
-                continue
-            rec = _pkl(plan.archive)
-            if rec is not None:
-                got[plan.item.fqn] = run.opened[plan.item.file].pread(  # type: ignore[union-attr]
-                    plan.item.offset + rec[0], rec[1])
-        return got
-
-    va, vb = records(run_a), records(run_b)
-    for fqn in sorted(set(va) | set(vb)):
-        if fqn not in va or fqn not in vb:
-            out.append(error("diff-missing", f"value {fqn!r} is missing from {'A' if fqn not in va else 'B'}",
-                             location=Location(fqn=fqn)))
-        elif va[fqn] != vb[fqn]:
-            out.append(error("diff-value", f"value {fqn!r} differs (its pickled bytes differ; not unpickled)",
-                             location=Location(fqn=fqn)))
-    return out
-
-
-def _pkl(archive: Archive) -> tuple[int, int] | None:
-    rec = archive.record("data.pkl")
-    return None if rec is None else (rec.data_offset, rec.size)
-
+    got: dict[str, str] = {}
+    done: set[str] = set()
+    damaged = {f.location.fqn for f in run.findings if f.severity.value == "error" and f.location.fqn}
+    for plan in run.plans:
+        item = plan.item
+        if item.kind != "bytes" or item.fqn in done or item.fqn in damaged:
+            continue
+        rec = plan.archive.record("data.pkl")
+        if rec is None:
+            continue
+        done.add(item.fqn)
+        f = plan.reader if plan.reader is not None else run.opened[item.file]
+        data = f.pread(item.offset + rec.data_offset, rec.size)  # type: ignore[union-attr]
+        try:
+            values = leaf_values(scan_pickle(data).root, prefix=item.fqn)
+        except PickleScanError:
+            values = {item.fqn: f"pickle:xxh3-128:{digest_bytes(data)}"}
+        got.update(values)
+    return got

@@ -311,7 +311,13 @@ def _relative_name(value: str) -> str | None:
     return value
 
 
-def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest | None:
+def file_manifest_name(filename: str) -> str:
+    """The name of the manifest of the single checkpoint file ``filename``, written beside it
+    (``step=4.ckpt`` -> ``step=4.ckpt.ckptverify.manifest.json``)."""
+    return f"{filename}.{MANIFEST_FILE}"
+
+
+def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str = MANIFEST_FILE) -> Manifest | None:
     """The manifest of the checkpoint at ``root``; ``None`` if it has none. Raises :class:`ManifestError`.
 
     The file must be a regular file inside ``root`` of at most ``max_bytes`` (a FIFO, a device or a link out
@@ -319,7 +325,7 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest
     """
     from ckptverify.readers import read_small_file
 
-    path = os.path.join(root, MANIFEST_FILE)
+    path = os.path.join(root, name)
     if not os.path.lexists(path):
         return None
     try:
@@ -343,9 +349,10 @@ def _umask() -> int:
     return 0o022
 
 
-def write_manifest(root: str, manifest: Manifest) -> str:
-    """Write ``manifest`` into ``root`` atomically (temp file, fsync, rename, fsync dir). Returns its path."""
-    path = os.path.join(root, MANIFEST_FILE)
+def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) -> str:
+    """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
+    its path."""
+    path = os.path.join(root, name)
     data = json.dumps(manifest.to_dict(), indent=1, sort_keys=False).encode()
     fd, tmp = tempfile.mkstemp(prefix=".ckptverify-manifest-", dir=root)
     try:

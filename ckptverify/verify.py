@@ -9,6 +9,7 @@ Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and m
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -34,7 +35,7 @@ from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
 from ckptverify.errors import CheckpointNotFoundError, UsageError
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
 from ckptverify.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from ckptverify.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
 
@@ -90,7 +91,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     started = time.perf_counter()
     if not os.path.isdir(root):
-        report = _verify_file(root, started)
+        report = _verify_file(root, started, deep, use_manifest)
         return fail_uncheckable(report) if strict else report
     other, found = _other_format(root)
     if other == "run-directory":
@@ -144,13 +145,16 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _verify_file(path: str, started: float) -> Report:
+def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bool = True) -> Report:
     """A single checkpoint file (``torch.save``, safetensors), judged by its content."""
+    from ckptverify.checks.described import judge_described
     from ckptverify.formats.single import check_file
 
     found, coverage, facts = check_file(path, name=os.path.basename(path), root=os.path.dirname(os.path.abspath(path)))
+    found, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest)
+    coverage = [*coverage, *more]
     stats = {"seconds": round(time.perf_counter() - started, 6), "files": 1, "bytes": facts.get("bytes", 0),
-             "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": False}
+             "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": with_manifest}
     return Report(command="verify", target=path, findings=tuple(cap_findings(found)),
                   coverage=merge_coverage(coverage), stats=stats)
 
@@ -160,11 +164,12 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
     transformers), each verified in full; findings of a part name the part in their file."""
     import dataclasses
 
+    from ckptverify.checks.described import judge_described
     from ckptverify.formats.folder import check_folder
 
     found, coverage, facts = check_folder(root)
-    findings = list(found)
-    cover = list(coverage)
+    findings, more, with_manifest = judge_described(root, found, deep=deep, use_manifest=use_manifest)
+    cover = [*coverage, *more]
     total = facts.get("bytes", 0)
     for part in facts["dcp_parts"]:
         sub = verify_checkpoint(os.path.join(root, part), jobs=jobs, deep=deep, use_manifest=use_manifest)
@@ -175,7 +180,7 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
         cover.extend(sub.coverage)
         total += int(sub.stats.get("bytes", 0) or 0)
     stats = {"seconds": round(time.perf_counter() - started, 6), "files": len(facts["files"]), "bytes": total,
-             "format": "folder", "parts": facts["dcp_parts"], "manifest": False}
+             "format": "folder", "parts": facts["dcp_parts"], "manifest": with_manifest}
     return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
                   coverage=merge_coverage(cover), stats=stats)
 
@@ -215,6 +220,14 @@ class VerificationRun:
         self.stopped = False
         self._named: dict[str, tuple[int, int, int, int] | None] = {}
         self._reported_changed: set[str] = set()
+        #: Plans read through their own reader (``ItemPlan.reader``): items written through stream transforms
+        #: (their decoded bytes) and tensors in DCP's safetensors blobs (their raw payloads). They join
+        #: ``plans`` after the hashing pass, which reads the files as stored.
+        self.extra_plans: list[ItemPlan] = []
+        #: Framework side files beside the shards (``meta.pt``, ``metadata.json``), checked and opened.
+        self.side_files: list[str] = []
+        #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
+        self.extension_registry: Any = None
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
         self._lock = threading.Lock()
 
@@ -305,6 +318,7 @@ class VerificationRun:
         self._structure(layout)
         self._archives(layout)
         self._hash(layout)
+        self.plans.extend(self.extra_plans)
         if deep:
             self._deep(layout)
 
@@ -323,8 +337,19 @@ class VerificationRun:
             ))
 
     def _structure(self, layout: Layout) -> None:
+        from ckptverify.formats.sidefiles import check_side_files, side_files
+
         stats = stat_files(self.root, layout.files)
-        self.findings.extend(check_files(self.root, layout, stats))
+        # Framework side files (Lightning's meta.pt, Megatron's metadata.json) are checked by their content
+        # and opened like shards (so a manifest digests them), not reported as unreferenced.
+        known = [n for n in side_files(self.root) if n not in stats]
+        self.findings.extend(f for f in check_files(self.root, layout, stats)
+                             if not (f.check == "file-unreferenced" and f.location.file in known))
+        found, cov, self.side_files = check_side_files(self.root, known)
+        self.findings.extend(found)
+        self.coverage.extend(cov)
+        for name in self.side_files:
+            self.opened[name] = self._open(name)
         self.findings.extend(check_coverage(layout))
         tiling, cov = check_tiling(layout)
         self.findings.extend(tiling)
@@ -340,6 +365,7 @@ class VerificationRun:
     def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
         """Parse each safetensors blob; check it against the metadata's tensor items."""
         blobs: dict[str, tuple[int, int]] = {}
+        resolved: dict[Item, tuple[int, int]] = {}
         for name in sorted(self.safetensors):
             f = self.opened[name]
             tensor_items = [i for i in layout.items if i.file == name and i.kind == "tensor"]
@@ -363,6 +389,19 @@ class VerificationRun:
                         f"says {item.dtype}{list(want)}",
                         location=item_location(item),
                     ))
+                    continue
+                resolved[item] = safetensors.data_range(blob, item.fqn)  # type: ignore[assignment]
+        # The metadata places every tensor at the blob's start; from here on each item addresses its own
+        # bytes (the blob header's data offsets), so manifests digest, and findings name, the real ranges.
+        for n, item in enumerate(layout.items):
+            if item not in resolved:
+                continue
+            offset, length = resolved[item]
+            item = layout.items[n] = dataclasses.replace(item, offset=offset, length=length)
+            if item.chunk is not None and item.dtype is not None:
+                archive, header = safetensors.raw_payload(item.dtype, item.chunk.sizes, length)
+                self.extra_plans.append(ItemPlan(dataclasses.replace(item, offset=0), archive, header,
+                                                 reader=_Window(self.opened[item.file], offset, length)))  # type: ignore[arg-type]
         return blobs
 
     def _open(self, name: str) -> ReadOnlyFile | None:
@@ -383,11 +422,31 @@ class VerificationRun:
             if self.opened.get(item.file) is not None:
                 by_file[item.file].append(item)
         names = sorted(by_file)
-        planned = self.map(lambda n: plan_file(self.opened[n], n, by_file[n],  # type: ignore[arg-type]
+        planned = self.map(lambda n: plan_file(self.opened[n], n, [i for i in by_file[n] if not i.transforms],  # type: ignore[arg-type]
                                                safetensors=n in self.safetensors), names)
         for name, (file_plans, result) in zip(names, planned, strict=True):
             self.results[name] = result
             self.plans.extend(file_plans)
+        # Items written through stream transforms: decoded and judged now (CRC-32s of the decoded archive);
+        # their plans read the decoded bytes and join the others after the hashing pass.
+        transformed = [i for n in names for i in by_file[n] if i.transforms]
+        decoded = self.map(lambda i: self._transformed(i), transformed)
+        self.extra_plans.extend(p for p in decoded if p is not None)
+
+    def _transformed(self, item: Item) -> ItemPlan | None:
+        from ckptverify.checks.transformed import plan_transformed
+
+        result = FileResult(file=item.file)
+        plan = plan_transformed(self.opened[item.file], item, result,  # type: ignore[arg-type]
+                                registry=self.extension_registry)
+        with self._lock:
+            into = self.results[item.file]
+            into.findings.extend(result.findings)
+            into.items += result.items
+            into.records += result.records
+            into.bytes_hashed += result.bytes_hashed
+            into.uncheckable += result.uncheckable
+        return plan
 
     def _hash(self, layout: Layout) -> None:
         """One pass over the bytes, on all cores: CRC-32 of every record and, with a manifest, the digest of
@@ -531,7 +590,35 @@ class VerificationRun:
         scans, found = deep_check.scan_tensors(tensor_plans, self.opened, layout, self.map, self.advance)
         self.findings.extend(found)
         self.findings.extend(deep_check.judge(layout, self.manifest, scans))
-        self.coverage.append(CheckCoverage(check="fingerprint", count=len(scans), unit="tensors"))
+        rebuilt = sum(1 for fqn, scan in scans.items() if fqn in layout.tensors
+                      and scan.value(layout.tensors[fqn].shape) is not None)
+        self.coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
+        # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
+        wanted = sum(1 for t in layout.tensors.values() if 0 not in t.shape)
+        if wanted and not rebuilt:
+            self.findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {wanted} tensor(s) from "
+                                       "their bytes: nothing was checked end to end"))
+        elif rebuilt < wanted:
+            self.findings.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
+                                         "others could not be read back (see the findings above)"))
+
+
+class _Window:
+    """Bytes ``[offset, offset + length)`` of an opened file, read as if they were a file of their own."""
+
+    def __init__(self, f: ReadOnlyFile, offset: int, length: int) -> None:
+        self._f, self._offset, self.size = f, offset, length
+        self.path = f.path
+
+    def pread(self, offset: int, n: int) -> bytes:
+        n = min(n, self.size - offset)
+        return self._f.pread(self._offset + offset, n) if offset >= 0 and n > 0 else b""
+
+    def crc32(self, start: int, end: int, progress: Any = None) -> int:
+        return self._f.crc32(self._offset + start, self._offset + min(end, self.size), progress)
+
+    def changed(self) -> str | None:
+        return self._f.changed()
 
 
 #: At most this many findings of one check are reported in full; the rest are counted in one more finding.

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import inject_fault as inj
+import pytest
 import torch
 from click.testing import CliRunner
+from dcp_encodings import dcp_checkpoint as _dcp
+from dcp_encodings import safetensors_ckpt, zstd_ckpt
 
 from ckptverify.cli import main
 from ckptverify.diff import diff_checkpoints, tensor_difference
@@ -67,3 +70,92 @@ def test_tensor_difference_measures_ulps_and_magnitudes():
     d = tensor_difference(bf, torch.tensor([1.0, 1.0078125], dtype=torch.bfloat16))
     assert d["differing"] == 1 and d["max_ulp"] == 1
     assert tensor_difference(torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.bool))["differing"] == 0
+
+
+# ---- every format, and never passing on nothing -------------------------------------------------------------
+
+
+
+def _changed(report):
+    return {f.location.fqn for f in report.errors if f.check == "diff-tensor"}
+
+
+def _count(report, check="diff-tensor"):
+    return sum(c.count for c in report.coverage if c.check == check)
+
+
+@pytest.mark.parametrize("build", [zstd_ckpt, safetensors_ckpt], ids=["zstd", "safetensors"])
+def test_two_different_encoded_checkpoints_differ_and_equal_ones_compare_every_tensor(tmp_path, build):
+    a, a2, b = build(tmp_path / "a"), build(tmp_path / "a2"), build(tmp_path / "b", seed=1)
+    same = diff_checkpoints(a, a2)
+    assert same.passed and _count(same) == 21, [f.message for f in same.findings]
+    other = diff_checkpoints(a, b)
+    assert not other.passed and _count(other) == 21
+    assert {"model.0.weight", "optim.state.0.weight.exp_avg"} <= _changed(other)
+
+
+def test_a_comparison_that_could_read_no_tensor_fails(tmp_path, monkeypatch):
+    from ckptverify.dcp import transforms
+
+    a, b = zstd_ckpt(tmp_path / "a"), zstd_ckpt(tmp_path / "b", seed=1)
+
+    def unavailable(raw, limit):
+        raise transforms.TransformError("no zstd decoder", unavailable=True)
+
+    monkeypatch.setattr(transforms, "_zstd", unavailable)
+    report = diff_checkpoints(a, b)
+    checks = {f.check for f in report.errors}
+    assert not report.passed and {"diff-uncompared", "diff-nothing-compared"} <= checks
+    assert _count(report) == 0
+
+
+def test_two_folders_holding_nothing_comparable_do_not_compare_equal(tmp_path):
+    for side in "ab":
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "notes.txt").write_text("hello")
+    report = diff_checkpoints(tmp_path / "a", tmp_path / "b")
+    assert "diff-nothing-compared" in {f.check for f in report.errors}
+
+
+def test_ignore_leaves_out_names_and_counts_them(fresh_ckpt):
+    single, sharded = fresh_ckpt("single"), fresh_ckpt("fsdp2")
+    report = diff_checkpoints(single, sharded, ignore=["rank_state.*"])
+    assert report.passed, [f.message for f in report.errors]
+    note = next(f for f in report.findings if f.check == "diff-ignored")
+    assert note.actual["ignored"] > 0 and _count(report) == 21
+    result = CliRunner().invoke(main, ["diff", "--json", str(single), str(sharded), "--ignore", "rank_state.*"])
+    assert result.exit_code == 0 and json.loads(result.output)["stats"]["ignored"] == note.actual["ignored"]
+
+
+def test_a_dcp_checkpoint_its_torch_save_file_and_its_hugging_face_export_compare_by_name(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from ckpt_factory import single_process_state_dict
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = _dcp(tmp_path / "dcp")
+    dcp_to_torch_save(str(ckpt), str(tmp_path / "full.pt"))
+    report = diff_checkpoints(ckpt, tmp_path / "full.pt")
+    assert report.passed and _count(report) == 21 and _count(report, "diff-value") > 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": single_process_state_dict()["model"]},
+                 storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf")))
+    rest = ["optim.*", "extra.*", "step", "run_name", "blob", "config.*"]
+    report = diff_checkpoints(ckpt, tmp_path / "hf", ignore=rest)
+    assert report.passed and _count(report) == 4, [f.message for f in report.findings]
+    other = _dcp(tmp_path / "other", seed=1)
+    assert _changed(diff_checkpoints(other, tmp_path / "hf", ignore=rest)) == {
+        "model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"}
+
+
+def test_two_single_files_compare_tensors_and_values(tmp_path):
+    torch.save({"w": torch.arange(6.0), "step": 3, "cfg": {"lr": 0.1}}, tmp_path / "a.pt")
+    torch.save({"w": torch.arange(6.0), "step": 3, "cfg": {"lr": 0.1}}, tmp_path / "b.pt")
+    torch.save({"w": torch.arange(6.0) * 2, "step": 4, "cfg": {"lr": 0.1}}, tmp_path / "c.pt")
+    same = diff_checkpoints(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert same.passed and _count(same) == 1 and _count(same, "diff-value") == 2
+    other = diff_checkpoints(tmp_path / "a.pt", tmp_path / "c.pt")
+    assert _changed(other) == {"w"} and {f.location.fqn for f in other.errors if f.check == "diff-value"} == {"step"}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from dcp_encodings import dcp_checkpoint as _dcp
+from dcp_encodings import safetensors_ckpt, zstd_ckpt
 
 from ckptverify.formats.folder import check_folder
 from ckptverify.formats.pickle_scan import PickleScanError, scan_pickle
@@ -144,6 +146,7 @@ def _hf_folder(root: Path) -> Path:
     from safetensors.torch import save_file
 
     root.mkdir()
+    torch.manual_seed(0)
     save_file({"embed.weight": torch.randn(8, 4)}, str(root / "model-00001-of-00002.safetensors"))
     save_file({"head.weight": torch.randn(4, 4), "head.bias": torch.zeros(4)},
               str(root / "model-00002-of-00002.safetensors"))
@@ -179,3 +182,333 @@ def test_special_files_in_a_folder_are_findings_never_opened(tmp_path: Path) -> 
     findings, _, _ = check_folder(str(root))
     assert sorted(f.location.file for f in _errors(findings) if f.check == "file-type") == ["optimizer.bin",
                                                                                             "rng_state.pth"]
+
+
+# ---- DCP encodings: the ZStandard stream transform and the safetensors serialization -------------------------
+
+
+def _items(path: Path):
+    from ckptverify.dcp.metadata import read_layout
+
+    layout, _ = read_layout(str(path))
+    return layout
+
+
+def test_zstd_items_are_decoded_and_checked_by_the_crcs_inside(tmp_path: Path) -> None:
+    from ckptverify.verify import verify_checkpoint
+
+    ckpt = zstd_ckpt(tmp_path / "z")
+    assert all(i.transforms == ("stream.zstd/1",) for i in _items(ckpt).items)
+    report = verify_checkpoint(ckpt, deep=True)
+    assert report.passed and not report.warnings, [f.message for f in report.findings]
+    cov = {c.check: c.count for c in report.coverage}
+    assert cov["zip-structure"] == 39 and cov["zip-crc"] > 200 and cov["fingerprint"] == 21
+
+
+def test_a_flipped_byte_in_a_zstd_item_is_caught_and_placed_at_the_item(tmp_path: Path) -> None:
+    from ckptverify.verify import verify_checkpoint
+
+    ckpt = zstd_ckpt(tmp_path / "z")
+    item = next(i for i in _items(ckpt).items if i.fqn == "model.0.weight")
+    _flip(ckpt / item.file, item.offset + item.length // 2)
+    errors = verify_checkpoint(ckpt).errors
+    assert errors and {f.location.fqn for f in errors} == {"model.0.weight"}, [f.message for f in errors]
+    assert all(f.location.byte_range == (item.offset, item.end) for f in errors)
+
+
+def test_a_zstd_item_that_cannot_be_decoded_here_is_uncheckable_and_deep_does_not_pass(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    from ckptverify.dcp import transforms
+    from ckptverify.verify import verify_checkpoint
+
+    ckpt = zstd_ckpt(tmp_path / "z")
+
+    def unavailable(raw, limit):
+        raise transforms.TransformError("no zstd decoder", unavailable=True)
+
+    monkeypatch.setattr(transforms, "_zstd", unavailable)
+    report = verify_checkpoint(ckpt)
+    assert report.passed and {f.check for f in report.warnings} == {"content-uncheckable"}
+    deep = verify_checkpoint(ckpt, deep=True)
+    assert "deep-nothing-rebuilt" in {f.check for f in deep.errors}
+    assert {c.check: c.count for c in deep.coverage}["fingerprint"] == 0
+
+
+def test_a_zstd_bomb_is_refused_within_its_bound() -> None:
+    zstandard = pytest.importorskip("zstandard")
+    from ckptverify.dcp.transforms import TransformError, decode
+
+    raw = zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))
+    assert len(decode(raw, ["stream.zstd/1"])) == 8 << 20
+    with pytest.raises(TransformError, match="more than"):
+        decode(raw, ["stream.zstd/1"], limit=1 << 20)
+    with pytest.raises(TransformError) as exc:
+        decode(raw, ["stream.rot13/1"])
+    assert exc.value.unavailable
+
+
+def test_a_registered_transform_is_decoded_through_the_callers_registry(tmp_path: Path) -> None:
+    import io
+
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+    from ckptverify.verify import VerificationRun
+
+    class Invert(StreamTransformExtension):
+        """Every byte inverted: a stand-in for any registered stream transform."""
+
+        @staticmethod
+        def registry_name() -> str:
+            return "test.invert"
+
+        @staticmethod
+        def from_descriptor(version: str) -> Invert:
+            return Invert()
+
+        def get_descriptor(self) -> str:
+            return "test.invert/1"
+
+        def transform_to(self, output):
+            class W(io.RawIOBase):
+                def writable(self) -> bool:
+                    return True
+
+                def write(self, b) -> int:
+                    output.write(bytes(x ^ 0xFF for x in bytes(b)))
+                    return len(b)
+
+            return W()
+
+        def transform_from(self, input):
+            return io.BytesIO(bytes(x ^ 0xFF for x in input.read()))
+
+    ckpt = _dcp(tmp_path / "inv", _extensions=[Invert()])
+    registry = ExtensionRegistry()
+    registry.register(Invert)
+    run = VerificationRun(str(ckpt), 1, None)
+    run.extension_registry = registry
+    try:
+        run.execute(deep=True, use_manifest=False)
+    finally:
+        run.close()
+    report = run.report("verify", 1.0)
+    assert report.passed and not report.warnings, [f.message for f in report.findings]
+    assert {c.check: c.count for c in report.coverage}["fingerprint"] == 21
+
+
+def test_dcp_safetensors_manifest_digests_each_tensors_own_bytes(tmp_path: Path) -> None:
+    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.verify import verify_checkpoint
+
+    ckpt = safetensors_ckpt(tmp_path / "st")
+    report, manifest = fingerprint_checkpoint(ckpt, trust_uncheckable=True, block_bytes=4096)
+    assert manifest is not None, [f.message for f in report.findings]
+    tensors = [i for i in manifest.items if i.chunk_offsets is not None]
+    assert len({i.offset for i in tensors}) == len(tensors) == 21  # no longer all at the blob's start
+    assert all(m.fingerprint for m in manifest.tensors.values())
+    target = next(i for i in tensors if i.fqn == "model.2.weight")
+    _flip(ckpt / target.file, target.offset + 5000)
+    errors = verify_checkpoint(ckpt).errors
+    blamed = {f.location.fqn for f in errors if f.check == "manifest-digest" and f.location.fqn}
+    assert blamed == {"model.2.weight"}, [f.message for f in errors]
+    block = next(f for f in errors if f.location.fqn == "model.2.weight")
+    assert block.location.byte_range == (target.offset + 4096, target.offset + 8192)
+
+
+def test_the_hashing_writer_digests_safetensors_tensors_where_they_are(tmp_path: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from ckpt_factory import single_process_state_dict
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    from ckptverify.dcp.writer import HashingFileSystemWriter
+    from ckptverify.verify import verify_checkpoint
+
+    writer = HashingFileSystemWriter(tmp_path / "st", serialization_format=SerializationFormat.SAFETENSORS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(single_process_state_dict(), storage_writer=writer)
+    tensors = [i for i in writer.manifest.items if i.chunk_offsets is not None]
+    assert len({i.offset for i in tensors}) == 21
+    report = verify_checkpoint(tmp_path / "st", deep=True)
+    assert report.passed and not report.warnings, [f.message for f in report.findings]
+    assert {c.check: c.count for c in report.coverage}["fingerprint"] == 21
+    target = next(i for i in tensors if i.fqn == "extra.i64")
+    _flip(tmp_path / "st" / target.file, target.offset + 3)
+    assert {f.location.fqn for f in verify_checkpoint(tmp_path / "st").errors if f.location.fqn} == {"extra.i64"}
+
+
+def test_dcp_safetensors_deep_rebuilds_every_tensor(tmp_path: Path) -> None:
+    from ckptverify.verify import verify_checkpoint
+
+    report = verify_checkpoint(safetensors_ckpt(tmp_path / "st"), deep=True)
+    assert report.passed and {c.check: c.count for c in report.coverage}["fingerprint"] == 21
+    assert {f.check for f in report.warnings} == {"content-uncheckable"}  # no checksum: said, not hidden
+
+
+# ---- framework side files beside DCP shards ----------------------------------------------------------------
+
+
+def test_known_side_files_are_checked_by_content_and_covered_by_the_manifest(tmp_path: Path) -> None:
+    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.verify import verify_checkpoint
+
+    ckpt = _dcp(tmp_path / "ckpt")
+    torch.save({"global_step": 4, "loops": {"fit_loop": {"epoch": 0}}}, ckpt / "meta.pt")
+    (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    report = verify_checkpoint(ckpt)
+    assert report.passed and not report.warnings, [f.message for f in report.findings]
+    assert {c.check: c.count for c in report.coverage}["side-file"] == 2
+    (ckpt / "leftover.bin").write_bytes(b"x")
+    assert [f.location.file for f in verify_checkpoint(ckpt).warnings] == ["leftover.bin"]
+    os.remove(ckpt / "leftover.bin")
+    _, manifest = fingerprint_checkpoint(ckpt)
+    assert manifest is not None and {"meta.pt", "metadata.json"} <= set(manifest.files)
+    (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_diS"}))
+    assert [f.location.file for f in verify_checkpoint(ckpt).errors] == ["metadata.json"]
+
+
+def test_a_side_file_is_judged_by_its_content_not_its_name(tmp_path: Path) -> None:
+    from ckptverify.verify import verify_checkpoint
+
+    ckpt = _dcp(tmp_path / "ckpt")
+    (ckpt / "meta.pt").write_bytes(b"not a torch.save archive")
+    assert {f.location.file for f in verify_checkpoint(ckpt).errors} == {"meta.pt"}
+    os.remove(ckpt / "meta.pt")
+    os.mkfifo(ckpt / "meta.pt")
+    assert [f.check for f in verify_checkpoint(ckpt).errors] == ["file-type"]
+
+
+# ---- folders of files: fingerprint, verify against the manifest, --deep -----------------------------------
+
+
+def test_a_folder_of_files_is_fingerprinted_and_a_changed_byte_is_blamed_on_its_tensor(tmp_path: Path) -> None:
+    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.verify import verify_checkpoint
+
+    root = _hf_folder(tmp_path / "hf")
+    refused, manifest = fingerprint_checkpoint(root)
+    assert manifest is None and "fingerprint-refused" in {f.check for f in refused.errors}  # safetensors: no CRC
+    _, manifest = fingerprint_checkpoint(root, trust_uncheckable=True)
+    assert manifest is not None and set(manifest.files) == {"model-00001-of-00002.safetensors",
+                                                            "model-00002-of-00002.safetensors", "config.json",
+                                                            "model.safetensors.index.json", "scheduler.bin"}
+    assert all(t.fingerprint for t in manifest.tensors.values()) and len(manifest.tensors) == 3
+    clean = verify_checkpoint(root, deep=True)
+    assert clean.passed and not clean.warnings, [f.message for f in clean.findings]
+    assert {c.check: c.count for c in clean.coverage}["fingerprint"] == 3
+    tensor = flip_safetensors(root / "model-00002-of-00002.safetensors")
+    errors = verify_checkpoint(root).errors
+    assert {f.location.fqn for f in errors if f.location.fqn} == {tensor}
+    deep = verify_checkpoint(root, deep=True)
+    assert any(f.check == "fingerprint" and f.location.fqn == tensor for f in deep.errors)
+    (root / "extra.txt").write_text("planted")
+    assert "manifest-unlisted" in {f.check for f in verify_checkpoint(root).warnings}
+
+
+def flip_safetensors(path: Path) -> str:
+    raw = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", raw)
+    header = json.loads(raw[8:8 + n])
+    name, entry = max(((k, v) for k, v in header.items() if k != "__metadata__"),
+                      key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])
+    _flip(path, 8 + n + entry["data_offsets"][0] + 1)
+    return name
+
+
+def test_a_single_file_deep_check_rebuilds_its_tensors(pt_file: Path) -> None:
+    from ckptverify.verify import verify_checkpoint
+
+    report = verify_checkpoint(pt_file, deep=True)
+    assert report.passed, [f.message for f in report.findings]
+    from ckptverify.formats.describe import describe
+
+    assert {c.check: c.count for c in report.coverage}["fingerprint"] == len(describe(pt_file).tensors) > 10
+
+
+def test_plain_values_of_a_pickle_are_listed_exactly() -> None:
+    from ckptverify.formats.pickle_scan import leaf_values
+
+    scan = scan_pickle(pickle.dumps({"a": [1, 2.5, -0.0], "b": {"c": None, "d": b"\x00" * 1000}, "e": "x"}))
+    values = leaf_values(scan.root)
+    assert values["a.0"] == "int:1" and values["a.2"] == "float:-0.0" and values["b.c"] == "NoneType:None"
+    assert values["b.d"].startswith("bytes[1000]:xxh3-128:") and values["e"] == "str:'x'"
+
+
+def test_a_single_file_gets_its_manifest_beside_it(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.verify import verify_checkpoint
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(64, 64), "b": torch.arange(10)}, str(path))
+    _, manifest = fingerprint_checkpoint(path, trust_uncheckable=True, block_bytes=4096)
+    assert manifest is not None and list(manifest.files) == ["w.safetensors"]
+    assert (tmp_path / "w.safetensors.ckptverify.manifest.json").is_file()
+    clean = verify_checkpoint(path, deep=True)
+    assert clean.passed and not clean.warnings and clean.stats["manifest"], [f.message for f in clean.findings]
+    flip_safetensors(path)
+    errors = verify_checkpoint(path).errors
+    assert {f.location.fqn for f in errors if f.location.fqn} == {"a"}
+    # The folder holding it has no manifest of its own: the file's manifest is not taken for a file of it.
+    assert "w.safetensors.ckptverify.manifest.json" not in str(verify_checkpoint(tmp_path).findings)
+
+
+# ---- one conformance suite that every format runs ---------------------------------------------------------
+
+
+def _make_pt(path: Path) -> Path:
+    torch.manual_seed(0)
+    torch.save({"w": torch.randn(64, 32), "b": torch.zeros(32), "step": 3}, path)
+    return path
+
+
+def _make_st(path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file({"w": torch.randn(64, 32), "b": torch.zeros(32)}, str(path))
+    return path
+
+
+FORMATS = {
+    "dcp": lambda p: _dcp(p), "dcp-zstd": lambda p: zstd_ckpt(p), "dcp-safetensors": lambda p: safetensors_ckpt(p),
+    "torch.save": lambda p: _make_pt(p.with_suffix(".pt")),
+    "safetensors": lambda p: _make_st(p.with_suffix(".safetensors")),
+    "hf-folder": lambda p: _hf_folder(p),
+}
+
+
+def _largest_payload(path: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of the largest tensor's stored bytes, as the format's own reader places it."""
+    if path.is_dir() and (path / ".metadata").exists():
+        item = max((i for i in _items(path).items if i.kind == "tensor"), key=lambda i: i.length)
+        return path / item.file, item.offset, item.length
+    from ckptverify.formats.describe import describe
+
+    desc = describe(path)
+    p = max((t.payloads[0] for t in desc.tensors.values()), key=lambda p: p.length)
+    return Path(desc.root) / p.file, p.offset, p.length
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_passes_clean_catches_or_declares_a_flip_and_equals_its_copy(tmp_path: Path, fmt: str) -> None:
+    from ckptverify.diff import diff_checkpoints
+    from ckptverify.verify import verify_checkpoint
+
+    a, b = FORMATS[fmt](tmp_path / "a"), FORMATS[fmt](tmp_path / "b")
+    clean = verify_checkpoint(a, deep=True)
+    assert clean.passed, [f.message for f in clean.findings]
+    assert not [f for f in clean.warnings if f.check != "content-uncheckable"], [f.message for f in clean.warnings]
+    assert {c.check: c.count for c in clean.coverage}["fingerprint"] > 0
+    same = diff_checkpoints(a, b)
+    assert same.passed and sum(c.count for c in same.coverage if c.check == "diff-tensor") > 0
+    file, offset, length = _largest_payload(b)
+    _flip(file, offset + length // 2)
+    report = verify_checkpoint(b)
+    named = {f.location.file for f in report.errors} | {f.location.file for f in report.warnings
+                                                        if f.check == "content-uncheckable"}
+    assert file.name in named, [f.message for f in report.findings]
+    assert not diff_checkpoints(a, b).passed

@@ -53,8 +53,6 @@ def test_save_state_folder_verifies_clean(acc: h.Built, name: str) -> None:
     h.assert_clean(h.verify(acc.path(name)), uncheckable=("*.safetensors", "random_states_*.pkl"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fingerprint does not write a manifest for a folder of files yet")
 @pytest.mark.parametrize("file", ["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_1.pkl"])
 def test_flipped_byte_in_save_state_file_after_fingerprint_is_caught(acc: h.Built, tmp_path: Path,
                                                                      file: str) -> None:
@@ -72,8 +70,6 @@ def test_flipped_byte_in_save_state_file_after_fingerprint_is_caught(acc: h.Buil
     assert any(f["location"].get("file") == file for f in h.findings(report, "error")), h.describe(report)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="diff does not read folders of files yet")
 def test_diff_of_two_save_states_names_the_weights(acc: h.Built) -> None:
     report = h.diff(acc.path("state-step2"), acc.path("state-step4"))
     assert report["exit_code"] == 1, h.describe(report)

@@ -20,14 +20,13 @@ pytestmark = pytest.mark.slow  # each framework's producer runs once per session
 megatron = h.fixture("megatron")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="metadata.json is a known side file, not yet recognized")
 @pytest.mark.parametrize("name", ["tp2-step2", "tp2-step4", "tp1-step4"])
 def test_iteration_folder_verifies_clean(megatron: h.Built, name: str) -> None:
     h.assert_clean(h.verify(megatron.path(name)), uncheckable=("metadata.json",))
 
 
 def test_real_metadata_carries_dcp_planner_dataclasses(megatron: h.Built) -> None:
-    """What makes these checkpoints different: if Megatron stops attaching plans, the xfails here lose meaning."""
+    """What makes these checkpoints different: if Megatron stops attaching plans, these tests lose meaning."""
     (md,) = inj.load_metadata(megatron.path("tp2-step4"))
     plans = md.all_local_plans
     assert len(plans) == 2 and all(type(p).__name__ == "SavePlan" and p.items for p in plans)
@@ -46,8 +45,6 @@ def test_diff_of_two_steps_names_every_trained_tensor(megatron: h.Built) -> None
     assert h.named(report, "diff-tensor") == h.tensor_fqns(megatron.path("tp2-step4"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="diff --ignore for per-rank entries (_extra_state/shard_R_N) is not there yet")
 def test_diff_of_tp1_and_tp2_saves_of_the_same_state_passes(megatron: h.Built) -> None:
     # Each TP rank writes its own `_extra_state/shard_<rank>_<tp>` entry: they legitimately differ in name.
     report = h.cli("diff", megatron.path("tp2-step4"), megatron.path("tp1-step4"), "--no-progress",

@@ -1,6 +1,6 @@
 """transformers Trainer ``checkpoint-N`` folders (tiny GPT-2 from a config, CPU, no downloads) judged by ckptverify.
 
-None of these is DCP: expectations that wait on reading these folders through `verify` are marked xfail.
+None of these is DCP: each folder is read through its files' own formats (safetensors, torch.save, JSON).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ def test_checkpoint_folder_verifies_clean(hf: h.Built, name: str) -> None:
     h.assert_clean(h.verify(hf.path(name)), uncheckable=("*.safetensors", "*.json"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fingerprint does not write a manifest for a folder of files yet")
 def test_flipped_byte_in_weights_after_fingerprint_is_caught(hf: h.Built, tmp_path: Path) -> None:
     ckpt = hf.copy("checkpoint-4", tmp_path / "checkpoint-4")
     adopted = h.fingerprint(ckpt, "--trust-uncheckable")
@@ -35,8 +33,6 @@ def test_flipped_byte_in_weights_after_fingerprint_is_caught(hf: h.Built, tmp_pa
         h.describe(report)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="diff does not read folders of files yet")
 def test_diff_of_two_checkpoints_names_the_weights(hf: h.Built) -> None:
     report = h.diff(hf.path("checkpoint-2"), hf.path("checkpoint-4"))
     assert report["exit_code"] == 1, h.describe(report)

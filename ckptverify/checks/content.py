@@ -12,6 +12,7 @@ import math
 import pickle
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptverify.checks import item_label, item_location
 from ckptverify.crcflip import false_match_probability, locate_single_bit
@@ -62,6 +63,10 @@ class ItemPlan:
     archive: Archive
     #: The tensor header read from ``data.pkl`` once its CRC checked out (tensor items only).
     header: TensorHeader | None = None
+    #: Where the item's bytes are read when not from its file as stored: the decoded bytes of an item
+    #: written through stream transforms (``item`` then addresses those), or a payload described by
+    #: another format (DCP's safetensors blob). ``None``: the checkpoint's file ``item.file``.
+    reader: Any = None
 
 
 @dataclass(frozen=True, slots=True)

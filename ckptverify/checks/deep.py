@@ -84,8 +84,8 @@ def scan_tensors(plans: list[ItemPlan], opened: dict[str, ReadOnlyFile | None], 
 
     wanted = [p for p in plans if p.item.kind == "tensor" and p.item.chunk is not None
               and p.item.fqn in layout.tensors and (only is None or p.item.fqn in only)]
-    results = run_map(lambda p: scan_plan(opened[p.item.file], p, layout.tensors[p.item.fqn].shape,  # type: ignore[arg-type]
-                                          progress), wanted)
+    results = run_map(lambda p: scan_plan(p.reader if p.reader is not None else opened[p.item.file],  # type: ignore[arg-type]
+                                          p, layout.tensors[p.item.fqn].shape, progress), wanted)
     by_chunk: dict[tuple[str, tuple[int, ...]], list[tuple[ItemPlan, TensorScan]]] = defaultdict(list)
     for plan, scan in zip(wanted, results, strict=True):
         by_chunk[(plan.item.fqn, plan.item.chunk.offsets)].append((plan, scan))  # type: ignore[union-attr]

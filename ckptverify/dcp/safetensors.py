@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+from ckptverify.dcp.torchsave import Archive, Record, TensorHeader
 from ckptverify.readers import ReadOnlyFile
 
 MAX_HEADER_BYTES = 100 << 20
@@ -92,3 +93,25 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
         raise BlobError(f"safetensors data ends at byte {end} but the file has only {f.size} bytes",
                         f.size, end)
     return Blob(start, data_start, end, tensors)
+
+
+def data_range(blob: Blob, name: str) -> tuple[int, int] | None:
+    """``(offset, length)`` in the file of tensor ``name``'s bytes in ``blob``, or ``None``: DCP's metadata
+    records the blob's start for every tensor, the real place is in the blob's header."""
+    t = blob.tensors.get(name)
+    return None if t is None else (blob.data_start + t.begin, t.end - t.begin)
+
+
+def raw_payload(dtype: str, shape: tuple[int, ...], length: int) -> tuple[Archive, TensorHeader]:
+    """A raw little-endian payload of ``length`` bytes described as the one-record archive and tensor header
+    the tensor readers take (:mod:`ckptverify.dcp.tensors`): record ``data/0`` at the payload's first byte,
+    a contiguous view of ``shape``. It carries no CRC-32: never hand it to a CRC check."""
+    strides: list[int] = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    record = Record(name="payload/data/0", header_offset=0, data_offset=0, size=length, crc=0)
+    header = TensorHeader(dtype=dtype, storage_key="0", storage_numel=math.prod(shape), storage_offset=0,
+                          size=tuple(shape), stride=tuple(reversed(strides)))
+    return Archive(records=(record,), prefix="payload"), header

@@ -312,6 +312,9 @@ class HashedStorageInfo(_StorageInfo):
     nan_count: int | None = None
     inf_count: int | None = None
     extra_files: tuple[tuple[str, int, str], ...] = ()
+    #: ``(offset, length)`` of the bytes the digests cover, where it differs from what DCP records
+    #: (safetensors-format tensors: DCP records the blob's start, the bytes are further in).
+    span: tuple[int, int] | None = None
 
     def plain(self) -> _StorageInfo:
         return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
@@ -454,6 +457,7 @@ class HashingFileSystemWriter(FileSystemWriter):
         out: list[WriteResult] = []
         rereads = 0
         used: set[str] = set()
+        blobs: dict[tuple[str, int], Any] = {}
         for wr in results:
             info = wr.storage_data
             if type(info) is not _StorageInfo:
@@ -469,10 +473,13 @@ class HashingFileSystemWriter(FileSystemWriter):
             segment = record.segments.get((info.offset, info.length))
             if segment is None and info.length == 0:
                 segment = _Segment(new_digest(self.digest).hexdigest(), ())
-            elif segment is None:
-                # Not written as one segment between two tell() calls (e.g. safetensors-format tensors,
-                # which all point into one blob): digest the range from the closed file.
-                rd = block_digests(path, info.offset, info.length, self.digest, self.block_bytes)
+            span = (info.offset, info.length)
+            if segment is None and info.length:
+                # Not written as one segment between two tell() calls: safetensors-format tensors, whose
+                # storage data all point at the start of one blob. Their own bytes are where the blob's
+                # header says; digest that range from the closed file.
+                span = _blob_range(blobs, path, info.offset, wr.index.fqn) or span
+                rd = block_digests(path, span[0], span[1], self.digest, self.block_bytes)
                 segment = _Segment(rd.digest, rd.blocks)
                 rereads += 1
             f = facts.get(wr.index)
@@ -488,6 +495,7 @@ class HashingFileSystemWriter(FileSystemWriter):
                 fingerprint=None if f is None else f.fingerprint,
                 nan_count=None if f is None else f.nan_count,
                 inf_count=None if f is None else f.inf_count,
+                span=span,
             )
             out.append(dataclasses.replace(wr, storage_data=hashed))
 
@@ -584,8 +592,8 @@ class HashingFileSystemWriter(FileSystemWriter):
                 fqn=index.fqn,
                 chunk_offsets=offsets,
                 file=info.relative_path,
-                offset=info.offset,
-                length=info.length,
+                offset=info.span[0] if info.span else info.offset,
+                length=info.span[1] if info.span else info.length,
                 digest=info.digest,
                 blocks=tuple(info.blocks),
             ))
@@ -621,6 +629,23 @@ class HashingFileSystemWriter(FileSystemWriter):
             torch_version=str(torch.__version__),
             source="save",
         )
+
+
+def _blob_range(cache: dict[tuple[str, int], Any], path: str, start: int, fqn: str) -> tuple[int, int] | None:
+    """Where tensor ``fqn``'s bytes are in the safetensors blob starting at ``start`` of ``path`` (the blob's
+    header is read once per blob); ``None`` when no blob starts there or it holds no such tensor."""
+    from ckptverify.dcp import safetensors
+    from ckptverify.readers import ReadOnlyFile
+
+    key = (path, start)
+    if key not in cache:
+        try:
+            with ReadOnlyFile(path) as f:
+                cache[key] = safetensors.read_blob(f, start)
+        except (OSError, safetensors.BlobError):
+            cache[key] = None
+    blob = cache[key]
+    return None if blob is None else safetensors.data_range(blob, fqn)
 
 
 def _add_file(files: dict[str, FileEntry], name: str, size: int, digest: str) -> None:

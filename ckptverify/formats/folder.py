@@ -18,6 +18,7 @@ import stat
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.formats.describe import is_own_file
 from ckptverify.formats.rundir import dir_format
 from ckptverify.formats.single import check_file, check_json
 
@@ -36,6 +37,8 @@ def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[st
     with os.scandir(root) as it:
         entries = sorted(it, key=lambda e: e.name)
     for e in entries:
+        if is_own_file(e.name):
+            continue  # ckptverify's manifest and stamp: checked by the commands that read them
         try:
             st = e.stat(follow_symlinks=False)
         except OSError:

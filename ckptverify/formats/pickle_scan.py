@@ -21,7 +21,8 @@ from typing import Any
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 
-__all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "Opaque", "PickleScan", "PickleScanError", "TensorRef", "scan_pickle"]
+__all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "Opaque", "PickleScan", "PickleScanError", "TensorRef",
+           "leaf_values", "scan_pickle"]
 
 #: Largest ``data.pkl`` read.
 MAX_PICKLE_BYTES = 256 << 20
@@ -220,3 +221,52 @@ def _walk(scan: PickleScan, budget: _Budget) -> None:
         elif isinstance(obj, Opaque):
             stack.append((path, obj.state))
             stack.append((path, obj.args))
+
+
+#: Most plain values :func:`leaf_values` lists from one object tree.
+MAX_VALUES = 200_000
+
+
+def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict[str, str]:
+    """Every plain value (number, string, bytes, bool, ``None``) of an object tree, by path, as a canonical
+    string (``int:4``, ``float:0.001``: exact, ``-0.0`` and ``0.0`` differ), for comparing two trees value by
+    value. Tensors are not values (see :attr:`PickleScan.tensors`); an :class:`Opaque` object contributes its
+    name (``<path>.__class__``) and what the pickle handed it (``.args.N``, ``.state...``). Each object is
+    visited once; past ``limit`` values the rest are left out."""
+    out: dict[str, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [(prefix, root)]
+    while stack and len(out) < limit:
+        path, obj = stack.pop()
+        if isinstance(obj, TensorRef | StorageRef):
+            continue
+        if obj is None or isinstance(obj, bool | int | float | complex | str | bytes | bytearray):
+            out[path or "<root>"] = _canonical(obj)
+            continue
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            for k, v in reversed(list(obj.items())):
+                stack.append((f"{path}.{k}" if path else str(k), v))
+        elif isinstance(obj, tuple) and len(obj) == 2 and obj[0] in ("dtype", "storage-type"):
+            out[path or "<root>"] = f"{obj[0]}:{obj[1]}"  # a torch dtype, as the unpickler resolved it
+        elif isinstance(obj, list | tuple):
+            for i in reversed(range(len(obj))):
+                stack.append((f"{path}.{i}" if path else str(i), obj[i]))
+        elif isinstance(obj, Opaque):
+            out[f"{path}.__class__" if path else "__class__"] = f"global:{obj.name}"
+            stack.append((f"{path}.state" if path else "state", obj.state))
+            stack.append((f"{path}.args" if path else "args", obj.args))
+    return out
+
+
+def _canonical(obj: Any) -> str:
+    """A plain value as an exact string; long strings and bytes by their length and digest."""
+    text = f"{type(obj).__name__}:{obj!r}"
+    if len(text) <= 512:
+        return text
+    from ckptverify.fingerprint import digest_bytes
+
+    raw = obj.encode("utf-8", "surrogatepass") if isinstance(obj, str) else bytes(obj)
+    return f"{type(obj).__name__}[{len(obj)}]:xxh3-128:{digest_bytes(raw)}"

@@ -84,11 +84,12 @@ def _check_safetensors(path: str, label: str) -> tuple[list[Finding], list[Check
     return findings, [CheckCoverage(check="safetensors-header", count=len(blob.tensors), unit="tensors")], facts
 
 
-def check_json(path: str, *, name: str | None = None) -> tuple[list[Finding], Any]:
-    """Parse a JSON side file (bounded): an ``json-invalid`` error when it does not parse."""
+def check_json(path: str, *, name: str | None = None, root: str | None = None) -> tuple[list[Finding], Any]:
+    """Parse a JSON side file (bounded): an ``json-invalid`` error when it does not parse. ``root``: the file
+    must resolve inside it."""
     label = name or os.path.basename(path)
     try:
-        with ReadOnlyFile(path) as f:
+        with (ReadOnlyFile(path, root=root) if root is not None else ReadOnlyFile(path)) as f:
             if f.size > JSON_MAX_BYTES:
                 return [error("json-invalid", f"{label} is {f.size} bytes, more than a JSON side file may be "
                               f"({JSON_MAX_BYTES})", location=Location(file=label))], None

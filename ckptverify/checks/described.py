@@ -1,0 +1,232 @@
+"""Checks that work on a format's description (:mod:`ckptverify.formats.describe`) alone: the manifest of a
+folder of checkpoint files (write it, compare with it) and the deep check (rebuild every tensor).
+
+The manifest of a folder pins every regular file of it (size and digest) and, for every tensor payload,
+its byte range with block digests (so a changed byte is blamed on the tensor and block it falls in) and
+the tensor's logical fingerprint. Formats without a checksum of their own (safetensors, plain pickles,
+JSON) are protected by it from the moment it is written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections import defaultdict
+from typing import Any
+
+from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.formats.describe import Description, is_own_file, read_tensor
+from ckptverify.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
+from ckptverify.readers import ReadOnlyFile
+
+__all__ = ["check_manifest", "deep_check", "folder_files", "manifest_entries"]
+
+_FLOATING = {"float64", "float32", "float16", "bfloat16", "complex128", "complex64"}
+
+
+def folder_files(root: str) -> list[str]:
+    """Every regular file directly in ``root`` except ckptverify's own (names only; links and special files
+    are left out: they are findings of the folder check, never opened)."""
+    out = []
+    with os.scandir(root) as it:
+        for e in it:
+            try:
+                if not is_own_file(e.name) and stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
+                    out.append(e.name)
+            except OSError:
+                continue
+    return sorted(out)
+
+
+def manifest_entries(desc: Description, files: list[str], digest: str,
+                     block_bytes: int) -> tuple[dict[str, FileEntry], list[ItemEntry], dict[str, TensorEntry], int]:
+    """Digests of ``files`` and of every tensor payload (whole and per block), and every tensor's logical
+    fingerprint with its NaN/Inf counts. Returns files, items, tensors and how many tensors could not be
+    fingerprinted."""
+    from ckptverify.fingerprint import BlockDigest, digest_reader
+
+    entries: dict[str, FileEntry] = {}
+    items: list[ItemEntry] = []
+    for name in files:
+        with ReadOnlyFile(os.path.join(desc.root, name), root=desc.root) as f:
+            entries[name] = FileEntry(size=f.size, digest=digest_reader(f, digest))
+            for t in desc.tensors_in(name):
+                for p in t.payloads:
+                    if p.file != name:
+                        continue
+                    d = BlockDigest(digest, block_bytes)
+                    f.fold(p.offset, p.offset + p.length, d.update)
+                    items.append(ItemEntry(fqn=t.name, chunk_offsets=None, file=name, offset=p.offset,
+                                           length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
+    tensors: dict[str, TensorEntry] = {}
+    missing = 0
+    for name, t in desc.tensors.items():
+        fp, nan, inf = _rebuild(desc, name)
+        missing += fp is None and math.prod(t.shape) != 0
+        tensors[name] = TensorEntry(dtype=t.dtype, shape=t.shape, fingerprint=fp, nan_count=nan, inf_count=inf)
+    return entries, items, tensors, missing
+
+
+def _rebuild(desc: Description, name: str) -> tuple[str | None, int | None, int | None]:
+    import torch
+
+    from ckptverify.fingerprint import tensor_fingerprint
+
+    try:
+        t = read_tensor(desc, name)
+        fp = tensor_fingerprint(t).value
+    except (ValueError, RuntimeError, TypeError, OSError):
+        return None, None, None
+    if desc.tensors[name].dtype not in _FLOATING or not t.numel():
+        return fp, None, None
+    values = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    return fp, int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
+
+
+def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage], set[str]]:
+    """Every file the manifest pins against its digest; a changed file's tensor payloads block by block, so
+    the damage is named by file, tensor and byte range. Returns findings, coverage and the files whose
+    bytes matched (their content is now checked, whatever their format)."""
+    from ckptverify.fingerprint import BlockDigest, digest_reader
+
+    findings: list[Finding] = []
+    matched: set[str] = set()
+    by_file: dict[str, list[ItemEntry]] = defaultdict(list)
+    for item in manifest.items:
+        by_file[item.file].append(item)
+    blocks = 0
+    for name, entry in sorted(manifest.files.items()):
+        where = Location(file=name)
+        try:
+            f = ReadOnlyFile(os.path.join(desc.root, name), root=desc.root)
+        except FileNotFoundError:
+            findings.append(error("manifest-digest", f"{name} was fingerprinted but is gone", location=where))
+            continue
+        except OSError as exc:
+            findings.append(error("manifest-digest", f"{name} cannot be opened to compare with the manifest: {exc}",
+                                  location=where))
+            continue
+        with f:
+            if f.size != entry.size:
+                findings.append(error("manifest-digest", f"{name} is {f.size} bytes; it was {entry.size} bytes when "
+                                      "fingerprinted", location=where, expected=entry.size, actual=f.size))
+                continue
+            got = digest_reader(f, manifest.digest_algorithm)
+            if got == entry.digest:
+                matched.add(name)
+                continue
+            blamed = 0
+            for item in by_file.get(name, []):
+                if item.offset + item.length > f.size:
+                    continue
+                d = BlockDigest(manifest.digest_algorithm, manifest.block_bytes)
+                f.fold(item.offset, item.offset + item.length, d.update)
+                blocks += len(item.blocks)
+                if d.hexdigest() == item.digest:
+                    continue
+                for n, (want, have) in enumerate(zip(item.blocks, d.block_hexdigests(), strict=False)):
+                    if want != have:
+                        start = item.offset + n * manifest.block_bytes
+                        end = min(item.offset + item.length, start + manifest.block_bytes)
+                        blamed += 1
+                        findings.append(error(
+                            "manifest-digest",
+                            f"{item.fqn!r}: bytes [{start}, {end}) of {name} differ from when they were fingerprinted",
+                            location=Location(file=name, fqn=item.fqn, byte_range=(start, end)),
+                            expected=want, actual=have))
+            if not blamed:
+                findings.append(error("manifest-digest", f"{name} differs from when it was fingerprinted (outside any "
+                                      "tensor's bytes: its header, pickle or text)", location=where,
+                                      expected=entry.digest, actual=got))
+            else:
+                findings.append(error("manifest-digest", f"{name} differs from when it was fingerprinted",
+                                      location=where, expected=entry.digest, actual=got))
+    added = set(folder_files(desc.root)) - set(manifest.files) if os.path.isdir(desc.target) else set()
+    for name in sorted(added):
+        findings.append(warning("manifest-unlisted", f"{name} was not there when the folder was fingerprinted: "
+                                "added since (nothing vouches for it)", location=Location(file=name)))
+    for name, t in sorted(desc.tensors.items()):
+        saved = manifest.tensors.get(name)
+        if saved is None:
+            findings.append(error("manifest-mismatch", f"tensor {name!r} is not in the manifest",
+                                  location=Location(fqn=name)))
+        elif (saved.dtype, saved.shape) != (t.dtype, t.shape):
+            findings.append(error("manifest-mismatch", f"tensor {name!r} is {t.dtype}{list(t.shape)}; it was "
+                                  f"{saved.dtype}{list(saved.shape)} when fingerprinted", location=Location(fqn=name)))
+    for name in sorted(set(manifest.tensors) - set(desc.tensors)):
+        findings.append(error("manifest-mismatch", f"tensor {name!r} was fingerprinted but is no longer there",
+                              location=Location(fqn=name)))
+    coverage = [CheckCoverage(check="manifest-digest", count=len(manifest.files), unit="whole files")]
+    if blocks:
+        coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
+    return findings, coverage, matched
+
+
+def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
+    """Rebuild every tensor from its bytes: its fingerprint against the manifest's, its NaN/Inf counts. A
+    tensor that cannot be rebuilt is an error, and so is a deep check that rebuilt nothing."""
+    findings: list[Finding] = []
+    rebuilt = 0
+    for name, t in sorted(desc.tensors.items()):
+        loc = Location(fqn=name, file=t.payloads[0].file if t.payloads else None)
+        fp, nan, inf = _rebuild(desc, name)
+        if fp is None:
+            findings.append(error("fingerprint", f"{name!r} cannot be rebuilt from its bytes", location=loc))
+            continue
+        rebuilt += 1
+        if nan or inf:
+            findings.append(warning("nonfinite", f"{name!r} holds {nan} NaN and {inf} Inf values", location=loc,
+                                    actual={"nan": nan, "inf": inf}))
+        saved = manifest.tensors.get(name) if manifest is not None else None
+        if saved is not None and saved.fingerprint is not None and saved.fingerprint != fp:
+            findings.append(error("fingerprint", f"{name!r}: the values read back are not the values that were "
+                                  "fingerprinted", location=loc, expected=saved.fingerprint, actual=fp))
+    if desc.tensors and not rebuilt:
+        findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {len(desc.tensors)} tensor(s): "
+                              "nothing was checked"))
+    elif not desc.tensors:
+        findings.append(info("fingerprint", "no tensors to rebuild"))
+    return findings, [CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")]
+
+
+def describe_stats(desc: Description) -> dict[str, Any]:
+    return {"tensors": len(desc.tensors), "values": len(desc.values)}
+
+
+def judge_described(path: str, found: list[Finding], *, deep: bool,
+                    use_manifest: bool) -> tuple[list[Finding], list[CheckCoverage], bool]:
+    """The manifest and deep stages of ``verify`` for a single file or a folder of files, after the format's
+    own checks gave ``found``. A folder's manifest (``ckptverify.manifest.json``) is compared with every
+    file; content it proves unchanged is no longer ``content-uncheckable``. Returns all findings, the added
+    coverage and whether a manifest was used."""
+    from ckptverify.formats.describe import describe
+    from ckptverify.manifest import MANIFEST_FILE, ManifestError, file_manifest_name, read_manifest
+
+    manifest = None
+    findings = list(found)
+    coverage: list[CheckCoverage] = []
+    if os.path.isdir(path):
+        where, name = path, MANIFEST_FILE
+    else:
+        where, base = os.path.split(os.path.abspath(path))
+        name = file_manifest_name(base)
+    if use_manifest:
+        try:
+            manifest = read_manifest(where, name=name)
+        except ManifestError as exc:
+            findings.append(error("manifest-invalid", f"{name} cannot be trusted: {exc}",
+                                  location=Location(file=name)))
+    if manifest is None and not deep:
+        return findings, coverage, False
+    desc = describe(path)
+    if manifest is not None:
+        checked, cov, matched = check_manifest(desc, manifest)
+        findings = [f for f in findings if not (f.check == "content-uncheckable" and f.location.file in matched)]
+        findings.extend(checked)
+        coverage.extend(cov)
+    if deep:
+        checked, cov = deep_check(desc, manifest)
+        findings.extend(checked)
+        coverage.extend(cov)
+    return findings, coverage, manifest is not None

@@ -1,0 +1,178 @@
+"""DCP's stream transforms (``torch.distributed.checkpoint._extension``): undo them to read an item's bytes.
+
+``FileSystemWriter(_extensions=[ZStandard()])`` passes every item (a complete ``torch.save`` archive)
+through the transforms before it reaches the file, and records their descriptors (``"stream.zstd/1"``) in
+the item's ``_StorageInfo.transform_descriptors``. The stored bytes carry no checksum of their own that
+this tool could check; the *decoded* bytes are the usual archive, whose records carry CRC-32s. So a
+transformed item is decoded here (in memory, bounded) and then judged like any other.
+
+Decoders:
+
+* ``stream.zstd/1``: the ``zstandard`` package (or ``pyzstd``), the same libraries DCP's ``ZStandard``
+  uses; neither installed: the item cannot be decoded and says so (``pip install zstandard``).
+* any other descriptor: only through an ``ExtensionRegistry`` the caller hands over (the library API):
+  the descriptor, which comes from the (untrusted) metadata, merely selects one of the classes the caller
+  registered. Nothing is imported because a checkpoint names it.
+
+The output is bounded (:data:`MAX_DECODED_BYTES` per item): a decompression bomb is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from ckptverify.dcp.layout import Item
+from ckptverify.readers import ReadOnlyFile, crc32
+
+__all__ = ["MAX_DECODED_BYTES", "DecodedItem", "TransformError", "decode", "decoded_item"]
+
+#: Largest decoded item (bytes). An item decoding to more is refused (a bomb, or not worth holding in memory).
+MAX_DECODED_BYTES = 4 << 30
+#: Compressed bytes read per step while decoding.
+_STEP = 4 << 20
+ZSTD = "stream.zstd"
+
+
+class TransformError(ValueError):
+    """The item's stream cannot be decoded. ``unavailable``: no decoder here (not damage)."""
+
+    def __init__(self, message: str, *, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
+
+
+def _bounded_read(stream: Any, limit: int) -> bytes:
+    out = bytearray()
+    while True:
+        chunk = stream.read(min(_STEP, limit + 1 - len(out)))
+        if not chunk:
+            return bytes(out)
+        out += chunk
+        if len(out) > limit:
+            raise TransformError(f"the stream decodes to more than {limit} bytes; refused (a decompression bomb, "
+                                 "or an item too large to check in memory)")
+
+
+def _zstd(raw: bytes, limit: int) -> bytes:
+    try:
+        import zstandard
+    except ImportError:
+        zstandard = None
+    if zstandard is not None:
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as r:
+                return _bounded_read(r, limit)
+        except zstandard.ZstdError as exc:
+            raise TransformError(f"the zstd stream is corrupt: {exc}") from None
+    try:
+        import pyzstd
+    except ImportError:
+        raise TransformError("decoding stream.zstd needs the zstandard package (pip install zstandard)",
+                             unavailable=True) from None
+    try:
+        d = pyzstd.EndlessZstdDecompressor()
+        out = d.decompress(raw, max_length=limit + 1)
+    except pyzstd.ZstdError as exc:
+        raise TransformError(f"the zstd stream is corrupt: {exc}") from None
+    if len(out) > limit or not d.at_frame_edge:
+        raise TransformError("the zstd stream is cut short" if d.at_frame_edge is False and len(out) <= limit
+                             else f"the stream decodes to more than {limit} bytes; refused")
+    return out
+
+
+def decode(raw: bytes, descriptors: Sequence[str], *, registry: Any = None,
+           limit: int = MAX_DECODED_BYTES) -> bytes:
+    """``raw`` with the transforms ``descriptors`` undone, in the order DCP's reader applies them.
+
+    ``registry``: a DCP ``ExtensionRegistry`` for descriptors other than ``stream.zstd/1``. Raises
+    :class:`TransformError`."""
+    data = raw
+    for desc in descriptors:
+        if not isinstance(desc, str):
+            raise TransformError(f"transform descriptor {desc!r} is not a string")
+        name, _, version = desc.partition("/")
+        if name == ZSTD and version.partition(".")[0] == "1" and registry is None:
+            data = _zstd(data, limit)
+            continue
+        if registry is None:
+            raise TransformError(f"no decoder for the stream transform {desc[:80]!r} (only stream.zstd/1 is known; "
+                                 "the library API takes an extension registry for others)", unavailable=True)
+        try:
+            (ext,) = registry.from_descriptor_list([desc])
+            with ext.transform_from(io.BytesIO(data)) as stream:
+                data = _bounded_read(stream, limit)
+        except TransformError:
+            raise
+        except Exception as exc:  # a registered decoder's own error: damage or an unusable decoder
+            raise TransformError(f"the {desc[:80]!r} stream does not decode: {type(exc).__name__}: {exc}"[:300]) \
+                from None
+    return data
+
+
+class DecodedItem:
+    """A transformed item's decoded bytes, read like a file (``pread``, ``crc32``, ``fold``, ``size``).
+
+    Holds the decoded bytes once decoded; :meth:`drop` frees them (a later read decodes again).
+    ``item`` is the item as the decoded bytes see it: offset 0, the decoded length, no transforms.
+    """
+
+    def __init__(self, f: ReadOnlyFile, stored: Item, data: bytes, registry: Any = None) -> None:
+        self.path = f"{stored.file}[{stored.offset}:{stored.end}] (decoded)"
+        self.stored = stored
+        self.size = len(data)
+        self.item = replace(stored, offset=0, length=len(data), transforms=())
+        self._f = f
+        self._registry = registry
+        _hold(self, data)
+
+    @property
+    def data(self) -> bytes:
+        """The decoded bytes. Each thread holds at most one decoded item at a time, so reading every item
+        of a checkpoint in turn keeps one item's worth of memory per thread."""
+        if getattr(_held, "owner", None) is self:
+            return _held.data  # type: ignore[no-any-return]
+        data = decode(self._f.pread(self.stored.offset, self.stored.length), self.stored.transforms,
+                      registry=self._registry)
+        if len(data) != self.size:
+            raise TransformError("the item decodes differently from when it was first read")
+        _hold(self, data)
+        return data
+
+    def drop(self) -> None:
+        if getattr(_held, "owner", None) is self:
+            _held.owner = _held.data = None
+
+    def pread(self, offset: int, n: int) -> bytes:
+        if n <= 0 or offset < 0 or offset >= self.size:
+            return b""
+        return self.data[offset:offset + n]
+
+    def crc32(self, start: int, end: int, progress: Any = None) -> int:
+        return crc32(memoryview(self.data)[start:end])
+
+    def fold(self, start: int, end: int, fn: Any, progress: Any = None) -> None:
+        with memoryview(self.data)[start:min(end, self.size)] as view:
+            fn(view)
+
+    def changed(self) -> str | None:
+        return self._f.changed()
+
+    def close(self) -> None:
+        self.drop()
+
+
+_held = threading.local()
+
+
+def _hold(owner: DecodedItem, data: bytes) -> None:
+    _held.owner, _held.data = owner, data
+
+
+def decoded_item(f: ReadOnlyFile, item: Item, *, registry: Any = None) -> DecodedItem:
+    """Read and decode ``item`` (which has transforms). Raises :class:`TransformError`."""
+    return DecodedItem(f, item, decode(f.pread(item.offset, item.length), item.transforms, registry=registry),
+                       registry)

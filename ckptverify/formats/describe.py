@@ -1,0 +1,304 @@
+"""One description of what a checkpoint holds, whatever its format: the layer the commands work on.
+
+A format reader turns a path into a :class:`Description`: its files (each with the format its content
+shows), its tensors (name, dtype, global shape, and for each stored piece a :class:`Payload`: file, byte
+range, view, chunk, encoding, and what checksum protects those bytes) and its plain values (by path, as
+canonical strings). ``fingerprint``, ``verify --deep`` and ``diff`` of non-DCP checkpoints work on this
+description alone (:mod:`ckptverify.checks.described`, :mod:`ckptverify.diff`); the DCP reader produces
+the same kind of facts from its metadata (:mod:`ckptverify.dcp`), chunk by chunk.
+
+Readers here (by content, never by name alone; nothing is unpickled, no link is followed, no special file
+is opened):
+
+* ``torch.save`` archive: tensors from ``data.pkl`` through :mod:`~ckptverify.formats.pickle_scan`, each
+  one view onto a storage record (protected by the record's CRC-32); plain values from the same tree;
+* safetensors: tensors from the header (no checksum);
+* plain pickle (``random_states_N.pkl``) and legacy ``torch.save``: plain values only (no checksum);
+* JSON: values (no checksum).
+
+Naming: in a single file, tensors and values by their path in the file (``state_dict.net.0.weight``). In a
+folder, tensors of the model weight files (``*.safetensors``, ``pytorch_model*.bin``) by their own names,
+as Hugging Face and DCP's ``HuggingFaceStorageWriter`` name them, so a folder compares with a DCP
+checkpoint of the same state; everything else as ``FILE:PATH`` (``optimizer.bin:state.0.exp_avg``,
+``trainer_state.json:global_step``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptverify.dcp import safetensors
+from ckptverify.dcp.torchsave import ArchiveError, parse_archive
+from ckptverify.formats.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
+from ckptverify.formats.single import JSON_MAX_BYTES, sniff
+from ckptverify.readers import ReadOnlyFile
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["OWN_FILES", "Description", "Payload", "TensorDesc", "describe", "is_own_file", "json_values", "read_tensor",
+           "side_file_description"]
+
+#: Files ckptverify writes beside a checkpoint: never part of its description.
+OWN_FILES = frozenset({"ckptverify.manifest.json", "ckptverify.verified.json", ".ckptverify-verifying"})
+
+
+def is_own_file(name: str) -> bool:
+    """ckptverify's own files: a folder's manifest and stamp, and a single file's manifest beside it."""
+    return name in OWN_FILES or name.endswith(".ckptverify.manifest.json")
+_WEIGHT_PREFIXES = ("pytorch_model", "model")
+#: A view larger than its stored bytes (overlapping strides) is read up to this size.
+MAX_VIEW_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """One stored piece of a tensor: the storage bytes ``[offset, offset + length)`` of ``file``, the view
+    onto them (``shape``, ``stride``, ``storage_offset`` in elements), where the piece sits in the global
+    tensor (``chunk_offsets``), how the bytes are encoded and what checksum protects them (``crc32``: a
+    zip record's CRC-32; ``none``)."""
+
+    file: str
+    offset: int
+    length: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+    chunk_offsets: tuple[int, ...] = ()
+    encoding: str = "raw"
+    checksum: str = "none"
+
+
+@dataclass(slots=True)
+class TensorDesc:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    payloads: list[Payload] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Description:
+    """What a checkpoint holds. ``root`` is the folder every file name is relative to; ``files`` maps each
+    described file to its format (``torch.save``, ``safetensors``, ``pickle``, ``json``, ``legacy``);
+    ``unread`` names files whose content could not be described (damaged or unknown), with why."""
+
+    root: str
+    target: str
+    format: str
+    files: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, TensorDesc] = field(default_factory=dict)
+    values: dict[str, str] = field(default_factory=dict)
+    unread: dict[str, str] = field(default_factory=dict)
+
+    def tensors_in(self, file: str) -> list[TensorDesc]:
+        return [t for t in self.tensors.values() if any(p.file == file for p in t.payloads)]
+
+
+def describe(path: str | os.PathLike[str]) -> Description:
+    """Describe a single checkpoint file, or a folder of checkpoint files (its own regular files; DCP
+    sub-folders are not part of it)."""
+    target = os.fspath(path)
+    if not os.path.isdir(target):
+        root, name = os.path.split(os.path.abspath(target))
+        desc = Description(root=root, target=target, format="file")
+        _add_file(desc, name, prefix="", plain_tensors=True)
+        desc.format = desc.files.get(name, "unknown")
+        return desc
+    desc = Description(root=target, target=target, format="folder")
+    with os.scandir(target) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if is_own_file(e.name):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # directories (DCP parts) are described apart; links and special files never opened
+        weights = e.name.endswith(".safetensors") or (e.name.startswith(_WEIGHT_PREFIXES) and e.name.endswith(".bin"))
+        _add_file(desc, e.name, prefix=f"{e.name}:", plain_tensors=weights)
+    return desc
+
+
+def side_file_description(root: str, names: list[str]) -> Description:
+    """The side files ``names`` beside a DCP checkpoint in ``root``, every name prefixed by its file."""
+    desc = Description(root=root, target=root, format="side-files")
+    for name in names:
+        _add_file(desc, name, prefix=f"{name}:", plain_tensors=False)
+    return desc
+
+
+def _add_file(desc: Description, name: str, *, prefix: str, plain_tensors: bool) -> None:
+    try:
+        with ReadOnlyFile(os.path.join(desc.root, name), root=desc.root) as f:
+            kind = "json" if name.endswith(".json") else sniff(f.pread(0, 16))
+            if kind == "torch.save":
+                _torch_save(desc, f, name, prefix, plain_tensors)
+            elif kind == "safetensors":
+                _safetensors(desc, f, name, prefix, plain_tensors)
+            elif kind == "pickle":
+                _pickle(desc, f, name, prefix)
+            elif kind == "json":
+                _json(desc, f, name, prefix)
+            else:
+                desc.unread[name] = "not a checkpoint file (unknown content)"
+    except OSError as exc:
+        desc.unread[name] = f"cannot be read: {exc}"
+
+
+def _tensor_name(desc: Description, name: str, path: str, prefix: str, plain: bool) -> str:
+    plain_name = path if plain else f"{prefix}{path}"
+    return plain_name if plain_name not in desc.tensors else f"{name}:{path}"
+
+
+def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
+    def read(offset: int, n: int) -> bytes:
+        return f.pread(offset, max(0, min(n, f.size - offset))) if offset >= 0 else b""
+
+    try:
+        archive = parse_archive(read, f.size)
+    except ArchiveError as exc:
+        desc.unread[name] = f"not an intact torch.save archive: {exc}"
+        return
+    desc.files[name] = "torch.save"
+    pkl = archive.record("data.pkl")
+    if pkl is None or pkl.size > MAX_PICKLE_BYTES:
+        desc.unread[name] = "no data.pkl it can read"
+        return
+    try:
+        scan = scan_pickle(f.pread(pkl.data_offset, pkl.size))
+    except PickleScanError as exc:
+        desc.unread[name] = f"data.pkl cannot be read safely: {exc}"
+        return
+    records = {r.name: r for r in archive.records}
+    for path, ref in scan.tensors.items():
+        rec = records.get(f"{archive.prefix}/data/{ref.storage.key}")
+        if rec is None or ref.dtype is None:
+            desc.unread.setdefault(name, f"tensor {path!r} has no storage record or dtype")
+            continue
+        tname = _tensor_name(desc, name, path, prefix, plain)
+        desc.tensors[tname] = TensorDesc(tname, ref.dtype, ref.shape, [Payload(
+            file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape, stride=ref.stride,
+            storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape), checksum="crc32")])
+    _values(desc, leaf_values(scan.root), prefix if prefix else "")
+
+
+def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
+    try:
+        blob = safetensors.read_blob(f, 0)
+    except safetensors.BlobError as exc:
+        desc.unread[name] = f"not a well-formed safetensors file: {exc}"
+        return
+    desc.files[name] = "safetensors"
+    for tname, t in blob.tensors.items():
+        if t.dtype is None:
+            desc.unread.setdefault(name, f"tensor {tname!r} has a dtype this tool does not read")
+            continue
+        full = _tensor_name(desc, name, tname, prefix, plain)
+        desc.tensors[full] = TensorDesc(full, t.dtype, t.shape, [Payload(
+            file=name, offset=blob.data_start + t.begin, length=t.end - t.begin, dtype=t.dtype, shape=t.shape,
+            stride=_contiguous(t.shape), chunk_offsets=(0,) * len(t.shape))])
+
+
+def _pickle(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
+    if f.size > MAX_PICKLE_BYTES:
+        desc.unread[name] = f"a pickle of {f.size} bytes, more than this tool reads"
+        return
+    data = f.pread(0, f.size)
+    try:
+        scan = scan_pickle(data)
+    except PickleScanError as exc:
+        desc.unread[name] = f"not a readable pickle: {exc}"
+        return
+    # A legacy (pre-1.6) torch.save starts with the pickled magic number; its tensors follow in raw form.
+    desc.files[name] = "legacy" if isinstance(scan.root, int) and scan.root == 0x1950A86A20F9469CFC6C else "pickle"
+    _values(desc, leaf_values(scan.root), prefix)
+
+
+def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
+    if f.size > JSON_MAX_BYTES:
+        desc.unread[name] = f"JSON of {f.size} bytes, more than this tool parses"
+        return
+    try:
+        value = json.loads(f.pread(0, f.size))
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        desc.unread[name] = f"not valid JSON: {exc}"[:200]
+        return
+    desc.files[name] = "json"
+    if not name.endswith(".index.json"):  # a shard index is layout (which file holds what), not state
+        _values(desc, json_values(value), prefix)
+
+
+def json_values(value: Any) -> dict[str, str]:
+    """Every leaf of a parsed JSON document by path, as :func:`~ckptverify.formats.pickle_scan.leaf_values`
+    writes them."""
+    return leaf_values(value)
+
+
+def _values(desc: Description, values: dict[str, str], prefix: str) -> None:
+    for path, v in values.items():
+        desc.values[f"{prefix}{path}" if prefix else path] = v
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+# ------------------------------------------------------------------------------------------ reading tensors
+
+
+def read_payload(f: ReadOnlyFile, p: Payload) -> torch.Tensor:
+    """The piece ``p`` as a tensor of its shape (memory: its storage bytes). Raises ``ValueError`` when its
+    bytes do not hold the view."""
+    import torch
+
+    from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+    from ckptverify.dcp.tensors import _torch_dtype
+
+    dtype = _torch_dtype(p.dtype)
+    itemsize = DTYPE_ITEMSIZE[p.dtype]
+    if math.prod(p.shape) == 0:
+        return torch.empty(p.shape, dtype=dtype)
+    extent = p.storage_offset + sum((n - 1) * s for n, s in zip(p.shape, p.stride, strict=True)) + 1
+    size = math.prod(p.shape) * itemsize
+    if size > max(p.length, MAX_VIEW_BYTES):
+        # Overlapping strides (stride 0) could make a few stored bytes into any number of elements.
+        raise ValueError(f"the view holds {size} bytes over {p.length} stored: refused")
+    if extent * itemsize > p.length:
+        raise ValueError(f"the view reaches element {extent} but the storage holds {p.length // itemsize}")
+    raw = bytearray(f.pread(p.offset, p.length))
+    if len(raw) != p.length:
+        raise ValueError("the storage bytes are cut short")
+    usable = len(raw) - len(raw) % itemsize
+    storage = torch.frombuffer(raw, dtype=dtype, count=usable // itemsize) if usable else torch.empty(0, dtype=dtype)
+    return storage.as_strided(p.shape, p.stride, p.storage_offset)
+
+
+def read_tensor(desc: Description, name: str) -> torch.Tensor:
+    """Tensor ``name`` assembled from its payloads (memory: the whole tensor)."""
+    import torch
+
+    from ckptverify.dcp.tensors import _torch_dtype
+
+    t = desc.tensors[name]
+    out = torch.empty(t.shape, dtype=_torch_dtype(t.dtype))
+    for p in t.payloads:
+        with ReadOnlyFile(os.path.join(desc.root, p.file), root=desc.root) as f:
+            piece = read_payload(f, p)
+        view = out
+        for dim, (o, n) in enumerate(zip(p.chunk_offsets, p.shape, strict=True)):
+            view = view.narrow(dim, o, n)
+        view.copy_(piece)
+    return out
