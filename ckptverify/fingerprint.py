@@ -347,7 +347,8 @@ def set_fingerprint_backend(name: str) -> None:
     ``"compiled"`` (``torch.compile`` fused kernel for large blocks), ``"triton"`` (one fused Triton kernel
     for CUDA tensors; other devices take eager) or ``"auto"`` (the default: Triton for CUDA tensors when it
     imports; on CPU eager, switching to compiled once enough data went through to pay for the
-    compilation). All give the same values; the fused kernels are checked against eager before first use. The environment variable ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets the initial choice."""
+    compilation). All give the same values; the fused kernels are checked against eager before first use.
+    The environment variable ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets the initial choice."""
     from ckptverify import _fingerprint_kernels as kern
 
     kern.set_backend(name)
