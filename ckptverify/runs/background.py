@@ -1,0 +1,464 @@
+"""Verify each checkpoint once its save has committed, and stamp it: in a background thread or inline.
+
+A save with ``verify="background"`` (:func:`ckptverify.save`, :func:`ckptverify.async_save`) hands the committed
+checkpoint to the process's :class:`BackgroundVerifier` on the coordinator rank and returns at once. The
+verifier's one worker thread verifies checkpoints in the order they were submitted (structure, CRC-32s, the
+manifest's digests; tensor fingerprints too with ``deep``) and writes the verdict beside each as its stamp
+(:mod:`~ckptverify.runs.stamp`). From submission until the stamp is written the checkpoint's verifying lock is
+held, so retention (:func:`~ckptverify.runs.prune.prune`) never deletes it meanwhile.
+
+The worker costs the training loop little: it reads and hashes with the GIL released (``preadv``, xxhash,
+``zlib.crc32`` all release it), uses one core, and runs at the lowest CPU priority the system offers
+(``SCHED_IDLE`` and nice 19 on Linux, for that thread only), so it takes CPU time training leaves idle.
+``scripts/bench_background.py`` measures the step-time cost.
+
+Every result is a :class:`Verification` (:func:`last_verification` returns the newest). A failure is a
+``verify-failed`` event in the run's ``events.jsonl`` (when the save was given ``events=``), a
+:class:`VerifyFailedWarning`, and, with ``on_verify_failure="raise"``, a
+:class:`~ckptverify.errors.VerifyFailedError` raised by the next save on every rank. A checkpoint left without a
+verdict (the job ended first, its files changed while it was verified) is a :class:`VerifyIncompleteWarning`
+and a ``verify-cut-short`` or ``verify-skipped`` event: it is verified when a resume picks it
+(:func:`~ckptverify.runs.latest.latest_verified`).
+
+At interpreter exit the pending verifications are waited for, up to ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT`` seconds
+(600 by default); :func:`wait_for_verifications` waits explicitly (a job that ends with ``os._exit`` must call
+it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptverify.errors import UsageError
+from ckptverify.runs.stamper import SETTLE_SECONDS, Outcome, VerifyingLock, verify_and_stamp
+
+__all__ = [
+    "DEFAULT_EXIT_TIMEOUT",
+    "EXIT_TIMEOUT_ENV",
+    "BackgroundVerifier",
+    "Verification",
+    "VerifyFailedWarning",
+    "VerifyIncompleteWarning",
+    "VerifyOptions",
+    "default_verifier",
+    "exit_timeout",
+    "last_verification",
+    "wait_for_verifications",
+]
+
+#: What a save does once it has committed: nothing, verify in the background, or verify before returning.
+MODES = ("off", "background", "inline")
+#: What a failed verification does besides a warning and an event: nothing more, or raise at the next save.
+FAILURE_POLICIES = ("warn", "raise")
+#: CPU priority of the worker thread: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
+PRIORITIES = ("idle", "low", "normal")
+EXIT_TIMEOUT_ENV = "CKPTVERIFY_VERIFY_EXIT_TIMEOUT"
+DEFAULT_EXIT_TIMEOUT = 600.0
+#: How often a verification waits for a verifying lock someone else (``ckptverify watch``) holds.
+_LOCK_POLL_SECONDS = 0.2
+
+
+class VerifyFailedWarning(UserWarning):
+    """A checkpoint failed its verification after it was saved."""
+
+
+class VerifyIncompleteWarning(UserWarning):
+    """A committed checkpoint was left without a verdict: the job ended before it was verified, or its files
+    changed (or vanished) while it was verified."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verification:
+    """The result of verifying one saved checkpoint.
+
+    ``verdict``: ``passed``, ``failed`` (both stamped beside the checkpoint), or ``unverified`` (no verdict:
+    ``reason`` says why; nothing stamped). ``summary``: findings per severity. ``first_error``: the first error
+    as ``check: message``. ``bytes_checked``: bytes of the checkpoint's files read and checked.
+    """
+
+    path: str
+    step: int | None
+    verdict: str
+    summary: dict[str, int] = field(default_factory=dict)
+    first_error: str | None = None
+    seconds: float = 0.0
+    bytes_checked: int = 0
+    deep: bool = False
+    stamped: bool = False
+    reason: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "passed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Verification:
+        return cls(**data)
+
+    def describe(self) -> str:
+        """One line for people: what was verified and the verdict."""
+        where = f"{self.path}" + (f" (step {self.step})" if self.step is not None else "")
+        if self.verdict == "passed":
+            return f"{where} passed verification ({self.bytes_checked} bytes checked in {self.seconds:.2f} s)"
+        if self.verdict == "failed":
+            return (f"{where} failed verification after it was saved: {self.summary.get('error', 0)} error(s); "
+                    f"first: {self.first_error}")
+        return f"{where} was not verified: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyOptions:
+    """What a save does once it has committed (the ``verify*`` arguments of :func:`ckptverify.save`)."""
+
+    #: ``"off"``, ``"background"`` or ``"inline"``.
+    mode: str = "off"
+    #: Also rebuild every tensor and compare its fingerprint with the one taken at save time.
+    deep: bool = False
+    #: ``"warn"`` or ``"raise"`` (a :class:`~ckptverify.errors.VerifyFailedError` at the next save).
+    on_failure: str = "warn"
+    #: Called with every :class:`Verification`, in the thread that verified.
+    on_verified: Callable[[Verification], None] | None = None
+    #: An :class:`~ckptverify.events.EventLog`, or the directory of the ``events.jsonl`` to append to.
+    events: Any = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UsageError(f"verify must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
+        if self.on_failure not in FAILURE_POLICIES:
+            raise UsageError(f"on_verify_failure must be 'warn' or 'raise', got {self.on_failure!r}")
+        if self.on_verified is not None and not callable(self.on_verified):
+            raise UsageError(f"on_verified must be callable, got {type(self.on_verified).__name__}")
+        if not isinstance(self.deep, bool):
+            raise UsageError(f"verify_deep must be True or False, got {self.deep!r}")
+
+    def event_log(self) -> Any:
+        """The event log to append to, or ``None``."""
+        if self.events is None or hasattr(self.events, "emit"):
+            return self.events
+        from ckptverify._distributed import rank_world
+        from ckptverify.events import EventLog
+
+        return EventLog(os.fspath(self.events), rank=rank_world()[0])
+
+
+@dataclass(eq=False)
+class _Job:
+    path: str
+    step: int | None
+    options: VerifyOptions
+    lock: VerifyingLock
+    #: A failure in ``raise`` mode is kept for the next save to raise (else it was raised already).
+    deliver_later: bool = True
+    events: Any = None
+
+
+class BackgroundVerifier:
+    """Verifies and stamps checkpoints, one at a time, in one daemon worker thread.
+
+    ``priority``: the worker thread's CPU priority (see :data:`PRIORITIES`). ``jobs``: threads one verification
+    uses (1: the worker alone). ``settle``: seconds a failed verification waits before judging (a checkpoint
+    being deleted file by file is not corrupt). The thread starts at the first :meth:`submit`.
+    """
+
+    def __init__(self, *, priority: str = "idle", jobs: int = 1, settle: float = SETTLE_SECONDS) -> None:
+        if priority not in PRIORITIES:
+            raise UsageError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+        self.priority = priority
+        self.jobs = jobs
+        self.settle = settle
+        #: Called with a checkpoint's path right before it is verified (fault drills and tests plant damage here).
+        self.before_verify: Callable[[str], None] | None = None
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending: list[_Job] = []
+        self._last: Verification | None = None
+        self._unraised: list[Verification] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+
+    def submit(self, path: str | os.PathLike[str], *, step: int | None = None,
+               options: VerifyOptions | None = None) -> None:
+        """Queue the committed checkpoint at ``path`` for verification; returns at once. Its verifying lock is
+        taken now (when free), so retention leaves it alone while it waits in the queue."""
+        job = self._job(path, step, options or VerifyOptions(mode="background"), deliver_later=True)
+        with self._cond:
+            if self._closed:
+                job.lock.release()
+                raise UsageError("this BackgroundVerifier was closed")
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="ckptverify-verify", daemon=True)
+                self._thread.start()
+        self._queue.put(job)
+
+    def verify_now(self, path: str | os.PathLike[str], *, step: int | None = None,
+                   options: VerifyOptions | None = None, deliver_later: bool = False) -> Verification:
+        """Verify and stamp ``path`` in the calling thread (all cores), handle the result as :meth:`submit`
+        would, and return it. ``deliver_later``: keep a ``raise``-mode failure for the next save to raise."""
+        job = self._job(path, step, options or VerifyOptions(mode="inline"), deliver_later=deliver_later)
+        with self._cond:
+            self._pending.append(job)
+        return self._run(job, jobs=None)
+
+    def pending(self) -> list[str]:
+        """Paths submitted and not yet verified, oldest first."""
+        with self._cond:
+            return [j.path for j in self._pending]
+
+    def last(self) -> Verification | None:
+        """The newest result, or ``None`` before the first one."""
+        with self._cond:
+            return self._last
+
+    def take_failures(self) -> list[Verification]:
+        """The failures of ``raise``-mode saves not raised yet (and forget them)."""
+        with self._cond:
+            out, self._unraised = self._unraised, []
+            return out
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted checkpoint is verified; ``True`` if so. If ``timeout`` seconds pass first,
+        say which were cut short (a :class:`VerifyIncompleteWarning`, and a ``verify-cut-short`` event in each
+        one's event log) and return ``False``; they stay queued."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            left = list(self._pending)
+        if left:
+            self._cut_short(left, timeout)
+            return False
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """:meth:`wait` (up to ``timeout``), then stop the worker; later submissions are refused."""
+        done = self.wait(timeout)
+        with self._cond:
+            self._closed = True
+        self._queue.put(None)
+        return done
+
+    # ------------------------------------------------------------------ internals
+
+    def _job(self, path: str | os.PathLike[str], step: int | None, options: VerifyOptions,
+             deliver_later: bool) -> _Job:
+        root = os.path.abspath(os.fspath(path))
+        lock = VerifyingLock(root)
+        with contextlib.suppress(OSError):
+            lock.acquire()  # busy (a watcher) or gone: the worker sorts it out
+        return _Job(root, step, options, lock, deliver_later=deliver_later, events=options.event_log())
+
+    def _work(self) -> None:
+        _lower_priority(self.priority)
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(job, jobs=self.jobs)
+
+    def _run(self, job: _Job, jobs: int | None) -> Verification:
+        try:
+            result = self._verify(job, jobs)
+        except Exception as exc:  # the worker never dies: an unexpected failure is a result without a verdict
+            job.lock.release()
+            result = Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep,
+                                  reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
+        try:
+            self._report(job, result)
+        finally:
+            with self._cond:
+                self._last = result
+                if result.verdict == "failed" and job.options.on_failure == "raise" and job.deliver_later:
+                    self._unraised.append(result)
+                with contextlib.suppress(ValueError):
+                    self._pending.remove(job)
+                self._cond.notify_all()
+        return result
+
+    def _verify(self, job: _Job, jobs: int | None) -> Verification:
+        from ckptverify.runs.stamp import read_stamp
+
+        if not job.lock.held:
+            # Someone else (``ckptverify watch``) is verifying it: wait for them, then take their current stamp.
+            while True:
+                try:
+                    if job.lock.acquire():
+                        break
+                except OSError:
+                    return _unverified(job, "removed before it was verified")
+                time.sleep(_LOCK_POLL_SECONDS)
+            stamp = read_stamp(job.path)
+            if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.deep):
+                job.lock.release()
+                return _from_stamp(job, stamp.data)
+        if self.before_verify is not None:
+            self.before_verify(job.path)
+        outcome = verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep, settle=self.settle,
+                                   lock=job.lock)
+        return _from_outcome(job, outcome)
+
+    def _report(self, job: _Job, result: Verification) -> None:
+        """The event, the warning and the callback of one result."""
+        event = {"passed": "verified", "failed": "verify-failed"}.get(result.verdict, "verify-skipped")
+        _emit(job.events, event, result)
+        if result.verdict == "failed":
+            warnings.warn(result.describe(), VerifyFailedWarning, stacklevel=2)
+        elif result.verdict == "unverified":
+            warnings.warn(f"{result.describe()}; it carries no stamp and is verified when a resume picks it",
+                          VerifyIncompleteWarning, stacklevel=2)
+        callback = job.options.on_verified
+        if callback is not None:
+            try:
+                callback(result)
+            except Exception as exc:  # a user's callback must not stop the verifier
+                warnings.warn(f"on_verified callback raised {type(exc).__name__}: {exc}", RuntimeWarning,
+                              stacklevel=2)
+
+    def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
+        names = ", ".join(j.path for j in left)
+        warnings.warn(f"{len(left)} checkpoint verification(s) not finished after waiting {timeout} s: {names}; "
+                      "they carry no stamp and are verified when a resume picks them", VerifyIncompleteWarning,
+                      stacklevel=3)
+        for job in left:
+            _emit(job.events, "verify-cut-short", _unverified(job, f"not verified within the {timeout} s waited"))
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: let go of the inherited lock descriptors (the parent still holds the locks)."""
+        for job in self._pending:
+            fd, job.lock._fd = job.lock._fd, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _unverified(job: _Job, reason: str) -> Verification:
+    return Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep, reason=reason)
+
+
+def _from_outcome(job: _Job, outcome: Outcome) -> Verification:
+    report = outcome.report
+    if report is None:
+        return _unverified(job, outcome.reason or outcome.event)
+    first = report.errors[0] if report.errors else None
+    return Verification(
+        path=job.path, step=job.step, verdict="passed" if report.passed else "failed", summary=report.summary(),
+        first_error=None if first is None else f"{first.check}: {first.message}",
+        seconds=round(outcome.seconds, 6), bytes_checked=int(report.stats.get("bytes") or 0),
+        deep=bool(report.stats.get("deep")), stamped=True)
+
+
+def _from_stamp(job: _Job, data: dict[str, Any]) -> Verification:
+    errors = data.get("errors") or []
+    first = errors[0] if errors and isinstance(errors[0], dict) else None
+    return Verification(
+        path=job.path, step=job.step, verdict="passed" if data.get("passed") else "failed",
+        summary=dict(data.get("summary") or {}),
+        first_error=None if first is None else f"{first.get('check')}: {first.get('message')}",
+        seconds=float(data.get("seconds") or 0.0), bytes_checked=int(data.get("bytes_checked") or 0),
+        deep=bool(data.get("deep")), stamped=True)
+
+
+def _emit(log: Any, event: str, result: Verification) -> None:
+    if log is None:
+        return
+    fields = {k: v for k, v in result.to_dict().items() if v is not None}
+    try:
+        log.emit(event, **fields)
+    except OSError as exc:  # the run directory went away or is read-only: the warning still says it
+        warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", RuntimeWarning, stacklevel=2)
+
+
+def _lower_priority(priority: str) -> None:
+    """Lower the calling thread's CPU priority (Linux schedules threads one by one; elsewhere nothing)."""
+    if priority == "normal" or not sys.platform.startswith("linux"):
+        return
+    if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+# ---------------------------------------------------------------------- the process's verifier
+
+_default: BackgroundVerifier | None = None
+_default_lock = threading.Lock()
+_atexit_registered = False
+
+
+def default_verifier() -> BackgroundVerifier:
+    """The process's verifier (created at first use), which saves with ``verify=`` use; it is waited for at
+    interpreter exit, up to :func:`exit_timeout` seconds."""
+    global _default, _atexit_registered
+    with _default_lock:
+        if _default is None:
+            _default = BackgroundVerifier()
+            if not _atexit_registered:
+                atexit.register(_at_exit)
+                _atexit_registered = True
+        return _default
+
+
+def last_verification() -> Verification | None:
+    """The newest result of a save's verification in this process (``None`` before the first one, and on
+    ranks other than the coordinator, which alone verifies)."""
+    return None if _default is None else _default.last()
+
+
+def wait_for_verifications(timeout: float | None = None) -> bool:
+    """Wait until every checkpoint this process saved with ``verify=`` is verified and stamped; ``True`` if
+    so. After ``timeout`` seconds, warn (and log ``verify-cut-short``) naming those not finished, and return
+    ``False``."""
+    return True if _default is None else _default.wait(timeout)
+
+
+def exit_timeout() -> float:
+    """Seconds a job waits at exit for its pending verifications (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``)."""
+    raw = os.environ.get(EXIT_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_EXIT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
+        warnings.warn(f"{EXIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; using {DEFAULT_EXIT_TIMEOUT}",
+                      RuntimeWarning, stacklevel=2)
+        return DEFAULT_EXIT_TIMEOUT
+    return value
+
+
+def _at_exit() -> None:
+    verifier = _default
+    if verifier is not None:
+        verifier.close(timeout=exit_timeout())
+
+
+def _forget_after_fork() -> None:
+    global _default, _default_lock
+    _default_lock = threading.Lock()
+    if _default is not None:
+        _default._forget_in_child()
+    _default = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
