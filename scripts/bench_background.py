@@ -10,7 +10,8 @@ ratio on/off (the target: at most 1.03), the p90 ratio, and how many steps each 
 
     python scripts/bench_background.py                          # CPU, 2 GiB checkpoint, 6 rounds
     python scripts/bench_background.py --device cuda --mib 8192 # GPU training, CPU verification
-    python scripts/bench_background.py --priority normal        # the worker at normal priority, to compare
+    python scripts/bench_background.py --isolation thread        # verify in the worker thread, to compare
+    python scripts/bench_background.py --priority normal        # at normal priority, to compare
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 import ckptverify as cv
 from ckptverify.examples import TinyGPTConfig, build_training, make_loader, train_step
-from ckptverify.runs.background import PRIORITIES, BackgroundVerifier, VerifyOptions
+from ckptverify.runs.background import ISOLATIONS, PRIORITIES, BackgroundVerifier, VerifyOptions
 
 
 def _batches(loader: Any) -> Any:
@@ -52,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--priority", default="idle", choices=PRIORITIES, help="the verifier thread's CPU priority")
+    ap.add_argument("--priority", default="idle", choices=PRIORITIES, help="the verification's CPU priority")
+    ap.add_argument("--isolation", default="process", choices=ISOLATIONS,
+                    help="verify in the verifier process (the default) or in the worker thread")
     ap.add_argument("--deep", action="store_true", help="deep verification (tensor fingerprints too)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     ap.add_argument("--max-phase-seconds", type=float, default=60.0,
@@ -84,20 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     cv.save(state, path, fingerprint=args.deep)  # fingerprints only matter to a deep verification
     del state
     size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
-    verifier = BackgroundVerifier(priority=args.priority)
+    verifier = BackgroundVerifier(priority=args.priority, isolation=args.isolation)
     options = VerifyOptions(mode="background", deep=args.deep)
     print(f"checkpoint {size / (1 << 30):.2f} GiB at {path}; device {device}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {os.cpu_count()} CPUs; load average "
-          f"{os.getloadavg()[0]:.2f}; verifier priority {args.priority}; deep {args.deep}", flush=True)
+          f"{os.getloadavg()[0]:.2f}; verification in the {args.isolation}, priority {args.priority}; deep {args.deep}",
+          flush=True)
     try:
         for _ in range(10):  # warm-up: allocator, kernels, first optimizer step
             step()
         verifier.submit(path, step=0, options=options)  # warm-up: imports, page cache
         verifier.wait()
-        tid = verifier._thread.native_id if verifier._thread is not None else None
+        child = verifier._child._proc
+        tid = child.pid if args.isolation == "process" and child is not None else (
+            verifier._thread.native_id if verifier._thread is not None else None)
         if tid is not None and hasattr(os, "sched_getscheduler"):
             policy = {getattr(os, n): n for n in ("SCHED_OTHER", "SCHED_IDLE", "SCHED_BATCH") if hasattr(os, n)}
-            print(f"verifier thread: policy {policy.get(os.sched_getscheduler(tid), '?')}, "
+            print(f"verifier {args.isolation}: policy {policy.get(os.sched_getscheduler(tid), '?')}, "
                   f"nice {os.getpriority(os.PRIO_PROCESS, tid)}", flush=True)
         on: list[float] = []
         off: list[float] = []

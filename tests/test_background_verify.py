@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,6 +130,48 @@ def test_an_already_damaged_checkpoint_fails_through_the_same_worker(tmp_path: P
     assert verifier.last().verdict == "failed" and _stamp(tmp_path / "step_5")["verdict"] == "failed"
 
 
+def test_in_thread_isolation_the_worker_thread_verifies_and_stamps(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    threaded = BackgroundVerifier(isolation="thread", settle=0.05)
+    monkeypatch.setattr(background, "_default", threaded)
+    try:
+        cv.save(_state(1.0), tmp_path / "step_1", verify="background")
+        assert cv.wait_for_verifications(timeout=60)
+        threaded.before_verify = lambda p: inj.flip_in_tensor_payload(p, "w") and None
+        with pytest.warns(VerifyFailedWarning):
+            cv.save(_state(2.0), tmp_path / "step_2", verify="background")
+            assert cv.wait_for_verifications(timeout=60)
+    finally:
+        threaded.close(timeout=60)
+    assert threaded._child._proc is None  # no verifier process was started
+    assert _stamp(tmp_path / "step_1")["passed"] and _stamp(tmp_path / "step_2")["verdict"] == "failed"
+
+
+def test_a_verifier_process_that_dies_leaves_that_checkpoint_unverified_and_the_next_one_is_verified(
+        tmp_path: Path, verifier: BackgroundVerifier) -> None:
+    cv.save(_state(1.0), tmp_path / "step_1", verify="background")
+    assert cv.wait_for_verifications(timeout=60)
+    first = verifier._child._proc
+    assert first is not None and first.poll() is None  # one process serves the job's verifications
+
+    def kill(path: str) -> None:
+        if path.endswith("step_2"):
+            proc = verifier._child._proc
+            proc.stdin.write('{"path": "/nonexistent", "step": null, "settle": 30}\n')  # keep it busy, then:
+            proc.kill()
+
+    verifier.before_verify = kill
+    with pytest.warns(VerifyIncompleteWarning, match="step_2.*verifier process ended without an answer"):
+        cv.save(_state(2.0), tmp_path / "step_2", verify="background", events=tmp_path)
+        assert cv.wait_for_verifications(timeout=60)
+    assert cv.last_verification().verdict == "unverified"
+    assert not (tmp_path / "step_2" / STAMP_FILE).exists()
+    assert [e["step"] for e in read_events(tmp_path, "verify-skipped")] == [2]
+    cv.save(_state(3.0), tmp_path / "step_3", verify="background")
+    assert cv.wait_for_verifications(timeout=60) and _stamp(tmp_path / "step_3")["passed"]
+    assert verifier._child._proc is not first  # started again
+
+
 def test_bad_verify_arguments_are_usage_errors(tmp_path: Path, verifier: BackgroundVerifier) -> None:
     for kwargs in ({"verify": "later"}, {"verify": "inline", "on_verify_failure": "ignore"},
                    {"verify": "inline", "on_verified": 3}, {"verify": "inline", "verify_deep": "yes"}):
@@ -214,6 +257,25 @@ def test_a_job_whose_exit_wait_is_too_short_says_which_it_cut_short(tmp_path: Pa
     cut = {e["step"] for e in read_events(tmp_path, "verify-cut-short")}
     assert cut == {1, 2, 3} and not list(read_events(tmp_path, "verified"))
     assert not any((tmp_path / f"step_{s}" / STAMP_FILE).exists() for s in (1, 2, 3))
+
+
+def test_a_close_that_cuts_a_verification_short_ends_the_verifier_process(tmp_path: Path) -> None:
+    cv.save(_state(1.0), tmp_path / "step_1")
+    os.truncate(next((tmp_path / "step_1").glob("*.distcp")), 100)
+    slow = BackgroundVerifier(settle=60)  # a failed verification settles for a minute in the verifier process
+    slow.submit(tmp_path / "step_1", step=1)
+    deadline = time.monotonic() + 30
+    while (slow._child._proc is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc = slow._child._proc
+    assert proc is not None
+    with pytest.warns(VerifyIncompleteWarning) as said:
+        assert slow.close(timeout=0.5) is False
+        slow._thread.join(30)
+    assert proc.poll() is not None  # ended with the job, not left behind
+    assert any("not finished after waiting 0.5 s" in str(w.message) for w in said)
+    assert slow.last().verdict == "unverified" and "verifier process ended" in slow.last().reason
+    assert not (tmp_path / "step_1" / STAMP_FILE).exists()
 
 
 # ---------------------------------------------------------------------------------- load pick=

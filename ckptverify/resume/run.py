@@ -281,9 +281,6 @@ class Run:
         if self.config.trace_dir and self._rank == 0:
             self._write_json("run.json", {"name": self.config.name, "steps": self._p.step,
                                           "saved": self._p.saved, "world_size": self._world})
-        if self._production is not None:
-            self._production.close(self._p.step)
-            self._production = None
         if self._owns_group:
             import torch.distributed as dist
 
@@ -291,6 +288,11 @@ class Run:
                 dist.barrier()  # no rank tears down while another is still in a collective
                 dist.destroy_process_group()
             self._owns_group = False
+        if self._production is not None:
+            # After the group is gone: rank 0 may wait here for its pending verifications, longer than a
+            # collective would wait for it.
+            self._production.close(self._p.step)
+            self._production = None
 
     # ------------------------------------------------------------------ internals
 

@@ -1,16 +1,19 @@
-"""Verify each checkpoint once its save has committed, and stamp it: in a background thread or inline.
+"""Verify each checkpoint once its save has committed, and stamp it: in the background or inline.
 
 A save with ``verify="background"`` (:func:`ckptverify.save`, :func:`ckptverify.async_save`) hands the committed
 checkpoint to the process's :class:`BackgroundVerifier` on the coordinator rank and returns at once. The
-verifier's one worker thread verifies checkpoints in the order they were submitted (structure, CRC-32s, the
-manifest's digests; tensor fingerprints too with ``deep``) and writes the verdict beside each as its stamp
-(:mod:`~ckptverify.runs.stamp`). From submission until the stamp is written the checkpoint's verifying lock is
-held, so retention (:func:`~ckptverify.runs.prune.prune`) never deletes it meanwhile.
+verifier's one worker thread takes checkpoints in the order they were submitted and has each verified
+(structure, CRC-32s, the manifest's digests; tensor fingerprints too with ``deep``) and its verdict written
+beside it as its stamp (:mod:`~ckptverify.runs.stamp`). From submission until the stamp is written the
+checkpoint's verifying lock is held, so retention (:func:`~ckptverify.runs.prune.prune`) never deletes it
+meanwhile.
 
-The worker costs the training loop little: it reads and hashes with the GIL released (``preadv``, xxhash,
-``zlib.crc32`` all release it), uses one core, and runs at the lowest CPU priority the system offers
-(``SCHED_IDLE`` and nice 19 on Linux, for that thread only), so it takes CPU time training leaves idle.
-``scripts/bench_background.py`` measures the step-time cost.
+The verification itself runs in a verifier process (:mod:`~ckptverify.runs.verify_worker`, started at the first
+submission, one per training process, no torch in it) at the lowest CPU priority the system offers
+(``SCHED_IDLE`` and nice 19 on Linux): it takes CPU time the training leaves idle, and never holds the training
+process's interpreter lock. A verifier thread at that priority would: when the machine is oversubscribed it can
+be descheduled while holding the lock, and the training thread then waits for it (``isolation="thread"`` keeps
+that mode, for where processes cannot be started). ``scripts/bench_background.py`` measures the step-time cost.
 
 Every result is a :class:`Verification` (:func:`last_verification` returns the newest). A failure is a
 ``verify-failed`` event in the run's ``events.jsonl`` (when the save was given ``events=``), a
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -60,8 +65,10 @@ __all__ = [
 MODES = ("off", "background", "inline")
 #: What a failed verification does besides a warning and an event: nothing more, or raise at the next save.
 FAILURE_POLICIES = ("warn", "raise")
-#: CPU priority of the worker thread: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
+#: CPU priority of the verification: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
 PRIORITIES = ("idle", "low", "normal")
+#: Where background verifications run: a verifier process (the default) or the worker thread itself.
+ISOLATIONS = ("process", "thread")
 EXIT_TIMEOUT_ENV = "CKPTVERIFY_VERIFY_EXIT_TIMEOUT"
 DEFAULT_EXIT_TIMEOUT = 600.0
 #: How often a verification waits for a verifying lock someone else (``ckptverify watch``) holds.
@@ -166,16 +173,21 @@ class _Job:
 
 
 class BackgroundVerifier:
-    """Verifies and stamps checkpoints, one at a time, in one daemon worker thread.
+    """Verifies and stamps checkpoints, one at a time, from one daemon worker thread.
 
-    ``priority``: the worker thread's CPU priority (see :data:`PRIORITIES`). ``jobs``: threads one verification
-    uses (1: the worker alone). ``settle``: seconds a failed verification waits before judging (a checkpoint
-    being deleted file by file is not corrupt). The thread starts at the first :meth:`submit`.
+    ``isolation``: where each verification runs, a verifier process (``"process"``, the default) or the worker
+    thread (``"thread"``). ``priority``: its CPU priority (see :data:`PRIORITIES`). ``jobs``: threads one
+    verification uses. ``settle``: seconds a failed verification waits before judging (a checkpoint being
+    deleted file by file is not corrupt). The thread (and the process) start at the first :meth:`submit`.
     """
 
-    def __init__(self, *, priority: str = "idle", jobs: int = 1, settle: float = SETTLE_SECONDS) -> None:
+    def __init__(self, *, isolation: str = "process", priority: str = "idle", jobs: int = 1,
+                 settle: float = SETTLE_SECONDS) -> None:
         if priority not in PRIORITIES:
             raise UsageError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+        if isolation not in ISOLATIONS:
+            raise UsageError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+        self.isolation = isolation
         self.priority = priority
         self.jobs = jobs
         self.settle = settle
@@ -188,6 +200,7 @@ class BackgroundVerifier:
         self._unraised: list[Verification] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._child = _VerifierProcess(priority)
 
     # ------------------------------------------------------------------ public
 
@@ -213,7 +226,7 @@ class BackgroundVerifier:
         job = self._job(path, step, options or VerifyOptions(mode="inline"), deliver_later=deliver_later)
         with self._cond:
             self._pending.append(job)
-        return self._run(job, jobs=None)
+        return self._run(job, jobs=None, background=False)
 
     def pending(self) -> list[str]:
         """Paths submitted and not yet verified, oldest first."""
@@ -254,6 +267,8 @@ class BackgroundVerifier:
         with self._cond:
             self._closed = True
         self._queue.put(None)
+        if not done:
+            self._child.kill()  # no verifier process outlives the job
         return done
 
     # ------------------------------------------------------------------ internals
@@ -267,16 +282,17 @@ class BackgroundVerifier:
         return _Job(root, step, options, lock, deliver_later=deliver_later, events=options.event_log())
 
     def _work(self) -> None:
-        _lower_priority(self.priority)
+        lower_priority(self.priority)
         while True:
             job = self._queue.get()
             if job is None:
+                self._child.close()
                 return
-            self._run(job, jobs=self.jobs)
+            self._run(job, jobs=self.jobs, background=True)
 
-    def _run(self, job: _Job, jobs: int | None) -> Verification:
+    def _run(self, job: _Job, jobs: int | None, background: bool) -> Verification:
         try:
-            result = self._verify(job, jobs)
+            result = self._verify(job, jobs, background)
         except Exception as exc:  # the worker never dies: an unexpected failure is a result without a verdict
             job.lock.release()
             result = Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep,
@@ -293,7 +309,7 @@ class BackgroundVerifier:
                 self._cond.notify_all()
         return result
 
-    def _verify(self, job: _Job, jobs: int | None) -> Verification:
+    def _verify(self, job: _Job, jobs: int | None, background: bool) -> Verification:
         from ckptverify.runs.stamp import read_stamp
 
         if not job.lock.held:
@@ -311,9 +327,14 @@ class BackgroundVerifier:
                 return _from_stamp(job, stamp.data)
         if self.before_verify is not None:
             self.before_verify(job.path)
+        if background and self.isolation == "process":
+            try:
+                return self._child.verify(job.path, job.step, job.options.deep, jobs or 1, self.settle)
+            finally:
+                job.lock.release()
         outcome = verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep, settle=self.settle,
                                    lock=job.lock)
-        return _from_outcome(job, outcome)
+        return from_outcome(job.path, job.step, job.options.deep, outcome)
 
     def _report(self, job: _Job, result: Verification) -> None:
         """The event, the warning and the callback of one result."""
@@ -353,16 +374,94 @@ def _unverified(job: _Job, reason: str) -> Verification:
     return Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep, reason=reason)
 
 
-def _from_outcome(job: _Job, outcome: Outcome) -> Verification:
+def from_outcome(path: str, step: int | None, deep: bool, outcome: Outcome) -> Verification:
+    """The :class:`Verification` of a :func:`~ckptverify.runs.stamper.verify_and_stamp` outcome."""
     report = outcome.report
     if report is None:
-        return _unverified(job, outcome.reason or outcome.event)
+        return Verification(path=path, step=step, verdict="unverified", deep=deep,
+                            reason=outcome.reason or outcome.event)
     first = report.errors[0] if report.errors else None
     return Verification(
-        path=job.path, step=job.step, verdict="passed" if report.passed else "failed", summary=report.summary(),
+        path=path, step=step, verdict="passed" if report.passed else "failed", summary=report.summary(),
         first_error=None if first is None else f"{first.check}: {first.message}",
         seconds=round(outcome.seconds, 6), bytes_checked=int(report.stats.get("bytes") or 0),
         deep=bool(report.stats.get("deep")), stamped=True)
+
+
+class _VerifierProcess:
+    """The verifier process (:mod:`~ckptverify.runs.verify_worker`), started on first use and again after it
+    died; one request at a time, from the worker thread."""
+
+    def __init__(self, priority: str) -> None:
+        self.priority = priority
+        self._proc: subprocess.Popen[str] | None = None
+
+    def _start(self) -> subprocess.Popen[str]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        import ckptverify
+
+        # The same ckptverify as this process's, wherever it was imported from.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(ckptverify.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["CKPTVERIFY_VERIFY_PRIORITY"] = self.priority
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1)
+        return self._proc
+
+    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float) -> Verification:
+        request = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle}
+        try:
+            proc = self._start()
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except OSError as exc:  # could not start it, or it died as the request went out
+            self.kill()
+            return Verification(path=path, step=step, verdict="unverified", deep=deep,
+                                reason=f"the verifier process failed: {type(exc).__name__}: {exc}")
+        try:
+            data = json.loads(line) if line else None
+            result = Verification.from_dict(data) if isinstance(data, dict) else None
+        except (ValueError, TypeError):
+            result = None
+        if result is None:
+            self.kill()
+            code = proc.poll()
+            return Verification(path=path, step=step, verdict="unverified", deep=deep,
+                                reason=f"the verifier process ended without an answer (exit code {code})")
+        return result
+
+    def close(self) -> None:
+        """Let the process end (end of its input), or end it."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> int | None:
+        """End the process now; its exit code."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+        return code
 
 
 def _from_stamp(job: _Job, data: dict[str, Any]) -> Verification:
@@ -386,15 +485,17 @@ def _emit(log: Any, event: str, result: Verification) -> None:
         warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", RuntimeWarning, stacklevel=2)
 
 
-def _lower_priority(priority: str) -> None:
-    """Lower the calling thread's CPU priority (Linux schedules threads one by one; elsewhere nothing)."""
-    if priority == "normal" or not sys.platform.startswith("linux"):
+def lower_priority(priority: str, *, whole_process: bool = False) -> None:
+    """Lower the CPU priority of the calling thread (Linux schedules threads one by one; elsewhere only with
+    ``whole_process``, where the process is lowered, as the verifier process lowers itself)."""
+    linux = sys.platform.startswith("linux")
+    if priority == "normal" or not (linux or whole_process):
         return
     if priority == "idle" and hasattr(os, "SCHED_IDLE"):
         with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (this process's only)
     with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if linux else 0, 19)
 
 
 # ---------------------------------------------------------------------- the process's verifier

@@ -20,7 +20,7 @@ from ckptverify.errors import CheckpointNotFoundError
 from ckptverify.findings import Report
 from ckptverify.runs.stamp import VERIFYING_LOCK, files_fingerprint, write_stamp
 
-__all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "verify_and_stamp"]
+__all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "stamp_locked", "verify_and_stamp"]
 
 #: After a failed verification, how long to wait before judging: a checkpoint being deleted file by file must
 #: not be reported as corrupt.
@@ -109,13 +109,27 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
     ``lock``: the checkpoint's verifying lock, already held by the caller (released here); by default it is
     taken here, and the outcome is ``busy`` when someone else holds it.
     """
-    from ckptverify.verify import verify_checkpoint
-
     own = lock if lock is not None else VerifyingLock(path)
-    started = time.perf_counter()
     try:
         if not own.held and not own.acquire():
             return Outcome("busy", reason="another process is verifying it")
+        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return Outcome("deleted", reason="removed while it was being verified")
+    except OSError as exc:  # e.g. a read-only run directory: the lock cannot be created
+        return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
+    finally:
+        own.release()
+
+
+def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
+                 settle: float = SETTLE_SECONDS) -> Outcome:
+    """:func:`verify_and_stamp` for a caller that holds the checkpoint's verifying lock (in this process or in
+    the one that started this one)."""
+    from ckptverify.verify import verify_checkpoint
+
+    started = time.perf_counter()
+    try:
         before = files_fingerprint(path)
         report = verify_checkpoint(path, jobs=jobs, deep=deep)
         if not report.passed:
@@ -132,7 +146,5 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
         return Outcome("deleted", reason="removed while it was being verified")
     except OSError as exc:  # e.g. a read-only run directory: the stamp cannot be written
         return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
-    finally:
-        own.release()
     return Outcome("verified" if report.passed else "failed", report=report,
                    seconds=time.perf_counter() - started)
