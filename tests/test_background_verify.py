@@ -290,19 +290,21 @@ def test_load_picks_the_newest_checkpoint_that_verifies_and_says_which(tmp_path:
                                                                        verifier: BackgroundVerifier) -> None:
     run = tmp_path / "run"
     saved = {}
-    for step in (10, 20, 30, 40):
+    for step in (10, 20, 30, 40, 50):
         state = _train_state(step)
         state.counters.step = step
         cv.save(state, run / f"step_{step}", verify="background")
         saved[step] = {k: v.clone() for k, v in state.model.state_dict().items()}
     assert cv.wait_for_verifications(timeout=60)
-    inj.flip_in_tensor_payload(run / "step_40", "model.0.weight")  # corrupt after its stamp: the stamp is stale
-    os.truncate(next((run / "step_30").glob("*.distcp")), 64)  # torn
+    inj.flip_in_tensor_payload(run / "step_50", "model.0.weight")  # corrupt after its stamp: the stamp is stale
+    os.truncate(next((run / "step_40").glob("*.distcp")), 64)  # a shard cut short
+    os.remove(run / "step_30" / ".metadata")  # a save that never finished
     target = _train_state(0)
     report = cv.load(target, run, pick="latest-verified")
     assert report.passed and report.stats["picked"] == str(run / "step_20") and report.stats["step"] == 20
-    assert [(s["path"], s["state"]) for s in report.stats["skipped"]] == [("step_40", "corrupt"),
-                                                                          ("step_30", "corrupt")]
+    assert [(s["path"], s["state"], s["how"]) for s in report.stats["skipped"]] == [
+        ("step_50", "corrupt", "verified now"), ("step_40", "corrupt", "verified now"),
+        ("step_30", "incomplete", "verified now")]
     assert report.findings[0].check == "load-picked" and "step_20" in report.findings[0].message
     assert target.counters.step == 20
     for name, value in target.model.state_dict().items():
@@ -312,7 +314,8 @@ def test_load_picks_the_newest_checkpoint_that_verifies_and_says_which(tmp_path:
         inj.flip_in_tensor_payload(run / f"step_{step}", "model.0.weight")
     fresh = _train_state(1)
     before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
-    with pytest.raises(CheckpointRefusedError, match=r"no checkpoint verifies.*step_40: corrupt.*step_10: corrupt"):
+    with pytest.raises(CheckpointRefusedError, match=r"no checkpoint verifies.*step_50: corrupt.*step_30: "
+                       r"incomplete.*step_10: corrupt"):
         cv.load(fresh, run, pick="latest-verified")
     assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())
     with pytest.raises(UsageError):

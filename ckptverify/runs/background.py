@@ -297,13 +297,14 @@ class BackgroundVerifier:
             job.lock.release()
             result = Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep,
                                   reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
+        with self._cond:
+            self._last = result
+            if result.verdict == "failed" and job.options.on_failure == "raise" and job.deliver_later:
+                self._unraised.append(result)
         try:
             self._report(job, result)
         finally:
-            with self._cond:
-                self._last = result
-                if result.verdict == "failed" and job.options.on_failure == "raise" and job.deliver_later:
-                    self._unraised.append(result)
+            with self._cond:  # only now: a wait that returns has seen the events written
                 with contextlib.suppress(ValueError):
                     self._pending.remove(job)
                 self._cond.notify_all()
