@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
     from ckptverify.dcp.writer import HashingFileSystemWriter
     from ckptverify.events import EventLog
-    from ckptverify.runs.background import Verification, VerifyOptions
+    from ckptverify.runs.background import VerifyOptions
+    from ckptverify.runs.verification import Verification
 
 __all__ = ["async_save", "save"]
 
@@ -219,7 +220,7 @@ def _broadcast(value: Any, process_group: Any, no_dist: bool) -> Any:
 
 
 def _raise(verification: dict[str, Any] | None) -> None:
-    from ckptverify.runs.background import Verification
+    from ckptverify.runs.verification import Verification
 
     if verification is None:
         return
@@ -258,7 +259,7 @@ def _verify_committed(options: VerifyOptions, path: str | os.PathLike[str], step
         failed = result.to_dict() if result is not None and result.verdict == "failed" else None
         failed = _broadcast(failed, process_group, no_dist)
         if failed is not None:
-            from ckptverify.runs.background import Verification
+            from ckptverify.runs.verification import Verification
 
             verification = Verification.from_dict(failed)
             raise VerifyFailedError(verification.describe(), verification)

@@ -32,20 +32,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import queue
-import subprocess
-import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.errors import UsageError
-from ckptverify.runs.stamper import SETTLE_SECONDS, Outcome, VerifyingLock, verify_and_stamp
+from ckptverify.runs.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
+from ckptverify.runs.verification import Verification, from_outcome, from_stamp
+from ckptverify.runs.verify_worker import PRIORITIES, VerifierProcess, lower_priority
 
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT",
@@ -65,8 +64,6 @@ __all__ = [
 MODES = ("off", "background", "inline")
 #: What a failed verification does besides a warning and an event: nothing more, or raise at the next save.
 FAILURE_POLICIES = ("warn", "raise")
-#: CPU priority of the verification: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
-PRIORITIES = ("idle", "low", "normal")
 #: Where background verifications run: a verifier process (the default) or the worker thread itself.
 ISOLATIONS = ("process", "thread")
 EXIT_TIMEOUT_ENV = "CKPTVERIFY_VERIFY_EXIT_TIMEOUT"
@@ -82,48 +79,6 @@ class VerifyFailedWarning(UserWarning):
 class VerifyIncompleteWarning(UserWarning):
     """A committed checkpoint was left without a verdict: the job ended before it was verified, or its files
     changed (or vanished) while it was verified."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Verification:
-    """The result of verifying one saved checkpoint.
-
-    ``verdict``: ``passed``, ``failed`` (both stamped beside the checkpoint), or ``unverified`` (no verdict:
-    ``reason`` says why; nothing stamped). ``summary``: findings per severity. ``first_error``: the first error
-    as ``check: message``. ``bytes_checked``: bytes of the checkpoint's files read and checked.
-    """
-
-    path: str
-    step: int | None
-    verdict: str
-    summary: dict[str, int] = field(default_factory=dict)
-    first_error: str | None = None
-    seconds: float = 0.0
-    bytes_checked: int = 0
-    deep: bool = False
-    stamped: bool = False
-    reason: str | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "passed"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Verification:
-        return cls(**data)
-
-    def describe(self) -> str:
-        """One line for people: what was verified and the verdict."""
-        where = f"{self.path}" + (f" (step {self.step})" if self.step is not None else "")
-        if self.verdict == "passed":
-            return f"{where} passed verification ({self.bytes_checked} bytes checked in {self.seconds:.2f} s)"
-        if self.verdict == "failed":
-            return (f"{where} failed verification after it was saved: {self.summary.get('error', 0)} error(s); "
-                    f"first: {self.first_error}")
-        return f"{where} was not verified: {self.reason}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,7 +155,7 @@ class BackgroundVerifier:
         self._unraised: list[Verification] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._child = _VerifierProcess(priority)
+        self._child = VerifierProcess(priority)
 
     # ------------------------------------------------------------------ public
 
@@ -325,7 +280,7 @@ class BackgroundVerifier:
             stamp = read_stamp(job.path)
             if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.deep):
                 job.lock.release()
-                return _from_stamp(job, stamp.data)
+                return from_stamp(job.path, job.step, stamp.data)
         if self.before_verify is not None:
             self.before_verify(job.path)
         if background and self.isolation == "process":
@@ -375,107 +330,6 @@ def _unverified(job: _Job, reason: str) -> Verification:
     return Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep, reason=reason)
 
 
-def from_outcome(path: str, step: int | None, deep: bool, outcome: Outcome) -> Verification:
-    """The :class:`Verification` of a :func:`~ckptverify.runs.stamper.verify_and_stamp` outcome."""
-    report = outcome.report
-    if report is None:
-        return Verification(path=path, step=step, verdict="unverified", deep=deep,
-                            reason=outcome.reason or outcome.event)
-    first = report.errors[0] if report.errors else None
-    return Verification(
-        path=path, step=step, verdict="passed" if report.passed else "failed", summary=report.summary(),
-        first_error=None if first is None else f"{first.check}: {first.message}",
-        seconds=round(outcome.seconds, 6), bytes_checked=int(report.stats.get("bytes") or 0),
-        deep=bool(report.stats.get("deep")), stamped=True)
-
-
-class _VerifierProcess:
-    """The verifier process (:mod:`~ckptverify.runs.verify_worker`), started on first use and again after it
-    died; one request at a time, from the worker thread."""
-
-    def __init__(self, priority: str) -> None:
-        self.priority = priority
-        self._proc: subprocess.Popen[str] | None = None
-
-    def _start(self) -> subprocess.Popen[str]:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
-        import ckptverify
-
-        # The same ckptverify as this process's, wherever it was imported from.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(ckptverify.__file__)))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env["CKPTVERIFY_VERIFY_PRIORITY"] = self.priority
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1)
-        return self._proc
-
-    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float) -> Verification:
-        request = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle}
-        try:
-            proc = self._start()
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps(request) + "\n")
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-        except OSError as exc:  # could not start it, or it died as the request went out
-            self.kill()
-            return Verification(path=path, step=step, verdict="unverified", deep=deep,
-                                reason=f"the verifier process failed: {type(exc).__name__}: {exc}")
-        try:
-            data = json.loads(line) if line else None
-            result = Verification.from_dict(data) if isinstance(data, dict) else None
-        except (ValueError, TypeError):
-            result = None
-        if result is None:
-            self.kill()
-            code = proc.poll()
-            return Verification(path=path, step=step, verdict="unverified", deep=deep,
-                                reason=f"the verifier process ended without an answer (exit code {code})")
-        return result
-
-    def close(self) -> None:
-        """Let the process end (end of its input), or end it."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def kill(self) -> int | None:
-        """End the process now; its exit code."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.kill()
-        code = proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            with contextlib.suppress(OSError):
-                if stream is not None:
-                    stream.close()
-        return code
-
-
-def _from_stamp(job: _Job, data: dict[str, Any]) -> Verification:
-    errors = data.get("errors") or []
-    first = errors[0] if errors and isinstance(errors[0], dict) else None
-    return Verification(
-        path=job.path, step=job.step, verdict="passed" if data.get("passed") else "failed",
-        summary=dict(data.get("summary") or {}),
-        first_error=None if first is None else f"{first.get('check')}: {first.get('message')}",
-        seconds=float(data.get("seconds") or 0.0), bytes_checked=int(data.get("bytes_checked") or 0),
-        deep=bool(data.get("deep")), stamped=True)
-
-
 def _emit(log: Any, event: str, result: Verification) -> None:
     if log is None:
         return
@@ -484,19 +338,6 @@ def _emit(log: Any, event: str, result: Verification) -> None:
         log.emit(event, **fields)
     except OSError as exc:  # the run directory went away or is read-only: the warning still says it
         warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", RuntimeWarning, stacklevel=2)
-
-
-def lower_priority(priority: str, *, whole_process: bool = False) -> None:
-    """Lower the CPU priority of the calling thread (Linux schedules threads one by one; elsewhere only with
-    ``whole_process``, where the process is lowered, as the verifier process lowers itself)."""
-    linux = sys.platform.startswith("linux")
-    if priority == "normal" or not (linux or whole_process):
-        return
-    if priority == "idle" and hasattr(os, "SCHED_IDLE"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (this process's only)
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if linux else 0, 19)
 
 
 # ---------------------------------------------------------------------- the process's verifier
