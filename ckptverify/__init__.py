@@ -28,17 +28,24 @@ _EXPORTS = {
     "scan_run_dir": "ckptverify.runs.scan",
     "latest_verified": "ckptverify.runs.latest",
     "prune": "ckptverify.runs.prune",
+    "BackgroundVerifier": "ckptverify.runs.background",
+    "Verification": "ckptverify.runs.verification",
+    "last_verification": "ckptverify.runs.background",
+    "wait_for_verifications": "ckptverify.runs.background",
 }
 
 __all__ = [
+    "BackgroundVerifier",
     "Counters",
     "Run",
     "TrainState",
+    "Verification",
     "__version__",
     "async_save",
     "chunk_fingerprint",
     "diff_checkpoints",
     "fingerprint_checkpoint",
+    "last_verification",
     "latest_verified",
     "load",
     "prune",
@@ -47,6 +54,7 @@ __all__ = [
     "scan_run_dir",
     "tensor_fingerprint",
     "verify_checkpoint",
+    "wait_for_verifications",
 ]
 
 if TYPE_CHECKING:
@@ -56,9 +64,11 @@ if TYPE_CHECKING:
     from ckptverify.restore import load
     from ckptverify.resume.harness import resume_check
     from ckptverify.resume.run import Run
+    from ckptverify.runs.background import BackgroundVerifier, last_verification, wait_for_verifications
     from ckptverify.runs.latest import latest_verified
     from ckptverify.runs.prune import prune
     from ckptverify.runs.scan import scan_run_dir
+    from ckptverify.runs.verification import Verification
     from ckptverify.saving import async_save, save
     from ckptverify.state.train_state import Counters, TrainState
     from ckptverify.verify import verify_checkpoint

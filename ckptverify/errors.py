@@ -87,3 +87,17 @@ class LoadFailedError(CkptVerifyError):
 
     Raised only before anything was changed: the state is exactly what it was before the call.
     """
+
+
+class VerifyFailedError(CkptVerifyError):
+    """A checkpoint saved with ``verify=`` and ``on_verify_failure="raise"`` failed its verification.
+
+    Raised by the save that learns of it (see ``docs/verify-after-save.md``); ``verification`` is the
+    :class:`~ckptverify.runs.background.Verification` of the checkpoint that failed.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, verification: object | None = None) -> None:
+        super().__init__(message)
+        self.verification = verification

@@ -9,14 +9,20 @@ checked after.
    from memory at save time), and every other field's digest with the digest saved beside it. A difference
    is a finding: state the loader silently ignored, or restored wrongly.
 
+Given a run directory and ``pick="latest-verified"``, :func:`load` first picks the newest checkpoint that
+verifies (:func:`~ckptverify.runs.latest.latest_verified`: a current stamp is trusted, any other checkpoint is
+verified on the spot), then loads that one and says which, and what it skipped, in its report. A production
+``Run`` resumes through the same two steps (:func:`pick_checkpoint`, :func:`load_picked`).
+
 Every rank of the process group calls :func:`load`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import (
     CheckpointNotFoundError,
@@ -25,8 +31,15 @@ from ckptverify.errors import (
     LoadFailedError,
     UsageError,
 )
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, warning
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.state.train_state import TrainState
+
+if TYPE_CHECKING:
+    from ckptverify.runs.latest import Latest
+
+#: What ``load(..., pick=)`` can pick from a run directory.
+PICKS = ("latest-verified",)
+_log = logging.getLogger(__name__)
 
 
 def _dist() -> Any:
@@ -105,11 +118,17 @@ def saved_world_size(path: str) -> int | None:
 
 
 def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True, check: bool = True,
-         deep_verify: bool = False) -> Report:
+         deep_verify: bool = False, pick: str | None = None) -> Report:
     """Restore ``state`` from the checkpoint at ``path``; return the restore check's findings.
 
     ``verify=False`` skips the verification (explicit opt-out; a directory whose save did not commit is
     still refused); ``check=False`` skips the restore check.
+
+    ``pick="latest-verified"``: ``path`` is a run directory; the newest checkpoint under it that verifies is
+    loaded (see :func:`pick_checkpoint`), and the report names it (``stats["picked"]``, ``stats["step"]``) and
+    every newer one skipped, with why (``stats["skipped"]``). When none verifies,
+    :class:`~ckptverify.errors.CheckpointRefusedError` lists what was skipped. Picking verifies, so
+    ``verify=False`` cannot be combined with it; ``deep_verify`` verifies the pick deeply before loading.
 
     All or nothing: if this raises, ``state`` (parameters, optimizer, every random stream, counters,
     schedulers, scaler, data position, extras) is exactly what it was before the call. Raises
@@ -119,17 +138,79 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
     :class:`~ckptverify.state.sampler.CannotReshardError` when the world size changed in a way that cannot be
     restored exactly (and re-seeding was not allowed). Every one is an ``Exception``.
     """
+    root = os.fspath(path)
+    if not isinstance(state, TrainState):
+        raise UsageError(f"load() restores a TrainState, got {type(state).__name__}")
+    if pick is not None:
+        if pick not in PICKS:
+            raise UsageError(f"pick must be one of {', '.join(map(repr, PICKS))}, got {pick!r}")
+        if not verify:
+            raise UsageError("pick='latest-verified' verifies the checkpoints it picks from; it cannot be "
+                             "combined with verify=False")
+        return load_picked(state, pick_checkpoint(root), check=check, deep_verify=deep_verify)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
+    _verify_on_coordinator(root, deep_verify, full=verify)
+    return _load_verified(state, root, check)
+
+
+def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
+    """The newest checkpoint under ``run_dir`` that verifies, decided on the coordinator and broadcast, so that
+    every rank gets the same pick (``path=None`` when none verifies; ``report`` only on the coordinator).
+
+    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory.
+    """
+    from ckptverify.runs.latest import Latest, latest_verified
+
+    root = os.fspath(run_dir)
+    dist = _dist()
+    found: Latest | None = None
+    box: list[Any] = [None]
+    if dist is None or dist.get_rank() == 0:
+        try:
+            found = latest_verified(root)
+            box[0] = found.to_dict()
+        except CheckpointNotFoundError as exc:
+            box[0] = {"error": str(exc)}
+    if dist is not None and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    data = box[0]
+    if "error" in data:
+        raise CheckpointNotFoundError(data["error"])
+    if found is not None:
+        return found
+    return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]))
+
+
+def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep_verify: bool = False) -> Report:
+    """Load the checkpoint :func:`pick_checkpoint` picked into ``state``, as :func:`load` does; the pick
+    verified it already, so only its commit is checked again (and, with ``deep_verify``, every tensor).
+    Raises :class:`~ckptverify.errors.CheckpointRefusedError` naming what was skipped when nothing verified."""
+    skipped = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in picked.skipped)
+    if picked.path is None:
+        raise CheckpointRefusedError(
+            "no checkpoint verifies, nothing was loaded" + (f"; skipped: {skipped}" if skipped else
+                                                            ": there is no checkpoint"),
+            picked.report)
+    _log.info("loading %s (step %s), the newest checkpoint that verifies%s", picked.path, picked.step,
+              f"; skipped: {skipped}" if skipped else "")
+    _verify_on_coordinator(picked.path, deep_verify, full=deep_verify)
+    report = _load_verified(state, picked.path, check)
+    note = info("load-picked", f"loaded {picked.path} (step {picked.step}), the newest checkpoint that verifies"
+                + (f"; skipped {len(picked.skipped)} newer: {skipped}" if skipped else ""),
+                location=Location(file=picked.path))
+    return Report(command="load", target=report.target, findings=(note, *report.findings),
+                  coverage=report.coverage,
+                  stats={**report.stats, "picked": picked.path, "step": picked.step, "skipped": picked.skipped})
+
+
+def _load_verified(state: TrainState, root: str, check: bool) -> Report:
+    """Load ``root`` (verified already) into ``state``, all or nothing, then run the restore check."""
     import torch.distributed.checkpoint as dcp
 
     from ckptverify.dcp.loading import SafeLoadPlanner
     from ckptverify.dcp.storage_reader import SafeFileSystemReader
 
-    root = os.fspath(path)
-    if not isinstance(state, TrainState):
-        raise UsageError(f"load() restores a TrainState, got {type(state).__name__}")
-    if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
-    _verify_on_coordinator(root, deep_verify, full=verify)
     # All or nothing: DCP loads into a private copy of the state (twice the model and optimizer memory
     # while this runs), the copy is checked field by field, and only then applied. On any refusal the
     # state is put back as it was: getting a template initializes a fresh optimizer's state, undone here.

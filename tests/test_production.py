@@ -18,6 +18,7 @@ import pytest
 from ckptverify.events import read_events
 from ckptverify.hardware.inject import BitFlip
 from ckptverify.resume.replay import replay
+from ckptverify.runs.stamp import read_stamp
 
 SCRIPT = Path(__file__).with_name("production_workload.py")
 SITE = "blocks.0.mlp.fc.weight"
@@ -42,7 +43,8 @@ def test_a_production_job_saves_traces_resumes_and_replays_as_reproduced(tmp_pat
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step_")) == ["step_3", "step_6"]
     meta = json.loads((run / "run.json").read_text())
     assert meta["target"].endswith("production_workload.py:train") and meta["world_size"] == 1
-    assert [e["event"] for e in read_events(run)] == ["start", "save", "save", "end"]
+    assert [e["event"] for e in read_events(run) if not e["event"].startswith("verif")] == ["start", "save", "save",
+                                                                                          "end"]
     host = json.loads((run / "trace" / "from-00000000" / "host-rank0.json").read_text())
     assert host["hostname"] and host["device"]["type"] == "cpu" and "determinism" in host
     # Restarted with more steps, the job resumes from its newest verified checkpoint, in a new trace segment.
@@ -55,6 +57,32 @@ def test_a_production_job_saves_traces_resumes_and_replays_as_reproduced(tmp_pat
     assert report.exit_code == 0 and verdict["kind"] == "reproduced", verdict
     assert (report.stats["from"], report.stats["to"]) == (6, 9)
     assert {c.check for c in report.coverage} >= {"replay-twins", "replay-production"}
+
+
+def _stamped(run: Path, steps: list[int]) -> None:
+    """Every checkpoint saved carries a current passed stamp and a `verified` event of rank 0, before `end`."""
+    for step in steps:
+        stamp = read_stamp(run / f"step_{step}")
+        assert stamp is not None and stamp.current and stamp.passed and stamp.step == step
+    names = [e["event"] for e in read_events(run)]
+    verified = list(read_events(run, "verified"))
+    assert sorted(e["step"] for e in verified) == steps and {e["rank"] for e in verified} == {0}
+    assert names.index("end") > max(i for i, n in enumerate(names) if n == "verified")
+    assert not [n for n in names if n in ("verify-failed", "verify-skipped", "verify-cut-short")]
+
+
+@pytest.mark.slow
+def test_production_verifies_every_checkpoint_in_the_background_and_resumes_from_a_verified_one(
+        tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _job(run, steps=6, save_every=2)
+    _stamped(run, [2, 4, 6])
+    # The newest is damaged after its verification: the restarted job skips it and resumes from step 4.
+    inj.flip_in_tensor_payload(run / "step_6", "model.blocks.0.mlp.fc.weight")
+    _job(run, steps=8, save_every=2)
+    restore = next(read_events(run, "restore"))
+    assert restore["step"] == 4 and restore["resumed_from"].endswith("step_4")
+    assert read_stamp(run / "step_8").passed and read_stamp(run / "step_6").passed  # step_6 saved anew
 
 
 @pytest.mark.slow
@@ -73,6 +101,7 @@ def test_a_flipped_gradient_bit_is_named_by_replay(tmp_path: Path) -> None:
 def test_two_ranks_the_replica_check_sees_it_during_production_and_replay_names_the_rank(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _job(run, nproc=2, fault=BitFlip(kind="grad", name=SITE, step=5, rank=1, element=7, bit=20))
+    _stamped(run, [3, 6])
     mismatch = next(read_events(run, "replica-mismatch"))
     assert mismatch["step"] == 5 and mismatch["tensors"] == [SITE]
     assert sorted(tuple(s["ranks"]) for s in mismatch["sides"]) == [(0,), (1,)]

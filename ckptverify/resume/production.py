@@ -5,12 +5,15 @@ replicas, so that a later replay can judge it.
 ``python file.py`` or ``torchrun`` (any number of ranks):
 
 - resumes from the newest checkpoint in ``DIR`` that verifies (a save that did not commit is never taken);
-- saves the full ``TrainState`` every ``N`` steps to ``DIR/step_N`` (with manifest);
+- saves the full ``TrainState`` every ``N`` steps to ``DIR/step_N`` (with manifest), and verifies each one in
+  the background once it has committed (``verify=``), stamping the verdict beside it; the job waits for the
+  pending verifications before it ends (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s by default);
 - records a rank-local trace in ``DIR/trace/from-<K>/`` (``K`` the step it started from), every
   ``trace_every`` steps, and each rank's host, device, versions and determinism settings beside it;
 - on more than one rank, compares its data-parallel replicas after every traced step
   (:class:`~ckptverify.hardware.replica.ReplicaCheck`);
-- appends what happened to ``DIR/events.jsonl`` (start, restore, save, replica-mismatch, fault-injected, end);
+- appends what happened to ``DIR/events.jsonl`` (start, restore, save, verified, verify-failed, verify-skipped,
+  verify-cut-short, replica-mismatch, fault-injected, end);
 - writes ``DIR/run.json`` (the target, world size, trace level, ``trace_every``) for ``ckptverify replay``.
 
 A fault (:class:`~ckptverify.hardware.inject.BitFlip`) can be planted for fire drills with ``fault=`` or the
@@ -45,8 +48,13 @@ class ProductionOptions:
     on_mismatch: str = "warn"
     replica_check: bool = True
     fault: str | None = None  # BitFlip JSON
+    verify: str = "background"
+    on_verify_failure: str = "warn"
 
     def __post_init__(self) -> None:
+        from ckptverify.runs.background import VerifyOptions
+
+        VerifyOptions(mode=self.verify, on_failure=self.on_verify_failure)  # the same checks as save's
         if self.steps < 1:
             raise UsageError(f"steps must be at least 1, got {self.steps}")
         if self.save_every is not None and self.save_every < 1:
@@ -148,6 +156,11 @@ class Production:
         if traced and self.replicas is not None:
             self.replicas.check(step)
 
+    def save_options(self) -> dict[str, Any]:
+        """How ``run`` saves in production: verified after the commit, results in ``events.jsonl``."""
+        return {"verify": self.options.verify, "on_verify_failure": self.options.on_verify_failure,
+                "events": self.events}
+
     def saved(self, step: int, path: str) -> None:
         if self.rank == 0:
             self.events.emit("save", step=step, path=path)
@@ -156,7 +169,14 @@ class Production:
         if self.injector is not None:
             self.injector.detach()
         if self.rank == 0:
-            self.events.emit("end", step=step)
+            pending = 0
+            if self.options.verify != "off":
+                from ckptverify.runs.background import default_verifier, exit_timeout
+
+                verifier = default_verifier()
+                verifier.wait(exit_timeout())  # says so (warning, events) if it cuts any short
+                pending = len(verifier.pending())
+            self.events.emit("end", step=step, **({"unverified": pending} if pending else {}))
 
 
 def _write_json(path: str, data: Any) -> None:

@@ -89,6 +89,8 @@ class Run:
         self._p = _Progress()
         self._recorder: Any = None
         self._production: Any = None
+        #: Production mode: the checkpoint picked to resume from (see ``_resume_point``).
+        self._picked: Any = None
         self._owns_group = False
         self._rank, self._world = rank_world(env_fallback=True)
 
@@ -103,15 +105,19 @@ class Run:
     @classmethod
     def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
              save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
-             on_mismatch: str = "warn", fault: str | None = None) -> None:
+             on_mismatch: str = "warn", fault: str | None = None, verify: str = "background",
+             on_verify_failure: str = "warn") -> None:
         """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with
         ``run_dir``: see :mod:`ckptverify.resume.production`), or plainly for ``steps`` steps.
 
         Production mode: ``steps`` total steps; the full state saved every ``save_every`` steps to
         ``run_dir/step_N``; a trace at level ``trace`` every ``trace_every`` steps; replicas compared on more
         than one rank (``on_mismatch``: ``"warn"`` or ``"raise"``); ``fault``: a
-        :class:`~ckptverify.hardware.inject.BitFlip` as JSON, for fire drills. Started by ``python`` or
-        ``torchrun``: the process group is created from torchrun's environment when none exists.
+        :class:`~ckptverify.hardware.inject.BitFlip` as JSON, for fire drills; ``verify``: how each saved
+        checkpoint is verified and stamped once committed (``"background"``, ``"inline"`` or ``"off"``; see
+        :func:`ckptverify.save`), with ``on_verify_failure`` (``"warn"`` or ``"raise"``); the job waits for the
+        pending verifications before it ends. Started by ``python`` or ``torchrun``: the process group is
+        created from torchrun's environment when none exists.
         """
         if os.environ.get(ENV_VAR) or run_dir is None:
             run = cls.from_env(steps=steps)
@@ -121,7 +127,8 @@ class Run:
             if steps is None:
                 raise UsageError("production mode needs steps=")
             options = ProductionOptions(run_dir=os.path.abspath(run_dir), steps=steps, save_every=save_every,
-                                        trace=trace, trace_every=trace_every, on_mismatch=on_mismatch, fault=fault)
+                                        trace=trace, trace_every=trace_every, on_mismatch=on_mismatch, fault=fault,
+                                        verify=verify, on_verify_failure=on_verify_failure)
             run = cls._for_production(options, target_of(train))
         try:
             train(run)
@@ -134,7 +141,8 @@ class Run:
 
         owns = _init_group_from_env()
         rank, world = rank_world(env_fallback=True)
-        resume_from, start = _resume_point(options.run_dir, world)
+        picked = _resume_point(options.run_dir)
+        resume_from, start = (picked.path, picked.step) if picked is not None else (None, 0)
         every = options.save_every
         config = RunConfig(
             name="production", stop_step=options.steps, checkpoint_dir=options.run_dir, resume_from=resume_from,
@@ -143,6 +151,7 @@ class Run:
             trace_every=options.trace_every)
         run = cls(config)
         run._owns_group = owns
+        run._picked = picked
         run._production = Production(options, rank=rank, world=world, target=target, start=start)
         return run
 
@@ -183,9 +192,11 @@ class Run:
             del caller
             notes["missing_optimizer"] = missing_optimizer(state)
         if self.config.resume_from:
-            from ckptverify.restore import load
+            from ckptverify.restore import load, load_picked
 
-            report = load(state, self.config.resume_from)
+            # Production: the checkpoint was picked (and so verified) when the job started; the harness names one.
+            report = (load_picked(state, self._picked) if self._picked is not None
+                      else load(state, self.config.resume_from))
             self._p.restored_from = self.config.resume_from
             self._p.restore_report = report
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
@@ -270,9 +281,6 @@ class Run:
         if self.config.trace_dir and self._rank == 0:
             self._write_json("run.json", {"name": self.config.name, "steps": self._p.step,
                                           "saved": self._p.saved, "world_size": self._world})
-        if self._production is not None:
-            self._production.close(self._p.step)
-            self._production = None
         if self._owns_group:
             import torch.distributed as dist
 
@@ -280,6 +288,11 @@ class Run:
                 dist.barrier()  # no rank tears down while another is still in a collective
                 dist.destroy_process_group()
             self._owns_group = False
+        if self._production is not None:
+            # After the group is gone: rank 0 may wait here for its pending verifications, longer than a
+            # collective would wait for it.
+            self._production.close(self._p.step)
+            self._production = None
 
     # ------------------------------------------------------------------ internals
 
@@ -299,7 +312,7 @@ class Run:
         path = checkpoint_path(self.config.checkpoint_dir, self._p.step)
         if self._recorder is not None:
             self._recorder.flush()
-        save(self.state, path)
+        save(self.state, path, **(self._production.save_options() if self._production is not None else {}))
         self._p.saved.append(path)
         if self._production is not None:
             self._production.saved(self._p.step, path)
@@ -392,22 +405,18 @@ def _init_group_from_env() -> bool:
     return True
 
 
-def _resume_point(run_dir: str, world: int) -> tuple[str | None, int]:
-    """The newest checkpoint of ``run_dir`` that verifies, and its step (``(None, 0)`` for a fresh start).
-    Decided on rank 0 and broadcast, so every rank resumes from the same one."""
-    box: list[Any] = [None]
-    import torch.distributed as dist
+def _resume_point(run_dir: str) -> Any:
+    """The pick of :func:`ckptverify.restore.pick_checkpoint` (the same on every rank) for a run directory
+    that has a checkpoint that verifies and whose step is known, else ``None`` (a fresh start). Decided on
+    rank 0 (where the run directory may be all there is of it) and broadcast."""
+    from ckptverify.errors import CheckpointNotFoundError
+    from ckptverify.restore import pick_checkpoint
 
-    coordinator = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    if coordinator and os.path.isdir(run_dir):
-        from ckptverify.runs.latest import latest_verified
-
-        found = latest_verified(run_dir)
-        if found.path is not None and found.step is not None:
-            box[0] = (found.path, found.step)
-    if world > 1 and dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return (box[0][0], box[0][1]) if box[0] else (None, 0)
+    try:
+        picked = pick_checkpoint(run_dir)
+    except CheckpointNotFoundError:  # no run directory yet
+        return None
+    return picked if picked.path is not None and picked.step is not None else None
 
 
 def init_process_group(backend: str | None = None, **kwargs: Any) -> None:

@@ -5,5 +5,8 @@ delete.
 - :mod:`~ckptverify.runs.stamp`: the verification stamp written beside a verified checkpoint;
 - :mod:`~ckptverify.runs.latest`: the newest checkpoint that verifies;
 - :mod:`~ckptverify.runs.prune`: retention that never deletes the newest verified checkpoint;
-- :mod:`~ckptverify.runs.watch`: verify each checkpoint as it commits.
+- :mod:`~ckptverify.runs.watch`: verify each checkpoint as it commits;
+- :mod:`~ckptverify.runs.stamper`: verify one committed checkpoint under its verifying lock, and stamp it;
+- :mod:`~ckptverify.runs.background`: a save's verification after it commits, in a verifier process
+  (:mod:`~ckptverify.runs.verify_worker`) or inline.
 """

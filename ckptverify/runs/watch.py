@@ -16,8 +16,6 @@ interval.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import time
@@ -28,15 +26,10 @@ from typing import Any
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError
 from ckptverify.formats.rundir import Candidate, find_checkpoints
 from ckptverify.runs.scan import judge_report
-from ckptverify.runs.stamp import VERIFYING_LOCK, files_fingerprint, read_stamp, write_stamp
+from ckptverify.runs.stamp import read_stamp
+from ckptverify.runs.stamper import SETTLE_SECONDS, committed, verify_and_stamp
 
 __all__ = ["WatchResult", "watch", "watch_pass"]
-
-#: After a failed verification, how long to wait before judging: a checkpoint being deleted file by file must
-#: not be reported as corrupt.
-SETTLE_SECONDS = 1.0
-_SAVE_MARKER = ".ckptverify-save-in-progress"
-_METADATA = ".metadata"
 
 
 @dataclass
@@ -53,69 +46,20 @@ class WatchResult:
         return [r for r in self.results if r["event"] == "failed"]
 
 
-def _committed(path: str) -> bool:
-    try:
-        names = set(os.listdir(path))
-    except OSError:  # gone (retention), or not a directory
-        return False
-    has_metadata = _METADATA in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
-    return has_metadata and _SAVE_MARKER not in names
-
-
-@contextlib.contextmanager
-def _verifying_lock(path: str) -> Any:
-    """Hold the checkpoint's verifying lock; yields ``False`` (and holds nothing) if someone else holds it."""
-    lock = os.path.join(path, VERIFYING_LOCK)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock)
-    finally:
-        os.close(fd)
-
-
 def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool, settle: float) -> dict[str, Any] | None:
-    from ckptverify.verify import verify_checkpoint
-
     path = os.path.join(root, cand.path)
     base = {"path": cand.path, "step": cand.step}
-    try:
-        with _verifying_lock(path) as mine:
-            if not mine:
-                return None  # another watcher is on it
-            before = files_fingerprint(path)
-            started = time.perf_counter()
-            report = verify_checkpoint(path, jobs=jobs, deep=deep)
-            if not report.passed:
-                # Retention deletes a checkpoint file by file: what looks torn may be on its way out. Let it
-                # settle, then judge only if nothing moved.
-                time.sleep(settle)
-            if not os.path.isdir(path) or not _committed(path):
-                return {"event": "deleted", **base, "reason": "removed while it was being verified"}
-            if files_fingerprint(path) != before:
-                # Not a verdict on anything: the files verified are not the files there now.
-                return {"event": "changed", **base, "reason": "its files changed while it was being verified; "
-                        "it is verified again in a later pass"}
-            write_stamp(path, report, step=cand.step, fingerprint=before)
-    except FileNotFoundError:
-        return {"event": "deleted", **base, "reason": "removed while it was being verified"}
-    except CheckpointNotFoundError:
-        return {"event": "deleted", **base, "reason": "removed while it was being verified"}
-    except OSError as exc:  # e.g. a read-only run directory: the stamp cannot be written
-        return {"event": "error", **base, "reason": f"{type(exc).__name__}: {exc}"}
-    state = judge_report(report)
-    event = "verified" if report.passed else "failed"
-    out = {"event": event, **base, "state": state, "errors": len(report.errors),
+    outcome = verify_and_stamp(path, step=cand.step, jobs=jobs, deep=deep, settle=settle)
+    if outcome.event == "busy":
+        return None  # another watcher is on it
+    if outcome.event == "changed":
+        return {"event": "changed", **base, "reason": f"{outcome.reason}; it is verified again in a later pass"}
+    if outcome.report is None:
+        return {"event": outcome.event, **base, "reason": outcome.reason}
+    report = outcome.report
+    out = {"event": outcome.event, **base, "state": judge_report(report), "errors": len(report.errors),
            "warnings": len(report.warnings), "bytes": report.stats.get("bytes"),
-           "seconds": round(time.perf_counter() - started, 3)}
+           "seconds": round(outcome.seconds, 3)}
     if report.errors:
         first = report.errors[0]
         out["first_error"] = {"check": first.check, "message": first.message}
@@ -136,7 +80,7 @@ def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
         if cand.kind != "dir" or cand.format != "dcp":
             continue
         path = os.path.join(root, cand.path)
-        if not _committed(path):
+        if not committed(path):
             continue
         stamp = read_stamp(path)
         if stamp is not None and stamp.current:

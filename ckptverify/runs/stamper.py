@@ -1,0 +1,150 @@
+"""Verify one committed checkpoint and stamp it: what ``watch`` does for each checkpoint, and what a save with
+``verify=`` does once it has committed.
+
+The checkpoint's verifying lock (``.ckptverify-verifying``, an ``flock``) is held from before the verification
+until the stamp is written, so retention (:func:`~ckptverify.runs.prune.prune`) leaves it alone meanwhile. The
+directory's fingerprint is taken before the verification and compared after it: a verdict is stamped only on
+the files that were verified. A failed verification is judged only after a short settle time in which nothing
+moved, so a checkpoint being deleted file by file is not reported corrupt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+
+from ckptverify.errors import CheckpointNotFoundError
+from ckptverify.findings import Report
+from ckptverify.runs.stamp import VERIFYING_LOCK, files_fingerprint, write_stamp
+
+__all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "stamp_locked", "verify_and_stamp"]
+
+#: After a failed verification, how long to wait before judging: a checkpoint being deleted file by file must
+#: not be reported as corrupt.
+SETTLE_SECONDS = 1.0
+_SAVE_MARKER = ".ckptverify-save-in-progress"
+_METADATA = ".metadata"
+
+
+def committed(path: str) -> bool:
+    """Whether ``path`` holds a DCP checkpoint whose save finished: its ``.metadata`` is in place and no
+    ckptverify save is in progress in it."""
+    try:
+        names = set(os.listdir(path))
+    except OSError:  # gone (retention), or not a directory
+        return False
+    has_metadata = _METADATA in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
+    return has_metadata and _SAVE_MARKER not in names
+
+
+class VerifyingLock:
+    """The verifying lock of one checkpoint directory (an exclusive ``flock`` on ``.ckptverify-verifying``).
+
+    The lock file is removed on release, while still held. A lock taken on a file that was removed (or
+    replaced) in the meantime is dropped and taken again, so two holders never hold two different files.
+    """
+
+    def __init__(self, checkpoint: str) -> None:
+        self.path = os.path.join(checkpoint, VERIFYING_LOCK)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> bool:
+        """Take the lock without blocking; ``False`` when someone else holds it. Raises ``FileNotFoundError``
+        when the checkpoint directory is gone."""
+        if self._fd is not None:
+            return True
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        for _ in range(8):
+            fd = os.open(self.path, flags, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                return True
+            os.close(fd)  # the previous holder removed this file as it let go: take the new one
+        return False
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What :func:`verify_and_stamp` did. ``event``: ``verified`` or ``failed`` (a verdict, stamped),
+    ``deleted`` (removed while being verified), ``changed`` (its files changed while being verified: no verdict,
+    no stamp), ``error`` (the stamp could not be written: ``reason`` says why) or ``busy`` (someone else holds
+    the verifying lock)."""
+
+    event: str
+    report: Report | None = None
+    reason: str | None = None
+    seconds: float = 0.0
+
+
+def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
+                     settle: float = SETTLE_SECONDS, lock: VerifyingLock | None = None) -> Outcome:
+    """Verify the checkpoint at ``path`` and stamp the verdict beside it; see the module docstring.
+
+    ``lock``: the checkpoint's verifying lock, already held by the caller (released here); by default it is
+    taken here, and the outcome is ``busy`` when someone else holds it.
+    """
+    own = lock if lock is not None else VerifyingLock(path)
+    try:
+        if not own.held and not own.acquire():
+            return Outcome("busy", reason="another process is verifying it")
+        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return Outcome("deleted", reason="removed while it was being verified")
+    except OSError as exc:  # e.g. a read-only run directory: the lock cannot be created
+        return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
+    finally:
+        own.release()
+
+
+def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
+                 settle: float = SETTLE_SECONDS) -> Outcome:
+    """:func:`verify_and_stamp` for a caller that holds the checkpoint's verifying lock (in this process or in
+    the one that started this one)."""
+    from ckptverify.verify import verify_checkpoint
+
+    started = time.perf_counter()
+    try:
+        before = files_fingerprint(path)
+        report = verify_checkpoint(path, jobs=jobs, deep=deep)
+        if not report.passed:
+            # Retention deletes a checkpoint file by file: what looks torn may be on its way out. Let it
+            # settle, then judge only if nothing moved.
+            time.sleep(settle)
+        if not os.path.isdir(path) or not committed(path):
+            return Outcome("deleted", reason="removed while it was being verified")
+        if files_fingerprint(path) != before:
+            # Not a verdict on anything: the files verified are not the files there now.
+            return Outcome("changed", reason="its files changed while it was being verified")
+        write_stamp(path, report, step=step, fingerprint=before)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return Outcome("deleted", reason="removed while it was being verified")
+    except OSError as exc:  # e.g. a read-only run directory: the stamp cannot be written
+        return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
+    return Outcome("verified" if report.passed else "failed", report=report,
+                   seconds=time.perf_counter() - started)

@@ -1,0 +1,157 @@
+"""The verifier process: verifies and stamps checkpoints for a :class:`~ckptverify.runs.background.BackgroundVerifier`
+in another process, so that hashing never contends with the training process for its interpreter lock.
+:class:`VerifierProcess` is the training process's side; :func:`main` the verifier's:
+
+    python -m ckptverify.runs.verify_worker
+
+Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``; the
+parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
+:class:`~ckptverify.runs.verification.Verification` per line on the standard output it was started with; anything
+else printed goes to standard error. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
+ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch.
+Ends at the end of its input (its parent closed the pipe, or died).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from ckptverify.runs.verification import Verification, from_outcome
+
+__all__ = ["PRIORITIES", "PRIORITY_ENV", "VerifierProcess", "lower_priority", "main", "serve"]
+
+#: CPU priority of a verification: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
+PRIORITIES = ("idle", "low", "normal")
+#: The priority the verifier process gives itself (set by its parent).
+PRIORITY_ENV = "CKPTVERIFY_VERIFY_PRIORITY"
+
+
+def serve(requests: Any, replies: Any) -> None:
+    """Answer every request line of ``requests`` with one line on ``replies``."""
+    from ckptverify.runs.stamper import stamp_locked
+
+    for line in requests:
+        try:
+            req = json.loads(line)
+            path, step, deep = str(req["path"]), req.get("step"), bool(req.get("deep"))
+        except (ValueError, KeyError, TypeError) as exc:
+            replies.write(json.dumps({"protocol_error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            replies.flush()
+            continue
+        try:
+            outcome = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
+                                   settle=float(req.get("settle", 1.0)))
+            result = from_outcome(path, step, deep, outcome)
+        except Exception as exc:  # one request's failure is its result; the process serves the next one
+            result = Verification(path=path, step=step, verdict="unverified", deep=deep,
+                                  reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
+        replies.write(json.dumps(result.to_dict(), default=str) + "\n")
+        replies.flush()
+
+
+def main() -> int:
+    priority = os.environ.get(PRIORITY_ENV, "idle")
+    lower_priority(priority if priority in PRIORITIES else "idle", whole_process=True)
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints cannot corrupt the replies
+    serve(sys.stdin, replies)
+    return 0
+
+
+class VerifierProcess:
+    """The verifier process (:mod:`~ckptverify.runs.verify_worker`), started on first use and again after it
+    died; one request at a time, from the worker thread."""
+
+    def __init__(self, priority: str) -> None:
+        self.priority = priority
+        self._proc: subprocess.Popen[str] | None = None
+
+    def _start(self) -> subprocess.Popen[str]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        import ckptverify
+
+        # The same ckptverify as this process's, wherever it was imported from.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(ckptverify.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env[PRIORITY_ENV] = self.priority
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1)
+        return self._proc
+
+    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float) -> Verification:
+        request = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle}
+        try:
+            proc = self._start()
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except OSError as exc:  # could not start it, or it died as the request went out
+            self.kill()
+            return Verification(path=path, step=step, verdict="unverified", deep=deep,
+                                reason=f"the verifier process failed: {type(exc).__name__}: {exc}")
+        try:
+            data = json.loads(line) if line else None
+            result = Verification.from_dict(data) if isinstance(data, dict) else None
+        except (ValueError, TypeError):
+            result = None
+        if result is None:
+            self.kill()
+            code = proc.poll()
+            return Verification(path=path, step=step, verdict="unverified", deep=deep,
+                                reason=f"the verifier process ended without an answer (exit code {code})")
+        return result
+
+    def close(self) -> None:
+        """Let the process end (end of its input), or end it."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> int | None:
+        """End the process now; its exit code."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+        return code
+
+
+def lower_priority(priority: str, *, whole_process: bool = False) -> None:
+    """Lower the CPU priority of the calling thread (Linux schedules threads one by one; elsewhere only with
+    ``whole_process``, where the process is lowered, as the verifier process lowers itself)."""
+    linux = sys.platform.startswith("linux")
+    if priority == "normal" or not (linux or whole_process):
+        return
+    if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (this process's only)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if linux else 0, 19)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
