@@ -227,10 +227,10 @@ class Verifier:
             verdict = self._dispatch(root, step, self.fingerprint if fingerprint is None else fingerprint)
         verdict = self._agree(verdict, group)
         if not verdict.passed:
-            if group.coordinator:
-                warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=3)
             if self.on_failure == "raise":
                 raise CheckpointRefusedError(f"checkpoint saved at {verdict.message}", verdict.report)
+            if group.coordinator:
+                warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=3)
         return verdict
 
     def before_resume(self, path: str | os.PathLike[str], *, group: Group = Group()) -> Verdict:
