@@ -93,7 +93,8 @@ def main() -> None:
               f"{os.cpu_count()} CPUs; best of {args.repeats}")
         t_save = best(lambda: torch.save(sd, file), clear, args.repeats)
         t_check = best(lambda: verifier.after_save(file, step=1), written_file, args.repeats)
-        print(f"torch.save file      save {t_save:7.3f} s   check {t_check:7.3f} s   check/save {t_check / t_save:5.2f}")
+        print(f"torch.save file      save {t_save:7.3f} s   check {t_check:7.3f} s   "
+              f"check/save {t_check / t_save:5.2f}")
         d_save = best(lambda: dcp.save(sd, checkpoint_id=folder), clear, args.repeats)
         d_check = best(lambda: verifier.after_save(folder, step=1), written_dcp, args.repeats)
         print(f"DCP (DCP's writer)   save {d_save:7.3f} s   check {d_check:7.3f} s   check/save {d_check / d_save:5.2f}"
