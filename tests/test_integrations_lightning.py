@@ -181,8 +181,15 @@ def test_top_k_retention_removes_the_stamp_beside_a_removed_checkpoint(tmp_path:
     assert read_stamp(tmp_path / "step=4.ckpt").passed  # type: ignore[union-attr]
 
 
-def test_the_strategy_is_left_as_it_was_after_fit(tmp_path: Path) -> None:
+def test_the_strategy_is_left_as_it_was_after_fit_and_after_a_refused_resume(tmp_path: Path) -> None:
     trainer, _ = fit(tmp_path, VerifyCheckpoints())
+    for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
+        assert name not in vars(trainer.strategy), name
+    (tmp_path / "not-a-checkpoint.ckpt").write_bytes(b"junk")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[VerifyCheckpoints()])
+    with pytest.raises(CheckpointRefusedError, match=r"not-a-checkpoint\.ckpt"):
+        trainer.fit(Regressor(), ckpt_path=tmp_path / "not-a-checkpoint.ckpt")
     for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
         assert name not in vars(trainer.strategy), name
 

@@ -92,7 +92,7 @@ def test_resume_skips_a_flipped_newest_checkpoint_with_a_warning_naming_its_file
     for result in results:
         entry = result["load_newest"]
         assert entry["error"] is None and entry["loaded"] is True, entry
-        assert result["restored_step"]["-1"] == 2  # step-4 fails: step-2 was loaded
+        assert result["restored_step"]["sync-1"] == 2  # step-4 fails: step-2 was loaded
     (warned,) = results[0]["load_newest"]["warnings"]
     assert "step-4 fails verification" in warned and results[0]["fault"] in warned
     assert any(e["path"].endswith("step-4") for e in read_events(out / "sync", "resume-refused"))
@@ -104,7 +104,7 @@ def test_loading_a_flipped_checkpoint_by_step_is_refused_before_anything_is_load
         entry = result["load_4"]
         assert entry["error"] is not None and entry["error"]["type"] == "CheckpointRefusedError", entry
         assert "refusing to resume" in entry["error"]["message"] and result["fault"] in entry["error"]["message"]
-        assert result["untouched"]["4"] is True and result["restored_step"]["4"] == 0
+        assert result["untouched"]["sync4"] is True and result["restored_step"]["sync4"] == 0
 
 
 def test_loading_a_clean_checkpoint_restores_it_with_no_warning(job: Any) -> None:
@@ -112,7 +112,15 @@ def test_loading_a_clean_checkpoint_restores_it_with_no_warning(job: Any) -> Non
     for result in results:
         entry = result["load_2"]
         assert entry["error"] is None and entry["warnings"] == [] and entry["loaded"] is True, entry
-        assert result["restored_step"]["2"] == 2 and result["untouched"]["2"] is False
+        assert result["restored_step"]["sync2"] == 2 and result["untouched"]["sync2"] is False
+
+
+def test_resume_is_refused_when_no_checkpoint_verifies(job: Any) -> None:
+    _, results = job
+    for result in results:
+        entry = result["load_damaged_newest"]
+        assert entry["error"] is not None and "none of the 1 checkpoint(s)" in entry["error"]["message"], entry
+        assert result["untouched"]["damaged-1"] is True and result["restored_step"]["damaged-1"] == 0
 
 
 @pytest.mark.slow
@@ -123,6 +131,6 @@ def test_two_ranks_save_verify_and_refuse_together(tmp_path: Path) -> None:
     for result in results:
         assert result["damaged"]["error"]["type"] == "CheckpointRefusedError"
         assert result["load_4"]["error"]["type"] == "CheckpointRefusedError"
-        assert result["untouched"]["4"] is True
-        assert result["restored_step"] == {"-1": 2, "4": 0, "2": 2}
+        assert result["untouched"]["sync4"] is True
+        assert result["restored_step"] == {"sync-1": 2, "sync4": 0, "sync2": 2, "damaged-1": 0}
     assert results[1]["load_newest"]["warnings"] == []  # warned once, by rank 0

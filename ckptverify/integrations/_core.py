@@ -164,6 +164,11 @@ def _failed(path: str, why: str, step: int | None = None, seconds: float = 0.0) 
                    seconds=round(seconds, 6))
 
 
+def _why(exc: Exception) -> str:
+    """What stopped a verification: the message of a ckptverify error, the type too for anything else."""
+    return str(exc) if isinstance(exc, CkptVerifyError) else f"the check stopped: {type(exc).__name__}: {exc}"
+
+
 def _is_dcp_dir(path: str) -> bool:
     from ckptverify.formats.rundir import dir_format
 
@@ -270,8 +275,8 @@ class Verifier:
             fp_note = self._fingerprint(root) if fingerprint and _is_dcp_dir(root) else None
             before = files_fingerprint(root)
             report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
-        except CkptVerifyError as exc:
-            verdict = _failed(root, str(exc), step, time.perf_counter() - started)
+        except Exception as exc:  # whatever stops the check, training is told, not killed
+            verdict = _failed(root, _why(exc), step, time.perf_counter() - started)
             self._emit(root, "checkpoint-failed", verdict, 0)
             return verdict
         stamp: str | None = None
@@ -312,8 +317,8 @@ class Verifier:
             return _failed(root, "ckptverify verifies checkpoints on a local file system only")
         try:
             report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
-        except CkptVerifyError as exc:
-            return _failed(root, str(exc), seconds=time.perf_counter() - started)
+        except Exception as exc:  # a resume that cannot be checked is refused, with why
+            return _failed(root, _why(exc), seconds=time.perf_counter() - started)
         return _verdict(root, report, None, time.perf_counter() - started, None)
 
     def _emit(self, root: str, event: str, verdict: Verdict, rank: int, **extra: Any) -> None:

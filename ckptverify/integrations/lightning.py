@@ -107,6 +107,10 @@ class VerifyCheckpoints(Callback):
         with contextlib.suppress(AttributeError):
             delattr(trainer.strategy, _WRAPPED)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning skips the teardown hooks when a run stops on an exception (a refused resume, for one).
+        self.teardown(trainer, pl_module, "exception")
+
     # -- wrappers
     def _wrap(self, obj: Any, name: str, replacement: Any) -> None:
         self._restore.append((obj, name, vars(obj).get(name, _ABSENT)))

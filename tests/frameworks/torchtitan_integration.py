@@ -7,7 +7,7 @@
 3. ``damaged``: storage that flips one bit of ``step-2`` right after it is written, ``verify_on_failure="raise"``,
    into ``OUT/damaged/``;
 4. ``fallback``: rank 0 flips one bit of ``OUT/sync/step-4``; a fresh manager's ``load()`` (newest) and
-   ``load(step=4)``; then ``load(step=2)``.
+   ``load(step=4)``; then ``load(step=2)``; then ``load()`` of ``OUT/damaged``, whose only checkpoint fails.
 
 Each rank writes ``OUT/rank{R}.json``: per stage the verdicts, ckptverify's warnings, the error that stopped it,
 the train state's step and whether the model kept its weights.
@@ -137,16 +137,16 @@ def job(rank: int, world: int, out: Path) -> None:
             manager.close()
         return None
 
-    def load(step: int) -> Any:
+    def load(step: int, folder: str = "sync") -> Any:
         def run() -> dict[str, Any]:
-            model, *_, train_state, manager = build(world, out / "sync")
+            model, *_, train_state, manager = build(world, out / folder)
             before = weights(model)
             try:
                 loaded = manager.load(step=step)
             finally:
-                result.setdefault("untouched", {})[str(step)] = all(
+                result.setdefault("untouched", {})[f"{folder}{step}"] = all(
                     torch.equal(p, q) for p, q in zip(weights(model), before, strict=True))
-                result.setdefault("restored_step", {})[str(step)] = train_state.step
+                result.setdefault("restored_step", {})[f"{folder}{step}"] = train_state.step
                 manager.close()
             return {"loaded": loaded}
         return run
@@ -160,6 +160,7 @@ def job(rank: int, world: int, out: Path) -> None:
     stage(result, "load_newest", load(-1))
     stage(result, "load_4", load(4))
     stage(result, "load_2", load(2))
+    stage(result, "load_damaged_newest", load(-1, "damaged"))
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
