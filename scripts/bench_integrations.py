@@ -2,14 +2,16 @@
 """What checking a checkpoint right after a framework saved it costs, against the save itself.
 
 Every framework integration (``ckptverify.integrations``) calls the same :meth:`Verifier.after_save` after the
-framework's save returns. This times it for the three ways a framework's checkpoint reaches it, on a model of
+framework's save returns. This times it for the ways a framework's checkpoint reaches it, on a model of
 ``--size-mib`` MiB of float32 weights plus AdamW's two moments (three times that on disk), each against its
-baseline save, measured in the same run:
+baseline save, measured in the same run, with ``fingerprint="auto"`` (the default) and ``fingerprint=True``:
 
-- ``torch.save`` file (Lightning ``.ckpt``; accelerate and transformers write the same archives): baseline
-  ``torch.save``; check = verify (every record's CRC-32) + stamp;
-- DCP folder written by DCP's own writer (Lightning ``ModelParallelStrategy``): baseline ``dcp.save``; check =
-  fingerprint (manifest) + verify against it + stamp, two reads of the checkpoint;
+- ``torch.save`` file (Lightning ``.ckpt``): baseline ``torch.save``; every byte is under a CRC-32, so "auto"
+  verifies and stamps, and True writes a manifest beside the file first;
+- a Hugging Face style folder (transformers ``checkpoint-N``, accelerate ``save_state``): weights in
+  ``model.safetensors`` (no checksum), moments in ``optimizer.pt``; baseline: writing both; "auto" fingerprints
+  it (the weights could never be checked otherwise);
+- DCP folder written by DCP's own writer (Lightning ``ModelParallelStrategy``): baseline ``dcp.save``;
 - DCP folder written through ckptverify's hashing writer (torchtitan ``VerifiedCheckpointManager``): baseline
   ``dcp.save``; figure = (hashing save + verify + stamp) / plain save.
 
@@ -58,6 +60,7 @@ def best(fn: Callable[[], object], prepare: Callable[[], object], repeats: int) 
 
 def main() -> None:
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
 
     from ckptverify.integrations import Verifier
     from ckptverify.saving import save
@@ -67,42 +70,50 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     sd = state(args.size_mib)
+    weights = {k: v for k, v in sd.items() if k.startswith("model.")}
+    moments = {k: v for k, v in sd.items() if not k.startswith("model.")}
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     root = tempfile.mkdtemp(prefix="bench-integrations-")
-    verifier = Verifier(events_dir=root)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    file = os.path.join(root, "step=1.ckpt")
-    folder = os.path.join(root, "step-1")
+    target = os.path.join(root, "step-1")
 
     def clear() -> None:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)
         for name in os.listdir(root):
-            if name.startswith("step=1.ckpt"):
+            if name.startswith("step-1"):
                 os.unlink(os.path.join(root, name))
 
-    def written_file() -> None:
-        clear()
-        torch.save(sd, file)
+    def save_file_ckpt() -> None:
+        torch.save(sd, target)
 
-    def written_dcp() -> None:
-        clear()
-        dcp.save(sd, checkpoint_id=folder)
+    def save_folder() -> None:
+        os.makedirs(target, exist_ok=True)
+        save_file(weights, os.path.join(target, "model.safetensors"))
+        torch.save(moments, os.path.join(target, "optimizer.pt"))
+
+    def save_dcp() -> None:
+        dcp.save(sd, checkpoint_id=target)
+
+    def written(fn: Callable[[], None]) -> Callable[[], None]:
+        return lambda: (clear(), fn())
 
     try:
         print(f"state: {nbytes / 2**20:.0f} MiB ({len(sd)} tensors); load average {os.getloadavg()[0]:.1f}; "
               f"{os.cpu_count()} CPUs; best of {args.repeats}")
-        t_save = best(lambda: torch.save(sd, file), clear, args.repeats)
-        t_check = best(lambda: verifier.after_save(file, step=1), written_file, args.repeats)
-        print(f"torch.save file      save {t_save:7.3f} s   check {t_check:7.3f} s   "
-              f"check/save {t_check / t_save:5.2f}")
-        d_save = best(lambda: dcp.save(sd, checkpoint_id=folder), clear, args.repeats)
-        d_check = best(lambda: verifier.after_save(folder, step=1), written_dcp, args.repeats)
-        print(f"DCP (DCP's writer)   save {d_save:7.3f} s   check {d_check:7.3f} s   check/save {d_check / d_save:5.2f}"
-              "   (fingerprint + verify)")
-        h_all = best(lambda: (save(sd, folder), verifier.after_save(folder, step=1, fingerprint=False)), clear,
+        for label, fn in (("torch.save file", save_file_ckpt), ("safetensors folder", save_folder),
+                          ("DCP (DCP's writer)", save_dcp)):
+            t_save = best(fn, clear, args.repeats)
+            for mode in ("auto", True):
+                verifier = Verifier(events_dir=root, fingerprint=mode)
+                t_check = best(lambda v=verifier: v.after_save(target, step=1), written(fn), args.repeats)
+                print(f"{label:20s} save {t_save:7.3f} s   fingerprint={mode!s:5s} check {t_check:7.3f} s   "
+                      f"check/save {t_check / t_save:6.2f}")
+        d_save = best(save_dcp, clear, args.repeats)
+        verifier = Verifier(events_dir=root)
+        h_all = best(lambda: (save(sd, target), verifier.after_save(target, step=1, fingerprint=False)), clear,
                      args.repeats)
-        print(f"DCP (hashing writer) save+check {h_all:7.3f} s   against plain dcp.save {d_save:7.3f} s   "
-              f"ratio {h_all / d_save:5.2f}")
+        print(f"DCP (hashing writer) save + check {h_all:7.3f} s   against plain dcp.save {d_save:7.3f} s   "
+              f"ratio {h_all / d_save:6.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -30,9 +30,9 @@ def test_bad_arguments_are_refused() -> None:
 @pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
 def test_a_resave_into_the_same_folder_replaces_the_stale_manifest_and_passes(tmp_path: Path) -> None:
     folder = tmp_path / "last.ckpt"
-    verifier = Verifier()
+    verifier = Verifier()  # fingerprint="auto": a manifest present is replaced
     dcp.save({"w": torch.zeros(64, 64)}, checkpoint_id=folder)
-    first = verifier.after_save(folder, step=1)
+    first = verifier.after_save(folder, step=1, fingerprint=True)
     digest = read_manifest(str(folder)).items[0].digest
     dcp.save({"w": torch.ones(64, 64)}, checkpoint_id=folder)  # the framework overwrites its "last" checkpoint
     with warnings.catch_warnings():
@@ -45,12 +45,28 @@ def test_a_resave_into_the_same_folder_replaces_the_stale_manifest_and_passes(tm
     assert [e["step"] for e in read_events(tmp_path, "checkpoint-verified")] == [1, 2]
 
 
-def test_without_fingerprint_a_dcp_folder_is_verified_by_its_crcs_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fingerprint", [False, "auto"])
+def test_a_dcp_folder_is_verified_by_its_crcs_alone_unless_a_manifest_is_asked_for(tmp_path: Path,
+                                                                                   fingerprint: object) -> None:
     folder = tmp_path / "step-1"
     dcp.save({"w": torch.randn(64, 64)}, checkpoint_id=folder)
-    verdict = Verifier(fingerprint=False).after_save(folder, step=1)
+    verdict = Verifier(fingerprint=fingerprint).after_save(folder, step=1)  # type: ignore[arg-type]
     assert verdict.passed and not verdict.manifest and not (folder / MANIFEST_FILE).exists()
     assert any(c["check"] == "zip-crc" and c["count"] > 0 for c in verdict.coverage)
+
+
+def test_auto_fingerprints_content_no_checksum_protects(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    save_file({"w": torch.randn(64, 64)}, str(folder / "model.safetensors"))
+    torch.save({"step": torch.tensor(1)}, folder / "optimizer.pt")
+    verdict = Verifier().after_save(folder, step=1)
+    assert verdict.passed and verdict.manifest and verdict.unchecked == (), verdict
+    assert (folder / MANIFEST_FILE).is_file()
+    with pytest.raises(UsageError, match="fingerprint"):
+        Verifier(fingerprint="always")  # type: ignore[arg-type]
 
 
 def test_a_checkpoint_that_cannot_be_verified_fails_at_save_and_is_refused_at_resume(tmp_path: Path) -> None:

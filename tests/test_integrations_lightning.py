@@ -26,6 +26,7 @@ from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  #
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from ckptverify.adopt import file_manifest_path  # noqa: E402
 from ckptverify.errors import CheckpointRefusedError, UsageError  # noqa: E402
 from ckptverify.events import read_events  # noqa: E402
 from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
@@ -101,6 +102,8 @@ def test_every_saved_checkpoint_carries_a_current_passed_stamp_and_no_warning(tm
         assert stamp is not None and stamp.passed and stamp.current, stamp
         assert stamp.step == step
         assert stamp.data["bytes_checked"] == ckpt.stat().st_size
+        # every byte of a .ckpt is under a CRC-32: no manifest unless asked (fingerprint=True)
+        assert not stamp.data["manifest"] and not os.path.exists(file_manifest_path(str(ckpt)))
     assert [v.path for v in verify.verdicts] == [str(tmp_path / "step=2.ckpt"), str(tmp_path / "step=4.ckpt")]
     for verdict in verify.verdicts:
         crc = [c for c in verdict.coverage if c["check"] == "zip-crc"]
@@ -174,10 +177,14 @@ def test_async_checkpoint_io_damage_is_caught_in_the_writing_thread(tmp_path: Pa
     assert stamp is not None and not stamp.passed
 
 
-def test_top_k_retention_removes_the_stamp_beside_a_removed_checkpoint(tmp_path: Path) -> None:
-    fit(tmp_path, VerifyCheckpoints(), top_k=1)
+def test_top_k_retention_removes_the_stamp_and_manifest_beside_a_removed_checkpoint(tmp_path: Path) -> None:
+    verify = VerifyCheckpoints(fingerprint=True)
+    fit(tmp_path, verify, top_k=1)
+    assert [v.manifest for v in verify.verdicts] == [True, True]  # checked against the manifest beside
+    assert os.path.isfile(file_manifest_path(str(tmp_path / "step=4.ckpt")))
     assert not (tmp_path / "step=2.ckpt").exists()
     assert not os.path.exists(stamp_path(tmp_path / "step=2.ckpt"))
+    assert not os.path.exists(file_manifest_path(str(tmp_path / "step=2.ckpt")))
     assert read_stamp(tmp_path / "step=4.ckpt").passed  # type: ignore[union-attr]
 
 

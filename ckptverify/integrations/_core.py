@@ -1,9 +1,11 @@
 """What every framework integration shares: check a checkpoint the framework has just written, and one it is
 about to load.
 
-After a save (:meth:`Verifier.after_save`), on the coordinator: a DCP checkpoint is fingerprinted (its manifest
-written, :func:`~ckptverify.adopt.fingerprint_checkpoint`), then the checkpoint is verified
-(:func:`~ckptverify.verify.verify_checkpoint`, against that manifest), its stamp written
+After a save (:meth:`Verifier.after_save`), on the coordinator: the checkpoint is verified
+(:func:`~ckptverify.verify.verify_checkpoint`); when it holds content no checksum protects (safetensors weights),
+or always with ``fingerprint=True``, it is fingerprinted (its manifest written,
+:func:`~ckptverify.adopt.fingerprint_checkpoint`: inside a folder, beside a single file) and verified against that
+manifest; then its stamp is written
 (:func:`~ckptverify.runs.stamp.write_stamp`) and one event appended to ``events.jsonl``
 (:class:`~ckptverify.events.EventLog`). A failure is a :class:`CheckpointVerificationWarning` and a
 ``checkpoint-failed`` event, and with ``on_failure="raise"`` a
@@ -40,6 +42,7 @@ from ckptverify.findings import Report
 __all__ = ["ON_FAILURE", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "torch_group"]
 
 OnFailure = Literal["warn", "raise"]
+Fingerprint = bool | Literal["auto"]
 ON_FAILURE: tuple[str, ...] = ("warn", "raise")
 #: Errors carried by a verdict (and broadcast to every rank): the first few are enough to act on.
 _MAX_ERRORS = 5
@@ -164,20 +167,18 @@ def _failed(path: str, why: str, step: int | None = None, seconds: float = 0.0) 
                    seconds=round(seconds, 6))
 
 
+def _has_manifest(root: str) -> bool:
+    from ckptverify.adopt import file_manifest_path
+    from ckptverify.manifest import MANIFEST_FILE
+
+    if os.path.isdir(root) and not os.path.islink(root):
+        return os.path.lexists(os.path.join(root, MANIFEST_FILE))
+    return os.path.lexists(file_manifest_path(root))
+
+
 def _why(exc: Exception) -> str:
     """What stopped a verification: the message of a ckptverify error, the type too for anything else."""
     return str(exc) if isinstance(exc, CkptVerifyError) else f"the check stopped: {type(exc).__name__}: {exc}"
-
-
-def _is_dcp_dir(path: str) -> bool:
-    from ckptverify.formats.rundir import dir_format
-
-    if not os.path.isdir(path) or os.path.islink(path):
-        return False
-    try:
-        return dir_format(os.listdir(path)) == "dcp"
-    except OSError:
-        return False
 
 
 class Verifier:
@@ -187,16 +188,20 @@ class Verifier:
         on_failure: ``"warn"`` (a warning and an event; training goes on) or ``"raise"`` (also
             :class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a saved checkpoint fails.
             A checkpoint that fails before a load is always refused.
-        fingerprint: write a manifest for DCP checkpoints right after they are saved, so later verifications
-            check every byte against digests taken now (not only CRC-32). Other formats are verified by their
-            own checksums; ckptverify writes no manifest for them yet.
+        fingerprint: write a manifest right after a save (inside a checkpoint folder, beside a single file), so
+            that later verifications check every byte against digests taken now. ``"auto"`` (default): only
+            when the checkpoint holds content no checksum protects (safetensors weights, DCP items without
+            CRC-32), which nothing else could check later; elsewhere every byte is already under a CRC-32, and
+            the manifest's logical tensor fingerprints cost far more than the save (``docs/integrations.md``,
+            Cost). ``True``: always (the manifest then also serves ``verify --deep`` and ``diff``). ``False``:
+            never.
         background: reserved for the background verifier; refused in this version.
         deep: also rebuild every tensor and compare its logical fingerprint with the manifest's.
         jobs: verification threads (default: one per core).
         events_dir: where ``events.jsonl`` goes (default: the folder that holds the checkpoint).
     """
 
-    def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: bool = True, background: bool = False,
+    def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
                  deep: bool = False, jobs: int | None = None,
                  events_dir: str | os.PathLike[str] | None = None) -> None:
         if on_failure not in ON_FAILURE:
@@ -208,16 +213,18 @@ class Verifier:
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
         self.on_failure: OnFailure = on_failure
-        self.fingerprint = bool(fingerprint)
+        if fingerprint not in (True, False, "auto"):
+            raise UsageError(f"fingerprint must be True, False or 'auto', got {fingerprint!r}")
+        self.fingerprint: Fingerprint = fingerprint
         self.deep = bool(deep)
         self.jobs = jobs
         self.events_dir = None if events_dir is None else os.fspath(events_dir)
         # The one place a saved checkpoint is handed over: inline now; the background verifier takes it here.
-        self._dispatch: Callable[[str, int | None, bool], Verdict] = self._check_saved
+        self._dispatch: Callable[[str, int | None, Fingerprint], Verdict] = self._check_saved
 
     # -- the two entry points
     def after_save(self, path: str | os.PathLike[str], *, step: int | None = None, group: Group = Group(),
-                   fingerprint: bool | None = None) -> Verdict:
+                   fingerprint: Fingerprint | None = None) -> Verdict:
         """Check the checkpoint just written at ``path`` (every rank calls this; the coordinator checks).
 
         ``fingerprint``: override the verifier's setting for this save (``False`` when the checkpoint was
@@ -262,9 +269,9 @@ class Verifier:
         return verdict
 
     # -- coordinator side
-    def _check_saved(self, root: str, step: int | None, fingerprint: bool) -> Verdict:
+    def _check_saved(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verdict:
         from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
-        from ckptverify.verify import verify_checkpoint
+        from ckptverify.verify import UNCHECKABLE, verify_checkpoint
 
         started = time.perf_counter()
         if "://" in root:
@@ -272,9 +279,17 @@ class Verifier:
             self._emit(root, "checkpoint-failed", verdict, 0)
             return verdict
         try:
-            fp_note = self._fingerprint(root) if fingerprint and _is_dcp_dir(root) else None
+            # A manifest already here (fingerprint=False aside: the hashing writer's own) is a former save's.
+            stale = fingerprint == "auto" and _has_manifest(root)
+            fp_note = self._fingerprint(root) if fingerprint is True or stale else None
             before = files_fingerprint(root)
             report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
+            if fingerprint == "auto" and report.passed and not report.stats.get("manifest") \
+                    and any(f.check == UNCHECKABLE for f in report.findings):
+                # Content nothing could check now, or ever after, without digests of it as it was just written.
+                fp_note = self._fingerprint(root)
+                before = files_fingerprint(root)
+                report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
         except Exception as exc:  # whatever stops the check, training is told, not killed
             verdict = _failed(root, _why(exc), step, time.perf_counter() - started)
             self._emit(root, "checkpoint-failed", verdict, 0)
@@ -299,13 +314,16 @@ class Verifier:
         return verdict
 
     def _fingerprint(self, root: str) -> str:
-        """Write the manifest of the DCP checkpoint just saved at ``root`` (replacing one a former save into the
-        same folder left: it describes bytes that are gone). Returns what happened, for the event."""
+        """Write the manifest of the checkpoint just saved at ``root`` (replacing one a former save into the same
+        place left: it describes bytes that are gone). Content no checksum protects (safetensors weights) is
+        adopted as it was just written: from now on the manifest protects it. Returns what happened, for the
+        event; a refusal is no failure by itself (the verification that follows judges the checkpoint)."""
         from ckptverify.adopt import fingerprint_checkpoint
 
-        report, manifest = fingerprint_checkpoint(root, force=True, jobs=self.jobs)
+        report, manifest = fingerprint_checkpoint(root, force=True, jobs=self.jobs, trust_uncheckable=True)
         if manifest is not None:
-            return f"manifest written: {len(manifest.items)} items, {len(manifest.files)} files"
+            return (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
+                    f"{len(manifest.tensors)} tensors")
         refusal = next((f for f in report.findings if f.check == "fingerprint-refused"), None)
         return f"no manifest: {refusal.message if refusal else 'refused'}"
 

@@ -24,9 +24,10 @@ save (once every process has written its ``random_states_R.pkl``) and before the
 
 ``events.jsonl`` goes to ``accelerator.project_dir`` when there is one (never into ``checkpoints/``, whose
 every entry accelerate reads as a checkpoint), else beside the checkpoint folder. Weights saved as
-``model.safetensors`` carry no checksum and ckptverify writes no manifest for a folder of files yet: verdicts
-name them as unchecked; ``optimizer.bin``, ``scheduler.bin`` and ``random_states_R.pkl`` are ``torch.save``
-archives whose every record's CRC-32 is checked.
+``model.safetensors`` carry no checksum: with ``fingerprint="auto"`` (the default) the folder gets a manifest
+right after the save, which every later verification (and :func:`load_state`) checks them against;
+``optimizer.bin``, ``scheduler.bin`` and ``random_states_R.pkl`` are ``torch.save`` archives whose every
+record's CRC-32 is checked.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import re
 from typing import Any
 
 from ckptverify.errors import CheckpointRefusedError, UsageError
-from ckptverify.integrations._core import Group, OnFailure, Verdict, Verifier
+from ckptverify.integrations._core import Fingerprint, Group, OnFailure, Verdict, Verifier
 
 __all__ = ["load_state", "save_state"]
 
@@ -44,7 +45,7 @@ _LAST_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")
 
 
 def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None, *,
-               on_failure: OnFailure = "warn", fingerprint: bool = True, background: bool = False,
+               on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
                deep: bool = False, jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None,
                step: int | None = None, **save_kwargs: Any) -> Verdict:
     """``accelerator.save_state(output_dir, **save_kwargs)``, then verify, stamp and log the folder it wrote.

@@ -19,12 +19,14 @@ methods of the trainer's strategy object, and in ``teardown`` puts them back. Th
 changed, so any strategy works: the default single device one (``.ckpt`` files), DDP, and
 ``ModelParallelStrategy``/``FSDPStrategy`` with distributed checkpoints (a DCP folder with ``meta.pt``).
 
-- After ``save_checkpoint``: the coordinator (global rank 0) fingerprints a DCP folder, verifies, stamps
-  (inside a folder; beside a ``.ckpt`` file as ``NAME.ckpt.ckptverify.verified.json``) and logs to
+- After ``save_checkpoint``: the coordinator (global rank 0) verifies (with ``fingerprint=True``, after writing
+  the manifest: inside a DCP folder, beside a ``.ckpt`` file), stamps (inside a folder; beside a ``.ckpt`` file as
+  ``NAME.ckpt.ckptverify.verified.json``) and logs to
   ``events.jsonl`` in the checkpoint's folder; the verdict is broadcast, so with ``on_failure="raise"`` every
   rank raises :class:`~ckptverify.errors.CheckpointRefusedError`.
 - Before ``load_checkpoint``: the checkpoint is verified (read only) and refused on every rank when it fails.
-- ``remove_checkpoint`` (``save_top_k`` retention) also removes the stamp kept beside a ``.ckpt`` file.
+- ``remove_checkpoint`` (``save_top_k`` retention) also removes the stamp and manifest kept beside a ``.ckpt``
+  file.
 - With ``AsyncCheckpointIO`` the file is written in a thread after ``save_checkpoint`` returns: the check then
   runs in that thread, right after the write, and a failure raised there surfaces (as Lightning's async plugin
   does for any error) at the next save or at teardown.
@@ -43,7 +45,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
-from ckptverify.integrations._core import Group, OnFailure, Verdict, Verifier
+from ckptverify.integrations._core import Fingerprint, Group, OnFailure, Verdict, Verifier
 
 __all__ = ["VerifyCheckpoints"]
 
@@ -59,14 +61,15 @@ class VerifyCheckpoints(Callback):
             and a ``checkpoint-failed`` event) or ``"raise"`` (also stop training with
             :class:`~ckptverify.errors.CheckpointRefusedError`) when a saved checkpoint fails verification.
         verify_resume: refuse a ``ckpt_path`` that fails verification (default ``True``).
-        fingerprint: write a manifest into each DCP checkpoint folder right after it is saved.
         background: reserved for background verification; refused in this version.
-        deep, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
+        fingerprint, deep, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``fingerprint``
+            ``"auto"``: a ``.ckpt`` file or a DCP folder, every byte under a CRC-32, gets no manifest unless
+            ``fingerprint=True``).
 
     ``verdicts`` lists the verdicts of the saves checked so far (on every rank).
     """
 
-    def __init__(self, *, on_failure: OnFailure = "warn", verify_resume: bool = True, fingerprint: bool = True,
+    def __init__(self, *, on_failure: OnFailure = "warn", verify_resume: bool = True, fingerprint: Fingerprint = "auto",
                  background: bool = False, deep: bool = False, jobs: int | None = None,
                  events_dir: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
@@ -170,14 +173,16 @@ class VerifyCheckpoints(Callback):
         return load_checkpoint
 
     def _removing(self, trainer: pl.Trainer, remove: Any) -> Any:
+        from ckptverify.adopt import file_manifest_path
         from ckptverify.runs.stamp import stamp_path
 
         def remove_checkpoint(filepath: Any) -> None:
             path = os.fspath(filepath)
-            beside = stamp_path(path) if os.path.isfile(path) else None
+            beside = (stamp_path(path), file_manifest_path(path)) if os.path.isfile(path) else ()
             remove(filepath)
-            if beside is not None and trainer.is_global_zero and not os.path.lexists(path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(beside)
+            if trainer.is_global_zero and not os.path.lexists(path):
+                for name in beside:  # ckptverify's own files, kept beside a single-file checkpoint
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)
 
         return remove_checkpoint

@@ -19,9 +19,11 @@ comes after the weights, optimizer and scheduler are loaded. So the check is mad
 fail, each a warning and a ``resume-refused`` event), ``None`` when there is none to resume from, and raises
 when there are some but none verifies; :func:`verify_before_resume` refuses one given path.
 
-Weights in ``model.safetensors`` carry no checksum, and ckptverify writes no manifest for a folder of files
-yet: a flip in them is not caught. Every verdict names them (``unchecked``); ``optimizer.pt``, ``scheduler.pt``,
-``rng_state.pth`` and ``training_args.bin`` are ``torch.save`` archives whose every record's CRC-32 is checked.
+Weights in ``model.safetensors`` carry no checksum: with ``fingerprint="auto"`` (the default) the folder gets a
+manifest right after the save, which every later verification checks them against (with
+``fingerprint=False`` they are left unchecked, and every verdict names them in ``unchecked``);
+``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` and ``training_args.bin`` are ``torch.save`` archives
+whose every record's CRC-32 is checked.
 
 Hyperparameter search (checkpoints under ``OUTPUT_DIR/run-*``) is not supported: the callback looks for
 ``checkpoint-N`` in ``args.output_dir``.
@@ -37,7 +39,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptverify.errors import CheckpointRefusedError
-from ckptverify.integrations._core import OnFailure, Verdict, Verifier, torch_group
+from ckptverify.integrations._core import Fingerprint, OnFailure, Verdict, Verifier, torch_group
 
 __all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]
 
@@ -55,7 +57,7 @@ class VerifyCheckpointsCallback(TrainerCallback):
     ``verdicts`` lists the verdicts so far.
     """
 
-    def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: bool = True, background: bool = False,
+    def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
                  deep: bool = False, jobs: int | None = None,
                  events_dir: str | os.PathLike[str] | None = None) -> None:
         self.verifier = Verifier(on_failure=on_failure, fingerprint=fingerprint, background=background, deep=deep,

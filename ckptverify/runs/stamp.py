@@ -11,7 +11,8 @@ The stamp is a cache of a verification, not evidence against an attacker who can
 attacker can write a stamp too (``docs/security.md``).
 
 A checkpoint that is a single file (a Lightning ``.ckpt``, a ``torch.save`` file) cannot hold its stamp: it is
-kept beside it, as ``NAME.ckptverify.verified.json`` (:func:`stamp_path`), and fingerprints that one file.
+kept beside it, as ``NAME.ckptverify.verified.json`` (:func:`stamp_path`), fingerprints that one file, and
+digests the manifest kept beside it (``NAME.ckptverify.manifest.json``).
 """
 
 from __future__ import annotations
@@ -98,11 +99,14 @@ def _read(path: str, limit: int) -> bytes | None:
 
 def _manifest_digest(root: str) -> str | None:
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.manifest import MANIFEST_FILE
+    from ckptverify.manifest import MANIFEST_FILE, file_manifest_name
 
-    if not os.path.isdir(root):
-        return None
-    raw = _read(os.path.join(root, MANIFEST_FILE), 256 << 20)
+    if os.path.isdir(root) and not os.path.islink(root):
+        where = os.path.join(root, MANIFEST_FILE)
+    else:  # a single file's manifest is beside it
+        head, base = os.path.split(os.path.abspath(root))
+        where = os.path.join(head, file_manifest_name(base))
+    raw = _read(where, 256 << 20)
     return None if raw is None else digest_bytes(raw)
 
 

@@ -73,7 +73,7 @@ def main() -> None:
     from ckptverify.integrations import CheckpointVerificationWarning
     from ckptverify.integrations.lightning import VerifyCheckpoints
 
-    verify = VerifyCheckpoints(on_failure="raise")
+    verify = VerifyCheckpoints(on_failure="raise", fingerprint=True)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=ModelParallelStrategy(process_group_backend="gloo"),
         max_steps=4 if stage == "save" else 6, logger=False, enable_progress_bar=False, enable_model_summary=False,
