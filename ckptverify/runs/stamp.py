@@ -9,6 +9,10 @@ temporary file, then ``rename``), so a reader sees a whole stamp or none.
 
 The stamp is a cache of a verification, not evidence against an attacker who can write the directory: such an
 attacker can write a stamp too (``docs/security.md``).
+
+A checkpoint that is a single file (a Lightning ``.ckpt``, a ``torch.save`` file) cannot hold its stamp: it is
+kept beside it, as ``NAME.ckptverify.verified.json`` (:func:`stamp_path`), fingerprints that one file, and
+digests the manifest kept beside it (``NAME.ckptverify.manifest.json``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 from ckptverify.findings import Report
 
-__all__ = ["STAMP_FILE", "VERIFYING_LOCK", "Stamp", "files_fingerprint", "read_stamp", "write_stamp"]
+__all__ = ["STAMP_FILE", "VERIFYING_LOCK", "Stamp", "files_fingerprint", "read_stamp", "stamp_path", "write_stamp"]
 
 STAMP_FILE = "ckptverify.verified.json"
 #: Held (``flock``) by whoever is verifying a checkpoint right now; retention skips a locked checkpoint.
@@ -35,15 +39,30 @@ MAX_STAMP_BYTES = 1 << 20
 _IGNORED = frozenset({STAMP_FILE, VERIFYING_LOCK})
 
 
+def stamp_path(checkpoint: str | os.PathLike[str]) -> str:
+    """Where the stamp of ``checkpoint`` lives: inside a directory, beside a single file."""
+    path = os.fspath(checkpoint)
+    if os.path.isdir(path) and not os.path.islink(path):
+        return os.path.join(path, STAMP_FILE)
+    return f"{path}.{STAMP_FILE}"
+
+
 def files_fingerprint(root: str) -> str:
     """xxh3-128 over (relative path, size, mtime_ns, inode) of every file under ``root``, links not followed,
-    the stamp and the verifying lock excluded."""
+    the stamp and the verifying lock excluded; of ``root`` itself when it is not a directory."""
     import xxhash
 
     from ckptverify.formats.rundir import walk_files
 
     h = xxhash.xxh3_128()
     entries: list[str] = []
+    if not os.path.isdir(root) or os.path.islink(root):
+        try:
+            st = os.lstat(root)
+        except OSError:
+            return h.hexdigest()
+        h.update(f"{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+        return h.hexdigest()
     for e, st in walk_files(root):
         rel = os.path.relpath(e.path, root)
         if rel in _IGNORED or e.name.startswith(".ckptverify-stamp-"):
@@ -80,15 +99,21 @@ def _read(path: str, limit: int) -> bytes | None:
 
 def _manifest_digest(root: str) -> str | None:
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.manifest import MANIFEST_FILE
+    from ckptverify.manifest import MANIFEST_FILE, file_manifest_name
 
-    raw = _read(os.path.join(root, MANIFEST_FILE), 256 << 20)
+    if os.path.isdir(root) and not os.path.islink(root):
+        where = os.path.join(root, MANIFEST_FILE)
+    else:  # a single file's manifest is beside it
+        head, base = os.path.split(os.path.abspath(root))
+        where = os.path.join(head, file_manifest_name(base))
+    raw = _read(where, 256 << 20)
     return None if raw is None else digest_bytes(raw)
 
 
 def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | None = None,
                 fingerprint: str | None = None) -> dict[str, Any]:
-    """Write the stamp for ``report`` (a ``verify`` report of ``root``) into ``root``; return what was written.
+    """Write the stamp for ``report`` (a ``verify`` report of ``root``) at :func:`stamp_path`; return what was
+    written.
 
     ``fingerprint``: :func:`files_fingerprint` taken *before* the verification began (default: now). Taking it
     before means a file changed during the verification leaves a stamp that is already stale.
@@ -115,14 +140,15 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         "step": step,
         "checked_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
-    fd, tmp = tempfile.mkstemp(prefix=".ckptverify-stamp-", dir=folder)
+    target = stamp_path(folder)
+    fd, tmp = tempfile.mkstemp(prefix=".ckptverify-stamp-", dir=os.path.dirname(target))
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, default=str)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
-        os.replace(tmp, os.path.join(folder, STAMP_FILE))
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -131,9 +157,9 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
 
 
 def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
-    """The stamp in ``root``, or ``None`` when there is none or it cannot be read as one (never trusted then)."""
+    """The stamp of ``root``, or ``None`` when there is none or it cannot be read as one (never trusted then)."""
     folder = os.fspath(root)
-    raw = _read(os.path.join(folder, STAMP_FILE), MAX_STAMP_BYTES)
+    raw = _read(stamp_path(folder), MAX_STAMP_BYTES)
     if raw is None:
         return None
     try:

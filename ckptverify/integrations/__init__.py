@@ -1,0 +1,22 @@
+"""ckptverify inside the frameworks users train with: verify every checkpoint right after the framework saves it,
+and refuse to resume from one that fails, before the framework loads it.
+
+One module per framework, each importing its framework only when it is itself imported (``import ckptverify``
+never needs one):
+
+- :mod:`ckptverify.integrations.lightning`: ``VerifyCheckpoints``, a PyTorch Lightning ``Callback``;
+- :mod:`ckptverify.integrations.transformers`: ``VerifyCheckpointsCallback`` for the ``Trainer``, and
+  ``verified_resume_checkpoint(output_dir)``;
+- :mod:`ckptverify.integrations.accelerate`: ``save_state`` / ``load_state`` around the ``Accelerator``'s;
+- :mod:`ckptverify.integrations.torchtitan`: ``VerifiedCheckpointManager``, a torchtitan ``CheckpointManager``
+  that saves through ckptverify's hashing writer.
+
+What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`Verdict`,
+:class:`CheckpointVerificationWarning`. See ``docs/integrations.md``.
+"""
+
+from __future__ import annotations
+
+from ckptverify.integrations._core import CheckpointVerificationWarning, Group, Verdict, Verifier, torch_group
+
+__all__ = ["CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "torch_group"]

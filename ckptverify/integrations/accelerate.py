@@ -1,0 +1,138 @@
+"""Hugging Face accelerate: ``save_state`` that verifies what it saved, ``load_state`` that verifies before loading.
+
+::
+
+    from ckptverify.integrations import accelerate as ckv
+
+    ckv.save_state(accelerator, "ckpt/step-100")   # instead of accelerator.save_state("ckpt/step-100")
+    ckv.load_state(accelerator, "ckpt/step-100")   # refused (nothing loaded) if it fails verification
+
+**Why helpers, not hooks.** ``Accelerator.register_save_state_pre_hook`` runs *before* the files are written,
+and ``register_load_state_pre_hook`` runs after an FSDP model and optimizer have already been loaded; neither
+runs at the right moment. These two functions call the ``Accelerator``'s own methods, with the check after the
+save (once every process has written its ``random_states_R.pkl``) and before the load.
+
+- :func:`save_state`: ``accelerator.save_state``, then every process waits for the others, the main process
+  verifies the folder (DCP folders inside it, FSDP ``SHARDED_STATE_DICT`` saves, are verified in full, part by
+  part), writes the stamp inside it and appends to ``events.jsonl``; the verdict is shared, so with
+  ``on_failure="raise"`` every process raises.
+- :func:`load_state`: a given folder is verified and refused (every process raises
+  :class:`~ckptverify.errors.CheckpointRefusedError`) before ``accelerator.load_state`` reads it. Without a
+  folder, under ``automatic_checkpoint_naming``, the newest ``checkpoints/checkpoint_N`` that verifies is
+  loaded (newer ones that fail are skipped, each a warning and an event) where accelerate would take the newest
+  whatever its state.
+
+``events.jsonl`` goes to ``accelerator.project_dir`` when there is one (never into ``checkpoints/``, whose
+every entry accelerate reads as a checkpoint), else beside the checkpoint folder. Weights saved as
+``model.safetensors`` carry no checksum: with ``fingerprint="auto"`` (the default) the folder gets a manifest
+right after the save, which every later verification (and :func:`load_state`) checks them against;
+``optimizer.bin``, ``scheduler.bin`` and ``random_states_R.pkl`` are ``torch.save`` archives whose every
+record's CRC-32 is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from ckptverify.errors import CheckpointRefusedError, UsageError
+from ckptverify.integrations._core import Fingerprint, Group, OnFailure, Verdict, Verifier
+
+__all__ = ["load_state", "save_state"]
+
+_LAST_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")
+
+
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None, *,
+               on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
+               deep: bool = False, jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None,
+               step: int | None = None, **save_kwargs: Any) -> Verdict:
+    """``accelerator.save_state(output_dir, **save_kwargs)``, then verify, stamp and log the folder it wrote.
+
+    Every process calls it, as it calls ``save_state``. ``step`` is recorded in the stamp (default: the number
+    the folder's name ends with). Returns the verdict (its ``path`` is where ``save_state`` wrote) on every
+    process; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process when the folder fails
+    and ``on_failure="raise"``.
+    """
+    verifier = Verifier(on_failure=on_failure, fingerprint=fingerprint, background=background, deep=deep, jobs=jobs,
+                        events_dir=_events_dir(accelerator, events_dir))
+    location = accelerator.save_state(None if output_dir is None else os.fspath(output_dir), **save_kwargs)
+    path = os.fspath(location)
+    if step is None:
+        from ckptverify.formats.rundir import step_of
+
+        step = step_of(os.path.basename(os.path.normpath(path)))
+    return verifier.after_save(path, step=step, group=_group(accelerator))
+
+
+def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *, deep: bool = False,
+               jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None,
+               load_kwargs: dict[str, Any] | None = None, **load_model_func_kwargs: Any) -> Verdict:
+    """Verify the folder, then ``accelerator.load_state(folder, load_kwargs, **load_model_func_kwargs)``; see the
+    module docstring.
+
+    Every process calls it. Returns the verdict of the folder loaded; raises
+    :class:`~ckptverify.errors.CheckpointRefusedError` on every process, before anything is loaded, when the
+    folder (or, without ``input_dir``, every ``checkpoint_N``) fails verification.
+    """
+    verifier = Verifier(deep=deep, jobs=jobs, events_dir=_events_dir(accelerator, events_dir))
+    group = _group(accelerator)
+    if input_dir is not None:
+        verdict = verifier.before_resume(os.fspath(input_dir), group=group)
+    else:
+        verdict = _newest_verified(accelerator, verifier, group)
+    accelerator.load_state(verdict.path, load_kwargs=load_kwargs, **load_model_func_kwargs)
+    return verdict
+
+
+def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Verdict:
+    if not accelerator.project_configuration.automatic_checkpoint_naming:
+        raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
+                         "automatic_checkpoint_naming=True")
+    folder = os.path.join(accelerator.project_dir, "checkpoints")
+    names = _newest_first(folder) if group.coordinator else None
+    if group.broadcast is not None:
+        names = group.broadcast(names)
+    assert names is not None
+    refused: list[Verdict] = []
+    for name in names:
+        verdict = verifier.check(os.path.join(folder, name), group=group, event="resume")
+        if verdict.passed:
+            return verdict
+        refused.append(verdict)
+    if not refused:
+        raise CheckpointRefusedError(f"no checkpoint to load under {folder}")
+    raise CheckpointRefusedError(f"refusing to resume: none of the {len(refused)} checkpoint(s) under {folder} "
+                                 f"verifies; newest: {refused[0].message}", refused[0].report)
+
+
+def _newest_first(folder: str) -> list[str]:
+    """The checkpoint folders accelerate's automatic naming would consider, newest (highest number) first."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    numbered = [(int(m.group(1)), n) for n in names if (m := _LAST_NUMBER.search(n))
+                and os.path.isdir(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))]
+    return [n for _, n in sorted(numbered, reverse=True)]
+
+
+def _events_dir(accelerator: Any, events_dir: str | os.PathLike[str] | None) -> str | None:
+    if events_dir is not None:
+        return os.fspath(events_dir)
+    project = accelerator.project_dir
+    return None if project is None else os.fspath(project)
+
+
+def _group(accelerator: Any) -> Group:
+    if accelerator.num_processes == 1:
+        return Group()
+
+    def broadcast(obj: Any) -> Any:
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj], from_process=0)[0]
+
+    return Group(coordinator=accelerator.is_main_process, broadcast=broadcast, barrier=accelerator.wait_for_everyone,
+                 rank=accelerator.process_index)

@@ -1,0 +1,173 @@
+"""torchtitan: a ``CheckpointManager`` that saves through ckptverify's hashing writer, verifies each ``step-N``,
+and loads only a checkpoint that verifies.
+
+::
+
+    from ckptverify.integrations.torchtitan import VerifiedCheckpointManager
+
+    config.checkpoint = VerifiedCheckpointManager.Config(enable=True, folder="checkpoint", interval=500)
+
+**Why a subclass.** torchtitan 0.3's ``CheckpointManager`` takes no storage writer: ``dcp_save`` calls
+``dcp.save``/``dcp.async_save`` with its own. But it is built from its ``Config`` (``Config.build()``
+constructs the class that declares the ``Config``), and it documents its overridable pieces: ``dcp_save`` and
+``dcp_load`` (the one place each save and load reaches DCP, with the resolved ``checkpoint_id``),
+``_find_load_step``, ``_wait_for_saving`` and ``_close``. So:
+
+- ``dcp_save`` writes native DCP checkpoints with :func:`ckptverify.save` / :func:`ckptverify.async_save`
+  (:class:`~ckptverify.dcp.writer.HashingFileSystemWriter`: every byte digested as it is written, each tensor's
+  logical fingerprint taken from memory, the manifest written last, under the commit protocol), then verifies the
+  folder against that manifest, stamps it and logs to ``FOLDER/events.jsonl``. A synchronous save is verified
+  before ``save`` returns; an asynchronous one when torchtitan waits for it (the next save, or ``close``).
+  Hugging Face safetensors exports (``last_save_in_hf``) are written by torchtitan's own writer and verified.
+- ``_find_load_step`` (``load(step=-1)``, the fault-tolerant restart) picks the newest ``step-N`` that verifies;
+  newer ones that fail are skipped, each with a warning and a ``resume-refused`` event, and when none verifies
+  the load is refused. ``dcp_load`` verifies any other checkpoint (``load(step=N)``, ``initial_load_path``)
+  and refuses it on every rank, before DCP reads it, when it fails.
+
+Rank 0 verifies; every rank gets its verdict, so every rank raises or none does. Only local folders: a remote
+``folder`` is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+from torchtitan.tools import filesystem
+
+from ckptverify.errors import CheckpointRefusedError, UsageError
+from ckptverify.integrations._core import ON_FAILURE, Verdict, Verifier, torch_group
+
+__all__ = ["VerifiedCheckpointManager"]
+
+_STEP = re.compile(r"step-(\d+)")
+
+
+class VerifiedCheckpointManager(CheckpointManager):
+    """torchtitan's ``CheckpointManager``, with every save verified and every load checked; see the module
+    docstring. ``verdicts`` lists the verdicts of the saves checked so far (on every rank)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        verify_on_failure: Literal["warn", "raise"] = "warn"
+        """A saved checkpoint that fails verification: ``warn`` (a warning and an event) or ``raise`` (stop)."""
+
+        verify_deep: bool = False
+        """Also rebuild every tensor and compare its logical fingerprint with the one taken at save time."""
+
+        verify_background: bool = False
+        """Verify in the background (reserved: refused in this version of ckptverify)."""
+
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)
+            if self.verify_on_failure not in ON_FAILURE:
+                raise ValueError(f"checkpoint.verify_on_failure must be one of {', '.join(ON_FAILURE)}, "
+                                 f"got {self.verify_on_failure!r}")
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if not self.enable:
+            return
+        if filesystem.is_remote(self.folder):
+            raise UsageError(f"checkpoint.folder {self.folder} is remote; ckptverify verifies local folders only")
+        self.verifier = Verifier(on_failure=config.verify_on_failure, background=config.verify_background,
+                                 deep=config.verify_deep, events_dir=self.folder)
+        self.verdicts: list[Verdict] = []
+        self._pending: tuple[str, bool] | None = None
+        self._verified_for_load: str | None = None
+
+    # -- saving
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
+        if to_hf:  # safetensors export: torchtitan's own writer, then verified (and nothing to fingerprint)
+            ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+            hashed = False
+        else:
+            ret = self._hashing_save(state_dict, checkpoint_id, async_mode)
+            hashed = True
+            if enable_garbage_collection:
+                from torchtitan.tools.utils import GarbageCollection
+
+                GarbageCollection.collect("GC collection invoked by checkpointer.")
+        if async_mode == AsyncMode.DISABLED:
+            self._verify_saved(checkpoint_id, hashed)
+        else:
+            self._pending = (checkpoint_id, hashed)
+        return ret
+
+    def _hashing_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode) -> Any:
+        from ckptverify.saving import async_save, save
+
+        if async_mode == AsyncMode.ASYNC:
+            return async_save(state_dict, checkpoint_id, process_group=self.pg)
+        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            return async_save(state_dict, checkpoint_id, process_group=self.pg,
+                              async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
+        save(state_dict, checkpoint_id)
+        return None
+
+    def _verify_saved(self, checkpoint_id: str, hashed: bool) -> None:
+        m = _STEP.search(os.path.basename(os.path.normpath(checkpoint_id)))
+        step = int(m.group(1)) if m else None
+        # A hashed save wrote its own manifest, from what was in memory: nothing is fingerprinted after it.
+        self.verdicts.append(self.verifier.after_save(checkpoint_id, step=step, group=torch_group(),
+                                                      fingerprint=not hashed))
+
+    def _wait_for_saving(self) -> None:
+        super()._wait_for_saving()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._verify_saved(*pending)
+
+    def _close(self) -> None:
+        # torchtitan does not wait for an asynchronous save on close; its verification needs the save done.
+        if self._pending is not None and self.save_future is not None:
+            self._wait_for_saving()
+        super()._close()
+
+    # -- loading
+    def _find_load_step(self, folder: str = "") -> int:
+        """The newest ``step-N`` under ``folder`` that verifies (``-1`` when there is none at all); refuses when
+        there are some and none verifies."""
+        folder = folder or self.folder
+        group = torch_group()
+        steps = self._candidates(folder) if group.coordinator else None
+        if group.broadcast is not None:
+            steps = group.broadcast(steps)
+        assert steps is not None
+        refused: list[Verdict] = []
+        for step in steps:
+            verdict = self.verifier.check(self._create_checkpoint_id(step, folder), group=group, event="resume")
+            if verdict.passed:
+                self._verified_for_load = verdict.path
+                return step
+            refused.append(verdict)
+        if refused:
+            raise CheckpointRefusedError(f"refusing to resume: none of the {len(refused)} checkpoint(s) under "
+                                         f"{folder} verifies; newest: {refused[0].message}", refused[0].report)
+        return -1
+
+    def _candidates(self, folder: str) -> list[int]:
+        """What torchtitan's ``_find_load_step`` accepts (``step-N`` holding ``.metadata`` or a Hugging Face
+        index), newest first."""
+        if not os.path.isdir(folder):
+            return []
+        steps = []
+        for name in os.listdir(folder):
+            m = _STEP.search(name)
+            path = os.path.join(folder, name)
+            if m and (os.path.isfile(os.path.join(path, ".metadata"))
+                      or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))):
+                steps.append(int(m.group(1)))
+        return sorted(set(steps), reverse=True)
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        verified, self._verified_for_load = self._verified_for_load, None
+        if verified != checkpoint_id:  # not the one _find_load_step has just verified
+            self.verifier.before_resume(checkpoint_id, group=torch_group())
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)

@@ -1,0 +1,117 @@
+"""Hugging Face transformers ``Trainer``: verify every ``checkpoint-N`` it saves; resume only from one that verifies.
+
+::
+
+    from ckptverify.integrations.transformers import VerifyCheckpointsCallback, verified_resume_checkpoint
+
+    trainer = Trainer(..., callbacks=[VerifyCheckpointsCallback()])
+    trainer.train(resume_from_checkpoint=verified_resume_checkpoint(args.output_dir))
+
+**Saving.** ``TrainerCallback.on_save`` runs on every rank right after ``Trainer._save_checkpoint`` has written
+``OUTPUT_DIR/checkpoint-N`` (weights, optimizer, scheduler, RNG states, ``trainer_state.json``) and rotated old
+ones away. The callback waits for every rank (each writes its own ``rng_state_R.pth``), then rank 0 verifies the
+folder, writes its stamp inside it and appends to ``OUTPUT_DIR/events.jsonl``; the verdict is broadcast, so with
+``on_failure="raise"`` every rank stops.
+
+**Resuming.** No callback runs before the ``Trainer`` loads ``resume_from_checkpoint``: ``on_train_begin``
+comes after the weights, optimizer and scheduler are loaded. So the check is made before ``train`` is called:
+:func:`verified_resume_checkpoint` returns the newest ``checkpoint-N`` that verifies (skipping newer ones that
+fail, each a warning and a ``resume-refused`` event), ``None`` when there is none to resume from, and raises
+when there are some but none verifies; :func:`verify_before_resume` refuses one given path.
+
+Weights in ``model.safetensors`` carry no checksum: with ``fingerprint="auto"`` (the default) the folder gets a
+manifest right after the save, which every later verification checks them against (with
+``fingerprint=False`` they are left unchecked, and every verdict names them in ``unchecked``);
+``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` and ``training_args.bin`` are ``torch.save`` archives
+whose every record's CRC-32 is checked.
+
+Hyperparameter search (checkpoints under ``OUTPUT_DIR/run-*``) is not supported: the callback looks for
+``checkpoint-N`` in ``args.output_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ckptverify.errors import CheckpointRefusedError
+from ckptverify.integrations._core import Fingerprint, OnFailure, Verdict, Verifier, torch_group
+
+__all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]
+
+_CHECKPOINT = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
+
+
+class VerifyCheckpointsCallback(TrainerCallback):
+    """Verify, stamp and log each ``checkpoint-N`` right after the ``Trainer`` saves it.
+
+    Args:
+        on_failure: ``"warn"`` (default) or ``"raise"``
+            (:class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a checkpoint fails.
+        fingerprint, background, deep, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
+
+    ``verdicts`` lists the verdicts so far.
+    """
+
+    def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
+                 deep: bool = False, jobs: int | None = None,
+                 events_dir: str | os.PathLike[str] | None = None) -> None:
+        self.verifier = Verifier(on_failure=on_failure, fingerprint=fingerprint, background=background, deep=deep,
+                                 jobs=jobs, events_dir=events_dir)
+        self.verdicts: list[Verdict] = []
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self.verdicts.append(self.verifier.after_save(path, step=state.global_step, group=torch_group()))
+        return control
+
+
+def verified_resume_checkpoint(output_dir: str | os.PathLike[str], *, jobs: int | None = None,
+                               events_dir: str | os.PathLike[str] | None = None) -> str | None:
+    """The newest ``checkpoint-N`` under ``output_dir`` that verifies, for ``trainer.train(resume_from_checkpoint=)``.
+
+    Newer ones that fail are skipped, each with a warning and a ``resume-refused`` event naming what is wrong.
+    Returns ``None`` when ``output_dir`` holds no ``checkpoint-N`` (a fresh start); raises
+    :class:`~ckptverify.errors.CheckpointRefusedError` when it holds some and none verifies (starting over
+    would silently throw the run away). Every rank calls it; rank 0 verifies and all get its answer.
+    """
+    root = os.fspath(output_dir)
+    group = torch_group()
+    found = _checkpoints(root) if group.coordinator else None
+    if group.broadcast is not None:
+        found = group.broadcast(found)
+    assert found is not None
+    verifier = Verifier(jobs=jobs, events_dir=events_dir or root)
+    refused: list[Verdict] = []
+    for name in found:
+        verdict = verifier.check(os.path.join(root, name), group=group, event="resume")
+        if verdict.passed:
+            return verdict.path
+        refused.append(verdict)
+    if refused:
+        raise CheckpointRefusedError(f"none of the {len(refused)} checkpoint(s) under {root} verifies; newest: "
+                                     f"{refused[0].message}", refused[0].report)
+    return None
+
+
+def verify_before_resume(path: str | os.PathLike[str], *, jobs: int | None = None,
+                         events_dir: str | os.PathLike[str] | None = None) -> str:
+    """Verify the ``checkpoint-N`` folder ``path``; return it when it passes, raise
+    :class:`~ckptverify.errors.CheckpointRefusedError` (naming the first error's file) when it does not."""
+    verifier = Verifier(jobs=jobs, events_dir=events_dir)
+    return verifier.before_resume(path, group=torch_group()).path
+
+
+def _checkpoints(root: str) -> list[str]:
+    """``checkpoint-N`` folders under ``root``, newest (highest N) first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    steps = [(int(m.group(1)), n) for n in names if (m := _CHECKPOINT.match(n))
+             and os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))]
+    return [n for _, n in sorted(steps, reverse=True)]

@@ -1,0 +1,104 @@
+"""Lightning's ``ModelParallelStrategy`` (FSDP2, gloo, CPU) training with ckptverify's ``VerifyCheckpoints``.
+
+``python lightning_integration.py OUT WORLD STAGE [CKPT]``, run in its own process (a distributed strategy sets
+up a process group; Lightning starts rank 1.. by running this script again with the same arguments):
+
+- ``save``: train 4 steps, ``ModelCheckpoint`` every 2 (``OUT/checkpoints/step={2,4}.ckpt/``, DCP folders with
+  ``meta.pt``), with ``VerifyCheckpoints(on_failure="raise")``;
+- ``resume``: ``fit(ckpt_path=CKPT)`` to step 6 with ``VerifyCheckpoints``, saving ``OUT/checkpoints/step=6.ckpt``.
+
+Each rank writes ``OUT/STAGE-rank{R}.json``: the verdicts it got, the warnings ckptverify raised, the error that
+stopped it (type and message), the global step reached, and whether the model's weights are still those it was
+built with (nothing loaded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def module():
+    import pytorch_lightning as pl
+
+    class TinyRegressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+            self.initial = [p.detach().clone() for p in self.net.parameters()]
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def untouched(self) -> bool:
+            return all(torch.equal(p.full_tensor() if hasattr(p, "full_tensor") else p.detach(), q)
+                       for p, q in zip(self.net.parameters(), self.initial, strict=True))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(7)
+            data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g))
+            return DataLoader(data, batch_size=4)
+
+    return TinyRegressor()
+
+
+def main() -> None:
+    out, world, stage = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    ckpt = sys.argv[4] if len(sys.argv) > 4 else None
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    from ckptverify.integrations import CheckpointVerificationWarning
+    from ckptverify.integrations.lightning import VerifyCheckpoints
+
+    verify = VerifyCheckpoints(on_failure="raise", fingerprint=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=ModelParallelStrategy(process_group_backend="gloo"),
+        max_steps=4 if stage == "save" else 6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=out,
+        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", every_n_train_steps=2,
+                                   save_top_k=-1), verify])
+    model = module()
+    result: dict = {"error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model, ckpt_path=ckpt)
+        except Exception as exc:  # reported to the test, which judges it
+            result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointVerificationWarning)]
+    result["verdicts"] = [v.to_dict() for v in verify.verdicts]
+    result["global_step"] = trainer.global_step
+    result["untouched"] = model.untouched() if result["error"] else None
+    rank = trainer.global_rank
+    (out / f"{stage}-rank{rank}.json").write_text(json.dumps(result, indent=1))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter teardown: gloo threads outlive the process group (see tests/dist_exit.py).
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""torchtitan 0.3's checkpointing through ckptverify's ``VerifiedCheckpointManager``: FSDP2, CPU, gloo.
+
+``python torchtitan_integration.py OUT WORLD`` runs, on WORLD ranks, one after another:
+
+1. ``train``: 4 steps, ``save`` every 2 (synchronous) into ``OUT/sync/step-{2,4}``;
+2. ``async``: the same with ``async_mode="async"`` into ``OUT/async/``, then ``close``;
+3. ``damaged``: storage that flips one bit of ``step-2`` right after it is written, ``verify_on_failure="raise"``,
+   into ``OUT/damaged/``;
+4. ``fallback``: rank 0 flips one bit of ``OUT/sync/step-4``; a fresh manager's ``load()`` (newest) and
+   ``load(step=4)``; then ``load(step=2)``; then ``load()`` of ``OUT/damaged``, whose only checkpoint fails.
+
+Each rank writes ``OUT/rank{R}.json``: per stage the verdicts, ckptverify's warnings, the error that stopped it,
+the train state's step and whether the model kept its weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "scripts"))
+import inject_fault as inj
+from _launch import spawn
+from produce_torchtitan import TinyLM, TrainState
+
+STEPS = 4
+
+
+def build(world: int, folder: Path, cls: Any = None, **config: Any):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    from ckptverify.integrations.torchtitan import VerifiedCheckpointManager
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt_cfg = OptimizersContainer.Config(
+        implementation="for-loop",
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+    )
+    optimizers = opt_cfg.build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=STEPS)
+    train_state = TrainState()
+    cfg = (cls or VerifiedCheckpointManager).Config(enable=True, folder=str(folder), interval=2, keep_latest_k=0,
+                                           last_save_model_only=False, **config)
+    manager = cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+                        states={"train_state": train_state}, sd_adapter=None)
+    return model, optimizers, lr_schedulers, train_state, manager
+
+
+def weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().clone() for p in model.parameters()]
+
+
+def train(rank: int, world: int, model: nn.Module, optimizers: Any, lr_schedulers: Any, train_state: Any,
+          manager: Any) -> None:
+    gen = torch.Generator().manual_seed(1234)
+    for step in range(1, STEPS + 1):
+        batch = torch.randint(0, 64, (2 * world, 9), generator=gen)[rank * 2:(rank + 1) * 2]
+        logits = model(batch[:, :-1])
+        nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        optimizers.step()
+        lr_schedulers.step()
+        optimizers.zero_grad()
+        train_state.step = step
+        manager.save(step, last_step=step == STEPS)
+
+
+def stage(result: dict[str, Any], name: str, fn: Any) -> None:
+    from ckptverify.errors import CheckpointRefusedError
+    from ckptverify.integrations import CheckpointVerificationWarning
+
+    entry: dict[str, Any] = {"error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            entry.update(fn() or {})
+        except CheckpointRefusedError as exc:
+            entry["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    entry["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointVerificationWarning)]
+    result[name] = entry
+
+
+def job(rank: int, world: int, out: Path) -> None:
+    from ckptverify.integrations.torchtitan import VerifiedCheckpointManager
+
+    result: dict[str, Any] = {}
+
+    def sync() -> dict[str, Any]:
+        *parts, manager = build(world, out / "sync")
+        train(rank, world, *parts, manager)
+        manager.close()
+        return {"verdicts": [v.to_dict() for v in manager.verdicts]}
+
+    def async_() -> dict[str, Any]:
+        *parts, manager = build(world, out / "async", async_mode="async")
+        train(rank, world, *parts, manager)
+        manager.close()
+        return {"verdicts": [v.to_dict() for v in manager.verdicts]}
+
+    class DamagingManager(VerifiedCheckpointManager):
+        """Storage that flips one bit of ``step-2`` right after it is written."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(VerifiedCheckpointManager.Config):
+            pass
+
+        def _hashing_save(self, state_dict: Any, checkpoint_id: str, async_mode: Any) -> Any:
+            ret = super()._hashing_save(state_dict, checkpoint_id, async_mode)
+            if rank == 0 and checkpoint_id.endswith("step-2"):
+                inj.flip_in_tensor_payload(checkpoint_id)
+            dist.barrier()
+            return ret
+
+    def damaged() -> dict[str, Any]:
+        model, optimizers, lr_schedulers, train_state, manager = build(world, out / "damaged", DamagingManager,
+                                                                       verify_on_failure="raise")
+        try:
+            train(rank, world, model, optimizers, lr_schedulers, train_state, manager)
+        finally:
+            result["damaged_step"] = train_state.step
+            manager.close()
+        return None
+
+    def load(step: int, folder: str = "sync") -> Any:
+        def run() -> dict[str, Any]:
+            model, *_, train_state, manager = build(world, out / folder)
+            before = weights(model)
+            try:
+                loaded = manager.load(step=step)
+            finally:
+                result.setdefault("untouched", {})[f"{folder}{step}"] = all(
+                    torch.equal(p, q) for p, q in zip(weights(model), before, strict=True))
+                result.setdefault("restored_step", {})[f"{folder}{step}"] = train_state.step
+                manager.close()
+            return {"loaded": loaded}
+        return run
+
+    stage(result, "sync", sync)
+    stage(result, "async", async_)
+    stage(result, "damaged", damaged)
+    if rank == 0:
+        result["fault"] = inj.flip_in_tensor_payload(out / "sync" / "step-4").file
+    dist.barrier()
+    stage(result, "load_newest", load(-1))
+    stage(result, "load_4", load(4))
+    stage(result, "load_2", load(2))
+    stage(result, "load_damaged_newest", load(-1, "damaged"))
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    spawn(int(sys.argv[2]), job, Path(sys.argv[1]))

@@ -1,0 +1,206 @@
+"""ckptverify's accelerate helpers (``save_state``, ``load_state``) around a real ``Accelerator`` on CPU.
+
+One process in this one; the two-process job (every process waits for the others' files, all follow rank 0's
+verdict) runs ``tests/frameworks/accelerate_integration.py`` on two gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("accelerate", reason="pip install -e '.[accelerate]' (see docs/integrations.md)")
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from frameworks import harness as h
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ckptverify.errors import CheckpointRefusedError
+from ckptverify.events import read_events
+from ckptverify.integrations import CheckpointVerificationWarning
+from ckptverify.integrations import accelerate as ckv
+from ckptverify.runs.stamp import read_stamp
+
+WORKER = Path(__file__).resolve().parent / "frameworks" / "accelerate_integration.py"
+
+
+class Job:
+    """A model, AdamW and a step scheduler prepared by a fresh ``Accelerator``."""
+
+    def __init__(self, project: ProjectConfiguration | None = None) -> None:
+        self.accelerator = Accelerator(cpu=True, project_config=project)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        g = torch.Generator().manual_seed(7)
+        data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g))
+        self.model, self.opt, self.loader, self.sched = self.accelerator.prepare(
+            model, opt, DataLoader(data, batch_size=4), sched)
+
+    def train(self, steps: int, save: Callable[[int], Any]) -> dict[int, list[torch.Tensor]]:
+        """Train ``steps`` steps, calling ``save(step)`` every 2; return the weights at each save."""
+        weights = {}
+        for step, (x, y) in enumerate(self.loader, start=1):
+            loss = nn.functional.mse_loss(self.model(x), y)
+            self.accelerator.backward(loss)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad()
+            if step % 2 == 0:
+                save(step)
+                weights[step] = self.weights()
+            if step == steps:
+                break
+        return weights
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def damaging(save_state: Callable[..., Any], step_dir: str) -> Callable[..., Any]:
+    """``Accelerator.save_state``, then one bit of ``optimizer.bin`` flipped when saving into ``step_dir``:
+    storage that corrupts what it is given."""
+    def save(output_dir: Any = None, **kwargs: Any) -> Any:
+        location = save_state(output_dir, **kwargs)
+        if os.path.basename(os.fspath(location)) == step_dir:
+            h.flip_in_zip_member(Path(location) / "optimizer.bin")
+        return location
+
+    return save
+
+
+def ours(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught
+            if issubclass(w.category, CheckpointVerificationWarning) or "ckptverify" in w.filename]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any], dict[int, list[torch.Tensor]], list[str]]:
+    """A clean 4-step job that saved ``state-step2`` and ``state-step4`` through ckptverify."""
+    out = tmp_path_factory.mktemp("accelerate")
+    job = Job()
+    verdicts: list[Any] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        weights = job.train(4, lambda s: verdicts.append(ckv.save_state(job.accelerator, out / f"state-step{s}")))
+    return out, verdicts, weights, ours(caught)
+
+
+def test_every_saved_state_carries_a_current_passed_stamp_and_no_warning(saved: Any) -> None:
+    out, verdicts, _, warned = saved
+    assert warned == []
+    assert [v.step for v in verdicts] == [2, 4] and all(v.passed for v in verdicts)
+    for verdict in verdicts:
+        stamp = read_stamp(verdict.path)
+        assert stamp is not None and stamp.passed and stamp.current, stamp
+        crc = sum(c["count"] for c in verdict.coverage if c["check"] == "zip-crc")
+        assert crc > 5 and verdict.checked_bytes > 0, verdict  # optimizer.bin, scheduler.bin, random_states_0.pkl
+        assert verdict.manifest and verdict.unchecked == (), verdict  # the weights are in the manifest
+    assert len(list(read_events(out, "checkpoint-verified"))) == 2
+    assert list(read_events(out, "checkpoint-failed")) == []
+
+
+def test_a_state_damaged_on_its_way_to_disk_gets_a_failed_stamp_a_warning_and_an_event(tmp_path: Path) -> None:
+    job = Job()
+    job.accelerator.save_state = damaging(job.accelerator.save_state, "state-step2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        job.train(4, lambda s: ckv.save_state(job.accelerator, tmp_path / f"state-step{s}"))
+    (warned,) = ours(caught)
+    assert "state-step2" in warned and "optimizer.bin" in warned
+    assert not read_stamp(tmp_path / "state-step2").passed  # type: ignore[union-attr]
+    assert read_stamp(tmp_path / "state-step4").passed  # type: ignore[union-attr]
+    (failed,) = read_events(tmp_path, "checkpoint-failed")
+    assert failed["errors"][0]["location"]["file"] == "optimizer.bin"
+
+
+def test_on_failure_raise_stops_at_the_damaged_save(tmp_path: Path) -> None:
+    job = Job()
+    job.accelerator.save_state = damaging(job.accelerator.save_state, "state-step2")
+    with pytest.raises(CheckpointRefusedError, match=r"state-step2 fails verification.*optimizer\.bin"):
+        job.train(4, lambda s: ckv.save_state(job.accelerator, tmp_path / f"state-step{s}", on_failure="raise"))
+
+
+def test_load_of_a_flipped_state_is_refused_before_anything_is_loaded(saved: Any, tmp_path: Path) -> None:
+    import shutil
+
+    bad = Path(shutil.copytree(saved[0] / "state-step4", tmp_path / "state-step4"))
+    h.flip_in_zip_member(bad / "random_states_0.pkl")
+    job = Job()
+    before = job.weights()
+    with pytest.raises(CheckpointRefusedError, match=r"refusing to resume: .*state-step4 .*random_states_0\.pkl"):
+        ckv.load_state(job.accelerator, bad)
+    assert all(torch.equal(p, q) for p, q in zip(job.weights(), before, strict=True))
+    (refused,) = read_events(tmp_path, "resume-refused")
+    assert refused["path"] == str(bad)
+
+
+def test_load_of_a_clean_state_restores_the_saved_weights(saved: Any) -> None:
+    out, _, weights, _ = saved
+    job = Job()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        verdict = ckv.load_state(job.accelerator, out / "state-step2")
+    assert ours(caught) == [] and verdict.passed and verdict.checked_bytes > 0
+    assert all(torch.equal(p, q) for p, q in zip(job.weights(), weights[2], strict=True))
+    assert not all(torch.equal(p, q) for p, q in zip(job.weights(), weights[4], strict=True))
+
+
+def test_automatic_naming_loads_the_newest_state_that_verifies_and_keeps_the_log_out_of_checkpoints(
+        tmp_path: Path) -> None:
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=3)
+    job = Job(project)
+    weights = job.train(6, lambda s: ckv.save_state(job.accelerator))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert len(list(read_events(tmp_path, "checkpoint-verified"))) == 3
+    h.flip_in_zip_member(tmp_path / "checkpoints" / "checkpoint_2" / "scheduler.bin", bit=1)
+    job2 = Job(ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        verdict = ckv.load_state(job2.accelerator)
+    assert verdict.path == str(tmp_path / "checkpoints" / "checkpoint_1")
+    (warned,) = ours(caught)
+    assert "checkpoint_2" in warned and "scheduler.bin" in warned
+    assert all(torch.equal(p, q) for p, q in zip(job2.weights(), weights[4], strict=True))
+
+
+def test_load_of_a_state_with_a_flip_in_its_weights_is_refused(saved: Any, tmp_path: Path) -> None:
+    import shutil
+
+    bad = Path(shutil.copytree(saved[0] / "state-step4", tmp_path / "state-step4"))
+    tensor = h.flip_in_safetensors(bad / "model.safetensors")
+    with pytest.raises(CheckpointRefusedError, match=r"refusing to resume: .*state-step4") as exc:
+        ckv.load_state(Job().accelerator, bad)
+    assert "model.safetensors" in str(exc.value) and tensor in str(exc.value)
+
+
+@pytest.mark.slow
+def test_two_processes_wait_for_each_other_and_follow_rank_0s_verdict(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(results):
+        # rank 1's random_states_1.pkl was damaged after it wrote it; rank 0 verified only once it was written
+        assert result["step2"]["passed"] is True, result
+        assert result["step4_error"]["type"] == "CheckpointRefusedError", result
+        assert "random_states_1.pkl" in result["step4_error"]["message"]
+        assert result["load_step4_error"]["type"] == "CheckpointRefusedError"
+        assert result["load_step4_untouched"] is True
+        assert result["load_step2_restored"] is True, (rank, result)
+    assert read_stamp(tmp_path / "state-step2").passed  # type: ignore[union-attr]
+    assert not read_stamp(tmp_path / "state-step4").passed  # type: ignore[union-attr]

@@ -1,0 +1,259 @@
+"""ckptverify's Lightning callback (``VerifyCheckpoints``) in real ``pytorch_lightning`` training runs on CPU.
+
+The single device runs (``.ckpt`` files) run in this process; the ``ModelParallelStrategy`` runs (DCP folders
+with ``meta.pt``) run ``tests/frameworks/lightning_integration.py`` in their own processes, because a
+distributed strategy sets up a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pl = pytest.importorskip("pytorch_lightning", reason="pip install -e '.[lightning]' (see docs/integrations.md)")
+
+import torch  # noqa: E402
+from frameworks import harness as h  # noqa: E402
+from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
+from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ckptverify.adopt import file_manifest_path  # noqa: E402
+from ckptverify.errors import CheckpointRefusedError, UsageError  # noqa: E402
+from ckptverify.events import read_events  # noqa: E402
+from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
+from ckptverify.integrations.lightning import VerifyCheckpoints  # noqa: E402
+from ckptverify.runs.stamp import read_stamp, stamp_path  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "frameworks" / "lightning_integration.py"
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(7)
+        return DataLoader(TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)),
+                          batch_size=4)
+
+
+class DamagingIO(TorchCheckpointIO):
+    """Writes like Lightning's own plugin, then flips one bit of the file saved at ``step``: storage that
+    corrupts what it is given."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        if checkpoint["global_step"] == self.step:
+            h.flip_in_zip_member(Path(path))
+
+
+def fit(out: Path, callback: VerifyCheckpoints, *, max_steps: int = 4, ckpt_path: Path | None = None,
+        model: Regressor | None = None, top_k: int = -1, plugins: list[Any] | None = None) -> tuple[Any, list[str]]:
+    """Train with ``ModelCheckpoint`` every 2 steps into ``out``; return the trainer and ckptverify's warnings."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=out, plugins=plugins,
+                         callbacks=[ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=2,
+                                                    save_top_k=top_k), callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model or Regressor(), ckpt_path=ckpt_path)
+    return trainer, ours(caught)
+
+
+def ours(caught: list[warnings.WarningMessage]) -> list[str]:
+    """Warnings ckptverify raised: its own category, or raised from its code."""
+    return [str(w.message) for w in caught
+            if issubclass(w.category, CheckpointVerificationWarning) or "ckptverify" in w.filename]
+
+
+def events(out: Path, name: str) -> list[dict[str, Any]]:
+    return list(read_events(out, name))
+
+
+def test_every_saved_checkpoint_carries_a_current_passed_stamp_and_no_warning(tmp_path: Path) -> None:
+    verify = VerifyCheckpoints()
+    _, warned = fit(tmp_path, verify)
+    assert warned == []
+    for step in (2, 4):
+        ckpt = tmp_path / f"step={step}.ckpt"
+        stamp = read_stamp(ckpt)
+        assert stamp is not None and stamp.passed and stamp.current, stamp
+        assert stamp.step == step
+        assert stamp.data["bytes_checked"] == ckpt.stat().st_size
+        # every byte of a .ckpt is under a CRC-32: no manifest unless asked (fingerprint=True)
+        assert not stamp.data["manifest"] and not os.path.exists(file_manifest_path(str(ckpt)))
+    assert [v.path for v in verify.verdicts] == [str(tmp_path / "step=2.ckpt"), str(tmp_path / "step=4.ckpt")]
+    for verdict in verify.verdicts:
+        crc = [c for c in verdict.coverage if c["check"] == "zip-crc"]
+        assert crc and crc[0]["count"] > 10, verdict.coverage  # every record of the file was checked
+    assert len(events(tmp_path, "checkpoint-verified")) == 2
+    assert events(tmp_path, "checkpoint-failed") == []
+
+
+def test_a_checkpoint_damaged_on_its_way_to_disk_gets_a_failed_stamp_a_warning_and_an_event(tmp_path: Path) -> None:
+    verify = VerifyCheckpoints()
+    _, warned = fit(tmp_path, verify, plugins=[DamagingIO(step=2)])
+    assert len(warned) == 1 and "step=2.ckpt" in warned[0] and "zip-crc" in warned[0], warned
+    bad, good = read_stamp(tmp_path / "step=2.ckpt"), read_stamp(tmp_path / "step=4.ckpt")
+    assert bad is not None and not bad.passed and bad.current
+    assert bad.data["errors"][0]["check"] == "zip-crc"
+    assert good is not None and good.passed
+    (failed,) = events(tmp_path, "checkpoint-failed")
+    assert failed["path"] == str(tmp_path / "step=2.ckpt") and failed["step"] == 2
+    assert failed["errors"][0]["location"]["file"] == "step=2.ckpt"
+
+
+def test_on_failure_raise_stops_training_at_the_damaged_save(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointRefusedError, match=r"step=2\.ckpt fails verification"):
+        fit(tmp_path, VerifyCheckpoints(on_failure="raise"), plugins=[DamagingIO(step=2)])
+    assert not (tmp_path / "step=4.ckpt").exists()  # no training past the damaged save
+
+
+def test_resume_from_a_flipped_checkpoint_is_refused_before_any_state_is_loaded(tmp_path: Path) -> None:
+    fit(tmp_path, VerifyCheckpoints())
+    member = h.flip_in_zip_member(tmp_path / "step=2.ckpt")
+    assert read_stamp(tmp_path / "step=2.ckpt").current is False  # type: ignore[union-attr]  # rewritten since
+    model = Regressor()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = None
+    with pytest.raises(CheckpointRefusedError, match=r"refusing to resume: .*step=2\.ckpt fails verification") as exc:
+        trainer, _ = fit(tmp_path / "resumed", VerifyCheckpoints(), model=model, ckpt_path=tmp_path / "step=2.ckpt")
+    assert member.split("/")[-1] in str(exc.value)  # the damaged record is named
+    assert trainer is None
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))  # nothing loaded
+    (refused,) = events(tmp_path, "resume-refused")
+    assert refused["path"] == str(tmp_path / "step=2.ckpt")
+
+
+def test_resume_from_a_clean_checkpoint_continues_and_stamps_what_it_saves(tmp_path: Path) -> None:
+    fit(tmp_path, VerifyCheckpoints())
+    out = tmp_path / "resumed"
+    verify = VerifyCheckpoints()
+    trainer, warned = fit(out, verify, max_steps=6, ckpt_path=tmp_path / "step=2.ckpt")
+    assert warned == []
+    assert trainer.global_step == 6
+    assert [v.step for v in verify.verdicts] == [4, 6] and all(v.passed for v in verify.verdicts)
+    (resumed,) = events(tmp_path, "resume-verified")
+    assert resumed["checked_bytes"] == (tmp_path / "step=2.ckpt").stat().st_size
+
+
+def test_async_checkpoint_io_is_checked_after_the_file_is_written(tmp_path: Path) -> None:
+    verify = VerifyCheckpoints()
+    _, warned = fit(tmp_path, verify, plugins=[AsyncCheckpointIO()])
+    assert warned == []  # a file still being written would fail: none was read early
+    assert sorted(v.step for v in verify.verdicts) == [2, 4]
+    for step in (2, 4):
+        stamp = read_stamp(tmp_path / f"step={step}.ckpt")
+        assert stamp is not None and stamp.passed and stamp.current
+
+
+def test_async_checkpoint_io_damage_is_caught_in_the_writing_thread(tmp_path: Path) -> None:
+    verify = VerifyCheckpoints()
+    _, warned = fit(tmp_path, verify, plugins=[AsyncCheckpointIO(DamagingIO(step=4))])
+    assert len(warned) == 1 and "step=4.ckpt" in warned[0], warned
+    stamp = read_stamp(tmp_path / "step=4.ckpt")
+    assert stamp is not None and not stamp.passed
+
+
+def test_top_k_retention_removes_the_stamp_and_manifest_beside_a_removed_checkpoint(tmp_path: Path) -> None:
+    verify = VerifyCheckpoints(fingerprint=True)
+    fit(tmp_path, verify, top_k=1)
+    assert [v.manifest for v in verify.verdicts] == [True, True]  # checked against the manifest beside
+    assert os.path.isfile(file_manifest_path(str(tmp_path / "step=4.ckpt")))
+    assert not (tmp_path / "step=2.ckpt").exists()
+    assert not os.path.exists(stamp_path(tmp_path / "step=2.ckpt"))
+    assert not os.path.exists(file_manifest_path(str(tmp_path / "step=2.ckpt")))
+    assert read_stamp(tmp_path / "step=4.ckpt").passed  # type: ignore[union-attr]
+
+
+def test_the_strategy_is_left_as_it_was_after_fit_and_after_a_refused_resume(tmp_path: Path) -> None:
+    trainer, _ = fit(tmp_path, VerifyCheckpoints())
+    for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
+        assert name not in vars(trainer.strategy), name
+    (tmp_path / "not-a-checkpoint.ckpt").write_bytes(b"junk")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[VerifyCheckpoints()])
+    with pytest.raises(CheckpointRefusedError, match=r"not-a-checkpoint\.ckpt"):
+        trainer.fit(Regressor(), ckpt_path=tmp_path / "not-a-checkpoint.ckpt")
+    for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
+        assert name not in vars(trainer.strategy), name
+
+
+def test_background_verification_is_refused_until_it_exists() -> None:
+    with pytest.raises(UsageError, match="background"):
+        VerifyCheckpoints(background=True)
+
+
+# -- ModelParallelStrategy: DCP folders, in their own processes
+
+
+def run_worker(out: Path, world: int, stage: str, ckpt: Path | None = None) -> list[dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    args = [sys.executable, str(WORKER), str(out), str(world), stage] + ([str(ckpt)] if ckpt else [])
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    results = []
+    for rank in range(world):
+        f = out / f"{stage}-rank{rank}.json"
+        assert f.exists(), f"rank {rank} wrote no result (exit {done.returncode}):\n{done.stderr[-4000:]}"
+        results.append(json.loads(f.read_text()))
+    return results
+
+
+def check_dcp_run(tmp_path: Path, world: int) -> None:
+    import inject_fault as inj
+
+    (saved, *others) = run_worker(tmp_path, world, "save")
+    assert saved["error"] is None and saved["warnings"] == [], saved
+    for step in (2, 4):
+        folder = tmp_path / "checkpoints" / f"step={step}.ckpt"
+        assert (folder / "meta.pt").is_file() and (folder / "ckptverify.manifest.json").is_file()
+        stamp = read_stamp(folder)
+        assert stamp is not None and stamp.passed and stamp.current and stamp.data["manifest"], stamp
+    assert [v["step"] for v in saved["verdicts"]] == [2, 4]
+    assert all(v["manifest"] and v["checked_bytes"] > 0 for v in saved["verdicts"])
+    for other in others:  # every rank got rank 0's verdicts
+        assert [v["passed"] for v in other["verdicts"]] == [True, True] and other["warnings"] == []
+
+    fault = inj.flip_in_tensor_payload(tmp_path / "checkpoints" / "step=2.ckpt")
+    refused = run_worker(tmp_path, world, "resume", tmp_path / "checkpoints" / "step=2.ckpt")
+    for result in refused:
+        assert result["error"] is not None and result["error"]["type"] == "CheckpointRefusedError", result
+        assert fault.file in result["error"]["message"] and "step=2.ckpt" in result["error"]["message"]
+        assert result["untouched"] is True and result["global_step"] == 0
+
+    resumed = run_worker(tmp_path, world, "resume", tmp_path / "checkpoints" / "step=4.ckpt")
+    for result in resumed:
+        assert result["error"] is None and result["warnings"] == [], result
+        assert result["global_step"] == 6 and [v["passed"] for v in result["verdicts"]] == [True]
+
+
+def test_model_parallel_dcp_folders_are_fingerprinted_stamped_and_a_flipped_one_refused(tmp_path: Path) -> None:
+    check_dcp_run(tmp_path, world=1)
+
+
+@pytest.mark.slow
+def test_two_rank_model_parallel_ranks_agree_on_every_verdict(tmp_path: Path) -> None:
+    check_dcp_run(tmp_path, world=2)

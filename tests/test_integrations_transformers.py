@@ -1,0 +1,170 @@
+"""ckptverify's transformers integration (``VerifyCheckpointsCallback``, ``verified_resume_checkpoint``) in real
+``Trainer`` runs: a tiny GPT-2 built from a config, CPU, one process, no downloads."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[transformers]' (see docs/integrations.md)")
+
+import torch  # noqa: E402
+from frameworks import harness as h  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from ckptverify.errors import CheckpointRefusedError  # noqa: E402
+from ckptverify.events import read_events  # noqa: E402
+from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
+from ckptverify.integrations.transformers import (  # noqa: E402
+    VerifyCheckpointsCallback,
+    verified_resume_checkpoint,
+    verify_before_resume,
+)
+from ckptverify.runs.stamp import read_stamp  # noqa: E402
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 32, seq: int = 16, vocab: int = 64) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class DamageOnSave(TrainerCallback):
+    """Flips one bit of ``optimizer.pt`` in ``checkpoint-{step}`` as soon as it is saved: storage that corrupts
+    what it is given (runs before ckptverify's callback, which comes after it in the list)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            h.flip_in_zip_member(Path(args.output_dir) / f"checkpoint-{self.step}" / "optimizer.pt")
+
+
+def train(out: Path, callbacks: list[Any], *, max_steps: int = 4, resume: str | None = None) -> tuple[Any, list[str]]:
+    """Train 2 steps per save into ``out``; return the trainer and the warnings ckptverify raised."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(output_dir=str(out), max_steps=max_steps, save_steps=2, per_device_train_batch_size=4,
+                             learning_rate=1e-3, use_cpu=True, report_to=[], seed=0, disable_tqdm=True,
+                             logging_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=callbacks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
+    return trainer, ours(caught)
+
+
+def ours(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught
+            if issubclass(w.category, CheckpointVerificationWarning) or "ckptverify" in w.filename]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, VerifyCheckpointsCallback, list[str]]:
+    """One clean 4-step run (``checkpoint-2``, ``checkpoint-4``); tests copy what they damage."""
+    out = tmp_path_factory.mktemp("hf") / "run"
+    verify = VerifyCheckpointsCallback()
+    _, warned = train(out, [verify])
+    return out, verify, warned
+
+
+def copy_run(run: tuple[Path, Any, Any], dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run[0], dst)
+    return dst
+
+
+def test_every_saved_checkpoint_carries_a_current_passed_stamp_and_no_warning(run: Any) -> None:
+    out, verify, warned = run
+    assert warned == []
+    for step in (2, 4):
+        stamp = read_stamp(out / f"checkpoint-{step}")
+        assert stamp is not None and stamp.passed and stamp.current and stamp.step == step, stamp
+    assert [v.step for v in verify.verdicts] == [2, 4]
+    for verdict in verify.verdicts:
+        crc = sum(c["count"] for c in verdict.coverage if c["check"] == "zip-crc")
+        assert crc > 10 and verdict.checked_bytes > 0, verdict  # optimizer.pt, scheduler.pt, rng_state.pth, ...
+        # the weights (safetensors: no checksum of their own) are covered by the manifest written at the save
+        assert verdict.manifest and verdict.unchecked == (), verdict
+        assert (out / f"checkpoint-{verdict.step}" / "ckptverify.manifest.json").is_file()
+    assert len(list(read_events(out, "checkpoint-verified"))) == 2
+    assert list(read_events(out, "checkpoint-failed")) == []
+
+
+def test_a_checkpoint_damaged_on_its_way_to_disk_gets_a_failed_stamp_a_warning_and_an_event(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _, warned = train(out, [DamageOnSave(step=2), VerifyCheckpointsCallback()])
+    assert len(warned) == 1 and "checkpoint-2" in warned[0] and "optimizer.pt" in warned[0], warned
+    bad, good = read_stamp(out / "checkpoint-2"), read_stamp(out / "checkpoint-4")
+    assert bad is not None and not bad.passed and good is not None and good.passed
+    (failed,) = read_events(out, "checkpoint-failed")
+    assert failed["step"] == 2 and failed["errors"][0]["location"]["file"] == "optimizer.pt"
+
+
+def test_on_failure_raise_stops_training_at_the_damaged_save(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointRefusedError, match=r"checkpoint-2 fails verification.*optimizer\.pt"):
+        train(out, [DamageOnSave(step=2), VerifyCheckpointsCallback(on_failure="raise")])
+    assert not (out / "checkpoint-4").exists()
+
+
+def test_resume_skips_a_flipped_newest_checkpoint_and_names_its_file(run: Any, tmp_path: Path) -> None:
+    out = copy_run(run, tmp_path / "run")
+    h.flip_in_zip_member(out / "checkpoint-4" / "optimizer.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        picked = verified_resume_checkpoint(out)
+    assert picked == str(out / "checkpoint-2")
+    (warned,) = ours(caught)
+    assert "checkpoint-4" in warned and "optimizer.pt" in warned
+    (refused,) = read_events(out, "resume-refused")
+    assert refused["path"] == str(out / "checkpoint-4")
+    with pytest.raises(CheckpointRefusedError, match=r"refusing to resume: .*checkpoint-4 .*optimizer\.pt"):
+        verify_before_resume(out / "checkpoint-4")
+
+
+def test_resume_is_refused_when_no_checkpoint_verifies(run: Any, tmp_path: Path) -> None:
+    out = copy_run(run, tmp_path / "run")
+    for step in (2, 4):
+        h.flip_in_zip_member(out / f"checkpoint-{step}" / "scheduler.pt", bit=1)
+    with pytest.raises(CheckpointRefusedError, match=r"none of the 2 checkpoint\(s\)"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointVerificationWarning)
+        verified_resume_checkpoint(out)
+    assert verified_resume_checkpoint(tmp_path / "empty-run") is None  # nothing to resume from: a fresh start
+
+
+def test_resume_from_the_verified_checkpoint_continues_and_stamps_what_it_saves(run: Any, tmp_path: Path) -> None:
+    out = copy_run(run, tmp_path / "run")
+    picked = verified_resume_checkpoint(out)
+    assert picked == str(out / "checkpoint-4")
+    verify = VerifyCheckpointsCallback()
+    trainer, warned = train(out, [verify], max_steps=6, resume=picked)
+    assert warned == []
+    assert trainer.state.global_step == 6
+    assert [v.step for v in verify.verdicts] == [6] and verify.verdicts[0].passed
+    stamp = read_stamp(out / "checkpoint-6")
+    assert stamp is not None and stamp.passed and stamp.current
+
+
+def test_a_flip_in_the_weights_is_refused_at_resume_naming_the_tensor(run: Any, tmp_path: Path) -> None:
+    out = copy_run(run, tmp_path / "run")
+    tensor = h.flip_in_safetensors(out / "checkpoint-4" / "model.safetensors")
+    with pytest.raises(CheckpointRefusedError, match=r"checkpoint-4 fails verification") as exc:
+        verify_before_resume(out / "checkpoint-4")
+    assert "model.safetensors" in str(exc.value) and tensor in str(exc.value)
