@@ -72,3 +72,36 @@ def test_without_notification_the_watcher_polls(tmp_path: Path, monkeypatch: pyt
     result = watch(root, interval=0.1, max_passes=2, log=str(tmp_path / "w.jsonl"))
     assert not result.notify and result.passes == 2
     assert read_stamp(root / "step_1").current
+
+
+def test_watch_verifies_and_stamps_every_format_once_it_has_settled(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ckptverify.runs.latest import latest_verified
+    from ckptverify.runs.watch import watch_pass
+
+    root = tmp_path / "run"
+    _dcp(root / "step_10", 1.0)
+    (root / "checkpoint-20").mkdir()
+    save_file({"w": torch.full((32, 32), 2.0)}, str(root / "checkpoint-20" / "model.safetensors"))
+    torch.save({"state_dict": {"w": torch.full((32, 32), 3.0)}, "global_step": 30}, root / "epoch=0-step=30.ckpt")
+    # Just written, with no commit marker: not taken for finished until it has been quiet for a while.
+    early = {r["path"]: r["event"] for r in watch_pass(str(root), quiet=60)}
+    assert early == {"step_10": "verified"}
+    done = {r["path"]: r["event"] for r in watch_pass(str(root), quiet=0)}
+    assert done == {"checkpoint-20": "verified", "epoch=0-step=30.ckpt": "verified"}
+    assert read_stamp(root / "checkpoint-20").current
+    assert read_stamp(root / "epoch=0-step=30.ckpt").current  # beside the file
+    assert watch_pass(str(root), quiet=0) == []  # every stamp current: nothing to do
+    assert latest_verified(root).path.endswith("epoch=0-step=30.ckpt")
+    # A byte flipped in the file's payload: its stamp goes stale, the next pass verifies it again and fails it.
+    ckpt = root / "epoch=0-step=30.ckpt"
+    data = bytearray(ckpt.read_bytes())
+    at = data.find(torch.full((32, 32), 3.0).numpy().tobytes()[:64])
+    assert at > 0
+    data[at + 5] ^= 0x40
+    ckpt.write_bytes(bytes(data))
+    again = watch_pass(str(root), quiet=0)
+    assert [(r["path"], r["event"]) for r in again] == [("epoch=0-step=30.ckpt", "failed")]
+    assert not read_stamp(ckpt).passed
+    assert latest_verified(root).path.endswith("checkpoint-20")

@@ -38,7 +38,7 @@ class Latest:
 
 def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool) -> tuple[str, str, str]:
     """State, reason, and how it was decided (``stamp`` or ``verified now``)."""
-    if use_stamps and cand.kind == "dir" and cand.format == "dcp":
+    if use_stamps and cand.format != "dcp-uncommitted":
         stamp = read_stamp(os.path.join(root, cand.path))
         if stamp is not None and stamp.current:
             checked_at = stamp.data.get("checked_at", "?")

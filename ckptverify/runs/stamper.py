@@ -40,6 +40,19 @@ def committed(path: str) -> bool:
     return has_metadata and _SAVE_MARKER not in names
 
 
+def _gone(path: str) -> bool:
+    """Whether the checkpoint at ``path`` was removed (or, for DCP, lost its metadata: retention under way)."""
+    if os.path.isdir(path):
+        from ckptverify.formats.rundir import dir_format
+
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return True
+        return dir_format(names) == "dcp-uncommitted" or (dir_format(names) == "dcp" and not committed(path))
+    return not os.path.isfile(path)
+
+
 class VerifyingLock:
     """The verifying lock of one checkpoint directory (an exclusive ``flock`` on ``.ckptverify-verifying``).
 
@@ -48,6 +61,9 @@ class VerifyingLock:
     """
 
     def __init__(self, checkpoint: str) -> None:
+        # A single-file checkpoint has no directory to hold a lock: nothing is created beside it, and the
+        # lock is a no-op (two watchers may verify it twice; retention of single files does not wait).
+        self._single = os.path.lexists(checkpoint) and not os.path.isdir(checkpoint)
         self.path = os.path.join(checkpoint, VERIFYING_LOCK)
         self._fd: int | None = None
 
@@ -59,6 +75,11 @@ class VerifyingLock:
         """Take the lock without blocking; ``False`` when someone else holds it. Raises ``FileNotFoundError``
         when the checkpoint directory is gone."""
         if self._fd is not None:
+            return True
+        if self._single:
+            if not os.path.isfile(self.path.rsplit(os.sep, 1)[0]):
+                raise FileNotFoundError(self.path)
+            self._fd = -1
             return True
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         for _ in range(8):
@@ -80,6 +101,9 @@ class VerifyingLock:
 
     def release(self) -> None:
         if self._fd is None:
+            return
+        if self._fd == -1:  # the no-op lock of a single file
+            self._fd = None
             return
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -136,7 +160,7 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
             # Retention deletes a checkpoint file by file: what looks torn may be on its way out. Let it
             # settle, then judge only if nothing moved.
             time.sleep(settle)
-        if not os.path.isdir(path) or not committed(path):
+        if _gone(path):
             return Outcome("deleted", reason="removed while it was being verified")
         if files_fingerprint(path) != before:
             # Not a verdict on anything: the files verified are not the files there now.

@@ -1,11 +1,14 @@
 """Verify every checkpoint of a run as it commits: ``ckptverify watch RUN_DIR``.
 
-Each pass lists the run's checkpoints (:func:`~ckptverify.formats.rundir.find_checkpoints`), and every committed
-DCP checkpoint without a current stamp is verified and stamped (:mod:`~ckptverify.runs.stamp`), with one JSON
-line appended to the log for each result. *Committed* means its ``.metadata`` is in place and no ckptverify save
-is in progress in it; a checkpoint still being written is left for a later pass. While verifying, the watcher
-holds the checkpoint's verifying lock, so retention (:func:`~ckptverify.runs.prune.prune`) leaves it alone. A
-checkpoint deleted while being verified (retention elsewhere) is logged as ``deleted``, not as a failure.
+Each pass lists the run's checkpoints (:func:`~ckptverify.formats.rundir.find_checkpoints`: every format
+``scan`` knows), and every finished checkpoint without a current stamp is verified and stamped
+(:mod:`~ckptverify.runs.stamp`), with one JSON line appended to the log for each result. *Finished* means, for
+DCP, its ``.metadata`` is in place and no ckptverify save is in progress in it (every DCP part, for a folder
+holding several); for a format without a commit marker (a Hugging Face or accelerate folder, a ``.ckpt`` or
+``.safetensors`` file), that none of its files changed for ``quiet`` seconds. A checkpoint still being written
+is left for a later pass. While verifying a directory, the watcher holds its verifying lock, so retention
+(:func:`~ckptverify.runs.prune.prune`) leaves it alone (a single file has no lock). A checkpoint deleted while
+being verified (retention elsewhere) is logged as ``deleted``, not as a failure.
 
 The directory is listed at least every ``interval`` seconds, which works the same on local and network file
 systems; where Linux ``inotify`` is available (:mod:`~ckptverify.runs.notify`), a change in the run directory or
@@ -30,6 +33,10 @@ from ckptverify.runs.stamp import read_stamp
 from ckptverify.runs.stamper import SETTLE_SECONDS, committed, verify_and_stamp
 
 __all__ = ["WatchResult", "watch", "watch_pass"]
+
+#: A checkpoint of a format without a commit marker is taken for finished once none of its files changed for
+#: this long (a save still writing keeps touching its files).
+QUIET_SECONDS = 5.0
 
 
 @dataclass
@@ -66,9 +73,23 @@ def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool, settle
     return out
 
 
+def _ready(path: str, cand: Candidate, quiet: float) -> bool:
+    """Whether a checkpoint is finished: a DCP save committed (every DCP part of a composite one); a format
+    without a commit marker (a Hugging Face or accelerate folder, a single file) unchanged for ``quiet``
+    seconds."""
+    if cand.format == "dcp":
+        return committed(path)
+    if cand.format == "dcp-uncommitted":
+        return False
+    if any(not committed(os.path.join(path, part)) for part in cand.parts):
+        return False
+    return time.time_ns() - cand.mtime_ns >= quiet * 1e9
+
+
 def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
-               settle: float = SETTLE_SECONDS) -> list[dict[str, Any]]:
-    """One pass: verify and stamp every committed, unstamped (or stale) DCP checkpoint; report failed stamps.
+               settle: float = SETTLE_SECONDS, quiet: float = QUIET_SECONDS) -> list[dict[str, Any]]:
+    """One pass: verify and stamp every finished, unstamped (or stale) checkpoint of any format ``scan``
+    knows; report failed stamps.
 
     Returns one result per checkpoint acted on: ``verified``, ``failed`` (a new failure, or a current stamp that
     says failed), ``deleted``, ``changed`` (its files changed during the verification: no verdict, no stamp) or
@@ -77,10 +98,8 @@ def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
     root = os.fspath(run_dir)
     out: list[dict[str, Any]] = []
     for cand in find_checkpoints(root):
-        if cand.kind != "dir" or cand.format != "dcp":
-            continue
         path = os.path.join(root, cand.path)
-        if not committed(path):
+        if not _ready(path, cand, quiet):
             continue
         stamp = read_stamp(path)
         if stamp is not None and stamp.current:
@@ -97,12 +116,13 @@ def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
 def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: float = 2.0,
           exit_on_failure: bool = False, log: str | None = None, jobs: int | None = None, deep: bool = False,
           max_passes: int | None = None, on_result: Callable[[dict[str, Any]], None] | None = None,
-          notify: bool = True) -> WatchResult:
+          notify: bool = True, quiet: float = QUIET_SECONDS) -> WatchResult:
     """Watch ``run_dir``; see the module docstring. Returns when ``once`` (after one pass), at the first failure
     with ``exit_on_failure``, after ``max_passes`` passes, or on ``KeyboardInterrupt``.
 
     ``log``: a file to append one JSON line per result to (default: ``RUN_DIR/ckptverify-watch.jsonl``).
     ``notify``: wake at once on changes where inotify is available (else, and with ``False``: poll only).
+    ``quiet``: how long a checkpoint without a commit marker must stay unchanged to be taken for finished.
     """
     from ckptverify.runs.notify import DirectoryNotifier
 
@@ -116,7 +136,7 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
     result.notify = notifier is not None
     try:
         while True:
-            for item in watch_pass(root, jobs=jobs, deep=deep):
+            for item in watch_pass(root, jobs=jobs, deep=deep, quiet=quiet):
                 key = (item["path"], item.get("checked_at"))
                 if item.get("stamped") and key in reported_failures:
                     continue  # a failed stamp is reported once per watcher, not every pass
