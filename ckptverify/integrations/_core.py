@@ -22,9 +22,10 @@ warned about: they are the same on every clean save.
 The verdict is reached on the coordinator (rank 0) and handed to every rank through the framework's own
 broadcast (:class:`Group`), so every rank raises or none does.
 
-``background=True`` is reserved for the background verifier (``ckptverify.runs.background``), which is not in
-this version: it is refused. Every integration goes through :meth:`Verifier.after_save`, whose one dispatch
-(``self._dispatch``) is what hands a checkpoint over to it instead of verifying it inline.
+The integrations verify inline: a save returns once its checkpoint is verified and stamped. ``background=True``
+is refused for now (``ckptverify.save(verify="background")`` and ``Run`` verify in the background through
+:mod:`ckptverify.runs.background`); every integration goes through :meth:`Verifier.after_save`, whose one dispatch
+(``self._dispatch``) is where a checkpoint would be handed to that verifier instead.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class Verifier:
             the manifest's logical tensor fingerprints cost far more than the save (``docs/integrations.md``,
             Cost). ``True``: always (the manifest then also serves ``verify --deep`` and ``diff``). ``False``:
             never.
-        background: reserved for the background verifier; refused in this version.
+        background: reserved; refused in this version (the integrations verify inline).
         deep: also rebuild every tensor and compare its logical fingerprint with the manifest's.
         jobs: verification threads (default: one per core).
         events_dir: where ``events.jsonl`` goes (default: the folder that holds the checkpoint).
@@ -207,9 +208,9 @@ class Verifier:
         if on_failure not in ON_FAILURE:
             raise UsageError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
         if background:
-            raise UsageError("background verification needs ckptverify.runs.background, which this version of "
-                             "ckptverify does not have: use background=False (verification runs inline, "
-                             "right after each save)")
+            raise UsageError("the framework integrations verify inline in this version: use background=False "
+                             "(verification runs right after each save); ckptverify.save(verify='background') "
+                             "and Run verify in the background")
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
         self.on_failure: OnFailure = on_failure
