@@ -40,7 +40,7 @@ def _batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor
 
 def _train(run_dir: Path, level: str, *, steps: int = STEPS, lr_change_at: int | None = None,
            perturb_rng_at: int | None = None, zero_grad_at_end: bool = False, grads: str = "record_step",
-           workload: str = "mlp", flush_every: int = 64) -> Path:
+           workload: str = "mlp", flush_every: int = 64, detail: str = "tensor") -> Path:
     """A small job: Linear/ReLU/Dropout/Linear, AdamW, StepLR. Batches come from their own generator, so the
     global generator feeds dropout only."""
     torch.manual_seed(0)
@@ -48,7 +48,8 @@ def _train(run_dir: Path, level: str, *, steps: int = STEPS, lr_change_at: int |
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
     state = TrainState(model=model, optimizer=opt, scheduler=sched)
-    header = TraceHeader(run=run_dir.name, level=level, workload=workload, extra={"optimizer": "adamw"})
+    header = TraceHeader(run=run_dir.name, level=level, workload=workload, extra={"optimizer": "adamw"},
+                         detail=detail)
     with TraceRecorder(run_dir, header=header, flush_every=flush_every) as rec:
         rec.attach(model, optimizer=opt if grads == "hook" else None)
         for step, (x, y) in enumerate(_batches(steps), start=1):
@@ -78,7 +79,7 @@ def _train(run_dir: Path, level: str, *, steps: int = STEPS, lr_change_at: int |
 def test_header_round_trip_and_validation() -> None:
     h = TraceHeader(run="a", level="module", workload="w", rank=1, world_size=2, extra={"k": [1, 2]})
     assert TraceHeader.from_dict(h.to_dict()) == h
-    assert h.to_dict()["schema"] == "ckptverify/trace" and h.to_dict()["schema_version"] == 1
+    assert h.to_dict()["schema"] == "ckptverify/trace" and h.to_dict()["schema_version"] == 2
     assert h.differences(TraceHeader.from_dict({**h.to_dict(), "run": "b", "workload": "v"})) == ["workload"]
     with pytest.raises(ValueError, match="unknown trace level"):
         TraceHeader(run="a", level="everything")
@@ -89,7 +90,7 @@ def test_batched_appends_round_trip(tmp_path: Path) -> None:
     header = TraceHeader(run="r", level="metrics", rank=0, world_size=1)
     rng = np.random.default_rng(0)
     expected: dict[int, dict[str, tuple[int, int]]] = {}
-    writer = TraceWriter(path, header=header, flush_every=16, site_chunk=4)
+    writer = TraceWriter(path, header=header, flush_every=16, site_chunk=4, background=False)
     for step in range(0, 400, 2):  # 200 rows, steps need only increase
         row = {f"s{j}": (int(rng.integers(2**63)) * 2 + 1, int(rng.integers(2**63))) for j in range(6)}
         cells = [Cell(f"s{j}", "metric", row[f"s{j}"], "fp128") for j in range(3)]
@@ -280,10 +281,11 @@ def test_module_called_twice_gets_occurrences(tmp_path: Path) -> None:
             rec.record_step(step, metrics={"n": step})
     names = [s.name for s in open_trace(tmp_path / "run" / "rank0").sites]
     # Backward hooks fire in backward order: bwd#0 belongs to the last call, and the root's input gradient
-    # comes last. Level module includes level state: the gradients are recorded too.
+    # comes last. Level module includes level state: the gradients are recorded too (detail "category": one
+    # cell for all of them).
     assert names == ["module.(root).in#0", "module.block.in#0", "module.block.fwd#0", "module.block.in#1",
                      "module.block.fwd#1", "module.(root).fwd#0", "module.block.bwd#0", "module.block.bwd#1",
-                     "module.(root).bwd#0", "metric.n", "grad.block.weight", "grad.block.bias"]
+                     "module.(root).bwd#0", "metric.n", "grad.*"]
 
 
 def test_header_mismatch_refused_unless_forced(tmp_path: Path) -> None:
@@ -326,7 +328,8 @@ def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        for run, perturb in (("a", False), ("b", False), ("c", True)):
+        for run, perturb, detail in (("a", False, "tensor"), ("b", False, "tensor"), ("c", True, "tensor"),
+                                     ("d", True, "category")):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
             fully_shard(model[0], mesh=mesh)
@@ -335,7 +338,7 @@ def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             state = TrainState(model=model, optimizer=opt)
             batches = _batches(3, seed=10 + rank)
-            with TraceRecorder(Path(out_dir) / run, header=TraceHeader(run=run, level="module")) as rec:
+            with TraceRecorder(Path(out_dir) / run, header=TraceHeader(run=run, level="module", detail=detail)) as rec:
                 rec.attach(model)
                 for step, (x, y) in enumerate(batches, start=1):
                     if perturb and rank == 1 and step == 2:
@@ -358,7 +361,7 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
-    for run in "abc":
+    for run in "abcd":
         assert sorted(p.name for p in (tmp_path / run).iterdir()) == ["rank0", "rank1"]
     t0, t1 = open_trace(tmp_path / "a" / "rank0"), open_trace(tmp_path / "a" / "rank1")
     assert (t0.header.rank, t1.header.rank, t0.header.world_size) == (0, 1, 2)
@@ -376,3 +379,8 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     assert summary.actual["first_step"] == 2 and summary.actual["ranks"] == [0, 1]
     d = first_divergence(tmp_path / "a", tmp_path / "c")
     assert d is not None and (d.step, d.rank, d.category) == (2, 0, "gradients")
+    # The same run traced with one cell per category compares with the per-tensor trace: same step, rank and
+    # category; every gradient of rank 0 differs, so no single tensor is named.
+    d = first_divergence(tmp_path / "a", tmp_path / "d")
+    assert d is not None and (d.step, d.rank, d.category, d.site, d.tensors) == (2, 0, "gradients", "grad.*",
+                                                                                "several")
