@@ -7,6 +7,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -384,3 +385,216 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     d = first_divergence(tmp_path / "a", tmp_path / "d")
     assert d is not None and (d.step, d.rank, d.category, d.site, d.tensors) == (2, 0, "gradients", "grad.*",
                                                                                 "several")
+
+
+# ------------------------------------------------------------------------------------------ category cells
+
+
+def test_state_digests_keep_their_serialization() -> None:
+    """Checkpoints store state digests: the fast walk must hash the same bytes as it always did."""
+    from ckptverify.state.digest import state_digest
+
+    values = {"nested": {"b": [1, 2.5, None, True, "x", b"y"], "a": (3, -4)},
+              "tensor": torch.arange(6, dtype=torch.int16).reshape(2, 3).t(),
+              "bf16": torch.tensor([1.5, -2.0], dtype=torch.bfloat16), "np": np.arange(4, dtype=np.float32),
+              "scalars": [np.float64(0.1), np.int32(7), np.bool_(False), 2**70]}
+    golden = {"nested": "b84bb49cbac86c96317ffe750c5c1b35", "tensor": "77c167323ed67f137e6e8b9c281ec8a0",
+              "bf16": "a1558532e9e2c51ba07643078cd51441", "np": "1bc6fa2418109e907bb87e42075b6507",
+              "scalars": "2b1bd4755c8c82fb6201333cf4c8c876"}
+    assert {k: state_digest(v) for k, v in values.items()} == golden
+
+
+def test_batched_device_lanes_equal_the_fingerprint_of_each_tensor() -> None:
+    """lanes_many (the accelerator path, run here on CPU: same code) equals tensor_fingerprint tensor by tensor,
+    across blocks holding several tensors and tensors cut into several blocks, also under deterministic mode."""
+    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(3, 4, generator=g), torch.zeros(0), torch.randn((), generator=g),
+               torch.randint(-5, 5, (7,), dtype=torch.int8, generator=g), torch.randn(5, generator=g).bfloat16(),
+               torch.randn(2, 3, dtype=torch.complex64, generator=g), torch.randn(4, 5, generator=g).t(),
+               torch.randn(kern.EAGER_BLOCK * 2 + 17, generator=g), torch.tensor([True, False]),
+               torch.randn(kern.EAGER_BLOCK - 3, generator=g), torch.randn(9, dtype=torch.float64, generator=g)]
+    tensors += [torch.randn(20_000, generator=g) for _ in range(6)]
+    expected = [tensor_fingerprint(t).value for t in tensors]
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):  # the second time from the cached plan
+            lanes = kern.lanes_many(tensors).tolist()
+            got = [TensorFingerprint.from_lanes((a % 2**64, b % 2**64), "", (), 0).value for a, b in lanes]
+            assert got == expected
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def test_a_category_cell_names_the_one_member_that_changed() -> None:
+    from ckptverify.trace.category import combine, locate, matches, weight
+
+    names = [f"param.layer{i}.weight" for i in range(50)]
+    weights = np.array([weight(n) for n in names], dtype=np.uint64)
+    rng = np.random.default_rng(0)
+    lows = rng.integers(0, 2**63, 50, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    base = combine(lows, weights)
+    def change(j: int, delta: int) -> tuple[int, int] | None:
+        changed = lows.copy()
+        changed[j] = np.uint64((int(changed[j]) + delta) % 2**64)
+        return locate(base, combine(changed, weights))
+
+    for j, delta in ((7, 1), (31, 2**40), (0, 3 * 2**20)):  # odd and even differences: the weight mod 2**(64-k)
+        found = change(j, delta)
+        assert found is not None and [n for n in names if matches(n, found)] == [names[j]]
+    # A difference with 63 trailing zero bits leaves the weight unknown (every odd weight matches): callers
+    # name a tensor only when exactly one member matches.
+    found = change(5, 2**63)
+    assert found is not None and sum(matches(n, found) for n in names) == len(names)
+    several = lows.copy()
+    several[[3, 9]] += np.uint64(5)
+    found = locate(base, combine(several, weights))
+    assert found is None or not any(matches(n, found) for n in names)
+    assert locate(base, base) is None
+
+
+def _flip(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.view(-1)[0:1].view(torch.int32).bitwise_xor_(1 << 20)
+
+
+def _flipped_run(run_dir: Path, detail: str, flip_at: int | None, param: str = "0.weight") -> Path:
+    """Like _train at level state (optimizer hook), with one bit of one parameter flipped after the optimizer
+    step of ``flip_at``: as a fault in memory would."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainState(model=model, optimizer=opt)
+    with TraceRecorder(run_dir, header=TraceHeader(run=run_dir.name, level="state", detail=detail)) as rec:
+        rec.attach(model, optimizer=opt)
+        for step, (x, y) in enumerate(_batches(STEPS), start=1):
+            rec.record_step_start(state)
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            if step == flip_at:
+                _flip(dict(model.named_parameters())[param])
+            rec.record_step(step, metrics={"loss": loss}, batch=(x, y), state=state)
+    return run_dir
+
+
+def test_category_trace_against_a_tensor_trace_names_the_flipped_tensor(tmp_path: Path) -> None:
+    """Production (one cell per category) against a replay (a cell per tensor too): the first differing
+    category is traced back to its tensor; two category traces can only name the category."""
+    replay = _flipped_run(tmp_path / "replay", "tensor", None)
+    production = _flipped_run(tmp_path / "production", "category", 3)
+    trace = open_trace(production / "rank0")
+    names = [s.name for s in trace.sites]
+    assert "param.*" in names and "grad.*" in names and "optim.state.*" in names and "hparam.*" in names
+    assert not any(n.startswith(("param.0.", "grad.0.", "hparam.0.")) for n in names)
+    assert trace.header.detail == "category" and trace.site("param.*").encoding == "set128"
+    assert compare_runs(replay, _flipped_run(tmp_path / "same", "category", None)) == []
+    d = first_divergence(replay, production)
+    assert d is not None
+    assert (d.step, d.site, d.via, d.tensors, d.category) == (3, "param.0.weight", "param.*", "one", "parameters")
+    div = next(f for f in compare_runs(replay, production) if f.check == "trace-divergence")
+    assert "param.0.weight" in div.message and "param.*" in div.message and div.actual["via"] == "param.*"
+    # Category against category: the category, and how to name the tensor.
+    both = first_divergence(_flipped_run(tmp_path / "c2", "category", None), production)
+    assert both is not None and (both.step, both.site, both.tensors) == (3, "param.*", "unnamed")
+    # The step after, every parameter has moved on differently: no single tensor explains it.
+    later = first_divergence(replay, production, steps=range(4, STEPS + 1))
+    assert later is not None and later.step == 4 and later.site == "metric.loss"
+
+
+def test_hyperparameters_are_one_category_cell_that_names_the_changed_one(tmp_path: Path) -> None:
+    a = _train(tmp_path / "a", "state", grads="hook", zero_grad_at_end=True)
+    b = _train(tmp_path / "b", "state", grads="hook", zero_grad_at_end=True, lr_change_at=3, detail="category")
+    tb = open_trace(b / "rank0")
+    assert "hparam.*" in [s.name for s in tb.sites] and not tb.has_site("hparam.0.lr")
+    d = first_divergence(a, b)
+    assert d is not None and (d.step, d.site, d.via) == (3, "hparam.0.lr", "hparam.*")
+    ta = open_trace(a / "rank0")
+    assert ta.value(3, "hparam.0.lr") == 5e-3 and ta.site("hparam.0.lr").group == "hparam.*"  # StepLR(2, 0.5)
+
+
+def test_stream_digests_equal_the_digests_of_captured_streams() -> None:
+    """The cheap change detection gives exactly state_digest(capture_rng()[kind]) after any draw, including
+    draws that only use a Gaussian cached by the draw before."""
+    import random
+
+    from ckptverify.state.digest import state_digest
+    from ckptverify.state.rng import capture_rng
+    from ckptverify.trace.streams import StreamDigests
+
+    gen = torch.Generator().manual_seed(5)
+    streams = StreamDigests({"g": gen})
+
+    def check() -> None:
+        assert streams.current() == {k: state_digest(v) for k, v in capture_rng({"g": gen}).items()}
+
+    check()
+    for draw in (random.random, np.random.rand, np.random.randn, np.random.randn, np.random.randn,
+                 lambda: torch.rand(1), lambda: torch.rand(1, generator=gen), lambda: random.gauss(0, 1),
+                 lambda: random.gauss(0, 1), lambda: np.random.seed(3), lambda: random.seed(4), lambda: None):
+        draw()
+        check()
+
+
+def test_the_layout_follows_replaced_parameters_and_moved_storage(tmp_path: Path) -> None:
+    """Parameters replaced (registration hooks) or given new storage (p.data = ...) between steps are read
+    where they are now: the trace equals one recorded by a fresh recorder on the same state."""
+    def cells(rec: TraceRecorder, state: TrainState, step: int) -> dict[str, Any]:
+        rec.record_step(step, state=state)
+        rec.flush()
+        return open_trace(rec.store_path).row(step).values
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    state = TrainState(model=model)
+
+    def fresh(step: int) -> Any:
+        with TraceRecorder(tmp_path / f"fresh{step}", header=TraceHeader(run="x", level="state")) as rec:
+            return cells(rec, state, 1)["param.*"]
+
+    with TraceRecorder(tmp_path / "long", header=TraceHeader(run="x", level="state")) as rec:
+        seen = [cells(rec, state, 1)["param.*"]]
+        model[0].weight.data = torch.ones(4, 4)  # new storage under the same Parameter
+        seen.append(cells(rec, state, 2)["param.*"])
+        assert seen[-1] == fresh(2)
+        model[1].bias = nn.Parameter(torch.full((2,), 3.0))  # a new Parameter
+        seen.append(cells(rec, state, 3)["param.*"])
+        assert seen[-1] == fresh(3)
+    assert len(set(seen)) == 3
+
+
+def test_background_writes_commit_every_row_and_report_their_errors(tmp_path: Path) -> None:
+    header = TraceHeader(run="r", level="metrics", rank=0, world_size=1)
+    with TraceWriter(tmp_path / "s", header=header, flush_every=4) as w:
+        for step in range(1, 42):
+            w.append(step, [Cell.from_int("metric.step", "metric", step)])
+    trace = open_trace(tmp_path / "s")
+    assert trace.steps == tuple(range(1, 42)) and trace.value(41, "metric.step") == 41
+    w = TraceWriter(tmp_path / "t", header=header, flush_every=2)
+
+    def broken(*args: Any) -> None:
+        raise OSError("disk full")
+
+    w._write = broken  # type: ignore[method-assign]
+    w.append(1, [Cell.from_int("metric.step", "metric", 1)])
+    w.append(2, [Cell.from_int("metric.step", "metric", 2)])  # handed to the writing thread
+    with pytest.raises(OSError, match="disk full"):
+        w.flush()
+
+
+def test_paused_recorder_records_no_module_sites(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with TraceRecorder(tmp_path / "run", header=TraceHeader(run="p", level="module")) as rec:
+        rec.attach(model, backward=False)
+        with rec.paused():
+            model(torch.randn(2, 4))
+        rec.record_step(1, metrics={"n": 1})
+        model(torch.randn(2, 4))
+        rec.record_step(2, metrics={"n": 2})
+    trace = open_trace(tmp_path / "run" / "rank0")
+    assert trace.value(1, "module.0.fwd#0") is None and trace.value(2, "module.0.fwd#0") is not None

@@ -281,10 +281,12 @@ def _named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | Non
     a, b = ta.lanes(step, site.name), tb.lanes(step, site.name)
     located = locate(a, b) if a is not None and b is not None else None
     if located is not None:
-        for trace in finer:
-            for s in trace.sites:
-                if s.group == site.name and matches(s.name, located) and trace.lanes(step, s.name) is not None:
-                    return s.name, "one"
+        # Only an unambiguous match names a tensor (a difference with many trailing zero bits leaves the
+        # weight's high bits unknown).
+        found = {s.name for trace in finer for s in trace.sites
+                 if s.group == site.name and matches(s.name, located) and trace.lanes(step, s.name) is not None}
+        if len(found) == 1:
+            return found.pop(), "one"
     return None, "several"
 
 

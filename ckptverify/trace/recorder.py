@@ -432,6 +432,9 @@ class _Members:
         return out
 
     def cells(self, digests: np.ndarray, detail: str) -> list[Cell]:
+        """The category's cells (none for a category without members: no optimizer, no such buffer)."""
+        if not self.names:
+            return []
         return _category_cells(self.group, self.kind, self.names, self.weights, self.encodings, digests, detail)
 
 
@@ -1013,7 +1016,7 @@ class TraceRecorder:
         self._last = (step, layout.params.tensors, params)
         return [*layout.optim_leaves.cells(), *scaler, *layout.optim.cells(optim, self.detail),
                 *layout.param_leaves.cells(), *layout.params.cells(params, self.detail),
-                *(layout.buffers.cells(buffers, self.detail) if layout.buffers.names else []), *others]
+                *layout.buffers.cells(buffers, self.detail), *others]
 
     def _members(self, state: TrainState) -> tuple[_StateLayout, np.ndarray, np.ndarray, np.ndarray]:
         """The layout and the digests of its optimizer-state, parameter and buffer members now."""
