@@ -30,8 +30,11 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import xxhash
 
 from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
@@ -189,7 +192,27 @@ def _object_cell(site: str, kind: str, obj: Any, info: str = "") -> Cell:
     return Cell(site, kind, _value_lanes(obj), "digest128", info)
 
 
-_json = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+def _json_encoder() -> Callable[[Any], str]:
+    """JSON text with sorted keys and no spaces. CPython's C encoder is made once and called directly (the
+    JSONEncoder front end builds it again at every call, which costs more than encoding a state dict)."""
+    encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return encoder.encode
+    c_encoder = make(None, encoder.default, json.encoder.encode_basestring_ascii, None, ":", ",", True, False, True)
+
+    def encode(value: Any) -> str:
+        if isinstance(value, str):
+            return encoder.encode(value)
+        try:
+            return "".join(c_encoder(value, 0))
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
+
+    return encode
+
+
+_json = _json_encoder()
 
 
 def _value_lanes(value: Any) -> tuple[int, int]:
@@ -197,13 +220,11 @@ def _value_lanes(value: Any) -> tuple[int, int]:
     is digested through its JSON text with sorted keys (the C encoder: microseconds for a state dict); anything
     else through :func:`~ckptverify.state.digest.state_digest`, tensors inside by member digest. Traces compare
     values of one configuration with each other, so each field takes the same path in both runs."""
-    import xxhash
-
-    from ckptverify.state.digest import state_digest
-
     try:
         text = _json(value)
     except (TypeError, ValueError):
+        from ckptverify.state.digest import state_digest
+
         return hex_lanes(state_digest(_summary(value)))
     d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
     return d >> 64, d & _MASK64
@@ -266,25 +287,41 @@ def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
     return cells
 
 
+@dataclass
+class _HparamSpec:
+    """Where the numbers of each param group are, found once: per group, the keys of its scalar entries (read
+    with one ``itemgetter`` call) and of its sequence entries (``betas``), the members' names in that order,
+    the ``struct`` format that packs their 64-bit values, and their weights."""
+
+    scalars: list[Any]  # per group: an itemgetter of its scalar keys, or None
+    counts: list[int]  # per group: how many scalar keys
+    sequences: list[list[str]]  # per group: keys of sequence entries
+    names: list[str]
+    fmt: str
+    weights: Any
+    comparable: bool  # values that cannot change in place: the groups can be compared as a whole
+    shape: list[int]  # len() of each group, and the number of optimizers, when found
+
+
 class _HparamCells:
     """The hyperparameters of every param group as cells, made cheaply every step.
 
     At detail ``tensor``: one exact-value cell per hyperparameter (:func:`hparam_cells`), then a category cell
     ``<prefix>*`` over them; at detail ``category``: the category cell only (its members' values are their
-    bits, so a replay of detail ``tensor`` names the one that differs). The numeric entries of each group
-    are found once (a spec: keys, ``struct`` format) and packed in one call per step; while the groups hold
-    the same values, the cells of the step before are reused."""
+    bits, so a replay of detail ``tensor`` names the one that differs). The numeric entries are found once
+    (:class:`_HparamSpec`) and packed with one ``struct`` call per step; while the groups hold the same values,
+    the cells of the step before are reused."""
 
     def __init__(self, prefix: str, detail: str) -> None:
         self.prefix, self.detail = prefix, detail
         self._snap: Any = None
         self._cells: list[Cell] = []
-        self._spec: Any = None
+        self._spec: _HparamSpec | None = None
 
     def __call__(self, optimizers: list[Any]) -> list[Cell]:
         groups = [g for opt in optimizers for g in opt.param_groups]
         snap = None
-        if self._spec is not None and self._spec[3]:
+        if self._spec is not None and self._spec.comparable:
             snap = (len(optimizers), [tuple(g.values()) for g in groups])
             if snap == self._snap:
                 return self._cells
@@ -300,59 +337,82 @@ class _HparamCells:
         from ckptverify.trace.category import combine
 
         spec = self._spec
-        if spec is None or spec[4] != [len(g) for g in groups] or spec[5] != len(optimizers):
+        if spec is None or spec.shape != [*map(len, groups), len(optimizers)]:
             spec = self._spec = self._find(optimizers, groups)
-        names, fmt, picks, _, _, _ = spec
-        values: list[Any] = []
         group = f"{self.prefix}*"
         try:
-            for gi, key, sub in picks:
-                v = groups[gi][key]
-                values.append(v if sub is None else v[sub])
-            packed = struct.pack(fmt, *values)
+            values: list[Any] = []
+            for g, get, n, seqs in zip(groups, spec.scalars, spec.counts, spec.sequences, strict=True):
+                if n == 1:
+                    values.append(get(g))
+                elif n:
+                    values.extend(get(g))
+                for key in seqs:
+                    values.extend(g[key])
+            lows = np.frombuffer(struct.pack(spec.fmt, *values), dtype="<u8").astype(np.uint64)
+            names, weights = spec.names, spec.weights
+            encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
         except (struct.error, KeyError, IndexError, TypeError):
-            self._spec = None  # the groups changed shape or types: find the entries again
+            self._spec = None  # the groups changed shape or types: find the entries again next time
             slow = hparam_cells(self.prefix, optimizers)
             names = [c.site for c in slow]
             lows = np.array([c.lanes[0] for c in slow], dtype=np.uint64)
-            members = [(c.site, c.lanes[0], c.encoding) for c in slow]
-        else:
-            lows = np.frombuffer(packed, dtype="<u8").astype(np.uint64)
-            members = [] if self.detail != "tensor" else [
-                (n, b, "f64" if k == "d" else "i64") for n, b, k in zip(names, lows.tolist(), fmt[1:], strict=True)]
-        # A member's value in the category cell is its 64 bits (lane 0 of its own cell).
-        cells = [Cell(n, "hparam", (b, 0), e, "", group) for n, b, e in members] if self.detail == "tensor" else []
+            weights = np.array([_weight(n) for n in names], dtype=np.uint64)
+            encodings = [c.encoding for c in slow]
         if not names:
-            return cells
-        weights = np.array([_weight(n) for n in names], dtype=np.uint64)
+            return []
+        cells = []
+        if self.detail == "tensor":
+            # A member's value in the category cell is its 64 bits (lane 0 of its own cell).
+            cells = [Cell(n, "hparam", (b, 0), e, "", group)
+                     for n, b, e in zip(names, lows.tolist(), encodings, strict=True)]
         cells.append(Cell(group, "hparam", combine(lows, weights), "set128"))
         return cells
 
-    def _find(self, optimizers: list[Any], groups: list[Any]) -> tuple[Any, ...]:
-        """Which entries are numbers, in :func:`hparam_cells` order, and how to pack them."""
+    def _find(self, optimizers: list[Any], groups: list[Any]) -> _HparamSpec:
+        """Which entries are numbers, and how to pack them."""
+        import operator
+
+        import numpy as np
+
+        scalars: list[Any] = []
+        counts: list[int] = []
+        sequences: list[list[str]] = []
         names: list[str] = []
         fmt = "<"
-        picks: list[tuple[int, str, int | None]] = []
         comparable = True
-        gi = 0
         for o, opt in enumerate(optimizers):
             head = f"{self.prefix}{o}." if len(optimizers) > 1 else self.prefix
             for g, group in enumerate(opt.param_groups):
+                keys: list[str] = []
+                seqs: list[str] = []
+                seq_names: list[str] = []
+                seq_fmt = ""
                 for key, value in group.items():
                     if key == "params":
                         continue
-                    items = list(enumerate(value)) if isinstance(value, list | tuple) else [(None, value)]
                     if isinstance(value, list) or not isinstance(value, (*_SCALARS, tuple)):
                         comparable = False  # a value that can change in place: no reuse by comparison
-                    for k, v in items:
-                        cell = _hparam_cell("x", v)
-                        if cell is None:
-                            continue
-                        names.append(f"{head}{g}.{key}" + ("" if k is None else f".{k}"))
+                    if isinstance(value, list | tuple):
+                        kinds = [_hparam_cell("x", v) for v in value]
+                        if value and all(c is not None for c in kinds):
+                            seqs.append(key)
+                            seq_names += [f"{head}{g}.{key}.{k}" for k in range(len(value))]
+                            seq_fmt += "".join("d" if c.encoding == "f64" else "q" for c in kinds)  # type: ignore[union-attr]
+                        continue
+                    cell = _hparam_cell("x", value)
+                    if cell is not None:
+                        keys.append(key)
+                        names.append(f"{head}{g}.{key}")
                         fmt += "d" if cell.encoding == "f64" else "q"
-                        picks.append((gi, key, k))
-                gi += 1
-        return names, fmt, picks, comparable, [len(g) for g in groups], len(optimizers)
+                names += seq_names
+                fmt += seq_fmt
+                scalars.append(operator.itemgetter(*keys) if keys else None)
+                counts.append(len(keys))
+                sequences.append(seqs)
+        weights = np.array([_weight(n) for n in names], dtype=np.uint64)
+        return _HparamSpec(scalars, counts, sequences, names, fmt, weights, comparable,
+                           [*map(len, groups), len(optimizers)])
 
 
 def _weight(name: str) -> int:
@@ -573,6 +633,16 @@ class _Leaves:
             self.parents.setdefault(site, []).append((leaf, value, live))
         self.groups = groups or []
         self._cache: dict[str, tuple[Any, Cell]] = {}
+        # Per parent, the JSON text of its fixed leaves and of its live leaves' names, made once: a step then
+        # encodes the live values only (None where a fixed leaf is not plain data).
+        self._fixed: dict[str, bytes | None] = {}
+        for site, leaves in self.parents.items():
+            fixed = {leaf: value for leaf, value, where in leaves if where is None}
+            names = [leaf for leaf, _, where in leaves if where is not None]
+            try:
+                self._fixed[site] = (_json(fixed) + "|" + _json(names) + "|").encode("utf-8", "surrogatepass")
+            except (TypeError, ValueError):
+                self._fixed[site] = None
         # The param groups a parent reads, when their values can be compared as a whole from step to step
         # (numbers, strings, tuples; the "params" list by identity): then an unchanged group costs one
         # comparison of tuples.
@@ -601,13 +671,24 @@ class _Leaves:
                 if hit is not None and snap is not _UNCACHEABLE and hit[0] == snap:
                     out.append(hit[1])
                     continue
-            values = iter(live)
-            leaf_values = {leaf: value if where is None else next(values) for leaf, value, where in leaves}
-            cell = Cell(site, self.kind, _value_lanes({k: v for k, v in leaf_values.items() if v is not _MISSING}),
-                        "digest128")
+            cell = self._cell(site, leaves, live)
             self._cache[site] = (snap, cell)
             out.append(cell)
         return out
+
+
+    def _cell(self, site: str, leaves: list[tuple[str, Any, tuple[int, str, str] | None]], live: list[Any]) -> Cell:
+        fixed = self._fixed[site]
+        if fixed is not None:
+            try:
+                d = xxhash.xxh3_128_intdigest(b"L" + fixed + _json(live).encode("utf-8", "surrogatepass"))
+                return Cell(site, self.kind, (d >> 64, d & _MASK64), "digest128")
+            except (TypeError, ValueError):
+                pass  # a live value that is not plain data (a tensor learning rate): the general digest
+        values = iter(live)
+        leaf_values = {leaf: value if where is None else next(values) for leaf, value, where in leaves}
+        return Cell(site, self.kind, _value_lanes({k: v for k, v in leaf_values.items() if v is not _MISSING}),
+                    "digest128")
 
 
 def _is_tensor(value: Any) -> bool:
@@ -702,13 +783,20 @@ class _Structure:
 def _counters(counters: Any) -> dict[str, Any]:
     """``counters.state_dict()``: for the built-in :class:`Counters` (integers), its fields read directly
     rather than through ``dataclasses.asdict``'s deep copy."""
-    import dataclasses
+    if not _COUNTERS:
+        import dataclasses
 
-    from ckptverify.state.train_state import Counters
+        from ckptverify.state.train_state import Counters
 
-    if type(counters) is Counters:
-        return {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)}
+        _COUNTERS.append(Counters)
+        _COUNTERS.extend(f.name for f in dataclasses.fields(Counters))
+    if type(counters) is _COUNTERS[0]:
+        return {name: getattr(counters, name) for name in _COUNTERS[1:]}
     return counters.state_dict()
+
+
+#: The built-in Counters class, then its field names (filled on first use: importing it here would import torch).
+_COUNTERS: list[Any] = []
 
 
 def _data_value(state: TrainState) -> Any:
@@ -771,6 +859,7 @@ class TraceRecorder:
         self._hparams = _HparamCells("hparam.", self.detail)
         self._start_hparams = _HparamCells("start.hparam.", self.detail)
         self._grad_version = -1
+        self._field_kinds: dict[str, str] = {}
         self._last: tuple[int, list[Any], np.ndarray] | None = None
 
     @property
@@ -1048,7 +1137,10 @@ class TraceRecorder:
         return cells
 
     def _field_cell(self, name: str, value: Any) -> Cell:
-        return Cell(name, _field_kind(name), _value_lanes(value), "digest128")
+        kind = self._field_kinds.get(name)
+        if kind is None:
+            kind = self._field_kinds[name] = _field_kind(name)
+        return Cell(name, kind, _value_lanes(value), "digest128")
 
     def step_digests(self, step: int, tensors: list[Any]) -> list[int | None]:
         """The member digests the row of ``step`` (the last one recorded) holds for ``tensors`` (parameters, or
