@@ -102,15 +102,16 @@ def site_cost(n: int = 1000, repeats: int = 30) -> float:
     """Microseconds per tensor of recording one category of ``n`` one-element tensors (digest and sum)."""
     import torch
 
-    from ckptverify.trace.recorder import _Members
+    from ckptverify.trace.recorder import _Digester, _Members
 
     tensors = [torch.zeros(1) for _ in range(n)]
     members = _Members("param.*", "param", [f"param.t{i}" for i in range(n)], tensors)
-    members.cells(members.digests(), "category")  # type: ignore[arg-type]
+    digester = _Digester([members], owners=tensors)
+    digester.cells(digester.digests(), "category")  # type: ignore[arg-type]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        members.cells(members.digests(), "category")  # type: ignore[arg-type]
+        digester.cells(digester.digests(), "category")  # type: ignore[arg-type]
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / n * 1e6
 

@@ -448,35 +448,55 @@ def _field_kind(name: str) -> str:
 
 
 class _Members:
-    """The tensors of one category, in a fixed order: their site names, weights and encodings, and how to
-    digest them all now (host tensors through cached views, device tensors in one batched pass)."""
+    """The tensors of one category, in a fixed order: their site names, weights and encodings."""
 
-    def __init__(self, group: str, kind: str, names: list[str], tensors: list[Any],
-                 owners: list[Any] | None = None) -> None:
-        """``owners``: per member, what to read the data pointer from to see its storage move (the Parameter
-        behind a state-dict alias); ``None``: the tensors themselves; an empty list: nothing (the optimizer
-        state, whose tensors the layout signature follows by identity)."""
+    def __init__(self, group: str, kind: str, names: list[str], tensors: list[Any]) -> None:
         import numpy as np
 
-        from ckptverify.trace.category import HostViews, weight
+        from ckptverify.trace.category import weight
 
         self.group, self.kind, self.names = group, kind, names
         self.weights = np.array([weight(n) for n in names], dtype=np.uint64)
         self.tensors = tensors
-        locals_ = [t.to_local() if _is_dtensor(t) else t for t in tensors]
-        self.encodings = ["digest128" if t.device.type == "cpu" else "fp128" for t in locals_]
-        self._host = [i for i, t in enumerate(locals_) if t.device.type == "cpu"]
+        self.locals = [t.to_local() if _is_dtensor(t) else t for t in tensors]
+        self.encodings = ["digest128" if t.device.type == "cpu" else "fp128" for t in self.locals]
+
+    def cells(self, digests: np.ndarray, detail: str) -> list[Cell]:
+        """The category's cells (none for a category without members: no optimizer, no such buffer)."""
+        if not self.names:
+            return []
+        return _category_cells(self.group, self.kind, self.names, self.weights, self.encodings, digests, detail)
+
+
+class _Digester:
+    """Digests the members of several categories in one pass: host tensors through views kept from step to
+    step (one C call each, then one vectorized pass for all), device tensors in one batched pass per device."""
+
+    def __init__(self, categories: list[_Members], owners: list[Any]) -> None:
+        """``owners``: what to read data pointers from to see a host member's storage move (the Parameters
+        behind state-dict aliases, the buffers); the optimizer state is followed by identity elsewhere."""
+        import numpy as np
+
+        from ckptverify.trace.category import HostViews
+
+        self.categories = categories
+        tensors = [t for c in categories for t in c.locals]
+        self.count = len(tensors)
+        self._host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
         self._device: dict[Any, list[int]] = {}
-        for i, t in enumerate(locals_):
+        for i, t in enumerate(tensors):
             if t.device.type != "cpu":
                 self._device.setdefault(t.device, []).append(i)
-        self._locals = locals_
-        host_owners = None if owners is None else [owners[i] for i in self._host] if owners else []
-        self._views = HostViews([locals_[i] for i in self._host], owners=host_owners)
+        self._tensors = tensors
+        self._views = HostViews([tensors[i] for i in self._host], owners=owners)
+        self.bounds = np.cumsum([0, *(len(c.names) for c in categories)]).tolist()
+        self._weights = np.concatenate([c.weights for c in categories]) if categories else np.zeros(0, np.uint64)
+        self._nonempty = [k for k, c in enumerate(categories) if c.names]
+        self._starts = [self.bounds[k] for k in self._nonempty]
 
     def digests(self) -> np.ndarray | None:
-        """Each member's digest now, as an ``(n, 2)`` uint64 array; ``None`` when a host member's storage
-        moved (rebuild the members)."""
+        """Every member's digest, as an ``(n, 2)`` uint64 array in category order; ``None`` when a host member's
+        storage moved (rebuild)."""
         import numpy as np
 
         host = self._views.digests()
@@ -484,18 +504,35 @@ class _Members:
             return None
         if not self._device:
             return host
-        out = np.zeros((len(self.names), 2), dtype=np.uint64)
+        out = np.zeros((self.count, 2), dtype=np.uint64)
         if self._host:
             out[self._host] = host
         for members in self._device.values():
-            out[members] = _device_digests([self._locals[i] for i in members])
+            out[members] = _device_digests([self._tensors[i] for i in members])
         return out
 
-    def cells(self, digests: np.ndarray, detail: str) -> list[Cell]:
-        """The category's cells (none for a category without members: no optimizer, no such buffer)."""
-        if not self.names:
-            return []
-        return _category_cells(self.group, self.kind, self.names, self.weights, self.encodings, digests, detail)
+    def cells(self, digests: np.ndarray, detail: str) -> list[list[Cell]]:
+        """Each category's cells, from ``digests`` (see :meth:`digests`): the category sums of all categories
+        in one vectorized pass (sums of uint64 wrap modulo 2**64)."""
+        import numpy as np
+
+        out: list[list[Cell]] = [[] for _ in self.categories]
+        if not self._nonempty:
+            return out
+        lows = digests[:, 1]
+        lane0 = np.add.reduceat(lows, self._starts).tolist()
+        lane1 = np.add.reduceat(lows * self._weights, self._starts).tolist()
+        rows = digests.tolist() if detail == "tensor" else None
+        for k, s0, s1 in zip(self._nonempty, lane0, lane1, strict=True):
+            c = self.categories[k]
+            cells: list[Cell] = []
+            if rows is not None:
+                lo = self.bounds[k]
+                cells = [Cell(n, c.kind, (hi, lo_), e, "", c.group)
+                         for n, (hi, lo_), e in zip(c.names, rows[lo:lo + len(c.names)], c.encodings, strict=True)]
+            cells.append(Cell(c.group, c.kind, (s0, s1), "set128"))
+            out[k] = cells
+        return out
 
 
 def _device_digests(tensors: list[Any]) -> np.ndarray:
@@ -719,8 +756,7 @@ class _StateLayout:
         self.optim_leaves = _Leaves(optim_flat, "optim.", "optim.", "optim", groups)
         self.param_leaves = _Leaves(param_flat, "model.", "param.", "param")
         names = [f"optim.{n[len('optim.'):]}" for n, v in optim_flat.items() if _is_tensor(v)]
-        self.optim = _Members("optim.state.*", "optim", names, [v for v in optim_flat.values() if _is_tensor(v)],
-                              owners=[])
+        self.optim = _Members("optim.state.*", "optim", names, [v for v in optim_flat.values() if _is_tensor(v)])
         owners = {}
         if state.model is not None:
             inner = _unwrap(state.model)
@@ -736,10 +772,12 @@ class _StateLayout:
             owner = owners.get(key) if key is not None else None
             live.append(owner if owner is not None else local)
         self.params = _Members("param.*", "param", [f"param.{n[len('model.'):]}" for n, _ in tensors],
-                               [v for _, v in tensors], owners=live)
+                               [v for _, v in tensors])
         buffers = non_persistent_buffers(state.model) if state.model is not None else []
         self.buffers = _Members("buffer.*", "buffer", [f"buffer.{n}" for n, _ in buffers],
                                 [b for _, b in buffers])
+        host = [t for t in [*live, *self.buffers.locals] if t.device.type == "cpu"]
+        self.digester = _Digester([self.optim, self.params, self.buffers], owners=host)
 
 
 def _layout_signature(state: TrainState, structure: int) -> list[Any]:
@@ -1101,22 +1139,23 @@ class TraceRecorder:
         fields = self._field_cells(state, rng)
         scaler = [c for c in fields if c.kind == "optim"]
         others = sorted((c for c in fields if c.kind != "optim"), key=lambda c: _FIELD_ORDER[c.kind])
-        layout, optim, params, buffers = self._members(state)
-        self._last = (step, layout.params.tensors, params)
-        return [*layout.optim_leaves.cells(), *scaler, *layout.optim.cells(optim, self.detail),
-                *layout.param_leaves.cells(), *layout.params.cells(params, self.detail),
-                *layout.buffers.cells(buffers, self.detail), *others]
+        layout, digests = self._members(state)
+        optim, params, buffers = layout.digester.cells(digests, self.detail)
+        lo, hi = layout.digester.bounds[1:3]
+        self._last = (step, layout.params.tensors, digests[lo:hi])
+        return [*layout.optim_leaves.cells(), *scaler, *optim, *layout.param_leaves.cells(), *params, *buffers,
+                *others]
 
-    def _members(self, state: TrainState) -> tuple[_StateLayout, np.ndarray, np.ndarray, np.ndarray]:
+    def _members(self, state: TrainState) -> tuple[_StateLayout, np.ndarray]:
         """The layout and the digests of its optimizer-state, parameter and buffer members now."""
         for _ in range(2):
             layout = self._layout
             version = self._version()
             if layout is None or layout.signature != _layout_signature(state, version):
                 layout = self._layout = _StateLayout(state, version)
-            optim, params, buffers = layout.optim.digests(), layout.params.digests(), layout.buffers.digests()
-            if optim is not None and params is not None and buffers is not None:
-                return layout, optim, params, buffers
+            digests = layout.digester.digests()
+            if digests is not None:
+                return layout, digests
             self._layout = None  # a storage moved under a parameter (p.data = ...): find the tensors again
         raise UsageError("the model's tensors keep moving while the trace reads them")
 
