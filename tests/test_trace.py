@@ -586,6 +586,24 @@ def test_background_writes_commit_every_row_and_report_their_errors(tmp_path: Pa
         w.flush()
 
 
+def test_sparse_gradients_are_digested_as_their_dense_values(tmp_path: Path) -> None:
+    def run(name: str, bump: bool) -> Path:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with TraceRecorder(tmp_path / name, header=TraceHeader(run=name, level="state", detail="tensor")) as rec:
+            rec.attach(model, optimizer=opt)
+            for step in (1, 2):
+                opt.zero_grad()
+                model(torch.tensor([1, 2, 2 + (bump and step == 2)])).sum().backward()
+                opt.step()
+                rec.record_step(step, state=TrainState(model=model, optimizer=opt))
+        return tmp_path / name
+
+    d = first_divergence(run("a", False), run("b", True))
+    assert d is not None and (d.step, d.site) == (2, "grad.0.weight")
+
+
 def test_paused_recorder_records_no_module_sites(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4))

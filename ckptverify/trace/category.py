@@ -115,6 +115,8 @@ def host_view(t: torch.Tensor) -> np.ndarray:
     import torch
 
     t = t.detach()
+    if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its values as a dense tensor
+        t = t.to_dense()
     if not t.is_contiguous():
         t = t.contiguous()
     try:

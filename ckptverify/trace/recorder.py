@@ -1,4 +1,4 @@
-"""The per-step trace recorder: fingerprints of what a training step saw and produced, one row per step.
+"""The per-step trace recorder: digests of what a training step saw and produced, one row per step.
 
 Use (see ``docs/trace.md``)::
 
@@ -19,9 +19,13 @@ reads from ``state`` is the state *after* the step. Gradients are recorded right
 :meth:`TraceRecorder.record_grads` call, or else read from ``p.grad`` when ``record_step`` runs (which a
 loop that calls ``zero_grad`` at the end of the step has already cleared).
 
-Every rank writes its own store, ``<run_dir>/rank<r>``. Fingerprints of DTensors (FSDP2 parameters,
-gradients and optimizer state) are collective, so every rank records the same sites in the same order:
-the recorder walks them in a fixed order (state dict order, ``named_parameters`` order).
+Every rank writes its own store, ``<run_dir>/rank<r>``, of what it holds (a DTensor's local shard). The
+recorder walks the sites in a fixed order (state dict order, ``named_parameters`` order).
+
+At detail ``category`` (the header's) each tensor category is one cell per step (:mod:`ckptverify.trace.category`);
+at detail ``tensor`` each tensor also gets its own cell. How the per-step cost is kept down is described in
+``docs/trace.md`` (*Values*, *Cost*): views kept from step to step, one vectorized pass for all category cells,
+random streams re-digested only when they moved, hyperparameters packed with one ``struct`` call.
 """
 
 from __future__ import annotations
@@ -157,13 +161,6 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
 
 #: Tensor types that hold their own values (no DTensor or other subclass that needs unwrapping).
 _PLAIN = frozenset({"Tensor", "Parameter", "Buffer"})
-
-
-def host_digest(t: torch.Tensor) -> str:
-    """32 hex digits of a host tensor's member digest (:func:`ckptverify.trace.category.host_digest`)."""
-    from ckptverify.trace.category import host_digest as digest
-
-    return f"{digest(t):032x}"
 
 
 def _summary(obj: Any) -> Any:
@@ -461,12 +458,6 @@ class _Members:
         self.locals = [t.to_local() if _is_dtensor(t) else t for t in tensors]
         self.encodings = ["digest128" if t.device.type == "cpu" else "fp128" for t in self.locals]
 
-    def cells(self, digests: np.ndarray, detail: str) -> list[Cell]:
-        """The category's cells (none for a category without members: no optimizer, no such buffer)."""
-        if not self.names:
-            return []
-        return _category_cells(self.group, self.kind, self.names, self.weights, self.encodings, digests, detail)
-
 
 class _Digester:
     """Digests the members of several categories in one pass: host tensors through views kept from step to
@@ -599,8 +590,8 @@ class _Gradients:
                     digests = split(list(map(xxhash.xxh3_128_digest, views))) ^ self.signatures
                     return _category_cells("grad.*", "grad", self.names, self.weights, self.encodings, digests,
                                            detail)
-            except TypeError:
-                pass  # a parameter without gradient
+            except (TypeError, RuntimeError):
+                pass  # a parameter without gradient, a sparse gradient
         return self._cells(detail)
 
     def _cells(self, detail: str) -> list[Cell]:
