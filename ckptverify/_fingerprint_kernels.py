@@ -22,6 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -496,3 +497,162 @@ def fingerprint_lanes(
     if device.type == "cpu" and compiled is None:
         _eager_cpu_bytes += nbytes
     return (lanes[0] & _MASK64, lanes[1] & _MASK64)
+
+
+# ------------------------------------------------------------------------------------------- many
+
+
+@dataclass(frozen=True)
+class _Piece:
+    member: int  # position of the tensor in the caller's list
+    start: int  # first element of the piece in the tensor (its global index: whole tensors)
+    length: int
+
+
+@dataclass
+class _ManyBlock:
+    """Consecutive pieces of tensors of one element size, processed together. ``tables`` (several pieces
+    only) lives on the device."""
+
+    pieces: tuple[_Piece, ...]
+    numel: int
+    tables: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class _ManyPlan:
+    """How one list of tensors (a layout: device, numels, dtypes) goes through :func:`lanes_many`: its
+    blocks, and for each tensor the range of its pieces in the order the blocks produce their sums."""
+
+    blocks: list[_ManyBlock]
+    first: torch.Tensor  # (n,) index in the zero-prefixed cumulative piece sums
+    last: torch.Tensor  # (n,)
+
+
+#: Layouts -> plans. The members of a trace category keep their shapes from step to step, so a plan and its
+#: device tables are built once.
+_many_plans: dict[tuple[Any, ...], _ManyPlan] = {}
+_MANY_PLANS_KEPT = 64
+
+
+def _plan_many(numels: Sequence[int], sizes: Sequence[int], seeds: Sequence[tuple[int, int]], block: int,
+               device: torch.device) -> _ManyPlan:
+    """Cut the tensors into blocks of at most ``block`` elements, by element size: a large tensor alone, in
+    pieces of ``block``; small tensors whole, several to a block."""
+    blocks: list[_ManyBlock] = []
+    for size in dict.fromkeys(sizes):
+        pieces: list[_Piece] = []
+        count = 0
+        for m, n in enumerate(numels):
+            if sizes[m] != size or n == 0:
+                continue
+            if n >= block:
+                for start in range(0, n, block):
+                    length = min(block, n - start)
+                    blocks.append(_ManyBlock((_Piece(m, start, length),), length))
+                continue
+            if count + n > block:
+                blocks.append(_ManyBlock(tuple(pieces), count))
+                pieces, count = [], 0
+            pieces.append(_Piece(m, 0, n))
+            count += n
+        if pieces:
+            blocks.append(_ManyBlock(tuple(pieces), count))
+    first = [0] * len(numels)
+    last = [0] * len(numels)
+    seen: set[int] = set()
+    k = 0
+    for blk in blocks:
+        if len(blk.pieces) > 1:
+            blk.tables = _block_tables(blk, seeds, device)
+        for p in blk.pieces:
+            if p.member not in seen:
+                seen.add(p.member)
+                first[p.member] = k
+            k += 1
+            last[p.member] = k
+    kw: dict = {"dtype": torch.int64}
+    return _ManyPlan(blocks, torch.tensor(first, **kw).to(device), torch.tensor(last, **kw).to(device))
+
+
+def _block_tables(blk: _ManyBlock, seeds: Sequence[tuple[int, int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Per-piece tables of a block of several pieces: how long each piece is and where it ends in the block,
+    the offset that turns a position in the block into the element's index in its tensor, and the seeds."""
+    kw: dict = {"dtype": torch.int64}
+    ends, offsets, pos = [], [], 0
+    for p in blk.pieces:
+        offsets.append(p.start - pos)
+        pos += p.length
+        ends.append(pos - 1)
+    host = {
+        "lengths": torch.tensor([p.length for p in blk.pieces], **kw),
+        "ends": torch.tensor(ends, **kw),
+        "offsets": torch.tensor(offsets, **kw),
+        "seed0": torch.tensor([_signed(seeds[p.member][0]) for p in blk.pieces], **kw),
+        "seed1": torch.tensor([_signed(seeds[p.member][1]) for p in blk.pieces], **kw),
+        "pieces": torch.arange(len(blk.pieces), **kw),
+    }
+    return {name: value.to(device) for name, value in host.items()}
+
+
+def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The lane sums of each whole tensor (those :func:`fingerprint_lanes` gives for the whole tensor), as an
+    ``(n, 2)`` int64 tensor (the two's complement of each unsigned sum) on the tensors' common device.
+
+    Tensors of one element size are streamed through blocks of :func:`eager_block` elements, several small
+    tensors to a block, so the number of device operations follows the total size, not the number of
+    tensors. Nothing waits for the device: the caller reads the result when it needs it (``.tolist()``).
+    Sums per tensor come from cumulative sums read at each tensor's end, and the result is put in order by
+    gathers: no scatter-add, so it runs under ``torch.use_deterministic_algorithms(True)``. Plain tensors
+    only (for a DTensor, pass its local shard).
+    """
+    if not tensors:
+        return torch.zeros((0, 2), dtype=torch.int64)
+    device = tensors[0].device
+    flats: list[torch.Tensor] = []
+    seeds: list[tuple[int, int]] = []
+    for t in tensors:
+        if t.device != device:
+            raise UsageError(f"lanes_many needs tensors on one device, got {t.device} and {device}")
+        flat = t.detach()
+        name = dtype_name(flat.dtype)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat)
+        flat = flat.contiguous().reshape(-1)
+        flats.append(flat.view(_INT_VIEW_BY_SIZE[flat.element_size()]))
+        seeds.append((dtype_seed(name, 0), dtype_seed(name, 1)))
+    block = eager_block(device)
+    key = (str(device), block, tuple((f.numel(), t.dtype) for f, t in zip(flats, tensors, strict=True)))
+    plan = _many_plans.get(key)
+    if plan is None:
+        plan = _plan_many([f.numel() for f in flats], [f.element_size() for f in flats], seeds, block, device)
+        if len(_many_plans) >= _MANY_PLANS_KEPT:
+            _many_plans.pop(next(iter(_many_plans)))
+        _many_plans[key] = plan
+    k = _signed(INDEX_MULTIPLIER)
+    sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for blk in plan.blocks:
+        if blk.tables is None:  # one piece of one tensor
+            p = blk.pieces[0]
+            bits = flats[p.member][p.start : p.start + p.length].to(torch.int64)
+            g = torch.arange(p.start, p.start + p.length, dtype=torch.int64, device=device).mul_(k)
+            for lane, mixer in enumerate(LANES):
+                y = _mix_tensor(bits ^ (g + _signed(seeds[p.member][lane])), mixer)
+                sums[lane].append(y.sum().reshape(1))
+            continue
+        tab = blk.tables
+        bits = torch.cat([flats[p.member] for p in blk.pieces]).to(torch.int64)
+        piece = torch.repeat_interleave(tab["pieces"], tab["lengths"], output_size=blk.numel)
+        g = torch.arange(blk.numel, dtype=torch.int64, device=device).add_(tab["offsets"][piece]).mul_(k)
+        for lane, mixer in enumerate(LANES):
+            y = _mix_tensor(bits ^ (g + tab[f"seed{lane}"][piece]), mixer)
+            at_ends = torch.cumsum(y, 0)[tab["ends"]]
+            sums[lane].append(torch.diff(at_ends, prepend=at_ends.new_zeros(1)))
+    lanes = []
+    for lane in (0, 1):
+        if not sums[lane]:  # every tensor is empty
+            lanes.append(torch.zeros(len(tensors), dtype=torch.int64, device=device))
+            continue
+        running = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64, device=device), *sums[lane]]), 0)
+        lanes.append(running[plan.last] - running[plan.first])
+    return torch.stack(lanes, dim=1)

@@ -1,12 +1,19 @@
 """Benchmark the cross-replica check: step time with a check after every optimizer step vs without, in one run.
 
-    python scripts/bench_replica.py [--blocks 6] [--block-steps 5] [--d-model 256] [--layers 4] [--batch 16] [--nproc 2]
+    python scripts/bench_replica.py [--blocks 8] [--block-steps 4] [--d-model 256] [--layers 4] [--batch 16] [--nproc 2]
 
-Trains the built-in tiny GPT under DDP on ``--nproc`` ranks (gloo on CPU, NCCL on CUDA) in blocks of steps
-without a check, with :class:`~ckptverify.hardware.replica.ReplicaCheck` of the parameters after every step,
-and with the check of parameters plus AdamW state (one 16-byte ``all_gather`` each), interleaved, and prints on
-rank 0 the median step time of each and its ratio to the step without a check. Target: <= 1% of the step on the built-in
-workload's large config (the defaults).
+Trains the built-in tiny GPT under DDP on ``--nproc`` ranks (gloo on CPU, NCCL on CUDA) in blocks of steps, the
+variants interleaved block after block:
+
+- ``trace``: a state-level trace of every step (the production setting the target is about), no check;
+- ``trace+check``: the same, and :class:`~ckptverify.hardware.replica.ReplicaCheck` of the parameters after every
+  step, reusing the digests the trace made for its row (one 16-byte ``all_gather``);
+- ``none`` and ``check`` (the check alone, digesting the parameters itself), for reference.
+
+Rank 0 prints the median step time of each and its ratio to ``trace``, the check's ratio to the same run
+without it, and the median CPU time rank 0's main thread spends inside ``check()`` (the wall time there is
+mostly waiting in the collective for the slower rank, which the next gradient all-reduce would wait anyway).
+Target: ``trace+check`` <= 1.01x ``trace`` on the built-in workload's large config (the defaults).
 """
 
 from __future__ import annotations
@@ -15,10 +22,11 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 
-def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None:
+def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, trace_dir: str) -> None:
     import dataclasses
 
     import torch
@@ -26,6 +34,8 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None:
 
     from ckptverify.examples import TinyGPTConfig, build_training, make_loader, train_step
     from ckptverify.hardware.replica import ReplicaCheck
+    from ckptverify.state.train_state import TrainState
+    from ckptverify.trace import TraceHeader, TraceRecorder
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
@@ -36,44 +46,69 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None:
     try:
         config = TinyGPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=32)
         device = "cuda" if cuda else "cpu"
-        total = 3 * (args.blocks + 1) * args.block_steps
+        total = 4 * (args.blocks + 1) * args.block_steps
         training = build_training(config, total_steps=total + 10, device=device,
                                   num_sequences=args.batch * nproc * (total + 2))
         ddp = torch.nn.parallel.DistributedDataParallel(training.model)
         training = dataclasses.replace(training, model=ddp)
         loader = iter(make_loader(training.dataset, args.batch, rank=rank, world_size=nproc))
-        variants = {"none": None, "parameters": ReplicaCheck(ddp),
-                    "parameters+optimizer": ReplicaCheck(ddp, optimizer=training.optimizer)}
+        state = TrainState(model=ddp, optimizer=training.optimizer, scheduler=training.scheduler)
+        recorder = TraceRecorder(trace_dir, header=TraceHeader(run="bench", level="state"))
+        recorder.attach(ddp, optimizer=training.optimizer)
+        reusing = ReplicaCheck(ddp)
+        reusing.digest_source = recorder
+        variants = {"none": (False, None), "trace": (True, None), "trace+check": (True, reusing),
+                    "check": (False, ReplicaCheck(ddp))}
         # Blocks of steps between barriers, variants interleaved: the check's all_gather also absorbs the
         # ranks' skew, which the next step's gradient all-reduce would absorb anyway, so the fair measure is
         # the wall time of whole steps, not the check's own time on one rank.
         per_step: dict[str, list[float]] = {name: [] for name in variants}
+        in_check: dict[str, list[float]] = {name: [] for name in variants}
         step = 0
         for block in range(args.blocks + 1):
-            for name, check in variants.items():
+            for name, (traced, check) in variants.items():
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(args.block_steps):
-                    train_step(training, next(loader))
+                    if traced:
+                        recorder.record_step_start(state)
+                    else:
+                        recorder.begin_skipped_step()
+                    batch = next(loader)
+                    train_step(training, batch)
                     step += 1
+                    if traced:
+                        recorder.record_step(step, batch=batch, state=state)
+                    else:
+                        recorder.skip_step()
                     if check is not None:
+                        c0 = time.thread_time()
                         assert not check.check(step)
+                        if block:
+                            in_check[name].append(time.thread_time() - c0)
                 if cuda:
                     torch.cuda.synchronize()
                 dist.barrier()
                 if block:  # the first round warms up
                     per_step[name].append((time.perf_counter() - t0) / args.block_steps)
+        recorder.close()
         if rank == 0:
-            base = statistics.median(per_step["none"])
+            base = statistics.median(per_step["trace"])
             params = sum(p.numel() for p in ddp.parameters())
-            print(f"ranks {nproc}, {device}, {params} parameters, {args.blocks} blocks of {args.block_steps} steps")
-            print(f"{'check':<24}{'step ms':>10}{'x none':>9}  tensors")
-            for name, check in variants.items():
+            print(f"ranks {nproc}, {device}, {params} parameters, {args.blocks} blocks of {args.block_steps} steps "
+                  "per variant, interleaved")
+            print(f"{'variant':<14}{'step ms':>10}{'x trace':>9}{'check cpu':>10}  tensors compared / reused")
+            for name, (_, check) in variants.items():
                 t = statistics.median(per_step[name])
-                print(f"{name:<24}{t * 1e3:>10.2f}{t / base:>9.4f}  {check.compared if check else 0}")
-            ratio = statistics.median(per_step["parameters"]) / base
-            print(f"parameters check: {ratio:.4f}x the step without (target <= 1.01): "
-                  f"{'MET' if ratio <= 1.01 else 'NOT MET'}")
+                counts = f"{check.compared} / {check.reused}" if check else "-"
+                own = f"{statistics.median(in_check[name]) * 1e3:>10.3f}" if in_check[name] else f"{'-':>10}"
+                print(f"{name:<14}{t * 1e3:>10.2f}{t / base:>9.4f}{own}  {counts}")
+            ratio = statistics.median(per_step["trace+check"]) / base
+            alone = statistics.median(per_step["check"]) / statistics.median(per_step["none"])
+            own = statistics.median(in_check["trace+check"]) / base
+            print(f"check with the trace: {ratio:.4f}x the traced step without it (target <= 1.01): "
+                  f"{'MET' if ratio <= 1.01 else 'NOT MET'}; CPU time of rank 0's main thread inside the check: "
+                  f"{own * 100:.2f}% of the step; the check alone: {alone:.4f}x the untraced step")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -81,8 +116,8 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=6)
-    ap.add_argument("--block-steps", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--block-steps", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
@@ -95,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(args.nproc, port, args), nprocs=args.nproc, join=True, start_method="spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(args.nproc, port, args, tmp), nprocs=args.nproc, join=True,
+                           start_method="spawn")
     return 0
 
 

@@ -1,81 +1,158 @@
 """Benchmark the trace overhead: step time with tracing at each level vs without, in one run.
 
-    python scripts/bench_trace.py [--steps 40] [--repeats 3] [--d-model 64] [--layers 2] [--batch 8]
+    python scripts/bench_trace.py [--config small|large|both] [--blocks 15] [--block-steps 20] [--levels ...]
 
-Trains the built-in tiny GPT (1 process, CPU unless CUDA is available) through the Run protocol, alternating
-no trace / ``metrics`` / ``state`` / ``state`` every 10th step / ``module`` on every repeat, and prints the mean
-step time of each (the whole loop iteration: the work ``run.steps()`` does before yielding counts) and its ratio
-to the untraced step. Targets: ``state`` <= 1.02x, ``state`` with ``trace_every=10`` <= 1.005x. Run it once with
-the defaults (a 5-10 ms step) and once with ``--d-model 256 --layers 4 --batch 16`` (the large config).
+Trains the built-in tiny GPT (1 process, CPU unless CUDA is available) through the Run protocol once per variant
+(no trace, ``metrics``, ``state``, ``state`` every 10th step, ``module``; each its own model, same config),
+and drives the variants in alternation: block after block of ``--block-steps`` steps, the variants in a new
+random order each block, so that load from other processes falls on all of them alike. A variant's step time is
+the median over blocks of its mean step time (the whole loop iteration: the work ``run.steps()`` does before
+yielding counts; rows are written in the background every 64 steps, and those writes are inside the blocks).
+Printed per variant: wall time and the training thread's CPU time per step, and their ratios to the untraced
+step. Targets: ``state`` <= 1.02x, ``state`` with ``trace_every=10`` <= 1.005x, on both configs: ``small`` (the
+defaults of the built-in workload, a 5-10 ms step) and ``large`` (``d_model`` 256, 4 layers, batch 16, a
+120-170 ms step).
+
+It also measures the fixed cost of a tensor site: a category of 1000 one-element tensors recorded at detail
+``category``, per tensor (target <= 5 microseconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIGS = {"small": (64, 2, 8), "large": (256, 4, 16)}
+LEVELS = ["none", "metrics", "state", "state/10", "module"]
 
 
-def measure(variant: str | None, steps: int, d_model: int, layers: int, batch: int) -> float:
+@dataclass
+class Variant:
+    name: str
+    run: Any
+    training: Any
+    steps: Any
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+
+def make_variant(name: str, total: int, d_model: int, layers: int, batch: int, trace_dir: str) -> Variant:
     import torch
 
-    from ckptverify.examples import TinyGPTConfig, build_training, make_loader, train_step
+    from ckptverify.examples import TinyGPTConfig, build_training, make_loader
     from ckptverify.resume.run import Run, RunConfig
     from ckptverify.state.train_state import TrainState
 
     config = TinyGPTConfig(d_model=d_model, n_layers=layers, n_heads=4, seq_len=32)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    training = build_training(config, total_steps=steps + 10, num_sequences=batch * (steps + 2), device=device)
+    training = build_training(config, total_steps=total + 10, num_sequences=batch * (total + 2), device=device)
     loader = make_loader(training.dataset, batch)
+    level, _, every = ("state" if name == "none" else name).partition("/")
+    cfg = RunConfig(name=name, stop_step=total, trace_dir=None if name == "none" else f"{trace_dir}/{name}",
+                    level=level, trace_every=int(every or 1))
+    run = Run(cfg)
+    run.restore(TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
+                           dataloader=loader))
+    return Variant(name, run, training, iter(run.steps(loader)))
+
+
+def run_block(v: Variant, steps: int) -> None:
+    import torch
+
+    from ckptverify.examples import train_step
+
+    cuda = torch.cuda.is_available()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        batch = next(v.steps)
+        out = train_step(v.training, batch)
+        v.run.record(loss=out["loss"], batch=batch, lr=out["lr"], grad_norm=out["grad_norm"])
+    if cuda:
+        torch.cuda.synchronize()
+    v.wall.append((time.perf_counter() - t0) / steps)
+    v.cpu.append((time.thread_time() - c0) / steps)
+
+
+def bench_config(name: str, levels: list[str], blocks: int, block_steps: int) -> dict[str, tuple[float, float]]:
+    d_model, layers, batch = CONFIGS[name]
+    total = (blocks + 1) * block_steps
+    order = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        level, _, every = (variant or "state").partition("/")
-        cfg = RunConfig(name="bench", stop_step=steps, trace_dir=tmp if variant else None, level=level,
-                        trace_every=int(every or 1))
-        run = Run(cfg)
-        state = TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
-                           dataloader=loader)
-        run.restore(state)
-        times = []
+        variants = [make_variant(level, total, d_model, layers, batch, tmp) for level in levels]
+        for block in range(blocks + 1):
+            order.shuffle(variants)
+            for v in variants:
+                run_block(v, block_steps)
+            if block == 0:  # warm-up
+                for v in variants:
+                    v.wall.clear()
+                    v.cpu.clear()
+        for v in variants:
+            v.run.close()
+    return {v.name: (statistics.median(v.wall), statistics.median(v.cpu)) for v in variants}
+
+
+def site_cost(n: int = 1000, repeats: int = 30) -> float:
+    """Microseconds per tensor of recording one category of ``n`` one-element tensors (digest and sum)."""
+    import torch
+
+    from ckptverify.trace.recorder import _Digester, _Members
+
+    tensors = [torch.zeros(1) for _ in range(n)]
+    members = _Members("param.*", "param", [f"param.t{i}" for i in range(n)], tensors)
+    digester = _Digester([members], owners=tensors)
+    digester.cells(digester.digests(), "category")  # type: ignore[arg-type]
+    times = []
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        for batch_ in run.steps(loader):
-            out = train_step(training, batch_)
-            run.record(loss=out["loss"], batch=batch_, lr=out["lr"], grad_norm=out["grad_norm"])
-            if device == "cuda":
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            times.append(now - t0)
-            t0 = now
-        run.close()
-    return statistics.fmean(times[5:])  # skip warm-up steps
+        digester.cells(digester.digests(), "category")  # type: ignore[arg-type]
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--config", choices=["small", "large", "both"], default="both")
+    ap.add_argument("--blocks", type=int, default=15, help="blocks per variant (after one warm-up block)")
+    ap.add_argument("--block-steps", type=int, default=20)
+    ap.add_argument("--large-blocks", type=int, default=6, help="blocks per variant for the large config")
+    ap.add_argument("--large-block-steps", type=int, default=10)
+    ap.add_argument("--levels", nargs="+", default=LEVELS, choices=LEVELS)
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    levels: list[str | None] = [None, "metrics", "state", "state/10", "module"]
-    results: dict[str | None, list[float]] = {lvl: [] for lvl in levels}
-    for _ in range(args.repeats):
-        for lvl in levels:
-            results[lvl].append(measure(lvl, args.steps, args.d_model, args.layers, args.batch))
-    base = statistics.median(results[None])
-    print(f"{'trace level':<14}{'step ms':>10}{'x untraced':>12}")
-    for lvl in levels:
-        t = statistics.median(results[lvl])
-        print(f"{lvl or 'none':<14}{t * 1e3:>10.2f}{t / base:>12.4f}")
-    ratio = statistics.median(results["state"]) / base
-    every = statistics.median(results["state/10"]) / base
-    print(f"\nstate, every step = {ratio:.4f}x (target <= 1.02): {'MET' if ratio <= 1.02 else 'NOT MET'}")
-    print(f"state, every 10th step = {every:.4f}x (target <= 1.005): {'MET' if every <= 1.005 else 'NOT MET'}")
+    levels = ["none", *[lvl for lvl in args.levels if lvl != "none"]]
+    configs = ["small", "large"] if args.config == "both" else [args.config]
+    verdicts = []
+    for config in configs:
+        blocks, steps = (args.blocks, args.block_steps) if config == "small" else (
+            args.large_blocks, args.large_block_steps)
+        d, layers, batch = CONFIGS[config]
+        print(f"\n{config} config (d_model {d}, {layers} layers, batch {batch}): {blocks} blocks of {steps} steps "
+              "per variant, alternated")
+        result = bench_config(config, levels, blocks, steps)
+        wall0, cpu0 = result["none"]
+        print(f"{'trace level':<12}{'wall ms':>10}{'x none':>9}{'cpu ms':>10}{'x none':>9}")
+        for level in levels:
+            wall, cpu = result[level]
+            print(f"{level:<12}{wall * 1e3:>10.2f}{wall / wall0:>9.4f}{cpu * 1e3:>10.2f}{cpu / cpu0:>9.4f}")
+        for level, target in (("state", 1.02), ("state/10", 1.005)):
+            if level in result:
+                ratio = result[level][0] / wall0
+                verdicts.append(f"{config}, {level}: {ratio:.4f}x wall, {result[level][1] / cpu0:.4f}x cpu "
+                                f"(target <= {target}): {'MET' if ratio <= target else 'NOT MET'}")
+    per_site = site_cost()
+    print()
+    for line in verdicts:
+        print(line)
+    print(f"fixed cost per tensor site: {per_site:.2f} us (target <= 5): {'MET' if per_site <= 5 else 'NOT MET'}")
     return 0
 
 

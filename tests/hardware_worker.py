@@ -19,7 +19,7 @@ from ckptverify.hardware.replica import ReplicaCheck, ReplicaMismatchError
 def _model(wrap: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    if wrap == "ddp":
+    if wrap in ("ddp", "ddp-traced"):
         return torch.nn.parallel.DistributedDataParallel(model)
     if wrap == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
@@ -43,7 +43,7 @@ def run(rank: int, world: int, rendezvous: str, out_dir: str, wrap: str, fault: 
     torch.set_num_threads(1)
     # A file rendezvous: no TCP port to race for with other jobs on a busy machine.
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    result: dict[str, Any] = {"mismatch_steps": [], "compared": [], "error": None, "fired": False}
+    result: dict[str, Any] = {"mismatch_steps": [], "compared": [], "reused": [], "error": None, "fired": False}
     try:
         model = _model(wrap)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -54,6 +54,15 @@ def run(rank: int, world: int, rendezvous: str, out_dir: str, wrap: str, fault: 
                                      step_in_progress=lambda: step + 1)
         check = ReplicaCheck(model, optimizer=opt, on_mismatch=on_mismatch, events=EventLog(out_dir, rank=rank))
         result["tensors"] = check.tensors
+        recorder = None
+        if wrap == "ddp-traced":  # a state-level trace: the check reuses the parameter digests of each row
+            from ckptverify.state.train_state import TrainState
+            from ckptverify.trace import TraceHeader, TraceRecorder
+
+            state = TrainState(model=model, optimizer=opt)
+            recorder = TraceRecorder(os.path.join(out_dir, "trace"), header=TraceHeader(run="t", level="state"))
+            recorder.attach(model, optimizer=opt)
+            check.digest_source = recorder
         gen = torch.Generator().manual_seed(1 + rank)  # each replica its own data, as in data parallelism
         try:
             for _ in range(steps):
@@ -63,12 +72,17 @@ def run(rank: int, world: int, rendezvous: str, out_dir: str, wrap: str, fault: 
                 opt.step()
                 opt.zero_grad()
                 step += 1
+                if recorder is not None:
+                    recorder.record_step(step, metrics={"loss": loss}, state=state)
                 found = check.check(step)
                 result["compared"].append(check.compared)
+                result["reused"].append(check.reused)
                 result["mismatch_steps"] += [(m.step, list(m.tensors), [s["ranks"] for s in m.sides]) for m in found]
         except ReplicaMismatchError as exc:
             result["error"] = {"type": "ReplicaMismatchError", "step": exc.mismatch.step}
         result["fired"] = bool(injector and injector.fired)
+        if recorder is not None:
+            recorder.close()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()

@@ -56,6 +56,19 @@ def test_a_flipped_bit_on_one_replica_is_caught_at_its_step(tmp_path: Path, kind
 
 
 @pytest.mark.slow
+def test_a_traced_job_checks_its_replicas_with_the_digests_the_trace_made(tmp_path: Path) -> None:
+    """With a state-level trace the check reads no parameter again (it reuses the row's digests) and still
+    catches a flipped bit at its step; the optimizer state, which the check compares too, it digests itself."""
+    clean = _launch(tmp_path / "clean", "ddp-traced")
+    for r in clean:
+        assert r["compared"] == [16] * 4 and r["reused"] == [4] * 4 and r["mismatch_steps"] == []
+    flip = BitFlip(kind="param", name="2.weight", step=3, rank=0, element=5, bit=20)
+    flipped = _launch(tmp_path / "flip", "ddp-traced", flip)
+    for r in flipped:
+        assert r["mismatch_steps"][0][:2] == [3, ["2.weight"]] and r["reused"] == [4] * 4
+
+
+@pytest.mark.slow
 def test_raise_stops_every_replica_at_the_mismatch(tmp_path: Path) -> None:
     flip = BitFlip(kind="param", name="0.bias", step=2, rank=0, element=0, bit=31)
     results = _launch(tmp_path, "ddp", flip, on_mismatch="raise")

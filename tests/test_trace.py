@@ -7,6 +7,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def _batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor
 
 def _train(run_dir: Path, level: str, *, steps: int = STEPS, lr_change_at: int | None = None,
            perturb_rng_at: int | None = None, zero_grad_at_end: bool = False, grads: str = "record_step",
-           workload: str = "mlp", flush_every: int = 64) -> Path:
+           workload: str = "mlp", flush_every: int = 64, detail: str = "tensor") -> Path:
     """A small job: Linear/ReLU/Dropout/Linear, AdamW, StepLR. Batches come from their own generator, so the
     global generator feeds dropout only."""
     torch.manual_seed(0)
@@ -48,7 +49,8 @@ def _train(run_dir: Path, level: str, *, steps: int = STEPS, lr_change_at: int |
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
     state = TrainState(model=model, optimizer=opt, scheduler=sched)
-    header = TraceHeader(run=run_dir.name, level=level, workload=workload, extra={"optimizer": "adamw"})
+    header = TraceHeader(run=run_dir.name, level=level, workload=workload, extra={"optimizer": "adamw"},
+                         detail=detail)
     with TraceRecorder(run_dir, header=header, flush_every=flush_every) as rec:
         rec.attach(model, optimizer=opt if grads == "hook" else None)
         for step, (x, y) in enumerate(_batches(steps), start=1):
@@ -78,7 +80,7 @@ def _train(run_dir: Path, level: str, *, steps: int = STEPS, lr_change_at: int |
 def test_header_round_trip_and_validation() -> None:
     h = TraceHeader(run="a", level="module", workload="w", rank=1, world_size=2, extra={"k": [1, 2]})
     assert TraceHeader.from_dict(h.to_dict()) == h
-    assert h.to_dict()["schema"] == "ckptverify/trace" and h.to_dict()["schema_version"] == 1
+    assert h.to_dict()["schema"] == "ckptverify/trace" and h.to_dict()["schema_version"] == 2
     assert h.differences(TraceHeader.from_dict({**h.to_dict(), "run": "b", "workload": "v"})) == ["workload"]
     with pytest.raises(ValueError, match="unknown trace level"):
         TraceHeader(run="a", level="everything")
@@ -89,7 +91,7 @@ def test_batched_appends_round_trip(tmp_path: Path) -> None:
     header = TraceHeader(run="r", level="metrics", rank=0, world_size=1)
     rng = np.random.default_rng(0)
     expected: dict[int, dict[str, tuple[int, int]]] = {}
-    writer = TraceWriter(path, header=header, flush_every=16, site_chunk=4)
+    writer = TraceWriter(path, header=header, flush_every=16, site_chunk=4, background=False)
     for step in range(0, 400, 2):  # 200 rows, steps need only increase
         row = {f"s{j}": (int(rng.integers(2**63)) * 2 + 1, int(rng.integers(2**63))) for j in range(6)}
         cells = [Cell(f"s{j}", "metric", row[f"s{j}"], "fp128") for j in range(3)]
@@ -280,10 +282,11 @@ def test_module_called_twice_gets_occurrences(tmp_path: Path) -> None:
             rec.record_step(step, metrics={"n": step})
     names = [s.name for s in open_trace(tmp_path / "run" / "rank0").sites]
     # Backward hooks fire in backward order: bwd#0 belongs to the last call, and the root's input gradient
-    # comes last. Level module includes level state: the gradients are recorded too.
+    # comes last. Level module includes level state: the gradients are recorded too (detail "category": one
+    # cell for all of them).
     assert names == ["module.(root).in#0", "module.block.in#0", "module.block.fwd#0", "module.block.in#1",
                      "module.block.fwd#1", "module.(root).fwd#0", "module.block.bwd#0", "module.block.bwd#1",
-                     "module.(root).bwd#0", "metric.n", "grad.block.weight", "grad.block.bias"]
+                     "module.(root).bwd#0", "metric.n", "grad.*"]
 
 
 def test_header_mismatch_refused_unless_forced(tmp_path: Path) -> None:
@@ -326,7 +329,8 @@ def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        for run, perturb in (("a", False), ("b", False), ("c", True)):
+        for run, perturb, detail in (("a", False, "tensor"), ("b", False, "tensor"), ("c", True, "tensor"),
+                                     ("d", True, "category")):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
             fully_shard(model[0], mesh=mesh)
@@ -335,7 +339,7 @@ def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             state = TrainState(model=model, optimizer=opt)
             batches = _batches(3, seed=10 + rank)
-            with TraceRecorder(Path(out_dir) / run, header=TraceHeader(run=run, level="module")) as rec:
+            with TraceRecorder(Path(out_dir) / run, header=TraceHeader(run=run, level="module", detail=detail)) as rec:
                 rec.attach(model)
                 for step, (x, y) in enumerate(batches, start=1):
                     if perturb and rank == 1 and step == 2:
@@ -358,7 +362,7 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
-    for run in "abc":
+    for run in "abcd":
         assert sorted(p.name for p in (tmp_path / run).iterdir()) == ["rank0", "rank1"]
     t0, t1 = open_trace(tmp_path / "a" / "rank0"), open_trace(tmp_path / "a" / "rank1")
     assert (t0.header.rank, t1.header.rank, t0.header.world_size) == (0, 1, 2)
@@ -376,3 +380,239 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     assert summary.actual["first_step"] == 2 and summary.actual["ranks"] == [0, 1]
     d = first_divergence(tmp_path / "a", tmp_path / "c")
     assert d is not None and (d.step, d.rank, d.category) == (2, 0, "gradients")
+    # The same run traced with one cell per category compares with the per-tensor trace: same step, rank and
+    # category; every gradient of rank 0 differs, so no single tensor is named.
+    d = first_divergence(tmp_path / "a", tmp_path / "d")
+    assert d is not None and (d.step, d.rank, d.category, d.site, d.tensors) == (2, 0, "gradients", "grad.*",
+                                                                                "several")
+
+
+# ------------------------------------------------------------------------------------------ category cells
+
+
+def test_state_digests_keep_their_serialization() -> None:
+    """Checkpoints store state digests: the fast walk must hash the same bytes as it always did."""
+    from ckptverify.state.digest import state_digest
+
+    values = {"nested": {"b": [1, 2.5, None, True, "x", b"y"], "a": (3, -4)},
+              "tensor": torch.arange(6, dtype=torch.int16).reshape(2, 3).t(),
+              "bf16": torch.tensor([1.5, -2.0], dtype=torch.bfloat16), "np": np.arange(4, dtype=np.float32),
+              "scalars": [np.float64(0.1), np.int32(7), np.bool_(False), 2**70]}
+    golden = {"nested": "b84bb49cbac86c96317ffe750c5c1b35", "tensor": "77c167323ed67f137e6e8b9c281ec8a0",
+              "bf16": "a1558532e9e2c51ba07643078cd51441", "np": "1bc6fa2418109e907bb87e42075b6507",
+              "scalars": "2b1bd4755c8c82fb6201333cf4c8c876"}
+    assert {k: state_digest(v) for k, v in values.items()} == golden
+
+
+def test_batched_device_lanes_equal_the_fingerprint_of_each_tensor() -> None:
+    """lanes_many (the accelerator path, run here on CPU: same code) equals tensor_fingerprint tensor by tensor,
+    across blocks holding several tensors and tensors cut into several blocks, also under deterministic mode."""
+    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(3, 4, generator=g), torch.zeros(0), torch.randn((), generator=g),
+               torch.randint(-5, 5, (7,), dtype=torch.int8, generator=g), torch.randn(5, generator=g).bfloat16(),
+               torch.randn(2, 3, dtype=torch.complex64, generator=g), torch.randn(4, 5, generator=g).t(),
+               torch.randn(kern.EAGER_BLOCK * 2 + 17, generator=g), torch.tensor([True, False]),
+               torch.randn(kern.EAGER_BLOCK - 3, generator=g), torch.randn(9, dtype=torch.float64, generator=g)]
+    tensors += [torch.randn(20_000, generator=g) for _ in range(6)]
+    expected = [tensor_fingerprint(t).value for t in tensors]
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):  # the second time from the cached plan
+            lanes = kern.lanes_many(tensors).tolist()
+            got = [TensorFingerprint.from_lanes((a % 2**64, b % 2**64), "", (), 0).value for a, b in lanes]
+            assert got == expected
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def test_a_category_cell_names_the_one_member_that_changed() -> None:
+    from ckptverify.trace.category import combine, locate, matches, weight
+
+    names = [f"param.layer{i}.weight" for i in range(50)]
+    weights = np.array([weight(n) for n in names], dtype=np.uint64)
+    rng = np.random.default_rng(0)
+    lows = rng.integers(0, 2**63, 50, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    base = combine(lows, weights)
+    def change(j: int, delta: int) -> tuple[int, int] | None:
+        changed = lows.copy()
+        changed[j] = np.uint64((int(changed[j]) + delta) % 2**64)
+        return locate(base, combine(changed, weights))
+
+    for j, delta in ((7, 1), (31, 2**40), (0, 3 * 2**20)):  # odd and even differences: the weight mod 2**(64-k)
+        found = change(j, delta)
+        assert found is not None and [n for n in names if matches(n, found)] == [names[j]]
+    # A difference with 63 trailing zero bits leaves the weight unknown (every odd weight matches): callers
+    # name a tensor only when exactly one member matches.
+    found = change(5, 2**63)
+    assert found is not None and sum(matches(n, found) for n in names) == len(names)
+    several = lows.copy()
+    several[[3, 9]] += np.uint64(5)
+    found = locate(base, combine(several, weights))
+    assert found is None or not any(matches(n, found) for n in names)
+    assert locate(base, base) is None
+
+
+def _flip(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.view(-1)[0:1].view(torch.int32).bitwise_xor_(1 << 20)
+
+
+def _flipped_run(run_dir: Path, detail: str, flip_at: int | None, param: str = "0.weight") -> Path:
+    """Like _train at level state (optimizer hook), with one bit of one parameter flipped after the optimizer
+    step of ``flip_at``: as a fault in memory would."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainState(model=model, optimizer=opt)
+    with TraceRecorder(run_dir, header=TraceHeader(run=run_dir.name, level="state", detail=detail)) as rec:
+        rec.attach(model, optimizer=opt)
+        for step, (x, y) in enumerate(_batches(STEPS), start=1):
+            rec.record_step_start(state)
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            if step == flip_at:
+                _flip(dict(model.named_parameters())[param])
+            rec.record_step(step, metrics={"loss": loss}, batch=(x, y), state=state)
+    return run_dir
+
+
+def test_category_trace_against_a_tensor_trace_names_the_flipped_tensor(tmp_path: Path) -> None:
+    """Production (one cell per category) against a replay (a cell per tensor too): the first differing
+    category is traced back to its tensor; two category traces can only name the category."""
+    replay = _flipped_run(tmp_path / "replay", "tensor", None)
+    production = _flipped_run(tmp_path / "production", "category", 3)
+    trace = open_trace(production / "rank0")
+    names = [s.name for s in trace.sites]
+    assert "param.*" in names and "grad.*" in names and "optim.state.*" in names and "hparam.*" in names
+    assert not any(n.startswith(("param.0.", "grad.0.", "hparam.0.")) for n in names)
+    assert trace.header.detail == "category" and trace.site("param.*").encoding == "set128"
+    assert compare_runs(replay, _flipped_run(tmp_path / "same", "category", None)) == []
+    d = first_divergence(replay, production)
+    assert d is not None
+    assert (d.step, d.site, d.via, d.tensors, d.category) == (3, "param.0.weight", "param.*", "one", "parameters")
+    div = next(f for f in compare_runs(replay, production) if f.check == "trace-divergence")
+    assert "param.0.weight" in div.message and "param.*" in div.message and div.actual["via"] == "param.*"
+    # Category against category: the category, and how to name the tensor.
+    both = first_divergence(_flipped_run(tmp_path / "c2", "category", None), production)
+    assert both is not None and (both.step, both.site, both.tensors) == (3, "param.*", "unnamed")
+    # The step after, every parameter has moved on differently: no single tensor explains it.
+    later = first_divergence(replay, production, steps=range(4, STEPS + 1))
+    assert later is not None and later.step == 4 and later.site == "metric.loss"
+
+
+def test_hyperparameters_are_one_category_cell_that_names_the_changed_one(tmp_path: Path) -> None:
+    a = _train(tmp_path / "a", "state", grads="hook", zero_grad_at_end=True)
+    b = _train(tmp_path / "b", "state", grads="hook", zero_grad_at_end=True, lr_change_at=3, detail="category")
+    tb = open_trace(b / "rank0")
+    assert "hparam.*" in [s.name for s in tb.sites] and not tb.has_site("hparam.0.lr")
+    d = first_divergence(a, b)
+    assert d is not None and (d.step, d.site, d.via) == (3, "hparam.0.lr", "hparam.*")
+    ta = open_trace(a / "rank0")
+    assert ta.value(3, "hparam.0.lr") == 5e-3 and ta.site("hparam.0.lr").group == "hparam.*"  # StepLR(2, 0.5)
+
+
+def test_stream_digests_equal_the_digests_of_captured_streams() -> None:
+    """The cheap change detection gives exactly state_digest(capture_rng()[kind]) after any draw, including
+    draws that only use a Gaussian cached by the draw before."""
+    import random
+
+    from ckptverify.state.digest import state_digest
+    from ckptverify.state.rng import capture_rng
+    from ckptverify.trace.streams import StreamDigests
+
+    gen = torch.Generator().manual_seed(5)
+    streams = StreamDigests({"g": gen})
+
+    def check() -> None:
+        assert streams.current() == {k: state_digest(v) for k, v in capture_rng({"g": gen}).items()}
+
+    check()
+    for draw in (random.random, np.random.rand, np.random.randn, np.random.randn, np.random.randn,
+                 lambda: torch.rand(1), lambda: torch.rand(1, generator=gen), lambda: random.gauss(0, 1),
+                 lambda: random.gauss(0, 1), lambda: np.random.seed(3), lambda: random.seed(4), lambda: None):
+        draw()
+        check()
+
+
+def test_the_layout_follows_replaced_parameters_and_moved_storage(tmp_path: Path) -> None:
+    """Parameters replaced (registration hooks) or given new storage (p.data = ...) between steps are read
+    where they are now: the trace equals one recorded by a fresh recorder on the same state."""
+    def cells(rec: TraceRecorder, state: TrainState, step: int) -> dict[str, Any]:
+        rec.record_step(step, state=state)
+        rec.flush()
+        return open_trace(rec.store_path).row(step).values
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    state = TrainState(model=model)
+
+    def fresh(step: int) -> Any:
+        with TraceRecorder(tmp_path / f"fresh{step}", header=TraceHeader(run="x", level="state")) as rec:
+            return cells(rec, state, 1)["param.*"]
+
+    with TraceRecorder(tmp_path / "long", header=TraceHeader(run="x", level="state")) as rec:
+        seen = [cells(rec, state, 1)["param.*"]]
+        model[0].weight.data = torch.ones(4, 4)  # new storage under the same Parameter
+        seen.append(cells(rec, state, 2)["param.*"])
+        assert seen[-1] == fresh(2)
+        model[1].bias = nn.Parameter(torch.full((2,), 3.0))  # a new Parameter
+        seen.append(cells(rec, state, 3)["param.*"])
+        assert seen[-1] == fresh(3)
+    assert len(set(seen)) == 3
+
+
+def test_background_writes_commit_every_row_and_report_their_errors(tmp_path: Path) -> None:
+    header = TraceHeader(run="r", level="metrics", rank=0, world_size=1)
+    with TraceWriter(tmp_path / "s", header=header, flush_every=4) as w:
+        for step in range(1, 42):
+            w.append(step, [Cell.from_int("metric.step", "metric", step)])
+    trace = open_trace(tmp_path / "s")
+    assert trace.steps == tuple(range(1, 42)) and trace.value(41, "metric.step") == 41
+    w = TraceWriter(tmp_path / "t", header=header, flush_every=2)
+
+    def broken(*args: Any) -> None:
+        raise OSError("disk full")
+
+    w._write = broken  # type: ignore[method-assign]
+    w.append(1, [Cell.from_int("metric.step", "metric", 1)])
+    w.append(2, [Cell.from_int("metric.step", "metric", 2)])  # handed to the writing thread
+    with pytest.raises(OSError, match="disk full"):
+        w.flush()
+
+
+def test_sparse_gradients_are_digested_as_their_dense_values(tmp_path: Path) -> None:
+    def run(name: str, bump: bool) -> Path:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with TraceRecorder(tmp_path / name, header=TraceHeader(run=name, level="state", detail="tensor")) as rec:
+            rec.attach(model, optimizer=opt)
+            for step in (1, 2):
+                opt.zero_grad()
+                model(torch.tensor([1, 2, 2 + (bump and step == 2)])).sum().backward()
+                opt.step()
+                rec.record_step(step, state=TrainState(model=model, optimizer=opt))
+        return tmp_path / name
+
+    d = first_divergence(run("a", False), run("b", True))
+    assert d is not None and (d.step, d.site) == (2, "grad.0.weight")
+
+
+def test_paused_recorder_records_no_module_sites(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with TraceRecorder(tmp_path / "run", header=TraceHeader(run="p", level="module")) as rec:
+        rec.attach(model, backward=False)
+        with rec.paused():
+            model(torch.randn(2, 4))
+        rec.record_step(1, metrics={"n": 1})
+        model(torch.randn(2, 4))
+        rec.record_step(2, metrics={"n": 2})
+    trace = open_trace(tmp_path / "run" / "rank0")
+    assert trace.value(1, "module.0.fwd#0") is None and trace.value(2, "module.0.fwd#0") is not None

@@ -4,11 +4,14 @@ Data-parallel replicas (DDP; the replicate dimension of HSDP; parameters replica
 hold bitwise-identical parameters after every optimizer step, and identical gradients after the all-reduce.
 A device that silently flips a bit breaks that, and nothing in training notices: the replicas simply drift.
 
-Each rank digests its copy of every parameter it shares with others (xxh3-128 of the bytes for host tensors,
-the 128-bit logical fingerprint computed on the device otherwise: no copy to the host), folds them into one
-128-bit value per replica group, and the group compares those with one small ``all_gather`` (16 bytes a rank).
-Only when they differ does a second collective exchange the per-tensor digests, to name the tensors and the
-ranks on each side. Which ranks replicate a parameter:
+Each rank digests its copy of every parameter it shares with others (the trace's member digests,
+:mod:`ckptverify.trace.category`: xxh3-128 of the bytes for host tensors, the 128-bit logical fingerprint
+computed on the device otherwise, all tensors in one batched pass), folds them into one 128-bit value per
+replica group, and the group compares those with one small ``all_gather`` (16 bytes a rank). A job that traces
+its state (``digest_source``: its :class:`~ckptverify.trace.TraceRecorder`) has digested its parameters for the
+row it just recorded; the check reuses those digests and reads no tensor again. Only when the values differ
+does a second collective exchange the per-tensor digests, to name the tensors and the ranks on each side.
+Which ranks replicate a parameter:
 
 - a DTensor: the ranks along each mesh dimension on which its placement is ``Replicate()``;
 - a plain tensor: every rank of ``group`` (default: the whole world, as under DDP). A model whose plain
@@ -104,6 +107,10 @@ class ReplicaCheck:
         self.optimizer = optimizer
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.compared = 0  # tensors compared by the last check (this rank)
+        self.reused = 0  # of which the trace had digested already
+        #: A trace recorder whose ``step_digests(step, tensors)`` gives the digests of the row just recorded.
+        self.digest_source: Any = None
+        self._views: dict[tuple[Any, ...], Any] = {}
         self.mismatches: list[ReplicaMismatch] = []
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
         self._hosts: list[str] = []
@@ -137,10 +144,11 @@ class ReplicaCheck:
             return []
         kind = "gradients" if grads else "parameters"
         found: list[ReplicaMismatch] = []
-        self.compared = 0
+        self.compared = self.reused = 0
         for bucket in self._buckets.values():
             names, tensors = self._tensors(bucket, grads)
-            mismatch = self._check_bucket(bucket, names, tensors, step, kind)
+            digests = self._digests_of(bucket, tensors, step, reuse=not grads)
+            mismatch = self._check_bucket(bucket, names, digests, step, kind)
             if mismatch is not None:
                 found.append(mismatch)
         for mismatch in found:
@@ -165,22 +173,54 @@ class ReplicaCheck:
                     tensors.append(_local(value))
         return names, tensors
 
-    def _check_bucket(self, bucket: _Bucket, names: list[str], tensors: list[Any], step: int,
-                      kind: str) -> ReplicaMismatch | None:
+    def _digests_of(self, bucket: _Bucket, tensors: list[Any], step: int, *, reuse: bool) -> list[int | None]:
+        """Each tensor's member digest (``None`` for an absent one): from the trace's row of ``step`` when it
+        has them, else computed here (host tensors through views kept from check to check)."""
+        from ckptverify.trace.category import HostViews, tensor_digests
+
         present = [n for n, t in enumerate(tensors) if t is not None]
         self.compared += len(present)
+        out: list[int | None] = [None] * len(tensors)
+        todo = present
+        if reuse and self.digest_source is not None:
+            known = self.digest_source.step_digests(step, [tensors[n] for n in present])
+            todo = []
+            for n, d in zip(present, known, strict=True):
+                if d is None:
+                    todo.append(n)
+                else:
+                    out[n] = d
+            self.reused += len(present) - len(todo)
+        host = [n for n in todo if tensors[n].device.type == "cpu"]
+        if reuse and host:
+            key = (bucket.key, tuple(id(tensors[n]) for n in host))
+            views = self._views.get(key)
+            digests = views.digests() if views is not None else None
+            if digests is None:
+                views = self._views[key] = HostViews([tensors[n] for n in host])
+                digests = views.digests()
+            assert digests is not None
+            for n, d in zip(host, digests, strict=True):
+                out[n] = int.from_bytes(d, "big")
+            todo = [n for n in todo if n not in set(host)]
+        for n, d in zip(todo, tensor_digests([tensors[n] for n in todo]), strict=True):
+            out[n] = d
+        return out
+
+    def _check_bucket(self, bucket: _Bucket, names: list[str], digests: list[int | None], step: int,
+                      kind: str) -> ReplicaMismatch | None:
         device = _collective_device(bucket.group)
-        gathered = _all_gather(torch_tensor([_stream_digest(tensors)], device), bucket.group, len(bucket.ranks))
+        gathered = _all_gather(torch_tensor([_bucket_digest(digests)], device), bucket.group, len(bucket.ranks))
         if all(g == gathered[0] for g in gathered):
             return None
-        # They differ: now (only now) a digest per tensor, padded to a common length (a member may hold
+        # They differ: now (only now) the digest of each tensor, padded to a common length (a member may hold
         # optimizer state the others lack): missing tensors count as all-zero digests.
-        lanes = [_lanes(d) for d in _digests([tensors[n] for n in present])]
-        width = _all_gather(torch_tensor([(len(tensors), 0)], device), bucket.group, len(bucket.ranks))
+        width = _all_gather(torch_tensor([(len(digests), 0)], device), bucket.group, len(bucket.ranks))
         longest = max(w[0][0] for w in width)
         rows = [(0, 0)] * longest
-        for n, value in zip(present, lanes, strict=True):
-            rows[n] = value
+        for n, d in enumerate(digests):
+            if d is not None:
+                rows[n] = _lanes(f"{d:032x}")
         table = _all_gather(torch_tensor(rows, device), bucket.group, len(bucket.ranks))
         differing = [names[n] if n < len(names) else f"<tensor {n}>" for n in range(longest)
                      if len({t[n] for t in table}) > 1]
@@ -232,23 +272,6 @@ def _local(t: Any) -> Any:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _digests(tensors: list[Any]) -> list[str]:
-    """128-bit hex digest of each tensor's bits: bytes on the host, the logical fingerprint on a device."""
-    from ckptverify.trace.recorder import fingerprint_many, host_digest
-
-    out: list[str | None] = [None] * len(tensors)
-    device_side = []
-    for n, t in enumerate(tensors):
-        if t.device.type == "cpu":
-            out[n] = host_digest(t)
-        else:
-            device_side.append(n)
-    if device_side:
-        for n, value in zip(device_side, fingerprint_many([tensors[n].detach() for n in device_side]), strict=True):
-            out[n] = value
-    return [v for v in out if v is not None]
-
-
 def _lanes(hex128: str) -> tuple[int, int]:
     value = int(hex128, 16)
     return _signed(value >> 64), _signed(value & ((1 << 64) - 1))
@@ -258,29 +281,16 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _stream_digest(tensors: list[Any]) -> tuple[int, int]:
-    """One 128-bit value for a bucket, in one pass: xxh3-128 over every host tensor's dtype, shape and bytes
-    in order (one hash stream, no per-tensor digest: ~4x cheaper than digesting each), with the device-side
-    fingerprints of accelerator tensors folded in."""
+def _bucket_digest(digests: list[int | None]) -> tuple[int, int]:
+    """One 128-bit value for a bucket: xxh3-128 over its tensors' digests in order (an absent tensor as its
+    position and a marker)."""
     import struct
 
-    import torch
     import xxhash
 
-    from ckptverify.trace.recorder import fingerprint_many
-
-    h = xxhash.xxh3_128(struct.pack("<q", len(tensors)))
-    device_side = [t.detach() for t in tensors if t is not None and t.device.type != "cpu"]
-    device_values = iter(fingerprint_many(device_side)) if device_side else iter(())
-    for n, t in enumerate(tensors):
-        if t is None:
-            h.update(struct.pack("<qq", n, -1))
-            continue
-        h.update(struct.pack(f"<qq{t.dim()}q", n, t.dim(), *t.shape) + str(t.dtype).encode())
-        if t.device.type != "cpu":
-            h.update(next(device_values).encode())
-        elif t.numel():
-            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    h = xxhash.xxh3_128(struct.pack("<q", len(digests)))
+    for n, d in enumerate(digests):
+        h.update(struct.pack("<qq", n, -1) if d is None else d.to_bytes(16, "little"))
     return _lanes(h.hexdigest())
 
 

@@ -326,7 +326,8 @@ def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]
     for d in dirs.values():
         if os.path.exists(d):
             shutil.rmtree(d)
-    common = dict(stop_step=T, level=plan.level, workload=plan.target, log_dir=log_dir)
+    # A cell per tensor: the runs are short, and a divergence is then named down to the tensor in one pass.
+    common = dict(stop_step=T, level=plan.level, workload=plan.target, log_dir=log_dir, trace_detail="tensor")
     configs = {"A": RunConfig(name="A", save_at=(K, T), checkpoint_dir=os.path.join(dirs["A"], "ckpt"),
                               trace_dir=os.path.join(dirs["A"], "trace"), **common)}  # type: ignore[arg-type]
     if "A2" in plan.runs:

@@ -150,6 +150,11 @@ class Production:
                 on_fire=lambda f: self.events.emit("fault-injected", step=f.step, site=f.site, element=f.element,
                                                    bit=f.bit))
 
+    def traced_by(self, recorder: Any) -> None:
+        """The job's trace recorder: the replica check reuses the parameter digests of each traced row."""
+        if self.replicas is not None:
+            self.replicas.digest_source = recorder
+
     def stepped(self, step: int, *, traced: bool) -> None:
         """At the end of step ``step`` (after the optimizer step): compare the replicas on traced steps."""
         self._step = step

@@ -161,7 +161,9 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
                 name=name, stop_step=ckpts.end, save_at=(ckpts.end,), checkpoint_dir=os.path.join(work, name),
                 resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
                 level=str(meta.get("level", "metrics")), workload=meta["target"],
-                trace_every=int(meta.get("trace_every", 1)))
+                # Production records one cell per tensor category; the replays one per tensor too, so a
+                # category that differs is traced back to its tensor (see ckptverify.trace.category).
+                trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
         for name in ("R1", "R2"):
             # Each replay in its own fresh processes: nondeterminism that depends on the process (hash seeds,
             # allocation order, thread start-up) must show between the two.

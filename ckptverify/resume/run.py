@@ -48,6 +48,8 @@ class RunConfig:
     log_dir: str | None = None
     #: Record every ``trace_every``-th step (those with ``step % trace_every == 0``); 1 records every step.
     trace_every: int = 1
+    #: ``category``: one trace cell per tensor category (production); ``tensor``: one per tensor as well.
+    trace_detail: str = "category"
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -322,8 +324,11 @@ class Run:
             return
         from ckptverify.trace import TraceHeader, TraceRecorder
 
-        header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload)
+        header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload,
+                             detail=self.config.trace_detail)
         self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True)
+        if self._production is not None:
+            self._production.traced_by(self._recorder)
         if self.config.level != "metrics" and self.state is not None and self.state.model is not None:
             # Gradients are captured right before each optimizer step (wherever the loop zeroes them);
             # at level "module" every module's output and input gradient too.

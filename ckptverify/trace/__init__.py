@@ -2,7 +2,8 @@
 
 * :class:`TraceRecorder` records one row per step (metrics, and at higher levels the batch, gradients,
   parameters, optimizer state, non-tensor state, module outputs and input gradients) into a rank-local
-  zarr store ``<run_dir>/rank<r>``;
+  zarr store ``<run_dir>/rank<r>``; tensor categories as one cell each (detail ``category``), or one cell
+  per tensor as well (detail ``tensor``), see :mod:`ckptverify.trace.category`;
 * :class:`TraceWriter` / :func:`open_trace` write and read one store;
 * :func:`compare_traces` / :func:`compare_runs` return findings, :func:`first_divergence` the structured
   first divergence.
@@ -27,6 +28,7 @@ from ckptverify.trace.compare import (
 from ckptverify.trace.recorder import ROOT_MODULE, TraceRecorder, canonical_name, module_site
 from ckptverify.trace.store import (
     CATEGORIES,
+    DETAILS,
     ENCODINGS,
     KINDS,
     LEVELS,
@@ -46,6 +48,7 @@ from ckptverify.trace.store import (
 
 __all__ = [
     "CATEGORIES",
+    "DETAILS",
     "ENCODINGS",
     "KINDS",
     "LEVELS",

@@ -3,9 +3,12 @@
 Cells are aligned by identity: the step number and the site name (which carries the occurrence, ``#k``).
 For each rank the first divergent step is the first common step with any differing cell (a different value,
 or a value recorded in one trace only), and the first divergent site is the first differing site of that step
-in execution order. At level ``module`` the differing module sites of that step are classified: the first
-one, when the step's batch and the parameters it started from are equal, is the *origin* (its recorded
-inputs are equal, its output differs); the later ones are *receivers*.
+in execution order. A trace recorded with ``detail="category"`` holds one cell per tensor category; compared
+with a trace of detail ``tensor``, the per-tensor cells only the latter holds are left out, and a differing
+category cell is traced back to the one tensor that explains it when there is one
+(:mod:`ckptverify.trace.category`). At level ``module`` the differing module sites of that step are
+classified: the first one, when the step's batch and the parameters it started from are equal, is the
+*origin* (its recorded inputs are equal, its output differs); the later ones are *receivers*.
 """
 
 from __future__ import annotations
@@ -73,6 +76,12 @@ class FirstDivergence:
     When the first differing module site is a child's *input* (``module.<child>.in#k``) while the input of
     its parent was equal, the work that changed it was done in the parent's own ``forward``: ``origin`` is
     the parent and ``origin_fed`` the child it fed.
+
+    When the first differing cell is a category cell (``grad.*``, ``param.*``, ...), ``site`` names the one
+    tensor of the category that explains the difference if a trace holds the tensors' names (detail
+    ``tensor``) and only one differs; ``via`` is then the category cell (``expected``/``actual`` are its
+    values). ``tensors`` says what is known of the category's differing tensors: ``"one"`` (named),
+    ``"several"``, or ``"unnamed"`` (neither trace holds per-tensor cells).
     """
 
     step: int
@@ -89,6 +98,8 @@ class FirstDivergence:
     receivers: tuple[str, ...] = ()
     inputs_verified: bool | None = None
     differing_sites: int = 1
+    via: str | None = None
+    tensors: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
@@ -200,9 +211,13 @@ class _Aligned:
         return trace.value(step, name) if trace.has_site(name) else None
 
 
+#: Header fields that never stop a comparison: the run's name, and how finely tensor categories were recorded.
+_ALWAYS_IGNORED = ("run", "detail")
+
+
 def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool,
                   ignore: Iterable[str]) -> RankComparison:
-    diffs = ta.header.differences(tb.header, ignore=("run", *ignore))
+    diffs = ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))
     if diffs and not force:
         raise TraceHeaderMismatchError(diffs, ta, tb)
     rank = ta.header.rank if ta.header.rank is not None else 0
@@ -223,6 +238,9 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
         sites_only_b = tuple(n for n in names_b if not ta.has_site(n))
     else:
         names = _merged_order(names_a, names_b)
+    # A tensor's own cell, recorded by a trace of detail "tensor" only, is not a difference: its category
+    # cell, which both record, stands for it.
+    names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
     aligned = _Aligned(ta, tb, names)
     rows_a = np.searchsorted(sa, common)
     rows_b = np.searchsorted(sb, common)
@@ -244,6 +262,34 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
                           sites_only_b=sites_only_b, header_differences=tuple(diffs))
 
 
+def _member_of_finer(name: str, ta: Trace, tb: Trace) -> bool:
+    """Whether ``name`` is a tensor's own cell that only the trace of detail ``tensor`` records."""
+    for mine, other in ((ta, tb), (tb, ta)):
+        if mine.has_site(name) and mine.site(name).group and other.header.detail == "category":
+            return True
+    return False
+
+
+def _named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | None, str]:
+    """The one tensor of category cell ``site`` that explains its difference at ``step``, and what is known:
+    ``"one"`` (named), ``"several"``, ``"unnamed"`` (neither trace names the category's tensors)."""
+    from ckptverify.trace.category import locate, matches
+
+    finer = [t for t in (ta, tb) if t.header.detail == "tensor"]
+    if not finer:
+        return None, "unnamed"
+    a, b = ta.lanes(step, site.name), tb.lanes(step, site.name)
+    located = locate(a, b) if a is not None and b is not None else None
+    if located is not None:
+        # Only an unambiguous match names a tensor (a difference with many trailing zero bits leaves the
+        # weight's high bits unknown).
+        found = {s.name for trace in finer for s in trace.sites
+                 if s.group == site.name and matches(s.name, located) and trace.lanes(step, s.name) is not None}
+        if len(found) == 1:
+            return found.pop(), "one"
+    return None, "several"
+
+
 def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> FirstDivergence:
     """The first divergence at ``step`` (``row``: which sites differ), with the module classification."""
     ta, tb = aligned.ta, aligned.tb
@@ -255,6 +301,11 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         "expected": aligned.value(ta, step, name), "actual": aligned.value(tb, step, name),
         "differing_sites": int(row.sum()),
     }
+    if site.encoding == "set128":
+        member, known = _named_member(ta, tb, step, site)
+        base["tensors"] = known
+        if member is not None:
+            base["site"], base["via"] = member, name
     module_cols = [k for k, kind in enumerate(aligned.kinds) if kind in _MODULE_KINDS]
     if ta.header.level != "module" and tb.header.level != "module" and not module_cols:
         return FirstDivergence(**base)
@@ -352,7 +403,9 @@ def _run_label(run: str, tag: str) -> str:
 
 def _location(site: str, kind: str, rank: int) -> Location:
     fqn = None
-    if kind in ("param", "grad"):
+    if site.endswith(".*"):
+        fqn = None
+    elif kind in ("param", "grad"):
         fqn = site.split(".", 1)[1]
     elif kind in _MODULE_KINDS:
         fqn = module_of(site)
@@ -394,16 +447,24 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
         d = comp.first
         assert d is not None
         later = "" if d.step == first_step else f" (after the first divergence of the job at step {first_step})"
+        where = f"site {d.site} ({d.kind})"
+        if d.via:
+            where = (f"tensor {d.site} ({d.kind}), the only one of category cell {d.via} that explains it: "
+                     f"{d.via}")
+        notes = {"several": "; more than one tensor of the category differs",
+                 "unnamed": "; one digest stands for the whole category in both traces (detail 'category'): "
+                            "compare with a trace of detail 'tensor' (a replay) to name the tensor"}
+        note = notes.get(d.tensors or "", "")
         out.append(error(
             "trace-divergence",
-            f"rank {d.rank}: first divergence at step {d.step}{later}, in {d.category}: site {d.site} ({d.kind}) "
+            f"rank {d.rank}: first divergence at step {d.step}{later}, in {d.category}: {where} "
             f"is {_show(d.expected)} in {_run_label(comp.run_a, 'A')} and {_show(d.actual)} in "
-            f"{_run_label(comp.run_b, 'B')}; "
+            f"{_run_label(comp.run_b, 'B')}{note}; "
             f"{d.differing_sites} sites differ at that step",
             location=_location(d.site, d.kind, d.rank),
             expected={"value": d.expected},
             actual={"step": d.step, "site": d.site, "category": d.category, "kind": d.kind, "rank": d.rank,
-                    "value": d.actual, "differing_sites": d.differing_sites},
+                    "value": d.actual, "differing_sites": d.differing_sites, "via": d.via, "tensors": d.tensors},
         ))
         if d.origin is not None:
             kind = f" ({d.origin_type})" if d.origin_type else ""
@@ -464,7 +525,7 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
         ]
     if not force:
         for ta, tb in pairs:
-            diffs = ta.header.differences(tb.header, ignore=("run", *ignore))
+            diffs = ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))
             if diffs:
                 raise TraceHeaderMismatchError(diffs, ta, tb)
     comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore=ignore) for ta, tb in pairs]

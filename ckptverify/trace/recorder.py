@@ -1,4 +1,4 @@
-"""The per-step trace recorder: fingerprints of what a training step saw and produced, one row per step.
+"""The per-step trace recorder: digests of what a training step saw and produced, one row per step.
 
 Use (see ``docs/trace.md``)::
 
@@ -19,18 +19,26 @@ reads from ``state`` is the state *after* the step. Gradients are recorded right
 :meth:`TraceRecorder.record_grads` call, or else read from ``p.grad`` when ``record_step`` runs (which a
 loop that calls ``zero_grad`` at the end of the step has already cleared).
 
-Every rank writes its own store, ``<run_dir>/rank<r>``. Fingerprints of DTensors (FSDP2 parameters,
-gradients and optimizer state) are collective, so every rank records the same sites in the same order:
-the recorder walks them in a fixed order (state dict order, ``named_parameters`` order).
+Every rank writes its own store, ``<run_dir>/rank<r>``, of what it holds (a DTensor's local shard). The
+recorder walks the sites in a fixed order (state dict order, ``named_parameters`` order).
+
+At detail ``category`` (the header's) each tensor category is one cell per step (:mod:`ckptverify.trace.category`);
+at detail ``tensor`` each tensor also gets its own cell. How the per-step cost is kept down is described in
+``docs/trace.md`` (*Values*, *Cost*): views kept from step to step, one vectorized pass for all category cells,
+random streams re-digested only when they moved, hyperparameters packed with one ``struct`` call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import xxhash
 
 from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
@@ -45,6 +53,7 @@ from ckptverify.trace.store import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ckptverify.state.train_state import TrainState
@@ -95,132 +104,74 @@ def _is_dtensor(t: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------- fingerprints
 
-#: Plain tensors up to this many elements are fingerprinted together (see :func:`fingerprint_many`). Larger
-#: ones amortize the per-call cost and go through the blocked kernel, which is faster per element.
+#: Kept for callers of :func:`fingerprint_many`: plain tensors of any size now go through one batched pass.
 SMALL_TENSOR = 1 << 12
-#: Elements fingerprinted in one batched pass (keeps the int64 temporaries in cache).
-_BATCH_ELEMENTS = 1 << 16
-
-
-def _batched_lanes(flats: list[torch.Tensor], seeds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Lane sums of several whole tensors in one pass: the fingerprint formula of
-    :mod:`ckptverify._fingerprint_kernels` (each element's bits, sign-extended to 64, xor ``g * K + S``,
-    mixed, summed modulo 2**64, ``g`` its index in its own tensor) with a segmented sum instead of one
-    call per tensor: one set of operations and one host synchronisation for the lot."""
-    import torch
-
-    from ckptverify import _fingerprint_kernels as kern
-
-    device = flats[0].device
-    counts = torch.tensor([f.numel() for f in flats], dtype=torch.int64)
-    bits = torch.cat([f.to(torch.int64) for f in flats])
-    total = bits.numel()
-    starts = torch.cumsum(counts, 0) - counts
-    seg = torch.repeat_interleave(torch.arange(len(flats)), counts).to(device)
-    g = torch.arange(total, dtype=torch.int64, device=device) - starts.to(device)[seg]
-    g.mul_(kern._signed(kern.INDEX_MULTIPLIER))
-    out = torch.zeros((2, len(flats)), dtype=torch.int64, device=device)
-    for lane, mixer in enumerate(kern.LANES):
-        lane_seeds = torch.tensor([kern._signed(sd[lane]) for sd in seeds], dtype=torch.int64, device=device)
-        y = kern._mix_tensor(bits ^ (g + lane_seeds[seg]), mixer)
-        out[lane].index_add_(0, seg, y)
-    a, b = out.tolist()
-    return list(zip(a, b, strict=True))
 
 
 def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
     """:func:`~ckptverify.fingerprint.tensor_fingerprint` values of ``tensors``, in order.
 
-    Small plain tensors are fingerprinted together, grouped by device and element size, which saves the
-    per-call cost that dominates for biases, norms and scalars (and, on accelerators, one host sync per
-    tensor). DTensors and large tensors go through ``tensor_fingerprint`` one by one, in list order (DTensor
-    fingerprints are collective: every rank passes the same list)."""
-    import torch
-
+    Plain tensors are fingerprinted together on their device (one batched pass per device,
+    :func:`ckptverify._fingerprint_kernels.lanes_many`, read back once); DTensors one by one through
+    ``tensor_fingerprint``, in list order (DTensor fingerprints are collective: every rank passes the same
+    list)."""
     from ckptverify import _fingerprint_kernels as kern
     from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
 
     out: list[str | None] = [None] * len(tensors)
-    groups: dict[tuple[Any, int], list[tuple[int, torch.Tensor, str]]] = {}
+    by_device: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
-        if _is_dtensor(t) or t.numel() > SMALL_TENSOR:
+        if _is_dtensor(t):
             out[i] = tensor_fingerprint(t).value
-            continue
-        name = kern.dtype_name(t.dtype)
-        flat = t.detach()
-        if flat.is_complex():
-            flat = torch.view_as_real(flat)
-        flat = flat.contiguous().reshape(-1)
-        flat = flat.view(kern._INT_VIEW_BY_SIZE[flat.element_size()])
-        groups.setdefault((flat.device, flat.element_size()), []).append((i, flat, name))
-    for members in groups.values():
-        batch: list[tuple[int, torch.Tensor, str]] = []
-        size = 0
-        for k, member in enumerate(members):
-            batch.append(member)
-            size += member[1].numel()
-            if size >= _BATCH_ELEMENTS or k == len(members) - 1:
-                seeds = [(kern.dtype_seed(name, 0), kern.dtype_seed(name, 1)) for _, _, name in batch]
-                for (i, _, _), lanes in zip(batch, _batched_lanes([f for _, f, _ in batch], seeds), strict=True):
-                    out[i] = TensorFingerprint.from_lanes(lanes, "", (), 0).value
-                batch, size = [], 0
+        else:
+            by_device.setdefault(t.device, []).append(i)
+    for members in by_device.values():
+        lanes = kern.lanes_many([tensors[i] for i in members]).tolist()
+        for i, (a, b) in zip(members, lanes, strict=True):
+            out[i] = TensorFingerprint.from_lanes((a & _MASK64, b & _MASK64), "", (), 0).value
     return [v for v in out if v is not None]
 
 
 # --------------------------------------------------------------------------------------------- cells
 
+_MASK64 = (1 << 64) - 1
+
+
+def _encoding(t: Any) -> str:
+    """How a tensor's member digest reads: bytes on the host, the logical fingerprint on a device."""
+    local = t.to_local() if _is_dtensor(t) else t
+    return "digest128" if local.device.type == "cpu" else "fp128"
+
 
 def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
-    cell = _tensor_cells([(site, kind, t)])[0]
-    return Cell(cell.site, cell.kind, cell.lanes, cell.encoding, info)
-
-
-def _tensor_cells(specs: list[tuple[str, str, torch.Tensor]]) -> list[Cell]:
-    """One cell per ``(site, kind, tensor)``.
-
-    Traces compare runs of one configuration (equal headers: same world size, same sharding), so a site only
-    needs a value that changes with the bits this rank holds; sharding-independence is not needed. Tensors
-    in host memory therefore get an xxh3-128 digest of this rank's bytes (with dtype and shape), which
-    costs a fraction of the logical fingerprint on a CPU; tensors on an accelerator get the logical
-    fingerprint, computed there, in one batch (no copy to the host)."""
-    out: list[Cell | None] = [None] * len(specs)
-    device_side = []
-    for n, (site, kind, t) in enumerate(specs):
-        local = t.to_local() if _is_dtensor(t) else t
-        if local.device.type == "cpu":
-            out[n] = Cell(site, kind, hex_lanes(host_digest(local)), "digest128")
-        else:
-            device_side.append(n)
-    if device_side:
-        values = fingerprint_many([specs[n][2] for n in device_side])
-        for n, value in zip(device_side, values, strict=True):
-            out[n] = Cell(specs[n][0], specs[n][1], hex_lanes(value), "fp128")
-    return [c for c in out if c is not None]
-
-
-def host_digest(t: torch.Tensor) -> str:
-    """xxh3-128 of a host tensor's dtype, shape and bytes (row-major)."""
-    import struct
-
-    import torch
     import xxhash
 
-    t = t.detach().contiguous()
-    h = xxhash.xxh3_128()
-    h.update(str(t.dtype).encode() + b"|" + struct.pack(f"<{t.dim()}q", *t.shape))
-    if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
+    from ckptverify.trace.category import digest_lanes, host_digest, signature, tensor_digests
+
+    if t.is_cpu and type(t).__name__ in _PLAIN:
+        if not t.requires_grad and t.is_contiguous():
+            try:  # the common case (a batch, a module output without grad): no copy, no detach
+                d = xxhash.xxh3_128_intdigest(t.numpy()) ^ signature(t.dtype, tuple(t.shape))
+                return Cell(site, kind, (d >> 64, d & _MASK64), "digest128", info)
+            except TypeError:
+                pass  # a dtype numpy lacks
+        return Cell(site, kind, digest_lanes(host_digest(t)), "digest128", info)
+    return Cell(site, kind, digest_lanes(tensor_digests([t])[0]), _encoding(t), info)
+
+
+#: Tensor types that hold their own values (no DTensor or other subclass that needs unwrapping).
+_PLAIN = frozenset({"Tensor", "Parameter", "Buffer"})
 
 
 def _summary(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by its fingerprint, dtype and shape (for composite digests)."""
+    """``obj`` with every tensor replaced by its member digest, dtype and shape (for composite digests)."""
     import torch
 
     from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.trace.category import tensor_digests
 
     if isinstance(obj, torch.Tensor):
-        return {"fingerprint": fingerprint_many([obj])[0], "dtype": kern.dtype_name(obj.dtype),
+        return {"digest": f"{tensor_digests([obj])[0]:032x}", "dtype": kern.dtype_name(obj.dtype),
                 "shape": list(obj.shape)}
     if isinstance(obj, Mapping):
         return {str(k): _summary(v) for k, v in obj.items()}
@@ -230,24 +181,62 @@ def _summary(obj: Any) -> Any:
 
 
 def _object_cell(site: str, kind: str, obj: Any, info: str = "") -> Cell:
-    """A tensor's fingerprint, or the state digest of anything else (tensors inside by fingerprint)."""
+    """A tensor's member digest, or the digest of anything else (:func:`_value_lanes`)."""
     import torch
-
-    from ckptverify.state.digest import state_digest
 
     if isinstance(obj, torch.Tensor):
         return _tensor_cell(site, kind, obj, info)
-    return Cell(site, kind, hex_lanes(state_digest(_summary(obj))), "digest128", info)
+    return Cell(site, kind, _value_lanes(obj), "digest128", info)
+
+
+def _json_encoder() -> Callable[[Any], str]:
+    """JSON text with sorted keys and no spaces. CPython's C encoder is made once and called directly (the
+    JSONEncoder front end builds it again at every call, which costs more than encoding a state dict)."""
+    encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return encoder.encode
+    c_encoder = make(None, encoder.default, json.encoder.encode_basestring_ascii, None, ":", ",", True, False, True)
+
+    def encode(value: Any) -> str:
+        if isinstance(value, str):
+            return encoder.encode(value)
+        try:
+            return "".join(c_encoder(value, 0))
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
+
+    return encode
+
+
+_json = _json_encoder()
+
+
+def _value_lanes(value: Any) -> tuple[int, int]:
+    """A digest of a non-tensor value for a trace cell. Plain data (dicts, lists, strings, numbers, ``None``)
+    is digested through its JSON text with sorted keys (the C encoder: microseconds for a state dict); anything
+    else through :func:`~ckptverify.state.digest.state_digest`, tensors inside by member digest. Traces compare
+    values of one configuration with each other, so each field takes the same path in both runs."""
+    try:
+        text = _json(value)
+    except (TypeError, ValueError):
+        from ckptverify.state.digest import state_digest
+
+        return hex_lanes(state_digest(_summary(value)))
+    d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
+    return d >> 64, d & _MASK64
 
 
 def _metric_cell(name: str, value: Any) -> Cell:
     """A metric's exact value: numbers (and one-element real tensors) by their bits, as float64 or int64 —
-    widening any real float dtype to float64 is exact — anything else by fingerprint or digest."""
+    widening any real float dtype to float64 is exact — anything else by member digest or state digest."""
     import numpy as np
     import torch
 
     site = f"metric.{name}"
-    if isinstance(value, torch.Tensor):
+    if type(value) is torch.Tensor and value.is_cpu and not value.is_complex() and value.numel() == 1:
+        value = value.item()  # the common case: a loss, a norm
+    elif isinstance(value, torch.Tensor):
         if _is_dtensor(value) and value.numel() == 1:
             value = value.full_tensor()
         if value.numel() == 1 and not value.is_complex() and not _is_dtensor(value):
@@ -264,12 +253,22 @@ def _metric_cell(name: str, value: Any) -> Cell:
     return _object_cell(site, "metric", value)
 
 
+def _hparam_cell(site: str, v: Any) -> Cell | None:
+    import numpy as np
+
+    if isinstance(v, bool | np.bool_ | int | np.integer):
+        return Cell.from_int(site, "hparam", int(v))
+    if isinstance(v, float | np.floating):
+        return Cell.from_float(site, "hparam", float(v))
+    if hasattr(v, "numel") and v.numel() == 1 and not _is_dtensor(v):
+        return Cell.from_float(site, "hparam", float(v.detach().reshape(()).item()))
+    return None
+
+
 def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
     """One exact-value cell per hyperparameter of every param group: ``<prefix><g>.<key>`` (``<prefix><o>.<g>.<key>``
     with several optimizers; a sequence such as ``betas`` one cell per element). Numbers by their bits;
     other values (``None``, strings) are left out: what drives a step's arithmetic is numeric."""
-    import numpy as np
-
     cells: list[Cell] = []
     for o, opt in enumerate(optimizers):
         head = f"{prefix}{o}." if len(optimizers) > 1 else prefix
@@ -279,14 +278,144 @@ def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
                     continue
                 items = list(enumerate(value)) if isinstance(value, list | tuple) else [(None, value)]
                 for k, v in items:
-                    site = f"{head}{g}.{key}" + ("" if k is None else f".{k}")
-                    if isinstance(v, bool | np.bool_ | int | np.integer):
-                        cells.append(Cell.from_int(site, "hparam", int(v)))
-                    elif isinstance(v, float | np.floating):
-                        cells.append(Cell.from_float(site, "hparam", float(v)))
-                    elif hasattr(v, "numel") and v.numel() == 1 and not _is_dtensor(v):
-                        cells.append(Cell.from_float(site, "hparam", float(v.detach().reshape(()).item())))
+                    cell = _hparam_cell(f"{head}{g}.{key}" + ("" if k is None else f".{k}"), v)
+                    if cell is not None:
+                        cells.append(cell)
     return cells
+
+
+@dataclass
+class _HparamSpec:
+    """Where the numbers of each param group are, found once: per group, the keys of its scalar entries (read
+    with one ``itemgetter`` call) and of its sequence entries (``betas``), the members' names in that order,
+    the ``struct`` format that packs their 64-bit values, and their weights."""
+
+    scalars: list[Any]  # per group: an itemgetter of its scalar keys, or None
+    counts: list[int]  # per group: how many scalar keys
+    sequences: list[list[str]]  # per group: keys of sequence entries
+    names: list[str]
+    fmt: str
+    weights: Any
+    comparable: bool  # values that cannot change in place: the groups can be compared as a whole
+    shape: list[int]  # len() of each group, and the number of optimizers, when found
+
+
+class _HparamCells:
+    """The hyperparameters of every param group as cells, made cheaply every step.
+
+    At detail ``tensor``: one exact-value cell per hyperparameter (:func:`hparam_cells`), then a category cell
+    ``<prefix>*`` over them; at detail ``category``: the category cell only (its members' values are their
+    bits, so a replay of detail ``tensor`` names the one that differs). The numeric entries are found once
+    (:class:`_HparamSpec`) and packed with one ``struct`` call per step; while the groups hold the same values,
+    the cells of the step before are reused."""
+
+    def __init__(self, prefix: str, detail: str) -> None:
+        self.prefix, self.detail = prefix, detail
+        self._snap: Any = None
+        self._cells: list[Cell] = []
+        self._spec: _HparamSpec | None = None
+
+    def __call__(self, optimizers: list[Any]) -> list[Cell]:
+        groups = [g for opt in optimizers for g in opt.param_groups]
+        snap = None
+        if self._spec is not None and self._spec.comparable:
+            snap = (len(optimizers), [tuple(g.values()) for g in groups])
+            if snap == self._snap:
+                return self._cells
+        cells = self._make(optimizers, groups)
+        self._snap, self._cells = snap, cells
+        return cells
+
+    def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Cell]:
+        import struct
+
+        import numpy as np
+
+        from ckptverify.trace.category import combine
+
+        spec = self._spec
+        if spec is None or spec.shape != [*map(len, groups), len(optimizers)]:
+            spec = self._spec = self._find(optimizers, groups)
+        group = f"{self.prefix}*"
+        try:
+            values: list[Any] = []
+            for g, get, n, seqs in zip(groups, spec.scalars, spec.counts, spec.sequences, strict=True):
+                if n == 1:
+                    values.append(get(g))
+                elif n:
+                    values.extend(get(g))
+                for key in seqs:
+                    values.extend(g[key])
+            lows = np.frombuffer(struct.pack(spec.fmt, *values), dtype="<u8").astype(np.uint64)
+            names, weights = spec.names, spec.weights
+            encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
+        except (struct.error, KeyError, IndexError, TypeError):
+            self._spec = None  # the groups changed shape or types: find the entries again next time
+            slow = hparam_cells(self.prefix, optimizers)
+            names = [c.site for c in slow]
+            lows = np.array([c.lanes[0] for c in slow], dtype=np.uint64)
+            weights = np.array([_weight(n) for n in names], dtype=np.uint64)
+            encodings = [c.encoding for c in slow]
+        if not names:
+            return []
+        cells = []
+        if self.detail == "tensor":
+            # A member's value in the category cell is its 64 bits (lane 0 of its own cell).
+            cells = [Cell(n, "hparam", (b, 0), e, "", group)
+                     for n, b, e in zip(names, lows.tolist(), encodings, strict=True)]
+        cells.append(Cell(group, "hparam", combine(lows, weights), "set128"))
+        return cells
+
+    def _find(self, optimizers: list[Any], groups: list[Any]) -> _HparamSpec:
+        """Which entries are numbers, and how to pack them."""
+        import operator
+
+        import numpy as np
+
+        scalars: list[Any] = []
+        counts: list[int] = []
+        sequences: list[list[str]] = []
+        names: list[str] = []
+        fmt = "<"
+        comparable = True
+        for o, opt in enumerate(optimizers):
+            head = f"{self.prefix}{o}." if len(optimizers) > 1 else self.prefix
+            for g, group in enumerate(opt.param_groups):
+                keys: list[str] = []
+                seqs: list[str] = []
+                seq_names: list[str] = []
+                seq_fmt = ""
+                for key, value in group.items():
+                    if key == "params":
+                        continue
+                    if isinstance(value, list) or not isinstance(value, (*_SCALARS, tuple)):
+                        comparable = False  # a value that can change in place: no reuse by comparison
+                    if isinstance(value, list | tuple):
+                        kinds = [_hparam_cell("x", v) for v in value]
+                        if value and all(c is not None for c in kinds):
+                            seqs.append(key)
+                            seq_names += [f"{head}{g}.{key}.{k}" for k in range(len(value))]
+                            seq_fmt += "".join("d" if c.encoding == "f64" else "q" for c in kinds)  # type: ignore[union-attr]
+                        continue
+                    cell = _hparam_cell("x", value)
+                    if cell is not None:
+                        keys.append(key)
+                        names.append(f"{head}{g}.{key}")
+                        fmt += "d" if cell.encoding == "f64" else "q"
+                names += seq_names
+                fmt += seq_fmt
+                scalars.append(operator.itemgetter(*keys) if keys else None)
+                counts.append(len(keys))
+                sequences.append(seqs)
+        weights = np.array([_weight(n) for n in names], dtype=np.uint64)
+        return _HparamSpec(scalars, counts, sequences, names, fmt, weights, comparable,
+                           [*map(len, groups), len(optimizers)])
+
+
+def _weight(name: str) -> int:
+    from ckptverify.trace.category import weight
+
+    return weight(name)
 
 
 def non_persistent_buffers(model: Any) -> list[tuple[str, Any]]:
@@ -312,42 +441,404 @@ def _field_kind(name: str) -> str:
     return {"scheduler": "scheduler", "rng": "rng"}.get(head, "extra")
 
 
-def _split_leaves(flat: Mapping[str, Any], prefix: str, site_prefix: str,
-                  kind: str) -> tuple[list[Cell], list[tuple[str, str, Any]]]:
-    """A flattened state dict's non-tensor leaves digested together per parent name (e.g. one cell per
-    optimizer param group), and its tensors as ``(site, kind, tensor)``, one site each."""
-    import torch
+# --------------------------------------------------------------------------------------------- members
 
-    groups: dict[str, dict[str, Any]] = {}
-    tensors: list[tuple[str, str, Any]] = []
-    for name, value in flat.items():
-        rest = name[len(prefix):] if name.startswith(prefix) else name
-        if isinstance(value, torch.Tensor):
-            tensors.append((site_prefix + rest, kind, value))
-        else:
+
+class _Members:
+    """The tensors of one category, in a fixed order: their site names, weights and encodings."""
+
+    def __init__(self, group: str, kind: str, names: list[str], tensors: list[Any]) -> None:
+        import numpy as np
+
+        from ckptverify.trace.category import weight
+
+        self.group, self.kind, self.names = group, kind, names
+        self.weights = np.array([weight(n) for n in names], dtype=np.uint64)
+        self.tensors = tensors
+        self.locals = [t.to_local() if _is_dtensor(t) else t for t in tensors]
+        self.encodings = ["digest128" if t.device.type == "cpu" else "fp128" for t in self.locals]
+
+
+class _Digester:
+    """Digests the members of several categories in one pass: host tensors through views kept from step to
+    step (one C call each, then one vectorized pass for all), device tensors in one batched pass per device."""
+
+    def __init__(self, categories: list[_Members], owners: list[Any]) -> None:
+        """``owners``: what to read data pointers from to see a host member's storage move (the Parameters
+        behind state-dict aliases, the buffers); the optimizer state is followed by identity elsewhere."""
+        import numpy as np
+
+        from ckptverify.trace.category import HostViews
+
+        self.categories = categories
+        tensors = [t for c in categories for t in c.locals]
+        self.count = len(tensors)
+        self._host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+        self._device: dict[Any, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if t.device.type != "cpu":
+                self._device.setdefault(t.device, []).append(i)
+        self._tensors = tensors
+        self._views = HostViews([tensors[i] for i in self._host], owners=owners)
+        self.bounds = np.cumsum([0, *(len(c.names) for c in categories)]).tolist()
+        self._weights = np.concatenate([c.weights for c in categories]) if categories else np.zeros(0, np.uint64)
+        self._nonempty = [k for k, c in enumerate(categories) if c.names]
+        self._starts = [self.bounds[k] for k in self._nonempty]
+
+    def digests(self) -> np.ndarray | None:
+        """Every member's digest, as an ``(n, 2)`` uint64 array in category order; ``None`` when a host member's
+        storage moved (rebuild)."""
+        import numpy as np
+
+        host = self._views.digests()
+        if host is None:
+            return None
+        if not self._device:
+            return host
+        out = np.zeros((self.count, 2), dtype=np.uint64)
+        if self._host:
+            out[self._host] = host
+        for members in self._device.values():
+            out[members] = _device_digests([self._tensors[i] for i in members])
+        return out
+
+    def cells(self, digests: np.ndarray, detail: str) -> list[list[Cell]]:
+        """Each category's cells, from ``digests`` (see :meth:`digests`): the category sums of all categories
+        in one vectorized pass (sums of uint64 wrap modulo 2**64)."""
+        import numpy as np
+
+        out: list[list[Cell]] = [[] for _ in self.categories]
+        if not self._nonempty:
+            return out
+        lows = digests[:, 1]
+        lane0 = np.add.reduceat(lows, self._starts).tolist()
+        lane1 = np.add.reduceat(lows * self._weights, self._starts).tolist()
+        rows = digests.tolist() if detail == "tensor" else None
+        for k, s0, s1 in zip(self._nonempty, lane0, lane1, strict=True):
+            c = self.categories[k]
+            cells: list[Cell] = []
+            if rows is not None:
+                lo = self.bounds[k]
+                cells = [Cell(n, c.kind, (hi, lo_), e, "", c.group)
+                         for n, (hi, lo_), e in zip(c.names, rows[lo:lo + len(c.names)], c.encodings, strict=True)]
+            cells.append(Cell(c.group, c.kind, (s0, s1), "set128"))
+            out[k] = cells
+        return out
+
+
+def _device_digests(tensors: list[Any]) -> np.ndarray:
+    """Member digests of tensors on one device, computed there and read back once, as ``(n, 2)`` uint64."""
+    from ckptverify import _fingerprint_kernels as kern
+
+    return kern.lanes_many(tensors).cpu().numpy().view("uint64")
+
+
+def _category_cells(group: str, kind: str, names: list[str], weights: np.ndarray, encodings: list[str],
+                    digests: np.ndarray, detail: str) -> list[Cell]:
+    """At detail ``tensor`` one cell per member, then (at every detail) the category cell."""
+    from ckptverify.trace.category import combine
+
+    cells: list[Cell] = []
+    if detail == "tensor":
+        cells = [Cell(n, kind, (hi, lo), e, "", group)
+                 for n, (hi, lo), e in zip(names, digests.tolist(), encodings, strict=True)]
+    cells.append(Cell(group, kind, combine(digests[:, 1], weights), "set128"))
+    return cells
+
+
+class _Gradients:
+    """Every parameter of a model, for reading their ``.grad`` in ``named_parameters`` order."""
+
+    def __init__(self, model: Any) -> None:
+        import ctypes
+
+        import numpy as np
+        import torch
+
+        from ckptverify.trace.category import signature_row, weight
+
+        named = [(f"grad.{canonical_name(n)}", p) for n, p in _unwrap(model).named_parameters()]
+        self.model = model
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.weights = np.array([weight(n) for n in self.names], dtype=np.uint64)
+        locals_ = [p.to_local() if _is_dtensor(p) else p for p in self.params]
+        self.dtensor = [_is_dtensor(p) for p in self.params]
+        self.host = [t.device.type == "cpu" for t in locals_]
+        # A gradient has its parameter's dtype and shape (autograd refuses any other).
+        self.signatures = np.array([signature_row(t.dtype, tuple(t.shape)) for t in locals_],
+                                   dtype=np.uint64).reshape(-1, 2)
+        self.encodings = ["digest128" if h else "fp128" for h in self.host]
+        # Plain host parameters: each step, a view over every gradient's bytes straight from its address (a
+        # third of the cost of .numpy()), checked contiguous first; the gradients are held while hashed.
+        self.fast = bool(self.params) and all(self.host) and not any(self.dtensor) and all(
+            t.numel() for t in locals_)
+        self._makers = [(ctypes.c_char * (t.numel() * t.element_size())).from_address for t in locals_]
+        self._contiguous = torch.Tensor.is_contiguous
+        self._ptr = torch.Tensor.data_ptr
+
+    def cells(self, detail: str) -> list[Cell]:
+        if self.fast:
+            import xxhash
+
+            from ckptverify.trace.category import split
+
+            grads = [p.grad for p in self.params]
+            try:
+                if all(map(self._contiguous, grads)):
+                    views = [make(ptr) for make, ptr in zip(self._makers, map(self._ptr, grads), strict=True)]
+                    digests = split(list(map(xxhash.xxh3_128_digest, views))) ^ self.signatures
+                    return _category_cells("grad.*", "grad", self.names, self.weights, self.encodings, digests,
+                                           detail)
+            except (TypeError, RuntimeError):
+                pass  # a parameter without gradient, a sparse gradient
+        return self._cells(detail)
+
+    def _cells(self, detail: str) -> list[Cell]:
+        import numpy as np
+
+        from ckptverify.trace.category import tensor_digests
+
+        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not present:
+            return []
+        grads = [self.params[i].grad for i in present]
+        ints = tensor_digests(grads)
+        digests = np.array([(d >> 64, d & _MASK64) for d in ints], dtype=np.uint64).reshape(-1, 2)
+        return _category_cells("grad.*", "grad", [self.names[i] for i in present], self.weights[present],
+                               [self.encodings[i] for i in present], digests, detail)
+
+
+def _live_value(groups: list[Any], index: int, head: str, rest: str) -> Any:
+    value = groups[index].get(head)
+    if rest:  # a sequence hyperparameter flattened per element (e.g. betas.0)
+        try:
+            value = value[int(rest)]  # type: ignore[index]
+        except (TypeError, ValueError, IndexError):
+            return _MISSING
+    return value
+
+
+_MISSING = object()
+_UNCACHEABLE = object()
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _snapshot(value: Any) -> Any:
+    """An immutable copy of a value made of numbers, strings, ``None``, lists and tuples (to compare with the
+    next step's); ``_UNCACHEABLE`` for anything else (a tensor, an object: digested every time)."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list or kind is tuple:
+        items = tuple(_snapshot(v) for v in value)
+        return _UNCACHEABLE if any(v is _UNCACHEABLE for v in items) else (kind, items)
+    return _UNCACHEABLE
+
+
+class _Leaves:
+    """The non-tensor leaves of a flattened state dict, digested together per parent name (one cell per
+    optimizer param group, ...): each cell is the digest (:func:`_value_lanes`) of ``{leaf: value}``. Leaves
+    that are hyperparameters of a live param group are read from it at each step (a scheduler changes them);
+    the others come from the cached state dict. A parent whose live leaves are unchanged keeps its cell."""
+
+    def __init__(self, flat: Mapping[str, Any], prefix: str, site_prefix: str, kind: str,
+                 groups: list[Any] | None = None) -> None:
+        self.kind = kind
+        self.parents: dict[str, list[tuple[str, Any, tuple[int, str, str] | None]]] = {}
+        for name, value in flat.items():
+            if _is_tensor(value):
+                continue
+            rest = name[len(prefix):] if name.startswith(prefix) else name
             parent, _, leaf = rest.rpartition(".")
-            groups.setdefault(parent, {})[leaf] = value
-    digests = [_object_cell(site_prefix + parent if parent else site_prefix.rstrip("."), kind, leaves)
-               for parent, leaves in groups.items()]
-    return digests, tensors
+            site = site_prefix + parent if parent else site_prefix.rstrip(".")
+            live = None
+            if groups is not None and name.startswith(prefix + "param_groups."):
+                index, _, key = name[len(prefix + "param_groups."):].partition(".")
+                head, _, sub = key.partition(".")
+                if head != "params" and index.isdigit() and int(index) < len(groups):
+                    live = (int(index), head, sub)
+            self.parents.setdefault(site, []).append((leaf, value, live))
+        self.groups = groups or []
+        self._cache: dict[str, tuple[Any, Cell]] = {}
+        # Per parent, the JSON text of its fixed leaves and of its live leaves' names, made once: a step then
+        # encodes the live values only (None where a fixed leaf is not plain data).
+        self._fixed: dict[str, bytes | None] = {}
+        for site, leaves in self.parents.items():
+            fixed = {leaf: value for leaf, value, where in leaves if where is None}
+            names = [leaf for leaf, _, where in leaves if where is not None]
+            try:
+                self._fixed[site] = (_json(fixed) + "|" + _json(names) + "|").encode("utf-8", "surrogatepass")
+            except (TypeError, ValueError):
+                self._fixed[site] = None
+        # The param groups a parent reads, when their values can be compared as a whole from step to step
+        # (numbers, strings, tuples; the "params" list by identity): then an unchanged group costs one
+        # comparison of tuples.
+        self._reads: dict[str, list[int] | None] = {}
+        for site, leaves in self.parents.items():
+            read = sorted({where[0] for _, _, where in leaves if where is not None})
+            plain = all(isinstance(v, (*_SCALARS, tuple)) or k == "params"
+                        for g in read for k, v in self.groups[g].items())
+            self._reads[site] = read if plain else None
+
+    def cells(self) -> list[Cell]:
+        out = []
+        for site, leaves in self.parents.items():
+            read = self._reads[site]
+            if read is not None:
+                snap: Any = [tuple(self.groups[g].values()) for g in read]
+                hit = self._cache.get(site)
+                if hit is not None and hit[0] == snap:
+                    out.append(hit[1])
+                    continue
+                live = [_live_value(self.groups, *where) for _, _, where in leaves if where is not None]
+            else:
+                live = [_live_value(self.groups, *where) for _, _, where in leaves if where is not None]
+                snap = _snapshot(live)
+                hit = self._cache.get(site)
+                if hit is not None and snap is not _UNCACHEABLE and hit[0] == snap:
+                    out.append(hit[1])
+                    continue
+            cell = self._cell(site, leaves, live)
+            self._cache[site] = (snap, cell)
+            out.append(cell)
+        return out
 
 
-def _state_signature(state: TrainState) -> tuple[Any, ...]:
-    """Identity and storage of every parameter and optimizer state tensor, and the param group layout."""
+    def _cell(self, site: str, leaves: list[tuple[str, Any, tuple[int, str, str] | None]], live: list[Any]) -> Cell:
+        fixed = self._fixed[site]
+        if fixed is not None:
+            try:
+                d = xxhash.xxh3_128_intdigest(b"L" + fixed + _json(live).encode("utf-8", "surrogatepass"))
+                return Cell(site, self.kind, (d >> 64, d & _MASK64), "digest128")
+            except (TypeError, ValueError):
+                pass  # a live value that is not plain data (a tensor learning rate): the general digest
+        values = iter(live)
+        leaf_values = {leaf: value if where is None else next(values) for leaf, value, where in leaves}
+        return Cell(site, self.kind, _value_lanes({k: v for k, v in leaf_values.items() if v is not _MISSING}),
+                    "digest128")
+
+
+def _is_tensor(value: Any) -> bool:
     import torch
 
-    def key(t: Any) -> tuple[int, int]:
-        local = t.to_local() if _is_dtensor(t) else t
-        return id(t), local.untyped_storage().data_ptr() if local.numel() else 0
+    return isinstance(value, torch.Tensor)
 
-    params = tuple(key(p) for p in state.model.parameters()) if state.model is not None else ()
-    buffers = tuple(key(b) for b in state.model.buffers()) if state.model is not None else ()
-    optim = tuple(
-        (id(p), k, key(v)) for opt in state.optimizers for p, st in opt.state.items() for k, v in st.items()
-        if isinstance(v, torch.Tensor)
-    )
-    groups = tuple(tuple(sorted(g)) for opt in state.optimizers for g in opt.param_groups)
-    return params, buffers, optim, groups
+
+class _StateLayout:
+    """What a state-level row reads from a TrainState, found once through ``get_state_dict`` (which costs
+    milliseconds) and kept while it holds: the optimizer-state and parameter tensors (updated in place from
+    step to step) as category members, the non-tensor leaves, the non-persistent buffers.
+
+    It holds while :meth:`signature` is unchanged: no module registered a parameter, buffer or submodule (the
+    recorder's registration hooks count those), the optimizers hold the same state tensors and param groups,
+    and no parameter's storage moved (checked when digesting)."""
+
+    def __init__(self, state: TrainState, structure: int) -> None:
+        from ckptverify.dcp.loading import flat_names
+
+        model_sd, optim_sd = state._model_optim()
+        optim_flat = flat_names({"optim": optim_sd}) if optim_sd else {}
+        param_flat = flat_names({"model": model_sd}) if model_sd else {}
+        groups = [g for opt in state.optimizers for g in opt.param_groups]
+        self.structure = structure
+        self.signature = _layout_signature(state, structure)
+        self._pin = [opt.state for opt in state.optimizers]  # keeps ids in the signature unique
+        self.optim_leaves = _Leaves(optim_flat, "optim.", "optim.", "optim", groups)
+        self.param_leaves = _Leaves(param_flat, "model.", "param.", "param")
+        names = [f"optim.{n[len('optim.'):]}" for n, v in optim_flat.items() if _is_tensor(v)]
+        self.optim = _Members("optim.state.*", "optim", names, [v for v in optim_flat.values() if _is_tensor(v)])
+        owners = {}
+        if state.model is not None:
+            inner = _unwrap(state.model)
+            for t in [*inner.parameters(), *inner.buffers()]:
+                local = t.to_local() if _is_dtensor(t) else t
+                if local.device.type == "cpu" and local.numel():
+                    owners.setdefault((local.data_ptr(), local.dtype, tuple(local.shape)), t)
+        tensors = [(n, v) for n, v in param_flat.items() if _is_tensor(v)]
+        live = []
+        for _, v in tensors:
+            local = v.to_local() if _is_dtensor(v) else v
+            key = (local.data_ptr(), local.dtype, tuple(local.shape)) if local.device.type == "cpu" else None
+            owner = owners.get(key) if key is not None else None
+            live.append(owner if owner is not None else local)
+        self.params = _Members("param.*", "param", [f"param.{n[len('model.'):]}" for n, _ in tensors],
+                               [v for _, v in tensors])
+        buffers = non_persistent_buffers(state.model) if state.model is not None else []
+        self.buffers = _Members("buffer.*", "buffer", [f"buffer.{n}" for n, _ in buffers],
+                                [b for _, b in buffers])
+        host = [t for t in [*live, *self.buffers.locals] if t.device.type == "cpu"]
+        self.digester = _Digester([self.optim, self.params, self.buffers], owners=host)
+
+
+def _layout_signature(state: TrainState, structure: int) -> list[Any]:
+    """Cheap to compute every step: what a change of the layout changes."""
+    from itertools import chain
+
+    sig: list[Any] = [structure, id(state.model), len(state.optimizers)]
+    for opt in state.optimizers:
+        st = opt.state
+        sig.append(id(st))
+        sig.append(len(st))
+        sig.extend(map(id, chain.from_iterable(map(dict.values, st.values()))))
+        sig.append(len(opt.param_groups))
+        sig.extend([len(g) for g in opt.param_groups])
+    return sig
+
+
+class _Structure:
+    """Counts parameter, buffer and submodule registrations anywhere (global module hooks): a cached list of
+    a model's parameters or buffers holds while the count has not moved."""
+
+    def __init__(self) -> None:
+        from torch.nn.modules import module
+
+        self.version = 0
+        self._handles = [
+            module.register_module_parameter_registration_hook(self._bump),
+            module.register_module_buffer_registration_hook(self._bump),
+            module.register_module_module_registration_hook(self._bump),
+        ]
+
+    def _bump(self, *args: Any) -> None:
+        self.version += 1
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _counters(counters: Any) -> dict[str, Any]:
+    """``counters.state_dict()``: for the built-in :class:`Counters` (integers), its fields read directly
+    rather than through ``dataclasses.asdict``'s deep copy."""
+    if not _COUNTERS:
+        import dataclasses
+
+        from ckptverify.state.train_state import Counters
+
+        _COUNTERS.append(Counters)
+        _COUNTERS.extend(f.name for f in dataclasses.fields(Counters))
+    if type(counters) is _COUNTERS[0]:
+        return {name: getattr(counters, name) for name in _COUNTERS[1:]}
+    return counters.state_dict()
+
+
+#: The built-in Counters class, then its field names (filled on first use: importing it here would import torch).
+_COUNTERS: list[Any] = []
+
+
+def _data_value(state: TrainState) -> Any:
+    """``state``'s data position, as ``TrainState.fields()`` reads it. A ``DataLoader`` driven by a
+    ``ResumableSampler`` gives its position without starting an iterator, so no random stream needs the
+    capture-and-restore guard ``TrainState`` puts around other loaders."""
+    from ckptverify.state.dataloader import find_resumable_sampler, loader_state
+    from ckptverify.state.sampler import _is_stateful_dataloader
+
+    loader = state.dataloader
+    if not _is_stateful_dataloader(loader) and find_resumable_sampler(loader) is not None:
+        return loader_state(loader)
+    return state._loader_state()
 
 
 # ------------------------------------------------------------------------------------------ recorder
@@ -359,8 +850,9 @@ class TraceRecorder:
     Args:
         path: the run's trace directory; rank ``r`` writes the store ``<path>/rank<r>``.
         header: what the trace describes; its level (``metrics`` | ``state`` | ``module``) decides what is
-            recorded. ``rank``/``world_size`` are filled in from ``torch.distributed`` when left ``None``.
-        flush_every: rows buffered before a write.
+            recorded, its detail (``category`` | ``tensor``) whether tensor categories get a cell per tensor.
+            ``rank``/``world_size`` are filled in from ``torch.distributed`` when left ``None``.
+        flush_every: rows buffered before a (background) write.
         overwrite: replace an existing store instead of refusing.
     """
 
@@ -373,6 +865,7 @@ class TraceRecorder:
             raise UsageError(f"trace header says world size {header.world_size}, but the job has {world}")
         self.header = header.with_rank(rank, world)
         self.level = self.header.level
+        self.detail = self.header.detail
         self.rank = rank
         self.run_dir = Path(path)
         self.store_path = rank_store_path(path, rank)
@@ -386,7 +879,17 @@ class TraceRecorder:
         self._start_cells: list[Cell] = []
         self._optimizers: list[Any] = []
         self._paused = 0
-        self._flat_cache: tuple[Any, dict[str, Any], dict[str, Any]] | None = None
+        self._structure: _Structure | None = None
+        self._gradients: _Gradients | None = None
+        self._layout: _StateLayout | None = None
+        self._streams: Any = None
+        self._streams_key: Any = None
+        self._rng_cells_made: dict[tuple[str, str], tuple[str, Cell]] = {}
+        self._hparams = _HparamCells("hparam.", self.detail)
+        self._start_hparams = _HparamCells("start.hparam.", self.detail)
+        self._grad_version = -1
+        self._field_kinds: dict[str, str] = {}
+        self._last: tuple[int, list[Any], np.ndarray] | None = None
 
     @property
     def records_state(self) -> bool:
@@ -395,6 +898,11 @@ class TraceRecorder:
     @property
     def records_modules(self) -> bool:
         return self.level == "module"
+
+    def _version(self) -> int:
+        if self._structure is None:
+            self._structure = _Structure()
+        return self._structure.version
 
     # -------------------------------------------------------------- module hooks
 
@@ -406,9 +914,9 @@ class TraceRecorder:
           :meth:`record_grads` right before each ``optimizer.step()``, so gradients are recorded as the
           optimizer consumes them (after clipping and unscaling), wherever the loop calls ``zero_grad``.
         * At level ``module``, every module (``include(name, module)`` narrows the set) gets a forward hook
-          recording its output's fingerprint, a forward pre-hook recording its inputs' (so work a parent does
+          recording its output's digest, a forward pre-hook recording its inputs' (so work a parent does
           in its own ``forward`` between children shows as a child input that differs while the parent's
-          does not), and with ``backward`` a full backward hook recording the fingerprint of the gradient
+          does not), and with ``backward`` a full backward hook recording the digest of the gradient
           with respect to its inputs. Sites are ``module.<name>.in#k`` / ``module.<name>.fwd#k`` /
           ``module.<name>.bwd#k``, ``k`` counting the hook's calls for that module in the step.
         """
@@ -437,11 +945,11 @@ class TraceRecorder:
 
     def _optimizer_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._paused:
-            return  # a step that is not recorded (trace_every > 1): no fingerprints to pay for
+            return  # a step that is not recorded (trace_every > 1): no digests to pay for
         if self._model is not None:
             self.record_grads(self._model)
         # The hyperparameters this optimizer step uses (a loop sets lr from its own counter right before it).
-        self._hparam_cells = hparam_cells("hparam.", self._optimizers)
+        self._hparam_cells = self._hparams(self._optimizers)
 
     def detach(self) -> None:
         """Remove the hooks and forget the attached model."""
@@ -449,6 +957,7 @@ class TraceRecorder:
             handle.remove()
         self._handles.clear()
         self._model = None
+        self._gradients = None
 
     def _next(self, name: str, direction: str) -> int:
         key = (name, direction)
@@ -480,7 +989,6 @@ class TraceRecorder:
 
         return hook
 
-    @contextlib.contextmanager
     def begin_skipped_step(self) -> None:
         """A step that will not be recorded (``trace_every`` > 1) begins: hooks gather nothing until
         :meth:`skip_step`."""
@@ -493,7 +1001,9 @@ class TraceRecorder:
         self._start_cells = []
         self._grad_cells = None
         self._hparam_cells = []
+        self._occurrences.clear()
 
+    @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Module hooks record nothing inside this block (e.g. an evaluation pass between steps)."""
         self._paused += 1
@@ -505,11 +1015,14 @@ class TraceRecorder:
     # -------------------------------------------------------------- gradients
 
     def _grads_of(self, model: Any) -> list[Cell]:
-        return _tensor_cells([(f"grad.{canonical_name(raw_name)}", "grad", p.grad)
-                              for raw_name, p in _unwrap(model).named_parameters() if p.grad is not None])
+        grads = self._gradients
+        if grads is None or grads.model is not model or self._grad_version != self._version():
+            self._grad_version = self._version()
+            grads = self._gradients = _Gradients(model)
+        return grads.cells(self.detail)
 
     def record_grads(self, model: torch.nn.Module | None = None) -> None:
-        """Fingerprint every parameter's ``.grad`` now, for the next :meth:`record_step`.
+        """Digest every parameter's ``.grad`` now, for the next :meth:`record_step`.
 
         ``attach(model, optimizer=...)`` calls it right before each ``optimizer.step()``. Without that hook,
         call it after ``backward()`` (and any gradient clipping) and before ``optimizer.zero_grad()`` in a
@@ -526,6 +1039,24 @@ class TraceRecorder:
 
     # -------------------------------------------------------------- steps
 
+    def _rng_cells(self, prefix: str, state: TrainState) -> list[Cell]:
+        """A digest cell per random stream (``<prefix><kind>``); the cell of a stream that did not move is the
+        one made before."""
+        from ckptverify.trace.streams import StreamDigests
+
+        gens = state.rng.generators
+        key = (id(state), tuple((name, id(g)) for name, g in gens.items()))
+        if self._streams is None or self._streams_key != key:
+            self._streams, self._streams_key = StreamDigests(gens), key
+        out = []
+        cache = self._rng_cells_made
+        for kind, value in self._streams.current().items():
+            hit = cache.get((prefix, kind))
+            if hit is None or hit[0] != value:
+                hit = cache[(prefix, kind)] = (value, Cell(f"{prefix}{kind}", "rng", hex_lanes(value), "digest128"))
+            out.append(hit[1])
+        return out
+
     def record_step_start(self, state: TrainState | None) -> None:
         """The state a step starts from, for the next :meth:`record_step`: every random stream
         (``start.rng.<stream>``) and every optimizer hyperparameter (``start.hparam.<g>.<key>``) as they are
@@ -533,12 +1064,7 @@ class TraceRecorder:
         outside the steps), not a consequence of a different batch. Does nothing below level ``state``."""
         if not self.records_state or state is None:
             return
-        from ckptverify.state.digest import state_digest
-        from ckptverify.state.rng import capture_rng
-
-        self._start_cells = [Cell(f"start.rng.{kind}", "rng", hex_lanes(state_digest(value)), "digest128")
-                             for kind, value in capture_rng(state.rng.generators).items()]
-        self._start_cells.extend(hparam_cells("start.hparam.", state.optimizers))
+        self._start_cells = [*self._rng_cells("start.rng.", state), *self._start_hparams(state.optimizers)]
 
     def record_step(self, step: int, *, metrics: Mapping[str, Any] | None = None, batch: Any = None,
                     state: TrainState | None = None) -> None:
@@ -548,19 +1074,20 @@ class TraceRecorder:
         * ``state`` and ``module``: what :meth:`record_step_start` captured when the step began (random
           streams, hyperparameters), and the hyperparameters the optimizer step used (``hparam.<g>.<key>``,
           captured by the optimizer hook);
-        * ``state`` and ``module``: the ``batch`` fingerprint (a tensor, or one site per element of a
-          tuple/list/dict), the gradients (those captured by :meth:`record_grads` — or the optimizer hook —
+        * ``state`` and ``module``: the ``batch`` digest (a tensor, or one site per element of a
+          tuple/list/dict); the gradients (those captured by :meth:`record_grads` — or the optimizer hook —
           in this step, else the ``.grad`` of ``state.model`` / the attached model as they are now;
-          parameters without a gradient are not recorded), and from ``state``: optimizer state
-          (``optim.<name>``, hyperparameters digested per param group), parameters and buffers
-          (``param.<fqn>``), buffers registered with ``persistent=False`` (``buffer.<fqn>``: no checkpoint holds
-          them), and a digest of each non-tensor field (``scheduler.<i>``, ``rng.<stream>``,
-          ``data``, ``counters``, ...);
+          parameters without a gradient are not recorded) as the category cell ``grad.*``; and from
+          ``state``: optimizer state (``optim.param_groups.<i>``: hyperparameters digested per param group;
+          the category cell ``optim.state.*``), parameters and buffers (``param.*``), buffers registered with
+          ``persistent=False`` (``buffer.*``: no checkpoint holds them), and a digest of each non-tensor field
+          (``scheduler.<i>``, ``rng.<stream>``, ``data``, ``counters``, ...). At detail ``tensor`` each
+          tensor of a category also gets its own cell (``grad.<fqn>``, ``optim.state.<fqn>.<key>``,
+          ``param.<fqn>``, ``buffer.<fqn>``), right before its category cell;
         * ``module``: the module outputs and input gradients recorded by the hooks since the last row.
 
         Lower levels ignore what they do not record, so the same loop works at every level. Steps must
-        increase. On several ranks every rank must call this for every step (DTensor fingerprints are
-        collective).
+        increase. On several ranks every rank must call this for every step.
         """
         import torch
 
@@ -571,6 +1098,7 @@ class TraceRecorder:
         cells.extend(self._module_cells)
         for name, value in (metrics or {}).items():
             cells.append(_metric_cell(str(name), value))
+        self._last = None
         if deep:
             grads = self._grad_cells
             if grads is None:
@@ -579,7 +1107,7 @@ class TraceRecorder:
             cells.extend(self._hparam_cells)
             cells.extend(grads)
             if state is not None:
-                cells.extend(self._state_cells(state))
+                cells.extend(self._state_cells(step, state))
         self._module_cells = []
         self._start_cells = []
         self._hparam_cells = []
@@ -597,67 +1125,86 @@ class TraceRecorder:
             return [_object_cell(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
         return [_object_cell("batch", "batch", batch)]
 
-    def _state_cells(self, state: TrainState) -> list[Cell]:
-        from ckptverify.state.digest import state_digest
+    def _state_cells(self, step: int, state: TrainState) -> list[Cell]:
+        rng = self._rng_cells("rng.", state)  # first, as TrainState.fields() does: reading the rest may draw
+        fields = self._field_cells(state, rng)
+        scaler = [c for c in fields if c.kind == "optim"]
+        others = sorted((c for c in fields if c.kind != "optim"), key=lambda c: _FIELD_ORDER[c.kind])
+        layout, digests = self._members(state)
+        optim, params, buffers = layout.digester.cells(digests, self.detail)
+        lo, hi = layout.digester.bounds[1:3]
+        self._last = (step, layout.params.tensors, digests[lo:hi])
+        return [*layout.optim_leaves.cells(), *scaler, *optim, *layout.param_leaves.cells(), *params, *buffers,
+                *others]
 
-        fields = state.fields()  # first: it captures the random streams before anything else runs
-        optim_flat, param_flat = self._flat_state(state)
-        optim_digests, optim_tensors = _split_leaves(optim_flat, "optim.", "optim.", "optim")
-        param_digests, param_tensors = _split_leaves(param_flat, "model.", "param.", "param")
-        field_cells = [Cell(name, _field_kind(name), hex_lanes(state_digest(value)), "digest128")
-                       for name, value in fields.items()]
-        scaler = [c for c in field_cells if c.kind == "optim"]
-        others = sorted((c for c in field_cells if c.kind != "optim"), key=lambda c: _FIELD_ORDER[c.kind])
-        buffers = ([(f"buffer.{name}", "buffer", buf) for name, buf in non_persistent_buffers(state.model)]
-                   if state.model is not None else [])
-        tensor_cells = _tensor_cells([*optim_tensors, *param_tensors, *buffers])
-        n_opt, n_par = len(optim_tensors), len(param_tensors)
-        optim_cells, param_cells = tensor_cells[:n_opt], tensor_cells[n_opt:n_opt + n_par]
-        buffer_cells = tensor_cells[n_opt + n_par:]
-        return [*optim_digests, *scaler, *optim_cells, *param_digests, *param_cells, *buffer_cells, *others]
+    def _members(self, state: TrainState) -> tuple[_StateLayout, np.ndarray]:
+        """The layout and the digests of its optimizer-state, parameter and buffer members now."""
+        for _ in range(2):
+            layout = self._layout
+            version = self._version()
+            if layout is None or layout.signature != _layout_signature(state, version):
+                layout = self._layout = _StateLayout(state, version)
+            digests = layout.digester.digests()
+            if digests is not None:
+                return layout, digests
+            self._layout = None  # a storage moved under a parameter (p.data = ...): find the tensors again
+        raise UsageError("the model's tensors keep moving while the trace reads them")
 
-    def _flat_state(self, state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Flattened optimizer and model state dicts, as ``get_state_dict`` names them.
+    def _field_cells(self, state: TrainState, rng: list[Cell]) -> list[Cell]:
+        """One digest cell per non-tensor field of ``state``: exactly ``state_digest`` of what
+        ``TrainState.fields()`` returns for it (the random streams' cells come in ``rng``)."""
+        values: dict[str, Any] = {"counters": _counters(state.counters)}
+        for i, sched in enumerate(state.schedulers):
+            values[f"scheduler.{i}"] = sched.state_dict()
+        if state.scaler is not None:
+            values["scaler"] = state.scaler.state_dict()
+        if state.dataloader is not None:
+            values["data"] = _data_value(state)
+        cells = [self._field_cell(name, value) for name, value in values.items()]
+        cells.extend(rng)
+        for name, obj in state.extras.items():
+            cells.append(self._field_cell(f"extras.{name}", obj.state_dict()))
+        return cells
 
-        ``get_state_dict`` costs milliseconds a call, and between steps the tensors it returns are the same
-        storage updated in place; so the names and tensors are cached while every parameter and optimizer
-        state tensor keeps its identity and storage, and only the param groups' hyperparameters (which a
-        scheduler changes every step) are re-read live."""
-        from ckptverify.dcp.loading import flat_names
+    def _field_cell(self, name: str, value: Any) -> Cell:
+        kind = self._field_kinds.get(name)
+        if kind is None:
+            kind = self._field_kinds[name] = _field_kind(name)
+        return Cell(name, kind, _value_lanes(value), "digest128")
 
-        signature = _state_signature(state)
-        cached = self._flat_cache
-        if cached is None or cached[0] != signature:
-            model_sd, optim_sd = state._model_optim()
-            optim_flat = flat_names({"optim": optim_sd}) if optim_sd else {}
-            param_flat = flat_names({"model": model_sd}) if model_sd else {}
-            self._flat_cache = cached = (signature, optim_flat, param_flat)
-            return optim_flat, param_flat
-        optim_flat = dict(cached[1])
-        groups = [g for opt in state.optimizers for g in opt.param_groups]
-        for name in optim_flat:
-            if name.startswith("optim.param_groups."):
-                index, _, key = name[len("optim.param_groups."):].partition(".")
-                head, _, rest = key.partition(".")
-                if head == "params" or not index.isdigit() or int(index) >= len(groups):
-                    continue
-                value = groups[int(index)].get(head)
-                if rest:  # a sequence hyperparameter flattened per element (e.g. betas.0)
-                    try:
-                        value = value[int(rest)]  # type: ignore[index]
-                    except (TypeError, ValueError, IndexError):
-                        continue
-                optim_flat[name] = value
-        return optim_flat, cached[2]
+    def step_digests(self, step: int, tensors: list[Any]) -> list[int | None]:
+        """The member digests the row of ``step`` (the last one recorded) holds for ``tensors`` (parameters, or
+        their local shards), matched by storage; ``None`` for a tensor the row did not digest. Lets a check
+        that runs right after :meth:`record_step` (the cross-replica check) reuse them instead of reading the
+        tensors again."""
+        if self._last is None or self._last[0] != step:
+            return [None] * len(tensors)
+        _, members, array = self._last
+        digests = [(hi << 64) | lo for hi, lo in array.tolist()]
+        index: dict[tuple[Any, ...], int] = {}
+        for t, d in zip(members, digests, strict=True):
+            local = t.to_local() if _is_dtensor(t) else t
+            if local.numel():
+                index[(local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())] = d
+        out: list[int | None] = []
+        for t in tensors:
+            local = t.to_local() if _is_dtensor(t) else t
+            key = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())
+            out.append(index.get(key) if local.numel() else None)
+        return out
 
     # -------------------------------------------------------------- lifetime
 
     def flush(self) -> None:
+        """Write the buffered rows and wait until they are committed."""
         self.writer.flush()
 
     def close(self) -> None:
         """Remove the hooks and write the buffered rows."""
         self.detach()
+        if self._structure is not None:
+            self._structure.remove()
+            self._structure = None
         self.writer.close()
 
     def __enter__(self) -> TraceRecorder:

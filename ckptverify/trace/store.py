@@ -5,23 +5,26 @@ Layout (documented in ``docs/trace.md``)::
     <store>/zarr.json        group attributes: header (TraceHeader.to_dict()), rows (committed rows: the
                              commit marker), layout {flush_every, site_chunk}
     <store>/sites/zarr.json  an empty array whose attribute ``sites`` is the site table, by column:
-                             [{name, kind, category, encoding, order, first_row, info}, ...]
-    <store>/steps            int64  [rows]             the step number of each row
-    <store>/values           uint64 [rows, sites, 2]   the 128-bit value of each cell (lane 0, lane 1)
-    <store>/present          bool   [rows, sites]      whether the cell was recorded
+                             [{name, kind, category, encoding, order, first_row, info, group}, ...]
+    <store>/steps            int64  [capacity]             the step number of each row
+    <store>/values           uint64 [capacity, sites, 2]   the 128-bit value of each cell (lane 0, lane 1)
+    <store>/present          bool   [capacity, sites]      whether the cell was recorded
 
-Rows are buffered in memory and written ``flush_every`` at a time (and on :meth:`TraceWriter.flush` /
-:meth:`TraceWriter.close`), so each flush writes whole chunks instead of rewriting a chunk once per step.
-Every array's metadata and the attributes are plain zarr v3 ``zarr.json`` files, so the store opens
-without consolidated metadata. The site table is rewritten only when a site is added; ``rows`` is written
-last on each flush, and a reader trusts only that many rows (and the sites first recorded before them), so
-a store whose writer died mid-flush still opens with every committed row.
+Rows are buffered in memory and written ``flush_every`` at a time, so each flush writes whole chunks instead of
+rewriting a chunk once per step. The write itself runs on a background thread (one at a time, in order), so a
+training step never waits for it; :meth:`TraceWriter.flush` and :meth:`TraceWriter.close` wait. The arrays grow
+in steps of whole chunks ahead of the rows (``capacity``): only ``rows`` of them hold rows. Every array's
+metadata and the attributes are plain zarr v3 ``zarr.json`` files, so the store opens without consolidated
+metadata. The site table is rewritten only when a site is added; ``rows`` is written last on each flush, and a
+reader trusts only that many rows (and the sites first recorded before them), so a store whose writer died
+mid-flush still opens with every committed row.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -51,10 +54,15 @@ __all__ = [
 ]
 
 TRACE_SCHEMA = "ckptverify/trace"
-TRACE_SCHEMA_VERSION = 1
+#: 2: category cells (``set128``), site groups, header ``detail``, arrays allocated ahead of the rows.
+TRACE_SCHEMA_VERSION = 2
 
 #: Recording levels, each including the previous one.
 LEVELS = ("metrics", "state", "module")
+
+#: What a state-level trace records of a tensor category (gradients, parameters, optimizer state, buffers):
+#: ``category`` one cell per category per step; ``tensor`` one cell per tensor as well.
+DETAILS = ("category", "tensor")
 
 #: Site kind -> category.
 KINDS: dict[str, str] = {
@@ -77,9 +85,10 @@ KINDS: dict[str, str] = {
 CATEGORIES = tuple(dict.fromkeys(KINDS.values()))
 
 #: How a cell's 128 bits are to be read:
-#: ``fp128`` a logical tensor fingerprint; ``digest128`` an xxh3-128 state digest; ``f64`` lane 0 holds the
-#: IEEE-754 binary64 bits of a number (lane 1 is 0); ``i64`` lane 0 holds a two's-complement 64-bit integer.
-ENCODINGS = ("fp128", "digest128", "f64", "i64")
+#: ``fp128`` a logical tensor fingerprint; ``digest128`` an xxh3-128 digest; ``f64`` lane 0 holds the
+#: IEEE-754 binary64 bits of a number (lane 1 is 0); ``i64`` lane 0 holds a two's-complement 64-bit integer;
+#: ``set128`` a category cell (:mod:`ckptverify.trace.category`): two sums modulo 2**61 - 1 over its members.
+ENCODINGS = ("fp128", "digest128", "f64", "i64", "set128")
 
 _MASK64 = (1 << 64) - 1
 DEFAULT_FLUSH_EVERY = 64
@@ -114,11 +123,14 @@ class TraceHeader:
 
     ``rank`` and ``world_size`` left as ``None`` are filled in by :class:`~ckptverify.trace.TraceRecorder`
     from ``torch.distributed`` (0 and 1 without it). ``extra`` holds the run's configuration (JSON values).
+    ``detail`` (one of :data:`DETAILS`) says whether tensor categories are recorded per category only or per
+    tensor too; traces of either detail compare with each other.
     """
 
     run: str
     level: str = "state"
     workload: str = ""
+    detail: str = "category"
     rank: int | None = None
     world_size: int | None = None
     torch_version: str = field(default_factory=_torch_version)
@@ -130,6 +142,8 @@ class TraceHeader:
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise UsageError(f"unknown trace level {self.level!r}; choose one of {', '.join(LEVELS)}")
+        if self.detail not in DETAILS:
+            raise UsageError(f"unknown trace detail {self.detail!r}; choose one of {', '.join(DETAILS)}")
         if self.schema != TRACE_SCHEMA:
             raise TraceFormatError(f"not a trace header: schema {self.schema!r}")
         if self.schema_version > TRACE_SCHEMA_VERSION:
@@ -143,8 +157,11 @@ class TraceHeader:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TraceHeader:
         known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "detail" not in values and int(values.get("schema_version", 1) or 1) < 2:
+            values["detail"] = "tensor"  # version 1 recorded every tensor, and no category cells
         try:
-            return cls(**{k: v for k, v in data.items() if k in known})
+            return cls(**values)
         except TypeError as exc:
             raise TraceFormatError(f"damaged trace header: {exc}") from None
 
@@ -161,7 +178,8 @@ class TraceHeader:
 @dataclass(frozen=True, slots=True)
 class Site:
     """One recorded quantity. ``order`` is its position in execution order (0 first); ``info`` is a free
-    note (a module's class name)."""
+    note (a module's class name); ``group`` names the category cell a tensor's digest is summed into (empty
+    for everything else)."""
 
     name: str
     kind: str
@@ -169,6 +187,7 @@ class Site:
     encoding: str
     order: int
     info: str = ""
+    group: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +199,7 @@ class Cell:
     lanes: tuple[int, int]
     encoding: str = "fp128"
     info: str = ""
+    group: str = ""
 
     @classmethod
     def from_hex(cls, site: str, kind: str, value: str, encoding: str = "fp128", info: str = "") -> Cell:
@@ -232,11 +252,13 @@ class TraceWriter:
     Each :meth:`append` is one step: the cells in execution order. A site seen for the first time (at any
     step) is added to the site table, placed in execution order right after the site recorded before it in
     that row; its cells at earlier rows read as absent. Rows are buffered and written ``flush_every`` at a
-    time; :meth:`close` (or leaving a ``with`` block) writes the rest.
+    time on a background thread (``background=False``: in the caller's thread); :meth:`flush` writes what is
+    buffered and waits for every write, :meth:`close` (or leaving a ``with`` block) too. An error of a
+    background write is raised by the next call.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, header: TraceHeader, flush_every: int = DEFAULT_FLUSH_EVERY,
-                 site_chunk: int = DEFAULT_SITE_CHUNK, overwrite: bool = False) -> None:
+                 site_chunk: int = DEFAULT_SITE_CHUNK, overwrite: bool = False, background: bool = True) -> None:
         import zarr
 
         if flush_every <= 0 or site_chunk <= 0:
@@ -260,19 +282,26 @@ class TraceWriter:
         self._kinds: list[str] = []
         self._encodings: list[str] = []
         self._infos: list[str] = []
+        self._groups: list[str] = []
         self._first_row: list[int] = []
         # Execution order: column numbers.
         self._order: list[int] = []
         self._position: dict[int, int] = {}
-        self._rows = 0
+        self._rows = 0  # rows handed to the writing thread (written, or being written)
         self._last_step: int | None = None
         self._buffer: list[tuple[int, list[int], list[tuple[int, int]]]] = []
         self._prev_key: list[tuple[str, str, str]] | None = None
         self._prev_columns: list[int] = []
-        self._sites_dirty = True
+        self._sites_version = 0
         self._closed = False
+        # Written by the writing thread only: the arrays' allocated rows and width, and the site table written.
+        self._capacity = (0, 0)
+        self._sites_written = -1
+        self._background = background
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
         self._sites_meta = self._group.create_array("sites", shape=(0,), dtype="uint8", fill_value=0)
-        self._write_sites()
+        self._write_sites(self._site_table(), 0)
         self._group.update_attributes({"header": header.to_dict(), "rows": 0,
                                        "layout": {"flush_every": flush_every, "site_chunk": site_chunk}})
 
@@ -304,7 +333,7 @@ class TraceWriter:
         self._buffer.append((step, columns, [c.lanes for c in cells]))
         self._last_step = step
         if len(self._buffer) >= self.flush_every:
-            self.flush()
+            self._hand_off(wait=not self._background)
 
     def _columns_of(self, step: int, cells: list[Cell]) -> list[int]:
         columns: list[int] = []
@@ -338,6 +367,7 @@ class TraceWriter:
         self._kinds.append(cell.kind)
         self._encodings.append(cell.encoding)
         self._infos.append(cell.info)
+        self._groups.append(cell.group)
         self._first_row.append(self.rows)
         pos = 0 if after is None else self._position[after] + 1
         if pos == len(self._order):
@@ -346,20 +376,55 @@ class TraceWriter:
         else:
             self._order.insert(pos, col)
             self._position = {c: i for i, c in enumerate(self._order)}
-        self._sites_dirty = True
+        self._sites_version += 1
         return col
 
     # -------------------------------------------------------------- writing
 
     def flush(self) -> None:
-        """Write the buffered rows (one write per array), then commit them in the group attributes."""
-        if not self._buffer:
-            return
-        n, width = len(self._buffer), len(self._names)
-        steps = np.fromiter((row[0] for row in self._buffer), dtype=np.int64, count=n)
+        """Write the buffered rows and wait until every row handed over so far is committed."""
+        self._hand_off(wait=True)
+
+    def _hand_off(self, *, wait: bool) -> None:
+        self._join()
+        if self._buffer:
+            rows, self._buffer = self._buffer, []
+            start = self._rows
+            self._rows += len(rows)
+            sites = self._site_table() if self._sites_version != self._sites_written else None
+            job = (rows, start, len(self._names), sites, self._sites_version)
+            if wait:
+                self._write(*job)
+            else:
+                self._pending = threading.Thread(target=self._run, args=job, name="ckptverify-trace-writer",
+                                                 daemon=False)
+                self._pending.start()
+        if wait:
+            self._join()
+
+    def _join(self) -> None:
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self, *job: Any) -> None:
+        try:
+            self._write(*job)
+        except BaseException as exc:  # handed to the caller's thread by the next call
+            self._error = exc
+
+    def _write(self, rows: list[tuple[int, list[int], list[tuple[int, int]]]], start: int, width: int,
+               sites: list[dict[str, Any]] | None, version: int) -> None:
+        """Write ``rows`` from row ``start`` (one write per array), then commit them in the group attributes."""
+        n = len(rows)
+        end = start + n
+        steps = np.fromiter((row[0] for row in rows), dtype=np.int64, count=n)
         values = np.zeros((n, width, 2), dtype=np.uint64)
         present = np.zeros((n, width), dtype=bool)
-        for i, (_, cols, lanes) in enumerate(self._buffer):
+        for i, (_, cols, lanes) in enumerate(rows):
             if cols:
                 idx = np.asarray(cols, dtype=np.int64)
                 try:
@@ -368,34 +433,45 @@ class TraceWriter:
                     values[i, idx] = np.asarray([(int(a) & _MASK64, int(b) & _MASK64) for a, b in lanes],
                                                 dtype=np.uint64)
                 present[i, idx] = True
-        start, end = self._rows, self._rows + n
-        self._steps.resize((end,))
-        self._values.resize((end, width, 2))
-        self._present.resize((end, width))
+        capacity, allocated = self._capacity
+        if end > capacity or width > allocated:
+            # Grow ahead of the rows (a quarter more, in whole chunks): a resize rewrites metadata, so it
+            # should not happen at every flush. Only `rows` of them are ever read.
+            chunk = self.flush_every
+            new_capacity = max(end, capacity + max(chunk, capacity // 4))
+            new_capacity = -(-new_capacity // chunk) * chunk
+            new_width = max(width, allocated)
+            self._steps.resize((new_capacity,))
+            self._values.resize((new_capacity, new_width, 2))
+            self._present.resize((new_capacity, new_width))
+            self._capacity = (new_capacity, new_width)
         self._steps[start:end] = steps
-        self._values[start:end] = values
-        self._present[start:end] = present
-        if self._sites_dirty:
-            self._write_sites()
+        self._values[start:end, :width] = values
+        self._present[start:end, :width] = present
+        if sites is not None:
+            self._write_sites(sites, version)
         # Last: the commit marker. A reader trusts only this many rows.
         self._group.update_attributes({"rows": end})
-        self._rows = end
-        self._buffer.clear()
 
-    def _write_sites(self) -> None:
-        """The site table, in the attributes of the (empty) ``sites`` array: rewritten only when it changes."""
-        sites = [
+    def _site_table(self) -> list[dict[str, Any]]:
+        return [
             {"name": name, "kind": self._kinds[c], "category": KINDS[self._kinds[c]], "encoding": self._encodings[c],
-             "order": self._position[c], "first_row": self._first_row[c], "info": self._infos[c]}
+             "order": self._position[c], "first_row": self._first_row[c], "info": self._infos[c],
+             "group": self._groups[c]}
             for c, name in enumerate(self._names)
         ]
+
+    def _write_sites(self, sites: list[dict[str, Any]], version: int) -> None:
+        """The site table, in the attributes of the (empty) ``sites`` array: rewritten only when it changes."""
         self._sites_meta.update_attributes({"sites": sites})
-        self._sites_dirty = False
+        self._sites_written = version
 
     def close(self) -> None:
         if not self._closed:
-            self.flush()
-            self._closed = True
+            try:
+                self.flush()
+            finally:
+                self._closed = True
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -439,7 +515,10 @@ class Trace:
             self._rows = int(attrs["rows"])
             self._values = group["values"]
             self._present = group["present"]
-            steps = np.asarray(group["steps"][: self._rows], dtype=np.int64)
+            steps_array = group["steps"]
+            if steps_array.shape[0] < self._rows:
+                raise TraceFormatError(f"{self.path}: {steps_array.shape[0]} step entries for {self._rows} rows")
+            steps = np.asarray(steps_array[: self._rows], dtype=np.int64)
         except TraceFormatError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -456,7 +535,7 @@ class Trace:
         by_column: list[Site] = []
         for col, s in enumerate(raw_sites):
             site = Site(str(s["name"]), str(s["kind"]), str(s["category"]), str(s["encoding"]), int(s["order"]),
-                        str(s.get("info", "")))
+                        str(s.get("info", "")), str(s.get("group", "")))
             by_column.append(site)
             self._columns[site.name] = col
         self._first_row = np.asarray([int(s["first_row"]) for s in raw_sites], dtype=np.int64)

@@ -1,0 +1,210 @@
+"""Tensor digests for traces, and category cells: one cell that stands for every tensor of a category and still
+names the tensor when only one of them differs.
+
+**Member digests.** Each tensor a trace records gets a 128-bit digest (:func:`tensor_digests`): in host memory,
+xxh3-128 of its bytes xor a 128-bit signature of its dtype and shape (one C call per tensor, which releases the
+GIL while it reads; a seeded xxh3 would derive a new secret at every call); on an accelerator, the logical
+fingerprint (:mod:`ckptverify._fingerprint_kernels`), computed there for all tensors of a list in one batched
+pass. A trace only compares runs of one configuration, so a digest that
+changes with every bit this rank holds is all a site needs.
+
+**Category cells.** A category (the gradients, the parameters, the optimizer state, the non-persistent buffers)
+holds many tensors; one cell per tensor per step is what made tracing expensive. The category cell sums the low
+64 bits ``l_j`` of its members' digests, modulo 2**64::
+
+    lane 0 = sum of l_j
+    lane 1 = sum of w(name_j) * l_j
+
+with ``w(name)`` an odd 64-bit weight drawn from the member's site name (:func:`weight`). Any change of a member
+changes lane 0 (unless the low halves of its two digests are equal: odds 2**-64). When exactly one member ``j``
+differs between two runs, ``Δlane1 = w(name_j) * Δlane0``: with ``Δlane0 = 2**k * u`` (``u`` odd), ``w(name_j)``
+is known modulo ``2**(64-k)`` (:func:`locate`), so a trace that holds the members' names (one recorded with
+``detail="tensor"``, such as a replay) names the tensor. When several members differ the quotient is a random
+number that matches no member (odds about n / 2**(64-k)). Members are summed, so the order in which they are
+digested does not matter, and a member absent in one run (a parameter without a gradient) counts as a
+difference of that member. The sums are vectorized (numpy on the host, torch on the device: only the two lanes
+are read back at detail ``category``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = [
+    "HostViews",
+    "combine",
+    "host_digest",
+    "host_view",
+    "locate",
+    "matches",
+    "tensor_digests",
+    "weight",
+]
+
+_MASK64 = (1 << 64) - 1
+
+_weights: dict[str, int] = {}
+_signatures: dict[tuple[Any, tuple[int, ...]], int] = {}
+
+
+def weight(name: str) -> int:
+    """``w(name)``: a member's weight in its category cell, an odd 64-bit number drawn from its site name."""
+    w = _weights.get(name)
+    if w is None:
+        w = _weights[name] = xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass")) | 1
+    return w
+
+
+def combine(lows: np.ndarray, weights: np.ndarray) -> tuple[int, int]:
+    """The two lanes of a category cell over members whose digests' low halves are ``lows`` (uint64), with
+    these ``weights`` (uint64): sums modulo 2**64."""
+    import numpy as np
+
+    # Array arithmetic on uint64 wraps modulo 2**64 without a warning.
+    return int(lows.sum(dtype=np.uint64)), int((lows * weights).sum(dtype=np.uint64))
+
+
+def locate(expected: Sequence[int], actual: Sequence[int]) -> tuple[int, int] | None:
+    """What the one member whose change turns category cell ``expected`` into ``actual`` must weigh: ``(w,
+    bits)``, its weight modulo ``2**bits`` (see :func:`matches`); ``None`` when the cells are equal or no
+    single member explains the difference."""
+    d0 = (int(actual[0]) - int(expected[0])) & _MASK64
+    d1 = (int(actual[1]) - int(expected[1])) & _MASK64
+    if d0 == 0:
+        return None
+    k = (d0 & -d0).bit_length() - 1  # 2**k divides d0, and must divide d1 = w * d0
+    if d1 & ((1 << k) - 1):
+        return None
+    bits = 64 - k
+    u = d0 >> k
+    return ((d1 >> k) * pow(u, -1, 1 << bits)) & ((1 << bits) - 1), bits
+
+
+def matches(name: str, located: tuple[int, int]) -> bool:
+    """Whether the member named ``name`` has the weight :func:`locate` found."""
+    w, bits = located
+    return weight(name) & ((1 << bits) - 1) == w
+
+
+# ------------------------------------------------------------------------------------------- digests
+
+
+def signature(dtype: Any, shape: tuple[int, ...]) -> int:
+    """The 128-bit value a host tensor's byte digest is xor-ed with: xxh3-128 of its dtype and shape."""
+    key = (dtype, shape)
+    sig = _signatures.get(key)
+    if sig is None:
+        sig = _signatures[key] = xxhash.xxh3_128_intdigest(f"{dtype}|{shape}".encode())
+    return sig
+
+
+def signature_row(dtype: Any, shape: tuple[int, ...]) -> tuple[int, int]:
+    sig = signature(dtype, shape)
+    return sig >> 64, sig & _MASK64
+
+
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array over the bytes of host tensor ``t`` (its own memory when contiguous, else a copy)."""
+    import torch
+
+    t = t.detach()
+    if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its values as a dense tensor
+        t = t.to_dense()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    try:
+        return t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8, ...): its bytes
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def host_digest(t: torch.Tensor) -> int:
+    """The member digest of a host tensor: xxh3-128 of its bytes, xor the signature of its dtype and shape."""
+    return xxhash.xxh3_128_intdigest(host_view(t)) ^ signature(t.dtype, tuple(t.shape))
+
+
+def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The member digest of each tensor (unsigned 128-bit integers), in order.
+
+    Host tensors: :func:`host_digest`. Tensors on an accelerator: the logical fingerprint's two lanes
+    (``lane0 << 64 | lane1``), computed on their device in one batched pass per device
+    (:func:`ckptverify._fingerprint_kernels.lanes_many`) and read back once. A DTensor stands for its local
+    shard (what this rank holds).
+    """
+    from ckptverify.fingerprint import _dtensor_type
+
+    dtensor = _dtensor_type()
+    out: list[int] = [0] * len(tensors)
+    by_device: dict[Any, list[int]] = {}
+    locals_: list[Any] = list(tensors)
+    for n, t in enumerate(tensors):
+        if dtensor is not None and isinstance(t, dtensor):
+            t = locals_[n] = t.to_local()
+        if t.device.type == "cpu":
+            out[n] = host_digest(t)
+        else:
+            by_device.setdefault(t.device, []).append(n)
+    for members in by_device.values():
+        out_lanes = device_lanes([locals_[n] for n in members])
+        for n, (a, b) in zip(members, out_lanes, strict=True):
+            out[n] = (a & _MASK64) << 64 | (b & _MASK64)
+    return out
+
+
+def device_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Fingerprint lanes of tensors on one device, computed there in one pass and read back once."""
+    from ckptverify import _fingerprint_kernels as kern
+
+    return [(int(a), int(b)) for a, b in kern.lanes_many(tensors).tolist()]
+
+
+def digest_lanes(d: int) -> tuple[int, int]:
+    """A 128-bit member digest as a cell's two 64-bit lanes."""
+    return (d >> 64) & _MASK64, d & _MASK64
+
+
+class HostViews:
+    """Digests of a fixed list of host tensors whose storage stays put from step to step (parameters,
+    optimizer state, buffers, all updated in place): the numpy views and signatures are made once, and each
+    call costs one C call per tensor. :meth:`digests` returns ``None`` when a tensor's storage moved (``p.data
+    = ...``): the caller rebuilds."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[Any] | None = None) -> None:
+        import numpy as np
+        import torch
+
+        self.tensors = list(tensors)
+        #: What to read data pointers from to see a moved storage (e.g. the Parameter a state-dict alias
+        #: was taken from); defaults to the tensors themselves.
+        self.owners = list(owners) if owners is not None else self.tensors
+        self.views = [host_view(t) for t in self.tensors]
+        self.signatures = np.array([signature_row(t.dtype, tuple(t.shape)) for t in self.tensors],
+                                   dtype=np.uint64).reshape(-1, 2)
+        self._ptr = torch.Tensor.data_ptr
+        self.pointers = list(map(self._ptr, self.owners))
+        # A non-contiguous tensor's view is a copy: it must be made again each time.
+        self._copies = [n for n, t in enumerate(self.tensors) if not t.is_contiguous()]
+
+    def digests(self) -> np.ndarray | None:
+        """Each tensor's digest as an ``(n, 2)`` uint64 array (high and low halves), or ``None``."""
+        if list(map(self._ptr, self.owners)) != self.pointers:
+            return None
+        for n in self._copies:
+            self.views[n] = host_view(self.tensors[n])
+        return split(list(map(xxhash.xxh3_128_digest, self.views))) ^ self.signatures
+
+
+def split(digests: Sequence[bytes]) -> np.ndarray:
+    """16-byte member digests as an ``(n, 2)`` uint64 array: high and low halves (the cell's two lanes)."""
+    import numpy as np
+
+    if not digests:
+        return np.zeros((0, 2), dtype=np.uint64)
+    return np.frombuffer(b"".join(digests), dtype=">u8").reshape(-1, 2).astype(np.uint64)
