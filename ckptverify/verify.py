@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from ckptverify._gcpause import paused_gc
 from ckptverify.checks import deep as deep_check
 from ckptverify.checks import item_label, item_location, manifest_check
 from ckptverify.checks.commit import check_commit
@@ -265,7 +266,8 @@ class VerificationRun:
         """Run every stage. A file that changes under the run stops it with a ``file-changed`` finding."""
         self._named = _name_signatures(self.root)
         try:
-            self._stages(deep=deep, use_manifest=use_manifest)
+            with paused_gc():  # the layout, plans and results of a large checkpoint form no cycles
+                self._stages(deep=deep, use_manifest=use_manifest)
         except FileChangedError as exc:
             self.findings.append(changed_finding(_changed_name(self.root, exc), str(exc)))
             self.stopped = True
@@ -412,6 +414,7 @@ class VerificationRun:
                 ranges, keys = [], []
                 if n is not None:
                     covered.add(n)
+                if n is not None and self.plans[n].crcs is None:
                     base = item.offset
                     for r, rec in enumerate(self.plans[n].archive.records):
                         if rec.size > SMALL_RECORD_BYTES:
@@ -424,7 +427,7 @@ class VerificationRun:
                             keys.append((n, r))
                 crc_ranges.append(ranges)
                 crc_keys.append(keys)
-        rest = [p for n, p in enumerate(self.plans) if n not in covered]
+        rest = [p for n, p in enumerate(self.plans) if n not in covered and p.crcs is None]
         index_of = {id(p): n for n, p in enumerate(self.plans)}
         segs = [Segment(s.file, s.start, s.end, index_of[id(rest[s.plan])], s.record, s.index)
                 for s in segments(rest, 0, SEGMENT_BYTES)]
@@ -455,6 +458,9 @@ class VerificationRun:
             for (lo, hi), key, value in zip(crc_ranges[k], crc_keys[k], crcs, strict=True):
                 partials[key].append((lo, hi - lo, value))
         for n, plan in enumerate(self.plans):
+            if plan.crcs is not None:  # small items: computed while planning
+                judge_item(self.opened[plan.item.file], plan, plan.crcs, self.results[plan.item.file])  # type: ignore[arg-type]
+                continue
             crcs = []
             for r, rec in enumerate(plan.archive.records):
                 if (n, r) in by_manifest:

@@ -37,16 +37,14 @@ tests check the two agree on real, mutated and generated pickles.
 
 from __future__ import annotations
 
-import gc
 import io
 import pickle
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, ClassVar
 
+from ckptverify._gcpause import paused_gc
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.pickle_subset import in_fast_subset
 
@@ -349,6 +347,12 @@ class _Record:
             self._f.update(zip(kind.fields, state, strict=True))
             return
         # pickle's load_build for a class without __setstate__: (dict | None, slot dict | None) or a dict.
+        if type(state) is dict and state.keys() <= kind.field_set:  # the usual case, in one step
+            budget.left -= len(state)
+            if budget.left < 0:
+                budget.charge(0)
+            self._f.update(state)
+            return
         slots = None
         if isinstance(state, tuple) and len(state) == 2:
             state, slots = state
@@ -367,6 +371,9 @@ class _Record:
         kind = self._kind
         self._budget.charge(len(values))
         fields = kind.field_set
+        if values.keys() <= fields:  # the usual case, checked in one step
+            self._f.update(values)
+            return
         for key in values:
             if type(key) is not str:
                 raise BadPickle(f"{kind.name} has an attribute named by a {type(key).__name__}")
@@ -617,7 +624,9 @@ def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
         if len(args) != 1 or not isinstance(args[0], tuple | list):
             raise BadPickle("torch.Size with unexpected arguments")
         dims = args[0]
-        budget.charge(len(dims) + 1)
+        budget.left -= len(dims) + 1
+        if budget.left < 0:
+            budget.charge(0)
         if len(dims) > MAX_DIMS:
             raise BadPickle(f"torch.Size of more than {MAX_DIMS} dimensions")
         if not set(map(type, dims)) <= _INT_ONLY:
@@ -680,20 +689,6 @@ class _DTypeGlobal(_Global):
 # ---------------------------------------------------------------------------------------------
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    # A parse builds millions of small objects and no reference cycles; the cyclic collector would walk
-    # them again and again while they are built (about half the time of a large parse).
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def parse(data: bytes) -> Any:
     """Unpickle ``data`` through the allowlist and return the plain tree.
 
@@ -707,7 +702,7 @@ def parse(data: bytes) -> Any:
     (if the reference accepted what the C unpickler refused, the C unpickler's refusal stands: it is what
     DCP would meet).
     """
-    with _gc_paused():
+    with paused_gc():
         if not in_fast_subset(data):
             return _parse(data, fast=False)
         try:
@@ -720,7 +715,7 @@ def parse(data: bytes) -> Any:
 
 def parse_reference(data: bytes) -> Any:
     """:func:`parse` by the pure-Python unpickler alone (the reference the C unpickler is checked against)."""
-    with _gc_paused():
+    with paused_gc():
         return _parse(data, fast=False)
 
 
@@ -744,6 +739,10 @@ def _parse(data: bytes, *, fast: bool) -> Any:
 
 
 _DTYPES = {name: DType(name) for name in DTYPE_ITEMSIZE}
+# Obj(kind, fields) without the frozen dataclass's __init__ (half the cost of converting a record).
+_new_obj = object.__new__
+_set_obj_kind = Obj.kind.__set__  # type: ignore[attr-defined]
+_set_obj_fields = Obj.fields.__set__  # type: ignore[attr-defined]
 
 
 class _Plain:
@@ -772,7 +771,23 @@ class _Plain:
         if t is list:
             return [v if type(v) in _SCALAR_LEAVES else self.convert(v, depth) for v in value]
         if t is dict:
-            return PDict(tuple((self.convert(k, depth), self.convert(v, depth)) for k, v in value.items()))
+            if depth > MAX_DEPTH:
+                return PDict(tuple((self.convert(k, depth), self.convert(v, depth)) for k, v in value.items()))
+            # Scalar keys and values inline (what convert would do for them, charges included).
+            pairs = []
+            for k, v in value.items():
+                if type(k) not in _SCALAR_LEAVES:
+                    k = self.convert(k, depth)
+                else:
+                    budget.left -= 1
+                if type(v) not in _SCALAR_LEAVES:
+                    v = self.convert(v, depth)
+                else:
+                    budget.left -= 1
+                pairs.append((k, v))
+            if budget.left < 0:
+                budget.charge(0)
+            return PDict(tuple(pairs))
         if isinstance(value, _Record):
             return self._record(value, depth)
         if t is _DTypeGlobal:
@@ -783,32 +798,34 @@ class _Plain:
 
     def _record(self, value: _Record, depth: int) -> Obj:
         kind = value._kind
-        f = value._f
         fields = dict(kind.defaults)
-        fields.update(f)
+        fields.update(value._f)
         budget = self.budget
-        budget.charge(len(fields))
+        budget.left -= len(fields)
+        if budget.left < 0:
+            budget.charge(0)
         if not fields.keys() >= kind.field_set:
             missing = [f for f in kind.fields if f not in fields]
             raise BadPickle(f"{kind.name} lacks the field(s) {missing}")
-        out = {}
-        for k, v in fields.items():
+        for k, v in fields.items():  # values replaced in place: the keys stay
             t = type(v)
             if t in _SCALAR_LEAVES:
-                out[k] = v
-            elif depth <= MAX_DEPTH and (t is Size or t is Enum or t is Layout or t is Path or t is _DTypeGlobal):
+                continue
+            if depth <= MAX_DEPTH and (t is Size or t is Enum or t is Layout or t is Path or t is _DTypeGlobal):
                 # Leaves inline (what convert would do for them, charges included).
                 budget.left -= 1
                 if t is Size:
                     budget.left -= len(v)
                 elif t is _DTypeGlobal:
-                    v = _DTYPES[v.name]
+                    fields[k] = _DTYPES[v.name]
                 if budget.left < 0:
                     budget.charge(0)
-                out[k] = v
             else:
-                out[k] = self.convert(v, depth)
-        return Obj(kind.name, out)
+                fields[k] = self.convert(v, depth)
+        obj = _new_obj(Obj)
+        _set_obj_kind(obj, kind.name)
+        _set_obj_fields(obj, fields)
+        return obj
 
 
 #: Values the plain tree keeps as they are.
