@@ -68,14 +68,23 @@ def is_safetensors_blob(head: bytes, file_size: int) -> bool:
 def safetensors_files(root_files: dict[str, ReadOnlyFile | None], items: list[Item]) -> set[str]:
     """Files written in DCP's safetensors format (their tensor items do not address their own bytes)."""
     found: set[str] = set()
-    for item in items:
+    buffers: dict[str, tuple[int, bytes]] = {}  # the first bytes of many items, read at once
+    for item in sorted(items, key=lambda it: (it.file, it.offset)):
         f = root_files.get(item.file)
         if f is None or item.kind != "tensor" or item.file in found:
             continue
-        head = f.pread(item.offset, 9)
+        start, buf = buffers.get(item.file, (0, b""))
+        if not start <= item.offset <= start + len(buf) - 9:
+            start, buf = item.offset, f.pread(item.offset, HEAD_WINDOW_BYTES)
+            buffers[item.file] = (start, buf)
+        head = buf[item.offset - start:item.offset - start + 9]
         if head[:4] != b"PK\x03\x04" and is_safetensors_blob(head, f.size):
             found.add(item.file)
     return found
+
+
+#: Bytes read at once for the first bytes of consecutive items.
+HEAD_WINDOW_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
