@@ -156,6 +156,63 @@ def test_generated_opcode_streams_read_the_same_on_both_paths(tokens):
         assert outcome(False, data)[0] == ("ok" if _accepts(data) else "refused")
 
 
+@st.composite
+def _tuple_heavy(draw) -> bytes:
+    """Opcode streams that keep trying to nest tuples through the memo: pushes, gets of existing memo entries,
+    tuples of them (memoized or not), torch.Size calls, dict entries keyed by them."""
+    out, memos = bytearray(b"\x80\x04"), 0
+    for _ in range(draw(st.integers(1, 40))):
+        kind = draw(st.integers(0, 6))
+        if kind == 0:
+            out += draw(st.sampled_from([b"K\x01", b"N", _s(b"s")]))
+        elif kind == 1 and memos:
+            out += b"h" + bytes([draw(st.integers(0, min(memos, 256) - 1))])
+        elif kind == 2:
+            out += draw(st.sampled_from([b"\x85", b"\x86", b"\x87", b"(", b"t"]))
+        elif kind == 3:
+            out += _global(b"torch", b"Size") + b"(K\x01K\x02t\x94\x85\x94R"
+            memos += 2
+        elif kind == 4:
+            out += b"}"
+        elif kind == 5:
+            out += draw(st.sampled_from([b"s", b"u", b"R", b"b"]))
+        if draw(st.booleans()):
+            out += b"\x94"
+            memos += 1
+    return bytes(out + b".")
+
+
+def _tuple_shape(value: object, seen: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """(nesting depth, values it expands to) of a tuple, following shared parts once."""
+    if not isinstance(value, tuple):
+        return 0, 1
+    known = seen.get(id(value))
+    if known is None:
+        depth, nodes = 1, 1
+        for x in value:
+            d, k = _tuple_shape(x, seen)
+            depth, nodes = max(depth, d + 1), nodes + k
+        known = seen[id(value)] = (depth, nodes)
+    return known
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_tuple_heavy())
+def test_no_tuple_the_c_unpickler_builds_nests_deep_or_grows(data):
+    # The pass's promise, checked on what the C unpickler actually built: every memo entry and the result.
+    if not in_fast_subset(data):
+        return
+    unpickler = sp._FastUnpickler(data, sp._allowlist(sp._Budget(10**9)))
+    try:
+        result = unpickler.load()
+    except Exception:  # refused: nothing was built to bound
+        return
+    seen: dict[int, tuple[int, int]] = {}
+    for value in [result, *unpickler.memo.copy().values()]:
+        depth, nodes = _tuple_shape(value, seen)
+        assert depth <= 4 and nodes <= MAX_LITERAL + 200, (depth, nodes, data)
+
+
 def _accepts(data: bytes) -> bool:
     try:
         sp.parse(data)

@@ -267,6 +267,7 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
     elif item.kind == "tensor" and (intact or computed[pkl.name] == pkl.crc):
         try:
             data_pkl = plan.pkl if plan.pkl is not None else _item_reader(f, item)(pkl.data_offset, pkl.size)
+            plan.pkl = None  # read once; 100 000 plans need not keep theirs
             header = tensor_header(data_pkl)
         except pickle.UnpicklingError as exc:
             result.findings.append(error(

@@ -77,7 +77,7 @@ _FLAT_ITEMS = re.compile(_FLAT_ITEM)
 _FLAT = re.compile(rb"\((?:" + _FLAT_ITEM + rb")+")
 _RUN = re.compile(b"(?:" + b"|".join((
     b"[" + _FRESH + b"]\x94?",
-    rb"\((?!h(?P<a>[\x00-\xff])h(?P=a)\x85|j(?P<b>[\x00-\xff]{4})j(?P=b)\x85)",  # a MARK, unless of a batch
+    rb"\((?!h(?P<a>[\x00-\xff])h(?P=a)\x85\x94|j(?P<b>[\x00-\xff]{4})j(?P=b)\x85\x94)",  # MARK, unless of a batch
     b"[" + _KEEP[1:] + b"]",
     *_GET,
     rb"[\x85\x86\x87t]\x94?(?:[R\x81]\x94?|b|\x85\x94?R\x94?)",
@@ -232,11 +232,14 @@ class _Pass:
         # The run that ends at ``stop`` is read again opcode by opcode (counting its MEMOIZEs); the runs
         # before it are counted as they are.
         runs = self.uncounted
-        last = runs.pop() if runs and runs[-1][1] == stop else (stop, stop)
+        last = runs[-1] if runs and runs[-1][1] == stop else (stop, stop)
+        if stop - last[0] > _MAX_RESCAN:
+            self.flush(len(runs))
+            return False
+        if last[1] > last[0]:
+            runs.pop()
         self.flush(len(runs))
         start = last[0]
-        if stop - start > _MAX_RESCAN:
-            return False
         memos = self.memos
         values: list[tuple[int, int]] = []  # (opcode, memo index or -1) of the values since the last MARK
         marked = False

@@ -725,6 +725,7 @@ def _parse(data: bytes, *, fast: bool) -> Any:
         allowed = _allowlist(budget)
         unpickler = _FastUnpickler(data, allowed) if fast else _SafeUnpickler(data, allowed, budget)
         raw = unpickler.load()
+        del unpickler  # its memo holds every state dict BUILD copied: free them before converting
         return _Plain(budget).convert(raw, 0)
     except (UnsafeGlobal, BadPickle):
         raise

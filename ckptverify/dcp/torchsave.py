@@ -75,13 +75,16 @@ class Record:
 class Archive:
     records: tuple[Record, ...]
     prefix: str
-    _by_name: dict[str, Record] = field(init=False, repr=False, compare=False, hash=False)
+    #: Position of each record by name (shared by the archives matched against one template).
+    index: dict[str, int] | None = field(default=None, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_name", {r.name: r for r in self.records})
+        if self.index is None:
+            object.__setattr__(self, "index", {r.name: n for n, r in enumerate(self.records)})
 
     def record(self, suffix: str) -> Record | None:
-        return self._by_name.get(f"{self.prefix}/{suffix}")
+        n = self.index.get(f"{self.prefix}/{suffix}")  # type: ignore[union-attr]
+        return None if n is None else self.records[n]
 
 
 def looks_like_zip(head: bytes) -> bool:
@@ -293,7 +296,7 @@ class ArchiveTemplate:
             records[r] = Record(rec.name, rec.header_offset, rec.data_offset, rec.size,
                                 int.from_bytes(value, "little"))
             crcs[r] = None
-        return Archive(tuple(records), self.archive.prefix), crcs
+        return Archive(tuple(records), self.archive.prefix, self.archive.index), crcs
 
 
 @dataclass(frozen=True, slots=True)
