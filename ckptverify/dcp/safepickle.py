@@ -799,8 +799,12 @@ class _Plain:
 
     def _record(self, value: _Record, depth: int) -> Obj:
         kind = value._kind
-        fields = dict(kind.defaults)
-        fields.update(value._f)
+        f = value._f
+        if f.keys() == kind.field_set:  # every field set, none extra: the usual case
+            fields = f.copy()
+        else:
+            fields = dict(kind.defaults)
+            fields.update(f)
         budget = self.budget
         budget.left -= len(fields)
         if budget.left < 0:
