@@ -28,11 +28,13 @@ state that is not DCP's).
 Two unpicklers read through these stand-ins. The reference is the pure-Python unpickler: every opcode is
 dispatched in Python, so every check above applies wherever an opcode could defeat it, and where it is
 more lenient than the C unpickler that DCP uses it follows the C one (or refuses). DCP's own output is
-read by the C unpickler (:class:`pickle.Unpickler`, about five times faster), but only once
+read by the C unpickler (:class:`pickle.Unpickler`, about four times faster), but only once
 :func:`~ckptverify.dcp.pickle_subset.in_fast_subset` has shown, in one pass over the bytes, that the pickle
-uses only opcodes on which the two agree and hands every tuple straight to a stand-in; any other pickle,
-and any pickle the C unpickler fails on, is read by the reference, whose outcome is then the answer. The
-tests check the two agree on real, mutated and generated pickles.
+uses only opcodes on which the two agree and that none of its tuples can nest or grow (each goes straight to
+a stand-in, or is a short literal holding no other literal); any other pickle, and any pickle the C
+unpickler fails on, is read by the reference, whose outcome is then the answer (the C unpickler's refusal
+stands where the reference would accept: it is what DCP meets). The tests check the two agree on real,
+mutated and generated pickles.
 """
 
 from __future__ import annotations
