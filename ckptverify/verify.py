@@ -1,8 +1,9 @@
 """``verify``: prove a DCP checkpoint intact, or say exactly where it is not.
 
 Stages: read the metadata safely; check the structure (files, bounds, overlaps, chunk tiling); parse every
-item's archive structure; hash every record payload for its CRC-32 (segments on all cores); with a
-manifest, compare the metadata with it and hash every item block against the digests taken at save time;
+item's archive structure (small items, many per read, CRC-checked at once from memory); hash every other
+record payload for its CRC-32 (segments on all cores); with a manifest, compare the metadata with it and
+hash every item block against the digests taken at save time;
 with ``deep``, rebuild every tensor and compare its logical fingerprint with the one taken in memory.
 Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and mapped ``PROT_READ``.
 """

@@ -548,8 +548,40 @@ class _TensorHeaderUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             raise pickle.UnpicklingError("data.pkl sets the state of a value that has none")
         setstate(state)
 
+    # A plain tensor's data.pkl hashes no tuple (its only dict is the empty hooks OrderedDict); hashing one
+    # recurses in C without limit (a key nested a million deep kills the process) and costs its whole
+    # expansion, so a tuple dict key or set member is refused before it is hashed.
+
+    def _keys(self, keys: Any) -> None:
+        if any(isinstance(k, tuple) for k in keys):
+            raise pickle.UnpicklingError("data.pkl uses a tuple as a dict key or set member")
+
+    def load_setitem(self) -> None:
+        self._keys(self.stack[-2:-1])
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        self._keys(self.stack[::2])
+        super().load_setitems()
+
+    def load_dict(self) -> None:
+        self._keys(self.stack[::2])
+        super().load_dict()
+
+    def load_additems(self) -> None:
+        self._keys(self.stack)
+        super().load_additems()
+
+    def load_frozenset(self) -> None:
+        self._keys(self.stack)
+        super().load_frozenset()
+
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     dispatch[pickle.BUILD[0]] = load_build
+    for _op, _fn in ((pickle.SETITEM, load_setitem), (pickle.SETITEMS, load_setitems), (pickle.DICT, load_dict),
+                     (pickle.ADDITEMS, load_additems), (pickle.FROZENSET, load_frozenset)):
+        dispatch[_op[0]] = _fn
+    del _op, _fn
 
     def find_class(self, module: str, name: str) -> Any:
         try:
