@@ -35,6 +35,7 @@ from ckptverify.checks.structure import check_coverage, check_files, check_items
 from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
+from ckptverify.dcp.torchsave import TemplateCache
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage
 from ckptverify.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
@@ -386,8 +387,9 @@ class VerificationRun:
             if self.opened.get(item.file) is not None:
                 by_file[item.file].append(item)
         names = sorted(by_file)
+        templates = TemplateCache()  # shared: a checkpoint saved one file per item has one item per file
         planned = self.map(lambda n: plan_file(self.opened[n], n, by_file[n],  # type: ignore[arg-type]
-                                               safetensors=n in self.safetensors), names)
+                                               safetensors=n in self.safetensors, templates=templates), names)
         for name, (file_plans, result) in zip(names, planned, strict=True):
             self.results[name] = result
             self.plans.extend(file_plans)

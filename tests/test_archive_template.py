@@ -63,7 +63,7 @@ def test_items_of_one_shape_match_the_template_as_the_full_parse_reads_them():
         assert len(blob) == len(blobs[0])
         assert _by_template(template, blob) == _full(blob)
     # The serialization id and the values vary; the rest (data.pkl, version records) was learned constant.
-    varying = {template.archive.records[r].name.rsplit("/", 1)[-1] for r in template._varying}
+    varying = {template.archive.records[r].name.rsplit("/", 1)[-1] for r in template.varying}
     assert varying == {"0", "serialization_id"}
 
 
@@ -104,8 +104,7 @@ def test_copies_of_a_crc_that_disagree_are_left_to_the_full_parse():
     name = parsed.archive.records[0].name
     fields = parsed.crc_fields[name]
     assert len(fields) >= 2  # the central directory entry and the data descriptor
-    template._varying.add(0)
-    template._same = template._segments(template._varying)
+    template._state = (frozenset({0}), template._segments(frozenset({0})))
     bad = bytearray(blob)
     bad[fields[-1]] ^= 1
     assert template.match(bytes(bad), 0) is None

@@ -25,8 +25,8 @@ from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
 from ckptverify.dcp.torchsave import (
     Archive,
     ArchiveError,
-    ArchiveTemplate,
     Record,
+    TemplateCache,
     TensorHeader,
     parse_archive,
     parse_item,
@@ -40,9 +40,6 @@ SMALL_ITEM_BYTES = 1 << 20
 #: Most bytes read at once for consecutive small items (gaps between them of up to ``WINDOW_GAP`` included).
 WINDOW_BYTES = 8 << 20
 WINDOW_GAP = 64 << 10
-#: Items up to this size serve as templates for items of the same length (a few per file, kept in memory).
-TEMPLATE_ITEM_BYTES = 64 << 10
-MAX_TEMPLATES = 256
 
 
 @dataclass(slots=True)
@@ -113,7 +110,8 @@ class Segment:
     index: int
 
 
-def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool) -> tuple[list[ItemPlan], FileResult]:
+def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool,
+              templates: TemplateCache | None = None) -> tuple[list[ItemPlan], FileResult]:
     """Parse the archive structure of every item of one file that lies within it.
 
     Returns the items whose structure is intact and a result holding the structural findings. Small items
@@ -124,7 +122,7 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
     result = FileResult(file=name)
     outcomes: dict[int, ItemPlan | Finding] = {}  # by position in offset order, so findings keep that order
     small: list[tuple[int, Item]] = []
-    templates: dict[int, ArchiveTemplate] = {}
+    templates = templates if templates is not None else TemplateCache()
     for n, item in enumerate(sorted(items, key=lambda it: it.offset)):
         if item.end > f.size:
             continue  # reported by the structural check; reading it would only add noise
@@ -183,7 +181,7 @@ def _windows(items: list[tuple[int, Item]]) -> list[tuple[int, int, list[tuple[i
     return out
 
 
-def _plan_in_memory(buf: bytes, base: int, item: Item, templates: dict[int, ArchiveTemplate]) -> ItemPlan | Finding:
+def _plan_in_memory(buf: bytes, base: int, item: Item, templates: TemplateCache) -> ItemPlan | Finding:
     """Parse the item at ``buf[base:base + item.length]`` (against a template where one fits) and compute the
     CRC-32 of each record."""
     length = item.length
@@ -200,8 +198,8 @@ def _plan_in_memory(buf: bytes, base: int, item: Item, templates: dict[int, Arch
     view = memoryview(buf)
     crcs = [c if c is not None else crc32(view[base + r.data_offset:base + r.data_end])
             for c, r in zip(known, archive.records, strict=True)]
-    if matched is None and length <= TEMPLATE_ITEM_BYTES and (template is not None or len(templates) < MAX_TEMPLATES):
-        templates[length] = ArchiveTemplate(buf[base:base + length], parsed, crcs)
+    if matched is None:
+        templates.parsed(buf[base:base + length], parsed, crcs)
     pkl = archive.record("data.pkl")
     data_pkl = buf[base + pkl.data_offset:base + pkl.data_end] if pkl is not None and item.kind == "tensor" else None
     return ItemPlan(item, archive, crcs=crcs, pkl=data_pkl)

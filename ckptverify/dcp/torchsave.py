@@ -24,6 +24,7 @@ import functools
 import io
 import pickle
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -248,12 +249,14 @@ class ArchiveTemplate:
         self.crcs = list(crcs)
         self._fields = [tuple(parsed.crc_fields[r.name]) for r in self.archive.records]
         # Payload bytes the parse read (a tiny archive's end records are read with a margin) are compared too.
-        self._payloads = [_subtract((r.data_offset, r.data_end), parsed.reads) for r in self.archive.records]
-        self._varying: set[int] = set()
-        self._same = self._segments(self._varying)
-        self._structure = self._segments(set(range(len(self.archive.records))))
+        reads = _merged(parsed.reads)
+        self._payloads = [_subtract((r.data_offset, r.data_end), reads) for r in self.archive.records]
+        self._structure = self._segments(frozenset(range(len(self.archive.records))))
+        #: The records found to vary, and the segments outside them: replaced together (threads share it).
+        self._state: tuple[frozenset[int], list[tuple[int, int, bytes]]] = (frozenset(), self._segments(frozenset()))
+        self._lock = threading.Lock()
 
-    def _segments(self, varying: set[int]) -> list[tuple[int, int, bytes]]:
+    def _segments(self, varying: frozenset[int]) -> list[tuple[int, int, bytes]]:
         """The ranges outside the payloads and CRC fields of the ``varying`` records, with the template's bytes."""
         holes = []
         for r in sorted(varying):
@@ -271,23 +274,26 @@ class ArchiveTemplate:
     def match(self, buf: bytes, base: int) -> tuple[Archive, list[int | None]] | None:
         """The archive of the item at ``buf[base:base + len(template)]`` and, per record, its computed CRC
         where the template's holds (``None``: the caller computes it); ``None`` if the item does not match."""
-        if not all(buf.startswith(seg, base + start) for start, _, seg in self._same):
+        varying, same = self._state
+        if not all(buf.startswith(seg, base + start) for start, _, seg in same):
             if not all(buf.startswith(seg, base + start) for start, _, seg in self._structure):
                 return None
             # The same structure: learn which records vary (payload or CRC differs) and go on with them.
             data = self.data
-            for r, rec in enumerate(self.archive.records):
-                if r in self._varying:
-                    continue
-                if not buf.startswith(data[rec.data_offset:rec.data_end], base + rec.data_offset) or any(
-                        not buf.startswith(data[at:at + 4], base + at) for at in self._fields[r]):
-                    self._varying.add(r)
-            self._same = self._segments(self._varying)
-        if not self._varying:
+            with self._lock:
+                grown = set(self._state[0])
+                for r, rec in enumerate(self.archive.records):
+                    if r not in grown and (
+                            not buf.startswith(data[rec.data_offset:rec.data_end], base + rec.data_offset)
+                            or any(not buf.startswith(data[at:at + 4], base + at) for at in self._fields[r])):
+                        grown.add(r)
+                varying = frozenset(grown)
+                self._state = (varying, self._segments(varying))
+        if not varying:
             return self.archive, list(self.crcs)
         records = list(self.archive.records)
         crcs: list[int | None] = list(self.crcs)
-        for r in self._varying:
+        for r in varying:
             fields = self._fields[r]
             value = buf[base + fields[0]:base + fields[0] + 4]
             if any(not buf.startswith(value, base + at) for at in fields[1:]):
@@ -297,6 +303,43 @@ class ArchiveTemplate:
                                 int.from_bytes(value, "little"))
             crcs[r] = None
         return Archive(tuple(records), self.archive.prefix, self.archive.index), crcs
+
+    @property
+    def varying(self) -> frozenset[int]:
+        """The records found to vary between the items matched so far."""
+        return self._state[0]
+
+
+class TemplateCache:
+    """The templates of one verification, by item length, shared by the threads planning its files.
+
+    A length's first item is only remembered; the template is built when a second item of that length
+    comes (most lengths of a large checkpoint repeat, some do not). At most ``limit`` lengths are kept."""
+
+    def __init__(self, limit: int = 256, max_item_bytes: int = 64 << 10) -> None:
+        self.limit = limit
+        self.max_item_bytes = max_item_bytes
+        self._lock = threading.Lock()
+        self._by_length: dict[int, ArchiveTemplate | tuple[bytes, ParsedItem, list[int]]] = {}
+
+    def get(self, length: int) -> ArchiveTemplate | None:
+        found = self._by_length.get(length)
+        return found if isinstance(found, ArchiveTemplate) else None
+
+    def parsed(self, data: bytes, parsed: ParsedItem, crcs: list[int]) -> None:
+        """Note an item parsed in full (``data``: its bytes)."""
+        length = len(data)
+        if length > self.max_item_bytes:
+            return
+        with self._lock:
+            found = self._by_length.get(length)
+            if found is None:
+                if len(self._by_length) < self.limit:
+                    self._by_length[length] = (bytes(data), parsed, crcs)
+            elif isinstance(found, tuple):
+                self._by_length[length] = ArchiveTemplate(*found)
+            else:
+                self._by_length[length] = ArchiveTemplate(data, parsed, crcs)  # the old one no longer fits
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,12 +368,29 @@ def parse_item(data: bytes | memoryview, base: int, length: int) -> ParsedItem:
     return ParsedItem(archive, fields, reads)
 
 
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` sorted, with overlapping and touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        elif lo < hi:
+            out.append((lo, hi))
+    return out
+
+
 def _subtract(span: tuple[int, int], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``span`` minus every range in ``cuts``."""
-    parts = [span]
+    """``span`` minus the sorted, disjoint ranges ``cuts``."""
+    out, cursor = [], span[0]
     for lo, hi in cuts:
-        parts = [piece for a, b in parts for piece in ((a, min(b, lo)), (max(a, hi), b)) if piece[0] < piece[1]]
-    return parts
+        if hi <= cursor or lo >= span[1]:
+            continue
+        if lo > cursor:
+            out.append((cursor, lo))
+        cursor = max(cursor, hi)
+    if cursor < span[1]:
+        out.append((cursor, span[1]))
+    return out
 
 
 def _zip64_values(extra: bytes, usize: int, csize: int, lh_off: int, where: int) -> tuple[int, int, int]:
