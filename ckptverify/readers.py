@@ -76,17 +76,17 @@ def is_inside(root: str, path: str) -> bool:
     return real != real_root and os.path.commonpath([real_root, real]) == real_root
 
 
-def open_regular(path: str, *, root: str | None = None) -> tuple[int, os.stat_result]:
+def open_regular(path: str, *, root: str | None = None, real_root: str | None = None) -> tuple[int, os.stat_result]:
     """Open ``path`` for reading if, and only if, it is a regular file (inside ``root`` when given).
 
     Returns the descriptor (the caller closes it) and its ``fstat``. Raises
     :class:`~ckptverify.errors.UnsafeFileError` for a FIFO, device, socket or directory, or a path that
     resolves outside ``root``, without opening it; ``FileNotFoundError`` (an ``OSError``) when it does not
-    exist. Never blocks.
+    exist. Never blocks. ``real_root``: ``root`` resolved already (by the caller, earlier).
     """
     target = path
     if root is not None:
-        real_root = os.path.realpath(root)
+        real_root = real_root or os.path.realpath(root)
         target = os.path.realpath(path)
         if target == real_root or os.path.commonpath([real_root, target]) != real_root:
             raise _unsafe(path, f"{path} resolves to {target}, outside the checkpoint directory {real_root}")
@@ -174,7 +174,10 @@ class ReadOnlyFile:
     def __init__(self, path: str, *, root: str | None = None) -> None:
         self.path = path
         self._root = root
-        fd, st = open_regular(path, root=root)
+        # The root as resolved at open: a reopen checks the path against it (a root moved since would make
+        # the path resolve elsewhere, which is refused).
+        self._real_root = os.path.realpath(root) if root is not None else None
+        fd, st = open_regular(path, root=root, real_root=self._real_root)
         self.size = st.st_size
         self._signature = _signature(st)
         self._fd: int | None = fd
@@ -204,7 +207,7 @@ class ReadOnlyFile:
         """Open the file again (after its descriptor was closed to stay under :data:`MAX_OPEN`); it must be
         the same, unchanged file."""
         try:
-            fd, st = open_regular(self.path, root=self._root)
+            fd, st = open_regular(self.path, root=self._root, real_root=self._real_root)
         except OSError as exc:
             how = f"its name no longer opens it ({exc.strerror or exc})"
         else:
@@ -348,15 +351,13 @@ class _Descriptors:
                 f._fd = None
 
     def _evict(self, keep: ReadOnlyFile | None = None) -> None:
-        if len(self._open) <= MAX_OPEN:
-            return
-        for f in list(self._open):
-            if f is not keep and f._pins == 0:
-                del self._open[f]
-                os.close(f._fd)  # type: ignore[arg-type]
-                f._fd = None
-                if len(self._open) <= MAX_OPEN:
-                    return
+        while len(self._open) > MAX_OPEN:
+            victim = next((f for f in self._open if f is not keep and f._pins == 0), None)
+            if victim is None:
+                return  # every one is in use: over the limit until a read ends
+            del self._open[victim]
+            os.close(victim._fd)  # type: ignore[arg-type]
+            victim._fd = None
 
 
 _DESCRIPTORS = _Descriptors()
