@@ -199,7 +199,7 @@ def _plan_in_memory(buf: bytes, base: int, item: Item, templates: TemplateCache)
     crcs = [c if c is not None else crc32(view[base + r.data_offset:base + r.data_end])
             for c, r in zip(known, archive.records, strict=True)]
     if matched is None:
-        templates.parsed(buf[base:base + length], parsed, crcs)
+        templates.parsed(buf, base, length, parsed, crcs)
     pkl = archive.record("data.pkl")
     data_pkl = buf[base + pkl.data_offset:base + pkl.data_end] if pkl is not None and item.kind == "tensor" else None
     return ItemPlan(item, archive, crcs=crcs, pkl=data_pkl)

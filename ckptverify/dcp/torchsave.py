@@ -326,11 +326,11 @@ class TemplateCache:
         found = self._by_length.get(length)
         return found if isinstance(found, ArchiveTemplate) else None
 
-    def parsed(self, data: bytes, parsed: ParsedItem, crcs: list[int]) -> None:
-        """Note an item parsed in full (``data``: its bytes)."""
-        length = len(data)
+    def parsed(self, buf: bytes, base: int, length: int, parsed: ParsedItem, crcs: list[int]) -> None:
+        """Note an item parsed in full (the item at ``buf[base:base + length]``)."""
         if length > self.max_item_bytes:
             return
+        data = buf[base:base + length]
         with self._lock:
             found = self._by_length.get(length)
             if found is None:
