@@ -14,6 +14,7 @@ with one flipped bit at ...", with that probability, never as a certainty.
 
 from __future__ import annotations
 
+import functools
 import math
 
 _POLY = 0xEDB88320
@@ -31,6 +32,18 @@ def _unstep(y: int) -> int:
     if y & 0x80000000:
         return (((y ^ _POLY) << 1) | 1) & _MASK
     return (y << 1) & _MASK
+
+
+@functools.lru_cache(maxsize=16)
+def _steps(m: int) -> tuple[dict[int, int], list[list[int]]]:
+    """The baby steps ``T^j(1) -> j`` for ``j < m`` and the tables of ``T^-m``: they depend on the message
+    length alone, and a damaged checkpoint has many damaged records of one length (read-only once built)."""
+    baby: dict[int, int] = {}
+    v = 1
+    for j in range(m):
+        baby.setdefault(v, j)
+        v = _step(v)
+    return baby, _power_tables(m)
 
 
 def _power_tables(m: int) -> list[list[int]]:
@@ -70,12 +83,7 @@ def locate_single_bit(recorded: int, computed: int, nbytes: int) -> tuple[int, i
     if syndrome == 0 or n_bits == 0 or n_bits > MAX_BITS:
         return None
     m = math.isqrt(n_bits) + 1
-    baby: dict[int, int] = {}
-    v = 1
-    for j in range(m):
-        baby.setdefault(v, j)
-        v = _step(v)
-    t0, t1, t2, t3 = _power_tables(m)
+    baby, (t0, t1, t2, t3) = _steps(m)
     y = syndrome
     for i in range(n_bits // m + 2):
         j = baby.get(y)

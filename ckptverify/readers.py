@@ -29,7 +29,9 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # SIMD CRC-32 (ISA-L): identical values to zlib.crc32, about 3-4x faster.
 from isal.isal_zlib import crc32, crc32_combine
@@ -74,17 +76,17 @@ def is_inside(root: str, path: str) -> bool:
     return real != real_root and os.path.commonpath([real_root, real]) == real_root
 
 
-def open_regular(path: str, *, root: str | None = None) -> tuple[int, os.stat_result]:
+def open_regular(path: str, *, root: str | None = None, real_root: str | None = None) -> tuple[int, os.stat_result]:
     """Open ``path`` for reading if, and only if, it is a regular file (inside ``root`` when given).
 
     Returns the descriptor (the caller closes it) and its ``fstat``. Raises
     :class:`~ckptverify.errors.UnsafeFileError` for a FIFO, device, socket or directory, or a path that
     resolves outside ``root``, without opening it; ``FileNotFoundError`` (an ``OSError``) when it does not
-    exist. Never blocks.
+    exist. Never blocks. ``real_root``: ``root`` resolved already (by the caller, earlier).
     """
     target = path
     if root is not None:
-        real_root = os.path.realpath(root)
+        real_root = real_root or os.path.realpath(root)
         target = os.path.realpath(path)
         if target == real_root or os.path.commonpath([real_root, target]) != real_root:
             raise _unsafe(path, f"{path} resolves to {target}, outside the checkpoint directory {real_root}")
@@ -161,16 +163,30 @@ class ReadOnlyFile:
     ``size`` is the size at open; every read stays inside it. A read that comes back short inside it, or a
     file whose ``fstat`` no longer matches (see :meth:`changed`), means the file changed under the reader:
     :class:`~ckptverify.errors.FileChangedError`.
+
+    At most :data:`MAX_OPEN` descriptors are held at once, process-wide (a checkpoint saved one file per item
+    has as many files as items, more than a process may open): the least recently used idle one is closed
+    and opened again when next needed, through the same checks as the first time, and it must then be the
+    same file, unchanged (device, inode, size, modification time), or the read raises
+    :class:`~ckptverify.errors.FileChangedError`.
     """
 
     def __init__(self, path: str, *, root: str | None = None) -> None:
         self.path = path
-        self.fd, st = open_regular(path, root=root)
+        self._root = root
+        # The root as resolved at open: a reopen checks the path against it (a root moved since would make
+        # the path resolve elsewhere, which is refused).
+        self._real_root = os.path.realpath(root) if root is not None else None
+        fd, st = open_regular(path, root=root, real_root=self._real_root)
         self.size = st.st_size
         self._signature = _signature(st)
+        self._fd: int | None = fd
+        self._pins = 0
+        self._closed = False
+        _DESCRIPTORS.added(self)
 
     def close(self) -> None:
-        os.close(self.fd)
+        _DESCRIPTORS.closed(self)
 
     def __enter__(self) -> ReadOnlyFile:
         return self
@@ -178,13 +194,51 @@ class ReadOnlyFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @contextmanager
+    def _descriptor(self) -> Iterator[int]:
+        """The open descriptor, kept open while the block runs."""
+        fd = _DESCRIPTORS.pin(self)
+        try:
+            yield fd
+        finally:
+            _DESCRIPTORS.unpin(self)
+
+    def _reopen(self) -> int:
+        """Open the file again (after its descriptor was closed to stay under :data:`MAX_OPEN`); it must be
+        the same, unchanged file."""
+        try:
+            fd, st = open_regular(self.path, root=self._root, real_root=self._real_root)
+        except OSError as exc:
+            how = f"its name no longer opens it ({exc.strerror or exc})"
+        else:
+            if _signature(st) == self._signature:
+                return fd
+            os.close(fd)
+            how = self._describe(st)
+        raise _changed(self.path, f"{self.path} changed while it was verified: {how}")
+
+    def _describe(self, now: os.stat_result) -> str:
+        if (now.st_dev, now.st_ino) != self._signature[2:]:
+            return "its name now names another file (replaced)"
+        return (f"it was {self._signature[0]} bytes modified at {self._signature[1]} ns when opened, and "
+                f"is {now.st_size} bytes modified at {now.st_mtime_ns} ns now")
+
     def changed(self) -> str | None:
         """How the file differs from when it was opened (size, modification time, or the name now naming
         another file), or ``None`` if it looks the same."""
-        now = os.fstat(self.fd)
+        fd = _DESCRIPTORS.pin_if_open(self)
+        if fd is None:  # closed to stay under MAX_OPEN: what its name opens must be the file, unchanged
+            try:
+                named = os.stat(self.path)
+            except OSError as exc:
+                return f"its name no longer opens it ({exc.strerror})"
+            return None if _signature(named) == self._signature else self._describe(named)
+        try:
+            now = os.fstat(fd)
+        finally:
+            _DESCRIPTORS.unpin(self)
         if _signature(now) != self._signature:
-            return (f"it was {self._signature[0]} bytes modified at {self._signature[1]} ns when opened, and "
-                    f"is {now.st_size} bytes modified at {now.st_mtime_ns} ns now")
+            return self._describe(now)
         try:
             named = os.stat(self.path)
         except OSError as exc:
@@ -198,12 +252,13 @@ class ReadOnlyFile:
         if n <= 0 or offset >= self.size:
             return b""
         want = min(n, self.size - offset)
-        data = os.pread(self.fd, want, offset)
-        while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not
-            more = os.pread(self.fd, want - len(data), offset + len(data))
-            if not more:
-                raise self._shrunk(offset + len(data))
-            data += more
+        with self._descriptor() as fd:
+            data = os.pread(fd, want, offset)
+            while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not
+                more = os.pread(fd, want - len(data), offset + len(data))
+                if not more:
+                    raise self._shrunk(offset + len(data))
+                data += more
         return data
 
     def fold(self, start: int, end: int, fn: Callable[[memoryview], None],
@@ -217,16 +272,17 @@ class ReadOnlyFile:
         end = min(end, self.size)
         buf = _buffer()
         pos = start
-        while pos < end:
-            with buf[: min(READ_BYTES, end - pos)] as window:
-                got = os.preadv(self.fd, [window], pos)
-            if got == 0:
-                raise self._shrunk(pos)
-            with buf[:got] as part:
-                fn(part, pos)
-            if progress is not None:
-                progress(got)
-            pos += got
+        with self._descriptor() as fd:
+            while pos < end:
+                with buf[: min(READ_BYTES, end - pos)] as window:
+                    got = os.preadv(fd, [window], pos)
+                if got == 0:
+                    raise self._shrunk(pos)
+                with buf[:got] as part:
+                    fn(part, pos)
+                if progress is not None:
+                    progress(got)
+                pos += got
 
     def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
         """CRC-32 (zip's) of bytes ``[start, end)``."""
@@ -241,6 +297,70 @@ class ReadOnlyFile:
 
     def _shrunk(self, at: int) -> FileChangedError:
         return _changed(self.path, f"{self.path} ends at byte {at} now but was {self.size} bytes when opened")
+
+
+#: Most descriptors :class:`ReadOnlyFile` objects hold open at once (idle ones beyond it are closed, least
+#: recently used first, and opened again when needed): well under the usual limit of 1024 per process.
+MAX_OPEN = 256
+
+
+class _Descriptors:
+    """The open descriptors of all :class:`ReadOnlyFile` objects, at most :data:`MAX_OPEN` (beyond it only
+    while pinned: a read in progress keeps its descriptor)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: OrderedDict[ReadOnlyFile, None] = OrderedDict()  # least recently used first
+
+    def added(self, f: ReadOnlyFile) -> None:
+        with self._lock:
+            self._open[f] = None
+            self._evict()
+
+    def pin(self, f: ReadOnlyFile) -> int:
+        with self._lock:
+            if f._closed:
+                raise ValueError(f"{f.path} is closed")
+            if f._fd is None:
+                f._fd = f._reopen()
+                self._open[f] = None
+                self._evict(keep=f)
+            else:
+                self._open.move_to_end(f)
+            f._pins += 1
+            return f._fd
+
+    def pin_if_open(self, f: ReadOnlyFile) -> int | None:
+        """:meth:`pin` if the descriptor is open, else ``None`` (nothing opened)."""
+        with self._lock:
+            if f._fd is None:
+                return None
+            f._pins += 1
+            return f._fd
+
+    def unpin(self, f: ReadOnlyFile) -> None:
+        with self._lock:
+            f._pins -= 1
+
+    def closed(self, f: ReadOnlyFile) -> None:
+        with self._lock:
+            f._closed = True
+            self._open.pop(f, None)
+            if f._fd is not None:
+                os.close(f._fd)
+                f._fd = None
+
+    def _evict(self, keep: ReadOnlyFile | None = None) -> None:
+        while len(self._open) > MAX_OPEN:
+            victim = next((f for f in self._open if f is not keep and f._pins == 0), None)
+            if victim is None:
+                return  # every one is in use: over the limit until a read ends
+            del self._open[victim]
+            os.close(victim._fd)  # type: ignore[arg-type]
+            victim._fd = None
+
+
+_DESCRIPTORS = _Descriptors()
 
 
 def _unsafe(path: str, message: str) -> UnsafeFileError:

@@ -1,8 +1,9 @@
 """``verify``: prove a DCP checkpoint intact, or say exactly where it is not.
 
 Stages: read the metadata safely; check the structure (files, bounds, overlaps, chunk tiling); parse every
-item's archive structure; hash every record payload for its CRC-32 (segments on all cores); with a
-manifest, compare the metadata with it and hash every item block against the digests taken at save time;
+item's archive structure (small items, many per read, CRC-checked at once from memory); hash every other
+record payload for its CRC-32 (segments on all cores); with a manifest, compare the metadata with it and
+hash every item block against the digests taken at save time;
 with ``deep``, rebuild every tensor and compare its logical fingerprint with the one taken in memory.
 Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and mapped ``PROT_READ``.
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from ckptverify._gcpause import paused_gc
 from ckptverify.checks import deep as deep_check
 from ckptverify.checks import item_label, item_location, manifest_check
 from ckptverify.checks.commit import check_commit
@@ -34,6 +36,7 @@ from ckptverify.checks.structure import check_coverage, check_files, check_items
 from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
+from ckptverify.dcp.torchsave import TemplateCache
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
 from ckptverify.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
@@ -278,7 +281,8 @@ class VerificationRun:
         """Run every stage. A file that changes under the run stops it with a ``file-changed`` finding."""
         self._named = _name_signatures(self.root)
         try:
-            self._stages(deep=deep, use_manifest=use_manifest)
+            with paused_gc():  # the layout, plans and results of a large checkpoint form no cycles
+                self._stages(deep=deep, use_manifest=use_manifest)
         except FileChangedError as exc:
             self.findings.append(changed_finding(_changed_name(self.root, exc), str(exc)))
             self.stopped = True
@@ -422,8 +426,9 @@ class VerificationRun:
             if self.opened.get(item.file) is not None:
                 by_file[item.file].append(item)
         names = sorted(by_file)
+        templates = TemplateCache()  # shared: a checkpoint saved one file per item has one item per file
         planned = self.map(lambda n: plan_file(self.opened[n], n, [i for i in by_file[n] if not i.transforms],  # type: ignore[arg-type]
-                                               safetensors=n in self.safetensors), names)
+                                               safetensors=n in self.safetensors, templates=templates), names)
         for name, (file_plans, result) in zip(names, planned, strict=True):
             self.results[name] = result
             self.plans.extend(file_plans)
@@ -471,6 +476,7 @@ class VerificationRun:
                 ranges, keys = [], []
                 if n is not None:
                     covered.add(n)
+                if n is not None and self.plans[n].crcs is None:
                     base = item.offset
                     for r, rec in enumerate(self.plans[n].archive.records):
                         if rec.size > SMALL_RECORD_BYTES:
@@ -483,7 +489,7 @@ class VerificationRun:
                             keys.append((n, r))
                 crc_ranges.append(ranges)
                 crc_keys.append(keys)
-        rest = [p for n, p in enumerate(self.plans) if n not in covered]
+        rest = [p for n, p in enumerate(self.plans) if n not in covered and p.crcs is None]
         index_of = {id(p): n for n, p in enumerate(self.plans)}
         segs = [Segment(s.file, s.start, s.end, index_of[id(rest[s.plan])], s.record, s.index)
                 for s in segments(rest, 0, SEGMENT_BYTES)]
@@ -514,6 +520,9 @@ class VerificationRun:
             for (lo, hi), key, value in zip(crc_ranges[k], crc_keys[k], crcs, strict=True):
                 partials[key].append((lo, hi - lo, value))
         for n, plan in enumerate(self.plans):
+            if plan.crcs is not None:  # small items: computed while planning
+                judge_item(self.opened[plan.item.file], plan, plan.crcs, self.results[plan.item.file])  # type: ignore[arg-type]
+                continue
             crcs = []
             for r, rec in enumerate(plan.archive.records):
                 if (n, r) in by_manifest:

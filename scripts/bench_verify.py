@@ -1,6 +1,14 @@
 """Benchmark ``ckptverify verify`` against the read ceiling (``cat``) and common hashers, in one run.
 
     python scripts/bench_verify.py [--dir DIR] [--gib 4.0] [--repeats 3] [--keep]
+    python scripts/bench_verify.py --items 100000 [--dir DIR] [--repeats 3] [--keep]
+
+With ``--items N`` it measures the other end: a checkpoint of N small tensors (each its own DCP item, one
+file), where the cost is per item, not per byte. It times ``torch.distributed.checkpoint``'s own
+``FileSystemReader.read_metadata`` (the unrestricted ``pickle.load`` that verify replaces with its safe
+reader), ``ckptverify verify`` (the whole command) and ``cat``, and prints verify's time as a ratio to
+``read_metadata``'s, and the safe metadata reader's two paths (the C unpickler after the pass over the
+bytes, and the pure-Python reference). Target: 100 000 items verified in at most 10 s on an idle machine.
 
 Builds a multi-file DCP checkpoint of at least ``--gib`` GiB (``FileSystemWriter(thread_count=4)``),
 reads it once so it sits in the page cache, then times, alternating the tools on every repeat:
@@ -46,23 +54,123 @@ def build(path: str, gib: float) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-def timed(cmd: list[str]) -> tuple[float, int, int]:
-    """Wall seconds, peak RSS in KiB (from wait4), and exit code of ``cmd``."""
+def timed(cmd: list[str], cpu: list[float] | None = None) -> tuple[float, int, int]:
+    """Wall seconds, peak RSS in KiB (from wait4), and exit code of ``cmd``; its CPU seconds (user + system)
+    are appended to ``cpu`` when given."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
+    if cpu is not None:
+        cpu.append(usage.ru_utime + usage.ru_stime)
     return wall, usage.ru_maxrss, proc.returncode
+
+
+def build_items(path: str, items: int) -> int:
+    """A DCP checkpoint of ``items`` small tensors (four floats each: one item apiece, all of one shape)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"layers.{i}.weight": torch.full((4,), float(i)) for i in range(items)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=1))
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def _best_in_child(code: str) -> float:
+    """Run ``code`` (which prints a number of seconds last) in a fresh interpreter; that number."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return float(out.stdout.split()[-1])
+
+
+def main_items(args: argparse.Namespace) -> int:
+    workdir = args.dir or tempfile.mkdtemp(prefix="ckptverify-bench-items-")
+    ckpt = os.path.join(workdir, "ckpt")
+    if os.path.isdir(ckpt):
+        shutil.rmtree(ckpt)
+    print(f"building a checkpoint of {args.items} small tensors in {ckpt} ...", flush=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import bench_verify as b; "
+            f"print(b.build_items({ckpt!r}, {args.items}))")
+    size = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+               .stdout.split()[-1])
+    files = sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt))
+    meta = os.path.getsize(os.path.join(ckpt, ".metadata"))
+    print(f"{len(files)} files, {size / (1 << 20):.1f} MiB ({meta / (1 << 20):.1f} MiB of metadata)", flush=True)
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+
+    best: dict[str, float] = {}
+    rss = 0
+    cpu: list[float] = []
+    for _ in range(args.repeats):
+        wall, peak, code_ = timed(["cat", *files])
+        best["cat"] = min(best.get("cat", float("inf")), wall)
+        wall, peak, code_ = timed([sys.executable, "-m", "ckptverify", "verify", "--no-progress", "--json", ckpt],
+                                  cpu)
+        if code_ != 0:
+            print(f"ckptverify verify exited {code_} on the clean benchmark checkpoint", file=sys.stderr)
+            return 2
+        best["ckptverify verify"] = min(best.get("ckptverify verify", float("inf")), wall)
+        rss = max(rss, peak)
+    repeat = f"for _ in range({args.repeats}):\n"
+    best["dcp read_metadata"] = _best_in_child(
+        "import time, torch.distributed.checkpoint as dcp\nbest = float('inf')\n" + repeat
+        + f"    t0 = time.perf_counter(); dcp.FileSystemReader({ckpt!r}).read_metadata()\n"
+        "    best = min(best, time.perf_counter() - t0)\nprint(best)")
+    best["verify (in-process core)"] = _best_in_child(
+        "import time\nfrom ckptverify.verify import verify_checkpoint\nbest = float('inf')\n" + repeat
+        + f"    t0 = time.perf_counter(); r = verify_checkpoint({ckpt!r})\n"
+        "    best = min(best, time.perf_counter() - t0)\n"
+        f"assert r.passed and r.stats['items'] == {args.items} and r.stats['bytes_hashed'] > 0, r.stats\nprint(best)")
+    for name, fn in (("safe metadata read (C path)", "parse"), ("safe metadata read (reference)", "parse_reference")):
+        best[name] = _best_in_child(
+            "import time\nfrom ckptverify.dcp import safepickle as sp\n"
+            f"data = open({os.path.join(ckpt, '.metadata')!r}, 'rb').read()\nbest = float('inf')\n" + repeat
+            + f"    t0 = time.perf_counter(); sp.{fn}(data); best = min(best, time.perf_counter() - t0)\nprint(best)")
+
+    base = best["dcp read_metadata"]
+    print()
+    print(f"{'step':<34}{'best s':>9}{'x read_metadata':>17}{'us/item':>9}")
+    for name, t in best.items():
+        print(f"{name:<34}{t:>9.3f}{t / base:>17.2f}{t / args.items * 1e6:>9.1f}")
+    total = best["ckptverify verify"]
+    print()
+    print(f"verify of {args.items} items: {total:.2f} s = {total / base:.2f}x dcp read_metadata, "
+          f"{total / best['cat']:.0f}x cat; {min(cpu):.2f} s of CPU (the wall time of an idle machine: verify "
+          f"runs on one core here); peak RSS {rss / 1024:.0f} MiB")
+    if args.items >= 100_000:
+        per_100k = total * 100_000 / args.items
+        cpu_100k = min(cpu) * 100_000 / args.items
+        print(f"target <= 10 s per 100 000 items (idle machine): {per_100k:.2f} s wall, {cpu_100k:.2f} s CPU: "
+              f"{'MET' if per_100k <= 10 else 'NOT MET'} (load average now {os.getloadavg()[0]:.1f})")
+    print(json.dumps({"items": args.items, "bytes": size, "metadata_bytes": meta, "seconds": best,
+                      "verify_cpu_seconds": min(cpu),
+                      "verify_over_read_metadata": total / base, "verify_peak_rss_mib": rss / 1024,
+                      "load_average": os.getloadavg()[0]}))
+    if not args.keep and args.dir is None:
+        shutil.rmtree(workdir)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="where to build the checkpoint [a temporary directory]")
     ap.add_argument("--gib", type=float, default=4.0, help="checkpoint size in GiB, at least 1 [4.0]")
+    ap.add_argument("--items", type=int, default=None,
+                    help="instead: a checkpoint of this many small tensors, per-item costs [off]")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per tool [3]")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     args = ap.parse_args(argv)
+    if args.items is not None:
+        if args.items < 1:
+            ap.error("--items must be at least 1")
+        return main_items(args)
     if args.gib < 1:
         ap.error("--gib must be at least 1")
 

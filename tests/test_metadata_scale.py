@@ -100,6 +100,28 @@ def test_irregular_chunks_are_bounded_not_quadratic(tmp_path):
     assert any(f.check == "chunk-tiling" for f in findings)  # half the rows [1, 2) are in no chunk
 
 
+def _small_tensors(path: Path, n: int) -> Path:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({f"p.{i}": torch.full((4,), float(i)) for i in range(n)}, checkpoint_id=str(path))
+    return path
+
+
+def test_verify_work_grows_linearly_with_items(tmp_path):
+    # The whole verification (metadata, structure, every item's archive and CRCs), not the metadata alone.
+    from ckptverify.verify import verify_checkpoint
+
+    small, large = _small_tensors(tmp_path / "s", 500), _small_tensors(tmp_path / "l", 2000)
+    calls_small = count_calls(lambda: verify_checkpoint(small, jobs=1))
+    calls_large = count_calls(lambda: verify_checkpoint(large, jobs=1))
+    assert calls_large / calls_small < 1.5 * 4, (calls_small, calls_large)
+    assert verify_checkpoint(large, jobs=1).stats["items"] == 2000
+
+
 def test_hundred_thousand_chunks_read_and_check_in_seconds(tmp_path):
     n = write_metadata(tmp_path, (100_000, 1))
     assert n == 100_000

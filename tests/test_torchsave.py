@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import subprocess
+import sys
 import zipfile
 import zlib
 
@@ -124,3 +126,19 @@ def test_a_huge_memo_index_in_data_pkl_allocates_nothing():
     data = b"\x80\x02ctorch\nFloatStorage\nr" + (2**30).to_bytes(4, "little") + b"0N."
     with pytest.raises(pickle.UnpicklingError):
         tensor_header(data)
+
+
+@pytest.mark.parametrize("hostile", [
+    "b'\\x80\\x02}N' + b'\\x85' * 1_000_000 + b'Ns.'",  # a dict key nested a million deep
+    "b'\\x80\\x02(N\\x85\\x85K\\x01d.'",  # DICT with a tuple key
+    "b'\\x80\\x02\\x8f(N\\x85\\x90.'",  # a set of tuples
+])
+def test_data_pkl_hashing_a_tuple_is_refused_not_a_crash(hostile):
+    # hash() of a tuple nested a million deep recursed in C until the process died (SIGSEGV); a plain
+    # tensor's data.pkl hashes no tuple, so any tuple key is refused before it is hashed.
+    code = ("import pickle\nfrom ckptverify.dcp.torchsave import tensor_header\n"
+            f"data = {hostile}\n"
+            "try:\n    tensor_header(data)\nexcept pickle.UnpicklingError as exc:\n    print('refused:', exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: data.pkl uses a tuple as a dict key or set member" in proc.stdout

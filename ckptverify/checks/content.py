@@ -4,10 +4,16 @@ DCP writes each item as a ``torch.save`` zip whose records carry CRC-32s that ne
 ``dcp.load`` ever check. Here every record's bytes are hashed and compared, and the structure around
 them is cross-checked (:mod:`ckptverify.dcp.torchsave`), so a flipped bit anywhere in an item is found.
 Tensor payload corruption is localized to the FQN, chunk, byte range and element range.
+
+Small items (most of a checkpoint's items, a small part of its bytes) are read many at a time, parsed
+(against a template when one of the same length was parsed before) and CRC-checked from memory while
+planning; large ones are parsed through small reads and their payloads hashed later, in segments on
+all cores.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 import struct
@@ -17,9 +23,24 @@ from typing import Any
 from ckptverify.checks import item_label, item_location
 from ckptverify.crcflip import false_match_probability, locate_single_bit
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
-from ckptverify.dcp.torchsave import Archive, ArchiveError, Record, TensorHeader, parse_archive, tensor_header
+from ckptverify.dcp.torchsave import (
+    Archive,
+    ArchiveError,
+    Record,
+    TemplateCache,
+    TensorHeader,
+    parse_archive,
+    parse_item,
+    tensor_header,
+)
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.readers import ReadOnlyFile, crc32
+
+#: Items up to this size are read whole, with their neighbours, and checked from memory while planning.
+SMALL_ITEM_BYTES = 1 << 20
+#: Most bytes read at once for consecutive small items (gaps between them of up to ``WINDOW_GAP`` included).
+WINDOW_BYTES = 8 << 20
+WINDOW_GAP = 64 << 10
 
 
 @dataclass(slots=True)
@@ -45,14 +66,23 @@ def is_safetensors_blob(head: bytes, file_size: int) -> bool:
 def safetensors_files(root_files: dict[str, ReadOnlyFile | None], items: list[Item]) -> set[str]:
     """Files written in DCP's safetensors format (their tensor items do not address their own bytes)."""
     found: set[str] = set()
-    for item in items:
+    buffers: dict[str, tuple[int, bytes]] = {}  # the first bytes of many items, read at once
+    for item in sorted(items, key=lambda it: (it.file, it.offset)):
         f = root_files.get(item.file)
         if f is None or item.kind != "tensor" or item.file in found:
             continue
-        head = f.pread(item.offset, 9)
+        start, buf = buffers.get(item.file, (0, b""))
+        if not start <= item.offset <= start + len(buf) - 9:
+            start, buf = item.offset, f.pread(item.offset, HEAD_WINDOW_BYTES)
+            buffers[item.file] = (start, buf)
+        head = buf[item.offset - start:item.offset - start + 9]
         if head[:4] != b"PK\x03\x04" and is_safetensors_blob(head, f.size):
             found.add(item.file)
     return found
+
+
+#: Bytes read at once for the first bytes of consecutive items.
+HEAD_WINDOW_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -67,6 +97,10 @@ class ItemPlan:
     #: written through stream transforms (``item`` then addresses those), or a payload described by
     #: another format (DCP's safetensors blob). ``None``: the checkpoint's file ``item.file``.
     reader: Any = None
+    #: The CRC-32 of every record, in archive order, when planning computed them (small items).
+    crcs: list[int] | None = None
+    #: The bytes of ``data.pkl``, when planning read them.
+    pkl: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +115,20 @@ class Segment:
     index: int
 
 
-def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool) -> tuple[list[ItemPlan], FileResult]:
+def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool,
+              templates: TemplateCache | None = None) -> tuple[list[ItemPlan], FileResult]:
     """Parse the archive structure of every item of one file that lies within it.
 
-    Returns the items whose structure is intact (their record payloads still to be hashed) and a result
-    holding the structural findings. Reads only headers and directories: cheap.
+    Returns the items whose structure is intact and a result holding the structural findings. Small items
+    (up to :data:`SMALL_ITEM_BYTES`) are read whole, many at a time, and their records' CRCs computed
+    here (``ItemPlan.crcs``); of larger ones only headers and directories are read, their payloads are
+    left to the caller to hash.
     """
     result = FileResult(file=name)
-    plans: list[ItemPlan] = []
-    for item in sorted(items, key=lambda it: it.offset):
+    outcomes: dict[int, ItemPlan | Finding] = {}  # by position in offset order, so findings keep that order
+    small: list[tuple[int, Item]] = []
+    templates = templates if templates is not None else TemplateCache()
+    for n, item in enumerate(sorted(items, key=lambda it: it.offset)):
         if item.end > f.size:
             continue  # reported by the structural check; reading it would only add noise
         if item.transforms:
@@ -105,18 +144,24 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
             result.uncheckable += 1
             continue
         result.items += 1
-        try:
-            archive = parse_archive(_item_reader(f, item), item.length)
-        except ArchiveError as exc:
-            start = item.offset + (exc.start or 0)
-            end = item.offset + (exc.end if exc.end else item.length)
-            result.findings.append(error(
-                "zip-structure",
-                f"{item_label(item)} is not an intact torch.save archive: {exc}",
-                location=item_location(item, byte_range=(start, max(end, start + 1))),
-            ))
+        if item.length <= SMALL_ITEM_BYTES:
+            small.append((n, item))
             continue
-        plans.append(ItemPlan(item, archive))
+        try:
+            outcomes[n] = ItemPlan(item, parse_archive(_item_reader(f, item), item.length))
+        except ArchiveError as exc:
+            outcomes[n] = _structure_finding(item, exc)
+    for start, end, batch in _windows(small):
+        buf = f.pread(start, end - start)
+        for n, item in batch:
+            outcomes[n] = _plan_in_memory(buf, item.offset - start, item, templates)
+    plans: list[ItemPlan] = []
+    for n in sorted(outcomes):
+        outcome = outcomes[n]
+        if isinstance(outcome, ItemPlan):
+            plans.append(outcome)
+        else:
+            result.findings.append(outcome)
     if safetensors:
         result.findings.append(warning(
             "content-uncheckable",
@@ -125,6 +170,54 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
             location=Location(file=name),
         ))
     return plans, result
+
+
+def _windows(items: list[tuple[int, Item]]) -> list[tuple[int, int, list[tuple[int, Item]]]]:
+    """Group items (sorted by offset) into byte ranges of at most :data:`WINDOW_BYTES` read at once."""
+    out: list[tuple[int, int, list[tuple[int, Item]]]] = []
+    for n, item in items:
+        if out:
+            start, end, batch = out[-1]
+            if item.end - start <= WINDOW_BYTES and item.offset <= end + WINDOW_GAP:
+                batch.append((n, item))
+                out[-1] = (start, max(end, item.end), batch)
+                continue
+        out.append((item.offset, item.end, [(n, item)]))
+    return out
+
+
+def _plan_in_memory(buf: bytes, base: int, item: Item, templates: TemplateCache) -> ItemPlan | Finding:
+    """Parse the item at ``buf[base:base + item.length]`` (against a template where one fits) and compute the
+    CRC-32 of each record."""
+    length = item.length
+    template = templates.get(length)
+    matched = template.match(buf, base) if template is not None else None
+    if matched is not None:
+        archive, known = matched
+    else:
+        try:
+            parsed = parse_item(buf, base, length)
+        except ArchiveError as exc:
+            return _structure_finding(item, exc)
+        archive, known = parsed.archive, [None] * len(parsed.archive.records)
+    view = memoryview(buf)
+    crcs = [c if c is not None else crc32(view[base + r.data_offset:base + r.data_end])
+            for c, r in zip(known, archive.records, strict=True)]
+    if matched is None:
+        templates.parsed(buf, base, length, parsed, crcs)
+    pkl = archive.record("data.pkl")
+    data_pkl = buf[base + pkl.data_offset:base + pkl.data_end] if pkl is not None and item.kind == "tensor" else None
+    return ItemPlan(item, archive, crcs=crcs, pkl=data_pkl)
+
+
+def _structure_finding(item: Item, exc: ArchiveError) -> Finding:
+    start = item.offset + (exc.start or 0)
+    end = item.offset + (exc.end if exc.end else item.length)
+    return error(
+        "zip-structure",
+        f"{item_label(item)} is not an intact torch.save archive: {exc}",
+        location=item_location(item, byte_range=(start, max(end, start + 1))),
+    )
 
 
 def segments(plans: list[ItemPlan], first_plan: int, max_bytes: int) -> list[Segment]:
@@ -152,10 +245,12 @@ def segments(plans: list[ItemPlan], first_plan: int, max_bytes: int) -> list[Seg
 def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileResult) -> None:
     """Compare the computed CRCs (one per record, in archive order) with the recorded ones."""
     item, archive = plan.item, plan.archive
-    result.records += len(archive.records)
-    result.bytes_hashed += sum(r.size for r in archive.records)
-    computed = dict(zip((r.name for r in archive.records), crcs, strict=True))
-    if all(r.crc == 0 for r in archive.records) and any(computed.values()):
+    records = archive.records
+    result.records += len(records)
+    result.bytes_hashed += sum(r.size for r in records)
+    intact = all(c == r.crc for c, r in zip(crcs, records, strict=True))
+    computed = {} if intact else dict(zip((r.name for r in records), crcs, strict=True))
+    if not intact and all(r.crc == 0 for r in records) and any(computed.values()):
         result.uncheckable += 1
         result.findings.append(warning(
             "content-uncheckable",
@@ -172,9 +267,11 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
             "zip-structure", f"{item_label(item)} has no data.pkl record",
             location=item_location(item, byte_range=(item.offset, item.end)),
         ))
-    elif item.kind == "tensor" and computed[pkl.name] == pkl.crc:
+    elif item.kind == "tensor" and (intact or computed[pkl.name] == pkl.crc):
         try:
-            header = tensor_header(_item_reader(f, item)(pkl.data_offset, pkl.size))
+            data_pkl = plan.pkl if plan.pkl is not None else _item_reader(f, item)(pkl.data_offset, pkl.size)
+            plan.pkl = None  # read once; 100 000 plans need not keep theirs
+            header = tensor_header(data_pkl)
         except pickle.UnpicklingError as exc:
             result.findings.append(error(
                 "tensor-record",
@@ -184,9 +281,10 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
             ))
 
     plan.header = header
-    for rec in archive.records:
-        if computed[rec.name] != rec.crc:
-            result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
+    if not intact:
+        for rec in records:
+            if computed[rec.name] != rec.crc:
+                result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
 
     if header is not None:
         result.findings.extend(_tensor_consistency(item, archive, header))
@@ -268,6 +366,11 @@ def _bit_hint(item: Item, rec: Record, bit: tuple[int, int], loc: Location) -> F
 
 def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> list[Finding]:
     assert item.chunk is not None and item.dtype is not None
+    storage = archive.record(f"data/{header.storage_key}")
+    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
+    if (header.dtype == item.dtype and header.size == item.chunk.sizes and storage is not None
+            and (itemsize is None or storage.size == header.storage_numel * itemsize) and _view_fits(header)):
+        return []
     out: list[Finding] = []
     loc = item_location(item, record=f"{archive.prefix}/data.pkl")
     if header.dtype != item.dtype:
@@ -292,6 +395,13 @@ def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> l
         out.append(error("tensor-record", f"{item_label(item)}: the tensor view reaches past its storage",
                          location=loc))
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _view_fits(header: TensorHeader) -> bool:
+    """The tensor view lies inside its storage (headers repeat: one per dtype and shape)."""
+    extent = header.storage_offset + sum((n - 1) * s for n, s in zip(header.size, header.stride, strict=True)) + 1
+    return not (math.prod(header.size) and extent > header.storage_numel)
 
 
 def global_index(item: Item, linear: int) -> tuple[int, ...]:

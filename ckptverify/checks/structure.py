@@ -184,6 +184,10 @@ def check_tiling(layout: Layout) -> tuple[list[Finding], CheckCoverage]:
 
 def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
     fqn, shape = tinfo.fqn, tinfo.shape
+    if len(tinfo.chunks) == 1:
+        only = tinfo.chunks[0]
+        if only.sizes == shape and not any(only.offsets) and len(only.offsets) == len(shape):
+            return []  # one chunk that is the whole tensor (most tensors of an unsharded save)
     chunks = list(tinfo.chunks)
     if dedupe:
         # Per-rank metadata lists a replicated tensor once per rank: identical boxes are replicas.
@@ -191,14 +195,15 @@ def _tiling(tinfo: TensorInfo, *, dedupe: bool) -> list[Finding]:
     out: list[Finding] = []
     boxes: list[Chunk] = []
     for c in chunks:
-        loc = Location(fqn=fqn, chunk_offsets=c.offsets, chunk_sizes=c.sizes)
         if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
             out.append(error("chunk-tiling", f"chunk {list(c.offsets)} of {fqn!r} has {len(c.offsets)} dims, "
-                             f"the tensor has {len(shape)}", location=loc))
+                             f"the tensor has {len(shape)}",
+                             location=Location(fqn=fqn, chunk_offsets=c.offsets, chunk_sizes=c.sizes)))
             continue
         if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)):
             out.append(error("chunk-tiling", f"chunk {list(c.offsets)}+{list(c.sizes)} of {fqn!r} reaches past "
-                             f"its global shape {list(shape)}", location=loc))
+                             f"its global shape {list(shape)}",
+                             location=Location(fqn=fqn, chunk_offsets=c.offsets, chunk_sizes=c.sizes)))
             continue
         if c.numel:
             boxes.append(c)

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptverify._gcpause import paused_gc
 from ckptverify.dcp import safepickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import Finding, Location, error
@@ -146,8 +147,9 @@ def parse_metadata(data: bytes, name: str = METADATA_FILE) -> ParsedMetadata:
     Raises :class:`~ckptverify.dcp.safepickle.UnsafeGlobal` (a global outside the allowlist),
     :class:`~ckptverify.dcp.safepickle.BadPickle` (including the budget) or :class:`BadMetadata`.
     """
-    tree = sp.parse(data)
-    return _validate_metadata(tree, name)
+    with paused_gc():
+        tree = sp.parse(data)
+        return _validate_metadata(tree, name)
 
 
 def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
@@ -163,6 +165,11 @@ def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
 
 def read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, ParsedMetadata]]:
     """:func:`read_layout`, also returning each file that parsed, by name."""
+    with paused_gc():
+        return _read_all(root)
+
+
+def _read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, ParsedMetadata]]:
     names = metadata_files(root)
     if not names:
         return None, [
@@ -341,6 +348,16 @@ def _index(value: Any, what: str) -> tuple[str, tuple[int, ...] | None, int | No
     return fqn, offset, _opt_int(f["index"], f"index hint of {fqn!r}")
 
 
+def _storage_key(value: Any) -> tuple[str, tuple[int, ...] | None, int | None]:
+    """:func:`_index` of a ``storage_data`` key."""
+    if type(value) is sp.Obj and value.kind == "MetadataIndex":
+        f = value.fields
+        fqn, offset, hint = f["fqn"], f["offset"], f["index"]
+        if _ok_str(fqn) and (offset is None or _ok_dims(offset)) and (hint is None or _ok_int(hint)):
+            return fqn, None if offset is None else tuple(offset), hint
+    return _index(value, "a storage key")
+
+
 def _storage_meta(value: Any) -> StorageMetaInfo | None:
     if value is None:
         return None
@@ -355,22 +372,93 @@ def _storage_meta(value: Any) -> StorageMetaInfo | None:
                            _opt_str(f["load_id"], "storage_meta load_id", 256), modules)
 
 
+# The checks above, for values that pass them: no message is formatted, nothing is called. A value that
+# fails one of these goes through the checks above, which raise with the message.
+
+_I63 = 1 << 63
+
+
+def _ok_str(value: Any, limit: int = MAX_STRING) -> bool:
+    return type(value) is str and len(value) <= limit and "\x00" not in value
+
+
+def _ok_int(value: Any) -> bool:
+    return type(value) is int and 0 <= value < _I63
+
+
+def _ok_dims(value: Any) -> bool:
+    # A Size holds ints only (its stand-in refuses anything else).
+    return type(value) is sp.Size and len(value) <= MAX_DIMS and (not value or (min(value) >= 0 and max(value) < _I63))
+
+
+class _Interned:
+    """Equal values built once: chunks, tensor properties and paths repeat across a checkpoint's entries."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[tuple[Any, Any], Chunk] = {}
+        self.props: dict[tuple[Any, ...], TensorProps] = {}
+        self.paths: dict[str, str | None] = {}
+
+    def chunk(self, value: Any, what: str) -> Chunk:
+        if type(value) is sp.Obj and value.kind == "ChunkStorageMetadata":
+            f = value.fields
+            offsets, sizes = f["offsets"], f["sizes"]
+            if _ok_dims(offsets) and _ok_dims(sizes):
+                key = (offsets, sizes)
+                chunk = self.chunks.get(key)
+                if chunk is None:
+                    chunk = self.chunks[key] = Chunk(tuple(offsets), tuple(sizes))
+                return chunk
+        return _chunk(value, what)
+
+    def properties(self, value: Any, what: str) -> TensorProps:
+        if type(value) is sp.Obj and value.kind == "TensorProperties":
+            f = value.fields
+            dtype, layout, mem = f["dtype"], f["layout"], f["memory_format"]
+            rg, pin = f["requires_grad"], f["pin_memory"]
+            if (type(dtype) is sp.DType and type(layout) is sp.Layout and type(mem) is sp.Enum
+                    and mem.kind == "_MEM_FORMAT_ENCODING" and type(rg) is bool and type(pin) is bool):
+                key = (dtype.name, layout.name, rg, mem.value, pin)
+                props = self.props.get(key)
+                if props is None:
+                    props = self.props[key] = TensorProps(dtype.name, layout.name, rg, mem.value, pin)
+                return props
+        return _properties(value, what)
+
+    def path(self, value: Any) -> str | None:
+        if type(value) is not str:
+            return None
+        try:
+            return self.paths[value]
+        except KeyError:
+            rel = self.paths[value] = safe_relative_path(value)
+            return rel
+
+
 def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     fields = _obj(tree, "Metadata", "the top-level object")
+    interned = _Interned()
     entries: dict[str, TensorEntry | None] = {}
     for fqn_raw, entry in _dict(fields["state_dict_metadata"], "state_dict_metadata"):
-        fqn = _str(fqn_raw, "a state dict key")
+        fqn = fqn_raw if _ok_str(fqn_raw) else _str(fqn_raw, "a state dict key")
         if fqn in entries:
             raise BadMetadata(f"state dict key {fqn!r} appears twice")
-        if isinstance(entry, sp.Obj) and entry.kind == "BytesStorageMetadata":
+        if type(entry) is sp.Obj and entry.kind == "BytesStorageMetadata":
             entries[fqn] = None
             continue
-        tsm = _obj(entry, "TensorStorageMetadata", f"entry {fqn!r}")
-        props = _properties(tsm["properties"], f"{fqn!r}")
+        if type(entry) is sp.Obj and entry.kind == "TensorStorageMetadata":
+            tsm = entry.fields
+        else:
+            tsm = _obj(entry, "TensorStorageMetadata", f"entry {fqn!r}")
+        props = interned.properties(tsm["properties"], f"{fqn!r}")
         if props.dtype not in DTYPE_ITEMSIZE:
             raise BadMetadata(f"{fqn!r} has an unknown dtype")
-        shape = _dims(tsm["size"], f"size of {fqn!r}")
-        chunks = tuple(_chunk(c, f"a chunk of {fqn!r}") for c in _seq(tsm["chunks"], f"chunks of {fqn!r}"))
+        size = tsm["size"]
+        shape = tuple(size) if _ok_dims(size) else _dims(size, f"size of {fqn!r}")
+        chunks_raw = tsm["chunks"]
+        if type(chunks_raw) is not list and type(chunks_raw) is not tuple:
+            chunks_raw = _seq(chunks_raw, f"chunks of {fqn!r}")
+        chunks = tuple(interned.chunk(c, f"a chunk of {fqn!r}") for c in chunks_raw)
         entries[fqn] = TensorEntry(props.dtype, shape, chunks, props)
 
     storage_raw = fields["storage_data"]
@@ -379,24 +467,31 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     parsed = ParsedMetadata(name=name, entries=entries, storage=[], planner_data=None, storage_meta=None,
                             version=None)
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
+    storage = parsed.storage
     for key, info in storage_raw.items:
-        fqn, chunk_offsets, hint = _index(key, "a storage key")
+        fqn, chunk_offsets, hint = _storage_key(key)
         if (fqn, chunk_offsets) in seen:
             raise BadMetadata(f"storage entry {fqn!r} at {chunk_offsets} appears twice (DCP would keep one)")
         seen.add((fqn, chunk_offsets))
-        sinfo = _obj(info, "_StorageInfo", f"storage info of {fqn!r}")
+        if type(info) is sp.Obj and info.kind == "_StorageInfo":
+            sinfo = info.fields
+        else:
+            sinfo = _obj(info, "_StorageInfo", f"storage info of {fqn!r}")
         raw_path = sinfo["relative_path"]
-        start = _int(sinfo["offset"], f"storage offset of {fqn!r}")
-        length = _int(sinfo["length"], f"storage length of {fqn!r}")
+        start, length = sinfo["offset"], sinfo["length"]
+        if not _ok_int(start):
+            start = _int(start, f"storage offset of {fqn!r}")
+        if not _ok_int(length):
+            length = _int(length, f"storage length of {fqn!r}")
         transforms_raw = sinfo["transform_descriptors"]
         transforms = None if transforms_raw is None else tuple(
             _str(t, "a transform descriptor", 256) for t in _seq(transforms_raw, f"transforms of {fqn!r}"))
-        rel = safe_relative_path(raw_path)
+        rel = interned.path(raw_path)
         if rel is None:
             parsed.unsafe_paths.append((fqn, chunk_offsets, raw_path[:200] if type(raw_path) is str
                                         else _short(raw_path)))
             continue
-        parsed.storage.append(StorageEntry(fqn, chunk_offsets, hint, rel, start, length, transforms))
+        storage.append(StorageEntry(fqn, chunk_offsets, hint, rel, start, length, transforms))
 
     parsed.planner_data = _inert(fields["planner_data"], "planner_data")
     parsed.storage_meta = _storage_meta(fields["storage_meta"])
@@ -517,11 +612,13 @@ class _Merger:
             previous = layout.tensors.get(fqn)
             if previous is None:
                 layout.tensors[fqn] = TensorInfo(fqn, entry.dtype, entry.shape, entry.chunks)
-                self.chunk_sets[fqn] = set(entry.chunks)
-                index: dict[tuple[int, ...], Chunk] = {}
-                for c in entry.chunks:
-                    index.setdefault(c.offsets, c)
-                self.by_offsets[fqn] = index
+                if len(entry.chunks) == 1:
+                    self.by_offsets[fqn] = {entry.chunks[0].offsets: entry.chunks[0]}
+                else:
+                    index: dict[tuple[int, ...], Chunk] = {}
+                    for c in entry.chunks:
+                        index.setdefault(c.offsets, c)
+                    self.by_offsets[fqn] = index
             elif previous.dtype != entry.dtype or previous.shape != entry.shape:
                 findings.append(error(
                     "metadata-inconsistent",
@@ -530,7 +627,9 @@ class _Merger:
                     location=Location(file=name, fqn=fqn, rank=rank),
                 ))
             else:
-                known = self.chunk_sets[fqn]
+                known = self.chunk_sets.get(fqn)
+                if known is None:  # built when a second file lists the tensor
+                    known = self.chunk_sets[fqn] = set(previous.chunks)
                 new = []
                 for c in entry.chunks:
                     if c not in known:
@@ -547,8 +646,8 @@ class _Merger:
                 location=Location(file=name, fqn=fqn, chunk_offsets=chunk_offsets, rank=rank),
                 actual=raw,
             ))
+        items = layout.items
         for s in parsed.storage:
-            where = Location(file=name, fqn=s.fqn, chunk_offsets=s.chunk_offsets, rank=rank)
             if s.chunk_offsets is None:
                 kind, chunk, dtype = "bytes", None, None
                 if s.fqn not in layout.byte_values:
@@ -556,7 +655,7 @@ class _Merger:
                         "metadata-inconsistent",
                         f"storage entry for {s.fqn!r} has no tensor offset, but the state dict metadata does not "
                         "list it as a byte value",
-                        location=where,
+                        location=Location(file=name, fqn=s.fqn, chunk_offsets=s.chunk_offsets, rank=rank),
                     ))
             else:
                 kind = "tensor"
@@ -567,14 +666,12 @@ class _Merger:
                         "metadata-inconsistent",
                         f"storage entry for {s.fqn!r} at offsets {list(s.chunk_offsets)} matches no chunk in the "
                         "state dict metadata",
-                        location=where,
+                        location=Location(file=name, fqn=s.fqn, chunk_offsets=s.chunk_offsets, rank=rank),
                     ))
                     continue
                 dtype = tinfo.dtype  # type: ignore[union-attr]
-            layout.items.append(Item(
-                fqn=s.fqn, kind=kind, file=s.relative_path, offset=s.offset, length=s.length, chunk=chunk,
-                dtype=dtype, transforms=s.transforms or (), source=name, rank=rank,
-            ))
+            items.append(Item(s.fqn, kind, s.relative_path, s.offset, s.length, chunk, dtype, s.transforms or (),
+                              name, rank))
         return findings
 
 
