@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -223,3 +224,26 @@ def test_checkpoint_reached_through_a_linked_root_passes(fresh_ckpt: Any, tmp_pa
     report = verify_checkpoint(link)
     assert report.exit_code == 0, [f.message for f in report.findings]
     assert report.stats["files"] > 1 and report.stats["manifest"]
+
+
+def test_a_tuple_nested_a_million_deep_in_a_torch_save_file_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """Hashing a tuple recurses in C without a limit: a dict key nested a million deep would kill the process."""
+    import torch
+
+    def archive(path: Path, pkl: bytes) -> Path:
+        writer = torch._C.PyTorchFileWriter(str(path))  # torch's own zip writer: a well-formed archive
+        for name, data in (("data.pkl", pkl), ("byteorder", b"little"), ("version", b"3\n")):
+            writer.write_record(name, data, len(data))
+        writer.write_end_of_file()
+        return path
+
+    path = archive(tmp_path / "deep.pt", b"\x80\x02}" + b"K\x01" + b"\x85" * 1_000_000 + b"K\x02s.")
+    ok = archive(tmp_path / "shallow.pt", pickle.dumps({((((1,),),),): 2, "w": [1.5]}, protocol=2))
+    outputs = {}
+    for target, codes in ((path, (1, 2)), (ok, (0,))):
+        done = subprocess.run([sys.executable, "-m", "ckptverify", "verify", str(target), "--json"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode in codes, (target.name, done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+        outputs[target.name] = json.loads(done.stdout)
+    assert "nests tuples deeper" in json.dumps(outputs["deep.pt"])

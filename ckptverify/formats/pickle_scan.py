@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,9 @@ __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "Opaque", "PickleSca
 MAX_PICKLE_BYTES = 256 << 20
 #: Most objects (globals resolved, calls, storages) one pickle may make.
 MAX_OBJECTS = 2_000_000
+#: Deepest nesting of tuples in tuples a pickle may build. Hashing a tuple (a dict key, a set member) recurses
+#: in C with no limit, so a key nested a million deep would crash the process; real checkpoints nest a few deep.
+MAX_TUPLE_DEPTH = 200
 
 _STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
@@ -183,10 +187,68 @@ def _encode(text: Any, encoding: Any = "latin1") -> bytes:
     return text.encode("latin1")
 
 
+_MAKES_TUPLE = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"})
+#: Calls whose result may be (or hold) a tuple they were given: our stand-ins pass values through.
+_PASSES_THROUGH = frozenset({"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"})
+_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
+
+
+def _check_nesting(data: bytes) -> None:
+    """Refuse a pickle that would build tuples nested deeper than :data:`MAX_TUPLE_DEPTH`, before anything is
+    built. One pass over the opcodes with a stack of nesting heights (0: not a tuple). Tuples are immutable, so
+    a tuple's height is fixed when it is built; lists and dicts cannot be hashed, so their contents do not count.
+    Calls are charged the height of their arguments, as a stand-in may hand a tuple argument back."""
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[int, int] = {}
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            name = op.name
+            if name == "MARK":
+                marks.append(len(stack))
+                continue
+            if name == "DUP":
+                stack.append(stack[-1] if stack else 0)
+                continue
+            if name in _MEMO_PUT or name == "MEMOIZE":
+                memo[int(arg) if name != "MEMOIZE" else len(memo)] = stack[-1] if stack else 0
+                continue
+            if name in _MEMO_GET:
+                stack.append(memo.get(int(arg), 0))
+                continue
+            before = op.stack_before
+            below = next((i for i, obj in enumerate(before) if obj is pickletools.markobject), None)
+            if below is None:
+                popped = [stack.pop() if stack else 0 for _ in before]  # the top first
+            else:  # everything above the mark, then the objects under it (SETITEMS' dict, say)
+                at = marks.pop() if marks else 0
+                popped = stack[at:]
+                del stack[at:]
+                popped += [stack.pop() if stack else 0 for _ in range(below)]
+            top = max(popped, default=0)
+            if name in _MAKES_TUPLE or name == "EMPTY_TUPLE":
+                height = top + 1
+            elif name in _PASSES_THROUGH:
+                height = top
+            elif name == "BUILD":
+                height = popped[-1] if popped else 0  # the object built upon stays (popped last)
+            else:
+                height = 0
+            if height > MAX_TUPLE_DEPTH:
+                raise PickleScanError(f"the pickle nests tuples deeper than {MAX_TUPLE_DEPTH} levels; refused")
+            stack.extend([height] * len(op.stack_after))
+    except PickleScanError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
+        raise PickleScanError(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
+
+
 def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
     """Unpickle ``data`` into inert stand-ins and list its tensors; raises :class:`PickleScanError`."""
     if len(data) > MAX_PICKLE_BYTES:
         raise PickleScanError(f"data.pkl is {len(data)} bytes, more than this tool reads ({MAX_PICKLE_BYTES})")
+    _check_nesting(data)
     scan = PickleScan(root=None)
     budget = _Budget(max_objects)
     try:
