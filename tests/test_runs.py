@@ -165,3 +165,13 @@ def test_watch_copes_with_retention_deleting_checkpoints(tmp_path: Path) -> None
     deleter.wait(timeout=60)
     assert all(r["event"] in ("verified", "deleted", "changed") for r in result.results), [
         r for r in result.results if r["event"] not in ("verified", "deleted", "changed")]
+
+
+def test_a_stamp_write_cut_short_leaves_a_temporary_file_that_is_noted_not_warned_about(tmp_path: Path) -> None:
+    path = _dcp(tmp_path / "step_1", 1.0)
+    (path / ".ckptverify-stamp-abc123").write_text('{"schema": "ckptverify/st')  # the process died mid-write
+    report = verify_checkpoint(path)
+    assert report.passed and not report.warnings
+    assert any(f.check == "file-unreferenced" and ".ckptverify-stamp-abc123" in f.message for f in report.findings)
+    (path / "planted.bin").write_bytes(b"x")  # anything else is still a warning
+    assert [f.location.file for f in verify_checkpoint(path).warnings] == ["planted.bin"]

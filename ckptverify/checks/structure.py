@@ -14,11 +14,13 @@ from collections.abc import Iterable
 
 from ckptverify.checks import item_label, item_location
 from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
-from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
+from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.readers import file_kind, is_inside
 
 #: Files ckptverify itself may write beside a checkpoint; never reported as unreferenced.
 OWN_FILES = frozenset({"ckptverify.manifest.json", "ckptverify.verified.json", ".ckptverify-verifying"})
+#: The temporary file a stamp is written to before it is renamed into place (``ckptverify.runs.stamp``).
+STAMP_TEMP_PREFIX = ".ckptverify-stamp-"
 
 
 def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | None]:
@@ -65,7 +67,14 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
         dirnames.sort()
         for fname in sorted(filenames):
             rel = os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
-            if rel not in referenced:
+            if rel not in referenced and "/" not in rel and fname.startswith(STAMP_TEMP_PREFIX):
+                findings.append(info(
+                    "file-unreferenced",
+                    f"{rel} is the temporary file of a verification stamp whose writing did not finish (the "
+                    "process stopped); it is never read and can be deleted",
+                    location=Location(file=rel),
+                ))
+            elif rel not in referenced:
                 try:  # lstat: listed, never opened (it may be a FIFO or a link to a device)
                     st = os.lstat(os.path.join(dirpath, fname))
                 except OSError:
