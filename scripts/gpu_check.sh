@@ -2,7 +2,7 @@
 # The checks that need a GPU, in one go: the CUDA tests (tests/test_cuda.py, the CUDA RNG test) and, with
 # --bench, the GPU benchmarks (fingerprint throughput, trace overhead at both configurations).
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [--bench]
+#   bash scripts/gpu_check.sh [OUT_DIR] [--bench]    (--bench needs OUT_DIR first)
 #
 # Logs go to OUT_DIR (default gpu-check/). Exit 0 when every step passed. Set PYTHON to choose the interpreter.
 set -u -o pipefail
