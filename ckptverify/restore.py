@@ -168,7 +168,7 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
     box: list[Any] = [None]
     if dist is None or dist.get_rank() == 0:
         try:
-            found = latest_verified(root)
+            found = latest_verified(root, formats={"dcp"})  # what load restores
             box[0] = found.to_dict()
         except CheckpointNotFoundError as exc:
             box[0] = {"error": str(exc)}

@@ -410,3 +410,19 @@ def test_two_ranks_only_rank_0_verifies_and_both_ranks_see_a_raise_mode_failure(
     assert _stamp(tmp_path / "step_1")["passed"] and _stamp(tmp_path / "step_2")["verdict"] == "failed"
     events = [e for e in read_events(tmp_path) if e["event"].startswith("verif")]
     assert [(e["event"], e["step"], e["rank"]) for e in events] == [("verified", 1, 0), ("verify-failed", 2, 0)]
+
+
+def test_load_pick_passes_over_newer_checkpoints_of_a_format_load_cannot_restore(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    state = _train_state(3)
+    state.counters.step = 10
+    cv.save(state, run / "step_10")
+    saved = {k: v.clone() for k, v in state.model.state_dict().items()}
+    torch.save({"state_dict": state.model.state_dict()}, run / "epoch=0-step=20.ckpt")  # newer, intact, not DCP
+    target = _train_state(0)
+    report = cv.load(target, run, pick="latest-verified")
+    assert report.stats["picked"] == str(run / "step_10")
+    assert [(s["path"], s["state"]) for s in report.stats["skipped"]] == [("epoch=0-step=20.ckpt", "other-format")]
+    assert all(torch.equal(v, saved[k]) for k, v in target.model.state_dict().items())
+    # `latest` itself still names the newest good checkpoint of any format.
+    assert cv.latest_verified(run).path.endswith("epoch=0-step=20.ckpt")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +51,12 @@ def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool) -> tu
     return state, reason, "verified now"
 
 
-def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None, use_stamps: bool = True) -> Latest:
+def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None, use_stamps: bool = True,
+                    formats: Collection[str] | None = None) -> Latest:
     """The newest checkpoint under ``run_dir`` that verifies; see the module docstring.
+
+    ``formats``: consider only checkpoints of these formats (``find_checkpoints``' names, e.g. ``{"dcp"}`` for
+    what :func:`ckptverify.load` restores); newer ones of other formats are listed as skipped, with why.
 
     Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory. A run
     directory with no good checkpoint gives ``path=None`` and a report that fails.
@@ -67,7 +72,11 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
     examined = 0
     for cand in candidates:
         examined += 1
-        state, reason, how = _judge(root, cand, jobs, use_stamps)
+        if formats is not None and cand.format not in formats and cand.format != "dcp-uncommitted":
+            state, reason, how = "other-format", f"a {cand.format} checkpoint, not {'/'.join(sorted(formats))}", \
+                "format"
+        else:
+            state, reason, how = _judge(root, cand, jobs, use_stamps)
         where = Location(file=cand.path)
         if state in GOOD_STATES:
             result.path, result.step = os.path.abspath(os.path.join(root, cand.path)), cand.step
