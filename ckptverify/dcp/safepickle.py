@@ -432,16 +432,10 @@ def _mark_pairs(items: list[Any], what: str) -> None:
         raise BadPickle(f"odd number of items for {what}")
 
 
-class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
-    """The pure-Python unpickler: its memo is a dict. (The C unpickler grows its memo array to any index a
-    ``LONG_BINPUT`` names and zero-fills it: a 10-byte pickle makes it touch gigabytes.)"""
+class _Allowlisted:
+    """What both unpicklers resolve alike: globals through the allowlist (``self._allowed``), no persistent ids."""
 
-    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any], budget: _Budget) -> None:
-        self._stream = io.BytesIO(data)
-        self._size = len(data)
-        super().__init__(self._stream)
-        self._allowed = allowed
-        self._budget = budget
+    _allowed: dict[tuple[str, str], Any]
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -451,6 +445,18 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def persistent_load(self, pid: Any) -> Any:
         raise BadPickle("persistent ids are not used by DCP metadata")
+
+
+class _SafeUnpickler(_Allowlisted, pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler: its memo is a dict. (The C unpickler grows its memo array to any index a
+    ``LONG_BINPUT`` names and zero-fills it: a 10-byte pickle makes it touch gigabytes.)"""
+
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any], budget: _Budget) -> None:
+        self._stream = io.BytesIO(data)
+        self._size = len(data)
+        super().__init__(self._stream)
+        self._allowed = allowed
+        self._budget = budget
 
     # Where the pure-Python unpickler is more lenient than the C one that DCP uses, follow the C one (or
     # refuse), so that a file accepted here is never one real unpickling fails on, and so that the C
@@ -598,21 +604,12 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     del _op, _fn
 
 
-class _FastUnpickler(pickle.Unpickler):
+class _FastUnpickler(_Allowlisted, pickle.Unpickler):
     """The C unpickler through the same allowlist; only for pickles :func:`in_fast_subset` admits."""
 
     def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self._allowed[(module, name)]
-        except KeyError:
-            raise UnsafeGlobal(f"{module}.{name}"[:300]) from None
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise BadPickle("persistent ids are not used by DCP metadata")
 
 
 def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
