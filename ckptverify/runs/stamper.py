@@ -63,6 +63,7 @@ class VerifyingLock:
     def __init__(self, checkpoint: str) -> None:
         # A single-file checkpoint has no directory to hold a lock: nothing is created beside it, and the
         # lock is a no-op (two watchers may verify it twice; retention of single files does not wait).
+        self._checkpoint = checkpoint
         self._single = os.path.lexists(checkpoint) and not os.path.isdir(checkpoint)
         self.path = os.path.join(checkpoint, VERIFYING_LOCK)
         self._fd: int | None = None
@@ -77,8 +78,8 @@ class VerifyingLock:
         if self._fd is not None:
             return True
         if self._single:
-            if not os.path.isfile(self.path.rsplit(os.sep, 1)[0]):
-                raise FileNotFoundError(self.path)
+            if not os.path.isfile(self._checkpoint):
+                raise FileNotFoundError(self._checkpoint)
             self._fd = -1
             return True
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
