@@ -13,6 +13,11 @@ step. Targets: ``state`` <= 1.02x, ``state`` with ``trace_every=10`` <= 1.005x, 
 defaults of the built-in workload, a 5-10 ms step) and ``large`` (``d_model`` 256, 4 layers, batch 16, a
 120-170 ms step).
 
+Variant ``bytes`` (host only) is no trace plus the one thing level ``state`` cannot avoid: reading every byte it
+digests (gradients, parameters, optimizer state) with xxh3 right where the trace reads them. Its ratio is the
+floor under ``state`` on that machine: on a small model those bytes no longer sit in the caches after the step,
+so the floor is set by memory bandwidth, not by the trace's code.
+
 It also measures the fixed cost of a tensor site: a category of 1000 one-element tensors recorded at detail
 ``category``, per tensor (target <= 5 microseconds).
 """
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONFIGS = {"small": (64, 2, 8), "large": (256, 4, 16)}
-LEVELS = ["none", "metrics", "state", "state/10", "module"]
+LEVELS = ["none", "bytes", "metrics", "state", "state/10", "module"]
 
 
 @dataclass
@@ -40,6 +45,35 @@ class Variant:
     steps: Any
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    after_step: Any = None
+
+
+def hash_bytes_only(training: Any) -> Any:
+    """The floor of level ``state`` on the host: reading every byte it digests (the gradients, in an optimizer
+    pre-hook, then the parameters and the optimizer state after the step) with xxh3 and nothing else. Returns
+    the function to call after each step."""
+    import xxhash
+
+    from ckptverify.trace.category import HostViews
+
+    params = list(training.model.parameters())
+    opt = training.optimizer
+
+    def grads(*_: Any) -> None:
+        for p in params:
+            if p.grad is not None:
+                xxhash.xxh3_128_intdigest(p.grad.numpy())
+
+    opt.register_step_pre_hook(grads)
+    state: list[Any] = []
+
+    def after() -> None:
+        if not state:
+            tensors = [*params, *(v for st in opt.state.values() for v in st.values() if hasattr(v, "numel"))]
+            state.append(HostViews([t.detach() for t in tensors]))
+        state[0].digests()
+
+    return after
 
 
 def make_variant(name: str, total: int, d_model: int, layers: int, batch: int, trace_dir: str) -> Variant:
@@ -53,13 +87,15 @@ def make_variant(name: str, total: int, d_model: int, layers: int, batch: int, t
     device = "cuda" if torch.cuda.is_available() else "cpu"
     training = build_training(config, total_steps=total + 10, num_sequences=batch * (total + 2), device=device)
     loader = make_loader(training.dataset, batch)
-    level, _, every = ("state" if name == "none" else name).partition("/")
-    cfg = RunConfig(name=name, stop_step=total, trace_dir=None if name == "none" else f"{trace_dir}/{name}",
+    untraced = name in ("none", "bytes")
+    level, _, every = ("state" if untraced else name).partition("/")
+    cfg = RunConfig(name=name, stop_step=total, trace_dir=None if untraced else f"{trace_dir}/{name}",
                     level=level, trace_every=int(every or 1))
     run = Run(cfg)
     run.restore(TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
                            dataloader=loader))
-    return Variant(name, run, training, iter(run.steps(loader)))
+    after = hash_bytes_only(training) if name == "bytes" and device == "cpu" else None
+    return Variant(name, run, training, iter(run.steps(loader)), after_step=after)
 
 
 def run_block(v: Variant, steps: int) -> None:
@@ -73,6 +109,8 @@ def run_block(v: Variant, steps: int) -> None:
         batch = next(v.steps)
         out = train_step(v.training, batch)
         v.run.record(loss=out["loss"], batch=batch, lr=out["lr"], grad_norm=out["grad_norm"])
+        if v.after_step is not None:
+            v.after_step()
     if cuda:
         torch.cuda.synchronize()
     v.wall.append((time.perf_counter() - t0) / steps)

@@ -430,16 +430,16 @@ def test_batched_device_lanes_equal_the_fingerprint_of_each_tensor() -> None:
 
 
 def test_a_category_cell_names_the_one_member_that_changed() -> None:
-    from ckptverify.trace.category import combine, locate, matches, weight
+    from ckptverify.trace.category import combine, combine_digests, locate, matches, weight
 
     names = [f"param.layer{i}.weight" for i in range(50)]
-    weights = np.array([weight(n) for n in names], dtype=np.uint64)
+    weights = [weight(n) for n in names]
     rng = np.random.default_rng(0)
-    lows = rng.integers(0, 2**63, 50, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    lows = [int(x) * 2 + 1 for x in rng.integers(0, 2**63, 50, dtype=np.uint64)]
     base = combine(lows, weights)
     def change(j: int, delta: int) -> tuple[int, int] | None:
-        changed = lows.copy()
-        changed[j] = np.uint64((int(changed[j]) + delta) % 2**64)
+        changed = list(lows)
+        changed[j] = (changed[j] + delta) % 2**64
         return locate(base, combine(changed, weights))
 
     for j, delta in ((7, 1), (31, 2**40), (0, 3 * 2**20)):  # odd and even differences: the weight mod 2**(64-k)
@@ -449,10 +449,13 @@ def test_a_category_cell_names_the_one_member_that_changed() -> None:
     # name a tensor only when exactly one member matches.
     found = change(5, 2**63)
     assert found is not None and sum(matches(n, found) for n in names) == len(names)
-    several = lows.copy()
-    several[[3, 9]] += np.uint64(5)
+    several = list(lows)
+    several[3] = (several[3] + 5) % 2**64
+    several[9] = (several[9] + 5) % 2**64
     found = locate(base, combine(several, weights))
     assert found is None or not any(matches(n, found) for n in names)
+    # combine_digests sums the low halves of whole 128-bit digests.
+    assert combine_digests([(12345 << 64) | lo for lo in lows], weights) == base
     assert locate(base, base) is None
 
 

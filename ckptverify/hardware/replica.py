@@ -201,7 +201,7 @@ class ReplicaCheck:
                 digests = views.digests()
             assert digests is not None
             for n, d in zip(host, digests, strict=True):
-                out[n] = int.from_bytes(d, "big")
+                out[n] = d
             todo = [n for n in todo if n not in set(host)]
         for n, d in zip(todo, tensor_digests([tensors[n] for n in todo]), strict=True):
             out[n] = d

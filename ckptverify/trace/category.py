@@ -22,13 +22,16 @@ is known modulo ``2**(64-k)`` (:func:`locate`), so a trace that holds the member
 ``detail="tensor"``, such as a replay) names the tensor. When several members differ the quotient is a random
 number that matches no member (odds about n / 2**(64-k)). Members are summed, so the order in which they are
 digested does not matter, and a member absent in one run (a parameter without a gradient) counts as a
-difference of that member. The sums are vectorized (numpy on the host, torch on the device: only the two lanes
-are read back at detail ``category``).
+difference of that member. On the host the sums are Python integer arithmetic over the members' digests (a
+category has tens to thousands of members: numpy's per-call cost, paid cold after every training step, is
+larger than the sums themselves).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import mul as _mul
+from operator import xor as _xor
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HostViews",
     "combine",
+    "combine_digests",
     "host_digest",
     "host_view",
     "locate",
@@ -62,13 +66,16 @@ def weight(name: str) -> int:
     return w
 
 
-def combine(lows: np.ndarray, weights: np.ndarray) -> tuple[int, int]:
-    """The two lanes of a category cell over members whose digests' low halves are ``lows`` (uint64), with
-    these ``weights`` (uint64): sums modulo 2**64."""
-    import numpy as np
+def combine(lows: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
+    """The two lanes of a category cell over members whose digests' low halves are ``lows`` (64-bit unsigned
+    integers), with these ``weights``: sums modulo 2**64."""
+    return sum(lows) & _MASK64, sum(map(_mul, lows, weights)) & _MASK64
 
-    # Array arithmetic on uint64 wraps modulo 2**64 without a warning.
-    return int(lows.sum(dtype=np.uint64)), int((lows * weights).sum(dtype=np.uint64))
+
+def combine_digests(digests: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
+    """:func:`combine` over whole 128-bit member digests (their low halves are what a category cell sums)."""
+    lows = [d & _MASK64 for d in digests]
+    return sum(lows) & _MASK64, sum(map(_mul, lows, weights)) & _MASK64
 
 
 def locate(expected: Sequence[int], actual: Sequence[int]) -> tuple[int, int] | None:
@@ -103,11 +110,6 @@ def signature(dtype: Any, shape: tuple[int, ...]) -> int:
     if sig is None:
         sig = _signatures[key] = xxhash.xxh3_128_intdigest(f"{dtype}|{shape}".encode())
     return sig
-
-
-def signature_row(dtype: Any, shape: tuple[int, ...]) -> tuple[int, int]:
-    sig = signature(dtype, shape)
-    return sig >> 64, sig & _MASK64
 
 
 def host_view(t: torch.Tensor) -> np.ndarray:
@@ -177,7 +179,6 @@ class HostViews:
     = ...``): the caller rebuilds."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[Any] | None = None) -> None:
-        import numpy as np
         import torch
 
         self.tensors = list(tensors)
@@ -185,26 +186,16 @@ class HostViews:
         #: was taken from); defaults to the tensors themselves.
         self.owners = list(owners) if owners is not None else self.tensors
         self.views = [host_view(t) for t in self.tensors]
-        self.signatures = np.array([signature_row(t.dtype, tuple(t.shape)) for t in self.tensors],
-                                   dtype=np.uint64).reshape(-1, 2)
+        self.signatures = [signature(t.dtype, tuple(t.shape)) for t in self.tensors]
         self._ptr = torch.Tensor.data_ptr
         self.pointers = list(map(self._ptr, self.owners))
         # A non-contiguous tensor's view is a copy: it must be made again each time.
         self._copies = [n for n, t in enumerate(self.tensors) if not t.is_contiguous()]
 
-    def digests(self) -> np.ndarray | None:
-        """Each tensor's digest as an ``(n, 2)`` uint64 array (high and low halves), or ``None``."""
+    def digests(self) -> list[int] | None:
+        """Each tensor's member digest (an unsigned 128-bit integer, as :func:`host_digest`), or ``None``."""
         if list(map(self._ptr, self.owners)) != self.pointers:
             return None
         for n in self._copies:
             self.views[n] = host_view(self.tensors[n])
-        return split(list(map(xxhash.xxh3_128_digest, self.views))) ^ self.signatures
-
-
-def split(digests: Sequence[bytes]) -> np.ndarray:
-    """16-byte member digests as an ``(n, 2)`` uint64 array: high and low halves (the cell's two lanes)."""
-    import numpy as np
-
-    if not digests:
-        return np.zeros((0, 2), dtype=np.uint64)
-    return np.frombuffer(b"".join(digests), dtype=">u8").reshape(-1, 2).astype(np.uint64)
+        return list(map(_xor, map(xxhash.xxh3_128_intdigest, self.views), self.signatures))

@@ -53,7 +53,6 @@ from ckptverify.trace.store import (
 )
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from ckptverify.state.train_state import TrainState
@@ -295,7 +294,7 @@ class _HparamSpec:
     sequences: list[list[str]]  # per group: keys of sequence entries
     names: list[str]
     fmt: str
-    weights: Any
+    weights: list[int]
     comparable: bool  # values that cannot change in place: the groups can be compared as a whole
     shape: list[int]  # len() of each group, and the number of optimizers, when found
 
@@ -329,8 +328,6 @@ class _HparamCells:
     def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Cell]:
         import struct
 
-        import numpy as np
-
         from ckptverify.trace.category import combine
 
         spec = self._spec
@@ -346,15 +343,16 @@ class _HparamCells:
                     values.extend(get(g))
                 for key in seqs:
                     values.extend(g[key])
-            lows = np.frombuffer(struct.pack(spec.fmt, *values), dtype="<u8").astype(np.uint64)
+            packed = struct.pack(spec.fmt, *values)
+            lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
             names, weights = spec.names, spec.weights
             encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
         except (struct.error, KeyError, IndexError, TypeError):
             self._spec = None  # the groups changed shape or types: find the entries again next time
             slow = hparam_cells(self.prefix, optimizers)
             names = [c.site for c in slow]
-            lows = np.array([c.lanes[0] for c in slow], dtype=np.uint64)
-            weights = np.array([_weight(n) for n in names], dtype=np.uint64)
+            lows = [c.lanes[0] for c in slow]
+            weights = [_weight(n) for n in names]
             encodings = [c.encoding for c in slow]
         if not names:
             return []
@@ -362,15 +360,13 @@ class _HparamCells:
         if self.detail == "tensor":
             # A member's value in the category cell is its 64 bits (lane 0 of its own cell).
             cells = [Cell(n, "hparam", (b, 0), e, "", group)
-                     for n, b, e in zip(names, lows.tolist(), encodings, strict=True)]
+                     for n, b, e in zip(names, lows, encodings, strict=True)]
         cells.append(Cell(group, "hparam", combine(lows, weights), "set128"))
         return cells
 
     def _find(self, optimizers: list[Any], groups: list[Any]) -> _HparamSpec:
         """Which entries are numbers, and how to pack them."""
         import operator
-
-        import numpy as np
 
         scalars: list[Any] = []
         counts: list[int] = []
@@ -407,7 +403,7 @@ class _HparamCells:
                 scalars.append(operator.itemgetter(*keys) if keys else None)
                 counts.append(len(keys))
                 sequences.append(seqs)
-        weights = np.array([_weight(n) for n in names], dtype=np.uint64)
+        weights = [_weight(n) for n in names]
         return _HparamSpec(scalars, counts, sequences, names, fmt, weights, comparable,
                            [*map(len, groups), len(optimizers)])
 
@@ -448,12 +444,10 @@ class _Members:
     """The tensors of one category, in a fixed order: their site names, weights and encodings."""
 
     def __init__(self, group: str, kind: str, names: list[str], tensors: list[Any]) -> None:
-        import numpy as np
-
         from ckptverify.trace.category import weight
 
         self.group, self.kind, self.names = group, kind, names
-        self.weights = np.array([weight(n) for n in names], dtype=np.uint64)
+        self.weights = [weight(n) for n in names]
         self.tensors = tensors
         self.locals = [t.to_local() if _is_dtensor(t) else t for t in tensors]
         self.encodings = ["digest128" if t.device.type == "cpu" else "fp128" for t in self.locals]
@@ -461,12 +455,13 @@ class _Members:
 
 class _Digester:
     """Digests the members of several categories in one pass: host tensors through views kept from step to
-    step (one C call each, then one vectorized pass for all), device tensors in one batched pass per device."""
+    step (one C call each), device tensors in one batched pass per device; the category sums in Python
+    integers."""
 
     def __init__(self, categories: list[_Members], owners: list[Any]) -> None:
         """``owners``: what to read data pointers from to see a host member's storage move (the Parameters
         behind state-dict aliases, the buffers); the optimizer state is followed by identity elsewhere."""
-        import numpy as np
+        from itertools import accumulate
 
         from ckptverify.trace.category import HostViews
 
@@ -480,69 +475,51 @@ class _Digester:
                 self._device.setdefault(t.device, []).append(i)
         self._tensors = tensors
         self._views = HostViews([tensors[i] for i in self._host], owners=owners)
-        self.bounds = np.cumsum([0, *(len(c.names) for c in categories)]).tolist()
-        self._weights = np.concatenate([c.weights for c in categories]) if categories else np.zeros(0, np.uint64)
-        self._nonempty = [k for k, c in enumerate(categories) if c.names]
-        self._starts = [self.bounds[k] for k in self._nonempty]
+        self.bounds = list(accumulate((len(c.names) for c in categories), initial=0))
+        self._spans = [(k, self.bounds[k], self.bounds[k + 1]) for k, c in enumerate(categories) if c.names]
 
-    def digests(self) -> np.ndarray | None:
-        """Every member's digest, as an ``(n, 2)`` uint64 array in category order; ``None`` when a host member's
-        storage moved (rebuild)."""
-        import numpy as np
-
+    def digests(self) -> list[int] | None:
+        """Every member's digest (an unsigned 128-bit integer) in category order; ``None`` when a host
+        member's storage moved (rebuild)."""
         host = self._views.digests()
         if host is None:
             return None
         if not self._device:
             return host
-        out = np.zeros((self.count, 2), dtype=np.uint64)
-        if self._host:
-            out[self._host] = host
+        out = [0] * self.count
+        for i, d in zip(self._host, host, strict=True):
+            out[i] = d
         for members in self._device.values():
-            out[members] = _device_digests([self._tensors[i] for i in members])
+            for i, d in zip(members, _device_digests([self._tensors[i] for i in members]), strict=True):
+                out[i] = d
         return out
 
-    def cells(self, digests: np.ndarray, detail: str) -> list[list[Cell]]:
-        """Each category's cells, from ``digests`` (see :meth:`digests`): the category sums of all categories
-        in one vectorized pass (sums of uint64 wrap modulo 2**64)."""
-        import numpy as np
-
+    def cells(self, digests: list[int], detail: str) -> list[list[Cell]]:
+        """Each category's cells, from ``digests`` (see :meth:`digests`)."""
         out: list[list[Cell]] = [[] for _ in self.categories]
-        if not self._nonempty:
-            return out
-        lows = digests[:, 1]
-        lane0 = np.add.reduceat(lows, self._starts).tolist()
-        lane1 = np.add.reduceat(lows * self._weights, self._starts).tolist()
-        rows = digests.tolist() if detail == "tensor" else None
-        for k, s0, s1 in zip(self._nonempty, lane0, lane1, strict=True):
+        for k, lo, hi in self._spans:
             c = self.categories[k]
-            cells: list[Cell] = []
-            if rows is not None:
-                lo = self.bounds[k]
-                cells = [Cell(n, c.kind, (hi, lo_), e, "", c.group)
-                         for n, (hi, lo_), e in zip(c.names, rows[lo:lo + len(c.names)], c.encodings, strict=True)]
-            cells.append(Cell(c.group, c.kind, (s0, s1), "set128"))
-            out[k] = cells
+            out[k] = _category_cells(c.group, c.kind, c.names, c.weights, c.encodings, digests[lo:hi], detail)
         return out
 
 
-def _device_digests(tensors: list[Any]) -> np.ndarray:
-    """Member digests of tensors on one device, computed there and read back once, as ``(n, 2)`` uint64."""
+def _device_digests(tensors: list[Any]) -> list[int]:
+    """Member digests of tensors on one device, computed there and read back once."""
     from ckptverify import _fingerprint_kernels as kern
 
-    return kern.lanes_many(tensors).cpu().numpy().view("uint64")
+    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in kern.lanes_many(tensors).tolist()]
 
 
-def _category_cells(group: str, kind: str, names: list[str], weights: np.ndarray, encodings: list[str],
-                    digests: np.ndarray, detail: str) -> list[Cell]:
+def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
+                    digests: list[int], detail: str) -> list[Cell]:
     """At detail ``tensor`` one cell per member, then (at every detail) the category cell."""
-    from ckptverify.trace.category import combine
+    from ckptverify.trace.category import combine_digests
 
     cells: list[Cell] = []
     if detail == "tensor":
-        cells = [Cell(n, kind, (hi, lo), e, "", group)
-                 for n, (hi, lo), e in zip(names, digests.tolist(), encodings, strict=True)]
-    cells.append(Cell(group, kind, combine(digests[:, 1], weights), "set128"))
+        cells = [Cell(n, kind, (d >> 64, d & _MASK64), e, "", group)
+                 for n, d, e in zip(names, digests, encodings, strict=True)]
+    cells.append(Cell(group, kind, combine_digests(digests, weights), "set128"))
     return cells
 
 
@@ -552,22 +529,20 @@ class _Gradients:
     def __init__(self, model: Any) -> None:
         import ctypes
 
-        import numpy as np
         import torch
 
-        from ckptverify.trace.category import signature_row, weight
+        from ckptverify.trace.category import signature, weight
 
         named = [(f"grad.{canonical_name(n)}", p) for n, p in _unwrap(model).named_parameters()]
         self.model = model
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.weights = np.array([weight(n) for n in self.names], dtype=np.uint64)
+        self.weights = [weight(n) for n in self.names]
         locals_ = [p.to_local() if _is_dtensor(p) else p for p in self.params]
         self.dtensor = [_is_dtensor(p) for p in self.params]
         self.host = [t.device.type == "cpu" for t in locals_]
         # A gradient has its parameter's dtype and shape (autograd refuses any other).
-        self.signatures = np.array([signature_row(t.dtype, tuple(t.shape)) for t in locals_],
-                                   dtype=np.uint64).reshape(-1, 2)
+        self.signatures = [signature(t.dtype, tuple(t.shape)) for t in locals_]
         self.encodings = ["digest128" if h else "fp128" for h in self.host]
         # Plain host parameters: each step, a view over every gradient's bytes straight from its address (a
         # third of the cost of .numpy()), checked contiguous first; the gradients are held while hashed.
@@ -579,15 +554,15 @@ class _Gradients:
 
     def cells(self, detail: str) -> list[Cell]:
         if self.fast:
-            import xxhash
+            from operator import xor
 
-            from ckptverify.trace.category import split
+            import xxhash
 
             grads = [p.grad for p in self.params]
             try:
                 if all(map(self._contiguous, grads)):
                     views = [make(ptr) for make, ptr in zip(self._makers, map(self._ptr, grads), strict=True)]
-                    digests = split(list(map(xxhash.xxh3_128_digest, views))) ^ self.signatures
+                    digests = list(map(xor, map(xxhash.xxh3_128_intdigest, views), self.signatures))
                     return _category_cells("grad.*", "grad", self.names, self.weights, self.encodings, digests,
                                            detail)
             except (TypeError, RuntimeError):
@@ -595,17 +570,13 @@ class _Gradients:
         return self._cells(detail)
 
     def _cells(self, detail: str) -> list[Cell]:
-        import numpy as np
-
         from ckptverify.trace.category import tensor_digests
 
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not present:
             return []
-        grads = [self.params[i].grad for i in present]
-        ints = tensor_digests(grads)
-        digests = np.array([(d >> 64, d & _MASK64) for d in ints], dtype=np.uint64).reshape(-1, 2)
-        return _category_cells("grad.*", "grad", [self.names[i] for i in present], self.weights[present],
+        digests = tensor_digests([self.params[i].grad for i in present])
+        return _category_cells("grad.*", "grad", [self.names[i] for i in present], [self.weights[i] for i in present],
                                [self.encodings[i] for i in present], digests, detail)
 
 
@@ -889,7 +860,7 @@ class TraceRecorder:
         self._start_hparams = _HparamCells("start.hparam.", self.detail)
         self._grad_version = -1
         self._field_kinds: dict[str, str] = {}
-        self._last: tuple[int, list[Any], np.ndarray] | None = None
+        self._last: tuple[int, list[Any], list[int]] | None = None
 
     @property
     def records_state(self) -> bool:
@@ -1137,7 +1108,7 @@ class TraceRecorder:
         return [*layout.optim_leaves.cells(), *scaler, *optim, *layout.param_leaves.cells(), *params, *buffers,
                 *others]
 
-    def _members(self, state: TrainState) -> tuple[_StateLayout, np.ndarray]:
+    def _members(self, state: TrainState) -> tuple[_StateLayout, list[int]]:
         """The layout and the digests of its optimizer-state, parameter and buffer members now."""
         for _ in range(2):
             layout = self._layout
@@ -1179,8 +1150,7 @@ class TraceRecorder:
         tensors again."""
         if self._last is None or self._last[0] != step:
             return [None] * len(tensors)
-        _, members, array = self._last
-        digests = [(hi << 64) | lo for hi, lo in array.tolist()]
+        _, members, digests = self._last
         index: dict[tuple[Any, ...], int] = {}
         for t, d in zip(members, digests, strict=True):
             local = t.to_local() if _is_dtensor(t) else t
