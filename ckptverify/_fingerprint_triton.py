@@ -7,8 +7,14 @@ in registers and writes its two partial sums; the partials are then added modulo
 is associative and commutative, so the order of the programs does not matter: the result is exactly the
 eager path's.
 
-Used for CUDA tensors when Triton imports, after it has matched the eager path on a test block of each element
-width (:func:`lanes` returns ``None`` otherwise, and the caller takes the eager path). With
+A second kernel does the same for a whole list of tensors at once (:func:`lanes_many`, what a trace digests
+each step: every gradient, parameter and optimizer state tensor): the tensors of one element width are laid end
+to end, each program takes one block of one tensor, and the per-tensor sums come from the programs' partials in
+a few more operations, so a list costs about ten kernel launches however many tensors it holds (the eager
+path launches about fifty per block).
+
+Used for CUDA tensors when Triton imports, after it has matched the eager path on test data of each element
+width (:func:`lanes` and :func:`lanes_many` return ``None`` otherwise, and the caller takes the eager path). With
 ``TRITON_INTERPRET=1`` set before Triton is imported, the same kernel runs on CPU tensors through Triton's
 interpreter: that is how the CPU test suite checks it.
 """
@@ -70,6 +76,28 @@ if triton is not None:
         s1 = tl.sum(tl.where(mask, y1, zero), axis=0)
         tl.store(out_ptr + 2 * pid, s0.to(tl.int64, bitcast=True))
         tl.store(out_ptr + 2 * pid + 1, s1.to(tl.int64, bitcast=True))
+
+
+    @triton.jit
+    def _many_kernel(bits_ptr, table_ptr, out_ptr, k, a_m1, a_m2, b_m1, b_m2, BLOCK: tl.constexpr):
+        # Row `pid` of the table: where the block starts in `bits`, the global index of its first element in
+        # its tensor, how many elements it holds, and its tensor's two seeds.
+        pid = tl.program_id(0).to(tl.int64)
+        row = table_ptr + 5 * pid
+        start = tl.load(row)
+        first = tl.load(row + 1)
+        length = tl.load(row + 2)
+        seed0 = tl.load(row + 3).to(tl.uint64, bitcast=True)
+        seed1 = tl.load(row + 4).to(tl.uint64, bitcast=True)
+        j = tl.arange(0, BLOCK).to(tl.int64)
+        mask = j < length
+        w = tl.load(bits_ptr + start + j, mask=mask, other=0).to(tl.int64).to(tl.uint64, bitcast=True)
+        p = (first + j).to(tl.uint64, bitcast=True) * k.to(tl.uint64, bitcast=True)
+        y0 = _mix(w ^ (p + seed0), 33, a_m1.to(tl.uint64, bitcast=True), 33, a_m2.to(tl.uint64, bitcast=True), 33)
+        y1 = _mix(w ^ (p + seed1), 30, b_m1.to(tl.uint64, bitcast=True), 27, b_m2.to(tl.uint64, bitcast=True), 31)
+        zero = tl.zeros_like(y0)
+        tl.store(out_ptr + 2 * pid, tl.sum(tl.where(mask, y0, zero), axis=0).to(tl.int64, bitcast=True))
+        tl.store(out_ptr + 2 * pid + 1, tl.sum(tl.where(mask, y1, zero), axis=0).to(tl.int64, bitcast=True))
 
 
 def _kernel() -> Any:
@@ -155,4 +183,140 @@ def lanes(flat: torch.Tensor, geometry: Any, seeds: tuple[int, int]) -> tuple[in
     except Exception as exc:  # pragma: no cover - depends on the environment
         _log.warning("triton fingerprint kernel failed, using eager torch: %s", exc)
         _failed = True
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ many
+
+
+class _ManyPlan:
+    """How one layout (device, and each tensor's element count, width and dtype name) goes through
+    :func:`lanes_many`: per element width, the members laid end to end and the table of programs (on the
+    device); per member, the range of its programs in the partials."""
+
+    def __init__(self, numels: list[int], sizes: list[int], seeds: list[tuple[int, int]],
+                 device: torch.device) -> None:
+        from ckptverify._fingerprint_kernels import _signed
+
+        self.groups: list[tuple[list[int], torch.Tensor, int, int]] = []  # members, table, first program, count
+        first = [0] * len(numels)
+        last = [0] * len(numels)
+        programs = 0
+        for size in dict.fromkeys(sizes):
+            members = [m for m, z in enumerate(sizes) if z == size and numels[m]]
+            if not members:
+                continue
+            rows: list[tuple[int, int, int, int, int]] = []
+            offset = 0
+            for m in members:
+                first[m] = programs + len(rows)
+                for b in range(0, numels[m], BLOCK):
+                    rows.append((offset + b, b, min(BLOCK, numels[m] - b), _signed(seeds[m][0]),
+                                 _signed(seeds[m][1])))
+                last[m] = programs + len(rows)
+                offset += numels[m]
+            table = torch.tensor(rows, dtype=torch.int64).reshape(-1).to(device)
+            self.groups.append((members, table, programs, len(rows)))
+            programs += len(rows)
+        self.programs = programs
+        self.first = torch.tensor(first, dtype=torch.int64).to(device)
+        self.last = torch.tensor(last, dtype=torch.int64).to(device)
+
+
+_plans: dict[tuple[Any, ...], _ManyPlan] = {}
+_PLANS_KEPT = 64
+
+
+def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The kernel's answer for :func:`ckptverify._fingerprint_kernels.lanes_many`: each whole tensor's two lane
+    sums as an ``(n, 2)`` int64 tensor on their device (unchecked: :func:`lanes_many` is the guarded entry)."""
+    from ckptverify._fingerprint_kernels import (
+        _INT_VIEW_BY_SIZE,
+        INDEX_MULTIPLIER,
+        LANES,
+        _signed,
+        dtype_name,
+        dtype_seed,
+    )
+
+    device = tensors[0].device
+    flats: list[torch.Tensor] = []
+    names: list[str] = []
+    for t in tensors:
+        flat = t.detach()
+        names.append(dtype_name(flat.dtype))
+        if flat.is_complex():
+            flat = torch.view_as_real(flat)
+        flat = flat.contiguous().reshape(-1)
+        flats.append(flat.view(_INT_VIEW_BY_SIZE[flat.element_size()]))
+    key = (str(device), tuple((f.numel(), f.element_size(), n) for f, n in zip(flats, names, strict=True)))
+    plan = _plans.get(key)
+    if plan is None:
+        seeds = [(dtype_seed(n, 0), dtype_seed(n, 1)) for n in names]
+        plan = _ManyPlan([f.numel() for f in flats], [f.element_size() for f in flats], seeds, device)
+        if len(_plans) >= _PLANS_KEPT:
+            _plans.pop(next(iter(_plans)))
+        _plans[key] = plan
+    kernel = _many_kernel
+    partials = torch.empty((plan.programs + 1, 2), dtype=torch.int64, device=device)
+    partials[0].zero_()
+    (a1, a2), (b1, b2) = LANES[0].multipliers, LANES[1].multipliers
+    for members, table, first, count in plan.groups:
+        bits = flats[members[0]] if len(members) == 1 else torch.cat([flats[m] for m in members])
+        kernel[(count,)](bits, table, partials[1 + first:1 + first + count], _signed(INDEX_MULTIPLIER),
+                         _signed(a1), _signed(a2), _signed(b1), _signed(b2), BLOCK=BLOCK, num_warps=8)
+    # Integer sums wrap modulo 2**64 (two's complement); a member's programs are consecutive, so its sum is the
+    # difference of the running sums at its two ends.
+    running = torch.cumsum(partials, dim=0)
+    return running[plan.last] - running[plan.first]
+
+
+def _self_check_many(device: torch.device) -> bool:
+    """Run :func:`lanes_many_of` and the eager path on a list of every element width, tensors shorter and
+    longer than a block, an empty one and a complex one; they must agree."""
+    from ckptverify import _fingerprint_kernels as kern
+
+    gen = torch.Generator(device="cpu").manual_seed(0x3A11)
+    tensors = [
+        torch.randn(3 * BLOCK + 5, generator=gen),
+        torch.randn(17, generator=gen).to(torch.bfloat16),
+        torch.randint(-128, 127, (BLOCK + 1,), dtype=torch.int8, generator=gen),
+        torch.zeros(0),
+        torch.randint(-2**62, 2**62, (301,), dtype=torch.int64, generator=gen),
+        torch.randn(40, 7, generator=gen) > 0,
+        torch.randn(9, dtype=torch.complex64, generator=gen),
+        torch.randn(5, 600, generator=gen).t(),  # not contiguous
+    ]
+    want = kern._lanes_many_eager(tensors).tolist()
+    got = lanes_many_of([t.to(device) for t in tensors]).tolist()
+    if got != want:  # pragma: no cover - a miscompilation
+        _log.warning("triton many-tensor fingerprint kernel disagrees with eager torch; not using it")
+        return False
+    return True
+
+
+_many_verified: dict[str, bool] = {}
+
+
+def lanes_many(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """:func:`lanes_many_of` through the kernel, or ``None`` where it does not apply (Triton missing, or the
+    kernel failed its check against the eager path on this kind of device): the caller then takes eager."""
+    global _failed
+    if _failed or not tensors or _kernel() is None:
+        return None
+    kind = tensors[0].device.type
+    with _lock:
+        if kind not in _many_verified:
+            try:
+                _many_verified[kind] = _self_check_many(tensors[0].device)
+            except Exception as exc:  # pragma: no cover - depends on the environment
+                _log.warning("triton many-tensor fingerprint kernel unavailable, using eager torch: %s", exc)
+                _many_verified[kind] = False
+        if not _many_verified[kind]:
+            return None
+    try:
+        return lanes_many_of(tensors)
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        _log.warning("triton many-tensor fingerprint kernel failed, using eager torch: %s", exc)
+        _many_verified[kind] = False
         return None

@@ -63,6 +63,29 @@ def test_fingerprints_on_the_gpu_equal_the_cpu_ones(dtype: torch.dtype, backend:
         set_fingerprint_backend("auto")
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_many_tensors_on_the_gpu_fingerprint_as_on_the_cpu(backend: str) -> None:
+    """What a trace digests each step (a list of tensors, one batched pass): the lanes on the GPU, through the
+    Triton kernel or the eager path, equal the CPU's, and a flipped bit changes only its tensor's."""
+    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify import _fingerprint_triton as tri
+
+    set_fingerprint_backend(backend)
+    try:
+        tensors = [_values(dtype, n) for dtype, n in zip(DTYPES, (1, 7, 1000, 5000, (1 << 20) + 3, 65), strict=False)]
+        tensors.append(torch.zeros(0))
+        want = kern.lanes_many(tensors).tolist()
+        on_gpu = [t.cuda() for t in tensors]
+        assert kern.lanes_many(on_gpu).tolist() == want
+        if backend == "triton":
+            assert tri._many_verified.get("cuda") is True
+        on_gpu[3].view(torch.uint8)[11] ^= 1
+        got = kern.lanes_many(on_gpu).tolist()
+        assert [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b] == [3]
+    finally:
+        set_fingerprint_backend("auto")
+
+
 def test_one_flipped_bit_on_the_gpu_changes_the_fingerprint() -> None:
     t = torch.randn(1 << 16, device="cuda")
     before = tensor_fingerprint(t)

@@ -64,3 +64,38 @@ def test_triton_kernel_matches_the_eager_path_under_the_interpreter() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "cases 24" in done.stdout
+
+
+MANY = textwrap.dedent('''
+    import torch
+    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify import _fingerprint_triton as tri
+
+    assert tri._self_check_many(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    cases = 0
+    for sizes in ((1,), (tri.BLOCK,), (tri.BLOCK + 1, 3, 0, 2 * tri.BLOCK), (70 * 30, 5000, 0, 3, 1)):
+        dtypes = (torch.float32, torch.float16, torch.int32, torch.float64, torch.int8)
+        tensors = [(torch.randn(n, generator=gen) * 50).to(dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)]
+        want = kern._lanes_many_eager(tensors).tolist()
+        assert tri.lanes_many(tensors).tolist() == want, sizes
+        # A flipped bit changes that tensor's lanes and no other's.
+        for i, t in enumerate(tensors):
+            if t.numel():
+                flipped = [x.clone() for x in tensors]
+                flipped[i].view(torch.uint8)[-1] ^= 0x10
+                got = tri.lanes_many(flipped).tolist()
+                assert [j for j in range(len(got)) if got[j] != want[j]] == [i]
+                cases += 1
+    assert tri._many_verified["cpu"] is True
+    print("cases", cases)
+''')
+
+
+def test_triton_many_tensor_kernel_matches_the_eager_path_under_the_interpreter() -> None:
+    """The kernel a trace uses for a whole category on a GPU: every element width, tensors shorter and longer
+    than a block, empty ones, one flipped bit at a time."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", MANY], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "cases 9" in done.stdout
