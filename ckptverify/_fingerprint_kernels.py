@@ -612,6 +612,8 @@ def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         if t.device != device:
             raise UsageError(f"lanes_many needs tensors on one device, got {t.device} and {device}")
+    # A sparse tensor (a sparse gradient of nn.Embedding(sparse=True)) stands for its dense values.
+    tensors = [t if t.layout == torch.strided else t.detach().to_dense() for t in tensors]
     if device.type == "cuda" and _backend in ("auto", "triton"):
         # One Triton launch per element width instead of about fifty eager launches per block: checked
         # against the eager path before first use (None when Triton is missing or the check failed).

@@ -215,3 +215,13 @@ def test_production_on_the_gpu_replays_as_reproduced_and_a_flipped_gradient_is_n
     assert verdict["kind"] == "hardware-fault-suspected", verdict
     assert (verdict["step"], verdict["rank"], verdict["site"]) == (5, 0, f"grad.{site}")
     assert "device cuda" in verdict["sentence"]
+
+
+def test_a_state_trace_on_the_gpu_reads_back_once_per_step(tmp_path: Path) -> None:
+    """Gradients, parameters, optimizer state, batch and metrics digested on the GPU and read back together
+    once per step; a flipped parameter bit is named at its step."""
+    import test_trace_device_path
+
+    done = test_trace_device_path.run_script(tmp_path, "cuda")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")

@@ -136,10 +136,120 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
 _MASK64 = (1 << 64) - 1
 
 
+#: Host tensors take the accelerator path too (logical fingerprints computed in batches, read back once per
+#: step): set ``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1`` so that a machine without an accelerator runs that path
+#: (the test suite does). Traces recorded this way compare only with traces recorded this way.
+_HOST_AS_DEVICE = os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1"
+
+
+def _on_host(t: Any) -> bool:
+    """Whether a (local) tensor is digested by its bytes on the host, now; else by the batched device path."""
+    return t.device.type == "cpu" and not _HOST_AS_DEVICE
+
+
+class _Deferred:
+    """Cells whose values are still on an accelerator: ``make(values)`` builds them from ``tensor`` once it is
+    read back (``values``: the tensor's elements as Python ints, flattened). Every deferred item of a step is
+    read back together, once (:func:`_resolve`), instead of one synchronizing read per category, batch element
+    and metric. Items that share one tensor share its read."""
+
+    __slots__ = ("make", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, make: Callable[[list[int]], list[Cell]]) -> None:
+        self.tensor, self.make = tensor, make
+
+
+Item = Cell | _Deferred
+
+
+def _resolve(items: list[Item]) -> list[Cell]:
+    """``items`` with every deferred item replaced by its cells: one read-back per device for the whole step."""
+    deferred = [x for x in items if type(x) is _Deferred]
+    if not deferred:
+        return items  # type: ignore[return-value]
+    import torch
+
+    tensors: dict[int, Any] = {}
+    for d in deferred:
+        tensors.setdefault(id(d.tensor), d.tensor)
+    by_device: dict[Any, list[tuple[int, Any]]] = {}
+    for key, t in tensors.items():
+        by_device.setdefault(t.device, []).append((key, t))
+    values: dict[int, list[int]] = {}
+    for members in by_device.values():
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for _, t in members]).tolist()
+        at = 0
+        for key, t in members:
+            values[key] = flat[at:at + t.numel()]
+            at += t.numel()
+    out: list[Cell] = []
+    for x in items:
+        if type(x) is _Deferred:
+            out.extend(x.make(values[id(x.tensor)]))
+        else:
+            out.append(x)  # type: ignore[arg-type]
+    return out
+
+
+def _pair_digests(values: list[int]) -> list[int]:
+    """Flattened ``(n, 2)`` lane sums (signed, as read back) as ``n`` unsigned 128-bit member digests."""
+    it = iter(values)
+    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in zip(it, it, strict=True)]
+
+
+def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]) -> list[Item]:
+    """``finish(digests)`` of ``tensors``' member digests (plain local tensors): host ones digested now, the
+    others in one batched pass on their device, read back with the rest of the step. Returns ``finish``'s
+    cells, or one deferred item that makes them."""
+    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.trace.category import tensor_digests
+
+    device = [i for i, t in enumerate(tensors) if not _on_host(t)]
+    if not device:
+        return list(finish(tensor_digests(tensors)))
+    devices = {tensors[i].device for i in device}
+    if len(devices) > 1:  # several accelerators on one rank: read each back now
+        return list(finish(tensor_digests(tensors)))
+    host = [i for i, t in enumerate(tensors) if _on_host(t)]
+    known = dict(zip(host, tensor_digests([tensors[i] for i in host]), strict=True))
+    lanes = kern.lanes_many([tensors[i] for i in device])
+
+    def make(values: list[int]) -> list[Cell]:
+        digests = [0] * len(tensors)
+        for i, d in known.items():
+            digests[i] = d
+        for i, d in zip(device, _pair_digests(values), strict=True):
+            digests[i] = d
+        return finish(digests)
+
+    return [_Deferred(lanes, make)]
+
+
 def _encoding(t: Any) -> str:
     """How a tensor's member digest reads: bytes on the host, the logical fingerprint on a device."""
     local = t.to_local() if _is_dtensor(t) else t
-    return "digest128" if local.device.type == "cpu" else "fp128"
+    return "digest128" if _on_host(local) else "fp128"
+
+
+def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
+    """:func:`_tensor_cell`, with a tensor on an accelerator read back with the rest of the step."""
+    local = t.to_local() if _is_dtensor(t) else t
+    if _on_host(local):
+        return _tensor_cell(site, kind, t, info)
+
+    def finish(digests: list[int]) -> list[Cell]:
+        return [Cell(site, kind, ((digests[0] >> 64), digests[0] & _MASK64), "fp128", info)]
+
+    items = _digests_later([local.detach()], finish)
+    return items[0]
+
+
+def _object_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return _tensor_item(site, kind, obj, info)
+    return _object_cell(site, kind, obj, info)
 
 
 def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
@@ -147,7 +257,7 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
 
     from ckptverify.trace.category import digest_lanes, host_digest, signature, tensor_digests
 
-    if t.is_cpu and type(t).__name__ in _PLAIN:
+    if t.is_cpu and not _HOST_AS_DEVICE and type(t).__name__ in _PLAIN:
         if not t.requires_grad and t.is_contiguous():
             try:  # the common case (a batch, a module output without grad): no copy, no detach
                 d = xxhash.xxh3_128_intdigest(t.numpy()) ^ signature(t.dtype, tuple(t.shape))
@@ -224,6 +334,29 @@ def _value_lanes(value: Any) -> tuple[int, int]:
         return hex_lanes(state_digest(_summary(value)))
     d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
     return d >> 64, d & _MASK64
+
+
+def _metric_item(name: str, value: Any) -> Item:
+    """:func:`_metric_cell`, with a one-element real tensor on an accelerator widened there (to float64 or
+    int64, exactly) and read back with the rest of the step instead of by ``.item()``."""
+    import torch
+
+    if (type(value) is torch.Tensor and not _on_host(value) and value.numel() == 1 and not value.is_complex()):
+        site = f"metric.{name}"
+        if value.dtype.is_floating_point:
+            bits = value.detach().reshape(1).to(torch.float64).view(torch.int64)
+
+            def make(values: list[int]) -> list[Cell]:
+                return [Cell(site, "metric", (values[0] & _MASK64, 0), "f64")]
+        else:
+            bits = value.detach().reshape(1).to(torch.int64)
+
+            def make(values: list[int]) -> list[Cell]:
+                return [Cell(site, "metric", (values[0] & _MASK64, 0), "i64")]
+        return _Deferred(bits, make)
+    if isinstance(value, torch.Tensor) and not _is_dtensor(value) and value.numel() != 1:
+        return _tensor_item(f"metric.{name}", "metric", value)
+    return _metric_cell(name, value)
 
 
 def _metric_cell(name: str, value: Any) -> Cell:
@@ -450,7 +583,7 @@ class _Members:
         self.weights = [weight(n) for n in names]
         self.tensors = tensors
         self.locals = [t.to_local() if _is_dtensor(t) else t for t in tensors]
-        self.encodings = ["digest128" if t.device.type == "cpu" else "fp128" for t in self.locals]
+        self.encodings = ["digest128" if _on_host(t) else "fp128" for t in self.locals]
 
 
 class _Digester:
@@ -468,10 +601,10 @@ class _Digester:
         self.categories = categories
         tensors = [t for c in categories for t in c.locals]
         self.count = len(tensors)
-        self._host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+        self._host = [i for i, t in enumerate(tensors) if _on_host(t)]
         self._device: dict[Any, list[int]] = {}
         for i, t in enumerate(tensors):
-            if t.device.type != "cpu":
+            if not _on_host(t):
                 self._device.setdefault(t.device, []).append(i)
         self._tensors = tensors
         self._views = HostViews([tensors[i] for i in self._host], owners=owners)
@@ -492,6 +625,33 @@ class _Digester:
         for members in self._device.values():
             for i, d in zip(members, _device_digests([self._tensors[i] for i in members]), strict=True):
                 out[i] = d
+        return out
+
+    def digests_later(self) -> tuple[list[int], Any] | None:
+        """:meth:`digests`, with the members on one accelerator left there: the digests (zero at those
+        members' places) and the device's ``(m, 2)`` lane sums in member order (``None`` when every member is
+        on the host); ``None`` when a host member's storage moved. Members on several devices are read back
+        now."""
+        if len(self._device) != 1:
+            digests = self.digests()
+            return None if digests is None else (digests, None)
+        host = self._views.digests()
+        if host is None:
+            return None
+        out = [0] * self.count
+        for i, d in zip(self._host, host, strict=True):
+            out[i] = d
+        (members,) = self._device.values()
+        from ckptverify import _fingerprint_kernels as kern
+
+        return out, kern.lanes_many([self._tensors[i] for i in members])
+
+    def fill(self, digests: list[int], values: list[int]) -> list[int]:
+        """``digests`` with the device members' read-back lane sums (``values``, flattened) in their places."""
+        out = list(digests)
+        (members,) = self._device.values()
+        for i, d in zip(members, _pair_digests(values), strict=True):
+            out[i] = d
         return out
 
     def cells(self, digests: list[int], detail: str) -> list[list[Cell]]:
@@ -540,7 +700,7 @@ class _Gradients:
         self.weights = [weight(n) for n in self.names]
         locals_ = [p.to_local() if _is_dtensor(p) else p for p in self.params]
         self.dtensor = [_is_dtensor(p) for p in self.params]
-        self.host = [t.device.type == "cpu" for t in locals_]
+        self.host = [_on_host(t) for t in locals_]
         # A gradient has its parameter's dtype and shape (autograd refuses any other).
         self.signatures = [signature(t.dtype, tuple(t.shape)) for t in locals_]
         self.encodings = ["digest128" if h else "fp128" for h in self.host]
@@ -552,7 +712,7 @@ class _Gradients:
         self._contiguous = torch.Tensor.is_contiguous
         self._ptr = torch.Tensor.data_ptr
 
-    def cells(self, detail: str) -> list[Cell]:
+    def cells(self, detail: str) -> list[Item]:
         if self.fast:
             from operator import xor
 
@@ -569,15 +729,22 @@ class _Gradients:
                 pass  # a parameter without gradient, a sparse gradient
         return self._cells(detail)
 
-    def _cells(self, detail: str) -> list[Cell]:
-        from ckptverify.trace.category import tensor_digests
-
+    def _cells(self, detail: str) -> list[Item]:
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not present:
             return []
-        digests = tensor_digests([self.params[i].grad for i in present])
-        return _category_cells("grad.*", "grad", [self.names[i] for i in present], [self.weights[i] for i in present],
-                               [self.encodings[i] for i in present], digests, detail)
+        grads = []
+        for i in present:
+            g = self.params[i].grad
+            grads.append(g.to_local() if _is_dtensor(g) else g)
+        names = [self.names[i] for i in present]
+        weights = [self.weights[i] for i in present]
+        encodings = [self.encodings[i] for i in present]
+
+        def finish(digests: list[int]) -> list[Cell]:
+            return _category_cells("grad.*", "grad", names, weights, encodings, digests, detail)
+
+        return _digests_later(grads, finish)
 
 
 def _live_value(groups: list[Any], index: int, head: str, rest: str) -> Any:
@@ -845,7 +1012,7 @@ class TraceRecorder:
         self._handles: list[Any] = []
         self._module_cells: list[Cell] = []
         self._occurrences: dict[tuple[str, str], int] = {}
-        self._grad_cells: list[Cell] | None = None
+        self._grad_cells: list[Item] | None = None
         self._hparam_cells: list[Cell] = []
         self._start_cells: list[Cell] = []
         self._optimizers: list[Any] = []
@@ -985,7 +1152,7 @@ class TraceRecorder:
 
     # -------------------------------------------------------------- gradients
 
-    def _grads_of(self, model: Any) -> list[Cell]:
+    def _grads_of(self, model: Any) -> list[Item]:
         grads = self._gradients
         if grads is None or grads.model is not model or self._grad_version != self._version():
             self._grad_version = self._version()
@@ -1062,13 +1229,13 @@ class TraceRecorder:
         """
         import torch
 
-        cells: list[Cell] = list(self._start_cells) if self.records_state else []
+        cells: list[Item] = list(self._start_cells) if self.records_state else []
         deep = self.records_state
         if deep and batch is not None:
             cells.extend(self._batch_cells(batch, torch))
         cells.extend(self._module_cells)
         for name, value in (metrics or {}).items():
-            cells.append(_metric_cell(str(name), value))
+            cells.append(_metric_item(str(name), value))
         self._last = None
         if deep:
             grads = self._grad_cells
@@ -1084,40 +1251,61 @@ class TraceRecorder:
         self._hparam_cells = []
         self._occurrences.clear()
         self._grad_cells = None
-        self.writer.append(step, cells)
+        # Values still on an accelerator (gradients, state, batch, metrics) are read back here, together.
+        self.writer.append(step, _resolve(cells))
 
     @staticmethod
-    def _batch_cells(batch: Any, torch: Any) -> list[Cell]:
+    def _batch_cells(batch: Any, torch: Any) -> list[Item]:
         if isinstance(batch, torch.Tensor):
-            return [_tensor_cell("batch", "batch", batch)]
+            return [_tensor_item("batch", "batch", batch)]
         if isinstance(batch, Mapping):
-            return [_object_cell(f"batch.{k}", "batch", v) for k, v in batch.items()]
+            return [_object_item(f"batch.{k}", "batch", v) for k, v in batch.items()]
         if isinstance(batch, list | tuple):
-            return [_object_cell(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
-        return [_object_cell("batch", "batch", batch)]
+            return [_object_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
+        return [_object_item("batch", "batch", batch)]
 
-    def _state_cells(self, step: int, state: TrainState) -> list[Cell]:
+    def _state_cells(self, step: int, state: TrainState) -> list[Item]:
         rng = self._rng_cells("rng.", state)  # first, as TrainState.fields() does: reading the rest may draw
         fields = self._field_cells(state, rng)
         scaler = [c for c in fields if c.kind == "optim"]
         others = sorted((c for c in fields if c.kind != "optim"), key=lambda c: _FIELD_ORDER[c.kind])
-        layout, digests = self._members(state)
-        optim, params, buffers = layout.digester.cells(digests, self.detail)
+        layout, digests, lanes = self._members(state)
         lo, hi = layout.digester.bounds[1:3]
-        self._last = (step, layout.params.tensors, digests[lo:hi])
+        optim: list[Item]
+        params: list[Item]
+        buffers: list[Item]
+        if lanes is None:
+            optim, params, buffers = layout.digester.cells(digests, self.detail)  # type: ignore[assignment]
+            self._last = (step, layout.params.tensors, digests[lo:hi])
+        else:
+            # On an accelerator: the three categories' cells are made from one read-back, with the step's.
+            made: list[list[list[Cell]]] = []
+
+            def part(k: int) -> _Deferred:
+                def make(values: list[int]) -> list[Cell]:
+                    if not made:
+                        full = layout.digester.fill(digests, values)
+                        self._last = (step, layout.params.tensors, full[lo:hi])
+                        made.append(layout.digester.cells(full, self.detail))
+                    return made[0][k]
+
+                return _Deferred(lanes, make)
+
+            optim, params, buffers = [part(0)], [part(1)], [part(2)]
         return [*layout.optim_leaves.cells(), *scaler, *optim, *layout.param_leaves.cells(), *params, *buffers,
                 *others]
 
-    def _members(self, state: TrainState) -> tuple[_StateLayout, list[int]]:
-        """The layout and the digests of its optimizer-state, parameter and buffer members now."""
+    def _members(self, state: TrainState) -> tuple[_StateLayout, list[int], Any]:
+        """The layout, the digests of its optimizer-state, parameter and buffer members now, and the lane sums
+        of those on an accelerator (not read back yet; ``None`` when all are on the host)."""
         for _ in range(2):
             layout = self._layout
             version = self._version()
             if layout is None or layout.signature != _layout_signature(state, version):
                 layout = self._layout = _StateLayout(state, version)
-            digests = layout.digester.digests()
-            if digests is not None:
-                return layout, digests
+            got = layout.digester.digests_later()
+            if got is not None:
+                return layout, got[0], got[1]
             self._layout = None  # a storage moved under a parameter (p.data = ...): find the tensors again
         raise UsageError("the model's tensors keep moving while the trace reads them")
 
