@@ -18,7 +18,7 @@ $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 timeout 480 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_rng.py 2>&1 | tee "$out/tests.log" || rc=1
 if [ "$bench" = "--bench" ]; then
     timeout 120 $py scripts/bench_fingerprint.py --devices cuda --size-mib 1024 2>&1 | tee "$out/bench_fingerprint.txt" || rc=1
-    timeout 240 $py scripts/bench_trace.py 2>&1 | tee "$out/bench_trace.txt" || rc=1
-    timeout 240 $py scripts/bench_trace.py --d-model 256 --layers 4 --batch 16 2>&1 | tee -a "$out/bench_trace.txt" || rc=1
+    timeout 300 $py scripts/bench_trace.py --config both --blocks 6 --block-steps 20 --large-blocks 4 \
+        --large-block-steps 10 --levels none state state/10 2>&1 | tee "$out/bench_trace.txt" || rc=1
 fi
 exit $rc

@@ -1,8 +1,9 @@
 """The accelerator path of a state-level trace, run on the host.
 
 On an accelerator a trace digests gradients, parameters, optimizer state, batch and metrics on the device and
-reads them all back once per step, at the end of ``record_step`` (a read-back waits for the device: one per
-category, batch element and metric is what made tracing a GPU job expensive). ``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1``
+reads them all back once per step: the copy starts when the step is recorded and is taken when the next one is
+(a read that waits for the device, one per category, batch element and metric, is what made tracing a GPU job
+expensive). ``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1``
 sends host tensors down that path, so these tests run it here, in a fresh interpreter (the switch is read at
 import). tests/test_cuda.py runs the production and replay tests on a real GPU.
 """
@@ -74,8 +75,9 @@ SCRIPT = textwrap.dedent('''
                 if count and step == 5:
                     expected = kern.lanes_many([p.detach() for p in model.parameters()]).tolist()
         if count:
-            # One read-back per step, no .item() on a metric tensor.
-            assert per_step == [{"tolist": 1, "item": 0}] * 5, per_step
+            # One read-back per step, no .item() on a metric tensor: a step's values are read when the next step
+            # is recorded (its copy started a step earlier), the last step's when the recorder closes.
+            assert per_step == [{"tolist": 0, "item": 0}] + [{"tolist": 1, "item": 0}] * 4, per_step
             trace = open_trace(root / name / "rank0")
             names = [f"param.{n}" for n, _ in model.named_parameters()]
             for n, (a, b) in zip(names, expected, strict=True):

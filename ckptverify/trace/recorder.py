@@ -162,33 +162,69 @@ class _Deferred:
 Item = Cell | _Deferred
 
 
-def _resolve(items: list[Item]) -> list[Cell]:
-    """``items`` with every deferred item replaced by its cells: one read-back per device for the whole step."""
-    deferred = [x for x in items if type(x) is _Deferred]
-    if not deferred:
-        return items  # type: ignore[return-value]
-    import torch
+class _ReadBack:
+    """The values a step's deferred items wait for, on their way to the host: one copy per device, started
+    when the step is recorded and finished (:meth:`cells`) when the next step is, so that nothing waits for
+    the device in between. On CUDA the copy goes to a pinned buffer without blocking and an event marks its
+    end; elsewhere the values are read when needed.
 
-    tensors: dict[int, Any] = {}
-    for d in deferred:
-        tensors.setdefault(id(d.tensor), d.tensor)
-    by_device: dict[Any, list[tuple[int, Any]]] = {}
-    for key, t in tensors.items():
-        by_device.setdefault(t.device, []).append((key, t))
-    values: dict[int, list[int]] = {}
-    for members in by_device.values():
-        flat = torch.cat([t.reshape(-1).to(torch.int64) for _, t in members]).tolist()
-        at = 0
-        for key, t in members:
-            values[key] = flat[at:at + t.numel()]
-            at += t.numel()
-    out: list[Cell] = []
-    for x in items:
-        if type(x) is _Deferred:
-            out.extend(x.make(values[id(x.tensor)]))
-        else:
-            out.append(x)  # type: ignore[arg-type]
-    return out
+    ``pinned``: per CUDA device, the pinned host buffer its owner (one recorder) reuses step after step
+    (allocating one costs milliseconds). A recorder finishes one step's read before it starts the next, so one
+    buffer per device is enough."""
+
+    def __init__(self, items: list[Item], pinned: dict[Any, Any] | None = None) -> None:
+        import torch
+
+        self.items = items
+        tensors: dict[int, Any] = {}
+        for x in items:
+            if type(x) is _Deferred:
+                tensors.setdefault(id(x.tensor), x.tensor)
+        by_device: dict[Any, list[tuple[int, Any]]] = {}
+        for key, t in tensors.items():
+            by_device.setdefault(t.device, []).append((key, t))
+        self._reads: list[tuple[list[tuple[int, int]], Any, Any]] = []  # (key, numel) per member, values, event
+        for device, members in by_device.items():
+            flat = torch.cat([t.reshape(-1).to(torch.int64) for _, t in members])
+            layout = [(key, t.numel()) for key, t in members]
+            event = None
+            if device.type == "cuda" and pinned is not None:
+                buf = pinned.get(device)
+                if buf is None or buf.numel() < flat.numel():
+                    buf = pinned[device] = torch.empty(max(flat.numel(), 1024), dtype=torch.int64,
+                                                             pin_memory=True)
+                out = buf[:flat.numel()]
+                out.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                flat = out
+            self._reads.append((layout, flat, event))
+
+    def cells(self) -> list[Cell]:
+        """The step's cells, every deferred item made from the values read back."""
+        values: dict[int, list[int]] = {}
+        for layout, flat, event in self._reads:
+            if event is not None:
+                event.synchronize()
+            got = flat.tolist()
+            at = 0
+            for key, n in layout:
+                values[key] = got[at:at + n]
+                at += n
+        out: list[Cell] = []
+        for x in self.items:
+            if type(x) is _Deferred:
+                out.extend(x.make(values[id(x.tensor)]))
+            else:
+                out.append(x)  # type: ignore[arg-type]
+        return out
+
+
+def _resolve(items: list[Item]) -> list[Cell]:
+    """``items`` with every deferred item replaced by its cells, now."""
+    if not any(type(x) is _Deferred for x in items):
+        return items  # type: ignore[return-value]
+    return _ReadBack(items).cells()
 
 
 def _pair_digests(values: list[int]) -> list[int]:
@@ -1028,6 +1064,8 @@ class TraceRecorder:
         self._grad_version = -1
         self._field_kinds: dict[str, str] = {}
         self._last: tuple[int, list[Any], list[int]] | None = None
+        self._pending: tuple[int, _ReadBack] | None = None
+        self._pinned: dict[Any, Any] = {}
 
     @property
     def records_state(self) -> bool:
@@ -1251,8 +1289,20 @@ class TraceRecorder:
         self._hparam_cells = []
         self._occurrences.clear()
         self._grad_cells = None
-        # Values still on an accelerator (gradients, state, batch, metrics) are read back here, together.
-        self.writer.append(step, _resolve(cells))
+        # Values still on an accelerator (gradients, state, batch, metrics) are read back together, once: the
+        # copy starts now and is taken when the next step is recorded (or at flush), so that nothing waits for
+        # the device here.
+        self._settle()
+        if any(type(x) is _Deferred for x in cells):
+            self._pending = (step, _ReadBack(cells, self._pinned))
+        else:
+            self.writer.append(step, cells)  # type: ignore[arg-type]
+
+    def _settle(self) -> None:
+        """Write the row whose values were still on their way from the device."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.writer.append(pending[0], pending[1].cells())
 
     @staticmethod
     def _batch_cells(batch: Any, torch: Any) -> list[Item]:
@@ -1336,6 +1386,8 @@ class TraceRecorder:
         their local shards), matched by storage; ``None`` for a tensor the row did not digest. Lets a check
         that runs right after :meth:`record_step` (the cross-replica check) reuse them instead of reading the
         tensors again."""
+        if self._pending is not None and self._pending[0] == step:
+            self._settle()
         if self._last is None or self._last[0] != step:
             return [None] * len(tensors)
         _, members, digests = self._last
@@ -1355,6 +1407,7 @@ class TraceRecorder:
 
     def flush(self) -> None:
         """Write the buffered rows and wait until they are committed."""
+        self._settle()
         self.writer.flush()
 
     def close(self) -> None:
@@ -1363,6 +1416,7 @@ class TraceRecorder:
         if self._structure is not None:
             self._structure.remove()
             self._structure = None
+        self._settle()
         self.writer.close()
 
     def __enter__(self) -> TraceRecorder:
