@@ -100,7 +100,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     if other == "run-directory":
         newest = next((c for c in reversed(found) if c.step is not None), found[-1])
         raise UsageError(f"{root} is a run directory holding {len(found)} checkpoint(s) (newest: {newest.path}), "
-                         f"not a checkpoint: verify one of them, or run `ckptverify scan {root}` for all")
+                         f"not a checkpoint: name one of them, or run `ckptverify scan {root}` for all")
     if other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)
         return fail_uncheckable(report) if strict else report
