@@ -194,9 +194,9 @@ class _ReadBack:
                     buf = pinned[device] = torch.empty(max(flat.numel(), 1024), dtype=torch.int64,
                                                              pin_memory=True)
                 out = buf[:flat.numel()]
-                out.copy_(flat, non_blocking=True)
+                out.copy_(flat, non_blocking=True)  # enqueued on the source device's current stream
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(device))
                 flat = out
             self._reads.append((layout, flat, event))
 
