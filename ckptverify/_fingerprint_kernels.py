@@ -453,6 +453,11 @@ def fingerprint_lanes(
         if got is not None:
             return got
 
+    if device.type == "cpu" and _backend == "auto" and flat.numel() <= SMALL_NUMPY:
+        # A small chunk (a bias, a norm, one of a checkpoint's 100 000 items): numpy's fixed cost per
+        # operation is a tenth of torch's, and the eager path's buffers cost more than its arithmetic.
+        return _small_lanes(flat, geometry, seeds)
+
     compiled = None
     if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel()):
         compiled = _compiled_kernel(flat.dtype, device)
@@ -497,6 +502,38 @@ def fingerprint_lanes(
     if device.type == "cpu" and compiled is None:
         _eager_cpu_bytes += nbytes
     return (lanes[0] & _MASK64, lanes[1] & _MASK64)
+
+
+#: Chunks of at most this many elements take :func:`_small_lanes` on CPU under backend ``auto``.
+SMALL_NUMPY = 1 << 14
+
+
+def _small_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]) -> tuple[int, int]:
+    """The eager path's two lane sums, in numpy: the same integers (uint64 arithmetic wraps modulo 2**64,
+    ``>>`` on uint64 is a logical shift; sign extension by ``astype(int64)``, as the eager copy into int64)."""
+    import numpy as np
+
+    w = flat.numpy().astype(np.int64).view(np.uint64)
+    run = geometry.run_length
+    if geometry.num_runs == 1:
+        g = np.arange(geometry.first_start, geometry.first_start + run, dtype=np.uint64)
+    else:
+        starts = geometry.run_starts(0, geometry.num_runs, flat.device).numpy().view(np.uint64)
+        g = (starts[:, None] + np.arange(run, dtype=np.uint64)[None, :]).reshape(-1)
+    p = g * np.uint64(INDEX_MULTIPLIER)
+    out = []
+    with np.errstate(over="ignore"):
+        for seed, mixer in zip(seeds, LANES, strict=True):
+            s1, s2, s3 = (np.uint64(x) for x in mixer.shifts)
+            m1, m2 = (np.uint64(x) for x in mixer.multipliers)
+            y = w ^ (p + np.uint64(seed))
+            y ^= y >> s1
+            y *= m1
+            y ^= y >> s2
+            y *= m2
+            y ^= y >> s3
+            out.append(int(y.sum(dtype=np.uint64)))
+    return out[0], out[1]
 
 
 # ------------------------------------------------------------------------------------------- many

@@ -685,3 +685,22 @@ def test_dtensor_fingerprint_two_ranks(tmp_path: Path) -> None:
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for label, want in expected.items():
             assert fp.TensorFingerprint.from_dict(got[label]) == want, (rank, label)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=dtypes, shape=shapes, seed=st.integers(0, 2**32), data=st.data())
+def test_small_chunks_take_numpy_and_match_the_eager_path(dtype: torch.dtype, shape: tuple[int, ...], seed: int,
+                                                         data: st.DataObject) -> None:
+    """Backend ``auto`` fingerprints small host chunks with numpy (:func:`_small_lanes`): the eager path's
+    integers, chunk by chunk."""
+    from ckptverify import _fingerprint_kernels as kern
+
+    t = make_tensor(dtype, shape, seed)
+    assert t.numel() <= kern.SMALL_NUMPY
+    for slices, offsets in data.draw(chunkings(shape)):
+        part = t[slices] if shape else t
+        with backend("auto"):
+            small = fp.chunk_fingerprint(part, offsets if shape else (), shape)
+        with backend("eager"):
+            eager = fp.chunk_fingerprint(part, offsets if shape else (), shape)
+        assert small == eager, (slices, offsets)
