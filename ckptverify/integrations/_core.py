@@ -54,7 +54,7 @@ from ckptverify.errors import CheckpointRefusedError, CkptVerifyError, UsageErro
 from ckptverify.findings import Report
 
 __all__ = ["ON_FAILURE", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "check_saved",
-           "torch_group"]
+           "settle_verdicts", "torch_group"]
 
 OnFailure = Literal["warn", "raise"]
 Fingerprint = bool | Literal["auto"]
@@ -622,6 +622,12 @@ class Verifier:
             return verdict, earlier
         first = data["earlier"]
         return Verdict.from_dict(data["verdict"]), None if first is None else Verdict.from_dict(first)
+
+
+def settle_verdicts(verdicts: list[Verdict], arrived: list[Verdict]) -> list[Verdict]:
+    """``verdicts`` with each pending one replaced by the verdict that arrived for it (same path and step)."""
+    final = {(v.path, v.step): v for v in arrived}
+    return [final.get((v.path, v.step), v) if v.pending else v for v in verdicts]
 
 
 def _cut(path: str, step: int | None, why: str) -> Verdict:
