@@ -216,3 +216,36 @@ def test_a_wait_that_runs_out_says_which_were_cut_short(tmp_path: Path, queue: B
     (final,) = verifier.wait(timeout=120)  # still queued: it finishes, and is stamped
     assert final.passed and read_stamp(folder).passed  # type: ignore[union-attr]
     assert json.loads((folder / "ckptverify.verified.json").read_text())["step"] == 1
+
+
+def test_a_folder_deleted_while_it_is_verified_or_stamped_is_deleted_not_failed(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    import ckptverify.runs.stamp as stamp_module
+    import ckptverify.verify as verify_module
+    from ckptverify.integrations._core import check_saved
+
+    real_verify, real_stamp = verify_module.verify_checkpoint, stamp_module.write_stamp
+
+    def verify_then_lose_it(root: str, **kw: object) -> object:
+        shutil.rmtree(root)  # retention, mid-verification
+        return real_verify(root, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verify_module, "verify_checkpoint", verify_then_lose_it)
+    verdict, _, event = check_saved(str(_hf_folder(tmp_path / "checkpoint-1")), 1, False, settle=0.01)
+    assert event == "checkpoint-deleted" and verdict.deleted and not verdict.passed
+    _, _, inline_event = check_saved(str(_hf_folder(tmp_path / "checkpoint-2")), 2, False)
+    assert inline_event == "checkpoint-failed"  # inline, nothing deletes behind the check's back: it fails
+    monkeypatch.setattr(verify_module, "verify_checkpoint", real_verify)
+
+    def stamp_as_rmtree_runs(root: str, *args: object, **kw: object) -> object:
+        written = real_stamp(root, *args, **kw)  # type: ignore[arg-type]
+        for name in ("model.safetensors", "optimizer.pt"):  # an rmtree that listed the folder before the stamp
+            os.unlink(os.path.join(root, name))
+        return written
+
+    monkeypatch.setattr(stamp_module, "write_stamp", stamp_as_rmtree_runs)
+    folder = _hf_folder(tmp_path / "checkpoint-3")
+    verdict, _, event = check_saved(str(folder), 3, "auto", settle=0.01)
+    assert event == "checkpoint-deleted" and not folder.exists()  # ckptverify's stamp and manifest went too

@@ -326,8 +326,9 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
             stamp_error = f"{type(exc).__name__}: {exc}"
     else:
         stamp_error = "files changed while they were verified"
-    if background and _vanished(root):  # deleted as the stamp was written: take ckptverify's files away too
-        _tidy(root)
+    if background and (_vanished(root) or files_fingerprint(root) != before) and deleted_now():
+        # Deleted as the stamp was written (a framework's rmtree that listed the folder before the stamp was in
+        # it fails on it): ckptverify's files are taken away too.
         return _deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
     verdict = _verdict(root, report, step, time.perf_counter() - started, stamp)
     extra: dict[str, Any] = {}
@@ -518,10 +519,10 @@ class Verifier:
             self._pending.append(where)
         try:
             verifier.submit(where, step=step, task=task)
-        except Exception:
+        except UsageError:  # the process's verifier was closed (the interpreter is exiting): verify it now
             with self._lock:
                 self._pending.remove(where)
-            raise
+            return self._check_saved(root, step, fingerprint)
         return Verdict(path=root, passed=False, pending=True, step=step,
                        message=f"{root} is queued for verification in the background")
 
