@@ -249,3 +249,21 @@ def test_a_folder_deleted_while_it_is_verified_or_stamped_is_deleted_not_failed(
     folder = _hf_folder(tmp_path / "checkpoint-3")
     verdict, _, event = check_saved(str(folder), 3, "auto", settle=0.01)
     assert event == "checkpoint-deleted" and not folder.exists()  # ckptverify's stamp and manifest went too
+
+
+def test_a_job_that_ends_without_waiting_is_waited_for_at_exit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    folder = _hf_folder(tmp_path / "checkpoint-1")
+    script = ("import sys; from ckptverify.integrations import Verifier; "
+              "v = Verifier(background=True); print(v.after_save(sys.argv[1], step=1).pending)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script, str(folder)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]
+    stamp = read_stamp(folder)
+    assert stamp is not None and stamp.passed and stamp.current and stamp.data["manifest"]
+    (verified,) = read_events(tmp_path, "checkpoint-verified")
+    assert verified["path"] == str(folder) and verified["fingerprint"].startswith("manifest written")
