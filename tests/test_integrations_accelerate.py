@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,8 @@ from ckptverify.errors import CheckpointRefusedError
 from ckptverify.events import read_events
 from ckptverify.integrations import CheckpointVerificationWarning
 from ckptverify.integrations import accelerate as ckv
+from ckptverify.runs import background
+from ckptverify.runs.background import BackgroundVerifier
 from ckptverify.runs.stamp import read_stamp
 
 WORKER = Path(__file__).resolve().parent / "frameworks" / "accelerate_integration.py"
@@ -186,14 +188,18 @@ def test_load_of_a_state_with_a_flip_in_its_weights_is_refused(saved: Any, tmp_p
     assert "model.safetensors" in str(exc.value) and tensor in str(exc.value)
 
 
-@pytest.mark.slow
-def test_two_processes_wait_for_each_other_and_follow_rank_0s_verdict(tmp_path: Path) -> None:
+def run_two_processes(out: Path, mode: str) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
                                                         os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(WORKER), str(out), mode], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_processes_wait_for_each_other_and_follow_rank_0s_verdict(tmp_path: Path) -> None:
+    results = run_two_processes(tmp_path, "inline")
     for rank, result in enumerate(results):
         # rank 1's random_states_1.pkl was damaged after it wrote it; rank 0 verified only once it was written
         assert result["step2"]["passed"] is True, result
@@ -202,5 +208,94 @@ def test_two_processes_wait_for_each_other_and_follow_rank_0s_verdict(tmp_path: 
         assert result["load_step4_error"]["type"] == "CheckpointRefusedError"
         assert result["load_step4_untouched"] is True
         assert result["load_step2_restored"] is True, (rank, result)
+    assert read_stamp(tmp_path / "state-step2").passed  # type: ignore[union-attr]
+    assert not read_stamp(tmp_path / "state-step4").passed  # type: ignore[union-attr]
+
+
+# -- background=True: save_state returns at once; the verdict comes from the background verifier
+
+
+@pytest.fixture
+def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
+    """A fresh process-wide background verifier (short settle time), closed after the test."""
+    fresh = BackgroundVerifier(settle=0.05)
+    monkeypatch.setattr(background, "_default", fresh)
+    yield fresh
+    fresh.before_verify = None
+    fresh.close(timeout=60)
+
+
+def test_background_states_are_fingerprinted_and_stamped_once_waited_for(tmp_path: Path,
+                                                                         queue: BackgroundVerifier) -> None:
+    job = Job()
+    returned: list[Any] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        job.train(4, lambda s: returned.append(ckv.save_state(job.accelerator, tmp_path / f"state-step{s}",
+                                                              background=True)))
+        arrived = ckv.wait_for_verifications(job.accelerator)
+    assert ours(caught) == [] and queue.pending() == []
+    assert [(v.step, v.pending, v.passed) for v in returned] == [(2, True, False), (4, True, False)]
+    assert [(v.step, v.passed) for v in arrived] == [(2, True), (4, True)]
+    for verdict in arrived:
+        assert verdict.manifest and verdict.unchecked == () and verdict.checked_bytes > 0, verdict
+        stamp = read_stamp(verdict.path)
+        assert stamp is not None and stamp.passed and stamp.current and stamp.data["manifest"], stamp
+    assert len(list(read_events(tmp_path, "checkpoint-verified"))) == 2
+    assert ckv.wait_for_verifications(job.accelerator) == []  # each verdict is returned once
+
+
+def test_a_damaged_background_state_is_a_warning_an_event_and_raised_at_the_next_save(
+        tmp_path: Path, queue: BackgroundVerifier) -> None:
+    job = Job()
+    job.accelerator.save_state = damaging(job.accelerator.save_state, "state-step2")
+
+    def save(step: int) -> None:
+        if step == 4:  # the earlier verdict is in, as in a run whose steps take longer than a verification
+            assert background.wait_for_verifications(timeout=120)
+        ckv.save_state(job.accelerator, tmp_path / f"state-step{step}", background=True, on_failure="raise")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointRefusedError, match=r"in the background: .*state-step2 fails verification"
+                                                         r".*optimizer\.bin"):
+            job.train(6, save)
+    (warned,) = ours(caught)
+    assert "state-step2" in warned and "optimizer.bin" in warned
+    (failed,) = read_events(tmp_path, "checkpoint-failed")
+    assert failed["errors"][0]["location"]["file"] == "optimizer.bin"
+    assert not (tmp_path / "state-step6").exists()  # stopped at the save after the failure (step 4's)
+    arrived = ckv.wait_for_verifications(job.accelerator)  # raised once; step 4 (written, queued) arrives clean
+    assert [(v.step, v.passed) for v in arrived] == [(2, False), (4, True)]
+    assert not read_stamp(tmp_path / "state-step2").passed  # type: ignore[union-attr]
+
+
+def test_load_of_a_state_still_queued_waits_for_its_verification(tmp_path: Path, queue: BackgroundVerifier) -> None:
+    import threading
+
+    release = threading.Event()
+    queue.before_verify = lambda p: release.wait(60)
+    job = Job()
+    job.train(2, lambda s: ckv.save_state(job.accelerator, tmp_path / f"state-step{s}", background=True))
+    assert queue.pending() == [str(tmp_path / "state-step2")]
+    threading.Timer(0.5, release.set).start()
+    verdict = ckv.load_state(Job().accelerator, tmp_path / "state-step2")
+    assert verdict.passed and verdict.manifest and verdict.unchecked == ()  # the manifest written meanwhile
+    assert queue.pending() == []
+
+
+@pytest.mark.slow
+def test_two_processes_in_the_background_raise_together_at_the_save_after_a_failure(tmp_path: Path) -> None:
+    results = run_two_processes(tmp_path, "background")
+    for result in results:
+        assert result["step2"]["pending"] is True and result["step4"]["pending"] is True, result
+        assert result["step6_error"]["type"] == "CheckpointRefusedError", result
+        assert "in the background" in result["step6_error"]["message"]
+        assert "state-step4" in result["step6_error"]["message"]
+        assert "random_states_1.pkl" in result["step6_error"]["message"]
+        # step 6 was written, and queued, before the raise: it is verified too
+        assert [(v["step"], v["passed"]) for v in result["waited"]] == [(2, True), (4, False), (6, True)], result
+    assert results[0]["warnings"] == [results[0]["warnings"][0]] and "state-step4" in results[0]["warnings"][0]
+    assert results[1]["warnings"] == []  # the coordinator warns; every rank raises
     assert read_stamp(tmp_path / "state-step2").passed  # type: ignore[union-attr]
     assert not read_stamp(tmp_path / "state-step4").passed  # type: ignore[union-attr]

@@ -11,7 +11,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,12 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckptverify.adopt import file_manifest_path  # noqa: E402
-from ckptverify.errors import CheckpointRefusedError, UsageError  # noqa: E402
+from ckptverify.errors import CheckpointRefusedError  # noqa: E402
 from ckptverify.events import read_events  # noqa: E402
 from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
 from ckptverify.integrations.lightning import VerifyCheckpoints  # noqa: E402
+from ckptverify.runs import background  # noqa: E402
+from ckptverify.runs.background import BackgroundVerifier  # noqa: E402
 from ckptverify.runs.stamp import read_stamp, stamp_path  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "frameworks" / "lightning_integration.py"
@@ -201,9 +205,104 @@ def test_the_strategy_is_left_as_it_was_after_fit_and_after_a_refused_resume(tmp
         assert name not in vars(trainer.strategy), name
 
 
-def test_background_verification_is_refused_until_it_exists() -> None:
-    with pytest.raises(UsageError, match="background"):
-        VerifyCheckpoints(background=True)
+# -- background=True: the save returns at once; the verdict comes from the background verifier
+
+
+@pytest.fixture
+def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
+    """A fresh process-wide background verifier (short settle time), closed after the test."""
+    fresh = BackgroundVerifier(settle=0.05)
+    monkeypatch.setattr(background, "_default", fresh)
+    yield fresh
+    fresh.before_verify = None
+    fresh.close(timeout=60)
+
+
+class WaitForBackground(pl.Callback):
+    """Before the save of ``step``, wait until the background verifier has finished what is queued: the
+    earlier save's verdict is in by then, as it would be in a run whose steps take longer than a verification."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step - 1:
+            assert background.wait_for_verifications(timeout=120)
+
+
+def test_background_saves_are_stamped_once_fit_ends_with_no_warning(tmp_path: Path,
+                                                                    queue: BackgroundVerifier) -> None:
+    verify = VerifyCheckpoints(background=True)
+    _, warned = fit(tmp_path, verify)
+    assert warned == [] and queue.pending() == []
+    for step in (2, 4):
+        ckpt = tmp_path / f"step={step}.ckpt"
+        stamp = read_stamp(ckpt)
+        assert stamp is not None and stamp.passed and stamp.current and stamp.step == step, stamp
+        assert stamp.data["bytes_checked"] == ckpt.stat().st_size
+        assert not os.path.exists(file_manifest_path(str(ckpt)))  # all under CRC-32s: nothing fingerprinted
+    assert [(v.step, v.passed, v.pending) for v in verify.verdicts] == [(2, True, False), (4, True, False)]
+    assert all(sum(c["count"] for c in v.coverage if c["check"] == "zip-crc") > 10 for v in verify.verdicts)
+    assert [e["step"] for e in events(tmp_path, "checkpoint-verified")] == [2, 4]
+    assert events(tmp_path, "checkpoint-failed") == []
+
+
+def test_a_damaged_background_save_is_a_warning_a_failed_stamp_and_an_event(tmp_path: Path,
+                                                                           queue: BackgroundVerifier) -> None:
+    verify = VerifyCheckpoints(background=True)
+    _, warned = fit(tmp_path, verify, plugins=[DamagingIO(step=2)])
+    assert len(warned) == 1 and "step=2.ckpt" in warned[0] and "zip-crc" in warned[0], warned
+    bad = read_stamp(tmp_path / "step=2.ckpt")
+    assert bad is not None and not bad.passed and bad.current and bad.data["errors"][0]["check"] == "zip-crc"
+    assert read_stamp(tmp_path / "step=4.ckpt").passed  # type: ignore[union-attr]
+    (failed,) = events(tmp_path, "checkpoint-failed")
+    assert failed["step"] == 2 and failed["errors"][0]["location"]["file"] == "step=2.ckpt"
+    assert [v.passed for v in verify.verdicts] == [False, True]
+
+
+def test_background_on_failure_raise_stops_training_at_the_next_save(tmp_path: Path,
+                                                                     queue: BackgroundVerifier) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[DamagingIO(step=2)],
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2,
+                                                    save_top_k=-1),
+                                    WaitForBackground(step=4), VerifyCheckpoints(background=True, on_failure="raise")])
+    with pytest.raises(CheckpointRefusedError, match=r"earlier checkpoint failed verification in the background: "
+                                                     r"checkpoint saved at .*step=2\.ckpt fails verification"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointVerificationWarning)
+        trainer.fit(Regressor())
+    assert trainer.global_step == 4 and not (tmp_path / "step=6.ckpt").exists()  # stopped at the next save
+    for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
+        assert name not in vars(trainer.strategy), name
+
+
+def test_background_on_failure_raise_at_the_last_save_raises_when_fit_ends(tmp_path: Path,
+                                                                           queue: BackgroundVerifier) -> None:
+    with pytest.raises(CheckpointRefusedError, match=r"in the background: .*step=4\.ckpt fails verification"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointVerificationWarning)
+        fit(tmp_path, VerifyCheckpoints(background=True, on_failure="raise"), plugins=[DamagingIO(step=4)])
+    assert not read_stamp(tmp_path / "step=4.ckpt").passed  # type: ignore[union-attr]
+
+
+def test_a_checkpoint_top_k_removes_before_its_verification_is_an_event_not_a_failure(
+        tmp_path: Path, queue: BackgroundVerifier) -> None:
+    def hold_until_removed(path: str) -> None:  # step=2.ckpt waits its turn until retention has removed it
+        deadline = time.monotonic() + 60
+        while path.endswith("step=2.ckpt") and os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    queue.before_verify = hold_until_removed
+    verify = VerifyCheckpoints(background=True, on_failure="raise", fingerprint=True)
+    _, warned = fit(tmp_path, verify, top_k=1)
+    assert warned == []
+    (deleted,) = events(tmp_path, "checkpoint-deleted")
+    assert deleted["path"] == str(tmp_path / "step=2.ckpt") and deleted["step"] == 2 and deleted["deleted"]
+    assert events(tmp_path, "checkpoint-failed") == []
+    assert sorted(os.listdir(tmp_path)) == ["events.jsonl", "step=4.ckpt", "step=4.ckpt.ckptverify.manifest.json",
+                                            "step=4.ckpt.ckptverify.verified.json"]
+    assert [(v.deleted, v.passed) for v in verify.verdicts] == [(True, False), (False, True)]
 
 
 # -- ModelParallelStrategy: DCP folders, in their own processes

@@ -123,12 +123,37 @@ def test_resume_is_refused_when_no_checkpoint_verifies(job: Any) -> None:
         assert result["untouched"]["damaged-1"] is True and result["restored_step"]["damaged-1"] == 0
 
 
+def test_background_saves_return_pending_and_are_stamped_once_close_waits(job: Any) -> None:
+    out, results = job
+    for result in results:
+        assert [(v["step"], v["pending"]) for v in result["background"]["pending"]] == [(2, True), (4, True)]
+    check_saves(out, results, "background")
+
+
+def test_a_background_failure_stops_training_at_the_next_save_on_every_rank(job: Any) -> None:
+    out, results = job
+    for result in results:
+        error = result["background_damaged"]["error"]
+        assert error is not None and error["type"] == "CheckpointRefusedError", result["background_damaged"]
+        assert "in the background" in error["message"] and "background_damaged/step-2 fails verification" \
+            in error["message"] and ".distcp" in error["message"]
+        assert result["background_damaged_step"] == 4  # raised at the save after the damaged one
+    assert any("background_damaged/step-2 fails verification" in w
+               for w in results[0]["background_damaged"]["warnings"])
+    assert not read_stamp(out / "background_damaged" / "step-2").passed  # type: ignore[union-attr]
+    (failed,) = read_events(out / "background_damaged", "checkpoint-failed")
+    assert failed["step"] == 2
+
+
 @pytest.mark.slow
 def test_two_ranks_save_verify_and_refuse_together(tmp_path: Path) -> None:
     results = run_job(tmp_path, 2)
     check_saves(tmp_path, results, "sync", changed_later=(4,))
     check_saves(tmp_path, results, "async")
+    check_saves(tmp_path, results, "background")
     for result in results:
+        assert result["background_damaged"]["error"]["type"] == "CheckpointRefusedError"
+        assert result["background_damaged_step"] == 4
         assert result["damaged"]["error"]["type"] == "CheckpointRefusedError"
         assert result["load_4"]["error"]["type"] == "CheckpointRefusedError"
         assert result["untouched"]["sync4"] is True

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ from ckptverify.integrations.transformers import (  # noqa: E402
     verified_resume_checkpoint,
     verify_before_resume,
 )
+from ckptverify.runs import background  # noqa: E402
+from ckptverify.runs.background import BackgroundVerifier  # noqa: E402
 from ckptverify.runs.stamp import read_stamp  # noqa: E402
 
 
@@ -55,13 +59,14 @@ class DamageOnSave(TrainerCallback):
             h.flip_in_zip_member(Path(args.output_dir) / f"checkpoint-{self.step}" / "optimizer.pt")
 
 
-def train(out: Path, callbacks: list[Any], *, max_steps: int = 4, resume: str | None = None) -> tuple[Any, list[str]]:
+def train(out: Path, callbacks: list[Any], *, max_steps: int = 4, resume: str | None = None,
+          **extra: Any) -> tuple[Any, list[str]]:
     """Train 2 steps per save into ``out``; return the trainer and the warnings ckptverify raised."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     args = TrainingArguments(output_dir=str(out), max_steps=max_steps, save_steps=2, per_device_train_batch_size=4,
                              learning_rate=1e-3, use_cpu=True, report_to=[], seed=0, disable_tqdm=True,
-                             logging_strategy="no")
+                             logging_strategy="no", **extra)
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=callbacks)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -168,3 +173,84 @@ def test_a_flip_in_the_weights_is_refused_at_resume_naming_the_tensor(run: Any, 
     with pytest.raises(CheckpointRefusedError, match=r"checkpoint-4 fails verification") as exc:
         verify_before_resume(out / "checkpoint-4")
     assert "model.safetensors" in str(exc.value) and tensor in str(exc.value)
+
+
+# -- background=True: on_save returns at once; the verdict comes from the background verifier
+
+
+@pytest.fixture
+def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
+    """A fresh process-wide background verifier (short settle time), closed after the test."""
+    fresh = BackgroundVerifier(settle=0.05)
+    monkeypatch.setattr(background, "_default", fresh)
+    yield fresh
+    fresh.before_verify = None
+    fresh.close(timeout=60)
+
+
+class WaitForBackground(TrainerCallback):
+    """Before the save of ``step`` (``on_step_end`` comes before it), wait until the background verifier has
+    finished what is queued, as it has in a run whose steps take longer than a verification."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            assert background.wait_for_verifications(timeout=120)
+
+
+def test_background_saves_are_fingerprinted_and_stamped_by_the_end_of_training(tmp_path: Path,
+                                                                               queue: BackgroundVerifier) -> None:
+    out = tmp_path / "run"
+    verify = VerifyCheckpointsCallback(background=True)
+    _, warned = train(out, [verify])
+    assert warned == [] and queue.pending() == []
+    for step in (2, 4):
+        stamp = read_stamp(out / f"checkpoint-{step}")
+        assert stamp is not None and stamp.passed and stamp.current and stamp.step == step, stamp
+        assert stamp.data["manifest"] and (out / f"checkpoint-{step}" / "ckptverify.manifest.json").is_file()
+    assert [(v.step, v.passed, v.pending) for v in verify.verdicts] == [(2, True, False), (4, True, False)]
+    for verdict in verify.verdicts:  # the weights (safetensors) are covered by the manifest written in the background
+        assert verdict.manifest and verdict.unchecked == () and verdict.checked_bytes > 0, verdict
+    assert [e["step"] for e in read_events(out, "checkpoint-verified")] == [2, 4]
+    assert all(e["fingerprint"].startswith("manifest written") for e in read_events(out, "checkpoint-verified"))
+
+
+def test_a_damaged_background_save_is_a_warning_a_failed_stamp_and_an_event(tmp_path: Path,
+                                                                           queue: BackgroundVerifier) -> None:
+    out = tmp_path / "run"
+    _, warned = train(out, [DamageOnSave(step=2), VerifyCheckpointsCallback(background=True)])
+    assert len(warned) == 1 and "checkpoint-2" in warned[0] and "optimizer.pt" in warned[0], warned
+    assert not read_stamp(out / "checkpoint-2").passed  # type: ignore[union-attr]
+    assert read_stamp(out / "checkpoint-4").passed  # type: ignore[union-attr]
+    (failed,) = read_events(out, "checkpoint-failed")
+    assert failed["step"] == 2 and failed["errors"][0]["location"]["file"] == "optimizer.pt"
+
+
+def test_background_on_failure_raise_stops_training_at_the_next_save(tmp_path: Path,
+                                                                     queue: BackgroundVerifier) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointRefusedError, match=r"in the background: .*checkpoint-2 fails verification"):
+        train(out, [DamageOnSave(step=2), WaitForBackground(step=4), VerifyCheckpointsCallback(
+            background=True, on_failure="raise")], max_steps=8)
+    assert (out / "checkpoint-4").is_dir() and not (out / "checkpoint-6").exists()  # stopped at the next save
+
+
+def test_a_checkpoint_rotated_away_before_its_verification_is_an_event_not_a_failure(
+        tmp_path: Path, queue: BackgroundVerifier) -> None:
+    def hold_until_removed(path: str) -> None:  # checkpoint-2 waits its turn until save_total_limit removed it
+        deadline = time.monotonic() + 60
+        while path.endswith("checkpoint-2") and os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    queue.before_verify = hold_until_removed
+    out = tmp_path / "run"
+    verify = VerifyCheckpointsCallback(background=True, on_failure="raise")
+    _, warned = train(out, [verify], save_total_limit=1)
+    assert warned == []
+    (deleted,) = read_events(out, "checkpoint-deleted")
+    assert deleted["path"] == str(out / "checkpoint-2") and deleted["step"] == 2
+    assert list(read_events(out, "checkpoint-failed")) == []
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4"]
+    assert read_stamp(out / "checkpoint-4").passed  # type: ignore[union-attr]

@@ -11,6 +11,9 @@ never needs one):
 - :mod:`ckptverify.integrations.torchtitan`: ``VerifiedCheckpointManager``, a torchtitan ``CheckpointManager``
   that saves through ckptverify's hashing writer.
 
+Each takes ``background=True`` (torchtitan: ``verify_background``): the save returns at once and the checkpoint
+is verified by the process's background verifier (:mod:`ckptverify.runs.background`).
+
 What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`Verdict`,
 :class:`CheckpointVerificationWarning`. See ``docs/integrations.md``.
 """

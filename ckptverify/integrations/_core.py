@@ -22,15 +22,28 @@ warned about: they are the same on every clean save.
 The verdict is reached on the coordinator (rank 0) and handed to every rank through the framework's own
 broadcast (:class:`Group`), so every rank raises or none does.
 
-The integrations verify inline: a save returns once its checkpoint is verified and stamped. ``background=True``
-is refused for now (``ckptverify.save(verify="background")`` and ``Run`` verify in the background through
-:mod:`ckptverify.runs.background`); every integration goes through :meth:`Verifier.after_save`, whose one dispatch
-(``self._dispatch``) is where a checkpoint would be handed to that verifier instead.
+By default the integrations verify inline: a save returns once its checkpoint is verified and stamped. With
+``background=True`` (:meth:`Verifier.after_save`'s one dispatch, ``self._dispatch``) the coordinator hands the
+checkpoint to the process's background verifier (:mod:`ckptverify.runs.background`, the one
+``ckptverify.save(verify="background")`` uses: its queue, the checkpoint's verifying lock, its verifier process at
+idle CPU priority) and the save returns at once, with a *pending* verdict. The verifier process runs the same
+check as inline (:func:`check_saved`: fingerprinted when needed, verified, stamped), and the same event is
+appended when it finishes, with the same fields; a failure is then a :class:`CheckpointVerificationWarning` (on
+the coordinator, from the verifier's thread), and with ``on_failure="raise"`` a
+:class:`~ckptverify.errors.CheckpointRefusedError` raised by the next :meth:`Verifier.after_save` (or
+:meth:`Verifier.wait`) on every rank together. :meth:`Verifier.wait` (the integrations call it at the end of
+training) waits for the pending ones, up to a bound, and says which were cut short (a ``checkpoint-cut-short``
+event each). :meth:`Verifier.before_resume` of a checkpoint still pending waits for it, then verifies it as
+always. A checkpoint the framework's retention deleted before its verification finished is no failure: a
+``checkpoint-deleted`` event, no warning, and ckptverify's own files left beside or inside it removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -40,7 +53,8 @@ from typing import Any, Literal
 from ckptverify.errors import CheckpointRefusedError, CkptVerifyError, UsageError
 from ckptverify.findings import Report
 
-__all__ = ["ON_FAILURE", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "torch_group"]
+__all__ = ["ON_FAILURE", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "check_saved",
+           "settle_verdicts", "torch_group"]
 
 OnFailure = Literal["warn", "raise"]
 Fingerprint = bool | Literal["auto"]
@@ -87,9 +101,11 @@ def torch_group() -> Group:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of checking one checkpoint. ``report`` is set on the coordinator only; the rest is on every
-    rank. ``checked_bytes`` and ``coverage`` say how much was checked; ``unchecked`` names the files with
-    content nothing could check (no checksum, no manifest covering it)."""
+    """The outcome of checking one checkpoint. ``report`` is set on the coordinator only (and not for a verdict
+    reached in the background); the rest is on every rank. ``checked_bytes`` and ``coverage`` say how much was
+    checked; ``unchecked`` names the files with content nothing could check (no checksum, no manifest covering
+    it). ``pending``: handed to the background verifier, no verdict yet (``passed`` is ``False``: nothing was
+    checked). ``deleted``: removed (by the framework's retention) before its verification finished; no verdict."""
 
     path: str
     passed: bool
@@ -104,13 +120,20 @@ class Verdict:
     seconds: float = 0.0
     stamp: str | None = None
     report: Report | None = field(default=None, compare=False)
+    pending: bool = False
+    deleted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Everything but the report: what is broadcast, and what an event records."""
-        return {"path": self.path, "passed": self.passed, "message": self.message, "step": self.step,
+        data = {"path": self.path, "passed": self.passed, "message": self.message, "step": self.step,
                 "errors": list(self.errors), "checked_bytes": self.checked_bytes, "coverage": list(self.coverage),
                 "manifest": self.manifest, "unchecked": list(self.unchecked), "warnings": list(self.warnings),
                 "seconds": self.seconds, "stamp": self.stamp}
+        if self.pending:
+            data["pending"] = True
+        if self.deleted:
+            data["deleted"] = True
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Verdict:
@@ -118,7 +141,8 @@ class Verdict:
                    errors=tuple(data.get("errors", ())), checked_bytes=data.get("checked_bytes", 0),
                    coverage=tuple(data.get("coverage", ())), manifest=data.get("manifest", False),
                    unchecked=tuple(data.get("unchecked", ())), warnings=tuple(data.get("warnings", ())),
-                   seconds=data.get("seconds", 0.0), stamp=data.get("stamp"))
+                   seconds=data.get("seconds", 0.0), stamp=data.get("stamp"), pending=data.get("pending", False),
+                   deleted=data.get("deleted", False))
 
 
 def first_error_line(path: str, errors: list[dict[str, Any]] | tuple[dict[str, Any], ...], total: int) -> str:
@@ -182,6 +206,146 @@ def _why(exc: Exception) -> str:
     return str(exc) if isinstance(exc, CkptVerifyError) else f"the check stopped: {type(exc).__name__}: {exc}"
 
 
+def _deleted(path: str, step: int | None, seconds: float = 0.0) -> Verdict:
+    return Verdict(path=path, passed=False, deleted=True, step=step, seconds=round(seconds, 6),
+                   message=f"{path} was deleted before its verification finished (the framework's retention, "
+                           "most likely): nothing to verify")
+
+
+def _fingerprint(root: str, jobs: int | None) -> str:
+    """Write the manifest of the checkpoint just saved at ``root`` (replacing one a former save into the same
+    place left: it describes bytes that are gone). Content no checksum protects (safetensors weights) is
+    adopted as it was just written: from now on the manifest protects it. Returns what happened, for the
+    event; a refusal is no failure by itself (the verification that follows judges the checkpoint)."""
+    from ckptverify.adopt import fingerprint_checkpoint
+
+    report, manifest = fingerprint_checkpoint(root, force=True, jobs=jobs, trust_uncheckable=True)
+    if manifest is not None:
+        return (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
+                f"{len(manifest.tensors)} tensors")
+    refusal = next((f for f in report.findings if f.check == "fingerprint-refused"), None)
+    return f"no manifest: {refusal.message if refusal else 'refused'}"
+
+
+def _vanished(root: str) -> bool:
+    """Whether the checkpoint at ``root`` was deleted (or is being deleted): gone, a DCP folder that lost its
+    metadata, or a folder left holding nothing but ckptverify's own files."""
+    from ckptverify.formats.describe import is_own_file
+    from ckptverify.runs.stamper import removed
+
+    if removed(root):
+        return True
+    if os.path.isdir(root) and not os.path.islink(root):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return True
+        return all(is_own_file(n) for n in names)
+    return False
+
+
+def _tidy(root: str) -> None:
+    """Remove ckptverify's own files (stamp, manifest, verifying lock) from a checkpoint that was deleted while
+    it was verified: inside a folder left with nothing else (then the folder too), or beside a single file."""
+    from ckptverify.adopt import file_manifest_path
+    from ckptverify.formats.describe import is_own_file
+    from ckptverify.runs.stamp import stamp_path
+
+    if os.path.isdir(root) and not os.path.islink(root):
+        with contextlib.suppress(OSError):
+            names = os.listdir(root)
+            if all(is_own_file(n) for n in names):
+                for name in names:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(root, name))
+                os.rmdir(root)
+        return
+    if not os.path.lexists(root):
+        for beside in (stamp_path(root), file_manifest_path(root)):
+            with contextlib.suppress(OSError):
+                os.unlink(beside)
+
+
+def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None = None,
+                deep: bool = False, settle: float | None = None) -> tuple[Verdict, dict[str, Any], str]:
+    """Fingerprint (when needed), verify and stamp the checkpoint just saved at ``root``; see the module
+    docstring. Returns the verdict, the event's extra fields and the event's name (``checkpoint-verified``,
+    ``checkpoint-failed``, or ``checkpoint-deleted``). Appends no event and warns of nothing.
+
+    ``settle``: set when the checkpoint may be deleted meanwhile (a verification in the background, while the
+    framework's retention runs): a failure, or files that changed, is judged only after ``settle`` seconds, and
+    a checkpoint gone by then is ``deleted``, with ckptverify's own files removed."""
+    from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
+    from ckptverify.verify import UNCHECKABLE, verify_checkpoint
+
+    started = time.perf_counter()
+    background = settle is not None
+
+    def deleted_now() -> bool:
+        if not background:
+            return False
+        if not _vanished(root):
+            time.sleep(settle or 0.0)  # a checkpoint deleted file by file is not corrupt: let it settle
+            if not _vanished(root):
+                return False
+        _tidy(root)
+        return True
+
+    if "://" in root:
+        return _failed(root, "ckptverify verifies checkpoints on a local file system only", step), {}, \
+            "checkpoint-failed"
+    if background and _vanished(root):
+        _tidy(root)
+        return _deleted(root, step), {}, "checkpoint-deleted"
+    try:
+        # A manifest already here (fingerprint=False aside: the hashing writer's own) is a former save's.
+        stale = fingerprint == "auto" and _has_manifest(root)
+        fp_note = _fingerprint(root, jobs) if fingerprint is True or stale else None
+        before = files_fingerprint(root)
+        report = verify_checkpoint(root, jobs=jobs, deep=deep)
+        if fingerprint == "auto" and report.passed and not report.stats.get("manifest") \
+                and any(f.check == UNCHECKABLE for f in report.findings):
+            # Content nothing could check now, or ever after, without digests of it as it was just written.
+            fp_note = _fingerprint(root, jobs)
+            before = files_fingerprint(root)
+            report = verify_checkpoint(root, jobs=jobs, deep=deep)
+    except Exception as exc:  # whatever stops the check, training is told, not killed
+        if deleted_now():
+            return _deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
+        return _failed(root, _why(exc), step, time.perf_counter() - started), {}, "checkpoint-failed"
+    stamp: str | None = None
+    stamp_error: str | None = None
+    changed = files_fingerprint(root) != before
+    if (changed or not report.passed) and deleted_now():
+        return _deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
+    if not changed:  # else it changed while read: no stamp would be current
+        try:
+            write_stamp(root, report, step=step, fingerprint=before)
+            stamp = stamp_path(root)
+        except OSError as exc:
+            stamp_error = f"{type(exc).__name__}: {exc}"
+    else:
+        stamp_error = "files changed while they were verified"
+    if background and (_vanished(root) or files_fingerprint(root) != before) and deleted_now():
+        # Deleted as the stamp was written (a framework's rmtree that listed the folder before the stamp was in
+        # it fails on it): ckptverify's files are taken away too.
+        return _deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
+    verdict = _verdict(root, report, step, time.perf_counter() - started, stamp)
+    extra: dict[str, Any] = {}
+    if fp_note is not None:
+        extra["fingerprint"] = fp_note
+    if stamp_error is not None:
+        extra["stamp_error"] = stamp_error
+    return verdict, extra, "checkpoint-verified" if verdict.passed else "checkpoint-failed"
+
+
+def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
+              settle: float) -> dict[str, Any]:
+    """:func:`check_saved` in the background verifier's process: its outcome as JSON values."""
+    verdict, extra, event = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
+    return {"verdict": verdict.to_dict(), "extra": extra, "event": event}
+
+
 class Verifier:
     """Verify checkpoints after a framework saves them and before it loads them; see the module docstring.
 
@@ -196,9 +360,10 @@ class Verifier:
             the manifest's logical tensor fingerprints cost far more than the save (``docs/integrations.md``,
             Cost). ``True``: always (the manifest then also serves ``verify --deep`` and ``diff``). ``False``:
             never.
-        background: reserved; refused in this version (the integrations verify inline).
+        background: hand each saved checkpoint to the background verifier and return at once (see the module
+            docstring); the framework must then call :meth:`wait` at the end of training.
         deep: also rebuild every tensor and compare its logical fingerprint with the manifest's.
-        jobs: verification threads (default: one per core).
+        jobs: verification threads (default: one per core inline, one in the background).
         events_dir: where ``events.jsonl`` goes (default: the folder that holds the checkpoint).
     """
 
@@ -207,48 +372,107 @@ class Verifier:
                  events_dir: str | os.PathLike[str] | None = None) -> None:
         if on_failure not in ON_FAILURE:
             raise UsageError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
-        if background:
-            raise UsageError("the framework integrations verify inline in this version: use background=False "
-                             "(verification runs right after each save); ckptverify.save(verify='background') "
-                             "and Run verify in the background")
+        if not isinstance(background, bool):
+            raise UsageError(f"background must be True or False, got {background!r}")
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
         self.on_failure: OnFailure = on_failure
         if fingerprint not in (True, False, "auto"):
             raise UsageError(f"fingerprint must be True, False or 'auto', got {fingerprint!r}")
         self.fingerprint: Fingerprint = fingerprint
+        self.background = background
         self.deep = bool(deep)
         self.jobs = jobs
         self.events_dir = None if events_dir is None else os.fspath(events_dir)
-        # The one place a saved checkpoint is handed over: inline now; the background verifier takes it here.
-        self._dispatch: Callable[[str, int | None, Fingerprint], Verdict] = self._check_saved
+        # Background state, on the coordinator: checkpoints handed over and not finished, verdicts arrived since
+        # the last wait, failures not raised yet (raise mode). Filled from the background verifier's thread.
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._arrived_verdicts: list[Verdict] = []
+        self._unraised: list[Verdict] = []
+        # The one place a saved checkpoint is handed over: verified now, or queued for the background verifier.
+        self._dispatch: Callable[[str, int | None, Fingerprint], Verdict] = \
+            self._submit if background else self._check_saved
 
-    # -- the two entry points
+    # -- the entry points
     def after_save(self, path: str | os.PathLike[str], *, step: int | None = None, group: Group = Group(),
                    fingerprint: Fingerprint | None = None) -> Verdict:
         """Check the checkpoint just written at ``path`` (every rank calls this; the coordinator checks).
 
         ``fingerprint``: override the verifier's setting for this save (``False`` when the checkpoint was
-        written with its manifest already, by ckptverify's hashing writer). Returns the verdict on every rank;
-        raises :class:`~ckptverify.errors.CheckpointRefusedError` on every rank when it failed and
-        ``on_failure="raise"``."""
+        written with its manifest already, by ckptverify's hashing writer). Returns the verdict on every rank
+        (with ``background``, a pending one); raises :class:`~ckptverify.errors.CheckpointRefusedError` on every
+        rank when it failed and ``on_failure="raise"``, and with ``background`` when an earlier checkpoint's
+        verification failed since the last call."""
         root = os.fspath(path)
         if group.barrier is not None:
             group.barrier()  # every rank's files are written before any is read
         verdict = None
+        earlier = None
         if group.coordinator:
             verdict = self._dispatch(root, step, self.fingerprint if fingerprint is None else fingerprint)
-        verdict = self._agree(verdict, group)
-        if not verdict.passed:
+            earlier = self._take_unraised()
+        if self.background:
+            verdict, earlier = self._agree_pair(verdict, earlier, group)
+        else:
+            verdict = self._agree(verdict, group)
+        if earlier is not None:
+            raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
+                                         f"saved at {earlier.message}", earlier.report)
+        if not verdict.passed and not verdict.pending:
             if self.on_failure == "raise":
                 raise CheckpointRefusedError(f"checkpoint saved at {verdict.message}", verdict.report)
             if group.coordinator:
                 warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=3)
         return verdict
 
+    def wait(self, *, group: Group = Group(), timeout: float | None = None) -> list[Verdict]:
+        """Wait for this verifier's background verifications (every rank calls it; the coordinator waits), up to
+        ``timeout`` seconds (default: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600). Those not finished by then are
+        cut short: a warning naming them, and a ``checkpoint-cut-short`` event each (they carry no stamp, and are
+        verified when a resume picks them; they stay queued). Returns, on every rank, the verdicts that arrived
+        since the last wait (none without ``background``). With ``on_failure="raise"``, raises
+        :class:`~ckptverify.errors.CheckpointRefusedError` on every rank for a failure not raised yet."""
+        if not self.background:
+            return []
+        arrived: list[Verdict] | None = None
+        earlier = None
+        if group.coordinator:
+            from ckptverify.runs.background import default_verifier, exit_timeout
+
+            limit = exit_timeout() if timeout is None else timeout
+            with self._lock:
+                mine = list(self._pending)
+            if mine and not default_verifier().wait_for(mine, limit):
+                with self._lock:
+                    left = [p for p in self._pending if p in mine]
+                if left:
+                    self._cut_short(left, f"not verified within the {limit} s waited")
+            with self._lock:
+                arrived, self._arrived_verdicts = self._arrived_verdicts, []
+            earlier = self._take_unraised()
+        if group.broadcast is not None:
+            data = group.broadcast(None if arrived is None else
+                                   {"arrived": [v.to_dict() for v in arrived],
+                                    "earlier": None if earlier is None else earlier.to_dict()})
+            if arrived is None:
+                arrived = [Verdict.from_dict(v) for v in data["arrived"]]
+                earlier = None if data["earlier"] is None else Verdict.from_dict(data["earlier"])
+        assert arrived is not None
+        if earlier is not None:
+            raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
+                                         f"saved at {earlier.message}", earlier.report)
+        return arrived
+
+    def pending(self) -> list[str]:
+        """The checkpoints handed to the background verifier and not finished yet (on the coordinator)."""
+        with self._lock:
+            return list(self._pending)
+
     def before_resume(self, path: str | os.PathLike[str], *, group: Group = Group()) -> Verdict:
         """Verify the checkpoint at ``path`` before it is loaded; refuse it on every rank if it fails (or cannot
-        be verified). Nothing is written into the checkpoint. Returns the verdict when it passed."""
+        be verified). A checkpoint whose background verification is still pending is waited for first.
+        Nothing is written into the checkpoint. Returns the verdict when it passed."""
         verdict = self.check(path, group=group, event="resume", warn=False)
         if not verdict.passed:
             raise CheckpointRefusedError(f"refusing to resume: {verdict.message}", verdict.report)
@@ -257,11 +481,13 @@ class Verifier:
     def check(self, path: str | os.PathLike[str], *, group: Group = Group(), event: str = "resume",
               warn: bool = True) -> Verdict:
         """Verify ``path`` read-only on the coordinator, log ``{event}-verified`` or ``{event}-refused``, and
-        return the verdict on every rank (with ``warn``, a failure is also a warning on the coordinator). Never
-        raises for a checkpoint that fails."""
+        return the verdict on every rank (with ``warn``, a failure is also a warning on the coordinator). A
+        background verification of ``path`` still pending in this process is waited for first (it may write the
+        manifest that protects the weights). Never raises for a checkpoint that fails."""
         root = os.fspath(path)
         verdict = None
         if group.coordinator:
+            _await_background(root)
             verdict = self._verify_only(root)
             self._emit(root, f"{event}-verified" if verdict.passed else f"{event}-refused", verdict, group.rank)
         verdict = self._agree(verdict, group)
@@ -271,62 +497,79 @@ class Verifier:
 
     # -- coordinator side
     def _check_saved(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verdict:
-        from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
-        from ckptverify.verify import UNCHECKABLE, verify_checkpoint
-
-        started = time.perf_counter()
-        if "://" in root:
-            verdict = _failed(root, "ckptverify verifies checkpoints on a local file system only", step)
-            self._emit(root, "checkpoint-failed", verdict, 0)
-            return verdict
-        try:
-            # A manifest already here (fingerprint=False aside: the hashing writer's own) is a former save's.
-            stale = fingerprint == "auto" and _has_manifest(root)
-            fp_note = self._fingerprint(root) if fingerprint is True or stale else None
-            before = files_fingerprint(root)
-            report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
-            if fingerprint == "auto" and report.passed and not report.stats.get("manifest") \
-                    and any(f.check == UNCHECKABLE for f in report.findings):
-                # Content nothing could check now, or ever after, without digests of it as it was just written.
-                fp_note = self._fingerprint(root)
-                before = files_fingerprint(root)
-                report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
-        except Exception as exc:  # whatever stops the check, training is told, not killed
-            verdict = _failed(root, _why(exc), step, time.perf_counter() - started)
-            self._emit(root, "checkpoint-failed", verdict, 0)
-            return verdict
-        stamp: str | None = None
-        stamp_error: str | None = None
-        if files_fingerprint(root) == before:  # else it changed while read: no stamp would be current
-            try:
-                write_stamp(root, report, step=step, fingerprint=before)
-                stamp = stamp_path(root)
-            except OSError as exc:
-                stamp_error = f"{type(exc).__name__}: {exc}"
-        else:
-            stamp_error = "files changed while they were verified"
-        verdict = _verdict(root, report, step, time.perf_counter() - started, stamp)
-        extra: dict[str, Any] = {}
-        if fp_note is not None:
-            extra["fingerprint"] = fp_note
-        if stamp_error is not None:
-            extra["stamp_error"] = stamp_error
-        self._emit(root, "checkpoint-verified" if verdict.passed else "checkpoint-failed", verdict, 0, **extra)
+        verdict, extra, event = check_saved(root, step, fingerprint, jobs=self.jobs, deep=self.deep)
+        self._emit(root, event, verdict, 0, **extra)
         return verdict
 
-    def _fingerprint(self, root: str) -> str:
-        """Write the manifest of the checkpoint just saved at ``root`` (replacing one a former save into the same
-        place left: it describes bytes that are gone). Content no checksum protects (safetensors weights) is
-        adopted as it was just written: from now on the manifest protects it. Returns what happened, for the
-        event; a refusal is no failure by itself (the verification that follows judges the checkpoint)."""
-        from ckptverify.adopt import fingerprint_checkpoint
+    def _submit(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verdict:
+        """Queue ``root`` for the background verifier (:func:`check_saved` in its process)."""
+        from ckptverify.runs.background import Task, default_verifier
 
-        report, manifest = fingerprint_checkpoint(root, force=True, jobs=self.jobs, trust_uncheckable=True)
-        if manifest is not None:
-            return (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
-                    f"{len(manifest.tensors)} tensors")
-        refusal = next((f for f in report.findings if f.check == "fingerprint-refused"), None)
-        return f"no manifest: {refusal.message if refusal else 'refused'}"
+        if "://" in root:  # refused at once, as inline: there is nothing to queue
+            return self._check_saved(root, step, fingerprint)
+        where = os.path.abspath(root)  # the verifier process may not share this process's working directory
+        folder = self._events_folder(root)
+        verifier = default_verifier()
+        task = Task(function=f"{__name__}:saved_job",
+                    args={"root": where, "step": step, "fingerprint": fingerprint, "jobs": self.jobs or 1,
+                          "deep": self.deep, "settle": verifier.settle},
+                    done=functools.partial(self._arrived, root, where, step, folder),
+                    cut_short=functools.partial(self._cut_short_one, root, step, folder))
+        with self._lock:
+            self._pending.append(where)
+        try:
+            verifier.submit(where, step=step, task=task)
+        except UsageError:  # the process's verifier was closed (the interpreter is exiting): verify it now
+            with self._lock:
+                self._pending.remove(where)
+            return self._check_saved(root, step, fingerprint)
+        return Verdict(path=root, passed=False, pending=True, step=step,
+                       message=f"{root} is queued for verification in the background")
+
+    def _arrived(self, root: str, where: str, step: int | None, folder: str, result: Any, why: str | None) -> None:
+        """A background verification finished (in the background verifier's thread): the event, the warning,
+        and a failure kept for the next save to raise."""
+        extra: dict[str, Any] = {}
+        if result is None and why == "removed before it was verified":
+            verdict, event = _deleted(root, step), "checkpoint-deleted"
+        elif result is None:
+            verdict, event = _failed(root, f"the background verification did not finish: {why}", step), \
+                "checkpoint-failed"
+        else:
+            verdict = Verdict.from_dict({**result["verdict"], "path": root})
+            extra, event = dict(result.get("extra") or {}), str(result["event"])
+            if verdict.stamp is not None and where != root:
+                from ckptverify.runs.stamp import stamp_path
+
+                verdict = Verdict.from_dict({**verdict.to_dict(), "stamp": stamp_path(root)})
+        self._emit_in(folder, event, verdict, 0, **extra)
+        failed = event == "checkpoint-failed"
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._pending.remove(where)
+            self._arrived_verdicts.append(verdict)
+            if failed and self.on_failure == "raise":
+                self._unraised.append(verdict)
+        if failed:
+            warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=2)
+
+    def _cut_short_one(self, root: str, step: int | None, folder: str, why: str) -> None:
+        """The process's background verifier gave up waiting for ``root`` (at interpreter exit)."""
+        self._emit_in(folder, "checkpoint-cut-short", _cut(root, step, why), 0)
+        warnings.warn(f"{root}: {why}; it carries no stamp and is verified when a resume picks it",
+                      _incomplete_warning(), stacklevel=2)
+
+    def _cut_short(self, left: list[str], why: str) -> None:
+        for where in left:
+            self._emit_in(self._events_folder(where), "checkpoint-cut-short", _cut(where, None, why), 0)
+        warnings.warn(f"{len(left)} checkpoint verification(s) cut short, {why}: {', '.join(left)}; they carry no "
+                      "stamp and are verified when a resume picks them", _incomplete_warning(), stacklevel=3)
+
+    def _take_unraised(self) -> Verdict | None:
+        with self._lock:
+            first = self._unraised[0] if self._unraised else None
+            self._unraised.clear()
+        return first
 
     def _verify_only(self, root: str) -> Verdict:
         from ckptverify.verify import verify_checkpoint
@@ -340,10 +583,16 @@ class Verifier:
             return _failed(root, _why(exc), seconds=time.perf_counter() - started)
         return _verdict(root, report, None, time.perf_counter() - started, None)
 
+    def _events_folder(self, root: str) -> str:
+        return self.events_dir or os.path.dirname(os.path.abspath(root))
+
     def _emit(self, root: str, event: str, verdict: Verdict, rank: int, **extra: Any) -> None:
+        self._emit_in(self._events_folder(root), event, verdict, rank, **extra)
+
+    @staticmethod
+    def _emit_in(folder: str, event: str, verdict: Verdict, rank: int, **extra: Any) -> None:
         from ckptverify.events import EventLog
 
-        folder = self.events_dir or os.path.dirname(os.path.abspath(root))
         try:
             EventLog(folder, rank=rank).emit(event, **verdict.to_dict(), **extra)
         except OSError as exc:  # the log is a record; an unwritable one must not stop training
@@ -360,3 +609,43 @@ class Verifier:
             return verdict
         return Verdict.from_dict(data)
 
+    @staticmethod
+    def _agree_pair(verdict: Verdict | None, earlier: Verdict | None,
+                    group: Group) -> tuple[Verdict, Verdict | None]:
+        """The coordinator's verdict of this save and earlier failure, on every rank (one broadcast)."""
+        if group.broadcast is None:
+            assert verdict is not None
+            return verdict, earlier
+        mine = None if verdict is None else {"verdict": verdict.to_dict(),
+                                             "earlier": None if earlier is None else earlier.to_dict()}
+        data = group.broadcast(mine)
+        if verdict is not None:
+            return verdict, earlier
+        first = data["earlier"]
+        return Verdict.from_dict(data["verdict"]), None if first is None else Verdict.from_dict(first)
+
+
+def settle_verdicts(verdicts: list[Verdict], arrived: list[Verdict]) -> list[Verdict]:
+    """``verdicts`` with each pending one replaced by the verdict that arrived for it (same path and step)."""
+    final = {(v.path, v.step): v for v in arrived}
+    return [final.get((v.path, v.step), v) if v.pending else v for v in verdicts]
+
+
+def _cut(path: str, step: int | None, why: str) -> Verdict:
+    return Verdict(path=path, passed=False, step=step, message=f"{path} was not verified: {why}")
+
+
+def _incomplete_warning() -> type[Warning]:
+    from ckptverify.runs.background import VerifyIncompleteWarning
+
+    return VerifyIncompleteWarning
+
+
+def _await_background(root: str) -> None:
+    """Wait for a background verification of ``root`` still pending in this process (bounded by
+    ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``); the verification that follows judges the checkpoint either way."""
+    import sys
+
+    background = sys.modules.get("ckptverify.runs.background")
+    if background is not None:  # else nothing was ever queued in this process
+        background.wait_for_checkpoint(root, background.exit_timeout())

@@ -22,6 +22,14 @@ save (once every process has written its ``random_states_R.pkl``) and before the
   loaded (newer ones that fail are skipped, each a warning and an event) where accelerate would take the newest
   whatever its state.
 
+With ``background=True`` the main process queues the folder for the background verifier and :func:`save_state`
+returns at once (a pending verdict); the manifest (when needed), the stamp and the event are written when its
+verification finishes. Call :func:`wait_for_verifications` at the end of training, on every process: it waits for
+the pending ones (bounded) and returns their verdicts. A failure is a warning and a ``checkpoint-failed`` event
+when it is found; with ``on_failure="raise"`` every process raises at the next :func:`save_state` (or at
+:func:`wait_for_verifications`). A folder deleted (``total_limit`` rotation) before its turn is a
+``checkpoint-deleted`` event, not a failure; :func:`load_state` of a folder still queued waits for it.
+
 ``events.jsonl`` goes to ``accelerator.project_dir`` when there is one (never into ``checkpoints/``, whose
 every entry accelerate reads as a checkpoint), else beside the checkpoint folder. Weights saved as
 ``model.safetensors`` carry no checksum: with ``fingerprint="auto"`` (the default) the folder gets a manifest
@@ -39,7 +47,7 @@ from typing import Any
 from ckptverify.errors import CheckpointRefusedError, UsageError
 from ckptverify.integrations._core import Fingerprint, Group, OnFailure, Verdict, Verifier
 
-__all__ = ["load_state", "save_state"]
+__all__ = ["load_state", "save_state", "wait_for_verifications"]
 
 _LAST_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")
 
@@ -54,9 +62,15 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
     the folder's name ends with). Returns the verdict (its ``path`` is where ``save_state`` wrote) on every
     process; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process when the folder fails
     and ``on_failure="raise"``.
+
+    ``background=True``: the verdict returned is pending; the verification runs in the background (see the
+    module docstring), and a failure found since the last call is raised here, on every process, with
+    ``on_failure="raise"``. The accelerator keeps the background verifier's state between calls; call
+    :func:`wait_for_verifications` at the end.
     """
-    verifier = Verifier(on_failure=on_failure, fingerprint=fingerprint, background=background, deep=deep, jobs=jobs,
-                        events_dir=_events_dir(accelerator, events_dir))
+    settings = {"on_failure": on_failure, "fingerprint": fingerprint, "background": background, "deep": deep,
+                "jobs": jobs, "events_dir": _events_dir(accelerator, events_dir)}
+    verifier = _background_verifier(accelerator, settings) if background else Verifier(**settings)
     location = accelerator.save_state(None if output_dir is None else os.fspath(output_dir), **save_kwargs)
     path = os.fspath(location)
     if step is None:
@@ -64,6 +78,18 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
 
         step = step_of(os.path.basename(os.path.normpath(path)))
     return verifier.after_save(path, step=step, group=_group(accelerator))
+
+
+def wait_for_verifications(accelerator: Any, *, timeout: float | None = None) -> list[Verdict]:
+    """Wait for the background verifications of this accelerator's :func:`save_state` calls, up to ``timeout``
+    seconds (default: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600; those cut short are a warning and a
+    ``checkpoint-cut-short`` event each). Every process calls it. Returns the verdicts that arrived since the
+    last call, on every process; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process for
+    a failure not raised yet when it was saved with ``on_failure="raise"``."""
+    verifier = getattr(accelerator, _VERIFIER, None)
+    if verifier is None:
+        return []
+    return verifier.wait(group=_group(accelerator), timeout=timeout)
 
 
 def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *, deep: bool = False,
@@ -84,6 +110,22 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
         verdict = _newest_verified(accelerator, verifier, group)
     accelerator.load_state(verdict.path, load_kwargs=load_kwargs, **load_model_func_kwargs)
     return verdict
+
+
+_VERIFIER = "_ckptverify_background_verifier"
+
+
+def _background_verifier(accelerator: Any, settings: dict[str, Any]) -> Verifier:
+    """The verifier kept on ``accelerator`` for its background saves (what is pending, failures not raised yet),
+    with this call's settings."""
+    verifier = getattr(accelerator, _VERIFIER, None)
+    fresh = Verifier(**settings)  # validates the settings
+    if verifier is None:
+        setattr(accelerator, _VERIFIER, fresh)
+        return fresh
+    verifier.on_failure, verifier.fingerprint = fresh.on_failure, fresh.fingerprint
+    verifier.deep, verifier.jobs, verifier.events_dir = fresh.deep, fresh.jobs, fresh.events_dir
+    return verifier
 
 
 def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Verdict:

@@ -27,6 +27,14 @@ changed, so any strategy works: the default single device one (``.ckpt`` files),
 - Before ``load_checkpoint``: the checkpoint is verified (read only) and refused on every rank when it fails.
 - ``remove_checkpoint`` (``save_top_k`` retention) also removes the stamp and manifest kept beside a ``.ckpt``
   file.
+- With ``background=True`` the coordinator queues each checkpoint for the background verifier
+  (:mod:`ckptverify.integrations._core`) and the save returns at once; the stamp and the event come when its
+  verification finishes. ``teardown`` (once ``fit``/``validate``/``test`` is done, after any asynchronous write
+  has finished) waits for the pending ones, bounded (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s), and puts their
+  final verdicts in ``verdicts``. A failure is a warning and a ``checkpoint-failed`` event when it is found; with
+  ``on_failure="raise"`` every rank raises :class:`~ckptverify.errors.CheckpointRefusedError` at the next save,
+  or at the end of ``fit``. A checkpoint ``save_top_k`` removed before its turn is a ``checkpoint-deleted``
+  event, not a failure.
 - With ``AsyncCheckpointIO`` the file is written in a thread after ``save_checkpoint`` returns: the check then
   runs in that thread, right after the write, and a failure raised there surfaces (as Lightning's async plugin
   does for any error) at the next save or at teardown.
@@ -45,7 +53,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
-from ckptverify.integrations._core import Fingerprint, Group, OnFailure, Verdict, Verifier
+from ckptverify.integrations._core import Fingerprint, Group, OnFailure, Verdict, Verifier, settle_verdicts
 
 __all__ = ["VerifyCheckpoints"]
 
@@ -61,12 +69,14 @@ class VerifyCheckpoints(Callback):
             and a ``checkpoint-failed`` event) or ``"raise"`` (also stop training with
             :class:`~ckptverify.errors.CheckpointRefusedError`) when a saved checkpoint fails verification.
         verify_resume: refuse a ``ckpt_path`` that fails verification (default ``True``).
-        background: reserved for background verification; refused in this version.
+        background: verify in the background: each save returns at once, its verdict arrives later (see the
+            module docstring); ``teardown`` waits for the pending ones.
         fingerprint, deep, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``fingerprint``
             ``"auto"``: a ``.ckpt`` file or a DCP folder, every byte under a CRC-32, gets no manifest unless
             ``fingerprint=True``).
 
-    ``verdicts`` lists the verdicts of the saves checked so far (on every rank).
+    ``verdicts`` lists the verdicts of the saves checked so far (on every rank); with ``background``, pending
+    ones until ``teardown`` replaces them with the verdicts that arrived.
     """
 
     def __init__(self, *, on_failure: OnFailure = "warn", verify_resume: bool = True, fingerprint: Fingerprint = "auto",
@@ -109,6 +119,10 @@ class VerifyCheckpoints(Callback):
                 setattr(obj, name, before)
         with contextlib.suppress(AttributeError):
             delattr(trainer.strategy, _WRAPPED)
+        if self.verifier.background and stage != "exception":
+            # Every write is done (the async plugin was torn down first); every rank is here, the group is up.
+            arrived = self.verifier.wait(group=self._group(trainer))
+            self.verdicts = settle_verdicts(self.verdicts, arrived)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips the teardown hooks when a run stops on an exception (a refused resume, for one).

@@ -19,6 +19,12 @@ constructs the class that declares the ``Config``), and it documents its overrid
   folder against that manifest, stamps it and logs to ``FOLDER/events.jsonl``. A synchronous save is verified
   before ``save`` returns; an asynchronous one when torchtitan waits for it (the next save, or ``close``).
   Hugging Face safetensors exports (``last_save_in_hf``) are written by torchtitan's own writer and verified.
+- With ``verify_background = true`` the folder is queued for the background verifier instead
+  (:mod:`ckptverify.integrations._core`): ``save`` returns once the save is done, and the stamp and the event
+  come when the verification finishes. A failure is a warning and a ``checkpoint-failed`` event when it is found;
+  with ``verify_on_failure = "raise"`` every rank raises at the next save (or at ``close``, which waits for the
+  pending ones, bounded by ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``). A ``step-N`` that ``keep_latest_k`` purged
+  before its turn is a ``checkpoint-deleted`` event, not a failure.
 - ``_find_load_step`` (``load(step=-1)``, the fault-tolerant restart) picks the newest ``step-N`` that verifies;
   newer ones that fail are skipped, each with a warning and a ``resume-refused`` event, and when none verifies
   the load is refused. ``dcp_load`` verifies any other checkpoint (``load(step=N)``, ``initial_load_path``)
@@ -39,7 +45,7 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 
 from ckptverify.errors import CheckpointRefusedError, UsageError
-from ckptverify.integrations._core import ON_FAILURE, Verdict, Verifier, torch_group
+from ckptverify.integrations._core import ON_FAILURE, Verdict, Verifier, settle_verdicts, torch_group
 
 __all__ = ["VerifiedCheckpointManager"]
 
@@ -59,7 +65,8 @@ class VerifiedCheckpointManager(CheckpointManager):
         """Also rebuild every tensor and compare its logical fingerprint with the one taken at save time."""
 
         verify_background: bool = False
-        """Verify in the background (reserved: refused in this version of ckptverify)."""
+        """Verify in the background: a save returns once it is written; its verdict arrives later (a failure with
+        ``raise`` is raised at the next save or at ``close``)."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
@@ -128,7 +135,11 @@ class VerifiedCheckpointManager(CheckpointManager):
         # torchtitan does not wait for an asynchronous save on close; its verification needs the save done.
         if self._pending is not None and self.save_future is not None:
             self._wait_for_saving()
-        super()._close()
+        try:
+            if self.enable and self.verifier.background:
+                self.verdicts = settle_verdicts(self.verdicts, self.verifier.wait(group=torch_group()))
+        finally:
+            super()._close()
 
     # -- loading
     def _find_load_step(self, folder: str = "") -> int:

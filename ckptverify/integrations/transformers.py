@@ -13,6 +13,13 @@ ones away. The callback waits for every rank (each writes its own ``rng_state_R.
 folder, writes its stamp inside it and appends to ``OUTPUT_DIR/events.jsonl``; the verdict is broadcast, so with
 ``on_failure="raise"`` every rank stops.
 
+**In the background.** With ``background=True`` rank 0 queues the folder for the background verifier and
+``on_save`` returns at once; the manifest (when needed), the stamp and the event are written when its verification
+finishes. ``on_train_end`` waits for the pending ones (bounded: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s). A failure
+is a warning and a ``checkpoint-failed`` event when it is found; with ``on_failure="raise"`` every rank raises at
+the next save, or at the end of training. A ``checkpoint-N`` that ``save_total_limit`` rotated away before its
+turn is a ``checkpoint-deleted`` event, not a failure.
+
 **Resuming.** No callback runs before the ``Trainer`` loads ``resume_from_checkpoint``: ``on_train_begin``
 comes after the weights, optimizer and scheduler are loaded. So the check is made before ``train`` is called:
 :func:`verified_resume_checkpoint` returns the newest ``checkpoint-N`` that verifies (skipping newer ones that
@@ -39,7 +46,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptverify.errors import CheckpointRefusedError
-from ckptverify.integrations._core import Fingerprint, OnFailure, Verdict, Verifier, torch_group
+from ckptverify.integrations._core import Fingerprint, OnFailure, Verdict, Verifier, settle_verdicts, torch_group
 
 __all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]
 
@@ -52,9 +59,11 @@ class VerifyCheckpointsCallback(TrainerCallback):
     Args:
         on_failure: ``"warn"`` (default) or ``"raise"``
             (:class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a checkpoint fails.
-        fingerprint, background, deep, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
+        background: verify in the background (see the module docstring); ``on_train_end`` waits for them.
+        fingerprint, deep, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
 
-    ``verdicts`` lists the verdicts so far.
+    ``verdicts`` lists the verdicts so far (with ``background``, pending ones until ``on_train_end`` replaces
+    them with the verdicts that arrived).
     """
 
     def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
@@ -67,6 +76,11 @@ class VerifyCheckpointsCallback(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         self.verdicts.append(self.verifier.after_save(path, step=state.global_step, group=torch_group()))
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.verifier.background:
+            self.verdicts = settle_verdicts(self.verdicts, self.verifier.wait(group=torch_group()))
         return control
 
 

@@ -23,6 +23,10 @@ verdict (the job ended first, its files changed while it was verified) is a :cla
 and a ``verify-cut-short`` or ``verify-skipped`` event: it is verified when a resume picks it
 (:func:`~ckptverify.runs.latest.latest_verified`).
 
+A front end with its own verification hands the checkpoint over as a :class:`Task` (the framework integrations:
+:mod:`ckptverify.integrations._core`): the same queue, verifying lock, verifier process (which runs the task's
+function) and exit wait; the task reports its own result.
+
 At interpreter exit the pending verifications are waited for, up to ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT`` seconds
 (600 by default); :func:`wait_for_verifications` waits explicitly (a job that ends with ``os._exit`` must call
 it).
@@ -50,6 +54,7 @@ __all__ = [
     "DEFAULT_EXIT_TIMEOUT",
     "EXIT_TIMEOUT_ENV",
     "BackgroundVerifier",
+    "Task",
     "Verification",
     "VerifyFailedWarning",
     "VerifyIncompleteWarning",
@@ -57,6 +62,7 @@ __all__ = [
     "default_verifier",
     "exit_timeout",
     "last_verification",
+    "wait_for_checkpoint",
     "wait_for_verifications",
 ]
 
@@ -116,6 +122,24 @@ class VerifyOptions:
         return EventLog(os.fspath(self.events), rank=rank_world()[0])
 
 
+@dataclass(frozen=True, eq=False)
+class Task:
+    """A verification a front end defines for itself, handed to :meth:`BackgroundVerifier.submit`.
+
+    ``function`` (``"ckptverify.MODULE:FUNCTION"``) is called with ``args`` (JSON values) once the checkpoint's
+    verifying lock is held, in the verifier process (in the worker thread with ``isolation="thread"``); it returns
+    a JSON value. ``done(result, None)`` then runs in the worker thread with it, or ``done(None, why)`` when there
+    is no result (the checkpoint was removed before its turn, the verifier process died, the function raised).
+    ``cut_short(why)``: the job ended (or a wait gave up) before it ran. The task reports its results itself: no
+    ``verified``/``verify-failed`` event, :class:`VerifyFailedWarning` or :func:`last_verification` entry.
+    """
+
+    function: str
+    args: dict[str, Any]
+    done: Callable[[Any, str | None], None]
+    cut_short: Callable[[str], None] | None = None
+
+
 @dataclass(eq=False)
 class _Job:
     path: str
@@ -125,6 +149,7 @@ class _Job:
     #: A failure in ``raise`` mode is kept for the next save to raise (else it was raised already).
     deliver_later: bool = True
     events: Any = None
+    task: Task | None = None
 
 
 class BackgroundVerifier:
@@ -160,10 +185,11 @@ class BackgroundVerifier:
     # ------------------------------------------------------------------ public
 
     def submit(self, path: str | os.PathLike[str], *, step: int | None = None,
-               options: VerifyOptions | None = None) -> None:
-        """Queue the committed checkpoint at ``path`` for verification; returns at once. Its verifying lock is
-        taken now (when free), so retention leaves it alone while it waits in the queue."""
+               options: VerifyOptions | None = None, task: Task | None = None) -> None:
+        """Queue the committed checkpoint at ``path`` for verification (or for ``task``); returns at once. Its
+        verifying lock is taken now (when free), so retention leaves it alone while it waits in the queue."""
         job = self._job(path, step, options or VerifyOptions(mode="background"), deliver_later=True)
+        job.task = task
         with self._cond:
             if self._closed:
                 job.lock.release()
@@ -216,6 +242,19 @@ class BackgroundVerifier:
             return False
         return True
 
+    def wait_for(self, paths: list[str] | set[str], timeout: float | None = None) -> bool:
+        """Wait until none of ``paths`` is pending (queued or being verified); ``True`` if so, ``False`` when
+        ``timeout`` seconds passed first (nothing is reported: the caller says what it waited for)."""
+        wanted = {os.path.abspath(os.fspath(p)) for p in paths}
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while any(j.path in wanted for j in self._pending):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
     def close(self, timeout: float | None = None) -> bool:
         """:meth:`wait` (up to ``timeout``), then stop the worker; later submissions are refused."""
         done = self.wait(timeout)
@@ -243,7 +282,10 @@ class BackgroundVerifier:
             if job is None:
                 self._child.close()
                 return
-            self._run(job, jobs=self.jobs, background=True)
+            if job.task is not None:
+                self._run_task(job, job.task, self.jobs, background=True)
+            else:
+                self._run(job, jobs=self.jobs, background=True)
 
     def _run(self, job: _Job, jobs: int | None, background: bool) -> Verification:
         try:
@@ -264,6 +306,49 @@ class BackgroundVerifier:
                     self._pending.remove(job)
                 self._cond.notify_all()
         return result
+
+    def _run_task(self, job: _Job, task: Task, jobs: int | None, background: bool) -> None:
+        result: Any = None
+        why: str | None = None
+        try:
+            if not self._take_lock(job):
+                why = "removed before it was verified"
+            else:
+                if self.before_verify is not None:
+                    self.before_verify(job.path)
+                if background and self.isolation == "process":
+                    result = self._child.call(task.function, task.args)
+                else:
+                    import importlib
+
+                    module, _, name = task.function.partition(":")
+                    result = getattr(importlib.import_module(module), name)(**task.args)
+        except Exception as exc:  # the worker never dies: a failure is a result without a verdict
+            result, why = None, str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+        finally:
+            job.lock.release()
+        try:
+            task.done(result, why)
+        except Exception as exc:  # the task's own reporting must not stop the verifier
+            warnings.warn(f"reporting the verification of {job.path} failed: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=2)
+        finally:
+            with self._cond:
+                with contextlib.suppress(ValueError):
+                    self._pending.remove(job)
+                self._cond.notify_all()
+
+    def _take_lock(self, job: _Job) -> bool:
+        """Hold the job's verifying lock, waiting while someone else (``ckptverify watch``) holds it; ``False``
+        when the checkpoint is gone."""
+        while not job.lock.held:
+            try:
+                if job.lock.acquire():
+                    break
+            except OSError:
+                return False
+            time.sleep(_LOCK_POLL_SECONDS)
+        return True
 
     def _verify(self, job: _Job, jobs: int | None, background: bool) -> Verification:
         from ckptverify.runs.stamp import read_stamp
@@ -310,6 +395,16 @@ class BackgroundVerifier:
                               stacklevel=2)
 
     def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
+        for job in left:
+            if job.task is not None and job.task.cut_short is not None:
+                try:
+                    job.task.cut_short(f"not verified within the {timeout} s waited")
+                except Exception as exc:  # reporting must not stop the wait
+                    warnings.warn(f"reporting the cut-short verification of {job.path} failed: "
+                                  f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        left = [j for j in left if j.task is None or j.task.cut_short is None]
+        if not left:
+            return
         names = ", ".join(j.path for j in left)
         warnings.warn(f"{len(left)} checkpoint verification(s) not finished after waiting {timeout} s: {names}; "
                       "they carry no stamp and are verified when a resume picks them", VerifyIncompleteWarning,
@@ -364,6 +459,13 @@ def last_verification() -> Verification | None:
     """The newest result of a save's verification in this process (``None`` before the first one, and on
     ranks other than the coordinator, which alone verifies)."""
     return None if _default is None else _default.last()
+
+
+def wait_for_checkpoint(path: str | os.PathLike[str], timeout: float | None = None) -> bool:
+    """Wait until this process's verifier has finished with the checkpoint at ``path`` (at once when it is not
+    queued); ``False`` when ``timeout`` seconds passed first."""
+    verifier = _default
+    return True if verifier is None else verifier.wait_for([os.fspath(path)], timeout)
 
 
 def wait_for_verifications(timeout: float | None = None) -> bool:

@@ -20,7 +20,7 @@ from ckptverify.errors import CheckpointNotFoundError
 from ckptverify.findings import Report
 from ckptverify.runs.stamp import VERIFYING_LOCK, files_fingerprint, write_stamp
 
-__all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "stamp_locked", "verify_and_stamp"]
+__all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "removed", "stamp_locked", "verify_and_stamp"]
 
 #: After a failed verification, how long to wait before judging: a checkpoint being deleted file by file must
 #: not be reported as corrupt.
@@ -40,7 +40,7 @@ def committed(path: str) -> bool:
     return has_metadata and _SAVE_MARKER not in names
 
 
-def _gone(path: str) -> bool:
+def removed(path: str) -> bool:
     """Whether the checkpoint at ``path`` was removed (or, for DCP, lost its metadata: retention under way)."""
     if os.path.isdir(path):
         from ckptverify.formats.rundir import dir_format
@@ -161,7 +161,7 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
             # Retention deletes a checkpoint file by file: what looks torn may be on its way out. Let it
             # settle, then judge only if nothing moved.
             time.sleep(settle)
-        if _gone(path):
+        if removed(path):
             return Outcome("deleted", reason="removed while it was being verified")
         if files_fingerprint(path) != before:
             # Not a verdict on anything: the files verified are not the files there now.

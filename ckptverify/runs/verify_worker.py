@@ -7,7 +7,10 @@ in another process, so that hashing never contends with the training process for
 Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``; the
 parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
 :class:`~ckptverify.runs.verification.Verification` per line on the standard output it was started with; anything
-else printed goes to standard error. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
+else printed goes to standard error. A request with ``call`` (``"ckptverify.MODULE:FUNCTION"``) and ``args``
+instead runs that function of ckptverify's with ``args`` and answers ``{"result": ...}`` (what it returned, JSON)
+or ``{"call_error": ...}``: how a front end with its own verification (the framework integrations: fingerprint
+when needed, verify, stamp) runs it here. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
 ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch.
 Ends at the end of its input (its parent closed the pipe, or died).
 """
@@ -39,6 +42,10 @@ def serve(requests: Any, replies: Any) -> None:
     for line in requests:
         try:
             req = json.loads(line)
+            if isinstance(req, dict) and "call" in req:
+                replies.write(json.dumps(_call(str(req["call"]), req.get("args") or {}), default=str) + "\n")
+                replies.flush()
+                continue
             path, step, deep = str(req["path"]), req.get("step"), bool(req.get("deep"))
         except (ValueError, KeyError, TypeError) as exc:
             replies.write(json.dumps({"protocol_error": f"{type(exc).__name__}: {exc}"}) + "\n")
@@ -53,6 +60,19 @@ def serve(requests: Any, replies: Any) -> None:
                                   reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
         replies.write(json.dumps(result.to_dict(), default=str) + "\n")
         replies.flush()
+
+
+def _call(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Run ``name`` (``ckptverify.MODULE:FUNCTION``) with ``args``: ``{"result": ...}`` or ``{"call_error": ...}``."""
+    import importlib
+
+    module, _, function = name.partition(":")
+    if not (module == "ckptverify" or module.startswith("ckptverify.")) or not function.isidentifier():
+        return {"call_error": f"not a ckptverify function: {name!r}"}
+    try:
+        return {"result": getattr(importlib.import_module(module), function)(**args)}
+    except Exception as exc:  # one request's failure is its answer; the process serves the next one
+        return {"call_error": f"{type(exc).__name__}: {exc}"}
 
 
 def main() -> int:
@@ -89,6 +109,27 @@ class VerifierProcess:
 
     def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float) -> Verification:
         request = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle}
+        data, why = self._ask(request)
+        try:
+            result = Verification.from_dict(data) if data is not None else None
+        except TypeError:
+            result, why = None, "the verifier process gave an answer that is not a verification"
+        if result is None:
+            return Verification(path=path, step=step, verdict="unverified", deep=deep, reason=why)
+        return result
+
+    def call(self, function: str, args: dict[str, Any]) -> Any:
+        """Run ``function`` (``ckptverify.MODULE:FUNCTION``) with ``args`` in the verifier process and return what
+        it returned; raises ``RuntimeError`` (why) when there is no answer or the function raised."""
+        data, why = self._ask({"call": function, "args": args})
+        if data is None:
+            raise RuntimeError(why)
+        if "result" not in data:
+            raise RuntimeError(f"{function} failed in the verifier process: {data.get('call_error')}")
+        return data["result"]
+
+    def _ask(self, request: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """Send one request, read its one answer: ``(answer, "")``, or ``(None, why)``."""
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
@@ -97,19 +138,16 @@ class VerifierProcess:
             line = proc.stdout.readline()
         except OSError as exc:  # could not start it, or it died as the request went out
             self.kill()
-            return Verification(path=path, step=step, verdict="unverified", deep=deep,
-                                reason=f"the verifier process failed: {type(exc).__name__}: {exc}")
+            return None, f"the verifier process failed: {type(exc).__name__}: {exc}"
         try:
             data = json.loads(line) if line else None
-            result = Verification.from_dict(data) if isinstance(data, dict) else None
-        except (ValueError, TypeError):
-            result = None
-        if result is None:
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
             self.kill()
             code = proc.poll()
-            return Verification(path=path, step=step, verdict="unverified", deep=deep,
-                                reason=f"the verifier process ended without an answer (exit code {code})")
-        return result
+            return None, f"the verifier process ended without an answer (exit code {code})"
+        return data, ""
 
     def close(self) -> None:
         """Let the process end (end of its input), or end it."""
@@ -124,6 +162,9 @@ class VerifierProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        with contextlib.suppress(OSError):
+            if proc.stdout is not None:
+                proc.stdout.close()
 
     def kill(self) -> int | None:
         """End the process now; its exit code."""

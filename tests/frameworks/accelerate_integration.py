@@ -1,10 +1,15 @@
 """Two gloo ranks of a CPU ``Accelerator`` saving and loading through ckptverify's accelerate helpers.
 
-``python accelerate_integration.py OUT``: rank 1 damages its own ``random_states_1.pkl`` right after writing
-it at step 4 (storage that corrupts what it is given). Checked: rank 0 verifies only once every rank has
+``python accelerate_integration.py OUT inline``: rank 1 damages its own ``random_states_1.pkl`` right after
+writing it at step 4 (storage that corrupts what it is given). Checked: rank 0 verifies only once every rank has
 written (step 2 passes, step 4 fails naming rank 1's file), both ranks raise on the damaged save
-(``on_failure="raise"``), both refuse to load it (nothing loaded), and both load step 2. Each rank writes
-``OUT/rank{R}.json``.
+(``on_failure="raise"``), both refuse to load it (nothing loaded), and both load step 2.
+
+``python accelerate_integration.py OUT background``: the same damage, saved with ``background=True`` and
+``on_failure="raise"``: both saves return pending verdicts; rank 0 waits for the background verifier before the
+step 6 save, at which both ranks raise the step 4 failure; then both wait (``wait_for_verifications``).
+
+Each rank writes ``OUT/rank{R}.json``.
 """
 
 from __future__ import annotations
@@ -23,11 +28,8 @@ from _launch import spawn
 from harness import flip_in_zip_member
 
 
-def job(rank: int, world: int, out: Path) -> None:
+def setup(rank: int):
     from accelerate import Accelerator
-
-    from ckptverify.errors import CheckpointRefusedError
-    from ckptverify.integrations import accelerate as ckv
 
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
@@ -45,6 +47,17 @@ def job(rank: int, world: int, out: Path) -> None:
         return location
 
     accelerator.save_state = damaging
+    return accelerator, model, opt, loader
+
+
+def job(rank: int, world: int, out: Path, mode: str) -> None:
+    if mode == "background":
+        background_job(rank, out)
+        return
+    from ckptverify.errors import CheckpointRefusedError
+    from ckptverify.integrations import accelerate as ckv
+
+    accelerator, model, opt, loader = setup(rank)
     result: dict = {}
     weights = {}
     for step, (x, y) in enumerate(loader, start=1):
@@ -72,5 +85,36 @@ def job(rank: int, world: int, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
+def background_job(rank: int, out: Path) -> None:
+    import warnings
+
+    from ckptverify.errors import CheckpointRefusedError
+    from ckptverify.integrations import CheckpointVerificationWarning
+    from ckptverify.integrations import accelerate as ckv
+    from ckptverify.runs.background import wait_for_verifications
+
+    accelerator, model, opt, loader = setup(rank)
+    result: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (x, y) in enumerate(loader, start=1):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            if step in (2, 4, 6):
+                if step == 6:  # step 4's verdict is in before this save (rank 0 verifies; rank 1 waits in the save)
+                    assert wait_for_verifications(timeout=120)
+                try:
+                    verdict = ckv.save_state(accelerator, out / f"state-step{step}", background=True,
+                                             on_failure="raise")
+                    result[f"step{step}"] = verdict.to_dict()
+                except CheckpointRefusedError as exc:
+                    result[f"step{step}_error"] = {"type": type(exc).__name__, "message": str(exc)}
+                    break
+        result["waited"] = [v.to_dict() for v in ckv.wait_for_verifications(accelerator)]
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointVerificationWarning)]
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
 if __name__ == "__main__":
-    spawn(2, job, Path(sys.argv[1]))
+    spawn(2, job, Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "inline")

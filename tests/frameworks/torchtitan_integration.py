@@ -6,7 +6,11 @@
 2. ``async``: the same with ``async_mode="async"`` into ``OUT/async/``, then ``close``;
 3. ``damaged``: storage that flips one bit of ``step-2`` right after it is written, ``verify_on_failure="raise"``,
    into ``OUT/damaged/``;
-4. ``fallback``: rank 0 flips one bit of ``OUT/sync/step-4``; a fresh manager's ``load()`` (newest) and
+4. ``background``: as ``train``, with ``verify_background=True``, into ``OUT/background/``, then ``close`` (which
+   waits for the background verifications);
+5. ``background_damaged``: as ``damaged``, with ``verify_background=True``, into ``OUT/background_damaged/``; rank 0
+   waits for the background verifier before the step 4 save, at which every rank raises step 2's failure;
+6. ``fallback``: rank 0 flips one bit of ``OUT/sync/step-4``; a fresh manager's ``load()`` (newest) and
    ``load(step=4)``; then ``load(step=2)``; then ``load()`` of ``OUT/damaged``, whose only checkpoint fails.
 
 Each rank writes ``OUT/rank{R}.json``: per stage the verdicts, ckptverify's warnings, the error that stopped it,
@@ -121,21 +125,35 @@ def job(rank: int, world: int, out: Path) -> None:
             pass
 
         def _hashing_save(self, state_dict: Any, checkpoint_id: str, async_mode: Any) -> Any:
+            if rank == 0 and checkpoint_id.endswith("step-4"):
+                # The earlier verdict is in, as in a run whose steps take longer than a verification.
+                from ckptverify.runs.background import wait_for_verifications
+
+                assert wait_for_verifications(timeout=120)
             ret = super()._hashing_save(state_dict, checkpoint_id, async_mode)
             if rank == 0 and checkpoint_id.endswith("step-2"):
                 inj.flip_in_tensor_payload(checkpoint_id)
             dist.barrier()
             return ret
 
-    def damaged() -> dict[str, Any]:
-        model, optimizers, lr_schedulers, train_state, manager = build(world, out / "damaged", DamagingManager,
-                                                                       verify_on_failure="raise")
-        try:
-            train(rank, world, model, optimizers, lr_schedulers, train_state, manager)
-        finally:
-            result["damaged_step"] = train_state.step
-            manager.close()
-        return None
+    def damaged(folder: str = "damaged", **config: Any) -> Any:
+        def run() -> dict[str, Any]:
+            model, optimizers, lr_schedulers, train_state, manager = build(world, out / folder, DamagingManager,
+                                                                           verify_on_failure="raise", **config)
+            try:
+                train(rank, world, model, optimizers, lr_schedulers, train_state, manager)
+            finally:
+                result[f"{folder}_step"] = train_state.step
+                manager.close()
+            return {"verdicts": [v.to_dict() for v in manager.verdicts]}
+        return run
+
+    def in_background() -> dict[str, Any]:
+        *parts, manager = build(world, out / "background", verify_background=True)
+        train(rank, world, *parts, manager)
+        pending = [v.to_dict() for v in manager.verdicts]
+        manager.close()
+        return {"pending": pending, "verdicts": [v.to_dict() for v in manager.verdicts]}
 
     def load(step: int, folder: str = "sync") -> Any:
         def run() -> dict[str, Any]:
@@ -153,7 +171,9 @@ def job(rank: int, world: int, out: Path) -> None:
 
     stage(result, "sync", sync)
     stage(result, "async", async_)
-    stage(result, "damaged", damaged)
+    stage(result, "damaged", damaged())
+    stage(result, "background", in_background)
+    stage(result, "background_damaged", damaged("background_damaged", verify_background=True))
     if rank == 0:
         result["fault"] = inj.flip_in_tensor_payload(out / "sync" / "step-4").file
     dist.barrier()
