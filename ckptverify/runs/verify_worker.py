@@ -4,11 +4,14 @@ in another process, so that hashing never contends with the training process for
 
     python -m ckptverify.runs.verify_worker
 
-Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``; the
-parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
+Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
+``throttle``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
 :class:`~ckptverify.runs.verification.Verification` per line on the standard output it was started with; anything
 else printed goes to standard error. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
-ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch.
+ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch, and with ``throttle`` paces its reads to
+leave the training's cores alone (:mod:`~ckptverify.runs.throttle`). A byte on the pipe named by
+``CKPTVERIFY_VERIFY_HURRY_FD`` (the parent writes one when it starts waiting for its verifications: the job is
+ending) lifts the throttle of the verification in progress.
 Ends at the end of its input (its parent closed the pipe, or died).
 """
 
@@ -20,20 +23,25 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from ckptverify.runs.throttle import IdleProbe, Throttle
 from ckptverify.runs.verification import Verification, from_outcome
 
-__all__ = ["PRIORITIES", "PRIORITY_ENV", "VerifierProcess", "lower_priority", "main", "serve"]
+__all__ = ["HURRY_FD_ENV", "PRIORITIES", "PRIORITY_ENV", "VerifierProcess", "lower_priority", "main", "serve"]
 
 #: CPU priority of a verification: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
 PRIORITIES = ("idle", "low", "normal")
 #: The priority the verifier process gives itself (set by its parent).
 PRIORITY_ENV = "CKPTVERIFY_VERIFY_PRIORITY"
+#: The descriptor of the pipe on which the parent asks for full speed (set by the parent).
+HURRY_FD_ENV = "CKPTVERIFY_VERIFY_HURRY_FD"
 
 
-def serve(requests: Any, replies: Any) -> None:
-    """Answer every request line of ``requests`` with one line on ``replies``."""
+def serve(requests: Any, replies: Any, hurried: Callable[[], bool] | None = None) -> None:
+    """Answer every request line of ``requests`` with one line on ``replies``. ``hurried``: whether the parent
+    asked for full speed since it was last called (lifts the throttle of the verification in progress)."""
     from ckptverify.runs.stamper import stamp_locked
 
     for line in requests:
@@ -45,8 +53,10 @@ def serve(requests: Any, replies: Any) -> None:
             replies.flush()
             continue
         try:
+            probe = IdleProbe.open() if req.get("throttle") else None
+            throttle = None if probe is None else Throttle(probe, lifted=hurried)
             outcome = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
-                                   settle=float(req.get("settle", 1.0)))
+                                   settle=float(req.get("settle", 1.0)), throttle=throttle)
             result = from_outcome(path, step, deep, outcome)
         except Exception as exc:  # one request's failure is its result; the process serves the next one
             result = Verification(path=path, step=step, verdict="unverified", deep=deep,
@@ -60,8 +70,27 @@ def main() -> int:
     lower_priority(priority if priority in PRIORITIES else "idle", whole_process=True)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints cannot corrupt the replies
-    serve(sys.stdin, replies)
+    serve(sys.stdin, replies, _hurry_reader(os.environ.get(HURRY_FD_ENV)))
     return 0
+
+
+def _hurry_reader(raw: str | None) -> Callable[[], bool] | None:
+    """Whether a byte arrived on the hurry pipe since the last call (never blocks)."""
+    try:
+        fd = int(raw) if raw else -1
+        os.set_blocking(fd, False)
+    except (ValueError, OSError):
+        return None
+
+    def hurried() -> bool:
+        try:
+            return bool(os.read(fd, 4096))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return False
+
+    return hurried
 
 
 class VerifierProcess:
@@ -71,6 +100,8 @@ class VerifierProcess:
     def __init__(self, priority: str) -> None:
         self.priority = priority
         self._proc: subprocess.Popen[str] | None = None
+        self._hurry_w: int | None = None  # the parent's end of the hurry pipe
+        self._hurry_lock = threading.Lock()
 
     def _start(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
@@ -82,16 +113,55 @@ class VerifierProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env[PRIORITY_ENV] = self.priority
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1)
+        # One thread for any numeric library a deep verification loads: the cores belong to the training.
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[name] = "1"
+        self._close_hurry()
+        pass_fds: tuple[int, ...] = ()
+        hurry_r = None
+        if os.name == "posix":
+            hurry_r, hurry_w = os.pipe()
+            os.set_blocking(hurry_w, False)
+            with self._hurry_lock:
+                self._hurry_w = hurry_w
+            env[HURRY_FD_ENV] = str(hurry_r)
+            pass_fds = (hurry_r,)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1,
+                pass_fds=pass_fds)
+        except BaseException:
+            self._close_hurry()
+            raise
+        finally:
+            if hurry_r is not None:
+                os.close(hurry_r)
         return self._proc
 
-    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float) -> Verification:
-        request = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle}
+    def hurry(self) -> None:
+        """Ask the verification in progress (if any) to read at full speed, unthrottled."""
+        with self._hurry_lock:
+            if self._hurry_w is not None:
+                with contextlib.suppress(OSError):  # full (asked already) or the process is gone
+                    os.write(self._hurry_w, b"!")
+
+    def _close_hurry(self) -> None:
+        with self._hurry_lock:
+            fd, self._hurry_w = self._hurry_w, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
+               throttle: Callable[[], bool] | None = None) -> Verification:
+        """Have ``path`` verified and stamped; ``throttle``: whether to pace the reads, asked once the process
+        runs (so a :meth:`hurry` from then on reaches this verification)."""
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
+            request = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
+                       "throttle": bool(throttle and throttle())}
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
             line = proc.stdout.readline()
@@ -114,6 +184,7 @@ class VerifierProcess:
     def close(self) -> None:
         """Let the process end (end of its input), or end it."""
         proc, self._proc = self._proc, None
+        self._close_hurry()
         if proc is None:
             return
         with contextlib.suppress(OSError):
@@ -128,6 +199,7 @@ class VerifierProcess:
     def kill(self) -> int | None:
         """End the process now; its exit code."""
         proc, self._proc = self._proc, None
+        self._close_hurry()
         if proc is None:
             return None
         if proc.poll() is None:

@@ -1,0 +1,216 @@
+"""Keep a background verification off the cores the training uses: read in slices, and between slices wait
+while no core is idle.
+
+Idle priority (``SCHED_IDLE``, nice 19) is not enough for training that uses every core on the CPU: torch's
+parallel regions wait for their slowest thread, and a verifier that runs in the gaps between them (hashing at
+memory bandwidth, evicting the training's data from shared caches, on SMT siblings) is still running when the
+next region starts. So the verifier also paces itself (:class:`Throttle`): every :data:`WINDOW_SECONDS` of
+reading it asks an :class:`IdleProbe` how many of the cores it may run on were idle since the last look, not
+counting its own CPU time; with fewer than :data:`MIN_FREE_CORES` idle it sleeps (10 ms, then longer, up to
+:data:`MAX_PAUSE_SECONDS`) and looks again, and as soon as a core is idle (training on a GPU, a data loader
+waiting for I/O, a core left free, the job ended) it reads at full speed again.
+
+The throttle changes only when bytes are read, never what is checked: the verdict is the same. It is off
+(reads at full speed) where ``/proc/stat`` cannot be read (not Linux), when ``CKPTVERIFY_VERIFY_THROTTLE=0``,
+and once :meth:`Throttle.lift` is called (someone waits for the verification: the job is ending).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "MAX_PAUSE_SECONDS",
+    "MIN_FREE_CORES",
+    "THROTTLE_ENV",
+    "WINDOW_SECONDS",
+    "CpuTimes",
+    "IdleProbe",
+    "Throttle",
+    "next_pause",
+    "parse_proc_stat",
+    "throttle_enabled",
+]
+
+#: ``0`` (or ``off``, ``false``, ``no``) turns the throttle off: verifications read at full speed (at idle priority).
+THROTTLE_ENV = "CKPTVERIFY_VERIFY_THROTTLE"
+#: Idle cores (averaged over the last window) the verifier needs to read on: fewer, and it waits.
+MIN_FREE_CORES = 0.5
+#: Seconds between two looks at the idle cores while reading. ``/proc/stat`` counts in 10 ms ticks, so a
+#: shorter window measures little; a longer one lets a verifier run on while the training needs the core.
+WINDOW_SECONDS = 0.05
+#: The first wait when no core is idle, and the longest (each further wait doubles, up to it).
+FIRST_PAUSE_SECONDS = 0.025
+MAX_PAUSE_SECONDS = 0.1
+_OFF = ("0", "off", "false", "no")
+
+
+def throttle_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether verifications pace themselves (:data:`THROTTLE_ENV`; on by default)."""
+    raw = (os.environ if environ is None else environ).get(THROTTLE_ENV, "1")
+    return raw.strip().lower() not in _OFF
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTimes:
+    """Cumulative ``/proc/stat`` ticks of a set of CPUs: busy, all, and how many CPUs they are."""
+
+    busy: int
+    total: int
+    cpus: int
+
+
+def parse_proc_stat(text: str, cpus: Iterable[int] | None = None) -> CpuTimes | None:
+    """Busy and total ticks of ``cpus`` (default: all) from the text of ``/proc/stat``; ``None`` if it does not
+    read as one. Idle and I/O wait count as not busy; guest time (already inside user time) is not counted twice."""
+    lines: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        if not line.startswith("cpu"):
+            continue
+        name, *fields = line.split()
+        try:
+            lines[name] = [int(v) for v in fields[:8]]
+        except ValueError:
+            return None
+    online = sorted(int(n[3:]) for n in lines if n[3:].isdigit())
+    wanted = online if cpus is None else sorted(set(cpus) & set(online))
+    if not wanted:
+        return None
+    # The all-CPU line is summed before rounding to ticks: use it when every CPU counts.
+    rows = [lines["cpu"]] if wanted == online and "cpu" in lines else [lines[f"cpu{c}"] for c in wanted]
+    busy = total = 0
+    for row in rows:
+        if len(row) < 5:
+            return None
+        row = row + [0] * (8 - len(row))
+        total += sum(row)
+        busy += sum(row) - row[3] - row[4]  # idle, iowait
+    return CpuTimes(busy, total, len(wanted))
+
+
+def _read_proc_stat() -> str:
+    with open("/proc/stat", encoding="ascii", errors="replace") as f:
+        return f.read()
+
+
+def _clock_ticks() -> int:
+    try:
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, ValueError, OSError):
+        return 100
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+class IdleProbe:
+    """How many of the CPUs this process may run on were idle since the previous look, not counting the CPU
+    time of the verifying thread itself (which an idle-priority verifier takes only from idle cores).
+
+    ``read_stat``: the text of ``/proc/stat``; ``own_seconds``: the verifier's CPU seconds so far;
+    ``cpus``: the CPUs to count (default: this process's affinity); ``hz``: ticks per second.
+    """
+
+    def __init__(self, *, read_stat: Callable[[], str] = _read_proc_stat,
+                 own_seconds: Callable[[], float] = time.thread_time, cpus: Iterable[int] | None = None,
+                 hz: int | None = None) -> None:
+        self._read = read_stat
+        self._own = own_seconds
+        self._cpus = set(cpus) if cpus is not None else _allowed_cpus()
+        self._hz = hz or _clock_ticks()
+        self._last: tuple[CpuTimes, float] | None = None
+
+    @classmethod
+    def open(cls) -> IdleProbe | None:
+        """A probe of this machine, or ``None`` where ``/proc/stat`` cannot be read (no throttle there)."""
+        try:
+            readable = parse_proc_stat(_read_proc_stat()) is not None
+        except OSError:
+            readable = False
+        return cls() if readable else None
+
+    def look(self) -> float | None:
+        """Idle cores, on average, since the previous look (``None`` at the first look, when no tick passed,
+        or when ``/proc/stat`` cannot be read)."""
+        try:
+            now = parse_proc_stat(self._read(), self._cpus)
+        except OSError:
+            now = None
+        if now is None:
+            return None
+        own = self._own()
+        last, self._last = self._last, (now, own)
+        if last is None:
+            return None
+        before, own_before = last
+        total = now.total - before.total
+        if total <= 0:
+            self._last = last  # too soon: keep measuring from the previous look
+            return None
+        others = (now.busy - before.busy) - max(0.0, own - own_before) * self._hz
+        return max(0.0, now.cpus * (1.0 - max(0.0, others) / total))
+
+
+def next_pause(free_cores: float | None, pause: float, *, min_free: float = MIN_FREE_CORES,
+               first: float = FIRST_PAUSE_SECONDS, longest: float = MAX_PAUSE_SECONDS) -> float:
+    """The back-off decision: seconds to wait before reading on (0: read now), given the idle cores measured
+    (``None``: unknown, read on) and the previous wait ``pause`` (0 after reading)."""
+    if free_cores is None or free_cores >= min_free:
+        return 0.0
+    return first if pause <= 0 else min(longest, pause * 2)
+
+
+class Throttle:
+    """Paces the reads of one verification (call it with the bytes of each read, from the reading thread):
+    every ``window`` seconds it looks at the idle cores and waits while there are fewer than ``min_free``.
+    ``throttled_s``: seconds spent waiting. ``probe`` ``None``: never waits."""
+
+    def __init__(self, probe: IdleProbe | None, *, min_free: float = MIN_FREE_CORES, window: float = WINDOW_SECONDS,
+                 first: float = FIRST_PAUSE_SECONDS, longest: float = MAX_PAUSE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic, lifted: Callable[[], bool] | None = None) -> None:
+        self.probe = probe
+        self.min_free = min_free
+        self.window = window
+        self.first = first
+        self.longest = longest
+        self.throttled_s = 0.0
+        self._clock = clock
+        self._lifted = threading.Event()
+        self._asked_lift = lifted
+        self._wake = threading.Event()
+        self._since = clock()
+        if probe is not None:
+            probe.look()  # the first look starts the first window
+
+    def lift(self) -> None:
+        """Read at full speed from now on (and end a wait in progress)."""
+        self._lifted.set()
+        self._wake.set()
+
+    @property
+    def lifted(self) -> bool:
+        if not self._lifted.is_set() and self._asked_lift is not None and self._asked_lift():
+            self._lifted.set()
+        return self._lifted.is_set()
+
+    def __call__(self, nbytes: int) -> None:
+        if self.probe is None or self.lifted or self._clock() - self._since < self.window:
+            return
+        pause = 0.0
+        while True:
+            pause = next_pause(self.probe.look(), pause, min_free=self.min_free, first=self.first,
+                               longest=self.longest)
+            if pause <= 0 or self.lifted:
+                break
+            started = self._clock()
+            self._wake.wait(pause)
+            self.throttled_s += self._clock() - started
+        self._since = self._clock()
