@@ -4,14 +4,15 @@ while no core is idle.
 Idle priority (``SCHED_IDLE``, nice 19) is not enough for training that uses every core on the CPU: torch's
 parallel regions wait for their slowest thread, and a verifier that runs in the gaps between them (hashing at
 memory bandwidth, evicting the training's data from shared caches, on SMT siblings) is still running when the
-next region starts. So the verifier also paces itself (:class:`Throttle`): every :data:`WINDOW_SECONDS` of
-reading it asks an :class:`IdleProbe` how many of the cores it may run on were idle since the last look, not
-counting its own CPU time; with fewer than :data:`MIN_FREE_CORES` idle it sleeps (10 ms, then longer, up to
-:data:`MAX_PAUSE_SECONDS`) and looks again, and as soon as a core is idle (training on a GPU, a data loader
-waiting for I/O, a core left free, the job ended) it reads at full speed again.
+next region starts. So the verifier also paces itself (:class:`Throttle`): at its first read, and then every
+:data:`WINDOW_SECONDS` of reading, it asks an :class:`IdleProbe` how many of the cores it may run on were idle
+since the last look, not counting its own CPU time. With fewer than :data:`MIN_FREE_CORES` idle it waits
+(25 ms, then twice as long each time, up to :data:`MAX_PAUSE_SECONDS`) and looks again; as soon as a core is
+idle (training on a GPU, a data loader waiting for I/O, a core left free, the job ended) it reads at full
+speed again.
 
-The throttle changes only when bytes are read, never what is checked: the verdict is the same. It is off
-(reads at full speed) where ``/proc/stat`` cannot be read (not Linux), when ``CKPTVERIFY_VERIFY_THROTTLE=0``,
+The throttle changes only when bytes are read, never what is read or checked: the verdict is the same. It is
+off (reads at full speed) where ``/proc/stat`` cannot be read (not Linux), when ``CKPTVERIFY_VERIFY_THROTTLE=0``,
 and once :meth:`Throttle.lift` is called (someone waits for the verification: the job is ending).
 """
 
@@ -26,11 +27,13 @@ from dataclasses import dataclass
 __all__ = [
     "MAX_PAUSE_SECONDS",
     "MIN_FREE_CORES",
+    "MIN_FREE_ENV",
     "THROTTLE_ENV",
     "WINDOW_SECONDS",
     "CpuTimes",
     "IdleProbe",
     "Throttle",
+    "min_free_cores",
     "next_pause",
     "parse_proc_stat",
     "throttle_enabled",
@@ -40,6 +43,8 @@ __all__ = [
 THROTTLE_ENV = "CKPTVERIFY_VERIFY_THROTTLE"
 #: Idle cores (averaged over the last window) the verifier needs to read on: fewer, and it waits.
 MIN_FREE_CORES = 0.5
+#: Overrides :data:`MIN_FREE_CORES` (a number of cores, for tuning).
+MIN_FREE_ENV = "CKPTVERIFY_VERIFY_THROTTLE_MIN_FREE"
 #: Seconds between two looks at the idle cores while reading. ``/proc/stat`` counts in 10 ms ticks, so a
 #: shorter window measures little; a longer one lets a verifier run on while the training needs the core.
 WINDOW_SECONDS = 0.05
@@ -53,6 +58,16 @@ def throttle_enabled(environ: dict[str, str] | None = None) -> bool:
     """Whether verifications pace themselves (:data:`THROTTLE_ENV`; on by default)."""
     raw = (os.environ if environ is None else environ).get(THROTTLE_ENV, "1")
     return raw.strip().lower() not in _OFF
+
+
+def min_free_cores(environ: dict[str, str] | None = None) -> float:
+    """Idle cores a verification needs to read on (:data:`MIN_FREE_ENV`, else :data:`MIN_FREE_CORES`)."""
+    raw = (os.environ if environ is None else environ).get(MIN_FREE_ENV)
+    try:
+        value = float(raw) if raw is not None else MIN_FREE_CORES
+    except ValueError:
+        return MIN_FREE_CORES
+    return value if value >= 0 else MIN_FREE_CORES  # also NaN
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,14 +185,15 @@ def next_pause(free_cores: float | None, pause: float, *, min_free: float = MIN_
 
 class Throttle:
     """Paces the reads of one verification (call it with the bytes of each read, from the reading thread):
-    every ``window`` seconds it looks at the idle cores and waits while there are fewer than ``min_free``.
+    every ``window`` seconds it looks at the idle cores and waits while there are fewer than ``min_free``
+    (default: :func:`min_free_cores`).
     ``throttled_s``: seconds spent waiting. ``probe`` ``None``: never waits."""
 
-    def __init__(self, probe: IdleProbe | None, *, min_free: float = MIN_FREE_CORES, window: float = WINDOW_SECONDS,
+    def __init__(self, probe: IdleProbe | None, *, min_free: float | None = None, window: float = WINDOW_SECONDS,
                  first: float = FIRST_PAUSE_SECONDS, longest: float = MAX_PAUSE_SECONDS,
                  clock: Callable[[], float] = time.monotonic, lifted: Callable[[], bool] | None = None) -> None:
         self.probe = probe
-        self.min_free = min_free
+        self.min_free = min_free_cores() if min_free is None else min_free
         self.window = window
         self.first = first
         self.longest = longest
@@ -186,7 +202,8 @@ class Throttle:
         self._lifted = threading.Event()
         self._asked_lift = lifted
         self._wake = threading.Event()
-        self._since = clock()
+        self._since = clock() - window  # the first read looks
+        self._measured = False
         if probe is not None:
             probe.look()  # the first look starts the first window
 
@@ -206,11 +223,20 @@ class Throttle:
             return
         pause = 0.0
         while True:
-            pause = next_pause(self.probe.look(), pause, min_free=self.min_free, first=self.first,
-                               longest=self.longest)
+            free = self.probe.look()
+            if free is None and not self._measured:
+                # Nothing measured yet (the first read): measure over a short wait rather than read blind.
+                self._measured = True
+                self._wait(self.first)
+                continue
+            self._measured = True
+            pause = next_pause(free, pause, min_free=self.min_free, first=self.first, longest=self.longest)
             if pause <= 0 or self.lifted:
                 break
-            started = self._clock()
-            self._wake.wait(pause)
-            self.throttled_s += self._clock() - started
+            self._wait(pause)
         self._since = self._clock()
+
+    def _wait(self, seconds: float) -> None:
+        started = self._clock()
+        self._wake.wait(seconds)
+        self.throttled_s += self._clock() - started
