@@ -253,6 +253,25 @@ def test_without_a_probe_the_throttle_never_waits() -> None:
     assert throttle.throttled_s == 0.0
 
 
+def test_a_hurry_names_its_request_so_a_late_one_never_lifts_the_next() -> None:
+    from ckptverify.runs.verify_worker import _hurry_reader
+
+    r, w = os.pipe()
+    try:
+        hurried = _hurry_reader(str(r))
+        assert hurried is not None and not hurried(1)
+        os.write(w, b"1\n")  # asked while request 1 was in flight
+        assert hurried(1) and not hurried(2)
+        os.write(w, b"2")  # a line cut in two by the pipe
+        assert not hurried(2)
+        os.write(w, b"\n")
+        assert hurried(2) and not hurried(3)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert _hurry_reader(None) is None and _hurry_reader("not a number") is None
+
+
 # ---------------------------------------------------------------------------------- reads and verdicts
 
 def test_a_paced_read_sees_every_byte_and_the_same_crc(tmp_path: Path) -> None:

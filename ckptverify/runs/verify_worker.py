@@ -5,19 +5,20 @@ in another process, so that hashing never contends with the training process for
     python -m ckptverify.runs.verify_worker
 
 Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
-``throttle``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
+``throttle``, ``seq``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
 :class:`~ckptverify.runs.verification.Verification` per line on the standard output it was started with; anything
 else printed goes to standard error. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
 ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch, and with ``throttle`` paces its reads to
 leave the training's cores alone (:mod:`~ckptverify.runs.throttle`). A byte on the pipe named by
-``CKPTVERIFY_VERIFY_HURRY_FD`` (the parent writes one when it starts waiting for its verifications: the job is
-ending) lifts the throttle of the verification in progress.
+``CKPTVERIFY_VERIFY_HURRY_FD`` (the parent writes the ``seq`` of the request in flight when it starts waiting
+for its verifications: the job is ending) lifts the throttle of that verification.
 Ends at the end of its input (its parent closed the pipe, or died).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -39,9 +40,9 @@ PRIORITY_ENV = "CKPTVERIFY_VERIFY_PRIORITY"
 HURRY_FD_ENV = "CKPTVERIFY_VERIFY_HURRY_FD"
 
 
-def serve(requests: Any, replies: Any, hurried: Callable[[], bool] | None = None) -> None:
-    """Answer every request line of ``requests`` with one line on ``replies``. ``hurried``: whether the parent
-    asked for full speed since it was last called (lifts the throttle of the verification in progress)."""
+def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = None) -> None:
+    """Answer every request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the
+    parent asked for request ``seq`` (a number it gives each request) to read at full speed."""
     from ckptverify.runs.stamper import stamp_locked
 
     for line in requests:
@@ -54,7 +55,9 @@ def serve(requests: Any, replies: Any, hurried: Callable[[], bool] | None = None
             continue
         try:
             probe = IdleProbe.open() if req.get("throttle") else None
-            throttle = None if probe is None else Throttle(probe, lifted=hurried)
+            seq = req.get("seq")
+            asked = None if hurried is None or not isinstance(seq, int) else functools.partial(hurried, seq)
+            throttle = None if probe is None else Throttle(probe, lifted=asked)
             outcome = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
                                    settle=float(req.get("settle", 1.0)), throttle=throttle)
             result = from_outcome(path, step, deep, outcome)
@@ -74,21 +77,29 @@ def main() -> int:
     return 0
 
 
-def _hurry_reader(raw: str | None) -> Callable[[], bool] | None:
-    """Whether a byte arrived on the hurry pipe since the last call (never blocks)."""
+def _hurry_reader(raw: str | None) -> Callable[[int], bool] | None:
+    """``hurried(seq)``: whether the hurry pipe carried request number ``seq`` (never blocks). The parent writes
+    the number of the request in flight, so a late one never lifts the throttle of a later request."""
     try:
         fd = int(raw) if raw else -1
         os.set_blocking(fd, False)
     except (ValueError, OSError):
         return None
+    seen: set[int] = set()
+    partial = b""
 
-    def hurried() -> bool:
-        try:
-            return bool(os.read(fd, 4096))
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return False
+    def hurried(seq: int) -> bool:
+        nonlocal partial
+        while True:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # nothing more now (or the parent is gone)
+                break
+            if not chunk:
+                break
+            *lines, partial = (partial + chunk).split(b"\n")
+            seen.update(int(n) for n in lines if n.strip().isdigit())
+        return seq in seen
 
     return hurried
 
@@ -102,6 +113,7 @@ class VerifierProcess:
         self._proc: subprocess.Popen[str] | None = None
         self._hurry_w: int | None = None  # the parent's end of the hurry pipe
         self._hurry_lock = threading.Lock()
+        self._seq = 0  # the number of the request in flight (or the last one)
 
     def _start(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
@@ -144,7 +156,7 @@ class VerifierProcess:
         with self._hurry_lock:
             if self._hurry_w is not None:
                 with contextlib.suppress(OSError):  # full (asked already) or the process is gone
-                    os.write(self._hurry_w, b"!")
+                    os.write(self._hurry_w, f"{self._seq}\n".encode())
 
     def _close_hurry(self) -> None:
         with self._hurry_lock:
@@ -160,8 +172,11 @@ class VerifierProcess:
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
+            with self._hurry_lock:  # from now on a hurry names this request
+                self._seq += 1
+                seq = self._seq
             request = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
-                       "throttle": bool(throttle and throttle())}
+                       "throttle": bool(throttle and throttle()), "seq": seq}
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
             line = proc.stdout.readline()
