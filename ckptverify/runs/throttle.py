@@ -6,10 +6,11 @@ parallel regions wait for their slowest thread, and a verifier that runs in the 
 memory bandwidth, evicting the training's data from shared caches, on SMT siblings) is still running when the
 next region starts. So the verifier also paces itself (:class:`Throttle`): at its first read, and then every
 :data:`WINDOW_SECONDS` of reading, it asks an :class:`IdleProbe` how many of the cores it may run on were idle
-since the last look, not counting its own CPU time. With fewer than :data:`MIN_FREE_CORES` idle it waits
-(25 ms, then twice as long each time, up to :data:`MAX_PAUSE_SECONDS`) and looks again; as soon as a core is
-idle (training on a GPU, a data loader waiting for I/O, a core left free, the job ended) it reads at full
-speed again.
+since the last look (not counting its own CPU time) and are idle at that instant (from the tasks ready to run:
+parallel regions that keep every core busy leave gaps that an average counts as idle). With fewer than
+:data:`MIN_FREE_CORES` idle it waits (25 ms, then twice as long each time, up to :data:`MAX_PAUSE_SECONDS`)
+and looks again; as soon as a core is idle (training on a GPU, a data loader waiting for I/O, a core left
+free, the job ended) it reads at full speed again.
 
 The throttle changes only when bytes are read, never what is read or checked: the verdict is the same. It is
 off (reads at full speed) where ``/proc/stat`` cannot be read (not Linux), when ``CKPTVERIFY_VERIFY_THROTTLE=0``,
@@ -72,18 +73,25 @@ def min_free_cores(environ: dict[str, str] | None = None) -> float:
 
 @dataclass(frozen=True, slots=True)
 class CpuTimes:
-    """Cumulative ``/proc/stat`` ticks of a set of CPUs: busy, all, and how many CPUs they are."""
+    """Cumulative ``/proc/stat`` ticks of a set of CPUs: busy, all, and how many CPUs they are; ``running``:
+    the tasks running or ready to run on the whole machine at this instant (``procs_running``), when the CPUs
+    are all the machine's (``None`` otherwise or when not told)."""
 
     busy: int
     total: int
     cpus: int
+    running: int | None = None
 
 
 def parse_proc_stat(text: str, cpus: Iterable[int] | None = None) -> CpuTimes | None:
     """Busy and total ticks of ``cpus`` (default: all) from the text of ``/proc/stat``; ``None`` if it does not
     read as one. Idle and I/O wait count as not busy; guest time (already inside user time) is not counted twice."""
     lines: dict[str, list[int]] = {}
+    running = None
     for line in text.splitlines():
+        if line.startswith("procs_running "):
+            value = line.split()[1:2]
+            running = int(value[0]) if value and value[0].isdigit() else None
         if not line.startswith("cpu"):
             continue
         name, *fields = line.split()
@@ -104,7 +112,7 @@ def parse_proc_stat(text: str, cpus: Iterable[int] | None = None) -> CpuTimes | 
         row = row + [0] * (8 - len(row))
         total += sum(row)
         busy += sum(row) - row[3] - row[4]  # idle, iowait
-    return CpuTimes(busy, total, len(wanted))
+    return CpuTimes(busy, total, len(wanted), running if wanted == online else None)
 
 
 def _read_proc_stat() -> str:
@@ -128,7 +136,10 @@ def _allowed_cpus() -> set[int] | None:
 
 class IdleProbe:
     """How many of the CPUs this process may run on were idle since the previous look, not counting the CPU
-    time of the verifying thread itself (which an idle-priority verifier takes only from idle cores).
+    time of the verifying thread itself (which an idle-priority verifier takes only from idle cores), and no
+    more than are idle right now: training whose parallel regions keep every core busy leaves idle gaps
+    between them that an average over the window counts, so the tasks ready to run at the instant of the look
+    (``procs_running``, the verifier itself not counted) also say how many cores are free.
 
     ``read_stat``: the text of ``/proc/stat``; ``own_seconds``: the verifier's CPU seconds so far;
     ``cpus``: the CPUs to count (default: this process's affinity); ``hz``: ticks per second.
@@ -171,7 +182,10 @@ class IdleProbe:
             self._last = last  # too soon: keep measuring from the previous look
             return None
         others = (now.busy - before.busy) - max(0.0, own - own_before) * self._hz
-        return max(0.0, now.cpus * (1.0 - max(0.0, others) / total))
+        free = now.cpus * (1.0 - max(0.0, others) / total)
+        if now.running is not None:
+            free = min(free, now.cpus - (now.running - 1))  # ``- 1``: this thread, running as it reads
+        return max(0.0, free)
 
 
 def next_pause(free_cores: float | None, pause: float, *, min_free: float = MIN_FREE_CORES,
