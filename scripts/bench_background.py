@@ -82,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     batches = _batches(make_loader(training.dataset, args.batch, seed=0))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
+    step_cpu: list[float] = []  # the training process's CPU seconds of each step, as step() appends them
+
     def step() -> float:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = train_step(training, next(batches))
         float(out["loss"])  # the host waits for the step, as a loop that logs its loss does
         sync()
+        step_cpu.append(time.process_time() - c0)
         return time.perf_counter() - t0
 
     base = tempfile.mkdtemp(prefix="bench-background-", dir=args.dir)
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu_s: dict[tuple[int, str], list[float]] = {(t, v): [] for t in threads for v in variants}
     medians: dict[tuple[int, str], list[float]] = {(t, v): [] for t in threads for v in variants}  # per round
     share: dict[tuple[int, str], list[float]] = {(t, v): [] for t in threads for v in variants}  # cores used
+    cpu_steps: dict[tuple[int, str], list[float]] = {(t, v): [] for t in threads for v in variants}
     try:
         torch.set_num_threads(threads[0])
         for _ in range(10):  # warm-up: allocator, kernels, first optimizer step
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                         if cut:
                             line.append(f"{variant} cut at {args.max_phase_seconds:.0f} s")
                     times[(t, variant)].extend(phase)
+                    cpu_steps[(t, variant)].extend(step_cpu[-len(phase):])
                     medians[(t, variant)].append(statistics.median(phase))
                     if variant != "off":
                         share[(t, variant)].append(cpu_s[(t, variant)][-1] / sum(phase))
@@ -183,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
                          f"   p90 ratio {_pct(got, 0.9) / _pct(off, 0.9):6.3f}")
             print(f"  {variant:12s} mean {statistics.fmean(got) * 1e3:8.2f} ms  median "
                   f"{statistics.median(got) * 1e3:8.2f} ms  ({len(got)} steps){ratio}{extra}")
+            cpu, cpu_off = cpu_steps[(t, variant)], cpu_steps.get((t, "off")) or []
+            if cpu and cpu_off and variant != "off":
+                # CPU time per step: what the verifier costs the training threads (caches, memory bandwidth,
+                # waiting for a slowest thread that spins), without the time other jobs take the CPU away.
+                print(f"  {'':12s} training CPU per step {statistics.median(cpu) * 1e3:8.2f} ms, without a "
+                      f"verification {statistics.median(cpu_off) * 1e3:8.2f} ms: median ratio "
+                      f"{statistics.median(cpu) / statistics.median(cpu_off):6.3f}")
         for variant in variants:
             if variant != "off" and off and times[(t, variant)]:
                 # Each round's median step against the same round's 'off' median: the load of other jobs
