@@ -216,9 +216,14 @@ class ScriptedProbe:
         return self.readings.pop(0) if self.readings else 8.0
 
 
+def _no_delay() -> float | None:
+    return None  # no run-delay counter: only the looks decide
+
+
 def test_throttle_waits_while_no_core_is_idle_and_records_the_time() -> None:
     probe = ScriptedProbe(None, 0.0, 0.1, 0.2, 3.0)  # construction; then busy, busy, busy, free
-    throttle = Throttle(probe, min_free=0.5, window=0.05, first=0.01, longest=0.02)  # type: ignore[arg-type]
+    throttle = Throttle(probe, min_free=0.5, window=0.05, first=0.01, longest=0.02,  # type: ignore[arg-type]
+                        run_delay=_no_delay)
     started = time.monotonic()
     throttle(1 << 20)
     waited = time.monotonic() - started
@@ -230,7 +235,7 @@ def test_throttle_waits_while_no_core_is_idle_and_records_the_time() -> None:
 def test_throttle_looks_at_the_first_read_then_once_per_window() -> None:
     clock = Clock()
     probe = ScriptedProbe(None, 2.0)
-    throttle = Throttle(probe, min_free=0.5, window=0.05, clock=clock)  # type: ignore[arg-type]
+    throttle = Throttle(probe, min_free=0.5, window=0.05, clock=clock, run_delay=_no_delay)  # type: ignore[arg-type]
     throttle(1 << 20)  # the first read looks
     assert probe.looks == 2
     clock.now += 0.01
@@ -243,25 +248,73 @@ def test_throttle_looks_at_the_first_read_then_once_per_window() -> None:
 
 def test_throttle_measures_before_the_first_read_when_it_knows_nothing_yet() -> None:
     probe = ScriptedProbe(None, None, 0.0, 2.0)  # construction; first read: unknown, measured: busy, free
-    throttle = Throttle(probe, min_free=0.5, window=0.05, first=0.01, longest=0.01)  # type: ignore[arg-type]
+    throttle = Throttle(probe, min_free=0.5, window=0.05, first=0.01, longest=0.01,  # type: ignore[arg-type]
+                        run_delay=_no_delay)
     throttle(1 << 20)
     assert probe.looks == 4 and throttle.throttled_s >= 0.015
+
+
+class Delay:
+    """A thread's cumulative wait for a CPU, set by hand."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+def test_a_thread_pushed_aside_waits_at_once_and_longer_each_time_then_reads_on_when_a_core_is_idle() -> None:
+    clock, delay = Clock(), Delay()
+    probe = ScriptedProbe(None, 2.0, 2.0, 2.0, 2.0)  # every look finds idle cores
+    waits: list[float] = []
+    throttle = Throttle(probe, window=10.0, first=0.01, longest=0.04, check=0.002, preempted=0.25,  # type: ignore[arg-type]
+                        clock=clock, run_delay=delay)
+    throttle._wait = waits.append  # type: ignore[method-assign]
+    throttle(1 << 20)  # the first read looks: idle cores, no wait
+    assert probe.looks == 2 and waits == []
+    clock.now += 0.004
+    delay.seconds += 0.0005  # waited 0.5 ms of 4: an ordinary wake-up of someone else
+    throttle(1 << 20)
+    assert waits == [] and probe.looks == 2  # inside the window, not pushed aside: nothing
+    for expected in ([0.01], [0.01, 0.02], [0.01, 0.02, 0.04], [0.01, 0.02, 0.04, 0.04]):
+        clock.now += 0.004
+        delay.seconds += 0.003  # waited 3 ms of 4 for the CPU: the training needed it
+        throttle(1 << 20)
+        assert waits == expected  # waited at once, long before the window ended, then looked
+    assert probe.looks == 6
+    clock.now += 10.0  # a whole window read undisturbed: the next push starts from the first wait
+    throttle(1 << 20)
+    clock.now += 0.004
+    delay.seconds += 0.004
+    throttle(1 << 20)
+    assert waits[-1] == 0.01
 
 
 def test_a_lifted_throttle_stops_waiting_at_once() -> None:
     import threading
 
     busy = ScriptedProbe(*[0.0] * 1000)
-    throttle = Throttle(busy, min_free=0.5, first=5.0, longest=5.0)  # type: ignore[arg-type]
+    throttle = Throttle(busy, min_free=0.5, first=5.0, longest=5.0, run_delay=_no_delay)  # type: ignore[arg-type]
     threading.Timer(0.2, throttle.lift).start()
     started = time.monotonic()
     throttle(1 << 20)
     assert time.monotonic() - started < 3.0 and throttle.lifted
     answers = iter([False] * 5 + [True] * 100)  # the parent asks for full speed after a while
     asked = Throttle(ScriptedProbe(*[0.0] * 1000), first=0.01, longest=0.01,  # type: ignore[arg-type]
-                     lifted=lambda: next(answers))
+                     lifted=lambda: next(answers), run_delay=_no_delay)
     asked(1 << 20)
     assert asked.lifted and asked.throttled_s > 0
+
+
+def test_this_thread_s_wait_for_a_cpu_is_readable_on_linux() -> None:
+    from ckptverify.runs.throttle import _read_run_delay
+
+    first = _read_run_delay()
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        assert first is None
+        return
+    assert first is not None and first >= 0 and (_read_run_delay() or 0) >= first
 
 
 def test_without_a_probe_the_throttle_never_waits() -> None:
@@ -309,7 +362,8 @@ def test_a_throttled_verification_finds_the_same_as_an_unthrottled_one(tmp_path:
         inj.flip_in_tensor_payload(tmp_path / name, "w")
     plain = stamp_locked(str(tmp_path / "a"), step=1, settle=0.0)
     probe = ScriptedProbe(*([None] + [0.0, 2.0] * 50))  # alternately busy and idle
-    throttle = Throttle(probe, min_free=0.5, window=0.0, first=0.001, longest=0.001)  # type: ignore[arg-type]
+    throttle = Throttle(probe, min_free=0.5, window=0.0, first=0.001, longest=0.001,  # type: ignore[arg-type]
+                        run_delay=_no_delay)
     paced = stamp_locked(str(tmp_path / "b"), step=1, settle=0.0, throttle=throttle)
     assert plain.report is not None and paced.report is not None
     assert not paced.report.passed and probe.looks > 2 and paced.throttled_s > 0

@@ -26,9 +26,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = [
+    "CHECK_SECONDS",
     "MAX_PAUSE_SECONDS",
     "MIN_FREE_CORES",
     "MIN_FREE_ENV",
+    "PREEMPTED_SHARE",
     "THROTTLE_ENV",
     "WINDOW_SECONDS",
     "CpuTimes",
@@ -52,6 +54,10 @@ WINDOW_SECONDS = 0.05
 #: The first wait when no core is idle, and the longest (each further wait doubles, up to it).
 FIRST_PAUSE_SECONDS = 0.025
 MAX_PAUSE_SECONDS = 0.1
+#: How often (seconds of reading) the verifier asks how long it waited for a CPU, and the share of that time
+#: which means it was pushed aside (it then waits at once).
+CHECK_SECONDS = 0.002
+PREEMPTED_SHARE = 0.25
 _OFF = ("0", "off", "false", "no")
 
 
@@ -197,27 +203,50 @@ def next_pause(free_cores: float | None, pause: float, *, min_free: float = MIN_
     return first if pause <= 0 else min(longest, pause * 2)
 
 
+def _read_run_delay() -> float | None:
+    """Seconds this thread has spent ready to run but waiting for a CPU (``/proc/thread-self/schedstat``)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Throttle:
-    """Paces the reads of one verification (call it with the bytes of each read, from the reading thread):
-    every ``window`` seconds it looks at the idle cores and waits while there are fewer than ``min_free``
-    (default: :func:`min_free_cores`).
-    ``throttled_s``: seconds spent waiting. ``probe`` ``None``: never waits."""
+    """Paces the reads of one verification (call it with the bytes of each read, from the reading thread).
+
+    It waits while fewer than ``min_free`` cores (default: :func:`min_free_cores`) are idle: it looks at the
+    first read, then every ``window`` seconds of reading; and, every ``check`` seconds, it asks the kernel how
+    long this thread waited for a CPU (``run_delay``): waiting for a ``preempted`` share of that time or more
+    means something else wanted the core (an idle-priority thread yields it at once), and it backs off at once
+    instead of staying runnable, which would let it fill every short gap between the training's parallel regions
+    (each gap a cache evicted). Each wait (``first`` seconds, doubling up to ``longest``) ends with a look.
+    ``throttled_s``: seconds spent waiting. ``probe`` ``None``: never waits.
+    """
 
     def __init__(self, probe: IdleProbe | None, *, min_free: float | None = None, window: float = WINDOW_SECONDS,
                  first: float = FIRST_PAUSE_SECONDS, longest: float = MAX_PAUSE_SECONDS,
-                 clock: Callable[[], float] = time.monotonic, lifted: Callable[[], bool] | None = None) -> None:
+                 check: float = CHECK_SECONDS, preempted: float = PREEMPTED_SHARE,
+                 clock: Callable[[], float] = time.monotonic, lifted: Callable[[], bool] | None = None,
+                 run_delay: Callable[[], float | None] = _read_run_delay) -> None:
         self.probe = probe
         self.min_free = min_free_cores() if min_free is None else min_free
         self.window = window
         self.first = first
         self.longest = longest
+        self.check = check
+        self.preempted = preempted
         self.throttled_s = 0.0
         self._clock = clock
         self._lifted = threading.Event()
         self._asked_lift = lifted
         self._wake = threading.Event()
+        self._run_delay = run_delay
         self._since = clock() - window  # the first read looks
         self._measured = False
+        self._pause = 0.0  # the last wait; back to 0 after a window of reading undisturbed
+        self._checked_at = clock()
+        self._delay_at = run_delay() if probe is not None else None
         if probe is not None:
             probe.look()  # the first look starts the first window
 
@@ -233,10 +262,18 @@ class Throttle:
         return self._lifted.is_set()
 
     def __call__(self, nbytes: int) -> None:
-        if self.probe is None or self.lifted or self._clock() - self._since < self.window:
+        if self.probe is None or self.lifted:
             return
-        pause = 0.0
-        while True:
+        now = self._clock()
+        pushed_aside = self._was_preempted(now)
+        if not pushed_aside and now - self._since < self.window:
+            return
+        if pushed_aside:
+            self._pause = next_pause(0.0, self._pause, min_free=1.0, first=self.first, longest=self.longest)
+            self._wait(self._pause)
+        elif self._measured:
+            self._pause = 0.0  # a whole window read undisturbed
+        while not self.lifted:
             free = self.probe.look()
             if free is None and not self._measured:
                 # Nothing measured yet (the first read): measure over a short wait rather than read blind.
@@ -244,11 +281,25 @@ class Throttle:
                 self._wait(self.first)
                 continue
             self._measured = True
-            pause = next_pause(free, pause, min_free=self.min_free, first=self.first, longest=self.longest)
-            if pause <= 0 or self.lifted:
+            if next_pause(free, 0.0, min_free=self.min_free) <= 0:
                 break
-            self._wait(pause)
-        self._since = self._clock()
+            self._pause = next_pause(free, self._pause, min_free=self.min_free, first=self.first,
+                                     longest=self.longest)
+            self._wait(self._pause)
+        self._since = self._checked_at = self._clock()
+        self._delay_at = self._run_delay()
+
+    def _was_preempted(self, now: float) -> bool:
+        """Whether this thread waited for a CPU for a ``preempted`` share of the time since the last check."""
+        if self._delay_at is None or now - self._checked_at < self.check:
+            return False
+        delay = self._run_delay()
+        if delay is None:
+            self._delay_at = None
+            return False
+        waited, elapsed = delay - self._delay_at, now - self._checked_at
+        self._delay_at, self._checked_at = delay, now
+        return waited >= self.preempted * elapsed
 
     def _wait(self, seconds: float) -> None:
         started = self._clock()
