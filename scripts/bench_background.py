@@ -6,13 +6,14 @@ optimizer plus padding tensors, saved once with ``ckptverify.save``) is verified
 :class:`~ckptverify.runs.background.BackgroundVerifier` that ``save(verify="background")`` uses. Each round,
 for each training thread count (``--threads``: by default torch's, which uses every core, and one fewer,
 which leaves a core free), runs three phases in an order that rotates from round to round: *off* (nothing
-verifying), *unthrottled* (one verification at idle priority, reading at full speed; steps run until it is
-stamped) and *throttled* (the same, pacing its reads: the default, :mod:`ckptverify.runs.throttle`). An *off*
-phase runs as many steps as a verification overlaps on average. Prints, per thread count, the mean, median
-and p90 step time of each phase and their ratios to *off* (the target: at most 1.03), how long each
-verification took and how much of it was spent throttled. A verification still running after
-``--max-phase-seconds`` ends its phase (it then finishes unthrottled, untimed: a job waiting for it does the
-same).
+verifying), *unthrottled* (a verification at idle priority, reading at full speed; steps run until it is
+stamped, and until ``--min-steps`` steps ran, verifying again as needed) and *throttled* (the same, pacing its
+reads: the default, :mod:`ckptverify.runs.throttle`). An *off* phase runs as many steps as a verifying phase
+on average. Prints, per thread count, the mean, median and p90 step time of each phase and their ratios to
+*off* (the target: at most 1.03), each round's median ratio, the training's CPU time per step, how long each
+verification took, how much of it was spent throttled and how much of a core the verifier used. A
+verification still running after ``--max-phase-seconds`` ends its phase (it then finishes unthrottled,
+untimed: a job waiting for it does the same).
 
     python scripts/bench_background.py                          # CPU, 2 GiB checkpoint, 6 rounds
     python scripts/bench_background.py --device cuda --mib 8192 # GPU training, CPU verification
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="verify in the verifier process (the default) or in the worker thread")
     ap.add_argument("--deep", action="store_true", help="deep verification (tensor fingerprints too)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
+    ap.add_argument("--min-steps", type=int, default=20,
+                    help="a phase with a verification runs at least this many steps (verifying again as needed)")
     ap.add_argument("--max-phase-seconds", type=float, default=30.0,
                     help="end an 'on' phase after this long even if its verification has not finished")
     args = ap.parse_args(argv)
@@ -139,19 +142,23 @@ def main(argv: list[str] | None = None) -> int:
                         verifier.throttle = variant == "throttled"
                         cpu0 = _child_cpu(verifier)
                         verifier.submit(path, step=0, options=options)
-                        phase = []
+                        phase, done = [], 0
                         t0 = time.perf_counter()
-                        while ((verifier.pending() or len(phase) < 3)
-                               and time.perf_counter() - t0 < args.max_phase_seconds):
+                        while time.perf_counter() - t0 < args.max_phase_seconds:
+                            if not verifier.pending():  # one verification finished
+                                done += 1
+                                _record(verifier, verify_s[(t, variant)], throttled_s[(t, variant)])
+                                if len(phase) >= args.min_steps:
+                                    break
+                                verifier.submit(path, step=0, options=options)  # too few steps yet: another
                             phase.append(step())
                         cut = bool(verifier.pending())
                         cpu_s[(t, variant)].append(_child_cpu(verifier) - cpu0)
-                        verifier.wait()  # a verification cut short reads on unthrottled: not timed
-                        last = verifier.last()
-                        assert last is not None and last.passed, last
-                        verify_s[(t, variant)].append(last.seconds)
-                        throttled_s[(t, variant)].append(last.throttled_s)
+                        if cut:
+                            verifier.wait()  # a verification cut short reads on unthrottled: not timed
+                            _record(verifier, verify_s[(t, variant)], throttled_s[(t, variant)])
                         overlapped[(t, variant)].append(len(phase))
+                        line.append(f"{variant}: {done} verification(s) done")
                         if cut:
                             line.append(f"{variant} cut at {args.max_phase_seconds:.0f} s")
                     times[(t, variant)].extend(phase)
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra = (f"; verification {statistics.median(verify_s[(t, variant)]):.2f} s median, "
                          f"throttled {statistics.median(throttled_s[(t, variant)]):.2f} s; the verifier used "
                          f"{statistics.fmean(share[(t, variant)]):.3f} of a core during the phase; "
-                         f"{statistics.fmean(overlapped[(t, variant)]):.0f} steps each")
+                         f"{statistics.fmean(overlapped[(t, variant)]):.0f} steps per phase")
             ratio = ""
             if off and variant != "off":
                 r = statistics.fmean(got) / statistics.fmean(off)
@@ -216,6 +223,14 @@ def _thread_counts(raw: str, device: torch.device) -> list[int]:
         if n not in out:
             out.append(n)
     return out
+
+
+def _record(verifier: BackgroundVerifier, seconds: list[float], throttled: list[float]) -> None:
+    last = verifier.last()
+    if last is None or not last.passed:
+        raise SystemExit(f"the verification did not pass: {last}")
+    seconds.append(last.seconds)
+    throttled.append(last.throttled_s)
 
 
 def _child_cpu(verifier: BackgroundVerifier) -> float:
