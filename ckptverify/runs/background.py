@@ -313,16 +313,18 @@ class BackgroundVerifier:
                 job.lock.release()
         probe = IdleProbe.open() if background and self.throttle and jobs == 1 else None  # this thread's reads
         throttle = None if probe is None else Throttle(probe)
-        with self._cond:  # with wait()'s count: either it sees this throttle, or this sees it waiting
-            if throttle is not None and self._waiting:
-                throttle.lift()
-            self._throttle_now = throttle
+        if throttle is not None:
+            with self._cond:  # with wait()'s count: either it sees this throttle, or this sees it waiting
+                if self._waiting:
+                    throttle.lift()
+                self._throttle_now = throttle
         try:
             outcome = verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
                                        settle=self.settle, lock=job.lock, throttle=throttle)
         finally:
-            with self._cond:
-                self._throttle_now = None
+            if throttle is not None:
+                with self._cond:
+                    self._throttle_now = None
         return from_outcome(job.path, job.step, job.options.deep, outcome)
 
     def _throttled(self) -> bool:
