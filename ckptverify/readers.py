@@ -16,6 +16,9 @@ Everything under a checkpoint directory is hostile input, its file *types* inclu
   :meth:`ReadOnlyFile.changed` compares the file's ``fstat`` (and the inode behind its name) with what it was
   at open, so a file rewritten or replaced while it was checked is reported, never silently passed.
 
+A thread can pace its reads (:func:`pacing`): a background verification waits between reads while the training
+needs every core (:mod:`~ckptverify.runs.throttle`).
+
 The buffer is one per thread and small enough to stay in the CPU cache (:data:`READ_BYTES`): the copy from the
 page cache lands in cache and the hash reads it from there, which is what makes this as fast as ``cat``.
 
@@ -48,6 +51,7 @@ __all__ = [
     "file_kind",
     "is_inside",
     "open_regular",
+    "pacing",
     "read_small_file",
 ]
 
@@ -146,6 +150,18 @@ def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
         return b"".join(parts)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def pacing(pacer: Callable[[int], None] | None) -> Iterator[None]:
+    """Within the block, this thread calls ``pacer`` with the size of each read of a :meth:`ReadOnlyFile.fold`
+    (after the bytes are used): it may wait there, and it changes nothing that is read."""
+    before = getattr(_local, "pacer", None)
+    _local.pacer = pacer
+    try:
+        yield
+    finally:
+        _local.pacer = before
 
 
 def _buffer() -> memoryview:
@@ -271,6 +287,7 @@ class ReadOnlyFile:
         """Like :meth:`fold`, also passing each view's offset in the file."""
         end = min(end, self.size)
         buf = _buffer()
+        pace = getattr(_local, "pacer", None)
         pos = start
         with self._descriptor() as fd:
             while pos < end:
@@ -282,6 +299,8 @@ class ReadOnlyFile:
                     fn(part, pos)
                 if progress is not None:
                     progress(got)
+                if pace is not None:
+                    pace(got)
                 pos += got
 
     def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:

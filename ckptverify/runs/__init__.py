@@ -8,5 +8,6 @@ delete.
 - :mod:`~ckptverify.runs.watch`: verify each checkpoint as it commits;
 - :mod:`~ckptverify.runs.stamper`: verify one committed checkpoint under its verifying lock, and stamp it;
 - :mod:`~ckptverify.runs.background`: a save's verification after it commits, in a verifier process
-  (:mod:`~ckptverify.runs.verify_worker`) or inline.
+  (:mod:`~ckptverify.runs.verify_worker`) or inline;
+- :mod:`~ckptverify.runs.throttle`: a background verification's pacing, off the cores the training uses.
 """

@@ -13,7 +13,10 @@ submission, one per training process, no torch in it) at the lowest CPU priority
 (``SCHED_IDLE`` and nice 19 on Linux): it takes CPU time the training leaves idle, and never holds the training
 process's interpreter lock. A verifier thread at that priority would: when the machine is oversubscribed it can
 be descheduled while holding the lock, and the training thread then waits for it (``isolation="thread"`` keeps
-that mode, for where processes cannot be started). ``scripts/bench_background.py`` measures the step-time cost.
+that mode, for where processes cannot be started). Idle priority does not keep it off training that uses every
+core, so a background verification also paces its reads: it waits while no core is idle
+(:mod:`~ckptverify.runs.throttle`; ``throttle=False`` or ``CKPTVERIFY_VERIFY_THROTTLE=0`` turns that off), and
+reads at full speed once someone waits for it. ``scripts/bench_background.py`` measures the step-time cost.
 
 Every result is a :class:`Verification` (:func:`last_verification` returns the newest). A failure is a
 ``verify-failed`` event in the run's ``events.jsonl`` (when the save was given ``events=``), a
@@ -47,6 +50,7 @@ from typing import Any
 
 from ckptverify.errors import UsageError
 from ckptverify.runs.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
+from ckptverify.runs.throttle import IdleProbe, Throttle, throttle_enabled
 from ckptverify.runs.verification import Verification, from_outcome, from_stamp
 from ckptverify.runs.verify_worker import PRIORITIES, VerifierProcess, lower_priority
 
@@ -158,11 +162,14 @@ class BackgroundVerifier:
     ``isolation``: where each verification runs, a verifier process (``"process"``, the default) or the worker
     thread (``"thread"``). ``priority``: its CPU priority (see :data:`PRIORITIES`). ``jobs``: threads one
     verification uses. ``settle``: seconds a failed verification waits before judging (a checkpoint being
-    deleted file by file is not corrupt). The thread (and the process) start at the first :meth:`submit`.
+    deleted file by file is not corrupt). ``throttle``: pace the reads to leave the training's cores alone
+    (:mod:`~ckptverify.runs.throttle`; default: on unless ``CKPTVERIFY_VERIFY_THROTTLE=0``); the
+    verifications a :meth:`wait` waits for read at full speed. The thread (and the process) start at the first
+    :meth:`submit`.
     """
 
     def __init__(self, *, isolation: str = "process", priority: str = "idle", jobs: int = 1,
-                 settle: float = SETTLE_SECONDS) -> None:
+                 settle: float = SETTLE_SECONDS, throttle: bool | None = None) -> None:
         if priority not in PRIORITIES:
             raise UsageError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
         if isolation not in ISOLATIONS:
@@ -171,6 +178,7 @@ class BackgroundVerifier:
         self.priority = priority
         self.jobs = jobs
         self.settle = settle
+        self.throttle = throttle_enabled() if throttle is None else bool(throttle)
         #: Called with a checkpoint's path right before it is verified (fault drills and tests plant damage here).
         self.before_verify: Callable[[str], None] | None = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -180,6 +188,8 @@ class BackgroundVerifier:
         self._unraised: list[Verification] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._waiting = 0  # callers of wait() now: while any, verifications are not throttled
+        self._throttle_now: Throttle | None = None  # the in-thread verification's throttle
         self._child = VerifierProcess(priority)
 
     # ------------------------------------------------------------------ public
@@ -231,12 +241,24 @@ class BackgroundVerifier:
         one's event log) and return ``False``; they stay queued."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         with self._cond:
-            while self._pending:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            left = list(self._pending)
+            self._waiting += 1
+            hurry = bool(self._pending)
+            current = self._throttle_now
+        try:
+            if hurry:  # someone waits: the verification in progress reads at full speed
+                self._child.hurry()
+                if current is not None:
+                    current.lift()
+            with self._cond:
+                while self._pending:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                left = list(self._pending)
+        finally:
+            with self._cond:
+                self._waiting -= 1
         if left:
             self._cut_short(left, timeout)
             return False
@@ -317,7 +339,7 @@ class BackgroundVerifier:
                 if self.before_verify is not None:
                     self.before_verify(job.path)
                 if background and self.isolation == "process":
-                    result = self._child.call(task.function, task.args)
+                    result = self._child.call(task.function, task.args, throttle=self._throttled)
                 else:
                     import importlib
 
@@ -370,12 +392,29 @@ class BackgroundVerifier:
             self.before_verify(job.path)
         if background and self.isolation == "process":
             try:
-                return self._child.verify(job.path, job.step, job.options.deep, jobs or 1, self.settle)
+                return self._child.verify(job.path, job.step, job.options.deep, jobs or 1, self.settle,
+                                          throttle=self._throttled)
             finally:
                 job.lock.release()
-        outcome = verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep, settle=self.settle,
-                                   lock=job.lock)
+        probe = IdleProbe.open() if background and self.throttle and jobs == 1 else None  # this thread's reads
+        throttle = None if probe is None else Throttle(probe)
+        if throttle is not None:
+            with self._cond:  # with wait()'s count: either it sees this throttle, or this sees it waiting
+                if self._waiting:
+                    throttle.lift()
+                self._throttle_now = throttle
+        try:
+            outcome = verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
+                                       settle=self.settle, lock=job.lock, throttle=throttle)
+        finally:
+            if throttle is not None:
+                with self._cond:
+                    self._throttle_now = None
         return from_outcome(job.path, job.step, job.options.deep, outcome)
+
+    def _throttled(self) -> bool:
+        with self._cond:
+            return self.throttle and not self._waiting
 
     def _report(self, job: _Job, result: Verification) -> None:
         """The event, the warning and the callback of one result."""

@@ -111,12 +111,13 @@ def _manifest_digest(root: str) -> str | None:
 
 
 def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | None = None,
-                fingerprint: str | None = None) -> dict[str, Any]:
+                fingerprint: str | None = None, throttled_s: float | None = None) -> dict[str, Any]:
     """Write the stamp for ``report`` (a ``verify`` report of ``root``) at :func:`stamp_path`; return what was
     written.
 
     ``fingerprint``: :func:`files_fingerprint` taken *before* the verification began (default: now). Taking it
     before means a file changed during the verification leaves a stamp that is already stale.
+    ``throttled_s``: seconds of the verification spent waiting for an idle core (recorded when given).
     """
     from ckptverify import __version__
 
@@ -140,6 +141,8 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         "step": step,
         "checked_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
+    if throttled_s is not None:
+        data["throttled_s"] = throttled_s
     target = stamp_path(folder)
     fd, tmp = tempfile.mkstemp(prefix=".ckptverify-stamp-", dir=os.path.dirname(target))
     try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ckptverify.errors import CheckpointNotFoundError
 from ckptverify.findings import Report
 from ckptverify.runs.stamp import VERIFYING_LOCK, files_fingerprint, write_stamp
+from ckptverify.runs.throttle import Throttle
 
 __all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "removed", "stamp_locked", "verify_and_stamp"]
 
@@ -125,20 +126,23 @@ class Outcome:
     report: Report | None = None
     reason: str | None = None
     seconds: float = 0.0
+    #: Of ``seconds``, those spent waiting for an idle core (:mod:`~ckptverify.runs.throttle`).
+    throttled_s: float = 0.0
 
 
 def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
-                     settle: float = SETTLE_SECONDS, lock: VerifyingLock | None = None) -> Outcome:
+                     settle: float = SETTLE_SECONDS, lock: VerifyingLock | None = None,
+                     throttle: Throttle | None = None) -> Outcome:
     """Verify the checkpoint at ``path`` and stamp the verdict beside it; see the module docstring.
 
     ``lock``: the checkpoint's verifying lock, already held by the caller (released here); by default it is
-    taken here, and the outcome is ``busy`` when someone else holds it.
+    taken here, and the outcome is ``busy`` when someone else holds it. ``throttle``: see :func:`stamp_locked`.
     """
     own = lock if lock is not None else VerifyingLock(path)
     try:
         if not own.held and not own.acquire():
             return Outcome("busy", reason="another process is verifying it")
-        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle)
+        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
     except (FileNotFoundError, CheckpointNotFoundError):
         return Outcome("deleted", reason="removed while it was being verified")
     except OSError as exc:  # e.g. a read-only run directory: the lock cannot be created
@@ -148,15 +152,18 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
 
 
 def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
-                 settle: float = SETTLE_SECONDS) -> Outcome:
+                 settle: float = SETTLE_SECONDS, throttle: Throttle | None = None) -> Outcome:
     """:func:`verify_and_stamp` for a caller that holds the checkpoint's verifying lock (in this process or in
-    the one that started this one)."""
+    the one that started this one). ``throttle``: paces this thread's reads (with ``jobs=1``, all of them); the
+    seconds it waited are recorded in the stamp and the outcome as ``throttled_s``."""
+    from ckptverify.readers import pacing
     from ckptverify.verify import verify_checkpoint
 
     started = time.perf_counter()
     try:
         before = files_fingerprint(path)
-        report = verify_checkpoint(path, jobs=jobs, deep=deep)
+        with pacing(throttle):
+            report = verify_checkpoint(path, jobs=jobs, deep=deep)
         if not report.passed:
             # Retention deletes a checkpoint file by file: what looks torn may be on its way out. Let it
             # settle, then judge only if nothing moved.
@@ -166,10 +173,11 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
         if files_fingerprint(path) != before:
             # Not a verdict on anything: the files verified are not the files there now.
             return Outcome("changed", reason="its files changed while it was being verified")
-        write_stamp(path, report, step=step, fingerprint=before)
+        throttled = None if throttle is None else round(throttle.throttled_s, 6)
+        write_stamp(path, report, step=step, fingerprint=before, throttled_s=throttled)
     except (FileNotFoundError, CheckpointNotFoundError):
         return Outcome("deleted", reason="removed while it was being verified")
     except OSError as exc:  # e.g. a read-only run directory: the stamp cannot be written
         return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
     return Outcome("verified" if report.passed else "failed", report=report,
-                   seconds=time.perf_counter() - started)
+                   seconds=time.perf_counter() - started, throttled_s=throttled or 0.0)

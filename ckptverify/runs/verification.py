@@ -18,6 +18,8 @@ class Verification:
     ``verdict``: ``passed``, ``failed`` (both stamped beside the checkpoint), or ``unverified`` (no verdict:
     ``reason`` says why; nothing stamped). ``summary``: findings per severity. ``first_error``: the first error
     as ``check: message``. ``bytes_checked``: bytes of the checkpoint's files read and checked.
+    ``throttled_s``: of ``seconds``, those a background verification spent waiting for an idle core
+    (:mod:`~ckptverify.runs.throttle`).
     """
 
     path: str
@@ -30,6 +32,7 @@ class Verification:
     deep: bool = False
     stamped: bool = False
     reason: str | None = None
+    throttled_s: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -64,7 +67,7 @@ def from_outcome(path: str, step: int | None, deep: bool, outcome: Outcome) -> V
         path=path, step=step, verdict="passed" if report.passed else "failed", summary=report.summary(),
         first_error=None if first is None else f"{first.check}: {first.message}",
         seconds=round(outcome.seconds, 6), bytes_checked=int(report.stats.get("bytes") or 0),
-        deep=bool(report.stats.get("deep")), stamped=True)
+        deep=bool(report.stats.get("deep")), stamped=True, throttled_s=outcome.throttled_s)
 
 
 def from_stamp(path: str, step: int | None, data: dict[str, Any]) -> Verification:
@@ -76,4 +79,8 @@ def from_stamp(path: str, step: int | None, data: dict[str, Any]) -> Verificatio
         summary=dict(data.get("summary") or {}),
         first_error=None if first is None else f"{first.get('check')}: {first.get('message')}",
         seconds=float(data.get("seconds") or 0.0), bytes_checked=int(data.get("bytes_checked") or 0),
-        deep=bool(data.get("deep")), stamped=True)
+        deep=bool(data.get("deep")), stamped=True, throttled_s=_seconds(data.get("throttled_s")))
+
+
+def _seconds(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0

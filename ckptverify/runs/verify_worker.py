@@ -4,46 +4,56 @@ in another process, so that hashing never contends with the training process for
 
     python -m ckptverify.runs.verify_worker
 
-Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``; the
-parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
+Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
+``throttle``, ``seq``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
 :class:`~ckptverify.runs.verification.Verification` per line on the standard output it was started with; anything
 else printed goes to standard error. A request with ``call`` (``"ckptverify.MODULE:FUNCTION"``) and ``args``
 instead runs that function of ckptverify's with ``args`` and answers ``{"result": ...}`` (what it returned, JSON)
 or ``{"call_error": ...}``: how a front end with its own verification (the framework integrations: fingerprint
 when needed, verify, stamp) runs it here. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
-ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch.
+ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch, and with ``throttle`` paces its reads to
+leave the training's cores alone (:mod:`~ckptverify.runs.throttle`). A byte on the pipe named by
+``CKPTVERIFY_VERIFY_HURRY_FD`` (the parent writes the ``seq`` of the request in flight when it starts waiting
+for its verifications: the job is ending) lifts the throttle of that verification.
 Ends at the end of its input (its parent closed the pipe, or died).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from ckptverify.runs.throttle import IdleProbe, Throttle
 from ckptverify.runs.verification import Verification, from_outcome
 
-__all__ = ["PRIORITIES", "PRIORITY_ENV", "VerifierProcess", "lower_priority", "main", "serve"]
+__all__ = ["HURRY_FD_ENV", "PRIORITIES", "PRIORITY_ENV", "VerifierProcess", "lower_priority", "main", "serve"]
 
 #: CPU priority of a verification: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
 PRIORITIES = ("idle", "low", "normal")
 #: The priority the verifier process gives itself (set by its parent).
 PRIORITY_ENV = "CKPTVERIFY_VERIFY_PRIORITY"
+#: The descriptor of the pipe on which the parent asks for full speed (set by the parent).
+HURRY_FD_ENV = "CKPTVERIFY_VERIFY_HURRY_FD"
 
 
-def serve(requests: Any, replies: Any) -> None:
-    """Answer every request line of ``requests`` with one line on ``replies``."""
+def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = None) -> None:
+    """Answer every request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the
+    parent asked for request ``seq`` (a number it gives each request) to read at full speed."""
     from ckptverify.runs.stamper import stamp_locked
 
     for line in requests:
         try:
             req = json.loads(line)
             if isinstance(req, dict) and "call" in req:
-                replies.write(json.dumps(_call(str(req["call"]), req.get("args") or {}), default=str) + "\n")
+                answer = _call(str(req["call"]), req.get("args") or {}, _throttle(req, hurried))
+                replies.write(json.dumps(answer, default=str) + "\n")
                 replies.flush()
                 continue
             path, step, deep = str(req["path"]), req.get("step"), bool(req.get("deep"))
@@ -53,7 +63,7 @@ def serve(requests: Any, replies: Any) -> None:
             continue
         try:
             outcome = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
-                                   settle=float(req.get("settle", 1.0)))
+                                   settle=float(req.get("settle", 1.0)), throttle=_throttle(req, hurried))
             result = from_outcome(path, step, deep, outcome)
         except Exception as exc:  # one request's failure is its result; the process serves the next one
             result = Verification(path=path, step=step, verdict="unverified", deep=deep,
@@ -62,26 +72,67 @@ def serve(requests: Any, replies: Any) -> None:
         replies.flush()
 
 
-def _call(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Run ``name`` (``ckptverify.MODULE:FUNCTION``) with ``args``: ``{"result": ...}`` or ``{"call_error": ...}``."""
-    import importlib
-
-    module, _, function = name.partition(":")
-    if not (module == "ckptverify" or module.startswith("ckptverify.")) or not function.isidentifier():
-        return {"call_error": f"not a ckptverify function: {name!r}"}
-    try:
-        return {"result": getattr(importlib.import_module(module), function)(**args)}
-    except Exception as exc:  # one request's failure is its answer; the process serves the next one
-        return {"call_error": f"{type(exc).__name__}: {exc}"}
-
-
 def main() -> int:
     priority = os.environ.get(PRIORITY_ENV, "idle")
     lower_priority(priority if priority in PRIORITIES else "idle", whole_process=True)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints cannot corrupt the replies
-    serve(sys.stdin, replies)
+    serve(sys.stdin, replies, _hurry_reader(os.environ.get(HURRY_FD_ENV)))
     return 0
+
+
+def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None) -> Throttle | None:
+    """The pacing a request asks for (``throttle``), lifted when the parent hurries its ``seq``."""
+    probe = IdleProbe.open() if req.get("throttle") else None
+    if probe is None:
+        return None
+    seq = req.get("seq")
+    asked = None if hurried is None or not isinstance(seq, int) else functools.partial(hurried, seq)
+    return Throttle(probe, lifted=asked)
+
+
+def _call(name: str, args: dict[str, Any], throttle: Throttle | None = None) -> dict[str, Any]:
+    """Run ``name`` (``ckptverify.MODULE:FUNCTION``) with ``args``, its reads paced by ``throttle``:
+    ``{"result": ...}`` or ``{"call_error": ...}``."""
+    import importlib
+
+    from ckptverify.readers import pacing
+
+    module, _, function = name.partition(":")
+    if not (module == "ckptverify" or module.startswith("ckptverify.")) or not function.isidentifier():
+        return {"call_error": f"not a ckptverify function: {name!r}"}
+    try:
+        with pacing(throttle):
+            return {"result": getattr(importlib.import_module(module), function)(**args)}
+    except Exception as exc:  # one request's failure is its answer; the process serves the next one
+        return {"call_error": f"{type(exc).__name__}: {exc}"}
+
+
+def _hurry_reader(raw: str | None) -> Callable[[int], bool] | None:
+    """``hurried(seq)``: whether the hurry pipe carried request number ``seq`` (never blocks). The parent writes
+    the number of the request in flight, so a late one never lifts the throttle of a later request."""
+    try:
+        fd = int(raw) if raw else -1
+        os.set_blocking(fd, False)
+    except (ValueError, OSError):
+        return None
+    seen: set[int] = set()
+    partial = b""
+
+    def hurried(seq: int) -> bool:
+        nonlocal partial
+        while True:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # nothing more now (or the parent is gone)
+                break
+            if not chunk:
+                break
+            *lines, partial = (partial + chunk).split(b"\n")
+            seen.update(int(n) for n in lines if n.strip().isdigit())
+        return seq in seen
+
+    return hurried
 
 
 class VerifierProcess:
@@ -91,6 +142,9 @@ class VerifierProcess:
     def __init__(self, priority: str) -> None:
         self.priority = priority
         self._proc: subprocess.Popen[str] | None = None
+        self._hurry_w: int | None = None  # the parent's end of the hurry pipe
+        self._hurry_lock = threading.Lock()
+        self._seq = 0  # the number of the request in flight (or the last one)
 
     def _start(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
@@ -102,13 +156,58 @@ class VerifierProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env[PRIORITY_ENV] = self.priority
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1)
+        # One thread for any numeric library a deep verification loads: the cores belong to the training.
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[name] = "1"
+        self._close_hurry()
+        pass_fds: tuple[int, ...] = ()
+        hurry_r = None
+        if os.name == "posix":
+            hurry_r, hurry_w = os.pipe()
+            os.set_blocking(hurry_w, False)
+            with self._hurry_lock:
+                self._hurry_w = hurry_w
+            env[HURRY_FD_ENV] = str(hurry_r)
+            pass_fds = (hurry_r,)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1,
+                pass_fds=pass_fds)
+        except BaseException:
+            self._close_hurry()
+            raise
+        finally:
+            if hurry_r is not None:
+                os.close(hurry_r)
         return self._proc
 
-    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float) -> Verification:
-        request = {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle}
+    def hurry(self) -> None:
+        """Ask the verification in progress (if any) to read at full speed, unthrottled."""
+        with self._hurry_lock:
+            if self._hurry_w is not None:
+                with contextlib.suppress(OSError):  # full (asked already) or the process is gone
+                    os.write(self._hurry_w, f"{self._seq}\n".encode())
+
+    def _close_hurry(self) -> None:
+        with self._hurry_lock:
+            fd, self._hurry_w = self._hurry_w, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
+               throttle: Callable[[], bool] | None = None) -> Verification:
+        """Have ``path`` verified and stamped; ``throttle``: whether to pace the reads, asked once the process
+        runs (so a :meth:`hurry` from then on reaches this verification)."""
+
+        def request() -> dict[str, Any]:
+            with self._hurry_lock:  # from now on a hurry names this request
+                self._seq += 1
+                seq = self._seq
+            return {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
+                    "throttle": bool(throttle and throttle()), "seq": seq}
+
         data, why = self._ask(request)
         try:
             result = Verification.from_dict(data) if data is not None else None
@@ -118,22 +217,31 @@ class VerifierProcess:
             return Verification(path=path, step=step, verdict="unverified", deep=deep, reason=why)
         return result
 
-    def call(self, function: str, args: dict[str, Any]) -> Any:
+    def call(self, function: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None) -> Any:
         """Run ``function`` (``ckptverify.MODULE:FUNCTION``) with ``args`` in the verifier process and return what
-        it returned; raises ``RuntimeError`` (why) when there is no answer or the function raised."""
-        data, why = self._ask({"call": function, "args": args})
+        it returned (its reads paced as for :meth:`verify`); raises ``RuntimeError`` (why) when there is no
+        answer or the function raised."""
+
+        def request() -> dict[str, Any]:
+            with self._hurry_lock:
+                self._seq += 1
+                seq = self._seq
+            return {"call": function, "args": args, "throttle": bool(throttle and throttle()), "seq": seq}
+
+        data, why = self._ask(request)
         if data is None:
             raise RuntimeError(why)
         if "result" not in data:
             raise RuntimeError(f"{function} failed in the verifier process: {data.get('call_error')}")
         return data["result"]
 
-    def _ask(self, request: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        """Send one request, read its one answer: ``(answer, "")``, or ``(None, why)``."""
+    def _ask(self, request: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+        """Send one request (made once the process runs), read its one answer: ``(answer, "")``, or
+        ``(None, why)``."""
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.write(json.dumps(request()) + "\n")
             proc.stdin.flush()
             line = proc.stdout.readline()
         except OSError as exc:  # could not start it, or it died as the request went out
@@ -152,6 +260,7 @@ class VerifierProcess:
     def close(self) -> None:
         """Let the process end (end of its input), or end it."""
         proc, self._proc = self._proc, None
+        self._close_hurry()
         if proc is None:
             return
         with contextlib.suppress(OSError):
@@ -169,6 +278,7 @@ class VerifierProcess:
     def kill(self) -> int | None:
         """End the process now; its exit code."""
         proc, self._proc = self._proc, None
+        self._close_hurry()
         if proc is None:
             return None
         if proc.poll() is None:

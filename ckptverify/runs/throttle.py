@@ -1,0 +1,307 @@
+"""Keep a background verification off the cores the training uses: read in slices, and between slices wait
+while no core is idle.
+
+Idle priority (``SCHED_IDLE``, nice 19) is not enough for training that uses every core on the CPU: torch's
+parallel regions wait for their slowest thread, and a verifier that runs in the gaps between them (hashing at
+memory bandwidth, evicting the training's data from shared caches, on SMT siblings) is still running when the
+next region starts. So the verifier also paces itself (:class:`Throttle`): at its first read, and then every
+:data:`WINDOW_SECONDS` of reading, it asks an :class:`IdleProbe` how many of the cores it may run on were idle
+since the last look (not counting its own CPU time) and are idle at that instant (from the tasks ready to run:
+parallel regions that keep every core busy leave gaps that an average counts as idle). With fewer than
+:data:`MIN_FREE_CORES` idle it waits (25 ms, then twice as long each time, up to :data:`MAX_PAUSE_SECONDS`)
+and looks again; as soon as a core is idle (training on a GPU, a data loader waiting for I/O, a core left
+free, the job ended) it reads at full speed again.
+
+The throttle changes only when bytes are read, never what is read or checked: the verdict is the same. It is
+off (reads at full speed) where ``/proc/stat`` cannot be read (not Linux), when ``CKPTVERIFY_VERIFY_THROTTLE=0``,
+and once :meth:`Throttle.lift` is called (someone waits for the verification: the job is ending).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "CHECK_SECONDS",
+    "MAX_PAUSE_SECONDS",
+    "MIN_FREE_CORES",
+    "MIN_FREE_ENV",
+    "PREEMPTED_SHARE",
+    "THROTTLE_ENV",
+    "WINDOW_SECONDS",
+    "CpuTimes",
+    "IdleProbe",
+    "Throttle",
+    "min_free_cores",
+    "next_pause",
+    "parse_proc_stat",
+    "throttle_enabled",
+]
+
+#: ``0`` (or ``off``, ``false``, ``no``) turns the throttle off: verifications read at full speed (at idle priority).
+THROTTLE_ENV = "CKPTVERIFY_VERIFY_THROTTLE"
+#: Idle cores (averaged over the last window) the verifier needs to read on: fewer, and it waits.
+MIN_FREE_CORES = 0.5
+#: Overrides :data:`MIN_FREE_CORES` (a number of cores, for tuning).
+MIN_FREE_ENV = "CKPTVERIFY_VERIFY_THROTTLE_MIN_FREE"
+#: Seconds between two looks at the idle cores while reading. ``/proc/stat`` counts in 10 ms ticks, so a
+#: shorter window measures little; a longer one lets a verifier run on while the training needs the core.
+WINDOW_SECONDS = 0.05
+#: The first wait when no core is idle, and the longest (each further wait doubles, up to it).
+FIRST_PAUSE_SECONDS = 0.025
+MAX_PAUSE_SECONDS = 0.1
+#: How often (seconds of reading) the verifier asks how long it waited for a CPU, and the share of that time
+#: which means it was pushed aside (it then waits at once).
+CHECK_SECONDS = 0.002
+PREEMPTED_SHARE = 0.25
+_OFF = ("0", "off", "false", "no")
+
+
+def throttle_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether verifications pace themselves (:data:`THROTTLE_ENV`; on by default)."""
+    raw = (os.environ if environ is None else environ).get(THROTTLE_ENV, "1")
+    return raw.strip().lower() not in _OFF
+
+
+def min_free_cores(environ: dict[str, str] | None = None) -> float:
+    """Idle cores a verification needs to read on (:data:`MIN_FREE_ENV`, else :data:`MIN_FREE_CORES`)."""
+    raw = (os.environ if environ is None else environ).get(MIN_FREE_ENV)
+    try:
+        value = float(raw) if raw is not None else MIN_FREE_CORES
+    except ValueError:
+        return MIN_FREE_CORES
+    return value if value >= 0 else MIN_FREE_CORES  # also NaN
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTimes:
+    """Cumulative ``/proc/stat`` ticks of a set of CPUs: busy, all, and how many CPUs they are; ``running``:
+    the tasks running or ready to run on the whole machine at this instant (``procs_running``), when the CPUs
+    are all the machine's (``None`` otherwise or when not told)."""
+
+    busy: int
+    total: int
+    cpus: int
+    running: int | None = None
+
+
+def parse_proc_stat(text: str, cpus: Iterable[int] | None = None) -> CpuTimes | None:
+    """Busy and total ticks of ``cpus`` (default: all) from the text of ``/proc/stat``; ``None`` if it does not
+    read as one. Idle and I/O wait count as not busy; guest time (already inside user time) is not counted twice."""
+    lines: dict[str, list[int]] = {}
+    running = None
+    for line in text.splitlines():
+        if line.startswith("procs_running "):
+            value = line.split()[1:2]
+            running = int(value[0]) if value and value[0].isdigit() else None
+        if not line.startswith("cpu"):
+            continue
+        name, *fields = line.split()
+        try:
+            lines[name] = [int(v) for v in fields[:8]]
+        except ValueError:
+            return None
+    online = sorted(int(n[3:]) for n in lines if n[3:].isdigit())
+    wanted = online if cpus is None else sorted(set(cpus) & set(online))
+    if not wanted:
+        return None
+    # The all-CPU line is summed before rounding to ticks: use it when every CPU counts.
+    rows = [lines["cpu"]] if wanted == online and "cpu" in lines else [lines[f"cpu{c}"] for c in wanted]
+    busy = total = 0
+    for row in rows:
+        if len(row) < 5:
+            return None
+        row = row + [0] * (8 - len(row))
+        total += sum(row)
+        busy += sum(row) - row[3] - row[4]  # idle, iowait
+    return CpuTimes(busy, total, len(wanted), running if wanted == online else None)
+
+
+def _read_proc_stat() -> str:
+    with open("/proc/stat", encoding="ascii", errors="replace") as f:
+        return f.read()
+
+
+def _clock_ticks() -> int:
+    try:
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, ValueError, OSError):
+        return 100
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+class IdleProbe:
+    """How many of the CPUs this process may run on were idle since the previous look, not counting the CPU
+    time of the verifying thread itself (which an idle-priority verifier takes only from idle cores), and no
+    more than are idle right now: training whose parallel regions keep every core busy leaves idle gaps
+    between them that an average over the window counts, so the tasks ready to run at the instant of the look
+    (``procs_running``, the verifier itself not counted) also say how many cores are free.
+
+    ``read_stat``: the text of ``/proc/stat``; ``own_seconds``: the verifier's CPU seconds so far;
+    ``cpus``: the CPUs to count (default: this process's affinity); ``hz``: ticks per second.
+    """
+
+    def __init__(self, *, read_stat: Callable[[], str] = _read_proc_stat,
+                 own_seconds: Callable[[], float] = time.thread_time, cpus: Iterable[int] | None = None,
+                 hz: int | None = None) -> None:
+        self._read = read_stat
+        self._own = own_seconds
+        self._cpus = set(cpus) if cpus is not None else _allowed_cpus()
+        self._hz = hz or _clock_ticks()
+        self._last: tuple[CpuTimes, float] | None = None
+
+    @classmethod
+    def open(cls) -> IdleProbe | None:
+        """A probe of this machine, or ``None`` where ``/proc/stat`` cannot be read (no throttle there)."""
+        try:
+            readable = parse_proc_stat(_read_proc_stat()) is not None
+        except OSError:
+            readable = False
+        return cls() if readable else None
+
+    def look(self) -> float | None:
+        """Idle cores, on average, since the previous look (``None`` at the first look, when no tick passed,
+        or when ``/proc/stat`` cannot be read)."""
+        try:
+            now = parse_proc_stat(self._read(), self._cpus)
+        except OSError:
+            now = None
+        if now is None:
+            return None
+        own = self._own()
+        last, self._last = self._last, (now, own)
+        if last is None:
+            return None
+        before, own_before = last
+        total = now.total - before.total
+        if total <= 0:
+            self._last = last  # too soon: keep measuring from the previous look
+            return None
+        others = (now.busy - before.busy) - max(0.0, own - own_before) * self._hz
+        free = now.cpus * (1.0 - max(0.0, others) / total)
+        if now.running is not None:
+            free = min(free, now.cpus - (now.running - 1))  # ``- 1``: this thread, running as it reads
+        return max(0.0, free)
+
+
+def next_pause(free_cores: float | None, pause: float, *, min_free: float = MIN_FREE_CORES,
+               first: float = FIRST_PAUSE_SECONDS, longest: float = MAX_PAUSE_SECONDS) -> float:
+    """The back-off decision: seconds to wait before reading on (0: read now), given the idle cores measured
+    (``None``: unknown, read on) and the previous wait ``pause`` (0 after reading)."""
+    if free_cores is None or free_cores >= min_free:
+        return 0.0
+    return first if pause <= 0 else min(longest, pause * 2)
+
+
+def _read_run_delay() -> float | None:
+    """Seconds this thread has spent ready to run but waiting for a CPU (``/proc/thread-self/schedstat``)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Throttle:
+    """Paces the reads of one verification (call it with the bytes of each read, from the reading thread).
+
+    It waits while fewer than ``min_free`` cores (default: :func:`min_free_cores`) are idle: it looks at the
+    first read, then every ``window`` seconds of reading; and, every ``check`` seconds, it asks the kernel how
+    long this thread waited for a CPU (``run_delay``): waiting for a ``preempted`` share of that time or more
+    means something else wanted the core (an idle-priority thread yields it at once), and it backs off at once
+    instead of staying runnable, which would let it fill every short gap between the training's parallel regions
+    (each gap a cache evicted). Each wait (``first`` seconds, doubling up to ``longest``) ends with a look.
+    ``throttled_s``: seconds spent waiting. ``probe`` ``None``: never waits.
+    """
+
+    def __init__(self, probe: IdleProbe | None, *, min_free: float | None = None, window: float = WINDOW_SECONDS,
+                 first: float = FIRST_PAUSE_SECONDS, longest: float = MAX_PAUSE_SECONDS,
+                 check: float = CHECK_SECONDS, preempted: float = PREEMPTED_SHARE,
+                 clock: Callable[[], float] = time.monotonic, lifted: Callable[[], bool] | None = None,
+                 run_delay: Callable[[], float | None] = _read_run_delay) -> None:
+        self.probe = probe
+        self.min_free = min_free_cores() if min_free is None else min_free
+        self.window = window
+        self.first = first
+        self.longest = longest
+        self.check = check
+        self.preempted = preempted
+        self.throttled_s = 0.0
+        self._clock = clock
+        self._lifted = threading.Event()
+        self._asked_lift = lifted
+        self._wake = threading.Event()
+        self._run_delay = run_delay
+        self._since = clock() - window  # the first read looks
+        self._measured = False
+        self._pause = 0.0  # the last wait; back to 0 after a window of reading undisturbed
+        self._checked_at = clock()
+        self._delay_at = run_delay() if probe is not None else None
+        if probe is not None:
+            probe.look()  # the first look starts the first window
+
+    def lift(self) -> None:
+        """Read at full speed from now on (and end a wait in progress)."""
+        self._lifted.set()
+        self._wake.set()
+
+    @property
+    def lifted(self) -> bool:
+        if not self._lifted.is_set() and self._asked_lift is not None and self._asked_lift():
+            self._lifted.set()
+        return self._lifted.is_set()
+
+    def __call__(self, nbytes: int) -> None:
+        if self.probe is None or self.lifted:
+            return
+        now = self._clock()
+        pushed_aside = self._was_preempted(now)
+        if not pushed_aside and now - self._since < self.window:
+            return
+        if pushed_aside:
+            self._pause = next_pause(0.0, self._pause, min_free=1.0, first=self.first, longest=self.longest)
+            self._wait(self._pause)
+        elif self._measured:
+            self._pause = 0.0  # a whole window read undisturbed
+        while not self.lifted:
+            free = self.probe.look()
+            if free is None and not self._measured:
+                # Nothing measured yet (the first read): measure over a short wait rather than read blind.
+                self._measured = True
+                self._wait(self.first)
+                continue
+            self._measured = True
+            if next_pause(free, 0.0, min_free=self.min_free) <= 0:
+                break
+            self._pause = next_pause(free, self._pause, min_free=self.min_free, first=self.first,
+                                     longest=self.longest)
+            self._wait(self._pause)
+        self._since = self._checked_at = self._clock()
+        self._delay_at = self._run_delay()
+
+    def _was_preempted(self, now: float) -> bool:
+        """Whether this thread waited for a CPU for a ``preempted`` share of the time since the last check."""
+        if self._delay_at is None or now - self._checked_at < self.check:
+            return False
+        delay = self._run_delay()
+        if delay is None:
+            self._delay_at = None
+            return False
+        waited, elapsed = delay - self._delay_at, now - self._checked_at
+        self._delay_at, self._checked_at = delay, now
+        return waited >= self.preempted * elapsed
+
+    def _wait(self, seconds: float) -> None:
+        started = self._clock()
+        self._wake.wait(seconds)
+        self.throttled_s += self._clock() - started
