@@ -7,8 +7,9 @@ modules can import both helpers directly.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,3 +64,15 @@ def fresh_ckpt(ckpt_store: CheckpointStore, tmp_path: Path) -> Callable[..., Pat
         return ckpt_store.copy(layout, tmp_path / (name or f"{layout}-{next(counter)}"))
 
     return make
+
+
+@pytest.fixture
+def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A fresh process-wide background verifier (short settle time), closed after the test."""
+    from ckptverify.runs import background
+
+    fresh = background.BackgroundVerifier(settle=0.05)
+    monkeypatch.setattr(background, "_default", fresh)
+    yield fresh
+    fresh.before_verify = None
+    fresh.close(timeout=60)

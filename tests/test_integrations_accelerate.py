@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -213,16 +213,6 @@ def test_two_processes_wait_for_each_other_and_follow_rank_0s_verdict(tmp_path: 
 
 
 # -- background=True: save_state returns at once; the verdict comes from the background verifier
-
-
-@pytest.fixture
-def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
-    """A fresh process-wide background verifier (short settle time), closed after the test."""
-    fresh = BackgroundVerifier(settle=0.05)
-    monkeypatch.setattr(background, "_default", fresh)
-    yield fresh
-    fresh.before_verify = None
-    fresh.close(timeout=60)
 
 
 def test_background_states_are_fingerprinted_and_stamped_once_waited_for(tmp_path: Path,

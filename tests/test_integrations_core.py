@@ -10,7 +10,6 @@ import json
 import os
 import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,6 @@ from ckptverify.manifest import MANIFEST_FILE, read_manifest
 from ckptverify.runs import background
 from ckptverify.runs.background import BackgroundVerifier, VerifyIncompleteWarning
 from ckptverify.runs.stamp import read_stamp, stamp_path
-
-
-@pytest.fixture
-def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
-    """A fresh process-wide background verifier (short settle time), closed after the test."""
-    fresh = BackgroundVerifier(settle=0.05)
-    monkeypatch.setattr(background, "_default", fresh)
-    yield fresh
-    fresh.before_verify = None
-    fresh.close(timeout=60)
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,16 +205,6 @@ def test_the_strategy_is_left_as_it_was_after_fit_and_after_a_refused_resume(tmp
 
 
 # -- background=True: the save returns at once; the verdict comes from the background verifier
-
-
-@pytest.fixture
-def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
-    """A fresh process-wide background verifier (short settle time), closed after the test."""
-    fresh = BackgroundVerifier(settle=0.05)
-    monkeypatch.setattr(background, "_default", fresh)
-    yield fresh
-    fresh.before_verify = None
-    fresh.close(timeout=60)
 
 
 class WaitForBackground(pl.Callback):

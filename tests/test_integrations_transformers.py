@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,16 +175,6 @@ def test_a_flip_in_the_weights_is_refused_at_resume_naming_the_tensor(run: Any, 
 
 
 # -- background=True: on_save returns at once; the verdict comes from the background verifier
-
-
-@pytest.fixture
-def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
-    """A fresh process-wide background verifier (short settle time), closed after the test."""
-    fresh = BackgroundVerifier(settle=0.05)
-    monkeypatch.setattr(background, "_default", fresh)
-    yield fresh
-    fresh.before_verify = None
-    fresh.close(timeout=60)
 
 
 class WaitForBackground(TrainerCallback):
