@@ -150,7 +150,7 @@ def _on_host(t: Any) -> bool:
 class _Deferred:
     """Cells whose values are still on an accelerator: ``make(values)`` builds them from ``tensor`` once it is
     read back (``values``: the tensor's elements as Python ints, flattened). Every deferred item of a step is
-    read back together, once (:func:`_resolve`), instead of one synchronizing read per category, batch element
+    read back together, once (:class:`_ReadBack`), instead of one synchronizing read per category, batch element
     and metric. Items that share one tensor share its read."""
 
     __slots__ = ("make", "tensor")
@@ -218,13 +218,6 @@ class _ReadBack:
             else:
                 out.append(x)  # type: ignore[arg-type]
         return out
-
-
-def _resolve(items: list[Item]) -> list[Cell]:
-    """``items`` with every deferred item replaced by its cells, now."""
-    if not any(type(x) is _Deferred for x in items):
-        return items  # type: ignore[return-value]
-    return _ReadBack(items).cells()
 
 
 def _pair_digests(values: list[int]) -> list[int]:
