@@ -640,17 +640,23 @@ class _Digester:
         self.bounds = list(accumulate((len(c.names) for c in categories), initial=0))
         self._spans = [(k, self.bounds[k], self.bounds[k + 1]) for k, c in enumerate(categories) if c.names]
 
-    def digests(self) -> list[int] | None:
-        """Every member's digest (an unsigned 128-bit integer) in category order; ``None`` when a host
-        member's storage moved (rebuild)."""
+    def _host_digests(self) -> list[int] | None:
+        """Every member's slot in category order, the host members' digests in theirs (zero elsewhere);
+        ``None`` when a host member's storage moved (rebuild)."""
         host = self._views.digests()
-        if host is None:
-            return None
-        if not self._device:
+        if host is None or not self._device:
             return host
         out = [0] * self.count
         for i, d in zip(self._host, host, strict=True):
             out[i] = d
+        return out
+
+    def digests(self) -> list[int] | None:
+        """Every member's digest (an unsigned 128-bit integer) in category order; ``None`` when a host
+        member's storage moved (rebuild)."""
+        out = self._host_digests()
+        if out is None:
+            return None
         for members in self._device.values():
             for i, d in zip(members, _device_digests([self._tensors[i] for i in members]), strict=True):
                 out[i] = d
@@ -664,12 +670,9 @@ class _Digester:
         if len(self._device) != 1:
             digests = self.digests()
             return None if digests is None else (digests, None)
-        host = self._views.digests()
-        if host is None:
+        out = self._host_digests()
+        if out is None:
             return None
-        out = [0] * self.count
-        for i, d in zip(self._host, host, strict=True):
-            out[i] = d
         (members,) = self._device.values()
         from ckptverify import _fingerprint_kernels as kern
 
