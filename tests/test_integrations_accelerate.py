@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -289,3 +290,26 @@ def test_two_processes_in_the_background_raise_together_at_the_save_after_a_fail
     assert results[1]["warnings"] == []  # the coordinator warns; every rank raises
     assert read_stamp(tmp_path / "state-step2").passed  # type: ignore[union-attr]
     assert not read_stamp(tmp_path / "state-step4").passed  # type: ignore[union-attr]
+
+
+def test_a_state_total_limit_removes_before_its_verification_is_an_event_not_a_failure(
+        tmp_path: Path, queue: BackgroundVerifier) -> None:
+    def hold_until_removed(path: str) -> None:  # checkpoint_0 waits its turn until retention has removed it
+        deadline = time.monotonic() + 60
+        while path.endswith("checkpoint_0") and os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    queue.before_verify = hold_until_removed
+    job = Job(ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        job.train(4, lambda s: ckv.save_state(job.accelerator, background=True, on_failure="raise"))
+        arrived = ckv.wait_for_verifications(job.accelerator)
+    assert ours(caught) == []
+    assert [(Path(v.path).name, v.deleted, v.passed) for v in arrived] == [("checkpoint_0", True, False),
+                                                                           ("checkpoint_1", False, True)]
+    (deleted,) = read_events(tmp_path, "checkpoint-deleted")
+    assert deleted["path"] == str(tmp_path / "checkpoints" / "checkpoint_0") and deleted["deleted"]
+    assert list(read_events(tmp_path, "checkpoint-failed")) == []
+    assert os.listdir(tmp_path / "checkpoints") == ["checkpoint_1"]
+    assert read_stamp(tmp_path / "checkpoints" / "checkpoint_1").passed  # type: ignore[union-attr]

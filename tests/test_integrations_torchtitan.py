@@ -145,12 +145,32 @@ def test_a_background_failure_stops_training_at_the_next_save_on_every_rank(job:
     assert failed["step"] == 2
 
 
+def check_retention(out: Path, results: list[dict[str, Any]]) -> None:
+    """``keep_latest_k=2`` purged ``step-2`` before its turn came: an event, no warning, no failure, no error."""
+    for result in results:
+        entry = result["retention"]
+        assert entry["error"] is None and entry["warnings"] == [], entry
+    # rank 0 holds the verdicts: step 2's says deleted; the others passed
+    assert [(v["step"], v.get("deleted", False), v["passed"]) for v in results[0]["retention"]["verdicts"]] == [
+        (2, True, False), (4, False, True), (6, False, True), (8, False, True)]
+    (deleted,) = read_events(out / "retention", "checkpoint-deleted")
+    assert deleted["path"] == str(out / "retention" / "step-2") and deleted["step"] == 2
+    assert [e["step"] for e in read_events(out / "retention", "checkpoint-verified")] == [4, 6, 8]
+    assert list(read_events(out / "retention", "checkpoint-failed")) == []
+    assert sorted(p.name for p in (out / "retention").iterdir() if p.is_dir()) == ["step-4", "step-6", "step-8"]
+
+
+def test_a_checkpoint_keep_latest_k_purges_before_its_verification_is_an_event_not_a_failure(job: Any) -> None:
+    check_retention(*job)
+
+
 @pytest.mark.slow
 def test_two_ranks_save_verify_and_refuse_together(tmp_path: Path) -> None:
     results = run_job(tmp_path, 2)
     check_saves(tmp_path, results, "sync", changed_later=(4,))
     check_saves(tmp_path, results, "async")
     check_saves(tmp_path, results, "background")
+    check_retention(tmp_path, results)
     for result in results:
         assert result["background_damaged"]["error"]["type"] == "CheckpointRefusedError"
         assert result["background_damaged_step"] == 4

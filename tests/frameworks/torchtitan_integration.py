@@ -10,7 +10,10 @@
    waits for the background verifications);
 5. ``background_damaged``: as ``damaged``, with ``verify_background=True``, into ``OUT/background_damaged/``; rank 0
    waits for the background verifier before the step 4 save, at which every rank raises step 2's failure;
-6. ``fallback``: rank 0 flips one bit of ``OUT/sync/step-4``; a fresh manager's ``load()`` (newest) and
+6. ``retention``: as ``background``, 8 steps with ``keep_latest_k=2``; rank 0's background verifier holds
+   ``step-2`` back until torchtitan has purged it (after the step 6 save: the last save purges nothing), into
+   ``OUT/retention/``;
+7. ``fallback``: rank 0 flips one bit of ``OUT/sync/step-4``; a fresh manager's ``load()`` (newest) and
    ``load(step=4)``; then ``load(step=2)``; then ``load()`` of ``OUT/damaged``, whose only checkpoint fails.
 
 Each rank writes ``OUT/rank{R}.json``: per stage the verdicts, ckptverify's warnings, the error that stopped it,
@@ -20,7 +23,9 @@ the train state's step and whether the model kept its weights.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +44,7 @@ from produce_torchtitan import TinyLM, TrainState
 STEPS = 4
 
 
-def build(world: int, folder: Path, cls: Any = None, **config: Any):
+def build(world: int, folder: Path, cls: Any = None, steps: int = STEPS, **config: Any):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
@@ -58,10 +63,11 @@ def build(world: int, folder: Path, cls: Any = None, **config: Any):
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
     )
     optimizers = opt_cfg.build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=STEPS)
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=steps)
     train_state = TrainState()
-    cfg = (cls or VerifiedCheckpointManager).Config(enable=True, folder=str(folder), interval=2, keep_latest_k=0,
-                                           last_save_model_only=False, **config)
+    config = {"keep_latest_k": 0, **config}
+    cfg = (cls or VerifiedCheckpointManager).Config(enable=True, folder=str(folder), interval=2,
+                                                    last_save_model_only=False, **config)
     manager = cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
                         states={"train_state": train_state}, sd_adapter=None)
     return model, optimizers, lr_schedulers, train_state, manager
@@ -72,9 +78,9 @@ def weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def train(rank: int, world: int, model: nn.Module, optimizers: Any, lr_schedulers: Any, train_state: Any,
-          manager: Any) -> None:
+          manager: Any, steps: int = STEPS) -> None:
     gen = torch.Generator().manual_seed(1234)
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         batch = torch.randint(0, 64, (2 * world, 9), generator=gen)[rank * 2:(rank + 1) * 2]
         logits = model(batch[:, :-1])
         nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
@@ -82,7 +88,7 @@ def train(rank: int, world: int, model: nn.Module, optimizers: Any, lr_scheduler
         lr_schedulers.step()
         optimizers.zero_grad()
         train_state.step = step
-        manager.save(step, last_step=step == STEPS)
+        manager.save(step, last_step=step == steps)
 
 
 def stage(result: dict[str, Any], name: str, fn: Any) -> None:
@@ -155,6 +161,25 @@ def job(rank: int, world: int, out: Path) -> None:
         manager.close()
         return {"pending": pending, "verdicts": [v.to_dict() for v in manager.verdicts]}
 
+    def retention() -> dict[str, Any]:
+        if rank == 0:
+            from ckptverify.runs.background import default_verifier
+
+            def hold_until_purged(path: str) -> None:
+                deadline = time.monotonic() + 60
+                while path.endswith("step-2") and os.path.exists(path) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+
+            default_verifier().before_verify = hold_until_purged
+        try:
+            *parts, manager = build(world, out / "retention", steps=8, verify_background=True, keep_latest_k=2)
+            train(rank, world, *parts, manager, steps=8)
+            manager.close()
+        finally:
+            if rank == 0:
+                default_verifier().before_verify = None
+        return {"verdicts": [v.to_dict() for v in manager.verdicts]}
+
     def load(step: int, folder: str = "sync") -> Any:
         def run() -> dict[str, Any]:
             model, *_, train_state, manager = build(world, out / folder)
@@ -174,6 +199,7 @@ def job(rank: int, world: int, out: Path) -> None:
     stage(result, "damaged", damaged())
     stage(result, "background", in_background)
     stage(result, "background_damaged", damaged("background_damaged", verify_background=True))
+    stage(result, "retention", retention)
     if rank == 0:
         result["fault"] = inj.flip_in_tensor_payload(out / "sync" / "step-4").file
     dist.barrier()
