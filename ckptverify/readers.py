@@ -155,7 +155,8 @@ def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
 @contextmanager
 def pacing(pacer: Callable[[int], None] | None) -> Iterator[None]:
     """Within the block, this thread calls ``pacer`` with the size of each read of a :meth:`ReadOnlyFile.fold`
-    (after the bytes are used): it may wait there, and it changes nothing that is read."""
+    (after the bytes are used) and of :meth:`ReadOnlyFile.pread` (after the read): it may wait there, and it
+    changes nothing that is read."""
     before = getattr(_local, "pacer", None)
     _local.pacer = pacer
     try:
@@ -275,6 +276,9 @@ class ReadOnlyFile:
                 if not more:
                     raise self._shrunk(offset + len(data))
                 data += more
+        pace = getattr(_local, "pacer", None)
+        if pace is not None:  # the deep check rebuilds tensors from these reads: it is paced as the hashing is
+            pace(len(data))
         return data
 
     def fold(self, start: int, end: int, fn: Callable[[memoryview], None],

@@ -356,6 +356,27 @@ def test_a_paced_read_sees_every_byte_and_the_same_crc(tmp_path: Path) -> None:
     assert paced == plain and sum(seen) == len(data) and len(seen) == 4
 
 
+@pytest.mark.parametrize("layout", ["dcp", "safetensors"])
+def test_a_deep_verification_paces_its_tensor_rebuild_too(layout: str, tmp_path: Path) -> None:
+    """The deep check reads every tensor again to rebuild it: those reads are paced like the hashing's."""
+    from ckptverify.verify import verify_checkpoint
+
+    w = torch.arange(300_000.0)
+    if layout == "dcp":
+        cv.save({"w": w}, tmp_path / "ckpt")
+        path = tmp_path / "ckpt"
+    else:
+        from safetensors.torch import save_file
+
+        path = tmp_path / "model.safetensors"
+        save_file({"w": w}, str(path))
+    seen: dict[bool, list[int]] = {False: [], True: []}
+    for deep in (False, True):
+        with pacing(seen[deep].append):
+            assert verify_checkpoint(path, deep=deep, jobs=1).passed  # one thread: all its reads paced
+    assert sum(seen[True]) - sum(seen[False]) >= w.numel() * w.element_size(), {k: sum(v) for k, v in seen.items()}
+
+
 def test_a_throttled_verification_finds_the_same_as_an_unthrottled_one(tmp_path: Path) -> None:
     for name in ("a", "b"):
         cv.save({"w": torch.arange(300_000.0), "v": torch.ones(1000)}, tmp_path / name)
