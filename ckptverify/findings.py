@@ -161,6 +161,10 @@ class CheckCoverage:
     def to_dict(self) -> dict[str, Any]:
         return {"check": self.check, "count": self.count, "unit": self.unit}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CheckCoverage:
+        return cls(check=data["check"], count=int(data["count"]), unit=data["unit"])
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Report:
@@ -220,6 +224,14 @@ class Report:
             "findings": [f.to_dict() for f in sort_findings(self.findings)],
             "stats": dict(self.stats),
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        """The report :meth:`to_dict` gave (``passed``, ``exit_code`` and ``summary`` follow from the findings)."""
+        return cls(command=data["command"], target=data["target"],
+                   findings=tuple(Finding.from_dict(f) for f in data.get("findings", ())),
+                   coverage=tuple(CheckCoverage.from_dict(c) for c in data.get("coverage", ())),
+                   stats=dict(data.get("stats") or {}))
 
 
 def sort_findings(findings: Iterable[Finding]) -> list[Finding]:

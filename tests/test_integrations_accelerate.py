@@ -230,6 +230,9 @@ def test_background_states_are_fingerprinted_and_stamped_once_waited_for(tmp_pat
     assert [(v.step, v.passed) for v in arrived] == [(2, True), (4, True)]
     for verdict in arrived:
         assert verdict.manifest and verdict.unchecked == () and verdict.checked_bytes > 0, verdict
+        # the report came back from the verifier process whole
+        assert verdict.report is not None and verdict.report.passed and verdict.report.command == "verify"
+        assert verdict.report.stats["bytes"] == verdict.checked_bytes and verdict.report.coverage
         stamp = read_stamp(verdict.path)
         assert stamp is not None and stamp.passed and stamp.current and stamp.data["manifest"], stamp
     assert len(list(read_events(tmp_path, "checkpoint-verified"))) == 2
@@ -249,8 +252,11 @@ def test_a_damaged_background_state_is_a_warning_an_event_and_raised_at_the_next
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(CheckpointRefusedError, match=r"in the background: .*state-step2 fails verification"
-                                                         r".*optimizer\.bin"):
+                                                         r".*optimizer\.bin") as refused:
             job.train(6, save)
+    report = refused.value.report  # the findings that explain the refusal, from the verifier process
+    assert report is not None and not report.passed
+    assert report.errors[0].location.file == "optimizer.bin" and report.target == str(tmp_path / "state-step2")
     (warned,) = ours(caught)
     assert "state-step2" in warned and "optimizer.bin" in warned
     (failed,) = read_events(tmp_path, "checkpoint-failed")

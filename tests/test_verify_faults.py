@@ -251,6 +251,17 @@ def test_payload_flip_hits_the_named_element(fresh_ckpt: Any) -> None:
     assert int(before[41]) ^ int(after[41]) == 1 << 5
 
 
+def test_a_report_comes_back_whole_from_its_json(fresh_ckpt: Any) -> None:
+    """What a verifier process sends (``Report.to_dict`` as JSON) rebuilds the report it was made from."""
+    path = fresh_ckpt("single")
+    inj.flip_in_tensor_payload(path, fqn="extra.i64", element=41, bit=5)
+    report = verify_checkpoint(path)
+    assert not report.passed and report.coverage and report.stats["bytes"] > 0
+    again = Report.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.to_dict() == report.to_dict()
+    assert (again.passed, again.errors[0], again.summary()) == (report.passed, report.errors[0], report.summary())
+
+
 # --------------------------------------------------------------------------------------------------------
 # the fault matrix
 

@@ -47,7 +47,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ckptverify.errors import CheckpointRefusedError, CkptVerifyError, UsageError
@@ -101,8 +101,8 @@ def torch_group() -> Group:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of checking one checkpoint. ``report`` is set on the coordinator only (and not for a verdict
-    reached in the background); the rest is on every rank. ``checked_bytes`` and ``coverage`` say how much was
+    """The outcome of checking one checkpoint. ``report`` is set on the coordinator only; the rest is on every
+    rank. ``checked_bytes`` and ``coverage`` say how much was
     checked; ``unchecked`` names the files with content nothing could check (no checksum, no manifest covering
     it). ``pending``: handed to the background verifier, no verdict yet (``passed`` is ``False``: nothing was
     checked). ``deleted``: removed (by the framework's retention) before its verification finished; no verdict."""
@@ -343,7 +343,8 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
               settle: float) -> dict[str, Any]:
     """:func:`check_saved` in the background verifier's process: its outcome as JSON values."""
     verdict, extra, event = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
-    return {"verdict": verdict.to_dict(), "extra": extra, "event": event}
+    return {"verdict": verdict.to_dict(), "extra": extra, "event": event,
+            "report": None if verdict.report is None else verdict.report.to_dict()}
 
 
 class Verifier:
@@ -536,12 +537,14 @@ class Verifier:
             verdict, event = _failed(root, f"the background verification did not finish: {why}", step), \
                 "checkpoint-failed"
         else:
-            verdict = Verdict.from_dict({**result["verdict"], "path": root})
+            verdict = replace(Verdict.from_dict({**result["verdict"], "path": root}),
+                                          report=None if result.get("report") is None
+                                          else Report.from_dict(result["report"]))
             extra, event = dict(result.get("extra") or {}), str(result["event"])
             if verdict.stamp is not None and where != root:
                 from ckptverify.runs.stamp import stamp_path
 
-                verdict = Verdict.from_dict({**verdict.to_dict(), "stamp": stamp_path(root)})
+                verdict = replace(verdict, stamp=stamp_path(root))
         self._emit_in(folder, event, verdict, 0, **extra)
         failed = event == "checkpoint-failed"
         with self._lock:
