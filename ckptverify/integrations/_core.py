@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 import time
 import warnings
@@ -54,7 +55,7 @@ from ckptverify.errors import CheckpointRefusedError, CkptVerifyError, UsageErro
 from ckptverify.findings import Report
 
 __all__ = ["ON_FAILURE", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "check_saved",
-           "settle_verdicts", "torch_group"]
+           "numbered_folders", "plain_folder", "settle_verdicts", "torch_group"]
 
 OnFailure = Literal["warn", "raise"]
 Fingerprint = bool | Literal["auto"]
@@ -479,6 +480,22 @@ class Verifier:
             raise CheckpointRefusedError(f"refusing to resume: {verdict.message}", verdict.report)
         return verdict
 
+    def newest_verified(self, paths: list[str], folder: str, *, group: Group = Group()) -> Verdict | None:
+        """The verdict of the first of ``paths`` (newest first, the same list on every rank) that verifies, on
+        every rank; each one before it is skipped with a warning and a ``resume-refused`` event. ``None`` when
+        ``paths`` is empty; :class:`~ckptverify.errors.CheckpointRefusedError` when none verifies (starting over
+        would silently throw the run away)."""
+        refused: list[Verdict] = []
+        for path in paths:
+            verdict = self.check(path, group=group, event="resume")
+            if verdict.passed:
+                return verdict
+            refused.append(verdict)
+        if not refused:
+            return None
+        raise CheckpointRefusedError(f"refusing to resume: none of the {len(refused)} checkpoint(s) under {folder} "
+                                     f"verifies; newest: {refused[0].message}", refused[0].report)
+
     def check(self, path: str | os.PathLike[str], *, group: Group = Group(), event: str = "resume",
               warn: bool = True) -> Verdict:
         """Verify ``path`` read-only on the coordinator, log ``{event}-verified`` or ``{event}-refused``, and
@@ -626,6 +643,23 @@ class Verifier:
             return verdict, earlier
         first = data["earlier"]
         return Verdict.from_dict(data["verdict"]), None if first is None else Verdict.from_dict(first)
+
+
+def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
+                     keep: Callable[[str], bool]) -> list[tuple[int, str]]:
+    """``(N, name)`` of the entries of ``root`` whose name ``number`` matches (group 1: ``N``) and whose path
+    ``keep`` accepts, newest (highest ``N``) first; none when ``root`` cannot be listed."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = [(int(m.group(1)), n) for n in names if (m := number(n)) and keep(os.path.join(root, n))]
+    return sorted(found, reverse=True)
+
+
+def plain_folder(path: str) -> bool:
+    """A folder, not a link to one (a resume follows no link planted among the checkpoints)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def settle_verdicts(verdicts: list[Verdict], arrived: list[Verdict]) -> list[Verdict]:

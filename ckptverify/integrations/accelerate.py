@@ -45,7 +45,15 @@ import re
 from typing import Any
 
 from ckptverify.errors import CheckpointRefusedError, UsageError
-from ckptverify.integrations._core import Fingerprint, Group, OnFailure, Verdict, Verifier
+from ckptverify.integrations._core import (
+    Fingerprint,
+    Group,
+    OnFailure,
+    Verdict,
+    Verifier,
+    numbered_folders,
+    plain_folder,
+)
 
 __all__ = ["load_state", "save_state", "wait_for_verifications"]
 
@@ -133,31 +141,15 @@ def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Verd
         raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")
     folder = os.path.join(accelerator.project_dir, "checkpoints")
-    names = _newest_first(folder) if group.coordinator else None
+    names = [n for _, n in numbered_folders(folder, _LAST_NUMBER.search, plain_folder)] \
+        if group.coordinator else None
     if group.broadcast is not None:
         names = group.broadcast(names)
     assert names is not None
-    refused: list[Verdict] = []
-    for name in names:
-        verdict = verifier.check(os.path.join(folder, name), group=group, event="resume")
-        if verdict.passed:
-            return verdict
-        refused.append(verdict)
-    if not refused:
+    verdict = verifier.newest_verified([os.path.join(folder, n) for n in names], folder, group=group)
+    if verdict is None:
         raise CheckpointRefusedError(f"no checkpoint to load under {folder}")
-    raise CheckpointRefusedError(f"refusing to resume: none of the {len(refused)} checkpoint(s) under {folder} "
-                                 f"verifies; newest: {refused[0].message}", refused[0].report)
-
-
-def _newest_first(folder: str) -> list[str]:
-    """The checkpoint folders accelerate's automatic naming would consider, newest (highest number) first."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    numbered = [(int(m.group(1)), n) for n in names if (m := _LAST_NUMBER.search(n))
-                and os.path.isdir(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))]
-    return [n for _, n in sorted(numbered, reverse=True)]
+    return verdict
 
 
 def _events_dir(accelerator: Any, events_dir: str | os.PathLike[str] | None) -> str | None:

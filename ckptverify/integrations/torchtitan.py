@@ -44,8 +44,8 @@ from typing import Any, Literal
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 
-from ckptverify.errors import CheckpointRefusedError, UsageError
-from ckptverify.integrations._core import ON_FAILURE, Verdict, Verifier, settle_verdicts, torch_group
+from ckptverify.errors import UsageError
+from ckptverify.integrations._core import ON_FAILURE, Verdict, Verifier, numbered_folders, settle_verdicts, torch_group
 
 __all__ = ["VerifiedCheckpointManager"]
 
@@ -151,31 +151,21 @@ class VerifiedCheckpointManager(CheckpointManager):
         if group.broadcast is not None:
             steps = group.broadcast(steps)
         assert steps is not None
-        refused: list[Verdict] = []
-        for step in steps:
-            verdict = self.verifier.check(self._create_checkpoint_id(step, folder), group=group, event="resume")
-            if verdict.passed:
-                self._verified_for_load = verdict.path
-                return step
-            refused.append(verdict)
-        if refused:
-            raise CheckpointRefusedError(f"refusing to resume: none of the {len(refused)} checkpoint(s) under "
-                                         f"{folder} verifies; newest: {refused[0].message}", refused[0].report)
-        return -1
+        ids = {self._create_checkpoint_id(step, folder): step for step in steps}
+        verdict = self.verifier.newest_verified(list(ids), folder, group=group)
+        if verdict is None:
+            return -1
+        self._verified_for_load = verdict.path
+        return ids[verdict.path]
 
     def _candidates(self, folder: str) -> list[int]:
         """What torchtitan's ``_find_load_step`` accepts (``step-N`` holding ``.metadata`` or a Hugging Face
         index), newest first."""
-        if not os.path.isdir(folder):
-            return []
-        steps = []
-        for name in os.listdir(folder):
-            m = _STEP.search(name)
-            path = os.path.join(folder, name)
-            if m and (os.path.isfile(os.path.join(path, ".metadata"))
-                      or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))):
-                steps.append(int(m.group(1)))
-        return sorted(set(steps), reverse=True)
+        def holds_a_checkpoint(path: str) -> bool:
+            return os.path.isfile(os.path.join(path, ".metadata")) \
+                or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+
+        return sorted({step for step, _ in numbered_folders(folder, _STEP.search, holds_a_checkpoint)}, reverse=True)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         verified, self._verified_for_load = self._verified_for_load, None

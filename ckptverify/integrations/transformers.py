@@ -45,8 +45,16 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckptverify.errors import CheckpointRefusedError
-from ckptverify.integrations._core import Fingerprint, OnFailure, Verdict, Verifier, settle_verdicts, torch_group
+from ckptverify.integrations._core import (
+    Fingerprint,
+    OnFailure,
+    Verdict,
+    Verifier,
+    numbered_folders,
+    plain_folder,
+    settle_verdicts,
+    torch_group,
+)
 
 __all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]
 
@@ -95,21 +103,13 @@ def verified_resume_checkpoint(output_dir: str | os.PathLike[str], *, jobs: int 
     """
     root = os.fspath(output_dir)
     group = torch_group()
-    found = _checkpoints(root) if group.coordinator else None
+    found = [n for _, n in numbered_folders(root, _CHECKPOINT.match, plain_folder)] if group.coordinator else None
     if group.broadcast is not None:
         found = group.broadcast(found)
     assert found is not None
     verifier = Verifier(jobs=jobs, events_dir=events_dir or root)
-    refused: list[Verdict] = []
-    for name in found:
-        verdict = verifier.check(os.path.join(root, name), group=group, event="resume")
-        if verdict.passed:
-            return verdict.path
-        refused.append(verdict)
-    if refused:
-        raise CheckpointRefusedError(f"none of the {len(refused)} checkpoint(s) under {root} verifies; newest: "
-                                     f"{refused[0].message}", refused[0].report)
-    return None
+    verdict = verifier.newest_verified([os.path.join(root, n) for n in found], root, group=group)
+    return None if verdict is None else verdict.path
 
 
 def verify_before_resume(path: str | os.PathLike[str], *, jobs: int | None = None,
@@ -120,12 +120,3 @@ def verify_before_resume(path: str | os.PathLike[str], *, jobs: int | None = Non
     return verifier.before_resume(path, group=torch_group()).path
 
 
-def _checkpoints(root: str) -> list[str]:
-    """``checkpoint-N`` folders under ``root``, newest (highest N) first."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    steps = [(int(m.group(1)), n) for n in names if (m := _CHECKPOINT.match(n))
-             and os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))]
-    return [n for _, n in sorted(steps, reverse=True)]
