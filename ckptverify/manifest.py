@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-MANIFEST_FILE = "ckptverify.manifest.json"
+from ckptverify.own_files import MANIFEST_FILE, MANIFEST_TEMP_PREFIX, write_atomic
+
 MANIFEST_SCHEMA = "ckptverify/manifest"
 MANIFEST_SCHEMA_VERSION = 1
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -337,39 +337,9 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str =
     return Manifest.from_dict(data)
 
 
-def _umask() -> int:
-    """The process umask, read without changing it (``os.umask`` would race with other threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
-
-
 def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) -> str:
     """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
     its path."""
     path = os.path.join(root, name)
-    data = json.dumps(manifest.to_dict(), indent=1, sort_keys=False).encode()
-    fd, tmp = tempfile.mkstemp(prefix=".ckptverify-manifest-", dir=root)
-    try:
-        # mkstemp creates 0600; give the manifest the permissions any new file here would get.
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomic(path, json.dumps(manifest.to_dict(), indent=1, sort_keys=False), prefix=MANIFEST_TEMP_PREFIX)
     return path

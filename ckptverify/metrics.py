@@ -16,10 +16,10 @@ Alert on ``ckptverify_passed == 0`` or on a stale ``ckptverify_last_run_timestam
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 from ckptverify.findings import Report
+from ckptverify.own_files import METRICS_TEMP_PREFIX, write_atomic
 
 __all__ = ["render_metrics", "write_metrics"]
 
@@ -69,15 +69,4 @@ def render_metrics(report: Report, *, now: float | None = None) -> str:
 
 def write_metrics(path: str | os.PathLike[str], report: Report) -> None:
     """Write :func:`render_metrics` to ``path`` atomically."""
-    target = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".ckptverify-metrics-", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(render_metrics(report))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, render_metrics(report), prefix=METRICS_TEMP_PREFIX, durable=False)

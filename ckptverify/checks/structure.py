@@ -15,12 +15,8 @@ from collections.abc import Iterable
 from ckptverify.checks import item_label, item_location
 from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.own_files import OWN_FILES, STAMP_TEMP_PREFIX
 from ckptverify.readers import file_kind, is_inside
-
-#: Files ckptverify itself may write beside a checkpoint; never reported as unreferenced.
-OWN_FILES = frozenset({"ckptverify.manifest.json", "ckptverify.verified.json", ".ckptverify-verifying"})
-#: The temporary file a stamp is written to before it is renamed into place (``ckptverify.runs.stamp``).
-STAMP_TEMP_PREFIX = ".ckptverify-stamp-"
 
 
 def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | None]:

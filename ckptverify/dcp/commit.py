@@ -36,16 +36,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ckptverify.errors import SaveConflictError
+from ckptverify.own_files import MANIFEST_TEMP_PREFIX, SAVE_MARKER
 
 __all__ = ["MARKER_FILE", "MARKER_MAX_BYTES", "SaveLock", "begin_save", "read_marker"]
 
 #: The in-progress marker (and lock file) of a save that has not committed.
-MARKER_FILE = ".ckptverify-save-in-progress"
+MARKER_FILE = SAVE_MARKER
 #: The most of the marker that is ever read (it holds a few short fields).
 MARKER_MAX_BYTES = 4096
 #: DCP metadata files an earlier save may have left: ``.metadata``, per-rank ``__N.metadata``, and the
 #: temporary files of a metadata or manifest write that was killed.
-_METADATA_NAME = re.compile(r"^(?:(?:__\d+)?\.metadata(?:\.tmp)?|\.ckptverify-manifest-.*)$")
+_METADATA_NAME = re.compile(r"^(?:(?:__\d+)?\.metadata(?:\.tmp)?|" + re.escape(MANIFEST_TEMP_PREFIX) + r".*)$")
 
 
 def _fsync_dir(root: str) -> None:

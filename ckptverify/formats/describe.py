@@ -36,6 +36,7 @@ from ckptverify.dcp import safetensors
 from ckptverify.dcp.torchsave import ArchiveError, parse_archive
 from ckptverify.formats.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
+from ckptverify.own_files import MANIFEST_FILE, OWN_FILES
 from ckptverify.readers import ReadOnlyFile
 
 if TYPE_CHECKING:
@@ -44,13 +45,11 @@ if TYPE_CHECKING:
 __all__ = ["OWN_FILES", "Description", "Payload", "TensorDesc", "describe", "is_own_file", "json_values", "read_tensor",
            "side_file_description"]
 
-#: Files ckptverify writes beside a checkpoint: never part of its description.
-OWN_FILES = frozenset({"ckptverify.manifest.json", "ckptverify.verified.json", ".ckptverify-verifying"})
 
 
 def is_own_file(name: str) -> bool:
     """ckptverify's own files: a folder's manifest and stamp, and a single file's manifest beside it."""
-    return name in OWN_FILES or name.endswith(".ckptverify.manifest.json")
+    return name in OWN_FILES or name.endswith(f".{MANIFEST_FILE}")
 _WEIGHT_PREFIXES = ("pytorch_model", "model")
 #: A view larger than its stored bytes (overlapping strides) is read up to this size.
 MAX_VIEW_BYTES = 256 << 20

@@ -15,6 +15,8 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ckptverify.own_files import SAVE_MARKER
+
 __all__ = [
     "MAX_DEPTH",
     "MAX_ENTRIES",
@@ -33,7 +35,6 @@ MAX_ENTRIES = 200_000
 
 _DCP_METADATA = re.compile(r"^(?:__\d+)?\.metadata$")
 _DCP_SHARD = re.compile(r"^__\d+_\d+\.distcp$")
-_IN_PROGRESS = ".ckptverify-save-in-progress"
 _FILE_FORMATS = {".safetensors": "safetensors", ".pt": "torch.save", ".pth": "torch.save", ".bin": "torch.save",
                  ".ckpt": "torch.save"}
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -89,7 +90,7 @@ def dir_format(names: list[str]) -> str | None:
     """The format of a directory holding the entries ``names`` (its own files only), or ``None``."""
     if any(_DCP_METADATA.match(n) for n in names):
         return "dcp"
-    if _IN_PROGRESS in names or any(_DCP_SHARD.match(n) for n in names):
+    if SAVE_MARKER in names or any(_DCP_SHARD.match(n) for n in names):
         return "dcp-uncommitted"
     if any(n.startswith("random_states_") and n.endswith(".pkl") for n in names):
         return "accelerate"

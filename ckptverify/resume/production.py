@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckptverify.errors import UsageError
+from ckptverify.own_files import write_atomic
 
 __all__ = ["RUN_FILE", "TRACE_ROOT", "ProductionOptions", "read_run_file", "segment_dir"]
 
@@ -185,7 +186,4 @@ class Production:
 
 
 def _write_json(path: str, data: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1, default=str), prefix=f".{os.path.basename(path)}.")

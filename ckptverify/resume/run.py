@@ -28,6 +28,7 @@ from typing import Any
 
 from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
+from ckptverify.own_files import write_atomic
 
 ENV_VAR = "CKPTVERIFY_RUN"
 LEVELS = ("metrics", "state", "module")
@@ -338,10 +339,8 @@ class Run:
         if not self.config.trace_dir:
             return
         os.makedirs(self.config.trace_dir, exist_ok=True)
-        tmp = os.path.join(self.config.trace_dir, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, default=str)
-        os.replace(tmp, os.path.join(self.config.trace_dir, name))
+        write_atomic(os.path.join(self.config.trace_dir, name), json.dumps(data, indent=1, default=str),
+                     prefix=f".{name}.", durable=False)
 
 
 _END = object()

@@ -22,11 +22,9 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.formats.rundir import find_checkpoints
-from ckptverify.runs.stamp import VERIFYING_LOCK
+from ckptverify.own_files import SAVE_MARKER, VERIFYING_LOCK
 
 __all__ = ["PruneResult", "is_locked", "prune"]
-
-_SAVE_MARKER = ".ckptverify-save-in-progress"
 
 
 @dataclass
@@ -83,7 +81,7 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
         elif cand.path == protected_good:
             why = "the newest checkpoint that verifies"
         elif cand.kind == "dir" and (is_locked(os.path.join(path, VERIFYING_LOCK))
-                                     or is_locked(os.path.join(path, _SAVE_MARKER))):
+                                     or is_locked(os.path.join(path, SAVE_MARKER))):
             why = "being verified or saved right now"
         elif os.path.islink(path) or not os.path.realpath(path).startswith(root + os.sep):
             why = "not inside the run directory"

@@ -21,17 +21,14 @@ import datetime as _dt
 import json
 import os
 import stat
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.findings import Report
+from ckptverify.own_files import STAMP_FILE, STAMP_TEMP_PREFIX, VERIFYING_LOCK, write_atomic
 
 __all__ = ["STAMP_FILE", "VERIFYING_LOCK", "Stamp", "files_fingerprint", "read_stamp", "stamp_path", "write_stamp"]
 
-STAMP_FILE = "ckptverify.verified.json"
-#: Held (``flock``) by whoever is verifying a checkpoint right now; retention skips a locked checkpoint.
-VERIFYING_LOCK = ".ckptverify-verifying"
 STAMP_SCHEMA = "ckptverify/stamp"
 STAMP_VERSION = 1
 #: The most of a stamp that is ever read.
@@ -65,7 +62,7 @@ def files_fingerprint(root: str) -> str:
         return h.hexdigest()
     for e, st in walk_files(root):
         rel = os.path.relpath(e.path, root)
-        if rel in _IGNORED or e.name.startswith(".ckptverify-stamp-"):
+        if rel in _IGNORED or e.name.startswith(STAMP_TEMP_PREFIX):
             continue
         entries.append(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
     for line in sorted(entries):
@@ -143,19 +140,7 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     }
     if throttled_s is not None:
         data["throttled_s"] = throttled_s
-    target = stamp_path(folder)
-    fd, tmp = tempfile.mkstemp(prefix=".ckptverify-stamp-", dir=os.path.dirname(target))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(stamp_path(folder), json.dumps(data, indent=1, default=str), prefix=STAMP_TEMP_PREFIX)
     return data
 
 

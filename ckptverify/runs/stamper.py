@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from ckptverify.errors import CheckpointNotFoundError
 from ckptverify.findings import Report
-from ckptverify.runs.stamp import VERIFYING_LOCK, files_fingerprint, write_stamp
+from ckptverify.own_files import SAVE_MARKER, VERIFYING_LOCK
+from ckptverify.runs.stamp import files_fingerprint, write_stamp
 from ckptverify.runs.throttle import Throttle
 
 __all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "removed", "stamp_locked", "verify_and_stamp"]
@@ -26,7 +27,6 @@ __all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "removed",
 #: After a failed verification, how long to wait before judging: a checkpoint being deleted file by file must
 #: not be reported as corrupt.
 SETTLE_SECONDS = 1.0
-_SAVE_MARKER = ".ckptverify-save-in-progress"
 _METADATA = ".metadata"
 
 
@@ -38,7 +38,7 @@ def committed(path: str) -> bool:
     except OSError:  # gone (retention), or not a directory
         return False
     has_metadata = _METADATA in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
-    return has_metadata and _SAVE_MARKER not in names
+    return has_metadata and SAVE_MARKER not in names
 
 
 def removed(path: str) -> bool:
