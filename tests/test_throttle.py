@@ -435,6 +435,55 @@ def test_a_throttled_verification_waits_then_completes_and_stamps_once_waited_fo
     assert event["throttled_s"] == result.throttled_s
 
 
+def _can_raise_priority() -> bool:
+    """Whether a process here may go back from idle priority to normal (``CAP_SYS_NICE`` or ``RLIMIT_NICE``)."""
+    code = ("from ckptverify.runs.verify_worker import lower_priority, restore_priority\n"
+            "lower_priority('idle', whole_process=True)\nprint(restore_priority(0))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip() == "True"
+
+
+def _eventually(condition: Any, seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling classes and /proc/stat are Linux's")
+def test_a_verification_waited_for_runs_at_the_waiter_s_priority_and_the_next_one_at_idle_again(
+        tmp_path: Path, never_idle: None) -> None:
+    """On a machine kept busy by other processes an idle-priority verifier would never finish what a job
+    ending waits for: once waited for, it runs at the waiter's priority, where the system allows it."""
+    can_raise = _can_raise_priority()
+    verifier = BackgroundVerifier(settle=0.0)  # a verifier process, idle priority, throttled
+    try:
+        cv.save(_state(1.0), tmp_path / "a")
+        verifier.submit(tmp_path / "a", step=1)
+        assert _eventually(lambda: verifier._child._proc is not None)
+        pid = verifier._child._proc.pid  # type: ignore[union-attr]
+        assert _eventually(lambda: os.sched_getscheduler(pid) == os.SCHED_IDLE)
+        assert verifier.pending() == [str(tmp_path / "a")]  # held back by the throttle: no core is idle
+        assert verifier.wait(timeout=60)
+        assert read_stamp(tmp_path / "a").passed  # type: ignore[union-attr]
+        if can_raise:
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+            assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, os.getpid())
+        else:  # the system does not let it: it stays at idle priority (docs/verify-after-save.md, Limits)
+            assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        cv.save(_state(2.0), tmp_path / "b")
+        verifier.submit(tmp_path / "b", step=2)  # nobody waits for this one: idle priority again
+        assert _eventually(lambda: os.sched_getscheduler(pid) == os.SCHED_IDLE)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+        assert verifier.wait(timeout=60) and read_stamp(tmp_path / "b").passed  # type: ignore[union-attr]
+    finally:
+        verifier.close(timeout=60)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the throttle reads /proc/stat")
 def test_turned_off_by_environment_the_verifier_reads_at_full_speed(tmp_path: Path, never_idle: None,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

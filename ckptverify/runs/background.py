@@ -52,7 +52,7 @@ from ckptverify.errors import UsageError
 from ckptverify.runs.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
 from ckptverify.runs.throttle import IdleProbe, Throttle, throttle_enabled
 from ckptverify.runs.verification import Verification, from_outcome, from_stamp
-from ckptverify.runs.verify_worker import PRIORITIES, VerifierProcess, lower_priority
+from ckptverify.runs.verify_worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority
 
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT",
@@ -191,6 +191,7 @@ class BackgroundVerifier:
         self._waiting = 0  # callers of wait() now: while any, verifications are not throttled
         self._throttle_now: Throttle | None = None  # the in-thread verification's throttle
         self._child = VerifierProcess(priority)
+        self._worker_tid: int | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -245,10 +246,13 @@ class BackgroundVerifier:
             hurry = bool(self._pending)
             current = self._throttle_now
         try:
-            if hurry:  # someone waits: the verification in progress reads at full speed
+            if hurry:  # someone waits: the verification in progress reads at full speed, at the waiter's priority
                 self._child.hurry()
                 if current is not None:
                     current.lift()
+                if self.isolation == "thread" and self._worker_tid is not None and self.priority != "normal":
+                    with contextlib.suppress(OSError):
+                        restore_priority(os.getpriority(os.PRIO_PROCESS, os.getpid()), self._worker_tid)
             with self._cond:
                 while self._pending:
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -298,12 +302,16 @@ class BackgroundVerifier:
         return _Job(root, step, options, lock, deliver_later=deliver_later, events=options.event_log())
 
     def _work(self) -> None:
-        lower_priority(self.priority)
+        # With a verifier process this thread only hands it work and waits: it keeps the process's priority, so
+        # that the replies of a verification someone waits for are never starved. In-thread, it verifies.
+        self._worker_tid = threading.get_native_id()
         while True:
             job = self._queue.get()
             if job is None:
                 self._child.close()
                 return
+            if self.isolation == "thread" and not self._urgent():
+                lower_priority(self.priority)
             if job.task is not None:
                 self._run_task(job, job.task, self.jobs, background=True)
             else:
@@ -339,7 +347,8 @@ class BackgroundVerifier:
                 if self.before_verify is not None:
                     self.before_verify(job.path)
                 if background and self.isolation == "process":
-                    result = self._child.call(task.function, task.args, throttle=self._throttled)
+                    result = self._child.call(task.function, task.args, throttle=self._throttled,
+                                              urgent=self._urgent)
                 else:
                     import importlib
 
@@ -393,7 +402,7 @@ class BackgroundVerifier:
         if background and self.isolation == "process":
             try:
                 return self._child.verify(job.path, job.step, job.options.deep, jobs or 1, self.settle,
-                                          throttle=self._throttled)
+                                          throttle=self._throttled, urgent=self._urgent)
             finally:
                 job.lock.release()
         probe = IdleProbe.open() if background and self.throttle and jobs == 1 else None  # this thread's reads
@@ -415,6 +424,10 @@ class BackgroundVerifier:
     def _throttled(self) -> bool:
         with self._cond:
             return self.throttle and not self._waiting
+
+    def _urgent(self) -> bool:
+        with self._cond:
+            return bool(self._waiting)
 
     def _report(self, job: _Job, result: Verification) -> None:
         """The event, the warning and the callback of one result."""

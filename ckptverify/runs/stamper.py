@@ -173,7 +173,7 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
         if files_fingerprint(path) != before:
             # Not a verdict on anything: the files verified are not the files there now.
             return Outcome("changed", reason="its files changed while it was being verified")
-        throttled = None if throttle is None else round(throttle.throttled_s, 6)
+        throttled = None if throttle is None or throttle.probe is None else round(throttle.throttled_s, 6)
         write_stamp(path, report, step=step, fingerprint=before, throttled_s=throttled)
     except (FileNotFoundError, CheckpointNotFoundError):
         return Outcome("deleted", reason="removed while it was being verified")

@@ -221,14 +221,17 @@ class Throttle:
     means something else wanted the core (an idle-priority thread yields it at once), and it backs off at once
     instead of staying runnable, which would let it fill every short gap between the training's parallel regions
     (each gap a cache evicted). Each wait (``first`` seconds, doubling up to ``longest``) ends with a look.
-    ``throttled_s``: seconds spent waiting. ``probe`` ``None``: never waits.
+    ``throttled_s``: seconds spent waiting. ``probe`` ``None``: never waits. ``lifted``: asked at each read
+    until it says ``True`` (someone waits for this verification); then ``on_lift`` is called once, in the
+    reading thread (the verifier process raises its CPU priority there), and the throttle stays lifted.
     """
 
     def __init__(self, probe: IdleProbe | None, *, min_free: float | None = None, window: float = WINDOW_SECONDS,
                  first: float = FIRST_PAUSE_SECONDS, longest: float = MAX_PAUSE_SECONDS,
                  check: float = CHECK_SECONDS, preempted: float = PREEMPTED_SHARE,
                  clock: Callable[[], float] = time.monotonic, lifted: Callable[[], bool] | None = None,
-                 run_delay: Callable[[], float | None] = _read_run_delay) -> None:
+                 run_delay: Callable[[], float | None] = _read_run_delay,
+                 on_lift: Callable[[], None] | None = None) -> None:
         self.probe = probe
         self.min_free = min_free_cores() if min_free is None else min_free
         self.window = window
@@ -240,6 +243,7 @@ class Throttle:
         self._clock = clock
         self._lifted = threading.Event()
         self._asked_lift = lifted
+        self._on_lift = on_lift
         self._wake = threading.Event()
         self._run_delay = run_delay
         self._since = clock() - window  # the first read looks
@@ -259,10 +263,12 @@ class Throttle:
     def lifted(self) -> bool:
         if not self._lifted.is_set() and self._asked_lift is not None and self._asked_lift():
             self._lifted.set()
+            if self._on_lift is not None:
+                self._on_lift()
         return self._lifted.is_set()
 
     def __call__(self, nbytes: int) -> None:
-        if self.probe is None or self.lifted:
+        if self.lifted or self.probe is None:  # asked first: a lift is seen (and acted on) even unthrottled
             return
         now = self._clock()
         pushed_aside = self._was_preempted(now)

@@ -5,7 +5,7 @@ in another process, so that hashing never contends with the training process for
     python -m ckptverify.runs.verify_worker
 
 Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
-``throttle``, ``seq``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
+``throttle``, ``urgent``, ``seq``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
 :class:`~ckptverify.runs.verification.Verification` per line on the standard output it was started with; anything
 else printed goes to standard error. A request with ``call`` (``"ckptverify.MODULE:FUNCTION"``) and ``args``
 instead runs that function of ckptverify's with ``args`` and answers ``{"result": ...}`` (what it returned, JSON)
@@ -14,7 +14,10 @@ when needed, verify, stamp) runs it here. Runs at the lowest CPU priority (``SCH
 ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch, and with ``throttle`` paces its reads to
 leave the training's cores alone (:mod:`~ckptverify.runs.throttle`). A byte on the pipe named by
 ``CKPTVERIFY_VERIFY_HURRY_FD`` (the parent writes the ``seq`` of the request in flight when it starts waiting
-for its verifications: the job is ending) lifts the throttle of that verification.
+for its verifications: the job is ending) lifts the throttle of that verification and puts the process back at
+the parent's CPU priority (``SCHED_OTHER`` at ``CKPTVERIFY_VERIFY_WAITER_NICE``) until that request is answered;
+an ``urgent`` request (sent while the parent waits) runs at that priority from its start. Where the system does
+not allow a process to raise its priority again (no ``CAP_SYS_NICE`` and ``RLIMIT_NICE`` 0), it stays low.
 Ends at the end of its input (its parent closed the pipe, or died).
 """
 
@@ -33,7 +36,8 @@ from typing import Any
 from ckptverify.runs.throttle import IdleProbe, Throttle
 from ckptverify.runs.verification import Verification, from_outcome
 
-__all__ = ["HURRY_FD_ENV", "PRIORITIES", "PRIORITY_ENV", "VerifierProcess", "lower_priority", "main", "serve"]
+__all__ = ["HURRY_FD_ENV", "PRIORITIES", "PRIORITY_ENV", "WAITER_NICE_ENV", "VerifierProcess", "lower_priority", "main",
+           "restore_priority", "serve"]
 
 #: CPU priority of a verification: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
 PRIORITIES = ("idle", "low", "normal")
@@ -41,18 +45,24 @@ PRIORITIES = ("idle", "low", "normal")
 PRIORITY_ENV = "CKPTVERIFY_VERIFY_PRIORITY"
 #: The descriptor of the pipe on which the parent asks for full speed (set by the parent).
 HURRY_FD_ENV = "CKPTVERIFY_VERIFY_HURRY_FD"
+#: The parent's nice value: the priority a verification the parent waits for runs at (set by the parent).
+WAITER_NICE_ENV = "CKPTVERIFY_VERIFY_WAITER_NICE"
 
 
-def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = None) -> None:
+def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = None,
+          priority: _Priority | None = None) -> None:
     """Answer every request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the
-    parent asked for request ``seq`` (a number it gives each request) to read at full speed."""
+    parent asked for request ``seq`` (a number it gives each request) to read at full speed. ``priority``: set
+    for each request (the low one, or the parent's for a request it waits for)."""
     from ckptverify.runs.stamper import stamp_locked
 
     for line in requests:
         try:
             req = json.loads(line)
+            if priority is not None and isinstance(req, dict):
+                priority.for_request(bool(req.get("urgent")))
             if isinstance(req, dict) and "call" in req:
-                answer = _call(str(req["call"]), req.get("args") or {}, _throttle(req, hurried))
+                answer = _call(str(req["call"]), req.get("args") or {}, _throttle(req, hurried, priority))
                 replies.write(json.dumps(answer, default=str) + "\n")
                 replies.flush()
                 continue
@@ -63,7 +73,7 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
             continue
         try:
             outcome = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
-                                   settle=float(req.get("settle", 1.0)), throttle=_throttle(req, hurried))
+                                   settle=float(req.get("settle", 1.0)), throttle=_throttle(req, hurried, priority))
             result = from_outcome(path, step, deep, outcome)
         except Exception as exc:  # one request's failure is its result; the process serves the next one
             result = Verification(path=path, step=step, verdict="unverified", deep=deep,
@@ -74,21 +84,52 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
 
 def main() -> int:
     priority = os.environ.get(PRIORITY_ENV, "idle")
-    lower_priority(priority if priority in PRIORITIES else "idle", whole_process=True)
+    try:
+        waiter_nice = int(os.environ.get(WAITER_NICE_ENV, "0"))
+    except ValueError:
+        waiter_nice = 0
+    mine = _Priority(priority if priority in PRIORITIES else "idle", waiter_nice)
+    mine.for_request(urgent=False)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints cannot corrupt the replies
-    serve(sys.stdin, replies, _hurry_reader(os.environ.get(HURRY_FD_ENV)))
+    serve(sys.stdin, replies, _hurry_reader(os.environ.get(HURRY_FD_ENV)), mine)
     return 0
 
 
-def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None) -> Throttle | None:
-    """The pacing a request asks for (``throttle``), lifted when the parent hurries its ``seq``."""
-    probe = IdleProbe.open() if req.get("throttle") else None
-    if probe is None:
-        return None
+class _Priority:
+    """The verifier process's CPU priority: ``low`` (one of :data:`PRIORITIES`) while nobody waits for the
+    request it serves, the parent's (``SCHED_OTHER`` at ``waiter_nice``) while the parent waits for it: idle
+    priority would starve a verification the job now waits for on a machine kept busy by other processes."""
+
+    def __init__(self, low: str, waiter_nice: int) -> None:
+        self.low = low
+        self.waiter_nice = waiter_nice
+        self.raised = False
+
+    def for_request(self, urgent: bool) -> None:
+        if urgent:
+            self.raise_()
+        elif self.raised or self.low != "normal":
+            lower_priority(self.low, whole_process=True)
+            self.raised = False
+
+    def raise_(self) -> None:
+        if self.low != "normal":
+            self.raised = restore_priority(self.waiter_nice)
+
+
+def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None,
+              priority: _Priority | None = None) -> Throttle | None:
+    """The pacing a request asks for (``throttle``), lifted when the parent hurries its ``seq``; then, and for an
+    ``urgent`` request from the start, the process runs at the parent's priority. A request without a throttle
+    still gets one without a probe (it never waits) when the priority is low, to see the hurry."""
+    probe = IdleProbe.open() if req.get("throttle") and not req.get("urgent") else None
     seq = req.get("seq")
     asked = None if hurried is None or not isinstance(seq, int) else functools.partial(hurried, seq)
-    return Throttle(probe, lifted=asked)
+    low = priority is not None and priority.low != "normal" and not req.get("urgent")
+    if probe is None and not (low and asked is not None):
+        return None
+    return Throttle(probe, lifted=asked, on_lift=None if priority is None else priority.raise_)
 
 
 def _call(name: str, args: dict[str, Any], throttle: Throttle | None = None) -> dict[str, Any]:
@@ -156,6 +197,8 @@ class VerifierProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env[PRIORITY_ENV] = self.priority
+        with contextlib.suppress(OSError):
+            env[WAITER_NICE_ENV] = str(os.getpriority(os.PRIO_PROCESS, os.getpid()))  # the main thread's
         # One thread for any numeric library a deep verification loads: the cores belong to the training.
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = "1"
@@ -197,16 +240,17 @@ class VerifierProcess:
                     os.close(fd)
 
     def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
-               throttle: Callable[[], bool] | None = None) -> Verification:
-        """Have ``path`` verified and stamped; ``throttle``: whether to pace the reads, asked once the process
-        runs (so a :meth:`hurry` from then on reaches this verification)."""
+               throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None) -> Verification:
+        """Have ``path`` verified and stamped; ``throttle``: whether to pace the reads, ``urgent``: whether the
+        caller waits for it already (it then runs at the caller's priority), both asked once the process runs (so
+        a :meth:`hurry` from then on reaches this verification)."""
 
         def request() -> dict[str, Any]:
             with self._hurry_lock:  # from now on a hurry names this request
                 self._seq += 1
                 seq = self._seq
             return {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
-                    "throttle": bool(throttle and throttle()), "seq": seq}
+                    "throttle": bool(throttle and throttle()), "urgent": bool(urgent and urgent()), "seq": seq}
 
         data, why = self._ask(request)
         try:
@@ -217,7 +261,8 @@ class VerifierProcess:
             return Verification(path=path, step=step, verdict="unverified", deep=deep, reason=why)
         return result
 
-    def call(self, function: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None) -> Any:
+    def call(self, function: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
+             urgent: Callable[[], bool] | None = None) -> Any:
         """Run ``function`` (``ckptverify.MODULE:FUNCTION``) with ``args`` in the verifier process and return what
         it returned (its reads paced as for :meth:`verify`); raises ``RuntimeError`` (why) when there is no
         answer or the function raised."""
@@ -226,7 +271,8 @@ class VerifierProcess:
             with self._hurry_lock:
                 self._seq += 1
                 seq = self._seq
-            return {"call": function, "args": args, "throttle": bool(throttle and throttle()), "seq": seq}
+            return {"call": function, "args": args, "throttle": bool(throttle and throttle()),
+                    "urgent": bool(urgent and urgent()), "seq": seq}
 
         data, why = self._ask(request)
         if data is None:
@@ -289,6 +335,22 @@ class VerifierProcess:
                 if stream is not None:
                     stream.close()
         return code
+
+
+def restore_priority(nice: int, thread: int | None = None) -> bool:
+    """Put the calling thread (or native thread id ``thread``, Linux) back in the normal scheduling class at
+    ``nice`` (elsewhere: the process's nice value); ``False`` where the system refuses (raising a priority
+    needs ``CAP_SYS_NICE`` or a ``RLIMIT_NICE`` that allows it)."""
+    linux = sys.platform.startswith("linux")
+    tid = (thread or threading.get_native_id()) if linux else 0
+    try:
+        if hasattr(os, "SCHED_OTHER") and hasattr(os, "sched_getscheduler") \
+                and os.sched_getscheduler(tid) != os.SCHED_OTHER:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        return False
+    return True
 
 
 def lower_priority(priority: str, *, whole_process: bool = False) -> None:
