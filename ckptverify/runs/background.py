@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,28 +241,13 @@ class BackgroundVerifier:
         say which were cut short (a :class:`VerifyIncompleteWarning`, and a ``verify-cut-short`` event in each
         one's event log) and return ``False``; they stay queued."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        with self._cond:
-            self._waiting += 1
-            hurry = bool(self._pending)
-            current = self._throttle_now
-        try:
-            if hurry:  # someone waits: the verification in progress reads at full speed, at the waiter's priority
-                self._child.hurry()
-                if current is not None:
-                    current.lift()
-                if self.isolation == "thread" and self._worker_tid is not None and self.priority != "normal":
-                    with contextlib.suppress(OSError):
-                        restore_priority(os.getpriority(os.PRIO_PROCESS, os.getpid()), self._worker_tid)
-            with self._cond:
-                while self._pending:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        break
-                    self._cond.wait(remaining)
-                left = list(self._pending)
-        finally:
-            with self._cond:
-                self._waiting -= 1
+        with self._waited_for(), self._cond:
+            while self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            left = list(self._pending)
         if left:
             self._cut_short(left, timeout)
             return False
@@ -273,13 +258,34 @@ class BackgroundVerifier:
         ``timeout`` seconds passed first (nothing is reported: the caller says what it waited for)."""
         wanted = {os.path.abspath(os.fspath(p)) for p in paths}
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        with self._cond:
+        with self._waited_for(), self._cond:
             while any(j.path in wanted for j in self._pending):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
         return True
+
+    @contextlib.contextmanager
+    def _waited_for(self) -> Iterator[None]:
+        """While someone waits: verifications read at full speed, at the waiter's CPU priority (the one in
+        progress from now on, the later ones from their start)."""
+        with self._cond:
+            self._waiting += 1
+            hurry = bool(self._pending)
+            current = self._throttle_now
+        try:
+            if hurry:
+                self._child.hurry()
+                if current is not None:
+                    current.lift()
+                if self.isolation == "thread" and self._worker_tid is not None and self.priority != "normal":
+                    with contextlib.suppress(OSError):
+                        restore_priority(os.getpriority(os.PRIO_PROCESS, os.getpid()), self._worker_tid)
+            yield
+        finally:
+            with self._cond:
+                self._waiting -= 1
 
     def close(self, timeout: float | None = None) -> bool:
         """:meth:`wait` (up to ``timeout``), then stop the worker; later submissions are refused."""
