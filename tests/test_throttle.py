@@ -492,7 +492,8 @@ def test_a_verification_waited_for_runs_at_the_waiter_s_priority_and_the_next_on
 def test_turned_off_by_environment_the_verifier_reads_at_full_speed(tmp_path: Path, never_idle: None,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(THROTTLE_ENV, "0")
-    verifier = BackgroundVerifier(settle=0.05)
+    # Normal priority: nobody waits for this one, and at idle priority a loaded machine would starve it.
+    verifier = BackgroundVerifier(settle=0.05, priority="normal")
     try:
         cv.save(_state(1.0), tmp_path / "step_1")
         verifier.submit(tmp_path / "step_1", step=1)
