@@ -164,8 +164,8 @@ class BackgroundVerifier:
     verification uses. ``settle``: seconds a failed verification waits before judging (a checkpoint being
     deleted file by file is not corrupt). ``throttle``: pace the reads to leave the training's cores alone
     (:mod:`~ckptverify.runs.throttle`; default: on unless ``CKPTVERIFY_VERIFY_THROTTLE=0``); the
-    verifications a :meth:`wait` waits for read at full speed. The thread (and the process) start at the first
-    :meth:`submit`.
+    verifications a :meth:`wait` or :meth:`wait_for` waits for read at full speed, at the waiter's CPU priority
+    where the system allows it. The thread (and the process) start at the first :meth:`submit`.
     """
 
     def __init__(self, *, isolation: str = "process", priority: str = "idle", jobs: int = 1,
