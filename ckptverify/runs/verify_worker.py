@@ -104,18 +104,16 @@ class _Priority:
     def __init__(self, low: str, waiter_nice: int) -> None:
         self.low = low
         self.waiter_nice = waiter_nice
-        self.raised = False
 
     def for_request(self, urgent: bool) -> None:
         if urgent:
             self.raise_()
-        elif self.raised or self.low != "normal":
+        else:
             lower_priority(self.low, whole_process=True)
-            self.raised = False
 
     def raise_(self) -> None:
         if self.low != "normal":
-            self.raised = restore_priority(self.waiter_nice)
+            restore_priority(self.waiter_nice)  # refused by the system: it stays low (documented)
 
 
 def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None,
