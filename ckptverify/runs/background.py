@@ -188,7 +188,7 @@ class BackgroundVerifier:
         self._unraised: list[Verification] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._waiting = 0  # callers of wait() now: while any, verifications are not throttled
+        self._waiting = 0  # callers of wait() or wait_for() now: while any, verifications are hurried
         self._throttle_now: Throttle | None = None  # the in-thread verification's throttle
         self._child = VerifierProcess(priority)
         self._worker_tid: int | None = None
