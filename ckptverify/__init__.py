@@ -19,6 +19,7 @@ _EXPORTS = {
     "save": "ckptverify.saving",
     "load": "ckptverify.restore",
     "TrainState": "ckptverify.state.train_state",
+    "ResumableSampler": "ckptverify.state.sampler",
     "Counters": "ckptverify.state.train_state",
     "Run": "ckptverify.resume.run",
     "resume_check": "ckptverify.resume.harness",
@@ -37,6 +38,7 @@ _EXPORTS = {
 __all__ = [
     "BackgroundVerifier",
     "Counters",
+    "ResumableSampler",
     "Run",
     "TrainState",
     "Verification",
@@ -70,8 +72,14 @@ if TYPE_CHECKING:
     from ckptverify.runs.scan import scan_run_dir
     from ckptverify.runs.verification import Verification
     from ckptverify.saving import async_save, save
+    from ckptverify.state.sampler import ResumableSampler
     from ckptverify.state.train_state import Counters, TrainState
     from ckptverify.verify import verify_checkpoint
+
+
+def __dir__() -> list[str]:
+    # The lazy exports are not module attributes until first used: list them, so dir() and completion show them.
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str) -> Any:

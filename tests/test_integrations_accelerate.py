@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptverify.errors import CheckpointRefusedError
 from ckptverify.events import read_events
-from ckptverify.integrations import CheckpointVerificationWarning
 from ckptverify.integrations import accelerate as ckv
 from ckptverify.runs import background
 from ckptverify.runs.background import BackgroundVerifier
@@ -85,8 +84,8 @@ def damaging(save_state: Callable[..., Any], step_dir: str) -> Callable[..., Any
 
 
 def ours(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught
-            if issubclass(w.category, CheckpointVerificationWarning) or "ckptverify" in w.filename]
+    """Warnings ckptverify raised (see harness.ckptverify_warnings)."""
+    return h.ckptverify_warnings(caught)
 
 
 @pytest.fixture(scope="module")

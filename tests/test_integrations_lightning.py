@@ -86,9 +86,8 @@ def fit(out: Path, callback: VerifyCheckpoints, *, max_steps: int = 4, ckpt_path
 
 
 def ours(caught: list[warnings.WarningMessage]) -> list[str]:
-    """Warnings ckptverify raised: its own category, or raised from its code."""
-    return [str(w.message) for w in caught
-            if issubclass(w.category, CheckpointVerificationWarning) or "ckptverify" in w.filename]
+    """Warnings ckptverify raised (see harness.ckptverify_warnings)."""
+    return h.ckptverify_warnings(caught)
 
 
 def events(out: Path, name: str) -> list[dict[str, Any]]:

@@ -8,11 +8,14 @@ this CI Python; ``MCoreSavePlan`` is declared under Megatron's module name exact
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import pickle
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -63,11 +66,36 @@ def megatron_ckpt(tmp_path):
     plans.append(SavePlan(items=_create_write_items("common.step", 7)))
     metadata.all_local_plans = plans
     metadata.mcore_data = {"decoder.weight": {"nd_reformulated_orig_global_shape": (64, 32)}}
-    (path / ".metadata").write_bytes(pickle.dumps(metadata))
-    globals_used = {f"{m}.{n}" for m, n in _globals((path / ".metadata").read_bytes())}
+    with _importable(MCORE_MODULE):
+        (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        globals_used = {f"{m}.{n}" for m, n in _globals((path / ".metadata").read_bytes())}
     assert {"torch.distributed.checkpoint.planner.WriteItem", f"{MCORE_MODULE}.MCoreSavePlan",
             "torch.distributed.checkpoint.planner.TensorWriteData"} <= globals_used
     return path, metadata
+
+
+@contextlib.contextmanager
+def _importable(name: str) -> Iterator[None]:
+    """Let pickle import ``name`` (it imports a class's module and its parents to check the class is reachable).
+
+    Without Megatron Core installed its parent packages do not exist: stand-ins are registered for the duration
+    only, so no later import (a test that skips without Megatron) mistakes them for the real package."""
+    added = []
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        parent = ".".join(parts[:i])
+        if parent in sys.modules:
+            continue
+        try:
+            importlib.import_module(parent)
+        except ImportError:
+            sys.modules[parent] = types.ModuleType(parent)
+            added.append(parent)
+    try:
+        yield
+    finally:
+        for parent in added:
+            sys.modules.pop(parent, None)
 
 
 def _globals(data: bytes) -> set[tuple[str, str]]:
@@ -115,14 +143,16 @@ def test_safe_reader_rebuilds_megatron_metadata_exactly(megatron_ckpt):
     ours.storage_meta.load_id = real.storage_meta.load_id = None
     assert ours == real
     assert ours.all_local_plans == real.all_local_plans and ours.mcore_data == real.mcore_data
-    assert pickle.dumps(ours) == pickle.dumps(real)
+    with _importable(MCORE_MODULE):
+        assert pickle.dumps(ours) == pickle.dumps(real)
 
 
 def test_planner_dataclasses_are_validated_not_trusted(megatron_ckpt):
     path, metadata = megatron_ckpt
     bad = dataclasses.replace(metadata.all_local_plans[0], items=["not a write item"])
     metadata.all_local_plans = [bad]
-    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with _importable(MCORE_MODULE):
+        (path / ".metadata").write_bytes(pickle.dumps(metadata))
     layout, findings = md.read_layout(str(path))
     assert layout is None and findings[0].check == "metadata-unreadable"
     assert "write items" in findings[0].message

@@ -156,9 +156,12 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
     work = keep or tempfile.mkdtemp(prefix="ckptverify-replay-")
     try:
         configs = {}
+        # The job's length, for schedules built from run.total_steps (a replay stops early; they must not change).
+        total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
         for name in ("R1", "R2"):
             configs[name] = RunConfig(
-                name=name, stop_step=ckpts.end, save_at=(ckpts.end,), checkpoint_dir=os.path.join(work, name),
+                name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
+                checkpoint_dir=os.path.join(work, name),
                 resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
                 level=str(meta.get("level", "metrics")), workload=meta["target"],
                 # Production records one cell per tensor category; the replays one per tensor too, so a

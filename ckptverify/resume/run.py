@@ -40,6 +40,8 @@ class RunConfig:
 
     name: str = "plain"
     stop_step: int | None = None
+    #: The job's length, when it differs from ``stop_step`` (a replay stops early; its schedules do not).
+    total_steps: int | None = None
     save_at: tuple[int, ...] = ()
     checkpoint_dir: str | None = None
     resume_from: str | None = None
@@ -172,6 +174,19 @@ class Run:
     @property
     def world_size(self) -> int:
         return self._world
+
+    @property
+    def total_steps(self) -> int:
+        """The job's length in steps: ``Run.main(steps=)``, the production job's ``steps`` (also in a replay of
+        part of it), or the harness's ``--steps``; for a schedule that needs it, such as
+        ``OneCycleLR(total_steps=run.total_steps)``.
+
+        Every run of one resume check (A, A2 and B) gets the same value, so a schedule built from it is the same
+        in all of them. Raises :class:`~ckptverify.errors.UsageError` for a run started without a step count."""
+        total = self.config.total_steps if self.config.total_steps is not None else self.config.stop_step
+        if total is None:
+            raise UsageError("this run has no step count: give Run.main(train, steps=N) (or --steps to the harness)")
+        return total
 
     def restore(self, state: Any) -> None:
         """Register the training state; when resuming, load it (verified, then checked) from the checkpoint.

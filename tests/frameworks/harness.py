@@ -255,3 +255,17 @@ def _flip(path: Path, offset: int, bit: int) -> None:
         byte = fh.read(1)[0]
         fh.seek(offset)
         fh.write(bytes([byte ^ (1 << bit)]))
+
+
+def ckptverify_warnings(caught: list[Any]) -> list[str]:
+    """The warnings ckptverify raised among ``caught``: its own category, or raised from its own source files.
+
+    A framework's deprecation warnings are not ckptverify's business. The test is the file's place inside the
+    installed package, not the word "ckptverify" in its path: a clone of the project is usually a folder of that
+    name, and every library of a virtual environment inside it would match."""
+    import ckptverify
+    from ckptverify.integrations import CheckpointVerificationWarning
+
+    package = os.path.dirname(os.path.abspath(ckptverify.__file__)) + os.sep
+    return [str(w.message) for w in caught
+            if issubclass(w.category, CheckpointVerificationWarning) or os.path.abspath(w.filename).startswith(package)]
