@@ -426,3 +426,19 @@ def test_load_pick_passes_over_newer_checkpoints_of_a_format_load_cannot_restore
     assert all(torch.equal(v, saved[k]) for k, v in target.model.state_dict().items())
     # `latest` itself still names the newest good checkpoint of any format.
     assert cv.latest_verified(run).path.endswith("epoch=0-step=20.ckpt")
+
+
+def test_a_module_planted_in_the_job_s_working_directory_does_not_run_in_the_verifier_process(
+        tmp_path: Path, verifier: BackgroundVerifier, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    ran = tmp_path / "planted-module-ran"
+    for name in ("xxhash", "isal", "json"):  # modules the verifier process imports
+        (work / f"{name}.py").write_text(f"open({str(ran)!r}, 'a').write({name!r})\nraise SystemExit(3)\n")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["", ".", os.environ.get("PYTHONPATH", "")]))
+    path = tmp_path / "step_3"
+    cv.save(_state(3.0), path, verify="background")
+    assert cv.wait_for_verifications(timeout=60)
+    assert not ran.exists(), ran.read_text()
+    assert _stamp(path)["verdict"] == "passed"

@@ -95,9 +95,35 @@ def test_prune_never_deletes_the_newest_good_checkpoint(run: Path) -> None:
     dry = prune(run, keep=2, dry_run=True)
     assert dry.deleted == ["step_10"] and all(p.exists() for p in run.iterdir())
     kept = {k["path"]: k["why"] for k in dry.kept}
-    assert kept["step_20"] == "the newest checkpoint that verifies"
+    assert kept["step_20"] == "the newest checkpoint that verifies of the format load restores (DCP)"
     result = prune(run, keep=2)
     assert result.deleted == ["step_10"] and not (run / "step_10").exists() and (run / "step_20").exists()
+
+
+def test_prune_keeps_the_newest_checkpoint_load_can_restore_behind_a_newer_export(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    _dcp(root / "step_10", 10.0)
+    _dcp(root / "step_5", 5.0)
+    torch.save({"w": torch.full((64, 64), 20.0)}, root / "epoch=0-step=20.ckpt")  # newer, intact, not DCP
+    result = prune(root, keep=1)
+    kept = {k["path"]: k["why"] for k in result.kept}
+    assert kept == {"epoch=0-step=20.ckpt": "one of the 1 newest",
+                    "step_10": "the newest checkpoint that verifies of the format load restores (DCP)"}
+    assert result.deleted == ["step_5"] and (root / "step_10" / ".metadata").exists()
+
+
+def test_prune_never_deletes_a_checkpoint_that_failed_verification(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for step in (1, 2, 3, 4):
+        _dcp(root / f"step_{step}", float(step))
+    inj.flip_in_tensor_payload(root / "step_1", "w")
+    write_stamp(root / "step_1", verify_checkpoint(root / "step_1"), step=1)
+    before = {p.name: p.read_bytes() for p in (root / "step_1").iterdir()}
+    result = prune(root, keep=1)
+    kept = {k["path"]: k["why"] for k in result.kept}
+    assert kept["step_1"] == "failed verification: kept as evidence, never deleted"
+    assert result.deleted == ["step_3", "step_2"]
+    assert {p.name: p.read_bytes() for p in (root / "step_1").iterdir()} == before
 
 
 def test_prune_skips_a_checkpoint_being_verified(tmp_path: Path) -> None:

@@ -3,7 +3,11 @@
 :func:`prune` keeps the ``keep`` newest checkpoints of a run (by step) and deletes older ones, except:
 
 - the newest checkpoint that verifies (:func:`~ckptverify.runs.latest.latest_verified`), however old: deleting
-  it while every newer one is corrupt or torn would leave nothing to resume from;
+  it while every newer one is corrupt or torn would leave nothing to resume from; and, as well, the newest one
+  that verifies of the format :func:`ckptverify.load` restores (DCP): a newer export of another format (a
+  ``.pt`` or safetensors file) is no checkpoint a job resumes from;
+- a checkpoint whose stamp says it failed verification: it is evidence (of a fault on the way to the disk, or
+  on the disk), and ckptverify never deletes it;
 - a checkpoint being verified right now (its verifying lock is held);
 - a checkpoint a save is writing right now (its in-progress marker is locked by a live save);
 - anything whose step is unknown, and anything that is not a checkpoint ``find_checkpoints`` recognized.
@@ -56,6 +60,17 @@ def is_locked(path: str) -> bool:
         os.close(fd)
 
 
+def _failed(path: str) -> bool:
+    """Whether ``path`` carries a stamp (current or not) of a failed verification."""
+    from ckptverify.runs.stamp import read_stamp
+
+    try:
+        stamp = read_stamp(path)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return stamp is not None and not stamp.passed
+
+
 def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, jobs: int | None = None) -> PruneResult:
     """Delete all but the ``keep`` newest checkpoints of ``run_dir``, with the exceptions of the module docstring.
 
@@ -70,16 +85,23 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
         raise CheckpointNotFoundError(f"not a directory: {root}")
     candidates = [c for c in find_checkpoints(root) if c.step is not None]
     newest_first = sorted(candidates, key=lambda c: (c.step, c.mtime_ns), reverse=True)
-    good = latest_verified(root, jobs=jobs)
-    protected_good = os.path.relpath(good.path, root) if good.path else None
+    protected: dict[str, str] = {}
+    # Each consumer's newest good checkpoint: load's (DCP) first, so that its reason names the stronger need.
+    for formats, reason in (({"dcp"}, "the newest checkpoint that verifies of the format load restores (DCP)"),
+                            (None, "the newest checkpoint that verifies")):
+        good = latest_verified(root, jobs=jobs, formats=formats)
+        if good.path is not None:
+            protected.setdefault(os.path.relpath(good.path, root), reason)
     result = PruneResult(dry_run=dry_run)
     for n, cand in enumerate(newest_first):
         path = os.path.join(root, cand.path)
         why = None
         if n < keep:
             why = f"one of the {keep} newest"
-        elif cand.path == protected_good:
-            why = "the newest checkpoint that verifies"
+        elif cand.path in protected:
+            why = protected[cand.path]
+        elif _failed(path):
+            why = "failed verification: kept as evidence, never deleted"
         elif cand.kind == "dir" and (is_locked(os.path.join(path, VERIFYING_LOCK))
                                      or is_locked(os.path.join(path, SAVE_MARKER))):
             why = "being verified or saved right now"

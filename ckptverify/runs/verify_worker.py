@@ -190,10 +190,14 @@ class VerifierProcess:
             return self._proc
         import ckptverify
 
-        # The same ckptverify as this process's, wherever it was imported from.
+        # The same ckptverify as this process's, wherever it was imported from. Nothing of the job's working
+        # directory is importable there (a module planted in it would run in the verifier): `-P` keeps the working
+        # directory off sys.path, the process runs in "/", and PYTHONPATH keeps only absolute entries (an empty or
+        # relative one means a folder relative to the working directory).
         root = os.path.dirname(os.path.dirname(os.path.abspath(ckptverify.__file__)))
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        entries = [root, *(env.get("PYTHONPATH") or "").split(os.pathsep)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in entries if p and os.path.isabs(p)))
         env[PRIORITY_ENV] = self.priority
         with contextlib.suppress(OSError):
             env[WAITER_NICE_ENV] = str(os.getpriority(os.PRIO_PROCESS, os.getpid()))  # the main thread's
@@ -212,9 +216,9 @@ class VerifierProcess:
             pass_fds = (hurry_r,)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
+                [sys.executable, "-P", "-m", "ckptverify.runs.verify_worker"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1,
-                pass_fds=pass_fds)
+                pass_fds=pass_fds, cwd=os.path.abspath(os.sep))
         except BaseException:
             self._close_hurry()
             raise
