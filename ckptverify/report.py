@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptverify.findings import Report, Severity, sort_findings
 
-__all__ = ["printable", "render_text", "to_json"]
+__all__ = ["number_width", "printable", "render_text", "to_json"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -28,6 +28,24 @@ def printable(value: object) -> str:
     text = str(value)
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
                         text)
+
+
+# A whitespace-delimited word that is a number, bare or in punctuation: "0.00123,", "[8672,", "1.5e-07)".
+_NUMBER_WORD = re.compile(r"[\[(]*[-+]?(?:\d[\d_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?%?[\]),;:.]*")
+#: Numbers longer than this may still be folded (a hostile name can hold a digit string of any length).
+_MAX_NUMBER_WIDTH = 40
+
+
+def number_width(texts: object) -> int:
+    """The width of the longest number (with the punctuation around it) among the words of ``texts``: a table
+    column at least this wide never breaks a number across lines (rich folds only words wider than the
+    column), so ``0.0012345314025878906`` is never shown as ``0.00123453140258`` over ``78906``."""
+    widest = 0
+    for text in texts:  # type: ignore[attr-defined]
+        for word in str(text).split():
+            if len(word) > widest and len(word) <= _MAX_NUMBER_WIDTH and _NUMBER_WORD.fullmatch(word):
+                widest = len(word)
+    return widest
 
 
 def to_json(report: Report, indent: int | None = 2) -> str:
@@ -54,12 +72,14 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
 
     findings = sort_findings(report.findings)
     if findings:
+        shown = findings[:max_findings]
         table = Table(title=_text(f"{report.command}: {report.target}"), show_lines=False, expand=False)
         table.add_column("severity", no_wrap=True)
         table.add_column("check", no_wrap=True)
-        table.add_column("where", overflow="fold")
-        table.add_column("what", overflow="fold")
-        for f in findings[:max_findings]:
+        table.add_column("where", overflow="fold",
+                         min_width=number_width(printable(f.location.describe()) for f in shown) or None)
+        table.add_column("what", overflow="fold", min_width=number_width(printable(f.message) for f in shown) or None)
+        for f in shown:
             table.add_row(
                 _text(f.severity.value, _STYLE[f.severity]),
                 _text(f.check),
@@ -74,9 +94,11 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
         console.print(_text(f"checked {covered}", "dim"))
     stats = report.stats
     if stats.get("bytes") is not None and stats.get("seconds"):
+        # The rate only where it was measured: a rate of 0 B/s would say the read stalled.
+        rate = stats.get("throughput_bytes_per_s")
         console.print(_text(
-            f"{stats.get('files', 0)} files, {_human(stats['bytes'])} in {stats['seconds']:.2f} s "
-            f"({_human(stats.get('throughput_bytes_per_s') or 0)}/s)", "dim"))
+            f"{stats.get('files', 0)} files, {_human(stats['bytes'])} in {stats['seconds']:.2f} s"
+            + (f" ({_human(rate)}/s)" if rate else ""), "dim"))
     counts = report.summary()
     tail = f"{counts['error']} error(s), {counts['warning']} warning(s)"
     if report.passed:

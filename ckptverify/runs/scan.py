@@ -149,14 +149,17 @@ def render_scan(report: Report, console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from ckptverify.report import _human, printable
+    from ckptverify.report import _human, number_width, printable
 
     style = {"verified": "green", "intact": "green", "uncheckable": "yellow", "incomplete": "yellow",
              "corrupt": "bold red"}
     table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
+    rows = report.stats.get("checkpoints", [])
+    why_width = number_width(printable(r["reason"]) for r in rows) or None
     for col in ("step", "checkpoint", "format", "size", "state", "why"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("step", "format", "size", "state"))
-    for row in report.stats.get("checkpoints", []):
+        table.add_column(col, overflow="fold", no_wrap=col in ("step", "format", "size", "state"),
+                         min_width=why_width if col == "why" else None)
+    for row in rows:
         table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
                       Text(row["format"]), Text(_human(row["size"])), Text(row["state"], style=style[row["state"]]),
                       Text(printable(row["reason"])))
@@ -171,7 +174,6 @@ def render_scan(report: Report, console: Any) -> None:
         if f.check != "scan":
             console.print(Text.assemble((f"{f.severity.value}: ", _SEVERITY_STYLE[f.severity.value]),
                                         printable(f"{f.check}: {f.message}")))
-    rows = report.stats.get("checkpoints", [])
     by_state = [f"{n} {state}" for state in STATES if (n := sum(r["state"] == state for r in rows))]
     verdict = ("PASSED", "bold green") if report.passed else ("FAILED", "bold red")
     console.print(Text.assemble(verdict, " ", printable(
