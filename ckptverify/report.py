@@ -73,12 +73,14 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
     findings = sort_findings(report.findings)
     if findings:
         shown = findings[:max_findings]
+        where_w, what_w = _text_widths(
+            console.width, ["severity", *(f.severity.value for f in shown)], ["check", *(f.check for f in shown)],
+            [printable(f.location.describe() or "-") for f in shown], [printable(f.message) for f in shown])
         table = Table(title=_text(f"{report.command}: {report.target}"), show_lines=False, expand=False)
         table.add_column("severity", no_wrap=True)
         table.add_column("check", no_wrap=True)
-        table.add_column("where", overflow="fold",
-                         min_width=number_width(printable(f.location.describe()) for f in shown) or None)
-        table.add_column("what", overflow="fold", min_width=number_width(printable(f.message) for f in shown) or None)
+        table.add_column("where", overflow="fold", width=where_w)
+        table.add_column("what", overflow="fold", width=what_w)
         for f in shown:
             table.add_row(
                 _text(f.severity.value, _STYLE[f.severity]),
@@ -107,6 +109,24 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
     else:
         verdict = Text.assemble(("FAILED", "bold red"), " ", _text(f"{report.command} {report.target}: {tail}"))
     console.print(verdict)
+
+
+def _text_widths(width: int, *fixed_and_text: list[str]) -> tuple[int | None, int | None]:
+    """Widths of the two text columns (where, what) of a findings table ``width`` wide after the no-wrap
+    columns, or ``None`` for rich's own choice when everything fits. Each gets at least its widest number
+    (:func:`number_width`): rich folds a word wider than its column, and would cut a number in two."""
+    *fixed, where, what = fixed_and_text
+    borders = 3 * (len(fixed) + 2) + 1  # "│ " before each column, " " after it, and the last "│"
+    rest = width - borders - sum(max((len(x) for x in col), default=0) for col in fixed)
+    where_nat, what_nat = max(map(len, where), default=0), max(map(len, what), default=0)
+    if where_nat + what_nat <= rest:
+        return None, None
+    where_min, what_min = max(number_width(where), 8), max(number_width(what), 12)
+    if rest < where_min + what_min:
+        return where_min, what_min  # too narrow for both: numbers stay whole, the table is cropped
+    where_w = min(where_nat, max(where_min, rest * 2 // 5))
+    what_w = max(what_min, rest - where_w)
+    return max(where_min, rest - what_w), what_w
 
 
 def _human(n: float) -> str:
