@@ -75,7 +75,8 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
         shown = findings[:max_findings]
         where_w, what_w = _text_widths(
             console.width, ["severity", *(f.severity.value for f in shown)], ["check", *(f.check for f in shown)],
-            [printable(f.location.describe() or "-") for f in shown], [printable(f.message) for f in shown])
+            ["where", *(printable(f.location.describe() or "-") for f in shown)],
+            ["what", *(printable(f.message) for f in shown)])
         table = Table(title=_text(f"{report.command}: {report.target}"), show_lines=False, expand=False)
         table.add_column("severity", no_wrap=True)
         table.add_column("check", no_wrap=True)
@@ -121,12 +122,12 @@ def _text_widths(width: int, *fixed_and_text: list[str]) -> tuple[int | None, in
     where_nat, what_nat = max(map(len, where), default=0), max(map(len, what), default=0)
     if where_nat + what_nat <= rest:
         return None, None
-    where_min, what_min = max(number_width(where), 8), max(number_width(what), 12)
+    where_min = min(where_nat, max(number_width(where), 8))
+    what_min = min(what_nat, max(number_width(what), 12))
     if rest < where_min + what_min:
-        return where_min, what_min  # too narrow for both: numbers stay whole, the table is cropped
-    where_w = min(where_nat, max(where_min, rest * 2 // 5))
-    what_w = max(what_min, rest - where_w)
-    return max(where_min, rest - what_w), what_w
+        return None, None  # too narrow to keep every number whole: rich's own choice
+    where_w = max(where_min, min(where_nat, rest * 2 // 5))
+    return where_w, rest - where_w
 
 
 def _human(n: float) -> str:
