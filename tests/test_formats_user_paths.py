@@ -105,6 +105,24 @@ def test_an_intact_file_with_its_own_manifest_is_verified_in_its_folder(tmp_path
     assert [f["check"] for f in data["findings"] if f["severity"] == "error"] == ["manifest-invalid"]
 
 
+def test_a_file_of_a_fingerprinted_folder_is_checked_against_the_folder_manifest_when_verified_alone(
+        tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoint-9"
+    folder.mkdir()
+    st.save_file(_state(), str(folder / "model.safetensors"))
+    torch.save({"state": {0: {"exp_avg": torch.randn(64, 32)}}, "param_groups": [{"lr": 0.1}]},
+               folder / "optimizer.bin")
+    assert _run("fingerprint", "--no-progress", "--trust-uncheckable", str(folder))[0] == 0
+    for name in ("model.safetensors", "optimizer.bin"):  # weights by their names, others as FILE:PATH
+        data = _json("verify", "--no-progress", str(folder / name))
+        assert data["exit_code"] == 0 and data["stats"]["manifest"] is True, data["findings"]
+        assert not [f for f in data["findings"] if f["severity"] != "info"], data["findings"]
+    _flip_last_tensor_byte(folder / "model.safetensors")
+    data = _json("verify", "--no-progress", str(folder / "model.safetensors"))
+    assert data["exit_code"] == 1
+    assert [f["location"]["fqn"] for f in data["findings"] if f["location"].get("fqn")] == ["net.2.weight"]
+
+
 def _safetensors_with_first_byte_0x80(path: Path) -> None:
     """A plain ``save_file`` whose header length has 0x80 as its low byte (one header length in 32)."""
     for n in range(1, 400):

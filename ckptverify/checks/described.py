@@ -218,12 +218,16 @@ def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[st
     else:
         where, base = os.path.split(os.path.abspath(path))
         wanted.append((where, file_manifest_name(base), base))
+        if _folder_of_files(where):
+            wanted.append((where, MANIFEST_FILE, base))  # the file's folder's manifest, for this file alone
     found: list[tuple[str, Manifest]] = []
     findings: list[Finding] = []
     for where, name, pinned in wanted:
         try:
             manifest = read_manifest(where, name=name)
-            if manifest is not None and pinned is not None and set(manifest.files) != {pinned}:
+            if manifest is not None and name == MANIFEST_FILE and pinned is not None:
+                manifest = _for_one_file(manifest, pinned)
+            elif manifest is not None and pinned is not None and set(manifest.files) != {pinned}:
                 raise ManifestError(f"a single file's manifest must pin that file ({pinned!r}) and nothing else; "
                                     f"it pins {sorted(manifest.files)[:4]}")
         except ManifestError as exc:
@@ -233,6 +237,35 @@ def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[st
         if manifest is not None:
             found.append((where if pinned is None else os.path.join(where, pinned), manifest))
     return found, findings
+
+
+def _folder_of_files(folder: str) -> bool:
+    """``folder`` is not a DCP checkpoint (whose manifest pins its shards and side files whole)."""
+    from ckptverify.formats.rundir import dir_format
+
+    try:
+        return dir_format(os.listdir(folder)) not in ("dcp", "dcp-uncommitted")
+    except OSError:
+        return False
+
+
+def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
+    """What a folder's manifest says of its file ``name``, in the terms of the file alone (a folder names a
+    tensor of a non-weight file ``FILE:PATH``, the file alone ``PATH``); ``None`` when it does not list it."""
+    import dataclasses
+
+    if name not in manifest.files:
+        return None
+    items = [i for i in manifest.items if i.file == name]
+    fqns = {i.fqn for i in items}
+
+    def own(fqn: str) -> str:
+        return fqn.removeprefix(f"{name}:")
+
+    return dataclasses.replace(
+        manifest, files={name: manifest.files[name]}, metadata_files={},
+        items=tuple(dataclasses.replace(i, fqn=own(i.fqn)) for i in items),
+        tensors={own(f): t for f, t in manifest.tensors.items() if f in fqns})
 
 
 def judge_described(path: str, found: list[Finding], *, deep: bool,
