@@ -202,19 +202,22 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
     from ckptverify.formats.describe import describe
     from ckptverify.verify import verify_checkpoint
 
+    single = not os.path.isdir(root)
+    # Findings about the manifest name the file it is (beside a single file, inside a folder).
+    own = os.path.basename(file_manifest_path(root)) if single else MANIFEST_FILE
     checked = verify_checkpoint(root, jobs=jobs, use_manifest=False)
     findings = [f for f in checked.findings if f.check != "manifest-absent"]
     if not checked.passed:
         return Report(command="fingerprint", target=root, findings=(*findings, error(
             "fingerprint-refused", "the checkpoint fails verification; refusing to write a manifest that would "
-            "bless it", location=Location(file=MANIFEST_FILE))), coverage=checked.coverage, stats=checked.stats), None
+            "bless it", location=Location(file=own))), coverage=checked.coverage, stats=checked.stats), None
     uncheckable = [f for f in findings if f.check == UNCHECKABLE]
     if uncheckable and not trust_uncheckable:
         return Report(command="fingerprint", target=root, findings=(*findings, error(
             "fingerprint-refused",
             f"{len(uncheckable)} finding(s) name content that nothing could check (no checksum: safetensors, "
             "pickles); a manifest would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
-            location=Location(file=MANIFEST_FILE))), coverage=checked.coverage, stats=checked.stats), None
+            location=Location(file=own))), coverage=checked.coverage, stats=checked.stats), None
     parts = list(checked.stats.get("parts") or [])
     for part in parts:  # each DCP part gets its own manifest, as `fingerprint PART` would write it
         sub, _ = fingerprint_checkpoint(os.path.join(root, part), digest=digest, block_bytes=block_bytes, force=force,
@@ -223,7 +226,6 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
             return Report(command="fingerprint", target=root, findings=(*findings, *sub.findings),
                           coverage=checked.coverage, stats=checked.stats), None
     desc = describe(root)
-    single = not os.path.isdir(root)
     names = [os.path.basename(os.path.abspath(root))] if single else folder_files(root)
     try:
         files, items, tensors, missing = manifest_entries(desc, names, digest, block_bytes)
@@ -238,16 +240,15 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
                         torch_version=str(torch.__version__), source="fingerprint")
     if not single and set(folder_files(root)) != set(names):
         return _refused(checked, [], "files were added or removed while they were digested"), None
-    written = write_manifest(desc.root, manifest, name=os.path.basename(file_manifest_path(root)) if single
-                             else MANIFEST_FILE)
+    written = write_manifest(desc.root, manifest, name=own)
     notes = [info("manifest-written", f"wrote {written}: {len(files)} files, {len(items)} tensor payloads, "
                   f"{len(tensors) - missing} of {len(tensors)} tensors fingerprinted"
                   + (f", and a manifest in each of {len(parts)} DCP part(s)" if parts else ""),
-                  location=Location(file=MANIFEST_FILE))]
+                  location=Location(file=own))]
     if uncheckable:
         notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
                           f"could check: {len(uncheckable)} uncheckable finding(s) above",
-                          location=Location(file=MANIFEST_FILE)))
+                          location=Location(file=own)))
     coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(files), unit="files"),
                 CheckCoverage(check="fingerprint", count=len(tensors) - missing, unit="tensors"))
     stats = {**checked.stats, "seconds": round(time.perf_counter() - started, 6)}

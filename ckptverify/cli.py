@@ -118,7 +118,7 @@ def main() -> None:
 @click.option("--deep", is_flag=True,
               help="Also rebuild every tensor and compare its logical fingerprint with the manifest's "
                    "(memory -> disk -> memory); count NaN/Inf.")
-@click.option("--no-manifest", is_flag=True, help="Ignore ckptverify.manifest.json even if present.")
+@click.option("--no-manifest", is_flag=True, help="Ignore manifests even if present.")
 @click.option("--strict", is_flag=True,
               help="Fail closed: content that cannot be checked (no CRC-32 and no manifest) is an error.")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
@@ -127,11 +127,13 @@ def main() -> None:
               help="Show a progress bar [default: on a terminal, without --json].")
 def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool, strict: bool,
            metrics_file: str | None, progress: bool | None) -> None:
-    """Verify the DCP checkpoint directory PATH.
+    """Verify the checkpoint PATH: a DCP folder, a single torch.save or safetensors file, or a folder of
+    such files (Hugging Face, accelerate, transformers).
 
-    Checks metadata safety, structure, every record's CRC-32 and, when the checkpoint has a manifest,
-    every byte against the digests taken at save time. Never writes into PATH and never executes
-    anything from it.
+    Checks structure, metadata safety and every CRC-32 the format carries and, with a manifest
+    (ckptverify.manifest.json inside a folder, NAME.ckptverify.manifest.json beside a file), every byte
+    against the digests taken when it was saved or fingerprinted. Never writes into PATH and never
+    executes anything from it.
     """
     from ckptverify.verify import verify_checkpoint
 
@@ -183,7 +185,12 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
 @click.option("--ignore", "ignore", multiple=True, metavar="PATTERN",
               help="Leave out tensors and values whose name matches this glob (repeatable), e.g. per-rank "
                    "entries that legitimately differ: --ignore '*_extra_state/shard_*'.")
-def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None, ignore: tuple[str, ...]) -> None:
+@click.option("--map-prefix", "map_prefix", multiple=True, metavar="A_PREFIX=B_PREFIX",
+              help="Compare A's names starting with A_PREFIX with B's names starting with B_PREFIX instead "
+                   "(repeatable; the longest matching prefix wins; either side may be empty), e.g. "
+                   "--map-prefix net.=model.net. or --map-prefix =model.")
+def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None, ignore: tuple[str, ...],
+         map_prefix: tuple[str, ...]) -> None:
     """Compare checkpoints A and B tensor by tensor and value by value, whatever their sharding or format
     (DCP folders, single torch.save/safetensors files, Hugging Face/accelerate/transformers folders).
 
@@ -193,7 +200,7 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
     from ckptverify.diff import diff_checkpoints
 
     def call(bar: Any) -> Any:
-        return diff_checkpoints(a, b, jobs=jobs, progress=bar, ignore=ignore)
+        return diff_checkpoints(a, b, jobs=jobs, progress=bar, ignore=ignore, map_prefix=map_prefix)
 
     _emit(_with_progress(call, progress, json_out, "diff", f"{a} {b}"), json_out)
 

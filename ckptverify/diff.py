@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.checks import deep as deep_check
 from ckptverify.dcp.tensors import read_chunk
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.readers import FileChangedError
 from ckptverify.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
 
@@ -37,11 +37,19 @@ if TYPE_CHECKING:
 
 
 def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jobs: int | None = None,
-                     progress: ProgressSink | None = None, ignore: Sequence[str] = ()) -> Report:
+                     progress: ProgressSink | None = None, ignore: Sequence[str] = (),
+                     map_prefix: Sequence[str | tuple[str, str]] = ()) -> Report:
     """Compare checkpoints ``a`` and ``b`` (each a DCP folder, a folder of checkpoint files or a single
-    file); exit code 0 when every tensor and value is bitwise equal and something was compared."""
+    file); exit code 0 when every tensor and value is bitwise equal and something was compared.
+
+    ``map_prefix``: ``"A_PREFIX=B_PREFIX"`` strings (or ``(a_prefix, b_prefix)`` pairs): a name of A that
+    starts with ``A_PREFIX`` is compared with the name of B that has ``B_PREFIX`` instead (the longest
+    matching prefix wins; either side may be empty, not both): ``net.=model.net.`` compares A's
+    ``net.0.weight`` with B's ``model.net.0.weight``. Raises :class:`~ckptverify.errors.UsageError` for a
+    malformed mapping, and for one that maps two names of A onto the same name."""
     from ckptverify.errors import CheckpointNotFoundError
 
+    mapping = parse_prefix_map(map_prefix)
     roots = (os.fspath(a), os.fspath(b))
     for root in roots:
         if not os.path.lexists(root):
@@ -57,7 +65,7 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
             sides.append(side)
             findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location, expected=f.expected,
                                   actual=f.actual) for f in side.errors)
-        found, coverage, stats = _compare(sides[0], sides[1], tuple(ignore))
+        found, coverage, stats = _compare(sides[0], sides[1], tuple(ignore), mapping)
         findings.extend(found)
         for tag, side in zip("AB", sides, strict=True):
             findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location) for f in side.changed())
@@ -73,69 +81,147 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
                   coverage=coverage, stats=stats)
 
 
-def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...]) -> tuple[list[Finding], tuple[CheckCoverage, ...],
-                                                                   dict[str, Any]]:
+def parse_prefix_map(specs: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
+    """Validate ``--map-prefix`` values: each ``A_PREFIX=B_PREFIX`` with exactly one ``=`` (or a pair of
+    strings), not both empty, no A prefix given twice, no control characters. Raises
+    :class:`~ckptverify.errors.UsageError`."""
+    from ckptverify.errors import UsageError
+
+    if isinstance(specs, str | bytes):
+        raise UsageError("map_prefix must be a list of 'A_PREFIX=B_PREFIX' strings, not one string")
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        if isinstance(spec, str):
+            if spec.count("=") != 1:
+                raise UsageError(f"--map-prefix {spec!r}: expected A_PREFIX=B_PREFIX with exactly one '=' "
+                                 "(e.g. --map-prefix net.=model.net.)")
+            pair = tuple(spec.split("="))
+        elif isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(x, str) for x in spec):
+            pair = spec
+        else:
+            raise UsageError(f"--map-prefix {spec!r}: expected 'A_PREFIX=B_PREFIX' or a pair of strings")
+        a_prefix, b_prefix = pair
+        if not a_prefix and not b_prefix:
+            raise UsageError("--map-prefix '=': both prefixes are empty, so it maps nothing")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in a_prefix + b_prefix):
+            raise UsageError(f"--map-prefix {spec!r}: a prefix holds a control character")
+        if any(a_prefix == seen for seen, _ in out):
+            raise UsageError(f"--map-prefix: A prefix {a_prefix!r} is given twice")
+        out.append((a_prefix, b_prefix))
+    return out
+
+
+def _mapped_names(names: Sequence[str], mapping: list[tuple[str, str]],
+                  used: dict[tuple[str, str], int]) -> dict[str, str]:
+    """``{name in B's terms: name in A}`` for A's ``names`` under ``mapping`` (longest A prefix wins); counts
+    the names each mapping renamed in ``used``. Two names of A onto one is a usage error."""
+    from ckptverify.errors import UsageError
+
+    by_length = sorted(mapping, key=lambda m: -len(m[0]))
+    out: dict[str, str] = {}
+    for name in names:
+        target = name
+        for a_prefix, b_prefix in by_length:
+            if name.startswith(a_prefix):
+                target = b_prefix + name[len(a_prefix):]
+                used[(a_prefix, b_prefix)] += 1
+                break
+        if target in out:
+            raise UsageError(f"--map-prefix maps both {out[target]!r} and {name!r} of A onto {target!r}: the "
+                             "comparison would be ambiguous")
+        out[target] = name
+    return out
+
+
+def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tuple[str, str]] = (),
+             ) -> tuple[list[Finding], tuple[CheckCoverage, ...], dict[str, Any]]:
     findings: list[Finding] = []
+    used = dict.fromkeys(mapping, 0)
+    a_tensors = _mapped_names(list(sa.tensors), list(mapping), used)  # B's terms -> A's name
+    a_values = _mapped_names(list(sa.values), list(mapping), used)
+    a_damaged_values, b_damaged_values = sa.damaged_values, sb.damaged_values
 
-    def ignored(name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+    def ignored(name: str, a_name: str | None = None) -> bool:
+        return any(fnmatch.fnmatchcase(name, pat) or (a_name is not None and fnmatch.fnmatchcase(a_name, pat))
+                   for pat in ignore)
 
-    names = sorted(n for n in set(sa.tensors) | set(sb.tensors) if not ignored(n))
-    values = sorted(n for n in set(sa.values) | set(sb.values) if not ignored(n))
-    left_out = len(set(sa.tensors) | set(sb.tensors)) - len(names) + len(set(sa.values) | set(sb.values)) - len(values)
-    both = [n for n in names if n in sa.tensors and n in sb.tensors
-            and sa.tensors[n] == sb.tensors[n]]
-    fps = [side.fingerprints(set(both)) for side in (sa, sb)]
+    def label(name: str, a_name: str | None) -> str:
+        return repr(name) if a_name is None or a_name == name else f"{a_name!r} (A) / {name!r} (B)"
+
+    all_tensors = set(a_tensors) | set(sb.tensors)
+    all_values = set(a_values) | set(sb.values)
+    names = sorted(n for n in all_tensors if not ignored(n, a_tensors.get(n)))
+    values = sorted(n for n in all_values if not ignored(n, a_values.get(n)))
+    left_out = len(all_tensors) - len(names) + len(all_values) - len(values)
+    both = [n for n in names if n in a_tensors and n in sb.tensors and sa.tensors[a_tensors[n]] == sb.tensors[n]]
+    fp_a = sa.fingerprints({a_tensors[n] for n in both})
+    fp_b = sb.fingerprints(set(both))
     compared = uncompared = 0
     for name in names:
-        ta, tb = sa.tensors.get(name), sb.tensors.get(name)
+        a_name = a_tensors.get(name)
+        what = label(name, a_name)
+        ta, tb = sa.tensors.get(a_name) if a_name is not None else None, sb.tensors.get(name)
         if ta is None or tb is None:
-            findings.append(error("diff-missing", f"tensor {name!r} is missing from {'A' if ta is None else 'B'}",
+            findings.append(error("diff-missing", f"tensor {what} is missing from {'A' if ta is None else 'B'}",
                                   location=Location(fqn=name)))
             continue
         if ta != tb:
-            findings.append(error("diff-tensor", f"{name!r} is {ta[0]}{list(ta[1])} in A and {tb[0]}{list(tb[1])} in B",
+            findings.append(error("diff-tensor", f"{what} is {ta[0]}{list(ta[1])} in A and {tb[0]}{list(tb[1])} in B",
                                   location=Location(fqn=name), expected=f"{ta[0]}{list(ta[1])}",
                                   actual=f"{tb[0]}{list(tb[1])}"))
             continue
-        fa, fb = fps[0].get(name), fps[1].get(name)
+        assert a_name is not None
+        fa, fb = fp_a.get(a_name), fp_b.get(name)
         if fa is None or fb is None:
             uncompared += 1
             side = "A" if fa is None else "B"
-            if name in (sa.damaged if fa is None else sb.damaged):  # its damage is the error reported above
-                findings.append(info("diff-uncompared", f"{name!r} is damaged in {side}; not compared",
+            if (a_name in sa.damaged) if fa is None else (name in sb.damaged):  # its damage is reported above
+                findings.append(info("diff-uncompared", f"{what} is damaged in {side}; not compared",
                                      location=Location(fqn=name)))
             else:
-                findings.append(error("diff-uncompared", f"{name!r} could not be rebuilt from its bytes in {side}; "
+                findings.append(error("diff-uncompared", f"{what} could not be rebuilt from its bytes in {side}; "
                                       "not compared, so its equality is not shown", location=Location(fqn=name)))
             continue
         compared += 1
         if fa == fb:
             continue
         try:
-            stats = tensor_difference(sa.load(name), sb.load(name))
+            stats = tensor_difference(sa.load(a_name), sb.load(name))
         except (ValueError, RuntimeError, TypeError) as exc:
-            findings.append(error("diff-tensor", f"{name!r} differs (by fingerprint); loading it to say how failed: "
+            findings.append(error("diff-tensor", f"{what} differs (by fingerprint); loading it to say how failed: "
                                   f"{exc}"[:300], location=Location(fqn=name), expected=fa, actual=fb))
             continue
         findings.append(error(
             "diff-tensor",
-            f"{name!r} differs: {stats['differing']} of {stats['elements']} elements, max |a-b| "
-            f"{stats['max_abs_diff']}, max ULP distance {stats['max_ulp']}, first at {stats['first_index']}",
+            f"{what} differs: {stats['differing']} of {stats['elements']} elements, max |a-b| "
+            f"{_number(stats['max_abs_diff'])}, max ULP distance {stats['max_ulp']}, first at {stats['first_index']}",
             location=Location(fqn=name, global_index_first=tuple(stats["first_index"] or ())),
             expected=fa, actual=stats,
         ))
-    values_compared = 0
+    values_compared = values_uncompared = 0
     for name in values:
-        va, vb = sa.values.get(name), sb.values.get(name)
+        a_name = a_values.get(name)
+        what = label(name, a_name)
+        va, vb = sa.values.get(a_name) if a_name is not None else None, sb.values.get(name)
         if va is None or vb is None:
-            findings.append(error("diff-missing", f"value {name!r} is missing from {'A' if va is None else 'B'}",
+            findings.append(error("diff-missing", f"value {what} is missing from {'A' if va is None else 'B'}",
                                   location=Location(fqn=name)))
+            continue
+        if a_name in a_damaged_values or name in b_damaged_values:
+            values_uncompared += 1
+            side = "A" if a_name in a_damaged_values else "B"
+            findings.append(info("diff-uncompared", f"value {what}: its file is damaged in {side}; not compared",
+                                 location=Location(fqn=name)))
             continue
         values_compared += 1
         if va != vb:
-            findings.append(error("diff-value", f"value {name!r} differs: {_short(va)} in A, {_short(vb)} in B",
+            findings.append(error("diff-value", f"value {what} differs: {_short(va)} in A, {_short(vb)} in B",
                                   location=Location(fqn=name), expected=va, actual=vb))
+    for (a_prefix, b_prefix), n in used.items():
+        make = info if n else warning
+        findings.append(make("diff-mapped", f"--map-prefix {a_prefix}={b_prefix} renamed {n} name(s) of A"
+                             + ("" if n else ": no name of A starts with it"),
+                             actual={"a_prefix": a_prefix, "b_prefix": b_prefix, "renamed": n}))
     if ignore:
         findings.append(info("diff-ignored", f"{left_out} name(s) matching --ignore {list(ignore)} left out of the "
                              "comparison", actual={"ignored": left_out, "patterns": list(ignore)}))
@@ -146,8 +232,14 @@ def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...]) -> tuple[list[Findin
     coverage = (CheckCoverage(check="diff-tensor", count=compared, unit="tensors"),
                 CheckCoverage(check="diff-value", count=values_compared, unit="values"))
     return findings, coverage, {"tensors_compared": compared, "tensors_not_compared": uncompared,
-                                "values_compared": values_compared, "ignored": left_out,
+                                "values_compared": values_compared, "values_not_compared": values_uncompared,
+                                "ignored": left_out, "mapped": sum(used.values()),
                                 "formats": [sa.format, sb.format]}
+
+
+def _number(x: Any) -> str:
+    """A float for people: 6 significant digits (the exact value is in ``actual``)."""
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
 def _short(value: str) -> str:
@@ -161,6 +253,8 @@ class _Side:
     format = "?"
     errors: list[Finding]
     damaged: set[str]
+    #: Values whose file is damaged: named, not compared.
+    damaged_values: frozenset[str] | set[str] = frozenset()
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     values: dict[str, str]
 
@@ -191,7 +285,14 @@ def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
 
 
 class _DescribedSide(_Side):
-    """A single file or a folder of files, through :func:`~ckptverify.formats.describe.describe`."""
+    """A single file or a folder of files, through :func:`~ckptverify.formats.describe.describe`.
+
+    Verification errors leave out only what they touch: a tensor whose payload overlaps an error's byte
+    range, or that an error names; every tensor of a file with an error that names no bytes (its structure,
+    its size), except where a manifest still vouches for the tensor: a whole-file ``manifest-digest`` error
+    leaves out none of the file's tensors whose payload is, byte for byte, an item of a manifest covering the
+    file and hashes to that item's digest (read again here). Values of a file with an error that names no
+    tensor bytes are left out (named, not compared)."""
 
     def __init__(self, root: str, jobs: int) -> None:
         from ckptverify.formats.describe import describe
@@ -201,10 +302,35 @@ class _DescribedSide(_Side):
         self.errors = [f for f in checked.findings if f.severity.value == "error"]
         self.desc = describe(root)
         self.format = self.desc.format
-        bad_files = {f.location.file for f in self.errors if f.location.file}
-        self.damaged = {t.name for t in self.desc.tensors.values() if any(p.file in bad_files for p in t.payloads)}
+        folder = self.desc.format == "folder"
+        single = None if folder else os.path.basename(os.path.abspath(root))
+        ranged: dict[str, list[tuple[int, int]]] = {}
+        whole: dict[str, set[str]] = {}  # file -> checks of its errors that name no bytes
+        named: set[str] = set()
+        no_values: set[str] = set()  # files with an error not confined to a tensor's bytes
+        for f in self.errors:
+            where = f.location
+            file = where.file
+            if file is not None and where.fqn is None:
+                no_values.add(file)
+            if file is not None and where.byte_range is not None:
+                ranged.setdefault(file, []).append(where.byte_range)
+            elif file is not None and where.fqn is None:
+                whole.setdefault(file, set()).add(f.check)
+            if where.fqn is not None:  # by its own name, and as a folder names a tensor of a non-weight file
+                named.update((where.fqn, f"{file}:{where.fqn}") if folder and file else (where.fqn,))
+        proven = _manifest_proven(root, self.desc, {n for n, checks in whole.items() if checks == {"manifest-digest"}})
+        self.damaged = set()
+        for t in self.desc.tensors.values():
+            for p in t.payloads:
+                end = p.offset + p.length
+                if (t.name in named or any(lo < end and p.offset < hi for lo, hi in ranged.get(p.file, []))
+                        or (p.file in whole and (p.file, p.offset, p.length) not in proven)):
+                    self.damaged.add(t.name)
         self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
-        self.values = {n: v for n, v in self.desc.values.items() if n.partition(":")[0] not in bad_files}
+        self.values = dict(self.desc.values)
+        self.damaged_values = {n for n in self.values if (single or n.partition(":")[0]) in no_values}
+        bad_files = set(whole) | set(ranged)
         for name, why in sorted(self.desc.unread.items()):
             if name not in bad_files:
                 self.errors.append(error("diff-unread", f"{name} cannot be read for the comparison: {why}",
@@ -217,6 +343,41 @@ class _DescribedSide(_Side):
         from ckptverify.formats.describe import read_tensor
 
         return read_tensor(self.desc, name)
+
+
+def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple[str, int, int]]:
+    """Tensor payloads ``(file, offset, length)`` of ``files`` that are an item of a manifest covering the
+    file and whose bytes hash to that item's digest now."""
+    if not files:
+        return set()
+    from ckptverify.checks.described import manifests_of
+    from ckptverify.fingerprint import new_digest
+    from ckptverify.readers import ReadOnlyFile
+
+    manifests, _ = manifests_of(root)
+    items = {}
+    for _, manifest in manifests:
+        for item in manifest.items:
+            if item.file in files:
+                items[(item.file, item.offset, item.length)] = (manifest.digest_algorithm, item.digest)
+    out: set[tuple[str, int, int]] = set()
+    for t in desc.tensors.values():
+        for p in t.payloads:
+            key = (p.file, p.offset, p.length)
+            if key not in items or key in out:
+                continue
+            algorithm, want = items[key]
+            d = new_digest(algorithm)
+            try:
+                with ReadOnlyFile(os.path.join(desc.root, p.file), root=desc.root) as f:
+                    if f.size < p.offset + p.length:
+                        continue
+                    f.fold(p.offset, p.offset + p.length, d.update)
+            except OSError:
+                continue
+            if d.hexdigest() == want:
+                out.add(key)
+    return out
 
 
 def _described_fingerprints(desc: Description, names: set[str]) -> dict[str, str]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptverify.findings import Report, Severity, sort_findings
 
-__all__ = ["printable", "render_text", "to_json"]
+__all__ = ["number_width", "printable", "render_text", "to_json"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -28,6 +28,24 @@ def printable(value: object) -> str:
     text = str(value)
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
                         text)
+
+
+# A whitespace-delimited word that is a number, bare or in punctuation: "0.00123,", "[8672,", "1.5e-07)".
+_NUMBER_WORD = re.compile(r"[\[(]*[-+]?(?:\d[\d_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?%?[\]),;:.]*")
+#: Numbers longer than this may still be folded (a hostile name can hold a digit string of any length).
+_MAX_NUMBER_WIDTH = 40
+
+
+def number_width(texts: object) -> int:
+    """The width of the longest number (with the punctuation around it) among the words of ``texts``: a table
+    column at least this wide never breaks a number across lines (rich folds only words wider than the
+    column), so ``0.0012345314025878906`` is never shown as ``0.00123453140258`` over ``78906``."""
+    widest = 0
+    for text in texts:  # type: ignore[attr-defined]
+        for word in str(text).split():
+            if len(word) > widest and len(word) <= _MAX_NUMBER_WIDTH and _NUMBER_WORD.fullmatch(word):
+                widest = len(word)
+    return widest
 
 
 def to_json(report: Report, indent: int | None = 2) -> str:
@@ -54,12 +72,17 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
 
     findings = sort_findings(report.findings)
     if findings:
+        shown = findings[:max_findings]
+        where_w, what_w = _text_widths(
+            console.width, ["severity", *(f.severity.value for f in shown)], ["check", *(f.check for f in shown)],
+            ["where", *(printable(f.location.describe() or "-") for f in shown)],
+            ["what", *(printable(f.message) for f in shown)])
         table = Table(title=_text(f"{report.command}: {report.target}"), show_lines=False, expand=False)
         table.add_column("severity", no_wrap=True)
         table.add_column("check", no_wrap=True)
-        table.add_column("where", overflow="fold")
-        table.add_column("what", overflow="fold")
-        for f in findings[:max_findings]:
+        table.add_column("where", overflow="fold", width=where_w)
+        table.add_column("what", overflow="fold", width=what_w)
+        for f in shown:
             table.add_row(
                 _text(f.severity.value, _STYLE[f.severity]),
                 _text(f.check),
@@ -74,9 +97,11 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
         console.print(_text(f"checked {covered}", "dim"))
     stats = report.stats
     if stats.get("bytes") is not None and stats.get("seconds"):
+        # The rate only where it was measured: a rate of 0 B/s would say the read stalled.
+        rate = stats.get("throughput_bytes_per_s")
         console.print(_text(
-            f"{stats.get('files', 0)} files, {_human(stats['bytes'])} in {stats['seconds']:.2f} s "
-            f"({_human(stats.get('throughput_bytes_per_s') or 0)}/s)", "dim"))
+            f"{stats.get('files', 0)} files, {_human(stats['bytes'])} in {stats['seconds']:.2f} s"
+            + (f" ({_human(rate)}/s)" if rate else ""), "dim"))
     counts = report.summary()
     tail = f"{counts['error']} error(s), {counts['warning']} warning(s)"
     if report.passed:
@@ -85,6 +110,24 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
     else:
         verdict = Text.assemble(("FAILED", "bold red"), " ", _text(f"{report.command} {report.target}: {tail}"))
     console.print(verdict)
+
+
+def _text_widths(width: int, *fixed_and_text: list[str]) -> tuple[int | None, int | None]:
+    """Widths of the two text columns (where, what) of a findings table ``width`` wide after the no-wrap
+    columns, or ``None`` for rich's own choice when everything fits. Each gets at least its widest number
+    (:func:`number_width`): rich folds a word wider than its column, and would cut a number in two."""
+    *fixed, where, what = fixed_and_text
+    borders = 3 * (len(fixed) + 2) + 1  # "│ " before each column, " " after it, and the last "│"
+    rest = width - borders - sum(max((len(x) for x in col), default=0) for col in fixed)
+    where_nat, what_nat = max(map(len, where), default=0), max(map(len, what), default=0)
+    if where_nat + what_nat <= rest:
+        return None, None
+    where_min = min(where_nat, max(number_width(where), 8))
+    what_min = min(what_nat, max(number_width(what), 12))
+    if rest < where_min + what_min:
+        return None, None  # too narrow to keep every number whole: rich's own choice
+    where_w = max(where_min, min(where_nat, rest * 2 // 5))
+    return where_w, rest - where_w
 
 
 def _human(n: float) -> str:

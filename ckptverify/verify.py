@@ -79,8 +79,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     files (Hugging Face, accelerate, transformers), judged by their content (``docs/formats.md``). A run
     directory (a folder of checkpoints) is refused with a pointer to ``scan``.
 
-    ``jobs``: parallel workers (default one per core). ``use_manifest``: compare with
-    ``ckptverify.manifest.json`` when present. ``deep``: also rebuild every tensor and compare logical
+    ``jobs``: parallel workers (default one per core). ``use_manifest``: compare with every manifest that
+    covers the checkpoint, by the one rule of ``docs/manifest.md``: ``ckptverify.manifest.json`` inside a
+    folder, ``NAME.ckptverify.manifest.json`` beside a single file (also when the file is verified as part
+    of its folder). ``deep``: also rebuild every tensor and compare logical
     fingerprints with those taken at save time (and count NaN/Inf). ``strict``: fail closed, content that
     cannot be checked (no CRC-32 and no manifest covering it) is an error instead of a warning. Raises
     :class:`~ckptverify.errors.CheckpointNotFoundError` when ``path`` does not exist and
@@ -110,6 +112,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     finally:
         run.close()
     report = run.report("verify", time.perf_counter() - started)
+    if use_manifest:
+        advice = _fingerprint_advice(root, list(report.findings), bool(report.stats.get("manifest")))
+        report = dataclasses.replace(report, findings=(*report.findings, *advice))
     return fail_uncheckable(report) if strict else report
 
 
@@ -149,43 +154,93 @@ def _listdir(path: str) -> list[str]:
 
 
 def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bool = True) -> Report:
-    """A single checkpoint file (``torch.save``, safetensors), judged by its content."""
+    """A single checkpoint file (``torch.save``, safetensors), judged by its content and by its own manifest
+    (``NAME.ckptverify.manifest.json`` beside it)."""
     from ckptverify.checks.described import judge_described
     from ckptverify.formats.single import check_file
 
     found, coverage, facts = check_file(path, name=os.path.basename(path), root=os.path.dirname(os.path.abspath(path)))
     found, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest)
     coverage = [*coverage, *more]
-    stats = {"seconds": round(time.perf_counter() - started, 6), "files": 1, "bytes": facts.get("bytes", 0),
+    if use_manifest:
+        found.extend(_fingerprint_advice(path, found, with_manifest))
+    seconds = time.perf_counter() - started
+    stats = {"seconds": round(seconds, 6), "files": 1, "bytes": facts.get("bytes", 0),
+             "throughput_bytes_per_s": _throughput(facts.get("bytes", 0), seconds),
              "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": with_manifest}
     return Report(command="verify", target=path, findings=tuple(cap_findings(found)),
                   coverage=merge_coverage(coverage), stats=stats)
 
 
-def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float) -> Report:
-    """A folder of checkpoint files, and the DCP checkpoints inside it (FSDP saves of accelerate and
-    transformers), each verified in full; findings of a part name the part in their file."""
-    import dataclasses
-
+def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False, use_manifest: bool = True) -> Report:
+    """The files of a folder of checkpoint files (Hugging Face, accelerate, transformers), without the DCP
+    checkpoints inside it: each file by its content, against the folder's manifest and against its own
+    manifest when one lies beside it (``docs/manifest.md``). ``stats["parts"]`` names the DCP sub-folders,
+    which :func:`verify_checkpoint` verifies too; ``scan`` verifies them one by one."""
     from ckptverify.checks.described import judge_described
     from ckptverify.formats.folder import check_folder
 
-    found, coverage, facts = check_folder(root)
-    findings, more, with_manifest = judge_described(root, found, deep=deep, use_manifest=use_manifest)
-    cover = [*coverage, *more]
-    total = facts.get("bytes", 0)
-    for part in facts["dcp_parts"]:
+    started = time.perf_counter()
+    path = os.fspath(root)
+    found, coverage, facts = check_folder(path)
+    findings, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest)
+    if use_manifest:
+        findings.extend(_fingerprint_advice(path, findings, with_manifest))
+    seconds = time.perf_counter() - started
+    stats = {"seconds": round(seconds, 6), "files": len(facts["files"]), "bytes": facts.get("bytes", 0),
+             "throughput_bytes_per_s": _throughput(facts.get("bytes", 0), seconds), "format": "folder",
+             "parts": facts["dcp_parts"], "manifest": with_manifest}
+    return Report(command="verify", target=path, findings=tuple(findings), coverage=merge_coverage(
+        [*coverage, *more]), stats=stats)
+
+
+def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float) -> Report:
+    """A folder of checkpoint files, and the DCP checkpoints inside it (FSDP saves of accelerate and
+    transformers), each verified in full; findings of a part name the part in their file."""
+    files = verify_folder_files(root, deep=deep, use_manifest=use_manifest)
+    findings = [f for f in files.findings if f.check != FINGERPRINT_ADVICE]  # one for the whole, below
+    cover = list(files.coverage)
+    total = int(files.stats.get("bytes", 0) or 0)
+    with_manifest = bool(files.stats.get("manifest"))
+    for part in files.stats["parts"]:
         sub = verify_checkpoint(os.path.join(root, part), jobs=jobs, deep=deep, use_manifest=use_manifest)
         for f in sub.findings:
+            if f.check == FINGERPRINT_ADVICE:
+                continue
             where = f.location
             findings.append(dataclasses.replace(f, location=dataclasses.replace(
                 where, file=f"{part}/{where.file}" if where.file else f"{part}/")))
         cover.extend(sub.coverage)
         total += int(sub.stats.get("bytes", 0) or 0)
-    stats = {"seconds": round(time.perf_counter() - started, 6), "files": len(facts["files"]), "bytes": total,
-             "format": "folder", "parts": facts["dcp_parts"], "manifest": with_manifest}
+        with_manifest = with_manifest and bool(sub.stats.get("manifest"))
+    if use_manifest:
+        findings.extend(_fingerprint_advice(root, findings, with_manifest))
+    seconds = time.perf_counter() - started
+    stats = {"seconds": round(seconds, 6), "files": files.stats["files"], "bytes": total,
+             "throughput_bytes_per_s": _throughput(total, seconds), "format": "folder",
+             "parts": files.stats["parts"], "manifest": with_manifest}
     return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
                   coverage=merge_coverage(cover), stats=stats)
+
+
+def _throughput(n: int, seconds: float) -> int | None:
+    return round(n / seconds) if n and seconds > 0 else None
+
+
+#: The advice that ``fingerprint`` would protect content nothing can check now.
+FINGERPRINT_ADVICE = "fingerprint-advice"
+
+
+def _fingerprint_advice(path: str, findings: list[Finding], with_manifest: bool) -> list[Finding]:
+    """An ``info`` saying that ``ckptverify fingerprint`` would protect what nothing can check now: only when
+    some content is ``content-uncheckable`` and nothing names an error (a damaged checkpoint is never to be
+    blessed). A manifest written now proves nothing about the bytes as they are: it protects them from here on."""
+    unchecked = [f for f in findings if f.check == UNCHECKABLE]
+    if not unchecked or with_manifest or any(f.severity.value == "error" for f in findings):
+        return []
+    return [info(FINGERPRINT_ADVICE, f"`ckptverify fingerprint {path} --trust-uncheckable` would protect the "
+                 f"content without a checksum ({len(unchecked)} finding(s) above) from now on: later verifies check "
+                 "it byte for byte (it vouches for the bytes as they are now, not as they were saved)")]
 
 
 def fail_uncheckable(report: Report) -> Report:

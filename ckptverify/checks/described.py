@@ -20,7 +20,7 @@ from ckptverify.formats.describe import Description, is_own_file, read_tensor
 from ckptverify.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
 from ckptverify.readers import ReadOnlyFile
 
-__all__ = ["check_manifest", "deep_check", "folder_files", "manifest_entries"]
+__all__ = ["check_manifest", "deep_check", "folder_files", "judge_described", "manifest_entries", "manifests_of"]
 
 _FLOATING = {"float64", "float32", "float16", "bfloat16", "complex128", "complex64"}
 
@@ -194,39 +194,120 @@ def describe_stats(desc: Description) -> dict[str, Any]:
     return {"tensors": len(desc.tensors), "values": len(desc.values)}
 
 
-def judge_described(path: str, found: list[Finding], *, deep: bool,
-                    use_manifest: bool) -> tuple[list[Finding], list[CheckCoverage], bool]:
-    """The manifest and deep stages of ``verify`` for a single file or a folder of files, after the format's
-    own checks gave ``found``. A folder's manifest (``ckptverify.manifest.json``) is compared with every
-    file; content it proves unchanged is no longer ``content-uncheckable``. Returns all findings, the added
-    coverage and whether a manifest was used."""
-    from ckptverify.formats.describe import describe
+def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
+    """Every manifest that covers the single file or folder of files at ``path``, by the one rule of
+    ``docs/manifest.md``: a folder's ``ckptverify.manifest.json`` covers the files of the folder; a file's
+    own ``NAME.ckptverify.manifest.json`` beside it covers that file, whether the file is given alone or
+    as part of its folder. Returns ``(target, manifest)`` pairs (``target``: the path the manifest
+    describes: the folder, or one file) and a ``manifest-invalid`` error for each manifest that cannot be
+    trusted (refused whole: nothing is compared with it). An orphan file manifest (its file is gone) is
+    returned too: comparing it reports the missing file."""
     from ckptverify.manifest import MANIFEST_FILE, ManifestError, file_manifest_name, read_manifest
 
-    manifest = None
-    findings = list(found)
-    coverage: list[CheckCoverage] = []
+    if not use_manifest:
+        return [], []
+    wanted: list[tuple[str, str, str | None]] = []  # (folder the manifest lies in, its name, file it pins)
     if os.path.isdir(path):
-        where, name = path, MANIFEST_FILE
+        wanted.append((path, MANIFEST_FILE, None))
+        try:
+            names = sorted(os.listdir(path))
+        except OSError:
+            names = []
+        suffix = f".{MANIFEST_FILE}"
+        wanted.extend((path, n, n[: -len(suffix)]) for n in names if n.endswith(suffix) and len(n) > len(suffix))
     else:
         where, base = os.path.split(os.path.abspath(path))
-        name = file_manifest_name(base)
-    if use_manifest:
+        wanted.append((where, file_manifest_name(base), base))
+        if _folder_of_files(where):
+            wanted.append((where, MANIFEST_FILE, base))  # the file's folder's manifest, for this file alone
+    found: list[tuple[str, Manifest]] = []
+    findings: list[Finding] = []
+    for where, name, pinned in wanted:
         try:
             manifest = read_manifest(where, name=name)
+            if manifest is not None and name == MANIFEST_FILE and pinned is not None:
+                manifest = _for_one_file(manifest, pinned)
+            elif manifest is not None and pinned is not None and set(manifest.files) != {pinned}:
+                raise ManifestError(f"a single file's manifest must pin that file ({pinned!r}) and nothing else; "
+                                    f"it pins {sorted(manifest.files)[:4]}")
         except ManifestError as exc:
             findings.append(error("manifest-invalid", f"{name} cannot be trusted: {exc}",
                                   location=Location(file=name)))
-    if manifest is None and not deep:
+            continue
+        if manifest is not None:
+            found.append((where if pinned is None else os.path.join(where, pinned), manifest))
+    return found, findings
+
+
+def _folder_of_files(folder: str) -> bool:
+    """``folder`` is not a DCP checkpoint (whose manifest pins its shards and side files whole)."""
+    from ckptverify.formats.rundir import dir_format
+
+    try:
+        return dir_format(os.listdir(folder)) not in ("dcp", "dcp-uncommitted")
+    except OSError:
+        return False
+
+
+def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
+    """What a folder's manifest says of its file ``name``, in the terms of the file alone (a folder names a
+    tensor of a non-weight file ``FILE:PATH``, the file alone ``PATH``); ``None`` when it does not list it."""
+    import dataclasses
+
+    if name not in manifest.files:
+        return None
+    items = [i for i in manifest.items if i.file == name]
+    fqns = {i.fqn for i in items}
+
+    def own(fqn: str) -> str:
+        return fqn.removeprefix(f"{name}:")
+
+    return dataclasses.replace(
+        manifest, files={name: manifest.files[name]}, metadata_files={},
+        items=tuple(dataclasses.replace(i, fqn=own(i.fqn)) for i in items),
+        tensors={own(f): t for f, t in manifest.tensors.items() if f in fqns})
+
+
+def judge_described(path: str, found: list[Finding], *, deep: bool,
+                    use_manifest: bool) -> tuple[list[Finding], list[CheckCoverage], bool]:
+    """The manifest and deep stages of ``verify`` for a single file or a folder of files, after the format's
+    own checks gave ``found``. Every manifest :func:`manifests_of` finds is compared with the files it pins
+    (a folder's with every file, a file's own with that file); content a manifest has checked, intact or not,
+    is no longer ``content-uncheckable``. Returns all findings, the added coverage and whether manifests
+    cover every file (so "verified" means every byte was compared with a digest)."""
+    from ckptverify.formats.describe import describe
+
+    findings = list(found)
+    coverage: list[CheckCoverage] = []
+    manifests, invalid = manifests_of(path, use_manifest=use_manifest)
+    findings.extend(invalid)
+    if not manifests and not deep:
         return findings, coverage, False
-    desc = describe(path)
-    if manifest is not None:
-        checked, cov, matched = check_manifest(desc, manifest)
-        findings = [f for f in findings if not (f.check == "content-uncheckable" and f.location.file in matched)]
+    covered: set[str] = set()
+    folder_desc = None
+    folder_manifest = None
+    for target, manifest in manifests:
+        desc = describe(target)
+        if target == path and os.path.isdir(path):
+            folder_desc, folder_manifest = desc, manifest
+        checked, cov, _ = check_manifest(desc, manifest)
         findings.extend(checked)
         coverage.extend(cov)
+        covered |= {n for n in manifest.files if os.path.lexists(os.path.join(desc.root, n))}
+        if deep and target != path:
+            # A file's own manifest in a folder: its fingerprints are compared here (the folder's deep
+            # check below rebuilds every tensor once and reports what cannot be rebuilt or is not finite).
+            more, _ = deep_check(desc, manifest)
+            findings.extend(f for f in more if f.check == "fingerprint" and f.expected is not None)
+    # Content a manifest checked is no longer uncheckable: it was compared, and any change is an error above.
+    # A file added to a fingerprinted folder is vouched for when its own manifest covers it.
+    findings = [f for f in findings if not (f.check in ("content-uncheckable", "manifest-unlisted")
+                                            and f.location.file in covered)]
     if deep:
-        checked, cov = deep_check(desc, manifest)
+        desc = folder_desc if folder_desc is not None else describe(path)
+        own = folder_manifest if os.path.isdir(path) else next((m for _, m in manifests), None)
+        checked, cov = deep_check(desc, own)
         findings.extend(checked)
         coverage.extend(cov)
-    return findings, coverage, manifest is not None
+    every = set(folder_files(path)) if os.path.isdir(path) else {os.path.basename(os.path.abspath(path))}
+    return findings, coverage, bool(manifests) and every <= covered

@@ -144,17 +144,43 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
 
 
 def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DEPTH) -> list[Candidate]:
-    """Every checkpoint under ``run_dir`` (not ``run_dir`` itself), ordered by step (unknown steps first, by
-    modification time), then path."""
+    """Every checkpoint under ``run_dir``, ordered by step (unknown steps first, by modification time), then
+    path.
+
+    ``run_dir`` itself is one when its own files make a checkpoint (a DCP folder, a Hugging Face or accelerate
+    folder given directly): it is listed as ``"."``, with the DCP folders directly inside it whose names carry
+    no step as its parts (FSDP saves: ``pytorch_model_fsdp_0/``); the folders below it are still searched (a
+    transformers ``output_dir`` holds the final model and its ``checkpoint-N/`` folders)."""
     root = os.fspath(run_dir)
     budget = [MAX_ENTRIES]
     found: list[Candidate] = []
+    own = _scandir(root)
+    budget[0] -= len(own)
+    root_fmt = dir_format([e.name for e in own])
+    own_parts: set[str] = set()
+    if root_fmt is not None:
+        if root_fmt not in ("dcp", "dcp-uncommitted"):
+            own_parts = {e.name for e in own if _is_dir(e) and step_of(e.name) is None
+                         and dir_format([c.name for c in _scandir(e.path)]) in ("dcp", "dcp-uncommitted")}
+        size, mtime = 0, 0
+        for e in own:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                size, mtime = size + st.st_size, max(mtime, st.st_mtime_ns)
+        for part in sorted(own_parts):
+            part_size, part_mtime = _size(os.path.join(root, part), budget)
+            size, mtime = size + part_size, max(mtime, part_mtime)
+        found.append(Candidate(".", "dir", root_fmt, step_of(os.path.basename(os.path.abspath(root))), size, mtime,
+                               tuple(sorted(own_parts))))
     stack: list[tuple[str, int]] = [(root, 0)]
     while stack and budget[0] > 0:
         path, depth = stack.pop()
         entries = _scandir(path)
         budget[0] -= len(entries)
-        subdirs = [e for e in entries if _is_dir(e)]
+        subdirs = [e for e in entries if _is_dir(e) and not (path == root and e.name in own_parts)]
         for e in subdirs:
             names = [c.name for c in _scandir(e.path)]
             fmt = dir_format(names)

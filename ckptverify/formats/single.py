@@ -27,15 +27,20 @@ JSON_MAX_BYTES = 64 << 20
 
 
 def sniff(head: bytes) -> str | None:
-    """``torch.save``, ``safetensors``, ``pickle`` or ``None`` from a file's first 16 bytes."""
+    """``torch.save``, ``safetensors``, ``pickle`` or ``None`` from a file's first 16 bytes.
+
+    Safetensors is tried before pickle: its first byte is the low byte of its header length, which is
+    ``0x80`` (a pickle's protocol opcode) for one header length in 256 (and ``80 02``, protocol 2, for one
+    in 65536), while a pickle never has ``{`` at byte 8 after a plausible header length: a legacy
+    ``torch.save`` has its magic number there."""
     if looks_like_zip(head):
         return "torch.save"
-    if head[:1] == b"\x80":
-        return "pickle"
     if len(head) >= 9:
         (n,) = struct.unpack("<Q", head[:8])
         if 2 <= n <= safetensors.MAX_HEADER_BYTES and head[8:9] == b"{":
             return "safetensors"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "pickle"
     return None
 
 

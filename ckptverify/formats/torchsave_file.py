@@ -38,15 +38,18 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
             coverage, facts
     with f:
         facts["bytes"] = f.size
-        head = f.pread(0, 4)
+        head = f.pread(0, 16)
         if not looks_like_zip(head):
-            if head[:1] == b"\x80":
+            from ckptverify.formats.single import sniff
+
+            if sniff(head) == "pickle":
                 findings.append(warning(
                     "content-uncheckable", f"{label} is in the legacy (non-zip) torch.save format, which carries "
                     "no checksum: its content cannot be checked", location=Location(file=label)))
             else:
                 findings.append(error("zip-structure", f"{label} is not a torch.save archive (it starts with "
-                                      f"{head.hex() or 'nothing'})", location=Location(file=label, byte_range=(0, 4))))
+                                      f"{head[:4].hex() or 'nothing'})",
+                                      location=Location(file=label, byte_range=(0, 4))))
             return findings, coverage, facts
 
         def read(offset: int, n: int) -> bytes:

@@ -45,7 +45,8 @@ def judge_report(report: Report) -> str:
     return "verified" if report.stats.get("manifest") else "intact"
 
 
-def _judge_dcp(path: str, jobs: int | None) -> tuple[str, Report]:
+def _judge_path(path: str, jobs: int | None) -> tuple[str, Report]:
+    """A DCP checkpoint or a single file, through ``verify``'s own routing."""
     from ckptverify.verify import verify_checkpoint
 
     report = verify_checkpoint(path, jobs=jobs)
@@ -56,30 +57,24 @@ _WORST = {s: n for n, s in enumerate(("verified", "intact", "uncheckable", "inco
 
 
 def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
-    """State, one-line reason, and counts for one candidate."""
-    path = os.path.join(root, cand.path)
-    if cand.format in ("dcp", "dcp-uncommitted"):
-        state, report = _judge_dcp(path, jobs)
+    """State, one-line reason, and counts for one candidate, verified exactly as ``verify`` verifies it (the
+    same routing, so the same manifests: a folder's, and a file's own beside it)."""
+    path = os.path.normpath(os.path.join(root, cand.path))
+    if cand.format in ("dcp", "dcp-uncommitted") or cand.kind == "file":
+        state, report = _judge_path(path, jobs)
         return state, reason_of(state, report), counts_of(report)
-    if cand.kind == "file":
-        from ckptverify.formats.single import check_file
+    from ckptverify.verify import verify_folder_files
 
-        found, cov, facts = check_file(path, name=cand.path)
-        report = Report(command="verify", target=path, findings=tuple(found), coverage=tuple(cov),
-                        stats={"bytes": facts.get("bytes", 0)})
-        state = judge_report(report)
-        return state, reason_of(state, report), counts_of(report)
-    from ckptverify.formats.folder import check_folder
-
-    found, cov, facts = check_folder(path)
-    folder = Report(command="verify", target=path, findings=tuple(found), coverage=tuple(cov),
-                    stats={"bytes": facts.get("bytes", 0)})
+    folder = verify_folder_files(path)
     states, reasons = [judge_report(folder)], []
     counts = counts_of(folder)
-    if found or not facts["dcp_parts"]:
+    # The run directory itself ("."): only the parts the walk gave it (DCP folders named by a step are
+    # checkpoints of their own); any other folder: every DCP folder inside it.
+    parts = list(cand.parts) if cand.parts or cand.path == "." else list(folder.stats.get("parts") or [])
+    if folder.findings or not parts:
         reasons.append(f"files: {reason_of(states[0], folder)}")
-    for part in facts["dcp_parts"]:
-        state, report = _judge_dcp(os.path.join(path, part), jobs)
+    for part in parts:
+        state, report = _judge_path(os.path.join(path, part), jobs)
         states.append(state)
         for k, v in counts_of(report).items():
             counts[k] += v
@@ -94,12 +89,19 @@ def counts_of(report: Report) -> dict[str, int]:
 
 
 def reason_of(state: str, report: Report) -> str:
-    """One line saying why a checkpoint has ``state``."""
-    if state in ("corrupt", "incomplete"):
+    """One line saying why a checkpoint has ``state``, naming the first finding behind it."""
+    if state == "corrupt":
         first = report.errors[0]
         return f"{len(report.errors)} error(s); first: {first.check}: {first.message}"
+    if state == "incomplete":
+        first = next(f for f in report.errors if f.check in _INCOMPLETE_CHECKS)
+        return f"never committed: {first.message}"
     if state == "uncheckable":
-        return "some content carries no checksum and no manifest covers it"
+        from ckptverify.verify import UNCHECKABLE
+
+        first = next(f for f in report.findings if f.check == UNCHECKABLE)
+        return (f"{first.location.describe() or 'some content'} carries no checksum and no manifest covers it; "
+                "`ckptverify fingerprint` would protect it from now on")
     if state == "verified":
         return "every byte matches the manifest"
     return "structure and every CRC-32 check out; no manifest"
@@ -147,14 +149,17 @@ def render_scan(report: Report, console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from ckptverify.report import _human, printable
+    from ckptverify.report import _human, number_width, printable
 
     style = {"verified": "green", "intact": "green", "uncheckable": "yellow", "incomplete": "yellow",
              "corrupt": "bold red"}
     table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
+    rows = report.stats.get("checkpoints", [])
+    why_width = number_width(printable(r["reason"]) for r in rows) or None
     for col in ("step", "checkpoint", "format", "size", "state", "why"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("step", "state"))
-    for row in report.stats.get("checkpoints", []):
+        table.add_column(col, overflow="fold", no_wrap=col in ("step", "format", "size", "state"),
+                         min_width=why_width if col == "why" else None)
+    for row in rows:
         table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
                       Text(row["format"]), Text(_human(row["size"])), Text(row["state"], style=style[row["state"]]),
                       Text(printable(row["reason"])))
@@ -163,10 +168,18 @@ def render_scan(report: Report, console: Any) -> None:
     if newest:
         console.print(Text.assemble(("newest good: ", "bold"), printable(newest["path"]),
                                     f" (step {newest['step']})" if newest["step"] is not None else ""))
-    counts = report.summary()
+    # Findings that are not a row of the table (none good) are shown, so the verdict never counts an
+    # error the page does not show.
+    for f in report.findings:
+        if f.check != "scan":
+            console.print(Text.assemble((f"{f.severity.value}: ", _SEVERITY_STYLE[f.severity.value]),
+                                        printable(f"{f.check}: {f.message}")))
+    by_state = [f"{n} {state}" for state in STATES if (n := sum(r["state"] == state for r in rows))]
     verdict = ("PASSED", "bold green") if report.passed else ("FAILED", "bold red")
     console.print(Text.assemble(verdict, " ", printable(
-        f"scan {report.target}: {len(report.stats.get('checkpoints', []))} checkpoint(s), "
-        f"{counts['error']} error(s), {counts['warning']} warning(s)")))
+        f"scan {report.target}: {len(rows)} checkpoint(s): {', '.join(by_state) or 'none'}")))
+
+
+_SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
