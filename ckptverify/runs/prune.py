@@ -6,7 +6,8 @@
   it while every newer one is corrupt or torn would leave nothing to resume from;
 - a checkpoint being verified right now (its verifying lock is held);
 - a checkpoint a save is writing right now (its in-progress marker is locked by a live save);
-- anything whose step is unknown, and anything that is not a checkpoint ``find_checkpoints`` recognized.
+- anything whose step is unknown, and anything that is not a checkpoint ``find_checkpoints`` recognized;
+- anything a production job moved aside into ``quarantine/`` (kept as evidence: never deleted).
 
 Deletion never follows a symbolic link and never leaves the run directory.
 """
@@ -68,7 +69,9 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
         raise UsageError(f"keep must be at least 1, got {keep}")
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
-    candidates = [c for c in find_checkpoints(root) if c.step is not None]
+    from ckptverify.runs.latest import is_quarantined
+
+    candidates = [c for c in find_checkpoints(root) if c.step is not None and not is_quarantined(c.path)]
     newest_first = sorted(candidates, key=lambda c: (c.step, c.mtime_ns), reverse=True)
     good = latest_verified(root, jobs=jobs)
     protected_good = os.path.relpath(good.path, root) if good.path else None
