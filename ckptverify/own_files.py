@@ -19,6 +19,7 @@ __all__ = [
     "SAVE_MARKER",
     "STAMP_FILE",
     "STAMP_TEMP_PREFIX",
+    "SUSPECT_NOTE",
     "VERIFYING_LOCK",
     "write_atomic",
 ]
@@ -27,6 +28,9 @@ __all__ = [
 MANIFEST_FILE = "ckptverify.manifest.json"
 #: A checkpoint's verification stamp (inside a folder; ``NAME.ckptverify.verified.json`` beside a file).
 STAMP_FILE = "ckptverify.verified.json"
+#: Written into a checkpoint folder before its save when the job saw its replicas disagree: the checkpoint is
+#: suspect (``ckptverify.runs.stamp.read_suspect``), whatever its bytes verify to.
+SUSPECT_NOTE = "ckptverify.suspect.json"
 #: Held (``flock``) by whoever is verifying a checkpoint right now; retention skips a locked checkpoint.
 VERIFYING_LOCK = ".ckptverify-verifying"
 #: The in-progress marker (and lock file) of a ckptverify save that has not committed.
@@ -36,7 +40,7 @@ MANIFEST_TEMP_PREFIX = ".ckptverify-manifest-"
 STAMP_TEMP_PREFIX = ".ckptverify-stamp-"
 METRICS_TEMP_PREFIX = ".ckptverify-metrics-"
 #: The files ckptverify may leave in a checkpoint folder once it is done: never part of the checkpoint.
-OWN_FILES = frozenset({MANIFEST_FILE, STAMP_FILE, VERIFYING_LOCK})
+OWN_FILES = frozenset({MANIFEST_FILE, STAMP_FILE, VERIFYING_LOCK, SUSPECT_NOTE})
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, prefix: str, durable: bool = True) -> str:

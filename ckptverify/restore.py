@@ -11,8 +11,9 @@ checked after.
 
 Given a run directory and ``pick="latest-verified"``, :func:`load` first picks the newest checkpoint that
 verifies (:func:`~ckptverify.runs.latest.latest_verified`: a current stamp is trusted, any other checkpoint is
-verified on the spot), then loads that one and says which, and what it skipped, in its report. A production
-``Run`` resumes through the same two steps (:func:`pick_checkpoint`, :func:`load_picked`).
+verified on the spot; a suspect checkpoint, saved after a replica mismatch, and one moved into the run's
+``quarantine/`` are never picked), then loads that one and says which, and what it skipped, in its report. A
+production ``Run`` resumes through the same two steps (:func:`pick_checkpoint`, :func:`load_picked`).
 
 Every rank of the process group calls :func:`load`.
 """
@@ -179,7 +180,8 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
         raise CheckpointNotFoundError(data["error"])
     if found is not None:
         return found
-    return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]))
+    return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
+                  quarantined=list(data.get("quarantined", [])))
 
 
 def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep_verify: bool = False) -> Report:

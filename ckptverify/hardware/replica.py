@@ -90,10 +90,15 @@ class ReplicaCheck:
 
     Every rank of the process group constructs it with the same model (and optimizer, whose per-parameter
     state is compared with the parameters: a flipped moment shows at once, not one update later) and calls
-    :meth:`check` at the same points (it issues collectives). ``events`` (an
-    :class:`~ckptverify.events.EventLog`) receives a ``replica-mismatch`` event, written by the lowest rank of
-    the group; ``on_mismatch="raise"`` then raises :class:`ReplicaMismatchError` on every member, ``"warn"``
-    warns on stderr and training goes on.
+    :meth:`check` at the same points (it issues collectives). ``on_mismatch="raise"`` raises
+    :class:`ReplicaMismatchError` on every member at the first mismatch; ``"warn"`` warns and training goes on.
+
+    Mismatches come in **episodes**: from the first checked step at which some replicas disagree until a check
+    at which all agree again (a flipped bit that stays flipped makes one episode to the end of the job). The
+    lowest rank of the group warns once per episode, at its first step, and says at its end (on stderr) how
+    many checked steps mismatched; ``events`` (an :class:`~ckptverify.events.EventLog`) receives a
+    ``replica-mismatch`` event at the first step of each episode and a ``replica-mismatch-end`` event (with the
+    count) when it ends, or at :meth:`finish`. :meth:`suspect` says what a checkpoint saved now must record.
     """
 
     def __init__(self, model: Any, *, optimizer: Any = None, group: Any = None, on_mismatch: str = "warn",
@@ -112,8 +117,12 @@ class ReplicaCheck:
         self.digest_source: Any = None
         self._views: dict[tuple[Any, ...], Any] = {}
         self.mismatches: list[ReplicaMismatch] = []
+        #: Mismatch episodes so far (the last one open while ``_episode`` is set).
+        self.episodes: list[_Episode] = []
+        self._episode: _Episode | None = None
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
         self._hosts: list[str] = []
+        self._rank = dist.get_rank() if self.enabled else 0
         if not self.enabled:
             return
         import socket
@@ -153,6 +162,8 @@ class ReplicaCheck:
                 found.append(mismatch)
         for mismatch in found:
             self._report(mismatch)
+        if not found and not grads:
+            self._agreed(step)
         return found
 
     def _tensors(self, bucket: _Bucket, grads: bool) -> tuple[list[str], list[Any]]:
@@ -236,17 +247,92 @@ class ReplicaCheck:
                                suspects=suspects)
 
     def _report(self, mismatch: ReplicaMismatch) -> None:
-        import torch.distributed as dist
-
         self.mismatches.append(mismatch)
-        if self.events is not None and dist.get_rank() == min(mismatch.group):
-            self.events.emit("replica-mismatch", **mismatch.to_event())
         message = f"ckptverify: replica mismatch at {mismatch.describe()}"
+        first = self._episode is None
+        if first:
+            self._episode = _Episode(first=mismatch, number=len(self.episodes) + 1)
+            self.episodes.append(self._episode)
+        episode = self._episode
+        assert episode is not None
+        episode.add(mismatch)
+        reporter = self._rank == min(episode.first.group)
+        if self.events is not None and reporter and first:
+            # One event where an episode begins (and one where it ends, with its count): a flipped bit that
+            # stays flipped would otherwise write one line per step for the rest of the job.
+            self.events.emit("replica-mismatch", **mismatch.to_event(), episode=episode.number)
         if self.on_mismatch == "raise":
             raise ReplicaMismatchError(message, mismatch)
-        if dist.get_rank() == min(mismatch.group):
-            warnings.warn(message, ReplicaMismatchWarning, stacklevel=3)
+        if reporter and first:
+            warnings.warn(f"{message}; further mismatched steps of this episode are counted, not repeated",
+                          ReplicaMismatchWarning, stacklevel=3)
             sys.stderr.flush()
+
+    def _agreed(self, step: int) -> None:
+        """Every replica group agreed at ``step``: the open episode, if any, ends here."""
+        if self._episode is None:
+            return
+        self._close_episode(agreed_at=step)
+
+    def _close_episode(self, *, agreed_at: int | None) -> None:
+        episode = self._episode
+        assert episode is not None
+        self._episode = None
+        episode.agreed_at = agreed_at
+        if self._rank == min(episode.first.group):  # the group may be gone already (the end of the job)
+            print(f"ckptverify: {episode.describe()}", file=sys.stderr, flush=True)
+            if self.events is not None:
+                self.events.emit("replica-mismatch-end", **episode.to_event())
+
+    def finish(self) -> None:
+        """At the end of the job: an episode still open is closed and its count said (on stderr, and an event);
+        no collective. Nothing happens when every replica agreed at the last check."""
+        if self._episode is not None:
+            self._close_episode(agreed_at=None)
+
+    def suspect(self) -> dict[str, Any] | None:
+        """What a checkpoint saved now must record as the reason it is suspect: the replica mismatches this
+        check has seen (any episode, open or closed), or ``None`` when the replicas always agreed."""
+        if not self.episodes:
+            return None
+        first, last = self.episodes[0], self.episodes[-1]
+        return {"reason": "replica-mismatch", "first_step": first.first.step, "last_step": last.last_step,
+                "mismatched_steps": sum(e.count for e in self.episodes), "episodes": len(self.episodes),
+                "ongoing": self._episode is not None, "group": list(first.first.group),
+                "sides": list(first.first.sides), "tensors": sorted({t for e in self.episodes for t in e.tensors})}
+
+
+@dataclass
+class _Episode:
+    """Consecutive checked steps at which some replicas disagreed, from the first until they agree again."""
+
+    first: ReplicaMismatch
+    number: int
+    count: int = 0
+    last_step: int = 0
+    tensors: set[str] = field(default_factory=set)
+    agreed_at: int | None = None
+    _steps: set[int] = field(default_factory=set)
+
+    def add(self, mismatch: ReplicaMismatch) -> None:
+        if mismatch.step not in self._steps:  # several groups may disagree at one step: one step counted once
+            self._steps.add(mismatch.step)
+            self.count += 1
+        self.last_step = max(self.last_step, mismatch.step)
+        self.tensors.update(mismatch.tensors)
+
+    def describe(self) -> str:
+        span = f"steps {self.first.step}-{self.last_step}" if self.last_step != self.first.step else \
+            f"step {self.first.step}"
+        end = (f"replicas agree again at step {self.agreed_at}" if self.agreed_at is not None
+               else "replicas still differ at the end of the job")
+        return (f"replica mismatch episode {self.number}: {self.count} checked step(s) mismatched ({span}); "
+                f"{end}")
+
+    def to_event(self) -> dict[str, Any]:
+        return {"episode": self.number, "first_step": self.first.step, "last_step": self.last_step,
+                "mismatched_steps": self.count, "agreed_at": self.agreed_at, "group": list(self.first.group),
+                "tensors": sorted(self.tensors)}
 
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -111,7 +111,7 @@ class Run:
     def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
              save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
              on_mismatch: str = "warn", fault: str | None = None, verify: str = "background",
-             on_verify_failure: str = "warn") -> None:
+             on_verify_failure: str = "warn", resume: str = "auto") -> None:
         """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with
         ``run_dir``: see :mod:`ckptverify.resume.production`), or plainly for ``steps`` steps.
 
@@ -123,18 +123,29 @@ class Run:
         :func:`ckptverify.save`), with ``on_verify_failure`` (``"warn"`` or ``"raise"``); the job waits for the
         pending verifications before it ends. Started by ``python`` or ``torchrun``: the process group is
         created from torchrun's environment when none exists.
+
+        ``resume``: ``"auto"`` (the newest checkpoint that verifies; step 0 in an empty run directory; refused
+        when checkpoints exist and none verifies), ``"required"`` (refused when there is nothing to resume
+        from) or ``"never"`` (step 0; refused when a checkpoint verifies). Every checkpoint skipped is said on
+        stderr and in ``events.jsonl``, and one that fails is moved aside, never overwritten (see
+        :mod:`ckptverify.resume.production`). A refusal prints why on stderr and exits with status 2 (raises
+        ``SystemExit(2)``) before ``train`` runs, having changed nothing.
         """
         if os.environ.get(ENV_VAR) or run_dir is None:
             run = cls.from_env(steps=steps)
         else:
-            from ckptverify.resume.production import ProductionOptions, target_of
+            from ckptverify.resume.production import ProductionOptions, ResumeRefusedError, target_of
 
             if steps is None:
                 raise UsageError("production mode needs steps=")
             options = ProductionOptions(run_dir=os.path.abspath(run_dir), steps=steps, save_every=save_every,
                                         trace=trace, trace_every=trace_every, on_mismatch=on_mismatch, fault=fault,
-                                        verify=verify, on_verify_failure=on_verify_failure)
-            run = cls._for_production(options, target_of(train))
+                                        verify=verify, on_verify_failure=on_verify_failure, resume=resume)
+            try:
+                run = cls._for_production(options, target_of(train))
+            except ResumeRefusedError:
+                # Said on stderr by rank 0 already (and recorded): a refusal is an answer, not a crash.
+                raise SystemExit(2) from None
         try:
             train(run)
         finally:
@@ -146,7 +157,14 @@ class Run:
 
         owns = _init_group_from_env()
         rank, world = rank_world(env_fallback=True)
-        picked = _resume_point(options.run_dir)
+        try:
+            picked = _resume_point(options, rank=rank, world=world)
+        except BaseException:
+            if owns:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()  # every rank refuses alike: none is left in a collective
+            raise
         resume_from, start = (picked.path, picked.step) if picked is not None else (None, 0)
         every = options.save_every
         config = RunConfig(
@@ -330,6 +348,8 @@ class Run:
         path = checkpoint_path(self.config.checkpoint_dir, self._p.step)
         if self._recorder is not None:
             self._recorder.flush()
+        if self._production is not None:
+            self._production.before_save(self._p.step, path)  # never over a checkpoint; notes a suspect one
         save(self.state, path, **(self._production.save_options() if self._production is not None else {}))
         self._p.saved.append(path)
         if self._production is not None:
@@ -424,18 +444,14 @@ def _init_group_from_env() -> bool:
     return True
 
 
-def _resume_point(run_dir: str) -> Any:
-    """The pick of :func:`ckptverify.restore.pick_checkpoint` (the same on every rank) for a run directory
-    that has a checkpoint that verifies and whose step is known, else ``None`` (a fresh start). Decided on
-    rank 0 (where the run directory may be all there is of it) and broadcast."""
-    from ckptverify.errors import CheckpointNotFoundError
-    from ckptverify.restore import pick_checkpoint
+def _resume_point(options: Any, *, rank: int, world: int) -> Any:
+    """The checkpoint a production job resumes from (a :class:`~ckptverify.runs.latest.Latest`, the same on
+    every rank), or ``None`` for a start from step 0, as ``options.resume`` allows; raises
+    :class:`~ckptverify.resume.production.ResumeRefusedError` on every rank when it refuses. See
+    :func:`ckptverify.resume.production.resume_point`."""
+    from ckptverify.resume.production import resume_point
 
-    try:
-        picked = pick_checkpoint(run_dir)
-    except CheckpointNotFoundError:  # no run directory yet
-        return None
-    return picked if picked.path is not None and picked.step is not None else None
+    return resume_point(options, rank=rank, world=world)
 
 
 def init_process_group(backend: str | None = None, **kwargs: Any) -> None:

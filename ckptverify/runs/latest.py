@@ -3,12 +3,23 @@
 Checkpoints are tried newest first (by step). A checkpoint with a *current* verification stamp
 (:mod:`~ckptverify.runs.stamp`) is judged by it; one without a stamp, or with a stale one, is verified on the
 spot. The first one that is ``verified`` or ``intact`` wins; every newer one is listed as skipped, with why
-(corrupt, torn, incomplete, uncheckable, a format that is not read). Nothing is written.
+(corrupt, torn, incomplete, uncheckable, suspect, a format that is not read). Nothing is written.
+
+A **suspect** checkpoint (saved after the job saw its replicas disagree: a suspect note in the folder or in its
+stamp, :func:`~ckptverify.runs.stamp.read_suspect`) is never picked, whatever its bytes verify to.
+
+**Quarantine.** A production job never overwrites a checkpoint that failed verification: before it could save
+over one, it moves it aside, whole, into ``RUN_DIR/quarantine/`` as ``step_N.moved-<UTC time>``
+(:func:`move_aside`). A checkpoint under ``quarantine/`` is never a resume candidate (it is listed in
+``quarantined``, not judged), never deleted by :func:`~ckptverify.runs.prune.prune`, and still shown by
+``scan``.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
+import re
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -18,37 +29,100 @@ from ckptverify.errors import CheckpointNotFoundError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, find_checkpoints
 from ckptverify.runs.scan import GOOD_STATES, judge
-from ckptverify.runs.stamp import read_stamp
+from ckptverify.runs.stamp import describe_suspect, read_stamp, read_suspect
 
-__all__ = ["Latest", "latest_verified"]
+__all__ = ["QUARANTINE_DIR", "Latest", "is_quarantined", "latest_verified", "move_aside"]
+
+#: Where a production job moves a checkpoint it must not overwrite (relative to the run directory).
+QUARANTINE_DIR = "quarantine"
+_OWN_NAME = re.compile(r"^step_\d+$")
+
+
+def is_quarantined(rel_path: str) -> bool:
+    """Whether a checkpoint path (relative to its run directory, as ``find_checkpoints`` gives it) lies in the
+    run's quarantine."""
+    return rel_path.replace(os.sep, "/").split("/", 1)[0] == QUARANTINE_DIR
+
+
+def is_own_step_dir(rel_path: str) -> bool:
+    """Whether ``rel_path`` is a ``step_N`` folder at the top of the run directory: where a production job
+    saves, so what a save of it could overwrite."""
+    return "/" not in rel_path.replace(os.sep, "/") and bool(_OWN_NAME.match(rel_path))
+
+
+def move_aside(run_dir: str | os.PathLike[str], rel_path: str) -> str:
+    """Move the checkpoint ``rel_path`` of ``run_dir`` into the quarantine, whole (one ``rename``: its files,
+    stamp and notes keep their bytes, inodes and times, so a current stamp stays current); return its new path
+    relative to ``run_dir``. Never overwrites: an existing name gets a counter."""
+    root = os.fspath(run_dir)
+    source = os.path.join(root, rel_path)
+    base = os.path.basename(os.path.normpath(rel_path))
+    when = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    os.makedirs(os.path.join(root, QUARANTINE_DIR), exist_ok=True)
+    for n in range(1000):
+        name = f"{base}.moved-{when}" + (f"-{n}" if n else "")
+        target = os.path.join(root, QUARANTINE_DIR, name)
+        if os.path.lexists(target):
+            continue
+        os.rename(source, target)  # same file system: atomic, nothing copied
+        return f"{QUARANTINE_DIR}/{name}"
+    raise FileExistsError(f"no free name in {os.path.join(root, QUARANTINE_DIR)} for {base}")
 
 
 @dataclass
 class Latest:
     """The pick: ``path`` (absolute) and ``step`` of the newest good checkpoint, or ``None``; ``skipped`` lists
-    the newer ones passed over; ``report`` holds one finding per checkpoint examined."""
+    the newer ones passed over; ``quarantined`` the checkpoints moved aside into ``quarantine/`` (never
+    candidates); ``report`` holds one finding per checkpoint examined."""
 
     path: str | None
     step: int | None
     skipped: list[dict[str, Any]] = field(default_factory=list)
     report: Report | None = None
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "step": self.step, "skipped": self.skipped}
+        return {"path": self.path, "step": self.step, "skipped": self.skipped, "quarantined": self.quarantined}
 
 
 def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool) -> tuple[str, str, str]:
-    """State, reason, and how it was decided (``stamp`` or ``verified now``)."""
+    """State, reason, and how it was decided (``stamp``, ``suspect note`` or ``verified now``)."""
+    path = os.path.join(root, cand.path)
     if use_stamps and cand.format != "dcp-uncommitted":
-        stamp = read_stamp(os.path.join(root, cand.path))
+        stamp = read_stamp(path)
         if stamp is not None and stamp.current:
             checked_at = stamp.data.get("checked_at", "?")
             if not stamp.passed:
-                return "corrupt", f"its stamp ({checked_at}) says it failed verification", "stamp"
+                return "corrupt", f"its stamp ({checked_at}) says it failed verification{_first_error(stamp)}", \
+                    "stamp"
+            if stamp.suspect is not None:
+                return "suspect", describe_suspect(stamp.suspect), "stamp"
             state = "verified" if stamp.data.get("manifest") else "intact"
             return state, f"stamped {checked_at}", "stamp"
     state, reason, _ = judge(root, cand, jobs)
+    if state in GOOD_STATES:
+        suspect = read_suspect(path)
+        if suspect is not None:
+            return "suspect", describe_suspect(suspect), "suspect note"
     return state, reason, "verified now"
+
+
+def _first_error(stamp: Any) -> str:
+    """``; first: CHECK: message`` from a failed stamp, naming the check that failed."""
+    errors = stamp.data.get("errors")
+    first = errors[0] if isinstance(errors, list) and errors and isinstance(errors[0], dict) else None
+    if first is None:
+        return ""
+    count = (stamp.data.get("summary") or {}).get("error", len(errors))
+    return f" ({count} error(s); first: {first.get('check')}: {first.get('message')})"
+
+
+def _quarantined(root: str, cand: Candidate) -> dict[str, Any]:
+    stamp = read_stamp(os.path.join(root, cand.path))
+    why = "moved aside into quarantine/: never a resume candidate"
+    if stamp is not None:
+        why += f"; its stamp says {stamp.data.get('verdict', 'passed' if stamp.passed else 'failed')}"
+    return {"path": cand.path, "step": cand.step, "state": "quarantined", "reason": why, "how": "quarantine"}
 
 
 def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None, use_stamps: bool = True,
@@ -71,6 +145,9 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
     result = Latest(path=None, step=None)
     examined = 0
     for cand in candidates:
+        if is_quarantined(cand.path):
+            result.quarantined.append(_quarantined(root, cand))
+            continue
         examined += 1
         if formats is not None and cand.format not in formats and cand.format != "dcp-uncommitted":
             state, reason, how = "other-format", f"a {cand.format} checkpoint, not {'/'.join(sorted(formats))}", \
@@ -87,7 +164,10 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
         findings.append(warning("latest-skipped", f"skipped {cand.path}: {state} ({reason})", location=where))
     if result.path is None:
         findings.append(error("latest-none", f"no checkpoint under {root} verifies "
-                              f"({len(candidates)} examined)" if candidates else f"no checkpoint under {root}"))
+                              f"({examined} examined)" if examined else f"no checkpoint under {root}"))
+    for q in result.quarantined:
+        findings.append(info("latest-quarantined", f"not considered: {q['path']}: {q['reason']}",
+                             location=Location(file=q["path"])))
     stats = {"seconds": round(time.perf_counter() - started, 6), **result.to_dict()}
     result.report = Report(command="latest", target=root, findings=tuple(findings),
                            coverage=(CheckCoverage(check="latest", count=examined, unit="checkpoints"),),

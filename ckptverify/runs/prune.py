@@ -10,7 +10,8 @@
   on the disk), and ckptverify never deletes it;
 - a checkpoint being verified right now (its verifying lock is held);
 - a checkpoint a save is writing right now (its in-progress marker is locked by a live save);
-- anything whose step is unknown, and anything that is not a checkpoint ``find_checkpoints`` recognized.
+- anything whose step is unknown, and anything that is not a checkpoint ``find_checkpoints`` recognized;
+- anything a production job moved aside into ``quarantine/`` (kept as evidence: never deleted).
 
 Deletion never follows a symbolic link and never leaves the run directory.
 """
@@ -83,7 +84,9 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
         raise UsageError(f"keep must be at least 1, got {keep}")
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
-    candidates = [c for c in find_checkpoints(root) if c.step is not None]
+    from ckptverify.runs.latest import is_quarantined
+
+    candidates = [c for c in find_checkpoints(root) if c.step is not None and not is_quarantined(c.path)]
     newest_first = sorted(candidates, key=lambda c: (c.step, c.mtime_ns), reverse=True)
     protected: dict[str, str] = {}
     # Each consumer's newest good checkpoint: load's (DCP) first, so that its reason names the stronger need.

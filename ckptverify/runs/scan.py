@@ -7,11 +7,15 @@ Each checkpoint found by :func:`~ckptverify.formats.rundir.find_checkpoints` is 
 - ``uncheckable``: nothing could check some of its content (no CRC-32 and no manifest), or its format is not
   one ckptverify reads yet;
 - ``incomplete``: a save that never committed (no metadata, or a ckptverify save's in-progress marker);
-- ``corrupt``: a check failed.
+- ``corrupt``: a check failed;
+- ``suspect``: its bytes verify, but it was saved after the job saw its replicas disagree (a suspect note in
+  the folder or its stamp: :func:`~ckptverify.runs.stamp.read_suspect`); never resumed from.
 
-Good means ``verified`` or ``intact``. The report has one finding per checkpoint (an error for a corrupt one,
-a warning for an incomplete or uncheckable one, info otherwise), and ``stats`` lists them all, ordered by step,
-with the newest good one named. Exit code 1 when any checkpoint is corrupt or none is good.
+Good means ``verified`` or ``intact``. A checkpoint a production job moved aside into ``quarantine/`` is
+judged and listed like any other (its row says ``quarantined``), but is never the newest good one. The report
+has one finding per checkpoint (an error for a corrupt one, a warning for an incomplete, uncheckable or
+suspect one, info otherwise), and ``stats`` lists them all, ordered by step, with the newest good one named.
+Exit code 1 when any checkpoint is corrupt or none is good.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from ckptverify.formats.rundir import Candidate, find_checkpoints
 
 __all__ = ["GOOD_STATES", "STATES", "judge", "judge_report", "render_scan", "scan_run_dir"]
 
-STATES = ("verified", "intact", "uncheckable", "incomplete", "corrupt")
+STATES = ("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt")
 GOOD_STATES = frozenset({"verified", "intact"})
 _INCOMPLETE_CHECKS = frozenset({"metadata-missing", "save-uncommitted"})
 
@@ -53,12 +57,24 @@ def _judge_path(path: str, jobs: int | None) -> tuple[str, Report]:
     return judge_report(report), report
 
 
-_WORST = {s: n for n, s in enumerate(("verified", "intact", "uncheckable", "incomplete", "corrupt"))}
+_WORST = {s: n for n, s in enumerate(("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt"))}
 
 
 def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
     """State, one-line reason, and counts for one candidate, verified exactly as ``verify`` verifies it (the
-    same routing, so the same manifests: a folder's, and a file's own beside it)."""
+    same routing, so the same manifests: a folder's, and a file's own beside it). A good one with a suspect note
+    is ``suspect``."""
+    state, reason, counts = _judge_bytes(root, cand, jobs)
+    if state in GOOD_STATES:
+        from ckptverify.runs.stamp import describe_suspect, read_suspect
+
+        suspect = read_suspect(os.path.join(root, cand.path))
+        if suspect is not None:
+            return "suspect", describe_suspect(suspect), counts
+    return state, reason, counts
+
+
+def _judge_bytes(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
     path = os.path.normpath(os.path.join(root, cand.path))
     if cand.format in ("dcp", "dcp-uncommitted") or cand.kind == "file":
         state, report = _judge_path(path, jobs)
@@ -116,6 +132,8 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     root = os.fspath(run_dir)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
+    from ckptverify.runs.latest import is_quarantined
+
     started = time.perf_counter()
     candidates = find_checkpoints(root)
     if not candidates:
@@ -127,12 +145,13 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
         if progress is not None:
             progress(f"{n + 1}/{len(candidates)} {cand.path}")
         state, reason, counts = judge(root, cand, jobs)
-        rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts})
-        make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable") else info
+        rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts,
+                     "quarantined": is_quarantined(cand.path)})
+        make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable", "suspect") else info
         findings.append(make("scan", f"{cand.path}: {state} ({cand.format}"
                              f"{'' if cand.step is None else f', step {cand.step}'}): {reason}",
                              location=Location(file=cand.path)))
-    good = [r for r in rows if r["state"] in GOOD_STATES]
+    good = [r for r in rows if r["state"] in GOOD_STATES and not r["quarantined"]]
     newest = good[-1] if good else None
     if newest is None:
         findings.append(error("scan-no-good-checkpoint",
@@ -151,8 +170,8 @@ def render_scan(report: Report, console: Any) -> None:
 
     from ckptverify.report import _human, number_width, printable
 
-    style = {"verified": "green", "intact": "green", "uncheckable": "yellow", "incomplete": "yellow",
-             "corrupt": "bold red"}
+    style = {"verified": "green", "intact": "green", "suspect": "yellow", "uncheckable": "yellow",
+             "incomplete": "yellow", "corrupt": "bold red"}
     table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
     rows = report.stats.get("checkpoints", [])
     why_width = number_width(printable(r["reason"]) for r in rows) or None
@@ -161,7 +180,9 @@ def render_scan(report: Report, console: Any) -> None:
                          min_width=why_width if col == "why" else None)
     for row in rows:
         table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
-                      Text(row["format"]), Text(_human(row["size"])), Text(row["state"], style=style[row["state"]]),
+                      Text(row["format"]), Text(_human(row["size"])),
+                      Text(row["state"] + (" (quarantined)" if row.get("quarantined") else ""),
+                           style=style[row["state"]]),
                       Text(printable(row["reason"])))
     console.print(table)
     newest = report.stats.get("newest_good")

@@ -13,6 +13,13 @@ attacker can write a stamp too (``docs/security.md``).
 A checkpoint that is a single file (a Lightning ``.ckpt``, a ``torch.save`` file) cannot hold its stamp: it is
 kept beside it, as ``NAME.ckptverify.verified.json`` (:func:`stamp_path`), fingerprints that one file, and
 digests the manifest kept beside it (``NAME.ckptverify.manifest.json``).
+
+A checkpoint saved after the job saw its data-parallel replicas disagree is **suspect**: its bytes may verify,
+but the state they hold is not one every replica agreed on. A production job writes a suspect note
+(``ckptverify.suspect.json``: the step of the save, the first and last mismatched steps, how many, the ranks on
+each side) into the folder before the save; the stamp copies it under ``suspect`` and says ``"verdict":
+"suspect"`` (``passed`` still says whether the bytes verified). :func:`read_suspect` reads it from either;
+``latest``/``load(pick=...)`` never pick a suspect checkpoint, ``scan`` shows it as ``suspect``.
 """
 
 from __future__ import annotations
@@ -25,12 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.findings import Report
-from ckptverify.own_files import STAMP_FILE, STAMP_TEMP_PREFIX, VERIFYING_LOCK, write_atomic
+from ckptverify.own_files import STAMP_FILE, STAMP_TEMP_PREFIX, SUSPECT_NOTE, VERIFYING_LOCK, write_atomic
 
-__all__ = ["STAMP_FILE", "VERIFYING_LOCK", "Stamp", "files_fingerprint", "read_stamp", "stamp_path", "write_stamp"]
+__all__ = ["STAMP_FILE", "SUSPECT_NOTE", "VERIFYING_LOCK", "Stamp", "describe_suspect", "files_fingerprint",
+           "read_stamp", "read_suspect", "stamp_path", "write_stamp", "write_suspect_note"]
 
 STAMP_SCHEMA = "ckptverify/stamp"
 STAMP_VERSION = 1
+SUSPECT_SCHEMA = "ckptverify/suspect"
 #: The most of a stamp that is ever read.
 MAX_STAMP_BYTES = 1 << 20
 _IGNORED = frozenset({STAMP_FILE, VERIFYING_LOCK})
@@ -83,6 +92,12 @@ class Stamp:
         value = self.data.get("step")
         return value if isinstance(value, int) else None
 
+    @property
+    def suspect(self) -> dict[str, Any] | None:
+        """The suspect note recorded in the stamp (see the module docstring), or ``None``."""
+        value = self.data.get("suspect")
+        return value if isinstance(value, dict) else None
+
 
 def _read(path: str, limit: int) -> bytes | None:
     """A small regular file's bytes (never a FIFO, device or link; capped), or ``None``."""
@@ -120,11 +135,13 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
 
     folder = os.fspath(root)
     counts = report.summary()
+    suspect = _read_note(folder)
     data = {
         "schema": STAMP_SCHEMA,
         "schema_version": STAMP_VERSION,
         "tool_version": __version__,
-        "verdict": "passed" if report.passed else "failed",
+        # A failure of the bytes outranks the suspicion: such a checkpoint is failed, whatever else it is.
+        "verdict": "failed" if not report.passed else "suspect" if suspect is not None else "passed",
         "passed": report.passed,
         "summary": counts,
         "errors": [f.to_dict() for f in report.errors[:20]],
@@ -140,6 +157,8 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     }
     if throttled_s is not None:
         data["throttled_s"] = throttled_s
+    if suspect is not None:
+        data["suspect"] = suspect
     write_atomic(stamp_path(folder), json.dumps(data, indent=1, default=str), prefix=STAMP_TEMP_PREFIX)
     return data
 
@@ -159,3 +178,61 @@ def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
     current = (data.get("files_fingerprint") == files_fingerprint(folder)
                and data.get("manifest_digest") == _manifest_digest(folder))
     return Stamp(passed=data["passed"], data=data, current=current)
+
+
+def _note_path(checkpoint: str) -> str:
+    if os.path.isdir(checkpoint) and not os.path.islink(checkpoint):
+        return os.path.join(checkpoint, SUSPECT_NOTE)
+    return f"{checkpoint}.{SUSPECT_NOTE}"
+
+
+def _read_note(checkpoint: str) -> dict[str, Any] | None:
+    raw = _read(_note_path(checkpoint), MAX_STAMP_BYTES)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        # Unreadable, but it was written to say the checkpoint is suspect: it stays suspect.
+        return {"schema": SUSPECT_SCHEMA, "reason": f"its suspect note {SUSPECT_NOTE} cannot be read"}
+    return data if isinstance(data, dict) else {"schema": SUSPECT_SCHEMA,
+                                                 "reason": f"its suspect note {SUSPECT_NOTE} is not an object"}
+
+
+def write_suspect_note(checkpoint: str | os.PathLike[str], record: dict[str, Any]) -> str:
+    """Write the suspect note of ``checkpoint`` (a folder, created if missing) before it is saved into; return
+    its path. ``record``: what made it suspect (see :meth:`ckptverify.hardware.replica.ReplicaCheck.suspect`)."""
+    folder = os.fspath(checkpoint)
+    os.makedirs(folder, exist_ok=True)
+    data = {"schema": SUSPECT_SCHEMA, **record}
+    return write_atomic(_note_path(folder), json.dumps(data, indent=1, default=str), prefix=STAMP_TEMP_PREFIX)
+
+
+def read_suspect(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """Why ``checkpoint`` is suspect (its note, else what a stamp recorded, current or not: the suspicion is
+    about the state saved, which a later change to the files does not clear), or ``None`` when it is not."""
+    folder = os.fspath(checkpoint)
+    note = _read_note(folder)
+    if note is not None:
+        return note
+    raw = _read(stamp_path(folder), MAX_STAMP_BYTES)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    value = data.get("suspect") if isinstance(data, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def describe_suspect(record: dict[str, Any]) -> str:
+    """One line saying why a checkpoint is suspect."""
+    if record.get("reason") and "first_step" not in record:
+        return str(record["reason"])
+    sides = "; ".join(f"ranks {s.get('ranks')}" for s in record.get("sides") or [] if isinstance(s, dict))
+    count = record.get("mismatched_steps")
+    steps = f"{count} mismatched step(s) from step {record.get('first_step')} to {record.get('last_step')}"
+    state = "still differing" if record.get("ongoing") else "agreeing again"
+    return (f"saved at step {record.get('step')} after a replica mismatch ({steps}; {sides or 'ranks unknown'}; "
+            f"{state} at the save)")
