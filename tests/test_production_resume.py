@@ -10,6 +10,7 @@ ranks), started as users start it (`python`, or `torchrun` for 2 ranks). Checkpo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,6 +144,20 @@ def test_newest_corrupt_resumes_from_the_older_one_says_so_and_keeps_the_corrupt
     # Retention never deletes the quarantine.
     result = prune(run, keep=1)
     assert sorted(result.deleted) == ["step_2", "step_4"] and _tree(moved["step_4"]) == corrupt
+
+
+@pytest.mark.slow
+def test_a_first_save_that_never_committed_does_not_stop_a_fresh_start_and_is_kept(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _ok(_job(run, steps=2))
+    os.remove(run / "step_2" / ".metadata")  # the job died before DCP committed its first save
+    torn = _tree(run / "step_2")
+    err = _ok(_job(run, steps=2))
+    assert "skipped step_2 (step 2): incomplete" in err and "starting from step 0" in err
+    assert "moved step_2 aside to quarantine/" in err and _tree(_quarantined(run)["step_2"]) == torn
+    assert [e["step"] for e in read_events(run, "start")] == [0, 0] and read_stamp(run / "step_2").passed
+    # "required" still wants a checkpoint that verifies.
+    assert "nothing to resume from" in _refused(_job(tmp_path / "empty", steps=2, resume="required"))
 
 
 def test_required_with_an_empty_run_dir_refuses(tmp_path: Path) -> None:

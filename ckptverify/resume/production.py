@@ -122,15 +122,18 @@ def _decide(options: ProductionOptions) -> dict[str, Any]:
         _say(f"skipped {s['path']}{at}: {s['state']}: {s['reason']}")
         log.emit("checkpoint-skipped", **s)
     present = [s for s in found.skipped if s["state"] != "other-format"]
-    listing = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in present)
+    # A save that never committed (the job died while writing it) is no checkpoint whose loss a fresh start would
+    # hide: it does not stop "auto" from starting at step 0 (it is still moved aside, never written over).
+    committed = [s for s in present if s["state"] != "incomplete"]
+    listing = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in committed)
     error = None
     if options.resume == "never" and found.path is not None:
         error = (f"resume='never' starts over from step 0, but {root} holds a checkpoint that verifies "
                  f"({os.path.relpath(found.path, root)}, step {found.step}): the new run would overwrite its steps, "
                  "or a later resume would pick the older run's state over the new one's. Use a new run directory, "
                  "or resume='auto'. Nothing was changed.")
-    elif options.resume != "never" and found.path is None and present:
-        error = (f"resume={options.resume!r}: {len(present)} checkpoint(s) under {root} and none verifies, so "
+    elif options.resume != "never" and found.path is None and committed:
+        error = (f"resume={options.resume!r}: {len(committed)} checkpoint(s) under {root} and none verifies, so "
                  f"there is nothing to resume from: {listing}. Nothing was changed. To start over from step 0 "
                  "anyway, pass resume='never' (they are then moved aside into quarantine/, never deleted).")
     elif options.resume == "required" and found.path is None:
