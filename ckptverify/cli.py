@@ -263,9 +263,9 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
                 click.echo(f"ckptverify latest: error: the path {_printable(found.path)} holds a newline, which "
                            "one line cannot carry; use --null", err=True)
                 sys.exit(2)
-            out = click.get_binary_stream("stdout")
-            out.write(raw + (b"\0" if null else b"\n"))
-            out.flush()
+            sys.stdout.flush()
+            sys.stdout.buffer.write(raw + (b"\0" if null else b"\n"))
+            sys.stdout.buffer.flush()
         sys.exit(report.exit_code)
     if json_out:
         import json
