@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from click.testing import CliRunner
 from ckptverify.adopt import fingerprint_checkpoint
 from ckptverify.cli import main
 from ckptverify.events import EventLog
-from ckptverify.own_files import STAMP_FILE, write_atomic
+from ckptverify.own_files import STAMP_FILE, append_line, write_atomic
 from ckptverify.runs.stamp import read_stamp
 from ckptverify.runs.watch import watch
 
@@ -192,13 +193,23 @@ def test_a_metrics_file_that_is_a_fifo_or_a_link_to_a_device_is_never_replaced(t
 
 @linux_only
 def test_an_atomic_write_never_replaces_what_is_not_a_regular_file(tmp_path: Path) -> None:
-    fifo, link = tmp_path / "a", tmp_path / "b"
+    fifo, link, device = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     os.mkfifo(fifo)
     link.symlink_to("/dev/null")
-    for target in (fifo, link):
+    targets = [fifo, link]
+    try:  # a device node of its own (as root): never replaced by a regular file
+        os.mknod(device, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        targets.append(device)
+    except OSError:  # not root, or a file system without device nodes
+        pass
+    for target in targets:
         with pytest.raises(OSError, match="not a regular file"):
             write_atomic(target, "x", prefix=".ckptverify-metrics-")
-    assert fifo.is_fifo() and link.is_symlink() and sorted(os.listdir(tmp_path)) == ["a", "b"]
+        with pytest.raises(OSError, match="not a regular file"):
+            append_line(target, b"x\n")
+    assert fifo.is_fifo() and link.is_symlink() and sorted(os.listdir(tmp_path)) == [t.name for t in targets]
+    if device in targets:
+        assert stat.S_ISCHR(os.lstat(device).st_mode)
 
 
 # ---------------------------------------------------------------- gauges describe the run, every pass
