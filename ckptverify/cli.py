@@ -236,10 +236,15 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=str))
 @click.option("--json", "json_out", is_flag=True, help="Print {path, step, skipped} and the findings as JSON.")
-@click.option("--path-only", is_flag=True, help="Print only the path (nothing when none is good): for scripts.")
+@click.option("--path-only", is_flag=True,
+              help="Print only the path, as raw bytes, one line (nothing when none is good): for scripts. A path "
+                   "holding a newline is refused (exit 2): use --null.")
+@click.option("--null", "-0", "null", is_flag=True,
+              help="With --path-only (implied): end the path with a NUL byte instead of a newline, so any name "
+                   "reads back exactly (xargs -0, read -d '').")
 @click.option("--no-stamps", is_flag=True, help="Verify every candidate now, even those with a current stamp.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
-def latest(run_dir: str, json_out: bool, path_only: bool, no_stamps: bool, jobs: int | None) -> None:
+def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps: bool, jobs: int | None) -> None:
     """Print the newest checkpoint under RUN_DIR that verifies (exit 1 when none does).
 
     Newest first: a checkpoint with a current verification stamp is judged by it, any other is verified now;
@@ -247,6 +252,7 @@ def latest(run_dir: str, json_out: bool, path_only: bool, no_stamps: bool, jobs:
     """
     from ckptverify.runs.latest import latest_verified
 
+    path_only = path_only or null
     try:
         found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps)
     except CkptVerifyError as exc:
@@ -257,7 +263,16 @@ def latest(run_dir: str, json_out: bool, path_only: bool, no_stamps: bool, jobs:
     report = found.report
     if path_only:
         if found.path is not None:
-            click.echo(found.path)
+            import os
+
+            raw = os.fsencode(found.path)  # the name's own bytes, whatever their encoding
+            if not null and b"\n" in raw:
+                click.echo(f"ckptverify latest: error: the path {_printable(found.path)} holds a newline, which "
+                           "one line cannot carry; use --null", err=True)
+                sys.exit(2)
+            sys.stdout.flush()
+            sys.stdout.buffer.write(raw + (b"\0" if null else b"\n"))
+            sys.stdout.buffer.flush()
         sys.exit(report.exit_code)
     if json_out:
         import json
@@ -269,7 +284,9 @@ def latest(run_dir: str, json_out: bool, path_only: bool, no_stamps: bool, jobs:
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=str))
-@click.option("--once", is_flag=True, help="One pass, then exit (1 if any checkpoint failed): for cron.")
+@click.option("--once", is_flag=True,
+              help="One pass, then exit: 0 all judged passed, 1 a checkpoint failed or there was nothing to "
+                   "verify, 2 one could not be verified or a result not recorded. For cron.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="Seconds between passes.")
 @click.option("--exit-on-failure", is_flag=True, help="Exit 1 at the first checkpoint that fails.")
@@ -277,46 +294,76 @@ def latest(run_dir: str, json_out: bool, path_only: bool, no_stamps: bool, jobs:
               help="Append one JSON line per result here [default: RUN_DIR/ckptverify-watch.jsonl].")
 @click.option("--deep", is_flag=True, help="Also rebuild tensors and compare fingerprints.")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help="Write Prometheus gauges after every pass.")
+              help="Write Prometheus gauges of the run's state after every pass.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
 @click.option("--poll", is_flag=True, help="Poll only: no inotify wake-ups (e.g. on network file systems).")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print one JSON object per line (each result, each problem) instead of text lines.")
 def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_path: str | None, deep: bool,
-          metrics_file: str | None, jobs: int | None, poll: bool) -> None:
-    """Verify and stamp every checkpoint under RUN_DIR as it commits; one JSON line per result.
+          metrics_file: str | None, jobs: int | None, poll: bool, json_out: bool) -> None:
+    """Verify and stamp every checkpoint under RUN_DIR as it commits; one line per result.
 
     Lists RUN_DIR every --interval seconds, and at once on a change where inotify is available; a committed
-    checkpoint without a current stamp is verified and stamped (ckptverify.verified.json). Runs until
-    interrupted, or one pass with --once.
+    checkpoint without a current stamp is verified and stamped (ckptverify.verified.json). A verdict stands
+    even when its stamp cannot be written. Runs until interrupted, or one pass with --once.
     """
     from ckptverify.runs.watch import watch as run_watch
 
-    def show(item: dict) -> None:
+    def line(obj: dict) -> None:
         import json
 
-        click.echo(json.dumps(item, default=str))
-        if metrics_file is not None:
-            from ckptverify.metrics import write_metrics
+        click.echo(json.dumps(obj, default=str))
 
-            write_metrics(metrics_file, _watch_report(run_dir, [item]))
+    def show(item: dict) -> None:
+        if json_out:
+            line(item)
+        else:
+            click.echo(_watch_line(item))
+
+    def problem(message: str) -> None:
+        if json_out:
+            line({"event": "problem", "reason": message})
+        else:
+            click.echo(f"ckptverify watch: error: {_printable(message)}", err=True)
 
     try:
         result = run_watch(run_dir, once=once, interval=interval, exit_on_failure=exit_on_failure, log=log_path,
-                           jobs=jobs, deep=deep, on_result=show, notify=not poll)
+                           jobs=jobs, deep=deep, on_result=show, notify=not poll, metrics_file=metrics_file,
+                           on_problem=problem)
     except CkptVerifyError as exc:
-        _fail(exc, True, "watch", run_dir)
-    sys.exit(1 if result.failed else 0)
+        if json_out:
+            line({"event": "error", "path": None, "reason": str(exc), "exit_code": exc.exit_code})
+        else:
+            click.echo(f"ckptverify watch: error: {_printable(exc)}", err=True)
+        sys.exit(exc.exit_code)
+    if result.nothing is not None and not result.failed:
+        message = f"nothing to verify under {run_dir}: {result.nothing}"
+        if json_out:
+            line({"event": "nothing", "path": None, "reason": message})
+        else:
+            click.echo(f"ckptverify watch: {_printable(message)}", err=True)
+    sys.exit(result.exit_code)
 
 
-def _watch_report(run_dir: str, items: list) -> Any:
-    from ckptverify.findings import Location, Report, error, info
-
-    findings = tuple(
-        (error if item["event"] == "failed" else info)(
-            "watch", f"{item['path']}: {item['event']}", location=Location(file=item["path"]))
-        for item in items)
-    return Report(command="watch", target=run_dir, findings=findings,
-                  stats={"bytes": sum(int(i.get("bytes") or 0) for i in items),
-                         "seconds": sum(float(i.get("seconds") or 0) for i in items)})
+def _watch_line(item: dict) -> str:
+    """One result of ``watch`` as a line of text (names escaped: a name cannot forge a line)."""
+    event, where = item["event"], _printable(item["path"])
+    if item.get("step") is not None:
+        where += f" (step {item['step']})"
+    if event in ("verified", "failed"):
+        if item.get("checked_at"):
+            text = f"{event.upper() if event == 'failed' else event}: {where}: its stamp of {item['checked_at']} " \
+                   "says it failed verification"
+        else:
+            text = f"{event.upper() if event == 'failed' else event}: {where}: {item.get('state')}, " \
+                   f"{item.get('errors', 0)} error(s), {item.get('warnings', 0)} warning(s)"
+            if item.get("first_error"):
+                first = item["first_error"]
+                text += f"; first: [{_printable(first['check'])}] {_printable(first['message'])}"
+        if item.get("stamped") is False:
+            text += f" (NOT STAMPED: {_printable(item.get('stamp_error'))})"
+        return text
+    return f"{event}: {where}: {_printable(item.get('reason'))}"
 
 
 @main.command("resume-check")
@@ -502,7 +549,7 @@ def _echo_json_error(command: str, target: str, message: str, exit_code: int) ->
     click.echo(json.dumps({
         "schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
         "target": target, "passed": False, "exit_code": exit_code, "error": message, "findings": [],
-    }, indent=2))
+    }, indent=None if command == "watch" else 2))  # watch --json prints one JSON object per line
 
 
 def _fail(exc: CkptVerifyError, json_out: bool, command: str, target: str) -> None:

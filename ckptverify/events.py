@@ -5,6 +5,11 @@ One JSON object per line, each with ``event`` (a stable name: ``save``, ``replic
 ``write`` on a file opened ``O_APPEND``, so lines from several ranks and processes never interleave (POSIX
 appends of one buffer are atomic with respect to each other on local file systems), and a process killed
 mid-run leaves at most its last line unwritten, never a torn one among whole ones.
+
+The log is written and read only as a regular file (:func:`~ckptverify.own_files.open_append`): a symbolic
+link, FIFO or device named ``events.jsonl`` is refused with
+:class:`~ckptverify.own_files.NotRegularFileError` (an ``OSError``), never followed or waited on, so a FIFO
+planted there cannot hang a training job or a watcher.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import os
 import socket
 from collections.abc import Iterator
 from typing import Any
+
+from ckptverify.own_files import append_line, open_read
 
 __all__ = ["EVENTS_FILE", "EventLog", "read_events"]
 
@@ -31,7 +38,8 @@ class EventLog:
         os.makedirs(os.fspath(run_dir), exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Append one event and return it as written."""
+        """Append one event and return it as written. Raises ``OSError`` (among them
+        :class:`~ckptverify.own_files.NotRegularFileError`) when it cannot be appended."""
         record: dict[str, Any] = {
             "event": event,
             "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds"),
@@ -40,20 +48,19 @@ class EventLog:
         }
         record.update(fields)
         line = (json.dumps(record, default=str, sort_keys=False) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        append_line(self.path, line)
         return record
 
 
 def read_events(run_dir: str | os.PathLike[str], event: str | None = None) -> Iterator[dict[str, Any]]:
-    """The events of a run, in file order (optionally only those named ``event``); a torn last line is skipped."""
+    """The events of a run, in file order (optionally only those named ``event``); a torn last line is skipped.
+    Raises :class:`~ckptverify.own_files.NotRegularFileError` when ``events.jsonl`` is not a regular file."""
     path = os.path.join(os.fspath(run_dir), EVENTS_FILE)
-    if not os.path.exists(path):
+    try:
+        fd = open_read(path)
+    except FileNotFoundError:
         return
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 record = json.loads(line)

@@ -3,12 +3,19 @@
 Every check that lists a checkpoint's files must know these names, so that ckptverify's own files are never
 reported as part of (or missing from) the checkpoint, and a half-written one is recognised as ckptverify's.
 They are written with :func:`write_atomic`: a reader sees the old content or the new, never a part of either.
+Logs ckptverify appends to (``events.jsonl``, the watcher's log) are opened with :func:`open_append`.
+
+Neither ever writes through what is not a regular file: a symbolic link, a FIFO, a device or a socket found
+where one of these files should be is refused (:class:`NotRegularFileError`), never followed, opened for
+writing, waited on or replaced. Opening never blocks: a FIFO with no reader cannot hang the process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import tempfile
 
 __all__ = [
@@ -21,6 +28,11 @@ __all__ = [
     "STAMP_TEMP_PREFIX",
     "SUSPECT_NOTE",
     "VERIFYING_LOCK",
+    "NotRegularFileError",
+    "append_line",
+    "check_replaceable",
+    "open_append",
+    "open_read",
     "write_atomic",
 ]
 
@@ -43,13 +55,96 @@ METRICS_TEMP_PREFIX = ".ckptverify-metrics-"
 OWN_FILES = frozenset({MANIFEST_FILE, STAMP_FILE, VERIFYING_LOCK, SUSPECT_NOTE})
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+class NotRegularFileError(OSError):
+    """What is at the path of one of ckptverify's own files is not a regular file (a symbolic link, a FIFO, a
+    device, a socket, a directory): it is neither written through nor replaced. An ``OSError``, so a caller that
+    copes with an unwritable file copes with this one too."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _refuse(path: str, mode: int) -> NotRegularFileError:
+    return NotRegularFileError(errno.EEXIST, f"{_kind(mode)}, not a regular file: refusing to write through or "
+                                             f"replace it", path)
+
+
+def check_replaceable(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`NotRegularFileError` when something other than a regular file is at ``path`` (the link
+    itself, not followed); nothing there, or a regular file, is fine."""
+    target = os.fspath(path)
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(target, st.st_mode)
+
+
+def _open_own(target: str, flags: int, mode: int) -> int:
+    check_replaceable(target)  # a device is never even opened (opening some has effects)
+    try:
+        fd = os.open(target, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # swapped in since the check: say what it is
+            check_replaceable(target)
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(target, st.st_mode)
+        os.set_blocking(fd, True)  # a regular file: no reason left not to block
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_append(path: str | os.PathLike[str], mode: int = 0o644) -> int:
+    """A file descriptor to append to the regular file ``path`` (created when missing): opened without following
+    a link and without blocking (a FIFO with no reader fails at once instead of hanging), then checked to be a
+    regular file. Raises :class:`NotRegularFileError` for anything else, ``OSError`` when it cannot be opened."""
+    return _open_own(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
+
+
+def open_read(path: str | os.PathLike[str]) -> int:
+    """A file descriptor to read the regular file ``path``, opened as :func:`open_append` opens (no link
+    followed, never blocking, only a regular file); ``FileNotFoundError`` when there is none."""
+    return _open_own(os.fspath(path), os.O_RDONLY, 0)
+
+
+def append_line(path: str | os.PathLike[str], line: bytes) -> None:
+    """Append ``line`` to the regular file ``path`` with one ``write`` (:func:`open_append`), so lines appended
+    by several processes never interleave."""
+    fd = open_append(path)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, prefix: str, durable: bool = True) -> str:
     """Replace ``path`` with ``data`` at once: written to a temporary file named ``prefix...`` in the same folder,
     then renamed over ``path``; the temporary file is removed if anything fails. ``durable``: the data and the
     rename are flushed to disk (``fsync`` of the file, then of the folder) before this returns. The file gets
-    the permissions any new file there would get (the umask's). Returns the path written."""
+    the permissions any new file there would get (the umask's). Returns the path written.
+
+    Only a regular file is ever replaced: a symbolic link, FIFO, device, socket or directory at ``path`` raises
+    :class:`NotRegularFileError` and is left as it is (checked before writing and again just before the
+    rename; the rename itself replaces a name, never writes through it)."""
     target = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(target))
+    check_replaceable(target)
     fd, tmp = tempfile.mkstemp(prefix=prefix, dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -58,6 +153,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, prefix: str
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
+        check_replaceable(target)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):

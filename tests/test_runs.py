@@ -151,7 +151,7 @@ def test_watch_once_stamps_every_committed_checkpoint_and_fails_on_a_bad_one(run
     # A second pass verifies nothing again: the stamps are current (the failed one is reported again).
     again = watch_pass(str(run))
     assert [(r["path"], r["event"], r.get("stamped")) for r in again] == [("step_40", "failed", True)]
-    cli = CliRunner().invoke(main, ["watch", "--once", "--log", str(log), str(run)])
+    cli = CliRunner().invoke(main, ["watch", "--once", "--json", "--log", str(log), str(run)])
     assert cli.exit_code == 1 and '"step_40"' in cli.output
 
 

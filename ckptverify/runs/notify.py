@@ -7,6 +7,10 @@ directory on every pass and still waits at most its polling interval, so an even
 overflow, a network file system that sends none, a directory deeper than the watch) only delays a pass.
 Where inotify is unavailable, :meth:`~DirectoryNotifier.open` returns ``None`` and the watcher polls.
 
+Changes to ckptverify's own files (:func:`own_file`: stamps, verifying locks, their temporary files, and the
+names the watcher is given, such as its log and metrics file) wake nothing: the watcher writes them itself,
+and being woken by its own writes would have it pass over the run again and again, each pass writing again.
+
 Called through ``ctypes`` on the C library: no dependency, nothing compiled.
 """
 
@@ -20,8 +24,11 @@ import select
 import struct
 import sys
 import time
+from collections.abc import Callable, Collection
 
-__all__ = ["DirectoryNotifier"]
+from ckptverify.own_files import METRICS_TEMP_PREFIX, STAMP_FILE, STAMP_TEMP_PREFIX, VERIFYING_LOCK
+
+__all__ = ["DirectoryNotifier", "own_file"]
 
 _log = logging.getLogger(__name__)
 
@@ -47,6 +54,13 @@ MAX_WATCHES = 4096
 GATHER_SECONDS = 0.2
 
 
+def own_file(name: str) -> bool:
+    """Whether a file named ``name`` is one ckptverify writes while it verifies (a stamp, inside a directory
+    or beside a single file; a verifying lock; a stamp's or metrics file's temporary file)."""
+    return (name in (STAMP_FILE, VERIFYING_LOCK) or name.endswith(f".{STAMP_FILE}")
+            or name.startswith((STAMP_TEMP_PREFIX, METRICS_TEMP_PREFIX)))
+
+
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -64,10 +78,11 @@ def _libc() -> ctypes.CDLL | None:
 class DirectoryNotifier:
     """Wake-ups for changes in ``root`` and the directories directly under it (see the module docstring)."""
 
-    def __init__(self, libc: ctypes.CDLL, fd: int, root: str) -> None:
+    def __init__(self, libc: ctypes.CDLL, fd: int, root: str, ignore: Callable[[str], bool] = own_file) -> None:
         self._libc = libc
         self._fd = fd
         self._root = root
+        self._ignore = ignore
         self._watched: dict[int, str] = {}
         self._add(root)
         try:
@@ -79,8 +94,10 @@ class DirectoryNotifier:
             pass
 
     @classmethod
-    def open(cls, root: str | os.PathLike[str]) -> DirectoryNotifier | None:
-        """A notifier for ``root``, or ``None`` where inotify is not available (the caller polls)."""
+    def open(cls, root: str | os.PathLike[str], *, ignore_names: Collection[str] = ()) -> DirectoryNotifier | None:
+        """A notifier for ``root``, or ``None`` where inotify is not available (the caller polls). A change to a
+        file named in ``ignore_names`` (the caller's own log, say), or to one of ckptverify's own files
+        (:func:`own_file`), wakes nothing."""
         libc = _libc()
         if libc is None:
             return None
@@ -88,7 +105,8 @@ class DirectoryNotifier:
         if fd < 0:
             _log.debug("inotify_init1 failed: %s", os.strerror(ctypes.get_errno()))
             return None
-        notifier = cls(libc, fd, os.fspath(root))
+        names = frozenset(ignore_names)
+        notifier = cls(libc, fd, os.fspath(root), ignore=lambda name: name in names or own_file(name))
         if not notifier._watched:  # not even the run directory itself: nothing to wait on
             notifier.close()
             return None
@@ -102,32 +120,38 @@ class DirectoryNotifier:
             self._watched[wd] = path
 
     def wait(self, timeout: float) -> bool:
-        """Block until something changed or ``timeout`` seconds passed; ``True`` when woken by a change."""
-        if self._fd < 0:
-            time.sleep(max(0.0, timeout))
-            return False
-        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout))
-        if not ready:
-            return False
-        time.sleep(GATHER_SECONDS)
-        self._drain()
-        return True
+        """Block until something changed or ``timeout`` seconds passed; ``True`` when woken by a change. Changes
+        to ignored files (see :meth:`open`) are drained and waited past, never a reason to return early."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if self._fd < 0:
+                time.sleep(max(0.0, left))
+                return False
+            ready, _, _ = select.select([self._fd], [], [], max(0.0, left))
+            if not ready:
+                return False
+            time.sleep(GATHER_SECONDS)
+            if self._drain():
+                return True
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Read every pending event; whether any of them was not about an ignored file."""
+        relevant = False
         while True:
             try:
                 data = os.read(self._fd, 1 << 16)
-            except BlockingIOError:
-                return
-            except OSError:
-                return
+            except OSError:  # BlockingIOError: nothing more to read
+                return relevant
             if not data:
-                return
+                return relevant
             pos = 0
             while pos + _HEADER.size <= len(data):
                 wd, mask, _cookie, length = _HEADER.unpack_from(data, pos)
                 name = data[pos + _HEADER.size : pos + _HEADER.size + length].split(b"\0", 1)[0]
                 pos += _HEADER.size + length
+                if not name or mask & IN_Q_OVERFLOW or not self._ignore(os.fsdecode(name)):
+                    relevant = True
                 if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO) and self._watched.get(wd) == self._root:
                     self._add(os.path.join(self._root, os.fsdecode(name)))  # a new checkpoint directory
                 if mask & IN_DELETE_SELF:
