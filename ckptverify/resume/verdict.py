@@ -19,9 +19,11 @@ consequence, not the cause):
 * ``hidden-state`` — (c) a value no saved field explains differs: a non-persistent buffer, a global
   counter, a cache;
 * ``unregistered-state`` — (c) as ``hidden-state``, and the training function holds a stateful object (or
-  no optimizer) that the TrainState does not;
+  no optimizer) that the TrainState does not; or, after (d) with everything equal, a value the training
+  function holds outside the TrainState ends the run different in A and B (category ``held-state``; when A
+  and A2 differ in it too: ``nondeterministic``);
 * ``diverged`` — (c)/(d) the runs part in a category not covered above;
-* ``pass`` — none of the above: B equals A bitwise for steps K+1..T, A equals A2, final states equal.
+* ``pass`` — none of the above: B equals A bitwise for steps K+1..T, A equals A2, final states equal, held values equal.
 
 Every verdict carries one sentence of cause (``message``) and one of what to do (``advice``); the command
 prints :meth:`Verdict.headline` as its last line.
