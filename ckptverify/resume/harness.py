@@ -444,7 +444,7 @@ def _held_state(configs: dict[str, RunConfig], analysis: dict[str, Any]) -> list
     values could not be compared). Errors when the runs otherwise agree; info lines (a possible consequence)
     when an earlier comparison already failed."""
     from ckptverify.findings import info, warning
-    from ckptverify.resume.unregistered import HELD_ENTRIES, HELD_ITEMS, compare_held, read_held
+    from ckptverify.resume.unregistered import compare_held, read_held
 
     if "B" not in configs:
         return []
@@ -452,13 +452,7 @@ def _held_state(configs: dict[str, RunConfig], analysis: dict[str, Any]) -> list
     differ = compare_held(held["A"], held["B"])
     a2 = "A2" in configs and bool(held["A2"])
     again = {d["var"] for d in compare_held(held["A"], held["A2"])} if a2 else set()
-    incomplete = sorted({f"rank {r} of run {name}: {data['error']}" for name, runs in held.items()
-                         for r, data in runs.items() if data.get("error")}
-                        | {f"run {name} left no record of rank {r}" for name in ("A", "B")
-                           for r in set(held["A"]) | set(held["B"]) if r not in held[name]}
-                        | {f"run {name} rank {r} holds more than was compared (at most {HELD_ITEMS} items a container, "
-                           f"{HELD_ENTRIES} values)" for name, runs in held.items()
-                           for r, data in runs.items() if data.get("truncated")})
+    incomplete = _held_gaps(held)
     analysis["held"] = {"differ": differ, "nondeterministic": sorted(again & {d["var"] for d in differ}),
                         "a2": a2, "incomplete": incomplete}
     earlier = any(analysis.get(k) for k in ("restore", "nondeterminism", "resume", "final"))
@@ -472,6 +466,25 @@ def _held_state(configs: dict[str, RunConfig], analysis: dict[str, Any]) -> list
     if incomplete:
         out.append(warning("held-state-incomplete", "the values held outside the TrainState were not all "
                            "compared: " + "; ".join(incomplete)))
+    return out
+
+
+def _held_gaps(held: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """Why some held values were not compared: a rank left no record, a walk failed, hit a limit or could
+    not fingerprint a value."""
+    from ckptverify.resume.unregistered import HELD_ENTRIES, HELD_ITEMS, HELD_VISITS
+
+    out = [f"run {name} left no record of rank {r}" for name in ("A", "B")
+           for r in sorted(set(held["A"]) | set(held["B"])) if r not in held[name]]
+    for name, runs in held.items():
+        for r, data in sorted(runs.items()):
+            if data.get("error"):
+                out.append(f"run {name} rank {r}: {data['error']}")
+            if data.get("truncated"):
+                out.append(f"run {name} rank {r} holds more than was compared (at most {HELD_ITEMS} items a "
+                           f"container, {HELD_ENTRIES} values, {HELD_VISITS} objects)")
+            if data.get("skipped"):
+                out.append(f"run {name} rank {r} could not fingerprint {', '.join(data['skipped'][:3])}")
     return out
 
 

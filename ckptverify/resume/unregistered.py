@@ -167,6 +167,8 @@ HELD_DEPTH = 4
 #: At most this many items of one container are walked, and this many values fingerprinted per rank.
 HELD_ITEMS = 10_000
 HELD_ENTRIES = 20_000
+#: At most this many objects are looked at per rank (a library object's attributes can be a large graph).
+HELD_VISITS = 200_000
 #: Classes from these packages are walked only as torch objects (modules, optimizers, ...), never as plain
 #: objects: their attributes are library internals, not the job's state.
 _OPAQUE = ("torch", "numpy", "builtins", "ckptverify.resume", "ckptverify.state", "ckptverify.trace")
@@ -237,7 +239,8 @@ def _plain(obj: Any) -> bool:
 def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
     """Fingerprints of the values among ``local_vars`` that ``state`` does not save, for comparing two runs.
 
-    Walked (``HELD_DEPTH`` levels into containers, at most ``HELD_ITEMS`` items each): tensors; dicts, lists,
+    Walked (``HELD_DEPTH`` levels into containers, at most ``HELD_ITEMS`` items each and ``HELD_VISITS`` objects
+    in all; ``truncated`` says when a limit cut the walk short): tensors; dicts, lists,
     tuples, dataclasses, namespaces and plain objects of the job; modules other than the registered ones (their
     parameters, buffers and tensors in plain attributes: an ``AveragedModel``, a deep-copied EMA); the
     ``state_dict()`` of unregistered optimizers, LR schedulers and GradScalers (scalars included); unregistered
@@ -306,8 +309,12 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
     def visit(path: str, var: str, obj: Any, depth: int) -> None:
         if obj is None or isinstance(obj, bool | int | float | complex | str | bytes) or id(obj) in ids:
             return
+        nonlocal truncated
         if id(obj) in seen:
             return  # the first name reaching an object names it
+        if len(seen) >= HELD_VISITS:
+            truncated = True
+            return
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             tensor(path, var, obj)
