@@ -350,7 +350,8 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
         for mod_name, module in state.model.named_modules():
             for attr, value in vars(module).items():
                 if not attr.startswith("_") and not isinstance(value, torch.nn.Module):
-                    visit(".".join(p for p in ("model", mod_name, attr) if p), "model", value, 1)
+                    path = ".".join(p for p in ("model", mod_name, attr) if p)
+                    visit(path, path, value, 1)  # named by the attribute: "model" alone would name nothing
     return {"entries": entries, "truncated": truncated, "skipped": skipped}
 
 

@@ -307,7 +307,7 @@ def _held_verdict(plan: Any, analysis: dict[str, Any]) -> Verdict | None:
     if held.get("a2"):
         sure = " A and A2 hold equal values there, so it is not nondeterminism."
     else:
-        sure = " (A2 was not run: a nondeterministic computation of it is not ruled out; run A2 to tell.)"
+        sure = " (A2 was not compared: a nondeterministic computation of it is not ruled out; run A2 to tell.)"
     also = f" Also nondeterministic: {', '.join(sorted(nd))}." if nd else ""
     return Verdict("unregistered-state", f"every traced step and the final checkpoints agree, but at the end of "
                    f"the run (step {T}) the training function holds {', '.join(names)} with different values in A "
