@@ -11,7 +11,11 @@ resume needs and that ``state`` does not register:
 * anything else with callable ``state_dict`` and ``load_state_dict``.
 
 Each is reported by variable name and type. An object that never feeds a traced value (an EMA, a GradScaler
-whose power-of-two scale leaves every value bitwise equal) passes a resume check, yet a real resume loses it.
+whose power-of-two scale leaves every value bitwise equal) would pass a step-by-step comparison, yet a real
+resume loses it: so at the end of each run :func:`held_state` fingerprints what the function then holds
+outside the ``TrainState`` (tensors in locals and containers, unregistered modules, the state dicts of
+unregistered optimizers, schedulers and scalers), and :func:`compare_held` names the variables whose values
+differ between two runs.
 """
 
 from __future__ import annotations
