@@ -91,11 +91,13 @@ def test_restored_value_changed_after_restore_is_not_called_outside_the_train_st
     assert "restored exactly" in v.message and "outside the TrainState" not in v.message
 
 
-def test_forgotten_objects_are_warnings_and_in_the_pass_message(outcomes):
+def test_forgotten_objects_are_warnings_and_fail_when_they_end_the_run_different(outcomes):
     _, by_name = outcomes
     for name, var in (("ema_unregistered", "ema"), ("scaler_unregistered", "scaler")):
         o = by_name[name]
-        assert o.verdict.passed and var in o.verdict.message
+        # No traced value reads them, but the values the function holds at the end differ in A and B.
+        assert o.verdict.kind == "unregistered-state" and o.verdict.category == "held-state"
+        assert o.verdict.site.startswith(var + ".") and f"holds {var} with different values" in o.verdict.message
         assert [f.check for f in o.report.findings if f.severity.value == "warning"] == ["unregistered-state"]
     assert any(f.check == "no-optimizer" for f in by_name["missing_optimizer"].report.findings)
     # The correct workload holds nothing unregistered: no warning at all.

@@ -12,8 +12,10 @@ diagnosis that looks at the streams when the step starts can tell the cause from
   evaluation -> ``scheduler``, ``lr``;
 * ``hparam_reapplied``: ``weight_decay`` re-applied from the config after the restore ->
   ``changed-after-restore``, ``weight_decay``;
-* ``ema_unregistered``: an EMA copy of the weights, not in the TrainState -> ``pass`` with a warning, ``ema``;
-* ``scaler_unregistered``: a GradScaler, not in the TrainState -> ``pass`` with a warning, ``scaler``;
+* ``ema_unregistered``: an EMA copy of the weights, not in the TrainState: no traced value reads it, but it ends
+  the run different in A and B -> ``unregistered-state``, ``ema``;
+* ``scaler_unregistered``: a GradScaler, not in the TrainState: its power-of-two scale leaves every traced value
+  equal, but the scale itself ends different -> ``unregistered-state``, ``scaler``;
 * ``missing_optimizer``: no optimizer in the TrainState -> ``unregistered-state``, ``training.optimizer``;
 * ``nonpersistent_buffer``: a running statistic registered with ``persistent=False`` feeds the forward ->
   ``hidden-state``, ``buffer.blocks.0.act_rms``;
@@ -40,8 +42,8 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "eval_after_save": ("rng", "rng.torch_cpu"),
     "counter_reset_lr": ("scheduler", "lr"),
     "hparam_reapplied": ("changed-after-restore", "weight_decay"),
-    "ema_unregistered": ("pass", "ema"),
-    "scaler_unregistered": ("pass", "scaler"),
+    "ema_unregistered": ("unregistered-state", "ema"),
+    "scaler_unregistered": ("unregistered-state", "scaler"),
     "missing_optimizer": ("unregistered-state", "training.optimizer"),
     "nonpersistent_buffer": ("hidden-state", "buffer.blocks.0.act_rms"),
     "parent_forward": ("hidden-state", "blocks.0"),

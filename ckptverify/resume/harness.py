@@ -409,6 +409,7 @@ def _compare(plan: Plan, configs: dict[str, RunConfig], *, verbose: bool = False
         errors = [f for f in final.findings if f.severity.value == "error"]
         findings.extend(_tag("final A vs B", errors if verbose else _fold(errors)))
         analysis["final"] = errors
+    findings.extend(_held_state(configs, analysis))
     return findings, analysis
 
 
@@ -434,6 +435,57 @@ def _unregistered(notes: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
         for item in notes[rank].get("unregistered", []) or []:
             out.setdefault(item["name"], item)
     return list(out.values())
+
+
+def _held_state(configs: dict[str, RunConfig], analysis: dict[str, Any]) -> list[Finding]:
+    """Compare what the training function holds outside the TrainState at the end of A and B (and A2), into
+    ``analysis["held"]``: ``differ`` (A vs B, one per variable and rank), ``nondeterministic`` (the variables
+    among them that A and A2 hold differently too), ``a2`` (whether A2 was compared), ``incomplete`` (why some
+    values could not be compared). Errors when the runs otherwise agree; info lines (a possible consequence)
+    when an earlier comparison already failed."""
+    from ckptverify.findings import info, warning
+    from ckptverify.resume.unregistered import compare_held, read_held
+
+    if "B" not in configs:
+        return []
+    held = {name: read_held(c.trace_dir) for name, c in configs.items()}
+    differ = compare_held(held["A"], held["B"])
+    a2 = "A2" in configs and bool(held["A2"])
+    again = {d["var"] for d in compare_held(held["A"], held["A2"])} if a2 else set()
+    incomplete = _held_gaps(held)
+    analysis["held"] = {"differ": differ, "nondeterministic": sorted(again & {d["var"] for d in differ}),
+                        "a2": a2, "incomplete": incomplete}
+    earlier = any(analysis.get(k) for k in ("restore", "nondeterminism", "resume", "final"))
+    out: list[Finding] = []
+    for d in differ:
+        text = (f"[end of A vs B] {d['var']} differs at the end of the run (rank {d['rank']}, first at "
+                f"{d['path']}): the training function holds it outside the TrainState")
+        where = Location(fqn=d["path"], rank=d["rank"])
+        out.append(info("held-state", text + " (it may follow from the divergence above)", location=where,
+                        actual=d) if earlier else error("held-state", text, location=where, actual=d))
+    if incomplete:
+        out.append(warning("held-state-incomplete", "the values held outside the TrainState were not all "
+                           "compared: " + "; ".join(incomplete)))
+    return out
+
+
+def _held_gaps(held: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """Why some held values were not compared: a rank left no record, a walk failed, hit a limit or could
+    not fingerprint a value."""
+    from ckptverify.resume.unregistered import HELD_ENTRIES, HELD_ITEMS, HELD_VISITS
+
+    out = [f"run {name} left no record of rank {r}" for name in ("A", "B")
+           for r in sorted(set(held["A"]) | set(held["B"])) if r not in held[name]]
+    for name, runs in held.items():
+        for r, data in sorted(runs.items()):
+            if data.get("error"):
+                out.append(f"run {name} rank {r}: {data['error']}")
+            if data.get("truncated"):
+                out.append(f"run {name} rank {r} holds more than was compared (at most {HELD_ITEMS} items a "
+                           f"container, {HELD_ENTRIES} values, {HELD_VISITS} objects)")
+            if data.get("skipped"):
+                out.append(f"run {name} rank {r} could not fingerprint {', '.join(data['skipped'][:3])}")
+    return out
 
 
 def _forgotten_findings(analysis: dict[str, Any]) -> list[Finding]:

@@ -98,6 +98,8 @@ class Run:
         self._picked: Any = None
         self._owns_group = False
         self._rank, self._world = rank_world(env_fallback=True)
+        #: The frame of the function that called ``restore`` (under the harness), until ``close``.
+        self._held_frame: Any = None
 
     @classmethod
     def from_env(cls, *, steps: int | None = None) -> Run:
@@ -211,7 +213,8 @@ class Run:
 
         Under the harness it also notes what the calling function holds outside ``state`` (stateful local
         variables, see :mod:`ckptverify.resume.unregistered`) and, when resuming, the random streams and
-        hyperparameters as restored (to tell later which run moved them)."""
+        hyperparameters as restored (to tell later which run moved them). At the end of the run (``close``) it
+        fingerprints the values that function then holds outside ``state``, so runs can be compared on them."""
         from ckptverify.state.train_state import TrainState
 
         if not isinstance(state, TrainState):
@@ -225,6 +228,10 @@ class Run:
 
             caller = sys._getframe(1)
             notes["unregistered"] = [u.to_dict() for u in find_unregistered(caller.f_locals, state)]
+            if self._production is None:
+                # Kept to the end of the run (a frame keeps its locals after the function returns): what the
+                # function then holds outside `state` is compared across runs (see `_write_held`).
+                self._held_frame = caller
             del caller
             notes["missing_optimizer"] = missing_optimizer(state)
         if self.config.resume_from:
@@ -314,6 +321,10 @@ class Run:
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None
+        frame, self._held_frame = self._held_frame, None
+        if frame is not None:
+            self._write_held(frame)
+            del frame  # its locals (model, loader, workers) go as the function's own would
         if self.config.trace_dir and self._rank == 0:
             self._write_json("run.json", {"name": self.config.name, "steps": self._p.step,
                                           "saved": self._p.saved, "world_size": self._world})
@@ -331,6 +342,19 @@ class Run:
             self._production = None
 
     # ------------------------------------------------------------------ internals
+
+    def _write_held(self, frame: Any) -> None:
+        """``held-rank<r>.json``: fingerprints of what the function that called ``restore`` holds at the end of
+        the run outside the ``TrainState`` (:func:`~ckptverify.resume.unregistered.held_state`). A failure to
+        take them is written there too (the harness then says it could not compare), never raised: the run
+        itself succeeded."""
+        from ckptverify.resume.unregistered import held_state
+
+        try:
+            data = held_state(frame.f_locals, self.state)
+        except Exception as exc:
+            data = {"error": f"{type(exc).__name__}: {exc}"}
+        self._write_json(f"held-rank{self._rank}.json", data)
 
     def _save(self) -> None:
         from ckptverify.saving import save

@@ -11,18 +11,23 @@ resume needs and that ``state`` does not register:
 * anything else with callable ``state_dict`` and ``load_state_dict``.
 
 Each is reported by variable name and type. An object that never feeds a traced value (an EMA, a GradScaler
-whose power-of-two scale leaves every value bitwise equal) passes a resume check, yet a real resume loses it.
+whose power-of-two scale leaves every value bitwise equal) would pass a step-by-step comparison, yet a real
+resume loses it: so at the end of each run :func:`held_state` fingerprints what the function then holds
+outside the ``TrainState`` (tensors in locals and containers, unregistered modules, the state dicts of
+unregistered optimizers, schedulers and scalers), and :func:`compare_held` names the variables whose values
+differ between two runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Unregistered", "find_unregistered", "missing_optimizer"]
+__all__ = ["Unregistered", "compare_held", "find_unregistered", "held_state", "missing_optimizer", "read_held"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +161,235 @@ def missing_optimizer(state: Any) -> str | None:
         return None
     return ("no optimizer is registered in the TrainState: its moments and step counts are not saved, so a "
             "resumed run starts them from zero")
+
+
+# ------------------------------------------------------------------------------------ held at the end
+
+
+#: How deep the walk goes into containers (dict, list, tuple, dataclass, namespace, plain object).
+HELD_DEPTH = 4
+#: At most this many items of one container are walked, and this many values fingerprinted per rank.
+HELD_ITEMS = 10_000
+HELD_ENTRIES = 20_000
+#: At most this many objects are looked at per rank (a library object's attributes can be a large graph).
+HELD_VISITS = 200_000
+#: Classes from these packages are walked only as torch objects (modules, optimizers, ...), never as plain
+#: objects: their attributes are library internals, not the job's state.
+_OPAQUE = ("torch", "numpy", "builtins", "ckptverify.resume", "ckptverify.state", "ckptverify.trace")
+
+
+def _storage_key(t: Any) -> tuple[str, int | None, int] | None:
+    """Where ``t``'s memory lives (a ``DTensor``: its local shard), or ``None`` when it has none to compare."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        t = to_local()
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:  # no storage (meta, sparse, a tensor subclass without one)
+        return None
+    return (t.device.type, t.device.index, ptr) if ptr else None
+
+
+def _covered_storages(state: Any) -> set[tuple[str, int | None, int]]:
+    """The memory of every tensor ``state`` saves (model parameters, buffers and gradients, optimizer state,
+    the tensors of module and plain-object extras): a held tensor in it is an alias of registered state."""
+    import torch
+
+    tensors: list[Any] = []
+    if state.model is not None:
+        tensors += [*state.model.parameters(), *state.model.buffers()]
+        tensors += [p.grad for p in state.model.parameters() if p.grad is not None]
+    for opt in state.optimizers:
+        for per_param in getattr(opt, "state", {}).values():
+            if isinstance(per_param, Mapping):
+                tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    for extra in state.extras.values():
+        if isinstance(extra, torch.nn.Module):
+            tensors += [*extra.parameters(), *extra.buffers()]
+        else:
+            tensors += [v for v in getattr(extra, "__dict__", {}).values() if isinstance(v, torch.Tensor)]
+    keys = {_storage_key(t) for t in tensors}
+    keys.discard(None)
+    return keys  # type: ignore[return-value]
+
+
+def _tensor_value(t: Any) -> str:
+    """A tensor's values as one string: dtype, shape and logical fingerprint (a ``DTensor``: its local shard,
+    so no rank waits for another)."""
+    from ckptverify.fingerprint import tensor_fingerprint
+
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        t = to_local()
+    fp = tensor_fingerprint(t.detach())
+    return f"{fp.dtype}{list(fp.shape)}:{fp.value}"
+
+
+def _plain(obj: Any) -> bool:
+    """Whether ``obj`` is a plain object of the job whose attributes may hold state (a hand-written EMA class,
+    a dataclass or namespace of training objects), rather than a library's internals."""
+    from torch.utils.data import Dataset
+
+    if isinstance(obj, type | types.ModuleType | types.FunctionType | types.MethodType | Dataset):
+        return False
+    if dataclasses.is_dataclass(obj) or isinstance(obj, types.SimpleNamespace):
+        return True
+    module = type(obj).__module__ or ""
+    if module == "builtins" or module.split(".")[0] in sys.stdlib_module_names:
+        return False
+    return hasattr(obj, "__dict__") and not any(module == p or module.startswith(p + ".") for p in _OPAQUE)
+
+
+def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
+    """Fingerprints of the values among ``local_vars`` that ``state`` does not save, for comparing two runs.
+
+    Walked (``HELD_DEPTH`` levels into containers, at most ``HELD_ITEMS`` items each and ``HELD_VISITS`` objects
+    in all; ``truncated`` says when a limit cut the walk short): tensors; dicts, lists,
+    tuples, dataclasses, namespaces and plain objects of the job; modules other than the registered ones (their
+    parameters, buffers and tensors in plain attributes: an ``AveragedModel``, a deep-copied EMA); the
+    ``state_dict()`` of unregistered optimizers, LR schedulers and GradScalers (scalars included); unregistered
+    random generators. Not walked: what ``state`` holds, tensors sharing memory with it (a parameter under another
+    name), data loaders, samplers, datasets. The registered model's modules are looked into for tensors in
+    plain attributes (not parameters or buffers). No copy is kept: each value is fingerprinted where it lies.
+
+    Returns ``{"entries": {path: {"var": variable, "value": str}}, "truncated": bool, "skipped": [paths]}``,
+    paths written as Python reads them (``ema['net.0.weight']``, ``ema_model.module.net.0.weight``).
+    """
+    import torch
+
+    ids, _ = _registered(state)
+    covered = _covered_storages(state)
+    entries: dict[str, dict[str, str]] = {}
+    skipped: list[str] = []
+    seen: set[int] = set()
+    truncated = False
+
+    def put(path: str, var: str, value: str) -> None:
+        nonlocal truncated
+        if len(entries) >= HELD_ENTRIES:
+            truncated = True
+            return
+        entries[path] = {"var": var, "value": value}
+
+    def tensor(path: str, var: str, t: Any) -> None:
+        if _storage_key(t) in covered:
+            return  # registered state under another name
+        try:
+            put(path, var, _tensor_value(t))
+        except Exception:
+            skipped.append(path)
+
+    def scalars(path: str, var: str, obj: Any, depth: int) -> None:
+        """A ``state_dict()``: tensors and scalars both are state."""
+        if isinstance(obj, torch.Tensor):
+            tensor(path, var, obj)
+        elif obj is None or isinstance(obj, bool | int | float | str):
+            put(path, var, f"{type(obj).__name__}:{obj!r}")
+        elif depth < HELD_DEPTH and isinstance(obj, Mapping):
+            for key in list(obj)[:HELD_ITEMS]:
+                scalars(f"{path}[{key!r}]", var, obj[key], depth + 1)
+        elif depth < HELD_DEPTH and isinstance(obj, list | tuple):
+            for i, item in enumerate(obj[:HELD_ITEMS]):
+                scalars(f"{path}[{i}]", var, item, depth + 1)
+
+    def items(obj: Any) -> list[tuple[str, Any]]:
+        nonlocal truncated
+        if isinstance(obj, Mapping):
+            keys = list(obj)
+            out = [(f"[{k!r}]", obj[k]) for k in keys[:HELD_ITEMS]]
+            n = len(keys)
+        elif isinstance(obj, list | tuple):
+            out = [(f"[{i}]", v) for i, v in enumerate(obj[:HELD_ITEMS])]
+            n = len(obj)
+        elif _plain(obj):
+            attrs = _container_attrs(obj) or vars(obj)
+            out = [(f".{k}", v) for k, v in list(attrs.items())[:HELD_ITEMS] if not k.startswith("__")]
+            n = len(attrs)
+        else:
+            return []
+        truncated = truncated or n > HELD_ITEMS
+        return out
+
+    def visit(path: str, var: str, obj: Any, depth: int) -> None:
+        if obj is None or isinstance(obj, bool | int | float | complex | str | bytes) or id(obj) in ids:
+            return
+        nonlocal truncated
+        if id(obj) in seen:
+            return  # the first name reaching an object names it
+        if len(seen) >= HELD_VISITS:
+            truncated = True
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            tensor(path, var, obj)
+            return
+        kind = _kind(obj)
+        if kind == "module":
+            for name, t in [*obj.named_parameters(), *obj.named_buffers()]:
+                tensor(f"{path}.{name}", var, t)
+            for mod_name, module in obj.named_modules():
+                for attr, value in vars(module).items():
+                    if not attr.startswith("_") and depth < HELD_DEPTH:
+                        visit(".".join(p for p in (path, mod_name, attr) if p), var, value, depth + 1)
+        elif kind in ("optimizer", "LR scheduler", "gradient scaler"):
+            try:
+                sd = obj.state_dict()
+            except Exception:
+                skipped.append(path)
+                return
+            scalars(f"{path}.state_dict()", var, sd, 0)
+        elif kind == "random generator":
+            tensor(f"{path}.get_state()", var, obj.get_state())
+        elif kind in (None, "stateful object") and depth < HELD_DEPTH:
+            for suffix, value in items(obj):
+                visit(path + suffix, var, value, depth + 1)
+
+    for name, obj in local_vars.items():
+        if name.startswith("__") or name == "_" or type(obj).__name__ in ("Run", "TrainState"):
+            continue
+        visit(name, name, obj, 0)
+    # Plain attributes of the registered model's modules (a dict of EMA tensors kept on the model): a
+    # checkpoint holds its parameters and buffers, not these.
+    if state.model is not None:
+        for mod_name, module in state.model.named_modules():
+            for attr, value in vars(module).items():
+                if not attr.startswith("_") and not isinstance(value, torch.nn.Module):
+                    path = ".".join(p for p in ("model", mod_name, attr) if p)
+                    visit(path, path, value, 1)  # named by the attribute: "model" alone would name nothing
+    return {"entries": entries, "truncated": truncated, "skipped": skipped}
+
+
+def read_held(trace_dir: str | None) -> dict[int, dict[str, Any]]:
+    """Each rank's held state at the end of a run (``held-rank<r>.json``, written by ``Run.close``), by rank."""
+    import json
+    import os
+
+    out: dict[int, dict[str, Any]] = {}
+    if not trace_dir or not os.path.isdir(trace_dir):
+        return out
+    for name in os.listdir(trace_dir):
+        if name.startswith("held-rank") and name.endswith(".json") and name[9:-5].isdigit():
+            with open(os.path.join(trace_dir, name)) as f:
+                out[int(name[9:-5])] = json.load(f)
+    return out
+
+
+def compare_held(a: Mapping[int, Mapping[str, Any]], b: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Variables held in both runs whose values differ at the end, one per variable and rank (ranks in order,
+    variables in the order the training function bound them), each with the first differing path.
+
+    A variable one run holds and the other does not is no difference here (a value set only on a fresh start
+    is not state the job keeps updating); within a variable both hold, a path only one run has is.
+    """
+    out: list[dict[str, Any]] = []
+    for rank in sorted(set(a) & set(b)):
+        ea, eb = a[rank].get("entries") or {}, b[rank].get("entries") or {}
+        both = {e["var"] for e in ea.values()} & {e["var"] for e in eb.values()}
+        differing: dict[str, dict[str, Any]] = {}
+        for path in [*ea, *(p for p in eb if p not in ea)]:
+            x, y = ea.get(path) or {}, eb.get(path) or {}
+            var = x.get("var") or y.get("var")
+            if var in both and var not in differing and x.get("value") != y.get("value"):
+                differing[var] = {"var": var, "path": path, "rank": rank, "a": x.get("value"), "b": y.get("value")}
+        out.extend(differing.values())
+    return out

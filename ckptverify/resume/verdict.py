@@ -19,9 +19,11 @@ consequence, not the cause):
 * ``hidden-state`` — (c) a value no saved field explains differs: a non-persistent buffer, a global
   counter, a cache;
 * ``unregistered-state`` — (c) as ``hidden-state``, and the training function holds a stateful object (or
-  no optimizer) that the TrainState does not;
+  no optimizer) that the TrainState does not; or, after (d) with everything equal, a value the training
+  function holds outside the TrainState ends the run different in A and B (category ``held-state``; when A
+  and A2 differ in it too: ``nondeterministic``);
 * ``diverged`` — (c)/(d) the runs part in a category not covered above;
-* ``pass`` — none of the above: B equals A bitwise for steps K+1..T, A equals A2, final states equal.
+* ``pass`` — none of the above: B equals A bitwise for steps K+1..T, A equals A2, final states equal, held values equal.
 
 Every verdict carries one sentence of cause (``message``) and one of what to do (``advice``); the command
 prints :meth:`Verdict.headline` as its last line.
@@ -135,6 +137,9 @@ def decide(plan: Any, analysis: dict[str, Any]) -> Verdict:
         return Verdict("diverged", f"the traced steps agree, but the final checkpoints differ ({len(final)} "
                        f"item(s), first {f.location.fqn or f.message}).{forgotten}", site=f.location.fqn,
                        category="final", advice="trace at a higher --level to see the step where they part.")
+    held = _held_verdict(plan, analysis)
+    if held is not None:
+        return held
     runs = "B equals A" if "B" in plan.runs else "A ran"
     message = (f"resume-equivalent: {runs} bitwise for steps {plan.resume_at + 1}..{plan.steps}"
                + (", and two continuous runs agree" if "A2" in plan.runs else "")
@@ -276,3 +281,39 @@ def _resume_verdict(plan: Any, analysis: dict[str, Any], div: Any, forgotten: st
                        "restored exactly: state outside the TrainState (a global counter, a cache, an "
                        "unregistered generator) drives the computation.", advice=advice, **common)
     return Verdict("diverged", f"resumed run diverges at {_where(div)}.{forgotten}", **common)
+
+
+def _held_verdict(plan: Any, analysis: dict[str, Any]) -> Verdict | None:
+    """Every traced step and the final checkpoints agree, but the training function ends holding different
+    values outside the TrainState in A and B (``analysis["held"]``): state a resume loses, or (when A and A2
+    differ there too) a nondeterministic computation of it."""
+    held = analysis.get("held") or {}
+    differ = held.get("differ") or []
+    if not differ:
+        return None
+    nd = set(held.get("nondeterministic") or ())
+    lost = [d for d in differ if d["var"] not in nd]
+    T = plan.steps
+    if not lost:
+        d = differ[0]
+        return Verdict("nondeterministic", f"every traced step agrees, but two continuous runs (A and A2) end "
+                       f"holding different {', '.join(sorted(nd))} (first at {d['path']}, rank {d['rank']}): "
+                       "its computation is not deterministic, so whether a resume keeps it cannot be told.",
+                       step=T, rank=d["rank"], site=d["path"], category="held-state",
+                       advice="make its computation deterministic (seeds, thread count, "
+                       "torch.use_deterministic_algorithms) until A and A2 agree, then check again.")
+    d = lost[0]
+    names = list(dict.fromkeys(x["var"] for x in lost))
+    if held.get("a2"):
+        sure = " A and A2 hold equal values there, so it is not nondeterminism."
+    else:
+        sure = " (A2 was not compared: a nondeterministic computation of it is not ruled out; run A2 to tell.)"
+    also = f" Also nondeterministic: {', '.join(sorted(nd))}." if nd else ""
+    return Verdict("unregistered-state", f"every traced step and the final checkpoints agree, but at the end of "
+                   f"the run (step {T}) the training function holds {', '.join(names)} with different values in A "
+                   f"and in B (first at {d['path']}, rank {d['rank']}): state the job updates outside the "
+                   f"TrainState, which a resume loses.{sure}{also}", step=T, rank=d["rank"], site=d["path"],
+                   category="held-state",
+                   advice=f"register {d['var']} in the TrainState (extras={{'{d['var']}': ...}}: a module such as "
+                   "an AveragedModel as it is, a dict of tensors in an object with state_dict()/load_state_dict()), "
+                   "or rebuild it from saved state after run.restore().")
