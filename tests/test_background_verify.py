@@ -120,6 +120,25 @@ def test_inline_raise_fails_the_save_itself(tmp_path: Path, verifier: Background
     assert verifier.take_failures() == []  # raised already: the next save does not raise it again
 
 
+@pytest.mark.parametrize("mode", ["inline", "background"])
+def test_a_failed_verification_whose_stamp_cannot_be_written_still_raises(tmp_path: Path,
+                                                                            verifier: BackgroundVerifier,
+                                                                            mode: str) -> None:
+    def damage(path: str) -> None:
+        inj.flip_in_tensor_payload(path, "w")
+        os.mkdir(os.path.join(path, STAMP_FILE))  # as a read-only directory would: no stamp can be written
+
+    verifier.before_verify = damage
+    seen: list[cv.Verification] = []
+    with pytest.warns(VerifyFailedWarning), pytest.raises(VerifyFailedError, match="step_4"):
+        cv.save(_state(4.0), tmp_path / "step_4", verify=mode, on_verify_failure="raise", on_verified=seen.append)
+        assert cv.wait_for_verifications(timeout=60)
+        cv.save(_state(5.0), tmp_path / "step_5", verify=mode, on_verify_failure="raise")  # raises the earlier one
+    (result,) = seen
+    assert result.verdict == "failed" and not result.stamped and "not stamped" in (result.reason or "")
+    assert read_stamp(tmp_path / "step_4") is None
+
+
 def test_an_already_damaged_checkpoint_fails_through_the_same_worker(tmp_path: Path,
                                                                      verifier: BackgroundVerifier) -> None:
     cv.save(_state(5.0), tmp_path / "step_5")

@@ -82,6 +82,30 @@ def test_latest_trusts_current_stamps_only(run: Path) -> None:
     assert latest_verified(run).step == 20
 
 
+def test_a_stamp_ranks_a_checkpoint_no_higher_than_its_verification_could(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    root = tmp_path / "run"
+    _dcp(root / "step_1", 1.0)  # fingerprinted: verified by its manifest
+    bare = root / "step_2.safetensors"  # no CRCs, no manifest: nothing can check its content
+    save_file({"w": torch.full((64, 64), 2.0)}, str(bare))
+    assert latest_verified(root, use_stamps=False).step == 1
+    from ckptverify.runs.stamper import verify_and_stamp
+
+    assert verify_and_stamp(str(bare), step=2).event == "verified"  # as watch does: "passed", stamped
+    stamp = read_stamp(bare)
+    assert stamp is not None and stamp.current and stamp.passed and stamp.state == "uncheckable"
+    found = latest_verified(root)
+    assert found.step == 1, found.skipped
+    skipped = [(s["path"], s["state"], s["how"]) for s in found.skipped]
+    assert skipped == [("step_2.safetensors", "uncheckable", "stamp")]
+    # A stamp that does not say how strong its verdict was (an older stamp) is not used: verified afresh.
+    data = json.loads(Path(str(bare) + "." + STAMP_FILE).read_text())
+    del data["state"]
+    Path(str(bare) + "." + STAMP_FILE).write_text(json.dumps(data))
+    assert [s["how"] for s in latest_verified(root).skipped] == ["verified now"]
+
+
 def test_latest_with_nothing_good_exits_1(tmp_path: Path) -> None:
     root = tmp_path / "run"
     bad = _dcp(root / "step_1", 1.0)

@@ -97,8 +97,11 @@ def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool) -> tu
                     "stamp"
             if stamp.suspect is not None:
                 return "suspect", describe_suspect(stamp.suspect), "stamp"
-            state = "verified" if stamp.data.get("manifest") else "intact"
-            return state, f"stamped {checked_at}", "stamp"
+            if stamp.state is not None:  # a stamp that does not say how strong its verdict was is not used
+                why = f"stamped {checked_at}"
+                if stamp.state == "uncheckable":
+                    why += ": nothing could check its content (no CRCs, no manifest)"
+                return stamp.state, why, "stamp"
     state, reason, _ = judge(root, cand, jobs)
     if state in GOOD_STATES:
         suspect = read_suspect(path)

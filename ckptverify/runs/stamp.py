@@ -1,11 +1,12 @@
 """The verification stamp: ``ckptverify.verified.json``, written beside a checkpoint once it was verified.
 
-A stamp records the verdict (passed or not, the counts, the first errors), what was checked (bytes, deep or
-not), the tool version, the time taken, the digest of the manifest, and a fingerprint of the directory's files
-(name, size, modification time, inode of every file but the stamp itself). A stamp is **current** only while
-that fingerprint still matches: a file rewritten, added, removed or touched after the verification makes it
-stale, and a stale stamp is never trusted (the checkpoint is verified again). A stamp is written atomically (a
-temporary file, then ``rename``), so a reader sees a whole stamp or none.
+A stamp records the verdict (passed or not, the counts, the first errors), its strength (``state``: verified by
+a manifest, intact by CRCs, or uncheckable: a stamp never ranks a checkpoint higher than that), what was checked
+(bytes, deep or not), the tool version, the time taken, the digest of the manifest, and a fingerprint of the
+directory's files (name, size, modification time, inode of every file but the stamp itself). A stamp is
+**current** only while that fingerprint still matches: a file rewritten, added, removed or touched after the
+verification makes it stale, and a stale stamp is never trusted (the checkpoint is verified again). A stamp is
+written atomically (a temporary file, then ``rename``), so a reader sees a whole stamp or none.
 
 The stamp is a cache of a verification, not evidence against an attacker who can write the directory: such an
 attacker can write a stamp too (``docs/security.md``).
@@ -38,7 +39,7 @@ __all__ = ["STAMP_FILE", "SUSPECT_NOTE", "VERIFYING_LOCK", "Stamp", "describe_su
            "read_stamp", "read_suspect", "stamp_path", "write_stamp", "write_suspect_note"]
 
 STAMP_SCHEMA = "ckptverify/stamp"
-STAMP_VERSION = 1
+STAMP_VERSION = 2
 SUSPECT_SCHEMA = "ckptverify/suspect"
 #: The most of a stamp that is ever read.
 MAX_STAMP_BYTES = 1 << 20
@@ -93,6 +94,16 @@ class Stamp:
         return value if isinstance(value, int) else None
 
     @property
+    def state(self) -> str | None:
+        """What the verification could establish (``runs.scan``'s states: ``verified`` by a manifest, ``intact``
+        by CRCs, ``uncheckable`` when nothing could check the content, ...), or ``None`` for a stamp that does
+        not record it (a stamp of an older version: never worth more than a fresh verification)."""
+        from ckptverify.runs.scan import STATES
+
+        value = self.data.get("state")
+        return value if isinstance(value, str) and value in STATES else None
+
+    @property
     def suspect(self) -> dict[str, Any] | None:
         """The suspect note recorded in the stamp (see the module docstring), or ``None``."""
         value = self.data.get("suspect")
@@ -132,6 +143,7 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     ``throttled_s``: seconds of the verification spent waiting for an idle core (recorded when given).
     """
     from ckptverify import __version__
+    from ckptverify.runs.scan import judge_report
 
     folder = os.fspath(root)
     counts = report.summary()
@@ -143,6 +155,9 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         # A failure of the bytes outranks the suspicion: such a checkpoint is failed, whatever else it is.
         "verdict": "failed" if not report.passed else "suspect" if suspect is not None else "passed",
         "passed": report.passed,
+        # How strong the verdict is: a stamp ranks a checkpoint no higher than this (never "verified" for
+        # content nothing could check).
+        "state": judge_report(report),
         "summary": counts,
         "errors": [f.to_dict() for f in report.errors[:20]],
         "coverage": [c.to_dict() for c in report.coverage],

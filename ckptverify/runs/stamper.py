@@ -117,9 +117,10 @@ class VerifyingLock:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What :func:`verify_and_stamp` did. ``event``: ``verified`` or ``failed`` (a verdict, stamped),
-    ``deleted`` (removed while being verified), ``changed`` (its files changed while being verified: no verdict,
-    no stamp), ``error`` (the stamp could not be written: ``reason`` says why) or ``busy`` (someone else holds
+    """What :func:`verify_and_stamp` did. ``event``: ``verified`` or ``failed`` (a verdict, stamped unless
+    ``stamped`` is false: then ``reason`` says why the stamp could not be written; the verdict stands all the
+    same), ``deleted`` (removed while being verified), ``changed`` (its files changed while being verified: no
+    verdict, no stamp), ``error`` (it could not be verified: ``reason`` says why) or ``busy`` (someone else holds
     the verifying lock)."""
 
     event: str
@@ -128,6 +129,8 @@ class Outcome:
     seconds: float = 0.0
     #: Of ``seconds``, those spent waiting for an idle core (:mod:`~ckptverify.runs.throttle`).
     throttled_s: float = 0.0
+    #: Whether the verdict was written beside the checkpoint.
+    stamped: bool = True
 
 
 def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
@@ -145,8 +148,12 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
         return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
     except (FileNotFoundError, CheckpointNotFoundError):
         return Outcome("deleted", reason="removed while it was being verified")
-    except OSError as exc:  # e.g. a read-only run directory: the lock cannot be created
-        return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
+    except OSError as exc:
+        # The lock cannot be created (a read-only run directory, something not ours at its name): verify all the
+        # same; the verdict is reported whether or not it can be stamped.
+        if own.held:
+            return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
+        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
     finally:
         own.release()
 
@@ -174,10 +181,16 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
             # Not a verdict on anything: the files verified are not the files there now.
             return Outcome("changed", reason="its files changed while it was being verified")
         throttled = None if throttle is None or throttle.probe is None else round(throttle.throttled_s, 6)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return Outcome("deleted", reason="removed while it was being verified")
+    except OSError as exc:  # it could not be read
+        return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
+    event = "verified" if report.passed else "failed"
+    try:
         write_stamp(path, report, step=step, fingerprint=before, throttled_s=throttled)
     except (FileNotFoundError, CheckpointNotFoundError):
         return Outcome("deleted", reason="removed while it was being verified")
-    except OSError as exc:  # e.g. a read-only run directory: the stamp cannot be written
-        return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
-    return Outcome("verified" if report.passed else "failed", report=report,
-                   seconds=time.perf_counter() - started, throttled_s=throttled or 0.0)
+    except OSError as exc:  # e.g. a read-only run directory: the verdict stands, unstamped
+        return Outcome(event, report=report, reason=f"not stamped: {type(exc).__name__}: {exc}",
+                       seconds=time.perf_counter() - started, throttled_s=throttled or 0.0, stamped=False)
+    return Outcome(event, report=report, seconds=time.perf_counter() - started, throttled_s=throttled or 0.0)

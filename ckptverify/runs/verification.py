@@ -15,9 +15,10 @@ __all__ = ["Verification", "from_outcome", "from_stamp"]
 class Verification:
     """The result of verifying one saved checkpoint.
 
-    ``verdict``: ``passed``, ``failed`` (both stamped beside the checkpoint), or ``unverified`` (no verdict:
-    ``reason`` says why; nothing stamped). ``summary``: findings per severity. ``first_error``: the first error
-    as ``check: message``. ``bytes_checked``: bytes of the checkpoint's files read and checked.
+    ``verdict``: ``passed``, ``failed`` (both stamped beside the checkpoint unless ``stamped`` is false: then
+    ``reason`` says why the stamp could not be written, and the verdict stands all the same), or ``unverified``
+    (no verdict: ``reason`` says why; nothing stamped). ``summary``: findings per severity. ``first_error``: the
+    first error as ``check: message``. ``bytes_checked``: bytes of the checkpoint's files read and checked.
     ``throttled_s``: of ``seconds``, those a background verification spent waiting for an idle core
     (:mod:`~ckptverify.runs.throttle`).
     """
@@ -52,7 +53,7 @@ class Verification:
             return f"{where} passed verification ({self.bytes_checked} bytes checked in {self.seconds:.2f} s)"
         if self.verdict == "failed":
             return (f"{where} failed verification after it was saved: {self.summary.get('error', 0)} error(s); "
-                    f"first: {self.first_error}")
+                    f"first: {self.first_error}" + ("" if self.stamped else f" ({self.reason})"))
         return f"{where} was not verified: {self.reason}"
 
 
@@ -67,7 +68,8 @@ def from_outcome(path: str, step: int | None, deep: bool, outcome: Outcome) -> V
         path=path, step=step, verdict="passed" if report.passed else "failed", summary=report.summary(),
         first_error=None if first is None else f"{first.check}: {first.message}",
         seconds=round(outcome.seconds, 6), bytes_checked=int(report.stats.get("bytes") or 0),
-        deep=bool(report.stats.get("deep")), stamped=True, throttled_s=outcome.throttled_s)
+        deep=bool(report.stats.get("deep")), stamped=outcome.stamped, reason=outcome.reason,
+        throttled_s=outcome.throttled_s)
 
 
 def from_stamp(path: str, step: int | None, data: dict[str, Any]) -> Verification:

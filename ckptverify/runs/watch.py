@@ -196,7 +196,7 @@ def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
     if outcome.event == "changed":
         return {"event": "changed", **base, "reason": f"{outcome.reason}; it is verified again in a later pass"}, None
     if outcome.event == "error":
-        # The lock or the stamp could not be written: the verdict must not depend on that.
+        # It could not be verified here (the stamper could not read it): try once more without lock or stamp.
         result, fingerprint = _verify_unstamped(path, base, jobs, deep, settle, outcome.reason or "not stamped")
         if result["event"] == "error":
             try:
@@ -207,8 +207,16 @@ def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
     if outcome.report is None:
         return {"event": outcome.event, **base, "reason": outcome.reason}, None
     out = _outcome_result(base, outcome.event, outcome.report, outcome.seconds)
-    out["stamped"] = True
-    return out, None
+    out["stamped"] = outcome.stamped
+    if outcome.stamped:
+        return out, None
+    # A verdict whose stamp could not be written stands all the same; remembered until its files change.
+    out["stamp_error"] = outcome.reason or "not stamped"
+    try:
+        fingerprint = files_fingerprint(path)
+    except OSError:
+        fingerprint = ""
+    return out, fingerprint
 
 
 def _ready(path: str, cand: Candidate, quiet: float) -> bool:
