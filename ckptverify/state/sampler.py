@@ -86,7 +86,7 @@ _ITER_SEED_ATTR = "_ckptverify_worker_seed"
 class Drawn(int):
     """An index as a :class:`ResumableSampler` yields it to a loader whose workers re-seed per batch: the
     index, with the epoch and this index's slot in the epoch's global order (``position * num_replicas +
-    rank``). It is an ``int`` everywhere; the workers hand the dataset plain ``int``\ s."""
+    rank``). It is an ``int`` everywhere; the workers hand the dataset plain ints."""
 
     epoch: int
     slot: int
