@@ -510,7 +510,9 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
       ``a_moved`` as above (on the first resumed step, against the restored value);
     * ``hparams_step``: hyperparameters that differ as the optimizer step uses them;
     * ``buffers``: non-persistent buffers (``buffer.<fqn>``) that differ after the step;
-    * ``batch``: whether the batch differs.
+    * ``batch``: whether the batch differs;
+    * ``indices``: the digest of the sample indices the step's batch was made from (``data.indices``) in A
+      (``a``) and B (``b``), and A's of the next step (``a_next``); ``None`` where not recorded.
     """
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import open_trace
@@ -524,7 +526,9 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
     differing = [n for n in names if val(ta, step, n) != val(tb, step, n)]
     out: dict[str, Any] = {"step": step, "rank": rank, "rng": [], "hparams_start": [], "hparams_step": [],
                            "buffers": [n for n in differing if n.startswith("buffer.")],
-                           "batch": any(n == "batch" or n.startswith("batch.") for n in differing)}
+                           "batch": any(n == "batch" or n.startswith("batch.") for n in differing),
+                           "indices": {"a": val(ta, step, "data.indices"), "b": val(tb, step, "data.indices"),
+                                       "a_next": val(ta, step + 1, "data.indices")}}
 
     def moved(trace: Any, name: str, end_name: str, is_b: bool) -> bool | None:
         now = val(trace, step, name)

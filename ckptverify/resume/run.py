@@ -258,7 +258,15 @@ class Run:
         With a built-in ``ResumableSampler`` the consumed position is tracked; after resuming, the random
         streams are put back once the loader's iterator exists (creating it draws a base seed).
         """
+        from ckptverify.state.dataloader import find_resumable_sampler
+
         stop = self.config.stop_step
+        registered = self.state.dataloader if self.state is not None else None
+        # The sampler whose last handed-out batch the trace records (``data.indices``): the iterated loader's,
+        # else the registered one's (a loop that fetches its batches itself through ``sampler.track``).
+        self._sampler = find_resumable_sampler(loader) if loader is not None else None
+        if self._sampler is None and registered is not None:
+            self._sampler = find_resumable_sampler(registered)
         if loader is None:
             it: Iterator[Any] = _count(self._p.step + 1)
         else:
@@ -305,7 +313,8 @@ class Run:
         if self._recorder is not None:
             if traced:
                 self._recorder.record_step(self._p.step, metrics=values, batch=batch,
-                                           state=self.state if self.config.level != "metrics" else None)
+                                           state=self.state if self.config.level != "metrics" else None,
+                                           batch_indices=self._batch_indices())
             else:
                 self._recorder.skip_step()
         self._p.records += 1
@@ -313,6 +322,13 @@ class Run:
             self._production.stepped(self._p.step, traced=traced)
         if self._p.step in self.config.save_at:
             self._save()
+
+    def _batch_indices(self) -> list[Any] | None:
+        """``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed to the loop (with
+        ``run.steps(loader)``: this step's batch), or ``None`` when no tracked sampler is known."""
+        sampler = getattr(self, "_sampler", None)
+        last = sampler.last_batch() if sampler is not None else None
+        return None if last is None else [last[0], last[1]]
 
     def _traced(self, step: int) -> bool:
         return step % self.config.trace_every == 0

@@ -14,8 +14,10 @@ consequence, not the cause):
 * ``changed-after-save`` — (c) A changed a hyperparameter after its save point, before the next step;
 * ``scheduler`` — (c) the learning rate (or another hyperparameter) the optimizer step used differs: an
   unsaved LR scheduler, or a step counter that restarted;
-* ``data`` — (c) the batch differs while the random streams and hyperparameters do not: the data position
-  was not restored;
+* ``data`` — (c) the batch differs while the random streams and hyperparameters do not: by the sample
+  indices the step used, other samples were drawn (the loader is not registered, or its position was not
+  restored), a batch was taken from the loader before the save, or the same samples came out different
+  (randomness inside the dataset or its workers);
 * ``hidden-state`` — (c) a value no saved field explains differs: a non-persistent buffer, a global
   counter, a cache;
 * ``unregistered-state`` — (c) as ``hidden-state``, and the training function holds a stateful object (or
@@ -240,11 +242,11 @@ def _resume_verdict(plan: Any, analysis: dict[str, Any], div: Any, forgotten: st
                        **{**common, "site": lr_site, "category": "scheduler"})
 
     # 4. The batch.
-    if ev.get("batch") or category == "data" or any(s.startswith("batch") for s in sites):
+    if (ev.get("batch") or category == "data" or "data.indices" in sites
+            or any(s.startswith("batch") for s in sites)):
+        message, advice = _data_cause(analysis, ev, step, first_resumed, K)
         return Verdict("data", f"the batch of step {step} differs ({_where(div)}) while the random streams and "
-                       f"hyperparameters it started from are equal: the data loader's position was not saved or "
-                       f"not restored.{forgotten}", advice="register the loader: TrainState(dataloader=...), and "
-                       "keep the batch fetch inside the step (a batch prefetched before the save is lost).",
+                       f"hyperparameters it started from are equal: {message}{forgotten}", advice=advice,
                        **common)
     # 5. Non-persistent buffers: state a checkpoint never holds.
     buffers = ev.get("buffers") or []
@@ -317,3 +319,46 @@ def _held_verdict(plan: Any, analysis: dict[str, Any]) -> Verdict | None:
                    advice=f"register {d['var']} in the TrainState (extras={{'{d['var']}': ...}}: a module such as "
                    "an AveragedModel as it is, a dict of tensors in an object with state_dict()/load_state_dict()), "
                    "or rebuild it from saved state after run.restore().")
+
+
+def _data_cause(analysis: dict[str, Any], ev: dict[str, Any], step: int, first_resumed: bool,
+                K: int) -> tuple[str, str]:
+    """Why a batch differs, and what to do, from the sample indices the step used (``data.indices``) in A and B:
+    other samples (the loader is not registered, or its position was not restored), a batch taken from the
+    loader before the save, or the same samples with other contents (randomness in the dataset or workers)."""
+    idx = ev.get("indices") or {}
+    a, b, a_next = idx.get("a"), idx.get("b"), idx.get("a_next")
+    loaders = [u for u in analysis.get("unregistered") or [] if u.get("kind") in ("data loader", "sampler")]
+    named = ", ".join(f"{u['name']} ({u['type']})" for u in loaders)
+    register = "register the loader: TrainState(dataloader=...)"
+    if a is None or b is None:
+        if loaders:
+            return (f"{named} is not registered in the TrainState, so its position is not saved (whether the "
+                    "step drew other samples is not recorded).", f"{register}.")
+        return ("whether B drew the same samples as A cannot be told: the sample indices of the step's batch are "
+                "not recorded (they are for a loader driven by a ResumableSampler, iterated through "
+                "run.steps(loader) or sampler.track(loader), at --level state or module).",
+                "drive the loader with ckptverify.state.sampler.ResumableSampler and run the check again: it "
+                "then tells a data position that was not restored from randomness inside the dataset.")
+    if a != b:
+        if first_resumed and a_next is not None and b == a_next:
+            return (f"B's first batch holds the samples A trained on at step {step + 1}: A took a batch from the "
+                    f"loader before its save point (after step {K}), so the saved position counts it as "
+                    "consumed and the resumed run skips it.",
+                    "take each step's batch inside the step (for batch in run.steps(loader)), not ahead of "
+                    "run.record(), which saves.")
+        if loaders:
+            return (f"the step drew other samples in B than in A (data.indices differ): {named} is not "
+                    "registered in the TrainState, so its position is not saved.", f"{register}.")
+        return ("the step drew other samples in B than in A (data.indices differ) although the loader is "
+                "registered: its position was not restored into the loader the loop iterates.",
+                "iterate the loader registered in the TrainState, and do not rebuild it, reset its sampler or "
+                "call set_epoch with another epoch after run.restore(state).")
+    return ("the same sample indices were drawn in A and B (data.indices equal), yet the batch contents "
+            "differ: randomness (or other state) inside the Dataset or its DataLoader workers, such as "
+            "augmentation, is not reproduced.",
+            "draw augmentation noise from torch's, random's or numpy's global generators inside __getitem__ "
+            "(a registered loader with a ResumableSampler re-seeds them in its workers for each batch), or from "
+            "a generator made from torch.initial_seed() there; not from os.urandom, the clock, or a generator "
+            "created once per worker. With reseed_workers=False on the sampler, workers keep torch's own seeding, "
+            "which a resume does not reproduce.")

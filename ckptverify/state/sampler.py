@@ -29,6 +29,15 @@ drawn next. ``set_epoch`` with the epoch already loaded keeps the position (the 
 ``set_epoch(epoch)`` at the top of every epoch, including the resumed one); a different epoch starts at 0.
 A state saved at the very end of an epoch resumes to an empty pass, and the loop moves on to the next epoch.
 
+**Randomness in the workers.** A ``Dataset`` that augments in ``__getitem__`` draws from the random streams of
+the ``DataLoader`` worker that fetches the sample; torch seeds each worker once per iterator (``base_seed +
+worker_id``), so what a batch draws depends on which worker fetched it and on everything that worker fetched
+before. Registered in a ``TrainState`` (with ``num_workers > 0`` and ``reseed_workers=True``, the default), the
+loader re-seeds torch's, ``random``'s and numpy's global streams in the worker before each batch from
+``(base seed, epoch, position of the batch in the epoch)``, and the state holds the base seed
+(``worker_seed``): a resumed run draws the same noise for every batch. See
+:mod:`ckptverify.state.dataloader` for the contract.
+
 **Changing the number of replicas.** All ranks consume at the same rate, so after ``p`` samples per rank on
 ``R`` replicas the first ``C = p * R`` samples of the global interleaved order were consumed. On ``R'``
 replicas, rank ``r'`` continues exactly at global index ``C + r'`` when ``C`` is divisible by ``R'``
@@ -41,6 +50,7 @@ that make the length a multiple of the replica count) is the new count's, and no
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -55,6 +65,7 @@ from ckptverify.errors import UsageError
 __all__ = [
     "SAMPLER_STATE_VERSION",
     "CannotReshardError",
+    "Drawn",
     "ResumableSampler",
     "epoch_indices",
     "num_samples_per_replica",
@@ -66,6 +77,28 @@ SAMPLER_STATE_VERSION = 1
 _T = TypeVar("_T")
 
 _STATE_KEYS = ("version", "epoch", "position", "seed", "num_replicas", "rank", "dataset_len", "shuffle", "drop_last")
+#: Optional key (absent from states saved before it existed): the base seed of the workers of the saved epoch.
+_WORKER_SEED = "worker_seed"
+#: Attribute set on a DataLoader iterator: the base seed its workers re-seed each batch from.
+_ITER_SEED_ATTR = "_ckptverify_worker_seed"
+
+
+class Drawn(int):
+    """An index as a :class:`ResumableSampler` yields it to a loader whose workers re-seed per batch: the
+    index, with the epoch and this index's slot in the epoch's global order (``position * num_replicas +
+    rank``). It is an ``int`` everywhere; the workers hand the dataset plain ints."""
+
+    epoch: int
+    slot: int
+
+    def __new__(cls, index: int, epoch: int, slot: int) -> Drawn:
+        obj = super().__new__(cls, index)
+        obj.epoch = epoch
+        obj.slot = slot
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Drawn, (int(self), self.epoch, self.slot)
 
 
 class CannotReshardError(UsageError):
@@ -130,6 +163,7 @@ class ResumableSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        reseed_workers: bool = True,
     ) -> None:
         default_rank, default_replicas = rank_world()
         self.dataset_len = _int(dataset_len, "dataset_len")
@@ -148,6 +182,13 @@ class ResumableSampler(Sampler[int]):
         self._consumed = 0  # reported consumption (meaningful once self._tracking)
         self._tracking = False
         self._pass_id = 0
+        #: Whether a registered loader re-seeds its workers per batch (see the module docstring).
+        self.reseed_workers = bool(reseed_workers)
+        self._tag = False  # yield Drawn indices (set when a loader with workers is registered)
+        self._worker_seed: int | None = None  # base seed the current pass's workers re-seed from
+        self._resume_worker_seed: int | None = None  # the saved one, for workers started in the resumed epoch
+        self._handed: tuple[int, int, int] | None = None  # (epoch, start, count) of the last batch handed out
+        self._cached: tuple[int, list[int]] | None = None  # (epoch, this rank's indices of that epoch)
 
     # ------------------------------------------------------------------------------------ sizes
 
@@ -220,9 +261,43 @@ class ResumableSampler(Sampler[int]):
         return self._track(batches, size)
 
     def _track(self, batches: Iterable[_T], size: int) -> Iterator[_T]:
-        for batch in batches:
-            self.advance(min(size, self.num_samples - self._consumed))
+        it = iter(batches)  # a DataLoader draws its base seed here
+        self._note_iterator(it)
+        for batch in it:
+            start = self._consumed
+            n = min(size, self.num_samples - start)
+            self.advance(n)
+            self._handed = (self.epoch, start, n)
             yield batch
+
+    def _note_iterator(self, it: Any) -> None:
+        """Note the base seed the workers of loader iterator ``it`` re-seed from: the saved one for the
+        iterator made in the resumed epoch (its workers were started with it; persistent workers keep it),
+        else the seed torch drew for ``it``."""
+        seed = getattr(it, _ITER_SEED_ATTR, None)
+        if seed is None:
+            seed = self._resume_worker_seed if self._resume_worker_seed is not None else getattr(it, "_base_seed", None)
+            if seed is not None:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(it, _ITER_SEED_ATTR, seed)
+        if isinstance(seed, int):
+            self._worker_seed = seed
+
+    def last_batch(self) -> tuple[int, list[int]] | None:
+        """``(epoch, indices)`` of the last batch :meth:`track` handed to the loop, or ``None`` before the
+        first. The indices are this rank's, in the order the batch holds them."""
+        if self._handed is None:
+            return None
+        epoch, start, n = self._handed
+        return epoch, self._indices_of(epoch)[start:start + n]
+
+    def _indices_of(self, epoch: int) -> list[int]:
+        cached = self._cached
+        if cached is None or cached[0] != epoch:
+            cached = self._cached = (epoch, epoch_indices(
+                self.dataset_len, self.num_replicas, self.rank, epoch=epoch, shuffle=self.shuffle, seed=self.seed,
+                drop_last=self.drop_last))
+        return cached[1]
 
     # ------------------------------------------------------------------------------------ iteration
 
@@ -236,31 +311,32 @@ class ResumableSampler(Sampler[int]):
         self._resume_at = None
         self._pass_start = self._drawn = self._consumed = 0
         self._pass_id += 1
+        # Workers started for another epoch draw from the base seed of their own iterator.
+        self._resume_worker_seed = None
 
     def epoch_indices(self) -> list[int]:
         """This rank's full index list for the current epoch."""
-        return epoch_indices(
-            self.dataset_len,
-            self.num_replicas,
-            self.rank,
-            epoch=self.epoch,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            drop_last=self.drop_last,
-        )
+        return list(self._indices_of(self.epoch))
 
     def __iter__(self) -> Iterator[int]:
         start = self._resume_at if self._resume_at is not None else 0
         self._resume_at = None
         self._pass_id += 1
         self._pass_start = self._drawn = self._consumed = start
-        return self._iterate(self.epoch_indices()[start:], self._pass_id)
+        return self._iterate(self._indices_of(self.epoch)[start:], self._pass_id, start)
 
-    def _iterate(self, indices: list[int], pass_id: int) -> Iterator[int]:
-        for index in indices:
+    def _iterate(self, indices: list[int], pass_id: int, start: int) -> Iterator[int]:
+        tag, epoch, replicas, rank = self._tag, self.epoch, self.num_replicas, self.rank
+        for k, index in enumerate(indices):
             if pass_id == self._pass_id:  # a stale iterator of an earlier pass no longer moves the position
                 self._drawn += 1
-            yield index
+            yield Drawn(index, epoch, (start + k) * replicas + rank) if tag else index
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into spawned workers with the loader's worker_init_fn: the index cache is rebuilt on demand.
+        state = dict(self.__dict__)
+        state["_cached"] = None
+        return state
 
     # ------------------------------------------------------------------------------------ state
 
@@ -275,6 +351,7 @@ class ResumableSampler(Sampler[int]):
             "dataset_len": self.dataset_len,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            _WORKER_SEED: self._worker_seed if self._tag else None,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -282,7 +359,8 @@ class ResumableSampler(Sampler[int]):
 
         The dataset length, ``shuffle``, ``seed`` and ``drop_last`` must match the saved ones. With the same
         replica count the saved rank must be this rank; with a different one, the position is resharded when
-        that is exact, else :class:`CannotReshardError` is raised.
+        that is exact, else :class:`CannotReshardError` is raised. The saved ``worker_seed`` (absent from
+        older states) is the base seed the workers started for the resumed epoch re-seed from.
         """
         if not isinstance(state_dict, Mapping):
             raise UsageError(f"sampler state must be a mapping, got {type(state_dict).__name__}")
@@ -307,6 +385,9 @@ class ResumableSampler(Sampler[int]):
         old_replicas = _int(state_dict["num_replicas"], "saved num_replicas", minimum=1)
         old_rank = _int(state_dict["rank"], "saved rank")
         position = _int(state_dict["position"], "saved position")
+        worker_seed = state_dict.get(_WORKER_SEED)
+        if worker_seed is not None:
+            worker_seed = _int(worker_seed, "saved worker_seed")
         old_num_samples = num_samples_per_replica(self.dataset_len, old_replicas, self.drop_last)
         if position > old_num_samples or old_rank >= old_replicas:
             raise UsageError(
@@ -322,6 +403,8 @@ class ResumableSampler(Sampler[int]):
         self.epoch = epoch
         self._pass_id += 1
         self._resume_at = self._pass_start = self._drawn = self._consumed = new_position
+        self._worker_seed = self._resume_worker_seed = worker_seed
+        self._handed = None
 
     def _reshard(self, position: int, old_replicas: int, old_num_samples: int) -> int:
         new_replicas = self.num_replicas

@@ -1239,14 +1239,15 @@ class TraceRecorder:
         self._start_cells = [*self._rng_cells("start.rng.", state), *self._start_hparams(state.optimizers)]
 
     def record_step(self, step: int, *, metrics: Mapping[str, Any] | None = None, batch: Any = None,
-                    state: TrainState | None = None) -> None:
+                    state: TrainState | None = None, batch_indices: Any = None) -> None:
         """Record the row of ``step``: call once at the end of each step, after ``optimizer.step()``.
 
         * every level: ``metrics`` (name -> number or tensor) by their exact bits;
         * ``state`` and ``module``: what :meth:`record_step_start` captured when the step began (random
           streams, hyperparameters), and the hyperparameters the optimizer step used (``hparam.<g>.<key>``,
           captured by the optimizer hook);
-        * ``state`` and ``module``: the ``batch`` digest (a tensor, or one site per element of a
+        * ``state`` and ``module``: ``batch_indices`` (the sample indices the batch was made from, with its
+          epoch: ``data.indices``, a digest), then the ``batch`` digest (a tensor, or one site per element of a
           tuple/list/dict); the gradients (those captured by :meth:`record_grads` — or the optimizer hook —
           in this step, else the ``.grad`` of ``state.model`` / the attached model as they are now;
           parameters without a gradient are not recorded) as the category cell ``grad.*``; and from
@@ -1265,6 +1266,8 @@ class TraceRecorder:
 
         cells: list[Item] = list(self._start_cells) if self.records_state else []
         deep = self.records_state
+        if deep and batch_indices is not None:
+            cells.append(Cell("data.indices", "data", _value_lanes(batch_indices), "digest128"))
         if deep and batch is not None:
             cells.extend(self._batch_cells(batch, torch))
         cells.extend(self._module_cells)
