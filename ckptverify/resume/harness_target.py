@@ -196,8 +196,8 @@ def _function(module: types.ModuleType, where: str, name: str, target: str) -> C
         if obj is None:
             break
     if obj is None:
-        functions = sorted(n for n, v in vars(module).items()
-                           if inspect.isfunction(v) and getattr(v, "__module__", None) == module.__name__)
+        functions = sorted(n for n, v in vars(module).items() if not n.startswith("_")
+                           and inspect.isfunction(v) and getattr(v, "__module__", None) == module.__name__)
         close = difflib.get_close_matches(name, functions, n=1)
         listed = f" (functions defined there: {', '.join(functions)})" if functions else ""
         if close:
