@@ -16,6 +16,7 @@ Then, in order: (a) the state restored in B against the state A saved, field by 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -123,7 +124,12 @@ def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
         _call_target(rank, nproc, target, config)
     else:
         with LabelledOutput(label(config.name, rank, nproc)):
-            _call_target(rank, nproc, target, config)
+            try:
+                _call_target(rank, nproc, target, config)
+            finally:
+                # The workload's objects end now (DataLoader workers among them, which hold the output pipe),
+                # not whenever a reference cycle is collected: its output is then drained at once.
+                gc.collect()
 
 
 def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:

@@ -75,7 +75,8 @@ class LabelledOutput:
         for fd, original, _ in self._streams:
             os.dup2(original, fd)  # closes this process's end of the pipe: the pump sees the end of it
         for _, original, pump in self._streams:
-            pump.join(_DRAIN_S)
+            # After an error the traceback may keep the workload's DataLoader workers (holding the pipe) alive.
+            pump.join(_DRAIN_S if exc is None else 1.0)
             if not pump.is_alive():
                 os.close(original)
         self._streams = []

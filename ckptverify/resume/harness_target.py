@@ -30,6 +30,7 @@ import os
 import sys
 import sysconfig
 import textwrap
+import threading
 import traceback
 import types
 from collections.abc import Callable
@@ -92,37 +93,78 @@ def check_target(target: str) -> None:
     training function; raise :class:`TargetError` (the user's traceback or the line at fault) if not.
 
     Leaves ``sys.path``, ``sys.argv`` and the environment as they were, and forgets the script and the modules
-    it imported from its own folder (a later check of another script may have siblings of the same names).
+    it imported from its own folder, or from the working directory it was found in (a later check of another
+    script may have siblings of the same names). A target that passed is not checked again in this process
+    (while its file is unchanged).
     """
     where, name, is_file = split_target(target)
-    saved_path, saved_argv, saved_env = list(sys.path), list(sys.argv), dict(os.environ)
-    before = set(sys.modules)
-    folder = None
+    key = (target, _stamp(where) if is_file else None)
+    with _check_lock:  # launches side by side check at the same time; this changes process-wide state
+        if key in _checked:
+            return
+        saved_path, saved_argv, saved_env = list(sys.path), list(sys.argv), dict(os.environ)
+        before = set(sys.modules)
+        folder = None
+        try:
+            if is_file:
+                path = _existing_file(where)
+                folder = os.path.dirname(path)
+                _path_first(folder)
+                sys.argv[:] = [path]
+                module = _run_file(path, _CHECK_NAME, target)
+            else:
+                if os.getcwd() not in sys.path:
+                    folder = os.getcwd()
+                    _path_first(folder)
+                module = _import(where, target)
+            func = _function(module, where, name, target)
+            if _never_restores(func):
+                raise TargetError(never_restored_message(target) + "\n" + _def_line(func))
+            _checked.add(key)
+        finally:
+            sys.path[:] = saved_path
+            sys.argv[:] = saved_argv
+            if dict(os.environ) != saved_env:
+                os.environ.clear()
+                os.environ.update(saved_env)
+            sys.modules.pop(_CHECK_NAME, None)
+            if folder is not None:
+                for mod_name in set(sys.modules) - before:
+                    file = getattr(sys.modules.get(mod_name), "__file__", None)
+                    if file and _found_only_in(mod_name, file, folder, saved_path):
+                        del sys.modules[mod_name]
+
+
+def _found_only_in(mod_name: str, file: str, folder: str, path: list[str]) -> bool:
+    """Whether module ``mod_name`` (from ``file``) was found through ``folder`` and would not have been through
+    ``path`` (what ``sys.path`` was before): only such a module is forgotten after a check."""
+
+    def name_under(root: str) -> str | None:
+        rel = os.path.relpath(os.path.abspath(file), os.path.abspath(root or "."))
+        if rel.startswith(os.pardir + os.sep):
+            return None
+        stem = os.path.splitext(rel)[0]
+        parts = stem.split(os.sep)
+        if parts[-1] == "__init__":
+            parts.pop()
+        return ".".join(parts)
+
+    if mod_name.partition(".")[0] == __name__.partition(".")[0]:
+        return False  # this package's own modules are never forgotten (others hold references to them)
+    return name_under(folder) == mod_name and not any(name_under(p) == mod_name for p in path if isinstance(p, str))
+
+
+#: Targets that passed :func:`check_target` in this process (a file's with its size and modification time).
+_checked: set[tuple[str, tuple[int, int] | None]] = set()
+_check_lock = threading.Lock()
+
+
+def _stamp(where: str) -> tuple[int, int] | None:
     try:
-        if is_file:
-            path = _existing_file(where)
-            folder = os.path.dirname(path)
-            _path_first(folder)
-            sys.argv[:] = [path]
-            module = _run_file(path, _CHECK_NAME, target)
-        else:
-            _path_first(os.getcwd())
-            module = _import(where, target)
-        func = _function(module, where, name, target)
-        if _never_restores(func):
-            raise TargetError(never_restored_message(target) + "\n" + _def_line(func))
-    finally:
-        sys.path[:] = saved_path
-        sys.argv[:] = saved_argv
-        if dict(os.environ) != saved_env:
-            os.environ.clear()
-            os.environ.update(saved_env)
-        sys.modules.pop(_CHECK_NAME, None)
-        if folder is not None:
-            for mod_name in set(sys.modules) - before:
-                file = getattr(sys.modules.get(mod_name), "__file__", None) or ""
-                if os.path.abspath(file).startswith(folder + os.sep):
-                    del sys.modules[mod_name]
+        st = os.stat(where)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def never_restored_message(target: str) -> str:
