@@ -30,7 +30,15 @@ from typing import Any
 
 from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.findings import Finding, Location, Report, error
-from ckptverify.resume.harness_target import TargetError, check_target, load_target, split_target
+from ckptverify.resume.harness_target import (
+    TargetError,
+    check_target,
+    load_target,
+    never_restored_message,
+    split_target,
+    usage_text,
+    user_traceback,
+)
 from ckptverify.resume.run import ENV_VAR, Run, RunConfig, checkpoint_path
 
 __all__ = ["Outcome", "Plan", "TargetError", "WorkloadCrashedError", "check_target", "launch_jobs", "load_target",
@@ -137,14 +145,6 @@ def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
     ``usage-rank<r>.txt`` (a usage error: its message and the user's lines) or ``error-rank<r>.txt`` (the
     user's traceback), then re-raise."""
     import torch.distributed as dist
-
-    from ckptverify.resume.harness_target import (
-        TargetError,
-        load_target,
-        never_restored_message,
-        usage_text,
-        user_traceback,
-    )
 
     run: Run | None = None
     try:

@@ -276,9 +276,10 @@ _OPAQUE = frozenset({"locals", "vars", "globals", "eval", "exec", "getattr", "__
 
 
 def _never_restores(func: Any) -> bool:
-    """Whether the code of ``func`` shows that it cannot call ``run.restore``: no ``.restore`` anywhere in it,
-    and its one parameter used only as ``run.<attribute>`` (never passed on, stored or rebound). Anything
-    less certain (a helper that receives ``run``, a decorator, no source) is left to the run itself."""
+    """Whether the code of ``func`` shows that it uses the protocol but cannot call ``run.restore``: no
+    ``.restore`` anywhere in it, and its one parameter used, only as ``run.<attribute>`` (never passed on,
+    stored or rebound). Anything less certain (a helper that receives ``run``, a decorator, no source) is left
+    to the run itself."""
     try:
         source = textwrap.dedent(inspect.getsource(func))
         tree = ast.parse(source)
@@ -293,6 +294,7 @@ def _never_restores(func: Any) -> bool:
         return False
     param = positional[0].arg
     parents = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+    used = False
     for node in ast.walk(fn):
         if isinstance(node, ast.Attribute) and node.attr == "restore":
             return False
@@ -303,7 +305,10 @@ def _never_restores(func: Any) -> bool:
                 parent = parents.get(node)
                 if not (isinstance(node.ctx, ast.Load) and isinstance(parent, ast.Attribute) and parent.value is node):
                     return False
-    return True
+                used = True
+    # A function that never touches ``run`` is not written for the protocol at all: what it does when it runs
+    # (a crash of its own, most likely) says more than this would.
+    return used
 
 
 # ------------------------------------------------------------------------------------------------ tracebacks
