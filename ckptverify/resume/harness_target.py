@@ -80,6 +80,7 @@ def load_target(target: str) -> Callable[[Any], None]:
         if current is not None and _same_file(getattr(current, "__file__", None), path):
             module = current
         else:
+            sys.argv[:] = [path]  # as under `python FILE.py` with no arguments (its workers inherit it)
             module = _run_file(path, MAIN_NAME, target)
             sys.modules["__main__"] = module
     else:
