@@ -398,7 +398,7 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     import os
 
     from ckptverify.resume.harness import Plan, resume_check
-    from ckptverify.resume.render import emit_resume, log_dir_for
+    from ckptverify.resume.render import emit_resume, fail_lines, log_dir_for
 
     if device == "cuda":
         os.environ["CKPTVERIFY_DEVICE"] = "cuda"
@@ -414,7 +414,7 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
         outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose,
                                log_dir=log_dir_for(keep) if json_out else None, report_dir=report_dir)
     except CkptVerifyError as exc:
-        _fail(exc, json_out, "resume-check", target)
+        fail_lines(exc, json_out, "resume-check", target)
     sys.exit(emit_resume(outcome, json_out))
 
 
@@ -429,7 +429,9 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
 @click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the replays' files here.")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help="Also write Prometheus gauges to this file.")
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON (stats.verdict).")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files "
+                   "named in stats.logs).")
 def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
            metrics_file: str | None, json_out: bool) -> None:
     """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
@@ -437,6 +439,12 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
     Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, checkpoint-corrupt (exit 1).
     RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...).
     """
+    import contextlib
+    import os
+
+    from ckptverify.resume.harness import check_target, workload_logs
+    from ckptverify.resume.production import read_run_file
+    from ckptverify.resume.render import fail_lines, log_dir_for, workload_log_files
     from ckptverify.resume.replay import replay as run_replay
 
     say = None
@@ -445,10 +453,20 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
 
         err = Console(stderr=True, emoji=False)
         say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
+    log_dir = log_dir_for(keep) if json_out else None
     try:
-        report = run_replay(run_dir, start=start, end=end, device=device, keep=keep, progress=say)
+        # The job's training function is checked before anything is verified or launched.
+        check_target(read_run_file(run_dir)["target"])
+        # With --json the workload's prints go to per-rank log files (named in stats.logs), as resume-check's do.
+        with workload_logs(log_dir) if log_dir else contextlib.nullcontext():
+            report = run_replay(run_dir, start=start, end=end, device=device, keep=keep, progress=say)
     except CkptVerifyError as exc:
-        _fail(exc, json_out, "replay", run_dir)
+        fail_lines(exc, json_out, "replay", run_dir)
+    finally:
+        if log_dir and not keep and os.path.isdir(log_dir) and not os.listdir(log_dir):
+            os.rmdir(log_dir)  # nothing was launched: no empty temporary folder left behind
+    if log_dir:
+        report.stats["logs"] = workload_log_files(log_dir)
     _emit(report, json_out, metrics_file=metrics_file)
 
 

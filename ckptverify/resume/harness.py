@@ -15,8 +15,8 @@ Then, in order: (a) the state restored in B against the state A saved, field by 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import contextlib
+import gc
 import json
 import os
 import shutil
@@ -24,19 +24,32 @@ import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.findings import Finding, Location, Report, error
+from ckptverify.resume.harness_target import (
+    TargetError,
+    check_target,
+    load_target,
+    never_restored_message,
+    split_target,
+    usage_text,
+    user_traceback,
+)
 from ckptverify.resume.run import ENV_VAR, Run, RunConfig, checkpoint_path
+
+__all__ = ["Outcome", "Plan", "TargetError", "WorkloadCrashedError", "check_target", "launch_jobs", "load_target",
+           "resume_check", "resume_check_many", "workload_logs"]
 
 RUN_NAMES = ("A", "A2", "B")
 
 
 class WorkloadCrashedError(CkptVerifyError):
-    """The training function raised (exit 2: nothing could be concluded). Carries the traceback."""
+    """The training function raised (exit 2: nothing could be concluded). Carries the user's traceback (their
+    frames, none of the harness's); the message has several lines, to be printed as they are."""
 
     def __init__(self, message: str, traceback_text: str) -> None:
         super().__init__(message + "\n" + traceback_text)
@@ -54,8 +67,7 @@ class Plan:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if ":" not in self.target:
-            raise UsageError(f"target must be FILE.py:FUNC or module:FUNC, got {self.target!r}")
+        split_target(self.target)
         if not 0 < self.resume_at < self.steps:
             raise UsageError(f"--resume-at must be between 1 and --steps - 1 ({self.steps - 1}), got {self.resume_at}")
         if self.nproc < 1:
@@ -73,30 +85,6 @@ class Outcome:
     verdict: Any
     workdir: str
     runs: dict[str, str] = field(default_factory=dict)
-
-
-def load_target(target: str) -> Callable[[Run], None]:
-    """Resolve ``FILE.py:FUNC`` or ``package.module:FUNC`` to the training function."""
-    where, _, name = target.rpartition(":")
-    if where.endswith(".py") or os.sep in where:
-        path = os.path.abspath(where)
-        if not os.path.isfile(path):
-            raise UsageError(f"workload file not found: {where}")
-        # As `python train.py` does: the script's folder comes first on sys.path (its sibling modules import).
-        folder = os.path.dirname(path)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        spec = importlib.util.spec_from_file_location(f"_ckptverify_workload_{abs(hash(path))}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    func = getattr(module, name, None)
-    if not callable(func):
-        raise UsageError(f"{where} has no function {name!r}")
-    return func  # type: ignore[return-value]
 
 
 def _free_port() -> int:
@@ -134,34 +122,62 @@ def _worker(rank: int, nproc: int, port: int, jobs: list[tuple[str, str]], backe
 
 
 def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
-    import torch.distributed as dist
+    from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
 
     os.environ[ENV_VAR] = config_json
     config = RunConfig.from_json(config_json)
     if config.log_dir:
         # The workload's prints go to a per-rank log file, so the command's own stdout stays machine-readable.
-        os.makedirs(config.log_dir, exist_ok=True)
-        log = os.open(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"),
-                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
+        to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
+        _call_target(rank, nproc, target, config)
+    else:
+        with LabelledOutput(label(config.name, rank, nproc)):
+            try:
+                _call_target(rank, nproc, target, config)
+            finally:
+                # The workload's objects end now (DataLoader workers among them, which hold the output pipe),
+                # not whenever a reference cycle is collected: its output is then drained at once.
+                gc.collect()
+
+
+def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
+    """Run the training function once; on failure, leave what the user needs to see in the trace folder:
+    ``usage-rank<r>.txt`` (a usage error: its message and the user's lines) or ``error-rank<r>.txt`` (the
+    user's traceback), then re-raise."""
+    import torch.distributed as dist
+
+    run: Run | None = None
     try:
+        func = load_target(target)
         run = Run(config)
         try:
-            load_target(target)(run)
+            func(run)
+            if run.state is None:
+                raise UsageError(never_restored_message(target))
         finally:
             run.close()
         if nproc > 1 and dist.is_initialized():
             dist.barrier()  # no rank tears down while another is still in a collective
-    except BaseException:
+    except BaseException as exc:
         if config.trace_dir:
             os.makedirs(config.trace_dir, exist_ok=True)
-            with open(os.path.join(config.trace_dir, f"error-rank{rank}.txt"), "w") as f:
-                f.write(traceback.format_exc())
+            if isinstance(exc, TargetError):
+                kind, text = "usage", str(exc)
+            elif isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
+                kind, text = "usage", never_restored_message(target)  # the first checkpoint, and no state
+            elif isinstance(exc, UsageError):
+                kind, text = "usage", usage_text(exc)
+            else:
+                kind, text = "error", user_traceback(exc)
+            with open(os.path.join(config.trace_dir, f"{kind}-rank{rank}.txt"), "w") as f:
+                f.write(text)
         raise
+
+
+def _from_save(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by ``Run._save`` (a checkpoint the harness asked for)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].name == "_save" and os.path.basename(frames[-1].filename) == "run.py"
 
 
 def _tolerate_init(dist: Any) -> None:
@@ -185,30 +201,78 @@ def launch(plan: Plan, config: RunConfig) -> None:
     launch_jobs(plan.nproc, plan.device, [(plan.target, config)])
 
 
+#: Set by :func:`workload_logs`: where the runs launched meanwhile write their output (None: the terminal).
+_log_dir: str | None = None
+
+
+@contextlib.contextmanager
+def workload_logs(log_dir: str) -> Iterator[str]:
+    """Within the block, every run launched sends each rank's stdout and stderr to
+    ``<log_dir>/<run>-rank<r>.log`` (as a :class:`RunConfig` ``log_dir`` does) instead of the terminal: for a
+    front end whose stdout must stay machine-readable around a call that launches runs (``replay --json``).
+    Yields the absolute folder."""
+    global _log_dir
+    previous, _log_dir = _log_dir, os.path.abspath(log_dir)
+    try:
+        yield _log_dir
+    finally:
+        _log_dir = previous
+
+
 def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> None:
     """Run each ``(target, config)`` in turn in one set of ``nproc`` fresh processes; raise if any rank fails.
 
-    Several jobs share the processes' start-up (interpreter, torch import, process group); each job's
-    training function still starts from its own seeds and state. Module-level state of a workload does
-    carry from one job to the next, as it would in any long-lived process."""
+    Each target is checked here first (:func:`check_target`), before any process starts. Several jobs share
+    the processes' start-up (interpreter, torch import, process group); each job's training function still
+    starts from its own seeds and state. Module-level state of a workload does carry from one job to the
+    next, as it would in any long-lived process. Raises :class:`TargetError` (the message: the user's
+    traceback or line at fault) when a target cannot run or uses the protocol wrongly, and
+    :class:`WorkloadCrashedError` (the user's traceback) when it raises.
+    """
+    import dataclasses
+
     import torch.multiprocessing as mp
 
+    for target in dict.fromkeys(t for t, _ in jobs):
+        check_target(target)
+    if _log_dir is not None:
+        jobs = [(t, c if c.log_dir else dataclasses.replace(c, log_dir=_log_dir)) for t, c in jobs]
     backend = "nccl" if device == "cuda" else "gloo"
     args = (nproc, _free_port(), [(target, config.to_json()) for target, config in jobs], backend)
     try:
         mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")
     except Exception as exc:
-        text = ""
-        failed = jobs[0][1].name
-        for _, config in jobs:
-            if config.trace_dir and os.path.isdir(config.trace_dir):
-                for name in sorted(os.listdir(config.trace_dir)):
-                    if name.startswith("error-rank"):
-                        failed = config.name
-                        with open(os.path.join(config.trace_dir, name)) as f:
-                            text += f"--- {name} ---\n{f.read()}"
-        raise WorkloadCrashedError(f"the workload crashed in run {failed}: {type(exc).__name__}",
-                                   text or str(exc)) from None
+        _raise_failure(jobs, exc)
+
+
+def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
+    """Turn a failed launch into the user's error: a usage error of any rank first, else the traceback of
+    each rank that raised (ranks with the same traceback shown once)."""
+    found: dict[str, dict[str, dict[str, list[int]]]] = {}  # run -> kind -> text -> ranks
+    for _, config in jobs:
+        d = config.trace_dir
+        for name in sorted(os.listdir(d)) if d and os.path.isdir(d) else []:
+            kind, _, rest = name.partition("-rank")
+            if kind in ("usage", "error") and rest.endswith(".txt") and rest[:-4].isdigit():
+                with open(os.path.join(d, name)) as f:
+                    text = f.read()
+                found.setdefault(config.name, {}).setdefault(kind, {}).setdefault(text, []).append(int(rest[:-4]))
+    for kinds in found.values():
+        if "usage" in kinds:
+            raise TargetError(next(iter(kinds["usage"])))
+    if not found:
+        raise WorkloadCrashedError(f"the workload crashed in run {jobs[0][1].name}: {type(exc).__name__}",
+                                   str(exc)) from None
+    run, kinds = next(iter(found.items()))
+    parts = []
+    for text, ranks in kinds["error"].items():
+        ranks.sort()
+        if len(kinds["error"]) > 1:
+            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}:")
+        parts.append(text)
+    ranks = sorted(r for rs in kinds["error"].values() for r in rs)
+    raise WorkloadCrashedError(f"the workload crashed in run {run} (rank{'s' if len(ranks) > 1 else ''} "
+                               f"{', '.join(map(str, ranks))}):", "\n".join(parts)) from None
 
 
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
@@ -242,6 +306,8 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
         from ckptverify.resume.figures import _pyplot
 
         _pyplot()  # refuse before the runs, not after them, when matplotlib is missing
+    for target in dict.fromkeys(p.target for p in plans):
+        check_target(target)  # a usage error now, not after the first processes started
     say = progress or (lambda _msg: None)
     workdir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-resume-")
     if keep:

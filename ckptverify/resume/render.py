@@ -6,10 +6,11 @@ A front end (like :mod:`ckptverify.report`): it prints, and imports rich only wh
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["emit_resume", "log_dir_for"]
+__all__ = ["emit_resume", "fail_lines", "log_dir_for", "workload_log_files"]
 
 
 def log_dir_for(keep: str | None) -> str:
@@ -18,6 +19,36 @@ def log_dir_for(keep: str | None) -> str:
     if keep:
         return os.path.join(os.path.abspath(keep), "logs")
     return tempfile.mkdtemp(prefix="ckptverify-logs-")
+
+
+def workload_log_files(log_dir: str) -> list[str] | None:
+    """The per-rank log files under ``log_dir``, sorted (None when there are none)."""
+    if not os.path.isdir(log_dir):
+        return None
+    return sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) or None
+
+
+def fail_lines(exc: Any, json_out: bool, command: str, target: str) -> NoReturn:
+    """Say why ``command`` could not run and exit with the error's code (2).
+
+    The message may have several lines (the user's traceback, the line at fault): on a terminal each is printed
+    as it is, control characters shown as escapes, after ``ckptverify COMMAND: error:``; with ``--json`` it is
+    the report's ``error`` string."""
+    from ckptverify.report import printable
+
+    if json_out:
+        import json
+
+        from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
+
+        print(json.dumps({"schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
+                          "target": target, "passed": False, "exit_code": exc.exit_code, "error": str(exc),
+                          "findings": []}, indent=2))
+    else:
+        lines = str(exc).splitlines() or [""]
+        text = "\n".join([f"ckptverify {command}: error: {printable(lines[0])}", *map(printable, lines[1:])])
+        print(text, file=sys.stderr)
+    sys.exit(exc.exit_code)
 
 
 def emit_resume(outcome: Any, json_out: bool) -> int:

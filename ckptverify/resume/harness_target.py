@@ -1,0 +1,360 @@
+"""The training function a harness run calls: found, checked before any process starts, and loaded in each rank.
+
+A target is ``FILE.py:FUNC`` or ``package.module:FUNC``.
+
+**Loading in a rank** (:func:`load_target`). A ``FILE.py`` runs as a script's main module runs in a child that
+multiprocessing *spawned*: under the name ``__mp_main__``, registered as both ``__mp_main__`` and ``__main__``,
+with the file's folder first on ``sys.path``. So the classes and functions the script defines pickle as they do
+under ``python FILE.py`` (by reference to the main module), and a process the rank starts re-creates them: a
+spawned or forkserver DataLoader worker re-runs the file as ``__mp_main__`` (what multiprocessing does for any
+script), a forked one inherits it. The script's ``if __name__ == "__main__":`` block does not run. A
+``package.module`` is imported as ``python -m`` would find it (the working directory on ``sys.path``); its classes
+pickle under their own module's name.
+
+**Checking before launching** (:func:`check_target`). In the calling process, before any rank starts: the file
+exists, the module imports (run under a private name, so its ``__main__`` block does not run either; the
+process's ``sys.path``, ``sys.argv`` and environment are put back afterwards), the function exists, is callable and
+takes one argument (the ``Run``), and, when its code shows it cannot, that it calls ``run.restore``. A failure is a
+:class:`TargetError` (exit 2) whose message is the user's own traceback or the line at fault: the script's frames,
+none of the harness's.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import difflib
+import importlib
+import inspect
+import os
+import sys
+import sysconfig
+import textwrap
+import threading
+import traceback
+import types
+from collections.abc import Callable
+from typing import Any
+
+from ckptverify.errors import UsageError
+
+__all__ = ["TargetError", "check_target", "load_target", "never_restored_message", "usage_text", "user_traceback"]
+
+#: The name a FILE.py target runs under in a rank (multiprocessing's name for a script re-run in a child).
+MAIN_NAME = "__mp_main__"
+#: The name a FILE.py target is checked under in the launching process (anything but ``__main__``).
+_CHECK_NAME = "_ckptverify_target_check"
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TargetError(UsageError):
+    """The target cannot be run (exit 2). The message is for the user as it is: several lines (a traceback of
+    their code, or the line at fault), to be printed line by line, not escaped into one."""
+
+
+def split_target(target: str) -> tuple[str, str, bool]:
+    """``(where, function name, is_file)`` of ``FILE.py:FUNC`` or ``package.module:FUNC``."""
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name:
+        raise UsageError(f"target must be FILE.py:FUNC or module:FUNC, got {target!r}")
+    return where, name, where.endswith(".py") or os.sep in where or (os.altsep or os.sep) in where
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def load_target(target: str) -> Callable[[Any], None]:
+    """Resolve ``FILE.py:FUNC`` or ``package.module:FUNC`` to the training function, in a rank process.
+
+    A file runs as the process's main module (``__mp_main__``, aliased to ``__main__``; see the module
+    docstring); when it already is the main module (a script that launched the harness itself, re-run by
+    spawn), it is not run again. Raises :class:`TargetError` when the target cannot be loaded or is not a
+    function of one argument.
+    """
+    where, name, is_file = split_target(target)
+    if is_file:
+        path = _existing_file(where)
+        _path_first(os.path.dirname(path))
+        current = sys.modules.get("__main__")
+        if current is not None and _same_file(getattr(current, "__file__", None), path):
+            module = current
+        else:
+            sys.argv[:] = [path]  # as under `python FILE.py` with no arguments (its workers inherit it)
+            module = _run_file(path, MAIN_NAME, target)
+            sys.modules["__main__"] = module
+    else:
+        _path_first(os.getcwd())
+        module = _import(where, target)
+    return _function(module, where, name, target)
+
+
+def check_target(target: str) -> None:
+    """Load ``target`` here, without running its ``__main__`` block, and check it can be a harness run's
+    training function; raise :class:`TargetError` (the user's traceback or the line at fault) if not.
+
+    Leaves ``sys.path``, ``sys.argv`` and the environment as they were, and forgets the script and the modules
+    it imported from its own folder, or from the working directory it was found in (a later check of another
+    script may have siblings of the same names). A target that passed is not checked again in this process
+    (while its file is unchanged).
+    """
+    where, name, is_file = split_target(target)
+    key = (target, _stamp(where) if is_file else None)
+    with _check_lock:  # launches side by side check at the same time; this changes process-wide state
+        if key in _checked:
+            return
+        saved_path, saved_argv, saved_env = list(sys.path), list(sys.argv), dict(os.environ)
+        before = set(sys.modules)
+        folder = None
+        try:
+            if is_file:
+                path = _existing_file(where)
+                folder = os.path.dirname(path)
+                _path_first(folder)
+                sys.argv[:] = [path]
+                module = _run_file(path, _CHECK_NAME, target)
+            else:
+                if os.getcwd() not in sys.path:
+                    folder = os.getcwd()
+                    _path_first(folder)
+                module = _import(where, target)
+            func = _function(module, where, name, target)
+            if _never_restores(func):
+                raise TargetError(never_restored_message(target) + "\n" + _def_line(func))
+            _checked.add(key)
+        finally:
+            sys.path[:] = saved_path
+            sys.argv[:] = saved_argv
+            if dict(os.environ) != saved_env:
+                os.environ.clear()
+                os.environ.update(saved_env)
+            sys.modules.pop(_CHECK_NAME, None)
+            if folder is not None:
+                for mod_name in set(sys.modules) - before:
+                    file = getattr(sys.modules.get(mod_name), "__file__", None)
+                    if file and _found_only_in(mod_name, file, folder, saved_path):
+                        del sys.modules[mod_name]
+
+
+def _found_only_in(mod_name: str, file: str, folder: str, path: list[str]) -> bool:
+    """Whether module ``mod_name`` (from ``file``) was found through ``folder`` and would not have been through
+    ``path`` (what ``sys.path`` was before): only such a module is forgotten after a check."""
+
+    def name_under(root: str) -> str | None:
+        rel = os.path.relpath(os.path.abspath(file), os.path.abspath(root or "."))
+        if rel.startswith(os.pardir + os.sep):
+            return None
+        stem = os.path.splitext(rel)[0]
+        parts = stem.split(os.sep)
+        if parts[-1] == "__init__":
+            parts.pop()
+        return ".".join(parts)
+
+    if mod_name.partition(".")[0] == __name__.partition(".")[0]:
+        return False  # this package's own modules are never forgotten (others hold references to them)
+    return name_under(folder) == mod_name and not any(name_under(p) == mod_name for p in path if isinstance(p, str))
+
+
+#: Targets that passed :func:`check_target` in this process (a file's with its size and modification time).
+_checked: set[tuple[str, tuple[int, int] | None]] = set()
+_check_lock = threading.Lock()
+
+
+def _stamp(where: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(where)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def never_restored_message(target: str) -> str:
+    return (f"{target} never calls run.restore(state): the harness can neither save, resume nor check a state "
+            "it was never given. Build a cv.TrainState of the model, optimizer, scheduler and data loader and "
+            "call run.restore(state) once, before the training loop (docs/resume.md, The Run protocol).")
+
+
+def _existing_file(where: str) -> str:
+    path = os.path.abspath(where)
+    if not os.path.isfile(path):
+        hint = " (it is a folder)" if os.path.isdir(path) else ""
+        raise TargetError(f"workload file not found: {where}{hint}")
+    return path
+
+
+def _same_file(a: str | None, b: str) -> bool:
+    try:
+        return a is not None and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _path_first(folder: str) -> None:
+    """As ``python FILE.py`` (the script's folder) and ``python -m`` (the working directory) do."""
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
+def _run_file(path: str, module_name: str, target: str) -> types.ModuleType:
+    """Run the file as a script runs (``__spec__`` and ``__package__`` None) under ``module_name``, registered
+    in ``sys.modules`` while it runs (dataclasses and pickling look a class's module up there)."""
+    module = types.ModuleType(module_name)
+    module.__dict__.update(__file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None,
+                           __builtins__=builtins)
+    previous = sys.modules.get(module_name)
+    sys.modules[module_name] = module
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+        exec(compile(source, path, "exec", dont_inherit=True), module.__dict__)
+    except BaseException as exc:
+        if previous is not None:
+            sys.modules[module_name] = previous
+        else:
+            sys.modules.pop(module_name, None)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise TargetError(f"{path} failed to import:\n{user_traceback(exc)}") from None
+    return module
+
+
+def _import(where: str, target: str) -> types.ModuleType:
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (where == exc.name or where.startswith(exc.name + ".")):
+            raise TargetError(f"no module named {exc.name!r} (from target {target}): run from the folder that "
+                              "holds the package, or install it, or give FILE.py:FUNC") from None
+        raise TargetError(f"{where} failed to import:\n{user_traceback(exc)}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise TargetError(f"{where} failed to import:\n{user_traceback(exc)}") from None
+
+
+def _function(module: types.ModuleType, where: str, name: str, target: str) -> Callable[[Any], None]:
+    obj: Any = module
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            break
+    if obj is None:
+        functions = sorted(n for n, v in vars(module).items() if not n.startswith("_")
+                           and inspect.isfunction(v) and getattr(v, "__module__", None) == module.__name__)
+        close = difflib.get_close_matches(name, functions, n=1)
+        listed = f" (functions defined there: {', '.join(functions)})" if functions else ""
+        if close:
+            raise TargetError(f"{where} has no function {name!r}; did you mean {close[0]!r}?{listed}\n"
+                              + _def_line(getattr(module, close[0])))
+        raise TargetError(f"{where} has no function {name!r}{listed}")
+    if not callable(obj):
+        raise TargetError(f"{target} is a {type(obj).__name__}, not a function: give the training function "
+                          "train(run)")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return obj  # a builtin or extension callable: nothing to check here
+    try:
+        signature.bind(object())
+    except TypeError:
+        raise TargetError(f"{target} must take one argument, the Run (train(run)); it is {name}{signature}\n"
+                          + _def_line(obj)) from None
+    return obj
+
+
+def _def_line(func: Any) -> str:
+    """The ``File "...", line N, in name`` line of where ``func`` is defined, with its source line."""
+    func = inspect.unwrap(func)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return ""
+    frame = traceback.FrameSummary(code.co_filename, code.co_firstlineno, code.co_name)
+    return "".join(traceback.StackSummary.from_list([frame]).format()).rstrip("\n")
+
+
+#: Names whose use in the training function may reach ``run`` without naming ``run.restore``.
+_OPAQUE = frozenset({"locals", "vars", "globals", "eval", "exec", "getattr", "__import__"})
+
+
+def _never_restores(func: Any) -> bool:
+    """Whether the code of ``func`` shows that it uses the protocol but cannot call ``run.restore``: no
+    ``.restore`` anywhere in it, and its one parameter used, only as ``run.<attribute>`` (never passed on,
+    stored or rebound). Anything less certain (a helper that receives ``run``, a decorator, no source) is left
+    to the run itself."""
+    try:
+        source = textwrap.dedent(inspect.getsource(func))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return False
+    if not tree.body or not isinstance(tree.body[0], ast.FunctionDef | ast.AsyncFunctionDef):
+        return False
+    fn = tree.body[0]
+    args = fn.args
+    positional = [*args.posonlyargs, *args.args]
+    if fn.decorator_list or args.vararg or args.kwarg or not positional:
+        return False
+    param = positional[0].arg
+    parents = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+    used = False
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and node.attr == "restore":
+            return False
+        if isinstance(node, ast.Name):
+            if node.id in _OPAQUE:
+                return False
+            if node.id == param:
+                parent = parents.get(node)
+                if not (isinstance(node.ctx, ast.Load) and isinstance(parent, ast.Attribute) and parent.value is node):
+                    return False
+                used = True
+    # A function that never touches ``run`` is not written for the protocol at all: what it does when it runs
+    # (a crash of its own, most likely) says more than this would.
+    return used
+
+
+# ------------------------------------------------------------------------------------------------ tracebacks
+
+
+def _ours(filename: str) -> bool:
+    """A frame of the machinery between the harness and the user's code (not shown to the user)."""
+    if filename.startswith("<frozen importlib") or os.path.basename(os.path.dirname(filename)) == "importlib":
+        return True
+    return (os.path.dirname(os.path.abspath(filename)) == os.path.dirname(os.path.abspath(__file__))
+            and os.path.basename(filename).startswith("harness"))
+
+
+def user_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as Python prints it, without the leading frames of the harness and the import
+    machinery that led into the user's code (in chained exceptions too)."""
+    te = traceback.TracebackException.from_exception(exc)
+    seen: set[int] = set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        frames = list(t.stack)
+        while frames and _ours(frames[0].filename):
+            frames.pop(0)
+        t.stack = traceback.StackSummary.from_list(frames)
+        todo.extend(x for x in (t.__cause__, t.__context__) if x is not None)
+    return "".join(te.format()).rstrip("\n")
+
+
+_LIBRARY_DIRS = tuple(os.path.abspath(p) + os.sep for p in {
+    _PACKAGE_DIR, *(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib"))} if p)
+
+
+def _user_file(filename: str) -> bool:
+    if filename.startswith("<"):
+        return False
+    return not os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+
+
+def usage_text(exc: BaseException) -> str:
+    """A usage error raised inside the user's code (by this library, about how it was called): its message,
+    then the user's own frames that led to it (where in their script to look)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _user_file(f.filename)]
+    where = "".join(traceback.StackSummary.from_list(frames).format()).rstrip("\n")
+    return f"{exc}\n{where}" if where else str(exc)
