@@ -1,0 +1,284 @@
+"""Parsers of untrusted bytes end in a finding or a clear error, never a traceback, and allocate only what the
+bytes can hold: safetensors headers (single files and DCP's safetensors blobs), a ``torch.save`` file's
+``data.pkl`` memo, trace stores (metadata, chunk shapes, zstd chunks), and JSON through
+:mod:`ckptverify.safejson`.
+
+Bombs run in a child process under ``RLIMIT_AS`` (its address space after imports plus 2 GiB), and report
+how much their peak resident memory grew: a regression fails the test instead of eating the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptverify import safejson
+from ckptverify.dcp import safetensors
+from ckptverify.readers import ReadOnlyFile
+
+ROOT = Path(__file__).parents[1]
+TIMEOUT = 300
+#: Most a bomb case may grow the child's peak resident memory.
+MAX_GROWTH_MB = 300
+
+_CHILD = textwrap.dedent("""
+    import contextlib, io, json, resource, sys
+    import torch, numpy, zarr  # the imports every command makes, before the baseline
+    import ckptverify.cli, ckptverify.verify, ckptverify.trace.compare
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), resource.RLIM_INFINITY))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out, err = io.StringIO(), io.StringIO()
+    code = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            ckptverify.cli.main(sys.argv[1:])
+        except SystemExit as exc:
+            code = exc.code
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+    print(json.dumps({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "grown_mb": grown}))
+""")
+
+
+def _cli(*args: str) -> dict[str, Any]:
+    """Run ``ckptverify args`` in a child under the memory limit: exit code, output, peak memory growth."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+           "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True,
+                              timeout=TIMEOUT, env=env)
+    except subprocess.TimeoutExpired as exc:  # pragma: no cover - the failure this file exists to catch
+        pytest.fail(f"{args} did not finish within {TIMEOUT} s: {exc}")
+    assert proc.returncode == 0, f"the child died ({proc.returncode}): {proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert "Traceback" not in result["stderr"] + result["stdout"], result["stderr"][-3000:]
+    assert "internal error" not in result["stderr"], result["stderr"][-3000:]
+    return result
+
+
+def _report(result: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(result["stdout"])
+
+
+# ------------------------------------------------------------------------------------------- safetensors
+
+
+def _safetensors_bytes(header: Any, payload: bytes = b"", raw_header: bytes | None = None) -> bytes:
+    text = raw_header if raw_header is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + payload
+
+
+def _blob(tmp_path: Path, data: bytes) -> safetensors.Blob:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(data)
+    with ReadOnlyFile(str(path)) as f:
+        return safetensors.read_blob(f, 0)
+
+
+HOSTILE_HEADERS = {
+    "infinite-shape": b'{"w": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 4]}}',
+    "huge-float-shape": b'{"w": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 4]}}',
+    "infinite-offset": b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, Infinity]}}',
+    "nan-offset": b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [NaN, 4]}}',
+    "float-shape": b'{"w": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}',
+    "fractional-offset": b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4.5]}}',
+    "bool-shape": b'{"w": {"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}}',
+    "string-offset": b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": ["0", 4]}}',
+    "negative-dim": b'{"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}',
+    "huge-dim": b'{"w": {"dtype": "F32", "shape": [100000000000000000000], "data_offsets": [0, 4]}}',
+    "three-offsets": b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}',
+    "dtype-list": b'{"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}',
+    "entry-list": b'{"w": [1, 2]}',
+    "repeated-key": b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+                    b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+    "deep": b'{"__metadata__": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "deep-below-recursion-limit": b'{"__metadata__": ' + b"[" * 500 + b"]" * 500 + b"}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_HEADERS))
+def test_hostile_safetensors_header_is_a_blob_error(tmp_path: Path, name: str) -> None:
+    with pytest.raises(safetensors.BlobError):
+        _blob(tmp_path, _safetensors_bytes(None, b"\0" * 8, raw_header=HOSTILE_HEADERS[name]))
+
+
+def test_a_well_formed_header_still_reads(tmp_path: Path) -> None:
+    blob = _blob(tmp_path, _safetensors_bytes(
+        {"a": {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8]},
+         "b": {"dtype": "XX", "shape": [3], "data_offsets": [8, 11]}, "__metadata__": {"format": "pt"}},
+        b"\0" * 11))
+    assert blob.tensors["a"].shape == (2, 1) and blob.tensors["b"].dtype is None
+    assert safetensors.data_range(blob, "a") == (blob.data_start, 8)
+
+
+@pytest.mark.parametrize("name", ["infinite-shape", "huge-float-shape", "infinite-offset", "float-shape"])
+def test_verify_of_a_safetensors_file_with_a_hostile_header_is_a_finding(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_safetensors_bytes(None, b"\0" * 8, raw_header=HOSTILE_HEADERS[name]))
+    result = _cli("verify", "--no-progress", "--json", str(path))
+    assert result["code"] == 1, result
+    assert any(f["severity"] == "error" for f in _report(result)["findings"])
+
+
+def test_run_directory_commands_survive_an_infinite_safetensors_shape(tmp_path: Path) -> None:
+    """One hostile file does not stop ``scan`` or ``latest`` over the whole run directory."""
+    from safetensors.torch import save_file
+    import torch
+
+    run = tmp_path / "run"
+    good, bad = run / "checkpoint-1", run / "checkpoint-2"
+    good.mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, str(good / "model.safetensors"))
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(_safetensors_bytes(None, b"\0" * 8,
+                                                               raw_header=HOSTILE_HEADERS["infinite-shape"]))
+    for command in ("scan", "latest"):
+        result = _cli(command, "--json", str(run))
+        assert result["code"] in (0, 1, 2), result
+        assert "OverflowError" not in result["stdout"] + result["stderr"], result
+
+
+def test_verify_of_a_dcp_safetensors_blob_with_an_infinite_offset_is_a_finding(tmp_path: Path) -> None:
+    from ckpt_factory import safetensors_supported
+    from dcp_encodings import safetensors_ckpt
+
+    if not safetensors_supported():
+        pytest.skip("this torch's DCP has no safetensors serialization")
+    ckpt = safetensors_ckpt(tmp_path / "ckpt")
+    shard = next(p for p in sorted(ckpt.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    mark = data.find(b'"data_offsets"')
+    assert mark > 0
+    start = next(i for i in range(mark, 8, -1) if data[i:i + 1] == b"{"
+                 and i + struct.unpack("<Q", data[i - 8:i])[0] <= len(data) and _is_json(data[i:i + struct.unpack(
+                     "<Q", data[i - 8:i])[0]]))
+    (n,) = struct.unpack("<Q", data[start - 8:start])
+    header = json.loads(data[start:start + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] = 123456789
+    text = json.dumps(header, separators=(",", ":")).replace("123456789", "Infinity").encode()
+    assert len(text) <= n
+    data[start:start + n] = text + b" " * (n - len(text))
+    shard.write_bytes(bytes(data))
+    result = _cli("verify", "--no-progress", "--json", str(ckpt))
+    assert result["code"] == 1, result
+    checks = {f["check"] for f in _report(result)["findings"] if f["severity"] == "error"}
+    assert checks, result
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------- pickle memo
+
+
+def _torch_archive(path: Path, pkl: bytes) -> Path:
+    import torch
+
+    writer = torch._C.PyTorchFileWriter(str(path))  # torch's own zip writer: a well-formed archive
+    for name, data in (("data.pkl", pkl), ("byteorder", b"little"), ("version", b"3\n")):
+        writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+    return path
+
+
+def test_a_huge_memo_index_in_a_torch_save_file_allocates_nothing(tmp_path: Path) -> None:
+    # LONG_BINPUT 2**26: the C unpickler would zero-fill 1 GiB of memo slots for this record of a few bytes.
+    pkl = b"\x80\x02}r" + (1 << 26).to_bytes(4, "little") + b"."
+    path = _torch_archive(tmp_path / "bomb.pt", pkl)
+    assert path.stat().st_size < 2000
+    result = _cli("verify", "--no-progress", "--json", str(path))
+    assert result["grown_mb"] < MAX_GROWTH_MB, result
+    assert result["code"] == 1, result
+    assert "memo" in result["stdout"], result
+
+
+def test_sequential_memo_indices_still_read(tmp_path: Path) -> None:
+    from ckptverify.formats.pickle_scan import scan_pickle
+
+    value = {"a": [1.5, "x"], "b": ("y", [2])}
+    value["c"] = value["a"]
+    for protocol in (0, 1, 2, 4):
+        assert scan_pickle(pickle.dumps(value, protocol=protocol)).root["c"] == [1.5, "x"]
+
+
+@pytest.mark.parametrize("pkl", [
+    b"\x80\x02}r\xff\xff\xff\x7f.",  # LONG_BINPUT 2**31 - 1
+    b"(dp99999999999\n.",  # text PUT
+    b"(dp-1\n.",  # a negative index
+])
+def test_memo_indices_past_what_was_memoized_are_refused(pkl: bytes) -> None:
+    from ckptverify.formats.pickle_scan import PickleScanError, scan_pickle
+
+    with pytest.raises(PickleScanError, match="memo"):
+        scan_pickle(pkl)
+
+
+# ------------------------------------------------------------------------------------------- safejson
+
+
+@pytest.mark.parametrize("text", ["NaN", "[Infinity]", "-Infinity", "[1e999]", '{"a": 1, "a": 2}',
+                                  "[" * 65 + "]" * 65, "[" * 100_000, "{", b"\xff\xfe\x00".decode("latin1")])
+def test_safejson_refuses(text: str) -> None:
+    with pytest.raises(safejson.JSONError):
+        safejson.loads(text)
+
+
+def test_safejson_exact_int() -> None:
+    assert safejson.loads('{"a": [1, 2.5, "x"]}') == {"a": [1, 2.5, "x"]}
+    assert safejson.exact_int(3, "n") == 3
+    for bad in (True, 3.0, "3", None, -1, 1 << 63):
+        with pytest.raises(safejson.JSONError):
+            safejson.exact_int(bad, "n")
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entries=st.dictionaries(st.text(max_size=6), st.one_of(
+    _json_values,
+    st.fixed_dictionaries({"dtype": st.sampled_from(["F32", "I64", "BOOL", "X"]) | _json_values,
+                           "shape": st.lists(st.integers(-3, 5) | _json_values, max_size=4) | _json_values,
+                           "data_offsets": st.lists(st.integers(-2, 80) | _json_values, max_size=3)
+                           | _json_values})), max_size=4),
+       raw=st.sampled_from([None, b"Infinity", b"-1e999", b"NaN", b"[[[[", b"1.0"]),
+       payload=st.integers(0, 96))
+def test_fuzz_safetensors_headers_raise_only_blob_errors(tmp_path: Path, entries: dict[str, Any],
+                                                         raw: bytes | None, payload: int) -> None:
+    text = json.dumps(entries).encode()
+    if raw is not None and b"0" in text:
+        text = text.replace(b"0", raw, 1)
+    try:
+        blob = _blob(tmp_path, _safetensors_bytes(None, b"\0" * payload, raw_header=text))
+    except safetensors.BlobError:
+        return
+    for t in blob.tensors.values():
+        assert all(type(d) is int and d >= 0 for d in t.shape)
+        assert type(t.begin) is int and type(t.end) is int and 0 <= t.begin <= t.end <= payload
+        if t.dtype is not None:
+            assert t.end - t.begin == math.prod(t.shape) * np.dtype(t.dtype.replace("bfloat16", "uint16")
+                                                                    .replace("float8_e4m3fn", "uint8")
+                                                                    .replace("float8_e5m2", "uint8")).itemsize
