@@ -13,7 +13,6 @@ import json
 import math
 import os
 import pickle
-import shutil
 import struct
 import subprocess
 import sys
@@ -137,8 +136,8 @@ def test_verify_of_a_safetensors_file_with_a_hostile_header_is_a_finding(tmp_pat
 
 def test_run_directory_commands_survive_an_infinite_safetensors_shape(tmp_path: Path) -> None:
     """One hostile file does not stop ``scan`` or ``latest`` over the whole run directory."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     run = tmp_path / "run"
     good, bad = run / "checkpoint-1", run / "checkpoint-2"
