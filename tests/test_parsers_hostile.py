@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -281,3 +282,233 @@ def test_fuzz_safetensors_headers_raise_only_blob_errors(tmp_path: Path, entries
             assert t.end - t.begin == math.prod(t.shape) * np.dtype(t.dtype.replace("bfloat16", "uint16")
                                                                     .replace("float8_e4m3fn", "uint8")
                                                                     .replace("float8_e5m2", "uint8")).itemsize
+
+
+# ------------------------------------------------------------------------------------------- trace stores
+
+
+def _store(path: Path, rows: int = 10) -> Path:
+    from ckptverify.trace.store import Cell, TraceHeader, TraceWriter
+
+    with TraceWriter(path, header=TraceHeader(run=path.name, rank=0, world_size=1), flush_every=4, site_chunk=3,
+                     background=False) as w:
+        for s in range(1, rows + 1):
+            w.append(s, [Cell.from_float("metric.loss", "metric", s * 1.5), Cell.from_int("c", "counter", s),
+                         Cell("param.w", "param", (s, s + 1)), Cell("param.v", "param", (1, 2))])
+    return path
+
+
+def _edit(path: Path, change: Any) -> None:
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
+def _rle_bomb(decoded: int, declare: bool) -> bytes:
+    """A zstd frame of RLE blocks (128 KiB of zeros from each 4 bytes) decoding to ``decoded`` bytes; its header
+    declares that size when ``declare``, else gives only a window."""
+    block = 128 << 10
+    if declare:
+        head = b"\x28\xb5\x2f\xfd" + bytes([0xC0 | 0x00]) + b"\x58" + decoded.to_bytes(8, "little")
+    else:
+        head = b"\x28\xb5\x2f\xfd" + b"\x00" + b"\x58"  # window 2**(10 + 11)
+    n = decoded // block
+    body = bytearray()
+    for i in range(n):
+        h = (block << 3) | (1 << 1) | (1 if i == n - 1 else 0)
+        body += h.to_bytes(3, "little") + b"\x00"
+    return head + bytes(body)
+
+
+def _set(keys: tuple[Any, ...], value: Any) -> Any:
+    def change(meta: Any) -> None:
+        node = meta
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = value
+    return change
+
+
+def _raw(text: bytes) -> Any:
+    return text
+
+
+HOSTILE_STORES: dict[str, tuple[str, Any]] = {
+    "rows-missing": ("zarr.json", lambda m: m["attributes"].pop("rows")),
+    "rows-string": ("zarr.json", _set(("attributes", "rows"), "10")),
+    "rows-float": ("zarr.json", _set(("attributes", "rows"), 10.0)),
+    "rows-bool": ("zarr.json", _set(("attributes", "rows"), True)),
+    "rows-negative": ("zarr.json", _set(("attributes", "rows"), -1)),
+    "rows-infinite": ("zarr.json", b'{"zarr_format": 3, "node_type": "group", "attributes": {"rows": Infinity}}'),
+    "header-missing": ("zarr.json", lambda m: m["attributes"].pop("header")),
+    "header-list": ("zarr.json", _set(("attributes", "header"), [1, 2])),
+    "level-list": ("zarr.json", _set(("attributes", "header", "level"), ["state"])),
+    "schema-version-string": ("zarr.json", _set(("attributes", "header", "schema_version"), "2")),
+    "rank-bool": ("zarr.json", _set(("attributes", "header", "rank"), True)),
+    "attributes-list": ("zarr.json", _set(("attributes",), [])),
+    "deep": ("zarr.json", b'{"attributes": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+    "not-json": ("zarr.json", b"\xff\xfe{"),
+    "sites-dict": ("sites/zarr.json", _set(("attributes", "sites"), {"a": 1})),
+    "site-no-name": ("sites/zarr.json", lambda m: m["attributes"]["sites"][0].pop("name")),
+    "site-first-row-float": ("sites/zarr.json", _set(("attributes", "sites", 1, "first_row"), 0.5)),
+    "site-order-string": ("sites/zarr.json", _set(("attributes", "sites", 1, "order"), "1")),
+    "site-encoding-unknown": ("sites/zarr.json", _set(("attributes", "sites", 1, "encoding"), "f128")),
+    "site-repeated": ("sites/zarr.json", _set(("attributes", "sites", 1, "name"), "metric.loss")),
+    "values-huge-chunks": ("values/zarr.json", _set(("chunk_grid", "configuration", "chunk_shape"),
+                                                    [1 << 20, 1 << 20, 2])),
+    "values-chunk-zero": ("values/zarr.json", _set(("chunk_grid", "configuration", "chunk_shape"), [0, 3, 2])),
+    "values-shape-float": ("values/zarr.json", _set(("shape",), [12.0, 4, 2])),
+    "values-wrong-dtype": ("values/zarr.json", _set(("data_type",), "float64")),
+    "values-blosc": ("values/zarr.json", _set(("codecs",), [{"name": "bytes"}, {"name": "blosc"}])),
+    "values-sharded": ("values/zarr.json", _set(("codecs",), [{"name": "sharding_indexed"}])),
+    "values-2d": ("values/zarr.json", _set(("shape",), [12, 4])),
+    "steps-missing-meta": ("steps/zarr.json", None),
+    "steps-shape-short": ("steps/zarr.json", _set(("shape",), [3])),
+    "values-7-byte-chunk": ("values/c/0/0/0", b"1234567"),
+    "values-chunk-long": ("values/c/0/0/0", b"\0" * 10_000),
+    "steps-chunk-not-zstd": ("steps/c/0", b"\0" * 32),
+    "steps-chunk-truncated-zstd": ("steps/c/0", None),
+    "steps-chunk-missing": ("steps/c/1", None),
+    "steps-decreasing": ("steps/c/1", None),
+}
+
+
+def _hostile_store(tmp_path: Path, name: str) -> Path:
+    import zstandard
+
+    store = _store(tmp_path / "b")
+    target, change = HOSTILE_STORES[name]
+    path = store / target
+    if name == "steps-chunk-truncated-zstd":
+        path.write_bytes(path.read_bytes()[:-3])
+    elif name == "steps-decreasing":
+        path.write_bytes(zstandard.ZstdCompressor().compress(np.arange(4, 0, -1, dtype="<i8").tobytes()))
+    elif change is None:
+        path.unlink()
+    elif isinstance(change, bytes):
+        path.write_bytes(change)
+    else:
+        _edit(path, change)
+    return store
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_STORES))
+def test_a_hostile_trace_store_is_a_trace_format_error(tmp_path: Path, name: str) -> None:
+    from ckptverify.trace.store import TraceFormatError, open_trace
+
+    store = _hostile_store(tmp_path, name)
+    with pytest.raises(TraceFormatError):
+        trace = open_trace(store)
+        for _ in trace:
+            pass
+
+
+@pytest.mark.parametrize("name", ["rows-infinite", "deep", "values-7-byte-chunk", "site-no-name",
+                                  "values-huge-chunks", "steps-chunk-truncated-zstd"])
+def test_trace_diff_of_a_hostile_store_exits_2_with_a_message(tmp_path: Path, name: str) -> None:
+    a = _store(tmp_path / "a")
+    b = _hostile_store(tmp_path, name)
+    result = _cli("trace", "diff", str(a), str(b))
+    assert result["code"] == 2, result
+    assert "trace diff: error:" in result["stderr"] and str(b) in result["stderr"], result
+
+
+def test_trace_diff_compares_one_ranks_stores(tmp_path: Path) -> None:
+    a, b = _store(tmp_path / "a"), _store(tmp_path / "b")
+    same = _cli("trace", "diff", "--json", str(a), str(b))
+    assert same["code"] == 0, same
+    _edit(b / "sites" / "zarr.json", lambda m: None)  # unchanged metadata, changed value below
+    from ckptverify.trace.store import Cell, TraceHeader, TraceWriter
+
+    with TraceWriter(tmp_path / "c", header=TraceHeader(run="c", rank=0, world_size=1), flush_every=4, site_chunk=3,
+                     background=False) as w:
+        for s in range(1, 11):
+            w.append(s, [Cell.from_float("metric.loss", "metric", s * 1.5 + (s == 7)),
+                         Cell.from_int("c", "counter", s), Cell("param.w", "param", (s, s + 1)),
+                         Cell("param.v", "param", (1, 2))])
+    differ = _cli("trace", "diff", "--json", str(a), str(tmp_path / "c"))
+    assert differ["code"] == 1, differ
+    first = next(f for f in _report(differ)["findings"] if f["check"] == "trace-divergence")
+    assert "step 7" in first["message"] and "metric.loss" in first["message"], first
+
+
+@pytest.mark.parametrize("declare", [False, True])
+def test_a_zstd_chunk_inflating_to_2_gib_is_refused_without_inflating(tmp_path: Path, declare: bool) -> None:
+    a = _store(tmp_path / "a")
+    b = _store(tmp_path / "b")
+    bomb = _rle_bomb(2 << 30, declare)
+    assert len(bomb) < 70_000
+    (b / "steps" / "c" / "0").write_bytes(bomb)
+    result = _cli("trace", "diff", str(a), str(b))
+    assert result["grown_mb"] < MAX_GROWTH_MB, result
+    assert (result["code"] == 2 and "zstd" in result["stderr"]) or "decodes" in result["stderr"], result
+
+
+def test_numcodecs_fallback_bounds_zstd_chunks_by_their_declared_sizes(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the zstandard package, chunks are decoded by numcodecs into a buffer of the chunk's size."""
+    from ckptverify.trace import store as store_module
+
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    good = _store(tmp_path / "a")
+    assert [r.step for r in store_module.open_trace(good)] == list(range(1, 11))
+    for declare in (False, True):
+        (good / "steps" / "c" / "0").write_bytes(_rle_bomb(4 << 20, declare))
+        with pytest.raises(store_module.TraceFormatError):
+            store_module.open_trace(good)
+
+
+@pytest.mark.parametrize(("rows", "why"), [(1 << 26, "outside"), (1 << 23, "missing")])
+def test_zarr_json_declaring_millions_of_rows_is_refused_at_once(tmp_path: Path, rows: int, why: str) -> None:
+    a = _store(tmp_path / "a")
+    b = _store(tmp_path / "b")
+    _edit(b / "zarr.json", _set(("attributes", "rows"), rows))
+    _edit(b / "steps" / "zarr.json", _set(("shape",), [rows]))
+    _edit(b / "values" / "zarr.json", _set(("shape",), [rows, 4, 2]))
+    _edit(b / "present" / "zarr.json", _set(("shape",), [rows, 4]))
+    result = _cli("trace", "diff", str(a), str(b))
+    assert result["grown_mb"] < MAX_GROWTH_MB, result
+    assert result["code"] == 2 and why in result["stderr"], result
+
+
+_FUZZ_TARGETS = ("zarr.json", "sites/zarr.json", "steps/zarr.json", "values/zarr.json", "present/zarr.json")
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_trace_store_metadata_raises_only_trace_errors(tmp_path_factory: pytest.TempPathFactory,
+                                                            data: st.DataObject) -> None:
+    from ckptverify.errors import CkptVerifyError
+    from ckptverify.trace.store import open_trace
+
+    base = tmp_path_factory.getbasetemp() / "fuzz-store"
+    if not base.exists():
+        _store(base)
+    store = tmp_path_factory.mktemp("fuzz")
+    shutil.rmtree(store)
+    shutil.copytree(base, store)
+    for _ in range(data.draw(st.integers(1, 3))):
+        target = store / data.draw(st.sampled_from(_FUZZ_TARGETS))
+        meta = json.loads(target.read_text())
+        where = data.draw(st.sampled_from(_paths(meta)[1:]))
+        replacement = data.draw(_json_values | st.sampled_from([1 << 40, -1, 2.0, True, [1 << 30], "Infinity"]))
+        _set(where, replacement)(meta)
+        text = json.dumps(meta).replace('"Infinity"', "Infinity")
+        target.write_text(text)
+    try:
+        trace = open_trace(store)
+        for row in trace:
+            assert isinstance(row.step, int)
+    except CkptVerifyError:
+        pass

@@ -184,7 +184,7 @@ class TraceHeader:
             values["detail"] = "tensor"  # version 1 recorded every tensor, and no category cells
         try:
             return cls(**values)
-        except UsageError as exc:  # a level or detail this tool does not know: the store's fault, not the caller's
+        except (TypeError, UsageError) as exc:  # a field missing, or a level or detail this tool does not know
             raise TraceFormatError(f"damaged trace header: {exc}") from None
 
     def with_rank(self, rank: int, world_size: int) -> TraceHeader:
@@ -594,6 +594,14 @@ def _site(raw: Any, col: int, store: Path) -> tuple[Site, int]:
     return site, first
 
 
+def _configuration(node: Any, where: Path) -> dict[str, Any]:
+    """The ``configuration`` of a zarr metadata object (empty when it has none)."""
+    conf = node.get("configuration", {}) if isinstance(node, dict) else None
+    if not isinstance(conf, dict):
+        raise TraceFormatError(f"{where}: damaged array metadata")
+    return conf
+
+
 class _Array:
     """One array of a store, read chunk by chunk without zarr: the only layout :class:`TraceWriter` writes (zarr
     v3, a regular chunk grid, the default chunk keys, the ``bytes`` codec and at most a ``zstd`` after it).
@@ -612,7 +620,7 @@ class _Array:
         if meta.get("data_type") != dtype:
             raise bad(f"data type {str(meta.get('data_type'))[:40]!r}, not {dtype}")
         shape, grid = meta.get("shape"), meta.get("chunk_grid")
-        chunks = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
+        chunks = _configuration(grid, path).get("chunk_shape")
         if not (isinstance(grid, dict) and grid.get("name") == "regular" and isinstance(chunks, list)
                 and isinstance(shape, list) and len(shape) == len(chunks) == ndim):
             raise bad(f"not a {ndim}-dimensional array on a regular chunk grid")
@@ -622,7 +630,7 @@ class _Array:
         if math.prod(chunk_t) * np_dtype.itemsize > MAX_CHUNK_BYTES:
             raise bad(f"chunks of {list(chunk_t)} {dtype} values, more than {MAX_CHUNK_BYTES} bytes")
         keys = meta.get("chunk_key_encoding")
-        separator = keys.get("configuration", {"separator": "/"}).get("separator") if isinstance(keys, dict) else None
+        separator = _configuration(keys, path).get("separator", "/")
         if not (isinstance(keys, dict) and keys.get("name") == "default" and separator in ("/", ".")):
             raise bad("chunk keys are not zarr's default encoding")
         if meta.get("storage_transformers", []) != []:
@@ -631,8 +639,7 @@ class _Array:
         if not isinstance(codecs, list) or not 1 <= len(codecs) <= 2 or not all(isinstance(c, dict) for c in codecs):
             raise bad("codecs are not the bytes codec, optionally followed by zstd")
         first = codecs[0]
-        endian = first.get("configuration", {}).get("endian", "little") if isinstance(
-            first.get("configuration", {}), dict) else None
+        endian = _configuration(first, path).get("endian", "little")
         if first.get("name") != "bytes" or endian not in ("little", "big"):
             raise bad("the first codec is not the bytes codec")
         zstd = len(codecs) == 2
@@ -661,6 +668,23 @@ class _Array:
             raise TraceFormatError(f"{where}: {len(raw)} bytes, its array's chunks hold {self.chunk_bytes}")
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.chunks)
 
+    def _chunk_files(self, first: int, last: int, enough: int) -> int:
+        """How many chunk files of a one-dimensional array lie in ``[first, last)``, counted up to ``enough``
+        (a directory listing: it costs what is present, not what the metadata declares)."""
+        folder, prefix = (self.path / "c", "") if self.separator == "/" else (self.path, "c.")
+        found = 0
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    name = entry.name[len(prefix):] if entry.name.startswith(prefix) else ""
+                    if name.isascii() and name.isdigit() and len(name) < 20 and first <= int(name) < last:
+                        found += 1
+                        if found >= enough:
+                            break
+        except OSError:
+            return 0
+        return found
+
     def read(self, region: tuple[slice, ...], *, committed: bool = False) -> np.ndarray:
         """The values in ``region`` (slices with start and stop within the shape), chunk by chunk.
 
@@ -669,6 +693,11 @@ class _Array:
         makes the rows a store declares cost bytes that are present."""
         starts = [s.start for s in region]
         stops = [s.stop for s in region]
+        if committed and len(region) == 1:
+            # Before allocating: the chunk files present must be able to hold the rows (all but one chunk).
+            first, last = starts[0] // self.chunks[0], -(-stops[0] // self.chunks[0])
+            if self._chunk_files(first, last, last - first - 1) < last - first - 1:
+                raise TraceFormatError(f"{self.path}: chunks of committed rows are missing")
         out = np.full([b - a for a, b in zip(starts, stops, strict=True)], self.fill,
                       dtype=self.dtype.newbyteorder("="))
         if out.size == 0:
