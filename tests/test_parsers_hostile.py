@@ -433,15 +433,17 @@ def test_trace_diff_compares_one_ranks_stores(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("declare", [False, True])
-def test_a_zstd_chunk_inflating_to_2_gib_is_refused_without_inflating(tmp_path: Path, declare: bool) -> None:
+def test_a_zstd_chunk_inflating_to_1_gib_is_refused_without_inflating(tmp_path: Path, declare: bool) -> None:
+    # 1 GiB fits under the child's limit: a reader that inflates it shows in its peak memory, not as a failed
+    # allocation it might happen to survive.
     a = _store(tmp_path / "a")
     b = _store(tmp_path / "b")
-    bomb = _rle_bomb(2 << 30, declare)
-    assert len(bomb) < 70_000
+    bomb = _rle_bomb(1 << 30, declare)
+    assert len(bomb) < 40_000
     (b / "steps" / "c" / "0").write_bytes(bomb)
     result = _cli("trace", "diff", str(a), str(b))
     assert result["grown_mb"] < MAX_GROWTH_MB, result
-    assert (result["code"] == 2 and "zstd" in result["stderr"]) or "decodes" in result["stderr"], result
+    assert result["code"] == 2 and str(b / "steps") in result["stderr"], result
 
 
 def test_numcodecs_fallback_bounds_zstd_chunks_by_their_declared_sizes(tmp_path: Path,
