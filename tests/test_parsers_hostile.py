@@ -514,3 +514,37 @@ def test_fuzz_trace_store_metadata_raises_only_trace_errors(tmp_path_factory: py
             assert isinstance(row.step, int)
     except CkptVerifyError:
         pass
+
+
+# ------------------------------------------------------------------------------------------- verify --deep
+
+
+def test_deep_verify_of_an_expanded_tensor_is_a_size_limit_not_damage(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stride-0 (expanded) tensor of 2**27 elements over one stored element is a valid tensor (``torch.load``
+    reads it): ``--deep`` says it did not read it back, within its limits, and calls nothing damaged."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def values(self: Any) -> Any:  # DCP clones such views before saving; a writer that does not is legal
+        for _, obj in self.items:
+            yield self.resolve_fun(obj).detach(), obj
+
+    monkeypatch.setattr(fs._SerialCpuLoader, "values", values)
+    ckpt = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.full((1,), 0.5).expand(1 << 27), "b": torch.ones(3)},
+                 storage_writer=fs.FileSystemWriter(str(ckpt), thread_count=1))
+    assert sum(p.stat().st_size for p in ckpt.iterdir()) < 100_000
+    result = _cli("verify", "--deep", "--no-progress", "--json", str(ckpt))
+    assert result["grown_mb"] < MAX_GROWTH_MB, result
+    report = _report(result)
+    assert result["code"] == 0, report
+    assert not [f for f in report["findings"] if f["severity"] == "error"], report
+    limit = next(f for f in report["findings"] if f["check"] == "deep-limit")
+    assert limit["severity"] == "warning" and "'w'" in limit["message"] and "stride [0]" in limit["message"]
+    assert "corrupt" not in json.dumps(report["findings"])
