@@ -132,7 +132,7 @@ def test_verify_of_a_safetensors_file_with_a_hostile_header_is_a_finding(tmp_pat
     path.write_bytes(_safetensors_bytes(None, b"\0" * 8, raw_header=HOSTILE_HEADERS[name]))
     result = _cli("verify", "--no-progress", "--json", str(path))
     assert result["code"] == 1, result
-    assert any(f["severity"] == "error" for f in _report(result)["findings"])
+    assert {f["check"] for f in _report(result)["findings"] if f["severity"] == "error"} == {"blob-structure"}
 
 
 def test_run_directory_commands_survive_an_infinite_safetensors_shape(tmp_path: Path) -> None:

@@ -795,8 +795,9 @@ def _zstd_declared_size(raw: bytes, where: Path) -> int:
 class Trace:
     """A trace store opened for reading. Use :func:`open_trace`."""
 
-    #: Rows read at once (and cached) when cells are looked up one by one.
+    #: Rows read at once (and cached) when cells are looked up one by one, and the most bytes they may take.
     _BLOCK = 256
+    _BLOCK_BYTES = 64 << 20
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -899,8 +900,10 @@ class Trace:
 
     def _row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache is None or not self._cache[0] <= row < self._cache[0] + self._cache[1].shape[0]:
-            base = row - row % self._BLOCK
-            values, present = self.rows(base, base + self._BLOCK)
+            # Fewer rows at once in a wide trace: a block stays within _BLOCK_BYTES whatever the site count.
+            block = max(1, min(self._BLOCK, self._BLOCK_BYTES // (17 * max(1, self._width))))
+            base = row - row % block
+            values, present = self.rows(base, base + block)
             self._cache = (base, values, present)
         base, values, present = self._cache
         return values[row - base], present[row - base]
