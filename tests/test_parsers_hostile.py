@@ -233,6 +233,25 @@ def test_memo_indices_past_what_was_memoized_are_refused(pkl: bytes) -> None:
         scan_pickle(pkl)
 
 
+def _tensor_pkl(size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
+    """``torch._utils._rebuild_tensor_v2(<storage '0' of 6 floats>, 0, size, stride)`` as protocol-2 opcodes."""
+    def ints(values: tuple[int, ...]) -> bytes:
+        return b"(" + b"".join(pickle.dumps(v, protocol=2)[2:-1] for v in values) + b"t"
+
+    storage = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x06tQ"
+    return (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(" + storage + b"K\x00" + ints(size) + ints(stride)
+            + b"tR.")
+
+
+def test_tensor_sizes_must_be_64_bit_integers() -> None:
+    from ckptverify.formats.pickle_scan import PickleScanError, scan_pickle
+
+    assert scan_pickle(_tensor_pkl((2, 3), (3, 1))).tensors["<root>"].shape == (2, 3)
+    for size, stride in (((1 << 64,), (1,)), ((2, 2), (1,)), ((2,), (1 << 70,))):
+        with pytest.raises(PickleScanError, match="offset, shape or stride"):
+            scan_pickle(_tensor_pkl(size, stride))
+
+
 # ------------------------------------------------------------------------------------------- safejson
 
 

@@ -176,7 +176,10 @@ class _Unpickler(pickle.Unpickler):
         if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
             raise PickleScanError("a tensor with a bad offset, shape or stride")
         shape, strides = tuple(size), tuple(stride)
-        if not all(type(v) is int and v >= 0 for v in (*shape, *strides, offset)):
+        # Below 2**63 as torch's own sizes: a pickle's LONG4 can carry an integer of millions of digits, and the
+        # extent of a tensor multiplies them.
+        if len(shape) != len(strides) or len(shape) > 64 or not all(
+                type(v) is int and 0 <= v < 1 << 63 for v in (*shape, *strides, offset)):
             raise PickleScanError("a tensor with a bad offset, shape or stride")
         return TensorRef(storage, offset, shape, strides)
 
