@@ -567,3 +567,15 @@ def test_deep_verify_of_an_expanded_tensor_is_a_size_limit_not_damage(tmp_path: 
     limit = next(f for f in report["findings"] if f["check"] == "deep-limit")
     assert limit["severity"] == "warning" and "'w'" in limit["message"] and "stride [0]" in limit["message"]
     assert "corrupt" not in json.dumps(report["findings"])
+
+
+def test_a_store_whose_only_row_is_step_0_opens(tmp_path: Path) -> None:
+    """zarr leaves a chunk that equals the fill value unwritten: the steps chunk of a store whose one row is
+    step 0 is absent, and so is a values chunk of zeros. Neither is missing data."""
+    from ckptverify.trace.store import Cell, TraceHeader, TraceWriter, open_trace
+
+    store = tmp_path / "s"
+    with TraceWriter(store, header=TraceHeader(run="s", rank=0, world_size=1), background=False) as w:
+        w.append(0, [Cell.from_int("c", "counter", 0), Cell("param.w", "param", (0, 0))])
+    assert not (store / "steps" / "c").exists()
+    assert [(r.step, r.values) for r in open_trace(store)] == [(0, {"c": 0, "param.w": "0" * 32})]
