@@ -507,10 +507,10 @@ def trace_diff(a: str, b: str, force: bool, json_out: bool) -> None:
     """Compare two stored traces (a run directory with rank*/ stores, or one rank's store) and name the first
     divergence: step, rank, site, category, and the originating module at module level."""
     from ckptverify.findings import Report
-    from ckptverify.trace.compare import compare_runs
+    from ckptverify.trace.compare import compare_traces
 
     try:
-        findings = compare_runs(a, b, force=force)
+        findings = compare_traces(a, b, force=force)
     except CkptVerifyError as exc:
         _fail(exc, json_out, "trace diff", f"{a} {b}")
     _emit(Report(command="trace diff", target=f"{a} {b}", findings=tuple(findings)), json_out)

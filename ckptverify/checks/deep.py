@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptverify.checks.content import ItemPlan
-from ckptverify.dcp.layout import Layout
-from ckptverify.dcp.tensors import UnreadableTensor, iter_row_blocks
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Layout
+from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor, iter_row_blocks
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.manifest import Manifest
 from ckptverify.readers import ReadOnlyFile
@@ -32,12 +32,14 @@ class TensorScan:
     nan: int = 0
     inf: int = 0
     unreadable: list[str] = field(default_factory=list)
+    #: Chunks not read back because of a size limit (not damage): why, one line each.
+    limited: list[str] = field(default_factory=list)
 
     def value(self, shape: tuple[int, ...]) -> str | None:
         """The tensor's logical fingerprint if every element of ``shape`` was read back, else ``None``."""
         from ckptverify.fingerprint import combine
 
-        if self.unreadable or not self.parts or self.elements != math.prod(shape):
+        if self.unreadable or self.limited or not self.parts or self.elements != math.prod(shape):
             return None
         return combine(self.parts).value
 
@@ -53,6 +55,17 @@ def scan_plan(f: ReadOnlyFile, plan: ItemPlan, shape: tuple[int, ...],
     item = plan.item
     if plan.header is None or item.chunk is None:
         scan.unreadable.append(f"{item.fqn} chunk {list(item.chunk.offsets) if item.chunk else []}")
+        return scan
+    header = plan.header
+    laid_out = math.prod(header.size) * DTYPE_ITEMSIZE.get(header.dtype, 1)
+    if not header.is_row_major and laid_out > BLOCK_BYTES:
+        # A view that is not row-major (an expanded, stride-0 tensor) is materialised whole: a few stored bytes
+        # can stand for gigabytes. It is a valid tensor: not read back, and said so, never called damage.
+        scan.limited.append(
+            f"{item.fqn} chunk {list(item.chunk.offsets)} is a strided view (shape {list(header.size)}, stride "
+            f"{list(header.stride)}) of {laid_out} bytes once laid out, more than the {BLOCK_BYTES} the deep "
+            "check materialises at once")
+        scan.chunks.add(item.chunk.offsets)
         return scan
     try:
         for offsets, block in iter_row_blocks(f, item, plan.archive, plan.header):
@@ -109,6 +122,7 @@ def scan_tensors(plans: list[ItemPlan], opened: dict[str, ReadOnlyFile | None], 
         m.nan += first.nan
         m.inf += first.inf
         m.unreadable.extend(first.unreadable)
+        m.limited.extend(first.limited)
         m.chunks |= first.chunks
     return dict(merged), findings
 
@@ -125,6 +139,10 @@ def judge(layout: Layout, manifest: Manifest | None, scans: dict[str, TensorScan
         if scan.nan or scan.inf:
             out.append(warning("nonfinite", f"{fqn!r} holds {scan.nan} NaN and {scan.inf} Inf values",
                                location=loc, actual={"nan": scan.nan, "inf": scan.inf}))
+        if scan.limited:
+            out.append(warning("deep-limit", f"{fqn!r} was not read back: {scan.limited[0]}; its stored bytes are "
+                               "checked as any other's, its values are not", location=loc))
+            continue
         if manifest is None:
             continue
         saved = manifest.tensors.get(fqn)

@@ -9,16 +9,20 @@ address their bytes, so the blob is checked here as a unit. It carries no checks
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
 
+from ckptverify import safejson
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.torchsave import Archive, Record, TensorHeader
 from ckptverify.readers import ReadOnlyFile
 
 MAX_HEADER_BYTES = 100 << 20
+#: Most dimensions of one tensor (torch allows 64).
+MAX_DIMS = 64
+#: Largest dimension, offset and byte count accepted (a signed 64-bit integer, as the format's Rust reader).
+MAX_INT = (1 << 63) - 1
 
 _DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
@@ -60,8 +64,8 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
     if n > MAX_HEADER_BYTES or start + 8 + n > f.size:
         raise BlobError(f"safetensors header claims {n} bytes, past the end of the file", start, start + 8)
     try:
-        header = json.loads(f.pread(start + 8, n))
-    except (ValueError, RecursionError) as exc:
+        header = safejson.loads(f.pread(start + 8, n), max_bytes=MAX_HEADER_BYTES)
+    except safejson.JSONError as exc:
         raise BlobError(f"safetensors header is not valid JSON: {exc}", start + 8, start + 8 + n) from None
     if not isinstance(header, dict):
         raise BlobError("safetensors header is not a JSON object", start + 8, start + 8 + n)
@@ -71,15 +75,13 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
         if name == "__metadata__":
             continue
         try:
-            shape = tuple(int(x) for x in spec["shape"])
-            begin, end = (int(x) for x in spec["data_offsets"])
-            dtype = _DTYPES.get(spec["dtype"])
-        except (KeyError, TypeError, ValueError):
-            raise BlobError(f"safetensors entry {name!r} is malformed", start + 8, data_start) from None
-        if begin < 0 or end < begin or any(x < 0 for x in shape):
-            raise BlobError(f"safetensors entry {name!r} has an invalid range", start + 8, data_start)
+            shape, begin, end, dtype = _entry(spec)
+        except safejson.JSONError as exc:
+            raise BlobError(f"safetensors entry {name[:200]!r} is malformed: {exc}", start + 8, data_start) from None
+        if end < begin:
+            raise BlobError(f"safetensors entry {name[:200]!r} has an invalid range", start + 8, data_start)
         if dtype is not None and end - begin != math.prod(shape) * DTYPE_ITEMSIZE[dtype]:
-            raise BlobError(f"safetensors entry {name!r}: {end - begin} bytes for {dtype}{list(shape)}",
+            raise BlobError(f"safetensors entry {name[:200]!r}: {end - begin} bytes for {dtype}{list(shape)}",
                             data_start + begin, data_start + end)
         tensors[name] = BlobTensor(dtype, shape, begin, end)
     cursor = 0
@@ -93,6 +95,23 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
         raise BlobError(f"safetensors data ends at byte {end} but the file has only {f.size} bytes",
                         f.size, end)
     return Blob(start, data_start, end, tensors)
+
+
+def _entry(spec: object) -> tuple[tuple[int, ...], int, int, str | None]:
+    """Shape, data offsets and dtype (``None``: a dtype this tool does not read) of one header entry: exact
+    integers (never ``true``, never ``2.0``) within :data:`MAX_INT`, at most :data:`MAX_DIMS` dimensions."""
+    if not isinstance(spec, dict):
+        raise safejson.JSONError("the entry is not an object")
+    raw_shape, offsets, dtype = spec.get("shape"), spec.get("data_offsets"), spec.get("dtype")
+    if not isinstance(raw_shape, list) or len(raw_shape) > MAX_DIMS:
+        raise safejson.JSONError(f"shape is not a list of at most {MAX_DIMS} dimensions")
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise safejson.JSONError("data_offsets is not a list of two offsets")
+    if not isinstance(dtype, str):
+        raise safejson.JSONError("dtype is not a string")
+    shape = tuple(safejson.exact_int(x, "a dimension", hi=MAX_INT) for x in raw_shape)
+    begin, end = (safejson.exact_int(x, "a data offset", hi=MAX_INT) for x in offsets)
+    return shape, begin, end, _DTYPES.get(dtype)
 
 
 def data_range(blob: Blob, name: str) -> tuple[int, int] | None:

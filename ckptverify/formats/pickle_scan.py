@@ -32,6 +32,10 @@ MAX_OBJECTS = 2_000_000
 #: Deepest nesting of tuples in tuples a pickle may build. Hashing a tuple (a dict key, a set member) recurses
 #: in C with no limit, so a key nested a million deep would crash the process; real checkpoints nest a few deep.
 MAX_TUPLE_DEPTH = 200
+#: How far past the memo entries made so far a ``PUT`` index may reach. A pickler numbers memo entries 0, 1, 2,
+#: ... in order; the C unpickler zero-fills its memo array up to twice the largest index it is given, so one
+#: ``LONG_BINPUT`` of index 2**31 in a file of a few hundred bytes would allocate 32 GiB.
+MEMO_SLACK = 1024
 
 _STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
@@ -172,7 +176,10 @@ class _Unpickler(pickle.Unpickler):
         if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
             raise PickleScanError("a tensor with a bad offset, shape or stride")
         shape, strides = tuple(size), tuple(stride)
-        if not all(type(v) is int and v >= 0 for v in (*shape, *strides, offset)):
+        # Below 2**63 as torch's own sizes: a pickle's LONG4 can carry an integer of millions of digits, and the
+        # extent of a tensor multiplies them.
+        if len(shape) != len(strides) or len(shape) > 64 or not all(
+                type(v) is int and 0 <= v < 1 << 63 for v in (*shape, *strides, offset)):
             raise PickleScanError("a tensor with a bad offset, shape or stride")
         return TensorRef(storage, offset, shape, strides)
 
@@ -198,10 +205,14 @@ def _check_nesting(data: bytes) -> None:
     """Refuse a pickle that would build tuples nested deeper than :data:`MAX_TUPLE_DEPTH`, before anything is
     built. One pass over the opcodes with a stack of nesting heights (0: not a tuple). Tuples are immutable, so
     a tuple's height is fixed when it is built; lists and dicts cannot be hashed, so their contents do not count.
-    Calls are charged the height of their arguments, as a stand-in may hand a tuple argument back."""
+    Calls are charged the height of their arguments, as a stand-in may hand a tuple argument back.
+
+    The same pass bounds the memo: a ``PUT`` index more than :data:`MEMO_SLACK` past the number of memo entries
+    made before it is refused, so the unpickler's memo stays linear in the pickle's size."""
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[int, int] = {}
+    puts = 0
     try:
         for op, arg, _pos in pickletools.genops(data):
             name = op.name
@@ -212,7 +223,12 @@ def _check_nesting(data: bytes) -> None:
                 stack.append(stack[-1] if stack else 0)
                 continue
             if name in _MEMO_PUT or name == "MEMOIZE":
-                memo[int(arg) if name != "MEMOIZE" else len(memo)] = stack[-1] if stack else 0
+                index = int(arg) if name != "MEMOIZE" else len(memo)
+                if index < 0 or index > puts + MEMO_SLACK:
+                    raise PickleScanError(f"the pickle stores memo entry {index} after {puts} entries; refused "
+                                          "(the unpickler would allocate memory for every index below it)")
+                puts += 1
+                memo[index] = stack[-1] if stack else 0
                 continue
             if name in _MEMO_GET:
                 stack.append(memo.get(int(arg), 0))

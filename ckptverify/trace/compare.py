@@ -46,8 +46,10 @@ __all__ = [
 TraceLike = Trace | str | os.PathLike[str]
 
 _MODULE_KINDS = frozenset({"module_in", "module_out", "module_grad_in"})
-#: Rows compared at once.
+#: Rows compared at once, and the most bytes one block of a trace may take (a wide trace compares fewer rows
+#: at once).
 _BLOCK = 256
+_BLOCK_BYTES = 64 << 20
 #: Receivers named in a message (all are in the finding's ``actual``).
 _SHOWN = 5
 
@@ -193,12 +195,15 @@ class _Aligned:
 
     @staticmethod
     def _take(trace: Trace, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        base = int(rows[0])
-        values, present = trace.rows(base, int(rows[-1]) + 1)
+        # Each run of consecutive rows is read on its own: the rows of common steps may lie far apart, and
+        # reading everything between them would cost the gap.
+        cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+        parts = [trace.rows(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, cuts)]
+        values = np.concatenate([v for v, _ in parts], axis=0)
+        present = np.concatenate([p for _, p in parts], axis=0)
         values = np.concatenate([values, np.zeros((values.shape[0], 1, 2), np.uint64)], axis=1)
         present = np.concatenate([present, np.zeros((present.shape[0], 1), bool)], axis=1)
-        idx = rows - base
-        return values[idx][:, cols], present[idx][:, cols]
+        return values[:, cols], present[:, cols]
 
     def diff(self, rows_a: np.ndarray, rows_b: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """``[rows, sites]`` bool: cell differs (value, or present in one trace only); plus the raw blocks."""
@@ -247,8 +252,10 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
 
     first: FirstDivergence | None = None
     if names:
-        for i0 in range(0, common.shape[0], _BLOCK):
-            ra, rb = rows_a[i0 : i0 + _BLOCK], rows_b[i0 : i0 + _BLOCK]
+        widest = max(len(ta._by_column), len(tb._by_column), len(names), 1)
+        block = max(1, min(_BLOCK, _BLOCK_BYTES // (17 * widest)))
+        for i0 in range(0, common.shape[0], block):
+            ra, rb = rows_a[i0 : i0 + block], rows_b[i0 : i0 + block]
             differs, _ = aligned.diff(ra, rb)
             bad_rows = np.flatnonzero(differs.any(axis=1))
             if bad_rows.size:

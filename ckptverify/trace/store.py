@@ -22,7 +22,11 @@ mid-flush still opens with every committed row.
 
 from __future__ import annotations
 
+import io
+import itertools
+import math
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -32,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptverify import safejson
 from ckptverify.errors import CkptVerifyError, UsageError
 
 __all__ = [
@@ -93,6 +98,15 @@ ENCODINGS = ("fp128", "digest128", "f64", "i64", "set128")
 _MASK64 = (1 << 64) - 1
 DEFAULT_FLUSH_EVERY = 64
 DEFAULT_SITE_CHUNK = 512
+
+#: What a reader accepts of a store (a store is untrusted bytes: a run directory someone handed over). Rows and
+#: sites: far beyond any training run (a step every second for half a year; a per-tensor trace of a model with a
+#: million tensors). A chunk: what one chunk decodes to, whatever its metadata or compressed size says.
+MAX_ROWS = 1 << 24
+MAX_SITES = 1 << 20
+MAX_CHUNK_BYTES = 256 << 20
+#: Largest ``zarr.json`` read (the site table lives in one).
+MAX_METADATA_BYTES = 256 << 20
 
 
 class TraceNotFoundError(CkptVerifyError, FileNotFoundError):
@@ -156,13 +170,21 @@ class TraceHeader:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TraceHeader:
+        """The header a store's attributes hold; :class:`TraceFormatError` for anything but the types
+        :meth:`to_dict` writes (a level or detail not known to this tool included)."""
+        if not isinstance(data, Mapping):
+            raise TraceFormatError(f"damaged trace header: {type(data).__name__}, not an object")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        if "detail" not in values and int(values.get("schema_version", 1) or 1) < 2:
+        for name, value in values.items():
+            want = _HEADER_TYPES[name]
+            if not (isinstance(value, want) and not (isinstance(value, bool) and bool not in _as_tuple(want))):
+                raise TraceFormatError(f"damaged trace header: {name} is {type(value).__name__}")
+        if "detail" not in values and values.get("schema_version", 1) < 2:
             values["detail"] = "tensor"  # version 1 recorded every tensor, and no category cells
         try:
             return cls(**values)
-        except TypeError as exc:
+        except (TypeError, UsageError) as exc:  # a field missing, or a level or detail this tool does not know
             raise TraceFormatError(f"damaged trace header: {exc}") from None
 
     def with_rank(self, rank: int, world_size: int) -> TraceHeader:
@@ -173,6 +195,18 @@ class TraceHeader:
         skip = set(ignore)
         a, b = self.to_dict(), other.to_dict()
         return [name for name in a if name not in skip and a[name] != b[name]]
+
+
+#: The JSON type of each header field, as :meth:`TraceHeader.to_dict` writes it.
+_HEADER_TYPES: dict[str, Any] = {
+    "run": str, "level": str, "workload": str, "detail": str, "rank": (int, type(None)),
+    "world_size": (int, type(None)), "torch_version": str, "tool_version": str, "extra": dict, "schema": str,
+    "schema_version": int,
+}
+
+
+def _as_tuple(t: Any) -> tuple[Any, ...]:
+    return t if isinstance(t, tuple) else (t,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,60 +526,330 @@ class TraceRow:
     values: dict[str, float | int | str]
 
 
+def _read_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of the regular file ``path`` (``None`` if there is none); :class:`TraceFormatError` past
+    ``limit`` bytes or for anything but a regular file (a FIFO would block the reader)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot be read: {exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TraceFormatError(f"{path}: not a regular file")
+        if info.st_size > limit:
+            raise TraceFormatError(f"{path}: {info.st_size} bytes, more than the {limit} a trace store holds there")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot be read: {exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise TraceFormatError(f"{path}: more than the {limit} bytes a trace store holds there")
+    return data
+
+
+def _read_json(path: Path) -> Any:
+    data = _read_file(path, MAX_METADATA_BYTES)
+    if data is None:
+        raise TraceFormatError(f"{path}: missing (not a complete trace store)")
+    try:
+        return safejson.loads(data, max_bytes=MAX_METADATA_BYTES)
+    except safejson.JSONError as exc:
+        raise TraceFormatError(f"{path}: damaged metadata: {exc}") from None
+
+
+def _node(meta: Any, kind: str, where: Path) -> dict[str, Any]:
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != kind:
+        raise TraceFormatError(f"{where}: not a zarr v3 {kind}")
+    return meta
+
+
+def _json_int(value: Any, what: str, where: Path, hi: int, lo: int = 0) -> int:
+    try:
+        return safejson.exact_int(value, what, lo=lo, hi=hi)
+    except safejson.JSONError as exc:
+        raise TraceFormatError(f"{where}: {exc}") from None
+
+
+_SITE_TEXT = ("name", "kind", "category", "encoding")
+
+
+def _site(raw: Any, col: int, store: Path) -> tuple[Site, int]:
+    """One entry of the site table and the row it was first recorded at."""
+    where = store / "sites"
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in _SITE_TEXT):
+        raise TraceFormatError(f"{where}: site {col} lacks its name, kind, category or encoding")
+    if not isinstance(raw.get("info", ""), str) or not isinstance(raw.get("group", ""), str):
+        raise TraceFormatError(f"{where}: site {col} has a note or group that is not text")
+    if raw["encoding"] not in ENCODINGS:
+        raise TraceFormatError(f"{where}: site {col} has an unknown encoding {raw['encoding'][:40]!r}")
+    order = _json_int(raw.get("order"), f"the order of site {col}", where, MAX_SITES)
+    first = _json_int(raw.get("first_row"), f"the first row of site {col}", where, MAX_ROWS)
+    site = Site(raw["name"], raw["kind"], raw["category"], raw["encoding"], order, raw.get("info", ""),
+                raw.get("group", ""))
+    return site, first
+
+
+def _configuration(node: Any, where: Path) -> dict[str, Any]:
+    """The ``configuration`` of a zarr metadata object (empty when it has none)."""
+    conf = node.get("configuration", {}) if isinstance(node, dict) else None
+    if not isinstance(conf, dict):
+        raise TraceFormatError(f"{where}: damaged array metadata")
+    return conf
+
+
+class _Array:
+    """One array of a store, read chunk by chunk without zarr: the only layout :class:`TraceWriter` writes (zarr
+    v3, a regular chunk grid, the default chunk keys, the ``bytes`` codec and at most a ``zstd`` after it).
+    Every chunk decodes to exactly its declared size, at most :data:`MAX_CHUNK_BYTES`."""
+
+    def __init__(self, path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype,
+                 fill: Any, zstd: bool, separator: str) -> None:
+        self.path, self.shape, self.chunks, self.dtype = path, shape, chunks, dtype
+        self.fill, self.zstd, self.separator = fill, zstd, separator
+        self.chunk_bytes = math.prod(chunks) * dtype.itemsize
+
+    @classmethod
+    def open(cls, path: Path, dtype: str, ndim: int) -> _Array:
+        meta = _node(_read_json(path / "zarr.json"), "array", path)
+        bad = lambda why: TraceFormatError(f"{path}: {why}")  # noqa: E731
+        if meta.get("data_type") != dtype:
+            raise bad(f"data type {str(meta.get('data_type'))[:40]!r}, not {dtype}")
+        shape, grid = meta.get("shape"), meta.get("chunk_grid")
+        chunks = _configuration(grid, path).get("chunk_shape")
+        if not (isinstance(grid, dict) and grid.get("name") == "regular" and isinstance(chunks, list)
+                and isinstance(shape, list) and len(shape) == len(chunks) == ndim):
+            raise bad(f"not a {ndim}-dimensional array on a regular chunk grid")
+        shape_t = tuple(_json_int(n, "a dimension", path, 1 << 62) for n in shape)
+        chunk_t = tuple(_json_int(n, "a chunk dimension", path, MAX_CHUNK_BYTES, lo=1) for n in chunks)
+        np_dtype = np.dtype(dtype)
+        if math.prod(chunk_t) * np_dtype.itemsize > MAX_CHUNK_BYTES:
+            raise bad(f"chunks of {list(chunk_t)} {dtype} values, more than {MAX_CHUNK_BYTES} bytes")
+        keys = meta.get("chunk_key_encoding")
+        separator = _configuration(keys, path).get("separator", "/")
+        if not (isinstance(keys, dict) and keys.get("name") == "default" and separator in ("/", ".")):
+            raise bad("chunk keys are not zarr's default encoding")
+        if meta.get("storage_transformers", []) != []:
+            raise bad("storage transformers are not part of a trace store")
+        codecs = meta.get("codecs")
+        if not isinstance(codecs, list) or not 1 <= len(codecs) <= 2 or not all(isinstance(c, dict) for c in codecs):
+            raise bad("codecs are not the bytes codec, optionally followed by zstd")
+        first = codecs[0]
+        endian = _configuration(first, path).get("endian", "little")
+        if first.get("name") != "bytes" or endian not in ("little", "big"):
+            raise bad("the first codec is not the bytes codec")
+        zstd = len(codecs) == 2
+        if zstd and codecs[1].get("name") != "zstd":
+            raise bad(f"codec {str(codecs[1].get('name'))[:40]!r} is not part of a trace store (only zstd is)")
+        np_dtype = np_dtype.newbyteorder("<" if endian == "little" else ">") if np_dtype.itemsize > 1 else np_dtype
+        fill = meta.get("fill_value")
+        if dtype == "bool":
+            if not isinstance(fill, bool):
+                raise bad("the fill value is not a boolean")
+        else:
+            info = np.iinfo(np_dtype)
+            fill = _json_int(fill, "the fill value", path, int(info.max), lo=int(info.min))
+        return cls(path, shape_t, chunk_t, np_dtype, fill, zstd, separator)
+
+    def _chunk(self, index: tuple[int, ...]) -> np.ndarray | None:
+        """The decoded chunk at grid position ``index``; ``None`` when it was never written (all fill)."""
+        where = self.path / ("c" + self.separator + self.separator.join(map(str, index)))
+        limit = self.chunk_bytes + self.chunk_bytes // 128 + 1024 if self.zstd else self.chunk_bytes
+        raw = _read_file(where, limit)
+        if raw is None:
+            return None
+        if self.zstd:
+            raw = _zstd(raw, self.chunk_bytes, where)
+        if len(raw) != self.chunk_bytes:
+            raise TraceFormatError(f"{where}: {len(raw)} bytes, its array's chunks hold {self.chunk_bytes}")
+        return np.frombuffer(raw, dtype=self.dtype).reshape(self.chunks)
+
+    def _chunk_files(self, first: int, last: int, enough: int) -> int:
+        """How many chunk files of a one-dimensional array lie in ``[first, last)``, counted up to ``enough``
+        (a directory listing: it costs what is present, not what the metadata declares)."""
+        folder, prefix = (self.path / "c", "") if self.separator == "/" else (self.path, "c.")
+        found = 0
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    name = entry.name[len(prefix):] if entry.name.startswith(prefix) else ""
+                    if name.isascii() and name.isdigit() and len(name) < 20 and first <= int(name) < last:
+                        found += 1
+                        if found >= enough:
+                            break
+        except OSError:
+            return 0
+        return found
+
+    def read(self, region: tuple[slice, ...], *, committed: bool = False) -> np.ndarray:
+        """The values in ``region`` (slices with start and stop within the shape), chunk by chunk.
+
+        ``committed``: the region holds committed rows of ``steps``, whose values increase, so at most one of
+        them equals the fill value 0; a chunk left unwritten (all fill) may hold only that one. Refusing more
+        makes the rows a store declares cost bytes that are present."""
+        starts = [s.start for s in region]
+        stops = [s.stop for s in region]
+        if committed and len(region) == 1:
+            # Before allocating: the chunk files present must be able to hold the rows (all but one chunk).
+            first, last = starts[0] // self.chunks[0], -(-stops[0] // self.chunks[0])
+            if self._chunk_files(first, last, last - first - 1) < last - first - 1:
+                raise TraceFormatError(f"{self.path}: chunks of committed rows are missing")
+        out = np.full([b - a for a, b in zip(starts, stops, strict=True)], self.fill,
+                      dtype=self.dtype.newbyteorder("="))
+        if out.size == 0:
+            return out
+        missing = 0
+        grid = [range(a // c, -(-b // c)) for a, b, c in zip(starts, stops, self.chunks, strict=True)]
+        for index in itertools.product(*grid):
+            chunk = self._chunk(index)
+            lo = [i * c for i, c in zip(index, self.chunks, strict=True)]
+            src = tuple(slice(max(a, l0) - l0, min(b, l0 + c) - l0)
+                        for a, b, l0, c in zip(starts, stops, lo, self.chunks, strict=True))
+            dst = tuple(slice(max(a, l0) - a, min(b, l0 + c) - a)
+                        for a, b, l0, c in zip(starts, stops, lo, self.chunks, strict=True))
+            if chunk is None:
+                missing += math.prod(s.stop - s.start for s in src)
+                if committed and missing > 1:
+                    raise TraceFormatError(f"{self.path}: chunks of committed rows are missing")
+                continue
+            out[dst] = chunk[src]
+        return out
+
+
+def _zstd(raw: bytes, size: int, where: Path) -> bytes:
+    """``raw`` decompressed, refused unless it decodes to exactly ``size`` bytes; never more than ``size`` + 1
+    bytes are produced, whatever the frames claim."""
+    try:
+        import zstandard
+    except ImportError:
+        zstandard = None
+    if zstandard is not None:
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as r:
+                out = r.read(size + 1)
+        except zstandard.ZstdError as exc:
+            raise TraceFormatError(f"{where}: corrupt zstd chunk: {exc}") from None
+        if len(out) != size:
+            raise TraceFormatError(f"{where}: the chunk decodes to {'more than ' if len(out) > size else ''}"
+                                   f"{min(len(out), size)} bytes, its array's chunks hold {size}")
+        return out
+    # numcodecs (zarr's own dependency) decodes into a buffer of the right size, never past it; it cannot say
+    # how much it wrote, so the frames must declare their sizes, and those must add up to the chunk's.
+    from numcodecs import Zstd
+
+    if _zstd_declared_size(raw, where) != size:
+        raise TraceFormatError(f"{where}: the chunk's zstd frames do not declare {size} bytes")
+    out = np.empty(size, dtype=np.uint8)
+    try:
+        Zstd().decode(raw, out=out)
+    except (RuntimeError, ValueError) as exc:
+        raise TraceFormatError(f"{where}: corrupt zstd chunk: {exc}") from None
+    return out.tobytes()
+
+
+def _zstd_declared_size(raw: bytes, where: Path) -> int:
+    """The sum of the content sizes the zstd frames of ``raw`` declare (RFC 8878); refused when a frame
+    declares none or uses a dictionary."""
+    at, total = 0, 0
+    bad = TraceFormatError(f"{where}: not a zstd chunk with declared sizes")
+    while at < len(raw):
+        if len(raw) - at < 6:
+            raise bad
+        magic = int.from_bytes(raw[at:at + 4], "little")
+        if 0x184D2A50 <= magic <= 0x184D2A5F:  # a skippable frame
+            at += 8 + int.from_bytes(raw[at + 4:at + 8], "little")
+            continue
+        if magic != 0xFD2FB528:
+            raise bad
+        fhd = raw[at + 4]
+        fcs_flag, single, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
+        if dict_flag or fhd & 0x08:
+            raise bad
+        at += 5 + (0 if single else 1)
+        fcs_size = (1 if single else 0) if fcs_flag == 0 else (2, 4, 8)[fcs_flag - 1]
+        if fcs_size == 0 or at + fcs_size > len(raw):
+            raise bad
+        fcs = int.from_bytes(raw[at:at + fcs_size], "little") + (256 if fcs_size == 2 else 0)
+        total += fcs
+        at += fcs_size
+        while True:
+            if at + 3 > len(raw):
+                raise bad
+            head = int.from_bytes(raw[at:at + 3], "little")
+            last, kind, length = head & 1, (head >> 1) & 3, head >> 3
+            if kind == 3:
+                raise bad
+            at += 3 + (1 if kind == 1 else length)
+            if last:
+                break
+        at += 4 if checksum else 0
+    if at != len(raw):
+        raise bad
+    return total
+
+
 class Trace:
     """A trace store opened for reading. Use :func:`open_trace`."""
 
-    #: Rows read at once (and cached) when cells are looked up one by one.
+    #: Rows read at once (and cached) when cells are looked up one by one, and the most bytes they may take.
     _BLOCK = 256
+    _BLOCK_BYTES = 64 << 20
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        import zarr
-
         self.path = Path(path)
         if not (self.path / "zarr.json").is_file():
             hint = ""
             if self.path.is_dir() and any(c.name.startswith("rank") for c in self.path.iterdir()):
                 hint = f" (it is a run directory: its stores are {self.path}/rank<r>)"
             raise TraceNotFoundError(f"no trace store at {self.path}{hint}")
-        try:
-            group = zarr.open_group(str(self.path), mode="r", use_consolidated=False)
-            attrs = dict(group.attrs)
-            self.header = TraceHeader.from_dict(attrs["header"])
-            raw_sites = list(group["sites"].attrs["sites"])
-            self._rows = int(attrs["rows"])
-            self._values = group["values"]
-            self._present = group["present"]
-            steps_array = group["steps"]
-            if steps_array.shape[0] < self._rows:
-                raise TraceFormatError(f"{self.path}: {steps_array.shape[0]} step entries for {self._rows} rows")
-            steps = np.asarray(steps_array[: self._rows], dtype=np.int64)
-        except TraceFormatError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceFormatError(f"{self.path}: not a readable trace store ({exc})") from None
+        # The store is read here, not through zarr: every size is checked against caps and against the
+        # bytes present before anything is allocated (a hostile zarr.json is a few bytes).
+        group = _read_json(self.path / "zarr.json")
+        attrs = _node(group, "group", self.path / "zarr.json").get("attributes")
+        if not isinstance(attrs, dict) or "header" not in attrs or "rows" not in attrs:
+            raise TraceFormatError(f"{self.path}: not a trace store (its zarr.json holds no trace header)")
+        self.header = TraceHeader.from_dict(attrs["header"])
+        self._rows = _json_int(attrs["rows"], "rows", self.path / "zarr.json", MAX_ROWS)
+        sites_meta = _node(_read_json(self.path / "sites" / "zarr.json"), "array", self.path / "sites")
+        sites_attrs = sites_meta.get("attributes")
+        raw_sites = sites_attrs.get("sites") if isinstance(sites_attrs, dict) else None
+        if not isinstance(raw_sites, list) or len(raw_sites) > MAX_SITES:
+            raise TraceFormatError(f"{self.path}/sites: the site table is not a list of at most {MAX_SITES} sites")
+        steps_array = _Array.open(self.path / "steps", "int64", 1)
+        self._values = _Array.open(self.path / "values", "uint64", 3)
+        self._present = _Array.open(self.path / "present", "bool", 2)
+        if steps_array.shape[0] < self._rows:
+            raise TraceFormatError(f"{self.path}: {steps_array.shape[0]} step entries for {self._rows} rows")
+        steps = steps_array.read((slice(0, self._rows),), committed=True)
+        if self._rows > 1 and not bool(np.all(steps[1:] > steps[:-1])):
+            raise TraceFormatError(f"{self.path}: the steps of the committed rows do not increase")
+        sites = [_site(s, col, self.path) for col, s in enumerate(raw_sites)]
         # Sites added by a flush that did not commit (the writer died) have no rows yet; leave them out.
-        width = len(raw_sites)
-        while width and int(raw_sites[width - 1]["first_row"]) >= self._rows:
+        width = len(sites)
+        while width and sites[width - 1][1] >= self._rows:
             width -= 1
-        raw_sites = raw_sites[:width]
-        if steps.shape[0] != self._rows or self._values.shape[0] < self._rows or self._values.shape[1] < width:
+        by_column = [site for site, _ in sites[:width]]
+        if (steps.shape[0] != self._rows or self._values.shape[0] < self._rows or self._values.shape[1] < width
+                or self._values.shape[2] != 2 or self._present.shape[0] < self._rows
+                or self._present.shape[1] < width):
             raise TraceFormatError(f"{self.path}: arrays are shorter than the committed site table and rows")
         self._width = width
         self._columns: dict[str, int] = {}
-        by_column: list[Site] = []
-        for col, s in enumerate(raw_sites):
-            site = Site(str(s["name"]), str(s["kind"]), str(s["category"]), str(s["encoding"]), int(s["order"]),
-                        str(s.get("info", "")), str(s.get("group", "")))
-            by_column.append(site)
+        for col, site in enumerate(by_column):
+            if site.name in self._columns:
+                raise TraceFormatError(f"{self.path}/sites: the site {site.name[:200]!r} appears twice")
             self._columns[site.name] = col
-        self._first_row = np.asarray([int(s["first_row"]) for s in raw_sites], dtype=np.int64)
+        self._first_row = np.asarray([first for _, first in sites[:width]], dtype=np.int64)
         self._by_column = tuple(by_column)
         #: Sites in execution order.
         self.sites: tuple[Site, ...] = tuple(sorted(by_column, key=lambda s: s.order))
         #: Columns in execution order.
         self._order = np.asarray([self._columns[s.name] for s in self.sites], dtype=np.int64)
         self._steps = steps
-        self._row_of = {int(s): i for i, s in enumerate(steps)}
         self._cache: tuple[int, np.ndarray, np.ndarray] | None = None
 
     # -------------------------------------------------------------- lookups
@@ -574,7 +878,12 @@ class Trace:
         return self._columns.get(name)
 
     def row_index(self, step: int) -> int | None:
-        return self._row_of.get(int(step))
+        # Steps increase (checked on opening): a binary search, no per-row dictionary.
+        step = int(step)
+        if not -(1 << 63) <= step < 1 << 63:
+            return None
+        i = int(np.searchsorted(self._steps, step))
+        return i if i < self._rows and int(self._steps[i]) == step else None
 
     def rows(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """``(values, present)`` of rows ``[start, end)``, all columns by column number; cells of a site before
@@ -583,23 +892,25 @@ class Trace:
         if end <= start or self._width == 0:
             return (np.zeros((max(end - start, 0), self._width, 2), np.uint64),
                     np.zeros((max(end - start, 0), self._width), bool))
-        values = np.asarray(self._values[start:end, : self._width])
-        present = np.asarray(self._present[start:end, : self._width]).copy()
+        values = self._values.read((slice(start, end), slice(0, self._width), slice(0, 2)))
+        present = self._present.read((slice(start, end), slice(0, self._width)))
         # Cells of a site before its first row were never written: whatever an edge chunk holds there is absent.
         present &= np.arange(start, end)[:, None] >= self._first_row[None, :]
         return values, present
 
     def _row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache is None or not self._cache[0] <= row < self._cache[0] + self._cache[1].shape[0]:
-            base = row - row % self._BLOCK
-            values, present = self.rows(base, base + self._BLOCK)
+            # Fewer rows at once in a wide trace: a block stays within _BLOCK_BYTES whatever the site count.
+            block = max(1, min(self._BLOCK, self._BLOCK_BYTES // (17 * max(1, self._width))))
+            base = row - row % block
+            values, present = self.rows(base, base + block)
             self._cache = (base, values, present)
         base, values, present = self._cache
         return values[row - base], present[row - base]
 
     def lanes(self, step: int, site: str) -> tuple[int, int] | None:
         """The raw 128 bits of ``site`` at ``step``; ``None`` when absent (or the step is not in the trace)."""
-        row, col = self._row_of.get(int(step)), self._columns.get(site)
+        row, col = self.row_index(step), self._columns.get(site)
         if row is None or col is None:
             return None
         values, present = self._row(row)
@@ -625,7 +936,7 @@ class Trace:
         return self.value(step, name if name.startswith("metric.") else f"metric.{name}")
 
     def row(self, step: int) -> TraceRow:
-        row = self._row_of.get(int(step))
+        row = self.row_index(step)
         if row is None:
             raise KeyError(step)
         values, present = self._row(row)

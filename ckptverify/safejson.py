@@ -1,0 +1,106 @@
+"""Reading JSON from untrusted bytes: bounded size and depth, finite numbers, unique keys, exact integers.
+
+:func:`loads` is :func:`json.loads` with the ways hostile JSON hurts a reader closed off:
+
+* ``NaN``, ``Infinity``, ``-Infinity`` and numbers that overflow a float (``1e999``) are refused: they turn
+  into ``OverflowError`` the moment a reader converts them to an integer;
+* nesting deeper than ``max_depth`` is refused after the parse, before any caller walks the value
+  (:func:`json.loads` itself stops at the interpreter's recursion limit with ``RecursionError``, which is
+  caught here too), so a caller may recurse over what it gets;
+* a repeated key in one object is refused (the last one would silently win, hiding the first);
+* more than ``max_bytes`` bytes are refused before parsing.
+
+Everything it refuses is a :class:`JSONError` (a ``ValueError``). :func:`exact_int` then takes a number out
+of the parsed value only when it is an ``int`` (never a ``bool``, never a ``float``, even ``2.0``) within
+bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+__all__ = ["MAX_DEPTH", "JSONError", "exact_int", "loads"]
+
+#: Deepest nesting of arrays and objects accepted (every JSON file the tool reads nests a few levels).
+MAX_DEPTH = 64
+#: Largest JSON document read by default.
+MAX_BYTES = 64 << 20
+
+
+class JSONError(ValueError):
+    """The bytes are not JSON this tool accepts (malformed, too large, too deep, non-finite, repeated keys)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise JSONError(f"{name} is not a JSON number this tool accepts")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JSONError(f"the number {text[:40]} does not fit in a float")
+    return value
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise JSONError(f"the key {key[:80]!r} appears twice in one object")
+            seen.add(key)
+    return out
+
+
+def loads(data: bytes | bytearray | memoryview | str, *, max_bytes: int = MAX_BYTES,
+          max_depth: int = MAX_DEPTH) -> Any:
+    """Parse ``data`` (UTF-8, -16 or -32 bytes, or text); raise :class:`JSONError` for anything refused."""
+    if len(data) > max_bytes:
+        raise JSONError(f"the JSON is {len(data)} bytes, more than the {max_bytes} this tool reads")
+    if isinstance(data, memoryview | bytearray):
+        data = bytes(data)
+    try:
+        value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float,
+                           object_pairs_hook=_unique)
+    except JSONError:
+        raise
+    except RecursionError:
+        raise JSONError(f"the JSON nests deeper than {max_depth} levels") from None
+    except (ValueError, TypeError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        raise JSONError(f"not valid JSON: {exc}"[:300]) from None
+    _check_depth(value, max_depth)
+    return value
+
+
+def _check_depth(value: Any, max_depth: int) -> None:
+    # Iterative: the point is to bound what a recursive walk of the value may meet.
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth >= max_depth:
+            raise JSONError(f"the JSON nests deeper than {max_depth} levels")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
+def exact_int(value: Any, what: str, *, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+    """``value`` if it is an ``int`` (not a ``bool``, not a ``float``) with ``lo <= value <= hi``; else
+    :class:`JSONError` naming ``what``."""
+    if type(value) is not int:
+        raise JSONError(f"{what} is {type(value).__name__} {_short(value)}, not an integer")
+    if not lo <= value <= hi:
+        raise JSONError(f"{what} is {_short(value)}, outside [{lo}, {hi}]")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
