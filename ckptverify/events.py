@@ -21,6 +21,7 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from ckptverify import safejson
 from ckptverify.own_files import append_line, open_read
 
 __all__ = ["EVENTS_FILE", "EventLog", "read_events"]
@@ -63,8 +64,8 @@ def read_events(run_dir: str | os.PathLike[str], event: str | None = None) -> It
     with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+                record = safejson.loads(line)
+            except ValueError:  # a torn or hostile line: not an event
                 continue
             if isinstance(record, dict) and (event is None or record.get("event") == event):
                 yield record

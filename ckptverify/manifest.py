@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptverify import safejson
 from ckptverify.own_files import MANIFEST_FILE, MANIFEST_TEMP_PREFIX, write_atomic
 
 MANIFEST_SCHEMA = "ckptverify/manifest"
@@ -329,7 +330,7 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str =
     if not os.path.lexists(path):
         return None
     try:
-        data = json.loads(read_small_file(path, max_bytes, root=root))
+        data = safejson.loads(read_small_file(path, max_bytes, root=root), max_bytes=max_bytes)
     except (OSError, ValueError, RecursionError, MemoryError) as exc:
         raise ManifestError(f"manifest cannot be read: {type(exc).__name__}: {exc}"[:500]) from None
     if not isinstance(data, dict):

@@ -106,6 +106,21 @@ def test_a_stamp_ranks_a_checkpoint_no_higher_than_its_verification_could(tmp_pa
     assert [s["how"] for s in latest_verified(root).skipped] == ["verified now"]
 
 
+@pytest.mark.parametrize("hostile", ["[" * 100_000 + "]" * 100_000, '{"schema": "ckptverify/stamp", "passed": true, '
+                                     '"state": "verified", "step": 1e999}', '{"passed": true, "passed": false}'])
+def test_a_hostile_stamp_is_no_stamp_for_every_reader(tmp_path: Path, hostile: str) -> None:
+    root = tmp_path / "run"
+    for step in (1, 2):
+        _dcp(root / f"step_{step}", float(step))
+    for step in (1, 2):
+        (root / f"step_{step}" / STAMP_FILE).write_text(hostile)
+        assert read_stamp(root / f"step_{step}") is None
+    assert latest_verified(root).step == 2  # verified afresh
+    assert prune(root, keep=1, dry_run=True).deleted == ["step_1"]
+    result = CliRunner().invoke(main, ["latest", "--json", str(root)])
+    assert result.exit_code == 0 and json.loads(result.output)["step"] == 2, result.output
+
+
 def test_latest_with_nothing_good_exits_1(tmp_path: Path) -> None:
     root = tmp_path / "run"
     bad = _dcp(root / "step_1", 1.0)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from ckptverify import safejson
 from ckptverify.errors import SaveConflictError
 from ckptverify.own_files import MANIFEST_TEMP_PREFIX, SAVE_MARKER
 
@@ -173,7 +174,7 @@ def invalidate_previous(root: str, manifest_file: str) -> list[str]:
 
 def _parse_marker(data: bytes) -> dict[str, Any] | None:
     try:
-        info = json.loads(data.decode("utf-8"))
+        info = safejson.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     return info if isinstance(info, dict) else None

@@ -48,6 +48,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ckptverify import safejson
 from ckptverify.errors import UsageError
 from ckptverify.own_files import write_atomic
 
@@ -213,7 +214,7 @@ def read_run_file(run_dir: str) -> dict[str, Any]:
     path = os.path.join(run_dir, RUN_FILE)
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read(1 << 20))
+            data = safejson.loads(f.read(1 << 20))
     except (OSError, ValueError) as exc:
         raise UsageError(f"{path} cannot be read ({exc}): is {run_dir} the run directory of a production job "
                          "(cv.Run.main(..., run_dir=...))?") from None

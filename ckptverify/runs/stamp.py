@@ -32,6 +32,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+from ckptverify import safejson
 from ckptverify.findings import Report
 from ckptverify.own_files import STAMP_FILE, STAMP_TEMP_PREFIX, SUSPECT_NOTE, VERIFYING_LOCK, write_atomic
 
@@ -185,7 +186,7 @@ def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
     if raw is None:
         return None
     try:
-        data = json.loads(raw)
+        data = safejson.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(data, dict) or data.get("schema") != STAMP_SCHEMA or not isinstance(data.get("passed"), bool):
@@ -206,7 +207,7 @@ def _read_note(checkpoint: str) -> dict[str, Any] | None:
     if raw is None:
         return None
     try:
-        data = json.loads(raw)
+        data = safejson.loads(raw)
     except (ValueError, UnicodeDecodeError):
         # Unreadable, but it was written to say the checkpoint is suspect: it stays suspect.
         return {"schema": SUSPECT_SCHEMA, "reason": f"its suspect note {SUSPECT_NOTE} cannot be read"}
@@ -234,7 +235,7 @@ def read_suspect(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
     if raw is None:
         return None
     try:
-        data = json.loads(raw)
+        data = safejson.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return None
     value = data.get("suspect") if isinstance(data, dict) else None
