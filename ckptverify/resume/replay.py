@@ -140,7 +140,8 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
 
     Returns a report whose ``stats["verdict"]`` has ``kind`` (one of :data:`VERDICTS`), ``step``, ``rank``
     (``None`` unless the evidence singles one out), ``site``, ``host``, ``sentence`` and ``candidate_ranks``
-    (the ranks that could hold the origin of a computed difference; ``None`` for other kinds). Raises :class:`~ckptverify.errors.UsageError` when ``run_dir`` is not a
+    (the ranks that could hold the origin of a computed difference; ``None`` for other kinds).
+    Raises :class:`~ckptverify.errors.UsageError` when ``run_dir`` is not a
     production run directory or the checkpoints cannot be found, and
     :class:`~ckptverify.resume.harness.WorkloadCrashedError` when the workload crashes.
     """

@@ -203,10 +203,16 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
         restored = (notes.get(r) or {}).get("restored") or {}
         ev = step_evidence(prod, replay, r, s, first_resumed=first_replayed, restored=restored)
         ta, tb = pairs[r]
-        # Per-tensor buffer cells only the replay records (detail "tensor") are not differences.
-        ev["buffers"] = [n for n in ev["buffers"] if ta.has_site(n) and tb.has_site(n)]
-        ev["position"] = "data" in sites.get(r, [])
-        ev["sites"] = sites.get(r, [])
+        mine = sites.get(r, [])
+        # Production records one cell per category; the replay a cell per tensor and per hyperparameter too.
+        # Only what both record is evidence: the per-field cells only the replay holds are not differences.
+        ev["rng"] = [x for x in ev["rng"] if f"start.{x['stream']}" in mine]
+        ev["hparams_start"] = _hparams(ta, tb, s, "start.hparam.", mine, restored, first_replayed)
+        ev["hparams_step"] = _hparams(ta, tb, s, "hparam.", mine, None, first_replayed)
+        ev["buffers"] = [n for n in mine if n.startswith("buffer.")]
+        ev["batch"] = any(n == "batch" or n.startswith("batch.") for n in mine)
+        ev["position"] = "data" in mine
+        ev["sites"] = mine
         evidence[r] = ev
     when = "the first replayed step" if first_replayed else f"step {s}"
     none_hw = "this says nothing about the hardware"
@@ -248,7 +254,8 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
         h = hstart[0]
         g, _, key = h["field"].partition(".")
         name = f"param_groups[{g}].{key}"
-        values = f"{_show(h['a'])} in production, {_show(h['b'])} in the replay"
+        values = (f"{_show(h['a'])} in production, {_show(h['b'])} in the replay" if h["a"] is not None
+                  else f"{_show(h['b'])} in the replay, another value in production")
         if first_replayed and h.get("b_moved"):
             kind, text = "changed-after-restore", (
                 f"{name} was restored exactly from production's checkpoint, then changed after run.restore() in "
@@ -276,8 +283,10 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
         if hstep:
             h = next((x for x in hstep if x["field"].endswith(".lr")), hstep[0])
             g, _, key = h["field"].partition(".")
-            what = (f"the {key} the optimizer used at step {s} differs (param group {g}: {_show(h['a'])} in "
-                    f"production, {_show(h['b'])} in the replay) although the step started from equal values")
+            shown = (f"{_show(h['a'])} in production, {_show(h['b'])} in the replay" if h["a"] is not None
+                     else f"{_show(h['b'])} in the replay, another value in production")
+            what = (f"the {key} the optimizer used at step {s} differs (param group {g}: {shown}) although the "
+                    "step started from equal values")
             site = f"optim.param_groups[{g}].{key}"
         else:
             what = f"the learning rate differs at {when}"
@@ -302,8 +311,8 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
                      "so the data pipeline does not reproduce production after a restart. DataLoader workers draw "
                      "augmentation from their own random streams, seeded from the main process when the "
                      "iterator is made, and no checkpoint holds them")
-            advice = ("draw augmentation from a generator derived from the sample index (and epoch), or use a "
-                      "loader that saves its workers' state (torchdata StatefulDataLoader)")
+            advice = ("draw augmentation from a generator derived from the sample index (and epoch), so that a "
+                      "sample reads the same after a restart")
         else:
             cause = (f"the batch of step {s} differs on rank {r} ({batch_site}) while the random streams and "
                      "hyperparameters it started from are equal: the data loader's position was not saved or not "
@@ -387,6 +396,40 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
                      "tell: record each rank's own loss (before any all-reduce) or trace at level module "
                      "(cv.Run.main(..., trace=\"module\")) so that each rank's forward is compared, and replay "
                      "again", step=s, site=site, candidate_ranks=candidates)
+
+
+def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], restored: dict[str, Any] | None,
+             first_replayed: bool) -> list[dict[str, Any]]:
+    """The hyperparameters (``<prefix><group>.<key>``) that differ at ``step``: ``field``, ``a`` (production's
+    value, ``None`` when only its category cell is recorded), ``b`` (the replay's), and, for the step-start
+    cells of the first replayed step, ``b_moved``: whether the replay changed it after the restore (the
+    restored value is what production's checkpoint holds, so when the replay did not move it, production
+    did after its save point: ``a_moved``)."""
+    from ckptverify.trace.compare import _named_member
+
+    out: list[dict[str, Any]] = []
+    for name in differing:
+        if not name.startswith(prefix):
+            continue
+        if name == prefix + "*":
+            member, _ = _named_member(ta, tb, step, ta.site(name) if ta.has_site(name) else tb.site(name))
+            if member is None:
+                # Several differ, or they are not named: the replay's own cells against the restore still tell
+                # whether it moved them.
+                fields = [x.name for x in tb.sites if x.group == name] or [name]
+                member = fields[0]
+                if restored is not None and first_replayed:
+                    moved = [f for f in fields if f in restored and tb.value(step, f) != restored[f]]
+                    member = moved[0] if moved else member
+        else:
+            member = name
+        entry: dict[str, Any] = {"field": member[len(prefix):], "a": ta.value(step, member) if ta.has_site(member)
+                                 else None, "b": tb.value(step, member) if tb.has_site(member) else None}
+        if restored is not None and first_replayed and member in restored:
+            entry["b_moved"] = entry["b"] != restored[member]
+            entry["a_moved"] = not entry["b_moved"]
+        out.append(entry)
+    return out
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
