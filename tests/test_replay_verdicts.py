@@ -176,5 +176,7 @@ def test_the_origin_rank_is_named_only_when_the_evidence_singles_it_out() -> Non
     assert _origin({0: ["metric.aux", "grad.*"], 1: ["grad.*"]}, 2, only0) == ((0, 1), None, None)
     # Two of four ranks differ: they are the candidates, neither is named.
     assert _origin({0: [], 1: ["grad.*"], 2: ["grad.*"], 3: []}, 4, every) == ((1, 2), None, None)
+    # One rank: it is the one.
+    assert _origin({0: ["metric.loss"]}, 1, every) == ((0,), 0, None)
     # A rank whose trace is missing cannot be cleared.
     assert _origin({0: ["grad.*"]}, 2, every) == ((0, 1), None, None)

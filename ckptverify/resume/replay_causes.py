@@ -141,6 +141,8 @@ def _origin(found: dict[int, list[str]], world: int, records: Callable[[int, str
     on ``rank``."""
     differing = [r for r, names in found.items() if names]
     missing = sorted(set(range(world)) - set(found))
+    if world == 1 and differing == [0]:
+        return (0,), 0, None  # one rank: no reduction brings another rank's values in
     if len(differing) + len(missing) < world:
         # Some rank computed the step exactly as the replay did: the others are the candidates (a rank with no
         # store in one of the runs cannot be cleared).
