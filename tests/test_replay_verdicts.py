@@ -121,7 +121,7 @@ def test_a_flipped_activation_with_equal_inputs_is_a_suspected_fault_of_its_rank
 @pytest.mark.parametrize(("plant", "kind", "step", "site"), [
     ("data", "data", 4, "batch.0"),                        # the loader is not in the TrainState
     ("rng", "rng", 4, "rng.torch_cpu"),                    # re-seeded after run.restore
-    ("scheduler", "scheduler", 5, "optim.param_groups[0].lr"),  # OneCycleLR not in the TrainState
+    ("scheduler", "scheduler", 4, "metric.lr"),            # OneCycleLR not in the TrainState
 ])
 def test_an_input_cause_before_a_real_fault_is_named_as_that_cause(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str, kind: str, step: int, site: str) -> None:
