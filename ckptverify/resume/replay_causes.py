@@ -326,8 +326,13 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
 
     for r, ev in evidence.items():
         if ev["buffers"]:
-            d = first[r]
-            name = d.site if d.site.startswith("buffer.") and d.site != "buffer.*" else ev["buffers"][0]
+            name = ev["buffers"][0]
+            if name == "buffer.*":
+                from ckptverify.trace.compare import _named_member
+
+                ta, tb = pairs[r]
+                member, _ = _named_member(ta, tb, s, ta.site(name))
+                name = member or name
             return Judgement("hidden-state", f"a buffer registered with persistent=False ({name}) differs at {when} "
                              f"on rank {r}: no checkpoint holds it, so the replay starts it afresh while production "
                              f"carried it on; {none_hw}. What to do: register it as a persistent buffer, or "
