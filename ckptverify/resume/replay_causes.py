@@ -113,10 +113,6 @@ def _both(dir_a: str, dir_b: str) -> dict[int, tuple[Any, Any]]:
     return {r: (open_trace(stores_a[r]), open_trace(stores_b[r])) for r in sorted(set(stores_a) & set(stores_b))}
 
 
-def _is_input(site: str) -> bool:
-    return site.startswith(("start.rng.", "start.hparam.", "batch")) or site == "data"
-
-
 def twin_cause(r1: str, r2: str, step: int) -> str:
     """What the two replays' first difference at ``step`` says about where the nondeterminism is, and what to do."""
     sites = sorted({s for names in differing_sites(r1, r2, step).values() for s in names})
