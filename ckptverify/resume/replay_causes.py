@@ -12,8 +12,8 @@ and classifies what differs there, with the causes and kind names of ``resume-ch
   step starts, or as the optimizer step used it;
 * ``data`` — the batch (or the loader's position after the step) differs while the random streams and
   hyperparameters are equal;
-* ``hidden-state`` / ``unregistered-state`` — a non-persistent buffer differs, or, at the first replayed step,
-  the job holds state its ``TrainState`` does not;
+* ``hidden-state`` / ``unregistered-state`` — a non-persistent buffer differs, or, at the first replayed step
+  of a trace that records the step's inputs, the job holds state its ``TrainState`` does not;
 * ``undetermined`` — a computed value differs but the step's inputs are not all known to be equal: the trace
   records no inputs (level ``metrics``), the steps before ``s`` are not traced, or ``s`` is the first
   replayed step and production ran on from memory (state a checkpoint does not hold would look the same);
@@ -334,17 +334,6 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
                              f"carried it on; {none_hw}. What to do: register it as a persistent buffer, or "
                              "recompute it from saved state", step=s, rank=r, site=name)
 
-    unregistered = sorted({u["name"] for n in notes.values() for u in (n or {}).get("unregistered") or []})
-    missing_optim = any((n or {}).get("missing_optimizer") for n in notes.values())
-    if first_replayed and production_start != start and (unregistered or missing_optim):
-        what = (f"objects the TrainState does not hold: {', '.join(unregistered)}" if unregistered
-                else "no optimizer is registered in the TrainState")
-        return Judgement("unregistered-state", f"the replay differs from production at the first replayed step "
-                         f"(rank {lead.rank}, {lead.site}) and the job holds state no checkpoint saves ({what}): the "
-                         f"replay starts it afresh while production carried it on; {none_hw}. What to do: register "
-                         "it in the TrainState (optimizer=, scheduler=, generators=, extras= for your own objects)",
-                         step=s, rank=lead.rank, site=lead.site)
-
     # 6. Inputs equal: a computed value differs. Which ranks could hold the origin.
     def records(rank: int, site: str) -> bool:
         ta, tb = pairs[rank]
@@ -363,6 +352,17 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
                          "that does not reproduce production cannot be told from a fault. What would tell: trace "
                          "at level state (cv.Run.main(..., trace=\"state\")) and replay again",
                          step=s, rank=None, site=site, candidate_ranks=candidates)
+    unregistered = sorted({u["name"] for n in notes.values() for u in (n or {}).get("unregistered") or []})
+    missing_optim = any((n or {}).get("missing_optimizer") for n in notes.values())
+    if first_replayed and production_start != start and (unregistered or missing_optim):
+        what = (f"objects the TrainState does not hold: {', '.join(unregistered)}" if unregistered
+                else "no optimizer is registered in the TrainState")
+        return Judgement("unregistered-state", f"the replay differs from production at the first replayed step "
+                         f"(rank {lead.rank}, {lead.site}) and the job holds state no checkpoint saves ({what}): the "
+                         f"replay starts it afresh while production carried it on; {none_hw}. What to do: register "
+                         "it in the TrainState (optimizer=, scheduler=, generators=, extras= for your own objects)",
+                         step=s, rank=lead.rank, site=lead.site)
+
     prev_traced = s - 1 >= start + 1 and all(ta.row_index(s - 1) is not None and tb.row_index(s - 1) is not None
                                              for ta, tb in pairs.values())
     if not first_replayed and not prev_traced:
