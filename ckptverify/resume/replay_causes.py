@@ -167,14 +167,17 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
     """Classify the first difference between production's trace segment ``prod`` and the replay's trace
     directory ``replay`` over steps ``start+1..end`` (see the module docstring). ``production_start``: the
     step that production's trace segment (and its process) started from; ``where(rank)``: the host and device
-    of a production rank, in words. Raises ``ValueError`` when the two do not differ."""
+    of a production rank, in words."""
     from ckptverify.resume.harness import step_evidence
     from ckptverify.trace.compare import divergences
 
     steps = range(start + 1, end + 1)
     found = divergences(prod, replay, steps=steps)
     if not found:
-        raise ValueError("production and the replay do not differ")
+        # The comparison failed without a divergence: steps or ranks recorded in one run only.
+        return Judgement("undetermined", "production's trace and the replay's do not cover the same steps and "
+                         "ranks, and every step both cover agrees: the steps not compared cannot be judged. What "
+                         "would tell: a production trace of every replayed step on every rank (trace_every=1)")
     s = min(d.step for d in found)
     first = {d.rank: d for d in found if d.step == s}
     pairs = _both(prod, replay)
