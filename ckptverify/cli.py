@@ -436,7 +436,8 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
            metrics_file: str | None, json_out: bool) -> None:
     """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
 
-    Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, checkpoint-corrupt (exit 1).
+    Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, undetermined, checkpoint-corrupt,
+    or the input cause that differs first: restore-mismatch, rng, scheduler, data, ... (exit 1).
     RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...).
     """
     import contextlib

@@ -6,11 +6,25 @@ production world size, **twice** (R1 and R2), tracing the same sites at the same
 
 1. checkpoints ``K`` and ``L`` must verify, else ``checkpoint-corrupt``;
 2. R1 and R2 must agree with each other, else ``nondeterministic``: the replay itself is not reproducible, so it
-   cannot judge the hardware (make the job deterministic first);
-3. production must agree with R1 on every traced site of steps ``K+1..L`` and in the final state (the
-   production checkpoint ``L`` against R1's), else ``hardware-fault-suspected``, first at step ``s`` on rank
-   ``r`` (with its host and device), at site ``x``, naming the ranks that agreed;
-4. otherwise ``reproduced``: the production steps are bitwise reproducible, no fault seen.
+   cannot judge the hardware (the sentence says whether a random stream, the batch or a computed value differs
+   first, and what to make deterministic);
+3. production must agree with R1 on every traced site of steps ``K+1..L``. Where it does not, the first step
+   ``s`` that differs is classified by what differs there (:mod:`~ckptverify.resume.replay_causes`), with the
+   causes and kind names of ``resume-check``: a difference in the step's *inputs* (the replay's restored state
+   against production's checkpoint, a random stream or a hyperparameter when the step starts, the batch, a
+   non-persistent buffer, state the TrainState does not hold) is ``restore-mismatch``, ``rng``,
+   ``changed-after-restore``, ``changed-after-save``, ``scheduler``, ``data``, ``hidden-state`` or
+   ``unregistered-state``, and says nothing about the hardware. Only when the inputs of step ``s`` are equal
+   and a computed value differs is it ``hardware-fault-suspected``; the rank is named only when the evidence
+   singles it out (the only rank that differs, or the only one whose own value differs where another rank's
+   equal value is recorded), else ``candidate_ranks`` lists the ranks that could hold it (values after an
+   all-reduce hide the origin). When the inputs of ``s`` are not all known to be equal (a trace at level
+   ``metrics``, untraced steps before ``s``, or ``s`` the first replayed step of a job that ran on from memory
+   past ``K``) it is ``undetermined``, with what would tell;
+4. the final state (the production checkpoint ``L`` against R1's) must agree, else the differing item names
+   the cause: data position, random streams, scheduler or counters, or ``hardware-fault-suspected`` for
+   computed state (no rank named);
+5. otherwise ``reproduced``: the production steps are bitwise reproducible, no fault seen.
 
 Without ``--from``/``--to`` the two newest verified checkpoints are taken.
 """
@@ -32,7 +46,9 @@ from ckptverify.resume.production import read_run_file, segments
 
 __all__ = ["VERDICTS", "replay"]
 
-VERDICTS = ("reproduced", "nondeterministic", "hardware-fault-suspected", "checkpoint-corrupt")
+VERDICTS = ("reproduced", "nondeterministic", "hardware-fault-suspected", "undetermined", "checkpoint-corrupt",
+            "restore-mismatch", "rng", "changed-after-restore", "changed-after-save", "scheduler", "data",
+            "hidden-state", "unregistered-state")
 
 
 @dataclass(frozen=True)
@@ -102,17 +118,36 @@ def _where(host: dict[str, Any] | None) -> str:
     return f"host {host.get('hostname', '?')}, device {device}"
 
 
+#: Final-state items that no computation on a device produces: a difference there is not a hardware fault.
+_FINAL_CAUSES = (
+    ("data.", "data", "the data loader's position after the last step differs (not saved or not restored)"),
+    ("rng.", "rng", "a random stream after the last step differs (re-seeded, or drawn outside the steps)"),
+    ("scheduler.", "scheduler", "the LR scheduler's state differs (not saved, or its counter restarted)"),
+    ("counters.", "restore-mismatch", "the step counters differ (not restored, or advanced differently)"),
+)
+
+
+def _final_cause(item: str) -> tuple[str, str] | None:
+    for prefix, kind, what in _FINAL_CAUSES:
+        if item.startswith(prefix):
+            return kind, what
+    return None
+
+
 def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: int | None = None,
            device: str = "cpu", keep: str | None = None, progress: Callable[[str], None] | None = None) -> Report:
     """Replay production steps ``start+1..end`` twice and judge them; see the module docstring.
 
-    Returns a report whose ``stats["verdict"]`` has ``kind`` (one of :data:`VERDICTS`), ``step``, ``rank``,
-    ``site``, ``host`` and ``sentence``. Raises :class:`~ckptverify.errors.UsageError` when ``run_dir`` is not a
+    Returns a report whose ``stats["verdict"]`` has ``kind`` (one of :data:`VERDICTS`), ``step``, ``rank``
+    (``None`` unless the evidence singles one out), ``site``, ``host``, ``sentence`` and ``candidate_ranks``
+    (the ranks that could hold the origin of a computed difference; ``None`` for other kinds).
+    Raises :class:`~ckptverify.errors.UsageError` when ``run_dir`` is not a
     production run directory or the checkpoints cannot be found, and
     :class:`~ckptverify.resume.harness.WorkloadCrashedError` when the workload crashes.
     """
     from ckptverify.diff import diff_checkpoints
     from ckptverify.resume.harness import launch_jobs
+    from ckptverify.resume.replay_causes import judge, twin_cause
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.trace.compare import compare_runs, divergences
     from ckptverify.verify import verify_checkpoint
@@ -128,8 +163,10 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
                              "target": meta["target"]}
 
     def done(kind: str, sentence: str, **where: Any) -> Report:
+        candidates = where.get("candidate_ranks")
         verdict = {"kind": kind, "sentence": sentence, "step": where.get("step"), "rank": where.get("rank"),
-                   "site": where.get("site"), "host": where.get("host")}
+                   "site": where.get("site"), "host": where.get("host"),
+                   "candidate_ranks": list(candidates) if candidates is not None else None}
         stats.update(verdict=verdict, seconds=round(time.perf_counter() - began, 3))
         make = info if kind == "reproduced" else error
         findings.append(make(f"replay-{kind}", sentence, location=Location(
@@ -149,7 +186,7 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
     segs = [(s, p) for s, p in segments(root) if s <= ckpts.start]
     if not segs:
         raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
-    segment = max(segs)[1]
+    seg_start, segment = max(segs)
     hosts = _hosts(segment)
     world = int(meta.get("world_size") or 1)
     steps = range(ckpts.start + 1, ckpts.end + 1)
@@ -180,38 +217,40 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
             findings.extend(twin[:20])
             first = divergences(r1, r2, steps=steps)
             d = min(first, key=lambda x: (x.step, x.rank)) if first else None
+            why = (twin_cause(r1, r2, d.step) if d else "the job is not deterministic; make it deterministic "
+                   "(torch.use_deterministic_algorithms, fixed seeds) and replay again")
             return done("nondeterministic", "the two replays differ from each other"
                         + (f", first at step {d.step} on rank {d.rank}, site {d.site}" if d else "")
-                        + ": the job is not deterministic, so no judgement about the hardware is possible; make it "
-                        "deterministic (torch.use_deterministic_algorithms, fixed seeds) and replay again",
+                        + f", so no judgement about the hardware is possible: {why}",
                         step=d.step if d else None, rank=d.rank if d else None, site=d.site if d else None)
         say("compare production with the replay")
         prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
         coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
         if prod:
             findings.extend(prod[:20])
-            found = divergences(segment, r1, steps=steps)
-            d = min(found, key=lambda x: (x.step, x.rank)) if found else None
-            # Ranks that still agreed at the first divergent step (later steps mix the fault in everywhere).
-            agreed = [r for r in range(world) if d is None or all(x.rank != r or x.step > d.step for x in found)]
-            host = _where(hosts.get(d.rank)) if d else "host unknown"
-            return done("hardware-fault-suspected",
-                        f"production differs from two agreeing replays first at step {d.step} on rank {d.rank} "
-                        f"({host}), site {d.site}; ranks that agreed with the replay: {agreed or 'none'}; suspect the "
-                        "hardware of that rank" if d else "production differs from two agreeing replays",
-                        step=d.step if d else None, rank=d.rank if d else None, site=d.site if d else None,
-                        host=hosts.get(d.rank, {}).get("hostname") if d else None)
+            j = judge(segment, r1, start=ckpts.start, end=ckpts.end, world=world, production_start=seg_start,
+                      where=lambda r: _where(hosts.get(r)))
+            findings.extend(j.findings)
+            return done(j.kind, j.sentence, step=j.step, rank=j.rank, site=j.site, candidate_ranks=j.candidate_ranks,
+                        host=hosts.get(j.rank, {}).get("hostname") if j.rank is not None else None)
         say("compare the final state with the production checkpoint")
         final = diff_checkpoints(ckpts.end_path, checkpoint_path(os.path.join(work, "R1"), ckpts.end))
         coverage.extend(final.coverage)
         if not final.passed:
             findings.extend(final.errors[:20])
             first = final.errors[0]
+            item = first.location.fqn or first.check
+            cause = _final_cause(item)
+            if cause is not None:
+                kind, what = cause
+                return done(kind, f"every traced site agreed, but the production checkpoint of step {ckpts.end} "
+                            f"differs from the replay's in {item}: {what}; this says nothing about the hardware",
+                            step=ckpts.end, site=first.location.fqn)
             return done("hardware-fault-suspected",
                         f"every traced site agreed, but the production checkpoint of step {ckpts.end} differs from "
-                        f"the replay's ({first.location.fqn or first.check}): a fault between the last traced site "
-                        "and the save, or in state the trace does not cover", step=ckpts.end,
-                        site=first.location.fqn)
+                        f"the replay's ({item}): a fault between the last traced site and the save, or in state the "
+                        f"trace does not cover; the evidence cannot tell which rank ({world} could)",
+                        step=ckpts.end, site=first.location.fqn, candidate_ranks=tuple(range(world)))
         return done("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise reproducible on "
                     f"{world} rank(s): two replays agree with each other and with production, traces and final "
                     "state: no fault seen")
