@@ -429,16 +429,22 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
 @click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the replays' files here.")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help="Also write Prometheus gauges to this file.")
+@click.option("--target", default=None, metavar="FILE.py:FUNC",
+              help="The training function to replay (required: the one RUN_DIR/run.json records, which the error "
+                   "without it names; a run directory is data, so nothing it names runs unless you name it).")
+@click.option("--max-procs", type=click.IntRange(min=1), default=64, show_default=True,
+              help="The most ranks a replay may start (run.json's world size above it is refused).")
 @click.option("--json", "json_out", is_flag=True,
               help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files "
                    "named in stats.logs).")
 def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
-           metrics_file: str | None, json_out: bool) -> None:
+           metrics_file: str | None, target: str | None, max_procs: int, json_out: bool) -> None:
     """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
 
     Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, undetermined, checkpoint-corrupt,
     or the input cause that differs first: restore-mismatch, rng, scheduler, data, ... (exit 1).
-    RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...).
+    RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...); --target names the training
+    function to run (the one RUN_DIR/run.json records: a run directory is data, nothing it names runs on its own).
     """
     import contextlib
     import os
@@ -446,6 +452,7 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
     from ckptverify.resume.harness import check_target, workload_logs
     from ckptverify.resume.production import read_run_file
     from ckptverify.resume.render import fail_lines, log_dir_for, workload_log_files
+    from ckptverify.resume.replay import pinned
     from ckptverify.resume.replay import replay as run_replay
 
     say = None
@@ -456,11 +463,14 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
         say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
     log_dir = log_dir_for(keep) if json_out else None
     try:
-        # The job's training function is checked before anything is verified or launched.
-        check_target(read_run_file(run_dir)["target"])
+        # What runs is what the command line names (never what the run directory says on its own), checked
+        # before anything is verified or launched.
+        pinned_target, _ = pinned(read_run_file(run_dir), run_dir, target, max_procs)
+        check_target(pinned_target)
         # With --json the workload's prints go to per-rank log files (named in stats.logs), as resume-check's do.
         with workload_logs(log_dir) if log_dir else contextlib.nullcontext():
-            report = run_replay(run_dir, start=start, end=end, device=device, keep=keep, progress=say)
+            report = run_replay(run_dir, target=pinned_target, start=start, end=end, device=device, keep=keep,
+                                progress=say, max_procs=max_procs)
     except CkptVerifyError as exc:
         fail_lines(exc, json_out, "replay", run_dir)
     finally:

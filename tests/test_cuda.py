@@ -188,6 +188,7 @@ WORKLOAD = textwrap.dedent('''
 
 def test_production_on_the_gpu_replays_as_reproduced_and_a_flipped_gradient_is_named(tmp_path: Path) -> None:
     from ckptverify.hardware.inject import BitFlip
+    from ckptverify.resume.production import read_run_file
     from ckptverify.resume.replay import replay
 
     torch.backends.cudnn.deterministic = True
@@ -204,13 +205,13 @@ def test_production_on_the_gpu_replays_as_reproduced_and_a_flipped_gradient_is_n
     job(clean)
     host = json.loads((clean / "trace" / "from-00000000" / "host-rank0.json").read_text())
     assert host["device"]["type"] == "cuda" and host["device"]["name"], host
-    report = replay(clean, device="cuda")
+    report = replay(clean, target=read_run_file(str(clean))["target"], device="cuda")
     assert report.stats["verdict"]["kind"] == "reproduced", report.stats["verdict"]
 
     site = "blocks.0.mlp.fc.weight"
     faulty = tmp_path / "faulty"
     job(faulty, BitFlip(kind="grad", name=site, step=5, rank=0, element=3, bit=22).to_json())
-    report = replay(faulty, start=3, end=6, device="cuda")
+    report = replay(faulty, target=read_run_file(str(faulty))["target"], start=3, end=6, device="cuda")
     verdict = report.stats["verdict"]
     assert verdict["kind"] == "hardware-fault-suspected", verdict
     assert (verdict["step"], verdict["rank"], verdict["site"]) == (5, 0, f"grad.{site}")

@@ -21,6 +21,8 @@ from ckptverify.resume.replay import replay
 from ckptverify.runs.stamp import read_stamp
 
 SCRIPT = Path(__file__).with_name("production_workload.py")
+#: What a replay runs: the function run.json records, named by the caller (a run directory is data).
+TARGET = f"{SCRIPT.resolve()}:train"
 SITE = "blocks.0.mlp.fc.weight"
 
 
@@ -52,7 +54,7 @@ def test_a_production_job_saves_traces_resumes_and_replays_as_reproduced(tmp_pat
     restore = next(read_events(run, "restore"))
     assert restore["step"] == 6 and restore["resumed_from"].endswith("step_6")
     assert (run / "trace" / "from-00000006").is_dir() and (run / "step_9").is_dir()
-    report = replay(run)  # the two newest verified checkpoints: 6 -> 9
+    report = replay(run, target=TARGET)  # the two newest verified checkpoints: 6 -> 9
     verdict = report.stats["verdict"]
     assert report.exit_code == 0 and verdict["kind"] == "reproduced", verdict
     assert (report.stats["from"], report.stats["to"]) == (6, 9)
@@ -90,7 +92,7 @@ def test_a_flipped_gradient_bit_is_named_by_replay(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _job(run, fault=BitFlip(kind="grad", name=SITE, step=5, rank=0, element=7, bit=20))
     assert [e["step"] for e in read_events(run, "fault-injected")] == [5]
-    report = replay(run, start=3, end=6)
+    report = replay(run, target=TARGET, start=3, end=6)
     verdict = report.stats["verdict"]
     assert report.exit_code == 1 and verdict["kind"] == "hardware-fault-suspected", verdict
     assert (verdict["step"], verdict["rank"], verdict["site"]) == (5, 0, f"grad.{SITE}")
@@ -105,7 +107,7 @@ def test_two_ranks_the_replica_check_sees_it_during_production_and_replay_names_
     mismatch = next(read_events(run, "replica-mismatch"))
     assert mismatch["step"] == 5 and mismatch["tensors"] == [SITE]
     assert sorted(tuple(s["ranks"]) for s in mismatch["sides"]) == [(0,), (1,)]
-    report = replay(run, start=3, end=6)
+    report = replay(run, target=TARGET, start=3, end=6)
     verdict = report.stats["verdict"]
     assert verdict["kind"] == "hardware-fault-suspected" and (verdict["step"], verdict["rank"]) == (5, 1), verdict
     assert verdict["site"] == f"grad.{SITE}" and "agreed with the replay: [0]" in verdict["sentence"]
@@ -117,7 +119,7 @@ def test_a_nondeterministic_job_cannot_be_judged(tmp_path: Path, monkeypatch: py
     env = {"PRODUCTION_WORKLOAD_NONDETERMINISTIC": "1"}
     _job(run, env=env)
     monkeypatch.setenv("PRODUCTION_WORKLOAD_NONDETERMINISTIC", "1")  # the replays inherit it
-    verdict = replay(run, start=3, end=6).stats["verdict"]
+    verdict = replay(run, target=TARGET, start=3, end=6).stats["verdict"]
     assert verdict["kind"] == "nondeterministic" and verdict["step"] == 4, verdict
 
 
@@ -126,5 +128,5 @@ def test_a_corrupt_checkpoint_is_named_before_anything_is_replayed(tmp_path: Pat
     run = tmp_path / "run"
     _job(run)
     inj.flip_in_tensor_payload(run / "step_6", "model.blocks.0.mlp.fc.weight")
-    report = replay(run, start=3, end=6)
+    report = replay(run, target=TARGET, start=3, end=6)
     assert report.stats["verdict"]["kind"] == "checkpoint-corrupt" and report.stats["verdict"]["step"] == 6

@@ -45,7 +45,9 @@ def _verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, env: dict[str, 
         monkeypatch.setenv(k, v)
     run = tmp_path / "run"
     _job(run, **job)  # type: ignore[arg-type]
-    report = replay(run, start=3, end=6)
+    # The function the run records, named as a user names it (a run directory is data).
+    script = Path(job.get("script", TRAIN))  # type: ignore[arg-type]
+    report = replay(run, target=f"{script.resolve()}:train", start=3, end=6)
     verdict = report.stats["verdict"]
     assert verdict["kind"] in VERDICTS
     assert report.exit_code == (0 if verdict["kind"] == "reproduced" else 1), verdict

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.errors import UsageError
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.resume.production import read_run_file, segments
 
 __all__ = ["VERDICTS", "replay"]
@@ -134,9 +134,41 @@ def _final_cause(item: str) -> tuple[str, str] | None:
     return None
 
 
-def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: int | None = None,
-           device: str = "cpu", keep: str | None = None, progress: Callable[[str], None] | None = None) -> Report:
+#: The most ranks a replay starts unless the caller allows more (``max_procs``): a run directory says how many.
+MAX_PROCS = 64
+
+
+def pinned(meta: dict[str, Any], run_dir: str, target: str | None, max_procs: int) -> tuple[str, int]:
+    """The training function a replay runs and its rank count, as the caller pinned them.
+
+    A run directory is data: its ``run.json`` says which file and function the job ran and on how many ranks,
+    and anyone who can write the directory can change that. A replay runs the function the caller names
+    (``target``; refused when ``None``, the message naming what ``run.json`` records) and at most ``max_procs``
+    processes; the recorded world size must be a whole number from 1 to ``max_procs``."""
+    recorded = meta["target"]
+    world = meta.get("world_size", 1)
+    if type(world) is not int or world < 1:
+        raise UsageError(f"{run_dir}/run.json records a world size of {world!r}: not a rank count")
+    if world > max_procs:
+        raise UsageError(f"{run_dir}/run.json records a world size of {world}: a replay would start {world} "
+                         f"processes twice, more than the {max_procs} allowed (--max-procs / max_procs= raises it)")
+    if target is None:
+        raise UsageError(f"{run_dir}/run.json records the training function {recorded!r} on {world} rank(s). A run "
+                         "directory is data: a replay runs (imports and calls) only a function you name. To replay "
+                         f"it, pass --target {recorded} (target= in Python).")
+    if ":" not in target:
+        raise UsageError(f"target must be FILE.py:FUNC or module:FUNC, got {target!r}")
+    return target, world
+
+
+def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start: int | None = None,
+           end: int | None = None, device: str = "cpu", keep: str | None = None,
+           progress: Callable[[str], None] | None = None, max_procs: int = MAX_PROCS) -> Report:
     """Replay production steps ``start+1..end`` twice and judge them; see the module docstring.
+
+    ``target``: the training function to run (``FILE.py:FUNC`` or ``module:FUNC``), normally the one the run
+    directory's ``run.json`` records; required, since a run directory is data (:func:`pinned`). ``max_procs``:
+    the most ranks the replay may start (the recorded world size above it is refused).
 
     Returns a report whose ``stats["verdict"]`` has ``kind`` (one of :data:`VERDICTS`), ``step``, ``rank``
     (``None`` unless the evidence singles one out), ``site``, ``host``, ``sentence`` and ``candidate_ranks``
@@ -156,11 +188,16 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
     say = progress or (lambda _msg: None)
     began = time.perf_counter()
     meta = read_run_file(root)
+    workload, world = pinned(meta, root, target, max_procs)
     ckpts = _pick(root, start, end)
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
-    stats: dict[str, Any] = {"from": ckpts.start, "to": ckpts.end, "world_size": meta.get("world_size"),
-                             "target": meta["target"]}
+    stats: dict[str, Any] = {"from": ckpts.start, "to": ckpts.end, "world_size": world, "target": workload,
+                             "recorded_target": meta["target"]}
+    if workload != meta["target"]:
+        findings.append(warning("replay-target", f"replaying {workload}, not the function run.json records "
+                                f"({meta['target']}): the replay judges production only as far as they compute "
+                                "the same steps"))
 
     def done(kind: str, sentence: str, **where: Any) -> Report:
         candidates = where.get("candidate_ranks")
@@ -188,7 +225,6 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
         raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
     seg_start, segment = max(segs)
     hosts = _hosts(segment)
-    world = int(meta.get("world_size") or 1)
     steps = range(ckpts.start + 1, ckpts.end + 1)
     work = keep or tempfile.mkdtemp(prefix="ckptverify-replay-")
     try:
@@ -200,7 +236,7 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
                 name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
                 checkpoint_dir=os.path.join(work, name),
                 resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
-                level=str(meta.get("level", "metrics")), workload=meta["target"],
+                level=str(meta.get("level", "metrics")), workload=workload,
                 # Production records one cell per tensor category; the replays one per tensor too, so a
                 # category that differs is traced back to its tensor (see ckptverify.trace.category).
                 trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
@@ -208,7 +244,7 @@ def replay(run_dir: str | os.PathLike[str], *, start: int | None = None, end: in
             # Each replay in its own fresh processes: nondeterminism that depends on the process (hash seeds,
             # allocation order, thread start-up) must show between the two.
             say(f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)")
-            launch_jobs(world, device, [(meta["target"], configs[name])])
+            launch_jobs(world, device, [(workload, configs[name])])
         r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
         assert r1 is not None and r2 is not None
         twin = [f for f in compare_runs(r1, r2, steps=steps) if f.severity.value == "error"]
