@@ -4,8 +4,9 @@
 
 - the newest checkpoint that verifies (:func:`~ckptverify.runs.latest.latest_verified`), however old: deleting
   it while every newer one is corrupt or torn would leave nothing to resume from; and, as well, the newest one
-  that verifies of the format :func:`ckptverify.load` restores (DCP): a newer export of another format (a
-  ``.pt`` or safetensors file) is no checkpoint a job resumes from;
+  that verifies of the format :func:`ckptverify.load` restores (DCP), and the newest one load can restore (a
+  DCP checkpoint holding a TrainState's keys): a newer export (a ``.pt`` or safetensors file, or a weights-only
+  DCP export) is no checkpoint a job resumes from;
 - a checkpoint whose stamp says it failed verification: it is evidence (of a fault on the way to the disk, or
   on the disk), and ckptverify never deletes it;
 - a checkpoint being verified right now (its verifying lock is held);
@@ -101,11 +102,13 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
     candidates = [c for c in found if c.step is not None and not is_quarantined(c.path)]
     newest_first = sorted(candidates, key=lambda c: (c.step, c.mtime_ns), reverse=True)
     protected: dict[str, str] = {}
-    # Each consumer's newest good checkpoint: load's (DCP holding a TrainState) first, so that its reason names
-    # the stronger need.
-    for formats, reason in (({"dcp"}, "the newest checkpoint that verifies of the format load restores (DCP)"),
-                            (None, "the newest checkpoint that verifies")):
-        good = latest_verified(root, jobs=jobs, formats=formats, train_state=formats is not None)
+    # Each consumer's newest good checkpoint: load's (a DCP checkpoint holding a TrainState) first, so that its
+    # reason names the strongest need.
+    for formats, train_state, reason in (
+            ({"dcp"}, True, "the newest checkpoint that verifies that load restores (DCP, holding a TrainState)"),
+            ({"dcp"}, False, "the newest checkpoint that verifies of the format load restores (DCP)"),
+            (None, False, "the newest checkpoint that verifies")):
+        good = latest_verified(root, jobs=jobs, formats=formats, train_state=train_state)
         if good.unseen:  # the run directory changed since the walk above: decide nothing on a partial view
             raise WalkIncompleteError(f"prune deleted nothing: the walk of {root} did not see all of it",
                                       [WalkNote(**u) for u in good.unseen])
