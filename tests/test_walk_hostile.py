@@ -66,12 +66,12 @@ def test_a_sibling_folder_of_plain_files_beyond_the_budget_hides_nothing(tmp_pat
     _dcp(run / "checkpoint" / "step-10", 10.0)
     _dcp(run / "checkpoint" / "step-20", 20.0)
     _empty_files(run / "tb_logs", 250)  # > MAX_ENTRIES (60), < MAX_FOLDER_ENTRIES (300)
-    notes: list[rundir.WalkNote] = []
-    found = find_checkpoints(run, notes=notes)
-    assert [c.path for c in found] == ["checkpoint/step-10", "checkpoint/step-20"] and notes == []
     report = scan_run_dir(run)
     assert report.passed and report.stats["newest_good"]["path"] == "checkpoint/step-20"
     assert latest_verified(run).step == 20
+    notes: list[rundir.WalkNote] = []
+    found = find_checkpoints(run, notes=notes)
+    assert [c.path for c in found] == ["checkpoint/step-10", "checkpoint/step-20"] and notes == []
 
 
 def test_checkpoint_files_beyond_the_budget_fail_scan_and_stop_latest_and_prune(tmp_path: Path,
