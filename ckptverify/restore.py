@@ -156,8 +156,10 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
 
 
 def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
-    """The newest checkpoint under ``run_dir`` that verifies, decided on the coordinator and broadcast, so that
-    every rank gets the same pick (``path=None`` when none verifies; ``report`` only on the coordinator).
+    """The newest checkpoint under ``run_dir`` that verifies and that load can restore (a DCP checkpoint holding
+    a TrainState's keys: a newer weights-only DCP export is skipped, with why), decided on the coordinator and
+    broadcast, so that every rank gets the same pick (``path=None`` when none verifies, or when a newer one may
+    be hidden where the walk could not see; ``report`` only on the coordinator).
 
     Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory.
     """
@@ -169,7 +171,8 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
     box: list[Any] = [None]
     if dist is None or dist.get_rank() == 0:
         try:
-            found = latest_verified(root, formats={"dcp"})  # what load restores
+            # What load restores: a DCP checkpoint holding a TrainState (a weights-only export is passed over).
+            found = latest_verified(root, formats={"dcp"}, train_state=True)
             box[0] = found.to_dict()
         except CheckpointNotFoundError as exc:
             box[0] = {"error": str(exc)}
@@ -181,7 +184,7 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
     if found is not None:
         return found
     return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
-                  quarantined=list(data.get("quarantined", [])))
+                  quarantined=list(data.get("quarantined", [])), unseen=list(data.get("unseen", [])))
 
 
 def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep_verify: bool = False) -> Report:
@@ -190,9 +193,11 @@ def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep_v
     Raises :class:`~ckptverify.errors.CheckpointRefusedError` naming what was skipped when nothing verified."""
     skipped = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in picked.skipped)
     if picked.path is None:
+        hidden = any(s["state"] == "unseen" for s in picked.skipped)
         raise CheckpointRefusedError(
-            "no checkpoint verifies, nothing was loaded" + (f"; skipped: {skipped}" if skipped else
-                                                            ": there is no checkpoint"),
+            ("nothing was loaded: a newer checkpoint may be hidden where the walk of the run directory could not "
+             "see" if hidden else "no checkpoint verifies, nothing was loaded")
+            + (f"; skipped: {skipped}" if skipped else ": there is no checkpoint"),
             picked.report)
     _log.info("loading %s (step %s), the newest checkpoint that verifies%s", picked.path, picked.step,
               f"; skipped: {skipped}" if skipped else "")

@@ -5,22 +5,33 @@ folders or ``.ckpt`` files named ``epoch=E-step=N``), transformers ``output_dir/
 ``iter_0000N/``, ckptverify's own ``step_N/``. A checkpoint is recognized by its contents, never by its name
 alone; its step is read from its name. The walk never follows symbolic links, never opens a file (names and
 ``lstat`` only), stops at a bounded depth and count, and does not descend into a checkpoint it found.
+
+What the walk could not see it says (:class:`WalkNote`: a folder it could not list, a folder with too many
+entries, its budget spent), so that no caller mistakes a partial view for the whole run: ``scan`` fails on it,
+``latest`` refuses to pick when a newer checkpoint may be hidden, and ``prune`` deletes nothing.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ckptverify.errors import CkptVerifyError
 from ckptverify.own_files import SAVE_MARKER
 
 __all__ = [
     "MAX_DEPTH",
     "MAX_ENTRIES",
+    "MAX_FOLDER_ENTRIES",
+    "MAX_NAMES",
     "Candidate",
+    "WalkIncompleteError",
+    "WalkNote",
     "dir_format",
     "file_format",
     "find_checkpoints",
@@ -30,8 +41,13 @@ __all__ = [
 
 #: How deep below the run directory checkpoints are looked for.
 MAX_DEPTH = 4
-#: Directory entries examined at most (a run directory is not a file system to crawl).
+#: Directory entries examined at most (a run directory is not a file system to crawl): the subfolders of each
+#: folder searched, the files whose names announce a checkpoint, and everything inside each checkpoint found.
 MAX_ENTRIES = 200_000
+#: Names read from one folder at most (a folder of a million log files is read by name, up to this).
+MAX_FOLDER_ENTRIES = 1_000_000
+#: Names read in all, at most (listing costs time even when nothing is examined).
+MAX_NAMES = 4_000_000
 
 _DCP_METADATA = re.compile(r"^(?:__\d+)?\.metadata$")
 _DCP_SHARD = re.compile(r"^__\d+_\d+\.distcp$")
@@ -86,18 +102,26 @@ def file_format(name: str) -> str | None:
     return _FILE_FORMATS.get(os.path.splitext(name)[1].lower())
 
 
+def _marker(name: str) -> int | None:
+    """The rank (lower is stronger) of the format a directory entry named ``name`` announces, or ``None``."""
+    if _DCP_METADATA.match(name):
+        return 0
+    if name == SAVE_MARKER or _DCP_SHARD.match(name):
+        return 1
+    if name.startswith("random_states_") and name.endswith(".pkl"):
+        return 2
+    if name in _HF_FILES or (name.startswith("model-") and name.endswith(".safetensors")):
+        return 3
+    return None
+
+
+_MARKER_FORMATS = ("dcp", "dcp-uncommitted", "accelerate", "hf")
+
+
 def dir_format(names: list[str]) -> str | None:
     """The format of a directory holding the entries ``names`` (its own files only), or ``None``."""
-    if any(_DCP_METADATA.match(n) for n in names):
-        return "dcp"
-    if SAVE_MARKER in names or any(_DCP_SHARD.match(n) for n in names):
-        return "dcp-uncommitted"
-    if any(n.startswith("random_states_") and n.endswith(".pkl") for n in names):
-        return "accelerate"
-    if any(n in _HF_FILES for n in names) or any(n.startswith("model-") and n.endswith(".safetensors")
-                                                  for n in names):
-        return "hf"
-    return None
+    ranks = [r for r in map(_marker, names) if r is not None]
+    return _MARKER_FORMATS[min(ranks)] if ranks else None
 
 
 def _scandir(path: str) -> list[os.DirEntry[str]]:
@@ -126,14 +150,148 @@ def walk_files(root: str, budget: list[int] | None = None) -> Iterator[tuple[os.
                 yield entry, st
 
 
-def _size(path: str, budget: list[int]) -> tuple[int, int]:
-    """Bytes of the regular files under ``path`` (links not followed) and the newest mtime."""
-    total, newest = 0, 0
-    for _, st in walk_files(path, budget):
-        if stat.S_ISREG(st.st_mode):
-            total += st.st_size
-            newest = max(newest, st.st_mtime_ns)
-    return total, newest
+@dataclass(frozen=True)
+class WalkNote:
+    """Something the walk could not see. ``kind``: ``unlisted`` (a folder could not be listed: ``detail`` is
+    the OS error), ``folder-cap`` (a folder holds more than :data:`MAX_FOLDER_ENTRIES` entries: only the first
+    ``entries``, in directory order, were looked at), ``budget`` (the walk's budget was spent: ``detail`` names
+    the folders not looked into, ``entries`` how many there were). ``path`` is relative to the run directory
+    (``"."`` for the run directory itself)."""
+
+    kind: str
+    path: str
+    detail: str
+    entries: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, "path": self.path, "detail": self.detail, "entries": self.entries}
+
+    def describe(self) -> str:
+        """One line: what was not seen."""
+        if self.kind == "unlisted":
+            return f"{self.path}: could not be listed ({self.detail}): a checkpoint in it was not seen"
+        if self.kind == "folder-cap":
+            return (f"{self.path}: holds more than {self.entries} entries; only the first {self.entries} were looked "
+                    "at: a checkpoint among the others was not seen")
+        return f"the walk's budget was spent: {self.detail}"
+
+
+class WalkIncompleteError(CkptVerifyError):
+    """The walk of a run directory did not see all of it, and the caller must not act on a partial view
+    (retention cannot know what is newest). ``notes`` say what was not seen."""
+
+    def __init__(self, message: str, notes: list[WalkNote]) -> None:
+        super().__init__(message)
+        self.notes = list(notes)
+
+
+@dataclass
+class _Listing:
+    """One folder's entries as the walk needs them: its format (from the names of all its entries read), its
+    subfolders and the files whose names announce a checkpoint format, sorted by name."""
+
+    fmt: str | None
+    dirs: list[os.DirEntry[str]]
+    files: list[os.DirEntry[str]]
+    read: int
+
+
+class _Walker:
+    """The state of one walk: each folder is listed at most once; ``budget`` counts the entries examined
+    (see :func:`find_checkpoints`), ``names`` the names read in all; ``notes`` gathers what was not seen."""
+
+    def __init__(self, root: str, notes: list[WalkNote]) -> None:
+        self.root = root
+        self.budget = MAX_ENTRIES
+        self.names = MAX_NAMES
+        self.notes = notes
+        self.unvisited: dict[str, None] = {}  # ordered set
+        self._cache: dict[str, _Listing | None] = {}
+
+    def rel(self, path: str) -> str:
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
+
+    def spent(self) -> bool:
+        return self.budget <= 0 or self.names <= 0
+
+    def listing(self, path: str) -> _Listing | None:
+        """``path``'s listing (read once), or ``None`` when it could not be read (a note says why; a folder
+        not read because the budget was spent is remembered for the budget's note)."""
+        if path in self._cache:
+            return self._cache[path]
+        if self.spent():
+            self.unvisited[self.rel(path)] = None
+            return None  # not cached: the note counts each folder once, at the end
+        rank: int | None = None
+        dirs: list[os.DirEntry[str]] = []
+        files: list[os.DirEntry[str]] = []
+        cap = min(MAX_FOLDER_ENTRIES, self.names)
+        read = 0
+        result: _Listing | None
+        try:
+            with os.scandir(path) as it:
+                for entry in it:
+                    if read >= cap:
+                        self._cut(path, read)
+                        break
+                    read += 1
+                    r = _marker(entry.name)
+                    if r is not None and (rank is None or r < rank):
+                        rank = r
+                    if _is_dir(entry):
+                        dirs.append(entry)
+                    elif file_format(entry.name) is not None:
+                        files.append(entry)
+        except (FileNotFoundError, NotADirectoryError):
+            self._cache[path] = None  # gone since its parent was listed (retention): nothing hidden
+            return None
+        except OSError as exc:
+            self.notes.append(WalkNote("unlisted", self.rel(path), _os_error(exc)))
+            if read == 0:
+                self._cache[path] = None
+                return None
+        self.names -= read
+        dirs.sort(key=lambda e: e.name)
+        files.sort(key=lambda e: e.name)
+        result = _Listing(None if rank is None else _MARKER_FORMATS[rank], dirs, files, read)
+        self._cache[path] = result
+        return result
+
+    def _cut(self, path: str, read: int) -> None:
+        if read >= MAX_FOLDER_ENTRIES:
+            self.notes.append(WalkNote("folder-cap", self.rel(path), f"more than {read} entries", read))
+        else:  # the names budget ran out inside this folder
+            self.notes.append(WalkNote("folder-cap", self.rel(path), f"the walk had read {MAX_NAMES} names in all "
+                                       f"when it reached it; {read} of its entries were looked at", read))
+            self.names = 0
+
+    def size(self, path: str) -> tuple[int, int]:
+        """Bytes of the regular files under the checkpoint ``path`` (links not followed) and the newest mtime;
+        every entry is charged to the budget."""
+        total, newest = 0, 0
+        box = [self.budget]
+        for _, st in walk_files(path, box):
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+                newest = max(newest, st.st_mtime_ns)
+        self.budget = box[0]
+        if self.budget <= 0:
+            self.notes.append(WalkNote("budget", self.rel(path), f"it ran out while measuring {self.rel(path)}, "
+                                       "whose size and time are partial"))
+        return total, newest
+
+    def finish(self) -> None:
+        if self.unvisited:
+            names = list(self.unvisited)
+            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            self.notes.append(WalkNote(
+                "budget", names[0],
+                f"{MAX_ENTRIES} entries examined; {len(self.unvisited)} folder(s) not looked into, nor anything "
+                f"below them: {shown}", len(self.unvisited)))
+
+
+def _os_error(exc: OSError) -> str:
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
@@ -143,74 +301,97 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return False
 
 
-def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DEPTH) -> list[Candidate]:
+def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DEPTH,
+                     notes: list[WalkNote] | None = None) -> list[Candidate]:
     """Every checkpoint under ``run_dir``, ordered by step (unknown steps first, by modification time), then
     path.
 
     ``run_dir`` itself is one when its own files make a checkpoint (a DCP folder, a Hugging Face or accelerate
     folder given directly): it is listed as ``"."``, with the DCP folders directly inside it whose names carry
     no step as its parts (FSDP saves: ``pytorch_model_fsdp_0/``); the folders below it are still searched (a
-    transformers ``output_dir`` holds the final model and its ``checkpoint-N/`` folders)."""
+    transformers ``output_dir`` holds the final model and its ``checkpoint-N/`` folders).
+
+    The walk is breadth-first (shallow checkpoints before deep clutter) and bounded: it examines at most
+    :data:`MAX_ENTRIES` entries (the subfolders of each folder it searches, the files whose names announce a
+    checkpoint, and everything inside each checkpoint it measures), reads at most :data:`MAX_FOLDER_ENTRIES`
+    names from one folder and :data:`MAX_NAMES` in all; other files (logs, images) are read by name only and
+    not examined. ``lost+found`` (the file system's recovery folder) is not entered.
+
+    ``notes``: when given, every part of the run directory the walk could not see is appended to it as a
+    :class:`WalkNote` (a folder it could not list, with the OS error; a folder with too many entries; the
+    budget spent, with the folders not looked into). Without it, what was not seen goes unsaid: a caller that
+    acts on the result as on the whole run (a verdict, a pick, a deletion) must pass it.
+    """
     root = os.fspath(run_dir)
-    budget = [MAX_ENTRIES]
+    out: list[WalkNote] = [] if notes is None else notes
+    walker = _Walker(root, out)
     found: list[Candidate] = []
-    own = _scandir(root)
-    budget[0] -= len(own)
-    root_fmt = dir_format([e.name for e in own])
+    own = walker.listing(root)
+    if own is None:
+        walker.finish()
+        return []
+    root_fmt = own.fmt
     own_parts: set[str] = set()
     if root_fmt is not None:
         if root_fmt not in ("dcp", "dcp-uncommitted"):
-            own_parts = {e.name for e in own if _is_dir(e) and step_of(e.name) is None
-                         and dir_format([c.name for c in _scandir(e.path)]) in ("dcp", "dcp-uncommitted")}
+            own_parts = {e.name for e in own.dirs if step_of(e.name) is None and _is_dcp(walker, e.path)}
         size, mtime = 0, 0
-        for e in own:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                size, mtime = size + st.st_size, max(mtime, st.st_mtime_ns)
+        with contextlib.suppress(OSError), os.scandir(root) as it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    size, mtime = size + st.st_size, max(mtime, st.st_mtime_ns)
         for part in sorted(own_parts):
-            part_size, part_mtime = _size(os.path.join(root, part), budget)
+            part_size, part_mtime = walker.size(os.path.join(root, part))
             size, mtime = size + part_size, max(mtime, part_mtime)
         found.append(Candidate(".", "dir", root_fmt, step_of(os.path.basename(os.path.abspath(root))), size, mtime,
                                tuple(sorted(own_parts))))
-    stack: list[tuple[str, int]] = [(root, 0)]
-    while stack and budget[0] > 0:
-        path, depth = stack.pop()
-        entries = _scandir(path)
-        budget[0] -= len(entries)
-        subdirs = [e for e in entries if _is_dir(e) and not (path == root and e.name in own_parts)]
-        for e in subdirs:
-            names = [c.name for c in _scandir(e.path)]
-            fmt = dir_format(names)
-            rel = os.path.relpath(e.path, root).replace(os.sep, "/")
+    queue: collections.deque[tuple[str, int]] = collections.deque([(root, 0)])
+    while queue:
+        path, depth = queue.popleft()
+        entries = walker.listing(path)
+        if entries is None:
+            continue
+        # A folder is charged when it is searched (its subfolders are listed in turn), not when it was only
+        # listed to look for checkpoint markers: a sibling full of files does not eat the budget.
+        walker.budget -= len(entries.dirs) + len(entries.files)
+        for e in entries.dirs:
+            if (path == root and e.name in own_parts) or e.name == "lost+found":
+                continue
+            child = walker.listing(e.path)
+            if child is None:
+                continue
+            fmt = child.fmt
+            rel = walker.rel(e.path)
+            parts: tuple[str, ...] = ()
             if fmt is None:
-                parts = tuple(c.name for c in _scandir(e.path)
-                              if _is_dir(c) and dir_format([g.name for g in _scandir(c.path)]) in ("dcp",
-                                                                                                  "dcp-uncommitted"))
+                parts = tuple(c.name for c in child.dirs if _is_dcp(walker, c.path))
                 if parts and step_of(e.name) is not None:
                     fmt = "composite"
-                elif depth + 1 < max_depth:
-                    stack.append((e.path, depth + 1))
-                    continue
                 else:
+                    if depth + 1 < max_depth:
+                        queue.append((e.path, depth + 1))
                     continue
-            else:
-                parts = ()
-            size, mtime = _size(e.path, budget)
+            size, mtime = walker.size(e.path)
             found.append(Candidate(rel, "dir", fmt, step_of(e.name), size, mtime, parts))
-        if path == root and dir_format([e.name for e in entries]) is not None:
+        if path == root and root_fmt is not None:
             continue  # files of a checkpoint given as the run directory are not checkpoints of their own
-        for e in entries:
+        for e in entries.files:
             fmt = file_format(e.name)
-            if fmt is None:
-                continue
             try:
                 st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode):
-                rel = os.path.relpath(e.path, root).replace(os.sep, "/")
-                found.append(Candidate(rel, "file", fmt, step_of(e.name), st.st_size, st.st_mtime_ns))
+            if fmt is not None and stat.S_ISREG(st.st_mode):
+                found.append(Candidate(walker.rel(e.path), "file", fmt, step_of(e.name), st.st_size,
+                                       st.st_mtime_ns))
+    walker.finish()
     return sorted(found, key=lambda c: (c.step is not None, c.step or 0, c.mtime_ns, c.path))
+
+
+def _is_dcp(walker: _Walker, path: str) -> bool:
+    listing = walker.listing(path)
+    return listing is not None and listing.fmt in ("dcp", "dcp-uncommitted")

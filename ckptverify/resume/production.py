@@ -114,7 +114,7 @@ def _decide(options: ProductionOptions) -> dict[str, Any]:
 
     root = options.run_dir
     log = EventLog(root, rank=0)  # creates the run directory
-    found = latest_verified(root, formats={"dcp"})  # what load restores
+    found = latest_verified(root, formats={"dcp"}, train_state=True)  # what load restores
     for q in found.quarantined:
         _say(f"not considered: {q['path']}: {q['reason']}")
         log.emit("checkpoint-skipped", **q)

@@ -27,14 +27,26 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
-from ckptverify.formats.rundir import Candidate, find_checkpoints
-from ckptverify.runs.scan import GOOD_STATES, judge
+from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints, step_of
+from ckptverify.runs.scan import GOOD_STATES, judge, unseen_findings
 from ckptverify.runs.stamp import describe_suspect, read_stamp, read_suspect
 
-__all__ = ["QUARANTINE_DIR", "Latest", "is_quarantined", "latest_verified", "move_aside"]
+__all__ = [
+    "QUARANTINE_DIR",
+    "TRAIN_STATE_KEYS",
+    "Latest",
+    "is_quarantined",
+    "latest_verified",
+    "missing_train_state_keys",
+    "move_aside",
+]
 
 #: Where a production job moves a checkpoint it must not overwrite (relative to the run directory).
 QUARANTINE_DIR = "quarantine"
+#: Entries every :class:`~ckptverify.state.train_state.TrainState` saves, whatever it holds: a DCP checkpoint
+#: without them is no TrainState checkpoint (a weights-only export) and ``load`` cannot restore it.
+TRAIN_STATE_KEYS = ("version", "world_size", "rng.version", "rng.world_size", "counters.step", "counters.epoch",
+                    "counters.samples_seen", "counters.tokens_seen")
 _OWN_NAME = re.compile(r"^step_\d+$")
 
 
@@ -80,9 +92,13 @@ class Latest:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     report: Report | None = None
     quarantined: list[dict[str, Any]] = field(default_factory=list)
+    #: What the walk of the run directory could not see (:meth:`WalkNote.to_dict`), whether or not it blocked
+    #: the pick.
+    unseen: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "step": self.step, "skipped": self.skipped, "quarantined": self.quarantined}
+        return {"path": self.path, "step": self.step, "skipped": self.skipped, "quarantined": self.quarantined,
+                "unseen": self.unseen}
 
 
 def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool) -> tuple[str, str, str]:
@@ -128,12 +144,49 @@ def _quarantined(root: str, cand: Candidate) -> dict[str, Any]:
     return {"path": cand.path, "step": cand.step, "state": "quarantined", "reason": why, "how": "quarantine"}
 
 
+def _may_hide_newer(note: WalkNote, picked_step: int | None) -> bool:
+    """Whether the part of the run directory ``note`` says was not seen may hold a checkpoint newer than the
+    pick: anything a cut-short walk did not reach may; a folder that could not be listed may, unless its own
+    name carries a step no newer than the pick's."""
+    if note.kind != "unlisted":
+        return True
+    step = step_of(note.path)
+    return picked_step is None or step is None or step > picked_step
+
+
+def missing_train_state_keys(path: str) -> list[str]:
+    """The :data:`TRAIN_STATE_KEYS` the DCP checkpoint at ``path`` lacks, read from its metadata through the
+    allowlist reader (nothing is loaded or executed); ``[]`` when it has them all or its metadata cannot be read
+    (verification then says what is wrong with it)."""
+    from ckptverify.dcp.metadata import read_all
+
+    try:
+        _, _, parsed = read_all(path)
+    except (OSError, ValueError, RecursionError):
+        return []
+    if not parsed:
+        return []
+    keys: set[str] = set()
+    for meta in parsed.values():
+        keys.update(meta.entries)
+    return [k for k in TRAIN_STATE_KEYS if k not in keys]
+
+
 def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None, use_stamps: bool = True,
-                    formats: Collection[str] | None = None) -> Latest:
+                    formats: Collection[str] | None = None, train_state: bool = False) -> Latest:
     """The newest checkpoint under ``run_dir`` that verifies; see the module docstring.
 
     ``formats``: consider only checkpoints of these formats (``find_checkpoints``' names, e.g. ``{"dcp"}`` for
     what :func:`ckptverify.load` restores); newer ones of other formats are listed as skipped, with why.
+    ``train_state``: consider only DCP checkpoints that hold a TrainState (:data:`TRAIN_STATE_KEYS`, read from
+    the metadata before anything is verified or loaded); a newer weights-only DCP export is skipped as
+    ``other-format``, with why.
+
+    **What the walk could not see.** When part of the run directory could not be seen
+    (:class:`~ckptverify.formats.rundir.WalkNote`) and it may hold a checkpoint newer than the pick (the walk was
+    cut short; or a folder could not be listed whose name carries no step, or a newer one), nothing is picked:
+    ``path=None``, each such part is in ``skipped`` with state ``unseen``, and the report fails with what to do.
+    An unlisted folder whose name carries an older step is a warning; the pick stands. ``unseen`` lists all.
 
     Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory. A run
     directory with no good checkpoint gives ``path=None`` and a report that fails.
@@ -142,8 +195,9 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
     started = time.perf_counter()
-    candidates = sorted(find_checkpoints(root), key=lambda c: (c.step is not None, c.step or 0, c.mtime_ns),
-                        reverse=True)
+    notes: list[WalkNote] = []
+    candidates = sorted(find_checkpoints(root, notes=notes),
+                        key=lambda c: (c.step is not None, c.step or 0, c.mtime_ns), reverse=True)
     findings: list[Finding] = []
     result = Latest(path=None, step=None)
     examined = 0
@@ -155,6 +209,11 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
         if formats is not None and cand.format not in formats and cand.format != "dcp-uncommitted":
             state, reason, how = "other-format", f"a {cand.format} checkpoint, not {'/'.join(sorted(formats))}", \
                 "format"
+        elif train_state and cand.format == "dcp" and (missing := missing_train_state_keys(
+                os.path.join(root, cand.path))):
+            state, how = "other-format", "keys"
+            reason = (f"a DCP export without the TrainState's keys (no {', '.join(missing[:3])}"
+                      f"{', ...' if len(missing) > 3 else ''}): weights only, not a checkpoint load restores")
         else:
             state, reason, how = _judge(root, cand, jobs, use_stamps)
         where = Location(file=cand.path)
@@ -165,7 +224,24 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
         result.skipped.append({"path": cand.path, "step": cand.step, "state": state, "reason": reason,
                                "how": how})
         findings.append(warning("latest-skipped", f"skipped {cand.path}: {state} ({reason})", location=where))
-    if result.path is None:
+    result.unseen = [n.to_dict() for n in notes]
+    blocking = [n for n in notes if _may_hide_newer(n, result.step if result.path is not None else None)]
+    if blocking:
+        # A newer checkpoint may be hidden: resuming from an older one would drop training progress, and a job
+        # that then saves its steps again could write over the hidden one. Refuse, and say what was not seen.
+        if result.path is not None:
+            findings.append(error("latest-unseen", f"not picked: {os.path.relpath(result.path, root)} (step "
+                                  f"{result.step}) verifies, but a newer checkpoint may be hidden where the walk "
+                                  "could not see", location=Location(file=os.path.relpath(result.path, root))))
+        result.path, result.step = None, None
+        for n in blocking:
+            result.skipped.append({"path": n.path, "step": step_of(n.path), "state": "unseen",
+                                   "reason": n.describe(), "how": "walk"})
+    findings.extend(unseen_findings(blocking, "latest-unseen", root))
+    findings.extend(warning("latest-unseen", f"not seen: {n.describe()}; it cannot hold a checkpoint newer than the "
+                            "pick (its name carries an older step)", location=Location(file=n.path))
+                    for n in notes if n not in blocking)
+    if result.path is None and not blocking:
         findings.append(error("latest-none", f"no checkpoint under {root} verifies "
                               f"({examined} examined)" if examined else f"no checkpoint under {root}"))
     for q in result.quarantined:

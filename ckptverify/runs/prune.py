@@ -4,14 +4,20 @@
 
 - the newest checkpoint that verifies (:func:`~ckptverify.runs.latest.latest_verified`), however old: deleting
   it while every newer one is corrupt or torn would leave nothing to resume from; and, as well, the newest one
-  that verifies of the format :func:`ckptverify.load` restores (DCP): a newer export of another format (a
-  ``.pt`` or safetensors file) is no checkpoint a job resumes from;
+  that verifies of the format :func:`ckptverify.load` restores (DCP), and the newest one load can restore (a
+  DCP checkpoint holding a TrainState's keys): a newer export (a ``.pt`` or safetensors file, or a weights-only
+  DCP export) is no checkpoint a job resumes from;
 - a checkpoint whose stamp says it failed verification: it is evidence (of a fault on the way to the disk, or
   on the disk), and ckptverify never deletes it;
 - a checkpoint being verified right now (its verifying lock is held);
 - a checkpoint a save is writing right now (its in-progress marker is locked by a live save);
 - anything whose step is unknown, and anything that is not a checkpoint ``find_checkpoints`` recognized;
 - anything a production job moved aside into ``quarantine/`` (kept as evidence: never deleted).
+
+**Nothing is deleted when the walk did not see the whole run directory** (a folder it could not list, a folder
+with too many entries, its budget spent: :class:`~ckptverify.formats.rundir.WalkNote`): retention cannot know
+which checkpoints are newest, nor which one is the newest that verifies. :func:`prune` raises
+:class:`~ckptverify.formats.rundir.WalkIncompleteError` (exit 2) naming what was not seen.
 
 Deletion never follows a symbolic link and never leaves the run directory.
 """
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, UsageError
-from ckptverify.formats.rundir import find_checkpoints
+from ckptverify.formats.rundir import WalkIncompleteError, WalkNote, find_checkpoints
 from ckptverify.own_files import SAVE_MARKER, VERIFYING_LOCK
 
 __all__ = ["PruneResult", "is_locked", "prune"]
@@ -86,13 +92,26 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
         raise CheckpointNotFoundError(f"not a directory: {root}")
     from ckptverify.runs.latest import is_quarantined
 
-    candidates = [c for c in find_checkpoints(root) if c.step is not None and not is_quarantined(c.path)]
+    notes: list[WalkNote] = []
+    found = find_checkpoints(root, notes=notes)
+    if notes:
+        raise WalkIncompleteError(
+            f"prune deleted nothing: the walk of {root} did not see all of it, so it cannot tell which checkpoints "
+            f"are the newest: {'; '.join(n.describe() for n in notes)}. Make it visible (permissions), move what is "
+            "not a checkpoint out of the run directory, or prune the folder that holds the checkpoints.", notes)
+    candidates = [c for c in found if c.step is not None and not is_quarantined(c.path)]
     newest_first = sorted(candidates, key=lambda c: (c.step, c.mtime_ns), reverse=True)
     protected: dict[str, str] = {}
-    # Each consumer's newest good checkpoint: load's (DCP) first, so that its reason names the stronger need.
-    for formats, reason in (({"dcp"}, "the newest checkpoint that verifies of the format load restores (DCP)"),
-                            (None, "the newest checkpoint that verifies")):
-        good = latest_verified(root, jobs=jobs, formats=formats)
+    # Each consumer's newest good checkpoint: load's (a DCP checkpoint holding a TrainState) first, so that its
+    # reason names the strongest need.
+    for formats, train_state, reason in (
+            ({"dcp"}, True, "the newest checkpoint that verifies that load restores (DCP, holding a TrainState)"),
+            ({"dcp"}, False, "the newest checkpoint that verifies of the format load restores (DCP)"),
+            (None, False, "the newest checkpoint that verifies")):
+        good = latest_verified(root, jobs=jobs, formats=formats, train_state=train_state)
+        if good.unseen:  # the run directory changed since the walk above: decide nothing on a partial view
+            raise WalkIncompleteError(f"prune deleted nothing: the walk of {root} did not see all of it",
+                                      [WalkNote(**u) for u in good.unseen])
         if good.path is not None:
             protected.setdefault(os.path.relpath(good.path, root), reason)
     result = PruneResult(dry_run=dry_run)

@@ -9,13 +9,20 @@ Each checkpoint found by :func:`~ckptverify.formats.rundir.find_checkpoints` is 
 - ``incomplete``: a save that never committed (no metadata, or a ckptverify save's in-progress marker);
 - ``corrupt``: a check failed;
 - ``suspect``: its bytes verify, but it was saved after the job saw its replicas disagree (a suspect note in
-  the folder or its stamp: :func:`~ckptverify.runs.stamp.read_suspect`); never resumed from.
+  the folder or its stamp: :func:`~ckptverify.runs.stamp.read_suspect`); never resumed from;
+- ``deleted``: it was removed while scan verified it (retention): a warning, not a failure; nothing is left
+  to judge (not one of :data:`STATES`, which a stamp may record).
+
+**What the walk could not see fails the scan.** A folder the account cannot list, a folder with more entries
+than the walk reads, or the walk's budget spent (:class:`~ckptverify.formats.rundir.WalkNote`): each is an
+error (``scan-unseen``) naming the folder and what to do, since a checkpoint in it was neither found nor
+checked. The checkpoints that were found are still judged and listed.
 
 Good means ``verified`` or ``intact``. A checkpoint a production job moved aside into ``quarantine/`` is
 judged and listed like any other (its row says ``quarantined``), but is never the newest good one. The report
 has one finding per checkpoint (an error for a corrupt one, a warning for an incomplete, uncheckable or
 suspect one, info otherwise), and ``stats`` lists them all, ordered by step, with the newest good one named.
-Exit code 1 when any checkpoint is corrupt or none is good.
+Exit code 1 when any checkpoint is corrupt, none is good, or part of the run directory could not be seen.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
-from ckptverify.formats.rundir import Candidate, find_checkpoints
+from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
 
-__all__ = ["GOOD_STATES", "STATES", "judge", "judge_report", "render_scan", "scan_run_dir"]
+__all__ = ["GOOD_STATES", "SETTLE_SECONDS", "STATES", "judge", "judge_report", "render_scan", "scan_run_dir",
+           "unseen_findings"]
 
 STATES = ("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt")
 GOOD_STATES = frozenset({"verified", "intact"})
@@ -58,13 +66,39 @@ def _judge_path(path: str, jobs: int | None) -> tuple[str, Report]:
 
 
 _WORST = {s: n for n, s in enumerate(("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt"))}
+_DELETED = "removed while it was being verified (retention, or someone deleting it): nothing left to judge"
+#: After a failed verdict, how long a checkpoint must stay in place before it is judged corrupt (retention
+#: deletes file by file).
+SETTLE_SECONDS = 1.0
 
 
 def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
     """State, one-line reason, and counts for one candidate, verified exactly as ``verify`` verifies it (the
     same routing, so the same manifests: a folder's, and a file's own beside it). A good one with a suspect note
-    is ``suspect``."""
-    state, reason, counts = _judge_bytes(root, cand, jobs)
+    is ``suspect``. One that was removed while it was verified (retention) is ``deleted``, not corrupt: a
+    failed verdict is judged only after :data:`SETTLE_SECONDS` in which it stayed in place (as the stamper
+    judges it: :func:`~ckptverify.runs.stamper.removed`)."""
+    from ckptverify.errors import CheckpointNotFoundError
+    from ckptverify.runs.stamp import files_fingerprint
+    from ckptverify.runs.stamper import removed
+
+    path = os.path.normpath(os.path.join(root, cand.path))
+    before = files_fingerprint(path)
+    try:
+        state, reason, counts = _judge_bytes(root, cand, jobs)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        if not removed(path):
+            raise
+        return "deleted", _DELETED, {"errors": 0, "warnings": 0, "bytes_checked": 0}
+    # A save that never committed looks "removed" to the stamper's test: only a checkpoint that was committed
+    # when the walk found it can have been deleted since. Files that did not move while they were verified
+    # were judged as they are; files that moved get a settle time (retention deletes file by file).
+    if state in ("corrupt", "incomplete") and cand.format != "dcp-uncommitted" \
+            and (removed(path) or files_fingerprint(path) != before):
+        if not removed(path):
+            time.sleep(SETTLE_SECONDS)
+        if removed(path):
+            return "deleted", _DELETED, {**counts, "errors": 0}
     if state in GOOD_STATES:
         from ckptverify.runs.stamp import describe_suspect, read_suspect
 
@@ -135,10 +169,13 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     from ckptverify.runs.latest import is_quarantined
 
     started = time.perf_counter()
-    candidates = find_checkpoints(root)
+    notes: list[WalkNote] = []
+    candidates = find_checkpoints(root, notes=notes)
     if not candidates:
+        unseen = "; ".join(n.describe() for n in notes)
         raise UsageError(f"no checkpoint found under {root} (looked for DCP folders, Hugging Face and accelerate "
-                         "folders, .pt/.pth/.bin/.ckpt/.safetensors files)")
+                         "folders, .pt/.pth/.bin/.ckpt/.safetensors files)"
+                         + (f"; the walk could not see all of it: {unseen}" if unseen else ""))
     rows: list[dict[str, Any]] = []
     findings: list[Finding] = []
     for n, cand in enumerate(candidates):
@@ -147,7 +184,8 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
         state, reason, counts = judge(root, cand, jobs)
         rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts,
                      "quarantined": is_quarantined(cand.path)})
-        make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable", "suspect") else info
+        make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable", "suspect",
+                                                                     "deleted") else info
         findings.append(make("scan", f"{cand.path}: {state} ({cand.format}"
                              f"{'' if cand.step is None else f', step {cand.step}'}): {reason}",
                              location=Location(file=cand.path)))
@@ -156,11 +194,29 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     if newest is None:
         findings.append(error("scan-no-good-checkpoint",
                               f"none of the {len(rows)} checkpoint(s) under {root} is verified or intact"))
+    findings.extend(unseen_findings(notes, "scan-unseen", root))
     stats = {"seconds": round(time.perf_counter() - started, 6), "checkpoints": rows,
              "newest_good": None if newest is None else {"path": newest["path"], "step": newest["step"]},
-             "bytes": sum(r["bytes_checked"] for r in rows)}
+             "bytes": sum(r["bytes_checked"] for r in rows), "unseen": [n.to_dict() for n in notes]}
     coverage = (CheckCoverage(check="scan", count=len(rows), unit="checkpoints"),)
     return Report(command="scan", target=root, findings=tuple(findings), coverage=coverage, stats=stats)
+
+
+def advice(note: WalkNote, root: str) -> str:
+    """What to do so that the walk sees what ``note`` says it did not."""
+    if note.kind == "unlisted":
+        return (f"give this account read and search permission on {note.path}, or move it out of {root} if it "
+                "holds no checkpoint")
+    if note.kind == "folder-cap":
+        return (f"move {note.path} out of the run directory (a folder of that many entries is no checkpoint "
+                "folder), or point the command at the folder that holds the checkpoints")
+    return "point the command at the folder that holds the checkpoints, or move what is not a checkpoint elsewhere"
+
+
+def unseen_findings(notes: list[WalkNote], check: str, root: str) -> list[Finding]:
+    """One error per part of the run directory the walk could not see, naming it and what to do."""
+    return [error(check, f"not seen: {n.describe()}; {advice(n, root)}", location=Location(file=n.path))
+            for n in notes]
 
 
 def render_scan(report: Report, console: Any) -> None:
@@ -171,7 +227,7 @@ def render_scan(report: Report, console: Any) -> None:
     from ckptverify.report import _human, number_width, printable
 
     style = {"verified": "green", "intact": "green", "suspect": "yellow", "uncheckable": "yellow",
-             "incomplete": "yellow", "corrupt": "bold red"}
+             "incomplete": "yellow", "corrupt": "bold red", "deleted": "yellow"}
     table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
     rows = report.stats.get("checkpoints", [])
     why_width = number_width(printable(r["reason"]) for r in rows) or None
@@ -195,7 +251,7 @@ def render_scan(report: Report, console: Any) -> None:
         if f.check != "scan":
             console.print(Text.assemble((f"{f.severity.value}: ", _SEVERITY_STYLE[f.severity.value]),
                                         printable(f"{f.check}: {f.message}")))
-    by_state = [f"{n} {state}" for state in STATES if (n := sum(r["state"] == state for r in rows))]
+    by_state = [f"{n} {state}" for state in (*STATES, "deleted") if (n := sum(r["state"] == state for r in rows))]
     verdict = ("PASSED", "bold green") if report.passed else ("FAILED", "bold red")
     console.print(Text.assemble(verdict, " ", printable(
         f"scan {report.target}: {len(rows)} checkpoint(s): {', '.join(by_state) or 'none'}")))
