@@ -216,7 +216,8 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
 
     Finds checkpoints by what they hold (torchtitan step-N/, Lightning checkpoints/, transformers
     checkpoint-N/, Megatron iter_N/, ckptverify step_N/, .pt/.ckpt/.safetensors files) and gives each a
-    state: verified, intact, uncheckable, incomplete or corrupt. Exit 1 if any is corrupt or none is good.
+    state: verified, intact, suspect, uncheckable, incomplete, deleted or corrupt. Exit 1 if any is corrupt,
+    none is good, or part of RUN_DIR could not be seen (a folder it cannot list, more entries than it reads).
     """
     from ckptverify.runs.scan import render_scan, scan_run_dir
 
