@@ -61,6 +61,15 @@ class CheckpointRefusedError(CkptVerifyError):
         self.report = report
 
 
+class ProofFailedError(CheckpointRefusedError):
+    """Bytes being loaded failed their proof (a manifest digest, a zip CRC-32, the archive structure) in the read
+    that loaded them; nothing was applied. ``info`` names the item and the check (see ``docs/state.md``)."""
+
+    def __init__(self, message: str, report: object | None = None, info: dict | None = None) -> None:
+        super().__init__(message, report)
+        self.info = dict(info or {})
+
+
 class UnsafeMetadataError(CheckpointRefusedError):
     """DCP asked for metadata the safe reader refuses (hostile, malformed, or a second entry point)."""
 

@@ -101,7 +101,13 @@ def test_restore_check_reports_state_a_loader_ignores(tmp_path):
         state.optimizers[0].step()
         state.schedulers[0].step()
     ckptverify.save(state, tmp_path / "ckpt")
-    report = ckptverify.load(build(), tmp_path / "ckpt")
+    # By default a failed restore check refuses the load; the report it carries names the field.
+    with pytest.raises(CheckpointRefusedError, match=r"scheduler\.0") as refused:
+        ckptverify.load(build(), tmp_path / "ckpt")
+    hits = [f for f in refused.value.report.errors if f.check == "restore-mismatch"]
+    assert [f.location.fqn for f in hits] == ["scheduler.0"]
+    # For diagnosis (the resume harness), the state stays as loaded and the difference is reported.
+    report = ckptverify.load(build(), tmp_path / "ckpt", on_restore_mismatch="report")
     hits = [f for f in report.errors if f.check == "restore-mismatch"]
     assert [f.location.fqn for f in hits] == ["scheduler.0"]
 

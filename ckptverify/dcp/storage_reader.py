@@ -14,12 +14,18 @@ Works for every layout ``FileSystemWriter`` writes: one ``.metadata``, per-rank 
 (``use_collectives=False``), and the safetensors serialization (its metadata has the same structure).
 Tensor and byte items are still read by ``FileSystemReader.read_data`` (``torch.load(weights_only=True)``);
 non-tensor values additionally go through :class:`~ckptverify.dcp.loading.SafeLoadPlanner`.
+
+:class:`ProvingFileSystemReader` also proves every item it loads, in the read that loads it: each item's bytes
+are read once into memory, checked there (against the manifest's digest when the checkpoint has a manifest,
+else every zip record's CRC-32, which ``torch.load`` never checks), and only then deserialized from the same
+buffer. An item that fails raises :class:`ItemProofError` before anything is copied out of it.
 """
 
 from __future__ import annotations
 
+import io
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
@@ -27,6 +33,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import safepickle as sp
 from ckptverify.errors import UnsafeMetadataError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+
+    from ckptverify.manifest import Manifest
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -44,7 +55,7 @@ class SafeFileSystemReader(FileSystemReader):
         if rank is None and len(names) > 1 and md.METADATA_FILE in names:
             raise UnsafeMetadataError(
                 f"refusing {root}: per-rank metadata {names[1]} lies beside .metadata (run ckptverify verify)")
-        metadata = build_metadata(load_parsed(os.path.join(root, name), name))
+        metadata = build_metadata(load_parsed(os.path.join(root, name), name, self._check_metadata))
         if metadata.storage_meta is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -52,11 +63,18 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _check_metadata(self, name: str, raw: bytes) -> None:
+        """Called with each metadata file's bytes as read (nothing to check here)."""
 
-def load_parsed(path: str, name: str) -> md.ParsedMetadata:
-    """Read and validate one metadata file; :class:`~ckptverify.errors.UnsafeMetadataError` on anything wrong."""
+
+def load_parsed(path: str, name: str, check: Any = None) -> md.ParsedMetadata:
+    """Read and validate one metadata file; :class:`~ckptverify.errors.UnsafeMetadataError` on anything wrong.
+    ``check(name, raw)``, when given, sees the bytes as read, before they are parsed."""
     try:
-        parsed = md.parse_metadata(md.read_metadata_bytes(path), name)
+        raw = md.read_metadata_bytes(path)
+        if check is not None:
+            check(name, raw)
+        parsed = md.parse_metadata(raw, name)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -69,6 +87,141 @@ def load_parsed(path: str, name: str) -> md.ParsedMetadata:
         fqn, _, raw = parsed.unsafe_paths[0]
         raise UnsafeMetadataError(f"refusing {name}: storage path {raw!r} of {fqn!r} leaves the checkpoint")
     return parsed
+
+
+class ItemProofError(Exception):
+    """An item (or metadata file) failed its proof while being loaded; nothing was copied out of it.
+
+    ``info``: ``check`` (``manifest-digest``, ``manifest-mismatch``, ``zip-crc``, ``zip-structure``,
+    ``item-bounds``), ``fqn``, ``chunk_offsets``, ``file``, ``byte_range``, ``expected``, ``actual``. It crosses
+    ranks inside DCP's ``CheckpointException`` (pickled), so it holds only plain values.
+    """
+
+    def __init__(self, message: str, info: dict[str, Any]) -> None:
+        super().__init__(message, info)
+        self.info = info
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ProvingFileSystemReader(SafeFileSystemReader):
+    """:class:`SafeFileSystemReader` that proves every item it loads, in the same read (see the module docstring).
+
+    ``manifest``: the checkpoint's manifest (already read and validated), or ``None`` to check each item's zip
+    CRC-32s instead. ``proven`` counts what was proven (``items``, ``bytes``, ``method``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+        super().__init__(path)
+        self.manifest = manifest
+        self._entries = {e.key: e for e in manifest.items} if manifest is not None else {}
+        self.proven = {"items": 0, "bytes": 0, "method": "manifest" if manifest is not None else "zip-crc"}
+
+    def _check_metadata(self, name: str, raw: bytes) -> None:
+        if self.manifest is None or name not in self.manifest.metadata_files:
+            return
+        from ckptverify.fingerprint import digest_bytes
+
+        entry = self.manifest.metadata_files[name]
+        actual = digest_bytes(raw, self.manifest.digest_algorithm)
+        if len(raw) != entry.size or actual != entry.digest:
+            raise ItemProofError(
+                f"{name} differs from the one written at save time (manifest-digest): the checkpoint's index was "
+                "replaced or edited", {"check": "manifest-digest", "file": name, "expected": entry.digest,
+                                       "actual": actual})
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        import torch
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future
+
+        per_file: dict[str, list[ReadItem]] = {}
+        for read_item in plan.items:
+            per_file.setdefault(self.storage_data[read_item.storage_index].relative_path, []).append(read_item)
+        for relative_path, reqs in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                # In file order: one forward pass over each file.
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    info = self.storage_data[req.storage_index]
+                    stream.seek(info.offset)
+                    raw = stream.read(info.length)  # the one read of this item: proven, then loaded
+                    data = self._prove(req, relative_path, info, raw)
+                    del raw
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(data))
+                        continue
+                    tensor = cast(torch.Tensor, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+                    tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != tensor.size():
+                        raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs "
+                                             f"{tensor.size()}")
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _prove(self, req: ReadItem, relative_path: str, info: Any, raw: bytes) -> bytes:
+        """The item's bytes as DCP deserializes them (its transforms undone), once proven; raises
+        :class:`ItemProofError`."""
+        idx = req.storage_index
+        offsets = None if idx.offset is None else tuple(int(x) for x in idx.offset)
+        where = {"fqn": idx.fqn, "chunk_offsets": None if offsets is None else list(offsets), "file": relative_path,
+                 "byte_range": [info.offset, info.offset + info.length]}
+        label = f"{idx.fqn!r}" + (f" chunk {list(offsets)}" if offsets is not None else "") + f" in {relative_path}"
+
+        def fail(check: str, what: str, **values: Any) -> ItemProofError:
+            return ItemProofError(f"{label} bytes [{info.offset}, {info.offset + info.length}) {what} ({check})",
+                                  {"check": check, **where, **values})
+
+        if len(raw) != info.length:
+            raise fail("item-bounds", f"are cut short: {len(raw)} of {info.length} bytes could be read")
+        if self.manifest is not None:
+            from ckptverify.fingerprint import digest_bytes
+
+            entry = self._entries.get((idx.fqn, offsets, relative_path))
+            if entry is None:
+                raise fail("manifest-mismatch", "are not an item the manifest lists (metadata replaced or edited?)")
+            if (entry.offset, entry.length) != (info.offset, info.length):
+                raise fail("manifest-mismatch", f"are not where the manifest places it "
+                           f"([{entry.offset}, {entry.offset + entry.length}))")
+            actual = digest_bytes(raw, self.manifest.digest_algorithm)
+            if actual != entry.digest:
+                raise fail("manifest-digest", "differ from what was saved", expected=entry.digest, actual=actual)
+        data = raw
+        if info.transform_descriptors:
+            stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(raw))
+            data = stream.read(-1)
+        if self.manifest is None:
+            _prove_crcs(data, fail)
+        self.proven["items"] += 1
+        self.proven["bytes"] += len(raw)
+        return data
+
+
+def _prove_crcs(data: bytes, fail: Any) -> None:
+    """Every record of the ``torch.save`` archive ``data`` against its CRC-32 (the structure cross-checked too)."""
+    from ckptverify.dcp.torchsave import ArchiveError, parse_item
+    from ckptverify.readers import crc32
+
+    try:
+        archive = parse_item(data, 0, len(data)).archive
+    except ArchiveError as exc:
+        raise fail("zip-structure", f"are not a well-formed torch.save archive: {exc}") from None
+    view = memoryview(data)
+    for rec in archive.records:
+        actual = crc32(view[rec.data_offset:rec.data_end])
+        if actual != rec.crc:
+            raise fail("zip-crc", f"hold record {rec.name} whose payload is corrupt",
+                       expected=f"{rec.crc:08x}", actual=f"{actual:08x}")
+
+
+def _narrow(tensor: Any, offsets: Any, lengths: Any) -> Any:
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    return narrow_tensor_by_index(tensor, offsets, lengths)
 
 
 def build_metadata(parsed: md.ParsedMetadata) -> Metadata:

@@ -237,9 +237,25 @@ class Run:
         if self.config.resume_from:
             from ckptverify.restore import load, load_picked
 
-            # Production: the checkpoint was picked (and so verified) when the job started; the harness names one.
-            report = (load_picked(state, self._picked) if self._picked is not None
-                      else load(state, self.config.resume_from))
+            # Production: the checkpoint was picked (and so verified) when the job started; the harness names one
+            # and diagnoses a restore mismatch rather than refusing it.
+            if self._picked is None:
+                report = load(state, self.config.resume_from, on_restore_mismatch="report")
+            else:
+                from ckptverify.errors import CheckpointRefusedError
+
+                try:
+                    report = load_picked(state, self._picked)
+                except CheckpointRefusedError as exc:
+                    # Never train on damaged state. A pick whose bytes failed their proof is stamped failed, so
+                    # the next start of the job moves on to the next older checkpoint (and moves this one aside).
+                    if self._rank == 0:
+                        import sys
+
+                        print(f"ckptverify: resume refused: {exc}", file=sys.stderr, flush=True)
+                        self._production.events.emit("resume-refused", reason=str(exc),
+                                                     path=self.config.resume_from)
+                    raise SystemExit(2) from None
             self._p.restored_from = self.config.resume_from
             self._p.restore_report = report
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
