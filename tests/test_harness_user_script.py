@@ -88,6 +88,9 @@ def test_a_module_target_with_forked_stateful_loader_workers_runs(tmp_path, monk
     """``module:func`` found as ``python -m`` finds it (the working directory), a dataclass config and a
     ``worker_init_fn`` defined in the script, torchdata's StatefulDataLoader with forked workers."""
     monkeypatch.chdir(SCRIPTS)
+    # Found through the working directory only (another test module may have put this folder on sys.path).
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != str(SCRIPTS.resolve())])
+    monkeypatch.delitem(sys.modules, "harness_stateful", raising=False)
     outcome = resume_check(Plan(target="harness_stateful:train", steps=3, resume_at=1, runs=("A", "B"),
                                 level="metrics"))
     assert outcome.verdict.kind in VERDICT_KINDS

@@ -104,4 +104,9 @@ def test_watch_verifies_and_stamps_every_format_once_it_has_settled(tmp_path: Pa
     again = watch_pass(str(root), quiet=0)
     assert [(r["path"], r["event"]) for r in again] == [("epoch=0-step=30.ckpt", "failed")]
     assert not read_stamp(ckpt).passed
-    assert latest_verified(root).path.endswith("checkpoint-20")
+    # The bare safetensors folder passed, but nothing could check its content: its stamp ranks it no higher than
+    # that, and the older DCP checkpoint that verified is the one to resume from.
+    found = latest_verified(root)
+    assert found.path.endswith("step_10")
+    assert [(s["path"], s["state"], s["how"]) for s in found.skipped] == [
+        ("epoch=0-step=30.ckpt", "corrupt", "stamp"), ("checkpoint-20", "uncheckable", "stamp")]
