@@ -14,23 +14,34 @@ ONE_RANK = ("averaged", "dict", "dict_rebound", "registered", "scheduler_unsaved
 TWO_RANKS = ("averaged", "dict", "registered")
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
-def outcomes(request):
-    nproc = request.param
-    names = ONE_RANK if nproc == 1 else TWO_RANKS
-    # A2 on one rank: it tells a lost value from a nondeterministic one.
-    runs = ("A", "A2", "B") if nproc == 1 else ("A", "B")
-    plans = [Plan(target=f"{SCRIPT}:train_{name}", steps=4, resume_at=2, nproc=nproc, runs=runs) for name in names]
-    return nproc, dict(zip(names, resume_check_many(plans), strict=True))
+@pytest.fixture(scope="module")
+def checked():
+    """``checked(nproc)``: the outcomes of the scripts checked on ``nproc`` ranks, by name (each set run once)."""
+    cache: dict[int, dict] = {}
+
+    def outcomes(nproc: int) -> dict:
+        if nproc not in cache:
+            names = ONE_RANK if nproc == 1 else TWO_RANKS
+            # A2 on one rank: it tells a lost value from a nondeterministic one.
+            runs = ("A", "A2", "B") if nproc == 1 else ("A", "B")
+            plans = [Plan(target=f"{SCRIPT}:train_{name}", steps=4, resume_at=2, nproc=nproc, runs=runs)
+                     for name in names]
+            cache[nproc] = dict(zip(names, resume_check_many(plans), strict=True))
+        return cache[nproc]
+
+    return outcomes
+
+
+BOTH = pytest.mark.parametrize("nproc", [1, 2], ids=["1rank", "2ranks"])
 
 
 def _held_errors(outcome) -> list:
     return [f for f in outcome.report.findings if f.check == "held-state" and f.severity.value == "error"]
 
 
-def test_an_unregistered_averaged_model_fails_naming_it(outcomes):
-    _, by_name = outcomes
-    o = by_name["averaged"]
+@BOTH
+def test_an_unregistered_averaged_model_fails_naming_it(checked, nproc):
+    o = checked(nproc)["averaged"]
     v = o.verdict
     assert (v.kind, v.category, v.step) == ("unregistered-state", "held-state", 4), v.headline()
     assert v.site.startswith("ema_model.module.net.") and "ema_model" in v.message
@@ -39,12 +50,10 @@ def test_an_unregistered_averaged_model_fails_naming_it(outcomes):
     assert [f.location.fqn.split(".")[0] for f in _held_errors(o)] == ["ema_model"] * len(_held_errors(o))
 
 
-@pytest.mark.parametrize("name", ["dict", "dict_rebound"])
-def test_an_unregistered_dict_of_ema_tensors_fails_naming_it_and_the_key(outcomes, name):
-    nproc, by_name = outcomes
-    if name not in by_name:
-        pytest.skip("checked on one rank")
-    v = by_name[name].verdict
+@pytest.mark.parametrize(("nproc", "name"), [(1, "dict"), (1, "dict_rebound"), (2, "dict")],
+                         ids=["1rank-dict", "1rank-dict_rebound", "2ranks-dict"])
+def test_an_unregistered_dict_of_ema_tensors_fails_naming_it_and_the_key(checked, nproc, name):
+    v = checked(nproc)[name].verdict
     assert (v.kind, v.category) == ("unregistered-state", "held-state"), v.headline()
     assert v.site == "ema['net.0.weight']" and "holds ema with different values" in v.message
     if nproc == 1:
@@ -53,31 +62,25 @@ def test_an_unregistered_dict_of_ema_tensors_fails_naming_it_and_the_key(outcome
         assert "A2 was not compared" in v.message
 
 
-def test_an_ema_registered_in_extras_passes(outcomes):
-    _, by_name = outcomes
-    o = by_name["registered"]
+@BOTH
+def test_an_ema_registered_in_extras_passes(checked, nproc):
+    o = checked(nproc)["registered"]
     assert o.verdict.passed, o.verdict.headline()
     assert o.report.exit_code == 0
     # The loss, the last batch and the model's own tensors under other names are held too, and equal.
     assert not [f for f in o.report.findings if f.check.startswith("held-state")]
 
 
-def test_an_unsaved_scheduler_is_still_the_scheduler(outcomes):
-    _, by_name = outcomes
-    if "scheduler_unsaved" not in by_name:
-        pytest.skip("checked on one rank")
-    o = by_name["scheduler_unsaved"]
+def test_an_unsaved_scheduler_is_still_the_scheduler(checked):
+    o = checked(1)["scheduler_unsaved"]
     assert o.verdict.kind == "scheduler", o.verdict.headline()
     # The EMA differs at the end too, as a possible consequence: an info line, not the verdict.
     held = [f for f in o.report.findings if f.check == "held-state"]
     assert held and all(f.severity.value == "info" and "may follow" in f.message for f in held)
 
 
-def test_a_non_persistent_buffer_is_still_hidden_state(outcomes):
-    _, by_name = outcomes
-    if "nonpersistent" not in by_name:
-        pytest.skip("checked on one rank")
-    v = by_name["nonpersistent"].verdict
+def test_a_non_persistent_buffer_is_still_hidden_state(checked):
+    v = checked(1)["nonpersistent"].verdict
     assert (v.kind, v.site) == ("hidden-state", "buffer.input_rms"), v.headline()
 
 
