@@ -179,9 +179,8 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     return data
 
 
-def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
-    """The stamp of ``root``, or ``None`` when there is none or it cannot be read as one (never trusted then)."""
-    folder = os.fspath(root)
+def _stamp_data(folder: str) -> dict[str, Any] | None:
+    """The stamp file of ``folder`` parsed, when it is a JSON object; else ``None``."""
     raw = _read(stamp_path(folder), MAX_STAMP_BYTES)
     if raw is None:
         return None
@@ -189,7 +188,14 @@ def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
         data = safejson.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(data, dict) or data.get("schema") != STAMP_SCHEMA or not isinstance(data.get("passed"), bool):
+    return data if isinstance(data, dict) else None
+
+
+def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
+    """The stamp of ``root``, or ``None`` when there is none or it cannot be read as one (never trusted then)."""
+    folder = os.fspath(root)
+    data = _stamp_data(folder)
+    if data is None or data.get("schema") != STAMP_SCHEMA or not isinstance(data.get("passed"), bool):
         return None
     current = (data.get("files_fingerprint") == files_fingerprint(folder)
                and data.get("manifest_digest") == _manifest_digest(folder))
@@ -231,14 +237,8 @@ def read_suspect(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
     note = _read_note(folder)
     if note is not None:
         return note
-    raw = _read(stamp_path(folder), MAX_STAMP_BYTES)
-    if raw is None:
-        return None
-    try:
-        data = safejson.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    value = data.get("suspect") if isinstance(data, dict) else None
+    data = _stamp_data(folder)
+    value = data.get("suspect") if data is not None else None
     return value if isinstance(value, dict) else None
 
 
