@@ -9,30 +9,30 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ckptverify._version import __version__
 
 #: Public name -> module that defines it.
 _EXPORTS = {
-    "verify_checkpoint": "ckptverify.verify",
-    "fingerprint_checkpoint": "ckptverify.adopt",
-    "diff_checkpoints": "ckptverify.diff",
-    "save": "ckptverify.saving",
-    "load": "ckptverify.restore",
+    "verify_checkpoint": "ckptverify.audit.verify",
+    "fingerprint_checkpoint": "ckptverify.audit.adopt",
+    "diff_checkpoints": "ckptverify.audit.diff",
+    "save": "ckptverify.checkpoint.save",
+    "load": "ckptverify.checkpoint.load",
     "TrainState": "ckptverify.state.train_state",
     "ResumableSampler": "ckptverify.state.sampler",
     "Counters": "ckptverify.state.train_state",
     "Run": "ckptverify.resume.run",
     "resume_check": "ckptverify.resume.harness",
-    "async_save": "ckptverify.saving",
+    "async_save": "ckptverify.checkpoint.save",
     "tensor_fingerprint": "ckptverify.fingerprint",
     "chunk_fingerprint": "ckptverify.fingerprint",
     "scan_run_dir": "ckptverify.runs.scan",
     "latest_verified": "ckptverify.runs.latest",
     "prune": "ckptverify.runs.prune",
-    "BackgroundVerifier": "ckptverify.runs.background",
-    "Verification": "ckptverify.runs.verification",
-    "last_verification": "ckptverify.runs.background",
-    "wait_for_verifications": "ckptverify.runs.background",
+    "BackgroundVerifier": "ckptverify.verifier.background",
+    "Verification": "ckptverify.verifier.verification",
+    "last_verification": "ckptverify.verifier.background",
+    "wait_for_verifications": "ckptverify.verifier.background",
 }
 
 __all__ = [
@@ -60,21 +60,21 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ckptverify.adopt import fingerprint_checkpoint
-    from ckptverify.diff import diff_checkpoints
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.audit.diff import diff_checkpoints
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.checkpoint.load import load
+    from ckptverify.checkpoint.save import async_save, save
     from ckptverify.fingerprint import chunk_fingerprint, tensor_fingerprint
-    from ckptverify.restore import load
     from ckptverify.resume.harness import resume_check
     from ckptverify.resume.run import Run
-    from ckptverify.runs.background import BackgroundVerifier, last_verification, wait_for_verifications
     from ckptverify.runs.latest import latest_verified
     from ckptverify.runs.prune import prune
     from ckptverify.runs.scan import scan_run_dir
-    from ckptverify.runs.verification import Verification
-    from ckptverify.saving import async_save, save
     from ckptverify.state.sampler import ResumableSampler
     from ckptverify.state.train_state import Counters, TrainState
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.verifier.background import BackgroundVerifier, last_verification, wait_for_verifications
+    from ckptverify.verifier.verification import Verification
 
 
 def __dir__() -> list[str]:

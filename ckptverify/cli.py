@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ckptverify import __version__
+from ckptverify._version import __version__
 from ckptverify.errors import CkptVerifyError, UsageError
 
 
@@ -135,7 +135,7 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
     against the digests taken when it was saved or fingerprinted. Never writes into PATH and never
     executes anything from it.
     """
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     def call(bar: Any) -> Any:
         return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
@@ -167,7 +167,7 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
     written; so is one holding content that nothing could check (safetensors, no CRC-32), unless
     --trust-uncheckable. Writes nothing but the manifest.
     """
-    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.audit.adopt import fingerprint_checkpoint
 
     def call(bar: Any) -> Any:
         return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
@@ -197,7 +197,7 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
     Exit 1 if they differ, or if nothing could be compared. Differing tensors are reported with the count
     of differing elements, max |a-b|, max ULP distance and the first differing index.
     """
-    from ckptverify.diff import diff_checkpoints
+    from ckptverify.audit.diff import diff_checkpoints
 
     def call(bar: Any) -> Any:
         return diff_checkpoints(a, b, jobs=jobs, progress=bar, ignore=ignore, map_prefix=map_prefix)
@@ -308,7 +308,7 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
     checkpoint without a current stamp is verified and stamped (ckptverify.verified.json). A verdict stands
     even when its stamp cannot be written. Runs until interrupted, or one pass with --once.
     """
-    from ckptverify.runs.watch import watch as run_watch
+    from ckptverify.verifier.watch import watch as run_watch
 
     def line(obj: dict) -> None:
         import json
@@ -398,8 +398,8 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     """
     import os
 
+    from ckptverify.render.resume import emit_resume, fail_lines, log_dir_for
     from ckptverify.resume.harness import Plan, resume_check
-    from ckptverify.resume.render import emit_resume, fail_lines, log_dir_for
 
     if device == "cuda":
         os.environ["CKPTVERIFY_DEVICE"] = "cuda"
@@ -450,11 +450,11 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
     import contextlib
     import os
 
+    from ckptverify.production.mode import read_run_file
+    from ckptverify.render.resume import fail_lines, log_dir_for, workload_log_files
+    from ckptverify.replay.replay import pinned
+    from ckptverify.replay.replay import replay as run_replay
     from ckptverify.resume.harness import check_target, workload_logs
-    from ckptverify.resume.production import read_run_file
-    from ckptverify.resume.render import fail_lines, log_dir_for, workload_log_files
-    from ckptverify.resume.replay import pinned
-    from ckptverify.resume.replay import replay as run_replay
 
     say = None
     if not json_out:
@@ -489,7 +489,7 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
 def demo(nproc: int, keep: str | None, json_out: bool) -> None:
     """Show the whole tool on the built-in workload (about a minute): save and verify a checkpoint, find a
     flipped bit, prove a resume bitwise exact, and diagnose a planted bug."""
-    from ckptverify.demo import run_demo
+    from ckptverify.examples.demo import run_demo
 
     say = None
     if not json_out:
@@ -539,10 +539,10 @@ def _with_progress(call: Any, progress: bool | None, json_out: bool, command: st
 
 
 def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> None:
-    from ckptverify.report import render_text, to_json
+    from ckptverify.render.report import render_text, to_json
 
     if metrics_file is not None:
-        from ckptverify.metrics import write_metrics
+        from ckptverify.render.metrics import write_metrics
 
         try:
             write_metrics(metrics_file, report)
@@ -560,7 +560,7 @@ def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | N
 
 
 def _printable(value: object) -> str:
-    from ckptverify.report import printable
+    from ckptverify.render.report import printable
 
     return printable(value)
 

@@ -102,7 +102,7 @@ class VerifyFailedError(CkptVerifyError):
     """A checkpoint saved with ``verify=`` and ``on_verify_failure="raise"`` failed its verification.
 
     Raised by the save that learns of it (see ``docs/verify-after-save.md``); ``verification`` is the
-    :class:`~ckptverify.runs.background.Verification` of the checkpoint that failed.
+    :class:`~ckptverify.verifier.background.Verification` of the checkpoint that failed.
     """
 
     exit_code = 1

@@ -209,7 +209,7 @@ class Report:
         return counts
 
     def to_dict(self) -> dict[str, Any]:
-        from ckptverify import __version__
+        from ckptverify._version import __version__
 
         return {
             "schema": REPORT_SCHEMA,

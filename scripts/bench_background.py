@@ -3,12 +3,12 @@ same workload with no verification, in one run.
 
 The tiny GPT of ``ckptverify.examples`` trains on ``--device``; a checkpoint of ``--mib`` MiB (the model and
 optimizer plus padding tensors, saved once with ``ckptverify.save``) is verified again and again by the
-:class:`~ckptverify.runs.background.BackgroundVerifier` that ``save(verify="background")`` uses. Each round,
+:class:`~ckptverify.verifier.background.BackgroundVerifier` that ``save(verify="background")`` uses. Each round,
 for each training thread count (``--threads``: by default torch's, which uses every core, and one fewer,
 which leaves a core free), runs three phases in an order that rotates from round to round: *off* (nothing
 verifying), *unthrottled* (a verification at idle priority, reading at full speed; steps run until it is
 stamped, and until ``--min-steps`` steps ran, verifying again as needed) and *throttled* (the same, pacing its
-reads: the default, :mod:`ckptverify.runs.throttle`). An *off* phase runs as many steps as a verifying phase
+reads: the default, :mod:`ckptverify.verifier.throttle`). An *off* phase runs as many steps as a verifying phase
 on average. Prints, per thread count, the mean, median and p90 step time of each phase and their ratios to
 *off* (the target: at most 1.03), each round's median ratio, the training's CPU time per step, how long each
 verification took, how much of it was spent throttled and how much of a core the verifier used. A
@@ -37,7 +37,7 @@ import torch
 
 import ckptverify as cv
 from ckptverify.examples import TinyGPTConfig, build_training, make_loader, train_step
-from ckptverify.runs.background import ISOLATIONS, PRIORITIES, BackgroundVerifier, VerifyOptions
+from ckptverify.verifier.background import ISOLATIONS, PRIORITIES, BackgroundVerifier, VerifyOptions
 
 #: The phases of a round: no verification, one at idle priority only, one that also paces its reads.
 VARIANTS = ("off", "unthrottled", "throttled")

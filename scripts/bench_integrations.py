@@ -67,8 +67,8 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
+    from ckptverify.checkpoint.save import save
     from ckptverify.integrations import Verifier
-    from ckptverify.saving import save
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=128)
@@ -113,7 +113,7 @@ def main() -> None:
                 t_check = best(lambda v=verifier: v.after_save(target, step=1), written(fn), args.repeats)
                 print(f"{label:20s} save {t_save:7.3f} s   fingerprint={mode!s:5s} check {t_check:7.3f} s   "
                       f"check/save {t_check / t_save:6.2f}")
-        from ckptverify.runs.background import default_verifier
+        from ckptverify.verifier.background import default_verifier
 
         inline = Verifier(events_dir=root)
         queued = Verifier(events_dir=root, background=True)

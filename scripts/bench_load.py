@@ -36,7 +36,7 @@ def main() -> None:
     import ckptverify as cv
     from ckptverify.dcp.loading import SafeLoadPlanner
     from ckptverify.dcp.storage_reader import ProvingFileSystemReader, SafeFileSystemReader
-    from ckptverify.manifest import read_manifest
+    from ckptverify.ownfiles.manifest import read_manifest
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     n = max(1, args.mb // 16)

@@ -30,8 +30,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+import ckptverify.checkpoint.save as cs
 import ckptverify.dcp.writer as writer_mod
-import ckptverify.saving as cs
 
 
 def make_state(n: int, mib: int, seed: int = 0) -> dict[str, Any]:

@@ -124,13 +124,13 @@ def main_items(args: argparse.Namespace) -> int:
         + f"    t0 = time.perf_counter(); dcp.FileSystemReader({ckpt!r}).read_metadata()\n"
         "    best = min(best, time.perf_counter() - t0)\nprint(best)")
     best["verify (in-process core)"] = _best_in_child(
-        "import time\nfrom ckptverify.verify import verify_checkpoint\nbest = float('inf')\n" + repeat
+        "import time\nfrom ckptverify.audit.verify import verify_checkpoint\nbest = float('inf')\n" + repeat
         + f"    t0 = time.perf_counter(); r = verify_checkpoint({ckpt!r})\n"
         "    best = min(best, time.perf_counter() - t0)\n"
         f"assert r.passed and r.stats['items'] == {args.items} and r.stats['bytes_hashed'] > 0, r.stats\nprint(best)")
     for name, fn in (("safe metadata read (C path)", "parse"), ("safe metadata read (reference)", "parse_reference")):
         best[name] = _best_in_child(
-            "import time\nfrom ckptverify.dcp import safepickle as sp\n"
+            "import time\nfrom ckptverify.safeparse import metadata_pickle as sp\n"
             f"data = open({os.path.join(ckpt, '.metadata')!r}, 'rb').read()\nbest = float('inf')\n" + repeat
             + f"    t0 = time.perf_counter(); sp.{fn}(data); best = min(best, time.perf_counter() - t0)\nprint(best)")
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The same verification in-process, without interpreter start-up, for reference.
     code = (
-        "import time; from ckptverify.verify import verify_checkpoint\n"
+        "import time; from ckptverify.audit.verify import verify_checkpoint\n"
         f"best = float('inf')\nfor _ in range({args.repeats}):\n"
         f"    t0 = time.perf_counter(); r = verify_checkpoint({ckpt!r}); best = min(best, time.perf_counter() - t0)\n"
         "assert r.passed and r.stats['bytes_hashed'] > 0.99 * r.stats['bytes'], r.stats\nprint(best)"

@@ -273,8 +273,8 @@ def zygote() -> None:
     """Serve :class:`Zygote` requests on stdin: fork the ranks, report the group, then their exit codes."""
     # Imported once, before forking, so that no rank pays for it.
     import ckptverify
+    import ckptverify.checkpoint.load
     import ckptverify.dcp.writer
-    import ckptverify.restore
 
     del ckptverify
 
@@ -399,8 +399,8 @@ def judge(path: Path, *, existing: bool) -> tuple[str, str]:
     import torch
 
     import ckptverify
+    from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.errors import CkptVerifyError
-    from ckptverify.verify import verify_checkpoint
 
     try:
         verified = verify_checkpoint(path, jobs=1).passed

@@ -69,7 +69,7 @@ def fresh_ckpt(ckpt_store: CheckpointStore, tmp_path: Path) -> Callable[..., Pat
 @pytest.fixture
 def queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A fresh process-wide background verifier (short settle time), closed after the test."""
-    from ckptverify.runs import background
+    from ckptverify.verifier import background
 
     fresh = background.BackgroundVerifier(settle=0.05)
     monkeypatch.setattr(background, "_default", fresh)

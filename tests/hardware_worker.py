@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from dist_exit import exit_without_teardown
 
-from ckptverify.events import EventLog
 from ckptverify.hardware.inject import BitFlip, FaultInjector
 from ckptverify.hardware.replica import ReplicaCheck, ReplicaMismatchError
+from ckptverify.ownfiles.events import EventLog
 
 
 def _model(wrap: str) -> torch.nn.Module:

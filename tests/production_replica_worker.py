@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from dist_exit import exit_without_teardown
 
-from ckptverify.events import EventLog
 from ckptverify.hardware.inject import flip_bit_
 from ckptverify.hardware.replica import ReplicaCheck, ReplicaMismatchWarning
+from ckptverify.ownfiles.events import EventLog
 
 #: Steps at whose end rank 1 flips element 3, bit 20 of ``0.weight`` (twice in a row: the copy is restored).
 FLIPS = (2, 4, 5)

@@ -20,10 +20,10 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.checks import content
-from ckptverify.dcp.torchsave import ArchiveError, ArchiveTemplate, parse_archive, parse_item
-from ckptverify.readers import crc32
-from ckptverify.verify import verify_checkpoint
+from ckptverify.safeparse.readers import crc32
+from ckptverify.safeparse.torchsave import ArchiveError, ArchiveTemplate, parse_archive, parse_item
 
 
 def _saved(value: torch.Tensor) -> bytes:

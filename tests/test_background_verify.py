@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 
 import ckptverify as cv
 from ckptverify.errors import CheckpointRefusedError, UsageError, VerifyFailedError
-from ckptverify.events import read_events
-from ckptverify.runs import background
-from ckptverify.runs.background import BackgroundVerifier, VerifyFailedWarning, VerifyIncompleteWarning
+from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.prune import prune
 from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp
+from ckptverify.verifier import background
+from ckptverify.verifier.background import BackgroundVerifier, VerifyFailedWarning, VerifyIncompleteWarning
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -243,7 +243,7 @@ _JOB = """
 import os, sys, time
 import torch
 import ckptverify as cv
-from ckptverify.runs.background import default_verifier
+from ckptverify.verifier.background import default_verifier
 
 run = sys.argv[1]
 default_verifier().before_verify = lambda p: time.sleep(float(os.environ.get("HOLD", "0.3")))

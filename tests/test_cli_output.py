@@ -64,7 +64,7 @@ def test_missing_path_is_exit_2_in_text_and_json(tmp_path: Path) -> None:
 
 
 def test_an_internal_error_is_one_line_and_exit_2(tmp_path: Path, monkeypatch) -> None:
-    import ckptverify.verify as verify_mod
+    import ckptverify.audit.verify as verify_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

@@ -7,7 +7,7 @@ import zlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptverify.crcflip import MAX_BITS, false_match_probability, locate_single_bit
+from ckptverify.checks.crcflip import MAX_BITS, false_match_probability, locate_single_bit
 
 
 @settings(max_examples=200, deadline=None)

@@ -54,8 +54,8 @@ def test_fingerprints_on_the_gpu_equal_the_cpu_ones(dtype: torch.dtype, backend:
         # Non-contiguous views on the GPU fingerprint as their values.
         assert tensor_fingerprint(t.cuda().t()) == tensor_fingerprint(t.t().contiguous())
         if backend in ("triton", "auto"):
-            from ckptverify import _fingerprint_kernels as kern
-            from ckptverify import _fingerprint_triton as tri
+            from ckptverify.fingerprint import kernels as kern
+            from ckptverify.fingerprint import triton_kernel as tri
 
             width = kern._INT_VIEW_BY_SIZE[t.element_size()]
             assert tri._verified.get(("cuda", width)) is True  # the fused kernel ran, and matched eager first
@@ -67,8 +67,8 @@ def test_fingerprints_on_the_gpu_equal_the_cpu_ones(dtype: torch.dtype, backend:
 def test_many_tensors_on_the_gpu_fingerprint_as_on_the_cpu(backend: str) -> None:
     """What a trace digests each step (a list of tensors, one batched pass): the lanes on the GPU, through the
     Triton kernel or the eager path, equal the CPU's, and a flipped bit changes only its tensor's."""
-    from ckptverify import _fingerprint_kernels as kern
-    from ckptverify import _fingerprint_triton as tri
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint import triton_kernel as tri
 
     set_fingerprint_backend(backend)
     try:
@@ -188,8 +188,8 @@ WORKLOAD = textwrap.dedent('''
 
 def test_production_on_the_gpu_replays_as_reproduced_and_a_flipped_gradient_is_named(tmp_path: Path) -> None:
     from ckptverify.hardware.inject import BitFlip
-    from ckptverify.resume.production import read_run_file
-    from ckptverify.resume.replay import replay
+    from ckptverify.production.mode import read_run_file
+    from ckptverify.replay.replay import replay
 
     torch.backends.cudnn.deterministic = True
     script = tmp_path / "gpu_job.py"

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from dcp_encodings import dcp_checkpoint as _dcp
 from dcp_encodings import safetensors_ckpt, zstd_ckpt
 
+from ckptverify.audit.diff import diff_checkpoints, tensor_difference
 from ckptverify.cli import main
-from ckptverify.diff import diff_checkpoints, tensor_difference
 
 
 def test_a_checkpoint_equals_its_copy(fresh_ckpt):

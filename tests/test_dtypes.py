@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
 
 import ckptverify
-from ckptverify.verify import verify_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
 
 #: Every dtype DCP can save with this torch (uint1..7, int1..7, bits* and quantized dtypes it cannot).
 DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
@@ -150,7 +150,7 @@ def test_untyped_storage_size_is_counted_in_bytes():
     import io
     import zipfile
 
-    from ckptverify.dcp.torchsave import tensor_header
+    from ckptverify.safeparse.torchsave import tensor_header
 
     for name in ("uint16", "uint64", "complex32", "float8_e5m2"):
         buf = io.BytesIO()

@@ -18,9 +18,9 @@ from dist_exit import exit_without_teardown
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ckptverify import _fingerprint_kernels as kern
 from ckptverify import fingerprint as fp
 from ckptverify.errors import UsageError
+from ckptverify.fingerprint import kernels as kern
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning"),
@@ -693,7 +693,7 @@ def test_small_chunks_take_numpy_and_match_the_eager_path(dtype: torch.dtype, sh
                                                          data: st.DataObject) -> None:
     """Backend ``auto`` fingerprints small host chunks with numpy (:func:`_small_lanes`): the eager path's
     integers, chunk by chunk."""
-    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.fingerprint import kernels as kern
 
     t = make_tensor(dtype, shape, seed)
     assert t.numel() <= kern.SMALL_NUMPY

@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent('''
     import torch
-    from ckptverify import _fingerprint_kernels as kern
-    from ckptverify import _fingerprint_triton as tri
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint import triton_kernel as tri
 
     def eager(t, offsets, gshape, name):
         kern.set_backend("eager")
@@ -68,8 +68,8 @@ def test_triton_kernel_matches_the_eager_path_under_the_interpreter() -> None:
 
 MANY = textwrap.dedent('''
     import torch
-    from ckptverify import _fingerprint_kernels as kern
-    from ckptverify import _fingerprint_triton as tri
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint import triton_kernel as tri
 
     assert tri._self_check_many(torch.device("cpu"))
     gen = torch.Generator().manual_seed(5)

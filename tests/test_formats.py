@@ -15,9 +15,9 @@ import torch
 from dcp_encodings import dcp_checkpoint as _dcp
 from dcp_encodings import safetensors_ckpt, zstd_ckpt
 
-from ckptverify.formats.folder import check_folder
-from ckptverify.formats.pickle_scan import PickleScanError, scan_pickle
+from ckptverify.checks.folder import check_folder
 from ckptverify.formats.single import check_file
+from ckptverify.safeparse.pickle_scan import PickleScanError, scan_pickle
 
 
 @dataclasses.dataclass
@@ -195,7 +195,7 @@ def _items(path: Path):
 
 
 def test_zstd_items_are_decoded_and_checked_by_the_crcs_inside(tmp_path: Path) -> None:
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     ckpt = zstd_ckpt(tmp_path / "z")
     assert all(i.transforms == ("stream.zstd/1",) for i in _items(ckpt).items)
@@ -206,7 +206,7 @@ def test_zstd_items_are_decoded_and_checked_by_the_crcs_inside(tmp_path: Path) -
 
 
 def test_a_flipped_byte_in_a_zstd_item_is_caught_and_placed_at_the_item(tmp_path: Path) -> None:
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     ckpt = zstd_ckpt(tmp_path / "z")
     item = next(i for i in _items(ckpt).items if i.fqn == "model.0.weight")
@@ -218,8 +218,8 @@ def test_a_flipped_byte_in_a_zstd_item_is_caught_and_placed_at_the_item(tmp_path
 
 def test_a_zstd_item_that_cannot_be_decoded_here_is_uncheckable_and_deep_does_not_pass(tmp_path: Path,
                                                                                        monkeypatch) -> None:
+    from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.dcp import transforms
-    from ckptverify.verify import verify_checkpoint
 
     ckpt = zstd_ckpt(tmp_path / "z")
 
@@ -252,7 +252,7 @@ def test_a_registered_transform_is_decoded_through_the_callers_registry(tmp_path
 
     from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
-    from ckptverify.verify import VerificationRun
+    from ckptverify.audit.verify import VerificationRun
 
     class Invert(StreamTransformExtension):
         """Every byte inverted: a stand-in for any registered stream transform."""
@@ -297,8 +297,8 @@ def test_a_registered_transform_is_decoded_through_the_callers_registry(tmp_path
 
 
 def test_dcp_safetensors_manifest_digests_each_tensors_own_bytes(tmp_path: Path) -> None:
-    from ckptverify.adopt import fingerprint_checkpoint
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     ckpt = safetensors_ckpt(tmp_path / "st")
     report, manifest = fingerprint_checkpoint(ckpt, trust_uncheckable=True, block_bytes=4096)
@@ -322,8 +322,8 @@ def test_the_hashing_writer_digests_safetensors_tensors_where_they_are(tmp_path:
     from ckpt_factory import single_process_state_dict
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
+    from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.dcp.writer import HashingFileSystemWriter
-    from ckptverify.verify import verify_checkpoint
 
     writer = HashingFileSystemWriter(tmp_path / "st", serialization_format=SerializationFormat.SAFETENSORS)
     with warnings.catch_warnings():
@@ -340,7 +340,7 @@ def test_the_hashing_writer_digests_safetensors_tensors_where_they_are(tmp_path:
 
 
 def test_dcp_safetensors_deep_rebuilds_every_tensor(tmp_path: Path) -> None:
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     report = verify_checkpoint(safetensors_ckpt(tmp_path / "st"), deep=True)
     assert report.passed and {c.check: c.count for c in report.coverage}["fingerprint"] == 21
@@ -351,8 +351,8 @@ def test_dcp_safetensors_deep_rebuilds_every_tensor(tmp_path: Path) -> None:
 
 
 def test_known_side_files_are_checked_by_content_and_covered_by_the_manifest(tmp_path: Path) -> None:
-    from ckptverify.adopt import fingerprint_checkpoint
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     ckpt = _dcp(tmp_path / "ckpt")
     torch.save({"global_step": 4, "loops": {"fit_loop": {"epoch": 0}}}, ckpt / "meta.pt")
@@ -370,7 +370,7 @@ def test_known_side_files_are_checked_by_content_and_covered_by_the_manifest(tmp
 
 
 def test_a_side_file_is_judged_by_its_content_not_its_name(tmp_path: Path) -> None:
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     ckpt = _dcp(tmp_path / "ckpt")
     (ckpt / "meta.pt").write_bytes(b"not a torch.save archive")
@@ -384,8 +384,8 @@ def test_a_side_file_is_judged_by_its_content_not_its_name(tmp_path: Path) -> No
 
 
 def test_a_folder_of_files_is_fingerprinted_and_a_changed_byte_is_blamed_on_its_tensor(tmp_path: Path) -> None:
-    from ckptverify.adopt import fingerprint_checkpoint
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     root = _hf_folder(tmp_path / "hf")
     refused, manifest = fingerprint_checkpoint(root)
@@ -418,7 +418,7 @@ def flip_safetensors(path: Path) -> str:
 
 
 def test_a_single_file_deep_check_rebuilds_its_tensors(pt_file: Path) -> None:
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     report = verify_checkpoint(pt_file, deep=True)
     assert report.passed, [f.message for f in report.findings]
@@ -428,7 +428,7 @@ def test_a_single_file_deep_check_rebuilds_its_tensors(pt_file: Path) -> None:
 
 
 def test_plain_values_of_a_pickle_are_listed_exactly() -> None:
-    from ckptverify.formats.pickle_scan import leaf_values
+    from ckptverify.safeparse.pickle_scan import leaf_values
 
     scan = scan_pickle(pickle.dumps({"a": [1, 2.5, -0.0], "b": {"c": None, "d": b"\x00" * 1000}, "e": "x"}))
     values = leaf_values(scan.root)
@@ -439,8 +439,8 @@ def test_plain_values_of_a_pickle_are_listed_exactly() -> None:
 def test_a_single_file_gets_its_manifest_beside_it(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from ckptverify.adopt import fingerprint_checkpoint
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.randn(64, 64), "b": torch.arange(10)}, str(path))
@@ -495,8 +495,8 @@ def _largest_payload(path: Path) -> tuple[Path, int, int]:
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_every_format_passes_clean_catches_or_declares_a_flip_and_equals_its_copy(tmp_path: Path, fmt: str) -> None:
-    from ckptverify.diff import diff_checkpoints
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.diff import diff_checkpoints
+    from ckptverify.audit.verify import verify_checkpoint
 
     a, b = FORMATS[fmt](tmp_path / "a"), FORMATS[fmt](tmp_path / "b")
     clean = verify_checkpoint(a, deep=True)

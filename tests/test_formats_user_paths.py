@@ -17,8 +17,8 @@ import torch
 from click.testing import CliRunner
 from rich.console import Console
 
+from ckptverify.audit.diff import diff_checkpoints
 from ckptverify.cli import main
-from ckptverify.diff import diff_checkpoints
 from ckptverify.errors import UsageError
 from ckptverify.findings import Location, Report, error
 
@@ -319,7 +319,7 @@ def test_verify_help_names_files_and_folders_not_only_dcp() -> None:
 
 
 def test_numbers_are_never_broken_across_lines_at_80_columns() -> None:
-    from ckptverify.report import render_text
+    from ckptverify.render.report import render_text
 
     numbers = ["-1.1920928955078125e-07", "0.0012345314025878906", "123456789012345678901234"]
     report = Report(command="diff", target="a b", findings=(

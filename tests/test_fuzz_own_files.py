@@ -16,11 +16,11 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptverify.adopt import fingerprint_checkpoint
-from ckptverify.manifest import MANIFEST_FILE, ManifestError, read_manifest
+from ckptverify.audit.adopt import fingerprint_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
+from ckptverify.ownfiles.manifest import MANIFEST_FILE, ManifestError, read_manifest
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.stamp import STAMP_FILE, read_stamp, read_suspect, write_stamp
-from ckptverify.verify import verify_checkpoint
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
                     | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4)

@@ -16,8 +16,8 @@ import torch
 import torch.multiprocessing as mp
 
 from ckptverify.errors import UsageError
-from ckptverify.events import read_events
 from ckptverify.hardware.inject import BitFlip, FaultInjector, flip_bit_
+from ckptverify.ownfiles.events import read_events
 
 
 def _launch(tmp: Path, wrap: str, fault: BitFlip | None = None, on_mismatch: str = "warn",

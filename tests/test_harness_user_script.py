@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptverify.replay.replay import VERDICTS as REPLAY_VERDICTS
 from ckptverify.resume.harness import Plan, TargetError, WorkloadCrashedError, resume_check
-from ckptverify.resume.replay import VERDICTS as REPLAY_VERDICTS
 
 SCRIPTS = Path(__file__).with_name("user_scripts")
 AUGMENT = SCRIPTS / "harness_augment.py"

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from ckptverify.adopt import fingerprint_checkpoint
-from ckptverify.manifest import MANIFEST_FILE
+from ckptverify.audit.adopt import fingerprint_checkpoint
+from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
 TIMEOUT = 120
 KINDS = ("fifo", "dev-zero", "dev-urandom", "socket", "directory", "link-outside")
@@ -204,7 +204,7 @@ def test_metadata_link_outside_is_not_read(fresh_ckpt: Any, tmp_path: Path) -> N
 
 
 def test_oversized_manifest_is_refused_unread(fresh_ckpt: Any) -> None:
-    from ckptverify.manifest import ManifestError, read_manifest
+    from ckptverify.ownfiles.manifest import ManifestError, read_manifest
 
     path = fresh_ckpt("single")
     with open(path / MANIFEST_FILE, "wb") as f:
@@ -215,7 +215,7 @@ def test_oversized_manifest_is_refused_unread(fresh_ckpt: Any) -> None:
 
 def test_checkpoint_reached_through_a_linked_root_passes(fresh_ckpt: Any, tmp_path: Path) -> None:
     """Containment is judged against the resolved root: ``latest -> step_1000`` is not "outside"."""
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     path = fresh_ckpt("threads")
     fingerprint_checkpoint(path, block_bytes=4096)

@@ -28,11 +28,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckptverify.errors import CheckpointRefusedError
-from ckptverify.events import read_events
 from ckptverify.integrations import accelerate as ckv
-from ckptverify.runs import background
-from ckptverify.runs.background import BackgroundVerifier
+from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.stamp import read_stamp
+from ckptverify.verifier import background
+from ckptverify.verifier.background import BackgroundVerifier
 
 WORKER = Path(__file__).resolve().parent / "frameworks" / "accelerate_integration.py"
 

@@ -17,12 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptverify.errors import CheckpointRefusedError, UsageError
-from ckptverify.events import read_events
 from ckptverify.integrations import CheckpointVerificationWarning, Verifier
-from ckptverify.manifest import MANIFEST_FILE, read_manifest
-from ckptverify.runs import background
-from ckptverify.runs.background import BackgroundVerifier, VerifyIncompleteWarning
+from ckptverify.ownfiles.events import read_events
+from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
 from ckptverify.runs.stamp import read_stamp, stamp_path
+from ckptverify.verifier import background
+from ckptverify.verifier.background import BackgroundVerifier, VerifyIncompleteWarning
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -211,8 +211,8 @@ def test_a_folder_deleted_while_it_is_verified_or_stamped_is_deleted_not_failed(
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
+    import ckptverify.audit.verify as verify_module
     import ckptverify.runs.stamp as stamp_module
-    import ckptverify.verify as verify_module
     from ckptverify.integrations._core import check_saved
 
     real_verify, real_stamp = verify_module.verify_checkpoint, stamp_module.write_stamp

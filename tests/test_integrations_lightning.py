@@ -27,14 +27,14 @@ from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  #
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from ckptverify.adopt import file_manifest_path  # noqa: E402
+from ckptverify.audit.adopt import file_manifest_path  # noqa: E402
 from ckptverify.errors import CheckpointRefusedError  # noqa: E402
-from ckptverify.events import read_events  # noqa: E402
 from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
 from ckptverify.integrations.lightning import VerifyCheckpoints  # noqa: E402
-from ckptverify.runs import background  # noqa: E402
-from ckptverify.runs.background import BackgroundVerifier  # noqa: E402
+from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp, stamp_path  # noqa: E402
+from ckptverify.verifier import background  # noqa: E402
+from ckptverify.verifier.background import BackgroundVerifier  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "frameworks" / "lightning_integration.py"
 

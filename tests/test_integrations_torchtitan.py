@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="pip install -e '.[torchtitan]' (see docs/integrations.md)")
 
-from ckptverify.events import read_events
-from ckptverify.manifest import MANIFEST_FILE
+from ckptverify.audit.verify import verify_checkpoint
+from ckptverify.ownfiles.events import read_events
+from ckptverify.ownfiles.manifest import MANIFEST_FILE
 from ckptverify.runs.stamp import read_stamp
-from ckptverify.verify import verify_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "frameworks" / "torchtitan_integration.py"
 

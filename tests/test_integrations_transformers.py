@@ -22,16 +22,16 @@ from frameworks import harness as h  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ckptverify.errors import CheckpointRefusedError  # noqa: E402
-from ckptverify.events import read_events  # noqa: E402
 from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
 from ckptverify.integrations.transformers import (  # noqa: E402
     VerifyCheckpointsCallback,
     verified_resume_checkpoint,
     verify_before_resume,
 )
-from ckptverify.runs import background  # noqa: E402
-from ckptverify.runs.background import BackgroundVerifier  # noqa: E402
+from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp  # noqa: E402
+from ckptverify.verifier import background  # noqa: E402
+from ckptverify.verifier.background import BackgroundVerifier  # noqa: E402
 
 
 class TokenDataset(torch.utils.data.Dataset):

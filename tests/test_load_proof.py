@@ -23,11 +23,11 @@ from ckpt_factory import free_port
 from test_load_atomic import assert_unchanged, build, snapshot
 
 import ckptverify as cv
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.errors import CheckpointRefusedError, ProofFailedError
-from ckptverify.manifest import MANIFEST_FILE
+from ckptverify.ownfiles.manifest import MANIFEST_FILE
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.stamp import read_stamp, write_stamp
-from ckptverify.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -172,7 +172,7 @@ def _job(run_dir: Path, steps: int) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_a_production_job_does_not_train_on_a_checkpoint_damaged_under_its_stamp(tmp_path: Path) -> None:
-    from ckptverify.events import read_events
+    from ckptverify.ownfiles.events import read_events
 
     run = tmp_path / "run"
     done = _job(run, 6)

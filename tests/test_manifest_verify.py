@@ -14,11 +14,11 @@ import pytest
 from ckpt_factory import ZIP_LAYOUTS
 from click.testing import CliRunner
 
-from ckptverify.adopt import fingerprint_checkpoint
+from ckptverify.audit.adopt import fingerprint_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main
 from ckptverify.errors import ManifestExistsError
-from ckptverify.manifest import MANIFEST_FILE, read_manifest
-from ckptverify.verify import verify_checkpoint
+from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
 
 
 def _adopted(fresh_ckpt: Any, layout: str) -> Path:
@@ -135,7 +135,7 @@ def test_faults_are_caught_with_a_manifest(fresh_ckpt, fault):
 
 
 def _rewrite_manifest(path: Path, edit: Any, keep_digest: bool) -> None:
-    from ckptverify.manifest import _self_digest
+    from ckptverify.ownfiles.manifest import _self_digest
 
     data = json.loads((path / MANIFEST_FILE).read_text())
     edit(data)
@@ -277,7 +277,7 @@ def test_manifest_never_makes_verify_read_outside_the_checkpoint(fresh_ckpt):
 
 
 def test_findings_are_capped_per_check_with_a_count_of_the_rest(fresh_ckpt):
-    from ckptverify.verify import MAX_FINDINGS_PER_CHECK
+    from ckptverify.audit.verify import MAX_FINDINGS_PER_CHECK
 
     path = _adopted(fresh_ckpt, "single")
 

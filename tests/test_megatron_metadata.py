@@ -24,9 +24,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp.storage_reader import SafeFileSystemReader
-from ckptverify.verify import verify_checkpoint
 
 MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 

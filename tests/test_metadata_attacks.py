@@ -16,11 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptverify
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.dcp import metadata as md
-from ckptverify.dcp import safepickle as sp
 from ckptverify.dcp.storage_reader import SafeFileSystemReader
 from ckptverify.errors import CheckpointRefusedError, UnsafeMetadataError
-from ckptverify.verify import verify_checkpoint
+from ckptverify.safeparse import metadata_pickle as sp
 
 
 class _Canary:

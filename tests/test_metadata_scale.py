@@ -113,7 +113,7 @@ def _small_tensors(path: Path, n: int) -> Path:
 
 def test_verify_work_grows_linearly_with_items(tmp_path):
     # The whole verification (metadata, structure, every item's archive and CRCs), not the metadata alone.
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     small, large = _small_tensors(tmp_path / "s", 500), _small_tensors(tmp_path / "l", 2000)
     calls_small = count_calls(lambda: verify_checkpoint(small, jobs=1))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptverify.own_files import STAMP_TEMP_PREFIX, write_atomic
+from ckptverify.ownfiles.names import STAMP_TEMP_PREFIX, write_atomic
 
 
 @pytest.mark.parametrize("durable", [True, False])

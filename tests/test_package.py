@@ -14,7 +14,7 @@ def test_every_export_resolves():
 
 
 def test_importing_the_package_and_the_cli_does_not_import_torch():
-    code = "import sys, ckptverify, ckptverify.cli, ckptverify.verify; print('torch' in sys.modules)"
+    code = "import sys, ckptverify, ckptverify.cli, ckptverify.audit.verify; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

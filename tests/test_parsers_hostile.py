@@ -1,7 +1,7 @@
 """Parsers of untrusted bytes end in a finding or a clear error, never a traceback, and allocate only what the
 bytes can hold: safetensors headers (single files and DCP's safetensors blobs), a ``torch.save`` file's
 ``data.pkl`` memo, trace stores (metadata, chunk shapes, zstd chunks), and JSON through
-:mod:`ckptverify.safejson`.
+:mod:`ckptverify.safeparse.safejson`.
 
 Bombs run in a child process under ``RLIMIT_AS`` (its address space after imports plus 2 GiB), and report
 how much their peak resident memory grew: a regression fails the test instead of eating the machine.
@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptverify import safejson
 from ckptverify.dcp import safetensors
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.safeparse import safejson
+from ckptverify.safeparse.readers import ReadOnlyFile
 
 ROOT = Path(__file__).parents[1]
 TIMEOUT = 300
@@ -38,7 +38,7 @@ MAX_GROWTH_MB = 300
 _CHILD = textwrap.dedent("""
     import contextlib, io, json, resource, sys
     import torch, numpy, zarr  # the imports every command makes, before the baseline
-    import ckptverify.cli, ckptverify.verify, ckptverify.trace.compare
+    import ckptverify.cli, ckptverify.audit.verify, ckptverify.trace.compare
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
     resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), resource.RLIM_INFINITY))
@@ -213,7 +213,7 @@ def test_a_huge_memo_index_in_a_torch_save_file_allocates_nothing(tmp_path: Path
 
 
 def test_sequential_memo_indices_still_read(tmp_path: Path) -> None:
-    from ckptverify.formats.pickle_scan import scan_pickle
+    from ckptverify.safeparse.pickle_scan import scan_pickle
 
     value = {"a": [1.5, "x"], "b": ("y", [2])}
     value["c"] = value["a"]
@@ -227,7 +227,7 @@ def test_sequential_memo_indices_still_read(tmp_path: Path) -> None:
     b"(dp-1\n.",  # a negative index
 ])
 def test_memo_indices_past_what_was_memoized_are_refused(pkl: bytes) -> None:
-    from ckptverify.formats.pickle_scan import PickleScanError, scan_pickle
+    from ckptverify.safeparse.pickle_scan import PickleScanError, scan_pickle
 
     with pytest.raises(PickleScanError, match="memo"):
         scan_pickle(pkl)
@@ -244,7 +244,7 @@ def _tensor_pkl(size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
 
 
 def test_tensor_sizes_must_be_64_bit_integers() -> None:
-    from ckptverify.formats.pickle_scan import PickleScanError, scan_pickle
+    from ckptverify.safeparse.pickle_scan import PickleScanError, scan_pickle
 
     assert scan_pickle(_tensor_pkl((2, 3), (3, 1))).tensors["<root>"].shape == (2, 3)
     for size, stride in (((1 << 64,), (1,)), ((2, 2), (1,)), ((2,), (1 << 70,))):

@@ -15,9 +15,9 @@ from pathlib import Path
 import inject_fault as inj
 import pytest
 
-from ckptverify.events import read_events
 from ckptverify.hardware.inject import BitFlip
-from ckptverify.resume.replay import replay
+from ckptverify.ownfiles.events import read_events
+from ckptverify.replay.replay import replay
 from ckptverify.runs.stamp import read_stamp
 
 SCRIPT = Path(__file__).with_name("production_workload.py")

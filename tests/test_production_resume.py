@@ -21,8 +21,8 @@ import production_replica_worker as episode_worker
 import pytest
 import torch.multiprocessing as mp
 
-from ckptverify.events import read_events
 from ckptverify.hardware.inject import BitFlip
+from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.latest import QUARANTINE_DIR, latest_verified
 from ckptverify.runs.prune import prune
 from ckptverify.runs.scan import scan_run_dir

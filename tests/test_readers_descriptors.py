@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptverify import readers
-from ckptverify.readers import FileChangedError, ReadOnlyFile
-from ckptverify.verify import verify_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
+from ckptverify.safeparse import readers
+from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptverify.errors import UsageError
-from ckptverify.resume.replay import replay
+from ckptverify.replay.replay import replay
 
 
 def _run_dir(tmp_path: Path, **meta: object) -> tuple[Path, Path]:

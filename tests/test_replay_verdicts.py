@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from ckptverify.hardware.inject import BitFlip
-from ckptverify.resume.replay import VERDICTS, replay
-from ckptverify.resume.replay_causes import _origin
+from ckptverify.replay.causes import _origin
+from ckptverify.replay.replay import VERDICTS, replay
 
 SCRIPTS = Path(__file__).with_name("user_scripts")
 TRAIN = SCRIPTS / "replay_train.py"
@@ -204,7 +204,7 @@ def _metrics_run(run_dir: Path, losses: dict[int, dict[int, float]], world: int,
 
 def test_without_recorded_inputs_a_difference_names_no_cause_and_no_rank(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptverify.resume.replay_causes import judge
+    from ckptverify.replay.causes import judge
 
     prod = _metrics_run(tmp_path / "prod", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.5}}, 2, monkeypatch)
     rep = _metrics_run(tmp_path / "rep", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.25}}, 2, monkeypatch)

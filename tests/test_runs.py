@@ -17,13 +17,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
-from ckptverify.adopt import fingerprint_checkpoint
+from ckptverify.audit.adopt import fingerprint_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.prune import prune
 from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp, write_stamp
-from ckptverify.runs.watch import watch, watch_pass
-from ckptverify.verify import verify_checkpoint
+from ckptverify.verifier.watch import watch, watch_pass
 
 
 def _dcp(path: Path, value: float, manifest: bool = True) -> Path:
@@ -90,7 +90,7 @@ def test_a_stamp_ranks_a_checkpoint_no_higher_than_its_verification_could(tmp_pa
     bare = root / "step_2.safetensors"  # no CRCs, no manifest: nothing can check its content
     save_file({"w": torch.full((64, 64), 2.0)}, str(bare))
     assert latest_verified(root, use_stamps=False).step == 1
-    from ckptverify.runs.stamper import verify_and_stamp
+    from ckptverify.verifier.stamper import verify_and_stamp
 
     assert verify_and_stamp(str(bare), step=2).event == "verified"  # as watch does: "passed", stamped
     stamp = read_stamp(bare)

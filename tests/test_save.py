@@ -33,11 +33,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import ckptverify
+from ckptverify.checkpoint.save import async_save, save
 from ckptverify.dcp.writer import HashedStorageInfo, HashingFileSystemWriter
 from ckptverify.errors import UsageError
 from ckptverify.fingerprint import FINGERPRINT_VERSION, block_digests, digest_file_range, tensor_fingerprint
-from ckptverify.manifest import MANIFEST_FILE, Manifest, read_manifest
-from ckptverify.saving import async_save, save
+from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, read_manifest
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import ckptverify
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.dcp.commit import MARKER_FILE, begin_save, read_marker
 from ckptverify.errors import SaveConflictError
-from ckptverify.manifest import MANIFEST_FILE
-from ckptverify.verify import verify_checkpoint
+from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",
                                         "ignore:Detected an existing checkpoint:UserWarning")

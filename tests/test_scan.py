@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
-from ckptverify.adopt import fingerprint_checkpoint
+from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.cli import main
 from ckptverify.formats.rundir import find_checkpoints, step_of
 from ckptverify.runs.scan import scan_run_dir

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import ckptverify as cv
-from ckptverify.events import read_events
-from ckptverify.readers import ReadOnlyFile, pacing
-from ckptverify.runs import background
-from ckptverify.runs.background import BackgroundVerifier
+from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.stamp import read_stamp
-from ckptverify.runs.stamper import stamp_locked
-from ckptverify.runs.throttle import (
+from ckptverify.safeparse.readers import ReadOnlyFile, pacing
+from ckptverify.verifier import background
+from ckptverify.verifier.background import BackgroundVerifier
+from ckptverify.verifier.stamper import stamp_locked
+from ckptverify.verifier.throttle import (
     MIN_FREE_ENV,
     THROTTLE_ENV,
     CpuTimes,
@@ -308,7 +308,7 @@ def test_a_lifted_throttle_stops_waiting_at_once() -> None:
 
 
 def test_this_thread_s_wait_for_a_cpu_is_readable_on_linux() -> None:
-    from ckptverify.runs.throttle import _read_run_delay
+    from ckptverify.verifier.throttle import _read_run_delay
 
     first = _read_run_delay()
     if not os.path.exists("/proc/thread-self/schedstat"):
@@ -324,7 +324,7 @@ def test_without_a_probe_the_throttle_never_waits() -> None:
 
 
 def test_a_hurry_names_its_request_so_a_late_one_never_lifts_the_next() -> None:
-    from ckptverify.runs.verify_worker import _hurry_reader
+    from ckptverify.verifier.worker import _hurry_reader
 
     r, w = os.pipe()
     try:
@@ -359,7 +359,7 @@ def test_a_paced_read_sees_every_byte_and_the_same_crc(tmp_path: Path) -> None:
 @pytest.mark.parametrize("layout", ["dcp", "safetensors"])
 def test_a_deep_verification_paces_its_tensor_rebuild_too(layout: str, tmp_path: Path) -> None:
     """The deep check reads every tensor again to rebuild it: those reads are paced like the hashing's."""
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     w = torch.arange(300_000.0)
     if layout == "dcp":
@@ -437,7 +437,7 @@ def test_a_throttled_verification_waits_then_completes_and_stamps_once_waited_fo
 
 def _can_raise_priority() -> bool:
     """Whether a process here may go back from idle priority to normal (``CAP_SYS_NICE`` or ``RLIMIT_NICE``)."""
-    code = ("from ckptverify.runs.verify_worker import lower_priority, restore_priority\n"
+    code = ("from ckptverify.verifier.worker import lower_priority, restore_priority\n"
             "lower_priority('idle', whole_process=True)\nprint(restore_priority(0))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
@@ -511,10 +511,10 @@ _JOB = """
 import os, sys, time
 import torch
 import ckptverify as cv
-from ckptverify.runs.background import default_verifier
+from ckptverify.verifier.background import default_verifier
 
-from ckptverify.runs import background
-from ckptverify.runs.background import BackgroundVerifier
+from ckptverify.verifier import background
+from ckptverify.verifier.background import BackgroundVerifier
 
 run = sys.argv[1]
 default_verifier()  # the process's verifier, waited for at exit; at normal priority so that it starts on a busy machine

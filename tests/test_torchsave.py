@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 
-from ckptverify.dcp.torchsave import ArchiveError, parse_archive, tensor_header
+from ckptverify.safeparse.torchsave import ArchiveError, parse_archive, tensor_header
 
 
 def _saved(value) -> bytes:
@@ -136,7 +136,7 @@ def test_a_huge_memo_index_in_data_pkl_allocates_nothing():
 def test_data_pkl_hashing_a_tuple_is_refused_not_a_crash(hostile):
     # hash() of a tuple nested a million deep recursed in C until the process died (SIGSEGV); a plain
     # tensor's data.pkl hashes no tuple, so any tuple key is refused before it is hashed.
-    code = ("import pickle\nfrom ckptverify.dcp.torchsave import tensor_header\n"
+    code = ("import pickle\nfrom ckptverify.safeparse.torchsave import tensor_header\n"
             f"data = {hostile}\n"
             "try:\n    tensor_header(data)\nexcept pickle.UnpicklingError as exc:\n    print('refused:', exc)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -407,8 +407,8 @@ def test_state_digests_keep_their_serialization() -> None:
 def test_batched_device_lanes_equal_the_fingerprint_of_each_tensor() -> None:
     """lanes_many (the accelerator path, run here on CPU: same code) equals tensor_fingerprint tensor by tensor,
     across blocks holding several tensors and tensors cut into several blocks, also under deterministic mode."""
-    from ckptverify import _fingerprint_kernels as kern
     from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
+    from ckptverify.fingerprint import kernels as kern
 
     g = torch.Generator().manual_seed(3)
     tensors = [torch.randn(3, 4, generator=g), torch.zeros(0), torch.randn((), generator=g),

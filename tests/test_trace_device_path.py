@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent('''
 
     import ckptverify.trace.recorder as R
     from ckptverify import TrainState
-    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace import TraceHeader, TraceRecorder, first_divergence, open_trace
     from ckptverify.trace.compare import compare_runs
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptverify.adopt import fingerprint_checkpoint
-from ckptverify.readers import FileChangedError, ReadOnlyFile
-from ckptverify.verify import verify_checkpoint
+from ckptverify.audit.adopt import fingerprint_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
+from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile
 
 RUNS_PER_MODE = 8
 MAX_RUNS_PER_MODE = 40
@@ -158,7 +158,7 @@ def test_truncation_between_open_and_read_is_reported(tmp_path: Path) -> None:
 def test_verify_reports_a_shard_rewritten_in_place_after_it_was_read(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A change that leaves the bytes read intact (it happens after they were hashed) is still reported."""
-    import ckptverify.verify as v
+    import ckptverify.audit.verify as v
 
     path = _checkpoint(tmp_path / "ckpt")
     shard = _largest(path)

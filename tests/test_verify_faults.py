@@ -24,9 +24,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main as cli_main
 from ckptverify.findings import Finding, Report
-from ckptverify.verify import verify_checkpoint
 
 LAYOUTS = ckpt_factory.LAYOUTS
 ZIP_LAYOUTS = frozenset(ckpt_factory.ZIP_LAYOUTS)
@@ -581,7 +581,7 @@ def test_fault_is_detected_with_a_manifest(layout: str, fault_name: str, fresh_c
     """The whole matrix again on adopted checkpoints (manifest present): every fault is still an error, except
     a planted extra file, which changes no byte the checkpoint references (a warning), and bytes appended to a
     referenced file, which the manifest's recorded file size now turns into an error."""
-    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.audit.adopt import fingerprint_checkpoint
 
     path = fresh_ckpt(layout)
     # The safetensors layout carries no CRC-32: adopting it is an explicit act of trust.

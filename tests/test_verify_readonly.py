@@ -20,8 +20,8 @@ import inject_fault as inj
 import pytest
 from click.testing import CliRunner
 
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main as cli_main
-from ckptverify.verify import verify_checkpoint
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
@@ -176,8 +176,8 @@ def test_verify_opens_only_regular_files_inside_the_checkpoint_without_blocking(
     of it and the manifest names a file outside."""
     import json
 
-    from ckptverify.adopt import fingerprint_checkpoint
-    from ckptverify.manifest import MANIFEST_FILE, _self_digest
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE, _self_digest
 
     path = fresh_ckpt("threads")
     _, manifest = fingerprint_checkpoint(path, block_bytes=4096)

@@ -6,8 +6,8 @@ import inject_fault as inj
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptverify.adopt import fingerprint_checkpoint
-from ckptverify.verify import verify_checkpoint
+from ckptverify.audit.adopt import fingerprint_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
 
 
 def test_items_saved_with_crc_disabled_are_uncheckable_then_covered_by_a_manifest(tmp_path):

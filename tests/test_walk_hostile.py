@@ -28,13 +28,13 @@ from click.testing import CliRunner
 import ckptverify as cv
 import ckptverify.formats.rundir as rundir
 import ckptverify.runs.scan as scan_mod
-from ckptverify.adopt import fingerprint_checkpoint
+from ckptverify.audit.adopt import fingerprint_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main
 from ckptverify.formats.rundir import WalkIncompleteError, find_checkpoints
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.prune import prune
 from ckptverify.runs.scan import scan_run_dir
-from ckptverify.verify import verify_checkpoint
 
 
 def _dcp(path: Path, value: float) -> Path:
@@ -210,7 +210,7 @@ def test_a_checkpoint_deleted_during_scan_is_deleted_not_corrupt(tmp_path: Path,
         _dcp(run / f"step_{step}", float(step))
     inj.flip_in_tensor_payload(run / "step_30", "w")  # really corrupt: must stay corrupt
     victim = run / "step_20"
-    import ckptverify.verify as verify_mod
+    import ckptverify.audit.verify as verify_mod
 
     real = verify_mod.verify_checkpoint
 

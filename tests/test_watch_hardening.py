@@ -20,12 +20,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
-from ckptverify.adopt import fingerprint_checkpoint
+from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.cli import main
-from ckptverify.events import EventLog
-from ckptverify.own_files import STAMP_FILE, append_line, write_atomic
+from ckptverify.ownfiles.events import EventLog
+from ckptverify.ownfiles.names import STAMP_FILE, append_line, write_atomic
 from ckptverify.runs.stamp import read_stamp
-from ckptverify.runs.watch import watch
+from ckptverify.verifier.watch import watch
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify and FIFOs as on Linux")
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_a_good_checkpoint_that_cannot_be_stamped_passes_with_a_note(tmp_path: P
 
 def test_a_checkpoint_that_cannot_be_verified_at_all_exits_2(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptverify.verify
+    import ckptverify.audit.verify
 
     root = tmp_path / "run"
     _dcp(root / "step_1", 1.0)
@@ -107,7 +107,7 @@ def test_a_checkpoint_that_cannot_be_verified_at_all_exits_2(tmp_path: Path,
     def unreadable(*args: object, **kwargs: object) -> None:
         raise PermissionError(13, "Permission denied", str(root / "step_1" / ".metadata"))
 
-    monkeypatch.setattr(ckptverify.verify, "verify_checkpoint", unreadable)
+    monkeypatch.setattr(ckptverify.audit.verify, "verify_checkpoint", unreadable)
     result = CliRunner().invoke(main, ["watch", "--once", "--json", "--log", str(tmp_path / "w.jsonl"), str(root)])
     assert result.exit_code == 2, result.output
     (item,) = map(json.loads, result.output.splitlines())
@@ -138,7 +138,7 @@ def test_a_read_only_run_directory_still_gets_verdicts(tmp_path: Path) -> None:
 @linux_only
 def test_a_fifo_named_events_jsonl_is_refused_not_waited_on(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "events.jsonl")
-    code = ("import sys\nfrom ckptverify.events import EventLog\n"
+    code = ("import sys\nfrom ckptverify.ownfiles.events import EventLog\n"
             "try:\n    EventLog(sys.argv[1]).emit('save', step=1)\n"
             "except OSError as exc:\n    print(exc); sys.exit(3)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}

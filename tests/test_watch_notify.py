@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptverify.adopt import fingerprint_checkpoint
-from ckptverify.runs import notify
-from ckptverify.runs.notify import DirectoryNotifier
+from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.runs.stamp import read_stamp
-from ckptverify.runs.watch import watch
+from ckptverify.verifier import notify
+from ckptverify.verifier.notify import DirectoryNotifier
+from ckptverify.verifier.watch import watch
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
 
@@ -78,7 +78,7 @@ def test_watch_verifies_and_stamps_every_format_once_it_has_settled(tmp_path: Pa
     from safetensors.torch import save_file
 
     from ckptverify.runs.latest import latest_verified
-    from ckptverify.runs.watch import watch_pass
+    from ckptverify.verifier.watch import watch_pass
 
     root = tmp_path / "run"
     _dcp(root / "step_10", 1.0)

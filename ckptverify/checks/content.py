@@ -2,7 +2,7 @@
 
 DCP writes each item as a ``torch.save`` zip whose records carry CRC-32s that neither ``torch.load`` nor
 ``dcp.load`` ever check. Here every record's bytes are hashed and compared, and the structure around
-them is cross-checked (:mod:`ckptverify.dcp.torchsave`), so a flipped bit anywhere in an item is found.
+them is cross-checked (:mod:`ckptverify.safeparse.torchsave`), so a flipped bit anywhere in an item is found.
 Tensor payload corruption is localized to the FQN, chunk, byte range and element range.
 
 Small items (most of a checkpoint's items, a small part of its bytes) are read many at a time, parsed
@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.checks import item_label, item_location
-from ckptverify.crcflip import false_match_probability, locate_single_bit
+from ckptverify.checks.crcflip import false_match_probability, locate_single_bit
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
-from ckptverify.dcp.torchsave import (
+from ckptverify.findings import Finding, Location, error, info, warning
+from ckptverify.safeparse.readers import ReadOnlyFile, crc32
+from ckptverify.safeparse.torchsave import (
     Archive,
     ArchiveError,
     Record,
@@ -33,8 +35,6 @@ from ckptverify.dcp.torchsave import (
     parse_item,
     tensor_header,
 )
-from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.readers import ReadOnlyFile, crc32
 
 #: Items up to this size are read whole, with their neighbours, and checked from memory while planning.
 SMALL_ITEM_BYTES = 1 << 20

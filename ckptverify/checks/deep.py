@@ -16,8 +16,8 @@ from ckptverify.checks.content import ItemPlan
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Layout
 from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor, iter_row_blocks
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.manifest import Manifest
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.ownfiles.manifest import Manifest
+from ckptverify.safeparse.readers import ReadOnlyFile
 
 _FLOATING = {"float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32"}
 

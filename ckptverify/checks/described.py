@@ -17,8 +17,8 @@ from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.describe import Description, is_own_file, read_tensor
-from ckptverify.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
+from ckptverify.safeparse.readers import ReadOnlyFile
 
 __all__ = ["check_manifest", "deep_check", "folder_files", "judge_described", "manifest_entries", "manifests_of"]
 
@@ -202,7 +202,7 @@ def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[st
     describes: the folder, or one file) and a ``manifest-invalid`` error for each manifest that cannot be
     trusted (refused whole: nothing is compared with it). An orphan file manifest (its file is gone) is
     returned too: comparing it reports the missing file."""
-    from ckptverify.manifest import MANIFEST_FILE, ManifestError, file_manifest_name, read_manifest
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE, ManifestError, file_manifest_name, read_manifest
 
     if not use_manifest:
         return [], []

@@ -2,7 +2,7 @@
 
 The manifest pins every item's bytes (one digest per fixed-size block, so damage is narrowed to a block's
 element range), every file's size, the ``.metadata`` files, and each tensor's logical fingerprint at save
-time. These checks compare; :mod:`ckptverify.verify` schedules the hashing.
+time. These checks compare; :mod:`ckptverify.audit.verify` schedules the hashing.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from ckptverify.checks import item_label, item_location
 from ckptverify.checks.content import ItemPlan
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
 from ckptverify.findings import Finding, Location, error
-from ckptverify.manifest import ItemEntry, Manifest
-from ckptverify.readers import FileChangedError, ReadOnlyFile, crc32
+from ckptverify.ownfiles.manifest import ItemEntry, Manifest
+from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, crc32
 
 
 @dataclass(frozen=True, slots=True)

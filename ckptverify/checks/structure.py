@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from ckptverify.checks import item_label, item_location
 from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.own_files import OWN_FILES, STAMP_TEMP_PREFIX
-from ckptverify.readers import file_kind, is_inside
+from ckptverify.ownfiles.names import OWN_FILES, STAMP_TEMP_PREFIX
+from ckptverify.safeparse.readers import file_kind, is_inside
 
 
 def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | None]:

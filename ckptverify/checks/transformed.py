@@ -15,10 +15,10 @@ from typing import Any
 from ckptverify.checks import item_label, item_location
 from ckptverify.checks.content import FileResult, ItemPlan, judge_item
 from ckptverify.dcp.layout import Item
-from ckptverify.dcp.torchsave import ArchiveError, parse_archive
 from ckptverify.dcp.transforms import TransformError, decoded_item
 from ckptverify.findings import Finding, error, warning
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.torchsave import ArchiveError, parse_archive
 
 __all__ = ["plan_transformed"]
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ckptverify import safejson
 from ckptverify.errors import SaveConflictError
-from ckptverify.own_files import MANIFEST_TEMP_PREFIX, SAVE_MARKER
+from ckptverify.ownfiles.names import MANIFEST_TEMP_PREFIX, SAVE_MARKER
+from ckptverify.safeparse import safejson
 
 __all__ = ["MARKER_FILE", "MARKER_MAX_BYTES", "SaveLock", "begin_save", "read_marker"]
 

@@ -13,10 +13,10 @@ import math
 import struct
 from dataclasses import dataclass
 
-from ckptverify import safejson
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-from ckptverify.dcp.torchsave import Archive, Record, TensorHeader
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.safeparse import safejson
+from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.torchsave import Archive, Record, TensorHeader
 
 MAX_HEADER_BYTES = 100 << 20
 #: Most dimensions of one tensor (torch allows 64).

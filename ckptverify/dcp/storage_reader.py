@@ -31,13 +31,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptverify.dcp import metadata as md
-from ckptverify.dcp import safepickle as sp
 from ckptverify.errors import UnsafeMetadataError
+from ckptverify.safeparse import metadata_pickle as sp
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-    from ckptverify.manifest import Manifest
+    from ckptverify.ownfiles.manifest import Manifest
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -203,8 +203,8 @@ class ProvingFileSystemReader(SafeFileSystemReader):
 
 def _prove_crcs(data: bytes, fail: Any) -> None:
     """Every record of the ``torch.save`` archive ``data`` against its CRC-32 (the structure cross-checked too)."""
-    from ckptverify.dcp.torchsave import ArchiveError, parse_item
-    from ckptverify.readers import crc32
+    from ckptverify.safeparse.readers import crc32
+    from ckptverify.safeparse.torchsave import ArchiveError, parse_item
 
     try:
         archive = parse_item(data, 0, len(data)).archive

@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptverify.dcp.layout import Item
-from ckptverify.readers import ReadOnlyFile, crc32
+from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 
 __all__ = ["MAX_DECODED_BYTES", "DecodedItem", "TransformError", "decode", "decoded_item"]
 

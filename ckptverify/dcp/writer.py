@@ -13,7 +13,7 @@ system wraps each output stream in a :class:`_HashingStream`:
 logical fingerprint of the tensor chunk. These travel to the coordinator through DCP's own gather of
 write results. ``finish`` takes them out again, puts plain ``_StorageInfo`` objects back (so ``.metadata``
 is an ordinary DCP file any torch reads without ckptverify), lets DCP write ``.metadata``, digests it, and
-writes the manifest last (:func:`ckptverify.manifest.write_manifest`, atomic).
+writes the manifest last (:func:`ckptverify.ownfiles.manifest.write_manifest`, atomic).
 
 The writer follows the commit protocol of :mod:`ckptverify.dcp.commit`: in ``prepare_global_plan`` (on
 the coordinator, before any rank writes) it locks the directory, marks it as not committed and removes the
@@ -61,7 +61,7 @@ from ckptverify.fingerprint import (
     digest_file_range,
     new_digest,
 )
-from ckptverify.manifest import (
+from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_FILE,
     MAX_BLOCK_BYTES,
@@ -367,7 +367,7 @@ def _chunk_facts(t: torch.Tensor, item: WriteItem) -> _ChunkFacts:
 
 class HashingFileSystemWriter(FileSystemWriter):
     """A :class:`FileSystemWriter` that digests every item and file as it is written, and writes a
-    :data:`~ckptverify.manifest.MANIFEST_FILE` beside ``.metadata`` when the save commits.
+    :data:`~ckptverify.ownfiles.manifest.MANIFEST_FILE` beside ``.metadata`` when the save commits.
 
     Args:
         path: the checkpoint directory.
@@ -613,7 +613,7 @@ class HashingFileSystemWriter(FileSystemWriter):
                 else (None, None, None)
             tensors[fqn] = TensorEntry(dtype=dtype, shape=shape, fingerprint=fp, nan_count=nan, inf_count=inf)
 
-        import ckptverify
+        from ckptverify._version import __version__
 
         return Manifest(
             digest_algorithm=self.digest,
@@ -625,7 +625,7 @@ class HashingFileSystemWriter(FileSystemWriter):
             world_size=world_size,
             fingerprint_version=FINGERPRINT_VERSION if self.fingerprint else None,
             created=datetime.now(UTC).isoformat(timespec="microseconds"),
-            tool_version=ckptverify.__version__,
+            tool_version=__version__,
             torch_version=str(torch.__version__),
             source="save",
         )
@@ -635,7 +635,7 @@ def _blob_range(cache: dict[tuple[str, int], Any], path: str, start: int, fqn: s
     """Where tensor ``fqn``'s bytes are in the safetensors blob starting at ``start`` of ``path`` (the blob's
     header is read once per blob); ``None`` when no blob starts there or it holds no such tensor."""
     from ckptverify.dcp import safetensors
-    from ckptverify.readers import ReadOnlyFile
+    from ckptverify.safeparse.readers import ReadOnlyFile
 
     key = (path, start)
     if key not in cache:

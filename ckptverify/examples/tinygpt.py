@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ckptverify._distributed import rank_world
 from ckptverify.examples.corpus import TokenDataset
+from ckptverify.state.distributed import rank_world
 
 __all__ = [
     "TinyGPT",

@@ -4,13 +4,13 @@ A format reader turns a path into a :class:`Description`: its files (each with t
 shows), its tensors (name, dtype, global shape, and for each stored piece a :class:`Payload`: file, byte
 range, view, chunk, encoding, and what checksum protects those bytes) and its plain values (by path, as
 canonical strings). ``fingerprint``, ``verify --deep`` and ``diff`` of non-DCP checkpoints work on this
-description alone (:mod:`ckptverify.checks.described`, :mod:`ckptverify.diff`); the DCP reader produces
+description alone (:mod:`ckptverify.checks.described`, :mod:`ckptverify.audit.diff`); the DCP reader produces
 the same kind of facts from its metadata (:mod:`ckptverify.dcp`), chunk by chunk.
 
 Readers here (by content, never by name alone; nothing is unpickled, no link is followed, no special file
 is opened):
 
-* ``torch.save`` archive: tensors from ``data.pkl`` through :mod:`~ckptverify.formats.pickle_scan`, each
+* ``torch.save`` archive: tensors from ``data.pkl`` through :mod:`~ckptverify.safeparse.pickle_scan`, each
   one view onto a storage record (protected by the record's CRC-32); plain values from the same tree;
 * safetensors: tensors from the header (no checksum);
 * plain pickle (``random_states_N.pkl``) and legacy ``torch.save``: plain values only (no checksum);
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.dcp import safetensors
-from ckptverify.dcp.torchsave import ArchiveError, parse_archive
-from ckptverify.formats.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
-from ckptverify.own_files import MANIFEST_FILE, OWN_FILES
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES
+from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
+from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.torchsave import ArchiveError, parse_archive
 
 if TYPE_CHECKING:
     import torch
@@ -237,7 +237,7 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
 
 
 def json_values(value: Any) -> dict[str, str]:
-    """Every leaf of a parsed JSON document by path, as :func:`~ckptverify.formats.pickle_scan.leaf_values`
+    """Every leaf of a parsed JSON document by path, as :func:`~ckptverify.safeparse.pickle_scan.leaf_values`
     writes them."""
     return leaf_values(value)
 

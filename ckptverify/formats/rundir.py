@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckptverify.errors import CkptVerifyError
-from ckptverify.own_files import SAVE_MARKER
+from ckptverify.ownfiles.names import SAVE_MARKER
 
 __all__ = [
     "MAX_DEPTH",

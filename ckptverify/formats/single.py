@@ -15,10 +15,10 @@ import struct
 from typing import Any
 
 from ckptverify.dcp import safetensors
-from ckptverify.dcp.torchsave import looks_like_zip
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
 from ckptverify.formats.torchsave_file import verify_torchsave_file
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.torchsave import looks_like_zip
 
 __all__ = ["JSON_MAX_BYTES", "check_file", "check_json", "sniff"]
 

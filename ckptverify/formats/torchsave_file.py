@@ -1,7 +1,7 @@
 """A whole-file ``torch.save`` checkpoint (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output).
 
 What is checked: the zip structure (every duplicated field cross-checked, as for DCP items), the CRC-32 of every
-record, and the pickle (``data.pkl``), read through :mod:`~ckptverify.formats.pickle_scan` (nothing executes):
+record, and the pickle (``data.pkl``), read through :mod:`~ckptverify.safeparse.pickle_scan` (nothing executes):
 every tensor's storage record exists and is large enough for the tensor's extent, no storage record is
 orphaned. What is guaranteed when it passes: every byte of every record is what was written (up to CRC-32), and
 every tensor's bytes lie where its header says. Not guaranteed: that the values are what was in memory (no
@@ -15,10 +15,10 @@ import os
 from typing import Any
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-from ckptverify.dcp.torchsave import ArchiveError, looks_like_zip, parse_archive
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.formats.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, scan_pickle
-from ckptverify.readers import ReadOnlyFile
+from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, scan_pickle
+from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.torchsave import ArchiveError, looks_like_zip, parse_archive
 
 __all__ = ["verify_torchsave_file"]
 

@@ -96,7 +96,7 @@ class ReplicaCheck:
     Mismatches come in **episodes**: from the first checked step at which some replicas disagree until a check
     at which all agree again (a flipped bit that stays flipped makes one episode to the end of the job). The
     lowest rank of the group warns once per episode, at its first step, and says at its end (on stderr) how
-    many checked steps mismatched; ``events`` (an :class:`~ckptverify.events.EventLog`) receives a
+    many checked steps mismatched; ``events`` (an :class:`~ckptverify.ownfiles.events.EventLog`) receives a
     ``replica-mismatch`` event at the first step of each episode and a ``replica-mismatch-end`` event (with the
     count) when it ends, or at :meth:`finish`. :meth:`suspect` says what a checkpoint saved now must record.
     """

@@ -12,7 +12,7 @@ never needs one):
   that saves through ckptverify's hashing writer.
 
 Each takes ``background=True`` (torchtitan: ``verify_background``): the save returns at once and the checkpoint
-is verified by the process's background verifier (:mod:`ckptverify.runs.background`).
+is verified by the process's background verifier (:mod:`ckptverify.verifier.background`).
 
 What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`Verdict`,
 :class:`CheckpointVerificationWarning`. See ``docs/integrations.md``.

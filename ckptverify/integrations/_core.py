@@ -2,12 +2,12 @@
 about to load.
 
 After a save (:meth:`Verifier.after_save`), on the coordinator: the checkpoint is verified
-(:func:`~ckptverify.verify.verify_checkpoint`); when it holds content no checksum protects (safetensors weights),
+(:func:`~ckptverify.audit.verify.verify_checkpoint`); when it holds content no checksum protects (safetensors weights),
 or always with ``fingerprint=True``, it is fingerprinted (its manifest written,
-:func:`~ckptverify.adopt.fingerprint_checkpoint`: inside a folder, beside a single file) and verified against that
+:func:`~ckptverify.audit.adopt.fingerprint_checkpoint`: inside a folder, beside a single file) and verified against that
 manifest; then its stamp is written
 (:func:`~ckptverify.runs.stamp.write_stamp`) and one event appended to ``events.jsonl``
-(:class:`~ckptverify.events.EventLog`). A failure is a :class:`CheckpointVerificationWarning` and a
+(:class:`~ckptverify.ownfiles.events.EventLog`). A failure is a :class:`CheckpointVerificationWarning` and a
 ``checkpoint-failed`` event, and with ``on_failure="raise"`` a
 :class:`~ckptverify.errors.CheckpointRefusedError` on every rank.
 
@@ -24,7 +24,7 @@ broadcast (:class:`Group`), so every rank raises or none does.
 
 By default the integrations verify inline: a save returns once its checkpoint is verified and stamped. With
 ``background=True`` (:meth:`Verifier.after_save`'s one dispatch, ``self._dispatch``) the coordinator hands the
-checkpoint to the process's background verifier (:mod:`ckptverify.runs.background`, the one
+checkpoint to the process's background verifier (:mod:`ckptverify.verifier.background`, the one
 ``ckptverify.save(verify="background")`` uses: its queue, the checkpoint's verifying lock, its verifier process at
 idle CPU priority) and the save returns at once, with a *pending* verdict. The verifier process runs the same
 check as inline (:func:`check_saved`: fingerprinted when needed, verified, stamped), and the same event is
@@ -159,7 +159,7 @@ def first_error_line(path: str, errors: list[dict[str, Any]] | tuple[dict[str, A
 
 
 def _verdict(path: str, report: Report, step: int | None, seconds: float, stamp: str | None) -> Verdict:
-    from ckptverify.verify import UNCHECKABLE
+    from ckptverify.audit.verify import UNCHECKABLE
 
     errors = report.errors
     unchecked = sorted({f.location.file or "?" for f in report.findings if f.check == UNCHECKABLE})
@@ -194,8 +194,8 @@ def _failed(path: str, why: str, step: int | None = None, seconds: float = 0.0) 
 
 
 def _has_manifest(root: str) -> bool:
-    from ckptverify.adopt import file_manifest_path
-    from ckptverify.manifest import MANIFEST_FILE
+    from ckptverify.audit.adopt import file_manifest_path
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
     if os.path.isdir(root) and not os.path.islink(root):
         return os.path.lexists(os.path.join(root, MANIFEST_FILE))
@@ -218,7 +218,7 @@ def _fingerprint(root: str, jobs: int | None) -> str:
     place left: it describes bytes that are gone). Content no checksum protects (safetensors weights) is
     adopted as it was just written: from now on the manifest protects it. Returns what happened, for the
     event; a refusal is no failure by itself (the verification that follows judges the checkpoint)."""
-    from ckptverify.adopt import fingerprint_checkpoint
+    from ckptverify.audit.adopt import fingerprint_checkpoint
 
     report, manifest = fingerprint_checkpoint(root, force=True, jobs=jobs, trust_uncheckable=True)
     if manifest is not None:
@@ -232,7 +232,7 @@ def _vanished(root: str) -> bool:
     """Whether the checkpoint at ``root`` was deleted (or is being deleted): gone, a DCP folder that lost its
     metadata, or a folder left holding nothing but ckptverify's own files."""
     from ckptverify.formats.describe import is_own_file
-    from ckptverify.runs.stamper import removed
+    from ckptverify.verifier.stamper import removed
 
     if removed(root):
         return True
@@ -248,7 +248,7 @@ def _vanished(root: str) -> bool:
 def _tidy(root: str) -> None:
     """Remove ckptverify's own files (stamp, manifest, verifying lock) from a checkpoint that was deleted while
     it was verified: inside a folder left with nothing else (then the folder too), or beside a single file."""
-    from ckptverify.adopt import file_manifest_path
+    from ckptverify.audit.adopt import file_manifest_path
     from ckptverify.formats.describe import is_own_file
     from ckptverify.runs.stamp import stamp_path
 
@@ -276,8 +276,8 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
     ``settle``: set when the checkpoint may be deleted meanwhile (a verification in the background, while the
     framework's retention runs): a failure, or files that changed, is judged only after ``settle`` seconds, and
     a checkpoint gone by then is ``deleted``, with ckptverify's own files removed."""
+    from ckptverify.audit.verify import UNCHECKABLE, verify_checkpoint
     from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
-    from ckptverify.verify import UNCHECKABLE, verify_checkpoint
 
     started = time.perf_counter()
     background = settle is not None
@@ -440,7 +440,7 @@ class Verifier:
         arrived: list[Verdict] | None = None
         earlier = None
         if group.coordinator:
-            from ckptverify.runs.background import default_verifier, exit_timeout
+            from ckptverify.verifier.background import default_verifier, exit_timeout
 
             limit = exit_timeout() if timeout is None else timeout
             with self._lock:
@@ -521,7 +521,7 @@ class Verifier:
 
     def _submit(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verdict:
         """Queue ``root`` for the background verifier (:func:`check_saved` in its process)."""
-        from ckptverify.runs.background import Task, default_verifier
+        from ckptverify.verifier.background import Task, default_verifier
 
         if "://" in root:  # refused at once, as inline: there is nothing to queue
             return self._check_saved(root, step, fingerprint)
@@ -592,7 +592,7 @@ class Verifier:
         return first
 
     def _verify_only(self, root: str) -> Verdict:
-        from ckptverify.verify import verify_checkpoint
+        from ckptverify.audit.verify import verify_checkpoint
 
         started = time.perf_counter()
         if "://" in root:
@@ -611,7 +611,7 @@ class Verifier:
 
     @staticmethod
     def _emit_in(folder: str, event: str, verdict: Verdict, rank: int, **extra: Any) -> None:
-        from ckptverify.events import EventLog
+        from ckptverify.ownfiles.events import EventLog
 
         try:
             EventLog(folder, rank=rank).emit(event, **verdict.to_dict(), **extra)
@@ -673,7 +673,7 @@ def _cut(path: str, step: int | None, why: str) -> Verdict:
 
 
 def _incomplete_warning() -> type[Warning]:
-    from ckptverify.runs.background import VerifyIncompleteWarning
+    from ckptverify.verifier.background import VerifyIncompleteWarning
 
     return VerifyIncompleteWarning
 
@@ -683,6 +683,6 @@ def _await_background(root: str) -> None:
     ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``); the verification that follows judges the checkpoint either way."""
     import sys
 
-    background = sys.modules.get("ckptverify.runs.background")
+    background = sys.modules.get("ckptverify.verifier.background")
     if background is not None:  # else nothing was ever queued in this process
         background.wait_for_checkpoint(root, background.exit_timeout())

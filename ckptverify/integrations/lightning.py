@@ -187,7 +187,7 @@ class VerifyCheckpoints(Callback):
         return load_checkpoint
 
     def _removing(self, trainer: pl.Trainer, remove: Any) -> Any:
-        from ckptverify.adopt import file_manifest_path
+        from ckptverify.audit.adopt import file_manifest_path
         from ckptverify.runs.stamp import stamp_path
 
         def remove_checkpoint(filepath: Any) -> None:

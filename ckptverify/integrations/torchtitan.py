@@ -106,7 +106,7 @@ class VerifiedCheckpointManager(CheckpointManager):
         return ret
 
     def _hashing_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode) -> Any:
-        from ckptverify.saving import async_save, save
+        from ckptverify.checkpoint.save import async_save, save
 
         if async_mode == AsyncMode.ASYNC:
             return async_save(state_dict, checkpoint_id, process_group=self.pg)

@@ -282,7 +282,7 @@ def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str
     ``verbose`` lists every final-state difference (else many are folded into one row; the JSON report
     carries the full list either way). With ``log_dir``, each rank's stdout and stderr go to
     ``<log_dir>/<run>-rank<r>.log`` (named in the report's stats) instead of the terminal. With
-    ``report_dir``, an HTML page with figures is written there (:mod:`ckptverify.resume.figures`; needs
+    ``report_dir``, an HTML page with figures is written there (:mod:`ckptverify.render.figures`; needs
     matplotlib), its path in the report's stats as ``report_page``.
     """
     return resume_check_many([plan], keep=keep, progress=progress, verbose=verbose, log_dir=log_dir,
@@ -303,7 +303,7 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
     if len({(p.nproc, p.device) for p in plans}) != 1:
         raise UsageError("plans checked together must have the same nproc and device")
     if report_dir:
-        from ckptverify.resume.figures import _pyplot
+        from ckptverify.render.figures import _pyplot
 
         _pyplot()  # refuse before the runs, not after them, when matplotlib is missing
     for target in dict.fromkeys(p.target for p in plans):
@@ -417,7 +417,7 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
              "runs": list(configs), "workdir": root if keep else None, "logs": logs, "verdict": verdict.to_dict()}
     report = Report(command="resume-check", target=plan.target, findings=tuple(findings), stats=stats)
     if report_dir:
-        from ckptverify.resume.figures import write_report
+        from ckptverify.render.figures import write_report
 
         stats["report_page"] = write_report(report_dir, report=report, verdict=verdict,
                                             trace_dirs={n: c.trace_dir or "" for n, c in configs.items()},
@@ -428,7 +428,7 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
 
 def _compare(plan: Plan, configs: dict[str, RunConfig], *, verbose: bool = False
              ) -> tuple[list[Finding], dict[str, Any]]:
-    from ckptverify.diff import diff_checkpoints
+    from ckptverify.audit.diff import diff_checkpoints
 
     T, K = plan.steps, plan.resume_at
     findings: list[Finding] = []

@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
-from ckptverify.own_files import write_atomic
+from ckptverify.ownfiles.names import write_atomic
+from ckptverify.state.distributed import rank_world
 
 ENV_VAR = "CKPTVERIFY_RUN"
 LEVELS = ("metrics", "state", "module")
@@ -115,7 +115,7 @@ class Run:
              on_mismatch: str = "warn", fault: str | None = None, verify: str = "background",
              on_verify_failure: str = "warn", resume: str = "auto") -> None:
         """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with
-        ``run_dir``: see :mod:`ckptverify.resume.production`), or plainly for ``steps`` steps.
+        ``run_dir``: see :mod:`ckptverify.production.mode`), or plainly for ``steps`` steps.
 
         Production mode: ``steps`` total steps; the full state saved every ``save_every`` steps to
         ``run_dir/step_N``; a trace at level ``trace`` every ``trace_every`` steps; replicas compared on more
@@ -130,13 +130,13 @@ class Run:
         when checkpoints exist and none verifies), ``"required"`` (refused when there is nothing to resume
         from) or ``"never"`` (step 0; refused when a checkpoint verifies). Every checkpoint skipped is said on
         stderr and in ``events.jsonl``, and one that fails is moved aside, never overwritten (see
-        :mod:`ckptverify.resume.production`). A refusal prints why on stderr and exits with status 2 (raises
+        :mod:`ckptverify.production.mode`). A refusal prints why on stderr and exits with status 2 (raises
         ``SystemExit(2)``) before ``train`` runs, having changed nothing.
         """
         if os.environ.get(ENV_VAR) or run_dir is None:
             run = cls.from_env(steps=steps)
         else:
-            from ckptverify.resume.production import ProductionOptions, ResumeRefusedError, target_of
+            from ckptverify.production.mode import ProductionOptions, ResumeRefusedError, target_of
 
             if steps is None:
                 raise UsageError("production mode needs steps=")
@@ -155,7 +155,7 @@ class Run:
 
     @classmethod
     def _for_production(cls, options: Any, target: str) -> Run:
-        from ckptverify.resume.production import Production, segment_dir
+        from ckptverify.production.mode import Production, segment_dir
 
         owns = _init_group_from_env()
         rank, world = rank_world(env_fallback=True)
@@ -235,7 +235,7 @@ class Run:
             del caller
             notes["missing_optimizer"] = missing_optimizer(state)
         if self.config.resume_from:
-            from ckptverify.restore import load, load_picked
+            from ckptverify.checkpoint.load import load, load_picked
 
             # Production: the checkpoint was picked (and so verified) when the job started; the harness names one
             # and diagnoses a restore mismatch rather than refusing it.
@@ -389,7 +389,7 @@ class Run:
         self._write_json(f"held-rank{self._rank}.json", data)
 
     def _save(self) -> None:
-        from ckptverify.saving import save
+        from ckptverify.checkpoint.save import save
 
         if self.state is None:
             raise UsageError("the harness asked for a checkpoint but run.restore(state) was never called")
@@ -503,9 +503,9 @@ def _init_group_from_env() -> bool:
 def _resume_point(options: Any, *, rank: int, world: int) -> Any:
     """The checkpoint a production job resumes from (a :class:`~ckptverify.runs.latest.Latest`, the same on
     every rank), or ``None`` for a start from step 0, as ``options.resume`` allows; raises
-    :class:`~ckptverify.resume.production.ResumeRefusedError` on every rank when it refuses. See
-    :func:`ckptverify.resume.production.resume_point`."""
-    from ckptverify.resume.production import resume_point
+    :class:`~ckptverify.production.mode.ResumeRefusedError` on every rank when it refuses. See
+    :func:`ckptverify.production.mode.resume_point`."""
+    from ckptverify.production.mode import resume_point
 
     return resume_point(options, rank=rank, world=world)
 

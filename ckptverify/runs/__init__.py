@@ -5,9 +5,9 @@ delete.
 - :mod:`~ckptverify.runs.stamp`: the verification stamp written beside a verified checkpoint;
 - :mod:`~ckptverify.runs.latest`: the newest checkpoint that verifies;
 - :mod:`~ckptverify.runs.prune`: retention that never deletes the newest verified checkpoint;
-- :mod:`~ckptverify.runs.watch`: verify each checkpoint as it commits;
-- :mod:`~ckptverify.runs.stamper`: verify one committed checkpoint under its verifying lock, and stamp it;
-- :mod:`~ckptverify.runs.background`: a save's verification after it commits, in a verifier process
-  (:mod:`~ckptverify.runs.verify_worker`) or inline;
-- :mod:`~ckptverify.runs.throttle`: a background verification's pacing, off the cores the training uses.
+- :mod:`~ckptverify.verifier.watch`: verify each checkpoint as it commits;
+- :mod:`~ckptverify.verifier.stamper`: verify one committed checkpoint under its verifying lock, and stamp it;
+- :mod:`~ckptverify.verifier.background`: a save's verification after it commits, in a verifier process
+  (:mod:`~ckptverify.verifier.worker`) or inline;
+- :mod:`~ckptverify.verifier.throttle`: a background verification's pacing, off the cores the training uses.
 """

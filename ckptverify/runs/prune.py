@@ -33,7 +33,7 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.formats.rundir import WalkIncompleteError, WalkNote, find_checkpoints
-from ckptverify.own_files import SAVE_MARKER, VERIFYING_LOCK
+from ckptverify.ownfiles.names import SAVE_MARKER, VERIFYING_LOCK
 
 __all__ = ["PruneResult", "is_locked", "prune"]
 

@@ -45,7 +45,7 @@ _INCOMPLETE_CHECKS = frozenset({"metadata-missing", "save-uncommitted"})
 
 def judge_report(report: Report) -> str:
     """The state (one of :data:`STATES`) a ``verify`` report gives a DCP checkpoint."""
-    from ckptverify.verify import UNCHECKABLE
+    from ckptverify.audit.verify import UNCHECKABLE
 
     checks = {f.check for f in report.errors}
     if checks & _INCOMPLETE_CHECKS:
@@ -59,7 +59,7 @@ def judge_report(report: Report) -> str:
 
 def _judge_path(path: str, jobs: int | None) -> tuple[str, Report]:
     """A DCP checkpoint or a single file, through ``verify``'s own routing."""
-    from ckptverify.verify import verify_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
 
     report = verify_checkpoint(path, jobs=jobs)
     return judge_report(report), report
@@ -77,10 +77,10 @@ def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[
     same routing, so the same manifests: a folder's, and a file's own beside it). A good one with a suspect note
     is ``suspect``. One that was removed while it was verified (retention) is ``deleted``, not corrupt: a
     failed verdict is judged only after :data:`SETTLE_SECONDS` in which it stayed in place (as the stamper
-    judges it: :func:`~ckptverify.runs.stamper.removed`)."""
+    judges it: :func:`~ckptverify.verifier.stamper.removed`)."""
     from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.runs.stamp import files_fingerprint
-    from ckptverify.runs.stamper import removed
+    from ckptverify.verifier.stamper import removed
 
     path = os.path.normpath(os.path.join(root, cand.path))
     before = files_fingerprint(path)
@@ -113,7 +113,7 @@ def _judge_bytes(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str
     if cand.format in ("dcp", "dcp-uncommitted") or cand.kind == "file":
         state, report = _judge_path(path, jobs)
         return state, reason_of(state, report), counts_of(report)
-    from ckptverify.verify import verify_folder_files
+    from ckptverify.audit.verify import verify_folder_files
 
     folder = verify_folder_files(path)
     states, reasons = [judge_report(folder)], []
@@ -147,7 +147,7 @@ def reason_of(state: str, report: Report) -> str:
         first = next(f for f in report.errors if f.check in _INCOMPLETE_CHECKS)
         return f"never committed: {first.message}"
     if state == "uncheckable":
-        from ckptverify.verify import UNCHECKABLE
+        from ckptverify.audit.verify import UNCHECKABLE
 
         first = next(f for f in report.findings if f.check == UNCHECKABLE)
         return (f"{first.location.describe() or 'some content'} carries no checksum and no manifest covers it; "
@@ -224,7 +224,7 @@ def render_scan(report: Report, console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from ckptverify.report import _human, number_width, printable
+    from ckptverify.render.report import _human, number_width, printable
 
     style = {"verified": "green", "intact": "green", "suspect": "yellow", "uncheckable": "yellow",
              "incomplete": "yellow", "corrupt": "bold red", "deleted": "yellow"}

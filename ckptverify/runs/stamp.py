@@ -32,9 +32,9 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from ckptverify import safejson
 from ckptverify.findings import Report
-from ckptverify.own_files import STAMP_FILE, STAMP_TEMP_PREFIX, SUSPECT_NOTE, VERIFYING_LOCK, write_atomic
+from ckptverify.ownfiles.names import STAMP_FILE, STAMP_TEMP_PREFIX, SUSPECT_NOTE, VERIFYING_LOCK, write_atomic
+from ckptverify.safeparse import safejson
 
 __all__ = ["STAMP_FILE", "SUSPECT_NOTE", "VERIFYING_LOCK", "Stamp", "describe_suspect", "files_fingerprint",
            "read_stamp", "read_suspect", "stamp_path", "write_stamp", "write_suspect_note"]
@@ -113,7 +113,7 @@ class Stamp:
 
 def _read(path: str, limit: int) -> bytes | None:
     """A small regular file's bytes (never a FIFO, device or link; capped), or ``None``."""
-    from ckptverify.readers import read_small_file
+    from ckptverify.safeparse.readers import read_small_file
 
     try:
         return read_small_file(path, limit)
@@ -123,7 +123,7 @@ def _read(path: str, limit: int) -> bytes | None:
 
 def _manifest_digest(root: str) -> str | None:
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.manifest import MANIFEST_FILE, file_manifest_name
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name
 
     if os.path.isdir(root) and not os.path.islink(root):
         where = os.path.join(root, MANIFEST_FILE)
@@ -143,7 +143,7 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     before means a file changed during the verification leaves a stamp that is already stale.
     ``throttled_s``: seconds of the verification spent waiting for an idle core (recorded when given).
     """
-    from ckptverify import __version__
+    from ckptverify._version import __version__
     from ckptverify.runs.scan import judge_report
 
     folder = os.fspath(root)

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
+from ckptverify.state.distributed import rank_world
 
 __all__ = [
     "RNG_STATE_VERSION",

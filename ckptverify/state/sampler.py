@@ -59,8 +59,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Sampler
 
-from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
+from ckptverify.state.distributed import rank_world
 
 __all__ = [
     "SAMPLER_STATE_VERSION",

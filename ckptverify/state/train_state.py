@@ -7,7 +7,7 @@ streams, data position, state digests) is stored under ``rank{r}`` keys, because
 copy of items several ranks save under the same key.
 
 Besides the state itself, every rank stores a digest of each non-tensor field as it was at save time
-(``digests.rank{r}.<field>``); after a load, :func:`ckptverify.restore.load` recomputes them from the restored
+(``digests.rank{r}.<field>``); after a load, :func:`ckptverify.checkpoint.load.load` recomputes them from the restored
 objects, so a field that a ``load_state_dict`` silently ignored is reported.
 """
 
@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from ckptverify._distributed import rank_world
 from ckptverify.errors import CkptVerifyError, LoadFailedError, UsageError
 from ckptverify.state.dataloader import loader_state, restore_loader
 from ckptverify.state.digest import state_digest
+from ckptverify.state.distributed import rank_world
 from ckptverify.state.rng import RNG_STATE_VERSION, RngState, capture_rng, rank_key, restore_rng
 
 STATE_VERSION = 1
@@ -116,7 +116,7 @@ class TrainState:
                             seed=seed)
         #: Digests of each non-tensor field as saved (filled by ``load_state_dict``).
         self.saved_digests: dict[str, str] = {}
-        #: World size of the checkpoint about to be loaded (set by :func:`ckptverify.restore.load`).
+        #: World size of the checkpoint about to be loaded (set by :func:`ckptverify.checkpoint.load.load`).
         self.saved_world_size: int | None = None
         self._restored_rng: dict[str, Any] | None = None
         #: Fields whose state the last load did not restore on purpose (e.g. re-seeded RNG).

@@ -4,7 +4,7 @@ names the tensor when only one of them differs.
 **Member digests.** Each tensor a trace records gets a 128-bit digest (:func:`tensor_digests`): in host memory,
 xxh3-128 of its bytes xor a 128-bit signature of its dtype and shape (one C call per tensor, which releases the
 GIL while it reads; a seeded xxh3 would derive a new secret at every call); on an accelerator, the logical
-fingerprint (:mod:`ckptverify._fingerprint_kernels`), computed there for all tensors of a list in one batched
+fingerprint (:mod:`ckptverify.fingerprint.kernels`), computed there for all tensors of a list in one batched
 pass. A trace only compares runs of one configuration, so a digest that
 changes with every bit this rank holds is all a site needs.
 
@@ -137,7 +137,7 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
 
     Host tensors: :func:`host_digest`. Tensors on an accelerator: the logical fingerprint's two lanes
     (``lane0 << 64 | lane1``), computed on their device in one batched pass per device
-    (:func:`ckptverify._fingerprint_kernels.lanes_many`) and read back once. A DTensor stands for its local
+    (:func:`ckptverify.fingerprint.kernels.lanes_many`) and read back once. A DTensor stands for its local
     shard (what this rank holds).
     """
     from ckptverify.fingerprint import _dtensor_type
@@ -162,7 +162,7 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
 
 def device_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     """Fingerprint lanes of tensors on one device, computed there in one pass and read back once."""
-    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.fingerprint import kernels as kern
 
     return [(int(a), int(b)) for a, b in kern.lanes_many(tensors).tolist()]
 

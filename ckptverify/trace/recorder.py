@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ckptverify._distributed import rank_world
 from ckptverify.errors import UsageError
+from ckptverify.state.distributed import rank_world
 from ckptverify.trace.store import (
     DEFAULT_FLUSH_EVERY,
     LEVELS,
@@ -111,11 +111,11 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
     """:func:`~ckptverify.fingerprint.tensor_fingerprint` values of ``tensors``, in order.
 
     Plain tensors are fingerprinted together on their device (one batched pass per device,
-    :func:`ckptverify._fingerprint_kernels.lanes_many`, read back once); DTensors one by one through
+    :func:`ckptverify.fingerprint.kernels.lanes_many`, read back once); DTensors one by one through
     ``tensor_fingerprint``, in list order (DTensor fingerprints are collective: every rank passes the same
     list)."""
-    from ckptverify import _fingerprint_kernels as kern
     from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
+    from ckptverify.fingerprint import kernels as kern
 
     out: list[str | None] = [None] * len(tensors)
     by_device: dict[Any, list[int]] = {}
@@ -230,7 +230,7 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
     """``finish(digests)`` of ``tensors``' member digests (plain local tensors): host ones digested now, the
     others in one batched pass on their device, read back with the rest of the step. Returns ``finish``'s
     cells, or one deferred item that makes them."""
-    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace.category import tensor_digests
 
     device = [i for i, t in enumerate(tensors) if not _on_host(t)]
@@ -305,7 +305,7 @@ def _summary(obj: Any) -> Any:
     """``obj`` with every tensor replaced by its member digest, dtype and shape (for composite digests)."""
     import torch
 
-    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace.category import tensor_digests
 
     if isinstance(obj, torch.Tensor):
@@ -674,7 +674,7 @@ class _Digester:
         if out is None:
             return None
         (members,) = self._device.values()
-        from ckptverify import _fingerprint_kernels as kern
+        from ckptverify.fingerprint import kernels as kern
 
         return out, kern.lanes_many([self._tensors[i] for i in members])
 
@@ -697,7 +697,7 @@ class _Digester:
 
 def _device_digests(tensors: list[Any]) -> list[int]:
     """Member digests of tensors on one device, computed there and read back once."""
-    from ckptverify import _fingerprint_kernels as kern
+    from ckptverify.fingerprint import kernels as kern
 
     return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in kern.lanes_many(tensors).tolist()]
 

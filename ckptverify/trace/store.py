@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify import safejson
 from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.safeparse import safejson
 
 __all__ = [
     "CATEGORIES",
@@ -126,7 +126,7 @@ def _torch_version() -> str:
 
 
 def _tool_version() -> str:
-    from ckptverify import __version__
+    from ckptverify._version import __version__
 
     return __version__
 

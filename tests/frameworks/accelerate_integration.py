@@ -91,7 +91,7 @@ def background_job(rank: int, out: Path) -> None:
     from ckptverify.errors import CheckpointRefusedError
     from ckptverify.integrations import CheckpointVerificationWarning
     from ckptverify.integrations import accelerate as ckv
-    from ckptverify.runs.background import wait_for_verifications
+    from ckptverify.verifier.background import wait_for_verifications
 
     accelerator, model, opt, loader = setup(rank)
     result: dict = {}

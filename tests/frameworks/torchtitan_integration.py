@@ -133,7 +133,7 @@ def job(rank: int, world: int, out: Path) -> None:
         def _hashing_save(self, state_dict: Any, checkpoint_id: str, async_mode: Any) -> Any:
             if rank == 0 and checkpoint_id.endswith("step-4"):
                 # The earlier verdict is in, as in a run whose steps take longer than a verification.
-                from ckptverify.runs.background import wait_for_verifications
+                from ckptverify.verifier.background import wait_for_verifications
 
                 assert wait_for_verifications(timeout=120)
             ret = super()._hashing_save(state_dict, checkpoint_id, async_mode)
@@ -163,7 +163,7 @@ def job(rank: int, world: int, out: Path) -> None:
 
     def retention() -> dict[str, Any]:
         if rank == 0:
-            from ckptverify.runs.background import default_verifier
+            from ckptverify.verifier.background import default_verifier
 
             def hold_until_purged(path: str) -> None:
                 deadline = time.monotonic() + 60

@@ -1,0 +1,1 @@
+"""The audit commands over a checkpoint: verify, fingerprint (adopt), diff."""

@@ -1,0 +1,256 @@
+"""``fingerprint``: adopt an existing DCP checkpoint by computing and writing its manifest.
+
+For checkpoints written by another tool (torchtitan, Megatron, plain ``dcp.save``). The checkpoint is
+verified first (structure, metadata safety, every CRC-32); one that fails is refused, never blessed. Then
+every item, block, file and metadata file is digested and every tensor fingerprinted from its bytes, and
+the manifest is written atomically. This is the only command that writes into a checkpoint directory, and
+it writes only ``ckptverify.manifest.json``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import time
+from typing import Any
+
+from ckptverify.audit.verify import UNCHECKABLE, ProgressSink, VerificationRun, changed_finding, default_jobs
+from ckptverify.checks import deep as deep_check
+from ckptverify.errors import CheckpointNotFoundError, ManifestExistsError, UsageError
+from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage
+from ckptverify.ownfiles.manifest import (
+    DEFAULT_BLOCK_BYTES,
+    MANIFEST_FILE,
+    MAX_BLOCK_BYTES,
+    MIN_BLOCK_BYTES,
+    FileEntry,
+    ItemEntry,
+    Manifest,
+    TensorEntry,
+    write_manifest,
+)
+from ckptverify.safeparse.readers import FileChangedError
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-128",
+                           block_bytes: int = DEFAULT_BLOCK_BYTES, force: bool = False, jobs: int | None = None,
+                           trust_uncheckable: bool = False,
+                           progress: ProgressSink | None = None) -> tuple[Report, Manifest | None]:
+    """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the
+    manifest (``None`` when refused).
+
+    Content that verification could not check (items without CRC-32: stream transforms, DCP's safetensors
+    serialization, CRC disabled at save) would be blessed as it is by a manifest, so it is refused unless
+    ``trust_uncheckable``; the report names every such item either way. Raises
+    :class:`~ckptverify.errors.ManifestExistsError` when a manifest exists and ``force`` is false, or the
+    manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments."""
+    from ckptverify._version import __version__
+    from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
+
+    root = os.fspath(path)
+    if digest not in ALGORITHMS:
+        raise UsageError(f"unknown digest {digest!r}; choose one of {', '.join(ALGORITHMS)}")
+    if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+        raise UsageError(f"--block-bytes must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], got {block_bytes}")
+    single = os.path.lexists(root) and not os.path.isdir(root)
+    manifest_path = os.path.join(root, MANIFEST_FILE) if not single else file_manifest_path(root)
+    if os.path.lexists(manifest_path) and (single or os.path.isdir(root)):
+        if not force:
+            raise ManifestExistsError(f"{manifest_path} exists; pass --force to replace it")
+        if os.path.islink(manifest_path) or not os.path.isfile(manifest_path):
+            raise ManifestExistsError(f"{manifest_path} exists and is not a regular file (a directory, link or "
+                                      "special file); it is not replaced: remove it by hand if it is yours")
+
+    started = time.perf_counter()
+    if single:
+        return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
+                                      trust_uncheckable=trust_uncheckable, started=started)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
+    from ckptverify.audit.verify import _other_format
+
+    if _other_format(root)[0] == "folder":
+        return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
+                                      trust_uncheckable=trust_uncheckable, started=started)
+    run = VerificationRun(root, jobs or default_jobs(), progress)
+    try:
+        run.execute(deep=False, use_manifest=False)
+        checked = run.report("fingerprint", time.perf_counter() - started)
+        if not checked.passed:
+            refusal = error("fingerprint-refused", "the checkpoint fails verification; refusing to write a "
+                            "manifest that would bless it", location=Location(file=MANIFEST_FILE))
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
+                          coverage=checked.coverage, stats=checked.stats), None
+        uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
+        if uncheckable and not trust_uncheckable:
+            refusal = error(
+                "fingerprint-refused",
+                f"{len(uncheckable)} finding(s) name content that nothing could check (no CRC-32); a manifest "
+                "would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
+                location=Location(file=MANIFEST_FILE))
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
+                          coverage=checked.coverage, stats=checked.stats), None
+        layout = run.layout
+        assert layout is not None
+        items = [i for i in layout.items if run.opened.get(i.file) is not None]
+        if progress is not None:
+            progress.start(sum(i.length for i in items))
+
+        def digest_item(item: Any) -> ItemEntry:
+            d = BlockDigest(digest, block_bytes)
+            run.opened[item.file].fold(item.offset, item.end, d.update)  # type: ignore[union-attr]
+            run.advance(item.length)
+            return ItemEntry(fqn=item.fqn, chunk_offsets=item.chunk.offsets if item.chunk else None,
+                             file=item.file, offset=item.offset, length=item.length, digest=d.hexdigest(),
+                             blocks=tuple(d.block_hexdigests()))
+
+        entries = run.map(digest_item, sorted(items, key=lambda i: -i.length))
+        names = sorted(n for n, f in run.opened.items() if f is not None)
+        file_digests = run.map(
+            lambda n: FileEntry(size=run.opened[n].size, digest=digest_reader(run.opened[n], digest)),  # type: ignore[union-attr, arg-type]
+            names)
+        metadata = {n: _metadata_entry(root, n, digest) for n in layout.metadata_files}
+        scans, replica_findings = deep_check.scan_tensors(run.plans, run.opened, layout, run.map)
+        if replica_findings:
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
+                "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
+                "the checkpoint", location=Location(file=MANIFEST_FILE))), coverage=checked.coverage,
+                stats=checked.stats), None
+        tensors: dict[str, TensorEntry] = {}
+        unfingerprinted = 0
+        for fqn, tinfo in layout.tensors.items():
+            scan = scans.get(fqn)
+            value = scan.value(tinfo.shape) if scan is not None else None
+            if value is None and 0 not in tinfo.shape:
+                unfingerprinted += 1
+            tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
+                                       nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None)
+        ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
+        import torch
+
+        manifest = Manifest(
+            digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
+            files=dict(zip(names, file_digests, strict=True)), tensors=tensors, metadata_files=metadata,
+            world_size=max(ranks) + 1 if ranks else 1, fingerprint_version=FINGERPRINT_VERSION,
+            created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
+            torch_version=str(torch.__version__), source="fingerprint",
+        )
+        changed = run.changed_files()
+        if changed:
+            return _refused(checked, changed, "files changed while they were digested"), None
+        written = write_manifest(root, manifest)
+    except FileChangedError as exc:
+        name = os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?"
+        return _refused(checked, [changed_finding(name, str(exc))], "a file changed while it was digested"), None
+    finally:
+        run.close()
+    notes = [info("manifest-written",
+                  f"wrote {written}: {len(entries)} items, {len(names)} files, "
+                  f"{len(tensors) - unfingerprinted} of {len(tensors)} tensors fingerprinted",
+                  location=Location(file=MANIFEST_FILE))]
+    if unfingerprinted:
+        notes.append(info("fingerprint", f"{unfingerprinted} tensor(s) could not be rebuilt from their bytes "
+                          "(e.g. safetensors format) and carry no logical fingerprint; their bytes are digested",
+                          location=Location(file=MANIFEST_FILE)))
+    coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(entries), unit="items"))
+    if uncheckable:
+        notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
+                          f"could check: {len(uncheckable)} uncheckable finding(s) above",
+                          location=Location(file=MANIFEST_FILE)))
+    findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
+    return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
+                  stats=checked.stats), manifest
+
+
+def _refused(checked: Report, findings: list[Any], why: str) -> Report:
+    refusal = error("fingerprint-refused", f"{why}; refusing to write a manifest of bytes that are no longer "
+                    "on disk", location=Location(file=MANIFEST_FILE))
+    return Report(command="fingerprint", target=checked.target, findings=(*checked.findings, *findings, refusal),
+                  coverage=checked.coverage, stats=checked.stats)
+
+
+def _metadata_entry(root: str, name: str, algorithm: str) -> FileEntry:
+    """Size and digest of a metadata file, opened as a regular file inside the checkpoint only."""
+    from ckptverify.fingerprint import digest_reader
+    from ckptverify.safeparse.readers import ReadOnlyFile
+
+    with ReadOnlyFile(os.path.join(root, name), root=root) as f:
+        return FileEntry(size=f.size, digest=digest_reader(f, algorithm))
+
+
+def file_manifest_path(path: str) -> str:
+    """Where the manifest of the single checkpoint file ``path`` is written: beside it."""
+    from ckptverify.ownfiles.manifest import file_manifest_name
+
+    head, base = os.path.split(os.path.abspath(path))
+    return os.path.join(head, file_manifest_name(base))
+
+
+def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: bool, jobs: int | None,
+                           trust_uncheckable: bool, started: float) -> tuple[Report, Manifest | None]:
+    """A folder of checkpoint files (Hugging Face, accelerate, transformers) or a single file: verified by
+    every file's own checks, then every regular file digested and every tensor payload digested by blocks
+    and fingerprinted from its description (:mod:`ckptverify.checks.described`). DCP checkpoints inside a
+    folder (FSDP saves) are adopted each with its own manifest. A single file's manifest is written beside
+    it (``NAME.ckptverify.manifest.json``)."""
+    from ckptverify._version import __version__
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.checks.described import folder_files, manifest_entries
+    from ckptverify.fingerprint import FINGERPRINT_VERSION
+    from ckptverify.formats.describe import describe
+
+    single = not os.path.isdir(root)
+    # Findings about the manifest name the file it is (beside a single file, inside a folder).
+    own = os.path.basename(file_manifest_path(root)) if single else MANIFEST_FILE
+    checked = verify_checkpoint(root, jobs=jobs, use_manifest=False)
+    findings = [f for f in checked.findings if f.check != "manifest-absent"]
+    if not checked.passed:
+        return Report(command="fingerprint", target=root, findings=(*findings, error(
+            "fingerprint-refused", "the checkpoint fails verification; refusing to write a manifest that would "
+            "bless it", location=Location(file=own))), coverage=checked.coverage, stats=checked.stats), None
+    uncheckable = [f for f in findings if f.check == UNCHECKABLE]
+    if uncheckable and not trust_uncheckable:
+        return Report(command="fingerprint", target=root, findings=(*findings, error(
+            "fingerprint-refused",
+            f"{len(uncheckable)} finding(s) name content that nothing could check (no checksum: safetensors, "
+            "pickles); a manifest would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
+            location=Location(file=own))), coverage=checked.coverage, stats=checked.stats), None
+    parts = list(checked.stats.get("parts") or [])
+    for part in parts:  # each DCP part gets its own manifest, as `fingerprint PART` would write it
+        sub, _ = fingerprint_checkpoint(os.path.join(root, part), digest=digest, block_bytes=block_bytes, force=force,
+                                        jobs=jobs, trust_uncheckable=trust_uncheckable)
+        if not sub.passed:
+            return Report(command="fingerprint", target=root, findings=(*findings, *sub.findings),
+                          coverage=checked.coverage, stats=checked.stats), None
+    desc = describe(root)
+    names = [os.path.basename(os.path.abspath(root))] if single else folder_files(root)
+    try:
+        files, items, tensors, missing = manifest_entries(desc, names, digest, block_bytes)
+    except FileChangedError as exc:
+        return _refused(checked, [changed_finding(os.path.basename(str(exc.path)), str(exc))],
+                        "a file changed while it was digested"), None
+    import torch
+
+    manifest = Manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(items), files=files,
+                        tensors=tensors, world_size=1, fingerprint_version=FINGERPRINT_VERSION,
+                        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
+                        torch_version=str(torch.__version__), source="fingerprint")
+    if not single and set(folder_files(root)) != set(names):
+        return _refused(checked, [], "files were added or removed while they were digested"), None
+    written = write_manifest(desc.root, manifest, name=own)
+    notes = [info("manifest-written", f"wrote {written}: {len(files)} files, {len(items)} tensor payloads, "
+                  f"{len(tensors) - missing} of {len(tensors)} tensors fingerprinted"
+                  + (f", and a manifest in each of {len(parts)} DCP part(s)" if parts else ""),
+                  location=Location(file=own))]
+    if uncheckable:
+        notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
+                          f"could check: {len(uncheckable)} uncheckable finding(s) above",
+                          location=Location(file=own)))
+    coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(files), unit="files"),
+                CheckCoverage(check="fingerprint", count=len(tensors) - missing, unit="tensors"))
+    stats = {**checked.stats, "seconds": round(time.perf_counter() - started, 6)}
+    return Report(command="fingerprint", target=root, findings=(*findings, *notes),
+                  coverage=merge_coverage(coverage), stats=stats), manifest

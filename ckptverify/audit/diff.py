@@ -1,0 +1,593 @@
+"""``diff``: compare two checkpoints tensor by tensor and value by value, whatever their sharding or format.
+
+Each side is read through its format's description (:mod:`ckptverify.formats.describe`; DCP through its
+metadata), so a DCP checkpoint, its ``dcp_to_torch_save`` file and its Hugging Face export compare by
+tensor name. Tensors are compared by logical fingerprint (from a DCP checkpoint's manifest when it has a
+valid one, else rebuilt from the bytes), so checkpoints saved with different world sizes or chunkings
+compare correctly; only tensors whose fingerprints differ are loaded in full (both sides, one tensor at a
+time) to say how they differ: differing elements, max absolute difference, max ULP distance, first
+differing index. Plain values (non-tensor DCP items, pickled and JSON values of framework files such as
+Lightning's ``meta.pt`` or ``trainer_state.json``) are compared exactly.
+
+Both checkpoints are verified first; their errors are reported and their damaged tensors not compared. A
+tensor present on both sides that could not be read back fails the comparison (it was not compared), and a
+comparison that compared nothing never passes. ``ignore``: glob patterns of names left out on both sides
+(per-rank entries that legitimately differ); the report counts them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ckptverify.audit.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
+from ckptverify.checks import deep as deep_check
+from ckptverify.dcp.tensors import read_chunk
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.safeparse.readers import FileChangedError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptverify.formats.describe import Description
+
+
+def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jobs: int | None = None,
+                     progress: ProgressSink | None = None, ignore: Sequence[str] = (),
+                     map_prefix: Sequence[str | tuple[str, str]] = ()) -> Report:
+    """Compare checkpoints ``a`` and ``b`` (each a DCP folder, a folder of checkpoint files or a single
+    file); exit code 0 when every tensor and value is bitwise equal and something was compared.
+
+    ``map_prefix``: ``"A_PREFIX=B_PREFIX"`` strings (or ``(a_prefix, b_prefix)`` pairs): a name of A that
+    starts with ``A_PREFIX`` is compared with the name of B that has ``B_PREFIX`` instead (the longest
+    matching prefix wins; either side may be empty, not both): ``net.=model.net.`` compares A's
+    ``net.0.weight`` with B's ``model.net.0.weight``. Raises :class:`~ckptverify.errors.UsageError` for a
+    malformed mapping, and for one that maps two names of A onto the same name."""
+    from ckptverify.errors import CheckpointNotFoundError
+
+    mapping = parse_prefix_map(map_prefix)
+    roots = (os.fspath(a), os.fspath(b))
+    for root in roots:
+        if not os.path.lexists(root):
+            raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
+    started = time.perf_counter()
+    sides: list[_Side] = []
+    findings: list[Finding] = []
+    coverage: tuple[CheckCoverage, ...] = ()
+    stats: dict[str, Any] = {}
+    try:
+        for tag, root in zip("AB", roots, strict=True):
+            side = _open_side(root, jobs or default_jobs(), progress)
+            sides.append(side)
+            findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location, expected=f.expected,
+                                  actual=f.actual) for f in side.errors)
+        found, coverage, stats = _compare(sides[0], sides[1], tuple(ignore), mapping)
+        findings.extend(found)
+        for tag, side in zip("AB", sides, strict=True):
+            findings.extend(error(f.check, f"[{tag}] {f.message}", location=f.location) for f in side.changed())
+    except FileChangedError as exc:
+        findings.append(error("file-changed", f"file changed during the comparison: {exc}",
+                              location=Location(file=exc.path if isinstance(exc.path, str) else None)))
+        coverage = ()
+    finally:
+        for side in sides:
+            side.close()
+    stats["seconds"] = round(time.perf_counter() - started, 6)
+    return Report(command="diff", target=f"{roots[0]} {roots[1]}", findings=tuple(cap_findings(findings)),
+                  coverage=coverage, stats=stats)
+
+
+def parse_prefix_map(specs: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
+    """Validate ``--map-prefix`` values: each ``A_PREFIX=B_PREFIX`` with exactly one ``=`` (or a pair of
+    strings), not both empty, no A prefix given twice, no control characters. Raises
+    :class:`~ckptverify.errors.UsageError`."""
+    from ckptverify.errors import UsageError
+
+    if isinstance(specs, str | bytes):
+        raise UsageError("map_prefix must be a list of 'A_PREFIX=B_PREFIX' strings, not one string")
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        if isinstance(spec, str):
+            if spec.count("=") != 1:
+                raise UsageError(f"--map-prefix {spec!r}: expected A_PREFIX=B_PREFIX with exactly one '=' "
+                                 "(e.g. --map-prefix net.=model.net.)")
+            pair = tuple(spec.split("="))
+        elif isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(x, str) for x in spec):
+            pair = spec
+        else:
+            raise UsageError(f"--map-prefix {spec!r}: expected 'A_PREFIX=B_PREFIX' or a pair of strings")
+        a_prefix, b_prefix = pair
+        if not a_prefix and not b_prefix:
+            raise UsageError("--map-prefix '=': both prefixes are empty, so it maps nothing")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in a_prefix + b_prefix):
+            raise UsageError(f"--map-prefix {spec!r}: a prefix holds a control character")
+        if any(a_prefix == seen for seen, _ in out):
+            raise UsageError(f"--map-prefix: A prefix {a_prefix!r} is given twice")
+        out.append((a_prefix, b_prefix))
+    return out
+
+
+def _mapped_names(names: Sequence[str], mapping: list[tuple[str, str]],
+                  used: dict[tuple[str, str], int]) -> dict[str, str]:
+    """``{name in B's terms: name in A}`` for A's ``names`` under ``mapping`` (longest A prefix wins); counts
+    the names each mapping renamed in ``used``. Two names of A onto one is a usage error."""
+    from ckptverify.errors import UsageError
+
+    by_length = sorted(mapping, key=lambda m: -len(m[0]))
+    out: dict[str, str] = {}
+    for name in names:
+        target = name
+        for a_prefix, b_prefix in by_length:
+            if name.startswith(a_prefix):
+                target = b_prefix + name[len(a_prefix):]
+                used[(a_prefix, b_prefix)] += 1
+                break
+        if target in out:
+            raise UsageError(f"--map-prefix maps both {out[target]!r} and {name!r} of A onto {target!r}: the "
+                             "comparison would be ambiguous")
+        out[target] = name
+    return out
+
+
+def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tuple[str, str]] = (),
+             ) -> tuple[list[Finding], tuple[CheckCoverage, ...], dict[str, Any]]:
+    findings: list[Finding] = []
+    used = dict.fromkeys(mapping, 0)
+    a_tensors = _mapped_names(list(sa.tensors), list(mapping), used)  # B's terms -> A's name
+    a_values = _mapped_names(list(sa.values), list(mapping), used)
+    a_damaged_values, b_damaged_values = sa.damaged_values, sb.damaged_values
+
+    def ignored(name: str, a_name: str | None = None) -> bool:
+        return any(fnmatch.fnmatchcase(name, pat) or (a_name is not None and fnmatch.fnmatchcase(a_name, pat))
+                   for pat in ignore)
+
+    def label(name: str, a_name: str | None) -> str:
+        return repr(name) if a_name is None or a_name == name else f"{a_name!r} (A) / {name!r} (B)"
+
+    all_tensors = set(a_tensors) | set(sb.tensors)
+    all_values = set(a_values) | set(sb.values)
+    names = sorted(n for n in all_tensors if not ignored(n, a_tensors.get(n)))
+    values = sorted(n for n in all_values if not ignored(n, a_values.get(n)))
+    left_out = len(all_tensors) - len(names) + len(all_values) - len(values)
+    both = [n for n in names if n in a_tensors and n in sb.tensors and sa.tensors[a_tensors[n]] == sb.tensors[n]]
+    fp_a = sa.fingerprints({a_tensors[n] for n in both})
+    fp_b = sb.fingerprints(set(both))
+    compared = uncompared = 0
+    for name in names:
+        a_name = a_tensors.get(name)
+        what = label(name, a_name)
+        ta, tb = sa.tensors.get(a_name) if a_name is not None else None, sb.tensors.get(name)
+        if ta is None or tb is None:
+            findings.append(error("diff-missing", f"tensor {what} is missing from {'A' if ta is None else 'B'}",
+                                  location=Location(fqn=name)))
+            continue
+        if ta != tb:
+            findings.append(error("diff-tensor", f"{what} is {ta[0]}{list(ta[1])} in A and {tb[0]}{list(tb[1])} in B",
+                                  location=Location(fqn=name), expected=f"{ta[0]}{list(ta[1])}",
+                                  actual=f"{tb[0]}{list(tb[1])}"))
+            continue
+        assert a_name is not None
+        fa, fb = fp_a.get(a_name), fp_b.get(name)
+        if fa is None or fb is None:
+            uncompared += 1
+            side = "A" if fa is None else "B"
+            if (a_name in sa.damaged) if fa is None else (name in sb.damaged):  # its damage is reported above
+                findings.append(info("diff-uncompared", f"{what} is damaged in {side}; not compared",
+                                     location=Location(fqn=name)))
+            else:
+                findings.append(error("diff-uncompared", f"{what} could not be rebuilt from its bytes in {side}; "
+                                      "not compared, so its equality is not shown", location=Location(fqn=name)))
+            continue
+        compared += 1
+        if fa == fb:
+            continue
+        try:
+            stats = tensor_difference(sa.load(a_name), sb.load(name))
+        except (ValueError, RuntimeError, TypeError) as exc:
+            findings.append(error("diff-tensor", f"{what} differs (by fingerprint); loading it to say how failed: "
+                                  f"{exc}"[:300], location=Location(fqn=name), expected=fa, actual=fb))
+            continue
+        findings.append(error(
+            "diff-tensor",
+            f"{what} differs: {stats['differing']} of {stats['elements']} elements, max |a-b| "
+            f"{_number(stats['max_abs_diff'])}, max ULP distance {stats['max_ulp']}, first at {stats['first_index']}",
+            location=Location(fqn=name, global_index_first=tuple(stats["first_index"] or ())),
+            expected=fa, actual=stats,
+        ))
+    values_compared = values_uncompared = 0
+    for name in values:
+        a_name = a_values.get(name)
+        what = label(name, a_name)
+        va, vb = sa.values.get(a_name) if a_name is not None else None, sb.values.get(name)
+        if va is None or vb is None:
+            findings.append(error("diff-missing", f"value {what} is missing from {'A' if va is None else 'B'}",
+                                  location=Location(fqn=name)))
+            continue
+        if a_name in a_damaged_values or name in b_damaged_values:
+            values_uncompared += 1
+            side = "A" if a_name in a_damaged_values else "B"
+            findings.append(info("diff-uncompared", f"value {what}: its file is damaged in {side}; not compared",
+                                 location=Location(fqn=name)))
+            continue
+        values_compared += 1
+        if va != vb:
+            findings.append(error("diff-value", f"value {what} differs: {_short(va)} in A, {_short(vb)} in B",
+                                  location=Location(fqn=name), expected=va, actual=vb))
+    for (a_prefix, b_prefix), n in used.items():
+        make = info if n else warning
+        findings.append(make("diff-mapped", f"--map-prefix {a_prefix}={b_prefix} renamed {n} name(s) of A"
+                             + ("" if n else ": no name of A starts with it"),
+                             actual={"a_prefix": a_prefix, "b_prefix": b_prefix, "renamed": n}))
+    if ignore:
+        findings.append(info("diff-ignored", f"{left_out} name(s) matching --ignore {list(ignore)} left out of the "
+                             "comparison", actual={"ignored": left_out, "patterns": list(ignore)}))
+    if compared == 0 and (names or values_compared == 0):
+        why = ("neither checkpoint holds a tensor or value it could read" if not names and not values
+               else f"none of the {len(names)} tensor name(s) could be compared on both sides")
+        findings.append(error("diff-nothing-compared", f"nothing was compared: {why}; equality is not shown"))
+    coverage = (CheckCoverage(check="diff-tensor", count=compared, unit="tensors"),
+                CheckCoverage(check="diff-value", count=values_compared, unit="values"))
+    return findings, coverage, {"tensors_compared": compared, "tensors_not_compared": uncompared,
+                                "values_compared": values_compared, "values_not_compared": values_uncompared,
+                                "ignored": left_out, "mapped": sum(used.values()),
+                                "formats": [sa.format, sb.format]}
+
+
+def _number(x: Any) -> str:
+    """A float for people: 6 significant digits (the exact value is in ``actual``)."""
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+def _short(value: str) -> str:
+    return value if len(value) <= 80 else value[:77] + "..."
+
+
+class _Side:
+    """One checkpoint as ``diff`` sees it: tensor names with (dtype, shape), plain values, and how to
+    fingerprint and load a tensor."""
+
+    format = "?"
+    errors: list[Finding]
+    damaged: set[str]
+    #: Values whose file is damaged: named, not compared.
+    damaged_values: frozenset[str] | set[str] = frozenset()
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    values: dict[str, str]
+
+    def fingerprints(self, names: set[str]) -> dict[str, str]:
+        raise NotImplementedError
+
+    def load(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def changed(self) -> list[Finding]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
+    from ckptverify.formats.rundir import dir_format
+
+    if os.path.isdir(root):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            names = []
+        if dir_format(names) in ("dcp", "dcp-uncommitted"):
+            return _DcpSide(root, jobs, progress)
+    return _DescribedSide(root, jobs)
+
+
+class _DescribedSide(_Side):
+    """A single file or a folder of files, through :func:`~ckptverify.formats.describe.describe`.
+
+    Verification errors leave out only what they touch: a tensor whose payload overlaps an error's byte
+    range, or that an error names; every tensor of a file with an error that names no bytes (its structure,
+    its size), except where a manifest still vouches for the tensor: a whole-file ``manifest-digest`` error
+    leaves out none of the file's tensors whose payload is, byte for byte, an item of a manifest covering the
+    file and hashes to that item's digest (read again here). Values of a file with an error that names no
+    tensor bytes are left out (named, not compared)."""
+
+    def __init__(self, root: str, jobs: int) -> None:
+        from ckptverify.audit.verify import verify_checkpoint
+        from ckptverify.formats.describe import describe
+
+        checked = verify_checkpoint(root, jobs=jobs)
+        self.errors = [f for f in checked.findings if f.severity.value == "error"]
+        self.desc = describe(root)
+        self.format = self.desc.format
+        folder = self.desc.format == "folder"
+        single = None if folder else os.path.basename(os.path.abspath(root))
+        ranged: dict[str, list[tuple[int, int]]] = {}
+        whole: dict[str, set[str]] = {}  # file -> checks of its errors that name no bytes
+        named: set[str] = set()
+        no_values: set[str] = set()  # files with an error not confined to a tensor's bytes
+        for f in self.errors:
+            where = f.location
+            file = where.file
+            if file is not None and where.fqn is None:
+                no_values.add(file)
+            if file is not None and where.byte_range is not None:
+                ranged.setdefault(file, []).append(where.byte_range)
+            elif file is not None and where.fqn is None:
+                whole.setdefault(file, set()).add(f.check)
+            if where.fqn is not None:  # by its own name, and as a folder names a tensor of a non-weight file
+                named.update((where.fqn, f"{file}:{where.fqn}") if folder and file else (where.fqn,))
+        proven = _manifest_proven(root, self.desc, {n for n, checks in whole.items() if checks == {"manifest-digest"}})
+        self.damaged = set()
+        for t in self.desc.tensors.values():
+            for p in t.payloads:
+                end = p.offset + p.length
+                if (t.name in named or any(lo < end and p.offset < hi for lo, hi in ranged.get(p.file, []))
+                        or (p.file in whole and (p.file, p.offset, p.length) not in proven)):
+                    self.damaged.add(t.name)
+        self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
+        self.values = dict(self.desc.values)
+        self.damaged_values = {n for n in self.values if (single or n.partition(":")[0]) in no_values}
+        bad_files = set(whole) | set(ranged)
+        for name, why in sorted(self.desc.unread.items()):
+            if name not in bad_files:
+                self.errors.append(error("diff-unread", f"{name} cannot be read for the comparison: {why}",
+                                         location=Location(file=name)))
+
+    def fingerprints(self, names: set[str]) -> dict[str, str]:
+        return _described_fingerprints(self.desc, names - self.damaged)
+
+    def load(self, name: str) -> torch.Tensor:
+        from ckptverify.formats.describe import read_tensor
+
+        return read_tensor(self.desc, name)
+
+
+def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple[str, int, int]]:
+    """Tensor payloads ``(file, offset, length)`` of ``files`` that are an item of a manifest covering the
+    file and whose bytes hash to that item's digest now."""
+    if not files:
+        return set()
+    from ckptverify.checks.described import manifests_of
+    from ckptverify.fingerprint import new_digest
+    from ckptverify.safeparse.readers import ReadOnlyFile
+
+    manifests, _ = manifests_of(root)
+    items = {}
+    for _, manifest in manifests:
+        for item in manifest.items:
+            if item.file in files:
+                items[(item.file, item.offset, item.length)] = (manifest.digest_algorithm, item.digest)
+    out: set[tuple[str, int, int]] = set()
+    for t in desc.tensors.values():
+        for p in t.payloads:
+            key = (p.file, p.offset, p.length)
+            if key not in items or key in out:
+                continue
+            algorithm, want = items[key]
+            d = new_digest(algorithm)
+            try:
+                with ReadOnlyFile(os.path.join(desc.root, p.file), root=desc.root) as f:
+                    if f.size < p.offset + p.length:
+                        continue
+                    f.fold(p.offset, p.offset + p.length, d.update)
+            except OSError:
+                continue
+            if d.hexdigest() == want:
+                out.add(key)
+    return out
+
+
+def _described_fingerprints(desc: Description, names: set[str]) -> dict[str, str]:
+    from ckptverify.fingerprint import tensor_fingerprint
+    from ckptverify.formats.describe import read_tensor
+
+    out: dict[str, str] = {}
+    for name in sorted(names):
+        if name not in desc.tensors:
+            continue
+        try:
+            out[name] = tensor_fingerprint(read_tensor(desc, name)).value
+        except (ValueError, RuntimeError, TypeError, OSError):
+            continue  # reported by the caller as not compared
+    return out
+
+
+class _DcpSide(_Side):
+    """A DCP checkpoint, through a verification run (metadata, plans, manifest), and its side files."""
+
+    format = "dcp"
+
+    def __init__(self, root: str, jobs: int, progress: ProgressSink | None) -> None:
+        self.run = VerificationRun(root, jobs, progress)
+        self.run.execute(deep=False, use_manifest=True)
+        self.errors = [f for f in self.run.findings if f.severity.value == "error"]
+        self.damaged = {f.location.fqn for f in self.errors if f.location.fqn}
+        layout = self.run.layout
+        self.tensors = {} if layout is None else {n: (t.dtype, t.shape) for n, t in layout.tensors.items()}
+        self.values = _dcp_values(self.run)
+        self.side = None
+        side_names = getattr(self.run, "side_files", [])
+        if side_names:
+            from ckptverify.formats.describe import side_file_description
+
+            self.side = side_file_description(root, list(side_names))
+            bad_files = {f.location.file for f in self.errors if f.location.file}
+            for n, t in self.side.tensors.items():
+                self.tensors[n] = (t.dtype, t.shape)
+                if any(p.file in bad_files for p in t.payloads):
+                    self.damaged.add(n)
+            self.values.update((n, v) for n, v in self.side.values.items() if n.partition(":")[0] not in bad_files)
+
+    def fingerprints(self, names: set[str]) -> dict[str, str]:
+        out = _fingerprints(self.run, names)
+        if self.side is not None:
+            out.update(_described_fingerprints(self.side, {n for n in names if n in self.side.tensors} - self.damaged))
+        return out
+
+    def load(self, name: str) -> torch.Tensor:
+        if self.side is not None and name in self.side.tensors:
+            from ckptverify.formats.describe import read_tensor
+
+            return read_tensor(self.side, name)
+        return load_global(self.run, name)
+
+    def changed(self) -> list[Finding]:
+        return self.run.changed_files()
+
+    def close(self) -> None:
+        self.run.close()
+
+
+def _fingerprints(run: VerificationRun, names: set[str] | None = None) -> dict[str, str]:
+    """Logical fingerprint per tensor: the manifest's if it is valid and the bytes match, else rebuilt."""
+
+    layout = run.layout
+    if layout is None:
+        return {}
+    damaged = {f.location.fqn for f in run.findings if f.severity.value == "error" and f.location.fqn}
+    out: dict[str, str] = {}
+    manifest_ok = run.manifest is not None and not any(
+        f.check.startswith("manifest") and f.severity.value == "error" for f in run.findings)
+    todo = []
+    for fqn in layout.tensors:
+        if fqn in damaged or (names is not None and fqn not in names):
+            continue
+        saved = run.manifest.tensors.get(fqn) if manifest_ok and run.manifest is not None else None
+        if saved is not None and saved.fingerprint is not None:
+            out[fqn] = saved.fingerprint
+        else:
+            todo.append(fqn)
+    scans, _ = deep_check.scan_tensors(run.plans, run.opened, layout, run.map, only=set(todo))
+    for fqn in todo:
+        scan = scans.get(fqn)
+        shape = layout.tensors[fqn].shape
+        value = scan.value(shape) if scan is not None else None
+        if value is not None:
+            out[fqn] = value
+        elif math.prod(shape) == 0:
+            out[fqn] = "empty"
+    return out
+
+
+def load_global(run: VerificationRun, fqn: str) -> torch.Tensor:
+    """Assemble tensor ``fqn`` from its chunks (memory: the whole tensor)."""
+    import torch
+
+    assert run.layout is not None
+    tinfo = run.layout.tensors[fqn]
+    from ckptverify.dcp.tensors import _torch_dtype
+
+    out = torch.empty(tinfo.shape, dtype=_torch_dtype(tinfo.dtype))
+    seen = set()
+    for plan in run.plans:
+        item = plan.item
+        if item.fqn != fqn or item.chunk is None or item.chunk.offsets in seen or plan.header is None:
+            continue
+        seen.add(item.chunk.offsets)
+        f = plan.reader if plan.reader is not None else run.opened[item.file]
+        chunk = read_chunk(f, item, plan.archive, plan.header)  # type: ignore[arg-type]
+        view = out
+        for dim, (o, n) in enumerate(zip(item.chunk.offsets, item.chunk.sizes, strict=True)):
+            view = view.narrow(dim, o, n)
+        view.copy_(chunk)
+    return out
+
+
+_INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _difference(run_a: VerificationRun, run_b: VerificationRun, fqn: str) -> dict[str, Any]:
+    a, b = load_global(run_a, fqn), load_global(run_b, fqn)
+    return tensor_difference(a, b)
+
+
+def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """Bitwise comparison of two same-shape, same-dtype tensors, with magnitudes where they make sense."""
+    import torch
+
+    if a.dtype == torch.bool:
+        ia, ib = a.view(torch.uint8), b.view(torch.uint8)
+    elif a.is_complex():
+        ia, ib = torch.view_as_real(a).flatten(-2), torch.view_as_real(b).flatten(-2)
+        ia = ia.contiguous().view(getattr(torch, _INT_OF_SIZE[ia.element_size()]))
+        ib = ib.contiguous().view(getattr(torch, _INT_OF_SIZE[ib.element_size()]))
+    else:
+        ints = getattr(torch, _INT_OF_SIZE[a.element_size()])
+        ia, ib = a.contiguous().view(ints), b.contiguous().view(ints)
+    neq = (ia != ib).reshape(-1)
+    if a.is_complex():
+        neq = neq.view(-1, 2).any(dim=1)
+    differing = int(neq.sum())
+    first = None
+    if differing:
+        flat = int(torch.nonzero(neq)[0])
+        first = [int(x) for x in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
+    out: dict[str, Any] = {"elements": a.numel(), "differing": differing, "first_index": first,
+                           "max_abs_diff": None, "max_ulp": None}
+    if not differing:
+        return out
+    if a.is_floating_point() or a.is_complex():
+        da = a.to(torch.complex128 if a.is_complex() else torch.float64)
+        db = b.to(da.dtype)
+        diff = (da - db).abs()
+        finite = diff[torch.isfinite(diff)]
+        out["max_abs_diff"] = float(finite.max()) if finite.numel() else float("nan")
+        if not a.is_complex():
+            out["max_ulp"] = _max_ulp(ia.reshape(-1).to(torch.int64), ib.reshape(-1).to(torch.int64),
+                                      a.element_size())
+    else:
+        out["max_abs_diff"] = int((a.to(torch.int64) - b.to(torch.int64)).abs().max())
+    return out
+
+
+def _max_ulp(ia: torch.Tensor, ib: torch.Tensor, size: int) -> int:
+    """Largest distance between the two bit patterns on the ordered line of floats of that width."""
+    import torch
+
+    sign = torch.tensor(1 << (8 * size - 1), dtype=torch.int64) if size < 8 else None
+
+    def ordered(i: torch.Tensor) -> torch.Tensor:
+        if size < 8:
+            i = i & ((1 << (8 * size)) - 1)  # as unsigned
+            neg = i >= sign
+            return torch.where(neg, sign - i, i)  # -0 and +0 both map to 0
+        return torch.where(i < 0, torch.iinfo(torch.int64).min - i, i)
+
+    oa, ob = ordered(ia), ordered(ib)
+    if size < 8:
+        return int((oa - ob).abs().max())
+    # 64-bit: the difference can exceed int64; compute it exactly in Python for the extreme pair.
+    d = (oa.double() - ob.double()).abs()
+    k = int(torch.argmax(d))
+    return abs(int(oa[k]) - int(ob[k]))
+
+
+def _dcp_values(run: VerificationRun) -> dict[str, str]:
+    """Non-tensor DCP items as plain values: each item's ``data.pkl`` read through the inert pickle reader
+    (:func:`~ckptverify.safeparse.pickle_scan.leaf_values`), so ``lr_scheduler`` compares entry by entry
+    and with other formats; a pickle that cannot be read safely compares by its bytes' digest."""
+    from ckptverify.fingerprint import digest_bytes
+    from ckptverify.safeparse.pickle_scan import PickleScanError, leaf_values, scan_pickle
+
+    got: dict[str, str] = {}
+    done: set[str] = set()
+    damaged = {f.location.fqn for f in run.findings if f.severity.value == "error" and f.location.fqn}
+    for plan in run.plans:
+        item = plan.item
+        if item.kind != "bytes" or item.fqn in done or item.fqn in damaged:
+            continue
+        rec = plan.archive.record("data.pkl")
+        if rec is None:
+            continue
+        done.add(item.fqn)
+        f = plan.reader if plan.reader is not None else run.opened[item.file]
+        data = f.pread(item.offset + rec.data_offset, rec.size)  # type: ignore[union-attr]
+        try:
+            values = leaf_values(scan_pickle(data).root, prefix=item.fqn)
+        except PickleScanError:
+            values = {item.fqn: f"pickle:xxh3-128:{digest_bytes(data)}"}
+        got.update(values)
+    return got

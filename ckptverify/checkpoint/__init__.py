@@ -1,0 +1,1 @@
+"""Saving and loading a full training state, with its manifest, verified."""

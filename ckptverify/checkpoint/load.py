@@ -1,0 +1,534 @@
+"""``load``: restore a :class:`~ckptverify.state.train_state.TrainState` from a checkpoint, verified first and
+checked after.
+
+1. **Verify** (on the coordinator; the verdict is broadcast): a corrupt checkpoint is refused with
+   :class:`~ckptverify.errors.CheckpointRefusedError` naming what is wrong, before anything is loaded.
+2. **Load** through DCP with :class:`~ckptverify.dcp.loading.SafeLoadPlanner` (non-tensor values are
+   unpickled with ``weights_only=True``, never executed), **proving** every item in the read that loads it
+   (:class:`~ckptverify.dcp.storage_reader.ProvingFileSystemReader`: the manifest's digest, or without a
+   manifest every zip record's CRC-32). An item that fails raises
+   :class:`~ckptverify.errors.ProofFailedError` on every rank; nothing is applied.
+3. **Restore check**: every restored tensor's logical fingerprint is compared with the manifest's (taken
+   from memory at save time), and every other field's digest with the digest saved beside it. A difference
+   is state the loader silently ignored, or restored wrongly: the load is refused (on every rank) and the
+   state put back as it was (``on_restore_mismatch="report"`` keeps it and reports the difference instead).
+
+Given a run directory and ``pick="latest-verified"``, :func:`load` first picks the newest checkpoint that
+verifies (:func:`~ckptverify.runs.latest.latest_verified`: a current stamp is trusted, any other checkpoint is
+verified on the spot; a suspect checkpoint, saved after a replica mismatch, and one moved into the run's
+``quarantine/`` are never picked), then loads that one and says which, and what it skipped, in its report. A
+picked checkpoint whose bytes fail their proof while loading (changed after its stamp was written, with its
+times put back) gets a failed stamp, so no later pick trusts it, and the next older one is picked
+(:func:`load_newest_proven`). A production ``Run`` resumes through :func:`load_picked`: it refuses such a
+checkpoint (the failed stamp makes the next start move on).
+
+Every rank of the process group calls :func:`load`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ckptverify.errors import (
+    CheckpointNotFoundError,
+    CheckpointRefusedError,
+    CkptVerifyError,
+    LoadFailedError,
+    ProofFailedError,
+    UsageError,
+)
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.state.train_state import TrainState
+
+if TYPE_CHECKING:
+    from ckptverify.runs.latest import Latest
+
+#: What ``load(..., pick=)`` can pick from a run directory.
+PICKS = ("latest-verified",)
+#: What ``load(..., on_restore_mismatch=)`` accepts.
+ON_RESTORE_MISMATCH = ("refuse", "report")
+_log = logging.getLogger(__name__)
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _verify_on_coordinator(path: str, deep: bool, full: bool = True) -> None:
+    """Verify on the coordinator and broadcast the verdict; with ``full=False`` only check that the save
+    that wrote ``path`` committed (cheap, and never skipped)."""
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.checks.commit import check_commit
+
+    dist = _dist()
+    report = None
+    if dist is None or dist.get_rank() == 0:
+        if full:
+            report = verify_checkpoint(path, deep=deep)
+        else:
+            report = Report(command="load", target=path, findings=tuple(check_commit(path)))
+    if dist is not None:
+        box = [None if report is None else [f.to_dict() for f in report.errors]]
+        dist.broadcast_object_list(box, src=0)
+        errors = box[0]
+    else:
+        errors = [f.to_dict() for f in report.errors]  # type: ignore[union-attr]
+    if errors:
+        first = errors[0]
+        where = ", ".join(f"{k}={v}" for k, v in first.get("location", {}).items())
+        raise CheckpointRefusedError(
+            f"refusing to load {path}: it fails verification with {len(errors)} error(s); first: "
+            f"{first['check']} ({where}): {first['message']}",
+            report,
+        )
+
+
+def _private_copy(obj: Any) -> Any:
+    """``obj`` with every container and tensor copied (tensors detached, same device, same DTensor layout),
+    other leaves shared: DCP loads into the copy, never into the live state."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _private_copy(v)) for k, v in obj.items())  # dict, OrderedDict
+    if isinstance(obj, list):
+        return [_private_copy(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_private_copy(v) for v in obj)
+    return obj
+
+
+def _first_line(exc: BaseException) -> str:
+    """The innermost failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def saved_world_size(path: str) -> int | None:
+    """The world size a TrainState checkpoint was saved with (from its rank-keyed entries), read safely."""
+    import re
+
+    from ckptverify.dcp.metadata import read_layout
+
+    layout, _ = read_layout(path)
+    if layout is None:
+        return None
+    ranks = {int(m.group(1)) for name in (*layout.tensors, *layout.byte_values)
+             if (m := re.match(r"^digests\.rank(\d+)\.", name))}
+    return max(ranks) + 1 if ranks else None
+
+
+def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True, check: bool = True,
+         deep_verify: bool = False, pick: str | None = None, on_restore_mismatch: str = "refuse") -> Report:
+    """Restore ``state`` from the checkpoint at ``path``; return the restore check's findings.
+
+    ``verify=False`` skips the verification before loading (explicit opt-out; a directory whose save did not
+    commit is still refused, and every item is still proven as it is loaded); ``check=False`` skips the
+    restore check. ``on_restore_mismatch``: ``"refuse"`` (a failed restore check raises and puts the state
+    back) or ``"report"`` (the state stays as loaded, the differences are findings: for diagnosis, as the
+    resume harness does).
+
+    ``pick="latest-verified"``: ``path`` is a run directory; the newest checkpoint under it that verifies is
+    loaded (see :func:`pick_checkpoint`), and the report names it (``stats["picked"]``, ``stats["step"]``) and
+    every newer one skipped, with why (``stats["skipped"]``). When none verifies,
+    :class:`~ckptverify.errors.CheckpointRefusedError` lists what was skipped. Picking verifies, so
+    ``verify=False`` cannot be combined with it; ``deep_verify`` verifies the pick deeply before loading. A
+    pick whose bytes fail their proof while loading is stamped failed and the next older one is loaded
+    (:func:`load_newest_proven`; ``stats["refused_at_load"]``).
+
+    All or nothing: if this raises, ``state`` (parameters, optimizer, every random stream, counters,
+    schedulers, scaler, data position, extras) is exactly what it was before the call. Raises
+    :class:`~ckptverify.errors.CheckpointRefusedError` for a checkpoint that fails verification or whose save
+    did not commit (:class:`~ckptverify.errors.ProofFailedError` when an item fails its proof while loading)
+    or whose restore check fails, :class:`~ckptverify.errors.LoadFailedError` when DCP cannot load it into
+    ``state`` or a saved field does not fit, and :class:`~ckptverify.state.rng.WorldSizeChangedError` /
+    :class:`~ckptverify.state.sampler.CannotReshardError` when the world size changed in a way that cannot be
+    restored exactly (and re-seeding was not allowed). Every one is an ``Exception``.
+    """
+    root = os.fspath(path)
+    if not isinstance(state, TrainState):
+        raise UsageError(f"load() restores a TrainState, got {type(state).__name__}")
+    if on_restore_mismatch not in ON_RESTORE_MISMATCH:
+        raise UsageError(f"on_restore_mismatch must be one of {', '.join(map(repr, ON_RESTORE_MISMATCH))}, "
+                         f"got {on_restore_mismatch!r}")
+    if pick is not None:
+        if pick not in PICKS:
+            raise UsageError(f"pick must be one of {', '.join(map(repr, PICKS))}, got {pick!r}")
+        if not verify:
+            raise UsageError("pick='latest-verified' verifies the checkpoints it picks from; it cannot be "
+                             "combined with verify=False")
+        return load_newest_proven(state, root, check=check, deep_verify=deep_verify,
+                                  on_restore_mismatch=on_restore_mismatch)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
+    _verify_on_coordinator(root, deep_verify, full=verify)
+    from ckptverify.runs.stamp import read_stamp
+
+    # A stamp beside it would keep vouching for bytes that fail their proof: it is replaced by a failed one.
+    stamped = _on_coordinator(lambda: read_stamp(root) is not None)
+    return _load_verified(state, root, check, on_restore_mismatch, stamp_on_failure=stamped)
+
+
+def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
+    """The newest checkpoint under ``run_dir`` that verifies and that load can restore (a DCP checkpoint holding
+    a TrainState's keys: a newer weights-only DCP export is skipped, with why), decided on the coordinator and
+    broadcast, so that every rank gets the same pick (``path=None`` when none verifies, or when a newer one may
+    be hidden where the walk could not see; ``report`` only on the coordinator).
+
+    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory.
+    """
+    from ckptverify.runs.latest import Latest, latest_verified
+
+    root = os.fspath(run_dir)
+    dist = _dist()
+    found: Latest | None = None
+    box: list[Any] = [None]
+    if dist is None or dist.get_rank() == 0:
+        try:
+            # What load restores: a DCP checkpoint holding a TrainState (a weights-only export is passed over).
+            found = latest_verified(root, formats={"dcp"}, train_state=True)
+            box[0] = found.to_dict()
+        except CheckpointNotFoundError as exc:
+            box[0] = {"error": str(exc)}
+    if dist is not None and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    data = box[0]
+    if "error" in data:
+        raise CheckpointNotFoundError(data["error"])
+    if found is not None:
+        return found
+    return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
+                  quarantined=list(data.get("quarantined", [])), unseen=list(data.get("unseen", [])))
+
+
+def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep_verify: bool = False,
+                on_restore_mismatch: str = "refuse") -> Report:
+    """Load the checkpoint :func:`pick_checkpoint` picked into ``state``, as :func:`load` does; the pick
+    verified it already (or trusted its stamp), so only its commit is checked again before loading (and, with
+    ``deep_verify``, every tensor), and every item is proven as it is loaded.
+
+    Raises :class:`~ckptverify.errors.CheckpointRefusedError` naming what was skipped when nothing verified,
+    and :class:`~ckptverify.errors.ProofFailedError` when the pick's bytes fail their proof while loading:
+    then a failed stamp is written beside it (so no later pick trusts it; nothing of the checkpoint is changed
+    or deleted) and ``state`` is as it was."""
+    skipped = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in picked.skipped)
+    if picked.path is None:
+        hidden = any(s["state"] == "unseen" for s in picked.skipped)
+        raise CheckpointRefusedError(
+            ("nothing was loaded: a newer checkpoint may be hidden where the walk of the run directory could not "
+             "see" if hidden else "no checkpoint verifies, nothing was loaded")
+            + (f"; skipped: {skipped}" if skipped else ": there is no checkpoint"),
+            picked.report)
+    _log.info("loading %s (step %s), the newest checkpoint that verifies%s", picked.path, picked.step,
+              f"; skipped: {skipped}" if skipped else "")
+    _verify_on_coordinator(picked.path, deep_verify, full=deep_verify)
+    report = _load_verified(state, picked.path, check, on_restore_mismatch, stamp_on_failure=True,
+                            step=picked.step)
+    note = info("load-picked", f"loaded {picked.path} (step {picked.step}), the newest checkpoint that verifies"
+                + (f"; skipped {len(picked.skipped)} newer: {skipped}" if skipped else ""),
+                location=Location(file=picked.path))
+    return Report(command="load", target=report.target, findings=(note, *report.findings),
+                  coverage=report.coverage,
+                  stats={**report.stats, "picked": picked.path, "step": picked.step, "skipped": picked.skipped})
+
+
+def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, check: bool = True,
+                       deep_verify: bool = False, on_restore_mismatch: str = "refuse") -> Report:
+    """Load the newest checkpoint under ``run_dir`` that verifies *and* proves while loading.
+
+    :func:`pick_checkpoint` picks (a current stamp is trusted); :func:`load_picked` loads and proves. A pick
+    whose bytes fail their proof is stamped failed by :func:`load_picked`, so picking again passes over it, and
+    the next older one is tried; the report says which were refused at load and why
+    (``stats["refused_at_load"]``, a ``load-proof-failed`` warning each). A failed restore check is not about
+    the checkpoint's bytes (the loader of some field ignored or changed it): it raises, without moving on.
+    Raises :class:`~ckptverify.errors.CheckpointRefusedError` when nothing left verifies, or when a failed pick
+    could not be stamped (it would be picked again)."""
+    root = os.fspath(run_dir)
+    refused: list[dict[str, Any]] = []
+    while True:
+        picked = pick_checkpoint(root)
+        if picked.path is not None and any(r["abs_path"] == picked.path for r in refused):
+            raise CheckpointRefusedError(
+                f"refusing {picked.path}: its bytes failed their proof while loading and its failed stamp could "
+                f"not be written, so it would be picked again; nothing was loaded. {_refused_text(refused)}")
+        try:
+            report = load_picked(state, picked, check=check, deep_verify=deep_verify,
+                                 on_restore_mismatch=on_restore_mismatch)
+        except ProofFailedError as exc:
+            if picked.path is None:
+                raise
+            refused.append({"abs_path": picked.path, "path": os.path.relpath(picked.path, root),
+                            "step": picked.step, "check": exc.info.get("check"), "reason": str(exc)})
+            _log.warning("%s failed its proof while loading; trying the next older checkpoint: %s", picked.path, exc)
+            continue
+        except CheckpointRefusedError as exc:
+            if refused and picked.path is None:
+                raise CheckpointRefusedError(f"{exc} ({_refused_text(refused)})", exc.report) from exc
+            raise
+        if not refused:
+            return report
+        notes = tuple(warning("load-proof-failed", f"{r['path']} (step {r['step']}) was picked but failed its proof "
+                              f"while loading ({r['reason']}); it is stamped failed and the next older checkpoint "
+                              "was tried", location=Location(file=r["path"])) for r in refused)
+        return Report(command="load", target=report.target, findings=(*notes, *report.findings),
+                      coverage=report.coverage,
+                      stats={**report.stats, "refused_at_load": [{k: v for k, v in r.items() if k != "abs_path"}
+                                                                 for r in refused]})
+
+
+def _refused_text(refused: list[dict[str, Any]]) -> str:
+    return "refused while loading: " + "; ".join(f"{r['path']}: {r['reason']}" for r in refused)
+
+
+def _on_coordinator(fn: Any) -> Any:
+    """``fn()`` on the coordinator, its result broadcast to every rank."""
+    dist = _dist()
+    box = [fn() if dist is None or dist.get_rank() == 0 else None]
+    if dist is not None and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _proof_failure(exc: BaseException) -> tuple[int, Any] | None:
+    """``(rank, ItemProofError)`` when DCP failed because an item failed its proof (the lowest such rank)."""
+    from ckptverify.dcp.storage_reader import ItemProofError
+
+    if isinstance(exc, ItemProofError):
+        return 0, exc
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return None
+    for rank in sorted(failures):
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, ItemProofError):
+            return rank, inner
+    return None
+
+
+def _proof_report(root: str, inner: Any, rank: int) -> Report:
+    info = inner.info
+    offsets = info.get("chunk_offsets")
+    where = Location(file=info.get("file"), fqn=info.get("fqn"), rank=rank,
+                     chunk_offsets=None if offsets is None else tuple(offsets),
+                     byte_range=None if info.get("byte_range") is None else tuple(info["byte_range"]))
+    finding = error(info.get("check", "load-proof"), f"while loading: {inner}", location=where,
+                    expected=info.get("expected"), actual=info.get("actual"))
+    return Report(command="load", target=root, findings=(finding,))
+
+
+def _stamp_failed(root: str, report: Report, fingerprint: str | None, step: int | None) -> None:
+    """On the coordinator: a failed stamp beside ``root`` (its bytes failed their proof while loading), so no
+    later pick trusts an earlier passing stamp. Writes only the stamp: the checkpoint is evidence, kept as is."""
+    dist = _dist()
+    if dist is not None and dist.get_rank() != 0:
+        return
+    from ckptverify.runs.stamp import write_stamp
+
+    verdict = Report(command="verify", target=root, findings=report.findings,
+                     stats={"manifest": os.path.exists(os.path.join(root, _manifest_name())), "checked_by": "load"})
+    try:
+        write_stamp(root, verdict, step=step, fingerprint=fingerprint)
+    except OSError as exc:
+        _log.warning("could not write the failed stamp of %s: %s", root, exc)
+
+
+def _manifest_name() -> str:
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+
+    return MANIFEST_FILE
+
+
+def _read_manifest_for_load(root: str) -> Any:
+    """The manifest that proves the items (``None`` when there is none); a manifest that cannot be trusted
+    refuses the load (it is part of the checkpoint, and damaged)."""
+    from ckptverify.ownfiles.manifest import ManifestError, read_manifest
+
+    try:
+        return read_manifest(root)
+    except ManifestError as exc:
+        report = Report(command="load", target=root, findings=(error("manifest-invalid", str(exc)),))
+        raise ProofFailedError(f"refusing to load {root}: its manifest cannot be trusted (manifest-invalid): {exc}; "
+                               "nothing was changed", report, {"check": "manifest-invalid"}) from None
+
+
+def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatch: str = "refuse", *,
+                   stamp_on_failure: bool = False, step: int | None = None) -> Report:
+    """Load ``root`` into ``state``, proving every item as it is read, all or nothing, then run the restore
+    check (refusing, and putting everything back, when it fails and ``on_restore_mismatch`` is ``"refuse"``).
+
+    ``stamp_on_failure``: when an item fails its proof, write a failed stamp beside ``root``."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptverify.dcp.loading import SafeLoadPlanner
+    from ckptverify.dcp.storage_reader import ProvingFileSystemReader
+    from ckptverify.runs.stamp import files_fingerprint
+
+    dist = _dist()
+    # Taken before reading: a file that changes while it is loaded leaves the failed stamp already stale.
+    fingerprint = files_fingerprint(root) if stamp_on_failure and (dist is None or dist.get_rank() == 0) else None
+    manifest = _read_manifest_for_load(root)
+    reader = ProvingFileSystemReader(root, manifest)
+    # All or nothing: DCP loads into a private copy of the state (twice the model and optimizer memory
+    # while this runs), every item proven as it is read, and only then applied. On any refusal the
+    # state is put back as it was: getting a template initializes a fresh optimizer's state, undone here.
+    before = (state.saved_world_size, [not opt.state for opt in state.optimizers])
+    refuse = check and on_restore_mismatch == "refuse"
+    undo = None
+    try:
+        state.saved_world_size = saved_world_size(root)
+        template = _private_copy(state.state_dict())
+        with warnings.catch_warnings():
+            # Loading in a single process without a process group is intended here, not a mistake.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            try:
+                dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner())
+            except BaseException as exc:
+                if isinstance(exc, (KeyboardInterrupt, SystemExit, CkptVerifyError)):
+                    raise
+                proof = _proof_failure(exc)
+                if proof is not None:
+                    report = _proof_report(root, proof[1], proof[0])
+                    if stamp_on_failure:
+                        _stamp_failed(root, report, fingerprint, step)
+                    raise ProofFailedError(
+                        f"refusing to load {root}: rank {proof[0]}: {proof[1]}; nothing was changed"
+                        + ("; it is stamped failed" if stamp_on_failure else ""), report, proof[1].info) from None
+                # DCP's CheckpointException is a BaseException, which `except Exception` would miss.
+                raise LoadFailedError(f"DCP could not load {root} into this state; nothing was changed: "
+                                      f"{_first_line(exc)}") from exc
+        if refuse:
+            # To put back what the restore check refuses: a copy of the model and optimizer state (a third copy
+            # of them until the template is dropped, right after applying) and of every other field.
+            undo = _restore_point(state)
+        state.load_state_dict(template)
+        del template
+    except BaseException:
+        state.saved_world_size = before[0]
+        for opt, was_fresh in zip(state.optimizers, before[1], strict=True):
+            if was_fresh:
+                opt.state.clear()
+        raise
+    findings: list[Finding] = [warning("restore-inexact", w) for w in state.warnings]
+    coverage: list[CheckCoverage] = [CheckCoverage(check=f"load-proof ({reader.proven['method']})",
+                                                   count=int(reader.proven["items"]), unit="items")]
+    if check:
+        try:
+            found, cov = restore_check(state, root)
+            failed = _agree([f for f in found if f.severity.value == "error"])
+        except BaseException:
+            if undo is not None:
+                undo(before)
+            raise
+        findings.extend(found)
+        coverage.extend(cov)
+        if failed and refuse:
+            undo(before)  # type: ignore[misc]
+            first = failed[0]
+            raise CheckpointRefusedError(
+                f"refusing {root}: the restore check failed ({len(failed)} error(s)); first: rank {first['rank']}: "
+                f"{first['check']} at {first['fqn']}: {first['message']}; the state was put back as it was",
+                Report(command="load", target=root, findings=tuple(findings), coverage=tuple(coverage)))
+    return Report(command="load", target=root, findings=tuple(findings), coverage=tuple(coverage),
+                  stats={"proven_items": reader.proven["items"], "proven_bytes": reader.proven["bytes"],
+                         "proof": reader.proven["method"]})
+
+
+def _agree(errors: list[Finding]) -> list[dict[str, Any]]:
+    """The restore check's errors of every rank (each rank refuses alike, none is left in a collective)."""
+    mine = [{"rank": f.location.rank, "check": f.check, "fqn": f.location.fqn, "message": f.message}
+            for f in errors]
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [e for part in everyone for e in part]
+
+
+def _restore_point(state: TrainState) -> Any:
+    """A function that puts ``state`` back as it is now: the model and optimizer from a copy of their tensors,
+    every other field through the state's own snapshot."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    fields = state._snapshot()
+    model_sd, optim_sd = _private_copy(state._model_optim()) if state.model is not None else ({}, {})
+    digests = dict(state.saved_digests)
+
+    def undo(before: tuple[Any, list[bool]]) -> None:
+        if state.model is not None:
+            set_state_dict(state.model, state.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        for opt, was_fresh in zip(state.optimizers, before[1], strict=True):
+            if was_fresh:
+                opt.state.clear()
+        fields()
+        state.saved_digests = digests
+        state.saved_world_size = before[0]
+
+    return undo
+
+
+def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[CheckCoverage]]:
+    """Compare the restored state with what was saved: tensors by logical fingerprint against the manifest,
+    other fields by digest against the digests saved beside them."""
+    from ckptverify.fingerprint import tensor_fingerprint
+    from ckptverify.ownfiles.manifest import ManifestError, read_manifest
+
+    findings: list[Finding] = []
+    try:
+        manifest = read_manifest(root)
+    except ManifestError as exc:
+        manifest = None
+        findings.append(error("manifest-invalid", f"cannot check restored tensors: {exc}"))
+    tensors_checked = 0
+    if manifest is not None:
+        import torch
+
+        from ckptverify.dcp.loading import flat_names
+
+        model_sd, optim_sd = state._model_optim()
+        flat = flat_names({"model": model_sd, "optim": optim_sd} if state.optimizers else {"model": model_sd})
+        for name in sorted(flat):  # same order on every rank: DTensor fingerprints are collective
+            value = flat[name]
+            if not isinstance(value, torch.Tensor):
+                continue
+            saved = manifest.tensors.get(name)
+            live = tensor_fingerprint(value)
+            tensors_checked += 1
+            if saved is None:
+                findings.append(error("restore-mismatch", f"restored tensor {name!r} is not in the checkpoint",
+                                      location=Location(fqn=name)))
+            elif saved.fingerprint is not None and live.value != saved.fingerprint:
+                findings.append(error(
+                    "restore-mismatch",
+                    f"{name!r} after loading is not the tensor that was saved (category "
+                    f"{'optimizer' if name.startswith('optim.') else 'parameters'})",
+                    location=Location(fqn=name, rank=state.rank), expected=saved.fingerprint, actual=live.value,
+                ))
+    now = state.digests()
+    skip_rng = bool(state.warnings)
+    for field, saved_digest in sorted(state.saved_digests.items()):
+        if skip_rng and field.startswith("rng."):
+            continue
+        if now.get(field) != saved_digest:
+            findings.append(error(
+                "restore-mismatch",
+                f"{field} after loading differs from what was saved on rank {state.rank}: its loader ignored or "
+                "changed part of the saved state",
+                location=Location(fqn=field, rank=state.rank), expected=saved_digest, actual=now.get(field),
+            ))
+    for field in sorted(set(now) - set(state.saved_digests)):
+        findings.append(warning("restore-mismatch", f"{field} was not saved in this checkpoint; not restored",
+                                location=Location(fqn=field, rank=state.rank)))
+    coverage = [CheckCoverage(check="restore-tensors", count=tensors_checked, unit="tensors"),
+                CheckCoverage(check="restore-fields", count=len(state.saved_digests), unit="fields")]
+    return findings, coverage

@@ -1,0 +1,411 @@
+"""Save a DCP checkpoint and its manifest in one pass: ``save`` and ``async_save``.
+
+A thin layer over :func:`torch.distributed.checkpoint.save` and :func:`~torch.distributed.checkpoint.async_save`
+with a :class:`~ckptverify.dcp.writer.HashingFileSystemWriter` as the storage writer. The checkpoint written is
+an ordinary DCP checkpoint (any torch loads it without ckptverify); beside it, the coordinator writes
+``ckptverify.manifest.json`` last, once ``.metadata`` is in place, so its presence marks a committed checkpoint.
+
+A save into a directory that already holds a checkpoint follows the commit protocol of
+:mod:`ckptverify.dcp.commit`: the directory is locked and marked as not committed before any shard is
+rewritten, so a save killed at any point never leaves something that verifies or loads as complete, and a
+second save into the same directory fails with :class:`~ckptverify.errors.SaveConflictError`.
+
+Every rank of the process group calls these functions, exactly as it would call DCP's. A save that does not
+commit raises :class:`~ckptverify.errors.SaveFailedError` on every rank (DCP's own ``CheckpointException``
+is a ``BaseException``, which ``except Exception`` would miss; it is the ``__cause__``).
+
+Once a save has committed, ``verify="background"`` or ``"inline"`` verifies it on the coordinator and stamps the
+verdict beside it (:mod:`ckptverify.verifier.background`, ``docs/verify-after-save.md``); the default, ``"off"``,
+leaves that to ``ckptverify watch`` or the next resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ckptverify.errors import CkptVerifyError, SaveConflictError, SaveFailedError, UsageError, VerifyFailedError
+from ckptverify.ownfiles.manifest import DEFAULT_BLOCK_BYTES, Manifest
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch.distributed as dist
+
+    from ckptverify.dcp.writer import HashingFileSystemWriter
+    from ckptverify.ownfiles.events import EventLog
+    from ckptverify.verifier.background import VerifyOptions
+    from ckptverify.verifier.verification import Verification
+
+__all__ = ["async_save", "save"]
+
+#: Keyword arguments forwarded to the storage writer (``FileSystemWriter``).
+WRITER_KWARGS = frozenset({
+    "single_file_per_rank", "sync_files", "per_thread_copy_ahead", "cache_staged_state_dict", "overwrite",
+    "serialization_format", "_extensions",
+})
+#: Keyword arguments forwarded to ``dcp.save``.
+SAVE_KWARGS = frozenset({"planner", "no_dist", "use_collectives"})
+#: Keyword arguments forwarded to ``dcp.async_save`` (besides those of ``dcp.save``).
+ASYNC_SAVE_KWARGS = SAVE_KWARGS | {"async_checkpointer_type", "async_stager"}
+
+
+def _split_kwargs(kwargs: dict[str, Any], allowed: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    writer_kw: dict[str, Any] = {}
+    dcp_kw: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in WRITER_KWARGS:
+            writer_kw[key] = value
+        elif key in allowed:
+            dcp_kw[key] = value
+        elif key in ("storage_writer", "checkpoint_id"):
+            raise UsageError(f"{key} cannot be given: ckptverify writes to `path` with its own storage writer")
+        else:
+            raise UsageError(
+                f"unknown keyword argument {key!r}; accepted: {', '.join(sorted(WRITER_KWARGS | allowed))}"
+            )
+    return writer_kw, dcp_kw
+
+
+def _make_writer(
+    path: str | os.PathLike[str],
+    digest: str,
+    block_bytes: int,
+    fingerprint: bool,
+    thread_count: int,
+    writer_kw: dict[str, Any],
+) -> HashingFileSystemWriter:
+    from ckptverify.dcp.writer import HashingFileSystemWriter, validate_digest_options
+
+    validate_digest_options(digest, block_bytes)
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise UsageError(f"thread_count must be a positive integer, got {thread_count!r}")
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        raise UsageError(f"path must be a local directory path, got {path!r}")
+    return HashingFileSystemWriter(
+        os.fspath(path),
+        digest=digest,
+        block_bytes=block_bytes,
+        fingerprint=fingerprint,
+        thread_count=thread_count,
+        **writer_kw,
+    )
+
+
+def _failures(exc: BaseException) -> dict[int, BaseException]:
+    """The per-rank exceptions DCP wrapped in a ``CheckpointException`` (``{rank: (exc, trace)}``)."""
+    raw = getattr(exc, "failures", None)
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[int, BaseException] = {}
+    for rank, pair in raw.items():
+        inner = pair[0] if isinstance(pair, tuple) and pair else pair
+        if isinstance(inner, BaseException):
+            out[rank] = inner
+    return out
+
+
+def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseException:
+    """What a failed DCP save is raised as: a conflict or a usage error found on any rank as itself (so
+    every rank sees the same type), anything else as :class:`SaveFailedError` naming the first failure."""
+    failures = _failures(exc)
+    conflict = next((e for e in failures.values() if isinstance(e, SaveConflictError)), None)
+    if conflict is not None:
+        return SaveConflictError(str(conflict), failures)
+    usage = next((e for e in failures.values() if isinstance(e, UsageError)), None)
+    if usage is not None:
+        return usage
+    if isinstance(exc, CkptVerifyError):
+        return exc
+    if failures:
+        rank = min(failures)
+        first = failures[rank]
+        what = f"rank {rank} failed: {type(first).__name__}: {first}"
+    else:
+        what = f"{type(exc).__name__}: {exc}"
+    return SaveFailedError(f"the save into {os.fspath(path)} did not commit; {what}", failures)
+
+
+def _run(fn: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str]) -> Any:
+    try:
+        return fn()
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise save_error(exc, path) from exc
+    finally:
+        writer._release_lock()  # normally released at commit; here also when any rank failed
+
+
+def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
+                after_commit: Callable[[], None] | None = None) -> Any:
+    """A future that completes with ``future``, failures raised as :class:`SaveFailedError`; the lock is
+    dropped as soon as the upload ends, whatever the outcome. ``after_commit`` runs once the upload has
+    committed, before the future completes."""
+    from concurrent.futures import Future
+
+    out: Future[Any] = Future()
+
+    def done(f: Any) -> None:
+        writer._release_lock()
+        if f.cancelled():
+            out.cancel()
+            return
+        exc = f.exception()
+        if exc is None:
+            if after_commit is not None:
+                try:
+                    after_commit()
+                except Exception as failure:  # a verification that cannot start is said, the save stands
+                    warnings.warn(f"the checkpoint {os.fspath(path)} was saved but its verification could not "
+                                  f"start: {type(failure).__name__}: {failure}", RuntimeWarning, stacklevel=2)
+            out.set_result(f.result())
+            return
+        error = save_error(exc, path)
+        error.__cause__ = exc
+        out.set_exception(error)
+
+    future.add_done_callback(done)
+    return out
+
+
+def _plain(state: Any) -> dict[str, Any]:
+    """A :class:`~ckptverify.state.train_state.TrainState` is saved as its state dict (flat names
+    ``model.*``, ``optim.*``, ...); a dict as is."""
+    from ckptverify.state.train_state import TrainState
+
+    return state.state_dict() if isinstance(state, TrainState) else state
+
+
+def _step(state: Any, path: str | os.PathLike[str]) -> int | None:
+    """The training step a checkpoint holds: a TrainState's step counter, else the one its name carries."""
+    from ckptverify.formats.rundir import step_of
+    from ckptverify.state.train_state import TrainState
+
+    if isinstance(state, TrainState):
+        return int(state.counters.step)
+    return step_of(os.path.basename(os.path.normpath(os.fspath(path))))
+
+
+def _verify_options(verify: str, verify_deep: bool, on_verify_failure: str,
+                    on_verified: Callable[[Verification], None] | None,
+                    events: EventLog | str | os.PathLike[str] | None) -> VerifyOptions:
+    from ckptverify.verifier.background import VerifyOptions
+
+    return VerifyOptions(mode=verify, deep=verify_deep, on_failure=on_verify_failure, on_verified=on_verified,
+                         events=events)
+
+
+def _coordinator(process_group: Any, no_dist: bool) -> bool:
+    """Whether this process is the save's coordinator (rank 0 of the group, or the only process)."""
+    import torch.distributed as dist
+
+    if no_dist or not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_rank(process_group) == 0
+
+
+def _broadcast(value: Any, process_group: Any, no_dist: bool) -> Any:
+    """The coordinator's ``value`` on every rank of the save's group."""
+    import torch.distributed as dist
+
+    if no_dist or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return value
+    box = [value]
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=process_group)
+    return box[0]
+
+
+def _raise(verification: dict[str, Any] | None) -> None:
+    from ckptverify.verifier.verification import Verification
+
+    if verification is None:
+        return
+    failed = Verification.from_dict(verification)
+    raise VerifyFailedError(f"an earlier checkpoint failed verification: {failed.describe()}", failed)
+
+
+def _raise_earlier_failures(options: VerifyOptions, process_group: Any, no_dist: bool) -> None:
+    """With ``on_verify_failure="raise"``: raise, on every rank, the failure of an earlier save's verification
+    that finished since (found on the coordinator, broadcast), before anything is written."""
+    if options.on_failure != "raise":
+        return
+    first = None
+    if _coordinator(process_group, no_dist):
+        from ckptverify.verifier.background import default_verifier
+
+        failures = default_verifier().take_failures()
+        first = failures[0].to_dict() if failures else None
+    _raise(_broadcast(first, process_group, no_dist))
+
+
+def _verify_committed(options: VerifyOptions, path: str | os.PathLike[str], step: int | None, coordinator: bool,
+                      process_group: Any, no_dist: bool) -> None:
+    """After a synchronous save committed: hand it to the background verifier, or verify it now (and with
+    ``raise``, raise a failure on every rank)."""
+    if options.mode == "off":
+        return
+    from ckptverify.verifier.background import default_verifier
+
+    if options.mode == "background":
+        if coordinator:
+            default_verifier().submit(path, step=step, options=options)
+        return
+    result = default_verifier().verify_now(path, step=step, options=options) if coordinator else None
+    if options.on_failure == "raise":
+        failed = result.to_dict() if result is not None and result.verdict == "failed" else None
+        failed = _broadcast(failed, process_group, no_dist)
+        if failed is not None:
+            from ckptverify.verifier.verification import Verification
+
+            verification = Verification.from_dict(failed)
+            raise VerifyFailedError(verification.describe(), verification)
+
+
+def _after_upload(options: VerifyOptions, path: str | os.PathLike[str], step: int | None,
+                  coordinator: bool) -> Callable[[], None] | None:
+    """What an asynchronous save does once its upload committed (on the coordinator): queue the checkpoint, or
+    verify it before the future completes. A ``raise``-mode failure is raised by the next save."""
+    if options.mode == "off" or not coordinator:
+        return None
+    from ckptverify.verifier.background import default_verifier
+
+    if options.mode == "background":
+        return lambda: default_verifier().submit(path, step=step, options=options)
+
+    def inline() -> None:
+        default_verifier().verify_now(path, step=step, options=options, deliver_later=True)
+
+    return inline
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    digest: str = "xxh3-128",
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    fingerprint: bool = True,
+    thread_count: int = 1,
+    process_group: dist.ProcessGroup | None = None,
+    verify: str = "off",
+    verify_deep: bool = False,
+    on_verify_failure: str = "warn",
+    on_verified: Callable[[Verification], None] | None = None,
+    events: EventLog | str | os.PathLike[str] | None = None,
+    **dcp_kwargs: Any,
+) -> Manifest | None:
+    """Save ``state_dict`` to the directory ``path`` with DCP, and write its manifest.
+
+    Args:
+        state_dict: what to save, as for :func:`torch.distributed.checkpoint.save`, or a
+            :class:`~ckptverify.state.train_state.TrainState` (restore it with :func:`ckptverify.checkpoint.load.load`).
+        path: the checkpoint directory (created if missing).
+        digest: byte digest, ``"xxh3-128"`` (fast, the default) or ``"sha256"`` (tamper evidence).
+        block_bytes: every item is also digested in blocks of this many bytes, to localize damage.
+        fingerprint: record each tensor's logical fingerprint and NaN/Inf counts (taken on the tensor's
+            own device before it is written).
+        thread_count: writer threads per rank (several files per rank), as for ``FileSystemWriter``.
+        process_group: the process group to save over (default: the default group, if initialized).
+        verify: once the save has committed, verify it on the coordinator and stamp the verdict beside it:
+            ``"background"`` (queued for the process's verifier thread; this returns at once), ``"inline"``
+            (before this returns) or ``"off"`` (the default: nothing).
+        verify_deep: also rebuild every tensor and compare its fingerprint with the one taken at save time.
+        on_verify_failure: ``"warn"`` (a warning, and an event with ``events``) or ``"raise"``: also a
+            :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when ``"inline"``,
+            else from the next save called with ``"raise"``.
+        on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (on the
+            coordinator, in the thread that verified).
+        events: an :class:`~ckptverify.ownfiles.events.EventLog` or a run directory: results are appended to its
+            ``events.jsonl`` (``verified``, ``verify-failed``, ...).
+        **dcp_kwargs: ``FileSystemWriter`` options (``single_file_per_rank``, ``sync_files``, ``overwrite``,
+            ``serialization_format``, ...) and ``dcp.save`` options (``planner``, ``no_dist``,
+            ``use_collectives``).
+
+    Returns:
+        The manifest on the coordinator rank, ``None`` on the others.
+
+    Raises:
+        UsageError: an unknown digest, a non-positive block size or thread count, an unknown keyword.
+        SaveConflictError: another save into ``path`` is in progress (nothing was written).
+        SaveFailedError: the save did not commit on some rank; ``path`` holds no committed checkpoint.
+        VerifyFailedError: ``on_verify_failure="raise"`` and a verification failed (see there).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    options = _verify_options(verify, verify_deep, on_verify_failure, on_verified, events)
+    step = _step(state_dict, path)
+    state_dict = _plain(state_dict)
+    writer_kw, save_kw = _split_kwargs(dcp_kwargs, SAVE_KWARGS)
+    no_dist = bool(save_kw.get("no_dist"))
+    _raise_earlier_failures(options, process_group, no_dist)
+    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
+    with warnings.catch_warnings():
+        # Saving in a single process without a process group is intended here, not a mistake.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
+             writer, path)
+    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist)
+    return writer.manifest if writer.is_coordinator else None
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    digest: str = "xxh3-128",
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    fingerprint: bool = True,
+    thread_count: int = 1,
+    process_group: dist.ProcessGroup | None = None,
+    verify: str = "off",
+    verify_deep: bool = False,
+    on_verify_failure: str = "warn",
+    on_verified: Callable[[Verification], None] | None = None,
+    events: EventLog | str | os.PathLike[str] | None = None,
+    **dcp_kwargs: Any,
+) -> Any:
+    """Like :func:`save`, through :func:`torch.distributed.checkpoint.async_save`.
+
+    Returns what DCP returns (a future, or an ``AsyncSaveResponse`` with a stager that reports staging
+    separately), except that the upload future fails with :class:`~ckptverify.errors.SaveFailedError` (or
+    :class:`~ckptverify.errors.SaveConflictError`) instead of DCP's ``CheckpointException``. The manifest is
+    written when the upload finishes, before the future completes; read it with
+    :func:`ckptverify.ownfiles.manifest.read_manifest`. ``async_checkpointer_type`` and ``async_stager`` are
+    accepted besides the options of :func:`save`.
+
+    ``verify``: once the upload has committed, the coordinator queues the checkpoint for the background
+    verifier (``"background"``) or verifies it before its future completes (``"inline"``). With
+    ``on_verify_failure="raise"`` a failure is raised by the next save called with ``"raise"``, on every rank.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    options = _verify_options(verify, verify_deep, on_verify_failure, on_verified, events)
+    step = _step(state_dict, path)
+    state_dict = _plain(state_dict)
+    writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS)
+    no_dist = bool(save_kw.get("no_dist"))
+    _raise_earlier_failures(options, process_group, no_dist)
+    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
+    after = _after_upload(options, path, step, _coordinator(process_group, no_dist))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        return _start_async(dcp, state_dict, writer, path, process_group, save_kw, after)
+
+
+def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
+                 process_group: Any, save_kw: dict[str, Any], after_commit: Callable[[], None] | None) -> Any:
+    try:
+        response = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group, **save_kw)
+    except BaseException as exc:
+        writer._release_lock()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise save_error(exc, path) from exc
+    upload = getattr(response, "upload_completion", None)
+    if upload is not None:
+        return dataclasses.replace(response, upload_completion=_translated(upload, writer, path, after_commit))
+    return _translated(response, writer, path, after_commit)

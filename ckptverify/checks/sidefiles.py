@@ -1,0 +1,180 @@
+"""Files that frameworks write beside a DCP checkpoint's shards, recognized by name *and* checked by content.
+
+| file | written by | what it is |
+| --- | --- | --- |
+| ``meta.pt`` | Lightning ``ModelParallelStrategy`` | ``torch.save``: global step, loop and LR-scheduler state |
+| ``common.pt`` | Megatron Core ``dist_checkpointing`` (older versions) | ``torch.save``: the common (unsharded) state |
+| ``metadata.json`` | Megatron Core ``dist_checkpointing`` | JSON: the sharded backend and its version |
+| ``integrity.json`` | Megatron Core ``dist_checkpointing`` (``verify_integrity=True``) | JSON: each file's SHA-256 |
+
+A known side file is not ``file-unreferenced`` (a false warning); it is checked by what its content shows
+(:func:`~ckptverify.formats.single.check_file`: a ``torch.save`` archive's structure, every CRC-32 and its
+pickle through the inert reader; JSON parsed), ``fingerprint`` digests it into the manifest, and ``diff``
+compares its values. Its name alone proves nothing: a ``meta.pt`` that is not a ``torch.save`` archive is
+an error. Any other file beside the shards stays ``file-unreferenced``.
+
+Megatron's ``integrity.json`` is the framework's own integrity record, ``{"algorithm": "sha256", "files":
+{NAME: HEX}}`` (Megatron Core ``dist_checkpointing/validation.py``: ``save_integrity_manifest`` lists every
+file of the checkpoint folder but itself). It is read as such: every digest it lists is checked against the
+file's bytes (``integrity-mismatch`` names the file), a listed file that is absent is ``integrity-missing``, a
+shard or metadata file it does not list is an ``integrity-unlisted`` warning, and a record that is not of that
+form (wrong types, a name leading out of the folder, another algorithm, too large to be one) is
+``integrity-invalid``. Nothing covers ``integrity.json`` itself but a manifest: ``fingerprint`` digests it like
+any side file, so a byte changed in it afterwards is caught. Checking it reads every listed file once more
+(SHA-256, about a tenth of the speed of the manifest's xxh3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+from typing import Any
+
+from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.formats.single import check_file, check_json
+
+__all__ = ["SIDE_FILES", "check_side_files", "side_files"]
+
+#: Known side files: name -> (expected content, who writes it).
+SIDE_FILES: dict[str, tuple[str, str]] = {
+    "meta.pt": ("torch.save", "Lightning"),
+    "common.pt": ("torch.save", "Megatron Core"),
+    "metadata.json": ("json", "Megatron Core"),
+    "integrity.json": ("megatron-integrity", "Megatron Core"),
+}
+
+#: The one algorithm Megatron Core's integrity record uses (and the only one its loader accepts).
+INTEGRITY_ALGORITHM = "sha256"
+#: Files one integrity record may list at most (Megatron lists the files of one checkpoint folder).
+INTEGRITY_MAX_FILES = 100_000
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# Files of a DCP checkpoint that Megatron's record lists when it is written after the save.
+_COVERED = re.compile(r"^(?:__\d+_\d+\.distcp|(?:__\d+)?\.metadata|common\.pt|metadata\.json)$")
+
+
+def side_files(root: str) -> list[str]:
+    """The known side files present in ``root`` (any file type: a FIFO named ``meta.pt`` is listed, and
+    :func:`check_side_files` refuses to open it)."""
+    return sorted(n for n in SIDE_FILES if os.path.lexists(os.path.join(root, n)))
+
+
+def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[CheckCoverage], list[str]]:
+    """Check each side file by its content. Returns findings, coverage and the names that are regular files
+    inside ``root`` (the ones to open, digest and compare)."""
+    findings: list[Finding] = []
+    coverage: list[CheckCoverage] = []
+    usable: list[str] = []
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            findings.append(error("file-type", f"{name} ({SIDE_FILES[name][1]}'s side file) is {kind}; it is not "
+                                  "opened", location=Location(file=name)))
+            continue
+        want, who = SIDE_FILES[name]
+        if want == "megatron-integrity":
+            found, cov = check_integrity_record(root, name)
+            findings.extend(found)
+            coverage.extend(cov)
+        elif want == "json":
+            found, _ = check_json(path, name=name, root=root)
+            findings.extend(found)
+            if not found:
+                findings.append(info("side-file", f"{name} ({who}) is valid JSON; JSON carries no checksum, so only a "
+                                     "manifest protects its bytes", location=Location(file=name)))
+        else:
+            found, _cov, facts = check_file(path, name=name, root=root)
+            if facts.get("format") != want and not any(f.severity.value == "error" for f in found):
+                found.append(error("side-file", f"{name} should be {who}'s {want} file, but its content is "
+                                   f"{facts.get('format') or 'unknown'}", location=Location(file=name)))
+            findings.extend(found)
+        usable.append(name)
+    if names:
+        coverage.insert(0, CheckCoverage(check="side-file", count=len(usable), unit="files"))
+    return findings, coverage, usable
+
+
+def check_integrity_record(root: str, name: str = "integrity.json") -> tuple[list[Finding], list[CheckCoverage]]:
+    """Check Megatron Core's integrity record ``name`` in ``root``: every SHA-256 it lists against the file's
+    bytes. A record that is not of Megatron's form is one ``integrity-invalid`` error, never an exception."""
+    where = Location(file=name)
+    found, data = check_json(os.path.join(root, name), name=name, root=root)
+    if found:
+        return found, []
+    problem = _integrity_problem(data)
+    if problem is not None:
+        return [error("integrity-invalid", f"{name} is not Megatron Core's integrity record: {problem}; its "
+                      "digests were not checked", location=where)], []
+    findings: list[Finding] = []
+    files: dict[str, str] = data["files"]
+    checked = 0
+    for listed, expected in sorted(files.items()):
+        path = os.path.join(root, listed)
+        try:
+            actual = _sha256(path, root)
+        except FileNotFoundError:
+            findings.append(error("integrity-missing", f"{listed} is listed in {name} (Megatron's integrity record) "
+                                  "but is absent: a file of the checkpoint as saved is gone",
+                                  location=Location(file=listed)))
+            continue
+        except OSError as exc:
+            findings.append(error("integrity-missing", f"{listed} is listed in {name} but cannot be read: {exc}",
+                                  location=Location(file=listed)))
+            continue
+        checked += 1
+        if actual != expected:
+            findings.append(error("integrity-mismatch", f"{listed}: its SHA-256 differs from the one {name} "
+                                  "(Megatron's integrity record) lists: its bytes changed since the save",
+                                  location=Location(file=listed), expected=expected, actual=actual))
+    try:
+        present = sorted(n for n in os.listdir(root) if _COVERED.match(n))
+    except OSError:
+        present = []
+    for unlisted in (n for n in present if n not in files):
+        findings.append(warning("integrity-unlisted", f"{unlisted} is not listed in {name}, which lists every file "
+                                "of the checkpoint as Megatron saved it: added or rewritten after the save, or "
+                                "the record was edited", location=Location(file=unlisted)))
+    if not findings:
+        findings.append(info("integrity-record", f"{name} (Megatron Core): the SHA-256 of each of its {checked} "
+                             "file(s) matches", location=where))
+    return findings, [CheckCoverage(check="integrity-record", count=checked, unit="files")]
+
+
+def _integrity_problem(data: Any) -> str | None:
+    """Why ``data`` is not of the form ``{"algorithm": "sha256", "files": {NAME: HEX}}``, or ``None``."""
+    if not isinstance(data, dict):
+        return f"it is a JSON {type(data).__name__}, not an object"
+    algorithm = data.get("algorithm", INTEGRITY_ALGORITHM)  # Megatron's loader takes a missing one as sha256
+    if algorithm != INTEGRITY_ALGORITHM:
+        return f"its algorithm is {str(algorithm)[:40]!r}, not {INTEGRITY_ALGORITHM!r}"
+    files = data.get("files")
+    if not isinstance(files, dict):
+        return f"its 'files' is {type(files).__name__}, not an object of file names and digests"
+    if len(files) > INTEGRITY_MAX_FILES:
+        return f"it lists {len(files)} files, more than one checkpoint folder holds ({INTEGRITY_MAX_FILES})"
+    for listed, digest in files.items():
+        if not _plain_name(listed):
+            return f"it lists {listed[:80]!r}, which is not a plain file name inside the checkpoint folder"
+        if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+            return f"the digest of {listed!r} is {str(digest)[:80]!r}, not 64 lowercase hex digits"
+    return None
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def _sha256(path: str, root: str) -> str:
+    """SHA-256 of a regular file inside ``root`` (a FIFO, device or link out of it is refused unopened)."""
+    from ckptverify.safeparse.readers import ReadOnlyFile
+
+    h = hashlib.sha256()
+    with ReadOnlyFile(path, root=root) as f:
+        f.fold(0, f.size, h.update)
+    return h.hexdigest()

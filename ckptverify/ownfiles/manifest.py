@@ -1,0 +1,346 @@
+"""The manifest: what a checkpoint held when it was saved, written beside it as JSON.
+
+A manifest records, for every item DCP wrote, its exact place and a digest of its bytes (plus digests of
+fixed-size blocks, to localize damage), for every file its size and digest, and for every tensor its dtype,
+global shape and the logical fingerprint of the live tensor at save time. It also pins ``.metadata``.
+
+It is written atomically (temporary file, fsync, rename) and **last**, so its presence marks a committed
+checkpoint. Its own integrity is protected by ``self_digest``, a digest of its canonical JSON form without
+that field: a truncated or edited manifest is detected, never trusted.
+
+File name: :data:`MANIFEST_FILE`. Schema: ``docs/manifest.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptverify.ownfiles.names import MANIFEST_FILE, MANIFEST_TEMP_PREFIX, write_atomic
+from ckptverify.safeparse import safejson
+
+MANIFEST_SCHEMA = "ckptverify/manifest"
+MANIFEST_SCHEMA_VERSION = 1
+DEFAULT_BLOCK_BYTES = 1 << 20
+#: Smallest and largest ``block_bytes`` accepted (on writing and on reading): one digest per 4 KiB at most.
+MIN_BLOCK_BYTES = 4 << 10
+MAX_BLOCK_BYTES = 1 << 30
+#: A manifest larger than this is refused unread (1 MiB blocks of a 4 TiB checkpoint take about 160 MB).
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_WORLD_SIZE = 1 << 20
+_MAX_NAME = 1 << 16
+_MAX_DIMS = 64
+_RANK_METADATA = re.compile(r"__\d{1,9}\.metadata")
+_DIGEST_RE = {"xxh3-128": re.compile(r"[0-9a-f]{32}"), "sha256": re.compile(r"[0-9a-f]{64}")}
+
+
+class ManifestError(Exception):
+    """The manifest is unreadable, truncated, edited, or of an unknown schema. Becomes a finding."""
+
+
+@dataclass(frozen=True, slots=True)
+class ItemEntry:
+    """One stored item: where it is and the digest of its bytes (and of each block of them)."""
+
+    fqn: str
+    chunk_offsets: tuple[int, ...] | None
+    file: str
+    offset: int
+    length: int
+    digest: str
+    blocks: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn,
+            "chunk_offsets": None if self.chunk_offsets is None else list(self.chunk_offsets),
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "digest": self.digest,
+            "blocks": list(self.blocks),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ItemEntry:
+        offsets = d["chunk_offsets"]
+        return cls(
+            fqn=_s(d["fqn"]),
+            chunk_offsets=None if offsets is None else tuple(_i(x) for x in _list(offsets)),
+            file=_s(d["file"]),
+            offset=_i(d["offset"]),
+            length=_i(d["length"]),
+            digest=_s(d["digest"]),
+            blocks=tuple(_s(b, 128) for b in _list(d.get("blocks", []))),
+        )
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...] | None, str]:
+        return (self.fqn, self.chunk_offsets, self.file)
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    size: int
+    digest: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "digest": self.digest}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FileEntry:
+        return cls(size=_i(d["size"]), digest=_s(d["digest"]))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor as it was in memory at save time: dtype, global shape, logical fingerprint (if taken)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    fingerprint: str | None = None
+    nan_count: int | None = None
+    inf_count: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "fingerprint": self.fingerprint}
+        if self.nan_count is not None:
+            out["nan_count"] = self.nan_count
+        if self.inf_count is not None:
+            out["inf_count"] = self.inf_count
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorEntry:
+        fp = d.get("fingerprint")
+        return cls(
+            dtype=_s(d["dtype"]),
+            shape=tuple(_i(x) for x in _list(d["shape"])),
+            fingerprint=None if fp is None else _s(fp),
+            nan_count=_opt_i(d.get("nan_count")),
+            inf_count=_opt_i(d.get("inf_count")),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    digest_algorithm: str
+    block_bytes: int
+    items: tuple[ItemEntry, ...]
+    files: dict[str, FileEntry]
+    tensors: dict[str, TensorEntry]
+    metadata_files: dict[str, FileEntry] = field(default_factory=dict)
+    world_size: int = 1
+    fingerprint_version: int | None = None
+    created: str = ""
+    tool_version: str = ""
+    torch_version: str = ""
+    source: str = "save"  # "save": digests taken while writing; "fingerprint": adopted afterwards
+
+    def __post_init__(self) -> None:
+        # One canonical item order (by file, then offset), so a manifest equals itself read back.
+        object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: (i.file, i.offset, i.fqn))))
+
+    def to_dict(self) -> dict[str, Any]:
+        body = {
+            "schema": MANIFEST_SCHEMA,
+            "schema_version": MANIFEST_SCHEMA_VERSION,
+            "created": self.created,
+            "tool_version": self.tool_version,
+            "torch_version": self.torch_version,
+            "source": self.source,
+            "world_size": self.world_size,
+            "digest_algorithm": self.digest_algorithm,
+            "block_bytes": self.block_bytes,
+            "fingerprint_version": self.fingerprint_version,
+            "metadata_files": {k: v.to_dict() for k, v in sorted(self.metadata_files.items())},
+            "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
+            "tensors": {k: v.to_dict() for k, v in sorted(self.tensors.items())},
+            "items": [i.to_dict() for i in self.items],
+        }
+        body["self_digest"] = _self_digest(body)
+        return body
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        if d.get("schema") != MANIFEST_SCHEMA:
+            raise ManifestError(f"not a ckptverify manifest (schema {d.get('schema')!r})")
+        if d.get("schema_version") != MANIFEST_SCHEMA_VERSION:
+            raise ManifestError(f"manifest schema version {d.get('schema_version')!r} is not supported "
+                                f"(this ckptverify reads version {MANIFEST_SCHEMA_VERSION})")
+        recorded = d.get("self_digest")
+        body = {k: v for k, v in d.items() if k != "self_digest"}
+        if recorded != _self_digest(body):
+            raise ManifestError("manifest self-digest does not match its content: it was edited or damaged")
+        try:
+            manifest = cls(
+                digest_algorithm=_s(d["digest_algorithm"]),
+                block_bytes=_i(d["block_bytes"]),
+                items=tuple(ItemEntry.from_dict(i) for i in _list(d["items"])),
+                files={_s(k): FileEntry.from_dict(v) for k, v in _dict(d["files"]).items()},
+                tensors={_s(k): TensorEntry.from_dict(v) for k, v in _dict(d["tensors"]).items()},
+                metadata_files={_s(k): FileEntry.from_dict(v) for k, v in _dict(d.get("metadata_files", {})).items()},
+                world_size=_i(d.get("world_size", 1)),
+                fingerprint_version=_opt_i(d.get("fingerprint_version")),
+                created=_s(d.get("created", ""), 256),
+                tool_version=_s(d.get("tool_version", ""), 256),
+                torch_version=_s(d.get("torch_version", ""), 256),
+                source=_s(d.get("source", "save"), 256),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ManifestError(f"manifest has the wrong structure: {type(exc).__name__}: {exc}"[:500]) from None
+        validate(manifest)
+        return manifest
+
+
+def validate(manifest: Manifest) -> None:
+    """Check every field of a manifest read from disk; raise :class:`ManifestError` at the first bad one.
+
+    A manifest is input like any other file of the checkpoint: its self-digest proves it unchanged, not
+    sensible. So: a known digest algorithm, digests of its exact form, ``block_bytes`` within
+    [:data:`MIN_BLOCK_BYTES`, :data:`MAX_BLOCK_BYTES`], every path a plain relative name inside the
+    checkpoint (metadata files named as DCP names them), every item inside a file the manifest lists and
+    with exactly one block digest per block (or none), no item listed twice, each tensor item's chunk offsets
+    as long as its tensor's shape. Rules and limits: ``docs/manifest.md``.
+    """
+    from ckptverify.fingerprint import ALGORITHMS
+
+    if manifest.digest_algorithm not in ALGORITHMS:
+        raise ManifestError(f"digest algorithm {manifest.digest_algorithm[:40]!r} is not one this tool knows "
+                            f"({', '.join(ALGORITHMS)})")
+    digest_re = _DIGEST_RE[manifest.digest_algorithm]
+    bb = manifest.block_bytes
+    if not MIN_BLOCK_BYTES <= bb <= MAX_BLOCK_BYTES:
+        raise ManifestError(f"block_bytes {bb} is outside [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}]")
+    if not 1 <= manifest.world_size <= MAX_WORLD_SIZE:
+        raise ManifestError(f"world_size {manifest.world_size} is outside [1, {MAX_WORLD_SIZE}]")
+    if manifest.source not in ("save", "fingerprint"):
+        raise ManifestError(f"source {manifest.source[:40]!r} is neither 'save' nor 'fingerprint'")
+
+    def digest(value: str, what: str) -> None:
+        if not digest_re.fullmatch(value):
+            raise ManifestError(f"{what}: {value[:80]!r} is not a {manifest.digest_algorithm} hex digest")
+
+    for name, entry in manifest.files.items():
+        if _relative_name(name) is None or name == MANIFEST_FILE:
+            raise ManifestError(f"file name {name[:200]!r} does not name a file inside the checkpoint")
+        digest(entry.digest, f"digest of {name}")
+    for name, entry in manifest.metadata_files.items():
+        if name != ".metadata" and not _RANK_METADATA.fullmatch(name):
+            raise ManifestError(f"metadata file name {name[:200]!r} is not .metadata or __N.metadata")
+        digest(entry.digest, f"digest of {name}")
+    for fqn, tensor in manifest.tensors.items():
+        if len(fqn) > _MAX_NAME or len(tensor.dtype) > 64 or len(tensor.shape) > _MAX_DIMS:
+            raise ManifestError(f"tensor entry {fqn[:200]!r} is malformed")
+        if tensor.fingerprint is not None and len(tensor.fingerprint) > 256:
+            raise ManifestError(f"tensor entry {fqn[:200]!r} has an oversized fingerprint")
+    seen: set[tuple[str, tuple[int, ...] | None, str]] = set()
+    for item in manifest.items:
+        what = f"item {item.fqn[:200]!r} in {item.file[:200]!r}"
+        if len(item.fqn) > _MAX_NAME:
+            raise ManifestError(f"{what}: its name is longer than {_MAX_NAME}")
+        file = manifest.files.get(item.file)
+        if file is None:
+            raise ManifestError(f"{what}: the file is not among the manifest's files")
+        if item.offset + item.length > file.size:
+            raise ManifestError(f"{what}: bytes [{item.offset}, {item.offset + item.length}) lie past the end of "
+                                f"the file ({file.size} bytes)")
+        if item.key in seen:
+            raise ManifestError(f"{what}: listed twice")
+        seen.add(item.key)
+        digest(item.digest, f"digest of {what}")
+        if item.blocks:
+            want = -(-item.length // bb)
+            if len(item.blocks) != want:
+                raise ManifestError(f"{what}: {len(item.blocks)} block digests for {item.length} bytes in blocks "
+                                    f"of {bb} (expected {want})")
+            for block in item.blocks:
+                digest(block, f"a block digest of {what}")
+        if item.chunk_offsets is not None:
+            tensor = manifest.tensors.get(item.fqn)
+            if tensor is None or len(tensor.shape) != len(item.chunk_offsets):
+                raise ManifestError(f"{what}: its chunk offsets {list(item.chunk_offsets)[:8]} do not fit any "
+                                    "tensor the manifest lists")
+
+
+def _self_digest(body: dict[str, Any]) -> str:
+    import hashlib
+
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+def _i(v: Any) -> int:
+    if type(v) is not int or not 0 <= v < 1 << 63:
+        raise ValueError(f"expected an integer in [0, 2^63), got {v!r}"[:120])
+    return v
+
+
+def _opt_i(v: Any) -> int | None:
+    return None if v is None else _i(v)
+
+
+def _s(v: Any, limit: int = 1 << 16) -> str:
+    if type(v) is not str:
+        raise ValueError(f"expected a string, got {type(v).__name__}")
+    if len(v) > limit or "\x00" in v:
+        raise ValueError(f"a string longer than {limit} characters or holding NUL")
+    return v
+
+
+def _list(v: Any) -> list[Any]:
+    if type(v) is not list:
+        raise ValueError(f"expected a list, got {type(v).__name__}")
+    return v
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    if type(v) is not dict:
+        raise ValueError(f"expected an object, got {type(v).__name__}")
+    return v
+
+
+def _relative_name(value: str) -> str | None:
+    """``value`` if it names a file inside the checkpoint directory (plain relative path), else ``None``."""
+    if not value or len(value) > 4096 or "\x00" in value or "\\" in value or value.startswith("/"):
+        return None
+    if any(p in ("", ".", "..") for p in value.split("/")):
+        return None
+    return value
+
+
+def file_manifest_name(filename: str) -> str:
+    """The name of the manifest of the single checkpoint file ``filename``, written beside it
+    (``step=4.ckpt`` -> ``step=4.ckpt.ckptverify.manifest.json``)."""
+    return f"{filename}.{MANIFEST_FILE}"
+
+
+def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str = MANIFEST_FILE) -> Manifest | None:
+    """The manifest of the checkpoint at ``root``; ``None`` if it has none. Raises :class:`ManifestError`.
+
+    The file must be a regular file inside ``root`` of at most ``max_bytes`` (a FIFO, a device or a link out
+    of the checkpoint is refused unopened), and every field must pass :func:`validate`.
+    """
+    from ckptverify.safeparse.readers import read_small_file
+
+    path = os.path.join(root, name)
+    if not os.path.lexists(path):
+        return None
+    try:
+        data = safejson.loads(read_small_file(path, max_bytes, root=root), max_bytes=max_bytes)
+    except (OSError, ValueError, RecursionError, MemoryError) as exc:
+        raise ManifestError(f"manifest cannot be read: {type(exc).__name__}: {exc}"[:500]) from None
+    if not isinstance(data, dict):
+        raise ManifestError("manifest is not a JSON object")
+    return Manifest.from_dict(data)
+
+
+def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) -> str:
+    """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
+    its path."""
+    path = os.path.join(root, name)
+    write_atomic(path, json.dumps(manifest.to_dict(), indent=1, sort_keys=False), prefix=MANIFEST_TEMP_PREFIX)
+    return path

@@ -1,0 +1,1 @@
+"""Reports for people and machines: text, JSON, Prometheus gauges, figures."""

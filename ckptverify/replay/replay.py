@@ -1,0 +1,295 @@
+"""``ckptverify replay RUN_DIR --from K --to L``: re-run production steps and judge the hardware.
+
+The periodic job of hardware-fault detection. From the production checkpoint ``K`` of a job run in production
+mode (:mod:`~ckptverify.production.mode`), steps ``K+1..L`` are run again in fresh processes at the
+production world size, **twice** (R1 and R2), tracing the same sites at the same steps. Then:
+
+1. checkpoints ``K`` and ``L`` must verify, else ``checkpoint-corrupt``;
+2. R1 and R2 must agree with each other, else ``nondeterministic``: the replay itself is not reproducible, so it
+   cannot judge the hardware (the sentence says whether a random stream, the batch or a computed value differs
+   first, and what to make deterministic);
+3. production must agree with R1 on every traced site of steps ``K+1..L``. Where it does not, the first step
+   ``s`` that differs is classified by what differs there (:mod:`~ckptverify.replay.causes`), with the
+   causes and kind names of ``resume-check``: a difference in the step's *inputs* (the replay's restored state
+   against production's checkpoint, a random stream or a hyperparameter when the step starts, the batch, a
+   non-persistent buffer, state the TrainState does not hold) is ``restore-mismatch``, ``rng``,
+   ``changed-after-restore``, ``changed-after-save``, ``scheduler``, ``data``, ``hidden-state`` or
+   ``unregistered-state``, and says nothing about the hardware. Only when the inputs of step ``s`` are equal
+   and a computed value differs is it ``hardware-fault-suspected``; the rank is named only when the evidence
+   singles it out (the only rank that differs, or the only one whose own value differs where another rank's
+   equal value is recorded), else ``candidate_ranks`` lists the ranks that could hold it (values after an
+   all-reduce hide the origin). When the inputs of ``s`` are not all known to be equal (a trace at level
+   ``metrics``, untraced steps before ``s``, or ``s`` the first replayed step of a job that ran on from memory
+   past ``K``) it is ``undetermined``, with what would tell;
+4. the final state (the production checkpoint ``L`` against R1's) must agree, else the differing item names
+   the cause: data position, random streams, scheduler or counters, or ``hardware-fault-suspected`` for
+   computed state (no rank named);
+5. otherwise ``reproduced``: the production steps are bitwise reproducible, no fault seen.
+
+Without ``--from``/``--to`` the two newest verified checkpoints are taken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptverify.errors import UsageError
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.production.mode import read_run_file, segments
+
+__all__ = ["VERDICTS", "replay"]
+
+VERDICTS = ("reproduced", "nondeterministic", "hardware-fault-suspected", "undetermined", "checkpoint-corrupt",
+            "restore-mismatch", "rng", "changed-after-restore", "changed-after-save", "scheduler", "data",
+            "hidden-state", "unregistered-state")
+
+
+@dataclass(frozen=True)
+class _Checkpoints:
+    start: int
+    end: int
+    start_path: str
+    end_path: str
+    #: Paths that already verified while they were picked (not verified a second time).
+    verified: frozenset[str] = frozenset()
+
+
+def _pick(run_dir: str, start: int | None, end: int | None) -> _Checkpoints:
+    from ckptverify.formats.rundir import find_checkpoints
+
+    steps = {c.step: os.path.join(run_dir, c.path) for c in find_checkpoints(run_dir)
+             if c.kind == "dir" and c.format == "dcp" and c.step is not None}
+    verified: set[str] = set()
+    if start is None or end is None:
+        from ckptverify.runs.latest import latest_verified
+
+        newest = latest_verified(run_dir)
+        if newest.path is None or newest.step is None:
+            raise UsageError(f"no verified checkpoint under {run_dir} to replay from")
+        chosen_end = newest.step if end is None else end
+        if end is None and chosen_end in steps and os.path.abspath(steps[chosen_end]) == newest.path:
+            verified.add(steps[chosen_end])
+        if start is None:
+            from ckptverify.audit.verify import verify_checkpoint
+
+            good = next((s for s in sorted((s for s in steps if s < chosen_end), reverse=True)
+                         if verify_checkpoint(steps[s]).passed), None)
+            if good is None:
+                raise UsageError(f"no verified checkpoint before step {chosen_end} under {run_dir} to replay from")
+            verified.add(steps[good])
+            start = good
+        end = chosen_end
+    if not 0 <= start < end:
+        raise UsageError(f"--from must be below --to, got {start} and {end}")
+    for s in (start, end):
+        if s not in steps:
+            raise UsageError(f"no checkpoint of step {s} under {run_dir} (have: {sorted(steps) or 'none'})")
+    return _Checkpoints(start, end, steps[start], steps[end], frozenset(verified))
+
+
+def _hosts(segment: str) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for name in os.listdir(segment) if os.path.isdir(segment) else []:
+        if name.startswith("host-rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(segment, name)) as f:
+                    out[int(name[len("host-rank"):-5])] = json.load(f)
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def _where(host: dict[str, Any] | None) -> str:
+    if not host:
+        return "host unknown"
+    dev = host.get("device") or {}
+    device = dev.get("type", "?")
+    if dev.get("index") is not None:
+        device += f":{dev['index']}"
+    if dev.get("name"):
+        device += f" ({dev['name']}{', ' + dev['uuid'] if dev.get('uuid') else ''})"
+    return f"host {host.get('hostname', '?')}, device {device}"
+
+
+#: Final-state items that no computation on a device produces: a difference there is not a hardware fault.
+_FINAL_CAUSES = (
+    ("data.", "data", "the data loader's position after the last step differs (not saved or not restored)"),
+    ("rng.", "rng", "a random stream after the last step differs (re-seeded, or drawn outside the steps)"),
+    ("scheduler.", "scheduler", "the LR scheduler's state differs (not saved, or its counter restarted)"),
+    ("counters.", "restore-mismatch", "the step counters differ (not restored, or advanced differently)"),
+)
+
+
+def _final_cause(item: str) -> tuple[str, str] | None:
+    for prefix, kind, what in _FINAL_CAUSES:
+        if item.startswith(prefix):
+            return kind, what
+    return None
+
+
+#: The most ranks a replay starts unless the caller allows more (``max_procs``): a run directory says how many.
+MAX_PROCS = 64
+
+
+def pinned(meta: dict[str, Any], run_dir: str, target: str | None, max_procs: int) -> tuple[str, int]:
+    """The training function a replay runs and its rank count, as the caller pinned them.
+
+    A run directory is data: its ``run.json`` says which file and function the job ran and on how many ranks,
+    and anyone who can write the directory can change that. A replay runs the function the caller names
+    (``target``; refused when ``None``, the message naming what ``run.json`` records) and at most ``max_procs``
+    processes; the recorded world size must be a whole number from 1 to ``max_procs``."""
+    recorded = meta["target"]
+    world = meta.get("world_size", 1)
+    if type(world) is not int or world < 1:
+        raise UsageError(f"{run_dir}/run.json records a world size of {world!r}: not a rank count")
+    if world > max_procs:
+        raise UsageError(f"{run_dir}/run.json records a world size of {world}: a replay would start {world} "
+                         f"processes twice, more than the {max_procs} allowed (--max-procs / max_procs= raises it)")
+    if target is None:
+        raise UsageError(f"{run_dir}/run.json records the training function {recorded!r} on {world} rank(s). A run "
+                         "directory is data: a replay runs (imports and calls) only a function you name. To replay "
+                         f"it, pass --target {recorded} (target= in Python).")
+    if ":" not in target:
+        raise UsageError(f"target must be FILE.py:FUNC or module:FUNC, got {target!r}")
+    return target, world
+
+
+def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start: int | None = None,
+           end: int | None = None, device: str = "cpu", keep: str | None = None,
+           progress: Callable[[str], None] | None = None, max_procs: int = MAX_PROCS) -> Report:
+    """Replay production steps ``start+1..end`` twice and judge them; see the module docstring.
+
+    ``target``: the training function to run (``FILE.py:FUNC`` or ``module:FUNC``), normally the one the run
+    directory's ``run.json`` records; required, since a run directory is data (:func:`pinned`). ``max_procs``:
+    the most ranks the replay may start (the recorded world size above it is refused).
+
+    Returns a report whose ``stats["verdict"]`` has ``kind`` (one of :data:`VERDICTS`), ``step``, ``rank``
+    (``None`` unless the evidence singles one out), ``site``, ``host``, ``sentence`` and ``candidate_ranks``
+    (the ranks that could hold the origin of a computed difference; ``None`` for other kinds).
+    Raises :class:`~ckptverify.errors.UsageError` when ``run_dir`` is not a
+    production run directory or the checkpoints cannot be found, and
+    :class:`~ckptverify.resume.harness.WorkloadCrashedError` when the workload crashes.
+    """
+    from ckptverify.audit.diff import diff_checkpoints
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.replay.causes import judge, twin_cause
+    from ckptverify.resume.harness import launch_jobs
+    from ckptverify.resume.run import RunConfig, checkpoint_path
+    from ckptverify.trace.compare import compare_runs, divergences
+
+    root = os.fspath(run_dir)
+    say = progress or (lambda _msg: None)
+    began = time.perf_counter()
+    meta = read_run_file(root)
+    workload, world = pinned(meta, root, target, max_procs)
+    ckpts = _pick(root, start, end)
+    findings: list[Finding] = []
+    coverage: list[CheckCoverage] = []
+    stats: dict[str, Any] = {"from": ckpts.start, "to": ckpts.end, "world_size": world, "target": workload,
+                             "recorded_target": meta["target"]}
+    if workload != meta["target"]:
+        findings.append(warning("replay-target", f"replaying {workload}, not the function run.json records "
+                                f"({meta['target']}): the replay judges production only as far as they compute "
+                                "the same steps"))
+
+    def done(kind: str, sentence: str, **where: Any) -> Report:
+        candidates = where.get("candidate_ranks")
+        verdict = {"kind": kind, "sentence": sentence, "step": where.get("step"), "rank": where.get("rank"),
+                   "site": where.get("site"), "host": where.get("host"),
+                   "candidate_ranks": list(candidates) if candidates is not None else None}
+        stats.update(verdict=verdict, seconds=round(time.perf_counter() - began, 3))
+        make = info if kind == "reproduced" else error
+        findings.append(make(f"replay-{kind}", sentence, location=Location(
+            rank=where.get("rank"), fqn=where.get("site"))))
+        return Report(command="replay", target=root, findings=tuple(findings), coverage=tuple(coverage),
+                      stats=stats)
+
+    say(f"verify checkpoints of steps {ckpts.start} and {ckpts.end}")
+    for step, path in ((ckpts.start, ckpts.start_path), (ckpts.end, ckpts.end_path)):
+        if path in ckpts.verified:
+            continue
+        report = verify_checkpoint(path)
+        if not report.passed:
+            findings.extend(report.errors[:20])
+            return done("checkpoint-corrupt", f"the production checkpoint of step {step} fails verification "
+                        f"({report.errors[0].check}): nothing can be replayed or judged from it", step=step)
+    segs = [(s, p) for s, p in segments(root) if s <= ckpts.start]
+    if not segs:
+        raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
+    seg_start, segment = max(segs)
+    hosts = _hosts(segment)
+    steps = range(ckpts.start + 1, ckpts.end + 1)
+    work = keep or tempfile.mkdtemp(prefix="ckptverify-replay-")
+    try:
+        configs = {}
+        # The job's length, for schedules built from run.total_steps (a replay stops early; they must not change).
+        total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
+        for name in ("R1", "R2"):
+            configs[name] = RunConfig(
+                name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
+                checkpoint_dir=os.path.join(work, name),
+                resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
+                level=str(meta.get("level", "metrics")), workload=workload,
+                # Production records one cell per tensor category; the replays one per tensor too, so a
+                # category that differs is traced back to its tensor (see ckptverify.trace.category).
+                trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
+        for name in ("R1", "R2"):
+            # Each replay in its own fresh processes: nondeterminism that depends on the process (hash seeds,
+            # allocation order, thread start-up) must show between the two.
+            say(f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)")
+            launch_jobs(world, device, [(workload, configs[name])])
+        r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
+        assert r1 is not None and r2 is not None
+        twin = [f for f in compare_runs(r1, r2, steps=steps) if f.severity.value == "error"]
+        coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
+        if twin:
+            findings.extend(twin[:20])
+            first = divergences(r1, r2, steps=steps)
+            d = min(first, key=lambda x: (x.step, x.rank)) if first else None
+            why = (twin_cause(r1, r2, d.step) if d else "the job is not deterministic; make it deterministic "
+                   "(torch.use_deterministic_algorithms, fixed seeds) and replay again")
+            return done("nondeterministic", "the two replays differ from each other"
+                        + (f", first at step {d.step} on rank {d.rank}, site {d.site}" if d else "")
+                        + f", so no judgement about the hardware is possible: {why}",
+                        step=d.step if d else None, rank=d.rank if d else None, site=d.site if d else None)
+        say("compare production with the replay")
+        prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
+        coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
+        if prod:
+            findings.extend(prod[:20])
+            j = judge(segment, r1, start=ckpts.start, end=ckpts.end, world=world, production_start=seg_start,
+                      where=lambda r: _where(hosts.get(r)))
+            findings.extend(j.findings)
+            return done(j.kind, j.sentence, step=j.step, rank=j.rank, site=j.site, candidate_ranks=j.candidate_ranks,
+                        host=hosts.get(j.rank, {}).get("hostname") if j.rank is not None else None)
+        say("compare the final state with the production checkpoint")
+        final = diff_checkpoints(ckpts.end_path, checkpoint_path(os.path.join(work, "R1"), ckpts.end))
+        coverage.extend(final.coverage)
+        if not final.passed:
+            findings.extend(final.errors[:20])
+            first = final.errors[0]
+            item = first.location.fqn or first.check
+            cause = _final_cause(item)
+            if cause is not None:
+                kind, what = cause
+                return done(kind, f"every traced site agreed, but the production checkpoint of step {ckpts.end} "
+                            f"differs from the replay's in {item}: {what}; this says nothing about the hardware",
+                            step=ckpts.end, site=first.location.fqn)
+            return done("hardware-fault-suspected",
+                        f"every traced site agreed, but the production checkpoint of step {ckpts.end} differs from "
+                        f"the replay's ({item}): a fault between the last traced site and the save, or in state the "
+                        f"trace does not cover; the evidence cannot tell which rank ({world} could)",
+                        step=ckpts.end, site=first.location.fqn, candidate_ranks=tuple(range(world)))
+        return done("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise reproducible on "
+                    f"{world} rank(s): two replays agree with each other and with production, traces and final "
+                    "state: no fault seen")
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)

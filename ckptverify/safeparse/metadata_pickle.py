@@ -1,0 +1,838 @@
+"""Unpickling DCP metadata without executing anything: per-parse stand-ins, a budget, a plain tree out.
+
+:func:`parse` reads a pickle with an unpickler whose ``find_class`` resolves only an allowlist of names
+(DCP's metadata and planner dataclasses, ``torch.Size``, torch dtypes and layouts, two enums, ``pathlib``
+paths) and resolves them to *stand-ins* built afresh for that one parse. Nothing from torch runs and nothing
+the file does can outlive the parse: a hostile pickle cannot change the stand-ins a later parse uses
+(the globals refuse ``BUILD``; the record classes are new classes each time).
+
+The stand-ins do what the real objects would do where that can fail: ``torch.Size`` of a non-integer, an
+enum of an unknown value, ``TensorProperties`` state that is not DCP's 5-tuple, slot state that is not a
+dict, a frozen dataclass given slot state, hashing an unhashable dataclass all raise :class:`BadPickle`,
+at the moment the real unpickler would raise, whether or not the object ends up in the result. So a pickle
+this module accepts is one that real unpickling with torch's classes would also accept.
+
+The result is a plain tree (:class:`Obj`, :class:`Size`, :class:`DType`, :class:`Enum`, :class:`Path`,
+:class:`Layout`, ``PDict``/lists/tuples/str/int/float/bool/None/bytes) built with a **budget**: every node
+visited while building it, and every element a stand-in copies, is charged, and the parse stops with
+:class:`BudgetExceeded` past ``BUDGET_PER_BYTE * len(data) + BUDGET_BASE``. A memoized pickle that
+references one object a billion times ("billion laughs") is refused in time linear in its size.
+
+Hashing is bounded too: a dict key or set member that is a tuple nesting deeper than ``MAX_DEPTH`` or
+expanding to more than ``MAX_KEY_NODES`` values is refused before it is hashed (``hash`` of a tuple
+recurses in C without any limit: a key nested a million deep kills the process), every hash of a
+dataclass stand-in is charged to the budget, and the stand-ins refuse what would let tuples grow past
+that (``torch.Size`` and paths of more than ``MAX_DIMS``/``MAX_PATH_PARTS`` parts, a ``TensorProperties``
+state that is not DCP's).
+
+Two unpicklers read through these stand-ins. The reference is the pure-Python unpickler: every opcode is
+dispatched in Python, so every check above applies wherever an opcode could defeat it, and where it is
+more lenient than the C unpickler that DCP uses it follows the C one (or refuses). DCP's own output is
+read by the C unpickler (:class:`pickle.Unpickler`, about four times faster), but only once
+:func:`~ckptverify.safeparse.pickle_subset.in_fast_subset` has shown, in one pass over the bytes, that the pickle
+uses only opcodes on which the two agree and that none of its tuples can nest or grow (each goes straight to
+a stand-in, or is a short literal holding no other literal); any other pickle, and any pickle the C
+unpickler fails on, is read by the reference, whose outcome is then the answer (the C unpickler's refusal
+stands where the reference would accept: it is what DCP meets). The tests check the two agree on real,
+mutated and generated pickles.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, ClassVar
+
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+from ckptverify.safeparse.gcpause import paused_gc
+from ckptverify.safeparse.pickle_subset import in_fast_subset
+
+#: Charges allowed per byte of pickle, and in addition to that. A DCP metadata pickle needs at most about
+#: one node per two bytes (every node costs at least an opcode and an argument byte), so these leave a
+#: wide margin for real files while bounding the work a memoized pickle can ask for.
+BUDGET_PER_BYTE = 4
+BUDGET_BASE = 100_000
+#: Deepest nesting of the plain tree (DCP metadata is about 8 deep; Megatron's planner data about 12), and of
+#: a tuple that is hashed.
+MAX_DEPTH = 64
+#: Most values a hashed tuple (a dict key, a set member, a dataclass's hashed field) may expand to.
+MAX_KEY_NODES = 1024
+#: Most dimensions of a ``torch.Size`` and parts of a path (DCP writes at most a tensor's dimensions, and a
+#: checkpoint path).
+MAX_DIMS = 64
+MAX_PATH_PARTS = 256
+
+_MD = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+_PL = "torch.distributed.checkpoint.planner"
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """An allowlisted dataclass: where it lives, its fields, and how real unpickling treats it."""
+
+    module: str
+    name: str
+    fields: tuple[str, ...]
+    #: Fields that take part in ``hash()`` of a frozen dataclass (``None``: unhashable, like ``@dataclass``).
+    hash_fields: tuple[str, ...] | None = None
+    #: Defaults of fields that have one (a frozen dataclass hashes its defaults when the field is unset).
+    defaults: tuple[tuple[str, Any], ...] = ()
+    #: ``TensorProperties`` defines ``__setstate__`` taking DCP's 5-tuple.
+    tuple_state: bool = False
+    #: Extra attribute names a writer may attach (Megatron adds ``all_local_plans`` and ``mcore_data``).
+    open_fields: bool = False
+    field_set: frozenset[str] = field(init=False, repr=False, compare=False)
+    default_map: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "field_set", frozenset(self.fields))
+        object.__setattr__(self, "default_map", dict(self.defaults))
+
+    @property
+    def frozen(self) -> bool:
+        return self.hash_fields is not None
+
+
+#: Every dataclass a DCP ``.metadata`` may name, by its short name.
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind(_MD, "Metadata", ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
+         defaults=(("planner_data", None), ("storage_data", None), ("storage_meta", None), ("version", None)),
+         open_fields=True),
+    Kind(_MD, "TensorStorageMetadata", ("properties", "size", "chunks")),
+    Kind(_MD, "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
+         tuple_state=True),
+    Kind(_MD, "ChunkStorageMetadata", ("offsets", "sizes")),
+    Kind(_MD, "BytesStorageMetadata", ()),
+    Kind(_MD, "MetadataIndex", ("fqn", "offset", "index"), hash_fields=("fqn", "offset"),
+         defaults=(("offset", None), ("index", None))),
+    Kind(_MD, "StorageMeta", ("checkpoint_id", "save_id", "load_id", "modules"),
+         defaults=(("checkpoint_id", None), ("save_id", None), ("load_id", None))),
+    Kind(_FS, "_StorageInfo", ("relative_path", "offset", "length", "transform_descriptors"),
+         defaults=(("transform_descriptors", None),)),
+    Kind(_FS, "_StoragePrefix", ("prefix",)),
+    Kind(_PL, "SavePlan", ("items", "storage_data", "planner_data", "usable"),
+         hash_fields=("items", "storage_data", "planner_data", "usable"),
+         defaults=(("storage_data", None), ("planner_data", None), ("usable", True))),
+    Kind(_PL, "WriteItem", ("index", "type", "bytes_io_data", "tensor_data"),
+         hash_fields=("index", "type", "bytes_io_data", "tensor_data"),
+         defaults=(("bytes_io_data", None), ("tensor_data", None))),
+    Kind(_PL, "TensorWriteData", ("chunk", "properties", "size"), hash_fields=("chunk", "properties", "size")),
+    Kind(_PL, "BytesIOWriteData", ("nbytes",), hash_fields=("nbytes",)),
+    Kind(_MCORE, "MCoreSavePlan", ("items", "storage_data", "planner_data", "usable", "mcore_data"),
+         hash_fields=("items", "storage_data", "planner_data", "usable", "mcore_data"),
+         defaults=(("storage_data", None), ("planner_data", None), ("usable", True), ("mcore_data", None))),
+)}
+
+#: Enums DCP pickles by value, and the values each has.
+ENUMS: dict[str, tuple[str, dict[int, str]]] = {
+    "_MEM_FORMAT_ENCODING": (_MD, {0: "TORCH_CONTIGUOUS_FORMAT", 1: "TORCH_CHANNELS_LAST",
+                                   2: "TORCH_PRESERVE_FORMAT"}),
+    "WriteItemType": (_PL, {1: "TENSOR", 2: "SHARD", 3: "BYTE_IO"}),
+}
+
+#: ``str(layout)`` of every ``torch.layout`` (``torch.serialization._get_layout`` looks names up in these).
+LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
+                     "torch.sparse_bsr", "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"})
+
+_PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")
+
+#: Every global a DCP ``.metadata`` may name, as ``module.name``.
+ALLOWED_GLOBALS: frozenset[str] = frozenset(
+    [f"{k.module}.{k.name}" for k in KINDS.values()]
+    + [f"{mod}.{name}" for name, (mod, _) in ENUMS.items()]
+    + ["torch.Size", "torch.serialization._get_layout"]
+    + [f"pathlib.{p}" for p in _PATHS]
+    + [f"torch.{d}" for d in DTYPE_ITEMSIZE]
+)
+
+
+class BadPickle(Exception):
+    """The pickle does something real unpickling would fail on, or DCP never writes."""
+
+
+class BudgetExceeded(BadPickle):
+    """The pickle asks for more work than its size justifies (a memoized "billion laughs")."""
+
+
+class UnsafeGlobal(pickle.UnpicklingError):
+    """The pickle names a global outside the allowlist; nothing was resolved."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain tree handed to validation: immutable values, no behaviour.
+
+
+def _refuse_build(self: Any, state: Any) -> None:
+    # Frozen slotted dataclasses get a __setstate__ that sets their fields: a pickle BUILDing onto a value
+    # a stand-in returned (an Enum, a Path) would rewrite it after its check. Refuse, as for the globals.
+    raise BadPickle(f"the pickle modifies a {type(self).__name__} value")
+
+
+@dataclass(frozen=True, slots=True)
+class Obj:
+    """An allowlisted dataclass instance: its kind and the fields its pickle set (defaults filled in)."""
+
+    kind: str
+    fields: dict[str, Any]
+
+    __setstate__ = _refuse_build
+
+
+class Size(tuple):
+    """``torch.Size``: a tuple of non-negative-or-not Python ints (checked by the caller)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    name: str
+
+    __setstate__ = _refuse_build
+
+
+@dataclass(frozen=True, slots=True)
+class Enum:
+    kind: str
+    value: int
+
+    @property
+    def name(self) -> str:
+        return ENUMS[self.kind][1][self.value]
+
+    __setstate__ = _refuse_build
+
+
+@dataclass(frozen=True, slots=True)
+class Path:
+    value: str
+
+    __setstate__ = _refuse_build
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    name: str
+
+    __setstate__ = _refuse_build
+
+
+@dataclass(frozen=True, slots=True)
+class PDict:
+    """A dict as the pickle built it: its items in insertion order (keys may repeat after conversion)."""
+
+    items: tuple[tuple[Any, Any], ...]
+
+    __setstate__ = _refuse_build
+
+
+# ---------------------------------------------------------------------------------------------
+# Stand-ins: new for every parse, immutable where they are shared.
+
+
+class _Budget:
+    """The work one parse may still do, and what it learned about the tuples it was asked to hash."""
+
+    __slots__ = ("left", "tuples")
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+        #: id -> (values it expands to, nesting height, the tuple itself: kept so the id is not reused).
+        self.tuples: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
+
+    def charge(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise BudgetExceeded("the pickle asks for more work than its size allows "
+                                 "(a memoized structure expanded past the budget)")
+
+
+def _check_hashable(value: Any, budget: _Budget) -> None:
+    """Refuse a tuple whose hash would recurse deeper than :data:`MAX_DEPTH` or visit more than
+    :data:`MAX_KEY_NODES` values. Each tuple is examined once per parse (shared ones are looked up)."""
+    if isinstance(value, tuple) and type(value) is not Size:
+        _tuple_nodes(value, budget.tuples, 0)
+
+
+def _tuple_nodes(t: tuple[Any, ...], memo: dict[int, tuple[int, int, tuple[Any, ...]]], depth: int) -> int:
+    known = memo.get(id(t))
+    if known is not None:
+        if depth + known[1] > MAX_DEPTH:
+            raise BadPickle(f"a hashed tuple nests deeper than {MAX_DEPTH} levels")
+        return known[0]
+    if depth >= MAX_DEPTH:
+        raise BadPickle(f"a hashed tuple nests deeper than {MAX_DEPTH} levels")
+    nodes, height = 1, 1
+    for x in t:
+        if isinstance(x, tuple):
+            if type(x) is Size:
+                nodes += 1 + len(x)
+            else:
+                nodes += _tuple_nodes(x, memo, depth + 1)
+                height = max(height, memo[id(x)][1] + 1)
+        else:
+            nodes += 1
+        if nodes > MAX_KEY_NODES:
+            raise BadPickle(f"a hashed tuple (a dict key or set member) holds more than {MAX_KEY_NODES} values")
+    memo[id(t)] = (nodes, height, t)
+    return nodes
+
+
+class _Global:
+    """A shared global (function, enum, dtype): refuses ``BUILD``, so no pickle can change it.
+
+    Callable globals are instances of a subclass whose ``__call__`` is the stand-in function itself
+    (:func:`_callable_global`): one Python call per ``REDUCE``."""
+
+    __slots__ = ("_label",)
+
+    def __init__(self, label: str) -> None:
+        object.__setattr__(self, "_label", label)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise BadPickle(f"the pickle modifies the global {self._label}")
+
+    def __setstate__(self, state: Any) -> None:
+        raise BadPickle(f"the pickle modifies the global {self._label}")
+
+    def __call__(self, *args: Any) -> Any:
+        raise BadPickle(f"{self._label} is not callable")
+
+
+def _callable_global(label: str, call: Any) -> _Global:
+    cls = type("_CallableGlobal", (_Global,), {"__slots__": (), "__call__": staticmethod(call)})
+    return cls(label)
+
+
+class _Record:
+    """Base of the per-parse record classes: stores what ``BUILD`` sets, as real unpickling would."""
+
+    __slots__ = ("_f",)
+    _kind: Kind
+    _budget: _Budget
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Record:
+        if args or kwargs:
+            raise BadPickle(f"{cls._kind.name} is built with arguments, which DCP never pickles")
+        budget = cls._budget
+        budget.left -= 1
+        if budget.left < 0:
+            budget.charge(0)
+        obj = object.__new__(cls)
+        _set_f(obj, {})
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Only REDUCE (a call of the class) gets here; NEWOBJ calls __new__ alone.
+        raise BadPickle(f"{self._kind.name} is called, which DCP never pickles")
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise BadPickle("the pickle sets an attribute outside BUILD")
+
+    def __setstate__(self, state: Any) -> None:
+        kind = self._kind
+        budget = self._budget
+        budget.left -= 1
+        if budget.left < 0:
+            budget.charge(0)
+        if kind.tuple_state:
+            _check_properties_state(state)
+            self._f.update(zip(kind.fields, state, strict=True))
+            return
+        # pickle's load_build for a class without __setstate__: (dict | None, slot dict | None) or a dict.
+        if type(state) is dict and state.keys() <= kind.field_set:  # the usual case, in one step
+            budget.left -= len(state)
+            if budget.left < 0:
+                budget.charge(0)
+            self._f.update(state)
+            return
+        slots = None
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        if state is not None:
+            if type(state) is not dict:
+                raise BadPickle(f"{kind.name} state is {type(state).__name__}, not a dictionary")
+            self._set_fields(state)
+        if slots is not None:
+            if type(slots) is not dict:
+                raise BadPickle(f"{kind.name} slot state is {type(slots).__name__}, not a dictionary")
+            if kind.frozen and slots:
+                raise BadPickle(f"{kind.name} is frozen; setting attributes on it fails")
+            self._set_fields(slots)
+
+    def _set_fields(self, values: dict[Any, Any]) -> None:
+        kind = self._kind
+        self._budget.charge(len(values))
+        fields = kind.field_set
+        if values.keys() <= fields:  # the usual case, checked in one step
+            self._f.update(values)
+            return
+        for key in values:
+            if type(key) is not str:
+                raise BadPickle(f"{kind.name} has an attribute named by a {type(key).__name__}")
+            if key not in fields and not (kind.open_fields and _PLAIN_NAME.match(key)):
+                raise BadPickle(f"{kind.name} has no field {key[:80]!r}")
+        self._f.update(values)
+
+    def __hash__(self) -> int:
+        kind = self._kind
+        if kind.hash_fields is None:
+            raise BadPickle(f"{kind.name} is unhashable but used as a dict key or set member")
+        budget = self._budget
+        budget.charge(1 + len(kind.hash_fields))  # a hash of a hash of ... must not go unpaid
+        fields = self._f
+        values = []
+        for name in kind.hash_fields:
+            if name in fields:
+                value = fields[name]
+            elif name in kind.default_map:
+                value = kind.default_map[name]
+            else:
+                raise BadPickle(f"{kind.name} is hashed before its field {name!r} is set")
+            _check_hashable(value, budget)
+            values.append(value)
+        try:
+            return hash(tuple(values))
+        except TypeError as exc:
+            raise BadPickle(f"{kind.name} holds an unhashable value: {exc}") from None
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+_set_f = _Record._f.__set__  # type: ignore[attr-defined]
+_PLAIN_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+def _check_properties_state(state: Any) -> None:
+    # TensorProperties.__setstate__ unpacks five values and maps the fourth through _MEM_FORMAT_ENCODING.
+    # The others must be what DCP pickles there (a dtype, a layout, two bools) already now, even if this
+    # record never reaches the result: a state tuple holding tuples could nest without limit.
+    if type(state) is not tuple or len(state) != 5:
+        raise BadPickle("TensorProperties state is not the 5-tuple DCP pickles")
+    dtype, layout, requires_grad, encoding, pin_memory = state
+    if type(encoding) is not Enum or encoding.kind != "_MEM_FORMAT_ENCODING":
+        raise BadPickle("TensorProperties memory format is not a _MEM_FORMAT_ENCODING")
+    if (type(dtype) is not _DTypeGlobal or type(layout) is not Layout or type(requires_grad) is not bool
+            or type(pin_memory) is not bool):
+        raise BadPickle("TensorProperties state is not (dtype, layout, bool, memory format, bool)")
+
+
+def _mark_pairs(items: list[Any], what: str) -> None:
+    if len(items) % 2:
+        raise BadPickle(f"odd number of items for {what}")
+
+
+class _Allowlisted:
+    """What both unpicklers resolve alike: globals through the allowlist (``self._allowed``), no persistent ids."""
+
+    _allowed: dict[tuple[str, str], Any]
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise UnsafeGlobal(f"{module}.{name}"[:300]) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise BadPickle("persistent ids are not used by DCP metadata")
+
+
+class _SafeUnpickler(_Allowlisted, pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler: its memo is a dict. (The C unpickler grows its memo array to any index a
+    ``LONG_BINPUT`` names and zero-fills it: a 10-byte pickle makes it touch gigabytes.)"""
+
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any], budget: _Budget) -> None:
+        self._stream = io.BytesIO(data)
+        self._size = len(data)
+        super().__init__(self._stream)
+        self._allowed = allowed
+        self._budget = budget
+
+    # Where the pure-Python unpickler is more lenient than the C one that DCP uses, follow the C one (or
+    # refuse), so that a file accepted here is never one real unpickling fails on, and so that the C
+    # unpickler, where it is used (see parse), reads every pickle exactly as this one does.
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        setstate = getattr(inst, "__setstate__", None)
+        if setstate is not None:
+            setstate(state)
+            return
+        # The C unpickler's default for a value without __setstate__ (here: builtins and Size, none of which
+        # has a __dict__ or attributes to set): a state of None and an empty slot state are no-ops.
+        slots = None
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        if state is not None:
+            raise BadPickle("BUILD on a value that is not an allowlisted dataclass")
+        if slots is not None:
+            if not isinstance(slots, dict):
+                raise BadPickle("slot state is not a dictionary")
+            if slots:
+                raise BadPickle("BUILD sets attributes of a value that is not an allowlisted dataclass")
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not isinstance(cls, type):
+            raise BadPickle("NEWOBJ of a value that is not a class")
+        if not isinstance(args, tuple):
+            raise BadPickle("NEWOBJ arguments are not a tuple")
+        self.append(cls.__new__(cls, *args))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not isinstance(cls, type):
+            raise BadPickle("NEWOBJ_EX of a value that is not a class")
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise BadPickle("NEWOBJ_EX arguments are not a tuple and a dict")
+        self.append(cls.__new__(cls, *args, **kwargs))
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        if not isinstance(args, tuple):
+            raise BadPickle("REDUCE arguments are not a tuple")
+        self.stack[-1] = self.stack[-1](*args)
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if not items:
+            return  # the C unpickler appends nothing, to anything
+        try:
+            extend = target.extend
+        except AttributeError:
+            pass
+        else:
+            extend(items)
+            return
+        append = target.append
+        for item in items:
+            append(item)
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        _check_hashable(key, self._budget)
+        self.stack[-1][key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        _mark_pairs(items, "SETITEMS")
+        budget = self._budget
+        for i in range(0, len(items), 2):
+            _check_hashable(items[i], budget)
+            target[items[i]] = items[i + 1]
+
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        _mark_pairs(items, "DICT")
+        budget = self._budget
+        out = {}
+        for i in range(0, len(items), 2):
+            _check_hashable(items[i], budget)
+            out[items[i]] = items[i + 1]
+        self.append(out)
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if not items:
+            return  # as the C unpickler
+        for item in items:
+            _check_hashable(item, self._budget)
+        if isinstance(target, set):
+            target.update(items)
+        else:
+            add = target.add
+            for item in items:
+                add(item)
+
+    def load_frozenset(self) -> None:
+        items = self.pop_mark()
+        for item in items:
+            _check_hashable(item, self._budget)
+        self.append(frozenset(items))
+
+    def load_frame(self) -> None:
+        # The Python unpickler accepts a frame that claims more bytes than remain; the C one does not.
+        size = int.from_bytes(self.read(8), "little")
+        if size > self._size - self._stream.tell():
+            raise BadPickle("pickle data was truncated (a frame runs past the end)")
+        self._unframer.load_frame(size)
+
+    def _memo_put(self, index: int) -> None:
+        # A pickler numbers memo entries in order; the C unpickler allocates (and zero-fills) index * 2 slots.
+        if index < 0 or index > len(self.memo):
+            raise BadPickle(f"memo index {index} is beyond the {len(self.memo)} objects memoized so far")
+        self.memo[index] = self.stack[-1]
+
+    def load_binput(self) -> None:
+        self._memo_put(self.read(1)[0])
+
+    def load_long_binput(self) -> None:
+        self._memo_put(int.from_bytes(self.read(4), "little"))
+
+    def _refuse_text_opcode(self) -> None:
+        raise BadPickle("protocol-0 text opcodes (INT, LONG, FLOAT, STRING, GET, PUT, INST, OBJ, ...) are "
+                        "not used by DCP metadata")
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    for _op, _fn in ((pickle.BUILD, load_build), (pickle.NEWOBJ, load_newobj), (pickle.NEWOBJ_EX, load_newobj_ex),
+                     (pickle.REDUCE, load_reduce), (pickle.APPENDS, load_appends), (pickle.SETITEM, load_setitem),
+                     (pickle.SETITEMS, load_setitems), (pickle.DICT, load_dict), (pickle.ADDITEMS, load_additems),
+                     (pickle.FROZENSET, load_frozenset), (pickle.FRAME, load_frame), (pickle.BINPUT, load_binput),
+                     (pickle.LONG_BINPUT, load_long_binput)):
+        dispatch[_op[0]] = _fn
+    for _op in (pickle.INT, pickle.LONG, pickle.FLOAT, pickle.STRING, pickle.UNICODE, pickle.GET, pickle.PUT,
+                pickle.INST, pickle.OBJ, pickle.PERSID, pickle.BINPERSID, pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_op[0]] = _refuse_text_opcode
+    del _op, _fn
+
+
+class _FastUnpickler(_Allowlisted, pickle.Unpickler):
+    """The C unpickler through the same allowlist; only for pickles :func:`in_fast_subset` admits."""
+
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+
+
+def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
+    """A fresh allowlist: new record classes, new global stand-ins, bound to this parse's budget."""
+    allowed: dict[tuple[str, str], Any] = {}
+    for kind in KINDS.values():
+        cls = type(f"_Shadow_{kind.name}", (_Record,), {"__slots__": (), "_kind": kind, "_budget": budget})
+        allowed[(kind.module, kind.name)] = cls
+
+    def make_size(*args: Any) -> Size:
+        if len(args) != 1 or not isinstance(args[0], tuple | list):
+            raise BadPickle("torch.Size with unexpected arguments")
+        dims = args[0]
+        budget.left -= len(dims) + 1
+        if budget.left < 0:
+            budget.charge(0)
+        if len(dims) > MAX_DIMS:
+            raise BadPickle(f"torch.Size of more than {MAX_DIMS} dimensions")
+        if not set(map(type, dims)) <= _INT_ONLY:
+            raise BadPickle("torch.Size of non-integers (torch.Size raises on it)")
+        return Size(dims)
+
+    def enum_of(kind: str) -> Any:
+        values = ENUMS[kind][1]
+
+        def make(*args: Any) -> Enum:
+            budget.charge()
+            if len(args) != 1 or type(args[0]) is not int or args[0] not in values:
+                raise BadPickle(f"{kind} has no such value (the enum raises on it)")
+            return Enum(kind, args[0])
+
+        return make
+
+    def make_layout(*args: Any) -> Layout:
+        budget.charge()
+        if len(args) != 1 or type(args[0]) is not str or args[0] not in LAYOUTS:
+            raise BadPickle("unknown torch layout (torch.serialization._get_layout raises on it)")
+        return Layout(args[0])
+
+    def make_path(*parts: Any) -> Path:
+        budget.charge(len(parts) + 1)
+        if len(parts) > MAX_PATH_PARTS:
+            raise BadPickle(f"a path of more than {MAX_PATH_PARTS} parts")
+        if not all(type(p) is str for p in parts):
+            raise BadPickle("path with non-string parts (pathlib raises on it)")
+        return Path(str(PurePosixPath(*parts)) if parts else ".")
+
+    allowed[("torch", "Size")] = _callable_global("torch.Size", make_size)
+    allowed[("torch.serialization", "_get_layout")] = _callable_global("torch.serialization._get_layout",
+                                                                       make_layout)
+    for name, (module, _) in ENUMS.items():
+        allowed[(module, name)] = _callable_global(f"{module}.{name}", enum_of(name))
+    for name in _PATHS:
+        allowed[("pathlib", name)] = _callable_global(f"pathlib.{name}", make_path)
+    for name in DTYPE_ITEMSIZE:
+        allowed[("torch", name)] = _DTypeGlobal(name)
+    return allowed
+
+
+_INT_ONLY = frozenset({int})
+
+
+class _DTypeGlobal(_Global):
+    """A torch dtype global; not callable, like ``torch.float32``."""
+
+    __slots__ = ()
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"torch.{name}")
+
+    @property
+    def name(self) -> str:
+        return self._label[len("torch."):]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse(data: bytes) -> Any:
+    """Unpickle ``data`` through the allowlist and return the plain tree.
+
+    Raises :class:`UnsafeGlobal` for a global outside the allowlist, :class:`BudgetExceeded` past the
+    budget, :class:`BadPickle` for anything real unpickling would reject (or DCP never writes), and
+    ``pickle.UnpicklingError`` for bytes that are not a pickle. Any other exception raised while reading
+    hostile bytes is turned into :class:`BadPickle`, so callers need to catch only these.
+
+    A pickle :func:`in_fast_subset` admits is read by the C unpickler; any other, and any the C unpickler
+    fails on, by the pure-Python reference (:func:`parse_reference`), whose outcome is then the answer
+    (if the reference accepted what the C unpickler refused, the C unpickler's refusal stands: it is what
+    DCP would meet).
+    """
+    with paused_gc():
+        if not in_fast_subset(data):
+            return _parse(data, fast=False)
+        try:
+            return _parse(data, fast=True)
+        except (UnsafeGlobal, BadPickle) as exc:
+            c_error = exc
+        _parse(data, fast=False)  # raises the reference's own account of what is wrong
+        raise c_error
+
+
+def parse_reference(data: bytes) -> Any:
+    """:func:`parse` by the pure-Python unpickler alone (the reference the C unpickler is checked against)."""
+    with paused_gc():
+        return _parse(data, fast=False)
+
+
+def _parse(data: bytes, *, fast: bool) -> Any:
+    budget = _Budget(BUDGET_PER_BYTE * len(data) + BUDGET_BASE)
+    try:
+        allowed = _allowlist(budget)
+        unpickler = _FastUnpickler(data, allowed) if fast else _SafeUnpickler(data, allowed, budget)
+        raw = unpickler.load()
+        del unpickler  # its memo holds every state dict BUILD copied: free them before converting
+        return _Plain(budget).convert(raw, 0)
+    except (UnsafeGlobal, BadPickle):
+        raise
+    except pickle.UnpicklingError as exc:
+        raise BadPickle(f"not a valid pickle: {exc}"[:300]) from None
+    except MemoryError:
+        raise BudgetExceeded("the pickle asks for more memory than is available") from None
+    except RecursionError:
+        raise BadPickle("the pickle nests too deeply") from None
+    except Exception as exc:  # hostile bytes: every failure is a finding, never a traceback
+        raise BadPickle(f"{type(exc).__name__}: {exc}"[:300]) from None
+
+
+_DTYPES = {name: DType(name) for name in DTYPE_ITEMSIZE}
+# Obj(kind, fields) without the frozen dataclass's __init__ (half the cost of converting a record).
+_new_obj = object.__new__
+_set_obj_kind = Obj.kind.__set__  # type: ignore[attr-defined]
+_set_obj_fields = Obj.fields.__set__  # type: ignore[attr-defined]
+
+
+class _Plain:
+    """Turns what the unpickler built into the plain tree, charging every node to the budget."""
+
+    def __init__(self, budget: _Budget) -> None:
+        self.budget = budget
+
+    def convert(self, value: Any, depth: int) -> Any:
+        budget = self.budget
+        budget.left -= 1
+        if budget.left < 0:
+            budget.charge(0)
+        if depth > MAX_DEPTH:
+            raise BadPickle(f"the pickle nests deeper than {MAX_DEPTH} levels")
+        t = type(value)
+        if t in _LEAVES or value is None:
+            if t is Size:
+                budget.charge(len(value))
+            return value
+        depth += 1
+        if t is tuple or t is list or t is dict:
+            budget.charge(len(value))  # every element, scalar or not, is work
+        if t is tuple:
+            return tuple(v if type(v) in _SCALAR_LEAVES else self.convert(v, depth) for v in value)
+        if t is list:
+            return [v if type(v) in _SCALAR_LEAVES else self.convert(v, depth) for v in value]
+        if t is dict:
+            if depth > MAX_DEPTH:
+                return PDict(tuple((self.convert(k, depth), self.convert(v, depth)) for k, v in value.items()))
+            # Scalar keys and values inline (what convert would do for them, charges included).
+            pairs = []
+            for k, v in value.items():
+                if type(k) not in _SCALAR_LEAVES:
+                    k = self.convert(k, depth)
+                else:
+                    budget.left -= 1
+                if type(v) not in _SCALAR_LEAVES:
+                    v = self.convert(v, depth)
+                else:
+                    budget.left -= 1
+                pairs.append((k, v))
+            if budget.left < 0:
+                budget.charge(0)
+            return PDict(tuple(pairs))
+        if isinstance(value, _Record):
+            return self._record(value, depth)
+        if t is _DTypeGlobal:
+            return _DTYPES[value.name]
+        if isinstance(value, _Global) or (isinstance(value, type) and issubclass(value, _Record)):
+            raise BadPickle("a class or function itself appears as a value")
+        raise BadPickle(f"a value of type {t.__name__} appears, which DCP metadata never holds")
+
+    def _record(self, value: _Record, depth: int) -> Obj:
+        kind = value._kind
+        f = value._f
+        if f.keys() == kind.field_set:  # every field set, none extra: the usual case
+            fields = f.copy()
+        else:
+            fields = dict(kind.defaults)
+            fields.update(f)
+        budget = self.budget
+        budget.left -= len(fields)
+        if budget.left < 0:
+            budget.charge(0)
+        if not fields.keys() >= kind.field_set:
+            missing = [f for f in kind.fields if f not in fields]
+            raise BadPickle(f"{kind.name} lacks the field(s) {missing}")
+        for k, v in fields.items():  # values replaced in place: the keys stay
+            t = type(v)
+            if t in _SCALAR_LEAVES:
+                continue
+            if depth <= MAX_DEPTH and (t is Size or t is Enum or t is Layout or t is Path or t is _DTypeGlobal):
+                # Leaves inline (what convert would do for them, charges included).
+                budget.left -= 1
+                if t is Size:
+                    budget.left -= len(v)
+                elif t is _DTypeGlobal:
+                    fields[k] = _DTYPES[v.name]
+                if budget.left < 0:
+                    budget.charge(0)
+            else:
+                fields[k] = self.convert(v, depth)
+        obj = _new_obj(Obj)
+        _set_obj_kind(obj, kind.name)
+        _set_obj_fields(obj, fields)
+        return obj
+
+
+#: Values the plain tree keeps as they are.
+_LEAVES = frozenset({str, int, float, bool, bytes, Size, Enum, Path, Layout})
+#: Leaves cheap enough to copy without a charge of their own (the container was charged for them).
+_SCALAR_LEAVES = frozenset({str, int, float, bool, type(None)})

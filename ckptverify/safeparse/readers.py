@@ -1,0 +1,398 @@
+"""Opening and reading checkpoint files: read-only, never blocking, never outside the checkpoint, never by signal.
+
+Everything under a checkpoint directory is hostile input, its file *types* included. So every file is
+
+* examined with ``stat`` **before** it is opened, and opened only if it is a regular file: a FIFO would block
+  ``open``, ``/dev/zero`` would never end, and opening some devices has side effects (a tape rewinds);
+* opened ``O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC``, and checked again with ``fstat`` on the descriptor
+  (same inode as examined, still a regular file), so swapping the name between the two steps gains nothing;
+* when a checkpoint root is given, *contained*: the path is resolved (symlinks and ``..``) and must lie inside
+  the resolved root; the resolved path is opened with ``O_NOFOLLOW``, and on Linux the descriptor's own path
+  (``/proc/self/fd``) is checked again after opening. A symlink inside the checkpoint to another file inside it
+  is fine; one that leads out is refused;
+* read with ``os.preadv`` into a reused, page-aligned buffer (an anonymous mapping), never through a mapping
+  of the file: a mapping of a file that another process truncates kills the reader with ``SIGBUS``, a read just
+  comes back short. A short read inside the size seen at open raises :class:`FileChangedError`, and
+  :meth:`ReadOnlyFile.changed` compares the file's ``fstat`` (and the inode behind its name) with what it was
+  at open, so a file rewritten or replaced while it was checked is reported, never silently passed.
+
+A thread can pace its reads (:func:`pacing`): a background verification waits between reads while the training
+needs every core (:mod:`~ckptverify.verifier.throttle`).
+
+The buffer is one per thread and small enough to stay in the CPU cache (:data:`READ_BYTES`): the copy from the
+page cache lands in cache and the hash reads it from there, which is what makes this as fast as ``cat``.
+
+Errors are :class:`~ckptverify.errors.UnsafeFileError` (refused without reading) and
+:class:`~ckptverify.errors.FileChangedError`; both are ``OSError`` s, which checks turn into findings.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+# SIMD CRC-32 (ISA-L): identical values to zlib.crc32, about 3-4x faster.
+from isal.isal_zlib import crc32, crc32_combine
+
+from ckptverify.errors import FileChangedError, UnsafeFileError
+
+__all__ = [
+    "READ_BYTES",
+    "FileChangedError",
+    "ReadOnlyFile",
+    "UnsafeFileError",
+    "crc32",
+    "crc32_combine",
+    "file_kind",
+    "is_inside",
+    "open_regular",
+    "pacing",
+    "read_small_file",
+]
+
+#: Bytes read per ``preadv`` into the per-thread buffer: a multiple of the page size that fits in L2 cache.
+READ_BYTES = 1 << 20
+
+_OPEN_FLAGS = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+               | getattr(os, "O_BINARY", 0))
+_local = threading.local()
+
+
+def file_kind(mode: int) -> str:
+    """A short name for the file type in ``mode`` (``"regular file"``, ``"FIFO"``, ...)."""
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def is_inside(root: str, path: str) -> bool:
+    """True if ``path``, resolved (every symlink and ``..``), lies inside ``root`` resolved."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return real != real_root and os.path.commonpath([real_root, real]) == real_root
+
+
+def open_regular(path: str, *, root: str | None = None, real_root: str | None = None) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading if, and only if, it is a regular file (inside ``root`` when given).
+
+    Returns the descriptor (the caller closes it) and its ``fstat``. Raises
+    :class:`~ckptverify.errors.UnsafeFileError` for a FIFO, device, socket or directory, or a path that
+    resolves outside ``root``, without opening it; ``FileNotFoundError`` (an ``OSError``) when it does not
+    exist. Never blocks. ``real_root``: ``root`` resolved already (by the caller, earlier).
+    """
+    target = path
+    if root is not None:
+        real_root = real_root or os.path.realpath(root)
+        target = os.path.realpath(path)
+        if target == real_root or os.path.commonpath([real_root, target]) != real_root:
+            raise _unsafe(path, f"{path} resolves to {target}, outside the checkpoint directory {real_root}")
+    before = os.stat(target, follow_symlinks=root is None)
+    if not stat.S_ISREG(before.st_mode):
+        raise _unsafe(path, f"{path} is a {file_kind(before.st_mode)}, not a regular file")
+    # The resolved path holds no link to follow; O_NOFOLLOW makes a link swapped in meanwhile fail (ELOOP).
+    fd = os.open(target, _OPEN_FLAGS | (getattr(os, "O_NOFOLLOW", 0) if root is not None else 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise _changed(path, f"{path} was replaced while it was being opened")
+        if root is not None:
+            _check_descriptor_inside(fd, path, real_root)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _check_descriptor_inside(fd: int, path: str, real_root: str) -> None:
+    """Where ``/proc`` tells the opened file's path, it must be inside ``real_root`` (a directory on the way
+    may have been swapped for a link between resolving and opening)."""
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return  # no /proc: the resolved-path check before opening stands
+    if os.path.commonpath([real_root, opened]) != real_root:
+        raise _unsafe(path, f"{path} was opened at {opened}, outside the checkpoint directory {real_root}")
+
+
+def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
+    """The whole content of a small regular file (metadata, manifest), refusing what could hang or flood memory.
+
+    Opened as :func:`open_regular` does (so a FIFO, device or socket is refused unopened, and with ``root`` a
+    path leading out of it is too). Raises :class:`~ckptverify.errors.UnsafeFileError` when the file holds
+    more than ``limit`` bytes (checked before reading and while reading: it may grow), and
+    :class:`~ckptverify.errors.FileChangedError` when it changed while it was read.
+    """
+    fd, st = open_regular(path, root=root)
+    try:
+        if st.st_size > limit:
+            raise _unsafe(path, f"{path} is {st.st_size} bytes, more than the {limit} this tool reads for it")
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            part = os.pread(fd, min(READ_BYTES, limit + 1 - total), total)
+            if not part:
+                break
+            parts.append(part)
+            total += len(part)
+            if total > limit:
+                raise _unsafe(path, f"{path} grew past {limit} bytes while it was read")
+        after = os.fstat(fd)
+        if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns) or total != st.st_size:
+            raise _changed(path, f"{path} changed while it was read")
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def pacing(pacer: Callable[[int], None] | None) -> Iterator[None]:
+    """Within the block, this thread calls ``pacer`` with the size of each read of a :meth:`ReadOnlyFile.fold`
+    (after the bytes are used) and of :meth:`ReadOnlyFile.pread` (after the read): it may wait there, and it
+    changes nothing that is read."""
+    before = getattr(_local, "pacer", None)
+    _local.pacer = pacer
+    try:
+        yield
+    finally:
+        _local.pacer = before
+
+
+def _buffer() -> memoryview:
+    """This thread's read buffer: an anonymous mapping (page-aligned, so reads land in it at full speed)."""
+    view = getattr(_local, "view", None)
+    if view is None:
+        _local.mapping = mmap.mmap(-1, READ_BYTES)
+        view = _local.view = memoryview(_local.mapping)
+    return view
+
+
+class ReadOnlyFile:
+    """A regular file opened read-only (never created, never written), with ranged reads and hashing.
+
+    ``size`` is the size at open; every read stays inside it. A read that comes back short inside it, or a
+    file whose ``fstat`` no longer matches (see :meth:`changed`), means the file changed under the reader:
+    :class:`~ckptverify.errors.FileChangedError`.
+
+    At most :data:`MAX_OPEN` descriptors are held at once, process-wide (a checkpoint saved one file per item
+    has as many files as items, more than a process may open): the least recently used idle one is closed
+    and opened again when next needed, through the same checks as the first time, and it must then be the
+    same file, unchanged (device, inode, size, modification time), or the read raises
+    :class:`~ckptverify.errors.FileChangedError`.
+    """
+
+    def __init__(self, path: str, *, root: str | None = None) -> None:
+        self.path = path
+        self._root = root
+        # The root as resolved at open: a reopen checks the path against it (a root moved since would make
+        # the path resolve elsewhere, which is refused).
+        self._real_root = os.path.realpath(root) if root is not None else None
+        fd, st = open_regular(path, root=root, real_root=self._real_root)
+        self.size = st.st_size
+        self._signature = _signature(st)
+        self._fd: int | None = fd
+        self._pins = 0
+        self._closed = False
+        _DESCRIPTORS.added(self)
+
+    def close(self) -> None:
+        _DESCRIPTORS.closed(self)
+
+    def __enter__(self) -> ReadOnlyFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _descriptor(self) -> Iterator[int]:
+        """The open descriptor, kept open while the block runs."""
+        fd = _DESCRIPTORS.pin(self)
+        try:
+            yield fd
+        finally:
+            _DESCRIPTORS.unpin(self)
+
+    def _reopen(self) -> int:
+        """Open the file again (after its descriptor was closed to stay under :data:`MAX_OPEN`); it must be
+        the same, unchanged file."""
+        try:
+            fd, st = open_regular(self.path, root=self._root, real_root=self._real_root)
+        except OSError as exc:
+            how = f"its name no longer opens it ({exc.strerror or exc})"
+        else:
+            if _signature(st) == self._signature:
+                return fd
+            os.close(fd)
+            how = self._describe(st)
+        raise _changed(self.path, f"{self.path} changed while it was verified: {how}")
+
+    def _describe(self, now: os.stat_result) -> str:
+        if (now.st_dev, now.st_ino) != self._signature[2:]:
+            return "its name now names another file (replaced)"
+        return (f"it was {self._signature[0]} bytes modified at {self._signature[1]} ns when opened, and "
+                f"is {now.st_size} bytes modified at {now.st_mtime_ns} ns now")
+
+    def changed(self) -> str | None:
+        """How the file differs from when it was opened (size, modification time, or the name now naming
+        another file), or ``None`` if it looks the same."""
+        fd = _DESCRIPTORS.pin_if_open(self)
+        if fd is None:  # closed to stay under MAX_OPEN: what its name opens must be the file, unchanged
+            try:
+                named = os.stat(self.path)
+            except OSError as exc:
+                return f"its name no longer opens it ({exc.strerror})"
+            return None if _signature(named) == self._signature else self._describe(named)
+        try:
+            now = os.fstat(fd)
+        finally:
+            _DESCRIPTORS.unpin(self)
+        if _signature(now) != self._signature:
+            return self._describe(now)
+        try:
+            named = os.stat(self.path)
+        except OSError as exc:
+            return f"its name no longer opens it ({exc.strerror})"
+        if (named.st_dev, named.st_ino) != (now.st_dev, now.st_ino):
+            return "its name now names another file (replaced)"
+        return None
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer at the end of the file as opened, none past it)."""
+        if n <= 0 or offset >= self.size:
+            return b""
+        want = min(n, self.size - offset)
+        with self._descriptor() as fd:
+            data = os.pread(fd, want, offset)
+            while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not
+                more = os.pread(fd, want - len(data), offset + len(data))
+                if not more:
+                    raise self._shrunk(offset + len(data))
+                data += more
+        pace = getattr(_local, "pacer", None)
+        if pace is not None:  # the deep check rebuilds tensors from these reads: it is paced as the hashing is
+            pace(len(data))
+        return data
+
+    def fold(self, start: int, end: int, fn: Callable[[memoryview], None],
+             progress: Callable[[int], None] | None = None) -> None:
+        """Call ``fn`` on consecutive views covering ``[start, end)``; a view is valid only during its call."""
+        self.fold_at(start, end, lambda view, _at: fn(view), progress)
+
+    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
+                progress: Callable[[int], None] | None = None) -> None:
+        """Like :meth:`fold`, also passing each view's offset in the file."""
+        end = min(end, self.size)
+        buf = _buffer()
+        pace = getattr(_local, "pacer", None)
+        pos = start
+        with self._descriptor() as fd:
+            while pos < end:
+                with buf[: min(READ_BYTES, end - pos)] as window:
+                    got = os.preadv(fd, [window], pos)
+                if got == 0:
+                    raise self._shrunk(pos)
+                with buf[:got] as part:
+                    fn(part, pos)
+                if progress is not None:
+                    progress(got)
+                if pace is not None:
+                    pace(got)
+                pos += got
+
+    def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
+        """CRC-32 (zip's) of bytes ``[start, end)``."""
+        value = 0
+
+        def step(view: memoryview) -> None:
+            nonlocal value
+            value = crc32(view, value)
+
+        self.fold(start, end, step, progress)
+        return value
+
+    def _shrunk(self, at: int) -> FileChangedError:
+        return _changed(self.path, f"{self.path} ends at byte {at} now but was {self.size} bytes when opened")
+
+
+#: Most descriptors :class:`ReadOnlyFile` objects hold open at once (idle ones beyond it are closed, least
+#: recently used first, and opened again when needed): well under the usual limit of 1024 per process.
+MAX_OPEN = 256
+
+
+class _Descriptors:
+    """The open descriptors of all :class:`ReadOnlyFile` objects, at most :data:`MAX_OPEN` (beyond it only
+    while pinned: a read in progress keeps its descriptor)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: OrderedDict[ReadOnlyFile, None] = OrderedDict()  # least recently used first
+
+    def added(self, f: ReadOnlyFile) -> None:
+        with self._lock:
+            self._open[f] = None
+            self._evict()
+
+    def pin(self, f: ReadOnlyFile) -> int:
+        with self._lock:
+            if f._closed:
+                raise ValueError(f"{f.path} is closed")
+            if f._fd is None:
+                f._fd = f._reopen()
+                self._open[f] = None
+                self._evict(keep=f)
+            else:
+                self._open.move_to_end(f)
+            f._pins += 1
+            return f._fd
+
+    def pin_if_open(self, f: ReadOnlyFile) -> int | None:
+        """:meth:`pin` if the descriptor is open, else ``None`` (nothing opened)."""
+        with self._lock:
+            if f._fd is None:
+                return None
+            f._pins += 1
+            return f._fd
+
+    def unpin(self, f: ReadOnlyFile) -> None:
+        with self._lock:
+            f._pins -= 1
+
+    def closed(self, f: ReadOnlyFile) -> None:
+        with self._lock:
+            f._closed = True
+            self._open.pop(f, None)
+            if f._fd is not None:
+                os.close(f._fd)
+                f._fd = None
+
+    def _evict(self, keep: ReadOnlyFile | None = None) -> None:
+        while len(self._open) > MAX_OPEN:
+            victim = next((f for f in self._open if f is not keep and f._pins == 0), None)
+            if victim is None:
+                return  # every one is in use: over the limit until a read ends
+            del self._open[victim]
+            os.close(victim._fd)  # type: ignore[arg-type]
+            victim._fd = None
+
+
+_DESCRIPTORS = _Descriptors()
+
+
+def _unsafe(path: str, message: str) -> UnsafeFileError:
+    return UnsafeFileError(message, path)
+
+
+def _changed(path: str, message: str) -> FileChangedError:
+    return FileChangedError(message, path)
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)

@@ -1,0 +1,567 @@
+"""Verify each checkpoint once its save has committed, and stamp it: in the background or inline.
+
+A save with ``verify="background"`` (:func:`ckptverify.save`, :func:`ckptverify.async_save`) hands the committed
+checkpoint to the process's :class:`BackgroundVerifier` on the coordinator rank and returns at once. The
+verifier's one worker thread takes checkpoints in the order they were submitted and has each verified
+(structure, CRC-32s, the manifest's digests; tensor fingerprints too with ``deep``) and its verdict written
+beside it as its stamp (:mod:`~ckptverify.runs.stamp`). From submission until the stamp is written the
+checkpoint's verifying lock is held, so retention (:func:`~ckptverify.runs.prune.prune`) never deletes it
+meanwhile.
+
+The verification itself runs in a verifier process (:mod:`~ckptverify.verifier.worker`, started at the first
+submission, one per training process, no torch in it) at the lowest CPU priority the system offers
+(``SCHED_IDLE`` and nice 19 on Linux): it takes CPU time the training leaves idle, and never holds the training
+process's interpreter lock. A verifier thread at that priority would: when the machine is oversubscribed it can
+be descheduled while holding the lock, and the training thread then waits for it (``isolation="thread"`` keeps
+that mode, for where processes cannot be started). Idle priority does not keep it off training that uses every
+core, so a background verification also paces its reads: it waits while no core is idle
+(:mod:`~ckptverify.verifier.throttle`; ``throttle=False`` or ``CKPTVERIFY_VERIFY_THROTTLE=0`` turns that off), and
+reads at full speed once someone waits for it. ``scripts/bench_background.py`` measures the step-time cost.
+
+Every result is a :class:`Verification` (:func:`last_verification` returns the newest). A failure is a
+``verify-failed`` event in the run's ``events.jsonl`` (when the save was given ``events=``), a
+:class:`VerifyFailedWarning`, and, with ``on_verify_failure="raise"``, a
+:class:`~ckptverify.errors.VerifyFailedError` raised by the next save on every rank. A checkpoint left without a
+verdict (the job ended first, its files changed while it was verified) is a :class:`VerifyIncompleteWarning`
+and a ``verify-cut-short`` or ``verify-skipped`` event: it is verified when a resume picks it
+(:func:`~ckptverify.runs.latest.latest_verified`).
+
+A front end with its own verification hands the checkpoint over as a :class:`Task` (the framework integrations:
+:mod:`ckptverify.integrations._core`): the same queue, verifying lock, verifier process (which runs the task's
+function) and exit wait; the task reports its own result.
+
+At interpreter exit the pending verifications are waited for, up to ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT`` seconds
+(600 by default); :func:`wait_for_verifications` waits explicitly (a job that ends with ``os._exit`` must call
+it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ckptverify.errors import UsageError
+from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
+from ckptverify.verifier.throttle import IdleProbe, Throttle, throttle_enabled
+from ckptverify.verifier.verification import Verification, from_outcome, from_stamp
+from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority
+
+__all__ = [
+    "DEFAULT_EXIT_TIMEOUT",
+    "EXIT_TIMEOUT_ENV",
+    "BackgroundVerifier",
+    "Task",
+    "Verification",
+    "VerifyFailedWarning",
+    "VerifyIncompleteWarning",
+    "VerifyOptions",
+    "default_verifier",
+    "exit_timeout",
+    "last_verification",
+    "wait_for_checkpoint",
+    "wait_for_verifications",
+]
+
+#: What a save does once it has committed: nothing, verify in the background, or verify before returning.
+MODES = ("off", "background", "inline")
+#: What a failed verification does besides a warning and an event: nothing more, or raise at the next save.
+FAILURE_POLICIES = ("warn", "raise")
+#: Where background verifications run: a verifier process (the default) or the worker thread itself.
+ISOLATIONS = ("process", "thread")
+EXIT_TIMEOUT_ENV = "CKPTVERIFY_VERIFY_EXIT_TIMEOUT"
+DEFAULT_EXIT_TIMEOUT = 600.0
+#: How often a verification waits for a verifying lock someone else (``ckptverify watch``) holds.
+_LOCK_POLL_SECONDS = 0.2
+
+
+class VerifyFailedWarning(UserWarning):
+    """A checkpoint failed its verification after it was saved."""
+
+
+class VerifyIncompleteWarning(UserWarning):
+    """A committed checkpoint was left without a verdict: the job ended before it was verified, or its files
+    changed (or vanished) while it was verified."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyOptions:
+    """What a save does once it has committed (the ``verify*`` arguments of :func:`ckptverify.save`)."""
+
+    #: ``"off"``, ``"background"`` or ``"inline"``.
+    mode: str = "off"
+    #: Also rebuild every tensor and compare its fingerprint with the one taken at save time.
+    deep: bool = False
+    #: ``"warn"`` or ``"raise"`` (a :class:`~ckptverify.errors.VerifyFailedError` at the next save).
+    on_failure: str = "warn"
+    #: Called with every :class:`Verification`, in the thread that verified.
+    on_verified: Callable[[Verification], None] | None = None
+    #: An :class:`~ckptverify.ownfiles.events.EventLog`, or the directory of the ``events.jsonl`` to append to.
+    events: Any = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UsageError(f"verify must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
+        if self.on_failure not in FAILURE_POLICIES:
+            raise UsageError(f"on_verify_failure must be 'warn' or 'raise', got {self.on_failure!r}")
+        if self.on_verified is not None and not callable(self.on_verified):
+            raise UsageError(f"on_verified must be callable, got {type(self.on_verified).__name__}")
+        if not isinstance(self.deep, bool):
+            raise UsageError(f"verify_deep must be True or False, got {self.deep!r}")
+
+    def event_log(self) -> Any:
+        """The event log to append to, or ``None``."""
+        if self.events is None or hasattr(self.events, "emit"):
+            return self.events
+        from ckptverify.ownfiles.events import EventLog
+        from ckptverify.state.distributed import rank_world
+
+        return EventLog(os.fspath(self.events), rank=rank_world()[0])
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """A verification a front end defines for itself, handed to :meth:`BackgroundVerifier.submit`.
+
+    ``function`` (``"ckptverify.MODULE:FUNCTION"``) is called with ``args`` (JSON values) once the checkpoint's
+    verifying lock is held, in the verifier process (in the worker thread with ``isolation="thread"``); it returns
+    a JSON value. ``done(result, None)`` then runs in the worker thread with it, or ``done(None, why)`` when there
+    is no result (the checkpoint was removed before its turn, the verifier process died, the function raised).
+    ``cut_short(why)``: the job ended (or a wait gave up) before it ran. The task reports its results itself: no
+    ``verified``/``verify-failed`` event, :class:`VerifyFailedWarning` or :func:`last_verification` entry.
+    """
+
+    function: str
+    args: dict[str, Any]
+    done: Callable[[Any, str | None], None]
+    cut_short: Callable[[str], None] | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    path: str
+    step: int | None
+    options: VerifyOptions
+    lock: VerifyingLock
+    #: A failure in ``raise`` mode is kept for the next save to raise (else it was raised already).
+    deliver_later: bool = True
+    events: Any = None
+    task: Task | None = None
+
+
+class BackgroundVerifier:
+    """Verifies and stamps checkpoints, one at a time, from one daemon worker thread.
+
+    ``isolation``: where each verification runs, a verifier process (``"process"``, the default) or the worker
+    thread (``"thread"``). ``priority``: its CPU priority (see :data:`PRIORITIES`). ``jobs``: threads one
+    verification uses. ``settle``: seconds a failed verification waits before judging (a checkpoint being
+    deleted file by file is not corrupt). ``throttle``: pace the reads to leave the training's cores alone
+    (:mod:`~ckptverify.verifier.throttle`; default: on unless ``CKPTVERIFY_VERIFY_THROTTLE=0``); the
+    verifications a :meth:`wait` or :meth:`wait_for` waits for read at full speed, at the waiter's CPU priority
+    where the system allows it. The thread (and the process) start at the first :meth:`submit`.
+    """
+
+    def __init__(self, *, isolation: str = "process", priority: str = "idle", jobs: int = 1,
+                 settle: float = SETTLE_SECONDS, throttle: bool | None = None) -> None:
+        if priority not in PRIORITIES:
+            raise UsageError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+        if isolation not in ISOLATIONS:
+            raise UsageError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+        self.isolation = isolation
+        self.priority = priority
+        self.jobs = jobs
+        self.settle = settle
+        self.throttle = throttle_enabled() if throttle is None else bool(throttle)
+        #: Called with a checkpoint's path right before it is verified (fault drills and tests plant damage here).
+        self.before_verify: Callable[[str], None] | None = None
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending: list[_Job] = []
+        self._last: Verification | None = None
+        self._unraised: list[Verification] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._waiting = 0  # callers of wait() or wait_for() now: while any, verifications are hurried
+        self._throttle_now: Throttle | None = None  # the in-thread verification's throttle
+        self._child = VerifierProcess(priority)
+        self._worker_tid: int | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def submit(self, path: str | os.PathLike[str], *, step: int | None = None,
+               options: VerifyOptions | None = None, task: Task | None = None) -> None:
+        """Queue the committed checkpoint at ``path`` for verification (or for ``task``); returns at once. Its
+        verifying lock is taken now (when free), so retention leaves it alone while it waits in the queue."""
+        job = self._job(path, step, options or VerifyOptions(mode="background"), deliver_later=True)
+        job.task = task
+        with self._cond:
+            if self._closed:
+                job.lock.release()
+                raise UsageError("this BackgroundVerifier was closed")
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="ckptverify-verify", daemon=True)
+                self._thread.start()
+        self._queue.put(job)
+
+    def verify_now(self, path: str | os.PathLike[str], *, step: int | None = None,
+                   options: VerifyOptions | None = None, deliver_later: bool = False) -> Verification:
+        """Verify and stamp ``path`` in the calling thread (all cores), handle the result as :meth:`submit`
+        would, and return it. ``deliver_later``: keep a ``raise``-mode failure for the next save to raise."""
+        job = self._job(path, step, options or VerifyOptions(mode="inline"), deliver_later=deliver_later)
+        with self._cond:
+            self._pending.append(job)
+        return self._run(job, jobs=None, background=False)
+
+    def pending(self) -> list[str]:
+        """Paths submitted and not yet verified, oldest first."""
+        with self._cond:
+            return [j.path for j in self._pending]
+
+    def last(self) -> Verification | None:
+        """The newest result, or ``None`` before the first one."""
+        with self._cond:
+            return self._last
+
+    def take_failures(self) -> list[Verification]:
+        """The failures of ``raise``-mode saves not raised yet (and forget them)."""
+        with self._cond:
+            out, self._unraised = self._unraised, []
+            return out
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted checkpoint is verified; ``True`` if so. If ``timeout`` seconds pass first,
+        say which were cut short (a :class:`VerifyIncompleteWarning`, and a ``verify-cut-short`` event in each
+        one's event log) and return ``False``; they stay queued."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._waited_for(), self._cond:
+            while self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            left = list(self._pending)
+        if left:
+            self._cut_short(left, timeout)
+            return False
+        return True
+
+    def wait_for(self, paths: list[str] | set[str], timeout: float | None = None) -> bool:
+        """Wait until none of ``paths`` is pending (queued or being verified); ``True`` if so, ``False`` when
+        ``timeout`` seconds passed first (nothing is reported: the caller says what it waited for)."""
+        wanted = {os.path.abspath(os.fspath(p)) for p in paths}
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._waited_for(), self._cond:
+            while any(j.path in wanted for j in self._pending):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    @contextlib.contextmanager
+    def _waited_for(self) -> Iterator[None]:
+        """While someone waits: verifications read at full speed, at the waiter's CPU priority (the one in
+        progress from now on, the later ones from their start)."""
+        with self._cond:
+            self._waiting += 1
+            hurry = bool(self._pending)
+            current = self._throttle_now
+        try:
+            if hurry:
+                self._child.hurry()
+                if current is not None:
+                    current.lift()
+                if self.isolation == "thread" and self._worker_tid is not None and self.priority != "normal":
+                    with contextlib.suppress(OSError):
+                        restore_priority(os.getpriority(os.PRIO_PROCESS, os.getpid()), self._worker_tid)
+            yield
+        finally:
+            with self._cond:
+                self._waiting -= 1
+
+    def close(self, timeout: float | None = None) -> bool:
+        """:meth:`wait` (up to ``timeout``), then stop the worker; later submissions are refused."""
+        done = self.wait(timeout)
+        with self._cond:
+            self._closed = True
+        self._queue.put(None)
+        if not done:
+            self._child.kill()  # no verifier process outlives the job
+        return done
+
+    # ------------------------------------------------------------------ internals
+
+    def _job(self, path: str | os.PathLike[str], step: int | None, options: VerifyOptions,
+             deliver_later: bool) -> _Job:
+        root = os.path.abspath(os.fspath(path))
+        lock = VerifyingLock(root)
+        with contextlib.suppress(OSError):
+            lock.acquire()  # busy (a watcher) or gone: the worker sorts it out
+        return _Job(root, step, options, lock, deliver_later=deliver_later, events=options.event_log())
+
+    def _work(self) -> None:
+        # With a verifier process this thread only hands it work and waits: it keeps the process's priority, so
+        # that the replies of a verification someone waits for are never starved. In-thread, it verifies.
+        self._worker_tid = threading.get_native_id()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                self._child.close()
+                return
+            if self.isolation == "thread" and not self._urgent():
+                lower_priority(self.priority)
+            if job.task is not None:
+                self._run_task(job, job.task, self.jobs, background=True)
+            else:
+                self._run(job, jobs=self.jobs, background=True)
+
+    def _run(self, job: _Job, jobs: int | None, background: bool) -> Verification:
+        try:
+            result = self._verify(job, jobs, background)
+        except Exception as exc:  # the worker never dies: an unexpected failure is a result without a verdict
+            job.lock.release()
+            result = Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep,
+                                  reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
+        with self._cond:
+            self._last = result
+            if result.verdict == "failed" and job.options.on_failure == "raise" and job.deliver_later:
+                self._unraised.append(result)
+        try:
+            self._report(job, result)
+        finally:
+            with self._cond:  # only now: a wait that returns has seen the events written
+                with contextlib.suppress(ValueError):
+                    self._pending.remove(job)
+                self._cond.notify_all()
+        return result
+
+    def _run_task(self, job: _Job, task: Task, jobs: int | None, background: bool) -> None:
+        result: Any = None
+        why: str | None = None
+        try:
+            if not self._take_lock(job):
+                why = "removed before it was verified"
+            else:
+                if self.before_verify is not None:
+                    self.before_verify(job.path)
+                if background and self.isolation == "process":
+                    result = self._child.call(task.function, task.args, throttle=self._throttled,
+                                              urgent=self._urgent)
+                else:
+                    import importlib
+
+                    module, _, name = task.function.partition(":")
+                    result = getattr(importlib.import_module(module), name)(**task.args)
+        except Exception as exc:  # the worker never dies: a failure is a result without a verdict
+            result, why = None, str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+        finally:
+            job.lock.release()
+        try:
+            task.done(result, why)
+        except Exception as exc:  # the task's own reporting must not stop the verifier
+            warnings.warn(f"reporting the verification of {job.path} failed: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=2)
+        finally:
+            with self._cond:
+                with contextlib.suppress(ValueError):
+                    self._pending.remove(job)
+                self._cond.notify_all()
+
+    def _take_lock(self, job: _Job) -> bool:
+        """Hold the job's verifying lock, waiting while someone else (``ckptverify watch``) holds it; ``False``
+        when the checkpoint is gone."""
+        while not job.lock.held:
+            try:
+                if job.lock.acquire():
+                    break
+            except OSError:
+                return False
+            time.sleep(_LOCK_POLL_SECONDS)
+        return True
+
+    def _verify(self, job: _Job, jobs: int | None, background: bool) -> Verification:
+        from ckptverify.runs.stamp import read_stamp
+
+        if not job.lock.held:
+            # Someone else (``ckptverify watch``) is verifying it: wait for them, then take their current stamp.
+            while True:
+                try:
+                    if job.lock.acquire():
+                        break
+                except OSError:
+                    return _unverified(job, "removed before it was verified")
+                time.sleep(_LOCK_POLL_SECONDS)
+            stamp = read_stamp(job.path)
+            if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.deep):
+                job.lock.release()
+                return from_stamp(job.path, job.step, stamp.data)
+        if self.before_verify is not None:
+            self.before_verify(job.path)
+        if background and self.isolation == "process":
+            try:
+                return self._child.verify(job.path, job.step, job.options.deep, jobs or 1, self.settle,
+                                          throttle=self._throttled, urgent=self._urgent)
+            finally:
+                job.lock.release()
+        probe = IdleProbe.open() if background and self.throttle and jobs == 1 else None  # this thread's reads
+        throttle = None if probe is None else Throttle(probe)
+        if throttle is not None:
+            with self._cond:  # with wait()'s count: either it sees this throttle, or this sees it waiting
+                if self._waiting:
+                    throttle.lift()
+                self._throttle_now = throttle
+        try:
+            outcome = verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
+                                       settle=self.settle, lock=job.lock, throttle=throttle)
+        finally:
+            if throttle is not None:
+                with self._cond:
+                    self._throttle_now = None
+        return from_outcome(job.path, job.step, job.options.deep, outcome)
+
+    def _throttled(self) -> bool:
+        with self._cond:
+            return self.throttle and not self._waiting
+
+    def _urgent(self) -> bool:
+        with self._cond:
+            return bool(self._waiting)
+
+    def _report(self, job: _Job, result: Verification) -> None:
+        """The event, the warning and the callback of one result."""
+        event = {"passed": "verified", "failed": "verify-failed"}.get(result.verdict, "verify-skipped")
+        _emit(job.events, event, result)
+        if result.verdict == "failed":
+            warnings.warn(result.describe(), VerifyFailedWarning, stacklevel=2)
+        elif result.verdict == "unverified":
+            warnings.warn(f"{result.describe()}; it carries no stamp and is verified when a resume picks it",
+                          VerifyIncompleteWarning, stacklevel=2)
+        callback = job.options.on_verified
+        if callback is not None:
+            try:
+                callback(result)
+            except Exception as exc:  # a user's callback must not stop the verifier
+                warnings.warn(f"on_verified callback raised {type(exc).__name__}: {exc}", RuntimeWarning,
+                              stacklevel=2)
+
+    def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
+        for job in left:
+            if job.task is not None and job.task.cut_short is not None:
+                try:
+                    job.task.cut_short(f"not verified within the {timeout} s waited")
+                except Exception as exc:  # reporting must not stop the wait
+                    warnings.warn(f"reporting the cut-short verification of {job.path} failed: "
+                                  f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        left = [j for j in left if j.task is None or j.task.cut_short is None]
+        if not left:
+            return
+        names = ", ".join(j.path for j in left)
+        warnings.warn(f"{len(left)} checkpoint verification(s) not finished after waiting {timeout} s: {names}; "
+                      "they carry no stamp and are verified when a resume picks them", VerifyIncompleteWarning,
+                      stacklevel=3)
+        for job in left:
+            _emit(job.events, "verify-cut-short", _unverified(job, f"not verified within the {timeout} s waited"))
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: let go of the inherited lock descriptors (the parent still holds the locks)."""
+        for job in self._pending:
+            fd, job.lock._fd = job.lock._fd, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _unverified(job: _Job, reason: str) -> Verification:
+    return Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep, reason=reason)
+
+
+def _emit(log: Any, event: str, result: Verification) -> None:
+    if log is None:
+        return
+    fields = {k: v for k, v in result.to_dict().items() if v is not None}
+    try:
+        log.emit(event, **fields)
+    except OSError as exc:  # the run directory went away or is read-only: the warning still says it
+        warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", RuntimeWarning, stacklevel=2)
+
+
+# ---------------------------------------------------------------------- the process's verifier
+
+_default: BackgroundVerifier | None = None
+_default_lock = threading.Lock()
+_atexit_registered = False
+
+
+def default_verifier() -> BackgroundVerifier:
+    """The process's verifier (created at first use), which saves with ``verify=`` use; it is waited for at
+    interpreter exit, up to :func:`exit_timeout` seconds."""
+    global _default, _atexit_registered
+    with _default_lock:
+        if _default is None:
+            _default = BackgroundVerifier()
+            if not _atexit_registered:
+                atexit.register(_at_exit)
+                _atexit_registered = True
+        return _default
+
+
+def last_verification() -> Verification | None:
+    """The newest result of a save's verification in this process (``None`` before the first one, and on
+    ranks other than the coordinator, which alone verifies)."""
+    return None if _default is None else _default.last()
+
+
+def wait_for_checkpoint(path: str | os.PathLike[str], timeout: float | None = None) -> bool:
+    """Wait until this process's verifier has finished with the checkpoint at ``path`` (at once when it is not
+    queued); ``False`` when ``timeout`` seconds passed first."""
+    verifier = _default
+    return True if verifier is None else verifier.wait_for([os.fspath(path)], timeout)
+
+
+def wait_for_verifications(timeout: float | None = None) -> bool:
+    """Wait until every checkpoint this process saved with ``verify=`` is verified and stamped; ``True`` if
+    so. After ``timeout`` seconds, warn (and log ``verify-cut-short``) naming those not finished, and return
+    ``False``."""
+    return True if _default is None else _default.wait(timeout)
+
+
+def exit_timeout() -> float:
+    """Seconds a job waits at exit for its pending verifications (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``)."""
+    raw = os.environ.get(EXIT_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_EXIT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
+        warnings.warn(f"{EXIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; using {DEFAULT_EXIT_TIMEOUT}",
+                      RuntimeWarning, stacklevel=2)
+        return DEFAULT_EXIT_TIMEOUT
+    return value
+
+
+def _at_exit() -> None:
+    verifier = _default
+    if verifier is not None:
+        verifier.close(timeout=exit_timeout())
+
+
+def _forget_after_fork() -> None:
+    global _default, _default_lock
+    _default_lock = threading.Lock()
+    if _default is not None:
+        _default._forget_in_child()
+    _default = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,416 @@
+"""Verify every checkpoint of a run as it commits: ``ckptverify watch RUN_DIR``.
+
+Each pass lists the run's checkpoints (:func:`~ckptverify.formats.rundir.find_checkpoints`: every format
+``scan`` knows), and every finished checkpoint without a current stamp is verified and stamped
+(:mod:`~ckptverify.runs.stamp`), with one JSON line appended to the log for each result. *Finished* means, for
+DCP, its ``.metadata`` is in place and no ckptverify save is in progress in it (every DCP part, for a folder
+holding several); for a format without a commit marker (a Hugging Face or accelerate folder, a ``.ckpt`` or
+``.safetensors`` file), that none of its files changed for ``quiet`` seconds. A checkpoint still being written
+is left for a later pass. While verifying a directory, the watcher holds its verifying lock, so retention
+(:func:`~ckptverify.runs.prune.prune`) leaves it alone (a single file has no lock). A checkpoint deleted while
+being verified (retention elsewhere) is logged as ``deleted``, not as a failure.
+
+A verdict does not depend on its stamp: where the stamp (or the verifying lock) cannot be written (a read-only
+run directory, a full disk, something that is not a regular file where the stamp goes), the checkpoint is
+verified without them and its result says ``"stamped": false`` and why (``stamp_error``). A failed verification
+is a failure whether stamped or not. The watcher remembers such a verdict with the fingerprint of the files it
+judged, so it verifies the checkpoint again only once they change; a checkpoint that could not be verified at
+all (``error``) is tried again at most once per interval.
+
+The directory is listed at least every ``interval`` seconds, which works the same on local and network file
+systems; where Linux ``inotify`` is available (:mod:`~ckptverify.verifier.notify`), a change in the run directory or
+in a checkpoint directory wakes the watcher at once, so a pass follows a save within a fraction of a second.
+Notification only hastens a pass: the listing stays the source of truth, so a lost event costs at most one
+interval. The watcher's own writes (stamps, locks, its log, its metrics file) wake nothing.
+
+After every pass (idle ones too) the state of the run (:class:`RunState`) is known, and written as Prometheus
+gauges when a metrics file is given (:data:`~ckptverify.render.metrics.WATCH_HELP`). The log and the metrics file are
+written only as regular files (:mod:`~ckptverify.ownfiles.names`): a symbolic link, FIFO or device there is refused
+when the watcher starts, and reported, never written through, if one appears later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
+from ckptverify.formats.rundir import Candidate, find_checkpoints
+from ckptverify.runs.scan import judge_report
+from ckptverify.runs.stamp import files_fingerprint, read_stamp
+from ckptverify.verifier.stamper import SETTLE_SECONDS, committed, removed, verify_and_stamp
+
+__all__ = ["WATCH_LOG", "RunState", "WatchResult", "watch", "watch_pass"]
+
+#: A checkpoint of a format without a commit marker is taken for finished once none of its files changed for
+#: this long (a save still writing keeps touching its files).
+QUIET_SECONDS = 5.0
+#: The watcher's log, in the run directory unless another is given.
+WATCH_LOG = "ckptverify-watch.jsonl"
+
+
+@dataclass
+class RunState:
+    """The run as the last pass left it: how many checkpoints are in each state. A checkpoint judged earlier
+    (stamped, or remembered by this watcher) counts by its verdict."""
+
+    checkpoints: int = 0
+    verified: int = 0
+    corrupt: int = 0
+    #: Finished checkpoints that could not be verified at all (``error``).
+    unverifiable: int = 0
+    #: Not finished (being written, or torn), changed while being verified, or being verified by someone else.
+    pending: int = 0
+    #: Of ``verified`` and ``corrupt``, those whose stamp could not be written.
+    unstamped: int = 0
+    last_good_step: int | None = None
+
+    @property
+    def judged(self) -> int:
+        """Checkpoints with a verdict, passed or failed."""
+        return self.verified + self.corrupt
+
+    def gauges(self, *, bytes_checked: int, passes: int, now: float) -> dict[str, int | float]:
+        """The values of :data:`~ckptverify.render.metrics.WATCH_HELP`."""
+        return {
+            "passed": int(self.corrupt == 0 and self.unverifiable == 0),
+            "errors": self.corrupt + self.unverifiable,
+            "checkpoints": self.checkpoints,
+            "verified_checkpoints": self.verified,
+            "corrupt_checkpoints": self.corrupt,
+            "unverifiable_checkpoints": self.unverifiable,
+            "pending_checkpoints": self.pending,
+            "unstamped_checkpoints": self.unstamped,
+            "last_good_step": -1 if self.last_good_step is None else self.last_good_step,
+            "bytes_checked": bytes_checked,
+            "passes": passes,
+            "last_run_timestamp_seconds": now,
+        }
+
+
+@dataclass
+class WatchResult:
+    """What the passes so far found: one entry per checkpoint verified (or seen failed), in order."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    passes: int = 0
+    #: Whether change notification (inotify) woke the watcher, rather than polling alone.
+    notify: bool = False
+    #: The run as the last pass left it.
+    state: RunState = field(default_factory=RunState)
+    #: What the watcher could not record (its log, its metrics file), one message each.
+    problems: list[str] = field(default_factory=list)
+    #: Bytes verified by this watcher.
+    bytes_checked: int = 0
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        return [r for r in self.results if r["event"] == "failed"]
+
+    @property
+    def nothing(self) -> str | None:
+        """Why the last pass had nothing to judge (no finished checkpoint), or ``None`` when it had."""
+        state = self.state
+        if state.judged or state.unverifiable:
+            return None
+        if not state.checkpoints:
+            return "no checkpoint found"
+        return f"{state.checkpoints} checkpoint(s) found, none finished (still being written, or torn)"
+
+    @property
+    def exit_code(self) -> int:
+        """1 when a checkpoint failed (stamped or not); else 2 when the last pass left a checkpoint that could
+        not be verified, or a result or the metrics could not be recorded; else 1 when there was nothing to
+        judge (an operation that checked nothing does not pass); else 0."""
+        if self.failed:
+            return 1
+        if self.state.unverifiable or self.problems:
+            return 2
+        if self.nothing is not None:
+            return 1
+        return 0
+
+
+@dataclass
+class _Known:
+    """A verdict this watcher reached without a stamp (or a failure to verify), with the files it is about."""
+
+    fingerprint: str
+    result: dict[str, Any]
+    #: For ``error``: not tried again before this (``time.monotonic``).
+    retry_at: float = 0.0
+
+
+def _outcome_result(base: dict[str, Any], event: str, report: Any, seconds: float) -> dict[str, Any]:
+    out = {"event": event, **base, "state": judge_report(report), "errors": len(report.errors),
+           "warnings": len(report.warnings), "bytes": report.stats.get("bytes"), "seconds": round(seconds, 3)}
+    if report.errors:
+        first = report.errors[0]
+        out["first_error"] = {"check": first.check, "message": first.message}
+    return out
+
+
+def _verify_unstamped(path: str, base: dict[str, Any], jobs: int | None, deep: bool, settle: float,
+                      why: str) -> tuple[dict[str, Any], str]:
+    """Verify without lock or stamp (neither could be written: ``why``), as the stamper would: a verdict only on
+    files that did not move meanwhile. Returns the result and the fingerprint of the files judged."""
+    from ckptverify.audit.verify import verify_checkpoint
+
+    started = time.perf_counter()
+    try:
+        before = files_fingerprint(path)
+        report = verify_checkpoint(path, jobs=jobs, deep=deep)
+        if not report.passed:
+            time.sleep(settle)  # a checkpoint being deleted file by file is not corrupt
+        if removed(path):
+            return {"event": "deleted", **base, "reason": "removed while it was being verified"}, before
+        if files_fingerprint(path) != before:
+            return {"event": "changed", **base,
+                    "reason": "its files changed while it was being verified; it is verified again in a later pass"
+                    }, before
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return {"event": "deleted", **base, "reason": "removed while it was being verified"}, ""
+    except (OSError, CkptVerifyError) as exc:
+        return {"event": "error", **base, "reason": f"{why}; verifying it without a stamp failed too: "
+                f"{type(exc).__name__}: {exc}"}, ""
+    out = _outcome_result(base, "verified" if report.passed else "failed", report, time.perf_counter() - started)
+    out["stamped"] = False
+    out["stamp_error"] = why
+    return out, before
+
+
+def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
+                settle: float) -> tuple[dict[str, Any] | None, str | None]:
+    """Verify and stamp one checkpoint; the result (``None`` when someone else is verifying it), and for a
+    verdict that could not be stamped (or a checkpoint that could not be verified) the fingerprint of its
+    files."""
+    path = os.path.join(root, cand.path)
+    base = {"path": cand.path, "step": cand.step}
+    outcome = verify_and_stamp(path, step=cand.step, jobs=jobs, deep=deep, settle=settle)
+    if outcome.event == "busy":
+        return None, None  # another watcher is on it
+    if outcome.event == "changed":
+        return {"event": "changed", **base, "reason": f"{outcome.reason}; it is verified again in a later pass"}, None
+    if outcome.event == "error":
+        # It could not be verified here (the stamper could not read it): try once more without lock or stamp.
+        result, fingerprint = _verify_unstamped(path, base, jobs, deep, settle, outcome.reason or "not stamped")
+        if result["event"] == "error":
+            try:
+                fingerprint = files_fingerprint(path)
+            except OSError:
+                fingerprint = ""
+        return result, fingerprint
+    if outcome.report is None:
+        return {"event": outcome.event, **base, "reason": outcome.reason}, None
+    out = _outcome_result(base, outcome.event, outcome.report, outcome.seconds)
+    out["stamped"] = outcome.stamped
+    if outcome.stamped:
+        return out, None
+    # A verdict whose stamp could not be written stands all the same; remembered until its files change.
+    out["stamp_error"] = outcome.reason or "not stamped"
+    try:
+        fingerprint = files_fingerprint(path)
+    except OSError:
+        fingerprint = ""
+    return out, fingerprint
+
+
+def _ready(path: str, cand: Candidate, quiet: float) -> bool:
+    """Whether a checkpoint is finished: a DCP save committed (every DCP part of a composite one); a format
+    without a commit marker (a Hugging Face or accelerate folder, a single file) unchanged for ``quiet``
+    seconds."""
+    if cand.format == "dcp":
+        return committed(path)
+    if cand.format == "dcp-uncommitted":
+        return False
+    if any(not committed(os.path.join(path, part)) for part in cand.parts):
+        return False
+    return time.time_ns() - cand.mtime_ns >= quiet * 1e9
+
+
+def _count(state: RunState, event: str, step: int | None, stamped: bool = True) -> None:
+    if event == "verified":
+        state.verified += 1
+        if step is not None and (state.last_good_step is None or step > state.last_good_step):
+            state.last_good_step = step
+    elif event == "failed":
+        state.corrupt += 1
+    elif event == "error":
+        state.unverifiable += 1
+    elif event != "deleted":
+        state.pending += 1
+        return
+    if event in ("verified", "failed") and not stamped:
+        state.unstamped += 1
+
+
+def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: float,
+          known: dict[str, _Known] | None, retry: float) -> tuple[list[dict[str, Any]], RunState]:
+    """One pass (see :func:`watch_pass`); ``known``: the watcher's memory of unstamped verdicts and failures
+    to verify, kept across passes (``None``: no memory, every such checkpoint is verified again)."""
+    out: list[dict[str, Any]] = []
+    state = RunState()
+    seen: set[str] = set()
+    for cand in find_checkpoints(root):
+        state.checkpoints += 1
+        seen.add(cand.path)
+        path = os.path.join(root, cand.path)
+        if not _ready(path, cand, quiet):
+            state.pending += 1
+            continue
+        stamp = read_stamp(path)
+        if stamp is not None and stamp.current:
+            if known is not None:
+                known.pop(cand.path, None)
+            _count(state, "verified" if stamp.passed else "failed", cand.step)
+            if not stamp.passed:
+                out.append({"event": "failed", "path": cand.path, "step": cand.step, "state": "corrupt",
+                            "stamped": True, "checked_at": stamp.data.get("checked_at")})
+            continue
+        memory = known.get(cand.path) if known is not None else None
+        if memory is not None:
+            try:
+                unchanged = files_fingerprint(path) == memory.fingerprint
+            except OSError:
+                unchanged = False
+            event = memory.result["event"]
+            if unchanged and (event != "error" or time.monotonic() < memory.retry_at):
+                _count(state, event, cand.step, stamped=False)  # judged (or tried) already: nothing new
+                continue
+        result, fingerprint = _verify_one(root, cand, jobs, deep, settle)
+        if result is None:
+            state.pending += 1  # someone else is verifying it
+            continue
+        _count(state, result["event"], cand.step, stamped=result.get("stamped", True))
+        if known is not None:
+            if fingerprint and result["event"] in ("verified", "failed", "error"):
+                known[cand.path] = _Known(fingerprint, result, retry_at=time.monotonic() + retry)
+            else:
+                known.pop(cand.path, None)
+        out.append(result)
+    if known is not None:
+        for gone in set(known) - seen:
+            del known[gone]
+    return out, state
+
+
+def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
+               settle: float = SETTLE_SECONDS, quiet: float = QUIET_SECONDS) -> list[dict[str, Any]]:
+    """One pass: verify and stamp every finished, unstamped (or stale) checkpoint of any format ``scan``
+    knows; report failed stamps.
+
+    Returns one result per checkpoint acted on: ``verified``, ``failed`` (a new failure, or a current stamp that
+    says failed), ``deleted``, ``changed`` (its files changed during the verification: no verdict, no stamp) or
+    ``error`` (it could not be verified at all). ``verified`` and ``failed`` carry ``stamped``: ``false`` when
+    the stamp could not be written (``stamp_error`` says why): the verdict stands all the same.
+    """
+    return _pass(os.fspath(run_dir), jobs=jobs, deep=deep, settle=settle, quiet=quiet, known=None, retry=0.0)[0]
+
+
+def _check_output(path: str, what: str) -> None:
+    """Refuse, before anything is verified, an output file that could never be written."""
+    from ckptverify.ownfiles.names import NotRegularFileError, check_replaceable
+
+    try:
+        check_replaceable(path)
+    except NotRegularFileError as exc:
+        raise UsageError(f"{what} {path}: {exc.strerror}") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{what} {path}: its directory {folder} does not exist")
+
+
+def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: float = 2.0,
+          exit_on_failure: bool = False, log: str | None = None, jobs: int | None = None, deep: bool = False,
+          max_passes: int | None = None, on_result: Callable[[dict[str, Any]], None] | None = None,
+          notify: bool = True, quiet: float = QUIET_SECONDS, metrics_file: str | None = None,
+          on_problem: Callable[[str], None] | None = None, settle: float = SETTLE_SECONDS) -> WatchResult:
+    """Watch ``run_dir``; see the module docstring. Returns when ``once`` (after one pass), at the first failure
+    with ``exit_on_failure``, after ``max_passes`` passes, or on ``KeyboardInterrupt``.
+
+    ``log``: a file to append one JSON line per result to (default: ``RUN_DIR/ckptverify-watch.jsonl``).
+    ``notify``: wake at once on changes where inotify is available (else, and with ``False``: poll only).
+    ``quiet``: how long a checkpoint without a commit marker must stay unchanged to be taken for finished.
+    ``metrics_file``: Prometheus gauges of the run's state (:class:`RunState`), written after every pass.
+    ``on_problem``: called with a message when a result or the gauges could not be recorded (each distinct
+    message once); the watcher goes on, and :attr:`WatchResult.exit_code` says 2.
+
+    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory, and
+    :class:`~ckptverify.errors.UsageError` when the log or the metrics file is something other than a regular
+    file (a link, a FIFO, a device) or its directory does not exist.
+    """
+    from ckptverify.verifier.notify import DirectoryNotifier
+
+    root = os.fspath(run_dir)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a directory: {root}")
+    log_path = log or os.path.join(root, WATCH_LOG)
+    _check_output(log_path, "cannot append to the watch log")
+    if metrics_file is not None:
+        _check_output(metrics_file, "cannot write the metrics file")
+    result = WatchResult()
+    reported_failures: set[tuple[str, str | None]] = set()
+    known: dict[str, _Known] = {}
+
+    def problem(message: str) -> None:
+        if message not in result.problems:
+            result.problems.append(message)
+            if on_problem is not None:
+                on_problem(message)
+
+    ignore = {os.path.basename(p) for p in (log_path, metrics_file) if p is not None}
+    notifier = DirectoryNotifier.open(root, ignore_names=ignore) if notify and not once else None
+    result.notify = notifier is not None
+    try:
+        while True:
+            items, result.state = _pass(root, jobs=jobs, deep=deep, settle=settle, quiet=quiet, known=known,
+                                        retry=interval)
+            for item in items:
+                key = (item["path"], item.get("checked_at"))
+                if item.get("stamped") and item.get("checked_at") and key in reported_failures:
+                    continue  # a failed stamp is reported once per watcher, not every pass
+                reported_failures.add(key)
+                item = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **item}
+                result.results.append(item)
+                result.bytes_checked += int(item.get("bytes") or 0)
+                try:
+                    _append(log_path, item)
+                except OSError as exc:
+                    problem(f"cannot append to the watch log {log_path}: {exc}")
+                if on_result is not None:
+                    on_result(item)
+            result.passes += 1
+            if metrics_file is not None:
+                _write_gauges(metrics_file, root, result, problem)
+            if once or (exit_on_failure and result.failed) or (max_passes and result.passes >= max_passes):
+                return result
+            if notifier is not None:
+                notifier.wait(interval)
+            else:
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return result
+    finally:
+        if notifier is not None:
+            notifier.close()
+
+
+def _write_gauges(path: str, root: str, result: WatchResult, problem: Callable[[str], None]) -> None:
+    from ckptverify.render.metrics import WATCH_HELP, render_gauges, write_gauges
+
+    values = result.state.gauges(bytes_checked=result.bytes_checked, passes=result.passes, now=time.time())
+    try:
+        write_gauges(path, render_gauges("watch", root, values, WATCH_HELP))
+    except OSError as exc:
+        problem(f"cannot write the metrics file {path}: {exc}")
+
+
+def _append(path: str, item: dict[str, Any]) -> None:
+    """Append ``item`` as one JSON line to the regular file ``path`` (never through a link, FIFO or device)."""
+    from ckptverify.ownfiles.names import append_line
+
+    append_line(path, (json.dumps(item, default=str) + "\n").encode("utf-8", "surrogateescape"))

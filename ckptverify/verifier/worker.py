@@ -1,0 +1,371 @@
+"""The verifier process: verifies and stamps checkpoints for a
+:class:`~ckptverify.verifier.background.BackgroundVerifier` in another process, so that hashing never contends
+with the training process for its interpreter lock.
+:class:`VerifierProcess` is the training process's side; :func:`main` the verifier's:
+
+    python -m ckptverify.verifier.worker
+
+Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
+``throttle``, ``urgent``, ``seq``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
+:class:`~ckptverify.verifier.verification.Verification` per line on the standard output it was started with; anything
+else printed goes to standard error. A request with ``call`` (``"ckptverify.MODULE:FUNCTION"``) and ``args``
+instead runs that function of ckptverify's with ``args`` and answers ``{"result": ...}`` (what it returned, JSON)
+or ``{"call_error": ...}``: how a front end with its own verification (the framework integrations: fingerprint
+when needed, verify, stamp) runs it here. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
+ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch, and with ``throttle`` paces its reads to
+leave the training's cores alone (:mod:`~ckptverify.verifier.throttle`). A byte on the pipe named by
+``CKPTVERIFY_VERIFY_HURRY_FD`` (the parent writes the ``seq`` of the request in flight when it starts waiting
+for its verifications: the job is ending) lifts the throttle of that verification and puts the process back at
+the parent's CPU priority (``SCHED_OTHER`` at ``CKPTVERIFY_VERIFY_WAITER_NICE``) until that request is answered;
+an ``urgent`` request (sent while the parent waits) runs at that priority from its start. Where the system does
+not allow a process to raise its priority again (no ``CAP_SYS_NICE`` and ``RLIMIT_NICE`` 0), it stays low.
+Ends at the end of its input (its parent closed the pipe, or died).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ckptverify.verifier.throttle import IdleProbe, Throttle
+from ckptverify.verifier.verification import Verification, from_outcome
+
+__all__ = ["HURRY_FD_ENV", "PRIORITIES", "PRIORITY_ENV", "WAITER_NICE_ENV", "VerifierProcess", "lower_priority", "main",
+           "restore_priority", "serve"]
+
+#: CPU priority of a verification: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
+PRIORITIES = ("idle", "low", "normal")
+#: The priority the verifier process gives itself (set by its parent).
+PRIORITY_ENV = "CKPTVERIFY_VERIFY_PRIORITY"
+#: The descriptor of the pipe on which the parent asks for full speed (set by the parent).
+HURRY_FD_ENV = "CKPTVERIFY_VERIFY_HURRY_FD"
+#: The parent's nice value: the priority a verification the parent waits for runs at (set by the parent).
+WAITER_NICE_ENV = "CKPTVERIFY_VERIFY_WAITER_NICE"
+
+
+def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = None,
+          priority: _Priority | None = None) -> None:
+    """Answer every request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the
+    parent asked for request ``seq`` (a number it gives each request) to read at full speed. ``priority``: set
+    for each request (the low one, or the parent's for a request it waits for)."""
+    from ckptverify.verifier.stamper import stamp_locked
+
+    for line in requests:
+        try:
+            req = json.loads(line)
+            if priority is not None and isinstance(req, dict):
+                priority.for_request(bool(req.get("urgent")))
+            if isinstance(req, dict) and "call" in req:
+                answer = _call(str(req["call"]), req.get("args") or {}, _throttle(req, hurried, priority))
+                replies.write(json.dumps(answer, default=str) + "\n")
+                replies.flush()
+                continue
+            path, step, deep = str(req["path"]), req.get("step"), bool(req.get("deep"))
+        except (ValueError, KeyError, TypeError) as exc:
+            replies.write(json.dumps({"protocol_error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            replies.flush()
+            continue
+        try:
+            outcome = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
+                                   settle=float(req.get("settle", 1.0)), throttle=_throttle(req, hurried, priority))
+            result = from_outcome(path, step, deep, outcome)
+        except Exception as exc:  # one request's failure is its result; the process serves the next one
+            result = Verification(path=path, step=step, verdict="unverified", deep=deep,
+                                  reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
+        replies.write(json.dumps(result.to_dict(), default=str) + "\n")
+        replies.flush()
+
+
+def main() -> int:
+    priority = os.environ.get(PRIORITY_ENV, "idle")
+    try:
+        waiter_nice = int(os.environ.get(WAITER_NICE_ENV, "0"))
+    except ValueError:
+        waiter_nice = 0
+    mine = _Priority(priority if priority in PRIORITIES else "idle", waiter_nice)
+    mine.for_request(urgent=False)
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints cannot corrupt the replies
+    serve(sys.stdin, replies, _hurry_reader(os.environ.get(HURRY_FD_ENV)), mine)
+    return 0
+
+
+class _Priority:
+    """The verifier process's CPU priority: ``low`` (one of :data:`PRIORITIES`) while nobody waits for the
+    request it serves, the parent's (``SCHED_OTHER`` at ``waiter_nice``) while the parent waits for it: idle
+    priority would starve a verification the job now waits for on a machine kept busy by other processes."""
+
+    def __init__(self, low: str, waiter_nice: int) -> None:
+        self.low = low
+        self.waiter_nice = waiter_nice
+
+    def for_request(self, urgent: bool) -> None:
+        if urgent:
+            self.raise_()
+        else:
+            lower_priority(self.low, whole_process=True)
+
+    def raise_(self) -> None:
+        if self.low != "normal":
+            restore_priority(self.waiter_nice)  # refused by the system: it stays low (documented)
+
+
+def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None,
+              priority: _Priority | None = None) -> Throttle | None:
+    """The pacing a request asks for (``throttle``), lifted when the parent hurries its ``seq``; then, and for an
+    ``urgent`` request from the start, the process runs at the parent's priority. A request without a throttle
+    still gets one without a probe (it never waits) when the priority is low, to see the hurry."""
+    probe = IdleProbe.open() if req.get("throttle") and not req.get("urgent") else None
+    seq = req.get("seq")
+    asked = None if hurried is None or not isinstance(seq, int) else functools.partial(hurried, seq)
+    low = priority is not None and priority.low != "normal" and not req.get("urgent")
+    if probe is None and not (low and asked is not None):
+        return None
+    return Throttle(probe, lifted=asked, on_lift=None if priority is None else priority.raise_)
+
+
+def _call(name: str, args: dict[str, Any], throttle: Throttle | None = None) -> dict[str, Any]:
+    """Run ``name`` (``ckptverify.MODULE:FUNCTION``) with ``args``, its reads paced by ``throttle``:
+    ``{"result": ...}`` or ``{"call_error": ...}``."""
+    import importlib
+
+    from ckptverify.safeparse.readers import pacing
+
+    module, _, function = name.partition(":")
+    if not (module == "ckptverify" or module.startswith("ckptverify.")) or not function.isidentifier():
+        return {"call_error": f"not a ckptverify function: {name!r}"}
+    try:
+        with pacing(throttle):
+            return {"result": getattr(importlib.import_module(module), function)(**args)}
+    except Exception as exc:  # one request's failure is its answer; the process serves the next one
+        return {"call_error": f"{type(exc).__name__}: {exc}"}
+
+
+def _hurry_reader(raw: str | None) -> Callable[[int], bool] | None:
+    """``hurried(seq)``: whether the hurry pipe carried request number ``seq`` (never blocks). The parent writes
+    the number of the request in flight, so a late one never lifts the throttle of a later request."""
+    try:
+        fd = int(raw) if raw else -1
+        os.set_blocking(fd, False)
+    except (ValueError, OSError):
+        return None
+    seen: set[int] = set()
+    partial = b""
+
+    def hurried(seq: int) -> bool:
+        nonlocal partial
+        while True:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # nothing more now (or the parent is gone)
+                break
+            if not chunk:
+                break
+            *lines, partial = (partial + chunk).split(b"\n")
+            seen.update(int(n) for n in lines if n.strip().isdigit())
+        return seq in seen
+
+    return hurried
+
+
+class VerifierProcess:
+    """The verifier process (:mod:`~ckptverify.verifier.worker`), started on first use and again after it
+    died; one request at a time, from the worker thread."""
+
+    def __init__(self, priority: str) -> None:
+        self.priority = priority
+        self._proc: subprocess.Popen[str] | None = None
+        self._hurry_w: int | None = None  # the parent's end of the hurry pipe
+        self._hurry_lock = threading.Lock()
+        self._seq = 0  # the number of the request in flight (or the last one)
+
+    def _start(self) -> subprocess.Popen[str]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        # The same ckptverify as this process's, wherever it was imported from. Nothing of the job's working
+        # directory is importable there (a module planted in it would run in the verifier): `-P` keeps the working
+        # directory off sys.path, the process runs in "/", and PYTHONPATH keeps only absolute entries (an empty or
+        # relative one means a folder relative to the working directory).
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        entries = [root, *(env.get("PYTHONPATH") or "").split(os.pathsep)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in entries if p and os.path.isabs(p)))
+        env[PRIORITY_ENV] = self.priority
+        with contextlib.suppress(OSError):
+            env[WAITER_NICE_ENV] = str(os.getpriority(os.PRIO_PROCESS, os.getpid()))  # the main thread's
+        # One thread for any numeric library a deep verification loads: the cores belong to the training.
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[name] = "1"
+        self._close_hurry()
+        pass_fds: tuple[int, ...] = ()
+        hurry_r = None
+        if os.name == "posix":
+            hurry_r, hurry_w = os.pipe()
+            os.set_blocking(hurry_w, False)
+            with self._hurry_lock:
+                self._hurry_w = hurry_w
+            env[HURRY_FD_ENV] = str(hurry_r)
+            pass_fds = (hurry_r,)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "ckptverify.verifier.worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1,
+                pass_fds=pass_fds, cwd=os.path.abspath(os.sep))
+        except BaseException:
+            self._close_hurry()
+            raise
+        finally:
+            if hurry_r is not None:
+                os.close(hurry_r)
+        return self._proc
+
+    def hurry(self) -> None:
+        """Ask the verification in progress (if any) to read at full speed, unthrottled."""
+        with self._hurry_lock:
+            if self._hurry_w is not None:
+                with contextlib.suppress(OSError):  # full (asked already) or the process is gone
+                    os.write(self._hurry_w, f"{self._seq}\n".encode())
+
+    def _close_hurry(self) -> None:
+        with self._hurry_lock:
+            fd, self._hurry_w = self._hurry_w, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
+               throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None) -> Verification:
+        """Have ``path`` verified and stamped; ``throttle``: whether to pace the reads, ``urgent``: whether the
+        caller waits for it already (it then runs at the caller's priority), both asked once the process runs (so
+        a :meth:`hurry` from then on reaches this verification)."""
+
+        def request() -> dict[str, Any]:
+            with self._hurry_lock:  # from now on a hurry names this request
+                self._seq += 1
+                seq = self._seq
+            return {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
+                    "throttle": bool(throttle and throttle()), "urgent": bool(urgent and urgent()), "seq": seq}
+
+        data, why = self._ask(request)
+        try:
+            result = Verification.from_dict(data) if data is not None else None
+        except TypeError:
+            result, why = None, "the verifier process gave an answer that is not a verification"
+        if result is None:
+            return Verification(path=path, step=step, verdict="unverified", deep=deep, reason=why)
+        return result
+
+    def call(self, function: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
+             urgent: Callable[[], bool] | None = None) -> Any:
+        """Run ``function`` (``ckptverify.MODULE:FUNCTION``) with ``args`` in the verifier process and return what
+        it returned (its reads paced as for :meth:`verify`); raises ``RuntimeError`` (why) when there is no
+        answer or the function raised."""
+
+        def request() -> dict[str, Any]:
+            with self._hurry_lock:
+                self._seq += 1
+                seq = self._seq
+            return {"call": function, "args": args, "throttle": bool(throttle and throttle()),
+                    "urgent": bool(urgent and urgent()), "seq": seq}
+
+        data, why = self._ask(request)
+        if data is None:
+            raise RuntimeError(why)
+        if "result" not in data:
+            raise RuntimeError(f"{function} failed in the verifier process: {data.get('call_error')}")
+        return data["result"]
+
+    def _ask(self, request: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+        """Send one request (made once the process runs), read its one answer: ``(answer, "")``, or
+        ``(None, why)``."""
+        try:
+            proc = self._start()
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(request()) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except OSError as exc:  # could not start it, or it died as the request went out
+            self.kill()
+            return None, f"the verifier process failed: {type(exc).__name__}: {exc}"
+        try:
+            data = json.loads(line) if line else None
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            self.kill()
+            code = proc.poll()
+            return None, f"the verifier process ended without an answer (exit code {code})"
+        return data, ""
+
+    def close(self) -> None:
+        """Let the process end (end of its input), or end it."""
+        proc, self._proc = self._proc, None
+        self._close_hurry()
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError):
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def kill(self) -> int | None:
+        """End the process now; its exit code."""
+        proc, self._proc = self._proc, None
+        self._close_hurry()
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+        return code
+
+
+def restore_priority(nice: int, thread: int | None = None) -> bool:
+    """Put the calling thread (or native thread id ``thread``, Linux) back in the normal scheduling class at
+    ``nice`` (elsewhere: the process's nice value); ``False`` where the system refuses (raising a priority
+    needs ``CAP_SYS_NICE`` or a ``RLIMIT_NICE`` that allows it)."""
+    linux = sys.platform.startswith("linux")
+    tid = (thread or threading.get_native_id()) if linux else 0
+    try:
+        if hasattr(os, "SCHED_OTHER") and hasattr(os, "sched_getscheduler") \
+                and os.sched_getscheduler(tid) != os.SCHED_OTHER:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        return False
+    return True
+
+
+def lower_priority(priority: str, *, whole_process: bool = False) -> None:
+    """Lower the CPU priority of the calling thread (Linux schedules threads one by one; elsewhere only with
+    ``whole_process``, where the process is lowered, as the verifier process lowers itself)."""
+    linux = sys.platform.startswith("linux")
+    if priority == "normal" or not (linux or whole_process):
+        return
+    if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (this process's only)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if linux else 0, 19)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
