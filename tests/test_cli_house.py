@@ -257,3 +257,60 @@ def test_watch_prints_text_by_default_and_json_lines_only_with_json(run: Path, t
     out = _invoke("watch", "--once", "--poll", "--json", "--log", str(tmp_path / "w3.jsonl"), str(empty))
     (line,) = out.stdout.splitlines()
     assert out.exit_code == 1 and json.loads(line)["event"] == "nothing"
+
+
+# ---------------------------------------------------------------- what our own processes pass each other
+
+
+_DEVICE_TARGET = '''
+import json
+import sys
+
+import torch
+
+from ckptverify import TrainState
+
+
+def train(run):
+    model = torch.nn.Linear(2, 2)
+    run.restore(TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    with open(OUT, "w") as f:
+        json.dump({"device": run.device, "env": sorted(k for k in __import__("os").environ
+                                                        if k.startswith("CKPTVERIFY_") and k != "CKPTVERIFY_RUN")}, f)
+'''
+
+
+def test_the_device_reaches_the_workload_as_an_argument_not_through_the_environment(tmp_path: Path) -> None:
+    from ckptverify.resume.harness import launch_jobs
+    from ckptverify.resume.run import Run, RunConfig
+
+    out = tmp_path / "seen.json"
+    script = tmp_path / "house_device_target.py"
+    script.write_text(f"OUT = {str(out)!r}\n" + _DEVICE_TARGET)
+    launch_jobs(1, "cpu", [(f"{script}:train", RunConfig(name="A", stop_step=1))])
+    assert json.loads(out.read_text()) == {"device": "cpu", "env": []}
+    assert Run(RunConfig()).device is None  # no launcher of ours: nothing claimed
+    assert RunConfig.from_json(RunConfig(device="cuda").to_json()).device == "cuda"
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
+def test_the_verifier_process_gets_its_priority_and_hurry_pipe_as_arguments(run: Path) -> None:
+    import os
+
+    from ckptverify.verifier.worker import VerifierProcess
+
+    proc = VerifierProcess("low")
+    try:
+        result = proc.verify(str(run / "step_20"), 20, False, 1, 0.0)
+        assert result.verdict == "passed", result
+        assert proc._proc is not None
+        pid = proc._proc.pid
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--priority" in argv and argv[argv.index(b"--priority") + 1] == b"low"
+        assert b"--hurry-fd" in argv and b"--waiter-nice" in argv
+        env = [e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e.startswith(b"CKPTVERIFY_")]
+        assert env == [k for k in env if not k.startswith((b"CKPTVERIFY_VERIFY_PRIORITY", b"CKPTVERIFY_VERIFY_HURRY",
+                                                           b"CKPTVERIFY_VERIFY_WAITER"))]
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 19  # "low", read from its command line
+    finally:
+        proc.close()
