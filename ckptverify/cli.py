@@ -167,7 +167,7 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
               help="Byte digest: xxh3-128 (fast) or sha256 (tamper evidence).")
 @click.option("--block-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True,
               help="Block size of the per-item block digests that localize damage.")
-@click.option("--force", is_flag=True, help="Replace an existing manifest (the one meaning of --force everywhere).")
+@click.option("--force", is_flag=True, help="Replace an existing manifest.")
 @click.option("--trust-uncheckable", is_flag=True,
               help="Adopt content that nothing could check (no CRC-32: stream transforms, safetensors, CRC "
                    "disabled) as it is; without it such a checkpoint is refused.")

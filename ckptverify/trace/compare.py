@@ -62,7 +62,7 @@ class TraceHeaderMismatchError(UsageError):
         da, db = a.header.to_dict(), b.header.to_dict()
         detail = "; ".join(f"{name}: {da.get(name)!r} vs {db.get(name)!r}" for name in fields)
         super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}; "
-                         "pass force=True to compare anyway")
+                         "pass force=True (trace diff --allow-header-mismatch) to compare anyway")
         self.fields = tuple(fields)
 
 
