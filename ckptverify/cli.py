@@ -49,10 +49,27 @@ class _RichProgress:
             self._progress.advance(self._task, n)
 
 
-def _want_progress(flag: bool | None, json_out: bool) -> bool:
+def _want_progress(flag: bool | None, json_out: bool, *, tty_only: bool = True) -> bool:
+    """``--progress``/``--no-progress`` as given, else the command's default: on a terminal without ``--json``
+    (``tty_only``), or whenever ``--json`` is not given (the commands that have always narrated their steps)."""
     if flag is not None:
         return flag
-    return not json_out and sys.stderr.isatty()
+    return not json_out and (sys.stderr.isatty() or not tty_only)
+
+
+def _say(flag: bool | None, json_out: bool, *, tty_only: bool = True, emoji: bool = True) -> Any:
+    """A ``progress(message)`` callback printing dim ``· message`` lines on stderr, or ``None`` (no progress)."""
+    if not _want_progress(flag, json_out, tty_only=tty_only):
+        return None
+    from rich.console import Console
+
+    err = Console(stderr=True, emoji=emoji)
+    return lambda msg: err.print(_text(f"· {msg}", "dim"))
+
+
+_METRICS_HELP = "Also write Prometheus gauges (passed, errors, bytes checked, seconds, ...) to this file."
+_PROGRESS_HELP = "Show progress on stderr [default: on a terminal, without --json]."
+_NARRATE_HELP = "Show each stage on stderr as it runs [default: on, without --json]."
 
 
 class _Group(click.Group):
@@ -157,8 +174,10 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help=_METRICS_HELP)
 def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_uncheckable: bool, json_out: bool,
-                jobs: int | None, progress: bool | None) -> None:
+                jobs: int | None, progress: bool | None, metrics_file: str | None) -> None:
     """Adopt the checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
 
     PATH is a DCP folder, a folder of checkpoint files (Hugging Face, accelerate, transformers; DCP parts
@@ -173,7 +192,7 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
         return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, progress=bar)[0]
 
-    _emit(_with_progress(call, progress, json_out, "fingerprint", path), json_out)
+    _emit(_with_progress(call, progress, json_out, "fingerprint", path), json_out, metrics_file=metrics_file)
 
 
 @main.command()
@@ -189,8 +208,10 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
               help="Compare A's names starting with A_PREFIX with B's names starting with B_PREFIX instead "
                    "(repeatable; the longest matching prefix wins; either side may be empty), e.g. "
                    "--map-prefix net.=model.net. or --map-prefix =model.")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help=_METRICS_HELP)
 def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None, ignore: tuple[str, ...],
-         map_prefix: tuple[str, ...]) -> None:
+         map_prefix: tuple[str, ...], metrics_file: str | None) -> None:
     """Compare checkpoints A and B tensor by tensor and value by value, whatever their sharding or format
     (DCP folders, single torch.save/safetensors files, Hugging Face/accelerate/transformers folders).
 
@@ -202,7 +223,7 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
     def call(bar: Any) -> Any:
         return diff_checkpoints(a, b, jobs=jobs, progress=bar, ignore=ignore, map_prefix=map_prefix)
 
-    _emit(_with_progress(call, progress, json_out, "diff", f"{a} {b}"), json_out)
+    _emit(_with_progress(call, progress, json_out, "diff", f"{a} {b}"), json_out, metrics_file=metrics_file)
 
 
 @main.command()
@@ -211,7 +232,12 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help="Also write Prometheus gauges (last good step, corrupt checkpoints, ...) to this file.")
-def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | None) -> None:
+@click.option("--deep", is_flag=True,
+              help="Also rebuild every tensor of each checkpoint and compare its logical fingerprint with the "
+                   "manifest's, as verify --deep does.")
+@click.option("--progress/--no-progress", default=None, help=_PROGRESS_HELP)
+def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | None, deep: bool,
+         progress: bool | None) -> None:
     """Verify every checkpoint under the training run directory RUN_DIR and name the newest good one.
 
     Finds checkpoints by what they hold (torchtitan step-N/, Lightning checkpoints/, transformers
@@ -219,16 +245,11 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
     state: verified, intact, suspect, uncheckable, incomplete, deleted or corrupt. Exit 1 if any is corrupt,
     none is good, or part of RUN_DIR could not be seen (a folder it cannot list, more entries than it reads).
     """
-    from ckptverify.runs.scan import render_scan, scan_run_dir
+    from ckptverify.render.scan import render_scan
+    from ckptverify.runs.scan import scan_run_dir
 
-    say = None
-    if not json_out and sys.stderr.isatty():
-        from rich.console import Console
-
-        err = Console(stderr=True)
-        say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
     try:
-        report = scan_run_dir(run_dir, jobs=jobs, progress=say)
+        report = scan_run_dir(run_dir, jobs=jobs, progress=_say(progress, json_out), deep=deep)
     except CkptVerifyError as exc:
         _fail(exc, json_out, "scan", run_dir)
     _emit(report, json_out, render=render_scan, metrics_file=metrics_file)
@@ -236,7 +257,8 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=str))
-@click.option("--json", "json_out", is_flag=True, help="Print {path, step, skipped} and the findings as JSON.")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print the report as JSON: the pick is stats.path and stats.step (docs/json-schema.md).")
 @click.option("--path-only", is_flag=True,
               help="Print only the path, as raw bytes, one line (nothing when none is good): for scripts. A path "
                    "holding a newline is refused (exit 2): use --null.")
@@ -245,7 +267,11 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
                    "reads back exactly (xargs -0, read -d '').")
 @click.option("--no-stamps", is_flag=True, help="Verify every candidate now, even those with a current stamp.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
-def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps: bool, jobs: int | None) -> None:
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Also write Prometheus gauges (passed, last good step, ...) to this file.")
+@click.option("--progress/--no-progress", default=None, help=_PROGRESS_HELP)
+def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps: bool, jobs: int | None,
+           metrics_file: str | None, progress: bool | None) -> None:
     """Print the newest checkpoint under RUN_DIR that verifies (exit 1 when none does).
 
     Newest first: a checkpoint with a current verification stamp is judged by it, any other is verified now;
@@ -255,13 +281,15 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
 
     path_only = path_only or null
     try:
-        found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps)
+        found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps,
+                                progress=_say(progress, json_out or path_only))
     except CkptVerifyError as exc:
         if path_only:
             click.echo(f"ckptverify latest: error: {_printable(exc)}", err=True)
             sys.exit(exc.exit_code)
         _fail(exc, json_out, "latest", run_dir)
     report = found.report
+    _write_metrics(metrics_file, report, json_out and not path_only)
     if path_only:
         if found.path is not None:
             import os
@@ -276,9 +304,9 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
             sys.stdout.buffer.flush()
         sys.exit(report.exit_code)
     if json_out:
-        import json
+        from ckptverify.render.report import latest_json
 
-        click.echo(json.dumps({**found.to_dict(), **report.to_dict()}, indent=2, default=str))
+        click.echo(latest_json(report))
         sys.exit(report.exit_code)
     _emit(report, json_out)
 
@@ -387,8 +415,12 @@ def _watch_line(item: dict) -> str:
               help="Write an HTML page with figures here (needs matplotlib: pip install 'ckptverify[report]').")
 @click.option("--json", "json_out", is_flag=True,
               help="Print the report as JSON (the workload's output goes to per-rank log files it names).")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help=_METRICS_HELP)
+@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
 def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level: str, runs: str, device: str,
-                     keep: str | None, verbose: bool, report_dir: str | None, json_out: bool) -> None:
+                     keep: str | None, verbose: bool, report_dir: str | None, json_out: bool,
+                     metrics_file: str | None, progress: bool | None) -> None:
     """Prove that resuming TARGET from a checkpoint is bitwise identical to never stopping.
 
     TARGET is FILE.py:FUNC or package.module:FUNC, a function train(run) following the Run protocol
@@ -396,26 +428,19 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     in fresh processes, then compares restored state, traces and final states, and names the first
     divergence. Exit 0: equivalent; 1: not; 2: could not run (a crashing workload shows its traceback).
     """
-    import os
-
     from ckptverify.render.resume import emit_resume, fail_lines, log_dir_for
     from ckptverify.resume.harness import Plan, resume_check
 
-    if device == "cuda":
-        os.environ["CKPTVERIFY_DEVICE"] = "cuda"
     try:
+        # The device travels to the workload's processes in the plan (Plan.device -> RunConfig.device -> run.device).
         plan = Plan(target=target, steps=steps, resume_at=resume_at, nproc=nproc, level=level,
                     runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device)
-        say = None
-        if not json_out:
-            from rich.console import Console
-
-            err = Console(stderr=True, emoji=False)
-            say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
+        say = _say(progress, json_out, tty_only=False, emoji=False)
         outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose,
                                log_dir=log_dir_for(keep) if json_out else None, report_dir=report_dir)
     except CkptVerifyError as exc:
         fail_lines(exc, json_out, "resume-check", target)
+    _write_metrics(metrics_file, outcome.report, json_out)
     sys.exit(emit_resume(outcome, json_out))
 
 
@@ -438,8 +463,10 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
 @click.option("--json", "json_out", is_flag=True,
               help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files "
                    "named in stats.logs).")
+@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
 def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
-           metrics_file: str | None, target: str | None, max_procs: int, json_out: bool) -> None:
+           metrics_file: str | None, target: str | None, max_procs: int, json_out: bool,
+           progress: bool | None) -> None:
     """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
 
     Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, undetermined, checkpoint-corrupt,
@@ -456,12 +483,7 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
     from ckptverify.replay.replay import replay as run_replay
     from ckptverify.resume.harness import check_target, workload_logs
 
-    say = None
-    if not json_out:
-        from rich.console import Console
-
-        err = Console(stderr=True, emoji=False)
-        say = lambda msg: err.print(_text(f"· {msg}", "dim"))  # noqa: E731
+    say = _say(progress, json_out, tty_only=False, emoji=False)
     log_dir = log_dir_for(keep) if json_out else None
     try:
         # What runs is what the command line names (never what the run directory says on its own), checked
@@ -486,13 +508,14 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks (gloo, CPU).")
 @click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep everything in this directory.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
-def demo(nproc: int, keep: str | None, json_out: bool) -> None:
+@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
+def demo(nproc: int, keep: str | None, json_out: bool, progress: bool | None) -> None:
     """Show the whole tool on the built-in workload (about a minute): save and verify a checkpoint, find a
     flipped bit, prove a resume bitwise exact, and diagnose a planted bug."""
     from ckptverify.examples.demo import run_demo
 
     say = None
-    if not json_out:
+    if _want_progress(progress, json_out, tty_only=False):
         from rich.console import Console
 
         err = Console(stderr=True)
@@ -513,19 +536,32 @@ def trace() -> None:
 @trace.command("diff")
 @click.argument("a", type=click.Path(path_type=str))
 @click.argument("b", type=click.Path(path_type=str))
-@click.option("--force", is_flag=True, help="Compare even if the trace headers differ.")
+@click.option("--allow-header-mismatch", is_flag=True,
+              help="Compare even if the trace headers differ (over the sites both record).")
+@click.option("--force", "force_deprecated", is_flag=True, hidden=True,
+              help="Deprecated spelling of --allow-header-mismatch.")
+@click.option("--ignore", "ignore", multiple=True, metavar="PATTERN",
+              help="Leave out sites whose name matches this glob (repeatable), e.g. --ignore 'module.*'.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
-def trace_diff(a: str, b: str, force: bool, json_out: bool) -> None:
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help=_METRICS_HELP)
+def trace_diff(a: str, b: str, allow_header_mismatch: bool, force_deprecated: bool, ignore: tuple[str, ...],
+               json_out: bool, metrics_file: str | None) -> None:
     """Compare two stored traces (a run directory with rank*/ stores, or one rank's store) and name the first
     divergence: step, rank, site, category, and the originating module at module level."""
     from ckptverify.findings import Report
     from ckptverify.trace.compare import compare_traces
 
+    if force_deprecated:
+        # --force means "replace what is there" (fingerprint); this spelling is read for one release.
+        click.echo("ckptverify trace diff: warning: --force is deprecated here; use --allow-header-mismatch",
+                   err=True)
     try:
-        findings = compare_traces(a, b, force=force)
+        findings = compare_traces(a, b, force=allow_header_mismatch or force_deprecated, ignore_sites=ignore)
     except CkptVerifyError as exc:
         _fail(exc, json_out, "trace diff", f"{a} {b}")
-    _emit(Report(command="trace diff", target=f"{a} {b}", findings=tuple(findings)), json_out)
+    _emit(Report(command="trace diff", target=f"{a} {b}", findings=tuple(findings)), json_out,
+          metrics_file=metrics_file)
 
 
 def _with_progress(call: Any, progress: bool | None, json_out: bool, command: str, target: str) -> Any:
@@ -541,15 +577,7 @@ def _with_progress(call: Any, progress: bool | None, json_out: bool, command: st
 def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> None:
     from ckptverify.render.report import render_text, to_json
 
-    if metrics_file is not None:
-        from ckptverify.render.metrics import write_metrics
-
-        try:
-            write_metrics(metrics_file, report)
-        except OSError as exc:
-            _fail(UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out, report.command,
-                  report.target)
-
+    _write_metrics(metrics_file, report, json_out)
     if json_out:
         click.echo(to_json(report))
     else:
@@ -557,6 +585,19 @@ def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | N
 
         (render or render_text)(report, Console(highlight=False))
     sys.exit(report.exit_code)
+
+
+def _write_metrics(metrics_file: str | None, report: Any, json_out: bool) -> None:
+    """Write ``--metrics-file`` gauges for ``report`` (nothing without the option); exit 2 when it cannot be."""
+    if metrics_file is None:
+        return
+    from ckptverify.render.metrics import write_metrics
+
+    try:
+        write_metrics(metrics_file, report)
+    except OSError as exc:
+        _fail(UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out, report.command,
+              report.target)
 
 
 def _printable(value: object) -> str:

@@ -237,7 +237,6 @@ class CountingBlock(Block):
 
 
 def _with_blocks(run: Run, block_cls: type[Block]) -> None:
-    import os
     import random
 
     import numpy as np
@@ -248,7 +247,7 @@ def _with_blocks(run: Run, block_cls: type[Block]) -> None:
     random.seed(run.rank)
     np.random.seed(run.rank)
     mesh = None
-    device = "cuda" if torch.cuda.is_available() and os.environ.get("CKPTVERIFY_DEVICE") == "cuda" else "cpu"
+    device = "cuda" if run.device == "cuda" and torch.cuda.is_available() else "cpu"
     if run.world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

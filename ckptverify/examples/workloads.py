@@ -47,7 +47,7 @@ def _setup(run: Run) -> tuple[Training, Any]:
     random.seed(run.rank)  # every random stream seeded, used or not
     np.random.seed(run.rank)
     mesh = None
-    device = "cuda" if torch.cuda.is_available() and os.environ.get("CKPTVERIFY_DEVICE") == "cuda" else "cpu"
+    device = "cuda" if run.device == "cuda" and torch.cuda.is_available() else "cpu"
     if run.world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

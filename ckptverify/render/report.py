@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptverify.findings import Report, Severity, sort_findings
 
-__all__ = ["number_width", "printable", "render_text", "to_json"]
+__all__ = ["LATEST_LEGACY_KEYS", "human_bytes", "latest_json", "number_width", "printable", "render_text", "to_json"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -51,6 +51,20 @@ def number_width(texts: object) -> int:
 def to_json(report: Report, indent: int | None = 2) -> str:
     """The documented JSON form (``docs/json-schema.md``). JSON escapes control characters itself."""
     return json.dumps(report.to_dict(), indent=indent, sort_keys=False, default=_jsonable)
+
+
+#: Keys ``latest --json`` printed at the top level before it printed the one report schema. They are in
+#: ``stats`` now, and are still printed at the top level too for one release (deprecated; docs/json-schema.md).
+LATEST_LEGACY_KEYS = ("path", "step", "skipped", "quarantined", "unseen")
+
+
+def latest_json(report: Report, indent: int | None = 2) -> str:
+    """``latest --json``: the report (the pick in ``stats.path`` and ``stats.step``), then, deprecated, the
+    :data:`LATEST_LEGACY_KEYS` copied from ``stats`` to the top level as earlier versions printed them."""
+    data = report.to_dict()
+    stats = data.get("stats") or {}
+    data.update({key: stats.get(key) for key in LATEST_LEGACY_KEYS if key not in data})
+    return json.dumps(data, indent=indent, sort_keys=False, default=_jsonable)
 
 
 def _jsonable(value: Any) -> Any:
@@ -100,8 +114,8 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
         # The rate only where it was measured: a rate of 0 B/s would say the read stalled.
         rate = stats.get("throughput_bytes_per_s")
         console.print(_text(
-            f"{stats.get('files', 0)} files, {_human(stats['bytes'])} in {stats['seconds']:.2f} s"
-            + (f" ({_human(rate)}/s)" if rate else ""), "dim"))
+            f"{stats.get('files', 0)} files, {human_bytes(stats['bytes'])} in {stats['seconds']:.2f} s"
+            + (f" ({human_bytes(rate)}/s)" if rate else ""), "dim"))
     counts = report.summary()
     tail = f"{counts['error']} error(s), {counts['warning']} warning(s)"
     if report.passed:
@@ -130,7 +144,8 @@ def _text_widths(width: int, *fixed_and_text: list[str]) -> tuple[int | None, in
     return where_w, rest - where_w
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 KiB``, ... ``2.0 TiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

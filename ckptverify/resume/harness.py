@@ -237,6 +237,8 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> N
         check_target(target)
     if _log_dir is not None:
         jobs = [(t, c if c.log_dir else dataclasses.replace(c, log_dir=_log_dir)) for t, c in jobs]
+    # The device travels in each job's config (run.device), not in the environment.
+    jobs = [(t, dataclasses.replace(c, device=device)) for t, c in jobs]
     backend = "nccl" if device == "cuda" else "gloo"
     args = (nproc, _free_port(), [(target, config.to_json()) for target, config in jobs], backend)
     try:

@@ -53,6 +53,9 @@ class RunConfig:
     trace_every: int = 1
     #: ``category``: one trace cell per tensor category (production); ``tensor``: one per tensor as well.
     trace_detail: str = "category"
+    #: The device the ranks were launched for (``Plan.device``: ``"cpu"`` with gloo, ``"cuda"`` with NCCL, one GPU
+    #: per rank), set by the launcher; ``None`` when no launcher of ours said (a plain or production run).
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -194,6 +197,12 @@ class Run:
     @property
     def world_size(self) -> int:
         return self._world
+
+    @property
+    def device(self) -> str | None:
+        """The device ``resume-check --device`` or ``replay --device`` launched this rank for (``"cpu"`` or
+        ``"cuda"``), for a workload that places its model by it; ``None`` when it was not launched by them."""
+        return self.config.device
 
     @property
     def total_steps(self) -> int:

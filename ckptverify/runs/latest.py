@@ -21,7 +21,7 @@ import datetime as _dt
 import os
 import re
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,8 +173,10 @@ def missing_train_state_keys(path: str) -> list[str]:
 
 
 def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None, use_stamps: bool = True,
-                    formats: Collection[str] | None = None, train_state: bool = False) -> Latest:
-    """The newest checkpoint under ``run_dir`` that verifies; see the module docstring.
+                    formats: Collection[str] | None = None, train_state: bool = False,
+                    progress: Callable[[str], None] | None = None) -> Latest:
+    """The newest checkpoint under ``run_dir`` that verifies; see the module docstring. ``progress``: called
+    with one line per candidate as it is examined, newest first.
 
     ``formats``: consider only checkpoints of these formats (``find_checkpoints``' names, e.g. ``{"dcp"}`` for
     what :func:`ckptverify.load` restores); newer ones of other formats are listed as skipped, with why.
@@ -206,6 +208,8 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
             result.quarantined.append(_quarantined(root, cand))
             continue
         examined += 1
+        if progress is not None:
+            progress(f"{examined}/{len(candidates)} {cand.path}")
         if formats is not None and cand.format not in formats and cand.format != "dcp-uncommitted":
             state, reason, how = "other-format", f"a {cand.format} checkpoint, not {'/'.join(sorted(formats))}", \
                 "format"

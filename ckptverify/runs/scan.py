@@ -35,8 +35,7 @@ from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
 
-__all__ = ["GOOD_STATES", "SETTLE_SECONDS", "STATES", "judge", "judge_report", "render_scan", "scan_run_dir",
-           "unseen_findings"]
+__all__ = ["GOOD_STATES", "SETTLE_SECONDS", "STATES", "judge", "judge_report", "scan_run_dir", "unseen_findings"]
 
 STATES = ("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt")
 GOOD_STATES = frozenset({"verified", "intact"})
@@ -57,11 +56,11 @@ def judge_report(report: Report) -> str:
     return "verified" if report.stats.get("manifest") else "intact"
 
 
-def _judge_path(path: str, jobs: int | None) -> tuple[str, Report]:
-    """A DCP checkpoint or a single file, through ``verify``'s own routing."""
+def _judge_path(path: str, jobs: int | None, deep: bool = False) -> tuple[str, Report]:
+    """A DCP checkpoint or a single file, through ``verify``'s own routing (``deep``: as ``verify --deep``)."""
     from ckptverify.audit.verify import verify_checkpoint
 
-    report = verify_checkpoint(path, jobs=jobs)
+    report = verify_checkpoint(path, jobs=jobs, deep=deep)
     return judge_report(report), report
 
 
@@ -72,12 +71,13 @@ _DELETED = "removed while it was being verified (retention, or someone deleting 
 SETTLE_SECONDS = 1.0
 
 
-def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
+def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -> tuple[str, str, dict[str, Any]]:
     """State, one-line reason, and counts for one candidate, verified exactly as ``verify`` verifies it (the
     same routing, so the same manifests: a folder's, and a file's own beside it). A good one with a suspect note
     is ``suspect``. One that was removed while it was verified (retention) is ``deleted``, not corrupt: a
     failed verdict is judged only after :data:`SETTLE_SECONDS` in which it stayed in place (as the stamper
-    judges it: :func:`~ckptverify.verifier.stamper.removed`)."""
+    judges it: :func:`~ckptverify.verifier.stamper.removed`). ``deep``: each DCP checkpoint and file is also
+    rebuilt tensor by tensor, as ``verify --deep`` does."""
     from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.runs.stamp import files_fingerprint
     from ckptverify.verifier.stamper import removed
@@ -85,7 +85,7 @@ def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[
     path = os.path.normpath(os.path.join(root, cand.path))
     before = files_fingerprint(path)
     try:
-        state, reason, counts = _judge_bytes(root, cand, jobs)
+        state, reason, counts = _judge_bytes(root, cand, jobs, deep)
     except (FileNotFoundError, CheckpointNotFoundError):
         if not removed(path):
             raise
@@ -108,14 +108,14 @@ def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[
     return state, reason, counts
 
 
-def _judge_bytes(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[str, Any]]:
+def _judge_bytes(root: str, cand: Candidate, jobs: int | None, deep: bool) -> tuple[str, str, dict[str, Any]]:
     path = os.path.normpath(os.path.join(root, cand.path))
     if cand.format in ("dcp", "dcp-uncommitted") or cand.kind == "file":
-        state, report = _judge_path(path, jobs)
+        state, report = _judge_path(path, jobs, deep)
         return state, reason_of(state, report), counts_of(report)
     from ckptverify.audit.verify import verify_folder_files
 
-    folder = verify_folder_files(path)
+    folder = verify_folder_files(path, deep=deep)
     states, reasons = [judge_report(folder)], []
     counts = counts_of(folder)
     # The run directory itself ("."): only the parts the walk gave it (DCP folders named by a step are
@@ -124,7 +124,7 @@ def _judge_bytes(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str
     if folder.findings or not parts:
         reasons.append(f"files: {reason_of(states[0], folder)}")
     for part in parts:
-        state, report = _judge_path(os.path.join(path, part), jobs)
+        state, report = _judge_path(os.path.join(path, part), jobs, deep)
         states.append(state)
         for k, v in counts_of(report).items():
             counts[k] += v
@@ -157,8 +157,11 @@ def reason_of(state: str, report: Report) -> str:
     return "structure and every CRC-32 check out; no manifest"
 
 
-def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, progress: Any = None) -> Report:
-    """Verify every checkpoint under ``run_dir``; see the module docstring.
+def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, progress: Any = None,
+                 deep: bool = False) -> Report:
+    """Verify every checkpoint under ``run_dir``; see the module docstring. ``progress``: called with one line
+    per checkpoint as its verification starts. ``deep``: verify each as ``verify --deep`` does (every tensor
+    rebuilt and its logical fingerprint compared with the manifest's; ``stats.deep`` says so).
 
     Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory and
     :class:`~ckptverify.errors.UsageError` when it holds no checkpoint at all.
@@ -181,7 +184,7 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     for n, cand in enumerate(candidates):
         if progress is not None:
             progress(f"{n + 1}/{len(candidates)} {cand.path}")
-        state, reason, counts = judge(root, cand, jobs)
+        state, reason, counts = judge(root, cand, jobs, deep=deep)
         rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts,
                      "quarantined": is_quarantined(cand.path)})
         make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable", "suspect",
@@ -197,7 +200,7 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     findings.extend(unseen_findings(notes, "scan-unseen", root))
     stats = {"seconds": round(time.perf_counter() - started, 6), "checkpoints": rows,
              "newest_good": None if newest is None else {"path": newest["path"], "step": newest["step"]},
-             "bytes": sum(r["bytes_checked"] for r in rows), "unseen": [n.to_dict() for n in notes]}
+             "bytes": sum(r["bytes_checked"] for r in rows), "unseen": [n.to_dict() for n in notes], "deep": deep}
     coverage = (CheckCoverage(check="scan", count=len(rows), unit="checkpoints"),)
     return Report(command="scan", target=root, findings=tuple(findings), coverage=coverage, stats=stats)
 
@@ -217,46 +220,3 @@ def unseen_findings(notes: list[WalkNote], check: str, root: str) -> list[Findin
     """One error per part of the run directory the walk could not see, naming it and what to do."""
     return [error(check, f"not seen: {n.describe()}; {advice(n, root)}", location=Location(file=n.path))
             for n in notes]
-
-
-def render_scan(report: Report, console: Any) -> None:
-    """A table of the checkpoints in step order, the newest good one last, then the verdict."""
-    from rich.table import Table
-    from rich.text import Text
-
-    from ckptverify.render.report import _human, number_width, printable
-
-    style = {"verified": "green", "intact": "green", "suspect": "yellow", "uncheckable": "yellow",
-             "incomplete": "yellow", "corrupt": "bold red", "deleted": "yellow"}
-    table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
-    rows = report.stats.get("checkpoints", [])
-    why_width = number_width(printable(r["reason"]) for r in rows) or None
-    for col in ("step", "checkpoint", "format", "size", "state", "why"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("step", "format", "size", "state"),
-                         min_width=why_width if col == "why" else None)
-    for row in rows:
-        table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
-                      Text(row["format"]), Text(_human(row["size"])),
-                      Text(row["state"] + (" (quarantined)" if row.get("quarantined") else ""),
-                           style=style[row["state"]]),
-                      Text(printable(row["reason"])))
-    console.print(table)
-    newest = report.stats.get("newest_good")
-    if newest:
-        console.print(Text.assemble(("newest good: ", "bold"), printable(newest["path"]),
-                                    f" (step {newest['step']})" if newest["step"] is not None else ""))
-    # Findings that are not a row of the table (none good) are shown, so the verdict never counts an
-    # error the page does not show.
-    for f in report.findings:
-        if f.check != "scan":
-            console.print(Text.assemble((f"{f.severity.value}: ", _SEVERITY_STYLE[f.severity.value]),
-                                        printable(f"{f.check}: {f.message}")))
-    by_state = [f"{n} {state}" for state in (*STATES, "deleted") if (n := sum(r["state"] == state for r in rows))]
-    verdict = ("PASSED", "bold green") if report.passed else ("FAILED", "bold red")
-    console.print(Text.assemble(verdict, " ", printable(
-        f"scan {report.target}: {len(rows)} checkpoint(s): {', '.join(by_state) or 'none'}")))
-
-
-_SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
-
-

@@ -13,6 +13,7 @@ classified: the first one, when the step's batch and the parameters it started f
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class TraceHeaderMismatchError(UsageError):
         da, db = a.header.to_dict(), b.header.to_dict()
         detail = "; ".join(f"{name}: {da.get(name)!r} vs {db.get(name)!r}" for name in fields)
         super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}; "
-                         "pass force=True to compare anyway")
+                         "pass force=True (trace diff --allow-header-mismatch) to compare anyway")
         self.fields = tuple(fields)
 
 
@@ -127,6 +128,8 @@ class RankComparison:
     sites_only_a: tuple[str, ...] = ()
     sites_only_b: tuple[str, ...] = ()
     header_differences: tuple[str, ...] = ()
+    #: Sites left out of the comparison because their name matches one of ``ignore_sites``.
+    ignored_sites: tuple[str, ...] = ()
     missing: str | None = field(default=None)  # "a" or "b" when that run has no store for this rank
 
 
@@ -221,7 +224,7 @@ _ALWAYS_IGNORED = ("run", "detail")
 
 
 def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool,
-                  ignore: Iterable[str]) -> RankComparison:
+                  ignore: Iterable[str], ignore_sites: tuple[str, ...] = ()) -> RankComparison:
     diffs = ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))
     if diffs and not force:
         raise TraceHeaderMismatchError(diffs, ta, tb)
@@ -234,6 +237,14 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
 
     names_a = [s.name for s in ta.sites]
     names_b = [s.name for s in tb.sites]
+    ignored: tuple[str, ...] = ()
+    if ignore_sites:
+        # Left out on both sides before anything is aligned: an ignored site can be neither a difference nor a
+        # site recorded by one trace only.
+        ignored = tuple(dict.fromkeys(n for n in (*names_a, *names_b)
+                                      if any(fnmatch.fnmatchcase(n, p) for p in ignore_sites)))
+        names_a = [n for n in names_a if n not in ignored]
+        names_b = [n for n in names_b if n not in ignored]
     sites_only_a: tuple[str, ...] = ()
     sites_only_b: tuple[str, ...] = ()
     if force:
@@ -266,7 +277,7 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
     return RankComparison(rank=rank, path_a=str(ta.path), path_b=str(tb.path), run_a=ta.header.run,
                           run_b=tb.header.run, level=level, first=first, compared_steps=int(common.shape[0]),
                           compared_sites=len(names), only_a=only_a, only_b=only_b, sites_only_a=sites_only_a,
-                          sites_only_b=sites_only_b, header_differences=tuple(diffs))
+                          sites_only_b=sites_only_b, header_differences=tuple(diffs), ignored_sites=ignored)
 
 
 def _member_of_finer(name: str, ta: Trace, tb: Trace) -> bool:
@@ -438,6 +449,14 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                     location=Location(rank=r),
                     actual={"rank": r, "only_in": tag, "steps": list(missing)},
                 ))
+        if comp.ignored_sites:
+            names = comp.ignored_sites
+            shown = ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
+            # A comparison that compared nothing proves nothing: every site ignored is an error, not a pass.
+            make = error if comp.compared_sites == 0 else info
+            out.append(make("trace-ignored", f"rank {r}: {len(names)} sites matching --ignore were left out of the "
+                            f"comparison{' (nothing was left to compare)' if make is error else ''}: {shown}",
+                            location=Location(rank=r), actual={"rank": r, "sites": list(names)}))
         for tag, names in (("A", comp.sites_only_a), ("B", comp.sites_only_b)):
             if names:
                 shown = ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
@@ -509,11 +528,12 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
 
 
 def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
-                     ignore: Iterable[str] = ()) -> list[RankComparison]:
+                     ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[RankComparison]:
     """Compare two traces, or two run directories rank by rank (each ``rank<r>/`` store with its peer).
 
     Headers are checked for every rank before anything is compared: they must agree on every field but
     ``run`` (and those in ``ignore``), else :class:`TraceHeaderMismatchError`, unless ``force``.
+    ``ignore_sites``: glob patterns (``fnmatch``, case-sensitive) of site names left out on both sides.
     """
     ignore = tuple(ignore)
     if isinstance(a, Trace) or isinstance(b, Trace) or _is_store(a) or _is_store(b):
@@ -535,21 +555,23 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
             diffs = ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))
             if diffs:
                 raise TraceHeaderMismatchError(diffs, ta, tb)
-    comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore=ignore) for ta, tb in pairs]
+    sites = tuple(ignore_sites)
+    comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore=ignore, ignore_sites=sites) for ta, tb in pairs]
     return sorted([*comps, *missing], key=lambda c: c.rank)
 
 
 def compare_traces(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
-                   ignore: Iterable[str] = ()) -> list[Finding]:
+                   ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[Finding]:
     """Findings of comparing two traces (stores or open :class:`Trace`\\ s); no findings when they are equal
     over the compared steps.
 
     ``steps`` restricts the comparison (e.g. ``range(K + 1, T + 1)`` for a run resumed at ``K``); steps in
     the range recorded by only one trace are a ``trace-incomplete`` error. Findings: ``trace-divergence``
     (error, the first divergent step and site), ``trace-origin`` (info, level ``module``),
-    ``trace-summary`` (info), ``trace-incomplete`` (error), ``trace-sites`` (warning, only with ``force``).
+    ``trace-summary`` (info), ``trace-incomplete`` (error), ``trace-sites`` (warning, only with ``force``),
+    ``trace-ignored`` (info: the sites left out because they match a glob of ``ignore_sites``).
     """
-    return _findings(rank_comparisons(a, b, steps=steps, force=force, ignore=ignore))
+    return _findings(rank_comparisons(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites))
 
 
 def compare_runs(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *,

@@ -24,7 +24,7 @@ Notification only hastens a pass: the listing stays the source of truth, so a lo
 interval. The watcher's own writes (stamps, locks, its log, its metrics file) wake nothing.
 
 After every pass (idle ones too) the state of the run (:class:`RunState`) is known, and written as Prometheus
-gauges when a metrics file is given (:data:`~ckptverify.render.metrics.WATCH_HELP`). The log and the metrics file are
+gauges when a metrics file is given (:data:`WATCH_HELP`). The log and the metrics file are
 written only as regular files (:mod:`~ckptverify.ownfiles.names`): a symbolic link, FIFO or device there is refused
 when the watcher starts, and reported, never written through, if one appears later.
 """
@@ -44,13 +44,29 @@ from ckptverify.runs.scan import judge_report
 from ckptverify.runs.stamp import files_fingerprint, read_stamp
 from ckptverify.verifier.stamper import SETTLE_SECONDS, committed, removed, verify_and_stamp
 
-__all__ = ["WATCH_LOG", "RunState", "WatchResult", "watch", "watch_pass"]
+__all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch", "watch_pass"]
 
 #: A checkpoint of a format without a commit marker is taken for finished once none of its files changed for
 #: this long (a save still writing keeps touching its files).
 QUIET_SECONDS = 5.0
 #: The watcher's log, in the run directory unless another is given.
 WATCH_LOG = "ckptverify-watch.jsonl"
+
+#: The gauges ``watch`` writes after every pass: the state of the run, not of the last checkpoint verified.
+WATCH_HELP = {
+    "passed": "1 when no checkpoint of the run is known to have failed and none could not be verified, else 0",
+    "errors": "checkpoints of the run that failed verification or could not be verified",
+    "checkpoints": "checkpoints found by the last pass",
+    "verified_checkpoints": "checkpoints of the run that passed verification (stamped or not)",
+    "corrupt_checkpoints": "checkpoints of the run that failed verification (stamped or not)",
+    "unverifiable_checkpoints": "checkpoints of the run that could not be verified (see the watch log)",
+    "pending_checkpoints": "checkpoints not finished yet, or changed while they were verified",
+    "unstamped_checkpoints": "checkpoints judged whose stamp could not be written",
+    "last_good_step": "step of the newest checkpoint that passed verification (-1 when none)",
+    "bytes_checked": "bytes verified by this watcher since it started",
+    "passes": "passes over the run directory since the watcher started",
+    "last_run_timestamp_seconds": "when the last pass ended (Unix time)",
+}
 
 
 @dataclass
@@ -75,7 +91,7 @@ class RunState:
         return self.verified + self.corrupt
 
     def gauges(self, *, bytes_checked: int, passes: int, now: float) -> dict[str, int | float]:
-        """The values of :data:`~ckptverify.render.metrics.WATCH_HELP`."""
+        """The values of :data:`WATCH_HELP`."""
         return {
             "passed": int(self.corrupt == 0 and self.unverifiable == 0),
             "errors": self.corrupt + self.unverifiable,
@@ -400,7 +416,7 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
 
 
 def _write_gauges(path: str, root: str, result: WatchResult, problem: Callable[[str], None]) -> None:
-    from ckptverify.render.metrics import WATCH_HELP, render_gauges, write_gauges
+    from ckptverify.ownfiles.gauges import render_gauges, write_gauges
 
     values = result.state.gauges(bytes_checked=result.bytes_checked, passes=result.passes, now=time.time())
     try:

@@ -3,7 +3,7 @@
 with the training process for its interpreter lock.
 :class:`VerifierProcess` is the training process's side; :func:`main` the verifier's:
 
-    python -m ckptverify.verifier.worker
+    python -m ckptverify.verifier.worker [--priority idle|low|normal] [--waiter-nice N] [--hurry-fd FD]
 
 Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
 ``throttle``, ``urgent``, ``seq``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
@@ -12,11 +12,11 @@ else printed goes to standard error. A request with ``call`` (``"ckptverify.MODU
 instead runs that function of ckptverify's with ``args`` and answers ``{"result": ...}`` (what it returned, JSON)
 or ``{"call_error": ...}``: how a front end with its own verification (the framework integrations: fingerprint
 when needed, verify, stamp) runs it here. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
-ask for another with ``CKPTVERIFY_VERIFY_PRIORITY``), without torch, and with ``throttle`` paces its reads to
+ask for another with ``--priority``), without torch, and with ``throttle`` paces its reads to
 leave the training's cores alone (:mod:`~ckptverify.verifier.throttle`). A byte on the pipe named by
-``CKPTVERIFY_VERIFY_HURRY_FD`` (the parent writes the ``seq`` of the request in flight when it starts waiting
+``--hurry-fd`` (the parent writes the ``seq`` of the request in flight when it starts waiting
 for its verifications: the job is ending) lifts the throttle of that verification and puts the process back at
-the parent's CPU priority (``SCHED_OTHER`` at ``CKPTVERIFY_VERIFY_WAITER_NICE``) until that request is answered;
+the parent's CPU priority (``SCHED_OTHER`` at ``--waiter-nice``) until that request is answered;
 an ``urgent`` request (sent while the parent waits) runs at that priority from its start. Where the system does
 not allow a process to raise its priority again (no ``CAP_SYS_NICE`` and ``RLIMIT_NICE`` 0), it stays low.
 Ends at the end of its input (its parent closed the pipe, or died).
@@ -37,17 +37,10 @@ from typing import Any
 from ckptverify.verifier.throttle import IdleProbe, Throttle
 from ckptverify.verifier.verification import Verification, from_outcome
 
-__all__ = ["HURRY_FD_ENV", "PRIORITIES", "PRIORITY_ENV", "WAITER_NICE_ENV", "VerifierProcess", "lower_priority", "main",
-           "restore_priority", "serve"]
+__all__ = ["PRIORITIES", "VerifierProcess", "lower_priority", "main", "restore_priority", "serve"]
 
 #: CPU priority of a verification: ``idle`` (``SCHED_IDLE`` and nice 19), ``low`` (nice 19) or ``normal``.
 PRIORITIES = ("idle", "low", "normal")
-#: The priority the verifier process gives itself (set by its parent).
-PRIORITY_ENV = "CKPTVERIFY_VERIFY_PRIORITY"
-#: The descriptor of the pipe on which the parent asks for full speed (set by the parent).
-HURRY_FD_ENV = "CKPTVERIFY_VERIFY_HURRY_FD"
-#: The parent's nice value: the priority a verification the parent waits for runs at (set by the parent).
-WAITER_NICE_ENV = "CKPTVERIFY_VERIFY_WAITER_NICE"
 
 
 def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = None,
@@ -83,17 +76,31 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
         replies.flush()
 
 
-def main() -> int:
-    priority = os.environ.get(PRIORITY_ENV, "idle")
+def _arguments(argv: list[str]) -> tuple[str, int, str | None]:
+    """``--priority`` (the priority the process gives itself), ``--waiter-nice`` (the parent's nice value: the
+    priority of a verification the parent waits for) and ``--hurry-fd`` (the descriptor of the pipe on which the
+    parent asks for full speed), all set by the parent; anything unreadable falls back to the lowest priority."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ckptverify.verifier.worker", add_help=False)
+    parser.add_argument("--priority", default="idle")
+    parser.add_argument("--waiter-nice", default="0")
+    parser.add_argument("--hurry-fd", default=None)
+    args, _ = parser.parse_known_args(argv)
     try:
-        waiter_nice = int(os.environ.get(WAITER_NICE_ENV, "0"))
+        waiter_nice = int(args.waiter_nice)
     except ValueError:
         waiter_nice = 0
-    mine = _Priority(priority if priority in PRIORITIES else "idle", waiter_nice)
+    return (args.priority if args.priority in PRIORITIES else "idle"), waiter_nice, args.hurry_fd
+
+
+def main(argv: list[str] | None = None) -> int:
+    priority, waiter_nice, hurry_fd = _arguments(sys.argv[1:] if argv is None else argv)
+    mine = _Priority(priority, waiter_nice)
     mine.for_request(urgent=False)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints cannot corrupt the replies
-    serve(sys.stdin, replies, _hurry_reader(os.environ.get(HURRY_FD_ENV)), mine)
+    serve(sys.stdin, replies, _hurry_reader(hurry_fd), mine)
     return 0
 
 
@@ -197,9 +204,10 @@ class VerifierProcess:
         env = dict(os.environ)
         entries = [root, *(env.get("PYTHONPATH") or "").split(os.pathsep)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in entries if p and os.path.isabs(p)))
-        env[PRIORITY_ENV] = self.priority
+        # What the process needs from this one travels on its command line, not in the environment.
+        argv = ["--priority", self.priority]
         with contextlib.suppress(OSError):
-            env[WAITER_NICE_ENV] = str(os.getpriority(os.PRIO_PROCESS, os.getpid()))  # the main thread's
+            argv += ["--waiter-nice", str(os.getpriority(os.PRIO_PROCESS, os.getpid()))]  # the main thread's
         # One thread for any numeric library a deep verification loads: the cores belong to the training.
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = "1"
@@ -211,11 +219,11 @@ class VerifierProcess:
             os.set_blocking(hurry_w, False)
             with self._hurry_lock:
                 self._hurry_w = hurry_w
-            env[HURRY_FD_ENV] = str(hurry_r)
+            argv += ["--hurry-fd", str(hurry_r)]
             pass_fds = (hurry_r,)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", "ckptverify.verifier.worker"], stdin=subprocess.PIPE,
+                [sys.executable, "-P", "-m", "ckptverify.verifier.worker", *argv], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env, close_fds=True, bufsize=1,
                 pass_fds=pass_fds, cwd=os.path.abspath(os.sep))
         except BaseException:

@@ -1,0 +1,57 @@
+"""How ``scan`` shows its report: a table of the checkpoints in step order, the newest good one, the verdict.
+
+A front end (like :mod:`ckptverify.render.report`): the command line calls it; :mod:`ckptverify.runs.scan`
+builds the report and never prints. Every name in the table comes from the file system, so it is shown through
+:func:`~ckptverify.render.report.printable` as :class:`rich.text.Text` (never parsed as markup).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptverify.findings import Report
+from ckptverify.render.report import human_bytes, number_width, printable
+from ckptverify.runs.scan import STATES
+
+__all__ = ["render_scan"]
+
+
+def render_scan(report: Report, console: Any) -> None:
+    """A table of the checkpoints in step order, the newest good one last, then the verdict."""
+    from rich.table import Table
+    from rich.text import Text
+
+    style = {"verified": "green", "intact": "green", "suspect": "yellow", "uncheckable": "yellow",
+             "incomplete": "yellow", "corrupt": "bold red", "deleted": "yellow"}
+    table = Table(title=Text(printable(f"scan: {report.target}")), expand=False)
+    rows = report.stats.get("checkpoints", [])
+    why_width = number_width(printable(r["reason"]) for r in rows) or None
+    for col in ("step", "checkpoint", "format", "size", "state", "why"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("step", "format", "size", "state"),
+                         min_width=why_width if col == "why" else None)
+    for row in rows:
+        table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
+                      Text(row["format"]), Text(human_bytes(row["size"])),
+                      Text(row["state"] + (" (quarantined)" if row.get("quarantined") else ""),
+                           style=style[row["state"]]),
+                      Text(printable(row["reason"])))
+    console.print(table)
+    newest = report.stats.get("newest_good")
+    if newest:
+        console.print(Text.assemble(("newest good: ", "bold"), printable(newest["path"]),
+                                    f" (step {newest['step']})" if newest["step"] is not None else ""))
+    # Findings that are not a row of the table (none good) are shown, so the verdict never counts an
+    # error the page does not show.
+    for f in report.findings:
+        if f.check != "scan":
+            console.print(Text.assemble((f"{f.severity.value}: ", _SEVERITY_STYLE[f.severity.value]),
+                                        printable(f"{f.check}: {f.message}")))
+    by_state = [f"{n} {state}" for state in (*STATES, "deleted") if (n := sum(r["state"] == state for r in rows))]
+    verdict = ("PASSED", "bold green") if report.passed else ("FAILED", "bold red")
+    console.print(Text.assemble(verdict, " ", printable(
+        f"scan {report.target}: {len(rows)} checkpoint(s): {', '.join(by_state) or 'none'}")))
+
+
+_SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
