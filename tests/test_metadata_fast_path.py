@@ -1,6 +1,6 @@
 """The C unpickler reads DCP metadata exactly as the pure-Python reference does, and only where that is safe.
 
-``safepickle.parse`` reads a pickle with the C unpickler when ``pickle_subset.in_fast_subset`` admits it, else
+``metadata_pickle.parse`` reads a pickle with the C unpickler when ``pickle_subset.in_fast_subset`` admits it, else
 with the pure-Python reference. These tests prove the two agree (same tree, or both refuse) on real metadata
 of every layout, on mutated metadata and on generated opcode streams, that the pass refuses what the C
 unpickler must not read (huge memo indices and lengths, frames it reads differently, tuples that could nest
