@@ -130,7 +130,7 @@ def main_items(args: argparse.Namespace) -> int:
         f"assert r.passed and r.stats['items'] == {args.items} and r.stats['bytes_hashed'] > 0, r.stats\nprint(best)")
     for name, fn in (("safe metadata read (C path)", "parse"), ("safe metadata read (reference)", "parse_reference")):
         best[name] = _best_in_child(
-            "import time\nfrom ckptverify.safeparse import metadata_pickle as sp\n"
+            "import time\nfrom ckptverify.dcp import metadata_pickle as sp\n"
             f"data = open({os.path.join(ckpt, '.metadata')!r}, 'rb').read()\nbest = float('inf')\n" + repeat
             + f"    t0 = time.perf_counter(); sp.{fn}(data); best = min(best, time.perf_counter() - t0)\nprint(best)")
 

@@ -8,6 +8,8 @@ import itertools
 import json
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 
 from ckptverify import fingerprint as fp
 from ckptverify.errors import UsageError
+from ckptverify.fingerprint import eager as ref
 from ckptverify.fingerprint import kernels as kern
 
 pytestmark = [
@@ -249,12 +252,12 @@ shapes = st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple)
 @contextlib.contextmanager
 def small_blocks(eager: int = 32, row: int = 8, compiled: int = 64) -> Iterator[None]:
     """Shrink the block geometry so small tensors cross every block and row boundary."""
-    saved = (kern.EAGER_BLOCK, kern.ROW_WIDTH, kern.COMPILED_BLOCK)
-    kern.EAGER_BLOCK, kern.ROW_WIDTH, kern.COMPILED_BLOCK = eager, row, compiled
+    saved = (ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK)
+    ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK = eager, row, compiled
     try:
         yield
     finally:
-        kern.EAGER_BLOCK, kern.ROW_WIDTH, kern.COMPILED_BLOCK = saved
+        ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK = saved
 
 
 @contextlib.contextmanager
@@ -704,3 +707,32 @@ def test_small_chunks_take_numpy_and_match_the_eager_path(dtype: torch.dtype, sh
         with backend("eager"):
             eager = fp.chunk_fingerprint(part, offsets if shape else (), shape)
         assert small == eager, (slices, offsets)
+
+
+def test_importing_the_package_imports_no_torch() -> None:
+    """Byte digests stay cheap to import: the package and its spec load without torch (a fresh interpreter)."""
+    code = ("import sys\nimport ckptverify.fingerprint\nfrom ckptverify.fingerprint import spec, digest_bytes\n"
+            "assert digest_bytes(b'x')\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_the_fingerprint_modules_depend_one_way() -> None:
+    """spec <- eager <- triton_kernel <- kernels <- logical <- the package: no module imports one after it."""
+    import ast
+    import pathlib
+
+    order = ["spec", "digest", "eager", "triton_kernel", "kernels", "logical", "__init__"]
+    folder = pathlib.Path(fp.__file__).parent
+    for position, name in enumerate(order):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "ckptverify.fingerprint":
+                # A name that is not a module of the package comes from the package itself.
+                imported.update(a.name if a.name in order else "__init__" for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckptverify.fingerprint."):
+                imported.add(node.module.rsplit(".", 1)[1])
+        later = imported & set(order[position:])
+        assert not later, f"fingerprint/{name}.py imports {sorted(later)}, which depend on it"

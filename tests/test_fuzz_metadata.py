@@ -33,10 +33,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptverify.dcp import metadata as md
+from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.storage_reader import build_metadata
 from ckptverify.errors import UnsafeMetadataError
-from ckptverify.safeparse import metadata_pickle as sp
-from ckptverify.safeparse.torchsave import ArchiveError, parse_archive, tensor_header
+from ckptverify.safeparse.torchsave import tensor_header
+from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 
 EXPECTED = (sp.UnsafeGlobal, sp.BadPickle, md.BadMetadata)
 

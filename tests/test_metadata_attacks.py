@@ -18,9 +18,9 @@ import torch.distributed.checkpoint as dcp
 import ckptverify
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.dcp import metadata as md
+from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.storage_reader import SafeFileSystemReader
 from ckptverify.errors import CheckpointRefusedError, UnsafeMetadataError
-from ckptverify.safeparse import metadata_pickle as sp
 
 
 class _Canary:

@@ -1,6 +1,6 @@
 """The C unpickler reads DCP metadata exactly as the pure-Python reference does, and only where that is safe.
 
-``safepickle.parse`` reads a pickle with the C unpickler when ``pickle_subset.in_fast_subset`` admits it, else
+``metadata_pickle.parse`` reads a pickle with the C unpickler when ``pickle_subset.in_fast_subset`` admits it, else
 with the pure-Python reference. These tests prove the two agree (same tree, or both refuse) on real metadata
 of every layout, on mutated metadata and on generated opcode streams, that the pass refuses what the C
 unpickler must not read (huge memo indices and lengths, frames it reads differently, tuples that could nest
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptverify.dcp import metadata as md
-from ckptverify.safeparse import metadata_pickle as sp
+from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.safeparse.pickle_subset import MAX_LITERAL, in_fast_subset
 
 EXPECTED = (sp.UnsafeGlobal, sp.BadPickle)
@@ -301,7 +301,7 @@ def _real_metadata():
 
 def test_a_tuple_key_nested_a_million_deep_is_refused_not_a_crash():
     # hash() of it recursed in C until the process died (SIGSEGV); now refused before hashing.
-    code = ("from ckptverify.safeparse import metadata_pickle as sp\n"
+    code = ("from ckptverify.dcp import metadata_pickle as sp\n"
             "data = b'\\x80\\x02}N' + b'\\x85' * 1_000_000 + b'Ns.'\n"
             "try:\n    sp.parse(data)\nexcept sp.BadPickle as exc:\n    print('refused:', exc)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -12,7 +12,8 @@ import zlib
 import pytest
 import torch
 
-from ckptverify.safeparse.torchsave import ArchiveError, parse_archive, tensor_header
+from ckptverify.safeparse.torchsave import tensor_header
+from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 
 
 def _saved(value) -> bytes:

@@ -40,7 +40,7 @@ from ckptverify.findings import CheckCoverage, Finding, Location, Report, error,
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
-from ckptverify.safeparse.torchsave import TemplateCache
+from ckptverify.safeparse.zipwalk import TemplateCache
 
 #: Largest byte range hashed as one task; larger records are split and their CRCs combined.
 SEGMENT_BYTES = 64 << 20

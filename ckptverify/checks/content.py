@@ -2,7 +2,7 @@
 
 DCP writes each item as a ``torch.save`` zip whose records carry CRC-32s that neither ``torch.load`` nor
 ``dcp.load`` ever check. Here every record's bytes are hashed and compared, and the structure around
-them is cross-checked (:mod:`ckptverify.safeparse.torchsave`), so a flipped bit anywhere in an item is found.
+them is cross-checked (:mod:`ckptverify.safeparse.zipwalk`), so a flipped bit anywhere in an item is found.
 Tensor payload corruption is localized to the FQN, chunk, byte range and element range.
 
 Small items (most of a checkpoint's items, a small part of its bytes) are read many at a time, parsed
@@ -25,16 +25,8 @@ from ckptverify.checks.crcflip import false_match_probability, locate_single_bit
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
-from ckptverify.safeparse.torchsave import (
-    Archive,
-    ArchiveError,
-    Record,
-    TemplateCache,
-    TensorHeader,
-    parse_archive,
-    parse_item,
-    tensor_header,
-)
+from ckptverify.safeparse.torchsave import TensorHeader, tensor_header
+from ckptverify.safeparse.zipwalk import Archive, ArchiveError, Record, TemplateCache, parse_archive, parse_item
 
 #: Items up to this size are read whole, with their neighbours, and checked from memory while planning.
 SMALL_ITEM_BYTES = 1 << 20

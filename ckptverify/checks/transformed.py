@@ -18,7 +18,7 @@ from ckptverify.dcp.layout import Item
 from ckptverify.dcp.transforms import TransformError, decoded_item
 from ckptverify.findings import Finding, error, warning
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.torchsave import ArchiveError, parse_archive
+from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 
 __all__ = ["plan_transformed"]
 

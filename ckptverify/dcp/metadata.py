@@ -4,7 +4,7 @@ DCP's own ``FileSystemReader.read_metadata`` calls ``pickle.load`` with no restr
 ``.metadata`` runs arbitrary code on whoever opens it; and when that unpickling raises, ``dcp.load`` falls
 back to ``__{rank}.metadata``, so a file that merely *fails* to unpickle hands control to another one.
 Here every metadata file DCP could read (``.metadata`` and every ``__N.metadata``) is parsed by
-:mod:`ckptverify.safeparse.metadata_pickle` (allowlist, per-parse stand-ins, a work budget; nothing from torch or
+:mod:`ckptverify.dcp.metadata_pickle` (allowlist, per-parse stand-ins, a work budget; nothing from torch or
 from the file runs) and then **every field** is validated: the state dict entries, the storage entries,
 ``planner_data``, ``storage_meta``, ``version`` and whatever a writer attached (Megatron's
 ``all_local_plans`` of DCP planner dataclasses, ``mcore_data``). The result is a :class:`ParsedMetadata`
@@ -24,9 +24,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import Finding, Location, error
-from ckptverify.safeparse import metadata_pickle as sp
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import read_small_file
 
@@ -108,7 +108,7 @@ class StorageMetaInfo:
 @dataclass(slots=True)
 class ParsedMetadata:
     """Everything one metadata file says, validated. Values of ``planner_data`` and ``extras`` are the
-    plain tree of :mod:`ckptverify.safeparse.metadata_pickle` (checked inert)."""
+    plain tree of :mod:`ckptverify.dcp.metadata_pickle` (checked inert)."""
 
     name: str
     entries: dict[str, TensorEntry | None]  # None: a BytesStorageMetadata (a non-tensor value)
@@ -144,8 +144,8 @@ def read_metadata_bytes(path: str) -> bytes:
 def parse_metadata(data: bytes, name: str = METADATA_FILE) -> ParsedMetadata:
     """Parse and validate one metadata file's bytes.
 
-    Raises :class:`~ckptverify.safeparse.metadata_pickle.UnsafeGlobal` (a global outside the allowlist),
-    :class:`~ckptverify.safeparse.metadata_pickle.BadPickle` (including the budget) or :class:`BadMetadata`.
+    Raises :class:`~ckptverify.dcp.metadata_pickle.UnsafeGlobal` (a global outside the allowlist),
+    :class:`~ckptverify.dcp.metadata_pickle.BadPickle` (including the budget) or :class:`BadMetadata`.
     """
     with paused_gc():
         tree = sp.parse(data)

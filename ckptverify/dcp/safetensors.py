@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.torchsave import Archive, Record, TensorHeader
+from ckptverify.safeparse.torchsave import TensorHeader
+from ckptverify.safeparse.zipwalk import Archive, Record
 
 MAX_HEADER_BYTES = 100 << 20
 #: Most dimensions of one tensor (torch allows 64).

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptverify.dcp import metadata as md
+from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.errors import UnsafeMetadataError
-from ckptverify.safeparse import metadata_pickle as sp
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -204,7 +204,7 @@ class ProvingFileSystemReader(SafeFileSystemReader):
 def _prove_crcs(data: bytes, fail: Any) -> None:
     """Every record of the ``torch.save`` archive ``data`` against its CRC-32 (the structure cross-checked too)."""
     from ckptverify.safeparse.readers import crc32
-    from ckptverify.safeparse.torchsave import ArchiveError, parse_item
+    from ckptverify.safeparse.zipwalk import ArchiveError, parse_item
 
     try:
         archive = parse_item(data, 0, len(data)).archive

@@ -1,6 +1,6 @@
 """Materialise tensor chunks from DCP items without ``torch.load``.
 
-A tensor item's payload is the raw little-endian bytes of its storage; :mod:`ckptverify.safeparse.torchsave`
+A tensor item's payload is the raw little-endian bytes of its storage; :mod:`ckptverify.safeparse.zipwalk`
 already told us its byte range, dtype, shape, strides and storage offset (read by an allowlist that
 executes nothing). Here those bytes are turned into tensors with ``torch.frombuffer``, in bounded row
 blocks so memory stays flat however large a chunk is. Nothing is unpickled.
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.torchsave import Archive, TensorHeader
+from ckptverify.safeparse.torchsave import TensorHeader
+from ckptverify.safeparse.zipwalk import Archive
 
 if TYPE_CHECKING:
     import torch

@@ -1,306 +1,69 @@
-"""Torch kernels of the logical tensor fingerprint (see ``docs/fingerprint.md``).
+"""Torch kernels of the logical tensor fingerprint and the choice between them (see ``docs/fingerprint.md``).
 
-Everything here runs on the tensor's own device with torch operations only. Two implementations of the
+Everything here runs on the tensor's own device with torch operations only. Three implementations of the
 same arithmetic exist:
 
-* the **eager** path: a fixed sequence of in-place torch operations over blocks of a fixed number of
-  elements, writing into buffers allocated once per call. It runs on every device and is the reference.
+* the **eager** path (:mod:`ckptverify.fingerprint.eager`): a fixed sequence of in-place torch operations over
+  blocks of a fixed number of elements. It runs on every device and is the reference.
 * the **compiled** path: the same formula handed to ``torch.compile``, which fuses it into one loop
   (C++/OpenMP on CPU). It is used only for full blocks of one fixed shape, so one compilation per source
   integer width is all it ever needs, and any block it does not take goes through the eager path.
+* the **Triton** kernel (:mod:`ckptverify.fingerprint.triton_kernel`) for CUDA tensors.
 
-Both compute exactly the same integers (wrapping 64-bit arithmetic has no rounding), which the tests check.
+All compute exactly the same integers (wrapping 64-bit arithmetic has no rounding), which the tests check;
+the fused ones check themselves against the eager path before first use. This module depends on the eager
+path and the Triton kernel, neither of them on it.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ckptverify.errors import UsageError
-from ckptverify.fingerprint import FINGERPRINT_VERSION
+from ckptverify.fingerprint import eager as _ref
+from ckptverify.fingerprint.eager import (
+    _INT_VIEW_BY_SIZE,
+    EAGER_BLOCK,
+    EAGER_BLOCK_ACCELERATOR,
+    ROW_WIDTH,
+    SUPPORTED_DTYPES,
+    _Block,
+    _EagerState,
+    _Geometry,
+    _mix_tensor,
+    chunk_geometry,
+    dtype_name,
+    eager_block,
+    iter_blocks,
+    lanes_many_eager,
+)
+from ckptverify.fingerprint.spec import FINGERPRINT_VERSION, INDEX_MULTIPLIER, LANES, dtype_seed, mix_python
+from ckptverify.fingerprint.spec import MASK64 as _MASK64
+from ckptverify.fingerprint.spec import signed as _signed
+
+__all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
+           "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "ROW_WIDTH", "SMALL_NUMPY", "SUPPORTED_DTYPES",
+           "chunk_geometry", "dtype_name", "dtype_seed", "eager_block", "fingerprint_lanes", "get_backend",
+           "iter_blocks", "lanes_many", "mix_python", "set_backend"]
 
 _log = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
+#: The eager reference of :func:`lanes_many` (kept under its former name here).
+_lanes_many_eager = lanes_many_eager
 
+# The block geometry (``EAGER_BLOCK``, ``ROW_WIDTH``) is the eager module's, read from it at each call
+# (``_ref.ROW_WIDTH``): set it there (the names here are copies for reading).
 
-def _signed(value: int) -> int:
-    """The int64 (two's complement) reading of a value taken modulo 2**64."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-#: K: the odd multiplier that spreads the global index over 64 bits before it meets the element's bits.
-INDEX_MULTIPLIER = 0x9E3779B97F4A7C15
-
-
-@dataclass(frozen=True)
-class _Mixer:
-    """``x ^= x >> s1; x *= m1; x ^= x >> s2; x *= m2; x ^= x >> s3`` (logical shifts, modulo 2**64)."""
-
-    shifts: tuple[int, int, int]
-    multipliers: tuple[int, int]
-
-
-#: Lane 0 mixes with the MurmurHash3 ``fmix64`` finalizer, lane 1 with the SplitMix64 finalizer
-#: (Stafford's "Mix13"). Both are bijections of 64-bit words.
-LANES: tuple[_Mixer, _Mixer] = (
-    _Mixer((33, 33, 33), (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)),
-    _Mixer((30, 27, 31), (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)),
-)
-
-
-def mix_python(x: int, lane: int) -> int:
-    """The lane's mixer on one unsigned 64-bit word, in plain Python (the reference for docs and tests)."""
-    mixer = LANES[lane]
-    s1, s2, s3 = mixer.shifts
-    m1, m2 = mixer.multipliers
-    x &= _MASK64
-    x ^= x >> s1
-    x = (x * m1) & _MASK64
-    x ^= x >> s2
-    x = (x * m2) & _MASK64
-    x ^= x >> s3
-    return x
-
-
-# --------------------------------------------------------------------------------------------- dtypes
-
-#: Element dtypes the fingerprint is defined for, by name. Complex dtypes are fingerprinted through their
-#: real view (pairs of the matching float), under the complex dtype's own name.
-_INT_VIEW_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-_DTYPE_NAMES = (
-    "float64", "float32", "float16", "bfloat16",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "bool",
-    "complex32", "complex64", "complex128",
-)  # fmt: skip
-
-SUPPORTED_DTYPES: dict[torch.dtype, str] = {
-    getattr(torch, name): name for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The stable name of a dtype (``torch.float32`` -> ``"float32"``); refuses unsupported dtypes."""
-    try:
-        return SUPPORTED_DTYPES[dtype]
-    except KeyError:
-        raise UsageError(f"the tensor fingerprint is not defined for dtype {dtype}") from None
-
-
-@functools.cache
-def dtype_seed(name: str, lane: int) -> int:
-    """S: the per-dtype, per-lane seed, as an unsigned 64-bit integer."""
-    text = f"ckptverify/fingerprint/v{FINGERPRINT_VERSION}/lane{lane}/{name}".encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
-
-
-# ------------------------------------------------------------------------------------------- geometry
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """A chunk (local shape at global offsets) as runs of consecutive global indices.
-
-    Dimensions ``p+1 ..`` of the chunk span the whole global extent, so each run covers dims ``p ..`` and
-    is ``run_length`` elements long; runs are enumerated by the outer dims ``0 .. p-1`` in row-major order.
-    """
-
-    outer_shape: tuple[int, ...]
-    outer_strides: tuple[int, ...]  # global strides of the outer dims
-    first_start: int  # global index of the chunk's first element
-    run_length: int
-
-    @property
-    def num_runs(self) -> int:
-        return math.prod(self.outer_shape)
-
-    def run_start(self, q: int) -> int:
-        start = self.first_start
-        for size, stride in zip(reversed(self.outer_shape), reversed(self.outer_strides), strict=True):
-            q, i = divmod(q, size)
-            start += i * stride
-        return start
-
-    def run_starts(self, q0: int, count: int, device: torch.device) -> torch.Tensor:
-        """Global starts of runs ``q0 .. q0+count-1`` as an int64 tensor on ``device``."""
-        if len(self.outer_shape) == 1:
-            stride = self.outer_strides[0]
-            starts = torch.arange(count, dtype=torch.int64, device=device)
-            return starts.mul_(stride).add_(self.first_start + q0 * stride)
-        q = torch.arange(q0, q0 + count, dtype=torch.int64, device=device)
-        starts = torch.full((count,), self.first_start, dtype=torch.int64, device=device)
-        for size, stride in zip(reversed(self.outer_shape), reversed(self.outer_strides), strict=True):
-            starts.add_(torch.remainder(q, size).mul_(stride))
-            q = torch.div(q, size, rounding_mode="floor")
-        return starts
-
-
-def chunk_geometry(shape: Sequence[int], offsets: Sequence[int], global_shape: Sequence[int]) -> _Geometry:
-    shape, offsets, global_shape = tuple(shape), tuple(offsets), tuple(global_shape)
-    if not (len(shape) == len(offsets) == len(global_shape)):
-        raise UsageError(
-            f"chunk shape {list(shape)}, offsets {list(offsets)} and global shape {list(global_shape)} "
-            "must have the same number of dimensions"
-        )
-    for size, off, total in zip(shape, offsets, global_shape, strict=True):
-        if size < 0 or off < 0 or total < 0 or off + size > total:
-            raise UsageError(
-                f"chunk of shape {list(shape)} at offsets {list(offsets)} does not fit in global shape "
-                f"{list(global_shape)}"
-            )
-    if not shape:
-        return _Geometry((), (), 0, 1)
-    strides = [1] * len(shape)
-    for j in range(len(shape) - 2, -1, -1):
-        strides[j] = strides[j + 1] * global_shape[j + 1]
-    p = len(shape) - 1
-    while p > 0 and shape[p] == global_shape[p]:
-        p -= 1
-    first = sum(off * stride for off, stride in zip(offsets, strides, strict=True))
-    return _Geometry(tuple(shape[:p]), tuple(strides[:p]), first, math.prod(shape[p:]))
-
-
-# --------------------------------------------------------------------------------------------- blocks
-
-#: Elements per block of the eager path on CPU (a few int64 buffers of this many words per call: small
-#: enough to stay in cache, large enough to amortize the per-operation overhead).
-EAGER_BLOCK = 1 << 16
-#: Elements per block of the eager path on accelerators, where each operation costs a kernel launch.
-EAGER_BLOCK_ACCELERATOR = 1 << 22
-#: Width of the rows that runs at least one block long are cut into (shorter runs are one row each).
-ROW_WIDTH = 1 << 13
 #: Elements per block of the compiled path (``COMPILED_BLOCK // ROW_WIDTH`` rows of ``ROW_WIDTH``).
 COMPILED_BLOCK = 1 << 20
 
 
-def eager_block(device: torch.device) -> int:
-    return EAGER_BLOCK if device.type == "cpu" else EAGER_BLOCK_ACCELERATOR
-
-
-@dataclass
-class _Block:
-    bits: torch.Tensor  # (rows, width), an integer view of the chunk's bits
-    starts: torch.Tensor | None  # (rows,) int64 global index of each row's first element, on device
-    first_start: int  # when ``starts`` is None: rows follow each other at ``row_step``
-    row_step: int
-
-
-def iter_blocks(flat: torch.Tensor, geometry: _Geometry, block: int) -> Iterator[_Block]:
-    """Cut the chunk's flat integer view into blocks of about ``block`` elements, each a set of rows of
-    consecutive global indices."""
-    run = geometry.run_length
-    if run >= block:  # long runs: each cut into rows, a block holding rows of one run
-        width = min(ROW_WIDTH, block)
-        rows_per_block = block // width
-        for q in range(geometry.num_runs):
-            g = geometry.run_start(q)
-            seg = flat[q * run : (q + 1) * run]
-            pos = 0
-            full_rows = run // width
-            while full_rows > 0:
-                rows = min(rows_per_block, full_rows)
-                n = rows * width
-                yield _Block(seg[pos : pos + n].view(rows, width), None, g + pos, width)
-                pos += n
-                full_rows -= rows
-            if pos < run:
-                yield _Block(seg[pos:].view(1, run - pos), None, g + pos, 0)
-    else:  # short runs: one row per run, a block holding whole runs
-        runs_per_block = max(1, block // run)
-        total = geometry.num_runs
-        for q0 in range(0, total, runs_per_block):
-            rows = min(runs_per_block, total - q0)
-            bits = flat[q0 * run : (q0 + rows) * run].view(rows, run)
-            starts = geometry.run_starts(q0, rows, flat.device)
-            yield _Block(bits, starts, 0, 0)
-
-
-# ------------------------------------------------------------------------------------------ eager path
-
-
-class _EagerState:
-    """Buffers and tables for one fingerprint call on one device, allocated once per call."""
-
-    def __init__(self, device: torch.device, seeds: tuple[int, int], numel: int) -> None:
-        kw: dict = {"dtype": torch.int64, "device": device}
-        self.block = eager_block(device)
-        n = min(self.block, numel)  # no block holds more elements than this
-        self.w = torch.empty(n, **kw)
-        self.idx = torch.empty(n, **kw)
-        self.y = torch.empty(n, **kw)
-        self.t = torch.empty(n, **kw)
-        self.row_terms = torch.empty(n, **kw)
-        self.lane_terms = torch.empty(n, **kw)
-        # column_table[k] = k * K; a row starting at global index r contributes r * K + S on top.
-        width = min(max(ROW_WIDTH, self.block), numel)  # no row is wider
-        self.column_table = torch.arange(width, **kw).mul_(_signed(INDEX_MULTIPLIER))
-        self.seeds = [_signed(s) for s in seeds]
-        self.acc = torch.zeros(2, **kw)
-
-    def add_block(self, blk: _Block) -> None:
-        rows, width = blk.bits.shape
-        n = rows * width
-        w = self.w[:n].view(rows, width)
-        w.copy_(blk.bits)  # sign-extends the element bits to 64
-        row_terms = self.row_terms[:rows]
-        if blk.starts is None:
-            torch.arange(rows, out=row_terms)
-            row_terms.mul_(blk.row_step).add_(blk.first_start)
-        else:
-            row_terms.copy_(blk.starts)
-        row_terms.mul_(_signed(INDEX_MULTIPLIER))
-        lane_terms = self.lane_terms[:rows]
-        idx = self.idx[:n].view(rows, width)
-        y = self.y[:n].view(rows, width)
-        t = self.t[:n].view(rows, width)
-        for lane, mixer in enumerate(LANES):
-            # idx = (row start + column) * K + S_lane, modulo 2**64
-            torch.add(row_terms, self.seeds[lane], out=lane_terms)
-            torch.add(self.column_table[:width], lane_terms[:, None], out=idx)
-            torch.bitwise_xor(w, idx, out=y)
-            s1, s2, s3 = mixer.shifts
-            m1, m2 = mixer.multipliers
-            _xorshift(y, t, s1)
-            y.mul_(_signed(m1))
-            _xorshift(y, t, s2)
-            y.mul_(_signed(m2))
-            _xorshift(y, t, s3)
-            self.acc[lane] += y.sum()
-
-
-def _xorshift(y: torch.Tensor, t: torch.Tensor, s: int) -> None:
-    """``y ^= y >> s`` with a logical shift (an arithmetic shift, then the sign copies masked off)."""
-    torch.bitwise_right_shift(y, s, out=t)
-    t.bitwise_and_((1 << (64 - s)) - 1)
-    y.bitwise_xor_(t)
-
-
 # --------------------------------------------------------------------------------------- compiled path
-
-
-def _mix_tensor(x: torch.Tensor, mixer: _Mixer) -> torch.Tensor:
-    s1, s2, s3 = mixer.shifts
-    m1, m2 = mixer.multipliers
-    x = x ^ ((x >> s1) & ((1 << (64 - s1)) - 1))
-    x = x * _signed(m1)
-    x = x ^ ((x >> s2) & ((1 << (64 - s2)) - 1))
-    x = x * _signed(m2)
-    return x ^ ((x >> s3) & ((1 << (64 - s3)) - 1))
 
 
 def _block_lanes(
@@ -385,7 +148,7 @@ def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device
     info = torch.iinfo(bits_dtype)
     gen = torch.Generator(device="cpu").manual_seed(0x5EED)
     bits = torch.randint(info.min, info.max, (COMPILED_BLOCK,), dtype=bits_dtype, generator=gen)
-    bits = bits.to(device).view(COMPILED_BLOCK // ROW_WIDTH, ROW_WIDTH)
+    bits = bits.to(device).view(COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
     first = (1 << 40) + 12345
     seeds = (dtype_seed("self-check", 0), dtype_seed("self-check", 1))
     tables = _CompiledTables(device, seeds)
@@ -396,9 +159,9 @@ def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device
         _disable_compiled(exc)
         return False
     eager = _EagerState(device, seeds, COMPILED_BLOCK)
-    rows = max(1, eager.block // ROW_WIDTH)
+    rows = max(1, eager.block // _ref.ROW_WIDTH)
     for r in range(0, bits.shape[0], rows):
-        eager.add_block(_Block(bits[r : r + rows], None, first + r * ROW_WIDTH, ROW_WIDTH))
+        eager.add_block(_Block(bits[r : r + rows], None, first + r * _ref.ROW_WIDTH, _ref.ROW_WIDTH))
     if got != eager.acc.tolist():  # pragma: no cover - a miscompilation
         _log.warning("compiled fingerprint kernel disagrees with eager torch for %s; not using it", bits_dtype)
         return False
@@ -412,8 +175,8 @@ class _CompiledTables:
     def __init__(self, device: torch.device, seeds: tuple[int, int]) -> None:
         k = _signed(INDEX_MULTIPLIER)
         kw: dict = {"dtype": torch.int64, "device": device}
-        self.column_table = torch.arange(ROW_WIDTH, **kw).mul_(k)
-        self._row_steps = torch.arange(COMPILED_BLOCK // ROW_WIDTH, **kw).mul_(ROW_WIDTH)
+        self.column_table = torch.arange(_ref.ROW_WIDTH, **kw).mul_(k)
+        self._row_steps = torch.arange(COMPILED_BLOCK // _ref.ROW_WIDTH, **kw).mul_(_ref.ROW_WIDTH)
         self._row_terms = torch.empty_like(self._row_steps)
         self.seeds = torch.tensor([_signed(s) for s in seeds], **kw)
         self._k = k
@@ -462,7 +225,7 @@ def fingerprint_lanes(
     if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel()):
         compiled = _compiled_kernel(flat.dtype, device)
     block = COMPILED_BLOCK if compiled is not None else eager_block(device)
-    compiled_shape = (COMPILED_BLOCK // ROW_WIDTH, ROW_WIDTH)
+    compiled_shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
     tables = stage = None
     if compiled is not None:
         tables = _CompiledTables(device, seeds)
@@ -492,9 +255,10 @@ def fingerprint_lanes(
             eager.add_block(blk)
             continue
         # A compiled-size block (consecutive rows of one run) that the compiled kernel did not take.
-        rows = max(1, eager.block // ROW_WIDTH)
+        rows = max(1, eager.block // _ref.ROW_WIDTH)
         for r in range(0, blk.bits.shape[0], rows):
-            eager.add_block(_Block(blk.bits[r : r + rows], None, blk.first_start + r * ROW_WIDTH, ROW_WIDTH))
+            width = _ref.ROW_WIDTH
+            eager.add_block(_Block(blk.bits[r : r + rows], None, blk.first_start + r * width, width))
     if eager is not None:
         a, b = eager.acc.tolist()
         lanes[0] += a
@@ -539,99 +303,6 @@ def _small_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]
 # ------------------------------------------------------------------------------------------- many
 
 
-@dataclass(frozen=True)
-class _Piece:
-    member: int  # position of the tensor in the caller's list
-    start: int  # first element of the piece in the tensor (its global index: whole tensors)
-    length: int
-
-
-@dataclass
-class _ManyBlock:
-    """Consecutive pieces of tensors of one element size, processed together. ``tables`` (several pieces
-    only) lives on the device."""
-
-    pieces: tuple[_Piece, ...]
-    numel: int
-    tables: dict[str, torch.Tensor] | None = None
-
-
-@dataclass
-class _ManyPlan:
-    """How one list of tensors (a layout: device, numels, dtypes) goes through :func:`lanes_many`: its
-    blocks, and for each tensor the range of its pieces in the order the blocks produce their sums."""
-
-    blocks: list[_ManyBlock]
-    first: torch.Tensor  # (n,) index in the zero-prefixed cumulative piece sums
-    last: torch.Tensor  # (n,)
-
-
-#: Layouts -> plans. The members of a trace category keep their shapes from step to step, so a plan and its
-#: device tables are built once.
-_many_plans: dict[tuple[Any, ...], _ManyPlan] = {}
-_MANY_PLANS_KEPT = 64
-
-
-def _plan_many(numels: Sequence[int], sizes: Sequence[int], seeds: Sequence[tuple[int, int]], block: int,
-               device: torch.device) -> _ManyPlan:
-    """Cut the tensors into blocks of at most ``block`` elements, by element size: a large tensor alone, in
-    pieces of ``block``; small tensors whole, several to a block."""
-    blocks: list[_ManyBlock] = []
-    for size in dict.fromkeys(sizes):
-        pieces: list[_Piece] = []
-        count = 0
-        for m, n in enumerate(numels):
-            if sizes[m] != size or n == 0:
-                continue
-            if n >= block:
-                for start in range(0, n, block):
-                    length = min(block, n - start)
-                    blocks.append(_ManyBlock((_Piece(m, start, length),), length))
-                continue
-            if count + n > block:
-                blocks.append(_ManyBlock(tuple(pieces), count))
-                pieces, count = [], 0
-            pieces.append(_Piece(m, 0, n))
-            count += n
-        if pieces:
-            blocks.append(_ManyBlock(tuple(pieces), count))
-    first = [0] * len(numels)
-    last = [0] * len(numels)
-    seen: set[int] = set()
-    k = 0
-    for blk in blocks:
-        if len(blk.pieces) > 1:
-            blk.tables = _block_tables(blk, seeds, device)
-        for p in blk.pieces:
-            if p.member not in seen:
-                seen.add(p.member)
-                first[p.member] = k
-            k += 1
-            last[p.member] = k
-    kw: dict = {"dtype": torch.int64}
-    return _ManyPlan(blocks, torch.tensor(first, **kw).to(device), torch.tensor(last, **kw).to(device))
-
-
-def _block_tables(blk: _ManyBlock, seeds: Sequence[tuple[int, int]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Per-piece tables of a block of several pieces: how long each piece is and where it ends in the block,
-    the offset that turns a position in the block into the element's index in its tensor, and the seeds."""
-    kw: dict = {"dtype": torch.int64}
-    ends, offsets, pos = [], [], 0
-    for p in blk.pieces:
-        offsets.append(p.start - pos)
-        pos += p.length
-        ends.append(pos - 1)
-    host = {
-        "lengths": torch.tensor([p.length for p in blk.pieces], **kw),
-        "ends": torch.tensor(ends, **kw),
-        "offsets": torch.tensor(offsets, **kw),
-        "seed0": torch.tensor([_signed(seeds[p.member][0]) for p in blk.pieces], **kw),
-        "seed1": torch.tensor([_signed(seeds[p.member][1]) for p in blk.pieces], **kw),
-        "pieces": torch.arange(len(blk.pieces), **kw),
-    }
-    return {name: value.to(device) for name, value in host.items()}
-
-
 def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The lane sums of each whole tensor (those :func:`fingerprint_lanes` gives for the whole tensor), as an
     ``(n, 2)`` int64 tensor (the two's complement of each unsigned sum) on the tensors' common device.
@@ -659,58 +330,4 @@ def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         got = _fingerprint_triton.lanes_many(list(tensors))
         if got is not None:
             return got
-    return _lanes_many_eager(tensors)
-
-
-def _lanes_many_eager(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`lanes_many` with torch operations only (any device; the reference)."""
-    if not tensors:
-        return torch.zeros((0, 2), dtype=torch.int64)
-    device = tensors[0].device
-    flats: list[torch.Tensor] = []
-    seeds: list[tuple[int, int]] = []
-    for t in tensors:
-        if t.device != device:
-            raise UsageError(f"lanes_many needs tensors on one device, got {t.device} and {device}")
-        flat = t.detach()
-        name = dtype_name(flat.dtype)
-        if flat.is_complex():
-            flat = torch.view_as_real(flat)
-        flat = flat.contiguous().reshape(-1)
-        flats.append(flat.view(_INT_VIEW_BY_SIZE[flat.element_size()]))
-        seeds.append((dtype_seed(name, 0), dtype_seed(name, 1)))
-    block = eager_block(device)
-    key = (str(device), block, tuple((f.numel(), t.dtype) for f, t in zip(flats, tensors, strict=True)))
-    plan = _many_plans.get(key)
-    if plan is None:
-        plan = _plan_many([f.numel() for f in flats], [f.element_size() for f in flats], seeds, block, device)
-        if len(_many_plans) >= _MANY_PLANS_KEPT:
-            _many_plans.pop(next(iter(_many_plans)))
-        _many_plans[key] = plan
-    k = _signed(INDEX_MULTIPLIER)
-    sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    for blk in plan.blocks:
-        if blk.tables is None:  # one piece of one tensor
-            p = blk.pieces[0]
-            bits = flats[p.member][p.start : p.start + p.length].to(torch.int64)
-            g = torch.arange(p.start, p.start + p.length, dtype=torch.int64, device=device).mul_(k)
-            for lane, mixer in enumerate(LANES):
-                y = _mix_tensor(bits ^ (g + _signed(seeds[p.member][lane])), mixer)
-                sums[lane].append(y.sum().reshape(1))
-            continue
-        tab = blk.tables
-        bits = torch.cat([flats[p.member] for p in blk.pieces]).to(torch.int64)
-        piece = torch.repeat_interleave(tab["pieces"], tab["lengths"], output_size=blk.numel)
-        g = torch.arange(blk.numel, dtype=torch.int64, device=device).add_(tab["offsets"][piece]).mul_(k)
-        for lane, mixer in enumerate(LANES):
-            y = _mix_tensor(bits ^ (g + tab[f"seed{lane}"][piece]), mixer)
-            at_ends = torch.cumsum(y, 0)[tab["ends"]]
-            sums[lane].append(torch.diff(at_ends, prepend=at_ends.new_zeros(1)))
-    lanes = []
-    for lane in (0, 1):
-        if not sums[lane]:  # every tensor is empty
-            lanes.append(torch.zeros(len(tensors), dtype=torch.int64, device=device))
-            continue
-        running = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64, device=device), *sums[lane]]), 0)
-        lanes.append(running[plan.last] - running[plan.first])
-    return torch.stack(lanes, dim=1)
+    return lanes_many_eager(tensors)

@@ -13,10 +13,11 @@ to end, each program takes one block of one tensor, and the per-tensor sums come
 a few more operations, so a list costs about ten kernel launches however many tensors it holds (the eager
 path launches about fifty per block).
 
-Used for CUDA tensors when Triton imports, after it has matched the eager path on test data of each element
-width (:func:`lanes` and :func:`lanes_many` return ``None`` otherwise, and the caller takes the eager path). With
-``TRITON_INTERPRET=1`` set before Triton is imported, the same kernel runs on CPU tensors through Triton's
-interpreter: that is how the CPU test suite checks it.
+Used for CUDA tensors when Triton imports, after it has matched the eager path
+(:mod:`ckptverify.fingerprint.eager`, which this module imports; :mod:`~ckptverify.fingerprint.kernels` imports
+this one) on test data of each element width (:func:`lanes` and :func:`lanes_many` return ``None`` otherwise, and
+the caller takes the eager path). With ``TRITON_INTERPRET=1`` set before Triton is imported, the same kernel runs
+on CPU tensors through Triton's interpreter: that is how the CPU test suite checks it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ import threading
 from typing import Any
 
 import torch
+
+from ckptverify.fingerprint import eager
+from ckptverify.fingerprint.spec import INDEX_MULTIPLIER, LANES, MASK64, dtype_seed
+from ckptverify.fingerprint.spec import signed as _signed
 
 _log = logging.getLogger(__name__)
 
@@ -109,8 +114,6 @@ def _run(flat: torch.Tensor, starts: torch.Tensor, run_length: int, num_runs: in
          seeds: tuple[int, int]) -> tuple[int, int]:
     """The two lane sums of ``flat`` (an integer view, ``num_runs`` runs of ``run_length`` elements, run ``q``
     starting at global index ``starts[q]``), unsigned."""
-    from ckptverify.fingerprint.kernels import INDEX_MULTIPLIER, LANES, _signed
-
     kernel = _kernel()
     blocks_per_run = -(-run_length // BLOCK)
     programs = num_runs * blocks_per_run
@@ -122,29 +125,26 @@ def _run(flat: torch.Tensor, starts: torch.Tensor, run_length: int, num_runs: in
                         BLOCK=BLOCK, num_warps=8)
     # Integer sums wrap modulo 2**64 (two's complement), which is the fingerprint's arithmetic.
     a, b = partials.view(programs, 2).sum(dim=0).tolist()
-    mask = (1 << 64) - 1
-    return a & mask, b & mask
+    return a & MASK64, b & MASK64
 
 
 def _self_check(bits_dtype: torch.dtype, device: torch.device) -> bool:
     """Run the kernel and the eager path on pseudo-random chunks of several shapes; they must agree."""
-    from ckptverify.fingerprint import kernels as kern
-
     info = torch.iinfo(bits_dtype)
     gen = torch.Generator(device="cpu").manual_seed(0x7121)
-    seeds = (kern.dtype_seed("self-check", 0), kern.dtype_seed("self-check", 1))
+    seeds = (dtype_seed("self-check", 0), dtype_seed("self-check", 1))
     # One long run crossing block edges, and a column split of a matrix (many short runs).
     for shape, offsets, gshape in (((3 * BLOCK + 17,), (1 << 33,), ((1 << 34),)), ((37, 301), (5, 123), (64, 512))):
         n = 1
         for s in shape:
             n *= s
         bits = torch.randint(info.min, info.max, (n,), dtype=bits_dtype, generator=gen)
-        geometry = kern.chunk_geometry(shape, offsets, gshape)
+        geometry = eager.chunk_geometry(shape, offsets, gshape)
         got = lanes_of(bits.to(device), geometry, seeds)
-        eager = kern._EagerState(torch.device("cpu"), seeds, n)
-        for blk in kern.iter_blocks(bits, geometry, eager.block):
-            eager.add_block(blk)
-        want = tuple(v & kern._MASK64 for v in eager.acc.tolist())
+        reference = eager._EagerState(torch.device("cpu"), seeds, n)
+        for blk in eager.iter_blocks(bits, geometry, reference.block):
+            reference.add_block(blk)
+        want = tuple(v & MASK64 for v in reference.acc.tolist())
         if got != want:  # pragma: no cover - a miscompilation
             _log.warning("triton fingerprint kernel disagrees with eager torch for %s; not using it", bits_dtype)
             return False
@@ -196,8 +196,6 @@ class _ManyPlan:
 
     def __init__(self, numels: list[int], sizes: list[int], seeds: list[tuple[int, int]],
                  device: torch.device) -> None:
-        from ckptverify.fingerprint.kernels import _signed
-
         self.groups: list[tuple[list[int], torch.Tensor, int, int]] = []  # members, table, first program, count
         first = [0] * len(numels)
         last = [0] * len(numels)
@@ -230,25 +228,16 @@ _PLANS_KEPT = 64
 def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The kernel's answer for :func:`ckptverify.fingerprint.kernels.lanes_many`: each whole tensor's two lane
     sums as an ``(n, 2)`` int64 tensor on their device (unchecked: :func:`lanes_many` is the guarded entry)."""
-    from ckptverify.fingerprint.kernels import (
-        _INT_VIEW_BY_SIZE,
-        INDEX_MULTIPLIER,
-        LANES,
-        _signed,
-        dtype_name,
-        dtype_seed,
-    )
-
     device = tensors[0].device
     flats: list[torch.Tensor] = []
     names: list[str] = []
     for t in tensors:
         flat = t.detach()
-        names.append(dtype_name(flat.dtype))
+        names.append(eager.dtype_name(flat.dtype))
         if flat.is_complex():
             flat = torch.view_as_real(flat)
         flat = flat.contiguous().reshape(-1)
-        flats.append(flat.view(_INT_VIEW_BY_SIZE[flat.element_size()]))
+        flats.append(flat.view(eager._INT_VIEW_BY_SIZE[flat.element_size()]))
     key = (str(device), tuple((f.numel(), f.element_size(), n) for f, n in zip(flats, names, strict=True)))
     plan = _plans.get(key)
     if plan is None:
@@ -274,8 +263,6 @@ def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _self_check_many(device: torch.device) -> bool:
     """Run :func:`lanes_many_of` and the eager path on a list of every element width, tensors shorter and
     longer than a block, an empty one and a complex one; they must agree."""
-    from ckptverify.fingerprint import kernels as kern
-
     gen = torch.Generator(device="cpu").manual_seed(0x3A11)
     tensors = [
         torch.randn(3 * BLOCK + 5, generator=gen),
@@ -287,7 +274,7 @@ def _self_check_many(device: torch.device) -> bool:
         torch.randn(9, dtype=torch.complex64, generator=gen),
         torch.randn(5, 600, generator=gen).t(),  # not contiguous
     ]
-    want = kern._lanes_many_eager(tensors).tolist()
+    want = eager.lanes_many_eager(tensors).tolist()
     got = lanes_many_of([t.to(device) for t in tensors]).tolist()
     if got != want:  # pragma: no cover - a miscompilation
         _log.warning("triton many-tensor fingerprint kernel disagrees with eager torch; not using it")

@@ -37,7 +37,7 @@ from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.torchsave import ArchiveError, parse_archive
+from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 
 if TYPE_CHECKING:
     import torch

@@ -18,7 +18,7 @@ from ckptverify.dcp import safetensors
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
 from ckptverify.formats.torchsave_file import verify_torchsave_file
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.torchsave import looks_like_zip
+from ckptverify.safeparse.zipwalk import looks_like_zip
 
 __all__ = ["JSON_MAX_BYTES", "check_file", "check_json", "sniff"]
 

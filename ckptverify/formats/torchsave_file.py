@@ -18,7 +18,7 @@ from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.torchsave import ArchiveError, looks_like_zip, parse_archive
+from ckptverify.safeparse.zipwalk import ArchiveError, looks_like_zip, parse_archive
 
 __all__ = ["verify_torchsave_file"]
 

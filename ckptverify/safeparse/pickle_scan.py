@@ -8,19 +8,22 @@ framework's ``AttributeDict``, a ``Path``, a user class) becomes an :class:`Opaq
 its name and whatever the pickle hands it, and is **never called or imported**. So nothing in the file runs,
 whatever it names, and the report says which globals were left uninterpreted.
 
-Work is bounded: the pickle's size, the objects it may build (:data:`MAX_OBJECTS`), and the walk over the
-result visits each object once (a "billion laughs" of shared references stays linear).
+A configuration of :mod:`ckptverify.safeparse.unpickler`, read by the C unpickler (:class:`FastUnpickler`)
+once :func:`~ckptverify.safeparse.unpickler.check_opcodes` has bounded the tuple nesting and the memo. Work is
+bounded: the pickle's size, the objects it may build (:data:`MAX_OBJECTS`, one :class:`Budget`), and the walk
+over the result visits each object once (a "billion laughs" of shared references stays linear).
 """
 
 from __future__ import annotations
 
-import io
 import pickle
-import pickletools
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+import xxhash
+
+from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
+from ckptverify.safeparse.unpickler import Budget, FastUnpickler, Limits, check_opcodes
 
 __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "Opaque", "PickleScan", "PickleScanError", "TensorRef",
            "leaf_values", "scan_pickle"]
@@ -36,6 +39,8 @@ MAX_TUPLE_DEPTH = 200
 #: ... in order; the C unpickler zero-fills its memo array up to twice the largest index it is given, so one
 #: ``LONG_BINPUT`` of index 2**31 in a file of a few hundred bytes would allocate 32 GiB.
 MEMO_SLACK = 1024
+#: The bounds above, as the unpickler framework takes them (the object budget is ``max_objects``).
+LIMITS = Limits(max_depth=MAX_TUPLE_DEPTH, memo_slack=MEMO_SLACK, max_bytes=MAX_PICKLE_BYTES)
 
 _STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
@@ -113,50 +118,38 @@ class PickleScan:
     opaque: set[str] = field(default_factory=set)
 
 
-class _Budget:
-    def __init__(self, limit: int) -> None:
-        self.left = limit
+def _budget(max_objects: int) -> Budget:
+    def exceeded() -> PickleScanError:
+        return PickleScanError(f"the pickle builds more than {MAX_OBJECTS} objects; refused (a decompression "
+                               "bomb, or not a checkpoint)")
 
-    def spend(self, n: int = 1) -> None:
-        self.left -= n
-        if self.left < 0:
-            raise PickleScanError(f"the pickle builds more than {MAX_OBJECTS} objects; refused (a decompression "
-                                  "bomb, or not a checkpoint)")
+    return Budget(max_objects, exceeded, LIMITS)
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, scan: PickleScan, budget: _Budget) -> None:
-        super().__init__(io.BytesIO(data))
+class _Unpickler(FastUnpickler):
+    """The C unpickler over the tensor allowlist (:func:`_allowlist`); any other global resolves to an
+    :class:`Opaque` class of its name. Every global and every storage is charged to the budget."""
+
+    def __init__(self, data: bytes, scan: PickleScan, budget: Budget) -> None:
+        super().__init__(data, {})
+        self._allowed = _allowlist(self)
         self.scan = scan
         self.budget = budget
         self._classes: dict[str, type[Opaque]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        self.budget.spend()
+        self.budget.charge()
+        return super().find_class(module, name)
+
+    def unknown_global(self, module: str, name: str) -> Any:
         qual = f"{module}.{name}"
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
-            return self._rebuild_tensor
-        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
-            return lambda data, *rest: data
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return ("storage-type", _STORAGE_DTYPES[name])
-        if module == "torch" and name in DTYPE_ITEMSIZE:
-            return ("dtype", name)
-        if module == "torch" and name == "Size":
-            return lambda dims=(): tuple(dims)
-        if module == "collections" and name == "OrderedDict":
-            return _OrderedDict
-        if module == "builtins" and name in ("set", "frozenset"):
-            return lambda items=(): list(items)
-        if module == "_codecs" and name == "encode":
-            return _encode
         self.scan.opaque.add(qual)
         if qual not in self._classes:
             self._classes[qual] = _opaque_class(qual)
         return self._classes[qual]
 
-    def persistent_load(self, pid: Any) -> Any:
-        self.budget.spend()
+    def persistent(self, pid: Any) -> Any:
+        self.budget.charge()
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise PickleScanError("a persistent reference that is not a torch storage")
         _, kind, key, _location, numel = pid
@@ -170,7 +163,7 @@ class _Unpickler(pickle.Unpickler):
         return ref
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
-        self.budget.spend()
+        self.budget.charge()
         if not isinstance(storage, StorageRef):
             return _opaque_class("torch._utils._rebuild_tensor_v2 (not over a storage)")()
         if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
@@ -184,6 +177,29 @@ class _Unpickler(pickle.Unpickler):
         return TensorRef(storage, offset, shape, strides)
 
 
+def _allowlist(unpickler: _Unpickler) -> dict[tuple[str, str], Any]:
+    """What each allowlisted global resolves to: the tensor machinery to stand-ins that build :class:`TensorRef`
+    and :class:`StorageRef` records, plain containers to plain values. Made per parse (the rebuild stand-in is
+    bound to its unpickler's scan and budget)."""
+    rebuild = unpickler._rebuild_tensor
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch._utils", "_rebuild_tensor_v2"): rebuild,
+        ("torch._utils", "_rebuild_tensor"): rebuild,
+        ("torch", "Size"): lambda dims=(): tuple(dims),
+        ("collections", "OrderedDict"): _OrderedDict,
+        ("_codecs", "encode"): _encode,
+    }
+    for name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+        allowed[("torch._utils", name)] = lambda data, *rest: data
+    for name in ("set", "frozenset"):
+        allowed[("builtins", name)] = lambda items=(): list(items)
+    for name in DTYPE_ITEMSIZE:
+        allowed[("torch", name)] = ("dtype", name)
+    for name, dtype in _STORAGE_DTYPES.items():  # after the dtypes: a storage name is never a dtype name
+        allowed[("torch", name)] = ("storage-type", dtype)
+    return allowed
+
+
 class _OrderedDict(dict):  # type: ignore[type-arg]
     """``collections.OrderedDict`` without its methods beyond ``dict``'s (``__reduce__`` rebuilds by items)."""
 
@@ -194,79 +210,13 @@ def _encode(text: Any, encoding: Any = "latin1") -> bytes:
     return text.encode("latin1")
 
 
-_MAKES_TUPLE = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"})
-#: Calls whose result may be (or hold) a tuple they were given: our stand-ins pass values through.
-_PASSES_THROUGH = frozenset({"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"})
-_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
-
-
-def _check_nesting(data: bytes) -> None:
-    """Refuse a pickle that would build tuples nested deeper than :data:`MAX_TUPLE_DEPTH`, before anything is
-    built. One pass over the opcodes with a stack of nesting heights (0: not a tuple). Tuples are immutable, so
-    a tuple's height is fixed when it is built; lists and dicts cannot be hashed, so their contents do not count.
-    Calls are charged the height of their arguments, as a stand-in may hand a tuple argument back.
-
-    The same pass bounds the memo: a ``PUT`` index more than :data:`MEMO_SLACK` past the number of memo entries
-    made before it is refused, so the unpickler's memo stays linear in the pickle's size."""
-    stack: list[int] = []
-    marks: list[int] = []
-    memo: dict[int, int] = {}
-    puts = 0
-    try:
-        for op, arg, _pos in pickletools.genops(data):
-            name = op.name
-            if name == "MARK":
-                marks.append(len(stack))
-                continue
-            if name == "DUP":
-                stack.append(stack[-1] if stack else 0)
-                continue
-            if name in _MEMO_PUT or name == "MEMOIZE":
-                index = int(arg) if name != "MEMOIZE" else len(memo)
-                if index < 0 or index > puts + MEMO_SLACK:
-                    raise PickleScanError(f"the pickle stores memo entry {index} after {puts} entries; refused "
-                                          "(the unpickler would allocate memory for every index below it)")
-                puts += 1
-                memo[index] = stack[-1] if stack else 0
-                continue
-            if name in _MEMO_GET:
-                stack.append(memo.get(int(arg), 0))
-                continue
-            before = op.stack_before
-            below = next((i for i, obj in enumerate(before) if obj is pickletools.markobject), None)
-            if below is None:
-                popped = [stack.pop() if stack else 0 for _ in before]  # the top first
-            else:  # everything above the mark, then the objects under it (SETITEMS' dict, say)
-                at = marks.pop() if marks else 0
-                popped = stack[at:]
-                del stack[at:]
-                popped += [stack.pop() if stack else 0 for _ in range(below)]
-            top = max(popped, default=0)
-            if name in _MAKES_TUPLE or name == "EMPTY_TUPLE":
-                height = top + 1
-            elif name in _PASSES_THROUGH:
-                height = top
-            elif name == "BUILD":
-                height = popped[-1] if popped else 0  # the object built upon stays (popped last)
-            else:
-                height = 0
-            if height > MAX_TUPLE_DEPTH:
-                raise PickleScanError(f"the pickle nests tuples deeper than {MAX_TUPLE_DEPTH} levels; refused")
-            stack.extend([height] * len(op.stack_after))
-    except PickleScanError:
-        raise
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
-        raise PickleScanError(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
-
-
 def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
     """Unpickle ``data`` into inert stand-ins and list its tensors; raises :class:`PickleScanError`."""
     if len(data) > MAX_PICKLE_BYTES:
         raise PickleScanError(f"data.pkl is {len(data)} bytes, more than this tool reads ({MAX_PICKLE_BYTES})")
-    _check_nesting(data)
+    check_opcodes(data, LIMITS, PickleScanError)
     scan = PickleScan(root=None)
-    budget = _Budget(max_objects)
+    budget = _budget(max_objects)
     try:
         scan.root = _Unpickler(data, scan, budget).load()
     except PickleScanError:
@@ -278,7 +228,7 @@ def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
     return scan
 
 
-def _walk(scan: PickleScan, budget: _Budget) -> None:
+def _walk(scan: PickleScan, budget: Budget) -> None:
     """Name every tensor by its path of keys; each object is visited once (shared references stay linear)."""
     seen: set[int] = set()
     stack: list[tuple[str, Any]] = [("", scan.root)]
@@ -287,7 +237,7 @@ def _walk(scan: PickleScan, budget: _Budget) -> None:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        budget.spend()
+        budget.charge()
         if isinstance(obj, TensorRef):
             scan.tensors.setdefault(path or "<root>", obj)
         elif isinstance(obj, dict):
@@ -344,7 +294,5 @@ def _canonical(obj: Any) -> str:
     text = f"{type(obj).__name__}:{obj!r}"
     if len(text) <= 512:
         return text
-    from ckptverify.fingerprint import digest_bytes
-
     raw = obj.encode("utf-8", "surrogatepass") if isinstance(obj, str) else bytes(obj)
-    return f"{type(obj).__name__}[{len(obj)}]:xxh3-128:{digest_bytes(raw)}"
+    return f"{type(obj).__name__}[{len(obj)}]:xxh3-128:{xxhash.xxh3_128_hexdigest(raw)}"

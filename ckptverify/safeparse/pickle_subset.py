@@ -1,6 +1,6 @@
 """Deciding, in one fast pass over the bytes, whether a metadata pickle may be read by the C unpickler.
 
-:mod:`ckptverify.safeparse.metadata_pickle` has two ways to read a pickle through its allowlist: the pure-Python
+:mod:`ckptverify.dcp.metadata_pickle` has two ways to read a pickle through its allowlist: the pure-Python
 unpickler (the reference: every opcode is dispatched in Python, so no opcode is out of reach of a check)
 and the C unpickler (several times faster, used for DCP's own output). The C unpickler is only safe, and
 only agrees with the reference, on a subset of pickles; :func:`in_fast_subset` says whether a pickle lies
@@ -110,7 +110,7 @@ _ANY, _TUPLE, _TUPLE_MEMO, _WRAPPED, _WRAPPED_MEMO, _CALLED = range(6)
 
 def in_fast_subset(data: bytes) -> bool:
     """True if ``data`` is a pickle the C unpickler reads exactly as the pure-Python reference does
-    (given :mod:`~ckptverify.safeparse.metadata_pickle`'s stand-ins) and without unbounded allocation, recursion or
+    (given :mod:`~ckptverify.dcp.metadata_pickle`'s stand-ins) and without unbounded allocation, recursion or
     hashing work. Linear in ``len(data)``; nearly all of it runs inside regular expressions."""
     n = len(data)
     if n < 3 or data[0] != 0x80 or not 2 <= data[1] <= 5:

@@ -1,5 +1,8 @@
 """Unpickling DCP metadata without executing anything: per-parse stand-ins, a budget, a plain tree out.
 
+A configuration of :mod:`ckptverify.safeparse.unpickler` (the allowlist, what each global resolves to, the
+budget and its limits); the unpicklers, the bounds on the memo and on hashed tuples are the framework's.
+
 :func:`parse` reads a pickle with an unpickler whose ``find_class`` resolves only an allowlist of names
 (DCP's metadata and planner dataclasses, ``torch.Size``, torch dtypes and layouts, two enums, ``pathlib``
 paths) and resolves them to *stand-ins* built afresh for that one parse. Nothing from torch runs and nothing
@@ -39,16 +42,23 @@ mutated and generated pickles.
 
 from __future__ import annotations
 
-import io
 import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, ClassVar
 
-from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.pickle_subset import in_fast_subset
+from ckptverify.safeparse.unpickler import (
+    Budget,
+    FastUnpickler,
+    FrozenGlobal,
+    Limits,
+    ReferenceUnpickler,
+    callable_global,
+)
 
 #: Charges allowed per byte of pickle, and in addition to that. A DCP metadata pickle needs at most about
 #: one node per two bytes (every node costs at least an opcode and an argument byte), so these leave a
@@ -64,6 +74,9 @@ MAX_KEY_NODES = 1024
 #: checkpoint path).
 MAX_DIMS = 64
 MAX_PATH_PARTS = 256
+#: The bounds above, as the unpickler framework takes them.
+LIMITS = Limits(work_per_byte=BUDGET_PER_BYTE, work_base=BUDGET_BASE, max_depth=MAX_DEPTH,
+                max_key_nodes=MAX_KEY_NODES, memo_slack=0)
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -239,78 +252,39 @@ class PDict:
 # Stand-ins: new for every parse, immutable where they are shared.
 
 
-class _Budget:
-    """The work one parse may still do, and what it learned about the tuples it was asked to hash."""
+class _Budget(Budget):
+    """The framework's budget with this configuration's limits and refusal."""
 
-    __slots__ = ("left", "tuples")
+    __slots__ = ()
 
     def __init__(self, limit: int) -> None:
-        self.left = limit
-        #: id -> (values it expands to, nesting height, the tuple itself: kept so the id is not reused).
-        self.tuples: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
-
-    def charge(self, n: int = 1) -> None:
-        self.left -= n
-        if self.left < 0:
-            raise BudgetExceeded("the pickle asks for more work than its size allows "
-                                 "(a memoized structure expanded past the budget)")
+        super().__init__(limit, _budget_exceeded, LIMITS)
 
 
-def _check_hashable(value: Any, budget: _Budget) -> None:
+def _budget_exceeded() -> BudgetExceeded:
+    return BudgetExceeded("the pickle asks for more work than its size allows "
+                          "(a memoized structure expanded past the budget)")
+
+
+def _check_hashable(value: Any, budget: Budget) -> None:
     """Refuse a tuple whose hash would recurse deeper than :data:`MAX_DEPTH` or visit more than
-    :data:`MAX_KEY_NODES` values. Each tuple is examined once per parse (shared ones are looked up)."""
+    :data:`MAX_KEY_NODES` values (:meth:`Budget.check_hashable`; a ``torch.Size`` holds ints only)."""
     if isinstance(value, tuple) and type(value) is not Size:
-        _tuple_nodes(value, budget.tuples, 0)
+        budget.check_hashable(value, BadPickle, Size)
 
 
-def _tuple_nodes(t: tuple[Any, ...], memo: dict[int, tuple[int, int, tuple[Any, ...]]], depth: int) -> int:
-    known = memo.get(id(t))
-    if known is not None:
-        if depth + known[1] > MAX_DEPTH:
-            raise BadPickle(f"a hashed tuple nests deeper than {MAX_DEPTH} levels")
-        return known[0]
-    if depth >= MAX_DEPTH:
-        raise BadPickle(f"a hashed tuple nests deeper than {MAX_DEPTH} levels")
-    nodes, height = 1, 1
-    for x in t:
-        if isinstance(x, tuple):
-            if type(x) is Size:
-                nodes += 1 + len(x)
-            else:
-                nodes += _tuple_nodes(x, memo, depth + 1)
-                height = max(height, memo[id(x)][1] + 1)
-        else:
-            nodes += 1
-        if nodes > MAX_KEY_NODES:
-            raise BadPickle(f"a hashed tuple (a dict key or set member) holds more than {MAX_KEY_NODES} values")
-    memo[id(t)] = (nodes, height, t)
-    return nodes
-
-
-class _Global:
+class _Global(FrozenGlobal):
     """A shared global (function, enum, dtype): refuses ``BUILD``, so no pickle can change it.
 
     Callable globals are instances of a subclass whose ``__call__`` is the stand-in function itself
     (:func:`_callable_global`): one Python call per ``REDUCE``."""
 
-    __slots__ = ("_label",)
-
-    def __init__(self, label: str) -> None:
-        object.__setattr__(self, "_label", label)
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise BadPickle(f"the pickle modifies the global {self._label}")
-
-    def __setstate__(self, state: Any) -> None:
-        raise BadPickle(f"the pickle modifies the global {self._label}")
-
-    def __call__(self, *args: Any) -> Any:
-        raise BadPickle(f"{self._label} is not callable")
+    __slots__ = ()
+    Refused: ClassVar[type[Exception]] = BadPickle
 
 
 def _callable_global(label: str, call: Any) -> _Global:
-    cls = type("_CallableGlobal", (_Global,), {"__slots__": (), "__call__": staticmethod(call)})
-    return cls(label)
+    return callable_global(_Global, label, call)  # type: ignore[return-value]
 
 
 class _Record:
@@ -318,7 +292,7 @@ class _Record:
 
     __slots__ = ("_f",)
     _kind: Kind
-    _budget: _Budget
+    _budget: Budget
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _Record:
         if args or kwargs:
@@ -427,189 +401,30 @@ def _check_properties_state(state: Any) -> None:
         raise BadPickle("TensorProperties state is not (dtype, layout, bool, memory format, bool)")
 
 
-def _mark_pairs(items: list[Any], what: str) -> None:
-    if len(items) % 2:
-        raise BadPickle(f"odd number of items for {what}")
+class _Resolution:
+    """What both unpicklers do with a global outside the allowlist and with a persistent id: refuse."""
 
+    def unknown_global(self, module: str, name: str) -> Any:
+        raise UnsafeGlobal(f"{module}.{name}"[:300])
 
-class _Allowlisted:
-    """What both unpicklers resolve alike: globals through the allowlist (``self._allowed``), no persistent ids."""
-
-    _allowed: dict[tuple[str, str], Any]
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self._allowed[(module, name)]
-        except KeyError:
-            raise UnsafeGlobal(f"{module}.{name}"[:300]) from None
-
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent(self, pid: Any) -> Any:
         raise BadPickle("persistent ids are not used by DCP metadata")
 
 
-class _SafeUnpickler(_Allowlisted, pickle._Unpickler):  # type: ignore[name-defined]
-    """The pure-Python unpickler: its memo is a dict. (The C unpickler grows its memo array to any index a
-    ``LONG_BINPUT`` names and zero-fills it: a 10-byte pickle makes it touch gigabytes.)"""
+class _SafeUnpickler(_Resolution, ReferenceUnpickler):
+    """The framework's pure-Python reference unpickler, refusing the opcodes DCP never writes."""
 
-    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any], budget: _Budget) -> None:
-        self._stream = io.BytesIO(data)
-        self._size = len(data)
-        super().__init__(self._stream)
-        self._allowed = allowed
-        self._budget = budget
-
-    # Where the pure-Python unpickler is more lenient than the C one that DCP uses, follow the C one (or
-    # refuse), so that a file accepted here is never one real unpickling fails on, and so that the C
-    # unpickler, where it is used (see parse), reads every pickle exactly as this one does.
-
-    def load_build(self) -> None:
-        state = self.stack.pop()
-        inst = self.stack[-1]
-        setstate = getattr(inst, "__setstate__", None)
-        if setstate is not None:
-            setstate(state)
-            return
-        # The C unpickler's default for a value without __setstate__ (here: builtins and Size, none of which
-        # has a __dict__ or attributes to set): a state of None and an empty slot state are no-ops.
-        slots = None
-        if isinstance(state, tuple) and len(state) == 2:
-            state, slots = state
-        if state is not None:
-            raise BadPickle("BUILD on a value that is not an allowlisted dataclass")
-        if slots is not None:
-            if not isinstance(slots, dict):
-                raise BadPickle("slot state is not a dictionary")
-            if slots:
-                raise BadPickle("BUILD sets attributes of a value that is not an allowlisted dataclass")
-
-    def load_newobj(self) -> None:
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        if not isinstance(cls, type):
-            raise BadPickle("NEWOBJ of a value that is not a class")
-        if not isinstance(args, tuple):
-            raise BadPickle("NEWOBJ arguments are not a tuple")
-        self.append(cls.__new__(cls, *args))
-
-    def load_newobj_ex(self) -> None:
-        kwargs = self.stack.pop()
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        if not isinstance(cls, type):
-            raise BadPickle("NEWOBJ_EX of a value that is not a class")
-        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
-            raise BadPickle("NEWOBJ_EX arguments are not a tuple and a dict")
-        self.append(cls.__new__(cls, *args, **kwargs))
-
-    def load_reduce(self) -> None:
-        args = self.stack.pop()
-        if not isinstance(args, tuple):
-            raise BadPickle("REDUCE arguments are not a tuple")
-        self.stack[-1] = self.stack[-1](*args)
-
-    def load_appends(self) -> None:
-        items = self.pop_mark()
-        target = self.stack[-1]
-        if not items:
-            return  # the C unpickler appends nothing, to anything
-        try:
-            extend = target.extend
-        except AttributeError:
-            pass
-        else:
-            extend(items)
-            return
-        append = target.append
-        for item in items:
-            append(item)
-
-    def load_setitem(self) -> None:
-        value = self.stack.pop()
-        key = self.stack.pop()
-        _check_hashable(key, self._budget)
-        self.stack[-1][key] = value
-
-    def load_setitems(self) -> None:
-        items = self.pop_mark()
-        target = self.stack[-1]
-        _mark_pairs(items, "SETITEMS")
-        budget = self._budget
-        for i in range(0, len(items), 2):
-            _check_hashable(items[i], budget)
-            target[items[i]] = items[i + 1]
-
-    def load_dict(self) -> None:
-        items = self.pop_mark()
-        _mark_pairs(items, "DICT")
-        budget = self._budget
-        out = {}
-        for i in range(0, len(items), 2):
-            _check_hashable(items[i], budget)
-            out[items[i]] = items[i + 1]
-        self.append(out)
-
-    def load_additems(self) -> None:
-        items = self.pop_mark()
-        target = self.stack[-1]
-        if not items:
-            return  # as the C unpickler
-        for item in items:
-            _check_hashable(item, self._budget)
-        if isinstance(target, set):
-            target.update(items)
-        else:
-            add = target.add
-            for item in items:
-                add(item)
-
-    def load_frozenset(self) -> None:
-        items = self.pop_mark()
-        for item in items:
-            _check_hashable(item, self._budget)
-        self.append(frozenset(items))
-
-    def load_frame(self) -> None:
-        # The Python unpickler accepts a frame that claims more bytes than remain; the C one does not.
-        size = int.from_bytes(self.read(8), "little")
-        if size > self._size - self._stream.tell():
-            raise BadPickle("pickle data was truncated (a frame runs past the end)")
-        self._unframer.load_frame(size)
-
-    def _memo_put(self, index: int) -> None:
-        # A pickler numbers memo entries in order; the C unpickler allocates (and zero-fills) index * 2 slots.
-        if index < 0 or index > len(self.memo):
-            raise BadPickle(f"memo index {index} is beyond the {len(self.memo)} objects memoized so far")
-        self.memo[index] = self.stack[-1]
-
-    def load_binput(self) -> None:
-        self._memo_put(self.read(1)[0])
-
-    def load_long_binput(self) -> None:
-        self._memo_put(int.from_bytes(self.read(4), "little"))
-
-    def _refuse_text_opcode(self) -> None:
-        raise BadPickle("protocol-0 text opcodes (INT, LONG, FLOAT, STRING, GET, PUT, INST, OBJ, ...) are "
-                        "not used by DCP metadata")
-
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    for _op, _fn in ((pickle.BUILD, load_build), (pickle.NEWOBJ, load_newobj), (pickle.NEWOBJ_EX, load_newobj_ex),
-                     (pickle.REDUCE, load_reduce), (pickle.APPENDS, load_appends), (pickle.SETITEM, load_setitem),
-                     (pickle.SETITEMS, load_setitems), (pickle.DICT, load_dict), (pickle.ADDITEMS, load_additems),
-                     (pickle.FROZENSET, load_frozenset), (pickle.FRAME, load_frame), (pickle.BINPUT, load_binput),
-                     (pickle.LONG_BINPUT, load_long_binput)):
-        dispatch[_op[0]] = _fn
-    for _op in (pickle.INT, pickle.LONG, pickle.FLOAT, pickle.STRING, pickle.UNICODE, pickle.GET, pickle.PUT,
-                pickle.INST, pickle.OBJ, pickle.PERSID, pickle.BINPERSID, pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_op[0]] = _refuse_text_opcode
-    del _op, _fn
+    Refused = BadPickle
+    refused_opcodes = (pickle.INT, pickle.LONG, pickle.FLOAT, pickle.STRING, pickle.UNICODE, pickle.GET, pickle.PUT,
+                       pickle.INST, pickle.OBJ, pickle.PERSID, pickle.BINPERSID, pickle.EXT1, pickle.EXT2,
+                       pickle.EXT4)
+    refused_opcodes_reason = ("protocol-0 text opcodes (INT, LONG, FLOAT, STRING, GET, PUT, INST, OBJ, ...) are "
+                              "not used by DCP metadata")
+    flat_tuple = Size
 
 
-class _FastUnpickler(_Allowlisted, pickle.Unpickler):
+class _FastUnpickler(_Resolution, FastUnpickler):
     """The C unpickler through the same allowlist; only for pickles :func:`in_fast_subset` admits."""
-
-    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
-        super().__init__(io.BytesIO(data))
-        self._allowed = allowed
 
 
 def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:

@@ -1,0 +1,192 @@
+"""Byte digests: identities of exact bytes (see ``docs/fingerprint.md``).
+
+xxh3-128 by default (fast), sha256 when tamper evidence is wanted. :func:`new_digest` gives a streaming
+digest, :func:`digest_file_range` digests a byte range of a file with flat memory, :func:`block_digests`
+digests fixed-size blocks of a range in the same pass, so a mismatch can be narrowed to one block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import xxhash
+
+from ckptverify.errors import CkptVerifyError, UsageError
+
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "READ_BUFFER_SIZE", "BlockDigest", "ByteDigest",
+           "RangeDigest", "TruncatedRangeError", "block_digests", "digest_bytes", "digest_file_range",
+           "digest_reader", "new_digest"]
+
+DEFAULT_ALGORITHM = "xxh3-128"
+ALGORITHMS = ("xxh3-128", "sha256")
+
+#: Default size of the reused read buffer (a multiple of the page size).
+READ_BUFFER_SIZE = 4 << 20
+#: Default block size of :func:`block_digests`.
+DEFAULT_BLOCK_SIZE = 1 << 20
+
+
+class ByteDigest(Protocol):
+    """A streaming digest: feed bytes with :meth:`update`, read the result with :meth:`hexdigest`."""
+
+    def update(self, buffer: Any, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class TruncatedRangeError(CkptVerifyError, EOFError):
+    """A byte range extends past the end of its file."""
+
+    def __init__(self, path: str | os.PathLike[str], offset: int, length: int, available: int) -> None:
+        super().__init__(
+            f"{os.fspath(path)}: range [{offset}, {offset + length}) extends past the end of the file "
+            f"({available} of {length} bytes readable)"
+        )
+        self.path = os.fspath(path)
+        self.offset = offset
+        self.length = length
+        self.available = available
+
+
+def new_digest(algorithm: str = DEFAULT_ALGORITHM) -> ByteDigest:
+    """A fresh streaming digest: ``"xxh3-128"`` (xxhash ``xxh3_128``) or ``"sha256"`` (hashlib)."""
+    if algorithm == "xxh3-128":
+        return xxhash.xxh3_128()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise UsageError(f"unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+def digest_bytes(data: Any, algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """Hex digest of a bytes-like object."""
+    digest = new_digest(algorithm)
+    digest.update(data)
+    return digest.hexdigest()
+
+
+class BlockDigest:
+    """A streaming digest of a whole byte stream plus one digest per fixed-size block of it.
+
+    Blocks are counted from the first byte fed; the last block may be shorter. Feeding nothing gives no
+    blocks. ``hexdigest()`` equals the plain digest of all bytes fed.
+    """
+
+    def __init__(self, algorithm: str = DEFAULT_ALGORITHM, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if block_size <= 0:
+            raise UsageError(f"block size must be positive, got {block_size}")
+        self.algorithm = algorithm
+        self.block_size = block_size
+        self._whole = new_digest(algorithm)
+        self._block = new_digest(algorithm)
+        self._in_block = 0
+        self._blocks: list[str] = []
+        self.length = 0
+
+    def update(self, buffer: Any, /) -> None:
+        with memoryview(buffer) as raw, raw.cast("B") as view:
+            self._whole.update(view)
+            self.length += len(view)
+            pos = 0
+            while pos < len(view):
+                take = min(self.block_size - self._in_block, len(view) - pos)
+                with view[pos : pos + take] as piece:
+                    self._block.update(piece)
+                self._in_block += take
+                pos += take
+                if self._in_block == self.block_size:
+                    self._blocks.append(self._block.hexdigest())
+                    self._block = new_digest(self.algorithm)
+                    self._in_block = 0
+
+    def hexdigest(self) -> str:
+        return self._whole.hexdigest()
+
+    def block_hexdigests(self) -> list[str]:
+        """One hex digest per block, the last (partial) block included."""
+        if self._in_block:
+            return [*self._blocks, self._block.hexdigest()]
+        return list(self._blocks)
+
+
+@dataclass(frozen=True)
+class RangeDigest:
+    """The digest of a byte range and of each ``block_size`` block of it (counted from the range start)."""
+
+    algorithm: str
+    digest: str
+    block_size: int
+    blocks: tuple[str, ...]
+
+
+def _read_range(path: str | os.PathLike[str], offset: int, length: int, read_size: int, sink: ByteDigest,
+                root: str | None = None) -> None:
+    """Feed ``length`` bytes of ``path`` from ``offset`` to ``sink``.
+
+    The file is opened by :class:`~ckptverify.safeparse.readers.ReadOnlyFile`: only a regular file (a FIFO or device is
+    refused unopened, with :class:`~ckptverify.errors.UnsafeFileError`), inside ``root`` when given, read
+    through a reused page-aligned buffer. ``read_size`` is kept for compatibility; the reader's buffer size
+    applies.
+    """
+    from ckptverify.safeparse.readers import ReadOnlyFile
+
+    if offset < 0 or length < 0:
+        raise UsageError(f"byte range must be non-negative, got offset={offset} length={length}")
+    if read_size <= 0:
+        raise UsageError(f"read buffer size must be positive, got {read_size}")
+    with ReadOnlyFile(os.fspath(path), root=root) as f:
+        if offset + length > f.size:
+            raise TruncatedRangeError(path, offset, length, max(0, f.size - offset))
+        f.fold(offset, offset + length, sink.update)
+
+
+def digest_file_range(
+    path: str | os.PathLike[str],
+    offset: int,
+    length: int,
+    algorithm: str = DEFAULT_ALGORITHM,
+    block_size: int = READ_BUFFER_SIZE,
+    *,
+    root: str | None = None,
+) -> str:
+    """Hex digest of ``length`` bytes of ``path`` starting at ``offset``.
+
+    Reads with ``os.preadv`` into one reused page-aligned buffer, so memory stays flat whatever the range.
+    Raises :class:`TruncatedRangeError` if the file ends inside the range,
+    :class:`~ckptverify.errors.UnsafeFileError` if ``path`` is not a regular file (or, with ``root``, resolves
+    outside it) and :class:`~ckptverify.errors.FileChangedError` if it shrinks while being read.
+    """
+    digest = new_digest(algorithm)
+    _read_range(path, offset, length, block_size, digest, root)
+    return digest.hexdigest()
+
+
+def digest_reader(f: Any, algorithm: str = DEFAULT_ALGORITHM, start: int = 0, end: int | None = None) -> str:
+    """Hex digest of bytes ``[start, end)`` (default: all) of an open
+    :class:`~ckptverify.safeparse.readers.ReadOnlyFile`.
+
+    For a file already opened and checked: no second open by name, which could meet another file.
+    """
+    digest = new_digest(algorithm)
+    f.fold(start, f.size if end is None else end, digest.update)
+    return digest.hexdigest()
+
+
+def block_digests(
+    path: str | os.PathLike[str],
+    offset: int,
+    length: int,
+    algorithm: str = DEFAULT_ALGORITHM,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    read_size: int = READ_BUFFER_SIZE,
+) -> RangeDigest:
+    """Digest of a byte range and of each ``block_size`` block of it, in one pass over the bytes.
+
+    Block ``k`` covers bytes ``[offset + k*block_size, offset + (k+1)*block_size)``, the last one ending at
+    ``offset + length``.
+    """
+    digest = BlockDigest(algorithm, block_size)
+    _read_range(path, offset, length, read_size, digest)
+    return RangeDigest(algorithm, digest.hexdigest(), block_size, tuple(digest.block_hexdigests()))

@@ -1,0 +1,219 @@
+"""The logical tensor fingerprint: an identity of a tensor's *values* (see ``docs/fingerprint.md``).
+
+Independent of how the tensor is sharded or serialized: :func:`tensor_fingerprint` for a whole tensor (or a
+``DTensor``), :func:`chunk_fingerprint` for one chunk of a global tensor, and :func:`combine` to add chunk
+fingerprints up to the whole. The arithmetic runs in :mod:`ckptverify.fingerprint.kernels` (imported, and
+torch with it, only when a tensor is fingerprinted); the constants are :mod:`ckptverify.fingerprint.spec`'s.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptverify.errors import UsageError
+from ckptverify.fingerprint.spec import FINGERPRINT_VERSION, signed
+from ckptverify.fingerprint.spec import MASK64 as _MASK64
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FINGERPRINT_VERSION", "TensorFingerprint", "chunk_fingerprint", "combine", "get_fingerprint_backend",
+           "set_fingerprint_backend", "tensor_fingerprint"]
+
+
+@dataclass(frozen=True)
+class TensorFingerprint:
+    """The logical fingerprint of a tensor (or of part of one).
+
+    ``value`` is 128 bits as 32 hex digits: lane 0 then lane 1, each 16 digits. ``shape`` is the *global*
+    shape; ``elements`` counts the elements that contributed (``prod(shape)`` for a whole tensor; less for
+    a single chunk). Two fingerprints describe equal tensors when all fields are equal.
+    """
+
+    value: str
+    dtype: str
+    shape: tuple[int, ...]
+    version: int = FINGERPRINT_VERSION
+    elements: int = 0
+
+    @property
+    def lanes(self) -> tuple[int, int]:
+        return int(self.value[:16], 16), int(self.value[16:], 16)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every element of the global shape contributed exactly once (by count)."""
+        n = 1
+        for size in self.shape:
+            n *= size
+        return self.elements == n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "value": self.value,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "version": self.version,
+            "elements": self.elements,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorFingerprint:
+        return cls(
+            value=str(data["value"]),
+            dtype=str(data["dtype"]),
+            shape=tuple(int(s) for s in data["shape"]),
+            version=int(data["version"]),
+            elements=int(data["elements"]),
+        )
+
+    @classmethod
+    def from_lanes(cls, lanes: tuple[int, int], dtype: str, shape: Sequence[int], elements: int) -> TensorFingerprint:
+        value = f"{lanes[0] & _MASK64:016x}{lanes[1] & _MASK64:016x}"
+        return cls(value, dtype, tuple(int(s) for s in shape), FINGERPRINT_VERSION, int(elements))
+
+
+def combine(parts: Iterable[TensorFingerprint]) -> TensorFingerprint:
+    """Add chunk fingerprints of one global tensor up to the fingerprint of the chunks together.
+
+    The chunks must be disjoint; when they cover the tensor the result equals :func:`tensor_fingerprint`
+    of the whole. All parts must agree on dtype, global shape and version.
+    """
+    parts = list(parts)
+    if not parts:
+        raise UsageError("combine() needs at least one fingerprint")
+    first = parts[0]
+    lane0 = lane1 = elements = 0
+    for part in parts:
+        if (part.dtype, part.shape, part.version) != (first.dtype, first.shape, first.version):
+            raise UsageError(
+                "cannot combine fingerprints of different tensors: "
+                f"{first.dtype}{list(first.shape)} v{first.version} vs "
+                f"{part.dtype}{list(part.shape)} v{part.version}"
+            )
+        a, b = part.lanes
+        lane0 += a
+        lane1 += b
+        elements += part.elements
+    return TensorFingerprint.from_lanes((lane0, lane1), first.dtype, first.shape, elements)
+
+
+def chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_shape: Sequence[int]) -> TensorFingerprint:
+    """Fingerprint of the chunk ``t`` that sits at ``global_offsets`` in a tensor of ``global_shape``.
+
+    Computed on ``t``'s device. Chunk fingerprints of disjoint chunks :func:`combine` to the fingerprint of
+    their union; of a covering set of chunks, to :func:`tensor_fingerprint` of the whole tensor.
+    """
+    from ckptverify.fingerprint import kernels as kern
+
+    name = kern.dtype_name(t.dtype)
+    offsets = [int(o) for o in global_offsets]
+    gshape = [int(s) for s in global_shape]
+    lanes = kern.fingerprint_lanes(t, offsets, gshape, name)
+    return TensorFingerprint.from_lanes(lanes, name, gshape, t.numel())
+
+
+def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
+    """Fingerprint of a whole tensor, computed on its own device.
+
+    A ``DTensor`` is fingerprinted collectively: each rank fingerprints its local shard at its global
+    offsets and the lanes are summed across the device mesh, so every rank returns the fingerprint of the
+    global tensor. Every rank of the mesh must call this.
+    """
+    from ckptverify.fingerprint import kernels as kern
+
+    dtensor_type = _dtensor_type()
+    if dtensor_type is not None and isinstance(t, dtensor_type):
+        return _dtensor_fingerprint(t)
+    name = kern.dtype_name(t.dtype)
+    shape = list(t.shape)
+    lanes = kern.fingerprint_lanes(t, [0] * len(shape), shape, name)
+    return TensorFingerprint.from_lanes(lanes, name, shape, t.numel())
+
+
+def set_fingerprint_backend(name: str) -> None:
+    """How tensor fingerprints are computed: ``"eager"`` (plain torch operations, any device),
+    ``"compiled"`` (``torch.compile`` fused kernel for large blocks), ``"triton"`` (one fused Triton kernel
+    for CUDA tensors; other devices take eager) or ``"auto"`` (the default: Triton for CUDA tensors when it
+    imports; on CPU eager, switching to compiled once enough data went through to pay for the
+    compilation). All give the same values; the fused kernels are checked against eager before first use.
+    The environment variable ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets the initial choice."""
+    from ckptverify.fingerprint import kernels as kern
+
+    kern.set_backend(name)
+
+
+def get_fingerprint_backend() -> str:
+    from ckptverify.fingerprint import kernels as kern
+
+    return kern.get_backend()
+
+
+# ------------------------------------------------------------------------------------------- DTensor
+
+
+def _dtensor_type() -> type | None:
+    """``DTensor``, if its module is loaded (a tensor cannot be a DTensor otherwise)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from ckptverify.fingerprint import kernels as kern
+
+    mesh = t.device_mesh
+    placements = list(t.placements)
+    name = kern.dtype_name(t.dtype)
+    gshape = list(t.shape)
+    if any(p.is_partial() for p in placements):
+        # Pending reductions: the local values are not the tensor's values until they are reduced.
+        placements = [Replicate() if p.is_partial() else p for p in placements]
+        t = t.redistribute(mesh, placements)
+    if not all(type(p) in (Shard, Replicate) for p in placements):
+        # Placements whose shards are not one box of the global tensor: fingerprint the full tensor.
+        full = t.full_tensor()
+        lanes = kern.fingerprint_lanes(full, [0] * len(gshape), gshape, name)
+        return TensorFingerprint.from_lanes(lanes, name, gshape, full.numel())
+
+    local = t.to_local()
+    local_shape, offsets = compute_local_shape_and_global_offset(gshape, mesh, placements)
+    coordinate = mesh.get_coordinate()
+    # Replicated mesh dims hold the same shard several times: only coordinate 0 of each contributes.
+    contributes = coordinate is not None and all(
+        coordinate[d] == 0 for d, p in enumerate(placements) if isinstance(p, Replicate)
+    )
+    if contributes and local.numel():
+        if list(local.shape) != list(local_shape):
+            raise UsageError(f"DTensor local shard has shape {list(local.shape)}, expected {list(local_shape)}")
+        lanes = kern.fingerprint_lanes(local, offsets, gshape, name)
+        count = local.numel()
+    else:
+        lanes, count = (0, 0), 0
+
+    # Sum over the whole mesh, one mesh dimension at a time. All-gather (exact) then add modulo 2**64.
+    values = [signed(lanes[0]), signed(lanes[1]), count]
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        size = dist.get_world_size(group)
+        mine = torch.tensor(values, dtype=torch.int64, device=local.device)
+        gathered = torch.empty(size * 3, dtype=torch.int64, device=local.device)
+        with warnings.catch_warnings():
+            # torch 2.13 marks the name deprecated in favour of one older releases lack; same collective.
+            warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+            dist.all_gather_into_tensor(gathered, mine, group=group)
+        rows = gathered.view(size, 3).tolist()
+        values = [
+            signed(sum(r[0] for r in rows)),
+            signed(sum(r[1] for r in rows)),
+            sum(r[2] for r in rows),
+        ]
+    return TensorFingerprint.from_lanes((values[0], values[1]), name, gshape, values[2])

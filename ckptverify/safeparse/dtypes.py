@@ -1,0 +1,24 @@
+"""The torch dtypes a checkpoint may name, and the bytes per element of each.
+
+The readers accept ``torch.<dtype>`` globals only for these names, and size storages by them; DCP's layout
+(:mod:`ckptverify.dcp.layout`) and the format readers use the same table.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DTYPE_ITEMSIZE"]
+
+#: Bytes per element for every dtype torch can save, by the name torch gives the dtype.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "uint1": 1, "uint2": 1, "uint3": 1, "uint4": 1, "uint5": 1, "uint6": 1, "uint7": 1,
+    "int1": 1, "int2": 1, "int3": 1, "int4": 1, "int5": 1, "int6": 1, "int7": 1,
+    "bool": 1,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+}  # fmt: skip

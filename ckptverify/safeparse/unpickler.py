@@ -1,0 +1,448 @@
+"""One budgeted allowlist unpickler: every restricted unpickler of the package is a configuration of it.
+
+A pickle is a program: each global it names is imported and called. The package reads three kinds of
+pickle from files it does not trust (DCP's ``.metadata``, a DCP tensor item's ``data.pkl``, the ``data.pkl``
+of a whole-file ``torch.save``), each with an unpickler built from the parts here. A *configuration* is
+
+* an **allowlist**: a dict ``(module, name) -> stand-in`` that :meth:`Allowlisted.find_class` resolves
+  globals through, so nothing outside it is imported and nothing in it is the real object (a global
+  outside it is refused, or, where a configuration says so, resolved to an inert placeholder);
+* what each stand-in does when the pickle calls or ``BUILD``\\ s it (shared stand-ins derive from
+  :class:`FrozenGlobal`, which no pickle can modify);
+* a :class:`Budget`: the work the parse may do (charged per object built, visited or copied) and the
+  :class:`Limits` on the memo, the nesting and the size of hashed tuples, and the pickle's size;
+* the exception its refusals raise (:attr:`ReferenceUnpickler.Refused`).
+
+Two unpicklers read through a configuration. :class:`ReferenceUnpickler` is the pure-Python one: every
+opcode is dispatched in Python, so every bound applies wherever an opcode could defeat it (a memo index far
+past the entries made so far, a tuple hashed as a dict key or set member, ``BUILD`` onto a value that does
+not define ``__setstate__``, opcodes a configuration never expects), and where it is more lenient than the C
+unpickler it follows the C one. :class:`FastUnpickler` is the C unpickler (several times faster) through the
+same allowlist; it has no per-opcode hooks, so it is used only on pickles a pass over the bytes has shown
+safe for it: :func:`~ckptverify.safeparse.pickle_subset.in_fast_subset` (every tuple goes straight to a stand-in
+or is a short literal) or :func:`check_opcodes` (tuples nest at most :attr:`Limits.max_depth` deep; memo
+indices stay within :attr:`Limits.memo_slack` of the entries made).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["Allowlisted", "Budget", "FastUnpickler", "FrozenGlobal", "Limits", "ReferenceUnpickler",
+           "callable_global", "check_opcodes"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds of one configuration."""
+
+    #: Work charges allowed per byte of pickle, and in addition to that (:meth:`work`).
+    work_per_byte: int = 0
+    work_base: int = 0
+    #: Deepest nesting of a tuple that is hashed (and, where a configuration walks its result, of the result).
+    max_depth: int = 64
+    #: Most values a hashed tuple (a dict key, a set member) may expand to; 0: no tuple may be hashed at all.
+    max_key_nodes: int = 1024
+    #: How far past the memo entries made so far a memo index may reach. A pickler numbers entries 0, 1, 2, ...
+    #: in order; the C unpickler zero-fills its memo array up to twice the largest index it is given.
+    memo_slack: int = 0
+    #: Largest pickle read (``None``: the caller bounds it).
+    max_bytes: int | None = None
+
+    def work(self, size: int) -> int:
+        """The work budget of a pickle of ``size`` bytes."""
+        return self.work_per_byte * size + self.work_base
+
+
+class Budget:
+    """The work one parse may still do (``left``), and what it learned about the tuples it was asked to hash.
+
+    Hot paths charge inline (``budget.left -= n; if budget.left < 0: budget.charge(0)``); :meth:`charge`
+    raises the configuration's ``exceeded`` exception once ``left`` is below zero."""
+
+    __slots__ = ("_exceeded", "left", "limits", "tuples")
+
+    def __init__(self, limit: int, exceeded: Callable[[], Exception], limits: Limits = Limits()) -> None:
+        self.left = limit
+        self.limits = limits
+        self._exceeded = exceeded
+        #: id -> (values it expands to, nesting height, the tuple itself: kept so the id is not reused).
+        self.tuples: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
+
+    def charge(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise self._exceeded()
+
+    def check_hashable(self, value: Any, refused: Callable[[str], Exception], flat: type | None = None,
+                       what: str = "the pickle") -> None:
+        """Refuse a tuple whose hash would recurse deeper than :attr:`Limits.max_depth` or visit more than
+        :attr:`Limits.max_key_nodes` values (any tuple, where that is 0), before it is hashed: ``hash`` of a
+        tuple recurses in C without limit (a key nested a million deep kills the process) and costs its whole
+        expansion. ``flat`` is a tuple subclass known to hold scalars only (counted, not walked). Each tuple
+        is examined once per parse (shared ones are looked up)."""
+        if isinstance(value, tuple) and type(value) is not flat:
+            if self.limits.max_key_nodes == 0:
+                raise refused(f"{what} uses a tuple as a dict key or set member")
+            _tuple_nodes(value, self.tuples, 0, self.limits, refused, flat)
+
+
+def _tuple_nodes(t: tuple[Any, ...], memo: dict[int, tuple[int, int, tuple[Any, ...]]], depth: int, limits: Limits,
+                 refused: Callable[[str], Exception], flat: type | None) -> int:
+    known = memo.get(id(t))
+    max_depth = limits.max_depth
+    if known is not None:
+        if depth + known[1] > max_depth:
+            raise refused(f"a hashed tuple nests deeper than {max_depth} levels")
+        return known[0]
+    if depth >= max_depth:
+        raise refused(f"a hashed tuple nests deeper than {max_depth} levels")
+    nodes, height = 1, 1
+    for x in t:
+        if isinstance(x, tuple):
+            if type(x) is flat:
+                nodes += 1 + len(x)
+            else:
+                nodes += _tuple_nodes(x, memo, depth + 1, limits, refused, flat)
+                height = max(height, memo[id(x)][1] + 1)
+        else:
+            nodes += 1
+        if nodes > limits.max_key_nodes:
+            raise refused(f"a hashed tuple (a dict key or set member) holds more than {limits.max_key_nodes} values")
+    memo[id(t)] = (nodes, height, t)
+    return nodes
+
+
+class FrozenGlobal:
+    """A stand-in for a global (a function, a class used as a value, an enum, a dtype) that no pickle can
+    change: ``BUILD`` and attribute writes raise :attr:`Refused`, so a stand-in shared between parses (or
+    between the objects of one) stays what the allowlist made it. Not callable; :func:`callable_global`
+    makes one whose call is a given function (one Python call per ``REDUCE``)."""
+
+    __slots__ = ("_label",)
+    Refused: ClassVar[type[Exception]] = pickle.UnpicklingError
+    #: The refusal's message; ``{label}`` is the global's name.
+    modified: ClassVar[str] = "the pickle modifies the global {label}"
+
+    def __init__(self, label: str) -> None:
+        object.__setattr__(self, "_label", label)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise self.Refused(self.modified.format(label=self._label))
+
+    def __setstate__(self, state: Any) -> None:
+        raise self.Refused(self.modified.format(label=self._label))
+
+    def __call__(self, *args: Any) -> Any:
+        raise self.Refused(f"{self._label} is not callable")
+
+
+def callable_global(base: type[FrozenGlobal], label: str, call: Callable[..., Any]) -> FrozenGlobal:
+    """An instance of (a subclass of) ``base`` whose call is ``call``."""
+    cls = type(f"_Callable{base.__name__}", (base,), {"__slots__": (), "__call__": staticmethod(call)})
+    return cls(label)
+
+
+class Allowlisted:
+    """What both unpicklers resolve alike: globals through the allowlist (``self._allowed``), persistent ids
+    through :meth:`persistent` (refused unless a configuration reads them)."""
+
+    _allowed: dict[tuple[str, str], Any]
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            return self.unknown_global(module, name)
+
+    def unknown_global(self, module: str, name: str) -> Any:
+        """A global outside the allowlist: refused (a configuration may resolve it to an inert placeholder)."""
+        raise pickle.UnpicklingError(f"{module}.{name}"[:300])
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.persistent(pid)
+
+    def persistent(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("the pickle uses a persistent id")
+
+
+class FastUnpickler(Allowlisted, pickle.Unpickler):
+    """The C unpickler through an allowlist; only for pickles a pass over the bytes has admitted."""
+
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+
+
+class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler through an allowlist, with a dict memo (the C unpickler grows its memo array
+    to any index a ``LONG_BINPUT`` names and zero-fills it: a 10-byte pickle makes it touch gigabytes).
+
+    Where the pure-Python unpickler is more lenient than the C one, this follows the C one (or refuses), so
+    a pickle accepted here is never one real unpickling fails on, and the C unpickler, where a configuration
+    uses it, reads every pickle it is given exactly as this one does. A configuration subclasses it and sets
+    the class attributes below; each subclass gets its own dispatch table."""
+
+    #: The exception every refusal raises.
+    Refused: ClassVar[type[Exception]] = pickle.UnpicklingError
+    #: Opcodes the configuration never expects: refused with :attr:`refused_opcodes_reason`.
+    refused_opcodes: ClassVar[tuple[bytes, ...]] = ()
+    refused_opcodes_reason: ClassVar[str] = "an opcode this reader does not expect"
+    #: ``BUILD`` onto a value without ``__setstate__``: allow the C unpickler's no-ops (a state of ``None``, an
+    #: empty slot state), or refuse every one.
+    noop_build: ClassVar[bool] = True
+    #: A tuple subclass known to hold scalars only (counted, not walked, when hashed).
+    flat_tuple: ClassVar[type | None] = None
+    #: What messages call the pickle.
+    what: ClassVar[str] = "the pickle"
+    dispatch: ClassVar[dict[int, Any]]
+
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any], budget: Budget) -> None:
+        self._stream = io.BytesIO(data)
+        self._size = len(data)
+        super().__init__(self._stream)
+        self._allowed = allowed
+        self._budget = budget
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.dispatch = _dispatch(cls)
+
+    def _hashable(self, value: Any) -> None:
+        if isinstance(value, tuple) and type(value) is not self.flat_tuple:  # the rest hash in constant time
+            self._budget.check_hashable(value, self.Refused, self.flat_tuple, self.what)
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        setstate = getattr(inst, "__setstate__", None)
+        if setstate is not None:
+            setstate(state)
+            return
+        if not self.noop_build:
+            raise self.Refused(f"{self.what} sets the state of a value that has none")
+        # The C unpickler's default for a value without __setstate__ (here: builtins and flat tuples, none of
+        # which has a __dict__ or attributes to set): a state of None and an empty slot state are no-ops.
+        slots = None
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        if state is not None:
+            raise self.Refused("BUILD on a value that is not an allowlisted dataclass")
+        if slots is not None:
+            if not isinstance(slots, dict):
+                raise self.Refused("slot state is not a dictionary")
+            if slots:
+                raise self.Refused("BUILD sets attributes of a value that is not an allowlisted dataclass")
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not isinstance(cls, type):
+            raise self.Refused("NEWOBJ of a value that is not a class")
+        if not isinstance(args, tuple):
+            raise self.Refused("NEWOBJ arguments are not a tuple")
+        self.append(cls.__new__(cls, *args))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not isinstance(cls, type):
+            raise self.Refused("NEWOBJ_EX of a value that is not a class")
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise self.Refused("NEWOBJ_EX arguments are not a tuple and a dict")
+        self.append(cls.__new__(cls, *args, **kwargs))
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        if not isinstance(args, tuple):
+            raise self.Refused("REDUCE arguments are not a tuple")
+        self.stack[-1] = self.stack[-1](*args)
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if not items:
+            return  # the C unpickler appends nothing, to anything
+        try:
+            extend = target.extend
+        except AttributeError:
+            pass
+        else:
+            extend(items)
+            return
+        append = target.append
+        for item in items:
+            append(item)
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._hashable(key)
+        self.stack[-1][key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        self._pairs(items, "SETITEMS")
+        hashable = self._hashable
+        for i in range(0, len(items), 2):
+            hashable(items[i])
+            target[items[i]] = items[i + 1]
+
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        self._pairs(items, "DICT")
+        hashable = self._hashable
+        out = {}
+        for i in range(0, len(items), 2):
+            hashable(items[i])
+            out[items[i]] = items[i + 1]
+        self.append(out)
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if not items:
+            return  # as the C unpickler
+        for item in items:
+            self._hashable(item)
+        if isinstance(target, set):
+            target.update(items)
+        else:
+            add = target.add
+            for item in items:
+                add(item)
+
+    def load_frozenset(self) -> None:
+        items = self.pop_mark()
+        for item in items:
+            self._hashable(item)
+        self.append(frozenset(items))
+
+    def load_frame(self) -> None:
+        # The Python unpickler accepts a frame that claims more bytes than remain; the C one does not.
+        size = int.from_bytes(self.read(8), "little")
+        if size > self._size - self._stream.tell():
+            raise self.Refused("pickle data was truncated (a frame runs past the end)")
+        self._unframer.load_frame(size)
+
+    def _memo_put(self, index: int) -> None:
+        # A pickler numbers memo entries in order; the C unpickler allocates (and zero-fills) index * 2 slots.
+        if index < 0 or index > len(self.memo) + self._budget.limits.memo_slack:
+            raise self.Refused(f"memo index {index} is beyond the {len(self.memo)} objects memoized so far")
+        self.memo[index] = self.stack[-1]
+
+    def load_binput(self) -> None:
+        self._memo_put(self.read(1)[0])
+
+    def load_long_binput(self) -> None:
+        self._memo_put(int.from_bytes(self.read(4), "little"))
+
+    def _refuse_opcode(self) -> None:
+        raise self.Refused(self.refused_opcodes_reason)
+
+    def _pairs(self, items: list[Any], what: str) -> None:
+        if len(items) % 2:
+            raise self.Refused(f"odd number of items for {what}")
+
+
+#: The opcodes :class:`ReferenceUnpickler` reads its own way, and the methods that do.
+_OVERRIDES = ((pickle.BUILD, "load_build"), (pickle.NEWOBJ, "load_newobj"), (pickle.NEWOBJ_EX, "load_newobj_ex"),
+              (pickle.REDUCE, "load_reduce"), (pickle.APPENDS, "load_appends"), (pickle.SETITEM, "load_setitem"),
+              (pickle.SETITEMS, "load_setitems"), (pickle.DICT, "load_dict"), (pickle.ADDITEMS, "load_additems"),
+              (pickle.FROZENSET, "load_frozenset"), (pickle.FRAME, "load_frame"), (pickle.BINPUT, "load_binput"),
+              (pickle.LONG_BINPUT, "load_long_binput"))
+
+
+def _dispatch(cls: type[ReferenceUnpickler]) -> dict[int, Any]:
+    """The dispatch table of a configuration: pickle's own, with the overrides (as ``cls`` defines them) and
+    the configuration's refused opcodes."""
+    table = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    for op, name in _OVERRIDES:
+        table[op[0]] = getattr(cls, name)
+    for op in cls.refused_opcodes:
+        table[op[0]] = cls._refuse_opcode
+    return table
+
+
+ReferenceUnpickler.dispatch = _dispatch(ReferenceUnpickler)
+
+
+_MAKES_TUPLE = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"})
+#: Calls whose result may be (or hold) a tuple they were given: stand-ins may pass values through.
+_PASSES_THROUGH = frozenset({"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"})
+_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
+
+
+def check_opcodes(data: bytes, limits: Limits, refused: Callable[[str], Exception]) -> None:
+    """Refuse, before anything is built, a pickle the C unpickler (:class:`FastUnpickler`) must not be given:
+    one that would build tuples nested deeper than :attr:`Limits.max_depth`, or store a memo entry more than
+    :attr:`Limits.memo_slack` past the number made before it (so the memo stays linear in the pickle's size).
+
+    One pass over the opcodes with a stack of nesting heights (0: not a tuple). Tuples are immutable, so a
+    tuple's height is fixed when it is built; lists and dicts cannot be hashed, so their contents do not count.
+    Calls are charged the height of their arguments, as a stand-in may hand a tuple argument back."""
+    try:
+        _check_opcodes(data, limits.max_depth, limits.memo_slack)
+    except _Refusal as refusal:
+        raise refused(str(refusal)) from None
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
+        raise refused(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+class _Refusal(Exception):
+    """A refusal of :func:`_check_opcodes`, raised as the configuration's exception by :func:`check_opcodes`."""
+
+
+def _check_opcodes(data: bytes, max_depth: int, slack: int) -> None:
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[int, int] = {}
+    puts = 0
+    for op, arg, _pos in pickletools.genops(data):
+        name = op.name
+        if name == "MARK":
+            marks.append(len(stack))
+            continue
+        if name == "DUP":
+            stack.append(stack[-1] if stack else 0)
+            continue
+        if name in _MEMO_PUT or name == "MEMOIZE":
+            index = int(arg) if name != "MEMOIZE" else len(memo)
+            if index < 0 or index > puts + slack:
+                raise _Refusal(f"the pickle stores memo entry {index} after {puts} entries; refused "
+                               "(the unpickler would allocate memory for every index below it)")
+            puts += 1
+            memo[index] = stack[-1] if stack else 0
+            continue
+        if name in _MEMO_GET:
+            stack.append(memo.get(int(arg), 0))
+            continue
+        before = op.stack_before
+        below = next((i for i, obj in enumerate(before) if obj is pickletools.markobject), None)
+        if below is None:
+            popped = [stack.pop() if stack else 0 for _ in before]  # the top first
+        else:  # everything above the mark, then the objects under it (SETITEMS' dict, say)
+            at = marks.pop() if marks else 0
+            popped = stack[at:]
+            del stack[at:]
+            popped += [stack.pop() if stack else 0 for _ in range(below)]
+        top = max(popped, default=0)
+        if name in _MAKES_TUPLE or name == "EMPTY_TUPLE":
+            height = top + 1
+        elif name in _PASSES_THROUGH:
+            height = top
+        elif name == "BUILD":
+            height = popped[-1] if popped else 0  # the object built upon stays (popped last)
+        else:
+            height = 0
+        if height > max_depth:
+            raise _Refusal(f"the pickle nests tuples deeper than {max_depth} levels; refused")
+        stack.extend([height] * len(op.stack_after))

@@ -1,0 +1,137 @@
+"""The one allowlist unpickler framework (``ckptverify.safeparse.unpickler``) and its three configurations.
+
+Each configuration (DCP ``.metadata``, a tensor item's ``data.pkl``, a whole-file ``torch.save`` pickle) is an
+allowlist, what its globals resolve to, a budget and the exception its refusals raise. These tests hold every
+configuration to the framework's shared promises: nothing outside the allowlist is imported or called, a
+shared stand-in cannot be modified, a memo index far past the entries made is refused before anything is
+allocated, hashed tuples are bounded, and the work budget raises the configuration's own exception.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import pathlib
+import pickle
+import zipfile
+
+import pytest
+import torch
+
+import ckptverify.safeparse
+from ckptverify.dcp import metadata_pickle as sp
+from ckptverify.safeparse import unpickler as up
+from ckptverify.safeparse.pickle_scan import PickleScanError, scan_pickle
+from ckptverify.safeparse.torchsave import tensor_header
+
+MD = b"torch.distributed.checkpoint.metadata"
+
+
+def _global(module: bytes, name: bytes) -> bytes:
+    return b"\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+
+
+def _tensor_data_pkl(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    z = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+
+
+class _Calls:
+    """A global whose call would be noticed (``os.system`` stands for any of them)."""
+
+    def __reduce__(self):
+        return (print, ("called",))
+
+
+def test_a_global_outside_each_allowlist_is_never_called(capsys):
+    data = pickle.dumps(_Calls(), protocol=4)
+    with pytest.raises(sp.UnsafeGlobal):
+        sp.parse(data)
+    with pytest.raises(sp.UnsafeGlobal):
+        sp.parse_reference(data)
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print is not part of a plain tensor record"):
+        tensor_header(data)
+    scan = scan_pickle(data)  # the scan keeps it as an inert placeholder and reports its name
+    assert scan.opaque == {"builtins.print"}
+    assert type(scan.root).__name__ == "Opaque" and scan.root.args == ("called",)
+    assert "called" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("read, refused", [
+    (sp.parse_reference, sp.BadPickle),
+    (sp.parse, sp.BadPickle),
+    (tensor_header, pickle.UnpicklingError),
+])
+def test_a_shared_stand_in_cannot_be_modified(read, refused):
+    # BUILD onto the dtype global with a state that would rename it: refused by the stand-in itself.
+    data = b"\x80\x04" + _global(b"torch", b"float32") + b"}\x8c\x06_label\x8c\x05int64sb."
+    with pytest.raises(refused):
+        read(data)
+    clean = _tensor_data_pkl(torch.ones(3))
+    assert tensor_header(clean).dtype == "float32"
+
+
+@pytest.mark.parametrize("read, refused", [
+    (sp.parse_reference, sp.BadPickle),
+    (tensor_header, pickle.UnpicklingError),
+    (scan_pickle, PickleScanError),
+])
+def test_a_memo_index_far_past_the_entries_made_is_refused_at_once(read, refused):
+    # LONG_BINPUT of index 2**30 after no entry: the C unpickler would zero-fill gigabytes of memo slots.
+    data = b"\x80\x02N" + b"r" + (2**30).to_bytes(4, "little") + b"."
+    with pytest.raises(refused, match="memo"):
+        read(data)
+
+
+def test_each_configuration_refuses_a_tuple_key_by_its_own_bound():
+    deep = b"\x80\x02}" + b"N" + b"\x85" * 100 + b"Ns."  # {((((None,),),)...): None}, 100 deep
+    with pytest.raises(sp.BadPickle, match="nests deeper than 64"):
+        sp.parse_reference(deep)
+    with pytest.raises(pickle.UnpicklingError, match=r"data\.pkl uses a tuple as a dict key"):
+        tensor_header(deep)
+    shallow = b"\x80\x02}" + b"N" + b"\x85" * 3 + b"Ns."
+    assert scan_pickle(shallow).root == {(((None,),),): None}  # within the scan's nesting bound
+    too_deep = b"\x80\x02}" + b"N" + b"\x85" * 300 + b"Ns."
+    with pytest.raises(PickleScanError, match="nests tuples deeper than 200"):
+        scan_pickle(too_deep)
+
+
+def test_the_budget_raises_its_configurations_exception():
+    budget = up.Budget(3, lambda: KeyError("spent"))
+    budget.charge(3)
+    with pytest.raises(KeyError, match="spent"):
+        budget.charge()
+    with pytest.raises(sp.BudgetExceeded):
+        sp._Budget(0).charge()
+    # The scan's object budget: a list of a thousand globals is more than a budget of 100 objects allows.
+    data = b"\x80\x02(" + b"ctorch\nSize\n" * 1000 + b"l."
+    with pytest.raises(PickleScanError, match="builds more than"):
+        scan_pickle(data, max_objects=100)
+    assert len(scan_pickle(data).root) == 1000
+
+
+def test_check_opcodes_bounds_what_it_is_told():
+    limits = up.Limits(max_depth=2, memo_slack=0)
+    up.check_opcodes(b"\x80\x02NN\x86\x85.", limits, ValueError)  # two deep
+    with pytest.raises(ValueError, match="deeper than 2"):
+        up.check_opcodes(b"\x80\x02N\x85\x85\x85.", limits, ValueError)
+    with pytest.raises(ValueError, match="memo entry 5 after 0"):
+        up.check_opcodes(b"\x80\x02Nq\x05.", limits, ValueError)
+    up.check_opcodes(b"\x80\x02Nq\x05.", up.Limits(memo_slack=5), ValueError)
+    with pytest.raises(ValueError, match="not a readable pickle"):
+        up.check_opcodes(b"\x80\x02\xff", limits, ValueError)
+
+
+def test_safeparse_imports_nothing_above_it():
+    """The readers are the lowest layer: they import no other part of the package but the errors and findings."""
+    folder = pathlib.Path(ckptverify.safeparse.__file__).parent
+    allowed = ("ckptverify.safeparse", "ckptverify.errors", "ckptverify.findings", "ckptverify._version")
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckptverify"):
+                assert node.module.startswith(allowed), f"{path.name} imports {node.module}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith("ckptverify") or alias.name.startswith(allowed), path.name
