@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 from ckptverify.errors import (
     CheckpointNotFoundError,
     CheckpointRefusedError,
-    CkptVerifyError,
     LoadFailedError,
     ProofFailedError,
     UsageError,
+    reported_as_itself,
 )
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.state.train_state import TrainState
@@ -393,7 +393,7 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
             try:
                 dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner())
             except BaseException as exc:
-                if isinstance(exc, (KeyboardInterrupt, SystemExit, CkptVerifyError)):
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)) or reported_as_itself(exc):
                     raise
                 proof = _proof_failure(exc)
                 if proof is not None:

@@ -26,7 +26,14 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.errors import CkptVerifyError, SaveConflictError, SaveFailedError, UsageError, VerifyFailedError
+from ckptverify.errors import (
+    CkptVerifyRuntimeWarning,
+    SaveConflictError,
+    SaveFailedError,
+    UsageError,
+    VerifyFailedError,
+    reported_as_itself,
+)
 from ckptverify.ownfiles.manifest import DEFAULT_BLOCK_BYTES, Manifest
 
 if TYPE_CHECKING:
@@ -117,7 +124,7 @@ def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseExceptio
     usage = next((e for e in failures.values() if isinstance(e, UsageError)), None)
     if usage is not None:
         return usage
-    if isinstance(exc, CkptVerifyError):
+    if reported_as_itself(exc):
         return exc
     if failures:
         rank = min(failures)
@@ -160,7 +167,8 @@ def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.Pat
                     after_commit()
                 except Exception as failure:  # a verification that cannot start is said, the save stands
                     warnings.warn(f"the checkpoint {os.fspath(path)} was saved but its verification could not "
-                                  f"start: {type(failure).__name__}: {failure}", RuntimeWarning, stacklevel=2)
+                                  f"start: {type(failure).__name__}: {failure}", CkptVerifyRuntimeWarning,
+                                  stacklevel=2)
             out.set_result(f.result())
             return
         error = save_error(exc, path)

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ckptverify.errors import CheckpointRefusedError, CkptVerifyError, UsageError
+from ckptverify.errors import CheckpointRefusedError, CheckpointVerificationWarning, UsageError, reported_as_itself
 from ckptverify.findings import Report
 
 __all__ = ["ON_FAILURE", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "check_saved",
@@ -62,10 +62,6 @@ Fingerprint = bool | Literal["auto"]
 ON_FAILURE: tuple[str, ...] = ("warn", "raise")
 #: Errors carried by a verdict (and broadcast to every rank): the first few are enough to act on.
 _MAX_ERRORS = 5
-
-
-class CheckpointVerificationWarning(UserWarning):
-    """A checkpoint a framework saved (or was asked to load) failed verification."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +200,7 @@ def _has_manifest(root: str) -> bool:
 
 def _why(exc: Exception) -> str:
     """What stopped a verification: the message of a ckptverify error, the type too for anything else."""
-    return str(exc) if isinstance(exc, CkptVerifyError) else f"the check stopped: {type(exc).__name__}: {exc}"
+    return str(exc) if reported_as_itself(exc) else f"the check stopped: {type(exc).__name__}: {exc}"
 
 
 def _deleted(path: str, step: int | None, seconds: float = 0.0) -> Verdict:

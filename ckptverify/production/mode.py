@@ -48,7 +48,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import ResumeRefusedError, UsageError
 from ckptverify.ownfiles.names import write_atomic
 from ckptverify.safeparse import safejson
 
@@ -92,13 +92,6 @@ class ProductionOptions:
             raise UsageError(f"on_mismatch must be 'warn' or 'raise', got {self.on_mismatch!r}")
         if self.resume not in RESUME_MODES:
             raise UsageError(f"resume must be one of {', '.join(map(repr, RESUME_MODES))}, got {self.resume!r}")
-
-
-class ResumeRefusedError(UsageError):
-    """The production job will not start: ``resume=`` forbids what the run directory holds (checkpoints that all
-    fail, nothing to resume from, or good checkpoints that ``resume="never"`` would bury). Nothing was changed."""
-
-    exit_code = 2
 
 
 def _say(message: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+from ckptverify.errors import PickleScanError
 
 __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "Opaque", "PickleScan", "PickleScanError", "TensorRef",
            "leaf_values", "scan_pickle"]
@@ -43,10 +44,6 @@ _STORAGE_DTYPES = {
     "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
     "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8",
 }  # fmt: skip
-
-
-class PickleScanError(Exception):
-    """The pickle is malformed, too large, or builds more than the budget allows."""
 
 
 @dataclass(frozen=True)
