@@ -23,7 +23,7 @@ The verdict is reached on the coordinator (rank 0) and handed to every rank thro
 broadcast (:class:`Group`), so every rank raises or none does.
 
 By default the integrations verify inline: a save returns once its checkpoint is verified and stamped. With
-``background=True`` (:meth:`Verifier.after_save`'s one dispatch, ``self._dispatch``) the coordinator hands the
+``verify="background"`` (:meth:`Verifier.after_save`'s one dispatch, ``self._dispatch``) the coordinator hands the
 checkpoint to the process's background verifier (:mod:`ckptverify.verifier.background`, the one
 ``ckptverify.save(verify="background")`` uses: its queue, the checkpoint's verifying lock, its verifier process at
 idle CPU priority) and the save returns at once, with a *pending* verdict. The verifier process runs the same
@@ -53,13 +53,19 @@ from typing import Any, Literal
 
 from ckptverify.errors import CheckpointRefusedError, CheckpointVerificationWarning, UsageError, reported_as_itself
 from ckptverify.findings import Report
+from ckptverify.options import FAILURE_POLICIES, VerifyOptions, no_other_keywords, take_renamed, verify_options
 
-__all__ = ["ON_FAILURE", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "check_saved",
-           "numbered_folders", "plain_folder", "settle_verdicts", "torch_group"]
+__all__ = ["ON_FAILURE", "WHEN", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions",
+           "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_group"]
 
 OnFailure = Literal["warn", "raise"]
 Fingerprint = bool | Literal["auto"]
-ON_FAILURE: tuple[str, ...] = ("warn", "raise")
+ON_FAILURE: tuple[str, ...] = FAILURE_POLICIES
+#: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
+WHEN: tuple[str, ...] = ("inline", "background")
+#: Keywords of the integrations renamed in this release -> what replaces them (still accepted, with a warning).
+RENAMED = {"on_failure": "verify=VerifyOptions(on_failure=...)", "background": 'verify="background"',
+           "deep": "verify=VerifyOptions(deep=...)"}
 #: Errors carried by a verdict (and broadcast to every rank): the first few are enough to act on.
 _MAX_ERRORS = 5
 
@@ -344,13 +350,39 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
             "report": None if verdict.report is None else verdict.report.to_dict()}
 
 
+def integration_verify(where: str, verify: VerifyOptions | str, renamed: dict[str, Any], *,
+                       stacklevel: int = 5) -> VerifyOptions:
+    """``verify=`` of an integration as a :class:`~ckptverify.options.VerifyOptions`, with the renamed keywords
+    ``on_failure``, ``background`` and ``deep`` (taken out of ``renamed``, a ``**kwargs``, with a warning each)
+    folded in. Anything else left in ``renamed`` is a ``TypeError``, as for any unknown keyword."""
+    old = take_renamed(where, renamed, RENAMED, stacklevel=stacklevel)
+    no_other_keywords(where, renamed)
+    if "background" in old and not isinstance(old["background"], bool):
+        raise UsageError(f"{where}: background must be True or False, got {old['background']!r}")
+    options = verify_options(where, verify, deep=old.get("deep"), on_failure=old.get("on_failure"),
+                             when=("off", *WHEN))
+    if "background" in old:
+        options = replace(options, when="background" if old["background"] else "inline")
+    if options.when not in WHEN:
+        raise UsageError(f"{where}: verify.when must be one of {', '.join(map(repr, WHEN))} (every save is verified), "
+                         f"got {options.when!r}")
+    return options
+
+
 class Verifier:
     """Verify checkpoints after a framework saves them and before it loads them; see the module docstring.
 
     Args:
-        on_failure: ``"warn"`` (a warning and an event; training goes on) or ``"raise"`` (also
-            :class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a saved checkpoint fails.
-            A checkpoint that fails before a load is always refused.
+        verify: how each saved checkpoint is verified, a :class:`~ckptverify.options.VerifyOptions` or its ``when``:
+            ``"inline"`` (the default: ``after_save`` returns once it is verified) or ``"background"`` (hand each
+            saved checkpoint to the background verifier and return at once, see the module docstring; the
+            framework must then call :meth:`wait` at the end of training). ``VerifyOptions.on_failure``:
+            ``"warn"`` (a warning and an event; training goes on) or ``"raise"`` (also
+            :class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a saved checkpoint fails; a
+            checkpoint that fails before a load is always refused. ``VerifyOptions.deep``: also rebuild every
+            tensor and compare its logical fingerprint with the manifest's (after a save and before a load).
+            (``on_failure=``, ``background=`` and ``deep=`` still work for one release, with a
+            ``DeprecationWarning``.)
         fingerprint: write a manifest right after a save (inside a checkpoint folder, beside a single file), so
             that later verifications check every byte against digests taken now. ``"auto"`` (default): only
             when the checkpoint holds content no checksum protects (safetensors weights, DCP items without
@@ -358,23 +390,18 @@ class Verifier:
             the manifest's logical tensor fingerprints cost far more than the save (``docs/integrations.md``,
             Cost). ``True``: always (the manifest then also serves ``verify --deep`` and ``diff``). ``False``:
             never.
-        background: hand each saved checkpoint to the background verifier and return at once (see the module
-            docstring); the framework must then call :meth:`wait` at the end of training.
-        deep: also rebuild every tensor and compare its logical fingerprint with the manifest's.
         jobs: verification threads (default: one per core inline, one in the background).
         events_dir: where ``events.jsonl`` goes (default: the folder that holds the checkpoint).
     """
 
-    def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
-                 deep: bool = False, jobs: int | None = None,
-                 events_dir: str | os.PathLike[str] | None = None) -> None:
-        if on_failure not in ON_FAILURE:
-            raise UsageError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
-        if not isinstance(background, bool):
-            raise UsageError(f"background must be True or False, got {background!r}")
+    def __init__(self, *, verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto",
+                 jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None, **renamed: Any) -> None:
+        options = integration_verify("Verifier", verify, renamed)
+        background, deep = options.when == "background", options.deep
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
-        self.on_failure: OnFailure = on_failure
+        self.verify = options
+        self.on_failure: OnFailure = options.on_failure
         if fingerprint not in (True, False, "auto"):
             raise UsageError(f"fingerprint must be True, False or 'auto', got {fingerprint!r}")
         self.fingerprint: Fingerprint = fingerprint
