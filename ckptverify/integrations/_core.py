@@ -51,9 +51,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ckptverify.errors import CheckpointRefusedError, CheckpointVerificationWarning, UsageError, reported_as_itself
+from ckptverify.errors import (
+    CheckpointRefusedError,
+    CheckpointVerificationWarning,
+    CkptVerifyDeprecationWarning,
+    UsageError,
+    reported_as_itself,
+)
 from ckptverify.findings import Report
-from ckptverify.options import FAILURE_POLICIES, VerifyOptions, no_other_keywords, take_renamed, verify_options
+from ckptverify.options import (
+    FAILURE_POLICIES,
+    VerifyOptions,
+    no_other_keywords,
+    take_renamed,
+    verify_options,
+)
 
 __all__ = ["ON_FAILURE", "WHEN", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions",
            "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_group"]
@@ -105,7 +117,7 @@ def torch_group() -> Group:
 @dataclass(frozen=True)
 class Verdict:
     """The outcome of checking one checkpoint. ``report`` is set on the coordinator only; the rest is on every
-    rank. ``checked_bytes`` and ``coverage`` say how much was
+    rank. ``bytes_checked`` and ``coverage`` say how much was
     checked; ``unchecked`` names the files with content nothing could check (no checksum, no manifest covering
     it). ``pending``: handed to the background verifier, no verdict yet (``passed`` is ``False``: nothing was
     checked). ``deleted``: removed (by the framework's retention) before its verification finished; no verdict."""
@@ -115,7 +127,7 @@ class Verdict:
     message: str
     step: int | None = None
     errors: tuple[dict[str, Any], ...] = ()
-    checked_bytes: int = 0
+    bytes_checked: int = 0
     coverage: tuple[dict[str, Any], ...] = ()
     manifest: bool = False
     unchecked: tuple[str, ...] = ()
@@ -126,10 +138,17 @@ class Verdict:
     pending: bool = False
     deleted: bool = False
 
+    @property
+    def checked_bytes(self) -> int:
+        """Deprecated (one release): :attr:`bytes_checked`, the name every result and JSON file uses."""
+        warnings.warn("Verdict.checked_bytes is deprecated and will be removed in the next release; use "
+                      "Verdict.bytes_checked instead", CkptVerifyDeprecationWarning, stacklevel=2)
+        return self.bytes_checked
+
     def to_dict(self) -> dict[str, Any]:
         """Everything but the report: what is broadcast, and what an event records."""
         data = {"path": self.path, "passed": self.passed, "message": self.message, "step": self.step,
-                "errors": list(self.errors), "checked_bytes": self.checked_bytes, "coverage": list(self.coverage),
+                "errors": list(self.errors), "bytes_checked": self.bytes_checked, "coverage": list(self.coverage),
                 "manifest": self.manifest, "unchecked": list(self.unchecked), "warnings": list(self.warnings),
                 "seconds": self.seconds, "stamp": self.stamp}
         if self.pending:
@@ -141,7 +160,9 @@ class Verdict:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Verdict:
         return cls(path=data["path"], passed=data["passed"], message=data["message"], step=data.get("step"),
-                   errors=tuple(data.get("errors", ())), checked_bytes=data.get("checked_bytes", 0),
+                   errors=tuple(data.get("errors", ())),
+                   # ``checked_bytes``: the key's name in what earlier versions wrote (events.jsonl).
+                   bytes_checked=data.get("bytes_checked", data.get("checked_bytes", 0)),
                    coverage=tuple(data.get("coverage", ())), manifest=data.get("manifest", False),
                    unchecked=tuple(data.get("unchecked", ())), warnings=tuple(data.get("warnings", ())),
                    seconds=data.get("seconds", 0.0), stamp=data.get("stamp"), pending=data.get("pending", False),
@@ -175,7 +196,7 @@ def _verdict(path: str, report: Report, step: int | None, seconds: float, stamp:
             message += f"; no checksum covers {', '.join(unchecked[:4])}"
     return Verdict(path=path, passed=report.passed, message=message, step=step,
                    errors=tuple(f.to_dict() for f in errors[:_MAX_ERRORS]),
-                   checked_bytes=int(report.stats.get("bytes", 0) or 0),
+                   bytes_checked=int(report.stats.get("bytes", 0) or 0),
                    coverage=tuple(c.to_dict() for c in report.coverage), manifest=bool(report.stats.get("manifest")),
                    unchecked=tuple(unchecked), warnings=tuple(noted), seconds=round(seconds, 6), stamp=stamp,
                    report=report)
