@@ -110,7 +110,7 @@ class LoadFailedError(CkptVerifyError):
 
 
 class VerifyFailedError(CkptVerifyError):
-    """A checkpoint saved with ``verify=`` and ``on_verify_failure="raise"`` failed its verification.
+    """A checkpoint saved with ``verify=`` and ``VerifyOptions(on_failure="raise")`` failed its verification.
 
     Raised by the save that learns of it (see ``docs/verify-after-save.md``); ``verification`` is the
     :class:`~ckptverify.verifier.background.Verification` of the checkpoint that failed.

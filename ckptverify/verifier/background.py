@@ -20,7 +20,7 @@ reads at full speed once someone waits for it. ``scripts/bench_background.py`` m
 
 Every result is a :class:`Verification` (:func:`last_verification` returns the newest). A failure is a
 ``verify-failed`` event in the run's ``events.jsonl`` (when the save was given ``events=``), a
-:class:`VerifyFailedWarning`, and, with ``on_verify_failure="raise"``, a
+:class:`VerifyFailedWarning`, and, with ``VerifyOptions(on_failure="raise")``, a
 :class:`~ckptverify.errors.VerifyFailedError` raised by the next save on every rank. A checkpoint left without a
 verdict (the job ended first, its files changed while it was verified) is a :class:`VerifyIncompleteWarning`
 and a ``verify-cut-short`` or ``verify-skipped`` event: it is verified when a resume picks it
