@@ -387,3 +387,25 @@ def test_every_warning_the_package_issues_is_under_the_root_warning() -> None:
     from ckptverify.integrations._core import _incomplete_warning
 
     assert issubclass(_incomplete_warning(), CkptVerifyWarning)
+
+
+# ------------------------------------------------------------------ bytes_checked
+
+
+def test_a_verdict_says_bytes_checked_and_reads_what_earlier_versions_wrote(tmp_path: Path) -> None:
+    from ckptverify.integrations._core import Verdict
+    from ckptverify.ownfiles.events import read_events
+
+    path = tmp_path / "step_1"
+    cv.save(_state(1.0), path)
+    verdict = Verifier(events_dir=tmp_path).after_save(path, step=1, fingerprint=False)
+    data = verdict.to_dict()
+    assert data["bytes_checked"] == verdict.bytes_checked > 64 * 32 * 4 and "checked_bytes" not in data
+    (event,) = read_events(tmp_path, "checkpoint-verified")
+    assert event["bytes_checked"] == verdict.bytes_checked and "checked_bytes" not in event
+    with pytest.warns(DeprecationWarning, match=r"Verdict\.checked_bytes .* Verdict\.bytes_checked"):
+        assert verdict.checked_bytes == verdict.bytes_checked
+    # An event line written by an earlier version, with the old key, reads back with the same count.
+    old = {k: v for k, v in data.items() if k != "bytes_checked"} | {"checked_bytes": 12345}
+    assert Verdict.from_dict(old).bytes_checked == 12345
+    assert Verdict.from_dict(data) == verdict
