@@ -182,6 +182,7 @@ def test_load_refuses_a_bad_deep_and_an_unknown_keyword(tmp_path: Path) -> None:
 def _production_train(seen: list[Any]) -> Any:
     def train(run: cv.Run) -> None:
         seen.append(run._production.options.verify)
+        run.restore(_train_state())  # the job's start: run.json is written
 
     return train
 
@@ -197,6 +198,10 @@ def test_run_main_takes_verify_options_and_the_renamed_on_verify_failure(tmp_pat
     _renamed(record, "on_verify_failure", "VerifyOptions(on_failure=")
     assert seen == [VerifyOptions(when="inline", deep=True, on_failure="raise"), VerifyOptions(when="background"),
                     VerifyOptions(when="off", on_failure="raise")]
+    # run.json records the options as one object, the same fields as the API's.
+    recorded = json.loads((tmp_path / "a" / "run.json").read_text())["options"]
+    assert recorded["verify"] == {"when": "inline", "deep": True, "on_failure": "raise"}
+    assert "on_verify_failure" not in recorded
 
 
 def test_run_main_refuses_a_bad_verify_before_the_job_starts(tmp_path: Path) -> None:
