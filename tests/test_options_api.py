@@ -169,6 +169,20 @@ def test_load_deep_and_the_renamed_deep_verify(tmp_path: Path) -> None:
     _renamed(record, "deep_verify", "deep=")
 
 
+def test_picking_loads_take_deep_and_the_renamed_deep_verify(tmp_path: Path) -> None:
+    from ckptverify.checkpoint.load import load_newest_proven
+
+    cv.save(_train_state(), tmp_path / "step_1")
+    _fingerprint_edited(tmp_path / "step_1")
+    report = cv.load(_train_state(), tmp_path, pick="latest-verified", check=False)
+    assert report.stats["step"] == 1  # the pick verifies its bytes only
+    with pytest.raises(CheckpointRefusedError, match="fingerprint"):
+        cv.load(_train_state(), tmp_path, pick="latest-verified", check=False, deep=True)
+    with pytest.warns(DeprecationWarning) as record, pytest.raises(CheckpointRefusedError, match="fingerprint"):
+        load_newest_proven(_train_state(), tmp_path, check=False, deep_verify=True)
+    _renamed(record, "deep_verify", "deep=")
+
+
 def test_load_refuses_a_bad_deep_and_an_unknown_keyword(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="deep must be True or False"):
         cv.load(_train_state(), tmp_path, deep="yes")  # type: ignore[arg-type]
