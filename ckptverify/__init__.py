@@ -33,6 +33,7 @@ _EXPORTS = {
     "Verification": "ckptverify.verifier.verification",
     "last_verification": "ckptverify.verifier.background",
     "wait_for_verifications": "ckptverify.verifier.background",
+    "VerifyOptions": "ckptverify.options",
 }
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "Run",
     "TrainState",
     "Verification",
+    "VerifyOptions",
     "__version__",
     "async_save",
     "chunk_fingerprint",
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from ckptverify.checkpoint.load import load
     from ckptverify.checkpoint.save import async_save, save
     from ckptverify.fingerprint import chunk_fingerprint, tensor_fingerprint
+    from ckptverify.options import VerifyOptions
     from ckptverify.resume.harness import resume_check
     from ckptverify.resume.run import Run
     from ckptverify.runs.latest import latest_verified

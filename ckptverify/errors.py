@@ -1,12 +1,23 @@
-"""Errors for "the tool could not run" (exit code 2).
+"""Every exception and warning class of ckptverify, in one tree.
 
 Anything a check *concludes* about a checkpoint is a :class:`~ckptverify.findings.Finding`, never an
 exception. Exceptions are reserved for situations where no conclusion can be drawn: bad arguments, a path
 that does not exist, an environment that cannot run the check. Every error knows its exit code, so front
 ends catch :class:`CkptVerifyError` once at the boundary.
+
+Every exception ckptverify defines descends from :class:`CkptVerifyError`, and every warning it issues from
+:class:`CkptVerifyWarning`. The errors a reader or a check raises inside ckptverify and turns into a finding
+(a malformed manifest, pickle, archive, blob; an item that failed its proof) descend from :class:`FindingError`.
+Each class keeps the standard base it had (``ValueError``, ``OSError``, ``pickle.UnpicklingError``, ...), so
+code that catches those still catches it, and each is importable from the module that raises it as well.
 """
 
 from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any
 
 
 class CkptVerifyError(Exception):
@@ -99,7 +110,7 @@ class LoadFailedError(CkptVerifyError):
 
 
 class VerifyFailedError(CkptVerifyError):
-    """A checkpoint saved with ``verify=`` and ``on_verify_failure="raise"`` failed its verification.
+    """A checkpoint saved with ``verify=`` and ``VerifyOptions(on_failure="raise")`` failed its verification.
 
     Raised by the save that learns of it (see ``docs/verify-after-save.md``); ``verification`` is the
     :class:`~ckptverify.verifier.background.Verification` of the checkpoint that failed.
@@ -110,3 +121,233 @@ class VerifyFailedError(CkptVerifyError):
     def __init__(self, message: str, verification: object | None = None) -> None:
         super().__init__(message)
         self.verification = verification
+
+
+class FindingError(CkptVerifyError):
+    """Raised by a reader or a check inside ckptverify and turned into a finding (or a refusal) by its caller:
+    what the input is, not that the tool could not run. Never meant to reach a user as itself."""
+
+
+class OpcodeRefusal(FindingError):
+    """A pickle's opcodes break a bound of the safe unpicklers (memo, nesting); raised inside
+    :mod:`ckptverify.safeparse.unpickler` and re-raised as the configuration's own error."""
+
+
+def reported_as_itself(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ckptverify error meant for the caller as it is (every :class:`CkptVerifyError` but a
+    :class:`FindingError`): code that wraps what it does not expect passes these through unchanged."""
+    return isinstance(exc, CkptVerifyError) and not isinstance(exc, FindingError)
+
+
+# ------------------------------------------------------------------ readers (safeparse, dcp, ownfiles)
+
+
+class JSONError(FindingError, ValueError):
+    """The bytes are not JSON this tool accepts (malformed, too large, too deep, non-finite, repeated keys)."""
+
+
+class PickleScanError(FindingError):
+    """The pickle is malformed, too large, or builds more than the budget allows."""
+
+
+class BadPickle(FindingError):
+    """The pickle does something real unpickling would fail on, or DCP never writes."""
+
+
+class BudgetExceeded(BadPickle):
+    """The pickle asks for more work than its size justifies (a memoized "billion laughs")."""
+
+
+class UnsafeGlobal(FindingError, pickle.UnpicklingError):
+    """The pickle names a global outside the allowlist; nothing was resolved."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class ArchiveError(FindingError):
+    """The item is not a well-formed torch.save archive. ``start``/``end`` locate the bad bytes."""
+
+    def __init__(self, message: str, start: int | None = None, end: int | None = None) -> None:
+        super().__init__(message)
+        self.start = start
+        self.end = end
+
+
+class BadMetadata(FindingError):
+    """The metadata parsed as a pickle but does not have the structure DCP writes."""
+
+
+class BlobError(FindingError):
+    """The blob is malformed. ``start``/``end`` locate the bad bytes in the file."""
+
+    def __init__(self, message: str, start: int, end: int) -> None:
+        super().__init__(message)
+        self.start, self.end = start, end
+
+
+class UnreadableTensor(FindingError):
+    """The item's payload cannot be turned into a tensor (exotic dtype or layout)."""
+
+
+class TransformError(FindingError, ValueError):
+    """The item's stream cannot be decoded. ``unavailable``: no decoder here (not damage)."""
+
+    def __init__(self, message: str, *, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
+
+
+class UnsafeValueError(FindingError, pickle.UnpicklingError):
+    """A non-tensor value in the checkpoint is not plain data; it was not loaded."""
+
+
+class ItemProofError(FindingError):
+    """An item (or metadata file) failed its proof while being loaded; nothing was copied out of it.
+
+    ``info``: ``check`` (``manifest-digest``, ``manifest-mismatch``, ``zip-crc``, ``zip-structure``,
+    ``item-bounds``), ``fqn``, ``chunk_offsets``, ``file``, ``byte_range``, ``expected``, ``actual``. It crosses
+    ranks inside DCP's ``CheckpointException`` (pickled), so it holds only plain values.
+    """
+
+    def __init__(self, message: str, info: dict[str, Any]) -> None:
+        super().__init__(message, info)
+        self.info = info
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ManifestError(FindingError):
+    """The manifest is unreadable, truncated, edited, or of an unknown schema. Becomes a finding."""
+
+
+class NotRegularFileError(CkptVerifyError, OSError):
+    """What is at the path of one of ckptverify's own files is not a regular file (a symbolic link, a FIFO, a
+    device, a socket, a directory): it is neither written through nor replaced. An ``OSError``, so a caller that
+    copes with an unwritable file copes with this one too."""
+
+
+class TruncatedRangeError(CkptVerifyError, EOFError):
+    """A byte range extends past the end of its file."""
+
+    def __init__(self, path: str | os.PathLike[str], offset: int, length: int, available: int) -> None:
+        super().__init__(
+            f"{os.fspath(path)}: range [{offset}, {offset + length}) extends past the end of the file "
+            f"({available} of {length} bytes readable)"
+        )
+        self.path = os.fspath(path)
+        self.offset = offset
+        self.length = length
+        self.available = available
+
+
+class WalkIncompleteError(CkptVerifyError):
+    """The walk of a run directory did not see all of it, and the caller must not act on a partial view
+    (retention cannot know what is newest). ``notes`` say what was not seen."""
+
+    def __init__(self, message: str, notes: list[Any]) -> None:
+        super().__init__(message)
+        self.notes = list(notes)
+
+
+# ------------------------------------------------------------------ training state, traces, runs
+
+
+class WorldSizeChangedError(UsageError):
+    """RNG state saved by one world size cannot be restored exactly by another.
+
+    Each rank owns its own random streams; with a different number of ranks there is no exact mapping from
+    saved streams to new ranks. Pass ``allow_reseed=True`` to :class:`~ckptverify.state.rng.RngState` to re-seed
+    instead (the resumed run is then not bitwise identical to an uninterrupted one).
+    """
+
+
+class CannotReshardError(UsageError):
+    """A sampler position cannot be carried to a different number of replicas without skipping or repeating."""
+
+
+class TraceNotFoundError(CkptVerifyError, FileNotFoundError):
+    """The trace store does not exist."""
+
+
+class TraceFormatError(CkptVerifyError):
+    """The path is not a readable trace store (wrong schema, newer version, damaged metadata)."""
+
+
+class TraceHeaderMismatchError(UsageError):
+    """Two traces describe different things (level, workload, world size, versions, config)."""
+
+    def __init__(self, fields: Sequence[str], a: Any, b: Any) -> None:
+        da, db = a.header.to_dict(), b.header.to_dict()
+        detail = "; ".join(f"{name}: {da.get(name)!r} vs {db.get(name)!r}" for name in fields)
+        super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}; "
+                         "pass force=True (trace diff --allow-header-mismatch) to compare anyway")
+        self.fields = tuple(fields)
+
+
+class TargetError(UsageError):
+    """The target cannot be run (exit 2). The message is for the user as it is: several lines (a traceback of
+    their code, or the line at fault), to be printed line by line, not escaped into one."""
+
+
+class WorkloadCrashedError(CkptVerifyError):
+    """The training function raised (exit 2: nothing could be concluded). Carries the user's traceback (their
+    frames, none of the harness's); the message has several lines, to be printed as they are."""
+
+    def __init__(self, message: str, traceback_text: str) -> None:
+        super().__init__(message + "\n" + traceback_text)
+        self.traceback_text = traceback_text
+
+
+class ResumeRefusedError(UsageError):
+    """The production job will not start: ``resume=`` forbids what the run directory holds (checkpoints that all
+    fail, nothing to resume from, or good checkpoints that ``resume="never"`` would bury). Nothing was changed."""
+
+    exit_code = 2
+
+
+class ReplicaMismatchError(CkptVerifyError):
+    """Replicas that must be identical differ (``on_mismatch="raise"``): a hardware fault is likely.
+    ``mismatch`` is the :class:`~ckptverify.hardware.replica.ReplicaMismatch`."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, mismatch: Any) -> None:
+        super().__init__(message)
+        self.mismatch = mismatch
+
+
+# ------------------------------------------------------------------ warnings
+
+
+class CkptVerifyWarning(UserWarning):
+    """Root of every warning ckptverify issues: ``warnings.filterwarnings("error", category=CkptVerifyWarning)``
+    turns them all into errors."""
+
+
+class CkptVerifyDeprecationWarning(CkptVerifyWarning, DeprecationWarning):
+    """A keyword, option or name that still works for one release; the message names what replaces it."""
+
+
+class CkptVerifyRuntimeWarning(CkptVerifyWarning, RuntimeWarning):
+    """Something around a check went wrong and was passed over (an event could not be appended, a callback
+    raised, a setting was not understood); the check itself is unaffected."""
+
+
+class VerifyFailedWarning(CkptVerifyWarning):
+    """A checkpoint failed its verification after it was saved."""
+
+
+class VerifyIncompleteWarning(CkptVerifyWarning):
+    """A committed checkpoint was left without a verdict: the job ended before it was verified, or its files
+    changed (or vanished) while it was verified."""
+
+
+class CheckpointVerificationWarning(CkptVerifyWarning):
+    """A checkpoint a framework saved (or was asked to load) failed verification."""
+
+
+class ReplicaMismatchWarning(CkptVerifyWarning):
+    """Replicas that must be identical differ (``on_mismatch="warn"``)."""

@@ -16,7 +16,7 @@ baseline save, measured in the same run, with ``fingerprint="auto"`` (the defaul
   ``dcp.save``; figure = (hashing save + verify + stamp) / plain save.
 
 Then what a training loop waits for at each save, "save-return" (the save and ``after_save`` together), with
-``fingerprint="auto"``: no verification (the baseline), inline, and ``background=True`` (the checkpoint is
+``fingerprint="auto"``: no verification (the baseline), inline, and ``verify="background"`` (the checkpoint is
 queued for the background verifier and the call returns; the verification itself, timed apart as "background
 done", runs in the verifier process, and each run waits for it before the next save, untimed).
 
@@ -116,7 +116,7 @@ def main() -> None:
         from ckptverify.verifier.background import default_verifier
 
         inline = Verifier(events_dir=root)
-        queued = Verifier(events_dir=root, background=True)
+        queued = Verifier(events_dir=root, verify="background")
         for label, fn in (("torch.save file", save_file_ckpt), ("safetensors folder", save_folder),
                           ("DCP (DCP's writer)", save_dcp)):
             t_none = best(fn, clear, args.repeats)

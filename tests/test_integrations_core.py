@@ -114,12 +114,12 @@ def test_background_writes_the_same_manifest_stamp_and_event_as_inline(tmp_path:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pending = verifier.after_save(_hf_folder(bg_dir / "checkpoint-1"), step=1)
-        assert pending.pending and not pending.passed and pending.checked_bytes == 0
+        assert pending.pending and not pending.passed and pending.bytes_checked == 0
         assert "queued" in pending.message
         (final,) = verifier.wait(timeout=120)
     assert verifier.pending() == [] and queue.pending() == []
     assert final.passed and final.manifest and final.unchecked == () and not final.pending  # weights fingerprinted
-    assert final.checked_bytes == inline.checked_bytes > 64 * 64 * 4
+    assert final.bytes_checked == inline.bytes_checked > 64 * 64 * 4
     assert final.stamp == stamp_path(bg_dir / "checkpoint-1")
     assert (bg_dir / "checkpoint-1" / MANIFEST_FILE).is_file()
     stamp = read_stamp(bg_dir / "checkpoint-1")
@@ -246,7 +246,7 @@ def test_a_job_that_ends_without_waiting_is_waited_for_at_exit(tmp_path: Path) -
 
     folder = _hf_folder(tmp_path / "checkpoint-1")
     script = ("import sys; from ckptverify.integrations import Verifier; "
-              "v = Verifier(background=True); print(v.after_save(sys.argv[1], step=1).pending)")
+              "v = Verifier(verify=\"background\"); print(v.after_save(sys.argv[1], step=1).pending)")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", script, str(folder)], env=env, capture_output=True, text=True,
                           timeout=300)

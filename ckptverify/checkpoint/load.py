@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 from ckptverify.errors import (
     CheckpointNotFoundError,
     CheckpointRefusedError,
-    CkptVerifyError,
     LoadFailedError,
     ProofFailedError,
     UsageError,
+    reported_as_itself,
 )
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.options import no_other_keywords, take_renamed
 from ckptverify.state.train_state import TrainState
 
 if TYPE_CHECKING:
@@ -129,11 +130,13 @@ def saved_world_size(path: str) -> int | None:
 
 
 def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True, check: bool = True,
-         deep_verify: bool = False, pick: str | None = None, on_restore_mismatch: str = "refuse") -> Report:
+         deep: bool = False, pick: str | None = None, on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
     """Restore ``state`` from the checkpoint at ``path``; return the restore check's findings.
 
     ``verify=False`` skips the verification before loading (explicit opt-out; a directory whose save did not
-    commit is still refused, and every item is still proven as it is loaded); ``check=False`` skips the
+    commit is still refused, and every item is still proven as it is loaded); ``deep=True`` also rebuilds every
+    tensor in that verification and compares its logical fingerprint with the one taken at save time
+    (``deep_verify=`` still works for one release, with a ``DeprecationWarning``); ``check=False`` skips the
     restore check. ``on_restore_mismatch``: ``"refuse"`` (a failed restore check raises and puts the state
     back) or ``"report"`` (the state stays as loaded, the differences are findings: for diagnosis, as the
     resume harness does).
@@ -142,7 +145,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
     loaded (see :func:`pick_checkpoint`), and the report names it (``stats["picked"]``, ``stats["step"]``) and
     every newer one skipped, with why (``stats["skipped"]``). When none verifies,
     :class:`~ckptverify.errors.CheckpointRefusedError` lists what was skipped. Picking verifies, so
-    ``verify=False`` cannot be combined with it; ``deep_verify`` verifies the pick deeply before loading. A
+    ``verify=False`` cannot be combined with it; ``deep`` verifies the pick deeply before loading. A
     pick whose bytes fail their proof while loading is stamped failed and the next older one is loaded
     (:func:`load_newest_proven`; ``stats["refused_at_load"]``).
 
@@ -155,6 +158,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
     :class:`~ckptverify.state.sampler.CannotReshardError` when the world size changed in a way that cannot be
     restored exactly (and re-seeding was not allowed). Every one is an ``Exception``.
     """
+    deep = _deep("load", deep, renamed)
     root = os.fspath(path)
     if not isinstance(state, TrainState):
         raise UsageError(f"load() restores a TrainState, got {type(state).__name__}")
@@ -167,11 +171,10 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
         if not verify:
             raise UsageError("pick='latest-verified' verifies the checkpoints it picks from; it cannot be "
                              "combined with verify=False")
-        return load_newest_proven(state, root, check=check, deep_verify=deep_verify,
-                                  on_restore_mismatch=on_restore_mismatch)
+        return load_newest_proven(state, root, check=check, deep=deep, on_restore_mismatch=on_restore_mismatch)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
-    _verify_on_coordinator(root, deep_verify, full=verify)
+    _verify_on_coordinator(root, deep, full=verify)
     from ckptverify.runs.stamp import read_stamp
 
     # A stamp beside it would keep vouching for bytes that fail their proof: it is replaced by a failed one.
@@ -211,16 +214,17 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
                   quarantined=list(data.get("quarantined", [])), unseen=list(data.get("unseen", [])))
 
 
-def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep_verify: bool = False,
-                on_restore_mismatch: str = "refuse") -> Report:
+def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: bool = False,
+                on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
     """Load the checkpoint :func:`pick_checkpoint` picked into ``state``, as :func:`load` does; the pick
     verified it already (or trusted its stamp), so only its commit is checked again before loading (and, with
-    ``deep_verify``, every tensor), and every item is proven as it is loaded.
+    ``deep``, every tensor), and every item is proven as it is loaded.
 
     Raises :class:`~ckptverify.errors.CheckpointRefusedError` naming what was skipped when nothing verified,
     and :class:`~ckptverify.errors.ProofFailedError` when the pick's bytes fail their proof while loading:
     then a failed stamp is written beside it (so no later pick trusts it; nothing of the checkpoint is changed
     or deleted) and ``state`` is as it was."""
+    deep = _deep("load_picked", deep, renamed)
     skipped = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in picked.skipped)
     if picked.path is None:
         hidden = any(s["state"] == "unseen" for s in picked.skipped)
@@ -231,7 +235,7 @@ def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep_v
             picked.report)
     _log.info("loading %s (step %s), the newest checkpoint that verifies%s", picked.path, picked.step,
               f"; skipped: {skipped}" if skipped else "")
-    _verify_on_coordinator(picked.path, deep_verify, full=deep_verify)
+    _verify_on_coordinator(picked.path, deep, full=deep)
     report = _load_verified(state, picked.path, check, on_restore_mismatch, stamp_on_failure=True,
                             step=picked.step)
     note = info("load-picked", f"loaded {picked.path} (step {picked.step}), the newest checkpoint that verifies"
@@ -243,7 +247,7 @@ def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep_v
 
 
 def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, check: bool = True,
-                       deep_verify: bool = False, on_restore_mismatch: str = "refuse") -> Report:
+                       deep: bool = False, on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
     """Load the newest checkpoint under ``run_dir`` that verifies *and* proves while loading.
 
     :func:`pick_checkpoint` picks (a current stamp is trusted); :func:`load_picked` loads and proves. A pick
@@ -253,6 +257,7 @@ def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, ch
     the checkpoint's bytes (the loader of some field ignored or changed it): it raises, without moving on.
     Raises :class:`~ckptverify.errors.CheckpointRefusedError` when nothing left verifies, or when a failed pick
     could not be stamped (it would be picked again)."""
+    deep = _deep("load_newest_proven", deep, renamed)
     root = os.fspath(run_dir)
     refused: list[dict[str, Any]] = []
     while True:
@@ -262,8 +267,7 @@ def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, ch
                 f"refusing {picked.path}: its bytes failed their proof while loading and its failed stamp could "
                 f"not be written, so it would be picked again; nothing was loaded. {_refused_text(refused)}")
         try:
-            report = load_picked(state, picked, check=check, deep_verify=deep_verify,
-                                 on_restore_mismatch=on_restore_mismatch)
+            report = load_picked(state, picked, check=check, deep=deep, on_restore_mismatch=on_restore_mismatch)
         except ProofFailedError as exc:
             if picked.path is None:
                 raise
@@ -284,6 +288,16 @@ def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, ch
                       coverage=report.coverage,
                       stats={**report.stats, "refused_at_load": [{k: v for k, v in r.items() if k != "abs_path"}
                                                                  for r in refused]})
+
+
+def _deep(where: str, deep: bool, renamed: dict[str, Any]) -> bool:
+    """``deep``, or the renamed ``deep_verify`` (with a warning); anything else in ``renamed`` is refused."""
+    old = take_renamed(where, renamed, {"deep_verify": "deep="}, stacklevel=5)
+    no_other_keywords(where, renamed)
+    value = old.get("deep_verify", deep)
+    if not isinstance(value, bool):
+        raise UsageError(f"{where}: deep must be True or False, got {value!r}")
+    return value
 
 
 def _refused_text(refused: list[dict[str, Any]]) -> str:
@@ -393,7 +407,7 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
             try:
                 dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner())
             except BaseException as exc:
-                if isinstance(exc, (KeyboardInterrupt, SystemExit, CkptVerifyError)):
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)) or reported_as_itself(exc):
                     raise
                 proof = _proof_failure(exc)
                 if proof is not None:

@@ -14,9 +14,10 @@ Every rank of the process group calls these functions, exactly as it would call 
 commit raises :class:`~ckptverify.errors.SaveFailedError` on every rank (DCP's own ``CheckpointException``
 is a ``BaseException``, which ``except Exception`` would miss; it is the ``__cause__``).
 
-Once a save has committed, ``verify="background"`` or ``"inline"`` verifies it on the coordinator and stamps the
-verdict beside it (:mod:`ckptverify.verifier.background`, ``docs/verify-after-save.md``); the default, ``"off"``,
-leaves that to ``ckptverify watch`` or the next resume.
+Once a save has committed, ``verify=`` (a :class:`~ckptverify.options.VerifyOptions`, or its ``when``:
+``"background"`` or ``"inline"``) verifies it on the coordinator and stamps the verdict beside it
+(:mod:`ckptverify.verifier.background`, ``docs/verify-after-save.md``); the default, ``"off"``, leaves that to
+``ckptverify watch`` or the next resume.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.errors import CkptVerifyError, SaveConflictError, SaveFailedError, UsageError, VerifyFailedError
+from ckptverify.errors import (
+    CkptVerifyRuntimeWarning,
+    SaveConflictError,
+    SaveFailedError,
+    UsageError,
+    VerifyFailedError,
+    reported_as_itself,
+)
+from ckptverify.options import VerifyOptions, take_renamed, verify_options
 from ckptverify.ownfiles.manifest import DEFAULT_BLOCK_BYTES, Manifest
 
 if TYPE_CHECKING:
@@ -36,7 +45,7 @@ if TYPE_CHECKING:
 
     from ckptverify.dcp.writer import HashingFileSystemWriter
     from ckptverify.ownfiles.events import EventLog
-    from ckptverify.verifier.background import VerifyOptions
+    from ckptverify.verifier.background import VerifyOptions as AfterSave
     from ckptverify.verifier.verification import Verification
 
 __all__ = ["async_save", "save"]
@@ -117,7 +126,7 @@ def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseExceptio
     usage = next((e for e in failures.values() if isinstance(e, UsageError)), None)
     if usage is not None:
         return usage
-    if isinstance(exc, CkptVerifyError):
+    if reported_as_itself(exc):
         return exc
     if failures:
         rank = min(failures)
@@ -160,7 +169,8 @@ def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.Pat
                     after_commit()
                 except Exception as failure:  # a verification that cannot start is said, the save stands
                     warnings.warn(f"the checkpoint {os.fspath(path)} was saved but its verification could not "
-                                  f"start: {type(failure).__name__}: {failure}", RuntimeWarning, stacklevel=2)
+                                  f"start: {type(failure).__name__}: {failure}", CkptVerifyRuntimeWarning,
+                                  stacklevel=2)
             out.set_result(f.result())
             return
         error = save_error(exc, path)
@@ -189,13 +199,21 @@ def _step(state: Any, path: str | os.PathLike[str]) -> int | None:
     return step_of(os.path.basename(os.path.normpath(os.fspath(path))))
 
 
-def _verify_options(verify: str, verify_deep: bool, on_verify_failure: str,
-                    on_verified: Callable[[Verification], None] | None,
-                    events: EventLog | str | os.PathLike[str] | None) -> VerifyOptions:
-    from ckptverify.verifier.background import VerifyOptions
+#: Keywords of ``save``/``async_save`` renamed in this release -> what replaces them (still accepted, with a warning).
+RENAMED = {"verify_deep": "verify=VerifyOptions(deep=...)", "on_verify_failure": "verify=VerifyOptions(on_failure=...)"}
 
-    return VerifyOptions(mode=verify, deep=verify_deep, on_failure=on_verify_failure, on_verified=on_verified,
-                         events=events)
+
+def _verify_options(where: str, verify: VerifyOptions | str, dcp_kwargs: dict[str, Any],
+                    on_verified: Callable[[Verification], None] | None,
+                    events: EventLog | str | os.PathLike[str] | None) -> AfterSave:
+    """``verify=`` (and the renamed ``verify_deep``/``on_verify_failure``, taken out of ``dcp_kwargs``) as what
+    the background verifier is handed."""
+    from ckptverify.verifier.background import VerifyOptions as AfterSave
+
+    old = take_renamed(where, dcp_kwargs, RENAMED, stacklevel=5)
+    options = verify_options(where, verify, deep=old.get("verify_deep"), on_failure=old.get("on_verify_failure"))
+    return AfterSave(mode=options.when, deep=options.deep, on_failure=options.on_failure, on_verified=on_verified,
+                     events=events)
 
 
 def _coordinator(process_group: Any, no_dist: bool) -> bool:
@@ -228,8 +246,8 @@ def _raise(verification: dict[str, Any] | None) -> None:
     raise VerifyFailedError(f"an earlier checkpoint failed verification: {failed.describe()}", failed)
 
 
-def _raise_earlier_failures(options: VerifyOptions, process_group: Any, no_dist: bool) -> None:
-    """With ``on_verify_failure="raise"``: raise, on every rank, the failure of an earlier save's verification
+def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: bool) -> None:
+    """With ``on_failure="raise"``: raise, on every rank, the failure of an earlier save's verification
     that finished since (found on the coordinator, broadcast), before anything is written."""
     if options.on_failure != "raise":
         return
@@ -242,7 +260,7 @@ def _raise_earlier_failures(options: VerifyOptions, process_group: Any, no_dist:
     _raise(_broadcast(first, process_group, no_dist))
 
 
-def _verify_committed(options: VerifyOptions, path: str | os.PathLike[str], step: int | None, coordinator: bool,
+def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
                       process_group: Any, no_dist: bool) -> None:
     """After a synchronous save committed: hand it to the background verifier, or verify it now (and with
     ``raise``, raise a failure on every rank)."""
@@ -265,7 +283,7 @@ def _verify_committed(options: VerifyOptions, path: str | os.PathLike[str], step
             raise VerifyFailedError(verification.describe(), verification)
 
 
-def _after_upload(options: VerifyOptions, path: str | os.PathLike[str], step: int | None,
+def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | None,
                   coordinator: bool) -> Callable[[], None] | None:
     """What an asynchronous save does once its upload committed (on the coordinator): queue the checkpoint, or
     verify it before the future completes. A ``raise``-mode failure is raised by the next save."""
@@ -291,9 +309,7 @@ def save(
     fingerprint: bool = True,
     thread_count: int = 1,
     process_group: dist.ProcessGroup | None = None,
-    verify: str = "off",
-    verify_deep: bool = False,
-    on_verify_failure: str = "warn",
+    verify: VerifyOptions | str = "off",
     on_verified: Callable[[Verification], None] | None = None,
     events: EventLog | str | os.PathLike[str] | None = None,
     **dcp_kwargs: Any,
@@ -310,13 +326,14 @@ def save(
             own device before it is written).
         thread_count: writer threads per rank (several files per rank), as for ``FileSystemWriter``.
         process_group: the process group to save over (default: the default group, if initialized).
-        verify: once the save has committed, verify it on the coordinator and stamp the verdict beside it:
-            ``"background"`` (queued for the process's verifier thread; this returns at once), ``"inline"``
-            (before this returns) or ``"off"`` (the default: nothing).
-        verify_deep: also rebuild every tensor and compare its fingerprint with the one taken at save time.
-        on_verify_failure: ``"warn"`` (a warning, and an event with ``events``) or ``"raise"``: also a
-            :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when ``"inline"``,
-            else from the next save called with ``"raise"``.
+        verify: once the save has committed, verify it on the coordinator and stamp the verdict beside it: a
+            :class:`~ckptverify.options.VerifyOptions`, or its ``when`` alone: ``"background"`` (queued for the
+            process's background verifier; this returns at once), ``"inline"`` (before this returns) or ``"off"``
+            (the default: nothing). ``VerifyOptions.deep``: also rebuild every tensor and compare its fingerprint
+            with the one taken at save time. ``VerifyOptions.on_failure``: ``"warn"`` (a warning, and an event with
+            ``events``) or ``"raise"``: also a :class:`~ckptverify.errors.VerifyFailedError` on every rank, from
+            this save when ``"inline"``, else from the next save called with ``"raise"``. (``verify_deep=`` and
+            ``on_verify_failure=`` still work for one release, with a ``DeprecationWarning``.)
         on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (on the
             coordinator, in the thread that verified).
         events: an :class:`~ckptverify.ownfiles.events.EventLog` or a run directory: results are appended to its
@@ -329,14 +346,15 @@ def save(
         The manifest on the coordinator rank, ``None`` on the others.
 
     Raises:
-        UsageError: an unknown digest, a non-positive block size or thread count, an unknown keyword.
+        UsageError: an unknown digest, a non-positive block size or thread count, an unknown keyword, a bad
+            ``verify``.
         SaveConflictError: another save into ``path`` is in progress (nothing was written).
         SaveFailedError: the save did not commit on some rank; ``path`` holds no committed checkpoint.
-        VerifyFailedError: ``on_verify_failure="raise"`` and a verification failed (see there).
+        VerifyFailedError: ``on_failure="raise"`` and a verification failed (see there).
     """
     import torch.distributed.checkpoint as dcp
 
-    options = _verify_options(verify, verify_deep, on_verify_failure, on_verified, events)
+    options = _verify_options("save", verify, dcp_kwargs, on_verified, events)
     step = _step(state_dict, path)
     state_dict = _plain(state_dict)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, SAVE_KWARGS)
@@ -361,9 +379,7 @@ def async_save(
     fingerprint: bool = True,
     thread_count: int = 1,
     process_group: dist.ProcessGroup | None = None,
-    verify: str = "off",
-    verify_deep: bool = False,
-    on_verify_failure: str = "warn",
+    verify: VerifyOptions | str = "off",
     on_verified: Callable[[Verification], None] | None = None,
     events: EventLog | str | os.PathLike[str] | None = None,
     **dcp_kwargs: Any,
@@ -379,11 +395,12 @@ def async_save(
 
     ``verify``: once the upload has committed, the coordinator queues the checkpoint for the background
     verifier (``"background"``) or verifies it before its future completes (``"inline"``). With
-    ``on_verify_failure="raise"`` a failure is raised by the next save called with ``"raise"``, on every rank.
+    ``VerifyOptions(on_failure="raise")`` a failure is raised by the next save called with ``"raise"``, on every
+    rank.
     """
     import torch.distributed.checkpoint as dcp
 
-    options = _verify_options(verify, verify_deep, on_verify_failure, on_verified, events)
+    options = _verify_options("async_save", verify, dcp_kwargs, on_verified, events)
     step = _step(state_dict, path)
     state_dict = _plain(state_dict)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS)

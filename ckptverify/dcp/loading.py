@@ -22,9 +22,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.planner import ReadItem
 
-
-class UnsafeValueError(pickle.UnpicklingError):
-    """A non-tensor value in the checkpoint is not plain data; it was not loaded."""
+from ckptverify.errors import UnsafeValueError
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

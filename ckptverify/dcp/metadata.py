@@ -26,6 +26,7 @@ from typing import Any
 
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
+from ckptverify.errors import BadMetadata
 from ckptverify.findings import Finding, Location, error
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import read_small_file
@@ -53,10 +54,6 @@ STORAGE_META_FIELDS = sp.KINDS["StorageMeta"].fields
 
 #: Every global a DCP ``.metadata`` may name, as ``module.name`` (documented; checked by the tests).
 ALLOWED_GLOBALS = sp.ALLOWED_GLOBALS
-
-
-class BadMetadata(Exception):
-    """The metadata parsed as a pickle but does not have the structure DCP writes."""
 
 
 # ---------------------------------------------------------------------------------------------

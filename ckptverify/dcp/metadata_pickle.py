@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, ClassVar
 
+from ckptverify.errors import BadPickle, BudgetExceeded, UnsafeGlobal
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.pickle_subset import in_fast_subset
@@ -162,22 +163,6 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
     + [f"pathlib.{p}" for p in _PATHS]
     + [f"torch.{d}" for d in DTYPE_ITEMSIZE]
 )
-
-
-class BadPickle(Exception):
-    """The pickle does something real unpickling would fail on, or DCP never writes."""
-
-
-class BudgetExceeded(BadPickle):
-    """The pickle asks for more work than its size justifies (a memoized "billion laughs")."""
-
-
-class UnsafeGlobal(pickle.UnpicklingError):
-    """The pickle names a global outside the allowlist; nothing was resolved."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
 
 
 # ---------------------------------------------------------------------------------------------

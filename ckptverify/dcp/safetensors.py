@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+from ckptverify.errors import BlobError
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import TensorHeader
@@ -30,14 +31,6 @@ _DTYPES = {
     "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
 }  # fmt: skip
-
-
-class BlobError(Exception):
-    """The blob is malformed. ``start``/``end`` locate the bad bytes in the file."""
-
-    def __init__(self, message: str, start: int, end: int) -> None:
-        super().__init__(message)
-        self.start, self.end = start, end
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
-from ckptverify.errors import UnsafeMetadataError
+from ckptverify.errors import ItemProofError, UnsafeMetadataError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -87,22 +87,6 @@ def load_parsed(path: str, name: str, check: Any = None) -> md.ParsedMetadata:
         fqn, _, raw = parsed.unsafe_paths[0]
         raise UnsafeMetadataError(f"refusing {name}: storage path {raw!r} of {fqn!r} leaves the checkpoint")
     return parsed
-
-
-class ItemProofError(Exception):
-    """An item (or metadata file) failed its proof while being loaded; nothing was copied out of it.
-
-    ``info``: ``check`` (``manifest-digest``, ``manifest-mismatch``, ``zip-crc``, ``zip-structure``,
-    ``item-bounds``), ``fqn``, ``chunk_offsets``, ``file``, ``byte_range``, ``expected``, ``actual``. It crosses
-    ranks inside DCP's ``CheckpointException`` (pickled), so it holds only plain values.
-    """
-
-    def __init__(self, message: str, info: dict[str, Any]) -> None:
-        super().__init__(message, info)
-        self.info = info
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class ProvingFileSystemReader(SafeFileSystemReader):

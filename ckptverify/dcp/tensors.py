@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
+from ckptverify.errors import UnreadableTensor
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import TensorHeader
 from ckptverify.safeparse.zipwalk import Archive
@@ -22,10 +23,6 @@ if TYPE_CHECKING:
 
 #: Upper bound on the bytes materialised at once when streaming a chunk.
 BLOCK_BYTES = 64 << 20
-
-
-class UnreadableTensor(Exception):
-    """The item's payload cannot be turned into a tensor (exotic dtype or layout)."""
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptverify.dcp.layout import Item
+from ckptverify.errors import TransformError
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 
 __all__ = ["MAX_DECODED_BYTES", "DecodedItem", "TransformError", "decode", "decoded_item"]
@@ -35,14 +36,6 @@ MAX_DECODED_BYTES = 4 << 30
 #: Compressed bytes read per step while decoding.
 _STEP = 4 << 20
 ZSTD = "stream.zstd"
-
-
-class TransformError(ValueError):
-    """The item's stream cannot be decoded. ``unavailable``: no decoder here (not damage)."""
-
-    def __init__(self, message: str, *, unavailable: bool = False) -> None:
-        super().__init__(message)
-        self.unavailable = unavailable
 
 
 def _bounded_read(stream: Any, limit: int) -> bytes:

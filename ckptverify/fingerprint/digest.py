@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.errors import TruncatedRangeError, UsageError
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "READ_BUFFER_SIZE", "BlockDigest", "ByteDigest",
            "RangeDigest", "TruncatedRangeError", "block_digests", "digest_bytes", "digest_file_range",
@@ -35,20 +35,6 @@ class ByteDigest(Protocol):
     def update(self, buffer: Any, /) -> None: ...
 
     def hexdigest(self) -> str: ...
-
-
-class TruncatedRangeError(CkptVerifyError, EOFError):
-    """A byte range extends past the end of its file."""
-
-    def __init__(self, path: str | os.PathLike[str], offset: int, length: int, available: int) -> None:
-        super().__init__(
-            f"{os.fspath(path)}: range [{offset}, {offset + length}) extends past the end of the file "
-            f"({available} of {length} bytes readable)"
-        )
-        self.path = os.fspath(path)
-        self.offset = offset
-        self.length = length
-        self.available = available
 
 
 def new_digest(algorithm: str = DEFAULT_ALGORITHM) -> ByteDigest:

@@ -21,7 +21,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ckptverify.errors import CkptVerifyError
+from ckptverify.errors import WalkIncompleteError
 from ckptverify.ownfiles.names import SAVE_MARKER
 
 __all__ = [
@@ -174,15 +174,6 @@ class WalkNote:
             return (f"{self.path}: holds more than {self.entries} entries; only the first {self.entries} were looked "
                     "at: a checkpoint among the others was not seen")
         return f"the walk's budget was spent: {self.detail}"
-
-
-class WalkIncompleteError(CkptVerifyError):
-    """The walk of a run directory did not see all of it, and the caller must not act on a partial view
-    (retention cannot know what is newest). ``notes`` say what was not seen."""
-
-    def __init__(self, message: str, notes: list[WalkNote]) -> None:
-        super().__init__(message)
-        self.notes = list(notes)
 
 
 @dataclass

@@ -27,25 +27,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import CkptVerifyError
+from ckptverify.errors import ReplicaMismatchError, ReplicaMismatchWarning
 
 __all__ = ["ReplicaCheck", "ReplicaMismatch", "ReplicaMismatchError", "ReplicaMismatchWarning"]
 
 ON_MISMATCH = ("warn", "raise")
-
-
-class ReplicaMismatchError(CkptVerifyError):
-    """Replicas that must be identical differ (``on_mismatch="raise"``): a hardware fault is likely."""
-
-    exit_code = 1
-
-    def __init__(self, message: str, mismatch: ReplicaMismatch) -> None:
-        super().__init__(message)
-        self.mismatch = mismatch
-
-
-class ReplicaMismatchWarning(UserWarning):
-    """Replicas that must be identical differ (``on_mismatch="warn"``)."""
 
 
 @dataclass(frozen=True)

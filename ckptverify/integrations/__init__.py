@@ -11,8 +11,10 @@ never needs one):
 - :mod:`ckptverify.integrations.torchtitan`: ``VerifiedCheckpointManager``, a torchtitan ``CheckpointManager``
   that saves through ckptverify's hashing writer.
 
-Each takes ``background=True`` (torchtitan: ``verify_background``): the save returns at once and the checkpoint
-is verified by the process's background verifier (:mod:`ckptverify.verifier.background`).
+Each takes ``verify=`` a :class:`~ckptverify.options.VerifyOptions` (``when``, ``deep``, ``on_failure``; torchtitan:
+the ``verify_when``, ``verify_deep`` and ``verify_on_failure`` fields of its config). With ``verify="background"``
+the save returns at once and the checkpoint is verified by the process's background verifier
+(:mod:`ckptverify.verifier.background`).
 
 What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`Verdict`,
 :class:`CheckpointVerificationWarning`. See ``docs/integrations.md``.
@@ -20,6 +22,13 @@ What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :clas
 
 from __future__ import annotations
 
-from ckptverify.integrations._core import CheckpointVerificationWarning, Group, Verdict, Verifier, torch_group
+from ckptverify.integrations._core import (
+    CheckpointVerificationWarning,
+    Group,
+    Verdict,
+    Verifier,
+    VerifyOptions,
+    torch_group,
+)
 
-__all__ = ["CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "torch_group"]
+__all__ = ["CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions", "torch_group"]

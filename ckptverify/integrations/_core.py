@@ -23,7 +23,7 @@ The verdict is reached on the coordinator (rank 0) and handed to every rank thro
 broadcast (:class:`Group`), so every rank raises or none does.
 
 By default the integrations verify inline: a save returns once its checkpoint is verified and stamped. With
-``background=True`` (:meth:`Verifier.after_save`'s one dispatch, ``self._dispatch``) the coordinator hands the
+``verify="background"`` (:meth:`Verifier.after_save`'s one dispatch, ``self._dispatch``) the coordinator hands the
 checkpoint to the process's background verifier (:mod:`ckptverify.verifier.background`, the one
 ``ckptverify.save(verify="background")`` uses: its queue, the checkpoint's verifying lock, its verifier process at
 idle CPU priority) and the save returns at once, with a *pending* verdict. The verifier process runs the same
@@ -51,21 +51,35 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ckptverify.errors import CheckpointRefusedError, CkptVerifyError, UsageError
+from ckptverify.errors import (
+    CheckpointRefusedError,
+    CheckpointVerificationWarning,
+    CkptVerifyDeprecationWarning,
+    UsageError,
+    reported_as_itself,
+)
 from ckptverify.findings import Report
+from ckptverify.options import (
+    FAILURE_POLICIES,
+    VerifyOptions,
+    no_other_keywords,
+    take_renamed,
+    verify_options,
+)
 
-__all__ = ["ON_FAILURE", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "check_saved",
-           "numbered_folders", "plain_folder", "settle_verdicts", "torch_group"]
+__all__ = ["ON_FAILURE", "WHEN", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions",
+           "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_group"]
 
 OnFailure = Literal["warn", "raise"]
 Fingerprint = bool | Literal["auto"]
-ON_FAILURE: tuple[str, ...] = ("warn", "raise")
+ON_FAILURE: tuple[str, ...] = FAILURE_POLICIES
+#: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
+WHEN: tuple[str, ...] = ("inline", "background")
+#: Keywords of the integrations renamed in this release -> what replaces them (still accepted, with a warning).
+RENAMED = {"on_failure": "verify=VerifyOptions(on_failure=...)", "background": 'verify="background"',
+           "deep": "verify=VerifyOptions(deep=...)"}
 #: Errors carried by a verdict (and broadcast to every rank): the first few are enough to act on.
 _MAX_ERRORS = 5
-
-
-class CheckpointVerificationWarning(UserWarning):
-    """A checkpoint a framework saved (or was asked to load) failed verification."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +117,7 @@ def torch_group() -> Group:
 @dataclass(frozen=True)
 class Verdict:
     """The outcome of checking one checkpoint. ``report`` is set on the coordinator only; the rest is on every
-    rank. ``checked_bytes`` and ``coverage`` say how much was
+    rank. ``bytes_checked`` and ``coverage`` say how much was
     checked; ``unchecked`` names the files with content nothing could check (no checksum, no manifest covering
     it). ``pending``: handed to the background verifier, no verdict yet (``passed`` is ``False``: nothing was
     checked). ``deleted``: removed (by the framework's retention) before its verification finished; no verdict."""
@@ -113,7 +127,7 @@ class Verdict:
     message: str
     step: int | None = None
     errors: tuple[dict[str, Any], ...] = ()
-    checked_bytes: int = 0
+    bytes_checked: int = 0
     coverage: tuple[dict[str, Any], ...] = ()
     manifest: bool = False
     unchecked: tuple[str, ...] = ()
@@ -124,10 +138,17 @@ class Verdict:
     pending: bool = False
     deleted: bool = False
 
+    @property
+    def checked_bytes(self) -> int:
+        """Deprecated (one release): :attr:`bytes_checked`, the name every result and JSON file uses."""
+        warnings.warn("Verdict.checked_bytes is deprecated and will be removed in the next release; use "
+                      "Verdict.bytes_checked instead", CkptVerifyDeprecationWarning, stacklevel=2)
+        return self.bytes_checked
+
     def to_dict(self) -> dict[str, Any]:
         """Everything but the report: what is broadcast, and what an event records."""
         data = {"path": self.path, "passed": self.passed, "message": self.message, "step": self.step,
-                "errors": list(self.errors), "checked_bytes": self.checked_bytes, "coverage": list(self.coverage),
+                "errors": list(self.errors), "bytes_checked": self.bytes_checked, "coverage": list(self.coverage),
                 "manifest": self.manifest, "unchecked": list(self.unchecked), "warnings": list(self.warnings),
                 "seconds": self.seconds, "stamp": self.stamp}
         if self.pending:
@@ -139,7 +160,9 @@ class Verdict:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Verdict:
         return cls(path=data["path"], passed=data["passed"], message=data["message"], step=data.get("step"),
-                   errors=tuple(data.get("errors", ())), checked_bytes=data.get("checked_bytes", 0),
+                   errors=tuple(data.get("errors", ())),
+                   # ``checked_bytes``: the key's name in what earlier versions wrote (events.jsonl).
+                   bytes_checked=data.get("bytes_checked", data.get("checked_bytes", 0)),
                    coverage=tuple(data.get("coverage", ())), manifest=data.get("manifest", False),
                    unchecked=tuple(data.get("unchecked", ())), warnings=tuple(data.get("warnings", ())),
                    seconds=data.get("seconds", 0.0), stamp=data.get("stamp"), pending=data.get("pending", False),
@@ -173,7 +196,7 @@ def _verdict(path: str, report: Report, step: int | None, seconds: float, stamp:
             message += f"; no checksum covers {', '.join(unchecked[:4])}"
     return Verdict(path=path, passed=report.passed, message=message, step=step,
                    errors=tuple(f.to_dict() for f in errors[:_MAX_ERRORS]),
-                   checked_bytes=int(report.stats.get("bytes", 0) or 0),
+                   bytes_checked=int(report.stats.get("bytes", 0) or 0),
                    coverage=tuple(c.to_dict() for c in report.coverage), manifest=bool(report.stats.get("manifest")),
                    unchecked=tuple(unchecked), warnings=tuple(noted), seconds=round(seconds, 6), stamp=stamp,
                    report=report)
@@ -204,7 +227,7 @@ def _has_manifest(root: str) -> bool:
 
 def _why(exc: Exception) -> str:
     """What stopped a verification: the message of a ckptverify error, the type too for anything else."""
-    return str(exc) if isinstance(exc, CkptVerifyError) else f"the check stopped: {type(exc).__name__}: {exc}"
+    return str(exc) if reported_as_itself(exc) else f"the check stopped: {type(exc).__name__}: {exc}"
 
 
 def _deleted(path: str, step: int | None, seconds: float = 0.0) -> Verdict:
@@ -348,13 +371,39 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
             "report": None if verdict.report is None else verdict.report.to_dict()}
 
 
+def integration_verify(where: str, verify: VerifyOptions | str, renamed: dict[str, Any], *,
+                       stacklevel: int = 5) -> VerifyOptions:
+    """``verify=`` of an integration as a :class:`~ckptverify.options.VerifyOptions`, with the renamed keywords
+    ``on_failure``, ``background`` and ``deep`` (taken out of ``renamed``, a ``**kwargs``, with a warning each)
+    folded in. Anything else left in ``renamed`` is a ``TypeError``, as for any unknown keyword."""
+    old = take_renamed(where, renamed, RENAMED, stacklevel=stacklevel)
+    no_other_keywords(where, renamed)
+    if "background" in old and not isinstance(old["background"], bool):
+        raise UsageError(f"{where}: background must be True or False, got {old['background']!r}")
+    options = verify_options(where, verify, deep=old.get("deep"), on_failure=old.get("on_failure"),
+                             when=("off", *WHEN))
+    if "background" in old:
+        options = replace(options, when="background" if old["background"] else "inline")
+    if options.when not in WHEN:
+        raise UsageError(f"{where}: verify.when must be one of {', '.join(map(repr, WHEN))} (every save is verified), "
+                         f"got {options.when!r}")
+    return options
+
+
 class Verifier:
     """Verify checkpoints after a framework saves them and before it loads them; see the module docstring.
 
     Args:
-        on_failure: ``"warn"`` (a warning and an event; training goes on) or ``"raise"`` (also
-            :class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a saved checkpoint fails.
-            A checkpoint that fails before a load is always refused.
+        verify: how each saved checkpoint is verified, a :class:`~ckptverify.options.VerifyOptions` or its ``when``:
+            ``"inline"`` (the default: ``after_save`` returns once it is verified) or ``"background"`` (hand each
+            saved checkpoint to the background verifier and return at once, see the module docstring; the
+            framework must then call :meth:`wait` at the end of training). ``VerifyOptions.on_failure``:
+            ``"warn"`` (a warning and an event; training goes on) or ``"raise"`` (also
+            :class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a saved checkpoint fails; a
+            checkpoint that fails before a load is always refused. ``VerifyOptions.deep``: also rebuild every
+            tensor and compare its logical fingerprint with the manifest's (after a save and before a load).
+            (``on_failure=``, ``background=`` and ``deep=`` still work for one release, with a
+            ``DeprecationWarning``.)
         fingerprint: write a manifest right after a save (inside a checkpoint folder, beside a single file), so
             that later verifications check every byte against digests taken now. ``"auto"`` (default): only
             when the checkpoint holds content no checksum protects (safetensors weights, DCP items without
@@ -362,23 +411,18 @@ class Verifier:
             the manifest's logical tensor fingerprints cost far more than the save (``docs/integrations.md``,
             Cost). ``True``: always (the manifest then also serves ``verify --deep`` and ``diff``). ``False``:
             never.
-        background: hand each saved checkpoint to the background verifier and return at once (see the module
-            docstring); the framework must then call :meth:`wait` at the end of training.
-        deep: also rebuild every tensor and compare its logical fingerprint with the manifest's.
         jobs: verification threads (default: one per core inline, one in the background).
         events_dir: where ``events.jsonl`` goes (default: the folder that holds the checkpoint).
     """
 
-    def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
-                 deep: bool = False, jobs: int | None = None,
-                 events_dir: str | os.PathLike[str] | None = None) -> None:
-        if on_failure not in ON_FAILURE:
-            raise UsageError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
-        if not isinstance(background, bool):
-            raise UsageError(f"background must be True or False, got {background!r}")
+    def __init__(self, *, verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto",
+                 jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None, **renamed: Any) -> None:
+        options = integration_verify("Verifier", verify, renamed)
+        background, deep = options.when == "background", options.deep
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
-        self.on_failure: OnFailure = on_failure
+        self.verify = options
+        self.on_failure: OnFailure = options.on_failure
         if fingerprint not in (True, False, "auto"):
             raise UsageError(f"fingerprint must be True, False or 'auto', got {fingerprint!r}")
         self.fingerprint: Fingerprint = fingerprint

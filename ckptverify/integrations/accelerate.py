@@ -22,7 +22,7 @@ save (once every process has written its ``random_states_R.pkl``) and before the
   loaded (newer ones that fail are skipped, each a warning and an event) where accelerate would take the newest
   whatever its state.
 
-With ``background=True`` the main process queues the folder for the background verifier and :func:`save_state`
+With ``verify="background"`` the main process queues the folder for the background verifier and :func:`save_state`
 returns at once (a pending verdict); the manifest (when needed), the stamp and the event are written when its
 verification finishes. Call :func:`wait_for_verifications` at the end of training, on every process: it waits for
 the pending ones (bounded) and returns their verdicts. A failure is a warning and a ``checkpoint-failed`` event
@@ -46,11 +46,13 @@ from typing import Any
 
 from ckptverify.errors import CheckpointRefusedError, UsageError
 from ckptverify.integrations._core import (
+    RENAMED,
     Fingerprint,
     Group,
-    OnFailure,
     Verdict,
     Verifier,
+    VerifyOptions,
+    integration_verify,
     numbered_folders,
     plain_folder,
 )
@@ -61,23 +63,29 @@ _LAST_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")
 
 
 def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None, *,
-               on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
-               deep: bool = False, jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None,
-               step: int | None = None, **save_kwargs: Any) -> Verdict:
+               verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto", jobs: int | None = None,
+               events_dir: str | os.PathLike[str] | None = None, step: int | None = None,
+               **save_kwargs: Any) -> Verdict:
     """``accelerator.save_state(output_dir, **save_kwargs)``, then verify, stamp and log the folder it wrote.
 
     Every process calls it, as it calls ``save_state``. ``step`` is recorded in the stamp (default: the number
     the folder's name ends with). Returns the verdict (its ``path`` is where ``save_state`` wrote) on every
     process; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process when the folder fails
-    and ``on_failure="raise"``.
+    and ``verify=VerifyOptions(on_failure="raise")``. ``verify``: a :class:`~ckptverify.options.VerifyOptions`
+    or its ``when`` (``"inline"``, the default, or ``"background"``); ``deep``: as for
+    :class:`~ckptverify.integrations.Verifier`. (``on_failure=``, ``background=`` and ``deep=`` still work for
+    one release, with a ``DeprecationWarning``; every other keyword goes to ``accelerator.save_state``.)
 
-    ``background=True``: the verdict returned is pending; the verification runs in the background (see the
+    ``verify="background"``: the verdict returned is pending; the verification runs in the background (see the
     module docstring), and a failure found since the last call is raised here, on every process, with
     ``on_failure="raise"``. The accelerator keeps the background verifier's state between calls; call
     :func:`wait_for_verifications` at the end.
     """
-    settings = {"on_failure": on_failure, "fingerprint": fingerprint, "background": background, "deep": deep,
-                "jobs": jobs, "events_dir": _events_dir(accelerator, events_dir)}
+    renamed = {old: save_kwargs.pop(old) for old in list(save_kwargs) if old in RENAMED}
+    options = integration_verify("save_state", verify, renamed)
+    settings = {"verify": options, "fingerprint": fingerprint, "jobs": jobs,
+                "events_dir": _events_dir(accelerator, events_dir)}
+    background = options.when == "background"
     verifier = _background_verifier(accelerator, settings) if background else Verifier(**settings)
     location = accelerator.save_state(None if output_dir is None else os.fspath(output_dir), **save_kwargs)
     path = os.fspath(location)
@@ -93,7 +101,7 @@ def wait_for_verifications(accelerator: Any, *, timeout: float | None = None) ->
     seconds (default: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600; those cut short are a warning and a
     ``checkpoint-cut-short`` event each). Every process calls it. Returns the verdicts that arrived since the
     last call, on every process; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process for
-    a failure not raised yet when it was saved with ``on_failure="raise"``."""
+    a failure not raised yet when it was saved with ``VerifyOptions(on_failure="raise")``."""
     verifier = getattr(accelerator, _VERIFIER, None)
     if verifier is None:
         return []
@@ -110,7 +118,7 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
     :class:`~ckptverify.errors.CheckpointRefusedError` on every process, before anything is loaded, when the
     folder (or, without ``input_dir``, every ``checkpoint_N``) fails verification.
     """
-    verifier = Verifier(deep=deep, jobs=jobs, events_dir=_events_dir(accelerator, events_dir))
+    verifier = Verifier(verify=VerifyOptions(deep=deep), jobs=jobs, events_dir=_events_dir(accelerator, events_dir))
     group = _group(accelerator)
     if input_dir is not None:
         verdict = verifier.before_resume(os.fspath(input_dir), group=group)
@@ -131,7 +139,7 @@ def _background_verifier(accelerator: Any, settings: dict[str, Any]) -> Verifier
     if verifier is None:
         setattr(accelerator, _VERIFIER, fresh)
         return fresh
-    verifier.on_failure, verifier.fingerprint = fresh.on_failure, fresh.fingerprint
+    verifier.verify, verifier.on_failure, verifier.fingerprint = fresh.verify, fresh.on_failure, fresh.fingerprint
     verifier.deep, verifier.jobs, verifier.events_dir = fresh.deep, fresh.jobs, fresh.events_dir
     return verifier
 

@@ -27,7 +27,7 @@ changed, so any strategy works: the default single device one (``.ckpt`` files),
 - Before ``load_checkpoint``: the checkpoint is verified (read only) and refused on every rank when it fails.
 - ``remove_checkpoint`` (``save_top_k`` retention) also removes the stamp and manifest kept beside a ``.ckpt``
   file.
-- With ``background=True`` the coordinator queues each checkpoint for the background verifier
+- With ``verify="background"`` the coordinator queues each checkpoint for the background verifier
   (:mod:`ckptverify.integrations._core`) and the save returns at once; the stamp and the event come when its
   verification finishes. ``teardown`` (once ``fit``/``validate``/``test`` is done, after any asynchronous write
   has finished) waits for the pending ones, bounded (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s), and puts their
@@ -53,7 +53,15 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
-from ckptverify.integrations._core import Fingerprint, Group, OnFailure, Verdict, Verifier, settle_verdicts
+from ckptverify.integrations._core import (
+    Fingerprint,
+    Group,
+    Verdict,
+    Verifier,
+    VerifyOptions,
+    integration_verify,
+    settle_verdicts,
+)
 
 __all__ = ["VerifyCheckpoints"]
 
@@ -65,13 +73,16 @@ class VerifyCheckpoints(Callback):
     """Verify each checkpoint the trainer saves, and the ``ckpt_path`` it resumes from.
 
     Args:
-        on_failure: ``"warn"`` (default: a :class:`~ckptverify.integrations.CheckpointVerificationWarning`
-            and a ``checkpoint-failed`` event) or ``"raise"`` (also stop training with
-            :class:`~ckptverify.errors.CheckpointRefusedError`) when a saved checkpoint fails verification.
+        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``. ``when``: ``"inline"`` (default)
+            or ``"background"``: each save returns at once, its verdict arrives later (see the module docstring);
+            ``teardown`` waits for the pending ones. ``on_failure``: ``"warn"`` (default: a
+            :class:`~ckptverify.integrations.CheckpointVerificationWarning` and a ``checkpoint-failed`` event) or
+            ``"raise"`` (also stop training with :class:`~ckptverify.errors.CheckpointRefusedError`) when a saved
+            checkpoint fails verification. ``deep``: as for :class:`~ckptverify.integrations.Verifier`.
+            (``on_failure=``, ``background=`` and ``deep=`` still work for one release, with a
+            ``DeprecationWarning``.)
         verify_resume: refuse a ``ckpt_path`` that fails verification (default ``True``).
-        background: verify in the background: each save returns at once, its verdict arrives later (see the
-            module docstring); ``teardown`` waits for the pending ones.
-        fingerprint, deep, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``fingerprint``
+        fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``fingerprint``
             ``"auto"``: a ``.ckpt`` file or a DCP folder, every byte under a CRC-32, gets no manifest unless
             ``fingerprint=True``).
 
@@ -79,12 +90,12 @@ class VerifyCheckpoints(Callback):
     ones until ``teardown`` replaces them with the verdicts that arrived.
     """
 
-    def __init__(self, *, on_failure: OnFailure = "warn", verify_resume: bool = True, fingerprint: Fingerprint = "auto",
-                 background: bool = False, deep: bool = False, jobs: int | None = None,
-                 events_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, *, verify: VerifyOptions | str = "inline", verify_resume: bool = True,
+                 fingerprint: Fingerprint = "auto", jobs: int | None = None,
+                 events_dir: str | os.PathLike[str] | None = None, **renamed: Any) -> None:
         super().__init__()
-        self.verifier = Verifier(on_failure=on_failure, fingerprint=fingerprint, background=background, deep=deep,
-                                 jobs=jobs, events_dir=events_dir)
+        options = integration_verify("VerifyCheckpoints", verify, renamed)
+        self.verifier = Verifier(verify=options, fingerprint=fingerprint, jobs=jobs, events_dir=events_dir)
         self.verify_resume = verify_resume
         self.verdicts: list[Verdict] = []
         self._restore: list[tuple[Any, str, Any]] = []

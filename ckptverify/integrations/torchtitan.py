@@ -19,7 +19,7 @@ constructs the class that declares the ``Config``), and it documents its overrid
   folder against that manifest, stamps it and logs to ``FOLDER/events.jsonl``. A synchronous save is verified
   before ``save`` returns; an asynchronous one when torchtitan waits for it (the next save, or ``close``).
   Hugging Face safetensors exports (``last_save_in_hf``) are written by torchtitan's own writer and verified.
-- With ``verify_background = true`` the folder is queued for the background verifier instead
+- With ``verify_when = "background"`` the folder is queued for the background verifier instead
   (:mod:`ckptverify.integrations._core`): ``save`` returns once the save is done, and the stamp and the event
   come when the verification finishes. A failure is a warning and a ``checkpoint-failed`` event when it is found;
   with ``verify_on_failure = "raise"`` every rank raises at the next save (or at ``close``, which waits for the
@@ -45,7 +45,17 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 
 from ckptverify.errors import UsageError
-from ckptverify.integrations._core import ON_FAILURE, Verdict, Verifier, numbered_folders, settle_verdicts, torch_group
+from ckptverify.integrations._core import (
+    ON_FAILURE,
+    WHEN,
+    Verdict,
+    Verifier,
+    VerifyOptions,
+    numbered_folders,
+    settle_verdicts,
+    torch_group,
+)
+from ckptverify.options import renamed
 
 __all__ = ["VerifiedCheckpointManager"]
 
@@ -64,15 +74,31 @@ class VerifiedCheckpointManager(CheckpointManager):
         verify_deep: bool = False
         """Also rebuild every tensor and compare its logical fingerprint with the one taken at save time."""
 
-        verify_background: bool = False
-        """Verify in the background: a save returns once it is written; its verdict arrives later (a failure with
-        ``raise`` is raised at the next save or at ``close``)."""
+        verify_when: Literal["inline", "background"] = "inline"
+        """``inline``: a save returns once its checkpoint is verified. ``background``: a save returns once it is
+        written; its verdict arrives later (a failure with ``raise`` is raised at the next save or at ``close``)."""
+
+        verify_background: bool | None = None
+        """Deprecated (one release): ``verify_when = "background"`` replaces ``verify_background = true``."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             if self.verify_on_failure not in ON_FAILURE:
-                raise ValueError(f"checkpoint.verify_on_failure must be one of {', '.join(ON_FAILURE)}, "
+                raise UsageError(f"checkpoint.verify_on_failure must be one of {', '.join(ON_FAILURE)}, "
                                  f"got {self.verify_on_failure!r}")
+            if self.verify_background is not None:
+                renamed("VerifiedCheckpointManager.Config", "verify_background",
+                        'verify_when="background"' if self.verify_background else 'verify_when="inline"',
+                        stacklevel=4)  # the caller of the dataclass's __init__
+                self.verify_when = "background" if self.verify_background else "inline"
+                self.verify_background = None
+            if self.verify_when not in WHEN:
+                raise UsageError(f"checkpoint.verify_when must be one of {', '.join(WHEN)}, got {self.verify_when!r}")
+            self.verify_options()  # every field checked now, not at the first save
+
+        def verify_options(self) -> VerifyOptions:
+            """The ``verify_*`` fields as the :class:`~ckptverify.options.VerifyOptions` every API takes."""
+            return VerifyOptions(when=self.verify_when, deep=self.verify_deep, on_failure=self.verify_on_failure)
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -80,8 +106,7 @@ class VerifiedCheckpointManager(CheckpointManager):
             return
         if filesystem.is_remote(self.folder):
             raise UsageError(f"checkpoint.folder {self.folder} is remote; ckptverify verifies local folders only")
-        self.verifier = Verifier(on_failure=config.verify_on_failure, background=config.verify_background,
-                                 deep=config.verify_deep, events_dir=self.folder)
+        self.verifier = Verifier(verify=config.verify_options(), events_dir=self.folder)
         self.verdicts: list[Verdict] = []
         self._pending: tuple[str, bool] | None = None
         self._verified_for_load: str | None = None

@@ -13,7 +13,7 @@ ones away. The callback waits for every rank (each writes its own ``rng_state_R.
 folder, writes its stamp inside it and appends to ``OUTPUT_DIR/events.jsonl``; the verdict is broadcast, so with
 ``on_failure="raise"`` every rank stops.
 
-**In the background.** With ``background=True`` rank 0 queues the folder for the background verifier and
+**In the background.** With ``verify="background"`` rank 0 queues the folder for the background verifier and
 ``on_save`` returns at once; the manifest (when needed), the stamp and the event are written when its verification
 finishes. ``on_train_end`` waits for the pending ones (bounded: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s). A failure
 is a warning and a ``checkpoint-failed`` event when it is found; with ``on_failure="raise"`` every rank raises at
@@ -47,9 +47,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptverify.integrations._core import (
     Fingerprint,
-    OnFailure,
     Verdict,
     Verifier,
+    VerifyOptions,
+    integration_verify,
     numbered_folders,
     plain_folder,
     settle_verdicts,
@@ -65,20 +66,21 @@ class VerifyCheckpointsCallback(TrainerCallback):
     """Verify, stamp and log each ``checkpoint-N`` right after the ``Trainer`` saves it.
 
     Args:
-        on_failure: ``"warn"`` (default) or ``"raise"``
-            (:class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a checkpoint fails.
-        background: verify in the background (see the module docstring); ``on_train_end`` waits for them.
-        fingerprint, deep, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
+        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
+            ``"background"`` (see the module docstring; ``on_train_end`` waits for them); ``on_failure``:
+            ``"warn"`` (default) or ``"raise"`` (:class:`~ckptverify.errors.CheckpointRefusedError` on every rank)
+            when a checkpoint fails; ``deep``: as for :class:`~ckptverify.integrations.Verifier`. (``on_failure=``,
+            ``background=`` and ``deep=`` still work for one release, with a ``DeprecationWarning``.)
+        fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
 
     ``verdicts`` lists the verdicts so far (with ``background``, pending ones until ``on_train_end`` replaces
     them with the verdicts that arrived).
     """
 
-    def __init__(self, *, on_failure: OnFailure = "warn", fingerprint: Fingerprint = "auto", background: bool = False,
-                 deep: bool = False, jobs: int | None = None,
-                 events_dir: str | os.PathLike[str] | None = None) -> None:
-        self.verifier = Verifier(on_failure=on_failure, fingerprint=fingerprint, background=background, deep=deep,
-                                 jobs=jobs, events_dir=events_dir)
+    def __init__(self, *, verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto",
+                 jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None, **renamed: Any) -> None:
+        options = integration_verify("VerifyCheckpointsCallback", verify, renamed)
+        self.verifier = Verifier(verify=options, fingerprint=fingerprint, jobs=jobs, events_dir=events_dir)
         self.verdicts: list[Verdict] = []
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

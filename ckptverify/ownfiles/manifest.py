@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptverify.errors import ManifestError
 from ckptverify.ownfiles.names import MANIFEST_FILE, MANIFEST_TEMP_PREFIX, write_atomic
 from ckptverify.safeparse import safejson
 
@@ -35,10 +36,6 @@ _MAX_NAME = 1 << 16
 _MAX_DIMS = 64
 _RANK_METADATA = re.compile(r"__\d{1,9}\.metadata")
 _DIGEST_RE = {"xxh3-128": re.compile(r"[0-9a-f]{32}"), "sha256": re.compile(r"[0-9a-f]{64}")}
-
-
-class ManifestError(Exception):
-    """The manifest is unreadable, truncated, edited, or of an unknown schema. Becomes a finding."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ import os
 import stat
 import tempfile
 
+from ckptverify.errors import NotRegularFileError
+
 __all__ = [
     "MANIFEST_FILE",
     "MANIFEST_TEMP_PREFIX",
@@ -58,12 +60,6 @@ OWN_FILES = frozenset({MANIFEST_FILE, STAMP_FILE, VERIFYING_LOCK, SUSPECT_NOTE})
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-
-
-class NotRegularFileError(OSError):
-    """What is at the path of one of ckptverify's own files is not a regular file (a symbolic link, a FIFO, a
-    device, a socket, a directory): it is neither written through nor replaced. An ``OSError``, so a caller that
-    copes with an unwritable file copes with this one too."""
 
 
 def _kind(mode: int) -> str:

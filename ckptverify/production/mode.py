@@ -48,7 +48,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import ResumeRefusedError, UsageError
+from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import write_atomic
 from ckptverify.safeparse import safejson
 
@@ -74,14 +75,13 @@ class ProductionOptions:
     on_mismatch: str = "warn"
     replica_check: bool = True
     fault: str | None = None  # BitFlip JSON
-    verify: str = "background"
-    on_verify_failure: str = "warn"
+    #: How each saved checkpoint is verified once committed: a VerifyOptions after construction (a ``when``
+    #: string given here is turned into one).
+    verify: VerifyOptions | str = "background"
     resume: str = "auto"
 
     def __post_init__(self) -> None:
-        from ckptverify.verifier.background import VerifyOptions
-
-        VerifyOptions(mode=self.verify, on_failure=self.on_verify_failure)  # the same checks as save's
+        object.__setattr__(self, "verify", verify_options("Run.main", self.verify))  # the same checks as save's
         if self.steps < 1:
             raise UsageError(f"steps must be at least 1, got {self.steps}")
         if self.save_every is not None and self.save_every < 1:
@@ -92,13 +92,6 @@ class ProductionOptions:
             raise UsageError(f"on_mismatch must be 'warn' or 'raise', got {self.on_mismatch!r}")
         if self.resume not in RESUME_MODES:
             raise UsageError(f"resume must be one of {', '.join(map(repr, RESUME_MODES))}, got {self.resume!r}")
-
-
-class ResumeRefusedError(UsageError):
-    """The production job will not start: ``resume=`` forbids what the run directory holds (checkpoints that all
-    fail, nothing to resume from, or good checkpoints that ``resume="never"`` would bury). Nothing was changed."""
-
-    exit_code = 2
 
 
 def _say(message: str) -> None:
@@ -285,8 +278,7 @@ class Production:
 
     def save_options(self) -> dict[str, Any]:
         """How ``run`` saves in production: verified after the commit, results in ``events.jsonl``."""
-        return {"verify": self.options.verify, "on_verify_failure": self.options.on_verify_failure,
-                "events": self.events}
+        return {"verify": self.options.verify, "events": self.events}
 
     def before_save(self, step: int, path: str) -> None:
         """Before the save of ``step`` into ``path`` (every rank calls it): on rank 0, whatever is already at
@@ -330,7 +322,7 @@ class Production:
             self.replicas.finish()  # an episode still open: its count, now
         if self.rank == 0:
             pending = 0
-            if self.options.verify != "off":
+            if self.options.verify.when != "off":
                 from ckptverify.verifier.background import default_verifier, exit_timeout
 
                 verifier = default_verifier()

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.errors import UsageError, WorkloadCrashedError
 from ckptverify.findings import Finding, Location, Report, error
 from ckptverify.resume.harness_target import (
     TargetError,
@@ -45,15 +45,6 @@ __all__ = ["Outcome", "Plan", "TargetError", "WorkloadCrashedError", "check_targ
            "resume_check", "resume_check_many", "workload_logs"]
 
 RUN_NAMES = ("A", "A2", "B")
-
-
-class WorkloadCrashedError(CkptVerifyError):
-    """The training function raised (exit 2: nothing could be concluded). Carries the user's traceback (their
-    frames, none of the harness's); the message has several lines, to be printed as they are."""
-
-    def __init__(self, message: str, traceback_text: str) -> None:
-        super().__init__(message + "\n" + traceback_text)
-        self.traceback_text = traceback_text
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,7 +36,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import TargetError, UsageError
 
 __all__ = ["TargetError", "check_target", "load_target", "never_restored_message", "usage_text", "user_traceback"]
 
@@ -46,11 +46,6 @@ MAIN_NAME = "__mp_main__"
 _CHECK_NAME = "_ckptverify_target_check"
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class TargetError(UsageError):
-    """The target cannot be run (exit 2). The message is for the user as it is: several lines (a traceback of
-    their code, or the line at fault), to be printed line by line, not escaped into one."""
 
 
 def split_target(target: str) -> tuple[str, str, bool]:

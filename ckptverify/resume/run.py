@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptverify.errors import UsageError
+from ckptverify.options import VerifyOptions, no_other_keywords, take_renamed, verify_options
 from ckptverify.ownfiles.names import write_atomic
 from ckptverify.state.distributed import rank_world
 
@@ -115,8 +116,8 @@ class Run:
     @classmethod
     def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
              save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
-             on_mismatch: str = "warn", fault: str | None = None, verify: str = "background",
-             on_verify_failure: str = "warn", resume: str = "auto") -> None:
+             on_mismatch: str = "warn", fault: str | None = None, verify: VerifyOptions | str = "background",
+             resume: str = "auto", **renamed: Any) -> None:
         """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with
         ``run_dir``: see :mod:`ckptverify.production.mode`), or plainly for ``steps`` steps.
 
@@ -124,10 +125,12 @@ class Run:
         ``run_dir/step_N``; a trace at level ``trace`` every ``trace_every`` steps; replicas compared on more
         than one rank (``on_mismatch``: ``"warn"`` or ``"raise"``); ``fault``: a
         :class:`~ckptverify.hardware.inject.BitFlip` as JSON, for fire drills; ``verify``: how each saved
-        checkpoint is verified and stamped once committed (``"background"``, ``"inline"`` or ``"off"``; see
-        :func:`ckptverify.save`), with ``on_verify_failure`` (``"warn"`` or ``"raise"``); the job waits for the
-        pending verifications before it ends. Started by ``python`` or ``torchrun``: the process group is
-        created from torchrun's environment when none exists.
+        checkpoint is verified and stamped once committed, a :class:`~ckptverify.options.VerifyOptions` or its
+        ``when`` (``"background"``, the default, ``"inline"`` or ``"off"``; see :func:`ckptverify.save`), with
+        its ``deep`` and ``on_failure`` (``"warn"`` or ``"raise"``; ``on_verify_failure=`` still works for one
+        release, with a ``DeprecationWarning``); the job waits for the pending verifications before it ends.
+        Started by ``python`` or ``torchrun``: the process group is created from torchrun's environment when none
+        exists.
 
         ``resume``: ``"auto"`` (the newest checkpoint that verifies; step 0 in an empty run directory; refused
         when checkpoints exist and none verifies), ``"required"`` (refused when there is nothing to resume
@@ -136,6 +139,9 @@ class Run:
         :mod:`ckptverify.production.mode`). A refusal prints why on stderr and exits with status 2 (raises
         ``SystemExit(2)``) before ``train`` runs, having changed nothing.
         """
+        old = take_renamed("Run.main", renamed, {"on_verify_failure": "verify=VerifyOptions(on_failure=...)"})
+        no_other_keywords("Run.main", renamed)
+        verifying = verify_options("Run.main", verify, on_failure=old.get("on_verify_failure"))
         if os.environ.get(ENV_VAR) or run_dir is None:
             run = cls.from_env(steps=steps)
         else:
@@ -145,7 +151,7 @@ class Run:
                 raise UsageError("production mode needs steps=")
             options = ProductionOptions(run_dir=os.path.abspath(run_dir), steps=steps, save_every=save_every,
                                         trace=trace, trace_every=trace_every, on_mismatch=on_mismatch, fault=fault,
-                                        verify=verify, on_verify_failure=on_verify_failure, resume=resume)
+                                        verify=verifying, resume=resume)
             try:
                 run = cls._for_production(options, target_of(train))
             except ResumeRefusedError:

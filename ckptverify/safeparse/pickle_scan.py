@@ -22,6 +22,7 @@ from typing import Any
 
 import xxhash
 
+from ckptverify.errors import PickleScanError
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.unpickler import Budget, FastUnpickler, Limits, check_opcodes
 
@@ -48,10 +49,6 @@ _STORAGE_DTYPES = {
     "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
     "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8",
 }  # fmt: skip
-
-
-class PickleScanError(Exception):
-    """The pickle is malformed, too large, or builds more than the budget allows."""
 
 
 @dataclass(frozen=True)

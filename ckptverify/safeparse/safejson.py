@@ -21,16 +21,14 @@ import json
 import math
 from typing import Any
 
+from ckptverify.errors import JSONError
+
 __all__ = ["MAX_DEPTH", "JSONError", "exact_int", "loads"]
 
 #: Deepest nesting of arrays and objects accepted (every JSON file the tool reads nests a few levels).
 MAX_DEPTH = 64
 #: Largest JSON document read by default.
 MAX_BYTES = 64 << 20
-
-
-class JSONError(ValueError):
-    """The bytes are not JSON this tool accepts (malformed, too large, too deep, non-finite, repeated keys)."""
 
 
 def _refuse_constant(name: str) -> Any:

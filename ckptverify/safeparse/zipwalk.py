@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptverify.errors import ArchiveError
+
 Reader = Callable[[int, int], bytes]
 """``read(offset, n)``: up to ``n`` bytes at ``offset`` relative to the item's first byte."""
 
@@ -43,15 +45,6 @@ _FLAG_UTF8 = 0x0800
 #: The only record flags and compression torch writes: data descriptor + UTF-8 names, stored.
 TORCH_FLAGS = {_FLAG_DESCRIPTOR | _FLAG_UTF8, _FLAG_UTF8, _FLAG_DESCRIPTOR, 0}
 MAX_RECORDS = 1 << 20
-
-
-class ArchiveError(Exception):
-    """The item is not a well-formed torch.save archive. ``start``/``end`` locate the bad bytes."""
-
-    def __init__(self, message: str, start: int | None = None, end: int | None = None) -> None:
-        super().__init__(message)
-        self.start = start
-        self.end = end
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import UsageError, WorldSizeChangedError
 from ckptverify.state.distributed import rank_world
 
 __all__ = [
@@ -57,15 +57,6 @@ _NUMPY = "numpy"
 _TORCH_CPU = "torch_cpu"
 _CUDA_PREFIX = "cuda."
 _GEN_PREFIX = "gen."
-
-
-class WorldSizeChangedError(UsageError):
-    """RNG state saved by one world size cannot be restored exactly by another.
-
-    Each rank owns its own random streams; with a different number of ranks there is no exact mapping from
-    saved streams to new ranks. Pass ``allow_reseed=True`` to :class:`RngState` to re-seed instead (the
-    resumed run is then not bitwise identical to an uninterrupted one).
-    """
 
 
 def rank_key(rank: int) -> str:

@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Sampler
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import CannotReshardError, UsageError
 from ckptverify.state.distributed import rank_world
 
 __all__ = [
@@ -99,10 +99,6 @@ class Drawn(int):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return Drawn, (int(self), self.epoch, self.slot)
-
-
-class CannotReshardError(UsageError):
-    """A sampler position cannot be carried to a different number of replicas without skipping or repeating."""
 
 
 def _int(value: Any, name: str, *, minimum: int = 0) -> int:

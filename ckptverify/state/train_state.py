@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckptverify.errors import CkptVerifyError, LoadFailedError, UsageError
+from ckptverify.errors import LoadFailedError, UsageError, reported_as_itself
 from ckptverify.state.dataloader import loader_state, restore_loader
 from ckptverify.state.digest import state_digest
 from ckptverify.state.distributed import rank_world
@@ -229,7 +229,7 @@ class TrainState:
             self._apply(sd, plan)
         except BaseException as exc:
             undo()
-            if isinstance(exc, CkptVerifyError) or not isinstance(exc, Exception):
+            if reported_as_itself(exc) or not isinstance(exc, Exception):
                 raise
             raise LoadFailedError(f"restoring the train state failed ({type(exc).__name__}: {exc}); "
                                   "nothing was changed") from exc

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.trace.store import (
     Trace,
@@ -53,17 +53,6 @@ _BLOCK = 256
 _BLOCK_BYTES = 64 << 20
 #: Receivers named in a message (all are in the finding's ``actual``).
 _SHOWN = 5
-
-
-class TraceHeaderMismatchError(UsageError):
-    """Two traces describe different things (level, workload, world size, versions, config)."""
-
-    def __init__(self, fields: Sequence[str], a: Trace, b: Trace) -> None:
-        da, db = a.header.to_dict(), b.header.to_dict()
-        detail = "; ".join(f"{name}: {da.get(name)!r} vs {db.get(name)!r}" for name in fields)
-        super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}; "
-                         "pass force=True (trace diff --allow-header-mismatch) to compare anyway")
-        self.fields = tuple(fields)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.errors import TraceFormatError, TraceNotFoundError, UsageError
 from ckptverify.safeparse import safejson
 
 __all__ = [
@@ -107,14 +107,6 @@ MAX_SITES = 1 << 20
 MAX_CHUNK_BYTES = 256 << 20
 #: Largest ``zarr.json`` read (the site table lives in one).
 MAX_METADATA_BYTES = 256 << 20
-
-
-class TraceNotFoundError(CkptVerifyError, FileNotFoundError):
-    """The trace store does not exist."""
-
-
-class TraceFormatError(CkptVerifyError):
-    """The path is not a readable trace store (wrong schema, newer version, damaged metadata)."""
 
 
 def _torch_version() -> str:

@@ -20,7 +20,7 @@ reads at full speed once someone waits for it. ``scripts/bench_background.py`` m
 
 Every result is a :class:`Verification` (:func:`last_verification` returns the newest). A failure is a
 ``verify-failed`` event in the run's ``events.jsonl`` (when the save was given ``events=``), a
-:class:`VerifyFailedWarning`, and, with ``on_verify_failure="raise"``, a
+:class:`VerifyFailedWarning`, and, with ``VerifyOptions(on_failure="raise")``, a
 :class:`~ckptverify.errors.VerifyFailedError` raised by the next save on every rank. A checkpoint left without a
 verdict (the job ended first, its files changed while it was verified) is a :class:`VerifyIncompleteWarning`
 and a ``verify-cut-short`` or ``verify-skipped`` event: it is verified when a resume picks it
@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptverify.errors import UsageError
+from ckptverify.errors import CkptVerifyRuntimeWarning, UsageError, VerifyFailedWarning, VerifyIncompleteWarning
 from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
 from ckptverify.verifier.throttle import IdleProbe, Throttle, throttle_enabled
 from ckptverify.verifier.verification import Verification, from_outcome, from_stamp
@@ -80,15 +80,6 @@ EXIT_TIMEOUT_ENV = "CKPTVERIFY_VERIFY_EXIT_TIMEOUT"
 DEFAULT_EXIT_TIMEOUT = 600.0
 #: How often a verification waits for a verifying lock someone else (``ckptverify watch``) holds.
 _LOCK_POLL_SECONDS = 0.2
-
-
-class VerifyFailedWarning(UserWarning):
-    """A checkpoint failed its verification after it was saved."""
-
-
-class VerifyIncompleteWarning(UserWarning):
-    """A committed checkpoint was left without a verdict: the job ended before it was verified, or its files
-    changed (or vanished) while it was verified."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -368,7 +359,7 @@ class BackgroundVerifier:
             task.done(result, why)
         except Exception as exc:  # the task's own reporting must not stop the verifier
             warnings.warn(f"reporting the verification of {job.path} failed: {type(exc).__name__}: {exc}",
-                          RuntimeWarning, stacklevel=2)
+                          CkptVerifyRuntimeWarning, stacklevel=2)
         finally:
             with self._cond:
                 with contextlib.suppress(ValueError):
@@ -449,7 +440,7 @@ class BackgroundVerifier:
             try:
                 callback(result)
             except Exception as exc:  # a user's callback must not stop the verifier
-                warnings.warn(f"on_verified callback raised {type(exc).__name__}: {exc}", RuntimeWarning,
+                warnings.warn(f"on_verified callback raised {type(exc).__name__}: {exc}", CkptVerifyRuntimeWarning,
                               stacklevel=2)
 
     def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
@@ -459,7 +450,7 @@ class BackgroundVerifier:
                     job.task.cut_short(f"not verified within the {timeout} s waited")
                 except Exception as exc:  # reporting must not stop the wait
                     warnings.warn(f"reporting the cut-short verification of {job.path} failed: "
-                                  f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+                                  f"{type(exc).__name__}: {exc}", CkptVerifyRuntimeWarning, stacklevel=2)
         left = [j for j in left if j.task is None or j.task.cut_short is None]
         if not left:
             return
@@ -490,7 +481,8 @@ def _emit(log: Any, event: str, result: Verification) -> None:
     try:
         log.emit(event, **fields)
     except OSError as exc:  # the run directory went away or is read-only: the warning still says it
-        warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", CkptVerifyRuntimeWarning,
+                      stacklevel=2)
 
 
 # ---------------------------------------------------------------------- the process's verifier
@@ -544,7 +536,7 @@ def exit_timeout() -> float:
         value = -1.0
     if not value >= 0:  # also NaN
         warnings.warn(f"{EXIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; using {DEFAULT_EXIT_TIMEOUT}",
-                      RuntimeWarning, stacklevel=2)
+                      CkptVerifyRuntimeWarning, stacklevel=2)
         return DEFAULT_EXIT_TIMEOUT
     return value
 

@@ -1,0 +1,87 @@
+"""``VerifyOptions``: what happens once a checkpoint is saved, in every API that saves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from ckptverify.errors import UsageError
+
+__all__ = ["FAILURE_POLICIES", "WHEN", "VerifyOptions", "verify_options"]
+
+#: When a saved checkpoint is verified: not at all, in the background (the save returns at once), or before the
+#: save returns.
+WHEN = ("off", "background", "inline")
+#: What a checkpoint that fails its verification does besides a warning and an event: nothing more, or raise
+#: (on every rank).
+FAILURE_POLICIES = ("warn", "raise")
+
+When = Literal["off", "background", "inline"]
+OnFailure = Literal["warn", "raise"]
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise UsageError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions:
+    """How each saved checkpoint is verified once its save has committed, and what a failure does.
+
+    Validated when it is built: a bad value is a :class:`~ckptverify.errors.UsageError` naming the field.
+    Where an API takes ``verify=``, a bare string is the ``when`` of a ``VerifyOptions`` with the other fields
+    at their defaults (``verify="background"`` is ``verify=VerifyOptions(when="background")``).
+    """
+
+    #: ``"inline"`` (verified before the save returns), ``"background"`` (queued for the process's background
+    #: verifier; the save returns at once) or ``"off"`` (not verified after the save: ``ckptverify watch`` or the
+    #: next resume verifies it).
+    when: When = "inline"
+    #: Also rebuild every tensor and compare its logical fingerprint with the one taken at save time.
+    deep: bool = False
+    #: ``"warn"`` (a warning and an event; training goes on) or ``"raise"`` (also an error on every rank: from
+    #: the save itself when ``"inline"``, from the next save (or the wait at the end) when ``"background"``).
+    on_failure: OnFailure = "warn"
+
+    def __post_init__(self) -> None:
+        _one_of("VerifyOptions.when", self.when, WHEN)
+        if not isinstance(self.deep, bool):
+            raise UsageError(f"VerifyOptions.deep must be True or False, got {self.deep!r}")
+        _one_of("VerifyOptions.on_failure", self.on_failure, FAILURE_POLICIES)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"when": self.when, "deep": self.deep, "on_failure": self.on_failure}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VerifyOptions:
+        return cls(when=data.get("when", "inline"), deep=bool(data.get("deep", False)),
+                   on_failure=data.get("on_failure", "warn"))
+
+
+def verify_options(where: str, verify: VerifyOptions | str, *, deep: bool | None = None,
+                   on_failure: str | None = None, when: tuple[str, ...] = WHEN) -> VerifyOptions:
+    """``verify=`` as a :class:`VerifyOptions`, with what deprecated keywords said folded in.
+
+    ``verify``: a ``VerifyOptions`` or a ``when`` string. ``deep`` and ``on_failure``: the values of the renamed
+    keywords that said them (``None`` when not given), which override the fields. ``when``: the values ``where``
+    (the function, named in messages) accepts. Raises :class:`~ckptverify.errors.UsageError` naming ``verify``
+    for anything else."""
+    if isinstance(verify, str):
+        _one_of(f"{where}: verify", verify, WHEN)
+        options = VerifyOptions(when=verify)  # type: ignore[arg-type]
+    elif isinstance(verify, VerifyOptions):
+        options = verify
+    else:
+        raise UsageError(f"{where}: verify must be a VerifyOptions or one of {', '.join(map(repr, WHEN))}, "
+                         f"got {type(verify).__name__} {verify!r}")
+    changes: dict[str, Any] = {}
+    if deep is not None:
+        changes["deep"] = deep
+    if on_failure is not None:
+        changes["on_failure"] = on_failure
+    if changes:
+        options = replace(options, **changes)
+    if options.when not in when:
+        raise UsageError(f"{where}: verify.when must be one of {', '.join(map(repr, when))}, got {options.when!r}")
+    return options
