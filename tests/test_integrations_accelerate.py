@@ -108,7 +108,7 @@ def test_every_saved_state_carries_a_current_passed_stamp_and_no_warning(saved: 
         stamp = read_stamp(verdict.path)
         assert stamp is not None and stamp.passed and stamp.current, stamp
         crc = sum(c["count"] for c in verdict.coverage if c["check"] == "zip-crc")
-        assert crc > 5 and verdict.checked_bytes > 0, verdict  # optimizer.bin, scheduler.bin, random_states_0.pkl
+        assert crc > 5 and verdict.bytes_checked > 0, verdict  # optimizer.bin, scheduler.bin, random_states_0.pkl
         assert verdict.manifest and verdict.unchecked == (), verdict  # the weights are in the manifest
     assert len(list(read_events(out, "checkpoint-verified"))) == 2
     assert list(read_events(out, "checkpoint-failed")) == []
@@ -155,7 +155,7 @@ def test_load_of_a_clean_state_restores_the_saved_weights(saved: Any) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         verdict = ckv.load_state(job.accelerator, out / "state-step2")
-    assert ours(caught) == [] and verdict.passed and verdict.checked_bytes > 0
+    assert ours(caught) == [] and verdict.passed and verdict.bytes_checked > 0
     assert all(torch.equal(p, q) for p, q in zip(job.weights(), weights[2], strict=True))
     assert not all(torch.equal(p, q) for p, q in zip(job.weights(), weights[4], strict=True))
 
@@ -228,10 +228,10 @@ def test_background_states_are_fingerprinted_and_stamped_once_waited_for(tmp_pat
     assert [(v.step, v.pending, v.passed) for v in returned] == [(2, True, False), (4, True, False)]
     assert [(v.step, v.passed) for v in arrived] == [(2, True), (4, True)]
     for verdict in arrived:
-        assert verdict.manifest and verdict.unchecked == () and verdict.checked_bytes > 0, verdict
+        assert verdict.manifest and verdict.unchecked == () and verdict.bytes_checked > 0, verdict
         # the report came back from the verifier process whole
         assert verdict.report is not None and verdict.report.passed and verdict.report.command == "verify"
-        assert verdict.report.stats["bytes"] == verdict.checked_bytes and verdict.report.coverage
+        assert verdict.report.stats["bytes"] == verdict.bytes_checked and verdict.report.coverage
         stamp = read_stamp(verdict.path)
         assert stamp is not None and stamp.passed and stamp.current and stamp.data["manifest"], stamp
     assert len(list(read_events(tmp_path, "checkpoint-verified"))) == 2

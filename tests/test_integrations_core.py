@@ -114,12 +114,12 @@ def test_background_writes_the_same_manifest_stamp_and_event_as_inline(tmp_path:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pending = verifier.after_save(_hf_folder(bg_dir / "checkpoint-1"), step=1)
-        assert pending.pending and not pending.passed and pending.checked_bytes == 0
+        assert pending.pending and not pending.passed and pending.bytes_checked == 0
         assert "queued" in pending.message
         (final,) = verifier.wait(timeout=120)
     assert verifier.pending() == [] and queue.pending() == []
     assert final.passed and final.manifest and final.unchecked == () and not final.pending  # weights fingerprinted
-    assert final.checked_bytes == inline.checked_bytes > 64 * 64 * 4
+    assert final.bytes_checked == inline.bytes_checked > 64 * 64 * 4
     assert final.stamp == stamp_path(bg_dir / "checkpoint-1")
     assert (bg_dir / "checkpoint-1" / MANIFEST_FILE).is_file()
     stamp = read_stamp(bg_dir / "checkpoint-1")

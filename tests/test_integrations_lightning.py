@@ -158,7 +158,7 @@ def test_resume_from_a_clean_checkpoint_continues_and_stamps_what_it_saves(tmp_p
     assert trainer.global_step == 6
     assert [v.step for v in verify.verdicts] == [4, 6] and all(v.passed for v in verify.verdicts)
     (resumed,) = events(tmp_path, "resume-verified")
-    assert resumed["checked_bytes"] == (tmp_path / "step=2.ckpt").stat().st_size
+    assert resumed["bytes_checked"] == (tmp_path / "step=2.ckpt").stat().st_size
 
 
 def test_async_checkpoint_io_is_checked_after_the_file_is_written(tmp_path: Path) -> None:
@@ -320,7 +320,7 @@ def check_dcp_run(tmp_path: Path, world: int) -> None:
         stamp = read_stamp(folder)
         assert stamp is not None and stamp.passed and stamp.current and stamp.data["manifest"], stamp
     assert [v["step"] for v in saved["verdicts"]] == [2, 4]
-    assert all(v["manifest"] and v["checked_bytes"] > 0 for v in saved["verdicts"])
+    assert all(v["manifest"] and v["bytes_checked"] > 0 for v in saved["verdicts"])
     for other in others:  # every rank got rank 0's verdicts
         assert [v["passed"] for v in other["verdicts"]] == [True, True] and other["warnings"] == []
 

@@ -47,7 +47,7 @@ def check_saves(out: Path, results: list[dict[str, Any]], stage: str, changed_la
         assert entry["error"] is None and entry["warnings"] == [], entry
         assert [v["step"] for v in entry["verdicts"]] == [2, 4]
         for verdict in entry["verdicts"]:
-            assert verdict["passed"] and verdict["manifest"] and verdict["checked_bytes"] > 0, verdict
+            assert verdict["passed"] and verdict["manifest"] and verdict["bytes_checked"] > 0, verdict
             assert any(c["check"] == "manifest-digest" and c["count"] > 0 for c in verdict["coverage"]), verdict
     for step in (2, 4):
         folder = out / stage / f"step-{step}"

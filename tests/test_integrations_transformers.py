@@ -103,7 +103,7 @@ def test_every_saved_checkpoint_carries_a_current_passed_stamp_and_no_warning(ru
     assert [v.step for v in verify.verdicts] == [2, 4]
     for verdict in verify.verdicts:
         crc = sum(c["count"] for c in verdict.coverage if c["check"] == "zip-crc")
-        assert crc > 10 and verdict.checked_bytes > 0, verdict  # optimizer.pt, scheduler.pt, rng_state.pth, ...
+        assert crc > 10 and verdict.bytes_checked > 0, verdict  # optimizer.pt, scheduler.pt, rng_state.pth, ...
         # the weights (safetensors: no checksum of their own) are covered by the manifest written at the save
         assert verdict.manifest and verdict.unchecked == (), verdict
         assert (out / f"checkpoint-{verdict.step}" / "ckptverify.manifest.json").is_file()
@@ -201,7 +201,7 @@ def test_background_saves_are_fingerprinted_and_stamped_by_the_end_of_training(t
         assert stamp.data["manifest"] and (out / f"checkpoint-{step}" / "ckptverify.manifest.json").is_file()
     assert [(v.step, v.passed, v.pending) for v in verify.verdicts] == [(2, True, False), (4, True, False)]
     for verdict in verify.verdicts:  # the weights (safetensors) are covered by the manifest written in the background
-        assert verdict.manifest and verdict.unchecked == () and verdict.checked_bytes > 0, verdict
+        assert verdict.manifest and verdict.unchecked == () and verdict.bytes_checked > 0, verdict
     assert [e["step"] for e in read_events(out, "checkpoint-verified")] == [2, 4]
     assert all(e["fingerprint"].startswith("manifest written") for e in read_events(out, "checkpoint-verified"))
 

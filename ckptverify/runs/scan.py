@@ -77,10 +77,9 @@ def judge(root: str, cand: Candidate, jobs: int | None) -> tuple[str, str, dict[
     same routing, so the same manifests: a folder's, and a file's own beside it). A good one with a suspect note
     is ``suspect``. One that was removed while it was verified (retention) is ``deleted``, not corrupt: a
     failed verdict is judged only after :data:`SETTLE_SECONDS` in which it stayed in place (as the stamper
-    judges it: :func:`~ckptverify.verifier.stamper.removed`)."""
+    judges it: :func:`~ckptverify.runs.stamp.removed`)."""
     from ckptverify.errors import CheckpointNotFoundError
-    from ckptverify.runs.stamp import files_fingerprint
-    from ckptverify.verifier.stamper import removed
+    from ckptverify.runs.stamp import files_fingerprint, removed
 
     path = os.path.normpath(os.path.join(root, cand.path))
     before = files_fingerprint(path)
