@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from ckptverify.errors import CkptVerifyError
 from ckptverify.findings import Report
-from ckptverify.verifier.verification import Verification, from_report, unverified
+from ckptverify.verifier.verification import Verification, event_of, from_report, unverified
 
 __all__ = ["Fingerprint", "cannot_verify", "check_saved", "first_error_line", "reason_of", "saved_job",
            "verification_of", "was_deleted"]
@@ -151,12 +151,19 @@ def _tidy(root: str) -> None:
 def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None = None,
                 deep: bool = False, settle: float | None = None) -> tuple[Verification, dict[str, Any], str]:
     """Fingerprint (when needed), verify and stamp the checkpoint just saved at ``root``; see the module
-    docstring. Returns the verdict, the event's extra fields and the event's name (``checkpoint-verified``,
+    docstring. Returns the verification, the event's extra fields (``fingerprint``: what fingerprinting did;
+    ``stamp_error``: why no stamp was written) and the event's name (``checkpoint-verified``,
     ``checkpoint-failed``, or ``checkpoint-deleted``). Appends no event and warns of nothing.
 
     ``settle``: set when the checkpoint may be deleted meanwhile (a verification in the background, while the
     framework's retention runs): a failure, or files that changed, is judged only after ``settle`` seconds, and
     a checkpoint gone by then is ``deleted``, with ckptverify's own files removed."""
+    verdict, extra = _check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
+    return verdict, extra, event_of(verdict)
+
+
+def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None,
+                 deep: bool, settle: float | None) -> tuple[Verification, dict[str, Any]]:
     from ckptverify.audit.verify import UNCHECKABLE, verify_checkpoint
     from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
 
@@ -174,11 +181,10 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
         return True
 
     if "://" in root:
-        return cannot_verify(root, "ckptverify verifies checkpoints on a local file system only", step), {}, \
-            "checkpoint-failed"
+        return cannot_verify(root, "ckptverify verifies checkpoints on a local file system only", step), {}
     if background and _vanished(root):
         _tidy(root)
-        return was_deleted(root, step), {}, "checkpoint-deleted"
+        return was_deleted(root, step), {}
     try:
         # A manifest already here (fingerprint=False aside: the hashing writer's own) is a former save's.
         stale = fingerprint == "auto" and _has_manifest(root)
@@ -193,13 +199,13 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
             report = verify_checkpoint(root, jobs=jobs, deep=deep)
     except Exception as exc:  # whatever stops the check, training is told, not killed
         if deleted_now():
-            return was_deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
-        return cannot_verify(root, reason_of(exc), step, time.perf_counter() - started), {}, "checkpoint-failed"
+            return was_deleted(root, step, time.perf_counter() - started), {}
+        return cannot_verify(root, reason_of(exc), step, time.perf_counter() - started), {}
     stamp: str | None = None
     stamp_error: str | None = None
     changed = files_fingerprint(root) != before
     if (changed or not report.passed) and deleted_now():
-        return was_deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
+        return was_deleted(root, step, time.perf_counter() - started), {}
     if not changed:  # else it changed while read: no stamp would be current
         try:
             write_stamp(root, report, step=step, fingerprint=before)
@@ -211,14 +217,14 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
     if background and (_vanished(root) or files_fingerprint(root) != before) and deleted_now():
         # Deleted as the stamp was written (a framework's rmtree that listed the folder before the stamp was in
         # it fails on it): ckptverify's files are taken away too.
-        return was_deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
+        return was_deleted(root, step, time.perf_counter() - started), {}
     verdict = verification_of(root, report, step, time.perf_counter() - started, stamp, stamp_error)
     extra: dict[str, Any] = {}
     if fp_note is not None:
         extra["fingerprint"] = fp_note
     if stamp_error is not None:
         extra["stamp_error"] = stamp_error
-    return verdict, extra, "checkpoint-verified" if verdict.passed else "checkpoint-failed"
+    return verdict, extra
 
 
 def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
