@@ -97,8 +97,8 @@ class Verification:
         return self.bytes_checked
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field but ``report``, as JSON values, and ``passed``: what an event records, what the verifier
-        process answers and what a job broadcasts to its ranks."""
+        """Every field but ``report``, as JSON values, and ``passed``, ``pending`` and ``deleted``: what an event
+        records, what the verifier process answers and what a job broadcasts to its ranks."""
         data: dict[str, Any] = {}
         for f in fields(self):
             if f.name == "report":
@@ -107,6 +107,8 @@ class Verification:
             data[f.name] = list(value) if isinstance(value, tuple) else (dict(value) if isinstance(value, dict)
                                                                         else value)
         data["passed"] = self.passed
+        data["pending"] = self.pending
+        data["deleted"] = self.deleted
         return data
 
     @classmethod
