@@ -133,10 +133,9 @@ class Verification:
         for name in ("errors", "coverage", "unchecked", "warnings"):
             if name in values:
                 values[name] = tuple(values[name] or ())
-        if "path" not in values or "step" not in values:
-            values.setdefault("step", None)
-            if "path" not in values:
-                raise TypeError("not a verification: no path")
+        values.setdefault("step", None)
+        if "path" not in values:
+            raise TypeError("not a verification: no path")
         try:
             return cls(**values, report=report)
         except ValueError as exc:
