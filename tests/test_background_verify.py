@@ -66,7 +66,7 @@ def test_a_clean_save_is_stamped_passed_with_an_event_and_a_result(tmp_path: Pat
     assert last.bytes_checked == data["bytes_checked"] > 128 * 64 * 4 and last.summary["error"] == 0
     assert seen == [last]
     events = list(read_events(tmp_path))
-    assert [(e["event"], e["step"], e["verdict"]) for e in events] == [("verified", 7, "passed")]
+    assert [(e["event"], e["step"], e["verdict"]) for e in events] == [("checkpoint-verified", 7, "passed")]
     assert not (path / VERIFYING_LOCK).exists()  # the lock goes with the verification
 
 
@@ -82,7 +82,7 @@ def test_async_save_is_verified_once_its_upload_commits(tmp_path: Path, verifier
     cv.async_save(_state(3.0), tmp_path / "step_3", verify="background", events=tmp_path).result(timeout=120)
     assert cv.wait_for_verifications(timeout=60)
     assert _stamp(tmp_path / "step_3")["passed"]
-    assert [e["step"] for e in read_events(tmp_path, "verified")] == [3]
+    assert [e["step"] for e in read_events(tmp_path, "checkpoint-verified")] == [3]
 
 
 def test_a_shard_damaged_before_verification_fails_warns_logs_and_raises_at_the_next_save(
@@ -98,7 +98,7 @@ def test_a_shard_damaged_before_verification_fails_warns_logs_and_raises_at_the_
     last = cv.last_verification()
     assert last is not None and last.verdict == "failed" and not last.passed and last.first_error
     assert last.summary["error"] >= 1 and last.bytes_checked > 0
-    failed = list(read_events(run, "verify-failed"))
+    failed = list(read_events(run, "checkpoint-failed"))
     assert len(failed) == 1 and failed[0]["step"] == 1 and failed[0]["first_error"] == last.first_error
     # The next save in raise mode refuses before it writes anything; the one after goes ahead.
     with pytest.raises(VerifyFailedError, match="step_1") as raised:
@@ -185,7 +185,7 @@ def test_a_verifier_process_that_dies_leaves_that_checkpoint_unverified_and_the_
         assert cv.wait_for_verifications(timeout=60)
     assert cv.last_verification().verdict == "unverified"
     assert not (tmp_path / "step_2" / STAMP_FILE).exists()
-    assert [e["step"] for e in read_events(tmp_path, "verify-skipped")] == [2]
+    assert [e["step"] for e in read_events(tmp_path, "checkpoint-unverified")] == [2]
     cv.save(_state(3.0), tmp_path / "step_3", verify="background")
     assert cv.wait_for_verifications(timeout=60) and _stamp(tmp_path / "step_3")["passed"]
     assert verifier._child._proc is not first  # started again
@@ -205,7 +205,7 @@ def test_a_too_short_wait_says_it_cut_one_short(tmp_path: Path, verifier: Backgr
     cv.save(_state(1.0), tmp_path / "step_1", verify="background", events=tmp_path)
     with pytest.warns(VerifyIncompleteWarning, match=r"1 checkpoint verification\(s\) not finished.*step_1"):
         assert cv.wait_for_verifications(timeout=0.2) is False
-    cut = list(read_events(tmp_path, "verify-cut-short"))
+    cut = list(read_events(tmp_path, "checkpoint-cut-short"))
     assert [(e["step"], e["verdict"]) for e in cut] == [(1, "unverified")]
     assert not (tmp_path / "step_1" / STAMP_FILE).exists()
     gate.set()  # the verification was only waited for, not abandoned: it finishes
@@ -265,7 +265,7 @@ def test_a_job_that_ends_waits_and_every_checkpoint_carries_a_stamp(tmp_path: Pa
     assert int(done.stdout.split("pending at exit:")[1]) >= 2  # still verifying when the script ended
     for step in (1, 2, 3):
         assert _stamp(tmp_path / f"step_{step}")["passed"]
-    assert [e["step"] for e in read_events(tmp_path, "verified")] == [1, 2, 3]
+    assert [e["step"] for e in read_events(tmp_path, "checkpoint-verified")] == [1, 2, 3]
     assert "Warning" not in done.stderr
 
 
@@ -273,8 +273,8 @@ def test_a_job_whose_exit_wait_is_too_short_says_which_it_cut_short(tmp_path: Pa
     done = _job(tmp_path, HOLD="5", CKPTVERIFY_VERIFY_EXIT_TIMEOUT="0.5")
     assert done.returncode == 0, done.stderr
     assert "VerifyIncompleteWarning" in done.stderr and "not finished after waiting 0.5 s" in done.stderr
-    cut = {e["step"] for e in read_events(tmp_path, "verify-cut-short")}
-    assert cut == {1, 2, 3} and not list(read_events(tmp_path, "verified"))
+    cut = {e["step"] for e in read_events(tmp_path, "checkpoint-cut-short")}
+    assert cut == {1, 2, 3} and not list(read_events(tmp_path, "checkpoint-verified"))
     assert not any((tmp_path / f"step_{s}" / STAMP_FILE).exists() for s in (1, 2, 3))
 
 
@@ -427,8 +427,9 @@ def test_two_ranks_only_rank_0_verifies_and_both_ranks_see_a_raise_mode_failure(
     assert all(r["third"].startswith("raised:") and "step_2" in r["third"] for r in ranks), ranks
     assert not (tmp_path / "step_3").exists()
     assert _stamp(tmp_path / "step_1")["passed"] and _stamp(tmp_path / "step_2")["verdict"] == "failed"
-    events = [e for e in read_events(tmp_path) if e["event"].startswith("verif")]
-    assert [(e["event"], e["step"], e["rank"]) for e in events] == [("verified", 1, 0), ("verify-failed", 2, 0)]
+    events = [e for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")]
+    assert [(e["event"], e["step"], e["rank"]) for e in events] == [("checkpoint-verified", 1, 0),
+                                                                     ("checkpoint-failed", 2, 0)]
 
 
 def test_load_pick_passes_over_newer_checkpoints_of_a_format_load_cannot_restore(tmp_path: Path) -> None:

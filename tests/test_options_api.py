@@ -422,7 +422,7 @@ def test_a_verdict_says_bytes_checked_and_reads_what_earlier_versions_wrote(tmp_
     assert data["bytes_checked"] == verdict.bytes_checked > 64 * 32 * 4 and "checked_bytes" not in data
     (event,) = read_events(tmp_path, "checkpoint-verified")
     assert event["bytes_checked"] == verdict.bytes_checked and "checked_bytes" not in event
-    with pytest.warns(DeprecationWarning, match=r"Verdict\.checked_bytes .* Verdict\.bytes_checked"):
+    with pytest.warns(DeprecationWarning, match=r"Verification\.checked_bytes .* Verification\.bytes_checked"):
         assert verdict.checked_bytes == verdict.bytes_checked
     # An event line written by an earlier version, with the old key, reads back with the same count.
     old = {k: v for k, v in data.items() if k != "bytes_checked"} | {"checked_bytes": 12345}

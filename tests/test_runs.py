@@ -92,7 +92,7 @@ def test_a_stamp_ranks_a_checkpoint_no_higher_than_its_verification_could(tmp_pa
     assert latest_verified(root, use_stamps=False).step == 1
     from ckptverify.verifier.stamper import verify_and_stamp
 
-    assert verify_and_stamp(str(bare), step=2).event == "verified"  # as watch does: "passed", stamped
+    assert verify_and_stamp(str(bare), step=2).verdict == "passed"  # as watch does: stamped
     stamp = read_stamp(bare)
     assert stamp is not None and stamp.current and stamp.passed and stamp.state == "uncheckable"
     found = latest_verified(root)

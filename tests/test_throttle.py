@@ -431,7 +431,7 @@ def test_a_throttled_verification_waits_then_completes_and_stamps_once_waited_fo
     assert result is not None and result.passed and result.throttled_s >= 0.5
     stamp = read_stamp(tmp_path / "step_1")
     assert stamp is not None and stamp.current and stamp.data["throttled_s"] == result.throttled_s
-    [event] = read_events(tmp_path, "verified")
+    [event] = read_events(tmp_path, "checkpoint-verified")
     assert event["throttled_s"] == result.throttled_s
 
 
@@ -535,7 +535,7 @@ def test_a_job_that_ends_lifts_the_throttle_and_every_checkpoint_carries_a_stamp
                           env={**os.environ, "PYTHONPATH": str(REPO), MIN_FREE_ENV: "100000"}, cwd=str(REPO))
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split("pending at exit:")[1]) >= 1
-    events = list(read_events(tmp_path, "verified"))
+    events = list(read_events(tmp_path, "checkpoint-verified"))
     assert [e["step"] for e in events] == [1, 2] and "Warning" not in done.stderr
     assert events[0]["throttled_s"] >= 0.5  # it was held back until the job ended
     for step in (1, 2):

@@ -337,7 +337,7 @@ def save(
         on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (on the
             coordinator, in the thread that verified).
         events: an :class:`~ckptverify.ownfiles.events.EventLog` or a run directory: results are appended to its
-            ``events.jsonl`` (``verified``, ``verify-failed``, ...).
+            ``events.jsonl`` (``checkpoint-verified``, ``checkpoint-failed``, ...: ``docs/json-schema.md``).
         **dcp_kwargs: ``FileSystemWriter`` options (``single_file_per_rank``, ``sync_files``, ``overwrite``,
             ``serialization_format``, ...) and ``dcp.save`` options (``planner``, ``no_dist``,
             ``use_collectives``).

@@ -16,19 +16,28 @@ the ``verify_when``, ``verify_deep`` and ``verify_on_failure`` fields of its con
 the save returns at once and the checkpoint is verified by the process's background verifier
 (:mod:`ckptverify.verifier.background`).
 
-What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`Verdict`,
-:class:`CheckpointVerificationWarning`. See ``docs/integrations.md``.
+What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`CheckpointVerificationWarning`,
+and the result of every check, :class:`~ckptverify.verifier.verification.Verification` (``ckptverify.Verification``,
+the result of a save's ``verify=`` too; ``Verdict``, its former name here, still works for one release with a
+``DeprecationWarning``). See ``docs/integrations.md``.
 """
 
 from __future__ import annotations
 
-from ckptverify.integrations._core import (
-    CheckpointVerificationWarning,
-    Group,
-    Verdict,
-    Verifier,
-    VerifyOptions,
-    torch_group,
-)
+import warnings
+from typing import Any
 
-__all__ = ["CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions", "torch_group"]
+from ckptverify.errors import CkptVerifyDeprecationWarning
+from ckptverify.integrations._core import CheckpointVerificationWarning, Group, Verifier, torch_group
+from ckptverify.options import VerifyOptions
+from ckptverify.verifier.verification import Verification
+
+__all__ = ["CheckpointVerificationWarning", "Group", "Verification", "Verifier", "VerifyOptions", "torch_group"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Verdict":
+        warnings.warn("ckptverify.integrations.Verdict is renamed ckptverify.Verification (the one result type of "
+                      "a checkpoint's verification after it was saved)", CkptVerifyDeprecationWarning, stacklevel=2)
+        return Verification
+    raise AttributeError(f"module 'ckptverify.integrations' has no attribute {name!r}")

@@ -7,8 +7,10 @@ or always with ``fingerprint=True``, it is fingerprinted (its manifest written,
 :func:`~ckptverify.audit.adopt.fingerprint_checkpoint`: inside a folder, beside a single file) and verified against that
 manifest; then its stamp is written
 (:func:`~ckptverify.runs.stamp.write_stamp`) and one event appended to ``events.jsonl``
-(:class:`~ckptverify.ownfiles.events.EventLog`). A failure is a :class:`CheckpointVerificationWarning` and a
-``checkpoint-failed`` event, and with ``on_failure="raise"`` a
+(:class:`~ckptverify.ownfiles.events.EventLog`). Every result is a
+:class:`~ckptverify.verifier.verification.Verification` (``ckptverify.Verification``, the type a save with
+``verify=`` gives too; the check itself is :func:`~ckptverify.verifier.saved.check_saved`). A failure is a
+:class:`CheckpointVerificationWarning` and a ``checkpoint-failed`` event, and with ``on_failure="raise"`` a
 :class:`~ckptverify.errors.CheckpointRefusedError` on every rank.
 
 Before a load (:meth:`Verifier.before_resume`): the checkpoint is verified (read only: nothing is written into
@@ -27,7 +29,8 @@ By default the integrations verify inline: a save returns once its checkpoint is
 checkpoint to the process's background verifier (:mod:`ckptverify.verifier.background`, the one
 ``ckptverify.save(verify="background")`` uses: its queue, the checkpoint's verifying lock, its verifier process at
 idle CPU priority) and the save returns at once, with a *pending* verdict. The verifier process runs the same
-check as inline (:func:`check_saved`: fingerprinted when needed, verified, stamped), and the same event is
+check as inline (its ``check-saved`` job, :func:`check_saved`: fingerprinted when needed, verified, stamped),
+and the same event is
 appended when it finishes, with the same fields; a failure is then a :class:`CheckpointVerificationWarning` (on
 the coordinator, from the verifier's thread), and with ``on_failure="raise"`` a
 :class:`~ckptverify.errors.CheckpointRefusedError` raised by the next :meth:`Verifier.after_save` (or
@@ -48,15 +51,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from ckptverify.errors import (
     CheckpointRefusedError,
     CheckpointVerificationWarning,
-    CkptVerifyDeprecationWarning,
     UsageError,
-    reported_as_itself,
 )
 from ckptverify.findings import Report
 from ckptverify.options import (
@@ -66,12 +67,20 @@ from ckptverify.options import (
     take_renamed,
     verify_options,
 )
+from ckptverify.verifier.saved import (
+    Fingerprint,
+    cannot_verify,
+    check_saved,
+    reason_of,
+    verification_of,
+    was_deleted,
+)
+from ckptverify.verifier.verification import Verification, unverified
 
 __all__ = ["ON_FAILURE", "WHEN", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions",
            "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_group"]
 
 OnFailure = Literal["warn", "raise"]
-Fingerprint = bool | Literal["auto"]
 ON_FAILURE: tuple[str, ...] = FAILURE_POLICIES
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
@@ -114,261 +123,9 @@ def torch_group() -> Group:
     return Group(coordinator=rank == 0, broadcast=broadcast, barrier=dist.barrier, rank=rank)
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """The outcome of checking one checkpoint. ``report`` is set on the coordinator only; the rest is on every
-    rank. ``bytes_checked`` and ``coverage`` say how much was
-    checked; ``unchecked`` names the files with content nothing could check (no checksum, no manifest covering
-    it). ``pending``: handed to the background verifier, no verdict yet (``passed`` is ``False``: nothing was
-    checked). ``deleted``: removed (by the framework's retention) before its verification finished; no verdict."""
-
-    path: str
-    passed: bool
-    message: str
-    step: int | None = None
-    errors: tuple[dict[str, Any], ...] = ()
-    bytes_checked: int = 0
-    coverage: tuple[dict[str, Any], ...] = ()
-    manifest: bool = False
-    unchecked: tuple[str, ...] = ()
-    warnings: tuple[str, ...] = ()
-    seconds: float = 0.0
-    stamp: str | None = None
-    report: Report | None = field(default=None, compare=False)
-    pending: bool = False
-    deleted: bool = False
-
-    @property
-    def checked_bytes(self) -> int:
-        """Deprecated (one release): :attr:`bytes_checked`, the name every result and JSON file uses."""
-        warnings.warn("Verdict.checked_bytes is deprecated and will be removed in the next release; use "
-                      "Verdict.bytes_checked instead", CkptVerifyDeprecationWarning, stacklevel=2)
-        return self.bytes_checked
-
-    def to_dict(self) -> dict[str, Any]:
-        """Everything but the report: what is broadcast, and what an event records."""
-        data = {"path": self.path, "passed": self.passed, "message": self.message, "step": self.step,
-                "errors": list(self.errors), "bytes_checked": self.bytes_checked, "coverage": list(self.coverage),
-                "manifest": self.manifest, "unchecked": list(self.unchecked), "warnings": list(self.warnings),
-                "seconds": self.seconds, "stamp": self.stamp}
-        if self.pending:
-            data["pending"] = True
-        if self.deleted:
-            data["deleted"] = True
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Verdict:
-        return cls(path=data["path"], passed=data["passed"], message=data["message"], step=data.get("step"),
-                   errors=tuple(data.get("errors", ())),
-                   # ``checked_bytes``: the key's name in what earlier versions wrote (events.jsonl).
-                   bytes_checked=data.get("bytes_checked", data.get("checked_bytes", 0)),
-                   coverage=tuple(data.get("coverage", ())), manifest=data.get("manifest", False),
-                   unchecked=tuple(data.get("unchecked", ())), warnings=tuple(data.get("warnings", ())),
-                   seconds=data.get("seconds", 0.0), stamp=data.get("stamp"), pending=data.get("pending", False),
-                   deleted=data.get("deleted", False))
-
-
-def first_error_line(path: str, errors: list[dict[str, Any]] | tuple[dict[str, Any], ...], total: int) -> str:
-    """``PATH fails verification with N error(s); first: CHECK (WHERE): MESSAGE``."""
-    from ckptverify.findings import Location
-
-    if not errors:
-        return f"{path} fails verification"
-    first = errors[0]
-    where = Location.from_dict(first.get("location", {})).describe() or "?"
-    return (f"{path} fails verification with {total} error(s); first: {first.get('check')} ({where}): "
-            f"{first.get('message')}")
-
-
-def _verdict(path: str, report: Report, step: int | None, seconds: float, stamp: str | None) -> Verdict:
-    from ckptverify.audit.verify import UNCHECKABLE
-
-    errors = report.errors
-    unchecked = sorted({f.location.file or "?" for f in report.findings if f.check == UNCHECKABLE})
-    noted = sorted({f.check for f in report.warnings if f.check != UNCHECKABLE})
-    if errors:
-        message = first_error_line(path, [f.to_dict() for f in errors[:1]], report.summary().get("error", 0))
-    else:
-        against = " against its manifest" if report.stats.get("manifest") else ""
-        message = f"{path} passed verification{against}: {_checked_text(report)}"
-        if unchecked:
-            message += f"; no checksum covers {', '.join(unchecked[:4])}"
-    return Verdict(path=path, passed=report.passed, message=message, step=step,
-                   errors=tuple(f.to_dict() for f in errors[:_MAX_ERRORS]),
-                   bytes_checked=int(report.stats.get("bytes", 0) or 0),
-                   coverage=tuple(c.to_dict() for c in report.coverage), manifest=bool(report.stats.get("manifest")),
-                   unchecked=tuple(unchecked), warnings=tuple(noted), seconds=round(seconds, 6), stamp=stamp,
-                   report=report)
-
-
-def _checked_text(report: Report) -> str:
-    """``N bytes; 184 zip-crc records, 28 manifest-digest blocks`` (the checks that read the content)."""
-    key = [c for c in report.coverage if c.count and c.check in ("zip-crc", "manifest-digest", "tensor-record")]
-    parts = [f"{c.count} {c.check} {c.unit}" for c in key or [c for c in report.coverage if c.count][:3]]
-    return f"{int(report.stats.get('bytes', 0) or 0)} bytes; {', '.join(parts) or 'nothing'}"
-
-
-def _failed(path: str, why: str, step: int | None = None, seconds: float = 0.0) -> Verdict:
-    """A verdict for a checkpoint that could not be verified at all (missing, not a checkpoint, remote)."""
-    return Verdict(path=path, passed=False, message=f"{path} cannot be verified: {why}", step=step,
-                   errors=({"check": "not-verified", "severity": "error", "message": why, "location": {"file": path}},),
-                   seconds=round(seconds, 6))
-
-
-def _has_manifest(root: str) -> bool:
-    from ckptverify.audit.adopt import file_manifest_path
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE
-
-    if os.path.isdir(root) and not os.path.islink(root):
-        return os.path.lexists(os.path.join(root, MANIFEST_FILE))
-    return os.path.lexists(file_manifest_path(root))
-
-
-def _why(exc: Exception) -> str:
-    """What stopped a verification: the message of a ckptverify error, the type too for anything else."""
-    return str(exc) if reported_as_itself(exc) else f"the check stopped: {type(exc).__name__}: {exc}"
-
-
-def _deleted(path: str, step: int | None, seconds: float = 0.0) -> Verdict:
-    return Verdict(path=path, passed=False, deleted=True, step=step, seconds=round(seconds, 6),
-                   message=f"{path} was deleted before its verification finished (the framework's retention, "
-                           "most likely): nothing to verify")
-
-
-def _fingerprint(root: str, jobs: int | None) -> str:
-    """Write the manifest of the checkpoint just saved at ``root`` (replacing one a former save into the same
-    place left: it describes bytes that are gone). Content no checksum protects (safetensors weights) is
-    adopted as it was just written: from now on the manifest protects it. Returns what happened, for the
-    event; a refusal is no failure by itself (the verification that follows judges the checkpoint)."""
-    from ckptverify.audit.adopt import fingerprint_checkpoint
-
-    report, manifest = fingerprint_checkpoint(root, force=True, jobs=jobs, trust_uncheckable=True)
-    if manifest is not None:
-        return (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
-                f"{len(manifest.tensors)} tensors")
-    refusal = next((f for f in report.findings if f.check == "fingerprint-refused"), None)
-    return f"no manifest: {refusal.message if refusal else 'refused'}"
-
-
-def _vanished(root: str) -> bool:
-    """Whether the checkpoint at ``root`` was deleted (or is being deleted): gone, a DCP folder that lost its
-    metadata, or a folder left holding nothing but ckptverify's own files."""
-    from ckptverify.formats.describe import is_own_file
-    from ckptverify.verifier.stamper import removed
-
-    if removed(root):
-        return True
-    if os.path.isdir(root) and not os.path.islink(root):
-        try:
-            names = os.listdir(root)
-        except OSError:
-            return True
-        return all(is_own_file(n) for n in names)
-    return False
-
-
-def _tidy(root: str) -> None:
-    """Remove ckptverify's own files (stamp, manifest, verifying lock) from a checkpoint that was deleted while
-    it was verified: inside a folder left with nothing else (then the folder too), or beside a single file."""
-    from ckptverify.audit.adopt import file_manifest_path
-    from ckptverify.formats.describe import is_own_file
-    from ckptverify.runs.stamp import stamp_path
-
-    if os.path.isdir(root) and not os.path.islink(root):
-        with contextlib.suppress(OSError):
-            names = os.listdir(root)
-            if all(is_own_file(n) for n in names):
-                for name in names:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(root, name))
-                os.rmdir(root)
-        return
-    if not os.path.lexists(root):
-        for beside in (stamp_path(root), file_manifest_path(root)):
-            with contextlib.suppress(OSError):
-                os.unlink(beside)
-
-
-def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None = None,
-                deep: bool = False, settle: float | None = None) -> tuple[Verdict, dict[str, Any], str]:
-    """Fingerprint (when needed), verify and stamp the checkpoint just saved at ``root``; see the module
-    docstring. Returns the verdict, the event's extra fields and the event's name (``checkpoint-verified``,
-    ``checkpoint-failed``, or ``checkpoint-deleted``). Appends no event and warns of nothing.
-
-    ``settle``: set when the checkpoint may be deleted meanwhile (a verification in the background, while the
-    framework's retention runs): a failure, or files that changed, is judged only after ``settle`` seconds, and
-    a checkpoint gone by then is ``deleted``, with ckptverify's own files removed."""
-    from ckptverify.audit.verify import UNCHECKABLE, verify_checkpoint
-    from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
-
-    started = time.perf_counter()
-    background = settle is not None
-
-    def deleted_now() -> bool:
-        if not background:
-            return False
-        if not _vanished(root):
-            time.sleep(settle or 0.0)  # a checkpoint deleted file by file is not corrupt: let it settle
-            if not _vanished(root):
-                return False
-        _tidy(root)
-        return True
-
-    if "://" in root:
-        return _failed(root, "ckptverify verifies checkpoints on a local file system only", step), {}, \
-            "checkpoint-failed"
-    if background and _vanished(root):
-        _tidy(root)
-        return _deleted(root, step), {}, "checkpoint-deleted"
-    try:
-        # A manifest already here (fingerprint=False aside: the hashing writer's own) is a former save's.
-        stale = fingerprint == "auto" and _has_manifest(root)
-        fp_note = _fingerprint(root, jobs) if fingerprint is True or stale else None
-        before = files_fingerprint(root)
-        report = verify_checkpoint(root, jobs=jobs, deep=deep)
-        if fingerprint == "auto" and report.passed and not report.stats.get("manifest") \
-                and any(f.check == UNCHECKABLE for f in report.findings):
-            # Content nothing could check now, or ever after, without digests of it as it was just written.
-            fp_note = _fingerprint(root, jobs)
-            before = files_fingerprint(root)
-            report = verify_checkpoint(root, jobs=jobs, deep=deep)
-    except Exception as exc:  # whatever stops the check, training is told, not killed
-        if deleted_now():
-            return _deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
-        return _failed(root, _why(exc), step, time.perf_counter() - started), {}, "checkpoint-failed"
-    stamp: str | None = None
-    stamp_error: str | None = None
-    changed = files_fingerprint(root) != before
-    if (changed or not report.passed) and deleted_now():
-        return _deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
-    if not changed:  # else it changed while read: no stamp would be current
-        try:
-            write_stamp(root, report, step=step, fingerprint=before)
-            stamp = stamp_path(root)
-        except OSError as exc:
-            stamp_error = f"{type(exc).__name__}: {exc}"
-    else:
-        stamp_error = "files changed while they were verified"
-    if background and (_vanished(root) or files_fingerprint(root) != before) and deleted_now():
-        # Deleted as the stamp was written (a framework's rmtree that listed the folder before the stamp was in
-        # it fails on it): ckptverify's files are taken away too.
-        return _deleted(root, step, time.perf_counter() - started), {}, "checkpoint-deleted"
-    verdict = _verdict(root, report, step, time.perf_counter() - started, stamp)
-    extra: dict[str, Any] = {}
-    if fp_note is not None:
-        extra["fingerprint"] = fp_note
-    if stamp_error is not None:
-        extra["stamp_error"] = stamp_error
-    return verdict, extra, "checkpoint-verified" if verdict.passed else "checkpoint-failed"
-
-
-def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
-              settle: float) -> dict[str, Any]:
-    """:func:`check_saved` in the background verifier's process: its outcome as JSON values."""
-    verdict, extra, event = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
-    return {"verdict": verdict.to_dict(), "extra": extra, "event": event,
-            "report": None if verdict.report is None else verdict.report.to_dict()}
+#: The result of one check: :class:`~ckptverify.verifier.verification.Verification`, the one result type of
+#: verify-after-save (``ckptverify.integrations.Verdict`` is its former name, still importable).
+Verdict = Verification
 
 
 def integration_verify(where: str, verify: VerifyOptions | str, renamed: dict[str, Any], *,
@@ -434,15 +191,15 @@ class Verifier:
         # the last wait, failures not raised yet (raise mode). Filled from the background verifier's thread.
         self._lock = threading.Lock()
         self._pending: list[str] = []
-        self._arrived_verdicts: list[Verdict] = []
-        self._unraised: list[Verdict] = []
+        self._arrived_verdicts: list[Verification] = []
+        self._unraised: list[Verification] = []
         # The one place a saved checkpoint is handed over: verified now, or queued for the background verifier.
-        self._dispatch: Callable[[str, int | None, Fingerprint], Verdict] = \
+        self._dispatch: Callable[[str, int | None, Fingerprint], Verification] = \
             self._submit if background else self._check_saved
 
     # -- the entry points
     def after_save(self, path: str | os.PathLike[str], *, step: int | None = None, group: Group = Group(),
-                   fingerprint: Fingerprint | None = None) -> Verdict:
+                   fingerprint: Fingerprint | None = None) -> Verification:
         """Check the checkpoint just written at ``path`` (every rank calls this; the coordinator checks).
 
         ``fingerprint``: override the verifier's setting for this save (``False`` when the checkpoint was
@@ -472,7 +229,7 @@ class Verifier:
                 warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=3)
         return verdict
 
-    def wait(self, *, group: Group = Group(), timeout: float | None = None) -> list[Verdict]:
+    def wait(self, *, group: Group = Group(), timeout: float | None = None) -> list[Verification]:
         """Wait for this verifier's background verifications (every rank calls it; the coordinator waits), up to
         ``timeout`` seconds (default: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600). Those not finished by then are
         cut short: a warning naming them, and a ``checkpoint-cut-short`` event each (they carry no stamp, and are
@@ -481,7 +238,7 @@ class Verifier:
         :class:`~ckptverify.errors.CheckpointRefusedError` on every rank for a failure not raised yet."""
         if not self.background:
             return []
-        arrived: list[Verdict] | None = None
+        arrived: list[Verification] | None = None
         earlier = None
         if group.coordinator:
             from ckptverify.verifier.background import default_verifier, exit_timeout
@@ -502,8 +259,8 @@ class Verifier:
                                    {"arrived": [v.to_dict() for v in arrived],
                                     "earlier": None if earlier is None else earlier.to_dict()})
             if arrived is None:
-                arrived = [Verdict.from_dict(v) for v in data["arrived"]]
-                earlier = None if data["earlier"] is None else Verdict.from_dict(data["earlier"])
+                arrived = [Verification.from_dict(v) for v in data["arrived"]]
+                earlier = None if data["earlier"] is None else Verification.from_dict(data["earlier"])
         assert arrived is not None
         if earlier is not None:
             raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
@@ -515,7 +272,7 @@ class Verifier:
         with self._lock:
             return list(self._pending)
 
-    def before_resume(self, path: str | os.PathLike[str], *, group: Group = Group()) -> Verdict:
+    def before_resume(self, path: str | os.PathLike[str], *, group: Group = Group()) -> Verification:
         """Verify the checkpoint at ``path`` before it is loaded; refuse it on every rank if it fails (or cannot
         be verified). A checkpoint whose background verification is still pending is waited for first.
         Nothing is written into the checkpoint. Returns the verdict when it passed."""
@@ -524,12 +281,12 @@ class Verifier:
             raise CheckpointRefusedError(f"refusing to resume: {verdict.message}", verdict.report)
         return verdict
 
-    def newest_verified(self, paths: list[str], folder: str, *, group: Group = Group()) -> Verdict | None:
+    def newest_verified(self, paths: list[str], folder: str, *, group: Group = Group()) -> Verification | None:
         """The verdict of the first of ``paths`` (newest first, the same list on every rank) that verifies, on
         every rank; each one before it is skipped with a warning and a ``resume-refused`` event. ``None`` when
         ``paths`` is empty; :class:`~ckptverify.errors.CheckpointRefusedError` when none verifies (starting over
         would silently throw the run away)."""
-        refused: list[Verdict] = []
+        refused: list[Verification] = []
         for path in paths:
             verdict = self.check(path, group=group, event="resume")
             if verdict.passed:
@@ -541,7 +298,7 @@ class Verifier:
                                      f"verifies; newest: {refused[0].message}", refused[0].report)
 
     def check(self, path: str | os.PathLike[str], *, group: Group = Group(), event: str = "resume",
-              warn: bool = True) -> Verdict:
+              warn: bool = True) -> Verification:
         """Verify ``path`` read-only on the coordinator, log ``{event}-verified`` or ``{event}-refused``, and
         return the verdict on every rank (with ``warn``, a failure is also a warning on the coordinator). A
         background verification of ``path`` still pending in this process is waited for first (it may write the
@@ -558,21 +315,22 @@ class Verifier:
         return verdict
 
     # -- coordinator side
-    def _check_saved(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verdict:
+    def _check_saved(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verification:
         verdict, extra, event = check_saved(root, step, fingerprint, jobs=self.jobs, deep=self.deep)
         self._emit(root, event, verdict, 0, **extra)
         return verdict
 
-    def _submit(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verdict:
+    def _submit(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verification:
         """Queue ``root`` for the background verifier (:func:`check_saved` in its process)."""
         from ckptverify.verifier.background import Task, default_verifier
+        from ckptverify.verifier.jobs import CHECK_SAVED
 
         if "://" in root:  # refused at once, as inline: there is nothing to queue
             return self._check_saved(root, step, fingerprint)
         where = os.path.abspath(root)  # the verifier process may not share this process's working directory
         folder = self._events_folder(root)
         verifier = default_verifier()
-        task = Task(function=f"{__name__}:saved_job",
+        task = Task(job=CHECK_SAVED,
                     args={"root": where, "step": step, "fingerprint": fingerprint, "jobs": self.jobs or 1,
                           "deep": self.deep, "settle": verifier.settle},
                     done=functools.partial(self._arrived, root, where, step, folder),
@@ -585,22 +343,22 @@ class Verifier:
             with self._lock:
                 self._pending.remove(where)
             return self._check_saved(root, step, fingerprint)
-        return Verdict(path=root, passed=False, pending=True, step=step,
-                       message=f"{root} is queued for verification in the background")
+        return unverified(root, step, "pending", "queued for verification in the background", deep=self.deep,
+                          message=f"{root} is queued for verification in the background")
 
     def _arrived(self, root: str, where: str, step: int | None, folder: str, result: Any, why: str | None) -> None:
         """A background verification finished (in the background verifier's thread): the event, the warning,
         and a failure kept for the next save to raise."""
         extra: dict[str, Any] = {}
         if result is None and why == "removed before it was verified":
-            verdict, event = _deleted(root, step), "checkpoint-deleted"
+            verdict, event = was_deleted(root, step), "checkpoint-deleted"
         elif result is None:
-            verdict, event = _failed(root, f"the background verification did not finish: {why}", step), \
+            verdict, event = cannot_verify(root, f"the background verification did not finish: {why}", step), \
                 "checkpoint-failed"
         else:
-            verdict = replace(Verdict.from_dict({**result["verdict"], "path": root}),
-                                          report=None if result.get("report") is None
-                                          else Report.from_dict(result["report"]))
+            verdict = Verification.from_dict({**result["verification"], "path": root},
+                                             report=None if result.get("report") is None
+                                             else Report.from_dict(result["report"]))
             extra, event = dict(result.get("extra") or {}), str(result["event"])
             if verdict.stamp is not None and where != root:
                 from ckptverify.runs.stamp import stamp_path
@@ -629,32 +387,32 @@ class Verifier:
         warnings.warn(f"{len(left)} checkpoint verification(s) cut short, {why}: {', '.join(left)}; they carry no "
                       "stamp and are verified when a resume picks them", _incomplete_warning(), stacklevel=3)
 
-    def _take_unraised(self) -> Verdict | None:
+    def _take_unraised(self) -> Verification | None:
         with self._lock:
             first = self._unraised[0] if self._unraised else None
             self._unraised.clear()
         return first
 
-    def _verify_only(self, root: str) -> Verdict:
+    def _verify_only(self, root: str) -> Verification:
         from ckptverify.audit.verify import verify_checkpoint
 
         started = time.perf_counter()
         if "://" in root:
-            return _failed(root, "ckptverify verifies checkpoints on a local file system only")
+            return cannot_verify(root, "ckptverify verifies checkpoints on a local file system only")
         try:
             report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
         except Exception as exc:  # a resume that cannot be checked is refused, with why
-            return _failed(root, _why(exc), seconds=time.perf_counter() - started)
-        return _verdict(root, report, None, time.perf_counter() - started, None)
+            return cannot_verify(root, reason_of(exc), seconds=time.perf_counter() - started)
+        return verification_of(root, report, None, time.perf_counter() - started, None)
 
     def _events_folder(self, root: str) -> str:
         return self.events_dir or os.path.dirname(os.path.abspath(root))
 
-    def _emit(self, root: str, event: str, verdict: Verdict, rank: int, **extra: Any) -> None:
+    def _emit(self, root: str, event: str, verdict: Verification, rank: int, **extra: Any) -> None:
         self._emit_in(self._events_folder(root), event, verdict, rank, **extra)
 
     @staticmethod
-    def _emit_in(folder: str, event: str, verdict: Verdict, rank: int, **extra: Any) -> None:
+    def _emit_in(folder: str, event: str, verdict: Verification, rank: int, **extra: Any) -> None:
         from ckptverify.ownfiles.events import EventLog
 
         try:
@@ -664,18 +422,18 @@ class Verifier:
                           CheckpointVerificationWarning, stacklevel=4)
 
     @staticmethod
-    def _agree(verdict: Verdict | None, group: Group) -> Verdict:
+    def _agree(verdict: Verification | None, group: Group) -> Verification:
         if group.broadcast is None:
             assert verdict is not None
             return verdict
         data = group.broadcast(None if verdict is None else verdict.to_dict())
         if verdict is not None:
             return verdict
-        return Verdict.from_dict(data)
+        return Verification.from_dict(data)
 
     @staticmethod
-    def _agree_pair(verdict: Verdict | None, earlier: Verdict | None,
-                    group: Group) -> tuple[Verdict, Verdict | None]:
+    def _agree_pair(verdict: Verification | None, earlier: Verification | None,
+                    group: Group) -> tuple[Verification, Verification | None]:
         """The coordinator's verdict of this save and earlier failure, on every rank (one broadcast)."""
         if group.broadcast is None:
             assert verdict is not None
@@ -686,7 +444,7 @@ class Verifier:
         if verdict is not None:
             return verdict, earlier
         first = data["earlier"]
-        return Verdict.from_dict(data["verdict"]), None if first is None else Verdict.from_dict(first)
+        return Verification.from_dict(data["verdict"]), None if first is None else Verification.from_dict(first)
 
 
 def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
@@ -706,14 +464,14 @@ def plain_folder(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path)
 
 
-def settle_verdicts(verdicts: list[Verdict], arrived: list[Verdict]) -> list[Verdict]:
+def settle_verdicts(verdicts: list[Verification], arrived: list[Verification]) -> list[Verification]:
     """``verdicts`` with each pending one replaced by the verdict that arrived for it (same path and step)."""
     final = {(v.path, v.step): v for v in arrived}
     return [final.get((v.path, v.step), v) if v.pending else v for v in verdicts]
 
 
-def _cut(path: str, step: int | None, why: str) -> Verdict:
-    return Verdict(path=path, passed=False, step=step, message=f"{path} was not verified: {why}")
+def _cut(path: str, step: int | None, why: str) -> Verification:
+    return unverified(path, step, "cut-short", why, message=f"{path} was not verified: {why}")
 
 
 def _incomplete_warning() -> type[Warning]:

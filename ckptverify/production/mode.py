@@ -19,8 +19,8 @@ replicas, so that a later replay can judge it.
   (:class:`~ckptverify.hardware.replica.ReplicaCheck`); a checkpoint saved after a mismatch is marked suspect
   (a note in its folder, copied into its stamp), and no resume picks it;
 - appends what happened to ``DIR/events.jsonl`` (checkpoint-skipped, checkpoint-moved-aside, resume-refused,
-  start, restore, save, verified, verify-failed, verify-skipped, verify-cut-short, replica-mismatch,
-  replica-mismatch-end, fault-injected, end);
+  start, restore, save, checkpoint-verified, checkpoint-failed, checkpoint-unverified, checkpoint-deleted,
+  checkpoint-cut-short, replica-mismatch, replica-mismatch-end, fault-injected, end; ``docs/json-schema.md``);
 - writes ``DIR/run.json`` (the target, world size, trace level, ``trace_every``) for ``ckptverify replay``.
 
 ``resume=``:

@@ -76,11 +76,10 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
     same routing, so the same manifests: a folder's, and a file's own beside it). A good one with a suspect note
     is ``suspect``. One that was removed while it was verified (retention) is ``deleted``, not corrupt: a
     failed verdict is judged only after :data:`SETTLE_SECONDS` in which it stayed in place (as the stamper
-    judges it: :func:`~ckptverify.verifier.stamper.removed`). ``deep``: each DCP checkpoint and file is also
+    judges it: :func:`~ckptverify.runs.stamp.removed`). ``deep``: each DCP checkpoint and file is also
     rebuilt tensor by tensor, as ``verify --deep`` does."""
     from ckptverify.errors import CheckpointNotFoundError
-    from ckptverify.runs.stamp import files_fingerprint
-    from ckptverify.verifier.stamper import removed
+    from ckptverify.runs.stamp import files_fingerprint, removed
 
     path = os.path.normpath(os.path.join(root, cand.path))
     before = files_fingerprint(path)

@@ -33,11 +33,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.findings import Report
-from ckptverify.ownfiles.names import STAMP_FILE, STAMP_TEMP_PREFIX, SUSPECT_NOTE, VERIFYING_LOCK, write_atomic
+from ckptverify.ownfiles.names import (
+    SAVE_MARKER,
+    STAMP_FILE,
+    STAMP_TEMP_PREFIX,
+    SUSPECT_NOTE,
+    VERIFYING_LOCK,
+    write_atomic,
+)
 from ckptverify.safeparse import safejson
 
-__all__ = ["STAMP_FILE", "SUSPECT_NOTE", "VERIFYING_LOCK", "Stamp", "describe_suspect", "files_fingerprint",
-           "read_stamp", "read_suspect", "stamp_path", "write_stamp", "write_suspect_note"]
+__all__ = ["STAMP_FILE", "SUSPECT_NOTE", "VERIFYING_LOCK", "Stamp", "committed", "describe_suspect",
+           "files_fingerprint", "read_stamp", "read_suspect", "removed", "stamp_path", "write_stamp",
+           "write_suspect_note"]
 
 STAMP_SCHEMA = "ckptverify/stamp"
 STAMP_VERSION = 2
@@ -45,6 +53,33 @@ SUSPECT_SCHEMA = "ckptverify/suspect"
 #: The most of a stamp that is ever read.
 MAX_STAMP_BYTES = 1 << 20
 _IGNORED = frozenset({STAMP_FILE, VERIFYING_LOCK})
+_METADATA = ".metadata"
+
+
+def committed(path: str) -> bool:
+    """Whether ``path`` holds a DCP checkpoint whose save finished: its ``.metadata`` is in place and no
+    ckptverify save is in progress in it."""
+    try:
+        names = set(os.listdir(path))
+    except OSError:  # gone (retention), or not a directory
+        return False
+    has_metadata = _METADATA in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
+    return has_metadata and SAVE_MARKER not in names
+
+
+def removed(path: str) -> bool:
+    """Whether the checkpoint at ``path`` was removed (or, for DCP, lost its metadata: retention under way).
+    What every verdict on a checkpoint that may be deleted meanwhile (``scan``, the stamper, the background
+    verifier) asks before it calls damage corruption."""
+    if os.path.isdir(path):
+        from ckptverify.formats.rundir import dir_format
+
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return True
+        return dir_format(names) == "dcp-uncommitted" or (dir_format(names) == "dcp" and not committed(path))
+    return not os.path.isfile(path)
 
 
 def stamp_path(checkpoint: str | os.PathLike[str]) -> str:

@@ -18,17 +18,18 @@ core, so a background verification also paces its reads: it waits while no core 
 (:mod:`~ckptverify.verifier.throttle`; ``throttle=False`` or ``CKPTVERIFY_VERIFY_THROTTLE=0`` turns that off), and
 reads at full speed once someone waits for it. ``scripts/bench_background.py`` measures the step-time cost.
 
-Every result is a :class:`Verification` (:func:`last_verification` returns the newest). A failure is a
-``verify-failed`` event in the run's ``events.jsonl`` (when the save was given ``events=``), a
-:class:`VerifyFailedWarning`, and, with ``VerifyOptions(on_failure="raise")``, a
-:class:`~ckptverify.errors.VerifyFailedError` raised by the next save on every rank. A checkpoint left without a
-verdict (the job ended first, its files changed while it was verified) is a :class:`VerifyIncompleteWarning`
-and a ``verify-cut-short`` or ``verify-skipped`` event: it is verified when a resume picks it
+Every result is a :class:`Verification` (:func:`last_verification` returns the newest), and one event in the
+run's ``events.jsonl`` (when the save was given ``events=``; names and fields in ``docs/json-schema.md``):
+``checkpoint-verified``, or ``checkpoint-failed`` for a failure, which is also a :class:`VerifyFailedWarning`,
+and, with ``VerifyOptions(on_failure="raise")``, a :class:`~ckptverify.errors.VerifyFailedError` raised by the next save
+on every rank. A checkpoint left without a verdict (the job ended first, its files changed while it was
+verified, it was deleted) is a :class:`VerifyIncompleteWarning` and a ``checkpoint-cut-short``,
+``checkpoint-unverified`` or ``checkpoint-deleted`` event: it is verified when a resume picks it
 (:func:`~ckptverify.runs.latest.latest_verified`).
 
 A front end with its own verification hands the checkpoint over as a :class:`Task` (the framework integrations:
 :mod:`ckptverify.integrations._core`): the same queue, verifying lock, verifier process (which runs the task's
-function) and exit wait; the task reports its own result.
+job, one of :data:`~ckptverify.verifier.jobs.JOBS`) and exit wait; the task reports its own result.
 
 At interpreter exit the pending verifications are waited for, up to ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT`` seconds
 (600 by default); :func:`wait_for_verifications` waits explicitly (a job that ends with ``os._exit`` must call
@@ -51,7 +52,7 @@ from typing import Any
 from ckptverify.errors import CkptVerifyRuntimeWarning, UsageError, VerifyFailedWarning, VerifyIncompleteWarning
 from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
 from ckptverify.verifier.throttle import IdleProbe, Throttle, throttle_enabled
-from ckptverify.verifier.verification import Verification, from_outcome, from_stamp
+from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
 from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priority, restore_priority
 
 __all__ = [
@@ -121,18 +122,25 @@ class VerifyOptions:
 class Task:
     """A verification a front end defines for itself, handed to :meth:`BackgroundVerifier.submit`.
 
-    ``function`` (``"ckptverify.MODULE:FUNCTION"``) is called with ``args`` (JSON values) once the checkpoint's
-    verifying lock is held, in the verifier process (in the worker thread with ``isolation="thread"``); it returns
-    a JSON value. ``done(result, None)`` then runs in the worker thread with it, or ``done(None, why)`` when there
-    is no result (the checkpoint was removed before its turn, the verifier process died, the function raised).
-    ``cut_short(why)``: the job ended (or a wait gave up) before it ran. The task reports its results itself: no
-    ``verified``/``verify-failed`` event, :class:`VerifyFailedWarning` or :func:`last_verification` entry.
+    ``job`` (a name of :data:`~ckptverify.verifier.jobs.JOBS`) is run with ``args`` (JSON values) once the
+    checkpoint's verifying lock is held, in the verifier process (in the worker thread with
+    ``isolation="thread"``); it returns a JSON value. ``done(result, None)`` then runs in the worker thread with
+    it, or ``done(None, why)`` when there is no result (the checkpoint was removed before its turn, the verifier
+    process died, the job raised). ``cut_short(why)``: the job ended (or a wait gave up) before it ran. The task
+    reports its results itself: no event, :class:`VerifyFailedWarning` or :func:`last_verification` entry from
+    the verifier. A ``job`` that names no job is a :class:`~ckptverify.errors.UsageError` here.
     """
 
-    function: str
+    job: str
     args: dict[str, Any]
     done: Callable[[Any, str | None], None]
     cut_short: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        from ckptverify.verifier.jobs import JOBS
+
+        if self.job not in JOBS:
+            raise UsageError(f"no such verification job: {self.job!r} (known: {', '.join(sorted(JOBS))})")
 
 
 @dataclass(eq=False)
@@ -229,7 +237,7 @@ class BackgroundVerifier:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every submitted checkpoint is verified; ``True`` if so. If ``timeout`` seconds pass first,
-        say which were cut short (a :class:`VerifyIncompleteWarning`, and a ``verify-cut-short`` event in each
+        say which were cut short (a :class:`VerifyIncompleteWarning`, and a ``checkpoint-cut-short`` event in each
         one's event log) and return ``False``; they stay queued."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         with self._waited_for(), self._cond:
@@ -319,8 +327,7 @@ class BackgroundVerifier:
             result = self._verify(job, jobs, background)
         except Exception as exc:  # the worker never dies: an unexpected failure is a result without a verdict
             job.lock.release()
-            result = Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep,
-                                  reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
+            result = _unverified(job, "error", f"the verification itself failed: {type(exc).__name__}: {exc}")
         with self._cond:
             self._last = result
             if result.verdict == "failed" and job.options.on_failure == "raise" and job.deliver_later:
@@ -344,13 +351,11 @@ class BackgroundVerifier:
                 if self.before_verify is not None:
                     self.before_verify(job.path)
                 if background and self.isolation == "process":
-                    result = self._child.call(task.function, task.args, throttle=self._throttled,
-                                              urgent=self._urgent)
+                    result = self._child.run(task.job, task.args, throttle=self._throttled, urgent=self._urgent)
                 else:
-                    import importlib
+                    from ckptverify.verifier.jobs import run_job
 
-                    module, _, name = task.function.partition(":")
-                    result = getattr(importlib.import_module(module), name)(**task.args)
+                    result = run_job(task.job, task.args)
         except Exception as exc:  # the worker never dies: a failure is a result without a verdict
             result, why = None, str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
         finally:
@@ -388,7 +393,7 @@ class BackgroundVerifier:
                     if job.lock.acquire():
                         break
                 except OSError:
-                    return _unverified(job, "removed before it was verified")
+                    return _unverified(job, "deleted", "removed before it was verified")
                 time.sleep(_LOCK_POLL_SECONDS)
             stamp = read_stamp(job.path)
             if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.deep):
@@ -410,13 +415,12 @@ class BackgroundVerifier:
                     throttle.lift()
                 self._throttle_now = throttle
         try:
-            outcome = verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
-                                       settle=self.settle, lock=job.lock, throttle=throttle)
+            return verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
+                                    settle=self.settle, lock=job.lock, throttle=throttle)
         finally:
             if throttle is not None:
                 with self._cond:
                     self._throttle_now = None
-        return from_outcome(job.path, job.step, job.options.deep, outcome)
 
     def _throttled(self) -> bool:
         with self._cond:
@@ -428,8 +432,7 @@ class BackgroundVerifier:
 
     def _report(self, job: _Job, result: Verification) -> None:
         """The event, the warning and the callback of one result."""
-        event = {"passed": "verified", "failed": "verify-failed"}.get(result.verdict, "verify-skipped")
-        _emit(job.events, event, result)
+        _emit(job.events, event_of(result), result)
         if result.verdict == "failed":
             warnings.warn(result.describe(), VerifyFailedWarning, stacklevel=2)
         elif result.verdict == "unverified":
@@ -459,7 +462,8 @@ class BackgroundVerifier:
                       "they carry no stamp and are verified when a resume picks them", VerifyIncompleteWarning,
                       stacklevel=3)
         for job in left:
-            _emit(job.events, "verify-cut-short", _unverified(job, f"not verified within the {timeout} s waited"))
+            cut = _unverified(job, "cut-short", f"not verified within the {timeout} s waited")
+            _emit(job.events, event_of(cut), cut)
 
     def _forget_in_child(self) -> None:
         """In a forked child: let go of the inherited lock descriptors (the parent still holds the locks)."""
@@ -470,16 +474,15 @@ class BackgroundVerifier:
                     os.close(fd)
 
 
-def _unverified(job: _Job, reason: str) -> Verification:
-    return Verification(path=job.path, step=job.step, verdict="unverified", deep=job.options.deep, reason=reason)
+def _unverified(job: _Job, no_verdict: str, reason: str) -> Verification:
+    return unverified(job.path, job.step, no_verdict, reason, deep=job.options.deep)
 
 
 def _emit(log: Any, event: str, result: Verification) -> None:
     if log is None:
         return
-    fields = {k: v for k, v in result.to_dict().items() if v is not None}
     try:
-        log.emit(event, **fields)
+        log.emit(event, **result.to_dict())
     except OSError as exc:  # the run directory went away or is read-only: the warning still says it
         warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", CkptVerifyRuntimeWarning,
                       stacklevel=2)
@@ -520,7 +523,7 @@ def wait_for_checkpoint(path: str | os.PathLike[str], timeout: float | None = No
 
 def wait_for_verifications(timeout: float | None = None) -> bool:
     """Wait until every checkpoint this process saved with ``verify=`` is verified and stamped; ``True`` if
-    so. After ``timeout`` seconds, warn (and log ``verify-cut-short``) naming those not finished, and return
+    so. After ``timeout`` seconds, warn (and log ``checkpoint-cut-short``) naming those not finished, and return
     ``False``."""
     return True if _default is None else _default.wait(timeout)
 

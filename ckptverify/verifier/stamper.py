@@ -14,44 +14,19 @@ import contextlib
 import fcntl
 import os
 import time
-from dataclasses import dataclass
 
 from ckptverify.errors import CheckpointNotFoundError
-from ckptverify.findings import Report
-from ckptverify.ownfiles.names import SAVE_MARKER, VERIFYING_LOCK
-from ckptverify.runs.stamp import files_fingerprint, write_stamp
+from ckptverify.ownfiles.names import VERIFYING_LOCK
+from ckptverify.runs.stamp import committed, files_fingerprint, removed, stamp_path, write_stamp
 from ckptverify.verifier.throttle import Throttle
+from ckptverify.verifier.verification import Verification, from_report, unverified
 
-__all__ = ["SETTLE_SECONDS", "Outcome", "VerifyingLock", "committed", "removed", "stamp_locked", "verify_and_stamp"]
+__all__ = ["SETTLE_SECONDS", "VerifyingLock", "committed", "removed", "stamp_locked", "verify_and_stamp"]
 
 #: After a failed verification, how long to wait before judging: a checkpoint being deleted file by file must
 #: not be reported as corrupt.
 SETTLE_SECONDS = 1.0
-_METADATA = ".metadata"
-
-
-def committed(path: str) -> bool:
-    """Whether ``path`` holds a DCP checkpoint whose save finished: its ``.metadata`` is in place and no
-    ckptverify save is in progress in it."""
-    try:
-        names = set(os.listdir(path))
-    except OSError:  # gone (retention), or not a directory
-        return False
-    has_metadata = _METADATA in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
-    return has_metadata and SAVE_MARKER not in names
-
-
-def removed(path: str) -> bool:
-    """Whether the checkpoint at ``path`` was removed (or, for DCP, lost its metadata: retention under way)."""
-    if os.path.isdir(path):
-        from ckptverify.formats.rundir import dir_format
-
-        try:
-            names = os.listdir(path)
-        except OSError:
-            return True
-        return dir_format(names) == "dcp-uncommitted" or (dir_format(names) == "dcp" and not committed(path))
-    return not os.path.isfile(path)
+_GONE = "removed while it was being verified"
 
 
 class VerifyingLock:
@@ -115,54 +90,42 @@ class VerifyingLock:
             self._fd = None
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What :func:`verify_and_stamp` did. ``event``: ``verified`` or ``failed`` (a verdict, stamped unless
-    ``stamped`` is false: then ``reason`` says why the stamp could not be written; the verdict stands all the
-    same), ``deleted`` (removed while being verified), ``changed`` (its files changed while being verified: no
-    verdict, no stamp), ``error`` (it could not be verified: ``reason`` says why) or ``busy`` (someone else holds
-    the verifying lock)."""
-
-    event: str
-    report: Report | None = None
-    reason: str | None = None
-    seconds: float = 0.0
-    #: Of ``seconds``, those spent waiting for an idle core (:mod:`~ckptverify.verifier.throttle`).
-    throttled_s: float = 0.0
-    #: Whether the verdict was written beside the checkpoint.
-    stamped: bool = True
-
-
 def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
                      settle: float = SETTLE_SECONDS, lock: VerifyingLock | None = None,
-                     throttle: Throttle | None = None) -> Outcome:
+                     throttle: Throttle | None = None) -> Verification:
     """Verify the checkpoint at ``path`` and stamp the verdict beside it; see the module docstring.
 
+    Returns a :class:`~ckptverify.verifier.verification.Verification`: ``passed`` or ``failed`` (stamped unless
+    ``stamped`` is false: then ``reason`` says why the stamp could not be written; the verdict stands all the
+    same), or ``unverified`` with ``no_verdict`` ``deleted`` (removed while being verified), ``changed`` (its
+    files changed while being verified: no verdict, no stamp), ``error`` (it could not be verified: ``reason``
+    says why) or ``busy`` (someone else holds the verifying lock).
+
     ``lock``: the checkpoint's verifying lock, already held by the caller (released here); by default it is
-    taken here, and the outcome is ``busy`` when someone else holds it. ``throttle``: see :func:`stamp_locked`.
+    taken here, and the result is ``busy`` when someone else holds it. ``throttle``: see :func:`stamp_locked`.
     """
     own = lock if lock is not None else VerifyingLock(path)
     try:
         if not own.held and not own.acquire():
-            return Outcome("busy", reason="another process is verifying it")
+            return unverified(path, step, "busy", "another process is verifying it", deep=deep)
         return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
     except (FileNotFoundError, CheckpointNotFoundError):
-        return Outcome("deleted", reason="removed while it was being verified")
+        return unverified(path, step, "deleted", _GONE, deep=deep)
     except OSError as exc:
         # The lock cannot be created (a read-only run directory, something not ours at its name): verify all the
         # same; the verdict is reported whether or not it can be stamped.
         if own.held:
-            return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
+            return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
         return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
     finally:
         own.release()
 
 
 def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
-                 settle: float = SETTLE_SECONDS, throttle: Throttle | None = None) -> Outcome:
+                 settle: float = SETTLE_SECONDS, throttle: Throttle | None = None) -> Verification:
     """:func:`verify_and_stamp` for a caller that holds the checkpoint's verifying lock (in this process or in
     the one that started this one). ``throttle``: paces this thread's reads (with ``jobs=1``, all of them); the
-    seconds it waited are recorded in the stamp and the outcome as ``throttled_s``."""
+    seconds it waited are recorded in the stamp and the result as ``throttled_s``."""
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.safeparse.readers import pacing
 
@@ -176,21 +139,21 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
             # settle, then judge only if nothing moved.
             time.sleep(settle)
         if removed(path):
-            return Outcome("deleted", reason="removed while it was being verified")
+            return unverified(path, step, "deleted", _GONE, deep=deep)
         if files_fingerprint(path) != before:
             # Not a verdict on anything: the files verified are not the files there now.
-            return Outcome("changed", reason="its files changed while it was being verified")
+            return unverified(path, step, "changed", "its files changed while it was being verified", deep=deep)
         throttled = None if throttle is None or throttle.probe is None else round(throttle.throttled_s, 6)
     except (FileNotFoundError, CheckpointNotFoundError):
-        return Outcome("deleted", reason="removed while it was being verified")
+        return unverified(path, step, "deleted", _GONE, deep=deep)
     except OSError as exc:  # it could not be read
-        return Outcome("error", reason=f"{type(exc).__name__}: {exc}")
-    event = "verified" if report.passed else "failed"
+        return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
     try:
         write_stamp(path, report, step=step, fingerprint=before, throttled_s=throttled)
     except (FileNotFoundError, CheckpointNotFoundError):
-        return Outcome("deleted", reason="removed while it was being verified")
+        return unverified(path, step, "deleted", _GONE, deep=deep)
     except OSError as exc:  # e.g. a read-only run directory: the verdict stands, unstamped
-        return Outcome(event, report=report, reason=f"not stamped: {type(exc).__name__}: {exc}",
-                       seconds=time.perf_counter() - started, throttled_s=throttled or 0.0, stamped=False)
-    return Outcome(event, report=report, seconds=time.perf_counter() - started, throttled_s=throttled or 0.0)
+        return from_report(path, step, report, seconds=time.perf_counter() - started, stamped=False,
+                           reason=f"not stamped: {type(exc).__name__}: {exc}", throttled_s=throttled or 0.0)
+    return from_report(path, step, report, seconds=time.perf_counter() - started, stamped=True,
+                       stamp=stamp_path(path), throttled_s=throttled or 0.0)

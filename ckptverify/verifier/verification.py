@@ -1,14 +1,32 @@
-"""The result of verifying one saved checkpoint (:class:`Verification`), as the background verifier, the
-verifier process and a save's ``on_verified`` callback see it."""
+"""The result of verifying one saved checkpoint (:class:`Verification`): the one type the stamper, the background
+verifier, the verifier process, a save's ``on_verified`` callback, ``ckptverify watch``'s stamper and the
+framework integrations produce and consume, and the fields of the ``checkpoint-*`` events in ``events.jsonl``
+(``docs/json-schema.md``)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import warnings as _warnings
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-from ckptverify.verifier.stamper import Outcome
+from ckptverify.errors import CkptVerifyDeprecationWarning
 
-__all__ = ["Verification", "from_outcome", "from_stamp"]
+if TYPE_CHECKING:
+    from ckptverify.findings import Report
+
+__all__ = ["MAX_ERRORS", "NO_VERDICT", "VERDICTS", "Verification", "event_of", "from_report", "from_stamp",
+           "unverified"]
+
+#: What a verification concluded: ``passed``, ``failed``, or ``unverified`` (no verdict).
+VERDICTS = ("passed", "failed", "unverified")
+#: Why a verification has no verdict (its :attr:`Verification.no_verdict`): queued and not verified yet
+#: (``pending``), removed before or while it was verified (``deleted``), its files changed while they were read
+#: (``changed``), someone else holds its verifying lock (``busy``), it could not be read or the verification
+#: itself stopped (``error``), the job stopped waiting for it (``cut-short``).
+NO_VERDICT = ("pending", "deleted", "changed", "busy", "error", "cut-short")
+#: Errors a verification carries (and an event records, and the integrations broadcast): the first few are
+#: enough to act on; the report has them all.
+MAX_ERRORS = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -16,11 +34,17 @@ class Verification:
     """The result of verifying one saved checkpoint.
 
     ``verdict``: ``passed``, ``failed`` (both stamped beside the checkpoint unless ``stamped`` is false: then
-    ``reason`` says why the stamp could not be written, and the verdict stands all the same), or ``unverified``
-    (no verdict: ``reason`` says why; nothing stamped). ``summary``: findings per severity. ``first_error``: the
-    first error as ``check: message``. ``bytes_checked``: bytes of the checkpoint's files read and checked.
-    ``throttled_s``: of ``seconds``, those a background verification spent waiting for an idle core
-    (:mod:`~ckptverify.verifier.throttle`).
+    ``reason`` says why the stamp could not be written, and the verdict stands all the same; a checkpoint that
+    cannot be verified at all, such as a remote one, is ``failed`` too, unstamped), or ``unverified`` (no
+    verdict: ``no_verdict`` says why in one word, ``reason`` in a sentence; nothing stamped). ``summary``:
+    findings per severity. ``first_error``: the first error as ``check: message``; ``errors``: the first few
+    errors as findings (``check``, ``severity``, ``message``, ``location``, ...). ``bytes_checked``: bytes of
+    the checkpoint's files read and checked; ``coverage``: what was checked, per check; ``manifest``: whether
+    it was verified against a manifest; ``unchecked``: files with content nothing could check; ``warnings``:
+    the report's other warnings, by check name. ``throttled_s``: of ``seconds``, those a background
+    verification spent waiting for an idle core (:mod:`~ckptverify.verifier.throttle`). ``stamp``: the path of
+    the stamp written. ``message``: one line for people (:meth:`describe`). ``report``: the whole verification
+    report, where it was reached (never serialized: :meth:`to_dict` leaves it out).
     """
 
     path: str
@@ -34,20 +58,97 @@ class Verification:
     stamped: bool = False
     reason: str | None = None
     throttled_s: float = 0.0
+    no_verdict: str | None = None
+    errors: tuple[dict[str, Any], ...] = ()
+    coverage: tuple[dict[str, Any], ...] = ()
+    manifest: bool = False
+    unchecked: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    stamp: str | None = None
+    message: str | None = None
+    report: Report | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}, got {self.verdict!r}")
+        if self.no_verdict is not None and self.no_verdict not in NO_VERDICT:
+            raise ValueError(f"no_verdict must be one of {', '.join(NO_VERDICT)}, got {self.no_verdict!r}")
+        if self.verdict == "unverified" and self.no_verdict is None:
+            object.__setattr__(self, "no_verdict", "error")
+        if self.message is None:
+            object.__setattr__(self, "message", self._default_message())
 
     @property
     def passed(self) -> bool:
         return self.verdict == "passed"
 
+    @property
+    def pending(self) -> bool:
+        """Queued for the background verifier, no verdict yet (``passed`` is ``False``: nothing was checked)."""
+        return self.no_verdict == "pending"
+
+    @property
+    def deleted(self) -> bool:
+        """Removed (by retention, most likely) before its verification finished: no verdict, and no failure."""
+        return self.no_verdict == "deleted"
+
+    @property
+    def checked_bytes(self) -> int:
+        """Deprecated name of :attr:`bytes_checked`."""
+        _warnings.warn("Verification.checked_bytes is deprecated and will be removed in the next release; use "
+                       "Verification.bytes_checked instead", CkptVerifyDeprecationWarning, stacklevel=2)
+        return self.bytes_checked
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field but ``report``, as JSON values, and ``passed``, ``pending`` and ``deleted``: what an event
+        records, what the verifier process answers and what a job broadcasts to its ranks."""
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "report":
+                continue
+            value = getattr(self, f.name)
+            data[f.name] = list(value) if isinstance(value, tuple) else (dict(value) if isinstance(value, dict)
+                                                                        else value)
+        data["passed"] = self.passed
+        data["pending"] = self.pending
+        data["deleted"] = self.deleted
+        return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Verification:
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], report: Report | None = None) -> Verification:
+        """The :class:`Verification` :meth:`to_dict` gave (keys it does not know, such as an event's ``event``
+        and ``time``, are left out). Also reads what earlier versions wrote: ``checked_bytes`` for
+        ``bytes_checked``, and the framework integrations' verdicts (``passed``, ``pending``, ``deleted``, no
+        ``verdict``). Raises ``TypeError`` when ``data`` is not one."""
+        if not isinstance(data, dict):
+            raise TypeError(f"not a verification: {type(data).__name__}")
+        known = {f.name for f in fields(cls)} - {"report"}
+        values = {k: v for k, v in data.items() if k in known}
+        if "bytes_checked" not in values and "checked_bytes" in data:
+            values["bytes_checked"] = data["checked_bytes"]
+        if "verdict" not in values:
+            if data.get("pending"):
+                values.update(verdict="unverified", no_verdict="pending")
+            elif data.get("deleted"):
+                values.update(verdict="unverified", no_verdict="deleted")
+            else:
+                values["verdict"] = "passed" if data.get("passed") else "failed"
+        for name in ("errors", "coverage", "unchecked", "warnings"):
+            if name in values:
+                values[name] = tuple(values[name] or ())
+        values.setdefault("step", None)
+        if "path" not in values:
+            raise TypeError("not a verification: no path")
+        try:
+            return cls(**values, report=report)
+        except ValueError as exc:
+            raise TypeError(f"not a verification: {exc}") from None
 
     def describe(self) -> str:
-        """One line for people: what was verified and the verdict."""
+        """One line for people: what was verified and the verdict (:attr:`message`)."""
+        return self.message or self._default_message()
+
+    def _default_message(self) -> str:
         where = f"{self.path}" + (f" (step {self.step})" if self.step is not None else "")
         if self.verdict == "passed":
             return f"{where} passed verification ({self.bytes_checked} bytes checked in {self.seconds:.2f} s)"
@@ -57,32 +158,66 @@ class Verification:
         return f"{where} was not verified: {self.reason}"
 
 
-def from_outcome(path: str, step: int | None, deep: bool, outcome: Outcome) -> Verification:
-    """The :class:`Verification` of a :func:`~ckptverify.verifier.stamper.verify_and_stamp` outcome."""
-    report = outcome.report
-    if report is None:
-        return Verification(path=path, step=step, verdict="unverified", deep=deep,
-                            reason=outcome.reason or outcome.event)
-    first = report.errors[0] if report.errors else None
+def event_of(result: Verification) -> str:
+    """The name of the ``events.jsonl`` event that records ``result``
+    (:data:`~ckptverify.ownfiles.events.VERIFICATION_EVENTS`)."""
+    from ckptverify.ownfiles import events
+
+    if result.verdict == "passed":
+        return events.CHECKPOINT_VERIFIED
+    if result.verdict == "failed":
+        return events.CHECKPOINT_FAILED
+    return {"deleted": events.CHECKPOINT_DELETED, "cut-short": events.CHECKPOINT_CUT_SHORT}.get(
+        result.no_verdict or "", events.CHECKPOINT_UNVERIFIED)
+
+
+def from_report(path: str, step: int | None, report: Report, *, seconds: float, stamped: bool,
+                stamp: str | None = None, reason: str | None = None, throttled_s: float = 0.0,
+                message: str | None = None) -> Verification:
+    """The :class:`Verification` of a verification that reached a verdict (``report``)."""
+    from ckptverify.audit.verify import UNCHECKABLE
+
+    errors = report.errors
+    first = errors[0] if errors else None
     return Verification(
         path=path, step=step, verdict="passed" if report.passed else "failed", summary=report.summary(),
         first_error=None if first is None else f"{first.check}: {first.message}",
-        seconds=round(outcome.seconds, 6), bytes_checked=int(report.stats.get("bytes") or 0),
-        deep=bool(report.stats.get("deep")), stamped=outcome.stamped, reason=outcome.reason,
-        throttled_s=outcome.throttled_s)
+        seconds=round(seconds, 6), bytes_checked=int(report.stats.get("bytes") or 0),
+        deep=bool(report.stats.get("deep")), stamped=stamped, reason=reason, throttled_s=throttled_s,
+        errors=tuple(f.to_dict() for f in errors[:MAX_ERRORS]),
+        coverage=tuple(c.to_dict() for c in report.coverage), manifest=bool(report.stats.get("manifest")),
+        unchecked=tuple(sorted({f.location.file or "?" for f in report.findings if f.check == UNCHECKABLE})),
+        warnings=tuple(sorted({f.check for f in report.warnings if f.check != UNCHECKABLE})),
+        stamp=stamp, message=message, report=report)
+
+
+def unverified(path: str, step: int | None, no_verdict: str, reason: str, *, deep: bool = False,
+               seconds: float = 0.0, message: str | None = None) -> Verification:
+    """A :class:`Verification` without a verdict: ``no_verdict`` (one of :data:`NO_VERDICT`) says why."""
+    return Verification(path=path, step=step, verdict="unverified", no_verdict=no_verdict, reason=reason,
+                        deep=deep, seconds=round(seconds, 6), message=message)
 
 
 def from_stamp(path: str, step: int | None, data: dict[str, Any]) -> Verification:
     """The :class:`Verification` a current stamp records (someone else verified the checkpoint)."""
-    errors = data.get("errors") or []
-    first = errors[0] if errors and isinstance(errors[0], dict) else None
+    from ckptverify.runs.stamp import stamp_path
+
+    errors = [e for e in (data.get("errors") or []) if isinstance(e, dict)]
+    first = errors[0] if errors else None
     return Verification(
         path=path, step=step, verdict="passed" if data.get("passed") else "failed",
         summary=dict(data.get("summary") or {}),
         first_error=None if first is None else f"{first.get('check')}: {first.get('message')}",
-        seconds=float(data.get("seconds") or 0.0), bytes_checked=int(data.get("bytes_checked") or 0),
-        deep=bool(data.get("deep")), stamped=True, throttled_s=_seconds(data.get("throttled_s")))
+        seconds=_seconds(data.get("seconds")), bytes_checked=_count(data.get("bytes_checked")),
+        deep=bool(data.get("deep")), stamped=True, throttled_s=_seconds(data.get("throttled_s")),
+        errors=tuple(errors[:MAX_ERRORS]),
+        coverage=tuple(c for c in (data.get("coverage") or []) if isinstance(c, dict)),
+        manifest=bool(data.get("manifest")), stamp=stamp_path(path))
 
 
 def _seconds(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _count(value: object) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -207,11 +207,11 @@ def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
     path = os.path.join(root, cand.path)
     base = {"path": cand.path, "step": cand.step}
     outcome = verify_and_stamp(path, step=cand.step, jobs=jobs, deep=deep, settle=settle)
-    if outcome.event == "busy":
+    if outcome.no_verdict == "busy":
         return None, None  # another watcher is on it
-    if outcome.event == "changed":
+    if outcome.no_verdict == "changed":
         return {"event": "changed", **base, "reason": f"{outcome.reason}; it is verified again in a later pass"}, None
-    if outcome.event == "error":
+    if outcome.no_verdict == "error":
         # It could not be verified here (the stamper could not read it): try once more without lock or stamp.
         result, fingerprint = _verify_unstamped(path, base, jobs, deep, settle, outcome.reason or "not stamped")
         if result["event"] == "error":
@@ -221,8 +221,8 @@ def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
                 fingerprint = ""
         return result, fingerprint
     if outcome.report is None:
-        return {"event": outcome.event, **base, "reason": outcome.reason}, None
-    out = _outcome_result(base, outcome.event, outcome.report, outcome.seconds)
+        return {"event": outcome.no_verdict, **base, "reason": outcome.reason}, None
+    out = _outcome_result(base, "verified" if outcome.passed else "failed", outcome.report, outcome.seconds)
     out["stamped"] = outcome.stamped
     if outcome.stamped:
         return out, None

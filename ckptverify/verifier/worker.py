@@ -8,10 +8,11 @@ with the training process for its interpreter lock.
 Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
 ``throttle``, ``urgent``, ``seq``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
 :class:`~ckptverify.verifier.verification.Verification` per line on the standard output it was started with; anything
-else printed goes to standard error. A request with ``call`` (``"ckptverify.MODULE:FUNCTION"``) and ``args``
-instead runs that function of ckptverify's with ``args`` and answers ``{"result": ...}`` (what it returned, JSON)
-or ``{"call_error": ...}``: how a front end with its own verification (the framework integrations: fingerprint
-when needed, verify, stamp) runs it here. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
+else printed goes to standard error. A request with ``job`` (a name of :data:`~ckptverify.verifier.jobs.JOBS`)
+and ``args`` instead runs that job with ``args`` and answers ``{"result": ...}`` (what it returned, JSON) or
+``{"call_error": ...}``: how a front end with its own verification (the framework integrations: fingerprint when
+needed, verify, stamp) runs it here. A request names a job, never code: the process runs only the functions
+:mod:`~ckptverify.verifier.jobs` imports. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
 ask for another with ``--priority``), without torch, and with ``throttle`` paces its reads to
 leave the training's cores alone (:mod:`~ckptverify.verifier.throttle`). A byte on the pipe named by
 ``--hurry-fd`` (the parent writes the ``seq`` of the request in flight when it starts waiting
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.verifier.throttle import IdleProbe, Throttle
-from ckptverify.verifier.verification import Verification, from_outcome
+from ckptverify.verifier.verification import Verification
 
 __all__ = ["PRIORITIES", "VerifierProcess", "lower_priority", "main", "restore_priority", "serve"]
 
@@ -55,8 +56,8 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
             req = json.loads(line)
             if priority is not None and isinstance(req, dict):
                 priority.for_request(bool(req.get("urgent")))
-            if isinstance(req, dict) and "call" in req:
-                answer = _call(str(req["call"]), req.get("args") or {}, _throttle(req, hurried, priority))
+            if isinstance(req, dict) and "job" in req:
+                answer = _run_job(req["job"], req.get("args") or {}, _throttle(req, hurried, priority))
                 replies.write(json.dumps(answer, default=str) + "\n")
                 replies.flush()
                 continue
@@ -66,11 +67,10 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
             replies.flush()
             continue
         try:
-            outcome = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
-                                   settle=float(req.get("settle", 1.0)), throttle=_throttle(req, hurried, priority))
-            result = from_outcome(path, step, deep, outcome)
+            result = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
+                                  settle=float(req.get("settle", 1.0)), throttle=_throttle(req, hurried, priority))
         except Exception as exc:  # one request's failure is its result; the process serves the next one
-            result = Verification(path=path, step=step, verdict="unverified", deep=deep,
+            result = Verification(path=path, step=step, verdict="unverified", no_verdict="error", deep=deep,
                                   reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
         replies.write(json.dumps(result.to_dict(), default=str) + "\n")
         replies.flush()
@@ -138,19 +138,19 @@ def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None,
     return Throttle(probe, lifted=asked, on_lift=None if priority is None else priority.raise_)
 
 
-def _call(name: str, args: dict[str, Any], throttle: Throttle | None = None) -> dict[str, Any]:
-    """Run ``name`` (``ckptverify.MODULE:FUNCTION``) with ``args``, its reads paced by ``throttle``:
-    ``{"result": ...}`` or ``{"call_error": ...}``."""
-    import importlib
-
+def _run_job(job: object, args: object, throttle: Throttle | None = None) -> dict[str, Any]:
+    """Run the job named ``job`` (:data:`~ckptverify.verifier.jobs.JOBS`) with ``args``, its reads paced by
+    ``throttle``: ``{"result": ...}`` or ``{"call_error": ...}``."""
     from ckptverify.safeparse.readers import pacing
+    from ckptverify.verifier.jobs import JOBS, run_job
 
-    module, _, function = name.partition(":")
-    if not (module == "ckptverify" or module.startswith("ckptverify.")) or not function.isidentifier():
-        return {"call_error": f"not a ckptverify function: {name!r}"}
+    if not isinstance(job, str) or job not in JOBS:
+        return {"call_error": f"no such verification job: {job!r}"}
+    if not isinstance(args, dict):
+        return {"call_error": f"the arguments of {job} are not an object: {type(args).__name__}"}
     try:
         with pacing(throttle):
-            return {"result": getattr(importlib.import_module(module), function)(**args)}
+            return {"result": run_job(job, args)}
     except Exception as exc:  # one request's failure is its answer; the process serves the next one
         return {"call_error": f"{type(exc).__name__}: {exc}"}
 
@@ -270,24 +270,24 @@ class VerifierProcess:
             return Verification(path=path, step=step, verdict="unverified", deep=deep, reason=why)
         return result
 
-    def call(self, function: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
-             urgent: Callable[[], bool] | None = None) -> Any:
-        """Run ``function`` (``ckptverify.MODULE:FUNCTION``) with ``args`` in the verifier process and return what
-        it returned (its reads paced as for :meth:`verify`); raises ``RuntimeError`` (why) when there is no
-        answer or the function raised."""
+    def run(self, job: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
+            urgent: Callable[[], bool] | None = None) -> Any:
+        """Run the job named ``job`` (:data:`~ckptverify.verifier.jobs.JOBS`) with ``args`` in the verifier
+        process and return what it returned (its reads paced as for :meth:`verify`); raises ``RuntimeError``
+        (why) when there is no answer or the job raised."""
 
         def request() -> dict[str, Any]:
             with self._hurry_lock:
                 self._seq += 1
                 seq = self._seq
-            return {"call": function, "args": args, "throttle": bool(throttle and throttle()),
+            return {"job": job, "args": args, "throttle": bool(throttle and throttle()),
                     "urgent": bool(urgent and urgent()), "seq": seq}
 
         data, why = self._ask(request)
         if data is None:
             raise RuntimeError(why)
         if "result" not in data:
-            raise RuntimeError(f"{function} failed in the verifier process: {data.get('call_error')}")
+            raise RuntimeError(f"{job} failed in the verifier process: {data.get('call_error')}")
         return data["result"]
 
     def _ask(self, request: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:

@@ -1,0 +1,235 @@
+"""The check a framework integration runs on a checkpoint it has just saved (:func:`check_saved`), inline or in
+the background verifier's process (:func:`saved_job`, the ``check-saved`` job of :mod:`~ckptverify.verifier.jobs`).
+
+The checkpoint is verified (:func:`~ckptverify.audit.verify.verify_checkpoint`); when it holds content no checksum
+protects (safetensors weights), or always with ``fingerprint=True``, it is fingerprinted (its manifest written,
+:func:`~ckptverify.audit.adopt.fingerprint_checkpoint`: inside a folder, beside a single file) and verified
+against that manifest; then its stamp is written (:func:`~ckptverify.runs.stamp.write_stamp`). The result is a
+:class:`~ckptverify.verifier.verification.Verification` and the name of its event (``docs/json-schema.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Literal
+
+from ckptverify.errors import reported_as_itself
+from ckptverify.findings import Report
+from ckptverify.verifier.verification import Verification, event_of, from_report, unverified
+
+__all__ = ["Fingerprint", "cannot_verify", "check_saved", "first_error_line", "reason_of", "saved_job",
+           "verification_of", "was_deleted"]
+
+Fingerprint = bool | Literal["auto"]
+
+
+def first_error_line(path: str, errors: list[dict[str, Any]] | tuple[dict[str, Any], ...], total: int) -> str:
+    """``PATH fails verification with N error(s); first: CHECK (WHERE): MESSAGE``."""
+    from ckptverify.findings import Location
+
+    if not errors:
+        return f"{path} fails verification"
+    first = errors[0]
+    where = Location.from_dict(first.get("location", {})).describe() or "?"
+    return (f"{path} fails verification with {total} error(s); first: {first.get('check')} ({where}): "
+            f"{first.get('message')}")
+
+
+def verification_of(path: str, report: Report, step: int | None, seconds: float, stamp: str | None,
+                    reason: str | None = None) -> Verification:
+    """The :class:`~ckptverify.verifier.verification.Verification` of ``report``, with the integrations' message
+    (what was checked, or the first error and where)."""
+    from ckptverify.audit.verify import UNCHECKABLE
+
+    errors = report.errors
+    unchecked = sorted({f.location.file or "?" for f in report.findings if f.check == UNCHECKABLE})
+    if errors:
+        message = first_error_line(path, [f.to_dict() for f in errors[:1]], report.summary().get("error", 0))
+    else:
+        against = " against its manifest" if report.stats.get("manifest") else ""
+        message = f"{path} passed verification{against}: {_checked_text(report)}"
+        if unchecked:
+            message += f"; no checksum covers {', '.join(unchecked[:4])}"
+    return from_report(path, step, report, seconds=seconds, stamped=stamp is not None, stamp=stamp, reason=reason,
+                       message=message)
+
+
+def _checked_text(report: Report) -> str:
+    """``N bytes; 184 zip-crc records, 28 manifest-digest blocks`` (the checks that read the content)."""
+    key = [c for c in report.coverage if c.count and c.check in ("zip-crc", "manifest-digest", "tensor-record")]
+    parts = [f"{c.count} {c.check} {c.unit}" for c in key or [c for c in report.coverage if c.count][:3]]
+    return f"{int(report.stats.get('bytes', 0) or 0)} bytes; {', '.join(parts) or 'nothing'}"
+
+
+def cannot_verify(path: str, why: str, step: int | None = None, seconds: float = 0.0) -> Verification:
+    """A failed verification of a checkpoint that could not be verified at all (missing, not a checkpoint,
+    remote): refused like one that fails."""
+    return Verification(path=path, step=step, verdict="failed", summary={"error": 1},
+                        first_error=f"not-verified: {why}", seconds=round(seconds, 6),
+                        errors=({"check": "not-verified", "severity": "error", "message": why,
+                                 "location": {"file": path}},),
+                        message=f"{path} cannot be verified: {why}")
+
+
+def _has_manifest(root: str) -> bool:
+    from ckptverify.audit.adopt import file_manifest_path
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+
+    if os.path.isdir(root) and not os.path.islink(root):
+        return os.path.lexists(os.path.join(root, MANIFEST_FILE))
+    return os.path.lexists(file_manifest_path(root))
+
+
+def reason_of(exc: Exception) -> str:
+    """What stopped a verification: the message of a ckptverify error, the type too for anything else."""
+    return str(exc) if reported_as_itself(exc) else f"the check stopped: {type(exc).__name__}: {exc}"
+
+
+def was_deleted(path: str, step: int | None, seconds: float = 0.0) -> Verification:
+    """The result for a checkpoint deleted before its verification finished: no verdict, no failure."""
+    return unverified(path, step, "deleted", "deleted before its verification finished", seconds=seconds,
+                      message=f"{path} was deleted before its verification finished (the framework's retention, "
+                              "most likely): nothing to verify")
+
+
+def _fingerprint(root: str, jobs: int | None) -> str:
+    """Write the manifest of the checkpoint just saved at ``root`` (replacing one a former save into the same
+    place left: it describes bytes that are gone). Content no checksum protects (safetensors weights) is
+    adopted as it was just written: from now on the manifest protects it. Returns what happened, for the
+    event; a refusal is no failure by itself (the verification that follows judges the checkpoint)."""
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+
+    report, manifest = fingerprint_checkpoint(root, force=True, jobs=jobs, trust_uncheckable=True)
+    if manifest is not None:
+        return (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
+                f"{len(manifest.tensors)} tensors")
+    refusal = next((f for f in report.findings if f.check == "fingerprint-refused"), None)
+    return f"no manifest: {refusal.message if refusal else 'refused'}"
+
+
+def _vanished(root: str) -> bool:
+    """Whether the checkpoint at ``root`` was deleted (or is being deleted): gone, a DCP folder that lost its
+    metadata, or a folder left holding nothing but ckptverify's own files."""
+    from ckptverify.formats.describe import is_own_file
+    from ckptverify.runs.stamp import removed
+
+    if removed(root):
+        return True
+    if os.path.isdir(root) and not os.path.islink(root):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return True
+        return all(is_own_file(n) for n in names)
+    return False
+
+
+def _tidy(root: str) -> None:
+    """Remove ckptverify's own files (stamp, manifest, verifying lock) from a checkpoint that was deleted while
+    it was verified: inside a folder left with nothing else (then the folder too), or beside a single file."""
+    from ckptverify.audit.adopt import file_manifest_path
+    from ckptverify.formats.describe import is_own_file
+    from ckptverify.runs.stamp import stamp_path
+
+    if os.path.isdir(root) and not os.path.islink(root):
+        with contextlib.suppress(OSError):
+            names = os.listdir(root)
+            if all(is_own_file(n) for n in names):
+                for name in names:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(root, name))
+                os.rmdir(root)
+        return
+    if not os.path.lexists(root):
+        for beside in (stamp_path(root), file_manifest_path(root)):
+            with contextlib.suppress(OSError):
+                os.unlink(beside)
+
+
+def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None = None,
+                deep: bool = False, settle: float | None = None) -> tuple[Verification, dict[str, Any], str]:
+    """Fingerprint (when needed), verify and stamp the checkpoint just saved at ``root``; see the module
+    docstring. Returns the verification, the event's extra fields (``fingerprint``: what fingerprinting did;
+    ``stamp_error``: why no stamp was written) and the event's name (``checkpoint-verified``,
+    ``checkpoint-failed``, or ``checkpoint-deleted``). Appends no event and warns of nothing.
+
+    ``settle``: set when the checkpoint may be deleted meanwhile (a verification in the background, while the
+    framework's retention runs): a failure, or files that changed, is judged only after ``settle`` seconds, and
+    a checkpoint gone by then is ``deleted``, with ckptverify's own files removed."""
+    verdict, extra = _check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
+    return verdict, extra, event_of(verdict)
+
+
+def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None,
+                 deep: bool, settle: float | None) -> tuple[Verification, dict[str, Any]]:
+    from ckptverify.audit.verify import UNCHECKABLE, verify_checkpoint
+    from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
+
+    started = time.perf_counter()
+    background = settle is not None
+
+    def deleted_now() -> bool:
+        if not background:
+            return False
+        if not _vanished(root):
+            time.sleep(settle or 0.0)  # a checkpoint deleted file by file is not corrupt: let it settle
+            if not _vanished(root):
+                return False
+        _tidy(root)
+        return True
+
+    if "://" in root:
+        return cannot_verify(root, "ckptverify verifies checkpoints on a local file system only", step), {}
+    if background and _vanished(root):
+        _tidy(root)
+        return was_deleted(root, step), {}
+    try:
+        # A manifest already here (fingerprint=False aside: the hashing writer's own) is a former save's.
+        stale = fingerprint == "auto" and _has_manifest(root)
+        fp_note = _fingerprint(root, jobs) if fingerprint is True or stale else None
+        before = files_fingerprint(root)
+        report = verify_checkpoint(root, jobs=jobs, deep=deep)
+        if fingerprint == "auto" and report.passed and not report.stats.get("manifest") \
+                and any(f.check == UNCHECKABLE for f in report.findings):
+            # Content nothing could check now, or ever after, without digests of it as it was just written.
+            fp_note = _fingerprint(root, jobs)
+            before = files_fingerprint(root)
+            report = verify_checkpoint(root, jobs=jobs, deep=deep)
+    except Exception as exc:  # whatever stops the check, training is told, not killed
+        if deleted_now():
+            return was_deleted(root, step, time.perf_counter() - started), {}
+        return cannot_verify(root, reason_of(exc), step, time.perf_counter() - started), {}
+    stamp: str | None = None
+    stamp_error: str | None = None
+    changed = files_fingerprint(root) != before
+    if (changed or not report.passed) and deleted_now():
+        return was_deleted(root, step, time.perf_counter() - started), {}
+    if not changed:  # else it changed while read: no stamp would be current
+        try:
+            write_stamp(root, report, step=step, fingerprint=before)
+            stamp = stamp_path(root)
+        except OSError as exc:
+            stamp_error = f"{type(exc).__name__}: {exc}"
+    else:
+        stamp_error = "files changed while they were verified"
+    if background and (_vanished(root) or files_fingerprint(root) != before) and deleted_now():
+        # Deleted as the stamp was written (a framework's rmtree that listed the folder before the stamp was in
+        # it fails on it): ckptverify's files are taken away too.
+        return was_deleted(root, step, time.perf_counter() - started), {}
+    verdict = verification_of(root, report, step, time.perf_counter() - started, stamp, stamp_error)
+    extra: dict[str, Any] = {}
+    if fp_note is not None:
+        extra["fingerprint"] = fp_note
+    if stamp_error is not None:
+        extra["stamp_error"] = stamp_error
+    return verdict, extra
+
+
+def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
+              settle: float) -> dict[str, Any]:
+    """:func:`check_saved` in the background verifier's process: its outcome as JSON values."""
+    verdict, extra, event = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
+    return {"verification": verdict.to_dict(), "extra": extra, "event": event,
+            "report": None if verdict.report is None else verdict.report.to_dict()}

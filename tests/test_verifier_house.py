@@ -1,0 +1,296 @@
+"""One verify-after-save path: one result type (:class:`ckptverify.Verification`) from the stamper, the background
+verifier, the verifier process and the integrations; one event vocabulary in ``events.jsonl`` (version 2), with
+the names of version 1 still read; the verifier process runs only the jobs it imports; ``runs`` needs nothing
+from ``verifier``."""
+
+from __future__ import annotations
+
+import ast
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import inject_fault as inj
+import pytest
+import torch
+
+import ckptverify as cv
+from ckptverify.errors import UsageError
+from ckptverify.ownfiles import events as ev
+from ckptverify.ownfiles.events import EVENTS_FILE, EVENTS_SCHEMA_VERSION, EventLog, read_events
+from ckptverify.verifier import background
+from ckptverify.verifier.background import BackgroundVerifier, Task, VerifyFailedWarning, VerifyOptions
+from ckptverify.verifier.jobs import CHECK_SAVED, JOBS
+from ckptverify.verifier.stamper import verify_and_stamp
+from ckptverify.verifier.verification import Verification, event_of, unverified
+from ckptverify.verifier.worker import VerifierProcess, serve
+
+PACKAGE = Path(cv.__file__).resolve().parent
+
+
+@pytest.fixture
+def verifier(monkeypatch: pytest.MonkeyPatch) -> Any:
+    fresh = BackgroundVerifier(settle=0.05, isolation="thread")
+    monkeypatch.setattr(background, "_default", fresh)
+    yield fresh
+    fresh.before_verify = None
+    fresh.close(timeout=60)
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((64, 32), value), "b": torch.arange(32.0) + value}
+
+
+def _lines(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / EVENTS_FILE).read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------- the event vocabulary, as written
+
+
+def test_a_save_writes_version_2_checkpoint_events_with_the_verification_fields(tmp_path: Path,
+                                                                                 verifier: BackgroundVerifier) -> None:
+    run = tmp_path / "run"
+    cv.save(_state(1.0), run / "step_1", verify="inline", events=run)
+    verifier.before_verify = lambda p: inj.flip_in_tensor_payload(p, "w") and None
+    with pytest.warns(VerifyFailedWarning):
+        cv.save(_state(2.0), run / "step_2", verify="inline", events=run)
+    raw = _lines(run)
+    assert [(e["event"], e["schema_version"], e["step"]) for e in raw] == [
+        ("checkpoint-verified", EVENTS_SCHEMA_VERSION, 1), ("checkpoint-failed", EVENTS_SCHEMA_VERSION, 2)]
+    passed, failed = raw
+    assert passed["verdict"] == "passed" and passed["passed"] is True and passed["bytes_checked"] > 64 * 32 * 4
+    assert "checked_bytes" not in passed and passed["stamped"] and passed["stamp"].endswith("ckptverify.verified.json")
+    assert failed["passed"] is False and failed["errors"] and failed["summary"]["error"] >= 1
+    # The fields are a Verification's: the event reads back as the result the callback saw.
+    back = Verification.from_dict(failed)
+    assert back.verdict == "failed" and back.first_error == failed["first_error"]
+    assert back.errors == tuple(failed["errors"])
+
+
+def test_the_integrations_and_a_save_name_the_same_verdict_with_the_same_event(tmp_path: Path) -> None:
+    from ckptverify.integrations import Verifier
+
+    folder = tmp_path / "ckpts" / "step_3"
+    cv.save(_state(3.0), folder)
+    verdict = Verifier(fingerprint=False).after_save(folder, step=3)
+    assert isinstance(verdict, Verification) and verdict.passed and verdict.bytes_checked > 0
+    (event,) = read_events(tmp_path / "ckpts")
+    assert event["event"] == "checkpoint-verified" and event["schema_version"] == EVENTS_SCHEMA_VERSION
+    assert event["bytes_checked"] == verdict.bytes_checked and "checked_bytes" not in event
+    assert event["verdict"] == "passed" and event["message"] == verdict.message
+
+
+@pytest.mark.parametrize(("result", "name"), [
+    (Verification(path="p", step=1, verdict="passed"), "checkpoint-verified"),
+    (Verification(path="p", step=1, verdict="failed"), "checkpoint-failed"),
+    (unverified("p", 1, "deleted", "removed while it was being verified"), "checkpoint-deleted"),
+    (unverified("p", 1, "cut-short", "not verified within the 1 s waited"), "checkpoint-cut-short"),
+    (unverified("p", 1, "changed", "its files changed while it was being verified"), "checkpoint-unverified"),
+    (unverified("p", 1, "error", "PermissionError"), "checkpoint-unverified"),
+])
+def test_each_result_has_one_event_name(result: Verification, name: str) -> None:
+    assert event_of(result) == name and name in ev.VERIFICATION_EVENTS
+
+
+def test_a_checkpoint_removed_before_its_turn_is_a_deleted_event_not_a_failure(tmp_path: Path) -> None:
+    import shutil
+
+    run = tmp_path / "run"
+    cv.save(_state(1.0), run / "step_1")
+    fresh = BackgroundVerifier(settle=0.05, isolation="thread")
+    try:
+        fresh.before_verify = lambda p: shutil.rmtree(p)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            result = fresh.verify_now(run / "step_1", step=1, options=VerifyOptions(mode="inline", events=run))
+    finally:
+        fresh.close(timeout=30)
+    assert result.verdict == "unverified" and result.deleted and not result.passed
+    assert [e["event"] for e in read_events(run)] == ["checkpoint-deleted"]
+
+
+# ---------------------------------------------------------------------- the names of version 1, still read
+
+
+_OLD = [
+    {"event": "start", "time": "t", "rank": 0, "host": "h", "step": 0},
+    {"event": "verified", "time": "t", "rank": 0, "host": "h", "path": "/r/step_1", "step": 1, "verdict": "passed",
+     "bytes_checked": 10, "stamped": True},
+    {"event": "verify-failed", "time": "t", "rank": 0, "host": "h", "path": "/r/step_2", "step": 2,
+     "verdict": "failed", "first_error": "zip-crc: corrupt"},
+    {"event": "verify-skipped", "time": "t", "rank": 0, "host": "h", "path": "/r/step_3", "step": 3,
+     "verdict": "unverified", "reason": "its files changed while it was being verified"},
+    {"event": "verify-cut-short", "time": "t", "rank": 0, "host": "h", "path": "/r/step_4", "step": 4,
+     "verdict": "unverified", "reason": "not verified within the 1 s waited"},
+    # The integrations' version 1: today's name, but `checked_bytes` and no `verdict`.
+    {"event": "checkpoint-verified", "time": "t", "rank": 0, "host": "h", "path": "/r/step_5", "step": 5,
+     "passed": True, "message": "ok", "checked_bytes": 55},
+    # Production's resume pick: a checkpoint passed over, not a verification left without a verdict.
+    {"event": "checkpoint-skipped", "time": "t", "rank": 0, "host": "h", "path": "/r/step_6", "state": "corrupt"},
+]
+
+
+def _write_old(run: Path) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in _OLD))
+
+
+def test_version_1_lines_are_read_under_todays_names(tmp_path: Path) -> None:
+    _write_old(tmp_path)
+    got = list(read_events(tmp_path))
+    assert [e["event"] for e in got] == ["start", "checkpoint-verified", "checkpoint-failed", "checkpoint-unverified",
+                                         "checkpoint-cut-short", "checkpoint-verified", "checkpoint-skipped"]
+    assert got[0] == _OLD[0] and got[-1] == _OLD[-1]  # not verification events: as written
+    assert [e["passed"] for e in got[1:6]] == [True, False, False, False, True]
+    assert got[5]["bytes_checked"] == 55 and "checked_bytes" not in got[5] and got[5]["verdict"] == "passed"
+    assert got[1]["bytes_checked"] == 10
+    # Each reads back as a Verification.
+    assert [Verification.from_dict(e).verdict for e in got[1:6]] == ["passed", "failed", "unverified",
+                                                                     "unverified", "passed"]
+
+
+@pytest.mark.parametrize(("asked", "steps"), [
+    ("verified", [1, 5]), ("checkpoint-verified", [1, 5]),
+    ("verify-failed", [2]), ("checkpoint-failed", [2]),
+    ("verify-skipped", [3]), ("checkpoint-unverified", [3]),
+    ("verify-cut-short", [4]), ("checkpoint-cut-short", [4]),
+])
+def test_old_and_new_names_select_the_same_events(tmp_path: Path, asked: str, steps: list[int]) -> None:
+    _write_old(tmp_path)
+    EventLog(tmp_path).emit("checkpoint-verified", path="/r/step_7", step=7, verdict="passed", passed=True)
+    expected = steps + ([7] if asked in ("verified", "checkpoint-verified") else [])
+    assert [e["step"] for e in read_events(tmp_path, asked)] == expected
+
+
+def test_a_version_2_line_is_never_renamed(tmp_path: Path) -> None:
+    # Whatever today's writer puts under a name of version 1 (no verification does) is read as written.
+    EventLog(tmp_path).emit("verified", step=1, note="some other producer's own event")
+    (event,) = read_events(tmp_path)
+    assert event["event"] == "verified" and "verdict" not in event
+
+
+# ---------------------------------------------------------------------- one result type
+
+
+def test_the_former_result_types_are_gone_and_verdict_is_a_deprecated_alias() -> None:
+    import ckptverify.integrations as integrations
+    import ckptverify.integrations._core as core
+    import ckptverify.verifier.stamper as stamper
+
+    assert not hasattr(stamper, "Outcome")
+    assert core.Verdict is Verification
+    with pytest.warns(DeprecationWarning, match="Verification"):
+        alias = integrations.Verdict
+    assert alias is Verification is cv.Verification
+
+
+def test_the_former_field_names_still_read(tmp_path: Path) -> None:
+    former = {"path": "/c", "passed": True, "message": "m", "step": 2, "errors": [], "checked_bytes": 7,
+              "coverage": [], "manifest": True, "unchecked": [], "warnings": [], "seconds": 0.1, "stamp": None}
+    result = Verification.from_dict(former)
+    assert result.passed and result.bytes_checked == 7 and result.manifest and result.message == "m"
+    with pytest.warns(DeprecationWarning, match="bytes_checked"):
+        assert result.checked_bytes == 7
+    pending = Verification.from_dict({"path": "/c", "passed": False, "message": "q", "pending": True})
+    deleted = Verification.from_dict({"path": "/c", "passed": False, "message": "d", "deleted": True})
+    assert pending.pending and not pending.passed and pending.verdict == "unverified"
+    assert deleted.deleted and not deleted.pending and deleted.verdict == "unverified"
+    again = Verification.from_dict(result.to_dict())
+    assert again == result and "checked_bytes" not in result.to_dict()
+
+
+def test_a_verification_refuses_what_is_not_one() -> None:
+    for bad in ({"step": 1, "verdict": "passed"}, {"path": "p", "step": 1, "verdict": "fine"}, ["p"],
+                {"path": "p", "step": 1, "verdict": "unverified", "no_verdict": "sleepy"}):
+        with pytest.raises(TypeError):
+            Verification.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_the_stamper_returns_a_verification(tmp_path: Path) -> None:
+    cv.save(_state(1.0), tmp_path / "step_1")
+    result = verify_and_stamp(str(tmp_path / "step_1"), step=1)
+    assert isinstance(result, Verification) and result.passed and result.stamped and result.report is not None
+    assert result.bytes_checked == result.report.stats["bytes"] > 0
+    gone = verify_and_stamp(str(tmp_path / "nothing"), step=2)
+    assert gone.verdict == "unverified" and gone.no_verdict == "deleted"
+
+
+# ---------------------------------------------------------------------- the verifier process runs named jobs
+
+
+def test_a_task_names_a_job_the_verifier_imports() -> None:
+    from ckptverify.verifier.saved import saved_job
+
+    assert JOBS[CHECK_SAVED] is saved_job
+    with pytest.raises(UsageError, match="no such verification job"):
+        Task(job="ckptverify.integrations._core:saved_job", args={}, done=lambda r, w: None)
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_request_naming_code_is_refused_and_imports_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    imported: list[str] = []
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a: imported.append(name))
+    requests = [
+        json.dumps({"job": "ckptverify.examples.demo:main", "args": {}}),  # a module string: no such job
+        json.dumps({"call": "ckptverify.examples.demo:main", "args": {}}),  # the former protocol
+        json.dumps({"job": CHECK_SAVED, "args": ["not", "an", "object"]}),
+        json.dumps({"job": ["check-saved"], "args": {}}),
+    ]
+    out = _Lines()
+    serve(requests, out)
+    answers = [json.loads(x) for x in out.text.splitlines()]
+    assert len(answers) == 4
+    assert "no such verification job" in answers[0]["call_error"]
+    assert "protocol_error" in answers[1]
+    assert "not an object" in answers[2]["call_error"] and "no such verification job" in answers[3]["call_error"]
+    assert imported == []
+
+
+def test_the_verifier_process_runs_the_check_saved_job(tmp_path: Path) -> None:
+    folder = tmp_path / "step_1"
+    cv.save(_state(1.0), folder)
+    child = VerifierProcess("normal")
+    try:
+        answer = child.run(CHECK_SAVED, {"root": str(folder), "step": 1, "fingerprint": False, "jobs": 1,
+                                         "deep": False, "settle": 0.05})
+        with pytest.raises(RuntimeError, match="no such verification job"):
+            child.run("os:system", {"command": "true"})
+    finally:
+        child.close()
+    result = Verification.from_dict(answer["verification"])
+    assert answer["event"] == "checkpoint-verified" and result.passed and result.stamped and result.bytes_checked > 0
+
+
+# ---------------------------------------------------------------------- layering
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_runs_imports_nothing_of_the_verifier_and_the_worker_no_importlib() -> None:
+    for module in sorted((PACKAGE / "runs").glob("*.py")):
+        assert not [n for n in _imports(module) if n.startswith("ckptverify.verifier")], module
+    for name in ("worker.py", "background.py", "jobs.py"):
+        assert "importlib" not in _imports(PACKAGE / "verifier" / name), name
+    assert "ckptverify.integrations" not in {n.rsplit(".", 1)[0] for n in _imports(PACKAGE / "verifier" / "jobs.py")}
