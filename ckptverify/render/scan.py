@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptverify.findings import Report
 from ckptverify.render.report import human_bytes, number_width, printable
-from ckptverify.runs.scan import STATES
+from ckptverify.runs.states import STATES
 
 __all__ = ["render_scan"]
 

@@ -28,8 +28,9 @@ from typing import Any
 from ckptverify.errors import CheckpointNotFoundError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints, step_of
-from ckptverify.runs.scan import GOOD_STATES, judge, unseen_findings
+from ckptverify.runs.scan import judge, unseen_findings
 from ckptverify.runs.stamp import describe_suspect, read_stamp, read_suspect
+from ckptverify.runs.states import GOOD_STATES, QUARANTINE_DIR, is_quarantined
 
 __all__ = [
     "QUARANTINE_DIR",
@@ -41,19 +42,11 @@ __all__ = [
     "move_aside",
 ]
 
-#: Where a production job moves a checkpoint it must not overwrite (relative to the run directory).
-QUARANTINE_DIR = "quarantine"
 #: Entries every :class:`~ckptverify.state.train_state.TrainState` saves, whatever it holds: a DCP checkpoint
 #: without them is no TrainState checkpoint (a weights-only export) and ``load`` cannot restore it.
 TRAIN_STATE_KEYS = ("version", "world_size", "rng.version", "rng.world_size", "counters.step", "counters.epoch",
                     "counters.samples_seen", "counters.tokens_seen")
 _OWN_NAME = re.compile(r"^step_\d+$")
-
-
-def is_quarantined(rel_path: str) -> bool:
-    """Whether a checkpoint path (relative to its run directory, as ``find_checkpoints`` gives it) lies in the
-    run's quarantine."""
-    return rel_path.replace(os.sep, "/").split("/", 1)[0] == QUARANTINE_DIR
 
 
 def is_own_step_dir(rel_path: str) -> bool:

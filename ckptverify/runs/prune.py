@@ -90,7 +90,7 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
         raise UsageError(f"keep must be at least 1, got {keep}")
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
-    from ckptverify.runs.latest import is_quarantined
+    from ckptverify.runs.states import is_quarantined
 
     notes: list[WalkNote] = []
     found = find_checkpoints(root, notes=notes)

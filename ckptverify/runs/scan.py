@@ -34,27 +34,9 @@ from typing import Any
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
+from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, judge_report
 
 __all__ = ["GOOD_STATES", "SETTLE_SECONDS", "STATES", "judge", "judge_report", "scan_run_dir", "unseen_findings"]
-
-STATES = ("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt")
-GOOD_STATES = frozenset({"verified", "intact"})
-_INCOMPLETE_CHECKS = frozenset({"metadata-missing", "save-uncommitted"})
-
-
-def judge_report(report: Report) -> str:
-    """The state (one of :data:`STATES`) a ``verify`` report gives a DCP checkpoint."""
-    from ckptverify.audit.verify import UNCHECKABLE
-
-    checks = {f.check for f in report.errors}
-    if checks & _INCOMPLETE_CHECKS:
-        return "incomplete"
-    if checks:
-        return "corrupt"
-    if any(f.check == UNCHECKABLE for f in report.findings):
-        return "uncheckable"
-    return "verified" if report.stats.get("manifest") else "intact"
-
 
 def _judge_path(path: str, jobs: int | None, deep: bool = False) -> tuple[str, Report]:
     """A DCP checkpoint or a single file, through ``verify``'s own routing (``deep``: as ``verify --deep``)."""
@@ -143,7 +125,7 @@ def reason_of(state: str, report: Report) -> str:
         first = report.errors[0]
         return f"{len(report.errors)} error(s); first: {first.check}: {first.message}"
     if state == "incomplete":
-        first = next(f for f in report.errors if f.check in _INCOMPLETE_CHECKS)
+        first = next(f for f in report.errors if f.check in INCOMPLETE_CHECKS)
         return f"never committed: {first.message}"
     if state == "uncheckable":
         from ckptverify.audit.verify import UNCHECKABLE
@@ -168,7 +150,7 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     root = os.fspath(run_dir)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
-    from ckptverify.runs.latest import is_quarantined
+    from ckptverify.runs.states import is_quarantined
 
     started = time.perf_counter()
     notes: list[WalkNote] = []

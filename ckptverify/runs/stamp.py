@@ -134,7 +134,7 @@ class Stamp:
         """What the verification could establish (``runs.scan``'s states: ``verified`` by a manifest, ``intact``
         by CRCs, ``uncheckable`` when nothing could check the content, ...), or ``None`` for a stamp that does
         not record it (a stamp of an older version: never worth more than a fresh verification)."""
-        from ckptverify.runs.scan import STATES
+        from ckptverify.runs.states import STATES
 
         value = self.data.get("state")
         return value if isinstance(value, str) and value in STATES else None
@@ -179,7 +179,7 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     ``throttled_s``: seconds of the verification spent waiting for an idle core (recorded when given).
     """
     from ckptverify._version import __version__
-    from ckptverify.runs.scan import judge_report
+    from ckptverify.runs.states import judge_report
 
     folder = os.fspath(root)
     counts = report.summary()

@@ -40,8 +40,8 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.formats.rundir import Candidate, find_checkpoints
-from ckptverify.runs.scan import judge_report
 from ckptverify.runs.stamp import files_fingerprint, read_stamp
+from ckptverify.runs.states import judge_report
 from ckptverify.verifier.stamper import SETTLE_SECONDS, committed, removed, verify_and_stamp
 
 __all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch", "watch_pass"]
