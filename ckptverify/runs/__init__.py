@@ -2,12 +2,10 @@
 delete.
 
 - :mod:`~ckptverify.runs.scan`: every checkpoint under a run directory and its state;
+- :mod:`~ckptverify.runs.states`: the states a verification gives a checkpoint, and the quarantine;
 - :mod:`~ckptverify.runs.stamp`: the verification stamp written beside a verified checkpoint;
 - :mod:`~ckptverify.runs.latest`: the newest checkpoint that verifies;
-- :mod:`~ckptverify.runs.prune`: retention that never deletes the newest verified checkpoint;
-- :mod:`~ckptverify.verifier.watch`: verify each checkpoint as it commits;
-- :mod:`~ckptverify.verifier.stamper`: verify one committed checkpoint under its verifying lock, and stamp it;
-- :mod:`~ckptverify.verifier.background`: a save's verification after it commits, in a verifier process
-  (:mod:`~ckptverify.verifier.worker`) or inline;
-- :mod:`~ckptverify.verifier.throttle`: a background verification's pacing, off the cores the training uses.
+- :mod:`~ckptverify.runs.prune`: retention that never deletes the newest verified checkpoint.
+
+Verifying each checkpoint as it is saved (the background verifier, ``watch``) is :mod:`ckptverify.verifier`.
 """
