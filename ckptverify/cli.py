@@ -398,8 +398,8 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     """
     import os
 
-    from ckptverify.render.resume import emit_resume, fail_lines, log_dir_for
-    from ckptverify.resume.harness import Plan, resume_check
+    from ckptverify.render.resume import emit_resume, fail_lines, log_dir_for, resume_check
+    from ckptverify.resume.harness import Plan
 
     if device == "cuda":
         os.environ["CKPTVERIFY_DEVICE"] = "cuda"
