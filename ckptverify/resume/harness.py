@@ -90,11 +90,6 @@ class FigureWriter(Protocol):
                  steps: range) -> str: ...
 
 
-def launch(plan: Plan, config: RunConfig) -> None:
-    """Run ``plan.target`` under ``config`` in ``plan.nproc`` fresh processes; raise if any rank fails."""
-    launch_jobs(plan.nproc, plan.device, [(plan.target, config)])
-
-
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
                  verbose: bool = False, log_dir: str | None = None, report_dir: str | None = None,
                  figures: FigureWriter | None = None) -> Outcome:
