@@ -22,7 +22,7 @@ _EXPORTS = {
     "ResumableSampler": "ckptverify.state.sampler",
     "Counters": "ckptverify.state.train_state",
     "Run": "ckptverify.resume.run",
-    "resume_check": "ckptverify.resume.harness",
+    "resume_check": "ckptverify.render.resume",
     "async_save": "ckptverify.checkpoint.save",
     "tensor_fingerprint": "ckptverify.fingerprint",
     "chunk_fingerprint": "ckptverify.fingerprint",
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from ckptverify.checkpoint.save import async_save, save
     from ckptverify.fingerprint import chunk_fingerprint, tensor_fingerprint
     from ckptverify.options import VerifyOptions
-    from ckptverify.resume.harness import resume_check
+    from ckptverify.render.resume import resume_check
     from ckptverify.resume.run import Run
     from ckptverify.runs.latest import latest_verified
     from ckptverify.runs.prune import prune

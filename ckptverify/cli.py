@@ -428,8 +428,9 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     in fresh processes, then compares restored state, traces and final states, and names the first
     divergence. Exit 0: equivalent; 1: not; 2: could not run (a crashing workload shows its traceback).
     """
-    from ckptverify.render.resume import emit_resume, fail_lines, log_dir_for
-    from ckptverify.resume.harness import Plan, resume_check
+
+    from ckptverify.render.resume import emit_resume, fail_lines, log_dir_for, resume_check
+    from ckptverify.resume.harness import Plan
 
     try:
         # The device travels to the workload's processes in the plan (Plan.device -> RunConfig.device -> run.device).

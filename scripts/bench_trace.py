@@ -140,7 +140,7 @@ def site_cost(n: int = 1000, repeats: int = 30) -> float:
     """Microseconds per tensor of recording one category of ``n`` one-element tensors (digest and sum)."""
     import torch
 
-    from ckptverify.trace.recorder import _Digester, _Members
+    from ckptverify.trace.members import _Digester, _Members
 
     tensors = [torch.zeros(1) for _ in range(n)]
     members = _Members("param.*", "param", [f"param.t{i}" for i in range(n)], tensors)

@@ -123,7 +123,7 @@ def _write(path, run: str, rng: int) -> None:
 
 
 def test_an_unused_random_stream_is_one_info_line_naming_it(tmp_path):
-    from ckptverify.resume.harness import _trace_stage
+    from ckptverify.resume.compare import _trace_stage
 
     _write(tmp_path / "a", "A", 1)
     _write(tmp_path / "b", "A2", 2)

@@ -129,11 +129,12 @@ def test_compare_held_names_each_variable_once_with_its_first_differing_path():
 
 
 def test_a_variable_nondeterministic_between_a_and_a2_is_not_called_lost():
+    from ckptverify.resume.compare import Evidence, HeldComparison
     from ckptverify.resume.verdict import decide
 
     plan = Plan(target="x:y", steps=4, resume_at=2)
-    differ = [{"var": "ema", "path": "ema['w']", "rank": 0, "a": "1", "b": "2"}]
-    v = decide(plan, {"held": {"differ": differ, "nondeterministic": ["ema"], "a2": True}})
+    differ = ({"var": "ema", "path": "ema['w']", "rank": 0, "a": "1", "b": "2"},)
+    v = decide(plan, Evidence(held=HeldComparison(differ=differ, nondeterministic=("ema",), a2=True)))
     assert v.kind == "nondeterministic" and v.site == "ema['w']" and "A and A2" in v.message
-    v = decide(plan, {"held": {"differ": differ, "nondeterministic": [], "a2": True}})
+    v = decide(plan, Evidence(held=HeldComparison(differ=differ, nondeterministic=(), a2=True)))
     assert v.kind == "unregistered-state" and "not nondeterminism" in v.message

@@ -140,7 +140,7 @@ def test_writer_refuses_misuse(tmp_path: Path) -> None:
 
 def test_fingerprint_many_matches_tensor_fingerprint() -> None:
     from ckptverify.fingerprint import tensor_fingerprint
-    from ckptverify.trace.recorder import SMALL_TENSOR, fingerprint_many
+    from ckptverify.trace.readback import SMALL_TENSOR, fingerprint_many
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(3, 4, generator=g), torch.randn((), generator=g), torch.zeros(0),

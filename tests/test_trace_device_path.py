@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     import torch
     from torch import nn
 
-    import ckptverify.trace.recorder as R
+    import ckptverify.trace.readback as R
     from ckptverify import TrainState
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace import TraceHeader, TraceRecorder, first_divergence, open_trace

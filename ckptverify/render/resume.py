@@ -1,6 +1,9 @@
-"""How ``resume-check`` shows its outcome: the findings, then the verdict as the last line.
+"""How ``resume-check`` shows its outcome: the findings, then the verdict as the last line, and the report page.
 
 A front end (like :mod:`ckptverify.render.report`): it prints, and imports rich only when called.
+:func:`resume_check` is the check as the package offers it (``ckptverify.resume_check``): the core check of
+:mod:`ckptverify.resume.harness` with the HTML page of :mod:`ckptverify.render.figures` plugged in, since the
+core layers never import this one.
 """
 
 from __future__ import annotations
@@ -8,9 +11,31 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
-__all__ = ["emit_resume", "fail_lines", "log_dir_for", "workload_log_files"]
+if TYPE_CHECKING:
+    from ckptverify.resume.harness import FigureWriter, Outcome, Plan
+
+__all__ = ["emit_resume", "fail_lines", "log_dir_for", "resume_check", "workload_log_files"]
+
+
+def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
+                 verbose: bool = False, log_dir: str | None = None, report_dir: str | None = None,
+                 figures: FigureWriter | None = None) -> Outcome:
+    """:func:`ckptverify.resume.harness.resume_check`, with ``report_dir`` drawn by
+    :func:`ckptverify.render.figures.write_report` (an HTML page with PNG figures, its path in the report's stats
+    as ``report_page``) unless ``figures`` names another writer. Without matplotlib, ``report_dir`` is refused
+    (:class:`~ckptverify.errors.UsageError`) before any run starts."""
+    from ckptverify.resume.harness import resume_check as check
+
+    if report_dir and figures is None:
+        from ckptverify.render.figures import _pyplot, write_report
+
+        _pyplot()  # refuse before the runs, not after them, when matplotlib is missing
+        figures = write_report
+    return check(plan, keep=keep, progress=progress, verbose=verbose, log_dir=log_dir, report_dir=report_dir,
+                 figures=figures)
 
 
 def log_dir_for(keep: str | None) -> str:

@@ -2,8 +2,8 @@
 
 A replay judges hardware only where the inputs of a step are known to be equal in production and in the
 replay. :func:`judge` takes the first step ``s`` at which production and the replay ``R1`` differ (on any rank)
-and classifies what differs there, with the causes and kind names of ``resume-check``
-(:mod:`ckptverify.resume.verdict`), in this order:
+and classifies what differs there, with the causes, kind names and sentences of ``resume-check``
+(:mod:`ckptverify.resume.causes`), in this order:
 
 * ``restore-mismatch`` — the replay's restored state differs from what production's checkpoint holds;
 * ``rng`` — a random stream differs when step ``s`` starts (re-seeded or drawn after ``run.restore`` in the
@@ -31,17 +31,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptverify.findings import Finding
+from ckptverify.resume import causes
+from ckptverify.resume.causes import CAUSE_KINDS, REPLAY
+from ckptverify.resume.compare import HparamDiff, StepEvidence
 
 __all__ = ["CAUSE_KINDS", "Judgement", "judge", "twin_cause"]
-
-#: Verdict kinds for a difference that came with the step's inputs (none of them is about hardware).
-CAUSE_KINDS = ("restore-mismatch", "rng", "changed-after-restore", "changed-after-save", "scheduler", "data",
-               "hidden-state", "unregistered-state")
 
 
 @dataclass(frozen=True)
@@ -55,12 +54,6 @@ class Judgement:
     site: str | None = None
     candidate_ranks: tuple[int, ...] | None = None
     findings: tuple[Finding, ...] = ()
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, str) and len(value) > 12:
-        return value[:12] + "…"
-    return repr(value)
 
 
 def _read_json_files(trace_dir: str, prefix: str) -> dict[int, Any]:
@@ -168,7 +161,7 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
     directory ``replay`` over steps ``start+1..end`` (see the module docstring). ``production_start``: the
     step that production's trace segment (and its process) started from; ``where(rank)``: the host and device
     of a production rank, in words."""
-    from ckptverify.resume.harness import step_evidence
+    from ckptverify.resume.compare import step_evidence
     from ckptverify.trace.compare import divergences
 
     steps = range(start + 1, end + 1)
@@ -194,12 +187,11 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
         return Judgement("restore-mismatch", f"the replay's restored {f.location.fqn or 'state'} differs from what "
                          f"production's checkpoint of step {start} holds (rank {f.location.rank}; {len(restore)} "
                          "field(s) in all), so the replay did not start from production's state: this says nothing "
-                         "about the hardware. What to do: make the object's load_state_dict restore exactly what "
-                         "its state_dict saved, then replay again",
+                         f"about the hardware. What to do: {causes.RESTORE_ADVICE}, then replay again",
                          step=s, rank=f.location.rank, site=f.location.fqn, findings=tuple(restore[:20]))
 
     # 1.-5. The step's inputs, on every rank that differs (what differs on one rank's inputs reaches the others).
-    evidence = {}
+    evidence: dict[int, StepEvidence] = {}
     for r in sorted(first):
         restored = (notes.get(r) or {}).get("restored") or {}
         ev = step_evidence(prod, replay, r, s, first_resumed=first_replayed, restored=restored)
@@ -207,106 +199,63 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
         mine = sites.get(r, [])
         # Production records one cell per category; the replay a cell per tensor and per hyperparameter too.
         # Only what both record is evidence: the per-field cells only the replay holds are not differences.
-        ev["rng"] = [x for x in ev["rng"] if f"start.{x['stream']}" in mine]
-        ev["hparams_start"] = _hparams(ta, tb, s, "start.hparam.", mine, restored, first_replayed)
-        ev["hparams_step"] = _hparams(ta, tb, s, "hparam.", mine, None, first_replayed)
-        ev["buffers"] = [n for n in mine if n.startswith("buffer.")]
-        ev["batch"] = any(n == "batch" or n.startswith("batch.") for n in mine)
-        ev["position"] = "data" in mine
-        ev["sites"] = mine
-        evidence[r] = ev
-    when = "the first replayed step" if first_replayed else f"step {s}"
+        evidence[r] = replace(
+            ev, rng=tuple(x for x in ev.rng if f"start.{x.stream}" in mine),
+            hparams_start=_hparams(ta, tb, s, "start.hparam.", mine, restored, first_replayed),
+            hparams_step=_hparams(ta, tb, s, "hparam.", mine, None, first_replayed),
+            buffers=tuple(n for n in mine if n.startswith("buffer.")),
+            batch=any(n == "batch" or n.startswith("batch.") for n in mine), position="data" in mine,
+            sites=tuple(mine))
+    when = REPLAY.first if first_replayed else f"step {s}"
     none_hw = "this says nothing about the hardware"
 
     for r, ev in evidence.items():
-        rngs = ev["rng"]
-        if not rngs:
+        if not ev.rng:
             continue
-        names = ", ".join(x["stream"] for x in rngs)
-        b_moved = [x["stream"] for x in rngs if x.get("b_moved")]
-        a_moved = [x["stream"] for x in rngs if x.get("a_moved")]
+        names = ", ".join(x.stream for x in ev.rng)
+        b_moved = [x.stream for x in ev.rng if x.b_moved]
+        cause, advice = causes.rng_cause(REPLAY, b_moved=b_moved, a_moved=[x.stream for x in ev.rng if x.a_moved],
+                                         first_step=first_replayed, step=s, saved_at=start)
         if b_moved and first_replayed:
-            cause = (f"the replay re-seeded or drew from {', '.join(b_moved)} after run.restore() and before step "
-                     f"{s} (e.g. torch.manual_seed after the restore), which production, running on from step "
-                     f"{start}, did not")
-            advice = "seed before run.restore(state), never after it; draw nothing between restore and the loop"
-        elif a_moved and first_replayed:
-            cause = (f"production drew from {', '.join(a_moved)} after its save point (between run.record() of "
-                     f"step {start}, which saved, and step {s}: e.g. an evaluation placed after the end-of-step "
-                     "save)")
-            advice = ("do that work inside the step, before run.record(), or draw it from its own generator "
-                      "registered in TrainState(generators=...)")
-        elif b_moved or a_moved:
-            side = "the replay" if b_moved else "production"
-            cause = f"{side} drew from {', '.join(b_moved or a_moved)} between steps {s - 1} and {s}"
-            advice = "draw random numbers only inside the steps, the same way in every run"
-        else:
-            cause = "the stream was not restored from the checkpoint"
-            advice = "register every generator the job draws from in TrainState(generators=...)"
-        return Judgement("rng", f"random stream {names} differs between production and the replays when {when} "
-                         f"begins (step {s}, rank {r}): {cause}; the batch and values computed from it differ as a "
-                         f"consequence, and {none_hw}. What to do: {advice}, then replay again",
-                         step=s, rank=r, site=rngs[0]["stream"])
+            cause += f", which production, running on from step {start}, did not"
+        sentence = causes.rng_sentence(names, when=when, step=s, rank=r, cause=cause,
+                                       between=" between production and the replays")
+        return Judgement("rng", f"{sentence}, and {none_hw}. What to do: {advice}, then replay again",
+                         step=s, rank=r, site=ev.rng[0].stream)
 
     for r, ev in evidence.items():
-        hstart = ev["hparams_start"]
-        if not hstart:
+        if not ev.hparams_start:
             continue
-        h = hstart[0]
-        g, _, key = h["field"].partition(".")
+        h = ev.hparams_start[0]
+        g, _, key = h.field.partition(".")
         name = f"param_groups[{g}].{key}"
-        values = (f"{_show(h['a'])} in production, {_show(h['b'])} in the replay" if h["a"] is not None
-                  else f"{_show(h['b'])} in the replay, another value in production")
-        if first_replayed and h.get("b_moved"):
-            kind, text = "changed-after-restore", (
-                f"{name} was restored exactly from production's checkpoint, then changed after run.restore() in "
-                f"the replay: step {s} starts with {values}; {none_hw}. What to do: do not re-apply "
-                "configuration values to restored objects after run.restore(state); apply them only on a fresh "
-                "start (run.step == 0)")
-        elif first_replayed and h.get("a_moved"):
-            kind, text = "changed-after-save", (
-                f"production changed {name} after its save point (between run.record() of step {start} and step "
-                f"{s}): step {s} starts with {values}; {none_hw}. What to do: change hyperparameters "
-                "(scheduler.step()) inside the step, before run.record()")
-        else:
-            kind, text = "scheduler", (
-                f"{name} differs when {when} begins ({values}): the LR scheduler or the step counter it follows "
-                f"was not restored; {none_hw}. What to do: register the LR scheduler in the TrainState "
-                "(TrainState(scheduler=...)) and derive schedules from run.step")
-        return Judgement(kind, text, step=s, rank=r, site=f"optim.{name}")
+        kind, text, advice = causes.hparam_start_cause(REPLAY, name=name, a=h.a, b=h.b, first_step=first_replayed,
+                                                       a_moved=h.a_moved, b_moved=h.b_moved, step=s, saved_at=start,
+                                                       when=when)
+        return Judgement(kind, f"{text}; {none_hw}. What to do: {advice}", step=s, rank=r, site=f"optim.{name}")
 
     unsaved = sorted({u for n in notes.values() for u in (n or {}).get("unsaved_schedulers") or []})
     for r, ev in evidence.items():
-        hstep = ev["hparams_step"]
-        lr_moved = any(x.startswith(("optim.param_groups", "metric.lr", "scheduler")) for x in ev["sites"])
-        if not hstep and not (unsaved and lr_moved):
+        lr_moved = any(x.startswith(("optim.param_groups", "metric.lr", "scheduler")) for x in ev.sites)
+        if not ev.hparams_step and not (unsaved and lr_moved):
             continue
-        if hstep:
-            h = next((x for x in hstep if x["field"].endswith(".lr")), hstep[0])
-            g, _, key = h["field"].partition(".")
-            shown = (f"{_show(h['a'])} in production, {_show(h['b'])} in the replay" if h["a"] is not None
-                     else f"{_show(h['b'])} in the replay, another value in production")
-            what = (f"the {key} the optimizer used at step {s} differs (param group {g}: {shown}) although the "
-                    "step started from equal values")
+        if ev.hparams_step:
+            h = next((x for x in ev.hparams_step if x.field.endswith(".lr")), ev.hparams_step[0])
+            g, _, key = h.field.partition(".")
+            what = causes.step_hparam_what(REPLAY, key=key, group=g, a=h.a, b=h.b, step=s)
             site = f"optim.param_groups[{g}].{key}"
         else:
             what = f"the learning rate differs at {when}"
-            site = next(x for x in ev["sites"] if x.startswith(("optim.param_groups", "metric.lr", "scheduler")))
-        if unsaved:
-            cause = f"an LR scheduler drives {', '.join(unsaved)} but is not saved in the TrainState"
-            advice = "register it: TrainState(scheduler=...)"
-        else:
-            cause = ("the code that sets it during the step reads a step counter or schedule that was not "
-                     "restored (a counter that restarts at 0 on resume)")
-            advice = "compute it from run.step (restored with the checkpoint), or register the scheduler"
+            site = next(x for x in ev.sites if x.startswith(("optim.param_groups", "metric.lr", "scheduler")))
+        cause, advice = causes.step_hparam_cause(unsaved)
         return Judgement("scheduler", f"{what} on rank {r}: {cause}; {none_hw}. What to do: {advice}, then replay "
                          "again", step=s, rank=r, site=site)
 
     for r, ev in evidence.items():
-        if not (ev["batch"] or ev["position"]):
+        if not (ev.batch or ev.position):
             continue
-        batch_site = next((x for x in ev["sites"] if x == "batch" or x.startswith("batch.")), "data")
-        if ev["batch"] and not ev["position"] and all(_records_position(pairs[r])):
+        batch_site = next((x for x in ev.sites if x == "batch" or x.startswith("batch.")), "data")
+        if ev.batch and not ev.position and all(_records_position(pairs[r])):
             cause = (f"the batch of step {s} differs on rank {r} ({batch_site}) while the loader's position, the "
                      "random streams and the hyperparameters are equal: the samples at the same position differ, "
                      "so the data pipeline does not reproduce production after a restart. DataLoader workers draw "
@@ -318,24 +267,22 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
             cause = (f"the batch of step {s} differs on rank {r} ({batch_site}) while the random streams and "
                      "hyperparameters it started from are equal: the data loader's position was not saved or not "
                      "restored")
-            advice = ("register the loader: TrainState(dataloader=...), and keep the batch fetch inside the step "
-                      "(a batch prefetched before the save is lost)")
+            advice = (f"{causes.REGISTER_LOADER}, and keep the batch fetch inside the step (a batch prefetched "
+                      "before the save is lost)")
         return Judgement("data", f"{cause}; {none_hw}. What to do: {advice}, then replay again",
                          step=s, rank=r, site=batch_site)
 
     for r, ev in evidence.items():
-        if ev["buffers"]:
-            name = ev["buffers"][0]
+        if ev.buffers:
+            name = ev.buffers[0]
             if name == "buffer.*":
                 from ckptverify.trace.compare import _named_member
 
                 ta, tb = pairs[r]
                 member, _ = _named_member(ta, tb, s, ta.site(name))
                 name = member or name
-            return Judgement("hidden-state", f"a buffer registered with persistent=False ({name}) differs at {when} "
-                             f"on rank {r}: no checkpoint holds it, so the replay starts it afresh while production "
-                             f"carried it on; {none_hw}. What to do: register it as a persistent buffer, or "
-                             "recompute it from saved state", step=s, rank=r, site=name)
+            text, advice = causes.buffer_cause(REPLAY, name=name.removeprefix("buffer."), when=when, rank=r)
+            return Judgement("hidden-state", f"{text}; {none_hw}. What to do: {advice}", step=s, rank=r, site=name)
 
     # 6. Inputs equal: a computed value differs. Which ranks could hold the origin.
     def records(rank: int, site: str) -> bool:
@@ -362,8 +309,8 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
                 else "no optimizer is registered in the TrainState")
         return Judgement("unregistered-state", f"the replay differs from production at the first replayed step "
                          f"(rank {lead.rank}, {lead.site}) and the job holds state no checkpoint saves ({what}): the "
-                         f"replay starts it afresh while production carried it on; {none_hw}. What to do: register "
-                         "it in the TrainState (optimizer=, scheduler=, generators=, extras= for your own objects)",
+                         f"replay starts it afresh while production carried it on; {none_hw}. What to do: "
+                         f"{causes.UNREGISTERED_ADVICE}",
                          step=s, rank=lead.rank, site=lead.site)
 
     prev_traced = s - 1 >= start + 1 and all(ta.row_index(s - 1) is not None and tb.row_index(s - 1) is not None
@@ -404,8 +351,8 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
                      "again", step=s, site=site, candidate_ranks=candidates)
 
 
-def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], restored: dict[str, Any] | None,
-             first_replayed: bool) -> list[dict[str, Any]]:
+def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], restored: Mapping[str, Any] | None,
+             first_replayed: bool) -> tuple[HparamDiff, ...]:
     """The hyperparameters (``<prefix><group>.<key>``) that differ at ``step``: ``field``, ``a`` (production's
     value, ``None`` when only its category cell is recorded), ``b`` (the replay's), and, for the step-start
     cells of the first replayed step, ``b_moved``: whether the replay changed it after the restore (the
@@ -413,7 +360,7 @@ def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], res
     did after its save point: ``a_moved``)."""
     from ckptverify.trace.compare import _named_member
 
-    out: list[dict[str, Any]] = []
+    out: list[HparamDiff] = []
     for name in differing:
         if not name.startswith(prefix):
             continue
@@ -429,13 +376,14 @@ def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], res
                     member = moved[0] if moved else member
         else:
             member = name
-        entry: dict[str, Any] = {"field": member[len(prefix):], "a": ta.value(step, member) if ta.has_site(member)
-                                 else None, "b": tb.value(step, member) if tb.has_site(member) else None}
+        a = ta.value(step, member) if ta.has_site(member) else None
+        b = tb.value(step, member) if tb.has_site(member) else None
+        b_moved = a_moved = None
         if restored is not None and first_replayed and member in restored:
-            entry["b_moved"] = entry["b"] != restored[member]
-            entry["a_moved"] = not entry["b_moved"]
-        out.append(entry)
-    return out
+            b_moved = b != restored[member]
+            a_moved = not b_moved
+        out.append(HparamDiff(member[len(prefix):], a, b, a_moved=a_moved, b_moved=b_moved))
+    return tuple(out)
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

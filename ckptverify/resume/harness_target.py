@@ -310,12 +310,16 @@ def _never_restores(func: Any) -> bool:
 # ------------------------------------------------------------------------------------------------ tracebacks
 
 
+#: The modules of this folder whose frames lie between a harness run and the user's code.
+_HARNESS_FILES = frozenset({"harness.py", "harness_target.py", "harness_output.py", "launch.py"})
+
+
 def _ours(filename: str) -> bool:
     """A frame of the machinery between the harness and the user's code (not shown to the user)."""
     if filename.startswith("<frozen importlib") or os.path.basename(os.path.dirname(filename)) == "importlib":
         return True
     return (os.path.dirname(os.path.abspath(filename)) == os.path.dirname(os.path.abspath(__file__))
-            and os.path.basename(filename).startswith("harness"))
+            and os.path.basename(filename) in _HARNESS_FILES)
 
 
 def user_traceback(exc: BaseException) -> str:

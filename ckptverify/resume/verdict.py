@@ -28,15 +28,21 @@ consequence, not the cause):
 * ``pass`` — none of the above: B equals A bitwise for steps K+1..T, A equals A2, final states equal, held values equal.
 
 Every verdict carries one sentence of cause (``message``) and one of what to do (``advice``); the command
-prints :meth:`Verdict.headline` as its last line.
+prints :meth:`Verdict.headline` as its last line. :func:`decide` reads the typed
+:class:`~ckptverify.resume.compare.Evidence` of the comparisons; the sentences of cause it shares with
+``replay`` come from :mod:`ckptverify.resume.causes`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckptverify.findings import Finding, Location, Severity
+from ckptverify.resume import causes
+from ckptverify.resume.causes import RESUME
+from ckptverify.resume.compare import Evidence, StepEvidence
 
 
 @dataclass(frozen=True)
@@ -95,34 +101,28 @@ def _where(div: Any) -> str:
     return ", ".join(parts)
 
 
-def _forgotten(analysis: dict[str, Any]) -> str:
-    items = analysis.get("unregistered") or []
-    parts = [f"{u['name']} ({u['type']})" for u in items]
+def _forgotten(unregistered: tuple[Mapping[str, str], ...], missing_optimizer: str | None = None) -> str:
+    parts = [f"{u['name']} ({u['type']})" for u in unregistered]
     text = ""
-    if analysis.get("missing_optimizer"):
+    if missing_optimizer:
         text += " No optimizer is registered in the TrainState."
     if parts:
         text += f" Not in the TrainState: {', '.join(parts)}."
     return text
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, str) and len(value) > 12:
-        return value[:12] + "…"
-    return repr(value)
-
-
-def decide(plan: Any, analysis: dict[str, Any]) -> Verdict:
-    """The verdict for the harness's ``analysis`` (see the module docstring for the order of rules)."""
-    restore: list[Finding] = analysis.get("restore") or []
-    forgotten = _forgotten(analysis)
+def decide(plan: Any, evidence: Evidence) -> Verdict:
+    """The verdict for the ``evidence`` of ``plan``'s comparisons (see the module docstring for the order of
+    rules). ``plan``: a :class:`~ckptverify.resume.harness.Plan` (its steps, resume point, runs, ranks, level)."""
+    restore = evidence.restore
+    forgotten = _forgotten(evidence.unregistered, evidence.missing_optimizer)
     if restore:
         f = restore[0]
         return Verdict("restore-mismatch", f"resume drops state: restored {f.location.fqn or 'state'} differs from "
                        f"what was saved (rank {f.location.rank}); {len(restore)} field(s) in all.{forgotten}",
                        rank=f.location.rank, site=f.location.fqn, category="restore",
-                       advice="make the object's load_state_dict restore exactly what its state_dict saved.")
-    nd = analysis.get("nondeterminism")
+                       advice=causes.RESTORE_ADVICE + ".")
+    nd = evidence.nondeterminism
     if nd is not None:
         return Verdict("nondeterministic", f"two continuous runs (A and A2) differ at {_where(nd)}: the "
                        "computation is not deterministic, so no resume can be exact.",
@@ -130,16 +130,16 @@ def decide(plan: Any, analysis: dict[str, Any]) -> Verdict:
                        category=_get(nd, "category"), origin=_get(nd, "origin"),
                        advice="fix the thread count, seeds and nondeterministic kernels "
                        "(torch.use_deterministic_algorithms) until A and A2 agree.")
-    div = analysis.get("resume")
+    div = evidence.resume
     if div is not None:
-        return _resume_verdict(plan, analysis, div, forgotten)
-    final = analysis.get("final") or []
+        return _resume_verdict(plan, evidence, div, forgotten)
+    final = evidence.final
     if final:
         f = final[0]
         return Verdict("diverged", f"the traced steps agree, but the final checkpoints differ ({len(final)} "
                        f"item(s), first {f.location.fqn or f.message}).{forgotten}", site=f.location.fqn,
                        category="final", advice="trace at a higher --level to see the step where they part.")
-    held = _held_verdict(plan, analysis)
+    held = _held_verdict(plan, evidence)
     if held is not None:
         return held
     runs = "B equals A" if "B" in plan.runs else "A ran"
@@ -152,121 +152,82 @@ def decide(plan: Any, analysis: dict[str, Any]) -> Verdict:
     return Verdict("pass", message)
 
 
-def _resume_verdict(plan: Any, analysis: dict[str, Any], div: Any, forgotten: str) -> Verdict:
+def _resume_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> Verdict:
     category = _get(div, "category")
     site = _get(div, "site") or ""
     step = _get(div, "step")
     common = dict(step=step, rank=_get(div, "rank"), site=site, category=category, origin=_get(div, "origin"))
     first_resumed = step == plan.resume_at + 1
-    when = "the first resumed step" if first_resumed else f"step {step}"
-    sites = set(analysis.get("resume_sites") or ()) | {site}
-    ev = analysis.get("evidence") or {}
+    when = RESUME.first if first_resumed else f"step {step}"
+    sites = set(evidence.resume_sites) | {site}
+    ev = evidence.step if evidence.step is not None else StepEvidence(step=step, rank=_get(div, "rank") or 0)
     K = plan.resume_at
 
     # 1. Random streams at the start of the step: the cause of whatever they feed.
-    rngs = ev.get("rng") or []
+    rngs = ev.rng
     if rngs:
-        names = ", ".join(r["stream"] for r in rngs)
-        b_moved = [r["stream"] for r in rngs if r.get("b_moved")]
-        a_moved = [r["stream"] for r in rngs if r.get("a_moved")]
-        if b_moved and first_resumed:
-            cause = (f"B re-seeded or drew from {', '.join(b_moved)} after run.restore() and before step {step} "
-                     "(e.g. torch.manual_seed after the restore)")
-            advice = "seed before run.restore(state), never after it; draw nothing between restore and the loop."
-        elif a_moved and first_resumed:
-            cause = (f"A drew from {', '.join(a_moved)} after its save point (between run.record() of step {K}, "
-                     f"which saved, and step {step}: e.g. an evaluation placed after the end-of-step save)")
-            advice = ("do that work inside the step, before run.record(), or draw it from its own generator "
-                      "registered in TrainState(generators=...).")
-        elif b_moved or a_moved:
-            side = "B" if b_moved else "A"
-            cause = f"run {side} drew from {', '.join(b_moved or a_moved)} between steps {step - 1} and {step}"
-            advice = "draw random numbers only inside the steps, the same way in every run."
-        else:
-            cause = "the stream was not restored"
-            advice = "register every generator the job draws from in the TrainState."
-        rng_site = rngs[0]["stream"]
+        names = ", ".join(r.stream for r in rngs)
+        cause, advice = causes.rng_cause(RESUME, b_moved=[r.stream for r in rngs if r.b_moved],
+                                         a_moved=[r.stream for r in rngs if r.a_moved], first_step=first_resumed,
+                                         step=step, saved_at=K)
         later = "" if site.startswith("start.") else f" What differs after it (first {site}) is a consequence."
-        return Verdict("rng", f"random stream {names} differs when {when} begins (step {step}, rank "
-                       f"{common['rank']}): {cause}; the batch and values computed from it differ as a "
-                       f"consequence.{later}"
-                       + forgotten, advice=advice, **{**common, "site": rng_site, "category": "rng"})
+        return Verdict("rng", causes.rng_sentence(names, when=when, step=step, rank=common["rank"], cause=cause)
+                       + f".{later}" + forgotten, advice=advice + ".",
+                       **{**common, "site": rngs[0].stream, "category": "rng"})
 
     # 2. Hyperparameters at the start of the step.
-    hstart = ev.get("hparams_start") or []
+    hstart = ev.hparams_start
     if hstart:
         h = hstart[0]
-        fields = ", ".join(x["field"] for x in hstart)
-        name = f"param_groups[{h['field'].split('.')[0]}].{'.'.join(h['field'].split('.')[1:])}"
-        if first_resumed and h.get("b_moved"):
-            return Verdict("changed-after-restore", f"{name} was restored exactly from the checkpoint, then "
-                           f"changed after run.restore(): step {step} starts with {_show(h['b'])} in B and "
-                           f"{_show(h['a'])} in A (fields: {fields}).{forgotten}",
-                           advice="do not re-apply configuration values to restored objects after "
-                           "run.restore(state); apply them only on a fresh start (run.step == 0).",
-                           **{**common, "site": f"optim.{name}", "category": "hyperparameters"})
-        if first_resumed and h.get("a_moved"):
-            return Verdict("changed-after-save", f"A changed {name} after its save point (between run.record() "
-                           f"of step {K} and step {step}): the checkpoint holds {_show(h['b'])}, A's step {step} "
-                           f"uses {_show(h['a'])} (fields: {fields}).{forgotten}",
-                           advice="change hyperparameters (scheduler.step()) inside the step, before run.record().",
-                           **{**common, "site": f"optim.{name}", "category": "hyperparameters"})
-        return Verdict("scheduler", f"{name} differs when {when} begins ({_show(h['a'])} in A, {_show(h['b'])} in "
-                       f"B).{forgotten}", advice="register the LR scheduler in the TrainState and derive "
-                       "schedules from run.step.", **{**common, "site": f"optim.{name}",
-                                                       "category": "hyperparameters"})
+        fields = ", ".join(x.field for x in hstart)
+        name = f"param_groups[{h.field.split('.')[0]}].{'.'.join(h.field.split('.')[1:])}"
+        kind, text, advice = causes.hparam_start_cause(RESUME, name=name, a=h.a, b=h.b, first_step=first_resumed,
+                                                       a_moved=h.a_moved, b_moved=h.b_moved, step=step,
+                                                       saved_at=K, when=when)
+        return Verdict(kind, f"{text} (fields: {fields}).{forgotten}", advice=advice + ".",
+                       **{**common, "site": f"optim.{name}", "category": "hyperparameters"})
 
     # 3. Hyperparameters as the optimizer step used them (set during the step, e.g. from a counter).
-    unsaved = analysis.get("unsaved_schedulers") or []
-    hstep = ev.get("hparams_step") or []
+    unsaved = list(evidence.unsaved_schedulers)
+    hstep = ev.hparams_step
     lr_moved = any(s.startswith(("optim.param_groups", "metric.lr")) for s in sites)
     if hstep or category == "scheduler" or any(s.startswith("scheduler") for s in sites) or (unsaved and lr_moved):
         if hstep:
-            h = next((x for x in hstep if x["field"].endswith(".lr") or x["field"] == "lr"), hstep[0])
-            g, _, key = h["field"].partition(".")
-            what = (f"the {key} the optimizer used at step {step} differs (param group {g}: {_show(h['a'])} in A, "
-                    f"{_show(h['b'])} in B) although the step started from equal state")
+            h = next((x for x in hstep if x.field.endswith(".lr") or x.field == "lr"), hstep[0])
+            g, _, key = h.field.partition(".")
+            what = causes.step_hparam_what(RESUME, key=key, group=g, a=h.a, b=h.b, step=step)
             lr_site = f"optim.param_groups[{g}].{key}"
         else:
             what = f"the learning rate differs at {when} ({_where(div)})"
             lr_site = site
-        if unsaved:
-            cause = f"an LR scheduler drives {', '.join(unsaved)} but is not saved in the TrainState"
-            advice = "register it: TrainState(scheduler=...)."
-        else:
-            cause = ("the code that sets it during the step reads a step counter or schedule that was not "
-                     "restored (a counter that restarts at 0 on resume)")
-            advice = "compute it from run.step (restored with the checkpoint), or register the scheduler."
+        cause, advice = causes.step_hparam_cause(unsaved)
         return Verdict("scheduler", f"{what}: {cause}. A batch or value that differs in the same step is a "
-                       f"consequence.{forgotten}", advice=advice,
+                       f"consequence.{forgotten}", advice=advice + ".",
                        **{**common, "site": lr_site, "category": "scheduler"})
 
     # 4. The batch.
-    if (ev.get("batch") or category == "data" or "data.indices" in sites
-            or any(s.startswith("batch") for s in sites)):
-        message, advice = _data_cause(analysis, ev, step, first_resumed, K)
+    if ev.batch or category == "data" or "data.indices" in sites or any(s.startswith("batch") for s in sites):
+        message, advice = _data_cause(evidence, ev, step, first_resumed, K)
         return Verdict("data", f"the batch of step {step} differs ({_where(div)}) while the random streams and "
                        f"hyperparameters it started from are equal: {message}{forgotten}", advice=advice,
                        **common)
     # 5. Non-persistent buffers: state a checkpoint never holds.
-    buffers = ev.get("buffers") or []
+    buffers = ev.buffers
     if buffers:
         name = buffers[0][len("buffer."):]
-        return Verdict("hidden-state", f"buffer {name} differs at {when} (rank {common['rank']}); it is registered "
-                       "with persistent=False, so no checkpoint holds it and a resumed run starts it afresh."
-                       + forgotten, advice=f"register {name} as a persistent buffer, or recompute it from "
-                       "saved state.", **{**common, "site": buffers[0], "category": "buffers"})
+        text, advice = causes.buffer_cause(RESUME, name=name, when=when, rank=common["rank"])
+        return Verdict("hidden-state", f"{text}.{forgotten}", advice=advice + ".",
+                       **{**common, "site": buffers[0], "category": "buffers"})
     if category in ("metric", "parameters", "gradients", "optimizer", "module", "buffers"):
-        if analysis.get("missing_optimizer") or analysis.get("unregistered"):
-            items = analysis.get("unregistered") or []
+        if evidence.missing_optimizer or evidence.unregistered:
+            items = evidence.unregistered
             optim = next((u for u in items if u["kind"] == "optimizer"), None)
             named = optim or (items[0] if items else None)
             lead = ("no optimizer is registered in the TrainState, so B starts its moments from zero"
-                    if analysis.get("missing_optimizer") else "state the TrainState does not hold drives the run")
-            listed = _forgotten({"unregistered": items})
+                    if evidence.missing_optimizer else "state the TrainState does not hold drives the run")
+            listed = _forgotten(items)
             return Verdict("unregistered-state", f"the runs part at {when} ({_where(div)}): {lead}.{listed}",
-                           advice="register it in the TrainState (optimizer=, scheduler=, scaler=, generators=, "
-                           "extras= for your own objects).",
+                           advice=causes.UNREGISTERED_ADVICE + ".",
                            **{**common, "site": named["name"] if named else "optimizer"})
         origin, fed = _get(div, "origin"), _get(div, "origin_fed")
         if origin and fed:
@@ -285,15 +246,15 @@ def _resume_verdict(plan: Any, analysis: dict[str, Any], div: Any, forgotten: st
     return Verdict("diverged", f"resumed run diverges at {_where(div)}.{forgotten}", **common)
 
 
-def _held_verdict(plan: Any, analysis: dict[str, Any]) -> Verdict | None:
+def _held_verdict(plan: Any, evidence: Evidence) -> Verdict | None:
     """Every traced step and the final checkpoints agree, but the training function ends holding different
-    values outside the TrainState in A and B (``analysis["held"]``): state a resume loses, or (when A and A2
+    values outside the TrainState in A and B (``evidence.held``): state a resume loses, or (when A and A2
     differ there too) a nondeterministic computation of it."""
-    held = analysis.get("held") or {}
-    differ = held.get("differ") or []
-    if not differ:
+    held = evidence.held
+    differ = held.differ if held is not None else ()
+    if held is None or not differ:
         return None
-    nd = set(held.get("nondeterministic") or ())
+    nd = set(held.nondeterministic)
     lost = [d for d in differ if d["var"] not in nd]
     T = plan.steps
     if not lost:
@@ -306,7 +267,7 @@ def _held_verdict(plan: Any, analysis: dict[str, Any]) -> Verdict | None:
                        "torch.use_deterministic_algorithms) until A and A2 agree, then check again.")
     d = lost[0]
     names = list(dict.fromkeys(x["var"] for x in lost))
-    if held.get("a2"):
+    if held.a2:
         sure = " A and A2 hold equal values there, so it is not nondeterminism."
     else:
         sure = " (A2 was not compared: a nondeterministic computation of it is not ruled out; run A2 to tell.)"
@@ -321,16 +282,14 @@ def _held_verdict(plan: Any, analysis: dict[str, Any]) -> Verdict | None:
                    "or rebuild it from saved state after run.restore().")
 
 
-def _data_cause(analysis: dict[str, Any], ev: dict[str, Any], step: int, first_resumed: bool,
-                K: int) -> tuple[str, str]:
+def _data_cause(evidence: Evidence, ev: StepEvidence, step: int, first_resumed: bool, K: int) -> tuple[str, str]:
     """Why a batch differs, and what to do, from the sample indices the step used (``data.indices``) in A and B:
     other samples (the loader is not registered, or its position was not restored), a batch taken from the
     loader before the save, or the same samples with other contents (randomness in the dataset or workers)."""
-    idx = ev.get("indices") or {}
-    a, b, a_next = idx.get("a"), idx.get("b"), idx.get("a_next")
-    loaders = [u for u in analysis.get("unregistered") or [] if u.get("kind") in ("data loader", "sampler")]
+    a, b, a_next = ev.indices.a, ev.indices.b, ev.indices.a_next
+    loaders = [u for u in evidence.unregistered if u.get("kind") in ("data loader", "sampler")]
     named = ", ".join(f"{u['name']} ({u['type']})" for u in loaders)
-    register = "register the loader: TrainState(dataloader=...)"
+    register = causes.REGISTER_LOADER
     if a is None or b is None:
         if loaders:
             return (f"{named} is not registered in the TrainState, so its position is not saved (whether the "

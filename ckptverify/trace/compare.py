@@ -348,7 +348,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
 
 def parent_module(name: str) -> str:
     """The parent module's name (``blocks.0.ln1`` -> ``blocks.0``; a top-level module's is the root's)."""
-    from ckptverify.trace.recorder import ROOT_MODULE
+    from ckptverify.trace.sites import ROOT_MODULE
 
     head, dot, _ = name.rpartition(".")
     return head if dot and name != ROOT_MODULE else ROOT_MODULE

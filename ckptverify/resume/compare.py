@@ -1,0 +1,386 @@
+"""Comparing the runs of a resume check, and what the comparisons found (:class:`Evidence`, for the verdict).
+
+In order: (a) the state B restored against the state A saved, field by field, before any step; (b) A against
+A2; (c) A against B for steps K+1..T, with the causes the first differing step starts from
+(:func:`step_evidence`); (d) the final checkpoints of A and B; then what the training function holds outside
+the TrainState at the end of A, A2 and B. :func:`compare` returns the findings (each tagged with its stage)
+and the :class:`Evidence` :func:`ckptverify.resume.verdict.decide` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ckptverify.findings import Finding, Location, error
+from ckptverify.resume.run import RunConfig, checkpoint_path
+
+if TYPE_CHECKING:
+    from ckptverify.trace.compare import FirstDivergence
+
+__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "HparamDiff", "Indices", "StepEvidence", "StreamDiff",
+           "compare", "step_evidence"]
+
+
+@dataclass(frozen=True)
+class StreamDiff:
+    """A random stream that differs when a step starts (``stream``: its site without ``start.``, e.g.
+    ``rng.torch_cpu``), its digests in A (``a``) and B (``b``), and whether each run moved it since the
+    previous step (B on the first resumed step: since the restore); ``None``: not recorded."""
+
+    stream: str
+    a: Any
+    b: Any
+    a_moved: bool | None = None
+    b_moved: bool | None = None
+
+
+@dataclass(frozen=True)
+class HparamDiff:
+    """An optimizer hyperparameter that differs (``field``: ``<group>.<key>``), its values in A and B (``a`` is
+    ``None`` when A records only its category cell) and, when the step starts, whether each run moved it."""
+
+    field: str
+    a: Any
+    b: Any
+    a_moved: bool | None = None
+    b_moved: bool | None = None
+
+
+@dataclass(frozen=True)
+class Indices:
+    """The digests of the sample indices a step's batch was made from (``data.indices``): in A, in B, and A's
+    of the next step; ``None`` where not recorded."""
+
+    a: Any = None
+    b: Any = None
+    a_next: Any = None
+
+
+@dataclass(frozen=True)
+class StepEvidence:
+    """What differs at ``step`` on ``rank`` among the causes a step starts from (:func:`step_evidence`).
+
+    ``position`` (the loader's position after the step differs) and ``sites`` (every differing site) are
+    filled in by a replay, which reads them from its own comparison."""
+
+    step: int
+    rank: int
+    rng: tuple[StreamDiff, ...] = ()
+    hparams_start: tuple[HparamDiff, ...] = ()
+    hparams_step: tuple[HparamDiff, ...] = ()
+    buffers: tuple[str, ...] = ()
+    batch: bool = False
+    indices: Indices = Indices()
+    position: bool = False
+    sites: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeldComparison:
+    """What the training function holds outside the TrainState at the end of A and B (and A2): ``differ``
+    (A vs B, one entry per variable and rank: ``var``, ``rank``, ``path``, ...), ``nondeterministic`` (the
+    variables among them that A and A2 hold differently too), ``a2`` (whether A2 was compared), ``incomplete``
+    (why some values could not be compared)."""
+
+    differ: tuple[Mapping[str, Any], ...] = ()
+    nondeterministic: tuple[str, ...] = ()
+    a2: bool = False
+    incomplete: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything the comparisons of one resume check found that the verdict reads.
+
+    * ``unsaved_schedulers``, ``unregistered`` (objects the training function holds that the TrainState does
+      not: ``name``, ``type``, ``kind``), ``missing_optimizer`` (why no optimizer counts as registered): what
+      ``run.restore`` noticed in A;
+    * ``restore``: (a) the restored fields that differ from what A saved;
+    * ``nondeterminism`` / ``nondeterminism_sites``: (b) where A and A2 first part, and every site that
+      differs at that step;
+    * ``resume`` / ``resume_sites`` / ``step``: (c) where A and B first part after the resume, every site that
+      differs at that step, and the causes it started from;
+    * ``final``: (d) the differences of the final checkpoints;
+    * ``held``: the values held outside the TrainState (``None``: B did not run).
+    """
+
+    unsaved_schedulers: tuple[str, ...] = ()
+    unregistered: tuple[Mapping[str, str], ...] = ()
+    missing_optimizer: str | None = None
+    restore: tuple[Finding, ...] = ()
+    nondeterminism: FirstDivergence | None = None
+    nondeterminism_sites: frozenset[str] = frozenset()
+    resume: FirstDivergence | None = None
+    resume_sites: frozenset[str] = frozenset()
+    step: StepEvidence | None = None
+    final: tuple[Finding, ...] = ()
+    held: HeldComparison | None = field(default=None)
+
+    @property
+    def earlier_failure(self) -> bool:
+        """Whether a comparison before the held values already failed."""
+        return bool(self.restore or self.nondeterminism or self.resume or self.final)
+
+
+def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, verbose: bool = False
+            ) -> tuple[list[Finding], Evidence]:
+    """Compare the runs of ``configs`` (``A``, and ``A2``, ``B`` when they ran) of a check of ``steps`` steps
+    resumed at ``resume_at``: the findings, each tagged with its stage, and the evidence for the verdict."""
+    from ckptverify.audit.diff import diff_checkpoints
+
+    T, K = steps, resume_at
+    findings: list[Finding] = []
+    notes_a = _read_notes(configs["A"])
+    found: dict[str, Any] = {"unsaved_schedulers": tuple(notes_a.get(0, {}).get("unsaved_schedulers", [])),
+                             "unregistered": tuple(_unregistered(notes_a)),
+                             "missing_optimizer": notes_a.get(0, {}).get("missing_optimizer")}
+    findings.extend(_forgotten_findings(found["unregistered"], found["missing_optimizer"]))
+    # (a) restored state vs saved state
+    if "B" in configs:
+        restore: list[Finding] = []
+        for name in sorted(os.listdir(configs["B"].trace_dir)):  # type: ignore[arg-type]
+            if name.startswith("restore-rank") and name.endswith(".json"):
+                with open(os.path.join(configs["B"].trace_dir, name)) as f:  # type: ignore[arg-type]
+                    data = json.load(f)
+                restore.extend(Finding.from_dict(x) for x in data.get("findings", [])
+                               if x.get("severity") == "error")
+        findings.extend(_tag("B restore", restore))
+        found["restore"] = tuple(restore)
+    # (b) A vs A2: nondeterminism
+    a_trace = configs["A"].trace_dir
+    if "A2" in configs:
+        nd, first = _trace_stage("A vs A2", a_trace, configs["A2"].trace_dir, None)
+        findings.extend(nd)
+        found["nondeterminism"] = first
+        if first is not None:
+            found["nondeterminism_sites"] = frozenset(_differing_sites(a_trace, configs["A2"].trace_dir,  # type: ignore[arg-type]
+                                                                       range(first.step, first.step + 1)))
+    # (c) A vs B after the resume
+    if "B" in configs:
+        ab, div = _trace_stage("A vs B", a_trace, configs["B"].trace_dir, range(K + 1, T + 1))
+        findings.extend(ab)
+        found["resume"] = div
+        if div is not None:
+            step = div.step
+            found["resume_sites"] = frozenset(_differing_sites(a_trace, configs["B"].trace_dir,  # type: ignore[arg-type]
+                                                               range(step, step + 1)))
+            restored = _read_notes(configs["B"]).get(div.rank, {}).get("restored", {})
+            found["step"] = step_evidence(a_trace, configs["B"].trace_dir, div.rank,  # type: ignore[arg-type]
+                                          step, first_resumed=step == K + 1, restored=restored)
+        # (d) final states
+        final = diff_checkpoints(checkpoint_path(configs["A"].checkpoint_dir, T),  # type: ignore[arg-type]
+                                 checkpoint_path(configs["B"].checkpoint_dir, T))  # type: ignore[arg-type]
+        errors = [f for f in final.findings if f.severity.value == "error"]
+        findings.extend(_tag("final A vs B", errors if verbose else _fold(errors)))
+        found["final"] = tuple(errors)
+    evidence = Evidence(**found)
+    if "B" in configs:
+        held, held_findings = _held_state(configs, earlier=evidence.earlier_failure)
+        findings.extend(held_findings)
+        evidence = replace(evidence, held=held)
+    return findings, evidence
+
+
+#: Final-state differences listed one by one in the text report (all of them under ``--verbose`` and in JSON).
+FOLD_ABOVE = 3
+
+
+def _fold(errors: list[Finding]) -> list[Finding]:
+    """Many final-state differences as one row: how many, which come first, and the full list in ``actual``."""
+    if len(errors) <= FOLD_ABOVE:
+        return errors
+    names = [f.location.fqn or f.location.record or f.check for f in errors]
+    shown = ", ".join(str(n) for n in names[:FOLD_ABOVE])
+    return [error("final-state", f"{len(errors)} items of the final checkpoints differ ({shown}, …); the full "
+                  "list is under --verbose and in the JSON report", location=Location(),
+                  actual={"differing": len(errors), "items": [f.to_dict() for f in errors]})]
+
+
+def _unregistered(notes: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+    """Unregistered objects over all ranks, once each (by variable name)."""
+    out: dict[str, dict[str, str]] = {}
+    for rank in sorted(notes):
+        for item in notes[rank].get("unregistered", []) or []:
+            out.setdefault(item["name"], item)
+    return list(out.values())
+
+
+def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[HeldComparison, list[Finding]]:
+    """Compare what the training function holds outside the TrainState at the end of A and B (and A2).
+    Findings: errors when the runs otherwise agree; info lines (a possible consequence) when an ``earlier``
+    comparison already failed."""
+    from ckptverify.findings import info, warning
+    from ckptverify.resume.unregistered import compare_held, read_held
+
+    held = {name: read_held(c.trace_dir) for name, c in configs.items()}
+    differ = compare_held(held["A"], held["B"])
+    a2 = "A2" in configs and bool(held["A2"])
+    again = {d["var"] for d in compare_held(held["A"], held["A2"])} if a2 else set()
+    incomplete = _held_gaps(held)
+    nondeterministic = tuple(sorted(again & {d["var"] for d in differ}))
+    comparison = HeldComparison(differ=tuple(differ), nondeterministic=nondeterministic, a2=a2,
+                                incomplete=tuple(incomplete))
+    out: list[Finding] = []
+    for d in differ:
+        text = (f"[end of A vs B] {d['var']} differs at the end of the run (rank {d['rank']}, first at "
+                f"{d['path']}): the training function holds it outside the TrainState")
+        where = Location(fqn=d["path"], rank=d["rank"])
+        out.append(info("held-state", text + " (it may follow from the divergence above)", location=where,
+                        actual=d) if earlier else error("held-state", text, location=where, actual=d))
+    if incomplete:
+        out.append(warning("held-state-incomplete", "the values held outside the TrainState were not all "
+                           "compared: " + "; ".join(incomplete)))
+    return comparison, out
+
+
+def _held_gaps(held: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """Why some held values were not compared: a rank left no record, a walk failed, hit a limit or could
+    not fingerprint a value."""
+    from ckptverify.resume.unregistered import HELD_ENTRIES, HELD_ITEMS, HELD_VISITS
+
+    out = [f"run {name} left no record of rank {r}" for name in ("A", "B")
+           for r in sorted(set(held["A"]) | set(held["B"])) if r not in held[name]]
+    for name, runs in held.items():
+        for r, data in sorted(runs.items()):
+            if data.get("error"):
+                out.append(f"run {name} rank {r}: {data['error']}")
+            if data.get("truncated"):
+                out.append(f"run {name} rank {r} holds more than was compared (at most {HELD_ITEMS} items a "
+                           f"container, {HELD_ENTRIES} values, {HELD_VISITS} objects)")
+            if data.get("skipped"):
+                out.append(f"run {name} rank {r} could not fingerprint {', '.join(data['skipped'][:3])}")
+    return out
+
+
+def _forgotten_findings(unregistered: tuple[Mapping[str, str], ...], missing_optimizer: str | None
+                        ) -> list[Finding]:
+    from ckptverify.findings import warning
+
+    out = [warning("unregistered-state", f"{u['name']} ({u['type']}: {u['kind']}) is not in the TrainState: a "
+                   "resume does not save or restore it", location=Location(fqn=u["name"]), actual=dict(u))
+           for u in unregistered]
+    if missing_optimizer:
+        out.append(warning("no-optimizer", missing_optimizer))
+    return out
+
+
+def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed: bool,
+                  restored: Mapping[str, Any]) -> StepEvidence:
+    """What differs at ``step`` on ``rank`` among the causes a step starts from, and which run moved them.
+
+    * ``rng``: random streams that differ when the step starts (``start.rng.<stream>``), each with
+      ``a_moved`` / ``b_moved``: whether that run's stream at the start of the step differs from where the
+      previous step (for B on the first resumed step: the restore, ``restored``) left it;
+    * ``hparams_start``: optimizer hyperparameters that differ when the step starts, with ``b_moved`` /
+      ``a_moved`` as above (on the first resumed step, against the restored value);
+    * ``hparams_step``: hyperparameters that differ as the optimizer step uses them;
+    * ``buffers``: non-persistent buffers (``buffer.<fqn>``) that differ after the step;
+    * ``batch``: whether the batch differs;
+    * ``indices``: the digest of the sample indices the step's batch was made from (``data.indices``) in A
+      and B, and A's of the next step; ``None`` where not recorded.
+    """
+    from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.store import open_trace
+
+    ta, tb = open_trace(run_stores(a_dir)[rank]), open_trace(run_stores(b_dir)[rank])
+    names = [s.name for s in ta.sites] + [s.name for s in tb.sites if not ta.has_site(s.name)]
+
+    def val(trace: Any, at: int, name: str) -> Any:
+        return trace.value(at, name) if trace.has_site(name) and trace.row_index(at) is not None else None
+
+    differing = [n for n in names if val(ta, step, n) != val(tb, step, n)]
+
+    def moved(trace: Any, name: str, end_name: str, is_b: bool) -> bool | None:
+        now = val(trace, step, name)
+        if is_b and first_resumed:
+            before = restored.get(name)
+        elif first_resumed and not is_b:
+            # A's value at the end of the previous step is what it saved; B restored exactly that.
+            before = restored.get(name) if name in restored else val(trace, step - 1, end_name)
+        else:
+            before = val(trace, step - 1, end_name)
+        if before is None or now is None:
+            return None
+        return bool(now != before)
+
+    rng: list[StreamDiff] = []
+    hparams_start: list[HparamDiff] = []
+    hparams_step: list[HparamDiff] = []
+    for n in differing:
+        if n.startswith("start.rng."):
+            rng.append(StreamDiff(n[len("start."):], val(ta, step, n), val(tb, step, n),
+                                  a_moved=moved(ta, n, n[len("start."):], False),
+                                  b_moved=moved(tb, n, n[len("start."):], True)))
+        elif n.startswith("start.hparam."):
+            hparams_start.append(HparamDiff(n[len("start.hparam."):], val(ta, step, n), val(tb, step, n),
+                                            a_moved=moved(ta, n, "", False), b_moved=moved(tb, n, "", True)))
+        elif n.startswith("hparam."):
+            hparams_step.append(HparamDiff(n[len("hparam."):], val(ta, step, n), val(tb, step, n)))
+    return StepEvidence(step=step, rank=rank, rng=tuple(rng), hparams_start=tuple(hparams_start),
+                        hparams_step=tuple(hparams_step),
+                        buffers=tuple(n for n in differing if n.startswith("buffer.")),
+                        batch=any(n == "batch" or n.startswith("batch.") for n in differing),
+                        indices=Indices(val(ta, step, "data.indices"), val(tb, step, "data.indices"),
+                                        val(ta, step + 1, "data.indices")))
+
+
+def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) -> tuple[list[Finding], Any]:
+    """Compare two runs' traces. Random streams that differ while no value computed from them does (an
+    unseeded, unused generator) are an info line, not a divergence."""
+    from ckptverify.findings import info
+    from ckptverify.trace.compare import compare_runs, first_divergence
+
+    found = compare_runs(a, b, steps=steps)  # type: ignore[arg-type]
+    if not any(f.severity.value == "error" for f in found):
+        return _tag(stage, found), None
+    first = first_divergence(a, b, steps=steps)  # type: ignore[arg-type]
+    differing = _differing_sites(a, b, steps)  # type: ignore[arg-type]
+    if differing and all(name.startswith(("rng.", "start.rng.")) for name in differing):
+        names = ", ".join(sorted({n.removeprefix("start.") for n in differing}))
+        return [info("trace-rng-unused", f"[{stage}] unused random stream(s) differ: {names} (no traced value "
+                     "depends on them: an unseeded generator the job does not draw from)")], None
+    return _tag(stage, found), first
+
+
+def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:
+    from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.store import open_trace
+
+    out: set[str] = set()
+    stores_a, stores_b = run_stores(dir_a), run_stores(dir_b)
+    for rank in set(stores_a) & set(stores_b):
+        ta, tb = open_trace(stores_a[rank]), open_trace(stores_b[rank])
+        common = set(int(s) for s in ta.steps) & set(int(s) for s in tb.steps)
+        if steps is not None:
+            common &= set(steps)
+        names = {s.name for s in ta.sites} | {s.name for s in tb.sites}
+        for step in sorted(common):
+            for name in names - out:
+                if ta.value(step, name) != tb.value(step, name):
+                    out.add(name)
+    return out
+
+
+def _read_notes(config: RunConfig) -> dict[int, dict[str, Any]]:
+    """Each rank's notes (``notes-rank<r>.json``: what ``run.restore`` found), by rank."""
+    out: dict[int, dict[str, Any]] = {}
+    d = config.trace_dir or ""
+    if not os.path.isdir(d):
+        return out
+    for name in os.listdir(d):
+        if name.startswith("notes-rank") and name.endswith(".json") and name[10:-5].isdigit():
+            with open(os.path.join(d, name)) as f:
+                out[int(name[10:-5])] = json.load(f)
+    return out
+
+
+def _tag(stage: str, findings: list[Finding]) -> list[Finding]:
+    out = []
+    for f in findings:
+        out.append(error(f.check, f"[{stage}] {f.message}", location=f.location or Location(),
+                         expected=f.expected, actual=f.actual) if f.severity.value == "error" else f)
+    return out

@@ -1,0 +1,248 @@
+"""Launching a workload: each ``(target, RunConfig)`` job in a fresh set of processes, one per rank.
+
+``torch.multiprocessing`` spawn, gloo on CPU, NCCL with one GPU per rank on CUDA. A rank runs its jobs in turn
+in one process; its output goes to a per-rank log file or to the terminal labelled with the run (and rank). A
+failure comes back as the user's error: :class:`~ckptverify.resume.harness_target.TargetError` (a usage error,
+with the user's line at fault) or :class:`WorkloadCrashedError` (the user's traceback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from ckptverify.errors import UsageError, WorkloadCrashedError
+from ckptverify.resume.harness_target import (
+    TargetError,
+    check_target,
+    load_target,
+    never_restored_message,
+    usage_text,
+    user_traceback,
+)
+from ckptverify.resume.run import ENV_VAR, Run, RunConfig
+
+__all__ = ["WorkloadCrashedError", "launch_jobs", "launch_side_by_side", "spare_cores", "workload_logs"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, nproc: int, port: int, jobs: list[tuple[str, str]], backend: str) -> None:
+    """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn, in this one process."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if nproc > 1:
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=nproc)
+        _tolerate_init(dist)
+    try:
+        for target, config_json in jobs:
+            _run_job(rank, nproc, target, config_json)
+    finally:
+        if nproc > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    if nproc > 1:
+        # Every job succeeded and its files are written: leave without interpreter teardown. After FSDP2 or DDP
+        # used a gloo group, destroy_process_group leaves its threads alive, and finalizing the interpreter
+        # around them now and then aborts the process (SIGABRT), which would fail a check that passed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
+    from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
+
+    os.environ[ENV_VAR] = config_json
+    config = RunConfig.from_json(config_json)
+    if config.log_dir:
+        # The workload's prints go to a per-rank log file, so the command's own stdout stays machine-readable.
+        to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
+        _call_target(rank, nproc, target, config)
+    else:
+        with LabelledOutput(label(config.name, rank, nproc)):
+            try:
+                _call_target(rank, nproc, target, config)
+            finally:
+                # The workload's objects end now (DataLoader workers among them, which hold the output pipe),
+                # not whenever a reference cycle is collected: its output is then drained at once.
+                gc.collect()
+
+
+def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
+    """Run the training function once; on failure, leave what the user needs to see in the trace folder:
+    ``usage-rank<r>.txt`` (a usage error: its message and the user's lines) or ``error-rank<r>.txt`` (the
+    user's traceback), then re-raise."""
+    import torch.distributed as dist
+
+    run: Run | None = None
+    try:
+        func = load_target(target)
+        run = Run(config)
+        try:
+            func(run)
+            if run.state is None:
+                raise UsageError(never_restored_message(target))
+        finally:
+            run.close()
+        if nproc > 1 and dist.is_initialized():
+            dist.barrier()  # no rank tears down while another is still in a collective
+    except BaseException as exc:
+        if config.trace_dir:
+            os.makedirs(config.trace_dir, exist_ok=True)
+            if isinstance(exc, TargetError):
+                kind, text = "usage", str(exc)
+            elif isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
+                kind, text = "usage", never_restored_message(target)  # the first checkpoint, and no state
+            elif isinstance(exc, UsageError):
+                kind, text = "usage", usage_text(exc)
+            else:
+                kind, text = "error", user_traceback(exc)
+            with open(os.path.join(config.trace_dir, f"{kind}-rank{rank}.txt"), "w") as f:
+                f.write(text)
+        raise
+
+
+def _from_save(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by ``Run._save`` (a checkpoint the harness asked for)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].name == "_save" and os.path.basename(frames[-1].filename) == "run.py"
+
+
+def _tolerate_init(dist: Any) -> None:
+    """Make the workload's own ``init_process_group`` call a no-op while the harness's group exists (a script
+    written for torchrun calls it unconditionally)."""
+    original = dist.init_process_group
+    if getattr(original, "_ckptverify_tolerant", False):
+        return
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            return None
+        return original(*args, **kwargs)
+
+    init_process_group._ckptverify_tolerant = True  # type: ignore[attr-defined]
+    dist.init_process_group = init_process_group
+
+
+#: Set by :func:`workload_logs`: where the runs launched meanwhile write their output (None: the terminal).
+_log_dir: str | None = None
+
+
+@contextlib.contextmanager
+def workload_logs(log_dir: str) -> Iterator[str]:
+    """Within the block, every run launched sends each rank's stdout and stderr to
+    ``<log_dir>/<run>-rank<r>.log`` (as a :class:`RunConfig` ``log_dir`` does) instead of the terminal: for a
+    front end whose stdout must stay machine-readable around a call that launches runs (``replay --json``).
+    Yields the absolute folder."""
+    global _log_dir
+    previous, _log_dir = _log_dir, os.path.abspath(log_dir)
+    try:
+        yield _log_dir
+    finally:
+        _log_dir = previous
+
+
+def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> None:
+    """Run each ``(target, config)`` in turn in one set of ``nproc`` fresh processes; raise if any rank fails.
+
+    Each target is checked here first (:func:`check_target`), before any process starts. Several jobs share
+    the processes' start-up (interpreter, torch import, process group); each job's training function still
+    starts from its own seeds and state. Module-level state of a workload does carry from one job to the
+    next, as it would in any long-lived process. Raises :class:`TargetError` (the message: the user's
+    traceback or line at fault) when a target cannot run or uses the protocol wrongly, and
+    :class:`WorkloadCrashedError` (the user's traceback) when it raises.
+    """
+    import dataclasses
+
+    import torch.multiprocessing as mp
+
+    for target in dict.fromkeys(t for t, _ in jobs):
+        check_target(target)
+    if _log_dir is not None:
+        jobs = [(t, c if c.log_dir else dataclasses.replace(c, log_dir=_log_dir)) for t, c in jobs]
+    # The device travels in each job's config (run.device), not in the environment.
+    jobs = [(t, dataclasses.replace(c, device=device)) for t, c in jobs]
+    backend = "nccl" if device == "cuda" else "gloo"
+    args = (nproc, _free_port(), [(target, config.to_json()) for target, config in jobs], backend)
+    try:
+        mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")
+    except Exception as exc:
+        _raise_failure(jobs, exc)
+
+
+def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
+    """Turn a failed launch into the user's error: a usage error of any rank first, else the traceback of
+    each rank that raised (ranks with the same traceback shown once)."""
+    found: dict[str, dict[str, dict[str, list[int]]]] = {}  # run -> kind -> text -> ranks
+    for _, config in jobs:
+        d = config.trace_dir
+        for name in sorted(os.listdir(d)) if d and os.path.isdir(d) else []:
+            kind, _, rest = name.partition("-rank")
+            if kind in ("usage", "error") and rest.endswith(".txt") and rest[:-4].isdigit():
+                with open(os.path.join(d, name)) as f:
+                    text = f.read()
+                found.setdefault(config.name, {}).setdefault(kind, {}).setdefault(text, []).append(int(rest[:-4]))
+    for kinds in found.values():
+        if "usage" in kinds:
+            raise TargetError(next(iter(kinds["usage"])))
+    if not found:
+        raise WorkloadCrashedError(f"the workload crashed in run {jobs[0][1].name}: {type(exc).__name__}",
+                                   str(exc)) from None
+    run, kinds = next(iter(found.items()))
+    parts = []
+    for text, ranks in kinds["error"].items():
+        ranks.sort()
+        if len(kinds["error"]) > 1:
+            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}:")
+        parts.append(text)
+    ranks = sorted(r for rs in kinds["error"].values() for r in rs)
+    raise WorkloadCrashedError(f"the workload crashed in run {run} (rank{'s' if len(ranks) > 1 else ''} "
+                               f"{', '.join(map(str, ranks))}):", "\n".join(parts)) from None
+
+def spare_cores(nproc: int, device: str) -> bool:
+    """Whether two runs of ``nproc`` ranks fit side by side: a core each on CPU (the built-in workloads run
+    one intra-op thread per rank)."""
+    if device != "cpu":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2 * nproc
+
+
+def launch_side_by_side(nproc: int, device: str, first: list[tuple[str, RunConfig]],
+                         second: list[tuple[str, RunConfig]]) -> None:
+    """Launch two independent sets of jobs at once; raise the first one's error if both fail."""
+    import threading
+
+    errors: dict[int, BaseException] = {}
+
+    def go(i: int, jobs: list[tuple[str, RunConfig]]) -> None:
+        try:
+            launch_jobs(nproc, device, jobs)
+        except BaseException as exc:  # re-raised in the caller's thread below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i, j), daemon=True) for i, j in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        if i in errors:
+            raise errors[i]
+

@@ -1,0 +1,252 @@
+"""TrainState flattening: what a state-level row reads from a :class:`~ckptverify.state.train_state.TrainState`,
+found once and kept while the model and optimizers keep their layout (:class:`_StateLayout`), with the
+non-tensor leaves of its state dicts digested per parent (:class:`_Leaves`) and its non-tensor fields read
+as ``TrainState.fields()`` does."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from ckptverify.trace.cells import _SCALARS, _json, _value_lanes
+from ckptverify.trace.members import _Digester, _Members
+from ckptverify.trace.readback import _MASK64
+from ckptverify.trace.sites import _is_dtensor, _unwrap, non_persistent_buffers
+from ckptverify.trace.store import Cell
+
+if TYPE_CHECKING:
+    from ckptverify.state.train_state import TrainState
+
+def _live_value(groups: list[Any], index: int, head: str, rest: str) -> Any:
+    value = groups[index].get(head)
+    if rest:  # a sequence hyperparameter flattened per element (e.g. betas.0)
+        try:
+            value = value[int(rest)]  # type: ignore[index]
+        except (TypeError, ValueError, IndexError):
+            return _MISSING
+    return value
+
+
+_MISSING = object()
+_UNCACHEABLE = object()
+
+
+
+def _snapshot(value: Any) -> Any:
+    """An immutable copy of a value made of numbers, strings, ``None``, lists and tuples (to compare with the
+    next step's); ``_UNCACHEABLE`` for anything else (a tensor, an object: digested every time)."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list or kind is tuple:
+        items = tuple(_snapshot(v) for v in value)
+        return _UNCACHEABLE if any(v is _UNCACHEABLE for v in items) else (kind, items)
+    return _UNCACHEABLE
+
+
+class _Leaves:
+    """The non-tensor leaves of a flattened state dict, digested together per parent name (one cell per
+    optimizer param group, ...): each cell is the digest (:func:`_value_lanes`) of ``{leaf: value}``. Leaves
+    that are hyperparameters of a live param group are read from it at each step (a scheduler changes them);
+    the others come from the cached state dict. A parent whose live leaves are unchanged keeps its cell."""
+
+    def __init__(self, flat: Mapping[str, Any], prefix: str, site_prefix: str, kind: str,
+                 groups: list[Any] | None = None) -> None:
+        self.kind = kind
+        self.parents: dict[str, list[tuple[str, Any, tuple[int, str, str] | None]]] = {}
+        for name, value in flat.items():
+            if _is_tensor(value):
+                continue
+            rest = name[len(prefix):] if name.startswith(prefix) else name
+            parent, _, leaf = rest.rpartition(".")
+            site = site_prefix + parent if parent else site_prefix.rstrip(".")
+            live = None
+            if groups is not None and name.startswith(prefix + "param_groups."):
+                index, _, key = name[len(prefix + "param_groups."):].partition(".")
+                head, _, sub = key.partition(".")
+                if head != "params" and index.isdigit() and int(index) < len(groups):
+                    live = (int(index), head, sub)
+            self.parents.setdefault(site, []).append((leaf, value, live))
+        self.groups = groups or []
+        self._cache: dict[str, tuple[Any, Cell]] = {}
+        # Per parent, the JSON text of its fixed leaves and of its live leaves' names, made once: a step then
+        # encodes the live values only (None where a fixed leaf is not plain data).
+        self._fixed: dict[str, bytes | None] = {}
+        for site, leaves in self.parents.items():
+            fixed = {leaf: value for leaf, value, where in leaves if where is None}
+            names = [leaf for leaf, _, where in leaves if where is not None]
+            try:
+                self._fixed[site] = (_json(fixed) + "|" + _json(names) + "|").encode("utf-8", "surrogatepass")
+            except (TypeError, ValueError):
+                self._fixed[site] = None
+        # The param groups a parent reads, when their values can be compared as a whole from step to step
+        # (numbers, strings, tuples; the "params" list by identity): then an unchanged group costs one
+        # comparison of tuples.
+        self._reads: dict[str, list[int] | None] = {}
+        for site, leaves in self.parents.items():
+            read = sorted({where[0] for _, _, where in leaves if where is not None})
+            plain = all(isinstance(v, (*_SCALARS, tuple)) or k == "params"
+                        for g in read for k, v in self.groups[g].items())
+            self._reads[site] = read if plain else None
+
+    def cells(self) -> list[Cell]:
+        out = []
+        for site, leaves in self.parents.items():
+            read = self._reads[site]
+            if read is not None:
+                snap: Any = [tuple(self.groups[g].values()) for g in read]
+                hit = self._cache.get(site)
+                if hit is not None and hit[0] == snap:
+                    out.append(hit[1])
+                    continue
+                live = [_live_value(self.groups, *where) for _, _, where in leaves if where is not None]
+            else:
+                live = [_live_value(self.groups, *where) for _, _, where in leaves if where is not None]
+                snap = _snapshot(live)
+                hit = self._cache.get(site)
+                if hit is not None and snap is not _UNCACHEABLE and hit[0] == snap:
+                    out.append(hit[1])
+                    continue
+            cell = self._cell(site, leaves, live)
+            self._cache[site] = (snap, cell)
+            out.append(cell)
+        return out
+
+
+    def _cell(self, site: str, leaves: list[tuple[str, Any, tuple[int, str, str] | None]], live: list[Any]) -> Cell:
+        fixed = self._fixed[site]
+        if fixed is not None:
+            try:
+                d = xxhash.xxh3_128_intdigest(b"L" + fixed + _json(live).encode("utf-8", "surrogatepass"))
+                return Cell(site, self.kind, (d >> 64, d & _MASK64), "digest128")
+            except (TypeError, ValueError):
+                pass  # a live value that is not plain data (a tensor learning rate): the general digest
+        values = iter(live)
+        leaf_values = {leaf: value if where is None else next(values) for leaf, value, where in leaves}
+        return Cell(site, self.kind, _value_lanes({k: v for k, v in leaf_values.items() if v is not _MISSING}),
+                    "digest128")
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+class _StateLayout:
+    """What a state-level row reads from a TrainState, found once through ``get_state_dict`` (which costs
+    milliseconds) and kept while it holds: the optimizer-state and parameter tensors (updated in place from
+    step to step) as category members, the non-tensor leaves, the non-persistent buffers.
+
+    It holds while :meth:`signature` is unchanged: no module registered a parameter, buffer or submodule (the
+    recorder's registration hooks count those), the optimizers hold the same state tensors and param groups,
+    and no parameter's storage moved (checked when digesting)."""
+
+    def __init__(self, state: TrainState, structure: int) -> None:
+        from ckptverify.dcp.loading import flat_names
+
+        model_sd, optim_sd = state._model_optim()
+        optim_flat = flat_names({"optim": optim_sd}) if optim_sd else {}
+        param_flat = flat_names({"model": model_sd}) if model_sd else {}
+        groups = [g for opt in state.optimizers for g in opt.param_groups]
+        self.structure = structure
+        self.signature = _layout_signature(state, structure)
+        self._pin = [opt.state for opt in state.optimizers]  # keeps ids in the signature unique
+        self.optim_leaves = _Leaves(optim_flat, "optim.", "optim.", "optim", groups)
+        self.param_leaves = _Leaves(param_flat, "model.", "param.", "param")
+        names = [f"optim.{n[len('optim.'):]}" for n, v in optim_flat.items() if _is_tensor(v)]
+        self.optim = _Members("optim.state.*", "optim", names, [v for v in optim_flat.values() if _is_tensor(v)])
+        owners = {}
+        if state.model is not None:
+            inner = _unwrap(state.model)
+            for t in [*inner.parameters(), *inner.buffers()]:
+                local = t.to_local() if _is_dtensor(t) else t
+                if local.device.type == "cpu" and local.numel():
+                    owners.setdefault((local.data_ptr(), local.dtype, tuple(local.shape)), t)
+        tensors = [(n, v) for n, v in param_flat.items() if _is_tensor(v)]
+        live = []
+        for _, v in tensors:
+            local = v.to_local() if _is_dtensor(v) else v
+            key = (local.data_ptr(), local.dtype, tuple(local.shape)) if local.device.type == "cpu" else None
+            owner = owners.get(key) if key is not None else None
+            live.append(owner if owner is not None else local)
+        self.params = _Members("param.*", "param", [f"param.{n[len('model.'):]}" for n, _ in tensors],
+                               [v for _, v in tensors])
+        buffers = non_persistent_buffers(state.model) if state.model is not None else []
+        self.buffers = _Members("buffer.*", "buffer", [f"buffer.{n}" for n, _ in buffers],
+                                [b for _, b in buffers])
+        host = [t for t in [*live, *self.buffers.locals] if t.device.type == "cpu"]
+        self.digester = _Digester([self.optim, self.params, self.buffers], owners=host)
+
+
+def _layout_signature(state: TrainState, structure: int) -> list[Any]:
+    """Cheap to compute every step: what a change of the layout changes."""
+    from itertools import chain
+
+    sig: list[Any] = [structure, id(state.model), len(state.optimizers)]
+    for opt in state.optimizers:
+        st = opt.state
+        sig.append(id(st))
+        sig.append(len(st))
+        sig.extend(map(id, chain.from_iterable(map(dict.values, st.values()))))
+        sig.append(len(opt.param_groups))
+        sig.extend([len(g) for g in opt.param_groups])
+    return sig
+
+
+class _Structure:
+    """Counts parameter, buffer and submodule registrations anywhere (global module hooks): a cached list of
+    a model's parameters or buffers holds while the count has not moved."""
+
+    def __init__(self) -> None:
+        from torch.nn.modules import module
+
+        self.version = 0
+        self._handles = [
+            module.register_module_parameter_registration_hook(self._bump),
+            module.register_module_buffer_registration_hook(self._bump),
+            module.register_module_module_registration_hook(self._bump),
+        ]
+
+    def _bump(self, *args: Any) -> None:
+        self.version += 1
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _counters(counters: Any) -> dict[str, Any]:
+    """``counters.state_dict()``: for the built-in :class:`Counters` (integers), its fields read directly
+    rather than through ``dataclasses.asdict``'s deep copy."""
+    if not _COUNTERS:
+        import dataclasses
+
+        from ckptverify.state.train_state import Counters
+
+        _COUNTERS.append(Counters)
+        _COUNTERS.extend(f.name for f in dataclasses.fields(Counters))
+    if type(counters) is _COUNTERS[0]:
+        return {name: getattr(counters, name) for name in _COUNTERS[1:]}
+    return counters.state_dict()
+
+
+#: The built-in Counters class, then its field names (filled on first use: importing it here would import torch).
+_COUNTERS: list[Any] = []
+
+
+def _data_value(state: TrainState) -> Any:
+    """``state``'s data position, as ``TrainState.fields()`` reads it. A ``DataLoader`` driven by a
+    ``ResumableSampler`` gives its position without starting an iterator, so no random stream needs the
+    capture-and-restore guard ``TrainState`` puts around other loaders."""
+    from ckptverify.state.dataloader import find_resumable_sampler, loader_state
+    from ckptverify.state.sampler import _is_stateful_dataloader
+
+    loader = state.dataloader
+    if not _is_stateful_dataloader(loader) and find_resumable_sampler(loader) is not None:
+        return loader_state(loader)
+    return state._loader_state()
+

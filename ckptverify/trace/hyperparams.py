@@ -1,0 +1,173 @@
+"""Optimizer hyperparameters as cells: every numeric entry of every param group, made cheaply every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckptverify.trace.cells import _SCALARS
+from ckptverify.trace.sites import _is_dtensor
+from ckptverify.trace.store import Cell
+
+
+def _hparam_cell(site: str, v: Any) -> Cell | None:
+    import numpy as np
+
+    if isinstance(v, bool | np.bool_ | int | np.integer):
+        return Cell.from_int(site, "hparam", int(v))
+    if isinstance(v, float | np.floating):
+        return Cell.from_float(site, "hparam", float(v))
+    if hasattr(v, "numel") and v.numel() == 1 and not _is_dtensor(v):
+        return Cell.from_float(site, "hparam", float(v.detach().reshape(()).item()))
+    return None
+
+
+def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
+    """One exact-value cell per hyperparameter of every param group: ``<prefix><g>.<key>`` (``<prefix><o>.<g>.<key>``
+    with several optimizers; a sequence such as ``betas`` one cell per element). Numbers by their bits;
+    other values (``None``, strings) are left out: what drives a step's arithmetic is numeric."""
+    cells: list[Cell] = []
+    for o, opt in enumerate(optimizers):
+        head = f"{prefix}{o}." if len(optimizers) > 1 else prefix
+        for g, group in enumerate(opt.param_groups):
+            for key, value in group.items():
+                if key == "params":
+                    continue
+                items = list(enumerate(value)) if isinstance(value, list | tuple) else [(None, value)]
+                for k, v in items:
+                    cell = _hparam_cell(f"{head}{g}.{key}" + ("" if k is None else f".{k}"), v)
+                    if cell is not None:
+                        cells.append(cell)
+    return cells
+
+
+@dataclass
+class _HparamSpec:
+    """Where the numbers of each param group are, found once: per group, the keys of its scalar entries (read
+    with one ``itemgetter`` call) and of its sequence entries (``betas``), the members' names in that order,
+    the ``struct`` format that packs their 64-bit values, and their weights."""
+
+    scalars: list[Any]  # per group: an itemgetter of its scalar keys, or None
+    counts: list[int]  # per group: how many scalar keys
+    sequences: list[list[str]]  # per group: keys of sequence entries
+    names: list[str]
+    fmt: str
+    weights: list[int]
+    comparable: bool  # values that cannot change in place: the groups can be compared as a whole
+    shape: list[int]  # len() of each group, and the number of optimizers, when found
+
+
+class _HparamCells:
+    """The hyperparameters of every param group as cells, made cheaply every step.
+
+    At detail ``tensor``: one exact-value cell per hyperparameter (:func:`hparam_cells`), then a category cell
+    ``<prefix>*`` over them; at detail ``category``: the category cell only (its members' values are their
+    bits, so a replay of detail ``tensor`` names the one that differs). The numeric entries are found once
+    (:class:`_HparamSpec`) and packed with one ``struct`` call per step; while the groups hold the same values,
+    the cells of the step before are reused."""
+
+    def __init__(self, prefix: str, detail: str) -> None:
+        self.prefix, self.detail = prefix, detail
+        self._snap: Any = None
+        self._cells: list[Cell] = []
+        self._spec: _HparamSpec | None = None
+
+    def __call__(self, optimizers: list[Any]) -> list[Cell]:
+        groups = [g for opt in optimizers for g in opt.param_groups]
+        snap = None
+        if self._spec is not None and self._spec.comparable:
+            snap = (len(optimizers), [tuple(g.values()) for g in groups])
+            if snap == self._snap:
+                return self._cells
+        cells = self._make(optimizers, groups)
+        self._snap, self._cells = snap, cells
+        return cells
+
+    def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Cell]:
+        import struct
+
+        from ckptverify.trace.category import combine
+
+        spec = self._spec
+        if spec is None or spec.shape != [*map(len, groups), len(optimizers)]:
+            spec = self._spec = self._find(optimizers, groups)
+        group = f"{self.prefix}*"
+        try:
+            values: list[Any] = []
+            for g, get, n, seqs in zip(groups, spec.scalars, spec.counts, spec.sequences, strict=True):
+                if n == 1:
+                    values.append(get(g))
+                elif n:
+                    values.extend(get(g))
+                for key in seqs:
+                    values.extend(g[key])
+            packed = struct.pack(spec.fmt, *values)
+            lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
+            names, weights = spec.names, spec.weights
+            encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
+        except (struct.error, KeyError, IndexError, TypeError):
+            self._spec = None  # the groups changed shape or types: find the entries again next time
+            slow = hparam_cells(self.prefix, optimizers)
+            names = [c.site for c in slow]
+            lows = [c.lanes[0] for c in slow]
+            weights = [_weight(n) for n in names]
+            encodings = [c.encoding for c in slow]
+        if not names:
+            return []
+        cells = []
+        if self.detail == "tensor":
+            # A member's value in the category cell is its 64 bits (lane 0 of its own cell).
+            cells = [Cell(n, "hparam", (b, 0), e, "", group)
+                     for n, b, e in zip(names, lows, encodings, strict=True)]
+        cells.append(Cell(group, "hparam", combine(lows, weights), "set128"))
+        return cells
+
+    def _find(self, optimizers: list[Any], groups: list[Any]) -> _HparamSpec:
+        """Which entries are numbers, and how to pack them."""
+        import operator
+
+        scalars: list[Any] = []
+        counts: list[int] = []
+        sequences: list[list[str]] = []
+        names: list[str] = []
+        fmt = "<"
+        comparable = True
+        for o, opt in enumerate(optimizers):
+            head = f"{self.prefix}{o}." if len(optimizers) > 1 else self.prefix
+            for g, group in enumerate(opt.param_groups):
+                keys: list[str] = []
+                seqs: list[str] = []
+                seq_names: list[str] = []
+                seq_fmt = ""
+                for key, value in group.items():
+                    if key == "params":
+                        continue
+                    if isinstance(value, list) or not isinstance(value, (*_SCALARS, tuple)):
+                        comparable = False  # a value that can change in place: no reuse by comparison
+                    if isinstance(value, list | tuple):
+                        kinds = [_hparam_cell("x", v) for v in value]
+                        if value and all(c is not None for c in kinds):
+                            seqs.append(key)
+                            seq_names += [f"{head}{g}.{key}.{k}" for k in range(len(value))]
+                            seq_fmt += "".join("d" if c.encoding == "f64" else "q" for c in kinds)  # type: ignore[union-attr]
+                        continue
+                    cell = _hparam_cell("x", value)
+                    if cell is not None:
+                        keys.append(key)
+                        names.append(f"{head}{g}.{key}")
+                        fmt += "d" if cell.encoding == "f64" else "q"
+                names += seq_names
+                fmt += seq_fmt
+                scalars.append(operator.itemgetter(*keys) if keys else None)
+                counts.append(len(keys))
+                sequences.append(seqs)
+        weights = [_weight(n) for n in names]
+        return _HparamSpec(scalars, counts, sequences, names, fmt, weights, comparable,
+                           [*map(len, groups), len(optimizers)])
+
+
+def _weight(name: str) -> int:
+    from ckptverify.trace.category import weight
+
+    return weight(name)
+

@@ -1,0 +1,183 @@
+"""Category digests: the tensors of a category (gradients, optimizer state, parameters, buffers) digested
+together, one cell per category (and one per tensor at detail ``tensor``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptverify.trace.readback import _MASK64, Item, _device_digests, _digests_later, _on_host, _pair_digests
+from ckptverify.trace.sites import _is_dtensor, _unwrap, canonical_name
+from ckptverify.trace.store import Cell
+
+
+class _Members:
+    """The tensors of one category, in a fixed order: their site names, weights and encodings."""
+
+    def __init__(self, group: str, kind: str, names: list[str], tensors: list[Any]) -> None:
+        from ckptverify.trace.category import weight
+
+        self.group, self.kind, self.names = group, kind, names
+        self.weights = [weight(n) for n in names]
+        self.tensors = tensors
+        self.locals = [t.to_local() if _is_dtensor(t) else t for t in tensors]
+        self.encodings = ["digest128" if _on_host(t) else "fp128" for t in self.locals]
+
+
+class _Digester:
+    """Digests the members of several categories in one pass: host tensors through views kept from step to
+    step (one C call each), device tensors in one batched pass per device; the category sums in Python
+    integers."""
+
+    def __init__(self, categories: list[_Members], owners: list[Any]) -> None:
+        """``owners``: what to read data pointers from to see a host member's storage move (the Parameters
+        behind state-dict aliases, the buffers); the optimizer state is followed by identity elsewhere."""
+        from itertools import accumulate
+
+        from ckptverify.trace.category import HostViews
+
+        self.categories = categories
+        tensors = [t for c in categories for t in c.locals]
+        self.count = len(tensors)
+        self._host = [i for i, t in enumerate(tensors) if _on_host(t)]
+        self._device: dict[Any, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if not _on_host(t):
+                self._device.setdefault(t.device, []).append(i)
+        self._tensors = tensors
+        self._views = HostViews([tensors[i] for i in self._host], owners=owners)
+        self.bounds = list(accumulate((len(c.names) for c in categories), initial=0))
+        self._spans = [(k, self.bounds[k], self.bounds[k + 1]) for k, c in enumerate(categories) if c.names]
+
+    def _host_digests(self) -> list[int] | None:
+        """Every member's slot in category order, the host members' digests in theirs (zero elsewhere);
+        ``None`` when a host member's storage moved (rebuild)."""
+        host = self._views.digests()
+        if host is None or not self._device:
+            return host
+        out = [0] * self.count
+        for i, d in zip(self._host, host, strict=True):
+            out[i] = d
+        return out
+
+    def digests(self) -> list[int] | None:
+        """Every member's digest (an unsigned 128-bit integer) in category order; ``None`` when a host
+        member's storage moved (rebuild)."""
+        out = self._host_digests()
+        if out is None:
+            return None
+        for members in self._device.values():
+            for i, d in zip(members, _device_digests([self._tensors[i] for i in members]), strict=True):
+                out[i] = d
+        return out
+
+    def digests_later(self) -> tuple[list[int], Any] | None:
+        """:meth:`digests`, with the members on one accelerator left there: the digests (zero at those
+        members' places) and the device's ``(m, 2)`` lane sums in member order (``None`` when every member is
+        on the host); ``None`` when a host member's storage moved. Members on several devices are read back
+        now."""
+        if len(self._device) != 1:
+            digests = self.digests()
+            return None if digests is None else (digests, None)
+        out = self._host_digests()
+        if out is None:
+            return None
+        (members,) = self._device.values()
+        from ckptverify.fingerprint import kernels as kern
+
+        return out, kern.lanes_many([self._tensors[i] for i in members])
+
+    def fill(self, digests: list[int], values: list[int]) -> list[int]:
+        """``digests`` with the device members' read-back lane sums (``values``, flattened) in their places."""
+        out = list(digests)
+        (members,) = self._device.values()
+        for i, d in zip(members, _pair_digests(values), strict=True):
+            out[i] = d
+        return out
+
+    def cells(self, digests: list[int], detail: str) -> list[list[Cell]]:
+        """Each category's cells, from ``digests`` (see :meth:`digests`)."""
+        out: list[list[Cell]] = [[] for _ in self.categories]
+        for k, lo, hi in self._spans:
+            c = self.categories[k]
+            out[k] = _category_cells(c.group, c.kind, c.names, c.weights, c.encodings, digests[lo:hi], detail)
+        return out
+
+
+
+
+def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
+                    digests: list[int], detail: str) -> list[Cell]:
+    """At detail ``tensor`` one cell per member, then (at every detail) the category cell."""
+    from ckptverify.trace.category import combine_digests
+
+    cells: list[Cell] = []
+    if detail == "tensor":
+        cells = [Cell(n, kind, (d >> 64, d & _MASK64), e, "", group)
+                 for n, d, e in zip(names, digests, encodings, strict=True)]
+    cells.append(Cell(group, kind, combine_digests(digests, weights), "set128"))
+    return cells
+
+
+class _Gradients:
+    """Every parameter of a model, for reading their ``.grad`` in ``named_parameters`` order."""
+
+    def __init__(self, model: Any) -> None:
+        import ctypes
+
+        import torch
+
+        from ckptverify.trace.category import signature, weight
+
+        named = [(f"grad.{canonical_name(n)}", p) for n, p in _unwrap(model).named_parameters()]
+        self.model = model
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.weights = [weight(n) for n in self.names]
+        locals_ = [p.to_local() if _is_dtensor(p) else p for p in self.params]
+        self.dtensor = [_is_dtensor(p) for p in self.params]
+        self.host = [_on_host(t) for t in locals_]
+        # A gradient has its parameter's dtype and shape (autograd refuses any other).
+        self.signatures = [signature(t.dtype, tuple(t.shape)) for t in locals_]
+        self.encodings = ["digest128" if h else "fp128" for h in self.host]
+        # Plain host parameters: each step, a view over every gradient's bytes straight from its address (a
+        # third of the cost of .numpy()), checked contiguous first; the gradients are held while hashed.
+        self.fast = bool(self.params) and all(self.host) and not any(self.dtensor) and all(
+            t.numel() for t in locals_)
+        self._makers = [(ctypes.c_char * (t.numel() * t.element_size())).from_address for t in locals_]
+        self._contiguous = torch.Tensor.is_contiguous
+        self._ptr = torch.Tensor.data_ptr
+
+    def cells(self, detail: str) -> list[Item]:
+        if self.fast:
+            from operator import xor
+
+            import xxhash
+
+            grads = [p.grad for p in self.params]
+            try:
+                if all(map(self._contiguous, grads)):
+                    views = [make(ptr) for make, ptr in zip(self._makers, map(self._ptr, grads), strict=True)]
+                    digests = list(map(xor, map(xxhash.xxh3_128_intdigest, views), self.signatures))
+                    return _category_cells("grad.*", "grad", self.names, self.weights, self.encodings, digests,
+                                           detail)
+            except (TypeError, RuntimeError):
+                pass  # a parameter without gradient, a sparse gradient
+        return self._cells(detail)
+
+    def _cells(self, detail: str) -> list[Item]:
+        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not present:
+            return []
+        grads = []
+        for i in present:
+            g = self.params[i].grad
+            grads.append(g.to_local() if _is_dtensor(g) else g)
+        names = [self.names[i] for i in present]
+        weights = [self.weights[i] for i in present]
+        encodings = [self.encodings[i] for i in present]
+
+        def finish(digests: list[int]) -> list[Cell]:
+            return _category_cells("grad.*", "grad", names, weights, encodings, digests, detail)
+
+        return _digests_later(grads, finish)
+

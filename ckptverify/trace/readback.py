@@ -1,0 +1,177 @@
+"""Batched read-back: digests of tensors on an accelerator, computed there and read to the host once a step.
+
+A cell whose value is still on a device is a :class:`_Deferred` item; every deferred item of a step is read back
+together (:class:`_ReadBack`), one copy per device, started when the step is recorded and finished when the next
+one is. Host tensors are digested at once by their bytes (:func:`_on_host`), unless
+``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1`` sends them down the device path too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckptverify.trace.sites import _is_dtensor
+from ckptverify.trace.store import Cell
+
+if TYPE_CHECKING:
+    import torch
+
+_MASK64 = (1 << 64) - 1
+
+# ---------------------------------------------------------------------------------------- fingerprints
+
+#: Kept for callers of :func:`fingerprint_many`: plain tensors of any size now go through one batched pass.
+SMALL_TENSOR = 1 << 12
+
+
+def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
+    """:func:`~ckptverify.fingerprint.tensor_fingerprint` values of ``tensors``, in order.
+
+    Plain tensors are fingerprinted together on their device (one batched pass per device,
+    :func:`ckptverify.fingerprint.kernels.lanes_many`, read back once); DTensors one by one through
+    ``tensor_fingerprint``, in list order (DTensor fingerprints are collective: every rank passes the same
+    list)."""
+    from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
+    from ckptverify.fingerprint import kernels as kern
+
+    out: list[str | None] = [None] * len(tensors)
+    by_device: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _is_dtensor(t):
+            out[i] = tensor_fingerprint(t).value
+        else:
+            by_device.setdefault(t.device, []).append(i)
+    for members in by_device.values():
+        lanes = kern.lanes_many([tensors[i] for i in members]).tolist()
+        for i, (a, b) in zip(members, lanes, strict=True):
+            out[i] = TensorFingerprint.from_lanes((a & _MASK64, b & _MASK64), "", (), 0).value
+    return [v for v in out if v is not None]
+
+
+
+#: Host tensors take the accelerator path too (logical fingerprints computed in batches, read back once per
+#: step): set ``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1`` so that a machine without an accelerator runs that path
+#: (the test suite does). Traces recorded this way compare only with traces recorded this way.
+_HOST_AS_DEVICE = os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1"
+
+
+def _on_host(t: Any) -> bool:
+    """Whether a (local) tensor is digested by its bytes on the host, now; else by the batched device path."""
+    return t.device.type == "cpu" and not _HOST_AS_DEVICE
+
+
+class _Deferred:
+    """Cells whose values are still on an accelerator: ``make(values)`` builds them from ``tensor`` once it is
+    read back (``values``: the tensor's elements as Python ints, flattened). Every deferred item of a step is
+    read back together, once (:class:`_ReadBack`), instead of one synchronizing read per category, batch element
+    and metric. Items that share one tensor share its read."""
+
+    __slots__ = ("make", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, make: Callable[[list[int]], list[Cell]]) -> None:
+        self.tensor, self.make = tensor, make
+
+
+Item = Cell | _Deferred
+
+
+class _ReadBack:
+    """The values a step's deferred items wait for, on their way to the host: one copy per device, started
+    when the step is recorded and finished (:meth:`cells`) when the next step is, so that nothing waits for
+    the device in between. On CUDA the copy goes to a pinned buffer without blocking and an event marks its
+    end; elsewhere the values are read when needed.
+
+    ``pinned``: per CUDA device, the pinned host buffer its owner (one recorder) reuses step after step
+    (allocating one costs milliseconds). A recorder finishes one step's read before it starts the next, so one
+    buffer per device is enough."""
+
+    def __init__(self, items: list[Item], pinned: dict[Any, Any] | None = None) -> None:
+        import torch
+
+        self.items = items
+        tensors: dict[int, Any] = {}
+        for x in items:
+            if type(x) is _Deferred:
+                tensors.setdefault(id(x.tensor), x.tensor)
+        by_device: dict[Any, list[tuple[int, Any]]] = {}
+        for key, t in tensors.items():
+            by_device.setdefault(t.device, []).append((key, t))
+        self._reads: list[tuple[list[tuple[int, int]], Any, Any]] = []  # (key, numel) per member, values, event
+        for device, members in by_device.items():
+            flat = torch.cat([t.reshape(-1).to(torch.int64) for _, t in members])
+            layout = [(key, t.numel()) for key, t in members]
+            event = None
+            if device.type == "cuda" and pinned is not None:
+                buf = pinned.get(device)
+                if buf is None or buf.numel() < flat.numel():
+                    buf = pinned[device] = torch.empty(max(flat.numel(), 1024), dtype=torch.int64,
+                                                             pin_memory=True)
+                out = buf[:flat.numel()]
+                out.copy_(flat, non_blocking=True)  # enqueued on the source device's current stream
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                flat = out
+            self._reads.append((layout, flat, event))
+
+    def cells(self) -> list[Cell]:
+        """The step's cells, every deferred item made from the values read back."""
+        values: dict[int, list[int]] = {}
+        for layout, flat, event in self._reads:
+            if event is not None:
+                event.synchronize()
+            got = flat.tolist()
+            at = 0
+            for key, n in layout:
+                values[key] = got[at:at + n]
+                at += n
+        out: list[Cell] = []
+        for x in self.items:
+            if type(x) is _Deferred:
+                out.extend(x.make(values[id(x.tensor)]))
+            else:
+                out.append(x)  # type: ignore[arg-type]
+        return out
+
+
+def _pair_digests(values: list[int]) -> list[int]:
+    """Flattened ``(n, 2)`` lane sums (signed, as read back) as ``n`` unsigned 128-bit member digests."""
+    it = iter(values)
+    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in zip(it, it, strict=True)]
+
+
+def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]) -> list[Item]:
+    """``finish(digests)`` of ``tensors``' member digests (plain local tensors): host ones digested now, the
+    others in one batched pass on their device, read back with the rest of the step. Returns ``finish``'s
+    cells, or one deferred item that makes them."""
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.trace.category import tensor_digests
+
+    device = [i for i, t in enumerate(tensors) if not _on_host(t)]
+    if not device:
+        return list(finish(tensor_digests(tensors)))
+    devices = {tensors[i].device for i in device}
+    if len(devices) > 1:  # several accelerators on one rank: read each back now
+        return list(finish(tensor_digests(tensors)))
+    host = [i for i, t in enumerate(tensors) if _on_host(t)]
+    known = dict(zip(host, tensor_digests([tensors[i] for i in host]), strict=True))
+    lanes = kern.lanes_many([tensors[i] for i in device])
+
+    def make(values: list[int]) -> list[Cell]:
+        digests = [0] * len(tensors)
+        for i, d in known.items():
+            digests[i] = d
+        for i, d in zip(device, _pair_digests(values), strict=True):
+            digests[i] = d
+        return finish(digests)
+
+    return [_Deferred(lanes, make)]
+
+
+def _device_digests(tensors: list[Any]) -> list[int]:
+    """Member digests of tensors on one device, computed there and read back once."""
+    from ckptverify.fingerprint import kernels as kern
+
+    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in kern.lanes_many(tensors).tolist()]
+

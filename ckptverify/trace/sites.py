@@ -1,0 +1,74 @@
+"""Site names of a trace row, and the model as its names see it.
+
+A site is what one cell of a row digests: ``grad.<fqn>``, ``param.<fqn>``, ``module.<name>.fwd#k``, ... Names
+are the canonical FQNs ``get_state_dict`` uses (wrapper components dropped), so that gradient, module and
+parameter sites of one model line up whatever wraps it (DDP, ``torch.compile``, activation checkpointing, FSDP1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The name the root module goes by in site names.
+ROOT_MODULE = "(root)"
+
+#: Wrapper components that ``get_state_dict`` leaves out of FQNs (torch.compile, activation checkpointing,
+#: FSDP1); module and gradient names drop them too, so they match parameter names.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+#: Order of the non-tensor fields of a TrainState in a row, by kind.
+_FIELD_ORDER = {"scheduler": 0, "rng": 1, "data": 2, "counter": 3, "extra": 4}
+
+def canonical_name(name: str) -> str:
+    """``name`` without wrapper components (``_orig_mod``, ``_checkpoint_wrapped_module``, ...)."""
+    return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_PARTS)
+
+
+def module_site(module: str, direction: str, occurrence: int) -> str:
+    """Site name of a module's forward input (``in``), forward output (``fwd``) or input gradient (``bwd``)
+    at one occurrence."""
+    return f"module.{module or ROOT_MODULE}.{direction}#{occurrence}"
+
+
+def _unwrap(model: Any) -> Any:
+    """The user's module inside DDP / ``torch.compile`` wrappers (whose names get_state_dict leaves out)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _is_dtensor(t: Any) -> bool:
+    from ckptverify.fingerprint import _dtensor_type
+
+    dtype = _dtensor_type()
+    return dtype is not None and isinstance(t, dtype)
+
+
+def non_persistent_buffers(model: Any) -> list[tuple[str, Any]]:
+    """``(canonical name, tensor)`` of every buffer of ``model`` registered with ``persistent=False`` (state
+    dicts, and so checkpoints, leave them out)."""
+    out = []
+    for mod_name, module in _unwrap(model).named_modules():
+        for name in sorted(getattr(module, "_non_persistent_buffers_set", ())):
+            buf = module._buffers.get(name)
+            if buf is not None:
+                out.append((canonical_name(f"{mod_name}.{name}" if mod_name else name), buf))
+    return out
+
+
+def _field_kind(name: str) -> str:
+    if name == "counters":
+        return "counter"
+    if name == "scaler":
+        return "optim"
+    if name == "data":
+        return "data"
+    head = name.split(".", 1)[0]
+    return {"scheduler": "scheduler", "rng": "rng"}.get(head, "extra")
+
