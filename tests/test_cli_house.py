@@ -276,11 +276,11 @@ def train(run):
     run.restore(TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)))
     with open(OUT, "w") as f:
         json.dump({"device": run.device, "env": sorted(k for k in __import__("os").environ
-                                                        if k.startswith("CKPTVERIFY_") and k != "CKPTVERIFY_RUN")}, f)
+                                                        if k.startswith("CKPTVERIFY_"))}, f)
 '''
 
 
-def test_the_device_reaches_the_workload_as_an_argument_not_through_the_environment(tmp_path: Path) -> None:
+def test_the_device_and_the_plan_reach_the_workload_as_arguments_not_through_the_environment(tmp_path: Path) -> None:
     from ckptverify.resume.harness import launch_jobs
     from ckptverify.resume.run import Run, RunConfig
 

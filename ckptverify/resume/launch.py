@@ -26,7 +26,7 @@ from ckptverify.resume.harness_target import (
     usage_text,
     user_traceback,
 )
-from ckptverify.resume.run import ENV_VAR, Run, RunConfig
+from ckptverify.resume.run import Run, RunConfig, harness_job
 
 __all__ = ["WorkloadCrashedError", "launch_jobs", "launch_side_by_side", "spare_cores", "workload_logs"]
 
@@ -68,14 +68,14 @@ def _worker(rank: int, nproc: int, port: int, jobs: list[tuple[str, str]], backe
 def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
     from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
 
-    os.environ[ENV_VAR] = config_json
     config = RunConfig.from_json(config_json)
     if config.log_dir:
         # The workload's prints go to a per-rank log file, so the command's own stdout stays machine-readable.
         to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
-        _call_target(rank, nproc, target, config)
+        with harness_job(config):
+            _call_target(rank, nproc, target, config)
     else:
-        with LabelledOutput(label(config.name, rank, nproc)):
+        with LabelledOutput(label(config.name, rank, nproc)), harness_job(config):
             try:
                 _call_target(rank, nproc, target, config)
             finally:

@@ -13,13 +13,15 @@ def train(run: cv.Run) -> None:
 ```
 
 The same function runs unchanged under plain ``python`` (``cv.Run.main(train, steps=100)``), under
-``torchrun`` on N ranks, and under the harness (``ckptverify resume-check``), which passes its plan (stop
-step, save steps, resume checkpoint, trace level and directory) through the environment variable
-``CKPTVERIFY_RUN``.
+``torchrun`` on N ranks, and under the harness (``ckptverify resume-check``), which hands its plan (stop
+step, save steps, resume checkpoint, trace level and directory) to each rank's process as a
+:class:`RunConfig` (:func:`harness_job`), never through the environment: nothing of it leaks into a process
+the training function starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +33,6 @@ from ckptverify.options import VerifyOptions, no_other_keywords, take_renamed, v
 from ckptverify.ownfiles.names import write_atomic
 from ckptverify.state.distributed import rank_world
 
-ENV_VAR = "CKPTVERIFY_RUN"
 LEVELS = ("metrics", "state", "module")
 
 
@@ -89,6 +90,23 @@ class _Progress:
     saved: list[str] = field(default_factory=list)
 
 
+#: The harness's run of this process while it runs one of its jobs (see :func:`harness_job`), else ``None``.
+_harness_config: RunConfig | None = None
+
+
+@contextlib.contextmanager
+def harness_job(config: RunConfig) -> Iterator[None]:
+    """Within the block, this process runs the harness job ``config``: ``Run.main`` and ``Run.from_env`` give
+    its run. Set by the harness in each rank's process around the training function (an argument of the
+    process, not an environment variable, so a process the training function starts does not inherit it)."""
+    global _harness_config
+    previous, _harness_config = _harness_config, config
+    try:
+        yield
+    finally:
+        _harness_config = previous
+
+
 class Run:
     """One run of a training function: where to stop, when to save, what to trace, where to resume from."""
 
@@ -107,10 +125,10 @@ class Run:
 
     @classmethod
     def from_env(cls, *, steps: int | None = None) -> Run:
-        """The harness's run when ``CKPTVERIFY_RUN`` is set, else a plain run of ``steps`` steps."""
-        text = os.environ.get(ENV_VAR)
-        if text:
-            return cls(RunConfig.from_json(text))
+        """The harness's run when this process runs one of its jobs (:func:`harness_job`), else a plain run of
+        ``steps`` steps."""
+        if _harness_config is not None:
+            return cls(_harness_config)
         return cls(RunConfig(stop_step=steps))
 
     @classmethod
@@ -142,7 +160,7 @@ class Run:
         old = take_renamed("Run.main", renamed, {"on_verify_failure": "verify=VerifyOptions(on_failure=...)"})
         no_other_keywords("Run.main", renamed)
         verifying = verify_options("Run.main", verify, on_failure=old.get("on_verify_failure"))
-        if os.environ.get(ENV_VAR) or run_dir is None:
+        if _harness_config is not None or run_dir is None:
             run = cls.from_env(steps=steps)
         else:
             from ckptverify.production.mode import ProductionOptions, ResumeRefusedError, target_of
