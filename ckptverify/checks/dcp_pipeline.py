@@ -40,6 +40,8 @@ from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
+from ckptverify.formats.dcp import ReadItem, describe_dcp
+from ckptverify.formats.describe import Description
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
@@ -74,7 +76,13 @@ def default_jobs() -> int:
 
 
 class VerificationRun:
-    """The state of one verification, stage by stage (also used by ``fingerprint`` and ``diff``)."""
+    """One verification of a DCP checkpoint, stage by stage.
+
+    What other modules use: :meth:`execute`, :meth:`report`, :meth:`description` (what was read, as the
+    description every format gives), ``manifest`` (the manifest compared with, read-only), :meth:`map` and
+    :meth:`advance` (parallel work with progress), :meth:`changed_files`, :meth:`close`, and
+    ``extension_registry`` (set before :meth:`execute`). Everything else is the pipeline's own state.
+    """
 
     def __init__(self, root: str, jobs: int, progress: ProgressSink | None) -> None:
         self.root = root
@@ -101,11 +109,16 @@ class VerificationRun:
         self.side_files: list[str] = []
         #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
         self.extension_registry: Any = None
+        #: Records whose bytes only the manifest's block digests checked (file, item offset, record name), and
+        #: the items the manifest digested block by block (file, offset, length): what protects each payload.
+        self._manifest_records: set[tuple[str, int, str]] = set()
+        self._manifest_items: set[tuple[str, int, int]] = set()
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
         self._lock = threading.Lock()
 
-    def report(self, command: str, seconds: float) -> Report:
-        """The findings so far as a report, with sizes and timings."""
+    def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
+        """The findings so far as a report, with sizes and timings; ``cap``: at most
+        :data:`MAX_FINDINGS_PER_CHECK` findings of each check listed (the rest counted)."""
         files = [f for f in self.opened.values() if f is not None]
         file_bytes = sum(f.size for f in files)
         stats: dict[str, Any] = {"seconds": round(seconds, 6)}
@@ -127,7 +140,8 @@ class VerificationRun:
         omitted = {c: n - MAX_FINDINGS_PER_CHECK for c, n in sorted(per_check.items()) if n > MAX_FINDINGS_PER_CHECK}
         if omitted:
             stats["findings_omitted"] = omitted
-        return Report(command=command, target=self.root, findings=tuple(cap_findings(self.findings)),
+        return Report(command=command, target=self.root,
+                      findings=tuple(cap_findings(self.findings) if cap else self.findings),
                       coverage=merge_coverage(self.coverage), stats=stats)
 
     def close(self) -> None:
@@ -352,6 +366,7 @@ class VerificationRun:
                         if rec.size > SMALL_RECORD_BYTES:
                             # The block digests cover these bytes: a CRC on top would only halve the speed.
                             by_manifest.add((n, r))
+                            self._manifest_records.add((item.file, item.offset, rec.name))
                             continue
                         lo, hi = max(task.start, base + rec.data_offset), min(task.end, base + rec.data_end)
                         if lo < hi or (rec.size == 0 and task.start <= base + rec.data_offset < task.end):
@@ -416,6 +431,7 @@ class VerificationRun:
         for k, task in enumerate(tasks):
             digests, _ = results[("blocks", k)]
             item = matched[task.entry]
+            self._manifest_items.add((item.file, item.offset, item.length))
             self.findings.extend(manifest_check.judge_blocks(
                 manifest, task, item, digests, plan_of.get((item.file, item.offset, item.length))))
             blocks += len(digests)
@@ -463,17 +479,18 @@ class VerificationRun:
         self.coverage.append(CheckCoverage(check="manifest-digest", count=len(todo), unit="whole files"))
 
     def _deep(self, layout: Layout) -> None:
-        tensor_plans = [p for p in self.plans if p.item.kind == "tensor" and p.item.chunk is not None]
+        desc = self.description()
         if self.progress is not None:
-            self.progress.start(sum(p.item.length for p in tensor_plans))
-        scans, found = deep_check.scan_tensors(tensor_plans, self.opened, layout, self.map, self.advance)
+            self.progress.start(sum(p.item.length for p in self.plans
+                                    if p.item.kind == "tensor" and p.item.chunk is not None))
+        scans, found = deep_check.scan_description(desc, self.map, self.advance)
         self.findings.extend(found)
-        self.findings.extend(deep_check.judge(layout, self.manifest, scans))
-        rebuilt = sum(1 for fqn, scan in scans.items() if fqn in layout.tensors
-                      and scan.value(layout.tensors[fqn].shape) is not None)
+        self.findings.extend(deep_check.judge(desc, self.manifest, scans))
+        rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
+                      and scan.value(desc.tensors[fqn].shape) is not None)
         self.coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
         # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
-        wanted = sum(1 for t in layout.tensors.values() if 0 not in t.shape)
+        wanted = sum(1 for t in desc.tensors.values() if 0 not in t.shape)
         if wanted and not rebuilt:
             self.findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {wanted} tensor(s) from "
                                        "their bytes: nothing was checked end to end"))
@@ -481,23 +498,57 @@ class VerificationRun:
             self.findings.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
                                          "others could not be read back (see the findings above)"))
 
+    def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
+                    side_files: bool = False) -> Description:
+        """What the run read, as the description every format gives (:mod:`ckptverify.formats.dcp`): every
+        tensor with its payloads chunk by chunk (byte ranges in the files as stored or in the decoded stream
+        of a transformed item, and the checksum that checked them), every item as stored, the metadata files.
+        Read through the files this run opened. ``values``: also every non-tensor item's plain values (but
+        those of the items in ``values_skip``); ``side_files``: the framework side files beside the shards
+        merged in (``meta.pt:...``). Call after :meth:`execute`; empty when the metadata could not be read."""
+        from ckptverify.formats.describe import side_file_description
+
+        if self.layout is None:
+            return Description(root=self.root, target=self.root, format="dcp")
+        read = []
+        for plan in self.plans:
+            item, base, reader = plan.item, plan.item.offset, plan.reader
+            if isinstance(reader, _Window):  # a tensor of DCP's safetensors blob: its own bytes of the file
+                item = dataclasses.replace(item, offset=reader.offset)
+                base, reader = item.offset, reader.file
+                checksums = dict.fromkeys((r.name for r in plan.archive.records), "none")
+            elif reader is not None:  # decoded stream transforms: the archive is the decoded bytes'
+                item = reader.stored
+                checksums = dict.fromkeys((r.name for r in plan.archive.records), "crc32")
+            else:
+                reader = self.opened.get(item.file)
+                checksums = {r.name: "manifest" if (item.file, item.offset, r.name) in self._manifest_records
+                             else "crc32" if r.crc != 0 or r.size == 0 else "none" for r in plan.archive.records}
+            if (item.file, item.offset, item.length) in self._manifest_items:
+                checksums = {k: v if v == "manifest" else "manifest" if v == "none" else f"{v}+manifest"
+                             for k, v in checksums.items()}
+            read.append(ReadItem(item, plan.archive, plan.header, base, reader, checksums))
+        side = side_file_description(self.root, list(self.side_files)) if side_files and self.side_files else None
+        return describe_dcp(self.root, self.layout, read, files=self.opened, values=values, values_skip=values_skip,
+                            side=side)
+
 
 class _Window:
     """Bytes ``[offset, offset + length)`` of an opened file, read as if they were a file of their own."""
 
     def __init__(self, f: ReadOnlyFile, offset: int, length: int) -> None:
-        self._f, self._offset, self.size = f, offset, length
+        self.file, self.offset, self.size = f, offset, length
         self.path = f.path
 
     def pread(self, offset: int, n: int) -> bytes:
         n = min(n, self.size - offset)
-        return self._f.pread(self._offset + offset, n) if offset >= 0 and n > 0 else b""
+        return self.file.pread(self.offset + offset, n) if offset >= 0 and n > 0 else b""
 
     def crc32(self, start: int, end: int, progress: Any = None) -> int:
-        return self._f.crc32(self._offset + start, self._offset + min(end, self.size), progress)
+        return self.file.crc32(self.offset + start, self.offset + min(end, self.size), progress)
 
     def changed(self) -> str | None:
-        return self._f.changed()
+        return self.file.changed()
 
 
 #: At most this many findings of one check are reported in full; the rest are counted in one more finding.
