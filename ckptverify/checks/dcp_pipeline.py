@@ -511,23 +511,26 @@ class VerificationRun:
         if self.layout is None:
             return Description(root=self.root, target=self.root, format="dcp")
         read = []
+        by_manifest, digested, opened = self._manifest_records, self._manifest_items, self.opened.get
         for plan in self.plans:
-            item, base, reader = plan.item, plan.item.offset, plan.reader
-            if isinstance(reader, _Window):  # a tensor of DCP's safetensors blob: its own bytes of the file
+            item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
+            rec = plan.archive.record(f"data/{header.storage_key}") if header is not None else None
+            if reader is None:
+                reader = opened(item.file)
+                # A record whose CRC-32 field is 0 over nonzero bytes: saved with CRC-32 disabled.
+                checksum = "none" if rec is not None and rec.crc == 0 and rec.size else "crc32"
+                if by_manifest and rec is not None and (item.file, item.offset, rec.name) in by_manifest:
+                    checksum = "manifest"
+            elif isinstance(reader, _Window):  # a tensor of DCP's safetensors blob: its own bytes of the file
                 item = dataclasses.replace(item, offset=reader.offset)
                 base, reader = item.offset, reader.file
-                checksums = dict.fromkeys((r.name for r in plan.archive.records), "none")
-            elif reader is not None:  # decoded stream transforms: the archive is the decoded bytes'
+                checksum = "none"
+            else:  # decoded stream transforms: the archive is the decoded bytes'
                 item = reader.stored
-                checksums = dict.fromkeys((r.name for r in plan.archive.records), "crc32")
-            else:
-                reader = self.opened.get(item.file)
-                checksums = {r.name: "manifest" if (item.file, item.offset, r.name) in self._manifest_records
-                             else "crc32" if r.crc != 0 or r.size == 0 else "none" for r in plan.archive.records}
-            if (item.file, item.offset, item.length) in self._manifest_items:
-                checksums = {k: v if v == "manifest" else "manifest" if v == "none" else f"{v}+manifest"
-                             for k, v in checksums.items()}
-            read.append(ReadItem(item, plan.archive, plan.header, base, reader, checksums))
+                checksum = "crc32"
+            if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
+                checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
+            read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
         side = side_file_description(self.root, list(self.side_files)) if side_files and self.side_files else None
         return describe_dcp(self.root, self.layout, read, files=self.opened, values=values, values_skip=values_skip,
                             side=side)

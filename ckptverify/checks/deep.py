@@ -55,8 +55,9 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
     from ckptverify.fingerprint import chunk_fingerprint
 
     scan = TensorScan()
-    laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1)
-    if not is_row_major(p.shape, p.stride) and laid_out > BLOCK_BYTES:
+    row_major = is_row_major(p.shape, p.stride)
+    if not row_major and math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1) > BLOCK_BYTES:
+        laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1)
         # A view that is not row-major (an expanded, stride-0 tensor) is materialised whole: a few stored bytes
         # can stand for gigabytes. It is a valid tensor: not read back, and said so, never called damage.
         scan.limited.append(
@@ -66,13 +67,14 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
         scan.chunks.add(p.chunk_offsets)
         return scan
     try:
-        for offsets, block in iter_payload_blocks(f, p):
+        for offsets, block in iter_payload_blocks(f, p, row_major=row_major):
             scan.parts.append(chunk_fingerprint(block, offsets, shape))
             scan.elements += block.numel()
             if p.dtype in _FLOATING and block.numel():
                 values = block.float() if block.dtype in (torch.float16, torch.bfloat16) else block
-                scan.nan += int(torch.isnan(values).sum())
-                scan.inf += int(torch.isinf(values).sum())
+                if not bool(torch.isfinite(values).all()):  # one reduction for the usual, all-finite block
+                    scan.nan += int(torch.isnan(values).sum())
+                    scan.inf += int(torch.isinf(values).sum())
             if progress is not None:
                 progress(block.numel() * block.element_size())
     except FileChangedError:
@@ -98,9 +100,13 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
 
     wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
 
+    opener = desc.opener
+
     def scan(pair: tuple[TensorDesc, Payload]) -> TensorScan:
         t, p = pair
         try:
+            if opener is not None:  # readers the description holds open: no context to enter
+                return scan_payload(opener(p), t.name, p, t.shape, progress)
             with desc.open(p) as f:
                 return scan_payload(f, t.name, p, t.shape, progress)
         except FileChangedError:
@@ -119,7 +125,7 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
     findings: list[Finding] = []
     for (fqn, offsets), copies in by_chunk.items():
         first_p, first = copies[0]
-        if not first.unreadable and first.parts:
+        if len(copies) > 1 and not first.unreadable and first.parts:
             reference = combine(first.parts).value
             for p, other in copies[1:]:
                 if not other.unreadable and other.parts and combine(other.parts).value != reference:

@@ -19,30 +19,30 @@ ran), and the description reads through them (:meth:`~ckptverify.formats.describ
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.formats.describe import Description, Payload, StoredRange, TensorDesc
-from ckptverify.safeparse.torchsave import Archive, TensorHeader
+from ckptverify.safeparse.torchsave import Archive, Record, TensorHeader
 
 __all__ = ["ReadItem", "describe_dcp"]
 
 
-@dataclass(frozen=True, slots=True)
-class ReadItem:
+class ReadItem(NamedTuple):
     """One item as the DCP pipeline read it: ``item`` as the metadata places it in its file (for DCP's
     safetensors blobs, at the tensor's own bytes), its ``archive`` (the records of its ``torch.save`` zip,
     of the decoded bytes for a transformed item) and, for a tensor item whose header could be read, its
     ``header``. ``base``: where the archive starts in the bytes ``reader`` reads (the file's, or the
-    decoded stream's). ``checksum`` per record name: what protects that record's bytes."""
+    decoded stream's). ``storage``: the tensor's storage record (``data/KEY`` of its header), and
+    ``checksum`` what protects its bytes (:attr:`~ckptverify.formats.describe.Payload.checksum`)."""
 
     item: Item
     archive: Archive
     header: TensorHeader | None
     base: int
     reader: Any
-    checksums: dict[str, str]
+    storage: Record | None = None
+    checksum: str = "none"
 
 
 def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: dict[str, Any],
@@ -62,32 +62,29 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
     for fqn, t in layout.tensors.items():
         desc.tensors[fqn] = TensorDesc(fqn, t.dtype, t.shape)
     readers: dict[tuple[str, int, int], Any] = {}
+    tensors = desc.tensors
     for r in read:
         item = r.item
-        if r.reader is not files.get(item.file):
+        if item.transforms:
             readers[(item.file, item.offset, item.length)] = r.reader
-        if item.kind != "tensor" or item.chunk is None or item.fqn not in desc.tensors:
+        chunk = item.chunk
+        if item.kind != "tensor" or chunk is None:
             continue
-        t = desc.tensors[item.fqn]
-        if r.header is None:
-            t.unread.append(f"{item.fqn} chunk {list(item.chunk.offsets)}")
+        t = tensors.get(item.fqn)
+        if t is None:
             continue
-        h = r.header
-        rec = r.archive.record(f"data/{h.storage_key}")
-        if rec is None:
-            t.unread.append(f"{item.fqn} chunk {list(item.chunk.offsets)}: no storage record")
+        h, rec = r.header, r.storage
+        if h is None or rec is None:
+            t.unread.append(f"{item.fqn} chunk {list(chunk.offsets)}" + ("" if h is None else ": no storage record"))
             continue
         encoded = bool(item.transforms)
         t.payloads.append(Payload(
             file=item.file, offset=r.base + rec.data_offset, length=rec.size, dtype=h.dtype, shape=h.size,
-            stride=h.stride, storage_offset=h.storage_offset, chunk_offsets=item.chunk.offsets,
-            encoding="+".join(item.transforms) if encoded else "raw",
-            checksum=r.checksums.get(rec.name, "none"),
+            stride=h.stride, storage_offset=h.storage_offset, chunk_offsets=chunk.offsets,
+            encoding="+".join(item.transforms) if encoded else "raw", checksum=r.checksum,
             stored=(item.offset, item.end) if encoded else None))
-    for item in layout.items:
-        if files.get(item.file) is not None:
-            desc.stored.append(StoredRange(name=item.fqn, chunk_offsets=item.chunk.offsets if item.chunk else None,
-                                           file=item.file, offset=item.offset, length=item.length))
+    desc.stored.extend(StoredRange(i.fqn, i.chunk.offsets if i.chunk else None, i.file, i.offset, i.length)
+                       for i in layout.items if files.get(i.file) is not None)
     if values:
         desc.values.update(_values(r for r in read if r.item.kind == "bytes" and r.item.fqn not in values_skip))
     shared = {n: f for n, f in files.items() if f is not None}

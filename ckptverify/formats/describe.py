@@ -34,7 +34,7 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckptverify.dcp import safetensors
 from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
@@ -96,8 +96,7 @@ class TensorDesc:
     unread: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class StoredRange:
+class StoredRange(NamedTuple):
     """A byte range ``[offset, offset + length)`` of ``file`` that a manifest digests as one item: a DCP item
     as stored (``name`` its FQN, ``chunk_offsets`` for a tensor chunk)."""
 
@@ -347,12 +346,13 @@ def read_tensor(desc: Description, name: str) -> torch.Tensor:
     return out
 
 
-def iter_payload_blocks(f: Any, p: Payload,
-                        max_bytes: int = BLOCK_BYTES) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
+                        row_major: bool | None = None) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
     """Yield ``(global_offsets, tensor)`` blocks that together make up the piece ``p`` read through ``f``
     (from :meth:`Description.open`): consecutive rows of at most ``max_bytes`` for a row-major view, each
     itself a box of the global tensor (so block fingerprints combine exactly); the whole view at once
-    otherwise. Memory stays flat however large a row-major piece is. Raises
+    otherwise. Memory stays flat however large a row-major piece is. ``row_major``: what
+    :func:`is_row_major` says of ``p`` when the caller knows it already. Raises
     :class:`~ckptverify.dcp.tensors.UnreadableTensor` when the bytes are shorter than the view, or the
     dtype is not one this torch has; ``ValueError`` for a view its bytes cannot hold."""
     import torch
@@ -366,7 +366,9 @@ def iter_payload_blocks(f: Any, p: Payload,
     if math.prod(sizes) == 0:
         yield p.chunk_offsets, torch.empty(sizes, dtype=dtype)
         return
-    if not is_row_major(sizes, p.stride) or not sizes:
+    if row_major is None:
+        row_major = is_row_major(sizes, p.stride)
+    if not row_major or not sizes:
         # Small or unusual views: the whole storage, viewed as saved.
         yield p.chunk_offsets, read_payload(f, p)
         return
