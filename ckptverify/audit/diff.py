@@ -337,7 +337,9 @@ class _DescribedSide(_Side):
                                          location=Location(file=name)))
 
     def fingerprints(self, names: set[str]) -> dict[str, str]:
-        return rebuilt_fingerprints(self.desc, names - self.damaged, _serial_map)
+        # As read_tensor bounds a view, and a file changing here leaves its tensors uncompared.
+        return rebuilt_fingerprints(self.desc, names - self.damaged, _serial_map, view_limit=None,
+                                    stop_on_change=False)
 
     def load(self, name: str) -> torch.Tensor:
         from ckptverify.formats.describe import read_tensor
@@ -384,21 +386,22 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
     return out
 
 
-def rebuilt_fingerprints(desc: Description, names: set[str], run_map: Any) -> dict[str, str]:
+def rebuilt_fingerprints(desc: Description, names: set[str], run_map: Any, **scan: Any) -> dict[str, str]:
     """The logical fingerprint of each tensor of ``desc`` in ``names``, rebuilt from its payloads (through
-    ``run_map``), whatever the format; a tensor with no elements is ``"empty"``. A tensor that cannot be
-    rebuilt in full is left out (the caller reports it as not compared)."""
+    ``run_map``; ``scan``: options of :func:`~ckptverify.checks.deep.scan_description`), whatever the format;
+    a tensor with no elements and nothing stored is ``"empty"``. A tensor that cannot be rebuilt in full is
+    left out (the caller reports it as not compared)."""
     wanted = {n for n in names if n in desc.tensors}
-    scans, _ = deep_check.scan_description(desc, run_map, only=wanted)
+    scans, _ = deep_check.scan_description(desc, run_map, only=wanted, **scan)
     out: dict[str, str] = {}
     for name in sorted(wanted):
         shape = desc.tensors[name].shape
         scan = scans.get(name)
         value = scan.value(shape) if scan is not None else None
-        if math.prod(shape) == 0:
-            out[name] = "empty"
-        elif value is not None:
+        if value is not None:
             out[name] = value
+        elif math.prod(shape) == 0:  # nothing stored for it (no chunk of a tensor with no elements)
+            out[name] = "empty"
     return out
 
 

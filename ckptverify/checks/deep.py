@@ -47,22 +47,24 @@ class TensorScan:
 
 
 def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
-                 progress: Callable[[int], None] | None = None) -> TensorScan:
+                 progress: Callable[[int], None] | None = None, view_limit: int | None = BLOCK_BYTES) -> TensorScan:
     """Fingerprint one stored piece ``p`` of tensor ``name`` (global ``shape``), block by block, read
-    through ``f``, and count non-finite values."""
+    through ``f``, and count non-finite values. A view that is not row-major and lays out to more than
+    ``view_limit`` bytes is not read back (``limited``); with ``None``, the reader's own bound applies
+    (:func:`~ckptverify.formats.describe.read_payload`)."""
     import torch
 
     from ckptverify.fingerprint import chunk_fingerprint
 
     scan = TensorScan()
     row_major = is_row_major(p.shape, p.stride)
-    if not row_major and math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1) > BLOCK_BYTES:
+    if not row_major and view_limit is not None and math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1) > view_limit:
         laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1)
         # A view that is not row-major (an expanded, stride-0 tensor) is materialised whole: a few stored bytes
         # can stand for gigabytes. It is a valid tensor: not read back, and said so, never called damage.
         scan.limited.append(
             f"{name} chunk {list(p.chunk_offsets)} is a strided view (shape {list(p.shape)}, stride "
-            f"{list(p.stride)}) of {laid_out} bytes once laid out, more than the {BLOCK_BYTES} the deep "
+            f"{list(p.stride)}) of {laid_out} bytes once laid out, more than the {view_limit} the deep "
             "check materialises at once")
         scan.chunks.add(p.chunk_offsets)
         return scan
@@ -86,8 +88,9 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
 
 
 def scan_description(desc: Description, run_map: Callable[[Callable[[Any], TensorScan], list[Any]], list[TensorScan]],
-                     progress: Callable[[int], None] | None = None,
-                     only: set[str] | None = None) -> tuple[dict[str, TensorScan], list[Finding]]:
+                     progress: Callable[[int], None] | None = None, only: set[str] | None = None, *,
+                     view_limit: int | None = BLOCK_BYTES,
+                     stop_on_change: bool = True) -> tuple[dict[str, TensorScan], list[Finding]]:
     """Rebuild and fingerprint every stored piece of every tensor of ``desc`` (those named in ``only``), in
     parallel through ``run_map``; any format (:mod:`ckptverify.formats.describe`).
 
@@ -95,6 +98,8 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
     read in every copy: the copies must hold identical values (``replica-mismatch`` otherwise), and the
     tensor's fingerprint counts the chunk once. A piece that could not be described
     (:attr:`~ckptverify.formats.describe.TensorDesc.unread`) leaves its tensor without a fingerprint.
+    ``view_limit``: see :func:`scan_payload`. ``stop_on_change``: a file that changes under the scan raises
+    :class:`~ckptverify.errors.FileChangedError` (the caller stops and says so); else its piece is unreadable.
     """
     from ckptverify.fingerprint import combine
 
@@ -106,11 +111,16 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
         t, p = pair
         try:
             if opener is not None:  # readers the description holds open: no context to enter
-                return scan_payload(opener(p), t.name, p, t.shape, progress)
+                return scan_payload(opener(p), t.name, p, t.shape, progress, view_limit)
             with desc.open(p) as f:
-                return scan_payload(f, t.name, p, t.shape, progress)
-        except FileChangedError:
-            raise
+                return scan_payload(f, t.name, p, t.shape, progress, view_limit)
+        except FileChangedError as exc:
+            if stop_on_change:
+                raise
+            out = TensorScan()
+            out.unreadable.append(f"{t.name} chunk {list(p.chunk_offsets)}: {exc}")
+            out.chunks.add(p.chunk_offsets)
+            return out
         except (OSError, ValueError, KeyError) as exc:
             out = TensorScan()
             out.unreadable.append(f"{t.name} chunk {list(p.chunk_offsets)}: {exc}")
