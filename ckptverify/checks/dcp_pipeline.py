@@ -506,10 +506,16 @@ class VerificationRun:
         Read through the files this run opened. ``values``: also every non-tensor item's plain values (but
         those of the items in ``values_skip``); ``side_files``: the framework side files beside the shards
         merged in (``meta.pt:...``). Call after :meth:`execute`; empty when the metadata could not be read."""
-        from ckptverify.formats.describe import side_file_description
 
         if self.layout is None:
             return Description(root=self.root, target=self.root, format="dcp")
+        with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
+            return self._describe(values, values_skip, side_files)
+
+    def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
+        from ckptverify.formats.describe import side_file_description
+
+        assert self.layout is not None
         read = []
         by_manifest, digested, opened = self._manifest_records, self._manifest_items, self.opened.get
         for plan in self.plans:

@@ -19,6 +19,7 @@ from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.formats.describe import Description, Payload, TensorDesc, is_row_major, iter_payload_blocks
 from ckptverify.ownfiles.manifest import Manifest
+from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError
 
 _FLOATING = {"float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32"}
@@ -101,10 +102,6 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
     ``view_limit``: see :func:`scan_payload`. ``stop_on_change``: a file that changes under the scan raises
     :class:`~ckptverify.errors.FileChangedError` (the caller stops and says so); else its piece is unreadable.
     """
-    from ckptverify.fingerprint import combine
-
-    wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
-
     opener = desc.opener
 
     def scan(pair: tuple[TensorDesc, Payload]) -> TensorScan:
@@ -127,7 +124,16 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
             out.chunks.add(p.chunk_offsets)
             return out
 
-    results = run_map(scan, wanted)
+    with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
+        wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
+        return _merge(desc, wanted, run_map(scan, wanted), only)
+
+
+def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results: list[TensorScan],
+           only: set[str] | None) -> tuple[dict[str, TensorScan], list[Finding]]:
+    """Each tensor's scan from its pieces' (a chunk stored more than once counted once, its copies compared)."""
+    from ckptverify.fingerprint import combine
+
     by_chunk: dict[tuple[str, tuple[int, ...]], list[tuple[Payload, TensorScan]]] = defaultdict(list)
     for (t, p), got in zip(wanted, results, strict=True):
         by_chunk[(t.name, p.chunk_offsets)].append((p, got))
