@@ -16,7 +16,7 @@ from dcp_encodings import dcp_checkpoint as _dcp
 from dcp_encodings import safetensors_ckpt, zstd_ckpt
 
 from ckptverify.checks.folder import check_folder
-from ckptverify.formats.single import check_file
+from ckptverify.checks.single import check_file
 from ckptverify.safeparse.pickle_scan import PickleScanError, scan_pickle
 
 

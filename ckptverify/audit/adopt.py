@@ -2,7 +2,8 @@
 
 For checkpoints written by another tool (torchtitan, Megatron, plain ``dcp.save``). The checkpoint is
 verified first (structure, metadata safety, every CRC-32); one that fails is refused, never blessed. Then
-every item, block, file and metadata file is digested and every tensor fingerprinted from its bytes, and
+every item, block, file and metadata file is digested and every tensor fingerprinted from its bytes (all
+read through the checkpoint's description, :mod:`ckptverify.formats.describe`, as for every format), and
 the manifest is written atomically. This is the only command that writes into a checkpoint directory, and
 it writes only ``ckptverify.manifest.json``.
 """
@@ -19,6 +20,7 @@ from ckptverify.audit.verify import UNCHECKABLE, ProgressSink, VerificationRun, 
 from ckptverify.checks import deep as deep_check
 from ckptverify.errors import CheckpointNotFoundError, ManifestExistsError, UsageError
 from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage
+from ckptverify.formats.describe import StoredRange
 from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_FILE,
@@ -93,27 +95,27 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                 location=Location(file=MANIFEST_FILE))
             return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
                           coverage=checked.coverage, stats=checked.stats), None
-        layout = run.layout
-        assert layout is not None
-        items = [i for i in layout.items if run.opened.get(i.file) is not None]
+        desc = run.description()
         if progress is not None:
-            progress.start(sum(i.length for i in items))
+            progress.start(sum(i.length for i in desc.stored))
 
-        def digest_item(item: Any) -> ItemEntry:
+        def digest_item(item: StoredRange) -> ItemEntry:
             d = BlockDigest(digest, block_bytes)
-            run.opened[item.file].fold(item.offset, item.end, d.update)  # type: ignore[union-attr]
+            with desc.open(item.file) as f:
+                f.fold(item.offset, item.offset + item.length, d.update)
             run.advance(item.length)
-            return ItemEntry(fqn=item.fqn, chunk_offsets=item.chunk.offsets if item.chunk else None,
-                             file=item.file, offset=item.offset, length=item.length, digest=d.hexdigest(),
-                             blocks=tuple(d.block_hexdigests()))
+            return ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file, offset=item.offset,
+                             length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
 
-        entries = run.map(digest_item, sorted(items, key=lambda i: -i.length))
-        names = sorted(n for n, f in run.opened.items() if f is not None)
-        file_digests = run.map(
-            lambda n: FileEntry(size=run.opened[n].size, digest=digest_reader(run.opened[n], digest)),  # type: ignore[union-attr, arg-type]
-            names)
-        metadata = {n: _metadata_entry(root, n, digest) for n in layout.metadata_files}
-        scans, replica_findings = deep_check.scan_tensors(run.plans, run.opened, layout, run.map)
+        def digest_file(name: str) -> FileEntry:
+            with desc.open(name) as f:
+                return FileEntry(size=f.size, digest=digest_reader(f, digest))
+
+        entries = run.map(digest_item, sorted(desc.stored, key=lambda i: -i.length))
+        names = sorted(desc.files)
+        file_digests = run.map(digest_file, names)
+        metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
+        scans, replica_findings = deep_check.scan_description(desc, run.map)
         if replica_findings:
             return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
                 "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
@@ -121,7 +123,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                 stats=checked.stats), None
         tensors: dict[str, TensorEntry] = {}
         unfingerprinted = 0
-        for fqn, tinfo in layout.tensors.items():
+        for fqn, tinfo in desc.tensors.items():
             scan = scans.get(fqn)
             value = scan.value(tinfo.shape) if scan is not None else None
             if value is None and 0 not in tinfo.shape:

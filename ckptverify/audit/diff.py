@@ -1,9 +1,10 @@
 """``diff``: compare two checkpoints tensor by tensor and value by value, whatever their sharding or format.
 
-Each side is read through its format's description (:mod:`ckptverify.formats.describe`; DCP through its
-metadata), so a DCP checkpoint, its ``dcp_to_torch_save`` file and its Hugging Face export compare by
-tensor name. Tensors are compared by logical fingerprint (from a DCP checkpoint's manifest when it has a
-valid one, else rebuilt from the bytes), so checkpoints saved with different world sizes or chunkings
+Each side is read through its format's description (:mod:`ckptverify.formats.describe`; DCP through
+:mod:`ckptverify.formats.dcp`, from what its verification read), so a DCP checkpoint, its
+``dcp_to_torch_save`` file and its Hugging Face export compare by tensor name. Tensors are compared by
+logical fingerprint (from a DCP checkpoint's manifest when it has a valid one, else rebuilt from the
+payloads of the description, one way for every format), so checkpoints saved with different world sizes or chunkings
 compare correctly; only tensors whose fingerprints differ are loaded in full (both sides, one tensor at a
 time) to say how they differ: differing elements, max absolute difference, max ULP distance, first
 differing index. Plain values (non-tensor DCP items, pickled and JSON values of framework files such as
@@ -26,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.audit.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
 from ckptverify.checks import deep as deep_check
-from ckptverify.dcp.tensors import read_chunk
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.safeparse.readers import FileChangedError
 
@@ -337,12 +337,18 @@ class _DescribedSide(_Side):
                                          location=Location(file=name)))
 
     def fingerprints(self, names: set[str]) -> dict[str, str]:
-        return _described_fingerprints(self.desc, names - self.damaged)
+        # As read_tensor bounds a view, and a file changing here leaves its tensors uncompared.
+        return rebuilt_fingerprints(self.desc, names - self.damaged, _serial_map, view_limit=None,
+                                    stop_on_change=False)
 
     def load(self, name: str) -> torch.Tensor:
         from ckptverify.formats.describe import read_tensor
 
         return read_tensor(self.desc, name)
+
+
+def _serial_map(fn: Any, items: list[Any]) -> list[Any]:
+    return [fn(x) for x in items]
 
 
 def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple[str, int, int]]:
@@ -380,59 +386,62 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
     return out
 
 
-def _described_fingerprints(desc: Description, names: set[str]) -> dict[str, str]:
-    from ckptverify.fingerprint import tensor_fingerprint
-    from ckptverify.formats.describe import read_tensor
-
+def rebuilt_fingerprints(desc: Description, names: set[str], run_map: Any, **scan: Any) -> dict[str, str]:
+    """The logical fingerprint of each tensor of ``desc`` in ``names``, rebuilt from its payloads (through
+    ``run_map``; ``scan``: options of :func:`~ckptverify.checks.deep.scan_description`), whatever the format;
+    a tensor with no elements and nothing stored is ``"empty"``. A tensor that cannot be rebuilt in full is
+    left out (the caller reports it as not compared)."""
+    wanted = {n for n in names if n in desc.tensors}
+    scans, _ = deep_check.scan_description(desc, run_map, only=wanted, **scan)
     out: dict[str, str] = {}
-    for name in sorted(names):
-        if name not in desc.tensors:
-            continue
-        try:
-            out[name] = tensor_fingerprint(read_tensor(desc, name)).value
-        except (ValueError, RuntimeError, TypeError, OSError):
-            continue  # reported by the caller as not compared
+    for name in sorted(wanted):
+        shape = desc.tensors[name].shape
+        scan = scans.get(name)
+        value = scan.value(shape) if scan is not None else None
+        if value is not None:
+            out[name] = value
+        elif math.prod(shape) == 0:  # nothing stored for it (no chunk of a tensor with no elements)
+            out[name] = "empty"
     return out
 
 
 class _DcpSide(_Side):
-    """A DCP checkpoint, through a verification run (metadata, plans, manifest), and its side files."""
+    """A DCP checkpoint, through the DCP pipeline's verification and the description it read (tensors chunk
+    by chunk, non-tensor items as plain values, the framework side files beside the shards)."""
 
     format = "dcp"
 
     def __init__(self, root: str, jobs: int, progress: ProgressSink | None) -> None:
         self.run = VerificationRun(root, jobs, progress)
         self.run.execute(deep=False, use_manifest=True)
-        self.errors = [f for f in self.run.findings if f.severity.value == "error"]
+        found = self.run.report("diff", 0.0, cap=False).findings
+        self.errors = [f for f in found if f.severity.value == "error"]
         self.damaged = {f.location.fqn for f in self.errors if f.location.fqn}
-        layout = self.run.layout
-        self.tensors = {} if layout is None else {n: (t.dtype, t.shape) for n, t in layout.tensors.items()}
-        self.values = _dcp_values(self.run)
-        self.side = None
-        side_names = getattr(self.run, "side_files", [])
-        if side_names:
-            from ckptverify.formats.describe import side_file_description
-
-            self.side = side_file_description(root, list(side_names))
-            bad_files = {f.location.file for f in self.errors if f.location.file}
-            for n, t in self.side.tensors.items():
-                self.tensors[n] = (t.dtype, t.shape)
-                if any(p.file in bad_files for p in t.payloads):
-                    self.damaged.add(n)
-            self.values.update((n, v) for n, v in self.side.values.items() if n.partition(":")[0] not in bad_files)
+        self.desc = self.run.description(values=True, values_skip=self.damaged, side_files=True)
+        manifest = self.run.manifest
+        manifest_ok = manifest is not None and not any(f.check.startswith("manifest") for f in self.errors)
+        #: Fingerprints the manifest vouches for: taken in memory at save time, and the bytes matched them.
+        self.saved = {n: t.fingerprint for n, t in manifest.tensors.items()
+                      if t.fingerprint is not None} if manifest_ok and manifest is not None else {}
+        side_files = {n for n, fmt in self.desc.files.items() if fmt != "dcp"}
+        bad_files = {f.location.file for f in self.errors if f.location.file}
+        self.tensors = {n: (t.dtype, t.shape) for n, t in self.desc.tensors.items()}
+        for n, t in self.desc.tensors.items():
+            if any(p.file in side_files and p.file in bad_files for p in t.payloads):
+                self.damaged.add(n)
+        self.values = {n: v for n, v in self.desc.values.items()
+                       if not (n.partition(":")[0] in side_files and n.partition(":")[0] in bad_files)}
 
     def fingerprints(self, names: set[str]) -> dict[str, str]:
-        out = _fingerprints(self.run, names)
-        if self.side is not None:
-            out.update(_described_fingerprints(self.side, {n for n in names if n in self.side.tensors} - self.damaged))
+        wanted = names - self.damaged
+        out = {n: self.saved[n] for n in wanted if n in self.saved}
+        out.update(rebuilt_fingerprints(self.desc, wanted - set(out), self.run.map))
         return out
 
     def load(self, name: str) -> torch.Tensor:
-        if self.side is not None and name in self.side.tensors:
-            from ckptverify.formats.describe import read_tensor
+        from ckptverify.formats.describe import read_tensor
 
-            return read_tensor(self.side, name)
-        return load_global(self.run, name)
+        return read_tensor(self.desc, name)
 
     def changed(self) -> list[Finding]:
         return self.run.changed_files()
@@ -441,67 +450,7 @@ class _DcpSide(_Side):
         self.run.close()
 
 
-def _fingerprints(run: VerificationRun, names: set[str] | None = None) -> dict[str, str]:
-    """Logical fingerprint per tensor: the manifest's if it is valid and the bytes match, else rebuilt."""
-
-    layout = run.layout
-    if layout is None:
-        return {}
-    damaged = {f.location.fqn for f in run.findings if f.severity.value == "error" and f.location.fqn}
-    out: dict[str, str] = {}
-    manifest_ok = run.manifest is not None and not any(
-        f.check.startswith("manifest") and f.severity.value == "error" for f in run.findings)
-    todo = []
-    for fqn in layout.tensors:
-        if fqn in damaged or (names is not None and fqn not in names):
-            continue
-        saved = run.manifest.tensors.get(fqn) if manifest_ok and run.manifest is not None else None
-        if saved is not None and saved.fingerprint is not None:
-            out[fqn] = saved.fingerprint
-        else:
-            todo.append(fqn)
-    scans, _ = deep_check.scan_tensors(run.plans, run.opened, layout, run.map, only=set(todo))
-    for fqn in todo:
-        scan = scans.get(fqn)
-        shape = layout.tensors[fqn].shape
-        value = scan.value(shape) if scan is not None else None
-        if value is not None:
-            out[fqn] = value
-        elif math.prod(shape) == 0:
-            out[fqn] = "empty"
-    return out
-
-
-def load_global(run: VerificationRun, fqn: str) -> torch.Tensor:
-    """Assemble tensor ``fqn`` from its chunks (memory: the whole tensor)."""
-    import torch
-
-    assert run.layout is not None
-    tinfo = run.layout.tensors[fqn]
-    from ckptverify.dcp.tensors import _torch_dtype
-
-    out = torch.empty(tinfo.shape, dtype=_torch_dtype(tinfo.dtype))
-    seen = set()
-    for plan in run.plans:
-        item = plan.item
-        if item.fqn != fqn or item.chunk is None or item.chunk.offsets in seen or plan.header is None:
-            continue
-        seen.add(item.chunk.offsets)
-        f = plan.reader if plan.reader is not None else run.opened[item.file]
-        chunk = read_chunk(f, item, plan.archive, plan.header)  # type: ignore[arg-type]
-        view = out
-        for dim, (o, n) in enumerate(zip(item.chunk.offsets, item.chunk.sizes, strict=True)):
-            view = view.narrow(dim, o, n)
-        view.copy_(chunk)
-    return out
-
-
 _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-def _difference(run_a: VerificationRun, run_b: VerificationRun, fqn: str) -> dict[str, Any]:
-    a, b = load_global(run_a, fqn), load_global(run_b, fqn)
-    return tensor_difference(a, b)
 
 
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
@@ -563,31 +512,3 @@ def _max_ulp(ia: torch.Tensor, ib: torch.Tensor, size: int) -> int:
     d = (oa.double() - ob.double()).abs()
     k = int(torch.argmax(d))
     return abs(int(oa[k]) - int(ob[k]))
-
-
-def _dcp_values(run: VerificationRun) -> dict[str, str]:
-    """Non-tensor DCP items as plain values: each item's ``data.pkl`` read through the inert pickle reader
-    (:func:`~ckptverify.safeparse.pickle_scan.leaf_values`), so ``lr_scheduler`` compares entry by entry
-    and with other formats; a pickle that cannot be read safely compares by its bytes' digest."""
-    from ckptverify.fingerprint import digest_bytes
-    from ckptverify.safeparse.pickle_scan import PickleScanError, leaf_values, scan_pickle
-
-    got: dict[str, str] = {}
-    done: set[str] = set()
-    damaged = {f.location.fqn for f in run.findings if f.severity.value == "error" and f.location.fqn}
-    for plan in run.plans:
-        item = plan.item
-        if item.kind != "bytes" or item.fqn in done or item.fqn in damaged:
-            continue
-        rec = plan.archive.record("data.pkl")
-        if rec is None:
-            continue
-        done.add(item.fqn)
-        f = plan.reader if plan.reader is not None else run.opened[item.file]
-        data = f.pread(item.offset + rec.data_offset, rec.size)  # type: ignore[union-attr]
-        try:
-            values = leaf_values(scan_pickle(data).root, prefix=item.fqn)
-        except PickleScanError:
-            values = {item.fqn: f"pickle:xxh3-128:{digest_bytes(data)}"}
-        got.update(values)
-    return got

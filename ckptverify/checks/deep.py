@@ -1,8 +1,9 @@
 """Deep verification: rebuild every tensor from disk and compare its logical fingerprint with the one the
 live tensor had at save time (end to end: memory -> disk -> memory).
 
-Tensors are rebuilt from their payload bytes (:mod:`ckptverify.dcp.tensors`), never through
-``torch.load``; NaN and Inf are counted on the way (warnings: legal values, but rarely wanted).
+Tensors are rebuilt from their payloads as the format's description gives them
+(:mod:`ckptverify.formats.describe`: the same for every format), never through ``torch.load``; NaN and Inf
+are counted on the way (warnings: legal values, but rarely wanted).
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from ckptverify.checks.content import ItemPlan
-from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Layout
-from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor, iter_row_blocks
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.findings import Finding, Location, error, info, warning
+from ckptverify.formats.describe import Description, Payload, TensorDesc, is_row_major, iter_payload_blocks
 from ckptverify.ownfiles.manifest import Manifest
-from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.gcpause import paused_gc
+from ckptverify.safeparse.readers import FileChangedError
 
 _FLOATING = {"float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32"}
 
@@ -44,77 +47,109 @@ class TensorScan:
         return combine(self.parts).value
 
 
-def scan_plan(f: ReadOnlyFile, plan: ItemPlan, shape: tuple[int, ...],
-              progress: Callable[[int], None] | None = None) -> TensorScan:
-    """Fingerprint one tensor item's chunk, block by block, and count non-finite values."""
+def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
+                 progress: Callable[[int], None] | None = None, view_limit: int | None = BLOCK_BYTES) -> TensorScan:
+    """Fingerprint one stored piece ``p`` of tensor ``name`` (global ``shape``), block by block, read
+    through ``f``, and count non-finite values. A view that is not row-major and lays out to more than
+    ``view_limit`` bytes is not read back (``limited``); with ``None``, the reader's own bound applies
+    (:func:`~ckptverify.formats.describe.read_payload`)."""
     import torch
 
     from ckptverify.fingerprint import chunk_fingerprint
 
     scan = TensorScan()
-    item = plan.item
-    if plan.header is None or item.chunk is None:
-        scan.unreadable.append(f"{item.fqn} chunk {list(item.chunk.offsets) if item.chunk else []}")
-        return scan
-    header = plan.header
-    laid_out = math.prod(header.size) * DTYPE_ITEMSIZE.get(header.dtype, 1)
-    if not header.is_row_major and laid_out > BLOCK_BYTES:
+    row_major = is_row_major(p.shape, p.stride)
+    if not row_major and view_limit is not None and math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1) > view_limit:
+        laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1)
         # A view that is not row-major (an expanded, stride-0 tensor) is materialised whole: a few stored bytes
         # can stand for gigabytes. It is a valid tensor: not read back, and said so, never called damage.
         scan.limited.append(
-            f"{item.fqn} chunk {list(item.chunk.offsets)} is a strided view (shape {list(header.size)}, stride "
-            f"{list(header.stride)}) of {laid_out} bytes once laid out, more than the {BLOCK_BYTES} the deep "
+            f"{name} chunk {list(p.chunk_offsets)} is a strided view (shape {list(p.shape)}, stride "
+            f"{list(p.stride)}) of {laid_out} bytes once laid out, more than the {view_limit} the deep "
             "check materialises at once")
-        scan.chunks.add(item.chunk.offsets)
+        scan.chunks.add(p.chunk_offsets)
         return scan
     try:
-        for offsets, block in iter_row_blocks(f, item, plan.archive, plan.header):
+        for offsets, block in iter_payload_blocks(f, p, row_major=row_major):
             scan.parts.append(chunk_fingerprint(block, offsets, shape))
             scan.elements += block.numel()
-            if plan.header.dtype in _FLOATING and block.numel():
+            if p.dtype in _FLOATING and block.numel():
                 values = block.float() if block.dtype in (torch.float16, torch.bfloat16) else block
-                scan.nan += int(torch.isnan(values).sum())
-                scan.inf += int(torch.isinf(values).sum())
+                if not bool(torch.isfinite(values).all()):  # one reduction for the usual, all-finite block
+                    scan.nan += int(torch.isnan(values).sum())
+                    scan.inf += int(torch.isinf(values).sum())
             if progress is not None:
                 progress(block.numel() * block.element_size())
-    except (UnreadableTensor, RuntimeError, TypeError, ValueError) as exc:
-        scan.unreadable.append(f"{item.fqn} chunk {list(item.chunk.offsets)}: {exc}")
-    scan.chunks.add(item.chunk.offsets)
+    except FileChangedError:
+        raise  # the run stops and says so: what was read proves nothing about the file now
+    except (UnreadableTensor, RuntimeError, TypeError, ValueError, OSError) as exc:
+        scan.unreadable.append(f"{name} chunk {list(p.chunk_offsets)}: {exc}")
+    scan.chunks.add(p.chunk_offsets)
     return scan
 
 
-def scan_tensors(plans: list[ItemPlan], opened: dict[str, ReadOnlyFile | None], layout: Layout,
-                 run_map: Callable[[Callable[[ItemPlan], TensorScan], list[ItemPlan]], list[TensorScan]],
-                 progress: Callable[[int], None] | None = None,
-                 only: set[str] | None = None) -> tuple[dict[str, TensorScan], list[Finding]]:
-    """Rebuild and fingerprint every tensor chunk of ``plans`` (in parallel through ``run_map``).
+def scan_description(desc: Description, run_map: Callable[[Callable[[Any], TensorScan], list[Any]], list[TensorScan]],
+                     progress: Callable[[int], None] | None = None, only: set[str] | None = None, *,
+                     view_limit: int | None = BLOCK_BYTES,
+                     stop_on_change: bool = True) -> tuple[dict[str, TensorScan], list[Finding]]:
+    """Rebuild and fingerprint every stored piece of every tensor of ``desc`` (those named in ``only``), in
+    parallel through ``run_map``; any format (:mod:`ckptverify.formats.describe`).
 
     A chunk stored more than once (per-rank metadata keeps one copy per rank of a replicated tensor) is
     read in every copy: the copies must hold identical values (``replica-mismatch`` otherwise), and the
-    tensor's fingerprint counts the chunk once.
+    tensor's fingerprint counts the chunk once. A piece that could not be described
+    (:attr:`~ckptverify.formats.describe.TensorDesc.unread`) leaves its tensor without a fingerprint.
+    ``view_limit``: see :func:`scan_payload`. ``stop_on_change``: a file that changes under the scan raises
+    :class:`~ckptverify.errors.FileChangedError` (the caller stops and says so); else its piece is unreadable.
     """
+    opener = desc.opener
+
+    def scan(pair: tuple[TensorDesc, Payload]) -> TensorScan:
+        t, p = pair
+        try:
+            if opener is not None:  # readers the description holds open: no context to enter
+                return scan_payload(opener(p), t.name, p, t.shape, progress, view_limit)
+            with desc.open(p) as f:
+                return scan_payload(f, t.name, p, t.shape, progress, view_limit)
+        except FileChangedError as exc:
+            if stop_on_change:
+                raise
+            out = TensorScan()
+            out.unreadable.append(f"{t.name} chunk {list(p.chunk_offsets)}: {exc}")
+            out.chunks.add(p.chunk_offsets)
+            return out
+        except (OSError, ValueError, KeyError) as exc:
+            out = TensorScan()
+            out.unreadable.append(f"{t.name} chunk {list(p.chunk_offsets)}: {exc}")
+            out.chunks.add(p.chunk_offsets)
+            return out
+
+    with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
+        wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
+        return _merge(desc, wanted, run_map(scan, wanted), only)
+
+
+def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results: list[TensorScan],
+           only: set[str] | None) -> tuple[dict[str, TensorScan], list[Finding]]:
+    """Each tensor's scan from its pieces' (a chunk stored more than once counted once, its copies compared)."""
     from ckptverify.fingerprint import combine
 
-    wanted = [p for p in plans if p.item.kind == "tensor" and p.item.chunk is not None
-              and p.item.fqn in layout.tensors and (only is None or p.item.fqn in only)]
-    results = run_map(lambda p: scan_plan(p.reader if p.reader is not None else opened[p.item.file],  # type: ignore[arg-type]
-                                          p, layout.tensors[p.item.fqn].shape, progress), wanted)
-    by_chunk: dict[tuple[str, tuple[int, ...]], list[tuple[ItemPlan, TensorScan]]] = defaultdict(list)
-    for plan, scan in zip(wanted, results, strict=True):
-        by_chunk[(plan.item.fqn, plan.item.chunk.offsets)].append((plan, scan))  # type: ignore[union-attr]
+    by_chunk: dict[tuple[str, tuple[int, ...]], list[tuple[Payload, TensorScan]]] = defaultdict(list)
+    for (t, p), got in zip(wanted, results, strict=True):
+        by_chunk[(t.name, p.chunk_offsets)].append((p, got))
     merged: dict[str, TensorScan] = defaultdict(TensorScan)
     findings: list[Finding] = []
     for (fqn, offsets), copies in by_chunk.items():
-        first_plan, first = copies[0]
-        if not first.unreadable and first.parts:
+        first_p, first = copies[0]
+        if len(copies) > 1 and not first.unreadable and first.parts:
             reference = combine(first.parts).value
-            for plan, other in copies[1:]:
+            for p, other in copies[1:]:
                 if not other.unreadable and other.parts and combine(other.parts).value != reference:
                     findings.append(error(
                         "replica-mismatch",
-                        f"{fqn!r} chunk {list(offsets)} is stored in {first_plan.item.file} and {plan.item.file} "
+                        f"{fqn!r} chunk {list(offsets)} is stored in {first_p.file} and {p.file} "
                         "with different values: replicas that should be identical are not",
-                        location=Location(fqn=fqn, chunk_offsets=offsets, file=plan.item.file),
+                        location=Location(fqn=fqn, chunk_offsets=offsets, file=p.file),
                     ))
         m = merged[fqn]
         m.parts.extend(first.parts)
@@ -124,14 +159,17 @@ def scan_tensors(plans: list[ItemPlan], opened: dict[str, ReadOnlyFile | None], 
         m.unreadable.extend(first.unreadable)
         m.limited.extend(first.limited)
         m.chunks |= first.chunks
+    for t in desc.tensors.values():
+        if t.unread and (only is None or t.name in only):
+            merged[t.name].unreadable.extend(t.unread)
     return dict(merged), findings
 
 
-def judge(layout: Layout, manifest: Manifest | None, scans: dict[str, TensorScan]) -> list[Finding]:
+def judge(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan]) -> list[Finding]:
     """Compare rebuilt fingerprints with the manifest's; report non-finite counts."""
 
     out: list[Finding] = []
-    for fqn, tinfo in sorted(layout.tensors.items()):
+    for fqn, tinfo in sorted(desc.tensors.items()):
         scan = scans.get(fqn)
         if scan is None:
             continue

@@ -16,7 +16,7 @@ from collections import defaultdict
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.formats.describe import Description, is_own_file, read_tensor
+from ckptverify.formats.describe import Description, is_own_file
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
 from ckptverify.safeparse.readers import ReadOnlyFile
 
@@ -61,27 +61,35 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
                                            length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
     tensors: dict[str, TensorEntry] = {}
     missing = 0
+    rebuilt = _rebuild(desc)
     for name, t in desc.tensors.items():
-        fp, nan, inf = _rebuild(desc, name)
+        fp, nan, inf = rebuilt[name]
         missing += fp is None and math.prod(t.shape) != 0
         tensors[name] = TensorEntry(dtype=t.dtype, shape=t.shape, fingerprint=fp, nan_count=nan, inf_count=inf)
     return entries, items, tensors, missing
 
 
-def _rebuild(desc: Description, name: str) -> tuple[str | None, int | None, int | None]:
-    import torch
+def _rebuild(desc: Description) -> dict[str, tuple[str | None, int | None, int | None]]:
+    """Every tensor's logical fingerprint and NaN/Inf counts (``None`` where it cannot be rebuilt, counts
+    ``None`` for a tensor that is not floating or has no elements), through the one deep scan of every format
+    (:func:`~ckptverify.checks.deep.scan_description`). A file that changes under the scan leaves its tensors
+    unrebuilt (reported by the caller), as any other unreadable bytes."""
+    from ckptverify.checks.deep import scan_description
 
-    from ckptverify.fingerprint import tensor_fingerprint
+    scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
+    out: dict[str, tuple[str | None, int | None, int | None]] = {}
+    for name, t in desc.tensors.items():
+        scan = scans.get(name)
+        fp = scan.value(t.shape) if scan is not None else None
+        if fp is None or scan is None or t.dtype not in _FLOATING or not math.prod(t.shape):
+            out[name] = (fp, None, None)
+        else:
+            out[name] = (fp, scan.nan, scan.inf)
+    return out
 
-    try:
-        t = read_tensor(desc, name)
-        fp = tensor_fingerprint(t).value
-    except (ValueError, RuntimeError, TypeError, OSError):
-        return None, None, None
-    if desc.tensors[name].dtype not in _FLOATING or not t.numel():
-        return fp, None, None
-    values = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-    return fp, int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
+
+def _serial(fn: Any, items: list[Any]) -> list[Any]:
+    return [fn(x) for x in items]
 
 
 def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage], set[str]]:
@@ -168,9 +176,10 @@ def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Findi
     tensor that cannot be rebuilt is an error, and so is a deep check that rebuilt nothing."""
     findings: list[Finding] = []
     rebuilt = 0
+    scans = _rebuild(desc)
     for name, t in sorted(desc.tensors.items()):
         loc = Location(fqn=name, file=t.payloads[0].file if t.payloads else None)
-        fp, nan, inf = _rebuild(desc, name)
+        fp, nan, inf = scans[name]
         if fp is None:
             findings.append(error("fingerprint", f"{name!r} cannot be rebuilt from its bytes", location=loc))
             continue

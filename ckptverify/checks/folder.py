@@ -1,7 +1,7 @@
 """Folders of checkpoint files: Hugging Face model folders, accelerate ``save_state`` and transformers
 ``checkpoint-N`` folders.
 
-Every file is judged by its content (:func:`~ckptverify.formats.single.check_file`): ``torch.save`` archives
+Every file is judged by its content (:func:`~ckptverify.checks.single.check_file`): ``torch.save`` archives
 (``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``random_states_N.pkl``, ``rng_state.pth``,
 ``scheduler.pt``) get structure + CRC + a safe pickle read; safetensors files their header and layout; JSON side
 files (``config.json``, ``trainer_state.json``, ``*.index.json``) are parsed. A sharded model's index
@@ -17,10 +17,10 @@ import os
 import stat
 from typing import Any
 
+from ckptverify.checks.single import check_file, check_json
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.describe import is_own_file
 from ckptverify.formats.rundir import dir_format
-from ckptverify.formats.single import check_file, check_json
 
 __all__ = ["CHECKPOINT_SUFFIXES", "check_folder"]
 

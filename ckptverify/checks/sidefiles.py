@@ -8,7 +8,7 @@
 | ``integrity.json`` | Megatron Core ``dist_checkpointing`` (``verify_integrity=True``) | JSON: each file's SHA-256 |
 
 A known side file is not ``file-unreferenced`` (a false warning); it is checked by what its content shows
-(:func:`~ckptverify.formats.single.check_file`: a ``torch.save`` archive's structure, every CRC-32 and its
+(:func:`~ckptverify.checks.single.check_file`: a ``torch.save`` archive's structure, every CRC-32 and its
 pickle through the inert reader; JSON parsed), ``fingerprint`` digests it into the manifest, and ``diff``
 compares its values. Its name alone proves nothing: a ``meta.pt`` that is not a ``torch.save`` archive is
 an error. Any other file beside the shards stays ``file-unreferenced``.
@@ -32,8 +32,8 @@ import re
 import stat
 from typing import Any
 
+from ckptverify.checks.single import check_file, check_json
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.formats.single import check_file, check_json
 
 __all__ = ["SIDE_FILES", "check_side_files", "side_files"]
 

@@ -3,9 +3,11 @@
 A format reader turns a path into a :class:`Description`: its files (each with the format its content
 shows), its tensors (name, dtype, global shape, and for each stored piece a :class:`Payload`: file, byte
 range, view, chunk, encoding, and what checksum protects those bytes) and its plain values (by path, as
-canonical strings). ``fingerprint``, ``verify --deep`` and ``diff`` of non-DCP checkpoints work on this
-description alone (:mod:`ckptverify.checks.described`, :mod:`ckptverify.audit.diff`); the DCP reader produces
-the same kind of facts from its metadata (:mod:`ckptverify.dcp`), chunk by chunk.
+canonical strings). ``fingerprint``, ``verify --deep`` and ``diff`` work on this description alone, whatever
+the format (:mod:`ckptverify.checks.deep`, :mod:`ckptverify.checks.described`, :mod:`ckptverify.audit.diff`):
+a tensor is rebuilt from its payloads through :meth:`Description.open` and :func:`iter_payload_blocks`. The
+DCP reader (:mod:`ckptverify.formats.dcp`) produces the same description from the metadata and the items
+the DCP pipeline read safely, chunk by chunk.
 
 Readers here (by content, never by name alone; nothing is unpickled, no link is followed, no special file
 is opened):
@@ -29,10 +31,13 @@ import json
 import math
 import os
 import stat
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckptverify.dcp import safetensors
+from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
@@ -42,9 +47,8 @@ from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OWN_FILES", "Description", "Payload", "TensorDesc", "describe", "is_own_file", "json_values", "read_tensor",
-           "side_file_description"]
-
+__all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "TensorDesc", "describe", "is_own_file",
+           "is_row_major", "iter_payload_blocks", "json_values", "read_payload", "read_tensor", "side_file_description"]
 
 
 def is_own_file(name: str) -> bool:
@@ -59,8 +63,13 @@ MAX_VIEW_BYTES = 256 << 20
 class Payload:
     """One stored piece of a tensor: the storage bytes ``[offset, offset + length)`` of ``file``, the view
     onto them (``shape``, ``stride``, ``storage_offset`` in elements), where the piece sits in the global
-    tensor (``chunk_offsets``), how the bytes are encoded and what checksum protects them (``crc32``: a
-    zip record's CRC-32; ``none``)."""
+    tensor (``chunk_offsets``), how the bytes are encoded and what checksum protects them.
+
+    ``encoding``: ``raw`` (the bytes as stored), or the stream transforms a DCP item was written through
+    (``+``-joined); then ``offset`` and ``length`` address the decoded stream of the stored bytes
+    ``stored`` (``[start, end)`` of ``file``). ``checksum``: ``crc32`` (a zip record's CRC-32, checked
+    against the bytes), ``manifest`` (only the manifest's block digests checked them), ``crc32+manifest``
+    (both), ``none``."""
 
     file: str
     offset: int
@@ -72,21 +81,40 @@ class Payload:
     chunk_offsets: tuple[int, ...] = ()
     encoding: str = "raw"
     checksum: str = "none"
+    stored: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
 class TensorDesc:
+    """A tensor: its global dtype and shape, its stored pieces, and the pieces that are stored but could not
+    be described (``unread``: why, one line each; a damaged header)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
     payloads: list[Payload] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
+
+
+class StoredRange(NamedTuple):
+    """A byte range ``[offset, offset + length)`` of ``file`` that a manifest digests as one item: a DCP item
+    as stored (``name`` its FQN, ``chunk_offsets`` for a tensor chunk)."""
+
+    name: str
+    chunk_offsets: tuple[int, ...] | None
+    file: str
+    offset: int
+    length: int
 
 
 @dataclass(slots=True)
 class Description:
     """What a checkpoint holds. ``root`` is the folder every file name is relative to; ``files`` maps each
     described file to its format (``torch.save``, ``safetensors``, ``pickle``, ``json``, ``legacy``);
-    ``unread`` names files whose content could not be described (damaged or unknown), with why."""
+    ``unread`` names files whose content could not be described (damaged or unknown), with why;
+    ``metadata_files`` the files that describe the others (DCP's ``.metadata``); ``stored`` the items a
+    manifest digests one by one where the format has items of its own (DCP). ``opener``: how payload bytes
+    and files are read (:meth:`open`); by default each file is opened read-only inside ``root``."""
 
     root: str
     target: str
@@ -95,9 +123,24 @@ class Description:
     tensors: dict[str, TensorDesc] = field(default_factory=dict)
     values: dict[str, str] = field(default_factory=dict)
     unread: dict[str, str] = field(default_factory=dict)
+    metadata_files: list[str] = field(default_factory=list)
+    stored: list[StoredRange] = field(default_factory=list)
+    opener: Callable[[Payload | str], Any] | None = field(default=None, repr=False, compare=False)
 
     def tensors_in(self, file: str) -> list[TensorDesc]:
         return [t for t in self.tensors.values() if any(p.file == file for p in t.payloads)]
+
+    def open(self, what: Payload | str) -> AbstractContextManager[Any]:
+        """A reader (``pread``, ``fold``, ``crc32``, ``size``) of the bytes ``what`` addresses: a payload's
+        (decoded when it is encoded) or a file's by name, as a context manager. Raises ``OSError`` when the
+        file cannot be opened, ``ValueError`` for an encoded payload with no decoder."""
+        if self.opener is not None:
+            return nullcontext(self.opener(what))
+        if isinstance(what, Payload) and what.encoding != "raw":
+            raise ValueError(f"{what.file}: payload encoded as {what.encoding!r}, which this description cannot "
+                             "decode")
+        name = what if isinstance(what, str) else what.file
+        return ReadOnlyFile(os.path.join(self.root, name), root=self.root)
 
 
 def describe(path: str | os.PathLike[str]) -> Description:
@@ -258,7 +301,7 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------ reading tensors
 
 
-def read_payload(f: ReadOnlyFile, p: Payload) -> torch.Tensor:
+def read_payload(f: Any, p: Payload) -> torch.Tensor:
     """The piece ``p`` as a tensor of its shape (memory: its storage bytes). Raises ``ValueError`` when its
     bytes do not hold the view."""
     import torch
@@ -294,10 +337,56 @@ def read_tensor(desc: Description, name: str) -> torch.Tensor:
     t = desc.tensors[name]
     out = torch.empty(t.shape, dtype=_torch_dtype(t.dtype))
     for p in t.payloads:
-        with ReadOnlyFile(os.path.join(desc.root, p.file), root=desc.root) as f:
+        with desc.open(p) as f:
             piece = read_payload(f, p)
         view = out
         for dim, (o, n) in enumerate(zip(p.chunk_offsets, p.shape, strict=True)):
             view = view.narrow(dim, o, n)
         view.copy_(piece)
     return out
+
+
+def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
+                        row_major: bool | None = None) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+    """Yield ``(global_offsets, tensor)`` blocks that together make up the piece ``p`` read through ``f``
+    (from :meth:`Description.open`): consecutive rows of at most ``max_bytes`` for a row-major view, each
+    itself a box of the global tensor (so block fingerprints combine exactly); the whole view at once
+    otherwise. Memory stays flat however large a row-major piece is. ``row_major``: what
+    :func:`is_row_major` says of ``p`` when the caller knows it already. Raises
+    :class:`~ckptverify.dcp.tensors.UnreadableTensor` when the bytes are shorter than the view, or the
+    dtype is not one this torch has; ``ValueError`` for a view its bytes cannot hold."""
+    import torch
+
+    from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+    from ckptverify.dcp.tensors import _torch_dtype
+
+    dtype = _torch_dtype(p.dtype)
+    itemsize = DTYPE_ITEMSIZE[p.dtype]
+    sizes = p.shape
+    if math.prod(sizes) == 0:
+        yield p.chunk_offsets, torch.empty(sizes, dtype=dtype)
+        return
+    if row_major is None:
+        row_major = is_row_major(sizes, p.stride)
+    if not row_major or not sizes:
+        # Small or unusual views: the whole storage, viewed as saved.
+        yield p.chunk_offsets, read_payload(f, p)
+        return
+    row_elems = math.prod(sizes[1:])
+    row_bytes = row_elems * itemsize
+    rows_per_block = max(1, max_bytes // max(1, row_bytes))
+    start = p.offset + p.storage_offset * itemsize
+    for r0 in range(0, sizes[0], rows_per_block):
+        r1 = min(sizes[0], r0 + rows_per_block)
+        raw = bytearray(f.pread(start + r0 * row_bytes, (r1 - r0) * row_bytes))
+        if len(raw) != (r1 - r0) * row_bytes:
+            raise UnreadableTensor("payload shorter than its shape")
+        block = torch.frombuffer(raw, dtype=dtype).view((r1 - r0, *sizes[1:])) if raw else torch.empty(
+            (r1 - r0, *sizes[1:]), dtype=dtype)
+        yield (p.chunk_offsets[0] + r0, *p.chunk_offsets[1:]), block
+
+
+def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """``stride`` lays ``shape`` out row after row (a dimension of size 1 may have any stride)."""
+    return len(shape) == len(stride) and all(s == e or n == 1 for s, e, n in zip(stride, _contiguous(shape), shape,
+                                                                                strict=True))

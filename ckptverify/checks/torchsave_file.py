@@ -16,6 +16,7 @@ from typing import Any
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.formats.single import sniff
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.zipwalk import ArchiveError, looks_like_zip, parse_archive
@@ -40,8 +41,6 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
         facts["bytes"] = f.size
         head = f.pread(0, 16)
         if not looks_like_zip(head):
-            from ckptverify.formats.single import sniff
-
             if sniff(head) == "pickle":
                 findings.append(warning(
                     "content-uncheckable", f"{label} is in the legacy (non-zip) torch.save format, which carries "

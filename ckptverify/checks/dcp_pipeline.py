@@ -1,0 +1,620 @@
+"""The DCP verification pipeline: prove a DCP checkpoint intact, or say exactly where it is not.
+
+Stages (:class:`VerificationRun`): read the metadata safely; check the structure (files, bounds, overlaps,
+chunk tiling); parse every item's archive structure (small items, many per read, CRC-checked at once from
+memory); hash every other record payload for its CRC-32 (segments on all cores); with a manifest, compare
+the metadata with it and hash every item block against the digests taken at save time; with ``deep``,
+rebuild every tensor from the checkpoint's description and compare its logical fingerprint with the one
+taken in memory. Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and mapped
+``PROT_READ``.
+
+What the run read safely is handed on as a :class:`~ckptverify.formats.describe.Description`
+(:meth:`VerificationRun.description`, built by :mod:`ckptverify.formats.dcp`), the contract every format
+meets: ``fingerprint`` and ``diff`` work on that, never on the run's own state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+from ckptverify.checks import deep as deep_check
+from ckptverify.checks import item_label, item_location, manifest_check
+from ckptverify.checks.commit import check_commit
+from ckptverify.checks.content import (
+    FileResult,
+    ItemPlan,
+    Segment,
+    judge_item,
+    plan_file,
+    safetensors_files,
+    segments,
+)
+from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
+from ckptverify.dcp import safetensors
+from ckptverify.dcp.layout import Item, Layout
+from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
+from ckptverify.formats.dcp import ReadItem, describe_dcp
+from ckptverify.formats.describe import Description
+from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
+from ckptverify.safeparse.gcpause import paused_gc
+from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
+from ckptverify.safeparse.zipwalk import TemplateCache
+
+#: Largest byte range hashed as one task; larger records are split and their CRCs combined.
+SEGMENT_BYTES = 64 << 20
+#: With a manifest, records larger than this (tensor payloads) are checked by the manifest's block digests
+#: only; smaller ones (``data.pkl``, headers) also by their CRC, so a tensor header is read only once proven.
+SMALL_RECORD_BYTES = 64 << 10
+#: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
+UNCHECKABLE = "content-uncheckable"
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class ProgressSink(Protocol):
+    """Receives progress of long work: ``start`` with the total bytes of a stage, then ``advance`` calls."""
+
+    def start(self, total_bytes: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+def default_jobs() -> int:
+    """One worker per usable core."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class VerificationRun:
+    """One verification of a DCP checkpoint, stage by stage.
+
+    What other modules use: :meth:`execute`, :meth:`report`, :meth:`description` (what was read, as the
+    description every format gives), ``manifest`` (the manifest compared with, read-only), :meth:`map` and
+    :meth:`advance` (parallel work with progress), :meth:`changed_files`, :meth:`close`, and
+    ``extension_registry`` (set before :meth:`execute`). Everything else is the pipeline's own state.
+    """
+
+    def __init__(self, root: str, jobs: int, progress: ProgressSink | None) -> None:
+        self.root = root
+        self.jobs = jobs
+        self.progress = progress
+        self.findings: list[Finding] = []
+        self.coverage: list[CheckCoverage] = []
+        self.layout: Layout | None = None
+        self.manifest: Manifest | None = None
+        self.opened: dict[str, ReadOnlyFile | None] = {}
+        self.plans: list[ItemPlan] = []
+        self.results: dict[str, FileResult] = {}
+        self.bytes_hashed = 0
+        self.deep = False
+        #: True when a file changed under the run and the remaining stages were skipped.
+        self.stopped = False
+        self._named: dict[str, tuple[int, int, int, int] | None] = {}
+        self._reported_changed: set[str] = set()
+        #: Plans read through their own reader (``ItemPlan.reader``): items written through stream transforms
+        #: (their decoded bytes) and tensors in DCP's safetensors blobs (their raw payloads). They join
+        #: ``plans`` after the hashing pass, which reads the files as stored.
+        self.extra_plans: list[ItemPlan] = []
+        #: Framework side files beside the shards (``meta.pt``, ``metadata.json``), checked and opened.
+        self.side_files: list[str] = []
+        #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
+        self.extension_registry: Any = None
+        #: Records whose bytes only the manifest's block digests checked (file, item offset, record name), and
+        #: the items the manifest digested block by block (file, offset, length): what protects each payload.
+        self._manifest_records: set[tuple[str, int, str]] = set()
+        self._manifest_items: set[tuple[str, int, int]] = set()
+        self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
+        self._lock = threading.Lock()
+
+    def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
+        """The findings so far as a report, with sizes and timings; ``cap``: at most
+        :data:`MAX_FINDINGS_PER_CHECK` findings of each check listed (the rest counted)."""
+        files = [f for f in self.opened.values() if f is not None]
+        file_bytes = sum(f.size for f in files)
+        stats: dict[str, Any] = {"seconds": round(seconds, 6)}
+        if self.layout is not None:
+            stats.update({
+                "files": len(files),
+                "items": len(self.layout.items),
+                "tensors": len(self.layout.tensors),
+                "bytes": file_bytes,
+                "bytes_hashed": self.bytes_hashed,
+                "throughput_bytes_per_s": round(file_bytes / seconds) if seconds > 0 else None,
+                "jobs": self.jobs,
+                "dcp_version": self.layout.dcp_version,
+                "per_rank_metadata": self.layout.per_rank,
+                "manifest": self.manifest is not None,
+                "deep": self.deep,
+            })
+        per_check = Counter(f.check for f in self.findings)
+        omitted = {c: n - MAX_FINDINGS_PER_CHECK for c, n in sorted(per_check.items()) if n > MAX_FINDINGS_PER_CHECK}
+        if omitted:
+            stats["findings_omitted"] = omitted
+        return Report(command=command, target=self.root,
+                      findings=tuple(cap_findings(self.findings) if cap else self.findings),
+                      coverage=merge_coverage(self.coverage), stats=stats)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        for f in self.opened.values():
+            if f is not None:
+                f.close()
+
+    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        if self._pool is None:
+            return [fn(x) for x in items]
+        return list(self._pool.map(fn, items))
+
+    def advance(self, n: int) -> None:
+        if self.progress is not None:
+            with self._lock:
+                self.progress.advance(n)
+
+    def execute(self, *, deep: bool, use_manifest: bool) -> None:
+        """Run every stage. A file that changes under the run stops it with a ``file-changed`` finding."""
+        self._named = _name_signatures(self.root)
+        try:
+            with paused_gc():  # the layout, plans and results of a large checkpoint form no cycles
+                self._stages(deep=deep, use_manifest=use_manifest)
+        except FileChangedError as exc:
+            self.findings.append(changed_finding(_changed_name(self.root, exc), str(exc)))
+            self.stopped = True
+        self.findings.extend(self.changed_files())
+
+    def changed_files(self) -> list[Finding]:
+        """A ``file-changed`` finding for every file that differs from when this run first saw it (opened
+        files by ``fstat`` and the inode behind their name; the metadata and manifest by ``stat``), each
+        reported once."""
+        out: list[Finding] = []
+        for name, f in sorted(self.opened.items()):
+            if f is None or name in self._reported_changed:
+                continue
+            how = f.changed()
+            if how is not None:
+                out.append(changed_finding(name, how))
+        now = _name_signatures(self.root)
+        for name in sorted(set(self._named) | set(now)):
+            if name not in self._reported_changed and self._named.get(name) != now.get(name):
+                out.append(changed_finding(name, "it was replaced, rewritten, created or removed"))
+        for finding in out:
+            self._reported_changed.add(finding.location.file or "")
+        return out
+
+    def _stages(self, *, deep: bool, use_manifest: bool) -> None:
+        self.deep = deep
+        self.findings.extend(check_commit(self.root))  # a save that did not commit: never complete
+        layout, md_findings = read_layout(self.root)
+        self.findings.extend(md_findings)
+        if layout is None:
+            return
+        self.layout = layout
+        self.coverage.append(CheckCoverage(check="metadata", count=len(layout.metadata_files),
+                                           unit="metadata files"))
+        if use_manifest:
+            self._read_manifest()
+        self._structure(layout)
+        self._archives(layout)
+        self._hash(layout)
+        self.plans.extend(self.extra_plans)
+        if deep:
+            self._deep(layout)
+
+    def _read_manifest(self) -> None:
+        try:
+            self.manifest = read_manifest(self.root)
+        except ManifestError as exc:
+            self.findings.append(error("manifest-invalid", f"{MANIFEST_FILE} cannot be trusted: {exc}",
+                                       location=Location(file=MANIFEST_FILE)))
+            return
+        if self.manifest is None:
+            self.findings.append(info(
+                "manifest-absent",
+                f"no {MANIFEST_FILE}: content is checked against the CRC-32s inside the items only, not against "
+                "what was in memory at save time (write one with ckptverify.save or `ckptverify fingerprint`)",
+            ))
+
+    def _structure(self, layout: Layout) -> None:
+        from ckptverify.checks.sidefiles import check_side_files, side_files
+
+        stats = stat_files(self.root, layout.files)
+        # Framework side files (Lightning's meta.pt, Megatron's metadata.json) are checked by their content
+        # and opened like shards (so a manifest digests them), not reported as unreferenced.
+        known = [n for n in side_files(self.root) if n not in stats]
+        self.findings.extend(f for f in check_files(self.root, layout, stats)
+                             if not (f.check == "file-unreferenced" and f.location.file in known))
+        found, cov, self.side_files = check_side_files(self.root, known)
+        self.findings.extend(found)
+        self.coverage.extend(cov)
+        for name in self.side_files:
+            self.opened[name] = self._open(name)
+        self.findings.extend(check_coverage(layout))
+        tiling, cov = check_tiling(layout)
+        self.findings.extend(tiling)
+        self.coverage.append(cov)
+        for name, st in stats.items():
+            self.opened[name] = self._open(name) if st is not None else None
+        self.safetensors = safetensors_files(self.opened, layout.items)
+        blobs = self._blobs(layout)
+        usable = {n: (s if self.opened.get(n) else None) for n, s in stats.items()}
+        self.findings.extend(check_items(layout, usable, blobs))
+        self.coverage.append(CheckCoverage(check="item-bounds", count=len(layout.items), unit="items"))
+
+    def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
+        """Parse each safetensors blob; check it against the metadata's tensor items."""
+        blobs: dict[str, tuple[int, int]] = {}
+        resolved: dict[Item, tuple[int, int]] = {}
+        for name in sorted(self.safetensors):
+            f = self.opened[name]
+            tensor_items = [i for i in layout.items if i.file == name and i.kind == "tensor"]
+            start = min(i.offset for i in tensor_items)
+            try:
+                blob = safetensors.read_blob(f, start)  # type: ignore[arg-type]
+            except safetensors.BlobError as exc:
+                self.findings.append(error("blob-structure", f"{name}: the safetensors blob is malformed: {exc}",
+                                           location=Location(file=name, byte_range=(exc.start, exc.end))))
+                blobs[name] = (start, f.size)  # type: ignore[union-attr]
+                continue
+            blobs[name] = (blob.start, blob.end)
+            for item in tensor_items:
+                entry = blob.tensors.get(item.fqn)
+                want = item.chunk.sizes if item.chunk else ()
+                if entry is None or entry.shape != want or (entry.dtype is not None and entry.dtype != item.dtype):
+                    got = "nothing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
+                    self.findings.append(error(
+                        "tensor-record",
+                        f"{item_label(item)}: the safetensors blob holds {got} under this name, the metadata "
+                        f"says {item.dtype}{list(want)}",
+                        location=item_location(item),
+                    ))
+                    continue
+                resolved[item] = safetensors.data_range(blob, item.fqn)  # type: ignore[assignment]
+        # The metadata places every tensor at the blob's start; from here on each item addresses its own
+        # bytes (the blob header's data offsets), so manifests digest, and findings name, the real ranges.
+        for n, item in enumerate(layout.items):
+            if item not in resolved:
+                continue
+            offset, length = resolved[item]
+            item = layout.items[n] = dataclasses.replace(item, offset=offset, length=length)
+            if item.chunk is not None and item.dtype is not None:
+                archive, header = safetensors.raw_payload(item.dtype, item.chunk.sizes, length)
+                self.extra_plans.append(ItemPlan(dataclasses.replace(item, offset=0), archive, header,
+                                                 reader=_Window(self.opened[item.file], offset, length)))  # type: ignore[arg-type]
+        return blobs
+
+    def _open(self, name: str) -> ReadOnlyFile | None:
+        try:
+            return ReadOnlyFile(os.path.join(self.root, name), root=self.root)
+        except FileChangedError as exc:
+            self.findings.append(changed_finding(name, str(exc)))
+        except UnsafeFileError as exc:
+            self.findings.append(error("file-unsafe", f"{name} is not opened: {exc}", location=Location(file=name)))
+        except OSError as exc:
+            self.findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
+                                       location=Location(file=name)))
+        return None
+
+    def _archives(self, layout: Layout) -> None:
+        by_file: dict[str, list[Item]] = defaultdict(list)
+        for item in layout.items:
+            if self.opened.get(item.file) is not None:
+                by_file[item.file].append(item)
+        names = sorted(by_file)
+        templates = TemplateCache()  # shared: a checkpoint saved one file per item has one item per file
+        planned = self.map(lambda n: plan_file(self.opened[n], n, [i for i in by_file[n] if not i.transforms],  # type: ignore[arg-type]
+                                               safetensors=n in self.safetensors, templates=templates), names)
+        for name, (file_plans, result) in zip(names, planned, strict=True):
+            self.results[name] = result
+            self.plans.extend(file_plans)
+        # Items written through stream transforms: decoded and judged now (CRC-32s of the decoded archive);
+        # their plans read the decoded bytes and join the others after the hashing pass.
+        transformed = [i for n in names for i in by_file[n] if i.transforms]
+        decoded = self.map(lambda i: self._transformed(i), transformed)
+        self.extra_plans.extend(p for p in decoded if p is not None)
+
+    def _transformed(self, item: Item) -> ItemPlan | None:
+        from ckptverify.checks.transformed import plan_transformed
+
+        result = FileResult(file=item.file)
+        plan = plan_transformed(self.opened[item.file], item, result,  # type: ignore[arg-type]
+                                registry=self.extension_registry)
+        with self._lock:
+            into = self.results[item.file]
+            into.findings.extend(result.findings)
+            into.items += result.items
+            into.records += result.records
+            into.bytes_hashed += result.bytes_hashed
+            into.uncheckable += result.uncheckable
+        return plan
+
+    def _hash(self, layout: Layout) -> None:
+        """One pass over the bytes, on all cores: CRC-32 of every record and, with a manifest, the digest of
+        every block. Items the manifest covers are hashed as block-aligned tasks that compute both in the
+        same pass; the rest as record segments (CRC only)."""
+        manifest = self.manifest
+        matched: dict[int, Item] = {}
+        tasks: list[manifest_check.BlockTask] = []
+        crc_ranges: list[list[tuple[int, int]]] = []
+        crc_keys: list[list[tuple[int, int]]] = []
+        covered: set[int] = set()
+        by_manifest: set[tuple[int, int]] = set()  # (plan, record) whose bytes only the manifest checks
+        if manifest is not None:
+            found, matched = manifest_check.compare_layout(manifest, layout)
+            self.findings.extend(found)
+            self.findings.extend(manifest_check.check_files(manifest, self.opened, self.root))
+            tasks = manifest_check.block_tasks(manifest, matched, self.opened, SEGMENT_BYTES)
+            plan_index = {(p.item.file, p.item.offset, p.item.length): n for n, p in enumerate(self.plans)}
+            for task in tasks:
+                item = matched[task.entry]
+                n = plan_index.get((item.file, item.offset, item.length))
+                ranges, keys = [], []
+                if n is not None:
+                    covered.add(n)
+                if n is not None and self.plans[n].crcs is None:
+                    base = item.offset
+                    for r, rec in enumerate(self.plans[n].archive.records):
+                        if rec.size > SMALL_RECORD_BYTES:
+                            # The block digests cover these bytes: a CRC on top would only halve the speed.
+                            by_manifest.add((n, r))
+                            self._manifest_records.add((item.file, item.offset, rec.name))
+                            continue
+                        lo, hi = max(task.start, base + rec.data_offset), min(task.end, base + rec.data_end)
+                        if lo < hi or (rec.size == 0 and task.start <= base + rec.data_offset < task.end):
+                            ranges.append((lo, max(lo, hi)))
+                            keys.append((n, r))
+                crc_ranges.append(ranges)
+                crc_keys.append(keys)
+        rest = [p for n, p in enumerate(self.plans) if n not in covered and p.crcs is None]
+        index_of = {id(p): n for n, p in enumerate(self.plans)}
+        segs = [Segment(s.file, s.start, s.end, index_of[id(rest[s.plan])], s.record, s.index)
+                for s in segments(rest, 0, SEGMENT_BYTES)]
+        work: list[Any] = [("blocks", k) for k in range(len(tasks))] + [("crc", s) for s in segs]
+        size = {("blocks", k): tasks[k].end - tasks[k].start for k in range(len(tasks))}
+        work.sort(key=lambda w: -(size[w] if w[0] == "blocks" else w[1].end - w[1].start))
+        if self.progress is not None:
+            self.progress.start(sum(t.end - t.start for t in tasks) + sum(s.end - s.start for s in segs))
+
+        def run(w: Any) -> Any:
+            kind, what = w
+            if kind == "crc":
+                value = self.opened[what.file].crc32(what.start, what.end)  # type: ignore[union-attr]
+                self.advance(what.end - what.start)
+                return value
+            task = tasks[what]
+            result = manifest_check.hash_task(self.opened[task.file], task, manifest, crc_ranges[what])  # type: ignore[arg-type]
+            self.advance(task.end - task.start)
+            return result
+
+        results = dict(zip(work, self.map(run, work), strict=True))
+        # CRC partials per record, combined in file order.
+        partials: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+        for seg in segs:
+            partials[(seg.plan, seg.record)].append((seg.start, seg.end - seg.start, results[("crc", seg)]))
+        for k in range(len(tasks)):
+            _, crcs = results[("blocks", k)]
+            for (lo, hi), key, value in zip(crc_ranges[k], crc_keys[k], crcs, strict=True):
+                partials[key].append((lo, hi - lo, value))
+        for n, plan in enumerate(self.plans):
+            if plan.crcs is not None:  # small items: computed while planning
+                judge_item(self.opened[plan.item.file], plan, plan.crcs, self.results[plan.item.file])  # type: ignore[arg-type]
+                continue
+            crcs = []
+            for r, rec in enumerate(plan.archive.records):
+                if (n, r) in by_manifest:
+                    crcs.append(rec.crc)  # judged by its block digests below, not by a CRC
+                    continue
+                value = 0
+                for _, length, part in sorted(partials[(n, r)]):
+                    value = crc32_combine(value, part, length)
+                crcs.append(value)
+            judge_item(self.opened[plan.item.file], plan, crcs, self.results[plan.item.file])  # type: ignore[arg-type]
+        for name in sorted(self.results):
+            res = self.results[name]
+            self.findings.extend(res.findings)
+            self.coverage.append(CheckCoverage(check="zip-structure", count=res.items, unit="items"))
+            self.coverage.append(CheckCoverage(check="zip-crc", count=res.records, unit="records"))
+            self.bytes_hashed += res.bytes_hashed
+        if manifest is None:
+            return
+        plan_of = {(p.item.file, p.item.offset, p.item.length): p for p in self.plans}
+        blocks = 0
+        for k, task in enumerate(tasks):
+            digests, _ = results[("blocks", k)]
+            item = matched[task.entry]
+            self._manifest_items.add((item.file, item.offset, item.length))
+            self.findings.extend(manifest_check.judge_blocks(
+                manifest, task, item, digests, plan_of.get((item.file, item.offset, item.length))))
+            blocks += len(digests)
+        self.coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
+        self._untiled_files(manifest, matched)
+        # Content the CRCs could not cover is now covered by the manifest's digests.
+        verified = {matched[t.entry].file for t in tasks}
+        covered_items = {(i.fqn, i.file) for i in matched.values()}
+        self.findings = [
+            f for f in self.findings
+            if not (f.check == "content-uncheckable"
+                    and ((f.location.fqn is None and f.location.file in verified)
+                         or (f.location.fqn, f.location.file) in covered_items))
+        ]
+
+    def _untiled_files(self, manifest: Manifest, matched: dict[int, Item]) -> None:
+        """Whole-file digests for files whose items do not cover every byte (blobs, gaps, trailing bytes).
+
+        Where matched items tile a file exactly and every block matched, the file equals what was saved
+        and its digest needs no second pass.
+        """
+        from ckptverify.fingerprint import digest_reader
+
+        ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for item in matched.values():
+            ranges[item.file].append((item.offset, item.end))
+        todo = []
+        for name, entry in manifest.files.items():
+            f = self.opened.get(name)
+            if f is None or f.size != entry.size:
+                continue  # missing or resized: already reported
+            cursor = 0
+            for start, end in sorted(ranges.get(name, [])):
+                if start != cursor:
+                    break
+                cursor = end
+            if cursor != f.size:
+                todo.append(name)
+        got = self.map(lambda n: digest_reader(self.opened[n], manifest.digest_algorithm), todo)  # type: ignore[arg-type]
+        for name, digest in zip(todo, got, strict=True):
+            if digest != manifest.files[name].digest:
+                self.findings.append(error(
+                    "manifest-digest", f"{name} differs from the file written at save time",
+                    location=Location(file=name), expected=manifest.files[name].digest, actual=digest))
+        self.coverage.append(CheckCoverage(check="manifest-digest", count=len(todo), unit="whole files"))
+
+    def _deep(self, layout: Layout) -> None:
+        desc = self.description()
+        if self.progress is not None:
+            self.progress.start(sum(p.item.length for p in self.plans
+                                    if p.item.kind == "tensor" and p.item.chunk is not None))
+        scans, found = deep_check.scan_description(desc, self.map, self.advance)
+        self.findings.extend(found)
+        self.findings.extend(deep_check.judge(desc, self.manifest, scans))
+        rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
+                      and scan.value(desc.tensors[fqn].shape) is not None)
+        self.coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
+        # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
+        wanted = sum(1 for t in desc.tensors.values() if 0 not in t.shape)
+        if wanted and not rebuilt:
+            self.findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {wanted} tensor(s) from "
+                                       "their bytes: nothing was checked end to end"))
+        elif rebuilt < wanted:
+            self.findings.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
+                                         "others could not be read back (see the findings above)"))
+
+    def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
+                    side_files: bool = False) -> Description:
+        """What the run read, as the description every format gives (:mod:`ckptverify.formats.dcp`): every
+        tensor with its payloads chunk by chunk (byte ranges in the files as stored or in the decoded stream
+        of a transformed item, and the checksum that checked them), every item as stored, the metadata files.
+        Read through the files this run opened. ``values``: also every non-tensor item's plain values (but
+        those of the items in ``values_skip``); ``side_files``: the framework side files beside the shards
+        merged in (``meta.pt:...``). Call after :meth:`execute`; empty when the metadata could not be read."""
+
+        if self.layout is None:
+            return Description(root=self.root, target=self.root, format="dcp")
+        with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
+            return self._describe(values, values_skip, side_files)
+
+    def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
+        from ckptverify.formats.describe import side_file_description
+
+        assert self.layout is not None
+        read = []
+        by_manifest, digested, opened = self._manifest_records, self._manifest_items, self.opened.get
+        for plan in self.plans:
+            item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
+            rec = plan.archive.record(f"data/{header.storage_key}") if header is not None else None
+            if reader is None:
+                reader = opened(item.file)
+                # A record whose CRC-32 field is 0 over nonzero bytes: saved with CRC-32 disabled.
+                checksum = "none" if rec is not None and rec.crc == 0 and rec.size else "crc32"
+                if by_manifest and rec is not None and (item.file, item.offset, rec.name) in by_manifest:
+                    checksum = "manifest"
+            elif isinstance(reader, _Window):  # a tensor of DCP's safetensors blob: its own bytes of the file
+                item = dataclasses.replace(item, offset=reader.offset)
+                base, reader = item.offset, reader.file
+                checksum = "none"
+            else:  # decoded stream transforms: the archive is the decoded bytes'
+                item = reader.stored
+                checksum = "crc32"
+            if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
+                checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
+            read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
+        side = side_file_description(self.root, list(self.side_files)) if side_files and self.side_files else None
+        return describe_dcp(self.root, self.layout, read, files=self.opened, values=values, values_skip=values_skip,
+                            side=side)
+
+
+class _Window:
+    """Bytes ``[offset, offset + length)`` of an opened file, read as if they were a file of their own."""
+
+    def __init__(self, f: ReadOnlyFile, offset: int, length: int) -> None:
+        self.file, self.offset, self.size = f, offset, length
+        self.path = f.path
+
+    def pread(self, offset: int, n: int) -> bytes:
+        n = min(n, self.size - offset)
+        return self.file.pread(self.offset + offset, n) if offset >= 0 and n > 0 else b""
+
+    def crc32(self, start: int, end: int, progress: Any = None) -> int:
+        return self.file.crc32(self.offset + start, self.offset + min(end, self.size), progress)
+
+    def changed(self) -> str | None:
+        return self.file.changed()
+
+
+#: At most this many findings of one check are reported in full; the rest are counted in one more finding.
+MAX_FINDINGS_PER_CHECK = 100
+
+
+def cap_findings(findings: Iterable[Finding], limit: int = MAX_FINDINGS_PER_CHECK) -> list[Finding]:
+    """The first ``limit`` findings of each check, in order, then per check one summary finding (same check,
+    the worst severity of those left out) that counts the rest: a checkpoint damaged everywhere gives a
+    readable report, and the count says how far the damage goes."""
+    kept: list[Finding] = []
+    left: dict[str, list[Finding]] = defaultdict(list)
+    seen: dict[str, int] = defaultdict(int)
+    for f in findings:
+        seen[f.check] += 1
+        if seen[f.check] <= limit:
+            kept.append(f)
+        else:
+            left[f.check].append(f)
+    for check, rest in left.items():
+        worst = max(rest, key=lambda f: f.severity.rank)
+        by_severity = Counter(f.severity.value for f in rest)
+        kept.append(Finding(
+            check=check, severity=worst.severity,
+            message=f"{len(rest)} more {check} finding(s) not listed (the first {limit} are); "
+                    f"{seen[check]} in all",
+            location=Location(),
+            actual={"omitted": len(rest), "total": seen[check], "omitted_by_severity": dict(by_severity)},
+        ))
+    return kept
+
+
+def changed_finding(name: str, how: str) -> Finding:
+    """The ``file-changed`` error: ``name`` changed while it was being verified."""
+    return error("file-changed", f"{name}: file changed during verification ({how}); what was read proves "
+                 "nothing about what is on disk now: verify again once nothing writes to the checkpoint",
+                 location=Location(file=name))
+
+
+def _changed_name(root: str, exc: FileChangedError) -> str:
+    """The checkpoint-relative name of the file an error is about."""
+    path = exc.path
+    return os.path.relpath(path, root).replace(os.sep, "/") if isinstance(path, str) else "?"
+
+
+def _name_signatures(root: str) -> dict[str, tuple[int, int, int, int] | None]:
+    """``stat`` (size, mtime, device, inode) of the metadata files and the manifest, by name; nothing opened."""
+    out: dict[str, tuple[int, int, int, int] | None] = {}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return out
+    for name in names:
+        if name in (".metadata", MANIFEST_FILE) or RANK_METADATA_RE.match(name):
+            try:
+                st = os.stat(os.path.join(root, name))
+                out[name] = (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+            except OSError:
+                out[name] = None
+    return out
