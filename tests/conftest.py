@@ -1,7 +1,7 @@
 """Shared fixtures: real DCP checkpoints, built once per session, handed out as fresh copies.
 
-``tests/`` (for ``ckpt_factory``) and ``scripts/`` (for ``inject_fault``) are put on ``sys.path`` so test
-modules can import both helpers directly.
+``tests/`` is put on ``sys.path`` so test modules import the shared helpers as ``from helpers import ...``
+(``tests/helpers/``: starting ranks, planting faults, building checkpoints).
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from typing import Any
 import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
-SCRIPTS_DIR = TESTS_DIR.parent / "scripts"
-for _p in (TESTS_DIR, SCRIPTS_DIR):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
 
-import ckpt_factory  # noqa: E402
+from helpers import ckpt_factory  # noqa: E402
 
 
 class CheckpointStore:
