@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -73,9 +74,28 @@ def _rank_main(rank: int, world: int, init_method: str, launcher_env: bool, fn: 
     try:
         fn(rank, world, *args)
         dist.barrier()  # no rank tears down while another is still in a collective
+    except BaseException:
+        _note_first_failure(init_method, rank)
+        raise
     finally:
         dist.destroy_process_group()
     exit_without_teardown()  # only after success: a failure propagates to the parent with its traceback
+
+
+def _failure_file(init_method: str) -> str:
+    return init_method.removeprefix("file://") + ".first-failure"
+
+
+def _note_first_failure(init_method: str, rank: int) -> None:
+    """Record this rank's error unless another rank's came first. A rank's failure makes the others fail too
+    (a collective's peer is gone), and whichever the launcher notices first is what it raises; the first one
+    noted is the cause, written before this rank lets go of the group."""
+    try:
+        fd = os.open(_failure_file(init_method), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{rank} {os.getpid()}\n{traceback.format_exc()}")
 
 
 def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, launcher_env: bool = False) -> None:
@@ -83,12 +103,25 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, launcher_env: b
 
     Each rank runs with one torch thread, joins the group, calls ``fn``, meets the others at a barrier and
     destroys the group. ``fn`` must be importable by name (a module-level function). Raises
-    ``torch.multiprocessing.ProcessRaisedException`` (with the rank's traceback) or ``ProcessExitedException``
-    when a rank fails; the other ranks are then terminated. ``launcher_env`` also sets ``RANK``,
+    ``torch.multiprocessing.ProcessRaisedException`` with the traceback of the first rank that failed (not of
+    another that failed because of it), or ``ProcessExitedException`` when a rank died without one; the other
+    ranks are then terminated. ``launcher_env`` also sets ``RANK``,
     ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` in each rank, as torchrun does.
     """
     import torch.multiprocessing as mp
 
     with FileRendezvous() as init_method:
-        mp.start_processes(_rank_main, args=(world, init_method, launcher_env, fn, args), nprocs=world, join=True,
-                           start_method="spawn")
+        try:
+            mp.start_processes(_rank_main, args=(world, init_method, launcher_env, fn, args), nprocs=world,
+                               join=True, start_method="spawn")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            try:
+                with open(_failure_file(init_method)) as f:
+                    head, trace = f.read().split("\n", 1)
+            except OSError:
+                raise exc from None
+            rank, pid = (int(x) for x in head.split())
+            if rank == exc.error_index:
+                raise
+            msg = f"\n\n-- Process {rank} terminated with the following error (the first rank to fail):\n{trace}"
+            raise mp.ProcessRaisedException(msg, rank, pid) from exc
