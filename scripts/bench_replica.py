@@ -19,14 +19,17 @@ Target: ``trace+check`` <= 1.01x ``trace`` on the built-in workload's large conf
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers.multiproc import FileRendezvous
 
 
-def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, trace_dir: str) -> None:
+def _worker(rank: int, nproc: int, init_method: str, args: argparse.Namespace, trace_dir: str) -> None:
     import dataclasses
 
     import torch
@@ -41,8 +44,7 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, trace_di
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=nproc)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=nproc)
     try:
         config = TinyGPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=32)
         device = "cuda" if cuda else "cpu"
@@ -123,15 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--nproc", type=int, default=2)
     args = ap.parse_args(argv)
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(args.nproc, port, args, tmp), nprocs=args.nproc, join=True,
+    with tempfile.TemporaryDirectory() as tmp, FileRendezvous() as init_method:  # no port to race for
+        mp.start_processes(_worker, args=(args.nproc, init_method, args, tmp), nprocs=args.nproc, join=True,
                            start_method="spawn")
     return 0
 

@@ -30,7 +30,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers.multiproc import init_group  # noqa: E402
+
 WIDTH, LAYERS = 384, 8
 OLD_STEP, NEW_STEP = 1, 2
 #: Points inside a save where a worker can kill its job (``NAME`` or ``NAME:N``).
@@ -138,8 +140,7 @@ def worker(args: argparse.Namespace) -> None:
     import ckptverify
 
     if args.world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-        dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+        init_group(args.rank, args.world, f"file://{args.rendezvous}")
     kw = {} if args.layout == "single" else {"single_file_per_rank": False}
 
     def save(state: Any) -> None:
@@ -206,14 +207,8 @@ class Job:
                 f"kill at {where}{late}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_args(job: Job, path: Path, rank: int, port: int, signal_file: str) -> list[str]:
-    cmd = ["--path", str(path), "--rank", str(rank), "--world", str(job.world), "--port", str(port),
+def _worker_args(job: Job, path: Path, rank: int, rendezvous: str, signal_file: str) -> list[str]:
+    cmd = ["--path", str(path), "--rank", str(rank), "--world", str(job.world), "--rendezvous", rendezvous,
            "--mode", job.mode, "--layout", job.layout, "--signal", signal_file, "--kill-rank", str(job.kill_rank),
            "--late", str(job.late), "--late-rank", str(job.late_rank)]
     if job.existing:
@@ -317,16 +312,16 @@ def run_job(job: Job, path: Path, *, kill_after: float | None = None, timeout: f
     the new save starts. Returns how it ended (``killed``, return codes, the seconds the save took if it
     finished). With a ``zygote``, the ranks are forked from it."""
     signal_file = str(path) + ".saving"
-    for f in (signal_file, signal_file + ".done"):
+    rendezvous = str(path) + ".rendezvous"  # the ranks' file store: a fresh file for each job, no port to race for
+    for f in (signal_file, signal_file + ".done", rendezvous):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f)
-    port = _free_port()
     if zygote is not None:
-        return _run_forked(job, path, kill_after, timeout, zygote, signal_file, port)
+        return _run_forked(job, path, kill_after, timeout, zygote, signal_file, rendezvous)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(job.world):
-        cmd = [sys.executable, __file__, "worker", *_worker_args(job, path, rank, port, signal_file)]
+        cmd = [sys.executable, __file__, "worker", *_worker_args(job, path, rank, rendezvous, signal_file)]
         group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one process group per job
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **group))
     pgid = procs[0].pid
@@ -360,9 +355,9 @@ def run_job(job: Job, path: Path, *, kill_after: float | None = None, timeout: f
 
 
 def _run_forked(job: Job, path: Path, kill_after: float | None, timeout: float, zygote: Zygote,
-                signal_file: str, port: int) -> dict[str, Any]:
+                signal_file: str, rendezvous: str) -> dict[str, Any]:
     log = str(path) + ".log"
-    pgid = zygote.start([_worker_args(job, path, rank, port, signal_file) for rank in range(job.world)], log)
+    pgid = zygote.start([_worker_args(job, path, rank, rendezvous, signal_file) for rank in range(job.world)], log)
     deadline = time.monotonic() + timeout
     killed_by_us = timed_out = False
     reply = None
@@ -500,7 +495,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--path", required=True)
     w.add_argument("--rank", type=int, default=0)
     w.add_argument("--world", type=int, default=1)
-    w.add_argument("--port", type=int, default=0)
+    w.add_argument("--rendezvous", help="file of the ranks' store (world > 1)")
     w.add_argument("--mode", choices=["sync", "async"], default="sync")
     w.add_argument("--layout", choices=["single", "per-item"], default="single")
     w.add_argument("--existing", action="store_true")

@@ -10,9 +10,11 @@ non-tensor values, written by ``torch.distributed.checkpoint.save``.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers.multiproc import FileRendezvous, init_group
 
 
 def _model(size_mib: int):
@@ -26,7 +28,7 @@ def _model(size_mib: int):
     )
 
 
-def _save(out: str, rank: int, world: int, size_mib: int, port: int) -> None:
+def _save(out: str, rank: int, world: int, size_mib: int, init_method: str | None) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -34,8 +36,7 @@ def _save(out: str, rank: int, world: int, size_mib: int, port: int) -> None:
 
     model = _model(size_mib)
     if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        init_group(rank, world, init_method)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -56,8 +57,8 @@ def _save(out: str, rank: int, world: int, size_mib: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _worker(rank: int, out: str, world: int, size_mib: int, port: int) -> None:
-    _save(out, rank, world, size_mib, port)
+def _worker(rank: int, out: str, world: int, size_mib: int, init_method: str) -> None:
+    _save(out, rank, world, size_mib, init_method)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,14 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks < 1:
         parser.error("--ranks must be at least 1")
     if args.ranks == 1:
-        _save(args.out, 0, 1, args.size_mib, 0)
+        _save(args.out, 0, 1, args.size_mib, None)
     else:
         import torch.multiprocessing as mp
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_worker, args=(args.out, args.ranks, args.size_mib, port), nprocs=args.ranks)
+        with FileRendezvous() as init_method:  # the ranks meet through a file: no port to race for
+            mp.spawn(_worker, args=(args.out, args.ranks, args.size_mib, init_method), nprocs=args.ranks)
     print(f"wrote a {args.ranks}-rank DCP checkpoint to {args.out}")
     return 0
 

@@ -1,25 +1,36 @@
 """Shared fixtures: real DCP checkpoints, built once per session, handed out as fresh copies.
 
-``tests/`` (for ``ckpt_factory``) and ``scripts/`` (for ``inject_fault``) are put on ``sys.path`` so test
-modules can import both helpers directly.
+``tests/`` is put on ``sys.path`` so test modules import the shared helpers as ``from helpers import ...``
+(``tests/helpers/``: starting ranks, planting faults, building checkpoints).
+
+Hypothesis runs under the ``ci`` profile unless ``HYPOTHESIS_PROFILE`` names another: the same examples every
+run (derandomized, no example database), so CI and the README's test command are steady; no deadline (a
+loaded machine is slow, not wrong); a failure prints the blob that reproduces it. ``HYPOTHESIS_PROFILE=dev``
+explores new examples and keeps failures in the local database. Each test's own ``@settings`` still sets its
+example count.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 TESTS_DIR = Path(__file__).resolve().parent
-SCRIPTS_DIR = TESTS_DIR.parent / "scripts"
-for _p in (TESTS_DIR, SCRIPTS_DIR):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
 
-import ckpt_factory  # noqa: E402
+from helpers import ckpt_factory  # noqa: E402
+
+settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
 
 
 class CheckpointStore:

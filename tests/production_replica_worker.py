@@ -1,6 +1,6 @@
 """Worker for the replica-episode test: two DDP replicas checked every step; rank 1's copy of one weight has a
 bit flipped at step 2, flipped back at step 4 (the replicas agree again) and flipped again at step 5. Run under
-torch.multiprocessing, gloo; writes what each rank warned, printed and found to ``rank{R}.json``."""
+``helpers.multiproc.spawn_ranks``, gloo; writes what each rank warned, printed and found to ``rank{R}.json``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from dist_exit import exit_without_teardown
 
 from ckptverify.hardware.inject import flip_bit_
 from ckptverify.hardware.replica import ReplicaCheck, ReplicaMismatchWarning
@@ -23,9 +21,7 @@ from ckptverify.ownfiles.events import EventLog
 FLIPS = (2, 4, 5)
 
 
-def run(rank: int, world: int, rendezvous: str, out_dir: str, steps: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+def run(rank: int, world: int, out_dir: str, steps: int) -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     check = ReplicaCheck(model, events=EventLog(out_dir, rank=rank))
@@ -44,6 +40,3 @@ def run(rank: int, world: int, rendezvous: str, out_dir: str, steps: int) -> Non
     result["stderr"] = err.getvalue()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_without_teardown()

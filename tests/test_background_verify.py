@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import faults as inj
+from helpers.multiproc import spawn_ranks
 
 import ckptverify as cv
 from ckptverify.errors import CheckpointRefusedError, UsageError, VerifyFailedError
@@ -240,17 +239,22 @@ def test_prune_keeps_checkpoints_queued_or_being_verified(tmp_path: Path, verifi
 # ---------------------------------------------------------------------------------- a job that ends
 
 _JOB = """
-import os, sys, time
+import os, sys, threading
 import torch
 import ckptverify as cv
 from ckptverify.verifier.background import default_verifier
 
 run = sys.argv[1]
-default_verifier().before_verify = lambda p: time.sleep(float(os.environ.get("HOLD", "0.3")))
+# Each verification is held until the job has saved its last checkpoint (at most HOLD seconds), so the job
+# ends with verifications still to do; RELEASE=0 keeps holding them past the end.
+saved = threading.Event()
+default_verifier().before_verify = lambda p: saved.wait(float(os.environ.get("HOLD", "300"))) and None
 for step in (1, 2, 3):
     cv.save({"w": torch.full((64, 64), float(step))}, os.path.join(run, f"step_{step}"), verify="background",
             events=run)
 print("pending at exit:", len(default_verifier().pending()), flush=True)
+if os.environ.get("RELEASE", "1") == "1":
+    saved.set()
 """
 
 
@@ -262,7 +266,7 @@ def _job(run: Path, **env: str) -> subprocess.CompletedProcess[str]:
 def test_a_job_that_ends_waits_and_every_checkpoint_carries_a_stamp(tmp_path: Path) -> None:
     done = _job(tmp_path)
     assert done.returncode == 0, done.stderr
-    assert int(done.stdout.split("pending at exit:")[1]) >= 2  # still verifying when the script ended
+    assert int(done.stdout.split("pending at exit:")[1]) == 3  # none verified yet when the script ended
     for step in (1, 2, 3):
         assert _stamp(tmp_path / f"step_{step}")["passed"]
     assert [e["step"] for e in read_events(tmp_path, "checkpoint-verified")] == [1, 2, 3]
@@ -270,7 +274,7 @@ def test_a_job_that_ends_waits_and_every_checkpoint_carries_a_stamp(tmp_path: Pa
 
 
 def test_a_job_whose_exit_wait_is_too_short_says_which_it_cut_short(tmp_path: Path) -> None:
-    done = _job(tmp_path, HOLD="5", CKPTVERIFY_VERIFY_EXIT_TIMEOUT="0.5")
+    done = _job(tmp_path, HOLD="5", RELEASE="0", CKPTVERIFY_VERIFY_EXIT_TIMEOUT="0.5")
     assert done.returncode == 0, done.stderr
     assert "VerifyIncompleteWarning" in done.stderr and "not finished after waiting 0.5 s" in done.stderr
     cut = {e["step"] for e in read_events(tmp_path, "checkpoint-cut-short")}
@@ -361,20 +365,10 @@ def test_load_pick_trusts_a_failed_stamp_from_the_background_verifier(tmp_path: 
 
 # ---------------------------------------------------------------------------------- two ranks
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_rank_worker(rank: int, port: int, root: str) -> None:
+def _two_rank_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     out: dict[str, Any] = {"rank": rank}
     try:
         def save(step: int) -> None:
@@ -400,26 +394,14 @@ def _two_rank_worker(rank: int, port: int, root: str) -> None:
         except VerifyFailedError as exc:
             out["third"] = f"raised: {exc}"
         cv.wait_for_verifications(timeout=120)
-        dist.barrier()
     finally:
         with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
-        dist.destroy_process_group()
-    from dist_exit import exit_without_teardown
-
-    exit_without_teardown()
 
 
 @pytest.mark.slow
 def test_two_ranks_only_rank_0_verifies_and_both_ranks_see_a_raise_mode_failure(tmp_path: Path) -> None:
-    for attempt in range(2):
-        try:
-            mp.start_processes(_two_rank_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True,
-                               start_method="spawn")
-            break
-        except mp.ProcessRaisedException as exc:
-            if attempt or "address already in use" not in str(exc).lower():
-                raise
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["has_verifier"] and not ranks[1]["has_verifier"], ranks
     assert [r["last"] for r in ranks] == ["failed", None]

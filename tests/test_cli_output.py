@@ -11,10 +11,10 @@ import json
 import os
 from pathlib import Path
 
-import inject_fault as inj
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
+from helpers import faults as inj
 
 from ckptverify.cli import main
 

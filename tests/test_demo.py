@@ -11,6 +11,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # past the demo's own 900-second limit, which says more when it is reached
 def test_the_demo_passes_and_every_step_reports(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "ckptverify", "demo", "--json", "--keep", str(tmp_path / "demo")],
                           capture_output=True, text=True, timeout=900)

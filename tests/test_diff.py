@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-import inject_fault as inj
 import pytest
 import torch
 from click.testing import CliRunner
-from dcp_encodings import dcp_checkpoint as _dcp
-from dcp_encodings import safetensors_ckpt, zstd_ckpt
+from helpers import faults as inj
+from helpers.dcp_encodings import dcp_checkpoint as _dcp
+from helpers.dcp_encodings import safetensors_ckpt, zstd_ckpt
 
 from ckptverify.audit.diff import diff_checkpoints, tensor_difference
 from ckptverify.cli import main
@@ -131,7 +131,7 @@ def test_a_dcp_checkpoint_its_torch_save_file_and_its_hugging_face_export_compar
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from ckpt_factory import single_process_state_dict
+    from helpers.ckpt_factory import single_process_state_dict
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

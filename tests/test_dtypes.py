@@ -14,9 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from ckpt_factory import free_port, safetensors_supported
-from dist_exit import exit_without_teardown
+from helpers.ckpt_factory import safetensors_supported
+from helpers.multiproc import spawn_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
@@ -97,30 +96,23 @@ def test_every_dtype_verifies_clean(tmp_path_factory, layout, shape, seed):
     assert report.stats["tensors"] == len(names)
 
 
-def _two_rank_worker(rank: int, world: int, port: int, jobs: list[tuple[str, bool]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Shard
+def _two_rank_worker(rank: int, world: int, jobs: list[tuple[str, bool]]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
 
-        mesh = init_device_mesh("cpu", (world,))
-        # Each rank holds its rows of the same global tensor (built locally: gloo cannot scatter every dtype).
-        state = {name: DTensor.from_local(random_tensor(name, (6, 3), i).chunk(world)[rank].clone(), mesh,
-                                          [Shard(0)], run_check=False)
-                 for i, name in enumerate(AVAILABLE)}
-        for path, use_collectives in jobs:
-            dcp.save(state, checkpoint_id=path, use_collectives=use_collectives)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    exit_without_teardown()  # only after success: see tests/dist_exit.py
+    mesh = init_device_mesh("cpu", (world,))
+    # Each rank holds its rows of the same global tensor (built locally: gloo cannot scatter every dtype).
+    state = {name: DTensor.from_local(random_tensor(name, (6, 3), i).chunk(world)[rank].clone(), mesh,
+                                      [Shard(0)], run_check=False)
+             for i, name in enumerate(AVAILABLE)}
+    for path, use_collectives in jobs:
+        dcp.save(state, checkpoint_id=path, use_collectives=use_collectives)
+        dist.barrier()
 
 
 def test_every_dtype_verifies_clean_sharded_on_two_ranks(tmp_path):
     jobs = [(str(tmp_path / "fsdp2"), True), (str(tmp_path / "nocoll"), False)]
-    mp.start_processes(_two_rank_worker, args=(2, free_port(), jobs), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_two_rank_worker, 2, jobs)
     for path, _ in jobs:
         report = verify_checkpoint(path)
         assert report.exit_code == 0, (path, [(f.check, f.message) for f in report.errors])

@@ -6,8 +6,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
-import socket
 import struct
 import subprocess
 import sys
@@ -16,9 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_exit import exit_without_teardown
+from helpers.multiproc import spawn_ranks
 
 from ckptverify.examples import (
     TinyGPT,
@@ -180,51 +176,27 @@ WORLD = 2
 FSDP_STEPS = 6
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
+def _fsdp_worker(rank: int, world: int, out_dir: str) -> None:
     warnings.simplefilter("ignore", UserWarning)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        training = build_training(TinyGPTConfig(), seed=0, num_sequences=512, mesh=mesh)
-        assert all(isinstance(p, DTensor) for p in training.model.parameters())
-        batches = iter(make_loader(training.dataset, 8, rank=rank, world_size=WORLD))
-        results = [train_step(training, next(batches)) for _ in range(FSDP_STEPS)]
-        record = {
-            key: struct.pack(f"<{FSDP_STEPS}f", *[float(r[key]) for r in results]).hex()
-            for key in ("loss", "grad_norm")
-        }
-        record["grad_norm_type"] = type(results[0]["grad_norm"]).__name__
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
-        dist.barrier()  # no rank tears down while another is still in a collective
-    finally:
-        dist.destroy_process_group()
-    exit_without_teardown()  # only after success: see tests/dist_exit.py
+    mesh = init_device_mesh("cpu", (world,))
+    training = build_training(TinyGPTConfig(), seed=0, num_sequences=512, mesh=mesh)
+    assert all(isinstance(p, DTensor) for p in training.model.parameters())
+    batches = iter(make_loader(training.dataset, 8, rank=rank, world_size=world))
+    results = [train_step(training, next(batches)) for _ in range(FSDP_STEPS)]
+    record = {
+        key: struct.pack(f"<{FSDP_STEPS}f", *[float(r[key]) for r in results]).hex()
+        for key in ("loss", "grad_norm")
+    }
+    record["grad_norm_type"] = type(results[0]["grad_norm"]).__name__
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
 
 
 def _launch_fsdp(out_dir: Path) -> list[dict[str, str]]:
     out_dir.mkdir()
-    for attempt in range(2):
-        try:
-            mp.start_processes(
-                _fsdp_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True, start_method="spawn"
-            )
-            break
-        except mp.ProcessRaisedException as exc:
-            # The free port can be taken before the ranks bind it: retry once then.
-            if attempt or "address already in use" not in str(exc).lower():
-                raise
+    spawn_ranks(_fsdp_worker, WORLD, str(out_dir))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

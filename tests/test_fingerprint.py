@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from dist_exit import exit_without_teardown
+from helpers.multiproc import spawn_ranks
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -642,40 +642,31 @@ def test_backend_selection() -> None:
 # ------------------------------------------------------------------------------------------- DTensor
 
 
-def _dtensor_worker(rank: int, world: int, store: str, out_dir: str) -> None:
-    import torch.distributed as dist
+def _dtensor_worker(rank: int, world: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        full = make_tensor(torch.float32, (7, 5), 1234)  # 7 rows over 2 ranks: uneven shards
-        results = {}
-        for label, placement in [("shard0", Shard(0)), ("shard1", Shard(1)), ("replicate", Replicate())]:
-            d = distribute_tensor(full, mesh, [placement])
-            results[label] = fp.tensor_fingerprint(d).to_dict()
-        # Partial: each rank holds an addend; the tensor's value is their sum.
-        ints = torch.arange(35, dtype=torch.float32).reshape(7, 5)
-        local = ints if rank == 0 else torch.zeros_like(ints)
-        partial = DTensor.from_local(local, mesh, [Partial()])
-        results["partial"] = fp.tensor_fingerprint(partial).to_dict()
-        bf = make_tensor(torch.bfloat16, (3, 4, 9), 99)
-        results["bf16_shard2"] = fp.tensor_fingerprint(distribute_tensor(bf, mesh, [Shard(2)])).to_dict()
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.barrier()  # no rank tears down while another is still in a collective
-    finally:
-        dist.destroy_process_group()
-    exit_without_teardown()  # only after success: see tests/dist_exit.py
+    mesh = init_device_mesh("cpu", (world,))
+    full = make_tensor(torch.float32, (7, 5), 1234)  # 7 rows over 2 ranks: uneven shards
+    results = {}
+    for label, placement in [("shard0", Shard(0)), ("shard1", Shard(1)), ("replicate", Replicate())]:
+        d = distribute_tensor(full, mesh, [placement])
+        results[label] = fp.tensor_fingerprint(d).to_dict()
+    # Partial: each rank holds an addend; the tensor's value is their sum.
+    ints = torch.arange(35, dtype=torch.float32).reshape(7, 5)
+    local = ints if rank == 0 else torch.zeros_like(ints)
+    partial = DTensor.from_local(local, mesh, [Partial()])
+    results["partial"] = fp.tensor_fingerprint(partial).to_dict()
+    bf = make_tensor(torch.bfloat16, (3, 4, 9), 99)
+    results["bf16_shard2"] = fp.tensor_fingerprint(distribute_tensor(bf, mesh, [Shard(2)])).to_dict()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 @pytest.mark.slow
 def test_dtensor_fingerprint_two_ranks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_dtensor_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_dtensor_worker, 2, str(tmp_path))
     full = fp.tensor_fingerprint(make_tensor(torch.float32, (7, 5), 1234))
     expected = {
         "shard0": full,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dcp_encodings import dcp_checkpoint as _dcp
-from dcp_encodings import safetensors_ckpt, zstd_ckpt
+from helpers.dcp_encodings import dcp_checkpoint as _dcp
+from helpers.dcp_encodings import safetensors_ckpt, zstd_ckpt
 
 from ckptverify.checks.folder import check_folder
 from ckptverify.checks.single import check_file
@@ -319,7 +319,7 @@ def test_the_hashing_writer_digests_safetensors_tensors_where_they_are(tmp_path:
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from ckpt_factory import single_process_state_dict
+    from helpers.ckpt_factory import single_process_state_dict
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
     from ckptverify.audit.verify import verify_checkpoint

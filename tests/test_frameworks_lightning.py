@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import inject_fault as inj
 import pytest
 from frameworks import harness as h
+from helpers import faults as inj
 
 pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
 

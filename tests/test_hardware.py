@@ -13,7 +13,7 @@ from typing import Any
 import hardware_worker as worker
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers.multiproc import spawn_ranks
 
 from ckptverify.errors import UsageError
 from ckptverify.hardware.inject import BitFlip, FaultInjector, flip_bit_
@@ -23,8 +23,7 @@ from ckptverify.ownfiles.events import read_events
 def _launch(tmp: Path, wrap: str, fault: BitFlip | None = None, on_mismatch: str = "warn",
             steps: int = 4) -> list[dict[str, Any]]:
     tmp.mkdir(parents=True, exist_ok=True)
-    args = (2, str(tmp / ".rendezvous"), str(tmp), wrap, fault.to_json() if fault else None, on_mismatch, steps)
-    mp.start_processes(worker.run, args=args, nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(worker.run, 2, str(tmp), wrap, fault.to_json() if fault else None, on_mismatch, steps)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 

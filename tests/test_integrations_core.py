@@ -133,7 +133,7 @@ def test_background_writes_the_same_manifest_stamp_and_event_as_inline(tmp_path:
 
 def test_a_background_failure_warns_logs_and_is_raised_at_the_next_save(tmp_path: Path,
                                                                         queue: BackgroundVerifier) -> None:
-    import inject_fault as inj
+    from helpers import faults as inj
 
     first, second = tmp_path / "step-1", tmp_path / "step-2"
     dcp.save({"w": torch.randn(64, 64)}, checkpoint_id=first)

@@ -310,7 +310,7 @@ def run_worker(out: Path, world: int, stage: str, ckpt: Path | None = None) -> l
 
 
 def check_dcp_run(tmp_path: Path, world: int) -> None:
-    import inject_fault as inj
+    from helpers import faults as inj
 
     (saved, *others) = run_worker(tmp_path, world, "save")
     assert saved["error"] is None and saved["warnings"] == [], saved

@@ -226,7 +226,7 @@ def test_an_uncommitted_save_is_refused_even_without_verification(good, tmp_path
 def test_a_corrupt_checkpoint_is_refused_and_changes_nothing(good, tmp_path) -> None:
     import shutil
 
-    import inject_fault as inj
+    from helpers import faults as inj
 
     path, _ = good
     bad = tmp_path / "bad"

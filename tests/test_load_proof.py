@@ -15,11 +15,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import pytest
 import torch
-import torch.multiprocessing as mp
-from ckpt_factory import free_port
+from helpers import faults as inj
+from helpers.multiproc import spawn_ranks
 from test_load_atomic import assert_unchanged, build, snapshot
 
 import ckptverify as cv
@@ -223,12 +222,10 @@ def _live(state: cv.TrainState) -> dict[str, Any]:
             "sched": copy.deepcopy(state.schedulers[0].state_dict()), "counters": state.counters.state_dict()}
 
 
-def _two_rank_worker(rank: int, port: int, root: str) -> None:
+def _two_rank_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed as dist
     from test_load_atomic import same
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     out: dict[str, Any] = {}
     try:
         run = Path(root) / "run"
@@ -265,13 +262,11 @@ def _two_rank_worker(rank: int, port: int, root: str) -> None:
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         torch.save(out, Path(root) / f"rank{rank}.pt")
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_two_ranks_refuse_a_damaged_checkpoint_alike_and_move_on_alike(tmp_path: Path) -> None:
-    mp.start_processes(_two_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path))
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for out in outs:
         assert "error" not in out, out

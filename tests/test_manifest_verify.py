@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import pytest
-from ckpt_factory import ZIP_LAYOUTS
 from click.testing import CliRunner
+from helpers import faults as inj
+from helpers.ckpt_factory import ZIP_LAYOUTS
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint

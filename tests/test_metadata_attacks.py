@@ -229,7 +229,7 @@ def test_where_python_unpickling_is_lenient_the_safe_parse_is_not(data):
 
 @pytest.mark.parametrize("layout", ["single", "threads", "per_item", "safetensors", "fsdp2", "nocoll"])
 def test_safe_reader_gives_dcp_the_same_metadata_in_every_layout(fresh_ckpt, layout):
-    from ckpt_factory import safetensors_supported
+    from helpers.ckpt_factory import safetensors_supported
 
     if layout == "safetensors" and not safetensors_supported():
         pytest.skip("this torch has no safetensors serialization")

@@ -70,7 +70,7 @@ def _global(module: bytes, name: bytes) -> bytes:
 
 @pytest.mark.parametrize("layout", ["single", "threads", "per_item", "safetensors", "fsdp2", "nocoll"])
 def test_metadata_of_every_layout_takes_the_fast_path_and_equals_the_reference(fresh_ckpt, layout):
-    from ckpt_factory import safetensors_supported
+    from helpers.ckpt_factory import safetensors_supported
 
     if layout == "safetensors" and not safetensors_supported():
         pytest.skip("this torch has no safetensors serialization")

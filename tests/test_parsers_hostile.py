@@ -154,8 +154,8 @@ def test_run_directory_commands_survive_an_infinite_safetensors_shape(tmp_path: 
 
 
 def test_verify_of_a_dcp_safetensors_blob_with_an_infinite_offset_is_a_finding(tmp_path: Path) -> None:
-    from ckpt_factory import safetensors_supported
-    from dcp_encodings import safetensors_ckpt
+    from helpers.ckpt_factory import safetensors_supported
+    from helpers.dcp_encodings import safetensors_ckpt
 
     if not safetensors_supported():
         pytest.skip("this torch's DCP has no safetensors serialization")

@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import inject_fault as inj
 import pytest
+from helpers import faults as inj
 
 from ckptverify.hardware.inject import BitFlip
 from ckptverify.ownfiles.events import read_events

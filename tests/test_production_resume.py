@@ -4,7 +4,7 @@ diverged is never resumed from.
 The job is `tests/user_scripts/production_train.py`, written the way a user writes one (its Dataset in
 `production_data.py`, DataLoader workers, AdamW, OneCycleLR, gradient clipping, an EMA in `extras`, DDP on 2
 ranks), started as users start it (`python`, or `torchrun` for 2 ranks). Checkpoints are damaged with
-`scripts/inject_fault.py`; replicas are made to diverge with the documented `fault=` hook (a BitFlip).
+`tests/helpers/faults.py`; replicas are made to diverge with the documented `fault=` hook (a BitFlip).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import production_replica_worker as episode_worker
 import pytest
-import torch.multiprocessing as mp
+from helpers import faults as inj
+from helpers.multiproc import spawn_ranks
 
 from ckptverify.hardware.inject import BitFlip
 from ckptverify.ownfiles.events import read_events
@@ -243,8 +243,7 @@ def test_two_ranks_a_healthy_job_warns_nothing_and_a_crc_failure_is_corrupt_not_
 @pytest.mark.slow
 def test_replica_warnings_come_once_per_episode_with_its_count(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
-    args = (2, str(tmp_path / ".rendezvous"), str(tmp_path / "out"), 6)
-    mp.start_processes(episode_worker.run, args=args, nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(episode_worker.run, 2, str(tmp_path / "out"), 6)
     results = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:  # every rank sees every mismatched step (the check is collective)...
         assert r["found"] == [[], [2], [3], [], [5], [6]]

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -36,10 +35,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_replay_without_a_named_target_runs_nothing_and_says_what_run_json_records(tmp_path: Path) -> None:
     run, mark = _run_dir(tmp_path)
-    began = time.monotonic()
     done = _cli("replay", str(run))
     assert done.returncode == 2, done.stdout + done.stderr
-    assert time.monotonic() - began < 60
     assert "a run directory is data" in done.stderr.lower() and f"--target {tmp_path / 'planted.py'}:train" in (
         done.stderr.replace("\n", " ").replace("  ", " ")), done.stderr
     assert "Traceback" not in done.stderr and not mark.exists()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import warnings
@@ -15,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from dist_exit import exit_without_teardown
+from helpers.multiproc import spawn_ranks
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from ckptverify.errors import CkptVerifyError, UsageError
@@ -210,57 +208,34 @@ def test_dcp_stateful_protocol(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------- 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_rank_worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
+def _two_rank_worker(rank: int, world: int, ckpt: str, out_dir: str) -> None:
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        gen = torch.Generator()
-        _scramble(gen, 100 + rank)  # different streams on each rank
-        rng = RngState({"loader": gen})
-        assert (rng.rank, rng.world_size) == (rank, world)
-        sd = rng.state_dict()
-        own_cpu = sd[rank_key(rank)]["torch_cpu"].clone()
-        # The trap: the same key on every rank. DCP keeps one copy.
-        dcp.save({"rng": sd, "naive": {"torch_cpu": own_cpu.clone()}}, checkpoint_id=ckpt)
-        restore_rng(sd[rank_key(rank)], {"loader": gen})
-        expected = _draw(gen)
-        _scramble(gen, 7)  # same junk state on both ranks
-        fresh = RngState({"loader": gen})
-        naive = {"torch_cpu": torch.zeros_like(own_cpu)}
-        dcp.load({"rng": fresh, "naive": naive}, checkpoint_id=ckpt)
-        report = {
-            "expected": expected,
-            "got": _draw(gen),
-            "fingerprints": fresh.restored_fingerprints,
-            "naive_is_own": bool(torch.equal(naive["torch_cpu"], own_cpu)),
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-        dist.barrier()  # no rank tears down while another is still in a collective
-    finally:
-        dist.destroy_process_group()
-    exit_without_teardown()  # only after success: see tests/dist_exit.py
+    gen = torch.Generator()
+    _scramble(gen, 100 + rank)  # different streams on each rank
+    rng = RngState({"loader": gen})
+    assert (rng.rank, rng.world_size) == (rank, world)
+    sd = rng.state_dict()
+    own_cpu = sd[rank_key(rank)]["torch_cpu"].clone()
+    # The trap: the same key on every rank. DCP keeps one copy.
+    dcp.save({"rng": sd, "naive": {"torch_cpu": own_cpu.clone()}}, checkpoint_id=ckpt)
+    restore_rng(sd[rank_key(rank)], {"loader": gen})
+    expected = _draw(gen)
+    _scramble(gen, 7)  # same junk state on both ranks
+    fresh = RngState({"loader": gen})
+    naive = {"torch_cpu": torch.zeros_like(own_cpu)}
+    dcp.load({"rng": fresh, "naive": naive}, checkpoint_id=ckpt)
+    report = {
+        "expected": expected,
+        "got": _draw(gen),
+        "fingerprints": fresh.restored_fingerprints,
+        "naive_is_own": bool(torch.equal(naive["torch_cpu"], own_cpu)),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
 def test_two_ranks_one_checkpoint_each_restores_its_own(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    mp.start_processes(
-        _two_rank_worker,
-        args=(2, _free_port(), str(ckpt), str(tmp_path)),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    spawn_ranks(_two_rank_worker, 2, str(ckpt), str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in reports:
         assert r["got"] == r["expected"]

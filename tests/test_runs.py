@@ -11,11 +11,11 @@ import threading
 import time
 from pathlib import Path
 
-import inject_fault as inj
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
+from helpers import faults as inj
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
@@ -198,15 +198,23 @@ def test_watch_picks_up_a_checkpoint_committed_later(tmp_path: Path) -> None:
     root = tmp_path / "run"
     _dcp(root / "step_1", 1.0)
     seen: list[dict] = []
+    first_pass_done = threading.Event()
+
+    def on_result(item: dict) -> None:
+        seen.append(item)
+        first_pass_done.set()
 
     def late_save() -> None:
-        time.sleep(0.5)
+        assert first_pass_done.wait(timeout=300)  # committed while the watcher runs, after it listed step_1
         _dcp(root / "step_2", 2.0)
 
     saver = threading.Thread(target=late_save)
     saver.start()
-    watch(root, interval=0.2, max_passes=15, on_result=seen.append, log=str(tmp_path / "w.jsonl"))
-    saver.join()
+    try:
+        watch(root, interval=0.2, max_passes=15, on_result=on_result, log=str(tmp_path / "w.jsonl"))
+    finally:
+        first_pass_done.set()
+        saver.join()
     assert {r["path"] for r in seen if r["event"] == "verified"} >= {"step_1"}
     # Whatever the timing, once the save is done one more pass stamps it.
     watch(root, once=True, log=str(tmp_path / "w.jsonl"))

@@ -14,7 +14,6 @@ import io
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from helpers.multiproc import spawn_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -667,70 +666,43 @@ def test_use_collectives_false_single_process(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_rank_worker(rank: int, port: int, root: str, process_based: bool) -> None:
+def _two_rank_worker(rank: int, world: int, root: str, process_based: bool) -> None:
     """Both ranks: FSDP2 on a CPU mesh, AdamW stepped once, then saves through ckptverify."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
     warnings.simplefilter("ignore", UserWarning)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = make_model(0)
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optim = step_once(model)
-        model_sd, optim_sd = get_state_dict(model, optim)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, **extras()}
-        # Rank-local state is keyed by rank (DCP deduplicates equal keys across ranks).
-        state[f"rank_state.{rank}"] = {"rank": rank, "noise": torch.full((5,), float(rank))}
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = step_once(model)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, **extras()}
+    # Rank-local state is keyed by rank (DCP deduplicates equal keys across ranks).
+    state[f"rank_state.{rank}"] = {"rank": rank, "noise": torch.full((5,), float(rank))}
 
-        report: dict[str, Any] = {}
-        if process_based:
-            future = async_save(
-                state, os.path.join(root, "async_process"), async_checkpointer_type=AsyncCheckpointerType.PROCESS
-            )
-            future.result(timeout=120)
-        else:
-            manifest = save(state, os.path.join(root, "sync"), thread_count=2)
-            report["sync_returned_manifest"] = manifest is not None
-            dist.barrier()
-            async_save(state, os.path.join(root, "async_thread")).result(timeout=120)
+    report: dict[str, Any] = {}
+    if process_based:
+        future = async_save(
+            state, os.path.join(root, "async_process"), async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
+        future.result(timeout=120)
+    else:
+        manifest = save(state, os.path.join(root, "sync"), thread_count=2)
+        report["sync_returned_manifest"] = manifest is not None
         dist.barrier()
-        with open(os.path.join(root, f"report.{rank}.json"), "w") as f:
-            json.dump(report, f)
-        dist.barrier()  # no rank tears down while another is still in a collective
-    finally:
-        dist.destroy_process_group()
-    from dist_exit import exit_without_teardown
-
-    exit_without_teardown()  # see there: a normal exit can abort around gloo threads FSDP2 keeps alive
+        async_save(state, os.path.join(root, "async_thread")).result(timeout=120)
+    dist.barrier()
+    with open(os.path.join(root, f"report.{rank}.json"), "w") as f:
+        json.dump(report, f)
 
 
 def _run_two_ranks(root: Path, process_based: bool) -> list[dict[str, Any]]:
-    for attempt in range(2):
-        try:
-            mp.start_processes(
-                _two_rank_worker, args=(_free_port(), str(root), process_based), nprocs=WORLD, join=True,
-                start_method="spawn",
-            )
-            break
-        except mp.ProcessRaisedException as exc:
-            # The free port can be taken by another process before the ranks bind it: retry once then.
-            if attempt or "address already in use" not in str(exc).lower():
-                raise
+    spawn_ranks(_two_rank_worker, WORLD, str(root), process_based)
     return [json.loads((root / f"report.{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-import chaos_save as chaos
 import pytest
 import torch
 
@@ -21,6 +21,10 @@ from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.dcp.commit import MARKER_FILE, begin_save, read_marker
 from ckptverify.errors import SaveConflictError
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
+
+# The jobs are scripts/chaos_save.py's own (the tool runs them at random kill points; these tests at chosen ones).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import chaos_save as chaos
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",
                                         "ignore:Detected an existing checkpoint:UserWarning")
@@ -154,7 +158,7 @@ def test_a_save_from_another_process_into_a_directory_being_saved_fails_clearly(
     path = tmp_path / "ckpt"
     go = tmp_path / "go"
     job = chaos.Job(world=1, existing=False, late_rank=0, hold=str(go))
-    args = chaos._worker_args(job, path, 0, 0, str(tmp_path / "signal"))
+    args = chaos._worker_args(job, path, 0, str(tmp_path / "rendezvous"), str(tmp_path / "signal"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(chaos.ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, chaos.__file__, "worker", *args], env=env)
     try:

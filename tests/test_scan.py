@@ -7,11 +7,11 @@ import os
 import shutil
 from pathlib import Path
 
-import inject_fault as inj
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
+from helpers import faults as inj
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.cli import main

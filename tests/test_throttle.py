@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import pytest
 import torch
+from helpers import faults as inj
 
 import ckptverify as cv
 from ckptverify.ownfiles.events import read_events
@@ -220,16 +220,30 @@ def _no_delay() -> float | None:
     return None  # no run-delay counter: only the looks decide
 
 
+class ClockedWake:
+    """Stands in for a throttle's wake event: each wait moves ``clock`` on by its length (nothing wakes it)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.waits: list[float] = []
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        self.clock.now += seconds
+        return False
+
+
 def test_throttle_waits_while_no_core_is_idle_and_records_the_time() -> None:
+    clock = Clock()
     probe = ScriptedProbe(None, 0.0, 0.1, 0.2, 3.0)  # construction; then busy, busy, busy, free
     throttle = Throttle(probe, min_free=0.5, window=0.05, first=0.01, longest=0.02,  # type: ignore[arg-type]
-                        run_delay=_no_delay)
-    started = time.monotonic()
+                        clock=clock, run_delay=_no_delay)
+    wake = ClockedWake(clock)
+    throttle._wake = wake  # type: ignore[assignment]
     throttle(1 << 20)
-    waited = time.monotonic() - started
     assert probe.looks == 5
-    assert throttle.throttled_s == pytest.approx(0.01 + 0.02 + 0.02, abs=0.04)
-    assert waited >= 0.05 - 0.005
+    assert wake.waits == [0.01, 0.02, 0.02]  # doubling up to the longest, one wait per busy look
+    assert throttle.throttled_s == pytest.approx(0.01 + 0.02 + 0.02)  # every second waited, recorded
 
 
 def test_throttle_looks_at_the_first_read_then_once_per_window() -> None:
@@ -294,12 +308,22 @@ def test_a_thread_pushed_aside_waits_at_once_and_longer_each_time_then_reads_on_
 def test_a_lifted_throttle_stops_waiting_at_once() -> None:
     import threading
 
-    busy = ScriptedProbe(*[0.0] * 1000)
-    throttle = Throttle(busy, min_free=0.5, first=5.0, longest=5.0, run_delay=_no_delay)  # type: ignore[arg-type]
-    threading.Timer(0.2, throttle.lift).start()
-    started = time.monotonic()
-    throttle(1 << 20)
-    assert time.monotonic() - started < 3.0 and throttle.lifted
+    class LiftedWhileWaiting(ScriptedProbe):
+        """Busy at every look; the look before the first wait has another thread lift the throttle."""
+
+        def look(self) -> float | None:
+            if self.looks == 1:
+                threading.Thread(target=throttle.lift).start()
+            return super().look()
+
+    # Each wait an hour: only the lift can end the call within the join's deadline.
+    throttle = Throttle(LiftedWhileWaiting(*[0.0] * 1000), min_free=0.5, first=3600.0, longest=3600.0,
+                        run_delay=_no_delay)  # type: ignore[arg-type]
+    reader = threading.Thread(target=throttle, args=(1 << 20,), daemon=True)
+    reader.start()
+    reader.join(timeout=120)
+    assert not reader.is_alive() and throttle.lifted
+    assert throttle.throttled_s < 3600.0
     answers = iter([False] * 5 + [True] * 100)  # the parent asks for full speed after a while
     asked = Throttle(ScriptedProbe(*[0.0] * 1000), first=0.01, longest=0.01,  # type: ignore[arg-type]
                      lifted=lambda: next(answers), run_delay=_no_delay)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from dist_exit import exit_without_teardown
+from helpers.multiproc import spawn_ranks
 from torch import nn
 
 from ckptverify import TrainState
@@ -320,48 +320,40 @@ def test_incomplete_steps(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------- two ranks
 
 
-def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
-    import torch.distributed as dist
+def _fsdp_worker(rank: int, world: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for run, perturb, detail in (("a", False, "tensor"), ("b", False, "tensor"), ("c", True, "tensor"),
-                                     ("d", True, "category")):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-            fully_shard(model[0], mesh=mesh)
-            fully_shard(model[2], mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            state = TrainState(model=model, optimizer=opt)
-            batches = _batches(3, seed=10 + rank)
-            with TraceRecorder(Path(out_dir) / run, header=TraceHeader(run=run, level="module", detail=detail)) as rec:
-                rec.attach(model)
-                for step, (x, y) in enumerate(batches, start=1):
-                    if perturb and rank == 1 and step == 2:
-                        x = x + 1.0
-                    opt.zero_grad()
-                    loss = ((model(x) - y) ** 2).mean()
-                    loss.backward()
-                    opt.step()
-                    rec.record_step(step, metrics={"loss": loss}, batch=(x, y), state=state)
-        dist.barrier()  # no rank tears down while another is still in a collective
-    finally:
-        dist.destroy_process_group()
-    exit_without_teardown()  # only after success: see tests/dist_exit.py
+
+    mesh = init_device_mesh("cpu", (world,))
+    for run, perturb, detail in (("a", False, "tensor"), ("b", False, "tensor"), ("c", True, "tensor"),
+                                 ("d", True, "category")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = TrainState(model=model, optimizer=opt)
+        batches = _batches(3, seed=10 + rank)
+        with TraceRecorder(Path(out_dir) / run, header=TraceHeader(run=run, level="module", detail=detail)) as rec:
+            rec.attach(model)
+            for step, (x, y) in enumerate(batches, start=1):
+                if perturb and rank == 1 and step == 2:
+                    x = x + 1.0
+                opt.zero_grad()
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                rec.record_step(step, metrics={"loss": loss}, batch=(x, y), state=state)
 
 
 @pytest.mark.slow
 def test_two_ranks_fsdp2(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_fsdp_worker, 2, str(tmp_path))
     for run in "abcd":
         assert sorted(p.name for p in (tmp_path / run).iterdir()) == ["rank0", "rank1"]
     t0, t1 = open_trace(tmp_path / "a" / "rank0"), open_trace(tmp_path / "a" / "rank1")

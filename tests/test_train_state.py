@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import train_state_worker as worker
-from ckpt_factory import free_port
+from helpers.multiproc import spawn_ranks
 
 import ckptverify
 from ckptverify.errors import CheckpointRefusedError
@@ -19,15 +19,15 @@ from ckptverify.errors import CheckpointRefusedError
 def _launch(world: int, mode: str, ckpt: Path, out: Path, *, steps: int = 3, loader: str = "sampler",
             workers: int = 0, allow_reseed: bool = False) -> list[dict[str, Any]]:
     out.mkdir(exist_ok=True)
-    args = (world, free_port(), mode, str(ckpt), str(out), steps, loader, workers, allow_reseed)
+    args = (mode, str(ckpt), str(out), steps, loader, workers, allow_reseed)
     if world == 1:
         ctx = mp.get_context("spawn")
-        p = ctx.Process(target=worker.run, args=(0, *args))  # a fresh process, like a restarted job
+        p = ctx.Process(target=worker.run, args=(0, 1, *args))  # a fresh process, like a restarted job
         p.start()
         p.join()
         assert p.exitcode == 0
     else:
-        mp.start_processes(worker.run, args=args, nprocs=world, join=True, start_method="spawn")
+        spawn_ranks(worker.run, world, *args)
     return [torch.load(out / f"{mode}-rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -77,7 +77,7 @@ def test_wrong_world_size_is_refused_unless_reseeding_is_allowed(tmp_path):
 
 
 def test_corrupt_checkpoint_is_refused_with_the_reason(tmp_path):
-    import inject_fault as inj
+    from helpers import faults as inj
 
     _launch(1, "save", tmp_path / "ckpt", tmp_path / "out")
     fault = inj.flip_in_tensor_payload(tmp_path / "ckpt")

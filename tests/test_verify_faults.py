@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ckpt_factory
-import inject_fault as inj
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import ckpt_factory
+from helpers import faults as inj
 
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main as cli_main

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import pytest
+from helpers import faults as inj
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

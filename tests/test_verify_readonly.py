@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import pytest
 from click.testing import CliRunner
+from helpers import faults as inj
 
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main as cli_main

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import inject_fault as inj
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import faults as inj
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint

@@ -19,11 +19,11 @@ import shutil
 import threading
 from pathlib import Path
 
-import inject_fault as inj
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
+from helpers import faults as inj
 
 import ckptverify as cv
 import ckptverify.formats.rundir as rundir

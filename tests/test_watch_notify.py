@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -38,29 +37,40 @@ def test_the_notifier_wakes_on_a_new_checkpoint_and_on_files_inside_it(tmp_path:
 
 
 @linux_only
-def test_watch_verifies_a_new_save_long_before_its_polling_interval(tmp_path: Path) -> None:
+def test_watch_verifies_a_new_save_long_before_its_polling_interval(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "run"
     _dcp(root / "step_1", 1.0)
-    seen: list[tuple[float, dict]] = []
-    start = time.monotonic()
+    seen: list[tuple[list[bool], dict]] = []
+    first_pass_done = threading.Event()
+    woken: list[bool] = []  # what each wait between passes answered: True when a change cut it short
+    wait = notify.DirectoryNotifier.wait
+    monkeypatch.setattr(notify.DirectoryNotifier, "wait",
+                        lambda self, timeout: woken.append(wait(self, timeout)) or woken[-1])
 
     def late_save() -> None:
-        time.sleep(0.5)
+        assert first_pass_done.wait(timeout=300)
         _dcp(root / "step_2", 2.0)
 
     def on_result(item: dict) -> None:
-        seen.append((time.monotonic() - start, item))
+        seen.append((list(woken), item))
+        if item["path"] == "step_1":
+            first_pass_done.set()
         if item["path"] == "step_2":
             raise KeyboardInterrupt  # the watcher's way out, as from a terminal
 
     saver = threading.Thread(target=late_save)
     saver.start()
-    result = watch(root, interval=120, max_passes=100, on_result=on_result, log=str(tmp_path / "w.jsonl"))
-    saver.join()
+    try:
+        result = watch(root, interval=120, max_passes=100, on_result=on_result, log=str(tmp_path / "w.jsonl"))
+    finally:
+        first_pass_done.set()
+        saver.join()
     assert result.notify
-    when = {item["path"]: (t, item["event"]) for t, item in seen}
+    when = {item["path"]: (waits, item["event"]) for waits, item in seen}
     assert when["step_2"][1] == "verified"
-    assert when["step_2"][0] < 60  # woken by the save, not by the 120-second poll
+    # Every wait before it ended early, woken by the save; none ran out the 120-second poll.
+    assert when["step_2"][0] and all(when["step_2"][0]), when["step_2"][0]
     assert read_stamp(root / "step_2").current
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from dist_exit import exit_without_teardown
 
 import ckptverify
 from ckptverify.examples import TinyGPTConfig, build_training, make_loader, train_step
@@ -72,40 +71,30 @@ def _next_things(training: Any, state: Any, gen: torch.Generator, batches: Any) 
     return out
 
 
-def run(rank: int, world: int, port: int, mode: str, ckpt: str, out_dir: str, steps: int, loader_kind: str,
-        workers: int, allow_reseed: bool = False) -> None:
+def run(rank: int, world: int, mode: str, ckpt: str, out_dir: str, steps: int, loader_kind: str, workers: int,
+        allow_reseed: bool = False) -> None:
+    """One rank: with ``world`` > 1 under ``helpers.multiproc.spawn_ranks`` (which holds the group), with
+    ``world`` == 1 in a plain fresh process."""
     torch.set_num_threads(1)
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        training, state, gen = _build(world, loader_kind, workers, allow_reseed)
-        result: dict[str, Any] = {}
-        if mode == "save":
-            batches = _batches(state, loader_kind)
-            for _ in range(steps):
-                train_step(training, next(batches))
-                state.scaler.scale(torch.ones(()))  # make the scaler's state non-trivial
-                state.scaler.update(state.scaler.get_scale() * 2)
-                state.counters.step += 1
-                state.counters.samples_seen += BATCH * world
-            ckptverify.save(state, ckpt)
-            result = _next_things(training, state, gen, batches)
+    training, state, gen = _build(world, loader_kind, workers, allow_reseed)
+    result: dict[str, Any] = {}
+    if mode == "save":
+        batches = _batches(state, loader_kind)
+        for _ in range(steps):
+            train_step(training, next(batches))
+            state.scaler.scale(torch.ones(()))  # make the scaler's state non-trivial
+            state.scaler.update(state.scaler.get_scale() * 2)
+            state.counters.step += 1
+            state.counters.samples_seen += BATCH * world
+        ckptverify.save(state, ckpt)
+        result = _next_things(training, state, gen, batches)
+    else:
+        try:
+            report = ckptverify.load(state, ckpt)
+        except Exception as exc:  # reported to the test process
+            result = {"error": type(exc).__name__, "message": str(exc)}
         else:
-            try:
-                report = ckptverify.load(state, ckpt)
-            except Exception as exc:  # reported to the test process
-                result = {"error": type(exc).__name__, "message": str(exc)}
-            else:
-                batches = _batches(state, loader_kind)
-                state.reapply_rng()  # the iterator drew a base seed; the uninterrupted run drew it before saving
-                result = {"report": report.to_dict(), **_next_things(training, state, gen, batches)}
-        torch.save(result, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
-        if world > 1:
-            dist.barrier()  # no rank tears down while another is still in a collective
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
-    if world > 1:
-        exit_without_teardown()
-
+            batches = _batches(state, loader_kind)
+            state.reapply_rng()  # the iterator drew a base seed; the uninterrupted run drew it before saving
+            result = {"report": report.to_dict(), **_next_things(training, state, gen, batches)}
+    torch.save(result, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))

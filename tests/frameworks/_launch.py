@@ -9,43 +9,19 @@ the tests ask for) to its path relative to ``OUT``, plus what the producer knows
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Only after success: leave without interpreter teardown, which can abort around the gloo threads a
-    # destroyed group leaves alive (see tests/dist_exit.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for the shared helpers
+from helpers.multiproc import spawn_ranks
 
 
 def spawn(world: int, fn: Callable[..., None], *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` CPU ranks joined by a gloo group; raise if any fails."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    """Run ``fn(rank, world, *args)`` on ``world`` CPU ranks joined by a gloo group, with the environment
+    torchrun gives (``RANK``, ``WORLD_SIZE``, ...); raise if any fails."""
+    spawn_ranks(fn, world, *args, launcher_env=True)
 
 
 def write_produced(out: Path, produced: dict[str, dict[str, Any]]) -> None:

@@ -194,8 +194,8 @@ def assert_flip_localized(report: dict[str, Any], fault: Any) -> None:
 
 
 def tensor_fqns(ckpt: Path) -> set[str]:
-    """Every tensor FQN in a DCP checkpoint's metadata (read through inject_fault's allowlist)."""
-    import inject_fault as inj
+    """Every tensor FQN in a DCP checkpoint's metadata (read through the fault injector's allowlist)."""
+    from helpers import faults as inj
 
     return {it.fqn for it in inj.items(ckpt) if it.kind == "tensor"}
 
@@ -213,7 +213,7 @@ def fixture(framework: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# faults in files that are not DCP items (scripts/inject_fault.py covers the DCP items)
+# faults in files that are not DCP items (tests/helpers/faults.py covers the DCP items)
 
 
 def flip_in_zip_member(path: Path, bit: int = 6) -> str:

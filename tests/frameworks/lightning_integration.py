@@ -96,7 +96,7 @@ def main() -> None:
     (out / f"{stage}-rank{rank}.json").write_text(json.dumps(result, indent=1))
     sys.stdout.flush()
     sys.stderr.flush()
-    # Leave without interpreter teardown: gloo threads outlive the process group (see tests/dist_exit.py).
+    # Leave without interpreter teardown: gloo threads outlive the process group (see tests/helpers/multiproc.py).
     os._exit(0)
 
 

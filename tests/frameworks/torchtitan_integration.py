@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "scripts"))
-import inject_fault as inj
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _launch import spawn
+from helpers import faults as inj
 from produce_torchtitan import TinyLM, TrainState
 
 STEPS = 4

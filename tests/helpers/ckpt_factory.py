@@ -29,19 +29,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from dist_exit import exit_without_teardown
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from helpers.multiproc import spawn_ranks
 
 #: Every layout this module can build, in the order the tests list them.
 LAYOUTS = ("single", "threads", "per_item", "safetensors", "fsdp2", "nocoll")
@@ -146,38 +144,24 @@ def build_safetensors(path: Path) -> None:
     _save_single(path, serialization_format=fmt)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _fsdp2_worker(rank: int, world_size: int, jobs: list[tuple[str, bool]]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-
-def _fsdp2_worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, bool]]) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world_size,))
-        model = make_model(0)
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optim = _train_one_step(model)
-        model_sd, optim_sd = get_state_dict(model, optim)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, **_extras()}
-        # Rank-local state must be keyed by rank: DCP deduplicates equal keys across ranks.
-        state[f"rank_state.{rank}"] = {"rank": rank, "rng": torch.get_rng_state()}
-        for path, use_collectives in jobs:
-            dcp.save(state, checkpoint_id=path, use_collectives=use_collectives)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    exit_without_teardown()  # only after success: see tests/dist_exit.py
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = make_model(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = _train_one_step(model)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, **_extras()}
+    # Rank-local state must be keyed by rank: DCP deduplicates equal keys across ranks.
+    state[f"rank_state.{rank}"] = {"rank": rank, "rng": torch.get_rng_state()}
+    for path, use_collectives in jobs:
+        dcp.save(state, checkpoint_id=path, use_collectives=use_collectives)
+        torch.distributed.barrier()
 
 
 def build_two_rank(paths: dict[str, Path]) -> None:
@@ -188,13 +172,7 @@ def build_two_rank(paths: dict[str, Path]) -> None:
             raise ValueError(f"{layout} is not a two-rank layout")
         Path(path).mkdir(parents=True, exist_ok=True)
         jobs.append((str(path), layout == "fsdp2"))
-    mp.start_processes(
-        _fsdp2_worker,
-        args=(WORLD_SIZE, free_port(), jobs),
-        nprocs=WORLD_SIZE,
-        join=True,
-        start_method="spawn",
-    )
+    spawn_ranks(_fsdp2_worker, WORLD_SIZE, jobs)
 
 
 def build_fsdp2(path: Path) -> None:

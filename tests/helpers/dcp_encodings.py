@@ -14,8 +14,9 @@ def dcp_checkpoint(path: Path, seed: int = 0, **writer_kwargs) -> Path:
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from ckpt_factory import single_process_state_dict
     from torch.distributed.checkpoint import FileSystemWriter
+
+    from helpers.ckpt_factory import single_process_state_dict
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
