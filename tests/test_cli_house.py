@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-import inject_fault as inj
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
+from helpers import faults as inj
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.cli import main

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_encodings import dcp_checkpoint, safetensors_ckpt, zstd_ckpt
+from helpers.dcp_encodings import dcp_checkpoint, safetensors_ckpt, zstd_ckpt
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.diff import diff_checkpoints
@@ -72,7 +72,7 @@ def _dcp_loaded(path: Path, tmp: Path) -> dict[str, Any]:
 
 
 def _saved_state(seed: int = 0) -> dict[str, Any]:
-    from ckpt_factory import single_process_state_dict
+    from helpers.ckpt_factory import single_process_state_dict
 
     return _flatten(single_process_state_dict(seed))
 

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import pytest
 import torch
+from helpers import faults as inj
 
 import ckptverify as cv
 from ckptverify import errors

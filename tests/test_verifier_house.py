@@ -11,9 +11,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import inject_fault as inj
 import pytest
 import torch
+from helpers import faults as inj
 
 import ckptverify as cv
 from ckptverify.errors import UsageError

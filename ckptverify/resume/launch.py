@@ -13,6 +13,7 @@ import gc
 import os
 import socket
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -31,14 +32,18 @@ from ckptverify.resume.run import Run, RunConfig, harness_job
 __all__ = ["WorkloadCrashedError", "launch_jobs", "launch_side_by_side", "spare_cores", "workload_logs"]
 
 
-def _free_port() -> int:
+def _unused_port() -> int:
+    """A port no socket holds now: only for the ``MASTER_PORT`` a workload written for torchrun may read. The
+    ranks' own group meets through a file store, never through it (no bind-and-release race between launches
+    running side by side)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, nproc: int, port: int, jobs: list[tuple[str, str]], backend: str) -> None:
-    """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn, in this one process."""
+def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, str]], backend: str) -> None:
+    """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn, in this one process. The ranks meet
+    through the file store ``store`` (a path in a folder of this launch alone)."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -48,7 +53,7 @@ def _worker(rank: int, nproc: int, port: int, jobs: list[tuple[str, str]], backe
             import torch
 
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=nproc)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=nproc)
         _tolerate_init(dist)
     try:
         for target, config_json in jobs:
@@ -179,11 +184,13 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> N
     # The device travels in each job's config (run.device), not in the environment.
     jobs = [(t, dataclasses.replace(c, device=device)) for t, c in jobs]
     backend = "nccl" if device == "cuda" else "gloo"
-    args = (nproc, _free_port(), [(target, config.to_json()) for target, config in jobs], backend)
-    try:
-        mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")
-    except Exception as exc:
-        _raise_failure(jobs, exc)
+    with tempfile.TemporaryDirectory(prefix="ckptverify-rendezvous-") as rendezvous:
+        args = (nproc, os.path.join(rendezvous, "store"), _unused_port(),
+                [(target, config.to_json()) for target, config in jobs], backend)
+        try:
+            mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")
+        except Exception as exc:
+            _raise_failure(jobs, exc)
 
 
 def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
