@@ -7,6 +7,9 @@ The public surface is small and imported lazily, so ``import ckptverify`` (and t
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ckptverify._version import __version__
@@ -90,3 +93,69 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'ckptverify' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+#: Modules of the previous release's layout -> where they live now. Importing an old name still works for one
+#: release (the new module itself, with a deprecation warning), so code that imported a module by its old path,
+#: as earlier docs showed, keeps running while it moves.
+_MOVED_MODULES = {
+    "ckptverify.adopt": "ckptverify.audit.adopt",
+    "ckptverify.diff": "ckptverify.audit.diff",
+    "ckptverify.verify": "ckptverify.audit.verify",
+    "ckptverify.saving": "ckptverify.checkpoint.save",
+    "ckptverify.restore": "ckptverify.checkpoint.load",
+    "ckptverify.crcflip": "ckptverify.checks.crcflip",
+    "ckptverify.demo": "ckptverify.examples.demo",
+    "ckptverify.events": "ckptverify.ownfiles.events",
+    "ckptverify.manifest": "ckptverify.ownfiles.manifest",
+    "ckptverify.own_files": "ckptverify.ownfiles.names",
+    "ckptverify.metrics": "ckptverify.render.metrics",
+    "ckptverify.report": "ckptverify.render.report",
+    "ckptverify.readers": "ckptverify.safeparse.readers",
+    "ckptverify.safejson": "ckptverify.safeparse.safejson",
+    "ckptverify.dcp.safepickle": "ckptverify.dcp.metadata_pickle",
+    "ckptverify.dcp.pickle_subset": "ckptverify.safeparse.pickle_subset",
+    "ckptverify.dcp.torchsave": "ckptverify.safeparse.torchsave",
+    "ckptverify.formats.pickle_scan": "ckptverify.safeparse.pickle_scan",
+    "ckptverify.formats.folder": "ckptverify.checks.folder",
+    "ckptverify.formats.sidefiles": "ckptverify.checks.sidefiles",
+    "ckptverify.formats.torchsave_file": "ckptverify.checks.torchsave_file",
+    "ckptverify.resume.figures": "ckptverify.render.figures",
+    "ckptverify.resume.render": "ckptverify.render.resume",
+    "ckptverify.resume.replay": "ckptverify.replay.replay",
+    "ckptverify.resume.replay_causes": "ckptverify.replay.causes",
+    "ckptverify.resume.production": "ckptverify.production.mode",
+    "ckptverify.runs.background": "ckptverify.verifier.background",
+    "ckptverify.runs.notify": "ckptverify.verifier.notify",
+    "ckptverify.runs.stamper": "ckptverify.verifier.stamper",
+    "ckptverify.runs.throttle": "ckptverify.verifier.throttle",
+    "ckptverify.runs.verification": "ckptverify.verifier.verification",
+    "ckptverify.runs.verify_worker": "ckptverify.verifier.worker",
+    "ckptverify.runs.watch": "ckptverify.verifier.watch",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves an old module name of :data:`_MOVED_MODULES` to its new module, warning once per import."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        import warnings
+
+        from ckptverify.errors import CkptVerifyDeprecationWarning
+
+        new = _MOVED_MODULES[spec.name]
+        warnings.warn(f"the module {spec.name} is now {new}; its old name will be removed in the next release",
+                      CkptVerifyDeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:
+        pass  # the new module is already executed
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
