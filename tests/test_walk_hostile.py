@@ -237,10 +237,10 @@ def test_a_checkpoint_gone_before_scan_reaches_it_is_deleted(tmp_path: Path, mon
     _dcp(run / "step_20", 20.0)
     real_judge = scan_mod._judge_bytes
 
-    def judge_after_rmtree(root: str, cand: rundir.Candidate, jobs: int | None) -> object:
+    def judge_after_rmtree(root: str, cand: rundir.Candidate, jobs: int | None, deep: bool) -> object:
         if cand.path == "step_10":
             shutil.rmtree(run / "step_10")
-        return real_judge(root, cand, jobs)
+        return real_judge(root, cand, jobs, deep)
 
     monkeypatch.setattr(scan_mod, "_judge_bytes", judge_after_rmtree)
     report = scan_run_dir(run)
