@@ -307,9 +307,9 @@ def read_payload(f: Any, p: Payload) -> torch.Tensor:
     import torch
 
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-    from ckptverify.dcp.tensors import _torch_dtype
+    from ckptverify.dcp.tensors import torch_dtype
 
-    dtype = _torch_dtype(p.dtype)
+    dtype = torch_dtype(p.dtype)
     itemsize = DTYPE_ITEMSIZE[p.dtype]
     if math.prod(p.shape) == 0:
         return torch.empty(p.shape, dtype=dtype)
@@ -332,10 +332,10 @@ def read_tensor(desc: Description, name: str) -> torch.Tensor:
     """Tensor ``name`` assembled from its payloads (memory: the whole tensor)."""
     import torch
 
-    from ckptverify.dcp.tensors import _torch_dtype
+    from ckptverify.dcp.tensors import torch_dtype
 
     t = desc.tensors[name]
-    out = torch.empty(t.shape, dtype=_torch_dtype(t.dtype))
+    out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     for p in t.payloads:
         with desc.open(p) as f:
             piece = read_payload(f, p)
@@ -358,9 +358,9 @@ def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
     import torch
 
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-    from ckptverify.dcp.tensors import _torch_dtype
+    from ckptverify.dcp.tensors import torch_dtype
 
-    dtype = _torch_dtype(p.dtype)
+    dtype = torch_dtype(p.dtype)
     itemsize = DTYPE_ITEMSIZE[p.dtype]
     sizes = p.shape
     if math.prod(sizes) == 0:
