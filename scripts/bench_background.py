@@ -37,7 +37,8 @@ import torch
 
 import ckptverify as cv
 from ckptverify.examples import TinyGPTConfig, build_training, make_loader, train_step
-from ckptverify.verifier.background import ISOLATIONS, PRIORITIES, BackgroundVerifier, VerifyOptions
+from ckptverify.options import VerifyOptions
+from ckptverify.verifier.background import ISOLATIONS, PRIORITIES, AfterSave, BackgroundVerifier
 
 #: The phases of a round: no verification, one at idle priority only, one that also paces its reads.
 VARIANTS = ("off", "unthrottled", "throttled")
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     del state
     size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
     verifier = BackgroundVerifier(priority=args.priority, isolation=args.isolation)
-    options = VerifyOptions(mode="background", deep=args.deep)
+    options = AfterSave(verify=VerifyOptions(when="background", deep=args.deep))
     threads = _thread_counts(args.threads, device)
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     print(f"checkpoint {size / (1 << 30):.2f} GiB at {path}; device {device}; torch {torch.__version__}, "

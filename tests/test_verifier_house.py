@@ -17,10 +17,11 @@ from helpers import faults as inj
 
 import ckptverify as cv
 from ckptverify.errors import UsageError
+from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles import events as ev
 from ckptverify.ownfiles.events import EVENTS_FILE, EVENTS_SCHEMA_VERSION, EventLog, read_events
 from ckptverify.verifier import background
-from ckptverify.verifier.background import BackgroundVerifier, Task, VerifyFailedWarning, VerifyOptions
+from ckptverify.verifier.background import AfterSave, BackgroundVerifier, Task, VerifyFailedWarning
 from ckptverify.verifier.jobs import CHECK_SAVED, JOBS
 from ckptverify.verifier.stamper import verify_and_stamp
 from ckptverify.verifier.verification import Verification, event_of, unverified
@@ -104,7 +105,8 @@ def test_a_checkpoint_removed_before_its_turn_is_a_deleted_event_not_a_failure(t
         fresh.before_verify = lambda p: shutil.rmtree(p)
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
-            result = fresh.verify_now(run / "step_1", step=1, options=VerifyOptions(mode="inline", events=run))
+            inline = AfterSave(verify=VerifyOptions(when="inline"), events=run)
+            result = fresh.verify_now(run / "step_1", step=1, options=inline)
     finally:
         fresh.close(timeout=30)
     assert result.verdict == "unverified" and result.deleted and not result.passed

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from ckptverify.dcp.writer import HashingFileSystemWriter
     from ckptverify.ownfiles.events import EventLog
-    from ckptverify.verifier.background import VerifyOptions as AfterSave
+    from ckptverify.verifier.background import AfterSave
     from ckptverify.verifier.verification import Verification
 
 __all__ = ["async_save", "save"]
@@ -208,12 +208,11 @@ def _verify_options(where: str, verify: VerifyOptions | str, dcp_kwargs: dict[st
                     events: EventLog | str | os.PathLike[str] | None) -> AfterSave:
     """``verify=`` (and the renamed ``verify_deep``/``on_verify_failure``, taken out of ``dcp_kwargs``) as what
     the background verifier is handed."""
-    from ckptverify.verifier.background import VerifyOptions as AfterSave
+    from ckptverify.verifier.background import AfterSave
 
     old = take_renamed(where, dcp_kwargs, RENAMED, stacklevel=5)
     options = verify_options(where, verify, deep=old.get("verify_deep"), on_failure=old.get("on_verify_failure"))
-    return AfterSave(mode=options.when, deep=options.deep, on_failure=options.on_failure, on_verified=on_verified,
-                     events=events)
+    return AfterSave(verify=options, on_verified=on_verified, events=events)
 
 
 def _coordinator(process_group: Any, no_dist: bool) -> bool:

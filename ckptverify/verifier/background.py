@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.errors import CkptVerifyRuntimeWarning, UsageError, VerifyFailedWarning, VerifyIncompleteWarning
+from ckptverify.options import VerifyOptions
 from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
 from ckptverify.verifier.throttle import IdleProbe, Throttle, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
@@ -58,12 +59,12 @@ from ckptverify.verifier.worker import PRIORITIES, VerifierProcess, lower_priori
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT",
     "EXIT_TIMEOUT_ENV",
+    "AfterSave",
     "BackgroundVerifier",
     "Task",
     "Verification",
     "VerifyFailedWarning",
     "VerifyIncompleteWarning",
-    "VerifyOptions",
     "default_verifier",
     "exit_timeout",
     "last_verification",
@@ -71,10 +72,6 @@ __all__ = [
     "wait_for_verifications",
 ]
 
-#: What a save does once it has committed: nothing, verify in the background, or verify before returning.
-MODES = ("off", "background", "inline")
-#: What a failed verification does besides a warning and an event: nothing more, or raise at the next save.
-FAILURE_POLICIES = ("warn", "raise")
 #: Where background verifications run: a verifier process (the default) or the worker thread itself.
 ISOLATIONS = ("process", "thread")
 EXIT_TIMEOUT_ENV = "CKPTVERIFY_VERIFY_EXIT_TIMEOUT"
@@ -83,30 +80,40 @@ DEFAULT_EXIT_TIMEOUT = 600.0
 _LOCK_POLL_SECONDS = 0.2
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VerifyOptions:
-    """What a save does once it has committed (the ``verify*`` arguments of :func:`ckptverify.save`)."""
+#: No verification after a save (a frozen value: one instance serves as every default).
+_OFF = VerifyOptions(when="off")
 
-    #: ``"off"``, ``"background"`` or ``"inline"``.
-    mode: str = "off"
-    #: Also rebuild every tensor and compare its fingerprint with the one taken at save time.
-    deep: bool = False
-    #: ``"warn"`` or ``"raise"`` (a :class:`~ckptverify.errors.VerifyFailedError` at the next save).
-    on_failure: str = "warn"
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AfterSave:
+    """What a save does once it has committed: its :class:`~ckptverify.options.VerifyOptions` (validated there),
+    and where its results go."""
+
+    #: When and how deep the checkpoint is verified, and what a failure does.
+    verify: VerifyOptions = _OFF
     #: Called with every :class:`Verification`, in the thread that verified.
     on_verified: Callable[[Verification], None] | None = None
     #: An :class:`~ckptverify.ownfiles.events.EventLog`, or the directory of the ``events.jsonl`` to append to.
     events: Any = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise UsageError(f"verify must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
-        if self.on_failure not in FAILURE_POLICIES:
-            raise UsageError(f"on_verify_failure must be 'warn' or 'raise', got {self.on_failure!r}")
+        if not isinstance(self.verify, VerifyOptions):
+            raise UsageError(f"verify must be a VerifyOptions, got {type(self.verify).__name__}")
         if self.on_verified is not None and not callable(self.on_verified):
             raise UsageError(f"on_verified must be callable, got {type(self.on_verified).__name__}")
-        if not isinstance(self.deep, bool):
-            raise UsageError(f"verify_deep must be True or False, got {self.deep!r}")
+
+    @property
+    def mode(self) -> str:
+        """``"off"``, ``"background"`` or ``"inline"``: the options' ``when``."""
+        return self.verify.when
+
+    @property
+    def deep(self) -> bool:
+        return self.verify.deep
+
+    @property
+    def on_failure(self) -> str:
+        return self.verify.on_failure
 
     def event_log(self) -> Any:
         """The event log to append to, or ``None``."""
@@ -147,7 +154,7 @@ class Task:
 class _Job:
     path: str
     step: int | None
-    options: VerifyOptions
+    options: AfterSave
     lock: VerifyingLock
     #: A failure in ``raise`` mode is kept for the next save to raise (else it was raised already).
     deliver_later: bool = True
@@ -195,10 +202,11 @@ class BackgroundVerifier:
     # ------------------------------------------------------------------ public
 
     def submit(self, path: str | os.PathLike[str], *, step: int | None = None,
-               options: VerifyOptions | None = None, task: Task | None = None) -> None:
+               options: AfterSave | None = None, task: Task | None = None) -> None:
         """Queue the committed checkpoint at ``path`` for verification (or for ``task``); returns at once. Its
         verifying lock is taken now (when free), so retention leaves it alone while it waits in the queue."""
-        job = self._job(path, step, options or VerifyOptions(mode="background"), deliver_later=True)
+        options = options or AfterSave(verify=VerifyOptions(when="background"))
+        job = self._job(path, step, options, deliver_later=True)
         job.task = task
         with self._cond:
             if self._closed:
@@ -211,10 +219,11 @@ class BackgroundVerifier:
         self._queue.put(job)
 
     def verify_now(self, path: str | os.PathLike[str], *, step: int | None = None,
-                   options: VerifyOptions | None = None, deliver_later: bool = False) -> Verification:
+                   options: AfterSave | None = None, deliver_later: bool = False) -> Verification:
         """Verify and stamp ``path`` in the calling thread (all cores), handle the result as :meth:`submit`
         would, and return it. ``deliver_later``: keep a ``raise``-mode failure for the next save to raise."""
-        job = self._job(path, step, options or VerifyOptions(mode="inline"), deliver_later=deliver_later)
+        options = options or AfterSave(verify=VerifyOptions(when="inline"))
+        job = self._job(path, step, options, deliver_later=deliver_later)
         with self._cond:
             self._pending.append(job)
         return self._run(job, jobs=None, background=False)
@@ -298,7 +307,7 @@ class BackgroundVerifier:
 
     # ------------------------------------------------------------------ internals
 
-    def _job(self, path: str | os.PathLike[str], step: int | None, options: VerifyOptions,
+    def _job(self, path: str | os.PathLike[str], step: int | None, options: AfterSave,
              deliver_later: bool) -> _Job:
         root = os.path.abspath(os.fspath(path))
         lock = VerifyingLock(root)
