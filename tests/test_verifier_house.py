@@ -277,6 +277,26 @@ def test_the_verifier_process_runs_the_check_saved_job(tmp_path: Path) -> None:
     assert answer["event"] == "checkpoint-verified" and result.passed and result.stamped and result.bytes_checked > 0
 
 
+def test_an_answer_to_another_request_is_not_taken_for_this_one(tmp_path: Path) -> None:
+    folder = tmp_path / "step_1"
+    cv.save(_state(1.0), folder)
+    child = VerifierProcess("normal")
+    try:
+        first = child.verify(str(folder), step=1, deep=False, jobs=1, settle=0.05)
+        assert first.passed
+        proc = child._proc
+        # a stray request ahead of ours: its answer comes first and names another checkpoint
+        proc.stdin.write(json.dumps({"path": str(tmp_path / "elsewhere"), "step": 9, "settle": 0.05}) + "\n")
+        proc.stdin.flush()
+        out_of_step = child.verify(str(folder), step=1, deep=False, jobs=1, settle=0.05)
+        assert out_of_step.verdict == "unverified" and "answered another request" in out_of_step.reason
+        assert proc.poll() is not None  # that process is done with; the next request starts a new one
+        again = child.verify(str(folder), step=1, deep=False, jobs=1, settle=0.05)
+        assert again.passed and child._proc is not proc
+    finally:
+        child.close()
+
+
 # ---------------------------------------------------------------------- layering
 
 

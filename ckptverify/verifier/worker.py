@@ -58,7 +58,7 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
                 priority.for_request(bool(req.get("urgent")))
             if isinstance(req, dict) and "job" in req:
                 answer = _run_job(req["job"], req.get("args") or {}, _throttle(req, hurried, priority))
-                replies.write(json.dumps(answer, default=str) + "\n")
+                replies.write(json.dumps({**answer, "seq": req.get("seq")}, default=str) + "\n")
                 replies.flush()
                 continue
             path, step, deep = str(req["path"]), req.get("step"), bool(req.get("deep"))
@@ -72,7 +72,7 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
         except Exception as exc:  # one request's failure is its result; the process serves the next one
             result = Verification(path=path, step=step, verdict="unverified", no_verdict="error", deep=deep,
                                   reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
-        replies.write(json.dumps(result.to_dict(), default=str) + "\n")
+        replies.write(json.dumps({**result.to_dict(), "seq": req.get("seq")}, default=str) + "\n")
         replies.flush()
 
 
@@ -296,7 +296,8 @@ class VerifierProcess:
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps(request()) + "\n")
+            sent = request()
+            proc.stdin.write(json.dumps(sent) + "\n")
             proc.stdin.flush()
             line = proc.stdout.readline()
         except OSError as exc:  # could not start it, or it died as the request went out
@@ -310,6 +311,11 @@ class VerifierProcess:
             self.kill()
             code = proc.poll()
             return None, f"the verifier process ended without an answer (exit code {code})"
+        if "protocol_error" not in data and data.pop("seq", None) != sent["seq"]:
+            # an answer to another request (one written to its input by someone else): the process and this
+            # request are out of step, so neither its answer nor the next one can be trusted
+            self.kill()
+            return None, "the verifier process answered another request"
         return data, ""
 
     def close(self) -> None:
