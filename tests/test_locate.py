@@ -183,7 +183,7 @@ def test_numpy_outside_the_dispatcher_is_untraced_with_module_and_last_equal_op(
     assert got.output is None
     assert [r.rank for r in got.receivers] == [1]
     s = got.sentence()
-    assert "outside what the op trace sees" in s and "probe the code of blocks.0.drop" in s
+    assert "outside what the op trace sees" in s and "probe the code that runs between them in blocks.0.act and blocks.0.drop" in s
     assert "last equal op mylib.noisy_gelu.default" in s
 
 
@@ -299,7 +299,7 @@ def test_chunked_output_names_its_chunk():
     got = locate({0: [topk("a")]}, {0: [topk("b")]})
     assert got.origin is not None and got.origin.op == "aten.topk.default"
     assert got.output == {"index": 1, "chunk": 2, "elements": [64, 96]}
-    assert "output 1 chunk 2 (elements 64..95)" in got.sentence()
+    assert "(output 1, chunk 2: elements 64..95)" in got.sentence()
 
 
 def test_json_shape_is_the_issue_shape():

@@ -228,10 +228,11 @@ class Located:
                        f"{self.one_side.upper()} only ({count})"
             where = ""
             if self.output is not None:
-                where = f", output {self.output['index']}"
+                where = f" (output {self.output['index']}"
                 if "chunk" in self.output:
                     start, end = self.output["elements"]
-                    where += f" chunk {self.output['chunk']} (elements {start}..{end - 1})"
+                    where += f", chunk {self.output['chunk']}: elements {start}..{end - 1}"
+                where += ")"
             return f"The divergence at step {self.step} is born on {who}: {site} has equal inputs and " \
                    f"different outputs{where} {count}"
         if o.kind == "collective":
@@ -245,10 +246,13 @@ class Located:
         unless = ""
         if not self.produced_in_step and self.state_equal is None:
             unless = " (unless the state the step started from differed: compare the state before the step)"
+        place = o.module or "the step"
+        if self.last_equal is not None and self.last_equal.module != o.module:
+            place = f"{self.last_equal.module or 'the step'} and {place}"
         return (f"The difference is born outside what the op trace sees on {who} at step {self.step}, "
                 f"{after}: {site} read a value that differs and that no traced op produced differently "
-                f"({count}){unless}; probe the code of {o.module or 'the step'} between them (numpy, a C "
-                f"extension, a kernel called outside the dispatcher)")
+                f"({count}){unless}; probe the code that runs between them in {place} (numpy, a C extension, a "
+                f"kernel called outside the dispatcher)")
 
     def _receivers_text(self) -> str:
         parts = []
@@ -264,9 +268,10 @@ class Located:
             return ""
         sides = sorted({v.side.upper() for v in self.within_side})
         first = self.within_side[0]
-        return (f"; the repeats of side {' and '.join(sides)} already differ among themselves (first at "
-                f"{first.site.describe()} on rank {first.rank}): that side is not deterministic, so a difference "
-                f"between the sides may be its natural variation")
+        which = f"side {sides[0]}" if len(sides) == 1 else "both sides"
+        return (f"; the repeats of {which} already differ among themselves (first at {first.site.describe()} on "
+                f"rank {first.rank}): the step is not deterministic, so a difference between the sides may be "
+                f"its natural variation")
 
 
 def _ranks(ranks: Sequence[int]) -> str:
