@@ -52,13 +52,14 @@ class Log:
 
 
 def ddp_step(rank: int, *, noise: object = None, numpy: bool = False, numpy_noise: object = None,
-             reduced: object = "sum",
-             extra_op: bool = False, batch: object = "batch") -> list[OpEvent]:
+             reduced: object = "sum", extra_op: bool = False, batch: object = "batch",
+             in_flight: bool = False) -> list[OpEvent]:
     """One DDP step on ``rank``: linear -> gelu (custom op) -> dropout, loss, backward, the gradient all-reduce
     (group WORLD), AdamW. ``noise`` perturbs the custom op's output on this rank (a nondeterministic kernel);
     ``numpy``: the activation goes through a numpy round trip between two ops (outside the dispatcher), whose
     result ``numpy_noise`` changes;
-    ``reduced`` names the all-reduce's result; ``extra_op`` inserts one more op (a one-op change)."""
+    ``reduced`` names the all-reduce's result; ``extra_op`` inserts one more op (a one-op change); ``in_flight``:
+    the all-reduce's output was not fingerprinted (a buffer still in flight when recorded)."""
     x = fp("batch", rank, batch)
     w = fp("w")
     log = Log()
@@ -80,7 +81,7 @@ def ddp_step(rank: int, *, noise: object = None, numpy: bool = False, numpy_nois
     log.op("backward", "", "aten.ones_like.default", (loss,), (None,))  # an empty*-like artifact
     gw = fp("grad_w", loss)
     log.op("backward", "blocks.0.fc", "aten.mm.default", (x, fp("grad_h", loss)), (gw,))
-    log.comm("backward", "", "allreduce_", (gw,), (fp("reduced", reduced),), reduce_op="sum")
+    log.comm("backward", "", "allreduce_", (gw,), (None if in_flight else fp("reduced", reduced),), reduce_op="sum")
     log.op("optimizer", "", "aten._foreach_add_.Scalar", (w, fp("reduced", reduced)), (fp("w1", reduced),))
     return log.events
 
@@ -183,7 +184,8 @@ def test_numpy_outside_the_dispatcher_is_untraced_with_module_and_last_equal_op(
     assert got.output is None
     assert [r.rank for r in got.receivers] == [1]
     s = got.sentence()
-    assert "outside what the op trace sees" in s and "probe the code that runs between them in blocks.0.act and blocks.0.drop" in s
+    assert "outside what the op trace sees" in s
+    assert "probe the code that runs between them in blocks.0.act and blocks.0.drop" in s
     assert "last equal op mylib.noisy_gelu.default" in s
 
 
@@ -238,6 +240,25 @@ def test_aligned_by_key_not_by_index():
     moved = [extra] + [OpEvent(**{**e.__dict__, "index": e.index + 1}) for e in ddp_step(0)]
     got = locate(a, {0: [moved]})
     assert got.origin is not None and got.origin.op == "aten.zeros.default" and got.one_side == "b"
+
+
+def test_allreduce_output_in_flight_still_names_the_receiver_and_its_sender():
+    """Unfingerprinted all-reduce output: rank 1 first sees the difference when the optimizer reads the reduced
+    gradient. It came through the all-reduce (rank 0 fed it a different input), not from untraced code."""
+    a = {0: [ddp_step(0, in_flight=True)], 1: [ddp_step(1, in_flight=True)]}
+    b = {0: [ddp_step(0, noise="n", reduced="n", in_flight=True)], 1: [ddp_step(1, reduced="n", in_flight=True)]}
+    got = locate(a, b)
+    assert got.origin is not None and (got.origin.kind, got.origin.rank) == ("op", 0) and got.origins == ()
+    assert [r.to_dict() for r in got.receivers] == [
+        {"rank": 1, "step": STEP, "op": "aten._foreach_add_.Scalar",
+         "via": {"collective": "allreduce_", "group": [0, 1], "seq": 0, "senders": [0]}}]
+    assert got.receivers[0].seen is False
+    assert "whose output was not fingerprinted" in got.sentence()
+    # The same unfingerprinted all-reduce, but no member fed it a difference: rank 1's difference is untraced.
+    b = {0: [ddp_step(0, reduced="n", in_flight=True)], 1: [ddp_step(1, reduced="n", in_flight=True)]}
+    got = locate(a, b, state_equal=True)
+    assert got.receivers == ()
+    assert [(o.kind, o.rank) for o in got.origins] == [("untraced", 0), ("untraced", 1)]
 
 
 def test_send_recv_names_the_peer():

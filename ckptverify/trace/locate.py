@@ -114,7 +114,9 @@ class Via:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Receiver:
-    """A rank whose first difference arrived from another rank, and through what."""
+    """A rank whose first difference arrived from another rank, and through what. ``op`` is the rank's first
+    differing op: the collective itself when its output was compared (``seen``); otherwise (its output was not
+    fingerprinted, a buffer in flight) the first op that read a differing value after it."""
 
     rank: int
     step: int
@@ -123,6 +125,7 @@ class Receiver:
     phase: str = ""
     module: str = ""
     occurrence: int = 0
+    seen: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape of one entry of ``stats.verdict.receivers``."""
@@ -259,8 +262,13 @@ class Located:
         for r in self.receivers:
             v = r.via
             senders = f"from {_ranks(v.senders)}" if v.senders else "from a member whose log is not here"
-            parts.append(f"rank {r.rank} received it through {v.collective} (group {list(v.group)}, seq {v.seq}) "
-                         f"{senders}")
+            through = f"{v.collective} (group {list(v.group)}, seq {v.seq})"
+            if r.seen:
+                parts.append(f"rank {r.rank} received it through {through} {senders}")
+            else:
+                parts.append(f"rank {r.rank} first reads it at {r.op} (occurrence {r.occurrence}), after {through}, "
+                             f"whose output was not fingerprinted and into which {_ranks(v.senders)} fed a "
+                             f"difference: it most likely arrived through it")
         return ("; " + "; ".join(parts)) if parts else ""
 
     def _within_text(self) -> str:
@@ -447,6 +455,7 @@ class _Verdict:
     kind: str  # an origin kind, or "receiver"
     first: _First
     via: Via | None = None
+    seen: bool = True  # for a receiver: whether the collective's output itself was compared
 
     @property
     def identity(self) -> tuple[str, OpKey]:
@@ -460,6 +469,9 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
     if first.what == "one-sided":
         return _Verdict("op", first)
     if first.what == "inputs":
+        via = _through_unseen_output(rank, first, pairs)
+        if via is not None:
+            return _Verdict("receiver", first, via, seen=False)
         # Nothing this rank ran before produced the value differently: code outside the dispatcher made it, or
         # it was already in the state the step started from (only when it was not made within the step).
         if state_equal is False and not first.produced_in_step:
@@ -469,7 +481,23 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
     if comm is None:
         return _Verdict("op", first)
     if comm.peer is not None and _is_recv(comm.collective):
-        return _received_from_peer(rank, first, pairs)
+        via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=(comm.peer,))
+        # The peer sent equal data and this rank received different data: the transfer itself differs.
+        if _peer_sent_differently(rank, first.event, pairs) is False:
+            return _Verdict("collective", first)
+        return _Verdict("receiver", first, via)
+    senders, complete = _members_differing(rank, first.event, pairs)
+    via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=tuple(senders))
+    if senders or not complete:
+        return _Verdict("receiver", first, via)
+    return _Verdict("collective", first)
+
+
+def _members_differing(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[list[int], bool]:
+    """The other members whose input to the collective ``event`` (same group and seq) differed between the
+    sides, and whether every other member's log holds it."""
+    comm = event.comm
+    assert comm is not None
     senders: list[int] = []
     complete = True
     for member in comm.group:
@@ -483,30 +511,51 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
             complete = False
         elif _inputs_differ(ea, eb):
             senders.append(member)
-    via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=tuple(senders))
-    if senders or not complete:
-        return _Verdict("receiver", first, via)
-    return _Verdict("collective", first)
+    return senders, complete
 
 
-def _received_from_peer(rank: int, first: _First, pairs: Mapping[int, _Pair]) -> _Verdict:
-    comm = first.event.comm
+def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> bool | None:
+    """Whether the peer's send matching the receive ``event`` had a differing input (``None``: no log tells).
+    The k-th receive from a peer pairs with the peer's k-th send to this rank."""
+    comm = event.comm
     assert comm is not None and comm.peer is not None
-    via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=(comm.peer,))
     peer = pairs.get(comm.peer)
     if peer is None:
-        return _Verdict("receiver", first, via)
-    # The k-th receive from the peer pairs with the peer's k-th send to this rank.
+        return None
     mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and _is_recv(e.comm.collective)]
-    k = next((i for i, e in enumerate(mine) if e.key == first.event.key), None)
+    k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
     sends = peer.sends_to(rank)
     if k is None or k >= len(sends) or sends[k][1] is None:
-        return _Verdict("receiver", first, via)
+        return None
     sa, sb = sends[k]
     assert sb is not None
-    if _inputs_differ(sa, sb):
-        return _Verdict("receiver", first, via)
-    return _Verdict("collective", first)  # the peer sent equal data and this rank received different data
+    return _inputs_differ(sa, sb)
+
+
+def _unseen(e: OpEvent) -> bool:
+    return not e.outputs or any(x is None for x in e.outputs)
+
+
+def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair]) -> Via | None:
+    """For a first difference in an op's inputs: an earlier collective or receive of this rank whose output was
+    not fingerprinted (a buffer still in flight when it was recorded) and into which another rank fed a
+    difference. The value probably arrived through it; the earliest such is returned."""
+    pair = pairs[rank]
+    for e in pair.a:
+        if e.index >= first.event.index:
+            break
+        other = pair.kb.get(e.key)
+        if e.comm is None or other is None or not (_unseen(e) or _unseen(other)):
+            continue
+        c = e.comm
+        if c.peer is not None and _is_recv(c.collective):
+            if _peer_sent_differently(rank, e, pairs):
+                return Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,))
+            continue
+        senders, _ = _members_differing(rank, e, pairs)
+        if senders:
+            return Via(collective=c.collective, group=c.group, seq=c.seq, senders=tuple(senders))
+    return None
 
 
 # ------------------------------------------------------------------------------------------- entry point
@@ -565,7 +614,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         if chosen.kind == "receiver":
             assert chosen.via is not None
             receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, phase=e.phase, module=e.module,
-                                      occurrence=e.occurrence))
+                                      occurrence=e.occurrence, seen=chosen.seen))
             continue
         if chosen.kind == "op":
             count = sum(_op_differs(la[r][i], lb[r][i], e.key) for i in range(repeats))
