@@ -300,7 +300,7 @@ def test_collective_with_equal_inputs_and_different_outputs_names_no_single_rank
     assert (got.origin.kind, got.origin.rank, got.origin.op) == ("collective", None, "c10d.allreduce_.default")
     assert [o.rank for o in got.origins] == [0, 1]
     assert got.receivers == ()
-    assert "ranks 0, 1, each on its own" in got.sentence()
+    assert "ranks 0, 1 (each on its own)" in got.sentence()
     # A member's log missing: the senders cannot be told, and no origin is invented.
     got = locate({0: a[0]}, {0: b[0]})
     assert got.origin is None

@@ -219,7 +219,7 @@ class Located:
             return f"Step {self.step} differs on {_ranks(tuple(r.rank for r in self.receivers))}, but no log here " \
                    f"shows where it is born"
         who = f"rank {o.rank}" if o.rank is not None else \
-            f"{_ranks(tuple(x.rank for x in self.origins if x.rank is not None))}, each on its own,"
+            f"{_ranks(tuple(x.rank for x in self.origins if x.rank is not None))} (each on its own)"
         if o.op is None or o.occurrence is None:
             return (f"The divergence at step {self.step} is born on {who} at different ops: "
                     + "; ".join(f"rank {x.rank}: {x.op} (occurrence {x.occurrence})" for x in self.origins))
