@@ -194,3 +194,12 @@ def test_nvtx_site_is_a_no_op_without_cuda_and_pairs_push_and_pop_with_it(monkey
         raise RuntimeError("the range is closed all the same")
     assert calls == [("push", name), ("pop", None)]
     kernel._nvtx_enabled.cache_clear()
+
+
+def test_kernel_findings():
+    noisy = rerun(Capture(op="ckptv_kernel_test.noisy_scale.default", args=(torch.ones(4),), kwargs={}), runs=3)
+    f = noisy.finding()
+    assert (f.check, f.severity.value, f.location.record) == \
+        ("kernel-nondeterministic", "warning", "ckptv_kernel_test.noisy_scale.default")
+    f = rerun(Capture(op="aten.mm.default", args=(torch.eye(3), torch.eye(3)), kwargs={})).finding()
+    assert (f.check, f.severity.value) == ("kernel-deterministic", "info")

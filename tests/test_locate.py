@@ -349,3 +349,18 @@ def test_an_op_recorded_twice_is_a_usage_error():
     events = ddp_step(0)
     with pytest.raises(UsageError, match="recorded twice"):
         locate({0: [[*events, events[0]]]}, {0: [events]})
+
+
+def test_findings_explain_without_failing():
+    a = {0: rep(2, lambda i: ddp_step(0, noise=("a", i), reduced=("a", i))),
+         1: rep(2, lambda i: ddp_step(1, reduced=("a", i)))}
+    b = {0: rep(2, lambda i: ddp_step(0, noise=("b", i), reduced=("b", i))),
+         1: rep(2, lambda i: ddp_step(1, reduced=("b", i)))}
+    found = locate(a, b).findings()
+    checks = [(f.check, f.severity.value, f.location.rank) for f in found]
+    assert checks == [("locate-origin", "info", 0), ("locate-receiver", "info", 1),
+                      ("locate-nondeterministic", "warning", 0), ("locate-nondeterministic", "warning", 0)]
+    assert found[0].location.record == "step 12 forward blocks.0.act mylib.noisy_gelu.default#0"
+    assert found[0].actual["op"] == "mylib.noisy_gelu.default"
+    clean = locate({0: [ddp_step(0)]}, {0: [ddp_step(0)]}).findings()
+    assert [f.check for f in clean] == ["locate-clean"]

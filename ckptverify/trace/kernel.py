@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ckptverify.errors import UsageError
+from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.safeparse.readers import open_regular
 from ckptverify.trace.category import tensor_digests
 
@@ -257,6 +258,12 @@ class KernelVerdict:
             "mechanism_text": MECHANISMS[self.mechanism] if self.mechanism is not None else None,
             "random": self.random, "settings": dict(self.settings), "sentence": self.sentence(),
         }
+
+    def finding(self) -> Finding:
+        """The verdict as a finding: ``kernel-nondeterministic`` (a warning) or ``kernel-deterministic`` (info)."""
+        make = warning if self.nondeterministic else info
+        check = "kernel-nondeterministic" if self.nondeterministic else "kernel-deterministic"
+        return make(check, self.sentence(), actual=self.to_dict(), location=Location(record=self.op))
 
     def sentence(self) -> str:
         """The verdict in one sentence."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.errors import UsageError
+from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.trace.oplog import OpEvent, OpKey
 
 __all__ = [
@@ -203,6 +204,29 @@ class Located:
             "sentence": self.sentence(),
         }
 
+    def findings(self) -> list[Finding]:
+        """The verdict as findings, for the report: ``locate-origin`` (the origin), ``locate-receiver`` (one per
+        receiver), ``locate-nondeterministic`` (a warning per side and rank whose repeats differ among
+        themselves), or ``locate-clean``. They explain a divergence the calling check judged; none is an error."""
+        out: list[Finding] = []
+        if not self.diverged:
+            out.append(info("locate-clean", self.sentence(), location=Location(record=f"step {self.step}")))
+        if self.origin is not None:
+            out.append(info("locate-origin", self.sentence(), actual=self.origin.to_dict(),
+                            location=Location(rank=self.origin.rank, record=_record(self.origin))))
+        for r in self.receivers:
+            v = r.via
+            out.append(info("locate-receiver", f"rank {r.rank} received the difference of step {r.step} through "
+                            f"{v.collective} (group {list(v.group)}, seq {v.seq})"
+                            + (f" from {_ranks(v.senders)}" if v.senders else ""),
+                            actual=r.to_dict(), location=Location(rank=r.rank, record=f"step {r.step} {r.op}")))
+        for v in self.within_side:
+            out.append(warning("locate-nondeterministic", f"the {v.repeats} repeats of side {v.side.upper()} differ "
+                               f"among themselves on rank {v.rank} ({v.repeats_differing} differ from the first), "
+                               f"first at {v.site.describe()}", actual=v.to_dict(),
+                               location=Location(rank=v.rank, record=f"step {v.site.step} {v.site.op}")))
+        return out
+
     def sentence(self) -> str:
         """The verdict in one sentence."""
         ranks = _ranks(self.ranks)
@@ -280,6 +304,13 @@ class Located:
         return (f"; the repeats of {which} already differ among themselves (first at {first.site.describe()} on "
                 f"rank {first.rank}): the step is not deterministic, so a difference between the sides may be "
                 f"its natural variation")
+
+
+def _record(o: Origin) -> str:
+    parts = [f"step {o.step}"] + [str(x) for x in (o.phase, o.module, o.op) if x]
+    if o.occurrence is not None and o.op:
+        parts[-1] += f"#{o.occurrence}"
+    return " ".join(parts)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
