@@ -364,3 +364,13 @@ def test_findings_explain_without_failing():
     assert found[0].actual["op"] == "mylib.noisy_gelu.default"
     clean = locate({0: [ddp_step(0)]}, {0: [ddp_step(0)]}).findings()
     assert [f.check for f in clean] == ["locate-clean"]
+
+
+def test_nothing_to_compare_is_not_a_clean_verdict():
+    with pytest.raises(UsageError, match="nothing to compare"):
+        locate({0: [ddp_step(0)]}, {1: [ddp_step(1)]})
+    with pytest.raises(UsageError, match="nothing to compare"):
+        locate({0: []}, {0: [ddp_step(0)]})
+    # Ranks on one side only are named, not compared.
+    got = locate({0: [ddp_step(0)], 1: [ddp_step(1)]}, {0: [ddp_step(0)]})
+    assert got.ranks == (0,) and got.missing == (1,)

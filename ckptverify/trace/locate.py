@@ -78,11 +78,11 @@ class OpSite:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Origin:
-    """Where the divergence is born. ``rank`` is ``None`` when several ranks are origins of the same op on their
-    own (see :attr:`Located.origins`); ``phase``/``module``/``op``/``occurrence`` are ``None`` where those
-    origins differ in them. For kind ``untraced`` and ``state`` the op is the first op that read the
-    differing value (the difference shows there, one hop after it was made). ``repeats_differing``: in how many
-    of the repeat pairs this is so."""
+    """Where the divergence is born. ``rank`` is ``None`` when several ranks are origins on their own (see
+    :attr:`Located.origins`); then ``phase``/``module``/``op``/``occurrence`` are ``None`` where those origins
+    differ in them, and ``kind`` is their common kind (``op`` when they differ in kind too). For kind
+    ``untraced`` and ``state`` the op is the first op that read the differing value (the difference shows there,
+    one hop after it was made). ``repeats_differing``: in how many of the repeat pairs this is so."""
 
     kind: str
     rank: int | None
@@ -426,14 +426,14 @@ class _Pair:
         self.ka = _by_key(self.a, what=what)
         self.kb = _by_key(self.b, what=what)
         self._first: _First | bool | None = False
+        self._comm: tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...] | None = None
 
     def comm_event(self, group: tuple[int, ...], seq: int) -> tuple[OpEvent | None, OpEvent | None]:
-        def find(events: list[OpEvent]) -> OpEvent | None:
-            for e in events:
-                if e.comm is not None and e.comm.group == group and e.comm.seq == seq:
-                    return e
-            return None
-        return find(self.a), find(self.b)
+        """Each side's collective of ``group`` with sequence number ``seq``."""
+        if self._comm is None:
+            self._comm = tuple({(e.comm.group, e.comm.seq): e for e in reversed(events) if e.comm is not None}
+                               for events in (self.a, self.b))
+        return self._comm[0].get((group, seq)), self._comm[1].get((group, seq))
 
     def sends_to(self, peer: int) -> list[tuple[OpEvent, OpEvent | None]]:
         """This rank's sends to ``peer`` in A's order, each with B's event of the same key."""
@@ -621,6 +621,10 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     missing = tuple(sorted(set(la) ^ set(lb)))
     counts = [len(la[r]) for r in ranks] + [len(lb[r]) for r in ranks]
     repeats = min(counts) if counts else 0
+    if not ranks or repeats == 0:
+        # Nothing compared is no evidence of equality.
+        raise UsageError("nothing to compare: no rank has op logs on both sides" if not ranks else
+                         f"nothing to compare: a rank has no repeat on one side (ranks {list(ranks)})")
     steps = {e.step for side in (la, lb) for r in ranks for rep in side[r] for e in rep if isinstance(e, OpEvent)}
     if step is None:
         step = min(steps) if steps else 0
