@@ -339,6 +339,8 @@ def test_json_shape_is_the_issue_shape():
     {0: "ops"},
     {-1: [[]]},
     {0: [["not an event"]]},
+    {0: [[*ddp_step(0), object()]]},
+    {0: [[{"op": "aten.mm.default"}, *ddp_step(0)]]},
 ])
 def test_malformed_logs_are_a_usage_error(bad):
     with pytest.raises(UsageError):

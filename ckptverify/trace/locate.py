@@ -421,10 +421,10 @@ class _Pair:
     """One rank's logs of one repeat on both sides, aligned by key."""
 
     def __init__(self, a: Sequence[OpEvent], b: Sequence[OpEvent], *, what: str) -> None:
+        self.ka = _by_key(a, what=what)  # checks the records before anything reads them
+        self.kb = _by_key(b, what=what)
         self.a = _ordered(a)
         self.b = _ordered(b)
-        self.ka = _by_key(self.a, what=what)
-        self.kb = _by_key(self.b, what=what)
         self._first: _First | bool | None = False
         self._comm: tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...] | None = None
 
