@@ -203,3 +203,10 @@ def test_kernel_findings():
         ("kernel-nondeterministic", "warning", "ckptv_kernel_test.noisy_scale.default")
     f = rerun(Capture(op="aten.mm.default", args=(torch.eye(3), torch.eye(3)), kwargs={})).finding()
     assert (f.check, f.severity.value) == ("kernel-deterministic", "info")
+
+
+def test_results_that_cannot_be_fingerprinted_are_a_usage_error():
+    # A meta tensor has no values: the verdict cannot be drawn, and says so instead of a traceback.
+    with pytest.raises(UsageError, match="cannot fingerprint"):
+        rerun(Capture(op="aten.mm.default", args=(torch.eye(2, device="meta"), torch.eye(2, device="meta")),
+                      kwargs={}), device="meta")

@@ -368,7 +368,11 @@ def rerun(capture: str | os.PathLike[str] | Capture, *, runs: int = 5, device: s
             except Exception as e:  # the captured arguments do not fit the op
                 raise UsageError(f"{cap.op} failed on the captured inputs on {target}: {type(e).__name__}: {e}") from e
             # In-place and out= ops write their arguments: those are results too.
-            results.append((_digest(out), _digest((args, kwargs))))
+            try:
+                results.append((_digest(out), _digest((args, kwargs))))
+            except Exception as e:  # a result the fingerprint cannot read (a quantized or meta tensor)
+                raise UsageError(f"cannot fingerprint the results of {cap.op} on {target}: {type(e).__name__}: "
+                                 f"{e}") from e
     distinct = len({(tuple(o), tuple(w)) for o, w in results})
     nondeterministic = distinct > 1
     return KernelVerdict(
