@@ -376,3 +376,28 @@ def test_nothing_to_compare_is_not_a_clean_verdict():
     # Ranks on one side only are named, not compared.
     got = locate({0: [ddp_step(0)], 1: [ddp_step(1)]}, {0: [ddp_step(0)]})
     assert got.ranks == (0,) and got.missing == (1,)
+
+
+def test_an_op_called_on_another_tensor_is_an_origin_not_untraced():
+    """Side B inserts one add of the same kind in the same module: from there on the occurrences of that op are
+    shifted, and its first differing occurrence reads, on each side, values both sides had. The op call changed;
+    nothing outside the trace did."""
+    p, q = fp("p"), fp("q")
+
+    def block(extra: bool) -> list[OpEvent]:
+        log = Log()
+        r = fp("r")
+        log.op("forward", "blocks.1", "aten.mul.Tensor", (p, q), (r,))
+        if extra:
+            log.op("forward", "blocks.1", "aten.add.Tensor", (p, r), (fp("t"),))
+        log.op("forward", "blocks.1", "aten.add.Tensor", (r, q), (fp("s"),))
+        return log.events
+
+    got = locate({0: [block(False)]}, {0: [block(True)]}, state_equal=True)
+    assert got.origin is not None
+    assert (got.origin.kind, got.origin.op, got.origin.occurrence, got.origin.repeats_differing) == \
+        ("op", "aten.add.Tensor", 0, 1)
+    assert got.rewired and "called on another tensor" in got.sentence()
+    # Not confused with a value changed outside the trace: there, one side's value is new (numpy's).
+    got = locate({0: [ddp_step(0, numpy=True)]}, {0: [ddp_step(0, numpy=True, numpy_noise="np")]}, state_equal=True)
+    assert got.origin is not None and got.origin.kind == "untraced" and not got.rewired

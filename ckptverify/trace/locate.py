@@ -156,7 +156,9 @@ class Located:
 
     ``origin`` is ``None`` when no rank's logs show where a difference is born (a clean pair, or only receivers
     whose senders' logs are not here); ``origins`` holds each rank's own origin when several ranks have one.
-    ``one_side``: for an origin op that ran on one side only, that side (``"a"``/``"b"``). ``output``: for an
+    ``one_side``: for an origin op that ran on one side only, that side (``"a"``/``"b"``); ``rewired``: the origin
+    op read, on each side, a value both sides had, but not the same one (it was called on another tensor: a
+    changed call or op sequence). ``output``: for an
     origin op, the first differing output (``index``; ``chunk`` and ``elements`` ``[start, end)`` when the output
     is recorded chunk-wise). ``last_equal``: for ``untraced``/``state``, the last op before it whose inputs and
     outputs were equal on the origin rank (``None``: it was the first op of the step); ``produced_in_step``:
@@ -173,6 +175,7 @@ class Located:
     origins: tuple[Origin, ...] = ()
     receivers: tuple[Receiver, ...] = ()
     one_side: str | None = None
+    rewired: bool = False
     output: dict[str, Any] | None = None
     last_equal: OpSite | None = None
     produced_in_step: bool | None = None
@@ -195,6 +198,7 @@ class Located:
             "repeats": self.repeats,
             "origins": [o.to_dict() for o in self.origins],
             "one_side": self.one_side,
+            "rewired": self.rewired,
             "output": self.output,
             "last_equal": self.last_equal.to_dict() if self.last_equal is not None else None,
             "produced_in_step": self.produced_in_step,
@@ -250,6 +254,10 @@ class Located:
         site = f"{o.op} (occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''})"
         count = f"in {o.repeats_differing} of {self.repeats} repeat pairs"
         if o.kind == "op":
+            if self.rewired:
+                return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
+                       f"the other side, each a value both sides had (it is called on another tensor: the call or " \
+                       f"the op sequence changed) ({count})"
             if self.one_side is not None:
                 return f"The divergence at step {self.step} is born on {who}: {site} ran on side " \
                        f"{self.one_side.upper()} only ({count})"
@@ -415,6 +423,7 @@ class _First:
     output: dict[str, Any] | None = None
     last_equal: OpEvent | None = None
     produced_in_step: bool = False
+    rewired: bool = False  # for "inputs": each side read a value both sides had
 
 
 class _Pair:
@@ -447,24 +456,28 @@ class _Pair:
 
     def _find_first(self) -> _First | None:
         last_equal: OpEvent | None = None
-        produced_a: set[int] = set()
-        produced_b: set[int] = set()
+        produced: set[int] = set()  # outputs of the equal ops so far
+        seen: set[int] = set()  # their inputs and outputs: values both sides had
         for key, side in _merged(self.a, self.b, self.ka):
             if side != "ab":
                 event = self.ka[key] if side == "a" else self.kb[key]
                 return _First("one-sided", event, None, side=side, last_equal=last_equal)
             ea, eb = self.ka[key], self.kb[key]
-            inputs = _inputs_differ(ea, eb)
+            if _inputs_differ(ea, eb):
+                pairs = [(x, y) for x, y in zip(ea.inputs, eb.inputs, strict=False) if _differs(x, y)]
+                # Each side read a value both sides had: the op was called on another tensor (a changed call or
+                # op sequence), not on a value something outside the trace changed.
+                rewired = len(ea.inputs) != len(eb.inputs) or all(x in seen and y in seen for x, y in pairs)
+                made = any(x in produced or y in produced for x, y in pairs)
+                return _First("inputs", ea, eb, last_equal=last_equal, produced_in_step=made, rewired=rewired)
             output = _output_difference(ea, eb)
-            if inputs:
-                made = any(x in produced_a or y in produced_b
-                           for x, y in zip(ea.inputs, eb.inputs, strict=False) if _differs(x, y))
-                return _First("inputs", ea, eb, last_equal=last_equal, produced_in_step=made)
             if output is not None:
                 return _First("outputs", ea, eb, output=output, last_equal=last_equal)
             last_equal = ea
-            produced_a.update(x for x in ea.outputs if x is not None)
-            produced_b.update(x for x in eb.outputs if x is not None)
+            for e in (ea, eb):
+                produced.update(x for x in e.outputs if x is not None)
+                seen.update(x for x in e.outputs if x is not None)
+                seen.update(x for x in e.inputs if x is not None)
         return None
 
 
@@ -500,6 +513,8 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
     if first.what == "one-sided":
         return _Verdict("op", first)
     if first.what == "inputs":
+        if first.rewired:
+            return _Verdict("op", first)
         via = _through_unseen_output(rank, first, pairs)
         if via is not None:
             return _Verdict("receiver", first, via, seen=False)
@@ -651,10 +666,11 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
             receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, phase=e.phase, module=e.module,
                                       occurrence=e.occurrence, seen=chosen.seen))
             continue
-        if chosen.kind == "op":
-            count = sum(_op_differs(la[r][i], lb[r][i], e.key) for i in range(repeats))
-        else:
-            count = tally[chosen.identity]
+        # Pairs where the same verdict holds; for an op, also those where the op had equal inputs and different
+        # outputs (or ran on one side only) without being that rank's first difference.
+        count = sum(1 for i in range(repeats)
+                    if (r in per_pair[i] and per_pair[i][r].identity == chosen.identity)
+                    or (chosen.kind == "op" and _op_differs(la[r][i], lb[r][i], e.key)))
         details[r] = chosen
         origins.append(Origin(kind=chosen.kind, rank=r, step=e.step, phase=e.phase, module=e.module, op=e.op,
                               occurrence=e.occurrence, repeats_differing=count))
@@ -667,6 +683,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         origins=tuple(origins) if len(origins) > 1 else (),
         receivers=tuple(receivers),
         one_side=first.side if first is not None and first.what == "one-sided" else None,
+        rewired=first is not None and first.what == "inputs" and first.rewired,
         output=first.output if first is not None else None,
         last_equal=_site(origins[0].rank, first.last_equal)  # type: ignore[arg-type]
         if first is not None and first.what == "inputs" and first.last_equal is not None else None,
