@@ -401,3 +401,19 @@ def test_an_op_called_on_another_tensor_is_an_origin_not_untraced():
     # Not confused with a value changed outside the trace: there, one side's value is new (numpy's).
     got = locate({0: [ddp_step(0, numpy=True)]}, {0: [ddp_step(0, numpy=True, numpy_noise="np")]}, state_equal=True)
     assert got.origin is not None and got.origin.kind == "untraced" and not got.rewired
+
+
+def test_logs_of_a_window_are_compared_step_by_step():
+    def window(diff_at: int) -> list[OpEvent]:
+        events: list[OpEvent] = []
+        for step in (12, 13):
+            log = Log(step)
+            log.op("forward", "fc", "aten.mm.default", (fp("x", step), fp("w")), (fp("y", step, step == diff_at),))
+            events += [OpEvent(**{**e.__dict__, "index": len(events) + e.index}) for e in log.events]
+        return events
+
+    a, b = {0: [window(0)]}, {0: [window(13)]}
+    assert locate(a, b, step=12).origin is None
+    got = locate(a, b, step=13)
+    assert got.origin is not None and (got.origin.step, got.origin.op) == (13, "aten.mm.default")
+    assert got.step == 13

@@ -626,7 +626,8 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
 
     ``a``/``b``: per rank, the op logs of the step's repeats (the same number of repeats on every rank of a
     side; repeat ``i`` of every rank is one run). Repeat ``i`` of A is compared with repeat ``i`` of B (pairs
-    beyond the shorter side are not compared). ``step``: the step (default: the smallest step in the logs).
+    beyond the shorter side are not compared). ``step``: the step whose ops are compared (default: the smallest
+    step in the logs, and every op of the logs is compared).
     ``state_equal``: whether the state the step started from was proved equal on both sides (``None``: not
     known); it decides between ``untraced`` and ``state`` for a first difference in an op's inputs that no op of
     the step produced. Raises :class:`~ckptverify.errors.UsageError` (exit 2) on malformed logs.
@@ -643,6 +644,10 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     steps = {e.step for side in (la, lb) for r in ranks for rep in side[r] for e in rep if isinstance(e, OpEvent)}
     if step is None:
         step = min(steps) if steps else 0
+    else:
+        # Logs of a window of steps: only this step's ops (anything not an OpEvent stays, to be refused).
+        la, lb = ({r: [[e for e in rep if not isinstance(e, OpEvent) or e.step == step] for rep in reps]
+                   for r, reps in side.items()} for side in (la, lb))
 
     per_pair: list[dict[int, _Verdict]] = []
     for i in range(repeats):
