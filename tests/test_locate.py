@@ -373,6 +373,8 @@ def test_nothing_to_compare_is_not_a_clean_verdict():
         locate({0: [ddp_step(0)]}, {1: [ddp_step(1)]})
     with pytest.raises(UsageError, match="nothing to compare"):
         locate({0: []}, {0: [ddp_step(0)]})
+    with pytest.raises(UsageError, match="no op of step 99"):
+        locate({0: [ddp_step(0)]}, {0: [ddp_step(0)]}, step=99)
     # Ranks on one side only are named, not compared.
     got = locate({0: [ddp_step(0)], 1: [ddp_step(1)]}, {0: [ddp_step(0)]})
     assert got.ranks == (0,) and got.missing == (1,)

@@ -648,6 +648,8 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         # Logs of a window of steps: only this step's ops (anything not an OpEvent stays, to be refused).
         la, lb = ({r: [[e for e in rep if not isinstance(e, OpEvent) or e.step == step] for rep in reps]
                    for r, reps in side.items()} for side in (la, lb))
+    if not any(rep for side in (la, lb) for r in ranks for rep in side[r]):
+        raise UsageError(f"nothing to compare: the logs hold no op of step {step}")
 
     per_pair: list[dict[int, _Verdict]] = []
     for i in range(repeats):
