@@ -384,32 +384,40 @@ def _by_key(events: Sequence[OpEvent], *, what: str) -> dict[OpKey, OpEvent]:
     for e in events:
         if not isinstance(e, OpEvent):
             raise UsageError(f"{what}: expected OpEvent records, got {type(e).__name__}")
-        if e.key in out:
-            raise UsageError(f"{what}: the op {e.key} is recorded twice (an op log keys each op once)")
-        out[e.key] = e
+        key = (e.step, e.phase, e.module, e.op, e.occurrence)  # OpEvent.key, without the property call
+        if key in out:
+            raise UsageError(f"{what}: the op {key} is recorded twice (an op log keys each op once)")
+        out[key] = e
     return out
 
 
-def _ordered(events: Sequence[OpEvent]) -> list[OpEvent]:
-    return sorted(events, key=lambda e: e.index)
+def _ordered(by_key: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, OpEvent]]:
+    return sorted(by_key.items(), key=lambda item: item[1].index)
 
 
-def _merged(a: list[OpEvent], b: list[OpEvent], in_a: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, str]]:
+def _merged(a: list[tuple[OpKey, OpEvent]], b: list[tuple[OpKey, OpEvent]], in_a: Mapping[OpKey, OpEvent],
+            in_b: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, str]]:
     """Both logs in one execution order: A's, with each op B ran alone placed right after the op B ran before
     it. Each entry is ``(key, side)`` with side ``"ab"``, ``"a"`` or ``"b"``."""
-    in_b = {e.key for e in b}
     after: dict[OpKey | None, list[OpKey]] = {}
     prev: OpKey | None = None
-    for e in b:
-        if e.key in in_a:
-            prev = e.key
+    for key, _ in b:
+        if key in in_a:
+            prev = key
         else:
-            after.setdefault(prev, []).append(e.key)
+            after.setdefault(prev, []).append(key)
     out: list[tuple[OpKey, str]] = [(k, "b") for k in after.get(None, [])]
-    for e in a:
-        out.append((e.key, "ab" if e.key in in_b else "a"))
-        out.extend((k, "b") for k in after.get(e.key, []))
+    for key, _ in a:
+        out.append((key, "ab" if key in in_b else "a"))
+        if after and key in after:
+            out.extend((k, "b") for k in after[key])
     return out
+
+
+def _same(a: OpEvent, b: OpEvent) -> bool:
+    """Whether two events of one key are plainly identical in what is compared (the fast path: no artifact)."""
+    return (a.inputs == b.inputs and a.outputs == b.outputs and a.shapes == b.shapes and a.dtypes == b.dtypes
+            and a.chunks == b.chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,8 +440,10 @@ class _Pair:
     def __init__(self, a: Sequence[OpEvent], b: Sequence[OpEvent], *, what: str) -> None:
         self.ka = _by_key(a, what=what)  # checks the records before anything reads them
         self.kb = _by_key(b, what=what)
-        self.a = _ordered(a)
-        self.b = _ordered(b)
+        self.ordered_a = _ordered(self.ka)
+        self.ordered_b = _ordered(self.kb)
+        self.a = [e for _, e in self.ordered_a]
+        self.b = [e for _, e in self.ordered_b]
         self._first: _First | bool | None = False
         self._comm: tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...] | None = None
 
@@ -455,30 +465,43 @@ class _Pair:
         return self._first  # type: ignore[return-value]
 
     def _find_first(self) -> _First | None:
-        last_equal: OpEvent | None = None
-        produced: set[int] = set()  # outputs of the equal ops so far
-        seen: set[int] = set()  # their inputs and outputs: values both sides had
-        for key, side in _merged(self.a, self.b, self.ka):
+        merged = _merged(self.ordered_a, self.ordered_b, self.ka, self.kb)
+        for n, (key, side) in enumerate(merged):
             if side != "ab":
                 event = self.ka[key] if side == "a" else self.kb[key]
-                return _First("one-sided", event, None, side=side, last_equal=last_equal)
+                return _First("one-sided", event, None, side=side, last_equal=self._last_equal(merged, n))
             ea, eb = self.ka[key], self.kb[key]
+            if _same(ea, eb):
+                continue
             if _inputs_differ(ea, eb):
+                produced, seen = self._values_before(merged, n)
                 pairs = [(x, y) for x, y in zip(ea.inputs, eb.inputs, strict=False) if _differs(x, y)]
                 # Each side read a value both sides had: the op was called on another tensor (a changed call or
                 # op sequence), not on a value something outside the trace changed.
                 rewired = len(ea.inputs) != len(eb.inputs) or all(x in seen and y in seen for x, y in pairs)
                 made = any(x in produced or y in produced for x, y in pairs)
-                return _First("inputs", ea, eb, last_equal=last_equal, produced_in_step=made, rewired=rewired)
+                return _First("inputs", ea, eb, last_equal=self._last_equal(merged, n), produced_in_step=made,
+                              rewired=rewired)
             output = _output_difference(ea, eb)
             if output is not None:
-                return _First("outputs", ea, eb, output=output, last_equal=last_equal)
-            last_equal = ea
-            for e in (ea, eb):
-                produced.update(x for x in e.outputs if x is not None)
-                seen.update(x for x in e.outputs if x is not None)
-                seen.update(x for x in e.inputs if x is not None)
+                return _First("outputs", ea, eb, output=output, last_equal=self._last_equal(merged, n))
         return None
+
+    def _last_equal(self, merged: list[tuple[OpKey, str]], n: int) -> OpEvent | None:
+        # Every op before the first difference is equal on both sides.
+        return self.ka[merged[n - 1][0]] if n > 0 else None
+
+    def _values_before(self, merged: list[tuple[OpKey, str]], n: int) -> tuple[set[int], set[int]]:
+        """The outputs of the (equal) ops before position ``n``, and their inputs and outputs: values both
+        sides had."""
+        produced: set[int] = set()
+        seen: set[int] = set()
+        for key, _ in merged[:n]:
+            for e in (self.ka[key], self.kb[key]):
+                produced.update(x for x in e.outputs if x is not None)
+                seen.update(x for x in e.inputs if x is not None)
+        seen |= produced
+        return produced, seen
 
 
 def _is_recv(name: str) -> bool:
