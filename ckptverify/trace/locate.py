@@ -158,9 +158,9 @@ class Located:
     whose senders' logs are not here); ``origins`` holds each rank's own origin when several ranks have one.
     ``one_side``: for an origin op that ran on one side only, that side (``"a"``/``"b"``); ``rewired``: the origin
     op read, on each side, a value both sides had, but not the same one (it was called on another tensor: a
-    changed call or op sequence). ``output``: for an
-    origin op, the first differing output (``index``; ``chunk`` and ``elements`` ``[start, end)`` when the output
-    is recorded chunk-wise). ``last_equal``: for ``untraced``/``state``, the last op before it whose inputs and
+    changed call or op sequence). ``output``: for an origin op, the first differing output (``index``; ``chunk``
+    and ``elements`` ``[start, end)`` when the output is recorded chunk-wise). These and the fields below
+    describe a single origin rank. ``last_equal``: for ``untraced``/``state``, the last op before it whose inputs and
     outputs were equal on the origin rank (``None``: it was the first op of the step); ``produced_in_step``:
     whether the differing value is one an earlier op of the step produced (then it was changed afterwards, so
     it is not the starting state). ``state_equal``: what the caller said of the state the step started from.
@@ -273,8 +273,12 @@ class Located:
         if o.kind == "collective":
             return f"The divergence at step {self.step} is born on {who} in the collective {site}: every " \
                    f"member's input to it was equal and its output differs {count}"
-        after = f"after the last equal op {self.last_equal.describe()}" if self.last_equal is not None \
-            else "before the first op of the step"
+        if o.rank is None:  # several ranks: each has its own last equal op (see origins)
+            after = "each after its last equal op"
+        elif self.last_equal is not None:
+            after = f"after the last equal op {self.last_equal.describe()}"
+        else:
+            after = "before the first op of the step"
         if o.kind == "state":
             return f"The difference was already in the state step {self.step} started from on {who}: " \
                    f"{site} is the first op to read it ({count}); the restore comparison names the state"
