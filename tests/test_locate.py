@@ -259,6 +259,8 @@ def test_allreduce_output_in_flight_still_names_the_receiver_and_its_sender():
     got = locate(a, b, state_equal=True)
     assert got.receivers == ()
     assert [(o.kind, o.rank) for o in got.origins] == [("untraced", 0), ("untraced", 1)]
+    assert got.origin is not None and got.origin.rank is None
+    assert "each after its last equal op" in got.sentence() and "before the first op" not in got.sentence()
 
 
 def test_send_recv_names_the_peer():
