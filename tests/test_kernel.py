@@ -210,3 +210,17 @@ def test_results_that_cannot_be_fingerprinted_are_a_usage_error():
     with pytest.raises(UsageError, match="cannot fingerprint"):
         rerun(Capture(op="aten.mm.default", args=(torch.eye(2, device="meta"), torch.eye(2, device="meta")),
                       kwargs={}), device="meta")
+
+
+def test_tf32_is_named_beside_the_cublas_mechanism():
+    base = dict(op="aten.mm.default", device="cuda:0", runs=3, distinct=2, outputs_differing=(0,),
+                nondeterministic=True, mechanism="cublas-workspace")
+    on = kernel.KernelVerdict(**base, settings={"matmul_allow_tf32": True}).sentence()
+    off = kernel.KernelVerdict(**base, settings={"matmul_allow_tf32": False}).sentence()
+    assert "CUBLAS_WORKSPACE_CONFIG" in on and "TF32 is on" in on
+    assert "CUBLAS_WORKSPACE_CONFIG" in off and "TF32" not in off
+
+
+def test_bad_device_is_a_usage_error():
+    with pytest.raises(UsageError, match="not a device"):
+        rerun(Capture(op="aten.mm.default", args=(torch.eye(2), torch.eye(2)), kwargs={}), device="gpu please")

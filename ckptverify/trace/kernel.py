@@ -271,9 +271,16 @@ class KernelVerdict:
             assert self.mechanism is not None
             which = [f"output {i}" for i in self.outputs_differing] + \
                 [f"written argument {i}" for i in self.arguments_differing]
+            tf32 = ""
+            if self.mechanism == "cublas-workspace" and self.settings.get("matmul_allow_tf32"):
+                tf32 = ("; TF32 is on (torch.backends.cuda.matmul.allow_tf32), so its results also differ from a "
+                        "run without it")
+            elif self.mechanism in ("cudnn-benchmark", "cudnn-algorithm") and self.settings.get("cudnn_allow_tf32"):
+                tf32 = ("; TF32 is on (torch.backends.cudnn.allow_tf32), so its results also differ from a run "
+                        "without it")
             return (f"{self.op} is nondeterministic by itself on {self.device}: {self.runs} runs on the recorded "
                     f"inputs gave {self.distinct} different results ({', '.join(which)}); mechanism: "
-                    f"{MECHANISMS[self.mechanism]}.")
+                    f"{MECHANISMS[self.mechanism]}{tf32}.")
         if self.random:
             return (f"{self.op} draws from the random generator and is deterministic alone on {self.device} for a "
                     f"fixed generator state ({self.runs} runs agree): a difference at it comes from the generator's "
@@ -346,7 +353,10 @@ def rerun(capture: str | os.PathLike[str] | Capture, *, runs: int = 5, device: s
         raise UsageError(f"runs must be an integer of at least 2 (a kernel is judged against itself), got {runs!r}")
     cap = capture if isinstance(capture, Capture) else load_capture(capture)
     op = resolve_op(cap.op)
-    target = torch.device(device) if device is not None else torch.device("cpu")
+    try:
+        target = torch.device(device) if device is not None else torch.device("cpu")
+    except (RuntimeError, TypeError) as e:
+        raise UsageError(f"not a device: {device!r} ({e})") from e
     if target.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"cannot re-run {cap.op} on {target}: CUDA is not available here")
     settings = _settings()
