@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ckptverify.trace.category import host_digest
 from ckptverify.trace.oplog import CommInfo, OpEvent
@@ -47,8 +47,10 @@ def _digests(value: Any, uninitialized: set[int] = frozenset()) -> tuple[int | N
 class OpLogger(TorchDispatchMode):
     """Logs the ops of step ``step`` (steps count finished optimizer steps, from 1)."""
 
-    def __init__(self, step: int, world: int) -> None:
+    def __init__(self, step: int, world: int, capture: tuple | None = None, capture_path: str | None = None) -> None:
         super().__init__()
+        self.capture = capture
+        self.capture_path = capture_path
         self.step = step
         self.world = world
         self.current = 1
@@ -103,6 +105,11 @@ class OpLogger(TorchDispatchMode):
         outs = {a.name for a in func._schema.arguments if a.kwarg_only and a.alias_info is not None
                 and a.alias_info.is_write}
         inputs = _digests((args, {k: v for k, v in kwargs.items() if k not in outs}), self.uninitialized)
+        key = (phase, module, str(func))
+        if self.capture is not None and (self.step, *key, self.occ.get(key, 0)) == tuple(self.capture):
+            # As OpWindow.capture does: the op's arguments, detached and on the host, before it runs.
+            host = tree_map(lambda x: x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            torch.save({"op": str(func), "args": tuple(host[0]), "kwargs": dict(host[1])}, self.capture_path)
         out = func(*args, **kwargs)
         written = [a for a, arg in zip(args, func._schema.arguments, strict=False)
                    if arg.alias_info is not None and arg.alias_info.is_write]
@@ -140,9 +147,11 @@ def _load_script() -> Any:
     return importlib.import_module(SCRIPT.stem)
 
 
-def run_logged(rank: int, world: int, out_dir: str, plant: str, runs: int, step: int) -> None:
+def run_logged(rank: int, world: int, out_dir: str, plant: str, runs: int, step: int,
+               capture: tuple | None = None) -> None:
     """In one rank: ``runs`` runs of the user's script for ``step`` steps, each rebuilt from its seed, logging
-    step ``step``; writes ``rank<r>.pkl`` (a list of ``runs`` op logs)."""
+    step ``step``; writes ``rank<r>.pkl`` (a list of ``runs`` op logs). ``capture``: ``(rank, key)`` of one op
+    whose inputs that rank saves to ``capture.pt``."""
     if plant:
         os.environ["LOCATE_PLANT"] = plant
     # A rank started by torchrun forks its DataLoader workers (the platform default); a spawned rank would
@@ -151,7 +160,9 @@ def run_logged(rank: int, world: int, out_dir: str, plant: str, runs: int, step:
     script = _load_script()
     logs = []
     for _ in range(runs):
-        logger = OpLogger(step, world)
+        mine = capture is not None and capture[0] == rank
+        logger = OpLogger(step, world, capture=capture[1] if mine else None,
+                          capture_path=os.path.join(out_dir, "capture.pt"))
         handles = [
             register_module_forward_pre_hook(logger.pre),
             register_module_forward_hook(logger.post),

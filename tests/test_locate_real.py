@@ -9,8 +9,9 @@ import pickle
 
 import pytest
 from helpers.multiproc import spawn_ranks
-from locate_worker import run_logged
+from locate_worker import _load_script, run_logged
 
+from ckptverify.trace.kernel import rerun
 from ckptverify.trace.locate import locate
 
 pytestmark = pytest.mark.timeout(900)
@@ -49,6 +50,19 @@ def test_nondeterministic_kernel_on_rank_0_and_rank_1_receiving_it_through_the_a
         (1, "c10d.allreduce_.default", "allreduce_", (0, 1), (0,))
     # Both sides vary run to run, born on rank 0 (rank 1 only receives it).
     assert {(v.side, v.rank) for v in got.within_side} == {("a", 0), ("b", 0)}
+    # The last rung: the origin op's inputs captured in one more run, and the op re-run alone on them.
+    o = got.origin
+    key = (o.step, o.phase, o.module, o.op, o.occurrence)
+    spawn_ranks(run_logged, 2, str(tmp_path), "noisy-op", 1, STEP, (0, key))
+    _load_script()  # registers the script's custom op in this process, as the re-run needs
+    kernel = rerun(tmp_path / "capture.pt", runs=4)
+    assert kernel.nondeterministic and kernel.mechanism == "none", kernel.sentence()
+    assert "no documented mechanism" in kernel.sentence()
+    # The same op on rank 1, where the script calls it without noise, is deterministic alone.
+    (tmp_path / "capture.pt").unlink()
+    spawn_ranks(run_logged, 2, str(tmp_path), "noisy-op", 1, STEP, (1, key))
+    kernel = rerun(tmp_path / "capture.pt", runs=4)
+    assert not kernel.nondeterministic, kernel.sentence()
 
 
 def test_numpy_outside_the_dispatcher_on_rank_0_is_untraced(tmp_path):
