@@ -18,6 +18,7 @@ from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
 from ckptverify.findings import Finding, Location, error
 from ckptverify.ownfiles.manifest import ItemEntry, Manifest
 from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, crc32
+from ckptverify.safeparse.torchsave import TensorHeader
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +221,8 @@ def judge_blocks(manifest: Manifest, task: BlockTask, item: Item, digests: list[
 
 
 def _payload_elements(item: Item, plan: ItemPlan | None, start: int, end: int) -> tuple[int, int] | None:
-    if plan is None or plan.header is None or item.chunk is None or not plan.header.is_row_major:
+    if (plan is None or not isinstance(plan.header, TensorHeader) or item.chunk is None
+            or not plan.header.is_row_major):  # a tensor subclass's item holds several tensors: no one element range
         return None
     rec = plan.archive.record(f"data/{plan.header.storage_key}")
     if rec is None:

@@ -47,8 +47,8 @@ from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "TensorDesc", "describe", "is_own_file",
-           "is_row_major", "iter_payload_blocks", "json_values", "read_payload", "read_tensor", "side_file_description"]
+__all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
+           "describe", "is_own_file", "is_row_major", "iter_payload_blocks", "json_values", "read_payload", "read_tensor", "side_file_description"]
 
 
 def is_own_file(name: str) -> bool:
@@ -85,15 +85,39 @@ class Payload:
 
 
 @dataclass(slots=True)
+class SubclassPart:
+    """One inner tensor of a stored tensor subclass: its name (``qdata``, ``scale``, ...), dtype, shape and
+    the payload that holds it (the whole inner tensor)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    payload: Payload
+
+
+@dataclass(slots=True)
+class SubclassDesc:
+    """How a tensor stored as a tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``) keeps its values:
+    its class (``module.QualName``), its attributes (``context``: canonical JSON text, see
+    :mod:`ckptverify.fingerprint.subclass`) and its inner tensors, in their flatten order."""
+
+    cls: str
+    context: str
+    parts: list[SubclassPart] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class TensorDesc:
     """A tensor: its global dtype and shape, its stored pieces, and the pieces that are stored but could not
-    be described (``unread``: why, one line each; a damaged header)."""
+    be described (``unread``: why, one line each; a damaged header). A tensor stored as a tensor subclass has
+    no payloads of its own: ``subclass`` describes its inner tensors."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     payloads: list[Payload] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
+    subclass: SubclassDesc | None = None
 
 
 class StoredRange(NamedTuple):
