@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
-           "describe", "is_own_file", "is_row_major", "iter_payload_blocks", "json_values", "read_payload", "read_tensor", "side_file_description"]
+           "describe", "is_own_file", "is_row_major", "iter_payload_blocks", "json_values", "read_parts",
+           "read_payload", "read_tensor", "side_file_description"]
 
 
 def is_own_file(name: str) -> bool:
@@ -353,12 +354,15 @@ def read_payload(f: Any, p: Payload) -> torch.Tensor:
 
 
 def read_tensor(desc: Description, name: str) -> torch.Tensor:
-    """Tensor ``name`` assembled from its payloads (memory: the whole tensor)."""
+    """Tensor ``name`` assembled from its payloads (memory: the whole tensor). A tensor stored as a tensor
+    subclass has no values of its own to assemble: ``ValueError`` (read its parts, :func:`read_parts`)."""
     import torch
 
     from ckptverify.dcp.tensors import torch_dtype
 
     t = desc.tensors[name]
+    if t.subclass is not None:
+        raise ValueError(f"{name!r} is stored as a {t.subclass.cls.rsplit('.', 1)[-1]}: read its parts")
     out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     for p in t.payloads:
         with desc.open(p) as f:
@@ -367,6 +371,19 @@ def read_tensor(desc: Description, name: str) -> torch.Tensor:
         for dim, (o, n) in enumerate(zip(p.chunk_offsets, p.shape, strict=True)):
             view = view.narrow(dim, o, n)
         view.copy_(piece)
+    return out
+
+
+def read_parts(desc: Description, name: str) -> dict[str, torch.Tensor]:
+    """The inner tensors of tensor ``name``, stored as a tensor subclass (:attr:`TensorDesc.subclass`), by
+    name, each rebuilt from its bytes (memory: the whole parts). Raises ``ValueError`` for a plain tensor."""
+    t = desc.tensors[name]
+    if t.subclass is None:
+        raise ValueError(f"{name!r} is not stored as a tensor subclass")
+    out = {}
+    for part in t.subclass.parts:
+        with desc.open(part.payload) as f:
+            out[part.name] = read_payload(f, part.payload)
     return out
 
 
