@@ -71,7 +71,7 @@ def canonical(value: Any) -> Any:
     Anything else raises :class:`~ckptverify.errors.UsageError` (the fingerprint cannot say what it is)."""
     import torch
 
-    if value is None or isinstance(value, bool | int | float | str) and not isinstance(value, enum.Enum):
+    if value is None or (isinstance(value, bool | int | float | str) and not isinstance(value, enum.Enum)):
         return value
     if isinstance(value, torch.dtype):
         return str(value)
