@@ -19,7 +19,6 @@ import random
 import warnings
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import nn
