@@ -36,8 +36,6 @@ from ckptverify.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-    from ckptverify.fingerprint.logical import TensorFingerprint
-
 __all__ = ["Flattened", "canonical", "class_label", "combine_parts", "flatten", "is_wrapper_subclass"]
 
 #: Tensor types that hold their own values (nothing to flatten).
@@ -111,9 +109,10 @@ def flatten(t: torch.Tensor) -> Flattened:
 
 
 def combine_parts(label: str, dtype: str, shape: Sequence[int], context: dict[str, Any],
-                  parts: Sequence[tuple[str, TensorFingerprint]]) -> str:
-    """The fingerprint value (32 hex digits) of a subclass from its parts' fingerprints: xxh3-128 of the
-    canonical JSON text of the class label, outer dtype and shape, context and parts."""
+                  parts: Sequence[tuple[str, Any]]) -> str:
+    """The fingerprint value (32 hex digits) of a subclass from its parts' fingerprints (each a
+    :class:`~ckptverify.fingerprint.TensorFingerprint`: its ``value``, ``dtype`` and ``shape`` count): xxh3-128
+    of the canonical JSON text of the class label, outer dtype and shape, context and parts."""
     text = json.dumps({
         "class": label,
         "dtype": dtype,
