@@ -221,6 +221,12 @@ def test_save_manifest_holds_the_subclass_fingerprints(tmp_path: Path) -> None:
     assert (ta["mx"]["dtype"], ta["mx"]["shape"]) == ("float32", [4, 64])
     assert tb["mx"]["fingerprint"] == tensor_fingerprint(scaled).value != ta["mx"]["fingerprint"]
     assert tb["nv"] == ta["nv"]
+    # The parts' fingerprints too: equal data, different scales.
+    assert ta["mx"]["parts"] == {n: f.value for n, f in part_fingerprints(m).items()}
+    assert ta["mx"]["parts"]["qdata"] == tb["mx"]["parts"]["qdata"]
+    assert ta["mx"]["parts"]["scale"] != tb["mx"]["parts"]["scale"]
+    assert list(ta["nv"]["parts"]) == ["qdata", "scale", "per_tensor_scale"]
+    assert "parts" not in ta["plain"]
     for name in ("a", "b"):
         report = verify_checkpoint(tmp_path / name, deep=True)
         assert report.exit_code == 0, _findings(report)
@@ -244,6 +250,8 @@ def test_plain_dcp_save_is_read_part_by_part(tmp_path: Path) -> None:
     tensors = json.loads((tmp_path / "ck" / "ckptverify.manifest.json").read_text())["tensors"]
     assert tensors["mx"]["fingerprint"] == tensor_fingerprint(m).value
     assert tensors["nv"]["fingerprint"] == tensor_fingerprint(n).value
+    assert tensors["mx"]["parts"] == {name: f.value for name, f in part_fingerprints(m).items()}
+    assert verify_checkpoint(tmp_path / "ck", deep=True).exit_code == 0
 
 
 def _item_bytes(ckpt: Path, fqn: str) -> tuple[Path, int, int]:
@@ -312,7 +320,15 @@ def test_flipped_scale_byte_with_a_valid_crc_is_caught_by_deep(tmp_path: Path) -
     digest = next(m for _, c, m in found if c == "manifest-digest")
     assert "the MXTensor's 'qdata' and 'scale' parts" in digest or "the MXTensor's 'scale' part" in digest
     fp = next((s, m) for s, c, m in found if c == "fingerprint")
-    assert fp[0] == "error" and "'mx'" in fp[1]
+    assert fp[0] == "error" and fp[1].startswith("'mx': the values read back") and "(its 'scale' part differs)" in fp[1]
+
+
+def test_flipped_data_byte_with_a_valid_crc_names_the_data_part(tmp_path: Path) -> None:
+    cv.save({"mx": _mx()}, tmp_path / "ck")
+    path, base, length = _item_bytes(tmp_path / "ck", "mx")
+    _patch_record(path, base, length, "/data/0", _flip_first_byte, fix_crc=True)
+    fp = next(m for _, c, m in _findings(verify_checkpoint(tmp_path / "ck", deep=True)) if c == "fingerprint")
+    assert "(its 'qdata' part differs)" in fp
 
 
 # ------------------------------------------------------------------------------------------- diff

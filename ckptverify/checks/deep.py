@@ -231,6 +231,19 @@ def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results:
     return dict(merged), findings
 
 
+def _parts_note(saved: tuple[tuple[str, str], ...] | None, rebuilt: dict[str, str]) -> str:
+    """Which inner tensors of a tensor subclass differ from the manifest's, when both sides know them."""
+    if not saved or not rebuilt:
+        return ""
+    saved_parts = dict(saved)
+    names = list(saved_parts) + [n for n in rebuilt if n not in saved_parts]
+    differ = [n for n in names if saved_parts.get(n) != rebuilt.get(n)]
+    if not differ:
+        return " (each part matches: its attributes differ)"
+    return f" (its {' and '.join(repr(n) for n in differ)} part{'s' if len(differ) > 1 else ''} differ" + \
+        ("s" if len(differ) == 1 else "") + ")"
+
+
 def judge(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan]) -> list[Finding]:
     """Compare rebuilt fingerprints with the manifest's; report non-finite counts."""
 
@@ -264,7 +277,8 @@ def judge(desc: Description, manifest: Manifest | None, scans: dict[str, TensorS
         if rebuilt != saved.fingerprint:
             out.append(error(
                 "fingerprint",
-                f"{fqn!r}: the values read back from disk are not the values that were in memory at save time",
+                f"{fqn!r}: the values read back from disk are not the values that were in memory at save time"
+                + _parts_note(saved.parts, scan.part_values),
                 location=loc, expected=saved.fingerprint, actual=rebuilt,
             ))
     return out
