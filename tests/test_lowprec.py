@@ -232,6 +232,29 @@ def test_save_manifest_holds_the_subclass_fingerprints(tmp_path: Path) -> None:
         assert report.exit_code == 0, _findings(report)
 
 
+def test_activation_settings_stored_with_a_weight_are_read_and_fingerprinted(tmp_path: Path) -> None:
+    """Weights quantized for MX/NVFP4 inference carry their activation settings (a dataclass holding enums):
+    the allowlist reads them into the same canonical attributes the live fingerprint uses, so a save verifies
+    deep; a different setting is a different fingerprint."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import QuantizeTensorToMXKwargs
+    from torchao.prototype.mx_formats.nvfp4_tensor import QuantizeTensorToNVFP4Kwargs
+
+    m = _mx()
+    with_act = _remake(m, act_quant_kwargs=QuantizeTensorToMXKwargs())
+    rceil = _remake(m, act_quant_kwargs=QuantizeTensorToMXKwargs(scaling_mode=ScaleCalculationMode.RCEIL))
+    n = _nvfp4()
+    n_act = NVFP4Tensor(n.qdata, n.scale, n.block_size, n.orig_dtype, n.per_tensor_scale,
+                        act_quant_kwargs=QuantizeTensorToNVFP4Kwargs())
+    assert len({tensor_fingerprint(t).value for t in (m, with_act, rceil)}) == 3
+    cv.save({"mx": with_act, "mx_rceil": rceil, "nv": n_act}, tmp_path / "ck")
+    report = verify_checkpoint(tmp_path / "ck", deep=True)
+    assert report.exit_code == 0, _findings(report)
+    assert {c.check: c.count for c in report.coverage}["fingerprint"] == 3
+    tensors = json.loads((tmp_path / "ck" / "ckptverify.manifest.json").read_text())["tensors"]
+    assert tensors["mx"]["fingerprint"] == tensor_fingerprint(with_act).value
+
+
 def test_plain_dcp_save_is_read_part_by_part(tmp_path: Path) -> None:
     """Saved by DCP itself (no manifest): no tensor-record error, every tensor rebuilt and fingerprinted, and
     ``ckptverify fingerprint`` adopts it with the same fingerprints a live save records."""
@@ -409,15 +432,32 @@ def test_subclass_record_is_read_without_torchao_and_other_globals_are_refused()
     assert header.context_dict()["block_size"] == 32
     with pytest.raises(pickle.UnpicklingError, match="not part of a plain tensor record"):
         tensor_header(record)  # the plain reader stays plain
-    swaps = {
-        b"mx_tensor\nMXTensor\n": b"mx_tensor\nto_dtype\n",  # a torchao function, not a tensor class
-        b"kernel_preference\nKernelPreference\n": b"kernel_preference\nKernelPreferencX\n",
-        b"emulated": b"emulatex",  # an enum value the enum does not have
-    }
-    for old, new in swaps.items():
+    swaps = [
+        (b"mx_tensor\nMXTensor\n", b"mx_tensor\nto_dtype\n",  # a torchao function, not a tensor class
+         "mx_tensor.to_dtype is not part of a tensor record"),
+        (b"kernel_preference\nKernelPreference\n", b"kernel_preference\nKernelPreferencX\n",
+         "KernelPreferencX is not part of a tensor record"),
+        (b"emulated", b"emulatex", "has no member 'emulatex'"),  # a value the enum does not have
+    ]
+    for old, new, why in swaps:
         assert old in record
-        with pytest.raises(pickle.UnpicklingError):
+        with pytest.raises(pickle.UnpicklingError, match=why):
             item_header(record.replace(old, new))
+
+    class Call:
+        def __init__(self, fn, args) -> None:
+            self.fn, self.args = fn, args
+
+        def __reduce__(self):
+            return self.fn, self.args
+
+    # _rebuild_from_type_v2 over anything but the wrapper-subclass rebuild, or onto a class not allowlisted.
+    for func, cls, why in ((torch._utils._rebuild_tensor_v2, MXTensor, "other than an allowlisted tensor subclass"),
+                           (torch._utils._rebuild_wrapper_subclass, torch.nn.Parameter,
+                            "Parameter is not part of a tensor record")):
+        crafted = pickle.dumps(Call(torch._tensor._rebuild_from_type_v2, (func, cls, (), {})), protocol=2)
+        with pytest.raises(pickle.UnpicklingError, match=why):
+            item_header(crafted)
 
 
 def _evil_torch_save(path: Path) -> None:
