@@ -95,15 +95,28 @@ class Flattened:
     parts: tuple[tuple[str, torch.Tensor], ...]
 
 
-def flatten(t: torch.Tensor) -> Flattened:
-    """Take ``t`` (a wrapper subclass, :func:`is_wrapper_subclass`) apart through ``__tensor_flatten__``."""
+def flatten(t: torch.Tensor, *, strict: bool = True) -> Flattened:
+    """Take ``t`` (a wrapper subclass, :func:`is_wrapper_subclass`) apart through ``__tensor_flatten__``.
+
+    ``strict``: an attribute without a canonical form raises :class:`~ckptverify.errors.UsageError` (a
+    fingerprint must not pretend to cover it); otherwise it stands as ``{"type": "module.QualName"}`` (a trace,
+    which must not stop a training run, still covers every part and every other attribute)."""
     names, ctx = t.__tensor_flatten__()
     if ctx is None:
         ctx = {}
     if not isinstance(ctx, dict):
         # Subclasses outside torchao may give any context: its canonical form under one key.
         ctx = {"context": ctx}
-    context = {str(k): canonical(v) for k, v in ctx.items() if v is not None}
+    context = {}
+    for k, v in ctx.items():
+        if v is None:
+            continue
+        try:
+            context[str(k)] = canonical(v)
+        except UsageError:
+            if strict:
+                raise
+            context[str(k)] = {"type": class_label(type(v))}
     parts = tuple((str(name), getattr(t, name)) for name in names)
     return Flattened(class_label(type(t)), context, parts)
 

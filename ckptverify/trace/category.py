@@ -169,14 +169,14 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
 
 def subclass_digest(t: torch.Tensor) -> int:
     """The member digest of a tensor subclass with inner tensors: xxh3-128 of the canonical JSON text of its
-    class, outer dtype and shape, flatten context (:func:`ckptverify.fingerprint.subclass.flatten`) and each
-    inner tensor's name and member digest (:func:`tensor_digests`: bytes on the host, the logical fingerprint on
-    a device, read back now)."""
+    class, outer dtype and shape, flatten context (:func:`ckptverify.fingerprint.subclass.flatten`; an attribute
+    without a canonical form by its type only) and each inner tensor's name and member digest
+    (:func:`tensor_digests`: bytes on the host, the logical fingerprint on a device, read back now)."""
     import json
 
     from ckptverify.fingerprint.subclass import flatten
 
-    flat = flatten(t)
+    flat = flatten(t, strict=False)  # an attribute without a canonical form must not stop the run
     inner = tensor_digests([part for _, part in flat.parts])
     text = json.dumps({"class": flat.label, "dtype": str(t.dtype), "shape": list(t.shape), "context": flat.context,
                        "parts": [[name, f"{d:032x}"] for (name, _), d in zip(flat.parts, inner, strict=True)]},
