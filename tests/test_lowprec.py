@@ -162,6 +162,17 @@ def test_an_attribute_without_canonical_form_refuses_the_fingerprint_not_the_tra
     assert da == da2 and da != db  # its parts are still covered
 
 
+def test_an_async_collective_result_is_not_taken_apart() -> None:
+    """Its inner buffer may still be in flight: it is digested as a tensor (any op on it waits first)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from ckptverify.fingerprint.subclass import is_wrapper_subclass
+
+    pending = AsyncCollectiveTensor(torch.arange(4.0))
+    assert not is_wrapper_subclass(pending) and is_wrapper_subclass(_mx())
+    assert tensor_fingerprint(pending) == tensor_fingerprint(torch.arange(4.0))
+
+
 def test_trace_device_path_digests_parts_by_fingerprint() -> None:
     """With host tensors taking the accelerator path (fingerprints batched and read back once per step), a
     subclass is digested by its parts' logical fingerprints, now; a scale change still shows."""

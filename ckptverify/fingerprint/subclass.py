@@ -41,6 +41,10 @@ __all__ = ["Flattened", "canonical", "class_label", "combine_parts", "flatten", 
 #: Tensor types that hold their own values (nothing to flatten).
 _PLAIN = frozenset({"Tensor", "Parameter", "Buffer"})
 
+#: Subclasses with ``__tensor_flatten__`` that are not taken apart: an async collective's result must be waited
+#: for (any op on it waits; its inner buffer may still be in flight).
+_NOT_TAKEN_APART = frozenset({"torch.distributed._functional_collectives.AsyncCollectiveTensor"})
+
 
 def class_label(cls: type) -> str:
     """``module.QualName`` of a class: how a fingerprint and a stored record name it."""
@@ -49,11 +53,12 @@ def class_label(cls: type) -> str:
 
 def is_wrapper_subclass(t: Any) -> bool:
     """Whether ``t`` is a tensor subclass fingerprinted by its parts (not a plain tensor, not a ``DTensor``,
-    whose fingerprint is collective, see :func:`~ckptverify.fingerprint.tensor_fingerprint`)."""
+    whose fingerprint is collective, see :func:`~ckptverify.fingerprint.tensor_fingerprint`, not an async
+    collective's pending result)."""
     cls = type(t)
     if cls.__name__ in _PLAIN and cls.__module__.startswith("torch"):
         return False
-    if getattr(cls, "__tensor_flatten__", None) is None:
+    if getattr(cls, "__tensor_flatten__", None) is None or class_label(cls) in _NOT_TAKEN_APART:
         return False
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None) if module is not None else None
