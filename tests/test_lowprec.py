@@ -250,6 +250,34 @@ def test_user_checkpoint_round_trip_passes_deep_verification(adapter_runs: dict[
     assert other["tensors"][weight]["fingerprint"] != manifest["tensors"][weight]["fingerprint"]
 
 
+def test_train_state_with_a_quantized_weight_loads_back_with_its_scales(tmp_path: Path) -> None:
+    """``ckptverify.save`` of a TrainState whose model holds a frozen MX weight, then ``ckptverify.load`` (deep)
+    into a fresh model quantized from other values: data and scales come back bitwise, the restore check
+    (fingerprints of the restored state against the saved ones) passes."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import lowprec_adapter_train as script
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    def make(seed: int):
+        torch.manual_seed(seed)
+        model = script.AdapterNet()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        return model, cv.TrainState(model=model, optimizer=optimizer)
+
+    saved_model, saved = make(0)
+    cv.save(saved, tmp_path / "ck")
+    model, state = make(1)
+    assert not torch.equal(model.base.weight.scale.view(torch.uint8), saved_model.base.weight.scale.view(torch.uint8))
+    report = cv.load(state, tmp_path / "ck", deep=True)
+    assert report.exit_code == 0, _findings(report)
+    for part in ("qdata", "scale"):
+        assert torch.equal(getattr(model.base.weight, part).view(torch.uint8),
+                           getattr(saved_model.base.weight, part).view(torch.uint8)), part
+    assert tensor_fingerprint(model.base.weight) == tensor_fingerprint(saved_model.base.weight)
+
+
 def test_save_manifest_holds_the_subclass_fingerprints(tmp_path: Path) -> None:
     m, n = _mx(), _nvfp4()
     scaled = _remake(m, scale=_bumped_scale(m))
