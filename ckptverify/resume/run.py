@@ -33,7 +33,9 @@ from ckptverify.options import VerifyOptions, no_other_keywords, take_renamed, v
 from ckptverify.ownfiles.names import write_atomic
 from ckptverify.state.distributed import rank_world
 
-LEVELS = ("metrics", "state", "module")
+#: The trace levels (``ckptverify.trace.store.LEVELS``, repeated here so that importing the Run protocol does not
+#: import the trace package; a test checks that the two agree).
+LEVELS = ("metrics", "state", "comm", "module", "op")
 
 
 @dataclass(frozen=True, kw_only=True)
