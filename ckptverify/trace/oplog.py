@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PHASES", "CommInfo", "OpEvent", "OpKey", "OpWindow", "make_event", "op_log_path", "op_steps", "ops_dropped", "read_ops",
-           "window_from_dict"]
+__all__ = ["PHASES", "CommInfo", "OpEvent", "OpKey", "OpWindow", "make_event", "op_log_path", "op_steps",
+           "ops_dropped", "read_ops", "window_from_dict"]
 
 #: Where in the step an op ran: ``forward``; ``backward`` (inside the autograd engine); ``recompute`` (a module's
 #: forward run again during backward by activation checkpointing); ``optimizer`` (inside ``optimizer.step``);

@@ -25,11 +25,11 @@ the other); ops outside any module: ``""``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ckptverify.trace.comm import CommCounter, comm_info, comm_site, is_comm
@@ -130,10 +130,8 @@ class _Digests:
 
             self.lanes.append(kern.lanes_many([t.detach()]))
             value = ("dev", len(self.lanes) - 1)
-        try:
+        with contextlib.suppress(TypeError):
             self._seen[id(t)] = (weakref.ref(t), version, value)
-        except TypeError:
-            pass
         return value
 
     def chunks(self, t: Any, size: int) -> list[Any]:
@@ -188,6 +186,8 @@ class StepTracer:
         self._hooks: list[Any] = []
         self.step = 0
         self.ops_on = False
+        #: Above 0 while the recorder does its own tensor work inside the step: nothing of it is traced.
+        self.quiet = 0
         self.events: list[dict[str, Any]] = []
         self.dropped = 0
         self._occ: dict[tuple[str, str, str], int] = {}
@@ -263,6 +263,8 @@ class StepTracer:
     # -------------------------------------------------------------- one op
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.quiet:
+            return func(*args, **kwargs)
         comm = self.comm and is_comm(func)
         if func.namespace == "_c10d_functional" and _short(func) == "wait_tensor" and self._pending:
             out = func(*args, **kwargs)
