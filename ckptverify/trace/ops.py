@@ -134,6 +134,12 @@ class _Digests:
             self._seen[id(t)] = (weakref.ref(t), version, value)
         return value
 
+    def uninitialised(self, t: Any) -> None:
+        """``t`` holds uninitialised memory (an ``empty*`` output): read before it is written, it is not
+        compared."""
+        with contextlib.suppress(TypeError):
+            self._seen[id(t)] = (weakref.ref(t), t._version, None)
+
     def chunks(self, t: Any, size: int) -> list[Any]:
         """Digests of consecutive chunks of ``size`` elements of ``t`` (flattened)."""
         flat = t.detach().reshape(-1)
@@ -359,7 +365,11 @@ class StepTracer:
         results = _leaves(out)
         if comm is not None and func.namespace == "c10d":
             outs: list[Any] = [None] * len(results)  # in flight: taken at completion
-        elif name in _EMPTY or (name in ("copy_", "_to_copy", "to") and kwargs.get("non_blocking")):
+        elif name in _EMPTY:
+            outs = [None] * len(results)
+            for t in results:
+                digest.uninitialised(t)
+        elif name in ("copy_", "_to_copy", "to") and kwargs.get("non_blocking"):
             outs = [None] * len(results)
         else:
             returns = func._schema.returns
