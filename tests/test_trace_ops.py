@@ -3,7 +3,6 @@ and on two gloo ranks, with a user's training script (tests/user_scripts/optrace
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -23,13 +22,14 @@ STEPS = 3
 
 
 def _script():
-    name = "optrace_train_script"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """The user's script as the module ``optrace_train`` (importable by name, as DataLoader workers started by
+    spawn must import its Dataset class)."""
+    folder = str(SCRIPT.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import optrace_train
+
+    return optrace_train
 
 
 def _run(trace_dir, *, level="op", window=None, env=None, name="a", steps=STEPS):

@@ -134,6 +134,16 @@ class _Digests:
             self._seen[id(t)] = (weakref.ref(t), version, value)
         return value
 
+    def forget(self, t: Any) -> None:
+        """``t`` is written without its version counter moving (a collective writes its buffers so): its next
+        digest is taken afresh."""
+        self._seen.pop(id(t), None)
+
+    def fresh(self, t: Any) -> Any:
+        """The digest of ``t`` now, whatever was known of it."""
+        self.forget(t)
+        return self(t)
+
     def uninitialised(self, t: Any) -> None:
         """``t`` holds uninitialised memory (an ``empty*`` output): read before it is written, it is not
         compared."""
@@ -337,7 +347,7 @@ class StepTracer:
         for t, site, place in zip(tensors, sites, places, strict=True):
             self._fill(place, _tensor_item(site, "comm_out", t.detach(), note))
         if index >= 0:
-            self.events[index]["u"] = [self._digests(t) for t in tensors]
+            self.events[index]["u"] = [self._digests.fresh(t) for t in tensors]
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, comm: CommInfo | None = None,
                 already: Any = None) -> Any:
@@ -360,11 +370,16 @@ class StepTracer:
         if comm is not None and name in _RECV:
             ins: list[Any] = [None for _ in _leaves(args)]
         else:
-            ins = [digest(t) for t in _leaves((args, kwargs))]
+            # An out= buffer is written, never read: what it held before is not an input.
+            outs_named = _out_arguments(func)
+            read = {k: v for k, v in kwargs.items() if k not in outs_named} if outs_named else kwargs
+            ins = [digest(t) for t in _leaves((args, read))]
         out = func(*args, **kwargs) if already is None else already
         results = _leaves(out)
         if comm is not None and func.namespace == "c10d":
             outs: list[Any] = [None] * len(results)  # in flight: taken at completion
+            for t in _leaves(args):
+                digest.forget(t)
         elif name in _EMPTY:
             outs = [None] * len(results)
             for t in results:
@@ -394,6 +409,17 @@ class StepTracer:
                                             "seq": comm.seq, "peer": comm.peer, "reduce_op": comm.reduce_op},
         })
         return out
+
+
+_OUT_ARGS: dict[Any, frozenset[str]] = {}
+
+
+def _out_arguments(func: Any) -> frozenset[str]:
+    """Names of the out= arguments of an op overload (write-only buffers)."""
+    names = _OUT_ARGS.get(func)
+    if names is None:
+        names = _OUT_ARGS[func] = frozenset(a.name for a in func._schema.arguments if getattr(a, "is_out", False))
+    return names
 
 
 def _comm_note(info: CommInfo, tensors: list[Any]) -> str:

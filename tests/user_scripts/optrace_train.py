@@ -12,7 +12,9 @@ scale by a slightly different factor on that rank; OPTRACE_CHECKPOINT=0 turns ac
 
 import argparse
 import os
+import random
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -110,6 +112,8 @@ class Net(nn.Module):
 
 def train(run):
     torch.set_num_threads(1)
+    random.seed(0)
+    np.random.seed(0)
     torch.manual_seed(0)
     model = Net(use_checkpoint=os.environ.get("OPTRACE_CHECKPOINT", "1") == "1",
                 preserve_rng=os.environ.get("OPTRACE_PRESERVE_RNG", "1") == "1")
