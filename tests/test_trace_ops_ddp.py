@@ -133,3 +133,34 @@ def test_send_recv_name_their_peer(tmp_path):
     t1 = open_trace(tmp_path / "rank1")
     assert t1.has_site("comm.g0-1.recv_#0.out") and not t1.has_site("comm.g0-1.recv_#0.in")
     assert t1.hex(1, "comm.g0-1.recv_#0.out") == t.hex(1, "comm.g0-1.send#0.in")
+
+
+def _kernels_rank(rank: int, world: int, trace_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ckptverify.trace import TraceHeader, TraceRecorder
+
+    def registered() -> bool:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "AutogradCPU")
+
+    assert not registered()
+    with TraceRecorder(trace_dir, header=TraceHeader(run="k", level="comm")) as rec:
+        for step in (1, 2):
+            rec.record_step_start(None, step=step)
+            t = torch.full((3,), float(step))
+            dist.all_reduce(t)
+            rec.record_step(step)
+            assert registered()
+        dist.all_reduce(torch.ones(2))  # between steps: not recorded
+    assert not registered()  # given back with the recorder
+    dist.all_reduce(torch.ones(2))
+
+
+def test_comm_level_kernels_are_given_back_and_record_only_steps(tmp_path):
+    spawn_ranks(_kernels_rank, 1, str(tmp_path))
+    t = open_trace(tmp_path / "rank0")
+    assert [s.name for s in t.sites if s.category == "comm"] == ["comm.g0-0.allreduce_#0.in",
+                                                                  "comm.g0-0.allreduce_#0.out"]
+    assert t.hex(1, "comm.g0-0.allreduce_#0.in") != t.hex(2, "comm.g0-0.allreduce_#0.in")
+    assert t.header.level == "comm"

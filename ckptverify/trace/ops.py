@@ -199,6 +199,9 @@ class StepTracer:
         self._counter = CommCounter()
         self._digests = _Digests()
         self._mode: Any = None
+        self._active = False
+        #: Whether this tracer holds the collectives' kernels (:func:`_comm_kernels`).
+        self._kernels = False
         self._hooks: list[Any] = []
         self.step = 0
         self.ops_on = False
@@ -229,8 +232,9 @@ class StepTracer:
     # -------------------------------------------------------------- lifetime
 
     def begin(self, step: int) -> None:
-        """The traced step ``step`` starts: the mode is entered."""
-        import torch
+        """The traced step ``step`` starts: in the op window the dispatch mode is entered; otherwise the
+        collectives' own kernels (:func:`_comm_kernels`) hand them to this tracer."""
+        global _ACTIVE
 
         self.step = step
         self.ops_on = self._in_window(step)
@@ -252,20 +256,39 @@ class StepTracer:
             ctx.optimizer = max(0, ctx.optimizer - 1)
 
         self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-        self._mode = _Mode(self)
-        self._mode.__enter__()
-        del torch
+        self._active = True
+        if self.ops_on:
+            self._mode = _Mode(self)
+            self._mode.__enter__()
+        elif self.comm:
+            if not self._kernels:
+                _comm_kernels(True)
+                self._kernels = True
+            _ACTIVE = self
 
     @property
     def active(self) -> bool:
-        return self._mode is not None
+        return self._active
+
+    def close(self) -> None:
+        """Leave a step begun and never ended; give up the collectives' kernels."""
+        if self._active:
+            self.end()
+        if self._kernels:
+            self._kernels = False
+            _comm_kernels(False)
 
     def end(self) -> tuple[list[Any], list[dict[str, Any]], int]:
         """Leave the mode; take the outputs of the collectives not waited on. Returns the device lanes the
         step's digests wait for, the op records (digests as ints or device handles) and the ops left out."""
+        global _ACTIVE
+
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
+        if _ACTIVE is self:
+            _ACTIVE = None
+        self._active = False
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -460,6 +483,80 @@ class _Mode:
 
 
 _MODE_CLASS: Any = None
+
+#: The tracer whose step is running outside an op window (level ``comm`` and above): the collectives' kernels
+#: hand their calls to it. One training loop per process records at a time.
+_ACTIVE: StepTracer | None = None
+#: The library holding the collectives' kernels, and how many tracers use it.
+_LIBRARY: Any = None
+_USERS = 0
+
+#: The dispatch keys the collectives' kernels are registered for: the autograd keys of the backends c10d has
+#: kernels for. c10d ops have no autograd kernel of their own; a Python one there sees every call (DDP's reducer
+#: included) and costs nothing to the other ops, which a dispatch mode would make pay a Python call each.
+_KERNEL_KEYS = ("AutogradCPU", "AutogradCUDA")
+
+
+def _comm_kernels(use: bool) -> None:
+    """Register (``use``) or release a Python kernel in front of every c10d and functional collective op; the
+    kernel hands the call to :data:`_ACTIVE` (when set) below autograd, and runs the op unchanged otherwise."""
+    global _LIBRARY, _USERS
+    import torch
+
+    if not use:
+        _USERS = max(0, _USERS - 1)
+        if _USERS == 0 and _LIBRARY is not None:
+            _LIBRARY._destroy()
+            _LIBRARY = None
+        return
+    _USERS += 1
+    if _LIBRARY is not None:
+        return
+    import torch.distributed  # registers the c10d ops
+
+    libs = {ns: torch.library.Library(ns, "IMPL") for ns in ("c10d", "_c10d_functional")}
+    for full in torch._C._dispatch_get_all_op_names():
+        ns, _, name = full.partition("::")
+        if ns not in libs or "." in name:
+            continue
+        packet = getattr(getattr(torch.ops, ns), name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            func = getattr(packet, overload)
+            qualified = name if overload == "default" else f"{name}.{overload}"
+            if not (is_comm(func) or name == "wait_tensor"):
+                continue
+            for key in _KERNEL_KEYS:
+                if torch._C._dispatch_has_kernel_for_dispatch_key(full if overload == "default"
+                                                                  else f"{full}.{overload}", key):
+                    continue  # someone's kernel is there: leave it (the op is then seen at level op only)
+                libs[ns].impl(qualified, _kernel(func), key)
+    _LIBRARY = _Libraries(list(libs.values()))
+
+
+class _Libraries:
+    def __init__(self, libs: list[Any]) -> None:
+        self.libs = libs
+
+    def _destroy(self) -> None:
+        for lib in self.libs:
+            lib._destroy()
+
+
+def _kernel(func: Any) -> Callable[..., Any]:
+    import torch
+
+    below = torch._C._AutoDispatchBelowAutograd
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with below():
+            tracer = _ACTIVE
+            if tracer is None:
+                return func(*args, **kwargs)
+            return tracer.dispatch(func, args, kwargs)
+
+    return kernel
 
 
 def _mode_class() -> Any:

@@ -658,8 +658,8 @@ class TraceRecorder:
 
     def close(self) -> None:
         """Remove the hooks and write the buffered rows."""
-        if self._tracer is not None and self._tracer.active:
-            self._tracer.end()  # a step begun and never recorded: nothing of it is written
+        if self._tracer is not None:
+            self._tracer.close()  # a step begun and never recorded: nothing of it is written
         self.detach()
         if self._structure is not None:
             self._structure.remove()
