@@ -255,3 +255,49 @@ def test_damaged_op_log_is_a_format_error(tmp_path, op_runs):
         path.write_text(damage)
         with pytest.raises(TraceFormatError):
             read_ops(tmp_path / "a", 0, 2)
+
+
+# ------------------------------------------------------------------------------------------------ device path
+
+_DEVICE_PATH_SCRIPT = r'''
+import sys, torch
+from ckptverify.trace import TraceHeader, TraceRecorder
+from ckptverify.trace import readback
+from ckptverify.trace.oplog import op_steps
+assert readback._HOST_AS_DEVICE
+torch.manual_seed(0)
+lin = torch.nn.Linear(8, 8)
+skew = sys.argv[2] == "1"
+with TraceRecorder(sys.argv[1], header=TraceHeader(run="d", level="op")) as rec:
+    for step in (1, 2):
+        rec.record_step_start(None, step=step)
+        y = lin(torch.ones(2, 8) * step)
+        if skew and step == 2:
+            y = y * 1.0001
+        torch.topk(y.flatten(), 5)
+        rec.record_step(step, metrics={"loss": y.sum()})
+        # the op log of a step waits for its digests: written when the next row is recorded, or at close
+        assert op_steps(sys.argv[1], 0) == list(range(1, step))
+'''
+
+
+def test_op_log_on_the_device_path(tmp_path):
+    """Accelerator tensors (host ones sent the device way): fingerprints computed in the step, read back with the
+    row, and the op log written when they arrive."""
+    import subprocess
+
+    env = {**os.environ, "CKPTVERIFY_TRACE_HOST_AS_DEVICE": "1"}
+    runs = ("p", "q", "s")
+    for name, skew in zip(runs, ("0", "0", "1"), strict=True):
+        subprocess.run([sys.executable, "-c", _DEVICE_PATH_SCRIPT, str(tmp_path / name), skew], check=True, env=env,
+                       timeout=300)
+    p, q, s = (read_ops(tmp_path / name, 0, 2) for name in runs)
+    assert [(e.key, e.inputs, e.outputs, e.chunks) for e in p] == [(e.key, e.inputs, e.outputs, e.chunks) for e in q]
+    assert all(v is not None for e in p if e.op == "aten.addmm.default" for v in (*e.inputs, *e.outputs))
+    topk = next(e for e in p if e.op == "aten.topk.default")
+    assert topk.chunks[0] is None and len(topk.chunks[1]) == 1
+    first = next(i for i, (x, y) in enumerate(zip(p, s, strict=True)) if x.outputs != y.outputs)
+    assert s[first].op == "aten.mul.Tensor" and s[first].inputs[0] == p[first].inputs[0]
+    one = read_ops(tmp_path / "p", 0, 1)  # step 1's, written when step 2 was recorded
+    assert [(e.key, e.outputs) for e in one] == [(e.key, e.outputs) for e in read_ops(tmp_path / "s", 0, 1)]
+    assert one[0].op == "aten.ones.default" and one[0].outputs[0] is not None
