@@ -43,6 +43,10 @@ def _p2p_rank(rank: int, world: int, trace_dir: str) -> None:
         else:
             dist.recv(t, src=0)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        from torch.distributed import _functional_collectives as fc
+
+        u = fc.all_reduce(torch.full((4,), float(rank)), "sum", dist.group.WORLD)
+        u = u + 1  # waits on it
         rec.record_step(1)
 
 
@@ -128,7 +132,16 @@ def test_send_recv_name_their_peer(tmp_path):
     red = [next(e for e in log if e.comm is not None and e.comm.collective == "allreduce_") for log in logs]
     assert red[0].comm == red[1].comm and red[0].comm.reduce_op == "max" and red[0].comm.seq == 1
     assert red[0].outputs == red[1].outputs
+    # a functional collective: its group from its name, its output at its wait
+    fun = [next(e for e in log if e.comm is not None and e.comm.collective == "all_reduce") for log in logs]
+    assert fun[0].comm == fun[1].comm and fun[0].comm.reduce_op == "sum" and fun[0].comm.seq == 2
+    assert fun[0].comm.group == (0, 1) and fun[0].inputs != fun[1].inputs
+    assert fun[0].outputs == fun[1].outputs and fun[0].outputs[0] is not None
+    # the op that reads its result (through the AsyncCollectiveTensor torch wraps it in) sees the reduced value
+    adds = [[e for e in log if e.op == "aten.add.Tensor"][-1] for log in logs]
+    assert adds[0].inputs[0] == adds[1].inputs[0] == fun[0].outputs[0]
     t = open_trace(tmp_path / "rank0")
+    assert t.hex(1, "comm.g0-1.all_reduce#0.out") == open_trace(tmp_path / "rank1").hex(1, "comm.g0-1.all_reduce#0.out")
     assert t.has_site("comm.g0-1.send#0.in") and not t.has_site("comm.g0-1.send#0.out")
     t1 = open_trace(tmp_path / "rank1")
     assert t1.has_site("comm.g0-1.recv_#0.out") and not t1.has_site("comm.g0-1.recv_#0.in")

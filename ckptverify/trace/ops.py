@@ -115,6 +115,8 @@ class _Digests:
 
         if _is_dtensor(t):
             t = t.to_local()
+        elif type(t).__name__ == "AsyncCollectiveTensor":
+            t = t.trigger_wait()  # a functional collective's result that the op reads: it waits for it anyway
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_meta:
             return None
         version = t._version
@@ -399,9 +401,9 @@ class StepTracer:
             ins = [digest(t) for t in _leaves((args, read))]
         out = func(*args, **kwargs) if already is None else already
         results = _leaves(out)
-        if comm is not None and func.namespace == "c10d":
+        if comm is not None:
             outs: list[Any] = [None] * len(results)  # in flight: taken at completion
-            for t in _leaves(args):
+            for t in (*_leaves(args), *results):
                 digest.forget(t)
         elif name in _EMPTY:
             outs = [None] * len(results)

@@ -444,7 +444,6 @@ class TraceRecorder:
             if self._tracer.active:
                 self._tracer.end()  # a step started twice: the first start's ops are forgotten
             self._step_started = self._last_step + 1 if step is None else int(step)
-            self._module_cells = []
             self._tracer.begin(self._step_started)
         if not self.records_state or state is None:
             return
