@@ -168,6 +168,41 @@ def site_cost(n: int = 1000, repeats: int = 30) -> float:
     return statistics.median(times) / n * 1e6
 
 
+def comm_costs(repeats: int = 2000, ops: int = 20000) -> tuple[float, float]:
+    """What level ``comm`` adds on one process, measured directly: microseconds per traced step of starting and
+    ending the step tracer (optimizer phase hooks, the collectives' kernels handed the step), and microseconds
+    per op that is not a collective (none: the kernels sit on the collectives only)."""
+    import torch
+
+    from ckptverify.trace.ops import OpContext, StepTracer
+
+    tracer = StepTracer(OpContext(), rank=0, comm=True, window=None, emit=lambda item: 0,
+                        fill=lambda index, item: None)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for step in range(repeats):
+            tracer.begin(step)
+            tracer.end()
+        times.append((time.perf_counter() - t0) / repeats)
+    x = torch.ones(4)
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            torch.add(x, x)
+        return (time.perf_counter() - t0) / ops
+
+    plain, traced = [], []
+    for _ in range(5):
+        plain.append(loop())
+        tracer.begin(0)
+        traced.append(loop())
+        tracer.end()
+    tracer.close()
+    return statistics.median(times) * 1e6, (statistics.median(traced) - statistics.median(plain)) * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=["small", "large", "both"], default="both")
@@ -206,6 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(f"{config}, comm over state: {ratio:.4f}x wall, "
                             f"{result['comm'][1] / result['state'][1]:.4f}x cpu"
                             + (f" (target <= {target}): {'MET' if ratio <= target else 'NOT MET'}" if target else ""))
+        if "comm" in result:
+            fixed, per_op = comm_costs()
+            n = ops or 0
+            added = fixed + per_op * n
+            verdicts.append(f"{config}, comm measured directly: {fixed:.1f} us a step + {per_op:.3f} us per op"
+                            + (f" x {n} ops = {added:.0f} us, {added / (cpu0 * 1e6) * 100:.3f}% of the untraced "
+                               f"step's CPU time (target < 1%): {'MET' if added < cpu0 * 1e4 else 'NOT MET'}"
+                               if n else ""))
         if ops and "module" in result:
             per_op = (result["op"][0] - result["module"][0]) / ops * 1e6
             verdicts.append(f"{config}, op over module: {ops} ops a step, {per_op:.1f} us per op "

@@ -141,7 +141,6 @@ class TraceRecorder:
         self._calls: list[tuple[str, int, list[int]]] = []
         self._calls_of: dict[str, list[int]] = {}
         self._paired: set[int] = set()
-        self._quiet = 0
         self._context = OpContext()
         self._tracer: StepTracer | None = None
         self._step_started: int | None = None
