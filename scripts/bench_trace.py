@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if "comm" in result:
             fixed, per_op = comm_costs()
             n = ops or 0
-            added = fixed + per_op * n
+            added = fixed + max(per_op, 0.0) * n  # a negative difference is timing noise, not a saving
             verdicts.append(f"{config}, comm measured directly: {fixed:.1f} us a step + {per_op:.3f} us per op"
                             + (f" x {n} ops = {added:.0f} us, {added / (cpu0 * 1e6) * 100:.3f}% of the untraced "
                                f"step's CPU time (target < 1%): {'MET' if added < cpu0 * 1e4 else 'NOT MET'}"
