@@ -301,3 +301,14 @@ def test_op_log_on_the_device_path(tmp_path):
     one = read_ops(tmp_path / "p", 0, 1)  # step 1's, written when step 2 was recorded
     assert [(e.key, e.outputs) for e in one] == [(e.key, e.outputs) for e in read_ops(tmp_path / "s", 0, 1)]
     assert one[0].op == "aten.ones.default" and one[0].outputs[0] is not None
+
+
+def test_resume_check_reports_a_recompute_mismatch_of_its_own_run(monkeypatch):
+    from ckptverify.resume.harness import Plan, resume_check
+
+    monkeypatch.setenv("OPTRACE_PRESERVE_RNG", "0")
+    outcome = resume_check(Plan(target=f"{SCRIPT}:train", steps=2, resume_at=1, runs=("A",), level="module"))
+    found = [f for f in outcome.report.findings if f.check == "recompute-mismatch"]
+    assert found and all(f.message.startswith("[A recompute]") for f in found)
+    assert {f.location.fqn for f in found} >= {"blocks.0.drop", "blocks.1.drop"}
+    assert outcome.report.exit_code == 1

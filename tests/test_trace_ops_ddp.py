@@ -137,6 +137,9 @@ def test_send_recv_name_their_peer(tmp_path):
     assert fun[0].comm == fun[1].comm and fun[0].comm.reduce_op == "sum" and fun[0].comm.seq == 2
     assert fun[0].comm.group == (0, 1) and fun[0].inputs != fun[1].inputs
     assert fun[0].outputs == fun[1].outputs and fun[0].outputs[0] is not None
+    # what reads the result before its wait reads a buffer in flight: not compared
+    wraps = [e for e in logs[0] if e.index > fun[0].index and e.inputs and e.op.startswith("_c10d_functional.")]
+    assert wraps and all(e.inputs == (None,) for e in wraps)
     # the op that reads its result (through the AsyncCollectiveTensor torch wraps it in) sees the reduced value
     adds = [[e for e in log if e.op == "aten.add.Tensor"][-1] for log in logs]
     assert adds[0].inputs[0] == adds[1].inputs[0] == fun[0].outputs[0]

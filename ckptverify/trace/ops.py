@@ -116,7 +116,10 @@ class _Digests:
         if _is_dtensor(t):
             t = t.to_local()
         elif type(t).__name__ == "AsyncCollectiveTensor":
-            t = t.trigger_wait()  # a functional collective's result that the op reads: it waits for it anyway
+            # A functional collective's result that the op reads: it waits for it anyway; what was known of the
+            # buffer while it was in flight is stale (a collective writes without moving the version counter).
+            t = t.trigger_wait()
+            self.forget(t)
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_meta:
             return None
         version = t._version
@@ -216,6 +219,10 @@ class StepTracer:
         #: Collectives whose output is not taken yet: (tensors, sites, info text, event index or -1, the places
         #: kept for their cells).
         self._pending: list[tuple[list[Any], list[str], str, int, list[int]]] = []
+        #: The result tensors of functional collectives not waited on yet (reading one is reading a buffer in
+        #: flight). A c10d op's buffers are not: its ``Work`` is waited on out of sight, and what reads them
+        #: afterwards (DDP copying a bucket into the gradients) reads them complete.
+        self._flying: set[int] = set()
 
     # -------------------------------------------------------------- window
 
@@ -245,6 +252,7 @@ class StepTracer:
         self._occ.clear()
         self._comm_occ.clear()
         self._pending = []
+        self._flying.clear()
         self._digests.reset()
         self.context.reset()
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -331,6 +339,8 @@ class StepTracer:
         result = self._record(func, args, kwargs, comm=info) if self.ops_on else func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             outs = _leaves(result)
+        if func.namespace == "_c10d_functional":
+            self._flying.update(id(t) for t in outs)
         if outs:
             many = len(outs) > 1
             sites = [comm_site(info, k, "out", i if many else None) for i in range(len(outs))]
@@ -353,6 +363,10 @@ class StepTracer:
             return [], first
         return (_leaves(args[1]) if len(args) > 1 else []), first
 
+    def _in_flight(self) -> set[int]:
+        """Ids of the buffers of the collectives issued and not completed yet."""
+        return self._flying
+
     def _waited(self, tensor: Any) -> None:
         """A functional collective's output was waited on: take it now."""
         if tensor is None:
@@ -369,6 +383,7 @@ class StepTracer:
         from ckptverify.trace.cells import _tensor_item
 
         tensors, sites, note, index, places = entry
+        self._flying.difference_update(id(t) for t in tensors)
         for t, site, place in zip(tensors, sites, places, strict=True):
             self._fill(place, _tensor_item(site, "comm_out", t.detach(), note))
         if index >= 0:
@@ -395,10 +410,12 @@ class StepTracer:
         if comm is not None and name in _RECV:
             ins: list[Any] = [None for _ in _leaves(args)]
         else:
-            # An out= buffer is written, never read: what it held before is not an input.
+            # An out= buffer is written, never read: what it held before is not an input. A collective's buffer
+            # still in flight is not a value yet.
             outs_named = _out_arguments(func)
             read = {k: v for k, v in kwargs.items() if k not in outs_named} if outs_named else kwargs
-            ins = [digest(t) for t in _leaves((args, read))]
+            flying = self._in_flight()
+            ins = [None if id(t) in flying else digest(t) for t in _leaves((args, read))]
         out = func(*args, **kwargs) if already is None else already
         results = _leaves(out)
         if comm is not None:
