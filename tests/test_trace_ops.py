@@ -264,14 +264,15 @@ import sys, torch
 from ckptverify.trace import TraceHeader, TraceRecorder
 from ckptverify.trace import readback
 from ckptverify.trace.oplog import op_steps
-assert readback._HOST_AS_DEVICE
+device = sys.argv[3]
+assert readback._HOST_AS_DEVICE or device != "cpu"
 torch.manual_seed(0)
-lin = torch.nn.Linear(8, 8)
+lin = torch.nn.Linear(8, 8).to(device)
 skew = sys.argv[2] == "1"
 with TraceRecorder(sys.argv[1], header=TraceHeader(run="d", level="op")) as rec:
     for step in (1, 2):
         rec.record_step_start(None, step=step)
-        y = lin(torch.ones(2, 8) * step)
+        y = lin(torch.ones(2, 8, device=device) * step)
         if skew and step == 2:
             y = y * 1.0001
         torch.topk(y.flatten(), 5)
@@ -281,16 +282,16 @@ with TraceRecorder(sys.argv[1], header=TraceHeader(run="d", level="op")) as rec:
 '''
 
 
-def test_op_log_on_the_device_path(tmp_path):
-    """Accelerator tensors (host ones sent the device way): fingerprints computed in the step, read back with the
-    row, and the op log written when they arrive."""
+def test_op_log_on_the_device_path(tmp_path, device="cpu"):
+    """Accelerator tensors (on CPU: host ones sent the device way): fingerprints computed in the step, read back
+    with the row, and the op log written when they arrive. ``tests/test_trace_ops_cuda.py`` runs it on CUDA."""
     import subprocess
 
-    env = {**os.environ, "CKPTVERIFY_TRACE_HOST_AS_DEVICE": "1"}
+    env = {**os.environ, "CKPTVERIFY_TRACE_HOST_AS_DEVICE": "1" if device == "cpu" else "0"}
     runs = ("p", "q", "s")
     for name, skew in zip(runs, ("0", "0", "1"), strict=True):
-        subprocess.run([sys.executable, "-c", _DEVICE_PATH_SCRIPT, str(tmp_path / name), skew], check=True, env=env,
-                       timeout=300)
+        subprocess.run([sys.executable, "-c", _DEVICE_PATH_SCRIPT, str(tmp_path / name), skew, device], check=True,
+                       env=env, timeout=300)
     p, q, s = (read_ops(tmp_path / name, 0, 2) for name in runs)
     assert [(e.key, e.inputs, e.outputs, e.chunks) for e in p] == [(e.key, e.inputs, e.outputs, e.chunks) for e in q]
     assert all(v is not None for e in p if e.op == "aten.addmm.default" for v in (*e.inputs, *e.outputs))
