@@ -18,7 +18,7 @@ from ckptverify.trace.oplog import CommInfo
 __all__ = ["COMM_NAMESPACES", "CommCounter", "comm_info", "comm_site", "group_label", "is_comm"]
 
 #: Dispatcher namespaces of collective and point-to-point ops.
-COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_dtensor"})
+COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 
 #: Functional ops that are no collective (waiting on one is where its output becomes valid).
 _NOT_COLLECTIVES = frozenset({"wait_tensor"})
@@ -30,8 +30,10 @@ _REDUCE_NAMES = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band"
 
 def is_comm(func: Any) -> bool:
     """Whether the op overload ``func`` is a collective or point-to-point op (not a functional ``wait``)."""
-    return func.namespace in ("c10d", "_c10d_functional") and _name(func) not in _NOT_COLLECTIVES \
-        and not _name(func).startswith(("barrier", "monitored_barrier"))
+    if func.namespace not in COMM_NAMESPACES:
+        return False
+    name = _name(func)
+    return name not in _NOT_COLLECTIVES and not name.startswith(("barrier", "monitored_barrier", "_wrap_tensor"))
 
 
 def _name(func: Any) -> str:
@@ -107,14 +109,14 @@ class CommCounter:
 def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter: CommCounter) -> CommInfo | None:
     """What the collective ``func`` called with ``args`` is (its sequence number taken from ``counter``);
     ``None`` when its process group cannot be read (the op is then traced as an ordinary op)."""
+    import torch
+
     name = _name(func)
     found = None
     reduce_op = None
     for value in (*args, *kwargs.values()):
         if found is None:
             found = _group_of(value)
-        import torch
-
         if reduce_op is None and isinstance(value, torch.ScriptObject) and "ReduceOp" in str(value._type()):
             reduce_op = _reduce_op(value)
     if func.namespace == "_c10d_functional" and reduce_op is None:
