@@ -339,7 +339,6 @@ class StepTracer:
         result = self._record(func, args, kwargs, comm=info) if self.ops_on else func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             outs = _leaves(result)
-        if func.namespace == "_c10d_functional":
             self._flying.update(id(t) for t in outs)
         if outs:
             many = len(outs) > 1
@@ -362,10 +361,6 @@ class StepTracer:
         if name in _RECV:
             return [], first
         return (_leaves(args[1]) if len(args) > 1 else []), first
-
-    def _in_flight(self) -> set[int]:
-        """Ids of the buffers of the collectives issued and not completed yet."""
-        return self._flying
 
     def _waited(self, tensor: Any) -> None:
         """A functional collective's output was waited on: take it now."""
@@ -414,7 +409,7 @@ class StepTracer:
             # still in flight is not a value yet.
             outs_named = _out_arguments(func)
             read = {k: v for k, v in kwargs.items() if k not in outs_named} if outs_named else kwargs
-            flying = self._in_flight()
+            flying = self._flying
             ins = [None if id(t) in flying else digest(t) for t in _leaves((args, read))]
         out = func(*args, **kwargs) if already is None else already
         results = _leaves(out)
