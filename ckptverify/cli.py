@@ -401,9 +401,11 @@ def _watch_line(item: dict) -> str:
 @click.option("--resume-at", "-K", type=click.IntRange(min=1), required=True,
               help="Step whose checkpoint run B resumes from.")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per run.")
-@click.option("--level", type=click.Choice(["metrics", "state", "module"]), default="state", show_default=True,
+@click.option("--level", type=click.Choice(["metrics", "state", "comm", "module", "op"]), default="state",
+              show_default=True,
               help="Trace detail: exact metrics; plus batch/params/grads/optimizer/scheduler/RNG fingerprints; "
-                   "plus every module's outputs and input gradients.")
+                   "plus every collective's input and output; plus every module's outputs and input gradients; "
+                   "plus every op (the op log).")
 @click.option("--runs", default="A,A2,B", show_default=True,
               help="Runs to make: A (continuous), A2 (continuous again: determinism), B (resumed).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,

@@ -3,7 +3,8 @@
     python scripts/bench_trace.py [--config small|large|both] [--blocks 15] [--block-steps 20] [--levels ...]
 
 Trains the built-in tiny GPT (1 process, CPU unless CUDA is available) through the Run protocol once per variant
-(no trace, ``metrics``, ``state``, ``state`` every 10th step, ``module``; each its own model, same config),
+(no trace, ``metrics``, ``state``, ``state`` every 10th step, ``comm``, ``module``, ``op`` with a window of every
+step; each its own model, same config),
 and drives the variants in alternation: block after block of ``--block-steps`` steps, the variants in a new
 random order each block, so that load from other processes falls on all of them alike. A variant's step time is
 the median over blocks of its mean step time (the whole loop iteration: the work ``run.steps()`` does before
@@ -17,6 +18,11 @@ Variant ``bytes`` (host only) is no trace plus the one thing level ``state`` can
 digests (gradients, parameters, optimizer state) with xxh3 right where the trace reads them. Its ratio is the
 floor under ``state`` on that machine: on a small model those bytes no longer sit in the caches after the step,
 so the floor is set by memory bandwidth, not by the trace's code.
+
+Level ``comm`` is printed against ``state`` too (target: under 1% of the step on the large config): on one
+process there is no collective, so what it measures is the dispatch mode that watches for them, a Python call
+per op. Level ``op`` is printed as microseconds per op over level ``module`` (the op log's size per step is read
+from the trace).
 
 It also measures the fixed cost of a tensor site: a category of 1000 one-element tensors recorded at detail
 ``category``, per tensor (target <= 5 microseconds).
@@ -34,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONFIGS = {"small": (64, 2, 8), "large": (256, 4, 16)}
-LEVELS = ["none", "bytes", "metrics", "state", "state/10", "module"]
+LEVELS = ["none", "bytes", "metrics", "state", "state/10", "comm", "module", "op"]
 
 
 @dataclass
@@ -90,7 +96,7 @@ def make_variant(name: str, total: int, d_model: int, layers: int, batch: int, t
     untraced = name in ("none", "bytes")
     level, _, every = ("state" if untraced else name).partition("/")
     cfg = RunConfig(name=name, stop_step=total, trace_dir=None if untraced else f"{trace_dir}/{name}",
-                    level=level, trace_every=int(every or 1))
+                    level=level, trace_every=int(every or 1), op_window={} if level == "op" else None)
     run = Run(cfg)
     run.restore(TrainState(model=training.model, optimizer=training.optimizer, scheduler=training.scheduler,
                            dataloader=loader))
@@ -117,7 +123,10 @@ def run_block(v: Variant, steps: int) -> None:
     v.cpu.append((time.thread_time() - c0) / steps)
 
 
-def bench_config(name: str, levels: list[str], blocks: int, block_steps: int) -> dict[str, tuple[float, float]]:
+def bench_config(name: str, levels: list[str], blocks: int, block_steps: int
+                 ) -> tuple[dict[str, tuple[float, float]], int]:
+    """Per variant, the median wall and CPU time of a step; and the ops a step of level ``op`` logs (0 without
+    that variant)."""
     d_model, layers, batch = CONFIGS[name]
     total = (blocks + 1) * block_steps
     order = random.Random(0)
@@ -133,7 +142,12 @@ def bench_config(name: str, levels: list[str], blocks: int, block_steps: int) ->
                     v.cpu.clear()
         for v in variants:
             v.run.close()
-    return {v.name: (statistics.median(v.wall), statistics.median(v.cpu)) for v in variants}
+        ops = 0
+        if "op" in levels:
+            from ckptverify.trace.oplog import read_ops
+
+            ops = len(read_ops(f"{tmp}/op", 0, total))
+    return {v.name: (statistics.median(v.wall), statistics.median(v.cpu)) for v in variants}, ops
 
 
 def site_cost(n: int = 1000, repeats: int = 30) -> float:
@@ -152,6 +166,41 @@ def site_cost(n: int = 1000, repeats: int = 30) -> float:
         digester.cells(digester.digests(), "category")  # type: ignore[arg-type]
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / n * 1e6
+
+
+def comm_costs(repeats: int = 2000, ops: int = 20000) -> tuple[float, float]:
+    """What level ``comm`` adds on one process, measured directly: microseconds per traced step of starting and
+    ending the step tracer (optimizer phase hooks, the collectives' kernels handed the step), and microseconds
+    per op that is not a collective (none: the kernels sit on the collectives only)."""
+    import torch
+
+    from ckptverify.trace.ops import OpContext, StepTracer
+
+    tracer = StepTracer(OpContext(), rank=0, comm=True, window=None, emit=lambda item: 0,
+                        fill=lambda index, item: None)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for step in range(repeats):
+            tracer.begin(step)
+            tracer.end()
+        times.append((time.perf_counter() - t0) / repeats)
+    x = torch.ones(4)
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            torch.add(x, x)
+        return (time.perf_counter() - t0) / ops
+
+    plain, traced = [], []
+    for _ in range(5):
+        plain.append(loop())
+        tracer.begin(0)
+        traced.append(loop())
+        tracer.end()
+    tracer.close()
+    return statistics.median(times) * 1e6, (statistics.median(traced) - statistics.median(plain)) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         d, layers, batch = CONFIGS[config]
         print(f"\n{config} config (d_model {d}, {layers} layers, batch {batch}): {blocks} blocks of {steps} steps "
               "per variant, alternated")
-        result = bench_config(config, levels, blocks, steps)
+        result, ops = bench_config(config, levels, blocks, steps)
         wall0, cpu0 = result["none"]
         print(f"{'trace level':<12}{'wall ms':>10}{'x none':>9}{'cpu ms':>10}{'x none':>9}")
         for level in levels:
@@ -186,6 +235,24 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = result[level][0] / wall0
                 verdicts.append(f"{config}, {level}: {ratio:.4f}x wall, {result[level][1] / cpu0:.4f}x cpu "
                                 f"(target <= {target}): {'MET' if ratio <= target else 'NOT MET'}")
+        if "comm" in result and "state" in result:
+            ratio = result["comm"][0] / result["state"][0]
+            target = 1.01 if config == "large" else None
+            verdicts.append(f"{config}, comm over state: {ratio:.4f}x wall, "
+                            f"{result['comm'][1] / result['state'][1]:.4f}x cpu"
+                            + (f" (target <= {target}): {'MET' if ratio <= target else 'NOT MET'}" if target else ""))
+        if "comm" in result:
+            fixed, per_op = comm_costs()
+            n = ops or 0
+            added = fixed + max(per_op, 0.0) * n  # a negative difference is timing noise, not a saving
+            verdicts.append(f"{config}, comm measured directly: {fixed:.1f} us a step + {per_op:.3f} us per op"
+                            + (f" x {n} ops = {added:.0f} us, {added / (cpu0 * 1e6) * 100:.3f}% of the untraced "
+                               f"step's CPU time (target < 1%): {'MET' if added < cpu0 * 1e4 else 'NOT MET'}"
+                               if n else ""))
+        if ops and "module" in result:
+            per_op = (result["op"][0] - result["module"][0]) / ops * 1e6
+            verdicts.append(f"{config}, op over module: {ops} ops a step, {per_op:.1f} us per op "
+                            f"({result['op'][0] / result['module'][0]:.2f}x the step)")
     per_site = site_cost()
     print()
     for line in verdicts:

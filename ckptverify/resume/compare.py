@@ -177,6 +177,13 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
         errors = [f for f in final.findings if f.severity.value == "error"]
         findings.extend(_tag("final A vs B", errors if verbose else _fold(errors)))
         found["final"] = tuple(errors)
+    # Each run's own recomputed forwards that differ from their forward (activation checkpointing): no second
+    # run needed.
+    from ckptverify.trace.compare import recompute_findings
+
+    for name, config in configs.items():
+        if config.trace_dir and os.path.isdir(config.trace_dir):
+            findings.extend(_tag(f"{name} recompute", recompute_findings(config.trace_dir)))
     evidence = Evidence(**found)
     if "B" in configs:
         held, held_findings = _held_state(configs, earlier=evidence.earlier_failure)

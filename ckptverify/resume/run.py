@@ -33,7 +33,9 @@ from ckptverify.options import VerifyOptions, no_other_keywords, take_renamed, v
 from ckptverify.ownfiles.names import write_atomic
 from ckptverify.state.distributed import rank_world
 
-LEVELS = ("metrics", "state", "module")
+#: The trace levels (``ckptverify.trace.store.LEVELS``, repeated here so that importing the Run protocol does not
+#: import the trace package; a test checks that the two agree).
+LEVELS = ("metrics", "state", "comm", "module", "op")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,10 +60,17 @@ class RunConfig:
     #: The device the ranks were launched for (``Plan.device``: ``"cpu"`` with gloo, ``"cuda"`` with NCCL, one GPU
     #: per rank), set by the launcher; ``None`` when no launcher of ours said (a plain or production run).
     device: str | None = None
+    #: At level ``op``: the op window (``dataclasses.asdict`` of a :class:`ckptverify.trace.oplog.OpWindow`,
+    #: JSON values): the steps, ranks and modules whose every op is logged; ``None``: all of them.
+    op_window: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise UsageError(f"trace level must be one of {', '.join(LEVELS)}, got {self.level!r}")
+        if self.op_window is not None:
+            from ckptverify.trace.oplog import window_from_dict
+
+            window_from_dict(self.op_window)  # refused here, before any rank starts
         if self.trace_every < 1:
             raise UsageError(f"trace_every must be at least 1, got {self.trace_every}")
         if self.save_at and not self.checkpoint_dir:
@@ -342,7 +351,7 @@ class Run:
             if self._recorder is not None:
                 if self._traced(self._p.step + 1):
                     # Before the step draws anything: a random stream that differs here is a cause.
-                    self._recorder.record_step_start(self.state)
+                    self._recorder.record_step_start(self.state, step=self._p.step + 1)
                 else:
                     self._recorder.begin_skipped_step()
             yield item
@@ -451,12 +460,17 @@ class Run:
 
         header = TraceHeader(run=self.config.name, level=self.config.level, workload=self.config.workload,
                              detail=self.config.trace_detail)
-        self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True)
+        window = None
+        if self.config.op_window is not None:
+            from ckptverify.trace.oplog import window_from_dict
+
+            window = window_from_dict(self.config.op_window)
+        self._recorder = TraceRecorder(self.config.trace_dir, header=header, overwrite=True, window=window)
         if self._production is not None:
             self._production.traced_by(self._recorder)
         if self.config.level != "metrics" and self.state is not None and self.state.model is not None:
             # Gradients are captured right before each optimizer step (wherever the loop zeroes them);
-            # at level "module" every module's output and input gradient too.
+            # at level "module" (and "op") every module's output and input gradient too.
             self._recorder.attach(self.state.model, optimizer=self.state.optimizers or None)
 
     def _write_json(self, name: str, data: Any) -> None:

@@ -6,7 +6,9 @@
   per tensor as well (detail ``tensor``), see :mod:`ckptverify.trace.category`;
 * :class:`TraceWriter` / :func:`open_trace` write and read one store;
 * :func:`compare_traces` / :func:`compare_runs` return findings, :func:`first_divergence` the structured
-  first divergence.
+  first divergence; :func:`recompute_findings` the recomputed forwards that differ from their forward;
+* levels ``comm`` and ``op``: collectives and the op log (:mod:`ckptverify.trace.ops`), read back with
+  :func:`ckptverify.trace.oplog.read_ops`.
 
 The layout, levels, site names and comparison semantics are documented in ``docs/trace.md``.
 """
@@ -23,6 +25,7 @@ from ckptverify.trace.compare import (
     first_divergence,
     module_of,
     rank_comparisons,
+    recompute_findings,
     run_stores,
 )
 from ckptverify.trace.recorder import ROOT_MODULE, TraceRecorder, canonical_name, module_site
@@ -77,5 +80,6 @@ __all__ = [
     "open_trace",
     "rank_comparisons",
     "rank_store_path",
+    "recompute_findings",
     "run_stores",
 ]

@@ -41,12 +41,15 @@ __all__ = [
     "first_divergence",
     "module_of",
     "rank_comparisons",
+    "recompute_findings",
     "run_stores",
 ]
 
 TraceLike = Trace | str | os.PathLike[str]
 
 _MODULE_KINDS = frozenset({"module_in", "module_out", "module_grad_in"})
+#: Levels that record module sites.
+_MODULE_LEVELS = ("module", "op")
 #: Rows compared at once, and the most bytes one block of a trace may take (a wide trace compares fewer rows
 #: at once).
 _BLOCK = 256
@@ -314,7 +317,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         if member is not None:
             base["site"], base["via"] = member, name
     module_cols = [k for k, kind in enumerate(aligned.kinds) if kind in _MODULE_KINDS]
-    if ta.header.level != "module" and tb.header.level != "module" and not module_cols:
+    if ta.header.level not in _MODULE_LEVELS and tb.header.level not in _MODULE_LEVELS and not module_cols:
         return FirstDivergence(**base)
     differing_modules = [k for k in module_cols if row[k]]
     batch_cols = [k for k, kind in enumerate(aligned.kinds) if kind == "batch"]
@@ -558,9 +561,11 @@ def compare_traces(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = 
     the range recorded by only one trace are a ``trace-incomplete`` error. Findings: ``trace-divergence``
     (error, the first divergent step and site), ``trace-origin`` (info, level ``module``),
     ``trace-summary`` (info), ``trace-incomplete`` (error), ``trace-sites`` (warning, only with ``force``),
-    ``trace-ignored`` (info: the sites left out because they match a glob of ``ignore_sites``).
+    ``trace-ignored`` (info: the sites left out because they match a glob of ``ignore_sites``), and each
+    trace's own ``recompute-mismatch`` errors (:func:`recompute_findings`).
     """
-    return _findings(rank_comparisons(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites))
+    found = _findings(rank_comparisons(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites))
+    return [*found, *recompute_findings(a, steps=steps), *recompute_findings(b, steps=steps)]
 
 
 def compare_runs(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *,
@@ -587,3 +592,46 @@ def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
     if not found:
         return None
     return min(found, key=lambda d: (d.step, d.rank))
+
+
+def recompute_findings(trace: TraceLike, *, steps: Iterable[int] | None = None) -> list[Finding]:
+    """``recompute-mismatch`` errors of one run (a trace, a store or a run directory; no second run needed): per
+    rank and module, the first step where a module forward that activation checkpointing recomputed in backward
+    (``module.<m>.recompute#k``) gave another output than the forward it repeats (``module.<m>.fwd#k``), so
+    that backward used activations the forward never produced (dropout with ``preserve_rng_state=False``, a
+    nondeterministic kernel, state that changed in between). ``steps`` narrows the steps looked at."""
+    if isinstance(trace, Trace) or _is_store(trace):
+        traces = [_as_trace(trace)]
+    else:
+        traces = [open_trace(p) for p in run_stores(trace).values()]
+    wanted = None if steps is None else {int(s) for s in steps}
+    out: list[Finding] = []
+    for t in traces:
+        pairs = [(s.name, s.name.replace(".recompute#", ".fwd#", 1)) for s in t.sites if s.kind == "module_recompute"]
+        pairs = [(r, f) for r, f in pairs if t.has_site(f)]
+        if not pairs:
+            continue
+        rank = t.header.rank
+        first: dict[str, tuple[int, str, str | None, str | None]] = {}
+        for step in t.steps:
+            if wanted is not None and step not in wanted:
+                continue
+            for rec, fwd in pairs:
+                module = module_of(rec)
+                if module in first:
+                    continue
+                a, b = t.hex(step, fwd), t.hex(step, rec)
+                if a is not None and b is not None and a != b:
+                    first[module] = (step, rec, a, b)
+        for module, (step, site, a, b) in first.items():
+            out.append(error(
+                "recompute-mismatch",
+                f"rank {rank}, step {step}: the forward of {module} recomputed in backward (activation "
+                f"checkpointing) gave another output than the forward it repeats ({site.rsplit('#', 1)[-1]}-th "
+                "call): backward used activations the forward never produced. Dropout or other random ops in "
+                "a checkpointed region need preserve_rng_state=True; a nondeterministic op or state changed "
+                "between forward and backward do the same",
+                location=Location(rank=rank, fqn=module, record=f"step {step}"),
+                expected=a, actual=b,
+            ))
+    return out

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,8 @@ from ckptverify.trace.cells import _metric_item, _object_cell, _object_item, _te
 from ckptverify.trace.flatten import _counters, _data_value, _layout_signature, _StateLayout, _Structure
 from ckptverify.trace.hyperparams import _HparamCells, hparam_cells
 from ckptverify.trace.members import _Gradients
+from ckptverify.trace.oplog import OpWindow
+from ckptverify.trace.ops import DEFAULT_CHUNK_ELEMENTS, OpContext, StepTracer, write_op_log
 from ckptverify.trace.readback import Item, _Deferred, _ReadBack, fingerprint_many
 from ckptverify.trace.sites import (
     _FIELD_ORDER,
@@ -85,15 +88,19 @@ class TraceRecorder:
 
     Args:
         path: the run's trace directory; rank ``r`` writes the store ``<path>/rank<r>``.
-        header: what the trace describes; its level (``metrics`` | ``state`` | ``module``) decides what is
-            recorded, its detail (``category`` | ``tensor``) whether tensor categories get a cell per tensor.
-            ``rank``/``world_size`` are filled in from ``torch.distributed`` when left ``None``.
+        header: what the trace describes; its level (``metrics`` | ``state`` | ``comm`` | ``module`` | ``op``)
+            decides what is recorded, its detail (``category`` | ``tensor``) whether tensor categories get a cell
+            per tensor. ``rank``/``world_size`` are filled in from ``torch.distributed`` when left ``None``.
         flush_every: rows buffered before a (background) write.
         overwrite: replace an existing store instead of refusing.
+        window: at level ``op``, the steps, ranks and modules whose ops are logged (``None``: every step, rank
+            and module, at most ``OpWindow().max_ops`` ops a step); ignored below level ``op``.
+        chunk_elements: elements per chunk cell of an order-sensitive op output (sort indices, top-k, ...).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, header: TraceHeader, flush_every: int = DEFAULT_FLUSH_EVERY,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, window: OpWindow | None = None,
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
         rank, world = rank_world()
         if header.rank is not None and header.rank != rank:
             raise UsageError(f"trace header says rank {header.rank}, but this process is rank {rank}")
@@ -128,14 +135,61 @@ class TraceRecorder:
         self._last: tuple[int, list[Any], list[int]] | None = None
         self._pending: tuple[int, _ReadBack] | None = None
         self._pinned: dict[Any, Any] = {}
+        # Module forwards running (recompute pairing): [name, occurrence, call, recompute, cursor], innermost last;
+        # the step's forward calls: (name, occurrence, children); calls of each module; calls a recompute repeated.
+        self._frames: list[list[Any]] = []
+        self._calls: list[tuple[str, int, list[int]]] = []
+        self._calls_of: dict[str, list[int]] = {}
+        self._paired: set[int] = set()
+        self._context = OpContext()
+        self._tracer: StepTracer | None = None
+        self._step_started: int | None = None
+        self._last_step = 0
+        if self.records_comm:
+            if chunk_elements < 1:
+                raise UsageError(f"chunk_elements must be positive, got {chunk_elements}")
+            if self.records_ops and window is None:
+                window = OpWindow()
+            self._tracer = StepTracer(self._context, rank=rank, comm=True,
+                                      window=window if self.records_ops else None, emit=self._emit,
+                                      fill=self._fill, chunk_elements=chunk_elements)
 
     @property
     def records_state(self) -> bool:
         return LEVELS.index(self.level) >= LEVELS.index("state")
 
     @property
+    def records_comm(self) -> bool:
+        return LEVELS.index(self.level) >= LEVELS.index("comm")
+
+    @property
     def records_modules(self) -> bool:
-        return self.level == "module"
+        return LEVELS.index(self.level) >= LEVELS.index("module")
+
+    @property
+    def records_ops(self) -> bool:
+        return self.level == "op"
+
+    def _emit(self, item: Any) -> int:
+        """Append a step item (``None``: a place to :meth:`_fill` later) in execution order; its index."""
+        self._module_cells.append(item)
+        return len(self._module_cells) - 1
+
+    def _fill(self, index: int, item: Any) -> None:
+        self._module_cells[index] = item
+
+    @contextlib.contextmanager
+    def _own_work(self) -> Iterator[None]:
+        """The recorder's own tensor work inside a traced step (digests in hooks): not traced as the step's ops."""
+        tracer = self._tracer
+        if tracer is None or not tracer.active:
+            yield
+            return
+        tracer.quiet += 1
+        try:
+            yield
+        finally:
+            tracer.quiet -= 1
 
     def _version(self) -> int:
         if self._structure is None:
@@ -177,17 +231,22 @@ class TraceRecorder:
                 continue  # a wrapper's inner module: the wrapper already records this output
             cls = type(module).__name__
             self._handles.append(module.register_forward_pre_hook(self._input_hook(name, cls)))
-            self._handles.append(module.register_forward_hook(self._forward_hook(name, cls)))
+            # always_call: a forward that raises (non-reentrant checkpointing stops a recompute that way once it
+            # has what backward needs) still leaves the stack of running forwards.
+            self._handles.append(module.register_forward_hook(self._forward_hook(name, cls), always_call=True))
             if backward:
+                if self.records_ops:
+                    self._handles.append(module.register_full_backward_pre_hook(self._backward_pre_hook(name)))
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(name, cls)))
 
     def _optimizer_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._paused:
             return  # a step that is not recorded (trace_every > 1): no digests to pay for
-        if self._model is not None:
-            self.record_grads(self._model)
-        # The hyperparameters this optimizer step uses (a loop sets lr from its own counter right before it).
-        self._hparam_cells = self._hparams(self._optimizers)
+        with self._own_work():
+            if self._model is not None:
+                self.record_grads(self._model)
+            # The hyperparameters this optimizer step uses (a loop sets lr from its own counter right before it).
+            self._hparam_cells = self._hparams(self._optimizers)
 
     def detach(self) -> None:
         """Remove the hooks and forget the attached model."""
@@ -204,28 +263,102 @@ class TraceRecorder:
         return k
 
     def _input_hook(self, name: str, cls: str) -> Callable[..., None]:
+        import torch
+
+        task = torch._C._current_graph_task_id
+
         def hook(module: Any, args: Any) -> None:
-            if not self._paused:
-                site = module_site(name, "in", self._next(name, "in"))
-                self._module_cells.append(_object_cell(site, "module_in", args, cls))
+            if self._paused:
+                return
+            if task() == -1:
+                occ = self._next(name, "in")
+                with self._own_work():
+                    self._module_cells.append(_object_cell(module_site(name, "in", occ), "module_in", args, cls))
+                call = len(self._calls)
+                self._calls.append((name, occ, []))
+                self._calls_of.setdefault(name, []).append(call)
+                if self._frames and not self._frames[-1][3]:
+                    self._calls[self._frames[-1][2]][2].append(call)
+                self._frames.append([name, occ, call, False, 0])
+            else:
+                # A forward while the autograd engine runs: activation checkpointing recomputes it.
+                call = self._repeated_call(name)
+                self._frames.append([name, None if call is None else self._calls[call][1], call, True, 0])
+            self._context.forward.append((name, self._frames[-1][3]))
 
         return hook
 
+    def _repeated_call(self, name: str) -> int | None:
+        """The forward call of ``name`` that a recompute starting now repeats: inside a recomputed parent, its
+        next child call of that module; else (the outermost module of a recomputed region: regions are
+        recomputed last first) the latest call of that module not repeated yet."""
+        parent = self._frames[-1] if self._frames and self._frames[-1][3] else None
+        found = None
+        if parent is not None:
+            if parent[2] is not None:
+                children = self._calls[parent[2]][2]
+                while parent[4] < len(children):
+                    child = children[parent[4]]
+                    parent[4] += 1
+                    if self._calls[child][0] == name:
+                        found = child
+                        break
+        else:
+            for call in reversed(self._calls_of.get(name, ())):
+                if call not in self._paired:
+                    found = call
+                    break
+        if found is not None:
+            self._paired.add(found)
+        return found
+
     def _forward_hook(self, name: str, cls: str) -> Callable[..., None]:
         def hook(module: Any, args: Any, output: Any) -> None:
-            if not self._paused:
+            if self._paused:
+                return
+            frame = self._frames.pop() if self._frames else None
+            if self._context.forward:
+                self._context.forward.pop()
+            if sys.exc_info()[0] is not None:
+                return  # called while the forward raises: it has no output
+            with self._own_work():
+                if frame is not None and frame[3]:
+                    if frame[1] is not None:  # the pair of forward occurrence frame[1]
+                        site = module_site(name, "recompute", frame[1])
+                        self._module_cells.append(_object_cell(site, "module_recompute", output, cls))
+                    return
                 site = module_site(name, "fwd", self._next(name, "fwd"))
                 self._module_cells.append(_object_cell(site, "module_out", output, cls))
 
         return hook
 
+    def _backward_pre_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: Any, grad_output: Any) -> None:
+            if not self._paused:
+                self._context.backward.append(name)
+
+        return hook
+
     def _backward_hook(self, name: str, cls: str) -> Callable[..., None]:
         def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
-            if not self._paused:
+            if self._paused:
+                return
+            stack = self._context.backward
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] == name:
+                    del stack[i]
+                    break
+            with self._own_work():
                 site = module_site(name, "bwd", self._next(name, "bwd"))
                 self._module_cells.append(_object_cell(site, "module_grad_in", grad_input, cls))
 
         return hook
+
+    def _forget_calls(self) -> None:
+        self._frames.clear()
+        self._calls.clear()
+        self._calls_of.clear()
+        self._paired.clear()
 
     def begin_skipped_step(self) -> None:
         """A step that will not be recorded (``trace_every`` > 1) begins: hooks gather nothing until
@@ -240,6 +373,7 @@ class TraceRecorder:
         self._grad_cells = None
         self._hparam_cells = []
         self._occurrences.clear()
+        self._forget_calls()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -273,7 +407,8 @@ class TraceRecorder:
         model = model if model is not None else self._model
         if model is None:
             raise UsageError("record_grads() needs a model: pass one or call attach(model) first")
-        self._grad_cells = self._grads_of(model)
+        with self._own_work():
+            self._grad_cells = self._grads_of(model)
 
     # -------------------------------------------------------------- steps
 
@@ -295,11 +430,20 @@ class TraceRecorder:
             out.append(hit[1])
         return out
 
-    def record_step_start(self, state: TrainState | None) -> None:
+    def record_step_start(self, state: TrainState | None, *, step: int | None = None) -> None:
         """The state a step starts from, for the next :meth:`record_step`: every random stream
         (``start.rng.<stream>``) and every optimizer hyperparameter (``start.hparam.<g>.<key>``) as they are
         before the step draws or computes anything. A stream that differs here is a cause (re-seeded, or drawn
-        outside the steps), not a consequence of a different batch. Does nothing below level ``state``."""
+        outside the steps), not a consequence of a different batch. Nothing of this below level ``state``.
+
+        At level ``comm`` and above this also starts tracing the step's ops (:mod:`ckptverify.trace.ops`) until
+        :meth:`record_step`: ``step`` is the number the step will be recorded as (default: the last recorded
+        step + 1), which the op window is matched against."""
+        if self._tracer is not None:
+            if self._tracer.active:
+                self._tracer.end()  # a step started twice: the first start's ops are forgotten
+            self._step_started = self._last_step + 1 if step is None else int(step)
+            self._tracer.begin(self._step_started)
         if not self.records_state or state is None:
             return
         self._start_cells = [*self._rng_cells("start.rng.", state), *self._start_hparams(state.optimizers)]
@@ -323,20 +467,36 @@ class TraceRecorder:
           (``scheduler.<i>``, ``rng.<stream>``, ``data``, ``counters``, ...). At detail ``tensor`` each
           tensor of a category also gets its own cell (``grad.<fqn>``, ``optim.state.<fqn>.<key>``,
           ``param.<fqn>``, ``buffer.<fqn>``), right before its category cell;
-        * ``module``: the module outputs and input gradients recorded by the hooks since the last row.
+        * ``comm``: the input and output fingerprints of each collective of the step (``comm.*`` sites), in
+          execution order among the module sites;
+        * ``module``: the module outputs and input gradients recorded by the hooks since the last row, and the
+          outputs of module forwards recomputed by activation checkpointing (``module.<m>.recompute#k``, the
+          pair of ``module.<m>.fwd#k``);
+        * ``op``: in the window, the step's op log (``ops/step<N>.json`` in the store, see
+          :func:`~ckptverify.trace.oplog.read_ops`).
 
         Lower levels ignore what they do not record, so the same loop works at every level. Steps must
         increase. On several ranks every rank must call this for every step.
         """
         import torch
 
+        op_items: list[Item] = []
+        if self._tracer is not None and self._tracer.active:
+            started = self._step_started
+            lanes, records, dropped = self._tracer.end()
+            if self._tracer.ops_on:
+                if started != step:
+                    raise UsageError(f"the step began as step {started} (record_step_start) but is recorded as "
+                                     f"step {step}")
+                op_items = self._op_log_items(step, lanes, records, dropped)
+        self._last_step = int(step)
         cells: list[Item] = list(self._start_cells) if self.records_state else []
         deep = self.records_state
         if deep and batch_indices is not None:
             cells.append(Cell("data.indices", "data", _value_lanes(batch_indices), "digest128"))
         if deep and batch is not None:
             cells.extend(self._batch_cells(batch, torch))
-        cells.extend(self._module_cells)
+        cells.extend(x for x in self._module_cells if x is not None)
         for name, value in (metrics or {}).items():
             cells.append(_metric_item(str(name), value))
         self._last = None
@@ -349,10 +509,12 @@ class TraceRecorder:
             cells.extend(grads)
             if state is not None:
                 cells.extend(self._state_cells(step, state))
+        cells.extend(op_items)
         self._module_cells = []
         self._start_cells = []
         self._hparam_cells = []
         self._occurrences.clear()
+        self._forget_calls()
         self._grad_cells = None
         # Values still on an accelerator (gradients, state, batch, metrics) are read back together, once: the
         # copy starts now and is taken when the next step is recorded (or at flush), so that nothing waits for
@@ -362,6 +524,23 @@ class TraceRecorder:
             self._pending = (step, _ReadBack(cells, self._pinned))
         else:
             self.writer.append(step, cells)  # type: ignore[arg-type]
+
+    def _op_log_items(self, step: int, lanes: list[Any], records: list[dict[str, Any]], dropped: int) -> list[Item]:
+        """Write the op log of ``step`` now (every digest on the host), or return the item that writes it once
+        the device digests are read back with the row."""
+        chunk = self._tracer.chunk_elements if self._tracer is not None else DEFAULT_CHUNK_ELEMENTS
+        if not lanes:
+            write_op_log(self.store_path, step, records, dropped, [], chunk)
+            return []
+        import torch
+
+        store = self.store_path
+
+        def make(values: list[int]) -> list[Cell]:
+            write_op_log(store, step, records, dropped, values, chunk)
+            return []
+
+        return [_Deferred(torch.cat(lanes), make)]
 
     def _settle(self) -> None:
         """Write the row whose values were still on their way from the device."""
@@ -477,6 +656,8 @@ class TraceRecorder:
 
     def close(self) -> None:
         """Remove the hooks and write the buffered rows."""
+        if self._tracer is not None:
+            self._tracer.close()  # a step begun and never recorded: nothing of it is written
         self.detach()
         if self._structure is not None:
             self._structure.remove()

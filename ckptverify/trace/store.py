@@ -62,8 +62,10 @@ TRACE_SCHEMA = "ckptverify/trace"
 #: 2: category cells (``set128``), site groups, header ``detail``, arrays allocated ahead of the rows.
 TRACE_SCHEMA_VERSION = 2
 
-#: Recording levels, each including the previous one.
-LEVELS = ("metrics", "state", "module")
+#: Recording levels, each including the previous one: ``comm`` adds every collective and point-to-point op,
+#: ``module`` every module's inputs, outputs and input gradients, ``op`` the op log of a window
+#: (:mod:`ckptverify.trace.ops`).
+LEVELS = ("metrics", "state", "comm", "module", "op")
 
 #: What a state-level trace records of a tensor category (gradients, parameters, optimizer state, buffers):
 #: ``category`` one cell per category per step; ``tensor`` one cell per tensor as well.
@@ -76,6 +78,9 @@ KINDS: dict[str, str] = {
     "module_out": "module",
     "module_grad_in": "module",
     "module_in": "module",
+    "module_recompute": "module",
+    "comm_in": "comm",
+    "comm_out": "comm",
     "grad": "gradients",
     "optim": "optimizer",
     "param": "parameters",

@@ -1,0 +1,147 @@
+"""Collectives and point-to-point ops as the dispatcher sees them: what one was (:class:`~ckptverify.trace.oplog.
+CommInfo`), and the names of the trace sites that hold the fingerprints of its input and output.
+
+The c10d ops (``c10d.allreduce_``, ``c10d.broadcast_``, ``c10d.send``, ``c10d.recv_``, ...) carry their process
+group and reduce op as TorchScript objects; the group's global ranks come from
+``torch.distributed.get_process_group_ranks``. Functional collectives (``_c10d_functional.*``) name their group
+by its name. Nothing here synchronizes with a device or another rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xxhash
+
+from ckptverify.trace.oplog import CommInfo
+
+__all__ = ["COMM_NAMESPACES", "CommCounter", "comm_info", "comm_site", "group_label", "is_comm"]
+
+#: Dispatcher namespaces of collective and point-to-point ops.
+COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
+
+#: Functional ops that are no collective (waiting on one is where its output becomes valid).
+_NOT_COLLECTIVES = frozenset({"wait_tensor"})
+
+#: ReduceOp enum values (``torch.distributed.ReduceOp.RedOpType``) by their integer.
+_REDUCE_NAMES = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band", 6: "bor", 7: "bxor",
+                 8: "premul_sum"}
+
+
+def is_comm(func: Any) -> bool:
+    """Whether the op overload ``func`` is a collective or point-to-point op (not a functional ``wait``)."""
+    if func.namespace not in COMM_NAMESPACES:
+        return False
+    name = _name(func)
+    return name not in _NOT_COLLECTIVES and not name.startswith(("barrier", "monitored_barrier", "_wrap_tensor"))
+
+
+def _name(func: Any) -> str:
+    """``allreduce_`` for ``c10d.allreduce_.default``."""
+    return func._schema.name.split("::", 1)[-1]
+
+
+def _group_of(obj: Any) -> tuple[tuple[int, ...], Any] | None:
+    """The global ranks of a process group argument (a ProcessGroup script object, or a functional
+    collective's group name), and the group itself."""
+    import torch
+    import torch.distributed as dist
+
+    if isinstance(obj, torch.ScriptObject):
+        try:
+            group = torch._C._distributed_c10d.ProcessGroup.unbox(obj)
+        except (RuntimeError, TypeError, AttributeError):
+            return None
+    elif isinstance(obj, str):
+        try:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = _resolve_process_group(obj)
+        except (RuntimeError, ValueError, KeyError, ImportError):
+            return None
+    else:
+        return None
+    try:
+        return tuple(int(r) for r in dist.get_process_group_ranks(group)), group
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _reduce_op(obj: Any) -> str | None:
+    import torch
+
+    if isinstance(obj, str):  # functional collectives: "sum", "avg", ...
+        return obj.lower()
+    if isinstance(obj, torch.ScriptObject):
+        try:
+            value = obj.op()
+        except (RuntimeError, AttributeError):
+            return None
+        value = int(getattr(value, "value", value))
+        return _REDUCE_NAMES.get(value, str(value))
+    return None
+
+
+def _peer(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], group: tuple[int, ...]) -> int | None:
+    """The global rank on the other side of a send or receive: its ``dstRank``/``srcRank`` argument is a rank
+    of the group."""
+    if name not in ("send", "recv_", "recv_any_source_"):
+        return None
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return group[value] if 0 <= value < len(group) else None
+    return None
+
+
+class CommCounter:
+    """Per-group sequence numbers: how many collectives this rank has issued on each group since the recorder
+    started (the same count on every member, as every member issues the group's collectives in one order)."""
+
+    def __init__(self) -> None:
+        self._seq: dict[tuple[int, ...], int] = {}
+
+    def next(self, group: tuple[int, ...]) -> int:
+        seq = self._seq.get(group, 0)
+        self._seq[group] = seq + 1
+        return seq
+
+
+def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter: CommCounter) -> CommInfo | None:
+    """What the collective ``func`` called with ``args`` is (its sequence number taken from ``counter``);
+    ``None`` when its process group cannot be read (the op is then traced as an ordinary op)."""
+    import torch
+
+    name = _name(func)
+    found = None
+    reduce_op = None
+    for value in (*args, *kwargs.values()):
+        if found is None:
+            found = _group_of(value)
+        if reduce_op is None and isinstance(value, torch.ScriptObject) and "ReduceOp" in str(value._type()):
+            reduce_op = _reduce_op(value)
+    if func.namespace == "_c10d_functional" and reduce_op is None:
+        schema_args = [a.name for a in func._schema.arguments]
+        if "reduce_op" in schema_args:
+            i = schema_args.index("reduce_op")
+            value = args[i] if i < len(args) else kwargs.get("reduce_op")
+            reduce_op = _reduce_op(value)
+    if found is None:
+        return None
+    group = found[0]
+    return CommInfo(collective=name, group=group, seq=counter.next(group), peer=_peer(name, args, kwargs, group),
+                    reduce_op=reduce_op)
+
+
+def group_label(group: tuple[int, ...]) -> str:
+    """A short name of a group for site names: ``g0-7`` for consecutive ranks, ``g<hash>`` otherwise."""
+    if group and list(group) == list(range(group[0], group[0] + len(group))):
+        return f"g{group[0]}-{group[-1]}"
+    return "g" + xxhash.xxh3_64_hexdigest(",".join(map(str, group)).encode())[:12]
+
+
+def comm_site(info: CommInfo, occurrence: int, direction: str, part: int | None = None) -> str:
+    """Site name of a collective's input (``in``, at issue) or output (``out``, at completion) in the step:
+    ``comm.<group>.<collective>#<k>.<direction>``, ``k`` counting the step's earlier collectives of that name on
+    that group; ``part``: the tensor's position when the op takes several."""
+    base = f"comm.{group_label(info.group)}.{info.collective}#{occurrence}.{direction}"
+    return base if part is None else f"{base}.{part}"

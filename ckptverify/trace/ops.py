@@ -1,0 +1,619 @@
+"""Levels ``comm`` and ``op``: a dispatch mode that sees every op of a traced step.
+
+Between :meth:`TraceRecorder.record_step_start <ckptverify.trace.TraceRecorder.record_step_start>` and
+:meth:`~ckptverify.trace.TraceRecorder.record_step` a :class:`StepTracer` (a ``TorchDispatchMode``) is active. It
+sees every ATen op, every op registered with ``torch.library`` and the c10d collectives and point-to-point ops
+(those DDP, FSDP2 and DTensor issue included).
+
+* Level ``comm`` (and above), every traced step: each collective gives trace sites (:mod:`ckptverify.trace.comm`)
+  holding the fingerprint of its input at issue and of its output at completion (a functional collective's at its
+  ``wait_tensor``; a c10d op's, which completes through a ``Work`` handle the dispatcher does not see waited on, when
+  the step is recorded). On an accelerator the fingerprints are computed on the device and read back with the
+  rest of the row: no host synchronization is added.
+* Level ``op``, in an :class:`~ckptverify.trace.oplog.OpWindow` only: every op as an
+  :class:`~ckptverify.trace.oplog.OpEvent`, keyed ``(step, phase, module, op, occurrence)``, written per step to
+  ``<store>/ops/step<N>.json`` (:func:`write_op_log`, read back by :func:`ckptverify.trace.oplog.read_ops`).
+
+Phases: ``optimizer`` inside any ``optimizer.step()`` (global optimizer step hooks); ``recompute`` inside a module
+forward that starts while the autograd engine runs (activation checkpointing); ``backward`` while the engine runs
+(``torch._C._current_graph_task_id() != -1``); ``forward`` before the step's first backward; ``other`` after it
+(gradient clipping, a loss scaler). Modules: the innermost module whose forward (hooks of the attached model) is
+running; in backward, the innermost one whose full backward pre-hook has fired and whose backward hook has not (the
+autograd engine may interleave independent branches: an op of one branch can then be attributed to a module of
+the other); ops outside any module: ``""``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ckptverify.trace.comm import CommCounter, comm_info, comm_site, is_comm
+from ckptverify.trace.oplog import CommInfo, OpWindow, op_log_path
+
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
+
+_MASK64 = (1 << 64) - 1
+
+#: Ops whose integer outputs are orders or positions (indices, routing): their outputs also get chunk-wise cells,
+#: so that a difference names its chunk.
+ORDER_SENSITIVE = frozenset({
+    "sort", "argsort", "topk", "max", "min", "kthvalue", "mode", "median", "nanmedian", "argmax", "argmin",
+    "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "searchsorted", "bucketize", "nonzero",
+    "multinomial", "histc", "bincount", "cummax", "cummin",
+})
+
+#: Elements per chunk cell of an order-sensitive output.
+DEFAULT_CHUNK_ELEMENTS = 4096
+
+#: Ops whose outputs are uninitialised memory: never compared.
+_EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
+
+#: c10d ops whose (first) tensor list is read and then written in place; those that write their first list from
+#: their second; and point-to-point.
+_INPLACE_COMM = frozenset({"allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_"})
+_SEND = frozenset({"send"})
+_RECV = frozenset({"recv_", "recv_any_source_"})
+
+
+class OpContext:
+    """Where the step is: the module stacks the recorder's hooks keep, the optimizer depth, whether a backward
+    has run. Shared by the recorder's hooks (which write it) and the tracer (which reads it)."""
+
+    def __init__(self) -> None:
+        #: ``(module, recompute)`` of the module forwards running, innermost last.
+        self.forward: list[tuple[str, bool]] = []
+        #: Modules whose backward is running, innermost last.
+        self.backward: list[str] = []
+        self.optimizer = 0
+        self.backward_seen = False
+
+    def reset(self) -> None:
+        self.forward.clear()
+        self.backward.clear()
+        self.optimizer = 0
+        self.backward_seen = False
+
+    def where(self) -> tuple[str, str]:
+        """``(phase, module)`` of an op running now."""
+        import torch
+
+        if self.optimizer:
+            return "optimizer", self.forward[-1][0] if self.forward else ""
+        if self.forward and self.forward[-1][1]:
+            return "recompute", self.forward[-1][0]
+        if torch._C._current_graph_task_id() != -1:
+            self.backward_seen = True
+            return "backward", self.backward[-1] if self.backward else ""
+        if self.forward:
+            return "forward", self.forward[-1][0]
+        return ("other" if self.backward_seen else "forward"), ""
+
+
+class _Digests:
+    """Fingerprints of the tensors an op reads and writes: host tensors by their bytes now, accelerator tensors
+    on their device (read back with the step's row). A tensor met again unchanged (same object, same version
+    counter) reuses its digest. Values are ints, or ``("dev", i)`` handles into the device lanes."""
+
+    def __init__(self) -> None:
+        self.lanes: list[Any] = []  # (1, 2) int64 tensors on a device
+        self._seen: dict[int, tuple[Any, int, Any]] = {}
+
+    def reset(self) -> None:
+        self.lanes = []
+        self._seen.clear()
+
+    def __call__(self, t: Any) -> Any:
+        import torch
+
+        from ckptverify.trace.readback import _on_host
+        from ckptverify.trace.sites import _is_dtensor
+
+        if _is_dtensor(t):
+            t = t.to_local()
+        elif type(t).__name__ == "AsyncCollectiveTensor":
+            # A functional collective's result that the op reads: it waits for it anyway; what was known of the
+            # buffer while it was in flight is stale (a collective writes without moving the version counter).
+            t = t.trigger_wait()
+            self.forget(t)
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_meta:
+            return None
+        version = t._version
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == version:
+            return hit[2]
+        if _on_host(t):
+            from ckptverify.trace.category import host_digest
+
+            value: Any = host_digest(t)
+        else:
+            from ckptverify.fingerprint import kernels as kern
+
+            self.lanes.append(kern.lanes_many([t.detach()]))
+            value = ("dev", len(self.lanes) - 1)
+        with contextlib.suppress(TypeError):
+            self._seen[id(t)] = (weakref.ref(t), version, value)
+        return value
+
+    def forget(self, t: Any) -> None:
+        """``t`` is written without its version counter moving (a collective writes its buffers so): its next
+        digest is taken afresh."""
+        self._seen.pop(id(t), None)
+
+    def fresh(self, t: Any) -> Any:
+        """The digest of ``t`` now, whatever was known of it."""
+        self.forget(t)
+        return self(t)
+
+    def uninitialised(self, t: Any) -> None:
+        """``t`` holds uninitialised memory (an ``empty*`` output): read before it is written, it is not
+        compared."""
+        with contextlib.suppress(TypeError):
+            self._seen[id(t)] = (weakref.ref(t), t._version, None)
+
+    def chunks(self, t: Any, size: int) -> list[Any]:
+        """Digests of consecutive chunks of ``size`` elements of ``t`` (flattened)."""
+        flat = t.detach().reshape(-1)
+        return [self._fresh(flat[i:i + size]) for i in range(0, flat.numel(), size)]
+
+    def _fresh(self, t: Any) -> Any:
+        from ckptverify.trace.readback import _on_host
+
+        if _on_host(t):
+            from ckptverify.trace.category import host_digest
+
+            return host_digest(t)
+        from ckptverify.fingerprint import kernels as kern
+
+        self.lanes.append(kern.lanes_many([t]))
+        return ("dev", len(self.lanes) - 1)
+
+
+def _leaves(obj: Any) -> list[Any]:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)]
+
+
+def _short(func: Any) -> str:
+    return func._schema.name.split("::", 1)[-1]
+
+
+class StepTracer:
+    """The dispatch mode of one recorder, entered for each traced step (:meth:`begin`) and left when it is
+    recorded (:meth:`end`).
+
+    ``emit(item) -> index`` appends a trace item (a cell, or a value still on a device) to the step's ordered
+    items and says where; ``fill(index, item)`` puts an item in a place ``emit(None)`` kept.
+    """
+
+    def __init__(self, context: OpContext, *, rank: int, comm: bool, window: OpWindow | None,
+                 emit: Callable[[Any], int], fill: Callable[[int, Any], None],
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+        self.context = context
+        self.rank = rank
+        self.comm = comm
+        self.window = window
+        self.chunk_elements = chunk_elements
+        self._emit, self._fill = emit, fill
+        self._counter = CommCounter()
+        self._digests = _Digests()
+        self._mode: Any = None
+        self._active = False
+        #: Whether this tracer holds the collectives' kernels (:func:`_comm_kernels`).
+        self._kernels = False
+        self._hooks: list[Any] = []
+        self.step = 0
+        self.ops_on = False
+        #: Above 0 while the recorder does its own tensor work inside the step: nothing of it is traced.
+        self.quiet = 0
+        self.events: list[dict[str, Any]] = []
+        self.dropped = 0
+        self._occ: dict[tuple[str, str, str], int] = {}
+        self._comm_occ: dict[tuple[tuple[int, ...], str], int] = {}
+        #: Collectives whose output is not taken yet: (tensors, sites, info text, event index or -1, the places
+        #: kept for their cells).
+        self._pending: list[tuple[list[Any], list[str], str, int, list[int]]] = []
+        #: The result tensors of functional collectives not waited on yet (reading one is reading a buffer in
+        #: flight). A c10d op's buffers are not: its ``Work`` is waited on out of sight, and what reads them
+        #: afterwards (DDP copying a bucket into the gradients) reads them complete.
+        self._flying: set[int] = set()
+
+    # -------------------------------------------------------------- window
+
+    def _in_window(self, step: int) -> bool:
+        w = self.window
+        if w is None:
+            return False
+        return (w.steps is None or step in w.steps) and (w.ranks is None or self.rank in w.ranks)
+
+    def _module_in_window(self, module: str) -> bool:
+        mods = self.window.modules if self.window is not None else None
+        if mods is None:
+            return True
+        return any(module == m or module.startswith(m + ".") for m in mods)
+
+    # -------------------------------------------------------------- lifetime
+
+    def begin(self, step: int) -> None:
+        """The traced step ``step`` starts: in the op window the dispatch mode is entered; otherwise the
+        collectives' own kernels (:func:`_comm_kernels`) hand them to this tracer."""
+        global _ACTIVE
+
+        self.step = step
+        self.ops_on = self._in_window(step)
+        self.events = []
+        self.dropped = 0
+        self._occ.clear()
+        self._comm_occ.clear()
+        self._pending = []
+        self._flying.clear()
+        self._digests.reset()
+        self.context.reset()
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        ctx = self.context
+
+        def pre(*_: Any) -> None:
+            ctx.optimizer += 1
+
+        def post(*_: Any) -> None:
+            ctx.optimizer = max(0, ctx.optimizer - 1)
+
+        self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        self._active = True
+        if self.ops_on:
+            self._mode = _Mode(self)
+            self._mode.__enter__()
+        elif self.comm:
+            if not self._kernels:
+                _comm_kernels(True)
+                self._kernels = True
+            _ACTIVE = self
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def close(self) -> None:
+        """Leave a step begun and never ended; give up the collectives' kernels."""
+        if self._active:
+            self.end()
+        if self._kernels:
+            self._kernels = False
+            _comm_kernels(False)
+
+    def end(self) -> tuple[list[Any], list[dict[str, Any]], int]:
+        """Leave the mode; take the outputs of the collectives not waited on. Returns the device lanes the
+        step's digests wait for, the op records (digests as ints or device handles) and the ops left out."""
+        global _ACTIVE
+
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        if _ACTIVE is self:
+            _ACTIVE = None
+        self._active = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for entry in self._pending:
+            self._complete(entry)
+        self._pending = []
+        self.context.reset()
+        lanes, self._digests.lanes = self._digests.lanes, []
+        return lanes, self.events, self.dropped
+
+    # -------------------------------------------------------------- one op
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.quiet:
+            return func(*args, **kwargs)
+        comm = self.comm and is_comm(func)
+        if func.namespace == "_c10d_functional" and _short(func) == "wait_tensor" and self._pending:
+            out = func(*args, **kwargs)
+            self._waited(args[0] if args else kwargs.get("tensor"))
+            if self.ops_on:
+                return self._record(func, args, kwargs, already=out)
+            return out
+        if not comm and not self.ops_on:
+            return func(*args, **kwargs)
+        info = comm_info(func, args, kwargs, self._counter) if comm else None
+        if info is None:
+            return self._record(func, args, kwargs) if self.ops_on else func(*args, **kwargs)
+        ins, outs = self._comm_tensors(func, args)
+        k = self._comm_occ.get((info.group, info.collective), 0)
+        self._comm_occ[(info.group, info.collective)] = k + 1
+        note = _comm_note(info, ins or outs)
+        from ckptverify.trace.cells import _tensor_item
+
+        many = len(ins) > 1
+        for i, t in enumerate(ins):
+            self._emit(_tensor_item(comm_site(info, k, "in", i if many else None), "comm_in", t.detach(), note))
+        before = len(self.events)
+        result = self._record(func, args, kwargs, comm=info) if self.ops_on else func(*args, **kwargs)
+        if func.namespace == "_c10d_functional":
+            outs = _leaves(result)
+            self._flying.update(id(t) for t in outs)
+        if outs:
+            many = len(outs) > 1
+            sites = [comm_site(info, k, "out", i if many else None) for i in range(len(outs))]
+            index = before if len(self.events) > before else -1
+            places = [self._emit(None) for _ in outs]
+            self._pending.append((outs, sites, note, index, places))
+        return result
+
+    def _comm_tensors(self, func: Any, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+        """The tensors a collective reads at issue and those it writes, by its kind."""
+        name = _short(func)
+        if func.namespace != "c10d":
+            return _leaves(args), []
+        first = _leaves(args[0]) if args else []
+        if name in _INPLACE_COMM:
+            return first, first
+        if name in _SEND:
+            return first, []
+        if name in _RECV:
+            return [], first
+        return (_leaves(args[1]) if len(args) > 1 else []), first
+
+    def _waited(self, tensor: Any) -> None:
+        """A functional collective's output was waited on: take it now."""
+        if tensor is None:
+            return
+        keep = []
+        for entry in self._pending:
+            if any(t is tensor for t in entry[0]):
+                self._complete(entry)
+            else:
+                keep.append(entry)
+        self._pending = keep
+
+    def _complete(self, entry: tuple[list[Any], list[str], str, int, list[int]]) -> None:
+        from ckptverify.trace.cells import _tensor_item
+
+        tensors, sites, note, index, places = entry
+        self._flying.difference_update(id(t) for t in tensors)
+        for t, site, place in zip(tensors, sites, places, strict=True):
+            self._fill(place, _tensor_item(site, "comm_out", t.detach(), note))
+        if index >= 0:
+            self.events[index]["u"] = [self._digests.fresh(t) for t in tensors]
+
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, comm: CommInfo | None = None,
+                already: Any = None) -> Any:
+        phase, module = self.context.where()
+        if not self._module_in_window(module):
+            return func(*args, **kwargs) if already is None else already
+        if len(self.events) >= self.window.max_ops:  # type: ignore[union-attr]
+            self.dropped += 1
+            return func(*args, **kwargs) if already is None else already
+        op = str(func)
+        key3 = (phase, module, op)
+        occ = self._occ.get(key3, 0)
+        self._occ[key3] = occ + 1
+        w = self.window
+        assert w is not None
+        if w.capture is not None and tuple(w.capture) == (self.step, phase, module, op, occ):
+            _capture(w.capture_path, op, args, kwargs)
+        name = _short(func)
+        digest = self._digests
+        if comm is not None and name in _RECV:
+            ins: list[Any] = [None for _ in _leaves(args)]
+        else:
+            # An out= buffer is written, never read: what it held before is not an input. A collective's buffer
+            # still in flight is not a value yet.
+            outs_named = _out_arguments(func)
+            read = {k: v for k, v in kwargs.items() if k not in outs_named} if outs_named else kwargs
+            flying = self._flying
+            ins = [None if id(t) in flying else digest(t) for t in _leaves((args, read))]
+        out = func(*args, **kwargs) if already is None else already
+        results = _leaves(out)
+        if comm is not None:
+            outs: list[Any] = [None] * len(results)  # in flight: taken at completion
+            for t in (*_leaves(args), *results):
+                digest.forget(t)
+        elif name in _EMPTY:
+            outs = [None] * len(results)
+            for t in results:
+                digest.uninitialised(t)
+        elif name in ("copy_", "_to_copy", "to") and kwargs.get("non_blocking"):
+            outs = [None] * len(results)
+        else:
+            returns = func._schema.returns
+            outs = []
+            for i, t in enumerate(results):
+                alias = returns[i].alias_info if i < len(returns) and len(returns) == len(results) else None
+                view = alias is not None and not alias.is_write
+                outs.append(None if view else digest(t))
+        chunks: list[Any] = []
+        if name in ORDER_SENSITIVE:
+            import torch
+
+            for t, fp in zip(results, outs, strict=True):
+                sensitive = fp is not None and not t.dtype.is_floating_point and not t.dtype.is_complex \
+                    and t.dtype != torch.bool
+                chunks.append(digest.chunks(t, self.chunk_elements) if sensitive else None)
+        self.events.append({
+            "p": phase, "m": module, "o": op, "k": occ, "i": ins, "u": outs,
+            "s": [list(t.shape) for t in results], "d": [str(t.dtype).removeprefix("torch.") for t in results],
+            "n": [t.numel() for t in results], "c": chunks if any(c is not None for c in chunks) else None,
+            "x": None if comm is None else {"collective": comm.collective, "group": list(comm.group),
+                                            "seq": comm.seq, "peer": comm.peer, "reduce_op": comm.reduce_op},
+        })
+        return out
+
+
+_OUT_ARGS: dict[Any, frozenset[str]] = {}
+
+
+def _out_arguments(func: Any) -> frozenset[str]:
+    """Names of the out= arguments of an op overload (write-only buffers)."""
+    names = _OUT_ARGS.get(func)
+    if names is None:
+        names = _OUT_ARGS[func] = frozenset(a.name for a in func._schema.arguments if getattr(a, "is_out", False))
+    return names
+
+
+def _comm_note(info: CommInfo, tensors: list[Any]) -> str:
+    """The site ``info`` of a collective: what it was, and the sizes it moved. The group sequence number is left
+    out: it counts from when the recorder started, so a resumed run's differs."""
+    return json.dumps({"collective": info.collective, "group": list(info.group), "peer": info.peer,
+                       "reduce_op": info.reduce_op, "sizes": [int(t.numel()) for t in tensors]},
+                      separators=(",", ":"))
+
+
+def _capture(path: str | None, op: str, args: Any, kwargs: Any) -> None:
+    """Save ``{"op", "args", "kwargs"}`` of one op, tensors detached, cloned and on the host, to ``path``."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    if not path:
+        return
+
+    def host(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to("cpu", copy=True)
+        if isinstance(x, torch.ScriptObject):
+            return None  # a process group or a reduce op: not saved (a collective cannot be re-run alone)
+        return x
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save({"op": op, "args": tree_map(host, tuple(args)), "kwargs": tree_map(host, dict(kwargs))}, tmp)
+    os.replace(tmp, path)
+
+
+class _Mode:
+    """Placeholder replaced below by a ``TorchDispatchMode`` subclass (made on first use, so that importing this
+    module does not import torch)."""
+
+    def __new__(cls, tracer: StepTracer) -> Any:  # type: ignore[misc]
+        return _mode_class()(tracer)
+
+
+_MODE_CLASS: Any = None
+
+#: The tracer whose step is running outside an op window (level ``comm`` and above): the collectives' kernels
+#: hand their calls to it. One training loop per process records at a time.
+_ACTIVE: StepTracer | None = None
+#: The library holding the collectives' kernels, and how many tracers use it.
+_LIBRARY: Any = None
+_USERS = 0
+
+#: The dispatch keys the collectives' kernels are registered for: the autograd keys of the backends c10d has
+#: kernels for. c10d ops have no autograd kernel of their own; a Python one there sees every call (DDP's reducer
+#: included) and costs nothing to the other ops, which a dispatch mode would make pay a Python call each.
+_KERNEL_KEYS = ("AutogradCPU", "AutogradCUDA")
+
+
+def _comm_kernels(use: bool) -> None:
+    """Register (``use``) or release a Python kernel in front of every c10d and functional collective op; the
+    kernel hands the call to :data:`_ACTIVE` (when set) below autograd, and runs the op unchanged otherwise."""
+    global _LIBRARY, _USERS
+    import torch
+
+    if not use:
+        _USERS = max(0, _USERS - 1)
+        if _USERS == 0 and _LIBRARY is not None:
+            _LIBRARY._destroy()
+            _LIBRARY = None
+        return
+    _USERS += 1
+    if _LIBRARY is not None:
+        return
+    import torch.distributed  # registers the c10d ops
+
+    libs = {ns: torch.library.Library(ns, "IMPL") for ns in ("c10d", "_c10d_functional")}
+    for full in torch._C._dispatch_get_all_op_names():
+        ns, _, name = full.partition("::")
+        if ns not in libs or "." in name:
+            continue
+        packet = getattr(getattr(torch.ops, ns), name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            func = getattr(packet, overload)
+            qualified = name if overload == "default" else f"{name}.{overload}"
+            if not (is_comm(func) or name == "wait_tensor"):
+                continue
+            for key in _KERNEL_KEYS:
+                if torch._C._dispatch_has_kernel_for_dispatch_key(full if overload == "default"
+                                                                  else f"{full}.{overload}", key):
+                    continue  # someone's kernel is there: leave it (the op is then seen at level op only)
+                libs[ns].impl(qualified, _kernel(func), key)
+    _LIBRARY = _Libraries(list(libs.values()))
+
+
+class _Libraries:
+    def __init__(self, libs: list[Any]) -> None:
+        self.libs = libs
+
+    def _destroy(self) -> None:
+        for lib in self.libs:
+            lib._destroy()
+
+
+def _kernel(func: Any) -> Callable[..., Any]:
+    import torch
+
+    below = torch._C._AutoDispatchBelowAutograd
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with below():
+            tracer = _ACTIVE
+            if tracer is None:
+                return func(*args, **kwargs)
+            return tracer.dispatch(func, args, kwargs)
+
+    return kernel
+
+
+def _mode_class() -> Any:
+    global _MODE_CLASS
+    if _MODE_CLASS is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class TraceMode(TorchDispatchMode):
+            def __init__(self, tracer: StepTracer) -> None:
+                super().__init__()
+                self.tracer = tracer
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                return self.tracer.dispatch(func, tuple(args), kwargs or {})
+
+        _MODE_CLASS = TraceMode
+    return _MODE_CLASS
+
+
+# ------------------------------------------------------------------------------------------ op log files
+
+
+def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[str, Any]], dropped: int,
+                 values: list[int], chunk_elements: int) -> None:
+    """Write the op log of ``step``: ``records`` as :class:`StepTracer` made them, device handles resolved
+    from ``values`` (the device lanes read back, flattened pairs)."""
+    def resolve(v: Any) -> str | None:
+        if v is None:
+            return None
+        if isinstance(v, tuple):
+            i = v[1]
+            v = (values[2 * i] & _MASK64) << 64 | (values[2 * i + 1] & _MASK64)
+        return f"{v:032x}"
+
+    events = []
+    for r in records:
+        events.append({**r, "i": [resolve(v) for v in r["i"]], "u": [resolve(v) for v in r["u"]],
+                       "c": None if r["c"] is None else [None if c is None else [resolve(x) for x in c]
+                                                         for c in r["c"]]})
+    path = op_log_path(store, step)
+    os.makedirs(path.parent, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"step": int(step), "dropped": int(dropped), "chunk_elements": int(chunk_elements),
+                   "events": events}, f, separators=(",", ":"))
+    os.replace(tmp, path)
