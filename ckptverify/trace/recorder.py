@@ -439,14 +439,13 @@ class TraceRecorder:
         At level ``comm`` and above this also starts tracing the step's ops (:mod:`ckptverify.trace.ops`) until
         :meth:`record_step`: ``step`` is the number the step will be recorded as (default: the last recorded
         step + 1), which the op window is matched against."""
+        if self.records_state and state is not None:
+            self._start_cells = [*self._rng_cells("start.rng.", state), *self._start_hparams(state.optimizers)]
         if self._tracer is not None:
             if self._tracer.active:
                 self._tracer.end()  # a step started twice: the first start's ops are forgotten
             self._step_started = self._last_step + 1 if step is None else int(step)
             self._tracer.begin(self._step_started)
-        if not self.records_state or state is None:
-            return
-        self._start_cells = [*self._rng_cells("start.rng.", state), *self._start_hparams(state.optimizers)]
 
     def record_step(self, step: int, *, metrics: Mapping[str, Any] | None = None, batch: Any = None,
                     state: TrainState | None = None, batch_indices: Any = None) -> None:
