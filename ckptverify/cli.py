@@ -395,6 +395,11 @@ def _watch_line(item: dict) -> str:
     return f"{event}: {where}: {_printable(item.get('reason'))}"
 
 
+_LOCATE_HELP = ("When the check fails, re-run the first divergent step at trace level op and name the op where "
+                "the difference is born, the ranks that receive it, and whether its kernel is nondeterministic "
+                "alone (docs/locate.md).")
+
+
 @main.command("resume-check")
 @click.argument("target")
 @click.option("--steps", "-T", type=click.IntRange(min=2), required=True, help="Steps of the continuous run.")
@@ -418,9 +423,12 @@ def _watch_line(item: dict) -> str:
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help=_METRICS_HELP)
 @click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
+@click.option("--locate/--no-locate", default=True, show_default=True, help=_LOCATE_HELP)
+@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Re-runs per side of the divergent step at level op (more repeats tell how often it differs).")
 def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level: str, runs: str, device: str,
                      keep: str | None, verbose: bool, report_dir: str | None, json_out: bool,
-                     metrics_file: str | None, progress: bool | None) -> None:
+                     metrics_file: str | None, progress: bool | None, locate: bool, locate_repeats: int) -> None:
     """Prove that resuming TARGET from a checkpoint is bitwise identical to never stopping.
 
     TARGET is FILE.py:FUNC or package.module:FUNC, a function train(run) following the Run protocol
@@ -435,7 +443,8 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     try:
         # The device travels to the workload's processes in the plan (Plan.device -> RunConfig.device -> run.device).
         plan = Plan(target=target, steps=steps, resume_at=resume_at, nproc=nproc, level=level,
-                    runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device)
+                    runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device, locate=locate,
+                    locate_repeats=locate_repeats)
         say = _say(progress, json_out, tty_only=False, emoji=False)
         outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose,
                                log_dir=log_dir_for(keep) if json_out else None, report_dir=report_dir)
@@ -465,9 +474,12 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
               help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files "
                    "named in stats.logs).")
 @click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
+@click.option("--locate/--no-locate", default=True, show_default=True, help=_LOCATE_HELP)
+@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Re-runs per side of the divergent step at level op.")
 def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
            metrics_file: str | None, target: str | None, max_procs: int, json_out: bool,
-           progress: bool | None) -> None:
+           progress: bool | None, locate: bool, locate_repeats: int) -> None:
     """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
 
     Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, undetermined, checkpoint-corrupt,
@@ -494,7 +506,8 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
         # With --json the workload's prints go to per-rank log files (named in stats.logs), as resume-check's do.
         with workload_logs(log_dir) if log_dir else contextlib.nullcontext():
             report = run_replay(run_dir, target=pinned_target, start=start, end=end, device=device, keep=keep,
-                                progress=say, max_procs=max_procs)
+                                progress=say, max_procs=max_procs, locate=locate,
+                                locate_repeats=locate_repeats)
     except CkptVerifyError as exc:
         fail_lines(exc, json_out, "replay", run_dir)
     finally:
