@@ -518,6 +518,52 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
     _emit(report, json_out, metrics_file=metrics_file)
 
 
+@main.command("compare")
+@click.argument("base")
+@click.argument("changed")
+@click.option("--steps", "-T", type=click.IntRange(min=1), required=True, help="Steps each run makes.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per run.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Control runs of BASE that measure its natural variation.")
+@click.option("--level", type=click.Choice(["state", "module"]), default="state", show_default=True,
+              help="Trace detail of the runs compared.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: gloo; cuda: NCCL, one GPU per rank.")
+@click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the runs' traces here.")
+@click.option("--locate/--no-locate", default=True, show_default=True,
+              help="When CHANGED differs, re-run the first differing step of both at trace level op and name the op "
+                   "where the change enters (docs/locate.md).")
+@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Re-runs per side of that step at level op.")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files).")
+@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
+def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, level: str, device: str,
+                keep: str | None, locate: bool, locate_repeats: int, json_out: bool, progress: bool | None) -> None:
+    """Tell whether CHANGED computes anything different from BASE, beyond BASE's natural variation.
+
+    BASE and CHANGED are FILE.py:FUNC training functions following the Run protocol (as resume-check's TARGET).
+    Runs BASE, REPEATS control runs of BASE and CHANGED, each from scratch in fresh processes, traced, and
+    judges: no-effect (exit 0), effect (the controls agree, CHANGED differs: the op where the change enters;
+    exit 1), within-variation (exit 0) or beyond-variation (exit 1) for a nondeterministic BASE. Exit 2: could
+    not run.
+    """
+    from ckptverify.render.resume import fail_lines, log_dir_for, render_compare, workload_log_files
+    from ckptverify.resume.change import ChangePlan, compare_change
+
+    log_dir = log_dir_for(keep) if json_out else None
+    try:
+        plan = ChangePlan(base=base, changed=changed, steps=steps, nproc=nproc, repeats=repeats, device=device,
+                          level=level, locate=locate, locate_repeats=locate_repeats)
+        report = compare_change(plan, keep=keep, progress=_say(progress, json_out, tty_only=False, emoji=False),
+                                log_dir=log_dir)
+    except CkptVerifyError as exc:
+        fail_lines(exc, json_out, "compare", f"{base} vs {changed}")
+    if log_dir:
+        report.stats["logs"] = workload_log_files(log_dir)
+    _emit(report, json_out, render=render_compare)
+
+
 @main.command()
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks (gloo, CPU).")
 @click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep everything in this directory.")
