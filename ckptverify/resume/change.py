@@ -16,8 +16,9 @@ processes: they measure the natural variation of the baseline), CHANGED once. Th
 
   - where BASE and every control agree, CHANGED must equal them: a difference there is *beyond* variation;
   - where they vary, a number (a metric such as the loss) is within variation when it lies within the controls'
-    range widened by :data:`WIDEN` ranges on each side (``[lo - 3 (hi - lo), hi + 3 (hi - lo)]``); a fingerprint, which has no
-    distance, is within variation whatever its value (the controls already disagree there);
+    range widened by :data:`WIDEN` ranges on each side (``[lo - 3 (hi - lo), hi + 3 (hi - lo)]``); a
+    fingerprint, which has no distance, is within variation whatever its value (the controls already disagree
+    there);
   - ``within-variation`` when no site is beyond (exit 0), ``beyond-variation`` naming the first site beyond
     otherwise (exit 1). More ``repeats`` make the spread more representative: a site where a few runs happened
     to agree is counted as agreeing.
