@@ -42,7 +42,7 @@ from typing import Any
 from ckptverify.errors import UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
 from ckptverify.resume.harness_target import check_target, split_target
-from ckptverify.resume.locate import DEFAULT_REPEATS, Located, Side, Walk, walk
+from ckptverify.resume.locate import DEFAULT_REPEATS, Side, Walk, Walked, walk
 from ckptverify.resume.run import LEVELS, RunConfig
 
 __all__ = ["MAX_SITES", "VERDICTS", "WIDEN", "ChangePlan", "compare_change"]
@@ -236,14 +236,16 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
         located = walk(Walk(step=first.step, sides=(Side(name="base", target=plan.base, total_steps=plan.steps),
                                                     Side(name="changed", target=plan.changed,
                                                          total_steps=plan.steps)),
-                            nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats, timeout_s=timeout_s),
+                            nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats, timeout_s=timeout_s,
+                            # the traces agree before this step: both start it from equal traced state
+                            state_equal=True),
                        os.path.join(work, "locate"), progress=say)
         findings.extend(located.findings())
     return _report(plan, findings, coverage, stats, kind, sentence, first, located)
 
 
 def _report(plan: ChangePlan, findings: list[Finding], coverage: tuple[CheckCoverage, ...], stats: dict[str, Any],
-            kind: str, sentence: str, first: _Cell | None, located: Located | None) -> Report:
+            kind: str, sentence: str, first: _Cell | None, located: Walked | None) -> Report:
     if located is not None and located.sentence:
         sentence = f"{sentence}. {located.sentence}"
     elif not sentence.endswith("."):

@@ -40,7 +40,7 @@ from ckptverify.resume.launch import (
     spare_cores,
     workload_logs,
 )
-from ckptverify.resume.locate import DEFAULT_REPEATS, Located, for_resume
+from ckptverify.resume.locate import DEFAULT_REPEATS, Walked, for_resume
 from ckptverify.resume.run import RunConfig, checkpoint_path
 from ckptverify.resume.verdict import Verdict, decide
 
@@ -229,7 +229,7 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
 
 
 def _locate(plan: Plan, verdict: Verdict, evidence: Evidence, configs: dict[str, RunConfig], root: str,
-            progress: Callable[[str], None] | None, run_seconds: float) -> Located:
+            progress: Callable[[str], None] | None, run_seconds: float) -> Walked:
     """Walk the ladder below ``verdict`` in ``<root>/locate`` (see :mod:`ckptverify.resume.locate`)."""
     say = progress or (lambda _msg: None)
     say(f"locate: walking down from the verdict {verdict.kind}")

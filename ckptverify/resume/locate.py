@@ -22,9 +22,9 @@ level ``op`` to say where the difference is *born*:
 
    Steps before ``s`` run untraced at op level (the window is on ``s`` alone), so the walk's cost is ``s``
    ordinary steps plus one op-traced step per repeat and side.
-3. **per rank**, in its own execution order, :mod:`ckptverify.trace.locate` finds the origin (the first op
-   whose inputs are equal and outputs differ, and in how many repeats), the receivers (ranks whose first
-   difference arrived through a collective or a receive, with the senders) or an untraced producer.
+3. **per rank**, in its own execution order, the analysis of ``ckptverify.trace.locate`` finds the origin (the
+   first op whose inputs are equal and outputs differ, and in how many repeats), the receivers (ranks whose
+   first difference arrived through a collective or a receive, with the senders) or an untraced producer.
 4. **the kernel.** For an origin op, one more run on side A captures that op's inputs
    (:class:`~ckptverify.trace.oplog.OpWindow` ``capture``) and :mod:`ckptverify.trace.kernel` re-runs it alone
    ``repeats`` times: nondeterministic by itself (with the documented mechanism where torch names one), or
@@ -47,7 +47,7 @@ from typing import Any
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
 
-__all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Located", "Side", "Walk", "state_origin", "walk"]
+__all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "state_origin", "walk"]
 
 #: Repeats per side when the caller does not say (``--locate-repeats``).
 DEFAULT_REPEATS = 2
@@ -87,6 +87,10 @@ class Walk:
     repeats: int = DEFAULT_REPEATS
     ranks: tuple[int, ...] | None = None
     timeout_s: float | None = None
+    #: Whether the state both sides start step ``step`` from is proved equal (the traces agree up to it and
+    #: every saved field is restored); ``None``: not known (state outside the TrainState may differ). It tells
+    #: an untraced producer from a difference in the starting state.
+    state_equal: bool | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -96,7 +100,7 @@ class Walk:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Located:
+class Walked:
     """What the walk found. ``status``: ``located`` (an origin), ``clean`` (the re-run sides agree at op level:
     no origin), ``state`` (the origin is in the state the step starts from), ``skipped`` (no walk: ``reason``),
     ``failed`` (the walk could not finish: ``reason``). ``origin`` and ``receivers``: the issue's JSON shapes
@@ -154,7 +158,7 @@ class Located:
         return out
 
 
-def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None) -> Located:
+def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None) -> Walked:
     """The origin of a divergence whose cause is in the state a step starts from (verdict ``kind`` in
     :data:`STATE_KINDS`): origin kind ``"state"`` at ``site`` (the restored field, the random stream, the
     hyperparameter, the batch), with no re-run."""
@@ -164,11 +168,11 @@ def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | N
     at = f"step {step}" if step is not None else "the restore"
     sentence = (f"The difference is born in the state {at} starts from ({site or kind}{where}), before any op of "
                 "the step runs: the op walk is not needed.")
-    return Located(status="state", sentence=sentence, origin=origin, step=step)
+    return Walked(status="state", sentence=sentence, origin=origin, step=step)
 
 
-def skipped(reason: str, *, step: int | None = None) -> Located:
-    return Located(status="skipped", sentence=f"Not located: {reason}.", reason=reason, step=step)
+def skipped(reason: str, *, step: int | None = None) -> Walked:
+    return Walked(status="skipped", sentence=f"Not located: {reason}.", reason=reason, step=step)
 
 
 Launcher = Callable[[int, str, list[tuple[str, Any]], float], None]
@@ -181,7 +185,7 @@ def _launch(nproc: int, device: str, jobs: list[tuple[str, Any]], timeout_s: flo
 
 
 def walk(request: Walk, workdir: str, *, progress: Callable[[str], None] | None = None,
-         launcher: Launcher | None = None) -> Located:
+         launcher: Launcher | None = None) -> Walked:
     """Re-run step ``request.step`` of both sides at level ``op`` and locate where the difference is born (see
     the module docstring). Works in ``workdir`` (created; the caller removes it). Never raises for a failure of
     the walk itself: it comes back as ``status: "failed"`` with the reason. ``launcher`` replaces
@@ -192,7 +196,7 @@ def walk(request: Walk, workdir: str, *, progress: Callable[[str], None] | None 
         located = _walk(request, workdir, say, launcher or _launch)
     except Exception as exc:  # the verdict stands; the walk says why it stopped
         reason = _reason(exc)
-        located = Located(status="failed", reason=reason, step=request.step, repeats=request.repeats,
+        located = Walked(status="failed", reason=reason, step=request.step, repeats=request.repeats,
                           sentence=f"The op-level walk of step {request.step} could not finish: {reason}. The "
                           "verdict above stands; re-run with --keep to inspect the re-runs' traces.")
     return replace(located, seconds=round(time.perf_counter() - began, 3))
@@ -203,7 +207,9 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launcher) -> Located:
+def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launcher) -> Walked:
+    from dataclasses import asdict
+
     from ckptverify.resume.run import RunConfig
     from ckptverify.trace.oplog import OpWindow, read_ops
 
@@ -218,7 +224,7 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
             shutil.rmtree(d)
         return RunConfig(name=tag, stop_step=s, total_steps=side.total_steps, resume_from=side.resume_from,
                          trace_dir=os.path.join(d, "trace"), level="op", workload=side.target,
-                         trace_detail="tensor", op_window=win)  # type: ignore[call-arg]
+                         trace_detail="tensor", op_window=asdict(win))
 
     logs: dict[str, dict[int, list[list[Any]]]] = {}
     for side in request.sides:
@@ -236,29 +242,35 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
                 logs[side.name].setdefault(rank, []).append(list(ops))
     say(f"locate: comparing the op logs of step {s}")
     a, b = (logs[side.name] for side in request.sides)
-    result = _analyse(a, b, s)
+    result = _analyse(a, b, s, request.state_equal)
     data = result.to_dict()
     origin, receivers = data.get("origin"), tuple(data.get("receivers") or ())
     within = _within_side(result)
+    extra = {k: data[k] for k in ("origins", "one_side", "output", "last_equal", "within_side", "missing")
+             if k in data}
+    if origin is None and not receivers:
+        sentence = (f"At level op, the {n} re-run(s) of each side agree at step {s}: the difference does not "
+                    f"reproduce when the step is re-run alone ({result.sentence()})")
+        return Walked(status="clean", sentence=sentence, step=s, repeats=n, within_side=within, extra=extra)
     if origin is None:
-        sentence = result.sentence() or (f"At level op, the {n} re-run(s) of each side agree at step {s}: the "
-                                         "difference does not reproduce when the step is re-run alone.")
-        return Located(status="clean", sentence=sentence, step=s, repeats=n, within_side=within)
+        return Walked(status="located", sentence=result.sentence(), receivers=receivers, step=s, repeats=n,
+                      within_side=within, extra=extra)
     kernel = None
     if origin.get("kind") == "op" and origin.get("op"):
         kernel = _kernel(request, origin, workdir, say, launch, timeout, config)
     sentence = result.sentence()
     if kernel and kernel.get("sentence"):
         sentence = f"{sentence} {kernel['sentence']}"
-    return Located(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
-                   step=s, repeats=n, within_side=within)
+    return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
+                  step=s, repeats=n, within_side=within, extra=extra)
 
 
-def _analyse(a: Mapping[int, list[list[Any]]], b: Mapping[int, list[list[Any]]], step: int) -> Any:
-    """The per-rank analysis of :mod:`ckptverify.trace.locate` over the two sides' op logs."""
+def _analyse(a: Mapping[int, list[list[Any]]], b: Mapping[int, list[list[Any]]], step: int,
+             state_equal: bool | None) -> Any:
+    """The per-rank analysis (``ckptverify.trace.locate``) over the two sides' op logs."""
     from ckptverify.trace import locate as analysis
 
-    return analysis.locate(a, b, step=step)
+    return analysis.locate(a, b, step=step, state_equal=state_equal)
 
 
 def _within_side(result: Any) -> bool | None:
@@ -273,6 +285,9 @@ def _kernel(request: Walk, origin: Mapping[str, Any], workdir: str, say: Callabl
     from ckptverify.trace.oplog import OpWindow
 
     s, rank = request.step, origin.get("rank")
+    if rank is None:
+        return {"status": "not-captured", "sentence": f"{origin.get('op')} is an origin on several ranks on their "
+                "own; its kernel was not re-run alone (capture it on one rank to tell)."}
     key = (s, origin.get("phase"), origin.get("module"), origin.get("op"), origin.get("occurrence"))
     path = os.path.join(workdir, "capture", f"op-rank{rank}.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -280,15 +295,14 @@ def _kernel(request: Walk, origin: Mapping[str, Any], workdir: str, say: Callabl
     say(f"locate: capturing the inputs of {origin.get('op')} (rank {rank}) and re-running it alone "
         f"{request.repeats} times")
     try:
-        win = OpWindow(steps=(s,), ranks=(rank,) if rank is not None else None, capture=key,  # type: ignore[arg-type]
-                       capture_path=path)
+        win = OpWindow(steps=(s,), ranks=(rank,), capture=key, capture_path=path)  # type: ignore[arg-type]
         launch(request.nproc, request.device, [(side.target, config(side, "capture", win))], timeout)
         if not os.path.exists(path):
             return {"status": "not-captured", "sentence": f"The inputs of {origin.get('op')} were not captured "
                     "in a further run (its key did not recur), so the kernel was not re-run alone."}
         from ckptverify.trace.kernel import rerun
 
-        verdict = rerun(path, repeats=max(2, request.repeats), device=request.device)
+        verdict = rerun(path, runs=max(2, request.repeats), device=request.device)
         out = dict(verdict.to_dict())
         out.setdefault("sentence", verdict.sentence())
         return out
@@ -301,7 +315,7 @@ def _kernel(request: Walk, origin: Mapping[str, Any], workdir: str, say: Callabl
 
 def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any], workdir: str, *,
                progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
-               launcher: Launcher | None = None) -> Located:
+               launcher: Launcher | None = None) -> Walked:
     """The walk of a ``resume-check`` whose ``verdict`` failed. ``configs``: the runs made (``A``, ``A2``,
     ``B``); ``plan``: its :class:`~ckptverify.resume.harness.Plan` (``locate_repeats``)."""
     kind = verdict.kind
@@ -316,22 +330,26 @@ def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any
     s, K, T = verdict.step, plan.resume_at, plan.steps
     a_ckpt = configs["A"].checkpoint_dir
     nd = getattr(evidence, "nondeterminism", None)
+    # Two continuous runs that agree up to s start it from equal state; a resumed run that parts from A may
+    # start it from state outside the TrainState that differs (what hidden-state verdicts are about).
+    state_equal: bool | None = None
     if kind == "nondeterministic" or (nd is not None and getattr(nd, "step", None) == s):
         start = checkpoint_path(a_ckpt, K) if s > K else None
         sides = (Side(name="A", target=plan.target, resume_from=start, total_steps=T),
                  Side(name="A2", target=plan.target, resume_from=start, total_steps=T))
+        state_equal = True
     else:
         sides = (Side(name="A", target=plan.target, total_steps=T),
                  Side(name="B", target=plan.target, resume_from=checkpoint_path(a_ckpt, K), total_steps=T))
     request = Walk(step=s, sides=sides, nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, state_equal=state_equal)
     return walk(request, workdir, progress=progress, launcher=launcher)
 
 
 def for_replay(kind: str, *, step: int | None, rank: int | None, site: str | None, target: str,
                start_path: str, total_steps: int | None, world: int, device: str, repeats: int, workdir: str,
                progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
-               launcher: Launcher | None = None) -> Located:
+               launcher: Launcher | None = None) -> Walked:
     """The walk of a ``replay`` whose verdict is ``kind``: two replays that differ are re-run at level op from
     the production checkpoint ``start_path``; an input cause is a ``state`` origin; a difference between
     production and the replays cannot be walked (production recorded no op log) and says so."""
@@ -345,7 +363,8 @@ def for_replay(kind: str, *, step: int | None, rank: int | None, site: str | Non
         return skipped(why.get(kind, f"a {kind} verdict has no computed step to re-run at level op"), step=step)
     sides = (Side(name="R1", target=target, resume_from=start_path, total_steps=total_steps),
              Side(name="R2", target=target, resume_from=start_path, total_steps=total_steps))
-    request = Walk(step=step, sides=sides, nproc=world, device=device, repeats=repeats, timeout_s=timeout_s)
+    request = Walk(step=step, sides=sides, nproc=world, device=device, repeats=repeats, timeout_s=timeout_s,
+                   state_equal=True)
     return walk(request, workdir, progress=progress, launcher=launcher)
 
 

@@ -45,7 +45,7 @@ from ckptverify.resume.causes import RESUME
 from ckptverify.resume.compare import Evidence, StepEvidence
 
 if TYPE_CHECKING:
-    from ckptverify.resume.locate import Located
+    from ckptverify.resume.locate import Walked
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Verdict:
     origin: str | None = None
     advice: str = ""
     #: The walk down the ladder (:mod:`ckptverify.resume.locate`), ``None`` when it did not run.
-    located: Located | None = None
+    located: Walked | None = None
 
     @property
     def passed(self) -> bool:
