@@ -83,3 +83,16 @@ def test_plan_refuses_bad_numbers(field: str, value: object) -> None:
     kw = {"base": f"{SCRIPT}:train", "changed": f"{SCRIPT}:train", "steps": 2, field: value}
     with pytest.raises(UsageError):
         ChangePlan(**kw)  # type: ignore[arg-type]
+
+
+def test_one_op_change_is_located_at_the_op_where_it_enters(tmp_path: Path) -> None:
+    code, report = _compare("train", "train_silu", "--locate-repeats", "1", cwd=tmp_path)
+    verdict = report["stats"]["verdict"]
+    assert (code, verdict["kind"]) == (1, "effect"), verdict
+    origin = verdict["origin"]
+    assert origin is not None and origin["kind"] == "op", verdict["locate"]
+    # GELU ran on one side, SiLU on the other, in the second block's forward: the change enters there.
+    assert ("gelu" in origin["op"] or "silu" in origin["op"]) and origin["module"].endswith("blocks.1"), origin
+    assert (origin["step"], origin["phase"]) == (1, "forward"), origin
+    assert verdict["locate"]["one_side"] in ("a", "b"), verdict["locate"]
+    assert verdict["receivers"] == []
