@@ -257,7 +257,9 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
                       within_side=within, extra=extra)
     kernel = None
     if origin.get("kind") == "op" and origin.get("op"):
-        kernel = _kernel(request, origin, workdir, say, launch, timeout, config)
+        # An op that ran on one side only is captured on that side.
+        side = request.sides[1] if data.get("one_side") == "b" else request.sides[0]
+        kernel = _kernel(request, side, origin, workdir, say, launch, timeout, config)
     sentence = result.sentence()
     if kernel and kernel.get("sentence"):
         sentence = f"{sentence} {kernel['sentence']}"
@@ -278,10 +280,10 @@ def _within_side(result: Any) -> bool | None:
     return None if value is None else bool(value)
 
 
-def _kernel(request: Walk, origin: Mapping[str, Any], workdir: str, say: Callable[[str], None], launch: Launcher,
-            timeout: float, config: Callable[..., Any]) -> dict[str, Any] | None:
-    """Capture the origin op's inputs in one more run of the first side and re-run the op alone. A failure
-    here is said in the kernel entry; the origin found stands."""
+def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, say: Callable[[str], None],
+            launch: Launcher, timeout: float, config: Callable[..., Any]) -> dict[str, Any] | None:
+    """Capture the origin op's inputs in one more run of ``side`` and re-run the op alone. A failure here is
+    said in the kernel entry; the origin found stands."""
     from ckptverify.trace.oplog import OpWindow
 
     s, rank = request.step, origin.get("rank")
@@ -291,7 +293,6 @@ def _kernel(request: Walk, origin: Mapping[str, Any], workdir: str, say: Callabl
     key = (s, origin.get("phase"), origin.get("module"), origin.get("op"), origin.get("occurrence"))
     path = os.path.join(workdir, "capture", f"op-rank{rank}.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    side = request.sides[0]
     say(f"locate: capturing the inputs of {origin.get('op')} (rank {rank}) and re-running it alone "
         f"{request.repeats} times")
     try:
