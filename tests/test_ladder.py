@@ -190,3 +190,21 @@ def test_a_hung_run_is_stopped_within_its_time_limit(tmp_path: Path) -> None:
     with pytest.raises(WorkloadCrashedError, match="did not finish within"):
         launch_jobs(1, "cpu", [(f"{SCRIPTS / 'ladder_hang.py'}:train", config)], timeout_s=8)
     assert time.monotonic() - began < 120
+
+
+def test_replays_that_differ_are_walked_to_the_op(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    job = subprocess.run([sys.executable, str(SCRIPT), "--func", "train_noisy_op", "--run-dir", str(run), "--steps",
+                          "2", "--save-every", "1"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=600)
+    assert job.returncode == 0, job.stderr[-4000:]
+    done = _cli("replay", str(run), "--target", f"{SCRIPT}:train_noisy_op", "--from", "1", "--to", "2",
+                "--locate-repeats", "1", "--json", cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stdout, done.stderr[-4000:]
+    verdict = json.loads(done.stdout)["stats"]["verdict"]
+    assert verdict["kind"] == "nondeterministic", verdict
+    origin = verdict["origin"]
+    assert origin is not None and origin["kind"] == "op" and "jitter" in origin["op"], verdict["locate"]
+    assert (origin["step"], origin["rank"]) == (2, 0), origin
+    assert verdict["locate"]["kernel"]["nondeterministic"] is True

@@ -10,9 +10,12 @@ The second block can do one extra thing, chosen by the function started (each on
     train_lr         a larger learning rate (a change that is not one op)
     train_noisy_lr   the custom op and a larger learning rate
 
-    python ladder_train.py          # a plain run
+    python ladder_train.py                                    # a plain run
+    python ladder_train.py --run-dir runs/a --save-every 2    # a production job
+    python ladder_train.py --func train_noisy_op --run-dir runs/a --save-every 2
 """
 
+import argparse
 import os
 
 import numpy as np
@@ -145,4 +148,11 @@ def train_noisy_lr(run):
 
 
 if __name__ == "__main__":
-    cv.Run.main(train, steps=4)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--func", default="train")
+    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--save-every", type=int, default=None)
+    args = ap.parse_args()
+    cv.Run.main(globals()[args.func], steps=args.steps, run_dir=args.run_dir, save_every=args.save_every,
+                trace="state")
