@@ -314,3 +314,19 @@ def test_the_verifier_process_gets_its_priority_and_hurry_pipe_as_arguments(run:
         assert os.getpriority(os.PRIO_PROCESS, pid) == 19  # "low", read from its command line
     finally:
         proc.close()
+
+
+def test_verify_of_a_run_directory_names_its_checkpoints_and_says_when_it_saw_only_part(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.formats import rundir
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=str(run / f"step_{step}"))
+    result = CliRunner().invoke(main, ["verify", str(run)])
+    assert result.exit_code == 2 and "holding 2 checkpoint(s) (newest seen: step_2)" in result.output, result.output
+    monkeypatch.setattr(rundir, "MAX_FOLDER_ENTRIES", 20)
+    for i in range(30):
+        (run / f"log{i:02d}.txt").write_bytes(b"")
+    result = CliRunner().invoke(main, ["verify", str(run)])
+    assert result.exit_code == 2 and "holding at least" in result.output, result.output

@@ -353,3 +353,22 @@ def test_watch_errors_are_one_line_of_text_or_one_json_object_per_line(tmp_path:
     _dcp(root / "step_1", 1.0)
     shown = _cli("watch", "--once", "--log", str(tmp_path / "w.jsonl"), str(root))
     assert shown.returncode == 0 and shown.stdout.decode().startswith("verified: step_1 (step 1): verified")
+
+
+def test_a_pass_that_could_not_see_part_of_the_run_does_not_pass(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.formats import rundir
+
+    monkeypatch.setattr(rundir, "MAX_FOLDER_ENTRIES", 50)
+    root = tmp_path / "run"
+    _dcp(root / "step_1", 1.0)
+    crowded = root / "crowded"
+    crowded.mkdir()
+    for i in range(80):  # more entries than the walk reads from one folder: a checkpoint among them is unseen
+        (crowded / f"f{i:03d}").write_bytes(b"")
+    result = CliRunner().invoke(main, ["watch", "--once", "--json", "--log", str(tmp_path / "w.jsonl"), str(root)])
+    assert result.exit_code == 2, result.output
+    items = [json.loads(x) for x in result.output.splitlines()]
+    assert [i["event"] for i in items if i["event"] != "problem"] == ["verified"]
+    (problem,) = [i for i in items if i["event"] == "problem"]
+    assert "was not seen" in problem["reason"] and "crowded" in problem["reason"]

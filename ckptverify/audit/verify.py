@@ -63,10 +63,11 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     if not os.path.isdir(root):
         report = _verify_file(root, started, deep, use_manifest)
         return fail_uncheckable(report) if strict else report
-    other, found = _other_format(root)
+    other, found, unseen = _other_format(root)
     if other == "run-directory":
         newest = next((c for c in reversed(found) if c.step is not None), found[-1])
-        raise UsageError(f"{root} is a run directory holding {len(found)} checkpoint(s) (newest: {newest.path}), "
+        held = f"{len(found)} checkpoint(s)" if not unseen else f"at least {len(found)} checkpoint(s)"
+        raise UsageError(f"{root} is a run directory holding {held} (newest seen: {newest.path}), "
                          f"not a checkpoint: name one of them, or run `ckptverify scan {root}` for all")
     if other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)
@@ -83,22 +84,22 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     return fail_uncheckable(report) if strict else report
 
 
-def _other_format(root: str) -> tuple[str | None, list[Any]]:
+def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     """``None`` for a DCP checkpoint (or a torn one: judged as DCP), ``"folder"`` for a folder of checkpoint
     files (Hugging Face, accelerate, transformers), ``"run-directory"`` for a folder of checkpoints (with the
-    checkpoints found, which the caller names: the walk is done once)."""
+    checkpoints found, which the caller names: the walk is done once), and whether the walk missed part of it."""
     from ckptverify.checks.folder import CHECKPOINT_SUFFIXES
     from ckptverify.formats.rundir import dir_format, find_checkpoints
 
     try:
         names = os.listdir(root)
     except OSError:
-        return None, []
+        return None, [], False
     fmt = dir_format(names)
     if fmt in ("dcp", "dcp-uncommitted"):
-        return None, []
+        return None, [], False
     if fmt is not None or any(n.endswith(CHECKPOINT_SUFFIXES) for n in names):
-        return "folder", []
+        return "folder", [], False
     subdirs = [n for n in names if os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))]
     if any(dir_format(_listdir(os.path.join(root, n))) in ("dcp", "dcp-uncommitted") for n in subdirs):
         # DCP folders beside each other: the parts of one checkpoint (model + optimizer) when the folder's own
@@ -106,9 +107,10 @@ def _other_format(root: str) -> tuple[str | None, list[Any]]:
         from ckptverify.formats.rundir import step_of
 
         if step_of(os.path.basename(os.path.normpath(root))) is not None and len(subdirs) <= 8:
-            return "folder", []
-    found = find_checkpoints(root)
-    return ("run-directory" if found else None), found
+            return "folder", [], False
+    notes: list[Any] = []
+    found = find_checkpoints(root, notes=notes)
+    return ("run-directory" if found else None), found, bool(notes)
 
 
 def _listdir(path: str) -> list[str]:

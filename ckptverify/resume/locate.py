@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptverify.errors import UsageError
-from ckptverify.findings import Finding, Location, error, info, warning
+from ckptverify.findings import Finding, Location, info, warning
 
 __all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "state_origin", "walk"]
 
@@ -119,6 +119,8 @@ class Walked:
     within_side: bool | None = None
     seconds: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: The findings of the analysis and of the kernel re-run, when the walk ran.
+    found: tuple[Finding, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """``{"status", "sentence", "reason", "step", "repeats", "within_side", "kernel", "seconds", ...}``:
@@ -130,32 +132,23 @@ class Walked:
         return out
 
     def findings(self) -> list[Finding]:
-        """The walk in the project's vocabulary: ``locate-origin`` (an error: where the difference is born),
-        ``locate-receiver`` (info, one per receiving rank), ``locate-kernel`` (info), ``locate-clean`` (info),
-        ``locate-failed`` (a warning: the verdict stands, the walk could not finish), ``locate-skipped`` (info)."""
-        out: list[Finding] = []
+        """The walk in the findings vocabulary. A walk that ran gives the analysis' own findings
+        (``locate-origin``, ``locate-receiver``, ``locate-nondeterministic``, ``locate-clean``: see
+        :meth:`ckptverify.trace.locate.Located.findings`) and the kernel re-run's (``kernel-nondeterministic`` /
+        ``kernel-deterministic``); a ``state`` origin is ``locate-origin``; a walk not run is ``locate-skipped``
+        (info) and one that could not finish ``locate-failed`` (a warning: the verdict stands). They explain a
+        verdict the check already reached, so none is an error."""
+        if self.found:
+            return list(self.found)
         o = self.origin
-        if self.status in ("located", "state") and o is not None:
-            out.append(error("locate-origin", self.sentence, location=Location(
-                rank=o.get("rank"), fqn=o.get("module") or o.get("site")), actual=dict(o)))
-            for r in self.receivers:
-                via = r.get("via") or {}
-                how = (f"through {via.get('collective')} on group {list(via.get('group') or [])} (seq "
-                       f"{via.get('seq')}) from rank(s) {', '.join(map(str, via.get('senders') or [])) or '?'}"
-                       if via else "from another rank")
-                out.append(info("locate-receiver", f"rank {r.get('rank')} receives the difference at step "
-                                f"{r.get('step')} in {r.get('op')}, {how}", location=Location(rank=r.get("rank")),
-                                actual=dict(r)))
-            if self.kernel:
-                out.append(info("locate-kernel", str(self.kernel.get("sentence") or ""),
-                                location=Location(rank=o.get("rank")), actual=dict(self.kernel)))
-        elif self.status == "clean":
-            out.append(info("locate-clean", self.sentence))
-        elif self.status == "failed":
-            out.append(warning("locate-failed", self.sentence))
-        elif self.status == "skipped":
-            out.append(info("locate-skipped", self.sentence))
-        return out
+        if self.status == "state" and o is not None:
+            return [info("locate-origin", self.sentence, location=Location(rank=o.get("rank"), fqn=o.get("site")),
+                         actual=dict(o))]
+        if self.status == "failed":
+            return [warning("locate-failed", self.sentence)]
+        if self.status == "skipped":
+            return [info("locate-skipped", self.sentence)]
+        return []
 
 
 def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None) -> Walked:
@@ -248,23 +241,27 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     within = _within_side(result)
     extra = {k: data[k] for k in ("origins", "one_side", "output", "last_equal", "within_side", "missing")
              if k in data}
+    found = tuple(result.findings())
     if origin is None and not receivers:
         sentence = (f"At level op, the {n} re-run(s) of each side agree at step {s}: the difference does not "
                     f"reproduce when the step is re-run alone ({result.sentence()})")
-        return Walked(status="clean", sentence=sentence, step=s, repeats=n, within_side=within, extra=extra)
+        return Walked(status="clean", sentence=sentence, step=s, repeats=n, within_side=within, extra=extra,
+                      found=found)
     if origin is None:
         return Walked(status="located", sentence=result.sentence(), receivers=receivers, step=s, repeats=n,
-                      within_side=within, extra=extra)
+                      within_side=within, extra=extra, found=found)
     kernel = None
     if origin.get("kind") == "op" and origin.get("op"):
         # An op that ran on one side only is captured on that side.
         side = request.sides[1] if data.get("one_side") == "b" else request.sides[0]
-        kernel = _kernel(request, side, origin, workdir, say, launch, timeout, config)
+        kernel, kernel_finding = _kernel(request, side, origin, workdir, say, launch, timeout, config)
+        if kernel_finding is not None:
+            found += (kernel_finding,)
     sentence = result.sentence()
     if kernel and kernel.get("sentence"):
         sentence = f"{sentence} {kernel['sentence']}"
     return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
-                  step=s, repeats=n, within_side=within, extra=extra)
+                  step=s, repeats=n, within_side=within, extra=extra, found=found)
 
 
 def _analyse(a: Mapping[int, list[list[Any]]], b: Mapping[int, list[list[Any]]], step: int,
@@ -281,15 +278,17 @@ def _within_side(result: Any) -> bool | None:
 
 
 def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, say: Callable[[str], None],
-            launch: Launcher, timeout: float, config: Callable[..., Any]) -> dict[str, Any] | None:
-    """Capture the origin op's inputs in one more run of ``side`` and re-run the op alone. A failure here is
-    said in the kernel entry; the origin found stands."""
+            launch: Launcher, timeout: float, config: Callable[..., Any]
+            ) -> tuple[dict[str, Any] | None, Finding | None]:
+    """Capture the origin op's inputs in one more run of ``side`` and re-run the op alone: the kernel entry of
+    ``stats.verdict.locate`` and the re-run's finding. A failure here is said in the kernel entry (a
+    ``locate-kernel-failed`` warning); the origin found stands."""
     from ckptverify.trace.oplog import OpWindow
 
     s, rank = request.step, origin.get("rank")
     if rank is None:
         return {"status": "not-captured", "sentence": f"{origin.get('op')} is an origin on several ranks on their "
-                "own; its kernel was not re-run alone (capture it on one rank to tell)."}
+                "own; its kernel was not re-run alone (capture it on one rank to tell)."}, None
     key = (s, origin.get("phase"), origin.get("module"), origin.get("op"), origin.get("occurrence"))
     path = os.path.join(workdir, "capture", f"op-rank{rank}.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -299,16 +298,18 @@ def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, 
         win = OpWindow(steps=(s,), ranks=(rank,), capture=key, capture_path=path)  # type: ignore[arg-type]
         launch(request.nproc, request.device, [(side.target, config(side, "capture", win))], timeout)
         if not os.path.exists(path):
-            return {"status": "not-captured", "sentence": f"The inputs of {origin.get('op')} were not captured "
-                    "in a further run (its key did not recur), so the kernel was not re-run alone."}
+            text = (f"The inputs of {origin.get('op')} were not captured in a further run (its key did not recur), "
+                    "so the kernel was not re-run alone.")
+            return {"status": "not-captured", "sentence": text}, warning("locate-kernel-failed", text)
         from ckptverify.trace.kernel import rerun
 
         verdict = rerun(path, runs=max(2, request.repeats), device=request.device)
         out = dict(verdict.to_dict())
         out.setdefault("sentence", verdict.sentence())
-        return out
+        return out, verdict.finding()
     except Exception as exc:
-        return {"status": "failed", "sentence": f"The origin op could not be re-run alone ({_reason(exc)})."}
+        text = f"The origin op could not be re-run alone ({_reason(exc)})."
+        return {"status": "failed", "sentence": text}, warning("locate-kernel-failed", text)
 
 
 # --------------------------------------------------------------------------- the walks the commands take

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
-from ckptverify.formats.rundir import Candidate, find_checkpoints
+from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
 from ckptverify.runs.stamp import files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
 from ckptverify.verifier.stamper import SETTLE_SECONDS, committed, removed, verify_and_stamp
@@ -84,6 +84,9 @@ class RunState:
     #: Of ``verified`` and ``corrupt``, those whose stamp could not be written.
     unstamped: int = 0
     last_good_step: int | None = None
+    #: What the pass could not see of the run directory (:meth:`WalkNote.describe` lines): a checkpoint there
+    #: was neither verified nor counted.
+    unseen: list[str] = field(default_factory=list)
 
     @property
     def judged(self) -> int:
@@ -271,7 +274,10 @@ def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: floa
     out: list[dict[str, Any]] = []
     state = RunState()
     seen: set[str] = set()
-    for cand in find_checkpoints(root):
+    notes: list[WalkNote] = []
+    candidates = find_checkpoints(root, notes=notes)
+    state.unseen = [n.describe() for n in notes]
+    for cand in candidates:
         state.checkpoints += 1
         seen.add(cand.path)
         path = os.path.join(root, cand.path)
@@ -399,6 +405,9 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
                     problem(f"cannot append to the watch log {log_path}: {exc}")
                 if on_result is not None:
                     on_result(item)
+            for unseen in result.state.unseen:
+                # a pass that could not see part of the run cannot say the run is good
+                problem(f"part of {root} was not seen: {unseen}")
             result.passes += 1
             if metrics_file is not None:
                 _write_gauges(metrics_file, root, result, problem)

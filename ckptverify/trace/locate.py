@@ -1,0 +1,770 @@
+"""Locate where a divergence is born, from op logs of one step: the origin op, the receivers, the untraced.
+
+Input: for one step, per side (A and B) and per rank, the op logs of ``N`` repeats of that step
+(``dict[rank, list[list[OpEvent]]]``: repeat ``i`` of every rank is one multi-rank run). Repeat ``i`` of side A
+is compared with repeat ``i`` of side B (a *pair*); ops are aligned by :attr:`OpEvent.key` (identity, never
+index), and "first" on a rank is that rank's execution order (:attr:`OpEvent.index`; an op that ran on one side
+only is placed right after the op that side ran before it).
+
+Per rank and pair, the first op that differs (in its inputs, its outputs, or its presence) is classified:
+
+* **origin** (kind ``op``): its inputs are equal and its outputs differ, or it ran on one side only;
+* **receiver**: a collective or receive whose inputs on this rank are equal and whose outputs differ, while
+  another member's input to the same ``(group, seq)`` differed (the *senders*), or, for a receive, the peer;
+* **origin** (kind ``collective``): a collective whose outputs differ although every member's input to it
+  was equal (the reduction itself, or the transport, differs);
+* **untraced**: its inputs differ although no earlier op of the rank produced anything differently: the
+  value was made or changed by code the dispatcher does not see (numpy, a C extension, a kernel called outside
+  it), between the last equal op and this one ("one hop later");
+* **state** (an origin kind): the same, when the caller says the state the step started from differed (and
+  the value was not produced within the step).
+
+A fingerprint that is ``None`` (an ``empty*`` output, an in-flight collective buffer, a non-blocking copy's
+destination) is never a difference. The result is a :class:`Located`; the analysis names a rank only when the
+logs single it out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptverify.errors import UsageError
+from ckptverify.findings import Finding, Location, info, warning
+from ckptverify.trace.oplog import OpEvent, OpKey
+
+__all__ = [
+    "ORIGIN_KINDS",
+    "Located",
+    "OpSite",
+    "Origin",
+    "Receiver",
+    "SideVariation",
+    "Via",
+    "locate",
+]
+
+#: What an origin can be: an op (its inputs equal, its outputs differ, or it ran on one side only); a collective
+#: whose outputs differ with every member's input equal; a value born outside the dispatcher (``untraced``); the
+#: state the step started from (``state``).
+ORIGIN_KINDS = ("op", "collective", "untraced", "state")
+
+RankLogs = Mapping[int, Sequence[Sequence[OpEvent]]]
+
+
+# ------------------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpSite:
+    """One op of one rank, by identity."""
+
+    rank: int
+    step: int
+    phase: str
+    module: str
+    op: str
+    occurrence: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+    def describe(self) -> str:
+        where = f" in {self.module}" if self.module else ""
+        return f"{self.op} (occurrence {self.occurrence}, {self.phase}{where})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Origin:
+    """Where the divergence is born. ``rank`` is ``None`` when several ranks are origins on their own (see
+    :attr:`Located.origins`); then ``phase``/``module``/``op``/``occurrence`` are ``None`` where those origins
+    differ in them, and ``kind`` is their common kind (``op`` when they differ in kind too). For kind
+    ``untraced`` and ``state`` the op is the first op that read the differing value (the difference shows there,
+    one hop after it was made). ``repeats_differing``: in how many of the repeat pairs this is so."""
+
+    kind: str
+    rank: int | None
+    step: int
+    phase: str | None
+    module: str | None
+    op: str | None
+    occurrence: int | None
+    repeats_differing: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of ``stats.verdict.origin``."""
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Via:
+    """The collective (or point-to-point op) through which a receiver got the difference. ``senders``: the
+    members whose input to it differed (for a receive, the peer); empty when no member's log shows it."""
+
+    collective: str
+    group: tuple[int, ...]
+    seq: int
+    senders: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"collective": self.collective, "group": list(self.group), "seq": self.seq,
+                "senders": list(self.senders)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Receiver:
+    """A rank whose first difference arrived from another rank, and through what. ``op`` is the rank's first
+    differing op: the collective itself when its output was compared (``seen``); otherwise (its output was not
+    fingerprinted, a buffer in flight) the first op that read a differing value after it."""
+
+    rank: int
+    step: int
+    op: str
+    via: Via
+    phase: str = ""
+    module: str = ""
+    occurrence: int = 0
+    seen: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of one entry of ``stats.verdict.receivers``."""
+        return {"rank": self.rank, "step": self.step, "op": self.op, "via": self.via.to_dict()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SideVariation:
+    """Repeats of one side differ among themselves on ``rank``: the side is not deterministic. ``site`` is the
+    first op where a repeat differs from the side's first repeat, ``repeats_differing`` how many of the other
+    repeats differ from the first."""
+
+    side: str
+    rank: int
+    site: OpSite
+    repeats_differing: int
+    repeats: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"side": self.side, "rank": self.rank, "site": self.site.to_dict(),
+                "repeats_differing": self.repeats_differing, "repeats": self.repeats}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Located:
+    """The located divergence of one step.
+
+    ``origin`` is ``None`` when no rank's logs show where a difference is born (a clean pair, or only receivers
+    whose senders' logs are not here); ``origins`` holds each rank's own origin when several ranks have one.
+    ``one_side``: for an origin op that ran on one side only, that side (``"a"``/``"b"``); ``rewired``: the origin
+    op read, on each side, a value both sides had, but not the same one (it was called on another tensor: a
+    changed call or op sequence). ``output``: for an origin op, the first differing output (``index``; ``chunk``
+    and ``elements`` ``[start, end)`` when the output is recorded chunk-wise). These and the fields below
+    describe a single origin rank. ``last_equal``: for ``untraced``/``state``, the last op before it whose inputs and
+    outputs were equal on the origin rank (``None``: it was the first op of the step); ``produced_in_step``:
+    whether the differing value is one an earlier op of the step produced (then it was changed afterwards, so
+    it is not the starting state). ``state_equal``: what the caller said of the state the step started from.
+    ``within_side``: sides whose own repeats differ (nondeterminism within a side). ``missing``: ranks with logs
+    on one side only (not compared); ``repeats``: pairs compared.
+    """
+
+    step: int
+    ranks: tuple[int, ...]
+    repeats: int
+    origin: Origin | None = None
+    origins: tuple[Origin, ...] = ()
+    receivers: tuple[Receiver, ...] = ()
+    one_side: str | None = None
+    rewired: bool = False
+    output: dict[str, Any] | None = None
+    last_equal: OpSite | None = None
+    produced_in_step: bool | None = None
+    state_equal: bool | None = None
+    within_side: tuple[SideVariation, ...] = ()
+    missing: tuple[int, ...] = ()
+
+    @property
+    def diverged(self) -> bool:
+        return self.origin is not None or bool(self.receivers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``origin`` and ``receivers`` in the shape of ``stats.verdict.origin`` / ``stats.verdict.receivers``;
+        the other keys add what the analysis knows beside them."""
+        return {
+            "origin": self.origin.to_dict() if self.origin is not None else None,
+            "receivers": [r.to_dict() for r in self.receivers],
+            "step": self.step,
+            "ranks": list(self.ranks),
+            "repeats": self.repeats,
+            "origins": [o.to_dict() for o in self.origins],
+            "one_side": self.one_side,
+            "rewired": self.rewired,
+            "output": self.output,
+            "last_equal": self.last_equal.to_dict() if self.last_equal is not None else None,
+            "produced_in_step": self.produced_in_step,
+            "state_equal": self.state_equal,
+            "within_side": [v.to_dict() for v in self.within_side],
+            "missing": list(self.missing),
+            "sentence": self.sentence(),
+        }
+
+    def findings(self) -> list[Finding]:
+        """The verdict as findings, for the report: ``locate-origin`` (the origin), ``locate-receiver`` (one per
+        receiver), ``locate-nondeterministic`` (a warning per side and rank whose repeats differ among
+        themselves), or ``locate-clean``. They explain a divergence the calling check judged; none is an error."""
+        out: list[Finding] = []
+        if not self.diverged:
+            out.append(info("locate-clean", self.sentence(), location=Location(record=f"step {self.step}")))
+        if self.origin is not None:
+            out.append(info("locate-origin", self.sentence(), actual=self.origin.to_dict(),
+                            location=Location(rank=self.origin.rank, record=_record(self.origin))))
+        for r in self.receivers:
+            v = r.via
+            out.append(info("locate-receiver", f"rank {r.rank} received the difference of step {r.step} through "
+                            f"{v.collective} (group {list(v.group)}, seq {v.seq})"
+                            + (f" from {_ranks(v.senders)}" if v.senders else ""),
+                            actual=r.to_dict(), location=Location(rank=r.rank, record=f"step {r.step} {r.op}")))
+        for v in self.within_side:
+            out.append(warning("locate-nondeterministic", f"the {v.repeats} repeats of side {v.side.upper()} differ "
+                               f"among themselves on rank {v.rank} ({v.repeats_differing} differ from the first), "
+                               f"first at {v.site.describe()}", actual=v.to_dict(),
+                               location=Location(rank=v.rank, record=f"step {v.site.step} {v.site.op}")))
+        return out
+
+    def sentence(self) -> str:
+        """The verdict in one sentence."""
+        ranks = _ranks(self.ranks)
+        if not self.diverged:
+            text = (f"No divergence at step {self.step}: every op on {ranks} has equal inputs and outputs "
+                    f"in {self.repeats} repeat pair{'s' if self.repeats != 1 else ''}")
+        else:
+            text = self._origin_text() + self._receivers_text()
+        return text + self._within_text() + "."
+
+    def _origin_text(self) -> str:
+        o = self.origin
+        if o is None:
+            return f"Step {self.step} differs on {_ranks(tuple(r.rank for r in self.receivers))}, but no log here " \
+                   f"shows where it is born"
+        who = f"rank {o.rank}" if o.rank is not None else \
+            f"{_ranks(tuple(x.rank for x in self.origins if x.rank is not None))} (each on its own)"
+        if o.op is None or o.occurrence is None:
+            return (f"The divergence at step {self.step} is born on {who} at different ops: "
+                    + "; ".join(f"rank {x.rank}: {x.op} (occurrence {x.occurrence})" for x in self.origins))
+        site = f"{o.op} (occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''})"
+        count = f"in {o.repeats_differing} of {self.repeats} repeat pairs"
+        if o.kind == "op":
+            if self.rewired:
+                return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
+                       f"the other side, each a value both sides had (it is called on another tensor: the call or " \
+                       f"the op sequence changed) ({count})"
+            if self.one_side is not None:
+                return f"The divergence at step {self.step} is born on {who}: {site} ran on side " \
+                       f"{self.one_side.upper()} only ({count})"
+            where = ""
+            if self.output is not None:
+                where = f" (output {self.output['index']}"
+                if "chunk" in self.output:
+                    start, end = self.output["elements"]
+                    where += f", chunk {self.output['chunk']}: elements {start}..{end - 1}"
+                where += ")"
+            return f"The divergence at step {self.step} is born on {who}: {site} has equal inputs and " \
+                   f"different outputs{where} {count}"
+        if o.kind == "collective":
+            return f"The divergence at step {self.step} is born on {who} in the collective {site}: every " \
+                   f"member's input to it was equal and its output differs {count}"
+        if o.rank is None:  # several ranks: each has its own last equal op (see origins)
+            after = "each after its last equal op"
+        elif self.last_equal is not None:
+            after = f"after the last equal op {self.last_equal.describe()}"
+        else:
+            after = "before the first op of the step"
+        if o.kind == "state":
+            return f"The difference was already in the state step {self.step} started from on {who}: " \
+                   f"{site} is the first op to read it ({count}); the restore comparison names the state"
+        unless = ""
+        if not self.produced_in_step and self.state_equal is None:
+            unless = " (unless the state the step started from differed: compare the state before the step)"
+        place = o.module or "the step"
+        if self.last_equal is not None and self.last_equal.module != o.module:
+            place = f"{self.last_equal.module or 'the step'} and {place}"
+        return (f"The difference is born outside what the op trace sees on {who} at step {self.step}, "
+                f"{after}: {site} read a value that differs and that no traced op produced differently "
+                f"({count}){unless}; probe the code that runs between them in {place} (numpy, a C extension, a "
+                f"kernel called outside the dispatcher)")
+
+    def _receivers_text(self) -> str:
+        parts = []
+        for r in self.receivers:
+            v = r.via
+            senders = f"from {_ranks(v.senders)}" if v.senders else "from a member whose log is not here"
+            through = f"{v.collective} (group {list(v.group)}, seq {v.seq})"
+            if r.seen:
+                parts.append(f"rank {r.rank} received it through {through} {senders}")
+            else:
+                parts.append(f"rank {r.rank} first reads it at {r.op} (occurrence {r.occurrence}), after {through}, "
+                             f"whose output was not fingerprinted and into which {_ranks(v.senders)} fed a "
+                             f"difference: it most likely arrived through it")
+        return ("; " + "; ".join(parts)) if parts else ""
+
+    def _within_text(self) -> str:
+        if not self.within_side:
+            return ""
+        sides = sorted({v.side.upper() for v in self.within_side})
+        first = self.within_side[0]
+        which = f"side {sides[0]}" if len(sides) == 1 else "both sides"
+        return (f"; the repeats of {which} already differ among themselves (first at {first.site.describe()} on "
+                f"rank {first.rank}): the step is not deterministic, so a difference between the sides may be "
+                f"its natural variation")
+
+
+def _record(o: Origin) -> str:
+    parts = [f"step {o.step}"] + [str(x) for x in (o.phase, o.module, o.op) if x]
+    if o.occurrence is not None and o.op:
+        parts[-1] += f"#{o.occurrence}"
+    return " ".join(parts)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+# ------------------------------------------------------------------------------------------- one pair
+
+
+def _differs(x: int | None, y: int | None) -> bool:
+    # None is an artifact (empty output, in-flight buffer, non-blocking copy): never a difference.
+    return x is not None and y is not None and x != y
+
+
+def _seq_differs(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
+    return len(xs) != len(ys) or any(_differs(x, y) for x, y in zip(xs, ys, strict=True))
+
+
+def _inputs_differ(a: OpEvent, b: OpEvent) -> bool:
+    return _seq_differs(a.inputs, b.inputs)
+
+
+def _output_difference(a: OpEvent, b: OpEvent) -> dict[str, Any] | None:
+    """The first differing output of two events of one key (``None``: outputs equal)."""
+    if len(a.outputs) != len(b.outputs):
+        return {"index": min(len(a.outputs), len(b.outputs))}
+    for i, (x, y) in enumerate(zip(a.outputs, b.outputs, strict=True)):
+        shape_a = a.shapes[i] if i < len(a.shapes) else None
+        shape_b = b.shapes[i] if i < len(b.shapes) else None
+        dtype_a = a.dtypes[i] if i < len(a.dtypes) else None
+        dtype_b = b.dtypes[i] if i < len(b.dtypes) else None
+        chunks_a = a.chunks[i] if i < len(a.chunks) else None
+        chunks_b = b.chunks[i] if i < len(b.chunks) else None
+        chunk = _chunk_difference(chunks_a, chunks_b)
+        if _differs(x, y) or shape_a != shape_b or dtype_a != dtype_b or chunk is not None:
+            out: dict[str, Any] = {"index": i}
+            if chunk is not None and a.chunk_elements > 0:
+                start = chunk * a.chunk_elements
+                end = start + a.chunk_elements
+                if i < len(a.numels):
+                    end = min(end, a.numels[i])
+                out.update(chunk=chunk, elements=[start, end])
+            return out
+    return None
+
+
+def _chunk_difference(xs: Sequence[int] | None, ys: Sequence[int] | None) -> int | None:
+    if xs is None or ys is None:
+        return None
+    for c, (x, y) in enumerate(zip(xs, ys, strict=False)):
+        if _differs(x, y):
+            return c
+    if len(xs) != len(ys):
+        return min(len(xs), len(ys))
+    return None
+
+
+def _by_key(events: Sequence[OpEvent], *, what: str) -> dict[OpKey, OpEvent]:
+    out: dict[OpKey, OpEvent] = {}
+    for e in events:
+        if not isinstance(e, OpEvent):
+            raise UsageError(f"{what}: expected OpEvent records, got {type(e).__name__}")
+        key = (e.step, e.phase, e.module, e.op, e.occurrence)  # OpEvent.key, without the property call
+        if key in out:
+            raise UsageError(f"{what}: the op {key} is recorded twice (an op log keys each op once)")
+        out[key] = e
+    return out
+
+
+def _ordered(by_key: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, OpEvent]]:
+    return sorted(by_key.items(), key=lambda item: item[1].index)
+
+
+def _merged(a: list[tuple[OpKey, OpEvent]], b: list[tuple[OpKey, OpEvent]], in_a: Mapping[OpKey, OpEvent],
+            in_b: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, str]]:
+    """Both logs in one execution order: A's, with each op B ran alone placed right after the op B ran before
+    it. Each entry is ``(key, side)`` with side ``"ab"``, ``"a"`` or ``"b"``."""
+    after: dict[OpKey | None, list[OpKey]] = {}
+    prev: OpKey | None = None
+    for key, _ in b:
+        if key in in_a:
+            prev = key
+        else:
+            after.setdefault(prev, []).append(key)
+    out: list[tuple[OpKey, str]] = [(k, "b") for k in after.get(None, [])]
+    for key, _ in a:
+        out.append((key, "ab" if key in in_b else "a"))
+        if after and key in after:
+            out.extend((k, "b") for k in after[key])
+    return out
+
+
+def _same(a: OpEvent, b: OpEvent) -> bool:
+    """Whether two events of one key are plainly identical in what is compared (the fast path: no artifact)."""
+    return (a.inputs == b.inputs and a.outputs == b.outputs and a.shapes == b.shapes and a.dtypes == b.dtypes
+            and a.chunks == b.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class _First:
+    """The first difference of one rank in one pair."""
+
+    what: str  # "one-sided", "outputs" (inputs equal), "inputs"
+    event: OpEvent  # side A's event (side B's when the op ran on B only)
+    other: OpEvent | None
+    side: str | None = None  # for one-sided: the side it ran on
+    output: dict[str, Any] | None = None
+    last_equal: OpEvent | None = None
+    produced_in_step: bool = False
+    rewired: bool = False  # for "inputs": each side read a value both sides had
+
+
+class _Pair:
+    """One rank's logs of one repeat on both sides, aligned by key."""
+
+    def __init__(self, a: Sequence[OpEvent], b: Sequence[OpEvent], *, what: str) -> None:
+        self.ka = _by_key(a, what=what)  # checks the records before anything reads them
+        self.kb = _by_key(b, what=what)
+        self.ordered_a = _ordered(self.ka)
+        self.ordered_b = _ordered(self.kb)
+        self.a = [e for _, e in self.ordered_a]
+        self.b = [e for _, e in self.ordered_b]
+        self._first: _First | bool | None = False
+        self._comm: tuple[dict[tuple[tuple[int, ...], int], OpEvent], ...] | None = None
+
+    def comm_event(self, group: tuple[int, ...], seq: int) -> tuple[OpEvent | None, OpEvent | None]:
+        """Each side's collective of ``group`` with sequence number ``seq``."""
+        if self._comm is None:
+            self._comm = tuple({(e.comm.group, e.comm.seq): e for e in reversed(events) if e.comm is not None}
+                               for events in (self.a, self.b))
+        return self._comm[0].get((group, seq)), self._comm[1].get((group, seq))
+
+    def sends_to(self, peer: int) -> list[tuple[OpEvent, OpEvent | None]]:
+        """This rank's sends to ``peer`` in A's order, each with B's event of the same key."""
+        return [(e, self.kb.get(e.key)) for e in self.a
+                if e.comm is not None and e.comm.peer == peer and not _is_recv(e.comm.collective)]
+
+    def first(self) -> _First | None:
+        if self._first is False:
+            self._first = self._find_first()
+        return self._first  # type: ignore[return-value]
+
+    def _find_first(self) -> _First | None:
+        merged = _merged(self.ordered_a, self.ordered_b, self.ka, self.kb)
+        for n, (key, side) in enumerate(merged):
+            if side != "ab":
+                event = self.ka[key] if side == "a" else self.kb[key]
+                return _First("one-sided", event, None, side=side, last_equal=self._last_equal(merged, n))
+            ea, eb = self.ka[key], self.kb[key]
+            if _same(ea, eb):
+                continue
+            if _inputs_differ(ea, eb):
+                produced, seen = self._values_before(merged, n)
+                pairs = [(x, y) for x, y in zip(ea.inputs, eb.inputs, strict=False) if _differs(x, y)]
+                # Each side read a value both sides had: the op was called on another tensor (a changed call or
+                # op sequence), not on a value something outside the trace changed.
+                rewired = len(ea.inputs) != len(eb.inputs) or all(x in seen and y in seen for x, y in pairs)
+                made = any(x in produced or y in produced for x, y in pairs)
+                return _First("inputs", ea, eb, last_equal=self._last_equal(merged, n), produced_in_step=made,
+                              rewired=rewired)
+            output = _output_difference(ea, eb)
+            if output is not None:
+                return _First("outputs", ea, eb, output=output, last_equal=self._last_equal(merged, n))
+        return None
+
+    def _last_equal(self, merged: list[tuple[OpKey, str]], n: int) -> OpEvent | None:
+        # Every op before the first difference is equal on both sides.
+        return self.ka[merged[n - 1][0]] if n > 0 else None
+
+    def _values_before(self, merged: list[tuple[OpKey, str]], n: int) -> tuple[set[int], set[int]]:
+        """The outputs of the (equal) ops before position ``n``, and their inputs and outputs: values both
+        sides had."""
+        produced: set[int] = set()
+        seen: set[int] = set()
+        for key, _ in merged[:n]:
+            for e in (self.ka[key], self.kb[key]):
+                produced.update(x for x in e.outputs if x is not None)
+                seen.update(x for x in e.inputs if x is not None)
+        seen |= produced
+        return produced, seen
+
+
+def _is_recv(name: str) -> bool:
+    return name.startswith("recv") or name in ("irecv",)
+
+
+def _site(rank: int, e: OpEvent) -> OpSite:
+    return OpSite(rank=rank, step=e.step, phase=e.phase, module=e.module, op=e.op, occurrence=e.occurrence)
+
+
+# ------------------------------------------------------------------------------------------- one rank
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """What one rank's first difference in one pair is."""
+
+    kind: str  # an origin kind, or "receiver"
+    first: _First
+    via: Via | None = None
+    seen: bool = True  # for a receiver: whether the collective's output itself was compared
+
+    @property
+    def identity(self) -> tuple[str, OpKey]:
+        return self.kind, self.first.event.key
+
+
+def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -> _Verdict | None:
+    first = pairs[rank].first()
+    if first is None:
+        return None
+    if first.what == "one-sided":
+        return _Verdict("op", first)
+    if first.what == "inputs":
+        if first.rewired:
+            return _Verdict("op", first)
+        via = _through_unseen_output(rank, first, pairs)
+        if via is not None:
+            return _Verdict("receiver", first, via, seen=False)
+        # Nothing this rank ran before produced the value differently: code outside the dispatcher made it, or
+        # it was already in the state the step started from (only when it was not made within the step).
+        if state_equal is False and not first.produced_in_step:
+            return _Verdict("state", first)
+        return _Verdict("untraced", first)
+    comm = first.event.comm
+    if comm is None:
+        return _Verdict("op", first)
+    if comm.peer is not None and _is_recv(comm.collective):
+        via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=(comm.peer,))
+        # The peer sent equal data and this rank received different data: the transfer itself differs.
+        if _peer_sent_differently(rank, first.event, pairs) is False:
+            return _Verdict("collective", first)
+        return _Verdict("receiver", first, via)
+    senders, complete = _members_differing(rank, first.event, pairs)
+    via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=tuple(senders))
+    if senders or not complete:
+        return _Verdict("receiver", first, via)
+    return _Verdict("collective", first)
+
+
+def _members_differing(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[list[int], bool]:
+    """The other members whose input to the collective ``event`` (same group and seq) differed between the
+    sides, and whether every other member's log holds it."""
+    comm = event.comm
+    assert comm is not None
+    senders: list[int] = []
+    complete = True
+    for member in comm.group:
+        if member == rank:
+            continue
+        if member not in pairs:
+            complete = False
+            continue
+        ea, eb = pairs[member].comm_event(comm.group, comm.seq)
+        if ea is None or eb is None:
+            complete = False
+        elif _inputs_differ(ea, eb):
+            senders.append(member)
+    return senders, complete
+
+
+def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> bool | None:
+    """Whether the peer's send matching the receive ``event`` had a differing input (``None``: no log tells).
+    The k-th receive from a peer pairs with the peer's k-th send to this rank."""
+    comm = event.comm
+    assert comm is not None and comm.peer is not None
+    peer = pairs.get(comm.peer)
+    if peer is None:
+        return None
+    mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and _is_recv(e.comm.collective)]
+    k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
+    sends = peer.sends_to(rank)
+    if k is None or k >= len(sends) or sends[k][1] is None:
+        return None
+    sa, sb = sends[k]
+    assert sb is not None
+    return _inputs_differ(sa, sb)
+
+
+def _unseen(e: OpEvent) -> bool:
+    return not e.outputs or any(x is None for x in e.outputs)
+
+
+def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair]) -> Via | None:
+    """For a first difference in an op's inputs: an earlier collective or receive of this rank whose output was
+    not fingerprinted (a buffer still in flight when it was recorded) and into which another rank fed a
+    difference. The value probably arrived through it; the earliest such is returned."""
+    pair = pairs[rank]
+    for e in pair.a:
+        if e.index >= first.event.index:
+            break
+        other = pair.kb.get(e.key)
+        if e.comm is None or other is None or not (_unseen(e) or _unseen(other)):
+            continue
+        c = e.comm
+        if c.peer is not None and _is_recv(c.collective):
+            if _peer_sent_differently(rank, e, pairs):
+                return Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,))
+            continue
+        senders, _ = _members_differing(rank, e, pairs)
+        if senders:
+            return Via(collective=c.collective, group=c.group, seq=c.seq, senders=tuple(senders))
+    return None
+
+
+# ------------------------------------------------------------------------------------------- entry point
+
+
+def _check_logs(logs: Any, side: str) -> dict[int, list[list[OpEvent]]]:
+    if not isinstance(logs, Mapping):
+        raise UsageError(f"side {side}: expected a mapping of rank to repeats of op logs, got {type(logs).__name__}")
+    out: dict[int, list[list[OpEvent]]] = {}
+    for rank, repeats in logs.items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise UsageError(f"side {side}: a rank must be a non-negative integer, got {rank!r}")
+        if isinstance(repeats, (str, bytes)) or not isinstance(repeats, Sequence) or \
+                any(isinstance(r, (str, bytes)) or not isinstance(r, Sequence) for r in repeats):
+            raise UsageError(f"side {side}, rank {rank}: expected a list of repeats, each a list of OpEvent")
+        out[rank] = [list(r) for r in repeats]
+    return out
+
+
+def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bool | None = None) -> Located:
+    """Locate the divergence of one step between sides ``a`` and ``b``.
+
+    ``a``/``b``: per rank, the op logs of the step's repeats (the same number of repeats on every rank of a
+    side; repeat ``i`` of every rank is one run). Repeat ``i`` of A is compared with repeat ``i`` of B (pairs
+    beyond the shorter side are not compared). ``step``: the step whose ops are compared (default: the smallest
+    step in the logs, and every op of the logs is compared).
+    ``state_equal``: whether the state the step started from was proved equal on both sides (``None``: not
+    known); it decides between ``untraced`` and ``state`` for a first difference in an op's inputs that no op of
+    the step produced. Raises :class:`~ckptverify.errors.UsageError` (exit 2) on malformed logs.
+    """
+    la, lb = _check_logs(a, "A"), _check_logs(b, "B")
+    ranks = tuple(sorted(set(la) & set(lb)))
+    missing = tuple(sorted(set(la) ^ set(lb)))
+    counts = [len(la[r]) for r in ranks] + [len(lb[r]) for r in ranks]
+    repeats = min(counts) if counts else 0
+    if not ranks or repeats == 0:
+        # Nothing compared is no evidence of equality.
+        raise UsageError("nothing to compare: no rank has op logs on both sides" if not ranks else
+                         f"nothing to compare: a rank has no repeat on one side (ranks {list(ranks)})")
+    steps = {e.step for side in (la, lb) for r in ranks for rep in side[r] for e in rep if isinstance(e, OpEvent)}
+    if step is None:
+        step = min(steps) if steps else 0
+    else:
+        # Logs of a window of steps: only this step's ops (anything not an OpEvent stays, to be refused).
+        la, lb = ({r: [[e for e in rep if not isinstance(e, OpEvent) or e.step == step] for rep in reps]
+                   for r, reps in side.items()} for side in (la, lb))
+    if not any(rep for side in (la, lb) for r in ranks for rep in side[r]):
+        raise UsageError(f"nothing to compare: the logs hold no op of step {step}")
+
+    per_pair: list[dict[int, _Verdict]] = []
+    for i in range(repeats):
+        pairs = {r: _Pair(la[r][i], lb[r][i], what=f"rank {r}, repeat {i}") for r in ranks}
+        per_pair.append({r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None})
+
+    origins: list[Origin] = []
+    receivers: list[Receiver] = []
+    details: dict[int, _Verdict] = {}
+    for r in ranks:
+        verdicts = [p[r] for p in per_pair if r in p]
+        if not verdicts:
+            continue
+        # The verdict most pairs agree on; among equals, the one of the earliest pair.
+        tally = Counter(v.identity for v in verdicts)
+        best = max(tally.values())
+        chosen = next(v for v in verdicts if tally[v.identity] == best)
+        e = chosen.first.event
+        if chosen.kind == "receiver":
+            assert chosen.via is not None
+            receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, phase=e.phase, module=e.module,
+                                      occurrence=e.occurrence, seen=chosen.seen))
+            continue
+        # Pairs where the same verdict holds; for an op, also those where the op had equal inputs and different
+        # outputs (or ran on one side only) without being that rank's first difference.
+        count = sum(1 for i in range(repeats)
+                    if (r in per_pair[i] and per_pair[i][r].identity == chosen.identity)
+                    or (chosen.kind == "op" and _op_differs(la[r][i], lb[r][i], e.key)))
+        details[r] = chosen
+        origins.append(Origin(kind=chosen.kind, rank=r, step=e.step, phase=e.phase, module=e.module, op=e.op,
+                              occurrence=e.occurrence, repeats_differing=count))
+
+    origin = _combine(origins)
+    one = details[origins[0].rank] if len(origins) == 1 and origins[0].rank is not None else None
+    first = one.first if one is not None else None
+    return Located(
+        step=step, ranks=ranks, repeats=repeats, origin=origin,
+        origins=tuple(origins) if len(origins) > 1 else (),
+        receivers=tuple(receivers),
+        one_side=first.side if first is not None and first.what == "one-sided" else None,
+        rewired=first is not None and first.what == "inputs" and first.rewired,
+        output=first.output if first is not None else None,
+        last_equal=_site(origins[0].rank, first.last_equal)  # type: ignore[arg-type]
+        if first is not None and first.what == "inputs" and first.last_equal is not None else None,
+        produced_in_step=first.produced_in_step if first is not None and first.what == "inputs" else None,
+        state_equal=state_equal,
+        within_side=_within_side(la, "a", ranks) + _within_side(lb, "b", ranks),
+        missing=missing,
+    )
+
+
+def _op_differs(a: Sequence[OpEvent], b: Sequence[OpEvent], key: OpKey) -> bool:
+    """Whether, in one pair, the op ``key`` ran on one side only, or had equal inputs and different outputs."""
+    ea = next((e for e in a if e.key == key), None)
+    eb = next((e for e in b if e.key == key), None)
+    if ea is None or eb is None:
+        return (ea is None) != (eb is None)
+    return not _inputs_differ(ea, eb) and _output_difference(ea, eb) is not None
+
+
+def _combine(origins: list[Origin]) -> Origin | None:
+    if not origins:
+        return None
+    if len(origins) == 1:
+        return origins[0]
+
+    def same(name: str) -> Any:
+        values = {getattr(o, name) for o in origins}
+        return values.pop() if len(values) == 1 else None
+
+    kinds = {o.kind for o in origins}
+    return Origin(kind=kinds.pop() if len(kinds) == 1 else "op", rank=None, step=min(o.step for o in origins),
+                  phase=same("phase"), module=same("module"), op=same("op"), occurrence=same("occurrence"),
+                  repeats_differing=min(o.repeats_differing for o in origins))
+
+
+def _within_side(logs: dict[int, list[list[OpEvent]]], side: str, ranks: tuple[int, ...]) -> tuple[SideVariation, ...]:
+    """Where a side's repeats differ from its first repeat: the ranks where that difference is born (a rank
+    that only received it through a collective is not listed, unless no rank shows where it is born)."""
+    count = min((len(logs[r]) for r in ranks), default=0)
+    firsts: dict[int, list[_Verdict]] = {}
+    for i in range(1, count):
+        pairs = {r: _Pair(logs[r][0], logs[r][i], what=f"side {side.upper()}, rank {r}, repeat {i}")
+                 for r in ranks}
+        for r in ranks:
+            v = _classify(r, pairs, None)
+            if v is not None:
+                firsts.setdefault(r, []).append(v)
+    born = [r for r, vs in firsts.items() if any(v.kind != "receiver" for v in vs)] or list(firsts)
+    return tuple(SideVariation(side=side, rank=r, site=_site(r, firsts[r][0].first.event),
+                               repeats_differing=len(firsts[r]), repeats=count) for r in sorted(born))
