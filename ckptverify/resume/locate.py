@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -368,11 +368,3 @@ def for_replay(kind: str, *, step: int | None, rank: int | None, site: str | Non
     request = Walk(step=step, sides=sides, nproc=world, device=device, repeats=repeats, timeout_s=timeout_s,
                    state_equal=True)
     return walk(request, workdir, progress=progress, launcher=launcher)
-
-
-def first_differing_step(a_dir: str, b_dir: str, steps: Sequence[int] | None = None) -> tuple[int, int] | None:
-    """``(step, rank)`` of the first divergence of two traces, or ``None`` when they agree."""
-    from ckptverify.trace.compare import first_divergence
-
-    d = first_divergence(a_dir, b_dir, steps=range(min(steps), max(steps) + 1) if steps else None)
-    return None if d is None else (int(d.step), int(d.rank))
