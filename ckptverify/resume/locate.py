@@ -47,7 +47,8 @@ from typing import Any
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 
-__all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "state_origin", "walk"]
+__all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
+           "skipped", "state_origin", "walk"]
 
 #: Repeats per side when the caller does not say (``--locate-repeats``).
 DEFAULT_REPEATS = 2
