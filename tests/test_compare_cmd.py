@@ -84,7 +84,7 @@ def test_bad_targets_exit_2_without_traceback(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("field,value", [("steps", 0), ("repeats", 0), ("nproc", 0), ("locate_repeats", 0),
-                                         ("level", "metrics")])
+                                         ("level", "metrics"), ("level", "op")])
 def test_plan_refuses_bad_numbers(field: str, value: object) -> None:
     kw = {"base": f"{SCRIPT}:train", "changed": f"{SCRIPT}:train", "steps": 2, field: value}
     with pytest.raises(UsageError):

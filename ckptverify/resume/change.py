@@ -81,9 +81,10 @@ class ChangePlan:
                              f"{self.repeats}")
         if self.locate_repeats < 1:
             raise UsageError(f"--locate-repeats must be at least 1, got {self.locate_repeats}")
-        if self.level not in LEVELS or self.level == "metrics":
-            raise UsageError(f"--level must be one of {', '.join(x for x in LEVELS if x != 'metrics')}, got "
-                             f"{self.level!r}")
+        # metrics records no state to compare per site; op is what the walk records, in a window of its own.
+        allowed = [x for x in LEVELS if x not in ("metrics", "op")]
+        if self.level not in allowed:
+            raise UsageError(f"--level must be one of {', '.join(allowed)}, got {self.level!r}")
 
 
 _STREAMS = ("rng.", "start.rng.")
