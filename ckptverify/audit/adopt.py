@@ -128,8 +128,10 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             value = scan.value(tinfo.shape) if scan is not None else None
             if value is None and 0 not in tinfo.shape:
                 unfingerprinted += 1
+            parts = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
             tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
-                                       nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None)
+                                       nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None,
+                                       parts=parts)
         ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
         import torch
 

@@ -18,11 +18,13 @@ comparison that compared nothing never passes. ``ignore``: glob patterns of name
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.audit.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
@@ -33,7 +35,7 @@ from ckptverify.safeparse.readers import FileChangedError
 if TYPE_CHECKING:
     import torch
 
-    from ckptverify.formats.describe import Description
+    from ckptverify.formats.describe import Description, SubclassDesc
 
 
 def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jobs: int | None = None,
@@ -185,6 +187,9 @@ def _compare(sa: _Side, sb: _Side, ignore: tuple[str, ...], mapping: Sequence[tu
         compared += 1
         if fa == fb:
             continue
+        if sa.subclass(a_name) is not None or sb.subclass(name) is not None:
+            findings.append(_subclass_finding(what, sa, a_name, sb, name, fa, fb))
+            continue
         try:
             stats = tensor_difference(sa.load(a_name), sb.load(name))
         except (ValueError, RuntimeError, TypeError) as exc:
@@ -258,8 +263,20 @@ class _Side:
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     values: dict[str, str]
 
+    desc: Description
+
     def fingerprints(self, names: set[str]) -> dict[str, str]:
         raise NotImplementedError
+
+    def subclass(self, name: str) -> SubclassDesc | None:
+        """How tensor ``name`` is stored when it is stored as a tensor subclass (MXTensor, ...), else ``None``."""
+        t = self.desc.tensors.get(name)
+        return None if t is None else t.subclass
+
+    def parts(self, name: str) -> dict[str, torch.Tensor]:
+        from ckptverify.formats.describe import read_parts
+
+        return read_parts(self.desc, name)
 
     def load(self, name: str) -> torch.Tensor:
         raise NotImplementedError
@@ -451,6 +468,177 @@ class _DcpSide(_Side):
 
 
 _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+# ------------------------------------------------------------------------------- tensor subclasses
+
+
+def _subclass_finding(what: str, sa: _Side, a_name: str, sb: _Side, b_name: str, fa: str, fb: str) -> Finding:
+    """The ``diff-tensor`` error for a tensor stored as a tensor subclass on one side or both: which parts
+    differ (data, scales), which attributes, and how the decoded values differ."""
+    from ckptverify.errors import UnreadableTensor
+
+    try:
+        stats = subclass_difference(sa.subclass(a_name), sa.parts, a_name, sb.subclass(b_name), sb.parts, b_name,
+                                    sa.load, sb.load)
+    except FileChangedError:
+        raise  # the comparison stops and says so
+    except (ValueError, RuntimeError, TypeError, OSError, UnreadableTensor) as exc:
+        return error("diff-tensor", f"{what} differs (by fingerprint); reading its parts to say how failed: "
+                     f"{exc}"[:300], location=Location(fqn=b_name), expected=fa, actual=fb)
+    said = []
+    kinds = stats["stored_as"]
+    if kinds[0] != kinds[1]:
+        said.append(f"stored as {kinds[0]} in A and {kinds[1]} in B")
+    for part, d in stats["parts"].items():
+        if isinstance(d, str):
+            said.append(f"its {part!r} is {d}")
+        elif d["differing"]:
+            said.append(f"its {part!r} differs in {d['differing']} of {d['elements']} elements")
+    equal = [repr(p) for p, d in stats["parts"].items() if not isinstance(d, str) and not d["differing"]]
+    if equal:
+        said.append(f"{' and '.join(equal)} equal")
+    for key, (va, vb) in stats["context"].items():
+        said.append(f"attribute {key} is {va!r} in A and {vb!r} in B")
+    decoded = stats["decoded"]
+    if decoded is None:
+        said.append(f"decoded values not compared: {stats['decoded_note']}")
+    elif decoded["differing"]:
+        said.append(f"decoded values differ in {decoded['differing']} of {decoded['elements']} elements, max |a-b| "
+                    f"{_number(decoded['max_abs_diff'])}, first at {decoded['first_index']}")
+    else:
+        said.append("decoded values are equal")
+    first = decoded["first_index"] if decoded is not None and decoded["differing"] else None
+    return error("diff-tensor", f"{what} differs: " + "; ".join(said),
+                 location=Location(fqn=b_name, global_index_first=tuple(first) if first else None),
+                 expected=fa, actual=stats)
+
+
+def subclass_difference(desc_a: SubclassDesc | None, parts_a: Any, name_a: str, desc_b: SubclassDesc | None,
+                        parts_b: Any, name_b: str, load_a: Any, load_b: Any) -> dict[str, Any]:
+    """How two stored tensors differ when one or both are stored as a tensor subclass: ``stored_as`` (class
+    name or ``"plain"``, A then B), ``parts`` (per inner tensor: :func:`tensor_difference`, or a string when
+    only one side has it or dtype/shape differ), ``context`` (attributes that differ: ``[A, B]``), ``decoded``
+    (:func:`tensor_difference` of the values both decode to, as float32; ``None`` with ``decoded_note`` saying
+    why not). ``parts_*``/``load_*``: read a side's inner tensors / plain tensor by name."""
+    import json
+
+    import torch
+
+    def kind(d: SubclassDesc | None) -> str:
+        return "plain" if d is None else d.cls.rsplit(".", 1)[-1]
+
+    out: dict[str, Any] = {"stored_as": [kind(desc_a), kind(desc_b)], "parts": {}, "context": {},
+                           "decoded": None, "decoded_note": None}
+    pa = parts_a(name_a) if desc_a is not None else None
+    pb = parts_b(name_b) if desc_b is not None else None
+    if desc_a is not None and desc_b is not None and pa is not None and pb is not None:
+        order = [p.name for p in desc_a.parts] + [p.name for p in desc_b.parts if p.name not in pa]
+        for part in order:
+            if part not in pa or part not in pb:
+                out["parts"][part] = f"only in {'A' if part in pa else 'B'}"
+            elif (pa[part].dtype, pa[part].shape) != (pb[part].dtype, pb[part].shape):
+                out["parts"][part] = (f"{str(pa[part].dtype)[6:]}{list(pa[part].shape)} in A and "
+                                      f"{str(pb[part].dtype)[6:]}{list(pb[part].shape)} in B")
+            else:
+                out["parts"][part] = tensor_difference(pa[part], pb[part])
+        ca, cb = json.loads(desc_a.context), json.loads(desc_b.context)
+        out["context"] = {k: [ca.get(k), cb.get(k)] for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)}
+    values = []
+    for d, parts, load, name in ((desc_a, pa, load_a, name_a), (desc_b, pb, load_b, name_b)):
+        if d is None:
+            plain = load(name)
+            values.append(plain.to(torch.float32) if plain.is_floating_point() else None)
+            if values[-1] is None:
+                out["decoded_note"] = f"the plain side holds {str(plain.dtype)[6:]} values"
+            continue
+        got = decoded_values(d, parts)
+        if isinstance(got, str):
+            out["decoded_note"] = got
+            values.append(None)
+        else:
+            values.append(got)
+    va, vb = values
+    if va is not None and vb is not None:
+        if va.shape != vb.shape:
+            out["decoded_note"] = f"the decoded shapes differ: {list(va.shape)} in A, {list(vb.shape)} in B"
+        else:
+            out["decoded"] = tensor_difference(va, vb)
+    return out
+
+
+def decoded_values(desc: SubclassDesc, parts: dict[str, torch.Tensor]) -> torch.Tensor | str:
+    """The values a stored tensor subclass decodes to, as float32, through torchao's own decoding, or why
+    not (a string). Safe on hostile files: the parts are plain tensors rebuilt from the stored bytes, and the
+    attributes the canonical values the allowlist let through (:mod:`ckptverify.safeparse.torchsave`),
+    checked again here before torchao sees them; only the classes of
+    :data:`~ckptverify.safeparse.torchsave.SUBCLASSES` are decoded."""
+    import importlib.util
+    import json
+
+    decoder = _DECODERS.get(desc.cls)
+    if decoder is None:
+        return f"no decoder for {desc.cls}"
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install 'ckptverify[lowprec]')"
+    try:
+        with _quiet_import():
+            return decoder(json.loads(desc.context), parts)
+    except (ValueError, TypeError, RuntimeError, AssertionError, KeyError, NotImplementedError, ImportError) as exc:
+        return f"decoding failed: {type(exc).__name__}: {exc}"[:300]
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """torchao logs a warning for each optional native library of another platform as it is first imported
+    (and torch one for each enum it registers): noise on a report, not a finding."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def _ctx_dtype(context: dict[str, Any], key: str) -> torch.dtype:
+    from ckptverify.dcp.tensors import torch_dtype
+
+    value = context.get(key)
+    if not isinstance(value, str) or not value.startswith("torch."):
+        raise ValueError(f"attribute {key} is not a dtype")
+    return torch_dtype(value.removeprefix("torch."))
+
+
+def _ctx_int(context: dict[str, Any], key: str) -> int:
+    value = context.get(key)
+    if type(value) is not int or not 0 < value <= 1 << 16:
+        raise ValueError(f"attribute {key} is not a block size")
+    return value
+
+
+def _decode_mx(context: dict[str, Any], parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    import torch
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    t = MXTensor(parts["qdata"], parts["scale"], _ctx_dtype(context, "elem_dtype"), _ctx_int(context, "block_size"),
+                 _ctx_dtype(context, "orig_dtype"), None, None, context.get("is_swizzled_scales") is True)
+    return t.dequantize(torch.float32)
+
+
+def _decode_nvfp4(context: dict[str, Any], parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    import torch
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+    t = NVFP4Tensor(parts["qdata"], parts["scale"], _ctx_int(context, "block_size"), _ctx_dtype(context, "orig_dtype"),
+                    parts.get("per_tensor_scale"), parts.get("act_per_tensor_scale"),
+                    context.get("is_swizzled_scales") is True, False, None)
+    return t.dequantize(torch.float32)
+
+
+_DECODERS = {
+    "torchao.prototype.mx_formats.mx_tensor.MXTensor": _decode_mx,
+    "torchao.prototype.mx_formats.nvfp4_tensor.NVFP4Tensor": _decode_nvfp4,
+}
 
 
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from ckptverify.checks.crcflip import false_match_probability, locate_single_bit
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
-from ckptverify.safeparse.torchsave import TensorHeader, tensor_header
+from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader, item_header
 from ckptverify.safeparse.zipwalk import Archive, ArchiveError, Record, TemplateCache, parse_archive, parse_item
 
 #: Items up to this size are read whole, with their neighbours, and checked from memory while planning.
@@ -83,8 +83,9 @@ class ItemPlan:
 
     item: Item
     archive: Archive
-    #: The tensor header read from ``data.pkl`` once its CRC checked out (tensor items only).
-    header: TensorHeader | None = None
+    #: The tensor header read from ``data.pkl`` once its CRC checked out (tensor items only); a
+    #: :class:`~ckptverify.safeparse.torchsave.SubclassHeader` for an allowlisted tensor subclass (MXTensor, ...).
+    header: TensorHeader | SubclassHeader | None = None
     #: Where the item's bytes are read when not from its file as stored: the decoded bytes of an item
     #: written through stream transforms (``item`` then addresses those), or a payload described by
     #: another format (DCP's safetensors blob). ``None``: the checkpoint's file ``item.file``.
@@ -252,7 +253,7 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
         ))
         return
 
-    header: TensorHeader | None = None
+    header: TensorHeader | SubclassHeader | None = None
     pkl = archive.record("data.pkl")
     if pkl is None:
         result.findings.append(error(
@@ -263,7 +264,7 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
         try:
             data_pkl = plan.pkl if plan.pkl is not None else _item_reader(f, item)(pkl.data_offset, pkl.size)
             plan.pkl = None  # read once; 100 000 plans need not keep theirs
-            header = tensor_header(data_pkl)
+            header = item_header(data_pkl)
         except pickle.UnpicklingError as exc:
             result.findings.append(error(
                 "tensor-record",
@@ -278,7 +279,9 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
             if computed[rec.name] != rec.crc:
                 result.findings.extend(_crc_findings(item, archive, rec, header, computed[rec.name]))
 
-    if header is not None:
+    if isinstance(header, SubclassHeader):
+        result.findings.extend(_subclass_consistency(item, archive, header))
+    elif header is not None:
         result.findings.extend(_tensor_consistency(item, archive, header))
 
 
@@ -290,9 +293,11 @@ def _item_reader(f: ReadOnlyFile, item: Item):
     return read
 
 
-def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeader | None,
+def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeader | SubclassHeader | None,
                   actual: int) -> list[Finding]:
     """The ``zip-crc`` error for a record, plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
+    if isinstance(header, SubclassHeader):
+        return _subclass_crc_findings(item, archive, rec, header, actual)
     base = item.offset
     byte_range = (base + rec.data_offset, base + rec.data_end)
     expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
@@ -386,6 +391,61 @@ def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> l
     if math.prod(header.size) and extent > header.storage_numel:
         out.append(error("tensor-record", f"{item_label(item)}: the tensor view reaches past its storage",
                          location=loc))
+    return out
+
+
+def _subclass_crc_findings(item: Item, archive: Archive, rec: Record, header: SubclassHeader,
+                           actual: int) -> list[Finding]:
+    """The ``zip-crc`` error for a record of a tensor subclass's item, naming the inner tensor (``qdata``,
+    ``scale``, ...) whose bytes it holds, plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
+    byte_range = (item.offset + rec.data_offset, item.offset + rec.data_end)
+    expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
+    part = next((name for name, h in header.parts if rec.name == f"{archive.prefix}/data/{h.storage_key}"), None)
+    if part is not None:
+        role = f"the {part!r} part of its {header.short_name}"
+    elif rec.name.endswith("/data.pkl"):
+        role = "tensor header (data.pkl)"
+    else:
+        role = f"record {rec.name!r}"
+    out = [error(
+        "zip-crc", f"{item_label(item)}: {role} is corrupt (CRC-32 {actual_hex}, recorded {expected_hex})",
+        location=item_location(item, record=rec.name, byte_range=byte_range),
+        expected=expected_hex, actual=actual_hex,
+    )]
+    bit = locate_single_bit(rec.crc, actual, rec.size)
+    if bit is not None:
+        at = byte_range[0] + bit[0]
+        out.append(_bit_hint(item, rec, bit, item_location(item, record=rec.name, byte_range=(at, at + 1))))
+    return out
+
+
+def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) -> list[Finding]:
+    """A tensor subclass's record against the metadata (outer dtype and shape) and each inner tensor's
+    header against its storage record."""
+    assert item.chunk is not None and item.dtype is not None
+    out: list[Finding] = []
+    loc = item_location(item, record=f"{archive.prefix}/data.pkl")
+    if header.dtype != item.dtype:
+        out.append(error("tensor-record", f"{item_label(item)} holds a {header.short_name} of {header.dtype} but "
+                         f"the metadata says {item.dtype}", location=loc, expected=item.dtype, actual=header.dtype))
+    if header.size != item.chunk.sizes:
+        out.append(error("tensor-record", f"{item_label(item)} holds a {header.short_name} of shape "
+                         f"{list(header.size)} but the metadata says {list(item.chunk.sizes)}", location=loc,
+                         expected=list(item.chunk.sizes), actual=list(header.size)))
+    for name, part in header.parts:
+        storage = archive.record(f"data/{part.storage_key}")
+        if storage is None:
+            out.append(error("tensor-record", f"{item_label(item)}: the {name!r} part of its {header.short_name} "
+                             f"has no storage record data/{part.storage_key}", location=loc))
+            continue
+        itemsize = DTYPE_ITEMSIZE.get(part.dtype)
+        if itemsize is not None and storage.size != part.storage_numel * itemsize:
+            out.append(error("tensor-record", f"{item_label(item)}: the {name!r} part's storage record is "
+                             f"{storage.size} bytes but holds {part.storage_numel} {part.dtype} elements",
+                             location=loc, expected=part.storage_numel * itemsize, actual=storage.size))
+        if not _view_fits(part):
+            out.append(error("tensor-record", f"{item_label(item)}: the {name!r} part's view reaches past its "
+                             "storage", location=loc))
     return out
 
 

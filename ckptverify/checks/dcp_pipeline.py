@@ -45,6 +45,7 @@ from ckptverify.formats.describe import Description
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
+from ckptverify.safeparse.torchsave import SubclassHeader
 from ckptverify.safeparse.zipwalk import TemplateCache
 
 #: Largest byte range hashed as one task; larger records are split and their CRCs combined.
@@ -520,7 +521,11 @@ class VerificationRun:
         by_manifest, digested, opened = self._manifest_records, self._manifest_items, self.opened.get
         for plan in self.plans:
             item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
-            rec = plan.archive.record(f"data/{header.storage_key}") if header is not None else None
+            # A tensor subclass's item holds one storage record per inner tensor: the first stands for them all
+            # in what protects them (they are in one archive, checked alike).
+            key = header.parts[0][1].storage_key if isinstance(header, SubclassHeader) else \
+                header.storage_key if header is not None else None
+            rec = plan.archive.record(f"data/{key}") if key is not None else None
             if reader is None:
                 reader = opened(item.file)
                 # A record whose CRC-32 field is 0 over nonzero bytes: saved with CRC-32 disabled.

@@ -37,12 +37,19 @@ class TensorScan:
     unreadable: list[str] = field(default_factory=list)
     #: Chunks not read back because of a size limit (not damage): why, one line each.
     limited: list[str] = field(default_factory=list)
+    #: A tensor stored as a tensor subclass: its fingerprint (from its parts') and each part's, by name.
+    whole: str | None = None
+    part_values: dict[str, str] = field(default_factory=dict)
 
     def value(self, shape: tuple[int, ...]) -> str | None:
         """The tensor's logical fingerprint if every element of ``shape`` was read back, else ``None``."""
         from ckptverify.fingerprint import combine
 
-        if self.unreadable or self.limited or not self.parts or self.elements != math.prod(shape):
+        if self.unreadable or self.limited:
+            return None
+        if self.whole is not None:
+            return self.whole
+        if not self.parts or self.elements != math.prod(shape):
             return None
         return combine(self.parts).value
 
@@ -124,9 +131,68 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
             out.chunks.add(p.chunk_offsets)
             return out
 
+    def scan_subclass(t: TensorDesc) -> TensorScan:
+        try:
+            return scan_subclass_parts(desc, t, progress, view_limit)
+        except FileChangedError as exc:
+            if stop_on_change:
+                raise
+            out = TensorScan()
+            out.unreadable.append(f"{t.name}: {exc}")
+            return out
+
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
-        return _merge(desc, wanted, run_map(scan, wanted), only)
+        scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
+        subclassed = [t for t in desc.tensors.values() if t.subclass is not None and (only is None or t.name in only)]
+        for t, got in zip(subclassed, run_map(scan_subclass, subclassed), strict=True):
+            got.unreadable.extend(t.unread)
+            scans[t.name] = got
+        return scans, findings
+
+
+def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None = None,
+                        view_limit: int | None = BLOCK_BYTES) -> TensorScan:
+    """Rebuild every inner tensor of ``t``, stored as a tensor subclass (:attr:`TensorDesc.subclass`), and give
+    each part's fingerprint and the subclass's (as :func:`~ckptverify.fingerprint.tensor_fingerprint` gives it
+    for the live tensor: :mod:`ckptverify.fingerprint.subclass`)."""
+    import json
+
+    from ckptverify.fingerprint import TensorFingerprint, combine
+    from ckptverify.fingerprint.subclass import combine_parts
+
+    assert t.subclass is not None
+    out = TensorScan()
+    out.chunks.add((0,) * len(t.shape))
+    parts: list[tuple[str, TensorFingerprint]] = []
+    for part in t.subclass.parts:
+        p = part.payload
+        try:
+            if desc.opener is not None:
+                got = scan_payload(desc.opener(p), f"{t.name}.{part.name}", p, part.shape, progress, view_limit)
+            else:
+                with desc.open(p) as f:
+                    got = scan_payload(f, f"{t.name}.{part.name}", p, part.shape, progress, view_limit)
+        except (OSError, ValueError, KeyError) as exc:
+            out.unreadable.append(f"{t.name} part {part.name!r}: {exc}")
+            continue
+        out.unreadable.extend(got.unreadable)
+        out.limited.extend(got.limited)
+        out.nan += got.nan
+        out.inf += got.inf
+        if got.unreadable or got.limited:
+            continue
+        if got.elements != math.prod(part.shape):
+            out.unreadable.append(f"{t.name} part {part.name!r}: only {got.elements} of {math.prod(part.shape)} "
+                                  "elements read back")
+            continue
+        fp = combine(got.parts) if got.parts else TensorFingerprint.from_lanes((0, 0), part.dtype, part.shape, 0)
+        parts.append((part.name, fp))
+        out.part_values[part.name] = fp.value
+    out.elements = math.prod(t.shape)
+    if not out.unreadable and not out.limited:
+        out.whole = combine_parts(t.subclass.cls, t.dtype, t.shape, json.loads(t.subclass.context), parts)
+    return out
 
 
 def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results: list[TensorScan],
@@ -165,6 +231,19 @@ def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results:
     return dict(merged), findings
 
 
+def _parts_note(saved: tuple[tuple[str, str], ...] | None, rebuilt: dict[str, str]) -> str:
+    """Which inner tensors of a tensor subclass differ from the manifest's, when both sides know them."""
+    if not saved or not rebuilt:
+        return ""
+    saved_parts = dict(saved)
+    names = list(saved_parts) + [n for n in rebuilt if n not in saved_parts]
+    differ = [n for n in names if saved_parts.get(n) != rebuilt.get(n)]
+    if not differ:
+        return " (each part matches: its attributes differ)"
+    return f" (its {' and '.join(repr(n) for n in differ)} part{'s' if len(differ) > 1 else ''} differ" + \
+        ("s" if len(differ) == 1 else "") + ")"
+
+
 def judge(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan]) -> list[Finding]:
     """Compare rebuilt fingerprints with the manifest's; report non-finite counts."""
 
@@ -198,7 +277,8 @@ def judge(desc: Description, manifest: Manifest | None, scans: dict[str, TensorS
         if rebuilt != saved.fingerprint:
             out.append(error(
                 "fingerprint",
-                f"{fqn!r}: the values read back from disk are not the values that were in memory at save time",
+                f"{fqn!r}: the values read back from disk are not the values that were in memory at save time"
+                + _parts_note(saved.parts, scan.part_values),
                 location=loc, expected=saved.fingerprint, actual=rebuilt,
             ))
     return out

@@ -18,6 +18,7 @@ from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
 from ckptverify.findings import Finding, Location, error
 from ckptverify.ownfiles.manifest import ItemEntry, Manifest
 from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, crc32
+from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +221,8 @@ def judge_blocks(manifest: Manifest, task: BlockTask, item: Item, digests: list[
 
 
 def _payload_elements(item: Item, plan: ItemPlan | None, start: int, end: int) -> tuple[int, int] | None:
-    if plan is None or plan.header is None or item.chunk is None or not plan.header.is_row_major:
+    if (plan is None or not isinstance(plan.header, TensorHeader) or item.chunk is None
+            or not plan.header.is_row_major):  # a tensor subclass's item holds several tensors: no one element range
         return None
     rec = plan.archive.record(f"data/{plan.header.storage_key}")
     if rec is None:
@@ -238,10 +240,24 @@ def _payload_elements(item: Item, plan: ItemPlan | None, start: int, end: int) -
 
 
 def _element_note(item: Item, plan: ItemPlan | None, start: int, end: int) -> str:
+    if plan is not None and isinstance(plan.header, SubclassHeader):
+        return _subclass_note(item, plan, plan.header, start, end)
     span = _payload_elements(item, plan, start, end)
     if span is None:
         return " (outside the tensor payload: headers or a non-tensor value)"
     return f": elements [{span[0]}, {span[1]}) of the chunk"
+
+
+def _subclass_note(item: Item, plan: ItemPlan, header: SubclassHeader, start: int, end: int) -> str:
+    """Which inner tensors of a tensor subclass's item (``qdata``, ``scale``, ...) the bytes overlap."""
+    touched = []
+    for name, part in header.parts:
+        rec = plan.archive.record(f"data/{part.storage_key}")
+        if rec is not None and start < item.offset + rec.data_end and item.offset + rec.data_offset < end:
+            touched.append(repr(name))
+    if not touched:
+        return f" (outside the {header.short_name}'s inner tensors: headers)"
+    return f" (the {header.short_name}'s {' and '.join(touched)} part{'s' if len(touched) > 1 else ''})"
 
 
 def _block_location(item: Item, plan: ItemPlan | None, start: int, end: int) -> Location:

@@ -60,7 +60,9 @@ from ckptverify.fingerprint import (
     combine,
     digest_file_range,
     new_digest,
+    part_fingerprints,
 )
+from ckptverify.fingerprint.subclass import is_wrapper_subclass
 from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_FILE,
@@ -311,6 +313,7 @@ class HashedStorageInfo(_StorageInfo):
     fingerprint: TensorFingerprint | None = None
     nan_count: int | None = None
     inf_count: int | None = None
+    parts: tuple[tuple[str, str], ...] | None = None
     extra_files: tuple[tuple[str, int, str], ...] = ()
     #: ``(offset, length)`` of the bytes the digests cover, where it differs from what DCP records
     #: (safetensors-format tensors: DCP records the blob's start, the bytes are further in).
@@ -325,6 +328,8 @@ class _ChunkFacts:
     fingerprint: TensorFingerprint | None
     nan_count: int | None
     inf_count: int | None
+    #: A tensor subclass's inner tensors' fingerprints by name (MXTensor: qdata, scale).
+    parts: tuple[tuple[str, str], ...] | None = None
 
 
 def _nonfinite_counts(t: torch.Tensor) -> tuple[int | None, int | None]:
@@ -354,12 +359,15 @@ def _nonfinite_counts(t: torch.Tensor) -> tuple[int | None, int | None]:
 def _chunk_facts(t: torch.Tensor, item: WriteItem) -> _ChunkFacts:
     td = item.tensor_data
     assert td is not None
+    parts = None
     try:
         fp: TensorFingerprint | None = chunk_fingerprint(t, td.chunk.offsets, td.size)
+        if is_wrapper_subclass(t):
+            parts = tuple((name, f.value) for name, f in part_fingerprints(t).items())
     except UsageError:
         fp = None  # a dtype the fingerprint is not defined for
     nan, inf = _nonfinite_counts(t)
-    return _ChunkFacts(fp, nan, inf)
+    return _ChunkFacts(fp, nan, inf, parts)
 
 
 # --------------------------------------------------------------------------------------------- writer
@@ -495,6 +503,7 @@ class HashingFileSystemWriter(FileSystemWriter):
                 fingerprint=None if f is None else f.fingerprint,
                 nan_count=None if f is None else f.nan_count,
                 inf_count=None if f is None else f.inf_count,
+                parts=None if f is None else f.parts,
                 span=span,
             )
             out.append(dataclasses.replace(wr, storage_data=hashed))
@@ -609,9 +618,12 @@ class HashingFileSystemWriter(FileSystemWriter):
                 continue
             dtype = str(md.properties.dtype).removeprefix("torch.")
             shape = tuple(int(s) for s in md.size)
-            fp, nan, inf = _combine_chunks(chunks.get(fqn, {}).values(), shape) if self.fingerprint \
-                else (None, None, None)
-            tensors[fqn] = TensorEntry(dtype=dtype, shape=shape, fingerprint=fp, nan_count=nan, inf_count=inf)
+            infos = list(chunks.get(fqn, {}).values())
+            fp, nan, inf = _combine_chunks(infos, shape) if self.fingerprint else (None, None, None)
+            # A tensor subclass is saved whole (one chunk): its parts' fingerprints come with it.
+            parts = infos[0].parts if fp is not None and len(infos) == 1 else None
+            tensors[fqn] = TensorEntry(dtype=dtype, shape=shape, fingerprint=fp, nan_count=nan, inf_count=inf,
+                                       parts=parts)
 
         from ckptverify._version import __version__
 

@@ -9,7 +9,9 @@ Two kinds of identity, documented in ``docs/fingerprint.md``:
 * The **logical tensor fingerprint** (:mod:`~ckptverify.fingerprint.logical`) identifies a tensor's *values*,
   independent of how it is sharded or serialized: :func:`tensor_fingerprint` for a whole tensor (or a
   ``DTensor``), :func:`chunk_fingerprint` for one chunk of a global tensor, and :func:`combine` to add chunk
-  fingerprints up to the whole.
+  fingerprints up to the whole. A tensor subclass that keeps its values in inner tensors (torchao's
+  ``MXTensor``, ``NVFP4Tensor``) is fingerprinted by its parts (:mod:`~ckptverify.fingerprint.subclass`,
+  :func:`part_fingerprints`).
 
 The package's modules depend one way: :mod:`~ckptverify.fingerprint.spec` (the constants) <- ``digest`` and
 ``logical`` <- ``kernels`` (the torch paths and the backend choice) <- ``triton_kernel``, ``eager`` (the reference
@@ -39,6 +41,7 @@ from ckptverify.fingerprint.logical import (
     chunk_fingerprint,
     combine,
     get_fingerprint_backend,
+    part_fingerprints,
     set_fingerprint_backend,
     tensor_fingerprint,
 )
@@ -64,6 +67,7 @@ __all__ = [
     "digest_reader",
     "get_fingerprint_backend",
     "new_digest",
+    "part_fingerprints",
     "set_fingerprint_backend",
     "tensor_fingerprint",
 ]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["FINGERPRINT_VERSION", "TensorFingerprint", "chunk_fingerprint", "combine", "get_fingerprint_backend",
-           "set_fingerprint_backend", "tensor_fingerprint"]
+           "part_fingerprints", "set_fingerprint_backend", "tensor_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,16 @@ def chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_sha
     their union; of a covering set of chunks, to :func:`tensor_fingerprint` of the whole tensor.
     """
     from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
-    name = kern.dtype_name(t.dtype)
     offsets = [int(o) for o in global_offsets]
     gshape = [int(s) for s in global_shape]
+    if is_wrapper_subclass(t):
+        # Its values are in its parts, which a chunk of the outer tensor does not address: whole tensors only.
+        if any(offsets) or gshape != list(t.shape):
+            raise UsageError(f"a chunk of a {type(t).__name__} has no fingerprint (only the whole tensor has)")
+        return _subclass_fingerprint(t)
+    name = kern.dtype_name(t.dtype)
     lanes = kern.fingerprint_lanes(t, offsets, gshape, name)
     return TensorFingerprint.from_lanes(lanes, name, gshape, t.numel())
 
@@ -123,12 +129,19 @@ def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
     A ``DTensor`` is fingerprinted collectively: each rank fingerprints its local shard at its global
     offsets and the lanes are summed across the device mesh, so every rank returns the fingerprint of the
     global tensor. Every rank of the mesh must call this.
+
+    A wrapper subclass (torchao's ``MXTensor``, ``NVFP4Tensor``, ...) is fingerprinted by its parts
+    (:mod:`ckptverify.fingerprint.subclass`): its ``value`` is the digest of its class, context and parts'
+    fingerprints (not a lane sum: it does not :func:`combine` with anything), ``dtype`` its outer dtype.
     """
     from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
     dtensor_type = _dtensor_type()
     if dtensor_type is not None and isinstance(t, dtensor_type):
         return _dtensor_fingerprint(t)
+    if is_wrapper_subclass(t):
+        return _subclass_fingerprint(t)
     name = kern.dtype_name(t.dtype)
     shape = list(t.shape)
     lanes = kern.fingerprint_lanes(t, [0] * len(shape), shape, name)
@@ -151,6 +164,32 @@ def get_fingerprint_backend() -> str:
     from ckptverify.fingerprint import kernels as kern
 
     return kern.get_backend()
+
+
+# ------------------------------------------------------------------------------------- wrapper subclasses
+
+
+def part_fingerprints(t: torch.Tensor) -> dict[str, TensorFingerprint]:
+    """The fingerprint of each inner tensor of a wrapper subclass, by the name ``__tensor_flatten__`` gives it
+    (``qdata``, ``scale``, ...); an inner subclass is fingerprinted by its own parts. Raises
+    :class:`~ckptverify.errors.UsageError` for a tensor that is not a wrapper subclass."""
+    from ckptverify.fingerprint.subclass import flatten, is_wrapper_subclass
+
+    if not is_wrapper_subclass(t):
+        raise UsageError(f"a {type(t).__name__} is not a tensor subclass with parts")
+    return {name: tensor_fingerprint(part) for name, part in flatten(t).parts}
+
+
+def _subclass_fingerprint(t: Any) -> TensorFingerprint:
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.subclass import combine_parts, flatten
+
+    flat = flatten(t)
+    dtype = kern.dtype_name(t.dtype)
+    shape = [int(s) for s in t.shape]
+    parts = [(name, tensor_fingerprint(part)) for name, part in flat.parts]
+    value = combine_parts(flat.label, dtype, shape, flat.context, parts)
+    return TensorFingerprint(value, dtype, tuple(shape), FINGERPRINT_VERSION, t.numel())
 
 
 # ------------------------------------------------------------------------------------------- DTensor

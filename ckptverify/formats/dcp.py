@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from ckptverify.dcp.layout import Item, Layout
-from ckptverify.formats.describe import Description, Payload, StoredRange, TensorDesc
-from ckptverify.safeparse.torchsave import TensorHeader
+from ckptverify.formats.describe import Description, Payload, StoredRange, SubclassDesc, SubclassPart, TensorDesc
+from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader
 from ckptverify.safeparse.zipwalk import Archive, Record
 
 __all__ = ["ReadItem", "describe_dcp"]
@@ -39,7 +39,7 @@ class ReadItem(NamedTuple):
 
     item: Item
     archive: Archive
-    header: TensorHeader | None
+    header: TensorHeader | SubclassHeader | None
     base: int
     reader: Any
     storage: Record | None = None
@@ -75,6 +75,9 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
         if t is None:
             continue
         h, rec = r.header, r.storage
+        if isinstance(h, SubclassHeader):
+            _describe_subclass(t, r, h)
+            continue
         if h is None or rec is None:
             t.unread.append(f"{item.fqn} chunk {list(chunk.offsets)}" + ("" if h is None else ": no storage record"))
             continue
@@ -96,6 +99,30 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
         desc.values.update(side.values)
         desc.unread.update(side.unread)
     return desc
+
+
+def _describe_subclass(t: TensorDesc, r: ReadItem, h: SubclassHeader) -> None:
+    """``t`` stored as a tensor subclass in item ``r``: one payload per inner tensor (the whole tensor: a
+    subclass's item is never a chunk of a larger tensor, DCP saves it whole)."""
+    item, chunk = r.item, r.item.chunk
+    assert chunk is not None
+    where = f"{item.fqn} chunk {list(chunk.offsets)}"
+    if any(chunk.offsets) or tuple(chunk.sizes) != tuple(t.shape) or t.subclass is not None:
+        t.unread.append(f"{where}: a {h.short_name} stored as a chunk of a larger tensor")
+        return
+    encoded = bool(item.transforms)
+    desc = SubclassDesc(h.cls, h.context)
+    for name, part in h.parts:
+        rec = r.archive.record(f"data/{part.storage_key}")
+        if rec is None:
+            t.unread.append(f"{where}: no storage record for its {name!r} part")
+            return
+        desc.parts.append(SubclassPart(name, part.dtype, part.size, Payload(
+            file=item.file, offset=r.base + rec.data_offset, length=rec.size, dtype=part.dtype, shape=part.size,
+            stride=part.stride, storage_offset=part.storage_offset, chunk_offsets=(0,) * len(part.size),
+            encoding="+".join(item.transforms) if encoded else "raw", checksum=r.checksum,
+            stored=(item.offset, item.end) if encoded else None)))
+    t.subclass = desc
 
 
 def _opener(files: dict[str, Any], readers: dict[tuple[str, int, int], Any]) -> Callable[[Payload | str], Any]:

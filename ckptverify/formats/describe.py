@@ -47,8 +47,9 @@ from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "TensorDesc", "describe", "is_own_file",
-           "is_row_major", "iter_payload_blocks", "json_values", "read_payload", "read_tensor", "side_file_description"]
+__all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
+           "describe", "is_own_file", "is_row_major", "iter_payload_blocks", "json_values", "read_parts",
+           "read_payload", "read_tensor", "side_file_description"]
 
 
 def is_own_file(name: str) -> bool:
@@ -85,15 +86,39 @@ class Payload:
 
 
 @dataclass(slots=True)
+class SubclassPart:
+    """One inner tensor of a stored tensor subclass: its name (``qdata``, ``scale``, ...), dtype, shape and
+    the payload that holds it (the whole inner tensor)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    payload: Payload
+
+
+@dataclass(slots=True)
+class SubclassDesc:
+    """How a tensor stored as a tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``) keeps its values:
+    its class (``module.QualName``), its attributes (``context``: canonical JSON text, see
+    :mod:`ckptverify.fingerprint.subclass`) and its inner tensors, in their flatten order."""
+
+    cls: str
+    context: str
+    parts: list[SubclassPart] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class TensorDesc:
     """A tensor: its global dtype and shape, its stored pieces, and the pieces that are stored but could not
-    be described (``unread``: why, one line each; a damaged header)."""
+    be described (``unread``: why, one line each; a damaged header). A tensor stored as a tensor subclass has
+    no payloads of its own: ``subclass`` describes its inner tensors."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     payloads: list[Payload] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
+    subclass: SubclassDesc | None = None
 
 
 class StoredRange(NamedTuple):
@@ -329,12 +354,15 @@ def read_payload(f: Any, p: Payload) -> torch.Tensor:
 
 
 def read_tensor(desc: Description, name: str) -> torch.Tensor:
-    """Tensor ``name`` assembled from its payloads (memory: the whole tensor)."""
+    """Tensor ``name`` assembled from its payloads (memory: the whole tensor). A tensor stored as a tensor
+    subclass has no values of its own to assemble: ``ValueError`` (read its parts, :func:`read_parts`)."""
     import torch
 
     from ckptverify.dcp.tensors import torch_dtype
 
     t = desc.tensors[name]
+    if t.subclass is not None:
+        raise ValueError(f"{name!r} is stored as a {t.subclass.cls.rsplit('.', 1)[-1]}: read its parts")
     out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     for p in t.payloads:
         with desc.open(p) as f:
@@ -343,6 +371,19 @@ def read_tensor(desc: Description, name: str) -> torch.Tensor:
         for dim, (o, n) in enumerate(zip(p.chunk_offsets, p.shape, strict=True)):
             view = view.narrow(dim, o, n)
         view.copy_(piece)
+    return out
+
+
+def read_parts(desc: Description, name: str) -> dict[str, torch.Tensor]:
+    """The inner tensors of tensor ``name``, stored as a tensor subclass (:attr:`TensorDesc.subclass`), by
+    name, each rebuilt from its bytes (memory: the whole parts). Raises ``ValueError`` for a plain tensor."""
+    t = desc.tensors[name]
+    if t.subclass is None:
+        raise ValueError(f"{name!r} is not stored as a tensor subclass")
+    out = {}
+    for part in t.subclass.parts:
+        with desc.open(part.payload) as f:
+            out[part.name] = read_payload(f, part.payload)
     return out
 
 

@@ -94,13 +94,16 @@ class FileEntry:
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """A tensor as it was in memory at save time: dtype, global shape, logical fingerprint (if taken)."""
+    """A tensor as it was in memory at save time: dtype, global shape, logical fingerprint (if taken). A tensor
+    subclass with inner tensors (torchao's MXTensor, ...) also has ``parts``: each inner tensor's fingerprint by
+    name (``qdata``, ``scale``, ...), so a mismatch names the part."""
 
     dtype: str
     shape: tuple[int, ...]
     fingerprint: str | None = None
     nan_count: int | None = None
     inf_count: int | None = None
+    parts: tuple[tuple[str, str], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "fingerprint": self.fingerprint}
@@ -108,6 +111,8 @@ class TensorEntry:
             out["nan_count"] = self.nan_count
         if self.inf_count is not None:
             out["inf_count"] = self.inf_count
+        if self.parts is not None:
+            out["parts"] = dict(self.parts)
         return out
 
     @classmethod
@@ -119,6 +124,7 @@ class TensorEntry:
             fingerprint=None if fp is None else _s(fp),
             nan_count=_opt_i(d.get("nan_count")),
             inf_count=_opt_i(d.get("inf_count")),
+            parts=_opt_parts(d.get("parts")),
         )
 
 
@@ -234,6 +240,9 @@ def validate(manifest: Manifest) -> None:
             raise ManifestError(f"tensor entry {fqn[:200]!r} is malformed")
         if tensor.fingerprint is not None and len(tensor.fingerprint) > 256:
             raise ManifestError(f"tensor entry {fqn[:200]!r} has an oversized fingerprint")
+        if tensor.parts is not None and (len(tensor.parts) > _MAX_PARTS or any(
+                len(n) > 64 or len(v) > 256 for n, v in tensor.parts)):
+            raise ManifestError(f"tensor entry {fqn[:200]!r} has malformed parts")
     seen: set[tuple[str, tuple[int, ...] | None, str]] = set()
     for item in manifest.items:
         what = f"item {item.fqn[:200]!r} in {item.file[:200]!r}"
@@ -278,6 +287,18 @@ def _i(v: Any) -> int:
 
 def _opt_i(v: Any) -> int | None:
     return None if v is None else _i(v)
+
+
+#: Most inner tensors a tensor subclass's entry may name.
+_MAX_PARTS = 16
+
+
+def _opt_parts(v: Any) -> tuple[tuple[str, str], ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ManifestError("tensor parts are not an object")
+    return tuple((_s(k, 64), _s(x, 256)) for k, x in v.items())
 
 
 def _s(v: Any, limit: int = 1 << 16) -> str:

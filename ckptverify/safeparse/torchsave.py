@@ -7,11 +7,20 @@ hooks) to stand-ins shared by every parse (so each refuses ``BUILD`` and attribu
 pure-Python reference unpickler with a dict memo. A plain tensor's ``data.pkl`` hashes no tuple, so any tuple
 used as a dict key or set member is refused. The archive around it is walked by
 :mod:`ckptverify.safeparse.zipwalk`.
+
+:func:`item_header` also reads the record of a tensor subclass that keeps its values in inner tensors
+(torchao's ``MXTensor`` and ``NVFP4Tensor``, :data:`SUBCLASSES`): ``torch._tensor._rebuild_from_type_v2`` over
+``torch._utils._rebuild_wrapper_subclass``, the class, and a state dict of inner tensor records and plain
+attributes. The class, the enums and the small dataclasses of its attributes are stand-ins named by
+``module.name``: nothing of torchao is imported or run, whether torchao is installed or not, and any other
+global (a torchao function, another class) is refused. The result, :class:`SubclassHeader`, holds each inner
+tensor's header and the attributes in the canonical form :mod:`ckptverify.fingerprint.subclass` fingerprints.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import pickle
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,7 +28,7 @@ from typing import Any, ClassVar
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
-__all__ = ["TensorHeader", "tensor_header"]
+__all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "item_header", "tensor_header"]
 
 _LEGACY_STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
@@ -206,5 +215,226 @@ def _tensor_header(data_pkl: bytes) -> TensorHeader:
     except Exception as exc:  # hostile bytes: any failure is "not a plain tensor", never a traceback
         raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
     if not isinstance(obj, TensorHeader):
+        raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
+    return obj
+
+
+# ----------------------------------------------------------------------------------- tensor subclasses
+
+#: The tensor subclasses whose stored records :func:`item_header` reads, by ``module.QualName``: the names of
+#: their inner tensors, in the order their ``__tensor_flatten__`` gives them (optional ones last).
+SUBCLASSES: dict[str, tuple[str, ...]] = {
+    "torchao.prototype.mx_formats.mx_tensor.MXTensor": ("qdata", "scale"),
+    "torchao.prototype.mx_formats.nvfp4_tensor.NVFP4Tensor": ("qdata", "scale", "per_tensor_scale",
+                                                              "act_per_tensor_scale"),
+}
+
+#: Enums their attributes use: ``module.QualName`` -> the values a record may name.
+_ENUMS: dict[str, frozenset[str]] = {
+    "torchao.quantization.quantize_.common.kernel_preference.KernelPreference":
+        frozenset({"auto", "torch", "mslk", "emulated", "triton"}),
+    "torchao.prototype.mx_formats.config.ScaleCalculationMode": frozenset({"floor", "rceil", "ceil", "even"}),
+}
+
+#: Dataclasses their attributes use (the activation quantization settings): ``module.QualName`` -> fields.
+_RECORDS: dict[str, frozenset[str]] = {
+    "torchao.prototype.mx_formats.mx_tensor.QuantizeTensorToMXKwargs":
+        frozenset({"elem_dtype", "block_size", "scaling_mode", "kernel_preference", "is_swizzled_scales"}),
+    "torchao.prototype.mx_formats.nvfp4_tensor.QuantizeTensorToNVFP4Kwargs":
+        frozenset({"block_size", "is_swizzled_scales", "use_triton_kernel", "use_dynamic_per_tensor_scale"}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SubclassHeader:
+    """What the record of a tensor subclass says: its class (``module.QualName``), outer dtype, shape and
+    strides, the header of each inner tensor by name (in :data:`SUBCLASSES` order) and its other attributes
+    (``context``: canonical JSON text with sorted keys, ``None`` values left out; see
+    :func:`ckptverify.fingerprint.subclass.canonical`)."""
+
+    cls: str
+    dtype: str
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    parts: tuple[tuple[str, TensorHeader], ...]
+    context: str
+
+    @property
+    def short_name(self) -> str:
+        return self.cls.rsplit(".", 1)[-1]
+
+    def context_dict(self) -> dict[str, Any]:
+        return json.loads(self.context)
+
+
+class _SubclassType(_Global):
+    """A tensor subclass global of :data:`SUBCLASSES`: only a value to name the class by."""
+
+    __slots__ = ()
+
+
+class _EnumValue(_Global):
+    """A member of an allowlisted enum, by its value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, label: str, value: str) -> None:
+        super().__init__(label)
+        object.__setattr__(self, "value", value)
+
+
+class _Layout(_Global):
+    __slots__ = ()
+
+
+_STRIDED = _Layout("torch.strided")
+
+
+def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
+    def make(value: Any = None, *rest: Any) -> _EnumValue:
+        if rest or type(value) is not str or value not in values:
+            raise pickle.UnpicklingError(f"{label} has no member {str(value)[:40]!r}")
+        return _EnumValue(label, value)
+
+    return callable_global(_Global, label, make)
+
+
+def _record_class(label: str, fields: frozenset[str]) -> type:
+    """A stand-in class for an allowlisted dataclass: ``NEWOBJ`` makes an empty record, one ``BUILD`` fills it
+    with a dict of its fields (scalars, dtypes, enum members), and nothing else can change it."""
+
+    def __new__(cls: type) -> Any:
+        inst = object.__new__(cls)
+        object.__setattr__(inst, "fields", None)
+        return inst
+
+    def __setstate__(self: Any, state: Any) -> None:
+        if self.fields is not None or type(state) is not dict or not set(state) <= fields:
+            raise pickle.UnpicklingError(f"data.pkl sets unexpected state on {label}")
+        object.__setattr__(self, "fields", {k: _canonical(v) for k, v in state.items()})
+
+    def __setattr__(self: Any, key: str, value: Any) -> None:
+        raise pickle.UnpicklingError(f"data.pkl modifies {label}")
+
+    return type("_Record", (), {"__slots__": ("fields",), "__new__": __new__, "__setstate__": __setstate__,
+                                "__setattr__": __setattr__, "label": label})
+
+
+def _canonical(value: Any) -> Any:
+    """An attribute's canonical JSON form (as :func:`ckptverify.fingerprint.subclass.canonical` gives it for
+    the live value); anything that is not a scalar, a dtype, an enum member or a filled record is refused."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if type(value) is _DType:
+        return f"torch.{value.name}"
+    if type(value) is _EnumValue:
+        return {"enum": value._label, "value": value.value}
+    label = getattr(type(value), "label", None)
+    if label in _RECORDS and getattr(value, "fields", None) is not None:
+        return {"class": label, "fields": value.fields}
+    raise pickle.UnpicklingError(f"a tensor subclass attribute of type {type(value).__name__} is not allowed")
+
+
+def _rebuild_subclass(func: Any, new_type: Any, args: Any, state: Any) -> SubclassHeader:
+    if func is not _WRAPPER or type(new_type) is not _SubclassType:
+        raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
+    if type(args) is not tuple or len(args) != 8:
+        raise pickle.UnpicklingError("malformed wrapper subclass arguments")
+    cls, dtype, size, stride, offset, layout, _device, _requires_grad = args
+    if cls is not new_type or type(dtype) is not _DType or layout is not _STRIDED:
+        raise pickle.UnpicklingError("wrapper subclass arguments name another class, no dtype or another layout")
+    if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64 or len(size) != len(stride):
+        raise pickle.UnpicklingError("wrapper subclass size or stride is not a short tuple")
+    if not all(type(v) is int and 0 <= v < 1 << 63 for v in (offset, *size, *stride)):
+        raise pickle.UnpicklingError("wrapper subclass view fields are not small non-negative integers")
+    if type(state) is not dict or not all(type(k) is str for k in state):
+        raise pickle.UnpicklingError("wrapper subclass state is not a dict of attributes")
+    names = SUBCLASSES[new_type._label]
+    parts = tuple((n, state[n]) for n in names if isinstance(state.get(n), TensorHeader))
+    stray = [k for k, v in state.items() if isinstance(v, TensorHeader) and k not in names]
+    if stray:
+        raise pickle.UnpicklingError(f"{new_type._label} has no inner tensor {stray[0][:40]!r}")
+    if not any(n == "qdata" for n, _ in parts):
+        raise pickle.UnpicklingError(f"{new_type._label} record without its data")
+    context = {k: _canonical(v) for k, v in state.items()
+               if k not in names and v is not None}
+    text = json.dumps(context, sort_keys=True, separators=(",", ":"))
+    return SubclassHeader(new_type._label, dtype.name, tuple(size), tuple(stride), parts, text)
+
+
+_WRAPPER = _Global("torch._utils._rebuild_wrapper_subclass")
+
+
+def _subclass_globals() -> dict[tuple[str, str], Any]:
+    """The tensor allowlist plus what a wrapper subclass record names (see :data:`SUBCLASSES`)."""
+
+    def layout(name: Any = None, *rest: Any) -> _Layout:
+        if rest or name != "torch.strided":
+            raise pickle.UnpicklingError(f"layout {str(name)[:40]!r} is not torch.strided")
+        return _STRIDED
+
+    def device(name: Any = None, *rest: Any) -> str:
+        if rest or type(name) is not str or len(name) > 64:
+            raise pickle.UnpicklingError("malformed device")
+        return name
+
+    allowed = dict(_tensor_globals())
+    allowed[("torch._tensor", "_rebuild_from_type_v2")] = callable_global(
+        _Global, "torch._tensor._rebuild_from_type_v2", _rebuild_subclass)
+    allowed[("torch._utils", "_rebuild_wrapper_subclass")] = _WRAPPER
+    allowed[("torch.serialization", "_get_layout")] = callable_global(_Global, "torch.serialization._get_layout",
+                                                                      layout)
+    allowed[("torch", "device")] = callable_global(_Global, "torch.device", device)
+    for label in SUBCLASSES:
+        module, name = label.rsplit(".", 1)
+        allowed[(module, name)] = _SubclassType(label)
+    for label, values in _ENUMS.items():
+        module, name = label.rsplit(".", 1)
+        allowed[(module, name)] = _enum_global(label, values)
+    for label, fields in _RECORDS.items():
+        module, name = label.rsplit(".", 1)
+        allowed[(module, name)] = _record_class(label, fields)
+    return allowed
+
+
+_SUBCLASS_GLOBALS: dict[tuple[str, str], Any] | None = None
+
+
+class _ItemHeaderUnpickler(_TensorHeaderUnpickler):
+    """:class:`_TensorHeaderUnpickler` over :func:`_subclass_globals`."""
+
+    def __init__(self, data: bytes) -> None:
+        global _SUBCLASS_GLOBALS
+        if _SUBCLASS_GLOBALS is None:
+            _SUBCLASS_GLOBALS = _subclass_globals()
+        ReferenceUnpickler.__init__(self, data, _SUBCLASS_GLOBALS, Budget(0, _exceeded, LIMITS))
+
+    def unknown_global(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor record"[:300])
+
+
+def item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
+    """Read a tensor item's ``data.pkl`` safely: a plain tensor's header, or an allowlisted tensor subclass's
+    (:class:`SubclassHeader`). Raises ``pickle.UnpicklingError`` on anything else."""
+    if len(data_pkl) <= _CACHED_HEADER_BYTES:
+        return _item_header_cached(bytes(data_pkl))
+    return _item_header(data_pkl)
+
+
+@functools.lru_cache(maxsize=1024)
+def _item_header_cached(data_pkl: bytes) -> TensorHeader | SubclassHeader:
+    return _item_header(data_pkl)
+
+
+def _item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
+    if b"_rebuild_from_type_v2" not in data_pkl:
+        return _tensor_header(data_pkl)  # the plain record, through the plain allowlist
+    try:
+        obj = _ItemHeaderUnpickler(data_pkl).load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
+        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
+    if not isinstance(obj, SubclassHeader):
         raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
     return obj

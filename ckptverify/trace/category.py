@@ -6,7 +6,10 @@ xxh3-128 of its bytes xor a 128-bit signature of its dtype and shape (one C call
 GIL while it reads; a seeded xxh3 would derive a new secret at every call); on an accelerator, the logical
 fingerprint (:mod:`ckptverify.fingerprint.kernels`), computed there for all tensors of a list in one batched
 pass. A trace only compares runs of one configuration, so a digest that
-changes with every bit this rank holds is all a site needs.
+changes with every bit this rank holds is all a site needs. A tensor subclass that keeps its values in inner
+tensors (torchao's ``MXTensor``, ``NVFP4Tensor``; :mod:`ckptverify.fingerprint.subclass`) is digested by its
+parts (:func:`subclass_digest`): the digest of its class, outer dtype and shape, flatten context and each inner
+tensor's member digest, so equal data with different scales differ.
 
 **Category cells.** A category (the gradients, the parameters, the optimizer state, the non-persistent buffers)
 holds many tensors; one cell per tensor per step is what made tracing expensive. The category cell sums the low
@@ -48,6 +51,7 @@ __all__ = [
     "host_view",
     "locate",
     "matches",
+    "subclass_digest",
     "tensor_digests",
     "weight",
 ]
@@ -141,6 +145,7 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     shard (what this rank holds).
     """
     from ckptverify.fingerprint import _dtensor_type
+    from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
     dtensor = _dtensor_type()
     out: list[int] = [0] * len(tensors)
@@ -149,7 +154,9 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     for n, t in enumerate(tensors):
         if dtensor is not None and isinstance(t, dtensor):
             t = locals_[n] = t.to_local()
-        if t.device.type == "cpu":
+        if is_wrapper_subclass(t):
+            out[n] = subclass_digest(t)
+        elif t.device.type == "cpu":
             out[n] = host_digest(t)
         else:
             by_device.setdefault(t.device, []).append(n)
@@ -158,6 +165,23 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
         for n, (a, b) in zip(members, out_lanes, strict=True):
             out[n] = (a & _MASK64) << 64 | (b & _MASK64)
     return out
+
+
+def subclass_digest(t: torch.Tensor) -> int:
+    """The member digest of a tensor subclass with inner tensors: xxh3-128 of the canonical JSON text of its
+    class, outer dtype and shape, flatten context (:func:`ckptverify.fingerprint.subclass.flatten`; an attribute
+    without a canonical form by its type only) and each inner tensor's name and member digest
+    (:func:`tensor_digests`: bytes on the host, the logical fingerprint on a device, read back now)."""
+    import json
+
+    from ckptverify.fingerprint.subclass import flatten
+
+    flat = flatten(t, strict=False)  # an attribute without a canonical form must not stop the run
+    inner = tensor_digests([part for _, part in flat.parts])
+    text = json.dumps({"class": flat.label, "dtype": str(t.dtype), "shape": list(t.shape), "context": flat.context,
+                       "parts": [[name, f"{d:032x}"] for (name, _), d in zip(flat.parts, inner, strict=True)]},
+                      sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_intdigest(b"S" + text.encode())
 
 
 def device_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
@@ -181,16 +205,21 @@ class HostViews:
     def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[Any] | None = None) -> None:
         import torch
 
+        from ckptverify.fingerprint.subclass import is_wrapper_subclass
+
         self.tensors = list(tensors)
         #: What to read data pointers from to see a moved storage (e.g. the Parameter a state-dict alias
         #: was taken from); defaults to the tensors themselves.
         self.owners = list(owners) if owners is not None else self.tensors
-        self.views = [host_view(t) for t in self.tensors]
+        # Tensor subclasses (MXTensor, ...) have no bytes of their own: digested by their parts at each call.
+        self._subclassed = [n for n, t in enumerate(self.tensors) if is_wrapper_subclass(t)]
+        plain = not self._subclassed and not any(is_wrapper_subclass(o) for o in self.owners)
+        self.views = [None if n in self._subclassed else host_view(t) for n, t in enumerate(self.tensors)]
         self.signatures = [signature(t.dtype, tuple(t.shape)) for t in self.tensors]
-        self._ptr = torch.Tensor.data_ptr
+        self._ptr = torch.Tensor.data_ptr if plain else _pointer
         self.pointers = list(map(self._ptr, self.owners))
         # A non-contiguous tensor's view is a copy: it must be made again each time.
-        self._copies = [n for n, t in enumerate(self.tensors) if not t.is_contiguous()]
+        self._copies = [n for n, t in enumerate(self.tensors) if n not in self._subclassed and not t.is_contiguous()]
 
     def digests(self) -> list[int] | None:
         """Each tensor's member digest (an unsigned 128-bit integer, as :func:`host_digest`), or ``None``."""
@@ -198,4 +227,19 @@ class HostViews:
             return None
         for n in self._copies:
             self.views[n] = host_view(self.tensors[n])
-        return list(map(_xor, map(xxhash.xxh3_128_intdigest, self.views), self.signatures))
+        if not self._subclassed:
+            return list(map(_xor, map(xxhash.xxh3_128_intdigest, self.views), self.signatures))
+        out = [0 if v is None else xxhash.xxh3_128_intdigest(v) ^ sig for v, sig in zip(self.views, self.signatures,
+                                                                                          strict=True)]
+        for n in self._subclassed:
+            out[n] = subclass_digest(self.tensors[n])
+        return out
+
+
+def _pointer(t: Any) -> Any:
+    """Where a tensor's values live, to see them move: its data pointer, or a tensor subclass's parts'."""
+    from ckptverify.fingerprint.subclass import flatten, is_wrapper_subclass
+
+    if is_wrapper_subclass(t):
+        return tuple(_pointer(part) for _, part in flatten(t).parts)
+    return t.data_ptr()

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptverify.trace.readback import _MASK64, Item, _device_digests, _digests_later, _on_host, _pair_digests
+from ckptverify.trace.readback import (
+    _MASK64,
+    Item,
+    _device_digests,
+    _digests_later,
+    _has_parts,
+    _on_host,
+    _pair_digests,
+)
 from ckptverify.trace.sites import _is_dtensor, _unwrap, canonical_name
 from ckptverify.trace.store import Cell
 
@@ -38,10 +46,10 @@ class _Digester:
         self.categories = categories
         tensors = [t for c in categories for t in c.locals]
         self.count = len(tensors)
-        self._host = [i for i, t in enumerate(tensors) if _on_host(t)]
+        self._host = [i for i, t in enumerate(tensors) if _on_host(t) or _has_parts(t)]
         self._device: dict[Any, list[int]] = {}
         for i, t in enumerate(tensors):
-            if not _on_host(t):
+            if not _on_host(t) and not _has_parts(t):
                 self._device.setdefault(t.device, []).append(i)
         self._tensors = tensors
         self._views = HostViews([tensors[i] for i in self._host], owners=owners)

@@ -39,7 +39,7 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
     out: list[str | None] = [None] * len(tensors)
     by_device: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
-        if _is_dtensor(t):
+        if _is_dtensor(t) or _has_parts(t):
             out[i] = tensor_fingerprint(t).value
         else:
             by_device.setdefault(t.device, []).append(i)
@@ -55,6 +55,17 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
 #: step): set ``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1`` so that a machine without an accelerator runs that path
 #: (the test suite does). Traces recorded this way compare only with traces recorded this way.
 _HOST_AS_DEVICE = os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1"
+
+
+def _has_parts(t: Any) -> bool:
+    """A tensor subclass digested by its parts (MXTensor, ...): its digest is taken now, its device parts read
+    back with it (:func:`~ckptverify.trace.category.subclass_digest`), never batched as one tensor."""
+    from ckptverify.fingerprint.subclass import is_wrapper_subclass
+
+    return type(t).__name__ not in _PLAIN_TYPES and is_wrapper_subclass(t)
+
+
+_PLAIN_TYPES = frozenset({"Tensor", "Parameter", "Buffer"})
 
 
 def _on_host(t: Any) -> bool:
@@ -148,13 +159,13 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace.category import tensor_digests
 
-    device = [i for i, t in enumerate(tensors) if not _on_host(t)]
+    device = [i for i, t in enumerate(tensors) if not _on_host(t) and not _has_parts(t)]
     if not device:
         return list(finish(tensor_digests(tensors)))
     devices = {tensors[i].device for i in device}
     if len(devices) > 1:  # several accelerators on one rank: read each back now
         return list(finish(tensor_digests(tensors)))
-    host = [i for i, t in enumerate(tensors) if _on_host(t)]
+    host = [i for i, t in enumerate(tensors) if _on_host(t) or _has_parts(t)]
     known = dict(zip(host, tensor_digests([tensors[i] for i in host]), strict=True))
     lanes = kern.lanes_many([tensors[i] for i in device])
 
