@@ -395,6 +395,11 @@ def _watch_line(item: dict) -> str:
     return f"{event}: {where}: {_printable(item.get('reason'))}"
 
 
+_LOCATE_HELP = ("When the check fails, re-run the first divergent step at trace level op and name the op where "
+                "the difference is born, the ranks that receive it, and whether its kernel is nondeterministic "
+                "alone (docs/locate.md).")
+
+
 @main.command("resume-check")
 @click.argument("target")
 @click.option("--steps", "-T", type=click.IntRange(min=2), required=True, help="Steps of the continuous run.")
@@ -420,9 +425,12 @@ def _watch_line(item: dict) -> str:
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help=_METRICS_HELP)
 @click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
+@click.option("--locate/--no-locate", default=True, show_default=True, help=_LOCATE_HELP)
+@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Re-runs per side of the divergent step at level op (more repeats tell how often it differs).")
 def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level: str, runs: str, device: str,
                      keep: str | None, verbose: bool, report_dir: str | None, json_out: bool,
-                     metrics_file: str | None, progress: bool | None) -> None:
+                     metrics_file: str | None, progress: bool | None, locate: bool, locate_repeats: int) -> None:
     """Prove that resuming TARGET from a checkpoint is bitwise identical to never stopping.
 
     TARGET is FILE.py:FUNC or package.module:FUNC, a function train(run) following the Run protocol
@@ -437,7 +445,8 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     try:
         # The device travels to the workload's processes in the plan (Plan.device -> RunConfig.device -> run.device).
         plan = Plan(target=target, steps=steps, resume_at=resume_at, nproc=nproc, level=level,
-                    runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device)
+                    runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device, locate=locate,
+                    locate_repeats=locate_repeats)
         say = _say(progress, json_out, tty_only=False, emoji=False)
         outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose,
                                log_dir=log_dir_for(keep) if json_out else None, report_dir=report_dir)
@@ -467,9 +476,12 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
               help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files "
                    "named in stats.logs).")
 @click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
+@click.option("--locate/--no-locate", default=True, show_default=True, help=_LOCATE_HELP)
+@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Re-runs per side of the divergent step at level op.")
 def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
            metrics_file: str | None, target: str | None, max_procs: int, json_out: bool,
-           progress: bool | None) -> None:
+           progress: bool | None, locate: bool, locate_repeats: int) -> None:
     """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
 
     Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, undetermined, checkpoint-corrupt,
@@ -496,7 +508,8 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
         # With --json the workload's prints go to per-rank log files (named in stats.logs), as resume-check's do.
         with workload_logs(log_dir) if log_dir else contextlib.nullcontext():
             report = run_replay(run_dir, target=pinned_target, start=start, end=end, device=device, keep=keep,
-                                progress=say, max_procs=max_procs)
+                                progress=say, max_procs=max_procs, locate=locate,
+                                locate_repeats=locate_repeats)
     except CkptVerifyError as exc:
         fail_lines(exc, json_out, "replay", run_dir)
     finally:
@@ -505,6 +518,52 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
     if log_dir:
         report.stats["logs"] = workload_log_files(log_dir)
     _emit(report, json_out, metrics_file=metrics_file)
+
+
+@main.command("compare")
+@click.argument("base")
+@click.argument("changed")
+@click.option("--steps", "-T", type=click.IntRange(min=1), required=True, help="Steps each run makes.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per run.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Control runs of BASE that measure its natural variation.")
+@click.option("--level", type=click.Choice(["state", "module"]), default="state", show_default=True,
+              help="Trace detail of the runs compared.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: gloo; cuda: NCCL, one GPU per rank.")
+@click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the runs' traces here.")
+@click.option("--locate/--no-locate", default=True, show_default=True,
+              help="When CHANGED differs, re-run the first differing step of both at trace level op and name the op "
+                   "where the change enters (docs/locate.md).")
+@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Re-runs per side of that step at level op.")
+@click.option("--json", "json_out", is_flag=True,
+              help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files).")
+@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
+def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, level: str, device: str,
+                keep: str | None, locate: bool, locate_repeats: int, json_out: bool, progress: bool | None) -> None:
+    """Tell whether CHANGED computes anything different from BASE, beyond BASE's natural variation.
+
+    BASE and CHANGED are FILE.py:FUNC training functions following the Run protocol (as resume-check's TARGET).
+    Runs BASE, REPEATS control runs of BASE and CHANGED, each from scratch in fresh processes, traced, and
+    judges: no-effect (exit 0), effect (the controls agree, CHANGED differs: the op where the change enters;
+    exit 1), within-variation (exit 0) or beyond-variation (exit 1) for a nondeterministic BASE. Exit 2: could
+    not run.
+    """
+    from ckptverify.render.resume import fail_lines, log_dir_for, render_compare, workload_log_files
+    from ckptverify.resume.change import ChangePlan, compare_change
+
+    log_dir = log_dir_for(keep) if json_out else None
+    try:
+        plan = ChangePlan(base=base, changed=changed, steps=steps, nproc=nproc, repeats=repeats, device=device,
+                          level=level, locate=locate, locate_repeats=locate_repeats)
+        report = compare_change(plan, keep=keep, progress=_say(progress, json_out, tty_only=False, emoji=False),
+                                log_dir=log_dir)
+    except CkptVerifyError as exc:
+        fail_lines(exc, json_out, "compare", f"{base} vs {changed}")
+    if log_dir:
+        report.stats["logs"] = workload_log_files(log_dir)
+    _emit(report, json_out, render=render_compare)
 
 
 @main.command()

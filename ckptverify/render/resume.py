@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     from ckptverify.resume.harness import FigureWriter, Outcome, Plan
 
-__all__ = ["emit_resume", "fail_lines", "log_dir_for", "resume_check", "workload_log_files"]
+__all__ = ["emit_resume", "fail_lines", "log_dir_for", "render_compare", "resume_check", "workload_log_files"]
 
 
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
@@ -100,3 +100,16 @@ def emit_resume(outcome: Any, json_out: bool) -> int:
     style = "bold green" if verdict.passed else "bold red"
     console.print(f"[{style}]{escape(printable(verdict.headline()))}[/]")
     return int(report.exit_code)
+
+
+def render_compare(report: Any, console: Any) -> None:
+    """``compare``'s text output: the findings table, then the verdict (``stats.verdict``) as the last line."""
+    from rich.markup import escape
+
+    from ckptverify.render.report import printable, render_text
+
+    render_text(report, console)
+    verdict = report.stats.get("verdict") or {}
+    style = "bold green" if report.passed else "bold red"
+    line = f"verdict: {verdict.get('kind')} — {verdict.get('sentence')}"
+    console.print(f"[{style}]{escape(printable(line))}[/]")

@@ -163,16 +163,21 @@ def pinned(meta: dict[str, Any], run_dir: str, target: str | None, max_procs: in
 
 def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start: int | None = None,
            end: int | None = None, device: str = "cpu", keep: str | None = None,
-           progress: Callable[[str], None] | None = None, max_procs: int = MAX_PROCS) -> Report:
+           progress: Callable[[str], None] | None = None, max_procs: int = MAX_PROCS, locate: bool = False,
+           locate_repeats: int = 2) -> Report:
     """Replay production steps ``start+1..end`` twice and judge them; see the module docstring.
 
     ``target``: the training function to run (``FILE.py:FUNC`` or ``module:FUNC``), normally the one the run
     directory's ``run.json`` records; required, since a run directory is data (:func:`pinned`). ``max_procs``:
-    the most ranks the replay may start (the recorded world size above it is refused).
+    the most ranks the replay may start (the recorded world size above it is refused). ``locate``: when the
+    verdict is not ``reproduced``, walk the ladder (:mod:`ckptverify.resume.locate`: two replays that differ
+    are re-run at level op, ``locate_repeats`` times each, to name the op where they part; an input cause is
+    an origin of kind ``state``); the ``replay`` command turns it on unless ``--no-locate``.
 
     Returns a report whose ``stats["verdict"]`` has ``kind`` (one of :data:`VERDICTS`), ``step``, ``rank``
     (``None`` unless the evidence singles one out), ``site``, ``host``, ``sentence`` and ``candidate_ranks``
-    (the ranks that could hold the origin of a computed difference; ``None`` for other kinds).
+    (the ranks that could hold the origin of a computed difference; ``None`` for other kinds), and from the
+    walk ``origin``, ``receivers`` and ``locate`` (``None``, ``[]``, ``None`` when it did not run).
     Raises :class:`~ckptverify.errors.UsageError` when ``run_dir`` is not a
     production run directory or the checkpoints cannot be found, and
     :class:`~ckptverify.resume.harness.WorkloadCrashedError` when the workload crashes.
@@ -181,9 +186,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.replay.causes import judge, twin_cause
     from ckptverify.resume.harness import launch_jobs
+    from ckptverify.resume.locate import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.trace.compare import compare_runs, divergences
 
+    if locate_repeats < 1:
+        raise UsageError(f"--locate-repeats must be at least 1, got {locate_repeats}")
     root = os.fspath(run_dir)
     say = progress or (lambda _msg: None)
     began = time.perf_counter()
@@ -199,11 +207,27 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                                 f"({meta['target']}): the replay judges production only as far as they compute "
                                 "the same steps"))
 
+    work: str | None = None
+    replayed_for = [0.0]  # wall seconds of one replay launch: the walk's launches are bounded by it
+
     def done(kind: str, sentence: str, **where: Any) -> Report:
         candidates = where.get("candidate_ranks")
+        located = None
+        if locate and kind not in ("reproduced", "checkpoint-corrupt") and work is not None:
+            say(f"locate: walking down from the verdict {kind}")
+            located = for_replay(kind, step=where.get("step"), rank=where.get("rank"), site=where.get("site"),
+                                 target=workload, start_path=ckpts.start_path, total_steps=total, world=world,
+                                 device=device, repeats=locate_repeats, workdir=os.path.join(work, "locate"),
+                                 progress=say, timeout_s=10 * replayed_for[0] + 60)
+            findings.extend(located.findings())
+            if located.sentence:
+                sentence = f"{sentence}. {located.sentence}"
         verdict = {"kind": kind, "sentence": sentence, "step": where.get("step"), "rank": where.get("rank"),
                    "site": where.get("site"), "host": where.get("host"),
-                   "candidate_ranks": list(candidates) if candidates is not None else None}
+                   "candidate_ranks": list(candidates) if candidates is not None else None,
+                   "origin": dict(located.origin) if located is not None and located.origin is not None else None,
+                   "receivers": [dict(r) for r in located.receivers] if located is not None else [],
+                   "locate": located.to_dict() if located is not None else None}
         stats.update(verdict=verdict, seconds=round(time.perf_counter() - began, 3))
         make = info if kind == "reproduced" else error
         findings.append(make(f"replay-{kind}", sentence, location=Location(
@@ -226,11 +250,11 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     seg_start, segment = max(segs)
     hosts = _hosts(segment)
     steps = range(ckpts.start + 1, ckpts.end + 1)
+    # The job's length, for schedules built from run.total_steps (a replay stops early; they must not change).
+    total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
     work = keep or tempfile.mkdtemp(prefix="ckptverify-replay-")
     try:
         configs = {}
-        # The job's length, for schedules built from run.total_steps (a replay stops early; they must not change).
-        total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
         for name in ("R1", "R2"):
             configs[name] = RunConfig(
                 name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
@@ -244,7 +268,9 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
             # Each replay in its own fresh processes: nondeterminism that depends on the process (hash seeds,
             # allocation order, thread start-up) must show between the two.
             say(f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)")
+            launched = time.perf_counter()
             launch_jobs(world, device, [(workload, configs[name])])
+            replayed_for[0] = max(replayed_for[0], time.perf_counter() - launched)
         r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
         assert r1 is not None and r2 is not None
         twin = [f for f in compare_runs(r1, r2, steps=steps) if f.severity.value == "error"]

@@ -20,9 +20,11 @@ this layer).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,6 +40,7 @@ from ckptverify.resume.launch import (
     spare_cores,
     workload_logs,
 )
+from ckptverify.resume.locate import DEFAULT_REPEATS, Walked, for_resume
 from ckptverify.resume.run import RunConfig, checkpoint_path
 from ckptverify.resume.verdict import Verdict, decide
 
@@ -58,9 +61,17 @@ class Plan:
     level: str = "state"
     runs: tuple[str, ...] = RUN_NAMES
     device: str = "cpu"
+    #: Walk the ladder when the check fails (:mod:`ckptverify.resume.locate`): re-run the first divergent step
+    #: at level op, ``locate_repeats`` times per side, to name the op where the difference is born. Off in the
+    #: API (a caller checking many plans opts in); the ``resume-check`` command turns it on unless
+    #: ``--no-locate``.
+    locate: bool = False
+    locate_repeats: int = DEFAULT_REPEATS
 
     def __post_init__(self) -> None:
         split_target(self.target)
+        if self.locate_repeats < 1:
+            raise UsageError(f"--locate-repeats must be at least 1, got {self.locate_repeats}")
         if not 0 < self.resume_at < self.steps:
             raise UsageError(f"--resume-at must be between 1 and --steps - 1 ({self.steps - 1}), got {self.resume_at}")
         if self.nproc < 1:
@@ -148,6 +159,7 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
             else:
                 say(f"run {name} of {len(jobs[name])} checks")
 
+        began = time.perf_counter()
         if jobs["A2"] and spare_cores(nproc, device):
             # A and A2 are independent: side by side they cost one start-up's wall time, not two.
             announce("A")
@@ -158,6 +170,8 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
                 if jobs[name]:
                     announce(name)
                     launch_jobs(nproc, device, jobs[name])
+        # A launch of the walk that takes far longer than run A did has hung (see ckptverify.resume.locate).
+        run_seconds = time.perf_counter() - began
         if jobs["B"]:
             announce("B")
             launch_jobs(nproc, device, jobs["B"])
@@ -166,7 +180,8 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
             [os.path.abspath(report_dir)] if len(plans) == 1
             else [os.path.join(os.path.abspath(report_dir), str(i)) for i in range(len(plans))])
         return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, log_dir=log_dir, report_dir=page,
-                         figures=figures) for plan, c, root, page in zip(plans, configs, roots, pages, strict=True)]
+                         figures=figures, progress=say, run_seconds=run_seconds)
+                for plan, c, root, page in zip(plans, configs, roots, pages, strict=True)]
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -192,9 +207,14 @@ def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]
 
 
 def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool, verbose: bool,
-             log_dir: str | None, report_dir: str | None, figures: FigureWriter | None) -> Outcome:
+             log_dir: str | None, report_dir: str | None, figures: FigureWriter | None,
+             progress: Callable[[str], None] | None = None, run_seconds: float = 0.0) -> Outcome:
     findings, evidence = compare(configs, steps=plan.steps, resume_at=plan.resume_at, verbose=verbose)
     verdict = decide(plan, evidence)
+    if plan.locate and not verdict.passed:
+        located = _locate(plan, verdict, evidence, configs, root, progress, run_seconds)
+        verdict = dataclasses.replace(verdict, located=located)
+        findings.extend(located.findings())
     findings.append(verdict.finding())
     logs = sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) if log_dir and os.path.isdir(log_dir) else None
     stats = {"steps": plan.steps, "resume_at": plan.resume_at, "nproc": plan.nproc, "level": plan.level,
@@ -206,3 +226,14 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
                                        steps=range(plan.resume_at + 1, plan.steps + 1))
     return Outcome(report=report, verdict=verdict, workdir=root, evidence=evidence,
                    runs={name: os.path.dirname(c.trace_dir or "") for name, c in configs.items()})
+
+
+def _locate(plan: Plan, verdict: Verdict, evidence: Evidence, configs: dict[str, RunConfig], root: str,
+            progress: Callable[[str], None] | None, run_seconds: float) -> Walked:
+    """Walk the ladder below ``verdict`` in ``<root>/locate`` (see :mod:`ckptverify.resume.locate`)."""
+    say = progress or (lambda _msg: None)
+    say(f"locate: walking down from the verdict {verdict.kind}")
+    # Each launch of the walk runs at most the steps run A ran, one of them at level op: ten times A's wall
+    # time (and a minute for start-up) is far past any honest run.
+    return for_resume(plan, verdict, evidence, configs, os.path.join(root, "locate"), progress=say,
+                      timeout_s=10 * run_seconds + 60)

@@ -163,7 +163,8 @@ def workload_logs(log_dir: str) -> Iterator[str]:
         _log_dir = previous
 
 
-def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> None:
+def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
+                timeout_s: float | None = None) -> None:
     """Run each ``(target, config)`` in turn in one set of ``nproc`` fresh processes; raise if any rank fails.
 
     Each target is checked here first (:func:`check_target`), before any process starts. Several jobs share
@@ -171,7 +172,9 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> N
     starts from its own seeds and state. Module-level state of a workload does carry from one job to the
     next, as it would in any long-lived process. Raises :class:`TargetError` (the message: the user's
     traceback or line at fault) when a target cannot run or uses the protocol wrongly, and
-    :class:`WorkloadCrashedError` (the user's traceback) when it raises.
+    :class:`WorkloadCrashedError` (the user's traceback) when it raises. With ``timeout_s``, ranks still
+    running after that many seconds are killed and :class:`WorkloadCrashedError` says so (a walk that re-runs
+    a step must never hang the command that found the divergence).
     """
     import dataclasses
 
@@ -188,9 +191,32 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]]) -> N
         args = (nproc, os.path.join(rendezvous, "store"), _unused_port(),
                 [(target, config.to_json()) for target, config in jobs], backend)
         try:
-            mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")
+            if timeout_s is None:
+                mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")
+            else:
+                _join_within(mp.start_processes(_worker, args=args, nprocs=nproc, join=False,
+                                                start_method="spawn"), timeout_s, jobs)
+        except WorkloadCrashedError:
+            raise
         except Exception as exc:
             _raise_failure(jobs, exc)
+
+
+def _join_within(context: Any, timeout_s: float, jobs: list[tuple[str, RunConfig]]) -> None:
+    """Join the ranks of ``context`` (a ``torch.multiprocessing`` process context); past ``timeout_s`` seconds,
+    kill those still running (only these processes, which this launch started) and raise."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in context.processes:
+                p.join(5)
+            raise WorkloadCrashedError(f"run {jobs[0][1].name} did not finish within {timeout_s:.0f} s; its "
+                                       "processes were stopped", "")
 
 
 def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:

@@ -36,13 +36,16 @@ prints :meth:`Verdict.headline` as its last line. :func:`decide` reads the typed
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ckptverify.findings import Finding, Location, Severity
 from ckptverify.resume import causes
 from ckptverify.resume.causes import RESUME
 from ckptverify.resume.compare import Evidence, StepEvidence
+
+if TYPE_CHECKING:
+    from ckptverify.resume.locate import Walked
 
 
 @dataclass(frozen=True)
@@ -53,30 +56,47 @@ class Verdict:
     rank: int | None = None
     site: str | None = None
     category: str | None = None
+    #: The module where the first divergence originates (level ``module``), ``origin_module`` in JSON.
     origin: str | None = None
     advice: str = ""
+    #: The walk down the ladder (:mod:`ckptverify.resume.locate`), ``None`` when it did not run.
+    located: Walked | None = None
 
     @property
     def passed(self) -> bool:
         return self.kind == "pass"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """``kind``, ``message``, ``step``, ``rank``, ``site``, ``category``, ``advice``, ``origin_module``; and
+        from the walk: ``origin`` (where the difference is born: ``kind`` ``op`` | ``collective`` |
+        ``untraced`` | ``state``, ``rank``, ``step``, ``phase``, ``module``, ``op``, ``occurrence``,
+        ``repeats_differing``; ``None`` when nothing is singled out or no walk ran), ``receivers`` and
+        ``locate`` (the walk's status, sentence, kernel re-run; ``None`` when it did not run)."""
+        loc = self.located
+        return {"kind": self.kind, "message": self.message, "step": self.step, "rank": self.rank,
+                "site": self.site, "category": self.category, "origin_module": self.origin,
+                "advice": self.advice,
+                "origin": dict(loc.origin) if loc is not None and loc.origin is not None else None,
+                "receivers": [dict(r) for r in loc.receivers] if loc is not None else [],
+                "locate": loc.to_dict() if loc is not None else None}
+
+    def _said(self) -> str:
+        located = f" {self.located.sentence}" if self.located is not None and self.located.sentence else ""
+        return self.message + located + (f" What to do: {self.advice}" if self.advice else "")
 
     def headline(self) -> str:
-        """One line: kind, step, rank, category, site, the cause and what to do."""
+        """One line: kind, step, rank, category, site, the cause, where the walk found it born, what to do."""
         where = [f"step {self.step}" if self.step is not None else None,
                  f"rank {self.rank}" if self.rank is not None else None,
                  self.category, self.site]
         head = " · ".join(w for w in where if w)
-        text = f"verdict: {self.kind}" + (f" ({head})" if head else "") + f" — {self.message}"
-        return text + (f" What to do: {self.advice}" if self.advice else "")
+        return f"verdict: {self.kind}" + (f" ({head})" if head else "") + f" — {self._said()}"
 
     def finding(self) -> Finding:
         return Finding(
             check="resume-verdict",
             severity=Severity.INFO if self.passed else Severity.ERROR,
-            message=self.message + (f" What to do: {self.advice}" if self.advice else ""),
+            message=self._said(),
             location=Location(rank=self.rank, fqn=self.site),
             actual=self.to_dict(),
         )

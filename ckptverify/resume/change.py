@@ -1,0 +1,263 @@
+"""``ckptverify compare BASE CHANGED``: does a change to the training function change the run, beyond natural
+variation, and where does it enter?
+
+Both targets follow the Run protocol (``FILE.py:func``, as ``resume-check``'s). Each runs steps 1..N from
+scratch in fresh processes, traced: BASE once plus ``repeats`` control runs (BASE again, each in its own
+processes: they measure the natural variation of the baseline), CHANGED once. Then:
+
+* the controls all equal BASE bitwise (a deterministic baseline):
+
+  - ``no-effect``: CHANGED equals BASE at every traced site of every step (exit 0);
+  - ``effect``: CHANGED differs: the first divergent step, rank and site, and (with ``locate``) the op where the
+    change enters, found by re-running that step of BASE and CHANGED at level op
+    (:mod:`ckptverify.resume.locate`; an op present on one side only is itself the origin) (exit 1);
+
+* some control differs from BASE (a nondeterministic baseline), judged per site (step, rank, site):
+
+  - where BASE and every control agree, CHANGED must equal them: a difference there is *beyond* variation;
+  - where they vary, a number (a metric such as the loss) is within variation when it lies within the controls'
+    range widened by :data:`WIDEN` ranges on each side (``[lo - 3 (hi - lo), hi + 3 (hi - lo)]``); a
+    fingerprint, which has no distance, is within variation whatever its value (the controls already disagree
+    there);
+  - ``within-variation`` when no site is beyond (exit 0), ``beyond-variation`` naming the first site beyond
+    otherwise (exit 1). More ``repeats`` make the spread more representative: a site where a few runs happened
+    to agree is counted as agreeing.
+
+Findings: ``compare-verdict`` (error for ``effect`` and ``beyond-variation``, info otherwise), ``compare-site``
+(each site beyond variation, up to :data:`MAX_SITES`), ``compare-variation`` (info: where the controls vary), and
+the walk's ``locate-*`` findings. ``stats.verdict`` has ``kind``, ``sentence``, ``step``, ``rank``, ``site`` and,
+from the walk, ``origin``, ``receivers`` and ``locate`` (as ``resume-check``'s).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptverify.errors import UsageError
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
+from ckptverify.resume.harness_target import check_target, split_target
+from ckptverify.resume.locate import DEFAULT_REPEATS, Side, Walk, Walked, walk
+from ckptverify.resume.run import LEVELS, RunConfig
+
+__all__ = ["MAX_SITES", "VERDICTS", "WIDEN", "ChangePlan", "compare_change"]
+
+VERDICTS = ("no-effect", "effect", "within-variation", "beyond-variation")
+
+#: Sites beyond variation listed as findings (the count of all of them is in ``stats``).
+MAX_SITES = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChangePlan:
+    """``base`` and ``changed``: the two training functions (``FILE.py:func``); ``steps``: steps each runs;
+    ``repeats``: control runs of ``base``; ``locate``: walk the ladder when they differ (``locate_repeats`` per
+    side)."""
+
+    base: str
+    changed: str
+    steps: int
+    nproc: int = 1
+    repeats: int = 1
+    device: str = "cpu"
+    level: str = "state"
+    locate: bool = True
+    locate_repeats: int = DEFAULT_REPEATS
+
+    def __post_init__(self) -> None:
+        split_target(self.base)
+        split_target(self.changed)
+        if self.steps < 1:
+            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.nproc < 1:
+            raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.repeats < 1:
+            raise UsageError(f"--repeats must be at least 1 (the control runs that measure variation), got "
+                             f"{self.repeats}")
+        if self.locate_repeats < 1:
+            raise UsageError(f"--locate-repeats must be at least 1, got {self.locate_repeats}")
+        # metrics records no state to compare per site; op is what the walk records, in a window of its own.
+        allowed = [x for x in LEVELS if x not in ("metrics", "op")]
+        if self.level not in allowed:
+            raise UsageError(f"--level must be one of {', '.join(allowed)}, got {self.level!r}")
+
+
+_STREAMS = ("rng.", "start.rng.")
+
+#: A number where the baseline runs vary is within variation inside their range widened by this many ranges on
+#: each side: a few runs only sample the spread, so a new draw of the same noise often lands a little outside it.
+WIDEN = 3
+
+
+@dataclass(frozen=True)
+class _Cell:
+    step: int
+    rank: int
+    site: str
+    order: int
+    controls: tuple[Any, ...]
+    changed: Any
+
+    @property
+    def controls_agree(self) -> bool:
+        return len(set(self.controls)) == 1
+
+    def beyond(self) -> bool:
+        if self.site.startswith(_STREAMS) and not self.controls_agree:
+            return False
+        if self.controls_agree:
+            return self.changed != self.controls[0]
+        numbers = [v for v in self.controls if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) == len(self.controls) and isinstance(self.changed, (int, float)):
+            lo, hi = min(numbers), max(numbers)
+            return not lo - WIDEN * (hi - lo) <= self.changed <= hi + WIDEN * (hi - lo)
+        return False
+
+
+def _cells(dirs: list[str], changed: str) -> list[_Cell]:
+    """Every (step, rank, site) recorded by the first run, with its value in each control run and in ``changed``."""
+    from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.store import open_trace
+
+    stores = [run_stores(d) for d in dirs]
+    changed_stores = run_stores(changed)
+    out: list[_Cell] = []
+    for rank in stores[0]:
+        traces = [open_trace(s[rank]) if rank in s else None for s in stores]
+        tc = open_trace(changed_stores[rank]) if rank in changed_stores else None
+        first = traces[0]
+        names = [s.name for s in first.sites]
+        if tc is not None:
+            names += [s.name for s in tc.sites if not first.has_site(s.name)]
+
+        def val(trace: Any, step: int, name: str) -> Any:
+            if trace is None or not trace.has_site(name) or trace.row_index(step) is None:
+                return None
+            return trace.value(step, name)
+
+        for step in sorted(int(s) for s in first.steps):
+            for order, name in enumerate(names):
+                out.append(_Cell(step, rank, name, order, tuple(val(t, step, name) for t in traces),
+                                 val(tc, step, name)))
+    return out
+
+
+def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
+                   log_dir: str | None = None) -> Report:
+    """Run ``plan`` (see the module docstring) and return its report; ``keep``: keep the runs' traces there.
+    Raises :class:`~ckptverify.errors.UsageError` (exit 2) for a target that cannot run, and
+    :class:`~ckptverify.errors.WorkloadCrashedError` when a workload raises."""
+    from ckptverify.resume.launch import launch_jobs
+
+    for target in dict.fromkeys((plan.base, plan.changed)):
+        check_target(target)
+    say = progress or (lambda _msg: None)
+    began = time.perf_counter()
+    work = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-compare-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        names = ["base", *(f"control-{i + 1}" for i in range(plan.repeats)), "changed"]
+        configs: dict[str, RunConfig] = {}
+        for name in names:
+            d = os.path.join(work, name)
+            if os.path.exists(d):
+                shutil.rmtree(d)
+            configs[name] = RunConfig(name=name, stop_step=plan.steps, trace_dir=os.path.join(d, "trace"),
+                                      level=plan.level, workload=plan.changed if name == "changed" else plan.base,
+                                      log_dir=log_dir, trace_detail="tensor")
+        longest = 0.0
+        for name in names:
+            target = plan.changed if name == "changed" else plan.base
+            say(f"run {name}: {target}, steps 1..{plan.steps} on {plan.nproc} rank(s)")
+            t0 = time.perf_counter()
+            # Each run in its own fresh processes: variation that depends on the process must show.
+            launch_jobs(plan.nproc, plan.device, [(target, configs[name])])
+            longest = max(longest, time.perf_counter() - t0)
+        say("comparing")
+        controls = [configs[n].trace_dir or "" for n in names[:-1]]
+        cells = _cells(controls, configs["changed"].trace_dir or "")
+        report = _judge(plan, cells, work, say, timeout_s=10 * longest + 60)
+        report.stats.update(seconds=round(time.perf_counter() - began, 3), workdir=work if keep else None)
+        return report
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str], None], *,
+           timeout_s: float) -> Report:
+    findings: list[Finding] = []
+    varying = [c for c in cells if not c.controls_agree]
+    streams = sorted({c.site.removeprefix("start.") for c in varying if c.site.startswith(_STREAMS)})
+    # A random stream that varies while no value computed from it does is an unseeded generator the job never
+    # draws from (Python's or numpy's, seeded from the OS): not variation of the computation.
+    varying = [c for c in varying if not c.site.startswith(_STREAMS)]
+    if streams and not varying:
+        findings.append(info("compare-rng-unused", f"unused random stream(s) differ between the baseline runs: "
+                             f"{', '.join(streams)} (no traced value depends on them)"))
+    beyond = sorted((c for c in cells if c.beyond()), key=lambda c: (c.step, c.rank, c.order))
+    coverage = (CheckCoverage(check="compare-sites", count=len(cells), unit="site-steps"),)
+    stats: dict[str, Any] = {"base": plan.base, "changed": plan.changed, "steps": plan.steps, "nproc": plan.nproc,
+                             "repeats": plan.repeats, "level": plan.level, "sites_compared": len(cells),
+                             "sites_varying": len(varying), "sites_beyond": len(beyond)}
+    if varying:
+        first = min(varying, key=lambda c: (c.step, c.rank, c.order))
+        findings.append(info("compare-variation", f"the baseline is not deterministic: its {plan.repeats + 1} runs "
+                             f"differ at {len(varying)} site-step(s), first at step {first.step}, rank {first.rank}, "
+                             f"{first.site}; the change is judged against that spread", location=Location(
+                                 rank=first.rank, fqn=first.site), actual={"step": first.step}))
+    first = beyond[0] if beyond else None
+    if first is None:
+        kind = "within-variation" if varying else "no-effect"
+        sentence = (f"{plan.changed} stays within the natural variation of {plan.base} ({plan.repeats + 1} runs) at "
+                    f"every traced site of steps 1..{plan.steps}" if varying else
+                    f"{plan.changed} is bitwise equal to {plan.base} at every traced site of steps 1..{plan.steps} "
+                    f"({plan.repeats + 1} baseline runs agree): the change has no effect on what is traced")
+        return _report(plan, findings, coverage, stats, kind, sentence, None, None)
+    for c in beyond[:MAX_SITES]:
+        spread = "equal in every baseline run" if c.controls_agree else "beyond the baseline runs' spread"
+        findings.append(error("compare-site", f"step {c.step}, rank {c.rank}: {c.site} differs ({spread})",
+                              location=Location(rank=c.rank, fqn=c.site),
+                              expected=c.controls[0] if c.controls_agree else list(c.controls),
+                              actual=c.changed))
+    kind = "beyond-variation" if varying else "effect"
+    where = f"step {first.step}, rank {first.rank}, site {first.site}"
+    sentence = (f"{plan.changed} differs from {plan.base} first at {where}, where every baseline run agrees"
+                if kind == "effect" else
+                f"{plan.changed} leaves the natural variation of {plan.base} first at {where} "
+                f"({len(beyond)} site-step(s) beyond it)")
+    located = None
+    if plan.locate:
+        say(f"locate: walking down from the verdict {kind}")
+        located = walk(Walk(step=first.step, sides=(Side(name="base", target=plan.base, total_steps=plan.steps),
+                                                    Side(name="changed", target=plan.changed,
+                                                         total_steps=plan.steps)),
+                            nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats, timeout_s=timeout_s,
+                            # the traces agree before this step: both start it from equal traced state
+                            state_equal=True),
+                       os.path.join(work, "locate"), progress=say)
+        findings.extend(located.findings())
+    return _report(plan, findings, coverage, stats, kind, sentence, first, located)
+
+
+def _report(plan: ChangePlan, findings: list[Finding], coverage: tuple[CheckCoverage, ...], stats: dict[str, Any],
+            kind: str, sentence: str, first: _Cell | None, located: Walked | None) -> Report:
+    if located is not None and located.sentence:
+        sentence = f"{sentence}. {located.sentence}"
+    elif not sentence.endswith("."):
+        sentence += "."
+    make = error if kind in ("effect", "beyond-variation") else info
+    findings.append(make("compare-verdict", sentence, location=Location(
+        rank=first.rank if first else None, fqn=first.site if first else None)))
+    stats["verdict"] = {"kind": kind, "sentence": sentence, "step": first.step if first else None,
+                        "rank": first.rank if first else None, "site": first.site if first else None,
+                        "origin": dict(located.origin) if located is not None and located.origin else None,
+                        "receivers": [dict(r) for r in located.receivers] if located is not None else [],
+                        "locate": located.to_dict() if located is not None else None}
+    return Report(command="compare", target=f"{plan.base} vs {plan.changed}", findings=tuple(findings),
+                  coverage=coverage, stats=stats)

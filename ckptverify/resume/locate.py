@@ -1,0 +1,371 @@
+"""The automatic walk down the ladder: from the step where two runs part to the op (and kernel) where it begins.
+
+When ``resume-check`` or ``replay`` has found the first divergent step ``s`` (and ``compare`` the first step
+where a change shows), the broad trace has said *where* the runs part; this module re-runs that step at trace
+level ``op`` to say where the difference is *born*:
+
+1. **state first.** A difference in what the step starts from (a restored field, a random stream, a
+   hyperparameter, the batch) is named as it is: origin kind ``"state"``, no re-run (an op walk could only
+   rediscover an input that already differs).
+2. **re-run step s at level op.** Each side is re-run from the nearest point before ``s`` whose state is proved
+   equal on both sides, with the op window on step ``s`` only, ``repeats`` times per side, every repeat in
+   fresh processes (nondeterminism that depends on the process, such as hash seeds or thread start-up, must be
+   able to show between repeats). The points, per kind of divergence:
+
+   * two continuous runs differ (``nondeterministic``): both sides are the same continuous run. If ``s`` is
+     after the checkpoint of step K, both re-run K+1..s from it (the runs were equal up to ``s``, so the state at
+     K is the state both started step K+1 from); else both re-run 1..s from scratch;
+   * the resumed run differs from the continuous one: side A re-runs 1..s from scratch (it is what a resume is
+     compared with; no checkpoint can stand in for it), side B resumes from A's checkpoint K and runs K+1..s;
+   * two replays differ: both sides replay from the production checkpoint to ``s``;
+   * ``compare``: the baseline and the changed function, each from scratch, 1..s.
+
+   Steps before ``s`` run untraced at op level (the window is on ``s`` alone), so the walk's cost is ``s``
+   ordinary steps plus one op-traced step per repeat and side.
+3. **per rank**, in its own execution order, the analysis of ``ckptverify.trace.locate`` finds the origin (the
+   first op whose inputs are equal and outputs differ, and in how many repeats), the receivers (ranks whose
+   first difference arrived through a collective or a receive, with the senders) or an untraced producer.
+4. **the kernel.** For an origin op, one more run on side A captures that op's inputs
+   (:class:`~ckptverify.trace.oplog.OpWindow` ``capture``) and :mod:`ckptverify.trace.kernel` re-runs it alone
+   ``repeats`` times: nondeterministic by itself (with the documented mechanism where torch names one), or
+   deterministic alone (the cause is the order or topology around it).
+
+The walk never decides the verdict already reached: it adds to it. A failure of the walk (a crash, a run that
+exceeds its time limit, an op log that cannot be read) is reported as ``status: "failed"`` with the reason, and
+the verdict stands.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ckptverify.errors import UsageError
+from ckptverify.findings import Finding, Location, info, warning
+
+__all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
+           "skipped", "state_origin", "walk"]
+
+#: Repeats per side when the caller does not say (``--locate-repeats``).
+DEFAULT_REPEATS = 2
+
+#: Verdict kinds whose cause is in what the step starts from: named as origin kind ``"state"``, no re-run.
+STATE_KINDS = ("restore-mismatch", "rng", "changed-after-restore", "changed-after-save", "scheduler", "data")
+
+#: Verdict kinds whose step is re-run at level ``op``: the difference is computed within the step.
+WALK_KINDS = ("nondeterministic", "hidden-state", "unregistered-state", "diverged", "effect", "beyond-variation")
+
+#: The least time a re-run may take before it counts as hung (seconds); see :func:`walk`.
+MIN_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Side:
+    """One side of the divergence as it is re-run: ``name`` (``A``, ``B``, ``R``, ``base``, ``changed``), the
+    training function ``target``, the checkpoint it resumes from (``None``: from scratch) and the job's length
+    ``total_steps`` (so schedules built from ``run.total_steps`` are those of the run that diverged)."""
+
+    name: str
+    target: str
+    resume_from: str | None = None
+    total_steps: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Walk:
+    """What to re-run: step ``step`` of both ``sides`` on ``nproc`` ranks of ``device``, ``repeats`` times per
+    side, with the op window on that step (and on ``ranks``, all when ``None``). ``timeout_s``: the longest one
+    launch may take before it counts as hung (``None``: :data:`MIN_TIMEOUT_S`)."""
+
+    step: int
+    sides: tuple[Side, Side]
+    nproc: int = 1
+    device: str = "cpu"
+    repeats: int = DEFAULT_REPEATS
+    ranks: tuple[int, ...] | None = None
+    timeout_s: float | None = None
+    #: Whether the state both sides start step ``step`` from is proved equal (the traces agree up to it and
+    #: every saved field is restored); ``None``: not known (state outside the TrainState may differ). It tells
+    #: an untraced producer from a difference in the starting state.
+    state_equal: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise UsageError(f"--locate-repeats must be at least 1, got {self.repeats}")
+        if self.step < 1:
+            raise UsageError(f"the step to locate must be at least 1, got {self.step}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Walked:
+    """What the walk found. ``status``: ``located`` (an origin), ``clean`` (the re-run sides agree at op level:
+    no origin), ``state`` (the origin is in the state the step starts from), ``skipped`` (no walk: ``reason``),
+    ``failed`` (the walk could not finish: ``reason``). ``origin`` and ``receivers``: the issue's JSON shapes
+    (``None`` / empty when nothing is singled out); ``sentence``: the one sentence the text verdict adds;
+    ``kernel``: the kernel re-run of an origin op (``None`` when not run); ``repeats``: repeats per side;
+    ``within_side``: a side whose own repeats already differ (nondeterminism within one side)."""
+
+    status: str
+    sentence: str = ""
+    origin: Mapping[str, Any] | None = None
+    receivers: tuple[Mapping[str, Any], ...] = ()
+    kernel: Mapping[str, Any] | None = None
+    reason: str | None = None
+    step: int | None = None
+    repeats: int | None = None
+    within_side: bool | None = None
+    seconds: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    #: The findings of the analysis and of the kernel re-run, when the walk ran.
+    found: tuple[Finding, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"status", "sentence", "reason", "step", "repeats", "within_side", "kernel", "seconds", ...}``:
+        the walk as ``stats.verdict.locate``; ``origin`` and ``receivers`` go to ``stats.verdict`` itself."""
+        out = {"status": self.status, "sentence": self.sentence, "reason": self.reason, "step": self.step,
+               "repeats": self.repeats, "within_side": self.within_side, "kernel": dict(self.kernel) if self.kernel
+               else None, "seconds": self.seconds}
+        out.update(self.extra)
+        return out
+
+    def findings(self) -> list[Finding]:
+        """The walk in the findings vocabulary. A walk that ran gives the analysis' own findings
+        (``locate-origin``, ``locate-receiver``, ``locate-nondeterministic``, ``locate-clean``: see
+        :meth:`ckptverify.trace.locate.Located.findings`) and the kernel re-run's (``kernel-nondeterministic`` /
+        ``kernel-deterministic``); a ``state`` origin is ``locate-origin``; a walk not run is ``locate-skipped``
+        (info) and one that could not finish ``locate-failed`` (a warning: the verdict stands). They explain a
+        verdict the check already reached, so none is an error."""
+        if self.found:
+            return list(self.found)
+        o = self.origin
+        if self.status == "state" and o is not None:
+            return [info("locate-origin", self.sentence, location=Location(rank=o.get("rank"), fqn=o.get("site")),
+                         actual=dict(o))]
+        if self.status == "failed":
+            return [warning("locate-failed", self.sentence)]
+        if self.status == "skipped":
+            return [info("locate-skipped", self.sentence)]
+        return []
+
+
+def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None) -> Walked:
+    """The origin of a divergence whose cause is in the state a step starts from (verdict ``kind`` in
+    :data:`STATE_KINDS`): origin kind ``"state"`` at ``site`` (the restored field, the random stream, the
+    hyperparameter, the batch), with no re-run."""
+    origin = {"kind": "state", "rank": rank, "step": step, "phase": None, "module": None, "op": None,
+              "occurrence": None, "repeats_differing": None, "site": site}
+    where = f" on rank {rank}" if rank is not None else ""
+    at = f"step {step}" if step is not None else "the restore"
+    sentence = (f"The difference is born in the state {at} starts from ({site or kind}{where}), before any op of "
+                "the step runs: the op walk is not needed.")
+    return Walked(status="state", sentence=sentence, origin=origin, step=step)
+
+
+def skipped(reason: str, *, step: int | None = None) -> Walked:
+    return Walked(status="skipped", sentence=f"Not located: {reason}.", reason=reason, step=step)
+
+
+Launcher = Callable[[int, str, list[tuple[str, Any]], float], None]
+
+
+def _launch(nproc: int, device: str, jobs: list[tuple[str, Any]], timeout_s: float) -> None:
+    from ckptverify.resume.launch import launch_jobs
+
+    launch_jobs(nproc, device, jobs, timeout_s=timeout_s)
+
+
+def walk(request: Walk, workdir: str, *, progress: Callable[[str], None] | None = None,
+         launcher: Launcher | None = None) -> Walked:
+    """Re-run step ``request.step`` of both sides at level ``op`` and locate where the difference is born (see
+    the module docstring). Works in ``workdir`` (created; the caller removes it). Never raises for a failure of
+    the walk itself: it comes back as ``status: "failed"`` with the reason. ``launcher`` replaces
+    :func:`ckptverify.resume.launch.launch_jobs` (``(nproc, device, jobs, timeout_s)``)."""
+    say = progress or (lambda _msg: None)
+    began = time.perf_counter()
+    try:
+        located = _walk(request, workdir, say, launcher or _launch)
+    except Exception as exc:  # the verdict stands; the walk says why it stopped
+        reason = _reason(exc)
+        located = Walked(status="failed", reason=reason, step=request.step, repeats=request.repeats,
+                          sentence=f"The op-level walk of step {request.step} could not finish: {reason}. The "
+                          "verdict above stands; re-run with --keep to inspect the re-runs' traces.")
+    return replace(located, seconds=round(time.perf_counter() - began, 3))
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launcher) -> Walked:
+    from dataclasses import asdict
+
+    from ckptverify.resume.run import RunConfig
+    from ckptverify.trace.oplog import OpWindow, read_ops
+
+    s, n = request.step, request.repeats
+    timeout = max(MIN_TIMEOUT_S, request.timeout_s or 0.0)
+    os.makedirs(workdir, exist_ok=True)
+    window = OpWindow(steps=(s,), ranks=request.ranks)
+
+    def config(side: Side, tag: str, win: OpWindow) -> RunConfig:
+        d = os.path.join(workdir, tag)
+        if os.path.exists(d):
+            shutil.rmtree(d)
+        return RunConfig(name=tag, stop_step=s, total_steps=side.total_steps, resume_from=side.resume_from,
+                         trace_dir=os.path.join(d, "trace"), level="op", workload=side.target,
+                         trace_detail="tensor", op_window=asdict(win))
+
+    logs: dict[str, dict[int, list[list[Any]]]] = {}
+    for side in request.sides:
+        logs[side.name] = {}
+    for r in range(n):
+        for side in request.sides:
+            start = f"from {os.path.basename(side.resume_from)}" if side.resume_from else "from scratch"
+            say(f"locate: step {s} at level op, side {side.name} ({start}), repeat {r + 1} of {n}")
+            cfg = config(side, f"{side.name}-{r}", window)
+            launch(request.nproc, request.device, [(side.target, cfg)], timeout)
+            for rank in range(request.nproc):
+                if request.ranks is not None and rank not in request.ranks:
+                    continue
+                ops = read_ops(cfg.trace_dir, rank, s)
+                logs[side.name].setdefault(rank, []).append(list(ops))
+    say(f"locate: comparing the op logs of step {s}")
+    a, b = (logs[side.name] for side in request.sides)
+    result = _analyse(a, b, s, request.state_equal)
+    data = result.to_dict()
+    origin, receivers = data.get("origin"), tuple(data.get("receivers") or ())
+    within = _within_side(result)
+    extra = {k: data[k] for k in ("origins", "one_side", "output", "last_equal", "within_side", "missing")
+             if k in data}
+    found = tuple(result.findings())
+    if origin is None and not receivers:
+        sentence = (f"At level op, the {n} re-run(s) of each side agree at step {s}: the difference does not "
+                    f"reproduce when the step is re-run alone ({result.sentence()})")
+        return Walked(status="clean", sentence=sentence, step=s, repeats=n, within_side=within, extra=extra,
+                      found=found)
+    if origin is None:
+        return Walked(status="located", sentence=result.sentence(), receivers=receivers, step=s, repeats=n,
+                      within_side=within, extra=extra, found=found)
+    kernel = None
+    if origin.get("kind") == "op" and origin.get("op"):
+        # An op that ran on one side only is captured on that side.
+        side = request.sides[1] if data.get("one_side") == "b" else request.sides[0]
+        kernel, kernel_finding = _kernel(request, side, origin, workdir, say, launch, timeout, config)
+        if kernel_finding is not None:
+            found += (kernel_finding,)
+    sentence = result.sentence()
+    if kernel and kernel.get("sentence"):
+        sentence = f"{sentence} {kernel['sentence']}"
+    return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
+                  step=s, repeats=n, within_side=within, extra=extra, found=found)
+
+
+def _analyse(a: Mapping[int, list[list[Any]]], b: Mapping[int, list[list[Any]]], step: int,
+             state_equal: bool | None) -> Any:
+    """The per-rank analysis (``ckptverify.trace.locate``) over the two sides' op logs."""
+    from ckptverify.trace import locate as analysis
+
+    return analysis.locate(a, b, step=step, state_equal=state_equal)
+
+
+def _within_side(result: Any) -> bool | None:
+    value = getattr(result, "within_side", None)
+    return None if value is None else bool(value)
+
+
+def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, say: Callable[[str], None],
+            launch: Launcher, timeout: float, config: Callable[..., Any]
+            ) -> tuple[dict[str, Any] | None, Finding | None]:
+    """Capture the origin op's inputs in one more run of ``side`` and re-run the op alone: the kernel entry of
+    ``stats.verdict.locate`` and the re-run's finding. A failure here is said in the kernel entry (a
+    ``locate-kernel-failed`` warning); the origin found stands."""
+    from ckptverify.trace.oplog import OpWindow
+
+    s, rank = request.step, origin.get("rank")
+    if rank is None:
+        return {"status": "not-captured", "sentence": f"{origin.get('op')} is an origin on several ranks on their "
+                "own; its kernel was not re-run alone (capture it on one rank to tell)."}, None
+    key = (s, origin.get("phase"), origin.get("module"), origin.get("op"), origin.get("occurrence"))
+    path = os.path.join(workdir, "capture", f"op-rank{rank}.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    say(f"locate: capturing the inputs of {origin.get('op')} (rank {rank}) and re-running it alone "
+        f"{request.repeats} times")
+    try:
+        win = OpWindow(steps=(s,), ranks=(rank,), capture=key, capture_path=path)  # type: ignore[arg-type]
+        launch(request.nproc, request.device, [(side.target, config(side, "capture", win))], timeout)
+        if not os.path.exists(path):
+            text = (f"The inputs of {origin.get('op')} were not captured in a further run (its key did not recur), "
+                    "so the kernel was not re-run alone.")
+            return {"status": "not-captured", "sentence": text}, warning("locate-kernel-failed", text)
+        from ckptverify.trace.kernel import rerun
+
+        verdict = rerun(path, runs=max(2, request.repeats), device=request.device)
+        out = dict(verdict.to_dict())
+        out.setdefault("sentence", verdict.sentence())
+        return out, verdict.finding()
+    except Exception as exc:
+        text = f"The origin op could not be re-run alone ({_reason(exc)})."
+        return {"status": "failed", "sentence": text}, warning("locate-kernel-failed", text)
+
+
+# --------------------------------------------------------------------------- the walks the commands take
+
+
+def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any], workdir: str, *,
+               progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
+               launcher: Launcher | None = None) -> Walked:
+    """The walk of a ``resume-check`` whose ``verdict`` failed. ``configs``: the runs made (``A``, ``A2``,
+    ``B``); ``plan``: its :class:`~ckptverify.resume.harness.Plan` (``locate_repeats``)."""
+    kind = verdict.kind
+    if kind in STATE_KINDS:
+        step = plan.resume_at if kind == "restore-mismatch" else verdict.step
+        return state_origin(kind=kind, step=step, rank=verdict.rank, site=verdict.site)
+    if kind not in WALK_KINDS or verdict.step is None or verdict.category in ("final", "held-state"):
+        return skipped("the verdict names no traced step whose computation differs (it is in "
+                       f"{verdict.category or kind}), so there is no step to re-run at level op", step=verdict.step)
+    from ckptverify.resume.run import checkpoint_path
+
+    s, K, T = verdict.step, plan.resume_at, plan.steps
+    a_ckpt = configs["A"].checkpoint_dir
+    nd = getattr(evidence, "nondeterminism", None)
+    # Two continuous runs that agree up to s start it from equal state; a resumed run that parts from A may
+    # start it from state outside the TrainState that differs (what hidden-state verdicts are about).
+    state_equal: bool | None = None
+    if kind == "nondeterministic" or (nd is not None and getattr(nd, "step", None) == s):
+        start = checkpoint_path(a_ckpt, K) if s > K else None
+        sides = (Side(name="A", target=plan.target, resume_from=start, total_steps=T),
+                 Side(name="A2", target=plan.target, resume_from=start, total_steps=T))
+        state_equal = True
+    else:
+        sides = (Side(name="A", target=plan.target, total_steps=T),
+                 Side(name="B", target=plan.target, resume_from=checkpoint_path(a_ckpt, K), total_steps=T))
+    request = Walk(step=s, sides=sides, nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats,
+                   timeout_s=timeout_s, state_equal=state_equal)
+    return walk(request, workdir, progress=progress, launcher=launcher)
+
+
+def for_replay(kind: str, *, step: int | None, rank: int | None, site: str | None, target: str,
+               start_path: str, total_steps: int | None, world: int, device: str, repeats: int, workdir: str,
+               progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
+               launcher: Launcher | None = None) -> Walked:
+    """The walk of a ``replay`` whose verdict is ``kind``: two replays that differ are re-run at level op from
+    the production checkpoint ``start_path``; an input cause is a ``state`` origin; a difference between
+    production and the replays cannot be walked (production recorded no op log) and says so."""
+    if kind in STATE_KINDS:
+        return state_origin(kind=kind, step=step, rank=rank, site=site)
+    if kind != "nondeterministic" or step is None:
+        why = {"hardware-fault-suspected": "production recorded no op log to compare the replays' with, and the "
+               "replays agree with each other; to locate the op, run the job with an op window on the suspected "
+               "step (trace level op) and replay again",
+               "undetermined": "the evidence does not single out a step and rank to re-run"}
+        return skipped(why.get(kind, f"a {kind} verdict has no computed step to re-run at level op"), step=step)
+    sides = (Side(name="R1", target=target, resume_from=start_path, total_steps=total_steps),
+             Side(name="R2", target=target, resume_from=start_path, total_steps=total_steps))
+    request = Walk(step=step, sides=sides, nproc=world, device=device, repeats=repeats, timeout_s=timeout_s,
+                   state_equal=True)
+    return walk(request, workdir, progress=progress, launcher=launcher)
