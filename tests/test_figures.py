@@ -26,7 +26,8 @@ def test_report_page_has_valid_figures_and_marks_the_origin(tmp_path):
     import matplotlib.image
 
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["resume-check", "ckptverify.examples.planted:parent_forward", "--steps", "4",
+    result = CliRunner().invoke(main, ["resume-check", "--no-locate", "ckptverify.examples.planted:parent_forward",
+                                       "--steps", "4",
                                        "--resume-at", "2", "--runs", "A,B", "--level", "module",
                                        "--report", str(out)])
     assert result.exit_code == 1, result.output

@@ -63,7 +63,7 @@ def _step_lines(out: str) -> dict[str, list[int]]:
 def test_resume_check_runs_a_script_with_its_own_dataset_and_spawned_workers_and_labels_its_lines(tmp_path):
     """DataLoader workers started by spawn (the default inside the harness's ranks) unpickle the script's own
     Dataset class; A and A2 run side by side, and every line of theirs and B's says whose it is."""
-    done = _cli("resume-check", f"{AUGMENT}:train", "--steps", "4", "--resume-at", "2", cwd=tmp_path)
+    done = _cli("resume-check", "--no-locate", f"{AUGMENT}:train", "--steps", "4", "--resume-at", "2", cwd=tmp_path)
     _no_crash(done)
     assert "verdict:" in done.stdout
     steps = _step_lines(done.stdout)
@@ -73,7 +73,7 @@ def test_resume_check_runs_a_script_with_its_own_dataset_and_spawned_workers_and
 
 @pytest.mark.slow
 def test_resume_check_runs_the_script_under_ddp_on_two_ranks(tmp_path):
-    done = _cli("resume-check", f"{AUGMENT}:train", "--steps", "3", "--resume-at", "1", "--nproc", "2",
+    done = _cli("resume-check", "--no-locate", f"{AUGMENT}:train", "--steps", "3", "--resume-at", "1", "--nproc", "2",
                 "--runs", "A,B", "--level", "metrics", cwd=tmp_path)
     _no_crash(done)
     assert "verdict:" in done.stdout
@@ -104,7 +104,7 @@ def test_replay_of_a_production_run_of_the_script_gives_a_verdict_and_json_stays
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "step 4 loss" in job.stdout
-    done = _cli("replay", str(run), "--json", "--target", f"{AUGMENT.resolve()}:train", cwd=tmp_path)
+    done = _cli("replay", "--no-locate", str(run), "--json", "--target", f"{AUGMENT.resolve()}:train", cwd=tmp_path)
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)  # the script's prints are not in it
     assert report["stats"]["verdict"]["kind"] in REPLAY_VERDICTS
@@ -189,7 +189,8 @@ def test_usage_errors_come_before_any_process_starts_as_the_users_traceback(case
         assert part in message, message
     assert OURS not in message and not (tmp_path / "work").exists()
 
-    done = _cli("resume-check", target, "--steps", "3", "--resume-at", "1", "--keep", str(tmp_path / "work"),
+    done = _cli("resume-check", "--no-locate", target, "--steps", "3", "--resume-at", "1",
+                "--keep", str(tmp_path / "work"),
                 cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.splitlines()
@@ -198,7 +199,7 @@ def test_usage_errors_come_before_any_process_starts_as_the_users_traceback(case
         assert any(line.startswith(f'  File "{script}", line ') for line in lines), done.stderr
     assert "\\n" not in done.stderr and OURS not in done.stderr and done.stdout == ""
     assert not (tmp_path / "work").exists()  # no run was started
-    json_done = _cli("resume-check", target, "--steps", "3", "--resume-at", "1", "--json", cwd=tmp_path)
+    json_done = _cli("resume-check", "--no-locate", target, "--steps", "3", "--resume-at", "1", "--json", cwd=tmp_path)
     assert json_done.returncode == 2 and json.loads(json_done.stdout)["error"] == message
 
 
@@ -238,7 +239,8 @@ def test_a_crash_shows_the_users_traceback_on_several_lines_without_the_harness(
     assert text.startswith("the workload crashed in run A (rank 0):\nTraceback (most recent call last):\n"
                            f'  File "{script}", line 7, in train\n'), text
     assert "ZeroDivisionError: division by zero" in text and OURS not in text
-    done = _cli("resume-check", f"{script}:train", "--steps", "3", "--resume-at", "1", "--runs", "A", cwd=tmp_path)
+    done = _cli("resume-check", "--no-locate", f"{script}:train", "--steps", "3", "--resume-at", "1", "--runs", "A",
+                cwd=tmp_path)
     assert done.returncode == 2 and "\\n" not in done.stderr
     assert f'  File "{script}", line 3, in forward' in done.stderr.splitlines(), done.stderr
 

@@ -35,12 +35,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_replay_without_a_named_target_runs_nothing_and_says_what_run_json_records(tmp_path: Path) -> None:
     run, mark = _run_dir(tmp_path)
-    done = _cli("replay", str(run))
+    done = _cli("replay", "--no-locate", str(run))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "a run directory is data" in done.stderr.lower() and f"--target {tmp_path / 'planted.py'}:train" in (
         done.stderr.replace("\n", " ").replace("  ", " ")), done.stderr
     assert "Traceback" not in done.stderr and not mark.exists()
-    as_json = _cli("replay", str(run), "--json")
+    as_json = _cli("replay", "--no-locate", str(run), "--json")
     assert as_json.returncode == 2 and "--target" in json.loads(as_json.stdout)["error"] and not mark.exists()
     with pytest.raises(UsageError, match="A run directory is data"):
         replay(run)
@@ -52,7 +52,7 @@ def test_a_world_size_that_is_no_bounded_rank_count_is_refused_before_anything_r
                                                                                     world: object) -> None:
     run, mark = _run_dir(tmp_path, world_size=world)
     target = f"{tmp_path / 'planted.py'}:train"
-    done = _cli("replay", str(run), "--target", target)
+    done = _cli("replay", "--no-locate", str(run), "--target", target)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "world size" in done.stderr and "Traceback" not in done.stderr and not mark.exists()
     with pytest.raises(UsageError, match="world size"):
@@ -61,5 +61,5 @@ def test_a_world_size_that_is_no_bounded_rank_count_is_refused_before_anything_r
 
 def test_max_procs_bounds_the_ranks_a_replay_starts(tmp_path: Path) -> None:
     run, mark = _run_dir(tmp_path, world_size=8)
-    done = _cli("replay", str(run), "--target", f"{tmp_path / 'planted.py'}:train", "--max-procs", "4")
+    done = _cli("replay", "--no-locate", str(run), "--target", f"{tmp_path / 'planted.py'}:train", "--max-procs", "4")
     assert done.returncode == 2 and "more than the 4 allowed" in done.stderr and not mark.exists()

@@ -61,7 +61,8 @@ def test_a_crashing_workload_is_exit_2_with_its_traceback(tmp_path):
     """))
     with pytest.raises(WorkloadCrashedError, match="the workload fell over"):
         resume_check(Plan(target=f"{script}:train", steps=3, resume_at=1, runs=("A",)))
-    result = CliRunner().invoke(main, ["resume-check", f"{script}:train", "--steps", "3", "--resume-at", "1"])
+    result = CliRunner().invoke(main, ["resume-check", "--no-locate", f"{script}:train", "--steps", "3",
+                                       "--resume-at", "1"])
     assert result.exit_code == 2
     assert "the workload fell over" in result.output
 
@@ -131,7 +132,8 @@ def test_a_torchrun_style_script_adopts_unchanged_and_json_stdout_stays_clean(tm
             dist.destroy_process_group()
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-m", "ckptverify", "resume-check", f"{project / 'train.py'}:train",
+    done = subprocess.run([sys.executable, "-m", "ckptverify", "resume-check", "--no-locate",
+                           f"{project / 'train.py'}:train",
                            "--steps", "3", "--resume-at", "1", "--runs", "A,B", "--nproc", "2", "--json",
                            "--keep", str(tmp_path / "work")], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=300)
@@ -147,7 +149,8 @@ def test_a_torchrun_style_script_adopts_unchanged_and_json_stdout_stays_clean(tm
 def test_text_output_ends_with_the_verdict_and_escapes_names(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("from ckptverify.examples.workloads import data_not_restored as train\n")
-    result = CliRunner().invoke(main, ["resume-check", f"{script}:train", "--steps", "4", "--resume-at", "2",
+    result = CliRunner().invoke(main, ["resume-check", "--no-locate", f"{script}:train", "--steps", "4",
+                                       "--resume-at", "2",
                                        "--runs", "A,B"])
     assert result.exit_code == 1, result.output
     out = result.output
