@@ -313,3 +313,18 @@ def test_resume_check_reports_a_recompute_mismatch_of_its_own_run(monkeypatch):
     assert found and all(f.message.startswith("[A recompute]") for f in found)
     assert {f.location.fqn for f in found} >= {"blocks.0.drop", "blocks.1.drop"}
     assert outcome.report.exit_code == 1
+
+
+def test_each_op_of_the_window_runs_in_an_nvtx_range_named_for_its_site(tmp_path, monkeypatch):
+    from ckptverify.trace import kernel
+
+    pushed, depth = [], []
+    monkeypatch.setattr(kernel, "nvtx_enabled", lambda: True)
+    monkeypatch.setattr(kernel, "_nvtx_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: (pushed.append(name), depth.append(1)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: depth.pop())
+    _run(tmp_path / "n", window={"steps": [2], "modules": ["blocks.1"]}, steps=2)
+    events = read_ops(tmp_path / "n", 0, 2)
+    names = {kernel.site_name(e.key) for e in events}
+    assert events and names <= set(pushed) and not depth  # every recorded op inside its range; all closed
+    assert all(name.startswith("step2/") for name in pushed)  # nothing outside the window

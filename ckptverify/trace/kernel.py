@@ -47,6 +47,7 @@ __all__ = [
     "KernelVerdict",
     "load_capture",
     "mechanism_of",
+    "nvtx_enabled",
     "nvtx_site",
     "rerun",
     "resolve_op",
@@ -115,6 +116,11 @@ def _nvtx_enabled() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def nvtx_enabled() -> bool:
+    """Whether :func:`nvtx_site` pushes ranges in this process (CUDA is there; asked once)."""
+    return _nvtx_enabled()
 
 
 @contextmanager

@@ -223,6 +223,7 @@ class StepTracer:
         #: flight). A c10d op's buffers are not: its ``Work`` is waited on out of sight, and what reads them
         #: afterwards (DDP copying a bucket into the gradients) reads them complete.
         self._flying: set[int] = set()
+        self._nvtx = False
 
     # -------------------------------------------------------------- window
 
@@ -247,6 +248,12 @@ class StepTracer:
 
         self.step = step
         self.ops_on = self._in_window(step)
+        if self.ops_on:
+            from ckptverify.trace.kernel import nvtx_enabled
+
+            # On CUDA each op of the window runs inside an NVTX range named for its site, so that `nsys` maps the
+            # kernels it launches to the site (docs/locate.md, "Kernel and mechanism").
+            self._nvtx = nvtx_enabled()
         self.events = []
         self.dropped = 0
         self._occ.clear()
@@ -411,7 +418,15 @@ class StepTracer:
             read = {k: v for k, v in kwargs.items() if k not in outs_named} if outs_named else kwargs
             flying = self._flying
             ins = [None if id(t) in flying else digest(t) for t in _leaves((args, read))]
-        out = func(*args, **kwargs) if already is None else already
+        if already is not None:
+            out = already
+        elif self._nvtx:
+            from ckptverify.trace.kernel import nvtx_site, site_name
+
+            with nvtx_site(site_name((self.step, phase, module, op, occ))):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         results = _leaves(out)
         if comm is not None:
             outs: list[Any] = [None] * len(results)  # in flight: taken at completion
