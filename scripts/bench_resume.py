@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+from ckptverify.trace.store import LEVELS
+
 TARGET = "ckptverify.examples.workloads:correct"
 
 
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--resume-at", type=int, default=10)
     p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--level", default="state", choices=("metrics", "state", "module"))
+    p.add_argument("--level", default="state", choices=LEVELS)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     base = plain(args.steps, args.resume_at, args.nproc)

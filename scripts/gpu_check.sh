@@ -15,7 +15,7 @@ rc=0
 nvidia-smi -L 2>&1 | tee "$out/gpu.txt"
 $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \
     2>&1 | tee -a "$out/gpu.txt" || rc=1
-timeout 480 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_rng.py 2>&1 | tee "$out/tests.log" || rc=1
+timeout 900 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_*_cuda.py tests/test_rng.py 2>&1 | tee "$out/tests.log" || rc=1
 if [ "$bench" = "--bench" ]; then
     timeout 120 $py scripts/bench_fingerprint.py --devices cuda --size-mib 1024 2>&1 | tee "$out/bench_fingerprint.txt" || rc=1
     timeout 300 $py scripts/bench_trace.py --config both --blocks 6 --block-steps 20 --large-blocks 4 \

@@ -226,3 +226,97 @@ def test_a_state_trace_on_the_gpu_reads_back_once_per_step(tmp_path: Path) -> No
     done = test_trace_device_path.run_script(tmp_path, "cuda")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+# ---------------------------------------------------------------------------------- the ladder on the GPU
+
+LADDER_WORKLOAD = textwrap.dedent('''
+    """A regressor on the GPU whose second layer sums rows into buckets with index_add_ (float atomics: the order
+    of the additions, and so the last bits, changes from launch to launch), or does the same sum with a
+    deterministic matmul (``train_clean``). Its own Dataset, DataLoader workers with augmentation, AdamW,
+    OneCycleLR, clipping, an EMA."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    from torch.utils.data import DataLoader, Dataset
+
+    import ckptverify as cv
+
+    class Points(Dataset):
+        def __init__(self, n=4096):
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(n, 64, generator=g)
+            self.y = self.x.sin().sum(1, keepdim=True)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return self.x[i] + 0.05 * torch.randn(64), self.y[i]
+
+    class Buckets(nn.Module):
+        def __init__(self, atomics):
+            super().__init__()
+            self.atomics = atomics
+            self.fc = nn.Linear(64, 4096)
+            self.register_buffer("index", torch.arange(4096) % 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if self.atomics:
+                out = torch.zeros(x.shape[0], 8, device=x.device, dtype=h.dtype)
+                return out.index_add_(1, self.index, h)
+            return h @ F.one_hot(self.index, 8).to(h.dtype)
+
+    def _train(run, atomics):
+        torch.manual_seed(0)
+        model = nn.Sequential(Buckets(atomics), nn.Linear(8, 1)).to(run.device or "cuda")
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=run.total_steps)
+        data = Points()
+        loader = DataLoader(data, batch_size=512, sampler=cv.ResumableSampler(len(data), seed=1), num_workers=2)
+        state = cv.TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=loader, extras={"ema": ema})
+        run.restore(state)
+        for x, y in run.steps(loader):
+            x, y = x.to(run.device or "cuda"), y.to(run.device or "cuda")
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            ema.update_parameters(model)
+            run.record(loss=loss.detach())
+
+    def train(run):
+        _train(run, atomics=True)
+
+    def train_clean(run):
+        _train(run, atomics=False)
+''')
+
+
+def test_the_walk_on_the_gpu_names_index_add_and_its_atomics(tmp_path: Path) -> None:
+    script = tmp_path / "buckets.py"
+    script.write_text(LADDER_WORKLOAD)
+    done = _cli("resume-check", f"{script}:train", "--steps", "2", "--resume-at", "1", "--runs", "A,A2",
+                "--device", "cuda", "--json", "--locate-repeats", "2", timeout=900)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    verdict = json.loads(done.stdout)["stats"]["verdict"]
+    assert verdict["kind"] == "nondeterministic", verdict
+    origin = verdict["origin"]
+    assert origin is not None and origin["kind"] == "op" and "index_add" in origin["op"], verdict["locate"]
+    kernel = verdict["locate"]["kernel"]
+    assert kernel["nondeterministic"] is True and kernel["mechanism"] == "atomics", kernel
+
+
+def test_a_clean_job_on_the_gpu_stays_clean(tmp_path: Path) -> None:
+    script = tmp_path / "buckets.py"
+    script.write_text(LADDER_WORKLOAD)
+    done = _cli("resume-check", f"{script}:train_clean", "--steps", "2", "--resume-at", "1", "--runs", "A,A2,B",
+                "--device", "cuda", "--json", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    verdict = json.loads(done.stdout)["stats"]["verdict"]
+    assert verdict["kind"] == "pass" and verdict["origin"] is None, verdict

@@ -27,19 +27,6 @@ SCRIPTS = Path(__file__).with_name("user_scripts")
 SCRIPT = SCRIPTS / "ladder_train.py"
 
 
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
-#: The walk re-runs at trace level op (the op recorder) and reads the op logs with the per-rank analysis and the
-#: kernel re-run; a tree without them (before those land) cannot walk.
-needs_op_level = pytest.mark.skipif(
-    not (_has("ckptverify.trace.ops") and _has("ckptverify.trace.locate") and _has("ckptverify.trace.kernel")),
-    reason="the op level and its analysis (ckptverify.trace.ops, .locate, .kernel) are not in this tree")
-
-
 def _cli(*args: str, cwd: Path, timeout: int = 1200) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run([sys.executable, "-m", "ckptverify", *args], capture_output=True, text=True, env=env,
@@ -61,7 +48,6 @@ def _no_launch(*_args: object) -> None:
 # ---------------------------------------------------------------------------------- whole walks, end to end
 
 
-@needs_op_level
 def test_custom_op_nondeterministic_by_itself_is_the_origin(tmp_path: Path) -> None:
     done, report = _resume_check("train_noisy_op", cwd=tmp_path)
     verdict = report["stats"]["verdict"]
@@ -78,7 +64,6 @@ def test_custom_op_nondeterministic_by_itself_is_the_origin(tmp_path: Path) -> N
     assert any(f["check"] == "locate-origin" for f in report["findings"])
 
 
-@needs_op_level
 def test_numpy_outside_the_dispatcher_is_untraced_not_an_op(tmp_path: Path) -> None:
     _, report = _resume_check("train_noisy_np", "--locate-repeats", "1", cwd=tmp_path)
     verdict = report["stats"]["verdict"]
@@ -90,7 +75,6 @@ def test_numpy_outside_the_dispatcher_is_untraced_not_an_op(tmp_path: Path) -> N
     assert "jitter" not in json.dumps(origin)
 
 
-@needs_op_level
 def test_op_on_one_rank_under_ddp_names_the_other_a_receiver(tmp_path: Path) -> None:
     _, report = _resume_check("train_rank1_op", "--nproc", "2", "--locate-repeats", "1", cwd=tmp_path)
     verdict = report["stats"]["verdict"]
@@ -103,7 +87,6 @@ def test_op_on_one_rank_under_ddp_names_the_other_a_receiver(tmp_path: Path) -> 
     assert "allreduce" in via["collective"] and via["senders"] == [1] and sorted(via["group"]) == [0, 1], via
 
 
-@needs_op_level
 def test_clean_job_stays_clean(tmp_path: Path) -> None:
     # The check passes: no walk, nothing invented.
     _, report = _resume_check("train", cwd=tmp_path)
@@ -159,7 +142,6 @@ def test_a_production_difference_is_not_walked_and_says_what_would_tell(tmp_path
     assert walked.status == "skipped" and walked.origin is None and "op window" in walked.sentence
 
 
-@needs_op_level
 def test_a_failing_walk_is_reported_not_raised(tmp_path: Path) -> None:
     def crash(*_args: object) -> None:
         raise WorkloadCrashedError("the workload crashed in run A-0", "boom")
@@ -173,7 +155,6 @@ def test_a_failing_walk_is_reported_not_raised(tmp_path: Path) -> None:
     assert [f.check for f in walked.findings()] == ["locate-failed"]
 
 
-@needs_op_level
 def test_walk_sides_start_where_the_state_is_proved_equal(tmp_path: Path) -> None:
     """Nondeterminism after the checkpoint: both sides from it; a resumed run's divergence: A from scratch."""
     launched: list[tuple[str, str | None, int]] = []
@@ -211,7 +192,6 @@ def test_a_hung_run_is_stopped_within_its_time_limit(tmp_path: Path) -> None:
     assert time.monotonic() - began < 120
 
 
-@needs_op_level
 def test_replays_that_differ_are_walked_to_the_op(tmp_path: Path) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
