@@ -344,13 +344,46 @@ def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) 
     found = compare_runs(a, b, steps=steps)  # type: ignore[arg-type]
     if not any(f.severity.value == "error" for f in found):
         return _tag(stage, found), None
-    first = first_divergence(a, b, steps=steps)  # type: ignore[arg-type]
     differing = _differing_sites(a, b, steps)  # type: ignore[arg-type]
     if differing and all(name.startswith(("rng.", "start.rng.")) for name in differing):
         names = ", ".join(sorted({n.removeprefix("start.") for n in differing}))
         return [info("trace-rng-unused", f"[{stage}] unused random stream(s) differ: {names} (no traced value "
                      "depends on them: an unseeded generator the job does not draw from)")], None
-    return _tag(stage, found), first
+    idle = _idle_streams(a, b, steps, differing)  # type: ignore[arg-type]
+    if not idle:
+        return _tag(stage, found), first_divergence(a, b, steps=steps)  # type: ignore[arg-type]
+    # Other values differ too: a stream that no step drew from (in either run) caused none of it, so it is not
+    # the first divergence, however early its site comes.
+    sites = [name for s in idle for name in (s, f"start.{s}")]
+    found = compare_runs(a, b, steps=steps, ignore_sites=sites)  # type: ignore[arg-type]
+    first = first_divergence(a, b, steps=steps, ignore_sites=sites)  # type: ignore[arg-type]
+    note = info("trace-rng-unused", f"[{stage}] unused random stream(s) differ: {', '.join(idle)} (no step drew "
+                "from them in either run, so nothing that differs comes from them)")
+    return [*_tag(stage, [f for f in found if f.check != "trace-ignored"]), note], first
+
+
+def _idle_streams(dir_a: str, dir_b: str, steps: range | None, differing: set[str]) -> list[str]:
+    """The random streams (``rng.<stream>``) among ``differing`` that no compared step moved, in either run and on
+    any rank: each step ended with the stream where it started (``start.rng.<s>`` equals ``rng.<s>``)."""
+    from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.store import open_trace
+
+    candidates = sorted({n.removeprefix("start.") for n in differing if n.startswith(("rng.", "start.rng."))})
+    if not candidates:
+        return []
+    idle = set(candidates)
+    for stores in (run_stores(dir_a), run_stores(dir_b)):
+        for path in stores.values():
+            trace = open_trace(path)
+            names = {s.name for s in trace.sites}
+            recorded = [int(x) for x in trace.steps if steps is None or int(x) in steps]
+            for stream in list(idle):
+                if stream not in names or f"start.{stream}" not in names or not recorded:
+                    idle.discard(stream)  # not seen at both ends of a step: cannot tell it stood still
+                    continue
+                if any(trace.value(step, f"start.{stream}") != trace.value(step, stream) for step in recorded):
+                    idle.discard(stream)
+    return [s for s in candidates if s in idle]
 
 
 def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:

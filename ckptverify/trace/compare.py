@@ -569,26 +569,29 @@ def compare_traces(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = 
 
 
 def compare_runs(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *,
-                 steps: Iterable[int] | None = None, force: bool = False, ignore: Iterable[str] = ()) -> list[Finding]:
+                 steps: Iterable[int] | None = None, force: bool = False, ignore: Iterable[str] = (),
+                 ignore_sites: Iterable[str] = ()) -> list[Finding]:
     """:func:`compare_traces` over all ranks of two run directories (``rank<r>/`` stores). A rank with a
     store in only one run is a ``trace-incomplete`` error."""
     for d in (dir_a, dir_b):
         if _is_store(d):
             raise UsageError(f"{d} is a single trace store, not a run directory; use compare_traces")
-    return _findings(rank_comparisons(dir_a, dir_b, steps=steps, force=force, ignore=ignore))
+    return _findings(rank_comparisons(dir_a, dir_b, steps=steps, force=force, ignore=ignore,
+                                      ignore_sites=ignore_sites))
 
 
 def divergences(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
-                ignore: Iterable[str] = ()) -> list[FirstDivergence]:
+                ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[FirstDivergence]:
     """Each divergent rank's first divergence (traces or run directories), by rank."""
-    return [c.first for c in rank_comparisons(a, b, steps=steps, force=force, ignore=ignore) if c.first is not None]
+    return [c.first for c in rank_comparisons(a, b, steps=steps, force=force, ignore=ignore,
+                                              ignore_sites=ignore_sites) if c.first is not None]
 
 
 def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
-                     ignore: Iterable[str] = ()) -> FirstDivergence | None:
+                     ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> FirstDivergence | None:
     """The job's first divergence: the earliest step over all ranks (lowest rank on a tie); ``None`` when the
     traces agree on every common step. Accepts two traces or two run directories."""
-    found = divergences(a, b, steps=steps, force=force, ignore=ignore)
+    found = divergences(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites)
     if not found:
         return None
     return min(found, key=lambda d: (d.step, d.rank))
