@@ -280,6 +280,19 @@ def test_nvfp4_per_tensor_scale_is_a_part_in_a_torch_save_file(tmp_path: Path) -
     assert f.actual["parts"]["qdata"]["differing"] == 0 == f.actual["parts"]["scale"]["differing"]
 
 
+def test_a_parameter_holding_a_subclass_fingerprints_as_its_values(tmp_path: Path) -> None:
+    """``nn.Parameter`` marks the subclass it wraps (``_is_param`` in its saved state); saved with
+    ``keep_vars=True`` or as the parameter itself, it is the same values as the plain tensor."""
+    m = _mx()
+    param = torch.nn.Parameter(_remake(m), requires_grad=False)
+    torch.save({"param": param, "plain": m, "other": _remake(m, scale=_bumped_scale(m))}, tmp_path / "a.pt")
+    assert "_is_param" not in describe(tmp_path / "a.pt").tensors["param"].subclass.context
+    assert fingerprint_checkpoint(tmp_path / "a.pt")[0].exit_code == 0
+    tensors = json.loads((tmp_path / "a.pt.ckptverify.manifest.json").read_text())["tensors"]
+    assert tensors["param"]["fingerprint"] == tensors["plain"]["fingerprint"] == tensor_fingerprint(param).value
+    assert tensors["other"]["fingerprint"] != tensors["plain"]["fingerprint"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_plain_float8_tensors_are_described_fingerprinted_verified_and_diffed(tmp_path: Path,
                                                                               dtype: torch.dtype) -> None:

@@ -367,8 +367,10 @@ def subclass_fields(func: Any, new_type: Any, args: Any, state: Any, part_type: 
         raise pickle.UnpicklingError(f"{new_type._label} has no inner tensor {stray[0][:40]!r}")
     if not any(n == "qdata" for n, _ in parts):
         raise pickle.UnpicklingError(f"{new_type._label} record without its data")
+    # ``_is_param``: the mark ``nn.Parameter`` leaves on a subclass it wraps (saved with ``keep_vars=True``, or
+    # the parameter itself); not an attribute of the values, and not among those the live tensor flattens to.
     context = {k: _canonical(v) for k, v in state.items()
-               if k not in names and v is not None}
+               if k not in names and v is not None and not (k == "_is_param" and v is True)}
     text = json.dumps(context, sort_keys=True, separators=(",", ":"))
     return new_type._label, dtype.name, tuple(size), tuple(stride), parts, text
 
