@@ -8,6 +8,12 @@ framework's ``AttributeDict``, a ``Path``, a user class) becomes an :class:`Opaq
 its name and whatever the pickle hands it, and is **never called or imported**. So nothing in the file runs,
 whatever it names, and the report says which globals were left uninterpreted.
 
+Float8 and the other dtypes ``torch.save`` writes over an untyped storage (``_rebuild_tensor_v3``) are tensors
+of their dtype. A tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``) is
+read by the stand-ins and checks of :mod:`ckptverify.safeparse.torchsave` (``subclass_allowlist``,
+``subclass_fields``) into a :class:`SubclassRef` of its inner tensors and attributes, without importing
+torchao; a malformed record of one is refused, a subclass outside the list stays a placeholder.
+
 A configuration of :mod:`ckptverify.safeparse.unpickler`, read by the C unpickler (:class:`FastUnpickler`)
 once :func:`~ckptverify.safeparse.unpickler.check_opcodes` has bounded the tuple nesting and the memo. Work is
 bounded: the pickle's size, the objects it may build (:data:`MAX_OBJECTS`, one :class:`Budget`), and the walk
