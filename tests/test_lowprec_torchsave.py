@@ -388,6 +388,9 @@ def test_crafted_subclass_records_are_refused() -> None:
     with pytest.raises(PickleScanError, match="_rebuild_tensor_v3 without a dtype"):
         scan_pickle(pkl.replace(b"torch\nfloat8_e8m0fnu", b"torch\nfloat8_e8m0fnx", 1))
     assert scan_pickle(pkl).opaque == set()
+    # The object budget counts a subclass record's rebuilds and globals like any other.
+    with pytest.raises(PickleScanError, match="builds more than"):
+        scan_pickle(pkl, max_objects=8)
 
 
 def test_other_subclasses_stay_inert_placeholders() -> None:
