@@ -115,7 +115,8 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
         by_file[item.file].append(item)
     blocks = 0
     # A payload of a tensor subclass's part, by where it lies: a changed byte there is blamed on the part.
-    held = {(p.file, p.offset): f" (the {part!r} part of {t.name!r}, a {t.subclass.cls.rsplit('.', 1)[-1]})"
+    held = {(p.file, p.offset, f"{t.name}.{part}"): f" (the {part!r} part of {t.name!r}, a "
+            f"{t.subclass.cls.rsplit('.', 1)[-1]})"
             for t in desc.tensors.values() if t.subclass is not None
             for p in stored_payloads(t) if (part := stored_part(t, p)) is not None}
     for name, entry in sorted(manifest.files.items()):
@@ -154,8 +155,8 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
                         blamed += 1
                         findings.append(error(
                             "manifest-digest",
-                            f"{item.fqn!r}{held.get((name, item.offset), '')}: bytes [{start}, {end}) of {name} "
-                            "differ from when they were fingerprinted",
+                            f"{item.fqn!r}{held.get((name, item.offset, item.fqn), '')}: bytes [{start}, {end}) "
+                            f"of {name} differ from when they were fingerprinted",
                             location=Location(file=name, fqn=item.fqn, byte_range=(start, end)),
                             expected=want, actual=have))
             if not blamed:
@@ -189,7 +190,7 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
     """Rebuild every tensor from its bytes: its fingerprint against the manifest's, its NaN/Inf counts. A
     tensor that cannot be rebuilt is an error, and so is a deep check that rebuilt nothing."""
-    from ckptverify.checks.deep import _parts_note
+    from ckptverify.checks.deep import parts_note
 
     findings: list[Finding] = []
     rebuilt = 0
@@ -209,7 +210,7 @@ def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Findi
         saved = manifest.tensors.get(name) if manifest is not None else None
         if saved is not None and saved.fingerprint is not None and saved.fingerprint != fp:
             findings.append(error("fingerprint", f"{name!r}: the values read back are not the values that were "
-                                  "fingerprinted" + _parts_note(saved.parts, dict(parts.get(name, ()))),
+                                  "fingerprinted" + parts_note(saved.parts, dict(parts.get(name, ()))),
                                   location=loc, expected=saved.fingerprint, actual=fp))
     if desc.tensors and not rebuilt:
         findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {len(desc.tensors)} tensor(s): "

@@ -66,13 +66,6 @@ class StorageRef:
     dtype: str | None
     numel: int
 
-    def nbytes(self) -> int | None:
-        """The bytes the record must hold for the storage, or ``None`` for a dtype of unknown size."""
-        if self.dtype is None:
-            return self.numel
-        itemsize = DTYPE_ITEMSIZE.get(self.dtype)
-        return None if itemsize is None else self.numel * itemsize
-
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -272,10 +265,10 @@ def _allowlist(unpickler: _Unpickler) -> dict[tuple[str, str], Any]:
     # SUBCLASSES) and the dtypes, as shared immutable stand-ins; the tensor rebuilds and storages are this
     # reader's own.
     allowed: dict[tuple[str, str], Any] = subclass_allowlist()
-    # A device or a layout elsewhere (a Lightning hyperparameter, ``torch.device("cuda", 0)``) stays an inert
-    # placeholder, as before subclasses were read: only the strided layout a subclass record needs is resolved.
-    # A device is a name and an index: made as the placeholder an unknown global makes (the same values), but
-    # not reported as uninterpreted (every subclass record names one).
+    # A device or a layout elsewhere (a Lightning hyperparameter, ``torch.device("cuda", 0)``) stays the inert
+    # placeholder it was before subclasses were read: only the strided layout a subclass record needs is
+    # resolved. A device is not reported as uninterpreted (every subclass record names one; it is a name and an
+    # index).
     del allowed[("torch", "device")]
     device_class = _opaque_class("torch.device")
     layout = allowed.pop(("torch.serialization", "_get_layout"))
