@@ -231,7 +231,7 @@ def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results:
     return dict(merged), findings
 
 
-def _parts_note(saved: tuple[tuple[str, str], ...] | None, rebuilt: dict[str, str]) -> str:
+def parts_note(saved: tuple[tuple[str, str], ...] | None, rebuilt: dict[str, str]) -> str:
     """Which inner tensors of a tensor subclass differ from the manifest's, when both sides know them."""
     if not saved or not rebuilt:
         return ""
@@ -278,7 +278,7 @@ def judge(desc: Description, manifest: Manifest | None, scans: dict[str, TensorS
             out.append(error(
                 "fingerprint",
                 f"{fqn!r}: the values read back from disk are not the values that were in memory at save time"
-                + _parts_note(saved.parts, scan.part_values),
+                + parts_note(saved.parts, scan.part_values),
                 location=loc, expected=saved.fingerprint, actual=rebuilt,
             ))
     return out

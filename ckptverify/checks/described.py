@@ -3,8 +3,10 @@ folder of checkpoint files (write it, compare with it) and the deep check (rebui
 
 The manifest of a folder pins every regular file of it (size and digest) and, for every tensor payload,
 its byte range with block digests (so a changed byte is blamed on the tensor and block it falls in) and
-the tensor's logical fingerprint. Formats without a checksum of their own (safetensors, plain pickles,
-JSON) are protected by it from the moment it is written.
+the tensor's logical fingerprint; a tensor stored as a tensor subclass (torchao's ``MXTensor``, ...) has one
+payload per part (data, scales), each digested and fingerprinted, and a change is blamed on the part.
+Formats without a checksum of their own (safetensors, plain pickles, JSON) are protected by it from the moment
+it is written.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections import defaultdict
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.formats.describe import Description, is_own_file
+from ckptverify.formats.describe import Description, is_own_file, stored_part, stored_payloads
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
 from ckptverify.safeparse.readers import ReadOnlyFile
 
@@ -52,28 +54,34 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
         with ReadOnlyFile(os.path.join(desc.root, name), root=desc.root) as f:
             entries[name] = FileEntry(size=f.size, digest=digest_reader(f, digest))
             for t in desc.tensors_in(name):
-                for p in t.payloads:
+                for p in stored_payloads(t):
                     if p.file != name:
                         continue
                     d = BlockDigest(digest, block_bytes)
                     f.fold(p.offset, p.offset + p.length, d.update)
-                    items.append(ItemEntry(fqn=t.name, chunk_offsets=None, file=name, offset=p.offset,
+                    part = stored_part(t, p)  # each part of a tensor subclass is an item of its own
+                    fqn = t.name if part is None else f"{t.name}.{part}"
+                    items.append(ItemEntry(fqn=fqn, chunk_offsets=None, file=name, offset=p.offset,
                                            length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
     tensors: dict[str, TensorEntry] = {}
     missing = 0
-    rebuilt = _rebuild(desc)
+    parts_of: dict[str, tuple[tuple[str, str], ...]] = {}
+    rebuilt = _rebuild(desc, parts_of)
     for name, t in desc.tensors.items():
         fp, nan, inf = rebuilt[name]
         missing += fp is None and math.prod(t.shape) != 0
-        tensors[name] = TensorEntry(dtype=t.dtype, shape=t.shape, fingerprint=fp, nan_count=nan, inf_count=inf)
+        tensors[name] = TensorEntry(dtype=t.dtype, shape=t.shape, fingerprint=fp, nan_count=nan, inf_count=inf,
+                                    parts=parts_of.get(name))
     return entries, items, tensors, missing
 
 
-def _rebuild(desc: Description) -> dict[str, tuple[str | None, int | None, int | None]]:
+def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | None = None,
+             ) -> dict[str, tuple[str | None, int | None, int | None]]:
     """Every tensor's logical fingerprint and NaN/Inf counts (``None`` where it cannot be rebuilt, counts
     ``None`` for a tensor that is not floating or has no elements), through the one deep scan of every format
     (:func:`~ckptverify.checks.deep.scan_description`). A file that changes under the scan leaves its tensors
-    unrebuilt (reported by the caller), as any other unreadable bytes."""
+    unrebuilt (reported by the caller), as any other unreadable bytes. ``parts``, when given, is filled with
+    each fingerprinted tensor subclass's part fingerprints, by tensor."""
     from ckptverify.checks.deep import scan_description
 
     scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
@@ -81,6 +89,8 @@ def _rebuild(desc: Description) -> dict[str, tuple[str | None, int | None, int |
     for name, t in desc.tensors.items():
         scan = scans.get(name)
         fp = scan.value(t.shape) if scan is not None else None
+        if parts is not None and fp is not None and scan is not None and scan.part_values:
+            parts[name] = tuple(scan.part_values.items())
         if fp is None or scan is None or t.dtype not in _FLOATING or not math.prod(t.shape):
             out[name] = (fp, None, None)
         else:
@@ -104,6 +114,11 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
     for item in manifest.items:
         by_file[item.file].append(item)
     blocks = 0
+    # A payload of a tensor subclass's part, by where it lies: a changed byte there is blamed on the part.
+    held = {(p.file, p.offset, f"{t.name}.{part}"): f" (the {part!r} part of {t.name!r}, a "
+            f"{t.subclass.cls.rsplit('.', 1)[-1]})"
+            for t in desc.tensors.values() if t.subclass is not None
+            for p in stored_payloads(t) if (part := stored_part(t, p)) is not None}
     for name, entry in sorted(manifest.files.items()):
         where = Location(file=name)
         try:
@@ -140,7 +155,8 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
                         blamed += 1
                         findings.append(error(
                             "manifest-digest",
-                            f"{item.fqn!r}: bytes [{start}, {end}) of {name} differ from when they were fingerprinted",
+                            f"{item.fqn!r}{held.get((name, item.offset, item.fqn), '')}: bytes [{start}, {end}) "
+                            f"of {name} differ from when they were fingerprinted",
                             location=Location(file=name, fqn=item.fqn, byte_range=(start, end)),
                             expected=want, actual=have))
             if not blamed:
@@ -174,11 +190,15 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
     """Rebuild every tensor from its bytes: its fingerprint against the manifest's, its NaN/Inf counts. A
     tensor that cannot be rebuilt is an error, and so is a deep check that rebuilt nothing."""
+    from ckptverify.checks.deep import parts_note
+
     findings: list[Finding] = []
     rebuilt = 0
-    scans = _rebuild(desc)
+    parts: dict[str, tuple[tuple[str, str], ...]] = {}
+    scans = _rebuild(desc, parts)
     for name, t in sorted(desc.tensors.items()):
-        loc = Location(fqn=name, file=t.payloads[0].file if t.payloads else None)
+        stored = stored_payloads(t)
+        loc = Location(fqn=name, file=stored[0].file if stored else None)
         fp, nan, inf = scans[name]
         if fp is None:
             findings.append(error("fingerprint", f"{name!r} cannot be rebuilt from its bytes", location=loc))
@@ -190,7 +210,8 @@ def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Findi
         saved = manifest.tensors.get(name) if manifest is not None else None
         if saved is not None and saved.fingerprint is not None and saved.fingerprint != fp:
             findings.append(error("fingerprint", f"{name!r}: the values read back are not the values that were "
-                                  "fingerprinted", location=loc, expected=saved.fingerprint, actual=fp))
+                                  "fingerprinted" + parts_note(saved.parts, dict(parts.get(name, ()))),
+                                  location=loc, expected=saved.fingerprint, actual=fp))
     if desc.tensors and not rebuilt:
         findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {len(desc.tensors)} tensor(s): "
                               "nothing was checked"))

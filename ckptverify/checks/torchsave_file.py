@@ -3,9 +3,11 @@
 What is checked: the zip structure (every duplicated field cross-checked, as for DCP items), the CRC-32 of every
 record, and the pickle (``data.pkl``), read through :mod:`~ckptverify.safeparse.pickle_scan` (nothing executes):
 every tensor's storage record exists and is large enough for the tensor's extent, no storage record is
-orphaned. What is guaranteed when it passes: every byte of every record is what was written (up to CRC-32), and
-every tensor's bytes lie where its header says. Not guaranteed: that the values are what was in memory (no
-manifest yet), nor anything about objects outside the tensor allowlist (they are named, not interpreted).
+orphaned. A tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``) is checked
+inner tensor by inner tensor (data, scales), and a damaged record names the part it holds. What is guaranteed
+when it passes: every byte of every record is what was written (up to CRC-32), and every tensor's bytes lie
+where its header says. Not guaranteed: that the values are what was in memory (no manifest yet), nor anything
+about objects outside the tensor allowlist (they are named, not interpreted).
 The legacy (pre-1.6, non-zip) format carries no checksum: uncheckable.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.single import sniff
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, scan_pickle
@@ -27,7 +28,8 @@ __all__ = ["verify_torchsave_file"]
 def verify_torchsave_file(path: str, *, name: str | None = None,
                           root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
     """Check the ``torch.save`` file at ``path``; ``name`` is how findings call it. Returns findings, coverage
-    and facts (``tensors``: path -> dtype/shape, ``bytes``)."""
+    and facts (``tensors``: path -> dtype/shape, and for a tensor subclass ``stored_as`` (its class name) and
+    ``parts`` (name -> dtype/shape); ``bytes``)."""
     label = name or os.path.basename(path)
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
@@ -88,12 +90,23 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
                                       location=Location(file=label, record=pkl.name,
                                                         byte_range=(pkl.data_offset, pkl.data_end))))
         owners: dict[str, list[str]] = {}
+        holds: dict[str, str] = {}  # storage key -> what its record holds, for a damaged record's message
         if scan is not None:
             records = {r.name: r for r in archive.records}
             for tname, ref in scan.tensors.items():
-                owners.setdefault(ref.storage.key, []).append(tname)
                 facts["tensors"][tname] = {"dtype": ref.dtype, "shape": list(ref.shape)}
-            for key, ref in scan.storages.items():
+            for tname, sub in scan.subclasses.items():
+                facts["tensors"][tname] = {"dtype": sub.dtype, "shape": list(sub.shape), "stored_as": sub.short_name,
+                                           "parts": {n: {"dtype": r.dtype, "shape": list(r.shape)}
+                                                     for n, r in sub.parts}}
+            views: dict[str, list[Any]] = {}
+            for tname, part, ref in scan.all_tensors():
+                owners.setdefault(ref.storage.key, []).append(tname)
+                views.setdefault(ref.storage.key, []).append(ref)
+                if part is not None:
+                    holds.setdefault(ref.storage.key, f"the {part!r} part of tensor {tname!r}, a "
+                                                      f"{scan.subclasses[tname].short_name}")
+            for key in scan.storages:
                 rec = records.get(f"{archive.prefix}/data/{key}")
                 where = Location(file=label, fqn=", ".join(owners.get(key, [])[:3]) or None,
                                  record=f"{archive.prefix}/data/{key}")
@@ -101,14 +114,17 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
                     findings.append(error("tensor-record", f"{label}: storage {key!r} has no record: the bytes of "
                                           f"{owners.get(key, ['a tensor'])[0]!r} are missing", location=where))
                     continue
-                itemsize = DTYPE_ITEMSIZE.get(ref.dtype or "", None)
-                need = max((t.extent() for t in scan.tensors.values() if t.storage.key == key), default=0)
-                if itemsize is not None and need * itemsize > rec.size:
-                    findings.append(error(
-                        "tensor-record", f"{label}: record {rec.name} holds {rec.size} bytes, but its tensors reach "
-                        f"{need} {ref.dtype} elements ({need * itemsize} bytes)", location=where,
-                        expected=need * itemsize, actual=rec.size))
-            coverage.append(CheckCoverage(check="tensor-record", count=len(scan.tensors), unit="tensors"))
+                reach = [(t.extent_bytes(), t) for t in views.get(key, [])]
+                known = [(n, t) for n, t in reach if n is not None]
+                if known:
+                    need, widest = max(known, key=lambda nt: nt[0])
+                    if need > rec.size:
+                        findings.append(error(
+                            "tensor-record", f"{label}: record {rec.name} holds {rec.size} bytes, but its tensors "
+                            f"reach {widest.extent()} {widest.dtype} elements ({need} bytes)", location=where,
+                            expected=need, actual=rec.size))
+            coverage.append(CheckCoverage(check="tensor-record", count=len(scan.tensors) + len(scan.subclasses),
+                                          unit="tensors"))
             if scan.opaque:
                 findings.append(info("pickle-opaque", f"{label}: objects of {len(scan.opaque)} type(s) outside the "
                                      f"tensor allowlist were named, not interpreted: {sorted(scan.opaque)[:8]}",
@@ -116,10 +132,11 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
         for rec in bad:
             key = rec.name.rsplit("/", 1)[-1]
             names = owners.get(key, [])
+            held = holds.get(key) if rec.name.startswith(f"{archive.prefix}/data/") else None
             findings.append(error(
                 "zip-crc",
                 f"{label}: record {rec.name}"
-                + (f" (tensor {', '.join(repr(n) for n in names[:3])})" if names else "")
+                + (f" ({held})" if held else f" (tensor {', '.join(repr(n) for n in names[:3])})" if names else "")
                 + f" is corrupt (CRC-32 {crcs[rec.name]:08x}, recorded {rec.crc:08x})",
                 location=Location(file=label, fqn=names[0] if names else None, record=rec.name,
                                   byte_range=(rec.data_offset, rec.data_end)),

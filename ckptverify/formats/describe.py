@@ -13,7 +13,10 @@ Readers here (by content, never by name alone; nothing is unpickled, no link is 
 is opened):
 
 * ``torch.save`` archive: tensors from ``data.pkl`` through :mod:`~ckptverify.safeparse.pickle_scan`, each
-  one view onto a storage record (protected by the record's CRC-32); plain values from the same tree;
+  one view onto a storage record (protected by the record's CRC-32), float8 and the other dtypes torch saves
+  over an untyped storage included; a tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``,
+  ``NVFP4Tensor``) by its inner tensors (:attr:`TensorDesc.subclass`, one payload each); plain values from the
+  same tree;
 * safetensors: tensors from the header (no checksum);
 * plain pickle (``random_states_N.pkl``) and legacy ``torch.save``: plain values only (no checksum);
 * JSON: values (no checksum).
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
            "describe", "is_own_file", "is_row_major", "iter_payload_blocks", "json_values", "read_parts",
-           "read_payload", "read_tensor", "side_file_description"]
+           "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads"]
 
 
 def is_own_file(name: str) -> bool:
@@ -153,7 +156,8 @@ class Description:
     opener: Callable[[Payload | str], Any] | None = field(default=None, repr=False, compare=False)
 
     def tensors_in(self, file: str) -> list[TensorDesc]:
-        return [t for t in self.tensors.values() if any(p.file == file for p in t.payloads)]
+        """The tensors with a stored piece (a payload, or a tensor subclass's part) in ``file``."""
+        return [t for t in self.tensors.values() if any(p.file == file for p in stored_payloads(t))]
 
     def open(self, what: Payload | str) -> AbstractContextManager[Any]:
         """A reader (``pread``, ``fold``, ``crc32``, ``size``) of the bytes ``what`` addresses: a payload's
@@ -166,6 +170,18 @@ class Description:
                              "decode")
         name = what if isinstance(what, str) else what.file
         return ReadOnlyFile(os.path.join(self.root, name), root=self.root)
+
+
+def stored_payloads(t: TensorDesc) -> list[Payload]:
+    """Every stored piece of ``t``: its payloads, or, stored as a tensor subclass, its parts' payloads."""
+    return t.payloads if t.subclass is None else [part.payload for part in t.subclass.parts]
+
+
+def stored_part(t: TensorDesc, p: Payload) -> str | None:
+    """The name of the part of tensor subclass ``t`` that payload ``p`` holds (``None`` for a plain tensor)."""
+    if t.subclass is None:
+        return None
+    return next((part.name for part in t.subclass.parts if part.payload == p), None)
 
 
 def describe(path: str | os.PathLike[str]) -> Description:
@@ -246,6 +262,21 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
         desc.unread[name] = f"data.pkl cannot be read safely: {exc}"
         return
     records = {r.name: r for r in archive.records}
+    for path, sub in scan.subclasses.items():
+        tname = _tensor_name(desc, name, path, prefix, plain)
+        t = desc.tensors[tname] = TensorDesc(tname, sub.dtype, sub.shape)
+        stored = SubclassDesc(sub.cls, sub.context)
+        for part, ref in sub.parts:
+            rec = records.get(f"{archive.prefix}/data/{ref.storage.key}")
+            if rec is None or ref.dtype is None:
+                t.unread.append(f"{tname}: no storage record for its {part!r} part")
+                break
+            stored.parts.append(SubclassPart(part, ref.dtype, ref.shape, Payload(
+                file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape,
+                stride=ref.stride, storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape),
+                checksum="crc32")))
+        else:
+            t.subclass = stored
     for path, ref in scan.tensors.items():
         rec = records.get(f"{archive.prefix}/data/{ref.storage.key}")
         if rec is None or ref.dtype is None:

@@ -8,6 +8,12 @@ framework's ``AttributeDict``, a ``Path``, a user class) becomes an :class:`Opaq
 its name and whatever the pickle hands it, and is **never called or imported**. So nothing in the file runs,
 whatever it names, and the report says which globals were left uninterpreted.
 
+Float8 and the other dtypes ``torch.save`` writes over an untyped storage (``_rebuild_tensor_v3``) are tensors
+of their dtype. A tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``) is
+read by the stand-ins and checks of :mod:`ckptverify.safeparse.torchsave` (``subclass_allowlist``,
+``subclass_fields``) into a :class:`SubclassRef` of its inner tensors and attributes, without importing
+torchao; a malformed record of one is refused, a subclass outside the list stays a placeholder.
+
 A configuration of :mod:`ckptverify.safeparse.unpickler`, read by the C unpickler (:class:`FastUnpickler`)
 once :func:`~ckptverify.safeparse.unpickler.check_opcodes` has bounded the tuple nesting and the memo. Work is
 bounded: the pickle's size, the objects it may build (:data:`MAX_OBJECTS`, one :class:`Budget`), and the walk
@@ -24,10 +30,11 @@ import xxhash
 
 from ckptverify.errors import PickleScanError
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
+from ckptverify.safeparse.torchsave import SUBCLASSES, dtype_name, subclass_allowlist, subclass_fields
 from ckptverify.safeparse.unpickler import Budget, FastUnpickler, Limits, check_opcodes
 
-__all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "Opaque", "PickleScan", "PickleScanError", "TensorRef",
-           "leaf_values", "scan_pickle"]
+__all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "Opaque", "PickleScan", "PickleScanError", "SubclassRef",
+           "TensorRef", "leaf_values", "scan_pickle"]
 
 #: Largest ``data.pkl`` read.
 MAX_PICKLE_BYTES = 256 << 20
@@ -53,6 +60,8 @@ _STORAGE_DTYPES = {
 
 @dataclass(frozen=True)
 class StorageRef:
+    """A storage record: ``dtype`` ``None`` for an untyped storage, whose ``numel`` counts bytes."""
+
     key: str
     dtype: str | None
     numel: int
@@ -60,22 +69,49 @@ class StorageRef:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A tensor as the pickle describes it: its storage record, dtype, shape, stride, storage offset."""
+    """A tensor as the pickle describes it: its storage record, dtype, shape, stride, storage offset (in
+    elements). ``elem_dtype``: the dtype ``_rebuild_tensor_v3`` names (float8 and the other dtypes without a
+    typed storage, over an untyped storage); otherwise the storage's dtype is the tensor's."""
 
     storage: StorageRef
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    elem_dtype: str | None = None
 
     @property
     def dtype(self) -> str | None:
-        return self.storage.dtype
+        return self.elem_dtype or self.storage.dtype
 
     def extent(self) -> int:
         """Elements of the storage this tensor reaches (offset + the furthest element + 1; 0 when empty)."""
         if any(s == 0 for s in self.shape):
             return 0
         return self.offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride, strict=False)) + 1
+
+    def extent_bytes(self) -> int | None:
+        """Bytes of the storage this tensor reaches, or ``None`` for a dtype of unknown size."""
+        itemsize = DTYPE_ITEMSIZE.get(self.dtype or "")
+        return None if itemsize is None else self.extent() * itemsize
+
+
+@dataclass(frozen=True)
+class SubclassRef:
+    """A tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``: see
+    :data:`~ckptverify.safeparse.torchsave.SUBCLASSES`): its class (``module.QualName``), outer dtype, shape
+    and stride, its inner tensors by name (in their flatten order) and its other attributes (``context``:
+    canonical JSON text, as :mod:`ckptverify.fingerprint.subclass` fingerprints them)."""
+
+    cls: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    parts: tuple[tuple[str, TensorRef], ...]
+    context: str
+
+    @property
+    def short_name(self) -> str:
+        return self.cls.rsplit(".", 1)[-1]
 
 
 class Opaque:
@@ -107,12 +143,23 @@ def _opaque_class(qual: str) -> type[Opaque]:
 
 @dataclass
 class PickleScan:
-    """What a pickle holds: its tensors by path (``state_dict.layer.weight``) and the storages they use."""
+    """What a pickle holds: its tensors by path (``state_dict.layer.weight``), its tensors stored as an
+    allowlisted tensor subclass by path (``subclasses``; their inner tensors are not in ``tensors``) and the
+    storages they use."""
 
     root: Any
     tensors: dict[str, TensorRef] = field(default_factory=dict)
     storages: dict[str, StorageRef] = field(default_factory=dict)
     opaque: set[str] = field(default_factory=set)
+    subclasses: dict[str, SubclassRef] = field(default_factory=dict)
+
+    def all_tensors(self) -> list[tuple[str, str | None, TensorRef]]:
+        """Every stored tensor as ``(path, part, ref)``: the plain ones (``part`` ``None``), then each inner
+        tensor of each subclass (``part`` its name)."""
+        out: list[tuple[str, str | None, TensorRef]] = [(p, None, r) for p, r in self.tensors.items()]
+        for path, sub in self.subclasses.items():
+            out.extend((path, name, ref) for name, ref in sub.parts)
+        return out
 
 
 def _budget(max_objects: int) -> Budget:
@@ -157,7 +204,42 @@ class _Unpickler(FastUnpickler):
         if ref is None:
             ref = StorageRef(key, dtype, numel)
             self.scan.storages[key] = ref
+        elif ref.dtype != dtype:
+            # One record read as two storage types would be sized two ways; torch.save never writes that.
+            raise PickleScanError(f"storage {key[:40]!r} is referenced with two different types")
         return ref
+
+    def _rebuild_tensor_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
+                           hooks: Any = None, dtype: Any = None, *rest: Any) -> Any:
+        """``_rebuild_tensor_v3``: as v2, with the element dtype given (over an untyped storage, sized in
+        bytes)."""
+        name = dtype_name(dtype)
+        if name is None or name not in DTYPE_ITEMSIZE:
+            raise PickleScanError("_rebuild_tensor_v3 without a dtype")
+        ref = self._rebuild_tensor(storage, offset, size, stride)
+        if not isinstance(ref, TensorRef):
+            return ref
+        if ref.storage.dtype is not None and ref.storage.dtype != name:
+            raise PickleScanError(f"a {name} tensor over a {ref.storage.dtype} storage")
+        return TensorRef(ref.storage, ref.offset, ref.shape, ref.stride, elem_dtype=name)
+
+    def _rebuild_from_type(self, func: Any, new_type: Any, args: Any, state: Any = None, *rest: Any) -> Any:
+        """``torch._tensor._rebuild_from_type_v2``: for an allowlisted tensor subclass (only those), a
+        :class:`SubclassRef` over its inner tensors, and a malformed record of one is refused; for any other
+        class an inert :class:`Opaque` as for any unknown global (nothing is called)."""
+        self.budget.charge()
+        label = getattr(new_type, "_label", None)
+        if label not in SUBCLASSES:
+            qual = "torch._tensor._rebuild_from_type_v2"
+            self.scan.opaque.add(qual)
+            return self.unknown_global(*qual.rsplit(".", 1))(func, new_type, args, state, *rest)
+        if rest:
+            raise PickleScanError(f"a {label} record with extra arguments")
+        try:
+            cls, dtype, shape, stride, parts, context = subclass_fields(func, new_type, args, state, TensorRef)
+        except pickle.UnpicklingError as exc:
+            raise PickleScanError(str(exc)) from None
+        return SubclassRef(cls, dtype, shape, stride, parts, context)
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
         self.budget.charge()
@@ -179,9 +261,31 @@ def _allowlist(unpickler: _Unpickler) -> dict[tuple[str, str], Any]:
     and :class:`StorageRef` records, plain containers to plain values. Made per parse (the rebuild stand-in is
     bound to its unpickler's scan and budget)."""
     rebuild = unpickler._rebuild_tensor
-    allowed: dict[tuple[str, str], Any] = {
+    # The subclass machinery (wrapper rebuild, layout, device, the classes, enums and attribute records of
+    # SUBCLASSES) and the dtypes, as shared immutable stand-ins; the tensor rebuilds and storages are this
+    # reader's own.
+    allowed: dict[tuple[str, str], Any] = subclass_allowlist()
+    # A device or a layout elsewhere (a Lightning hyperparameter, ``torch.device("cuda", 0)``) stays the inert
+    # placeholder it was before subclasses were read: only the strided layout a subclass record needs is
+    # resolved. A device is not reported as uninterpreted (every subclass record names one; it is a name and an
+    # index).
+    del allowed[("torch", "device")]
+    device_class = _opaque_class("torch.device")
+    layout = allowed.pop(("torch.serialization", "_get_layout"))
+
+    def get_layout(*args: Any) -> Any:
+        if args == ("torch.strided",):
+            return layout(*args)
+        return unpickler.unknown_global("torch.serialization", "_get_layout")(*args)
+
+    allowed |= {
+        ("torch.serialization", "_get_layout"): get_layout,
+        ("torch", "device"): device_class,
         ("torch._utils", "_rebuild_tensor_v2"): rebuild,
         ("torch._utils", "_rebuild_tensor"): rebuild,
+        ("torch._utils", "_rebuild_tensor_v3"): unpickler._rebuild_tensor_v3,
+        ("torch._tensor", "_rebuild_from_type_v2"): unpickler._rebuild_from_type,
+        ("torch.storage", "UntypedStorage"): ("storage-type", None),
         ("torch", "Size"): lambda dims=(): tuple(dims),
         ("collections", "OrderedDict"): _OrderedDict,
         ("_codecs", "encode"): _encode,
@@ -190,8 +294,6 @@ def _allowlist(unpickler: _Unpickler) -> dict[tuple[str, str], Any]:
         allowed[("torch._utils", name)] = lambda data, *rest: data
     for name in ("set", "frozenset"):
         allowed[("builtins", name)] = lambda items=(): list(items)
-    for name in DTYPE_ITEMSIZE:
-        allowed[("torch", name)] = ("dtype", name)
     for name, dtype in _STORAGE_DTYPES.items():  # after the dtypes: a storage name is never a dtype name
         allowed[("torch", name)] = ("storage-type", dtype)
     return allowed
@@ -225,6 +327,12 @@ def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
     return scan
 
 
+def _key(k: Any) -> str:
+    """A dict key as a path component; a dtype key as it read before dtypes had stand-ins of their own."""
+    name = dtype_name(k)
+    return str(k) if name is None else str(("dtype", name))
+
+
 def _walk(scan: PickleScan, budget: Budget) -> None:
     """Name every tensor by its path of keys; each object is visited once (shared references stay linear)."""
     seen: set[int] = set()
@@ -237,9 +345,11 @@ def _walk(scan: PickleScan, budget: Budget) -> None:
         budget.charge()
         if isinstance(obj, TensorRef):
             scan.tensors.setdefault(path or "<root>", obj)
+        elif isinstance(obj, SubclassRef):
+            scan.subclasses.setdefault(path or "<root>", obj)  # its inner tensors are its parts, not tensors
         elif isinstance(obj, dict):
             for k, v in reversed(list(obj.items())):
-                stack.append((f"{path}.{k}" if path else str(k), v))
+                stack.append((f"{path}.{_key(k)}" if path else _key(k), v))
         elif isinstance(obj, list | tuple):
             for i in reversed(range(len(obj))):
                 stack.append((f"{path}.{i}" if path else str(i), obj[i]))
@@ -263,7 +373,11 @@ def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict
     stack: list[tuple[str, Any]] = [(prefix, root)]
     while stack and len(out) < limit:
         path, obj = stack.pop()
-        if isinstance(obj, TensorRef | StorageRef):
+        if isinstance(obj, TensorRef | StorageRef | SubclassRef):
+            continue
+        name = dtype_name(obj)
+        if name is not None:
+            out[path or "<root>"] = f"dtype:{name}"  # a torch dtype, as the unpickler resolved it
             continue
         if obj is None or isinstance(obj, bool | int | float | complex | str | bytes | bytearray):
             out[path or "<root>"] = _canonical(obj)
@@ -273,9 +387,9 @@ def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict
         seen.add(id(obj))
         if isinstance(obj, dict):
             for k, v in reversed(list(obj.items())):
-                stack.append((f"{path}.{k}" if path else str(k), v))
-        elif isinstance(obj, tuple) and len(obj) == 2 and obj[0] in ("dtype", "storage-type"):
-            out[path or "<root>"] = f"{obj[0]}:{obj[1]}"  # a torch dtype, as the unpickler resolved it
+                stack.append((f"{path}.{_key(k)}" if path else _key(k), v))
+        elif isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "storage-type":
+            out[path or "<root>"] = f"{obj[0]}:{obj[1]}"  # a storage type, as the unpickler resolved it
         elif isinstance(obj, list | tuple):
             for i in reversed(range(len(obj))):
                 stack.append((f"{path}.{i}" if path else str(i), obj[i]))

@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
-__all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "item_header", "tensor_header"]
+__all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "dtype_name", "item_header", "subclass_allowlist",
+           "subclass_fields", "tensor_header"]
 
 _LEGACY_STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
@@ -96,6 +97,11 @@ class _DType(_Global):
     @property
     def name(self) -> str:
         return self._label[len("torch."):]
+
+
+def dtype_name(value: Any) -> str | None:
+    """The dtype a dtype stand-in of :func:`subclass_allowlist` names (``float32``), else ``None``."""
+    return value.name if type(value) is _DType else None
 
 
 class _StorageType(_Global):
@@ -335,7 +341,12 @@ def _canonical(value: Any) -> Any:
     raise pickle.UnpicklingError(f"a tensor subclass attribute of type {type(value).__name__} is not allowed")
 
 
-def _rebuild_subclass(func: Any, new_type: Any, args: Any, state: Any) -> SubclassHeader:
+def subclass_fields(func: Any, new_type: Any, args: Any, state: Any, part_type: type,
+                    ) -> tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[tuple[str, Any], ...], str]:
+    """Check the arguments of ``torch._tensor._rebuild_from_type_v2`` for an allowlisted tensor subclass, as
+    resolved through :func:`subclass_allowlist`, and give its class label, outer dtype, size, stride, inner
+    tensors (those of ``state`` that are ``part_type`` records, in :data:`SUBCLASSES` order) and canonical
+    attributes. Raises ``pickle.UnpicklingError`` for anything else."""
     if func is not _WRAPPER or type(new_type) is not _SubclassType:
         raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
     if type(args) is not tuple or len(args) != 8:
@@ -350,16 +361,22 @@ def _rebuild_subclass(func: Any, new_type: Any, args: Any, state: Any) -> Subcla
     if type(state) is not dict or not all(type(k) is str for k in state):
         raise pickle.UnpicklingError("wrapper subclass state is not a dict of attributes")
     names = SUBCLASSES[new_type._label]
-    parts = tuple((n, state[n]) for n in names if isinstance(state.get(n), TensorHeader))
-    stray = [k for k, v in state.items() if isinstance(v, TensorHeader) and k not in names]
+    parts = tuple((n, state[n]) for n in names if isinstance(state.get(n), part_type))
+    stray = [k for k, v in state.items() if isinstance(v, part_type) and k not in names]
     if stray:
         raise pickle.UnpicklingError(f"{new_type._label} has no inner tensor {stray[0][:40]!r}")
     if not any(n == "qdata" for n, _ in parts):
         raise pickle.UnpicklingError(f"{new_type._label} record without its data")
+    # ``_is_param``: the mark ``nn.Parameter`` leaves on a subclass it wraps (saved with ``keep_vars=True``, or
+    # the parameter itself); not an attribute of the values, and not among those the live tensor flattens to.
     context = {k: _canonical(v) for k, v in state.items()
-               if k not in names and v is not None}
+               if k not in names and v is not None and not (k == "_is_param" and v is True)}
     text = json.dumps(context, sort_keys=True, separators=(",", ":"))
-    return SubclassHeader(new_type._label, dtype.name, tuple(size), tuple(stride), parts, text)
+    return new_type._label, dtype.name, tuple(size), tuple(stride), parts, text
+
+
+def _rebuild_subclass(func: Any, new_type: Any, args: Any, state: Any) -> SubclassHeader:
+    return SubclassHeader(*subclass_fields(func, new_type, args, state, TensorHeader))
 
 
 _WRAPPER = _Global("torch._utils._rebuild_wrapper_subclass")
@@ -398,6 +415,20 @@ def _subclass_globals() -> dict[tuple[str, str], Any]:
 
 
 _SUBCLASS_GLOBALS: dict[tuple[str, str], Any] | None = None
+
+
+def subclass_allowlist() -> dict[tuple[str, str], Any]:
+    """What a tensor subclass record names, beyond the plain tensor machinery: the wrapper rebuild, the layout
+    and device, the classes of :data:`SUBCLASSES`, their enums and attribute records, and the dtypes (their
+    stand-ins, which :func:`subclass_fields` requires), all shared immutable stand-ins; not the rebuild
+    functions or the storage types, which each reader resolves its own way. A new dict per call."""
+    global _SUBCLASS_GLOBALS
+    if _SUBCLASS_GLOBALS is None:
+        _SUBCLASS_GLOBALS = _subclass_globals()
+    skip = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
+            ("collections", "OrderedDict"), ("torch._tensor", "_rebuild_from_type_v2")}
+    return {k: v for k, v in _SUBCLASS_GLOBALS.items()
+            if k not in skip and not isinstance(v, _StorageType)}
 
 
 class _ItemHeaderUnpickler(_TensorHeaderUnpickler):
