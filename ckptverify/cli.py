@@ -539,9 +539,12 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
               help="Re-runs per side of that step at level op.")
 @click.option("--json", "json_out", is_flag=True,
               help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files).")
+@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help=_METRICS_HELP)
 @click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
 def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, level: str, device: str,
-                keep: str | None, locate: bool, locate_repeats: int, json_out: bool, progress: bool | None) -> None:
+                keep: str | None, locate: bool, locate_repeats: int, json_out: bool, metrics_file: str | None,
+                progress: bool | None) -> None:
     """Tell whether CHANGED computes anything different from BASE, beyond BASE's natural variation.
 
     BASE and CHANGED are FILE.py:FUNC training functions following the Run protocol (as resume-check's TARGET).
@@ -563,7 +566,7 @@ def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, l
         fail_lines(exc, json_out, "compare", f"{base} vs {changed}")
     if log_dir:
         report.stats["logs"] = workload_log_files(log_dir)
-    _emit(report, json_out, render=render_compare)
+    _emit(report, json_out, render=render_compare, metrics_file=metrics_file)
 
 
 @main.command()

@@ -22,13 +22,14 @@ from ckptverify.ownfiles.manifest import MANIFEST_FILE
 from ckptverify.trace.store import Cell, TraceHeader, TraceWriter
 
 #: Every command, by its command line (``trace diff`` is a subcommand of ``trace``).
-COMMANDS = ("verify", "fingerprint", "diff", "scan", "latest", "watch", "resume-check", "replay", "demo",
+COMMANDS = ("verify", "fingerprint", "diff", "scan", "latest", "watch", "resume-check", "replay", "compare", "demo",
             "trace diff")
 #: The commands that check something, and so can feed an alert.
-CHECKS = ("verify", "fingerprint", "diff", "scan", "latest", "watch", "resume-check", "replay", "trace diff")
+CHECKS = ("verify", "fingerprint", "diff", "scan", "latest", "watch", "resume-check", "replay", "compare",
+          "trace diff")
 #: The commands that can run long (they read whole checkpoints or launch training). ``watch`` runs until
 #: stopped and prints one line per result: those lines are its progress.
-LONG = ("verify", "fingerprint", "diff", "scan", "latest", "resume-check", "replay", "demo")
+LONG = ("verify", "fingerprint", "diff", "scan", "latest", "resume-check", "replay", "compare", "demo")
 #: The keys of a report (docs/json-schema.md).
 REPORT_KEYS = {"schema", "schema_version", "tool", "command", "target", "passed", "exit_code", "summary", "coverage",
                "findings", "stats"}
