@@ -61,12 +61,12 @@ def side_files(root: str) -> list[str]:
 def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[CheckCoverage], list[str]]:
     """Check each side file by its content. Returns findings, coverage and the names that are regular files
     inside ``root`` (the ones to open, digest and compare)."""
-    # Imported here: most checkpoints have no side file, and a plain verify should not pay for these readers.
-    from ckptverify.checks.single import check_file, check_json
-
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
     usable: list[str] = []
+    if names:
+        # Imported here: most checkpoints have no side file, and a plain verify should not pay for these readers.
+        from ckptverify.checks.single import check_file, check_json
     for name in names:
         path = os.path.join(root, name)
         try:

@@ -1,0 +1,137 @@
+"""Benchmark the start-up of ``ckptverify verify``: what a cron job or ``watch`` pays once per checkpoint.
+
+    python scripts/bench_startup.py [--runs 21] [--cold-bytecode] [--dir DIR] [--keep]
+
+Builds a tiny DCP checkpoint (two small tensors and a step counter, one process), then times, alternating
+the commands on every run, the median wall time of ``N`` runs of:
+
+- ``python -c pass``: the interpreter's own start, the floor no command gets under;
+- ``python -m ckptverify verify --json DIR`` and ``python -m ckptverify verify DIR`` (text report):
+  the whole command on a checkpoint whose reading costs next to nothing, so the time is start-up.
+
+Prints each median, each verify's ratio to the interpreter's start and its start-up above it, whether the
+target (``verify`` start-up <= 0.2 s, the whole command) is met, and the ten modules with the largest import
+time of ``python -X importtime -m ckptverify verify --json DIR`` (self time, and with what they import).
+
+Bytecode: an installed package carries its compiled ``.pyc`` files, so by default the commands run with
+bytecode caching allowed (``PYTHONDONTWRITEBYTECODE`` is dropped from their environment) after one warm-up
+run of each. ``--cold-bytecode`` instead compiles every module from source on every run (an empty
+``PYTHONPYCACHEPREFIX``, no writing), as an environment with ``PYTHONDONTWRITEBYTECODE=1`` and no
+``__pycache__`` does. Exit 0 when every verify run passed (whatever the times), 2 when one did not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+TARGET_S = 0.2
+
+
+def build(path: str) -> None:
+    """A tiny DCP checkpoint at ``path``, written in a subprocess (this process never imports torch)."""
+    code = (
+        "import warnings, torch, torch.distributed.checkpoint as dcp\n"
+        "warnings.simplefilter('ignore')\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "state = {'model': {'w': torch.randn(16, 16, generator=g), 'b': torch.zeros(16)}, 'step': 3}\n"
+        f"dcp.save(state, storage_writer=dcp.FileSystemWriter({path!r}))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def child_env(cold: bool, cache_dir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if cold:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        env["PYTHONPYCACHEPREFIX"] = cache_dir  # stays empty: nothing is written, nothing cached is read
+    return env
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start, done.returncode
+
+
+def import_top(cmd: list[str], env: dict[str, str], n: int = 10) -> list[tuple[int, int, str]]:
+    """The ``n`` modules with the largest self import time (microseconds), with their cumulative time."""
+    done = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    rows = []
+    for line in done.stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
+        if m:
+            rows.append((int(m.group(1)), int(m.group(2)), m.group(4)))
+    return sorted(rows, reverse=True)[:n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=21, help="runs of each command; the median is reported")
+    ap.add_argument("--cold-bytecode", action="store_true", help="compile every module from source on every run")
+    ap.add_argument("--dir", default=None, help="where to build the checkpoint [default: a temporary folder]")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
+
+    work = args.dir or tempfile.mkdtemp(prefix="ckptverify-bench-startup-")
+    ckpt = os.path.join(work, "ckpt")
+    cache_dir = tempfile.mkdtemp(prefix="ckptverify-bench-pycache-")
+    try:
+        build(ckpt)
+        env = child_env(args.cold_bytecode, cache_dir)
+        py = sys.executable
+        commands = {
+            "python -c pass": [py, "-c", "pass"],
+            "verify --json": [py, "-m", "ckptverify", "verify", "--json", ckpt],
+            "verify (text)": [py, "-m", "ckptverify", "verify", ckpt],
+        }
+        for cmd in commands.values():  # warm-up: the page cache, and the .pyc files unless --cold-bytecode
+            timed(cmd, env)
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        failed = []
+        for _ in range(args.runs):
+            for name, cmd in commands.items():
+                seconds, rc = timed(cmd, env)
+                times[name].append(seconds)
+                if rc != 0:
+                    failed.append(f"{name} exited {rc}")
+        if failed:
+            print(f"error: verify of the benchmark checkpoint did not pass: {failed[0]}", file=sys.stderr)
+            return 2
+
+        base = statistics.median(times["python -c pass"])
+        mode = "compiled from source each run" if args.cold_bytecode else "bytecode cached (as installed)"
+        print(f"start-up of `python -m ckptverify verify`, median of {args.runs} runs, {mode}")
+        print(f"  {'python -c pass':<16} {base:7.3f} s")
+        for name in ("verify --json", "verify (text)"):
+            med = statistics.median(times[name])
+            met = "met" if med <= TARGET_S else "NOT met"
+            print(f"  {name:<16} {med:7.3f} s   {med / base:5.1f}x interpreter start, +{med - base:.3f} s above it; "
+                  f"target <= {TARGET_S} s {met}")
+        print("top 10 imports of `verify --json` (python -X importtime; microseconds):")
+        print(f"  {'self':>8} {'cumulative':>10}  module")
+        for self_us, cum_us, module in import_top(commands["verify --json"], env):
+            print(f"  {self_us:>8} {cum_us:>10}  {module}")
+        return 0
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        if not args.keep and args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        elif args.keep:
+            print(f"checkpoint kept at {ckpt}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
