@@ -13,6 +13,7 @@ Prints each median, each verify's ratio to the interpreter's start and its start
 target (``verify`` start-up <= 0.2 s, the whole command) is met, and the ten modules with the largest import
 time of ``python -X importtime -m ckptverify verify --json DIR`` (self time, and with what they import).
 
+The commands import the ``ckptverify`` of the checkout this script is in (put first on ``PYTHONPATH``).
 Bytecode: an installed package carries its compiled ``.pyc`` files, so by default the commands run with
 bytecode caching allowed (``PYTHONDONTWRITEBYTECODE`` is dropped from their environment) after one warm-up
 run of each. ``--cold-bytecode`` instead compiles every module from source on every run (an empty
@@ -47,8 +48,13 @@ def build(path: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+#: The checkout this script sits in: the commands import its ``ckptverify``, not another installed one.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def child_env(cold: bool, cache_dir: str) -> dict[str, str]:
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.pop("PYTHONPYCACHEPREFIX", None)
     if cold:
@@ -59,14 +65,15 @@ def child_env(cold: bool, cache_dir: str) -> dict[str, str]:
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Run from a neutral folder: `python -m` puts the working directory first on sys.path.
+    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     return time.perf_counter() - start, done.returncode
 
 
 def import_top(cmd: list[str], env: dict[str, str], n: int = 10) -> list[tuple[int, int, str]]:
     """The ``n`` modules with the largest self import time (microseconds), with their cumulative time."""
     done = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+                          stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
     rows = []
     for line in done.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
