@@ -1,6 +1,6 @@
 """Benchmark the start-up of ``ckptverify verify``: what a cron job or ``watch`` pays once per checkpoint.
 
-    python scripts/bench_startup.py [--runs 21] [--cold-bytecode] [--dir DIR] [--keep]
+    python scripts/bench_startup.py [--runs 21] [--cold-bytecode] [--compare-with CHECKOUT] [--dir DIR] [--keep]
 
 Builds a tiny DCP checkpoint (two small tensors and a step counter, one process), then times, alternating
 the commands on every run, the median wall time of ``N`` runs of:
@@ -12,6 +12,8 @@ the commands on every run, the median wall time of ``N`` runs of:
 Prints each median, each verify's ratio to the interpreter's start and its start-up above it, whether the
 target (``verify`` start-up <= 0.2 s, the whole command) is met, and the ten modules with the largest import
 time of ``python -X importtime -m ckptverify verify --json DIR`` (self time, and with what they import).
+``--compare-with CHECKOUT`` times another checkout's commands in the same run, alternating with this one's
+(start-up moves with the machine's load: figures from separate runs do not compare).
 
 The commands import the ``ckptverify`` of the checkout this script is in (put first on ``PYTHONPATH``).
 Bytecode: an installed package carries its compiled ``.pyc`` files, so by default the commands run with
@@ -52,9 +54,9 @@ def build(path: str) -> None:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child_env(cold: bool, cache_dir: str) -> dict[str, str]:
+def child_env(cold: bool, cache_dir: str, repo: str = REPO) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.pop("PYTHONPYCACHEPREFIX", None)
     if cold:
@@ -88,9 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-bytecode", action="store_true", help="compile every module from source on every run")
     ap.add_argument("--dir", default=None, help="where to build the checkpoint [default: a temporary folder]")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    ap.add_argument("--compare-with", metavar="CHECKOUT", default=None,
+                    help="also time the verify commands of another checkout (e.g. a `git worktree` of an older "
+                         "commit), alternating with this one's, so that both meet the same load")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be at least 1")
+    if args.compare_with is not None and not os.path.isfile(os.path.join(args.compare_with, "ckptverify",
+                                                                         "__init__.py")):
+        ap.error(f"--compare-with {args.compare_with}: not a checkout of ckptverify")
 
     work = args.dir or tempfile.mkdtemp(prefix="ckptverify-bench-startup-")
     ckpt = os.path.join(work, "ckpt")
@@ -99,18 +107,24 @@ def main(argv: list[str] | None = None) -> int:
         build(ckpt)
         env = child_env(args.cold_bytecode, cache_dir)
         py = sys.executable
+        verify_json = [py, "-m", "ckptverify", "verify", "--json", ckpt]
+        verify_text = [py, "-m", "ckptverify", "verify", ckpt]
         commands = {
-            "python -c pass": [py, "-c", "pass"],
-            "verify --json": [py, "-m", "ckptverify", "verify", "--json", ckpt],
-            "verify (text)": [py, "-m", "ckptverify", "verify", ckpt],
+            "python -c pass": ([py, "-c", "pass"], env),
+            "verify --json": (verify_json, env),
+            "verify (text)": (verify_text, env),
         }
-        for cmd in commands.values():  # warm-up: the page cache, and the .pyc files unless --cold-bytecode
-            timed(cmd, env)
+        if args.compare_with is not None:
+            other = child_env(args.cold_bytecode, cache_dir, os.path.abspath(args.compare_with))
+            commands["compared --json"] = (verify_json, other)
+            commands["compared (text)"] = (verify_text, other)
+        for cmd, cmd_env in commands.values():  # warm-up: the page cache, the .pyc files (unless --cold-bytecode)
+            timed(cmd, cmd_env)
         times: dict[str, list[float]] = {name: [] for name in commands}
         failed = []
         for _ in range(args.runs):
-            for name, cmd in commands.items():
-                seconds, rc = timed(cmd, env)
+            for name, (cmd, cmd_env) in commands.items():
+                seconds, rc = timed(cmd, cmd_env)
                 times[name].append(seconds)
                 if rc != 0:
                     failed.append(f"{name} exited {rc}")
@@ -122,14 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         mode = "compiled from source each run" if args.cold_bytecode else "bytecode cached (as installed)"
         print(f"start-up of `python -m ckptverify verify`, median of {args.runs} runs, {mode}")
         print(f"  {'python -c pass':<16} {base:7.3f} s")
-        for name in ("verify --json", "verify (text)"):
+        if args.compare_with is not None:
+            print(f"  (compared: the checkout at {args.compare_with})")
+        for name in [n for n in commands if n != "python -c pass"]:
             med = statistics.median(times[name])
             met = "met" if med <= TARGET_S else "NOT met"
             print(f"  {name:<16} {med:7.3f} s   {med / base:5.1f}x interpreter start, +{med - base:.3f} s above it; "
                   f"target <= {TARGET_S} s {met}")
         print("top 10 imports of `verify --json` (python -X importtime; microseconds):")
         print(f"  {'self':>8} {'cumulative':>10}  module")
-        for self_us, cum_us, module in import_top(commands["verify --json"], env):
+        for self_us, cum_us, module in import_top(verify_json, env):
             print(f"  {self_us:>8} {cum_us:>10}  {module}")
         return 0
     finally:
