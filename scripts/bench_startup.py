@@ -18,9 +18,10 @@ time of ``python -X importtime -m ckptverify verify --json DIR`` (self time, and
 The commands import the ``ckptverify`` of the checkout this script is in (put first on ``PYTHONPATH``).
 Bytecode: an installed package carries its compiled ``.pyc`` files, so by default the commands run with
 bytecode caching allowed (``PYTHONDONTWRITEBYTECODE`` is dropped from their environment) after one warm-up
-run of each. ``--cold-bytecode`` instead compiles every module from source on every run (an empty
-``PYTHONPYCACHEPREFIX``, no writing), as an environment with ``PYTHONDONTWRITEBYTECODE=1`` and no
-``__pycache__`` does. Exit 0 when every verify run passed (whatever the times), 2 when one did not.
+run of each. ``--cold-bytecode`` instead compiles ckptverify's modules from source on every run (a copy of
+the package without ``__pycache__``, no bytecode written), as an environment with
+``PYTHONDONTWRITEBYTECODE=1`` and a source checkout does. Exit 0 when every verify run passed (whatever
+the times), 2 when one did not.
 """
 
 from __future__ import annotations
@@ -54,14 +55,19 @@ def build(path: str) -> None:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child_env(cold: bool, cache_dir: str, repo: str = REPO) -> dict[str, str]:
+def child_env(cold: bool, scratch: str, repo: str = REPO) -> dict[str, str]:
+    """The commands' environment: ``repo``'s package first on the path; with ``cold``, a copy of that package
+    without its ``__pycache__`` in ``scratch``, and no bytecode written (the interpreter's and the libraries'
+    own cached bytecode is read as usual, as in an environment with ``PYTHONDONTWRITEBYTECODE=1``)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env.pop("PYTHONPYCACHEPREFIX", None)
     if cold:
+        copy = tempfile.mkdtemp(dir=scratch)
+        shutil.copytree(os.path.join(repo, "ckptverify"), os.path.join(copy, "ckptverify"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        repo = copy
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        env["PYTHONPYCACHEPREFIX"] = cache_dir  # stays empty: nothing is written, nothing cached is read
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -87,7 +93,8 @@ def import_top(cmd: list[str], env: dict[str, str], n: int = 10) -> list[tuple[i
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=21, help="runs of each command; the median is reported")
-    ap.add_argument("--cold-bytecode", action="store_true", help="compile every module from source on every run")
+    ap.add_argument("--cold-bytecode", action="store_true",
+                    help="compile ckptverify's modules from source on every run")
     ap.add_argument("--dir", default=None, help="where to build the checkpoint [default: a temporary folder]")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
     ap.add_argument("--compare-with", metavar="CHECKOUT", default=None,
@@ -102,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
 
     work = args.dir or tempfile.mkdtemp(prefix="ckptverify-bench-startup-")
     ckpt = os.path.join(work, "ckpt")
-    cache_dir = tempfile.mkdtemp(prefix="ckptverify-bench-pycache-")
+    scratch = tempfile.mkdtemp(prefix="ckptverify-bench-source-")
     try:
         build(ckpt)
-        env = child_env(args.cold_bytecode, cache_dir)
+        env = child_env(args.cold_bytecode, scratch)
         py = sys.executable
         verify_json = [py, "-m", "ckptverify", "verify", "--json", ckpt]
         verify_text = [py, "-m", "ckptverify", "verify", ckpt]
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             "verify (text)": (verify_text, env),
         }
         if args.compare_with is not None:
-            other = child_env(args.cold_bytecode, cache_dir, os.path.abspath(args.compare_with))
+            other = child_env(args.cold_bytecode, scratch, os.path.abspath(args.compare_with))
             commands["compared --json"] = (verify_json, other)
             commands["compared (text)"] = (verify_text, other)
         for cmd, cmd_env in commands.values():  # warm-up: the page cache, the .pyc files (unless --cold-bytecode)
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
         base = statistics.median(times["python -c pass"])
-        mode = "compiled from source each run" if args.cold_bytecode else "bytecode cached (as installed)"
+        mode = "ckptverify compiled from source each run" if args.cold_bytecode else "bytecode cached (as installed)"
         print(f"start-up of `python -m ckptverify verify`, median of {args.runs} runs, {mode}")
         print(f"  {'python -c pass':<16} {base:7.3f} s")
         if args.compare_with is not None:
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {self_us:>8} {cum_us:>10}  {module}")
         return 0
     finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         if not args.keep and args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
         elif args.keep:
