@@ -111,3 +111,27 @@ def test_side_file_beside_dcp_is_still_checked(fresh_ckpt, tmp_path: Path, side_
     assert code == 1, out
     assert any(f["location"].get("file") == side_file and f["severity"] == "error" for f in report["findings"])
     assert "ckptverify.checks.single" in modules
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_startup_prints_medians_ratios_and_imports(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_startup.py"), "--runs", "1"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.split()[:3] == ["python", "-c", "pass"] for line in lines), done.stdout
+    for name in ("verify --json", "verify (text)"):
+        row = next(line for line in lines if line.strip().startswith(name))
+        assert "x interpreter start" in row and "target <= 0.2 s" in row, row
+    top = lines[lines.index(next(line for line in lines if line.startswith("top 10 imports"))) + 2:]
+    assert len(top) == 10 and all(line.split()[0].isdigit() for line in top), done.stdout
+
+
+def test_bench_startup_refuses_a_compared_folder_that_is_no_checkout(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_startup.py"), "--runs", "1",
+                           "--compare-with", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "not a checkout of ckptverify" in done.stderr
+    assert "Traceback" not in done.stderr
