@@ -88,7 +88,6 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     """``None`` for a DCP checkpoint (or a torn one: judged as DCP), ``"folder"`` for a folder of checkpoint
     files (Hugging Face, accelerate, transformers), ``"run-directory"`` for a folder of checkpoints (with the
     checkpoints found, which the caller names: the walk is done once), and whether the walk missed part of it."""
-    from ckptverify.checks.folder import CHECKPOINT_SUFFIXES
     from ckptverify.formats.rundir import dir_format, find_checkpoints
 
     try:
@@ -98,6 +97,8 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     fmt = dir_format(names)
     if fmt in ("dcp", "dcp-uncommitted"):
         return None, [], False
+    from ckptverify.checks.folder import CHECKPOINT_SUFFIXES  # only past DCP: a plain verify skips its imports
+
     if fmt is not None or any(n.endswith(CHECKPOINT_SUFFIXES) for n in names):
         return "folder", [], False
     subdirs = [n for n in names if os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))]

@@ -21,9 +21,8 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ckptverify.checks import deep as deep_check
 from ckptverify.checks import item_label, item_location, manifest_check
 from ckptverify.checks.commit import check_commit
 from ckptverify.checks.content import (
@@ -36,17 +35,20 @@ from ckptverify.checks.content import (
     segments,
 )
 from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
-from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
-from ckptverify.formats.dcp import ReadItem, describe_dcp
-from ckptverify.formats.describe import Description
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
 from ckptverify.safeparse.torchsave import SubclassHeader
 from ckptverify.safeparse.zipwalk import TemplateCache
+
+if TYPE_CHECKING:
+    from ckptverify.formats.describe import Description
+
+# Deep checks, descriptions and DCP's safetensors blobs are imported where used: a plain verify never needs
+# them, and every import is paid at each start of the command (a cron job over many checkpoints).
 
 #: Largest byte range hashed as one task; larger records are split and their CRCs combined.
 SEGMENT_BYTES = 64 << 20
@@ -254,6 +256,10 @@ class VerificationRun:
     def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
         """Parse each safetensors blob; check it against the metadata's tensor items."""
         blobs: dict[str, tuple[int, int]] = {}
+        if not self.safetensors:
+            return blobs
+        from ckptverify.dcp import safetensors
+
         resolved: dict[Item, tuple[int, int]] = {}
         for name in sorted(self.safetensors):
             f = self.opened[name]
@@ -480,6 +486,8 @@ class VerificationRun:
         self.coverage.append(CheckCoverage(check="manifest-digest", count=len(todo), unit="whole files"))
 
     def _deep(self, layout: Layout) -> None:
+        from ckptverify.checks import deep as deep_check
+
         desc = self.description()
         if self.progress is not None:
             self.progress.start(sum(p.item.length for p in self.plans
@@ -508,12 +516,15 @@ class VerificationRun:
         those of the items in ``values_skip``); ``side_files``: the framework side files beside the shards
         merged in (``meta.pt:...``). Call after :meth:`execute`; empty when the metadata could not be read."""
 
+        from ckptverify.formats.describe import Description
+
         if self.layout is None:
             return Description(root=self.root, target=self.root, format="dcp")
         with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
             return self._describe(values, values_skip, side_files)
 
     def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
+        from ckptverify.formats.dcp import ReadItem, describe_dcp
         from ckptverify.formats.describe import side_file_description
 
         assert self.layout is not None

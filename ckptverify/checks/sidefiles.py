@@ -26,13 +26,11 @@ any side file, so a byte changed in it afterwards is caught. Checking it reads e
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
 from typing import Any
 
-from ckptverify.checks.single import check_file, check_json
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 
 __all__ = ["SIDE_FILES", "check_side_files", "side_files"]
@@ -66,6 +64,9 @@ def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[C
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
     usable: list[str] = []
+    if names:
+        # Imported here: most checkpoints have no side file, and a plain verify should not pay for these readers.
+        from ckptverify.checks.single import check_file, check_json
     for name in names:
         path = os.path.join(root, name)
         try:
@@ -103,6 +104,8 @@ def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[C
 def check_integrity_record(root: str, name: str = "integrity.json") -> tuple[list[Finding], list[CheckCoverage]]:
     """Check Megatron Core's integrity record ``name`` in ``root``: every SHA-256 it lists against the file's
     bytes. A record that is not of Megatron's form is one ``integrity-invalid`` error, never an exception."""
+    from ckptverify.checks.single import check_json
+
     where = Location(file=name)
     found, data = check_json(os.path.join(root, name), name=name, root=root)
     if found:
@@ -172,6 +175,8 @@ def _plain_name(name: str) -> bool:
 
 def _sha256(path: str, root: str) -> str:
     """SHA-256 of a regular file inside ``root`` (a FIFO, device or link out of it is refused unopened)."""
+    import hashlib
+
     from ckptverify.safeparse.readers import ReadOnlyFile
 
     h = hashlib.sha256()

@@ -29,7 +29,6 @@ import fcntl
 import json
 import os
 import re
-import socket
 import stat
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -143,6 +142,8 @@ def begin_save(root: str, save_id: str) -> SaveLock:
         break
     else:  # pragma: no cover - needs 100 commits racing this one
         raise SaveConflictError(f"could not lock {root}: other saves keep committing into it")
+    import socket  # here: only a save names its host, and verify should not pay the import at start-up
+
     try:
         record = {"save_id": save_id, "pid": os.getpid(), "host": socket.gethostname(),
                   "started": datetime.now(UTC).isoformat(timespec="seconds")}
