@@ -103,3 +103,20 @@ def test_one_op_change_is_located_at_the_op_where_it_enters(tmp_path: Path) -> N
     assert (origin["step"], origin["phase"]) == (1, "forward"), origin
     assert verdict["locate"]["one_side"] in ("a", "b"), verdict["locate"]
     assert verdict["receivers"] == []
+
+
+def test_agreement_after_the_baseline_varies_is_undecided_not_beyond() -> None:
+    from ckptverify.resume.change import _Cell
+
+    since = (1, 0, 5)  # the baseline first varies at step 1, rank 0, the sixth site of the row
+    before = _Cell(1, 0, "hparam.0.lr", 3, ("a", "a", "a"), "b")
+    later_step = _Cell(2, 0, "param.fc.bias", 2, ("a", "a", "a"), "b")
+    other_rank = _Cell(1, 1, "param.fc.bias", 2, ("a", "a", "a"), "b")
+    later_site = _Cell(1, 0, "param.fc.bias", 9, ("a", "a", "a"), "b")
+    assert before.beyond(since) and not before.undecided(since)
+    for cell in (later_step, other_rank, later_site):
+        assert not cell.beyond(since) and cell.undecided(since), cell
+    # A deterministic baseline (nothing varies): any difference is beyond, none undecided.
+    assert later_step.beyond(None) and not later_step.undecided(None)
+    equal = _Cell(2, 0, "param.fc.bias", 2, ("a", "a", "a"), "a")
+    assert not equal.beyond(since) and not equal.undecided(since)

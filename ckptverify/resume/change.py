@@ -14,17 +14,20 @@ processes: they measure the natural variation of the baseline), CHANGED once. Th
 
 * some control differs from BASE (a nondeterministic baseline), judged per site (step, rank, site):
 
-  - where BASE and every control agree, CHANGED must equal them: a difference there is *beyond* variation;
+  - where BASE and every control agree *before* the baseline's first varying value (an earlier step; earlier in
+    that rank's step), CHANGED must equal them: a difference there is *beyond* variation. After it, runs that
+    agree may agree by chance (a few runs rounding the same noise alike), so a difference there is *undecided*
+    (``compare-undecided``, info: more ``repeats`` would tell), not beyond;
   - where they vary, a number (a metric such as the loss) is within variation when it lies within the controls'
     range widened by :data:`WIDEN` ranges on each side (``[lo - 3 (hi - lo), hi + 3 (hi - lo)]``); a
     fingerprint, which has no distance, is within variation whatever its value (the controls already disagree
     there);
   - ``within-variation`` when no site is beyond (exit 0), ``beyond-variation`` naming the first site beyond
-    otherwise (exit 1). More ``repeats`` make the spread more representative: a site where a few runs happened
-    to agree is counted as agreeing.
+    otherwise (exit 1). More ``repeats`` make the spread more representative.
 
 Findings: ``compare-verdict`` (error for ``effect`` and ``beyond-variation``, info otherwise), ``compare-site``
-(each site beyond variation, up to :data:`MAX_SITES`), ``compare-variation`` (info: where the controls vary), and
+(each site beyond variation, up to :data:`MAX_SITES`), ``compare-variation`` (info: where the controls vary),
+``compare-undecided`` (info), and
 the walk's ``locate-*`` findings. ``stats.verdict`` has ``kind``, ``sentence``, ``step``, ``rank``, ``site`` and,
 from the walk, ``origin``, ``receivers`` and ``locate`` (as ``resume-check``'s).
 """
@@ -107,16 +110,33 @@ class _Cell:
     def controls_agree(self) -> bool:
         return len(set(self.controls)) == 1
 
-    def beyond(self) -> bool:
+    def beyond(self, variation_from: tuple[int, int, int] | None = None) -> bool:
+        """Whether CHANGED's value lies outside the baseline's variation. ``variation_from``: ``(step, rank,
+        order)`` of the baseline's first varying value, when it varies: a value the baseline runs agree on
+        *after* that point may agree by chance (a few runs of rounding the same noise), so a difference there is
+        not beyond (:meth:`undecided`)."""
         if self.site.startswith(_STREAMS) and not self.controls_agree:
             return False
         if self.controls_agree:
-            return self.changed != self.controls[0]
+            return self.changed != self.controls[0] and not self._after(variation_from)
         numbers = [v for v in self.controls if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if len(numbers) == len(self.controls) and isinstance(self.changed, (int, float)):
             lo, hi = min(numbers), max(numbers)
             return not lo - WIDEN * (hi - lo) <= self.changed <= hi + WIDEN * (hi - lo)
         return False
+
+    def undecided(self, variation_from: tuple[int, int, int] | None) -> bool:
+        """CHANGED differs where the baseline runs agree, but after the baseline's variation began: the noise may
+        reach this value too, and the runs may have agreed by chance; more control runs would tell."""
+        return self.controls_agree and self.changed != self.controls[0] and self._after(variation_from)
+
+    def _after(self, variation_from: tuple[int, int, int] | None) -> bool:
+        if variation_from is None:
+            return False
+        step, rank, order = variation_from
+        # A later step, or the same step on another rank (a collective may carry the noise there), or later in
+        # the same rank's step.
+        return self.step > step or (self.step == step and (self.rank != rank or self.order > order))
 
 
 def _cells(dirs: list[str], changed: str) -> list[_Cell]:
@@ -200,17 +220,28 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
     if streams and not varying:
         findings.append(info("compare-rng-unused", f"unused random stream(s) differ between the baseline runs: "
                              f"{', '.join(streams)} (no traced value depends on them)"))
-    beyond = sorted((c for c in cells if c.beyond()), key=lambda c: (c.step, c.rank, c.order))
+    origin = min(varying, key=lambda c: (c.step, c.rank, c.order)) if varying else None
+    since = (origin.step, origin.rank, origin.order) if origin is not None else None
+    beyond = sorted((c for c in cells if c.beyond(since)), key=lambda c: (c.step, c.rank, c.order))
+    undecided = sorted((c for c in cells if c.undecided(since)), key=lambda c: (c.step, c.rank, c.order))
     coverage = (CheckCoverage(check="compare-sites", count=len(cells), unit="site-steps"),)
     stats: dict[str, Any] = {"base": plan.base, "changed": plan.changed, "steps": plan.steps, "nproc": plan.nproc,
                              "repeats": plan.repeats, "level": plan.level, "sites_compared": len(cells),
-                             "sites_varying": len(varying), "sites_beyond": len(beyond)}
+                             "sites_varying": len(varying), "sites_beyond": len(beyond),
+                             "sites_undecided": len(undecided)}
     if varying:
         first = min(varying, key=lambda c: (c.step, c.rank, c.order))
         findings.append(info("compare-variation", f"the baseline is not deterministic: its {plan.repeats + 1} runs "
                              f"differ at {len(varying)} site-step(s), first at step {first.step}, rank {first.rank}, "
                              f"{first.site}; the change is judged against that spread", location=Location(
                                  rank=first.rank, fqn=first.site), actual={"step": first.step}))
+    if undecided:
+        u = undecided[0]
+        findings.append(info("compare-undecided", f"{plan.changed} differs at {len(undecided)} site-step(s) where "
+                             f"the {plan.repeats + 1} baseline runs agree but which come after the baseline's "
+                             f"variation began (first at step {u.step}, rank {u.rank}, {u.site}): its noise may reach "
+                             "them and the runs may agree by chance; more --repeats would tell",
+                             location=Location(rank=u.rank, fqn=u.site), actual={"step": u.step}))
     first = beyond[0] if beyond else None
     if first is None:
         kind = "within-variation" if varying else "no-effect"
