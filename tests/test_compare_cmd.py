@@ -60,7 +60,7 @@ def test_one_op_change_is_an_effect_without_walk(tmp_path: Path) -> None:
 
 
 def test_noisy_baseline_against_itself_is_within_variation(tmp_path: Path) -> None:
-    code, report = _compare("train_noisy_op", "train_noisy_op", "--no-locate", "--repeats", "2", cwd=tmp_path)
+    code, report = _compare("train_noisy_op", "train_noisy_op", "--no-locate", "--repeats", "3", cwd=tmp_path)
     verdict = report["stats"]["verdict"]
     assert (code, verdict["kind"]) == (0, "within-variation"), verdict
     assert report["stats"]["sites_varying"] > 0 and report["stats"]["sites_beyond"] == 0
@@ -120,3 +120,7 @@ def test_agreement_after_the_baseline_varies_is_undecided_not_beyond() -> None:
     assert later_step.beyond(None) and not later_step.undecided(None)
     equal = _Cell(2, 0, "param.fc.bias", 2, ("a", "a", "a"), "a")
     assert not equal.beyond(since) and not equal.undecided(since)
+    # A number: within the controls' range widened by three units, the unit at least the site's widest range.
+    loss = _Cell(1, 0, "metric.loss", 0, (1.0, 1.0 + 1e-7, 1.0 + 2e-7), 1.0 + 1e-6)
+    assert loss.beyond(since) and not loss.beyond(since, spread=1e-6)
+    assert loss.beyond(since, spread=1e-7) and _Cell(1, 0, "metric.loss", 0, (1.0, 1.1), 5.0).beyond(since, 0.2)

@@ -19,7 +19,8 @@ processes: they measure the natural variation of the baseline), CHANGED once. Th
     agree may agree by chance (a few runs rounding the same noise alike), so a difference there is *undecided*
     (``compare-undecided``, info: more ``repeats`` would tell), not beyond;
   - where they vary, a number (a metric such as the loss) is within variation when it lies within the controls'
-    range widened by :data:`WIDEN` ranges on each side (``[lo - 3 (hi - lo), hi + 3 (hi - lo)]``); a
+    range widened by :data:`WIDEN` units on each side (``[lo - 3 u, hi + 3 u]``, ``u`` the widest range of the
+    controls at that site over all steps and ranks, at least ``hi - lo``); a
     fingerprint, which has no distance, is within variation whatever its value (the controls already disagree
     there);
   - ``within-variation`` when no site is beyond (exit 0), ``beyond-variation`` naming the first site beyond
@@ -110,19 +111,27 @@ class _Cell:
     def controls_agree(self) -> bool:
         return len(set(self.controls)) == 1
 
-    def beyond(self, variation_from: tuple[int, int, int] | None = None) -> bool:
+    def numbers(self) -> list[float] | None:
+        """The baseline runs' values when all are numbers (a metric), else ``None``."""
+        numbers = [v for v in self.controls if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return numbers if len(numbers) == len(self.controls) else None
+
+    def beyond(self, variation_from: tuple[int, int, int] | None = None, spread: float = 0.0) -> bool:
         """Whether CHANGED's value lies outside the baseline's variation. ``variation_from``: ``(step, rank,
         order)`` of the baseline's first varying value, when it varies: a value the baseline runs agree on
         *after* that point may agree by chance (a few runs of rounding the same noise), so a difference there is
-        not beyond (:meth:`undecided`)."""
+        not beyond (:meth:`undecided`). ``spread``: the widest range of the baseline runs' values at this site
+        over every step and rank, the unit of a number's variation (a few runs at one step can land within a
+        few rounding steps of each other by chance)."""
         if self.site.startswith(_STREAMS) and not self.controls_agree:
             return False
         if self.controls_agree:
             return self.changed != self.controls[0] and not self._after(variation_from)
-        numbers = [v for v in self.controls if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if len(numbers) == len(self.controls) and isinstance(self.changed, (int, float)):
+        numbers = self.numbers()
+        if numbers is not None and isinstance(self.changed, (int, float)):
             lo, hi = min(numbers), max(numbers)
-            return not lo - WIDEN * (hi - lo) <= self.changed <= hi + WIDEN * (hi - lo)
+            unit = max(hi - lo, spread)
+            return not lo - WIDEN * unit <= self.changed <= hi + WIDEN * unit
         return False
 
     def undecided(self, variation_from: tuple[int, int, int] | None) -> bool:
@@ -222,7 +231,13 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
                              f"{', '.join(streams)} (no traced value depends on them)"))
     origin = min(varying, key=lambda c: (c.step, c.rank, c.order)) if varying else None
     since = (origin.step, origin.rank, origin.order) if origin is not None else None
-    beyond = sorted((c for c in cells if c.beyond(since)), key=lambda c: (c.step, c.rank, c.order))
+    spread: dict[str, float] = {}
+    for c in varying:
+        numbers = c.numbers()
+        if numbers is not None:
+            spread[c.site] = max(spread.get(c.site, 0.0), max(numbers) - min(numbers))
+    beyond = sorted((c for c in cells if c.beyond(since, spread.get(c.site, 0.0))),
+                    key=lambda c: (c.step, c.rank, c.order))
     undecided = sorted((c for c in cells if c.undecided(since)), key=lambda c: (c.step, c.rank, c.order))
     coverage = (CheckCoverage(check="compare-sites", count=len(cells), unit="site-steps"),)
     stats: dict[str, Any] = {"base": plan.base, "changed": plan.changed, "steps": plan.steps, "nproc": plan.nproc,
