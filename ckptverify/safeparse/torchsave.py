@@ -23,13 +23,15 @@ import functools
 import json
 import pickle
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
 __all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "dtype_name", "item_header", "subclass_allowlist",
            "subclass_fields", "tensor_header"]
+
+T = TypeVar("T")
 
 _LEGACY_STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
@@ -214,13 +216,19 @@ def _tensor_header_cached(data_pkl: bytes) -> TensorHeader:
 
 
 def _tensor_header(data_pkl: bytes) -> TensorHeader:
+    return _load_record(_TensorHeaderUnpickler(data_pkl), TensorHeader)
+
+
+def _load_record(unpickler: Any, want: type[T]) -> T:
+    """What ``unpickler`` loads, if it is a ``want``; anything else (hostile bytes included) is an
+    ``UnpicklingError``, never another exception."""
     try:
-        obj = _TensorHeaderUnpickler(data_pkl).load()
+        obj = unpickler.load()
     except pickle.UnpicklingError:
         raise
-    except Exception as exc:  # hostile bytes: any failure is "not a plain tensor", never a traceback
+    except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
         raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
-    if not isinstance(obj, TensorHeader):
+    if not isinstance(obj, want):
         raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
     return obj
 
@@ -460,12 +468,4 @@ def _item_header_cached(data_pkl: bytes) -> TensorHeader | SubclassHeader:
 def _item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
     if b"_rebuild_from_type_v2" not in data_pkl:
         return _tensor_header(data_pkl)  # the plain record, through the plain allowlist
-    try:
-        obj = _ItemHeaderUnpickler(data_pkl).load()
-    except pickle.UnpicklingError:
-        raise
-    except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
-        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
-    if not isinstance(obj, SubclassHeader):
-        raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
-    return obj
+    return _load_record(_ItemHeaderUnpickler(data_pkl), SubclassHeader)
