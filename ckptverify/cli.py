@@ -6,12 +6,15 @@ Exit codes everywhere: 0 all checks passed, 1 a check failed, 2 the tool could n
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
 from ckptverify._version import __version__
 from ckptverify.errors import CkptVerifyError, UsageError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _RichProgress:
@@ -400,6 +403,16 @@ _LOCATE_HELP = ("When the check fails, re-run the first divergent step at trace 
                 "alone (docs/locate.md).")
 
 
+def _locate_options(locate_help: str = _LOCATE_HELP,
+                    repeats_help: str = "Re-runs per side of the divergent step at level op.") -> Callable[[F], F]:
+    """``--locate/--no-locate`` and ``--locate-repeats``, as every command that can locate a divergence takes them."""
+    def apply(fn: F) -> F:
+        fn = click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+                          help=repeats_help)(fn)
+        return click.option("--locate/--no-locate", default=True, show_default=True, help=locate_help)(fn)
+    return apply
+
+
 @main.command("resume-check")
 @click.argument("target")
 @click.option("--steps", "-T", type=click.IntRange(min=2), required=True, help="Steps of the continuous run.")
@@ -425,9 +438,8 @@ _LOCATE_HELP = ("When the check fails, re-run the first divergent step at trace 
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help=_METRICS_HELP)
 @click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
-@click.option("--locate/--no-locate", default=True, show_default=True, help=_LOCATE_HELP)
-@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Re-runs per side of the divergent step at level op (more repeats tell how often it differs).")
+@_locate_options(repeats_help="Re-runs per side of the divergent step at level op (more repeats tell how often it "
+                              "differs).")
 def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level: str, runs: str, device: str,
                      keep: str | None, verbose: bool, report_dir: str | None, json_out: bool,
                      metrics_file: str | None, progress: bool | None, locate: bool, locate_repeats: int) -> None:
@@ -476,9 +488,7 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
               help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files "
                    "named in stats.logs).")
 @click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
-@click.option("--locate/--no-locate", default=True, show_default=True, help=_LOCATE_HELP)
-@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Re-runs per side of the divergent step at level op.")
+@_locate_options()
 def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
            metrics_file: str | None, target: str | None, max_procs: int, json_out: bool,
            progress: bool | None, locate: bool, locate_repeats: int) -> None:
@@ -532,11 +542,8 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: gloo; cuda: NCCL, one GPU per rank.")
 @click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the runs' traces here.")
-@click.option("--locate/--no-locate", default=True, show_default=True,
-              help="When CHANGED differs, re-run the first differing step of both at trace level op and name the op "
-                   "where the change enters (docs/locate.md).")
-@click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Re-runs per side of that step at level op.")
+@_locate_options("When CHANGED differs, re-run the first differing step of both at trace level op and name the op "
+                 "where the change enters (docs/locate.md).", "Re-runs per side of that step at level op.")
 @click.option("--json", "json_out", is_flag=True,
               help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files).")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
