@@ -180,6 +180,7 @@ def _part_summary(data: dict[str, Any], report: Any) -> dict[str, Any]:
     failed = sorted({f.location.file for f in report.errors if f.location.file in files})
     return {"node": data.get("node"), "host": data.get("host"), "ranks": data.get("ranks"),
             "files": data.get("files"), "bytes": data.get("bytes"), "seconds": data.get("seconds"),
+            "opened": report.stats.get("opened"),
             "verdict": "failed" if failed or not report.passed else "passed", "failed_files": failed}
 
 
@@ -252,10 +253,11 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     parts = [_part_summary(own_data, mine), *(_part_summary(d, r) for d, r in reports)]
     named: list[Any] = []
     for k, part in enumerate(parts):
-        # The coordinator's part also holds the checks of the whole checkpoint: its node is named only for
-        # errors in its node's files.
-        if part["verdict"] == "passed" or (k == 0 and not part["failed_files"]):
-            part["verdict"] = "passed" if k == 0 and not part["failed_files"] else part["verdict"]
+        if k == 0 and not part["failed_files"]:
+            # The coordinator's part also holds the checks of the whole checkpoint (named by their own
+            # findings): its node is named only for errors in its node's files.
+            part["verdict"] = "passed"
+        if part["verdict"] == "passed":
             continue
         files = ", ".join(part["failed_files"]) or "errors that name no file of its own"
         named.append(error("node-part-failed", f"the part of {_describe_node(part)} failed: {files}"))
