@@ -42,8 +42,8 @@ __all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "PLAN_SCHEMA", "make_p
 
 PLAN_SCHEMA = "ckptverify/parts-plan"
 PART_SCHEMA = "ckptverify/part"
-#: The node a rank runs on, when its host name does not say it (a container per rank, a test that simulates
-#: several nodes on one machine); by default the host name.
+#: The node a rank runs on, when its host name does not say it (a container per rank; a test hook that
+#: simulates several nodes on one machine); by default the host name (:func:`node_name`).
 NODE_ENV = "CKPTVERIFY_NODE"
 PART_TIMEOUT_ENV = "CKPTVERIFY_PART_TIMEOUT"
 DEFAULT_PART_TIMEOUT = 1800.0
@@ -54,8 +54,14 @@ _MAX_BYTES = 64 << 20
 
 
 def node_name() -> str:
-    """The node this process runs on: ``CKPTVERIFY_NODE`` when set, else the host name."""
-    return os.environ.get(NODE_ENV) or socket.gethostname()
+    """The node this process runs on: ``CKPTVERIFY_NODE`` when set; else the host name, with torchrun's node
+    rank (``GROUP_RANK``) when the process was started by torchrun (two torchrun agents on one host are two
+    nodes to it)."""
+    name = os.environ.get(NODE_ENV)
+    if name:
+        return name
+    group = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f":{group}" if group else "")
 
 
 def part_timeout() -> float:
@@ -85,6 +91,22 @@ def make_plan(hosts: list[str], files_of_rank: list[list[str]]) -> dict[str, Any
         files = sorted({f for r in ranks if r < len(files_of_rank) for f in files_of_rank[r]})
         nodes.append({"node": k, "host": host, "ranks": ranks, "files": files})
     return {"schema": PLAN_SCHEMA, "save_id": uuid.uuid4().hex, "nodes": nodes}
+
+
+def plan_from_names(root: str, hosts: list[str]) -> dict[str, Any]:
+    """The plan of a DCP checkpoint at ``root`` written by ranks on ``hosts`` through DCP's file system writer,
+    whose rank ``r`` names its files ``__r_N.distcp``: what a front end that does not see DCP's write results
+    (a framework's own save) shares out. Only names are listed (nothing is opened); a file of no rank's name is
+    left to the coordinator, which checks everything no other node's part does."""
+    import re
+
+    pattern = re.compile(r"__(\d+)_\d+\.distcp")
+    files: list[list[str]] = [[] for _ in hosts]
+    for name in sorted(os.listdir(root)):
+        m = pattern.fullmatch(name)
+        if m is not None and int(m.group(1)) < len(hosts):
+            files[int(m.group(1))].append(name)
+    return make_plan(hosts, files)
 
 
 def write_plan(root: str, plan: dict[str, Any]) -> str:
