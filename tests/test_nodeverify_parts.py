@@ -209,3 +209,98 @@ def test_two_nodes_verify_their_own_files_and_one_stamp_names_a_failed_or_silent
     events = [(e["event"], e["step"], e["rank"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")]
     assert events == [("checkpoint-verified", 1, 0), ("checkpoint-failed", 2, 0), ("checkpoint-unverified", 3, 0),
                       ("checkpoint-verified", 4, 0)], events
+
+
+# ---------------------------------------------------------------------------------- the integrations' path
+
+
+def _integration_worker(rank: int, world: int, root: str) -> None:
+    from ckptverify.integrations._core import Verifier, torch_group
+    from ckptverify.verifier import background
+
+    warnings.simplefilter("ignore")
+    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+    verifier = Verifier(verify="background", fingerprint=False)
+    out: dict[str, Any] = {}
+    if rank == 1:
+        background.default_verifier().before_verify = (
+            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith("step_2") else None)
+    try:
+        for step in (1, 2):
+            path = os.path.join(root, f"step_{step}")
+            # What torchtitan's VerifiedCheckpointManager does: a hashing save, then the check of what it wrote.
+            cv.save({f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}, path)
+            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=torch_group(),
+                                                         fingerprint=False).pending
+        arrived = verifier.wait(group=torch_group(), timeout=240)
+        out["arrived"] = {v.step: v.verdict for v in arrived}
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+
+
+@pytest.mark.slow
+def test_an_integration_s_background_check_is_shared_out_among_nodes_too(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
+    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "120")
+    spawn_ranks(_integration_worker, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["pending_1"] and r["pending_2"] for r in ranks), ranks
+    assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed"}, ranks
+    clean = _stamp(tmp_path / "step_1")
+    assert clean["passed"] and [p["opened"] for p in clean["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
+    failed = _stamp(tmp_path / "step_2")
+    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
+    assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
+    events = {(e["event"], e["step"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")}
+    assert events == {("checkpoint-verified", 1), ("checkpoint-failed", 2)}, events
+
+
+# ---------------------------------------------------------------------------------- a production job on two nodes
+
+PRODUCTION_SCRIPT = Path(__file__).parent / "user_scripts" / "production_train.py"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _two_node_job(run_dir: Path, steps: int, save_every: int) -> None:
+    """The production script started as torchrun starts it on two nodes: one agent per node, one rank each (both
+    agents on this machine: torchrun's node rank tells them apart)."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    env = {**os.environ, "CKPTVERIFY_VERIFY_THROTTLE": "0", parts_mod.PART_TIMEOUT_ENV: "240"}
+    env.pop(parts_mod.NODE_ENV, None)
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={k}", "--nproc-per-node=1",
+         "--master-addr=127.0.0.1", f"--master-port={port}", str(PRODUCTION_SCRIPT), "--run-dir", str(run_dir),
+         "--steps", str(steps), "--save-every", str(save_every)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for k in (0, 1)]
+    outputs = [a.communicate(timeout=600)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
+
+
+@pytest.mark.slow
+def test_a_production_run_on_two_nodes_stamps_each_checkpoint_once_from_both_parts(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _two_node_job(run, steps=4, save_every=2)
+    for step in (2, 4):
+        ckpt = run / f"step_{step}"
+        stamp = read_stamp(ckpt)
+        assert stamp is not None and stamp.current and stamp.passed and stamp.step == step
+        parts = stamp.data["parts"]
+        assert [p["ranks"] for p in parts] == [[0], [1]] and parts[0]["host"] != parts[1]["host"], parts
+        # Rank r's node opened only what rank r wrote.
+        assert [p["opened"] for p in parts] == [sorted(n for n in os.listdir(ckpt) if n.startswith(f"__{r}_"))
+                                                for r in (0, 1)]
+        assert not [n for n in os.listdir(ckpt) if n.startswith(PARTS_PREFIX)]
+    verified = [(e["step"], e["rank"]) for e in read_events(run, "checkpoint-verified")]
+    assert sorted(verified) == [(2, 0), (4, 0)], verified

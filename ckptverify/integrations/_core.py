@@ -271,6 +271,11 @@ class Verifier:
             with self._lock:
                 arrived, self._arrived_verdicts = self._arrived_verdicts, []
             earlier = self._take_unraised()
+        elif group.gather is not None:
+            # This rank may verify its node's part of a save shared out among nodes (verifier.parts).
+            from ckptverify.verifier.background import exit_timeout, wait_for_verifications
+
+            wait_for_verifications(exit_timeout() if timeout is None else timeout)
         if group.broadcast is not None:
             data = group.broadcast(None if arrived is None else
                                    {"arrived": [v.to_dict() for v in arrived],
