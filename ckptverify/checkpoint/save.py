@@ -290,7 +290,7 @@ def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, 
         if coordinator:
             default_verifier().submit(path, step=step, options=options)
         return
-    from ckptverify.verifier.parts import nodes_of
+    from ckptverify.ownfiles.partsplan import nodes_of
 
     nodes = nodes_of(hosts)
     if coordinator:

@@ -588,7 +588,7 @@ class HashingFileSystemWriter(FileSystemWriter):
         write_manifest(root, manifest)
         self.manifest = manifest
         if self.node_hosts is not None and len(set(self.node_hosts)) > 1:
-            from ckptverify.verifier.parts import make_plan, write_plan
+            from ckptverify.ownfiles.partsplan import make_plan, write_plan
 
             write_plan(root, make_plan(self.node_hosts, _files_of_ranks(results)))
 

@@ -225,7 +225,7 @@ class Verifier:
             self._submit_part(root, step, hosts, group.rank)
         if group.coordinator:
             if hosts is not None:
-                from ckptverify.verifier.parts import plan_from_names, write_plan
+                from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
 
                 write_plan(os.path.abspath(root), plan_from_names(root, hosts))
                 verdict = self._submit(root, step, fingerprint, parts=True)
@@ -356,9 +356,9 @@ class Verifier:
 
     def _submit_part(self, root: str, step: int | None, hosts: list[str], rank: int) -> None:
         """On the lowest rank of a node other than the coordinator's: queue that node's part."""
+        from ckptverify.ownfiles.partsplan import nodes_of
         from ckptverify.verifier.background import Task, default_verifier
         from ckptverify.verifier.jobs import VERIFY_PART
-        from ckptverify.verifier.parts import nodes_of
 
         nodes = nodes_of(hosts)
         node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
