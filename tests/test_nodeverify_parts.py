@@ -124,6 +124,56 @@ def test_without_a_plan_the_coordinator_verifies_everything_itself(tmp_path: Pat
     assert result.bytes_checked == verify_checkpoint(path).stats["bytes"]
 
 
+def _planned(root: Path) -> tuple[str, dict[str, Any]]:
+    """A two-file checkpoint whose plan gives each file to one of two nodes."""
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+
+    path = _two_file_checkpoint(root)
+    plan = make_plan(["hostA", "hostB"], [["__0_0.distcp"], ["__0_1.distcp"]])
+    write_plan(path, plan)
+    return path, plan
+
+
+def _gather(path: str, wait_s: float) -> Any:
+    from ckptverify.verifier.stamper import VerifyingLock
+
+    lock = VerifyingLock(path)
+    assert lock.acquire()
+    try:
+        return parts_mod.stamp_parts_locked(path, step=7, jobs=1, settle=0.0, wait_s=wait_s)
+    finally:
+        lock.release()
+
+
+def test_the_coordinator_merges_a_reported_part_into_one_stamp(tmp_path: Path) -> None:
+    path, _ = _planned(tmp_path)
+    written = parts_mod.part_job(path, 1, wait_s=0)
+    assert written["written"] and written["passed"]
+    result = _gather(path, wait_s=5)
+    stamp = _stamp(Path(path))
+    assert result.verdict == "passed" and stamp["passed"] and stamp["step"] == 7
+    assert [(p["host"], p["opened"], p["verdict"]) for p in stamp["parts"]] == [
+        ("hostA", ["__0_0.distcp"], "passed"), ("hostB", ["__0_1.distcp"], "passed")]
+    assert result.bytes_checked == verify_checkpoint(path).stats["bytes"]
+    assert read_stamp(path).current and sorted(os.listdir(path)) == [
+        ".metadata", "__0_0.distcp", "__0_1.distcp", "ckptverify.manifest.json", STAMP_FILE]
+
+
+@pytest.mark.parametrize("planted", ["stale", "garbage"])
+def test_a_part_verdict_of_another_save_or_no_verdict_at_all_is_no_report(tmp_path: Path, planted: str) -> None:
+    path, plan = _planned(tmp_path)
+    verdict = Path(parts_mod.part_verdict_path(path, 1))
+    if planted == "stale":  # a passed part of an earlier save into the same folder
+        parts_mod.part_job(path, 1, wait_s=0)
+        data = json.loads(verdict.read_text())
+        verdict.write_text(json.dumps({**data, "save_id": "0" * 32}))
+    else:
+        verdict.write_text(json.dumps({"schema": parts_mod.PART_SCHEMA, "save_id": plan["save_id"], "report": 3}))
+    result = _gather(path, wait_s=0.5)
+    assert result.verdict == "unverified" and not (Path(path) / STAMP_FILE).exists()
+    assert "node 1 (host hostB, ranks [1])" in result.reason and "__0_1.distcp" in result.reason
+
+
 # ---------------------------------------------------------------------------------- two nodes, real ranks
 
 

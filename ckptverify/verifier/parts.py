@@ -195,14 +195,16 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         missing = [waiting[k] for k in sorted(waiting)]
         changed = False
         for k in sorted(got):
-            data = got[k]
+            node = next(n for n in others if n["node"] == k)
             try:
-                report = Report.from_dict(data["report"])
-            except (KeyError, TypeError, ValueError):
-                missing.append(next(n for n in others if n["node"] == k))
+                report = Report.from_dict(got[k]["report"])
+            except Exception:  # a verdict file that is not one (damaged, planted): that part did not report
+                missing.append(node)
                 continue
+            # The plan, not the verdict file, says whose files these are.
+            data = {**got[k], "node": k, "host": node.get("host"), "ranks": node.get("ranks"), "files": node["files"]}
             # A part read its files at another time than this side: they must be the files it read.
-            changed = changed or bool(data.get("changed")) or _signatures(path, list(data.get("files") or [])) \
+            changed = changed or bool(data.get("changed")) or _signatures(path, node["files"]) \
                 != data.get("signatures")
             reports.append((data, report))
     except (FileNotFoundError, CheckpointNotFoundError):
