@@ -209,6 +209,11 @@ def _nodes_worker(rank: int, world: int, root: str) -> None:
         save(3)  # node 1's part never reports
         os.environ[parts_mod.NODE_ENV] = "node0"  # both ranks on one node: one part, as without nodes
         save(4)
+        os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+        state = {f"w.{rank}": torch.full((4096,), 5.0 + rank), "shared": torch.arange(1024.0)}
+        cv.async_save(state, os.path.join(root, "step_5"), verify="background", events=root).result()
+        out["waited_5"] = cv.wait_for_verifications(timeout=240)
+        dist.barrier()
         out["has_verifier"] = background._default is not None
     finally:
         with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
@@ -256,9 +261,12 @@ def test_two_nodes_verify_their_own_files_and_one_stamp_names_a_failed_or_silent
 
     one_node = _stamp(tmp_path / "step_4")
     assert one_node["passed"] and "parts" not in one_node
+    after_upload = _stamp(tmp_path / "step_5")  # async_save: the parts are queued once the upload committed
+    assert after_upload["passed"] and [p["opened"] for p in after_upload["parts"]] == [["__0_0.distcp"],
+                                                                                     ["__1_0.distcp"]]
     events = [(e["event"], e["step"], e["rank"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")]
     assert events == [("checkpoint-verified", 1, 0), ("checkpoint-failed", 2, 0), ("checkpoint-unverified", 3, 0),
-                      ("checkpoint-verified", 4, 0)], events
+                      ("checkpoint-verified", 4, 0), ("checkpoint-verified", 5, 0)], events
 
 
 # ---------------------------------------------------------------------------------- the integrations' path
