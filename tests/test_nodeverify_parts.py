@@ -159,6 +159,30 @@ def test_the_coordinator_merges_a_reported_part_into_one_stamp(tmp_path: Path) -
         ".metadata", "__0_0.distcp", "__0_1.distcp", "ckptverify.manifest.json", STAMP_FILE]
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_the_background_verifier_gathers_the_parts_in_its_process_or_thread(tmp_path: Path, isolation: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.verifier.background import BackgroundVerifier, Task
+    from ckptverify.verifier.jobs import VERIFY_PART
+
+    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "60")
+    path, _ = _planned(tmp_path)
+    verifier = BackgroundVerifier(isolation=isolation, throttle=False)
+    node: list[Any] = []
+    try:
+        verifier.submit(path, step=3, parts=True)  # the coordinator's: takes the lock, waits for node 1
+        verifier_b = BackgroundVerifier(isolation=isolation, throttle=False)  # node 1's, lockless
+        verifier_b.submit(path, step=3, task=Task(
+            job=VERIFY_PART, args={"root": path, "node": 1}, locked=False, done=lambda r, why: node.append(r)))
+        assert verifier_b.close(timeout=120) and verifier.wait(timeout=120)
+    finally:
+        verifier.close(timeout=10)
+    assert node and node[0]["written"] and node[0]["passed"], node
+    last = verifier.last()
+    assert last is not None and last.verdict == "passed" and last.stamped, last
+    assert [p["opened"] for p in _stamp(Path(path))["parts"]] == [["__0_0.distcp"], ["__0_1.distcp"]]
+
+
 @pytest.mark.parametrize("planted", ["stale", "garbage"])
 def test_a_part_verdict_of_another_save_or_no_verdict_at_all_is_no_report(tmp_path: Path, planted: str) -> None:
     path, plan = _planned(tmp_path)
