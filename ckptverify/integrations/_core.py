@@ -57,6 +57,7 @@ from typing import Any, Literal
 from ckptverify.errors import (
     CheckpointRefusedError,
     CheckpointVerificationWarning,
+    CkptVerifyRuntimeWarning,
     UsageError,
 )
 from ckptverify.findings import Report
@@ -224,10 +225,7 @@ class Verifier:
         if hosts is not None and not group.coordinator:
             self._submit_part(root, step, hosts, group.rank)
         if group.coordinator:
-            if hosts is not None:
-                from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
-
-                write_plan(os.path.abspath(root), plan_from_names(root, hosts))
+            if hosts is not None and self._plan(root, hosts):
                 verdict = self._submit(root, step, fingerprint, parts=True)
             else:
                 verdict = self._dispatch(root, step, fingerprint)
@@ -353,6 +351,20 @@ class Verifier:
 
         hosts = [str(h) for h in group.gather(node_name())]  # the same list on every rank: all take one way
         return hosts if len(set(hosts)) > 1 else None
+
+    @staticmethod
+    def _plan(root: str, hosts: list[str]) -> bool:
+        """Write the plan of a verification shared out among nodes; ``False`` when it cannot be written (the
+        coordinator then verifies everything, and the other nodes' parts find no plan: they say so)."""
+        from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
+
+        try:
+            write_plan(os.path.abspath(root), plan_from_names(root, hosts))
+        except OSError as exc:
+            warnings.warn(f"{root}: the verification cannot be shared out among nodes ({type(exc).__name__}: "
+                          f"{exc}); rank 0 verifies it whole", CkptVerifyRuntimeWarning, stacklevel=3)
+            return False
+        return True
 
     def _submit_part(self, root: str, step: int | None, hosts: list[str], rank: int) -> None:
         """On the lowest rank of a node other than the coordinator's: queue that node's part."""
