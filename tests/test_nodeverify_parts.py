@@ -159,6 +159,15 @@ def test_the_coordinator_merges_a_reported_part_into_one_stamp(tmp_path: Path) -
         ".metadata", "__0_0.distcp", "__0_1.distcp", "ckptverify.manifest.json", STAMP_FILE]
 
 
+def test_a_part_whose_plan_never_comes_says_so_instead_of_waiting_out_the_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _two_file_checkpoint(tmp_path)  # committed, no plan (it could not be written)
+    monkeypatch.setattr(parts_mod, "_PLAN_GRACE_SECONDS", 0.3)
+    out = parts_mod.part_job(path, 1, wait_s=600)
+    assert out == {"written": False, "why": f"no committed checkpoint with a plan ({PARTS_PLAN}) at {path}"}
+    assert not [n for n in os.listdir(path) if n.startswith(PARTS_PREFIX)]
+
+
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_the_background_verifier_gathers_the_parts_in_its_process_or_thread(tmp_path: Path, isolation: str,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:

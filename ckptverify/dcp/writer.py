@@ -32,6 +32,7 @@ import dataclasses
 import os
 import threading
 import uuid
+import warnings
 from collections.abc import Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -49,7 +50,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
-from ckptverify.errors import UsageError
+from ckptverify.errors import CkptVerifyRuntimeWarning, UsageError
 from ckptverify.fingerprint import (
     ALGORITHMS,
     FINGERPRINT_VERSION,
@@ -590,7 +591,11 @@ class HashingFileSystemWriter(FileSystemWriter):
         if self.node_hosts is not None and len(set(self.node_hosts)) > 1:
             from ckptverify.ownfiles.partsplan import make_plan, write_plan
 
-            write_plan(root, make_plan(self.node_hosts, _files_of_ranks(results)))
+            try:
+                write_plan(root, make_plan(self.node_hosts, _files_of_ranks(results)))
+            except OSError as exc:  # the save stands; without a plan the coordinator verifies it whole
+                warnings.warn(f"{root}: its verification cannot be shared out among nodes ({type(exc).__name__}: "
+                              f"{exc}); the coordinator verifies it whole", CkptVerifyRuntimeWarning, stacklevel=2)
 
     def _build_manifest(
         self,

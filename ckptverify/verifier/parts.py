@@ -53,6 +53,8 @@ PART_SCHEMA = "ckptverify/part"
 NODE_ENV = "CKPTVERIFY_NODE"
 PART_TIMEOUT_ENV = "CKPTVERIFY_PART_TIMEOUT"
 DEFAULT_PART_TIMEOUT = 1800.0
+#: How long a node's part waits for the plan once the checkpoint has committed.
+_PLAN_GRACE_SECONDS = 60.0
 #: How often a waiting side looks for the plan or a part verdict.
 _POLL_SECONDS = 0.1
 
@@ -109,6 +111,9 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     while True:
         if committed(root):
             plan = read_plan(root)
+            # The plan is written as the save commits (or, by an integration, right after): once committed,
+            # a plan that is still missing after a grace time is not coming (it could not be written).
+            deadline = min(deadline, time.monotonic() + _PLAN_GRACE_SECONDS) if plan is None else deadline
         if plan is not None or time.monotonic() >= deadline:
             break
         if not os.path.isdir(root):
