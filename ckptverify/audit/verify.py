@@ -89,7 +89,7 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
     """One part of a DCP checkpoint's verification shared out among nodes (:mod:`ckptverify.verifier.parts`):
     with ``only``, the byte-level checks of those files alone; with ``skip``, everything but the files other parts
     check (see :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`). Files left out are neither opened nor
-    reported. ``stats["bytes"]`` counts the bytes of the files this part opened."""
+    reported. ``stats["bytes"]`` counts the bytes of the files this part opened, ``stats["opened"]`` names them."""
     root = os.fspath(path)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
@@ -99,9 +99,7 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
         run.execute(deep=False, use_manifest=use_manifest)
     finally:
         run.close()
-    report = run.report("verify", time.perf_counter() - started)
-    return dataclasses.replace(report, stats={**report.stats, "opened": sorted(n for n, f in run.opened.items()
-                                                                                if f is not None)})
+    return run.report("verify", time.perf_counter() - started)
 
 
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:

@@ -152,6 +152,8 @@ class VerificationRun:
                 "manifest": self.manifest is not None,
                 "deep": self.deep,
             })
+        if self.only is not None or self.skip:  # a part: which files it opened (no other node's)
+            stats["opened"] = sorted(n for n, f in self.opened.items() if f is not None)
         per_check = Counter(f.check for f in self.findings)
         omitted = {c: n - MAX_FINDINGS_PER_CHECK for c, n in sorted(per_check.items()) if n > MAX_FINDINGS_PER_CHECK}
         if omitted:
