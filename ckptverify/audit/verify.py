@@ -32,7 +32,7 @@ from ckptverify.findings import Finding, Report, info, merge_coverage
 # Re-exported: callers import these from here (the public face of ``verify``).
 __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
            "ProgressSink", "VerificationRun", "cap_findings", "changed_finding", "default_jobs", "fail_uncheckable",
-           "verify_checkpoint", "verify_folder_files"]
+           "verify_checkpoint", "verify_folder_files", "verify_part"]
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
@@ -82,6 +82,24 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         advice = _fingerprint_advice(root, list(report.findings), bool(report.stats.get("manifest")))
         report = dataclasses.replace(report, findings=(*report.findings, *advice))
     return fail_uncheckable(report) if strict else report
+
+
+def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: frozenset[str] | None = None,
+                skip: frozenset[str] = frozenset(), use_manifest: bool = True) -> Report:
+    """One part of a DCP checkpoint's verification shared out among nodes (:mod:`ckptverify.verifier.parts`):
+    with ``only``, the byte-level checks of those files alone; with ``skip``, everything but the files other parts
+    check (see :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`). Files left out are neither opened nor
+    reported. ``stats["bytes"]`` counts the bytes of the files this part opened, ``stats["opened"]`` names them."""
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
+    started = time.perf_counter()
+    run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip)
+    try:
+        run.execute(deep=False, use_manifest=use_manifest)
+    finally:
+        run.close()
+    return run.report("verify", time.perf_counter() - started)
 
 
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:

@@ -17,7 +17,10 @@ is a ``BaseException``, which ``except Exception`` would miss; it is the ``__cau
 Once a save has committed, ``verify=`` (a :class:`~ckptverify.options.VerifyOptions`, or its ``when``:
 ``"background"`` or ``"inline"``) verifies it on the coordinator and stamps the verdict beside it
 (:mod:`ckptverify.verifier.background`, ``docs/verify-after-save.md``); the default, ``"off"``, leaves that to
-``ckptverify watch`` or the next resume.
+``ckptverify watch`` or the next resume. With ``"background"`` on more than one node (and not ``deep``), the
+verification is shared out among the nodes: each node's lowest rank verifies the files its node's ranks wrote,
+the coordinator the whole checkpoint and its own node's files, and the coordinator stamps once every part has
+reported (:mod:`ckptverify.verifier.parts`).
 """
 
 from __future__ import annotations
@@ -259,8 +262,71 @@ def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: boo
     _raise(_broadcast(first, process_group, no_dist))
 
 
+def _node_hosts(options: AfterSave, process_group: Any, no_dist: bool) -> list[str] | None:
+    """The node of every rank of the save's group (by group rank) when the save's background verification is
+    shared out among nodes (more than one node, not ``deep``: :mod:`ckptverify.verifier.parts`); else ``None``.
+    Every rank calls it before the save (one small collective)."""
+    if options.mode != "background" or options.deep or no_dist:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return None
+    from ckptverify.verifier.parts import node_name
+
+    hosts: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(hosts, node_name(), group=process_group)
+    return [str(h) for h in hosts] if len(set(hosts)) > 1 else None
+
+
+def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
+            hosts: list[str] | None, rank: int) -> None:
+    """Queue the committed checkpoint for the background verifier: on the coordinator (all of it, or, shared out
+    among nodes, the whole and its node's part, gathering the others), and on the lowest rank of every other
+    node, that node's part."""
+    from ckptverify.verifier.background import default_verifier
+
+    if hosts is None:
+        if coordinator:
+            default_verifier().submit(path, step=step, options=options)
+        return
+    from ckptverify.ownfiles.partsplan import nodes_of
+
+    nodes = nodes_of(hosts)
+    if coordinator:
+        default_verifier().submit(path, step=step, options=options, parts=True)
+        return
+    node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
+    if rank != nodes[node][1][0]:
+        return
+    from ckptverify.verifier.background import Task
+    from ckptverify.verifier.jobs import VERIFY_PART
+
+    where = os.path.abspath(os.fspath(path))
+    task = Task(job=VERIFY_PART, args={"root": where, "node": node}, locked=False,
+                done=lambda result, why: _part_done(where, node, result, why))
+    default_verifier().submit(where, step=step, task=task)
+
+
+def _part_done(path: str, node: int, result: Any, why: str | None) -> None:
+    """A node's part ended: the coordinator reports the verdict; here only a part that wrote none is said."""
+    if result is not None and result.get("written"):
+        return
+    reason = why if result is None else result.get("why")
+    warnings.warn(f"node {node}'s part of the verification of {path} was not verified: {reason}; the "
+                  "coordinator leaves the checkpoint unverified", CkptVerifyRuntimeWarning, stacklevel=2)
+
+
+def _group_rank(process_group: Any, no_dist: bool) -> int:
+    import torch.distributed as dist
+
+    if no_dist or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(process_group)
+
+
 def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
-                      process_group: Any, no_dist: bool) -> None:
+                      process_group: Any, no_dist: bool, hosts: list[str] | None = None) -> None:
     """After a synchronous save committed: hand it to the background verifier, or verify it now (and with
     ``raise``, raise a failure on every rank)."""
     if options.mode == "off":
@@ -268,8 +334,7 @@ def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: in
     from ckptverify.verifier.background import default_verifier
 
     if options.mode == "background":
-        if coordinator:
-            default_verifier().submit(path, step=step, options=options)
+        _submit(options, path, step, coordinator, hosts, _group_rank(process_group, no_dist))
         return
     result = default_verifier().verify_now(path, step=step, options=options) if coordinator else None
     if options.on_failure == "raise":
@@ -283,15 +348,18 @@ def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: in
 
 
 def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | None,
-                  coordinator: bool) -> Callable[[], None] | None:
-    """What an asynchronous save does once its upload committed (on the coordinator): queue the checkpoint, or
-    verify it before the future completes. A ``raise``-mode failure is raised by the next save."""
-    if options.mode == "off" or not coordinator:
+                  coordinator: bool, hosts: list[str] | None = None, rank: int = 0) -> Callable[[], None] | None:
+    """What an asynchronous save does once its upload committed (on the coordinator, and shared out among nodes
+    on each node's lowest rank): queue the checkpoint, or verify it before the future completes. A
+    ``raise``-mode failure is raised by the next save."""
+    if options.mode == "off" or (not coordinator and hosts is None):
         return None
     from ckptverify.verifier.background import default_verifier
 
     if options.mode == "background":
-        return lambda: default_verifier().submit(path, step=step, options=options)
+        return lambda: _submit(options, path, step, coordinator, hosts, rank)
+    if not coordinator:
+        return None
 
     def inline() -> None:
         default_verifier().verify_now(path, step=step, options=options, deliver_later=True)
@@ -360,12 +428,13 @@ def save(
     no_dist = bool(save_kw.get("no_dist"))
     _raise_earlier_failures(options, process_group, no_dist)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
+    writer.node_hosts = hosts = _node_hosts(options, process_group, no_dist)
     with warnings.catch_warnings():
         # Saving in a single process without a process group is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
              writer, path)
-    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist)
+    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist, hosts)
     return writer.manifest if writer.is_coordinator else None
 
 
@@ -406,7 +475,9 @@ def async_save(
     no_dist = bool(save_kw.get("no_dist"))
     _raise_earlier_failures(options, process_group, no_dist)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
-    after = _after_upload(options, path, step, _coordinator(process_group, no_dist))
+    writer.node_hosts = hosts = _node_hosts(options, process_group, no_dist)
+    after = _after_upload(options, path, step, _coordinator(process_group, no_dist), hosts,
+                          _group_rank(process_group, no_dist))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         return _start_async(dcp, state_dict, writer, path, process_group, save_kw, after)

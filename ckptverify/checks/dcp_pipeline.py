@@ -85,10 +85,23 @@ class VerificationRun:
     description every format gives), ``manifest`` (the manifest compared with, read-only), :meth:`map` and
     :meth:`advance` (parallel work with progress), :meth:`changed_files`, :meth:`close`, and
     ``extension_registry`` (set before :meth:`execute`). Everything else is the pipeline's own state.
+
+    A run can be one part of a verification shared out among nodes (``docs/verify-after-save.md``): ``only``
+    restricts it to the byte-level checks (item bounds, zip structure, record CRCs, the manifest's block and
+    file digests) of the files named, and drops the whole-checkpoint checks (commit marker, side files,
+    tiling, coverage, unreferenced files), which one other part does; ``skip`` names files another part
+    checks, which this one does all but. Either way the files left out are neither opened nor reported
+    missing: they are someone else's. By default a run checks everything.
     """
 
-    def __init__(self, root: str, jobs: int, progress: ProgressSink | None) -> None:
+    def __init__(self, root: str, jobs: int, progress: ProgressSink | None, *,
+                 only: frozenset[str] | None = None, skip: frozenset[str] = frozenset()) -> None:
         self.root = root
+        #: Restrictions to part of the files (see the class docstring); ``whole``: the run also does the
+        #: checks of the whole checkpoint.
+        self.only = only
+        self.skip = skip
+        self.whole = only is None
         self.jobs = jobs
         self.progress = progress
         self.findings: list[Finding] = []
@@ -139,6 +152,8 @@ class VerificationRun:
                 "manifest": self.manifest is not None,
                 "deep": self.deep,
             })
+        if self.only is not None or self.skip:  # a part: which files it opened (no other node's)
+            stats["opened"] = sorted(n for n, f in self.opened.items() if f is not None)
         per_check = Counter(f.check for f in self.findings)
         omitted = {c: n - MAX_FINDINGS_PER_CHECK for c, n in sorted(per_check.items()) if n > MAX_FINDINGS_PER_CHECK}
         if omitted:
@@ -175,6 +190,10 @@ class VerificationRun:
             self.stopped = True
         self.findings.extend(self.changed_files())
 
+    def mine(self, name: str) -> bool:
+        """Whether this run checks the bytes of the file ``name`` (see the class docstring)."""
+        return (self.only is None or name in self.only) and name not in self.skip
+
     def changed_files(self) -> list[Finding]:
         """A ``file-changed`` finding for every file that differs from when this run first saw it (opened
         files by ``fstat`` and the inode behind their name; the metadata and manifest by ``stat``), each
@@ -196,14 +215,16 @@ class VerificationRun:
 
     def _stages(self, *, deep: bool, use_manifest: bool) -> None:
         self.deep = deep
-        self.findings.extend(check_commit(self.root))  # a save that did not commit: never complete
+        if self.whole:
+            self.findings.extend(check_commit(self.root))  # a save that did not commit: never complete
         layout, md_findings = read_layout(self.root)
         self.findings.extend(md_findings)
         if layout is None:
             return
         self.layout = layout
-        self.coverage.append(CheckCoverage(check="metadata", count=len(layout.metadata_files),
-                                           unit="metadata files"))
+        if self.whole:
+            self.coverage.append(CheckCoverage(check="metadata", count=len(layout.metadata_files),
+                                               unit="metadata files"))
         if use_manifest:
             self._read_manifest()
         self._structure(layout)
@@ -230,28 +251,36 @@ class VerificationRun:
     def _structure(self, layout: Layout) -> None:
         from ckptverify.checks.sidefiles import check_side_files, side_files
 
-        stats = stat_files(self.root, layout.files)
-        # Framework side files (Lightning's meta.pt, Megatron's metadata.json) are checked by their content
-        # and opened like shards (so a manifest digests them), not reported as unreferenced.
-        known = [n for n in side_files(self.root) if n not in stats]
-        self.findings.extend(f for f in check_files(self.root, layout, stats)
-                             if not (f.check == "file-unreferenced" and f.location.file in known))
-        found, cov, self.side_files = check_side_files(self.root, known)
-        self.findings.extend(found)
-        self.coverage.extend(cov)
-        for name in self.side_files:
-            self.opened[name] = self._open(name)
-        self.findings.extend(check_coverage(layout))
-        tiling, cov = check_tiling(layout)
-        self.findings.extend(tiling)
-        self.coverage.append(cov)
+        # A part of the files (``only``, ``skip``) looks at (stat), opens and reports only its own.
+        stats = stat_files(self.root, [n for n in layout.files if self.mine(n)])
+        others = [n for n in layout.files if not self.mine(n)]
+        found = check_files(self.root, layout, stats, others=others, unreferenced=self.whole)
+        if self.whole:
+            # Framework side files (Lightning's meta.pt, Megatron's metadata.json) are checked by their content
+            # and opened like shards (so a manifest digests them), not reported as unreferenced.
+            known = [n for n in side_files(self.root) if n not in stats and n not in others]
+            found = [f for f in found if not (f.check == "file-unreferenced" and f.location.file in known)]
+            self.findings.extend(found)
+            found, cov, self.side_files = check_side_files(self.root, known)
+            self.findings.extend(found)
+            self.coverage.extend(cov)
+            for name in self.side_files:
+                self.opened[name] = self._open(name)
+            self.findings.extend(check_coverage(layout))
+            tiling, cov = check_tiling(layout)
+            self.findings.extend(tiling)
+            self.coverage.append(cov)
+        else:
+            self.findings.extend(found)
         for name, st in stats.items():
             self.opened[name] = self._open(name) if st is not None else None
         self.safetensors = safetensors_files(self.opened, layout.items)
         blobs = self._blobs(layout)
         usable = {n: (s if self.opened.get(n) else None) for n, s in stats.items()}
         self.findings.extend(check_items(layout, usable, blobs))
-        self.coverage.append(CheckCoverage(check="item-bounds", count=len(layout.items), unit="items"))
+        bounded = len(layout.items) if self.only is None and not self.skip else \
+            sum(1 for i in layout.items if self.mine(i.file))
+        self.coverage.append(CheckCoverage(check="item-bounds", count=bounded, unit="items"))
 
     def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
         """Parse each safetensors blob; check it against the metadata's tensor items."""
@@ -358,7 +387,9 @@ class VerificationRun:
         if manifest is not None:
             found, matched = manifest_check.compare_layout(manifest, layout)
             self.findings.extend(found)
-            self.findings.extend(manifest_check.check_files(manifest, self.opened, self.root))
+            self.findings.extend(f for f in manifest_check.check_files(manifest, self.opened, self.root)
+                                 if self.mine(f.location.file or "")
+                                 or (self.whole and f.location.file not in manifest.files))
             tasks = manifest_check.block_tasks(manifest, matched, self.opened, SEGMENT_BYTES)
             plan_index = {(p.item.file, p.item.offset, p.item.length): n for n, p in enumerate(self.plans)}
             for task in tasks:

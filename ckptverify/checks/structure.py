@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from ckptverify.checks import item_label, item_location
 from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
-from ckptverify.ownfiles.names import OWN_FILES, STAMP_TEMP_PREFIX
+from ckptverify.ownfiles.names import OWN_FILES, PARTS_PREFIX, STAMP_TEMP_PREFIX
 from ckptverify.safeparse.readers import file_kind, is_inside
 
 
@@ -35,8 +35,10 @@ def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | No
     return out
 
 
-def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | None]) -> list[Finding]:
-    """Referenced files that are missing or must not be opened, and files nobody references."""
+def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | None], *,
+                others: Iterable[str] = (), unreferenced: bool = True) -> list[Finding]:
+    """Referenced files that are missing or must not be opened, and (with ``unreferenced``) files nobody
+    references. ``others``: referenced files another part of a shared verification checks (not looked at)."""
     findings: list[Finding] = []
     per_file: dict[str, int] = defaultdict(int)
     for it in layout.items:
@@ -58,11 +60,15 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
                 f"{name} is missing; the metadata places {n} item(s) in it",
                 location=Location(file=name),
             ))
-    referenced = set(stats) | set(layout.metadata_files) | OWN_FILES
+    if not unreferenced:
+        return findings
+    referenced = set(stats) | set(others) | set(layout.metadata_files) | OWN_FILES
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for fname in sorted(filenames):
             rel = os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
+            if rel not in referenced and "/" not in rel and fname.startswith(PARTS_PREFIX):
+                continue  # a part verdict of a verification shared out among nodes: ckptverify's own
             if rel not in referenced and "/" not in rel and fname.startswith(STAMP_TEMP_PREFIX):
                 findings.append(info(
                     "file-unreferenced",

@@ -32,6 +32,7 @@ import dataclasses
 import os
 import threading
 import uuid
+import warnings
 from collections.abc import Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -49,7 +50,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
-from ckptverify.errors import UsageError
+from ckptverify.errors import CkptVerifyRuntimeWarning, UsageError
 from ckptverify.fingerprint import (
     ALGORITHMS,
     FINGERPRINT_VERSION,
@@ -410,6 +411,10 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.manifest: Manifest | None = None
         self.stats: dict[str, int] = {}
         self._lock: SaveLock | None = None
+        #: The node of every rank of the save's group (by group rank), set before the save when its
+        #: verification is shared out among nodes: the coordinator then writes the plan of who verifies which
+        #: files (:mod:`ckptverify.verifier.parts`) from the write results, before the save commits.
+        self.node_hosts: list[str] | None = None
 
     # -- set-up
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -583,6 +588,14 @@ class HashingFileSystemWriter(FileSystemWriter):
         manifest = self._build_manifest(metadata, hashed, len(results), metadata_files)
         write_manifest(root, manifest)
         self.manifest = manifest
+        if self.node_hosts is not None and len(set(self.node_hosts)) > 1:
+            from ckptverify.ownfiles.partsplan import make_plan, write_plan
+
+            try:
+                write_plan(root, make_plan(self.node_hosts, _files_of_ranks(results)))
+            except OSError as exc:  # the save stands; without a plan the coordinator verifies it whole
+                warnings.warn(f"{root}: its verification cannot be shared out among nodes ({type(exc).__name__}: "
+                              f"{exc}); the coordinator verifies it whole", CkptVerifyRuntimeWarning, stacklevel=2)
 
     def _build_manifest(
         self,
@@ -641,6 +654,20 @@ class HashingFileSystemWriter(FileSystemWriter):
             torch_version=str(torch.__version__),
             source="save",
         )
+
+
+def _files_of_ranks(results: list[list[WriteResult]]) -> list[list[str]]:
+    """The files each rank wrote (relative names), from its write results: those its items are in, and those it
+    wrote without items (``extra_files``)."""
+    out = []
+    for wr_list in results:
+        names: set[str] = set()
+        for wr in wr_list:
+            info = wr.storage_data
+            names.add(str(info.relative_path))
+            names.update(str(e[0]) for e in getattr(info, "extra_files", ()) or ())
+        out.append(sorted(names))
+    return out
 
 
 def _blob_range(cache: dict[tuple[str, int], Any], path: str, start: int, fqn: str) -> tuple[int, int] | None:

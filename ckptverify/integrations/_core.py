@@ -57,6 +57,7 @@ from typing import Any, Literal
 from ckptverify.errors import (
     CheckpointRefusedError,
     CheckpointVerificationWarning,
+    CkptVerifyRuntimeWarning,
     UsageError,
 )
 from ckptverify.findings import Report
@@ -94,13 +95,15 @@ _MAX_ERRORS = 5
 @dataclass(frozen=True)
 class Group:
     """How the ranks of a job agree on a verdict. ``coordinator``: this rank verifies; ``broadcast(obj)``:
-    the coordinator's ``obj`` on every rank; ``barrier()``: wait until every rank is here. A single process
-    is ``Group()``."""
+    the coordinator's ``obj`` on every rank; ``barrier()``: wait until every rank is here; ``gather(obj)``:
+    every rank's ``obj``, by rank, on every rank (when given, a background verification is shared out among the
+    nodes that wrote the checkpoint: :mod:`ckptverify.verifier.parts`). A single process is ``Group()``."""
 
     coordinator: bool = True
     broadcast: Callable[[Any], Any] | None = None
     barrier: Callable[[], None] | None = None
     rank: int = 0
+    gather: Callable[[Any], list[Any]] | None = None
 
 
 def torch_group() -> Group:
@@ -119,8 +122,13 @@ def torch_group() -> Group:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
     rank = dist.get_rank()
-    return Group(coordinator=rank == 0, broadcast=broadcast, barrier=dist.barrier, rank=rank)
+    return Group(coordinator=rank == 0, broadcast=broadcast, barrier=dist.barrier, rank=rank, gather=gather)
 
 
 #: The result of one check: :class:`~ckptverify.verifier.verification.Verification`, the one result type of
@@ -212,8 +220,15 @@ class Verifier:
             group.barrier()  # every rank's files are written before any is read
         verdict = None
         earlier = None
+        fingerprint = self.fingerprint if fingerprint is None else fingerprint
+        hosts = self._node_hosts(root, group, fingerprint)
+        if hosts is not None and not group.coordinator:
+            self._submit_part(root, step, hosts, group.rank)
         if group.coordinator:
-            verdict = self._dispatch(root, step, self.fingerprint if fingerprint is None else fingerprint)
+            if hosts is not None and self._plan(root, hosts):
+                verdict = self._submit(root, step, fingerprint, parts=True)
+            else:
+                verdict = self._dispatch(root, step, fingerprint)
             earlier = self._take_unraised()
         if self.background:
             verdict, earlier = self._agree_pair(verdict, earlier, group)
@@ -254,6 +269,11 @@ class Verifier:
             with self._lock:
                 arrived, self._arrived_verdicts = self._arrived_verdicts, []
             earlier = self._take_unraised()
+        elif group.gather is not None:
+            # This rank may verify its node's part of a save shared out among nodes (verifier.parts).
+            from ckptverify.verifier.background import exit_timeout, wait_for_verifications
+
+            wait_for_verifications(exit_timeout() if timeout is None else timeout)
         if group.broadcast is not None:
             data = group.broadcast(None if arrived is None else
                                    {"arrived": [v.to_dict() for v in arrived],
@@ -320,8 +340,55 @@ class Verifier:
         self._emit(root, event, verdict, 0, **extra)
         return verdict
 
-    def _submit(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verification:
-        """Queue ``root`` for the background verifier (:func:`check_saved` in its process)."""
+    def _node_hosts(self, root: str, group: Group, fingerprint: Fingerprint) -> list[str] | None:
+        """The node of every rank when this background verification is shared out among nodes (every rank calls
+        it): a local DCP folder written with its manifest (nothing to fingerprint), not deep, a group that can
+        gather, more than one node. Else ``None``: the coordinator verifies everything."""
+        if not self.background or self.deep or fingerprint is not False or group.gather is None or "://" in root \
+                or not os.path.isdir(root):
+            return None
+        from ckptverify.verifier.parts import node_name
+
+        hosts = [str(h) for h in group.gather(node_name())]  # the same list on every rank: all take one way
+        return hosts if len(set(hosts)) > 1 else None
+
+    @staticmethod
+    def _plan(root: str, hosts: list[str]) -> bool:
+        """Write the plan of a verification shared out among nodes; ``False`` when it cannot be written (the
+        coordinator then verifies everything, and the other nodes' parts find no plan: they say so)."""
+        from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
+
+        try:
+            write_plan(os.path.abspath(root), plan_from_names(root, hosts))
+        except OSError as exc:
+            warnings.warn(f"{root}: the verification cannot be shared out among nodes ({type(exc).__name__}: "
+                          f"{exc}); rank 0 verifies it whole", CkptVerifyRuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    def _submit_part(self, root: str, step: int | None, hosts: list[str], rank: int) -> None:
+        """On the lowest rank of a node other than the coordinator's: queue that node's part."""
+        from ckptverify.ownfiles.partsplan import nodes_of
+        from ckptverify.verifier.background import Task, default_verifier
+        from ckptverify.verifier.jobs import VERIFY_PART
+
+        nodes = nodes_of(hosts)
+        node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
+        if rank != nodes[node][1][0]:
+            return
+        where = os.path.abspath(root)
+
+        def done(result: Any, why: str | None) -> None:
+            if result is None or not result.get("written"):
+                warnings.warn(f"node {node}'s part of the verification of {root} was not verified: "
+                              f"{why if result is None else result.get('why')}", _incomplete_warning(), stacklevel=2)
+
+        default_verifier().submit(where, step=step, task=Task(job=VERIFY_PART, args={"root": where, "node": node},
+                                                              done=done, locked=False))
+
+    def _submit(self, root: str, step: int | None, fingerprint: Fingerprint, parts: bool = False) -> Verification:
+        """Queue ``root`` for the background verifier (:func:`check_saved` in its process; ``parts``: shared out
+        among the nodes that wrote it, :func:`~ckptverify.verifier.saved.saved_job`)."""
         from ckptverify.verifier.background import Task, default_verifier
         from ckptverify.verifier.jobs import CHECK_SAVED
 
@@ -332,7 +399,7 @@ class Verifier:
         verifier = default_verifier()
         task = Task(job=CHECK_SAVED,
                     args={"root": where, "step": step, "fingerprint": fingerprint, "jobs": self.jobs or 1,
-                          "deep": self.deep, "settle": verifier.settle},
+                          "deep": self.deep, "settle": verifier.settle, **({"parts": True} if parts else {})},
                     done=functools.partial(self._arrived, root, where, step, folder),
                     cut_short=functools.partial(self._cut_short_one, root, step, folder))
         with self._lock:

@@ -25,6 +25,8 @@ __all__ = [
     "MANIFEST_TEMP_PREFIX",
     "METRICS_TEMP_PREFIX",
     "OWN_FILES",
+    "PARTS_PLAN",
+    "PARTS_PREFIX",
     "SAVE_MARKER",
     "STAMP_FILE",
     "STAMP_TEMP_PREFIX",
@@ -49,6 +51,12 @@ SUSPECT_NOTE = "ckptverify.suspect.json"
 VERIFYING_LOCK = ".ckptverify-verifying"
 #: The in-progress marker (and lock file) of a ckptverify save that has not committed.
 SAVE_MARKER = ".ckptverify-save-in-progress"
+#: A verification shared out among nodes after a save (``ckptverify.verifier.parts``) leaves files named
+#: ``PARTS_PREFIX...`` in the checkpoint folder until its stamp is written: the plan (which node checks which
+#: files, written as the save commits) and each node's part verdict (``.ckptverify-part-N.json``). Never part of
+#: the checkpoint, never in its stamp's fingerprint.
+PARTS_PREFIX = ".ckptverify-part"
+PARTS_PLAN = ".ckptverify-parts.json"
 #: The temporary files a manifest, a stamp and a metrics file are written to before they are renamed.
 MANIFEST_TEMP_PREFIX = ".ckptverify-manifest-"
 STAMP_TEMP_PREFIX = ".ckptverify-stamp-"

@@ -34,6 +34,7 @@ from typing import Any
 
 from ckptverify.findings import Report
 from ckptverify.ownfiles.names import (
+    PARTS_PREFIX,
     SAVE_MARKER,
     STAMP_FILE,
     STAMP_TEMP_PREFIX,
@@ -92,7 +93,8 @@ def stamp_path(checkpoint: str | os.PathLike[str]) -> str:
 
 def files_fingerprint(root: str) -> str:
     """xxh3-128 over (relative path, size, mtime_ns, inode) of every file under ``root``, links not followed,
-    the stamp and the verifying lock excluded; of ``root`` itself when it is not a directory."""
+    the stamp, the verifying lock and the part verdicts of a shared verification excluded; of ``root`` itself
+    when it is not a directory."""
     import xxhash
 
     from ckptverify.formats.rundir import walk_files
@@ -108,7 +110,7 @@ def files_fingerprint(root: str) -> str:
         return h.hexdigest()
     for e, st in walk_files(root):
         rel = os.path.relpath(e.path, root)
-        if rel in _IGNORED or e.name.startswith(STAMP_TEMP_PREFIX):
+        if rel in _IGNORED or e.name.startswith((STAMP_TEMP_PREFIX, PARTS_PREFIX)):
             continue
         entries.append(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
     for line in sorted(entries):
@@ -170,13 +172,16 @@ def _manifest_digest(root: str) -> str | None:
 
 
 def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | None = None,
-                fingerprint: str | None = None, throttled_s: float | None = None) -> dict[str, Any]:
+                fingerprint: str | None = None, throttled_s: float | None = None,
+                parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Write the stamp for ``report`` (a ``verify`` report of ``root``) at :func:`stamp_path`; return what was
     written.
 
     ``fingerprint``: :func:`files_fingerprint` taken *before* the verification began (default: now). Taking it
     before means a file changed during the verification leaves a stamp that is already stale.
     ``throttled_s``: seconds of the verification spent waiting for an idle core (recorded when given).
+    ``parts``: of a verification shared out among nodes, each node's part (node, host, ranks, files, bytes,
+    verdict: :mod:`ckptverify.verifier.parts`), recorded when given.
     """
     from ckptverify._version import __version__
     from ckptverify.runs.states import judge_report
@@ -208,6 +213,8 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
     }
     if throttled_s is not None:
         data["throttled_s"] = throttled_s
+    if parts is not None:
+        data["parts"] = parts
     if suspect is not None:
         data["suspect"] = suspect
     write_atomic(stamp_path(folder), json.dumps(data, indent=1, default=str), prefix=STAMP_TEMP_PREFIX)

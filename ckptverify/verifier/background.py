@@ -131,17 +131,20 @@ class Task:
 
     ``job`` (a name of :data:`~ckptverify.verifier.jobs.JOBS`) is run with ``args`` (JSON values) once the
     checkpoint's verifying lock is held, in the verifier process (in the worker thread with
-    ``isolation="thread"``); it returns a JSON value. ``done(result, None)`` then runs in the worker thread with
-    it, or ``done(None, why)`` when there is no result (the checkpoint was removed before its turn, the verifier
-    process died, the job raised). ``cut_short(why)``: the job ended (or a wait gave up) before it ran. The task
-    reports its results itself: no event, :class:`VerifyFailedWarning` or :func:`last_verification` entry from
-    the verifier. A ``job`` that names no job is a :class:`~ckptverify.errors.UsageError` here.
+    ``isolation="thread"``; with ``locked=False`` without the lock: a node's part of a verification shared
+    out among nodes, whose coordinator holds it); it returns a JSON value. ``done(result, None)`` then runs in
+    the worker thread with it, or ``done(None, why)`` when there is no result (the checkpoint was removed
+    before its turn, the verifier process died, the job raised). ``cut_short(why)``: the job ended (or a wait
+    gave up) before it ran. The task reports its results itself: no event, :class:`VerifyFailedWarning` or
+    :func:`last_verification` entry from the verifier. A ``job`` that names no job is a
+    :class:`~ckptverify.errors.UsageError` here.
     """
 
     job: str
     args: dict[str, Any]
     done: Callable[[Any, str | None], None]
     cut_short: Callable[[str], None] | None = None
+    locked: bool = True
 
     def __post_init__(self) -> None:
         from ckptverify.verifier.jobs import JOBS
@@ -160,6 +163,8 @@ class _Job:
     deliver_later: bool = True
     events: Any = None
     task: Task | None = None
+    #: The verification is shared out among nodes: this one checks the whole and gathers the parts.
+    parts: bool = False
 
 
 class BackgroundVerifier:
@@ -202,12 +207,16 @@ class BackgroundVerifier:
     # ------------------------------------------------------------------ public
 
     def submit(self, path: str | os.PathLike[str], *, step: int | None = None,
-               options: AfterSave | None = None, task: Task | None = None) -> None:
+               options: AfterSave | None = None, task: Task | None = None, parts: bool = False) -> None:
         """Queue the committed checkpoint at ``path`` for verification (or for ``task``); returns at once. Its
-        verifying lock is taken now (when free), so retention leaves it alone while it waits in the queue."""
+        verifying lock is taken now (when free; not for a ``task`` with ``locked=False``), so retention leaves it
+        alone while it waits in the queue. ``parts``: its verification is shared out among the nodes that wrote
+        it, and this verifier checks the whole checkpoint and its own node's files, gathers the other nodes'
+        parts and stamps (:mod:`~ckptverify.verifier.parts`)."""
         options = options or AfterSave(verify=VerifyOptions(when="background"))
-        job = self._job(path, step, options, deliver_later=True)
+        job = self._job(path, step, options, deliver_later=True, take=task is None or task.locked)
         job.task = task
+        job.parts = parts
         with self._cond:
             if self._closed:
                 job.lock.release()
@@ -308,11 +317,12 @@ class BackgroundVerifier:
     # ------------------------------------------------------------------ internals
 
     def _job(self, path: str | os.PathLike[str], step: int | None, options: AfterSave,
-             deliver_later: bool) -> _Job:
+             deliver_later: bool, take: bool = True) -> _Job:
         root = os.path.abspath(os.fspath(path))
         lock = VerifyingLock(root)
-        with contextlib.suppress(OSError):
-            lock.acquire()  # busy (a watcher) or gone: the worker sorts it out
+        if take:
+            with contextlib.suppress(OSError):
+                lock.acquire()  # busy (a watcher) or gone: the worker sorts it out
         return _Job(root, step, options, lock, deliver_later=deliver_later, events=options.event_log())
 
     def _work(self) -> None:
@@ -354,7 +364,7 @@ class BackgroundVerifier:
         result: Any = None
         why: str | None = None
         try:
-            if not self._take_lock(job):
+            if task.locked and not self._take_lock(job):
                 why = "removed before it was verified"
             else:
                 if self.before_verify is not None:
@@ -413,7 +423,7 @@ class BackgroundVerifier:
         if background and self.isolation == "process":
             try:
                 return self._child.verify(job.path, job.step, job.options.deep, jobs or 1, self.settle,
-                                          throttle=self._throttled, urgent=self._urgent)
+                                          throttle=self._throttled, urgent=self._urgent, parts=job.parts)
             finally:
                 job.lock.release()
         probe = IdleProbe.open() if background and self.throttle and jobs == 1 else None  # this thread's reads
@@ -424,6 +434,14 @@ class BackgroundVerifier:
                     throttle.lift()
                 self._throttle_now = throttle
         try:
+            if job.parts and not job.options.deep:
+                from ckptverify.verifier.parts import stamp_parts_locked
+
+                try:
+                    return stamp_parts_locked(job.path, step=job.step, jobs=jobs, settle=self.settle,
+                                              throttle=throttle)
+                finally:
+                    job.lock.release()
             return verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
                                     settle=self.settle, lock=job.lock, throttle=throttle)
         finally:

@@ -8,6 +8,8 @@ standard input is data).
 
 - ``check-saved``: :func:`~ckptverify.verifier.saved.saved_job`, the framework integrations' check of a
   checkpoint they just saved (fingerprinted when needed, verified, stamped).
+- ``verify-part``: :func:`~ckptverify.verifier.parts.part_job`, one node's part of a save's verification
+  shared out among the nodes that wrote it (the files its ranks wrote, verified; the part verdict written).
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.errors import UsageError
+from ckptverify.verifier.parts import part_job
 from ckptverify.verifier.saved import saved_job
 
-__all__ = ["CHECK_SAVED", "JOBS", "run_job"]
+__all__ = ["CHECK_SAVED", "JOBS", "VERIFY_PART", "run_job"]
 
 CHECK_SAVED = "check-saved"
+VERIFY_PART = "verify-part"
 
 #: Job name -> the function that runs it, called with the task's ``args`` (JSON values); it returns JSON values.
 JOBS: dict[str, Callable[..., Any]] = {
     CHECK_SAVED: saved_job,
+    VERIFY_PART: part_job,
 }
 
 

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Collection
 
-from ckptverify.ownfiles.names import METRICS_TEMP_PREFIX, STAMP_FILE, STAMP_TEMP_PREFIX, VERIFYING_LOCK
+from ckptverify.ownfiles.names import METRICS_TEMP_PREFIX, PARTS_PREFIX, STAMP_FILE, STAMP_TEMP_PREFIX, VERIFYING_LOCK
 
 __all__ = ["DirectoryNotifier", "own_file"]
 
@@ -56,9 +56,9 @@ GATHER_SECONDS = 0.2
 
 def own_file(name: str) -> bool:
     """Whether a file named ``name`` is one ckptverify writes while it verifies (a stamp, inside a directory
-    or beside a single file; a verifying lock; a stamp's or metrics file's temporary file)."""
+    or beside a single file; a verifying lock; a stamp's or metrics file's temporary file; a part verdict)."""
     return (name in (STAMP_FILE, VERIFYING_LOCK) or name.endswith(f".{STAMP_FILE}")
-            or name.startswith((STAMP_TEMP_PREFIX, METRICS_TEMP_PREFIX)))
+            or name.startswith((STAMP_TEMP_PREFIX, METRICS_TEMP_PREFIX, PARTS_PREFIX)))
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -228,8 +228,22 @@ def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs:
 
 
 def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
-              settle: float) -> dict[str, Any]:
-    """:func:`check_saved` in the background verifier's process: its outcome as JSON values."""
+              settle: float, parts: bool = False) -> dict[str, Any]:
+    """:func:`check_saved` in the background verifier's process: its outcome as JSON values. ``parts``: the
+    checkpoint (written with its manifest: nothing to fingerprint) is verified shared out among the nodes that
+    wrote it; this checks the whole and the coordinator's node's files, gathers the other parts and stamps
+    (:func:`~ckptverify.verifier.parts.stamp_parts_locked`)."""
+    if parts and not deep and fingerprint is False:
+        from ckptverify.verifier.parts import stamp_parts_locked
+
+        started = time.perf_counter()
+        result = stamp_parts_locked(root, step=step, jobs=jobs, settle=settle)
+        if result.report is not None:
+            result = verification_of(root, result.report, step, time.perf_counter() - started, result.stamp,
+                                     result.reason)
+        extra = {} if result.stamped or result.verdict == "unverified" else {"stamp_error": result.reason}
+        return {"verification": result.to_dict(), "extra": extra, "event": event_of(result),
+                "report": None if result.report is None else result.report.to_dict()}
     verdict, extra, event = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
     return {"verification": verdict.to_dict(), "extra": extra, "event": event,
             "report": None if verdict.report is None else verdict.report.to_dict()}

@@ -6,7 +6,8 @@ with the training process for its interpreter lock.
     python -m ckptverify.verifier.worker [--priority idle|low|normal] [--waiter-nice N] [--hurry-fd FD]
 
 Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
-``throttle``, ``urgent``, ``seq``; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
+``throttle``, ``urgent``, ``seq``, and ``parts``: gather the other nodes' parts,
+:mod:`~ckptverify.verifier.parts`; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
 :class:`~ckptverify.verifier.verification.Verification` per line on the standard output it was started with; anything
 else printed goes to standard error. A request with ``job`` (a name of :data:`~ckptverify.verifier.jobs.JOBS`)
 and ``args`` instead runs that job with ``args`` and answers ``{"result": ...}`` (what it returned, JSON) or
@@ -67,8 +68,16 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
             replies.flush()
             continue
         try:
-            result = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
-                                  settle=float(req.get("settle", 1.0)), throttle=_throttle(req, hurried, priority))
+            if req.get("parts") and not deep:  # one part of a verification shared out among nodes
+                from ckptverify.verifier.parts import stamp_parts_locked
+
+                result = stamp_parts_locked(path, step=step, jobs=req.get("jobs") or 1,
+                                            settle=float(req.get("settle", 1.0)),
+                                            throttle=_throttle(req, hurried, priority))
+            else:
+                result = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
+                                      settle=float(req.get("settle", 1.0)),
+                                      throttle=_throttle(req, hurried, priority))
         except Exception as exc:  # one request's failure is its result; the process serves the next one
             result = Verification(path=path, step=step, verdict="unverified", no_verdict="error", deep=deep,
                                   reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
@@ -249,17 +258,21 @@ class VerifierProcess:
                     os.close(fd)
 
     def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
-               throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None) -> Verification:
+               throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None,
+               parts: bool = False) -> Verification:
         """Have ``path`` verified and stamped; ``throttle``: whether to pace the reads, ``urgent``: whether the
         caller waits for it already (it then runs at the caller's priority), both asked once the process runs (so
-        a :meth:`hurry` from then on reaches this verification)."""
+        a :meth:`hurry` from then on reaches this verification). ``parts``: the checkpoint's verification is
+        shared out among nodes: check the whole and this node's part, gather the others' parts, then stamp
+        (:func:`~ckptverify.verifier.parts.stamp_parts_locked`)."""
 
         def request() -> dict[str, Any]:
             with self._hurry_lock:  # from now on a hurry names this request
                 self._seq += 1
                 seq = self._seq
             return {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
-                    "throttle": bool(throttle and throttle()), "urgent": bool(urgent and urgent()), "seq": seq}
+                    "throttle": bool(throttle and throttle()), "urgent": bool(urgent and urgent()), "seq": seq,
+                    "parts": parts}
 
         data, why = self._ask(request)
         try:

@@ -1,0 +1,88 @@
+"""The plan of a save's verification shared out among the nodes that wrote it, and where its part verdicts go:
+the files :mod:`ckptverify.verifier.parts` leaves beside a checkpoint's own
+(:data:`~ckptverify.ownfiles.names.PARTS_PLAN`, ``.ckptverify-part-N.json``). Written by the coordinator as the
+save commits (:class:`~ckptverify.dcp.writer.HashingFileSystemWriter`) or, for a framework's save, by the
+integration (:func:`plan_from_names`); read by every node's part and by the coordinator's verifier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from typing import Any
+
+from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX, STAMP_TEMP_PREFIX, write_atomic
+
+__all__ = ["PLAN_SCHEMA", "make_plan", "nodes_of", "part_verdict_path", "plan_from_names", "read_json", "read_plan",
+           "write_plan"]
+
+PLAN_SCHEMA = "ckptverify/parts-plan"
+#: The most of a plan or a part verdict that is ever read.
+MAX_BYTES = 64 << 20
+_DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def nodes_of(hosts: list[str]) -> list[tuple[str, list[int]]]:
+    """The nodes of a group whose rank ``r`` runs on ``hosts[r]``: ``(host, ranks)``, ordered by lowest rank (node
+    0 holds the coordinator)."""
+    order: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        order.setdefault(host, []).append(rank)
+    return list(order.items())
+
+
+def make_plan(hosts: list[str], files_of_rank: list[list[str]]) -> dict[str, Any]:
+    """The plan of a save whose rank ``r`` ran on ``hosts[r]`` and wrote ``files_of_rank[r]`` (names relative to
+    the checkpoint)."""
+    nodes = []
+    for k, (host, ranks) in enumerate(nodes_of(hosts)):
+        files = sorted({f for r in ranks if r < len(files_of_rank) for f in files_of_rank[r]})
+        nodes.append({"node": k, "host": host, "ranks": ranks, "files": files})
+    return {"schema": PLAN_SCHEMA, "save_id": uuid.uuid4().hex, "nodes": nodes}
+
+
+def plan_from_names(root: str, hosts: list[str]) -> dict[str, Any]:
+    """The plan of a DCP checkpoint at ``root`` written by ranks on ``hosts`` through DCP's file system writer,
+    whose rank ``r`` names its files ``__r_N.distcp``: what a front end that does not see DCP's write results
+    (a framework's own save) shares out. Only names are listed (nothing is opened); a file of no rank's name is
+    left to the coordinator, which checks everything no other node's part does."""
+    files: list[list[str]] = [[] for _ in hosts]
+    for name in sorted(os.listdir(root)):
+        m = _DCP_FILE.fullmatch(name)
+        if m is not None and int(m.group(1)) < len(hosts):
+            files[int(m.group(1))].append(name)
+    return make_plan(hosts, files)
+
+
+def write_plan(root: str, plan: dict[str, Any]) -> str:
+    return write_atomic(os.path.join(root, PARTS_PLAN), json.dumps(plan, indent=1), prefix=STAMP_TEMP_PREFIX)
+
+
+def part_verdict_path(root: str, node: int) -> str:
+    return os.path.join(root, f"{PARTS_PREFIX}-{int(node)}.json")
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    from ckptverify.safeparse import safejson
+    from ckptverify.safeparse.readers import read_small_file
+
+    try:
+        data = safejson.loads(read_small_file(path, MAX_BYTES))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_plan(root: str) -> dict[str, Any] | None:
+    """The plan in the checkpoint folder ``root``, when there is a readable one (else ``None``)."""
+    data = read_json(os.path.join(root, PARTS_PLAN))
+    if data is None or data.get("schema") != PLAN_SCHEMA or not isinstance(data.get("nodes"), list):
+        return None
+    nodes = data["nodes"]
+    ok = all(isinstance(n, dict) and isinstance(n.get("node"), int) and isinstance(n.get("files"), list)
+             and all(isinstance(f, str) for f in n["files"]) for n in nodes)
+    return data if ok and isinstance(data.get("save_id"), str) else None
+
+

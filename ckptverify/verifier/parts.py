@@ -1,0 +1,280 @@
+"""A save's verification shared out among the nodes that wrote it: each node checks the files its own ranks
+just wrote (still in its page cache), and one stamp is written once every part has reported.
+
+How it runs (``docs/verify-after-save.md``):
+
+1. Before the save, the ranks of the save's group exchange their node names (:func:`node_name`, one small
+   collective). With one node, nothing below happens: the coordinator verifies the whole checkpoint, as always.
+2. As the save commits, the coordinator writes the **plan** (:data:`~ckptverify.ownfiles.names.PARTS_PLAN` in
+   the checkpoint folder, :func:`make_plan`): for every node its host, ranks and the files its ranks wrote (from
+   DCP's write results), and a save id.
+3. The lowest rank of every node but the coordinator's hands its background verifier a **part**
+   (:func:`part_job`, the ``verify-part`` job): the byte-level checks of its node's files only
+   (:class:`~ckptverify.checks.dcp_pipeline.VerificationRun` with ``only``); it never opens another node's
+   file. It writes its verdict beside the plan (``.ckptverify-part-N.json``, :func:`part_verdict_path`).
+4. The coordinator's verifier (holding the checkpoint's verifying lock from submission to stamp) checks the
+   whole checkpoint (commit marker, metadata, structure, tiling, coverage, the manifest's layout: small reads)
+   and its own node's files (``skip`` = the other nodes' files), waits for every other part's verdict
+   (:func:`stamp_parts_locked`), and writes the one stamp: passed when every part passed; failed naming each
+   failed part's node, host and files (a ``node-part-failed`` error per failed part, besides the part's own
+   findings); no stamp, **unverified**, naming every node whose part did not report within
+   :func:`part_timeout` seconds (``CKPTVERIFY_PART_TIMEOUT``). The plan and the part verdicts are removed once
+   the stamp is written; the stamp records the parts under ``parts``.
+
+No part verifies deep (``VerifyOptions(deep=True)``: a tensor's chunks lie on several nodes); such a save is
+verified whole by the coordinator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
+from ckptverify.ownfiles.partsplan import (
+    PLAN_SCHEMA,
+    make_plan,
+    part_verdict_path,
+    read_json,
+    read_plan,
+    write_plan,
+)
+
+__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "PLAN_SCHEMA", "make_plan", "node_name", "part_job",
+           "part_timeout", "part_verdict_path", "read_plan", "stamp_parts_locked", "write_plan"]
+
+PART_SCHEMA = "ckptverify/part"
+#: The node a rank runs on, when its host name does not say it (a container per rank; a test hook that
+#: simulates several nodes on one machine); by default the host name (:func:`node_name`).
+NODE_ENV = "CKPTVERIFY_NODE"
+PART_TIMEOUT_ENV = "CKPTVERIFY_PART_TIMEOUT"
+DEFAULT_PART_TIMEOUT = 1800.0
+#: How long a node's part waits for the plan once the checkpoint has committed.
+_PLAN_GRACE_SECONDS = 60.0
+#: How often a waiting side looks for the plan or a part verdict.
+_POLL_SECONDS = 0.1
+
+
+def node_name() -> str:
+    """The node this process runs on: ``CKPTVERIFY_NODE`` when set; else the host name, with torchrun's node
+    rank (``GROUP_RANK``) when the process was started by torchrun (two torchrun agents on one host are two
+    nodes to it)."""
+    name = os.environ.get(NODE_ENV)
+    if name:
+        return name
+    group = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f":{group}" if group else "")
+
+
+def part_timeout() -> float:
+    """Seconds the coordinator waits for the other nodes' parts after its own (``CKPTVERIFY_PART_TIMEOUT``;
+    1800 by default); an unreadable value is the default."""
+    try:
+        value = float(os.environ.get(PART_TIMEOUT_ENV, DEFAULT_PART_TIMEOUT))
+    except ValueError:
+        return DEFAULT_PART_TIMEOUT
+    return value if value >= 0 else DEFAULT_PART_TIMEOUT
+
+
+def _signatures(root: str, files: list[str]) -> dict[str, list[int] | None]:
+    """(size, mtime, inode) of ``files`` by ``stat``: nothing is opened."""
+    out: dict[str, list[int] | None] = {}
+    for name in files:
+        try:
+            st = os.stat(os.path.join(root, name), follow_symlinks=False)
+            out[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+        except OSError:
+            out[name] = None
+    return out
+
+
+def _verify(root: str, jobs: int, *, only: frozenset[str] | None = None,
+            skip: frozenset[str] = frozenset()) -> Any:
+    from ckptverify.audit.verify import verify_part
+
+    return verify_part(root, jobs=jobs, only=only, skip=skip)
+
+
+def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -> dict[str, Any]:
+    """The ``verify-part`` job: wait (up to ``wait_s`` seconds, default :func:`part_timeout`) until the checkpoint
+    at ``root`` has committed with a plan, verify the files of node ``node`` only, and write its verdict
+    (:func:`part_verdict_path`). Returns what was written, or ``{"written": False, "why": ...}`` when nothing
+    was (no plan came, the checkpoint is gone)."""
+    from ckptverify.runs.stamp import committed
+
+    deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
+    plan = None
+    while True:
+        if committed(root):
+            plan = read_plan(root)
+            # The plan is written as the save commits (or, by an integration, right after): once committed,
+            # a plan that is still missing after a grace time is not coming (it could not be written).
+            deadline = min(deadline, time.monotonic() + _PLAN_GRACE_SECONDS) if plan is None else deadline
+        if plan is not None or time.monotonic() >= deadline:
+            break
+        if not os.path.isdir(root):
+            return {"written": False, "why": "the checkpoint was removed before its part was verified"}
+        time.sleep(_POLL_SECONDS)
+    if plan is None:
+        return {"written": False, "why": f"no committed checkpoint with a plan ({PARTS_PLAN}) at {root}"}
+    mine = next((n for n in plan["nodes"] if n["node"] == node), None)
+    if mine is None:
+        return {"written": False, "why": f"the plan of {root} has no node {node}"}
+    files = list(mine["files"])
+    started = time.perf_counter()
+    before = _signatures(root, files)
+    report = _verify(root, jobs, only=frozenset(files))
+    changed = _signatures(root, files) != before
+    data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], "node": node, "host": mine.get("host"),
+            "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
+            "signatures": before, "bytes": int(report.stats.get("bytes") or 0),
+            "seconds": round(time.perf_counter() - started, 6), "report": report.to_dict()}
+    try:
+        write_atomic(part_verdict_path(root, node), json.dumps(data, default=str), prefix=STAMP_TEMP_PREFIX)
+    except OSError as exc:
+        return {"written": False, "why": f"cannot write the part verdict: {type(exc).__name__}: {exc}"}
+    return {"written": True, "node": node, "passed": report.passed, "bytes": data["bytes"]}
+
+
+def _part_summary(data: dict[str, Any], report: Any) -> dict[str, Any]:
+    """A part as its stamp records it; ``failed_files``: its files that an error names."""
+    files = set(data.get("files") or [])
+    failed = sorted({f.location.file for f in report.errors if f.location.file in files})
+    return {"node": data.get("node"), "host": data.get("host"), "ranks": data.get("ranks"),
+            "files": data.get("files"), "bytes": data.get("bytes"), "seconds": data.get("seconds"),
+            "opened": report.stats.get("opened"),
+            "verdict": "failed" if failed or not report.passed else "passed", "failed_files": failed}
+
+
+def _describe_node(node: dict[str, Any]) -> str:
+    return f"node {node.get('node')} (host {node.get('host')}, ranks {node.get('ranks')})"
+
+
+def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = 1.0,
+                       throttle: Any = None, wait_s: float | None = None) -> Any:
+    """The coordinator's side (its caller holds the checkpoint's verifying lock, as for
+    :func:`~ckptverify.verifier.stamper.stamp_locked`): verify the whole checkpoint and the coordinator node's
+    files, gather the other nodes' part verdicts (waiting up to ``wait_s`` seconds, default
+    :func:`part_timeout`), and stamp the merged verdict. Without a readable plan it verifies everything itself
+    (:func:`~ckptverify.verifier.stamper.stamp_locked`). Returns a
+    :class:`~ckptverify.verifier.verification.Verification`."""
+    from ckptverify.errors import CheckpointNotFoundError
+    from ckptverify.findings import Report, error, merge_coverage
+    from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
+    from ckptverify.safeparse.readers import pacing
+    from ckptverify.verifier.stamper import stamp_locked
+    from ckptverify.verifier.verification import from_report, unverified
+
+    gone = "removed while it was being verified"
+    plan = read_plan(path)
+    if plan is None or len(plan["nodes"]) < 2:
+        return stamp_locked(path, step=step, jobs=jobs, settle=settle, throttle=throttle)
+    started = time.perf_counter()
+    nodes = plan["nodes"]
+    own, others = nodes[0], nodes[1:]
+    other_files = frozenset(f for n in others for f in n["files"])
+    try:
+        before = files_fingerprint(path)
+        with pacing(throttle):
+            mine = _verify(path, jobs or 1, skip=other_files)
+        reports: list[tuple[dict[str, Any], Report]] = []
+        missing: list[dict[str, Any]] = []
+        deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
+        waiting = {n["node"]: n for n in others}
+        got: dict[int, dict[str, Any]] = {}
+        while waiting:
+            for k in list(waiting):
+                data = read_json(part_verdict_path(path, k))
+                if data is not None and data.get("schema") == PART_SCHEMA and data.get("save_id") == plan["save_id"]:
+                    got[k] = data
+                    del waiting[k]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            if removed(path):
+                return unverified(path, step, "deleted", gone)
+            time.sleep(_POLL_SECONDS)
+        missing = [waiting[k] for k in sorted(waiting)]
+        changed = False
+        for k in sorted(got):
+            node = next(n for n in others if n["node"] == k)
+            try:
+                report = Report.from_dict(got[k]["report"])
+            except Exception:  # a verdict file that is not one (damaged, planted): that part did not report
+                missing.append(node)
+                continue
+            # The plan, not the verdict file, says whose files these are.
+            data = {**got[k], "node": k, "host": node.get("host"), "ranks": node.get("ranks"), "files": node["files"]}
+            # A part read its files at another time than this side: they must be the files it read.
+            changed = changed or bool(data.get("changed")) or _signatures(path, node["files"]) \
+                != data.get("signatures")
+            reports.append((data, report))
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return unverified(path, step, "deleted", gone)
+    except OSError as exc:
+        return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
+    own_data = {"node": own["node"], "host": own.get("host"), "ranks": own.get("ranks"), "files": own["files"],
+                "bytes": int(mine.stats.get("bytes") or 0), "seconds": mine.stats.get("seconds")}
+    parts = [_part_summary(own_data, mine), *(_part_summary(d, r) for d, r in reports)]
+    named: list[Any] = []
+    for k, part in enumerate(parts):
+        if k == 0 and not part["failed_files"]:
+            # The coordinator's part also holds the checks of the whole checkpoint (named by their own
+            # findings): its node is named only for errors in its node's files.
+            part["verdict"] = "passed"
+        if part["verdict"] == "passed":
+            continue
+        files = ", ".join(part["failed_files"]) or "errors that name no file of its own"
+        named.append(error("node-part-failed", f"the part of {_describe_node(part)} failed: {files}"))
+    findings: list[Any] = [*named]
+    seen: set[str] = set()
+    for report in [mine, *(r for _, r in reports)]:
+        for f in report.findings:
+            key = json.dumps(f.to_dict(), sort_keys=True, default=str)
+            if key not in seen:  # a finding of the whole checkpoint can come from more than one part
+                seen.add(key)
+                findings.append(f)
+    stats = dict(mine.stats)
+    stats["bytes"] = sum(int(r.stats.get("bytes") or 0) for r in [mine, *(r for _, r in reports)])
+    stats["files"] = sum(int(r.stats.get("files") or 0) for r in [mine, *(r for _, r in reports)])
+    stats["parts"] = len(nodes)
+    merged = Report(command="verify", target=path, findings=tuple(findings),
+                    coverage=merge_coverage([c for r in [mine, *(r for _, r in reports)] for c in r.coverage]),
+                    stats=stats)
+    if missing and merged.passed:
+        # Not a pass: what those nodes wrote was not checked.
+        _tidy_parts(path, [n["node"] for n in nodes])
+        names = "; ".join(f"{_describe_node(n)}: {', '.join(n['files'])}" for n in missing)
+        return unverified(path, step, "error", f"the part of {len(missing)} node(s) did not report within "
+                          f"{part_timeout() if wait_s is None else wait_s} s, so their files are unchecked: {names}")
+    if not merged.passed:
+        time.sleep(settle)  # a checkpoint being deleted file by file is not corrupt
+    if removed(path):
+        return unverified(path, step, "deleted", gone)
+    if changed or files_fingerprint(path) != before:
+        return unverified(path, step, "changed", "its files changed while it was being verified")
+    for n in missing:  # a failed checkpoint is stamped failed; what was not checked is said with it
+        parts.append({"node": n["node"], "host": n.get("host"), "ranks": n.get("ranks"), "files": n["files"],
+                      "verdict": "unreported"})
+    throttled = None if throttle is None or getattr(throttle, "probe", None) is None else \
+        round(throttle.throttled_s, 6)
+    try:
+        write_stamp(path, merged, step=step, fingerprint=before, throttled_s=throttled, parts=parts)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return unverified(path, step, "deleted", gone)
+    except OSError as exc:
+        return from_report(path, step, merged, seconds=time.perf_counter() - started, stamped=False,
+                           reason=f"not stamped: {type(exc).__name__}: {exc}", throttled_s=throttled or 0.0)
+    _tidy_parts(path, [n["node"] for n in nodes])
+    return from_report(path, step, merged, seconds=time.perf_counter() - started, stamped=True,
+                       stamp=stamp_path(path), throttled_s=throttled or 0.0)
+
+
+def _tidy_parts(root: str, nodes: list[int]) -> None:
+    """The plan and the part verdicts are done with once the stamp records them."""
+    for name in [PARTS_PLAN, *(os.path.basename(part_verdict_path(root, k)) for k in nodes)]:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(root, name))

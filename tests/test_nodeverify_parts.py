@@ -1,0 +1,397 @@
+"""A save's background verification shared out among the nodes that wrote it (``ckptverify.verifier.parts``).
+
+Two "nodes" are simulated on one machine: each rank names its node with ``CKPTVERIFY_NODE`` (the override for
+where host names do not tell nodes apart). Each node's part must open only its node's files; the coordinator
+stamps once every part reported: passed, failed naming the node and file, or unverified naming a silent node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import faults as inj
+from helpers.multiproc import spawn_ranks
+
+import ckptverify as cv
+from ckptverify.audit.verify import verify_checkpoint, verify_part
+from ckptverify.ownfiles.events import read_events
+from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX
+from ckptverify.runs.stamp import STAMP_FILE, read_stamp
+from ckptverify.safeparse import readers
+from ckptverify.verifier import parts as parts_mod
+
+
+def _stamp(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / STAMP_FILE).read_text())
+
+
+def _flip_keeping_mtime(ckpt: str, fqn: str) -> inj.Fault:
+    """Silent corruption: one bit of ``fqn``'s payload flipped in place, the file's times kept."""
+    item = next(i for i in inj.tensor_zip_items(ckpt) if i.fqn == fqn)
+    st = os.stat(os.path.join(ckpt, item.file))
+    fault = inj.flip_in_tensor_payload(ckpt, fqn)
+    os.utime(os.path.join(ckpt, item.file), ns=(st.st_atime_ns, st.st_mtime_ns))
+    return fault
+
+
+# ---------------------------------------------------------------------------------- one process
+
+
+@pytest.fixture
+def opened_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every path a ``ReadOnlyFile`` opens (the reader every byte-level check reads through)."""
+    seen: list[str] = []
+    original = readers.ReadOnlyFile.__init__
+
+    def recording(self: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(os.path.basename(os.fspath(path)))
+        original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(readers.ReadOnlyFile, "__init__", recording)
+    return seen
+
+
+def _two_file_checkpoint(root: Path) -> str:
+    path = str(root / "ckpt")
+    cv.save({f"w{i}": torch.randn(4096) for i in range(6)}, path, thread_count=2)
+    assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == ["__0_0.distcp", "__0_1.distcp"]
+    return path
+
+
+def test_a_part_opens_only_its_files_and_the_parts_add_up_to_the_whole(tmp_path: Path,
+                                                                       opened_paths: list[str]) -> None:
+    path = _two_file_checkpoint(tmp_path)
+    whole = verify_checkpoint(path)
+    opened_paths.clear()
+    node = verify_part(path, only=frozenset({"__0_1.distcp"}))
+    assert set(opened_paths) - {".metadata"} == {"__0_1.distcp"}, opened_paths
+    opened_paths.clear()
+    coordinator = verify_part(path, skip=frozenset({"__0_1.distcp"}))
+    assert "__0_1.distcp" not in opened_paths and "__0_0.distcp" in opened_paths, opened_paths
+    assert node.passed and coordinator.passed
+    assert node.stats["opened"] == ["__0_1.distcp"] and coordinator.stats["opened"] == ["__0_0.distcp"]
+    assert node.stats["bytes"] + coordinator.stats["bytes"] == whole.stats["bytes"]
+    # The whole-checkpoint checks are done once, by the part that does not restrict itself to its files.
+    assert not any(c.check in ("metadata", "chunk-tiling") for c in node.coverage), node.coverage
+    assert any(c.check == "metadata" for c in coordinator.coverage)
+
+
+def test_a_part_judges_only_its_files_and_never_reports_another_s_missing(tmp_path: Path) -> None:
+    path = _two_file_checkpoint(tmp_path)
+    fault = inj.flip_in_tensor_payload(path)
+    damaged, intact = fault.file, ({"__0_0.distcp", "__0_1.distcp"} - {fault.file}).pop()
+    assert verify_part(path, only=frozenset({intact})).passed
+    failed = verify_part(path, only=frozenset({damaged}))
+    assert not failed.passed and {f.location.file for f in failed.errors} == {damaged}
+    os.unlink(os.path.join(path, damaged))
+    other = verify_part(path, only=frozenset({intact}))
+    assert other.passed and not any(f.location.file == damaged for f in other.findings), other.findings
+    coordinator = verify_part(path, skip=frozenset({damaged}))
+    assert coordinator.passed, coordinator.errors
+    mine = verify_part(path, only=frozenset({damaged}))
+    assert {f.check for f in mine.errors} >= {"file-missing"}
+
+
+def test_part_files_are_not_part_of_the_checkpoint_or_of_its_stamp(tmp_path: Path) -> None:
+    path = _two_file_checkpoint(tmp_path)
+    from ckptverify.runs.stamp import files_fingerprint
+
+    before = files_fingerprint(path)
+    (Path(path) / PARTS_PLAN).write_text("{}")
+    (Path(path) / f"{PARTS_PREFIX}-3.json").write_text("{}")
+    assert files_fingerprint(path) == before
+    report = verify_checkpoint(path)
+    assert report.passed and not any(f.check == "file-unreferenced" for f in report.findings), report.findings
+
+
+def test_without_a_plan_the_coordinator_verifies_everything_itself(tmp_path: Path) -> None:
+    from ckptverify.verifier.stamper import VerifyingLock
+
+    path = _two_file_checkpoint(tmp_path)
+    lock = VerifyingLock(path)
+    assert lock.acquire()
+    try:
+        result = parts_mod.stamp_parts_locked(path, step=1, jobs=1, settle=0.0, wait_s=0.0)
+    finally:
+        lock.release()
+    assert result.verdict == "passed" and "parts" not in _stamp(Path(path))
+    assert result.bytes_checked == verify_checkpoint(path).stats["bytes"]
+
+
+def _planned(root: Path) -> tuple[str, dict[str, Any]]:
+    """A two-file checkpoint whose plan gives each file to one of two nodes."""
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+
+    path = _two_file_checkpoint(root)
+    plan = make_plan(["hostA", "hostB"], [["__0_0.distcp"], ["__0_1.distcp"]])
+    write_plan(path, plan)
+    return path, plan
+
+
+def _gather(path: str, wait_s: float) -> Any:
+    from ckptverify.verifier.stamper import VerifyingLock
+
+    lock = VerifyingLock(path)
+    assert lock.acquire()
+    try:
+        return parts_mod.stamp_parts_locked(path, step=7, jobs=1, settle=0.0, wait_s=wait_s)
+    finally:
+        lock.release()
+
+
+def test_the_coordinator_merges_a_reported_part_into_one_stamp(tmp_path: Path) -> None:
+    path, _ = _planned(tmp_path)
+    written = parts_mod.part_job(path, 1, wait_s=0)
+    assert written["written"] and written["passed"]
+    result = _gather(path, wait_s=5)
+    stamp = _stamp(Path(path))
+    assert result.verdict == "passed" and stamp["passed"] and stamp["step"] == 7
+    assert [(p["host"], p["opened"], p["verdict"]) for p in stamp["parts"]] == [
+        ("hostA", ["__0_0.distcp"], "passed"), ("hostB", ["__0_1.distcp"], "passed")]
+    assert result.bytes_checked == verify_checkpoint(path).stats["bytes"]
+    assert read_stamp(path).current and sorted(os.listdir(path)) == [
+        ".metadata", "__0_0.distcp", "__0_1.distcp", "ckptverify.manifest.json", STAMP_FILE]
+
+
+def test_a_part_whose_plan_never_comes_says_so_instead_of_waiting_out_the_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _two_file_checkpoint(tmp_path)  # committed, no plan (it could not be written)
+    monkeypatch.setattr(parts_mod, "_PLAN_GRACE_SECONDS", 0.3)
+    out = parts_mod.part_job(path, 1, wait_s=600)
+    assert out == {"written": False, "why": f"no committed checkpoint with a plan ({PARTS_PLAN}) at {path}"}
+    assert not [n for n in os.listdir(path) if n.startswith(PARTS_PREFIX)]
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_the_background_verifier_gathers_the_parts_in_its_process_or_thread(tmp_path: Path, isolation: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.verifier.background import BackgroundVerifier, Task
+    from ckptverify.verifier.jobs import VERIFY_PART
+
+    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "60")
+    path, _ = _planned(tmp_path)
+    verifier = BackgroundVerifier(isolation=isolation, throttle=False)
+    node: list[Any] = []
+    try:
+        verifier.submit(path, step=3, parts=True)  # the coordinator's: takes the lock, waits for node 1
+        verifier_b = BackgroundVerifier(isolation=isolation, throttle=False)  # node 1's, lockless
+        verifier_b.submit(path, step=3, task=Task(
+            job=VERIFY_PART, args={"root": path, "node": 1}, locked=False, done=lambda r, why: node.append(r)))
+        assert verifier_b.close(timeout=120) and verifier.wait(timeout=120)
+    finally:
+        verifier.close(timeout=10)
+    assert node and node[0]["written"] and node[0]["passed"], node
+    last = verifier.last()
+    assert last is not None and last.verdict == "passed" and last.stamped, last
+    assert [p["opened"] for p in _stamp(Path(path))["parts"]] == [["__0_0.distcp"], ["__0_1.distcp"]]
+
+
+@pytest.mark.parametrize("planted", ["stale", "garbage"])
+def test_a_part_verdict_of_another_save_or_no_verdict_at_all_is_no_report(tmp_path: Path, planted: str) -> None:
+    path, plan = _planned(tmp_path)
+    verdict = Path(parts_mod.part_verdict_path(path, 1))
+    if planted == "stale":  # a passed part of an earlier save into the same folder
+        parts_mod.part_job(path, 1, wait_s=0)
+        data = json.loads(verdict.read_text())
+        verdict.write_text(json.dumps({**data, "save_id": "0" * 32}))
+    else:
+        verdict.write_text(json.dumps({"schema": parts_mod.PART_SCHEMA, "save_id": plan["save_id"], "report": 3}))
+    result = _gather(path, wait_s=0.5)
+    assert result.verdict == "unverified" and not (Path(path) / STAMP_FILE).exists()
+    assert "node 1 (host hostB, ranks [1])" in result.reason and "__0_1.distcp" in result.reason
+
+
+# ---------------------------------------------------------------------------------- two nodes, real ranks
+
+
+def _nodes_worker(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+
+    from ckptverify.verifier import background
+
+    warnings.simplefilter("ignore")
+    os.environ[parts_mod.NODE_ENV] = f"node{rank}"  # each rank its own node
+    out: dict[str, Any] = {"rank": rank, "verdicts": {}}
+
+    def save(step: int) -> None:
+        state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(1024.0) * step}
+        cv.save(state, os.path.join(root, f"step_{step}"), verify="background", events=root)
+        out[f"waited_{step}"] = cv.wait_for_verifications(timeout=240)
+        last = cv.last_verification()
+        out["verdicts"][step] = None if last is None else last.to_dict()
+        dist.barrier()
+
+    def plant(path: str) -> None:
+        if path.endswith("step_2"):
+            out["fault"] = _flip_keeping_mtime(path, "w.1").file
+        elif path.endswith("step_3"):
+            raise RuntimeError("this node's verifier is gone")
+
+    try:
+        save(1)
+        if rank == 1:
+            background.default_verifier().before_verify = plant
+        dist.barrier()
+        save(2)  # a bit flipped in node 1's file, by node 1, before its part reads it
+        save(3)  # node 1's part never reports
+        os.environ[parts_mod.NODE_ENV] = "node0"  # both ranks on one node: one part, as without nodes
+        save(4)
+        os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+        state = {f"w.{rank}": torch.full((4096,), 5.0 + rank), "shared": torch.arange(1024.0)}
+        cv.async_save(state, os.path.join(root, "step_5"), verify="background", events=root).result()
+        out["waited_5"] = cv.wait_for_verifications(timeout=240)
+        dist.barrier()
+        out["has_verifier"] = background._default is not None
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+
+
+@pytest.mark.slow
+def test_two_nodes_verify_their_own_files_and_one_stamp_names_a_failed_or_silent_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
+    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "30")
+    spawn_ranks(_nodes_worker, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r[f"waited_{s}"] for r in ranks for s in (1, 2, 3, 4)), ranks
+    verdicts = ranks[0]["verdicts"]
+    # Rank 1 verified its node's part in its own verifier; the coordinator alone reports verdicts.
+    assert ranks[1]["has_verifier"] and all(v is None for v in ranks[1]["verdicts"].values())
+
+    clean = _stamp(tmp_path / "step_1")
+    assert clean["passed"] and verdicts["1"]["verdict"] == "passed"
+    by_node = {p["node"]: p for p in clean["parts"]}
+    assert [by_node[k]["host"] for k in (0, 1)] == ["node0", "node1"]
+    assert by_node[0]["ranks"] == [0] and by_node[1]["ranks"] == [1]
+    files = {n for n in os.listdir(tmp_path / "step_1") if n.endswith(".distcp")}
+    for k in (0, 1):
+        # No part read another node's files: each opened exactly the files its ranks wrote.
+        assert by_node[k]["opened"] == by_node[k]["files"] == sorted(n for n in files if n.startswith(f"__{k}_"))
+    sizes = {n: (tmp_path / "step_1" / n).stat().st_size for n in files}
+    assert clean["bytes_checked"] == sum(sizes.values()) == sum(p["bytes"] for p in clean["parts"])
+    assert not [n for n in os.listdir(tmp_path / "step_1") if n.startswith(PARTS_PREFIX)]  # tidied after stamping
+    assert read_stamp(tmp_path / "step_1").current
+
+    failed = _stamp(tmp_path / "step_2")
+    fault = ranks[1]["fault"]
+    assert fault.startswith("__1_") and not failed["passed"] and verdicts["2"]["verdict"] == "failed"
+    named = [e for e in failed["errors"] if e["check"] == "node-part-failed"]
+    assert len(named) == 1 and "node 1 (host node1" in named[0]["message"] and fault in named[0]["message"], named
+    assert {e["location"].get("file") for e in failed["errors"] if e["check"] != "node-part-failed"} == {fault}
+    assert {p["node"]: p["verdict"] for p in failed["parts"]} == {0: "passed", 1: "failed"}
+    assert (tmp_path / "step_2" / fault).exists()  # evidence kept
+
+    silent = verdicts["3"]
+    assert silent["verdict"] == "unverified" and not (tmp_path / "step_3" / STAMP_FILE).exists()
+    assert "node 1 (host node1, ranks [1])" in silent["reason"] and "__1_0.distcp" in silent["reason"], silent
+
+    one_node = _stamp(tmp_path / "step_4")
+    assert one_node["passed"] and "parts" not in one_node
+    after_upload = _stamp(tmp_path / "step_5")  # async_save: the parts are queued once the upload committed
+    assert after_upload["passed"] and [p["opened"] for p in after_upload["parts"]] == [["__0_0.distcp"],
+                                                                                     ["__1_0.distcp"]]
+    events = [(e["event"], e["step"], e["rank"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")]
+    assert events == [("checkpoint-verified", 1, 0), ("checkpoint-failed", 2, 0), ("checkpoint-unverified", 3, 0),
+                      ("checkpoint-verified", 4, 0), ("checkpoint-verified", 5, 0)], events
+
+
+# ---------------------------------------------------------------------------------- the integrations' path
+
+
+def _integration_worker(rank: int, world: int, root: str) -> None:
+    from ckptverify.integrations._core import Verifier, torch_group
+    from ckptverify.verifier import background
+
+    warnings.simplefilter("ignore")
+    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+    verifier = Verifier(verify="background", fingerprint=False)
+    out: dict[str, Any] = {}
+    if rank == 1:
+        background.default_verifier().before_verify = (
+            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith("step_2") else None)
+    try:
+        for step in (1, 2):
+            path = os.path.join(root, f"step_{step}")
+            # What torchtitan's VerifiedCheckpointManager does: a hashing save, then the check of what it wrote.
+            cv.save({f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}, path)
+            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=torch_group(),
+                                                         fingerprint=False).pending
+        arrived = verifier.wait(group=torch_group(), timeout=240)
+        out["arrived"] = {v.step: v.verdict for v in arrived}
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+
+
+@pytest.mark.slow
+def test_an_integration_s_background_check_is_shared_out_among_nodes_too(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
+    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "120")
+    spawn_ranks(_integration_worker, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["pending_1"] and r["pending_2"] for r in ranks), ranks
+    assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed"}, ranks
+    clean = _stamp(tmp_path / "step_1")
+    assert clean["passed"] and [p["opened"] for p in clean["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
+    failed = _stamp(tmp_path / "step_2")
+    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
+    assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
+    events = {(e["event"], e["step"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")}
+    assert events == {("checkpoint-verified", 1), ("checkpoint-failed", 2)}, events
+
+
+# ---------------------------------------------------------------------------------- a production job on two nodes
+
+PRODUCTION_SCRIPT = Path(__file__).parent / "user_scripts" / "production_train.py"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _two_node_job(run_dir: Path, steps: int, save_every: int) -> None:
+    """The production script started as torchrun starts it on two nodes: one agent per node, one rank each (both
+    agents on this machine: torchrun's node rank tells them apart)."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    env = {**os.environ, "CKPTVERIFY_VERIFY_THROTTLE": "0", parts_mod.PART_TIMEOUT_ENV: "240"}
+    env.pop(parts_mod.NODE_ENV, None)
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={k}", "--nproc-per-node=1",
+         "--master-addr=127.0.0.1", f"--master-port={port}", str(PRODUCTION_SCRIPT), "--run-dir", str(run_dir),
+         "--steps", str(steps), "--save-every", str(save_every)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for k in (0, 1)]
+    outputs = [a.communicate(timeout=600)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
+
+
+@pytest.mark.slow
+def test_a_production_run_on_two_nodes_stamps_each_checkpoint_once_from_both_parts(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _two_node_job(run, steps=4, save_every=2)
+    for step in (2, 4):
+        ckpt = run / f"step_{step}"
+        stamp = read_stamp(ckpt)
+        assert stamp is not None and stamp.current and stamp.passed and stamp.step == step
+        parts = stamp.data["parts"]
+        assert [p["ranks"] for p in parts] == [[0], [1]] and parts[0]["host"] != parts[1]["host"], parts
+        # Rank r's node opened only what rank r wrote.
+        assert [p["opened"] for p in parts] == [sorted(n for n in os.listdir(ckpt) if n.startswith(f"__{r}_"))
+                                                for r in (0, 1)]
+        assert not [n for n in os.listdir(ckpt) if n.startswith(PARTS_PREFIX)]
+    verified = [(e["step"], e["rank"]) for e in read_events(run, "checkpoint-verified")]
+    assert sorted(verified) == [(2, 0), (4, 0)], verified
