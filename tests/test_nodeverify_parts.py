@@ -110,6 +110,19 @@ def test_part_files_are_not_part_of_the_checkpoint_or_of_its_stamp(tmp_path: Pat
     assert report.passed and not any(f.check == "file-unreferenced" for f in report.findings), report.findings
 
 
+def test_part_files_left_in_a_folder_of_weights_are_ours_not_the_checkpoint_s(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ckptverify.formats.describe import is_own_file
+
+    save_file({"w": torch.arange(8, dtype=torch.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / PARTS_PLAN).write_text("{}")
+    (tmp_path / f"{PARTS_PREFIX}-1.json").write_text("{}")
+    assert is_own_file(PARTS_PLAN) and is_own_file(f"{PARTS_PREFIX}-1.json") and not is_own_file("model.safetensors")
+    report = verify_checkpoint(str(tmp_path))
+    assert not any(PARTS_PREFIX in (f.location.file or "") for f in report.findings), report.findings
+
+
 def test_without_a_plan_the_coordinator_verifies_everything_itself(tmp_path: Path) -> None:
     from ckptverify.verifier.stamper import VerifyingLock
 

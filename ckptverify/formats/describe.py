@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ckptverify.dcp import safetensors
 from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
-from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES
+from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
@@ -56,8 +56,9 @@ __all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc",
 
 
 def is_own_file(name: str) -> bool:
-    """ckptverify's own files: a folder's manifest and stamp, and a single file's manifest beside it."""
-    return name in OWN_FILES or name.endswith(f".{MANIFEST_FILE}")
+    """ckptverify's own files: a folder's manifest and stamp, a single file's manifest beside it, and the plan and
+    part verdicts of a verification shared out among nodes."""
+    return name in OWN_FILES or name.endswith(f".{MANIFEST_FILE}") or name.startswith(PARTS_PREFIX)
 _WEIGHT_PREFIXES = ("pytorch_model", "model")
 #: A view larger than its stored bytes (overlapping strides) is read up to this size.
 MAX_VIEW_BYTES = 256 << 20
