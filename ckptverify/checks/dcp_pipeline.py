@@ -39,6 +39,7 @@ from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
+from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
 from ckptverify.safeparse.torchsave import SubclassHeader
@@ -623,13 +624,13 @@ def _name_signatures(root: str) -> dict[str, tuple[int, int, int, int] | None]:
     """``stat`` (size, mtime, device, inode) of the metadata files and the manifest, by name; nothing opened."""
     out: dict[str, tuple[int, int, int, int] | None] = {}
     try:
-        names = os.listdir(root)
+        names = paths.listdir(root)
     except OSError:
         return out
     for name in names:
         if name in (".metadata", MANIFEST_FILE) or RANK_METADATA_RE.match(name):
             try:
-                st = os.stat(os.path.join(root, name))
+                st = paths.stat(os.path.join(root, name))
                 out[name] = (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
             except OSError:
                 out[name] = None

@@ -342,10 +342,11 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str =
     The file must be a regular file inside ``root`` of at most ``max_bytes`` (a FIFO, a device or a link out
     of the checkpoint is refused unopened), and every field must pass :func:`validate`.
     """
+    from ckptverify.safeparse import paths
     from ckptverify.safeparse.readers import read_small_file
 
     path = os.path.join(root, name)
-    if not os.path.lexists(path):
+    if not paths.lexists(path):
         return None
     try:
         data = safejson.loads(read_small_file(path, max_bytes, root=root), max_bytes=max_bytes)
