@@ -22,11 +22,11 @@ import pytest
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'ckptverify[s3]'): S3 tests skipped")
 pytest.importorskip("moto.server", reason="moto[server] is not installed (the `test` extra): S3 tests skipped")
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers.remote_s3 import SECRET, MotoS3, SlowDownProxy, apply_env, restore_env
 
-from ckptverify.audit.verify import verify_checkpoint  # noqa: E402
-from helpers.remote_s3 import SECRET, MotoS3, SlowDownProxy, apply_env, restore_env  # noqa: E402
+from ckptverify.audit.verify import verify_checkpoint
 
 BUCKET = "ckpts"
 
