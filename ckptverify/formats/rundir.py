@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ckptverify.errors import WalkIncompleteError
 from ckptverify.ownfiles.names import SAVE_MARKER
+from ckptverify.safeparse import paths
 
 __all__ = [
     "MAX_DEPTH",
@@ -126,7 +127,7 @@ def dir_format(names: list[str]) -> str | None:
 
 def _scandir(path: str) -> list[os.DirEntry[str]]:
     try:
-        with os.scandir(path) as it:
+        with paths.scandir(path) as it:
             return sorted(it, key=lambda e: e.name)
     except OSError:
         return []
@@ -220,7 +221,7 @@ class _Walker:
         read = 0
         result: _Listing | None
         try:
-            with os.scandir(path) as it:
+            with paths.scandir(path) as it:
                 for entry in it:
                     if read >= cap:
                         self._cut(path, read)
@@ -327,7 +328,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DE
         if root_fmt not in ("dcp", "dcp-uncommitted"):
             own_parts = {e.name for e in own.dirs if step_of(e.name) is None and _is_dcp(walker, e.path)}
         size, mtime = 0, 0
-        with contextlib.suppress(OSError), os.scandir(root) as it:
+        with contextlib.suppress(OSError), paths.scandir(root) as it:
             for e in it:
                 try:
                     st = e.stat(follow_symlinks=False)

@@ -10,10 +10,13 @@ URLs by calling these instead of ``os``, and a local-path user imports nothing m
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["exists", "is_url", "isdir", "isfile", "islink", "lexists", "listdir", "lstat", "stat", "walk"]
+__all__ = ["abspath", "exists", "is_url", "isdir", "isfile", "islink", "lexists", "listdir", "lstat", "normpath",
+           "scandir", "stat", "walk"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -30,6 +33,29 @@ def listdir(path: str) -> list[str]:
 
         return remote.listdir(path)
     return os.listdir(path)
+
+
+def scandir(path: str) -> Any:
+    """``os.scandir`` (a context manager iterating entries with ``name``, ``path``, ``is_dir``, ``is_file``,
+    ``is_symlink`` and ``stat``); for a URL, the entries of one fresh listing, their ``stat`` taken from it."""
+    if is_url(path):
+        from ckptverify.safeparse import remote
+
+        return remote.scandir(path)
+    return os.scandir(path)
+
+
+def normpath(path: str) -> str:
+    """``os.path.normpath``; for a URL, of the part after ``scheme://`` (which stays as it is)."""
+    if is_url(path):
+        scheme, rest = path.split("://", 1)
+        return f"{scheme}://{posixpath.normpath(rest) if rest else rest}"
+    return os.path.normpath(path)
+
+
+def abspath(path: str) -> str:
+    """``os.path.abspath``; a URL is absolute already (normalized as :func:`normpath` does)."""
+    return normpath(path) if is_url(path) else os.path.abspath(path)
 
 
 def stat(path: str, *, follow_symlinks: bool = True) -> os.stat_result:

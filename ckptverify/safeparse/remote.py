@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import json
 import os
+import posixpath
 import stat as stat_module
 import threading
 from collections import OrderedDict, deque
@@ -38,7 +39,8 @@ from isal.isal_zlib import crc32
 from ckptverify.errors import FileChangedError, UnsafeFileError, UsageError
 
 __all__ = ["CONCURRENCY", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists", "filesystem",
-           "isdir", "isfile", "listdir", "listdir_split", "read_small", "reset_stats", "stat", "stats"]
+           "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small", "reset_stats", "scandir",
+           "stat", "stats", "storage_options"]
 
 #: Bytes per ranged request of a pass over an object (:meth:`RemoteFile.fold_at`).
 RANGE_BYTES = 8 << 20
@@ -98,6 +100,11 @@ def _options(protocol: str) -> dict[str, Any]:
     return options
 
 
+def storage_options(url: str) -> dict[str, Any]:
+    """The fsspec options this tool opens ``url``'s scheme with (for a reader of its own, e.g. DCP's)."""
+    return _options(url.split("://", 1)[0].lower())
+
+
 def filesystem(url: str) -> tuple[Any, str]:
     """The fsspec file system serving ``url`` and the path within it. Raises
     :class:`~ckptverify.errors.UsageError` when fsspec (or the scheme's implementation) is not installed."""
@@ -120,7 +127,9 @@ def filesystem(url: str) -> tuple[Any, str]:
             raise UsageError(f"{url}: not a URL this tool can read ({exc})") from None
         with _lock:
             fs = _filesystems.setdefault(key, fs)
-    return fs, fs._strip_protocol(url)
+    path = fs._strip_protocol(url)
+    # ``run/./step_3``, ``run/step_3/``: one key prefix, as a local path names one directory.
+    return fs, posixpath.normpath(path) if path else path
 
 
 def _pool_executor() -> ThreadPoolExecutor:
@@ -208,6 +217,55 @@ def listdir_split(url: str) -> tuple[list[str], list[str]]:
     return dirs, files
 
 
+class _Entry:
+    """One entry of :func:`scandir`: the interface of ``os.DirEntry`` (no links in an object store)."""
+
+    def __init__(self, parent: str, info: dict[str, Any]) -> None:
+        self.name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+        self.path = parent.rstrip("/") + "/" + self.name
+        self._info = info
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        return self._info.get("type") == "directory"
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        return self._info.get("type") == "file"
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        return _stat_result(self._info)
+
+    def inode(self) -> int:
+        return self.stat().st_ino
+
+
+class _Scan:
+    def __init__(self, entries: list[_Entry]) -> None:
+        self._it = iter(entries)
+
+    def __enter__(self) -> _Scan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> _Scan:
+        return self
+
+    def __next__(self) -> _Entry:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it = iter(())
+
+
+def scandir(url: str) -> _Scan:
+    """The entries directly under ``url`` (one fresh listing), as ``os.scandir`` gives them."""
+    return _Scan([_Entry(url, e) for e in _entries(url)])
+
+
 def isdir(url: str) -> bool:
     fs, path = filesystem(url)
     try:
@@ -239,6 +297,14 @@ def read_small(url: str, limit: int) -> bytes:
     if f.size > limit:
         raise UnsafeFileError(f"{url} is {f.size} bytes, more than the {limit} this tool reads for it", url)
     return f.pread(0, f.size)
+
+
+def put_small(url: str, data: bytes) -> None:
+    """Write ``data`` as the object ``url`` in one request (a stamp beside a checkpoint: never a checkpoint's
+    own bytes)."""
+    fs, path = filesystem(url)
+    fs.pipe_file(path, data)
+    fs.invalidate_cache(path)
 
 
 def _precondition_failed(exc: BaseException) -> bool:
