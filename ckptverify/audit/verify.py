@@ -38,13 +38,15 @@ __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMA
 
 
 def _counts_requests(fn: Any) -> Any:
-    """For a URL, the report's ``stats["storage"]``: ranged requests, bytes and retries (throttling) it took."""
+    """For a URL: nothing cached from before is trusted, and the report's ``stats["storage"]`` counts the
+    ranged requests, bytes and retries (throttling) it took."""
     @functools.wraps(fn)
     def counted(path: str | os.PathLike[str], **kwargs: Any) -> Report:
         if not paths.is_url(os.fspath(path)):
             return fn(path, **kwargs)
         from ckptverify.safeparse import remote
 
+        remote.forget(os.fspath(path))
         before = remote.stats()
         report = fn(path, **kwargs)
         after = remote.stats()

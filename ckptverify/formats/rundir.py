@@ -107,7 +107,9 @@ def _marker(name: str) -> int | None:
     """The rank (lower is stronger) of the format a directory entry named ``name`` announces, or ``None``."""
     if _DCP_METADATA.match(name):
         return 0
-    if name == SAVE_MARKER or _DCP_SHARD.match(name):
+    # ``.metadata.tmp``: DCP's writers (and s3torchconnector's, whose shards may sit in sub-folders) write the
+    # metadata under this name and then rename it: left alone, it is a save that did not commit.
+    if name == SAVE_MARKER or _DCP_SHARD.match(name) or name == ".metadata.tmp":
         return 1
     if name.startswith("random_states_") and name.endswith(".pkl"):
         return 2

@@ -359,7 +359,15 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str =
 
 def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) -> str:
     """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
-    its path."""
+    its path. Into a URL (``s3://...``): one PUT, which makes the object appear whole or not at all."""
     path = os.path.join(root, name)
-    write_atomic(path, json.dumps(manifest.to_dict(), indent=1, sort_keys=False), prefix=MANIFEST_TEMP_PREFIX)
+    text = json.dumps(manifest.to_dict(), indent=1, sort_keys=False)
+    from ckptverify.safeparse import paths
+
+    if paths.is_url(path):
+        from ckptverify.safeparse import remote
+
+        remote.put_small(path, text.encode())
+        return path
+    write_atomic(path, text, prefix=MANIFEST_TEMP_PREFIX)
     return path

@@ -38,7 +38,7 @@ from isal.isal_zlib import crc32
 
 from ckptverify.errors import FileChangedError, UnsafeFileError, UsageError
 
-__all__ = ["CONCURRENCY", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists", "filesystem",
+__all__ = ["CONCURRENCY", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists", "filesystem", "forget",
            "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small", "reset_stats", "scandir",
            "stat", "stats", "storage_options"]
 
@@ -194,9 +194,21 @@ def stat(url: str) -> os.stat_result:
     return _stat_result(_info(url))
 
 
+def forget(url: str) -> None:
+    """Drop what the file system has cached about ``url``, everything under it and its parents: what is read
+    next is read afresh. Each command starts so (a long-lived process must not judge by an old listing)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)
+    cache = getattr(fs, "dircache", None)
+    if cache is not None:
+        below = path.rstrip("/") + "/"
+        for key in [k for k in list(cache) if k.startswith(below)]:
+            cache.pop(key, None)
+
+
 def _entries(url: str) -> list[dict[str, Any]]:
     fs, path = filesystem(url)
-    fs.invalidate_cache(path)  # a listing is the truth now: what changed since the last one must show
+    forget(url)  # a listing is the truth now: what changed since the last one must show
     entries = fs.ls(path, detail=True)
     own = path.rstrip("/")
     if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == own:
