@@ -228,6 +228,22 @@ def test_throttled_requests_are_retried_and_verify_passes(s3: Any, monkeypatch: 
     assert report.stats["storage"]["retries"] == 3
 
 
+def test_a_store_that_keeps_failing_is_exit_2_naming_the_object(s3: Any, server_env: dict[str, str]) -> None:
+    """Every ranged GET answered 500 (retried, 3 attempts): the command could not run; it says which object
+    and range, passes nothing, prints no traceback."""
+    url = save_s3(fresh("failing"))
+    port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    proxy = SlowDownProxy(port, failures=10**9, only_ranged=True, status=500, code=b"InternalError")
+    try:
+        run = _cli(["verify", url], {**server_env, "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_MAX_ATTEMPTS": "3"})
+    finally:
+        proxy.stop()
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "did not serve bytes" in run.stderr and ".metadata" in run.stderr
+    assert "Traceback" not in run.stderr and SECRET not in run.stdout + run.stderr
+    assert proxy.refused >= 3
+
+
 def test_manifest_on_s3_is_checked(s3: Any, tmp_path: Path) -> None:
     """A manifest written beside the checkpoint (by ``fingerprint`` on a copy) is read from S3 and the block
     digests are compared; a payload byte changed afterwards is caught by them."""

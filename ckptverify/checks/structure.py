@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from ckptverify.checks import item_label, item_location
 from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
+from ckptverify.errors import StorageError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.ownfiles.names import OWN_FILES, STAMP_TEMP_PREFIX
 from ckptverify.safeparse import paths
@@ -29,6 +30,8 @@ def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | No
         path = os.path.join(root, name)
         try:
             st = paths.stat(path)
+        except StorageError:
+            raise
         except OSError:
             out[name] = None
             continue

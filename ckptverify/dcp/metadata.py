@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
-from ckptverify.errors import BadMetadata
+from ckptverify.errors import BadMetadata, StorageError
 from ckptverify.findings import Finding, Location, error
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
@@ -214,6 +214,8 @@ def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Findin
     where = Location(file=name, rank=rank)
     try:
         data = read_metadata_bytes(os.path.join(root, name))
+    except StorageError:
+        raise  # the store failed, not the checkpoint: the command could not run
     except OSError as exc:
         return error("metadata-unreadable", f"cannot read {name}: {exc.strerror or exc}", location=where)
     except BadMetadata as exc:

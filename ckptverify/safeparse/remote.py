@@ -28,6 +28,7 @@ import os
 import posixpath
 import stat as stat_module
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,11 +37,11 @@ from typing import Any
 
 from isal.isal_zlib import crc32
 
-from ckptverify.errors import FileChangedError, UnsafeFileError, UsageError
+from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
 
-__all__ = ["CONCURRENCY", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists", "filesystem", "forget",
-           "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small", "reset_stats", "scandir",
-           "stat", "stats", "storage_options"]
+__all__ = ["CONCURRENCY", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "StorageError", "exists",
+           "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
+           "reset_stats", "scandir", "stat", "stats", "storage_options"]
 
 #: Bytes per ranged request of a pass over an object (:meth:`RemoteFile.fold_at`).
 RANGE_BYTES = 8 << 20
@@ -62,6 +63,25 @@ _lock = threading.Lock()
 _filesystems: dict[tuple[str, ...], Any] = {}
 _pool: ThreadPoolExecutor | None = None
 _stats = {"requests": 0, "bytes": 0, "retries": 0}
+
+
+#: The last fresh listing of each prefix (per file system): (monotonic time it began, entries by name). An
+#: object read before a listing began is checked against it at the end, so the end checks of a checkpoint's
+#: objects cost one listing per prefix, not one request per object.
+_listings: dict[tuple[int, str], tuple[float, dict[str, dict[str, Any]]]] = {}
+
+
+def _listed_after(fs: Any, parent: str, after: float) -> dict[str, dict[str, Any]]:
+    with _lock:
+        hit = _listings.get((id(fs), parent))
+    if hit is not None and hit[0] > after:
+        return hit[1]
+    began = time.monotonic()
+    fs.invalidate_cache(parent)
+    entries = {e["name"].rstrip("/"): e for e in fs.ls(parent, detail=True)}
+    with _lock:
+        _listings[(id(fs), parent)] = (began, entries)
+    return entries
 
 
 def stats() -> dict[str, int]:
@@ -182,11 +202,22 @@ def _stat_result(info: dict[str, Any]) -> os.stat_result:
                           {"st_mtime_ns": mtime_ns, "st_atime_ns": mtime_ns, "st_ctime_ns": mtime_ns})
 
 
+def _store_call(url: str, what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; a failure of the store other than "no such object" is a :class:`StorageError`."""
+    try:
+        return fn(*args)
+    except (FileNotFoundError, NotADirectoryError, StorageError):
+        raise
+    except Exception as exc:
+        raise StorageError(f"{url}: the store did not answer {what} after its retries ({type(exc).__name__}: "
+                           f"{str(exc)[:300]})", url) from None
+
+
 def _info(url: str, *, fresh: bool = False) -> dict[str, Any]:
     fs, path = filesystem(url)
     if fresh:
         fs.invalidate_cache(path)
-    return fs.info(path)
+    return _store_call(url, "a request for the object's size and ETag", fs.info, path)
 
 
 def stat(url: str) -> os.stat_result:
@@ -209,7 +240,7 @@ def forget(url: str) -> None:
 def _entries(url: str) -> list[dict[str, Any]]:
     fs, path = filesystem(url)
     forget(url)  # a listing is the truth now: what changed since the last one must show
-    entries = fs.ls(path, detail=True)
+    entries = _store_call(url, "a listing", fs.ls, path, True)
     own = path.rstrip("/")
     if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == own:
         raise NotADirectoryError(20, "Not a directory", url)
@@ -345,7 +376,7 @@ class RemoteFile:
     def __init__(self, path: str, *, root: str | None = None) -> None:
         self.path = path
         self._fs, self._key = filesystem(path)
-        info = self._fs.info(self._key)
+        info = _store_call(path, "a request for the object's size and ETag", self._fs.info, self._key)
         if info.get("type") != "file":
             raise UnsafeFileError(f"{path} is a {info.get('type') or 'special entry'}, not a regular file", path)
         self.size = int(info.get("size") or 0)
@@ -354,6 +385,7 @@ class RemoteFile:
         self._s3 = hasattr(self._fs, "_call_s3") and hasattr(self._fs, "split_path")
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
         self._blocks_lock = threading.Lock()
+        self._last_read = time.monotonic()  # when the last read ended: an end check must list after it
 
     def close(self) -> None:
         with self._blocks_lock:
@@ -393,19 +425,26 @@ class RemoteFile:
                 if _precondition_failed(exc):
                     raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
                                            f"{self._etag} (the object was replaced)", self.path) from None
-                raise
+                raise self._failed(start, end, exc) from None
         else:
             try:
                 data = self._fs.cat_file(self._key, start=start, end=end)
             except FileNotFoundError:
                 raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
                                        self.path) from None
+            except Exception as exc:
+                raise self._failed(start, end, exc) from None
         _count(len(data), retries)
+        self._last_read = max(self._last_read, time.monotonic())
         if len(data) != end - start:
             got = start + len(data)
             raise FileChangedError(f"{self.path} ends at byte {got} now but was {self.size} bytes when opened",
                                    self.path)
         return bytes(data)
+
+    def _failed(self, start: int, end: int, exc: BaseException) -> StorageError:
+        return StorageError(f"{self.path}: the store did not serve bytes {start}-{end - 1} after its retries "
+                            f"({type(exc).__name__}: {str(exc)[:300]}); nothing was judged from them", self.path)
 
     def _block(self, index: int) -> bytes:
         with self._blocks_lock:
@@ -485,11 +524,15 @@ class RemoteFile:
         """How the object differs from when it was opened (size, modification time, ETag), read afresh, or
         ``None`` if it looks the same."""
         try:
-            now = _signature(_info(self.path, fresh=True))
+            listed = _listed_after(self._fs, posixpath.dirname(self._key.rstrip("/")), self._last_read)
         except FileNotFoundError:
-            return "its name no longer opens it (no such object)"
+            listed = {}
         except OSError as exc:
             return f"it can no longer be examined ({exc})"
+        info = listed.get(self._key.rstrip("/"))
+        if info is None:
+            return "its name no longer opens it (no such object)"
+        now = _signature(info)
         if now == self._signature:
             return None
         size, mtime, tag = self._signature

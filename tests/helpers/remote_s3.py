@@ -45,10 +45,11 @@ class MotoS3:
 
 class SlowDownProxy:
     """Forwards HTTP to ``upstream``; the first ``failures`` requests are answered 503 ``SlowDown`` instead (as
-    S3 answers a client it throttles). ``only_ranged``: only GETs of a byte range are refused. ``seen`` counts
-    the requests, ``refused`` those answered 503."""
+    S3 answers a client it throttles; ``status`` and ``code`` choose another answer). ``only_ranged``: only GETs
+    of a byte range are refused. ``seen`` counts the requests, ``refused`` those refused."""
 
-    def __init__(self, upstream_port: int, failures: int, *, only_ranged: bool = False) -> None:
+    def __init__(self, upstream_port: int, failures: int, *, only_ranged: bool = False, status: int = 503,
+                 code: bytes = b"SlowDown") -> None:
         self.failures = failures
         self.seen = 0
         self.refused = 0
@@ -70,9 +71,9 @@ class SlowDownProxy:
                     if refuse:
                         proxy.refused += 1
                 if refuse:
-                    payload = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                    payload = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>' + code + b"</Code>"
                                b"<Message>Please reduce your request rate.</Message></Error>")
-                    self.send_response(503)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
