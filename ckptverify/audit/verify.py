@@ -94,7 +94,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     if other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)
         return fail_uncheckable(report) if strict else report
-    run = VerificationRun(root, jobs or default_jobs(), progress)
+    run = VerificationRun(root, jobs or _default_jobs(root), progress)
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
@@ -104,6 +104,16 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         advice = _fingerprint_advice(root, list(report.findings), bool(report.stats.get("manifest")))
         report = dataclasses.replace(report, findings=(*report.findings, *advice))
     return fail_uncheckable(report) if strict else report
+
+
+def _default_jobs(root: str) -> int:
+    """One worker per core; for a URL at least :data:`~ckptverify.safeparse.remote.JOBS` (reads wait on the
+    network, not on a core)."""
+    if paths.is_url(root):
+        from ckptverify.safeparse import remote
+
+        return max(default_jobs(), remote.JOBS)
+    return default_jobs()
 
 
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:

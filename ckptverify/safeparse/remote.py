@@ -39,7 +39,7 @@ from isal.isal_zlib import crc32
 
 from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
 
-__all__ = ["CONCURRENCY", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "StorageError", "exists",
+__all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "StorageError", "exists",
            "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
            "reset_stats", "scandir", "stat", "stats", "storage_options"]
 
@@ -49,6 +49,8 @@ RANGE_BYTES = 8 << 20
 READ_AHEAD = 4
 #: Threads issuing ranged requests, shared by every pass (``CKPTVERIFY_REMOTE_CONCURRENCY`` overrides).
 CONCURRENCY = int(os.environ.get("CKPTVERIFY_REMOTE_CONCURRENCY", "16") or 16)
+#: Parallel workers a verification of a URL uses by default (at least): its reads wait on the network.
+JOBS = 8
 #: Environment variable holding extra fsspec options (a JSON object), e.g. ``{"anon": true}``.
 OPTIONS_ENV = "CKPTVERIFY_STORAGE_OPTIONS"
 #: Small reads (headers) fetch this much around them, kept per file (:data:`_BLOCKS_KEPT` blocks): a
@@ -485,6 +487,13 @@ class RemoteFile:
         """Like :meth:`fold`, also passing each view's offset. Ranges are fetched :data:`READ_AHEAD` ahead."""
         end = min(end, self.size)
         if start >= end:
+            return
+        if end - start <= _BLOCK_BYTES:  # a small record: from the blocks its item's headers were read in
+            data = self.pread(start, end - start)
+            with memoryview(data) as view:
+                fn(view, start)
+            if progress is not None:
+                progress(len(data))
             return
         ranges = iter([(a, min(a + RANGE_BYTES, end)) for a in range(start, end, RANGE_BYTES)])
         pool = _pool_executor()
