@@ -7,7 +7,10 @@ Skipped, with the reason, when s3fs or moto is not installed (the ``test`` extra
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -157,3 +160,19 @@ def test_load_from_s3_refuses_a_damaged_checkpoint(s3: Any, tmp_path: Path) -> N
         cv.load(target, f"{run.url}/step_10")
     for k, v in target.model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def test_cli_latest_and_scan_on_s3(s3: Any, tmp_path: Path) -> None:
+    run = _run(s3, tmp_path, steps=(10, 20))
+    _flip(s3, _shard(s3, f"{run.url}/step_20"))
+    env = {**os.environ}
+    latest = subprocess.run([sys.executable, "-m", "ckptverify", "latest", run.url, "--path-only"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert latest.returncode == 0, latest.stderr
+    assert latest.stdout.strip() == f"{run.url}/step_10"
+    scan = subprocess.run([sys.executable, "-m", "ckptverify", "scan", run.url, "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert scan.returncode == 1, scan.stderr
+    rows = {r["path"]: r["state"] for r in json.loads(scan.stdout)["stats"]["checkpoints"]}
+    assert rows == {"step_10": "verified", "step_20": "corrupt"}
+
