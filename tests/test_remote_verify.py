@@ -214,6 +214,50 @@ def test_object_replaced_while_verified_is_file_changed(s3: Any) -> None:
     assert not report.passed
 
 
+def test_object_replaced_after_it_was_read_is_file_changed(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replaced after every byte was read (no ranged GET left to refuse it): the listing at the end sees the
+    new ETag."""
+    from ckptverify.checks.dcp_pipeline import VerificationRun
+
+    url = save_s3(fresh("replaced-late"))
+    key = shard(s3, url)
+    data = bytearray(s3.cat_file(key))
+    data[-100] ^= 1
+    original = VerificationRun.changed_files
+    done: list[bool] = []
+
+    def replace_then_check(self: Any) -> Any:
+        if not done:
+            s3.pipe_file(key, bytes(data))
+            done.append(True)
+        return original(self)
+
+    monkeypatch.setattr(VerificationRun, "changed_files", replace_then_check)
+    report = verify_checkpoint(url)
+    assert done
+    changed = [f for f in report.findings if f.check == "file-changed"]
+    assert [f.location.file for f in changed] == [key.rsplit("/", 1)[-1]] and "ETag" in changed[0].message
+
+
+def test_any_fsspec_url_memory_filesystem() -> None:
+    """Not S3: fsspec's in-memory file system (no ETag: size and time are the signature; plain ranged reads)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    url = f"memory://ckpts/{uuid.uuid4().hex[:8]}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(3), storage_writer=FsspecWriter(url))
+    report = verify_checkpoint(url)
+    assert report.passed, [f.message for f in report.findings]
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    name = next(p for p in fs.find(url) if p.endswith(".distcp"))
+    blob = bytearray(fs.cat_file(name))
+    fs.pipe_file(name, bytes(blob[: len(blob) - 100]))
+    assert not verify_checkpoint(url).passed
+
+
 def test_throttled_requests_are_retried_and_verify_passes(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     url = save_s3(fresh("throttled"))
     port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])

@@ -71,6 +71,7 @@ _stats = {"requests": 0, "bytes": 0, "retries": 0}
 #: object read before a listing began is checked against it at the end, so the end checks of a checkpoint's
 #: objects cost one listing per prefix, not one request per object.
 _listings: dict[tuple[int, str], tuple[float, dict[str, dict[str, Any]]]] = {}
+_LISTINGS_KEPT = 64
 
 
 def _listed_after(fs: Any, parent: str, after: float) -> dict[str, dict[str, Any]]:
@@ -83,6 +84,8 @@ def _listed_after(fs: Any, parent: str, after: float) -> dict[str, dict[str, Any
     entries = {e["name"].rstrip("/"): e for e in fs.ls(parent, detail=True)}
     with _lock:
         _listings[(id(fs), parent)] = (began, entries)
+        while len(_listings) > _LISTINGS_KEPT:  # a long-lived process (watch) verifies many prefixes
+            del _listings[next(iter(_listings))]
     return entries
 
 
