@@ -139,6 +139,34 @@ def test_big_object_is_read_in_ranges_not_whole(s3: Any, monkeypatch: pytest.Mon
     assert max(sizes) <= 512 << 10 and sum(sizes) >= report.stats["bytes"]
 
 
+def test_header_blocks_are_bounded_process_wide(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocks small reads are served from stay under their budget, across files, and go with their file."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from ckptverify.safeparse import remote
+
+    url = f"s3://{BUCKET}/{fresh('blocks')}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = {f"t{i}": torch.randn(400_000) for i in range(8)}  # items over 1 MiB: parsed by ranged reads
+        dcp.save(state, storage_writer=FsspecWriter(url, thread_count=4))
+    budget = 3 * remote._BLOCK_BYTES
+    monkeypatch.setattr(remote, "_BLOCK_BUDGET", budget)
+    held: list[int] = []
+    real = remote.RemoteFile._block
+
+    def spy(self: Any, index: int) -> bytes:
+        data = real(self, index)
+        held.append(remote._blocks_held[0])
+        return data
+
+    monkeypatch.setattr(remote.RemoteFile, "_block", spy)
+    report = verify_checkpoint(url)
+    assert report.passed and report.stats["files"] == 4
+    assert held and max(held) <= budget
+    assert remote._blocks_held[0] == 0 and not remote._blocks  # every file closed: nothing kept
+
+
 def test_truncated_object_same_findings_as_local(s3: Any, tmp_path: Path) -> None:
     url = save_s3(fresh("trunc"))
     key = shard(s3, url)

@@ -53,15 +53,20 @@ CONCURRENCY = int(os.environ.get("CKPTVERIFY_REMOTE_CONCURRENCY", "16") or 16)
 JOBS = 8
 #: Environment variable holding extra fsspec options (a JSON object), e.g. ``{"anon": true}``.
 OPTIONS_ENV = "CKPTVERIFY_STORAGE_OPTIONS"
-#: Small reads (headers) fetch this much around them, kept per file (:data:`_BLOCKS_KEPT` blocks): a
+#: Small reads (headers) fetch this much around them, kept process-wide up to :data:`_BLOCK_BUDGET` bytes
+#: (least recently used dropped first; a file's blocks go when it is closed): a
 #: checkpoint's many small reads near each other cost one request, not one each.
 _BLOCK_BYTES = 256 << 10
-_BLOCKS_KEPT = 4
+_BLOCK_BUDGET = 64 << 20
 #: Views handed to ``fn`` in a pass are at most this long (as a local file's reads).
 _VIEW_BYTES = 1 << 20
 _EXTRA = "pip install 'ckptverify[s3]'"
 
 _lock = threading.Lock()
+#: The kept blocks, by (file serial, block index), least recently used first; their total size.
+_blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+_blocks_held = [0]
+_serials = itertools.count()
 _filesystems: dict[tuple[str, ...], Any] = {}
 _pool: ThreadPoolExecutor | None = None
 _stats = {"requests": 0, "bytes": 0, "retries": 0}
@@ -341,10 +346,10 @@ def exists(url: str) -> bool:
 def read_small(url: str, limit: int) -> bytes:
     """The whole content of a small object (metadata, manifest, stamp); as
     :func:`~ckptverify.safeparse.readers.read_small_file`: more than ``limit`` bytes is refused unread."""
-    f = RemoteFile(url)
-    if f.size > limit:
-        raise UnsafeFileError(f"{url} is {f.size} bytes, more than the {limit} this tool reads for it", url)
-    return f.pread(0, f.size)
+    with RemoteFile(url) as f:
+        if f.size > limit:
+            raise UnsafeFileError(f"{url} is {f.size} bytes, more than the {limit} this tool reads for it", url)
+        return f._get(0, f.size)  # read once, whole: not kept among the blocks
 
 
 def put_small(url: str, data: bytes) -> None:
@@ -388,13 +393,17 @@ class RemoteFile:
         self._signature = _signature(info)
         self._etag = str(info.get("ETag") or "")
         self._s3 = hasattr(self._fs, "_call_s3") and hasattr(self._fs, "split_path")
-        self._blocks: OrderedDict[int, bytes] = OrderedDict()
-        self._blocks_lock = threading.Lock()
+        self._serial = next(_serials)  # never reused (an id() may be): a block is never served to another file
+        self._indexes: set[int] = set()
         self._last_read = time.monotonic()  # when the last read ended: an end check must list after it
 
     def close(self) -> None:
-        with self._blocks_lock:
-            self._blocks.clear()
+        with _lock:
+            for index in self._indexes:
+                data = _blocks.pop((self._serial, index), None)
+                if data is not None:
+                    _blocks_held[0] -= len(data)
+            self._indexes.clear()
 
     def __enter__(self) -> RemoteFile:
         return self
@@ -452,17 +461,22 @@ class RemoteFile:
                             f"({type(exc).__name__}: {str(exc)[:300]}); nothing was judged from them", self.path)
 
     def _block(self, index: int) -> bytes:
-        with self._blocks_lock:
-            data = self._blocks.get(index)
+        key = (self._serial, index)
+        with _lock:
+            data = _blocks.get(key)
             if data is not None:
-                self._blocks.move_to_end(index)
+                _blocks.move_to_end(key)
                 return data
         start = index * _BLOCK_BYTES
         data = self._get(start, min(self.size, start + _BLOCK_BYTES))
-        with self._blocks_lock:
-            self._blocks[index] = data
-            while len(self._blocks) > _BLOCKS_KEPT:
-                self._blocks.popitem(last=False)
+        with _lock:
+            if key not in _blocks:
+                _blocks[key] = data
+                _blocks_held[0] += len(data)
+                self._indexes.add(index)
+            while _blocks_held[0] > _BLOCK_BUDGET and _blocks:
+                _, dropped = _blocks.popitem(last=False)
+                _blocks_held[0] -= len(dropped)
         return data
 
     def pread(self, offset: int, n: int) -> bytes:
