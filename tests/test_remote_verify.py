@@ -37,12 +37,16 @@ def s3() -> Iterator[Any]:
     before = apply_env(server.env())
     import s3fs
 
+    # fsspec keeps one S3FileSystem per set of arguments, whatever the endpoint in the environment: DCP's
+    # fsspec writer would reuse one made for another module's server.
+    s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir(BUCKET)
     try:
         yield fs
     finally:
         restore_env(before)
+        s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
 
 
