@@ -318,6 +318,15 @@ def test_a_store_that_keeps_failing_is_exit_2_naming_the_object(s3: Any, server_
     assert "did not serve bytes" in run.stderr and ".metadata" in run.stderr
     assert "Traceback" not in run.stderr and SECRET not in run.stdout + run.stderr
     assert proxy.refused >= 3
+    # Access denied to everything: not "does not exist", not a finding: the store refused.
+    denied = SlowDownProxy(port, failures=10**9, status=403, code=b"AccessDenied")
+    try:
+        run = _cli(["verify", url], {**server_env, "AWS_ENDPOINT_URL": denied.endpoint})
+    finally:
+        denied.stop()
+    assert run.returncode == 2 and "did not answer" in run.stderr and "does not exist" not in run.stderr, \
+        run.stdout + run.stderr
+    assert "Traceback" not in run.stderr and SECRET not in run.stdout + run.stderr
 
 
 def test_manifest_on_s3_is_checked(s3: Any, tmp_path: Path) -> None:

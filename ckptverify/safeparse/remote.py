@@ -8,10 +8,12 @@ fsspec nor s3fs. Without them a URL is a :class:`~ckptverify.errors.UsageError` 
   (:data:`RANGE_BYTES` each), several in flight from a shared pool (:data:`CONCURRENCY` threads) with at
   most :data:`READ_AHEAD` ranges ahead per pass, so memory stays bounded whatever the object's size: an
   object is never read into memory whole.
-* An object's signature is its size, modification time and ETag (or the store's version tag). On S3 every
+* An object's signature is its size and ETag (or the store's version tag; its modification time where it has
+  neither: a listing and a ``HEAD`` state times at different precisions). On S3 every
   ranged GET carries ``If-Match: <ETag seen at open>``: an object replaced while it is verified fails the
   next read (:class:`~ckptverify.errors.FileChangedError`, a ``file-changed`` finding), and
-  :meth:`RemoteFile.changed` compares the signature afresh at the end, as a local file's ``fstat`` is.
+  :meth:`RemoteFile.changed` compares the signature with a fresh listing at the end, as a local file's
+  ``fstat`` is.
 * Credentials come from the store's own standard chain (for S3, botocore's: environment, ``~/.aws`` files,
   instance roles); nothing here reads, holds or prints them. ``AWS_ENDPOINT_URL`` points S3 at an
   S3-compatible store; :data:`OPTIONS_ENV` passes further fsspec options (a JSON object).
@@ -48,7 +50,8 @@ RANGE_BYTES = 8 << 20
 #: Ranged requests in flight ahead of the one being used, per pass: a pass holds at most this many ranges.
 READ_AHEAD = 4
 #: Threads issuing ranged requests, shared by every pass (``CKPTVERIFY_REMOTE_CONCURRENCY`` overrides).
-CONCURRENCY = int(os.environ.get("CKPTVERIFY_REMOTE_CONCURRENCY", "16") or 16)
+_CONCURRENCY_ENV = os.environ.get("CKPTVERIFY_REMOTE_CONCURRENCY", "").strip()
+CONCURRENCY = max(1, int(_CONCURRENCY_ENV)) if _CONCURRENCY_ENV.isdigit() else 16
 #: Parallel workers a verification of a URL uses by default (at least): its reads wait on the network.
 JOBS = 8
 #: Environment variable holding extra fsspec options (a JSON object), e.g. ``{"anon": true}``.
@@ -86,7 +89,8 @@ def _listed_after(fs: Any, parent: str, after: float) -> dict[str, dict[str, Any
         return hit[1]
     began = time.monotonic()
     fs.invalidate_cache(parent)
-    entries = {e["name"].rstrip("/"): e for e in fs.ls(parent, detail=True)}
+    listed = _store_call(parent, "a listing", fs.ls, parent, True)
+    entries = {e["name"].rstrip("/"): e for e in listed}
     with _lock:
         _listings[(id(fs), parent)] = (began, entries)
         while len(_listings) > _LISTINGS_KEPT:  # a long-lived process (watch) verifies many prefixes
@@ -322,24 +326,24 @@ def scandir(url: str) -> _Scan:
 def isdir(url: str) -> bool:
     fs, path = filesystem(url)
     try:
-        return bool(fs.isdir(path))
-    except OSError:
+        return bool(_store_call(url, "a request for the object or prefix", fs.isdir, path))
+    except (FileNotFoundError, NotADirectoryError):
         return False
 
 
 def isfile(url: str) -> bool:
     fs, path = filesystem(url)
     try:
-        return bool(fs.isfile(path))
-    except OSError:
+        return bool(_store_call(url, "a request for the object or prefix", fs.isfile, path))
+    except (FileNotFoundError, NotADirectoryError):
         return False
 
 
 def exists(url: str) -> bool:
     fs, path = filesystem(url)
     try:
-        return bool(fs.exists(path))
-    except OSError:
+        return bool(_store_call(url, "a request for the object or prefix", fs.exists, path))
+    except (FileNotFoundError, NotADirectoryError):
         return False
 
 
@@ -553,8 +557,8 @@ class RemoteFile:
             listed = _listed_after(self._fs, posixpath.dirname(self._key.rstrip("/")), self._last_read)
         except FileNotFoundError:
             listed = {}
-        except OSError as exc:
-            return f"it can no longer be examined ({exc})"
+        except StorageError:
+            raise  # the store failed, not the object: the command could not run
         info = listed.get(self._key.rstrip("/"))
         if info is None:
             return "its name no longer opens it (no such object)"
