@@ -374,22 +374,6 @@ def test_cli_verify_s3_never_prints_the_secret(s3: Any, server_env: dict[str, st
         assert "Traceback" not in run.stderr
 
 
-def test_url_without_the_extra_is_exit_2_with_what_to_install(server_env: dict[str, str]) -> None:
-    # fsspec made unimportable, as on a machine without the extra.
-    run = _cli(["verify", "s3://bucket/ckpt"], server_env, prelude="import sys; sys.modules['fsspec'] = None")
-    assert run.returncode == 2
-    assert "pip install 'ckptverify[s3]'" in run.stderr
-    assert "Traceback" not in run.stderr
-
-
-def test_local_verify_imports_no_fsspec(tmp_path: Path) -> None:
-    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "c"))
-    code = ("import sys\nfrom ckptverify.audit.verify import verify_checkpoint\n"
-            f"assert verify_checkpoint({str(tmp_path / 'c')!r}).passed\n"
-            "assert 'fsspec' not in sys.modules and 'ckptverify.safeparse.remote' not in sys.modules\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-
-
 def test_storage_options_from_the_environment(s3: Any, server_env: dict[str, str]) -> None:
     """``CKPTVERIFY_STORAGE_OPTIONS`` reaches the file system (here: the endpoint, while the standard variable
     names a port nothing listens on); one that is not a JSON object is exit 2, its content never echoed."""
@@ -403,4 +387,3 @@ def test_storage_options_from_the_environment(s3: Any, server_env: dict[str, str
     bad = _cli(["verify", url], {**server_env, "CKPTVERIFY_STORAGE_OPTIONS": f'["{SECRET}"]'})
     assert bad.returncode == 2 and "CKPTVERIFY_STORAGE_OPTIONS must hold a JSON object" in bad.stderr
     assert SECRET not in bad.stdout + bad.stderr and "Traceback" not in bad.stderr
-
