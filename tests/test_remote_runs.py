@@ -179,4 +179,8 @@ def test_cli_latest_and_scan_on_s3(s3: Any, tmp_path: Path) -> None:
     assert scan.returncode == 1, scan.stderr
     rows = {r["path"]: r["state"] for r in json.loads(scan.stdout)["stats"]["checkpoints"]}
     assert rows == {"step_10": "verified", "step_20": "corrupt"}
+    # `verify` of the run directory itself: refused with a pointer to scan, as for a local one.
+    verify = subprocess.run([sys.executable, "-m", "ckptverify", "verify", run.url],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert verify.returncode == 2 and "run directory" in verify.stderr and "ckptverify scan" in verify.stderr
 
