@@ -342,6 +342,8 @@ def test_manifest_on_s3_is_checked(s3: Any, tmp_path: Path) -> None:
     report = verify_checkpoint(url)
     assert report.passed and report.stats["manifest"] is True
     assert any(c.check == "manifest-digest" and c.count > 0 for c in report.coverage)
+    deep = verify_checkpoint(url, deep=True)  # every tensor rebuilt from ranged reads, fingerprints compared
+    assert deep.passed and any(c.check == "fingerprint" and c.count > 0 for c in deep.coverage)
     key = shard(s3, url)
     data = bytearray(s3.cat_file(key))
     data[len(data) // 3] ^= 0x01
