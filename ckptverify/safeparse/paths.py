@@ -23,7 +23,7 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 def is_url(path: object) -> bool:
     """True when ``path`` is a URL (``scheme://...``), read through fsspec rather than the local file system."""
-    return isinstance(path, str) and _URL.match(path) is not None
+    return isinstance(path, str) and "://" in path and _URL.match(path) is not None
 
 
 def listdir(path: str) -> list[str]:
