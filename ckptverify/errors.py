@@ -229,6 +229,12 @@ class NotRegularFileError(CkptVerifyError, OSError):
     copes with an unwritable file copes with this one too."""
 
 
+class StorageError(_FileError):
+    """An object store (or remote file system) did not serve a read or a listing after every retry (throttled
+    too long, unreachable, access denied): nothing can be said about the checkpoint, so the command could not
+    run (exit 2), naming the object. Never turned into a finding about the checkpoint."""
+
+
 class TruncatedRangeError(CkptVerifyError, EOFError):
     """A byte range extends past the end of its file."""
 

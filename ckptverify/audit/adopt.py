@@ -32,6 +32,7 @@ from ckptverify.ownfiles.manifest import (
     TensorEntry,
     write_manifest,
 )
+from ckptverify.safeparse import paths
 from ckptverify.safeparse.readers import FileChangedError
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -57,12 +58,12 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         raise UsageError(f"unknown digest {digest!r}; choose one of {', '.join(ALGORITHMS)}")
     if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
         raise UsageError(f"--block-bytes must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], got {block_bytes}")
-    single = os.path.lexists(root) and not os.path.isdir(root)
+    single = paths.lexists(root) and not paths.isdir(root)
     manifest_path = os.path.join(root, MANIFEST_FILE) if not single else file_manifest_path(root)
-    if os.path.lexists(manifest_path) and (single or os.path.isdir(root)):
+    if paths.lexists(manifest_path) and (single or paths.isdir(root)):
         if not force:
             raise ManifestExistsError(f"{manifest_path} exists; pass --force to replace it")
-        if os.path.islink(manifest_path) or not os.path.isfile(manifest_path):
+        if paths.islink(manifest_path) or not paths.isfile(manifest_path):
             raise ManifestExistsError(f"{manifest_path} exists and is not a regular file (a directory, link or "
                                       "special file); it is not replaced: remove it by hand if it is yours")
 
@@ -70,7 +71,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     if single:
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, started=started)
-    if not os.path.isdir(root):
+    if not paths.isdir(root):
         raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     from ckptverify.audit.verify import _other_format
 

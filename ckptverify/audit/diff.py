@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ckptverify.audit.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
 from ckptverify.checks import deep as deep_check
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.safeparse import paths
 from ckptverify.safeparse.readers import FileChangedError
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
     mapping = parse_prefix_map(map_prefix)
     roots = (os.fspath(a), os.fspath(b))
     for root in roots:
-        if not os.path.lexists(root):
+        if not paths.lexists(root):
             raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     started = time.perf_counter()
     sides: list[_Side] = []
@@ -291,9 +292,9 @@ class _Side:
 def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
     from ckptverify.formats.rundir import dir_format
 
-    if os.path.isdir(root):
+    if paths.isdir(root):
         try:
-            names = os.listdir(root)
+            names = paths.listdir(root)
         except OSError:
             names = []
         if dir_format(names) in ("dcp", "dcp-uncommitted"):
@@ -320,7 +321,7 @@ class _DescribedSide(_Side):
         self.desc = describe(root)
         self.format = self.desc.format
         folder = self.desc.format == "folder"
-        single = None if folder else os.path.basename(os.path.abspath(root))
+        single = None if folder else os.path.basename(paths.abspath(root))
         ranged: dict[str, list[tuple[int, int]]] = {}
         whole: dict[str, set[str]] = {}  # file -> checks of its errors that name no bytes
         named: set[str] = set()

@@ -11,6 +11,7 @@ with a pointer to ``scan``. Nothing is ever written into the checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from ckptverify.checks.dcp_pipeline import (
 )
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import Finding, Report, info, merge_coverage
+from ckptverify.safeparse import paths
 
 # Re-exported: callers import these from here (the public face of ``verify``).
 __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
@@ -35,6 +37,25 @@ __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMA
            "verify_checkpoint", "verify_folder_files", "verify_part"]
 
 
+def _counts_requests(fn: Any) -> Any:
+    """For a URL: nothing cached from before is trusted, and the report's ``stats["storage"]`` counts the
+    ranged requests, bytes and retries (throttling) it took."""
+    @functools.wraps(fn)
+    def counted(path: str | os.PathLike[str], **kwargs: Any) -> Report:
+        if not paths.is_url(os.fspath(path)):
+            return fn(path, **kwargs)
+        from ckptverify.safeparse import remote
+
+        remote.forget(os.fspath(path))
+        before = remote.stats()
+        report = fn(path, **kwargs)
+        after = remote.stats()
+        return dataclasses.replace(report, stats={**report.stats,
+                                                  "storage": {k: after[k] - before[k] for k in after}})
+    return counted
+
+
+@_counts_requests
 def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
                       use_manifest: bool = True, strict: bool = False,
                       progress: ProgressSink | None = None) -> Report:
@@ -42,7 +63,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
 
     ``path`` is a DCP checkpoint directory; or a single ``torch.save``/safetensors file, or a folder of such
     files (Hugging Face, accelerate, transformers), judged by their content (``docs/formats.md``). A run
-    directory (a folder of checkpoints) is refused with a pointer to ``scan``.
+    directory (a folder of checkpoints) is refused with a pointer to ``scan``. ``path`` may be a URL
+    (``s3://bucket/prefix``, any fsspec URL: ``docs/storage.md``), read with ranged requests.
 
     ``jobs``: parallel workers (default one per core). ``use_manifest``: compare with every manifest that
     covers the checkpoint, by the one rule of ``docs/manifest.md``: ``ckptverify.manifest.json`` inside a
@@ -57,10 +79,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     root = os.fspath(path)
     if jobs is not None and jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {jobs}")
-    if not os.path.lexists(root):
+    if not paths.lexists(root):
         raise CheckpointNotFoundError(f"checkpoint path does not exist: {root}")
     started = time.perf_counter()
-    if not os.path.isdir(root):
+    if not paths.isdir(root):
         report = _verify_file(root, started, deep, use_manifest)
         return fail_uncheckable(report) if strict else report
     other, found, unseen = _other_format(root)
@@ -72,7 +94,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     if other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)
         return fail_uncheckable(report) if strict else report
-    run = VerificationRun(root, jobs or default_jobs(), progress)
+    run = VerificationRun(root, jobs or _default_jobs(root), progress)
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
@@ -102,6 +124,16 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
     return run.report("verify", time.perf_counter() - started)
 
 
+def _default_jobs(root: str) -> int:
+    """One worker per core; for a URL at least :data:`~ckptverify.safeparse.remote.JOBS` (reads wait on the
+    network, not on a core)."""
+    if paths.is_url(root):
+        from ckptverify.safeparse import remote
+
+        return max(default_jobs(), remote.JOBS)
+    return default_jobs()
+
+
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     """``None`` for a DCP checkpoint (or a torn one: judged as DCP), ``"folder"`` for a folder of checkpoint
     files (Hugging Face, accelerate, transformers), ``"run-directory"`` for a folder of checkpoints (with the
@@ -109,7 +141,7 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     from ckptverify.formats.rundir import dir_format, find_checkpoints
 
     try:
-        names = os.listdir(root)
+        names = paths.listdir(root)
     except OSError:
         return None, [], False
     fmt = dir_format(names)
@@ -119,7 +151,7 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
 
     if fmt is not None or any(n.endswith(CHECKPOINT_SUFFIXES) for n in names):
         return "folder", [], False
-    subdirs = [n for n in names if os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n))]
+    subdirs = [n for n in names if paths.isdir(os.path.join(root, n)) and not paths.islink(os.path.join(root, n))]
     if any(dir_format(_listdir(os.path.join(root, n))) in ("dcp", "dcp-uncommitted") for n in subdirs):
         # DCP folders beside each other: the parts of one checkpoint (model + optimizer) when the folder's own
         # name carries a step, else a run directory.
@@ -134,7 +166,7 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
 
 def _listdir(path: str) -> list[str]:
     try:
-        return os.listdir(path)
+        return paths.listdir(path)
     except OSError:
         return []
 

@@ -42,6 +42,7 @@ from ckptverify.errors import (
 )
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.options import no_other_keywords, take_renamed
+from ckptverify.safeparse import paths
 from ckptverify.state.train_state import TrainState
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
             raise UsageError("pick='latest-verified' verifies the checkpoints it picks from; it cannot be "
                              "combined with verify=False")
         return load_newest_proven(state, root, check=check, deep=deep, on_restore_mismatch=on_restore_mismatch)
-    if not os.path.isdir(root):
+    if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     _verify_on_coordinator(root, deep, full=verify)
     from ckptverify.runs.stamp import read_stamp
@@ -349,7 +350,7 @@ def _stamp_failed(root: str, report: Report, fingerprint: str | None, step: int 
     from ckptverify.runs.stamp import write_stamp
 
     verdict = Report(command="verify", target=root, findings=report.findings,
-                     stats={"manifest": os.path.exists(os.path.join(root, _manifest_name())), "checked_by": "load"})
+                     stats={"manifest": paths.exists(os.path.join(root, _manifest_name())), "checked_by": "load"})
     try:
         write_stamp(root, verdict, step=step, fingerprint=fingerprint)
     except OSError as exc:

@@ -37,8 +37,10 @@ from ckptverify.checks.content import (
 from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
+from ckptverify.errors import StorageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
+from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
 from ckptverify.safeparse.torchsave import SubclassHeader
@@ -335,6 +337,8 @@ class VerificationRun:
             self.findings.append(changed_finding(name, str(exc)))
         except UnsafeFileError as exc:
             self.findings.append(error("file-unsafe", f"{name} is not opened: {exc}", location=Location(file=name)))
+        except StorageError:
+            raise
         except OSError as exc:
             self.findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
                                        location=Location(file=name)))
@@ -654,14 +658,18 @@ def _name_signatures(root: str) -> dict[str, tuple[int, int, int, int] | None]:
     """``stat`` (size, mtime, device, inode) of the metadata files and the manifest, by name; nothing opened."""
     out: dict[str, tuple[int, int, int, int] | None] = {}
     try:
-        names = os.listdir(root)
+        names = paths.listdir(root)
+    except StorageError:
+        raise
     except OSError:
         return out
     for name in names:
         if name in (".metadata", MANIFEST_FILE) or RANK_METADATA_RE.match(name):
             try:
-                st = os.stat(os.path.join(root, name))
+                st = paths.stat(os.path.join(root, name))
                 out[name] = (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+            except StorageError:
+                raise
             except OSError:
                 out[name] = None
     return out

@@ -20,6 +20,7 @@ from typing import Any
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.describe import Description, is_own_file, stored_part, stored_payloads
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
+from ckptverify.safeparse import paths
 from ckptverify.safeparse.readers import ReadOnlyFile
 
 __all__ = ["check_manifest", "deep_check", "folder_files", "judge_described", "manifest_entries", "manifests_of"]
@@ -31,7 +32,7 @@ def folder_files(root: str) -> list[str]:
     """Every regular file directly in ``root`` except ckptverify's own (names only; links and special files
     are left out: they are findings of the folder check, never opened)."""
     out = []
-    with os.scandir(root) as it:
+    with paths.scandir(root) as it:
         for e in it:
             try:
                 if not is_own_file(e.name) and stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
@@ -166,7 +167,7 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
             else:
                 findings.append(error("manifest-digest", f"{name} differs from when it was fingerprinted",
                                       location=where, expected=entry.digest, actual=got))
-    added = set(folder_files(desc.root)) - set(manifest.files) if os.path.isdir(desc.target) else set()
+    added = set(folder_files(desc.root)) - set(manifest.files) if paths.isdir(desc.target) else set()
     for name in sorted(added):
         findings.append(warning("manifest-unlisted", f"{name} was not there when the folder was fingerprinted: "
                                 "added since (nothing vouches for it)", location=Location(file=name)))
@@ -237,16 +238,16 @@ def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[st
     if not use_manifest:
         return [], []
     wanted: list[tuple[str, str, str | None]] = []  # (folder the manifest lies in, its name, file it pins)
-    if os.path.isdir(path):
+    if paths.isdir(path):
         wanted.append((path, MANIFEST_FILE, None))
         try:
-            names = sorted(os.listdir(path))
+            names = sorted(paths.listdir(path))
         except OSError:
             names = []
         suffix = f".{MANIFEST_FILE}"
         wanted.extend((path, n, n[: -len(suffix)]) for n in names if n.endswith(suffix) and len(n) > len(suffix))
     else:
-        where, base = os.path.split(os.path.abspath(path))
+        where, base = os.path.split(paths.abspath(path))
         wanted.append((where, file_manifest_name(base), base))
         if _folder_of_files(where):
             wanted.append((where, MANIFEST_FILE, base))  # the file's folder's manifest, for this file alone
@@ -274,7 +275,7 @@ def _folder_of_files(folder: str) -> bool:
     from ckptverify.formats.rundir import dir_format
 
     try:
-        return dir_format(os.listdir(folder)) not in ("dcp", "dcp-uncommitted")
+        return dir_format(paths.listdir(folder)) not in ("dcp", "dcp-uncommitted")
     except OSError:
         return False
 
@@ -318,12 +319,12 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
     folder_manifest = None
     for target, manifest in manifests:
         desc = describe(target)
-        if target == path and os.path.isdir(path):
+        if target == path and paths.isdir(path):
             folder_desc, folder_manifest = desc, manifest
         checked, cov, _ = check_manifest(desc, manifest)
         findings.extend(checked)
         coverage.extend(cov)
-        covered |= {n for n in manifest.files if os.path.lexists(os.path.join(desc.root, n))}
+        covered |= {n for n in manifest.files if paths.lexists(os.path.join(desc.root, n))}
         if deep and target != path:
             # A file's own manifest in a folder: its fingerprints are compared here (the folder's deep
             # check below rebuilds every tensor once and reports what cannot be rebuilt or is not finite).
@@ -335,9 +336,9 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
                                             and f.location.file in covered)]
     if deep:
         desc = folder_desc if folder_desc is not None else describe(path)
-        own = folder_manifest if os.path.isdir(path) else next((m for _, m in manifests), None)
+        own = folder_manifest if paths.isdir(path) else next((m for _, m in manifests), None)
         checked, cov = deep_check(desc, own)
         findings.extend(checked)
         coverage.extend(cov)
-    every = set(folder_files(path)) if os.path.isdir(path) else {os.path.basename(os.path.abspath(path))}
+    every = set(folder_files(path)) if paths.isdir(path) else {os.path.basename(paths.abspath(path))}
     return findings, coverage, bool(manifests) and every <= covered

@@ -13,7 +13,6 @@ Symbolic links are not followed out of the folder; special files are findings, n
 
 from __future__ import annotations
 
-import os
 import stat
 from typing import Any
 
@@ -21,6 +20,7 @@ from ckptverify.checks.single import check_file, check_json
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.describe import is_own_file
 from ckptverify.formats.rundir import dir_format
+from ckptverify.safeparse import paths
 
 __all__ = ["CHECKPOINT_SUFFIXES", "check_folder"]
 
@@ -34,7 +34,7 @@ def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[st
     coverage: list[CheckCoverage] = []
     facts: dict[str, Any] = {"files": {}, "tensors": {}, "dcp_parts": [], "bytes": 0, "unchecked": []}
     indexes: dict[str, Any] = {}
-    with os.scandir(root) as it:
+    with paths.scandir(root) as it:
         entries = sorted(it, key=lambda e: e.name)
     for e in entries:
         if is_own_file(e.name):
@@ -45,7 +45,7 @@ def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[st
             continue
         if stat.S_ISDIR(st.st_mode):
             try:
-                names = os.listdir(e.path)
+                names = paths.listdir(e.path)
             except OSError:
                 names = []
             if dir_format(names) in ("dcp", "dcp-uncommitted"):

@@ -32,6 +32,7 @@ import stat
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.safeparse import paths
 
 __all__ = ["SIDE_FILES", "check_side_files", "side_files"]
 
@@ -55,7 +56,7 @@ _COVERED = re.compile(r"^(?:__\d+_\d+\.distcp|(?:__\d+)?\.metadata|common\.pt|me
 def side_files(root: str) -> list[str]:
     """The known side files present in ``root`` (any file type: a FIFO named ``meta.pt`` is listed, and
     :func:`check_side_files` refuses to open it)."""
-    return sorted(n for n in SIDE_FILES if os.path.lexists(os.path.join(root, n)))
+    return sorted(n for n in SIDE_FILES if paths.lexists(os.path.join(root, n)))
 
 
 def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[CheckCoverage], list[str]]:
@@ -70,7 +71,7 @@ def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[C
     for name in names:
         path = os.path.join(root, name)
         try:
-            st = os.lstat(path)
+            st = paths.lstat(path)
         except OSError:
             continue
         if not stat.S_ISREG(st.st_mode):
@@ -136,7 +137,7 @@ def check_integrity_record(root: str, name: str = "integrity.json") -> tuple[lis
                                   "(Megatron's integrity record) lists: its bytes changed since the save",
                                   location=Location(file=listed), expected=expected, actual=actual))
     try:
-        present = sorted(n for n in os.listdir(root) if _COVERED.match(n))
+        present = sorted(n for n in paths.listdir(root) if _COVERED.match(n))
     except OSError:
         present = []
     for unlisted in (n for n in present if n not in files):

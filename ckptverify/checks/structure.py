@@ -14,8 +14,10 @@ from collections.abc import Iterable
 
 from ckptverify.checks import item_label, item_location
 from ckptverify.dcp.layout import Chunk, Item, Layout, TensorInfo
+from ckptverify.errors import StorageError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.ownfiles.names import OWN_FILES, PARTS_PREFIX, STAMP_TEMP_PREFIX
+from ckptverify.safeparse import paths
 from ckptverify.safeparse.readers import file_kind, is_inside
 
 
@@ -27,7 +29,9 @@ def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | No
     for name in names:
         path = os.path.join(root, name)
         try:
-            st = os.stat(path)
+            st = paths.stat(path)
+        except StorageError:
+            raise
         except OSError:
             out[name] = None
             continue
@@ -63,7 +67,7 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     if not unreferenced:
         return findings
     referenced = set(stats) | set(others) | set(layout.metadata_files) | OWN_FILES
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in paths.walk(root):
         dirnames.sort()
         for fname in sorted(filenames):
             rel = os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
@@ -78,7 +82,7 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
                 ))
             elif rel not in referenced:
                 try:  # lstat: listed, never opened (it may be a FIFO or a link to a device)
-                    st = os.lstat(os.path.join(dirpath, fname))
+                    st = paths.lstat(os.path.join(dirpath, fname))
                 except OSError:
                     continue  # gone since the listing
                 what = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
@@ -93,12 +97,12 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
 
 def _unsafe_reason(root: str, path: str) -> str | None:
     """Why an existing ``path`` must not be opened as a checkpoint file; ``None`` if it is missing."""
-    if not os.path.lexists(path):
+    if not paths.lexists(path):
         return None
     if not is_inside(root, path):
         return f"resolves to {os.path.realpath(path)!r}, outside the checkpoint directory"
     try:
-        mode = os.stat(path).st_mode
+        mode = paths.stat(path).st_mode
     except OSError as exc:
         return f"cannot be examined ({exc.strerror})"
     return f"is a {file_kind(mode)}, not a regular file"

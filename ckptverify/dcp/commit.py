@@ -36,7 +36,7 @@ from typing import Any
 
 from ckptverify.errors import SaveConflictError
 from ckptverify.ownfiles.names import MANIFEST_TEMP_PREFIX, SAVE_MARKER
-from ckptverify.safeparse import safejson
+from ckptverify.safeparse import paths, safejson
 
 __all__ = ["MARKER_FILE", "MARKER_MAX_BYTES", "SaveLock", "begin_save", "read_marker"]
 
@@ -195,8 +195,10 @@ def read_marker(root: str) -> dict[str, Any] | None:
     """The marker's fields if ``root`` holds a marker (``{}`` when it is unreadable or not a regular file),
     else ``None``. Never follows a link, never blocks, reads at most :data:`MARKER_MAX_BYTES`."""
     path = os.path.join(root, MARKER_FILE)
-    if not os.path.lexists(path):
+    if not paths.lexists(path):
         return None
+    if paths.is_url(path):
+        return _read_remote_marker(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -209,3 +211,14 @@ def read_marker(root: str) -> dict[str, Any] | None:
         return {}
     finally:
         os.close(fd)
+
+
+def _read_remote_marker(url: str) -> dict[str, Any]:
+    """:func:`read_marker` for an object (no links, nothing that blocks): its first bytes, parsed."""
+    from ckptverify.safeparse.readers import ReadOnlyFile
+
+    try:
+        with ReadOnlyFile(url) as f:
+            return _parse_marker(f.pread(0, MARKER_MAX_BYTES)) or {}
+    except OSError:
+        return {}

@@ -26,8 +26,9 @@ from typing import Any
 
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
-from ckptverify.errors import BadMetadata
+from ckptverify.errors import BadMetadata, StorageError
 from ckptverify.findings import Finding, Location, error
+from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import read_small_file
 
@@ -124,7 +125,7 @@ class ParsedMetadata:
 
 def metadata_files(root: str) -> list[str]:
     """Every metadata file DCP could read in ``root``: ``.metadata`` first, then each ``__N.metadata``."""
-    names = os.listdir(root)
+    names = paths.listdir(root)
     ranked = sorted((n for n in names if RANK_METADATA_RE.match(n)),
                     key=lambda n: int(RANK_METADATA_RE.match(n).group(1)))  # type: ignore[union-attr]
     return ([METADATA_FILE] if METADATA_FILE in names else []) + ranked
@@ -213,6 +214,8 @@ def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Findin
     where = Location(file=name, rank=rank)
     try:
         data = read_metadata_bytes(os.path.join(root, name))
+    except StorageError:
+        raise  # the store failed, not the checkpoint: the command could not run
     except OSError as exc:
         return error("metadata-unreadable", f"cannot read {name}: {exc.strerror or exc}", location=where)
     except BadMetadata as exc:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.errors import ItemProofError, UnsafeMetadataError
+from ckptverify.safeparse import paths
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -41,7 +42,22 @@ if TYPE_CHECKING:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` builds real DCP objects from safely parsed metadata."""
+    """``FileSystemReader`` whose ``read_metadata`` builds real DCP objects from safely parsed metadata.
+
+    A URL (``s3://...``, any fsspec URL) is read through torch's fsspec file system, with the options
+    :mod:`ckptverify.safeparse.remote` gives its scheme (retries, ``CKPTVERIFY_STORAGE_OPTIONS``)."""
+
+    def __init__(self, path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        if paths.is_url(os.fspath(path)):
+            from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+
+            from ckptverify.safeparse import remote
+
+            url = os.fspath(path)
+            remote.filesystem(url)  # the extra is installed, or a UsageError saying what to install
+            self.fs = FsspecFileSystem()  # type: ignore[assignment]
+            self.path = self.fs.init_path(url, **remote.storage_options(url))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

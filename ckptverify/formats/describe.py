@@ -43,6 +43,7 @@ from ckptverify.dcp import safetensors
 from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
+from ckptverify.safeparse import paths
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
@@ -189,14 +190,14 @@ def describe(path: str | os.PathLike[str]) -> Description:
     """Describe a single checkpoint file, or a folder of checkpoint files (its own regular files; DCP
     sub-folders are not part of it)."""
     target = os.fspath(path)
-    if not os.path.isdir(target):
-        root, name = os.path.split(os.path.abspath(target))
+    if not paths.isdir(target):
+        root, name = os.path.split(paths.abspath(target))
         desc = Description(root=root, target=target, format="file")
         _add_file(desc, name, prefix="", plain_tensors=True)
         desc.format = desc.files.get(name, "unknown")
         return desc
     desc = Description(root=target, target=target, format="folder")
-    with os.scandir(target) as it:
+    with paths.scandir(target) as it:
         entries = sorted(it, key=lambda e: e.name)
     for e in entries:
         if is_own_file(e.name):

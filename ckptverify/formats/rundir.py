@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ckptverify.errors import WalkIncompleteError
 from ckptverify.ownfiles.names import SAVE_MARKER
+from ckptverify.safeparse import paths
 
 __all__ = [
     "MAX_DEPTH",
@@ -106,7 +107,9 @@ def _marker(name: str) -> int | None:
     """The rank (lower is stronger) of the format a directory entry named ``name`` announces, or ``None``."""
     if _DCP_METADATA.match(name):
         return 0
-    if name == SAVE_MARKER or _DCP_SHARD.match(name):
+    # ``.metadata.tmp``: DCP's writers (and s3torchconnector's, whose shards may sit in sub-folders) write the
+    # metadata under this name and then rename it: left alone, it is a save that did not commit.
+    if name == SAVE_MARKER or _DCP_SHARD.match(name) or name == ".metadata.tmp":
         return 1
     if name.startswith("random_states_") and name.endswith(".pkl"):
         return 2
@@ -126,7 +129,7 @@ def dir_format(names: list[str]) -> str | None:
 
 def _scandir(path: str) -> list[os.DirEntry[str]]:
     try:
-        with os.scandir(path) as it:
+        with paths.scandir(path) as it:
             return sorted(it, key=lambda e: e.name)
     except OSError:
         return []
@@ -220,7 +223,7 @@ class _Walker:
         read = 0
         result: _Listing | None
         try:
-            with os.scandir(path) as it:
+            with paths.scandir(path) as it:
                 for entry in it:
                     if read >= cap:
                         self._cut(path, read)
@@ -327,7 +330,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DE
         if root_fmt not in ("dcp", "dcp-uncommitted"):
             own_parts = {e.name for e in own.dirs if step_of(e.name) is None and _is_dcp(walker, e.path)}
         size, mtime = 0, 0
-        with contextlib.suppress(OSError), os.scandir(root) as it:
+        with contextlib.suppress(OSError), paths.scandir(root) as it:
             for e in it:
                 try:
                     st = e.stat(follow_symlinks=False)

@@ -342,10 +342,11 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str =
     The file must be a regular file inside ``root`` of at most ``max_bytes`` (a FIFO, a device or a link out
     of the checkpoint is refused unopened), and every field must pass :func:`validate`.
     """
+    from ckptverify.safeparse import paths
     from ckptverify.safeparse.readers import read_small_file
 
     path = os.path.join(root, name)
-    if not os.path.lexists(path):
+    if not paths.lexists(path):
         return None
     try:
         data = safejson.loads(read_small_file(path, max_bytes, root=root), max_bytes=max_bytes)
@@ -358,7 +359,15 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str =
 
 def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) -> str:
     """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
-    its path."""
+    its path. Into a URL (``s3://...``): one PUT, which makes the object appear whole or not at all."""
     path = os.path.join(root, name)
-    write_atomic(path, json.dumps(manifest.to_dict(), indent=1, sort_keys=False), prefix=MANIFEST_TEMP_PREFIX)
+    text = json.dumps(manifest.to_dict(), indent=1, sort_keys=False)
+    from ckptverify.safeparse import paths
+
+    if paths.is_url(path):
+        from ckptverify.safeparse import remote
+
+        remote.put_small(path, text.encode())
+        return path
+    write_atomic(path, text, prefix=MANIFEST_TEMP_PREFIX)
     return path

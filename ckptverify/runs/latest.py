@@ -31,6 +31,7 @@ from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints, ste
 from ckptverify.runs.scan import judge, unseen_findings
 from ckptverify.runs.stamp import describe_suspect, read_stamp, read_suspect
 from ckptverify.runs.states import GOOD_STATES, QUARANTINE_DIR, is_quarantined
+from ckptverify.safeparse import paths
 
 __all__ = [
     "QUARANTINE_DIR",
@@ -187,7 +188,7 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
     directory with no good checkpoint gives ``path=None`` and a report that fails.
     """
     root = os.fspath(run_dir)
-    if not os.path.isdir(root):
+    if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
     started = time.perf_counter()
     notes: list[WalkNote] = []
@@ -215,7 +216,7 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
             state, reason, how = _judge(root, cand, jobs, use_stamps)
         where = Location(file=cand.path)
         if state in GOOD_STATES:
-            result.path, result.step = os.path.abspath(os.path.join(root, cand.path)), cand.step
+            result.path, result.step = paths.abspath(os.path.join(root, cand.path)), cand.step
             findings.append(info("latest", f"{cand.path}: {state} ({how}: {reason})", location=where))
             break
         result.skipped.append({"path": cand.path, "step": cand.step, "state": state, "reason": reason,

@@ -35,6 +35,7 @@ from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
 from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, judge_report
+from ckptverify.safeparse import paths
 
 __all__ = ["GOOD_STATES", "SETTLE_SECONDS", "STATES", "judge", "judge_report", "scan_run_dir", "unseen_findings"]
 
@@ -63,7 +64,7 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
     from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.runs.stamp import files_fingerprint, removed
 
-    path = os.path.normpath(os.path.join(root, cand.path))
+    path = paths.normpath(os.path.join(root, cand.path))
     before = files_fingerprint(path)
     try:
         state, reason, counts = _judge_bytes(root, cand, jobs, deep)
@@ -90,7 +91,7 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
 
 
 def _judge_bytes(root: str, cand: Candidate, jobs: int | None, deep: bool) -> tuple[str, str, dict[str, Any]]:
-    path = os.path.normpath(os.path.join(root, cand.path))
+    path = paths.normpath(os.path.join(root, cand.path))
     if cand.format in ("dcp", "dcp-uncommitted") or cand.kind == "file":
         state, report = _judge_path(path, jobs, deep)
         return state, reason_of(state, report), counts_of(report)
@@ -148,7 +149,7 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
     :class:`~ckptverify.errors.UsageError` when it holds no checkpoint at all.
     """
     root = os.fspath(run_dir)
-    if not os.path.isdir(root):
+    if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
     from ckptverify.runs.states import is_quarantined
 

@@ -42,7 +42,7 @@ from ckptverify.ownfiles.names import (
     VERIFYING_LOCK,
     write_atomic,
 )
-from ckptverify.safeparse import safejson
+from ckptverify.safeparse import paths, safejson
 
 __all__ = ["STAMP_FILE", "SUSPECT_NOTE", "VERIFYING_LOCK", "Stamp", "committed", "describe_suspect",
            "files_fingerprint", "read_stamp", "read_suspect", "removed", "stamp_path", "write_stamp",
@@ -61,7 +61,7 @@ def committed(path: str) -> bool:
     """Whether ``path`` holds a DCP checkpoint whose save finished: its ``.metadata`` is in place and no
     ckptverify save is in progress in it."""
     try:
-        names = set(os.listdir(path))
+        names = set(paths.listdir(path))
     except OSError:  # gone (retention), or not a directory
         return False
     has_metadata = _METADATA in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
@@ -72,21 +72,21 @@ def removed(path: str) -> bool:
     """Whether the checkpoint at ``path`` was removed (or, for DCP, lost its metadata: retention under way).
     What every verdict on a checkpoint that may be deleted meanwhile (``scan``, the stamper, the background
     verifier) asks before it calls damage corruption."""
-    if os.path.isdir(path):
+    if paths.isdir(path):
         from ckptverify.formats.rundir import dir_format
 
         try:
-            names = os.listdir(path)
+            names = paths.listdir(path)
         except OSError:
             return True
         return dir_format(names) == "dcp-uncommitted" or (dir_format(names) == "dcp" and not committed(path))
-    return not os.path.isfile(path)
+    return not paths.isfile(path)
 
 
 def stamp_path(checkpoint: str | os.PathLike[str]) -> str:
     """Where the stamp of ``checkpoint`` lives: inside a directory, beside a single file."""
     path = os.fspath(checkpoint)
-    if os.path.isdir(path) and not os.path.islink(path):
+    if paths.isdir(path) and not paths.islink(path):
         return os.path.join(path, STAMP_FILE)
     return f"{path}.{STAMP_FILE}"
 
@@ -101,9 +101,9 @@ def files_fingerprint(root: str) -> str:
 
     h = xxhash.xxh3_128()
     entries: list[str] = []
-    if not os.path.isdir(root) or os.path.islink(root):
+    if not paths.isdir(root) or paths.islink(root):
         try:
-            st = os.lstat(root)
+            st = paths.lstat(root)
         except OSError:
             return h.hexdigest()
         h.update(f"{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
@@ -162,10 +162,10 @@ def _manifest_digest(root: str) -> str | None:
     from ckptverify.fingerprint import digest_bytes
     from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name
 
-    if os.path.isdir(root) and not os.path.islink(root):
+    if paths.isdir(root) and not paths.islink(root):
         where = os.path.join(root, MANIFEST_FILE)
     else:  # a single file's manifest is beside it
-        head, base = os.path.split(os.path.abspath(root))
+        head, base = os.path.split(root if paths.is_url(root) else os.path.abspath(root))
         where = os.path.join(head, file_manifest_name(base))
     raw = _read(where, 256 << 20)
     return None if raw is None else digest_bytes(raw)
@@ -217,7 +217,13 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         data["parts"] = parts
     if suspect is not None:
         data["suspect"] = suspect
-    write_atomic(stamp_path(folder), json.dumps(data, indent=1, default=str), prefix=STAMP_TEMP_PREFIX)
+    text = json.dumps(data, indent=1, default=str)
+    if paths.is_url(folder):  # one PUT: an object appears whole or not at all, as the rename makes a file
+        from ckptverify.safeparse import remote
+
+        remote.put_small(stamp_path(folder), text.encode())
+    else:
+        write_atomic(stamp_path(folder), text, prefix=STAMP_TEMP_PREFIX)
     return data
 
 
@@ -245,7 +251,7 @@ def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
 
 
 def _note_path(checkpoint: str) -> str:
-    if os.path.isdir(checkpoint) and not os.path.islink(checkpoint):
+    if paths.isdir(checkpoint) and not paths.islink(checkpoint):
         return os.path.join(checkpoint, SUSPECT_NOTE)
     return f"{checkpoint}.{SUSPECT_NOTE}"
 

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from isal.isal_zlib import crc32, crc32_combine
 
 from ckptverify.errors import FileChangedError, UnsafeFileError
+from ckptverify.safeparse.paths import is_url
 
 __all__ = [
     "READ_BYTES",
@@ -74,7 +75,11 @@ def file_kind(mode: int) -> str:
 
 
 def is_inside(root: str, path: str) -> bool:
-    """True if ``path``, resolved (every symlink and ``..``), lies inside ``root`` resolved."""
+    """True if ``path``, resolved (every symlink and ``..``), lies inside ``root`` resolved. For a URL (no
+    links in an object store): ``path`` names a key under ``root``'s prefix."""
+    if is_url(path) or is_url(root):
+        base = root.rstrip("/") + "/"
+        return path.startswith(base) and ".." not in path[len(base):].split("/")
     real_root = os.path.realpath(root)
     real = os.path.realpath(path)
     return real != real_root and os.path.commonpath([real_root, real]) == real_root
@@ -128,8 +133,13 @@ def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
     Opened as :func:`open_regular` does (so a FIFO, device or socket is refused unopened, and with ``root`` a
     path leading out of it is too). Raises :class:`~ckptverify.errors.UnsafeFileError` when the file holds
     more than ``limit`` bytes (checked before reading and while reading: it may grow), and
-    :class:`~ckptverify.errors.FileChangedError` when it changed while it was read.
+    :class:`~ckptverify.errors.FileChangedError` when it changed while it was read. A URL is read through
+    :func:`ckptverify.safeparse.remote.read_small`.
     """
+    if is_url(path):
+        from ckptverify.safeparse.remote import read_small
+
+        return read_small(path, limit)
     fd, st = open_regular(path, root=root)
     try:
         if st.st_size > limit:
@@ -186,7 +196,17 @@ class ReadOnlyFile:
     and opened again when next needed, through the same checks as the first time, and it must then be the
     same file, unchanged (device, inode, size, modification time), or the read raises
     :class:`~ckptverify.errors.FileChangedError`.
+
+    A URL (``s3://...``, any fsspec URL) opens a :class:`~ckptverify.safeparse.remote.RemoteFile` instead:
+    the same interface, read with ranged requests.
     """
+
+    def __new__(cls, path: str, *, root: str | None = None) -> ReadOnlyFile:
+        if cls is ReadOnlyFile and is_url(path):
+            from ckptverify.safeparse.remote import RemoteFile
+
+            return RemoteFile(path, root=root)  # type: ignore[return-value]
+        return super().__new__(cls)
 
     def __init__(self, path: str, *, root: str | None = None) -> None:
         self.path = path

@@ -1,0 +1,573 @@
+"""Reading checkpoints in object stores and on remote file systems (``s3://``, any fsspec URL).
+
+Imported only when a URL is given (:func:`ckptverify.safeparse.paths.is_url`): a local-path user needs neither
+fsspec nor s3fs. Without them a URL is a :class:`~ckptverify.errors.UsageError` saying what to install.
+
+* :class:`RemoteFile` has the interface of :class:`~ckptverify.safeparse.readers.ReadOnlyFile` (``size``,
+  ``pread``, ``fold``, ``fold_at``, ``crc32``, ``changed``, ``close``). It reads with ranged requests
+  (:data:`RANGE_BYTES` each), several in flight from a shared pool (:data:`CONCURRENCY` threads) with at
+  most :data:`READ_AHEAD` ranges ahead per pass, so memory stays bounded whatever the object's size: an
+  object is never read into memory whole.
+* An object's signature is its size and ETag (or the store's version tag; its modification time where it has
+  neither: a listing and a ``HEAD`` state times at different precisions). On S3 every
+  ranged GET carries ``If-Match: <ETag seen at open>``: an object replaced while it is verified fails the
+  next read (:class:`~ckptverify.errors.FileChangedError`, a ``file-changed`` finding), and
+  :meth:`RemoteFile.changed` compares the signature with a fresh listing at the end, as a local file's
+  ``fstat`` is.
+* Credentials come from the store's own standard chain (for S3, botocore's: environment, ``~/.aws`` files,
+  instance roles); nothing here reads, holds or prints them. ``AWS_ENDPOINT_URL`` points S3 at an
+  S3-compatible store; :data:`OPTIONS_ENV` passes further fsspec options (a JSON object).
+* Throttling (HTTP 503 ``SlowDown``) is retried with backoff by botocore's ``standard`` retry mode, 10 attempts
+  (unless ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` say otherwise); :func:`stats` counts the retries seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import posixpath
+import stat as stat_module
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from typing import Any
+
+from isal.isal_zlib import crc32
+
+from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
+
+__all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "StorageError", "exists",
+           "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
+           "reset_stats", "scandir", "stat", "stats", "storage_options"]
+
+#: Bytes per ranged request of a pass over an object (:meth:`RemoteFile.fold_at`).
+RANGE_BYTES = 8 << 20
+#: Ranged requests in flight ahead of the one being used, per pass: a pass holds at most this many ranges.
+READ_AHEAD = 4
+#: Threads issuing ranged requests, shared by every pass (``CKPTVERIFY_REMOTE_CONCURRENCY`` overrides).
+_CONCURRENCY_ENV = os.environ.get("CKPTVERIFY_REMOTE_CONCURRENCY", "").strip()
+CONCURRENCY = max(1, int(_CONCURRENCY_ENV)) if _CONCURRENCY_ENV.isdigit() else 16
+#: Parallel workers a verification of a URL uses by default (at least): its reads wait on the network.
+JOBS = 8
+#: Environment variable holding extra fsspec options (a JSON object), e.g. ``{"anon": true}``.
+OPTIONS_ENV = "CKPTVERIFY_STORAGE_OPTIONS"
+#: Small reads (headers) fetch this much around them, kept process-wide up to :data:`_BLOCK_BUDGET` bytes
+#: (least recently used dropped first; a file's blocks go when it is closed): a
+#: checkpoint's many small reads near each other cost one request, not one each.
+_BLOCK_BYTES = 256 << 10
+_BLOCK_BUDGET = 64 << 20
+#: Views handed to ``fn`` in a pass are at most this long (as a local file's reads).
+_VIEW_BYTES = 1 << 20
+_EXTRA = "pip install 'ckptverify[s3]'"
+
+_lock = threading.Lock()
+#: The kept blocks, by (file serial, block index), least recently used first; their total size.
+_blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+_blocks_held = [0]
+_serials = itertools.count()
+_filesystems: dict[tuple[str, ...], Any] = {}
+_pool: ThreadPoolExecutor | None = None
+_stats = {"requests": 0, "bytes": 0, "retries": 0}
+
+
+#: The last fresh listing of each prefix (per file system): (monotonic time it began, entries by name). An
+#: object read before a listing began is checked against it at the end, so the end checks of a checkpoint's
+#: objects cost one listing per prefix, not one request per object.
+_listings: dict[tuple[int, str], tuple[float, dict[str, dict[str, Any]]]] = {}
+_LISTINGS_KEPT = 64
+
+
+def _listed_after(fs: Any, parent: str, after: float) -> dict[str, dict[str, Any]]:
+    with _lock:
+        hit = _listings.get((id(fs), parent))
+    if hit is not None and hit[0] > after:
+        return hit[1]
+    began = time.monotonic()
+    fs.invalidate_cache(parent)
+    listed = _store_call(parent, "a listing", fs.ls, parent, True)
+    entries = {e["name"].rstrip("/"): e for e in listed}
+    with _lock:
+        _listings[(id(fs), parent)] = (began, entries)
+        while len(_listings) > _LISTINGS_KEPT:  # a long-lived process (watch) verifies many prefixes
+            del _listings[next(iter(_listings))]
+    return entries
+
+
+def stats() -> dict[str, int]:
+    """Ranged requests made, bytes they returned, and retries botocore reported (throttling, errors)."""
+    with _lock:
+        return dict(_stats)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _stats:
+            _stats[k] = 0
+
+
+def _count(nbytes: int, retries: int) -> None:
+    with _lock:
+        _stats["requests"] += 1
+        _stats["bytes"] += nbytes
+        _stats["retries"] += retries
+
+
+def _options(protocol: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if protocol in ("s3", "s3a") and not (os.environ.get("AWS_RETRY_MODE") or os.environ.get("AWS_MAX_ATTEMPTS")):
+        # botocore's default (legacy, 5 attempts) gives up on a throttled bucket too soon for a long read.
+        options["config_kwargs"] = {"retries": {"mode": "standard", "max_attempts": 10}}
+    raw = os.environ.get(OPTIONS_ENV)
+    if raw:
+        try:
+            extra = json.loads(raw)
+        except ValueError:
+            extra = None
+        if not isinstance(extra, dict):  # its content is never echoed: it may hold a secret
+            raise UsageError(f"{OPTIONS_ENV} must hold a JSON object of fsspec options")
+        options.update(extra)
+    return options
+
+
+def storage_options(url: str) -> dict[str, Any]:
+    """The fsspec options this tool opens ``url``'s scheme with (for a reader of its own, e.g. DCP's)."""
+    return _options(url.split("://", 1)[0].lower())
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec file system serving ``url`` and the path within it. Raises
+    :class:`~ckptverify.errors.UsageError` when fsspec (or the scheme's implementation) is not installed."""
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        import fsspec
+    except ImportError:
+        raise UsageError(f"{protocol}:// URLs need the object-store extra: {_EXTRA}") from None
+    key = (protocol, os.environ.get("AWS_ENDPOINT_URL", ""), os.environ.get(OPTIONS_ENV, ""))
+    with _lock:
+        fs = _filesystems.get(key)
+    if fs is None:
+        try:
+            # Our own cache (keyed by the endpoint too): fsspec's would keep an instance made for another one.
+            fs, _ = fsspec.core.url_to_fs(url, skip_instance_cache=True, **_options(protocol))
+        except ImportError as exc:
+            raise UsageError(f"{protocol}:// URLs need a package that is not installed ({exc}); for s3:// "
+                             f"{_EXTRA}") from None
+        except ValueError as exc:
+            raise UsageError(f"{url}: not a URL this tool can read ({exc})") from None
+        with _lock:
+            fs = _filesystems.setdefault(key, fs)
+    path = fs._strip_protocol(url)
+    # ``run/./step_3``, ``run/step_3/``: one key prefix, as a local path names one directory.
+    return fs, posixpath.normpath(path) if path else path
+
+
+def _pool_executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, CONCURRENCY), thread_name_prefix="ckptverify-get")
+        return _pool
+
+
+def _tag(info: dict[str, Any]) -> str:
+    for name in ("ETag", "etag", "VersionId", "generation", "md5Hash", "version_id"):
+        value = info.get(name)
+        if value:
+            return str(value)
+    return ""
+
+
+def _mtime_ns(info: dict[str, Any]) -> int:
+    for name in ("LastModified", "last_modified", "mtime", "updated", "modified", "created"):
+        value = info.get(name)
+        if isinstance(value, datetime):
+            return int(value.timestamp() * 1e9)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value * 1e9)
+        if isinstance(value, str):
+            try:
+                return int(datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp() * 1e9)
+            except ValueError:
+                continue
+    return 0
+
+
+def _signature(info: dict[str, Any]) -> tuple[int, int, str]:
+    """(size, modification time, tag). With a tag (ETag, version) the time is left out (0): a listing and a
+    HEAD may state it at different precisions, and the tag changes with the content anyway."""
+    tag = _tag(info)
+    return int(info.get("size") or 0), 0 if tag else _mtime_ns(info), tag
+
+
+def _stat_result(info: dict[str, Any]) -> os.stat_result:
+    directory = info.get("type") == "directory"
+    mode = (stat_module.S_IFDIR | 0o555) if directory else (stat_module.S_IFREG | 0o444)
+    size, _, tag = _signature(info)
+    mtime_ns = _mtime_ns(info)
+    # The tag as the inode: callers that compare (device, inode) see a replaced object as another file.
+    ino = int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=7).digest(), "big") if tag else 0
+    seconds = mtime_ns // 10**9
+    return os.stat_result((mode, ino, 0, 1, 0, 0, 0 if directory else size, seconds, seconds, seconds),
+                          {"st_mtime_ns": mtime_ns, "st_atime_ns": mtime_ns, "st_ctime_ns": mtime_ns})
+
+
+def _store_call(url: str, what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; a failure of the store other than "no such object" is a :class:`StorageError`."""
+    try:
+        return fn(*args)
+    except (FileNotFoundError, NotADirectoryError, StorageError):
+        raise
+    except Exception as exc:
+        raise StorageError(f"{url}: the store did not answer {what} after its retries ({type(exc).__name__}: "
+                           f"{str(exc)[:300]})", url) from None
+
+
+def _info(url: str, *, fresh: bool = False) -> dict[str, Any]:
+    fs, path = filesystem(url)
+    if fresh:
+        fs.invalidate_cache(path)
+    return _store_call(url, "a request for the object's size and ETag", fs.info, path)
+
+
+def stat(url: str) -> os.stat_result:
+    """``os.stat`` of an object (a regular file) or a prefix (a directory). Raises ``FileNotFoundError``."""
+    return _stat_result(_info(url))
+
+
+def forget(url: str) -> None:
+    """Drop what the file system has cached about ``url``, everything under it and its parents: what is read
+    next is read afresh. Each command starts so (a long-lived process must not judge by an old listing)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)
+    cache = getattr(fs, "dircache", None)
+    if cache is not None:
+        below = path.rstrip("/") + "/"
+        for key in [k for k in list(cache) if k.startswith(below)]:
+            cache.pop(key, None)
+
+
+def _entries(url: str) -> list[dict[str, Any]]:
+    fs, path = filesystem(url)
+    forget(url)  # a listing is the truth now: what changed since the last one must show
+    entries = _store_call(url, "a listing", fs.ls, path, True)
+    own = path.rstrip("/")
+    if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == own:
+        raise NotADirectoryError(20, "Not a directory", url)
+    return [e for e in entries if e["name"].rstrip("/") != own]
+
+
+def listdir(url: str) -> list[str]:
+    """The names directly under ``url`` (objects and prefixes), listed afresh."""
+    return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _entries(url)]
+
+
+def listdir_split(url: str) -> tuple[list[str], list[str]]:
+    """(prefixes, objects) directly under ``url``, by name."""
+    dirs, files = [], []
+    for e in _entries(url):
+        (dirs if e.get("type") == "directory" else files).append(e["name"].rstrip("/").rsplit("/", 1)[-1])
+    return dirs, files
+
+
+class _Entry:
+    """One entry of :func:`scandir`: the interface of ``os.DirEntry`` (no links in an object store)."""
+
+    def __init__(self, parent: str, info: dict[str, Any]) -> None:
+        self.name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+        self.path = parent.rstrip("/") + "/" + self.name
+        self._info = info
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        return self._info.get("type") == "directory"
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        return self._info.get("type") == "file"
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        return _stat_result(self._info)
+
+    def inode(self) -> int:
+        return self.stat().st_ino
+
+
+class _Scan:
+    def __init__(self, entries: list[_Entry]) -> None:
+        self._it = iter(entries)
+
+    def __enter__(self) -> _Scan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> _Scan:
+        return self
+
+    def __next__(self) -> _Entry:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it = iter(())
+
+
+def scandir(url: str) -> _Scan:
+    """The entries directly under ``url`` (one fresh listing), as ``os.scandir`` gives them."""
+    return _Scan([_Entry(url, e) for e in _entries(url)])
+
+
+def isdir(url: str) -> bool:
+    fs, path = filesystem(url)
+    try:
+        return bool(_store_call(url, "a request for the object or prefix", fs.isdir, path))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def isfile(url: str) -> bool:
+    fs, path = filesystem(url)
+    try:
+        return bool(_store_call(url, "a request for the object or prefix", fs.isfile, path))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    try:
+        return bool(_store_call(url, "a request for the object or prefix", fs.exists, path))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def read_small(url: str, limit: int) -> bytes:
+    """The whole content of a small object (metadata, manifest, stamp); as
+    :func:`~ckptverify.safeparse.readers.read_small_file`: more than ``limit`` bytes is refused unread."""
+    with RemoteFile(url) as f:
+        if f.size > limit:
+            raise UnsafeFileError(f"{url} is {f.size} bytes, more than the {limit} this tool reads for it", url)
+        return f._get(0, f.size)  # read once, whole: not kept among the blocks
+
+
+def put_small(url: str, data: bytes) -> None:
+    """Write ``data`` as the object ``url`` in one request (a stamp beside a checkpoint: never a checkpoint's
+    own bytes)."""
+    fs, path = filesystem(url)
+    fs.pipe_file(path, data)
+    fs.invalidate_cache(path)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return False
+        text = f"{type(seen).__name__} {seen}"
+        if "PreconditionFailed" in text or "Precondition Failed" in text or "(412)" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class RemoteFile:
+    """An object (or remote file) read with ranged requests; the interface of
+    :class:`~ckptverify.safeparse.readers.ReadOnlyFile`.
+
+    ``size`` is the size seen at open; reads stay inside it. A read that comes back short, a GET refused
+    because the ETag no longer matches, or a signature that differs at :meth:`changed` means the object
+    changed under the reader (:class:`~ckptverify.errors.FileChangedError`, or the description returned).
+    ``root`` is accepted for the interface: an object store has no links, so a key under the checkpoint's
+    prefix cannot lead out of it.
+    """
+
+    def __init__(self, path: str, *, root: str | None = None) -> None:
+        self.path = path
+        self._fs, self._key = filesystem(path)
+        info = _store_call(path, "a request for the object's size and ETag", self._fs.info, self._key)
+        if info.get("type") != "file":
+            raise UnsafeFileError(f"{path} is a {info.get('type') or 'special entry'}, not a regular file", path)
+        self.size = int(info.get("size") or 0)
+        self._signature = _signature(info)
+        self._etag = str(info.get("ETag") or "")
+        self._s3 = hasattr(self._fs, "_call_s3") and hasattr(self._fs, "split_path")
+        self._serial = next(_serials)  # never reused (an id() may be): a block is never served to another file
+        self._indexes: set[int] = set()
+        self._last_read = time.monotonic()  # when the last read ended: an end check must list after it
+
+    def close(self) -> None:
+        with _lock:
+            for index in self._indexes:
+                data = _blocks.pop((self._serial, index), None)
+                if data is not None:
+                    _blocks_held[0] -= len(data)
+            self._indexes.clear()
+
+    def __enter__(self) -> RemoteFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _get(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` in one ranged request, exactly that many or :class:`FileChangedError`."""
+        if end <= start:
+            return b""
+        retries = 0
+        if self._s3 and self._etag:
+            from fsspec.asyn import sync
+
+            bucket, key, _ = self._fs.split_path(self._key)
+
+            async def call() -> tuple[bytes, int]:
+                resp = await self._fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                               IfMatch=self._etag, **self._fs.req_kw)
+                try:
+                    body = await resp["Body"].read()
+                finally:
+                    resp["Body"].close()
+                return body, int(resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
+
+            try:
+                data, retries = sync(self._fs.loop, call)
+            except FileNotFoundError:
+                raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
+                                       self.path) from None
+            except Exception as exc:
+                if _precondition_failed(exc):
+                    raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
+                                           f"{self._etag} (the object was replaced)", self.path) from None
+                raise self._failed(start, end, exc) from None
+        else:
+            try:
+                data = self._fs.cat_file(self._key, start=start, end=end)
+            except FileNotFoundError:
+                raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
+                                       self.path) from None
+            except Exception as exc:
+                raise self._failed(start, end, exc) from None
+        _count(len(data), retries)
+        self._last_read = max(self._last_read, time.monotonic())
+        if len(data) != end - start:
+            got = start + len(data)
+            raise FileChangedError(f"{self.path} ends at byte {got} now but was {self.size} bytes when opened",
+                                   self.path)
+        return bytes(data)
+
+    def _failed(self, start: int, end: int, exc: BaseException) -> StorageError:
+        return StorageError(f"{self.path}: the store did not serve bytes {start}-{end - 1} after its retries "
+                            f"({type(exc).__name__}: {str(exc)[:300]}); nothing was judged from them", self.path)
+
+    def _block(self, index: int) -> bytes:
+        key = (self._serial, index)
+        with _lock:
+            data = _blocks.get(key)
+            if data is not None:
+                _blocks.move_to_end(key)
+                return data
+        start = index * _BLOCK_BYTES
+        data = self._get(start, min(self.size, start + _BLOCK_BYTES))
+        with _lock:
+            if key not in _blocks:
+                _blocks[key] = data
+                _blocks_held[0] += len(data)
+                self._indexes.add(index)
+            while _blocks_held[0] > _BLOCK_BUDGET and _blocks:
+                _, dropped = _blocks.popitem(last=False)
+                _blocks_held[0] -= len(dropped)
+        return data
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer at the end of the object as opened, none past it)."""
+        if n <= 0 or offset >= self.size or offset < 0:
+            return b""
+        want = min(n, self.size - offset)
+        first, last = offset // _BLOCK_BYTES, (offset + want - 1) // _BLOCK_BYTES
+        if last - first <= 1 and want <= _BLOCK_BYTES:  # small: through the block cache
+            parts = [self._block(i) for i in range(first, last + 1)]
+            joined = parts[0] if len(parts) == 1 else b"".join(parts)
+            lo = offset - first * _BLOCK_BYTES
+            return joined[lo: lo + want]
+        out = bytearray()
+        self.fold(offset, offset + want, out.extend)
+        return bytes(out)
+
+    def fold(self, start: int, end: int, fn: Callable[[memoryview], None],
+             progress: Callable[[int], None] | None = None) -> None:
+        """Call ``fn`` on consecutive views covering ``[start, end)``; a view is valid only during its call."""
+        self.fold_at(start, end, lambda view, _at: fn(view), progress)
+
+    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
+                progress: Callable[[int], None] | None = None) -> None:
+        """Like :meth:`fold`, also passing each view's offset. Ranges are fetched :data:`READ_AHEAD` ahead."""
+        end = min(end, self.size)
+        if start >= end:
+            return
+        if end - start <= _BLOCK_BYTES:  # a small record: from the blocks its item's headers were read in
+            data = self.pread(start, end - start)
+            with memoryview(data) as view:
+                fn(view, start)
+            if progress is not None:
+                progress(len(data))
+            return
+        ranges = iter([(a, min(a + RANGE_BYTES, end)) for a in range(start, end, RANGE_BYTES)])
+        pool = _pool_executor()
+        pending: deque[tuple[int, Future[bytes]]] = deque(
+            (a, pool.submit(self._get, a, b)) for a, b in itertools.islice(ranges, READ_AHEAD))
+        try:
+            while pending:
+                at, future = pending.popleft()
+                data = future.result()
+                following = next(ranges, None)
+                if following is not None:
+                    pending.append((following[0], pool.submit(self._get, *following)))
+                with memoryview(data) as view:
+                    for p in range(0, len(data), _VIEW_BYTES):
+                        with view[p: p + _VIEW_BYTES] as part:
+                            n = len(part)
+                            fn(part, at + p)
+                        if progress is not None:
+                            progress(n)
+                del data
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+    def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
+        """CRC-32 (zip's) of bytes ``[start, end)``."""
+        value = 0
+
+        def step(view: memoryview) -> None:
+            nonlocal value
+            value = crc32(view, value)
+
+        self.fold(start, end, step, progress)
+        return value
+
+    def changed(self) -> str | None:
+        """How the object differs from when it was opened (size, modification time, ETag), read afresh, or
+        ``None`` if it looks the same."""
+        try:
+            listed = _listed_after(self._fs, posixpath.dirname(self._key.rstrip("/")), self._last_read)
+        except FileNotFoundError:
+            listed = {}
+        except StorageError:
+            raise  # the store failed, not the object: the command could not run
+        info = listed.get(self._key.rstrip("/"))
+        if info is None:
+            return "its name no longer opens it (no such object)"
+        now = _signature(info)
+        if now == self._signature:
+            return None
+        size, mtime, tag = self._signature
+        if now[2] != tag:
+            return (f"its ETag was {tag} when opened and is {now[2]} now (the object was replaced; "
+                    f"{size} bytes then, {now[0]} now)")
+        return (f"it was {size} bytes modified at {mtime} ns when opened, and is {now[0]} bytes modified at "
+                f"{now[1]} ns now")
