@@ -234,3 +234,25 @@ def test_auto_compiles_in_the_background_then_uses_the_kernel() -> None:
         assert fp.tensor_fingerprint(t) == want_whole
         assert fp.chunk_fingerprint(part, (1, 5), t.shape) == want_part
     assert used and set(used) == {torch.int32}
+
+
+@pytest.mark.slow
+def test_prepare_compiled_makes_auto_take_the_kernel_from_the_first_chunk() -> None:
+    """After :func:`prepare_compiled`, ``auto`` takes the kernel at once, long before ``AUTO_COMPILE_AFTER_BYTES``
+    went through the host path; without it, not."""
+    key = ("cpu", torch.int32)
+    t = make_tensor(torch.float16, (2 * kern.COMPILED_BLOCK + 1,), 5)
+    with backend("eager"):
+        want = fp.tensor_fingerprint(t)
+    with fresh_compile_state(key), backend("auto"):
+        kern.AUTO_COMPILE_AFTER_BYTES = 1 << 60
+        assert not kern._wants_compiled(torch.device("cpu"), t.numel(), torch.int32)
+        if not kern.prepare_compiled(torch.float16):
+            pytest.skip("torch.compile does not work here (no C++ compiler?)")
+        assert kern._verified[key] is True
+        assert kern._wants_compiled(torch.device("cpu"), t.numel(), torch.int32)
+        real = kern._compiled_fn
+        used = []
+        kern._compiled_fn = lambda *args: used.append(1) or real(*args)
+        assert fp.tensor_fingerprint(t) == want
+        assert len(used) == 2  # the two full blocks; the last element through the host path

@@ -50,7 +50,7 @@ from ckptverify.fingerprint.spec import signed as _signed
 __all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
            "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "ROW_WIDTH", "SMALL_NUMPY", "SUPPORTED_DTYPES",
            "chunk_geometry", "dtype_name", "dtype_seed", "eager_block", "fingerprint_lanes", "get_backend",
-           "iter_blocks", "lanes_many", "mix_python", "set_backend"]
+           "host_lanes", "iter_blocks", "lanes_many", "mix_python", "prepare_compiled", "set_backend"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -123,12 +123,26 @@ def _stage_dtype(bits_dtype: torch.dtype) -> torch.dtype:
     return torch.int32 if bits_dtype in (torch.int8, torch.int16) else bits_dtype
 
 
-def _wants_compiled(device: torch.device, numel: int) -> bool:
+def _wants_compiled(device: torch.device, numel: int, bits_dtype: torch.dtype | None = None) -> bool:
+    """Whether a chunk of ``numel`` elements (``bits_dtype``: its staged bits) is for the compiled kernel."""
     if _compile_failed or _backend in ("eager", "numpy") or numel < COMPILED_BLOCK:
         return False
     if _backend == "compiled":
         return True
-    return device.type == "cpu" and _eager_cpu_bytes >= AUTO_COMPILE_AFTER_BYTES
+    if device.type != "cpu":
+        return False
+    return _eager_cpu_bytes >= AUTO_COMPILE_AFTER_BYTES or bool(_verified.get((device.type, bits_dtype)))
+
+
+def prepare_compiled(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> bool:
+    """Compile and check the fused kernel for tensors of ``dtype`` on ``device`` now, waiting for it, so that
+    backend ``auto`` takes it from the first large chunk on (a process that fingerprints a lot can pay the
+    compilation at start-up rather than in the background later). Whether it is ready: ``False`` where
+    ``torch.compile`` does not work (no C++ compiler on CPU) or the kernel disagreed with the eager path."""
+    device = torch.device(device)
+    bits = torch.empty(0, dtype=dtype).view(_INT_VIEW_BY_SIZE[torch.empty(0, dtype=dtype).element_size()])
+    staged = _stage_dtype(bits.dtype) if device.type == "cpu" else bits.dtype
+    return _compiled_kernel(staged, device) is not None
 
 
 def _disable_compiled(reason: object) -> None:
@@ -251,7 +265,7 @@ def fingerprint_lanes(
 
     compiled = None
     stage_dtype = _stage_dtype(flat.dtype) if device.type == "cpu" else flat.dtype
-    if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel()):
+    if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel(), stage_dtype):
         # Backend "auto" does not wait for the compilation: the host path takes the chunks until it is ready.
         compiled = _compiled_kernel(stage_dtype, device, wait=_backend != "auto" or device.type != "cpu")
     if compiled is None and device.type == "cpu" and _backend in ("auto", "numpy"):
