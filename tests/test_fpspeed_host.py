@@ -131,6 +131,40 @@ def test_special_values_and_non_contiguous_inputs(dtype: torch.dtype) -> None:
         assert fp.tensor_fingerprint(zeros) != fp.tensor_fingerprint(negative)
 
 
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.complex64, torch.int8]),
+       shape=st.lists(st.integers(1, 6), min_size=2, max_size=4).map(tuple), slab=st.integers(1, 12),
+       seed=st.integers(0, 2**32), data=st.data())
+def test_non_contiguous_chunks_are_fingerprinted_in_bounded_pieces(
+    dtype: torch.dtype, shape: tuple[int, ...], slab: int, seed: int, data: st.DataObject
+) -> None:
+    """A non-contiguous chunk larger than ``SLAB`` elements is never copied whole: it is cut into disjoint
+    pieces of at most ``SLAB`` elements whose lanes add up to the eager path's."""
+    t = make_tensor(dtype, shape, seed)
+    perm = data.draw(st.permutations(range(len(shape))))
+    view = t.permute(*perm)[..., :: data.draw(st.integers(1, 2))]
+    offsets = (0,) * view.dim()
+    seen = []
+    real = kern.host_lanes
+
+    def spy(flat: torch.Tensor, *args: object, **kw: object) -> tuple[int, int]:
+        # (elements, whether it is the chunk's own memory rather than a copy)
+        seen.append((flat.numel(), flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()))
+        return real(flat, *args, **kw)
+
+    saved = kern.SLAB
+    kern.SLAB, kern.host_lanes = slab, spy
+    try:
+        with host_geometry(4):
+            host, eager = both(view, offsets, tuple(view.shape))
+    finally:
+        kern.SLAB, kern.host_lanes = saved, real
+    assert host == eager
+    assert host.value == ref_fingerprint(view)
+    assert seen
+    assert all(n <= slab or own for n, own in seen), (seen, slab)  # no copy larger than a slab
+
+
 def test_large_chunk_on_default_blocks_and_threads() -> None:
     """A chunk large enough for several threads with the shipped block size, whole and split by columns."""
     t = make_tensor(torch.float32, (1 << 10, 1 << 11 | 5), 7)

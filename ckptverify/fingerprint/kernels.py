@@ -245,6 +245,8 @@ def fingerprint_lanes(
     geometry = chunk_geometry(t.shape, offsets, global_shape)
     if t.numel() == 0:
         return (0, 0)
+    if t.device.type == "cpu" and _backend in ("auto", "numpy") and t.numel() > SLAB and not t.is_contiguous():
+        return _slab_lanes(t, offsets, global_shape, name)
     flat = t.contiguous().reshape(-1).view(_INT_VIEW_BY_SIZE[t.element_size()])
     seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
     device = flat.device
@@ -326,6 +328,28 @@ def fingerprint_lanes(
     if device.type == "cpu" and compiled is None:
         _eager_cpu_bytes += nbytes
     return (lanes[0] & _MASK64, lanes[1] & _MASK64)
+
+
+#: A non-contiguous CPU chunk larger than this many elements is fingerprinted in pieces of at most this many
+#: (backends ``auto`` and ``numpy``), each made contiguous in turn, rather than copied whole.
+SLAB = 1 << 22
+
+
+def _slab_lanes(t: torch.Tensor, offsets: list[int], global_shape: list[int], name: str) -> tuple[int, int]:
+    """The lanes of a non-contiguous chunk as the sum of its pieces' lanes: the pieces are disjoint chunks of
+    the same global tensor, cut along its first dimension longer than 1 (and further along the next ones
+    while a piece is still larger than ``SLAB`` and not contiguous), so their lanes add up to the chunk's."""
+    dim = next(d for d, size in enumerate(t.shape) if size > 1)
+    per = max(1, SLAB // (t.numel() // t.shape[dim]))
+    lanes = [0, 0]
+    for start in range(0, t.shape[dim], per):
+        piece = t.narrow(dim, start, min(per, t.shape[dim] - start))
+        at = list(offsets)
+        at[dim] += start
+        a, b = fingerprint_lanes(piece, at, global_shape, name)
+        lanes[0] += a
+        lanes[1] += b
+    return lanes[0] & _MASK64, lanes[1] & _MASK64
 
 
 #: Chunks of at most this many elements take :func:`_small_lanes` on CPU under backend ``auto``.
