@@ -290,3 +290,32 @@ def test_prepare_compiled_makes_auto_take_the_kernel_from_the_first_chunk() -> N
         kern._compiled_fn = lambda *args: used.append(1) or real(*args)
         assert fp.tensor_fingerprint(t) == want
         assert len(used) == 2  # the two full blocks; the last element through the host path
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_fingerprints_with_fresh_threads_and_locks() -> None:
+    """A child forked while the parent's host pool exists and a compilation holds the kernel lock fingerprints
+    (through new threads, new locks) instead of waiting forever."""
+    import multiprocessing
+
+    t = make_tensor(torch.float32, (3 << 20,), 21)
+    with backend("numpy"):
+        want = fp.tensor_fingerprint(t)  # the parent's pool of host threads exists now
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    with kern._lock:  # as a compilation in the background would hold it
+        child = ctx.Process(target=_child_fingerprint, args=(t, queue))
+        child.start()
+    child.join(timeout=120)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive, "the forked child hung"
+    assert queue.get(timeout=10) == want.value
+
+
+def _child_fingerprint(t: torch.Tensor, queue: object) -> None:
+    with kern._lock:  # the parent held it at the fork
+        pass
+    kern.set_backend("numpy")
+    queue.put(fp.tensor_fingerprint(t).value)  # type: ignore[attr-defined]  # through the host pool

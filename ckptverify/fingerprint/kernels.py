@@ -398,6 +398,22 @@ _host_pool_size = 0
 _host_lock = threading.Lock()  # not ``_lock``, which a compilation holds for seconds
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's threads: a lock one of them held would never be released, a
+    pool's work would never be done, and a compilation under way in the parent would never finish here."""
+    global _lock, _host_lock, _host_pool, _host_pool_size
+    _lock = threading.Lock()
+    _host_lock = threading.Lock()
+    _host_pool, _host_pool_size = None, 0
+    for key in list(_compiling):
+        if key not in _verified:
+            _compiling.discard(key)
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _host_threads(numel: int) -> int:
     """Threads for a chunk of ``numel`` elements: torch's intra-op thread count (``torch.set_num_threads``),
     at most the CPUs there are, and at least ``HOST_MIN_PER_THREAD`` elements each."""
