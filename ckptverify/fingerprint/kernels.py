@@ -392,6 +392,8 @@ def _small_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]
 HOST_BLOCK = 1 << 14
 #: Elements per thread below which the host path does not split a chunk over threads.
 HOST_MIN_PER_THREAD = 1 << 20
+#: Ranges of blocks per thread a chunk is cut into when it is split over threads.
+HOST_RANGES_PER_THREAD = 8
 
 _host_pool = None
 _host_pool_size = 0
@@ -421,23 +423,38 @@ def _host_threads(numel: int) -> int:
     return max(1, threads)
 
 
-def _host_map(fn: Callable[[int, int], tuple[int, int]], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``fn(lo, hi)`` for each range, in a pool of threads kept for the process (numpy releases the GIL
-    inside each operation, so the threads run on separate cores)."""
+def _host_map(fn: Callable[[int, int], tuple[int, int]], ranges: list[tuple[int, int]],
+              workers: int) -> list[tuple[int, int]]:
+    """``fn(lo, hi)`` for each range, on at most ``workers`` threads of a pool kept for the process (numpy
+    releases the GIL inside each operation, so the threads run on separate cores). Each thread takes the next
+    range when it is done with one, so a thread slowed by other work on its core takes fewer."""
     global _host_pool, _host_pool_size
-    if len(ranges) == 1:
-        return [fn(*ranges[0])]
+    if workers <= 1 or len(ranges) == 1:
+        return [fn(*r) for r in ranges]
     from concurrent.futures import ThreadPoolExecutor
 
     with _host_lock:
-        if _host_pool is None or _host_pool_size < len(ranges):
+        if _host_pool is None or _host_pool_size < workers:
             old = _host_pool
-            _host_pool = ThreadPoolExecutor(len(ranges), thread_name_prefix="ckptverify-fingerprint-host")
-            _host_pool_size = len(ranges)
+            _host_pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptverify-fingerprint-host")
+            _host_pool_size = workers
             if old is not None:
                 old.shutdown(wait=False)
         pool = _host_pool
-    return list(pool.map(lambda r: fn(*r), ranges))
+    pending = iter(ranges)
+    take = threading.Lock()
+
+    def worker() -> list[tuple[int, int]]:
+        done = []
+        while True:
+            with take:
+                r = next(pending, None)
+            if r is None:
+                return done
+            done.append(fn(*r))
+
+    futures = [pool.submit(worker) for _ in range(workers)]
+    return [part for f in futures for part in f.result()]
 
 
 def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
@@ -465,7 +482,8 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
         nblocks = -(-geometry.num_runs // per_block)
     threads = threads or _host_threads(flat.numel())
     threads = max(1, min(threads, nblocks))
-    step = -(-nblocks // threads)
+    # Several ranges per thread, taken in turn: on a busy machine a thread that gets less of its core does less.
+    step = -(-nblocks // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
     ranges = [(lo, min(nblocks, lo + step)) for lo in range(0, nblocks, step)]
     shifts = [np.array([[m.shifts[j]] for m in LANES], np.uint64) for j in range(3)]
     mults = [np.array([[m.multipliers[j]] for m in LANES], np.uint64) for j in range(2)]
@@ -513,7 +531,7 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
                 acc += np.add.reduce(u, axis=1, dtype=np.uint64)
         return int(acc[0]), int(acc[1])
 
-    parts = _host_map(blocks, ranges)
+    parts = _host_map(blocks, ranges, threads)
     return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64
 
 
