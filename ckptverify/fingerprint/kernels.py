@@ -176,7 +176,10 @@ def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device,
             return None
         if _compiled_fn is None:
             try:
-                _compiled_fn = torch.compile(_block_lanes, dynamic=False, fullgraph=True)
+                # One thread per kernel call (``cpp.threads``; no effect on GPUs): on CPU the calling code
+                # splits the blocks between threads itself (:func:`_compiled_cpu_lanes`).
+                _compiled_fn = torch.compile(_block_lanes, dynamic=False, fullgraph=True,
+                                             options={"cpp.threads": 1})
             except Exception as exc:  # pragma: no cover - depends on the environment
                 _disable_compiled(exc)
                 return None
@@ -275,26 +278,20 @@ def fingerprint_lanes(
         got = host_lanes(flat, geometry, seeds)
         _eager_cpu_bytes += nbytes
         return got
+    if compiled is not None and device.type == "cpu":
+        return _compiled_cpu_lanes(compiled, flat, geometry, seeds, stage_dtype)
     block = COMPILED_BLOCK if compiled is not None else eager_block(device)
     compiled_shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
-    tables = stage = None
-    if compiled is not None:
+    tables = None
+    if compiled is not None:  # on an accelerator (CPU chunks took _compiled_cpu_lanes)
         tables = _CompiledTables(device, seeds)
-        if device.type == "cpu":
-            # Copying each block into one reused buffer first, then running the fused kernel on it, was
-            # 1.5-1.8x faster on CPU than running the kernel on the tensor's memory directly.
-            # Narrow bits are widened (sign-extended) to int32 in that copy: inductor vectorizes the fused
-            # loop over int32 and int64 inputs but not over int8 or int16 ones (5x slower for bfloat16).
-            stage = torch.empty(compiled_shape, dtype=stage_dtype, device=device)
     lanes = [0, 0]
     eager: _EagerState | None = None
-    host = device.type == "cpu" and _backend in ("auto", "numpy")
     for blk in iter_blocks(flat, geometry, block):
         if compiled is not None and tables is not None and blk.bits.shape == compiled_shape:
-            src = blk.bits if stage is None else stage.copy_(blk.bits)
             try:
                 with torch.no_grad():
-                    res = compiled(src, tables.row_terms(blk.first_start), tables.column_table, tables.seeds)
+                    res = compiled(blk.bits, tables.row_terms(blk.first_start), tables.column_table, tables.seeds)
                 a, b = res.tolist()
             except Exception as exc:  # pragma: no cover - depends on the environment
                 _disable_compiled(exc)
@@ -303,14 +300,6 @@ def fingerprint_lanes(
                 lanes[0] += a
                 lanes[1] += b
                 continue
-        if host and blk.starts is None:
-            # A block the compiled kernel did not take (the end of a run): its rows are consecutive global
-            # indices from ``first_start``, one run for the host path.
-            n = blk.bits.numel()
-            a, b = host_lanes(blk.bits.reshape(-1), _Geometry((), (), blk.first_start, n), seeds)
-            lanes[0] += a
-            lanes[1] += b
-            continue
         if eager is None:
             eager = _EagerState(device, seeds, flat.numel())
         if blk.bits.numel() <= eager.block:
@@ -328,6 +317,49 @@ def fingerprint_lanes(
     if device.type == "cpu" and compiled is None:
         _eager_cpu_bytes += nbytes
     return (lanes[0] & _MASK64, lanes[1] & _MASK64)
+
+
+def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
+                        seeds: tuple[int, int], stage_dtype: torch.dtype) -> tuple[int, int]:
+    """The lanes of a CPU chunk through the compiled kernel, its blocks split between threads as the host
+    path splits its own (:func:`_host_map`): the kernel is compiled single-threaded, because with its own
+    OpenMP team every block waited for the slower of two threads, and on a busy machine that ran 3-10x
+    slower. Each thread stages its blocks in its own buffer; a block the kernel does not take (the end of a
+    run) goes through the host path."""
+    shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
+    blocks = list(iter_blocks(flat, geometry, COMPILED_BLOCK))
+
+    def run(lo: int, hi: int) -> tuple[int, int]:
+        tables = _CompiledTables(flat.device, seeds)
+        # Copying each block into one reused buffer first, then running the fused kernel on it, was 1.5-1.8x
+        # faster on CPU than running the kernel on the tensor's memory directly. Narrow bits are widened
+        # (sign-extended) to int32 in that copy: inductor vectorizes the fused loop over int32 and int64
+        # inputs but not over int8 or int16 ones (5x slower for bfloat16).
+        stage = torch.empty(shape, dtype=stage_dtype)
+        lanes = [0, 0]
+        for blk in blocks[lo:hi]:
+            a = b = None
+            if blk.bits.shape == shape and not _compile_failed:
+                try:
+                    with torch.no_grad():
+                        res = fn(stage.copy_(blk.bits), tables.row_terms(blk.first_start), tables.column_table,
+                                 tables.seeds)
+                    a, b = res.tolist()
+                except Exception as exc:  # pragma: no cover - depends on the environment
+                    _disable_compiled(exc)
+            if a is None or b is None:
+                # Rows of one run: consecutive global indices from ``first_start``.
+                n = blk.bits.numel()
+                a, b = host_lanes(blk.bits.reshape(-1), _Geometry((), (), blk.first_start, n), seeds, threads=1)
+            lanes[0] += a
+            lanes[1] += b
+        return lanes[0], lanes[1]
+
+    threads = max(1, min(_host_threads(flat.numel()), len(blocks)))
+    step = -(-len(blocks) // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
+    ranges = [(lo, min(len(blocks), lo + step)) for lo in range(0, len(blocks), step)]
+    parts = _host_map(run, ranges, threads)
+    return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64
 
 
 #: A non-contiguous CPU chunk larger than this many elements is fingerprinted in pieces of at most this many
