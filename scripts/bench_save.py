@@ -138,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, ts in times.items():
         best, med = min(ts), statistics.median(ts)
         print(f"{name:36s} {best:7.3f}   {med:7.3f}     {best / ref:6.3f}       {med / ref_med:6.3f}")
+    on, off = times.get("ckptverify.save fingerprint=True"), times.get("ckptverify.save fingerprint=False")
+    if on and off:
+        # The fingerprint's own cost: the same save with and without it.
+        print(f"\nfingerprint=True / fingerprint=False: {min(on) / min(off):.3f} (best), "
+              f"{statistics.median(on) / statistics.median(off):.3f} (median)")
     return 0
 
 
