@@ -3,7 +3,10 @@
 
 For float32 and bfloat16 tensors of ``--size-mib`` MiB (256 by default) on the CPU (and on CUDA when
 available) this times ``tensor_fingerprint`` with the eager backend and with the compiled backend, and
-``t.clone()`` as the ceiling a pass over the tensor can reach. Each figure is the best of ``--repeats``
+``t.clone()`` as the ceiling a pass over the tensor can reach.
+Backends: ``eager`` (torch operations, the reference), ``numpy`` (the host path: what ``auto`` uses on CPU
+until the compiled kernel is ready, and where no C++ compiler is), ``compiled`` (the fused ``torch.compile``
+kernel), ``triton`` (CUDA only). Each figure is the best of ``--repeats``
 runs; the compiled backend is warmed up (compiled) first and its one-off compile time is printed apart.
 
     python scripts/bench_fingerprint.py
@@ -77,8 +80,8 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256, help="tensor size in MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the best counts")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--backends", default="eager,compiled,triton",
-                        help="comma-separated: eager, compiled, triton (CUDA only)")
+    parser.add_argument("--backends", default="eager,numpy,compiled,triton",
+                        help="comma-separated: eager, numpy, compiled, triton (CUDA only)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtype names")
     parser.add_argument("--devices", default=None, help="comma-separated (default: cpu, and cuda if present)")
     parser.add_argument(

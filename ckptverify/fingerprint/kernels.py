@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,7 +50,10 @@ from ckptverify.fingerprint.spec import signed as _signed
 __all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
            "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "ROW_WIDTH", "SMALL_NUMPY", "SUPPORTED_DTYPES",
            "chunk_geometry", "dtype_name", "dtype_seed", "eager_block", "fingerprint_lanes", "get_backend",
-           "iter_blocks", "lanes_many", "mix_python", "set_backend"]
+           "host_lanes", "iter_blocks", "lanes_many", "mix_python", "prepare_compiled", "set_backend"]
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _log = logging.getLogger(__name__)
 
@@ -82,21 +86,24 @@ def _block_lanes(
     return torch.stack(out)
 
 
-_BACKENDS = ("auto", "eager", "compiled", "triton")
+_BACKENDS = ("auto", "eager", "numpy", "compiled", "triton")
 _backend = os.environ.get("CKPTVERIFY_FINGERPRINT_BACKEND", "auto")
 if _backend not in _BACKENDS:  # pragma: no cover - environment
     _log.warning("ignoring CKPTVERIFY_FINGERPRINT_BACKEND=%r (not one of %s)", _backend, _BACKENDS)
     _backend = "auto"
-#: "auto" turns to the compiled path once this many bytes went through the eager path on CPU in this
-#: process. Compiling costs 5-15 s once, about what the eager path spends on this many bytes, so the
-#: total time is never much more than twice the better choice made in hindsight.
-AUTO_COMPILE_AFTER_BYTES = 2 << 30
+#: "auto" starts compiling the fused kernel (in a background thread; the host path goes on meanwhile) once
+#: this many bytes went through the host path on CPU in this process, and uses it from the first chunk
+#: after it compiled and passed its self-check. Compiling costs 5-15 s of one core once (less with
+#: torch's on-disk compile cache), so a process that fingerprints less than this never pays it.
+AUTO_COMPILE_AFTER_BYTES = 1 << 30
 _eager_cpu_bytes = 0
 _compiled_fn: Callable[..., torch.Tensor] | None = None
 _compile_failed = False
 #: (device type, bits dtype) -> whether the compiled kernel passed its check against the eager path.
 _verified: dict[tuple[str, torch.dtype], bool] = {}
 _lock = threading.Lock()
+#: Keys whose compilation started in the background (each once per process).
+_compiling: set[tuple[str, torch.dtype]] = set()
 
 
 def set_backend(name: str) -> None:
@@ -110,31 +117,69 @@ def get_backend() -> str:
     return _backend
 
 
-def _wants_compiled(device: torch.device, numel: int) -> bool:
-    if _compile_failed or _backend == "eager" or numel < COMPILED_BLOCK:
+def _stage_dtype(bits_dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype a CPU block is staged in for the compiled kernel (int32 for 8- and 16-bit bits: the
+    same values after the sign extension to int64 that the kernel does)."""
+    return torch.int32 if bits_dtype in (torch.int8, torch.int16) else bits_dtype
+
+
+def _wants_compiled(device: torch.device, numel: int, bits_dtype: torch.dtype | None = None) -> bool:
+    """Whether a chunk of ``numel`` elements (``bits_dtype``: its staged bits) is for the compiled kernel."""
+    if _compile_failed or _backend in ("eager", "numpy") or numel < COMPILED_BLOCK:
         return False
     if _backend == "compiled":
         return True
-    return device.type == "cpu" and _eager_cpu_bytes >= AUTO_COMPILE_AFTER_BYTES
+    if device.type != "cpu":
+        return False
+    return _eager_cpu_bytes >= AUTO_COMPILE_AFTER_BYTES or bool(_verified.get((device.type, bits_dtype)))
+
+
+def prepare_compiled(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> bool:
+    """Compile and check the fused kernel for tensors of ``dtype`` on ``device`` now, waiting for it, so that
+    backend ``auto`` takes it from the first large chunk on (a process that fingerprints a lot can pay the
+    compilation at start-up rather than in the background later). Whether it is ready: ``False`` where
+    ``torch.compile`` does not work (no C++ compiler on CPU) or the kernel disagreed with the eager path."""
+    device = torch.device(device)
+    bits = torch.empty(0, dtype=dtype).view(_INT_VIEW_BY_SIZE[torch.empty(0, dtype=dtype).element_size()])
+    staged = _stage_dtype(bits.dtype) if device.type == "cpu" else bits.dtype
+    return _compiled_kernel(staged, device) is not None
 
 
 def _disable_compiled(reason: object) -> None:
     global _compile_failed
     if not _compile_failed:
-        _log.warning("compiled fingerprint kernel unavailable, using eager torch: %s", reason)
+        _log.warning("compiled fingerprint kernel unavailable, using numpy (CPU) and eager torch: %s", reason)
     _compile_failed = True
 
 
-def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device) -> Callable[..., torch.Tensor] | None:
-    """The compiled block kernel, once it has matched the eager path on a test block of this dtype."""
+def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device,
+                     wait: bool = True) -> Callable[..., torch.Tensor] | None:
+    """The compiled block kernel, once it has matched the eager path on a test block of this dtype.
+
+    ``wait=False``: the kernel if it is ready for this dtype; otherwise ``None`` at once, and its compilation
+    and self-check start in a background thread (once), for the calls that come after it.
+    """
     global _compiled_fn
     key = (device.type, bits_dtype)
+    if not wait:
+        if _verified.get(key) and _compiled_fn is not None:
+            return _compiled_fn
+        with _lock:
+            if _compile_failed or key in _compiling or key in _verified:
+                return None
+            _compiling.add(key)
+        threading.Thread(target=_compiled_kernel, args=(bits_dtype, device), daemon=True,
+                         name="ckptverify-fingerprint-compile").start()
+        return None
     with _lock:
         if _compile_failed or _verified.get(key) is False:
             return None
         if _compiled_fn is None:
             try:
-                _compiled_fn = torch.compile(_block_lanes, dynamic=False, fullgraph=True)
+                # One thread per kernel call (``cpp.threads``; no effect on GPUs): on CPU the calling code
+                # splits the blocks between threads itself (:func:`_compiled_cpu_lanes`).
+                _compiled_fn = torch.compile(_block_lanes, dynamic=False, fullgraph=True,
+                                             options={"cpp.threads": 1})
             except Exception as exc:  # pragma: no cover - depends on the environment
                 _disable_compiled(exc)
                 return None
@@ -203,6 +248,8 @@ def fingerprint_lanes(
     geometry = chunk_geometry(t.shape, offsets, global_shape)
     if t.numel() == 0:
         return (0, 0)
+    if t.device.type == "cpu" and _backend in ("auto", "numpy") and t.numel() > SLAB and not t.is_contiguous():
+        return _slab_lanes(t, offsets, global_shape, name)
     flat = t.contiguous().reshape(-1).view(_INT_VIEW_BY_SIZE[t.element_size()])
     seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
     device = flat.device
@@ -222,25 +269,29 @@ def fingerprint_lanes(
         return _small_lanes(flat, geometry, seeds)
 
     compiled = None
-    if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel()):
-        compiled = _compiled_kernel(flat.dtype, device)
+    stage_dtype = _stage_dtype(flat.dtype) if device.type == "cpu" else flat.dtype
+    if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel(), stage_dtype):
+        # Backend "auto" does not wait for the compilation: the host path takes the chunks until it is ready.
+        compiled = _compiled_kernel(stage_dtype, device, wait=_backend != "auto" or device.type != "cpu")
+    if compiled is None and device.type == "cpu" and _backend in ("auto", "numpy"):
+        # One pass in numpy over cache-sized blocks, both lanes at once, on torch's threads' worth of cores.
+        got = host_lanes(flat, geometry, seeds)
+        _eager_cpu_bytes += nbytes
+        return got
+    if compiled is not None and device.type == "cpu":
+        return _compiled_cpu_lanes(compiled, flat, geometry, seeds, stage_dtype)
     block = COMPILED_BLOCK if compiled is not None else eager_block(device)
     compiled_shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
-    tables = stage = None
-    if compiled is not None:
+    tables = None
+    if compiled is not None:  # on an accelerator (CPU chunks took _compiled_cpu_lanes)
         tables = _CompiledTables(device, seeds)
-        if device.type == "cpu":
-            # Copying each block into one reused buffer first, then running the fused kernel on it, was
-            # 1.5-1.8x faster on CPU than running the kernel on the tensor's memory directly.
-            stage = torch.empty(compiled_shape, dtype=flat.dtype, device=device)
     lanes = [0, 0]
     eager: _EagerState | None = None
     for blk in iter_blocks(flat, geometry, block):
         if compiled is not None and tables is not None and blk.bits.shape == compiled_shape:
-            src = blk.bits if stage is None else stage.copy_(blk.bits)
             try:
                 with torch.no_grad():
-                    res = compiled(src, tables.row_terms(blk.first_start), tables.column_table, tables.seeds)
+                    res = compiled(blk.bits, tables.row_terms(blk.first_start), tables.column_table, tables.seeds)
                 a, b = res.tolist()
             except Exception as exc:  # pragma: no cover - depends on the environment
                 _disable_compiled(exc)
@@ -266,6 +317,71 @@ def fingerprint_lanes(
     if device.type == "cpu" and compiled is None:
         _eager_cpu_bytes += nbytes
     return (lanes[0] & _MASK64, lanes[1] & _MASK64)
+
+
+def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
+                        seeds: tuple[int, int], stage_dtype: torch.dtype) -> tuple[int, int]:
+    """The lanes of a CPU chunk through the compiled kernel, its blocks split between threads as the host
+    path splits its own (:func:`_host_map`): the kernel is compiled single-threaded, because with its own
+    OpenMP team every block waited for the slower of two threads, and on a busy machine that ran 3-10x
+    slower. Each thread stages its blocks in its own buffer; a block the kernel does not take (the end of a
+    run) goes through the host path."""
+    shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
+    blocks = list(iter_blocks(flat, geometry, COMPILED_BLOCK))
+
+    def run(lo: int, hi: int) -> tuple[int, int]:
+        tables = _CompiledTables(flat.device, seeds)
+        # Copying each block into one reused buffer first, then running the fused kernel on it, was 1.5-1.8x
+        # faster on CPU than running the kernel on the tensor's memory directly. Narrow bits are widened
+        # (sign-extended) to int32 in that copy: inductor vectorizes the fused loop over int32 and int64
+        # inputs but not over int8 or int16 ones (5x slower for bfloat16).
+        stage = torch.empty(shape, dtype=stage_dtype)
+        lanes = [0, 0]
+        for blk in blocks[lo:hi]:
+            a = b = None
+            if blk.bits.shape == shape and not _compile_failed:
+                try:
+                    with torch.no_grad():
+                        res = fn(stage.copy_(blk.bits), tables.row_terms(blk.first_start), tables.column_table,
+                                 tables.seeds)
+                    a, b = res.tolist()
+                except Exception as exc:  # pragma: no cover - depends on the environment
+                    _disable_compiled(exc)
+            if a is None or b is None:
+                # Rows of one run: consecutive global indices from ``first_start``.
+                n = blk.bits.numel()
+                a, b = host_lanes(blk.bits.reshape(-1), _Geometry((), (), blk.first_start, n), seeds, threads=1)
+            lanes[0] += a
+            lanes[1] += b
+        return lanes[0], lanes[1]
+
+    threads = max(1, min(_host_threads(flat.numel()), len(blocks)))
+    step = -(-len(blocks) // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
+    ranges = [(lo, min(len(blocks), lo + step)) for lo in range(0, len(blocks), step)]
+    parts = _host_map(run, ranges, threads)
+    return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64
+
+
+#: A non-contiguous CPU chunk larger than this many elements is fingerprinted in pieces of at most this many
+#: (backends ``auto`` and ``numpy``), each made contiguous in turn, rather than copied whole.
+SLAB = 1 << 22
+
+
+def _slab_lanes(t: torch.Tensor, offsets: list[int], global_shape: list[int], name: str) -> tuple[int, int]:
+    """The lanes of a non-contiguous chunk as the sum of its pieces' lanes: the pieces are disjoint chunks of
+    the same global tensor, cut along its first dimension longer than 1 (and further along the next ones
+    while a piece is still larger than ``SLAB`` and not contiguous), so their lanes add up to the chunk's."""
+    dim = next(d for d, size in enumerate(t.shape) if size > 1)
+    per = max(1, SLAB // (t.numel() // t.shape[dim]))
+    lanes = [0, 0]
+    for start in range(0, t.shape[dim], per):
+        piece = t.narrow(dim, start, min(per, t.shape[dim] - start))
+        at = list(offsets)
+        at[dim] += start
+        a, b = fingerprint_lanes(piece, at, global_shape, name)
+        lanes[0] += a
+        lanes[1] += b
+    return lanes[0] & _MASK64, lanes[1] & _MASK64
 
 
 #: Chunks of at most this many elements take :func:`_small_lanes` on CPU under backend ``auto``.
@@ -298,6 +414,169 @@ def _small_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]
             y ^= y >> s3
             out.append(int(y.sum(dtype=np.uint64)))
     return out[0], out[1]
+
+
+# ------------------------------------------------------------------------------------------ host path
+
+#: Elements per block of the host (numpy) path: its two int64 buffers of two lanes each (512 KiB) and the
+#: block's bits stay in a core's L2 cache. 8192 ran 10-20% slower (each numpy call costs about a
+#: microsecond), 65536 about as much slower (the buffers spill to L3).
+HOST_BLOCK = 1 << 14
+#: Elements per thread below which the host path does not split a chunk over threads.
+HOST_MIN_PER_THREAD = 1 << 20
+#: Ranges of blocks per thread a chunk is cut into when it is split over threads.
+HOST_RANGES_PER_THREAD = 8
+
+_host_pool = None
+_host_pool_size = 0
+_host_lock = threading.Lock()  # not ``_lock``, which a compilation holds for seconds
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's threads: a lock one of them held would never be released, a
+    pool's work would never be done, and a compilation under way in the parent would never finish here."""
+    global _lock, _host_lock, _host_pool, _host_pool_size
+    _lock = threading.Lock()
+    _host_lock = threading.Lock()
+    _host_pool, _host_pool_size = None, 0
+    for key in list(_compiling):
+        if key not in _verified:
+            _compiling.discard(key)
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _host_threads(numel: int) -> int:
+    """Threads for a chunk of ``numel`` elements: torch's intra-op thread count (``torch.set_num_threads``),
+    at most the CPUs there are, and at least ``HOST_MIN_PER_THREAD`` elements each."""
+    threads = min(torch.get_num_threads(), os.cpu_count() or 1, numel // HOST_MIN_PER_THREAD)
+    return max(1, threads)
+
+
+def _host_map(fn: Callable[[int, int], tuple[int, int]], ranges: list[tuple[int, int]],
+              workers: int) -> list[tuple[int, int]]:
+    """``fn(lo, hi)`` for each range, on at most ``workers`` threads of a pool kept for the process (numpy
+    releases the GIL inside each operation, so the threads run on separate cores). Each thread takes the next
+    range when it is done with one, so a thread slowed by other work on its core takes fewer."""
+    global _host_pool, _host_pool_size
+    if workers <= 1 or len(ranges) == 1:
+        return [fn(*r) for r in ranges]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _host_lock:
+        if _host_pool is None or _host_pool_size < workers:
+            old = _host_pool
+            _host_pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptverify-fingerprint-host")
+            _host_pool_size = workers
+            if old is not None:
+                old.shutdown(wait=False)
+        pool = _host_pool
+    pending = iter(ranges)
+    take = threading.Lock()
+
+    def worker() -> list[tuple[int, int]]:
+        done = []
+        while True:
+            with take:
+                r = next(pending, None)
+            if r is None:
+                return done
+            done.append(fn(*r))
+
+    futures = [pool.submit(worker) for _ in range(workers)]
+    return [part for f in futures for part in f.result()]
+
+
+def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
+               threads: int | None = None) -> tuple[int, int]:
+    """The eager path's two lane sums of a CPU chunk (``flat``: its contiguous integer view), in numpy.
+
+    One pass over the chunk in blocks of ``HOST_BLOCK`` elements: each block's bits are read once, both lanes
+    are mixed together in two reused ``(2, block)`` buffers (the lanes' seeds, shifts and multipliers
+    broadcast along the first axis), and the block's sums are added to a running sum. Blocks are split
+    between ``threads`` threads (default :func:`_host_threads`); the lane sums are sums modulo 2**64, so
+    the threads' partial sums add up to the same integers in any order. Nothing the size of the chunk is
+    allocated.
+    """
+    import numpy as np
+
+    bits = flat.numpy()
+    run = geometry.run_length
+    block = HOST_BLOCK
+    if run >= block:  # long runs: blocks within one run
+        per_run = -(-run // block)
+        nblocks = geometry.num_runs * per_run
+    else:  # short runs: whole runs, several to a block
+        per_block = block // run
+        per_run = 0
+        nblocks = -(-geometry.num_runs // per_block)
+    threads = threads or _host_threads(flat.numel())
+    threads = max(1, min(threads, nblocks))
+    # Several ranges per thread, taken in turn: on a busy machine a thread that gets less of its core does less.
+    step = -(-nblocks // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
+    ranges = [(lo, min(nblocks, lo + step)) for lo in range(0, nblocks, step)]
+    shifts = [np.array([[m.shifts[j]] for m in LANES], np.uint64) for j in range(3)]
+    mults = [np.array([[m.multipliers[j]] for m in LANES], np.uint64) for j in range(2)]
+    seed_col = np.array([[s] for s in seeds], np.uint64)
+    columns = np.arange(min(block, run), dtype=np.uint64) * np.uint64(INDEX_MULTIPLIER)
+
+    def blocks(lo: int, hi: int) -> tuple[int, int]:
+        width = min(block, flat.numel())
+        y = np.empty((2, width), np.int64)  # the mixer's words (int64 for the sign-extending XOR)
+        t = np.empty((2, width), np.uint64)  # shifted copies
+        yu = y.view(np.uint64)
+        base = np.empty((2, 1), np.uint64)
+        acc = np.zeros(2, np.uint64)
+        with np.errstate(over="ignore"):
+            for b in range(lo, hi):
+                if per_run:
+                    q, pos = divmod(b, per_run)
+                    pos *= block
+                    n = min(block, run - pos)
+                    w = bits[q * run + pos : q * run + pos + n]
+                    u, tt = yu[:, :n], t[:, :n]
+                    # p + S = (g0 + k) * K + S = k * K + (g0 * K + S): the column table plus one term per lane.
+                    g0 = geometry.run_start(q) + pos
+                    np.add(seed_col, np.uint64((g0 * INDEX_MULTIPLIER) & _MASK64), out=base)
+                    np.add(columns[:n], base, out=u)
+                else:
+                    q0 = b * per_block
+                    rows = min(per_block, geometry.num_runs - q0)
+                    n = rows * run
+                    w = bits[q0 * run : q0 * run + n]
+                    u, tt = yu[:, :n], t[:, :n]
+                    row_terms = _host_run_starts(geometry, q0, rows) * np.uint64(INDEX_MULTIPLIER)
+                    terms = row_terms[None, :, None] + seed_col[:, :, None]  # (2, rows, 1)
+                    np.add(columns[None, None, :run], terms, out=u.reshape(2, rows, run))
+                # XOR with the bits read as int64: numpy widens w with sign extension, as the eager copy does.
+                np.bitwise_xor(w, y[:, :n], out=y[:, :n])
+                np.right_shift(u, shifts[0], out=tt)
+                np.bitwise_xor(u, tt, out=u)
+                np.multiply(u, mults[0], out=u)
+                np.right_shift(u, shifts[1], out=tt)
+                np.bitwise_xor(u, tt, out=u)
+                np.multiply(u, mults[1], out=u)
+                np.right_shift(u, shifts[2], out=tt)
+                np.bitwise_xor(u, tt, out=u)
+                acc += np.add.reduce(u, axis=1, dtype=np.uint64)
+        return int(acc[0]), int(acc[1])
+
+    parts = _host_map(blocks, ranges, threads)
+    return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64
+
+
+def _host_run_starts(geometry: _Geometry, q0: int, count: int) -> np.ndarray:
+    """:meth:`_Geometry.run_starts` in numpy (uint64): global starts of runs ``q0 .. q0+count-1``."""
+    import numpy as np
+
+    q = np.arange(q0, q0 + count, dtype=np.uint64)
+    starts = np.full(count, geometry.first_start, dtype=np.uint64)
+    for size, stride in zip(reversed(geometry.outer_shape), reversed(geometry.outer_strides), strict=True):
+        starts += (q % np.uint64(size)) * np.uint64(stride)
+        q //= np.uint64(size)
+    return starts
 
 
 # ------------------------------------------------------------------------------------------- many
