@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,3 +41,22 @@ def test_urls_are_told_from_paths() -> None:
     assert not is_url("/data/s3://x") and not is_url("relative/dir") and not is_url("C:\\ckpt")
     assert normpath("s3://bucket/run/./step_3/") == "s3://bucket/run/step_3"
     assert normpath("run/./step_3/") == "run/step_3"
+
+
+def test_what_writes_or_renames_in_a_run_directory_refuses_a_url_and_creates_nothing_locally(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    import pytest
+
+    import ckptverify as cv
+    from ckptverify.errors import UsageError
+    from ckptverify.production.mode import ProductionOptions
+    from ckptverify.runs.latest import move_aside
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match="local or mounted"):
+        move_aside("s3://bucket/run", "step_10")
+    with pytest.raises(UsageError, match="local or mounted"):
+        ProductionOptions(run_dir="s3://bucket/run", steps=2)
+    with pytest.raises((UsageError, SystemExit)):
+        cv.Run.main(lambda run: None, steps=2, run_dir="s3://bucket/run")
+    assert list(tmp_path.iterdir()) == []  # no local folder named "s3:"

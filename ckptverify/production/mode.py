@@ -81,6 +81,10 @@ class ProductionOptions:
     resume: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.run_dir, str) or "://" in self.run_dir:
+            # Checkpoints, traces, events and the quarantine are written and renamed there (docs/storage.md).
+            raise UsageError(f"run_dir must be a local or mounted directory path, got {self.run_dir!r}; verify, "
+                             "scan and latest read object-store URLs")
         object.__setattr__(self, "verify", verify_options("Run.main", self.verify))  # the same checks as save's
         if self.steps < 1:
             raise UsageError(f"steps must be at least 1, got {self.steps}")

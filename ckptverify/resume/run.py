@@ -176,7 +176,8 @@ class Run:
 
             if steps is None:
                 raise UsageError("production mode needs steps=")
-            options = ProductionOptions(run_dir=os.path.abspath(run_dir), steps=steps, save_every=save_every,
+            local = run_dir if "://" in os.fspath(run_dir) else os.path.abspath(run_dir)  # a URL is refused there
+            options = ProductionOptions(run_dir=local, steps=steps, save_every=save_every,
                                         trace=trace, trace_every=trace_every, on_mismatch=on_mismatch, fault=fault,
                                         verify=verifying, resume=resume)
             try:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import CheckpointNotFoundError
+from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints, step_of
 from ckptverify.runs.scan import judge, unseen_findings
@@ -61,6 +61,8 @@ def move_aside(run_dir: str | os.PathLike[str], rel_path: str) -> str:
     stamp and notes keep their bytes, inodes and times, so a current stamp stays current); return its new path
     relative to ``run_dir``. Never overwrites: an existing name gets a counter."""
     root = os.fspath(run_dir)
+    if "://" in root:
+        raise UsageError(f"checkpoints are moved aside in a local or mounted run directory only, not in {root}")
     source = os.path.join(root, rel_path)
     base = os.path.basename(os.path.normpath(rel_path))
     when = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
