@@ -67,6 +67,10 @@ def _say(flag: bool | None, json_out: bool, *, tty_only: bool = True, emoji: boo
     return lambda msg: err.print(_text(f"· {msg}", "dim"))
 
 
+_NPROC_HELP = ("Verify with N ranks on this machine (started here; each reads its share of the bytes). Under "
+               "torchrun or srun the ranks come from the launcher instead: leave this out.")
+_RANK_TIMEOUT_HELP = "Seconds a rank may give no sign of life before the command fails naming it (exit 2)."
+_NO_CLUSTER_HELP = "Run in this one process even under torchrun or srun (their variables are ignored)."
 _METRICS_HELP = "Also write Prometheus gauges (passed, errors, bytes checked, seconds, ...) to this file."
 _PROGRESS_HELP = "Show progress on stderr [default: on a terminal, without --json]."
 _NARRATE_HELP = "Show each stage on stderr as it runs [default: on, without --json]."
@@ -142,8 +146,13 @@ def main() -> None:
               help="Also write Prometheus gauges (passed, errors, bytes checked, seconds) to this file.")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar [default: on a terminal, without --json].")
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
+@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help=_RANK_TIMEOUT_HELP)
+@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
 def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool, strict: bool,
-           metrics_file: str | None, progress: bool | None) -> None:
+           metrics_file: str | None, progress: bool | None, nproc: int | None, rank_timeout: float,
+           no_cluster: bool) -> None:
     """Verify the checkpoint PATH: a DCP folder, a single torch.save or safetensors file, or a folder of
     such files (Hugging Face, accelerate, transformers).
 
@@ -154,11 +163,20 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
     """
     from ckptverify.audit.verify import verify_checkpoint
 
-    def call(bar: Any) -> Any:
-        return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
-                                 progress=bar)
+    session = _session("verify", path, nproc, rank_timeout, no_cluster, jobs, json_out)
+    if session is None:
+        def call(bar: Any) -> Any:
+            return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
+                                     progress=bar)
 
-    _emit(_with_progress(call, progress, json_out, "verify", path), json_out, metrics_file=metrics_file)
+        _emit(_with_progress(call, progress, json_out, "verify", path), json_out, metrics_file=metrics_file)
+        return
+
+    def ranked(bar: Any) -> Any:
+        return verify_checkpoint(path, jobs=session.jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
+                                 progress=bar, executor=session.executor)
+
+    _emit_ranked(session, ranked, progress, json_out, "verify", path, metrics_file)
 
 
 @main.command()
@@ -637,6 +655,81 @@ def _with_progress(call: Any, progress: bool | None, json_out: bool, command: st
         return call(None)
     except CkptVerifyError as exc:
         _fail(exc, json_out, command, target)
+
+
+def _session(command: str, path: str, nproc: int | None, rank_timeout: float, no_cluster: bool, jobs: int | None,
+             json_out: bool) -> Any:
+    """This process's part in a command run across ranks (:mod:`ckptverify.cluster`), or ``None`` to run alone.
+    A rank other than 0 serves its share here and exits: rank 0 prints the one report."""
+    if no_cluster or (nproc or 1) < 2 and not _launched():
+        return None
+    from ckptverify.cluster.session import open_session
+
+    try:
+        session = open_session(command, path, nproc=nproc, rank_timeout=rank_timeout, jobs=jobs,
+                               child_options={})
+    except CkptVerifyError as exc:
+        _fail(exc, json_out, command, path)
+    if session is None or session.is_root:
+        return session
+    try:
+        code = session.serve()
+    except CkptVerifyError as exc:
+        click.echo(f"ckptverify {command}: error: {_printable(exc)}", err=True)
+        code = exc.exit_code
+    finally:
+        session.close()
+    sys.exit(code)
+
+
+def _launched() -> bool:
+    """Whether a launcher (torchrun, srun, --nproc) may have started this process as one of several ranks."""
+    import os
+
+    env = os.environ
+    return env.get("CKPTVERIFY_CLUSTER") == "local" or bool(env.get("TORCHELASTIC_RUN_ID")) \
+        or env.get("SLURM_PROCID") is not None
+
+
+def _emit_ranked(session: Any, call: Any, progress: bool | None, json_out: bool, command: str, target: str,
+                 metrics_file: str | None) -> None:
+    """Rank 0: run ``call`` with the other ranks, then print the one report with the bytes each rank read."""
+    try:
+        report = session.finish(_with_progress(call, progress, json_out, command, target))
+    finally:
+        session.close()
+    _emit(report, json_out, render=_render_ranked, metrics_file=metrics_file)
+
+
+def _render_ranked(report: Any, console: Any) -> None:
+    """The text report, then one line per rank (a summary past a few ranks) and the balance."""
+    from ckptverify.render.report import human_bytes, render_text
+
+    render_text(report, console)
+    stats = report.stats
+    ranks = stats.get("ranks") or []
+    total = int(stats.get("bytes") or 0)
+
+    def line(r: dict[str, Any]) -> str:
+        share = f" ({r['bytes_read'] / total:.1%})" if total else ""
+        return f"  rank {r['rank']} on {r['host']}: read {human_bytes(r['bytes_read'])}{share} in {r['units']} unit(s)"
+
+    console.print(_text(f"read by {len(ranks)} ranks ({stats.get('launcher')}):", "dim"))
+    listed = 8
+    shown = ranks if len(ranks) <= listed else sorted(ranks, key=lambda r: -r["bytes_read"])[:3]
+    for r in shown:
+        console.print(_text(line(r), "dim"))
+    if len(ranks) > listed:
+        sizes = sorted(r["bytes_read"] for r in ranks)
+        console.print(_text(f"  ... and {len(ranks) - 3} more ranks: least {human_bytes(sizes[0])}, median "
+                            f"{human_bytes(sizes[len(sizes) // 2])}", "dim"))
+    bal = stats.get("balance") or {}
+    if bal:
+        console.print(_text(f"  largest share {bal['largest_fraction']:.1%} of the bytes (limit "
+                            f"{bal['limit_fraction']:.1%}): "
+                            + ("balanced" if bal["met"] else f"not balanced: {bal['why_not']}"), "dim"))
+    if stats.get("ranks_note"):
+        console.print(_text(f"  {stats['ranks_note']}", "dim"))
 
 
 def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> None:
