@@ -696,8 +696,10 @@ def _emit_ranked(session: Any, call: Any, progress: bool | None, json_out: bool,
     """Rank 0: run ``call`` with the other ranks, then print the one report with the bytes each rank read."""
     try:
         report = session.finish(_with_progress(call, progress, json_out, command, target))
-    finally:
-        session.close()
+    except BaseException:
+        session.close(failed=True)
+        raise
+    session.close()
     _emit(report, json_out, render=_render_ranked, metrics_file=metrics_file)
 
 

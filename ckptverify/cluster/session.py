@@ -99,6 +99,7 @@ class Session:
             for k in range(1 << 62):
                 msg = group.wait_root(f"round/{k}", "waiting for work")
                 if msg.get("kind") != "work":
+                    group.set(f"bye/{group.rank}", True)  # rank 0 may host the store: it waits for this
                     return 0
                 work = group.get(f"units/{k}/{group.rank}")
                 if fault is not None:
@@ -128,8 +129,9 @@ class Session:
         stats["launcher"] = self.launcher
         return dataclasses.replace(report, stats=stats)
 
-    def close(self) -> None:
-        """Tell the other ranks to stop (rank 0), stop the heartbeat, and end the ranks started here."""
+    def close(self, *, failed: bool = False) -> None:
+        """Tell the other ranks to stop (rank 0) and, unless the command ``failed`` (a rank may be the reason),
+        wait until each has heard it; stop the heartbeat, and end the ranks started here."""
         if self._closed:
             return
         self._closed = True
@@ -137,8 +139,11 @@ class Session:
             if self.is_root and self.executor is not None:
                 try:
                     self.group.set(f"round/{self.executor.round}", {"kind": "done"})
+                    # Under srun rank 0 hosts the store: the others must have read "done" before it goes.
+                    if not failed:
+                        self.group.collect({r: f"bye/{r}" for r in range(1, self.group.world)}, "saying goodbye")
                 except ClusterError:
-                    pass
+                    pass  # a rank already named as failed, or gone since: nothing more to say to it
         finally:
             self.group.close()
             if self._local is not None:
