@@ -38,7 +38,7 @@ class LocalRanks:
             env = {**base, "CKPTVERIFY_CLUSTER": "local", "RANK": str(rank), "WORLD_SIZE": str(nproc),
                    "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(self.port)}
-            err = tempfile.TemporaryFile()
+            err = tempfile.TemporaryFile()  # noqa: SIM115 - kept for the rank's last words, closed in close()
             self._stderr[rank] = err
             self.procs[rank] = subprocess.Popen([sys.executable, "-m", "ckptverify", *argv], env=env,
                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
