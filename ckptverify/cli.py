@@ -194,8 +194,13 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help=_METRICS_HELP)
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
+@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help=_RANK_TIMEOUT_HELP)
+@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
 def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_uncheckable: bool, json_out: bool,
-                jobs: int | None, progress: bool | None, metrics_file: str | None) -> None:
+                jobs: int | None, progress: bool | None, metrics_file: str | None, nproc: int | None,
+                rank_timeout: float, no_cluster: bool) -> None:
     """Adopt the checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
 
     PATH is a DCP folder, a folder of checkpoint files (Hugging Face, accelerate, transformers; DCP parts
@@ -206,10 +211,16 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
     """
     from ckptverify.audit.adopt import fingerprint_checkpoint
 
-    def call(bar: Any) -> Any:
-        return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
-                                      trust_uncheckable=trust_uncheckable, progress=bar)[0]
+    session = _session("fingerprint", path, nproc, rank_timeout, no_cluster, jobs, json_out)
 
+    def call(bar: Any) -> Any:
+        return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force,
+                                      jobs=session.jobs if session else jobs, trust_uncheckable=trust_uncheckable,
+                                      progress=bar, executor=session.executor if session else None)[0]
+
+    if session is not None:
+        _emit_ranked(session, call, progress, json_out, "fingerprint", path, metrics_file)
+        return
     _emit(_with_progress(call, progress, json_out, "fingerprint", path), json_out, metrics_file=metrics_file)
 
 
@@ -254,8 +265,14 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
               help="Also rebuild every tensor of each checkpoint and compare its logical fingerprint with the "
                    "manifest's, as verify --deep does.")
 @click.option("--progress/--no-progress", default=None, help=_PROGRESS_HELP)
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Scan with N ranks on this machine, the checkpoints shared among them by bytes. Under "
+                   "torchrun or srun the ranks come from the launcher instead: leave this out.")
+@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help=_RANK_TIMEOUT_HELP)
+@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
 def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | None, deep: bool,
-         progress: bool | None) -> None:
+         progress: bool | None, nproc: int | None, rank_timeout: float, no_cluster: bool) -> None:
     """Verify every checkpoint under the training run directory RUN_DIR and name the newest good one.
 
     Finds checkpoints by what they hold (torchtitan step-N/, Lightning checkpoints/, transformers
@@ -266,6 +283,15 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
     from ckptverify.render.scan import render_scan
     from ckptverify.runs.scan import scan_run_dir
 
+    session = _session("scan", run_dir, nproc, rank_timeout, no_cluster, jobs, json_out)
+    if session is not None:
+        def ranked(bar: Any) -> Any:
+            return scan_run_dir(run_dir, jobs=session.jobs, progress=_say(progress, json_out), deep=deep,
+                                executor=session.executor)
+
+        _emit_ranked(session, ranked, False, json_out, "scan", run_dir, metrics_file,
+                     render=lambda r, c: (render_scan(r, c), _render_ranks(r, c)))
+        return
     try:
         report = scan_run_dir(run_dir, jobs=jobs, progress=_say(progress, json_out), deep=deep)
     except CkptVerifyError as exc:
@@ -692,7 +718,7 @@ def _launched() -> bool:
 
 
 def _emit_ranked(session: Any, call: Any, progress: bool | None, json_out: bool, command: str, target: str,
-                 metrics_file: str | None) -> None:
+                 metrics_file: str | None, render: Any = None) -> None:
     """Rank 0: run ``call`` with the other ranks, then print the one report with the bytes each rank read."""
     try:
         report = session.finish(_with_progress(call, progress, json_out, command, target))
@@ -700,14 +726,21 @@ def _emit_ranked(session: Any, call: Any, progress: bool | None, json_out: bool,
         session.close(failed=True)
         raise
     session.close()
-    _emit(report, json_out, render=_render_ranked, metrics_file=metrics_file)
+    _emit(report, json_out, render=render or _render_ranked, metrics_file=metrics_file)
 
 
 def _render_ranked(report: Any, console: Any) -> None:
-    """The text report, then one line per rank (a summary past a few ranks) and the balance."""
-    from ckptverify.render.report import human_bytes, render_text
+    """The text report, then the ranks' lines."""
+    from ckptverify.render.report import render_text
 
     render_text(report, console)
+    _render_ranks(report, console)
+
+
+def _render_ranks(report: Any, console: Any) -> None:
+    """One line per rank (a summary past a few ranks) with the bytes it read, and the balance."""
+    from ckptverify.render.report import human_bytes
+
     stats = report.stats
     ranks = stats.get("ranks") or []
     total = int(stats.get("bytes") or 0)

@@ -181,9 +181,10 @@ class RankExecutor:
 
     def map_plain(self, units: Sequence[Unit], *, root: str, open_file: Callable[[str], Any],
                   size_of: Callable[[str], int], local_map: Callable[..., list[Any]],
-                  advance: Callable[[int], None] | None = None) -> list[Any]:
+                  advance: Callable[[int], None] | None = None, jobs: int | None = 1) -> list[Any]:
         """The results of ``units``, in order: rank 0's share read here through ``open_file`` (with
-        ``local_map``), the others' sent to them; a rank's ``file-changed`` raised here as
+        ``local_map``; ``jobs``: the workers of a whole checkpoint read here), the others' sent to them; a
+        rank's ``file-changed`` raised here as
         :class:`~ckptverify.errors.FileChangedError`, any other failure as :class:`ClusterError` naming it."""
         sizes = [unit_bytes(u, size_of) for u in units]
         owner = assign(sizes, self.loads)
@@ -199,7 +200,7 @@ class RankExecutor:
         out: list[Any] = [None] * len(units)
 
         def mine(n: int) -> Any:
-            value = execute(units[n], open_file, root)
+            value = execute(units[n], open_file, root, jobs)
             if advance is not None:
                 advance(sizes[n])
             return value
@@ -233,13 +234,16 @@ class RankExecutor:
         """``ranks`` (each rank's host, bytes read and units), ``world_size`` and ``balance``; rank 0 is
         charged what no unit covered (it read that itself: metadata, archive headers, small items)."""
         covered = sum(_merged(r) for r in self._ranges.values()) + self._unranged
-        own = max(0, total - covered) if self.round else total
+        # What the first shared pass left to rank 0 (read while planning), else what no unit covered.
+        own = self._rank0_own if self._rank0_own is not None else max(0, total - covered) if self.round else total
         per = list(self.read)
         per[0] += own
         ranks = [{"rank": r, "host": self.group.host_of(r), "bytes_read": per[r], "units": self.units[r]}
                  for r in range(self.world)]
         units = sum(self.units)
-        bal = balance(per, total, units, self.largest_unit, own)
+        # Against all the bytes read: a command that reads some bytes twice (fingerprint: CRCs, then digests)
+        # is balanced when each pass is.
+        bal = balance(per, sum(per), units, self.largest_unit, own)
         if not self.round:
             bal["why_not"] = ("nothing was shared out: this checkpoint is read by rank 0 alone (only DCP "
                               "checkpoints and run directories are split among ranks)")

@@ -60,8 +60,9 @@ class _Hashing:
         self.digest_algorithm, self.block_bytes = algorithm, block_bytes
 
 
-def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int = 1) -> Any:
-    """Read one unit through ``open_file(name)`` and return its result (JSON-able)."""
+def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | None = 1) -> Any:
+    """Read one unit through ``open_file(name)`` and return its result (JSON-able); ``jobs``: the workers that
+    verify a whole checkpoint (``None``: one per core)."""
     kind = unit[0]
     if kind == "crc":
         _, name, start, end = unit
