@@ -88,3 +88,17 @@ def test_scan_nproc_same_report(source: Path, tmp_path: Path) -> None:
     assert rb["stats"]["balance"]["met"]
     text = run("-m", "ckptverify", "scan", str(runs), "--nproc", "2")
     assert text.returncode == 1 and "read by 2 ranks (local)" in text.stdout and "corrupt" in text.stdout
+
+
+def test_bench_verify_nproc_prints_throughput_per_rank_count(tmp_path: Path) -> None:
+    from test_cluster_verify import ROOT
+
+    proc = run(str(ROOT / "scripts" / "bench_verify.py"), "--nproc", "2", "--gib", "0.02", "--repeats", "1",
+               "--dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["ranks"] for r in data["rows"]] == [1, 2]
+    for row in data["rows"]:
+        assert len(row["bytes_per_rank"]) == row["ranks"] and sum(row["bytes_per_rank"]) == row["checkpoint_bytes"]
+        assert row["verify_gbps"] > 0 and row["wall_gbps"] > 0
+    assert "bytes per rank sum to the checkpoint's" in proc.stdout and ": True;" in proc.stdout

@@ -238,3 +238,17 @@ def test_balance_says_why_not() -> None:
     assert "rank 0 read 70 bytes itself" in balance([70, 30], 100, 3, 20, 70)["why_not"]
     ok = balance([50, 50], 100, 4, 30, 0)
     assert ok["met"] and ok["why_not"] is None and ok["limit_fraction"] == 0.6
+
+
+def test_deep_and_single_file_under_ranks(with_manifest: Path, tmp_path: Path) -> None:
+    _, one = verify_json(with_manifest, "--deep")
+    code, two = verify_json(with_manifest, "--deep", "--nproc", "2")
+    assert code == 0 and findings(two) == findings(one)
+    assert "rank 0" in two["stats"]["ranks_note"]  # the rebuild is not counted as shared
+    single = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(1000.0)}, single)
+    _, alone = verify_json(single)
+    code, ranked = verify_json(single, "--nproc", "2")
+    assert code == 0 and findings(ranked) == findings(alone)
+    assert ranked["stats"]["ranks"][1]["bytes_read"] == 0
+    assert ranked["stats"]["balance"]["why_not"].startswith("nothing was shared out")
