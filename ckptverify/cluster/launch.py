@@ -27,8 +27,11 @@ class LocalRanks:
     def __init__(self, nproc: int, argv: list[str], timeout: float) -> None:
         from ckptverify.cluster.group import connect
 
-        self.store = connect("127.0.0.1", 0, nproc, timeout, server=True)
-        self.port = int(self.store.port)
+        # The ranks are started before this process imports torch for the store (seconds on a busy machine),
+        # so that their start-up and its own overlap; they retry connecting until the store is up.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
         self.host = socket.gethostname()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self._stderr: dict[int, IO[bytes]] = {}
@@ -42,6 +45,11 @@ class LocalRanks:
             self._stderr[rank] = err
             self.procs[rank] = subprocess.Popen([sys.executable, "-m", "ckptverify", *argv], env=env,
                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            self.store = connect("127.0.0.1", self.port, nproc, timeout, server=True)
+        except BaseException:
+            self.close(grace=0)
+            raise
 
     def liveness(self, pending: set[int]) -> str | None:
         """The first rank among ``pending`` that has exited, with its exit code or signal and its last words."""
