@@ -252,3 +252,21 @@ def test_deep_and_single_file_under_ranks(with_manifest: Path, tmp_path: Path) -
     assert code == 0 and findings(ranked) == findings(alone)
     assert ranked["stats"]["ranks"][1]["bytes_read"] == 0
     assert ranked["stats"]["balance"]["why_not"].startswith("nothing was shared out")
+
+
+def test_stopped_rank_under_torchrun_is_named(clean: Path) -> None:
+    proc = run("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ckptverify", "verify", str(clean),
+               "--rank-timeout", "5", env=_env(CKPTVERIFY_TEST_RANK_FAULT="1:stop"))
+    assert proc.returncode != 0 and proc.stdout == ""
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("ckptverify verify: error:")]
+    assert len(ours) == 1, proc.stderr[-3000:]
+    assert f"rank 1 on {socket.gethostname()} (pid " in ours[0] and "gave no sign of life for 5 s" in ours[0]
+
+
+def test_rank_without_rank_0_exits_2_saying_so(clean: Path) -> None:
+    proc = run("-m", "ckptverify", "verify", str(clean), "--rank-timeout", "2",
+               env=_env(CKPTVERIFY_CLUSTER="local", RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(_free_port())))
+    assert proc.returncode == 2 and proc.stdout == ""
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptverify verify: error: could not reach the rendezvous store at 127.0.0.1:"), last
