@@ -176,6 +176,9 @@ def test_srun_without_master_is_exit_2_saying_what_to_set(clean: Path) -> None:
     alone = run("-m", "ckptverify", "verify", str(clean), "--no-cluster",
                 env=_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2"))
     assert alone.returncode == 0, alone.stderr
+    # A batch script's own environment (the job's SLURM_NTASKS, no step): one process, no waiting for ranks.
+    batch = run("-m", "ckptverify", "verify", str(clean), "--json", env=_env(SLURM_PROCID="0", SLURM_NTASKS="4"))
+    assert batch.returncode == 0 and "ranks" not in json.loads(batch.stdout)["stats"], batch.stderr[-2000:]
 
 
 def test_text_report_lists_each_rank(clean: Path) -> None:

@@ -4,7 +4,8 @@ Three launchers are recognised:
 
 - ``torchrun`` (``TORCHELASTIC_RUN_ID`` set): ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT`` as torchrun sets them;
-- Slurm's ``srun`` (``SLURM_PROCID`` with ``SLURM_STEP_NUM_TASKS``, else ``SLURM_NTASKS``, above 1): the rank
+- Slurm's ``srun`` (``SLURM_PROCID`` with ``SLURM_STEP_NUM_TASKS`` above 1, which only ``srun`` sets: a batch
+  script's own ``SLURM_NTASKS`` is the job's, and a ``verify`` run from the script itself runs alone): the rank
   from ``SLURM_PROCID``, the world from the step's task count, the ranks on this node from
   ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_NTASKS_PER_NODE``; ``MASTER_ADDR`` and ``MASTER_PORT`` must be set by
   the job script (rank 0's host and a free port);
@@ -50,9 +51,9 @@ def detect(environ: dict[str, str] | None = None) -> ClusterEnv | None:
             return None
         rank = _int(env, "RANK", launcher)
         local_world = _int(env, "LOCAL_WORLD_SIZE", launcher) if env.get("LOCAL_WORLD_SIZE") else world
-    elif env.get("SLURM_PROCID") is not None and (env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")):
+    elif env.get("SLURM_PROCID") is not None and env.get("SLURM_STEP_NUM_TASKS"):
         launcher = "slurm"
-        world = _int(env, "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS", launcher)
+        world = _int(env, "SLURM_STEP_NUM_TASKS", launcher)
         if world <= 1:
             return None
         rank = _int(env, "SLURM_PROCID", launcher)

@@ -19,6 +19,7 @@ the ones a single process computes. Names are relative to the command's path; a 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -105,11 +106,16 @@ class RankFiles:
         self.root = root
         self.expect: dict[str, list[int]] = {}
         self._open: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
     def __call__(self, name: str) -> Any:
-        f = self._open.get(name)
-        if f is not None:
+        with self._lock:  # the units of one file run on several threads: one open each
+            f = self._open.get(name)
+            if f is None:
+                f = self._open[name] = self._opened(name)
             return f
+
+    def _opened(self, name: str) -> Any:
         from ckptverify.safeparse.readers import ReadOnlyFile
 
         path = os.path.join(self.root, name)
@@ -124,7 +130,6 @@ class RankFiles:
                 f.close()
                 raise FileChangedError(f"it is not the file rank 0 planned from (size {st.st_size}, expected "
                                        f"{want[0]}; or modified since)", path)
-        self._open[name] = f
         return f
 
     def close(self) -> None:
