@@ -39,14 +39,15 @@ def balance(per_rank: Sequence[int], total: int, units: int, largest_unit: int, 
     met = fraction <= limit + 1e-12
     why = None
     if not met:
-        if units < world:
+        # The first reason that holds is the one that bounds the split.
+        if rank0_own > limit * total:
+            why = (f"rank 0 read {rank0_own} bytes itself (metadata, archive headers and items of 1 MiB or less, "
+                   f"read whole while planning), more than {BALANCE_LIMIT}/{world} of the {total} bytes")
+        elif units < world:
             why = f"{units} work unit(s) for {world} ranks: some ranks had nothing to read"
         elif largest_unit > limit * total:
             why = (f"one work unit alone is {largest_unit} bytes, more than {BALANCE_LIMIT}/{world} of the "
                    f"{total} bytes (a unit is one record piece, file or checkpoint)")
-        elif rank0_own > limit * total:
-            why = (f"rank 0 read {rank0_own} bytes itself (metadata, archive headers and small items), more than "
-                   f"{BALANCE_LIMIT}/{world} of the {total} bytes")
         else:
             why = "the units could not be split more evenly (few units of uneven sizes)"
     return {"largest_share": largest, "largest_fraction": round(fraction, 6), "limit_fraction": round(limit, 6),
