@@ -274,3 +274,16 @@ def test_rank_without_rank_0_exits_2_saying_so(clean: Path) -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ckptverify verify: error: could not reach the rendezvous store at 127.0.0.1:"), last
+
+
+def test_small_items_are_rank_0s_and_the_report_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "small"
+    dcp.save({f"b{i}": torch.full((64,), float(i)) for i in range(20)},
+             storage_writer=dcp.FileSystemWriter(str(path), thread_count=2))
+    _, one = verify_json(path)
+    code, two = verify_json(path, "--nproc", "2")
+    assert code == 0 and findings(two) == findings(one)
+    ranks = two["stats"]["ranks"]
+    assert sum(r["bytes_read"] for r in ranks) == two["stats"]["bytes"] and ranks[1]["bytes_read"] == 0
+    bal = two["stats"]["balance"]
+    assert not bal["met"] and bal["why_not"].startswith("rank 0 read ")
