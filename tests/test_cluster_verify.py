@@ -247,8 +247,17 @@ def test_balance_says_why_not() -> None:
 def test_deep_and_single_file_under_ranks(with_manifest: Path, tmp_path: Path) -> None:
     _, one = verify_json(with_manifest, "--deep")
     code, two = verify_json(with_manifest, "--deep", "--nproc", "2")
-    assert code == 0 and findings(two) == findings(one)
-    assert "rank 0" in two["stats"]["ranks_note"]  # the rebuild is not counted as shared
+    assert code == 0 and findings(two) == findings(one) and two["coverage"] == one["coverage"]
+    assert "a second time" in two["stats"]["ranks_note"]
+    # The tensors are rebuilt on both ranks: each read its share of the blocks and of the tensors.
+    ranks = two["stats"]["ranks"]
+    assert sum(r["bytes_read"] for r in ranks) > 1.9 * two["stats"]["bytes"]
+    assert max(r["bytes_read"] for r in ranks) <= 0.6 * sum(r["bytes_read"] for r in ranks)
+    flipped = _planted("manifest-digest", with_manifest, with_manifest, tmp_path / "flipped")
+    _, one = verify_json(flipped, "--deep")
+    code, two = verify_json(flipped, "--deep", "--nproc", "2")
+    assert code == 1 and findings(two) == findings(one)
+    assert any(f["check"] == "fingerprint" for f in two["findings"]), findings(two)
     single = tmp_path / "model.pt"
     torch.save({"w": torch.arange(1000.0)}, single)
     _, alone = verify_json(single)

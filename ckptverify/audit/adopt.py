@@ -51,8 +51,8 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments.
 
     ``executor``: shares a DCP checkpoint's verification pass and its item and file digests among ranks
-    (:mod:`ckptverify.cluster`); the manifest is the one a single process writes. The logical fingerprints
-    are taken here. Other formats are adopted by this process alone."""
+    and the logical fingerprints' reads among ranks (:mod:`ckptverify.cluster`); the manifest is the one a
+    single process writes. Other formats are adopted by this process alone."""
     from ckptverify._version import __version__
     from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
 
@@ -124,7 +124,8 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             entries = run.map(digest_item, ordered)
             file_digests = run.map(digest_file, names)
         metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-        scans, replica_findings = deep_check.scan_description(desc, run.map)
+        scans, replica_findings = deep_check.scan_description(
+            desc, run.map if executor is None else executor.tensor_map(run))
         if replica_findings:
             return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
                 "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "

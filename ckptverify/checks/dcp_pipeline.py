@@ -112,9 +112,10 @@ class VerificationRun:
         self.side_files: list[str] = []
         #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
         self.extension_registry: Any = None
-        #: Shares the hashing pass among ranks (:class:`ckptverify.cluster.session.RankExecutor`): its
-        #: ``map_units(run, units)`` returns the results of plain work units (:mod:`ckptverify.cluster.units`)
-        #: in order, read on other ranks or here. ``None``: every byte is read by this process.
+        #: Shares the hashing pass and the deep scan among ranks (:class:`ckptverify.cluster.session.RankExecutor`):
+        #: its ``map_units(run, units)`` returns the results of plain work units (:mod:`ckptverify.cluster.units`)
+        #: in order, read on other ranks or here; ``tensor_map(run)`` is the deep scan's ``run_map``. ``None``:
+        #: every byte is read by this process.
         self.executor: Any = None
         #: Records whose bytes only the manifest's block digests checked (file, item offset, record name), and
         #: the items the manifest digested block by block (file, offset, length): what protects each payload.
@@ -503,7 +504,8 @@ class VerificationRun:
         if self.progress is not None:
             self.progress.start(sum(p.item.length for p in self.plans
                                     if p.item.kind == "tensor" and p.item.chunk is not None))
-        scans, found = deep_check.scan_description(desc, self.map, self.advance)
+        run_map = self.map if self.executor is None else self.executor.tensor_map(self)
+        scans, found = deep_check.scan_description(desc, run_map, self.advance)
         self.findings.extend(found)
         self.findings.extend(deep_check.judge(desc, self.manifest, scans))
         rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors

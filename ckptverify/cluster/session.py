@@ -20,7 +20,7 @@ from typing import Any
 from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
 from ckptverify.cluster.group import ClusterError, Group, connect
 from ckptverify.cluster.split import assign, balance
-from ckptverify.cluster.units import RankFiles, Unit, execute, unit_bytes, unit_range
+from ckptverify.cluster.units import RankFiles, Unit, execute, unit_bytes, unit_file, unit_range
 from ckptverify.errors import FileChangedError, UsageError
 
 #: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
@@ -195,7 +195,7 @@ class RankExecutor:
         for n, r in enumerate(owner):
             share[r].append(n)
         for r in range(1, self.world):
-            names = sorted({u[1] for u in (units[n] for n in share[r]) if isinstance(u[1], str)})
+            names = sorted({f for f in (unit_file(units[n]) for n in share[r]) if f is not None})
             self.group.set(f"units/{k}/{r}", {"units": [units[n] for n in share[r]],
                                               "expect": {m: _signature(root, m, size_of) for m in names}})
         self.group.set(f"round/{k}", {"kind": "work"})
@@ -232,6 +232,31 @@ class RankExecutor:
                 self._ranges[got[0]].append((got[1], got[2]))
         return out
 
+    def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
+        """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description` (``--deep``, ``fingerprint``):
+        the stored pieces of tensors in raw bytes of a file are scanned on the ranks (each its share), the rest
+        (stream-transformed items, tensor subclasses) here through ``run.map``; the scans are the ones
+        ``scan_description`` computes itself."""
+        from ckptverify.cluster.units import payload_unit, scan_from_json
+        from ckptverify.formats.describe import Payload
+
+        def shared(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+            raw = [n for n, x in enumerate(items) if isinstance(x, tuple) and len(x) == 2
+                   and isinstance(x[1], Payload) and x[1].encoding == "raw" and x[1].stored is None]
+            if not raw:
+                return run.map(fn, items)
+            units = [payload_unit(items[n][0].name, items[n][0].shape, items[n][1]) for n in raw]
+            got = self.map_units(run, units)
+            out: list[Any] = [None] * len(items)
+            for n, value in zip(raw, got, strict=True):
+                out[n] = scan_from_json(value)
+            rest = [n for n in range(len(items)) if out[n] is None]
+            for n, value in zip(rest, run.map(fn, [items[n] for n in rest]), strict=True):
+                out[n] = value
+            return out
+
+        return shared
+
     def summary(self, total: int, *, deep: bool = False) -> dict[str, Any]:
         """``ranks`` (each rank's host, bytes read and units), ``world_size`` and ``balance``; rank 0 is
         charged what no unit covered (it read that itself: metadata, archive headers, small items)."""
@@ -251,7 +276,9 @@ class RankExecutor:
                               "checkpoints and run directories are split among ranks)")
         out: dict[str, Any] = {"world_size": self.world, "ranks": ranks, "balance": bal}
         if deep:
-            out["ranks_note"] = "--deep rebuilds every tensor on rank 0, after the shared pass (not counted here)"
+            out["ranks_note"] = ("--deep reads the tensors a second time (shared too, but for stream-transformed "
+                                 "items and tensor subclasses, rebuilt on rank 0): the shares sum to more than "
+                                 "the checkpoint's bytes")
         return out
 
 

@@ -8,6 +8,8 @@ unit           fields                                                           
 ``digest``     file, algorithm                                                    digest of the whole file
 ``item``       file, offset, length, algorithm, block_bytes                       [digest, block digests]
 ``checkpoint`` candidate (``scan``), deep                                         [state, reason, counts]
+``payload``    tensor name, global shape, payload (raw bytes of a file)           the tensor scan (``--deep``,
+                                                                                  ``fingerprint``)
 =============  =================================================================  ============================
 
 Every byte range is read as the pipeline reads it on one process (the same functions), so the results are
@@ -39,7 +41,16 @@ def unit_bytes(unit: Unit, size_of: Callable[[str], int]) -> int:
         return int(unit[3])
     if kind == "checkpoint":
         return int(unit[1]["size"])
+    if kind == "payload":
+        return int(unit[3]["length"])
     raise ValueError(f"unknown work unit {kind!r}")
+
+
+def unit_file(unit: Unit) -> str | None:
+    """The file a unit reads (``None`` for a whole checkpoint)."""
+    if unit[0] == "payload":
+        return str(unit[3]["file"])
+    return unit[1] if isinstance(unit[1], str) and unit[0] != "checkpoint" else None
 
 
 def unit_range(unit: Unit, size_of: Callable[[str], int]) -> tuple[str, int, int] | None:
@@ -51,6 +62,9 @@ def unit_range(unit: Unit, size_of: Callable[[str], int]) -> tuple[str, int, int
         return unit[1], 0, size_of(unit[1])
     if kind == "item":
         return unit[1], int(unit[2]), int(unit[2]) + int(unit[3])
+    if kind == "payload":
+        p = unit[3]
+        return p["file"], int(p["offset"]), int(p["offset"]) + int(p["length"])
     return None
 
 
@@ -95,7 +109,62 @@ def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | 
         fields["parts"] = tuple(fields.get("parts") or ())
         state, reason, counts = judge(root, Candidate(**fields), jobs, deep=bool(unit[2]))
         return [state, reason, counts]
+    if kind == "payload":
+        return scan_to_json(scan_raw_payload(open_file, unit[1], tuple(unit[2]), payload_from_json(unit[3])))
     raise ValueError(f"unknown work unit {kind!r}")
+
+
+def payload_unit(name: str, shape: tuple[int, ...], p: Any) -> Unit:
+    """The ``payload`` unit of tensor ``name``'s stored piece ``p`` (a raw
+    :class:`~ckptverify.formats.describe.Payload`)."""
+    import dataclasses
+
+    return ["payload", name, list(shape), dataclasses.asdict(p)]
+
+
+def payload_from_json(d: dict[str, Any]) -> Any:
+    from ckptverify.formats.describe import Payload
+
+    fields = dict(d)
+    for key in ("shape", "stride", "chunk_offsets"):
+        fields[key] = tuple(fields[key])
+    if fields.get("stored") is not None:
+        fields["stored"] = tuple(fields["stored"])
+    return Payload(**fields)
+
+
+def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[int, ...], p: Any) -> Any:
+    """:func:`~ckptverify.checks.deep.scan_payload` of a raw payload, with the outcomes
+    :func:`~ckptverify.checks.deep.scan_description` gives a piece it cannot read (an unreadable piece; a file
+    that changed raises, as there)."""
+    from ckptverify.checks.deep import TensorScan, scan_payload
+
+    try:
+        return scan_payload(open_file(p.file), name, p, shape)
+    except FileChangedError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        out = TensorScan()
+        out.unreadable.append(f"{name} chunk {list(p.chunk_offsets)}: {exc}")
+        out.chunks.add(p.chunk_offsets)
+        return out
+
+
+def scan_to_json(scan: Any) -> dict[str, Any]:
+    return {"parts": [[f.value, f.dtype, list(f.shape), f.version, f.elements] for f in scan.parts],
+            "chunks": [list(c) for c in scan.chunks], "elements": scan.elements, "nan": scan.nan, "inf": scan.inf,
+            "unreadable": list(scan.unreadable), "limited": list(scan.limited), "whole": scan.whole,
+            "part_values": dict(scan.part_values)}
+
+
+def scan_from_json(d: dict[str, Any]) -> Any:
+    from ckptverify.checks.deep import TensorScan
+    from ckptverify.fingerprint.logical import TensorFingerprint
+
+    return TensorScan(parts=[TensorFingerprint(v, dt, tuple(sh), ver, el) for v, dt, sh, ver, el in d["parts"]],
+                      chunks={tuple(c) for c in d["chunks"]}, elements=d["elements"], nan=d["nan"], inf=d["inf"],
+                      unreadable=list(d["unreadable"]), limited=list(d["limited"]), whole=d["whole"],
+                      part_values=dict(d["part_values"]))
 
 
 class RankFiles:
