@@ -71,9 +71,10 @@ class Group:
         came) and publishes the roster; the others wait for it."""
         self._beat.start()
         hello = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "command": command, "path": path}
-        self.set(f"hello/{self.rank}", hello)
         if self.rank == 0:
-            got = self._await({r: f"hello/{r}" for r in range(1, self.world)}, "checking in", started=True)
+            self.set("hello/0", hello)
+            got = self._await({r: f"hello/{r}" for r in range(1, self.world)}, "checking in", started=True,
+                              topic="hello")
             self.roster = [hello] + [got[r] for r in range(1, self.world)]
             for other in self.roster[1:]:
                 if (other["command"], other["path"]) != (command, path):
@@ -82,6 +83,7 @@ class Group:
                         f"rank 0 runs `{command} {path}`: start the same command on every rank")
             self.set("roster", self.roster)
         else:
+            self.send(f"hello/{self.rank}", hello, "hello")
             self.roster = self._await({0: "roster"}, "starting")[0]
 
     def close(self) -> None:
@@ -106,13 +108,23 @@ class Group:
         except Exception as exc:
             raise self._lost(exc) from None
 
+    def send(self, key: str, value: Any, topic: str) -> None:
+        """Rank 0 the message ``key``, counted under ``topic`` (what :meth:`collect` watches)."""
+        self.set(key, value)
+        try:
+            self.store.add(f"arrived/{topic}", 1)
+        except Exception as exc:
+            raise self._lost(exc) from None
+
     def wait_root(self, key: str, what: str) -> Any:
         """Rank 0's message ``key``, waiting as long as rank 0's heartbeat moves."""
         return self._await({0: key}, what)[0]
 
-    def collect(self, keys: dict[int, str], what: str) -> dict[int, Any]:
-        """Every rank's message (rank -> key), waiting as long as each one's heartbeat moves."""
-        return self._await(keys, what)
+    def collect(self, keys: dict[int, str], what: str, topic: str | None = None) -> dict[int, Any]:
+        """Every rank's message (rank -> key), waiting as long as each one's heartbeat moves. With ``topic``
+        (the messages were sent with :meth:`send`), the keys are looked at only when its count moved: one
+        request per poll, whatever the number of ranks."""
+        return self._await(keys, what, topic=topic)
 
     # ---- internals
 
@@ -126,19 +138,30 @@ class Group:
                 return
             self._stop.wait(interval)
 
-    def _await(self, keys: dict[int, str], what: str, *, started: bool = False) -> dict[int, Any]:
+    def _await(self, keys: dict[int, str], what: str, *, started: bool = False,
+               topic: str | None = None) -> dict[int, Any]:
         pending = dict(keys)
         got: dict[int, Any] = {}
         now = time.monotonic()
         # Last heartbeat value seen and when it last moved; a rank not yet heard from (started) has none.
         beats = {r: (None if started else self._beat_of(r), now) for r in pending}
+        beat_every = min(BEAT_SECONDS, self.timeout / 4)
+        beats_at = now
+        # Requests to the store scale with the ranks waited for: the slowest poll grows with the world.
+        slowest = min(1.0, 0.1 * max(1.0, self.world / 100))
+        count: int | None = -1
         pause = 0.005
         while pending:
             try:
-                for r, key in list(pending.items()):
-                    if self.store.check([key]):
-                        got[r] = json.loads(self.store.get(key))
-                        del pending[r]
+                moved = True
+                if topic is not None:
+                    now_count = int(self.store.add(f"arrived/{topic}", 0))
+                    moved, count = now_count != count, now_count
+                if moved:
+                    for r, key in list(pending.items()):
+                        if self.store.check([key]):
+                            got[r] = json.loads(self.store.get(key))
+                            del pending[r]
             except ClusterError:
                 raise
             except Exception as exc:
@@ -150,17 +173,19 @@ class Group:
                 if gone is not None:
                     raise ClusterError(f"{gone}, while {what}")
             now = time.monotonic()
-            silent = []
-            for r in pending:
-                value = self._beat_of(r)
-                if value != beats[r][0]:
-                    beats[r] = (value, now)
-                elif now - beats[r][1] > self.timeout:
-                    silent.append(r)
-            if silent:
-                raise ClusterError(self._silent(silent, what))
+            if now - beats_at >= beat_every:
+                beats_at = now
+                silent = []
+                for r in pending:
+                    value = self._beat_of(r)
+                    if value != beats[r][0]:
+                        beats[r] = (value, now)
+                    elif now - beats[r][1] > self.timeout:
+                        silent.append(r)
+                if silent:
+                    raise ClusterError(self._silent(silent, what))
             time.sleep(pause)
-            pause = min(0.1, pause * 2)
+            pause = min(slowest, pause * 2)
         return got
 
     def _beat_of(self, rank: int) -> int | None:

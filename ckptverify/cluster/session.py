@@ -99,7 +99,7 @@ class Session:
             for k in range(1 << 62):
                 msg = group.wait_root(f"round/{k}", "waiting for work")
                 if msg.get("kind") != "work":
-                    group.set(f"bye/{group.rank}", True)  # rank 0 may host the store: it waits for this
+                    group.send(f"bye/{group.rank}", True, "bye")  # rank 0 may host the store: it waits for this
                     return 0
                 work = group.get(f"units/{k}/{group.rank}")
                 if fault is not None:
@@ -114,7 +114,7 @@ class Session:
                     reply = {"error": "changed", "path": _relative(exc.path, self.path), "message": str(exc)}
                 except Exception as exc:  # reported by rank 0, which names this rank
                     reply = {"error": "failed", "message": f"{type(exc).__name__}: {exc}"[:500]}
-                group.set(f"result/{k}/{group.rank}", reply)
+                group.send(f"result/{k}/{group.rank}", reply, f"result/{k}")
             return 0  # pragma: no cover - unreachable
         finally:
             pool.shutdown(wait=False)
@@ -143,7 +143,8 @@ class Session:
                     self.group.set(f"round/{self.executor.round}", {"kind": "done"})
                     # Under srun rank 0 hosts the store: the others must have read "done" before it goes.
                     if not failed:
-                        self.group.collect({r: f"bye/{r}" for r in range(1, self.group.world)}, "saying goodbye")
+                        self.group.collect({r: f"bye/{r}" for r in range(1, self.group.world)}, "saying goodbye",
+                                           "bye")
                 except ClusterError:
                     pass  # a rank already named as failed, or gone since: nothing more to say to it
         finally:
@@ -209,7 +210,8 @@ class RankExecutor:
 
         for n, value in zip(share[0], local_map(mine, share[0]), strict=True):
             out[n] = value
-        replies = self.group.collect({r: f"result/{k}/{r}" for r in range(1, self.world)}, "reading its share")
+        replies = self.group.collect({r: f"result/{k}/{r}" for r in range(1, self.world)}, "reading its share",
+                                     f"result/{k}")
         for r in range(1, self.world):
             reply = replies[r]
             if reply.get("error") == "changed":
