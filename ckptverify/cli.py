@@ -70,6 +70,10 @@ def _say(flag: bool | None, json_out: bool, *, tty_only: bool = True, emoji: boo
     return lambda msg: err.print(_text(f"· {msg}", "dim"))
 
 
+_NPROC_HELP = ("Verify with N ranks on this machine (started here; each reads its share of the bytes). Under "
+               "torchrun or srun the ranks come from the launcher instead: leave this out.")
+_RANK_TIMEOUT_HELP = "Seconds a rank may give no sign of life before the command fails naming it (exit 2)."
+_NO_CLUSTER_HELP = "Run in this one process even under torchrun or srun (their variables are ignored)."
 _METRICS_HELP = "Also write Prometheus gauges (passed, errors, bytes checked, seconds, ...) to this file."
 _PROGRESS_HELP = "Show progress on stderr [default: on a terminal, without --json]."
 _NARRATE_HELP = "Show each stage on stderr as it runs [default: on, without --json]."
@@ -145,8 +149,13 @@ def main() -> None:
               help="Also write Prometheus gauges (passed, errors, bytes checked, seconds) to this file.")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar [default: on a terminal, without --json].")
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
+@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help=_RANK_TIMEOUT_HELP)
+@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
 def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool, strict: bool,
-           metrics_file: str | None, progress: bool | None) -> None:
+           metrics_file: str | None, progress: bool | None, nproc: int | None, rank_timeout: float,
+           no_cluster: bool) -> None:
     """Verify the checkpoint PATH: a DCP folder, a single torch.save or safetensors file, or a folder of
     such files (Hugging Face, accelerate, transformers).
 
@@ -157,11 +166,20 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
     """
     from ckptverify.audit.verify import verify_checkpoint
 
-    def call(bar: Any) -> Any:
-        return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
-                                 progress=bar)
+    session = _session("verify", path, nproc, rank_timeout, no_cluster, jobs, json_out)
+    if session is None:
+        def call(bar: Any) -> Any:
+            return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
+                                     progress=bar)
 
-    _emit(_with_progress(call, progress, json_out, "verify", path), json_out, metrics_file=metrics_file)
+        _emit(_with_progress(call, progress, json_out, "verify", path), json_out, metrics_file=metrics_file)
+        return
+
+    def ranked(bar: Any) -> Any:
+        return verify_checkpoint(path, jobs=session.jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
+                                 progress=bar, executor=session.executor)
+
+    _emit_ranked(session, ranked, progress, json_out, "verify", path, metrics_file)
 
 
 @main.command()
@@ -179,8 +197,13 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help=_METRICS_HELP)
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
+@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help=_RANK_TIMEOUT_HELP)
+@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
 def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_uncheckable: bool, json_out: bool,
-                jobs: int | None, progress: bool | None, metrics_file: str | None) -> None:
+                jobs: int | None, progress: bool | None, metrics_file: str | None, nproc: int | None,
+                rank_timeout: float, no_cluster: bool) -> None:
     """Adopt the checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
 
     PATH is a DCP folder, a folder of checkpoint files (Hugging Face, accelerate, transformers; DCP parts
@@ -191,10 +214,16 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
     """
     from ckptverify.audit.adopt import fingerprint_checkpoint
 
-    def call(bar: Any) -> Any:
-        return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
-                                      trust_uncheckable=trust_uncheckable, progress=bar)[0]
+    session = _session("fingerprint", path, nproc, rank_timeout, no_cluster, jobs, json_out)
 
+    def call(bar: Any) -> Any:
+        return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force,
+                                      jobs=session.jobs if session else jobs, trust_uncheckable=trust_uncheckable,
+                                      progress=bar, executor=session.executor if session else None)[0]
+
+    if session is not None:
+        _emit_ranked(session, call, progress, json_out, "fingerprint", path, metrics_file)
+        return
     _emit(_with_progress(call, progress, json_out, "fingerprint", path), json_out, metrics_file=metrics_file)
 
 
@@ -239,8 +268,14 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
               help="Also rebuild every tensor of each checkpoint and compare its logical fingerprint with the "
                    "manifest's, as verify --deep does.")
 @click.option("--progress/--no-progress", default=None, help=_PROGRESS_HELP)
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Scan with N ranks on this machine, the checkpoints shared among them by bytes. Under "
+                   "torchrun or srun the ranks come from the launcher instead: leave this out.")
+@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help=_RANK_TIMEOUT_HELP)
+@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
 def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | None, deep: bool,
-         progress: bool | None) -> None:
+         progress: bool | None, nproc: int | None, rank_timeout: float, no_cluster: bool) -> None:
     """Verify every checkpoint under the training run directory RUN_DIR and name the newest good one.
 
     Finds checkpoints by what they hold (torchtitan step-N/, Lightning checkpoints/, transformers
@@ -251,6 +286,15 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
     from ckptverify.render.scan import render_scan
     from ckptverify.runs.scan import scan_run_dir
 
+    session = _session("scan", run_dir, nproc, rank_timeout, no_cluster, jobs, json_out)
+    if session is not None:
+        def ranked(bar: Any) -> Any:
+            return scan_run_dir(run_dir, jobs=session.jobs, progress=_say(progress, json_out), deep=deep,
+                                executor=session.executor)
+
+        _emit_ranked(session, ranked, False, json_out, "scan", run_dir, metrics_file,
+                     render=lambda r, c: (render_scan(r, c), _render_ranks(r, c)))
+        return
     try:
         report = scan_run_dir(run_dir, jobs=jobs, progress=_say(progress, json_out), deep=deep)
     except CkptVerifyError as exc:
@@ -644,6 +688,90 @@ def _with_progress(call: Any, progress: bool | None, json_out: bool, command: st
         return call(None)
     except CkptVerifyError as exc:
         _fail(exc, json_out, command, target)
+
+
+def _session(command: str, path: str, nproc: int | None, rank_timeout: float, no_cluster: bool, jobs: int | None,
+             json_out: bool) -> Any:
+    """This process's part in a command run across ranks (:mod:`ckptverify.cluster`), or ``None`` to run alone.
+    A rank other than 0 serves its share here and exits: rank 0 prints the one report."""
+    if no_cluster or ((nproc or 1) < 2 and not _launched()):
+        return None
+    from ckptverify.cluster.session import open_session
+
+    try:
+        session = open_session(command, path, nproc=nproc, rank_timeout=rank_timeout, jobs=jobs,
+                               child_options={})
+    except CkptVerifyError as exc:
+        _fail(exc, json_out, command, path)
+    if session is None or session.is_root:
+        return session
+    try:
+        code = session.serve()
+    except CkptVerifyError as exc:
+        click.echo(f"ckptverify {command}: error: {_printable(exc)}", err=True)
+        code = exc.exit_code
+    finally:
+        session.close()
+    sys.exit(code)
+
+
+def _launched() -> bool:
+    """Whether a launcher (torchrun, srun, --nproc) may have started this process as one of several ranks."""
+    import os
+
+    env = os.environ
+    return env.get("CKPTVERIFY_CLUSTER") == "local" or bool(env.get("TORCHELASTIC_RUN_ID")) \
+        or env.get("SLURM_PROCID") is not None
+
+
+def _emit_ranked(session: Any, call: Any, progress: bool | None, json_out: bool, command: str, target: str,
+                 metrics_file: str | None, render: Any = None) -> None:
+    """Rank 0: run ``call`` with the other ranks, then print the one report with the bytes each rank read."""
+    try:
+        report = session.finish(_with_progress(call, progress, json_out, command, target))
+    except BaseException:
+        session.close(failed=True)
+        raise
+    session.close()
+    _emit(report, json_out, render=render or _render_ranked, metrics_file=metrics_file)
+
+
+def _render_ranked(report: Any, console: Any) -> None:
+    """The text report, then the ranks' lines."""
+    from ckptverify.render.report import render_text
+
+    render_text(report, console)
+    _render_ranks(report, console)
+
+
+def _render_ranks(report: Any, console: Any) -> None:
+    """One line per rank (a summary past a few ranks) with the bytes it read, and the balance."""
+    from ckptverify.render.report import human_bytes
+
+    stats = report.stats
+    ranks = stats.get("ranks") or []
+    total = int(stats.get("bytes") or 0)
+
+    def line(r: dict[str, Any]) -> str:
+        share = f" ({r['bytes_read'] / total:.1%})" if total else ""
+        return f"  rank {r['rank']} on {r['host']}: read {human_bytes(r['bytes_read'])}{share} in {r['units']} unit(s)"
+
+    console.print(_text(f"read by {len(ranks)} ranks ({stats.get('launcher')}):", "dim"))
+    listed = 8
+    shown = ranks if len(ranks) <= listed else sorted(ranks, key=lambda r: -r["bytes_read"])[:3]
+    for r in shown:
+        console.print(_text(line(r), "dim"))
+    if len(ranks) > listed:
+        sizes = sorted(r["bytes_read"] for r in ranks)
+        console.print(_text(f"  ... and {len(ranks) - 3} more ranks: least {human_bytes(sizes[0])}, median "
+                            f"{human_bytes(sizes[len(sizes) // 2])}", "dim"))
+    bal = stats.get("balance") or {}
+    if bal:
+        console.print(_text(f"  largest share {bal['largest_fraction']:.1%} of the bytes (limit "
+                            f"{bal['limit_fraction']:.1%}): "
+                            + ("balanced" if bal["met"] else f"not balanced: {bal['why_not']}"), "dim"))
+    if stats.get("ranks_note"):
+        console.print(_text(f"  {stats['ranks_note']}", "dim"))
 
 
 def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> None:

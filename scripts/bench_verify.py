@@ -2,6 +2,14 @@
 
     python scripts/bench_verify.py [--dir DIR] [--gib 4.0] [--repeats 3] [--keep]
     python scripts/bench_verify.py --items 100000 [--dir DIR] [--repeats 3] [--keep]
+    python scripts/bench_verify.py --nproc 4 [--gib 1.0] [--jobs-per-rank J] [--dir DIR] [--repeats 3] [--keep]
+
+With ``--nproc N`` it measures verify across ranks (``ckptverify verify --nproc n``, n = 1..N) on one
+page-cached checkpoint, in one run: for each rank count the best wall time of the whole command (the ranks'
+start-up included), the verification's own time as rank 0 reports it (``stats.seconds``), the throughput of
+both and its ratio to one rank, and the bytes each rank read (smallest and largest share, balance). On one
+machine the ranks share its cores (each gets cores / n threads unless ``--jobs-per-rank``): the figures show
+the cost of sharing the work out; the gain comes when the ranks run on nodes of their own.
 
 With ``--items N`` it measures the other end: a checkpoint of N small tensors (each its own DCP item, one
 file), where the cost is per item, not per byte. It times ``torch.distributed.checkpoint``'s own
@@ -158,6 +166,64 @@ def main_items(args: argparse.Namespace) -> int:
     return 0
 
 
+def main_nproc(args: argparse.Namespace) -> int:
+    """Throughput of ``verify`` per rank count, 1..``args.nproc``, on one checkpoint."""
+    workdir = args.dir or tempfile.mkdtemp(prefix="ckptverify-bench-nproc-")
+    ckpt = os.path.join(workdir, "ckpt")
+    if os.path.isdir(ckpt):
+        shutil.rmtree(ckpt)
+    print(f"building a >= {args.gib} GiB checkpoint in {ckpt} ...", flush=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import bench_verify as b; print(b.build({ckpt!r}, {args.gib}))"
+    size = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+               .stdout.split()[-1])
+    files = sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt))
+    print(f"{len(files)} files, {size / (1 << 30):.2f} GiB; warming the page cache", flush=True)
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    rows = []
+    for n in range(1, args.nproc + 1):
+        cmd = [sys.executable, "-m", "ckptverify", "verify", "--no-progress", "--json", ckpt]
+        if n > 1:
+            cmd += ["--nproc", str(n)]
+        if args.jobs_per_rank:
+            cmd += ["--jobs", str(args.jobs_per_rank)]
+        best_wall, best_core, stats = float("inf"), float("inf"), {}
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            wall = time.perf_counter() - start
+            if out.returncode != 0:
+                print(f"verify with {n} rank(s) exited {out.returncode}: {out.stderr[-2000:]}", file=sys.stderr)
+                return 2
+            data = json.loads(out.stdout)
+            best_wall = min(best_wall, wall)
+            if data["stats"]["seconds"] < best_core:
+                best_core, stats = data["stats"]["seconds"], data["stats"]
+        ranks = stats.get("ranks") or [{"rank": 0, "bytes_read": stats["bytes"], "units": None}]
+        shares = [r["bytes_read"] for r in ranks]
+        rows.append({"ranks": n, "wall_s": best_wall, "verify_s": best_core, "wall_gbps": size / best_wall / 1e9,
+                     "verify_gbps": size / best_core / 1e9, "bytes_per_rank": shares,
+                     "balanced": (stats.get("balance") or {"met": True})["met"], "jobs": stats.get("jobs"),
+                     "checkpoint_bytes": stats["bytes"]})
+    one = rows[0]
+    print()
+    print(f"{'ranks':>5}{'threads/rank':>13}{'wall s':>8}{'GB/s':>7}{'x 1':>6}{'verify s':>10}{'GB/s':>7}{'x 1':>6}"
+          f"{'least share':>13}{'largest':>9}  balanced")
+    for r in rows:
+        least, most = min(r["bytes_per_rank"]) / size, max(r["bytes_per_rank"]) / size
+        print(f"{r['ranks']:>5}{r['jobs']!s:>13}{r['wall_s']:>8.2f}{r['wall_gbps']:>7.2f}"
+              f"{r['wall_gbps'] / one['wall_gbps']:>6.2f}{r['verify_s']:>10.2f}{r['verify_gbps']:>7.2f}"
+              f"{r['verify_gbps'] / one['verify_gbps']:>6.2f}{least:>13.1%}{most:>9.1%}  {r['balanced']}")
+    print()
+    print(f"bytes per rank sum to the checkpoint's {one['checkpoint_bytes']} bytes (its files, .metadata aside): "
+          f"{all(sum(r['bytes_per_rank']) == r['checkpoint_bytes'] for r in rows)}; cores here: {os.cpu_count()}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(json.dumps({"bytes": size, "files": len(files), "rows": rows, "load_average": os.getloadavg()[0]}))
+    if not args.keep and args.dir is None:
+        shutil.rmtree(workdir)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="where to build the checkpoint [a temporary directory]")
@@ -166,7 +232,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: a checkpoint of this many small tensors, per-item costs [off]")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per tool [3]")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="instead: verify throughput with 1..N ranks (verify --nproc), bytes per rank [off]")
+    ap.add_argument("--jobs-per-rank", type=int, default=None,
+                    help="with --nproc: threads per rank [the machine's cores / ranks]")
     args = ap.parse_args(argv)
+    if args.nproc is not None:
+        if args.nproc < 1 or args.gib <= 0:
+            ap.error("--nproc must be at least 1 and --gib above 0")
+        return main_nproc(args)
     if args.items is not None:
         if args.items < 1:
             ap.error("--items must be at least 1")

@@ -40,8 +40,8 @@ _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-128",
                            block_bytes: int = DEFAULT_BLOCK_BYTES, force: bool = False, jobs: int | None = None,
-                           trust_uncheckable: bool = False,
-                           progress: ProgressSink | None = None) -> tuple[Report, Manifest | None]:
+                           trust_uncheckable: bool = False, progress: ProgressSink | None = None,
+                           executor: Any = None) -> tuple[Report, Manifest | None]:
     """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the
     manifest (``None`` when refused).
 
@@ -49,7 +49,11 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     serialization, CRC disabled at save) would be blessed as it is by a manifest, so it is refused unless
     ``trust_uncheckable``; the report names every such item either way. Raises
     :class:`~ckptverify.errors.ManifestExistsError` when a manifest exists and ``force`` is false, or the
-    manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments."""
+    manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments.
+
+    ``executor``: shares a DCP checkpoint's verification pass and its item and file digests among ranks
+    and the logical fingerprints' reads among ranks (:mod:`ckptverify.cluster`); the manifest is the one a
+    single process writes. Other formats are adopted by this process alone."""
     from ckptverify._version import __version__
     from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
 
@@ -79,6 +83,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, started=started)
     run = VerificationRun(root, jobs or default_jobs(), progress)
+    run.executor = executor
     try:
         run.execute(deep=False, use_manifest=False)
         checked = run.report("fingerprint", time.perf_counter() - started)
@@ -112,11 +117,16 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             with desc.open(name) as f:
                 return FileEntry(size=f.size, digest=digest_reader(f, digest))
 
-        entries = run.map(digest_item, sorted(desc.stored, key=lambda i: -i.length))
+        ordered = sorted(desc.stored, key=lambda i: -i.length)
         names = sorted(desc.files)
-        file_digests = run.map(digest_file, names)
+        if executor is not None:
+            entries, file_digests = _shared_digests(run, executor, ordered, names, digest, block_bytes)
+        else:
+            entries = run.map(digest_item, ordered)
+            file_digests = run.map(digest_file, names)
         metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-        scans, replica_findings = deep_check.scan_description(desc, run.map)
+        scans, replica_findings = deep_check.scan_description(
+            desc, run.map if executor is None else executor.tensor_map(run))
         if replica_findings:
             return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
                 "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
@@ -168,6 +178,29 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
     return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
                   stats=checked.stats), manifest
+
+
+def _shared_digests(run: VerificationRun, executor: Any, ordered: list[StoredRange], names: list[str], digest: str,
+                    block_bytes: int) -> tuple[list[ItemEntry], list[FileEntry]]:
+    """The item and file digests, read by the ranks (each its share) and returned in order."""
+
+    def opened(name: str) -> Any:
+        f = run.opened.get(name)
+        if f is None:
+            raise FileChangedError("it could not be opened again", os.path.join(run.root, name))
+        return f
+
+    def size_of(name: str) -> int:
+        return int(opened(name).size)
+
+    units = [["item", i.file, i.offset, i.length, digest, block_bytes] for i in ordered]
+    units += [["digest", n, digest] for n in names]
+    got = executor.map_plain(units, root=run.root, open_file=opened, size_of=size_of, local_map=run.map,
+                             advance=run.advance)
+    entries = [ItemEntry(fqn=i.name, chunk_offsets=i.chunk_offsets, file=i.file, offset=i.offset, length=i.length,
+                         digest=value[0], blocks=tuple(value[1])) for i, value in zip(ordered, got, strict=False)]
+    files = [FileEntry(size=size_of(n), digest=value) for n, value in zip(names, got[len(ordered):], strict=True)]
+    return entries, files
 
 
 def _refused(checked: Report, findings: list[Any], why: str) -> Report:

@@ -58,7 +58,7 @@ def _counts_requests(fn: Any) -> Any:
 @_counts_requests
 def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
                       use_manifest: bool = True, strict: bool = False,
-                      progress: ProgressSink | None = None) -> Report:
+                      progress: ProgressSink | None = None, executor: Any = None) -> Report:
     """Verify the checkpoint at ``path`` and return a report of findings.
 
     ``path`` is a DCP checkpoint directory; or a single ``torch.save``/safetensors file, or a folder of such
@@ -75,6 +75,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     :class:`~ckptverify.errors.CheckpointNotFoundError` when ``path`` does not exist and
     :class:`~ckptverify.errors.UsageError` for bad arguments or a run directory; every problem *with* the
     checkpoint is a finding in the report, never an exception.
+
+    ``executor``: shares a DCP checkpoint's hashing pass among ranks (:mod:`ckptverify.cluster`); the
+    findings are the same as without it. Other formats are read by this process alone.
     """
     root = os.fspath(path)
     if jobs is not None and jobs < 1:
@@ -95,6 +98,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         report = _verify_folder(root, jobs, deep, use_manifest, started)
         return fail_uncheckable(report) if strict else report
     run = VerificationRun(root, jobs or _default_jobs(root), progress)
+    run.executor = executor
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:

@@ -127,6 +127,11 @@ class VerificationRun:
         self.side_files: list[str] = []
         #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
         self.extension_registry: Any = None
+        #: Shares the hashing pass and the deep scan among ranks (:class:`ckptverify.cluster.session.RankExecutor`):
+        #: its ``map_units(run, units)`` returns the results of plain work units (:mod:`ckptverify.cluster.units`)
+        #: in order, read on other ranks or here; ``tensor_map(run)`` is the deep scan's ``run_map``. ``None``:
+        #: every byte is read by this process.
+        self.executor: Any = None
         #: Records whose bytes only the manifest's block digests checked (file, item offset, record name), and
         #: the items the manifest digested block by block (file, offset, length): what protects each payload.
         self._manifest_records: set[tuple[str, int, str]] = set()
@@ -437,7 +442,11 @@ class VerificationRun:
             self.advance(task.end - task.start)
             return result
 
-        results = dict(zip(work, self.map(run, work), strict=True))
+        if self.executor is not None:
+            got = self.executor.map_units(self, [_unit(w, tasks, crc_ranges, manifest) for w in work])
+        else:
+            got = self.map(run, work)
+        results = dict(zip(work, got, strict=True))
         # CRC partials per record, combined in file order.
         partials: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
         for seg in segs:
@@ -512,7 +521,10 @@ class VerificationRun:
                 cursor = end
             if cursor != f.size:
                 todo.append(name)
-        got = self.map(lambda n: digest_reader(self.opened[n], manifest.digest_algorithm), todo)  # type: ignore[arg-type]
+        if self.executor is not None:
+            got = self.executor.map_units(self, [["digest", n, manifest.digest_algorithm] for n in todo])
+        else:
+            got = self.map(lambda n: digest_reader(self.opened[n], manifest.digest_algorithm), todo)  # type: ignore[arg-type]
         for name, digest in zip(todo, got, strict=True):
             if digest != manifest.files[name].digest:
                 self.findings.append(error(
@@ -527,7 +539,8 @@ class VerificationRun:
         if self.progress is not None:
             self.progress.start(sum(p.item.length for p in self.plans
                                     if p.item.kind == "tensor" and p.item.chunk is not None))
-        scans, found = deep_check.scan_description(desc, self.map, self.advance)
+        run_map = self.map if self.executor is None else self.executor.tensor_map(self)
+        scans, found = deep_check.scan_description(desc, run_map, self.advance)
         self.findings.extend(found)
         self.findings.extend(deep_check.judge(desc, self.manifest, scans))
         rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
@@ -591,6 +604,18 @@ class VerificationRun:
         side = side_file_description(self.root, list(self.side_files)) if side_files and self.side_files else None
         return describe_dcp(self.root, self.layout, read, files=self.opened, values=values, values_skip=values_skip,
                             side=side)
+
+
+def _unit(w: Any, tasks: list[manifest_check.BlockTask], crc_ranges: list[list[tuple[int, int]]],
+          manifest: Manifest | None) -> list[Any]:
+    """A work item of the hashing pass as a plain unit another rank can read (:mod:`ckptverify.cluster.units`)."""
+    kind, what = w
+    if kind == "crc":
+        return ["crc", what.file, what.start, what.end]
+    task = tasks[what]
+    assert manifest is not None
+    return ["blocks", task.file, task.start, task.end, task.first, task.last, manifest.digest_algorithm,
+            manifest.block_bytes, [list(r) for r in crc_ranges[what]]]
 
 
 class _Window:

@@ -140,10 +140,13 @@ def reason_of(state: str, report: Report) -> str:
 
 
 def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, progress: Any = None,
-                 deep: bool = False) -> Report:
+                 deep: bool = False, executor: Any = None) -> Report:
     """Verify every checkpoint under ``run_dir``; see the module docstring. ``progress``: called with one line
     per checkpoint as its verification starts. ``deep``: verify each as ``verify --deep`` does (every tensor
     rebuilt and its logical fingerprint compared with the manifest's; ``stats.deep`` says so).
+
+    ``executor``: shares the checkpoints among ranks (:mod:`ckptverify.cluster`), balanced by their bytes;
+    each is judged where it is read, exactly as here, and the report is the one a single process gives.
 
     Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory and
     :class:`~ckptverify.errors.UsageError` when it holds no checkpoint at all.
@@ -163,10 +166,14 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
                          + (f"; the walk could not see all of it: {unseen}" if unseen else ""))
     rows: list[dict[str, Any]] = []
     findings: list[Finding] = []
+    judged = _judged_by_ranks(root, candidates, executor, jobs, deep, progress) if executor is not None else None
     for n, cand in enumerate(candidates):
-        if progress is not None:
-            progress(f"{n + 1}/{len(candidates)} {cand.path}")
-        state, reason, counts = judge(root, cand, jobs, deep=deep)
+        if judged is not None:
+            state, reason, counts = judged[n]
+        else:
+            if progress is not None:
+                progress(f"{n + 1}/{len(candidates)} {cand.path}")
+            state, reason, counts = judge(root, cand, jobs, deep=deep)
         rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts,
                      "quarantined": is_quarantined(cand.path)})
         make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable", "suspect",
@@ -185,6 +192,23 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
              "bytes": sum(r["bytes_checked"] for r in rows), "unseen": [n.to_dict() for n in notes], "deep": deep}
     coverage = (CheckCoverage(check="scan", count=len(rows), unit="checkpoints"),)
     return Report(command="scan", target=root, findings=tuple(findings), coverage=coverage, stats=stats)
+
+
+def _judged_by_ranks(root: str, candidates: list[Candidate], executor: Any, jobs: int | None, deep: bool,
+                     progress: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """Every candidate judged by :func:`judge` on the rank it was given (``[state, reason, counts]`` each)."""
+    import dataclasses
+
+    if progress is not None:
+        progress(f"{len(candidates)} checkpoint(s) shared among {executor.world} ranks")
+    units = [["checkpoint", dataclasses.asdict(c), deep] for c in candidates]
+
+    def no_files(name: str) -> Any:
+        raise ValueError(f"a checkpoint unit opens no single file ({name})")
+
+    got = executor.map_plain(units, root=root, open_file=no_files, size_of=lambda n: 0,
+                             local_map=lambda fn, xs: [fn(x) for x in xs], jobs=jobs)
+    return [(state, reason, dict(counts)) for state, reason, counts in got]
 
 
 def advice(note: WalkNote, root: str) -> str:

@@ -1,0 +1,101 @@
+"""Whether this process is one rank of a distributed command, and where the ranks meet, from the environment.
+
+Three launchers are recognised:
+
+- ``torchrun`` (``TORCHELASTIC_RUN_ID`` set): ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT`` as torchrun sets them;
+- Slurm's ``srun`` (``SLURM_PROCID`` with ``SLURM_STEP_NUM_TASKS`` above 1, which only ``srun`` sets: a batch
+  script's own ``SLURM_NTASKS`` is the job's, and a ``verify`` run from the script itself runs alone): the rank
+  from ``SLURM_PROCID``, the world from the step's task count, the ranks on this node from
+  ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_NTASKS_PER_NODE``; ``MASTER_ADDR`` and ``MASTER_PORT`` must be set by
+  the job script (rank 0's host and a free port);
+- ``ckptverify ... --nproc N`` (``CKPTVERIFY_CLUSTER=local``): the ranks it started itself.
+
+A world of one is no cluster: the command runs as it always did. ``--no-cluster`` (or
+``CKPTVERIFY_CLUSTER=off``) runs one process whatever the environment says, e.g. a ``verify`` started by one
+rank of a training job, which inherits that job's variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from ckptverify.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterEnv:
+    """This process's place among the ranks: ``launcher`` is ``torchrun``, ``slurm`` or ``local``."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+
+def detect(environ: dict[str, str] | None = None) -> ClusterEnv | None:
+    """The cluster this process is a rank of, or ``None`` when it runs alone. Raises
+    :class:`~ckptverify.errors.UsageError` (exit 2) naming what to set when a launcher is recognised but a
+    variable the ranks need to meet is missing or malformed."""
+    env = os.environ if environ is None else environ
+    if env.get("CKPTVERIFY_CLUSTER") == "off":
+        return None
+    if env.get("CKPTVERIFY_CLUSTER") == "local" or env.get("TORCHELASTIC_RUN_ID"):
+        launcher = "local" if env.get("CKPTVERIFY_CLUSTER") == "local" else "torchrun"
+        world = _int(env, "WORLD_SIZE", launcher)
+        if world <= 1:
+            return None
+        rank = _int(env, "RANK", launcher)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", launcher) if env.get("LOCAL_WORLD_SIZE") else world
+    elif env.get("SLURM_PROCID") is not None and env.get("SLURM_STEP_NUM_TASKS"):
+        launcher = "slurm"
+        world = _int(env, "SLURM_STEP_NUM_TASKS", launcher)
+        if world <= 1:
+            return None
+        rank = _int(env, "SLURM_PROCID", launcher)
+        local_world = _tasks_here(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "")
+    else:
+        return None
+    if not 0 <= rank < world:
+        raise UsageError(f"rank {rank} is outside the world of {world} ranks the {launcher} environment gives")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise UsageError(
+            f"running as rank {rank} of {world} under {launcher}, but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: set MASTER_ADDR to rank 0's host name and MASTER_PORT "
+            "to a free TCP port on it, the same on every rank (e.g. in the job script: "
+            "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) MASTER_PORT=29511), "
+            "or pass --no-cluster to verify in this one process")
+    port = _int(env, "MASTER_PORT", launcher)
+    if not 0 < port < 65536:
+        raise UsageError(f"MASTER_PORT={port} is not a TCP port")
+    return ClusterEnv(rank=rank, world_size=world, local_world_size=max(1, local_world),
+                      master_addr=env["MASTER_ADDR"], master_port=port, launcher=launcher)
+
+
+def _int(env: dict[str, str] | os._Environ[str], key: str, launcher: str) -> int:
+    value = env.get(key)
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise UsageError(f"running under {launcher}, {key} must be an integer, got {value!r}") from None
+
+
+def _tasks_here(spec: str) -> int:
+    """Tasks on the first node of a Slurm ``TASKS_PER_NODE`` spec (``4(x2),3``): how many ranks share this node's
+    cores, near enough (the nodes of a step usually run alike)."""
+    m = re.match(r"\s*(\d+)", spec)
+    return int(m.group(1)) if m else 1
+
+
+def cores_per_rank(local_world_size: int) -> int:
+    """Worker threads per rank by default: this node's cores shared among the ranks that run on it."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))

@@ -1,0 +1,219 @@
+"""The ranks of one command, meeting and talking through torch.distributed's TCP store.
+
+Every message is a key in the rendezvous store (under a ``ckptverify/`` prefix): each rank's hello (host,
+pid, command), rank 0's rounds of work and each rank's reply. Each rank also beats a heartbeat there (a
+counter bumped every second by a thread of its own, on a connection of its own). Whoever waits for another
+rank watches its heartbeat: a rank whose heartbeat has not moved for the timeout (stopped, hung, or dead
+without a launcher to tell) is named with its host, and the command fails (exit 2) instead of hanging. A
+launcher that knows more (``--nproc``: the exit code or signal of each rank it started) says so first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ckptverify.errors import CkptVerifyError
+
+#: Seconds between two heartbeats of a rank.
+BEAT_SECONDS = 1.0
+
+
+class ClusterError(CkptVerifyError):
+    """The ranks could not meet or one stopped answering: the command could not run (exit 2). The message
+    names the rank, its host, and what happened."""
+
+
+def connect(addr: str, port: int, world: int, timeout: float, *, server: bool) -> Any:
+    """A client of the store at ``addr:port`` (started here first when ``server``)."""
+    from torch.distributed import TCPStore
+
+    wait = timedelta(seconds=timeout)
+    try:
+        if server:
+            return TCPStore(addr, port, world, True, wait, wait_for_workers=False)
+        return TCPStore(addr, port, world, False, wait)
+    except Exception as exc:  # c10d raises RuntimeError subclasses whose type names vary by version
+        role = "start the rendezvous store on" if server else "reach the rendezvous store at"
+        raise ClusterError(f"could not {role} {addr}:{port} within {timeout:g} s ({_short(exc)}): check that "
+                           "rank 0 runs, that MASTER_ADDR names its host and that MASTER_PORT is free there "
+                           "and reachable from every node") from None
+
+
+class Group:
+    """This rank's view of the others. ``store`` and ``beat_store`` are two connections to one store (the
+    heartbeat thread has its own); ``liveness(pending)`` may name a rank among ``pending`` that is known to
+    be gone (its exit code or signal), or return ``None``."""
+
+    def __init__(self, store: Any, beat_store: Any, rank: int, world: int, timeout: float, namespace: str,
+                 liveness: Callable[[set[int]], str | None] | None = None) -> None:
+        from torch.distributed import PrefixStore
+
+        self.store = PrefixStore(namespace, store)
+        self._beat_store = PrefixStore(namespace, beat_store)
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.liveness = liveness
+        self.host = socket.gethostname()
+        self.roster: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._beating, name="ckptverify-heartbeat", daemon=True)
+
+    # ---- lifecycle
+
+    def start(self, command: str, path: str) -> None:
+        """Say hello and learn every rank's host: rank 0 waits for every hello (naming the ranks that never
+        came) and publishes the roster; the others wait for it."""
+        self._beat.start()
+        hello = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "command": command, "path": path}
+        if self.rank == 0:
+            self.set("hello/0", hello)
+            got = self._await({r: f"hello/{r}" for r in range(1, self.world)}, "checking in", started=True,
+                              topic="hello")
+            self.roster = [hello] + [got[r] for r in range(1, self.world)]
+            for other in self.roster[1:]:
+                if (other["command"], other["path"]) != (command, path):
+                    raise ClusterError(
+                        f"rank {other['rank']} on {other['host']} runs `{other['command']} {other['path']}`, "
+                        f"rank 0 runs `{command} {path}`: start the same command on every rank")
+            self.set("roster", self.roster)
+        else:
+            self.send(f"hello/{self.rank}", hello, "hello")
+            self.roster = self._await({0: "roster"}, "starting")[0]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beat.is_alive():
+            self._beat.join(timeout=2 * BEAT_SECONDS)
+
+    def host_of(self, rank: int) -> str:
+        return str(self.roster[rank]["host"]) if rank < len(self.roster) else "an unknown host"
+
+    # ---- messages
+
+    def set(self, key: str, value: Any) -> None:
+        try:
+            self.store.set(key, json.dumps(value))
+        except Exception as exc:
+            raise self._lost(exc) from None
+
+    def get(self, key: str) -> Any:
+        try:
+            return json.loads(self.store.get(key))
+        except Exception as exc:
+            raise self._lost(exc) from None
+
+    def send(self, key: str, value: Any, topic: str) -> None:
+        """Rank 0 the message ``key``, counted under ``topic`` (what :meth:`collect` watches)."""
+        self.set(key, value)
+        try:
+            self.store.add(f"arrived/{topic}", 1)
+        except Exception as exc:
+            raise self._lost(exc) from None
+
+    def wait_root(self, key: str, what: str) -> Any:
+        """Rank 0's message ``key``, waiting as long as rank 0's heartbeat moves."""
+        return self._await({0: key}, what)[0]
+
+    def collect(self, keys: dict[int, str], what: str, topic: str | None = None) -> dict[int, Any]:
+        """Every rank's message (rank -> key), waiting as long as each one's heartbeat moves. With ``topic``
+        (the messages were sent with :meth:`send`), the keys are looked at only when its count moved: one
+        request per poll, whatever the number of ranks."""
+        return self._await(keys, what, topic=topic)
+
+    # ---- internals
+
+    def _beating(self) -> None:
+        key = f"beat/{self.rank}"
+        interval = min(BEAT_SECONDS, self.timeout / 4)
+        while not self._stop.is_set():
+            try:
+                self._beat_store.add(key, 1)
+            except Exception:  # the store is gone: the waits of the main thread say so
+                return
+            self._stop.wait(interval)
+
+    def _await(self, keys: dict[int, str], what: str, *, started: bool = False,
+               topic: str | None = None) -> dict[int, Any]:
+        pending = dict(keys)
+        got: dict[int, Any] = {}
+        now = time.monotonic()
+        # Last heartbeat value seen and when it last moved; a rank not yet heard from (started) has none.
+        beats = {r: (None if started else self._beat_of(r), now) for r in pending}
+        beat_every = min(BEAT_SECONDS, self.timeout / 4)
+        beats_at = now
+        # Requests to the store scale with the ranks waited for: the slowest poll grows with the world.
+        slowest = min(1.0, 0.1 * max(1.0, self.world / 100))
+        count: int | None = -1
+        pause = 0.005
+        while pending:
+            try:
+                moved = True
+                if topic is not None:
+                    now_count = int(self.store.add(f"arrived/{topic}", 0))
+                    moved, count = now_count != count, now_count
+                if moved:
+                    for r, key in list(pending.items()):
+                        if self.store.check([key]):
+                            got[r] = json.loads(self.store.get(key))
+                            del pending[r]
+            except ClusterError:
+                raise
+            except Exception as exc:
+                raise self._lost(exc) from None
+            if not pending:
+                break
+            if self.liveness is not None:
+                gone = self.liveness(set(pending))
+                if gone is not None:
+                    raise ClusterError(f"{gone}, while {what}")
+            now = time.monotonic()
+            if now - beats_at >= beat_every:
+                beats_at = now
+                silent = []
+                for r in pending:
+                    value = self._beat_of(r)
+                    if value != beats[r][0]:
+                        beats[r] = (value, now)
+                    elif now - beats[r][1] > self.timeout:
+                        silent.append(r)
+                if silent:
+                    raise ClusterError(self._silent(silent, what))
+            time.sleep(pause)
+            pause = min(slowest, pause * 2)
+        return got
+
+    def _beat_of(self, rank: int) -> int | None:
+        key = f"beat/{rank}"
+        try:
+            return int(self.store.add(key, 0)) if self.store.check([key]) else None
+        except Exception as exc:
+            raise self._lost(exc) from None
+
+    def _silent(self, ranks: list[int], what: str) -> str:
+        def name(r: int) -> str:
+            if r < len(self.roster):
+                return f"rank {r} on {self.host_of(r)} (pid {self.roster[r]['pid']})"
+            return f"rank {r}"
+
+        names = ", ".join(name(r) for r in ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+        if not self.roster and self.rank == 0:
+            return (f"{names} never checked in within {self.timeout:g} s: {'they' if len(ranks) > 1 else 'it'} did "
+                    "not start, or cannot reach MASTER_ADDR:MASTER_PORT")
+        return (f"{names} gave no sign of life for {self.timeout:g} s while {what}: stopped, hung or dead (its "
+                "heartbeat stopped); raise --rank-timeout if a node is that slow")
+
+    def _lost(self, exc: Exception) -> ClusterError:
+        who = "rank 0's rendezvous store" if self.rank else "the rendezvous store"
+        return ClusterError(f"rank {self.rank} on {self.host} lost {who} ({_short(exc)}): rank 0 or the launcher "
+                            "ended")
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

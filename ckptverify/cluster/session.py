@@ -1,0 +1,330 @@
+"""One command across ranks: who this rank is, rank 0's executor, the other ranks' loop, and the report.
+
+:func:`open_session` returns ``None`` when the command runs as one process (no launcher, or a world of
+one), else a :class:`Session`. On rank 0, :attr:`Session.executor` is handed to the command (the DCP
+pipeline's hashing pass, ``fingerprint``'s digests, ``scan``'s checkpoints), which hands it its work
+units; :meth:`Session.finish` adds the bytes each rank read to the report. Every other rank calls
+:meth:`Session.serve`: it reads the units it is sent until rank 0 says it is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
+from ckptverify.cluster.group import ClusterError, Group, connect
+from ckptverify.cluster.split import assign, balance
+from ckptverify.cluster.units import RankFiles, Unit, execute, unit_bytes, unit_file, unit_range
+from ckptverify.errors import FileChangedError, UsageError
+
+#: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
+DEFAULT_RANK_TIMEOUT = 120.0
+#: Test-only: ``RANK:ACTION`` makes rank RANK (not 0) ``kill`` itself (SIGKILL), ``exit`` (code 3) or
+#: ``stop`` (SIGSTOP) when its first work arrives, so that tests can prove a dead or hung rank is named.
+FAULT_ENV = "CKPTVERIFY_TEST_RANK_FAULT"
+
+
+def open_session(command: str, path: str, *, nproc: int | None, rank_timeout: float, jobs: int | None,
+                 child_options: dict[str, Any]) -> Session | None:
+    """The session this process takes part in, or ``None`` to run alone. ``nproc``: start that many ranks
+    here (this process is rank 0); otherwise the launcher's environment (:func:`~.env.detect`) decides.
+    ``child_options``: the options ranks 1..N-1 are started with under ``nproc``."""
+    env = detect()
+    if nproc is not None and nproc > 1:
+        if env is not None:
+            raise UsageError(f"--nproc starts the ranks itself, but this process is already rank {env.rank} of "
+                             f"{env.world_size} under {env.launcher}: leave --nproc out")
+        from ckptverify.cluster.launch import LocalRanks, child_argv
+
+        per_rank = jobs or cores_per_rank(nproc)
+        ranks = LocalRanks(nproc, child_argv(command, path, {**child_options, "jobs": per_rank,
+                                                             "rank-timeout": rank_timeout}), rank_timeout)
+        try:
+            beat = connect("127.0.0.1", ranks.port, nproc, rank_timeout, server=False)
+            group = Group(ranks.store, beat, 0, nproc, rank_timeout, _namespace(), liveness=ranks.liveness)
+            session = Session(group, path, per_rank, "local", ranks)
+            group.start(command, path)
+        except BaseException:
+            ranks.close(grace=0)
+            raise
+        return session
+    if env is None:
+        return None
+    return _join(env, command, path, rank_timeout, jobs)
+
+
+def _join(env: ClusterEnv, command: str, path: str, timeout: float, jobs: int | None) -> Session:
+    # Under torchrun the agent hosts the store at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE);
+    # under srun and --nproc's children, rank 0 hosts it.
+    agent = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    server = connect(env.master_addr, env.master_port, env.world_size, timeout,
+                     server=True) if env.rank == 0 and not agent and env.launcher != "local" else None
+    store = server or connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
+    beat = connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
+    group = Group(store, beat, env.rank, env.world_size, timeout, _namespace())
+    session = Session(group, path, jobs or cores_per_rank(env.local_world_size), env.launcher, None)
+    session._server = server
+    group.start(command, path)
+    return session
+
+
+class Session:
+    """This rank's part in one command (see the module docstring)."""
+
+    def __init__(self, group: Group, path: str, jobs: int, launcher: str, local: Any) -> None:
+        self.group, self.path, self.jobs, self.launcher, self._local = group, path, jobs, launcher, local
+        self._server: Any = None
+        self.executor = RankExecutor(group) if group.rank == 0 else None
+        self._closed = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.group.rank == 0
+
+    # ---- the other ranks
+
+    def serve(self) -> int:
+        """Read the units rank 0 sends until it says it is done; the exit code of this rank (0, or 2 when rank 0
+        could not be heard: the message is printed by the caller from the :class:`ClusterError` raised)."""
+        group, files = self.group, RankFiles(self.path)
+        fault = _fault(group.rank)
+        pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="ckptverify-rank")
+        try:
+            for k in range(1 << 62):
+                msg = group.wait_root(f"round/{k}", "waiting for work")
+                if msg.get("kind") != "work":
+                    group.send(f"bye/{group.rank}", True, "bye")  # rank 0 may host the store: it waits for this
+                    return 0
+                work = group.get(f"units/{k}/{group.rank}")
+                if fault is not None:
+                    os.kill(os.getpid(), fault) if fault > 0 else os._exit(3)
+                files.expect.update(work.get("expect") or {})
+                # A whole checkpoint (scan) is verified with all of this rank's threads: one at a time.
+                run_map = map if any(u[0] == "checkpoint" for u in work["units"]) else pool.map
+                try:
+                    results = list(run_map(lambda u: execute(u, files, self.path, self.jobs), work["units"]))
+                    reply: dict[str, Any] = {"results": results}
+                except FileChangedError as exc:
+                    reply = {"error": "changed", "path": _relative(exc.path, self.path), "message": str(exc)}
+                except Exception as exc:  # reported by rank 0, which names this rank
+                    reply = {"error": "failed", "message": f"{type(exc).__name__}: {exc}"[:500]}
+                group.send(f"result/{k}/{group.rank}", reply, f"result/{k}")
+            return 0  # pragma: no cover - unreachable
+        finally:
+            pool.shutdown(wait=False)
+            files.close()
+
+    # ---- rank 0
+
+    def finish(self, report: Any) -> Any:
+        """``report`` with the bytes each rank read (``stats.ranks``, ``stats.world_size``,
+        ``stats.balance``)."""
+        assert self.executor is not None
+        stats = dict(report.stats)
+        stats.update(self.executor.summary(int(stats.get("bytes") or 0), deep=bool(stats.get("deep"))))
+        stats["launcher"] = self.launcher
+        return dataclasses.replace(report, stats=stats)
+
+    def close(self, *, failed: bool = False) -> None:
+        """Tell the other ranks to stop (rank 0) and, unless the command ``failed`` (a rank may be the reason),
+        wait until each has heard it; stop the heartbeat, and end the ranks started here."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.is_root and self.executor is not None:
+                try:
+                    self.group.set(f"round/{self.executor.round}", {"kind": "done"})
+                    # Under srun rank 0 hosts the store: the others must have read "done" before it goes.
+                    if not failed:
+                        self.group.collect({r: f"bye/{r}" for r in range(1, self.group.world)}, "saying goodbye",
+                                           "bye")
+                except ClusterError:
+                    pass  # a rank already named as failed, or gone since: nothing more to say to it
+        finally:
+            self.group.close()
+            if self._local is not None:
+                self._local.close()
+
+
+class RankExecutor:
+    """Rank 0's side: shares work units among the ranks and returns their results in order."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.world = group.world
+        self.round = 0
+        self.loads = [0] * self.world
+        self.read = [0] * self.world
+        self.units = [0] * self.world
+        self.largest_unit = 0
+        self._ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        self._unranged = 0
+        self._rank0_own: int | None = None
+
+    def map_units(self, run: Any, units: Sequence[Unit]) -> list[Any]:
+        """The results of ``units`` for a :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`: read
+        through its opened files on rank 0, its progress advanced as results arrive."""
+
+        def size_of(name: str) -> int:
+            return int(run.opened[name].size)
+
+        if self._rank0_own is None:  # rank 0 read the rest itself: metadata, headers, small items
+            total = sum(f.size for f in run.opened.values() if f is not None)
+            self._rank0_own = max(0, total - _union(units, size_of))
+            self.loads[0] += self._rank0_own
+        return self.map_plain(units, root=run.root, open_file=lambda n: run.opened[n], size_of=size_of,
+                              local_map=run.map, advance=run.advance)
+
+    def map_plain(self, units: Sequence[Unit], *, root: str, open_file: Callable[[str], Any],
+                  size_of: Callable[[str], int], local_map: Callable[..., list[Any]],
+                  advance: Callable[[int], None] | None = None, jobs: int | None = 1) -> list[Any]:
+        """The results of ``units``, in order: rank 0's share read here through ``open_file`` (with
+        ``local_map``; ``jobs``: the workers of a whole checkpoint read here), the others' sent to them; a
+        rank's ``file-changed`` raised here as
+        :class:`~ckptverify.errors.FileChangedError`, any other failure as :class:`ClusterError` naming it."""
+        sizes = [unit_bytes(u, size_of) for u in units]
+        owner = assign(sizes, self.loads)
+        k, self.round = self.round, self.round + 1
+        share: list[list[int]] = [[] for _ in range(self.world)]
+        for n, r in enumerate(owner):
+            share[r].append(n)
+        for r in range(1, self.world):
+            names = sorted({f for f in (unit_file(units[n]) for n in share[r]) if f is not None})
+            self.group.set(f"units/{k}/{r}", {"units": [units[n] for n in share[r]],
+                                              "expect": {m: _signature(root, m, size_of) for m in names}})
+        self.group.set(f"round/{k}", {"kind": "work"})
+        out: list[Any] = [None] * len(units)
+
+        def mine(n: int) -> Any:
+            value = execute(units[n], open_file, root, jobs)
+            if advance is not None:
+                advance(sizes[n])
+            return value
+
+        for n, value in zip(share[0], local_map(mine, share[0]), strict=True):
+            out[n] = value
+        replies = self.group.collect({r: f"result/{k}/{r}" for r in range(1, self.world)}, "reading its share",
+                                     f"result/{k}")
+        for r in range(1, self.world):
+            reply = replies[r]
+            if reply.get("error") == "changed":
+                raise FileChangedError(reply["message"], os.path.join(root, reply["path"]))
+            if "error" in reply:
+                raise ClusterError(f"rank {r} on {self.group.host_of(r)} could not read its share: {reply['message']}")
+            for n, value in zip(share[r], reply["results"], strict=True):
+                out[n] = value
+                if advance is not None:
+                    advance(sizes[n])
+        for r in range(self.world):
+            self.read[r] += sum(sizes[n] for n in share[r])
+            self.units[r] += len(share[r])
+        self.largest_unit = max([self.largest_unit, *sizes])
+        for u in units:
+            got = unit_range(u, size_of)
+            if got is None:
+                self._unranged += unit_bytes(u, size_of)
+            else:
+                self._ranges[got[0]].append((got[1], got[2]))
+        return out
+
+    def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
+        """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description` (``--deep``, ``fingerprint``):
+        the stored pieces of tensors in raw bytes of a file are scanned on the ranks (each its share), the rest
+        (stream-transformed items, tensor subclasses) here through ``run.map``; the scans are the ones
+        ``scan_description`` computes itself."""
+        from ckptverify.cluster.units import payload_unit, scan_from_json
+        from ckptverify.formats.describe import Payload
+
+        def shared(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+            raw = [n for n, x in enumerate(items) if isinstance(x, tuple) and len(x) == 2
+                   and isinstance(x[1], Payload) and x[1].encoding == "raw" and x[1].stored is None]
+            if not raw:
+                return run.map(fn, items)
+            units = [payload_unit(items[n][0].name, items[n][0].shape, items[n][1]) for n in raw]
+            got = self.map_units(run, units)
+            out: list[Any] = [None] * len(items)
+            for n, value in zip(raw, got, strict=True):
+                out[n] = scan_from_json(value)
+            rest = [n for n in range(len(items)) if out[n] is None]
+            for n, value in zip(rest, run.map(fn, [items[n] for n in rest]), strict=True):
+                out[n] = value
+            return out
+
+        return shared
+
+    def summary(self, total: int, *, deep: bool = False) -> dict[str, Any]:
+        """``ranks`` (each rank's host, bytes read and units), ``world_size`` and ``balance``; rank 0 is
+        charged what no unit covered (it read that itself: metadata, archive headers, small items)."""
+        covered = sum(_merged(r) for r in self._ranges.values()) + self._unranged
+        # What the first shared pass left to rank 0 (read while planning), else what no unit covered.
+        own = self._rank0_own if self._rank0_own is not None else max(0, total - covered) if self.round else total
+        per = list(self.read)
+        per[0] += own
+        ranks = [{"rank": r, "host": self.group.host_of(r), "bytes_read": per[r], "units": self.units[r]}
+                 for r in range(self.world)]
+        units = sum(self.units)
+        # Against all the bytes read: a command that reads some bytes twice (fingerprint: CRCs, then digests)
+        # is balanced when each pass is.
+        bal = balance(per, sum(per), units, self.largest_unit, own)
+        if not self.round:
+            bal["why_not"] = ("nothing was shared out: this checkpoint is read by rank 0 alone (only DCP "
+                              "checkpoints and run directories are split among ranks)")
+        out: dict[str, Any] = {"world_size": self.world, "ranks": ranks, "balance": bal}
+        if deep:
+            out["ranks_note"] = ("--deep reads the tensors a second time (shared too, but for stream-transformed "
+                                 "items and tensor subclasses, rebuilt on rank 0): the shares sum to more than "
+                                 "the checkpoint's bytes")
+        return out
+
+
+def _namespace() -> str:
+    """The prefix of this command's keys in the store: torchrun's agent store outlives a restart of the ranks."""
+    return f"ckptverify/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _signature(root: str, name: str, size_of: Callable[[str], int]) -> list[int]:
+    try:
+        mtime = os.stat(os.path.join(root, name)).st_mtime_ns
+    except OSError:
+        mtime = -1
+    return [size_of(name), mtime]
+
+
+def _union(units: Sequence[Unit], size_of: Callable[[str], int]) -> int:
+    ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for u in units:
+        got = unit_range(u, size_of)
+        if got is not None:
+            ranges[got[0]].append((got[1], got[2]))
+    return sum(_merged(r) for r in ranges.values())
+
+
+def _merged(ranges: list[tuple[int, int]]) -> int:
+    """Bytes covered by the union of ``ranges``."""
+    total, end = 0, -1
+    for lo, hi in sorted(ranges):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def _relative(path: Any, root: str) -> str:
+    return os.path.relpath(path, root) if isinstance(path, str) else "?"
+
+
+def _fault(rank: int) -> int | None:
+    """The test-only fault planted on this rank by :data:`FAULT_ENV`: a signal to send itself, 0 to exit."""
+    spec = os.environ.get(FAULT_ENV, "")
+    at, _, action = spec.partition(":")
+    if not at.strip().isdigit() or int(at) != rank or rank == 0:
+        return None
+    return {"kill": int(signal.SIGKILL), "stop": int(signal.SIGSTOP), "exit": 0}.get(action.strip())

@@ -1,0 +1,207 @@
+"""Work units: what a rank is asked to read, as plain JSON lists, and how a rank reads one.
+
+=============  =================================================================  ============================
+unit           fields                                                             result
+=============  =================================================================  ============================
+``crc``        file, start, end                                                   CRC-32 of the bytes
+``blocks``     file, start, end, first, last, algorithm, block_bytes, crc_ranges  [block digests, CRC-32s]
+``digest``     file, algorithm                                                    digest of the whole file
+``item``       file, offset, length, algorithm, block_bytes                       [digest, block digests]
+``checkpoint`` candidate (``scan``), deep                                         [state, reason, counts]
+``payload``    tensor name, global shape, payload (raw bytes of a file)           the tensor scan (``--deep``,
+                                                                                  ``fingerprint``)
+=============  =================================================================  ============================
+
+Every byte range is read as the pipeline reads it on one process (the same functions), so the results are
+the ones a single process computes. Names are relative to the command's path; a rank opens them safely
+(:class:`~ckptverify.safeparse.readers.ReadOnlyFile`) and checks that each is the file rank 0 planned from
+(size, modification time), else the read is a ``file-changed`` as on one process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ckptverify.errors import FileChangedError
+
+Unit = list[Any]
+
+
+def unit_bytes(unit: Unit, size_of: Callable[[str], int]) -> int:
+    """The bytes a unit reads."""
+    kind = unit[0]
+    if kind in ("crc", "blocks"):
+        return int(unit[3]) - int(unit[2])
+    if kind == "digest":
+        return size_of(unit[1])
+    if kind == "item":
+        return int(unit[3])
+    if kind == "checkpoint":
+        return int(unit[1]["size"])
+    if kind == "payload":
+        return int(unit[3]["length"])
+    raise ValueError(f"unknown work unit {kind!r}")
+
+
+def unit_file(unit: Unit) -> str | None:
+    """The file a unit reads (``None`` for a whole checkpoint)."""
+    if unit[0] == "payload":
+        return str(unit[3]["file"])
+    return unit[1] if isinstance(unit[1], str) and unit[0] != "checkpoint" else None
+
+
+def unit_range(unit: Unit, size_of: Callable[[str], int]) -> tuple[str, int, int] | None:
+    """The file and byte range a unit reads (``None`` for a whole checkpoint)."""
+    kind = unit[0]
+    if kind in ("crc", "blocks"):
+        return unit[1], int(unit[2]), int(unit[3])
+    if kind == "digest":
+        return unit[1], 0, size_of(unit[1])
+    if kind == "item":
+        return unit[1], int(unit[2]), int(unit[2]) + int(unit[3])
+    if kind == "payload":
+        p = unit[3]
+        return p["file"], int(p["offset"]), int(p["offset"]) + int(p["length"])
+    return None
+
+
+class _Hashing:
+    """What :func:`~ckptverify.checks.manifest_check.hash_task` needs of a manifest."""
+
+    def __init__(self, algorithm: str, block_bytes: int) -> None:
+        self.digest_algorithm, self.block_bytes = algorithm, block_bytes
+
+
+def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | None = 1) -> Any:
+    """Read one unit through ``open_file(name)`` and return its result (JSON-able); ``jobs``: the workers that
+    verify a whole checkpoint (``None``: one per core)."""
+    kind = unit[0]
+    if kind == "crc":
+        _, name, start, end = unit
+        return open_file(name).crc32(start, end)
+    if kind == "blocks":
+        from ckptverify.checks.manifest_check import BlockTask, hash_task
+
+        _, name, start, end, first, last, algorithm, bb, crc_ranges = unit
+        task = BlockTask(name, 0, first, last, start, end)
+        digests, crcs = hash_task(open_file(name), task, _Hashing(algorithm, bb),  # type: ignore[arg-type]
+                                  [tuple(r) for r in crc_ranges])
+        return [list(digests), list(crcs)]
+    if kind == "digest":
+        from ckptverify.fingerprint import digest_reader
+
+        return digest_reader(open_file(unit[1]), unit[2])
+    if kind == "item":
+        from ckptverify.fingerprint import BlockDigest
+
+        _, name, offset, length, algorithm, bb = unit
+        d = BlockDigest(algorithm, bb)
+        open_file(name).fold(offset, offset + length, d.update)
+        return [d.hexdigest(), list(d.block_hexdigests())]
+    if kind == "checkpoint":
+        from ckptverify.formats.rundir import Candidate
+        from ckptverify.runs.scan import judge
+
+        fields = dict(unit[1])
+        fields["parts"] = tuple(fields.get("parts") or ())
+        state, reason, counts = judge(root, Candidate(**fields), jobs, deep=bool(unit[2]))
+        return [state, reason, counts]
+    if kind == "payload":
+        return scan_to_json(scan_raw_payload(open_file, unit[1], tuple(unit[2]), payload_from_json(unit[3])))
+    raise ValueError(f"unknown work unit {kind!r}")
+
+
+def payload_unit(name: str, shape: tuple[int, ...], p: Any) -> Unit:
+    """The ``payload`` unit of tensor ``name``'s stored piece ``p`` (a raw
+    :class:`~ckptverify.formats.describe.Payload`)."""
+    import dataclasses
+
+    return ["payload", name, list(shape), dataclasses.asdict(p)]
+
+
+def payload_from_json(d: dict[str, Any]) -> Any:
+    from ckptverify.formats.describe import Payload
+
+    fields = dict(d)
+    for key in ("shape", "stride", "chunk_offsets"):
+        fields[key] = tuple(fields[key])
+    if fields.get("stored") is not None:
+        fields["stored"] = tuple(fields["stored"])
+    return Payload(**fields)
+
+
+def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[int, ...], p: Any) -> Any:
+    """:func:`~ckptverify.checks.deep.scan_payload` of a raw payload, with the outcomes
+    :func:`~ckptverify.checks.deep.scan_description` gives a piece it cannot read (an unreadable piece; a file
+    that changed raises, as there)."""
+    from ckptverify.checks.deep import TensorScan, scan_payload
+
+    try:
+        return scan_payload(open_file(p.file), name, p, shape)
+    except FileChangedError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        out = TensorScan()
+        out.unreadable.append(f"{name} chunk {list(p.chunk_offsets)}: {exc}")
+        out.chunks.add(p.chunk_offsets)
+        return out
+
+
+def scan_to_json(scan: Any) -> dict[str, Any]:
+    return {"parts": [[f.value, f.dtype, list(f.shape), f.version, f.elements] for f in scan.parts],
+            "chunks": [list(c) for c in scan.chunks], "elements": scan.elements, "nan": scan.nan, "inf": scan.inf,
+            "unreadable": list(scan.unreadable), "limited": list(scan.limited), "whole": scan.whole,
+            "part_values": dict(scan.part_values)}
+
+
+def scan_from_json(d: dict[str, Any]) -> Any:
+    from ckptverify.checks.deep import TensorScan
+    from ckptverify.fingerprint.logical import TensorFingerprint
+
+    return TensorScan(parts=[TensorFingerprint(v, dt, tuple(sh), ver, el) for v, dt, sh, ver, el in d["parts"]],
+                      chunks={tuple(c) for c in d["chunks"]}, elements=d["elements"], nan=d["nan"], inf=d["inf"],
+                      unreadable=list(d["unreadable"]), limited=list(d["limited"]), whole=d["whole"],
+                      part_values=dict(d["part_values"]))
+
+
+class RankFiles:
+    """The files one rank opened, by name under ``root``, each checked against what rank 0 planned from
+    (``expect``: name -> [size, mtime_ns])."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.expect: dict[str, list[int]] = {}
+        self._open: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str) -> Any:
+        with self._lock:  # the units of one file run on several threads: one open each
+            f = self._open.get(name)
+            if f is None:
+                f = self._open[name] = self._opened(name)
+            return f
+
+    def _opened(self, name: str) -> Any:
+        from ckptverify.safeparse.readers import ReadOnlyFile
+
+        path = os.path.join(self.root, name)
+        try:
+            f = ReadOnlyFile(path, root=self.root)
+        except FileNotFoundError:
+            raise FileChangedError("it was removed after rank 0 opened it", path) from None
+        want = self.expect.get(name)
+        if want is not None:
+            st = os.stat(path)
+            if (st.st_size, st.st_mtime_ns) != (want[0], want[1]) or f.size != want[0]:
+                f.close()
+                raise FileChangedError(f"it is not the file rank 0 planned from (size {st.st_size}, expected "
+                                       f"{want[0]}; or modified since)", path)
+        return f
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()

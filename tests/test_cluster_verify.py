@@ -1,0 +1,298 @@
+"""``verify`` across ranks: ``--nproc 2``, torchrun and srun give the findings one process gives, each rank
+reads its share (the shares sum to the checkpoint's bytes, the largest within 1.2/N), and a rank that dies or
+stops is named, never a hang. Real processes and a real rendezvous store on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptverify.cluster.split import assign, balance
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 300
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "CKPTVERIFY_")) and k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+                          env=env or _env())
+
+
+def verify_json(path: Path, *extra: str, launcher: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
+    proc = run(*launcher, "-m", "ckptverify", "verify", str(path), "--json", *extra)
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def findings(data: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(f["check"], f["severity"], json.dumps(f.get("location"), sort_keys=True), f["message"])
+            for f in data["findings"]]
+
+
+def build(path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.weight": torch.randn(320 * 1024 + 37 * i, generator=g) for i in range(8)}
+    state["step"] = torch.tensor(7)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), thread_count=4))
+    return path
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("cluster") / "clean")
+
+
+@pytest.fixture(scope="module")
+def with_manifest(clean: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+
+    path = tmp_path_factory.mktemp("cluster") / "manifest"
+    shutil.copytree(clean, path)
+    report, manifest = fingerprint_checkpoint(path)
+    assert manifest is not None, report
+    return path
+
+
+def _flip(path: Path, name: str, at: float = 0.6) -> None:
+    file = path / name
+    data = bytearray(file.read_bytes())
+    data[int(len(data) * at)] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def _planted(kind: str, clean: Path, with_manifest: Path, dst: Path) -> Path:
+    shutil.copytree(with_manifest if kind == "manifest-digest" else clean, dst)
+    if kind in ("bit-flip", "manifest-digest"):
+        _flip(dst, "__0_1.distcp")
+    elif kind == "truncated":
+        file = dst / "__0_2.distcp"
+        os.truncate(file, file.stat().st_size // 2)
+    elif kind == "missing":
+        (dst / "__0_3.distcp").unlink()
+    elif kind == "metadata":
+        _flip(dst, ".metadata", 0.5)
+    return dst
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def srun_like(path: Path, nproc: int = 2, **extra: str) -> list[subprocess.CompletedProcess[str]]:
+    """The ranks as Slurm's ``srun`` starts them: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, MASTER_* set."""
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "ckptverify", "verify", str(path), "--json"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(SLURM_PROCID=str(r), SLURM_NTASKS=str(nproc), SLURM_LOCALID=str(r),
+                                       SLURM_STEP_NUM_TASKS=str(nproc), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port, **extra))
+             for r in range(nproc)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=TIMEOUT)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def assert_shares(data: dict[str, Any], nproc: int) -> None:
+    stats = data["stats"]
+    ranks = stats["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(nproc))
+    assert stats["world_size"] == nproc
+    assert sum(r["bytes_read"] for r in ranks) == stats["bytes"]
+    assert all(r["bytes_read"] > 0 and r["host"] for r in ranks)
+    assert max(r["bytes_read"] for r in ranks) <= 1.2 / nproc * stats["bytes"]
+    assert stats["balance"]["met"] and stats["balance"]["why_not"] is None
+
+
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["clean", "manifest"])
+def test_nproc_and_torchrun_equal_one_process(which: str, clean: Path, with_manifest: Path) -> None:
+    path = clean if which == "clean" else with_manifest
+    code, one = verify_json(path)
+    assert code == 0 and "ranks" not in one["stats"]
+    code2, two = verify_json(path, "--nproc", "2")
+    assert code2 == 0 and findings(two) == findings(one)
+    assert two["stats"]["launcher"] == "local" and two["stats"]["manifest"] == (which == "manifest")
+    assert_shares(two, 2)
+    code3, tr = verify_json(path, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    assert code3 == 0 and findings(tr) == findings(one)
+    assert tr["stats"]["launcher"] == "torchrun"
+    assert_shares(tr, 2)
+
+
+@pytest.mark.parametrize("kind", ["bit-flip", "truncated", "missing", "manifest-digest", "metadata"])
+def test_planted_faults_same_findings(kind: str, clean: Path, with_manifest: Path, tmp_path: Path) -> None:
+    path = _planted(kind, clean, with_manifest, tmp_path / kind)
+    code, one = verify_json(path)
+    assert code == 1, one["findings"]
+    expected = {"bit-flip": "zip-crc", "truncated": "item-bounds", "missing": "file-missing",
+                "manifest-digest": "manifest-digest", "metadata": "metadata"}[kind]
+    assert any(f["check"].startswith(expected.split("-")[0]) for f in one["findings"]), findings(one)
+    code2, two = verify_json(path, "--nproc", "2")
+    assert code2 == 1 and findings(two) == findings(one)
+    code3, tr = verify_json(path, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    assert code3 == 1 and findings(tr) == findings(one)  # torchrun exits 1 when rank 0 does
+
+
+def test_srun_environment(clean: Path) -> None:
+    _, one = verify_json(clean)
+    procs = srun_like(clean)
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr[-2000:] for p in procs]
+    data = json.loads(procs[0].stdout)
+    assert findings(data) == findings(one) and data["stats"]["launcher"] == "slurm"
+    assert_shares(data, 2)
+    assert procs[1].stdout == ""  # one report, from rank 0
+
+
+def test_srun_without_master_is_exit_2_saying_what_to_set(clean: Path) -> None:
+    proc = run("-m", "ckptverify", "verify", str(clean),
+               env=_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID="0"))
+    assert proc.returncode == 2
+    assert "MASTER_ADDR and MASTER_PORT are not set" in proc.stderr and "--no-cluster" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    alone = run("-m", "ckptverify", "verify", str(clean), "--no-cluster",
+                env=_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2"))
+    assert alone.returncode == 0, alone.stderr
+    # A batch script's own environment (the job's SLURM_NTASKS, no step): one process, no waiting for ranks.
+    batch = run("-m", "ckptverify", "verify", str(clean), "--json", env=_env(SLURM_PROCID="0", SLURM_NTASKS="4"))
+    assert batch.returncode == 0 and "ranks" not in json.loads(batch.stdout)["stats"], batch.stderr[-2000:]
+
+
+def test_text_report_lists_each_rank(clean: Path) -> None:
+    proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "read by 2 ranks (local)" in proc.stdout
+    assert "rank 0 on " in proc.stdout and "rank 1 on " in proc.stdout and "balanced" in proc.stdout
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie of another parent: exited
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop", "exit"])
+def test_dead_or_stopped_rank_is_named(fault: str, clean: Path) -> None:
+    import re
+
+    proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2", "--rank-timeout", "5",
+               env=_env(CKPTVERIFY_TEST_RANK_FAULT=f"1:{fault}"))
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    host = socket.gethostname()
+    assert f"rank 1 on {host} (pid " in line, line
+    want = {"kill": "was killed by signal 9 (SIGKILL)", "stop": "gave no sign of life for 5 s",
+            "exit": "exited with code 3"}[fault]
+    assert want in line and "while reading its share" in line, line
+    pid = int(re.search(r"pid (\d+)", line).group(1))  # type: ignore[union-attr]
+    assert _gone(pid)  # no rank outlives the command, a stopped one neither
+
+
+def test_dead_rank_as_json(clean: Path) -> None:
+    proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2", "--rank-timeout", "5", "--json",
+               env=_env(CKPTVERIFY_TEST_RANK_FAULT="1:kill"))
+    assert proc.returncode == 2
+    data = json.loads(proc.stdout)
+    assert "rank 1 on" in json.dumps(data) and "SIGKILL" in json.dumps(data)
+
+
+def test_assign_is_balanced_and_deterministic() -> None:
+    sizes = [64, 10, 30, 30, 20, 20, 5, 1]
+    loads = [0, 0, 0]
+    owner = assign(sizes, loads)
+    assert owner == assign(sizes, [0, 0, 0])
+    assert loads == [sum(s for s, o in zip(sizes, owner, strict=True) if o == r) for r in range(3)]
+    assert max(loads) == 64
+    preloaded = [50, 0]
+    assign([25, 25], preloaded)
+    assert preloaded == [50, 50]
+
+
+def test_balance_says_why_not() -> None:
+    assert balance([100, 0, 0], 100, 1, 100, 0)["why_not"].startswith("1 work unit(s) for 3 ranks")
+    assert "one work unit alone" in balance([80, 20], 100, 2, 80, 0)["why_not"]
+    assert "rank 0 read 70 bytes itself" in balance([70, 30], 100, 3, 20, 70)["why_not"]
+    assert "rank 0 read 100 bytes itself" in balance([100, 0], 100, 0, 0, 100)["why_not"]  # only small items
+    ok = balance([50, 50], 100, 4, 30, 0)
+    assert ok["met"] and ok["why_not"] is None and ok["limit_fraction"] == 0.6
+
+
+def test_deep_and_single_file_under_ranks(with_manifest: Path, tmp_path: Path) -> None:
+    _, one = verify_json(with_manifest, "--deep")
+    code, two = verify_json(with_manifest, "--deep", "--nproc", "2")
+    assert code == 0 and findings(two) == findings(one) and two["coverage"] == one["coverage"]
+    assert "a second time" in two["stats"]["ranks_note"]
+    # The tensors are rebuilt on both ranks: each read its share of the blocks and of the tensors.
+    ranks = two["stats"]["ranks"]
+    assert sum(r["bytes_read"] for r in ranks) > 1.9 * two["stats"]["bytes"]
+    assert max(r["bytes_read"] for r in ranks) <= 0.6 * sum(r["bytes_read"] for r in ranks)
+    flipped = _planted("manifest-digest", with_manifest, with_manifest, tmp_path / "flipped")
+    _, one = verify_json(flipped, "--deep")
+    code, two = verify_json(flipped, "--deep", "--nproc", "2")
+    assert code == 1 and findings(two) == findings(one)
+    assert any(f["check"] == "fingerprint" for f in two["findings"]), findings(two)
+    single = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(1000.0)}, single)
+    _, alone = verify_json(single)
+    code, ranked = verify_json(single, "--nproc", "2")
+    assert code == 0 and findings(ranked) == findings(alone)
+    assert ranked["stats"]["ranks"][1]["bytes_read"] == 0
+    assert ranked["stats"]["balance"]["why_not"].startswith("nothing was shared out")
+
+
+def test_stopped_rank_under_torchrun_is_named(clean: Path) -> None:
+    proc = run("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ckptverify", "verify", str(clean),
+               "--rank-timeout", "5", env=_env(CKPTVERIFY_TEST_RANK_FAULT="1:stop"))
+    assert proc.returncode != 0 and proc.stdout == ""
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("ckptverify verify: error:")]
+    assert len(ours) == 1, proc.stderr[-3000:]
+    assert f"rank 1 on {socket.gethostname()} (pid " in ours[0] and "gave no sign of life for 5 s" in ours[0]
+
+
+def test_rank_without_rank_0_exits_2_saying_so(clean: Path) -> None:
+    proc = run("-m", "ckptverify", "verify", str(clean), "--rank-timeout", "2",
+               env=_env(CKPTVERIFY_CLUSTER="local", RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(_free_port())))
+    assert proc.returncode == 2 and proc.stdout == ""
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptverify verify: error: could not reach the rendezvous store at 127.0.0.1:"), last
+
+
+def test_small_items_are_rank_0s_and_the_report_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "small"
+    dcp.save({f"b{i}": torch.full((64,), float(i)) for i in range(20)},
+             storage_writer=dcp.FileSystemWriter(str(path), thread_count=2))
+    _, one = verify_json(path)
+    code, two = verify_json(path, "--nproc", "2")
+    assert code == 0 and findings(two) == findings(one)
+    ranks = two["stats"]["ranks"]
+    assert sum(r["bytes_read"] for r in ranks) == two["stats"]["bytes"] and ranks[1]["bytes_read"] == 0
+    bal = two["stats"]["balance"]
+    assert not bal["met"] and bal["why_not"].startswith("rank 0 read ")
