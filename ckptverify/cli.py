@@ -694,6 +694,9 @@ def _session(command: str, path: str, nproc: int | None, rank_timeout: float, no
              json_out: bool) -> Any:
     """This process's part in a command run across ranks (:mod:`ckptverify.cluster`), or ``None`` to run alone.
     A rank other than 0 serves its share here and exits: rank 0 prints the one report."""
+    if no_cluster and (nproc or 1) > 1:
+        _fail(UsageError(f"--nproc {nproc} and --no-cluster contradict each other: --no-cluster runs one process"),
+              json_out, command, path)
     if no_cluster or ((nproc or 1) < 2 and not _launched()):
         return None
     from ckptverify.cluster.session import open_session

@@ -181,6 +181,11 @@ def test_srun_without_master_is_exit_2_saying_what_to_set(clean: Path) -> None:
     assert batch.returncode == 0 and "ranks" not in json.loads(batch.stdout)["stats"], batch.stderr[-2000:]
 
 
+def test_nproc_with_no_cluster_is_exit_2_not_one_process(clean: Path) -> None:
+    proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2", "--no-cluster", env=_env())
+    assert proc.returncode == 2 and "contradict" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_text_report_lists_each_rank(clean: Path) -> None:
     proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
