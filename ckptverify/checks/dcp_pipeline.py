@@ -57,6 +57,9 @@ SEGMENT_BYTES = 64 << 20
 SMALL_RECORD_BYTES = 64 << 10
 #: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
 UNCHECKABLE = "content-uncheckable"
+#: Above this many tasks, :meth:`VerificationRun.map` runs one pulling loop per worker instead of one future
+#: per task: a future costs about as much as checking a small item (a checkpoint of 100 000 items, or files).
+PULL_MAP_MIN = 64
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -118,6 +121,7 @@ class VerificationRun:
         self._manifest_items: set[tuple[str, int, int]] = set()
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
         self._lock = threading.Lock()
+        self._real_root: str | None = None  # the root resolved once, for every file the run opens
 
     def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
         """The findings so far as a report, with sizes and timings; ``cap``: at most
@@ -155,9 +159,13 @@ class VerificationRun:
                 f.close()
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """``[fn(x) for x in items]``, on all workers; raises what the first failing item (in order) raised."""
         if self._pool is None:
             return [fn(x) for x in items]
-        return list(self._pool.map(fn, items))
+        items = list(items)
+        if len(items) <= PULL_MAP_MIN:
+            return list(self._pool.map(fn, items))
+        return pulled_map(self._pool, self.jobs, fn, items)
 
     def advance(self, n: int) -> None:
         if self.progress is not None:
@@ -301,7 +309,9 @@ class VerificationRun:
 
     def _open(self, name: str) -> ReadOnlyFile | None:
         try:
-            return ReadOnlyFile(os.path.join(self.root, name), root=self.root)
+            if self._real_root is None:
+                self._real_root = os.path.realpath(self.root)
+            return ReadOnlyFile(os.path.join(self.root, name), root=self.root, real_root=self._real_root)
         except FileChangedError as exc:
             self.findings.append(changed_finding(name, str(exc)))
         except UnsafeFileError as exc:
@@ -604,6 +614,36 @@ def cap_findings(findings: Iterable[Finding], limit: int = MAX_FINDINGS_PER_CHEC
             actual={"omitted": len(rest), "total": seen[check], "omitted_by_severity": dict(by_severity)},
         ))
     return kept
+
+
+def pulled_map(pool: ThreadPoolExecutor, workers: int, fn: Callable[[T], R], items: list[T]) -> list[R]:
+    """``[fn(x) for x in items]`` by ``workers`` loops on ``pool``, each taking the next index until none is
+    left (the balance of one future per item, without its cost). As ``pool.map``: the results in order, and
+    the exception of the lowest-indexed item that raised: items are taken in order and every one taken
+    finishes, so every item before a failing one has run, and no later one is taken once it is recorded."""
+    results: list[Any] = [None] * len(items)
+    failed: dict[int, BaseException] = {}
+    take = iter(range(len(items))).__next__  # a C iterator: one index per call, atomic under the GIL
+    lock = threading.Lock()
+
+    def loop() -> None:
+        while not failed:
+            try:
+                n = take()
+            except StopIteration:
+                return
+            try:
+                results[n] = fn(items[n])
+            except BaseException as exc:  # re-raised in the caller, as pool.map would
+                with lock:
+                    failed[n] = exc
+                return
+
+    for future in [pool.submit(loop) for _ in range(min(workers, len(items)))]:
+        future.result()
+    if failed:
+        raise failed[min(failed)]
+    return results
 
 
 def changed_finding(name: str, how: str) -> Finding:

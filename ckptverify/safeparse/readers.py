@@ -73,11 +73,37 @@ def file_kind(mode: int) -> str:
     return "special file"
 
 
-def is_inside(root: str, path: str) -> bool:
-    """True if ``path``, resolved (every symlink and ``..``), lies inside ``root`` resolved."""
-    real_root = os.path.realpath(root)
+def is_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
+    """True if ``path``, resolved (every symlink and ``..``), lies inside ``root`` resolved (``real_root``,
+    when the caller resolved it already)."""
+    real_root = real_root or os.path.realpath(root)
+    if _resolved_entry(root, path, real_root) is not None:
+        return True
     real = os.path.realpath(path)
     return real != real_root and os.path.commonpath([real_root, real]) == real_root
+
+
+def _resolved_entry(root: str, path: str, real_root: str) -> tuple[str, os.stat_result] | None:
+    """``os.path.realpath(path)`` without resolving every component, where that is certain: ``path`` is
+    ``root``'s own entry (``root/NAME``, one plain name) and that entry exists and is no symbolic link, so it
+    resolves to ``real_root/NAME``; with its ``lstat``. ``None`` otherwise (the caller resolves in full). One
+    ``lstat`` instead of one per component of the path: a checkpoint saved one file per item has one entry
+    per item."""
+    head, sep, name = path.rpartition("/")
+    if not sep or head.rstrip("/") != root.rstrip("/") or name in ("", ".", "..") or not root:
+        return None
+    real = os.path.join(real_root, name)
+    try:
+        st = os.lstat(real)
+    except (OSError, ValueError):
+        return None
+    return None if stat.S_ISLNK(st.st_mode) else (real, st)
+
+
+def _under(real_root: str, real: str) -> bool:
+    """``os.path.commonpath([real_root, real]) == real_root`` for normalized absolute paths, by prefix first."""
+    prefix = real_root if real_root.endswith("/") else real_root + "/"
+    return real.startswith(prefix) or real == real_root or os.path.commonpath([real_root, real]) == real_root
 
 
 def open_regular(path: str, *, root: str | None = None, real_root: str | None = None) -> tuple[int, os.stat_result]:
@@ -88,13 +114,25 @@ def open_regular(path: str, *, root: str | None = None, real_root: str | None = 
     resolves outside ``root``, without opening it; ``FileNotFoundError`` (an ``OSError``) when it does not
     exist. Never blocks. ``real_root``: ``root`` resolved already (by the caller, earlier).
     """
+    fd, st, _ = _open_regular(path, root, real_root)
+    return fd, st
+
+
+def _open_regular(path: str, root: str | None, real_root: str | None) -> tuple[int, os.stat_result, str]:
+    """:func:`open_regular`, also returning the path opened (resolved, when ``root`` is given)."""
     target = path
+    before = None
     if root is not None:
         real_root = real_root or os.path.realpath(root)
-        target = os.path.realpath(path)
-        if target == real_root or os.path.commonpath([real_root, target]) != real_root:
+        entry = _resolved_entry(root, path, real_root)
+        if entry is not None:
+            target, before = entry  # its lstat: what os.stat(target, follow_symlinks=False) gives
+        else:
+            target = os.path.realpath(path)
+        if target == real_root or not _under(real_root, target):
             raise _unsafe(path, f"{path} resolves to {target}, outside the checkpoint directory {real_root}")
-    before = os.stat(target, follow_symlinks=root is None)
+    if before is None:
+        before = os.stat(target, follow_symlinks=root is None)
     if not stat.S_ISREG(before.st_mode):
         raise _unsafe(path, f"{path} is a {file_kind(before.st_mode)}, not a regular file")
     # The resolved path holds no link to follow; O_NOFOLLOW makes a link swapped in meanwhile fail (ELOOP).
@@ -108,7 +146,7 @@ def open_regular(path: str, *, root: str | None = None, real_root: str | None = 
     except BaseException:
         os.close(fd)
         raise
-    return fd, st
+    return fd, st, target
 
 
 def _check_descriptor_inside(fd: int, path: str, real_root: str) -> None:
@@ -118,7 +156,7 @@ def _check_descriptor_inside(fd: int, path: str, real_root: str) -> None:
         opened = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return  # no /proc: the resolved-path check before opening stands
-    if os.path.commonpath([real_root, opened]) != real_root:
+    if not _under(real_root, opened):
         raise _unsafe(path, f"{path} was opened at {opened}, outside the checkpoint directory {real_root}")
 
 
@@ -188,13 +226,15 @@ class ReadOnlyFile:
     :class:`~ckptverify.errors.FileChangedError`.
     """
 
-    def __init__(self, path: str, *, root: str | None = None) -> None:
+    def __init__(self, path: str, *, root: str | None = None, real_root: str | None = None) -> None:
         self.path = path
         self._root = root
-        # The root as resolved at open: a reopen checks the path against it (a root moved since would make
-        # the path resolve elsewhere, which is refused).
-        self._real_root = os.path.realpath(root) if root is not None else None
-        fd, st = open_regular(path, root=root, real_root=self._real_root)
+        # The root as resolved at open (or by the caller, once for many files): a reopen checks the path
+        # against it (a root moved since would make the path resolve elsewhere, which is refused).
+        self._real_root = (real_root or os.path.realpath(root)) if root is not None else None
+        fd, st, target = _open_regular(path, root, self._real_root)
+        # The resolved path opened, for a quick reopen (see _reopen); only where it was resolved.
+        self._target = target if root is not None else None
         self.size = st.st_size
         self._signature = _signature(st)
         self._fd: int | None = fd
@@ -223,6 +263,9 @@ class ReadOnlyFile:
     def _reopen(self) -> int:
         """Open the file again (after its descriptor was closed to stay under :data:`MAX_OPEN`); it must be
         the same, unchanged file."""
+        fd = self._reopen_same()
+        if fd is not None:
+            return fd
         try:
             fd, st = open_regular(self.path, root=self._root, real_root=self._real_root)
         except OSError as exc:
@@ -233,6 +276,32 @@ class ReadOnlyFile:
             os.close(fd)
             how = self._describe(st)
         raise _changed(self.path, f"{self.path} changed while it was verified: {how}")
+
+    def _reopen_same(self) -> int | None:
+        """The quick reopen: the resolved path opened the first time still names a regular file with this
+        file's signature (device, inode, size, modification time), and opening it (no link followed) gives
+        that file. It is then the very file checked to lie inside the root at the first open, unchanged, so
+        resolving the path again and asking ``/proc`` where it lies would prove nothing more. ``None``
+        when anything differs: the full :func:`open_regular` then runs and says what."""
+        target = self._target
+        if target is None:
+            return None
+        try:
+            before = os.lstat(target)  # never open what is no regular file now (a device swapped in)
+            if not stat.S_ISREG(before.st_mode) or _signature(before) != self._signature:
+                return None
+            fd = os.open(target, _OPEN_FLAGS | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        if stat.S_ISREG(st.st_mode) and _signature(st) == self._signature:
+            return fd
+        os.close(fd)
+        return None
 
     def _describe(self, now: os.stat_result) -> str:
         if (now.st_dev, now.st_ino) != self._signature[2:]:
