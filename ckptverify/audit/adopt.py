@@ -51,6 +51,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments."""
     from ckptverify._version import __version__
     from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
+    from ckptverify.fingerprint.digest import digest_bytes
 
     root = os.fspath(path)
     if digest not in ALGORITHMS:
@@ -107,11 +108,38 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             return ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file, offset=item.offset,
                              length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
 
+        whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
+
+        def digest_batch(batch: _Batch) -> list[ItemEntry]:
+            # Small items (each at most one block), read many at a time: an item's digest and its one block's
+            # digest are the digest of its bytes (what BlockDigest gives for one block), taken once.
+            name, start, end, items = batch
+            with desc.open(name) as f:
+                buf = f.pread(start, end - start)
+                size = f.size
+            if len(buf) != end - start:  # inside the size seen at open: the file changed
+                raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(root, name))
+            out = []
+            view = memoryview(buf)
+            for item in items:
+                h = digest_bytes(view[item.offset - start:item.offset - start + item.length], digest)
+                out.append(ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file,
+                                     offset=item.offset, length=item.length, digest=h, blocks=(h,)))
+            if start == 0 and end == size:
+                whole_files[name] = FileEntry(size=size, digest=digest_bytes(view, digest))
+            run.advance(sum(i.length for i in items))
+            return out
+
         def digest_file(name: str) -> FileEntry:
+            known = whole_files.get(name)
+            if known is not None:
+                return known
             with desc.open(name) as f:
                 return FileEntry(size=f.size, digest=digest_reader(f, digest))
 
-        entries = run.map(digest_item, sorted(desc.stored, key=lambda i: -i.length))
+        small, large = _small_item_batches(desc.stored, block_bytes)
+        entries = [e for batch in run.map(digest_batch, small) for e in batch]
+        entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
         names = sorted(desc.files)
         file_digests = run.map(digest_file, names)
         metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
@@ -167,6 +195,34 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
     return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
                   stats=checked.stats), manifest
+
+
+#: A run of small items of one file read at once: (file, start, end, items).
+_Batch = tuple[str, int, int, list[StoredRange]]
+#: Most bytes read at once for consecutive small items, and the largest gap between two read over.
+BATCH_BYTES = 8 << 20
+BATCH_GAP = 64 << 10
+
+
+def _small_item_batches(stored: list[StoredRange], block_bytes: int) -> tuple[list[_Batch], list[StoredRange]]:
+    """Items of at least one byte and at most one block, grouped into runs of one file read at once (at most
+    :data:`BATCH_BYTES`, gaps of at most :data:`BATCH_GAP` read over); and the other items, digested one by one.
+    A checkpoint of many small tensors (or one file per item) is then read by a few large reads, not one per
+    item."""
+    limit = min(block_bytes, BATCH_BYTES)
+    small = sorted((i for i in stored if 0 < i.length <= limit), key=lambda i: (i.file, i.offset))
+    large = [i for i in stored if not 0 < i.length <= limit]
+    batches: list[_Batch] = []
+    for item in small:
+        end = item.offset + item.length
+        if batches:
+            name, start, stop, items = batches[-1]
+            if name == item.file and stop <= item.offset <= stop + BATCH_GAP and end - start <= BATCH_BYTES:
+                items.append(item)
+                batches[-1] = (name, start, end, items)
+                continue
+        batches.append((item.file, item.offset, end, [item]))
+    return batches, large
 
 
 def _refused(checked: Report, findings: list[Any], why: str) -> Report:
