@@ -285,3 +285,46 @@ def test_the_manifest_is_written_one_entry_a_line_and_reads_back(tmp_path: Path)
     (path / MANIFEST_FILE).write_text(edited)
     with pytest.raises(Exception, match="self-digest"):
         read_manifest(str(path))
+
+
+def test_small_tensors_fingerprinted_many_at_once_match_the_general_scan(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.audit import adopt
+    from ckptverify.fingerprint import tensor_fingerprint
+
+    g = torch.Generator().manual_seed(3)
+    state: dict[str, Any] = {f"f32.{i}": torch.randn(3, 5, generator=g) for i in range(40)}
+    state.update({
+        "f16": torch.randn(7, generator=g).half(), "bf16": torch.randn(2, 3, generator=g).bfloat16(),
+        "f64": torch.randn(4, generator=g).double(), "i64": torch.arange(9), "u8": torch.arange(5, dtype=torch.uint8),
+        "flag": torch.tensor([True, False, True]), "step": torch.tensor(1000), "empty": torch.zeros(0, 3),
+        "nan": torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), float("nan")]),
+        "big": torch.randn(1 << 15, generator=g), "c64": torch.randn(3, generator=g, dtype=torch.complex64),
+        "view": torch.randn(4, 6, generator=g).t(), "extra": {"lr": 0.1},
+    })
+    manifests = []
+    scanned: list[set[str]] = []
+    real = adopt._scan_small_tensors
+
+    def spy(desc: Any, run_map: Any) -> Any:
+        scans, names = real(desc, run_map)
+        scanned.append(names)
+        return scans, names
+
+    for general in (False, True):
+        path = tmp_path / f"ckpt{general}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
+        with monkeypatch.context() as m:
+            m.setattr(adopt, "_scan_small_tensors", (lambda desc, run_map: ({}, set())) if general else spy)
+            report, manifest = fingerprint_checkpoint(path, jobs=2)
+        assert report.passed and manifest is not None
+        manifests.append(manifest)
+    fast, general = manifests
+    assert fast.tensors == general.tensors
+    assert {"f32.0", "f16", "bf16", "f64", "i64", "u8", "flag", "step", "nan"} <= scanned[0]
+    assert not {"big", "c64", "empty"} & scanned[0]
+    assert fast.tensors["nan"].nan_count == 2 and fast.tensors["nan"].inf_count == 2
+    for name in ("f32.7", "bf16", "step", "flag"):
+        assert fast.tensors[name].fingerprint == tensor_fingerprint(state[name]).value

@@ -143,7 +143,10 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
         names = sorted(desc.files)
         file_digests = run.map(digest_file, names)
         metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-        scans, replica_findings = deep_check.scan_description(desc, run.map)
+        scans, batched = _scan_small_tensors(desc, run.map)
+        rest = {name for name in desc.tensors if name not in batched}
+        more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
+        scans.update(more)
         if replica_findings:
             return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
                 "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
@@ -223,6 +226,85 @@ def _small_item_batches(stored: list[StoredRange], block_bytes: int) -> tuple[li
                 continue
         batches.append((item.file, item.offset, end, [item]))
     return batches, large
+
+
+#: Tensors of at most this many elements, stored whole in one raw row-major piece, are fingerprinted many at once.
+SMALL_TENSOR_ELEMENTS = 1 << 14
+#: Dtypes fingerprinted many at once (others, complex and float8 among them, take the general scan).
+_BATCHED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                             "uint8", "bool"})
+_MASK64 = (1 << 64) - 1
+
+
+def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[str]]:
+    """The scans (fingerprint, NaN and Inf counts) of the small tensors of ``desc`` stored whole in one raw,
+    row-major piece of one of its dtypes, read by batched reads (:func:`_small_item_batches`'s windows) and
+    fingerprinted many at once (:func:`~ckptverify.fingerprint.kernels.lanes_many`, the lane sums
+    :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for a whole tensor), instead of one
+    scan per tensor: the same values as :func:`~ckptverify.checks.deep.scan_description`, whose work per
+    tensor costs more than a small tensor's arithmetic. Returns the scans and the names scanned; every other
+    tensor (a chunk of a larger one, replicated, a view, a subclass, bytes shorter than the view) is left
+    to the general scan, which also says what is wrong with it."""
+    import math
+
+    import torch
+
+    from ckptverify.checks.deep import TensorScan
+    from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+    from ckptverify.dcp.tensors import torch_dtype
+    from ckptverify.fingerprint import TensorFingerprint
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.formats.describe import is_row_major
+
+    picked: list[StoredRange] = []
+    what: dict[tuple[str, int, int], tuple[str, Any, tuple[int, ...]]] = {}
+    for t in desc.tensors.values():
+        if t.subclass is not None or t.unread or len(t.payloads) != 1 or t.dtype not in _BATCHED_DTYPES:
+            continue
+        p = t.payloads[0]
+        n = math.prod(p.shape)
+        if (p.encoding != "raw" or p.stored is not None or p.dtype != t.dtype or any(p.chunk_offsets)
+                or tuple(p.shape) != tuple(t.shape) or not 0 < n <= SMALL_TENSOR_ELEMENTS
+                or not is_row_major(p.shape, p.stride) or p.storage_offset < 0):
+            continue
+        itemsize = DTYPE_ITEMSIZE[p.dtype]
+        start, nbytes = p.offset + p.storage_offset * itemsize, n * itemsize
+        if start + nbytes > p.offset + p.length:
+            continue
+        picked.append(StoredRange(t.name, None, p.file, start, nbytes))
+        what[(p.file, start, nbytes)] = (t.name, torch_dtype(p.dtype), tuple(p.shape))
+    batches, _ = _small_item_batches(picked, BATCH_BYTES)
+
+    def scan(batch: _Batch) -> list[tuple[str, Any]]:
+        name, start, end, ranges = batch
+        with desc.open(name) as f:
+            buf = f.pread(start, end - start)
+        if len(buf) != end - start:
+            raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(desc.root, name))
+        tensors, names = [], []
+        for r in ranges:
+            fqn, dtype, shape = what[(r.file, r.offset, r.length)]
+            raw = bytearray(buf[r.offset - start:r.offset - start + r.length])
+            tensors.append(torch.frombuffer(raw, dtype=dtype).view(shape))
+            names.append(fqn)
+        lanes = kern.lanes_many(tensors).tolist()
+        out = []
+        for fqn, t, (a, b) in zip(names, tensors, lanes, strict=True):
+            got = TensorScan()
+            got.parts.append(TensorFingerprint.from_lanes((a & _MASK64, b & _MASK64), kern.dtype_name(t.dtype),
+                                                          list(t.shape), t.numel()))
+            got.elements = t.numel()
+            if t.is_floating_point():
+                values = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+                if not bool(torch.isfinite(values).all()):
+                    got.nan = int(torch.isnan(values).sum())
+                    got.inf = int(torch.isinf(values).sum())
+            got.chunks.add((0,) * t.dim())
+            out.append((fqn, got))
+        return out
+
+    scans = {fqn: got for batch in run_map(scan, batches) for fqn, got in batch}
+    return scans, set(scans)
 
 
 def _refused(checked: Report, findings: list[Any], why: str) -> Report:
