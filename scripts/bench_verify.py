@@ -94,8 +94,8 @@ def build_reused(path: str, gib: float, distinct: int = 8) -> int:
     import torch.distributed.checkpoint as dcp
 
     g = torch.Generator().manual_seed(0)
-    pool = [torch.randn(16 << 20, generator=g) for _ in range(distinct)]
     count = -(-int(gib * (1 << 30)) // (64 << 20))
+    pool = [torch.randn(16 << 20, generator=g) for _ in range(min(distinct, count))]
     state = {f"layers.{i}.weight": pool[i % distinct] for i in range(count)}
     state["step"] = torch.tensor(1000)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4))
