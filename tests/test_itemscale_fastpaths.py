@@ -40,7 +40,8 @@ def _save(path: Path, n: int, *, per_item: bool) -> None:
 
 
 def _general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Turn every fast path off: full resolution, full reopen, one future per task."""
+    """Turn every fast path off: full resolution, full reopen, one future per task, no file kept in memory."""
+    monkeypatch.setattr(dcp_pipeline, "KEEP_TOTAL_BYTES", 0)
     monkeypatch.setattr(readers, "_resolved_entry", lambda root, path, real_root: None)
     monkeypatch.setattr(ReadOnlyFile, "_reopen_same", lambda self: None)
     monkeypatch.setattr(dcp_pipeline, "PULL_MAP_MIN", 1 << 62)
@@ -328,3 +329,46 @@ def test_small_tensors_fingerprinted_many_at_once_match_the_general_scan(tmp_pat
     assert fast.tensors["nan"].nan_count == 2 and fast.tensors["nan"].inf_count == 2
     for name in ("f32.7", "bf16", "step", "flag"):
         assert fast.tensors[name].fingerprint == tensor_fingerprint(state[name]).value
+
+
+def test_a_small_file_kept_at_open_reads_as_the_file(tmp_path: Path, few_descriptors: int) -> None:
+    data = bytes(range(256)) * 3
+    paths = [tmp_path / f"f{i}" for i in range(6)]
+    for p in paths:
+        p.write_bytes(data)
+    files = [ReadOnlyFile(str(p), root=str(tmp_path), keep_bytes=1 << 10) for p in paths]
+    big = ReadOnlyFile(str(paths[0]), root=str(tmp_path), keep_bytes=100)  # larger than it keeps
+    try:
+        assert all(f.kept == len(data) for f in files) and big.kept == 0
+        assert files[0]._fd is None  # closed to stay under MAX_OPEN: read from memory, no reopen
+        for off, n in ((0, 10), (700, 100), (767, 5), (768, 5), (5, 0)):
+            assert files[0].pread(off, n) == data[off:off + n] == big.pread(off, n)
+        assert files[0]._fd is None
+        paths[1].write_bytes(data[:100])  # truncated after it was read: still found, by the end-of-run check
+        assert files[1].changed() is not None
+        files[1].release_kept()
+        assert files[1].kept == 0
+        with pytest.raises(FileChangedError):
+            files[1].pread(200, 10)
+    finally:
+        big.close()
+        for f in files:
+            f.close()
+
+
+def test_a_file_truncated_after_it_was_kept_is_reported_changed(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt"
+    _save(path, 20, per_item=True)
+    victim = sorted(path.glob("*.distcp"))[5]
+    real = dcp_pipeline.VerificationRun._archives
+
+    def truncate_then_plan(self: Any, layout: Any) -> None:
+        with open(victim, "r+b") as f:
+            f.truncate(100)
+        real(self, layout)
+
+    monkeypatch.setattr(dcp_pipeline.VerificationRun, "_archives", truncate_then_plan)
+    report = verify_checkpoint(path, jobs=2)
+    assert not report.passed
+    assert any(f.check == "file-changed" and f.location.file == victim.name for f in report.findings)

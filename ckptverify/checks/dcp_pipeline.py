@@ -57,6 +57,11 @@ SEGMENT_BYTES = 64 << 20
 SMALL_RECORD_BYTES = 64 << 10
 #: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
 UNCHECKABLE = "content-uncheckable"
+#: Files of at most this many bytes are read whole at open while the run's total stays under
+#: ``KEEP_TOTAL_BYTES``, and read from memory until the archives are planned (a checkpoint saved one file per
+#: item: one open per file instead of three; :meth:`~ckptverify.safeparse.readers.ReadOnlyFile.release_kept`).
+KEEP_FILE_BYTES = 64 << 10
+KEEP_TOTAL_BYTES = 256 << 20
 #: Above this many tasks, :meth:`VerificationRun.map` runs one pulling loop per worker instead of one future
 #: per task: a future costs about as much as checking a small item (a checkpoint of 100 000 items, or files).
 PULL_MAP_MIN = 64
@@ -122,6 +127,7 @@ class VerificationRun:
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
         self._lock = threading.Lock()
         self._real_root: str | None = None  # the root resolved once, for every file the run opens
+        self._kept_bytes = 0  # bytes of small files read whole at open, until the archives are planned
 
     def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
         """The findings so far as a report, with sizes and timings; ``cap``: at most
@@ -188,7 +194,8 @@ class VerificationRun:
         files by ``fstat`` and the inode behind their name; the metadata and manifest by ``stat``), each
         reported once."""
         out: list[Finding] = []
-        for name, f in sorted(self.opened.items()):
+        for name in sorted(self.opened):  # by name alone: sorting (name, file) pairs costs more
+            f = self.opened[name]
             if f is None or name in self._reported_changed:
                 continue
             how = f.changed()
@@ -311,7 +318,11 @@ class VerificationRun:
         try:
             if self._real_root is None:
                 self._real_root = os.path.realpath(self.root)
-            return ReadOnlyFile(os.path.join(self.root, name), root=self.root, real_root=self._real_root)
+            keep = KEEP_FILE_BYTES if self._kept_bytes < KEEP_TOTAL_BYTES else 0
+            f = ReadOnlyFile(os.path.join(self.root, name), root=self.root, real_root=self._real_root,
+                             keep_bytes=keep)
+            self._kept_bytes += f.kept
+            return f
         except FileChangedError as exc:
             self.findings.append(changed_finding(name, str(exc)))
         except UnsafeFileError as exc:
@@ -333,6 +344,10 @@ class VerificationRun:
         for name, (file_plans, result) in zip(names, planned, strict=True):
             self.results[name] = result
             self.plans.extend(file_plans)
+        for f in self.opened.values():  # what planning needed of the small files read whole: now read
+            if f is not None:
+                f.release_kept()
+        self._kept_bytes = 0
         # Items written through stream transforms: decoded and judged now (CRC-32s of the decoded archive);
         # their plans read the decoded bytes and join the others after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]

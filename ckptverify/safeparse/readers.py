@@ -226,7 +226,8 @@ class ReadOnlyFile:
     :class:`~ckptverify.errors.FileChangedError`.
     """
 
-    def __init__(self, path: str, *, root: str | None = None, real_root: str | None = None) -> None:
+    def __init__(self, path: str, *, root: str | None = None, real_root: str | None = None,
+                 keep_bytes: int = 0) -> None:
         self.path = path
         self._root = root
         # The root as resolved at open (or by the caller, once for many files): a reopen checks the path
@@ -240,7 +241,29 @@ class ReadOnlyFile:
         self._fd: int | None = fd
         self._pins = 0
         self._closed = False
+        #: The whole file, read at open when it holds at most ``keep_bytes`` (see :meth:`release_kept`).
+        self._kept: bytes | None = None
+        if 0 < self.size <= keep_bytes:
+            try:
+                data = os.pread(fd, self.size, 0)
+            except OSError:
+                data = b""
+            # A short read is left to the reads that need the bytes: they say the file changed.
+            self._kept = data if len(data) == self.size else None
         _DESCRIPTORS.added(self)
+
+    @property
+    def kept(self) -> int:
+        """Bytes of the file held in memory (read at open; reads inside them use no descriptor)."""
+        return len(self._kept) if self._kept is not None else 0
+
+    def release_kept(self) -> None:
+        """Forget the bytes read at open; later reads go to the file. A checkpoint saved one file per item
+        has as many files as items, more than may stay open: its small files are read whole while their
+        descriptor is fresh, and the first stages (structure, archives) read them from memory instead of
+        opening each file again. The bytes are those the file held at open; a change after it is found as
+        for any read (:meth:`changed`)."""
+        self._kept = None
 
     def close(self) -> None:
         _DESCRIPTORS.closed(self)
@@ -338,6 +361,13 @@ class ReadOnlyFile:
         if n <= 0 or offset >= self.size:
             return b""
         want = min(n, self.size - offset)
+        kept = self._kept
+        if kept is not None:
+            data = kept[offset:offset + want]
+            pace = getattr(_local, "pacer", None)
+            if pace is not None:
+                pace(len(data))
+            return data
         with self._descriptor() as fd:
             data = os.pread(fd, want, offset)
             while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not
