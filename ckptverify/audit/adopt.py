@@ -233,7 +233,6 @@ SMALL_TENSOR_ELEMENTS = 1 << 14
 #: Dtypes fingerprinted many at once (others, complex and float8 among them, take the general scan).
 _BATCHED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                              "uint8", "bool"})
-_MASK64 = (1 << 64) - 1
 
 
 def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[str]]:
@@ -281,30 +280,76 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
             buf = f.pread(start, end - start)
         if len(buf) != end - start:
             raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(desc.root, name))
-        tensors, names = [], []
+        by_dtype: dict[Any, list[tuple[str, tuple[int, ...], bytes]]] = {}
         for r in ranges:
             fqn, dtype, shape = what[(r.file, r.offset, r.length)]
-            raw = bytearray(buf[r.offset - start:r.offset - start + r.length])
-            tensors.append(torch.frombuffer(raw, dtype=dtype).view(shape))
-            names.append(fqn)
-        lanes = kern.lanes_many(tensors).tolist()
+            by_dtype.setdefault(dtype, []).append((fqn, shape, buf[r.offset - start:r.offset - start + r.length]))
         out = []
-        for fqn, t, (a, b) in zip(names, tensors, lanes, strict=True):
-            got = TensorScan()
-            got.parts.append(TensorFingerprint.from_lanes((a & _MASK64, b & _MASK64), kern.dtype_name(t.dtype),
-                                                          list(t.shape), t.numel()))
-            got.elements = t.numel()
-            if t.is_floating_point():
-                values = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-                if not bool(torch.isfinite(values).all()):
-                    got.nan = int(torch.isnan(values).sum())
-                    got.inf = int(torch.isinf(values).sum())
-            got.chunks.add((0,) * t.dim())
-            out.append((fqn, got))
+        for dtype, group in by_dtype.items():
+            joined = b"".join(g[2] for g in group)
+            counts = [math.prod(g[1]) for g in group]
+            dname = kern.dtype_name(dtype)
+            lanes = _whole_lanes(joined, dtype.itemsize, counts, dname)
+            nan = inf = None
+            if dtype.is_floating_point:
+                values = torch.frombuffer(bytearray(joined), dtype=dtype)
+                values = values.float() if dtype in (torch.float16, torch.bfloat16) else values
+                if not bool(torch.isfinite(values).all()):  # one reduction for the usual, all-finite group
+                    nan = _segment_sums(torch.isnan(values).numpy(), counts)
+                    inf = _segment_sums(torch.isinf(values).numpy(), counts)
+            for k, ((fqn, shape, _), n, (a, b)) in enumerate(zip(group, counts, lanes, strict=True)):
+                got = TensorScan()
+                got.parts.append(TensorFingerprint.from_lanes((a, b), dname, list(shape), n))
+                got.elements = n
+                if nan is not None and inf is not None:
+                    got.nan, got.inf = nan[k], inf[k]
+                got.chunks.add((0,) * len(shape))
+                out.append((fqn, got))
         return out
 
     scans = {fqn: got for batch in run_map(scan, batches) for fqn, got in batch}
     return scans, set(scans)
+
+
+def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str) -> list[tuple[int, int]]:
+    """The two lane sums of each whole tensor whose elements lie end to end in ``bits`` (``counts`` elements
+    each, of ``itemsize`` bytes and dtype ``dtype_name``): what
+    :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for each (its small-tensor path: every
+    element's bits sign-extended to 64, mixed with its index in its own tensor), for all of them in a few
+    numpy operations."""
+    import numpy as np
+
+    from ckptverify.fingerprint.spec import INDEX_MULTIPLIER, LANES, dtype_seed
+
+    w = np.frombuffer(bits, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
+    w = w.astype(np.int64).view(np.uint64)
+    sizes = np.asarray(counts, dtype=np.int64)
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    g = (np.arange(len(w), dtype=np.int64) - np.repeat(starts, sizes)).view(np.uint64)
+    p = g * np.uint64(INDEX_MULTIPLIER)
+    lanes = []
+    with np.errstate(over="ignore"):
+        for lane, mixer in enumerate(LANES):
+            s1, s2, s3 = (np.uint64(x) for x in mixer.shifts)
+            m1, m2 = (np.uint64(x) for x in mixer.multipliers)
+            y = w ^ (p + np.uint64(dtype_seed(dtype_name, lane)))
+            y ^= y >> s1
+            y *= m1
+            y ^= y >> s2
+            y *= m2
+            y ^= y >> s3
+            lanes.append(np.add.reduceat(y, starts, dtype=np.uint64).tolist())
+    return list(zip(lanes[0], lanes[1], strict=True))
+
+
+def _segment_sums(flags: Any, counts: list[int]) -> list[int]:
+    """The number of true values in each consecutive run of ``counts`` of ``flags``."""
+    import numpy as np
+
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(np.asarray(counts[:-1], dtype=np.int64), out=starts[1:])
+    return np.add.reduceat(flags.astype(np.int64), starts).tolist()
 
 
 def _refused(checked: Report, findings: list[Any], why: str) -> Report:
