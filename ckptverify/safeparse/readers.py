@@ -221,9 +221,11 @@ class ReadOnlyFile:
 
     At most :data:`MAX_OPEN` descriptors are held at once, process-wide (a checkpoint saved one file per item
     has as many files as items, more than a process may open): the least recently used idle one is closed
-    and opened again when next needed, through the same checks as the first time, and it must then be the
-    same file, unchanged (device, inode, size, modification time), or the read raises
-    :class:`~ckptverify.errors.FileChangedError`.
+    and opened again when next needed, and it must then be the same file, unchanged (device, inode, size,
+    modification time), or the read raises :class:`~ckptverify.errors.FileChangedError`. The reopen takes the
+    path resolved the first time when it still names that very file (:meth:`_reopen_same`), else every
+    check of the first open runs again. ``keep_bytes``: a file of at most that size is read whole at open and
+    read from memory until :meth:`release_kept`.
     """
 
     def __init__(self, path: str, *, root: str | None = None, real_root: str | None = None,
