@@ -11,6 +11,13 @@ both and its ratio to one rank, and the bytes each rank read (smallest and large
 machine the ranks share its cores (each gets cores / n threads unless ``--jobs-per-rank``): the figures show
 the cost of sharing the work out; the gain comes when the ranks run on nodes of their own.
 
+    python scripts/bench_verify.py --rss-sizes 2,8 [--dir DIR] [--repeats 3]
+
+With ``--rss-sizes`` it measures memory against size: for each size (GiB) it builds a checkpoint (64 MiB
+tensors repeating a few random ones, so building it needs little memory), times ``cat`` and ``verify`` and
+``verify`` against a manifest (``fingerprint`` first), prints each one's peak RSS (``wait4`` of the child)
+and ratio to ``cat``, and deletes it before the next. Target: peak RSS independent of the checkpoint's size.
+
 With ``--items N`` it measures the other end: a checkpoint of N small tensors (each its own DCP item, one
 file), where the cost is per item, not per byte. It times ``torch.distributed.checkpoint``'s own
 ``FileSystemReader.read_metadata`` (the unrestricted ``pickle.load`` that verify replaces with its safe
@@ -87,6 +94,81 @@ def build_items(path: str, items: int) -> int:
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=1))
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def build_reused(path: str, gib: float, distinct: int = 8) -> int:
+    """A DCP checkpoint of at least ``gib`` GiB whose 64 MiB tensors repeat ``distinct`` random ones, so building
+    an 8 GiB checkpoint holds 512 MiB in memory, not 8 GiB (every item is still its own bytes on disk)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    count = -(-int(gib * (1 << 30)) // (64 << 20))
+    pool = [torch.randn(16 << 20, generator=g) for _ in range(min(distinct, count))]
+    state = {f"layers.{i}.weight": pool[i % distinct] for i in range(count)}
+    state["step"] = torch.tensor(1000)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4))
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def main_rss(args: argparse.Namespace, sizes: list[float]) -> int:
+    """Peak RSS of ``verify`` (and of ``verify`` against a manifest) at each checkpoint size: it must not grow
+    with the checkpoint's bytes. Each checkpoint is built, measured and deleted before the next."""
+    workdir = args.dir or tempfile.mkdtemp(prefix="ckptverify-bench-rss-")
+    here = os.path.dirname(os.path.abspath(__file__))
+    exe = [sys.executable, "-m", "ckptverify"]
+    rows = []
+    try:
+        for gib in sizes:
+            ckpt = os.path.join(workdir, f"ckpt-{gib:g}")
+            if os.path.isdir(ckpt):
+                shutil.rmtree(ckpt)
+            print(f"building a {gib:g} GiB checkpoint in {ckpt} ...", flush=True)
+            code = (f"import sys; sys.path.insert(0, {here!r}); import bench_verify as b; "
+                    f"print(b.build_reused({ckpt!r}, {gib}))")
+            size = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+                       .stdout.split()[-1])
+            files = sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt))
+            subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+            best: dict[str, float] = {}
+            rss: dict[str, int] = {}
+            for name, cmd in (("cat", ["cat", *files]), ("verify", [*exe, "verify", "--no-progress", "--json", ckpt])):
+                for _ in range(args.repeats):
+                    wall, peak, rc = timed(cmd)
+                    if rc != 0:
+                        print(f"{name} exited {rc} on {ckpt}", file=sys.stderr)
+                        return 2
+                    best[name] = min(best.get(name, float("inf")), wall)
+                    rss[name] = max(rss.get(name, 0), peak)
+            subprocess.run([*exe, "fingerprint", "--no-progress", ckpt], check=True, stdout=subprocess.DEVNULL)
+            for _ in range(args.repeats):
+                wall, peak, rc = timed([*exe, "verify", "--no-progress", "--json", ckpt])
+                if rc != 0:
+                    print(f"verify with manifest exited {rc} on {ckpt}", file=sys.stderr)
+                    return 2
+                best["manifest"] = min(best.get("manifest", float("inf")), wall)
+                rss["manifest"] = max(rss.get("manifest", 0), peak)
+            rows.append({"gib": size / (1 << 30), "verify_peak_rss_mib": rss["verify"] / 1024,
+                         "manifest_peak_rss_mib": rss["manifest"] / 1024,
+                         "verify_over_cat": best["cat"] / best["verify"],
+                         "manifest_over_cat": best["cat"] / best["manifest"], "load_average": os.getloadavg()[0]})
+            shutil.rmtree(ckpt)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print()
+    print(f"{'checkpoint GiB':>15}{'verify peak RSS MiB':>21}{'with manifest MiB':>19}{'verify x cat':>14}"
+          f"{'manifest x cat':>16}{'load':>6}")
+    for r in rows:
+        print(f"{r['gib']:>15.2f}{r['verify_peak_rss_mib']:>21.0f}{r['manifest_peak_rss_mib']:>19.0f}"
+              f"{r['verify_over_cat']:>14.2f}{r['manifest_over_cat']:>16.2f}{r['load_average']:>6.1f}")
+    if len(rows) > 1:
+        grow = max(r["verify_peak_rss_mib"] for r in rows) - min(r["verify_peak_rss_mib"] for r in rows)
+        grow_m = max(r["manifest_peak_rss_mib"] for r in rows) - min(r["manifest_peak_rss_mib"] for r in rows)
+        print(f"peak RSS from {rows[0]['gib']:.2f} to {rows[-1]['gib']:.2f} GiB grows by {grow:.0f} MiB (verify), "
+              f"{grow_m:.0f} MiB (with manifest): independent of size where both stay within a few MiB")
+    print(json.dumps({"rss_by_size": rows}))
+    return 0
 
 
 def _best_in_child(code: str) -> float:
@@ -236,11 +318,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: verify throughput with 1..N ranks (verify --nproc), bytes per rank [off]")
     ap.add_argument("--jobs-per-rank", type=int, default=None,
                     help="with --nproc: threads per rank [the machine's cores / ranks]")
+    ap.add_argument("--rss-sizes", default=None, metavar="GIB,GIB",
+                    help="instead: peak RSS of verify at each of these checkpoint sizes, e.g. 2,8 [off]")
     args = ap.parse_args(argv)
     if args.nproc is not None:
         if args.nproc < 1 or args.gib <= 0:
             ap.error("--nproc must be at least 1 and --gib above 0")
         return main_nproc(args)
+    if args.rss_sizes:
+        try:
+            sizes = [float(x) for x in args.rss_sizes.split(",")]
+        except ValueError:
+            ap.error("--rss-sizes takes sizes in GiB separated by commas, e.g. 2,8")
+        if not sizes or min(sizes) <= 0:
+            ap.error("--rss-sizes must be positive")
+        return main_rss(args, sizes)
     if args.items is not None:
         if args.items < 1:
             ap.error("--items must be at least 1")

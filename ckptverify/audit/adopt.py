@@ -56,6 +56,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     single process writes. Other formats are adopted by this process alone."""
     from ckptverify._version import __version__
     from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
+    from ckptverify.fingerprint.digest import digest_bytes
 
     root = os.fspath(path)
     if digest not in ALGORITHMS:
@@ -113,20 +114,52 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             return ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file, offset=item.offset,
                              length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
 
+        whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
+
+        def digest_batch(batch: _Batch) -> list[ItemEntry]:
+            # Small items (each at most one block), read many at a time: an item's digest and its one block's
+            # digest are the digest of its bytes (what BlockDigest gives for one block), taken once.
+            name, start, end, items = batch
+            with desc.open(name) as f:
+                buf = f.pread(start, end - start)
+                size = f.size
+            if len(buf) != end - start:  # inside the size seen at open: the file changed
+                raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(root, name))
+            out = []
+            view = memoryview(buf)
+            for item in items:
+                h = digest_bytes(view[item.offset - start:item.offset - start + item.length], digest)
+                out.append(ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file,
+                                     offset=item.offset, length=item.length, digest=h, blocks=(h,)))
+            if start == 0 and end == size:
+                whole_files[name] = FileEntry(size=size, digest=digest_bytes(view, digest))
+            run.advance(sum(i.length for i in items))
+            return out
+
         def digest_file(name: str) -> FileEntry:
+            known = whole_files.get(name)
+            if known is not None:
+                return known
             with desc.open(name) as f:
                 return FileEntry(size=f.size, digest=digest_reader(f, digest))
 
-        ordered = sorted(desc.stored, key=lambda i: -i.length)
         names = sorted(desc.files)
         if executor is not None:
+            ordered = sorted(desc.stored, key=lambda i: -i.length)
             entries, file_digests = _shared_digests(run, executor, ordered, names, digest, block_bytes)
+            metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
+            scans, replica_findings = deep_check.scan_description(desc, executor.tensor_map(run))
         else:
-            entries = run.map(digest_item, ordered)
+            # Small items and small whole tensors in batched reads (a checkpoint of many small tensors).
+            small, large = _small_item_batches(desc.stored, block_bytes)
+            entries = [e for batch in run.map(digest_batch, small) for e in batch]
+            entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
             file_digests = run.map(digest_file, names)
-        metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-        scans, replica_findings = deep_check.scan_description(
-            desc, run.map if executor is None else executor.tensor_map(run))
+            metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
+            scans, batched = _scan_small_tensors(desc, run.map)
+            rest = {name for name in desc.tensors if name not in batched}
+            more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
+            scans.update(more)
         if replica_findings:
             return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
                 "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
@@ -201,6 +234,158 @@ def _shared_digests(run: VerificationRun, executor: Any, ordered: list[StoredRan
                          digest=value[0], blocks=tuple(value[1])) for i, value in zip(ordered, got, strict=False)]
     files = [FileEntry(size=size_of(n), digest=value) for n, value in zip(names, got[len(ordered):], strict=True)]
     return entries, files
+
+
+#: A run of small items of one file read at once: (file, start, end, items).
+_Batch = tuple[str, int, int, list[StoredRange]]
+#: Most bytes read at once for consecutive small items, and the largest gap between two read over.
+BATCH_BYTES = 8 << 20
+BATCH_GAP = 64 << 10
+
+
+def _small_item_batches(stored: list[StoredRange], block_bytes: int) -> tuple[list[_Batch], list[StoredRange]]:
+    """Items of at least one byte and at most one block, grouped into runs of one file read at once (at most
+    :data:`BATCH_BYTES`, gaps of at most :data:`BATCH_GAP` read over); and the other items, digested one by one.
+    A checkpoint of many small tensors (or one file per item) is then read by a few large reads, not one per
+    item."""
+    limit = min(block_bytes, BATCH_BYTES)
+    small = sorted((i for i in stored if 0 < i.length <= limit), key=lambda i: (i.file, i.offset))
+    large = [i for i in stored if not 0 < i.length <= limit]
+    batches: list[_Batch] = []
+    for item in small:
+        end = item.offset + item.length
+        if batches:
+            name, start, stop, items = batches[-1]
+            if name == item.file and stop <= item.offset <= stop + BATCH_GAP and end - start <= BATCH_BYTES:
+                items.append(item)
+                batches[-1] = (name, start, end, items)
+                continue
+        batches.append((item.file, item.offset, end, [item]))
+    return batches, large
+
+
+#: Tensors of at most this many elements, stored whole in one raw row-major piece, are fingerprinted many at once.
+SMALL_TENSOR_ELEMENTS = 1 << 14
+#: Dtypes fingerprinted many at once (others, complex and float8 among them, take the general scan).
+_BATCHED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                             "uint8", "bool"})
+
+
+def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[str]]:
+    """The scans (fingerprint, NaN and Inf counts) of the small tensors of ``desc`` stored whole in one raw,
+    row-major piece of one of its dtypes, read by batched reads (:func:`_small_item_batches`'s windows) and
+    fingerprinted many at once (:func:`~ckptverify.fingerprint.kernels.lanes_many`, the lane sums
+    :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for a whole tensor), instead of one
+    scan per tensor: the same values as :func:`~ckptverify.checks.deep.scan_description`, whose work per
+    tensor costs more than a small tensor's arithmetic. Returns the scans and the names scanned; every other
+    tensor (a chunk of a larger one, replicated, a view, a subclass, bytes shorter than the view) is left
+    to the general scan, which also says what is wrong with it."""
+    import math
+
+    import torch
+
+    from ckptverify.checks.deep import TensorScan
+    from ckptverify.dcp.layout import DTYPE_ITEMSIZE
+    from ckptverify.dcp.tensors import torch_dtype
+    from ckptverify.fingerprint import TensorFingerprint
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.formats.describe import is_row_major
+
+    picked: list[StoredRange] = []
+    what: dict[tuple[str, int, int], tuple[str, Any, tuple[int, ...]]] = {}
+    for t in desc.tensors.values():
+        if t.subclass is not None or t.unread or len(t.payloads) != 1 or t.dtype not in _BATCHED_DTYPES:
+            continue
+        p = t.payloads[0]
+        n = math.prod(p.shape)
+        if (p.encoding != "raw" or p.stored is not None or p.dtype != t.dtype or any(p.chunk_offsets)
+                or tuple(p.shape) != tuple(t.shape) or not 0 < n <= SMALL_TENSOR_ELEMENTS
+                or not is_row_major(p.shape, p.stride) or p.storage_offset < 0):
+            continue
+        itemsize = DTYPE_ITEMSIZE[p.dtype]
+        start, nbytes = p.offset + p.storage_offset * itemsize, n * itemsize
+        if start + nbytes > p.offset + p.length:
+            continue
+        picked.append(StoredRange(t.name, None, p.file, start, nbytes))
+        what[(p.file, start, nbytes)] = (t.name, torch_dtype(p.dtype), tuple(p.shape))
+    batches, _ = _small_item_batches(picked, BATCH_BYTES)
+
+    def scan(batch: _Batch) -> list[tuple[str, Any]]:
+        name, start, end, ranges = batch
+        with desc.open(name) as f:
+            buf = f.pread(start, end - start)
+        if len(buf) != end - start:
+            raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(desc.root, name))
+        by_dtype: dict[Any, list[tuple[str, tuple[int, ...], bytes]]] = {}
+        for r in ranges:
+            fqn, dtype, shape = what[(r.file, r.offset, r.length)]
+            by_dtype.setdefault(dtype, []).append((fqn, shape, buf[r.offset - start:r.offset - start + r.length]))
+        out = []
+        for dtype, group in by_dtype.items():
+            joined = b"".join(g[2] for g in group)
+            counts = [math.prod(g[1]) for g in group]
+            dname = kern.dtype_name(dtype)
+            lanes = _whole_lanes(joined, dtype.itemsize, counts, dname)
+            nan = inf = None
+            if dtype.is_floating_point:
+                values = torch.frombuffer(bytearray(joined), dtype=dtype)
+                values = values.float() if dtype in (torch.float16, torch.bfloat16) else values
+                if not bool(torch.isfinite(values).all()):  # one reduction for the usual, all-finite group
+                    nan = _segment_sums(torch.isnan(values).numpy(), counts)
+                    inf = _segment_sums(torch.isinf(values).numpy(), counts)
+            for k, ((fqn, shape, _), n, (a, b)) in enumerate(zip(group, counts, lanes, strict=True)):
+                got = TensorScan()
+                got.parts.append(TensorFingerprint.from_lanes((a, b), dname, list(shape), n))
+                got.elements = n
+                if nan is not None and inf is not None:
+                    got.nan, got.inf = nan[k], inf[k]
+                got.chunks.add((0,) * len(shape))
+                out.append((fqn, got))
+        return out
+
+    scans = {fqn: got for batch in run_map(scan, batches) for fqn, got in batch}
+    return scans, set(scans)
+
+
+def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str) -> list[tuple[int, int]]:
+    """The two lane sums of each whole tensor whose elements lie end to end in ``bits`` (``counts`` elements
+    each, of ``itemsize`` bytes and dtype ``dtype_name``): what
+    :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for each (its small-tensor path: every
+    element's bits sign-extended to 64, mixed with its index in its own tensor), for all of them in a few
+    numpy operations."""
+    import numpy as np
+
+    from ckptverify.fingerprint.spec import INDEX_MULTIPLIER, LANES, dtype_seed
+
+    w = np.frombuffer(bits, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
+    w = w.astype(np.int64).view(np.uint64)
+    sizes = np.asarray(counts, dtype=np.int64)
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    g = (np.arange(len(w), dtype=np.int64) - np.repeat(starts, sizes)).view(np.uint64)
+    p = g * np.uint64(INDEX_MULTIPLIER)
+    lanes = []
+    with np.errstate(over="ignore"):
+        for lane, mixer in enumerate(LANES):
+            s1, s2, s3 = (np.uint64(x) for x in mixer.shifts)
+            m1, m2 = (np.uint64(x) for x in mixer.multipliers)
+            y = w ^ (p + np.uint64(dtype_seed(dtype_name, lane)))
+            y ^= y >> s1
+            y *= m1
+            y ^= y >> s2
+            y *= m2
+            y ^= y >> s3
+            lanes.append(np.add.reduceat(y, starts, dtype=np.uint64).tolist())
+    return list(zip(lanes[0], lanes[1], strict=True))
+
+
+def _segment_sums(flags: Any, counts: list[int]) -> list[int]:
+    """The number of true values in each consecutive run of ``counts`` of ``flags``."""
+    import numpy as np
+
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(np.asarray(counts[:-1], dtype=np.int64), out=starts[1:])
+    return np.add.reduceat(flags.astype(np.int64), starts).tolist()
 
 
 def _refused(checked: Report, findings: list[Any], why: str) -> Report:

@@ -59,6 +59,14 @@ SEGMENT_BYTES = 64 << 20
 SMALL_RECORD_BYTES = 64 << 10
 #: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
 UNCHECKABLE = "content-uncheckable"
+#: Files of at most this many bytes are read whole at open while the run's total stays under
+#: ``KEEP_TOTAL_BYTES``, and read from memory until the archives are planned (a checkpoint saved one file per
+#: item: one open per file instead of three; :meth:`~ckptverify.safeparse.readers.ReadOnlyFile.release_kept`).
+KEEP_FILE_BYTES = 64 << 10
+KEEP_TOTAL_BYTES = 256 << 20
+#: Above this many tasks, :meth:`VerificationRun.map` runs one pulling loop per worker instead of one future
+#: per task: a future costs about as much as checking a small item (a checkpoint of 100 000 items, or files).
+PULL_MAP_MIN = 64
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -138,6 +146,8 @@ class VerificationRun:
         self._manifest_items: set[tuple[str, int, int]] = set()
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
         self._lock = threading.Lock()
+        self._real_root: str | None = None  # the root resolved once, for every file the run opens
+        self._kept_bytes = 0  # bytes of small files read whole at open, until the archives are planned
 
     def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
         """The findings so far as a report, with sizes and timings; ``cap``: at most
@@ -177,9 +187,13 @@ class VerificationRun:
                 f.close()
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """``[fn(x) for x in items]``, on all workers; raises what the first failing item (in order) raised."""
         if self._pool is None:
             return [fn(x) for x in items]
-        return list(self._pool.map(fn, items))
+        items = list(items)
+        if len(items) <= PULL_MAP_MIN:
+            return list(self._pool.map(fn, items))
+        return pulled_map(self._pool, self.jobs, fn, items)
 
     def advance(self, n: int) -> None:
         if self.progress is not None:
@@ -206,7 +220,8 @@ class VerificationRun:
         files by ``fstat`` and the inode behind their name; the metadata and manifest by ``stat``), each
         reported once."""
         out: list[Finding] = []
-        for name, f in sorted(self.opened.items()):
+        for name in sorted(self.opened):  # by name alone: sorting (name, file) pairs costs more
+            f = self.opened[name]
             if f is None or name in self._reported_changed:
                 continue
             how = f.changed()
@@ -337,7 +352,13 @@ class VerificationRun:
 
     def _open(self, name: str) -> ReadOnlyFile | None:
         try:
-            return ReadOnlyFile(os.path.join(self.root, name), root=self.root)
+            if self._real_root is None:
+                self._real_root = os.path.realpath(self.root)
+            keep = KEEP_FILE_BYTES if self._kept_bytes < KEEP_TOTAL_BYTES else 0
+            f = ReadOnlyFile(os.path.join(self.root, name), root=self.root, real_root=self._real_root,
+                             keep_bytes=keep)
+            self._kept_bytes += f.kept
+            return f
         except FileChangedError as exc:
             self.findings.append(changed_finding(name, str(exc)))
         except UnsafeFileError as exc:
@@ -361,6 +382,10 @@ class VerificationRun:
         for name, (file_plans, result) in zip(names, planned, strict=True):
             self.results[name] = result
             self.plans.extend(file_plans)
+        for f in self.opened.values():  # what planning needed of the small files read whole: now read
+            if f is not None:
+                f.release_kept()
+        self._kept_bytes = 0
         # Items written through stream transforms: decoded and judged now (CRC-32s of the decoded archive);
         # their plans read the decoded bytes and join the others after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]
@@ -664,6 +689,36 @@ def cap_findings(findings: Iterable[Finding], limit: int = MAX_FINDINGS_PER_CHEC
             actual={"omitted": len(rest), "total": seen[check], "omitted_by_severity": dict(by_severity)},
         ))
     return kept
+
+
+def pulled_map(pool: ThreadPoolExecutor, workers: int, fn: Callable[[T], R], items: list[T]) -> list[R]:
+    """``[fn(x) for x in items]`` by ``workers`` loops on ``pool``, each taking the next index until none is
+    left (the balance of one future per item, without its cost). As ``pool.map``: the results in order, and
+    the exception of the lowest-indexed item that raised: items are taken in order and every one taken
+    finishes, so every item before a failing one has run, and no later one is taken once it is recorded."""
+    results: list[Any] = [None] * len(items)
+    failed: dict[int, BaseException] = {}
+    take = iter(range(len(items))).__next__  # a C iterator: one index per call, atomic under the GIL
+    lock = threading.Lock()
+
+    def loop() -> None:
+        while not failed:
+            try:
+                n = take()
+            except StopIteration:
+                return
+            try:
+                results[n] = fn(items[n])
+            except BaseException as exc:  # re-raised in the caller, as pool.map would
+                with lock:
+                    failed[n] = exc
+                return
+
+    for future in [pool.submit(loop) for _ in range(min(workers, len(items)))]:
+        future.result()
+    if failed:
+        raise failed[min(failed)]
+    return results
 
 
 def changed_finding(name: str, how: str) -> Finding:

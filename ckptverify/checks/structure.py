@@ -26,6 +26,7 @@ def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | No
     not a regular file (FIFO, device, socket, directory), or resolving outside the checkpoint directory.
     Nothing is opened here."""
     out: dict[str, os.stat_result | None] = {}
+    real_root = os.path.realpath(root)
     for name in names:
         path = os.path.join(root, name)
         try:
@@ -35,7 +36,7 @@ def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | No
         except OSError:
             out[name] = None
             continue
-        out[name] = st if stat.S_ISREG(st.st_mode) and is_inside(root, path) else None
+        out[name] = st if stat.S_ISREG(st.st_mode) and is_inside(root, path, real_root=real_root) else None
     return out
 
 
@@ -69,8 +70,10 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     referenced = set(stats) | set(others) | set(layout.metadata_files) | OWN_FILES
     for dirpath, dirnames, filenames in paths.walk(root):
         dirnames.sort()
+        # The top directory's names are their own relative paths (most of a checkpoint: one file per item).
+        top = dirpath == root
         for fname in sorted(filenames):
-            rel = os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
+            rel = fname if top else os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
             if rel not in referenced and "/" not in rel and fname.startswith(PARTS_PREFIX):
                 continue  # a part verdict of a verification shared out among nodes: ckptverify's own
             if rel not in referenced and "/" not in rel and fname.startswith(STAMP_TEMP_PREFIX):

@@ -361,7 +361,7 @@ def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) 
     """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
     its path. Into a URL (``s3://...``): one PUT, which makes the object appear whole or not at all."""
     path = os.path.join(root, name)
-    text = json.dumps(manifest.to_dict(), indent=1, sort_keys=False)
+    text = _dumps_by_line(manifest.to_dict())
     from ckptverify.safeparse import paths
 
     if paths.is_url(path):
@@ -371,3 +371,23 @@ def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) 
         return path
     write_atomic(path, text, prefix=MANIFEST_TEMP_PREFIX)
     return path
+
+
+def _dumps_by_line(body: dict[str, Any]) -> str:
+    """``body`` as JSON, one top-level field a line and one entry of each of its lists and objects a line
+    (an item, a file, a tensor). Each piece is encoded by the C encoder: ``json.dumps(indent=...)`` runs the
+    pure-Python one, about ten times slower (seconds for a checkpoint of 100 000 items). What is read back
+    is the same either way; the layout only keeps the file readable and diffable line by line."""
+    enc = json.JSONEncoder(ensure_ascii=True, allow_nan=True).encode
+    lines = []
+    for key, value in body.items():
+        head = f" {enc(key)}: "
+        if type(value) is dict and value:
+            inner = ",\n".join(f"  {enc(k)}: {enc(v)}" for k, v in value.items())
+            lines.append(f"{head}{{\n{inner}\n }}")
+        elif type(value) is list and value:
+            inner = ",\n".join(f"  {enc(v)}" for v in value)
+            lines.append(f"{head}[\n{inner}\n ]")
+        else:
+            lines.append(head + enc(value))
+    return "{\n" + ",\n".join(lines) + "\n}"

@@ -74,15 +74,41 @@ def file_kind(mode: int) -> str:
     return "special file"
 
 
-def is_inside(root: str, path: str) -> bool:
-    """True if ``path``, resolved (every symlink and ``..``), lies inside ``root`` resolved. For a URL (no
-    links in an object store): ``path`` names a key under ``root``'s prefix."""
+def is_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
+    """True if ``path``, resolved (every symlink and ``..``), lies inside ``root`` resolved (``real_root``,
+    when the caller resolved it already). For a URL (no links in an object store): ``path`` names a key under
+    ``root``'s prefix."""
     if is_url(path) or is_url(root):
         base = root.rstrip("/") + "/"
         return path.startswith(base) and ".." not in path[len(base):].split("/")
-    real_root = os.path.realpath(root)
+    real_root = real_root or os.path.realpath(root)
+    if _resolved_entry(root, path, real_root) is not None:
+        return True
     real = os.path.realpath(path)
     return real != real_root and os.path.commonpath([real_root, real]) == real_root
+
+
+def _resolved_entry(root: str, path: str, real_root: str) -> tuple[str, os.stat_result] | None:
+    """``os.path.realpath(path)`` without resolving every component, where that is certain: ``path`` is
+    ``root``'s own entry (``root/NAME``, one plain name) and that entry exists and is no symbolic link, so it
+    resolves to ``real_root/NAME``; with its ``lstat``. ``None`` otherwise (the caller resolves in full). One
+    ``lstat`` instead of one per component of the path: a checkpoint saved one file per item has one entry
+    per item."""
+    head, sep, name = path.rpartition("/")
+    if not sep or head.rstrip("/") != root.rstrip("/") or name in ("", ".", "..") or not root:
+        return None
+    real = os.path.join(real_root, name)
+    try:
+        st = os.lstat(real)
+    except (OSError, ValueError):
+        return None
+    return None if stat.S_ISLNK(st.st_mode) else (real, st)
+
+
+def _under(real_root: str, real: str) -> bool:
+    """``os.path.commonpath([real_root, real]) == real_root`` for normalized absolute paths, by prefix first."""
+    prefix = real_root if real_root.endswith("/") else real_root + "/"
+    return real.startswith(prefix) or real == real_root or os.path.commonpath([real_root, real]) == real_root
 
 
 def open_regular(path: str, *, root: str | None = None, real_root: str | None = None) -> tuple[int, os.stat_result]:
@@ -93,13 +119,25 @@ def open_regular(path: str, *, root: str | None = None, real_root: str | None = 
     resolves outside ``root``, without opening it; ``FileNotFoundError`` (an ``OSError``) when it does not
     exist. Never blocks. ``real_root``: ``root`` resolved already (by the caller, earlier).
     """
+    fd, st, _ = _open_regular(path, root, real_root)
+    return fd, st
+
+
+def _open_regular(path: str, root: str | None, real_root: str | None) -> tuple[int, os.stat_result, str]:
+    """:func:`open_regular`, also returning the path opened (resolved, when ``root`` is given)."""
     target = path
+    before = None
     if root is not None:
         real_root = real_root or os.path.realpath(root)
-        target = os.path.realpath(path)
-        if target == real_root or os.path.commonpath([real_root, target]) != real_root:
+        entry = _resolved_entry(root, path, real_root)
+        if entry is not None:
+            target, before = entry  # its lstat: what os.stat(target, follow_symlinks=False) gives
+        else:
+            target = os.path.realpath(path)
+        if target == real_root or not _under(real_root, target):
             raise _unsafe(path, f"{path} resolves to {target}, outside the checkpoint directory {real_root}")
-    before = os.stat(target, follow_symlinks=root is None)
+    if before is None:
+        before = os.stat(target, follow_symlinks=root is None)
     if not stat.S_ISREG(before.st_mode):
         raise _unsafe(path, f"{path} is a {file_kind(before.st_mode)}, not a regular file")
     # The resolved path holds no link to follow; O_NOFOLLOW makes a link swapped in meanwhile fail (ELOOP).
@@ -113,7 +151,7 @@ def open_regular(path: str, *, root: str | None = None, real_root: str | None = 
     except BaseException:
         os.close(fd)
         raise
-    return fd, st
+    return fd, st, target
 
 
 def _check_descriptor_inside(fd: int, path: str, real_root: str) -> None:
@@ -123,7 +161,7 @@ def _check_descriptor_inside(fd: int, path: str, real_root: str) -> None:
         opened = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return  # no /proc: the resolved-path check before opening stands
-    if os.path.commonpath([real_root, opened]) != real_root:
+    if not _under(real_root, opened):
         raise _unsafe(path, f"{path} was opened at {opened}, outside the checkpoint directory {real_root}")
 
 
@@ -193,34 +231,62 @@ class ReadOnlyFile:
 
     At most :data:`MAX_OPEN` descriptors are held at once, process-wide (a checkpoint saved one file per item
     has as many files as items, more than a process may open): the least recently used idle one is closed
-    and opened again when next needed, through the same checks as the first time, and it must then be the
-    same file, unchanged (device, inode, size, modification time), or the read raises
-    :class:`~ckptverify.errors.FileChangedError`.
+    and opened again when next needed, and it must then be the same file, unchanged (device, inode, size,
+    modification time), or the read raises :class:`~ckptverify.errors.FileChangedError`. The reopen takes the
+    path resolved the first time when it still names that very file (:meth:`_reopen_same`), else every
+    check of the first open runs again. ``keep_bytes``: a file of at most that size is read whole at open and
+    read from memory until :meth:`release_kept`.
 
     A URL (``s3://...``, any fsspec URL) opens a :class:`~ckptverify.safeparse.remote.RemoteFile` instead:
-    the same interface, read with ranged requests.
+    the same interface, read with ranged requests (``real_root`` and ``keep_bytes`` do not apply).
     """
 
-    def __new__(cls, path: str, *, root: str | None = None) -> ReadOnlyFile:
+    def __new__(cls, path: str, *, root: str | None = None, real_root: str | None = None,
+                keep_bytes: int = 0) -> ReadOnlyFile:
         if cls is ReadOnlyFile and is_url(path):
             from ckptverify.safeparse.remote import RemoteFile
 
             return RemoteFile(path, root=root)  # type: ignore[return-value]
         return super().__new__(cls)
 
-    def __init__(self, path: str, *, root: str | None = None) -> None:
+    def __init__(self, path: str, *, root: str | None = None, real_root: str | None = None,
+                 keep_bytes: int = 0) -> None:
         self.path = path
         self._root = root
-        # The root as resolved at open: a reopen checks the path against it (a root moved since would make
-        # the path resolve elsewhere, which is refused).
-        self._real_root = os.path.realpath(root) if root is not None else None
-        fd, st = open_regular(path, root=root, real_root=self._real_root)
+        # The root as resolved at open (or by the caller, once for many files): a reopen checks the path
+        # against it (a root moved since would make the path resolve elsewhere, which is refused).
+        self._real_root = (real_root or os.path.realpath(root)) if root is not None else None
+        fd, st, target = _open_regular(path, root, self._real_root)
+        # The resolved path opened, for a quick reopen (see _reopen); only where it was resolved.
+        self._target = target if root is not None else None
         self.size = st.st_size
         self._signature = _signature(st)
         self._fd: int | None = fd
         self._pins = 0
         self._closed = False
+        #: The whole file, read at open when it holds at most ``keep_bytes`` (see :meth:`release_kept`).
+        self._kept: bytes | None = None
+        if 0 < self.size <= keep_bytes:
+            try:
+                data = os.pread(fd, self.size, 0)
+            except OSError:
+                data = b""
+            # A short read is left to the reads that need the bytes: they say the file changed.
+            self._kept = data if len(data) == self.size else None
         _DESCRIPTORS.added(self)
+
+    @property
+    def kept(self) -> int:
+        """Bytes of the file held in memory (read at open; reads inside them use no descriptor)."""
+        return len(self._kept) if self._kept is not None else 0
+
+    def release_kept(self) -> None:
+        """Forget the bytes read at open; later reads go to the file. A checkpoint saved one file per item
+        has as many files as items, more than may stay open: its small files are read whole while their
+        descriptor is fresh, and the first stages (structure, archives) read them from memory instead of
+        opening each file again. The bytes are those the file held at open; a change after it is found as
+        for any read (:meth:`changed`)."""
+        self._kept = None
 
     def close(self) -> None:
         _DESCRIPTORS.closed(self)
@@ -243,6 +309,9 @@ class ReadOnlyFile:
     def _reopen(self) -> int:
         """Open the file again (after its descriptor was closed to stay under :data:`MAX_OPEN`); it must be
         the same, unchanged file."""
+        fd = self._reopen_same()
+        if fd is not None:
+            return fd
         try:
             fd, st = open_regular(self.path, root=self._root, real_root=self._real_root)
         except OSError as exc:
@@ -253,6 +322,32 @@ class ReadOnlyFile:
             os.close(fd)
             how = self._describe(st)
         raise _changed(self.path, f"{self.path} changed while it was verified: {how}")
+
+    def _reopen_same(self) -> int | None:
+        """The quick reopen: the resolved path opened the first time still names a regular file with this
+        file's signature (device, inode, size, modification time), and opening it (no link followed) gives
+        that file. It is then the very file checked to lie inside the root at the first open, unchanged, so
+        resolving the path again and asking ``/proc`` where it lies would prove nothing more. ``None``
+        when anything differs: the full :func:`open_regular` then runs and says what."""
+        target = self._target
+        if target is None:
+            return None
+        try:
+            before = os.lstat(target)  # never open what is no regular file now (a device swapped in)
+            if not stat.S_ISREG(before.st_mode) or _signature(before) != self._signature:
+                return None
+            fd = os.open(target, _OPEN_FLAGS | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        if stat.S_ISREG(st.st_mode) and _signature(st) == self._signature:
+            return fd
+        os.close(fd)
+        return None
 
     def _describe(self, now: os.stat_result) -> str:
         if (now.st_dev, now.st_ino) != self._signature[2:]:
@@ -289,6 +384,13 @@ class ReadOnlyFile:
         if n <= 0 or offset >= self.size:
             return b""
         want = min(n, self.size - offset)
+        kept = self._kept
+        if kept is not None:
+            data = kept[offset:offset + want]
+            pace = getattr(_local, "pacer", None)
+            if pace is not None:
+                pace(len(data))
+            return data
         with self._descriptor() as fd:
             data = os.pread(fd, want, offset)
             while len(data) < want:  # a short read is legal; a read at end of file inside ``size`` is not

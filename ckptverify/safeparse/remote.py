@@ -409,6 +409,15 @@ class RemoteFile:
                     _blocks_held[0] -= len(data)
             self._indexes.clear()
 
+    @property
+    def kept(self) -> int:
+        """Bytes held from the open (:attr:`ReadOnlyFile.kept`): none, an object's small reads go through the
+        block cache instead."""
+        return 0
+
+    def release_kept(self) -> None:
+        """Nothing to forget (:meth:`ReadOnlyFile.release_kept`)."""
+
     def __enter__(self) -> RemoteFile:
         return self
 
