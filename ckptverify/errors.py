@@ -235,6 +235,11 @@ class StorageError(_FileError):
     run (exit 2), naming the object. Never turned into a finding about the checkpoint."""
 
 
+class ClusterError(CkptVerifyError):
+    """The ranks of a command run across ranks (:mod:`ckptverify.cluster`) could not meet, or one stopped
+    answering: the command could not run (exit 2). The message names the rank, its host, and what happened."""
+
+
 class TruncatedRangeError(CkptVerifyError, EOFError):
     """A byte range extends past the end of its file."""
 

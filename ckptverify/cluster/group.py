@@ -19,15 +19,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ckptverify.errors import CkptVerifyError
+from ckptverify.errors import ClusterError
 
 #: Seconds between two heartbeats of a rank.
 BEAT_SECONDS = 1.0
-
-
-class ClusterError(CkptVerifyError):
-    """The ranks could not meet or one stopped answering: the command could not run (exit 2). The message
-    names the rank, its host, and what happened."""
 
 
 def connect(addr: str, port: int, world: int, timeout: float, *, server: bool) -> Any:

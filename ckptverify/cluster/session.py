@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
-from ckptverify.cluster.group import ClusterError, Group, connect
+from ckptverify.cluster.group import Group, connect
 from ckptverify.cluster.split import assign, balance
 from ckptverify.cluster.units import RankFiles, Unit, execute, unit_bytes, unit_file, unit_range
-from ckptverify.errors import FileChangedError, UsageError
+from ckptverify.errors import ClusterError, FileChangedError, UsageError
 
 #: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
 DEFAULT_RANK_TIMEOUT = 120.0
