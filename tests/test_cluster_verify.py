@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.ports import on_a_free_port, refused_port
 
 from ckptverify.cluster.split import assign, balance
 
@@ -92,15 +93,17 @@ def _planted(kind: str, clean: Path, with_manifest: Path, dst: Path) -> Path:
     return dst
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def srun_like(path: Path, nproc: int = 2, **extra: str) -> list[subprocess.CompletedProcess[str]]:
     """The ranks as Slurm's ``srun`` starts them: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, MASTER_* set."""
-    port = str(_free_port())
+    return on_a_free_port(lambda port: _srun_on(path, str(port), nproc, **extra), _port_taken)
+
+
+def _port_taken(procs: list[subprocess.CompletedProcess[str]]) -> bool:
+    """Rank 0 could not bind the port picked: another job took it in between."""
+    return "could not start the rendezvous store" in procs[0].stderr
+
+
+def _srun_on(path: Path, port: str, nproc: int, **extra: str) -> list[subprocess.CompletedProcess[str]]:
     procs = [subprocess.Popen([sys.executable, "-m", "ckptverify", "verify", str(path), "--json"], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_env(SLURM_PROCID=str(r), SLURM_NTASKS=str(nproc), SLURM_LOCALID=str(r),
@@ -282,9 +285,10 @@ def test_stopped_rank_under_torchrun_is_named(clean: Path) -> None:
 
 
 def test_rank_without_rank_0_exits_2_saying_so(clean: Path) -> None:
-    proc = run("-m", "ckptverify", "verify", str(clean), "--rank-timeout", "2",
-               env=_env(CKPTVERIFY_CLUSTER="local", RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(_free_port())))
+    with refused_port() as port:  # nothing listens there: no rank 0
+        proc = run("-m", "ckptverify", "verify", str(clean), "--rank-timeout", "2",
+                   env=_env(CKPTVERIFY_CLUSTER="local", RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)))
     assert proc.returncode == 2 and proc.stdout == ""
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ckptverify verify: error: could not reach the rendezvous store at 127.0.0.1:"), last

@@ -366,30 +366,31 @@ def test_an_integration_s_background_check_is_shared_out_among_nodes_too(tmp_pat
 PRODUCTION_SCRIPT = Path(__file__).parent / "user_scripts" / "production_train.py"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _two_node_job(run_dir: Path, steps: int, save_every: int) -> None:
     """The production script started as torchrun starts it on two nodes: one agent per node, one rank each (both
     agents on this machine: torchrun's node rank tells them apart)."""
     import subprocess
     import sys
 
-    port = _free_port()
+    from helpers.ports import on_a_free_port
+
     env = {**os.environ, "CKPTVERIFY_VERIFY_THROTTLE": "0", parts_mod.PART_TIMEOUT_ENV: "240"}
     env.pop(parts_mod.NODE_ENV, None)
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={k}", "--nproc-per-node=1",
-         "--master-addr=127.0.0.1", f"--master-port={port}", str(PRODUCTION_SCRIPT), "--run-dir", str(run_dir),
-         "--steps", str(steps), "--save-every", str(save_every)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for k in (0, 1)]
-    outputs = [a.communicate(timeout=600)[0] for a in agents]
-    assert [a.returncode for a in agents] == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
+
+    def start(port: int) -> tuple[list[int | None], list[str]]:
+        agents = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={k}", "--nproc-per-node=1",
+             "--master-addr=127.0.0.1", f"--master-port={port}", str(PRODUCTION_SCRIPT), "--run-dir", str(run_dir),
+             "--steps", str(steps), "--save-every", str(save_every)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for k in (0, 1)]
+        outputs = [a.communicate(timeout=600)[0] for a in agents]
+        return [a.returncode for a in agents], outputs
+
+    def taken(result: tuple[list[int | None], list[str]]) -> bool:
+        return any("EADDRINUSE" in o or "address already in use" in o for o in result[1])
+
+    codes, outputs = on_a_free_port(start, taken)
+    assert codes == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
 
 
 @pytest.mark.slow

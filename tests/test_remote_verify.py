@@ -379,12 +379,13 @@ def test_cli_verify_s3_never_prints_the_secret(s3: Any, server_env: dict[str, st
 def test_storage_options_from_the_environment(s3: Any, server_env: dict[str, str]) -> None:
     """``CKPTVERIFY_STORAGE_OPTIONS`` reaches the file system (here: the endpoint, while the standard variable
     names a port nothing listens on); one that is not a JSON object is exit 2, its content never echoed."""
-    from helpers.remote_s3 import free_port
+    from helpers.ports import refused_port
 
     url = save_s3(fresh("options"))
-    dead = {**server_env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
     options = json.dumps({"client_kwargs": {"endpoint_url": server_env["AWS_ENDPOINT_URL"]}})
-    ok = _cli(["verify", url], {**dead, "CKPTVERIFY_STORAGE_OPTIONS": options})
+    with refused_port() as port:
+        dead = {**server_env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_MAX_ATTEMPTS": "1"}
+        ok = _cli(["verify", url], {**dead, "CKPTVERIFY_STORAGE_OPTIONS": options})
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = _cli(["verify", url], {**server_env, "CKPTVERIFY_STORAGE_OPTIONS": f'["{SECRET}"]'})
     assert bad.returncode == 2 and "CKPTVERIFY_STORAGE_OPTIONS must hold a JSON object" in bad.stderr

@@ -58,9 +58,17 @@ def test_a_failing_rank_fails_the_launch_with_its_own_error_not_its_peer_s() -> 
 
 def test_no_test_or_script_picks_a_port_by_binding_and_releasing_it() -> None:
     """A port bound, released and handed to the ranks can be taken in between by any other job."""
-    pattern = re.compile(r"\.bind\(\(\s*['\"](127\.0\.0\.1|localhost|)['\"]\s*,\s*0\s*\)\)|MASTER_PORT\s*=")
-    offenders = [str(p.relative_to(REPO)) for folder in ("tests", "scripts") for p in (REPO / folder).rglob("*.py")
-                 if p != Path(__file__) and pattern.search(p.read_text())]
+    bind = re.compile(r"\.bind\(\(\s*['\"](127\.0\.0\.1|localhost|)['\"]\s*,\s*0\s*\)\)")
+    master_port = re.compile(r"MASTER_PORT\s*=")
+    # One helper picks such ports, for launchers that need one before rank 0 binds it, and starts again on
+    # another port when one was taken in between (helpers/ports.py); a file may hand MASTER_PORT to ranks only
+    # with a port from it.
+    vetted = {Path(__file__), REPO / "tests" / "helpers" / "ports.py"}
+    offenders = []
+    for p in (p for folder in ("tests", "scripts") for p in (REPO / folder).rglob("*.py") if p not in vetted):
+        text = p.read_text()
+        if bind.search(text) or (master_port.search(text) and "from helpers.ports import" not in text):
+            offenders.append(str(p.relative_to(REPO)))
     assert offenders == []
 
 

@@ -218,7 +218,7 @@ def _shared_digests(run: VerificationRun, executor: Any, ordered: list[StoredRan
     """The item and file digests, read by the ranks (each its share) and returned in order."""
 
     def opened(name: str) -> Any:
-        f = run.opened.get(name)
+        f = run.file(name)
         if f is None:
             raise FileChangedError("it could not be opened again", os.path.join(run.root, name))
         return f

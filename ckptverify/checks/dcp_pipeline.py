@@ -93,8 +93,9 @@ class VerificationRun:
 
     What other modules use: :meth:`execute`, :meth:`report`, :meth:`description` (what was read, as the
     description every format gives), ``manifest`` (the manifest compared with, read-only), :meth:`map` and
-    :meth:`advance` (parallel work with progress), :meth:`changed_files`, :meth:`close`, and
-    ``extension_registry`` (set before :meth:`execute`). Everything else is the pipeline's own state.
+    :meth:`advance` (parallel work with progress), :meth:`changed_files`, :meth:`close`, :meth:`file` (a file
+    as this run opened it), and ``extension_registry`` (set before :meth:`execute`). Everything else is the
+    pipeline's own state.
 
     A run can be one part of a verification shared out among nodes (``docs/verify-after-save.md``): ``only``
     restricts it to the byte-level checks (item bounds, zip structure, record CRCs, the manifest's block and
@@ -185,6 +186,11 @@ class VerificationRun:
         for f in self.opened.values():
             if f is not None:
                 f.close()
+
+    def file(self, name: str) -> ReadOnlyFile | None:
+        """The file ``name`` as this run opened it (the one its findings judged), or ``None`` when it was not
+        opened."""
+        return self.opened.get(name)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """``[fn(x) for x in items]``, on all workers; raises what the first failing item (in order) raised."""

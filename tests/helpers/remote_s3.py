@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -18,21 +17,16 @@ from typing import Any
 SECRET = "ckptverify-test-secret-7f3a9c"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MotoS3:
     """moto's server in a thread; :meth:`env` is the environment that points S3 clients at it."""
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 
-        self.port = free_port()
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        # Port 0: the server binds a free port itself and keeps it (no port picked and released for it).
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
+        self.port = int(self.server._server.server_address[1])  # type: ignore[union-attr]
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def env(self, endpoint: str | None = None) -> dict[str, str]:
