@@ -96,8 +96,19 @@ def validate_digest_options(digest: str, block_bytes: int) -> None:
 
 # ------------------------------------------------------------------------------------------ the stream
 
-#: Buffers at least this large are written and digested concurrently (see ``_HashingStream._write_parallel``).
+#: Buffers at least this large are written piece by piece, each piece digested by a pool thread while the
+#: next one is written (see ``_HashingStream._write_pipelined``).
 PARALLEL_HASH_MIN_BYTES = 1 << 20
+#: The piece: small enough that a piece the write has just read is still in the shared cache when the pool
+#: thread digests it (three digests: the file's, the item's, the item's blocks), large enough that the
+#: per-piece Python cost (one submit) stays under 1% of the piece's write.
+PIECE_BYTES = 4 << 20
+#: Writes shorter than this (torch.save's zip headers, small items) are collected and digested together once
+#: ``COALESCE_BYTES`` of them are pending, at the next ``tell()``, before a large write and at close: one
+#: digest call for many small writes. The digests are the same (streaming digests do not depend on how their
+#: input is split).
+SMALL_WRITE_BYTES = 64 << 10
+COALESCE_BYTES = 256 << 10
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -148,6 +159,7 @@ class _HashingStream:
         self._seg: BlockDigest | None = None
         self._segments: dict[tuple[int, int], _Segment] = {}
         self._record: _FileRecord | None = None
+        self._pending = bytearray()
         self.tell_calls = 0
 
     # -- the part of the file-object protocol DCP and torch.save use
@@ -158,34 +170,60 @@ class _HashingStream:
         if self._seg is None:
             self._seg = BlockDigest(self._algorithm, self._block_bytes)
         if len(view) >= PARALLEL_HASH_MIN_BYTES:
-            return self._write_parallel(view, self._seg)
+            self._drain()
+            return self._write_pipelined(view, self._seg)
         n = self._raw.write(view)
         if n is None:  # a non-blocking raw stream; DCP never opens one
             raise OSError("the underlying stream accepted no bytes")
         if n != len(view):
             view = view[:n]
         if n:
-            self._file_digest.update(view)
-            self._seg.update(view)
+            if n < SMALL_WRITE_BYTES:
+                self._pending += view
+                if len(self._pending) >= COALESCE_BYTES:
+                    self._drain()
+            else:
+                self._drain()
+                self._file_digest.update(view)
+                self._seg.update(view)
             self._pos += n
         return n
 
-    def _write_parallel(self, view: memoryview, seg: BlockDigest) -> int:
-        """Write a large buffer while two pool threads digest it (xxhash and hashlib release the GIL on
-        large buffers, and so does the write). The buffer is only read while this call runs: the caller
-        may free or reuse it as soon as ``write`` returns."""
+    def _drain(self) -> None:
+        """Digest the small writes collected so far (they belong to the current segment)."""
+        if self._pending:
+            assert self._seg is not None
+            self._file_digest.update(self._pending)
+            self._seg.update(self._pending)
+            del self._pending[:]
+
+    def _write_pipelined(self, view: memoryview, seg: BlockDigest) -> int:
+        """Write a large buffer in pieces of ``PIECE_BYTES``; a pool thread digests each piece while this
+        thread writes the next, so the digests read what the write has just brought into the cache instead
+        of making passes of their own over memory (the write, xxhash and hashlib release the GIL on large
+        buffers). At most one piece is being digested at a time, so the digests see the bytes in order. The
+        buffer is only read while this call runs: the caller may free or reuse it as soon as ``write``
+        returns."""
         pool = _hash_pool()
-        jobs = [pool.submit(self._file_digest.update, view), pool.submit(seg.update, view)]
+        job = None
+        total = len(view)
+        pos = 0
         try:
-            n = self._raw.write(view)
+            while pos < total:
+                piece = view[pos : pos + PIECE_BYTES]
+                n = self._raw.write(piece)
+                if n != len(piece):
+                    # The digests take whole pieces: a short write would make them wrong.
+                    raise OSError(f"short write: {pos + (n or 0)} of {total} bytes")
+                if job is not None:
+                    job.result()
+                job = pool.submit(_digest_piece, self._file_digest, seg, piece)
+                pos += n
         finally:
-            for job in jobs:
+            if job is not None:
                 job.result()
-        if n != len(view):
-            # The digests took the whole buffer: a short write would make them wrong.
-            raise OSError(f"short write: {n} of {len(view)} bytes")
-        self._pos += n
-        return n
+        self._pos += total
+        return total
 
     def tell(self) -> int:
         self.tell_calls += 1
@@ -228,6 +266,7 @@ class _HashingStream:
     # -- bookkeeping
     def _cut(self) -> None:
         """End the current segment here (if it holds bytes) and start the next one."""
+        self._drain()
         if self._seg is not None:
             length = self._pos - self._seg_start
             if length:
@@ -242,6 +281,11 @@ class _HashingStream:
             self._cut()
             self._record = _FileRecord(self._pos, self._file_digest.hexdigest(), self._segments)
         return self._record
+
+
+def _digest_piece(file_digest: Any, seg: BlockDigest, piece: memoryview) -> None:
+    file_digest.update(piece)
+    seg.update(piece)
 
 
 class _HashingFileSystem(FileSystem):
