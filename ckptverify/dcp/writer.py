@@ -166,35 +166,43 @@ class _HashingStream:
     def write(self, b: Any, /) -> int:
         if self._record is not None:
             raise ValueError("write to a closed stream")
+        size = b.nbytes if type(b) is memoryview else memoryview(b).nbytes
+        if size < SMALL_WRITE_BYTES:
+            # The common case by count (torch.save writes a few dozen small records per item): kept short.
+            n = self._raw.write(b)
+            if n is None:  # a non-blocking raw stream; DCP never opens one
+                raise OSError("the underlying stream accepted no bytes")
+            self._pending += b if n == size else memoryview(b).cast("B")[:n]
+            self._pos += n
+            if len(self._pending) >= COALESCE_BYTES:
+                self._drain()
+            return n
         view = memoryview(b).cast("B")
+        self._drain()
+        seg = self._segment()
+        if size >= PARALLEL_HASH_MIN_BYTES:
+            return self._write_pipelined(view, seg)
+        n = self._raw.write(view)
+        if n is None:
+            raise OSError("the underlying stream accepted no bytes")
+        if n != size:
+            view = view[:n]
+        self._file_digest.update(view)
+        seg.update(view)
+        self._pos += n
+        return n
+
+    def _segment(self) -> BlockDigest:
+        """The current segment's digest (started at its first byte)."""
         if self._seg is None:
             self._seg = BlockDigest(self._algorithm, self._block_bytes)
-        if len(view) >= PARALLEL_HASH_MIN_BYTES:
-            self._drain()
-            return self._write_pipelined(view, self._seg)
-        n = self._raw.write(view)
-        if n is None:  # a non-blocking raw stream; DCP never opens one
-            raise OSError("the underlying stream accepted no bytes")
-        if n != len(view):
-            view = view[:n]
-        if n:
-            if n < SMALL_WRITE_BYTES:
-                self._pending += view
-                if len(self._pending) >= COALESCE_BYTES:
-                    self._drain()
-            else:
-                self._drain()
-                self._file_digest.update(view)
-                self._seg.update(view)
-            self._pos += n
-        return n
+        return self._seg
 
     def _drain(self) -> None:
         """Digest the small writes collected so far (they belong to the current segment)."""
         if self._pending:
-            assert self._seg is not None
             self._file_digest.update(self._pending)
-            self._seg.update(self._pending)
+            self._segment().update(self._pending)
             del self._pending[:]
 
     def _write_pipelined(self, view: memoryview, seg: BlockDigest) -> int:
