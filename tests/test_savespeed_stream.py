@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +14,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_save import check_fingerprints_match, check_manifest_against_disk
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_save import check_fingerprints_match, check_manifest_against_disk  # noqa: E402
-
-from ckptverify.checkpoint.save import save  # noqa: E402
-from ckptverify.dcp import writer as w  # noqa: E402
-from ckptverify.fingerprint import BlockDigest, digest_bytes  # noqa: E402
-from ckptverify.ownfiles.manifest import MANIFEST_FILE  # noqa: E402
+from ckptverify.checkpoint.save import save
+from ckptverify.dcp import writer as w
+from ckptverify.fingerprint import BlockDigest, digest_bytes
+from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

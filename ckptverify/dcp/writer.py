@@ -75,6 +75,7 @@ from ckptverify.ownfiles.manifest import (
     TensorEntry,
     write_manifest,
 )
+from ckptverify.safeparse.gcpause import paused_gc
 
 __all__ = ["HashedStorageInfo", "HashingFileSystemWriter", "validate_digest_options"]
 
@@ -518,6 +519,16 @@ class HashingFileSystemWriter(FileSystemWriter):
             results = super().write_data(plan, planner).wait()
             facts = fp_job.result() if fp_job is not None else {}
         records, tells = self.fs.take_records()
+        # Thousands of items make many small, acyclic objects (the results and their digests): the cyclic
+        # collector would walk the growing set again and again. Reference counting frees them as usual.
+        # (DCP's own write loop keeps the collector: torch.save leaves reference cycles behind, about 20
+        # objects per item, which a pause would keep alive until it ends.)
+        with paused_gc():
+            return self._hashed_results(results, facts, records, tells)
+
+    def _hashed_results(self, results: list[WriteResult], facts: dict[MetadataIndex, _ChunkFacts],
+                        records: dict[str, _FileRecord], tells: int) -> Future[list[WriteResult]]:
+        """DCP's write results with their storage data replaced by :class:`HashedStorageInfo`."""
 
         out: list[WriteResult] = []
         rereads = 0
@@ -605,7 +616,8 @@ class HashingFileSystemWriter(FileSystemWriter):
         """Commit (coordinator only; every rank's writes are done): write ``.metadata``, then the manifest,
         then remove the in-progress marker and drop the lock. Anything that fails leaves the marker."""
         try:
-            self._finish(metadata, results)
+            with paused_gc():  # the manifest of many items: as in write_data
+                self._finish(metadata, results)
             if self._lock is not None:
                 lock, self._lock = self._lock, None
                 lock.commit()
