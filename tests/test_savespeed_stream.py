@@ -129,6 +129,39 @@ def test_short_write_of_a_piece_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
         stream.write(b"x" * 5000)
 
 
+def test_pieces_no_pool_thread_took_are_digested_by_the_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every pool thread busy elsewhere, the writing thread digests each piece itself (and does not wait
+    for a pool thread): the digests are the same."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(w, "SMALL_WRITE_BYTES", 10)
+    monkeypatch.setattr(w, "PARALLEL_HASH_MIN_BYTES", 1000)
+    monkeypatch.setattr(w, "PIECE_BYTES", 300)
+    busy = ThreadPoolExecutor(max_workers=1)
+    release = threading.Event()
+    busy.submit(release.wait)
+    monkeypatch.setattr(w, "_hash_pool", lambda: busy)
+    raw = io.BytesIO()
+    stream = w._HashingStream(raw, "xxh3-128", 128)
+    data = bytes(range(256)) * 40
+    writer = threading.Thread(target=stream.write, args=(data,), daemon=True)
+    writer.start()
+    writer.join(timeout=60)
+    done = not writer.is_alive()
+    release.set()
+    busy.shutdown()
+    assert done, "the write waited for a pool thread that was never free"
+    stream.tell()
+    record = stream.finalize()
+    ref = BlockDigest("xxh3-128", 128)
+    ref.update(data)
+    assert raw.getvalue() == data
+    assert record.digest == digest_bytes(data, "xxh3-128")
+    assert record.segments[(0, len(data))].digest == ref.hexdigest()
+    assert record.segments[(0, len(data))].blocks == tuple(ref.block_hexdigests())
+
+
 def _manifest_text(root: Path) -> dict[str, Any]:
     body = json.loads((root / MANIFEST_FILE).read_text())
     # .metadata names the checkpoint's path (DCP's storage_meta): it differs between two directories

@@ -210,11 +210,12 @@ class _HashingStream:
         """Write a large buffer in pieces of ``PIECE_BYTES``; a pool thread digests each piece while this
         thread writes the next, so the digests read what the write has just brought into the cache instead
         of making passes of their own over memory (the write, xxhash and hashlib release the GIL on large
-        buffers). At most one piece is being digested at a time, so the digests see the bytes in order. The
+        buffers). One piece at a time is being digested, so the digests see the bytes in order; a piece no
+        pool thread has started on by the time the next one is written is digested by this thread. The
         buffer is only read while this call runs: the caller may free or reuse it as soon as ``write``
         returns."""
         pool = _hash_pool()
-        job = None
+        job: tuple[Any, Any, BlockDigest, memoryview] | None = None
         total = len(view)
         pos = 0
         try:
@@ -225,12 +226,12 @@ class _HashingStream:
                     # The digests take whole pieces: a short write would make them wrong.
                     raise OSError(f"short write: {pos + (n or 0)} of {total} bytes")
                 if job is not None:
-                    job.result()
-                job = pool.submit(_digest_piece, self._file_digest, seg, piece)
+                    _settle(*job)
+                job = (pool.submit(_digest_piece, self._file_digest, seg, piece), self._file_digest, seg, piece)
                 pos += n
         finally:
             if job is not None:
-                job.result()
+                _settle(*job)
         self._pos += total
         return total
 
@@ -295,6 +296,15 @@ class _HashingStream:
 def _digest_piece(file_digest: Any, seg: BlockDigest, piece: memoryview) -> None:
     file_digest.update(piece)
     seg.update(piece)
+
+
+def _settle(job: Any, file_digest: Any, seg: BlockDigest, piece: memoryview) -> None:
+    """Wait until ``piece`` is digested by ``job``; if no pool thread has started on it yet (a busy machine
+    has not scheduled one), digest it here rather than wait for one to be scheduled."""
+    if job.cancel():
+        _digest_piece(file_digest, seg, piece)
+    else:
+        job.result()
 
 
 class _HashingFileSystem(FileSystem):
