@@ -75,6 +75,7 @@ from ckptverify.ownfiles.manifest import (
     TensorEntry,
     write_manifest,
 )
+from ckptverify.safeparse.gcpause import paused_gc
 
 __all__ = ["HashedStorageInfo", "HashingFileSystemWriter", "validate_digest_options"]
 
@@ -96,8 +97,19 @@ def validate_digest_options(digest: str, block_bytes: int) -> None:
 
 # ------------------------------------------------------------------------------------------ the stream
 
-#: Buffers at least this large are written and digested concurrently (see ``_HashingStream._write_parallel``).
+#: Buffers at least this large are written piece by piece, each piece digested by a pool thread while the
+#: next one is written (see ``_HashingStream._write_pipelined``).
 PARALLEL_HASH_MIN_BYTES = 1 << 20
+#: The piece: small enough that a piece the write has just read is still in the shared cache when the pool
+#: thread digests it (three digests: the file's, the item's, the item's blocks), large enough that the
+#: per-piece Python cost (one submit) stays under 1% of the piece's write.
+PIECE_BYTES = 4 << 20
+#: Writes shorter than this (torch.save's zip headers, small items) are collected and digested together once
+#: ``COALESCE_BYTES`` of them are pending, at the next ``tell()``, before a large write and at close: one
+#: digest call for many small writes. The digests are the same (streaming digests do not depend on how their
+#: input is split).
+SMALL_WRITE_BYTES = 64 << 10
+COALESCE_BYTES = 256 << 10
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -148,44 +160,80 @@ class _HashingStream:
         self._seg: BlockDigest | None = None
         self._segments: dict[tuple[int, int], _Segment] = {}
         self._record: _FileRecord | None = None
+        self._pending = bytearray()
         self.tell_calls = 0
 
     # -- the part of the file-object protocol DCP and torch.save use
     def write(self, b: Any, /) -> int:
         if self._record is not None:
             raise ValueError("write to a closed stream")
-        view = memoryview(b).cast("B")
-        if self._seg is None:
-            self._seg = BlockDigest(self._algorithm, self._block_bytes)
-        if len(view) >= PARALLEL_HASH_MIN_BYTES:
-            return self._write_parallel(view, self._seg)
-        n = self._raw.write(view)
-        if n is None:  # a non-blocking raw stream; DCP never opens one
-            raise OSError("the underlying stream accepted no bytes")
-        if n != len(view):
-            view = view[:n]
-        if n:
-            self._file_digest.update(view)
-            self._seg.update(view)
+        size = b.nbytes if type(b) is memoryview else memoryview(b).nbytes
+        if size < SMALL_WRITE_BYTES:
+            # The common case by count (torch.save writes a few dozen small records per item): kept short.
+            n = self._raw.write(b)
+            if n is None:  # a non-blocking raw stream; DCP never opens one
+                raise OSError("the underlying stream accepted no bytes")
+            self._pending += b if n == size else memoryview(b).cast("B")[:n]
             self._pos += n
-        return n
-
-    def _write_parallel(self, view: memoryview, seg: BlockDigest) -> int:
-        """Write a large buffer while two pool threads digest it (xxhash and hashlib release the GIL on
-        large buffers, and so does the write). The buffer is only read while this call runs: the caller
-        may free or reuse it as soon as ``write`` returns."""
-        pool = _hash_pool()
-        jobs = [pool.submit(self._file_digest.update, view), pool.submit(seg.update, view)]
-        try:
-            n = self._raw.write(view)
-        finally:
-            for job in jobs:
-                job.result()
-        if n != len(view):
-            # The digests took the whole buffer: a short write would make them wrong.
-            raise OSError(f"short write: {n} of {len(view)} bytes")
+            if len(self._pending) >= COALESCE_BYTES:
+                self._drain()
+            return n
+        view = memoryview(b).cast("B")
+        self._drain()
+        seg = self._segment()
+        if size >= PARALLEL_HASH_MIN_BYTES:
+            return self._write_pipelined(view, seg)
+        n = self._raw.write(view)
+        if n is None:
+            raise OSError("the underlying stream accepted no bytes")
+        if n != size:
+            view = view[:n]
+        self._file_digest.update(view)
+        seg.update(view)
         self._pos += n
         return n
+
+    def _segment(self) -> BlockDigest:
+        """The current segment's digest (started at its first byte)."""
+        if self._seg is None:
+            self._seg = BlockDigest(self._algorithm, self._block_bytes)
+        return self._seg
+
+    def _drain(self) -> None:
+        """Digest the small writes collected so far (they belong to the current segment)."""
+        if self._pending:
+            self._file_digest.update(self._pending)
+            self._segment().update(self._pending)
+            del self._pending[:]
+
+    def _write_pipelined(self, view: memoryview, seg: BlockDigest) -> int:
+        """Write a large buffer in pieces of ``PIECE_BYTES``; a pool thread digests each piece while this
+        thread writes the next, so the digests read what the write has just brought into the cache instead
+        of making passes of their own over memory (the write, xxhash and hashlib release the GIL on large
+        buffers). One piece at a time is being digested, so the digests see the bytes in order; a piece no
+        pool thread has started on by the time the next one is written is digested by this thread. The
+        buffer is only read while this call runs: the caller may free or reuse it as soon as ``write``
+        returns."""
+        pool = _hash_pool()
+        job: tuple[Any, Any, BlockDigest, memoryview] | None = None
+        total = len(view)
+        pos = 0
+        try:
+            while pos < total:
+                piece = view[pos : pos + PIECE_BYTES]
+                n = self._raw.write(piece)
+                if n != len(piece):
+                    # The digests take whole pieces: a short write would make them wrong.
+                    raise OSError(f"short write: {pos + (n or 0)} of {total} bytes")
+                if job is not None:
+                    _settle(*job)
+                job = (pool.submit(_digest_piece, self._file_digest, seg, piece), self._file_digest, seg, piece)
+                pos += n
+        finally:
+            if job is not None:
+                _settle(*job)
+        self._pos += total
+        return total
 
     def tell(self) -> int:
         self.tell_calls += 1
@@ -228,6 +276,7 @@ class _HashingStream:
     # -- bookkeeping
     def _cut(self) -> None:
         """End the current segment here (if it holds bytes) and start the next one."""
+        self._drain()
         if self._seg is not None:
             length = self._pos - self._seg_start
             if length:
@@ -242,6 +291,20 @@ class _HashingStream:
             self._cut()
             self._record = _FileRecord(self._pos, self._file_digest.hexdigest(), self._segments)
         return self._record
+
+
+def _digest_piece(file_digest: Any, seg: BlockDigest, piece: memoryview) -> None:
+    file_digest.update(piece)
+    seg.update(piece)
+
+
+def _settle(job: Any, file_digest: Any, seg: BlockDigest, piece: memoryview) -> None:
+    """Wait until ``piece`` is digested by ``job``; if no pool thread has started on it yet (a busy machine
+    has not scheduled one), digest it here rather than wait for one to be scheduled."""
+    if job.cancel():
+        _digest_piece(file_digest, seg, piece)
+    else:
+        job.result()
 
 
 class _HashingFileSystem(FileSystem):
@@ -466,6 +529,16 @@ class HashingFileSystemWriter(FileSystemWriter):
             results = super().write_data(plan, planner).wait()
             facts = fp_job.result() if fp_job is not None else {}
         records, tells = self.fs.take_records()
+        # Thousands of items make many small, acyclic objects (the results and their digests): the cyclic
+        # collector would walk the growing set again and again. Reference counting frees them as usual.
+        # (DCP's own write loop keeps the collector: torch.save leaves reference cycles behind, about 20
+        # objects per item, which a pause would keep alive until it ends.)
+        with paused_gc():
+            return self._hashed_results(results, facts, records, tells)
+
+    def _hashed_results(self, results: list[WriteResult], facts: dict[MetadataIndex, _ChunkFacts],
+                        records: dict[str, _FileRecord], tells: int) -> Future[list[WriteResult]]:
+        """DCP's write results with their storage data replaced by :class:`HashedStorageInfo`."""
 
         out: list[WriteResult] = []
         rereads = 0
@@ -553,7 +626,8 @@ class HashingFileSystemWriter(FileSystemWriter):
         """Commit (coordinator only; every rank's writes are done): write ``.metadata``, then the manifest,
         then remove the in-progress marker and drop the lock. Anything that fails leaves the marker."""
         try:
-            self._finish(metadata, results)
+            with paused_gc():  # the manifest of many items: as in write_data
+                self._finish(metadata, results)
             if self._lock is not None:
                 lock, self._lock = self._lock, None
                 lock.commit()
