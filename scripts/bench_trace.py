@@ -150,6 +150,71 @@ def bench_config(name: str, levels: list[str], blocks: int, block_steps: int
     return {v.name: (statistics.median(v.wall), statistics.median(v.cpu)) for v in variants}, ops
 
 
+def state_over_floor(config: str, repeats: int = 7, steps: int = 300) -> tuple[float, float, float]:
+    """What level ``state`` adds to a step beyond its floor, measured directly on one model of ``config``
+    (host only), free of the step's own noise: microseconds per step of the recorder's calls (the step's
+    start, the optimizer hook, the row) and of the floor (the same gradients, parameters and optimizer state
+    read with xxh3, as variant ``bytes``), each the fastest of ``repeats`` loops of ``steps`` calls with the
+    rows kept in memory; and microseconds of CPU time (all threads) the store takes to write a row, measured
+    on its own (rows are written on a background thread, which shares the cores with the step)."""
+    import torch
+    import xxhash
+
+    from ckptverify.examples import train_step
+    from ckptverify.trace.store import TraceHeader, TraceWriter
+
+    d_model, layers, batch = CONFIGS[config]
+    with tempfile.TemporaryDirectory() as tmp:
+        v = make_variant("state", 50, d_model, layers, batch, tmp)
+        run_block(v, 5)
+        rec, state, opt = v.run._recorder, v.run.state, v.training.optimizer
+        rec.writer.flush_every = 10 ** 9  # rows stay buffered: the writer is measured below, on its own
+        data = next(v.steps)
+        out = train_step(v.training, data)
+        params = list(v.training.model.parameters())
+        for p in params:  # the loop cleared them; the hook reads them as a step would
+            p.grad = torch.randn_like(p)
+        metrics = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"]}
+        after = hash_bytes_only(v.training)
+        step = [rec.writer.rows + 10 ** 6]
+
+        def traced() -> None:
+            rec.record_step_start(state)
+            rec._optimizer_hook(opt, (), {})
+            step[0] += 1
+            rec.record_step(step[0], metrics=metrics, batch=data, state=state)
+
+        def floor() -> None:
+            for p in params:
+                xxhash.xxh3_128_intdigest(p.grad.numpy())
+            after()
+
+        def best(fn: Any) -> float:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                times.append((time.perf_counter() - t0) / steps)
+            return min(times) * 1e6
+
+        traced_us, floor_us = [], []
+        for _ in range(2):  # interleaved: load from other processes falls on both alike
+            traced_us.append(best(traced))
+            floor_us.append(best(floor))
+        cells = rec._state_cells(step[0], state)
+        v.run.close()
+        header = TraceHeader(run="w", level="state", workload="bench")
+        rows = 64 * 20
+        writer = TraceWriter(f"{tmp}/writer", header=header, background=False)
+        c0 = time.process_time()
+        for s in range(1, rows + 1):
+            writer.append(s, cells)
+        writer.close()
+        write_us = (time.process_time() - c0) / rows * 1e6
+    return min(traced_us), min(floor_us), write_us
+
+
 def site_cost(n: int = 1000, repeats: int = 30) -> float:
     """Microseconds per tensor of recording one category of ``n`` one-element tensors (digest and sum)."""
     import torch
@@ -241,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(f"{config}, comm over state: {ratio:.4f}x wall, "
                             f"{result['comm'][1] / result['state'][1]:.4f}x cpu"
                             + (f" (target <= {target}): {'MET' if ratio <= target else 'NOT MET'}" if target else ""))
+        if "state" in result and torch.cuda.is_available() is False:
+            traced, floor, write = state_over_floor(config)
+            over = traced - floor
+            verdicts.append(f"{config}, state measured directly: {traced:.0f} us a step for {floor:.0f} us of "
+                            f"digesting the same bytes: +{over:.0f} us = {over / (cpu0 * 1e6) * 100:.2f}% of the "
+                            f"untraced step's CPU time over the floor; the store writes a row in {write:.0f} us "
+                            f"of CPU time on its own thread ({write / (cpu0 * 1e6) * 100:.2f}%)")
         if "comm" in result:
             fixed, per_op = comm_costs()
             n = ops or 0
