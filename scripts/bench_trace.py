@@ -19,6 +19,12 @@ digests (gradients, parameters, optimizer state) with xxh3 right where the trace
 floor under ``state`` on that machine: on a small model those bytes no longer sit in the caches after the step,
 so the floor is set by memory bandwidth, not by the trace's code.
 
+Whole-step ratios on a shared machine move by more than what separates ``state`` from its floor, so on the
+host the difference is also measured directly (:func:`in_loop_costs`, :func:`state_over_floor`): the
+recorder's calls against the floor's digests, timed around those calls only inside real training steps (CPU
+time of the training thread), then the same calls back to back with warm caches, and the CPU time the store
+takes to write a row on its background thread.
+
 Level ``comm`` is printed against ``state`` too (target: under 1% of the step on the large config): on one
 process there is no collective, so what it measures is the dispatch mode that watches for them, a Python call
 per op. Level ``op`` is printed as microseconds per op over level ``module`` (the op log's size per step is read
