@@ -19,6 +19,12 @@ digests (gradients, parameters, optimizer state) with xxh3 right where the trace
 floor under ``state`` on that machine: on a small model those bytes no longer sit in the caches after the step,
 so the floor is set by memory bandwidth, not by the trace's code.
 
+Whole-step ratios on a shared machine move by more than what separates ``state`` from its floor, so on the
+host the difference is also measured directly (:func:`in_loop_costs`, :func:`state_over_floor`): the
+recorder's calls against the floor's digests, timed around those calls only inside real training steps (CPU
+time of the training thread), then the same calls back to back with warm caches, and the CPU time the store
+takes to write a row on its background thread.
+
 Level ``comm`` is printed against ``state`` too (target: under 1% of the step on the large config): on one
 process there is no collective, so what it measures is the dispatch mode that watches for them, a Python call
 per op. Level ``op`` is printed as microseconds per op over level ``module`` (the op log's size per step is read
@@ -54,32 +60,96 @@ class Variant:
     after_step: Any = None
 
 
-def hash_bytes_only(training: Any) -> Any:
+def hash_bytes_only(training: Any, spent: list[float] | None = None) -> Any:
     """The floor of level ``state`` on the host: reading every byte it digests (the gradients, in an optimizer
     pre-hook, then the parameters and the optimizer state after the step) with xxh3 and nothing else. Returns
-    the function to call after each step."""
+    the function to call after each step. With ``spent``, the CPU seconds both take are added to ``spent[0]``
+    and their calls to ``spent[1]``."""
     import xxhash
 
     from ckptverify.trace.category import HostViews
 
     params = list(training.model.parameters())
     opt = training.optimizer
+    clock = time.thread_time if spent is not None else None  # CPU time: a preempted call is not charged
 
     def grads(*_: Any) -> None:
+        t0 = clock() if clock else 0.0
         for p in params:
             if p.grad is not None:
                 xxhash.xxh3_128_intdigest(p.grad.numpy())
+        if clock:
+            spent[0] += clock() - t0  # type: ignore[index]
+            spent[1] += 1  # type: ignore[index]
 
     opt.register_step_pre_hook(grads)
     state: list[Any] = []
 
     def after() -> None:
+        t0 = clock() if clock else 0.0
         if not state:
             tensors = [*params, *(v for st in opt.state.values() for v in st.values() if hasattr(v, "numel"))]
             state.append(HostViews([t.detach() for t in tensors]))
         state[0].digests()
+        if clock:
+            spent[0] += clock() - t0  # type: ignore[index]
+            spent[1] += 1  # type: ignore[index]
 
     return after
+
+
+def _timed(spent: list[float], fn: Any) -> Any:
+    """``fn``, adding the CPU seconds of this thread each call takes to ``spent[0]`` and the call to
+    ``spent[1]``."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[0] += time.thread_time() - t0
+            spent[1] += 1
+
+    return call
+
+
+def in_loop_costs(config: str, blocks: int = 10, steps: int = 20) -> tuple[float, float, float]:
+    """Level ``state``'s own work inside real training steps, against its floor's: microseconds per step spent
+    in the recorder's calls (the step's start, the optimizer hook's digests and hyperparameters, the row) in a
+    traced run, and in the floor's digests (variant ``bytes``) in an untraced one, both timed around those
+    calls only and in CPU time of the training thread, so the rest of the step and preemption by other
+    processes stay out; the two runs alternate block by block, and each
+    figure is the median over blocks. Also the training thread's CPU time per step of the untraced run (the
+    ``bytes`` run less its digests), in microseconds, to express the difference as a share of a step."""
+    d_model, layers, batch = CONFIGS[config]
+    with tempfile.TemporaryDirectory() as tmp:
+        traced = make_variant("state", (blocks + 1) * steps, d_model, layers, batch, tmp)
+        floor = make_variant("none", (blocks + 1) * steps, d_model, layers, batch, tmp)
+        rec = traced.run._recorder
+        spent_traced, spent_floor = [0.0, 0], [0.0, 0]
+        # What reading the clock costs a timed call (taken off each call's time): the clock is a system call.
+        probe = [0.0, 0]
+        nothing = _timed(probe, lambda: None)
+        for _ in range(20000):
+            nothing()
+        clock = probe[0] / probe[1]
+        rec.record_step_start = _timed(spent_traced, rec.record_step_start)
+        rec.record_step = _timed(spent_traced, rec.record_step)
+        rec.record_grads = _timed(spent_traced, rec.record_grads)
+        rec._hparams = _timed(spent_traced, rec._hparams)
+        floor.after_step = hash_bytes_only(floor.training, spent_floor)
+        per_traced, per_floor, cpu = [], [], []
+        for block in range(blocks + 1):
+            for v, spent, out in ((traced, spent_traced, per_traced), (floor, spent_floor, per_floor)):
+                spent[0], spent[1] = 0.0, 0
+                run_block(v, steps)
+                if block:
+                    out.append((spent[0] - spent[1] * clock) / steps)
+            if block:
+                cpu.append(floor.cpu[-1] - per_floor[-1])
+        for v in (traced, floor):
+            v.run.close()
+    return (statistics.median(per_traced) * 1e6, statistics.median(per_floor) * 1e6,
+            statistics.median(cpu) * 1e6)
 
 
 def make_variant(name: str, total: int, d_model: int, layers: int, batch: int, trace_dir: str) -> Variant:
@@ -148,6 +218,71 @@ def bench_config(name: str, levels: list[str], blocks: int, block_steps: int
 
             ops = len(read_ops(f"{tmp}/op", 0, total))
     return {v.name: (statistics.median(v.wall), statistics.median(v.cpu)) for v in variants}, ops
+
+
+def state_over_floor(config: str, repeats: int = 7, steps: int = 300) -> tuple[float, float, float]:
+    """What level ``state`` adds to a step beyond its floor, measured directly on one model of ``config``
+    (host only), free of the step's own noise: microseconds per step of the recorder's calls (the step's
+    start, the optimizer hook, the row) and of the floor (the same gradients, parameters and optimizer state
+    read with xxh3, as variant ``bytes``), each the fastest of ``repeats`` loops of ``steps`` calls with the
+    rows kept in memory; and microseconds of CPU time (all threads) the store takes to write a row, measured
+    on its own (rows are written on a background thread, which shares the cores with the step)."""
+    import torch
+    import xxhash
+
+    from ckptverify.examples import train_step
+    from ckptverify.trace.store import TraceHeader, TraceWriter
+
+    d_model, layers, batch = CONFIGS[config]
+    with tempfile.TemporaryDirectory() as tmp:
+        v = make_variant("state", 50, d_model, layers, batch, tmp)
+        run_block(v, 5)
+        rec, state, opt = v.run._recorder, v.run.state, v.training.optimizer
+        rec.writer.flush_every = 10 ** 9  # rows stay buffered: the writer is measured below, on its own
+        data = next(v.steps)
+        out = train_step(v.training, data)
+        params = list(v.training.model.parameters())
+        for p in params:  # the loop cleared them; the hook reads them as a step would
+            p.grad = torch.randn_like(p)
+        metrics = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"]}
+        after = hash_bytes_only(v.training)
+        step = [rec.writer.rows + 10 ** 6]
+
+        def traced() -> None:
+            rec.record_step_start(state)
+            rec._optimizer_hook(opt, (), {})
+            step[0] += 1
+            rec.record_step(step[0], metrics=metrics, batch=data, state=state)
+
+        def floor() -> None:
+            for p in params:
+                xxhash.xxh3_128_intdigest(p.grad.numpy())
+            after()
+
+        def best(fn: Any) -> float:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                times.append((time.perf_counter() - t0) / steps)
+            return min(times) * 1e6
+
+        traced_us, floor_us = [], []
+        for _ in range(2):  # interleaved: load from other processes falls on both alike
+            traced_us.append(best(traced))
+            floor_us.append(best(floor))
+        cells = rec._state_cells(step[0], state)
+        v.run.close()
+        header = TraceHeader(run="w", level="state", workload="bench")
+        rows = 64 * 20
+        writer = TraceWriter(f"{tmp}/writer", header=header, background=False)
+        c0 = time.process_time()
+        for s in range(1, rows + 1):
+            writer.append(s, cells)
+        writer.close()
+        write_us = (time.process_time() - c0) / rows * 1e6
+    return min(traced_us), min(floor_us), write_us
 
 
 def site_cost(n: int = 1000, repeats: int = 30) -> float:
@@ -241,6 +376,18 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(f"{config}, comm over state: {ratio:.4f}x wall, "
                             f"{result['comm'][1] / result['state'][1]:.4f}x cpu"
                             + (f" (target <= {target}): {'MET' if ratio <= target else 'NOT MET'}" if target else ""))
+        if "state" in result and not torch.cuda.is_available():
+            traced, floor, write = state_over_floor(config)
+            over = traced - floor
+            verdicts.append(f"{config}, state measured directly, warm loop: {traced:.0f} us a step for {floor:.0f} "
+                            f"us of digesting the same bytes: +{over:.0f} us = {over / (cpu0 * 1e6) * 100:.2f}% "
+                            f"of the untraced step's CPU time over the floor; the store writes a row in "
+                            f"{write:.0f} us of CPU time on its own thread ({write / (cpu0 * 1e6) * 100:.2f}%)")
+            traced, floor, step = in_loop_costs(config, blocks, steps)
+            over = traced - floor
+            verdicts.append(f"{config}, state measured directly, in the training loop: {traced:.0f} us a step in "
+                            f"the recorder for {floor:.0f} us of digesting the same bytes: +{over:.0f} us = "
+                            f"{over / step * 100:.2f}% of a {step / 1e3:.2f} ms step over the floor")
         if "comm" in result:
             fixed, per_op = comm_costs()
             n = ops or 0

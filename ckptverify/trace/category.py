@@ -78,8 +78,9 @@ def combine(lows: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
 
 def combine_digests(digests: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
     """:func:`combine` over whole 128-bit member digests (their low halves are what a category cell sums)."""
-    lows = [d & _MASK64 for d in digests]
-    return sum(lows) & _MASK64, sum(map(_mul, lows, weights)) & _MASK64
+    # Sums modulo 2**64 see only the low halves: summing the whole digests gives the same lanes without
+    # building the list of low halves (a third of the cost, per category cell, per step).
+    return sum(digests) & _MASK64, sum(map(_mul, digests, weights)) & _MASK64
 
 
 def locate(expected: Sequence[int], actual: Sequence[int]) -> tuple[int, int] | None:

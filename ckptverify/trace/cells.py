@@ -140,6 +140,13 @@ def _metric_item(name: str, value: Any) -> Item:
     int64, exactly) and read back with the rest of the step instead of by ``.item()``."""
     import torch
 
+    # The common cases first (a learning rate, a loss or a norm on the host): the cell _metric_cell makes,
+    # without its chain of type tests (called for every metric at every step).
+    if type(value) is float:
+        return Cell.from_float(f"metric.{name}", "metric", value)
+    if (type(value) is torch.Tensor and value.dtype.is_floating_point and value.device.type == "cpu"
+            and not _HOST_AS_DEVICE and value.numel() == 1):
+        return Cell.from_float(f"metric.{name}", "metric", value.item())
     if (type(value) is torch.Tensor and not _on_host(value) and value.numel() == 1 and not value.is_complex()):
         site = f"metric.{name}"
         if value.dtype.is_floating_point:

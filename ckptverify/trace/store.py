@@ -466,10 +466,12 @@ class TraceWriter:
                 present[i, idx] = True
         capacity, allocated = self._capacity
         if end > capacity or width > allocated:
-            # Grow ahead of the rows (a quarter more, in whole chunks): a resize rewrites metadata, so it
-            # should not happen at every flush. Only `rows` of them are ever read.
+            # Grow ahead of the rows (double, at least 16 chunks, in whole chunks): a resize rewrites three
+            # arrays' metadata (milliseconds of the writing thread, which shares the cores and the GIL with
+            # the training step), so it happens a few times a run, not at every flush. Rows never written are
+            # chunks never written (no files); only `rows` of them are ever read.
             chunk = self.flush_every
-            new_capacity = max(end, capacity + max(chunk, capacity // 4))
+            new_capacity = max(end, 2 * capacity, 16 * chunk)
             new_capacity = -(-new_capacity // chunk) * chunk
             new_width = max(width, allocated)
             self._steps.resize((new_capacity,))
