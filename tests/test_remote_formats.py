@@ -27,7 +27,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed (the `t
 
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers.remote_s3 import MotoS3, apply_env, restore_env
+from helpers.remote_s3 import serve_bucket
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.diff import diff_checkpoints
@@ -40,21 +40,7 @@ BUCKET = "formats"
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    server = MotoS3()
-    before = apply_env(server.env())
-    import s3fs
-
-    # fsspec keeps one S3FileSystem per set of arguments, whatever the endpoint in the environment: DCP's
-    # fsspec writer would reuse one made for another module's server.
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir(BUCKET)
-    try:
-        yield fs
-    finally:
-        restore_env(before)
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
+    yield from serve_bucket(BUCKET)
 
 
 def _url(name: str) -> str:

@@ -23,7 +23,7 @@ pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'ckptveri
 pytest.importorskip("moto.server", reason="moto[server] is not installed (the `test` extra): S3 tests skipped")
 
 import torch
-from helpers.remote_s3 import MotoS3, apply_env, restore_env
+from helpers.remote_s3 import serve_bucket
 
 import ckptverify as cv
 from ckptverify.runs.latest import latest_verified
@@ -35,21 +35,7 @@ BUCKET = "runs"
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    server = MotoS3()
-    before = apply_env(server.env())
-    import s3fs
-
-    # fsspec keeps one S3FileSystem per set of arguments, whatever the endpoint in the environment: DCP's
-    # fsspec writer would reuse one made for another module's server.
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir(BUCKET)
-    try:
-        yield fs
-    finally:
-        restore_env(before)
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
+    yield from serve_bucket(BUCKET)
 
 
 def _train_state(seed: int) -> cv.TrainState:

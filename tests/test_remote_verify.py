@@ -24,7 +24,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed (the `t
 
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers.remote_s3 import SECRET, MotoS3, SlowDownProxy, apply_env, restore_env
+from helpers.remote_s3 import SECRET, SlowDownProxy, serve_bucket
 
 from ckptverify.audit.verify import verify_checkpoint
 
@@ -33,21 +33,7 @@ BUCKET = "ckpts"
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    server = MotoS3()
-    before = apply_env(server.env())
-    import s3fs
-
-    # fsspec keeps one S3FileSystem per set of arguments, whatever the endpoint in the environment: DCP's
-    # fsspec writer would reuse one made for another module's server.
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir(BUCKET)
-    try:
-        yield fs
-    finally:
-        restore_env(before)
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
+    yield from serve_bucket(BUCKET)
 
 
 @pytest.fixture

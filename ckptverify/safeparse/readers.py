@@ -222,6 +222,20 @@ def _buffer() -> memoryview:
     return view
 
 
+def fold_crc32(fold: Callable[..., None], start: int, end: int,
+               progress: Callable[[int], None] | None = None) -> int:
+    """CRC-32 (zip's) of bytes ``[start, end)`` of a reader, through its ``fold`` (the one definition every
+    reader's ``crc32`` uses)."""
+    value = 0
+
+    def step(view: memoryview) -> None:
+        nonlocal value
+        value = crc32(view, value)
+
+    fold(start, end, step, progress)
+    return value
+
+
 class ReadOnlyFile:
     """A regular file opened read-only (never created, never written), with ranged reads and hashing.
 
@@ -431,14 +445,7 @@ class ReadOnlyFile:
 
     def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
         """CRC-32 (zip's) of bytes ``[start, end)``."""
-        value = 0
-
-        def step(view: memoryview) -> None:
-            nonlocal value
-            value = crc32(view, value)
-
-        self.fold(start, end, step, progress)
-        return value
+        return fold_crc32(self.fold, start, end, progress)
 
     def _shrunk(self, at: int) -> FileChangedError:
         return _changed(self.path, f"{self.path} ends at byte {at} now but was {self.size} bytes when opened")

@@ -37,9 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
-from isal.isal_zlib import crc32
-
 from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
+from ckptverify.safeparse.readers import fold_crc32
 
 __all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "StorageError", "exists",
            "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
@@ -550,14 +549,7 @@ class RemoteFile:
 
     def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
         """CRC-32 (zip's) of bytes ``[start, end)``."""
-        value = 0
-
-        def step(view: memoryview) -> None:
-            nonlocal value
-            value = crc32(view, value)
-
-        self.fold(start, end, step, progress)
-        return value
+        return fold_crc32(self.fold, start, end, progress)
 
     def changed(self) -> str | None:
         """How the object differs from when it was opened (size, modification time, ETag), read afresh, or

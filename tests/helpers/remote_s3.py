@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import os
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -103,6 +104,26 @@ class SlowDownProxy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def serve_bucket(bucket: str) -> Iterator[Any]:
+    """For a module's fixture: moto's server with ``bucket`` made, the environment pointing S3 clients at it
+    while the module runs; yields an ``s3fs`` file system on it."""
+    server = MotoS3()
+    before = apply_env(server.env())
+    import s3fs
+
+    # fsspec keeps one S3FileSystem per set of arguments, whatever the endpoint in the environment: DCP's
+    # fsspec writer would reuse one made for another module's server.
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(bucket)
+    try:
+        yield fs
+    finally:
+        restore_env(before)
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
 
 
 def apply_env(env: dict[str, str]) -> dict[str, str | None]:
