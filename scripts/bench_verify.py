@@ -248,9 +248,13 @@ def main_items(args: argparse.Namespace) -> int:
     return 0
 
 
-def main_nproc(args: argparse.Namespace) -> int:
-    """Throughput of ``verify`` per rank count, 1..``args.nproc``, on one checkpoint."""
-    workdir = args.dir or tempfile.mkdtemp(prefix="ckptverify-bench-nproc-")
+def build_cached(args: argparse.Namespace, prefix: str) -> tuple[str, str, list[str], int]:
+    """Build a checkpoint of at least ``args.gib`` GiB under ``args.dir`` (or a new temporary directory named
+    ``prefix...``) and read it once so it sits in the page cache: (workdir, checkpoint, its files, bytes).
+
+    Built in a child process, so this process stays small: a child forked from a large parent would report the
+    parent's pages in its peak RSS."""
+    workdir = args.dir or tempfile.mkdtemp(prefix=prefix)
     ckpt = os.path.join(workdir, "ckpt")
     if os.path.isdir(ckpt):
         shutil.rmtree(ckpt)
@@ -262,6 +266,12 @@ def main_nproc(args: argparse.Namespace) -> int:
     files = sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt))
     print(f"{len(files)} files, {size / (1 << 30):.2f} GiB; warming the page cache", flush=True)
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    return workdir, ckpt, files, size
+
+
+def main_nproc(args: argparse.Namespace) -> int:
+    """Throughput of ``verify`` per rank count, 1..``args.nproc``, on one checkpoint."""
+    workdir, ckpt, files, size = build_cached(args, "ckptverify-bench-nproc-")
     rows = []
     for n in range(1, args.nproc + 1):
         cmd = [sys.executable, "-m", "ckptverify", "verify", "--no-progress", "--json", ckpt]
@@ -340,20 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gib < 1:
         ap.error("--gib must be at least 1")
 
-    workdir = args.dir or tempfile.mkdtemp(prefix="ckptverify-bench-")
-    ckpt = os.path.join(workdir, "ckpt")
-    if os.path.isdir(ckpt):
-        shutil.rmtree(ckpt)
-    print(f"building a >= {args.gib} GiB checkpoint in {ckpt} ...", flush=True)
-    # Built (and verified in-process, below) in child processes, so this process stays small: a child
-    # forked from a large parent would report the parent's pages in its peak RSS.
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import bench_verify as b; print(b.build({ckpt!r}, {args.gib}))"
-    size = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-               .stdout.split()[-1])
-    files = sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt))
-    print(f"{len(files)} files, {size / (1 << 30):.2f} GiB; warming the page cache", flush=True)
-    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    # Verified in-process (below) in a child process too, so this process stays small.
+    workdir, ckpt, files, size = build_cached(args, "ckptverify-bench-")
 
     exe = [sys.executable, "-m", "ckptverify"]
     # A copy of the checkpoint that carries a manifest (hard links: same page-cached bytes).
