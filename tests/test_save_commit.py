@@ -163,10 +163,11 @@ def test_a_save_from_another_process_into_a_directory_being_saved_fails_clearly(
     proc = subprocess.Popen([sys.executable, chaos.__file__, "worker", *args], env=env)
     try:
         deadline = time.monotonic() + 120
-        while read_marker(str(path)) is None and time.monotonic() < deadline and proc.poll() is None:
+        # The marker exists (empty) a moment before its holder writes who it is: wait for the record.
+        while not (read_marker(str(path)) or {}).get("pid") and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.01)
         info = read_marker(str(path))
-        assert info is not None and info["pid"] == proc.pid
+        assert info is not None and info.get("pid") == proc.pid
         with pytest.raises(SaveConflictError, match=f"pid {proc.pid}"):
             ckptverify.save(chaos.make_state(9), path)
         go.touch()
