@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from isal.isal_zlib import crc32, crc32_combine
 
 from ckptverify.errors import FileChangedError, UnsafeFileError
+from ckptverify.safeparse.fold import fold_crc32
 from ckptverify.safeparse.paths import is_url
 
 __all__ = [
@@ -220,20 +221,6 @@ def _buffer() -> memoryview:
         _local.mapping = mmap.mmap(-1, READ_BYTES)
         view = _local.view = memoryview(_local.mapping)
     return view
-
-
-def fold_crc32(fold: Callable[..., None], start: int, end: int,
-               progress: Callable[[int], None] | None = None) -> int:
-    """CRC-32 (zip's) of bytes ``[start, end)`` of a reader, through its ``fold`` (the one definition every
-    reader's ``crc32`` uses)."""
-    value = 0
-
-    def step(view: memoryview) -> None:
-        nonlocal value
-        value = crc32(view, value)
-
-    fold(start, end, step, progress)
-    return value
 
 
 class ReadOnlyFile:

@@ -38,7 +38,7 @@ from datetime import datetime
 from typing import Any
 
 from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
-from ckptverify.safeparse.readers import fold_crc32
+from ckptverify.safeparse.fold import fold_crc32
 
 __all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "StorageError", "exists",
            "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
