@@ -57,12 +57,12 @@ from ckptverify.fingerprint import (
     BlockDigest,
     TensorFingerprint,
     block_digests,
-    chunk_fingerprint,
     combine,
     digest_file_range,
     new_digest,
     part_fingerprints,
 )
+from ckptverify.fingerprint.logical import chunk_fingerprint_counted
 from ckptverify.fingerprint.subclass import is_wrapper_subclass
 from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
@@ -424,13 +424,18 @@ def _chunk_facts(t: torch.Tensor, item: WriteItem) -> _ChunkFacts:
     td = item.tensor_data
     assert td is not None
     parts = None
+    specials: int | None = None
     try:
-        fp: TensorFingerprint | None = chunk_fingerprint(t, td.chunk.offsets, td.size)
+        fp: TensorFingerprint | None
+        fp, specials = chunk_fingerprint_counted(t, td.chunk.offsets, td.size)
         if is_wrapper_subclass(t):
             parts = tuple((name, f.value) for name, f in part_fingerprints(t).items())
     except UsageError:
         fp = None  # a dtype the fingerprint is not defined for
-    nan, inf = _nonfinite_counts(t)
+    # The fingerprint's pass counted the NaN and Inf bit patterns on its read of the chunk (the compiled kernel):
+    # none means no NaN and no Inf, what _nonfinite_counts would find with a pass of its own over the chunk.
+    # Any found are told apart by that pass, as before.
+    nan, inf = (0, 0) if specials == 0 else _nonfinite_counts(t)
     return _ChunkFacts(fp, nan, inf, parts)
 
 
