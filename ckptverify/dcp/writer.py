@@ -387,6 +387,12 @@ class HashedStorageInfo(_StorageInfo):
         return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
 
 
+#: Threads a save's fingerprints of CPU chunks use (``None``: torch's intra-op thread count, as a fingerprint
+#: taken outside a save does). The fingerprints run beside DCP's writing thread and the digesting pool; see
+#: ``docs/fingerprint.md`` for what was measured.
+FINGERPRINT_THREADS: int | None = 1
+
+
 @dataclass(frozen=True)
 class _ChunkFacts:
     fingerprint: TensorFingerprint | None
@@ -616,8 +622,10 @@ class HashingFileSystemWriter(FileSystemWriter):
 
     @staticmethod
     def _fingerprint_items(plan: SavePlan, planner: SavePlanner) -> dict[MetadataIndex, _ChunkFacts]:
+        from ckptverify.fingerprint.kernels import thread_limit
+
         facts: dict[MetadataIndex, _ChunkFacts] = {}
-        with torch.no_grad():
+        with torch.no_grad(), thread_limit(FINGERPRINT_THREADS):
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                     continue

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,7 +52,7 @@ __all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_B
            "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "NO_SCREEN", "ROW_WIDTH", "SMALL_NUMPY",
            "SPECIAL_BITS", "SUPPORTED_DTYPES", "chunk_geometry", "dtype_name", "dtype_seed", "eager_block",
            "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend", "host_lanes", "iter_blocks",
-           "lanes_many", "mix_python", "prepare_compiled", "set_backend"]
+           "lanes_many", "mix_python", "prepare_compiled", "set_backend", "thread_limit"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -526,10 +527,33 @@ if hasattr(os, "register_at_fork"):  # not on Windows
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_thread_cap = threading.local()
+
+
+@contextmanager
+def thread_limit(threads: int | None) -> Iterator[None]:
+    """Within the block, fingerprints taken by the calling thread on CPU use at most ``threads`` threads
+    (``None``: no limit beyond :func:`_host_threads`'). A save fingerprints in one thread beside the thread
+    that writes and those that digest: splitting each chunk over torch's threads as well put more threads on
+    the cores than there are cores."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise UsageError(f"a thread limit must be a positive int or None, got {threads!r}")
+    saved = getattr(_thread_cap, "threads", None)
+    _thread_cap.threads = threads
+    try:
+        yield
+    finally:
+        _thread_cap.threads = saved
+
+
 def _host_threads(numel: int) -> int:
     """Threads for a chunk of ``numel`` elements: torch's intra-op thread count (``torch.set_num_threads``),
-    at most the CPUs there are, and at least ``HOST_MIN_PER_THREAD`` elements each."""
+    at most the CPUs there are, at most the calling thread's :func:`thread_limit`, and at least
+    ``HOST_MIN_PER_THREAD`` elements each."""
     threads = min(torch.get_num_threads(), os.cpu_count() or 1, numel // HOST_MIN_PER_THREAD)
+    cap = getattr(_thread_cap, "threads", None)
+    if cap is not None:
+        threads = min(threads, cap)
     return max(1, threads)
 
 
