@@ -11,7 +11,10 @@ on. The load average is printed before and after the timed saves.
     python scripts/bench_save.py --dir /dev/shm --no-sync --serial-hash   # no I/O to hide digests behind
 
 ``--serial-hash`` adds a variant whose digests are all computed in the writing thread, to show what the
-concurrent digesting (a pool of threads hashing each large buffer while it is written) saves.
+concurrent digesting (a pool of threads hashing each large buffer while it is written) saves. ``--fp-threads``
+adds a save whose fingerprints split over torch's threads (a save's own use one thread); ``--before`` one that
+also counts NaN/Inf in a pass of its own over every chunk, as saves did before the count rode on the
+fingerprint's pass: the before and after of that change, in one run.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def make_state(n: int, mib: int, seed: int = 0) -> dict[str, Any]:
 
 
 def variants(sync: bool, threads: int, serial: bool,
-             fp_threads: bool = False) -> dict[str, Callable[[dict[str, Any], str], Any]]:
+             fp_threads: bool = False, before: bool = False) -> dict[str, Callable[[dict[str, Any], str], Any]]:
     def plain(state: dict[str, Any], path: str) -> None:
         dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=sync, thread_count=threads))
 
@@ -72,6 +75,18 @@ def variants(sync: bool, threads: int, serial: bool,
         finally:
             writer_mod.FINGERPRINT_THREADS = saved
 
+    def hashed_fp_before(state: dict[str, Any], path: str) -> None:
+        # As saves fingerprinted before the NaN/Inf count rode on the kernel's pass: torch's threads, and a
+        # pass of its own over every chunk for the counts.
+        saved = writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted
+        counted = saved[1]
+        writer_mod.FINGERPRINT_THREADS = None
+        writer_mod.chunk_fingerprint_counted = lambda t, offsets, shape: (counted(t, offsets, shape)[0], None)
+        try:
+            cs.save(state, path, fingerprint=True, sync_files=sync, thread_count=threads)
+        finally:
+            writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted = saved
+
     out = {
         "dcp.save": plain,
         "ckptverify.save fingerprint=False": hashed,
@@ -81,6 +96,8 @@ def variants(sync: bool, threads: int, serial: bool,
         out["ckptverify.save fp=False serial hash"] = hashed_serial
     if fp_threads:
         out["ckptverify.save fp=True torch threads"] = hashed_fp_threads
+    if before:
+        out["ckptverify.save fp=True as before"] = hashed_fp_before
     return out
 
 
@@ -97,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="add a variant that digests in the writing thread (no concurrent hashing)")
     ap.add_argument("--fp-threads", action="store_true",
                     help="add a variant whose fingerprints split over torch's threads (not the save's default)")
+    ap.add_argument("--before", action="store_true",
+                    help="add a variant that fingerprints as saves did before: torch's threads, and a separate "
+                         "pass for the NaN/Inf counts")
     ap.add_argument("--fingerprint-backend", default=None, choices=["auto", "eager", "numpy", "compiled"],
                     help="tensor fingerprint backend (default: the library's, 'auto')")
     args = ap.parse_args(argv)
@@ -108,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         set_fingerprint_backend(args.fingerprint_backend)
     state = make_state(args.tensors, args.mib)
     total = sum(t.numel() * t.element_size() for t in state.values())
-    runs = variants(not args.no_sync, args.threads, args.serial_hash, args.fp_threads)
+    runs = variants(not args.no_sync, args.threads, args.serial_hash, args.fp_threads, args.before)
     if args.only:
         runs = {k: v for k, v in runs.items() if args.only in k or k == "dcp.save"}
     base = tempfile.mkdtemp(prefix="bench-save-", dir=args.dir)
