@@ -213,3 +213,43 @@ def test_save_fingerprints_on_the_threads_it_is_given(tmp_path: Any, monkeypatch
         cs.save(state, os.fspath(tmp_path / "c"), fingerprint=True, sync_files=False)
     assert workers
     assert max(workers) == 1 if limit == 1 else max(workers) >= 2
+
+
+@pytest.mark.parametrize(("threshold_mib", "name", "want"), [
+    (5, "auto", [(torch.int32, False)]),  # the save fingerprints 6 MiB of large 32- and 16-bit chunks
+    (64, "auto", []),  # less than the threshold: as before, nothing until that much went through the host path
+    (5, "numpy", []),  # another backend never compiles
+])
+def test_a_large_save_starts_compiling_the_kernel_at_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                          threshold_mib: int, name: str, want: list[Any]) -> None:
+    """A save that alone fingerprints at least ``AUTO_COMPILE_AFTER_BYTES`` of large CPU chunks starts the
+    kernel's background compilation at its first such chunk (once), rather than after that much has gone
+    through the host path; the fingerprints are the host path's meanwhile."""
+    calls: list[tuple[torch.dtype, bool]] = []
+
+    def spy(bits_dtype: torch.dtype, device: torch.device, wait: bool = True) -> None:
+        calls.append((bits_dtype, wait))
+        return None  # not ready: the host path goes on
+
+    monkeypatch.setattr(kern, "_compiled_kernel", spy)
+    monkeypatch.setattr(kern, "_verified", {})
+    monkeypatch.setattr(kern, "_eager_cpu_bytes", 0)
+    monkeypatch.setattr(kern, "AUTO_COMPILE_AFTER_BYTES", threshold_mib << 20)
+    state = {"a": planted(torch.float32, kern.COMPILED_BLOCK + 100, 40, specials=False),
+             "b": planted(torch.bfloat16, kern.COMPILED_BLOCK + 50, 41, specials=False),
+             "small": planted(torch.float32, 1000, 42, specials=False)}
+    with backend(name):
+        cs.save(state, os.fspath(tmp_path / "d"), fingerprint=True, sync_files=False)
+    assert calls == want
+    m = read_manifest(os.fspath(tmp_path / "d"))
+    assert m is not None
+    with backend("numpy"):
+        assert all(m.tensors[k].fingerprint == fp.tensor_fingerprint(t).value for k, t in state.items())
+
+
+def test_kernel_widths_of_the_plan() -> None:
+    """Which compilation each dtype takes, and the bytes of large chunks counted for it."""
+    assert writer_mod._kernel_width(torch.float32) == 4 and writer_mod._kernel_width(torch.bfloat16) == 4
+    assert writer_mod._kernel_width(torch.float8_e4m3fn) == 4 and writer_mod._kernel_width(torch.complex64) == 4
+    assert writer_mod._kernel_width(torch.float64) == 8 and writer_mod._kernel_width(torch.complex128) == 8
+    assert writer_mod._kernel_width(torch.int64) == 8

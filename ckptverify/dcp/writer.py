@@ -622,15 +622,23 @@ class HashingFileSystemWriter(FileSystemWriter):
 
     @staticmethod
     def _fingerprint_items(plan: SavePlan, planner: SavePlanner) -> dict[MetadataIndex, _ChunkFacts]:
-        from ckptverify.fingerprint.kernels import thread_limit
+        from ckptverify.fingerprint import kernels
 
         facts: dict[MetadataIndex, _ChunkFacts] = {}
-        with torch.no_grad(), thread_limit(FINGERPRINT_THREADS):
+        large = _large_chunk_bytes(plan)
+        with torch.no_grad(), kernels.thread_limit(FINGERPRINT_THREADS):
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                     continue
                 data = planner.resolve_data(item)
                 if isinstance(data, torch.Tensor):
+                    kernel = _kernel_width(data.dtype)
+                    if large.get(kernel, 0) >= kernels.AUTO_COMPILE_AFTER_BYTES and data.device.type == "cpu":
+                        # This save alone fingerprints enough on CPU for backend "auto" to compile its kernel:
+                        # start now (in the background; the host path goes on meanwhile) rather than after that
+                        # much has gone through the host path, which in a fresh process is the whole first save.
+                        kernels.compile_in_background(data.dtype)
+                        del large[kernel]
                     facts[item.index] = _chunk_facts(data.detach(), item)
         return facts
 
@@ -741,6 +749,34 @@ class HashingFileSystemWriter(FileSystemWriter):
             torch_version=str(torch.__version__),
             source="save",
         )
+
+
+def _kernel_width(dtype: torch.dtype) -> int:
+    """Which compilation of the fingerprint kernel a CPU chunk of ``dtype`` takes: 8 (64-bit elements), else 4
+    (1-, 2- and 4-byte elements are staged as int32; a complex element is two of its parts)."""
+    width = torch.empty(0, dtype=dtype).element_size() // (2 if dtype.is_complex else 1)
+    return 8 if width == 8 else 4
+
+
+def _large_chunk_bytes(plan: SavePlan) -> dict[int, int]:
+    """Bytes of the plan's tensor chunks large enough for the compiled fingerprint kernel (at least
+    ``COMPILED_BLOCK`` elements as the kernel reads them: a complex element is two), by
+    :func:`_kernel_width`."""
+    from ckptverify.fingerprint.kernels import COMPILED_BLOCK
+
+    out: dict[int, int] = {}
+    for item in plan.items:
+        td = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or td is None:
+            continue
+        numel = 1
+        for size in td.chunk.sizes:
+            numel *= int(size)
+        dtype = td.properties.dtype
+        if numel * (2 if dtype.is_complex else 1) >= COMPILED_BLOCK:
+            kernel = _kernel_width(dtype)
+            out[kernel] = out.get(kernel, 0) + numel * torch.empty(0, dtype=dtype).element_size()
+    return out
 
 
 def _files_of_ranks(results: list[list[WriteResult]]) -> list[list[str]]:

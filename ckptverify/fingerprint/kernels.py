@@ -50,9 +50,10 @@ from ckptverify.fingerprint.spec import signed as _signed
 
 __all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
            "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "NO_SCREEN", "ROW_WIDTH", "SMALL_NUMPY",
-           "SPECIAL_BITS", "SUPPORTED_DTYPES", "chunk_geometry", "dtype_name", "dtype_seed", "eager_block",
-           "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend", "host_lanes", "iter_blocks",
-           "lanes_many", "mix_python", "prepare_compiled", "set_backend", "thread_limit"]
+           "SPECIAL_BITS", "SUPPORTED_DTYPES", "chunk_geometry", "compile_in_background", "dtype_name",
+           "dtype_seed", "eager_block", "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend",
+           "host_lanes", "iter_blocks", "lanes_many", "mix_python", "prepare_compiled", "set_backend",
+           "thread_limit"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -172,6 +173,20 @@ def prepare_compiled(dtype: torch.dtype = torch.float32, device: str | torch.dev
     bits = torch.empty(0, dtype=dtype).view(_INT_VIEW_BY_SIZE[torch.empty(0, dtype=dtype).element_size()])
     staged = _stage_dtype(bits.dtype) if device.type == "cpu" else bits.dtype
     return _compiled_kernel(staged, device) is not None
+
+
+def compile_in_background(dtype: torch.dtype) -> None:
+    """Start compiling and checking the fused CPU kernel for tensors of ``dtype`` in a background thread (once
+    per element width and process; nothing when it is ready, failed, or backend ``auto`` is not in use): for a
+    caller that knows it is about to fingerprint at least ``AUTO_COMPILE_AFTER_BYTES`` of large CPU chunks (a
+    save), so ``auto`` takes the kernel from the first chunk after it is ready rather than only once that many
+    bytes have gone through the host path."""
+    if _backend != "auto" or _compile_failed:
+        return
+    size = torch.empty(0, dtype=dtype).element_size() // (2 if dtype.is_complex else 1)
+    bits = _INT_VIEW_BY_SIZE.get(size)
+    if bits is not None:
+        _compiled_kernel(_stage_dtype(bits), torch.device("cpu"), wait=False)
 
 
 def _disable_compiled(reason: object) -> None:
