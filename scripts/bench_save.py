@@ -13,8 +13,8 @@ on. The load average is printed before and after the timed saves.
 ``--serial-hash`` adds a variant whose digests are all computed in the writing thread, to show what the
 concurrent digesting (a pool of threads hashing each large buffer while it is written) saves. ``--fp-threads``
 adds a save whose fingerprints split over torch's threads (a save's own use one thread); ``--before`` one that
-also counts NaN/Inf in a pass of its own over every chunk, as saves did before the count rode on the
-fingerprint's pass: the before and after of that change, in one run.
+also counts NaN/Inf in a pass of its own over every chunk and stages the kernel's blocks with torch's
+``copy_``, as saves did before: the before and after, in one run.
 """
 
 from __future__ import annotations
@@ -76,16 +76,19 @@ def variants(sync: bool, threads: int, serial: bool,
             writer_mod.FINGERPRINT_THREADS = saved
 
     def hashed_fp_before(state: dict[str, Any], path: str) -> None:
-        # As saves fingerprinted before the NaN/Inf count rode on the kernel's pass: torch's threads, and a
-        # pass of its own over every chunk for the counts.
-        saved = writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted
+        # As saves fingerprinted before the NaN/Inf count rode on the kernel's pass: torch's threads, a pass
+        # of its own over every chunk for the counts, blocks staged by torch's copy_.
+        from ckptverify.fingerprint import kernels
+
+        saved = writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted, kernels.STAGE_COPY
         counted = saved[1]
         writer_mod.FINGERPRINT_THREADS = None
         writer_mod.chunk_fingerprint_counted = lambda t, offsets, shape: (counted(t, offsets, shape)[0], None)
+        kernels.STAGE_COPY = "torch"
         try:
             cs.save(state, path, fingerprint=True, sync_files=sync, thread_count=threads)
         finally:
-            writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted = saved
+            writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted, kernels.STAGE_COPY = saved
 
     out = {
         "dcp.save": plain,
@@ -115,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp-threads", action="store_true",
                     help="add a variant whose fingerprints split over torch's threads (not the save's default)")
     ap.add_argument("--before", action="store_true",
-                    help="add a variant that fingerprints as saves did before: torch's threads, and a separate "
-                         "pass for the NaN/Inf counts")
+                    help="add a variant that fingerprints as saves did before: torch's threads, a separate "
+                         "pass for the NaN/Inf counts, blocks staged by torch's copy_")
     ap.add_argument("--fingerprint-backend", default=None, choices=["auto", "eager", "numpy", "compiled"],
                     help="tensor fingerprint backend (default: the library's, 'auto')")
     args = ap.parse_args(argv)

@@ -78,12 +78,24 @@ def test_the_compiled_kernel_counts_nan_and_inf_on_its_read(compiled: None, dtyp
     t = planted(dtype, 2 * kern.COMPILED_BLOCK + 333, 1, specials)
     with backend("numpy"):
         want = fp.chunk_fingerprint(t, (0,), t.shape)
-    for name in ("compiled", "auto"):
-        with backend(name):
+    for name, stage in (("compiled", "numpy"), ("auto", "numpy"), ("compiled", "torch")):
+        with backend(name), staged_by(stage):
             got, count = chunk_fingerprint_counted(t, (0,), t.shape)
-        assert got == want, name
-        assert count == reference_specials(t), name
+        assert got == want, (name, stage)
+        assert count == reference_specials(t), (name, stage)
         assert (count == 0) is (not specials)
+
+
+@contextlib.contextmanager
+def staged_by(how: str) -> Iterator[None]:
+    """Blocks copied into the compiled kernel's staging buffer by numpy (sign-extending 8- and 16-bit bits to
+    int32 as torch does) or by torch."""
+    saved = kern.STAGE_COPY
+    kern.STAGE_COPY = how
+    try:
+        yield
+    finally:
+        kern.STAGE_COPY = saved
 
 
 def test_a_non_contiguous_chunk_is_counted_by_its_slabs(compiled: None) -> None:

@@ -50,7 +50,7 @@ from ckptverify.fingerprint.spec import signed as _signed
 
 __all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
            "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "NO_SCREEN", "ROW_WIDTH", "SMALL_NUMPY",
-           "SPECIAL_BITS", "SUPPORTED_DTYPES", "chunk_geometry", "compile_in_background", "dtype_name",
+           "SPECIAL_BITS", "STAGE_COPY", "SUPPORTED_DTYPES", "chunk_geometry", "compile_in_background", "dtype_name",
            "dtype_seed", "eager_block", "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend",
            "host_lanes", "iter_blocks", "lanes_many", "mix_python", "prepare_compiled", "set_backend",
            "thread_limit"]
@@ -398,6 +398,11 @@ def _lanes(
     return (lanes[0] & _MASK64, lanes[1] & _MASK64), None
 
 
+#: How :func:`_compiled_cpu_lanes` copies each block into its staging buffer: ``"numpy"``, or ``"torch"``
+#: (``Tensor.copy_``, the former way, kept for ``scripts/bench_save.py --before``). The same bytes either way.
+STAGE_COPY = "numpy"
+
+
 def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
                         seeds: tuple[int, int], stage_dtype: torch.dtype,
                         screen: tuple[int, int] | None = None) -> tuple[int, int, int]:
@@ -406,6 +411,8 @@ def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geo
     OpenMP team every block waited for the slower of two threads, and on a busy machine that ran 3-10x
     slower. Each thread stages its blocks in its own buffer; a block the kernel does not take (the end of a
     run) goes through the host path. Third: the count of elements matching ``screen`` (0 without one)."""
+    import numpy as np
+
     shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
     blocks = list(iter_blocks(flat, geometry, COMPILED_BLOCK))
 
@@ -417,13 +424,21 @@ def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geo
         # (sign-extended) to int32 in that copy: inductor vectorizes the fused loop over int32 and int64
         # inputs but not over int8 or int16 ones (5x slower for bfloat16).
         stage = torch.empty(shape, dtype=stage_dtype)
+        # The copy is numpy's (one thread, no OpenMP): torch's copy_ of a block is an OpenMP region, and from a
+        # thread that fingerprints alone (a save's) the region's worker went on spinning between blocks, which
+        # doubled the CPU time of a save whose kernel had been compiled in the background.
+        stage_np = stage.numpy()
         lanes = [0, 0, 0]
         for blk in blocks[lo:hi]:
             a = b = c = None
             if blk.bits.shape == shape and not _compile_failed:
                 try:
+                    if STAGE_COPY == "numpy":
+                        np.copyto(stage_np, blk.bits.numpy(), casting="unsafe")  # int8/int16: sign-extended
+                    else:
+                        stage.copy_(blk.bits)
                     with torch.no_grad():
-                        res = fn(stage.copy_(blk.bits), tables.row_terms(blk.first_start), tables.column_table,
+                        res = fn(stage, tables.row_terms(blk.first_start), tables.column_table,
                                  tables.seeds, screen_arg)
                     a, b, c = res.tolist()
                 except Exception as exc:  # pragma: no cover - depends on the environment
