@@ -632,7 +632,7 @@ class HashingFileSystemWriter(FileSystemWriter):
                     continue
                 data = planner.resolve_data(item)
                 if isinstance(data, torch.Tensor):
-                    kernel = _kernel_width(data.dtype)
+                    kernel = _kernel_width(data.dtype) if large else 0
                     if large.get(kernel, 0) >= kernels.AUTO_COMPILE_AFTER_BYTES and data.device.type == "cpu":
                         # This save alone fingerprints enough on CPU for backend "auto" to compile its kernel:
                         # start now (in the background; the host path goes on meanwhile) rather than after that
@@ -754,7 +754,7 @@ class HashingFileSystemWriter(FileSystemWriter):
 def _kernel_width(dtype: torch.dtype) -> int:
     """Which compilation of the fingerprint kernel a CPU chunk of ``dtype`` takes: 8 (64-bit elements), else 4
     (1-, 2- and 4-byte elements are staged as int32; a complex element is two of its parts)."""
-    width = torch.empty(0, dtype=dtype).element_size() // (2 if dtype.is_complex else 1)
+    width = dtype.itemsize // (2 if dtype.is_complex else 1)
     return 8 if width == 8 else 4
 
 
@@ -775,7 +775,7 @@ def _large_chunk_bytes(plan: SavePlan) -> dict[int, int]:
         dtype = td.properties.dtype
         if numel * (2 if dtype.is_complex else 1) >= COMPILED_BLOCK:
             kernel = _kernel_width(dtype)
-            out[kernel] = out.get(kernel, 0) + numel * torch.empty(0, dtype=dtype).element_size()
+            out[kernel] = out.get(kernel, 0) + numel * dtype.itemsize
     return out
 
 
