@@ -11,7 +11,10 @@ on. The load average is printed before and after the timed saves.
     python scripts/bench_save.py --dir /dev/shm --no-sync --serial-hash   # no I/O to hide digests behind
 
 ``--serial-hash`` adds a variant whose digests are all computed in the writing thread, to show what the
-concurrent digesting (a pool of threads hashing each large buffer while it is written) saves.
+concurrent digesting (a pool of threads hashing each large buffer while it is written) saves. ``--fp-threads``
+adds a save whose fingerprints split over torch's threads (a save's own use one thread); ``--before`` one that
+also counts NaN/Inf in a pass of its own over every chunk and stages the kernel's blocks with torch's
+``copy_``, as saves did before: the before and after, in one run.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def make_state(n: int, mib: int, seed: int = 0) -> dict[str, Any]:
     return {f"layer{i}.weight": torch.randn(numel, generator=gen) for i in range(n)}
 
 
-def variants(sync: bool, threads: int, serial: bool) -> dict[str, Callable[[dict[str, Any], str], Any]]:
+def variants(sync: bool, threads: int, serial: bool,
+             fp_threads: bool = False, before: bool = False) -> dict[str, Callable[[dict[str, Any], str], Any]]:
     def plain(state: dict[str, Any], path: str) -> None:
         dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=sync, thread_count=threads))
 
@@ -62,6 +66,30 @@ def variants(sync: bool, threads: int, serial: bool) -> dict[str, Callable[[dict
         finally:
             writer_mod.PARALLEL_HASH_MIN_BYTES = saved
 
+    def hashed_fp_threads(state: dict[str, Any], path: str) -> None:
+        # The fingerprints split over torch's intra-op threads rather than writer_mod.FINGERPRINT_THREADS.
+        saved = writer_mod.FINGERPRINT_THREADS
+        writer_mod.FINGERPRINT_THREADS = None
+        try:
+            cs.save(state, path, fingerprint=True, sync_files=sync, thread_count=threads)
+        finally:
+            writer_mod.FINGERPRINT_THREADS = saved
+
+    def hashed_fp_before(state: dict[str, Any], path: str) -> None:
+        # As saves fingerprinted before the NaN/Inf count rode on the kernel's pass: torch's threads, a pass
+        # of its own over every chunk for the counts, blocks staged by torch's copy_.
+        from ckptverify.fingerprint import kernels
+
+        saved = writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted, kernels.STAGE_COPY
+        counted = saved[1]
+        writer_mod.FINGERPRINT_THREADS = None
+        writer_mod.chunk_fingerprint_counted = lambda t, offsets, shape: (counted(t, offsets, shape)[0], None)
+        kernels.STAGE_COPY = "torch"
+        try:
+            cs.save(state, path, fingerprint=True, sync_files=sync, thread_count=threads)
+        finally:
+            writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted, kernels.STAGE_COPY = saved
+
     out = {
         "dcp.save": plain,
         "ckptverify.save fingerprint=False": hashed,
@@ -69,6 +97,10 @@ def variants(sync: bool, threads: int, serial: bool) -> dict[str, Callable[[dict
     }
     if serial:
         out["ckptverify.save fp=False serial hash"] = hashed_serial
+    if fp_threads:
+        out["ckptverify.save fp=True torch threads"] = hashed_fp_threads
+    if before:
+        out["ckptverify.save fp=True as before"] = hashed_fp_before
     return out
 
 
@@ -83,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="run only the variants whose name contains this")
     ap.add_argument("--serial-hash", action="store_true",
                     help="add a variant that digests in the writing thread (no concurrent hashing)")
+    ap.add_argument("--fp-threads", action="store_true",
+                    help="add a variant whose fingerprints split over torch's threads (not the save's default)")
+    ap.add_argument("--before", action="store_true",
+                    help="add a variant that fingerprints as saves did before: torch's threads, a separate "
+                         "pass for the NaN/Inf counts, blocks staged by torch's copy_")
     ap.add_argument("--fingerprint-backend", default=None, choices=["auto", "eager", "numpy", "compiled"],
                     help="tensor fingerprint backend (default: the library's, 'auto')")
     args = ap.parse_args(argv)
@@ -94,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         set_fingerprint_backend(args.fingerprint_backend)
     state = make_state(args.tensors, args.mib)
     total = sum(t.numel() * t.element_size() for t in state.values())
-    runs = variants(not args.no_sync, args.threads, args.serial_hash)
+    runs = variants(not args.no_sync, args.threads, args.serial_hash, args.fp_threads, args.before)
     if args.only:
         runs = {k: v for k, v in runs.items() if args.only in k or k == "dcp.save"}
     base = tempfile.mkdtemp(prefix="bench-save-", dir=args.dir)

@@ -57,12 +57,12 @@ from ckptverify.fingerprint import (
     BlockDigest,
     TensorFingerprint,
     block_digests,
-    chunk_fingerprint,
     combine,
     digest_file_range,
     new_digest,
     part_fingerprints,
 )
+from ckptverify.fingerprint.logical import chunk_fingerprint_counted
 from ckptverify.fingerprint.subclass import is_wrapper_subclass
 from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
@@ -387,6 +387,12 @@ class HashedStorageInfo(_StorageInfo):
         return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
 
 
+#: Threads a save's fingerprints of CPU chunks use (``None``: torch's intra-op thread count, as a fingerprint
+#: taken outside a save does). The fingerprints run beside DCP's writing thread and the digesting pool; see
+#: ``docs/fingerprint.md`` for what was measured.
+FINGERPRINT_THREADS: int | None = 1
+
+
 @dataclass(frozen=True)
 class _ChunkFacts:
     fingerprint: TensorFingerprint | None
@@ -424,13 +430,18 @@ def _chunk_facts(t: torch.Tensor, item: WriteItem) -> _ChunkFacts:
     td = item.tensor_data
     assert td is not None
     parts = None
+    specials: int | None = None
     try:
-        fp: TensorFingerprint | None = chunk_fingerprint(t, td.chunk.offsets, td.size)
+        fp: TensorFingerprint | None
+        fp, specials = chunk_fingerprint_counted(t, td.chunk.offsets, td.size)
         if is_wrapper_subclass(t):
             parts = tuple((name, f.value) for name, f in part_fingerprints(t).items())
     except UsageError:
         fp = None  # a dtype the fingerprint is not defined for
-    nan, inf = _nonfinite_counts(t)
+    # The fingerprint's pass counted the NaN and Inf bit patterns on its read of the chunk (the compiled kernel):
+    # none means no NaN and no Inf, what _nonfinite_counts would find with a pass of its own over the chunk.
+    # Any found are told apart by that pass, as before.
+    nan, inf = (0, 0) if specials == 0 else _nonfinite_counts(t)
     return _ChunkFacts(fp, nan, inf, parts)
 
 
@@ -611,13 +622,23 @@ class HashingFileSystemWriter(FileSystemWriter):
 
     @staticmethod
     def _fingerprint_items(plan: SavePlan, planner: SavePlanner) -> dict[MetadataIndex, _ChunkFacts]:
+        from ckptverify.fingerprint import kernels
+
         facts: dict[MetadataIndex, _ChunkFacts] = {}
-        with torch.no_grad():
+        large = _large_chunk_bytes(plan)
+        with torch.no_grad(), kernels.thread_limit(FINGERPRINT_THREADS):
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                     continue
                 data = planner.resolve_data(item)
                 if isinstance(data, torch.Tensor):
+                    kernel = _kernel_width(data.dtype) if large else 0
+                    if large.get(kernel, 0) >= kernels.AUTO_COMPILE_AFTER_BYTES and data.device.type == "cpu":
+                        # This save alone fingerprints enough on CPU for backend "auto" to compile its kernel:
+                        # start now (in the background; the host path goes on meanwhile) rather than after that
+                        # much has gone through the host path, which in a fresh process is the whole first save.
+                        kernels.compile_in_background(data.dtype)
+                        del large[kernel]
                     facts[item.index] = _chunk_facts(data.detach(), item)
         return facts
 
@@ -728,6 +749,34 @@ class HashingFileSystemWriter(FileSystemWriter):
             torch_version=str(torch.__version__),
             source="save",
         )
+
+
+def _kernel_width(dtype: torch.dtype) -> int:
+    """Which compilation of the fingerprint kernel a CPU chunk of ``dtype`` takes: 8 (64-bit elements), else 4
+    (1-, 2- and 4-byte elements are staged as int32; a complex element is two of its parts)."""
+    width = dtype.itemsize // (2 if dtype.is_complex else 1)
+    return 8 if width == 8 else 4
+
+
+def _large_chunk_bytes(plan: SavePlan) -> dict[int, int]:
+    """Bytes of the plan's tensor chunks large enough for the compiled fingerprint kernel (at least
+    ``COMPILED_BLOCK`` elements as the kernel reads them: a complex element is two), by
+    :func:`_kernel_width`."""
+    from ckptverify.fingerprint.kernels import COMPILED_BLOCK
+
+    out: dict[int, int] = {}
+    for item in plan.items:
+        td = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or td is None:
+            continue
+        numel = 1
+        for size in td.chunk.sizes:
+            numel *= int(size)
+        dtype = td.properties.dtype
+        if numel * (2 if dtype.is_complex else 1) >= COMPILED_BLOCK:
+            kernel = _kernel_width(dtype)
+            out[kernel] = out.get(kernel, 0) + numel * dtype.itemsize
+    return out
 
 
 def _files_of_ranks(results: list[list[WriteResult]]) -> list[list[str]]:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,9 +49,11 @@ from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.fingerprint.spec import signed as _signed
 
 __all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
-           "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "ROW_WIDTH", "SMALL_NUMPY", "SUPPORTED_DTYPES",
-           "chunk_geometry", "dtype_name", "dtype_seed", "eager_block", "fingerprint_lanes", "get_backend",
-           "host_lanes", "iter_blocks", "lanes_many", "mix_python", "prepare_compiled", "set_backend"]
+           "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "NO_SCREEN", "ROW_WIDTH", "SMALL_NUMPY",
+           "SPECIAL_BITS", "STAGE_COPY", "SUPPORTED_DTYPES", "chunk_geometry", "compile_in_background", "dtype_name",
+           "dtype_seed", "eager_block", "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend",
+           "host_lanes", "iter_blocks", "lanes_many", "mix_python", "prepare_compiled", "set_backend",
+           "thread_limit"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -71,9 +74,13 @@ COMPILED_BLOCK = 1 << 20
 
 
 def _block_lanes(
-    bits: torch.Tensor, row_terms: torch.Tensor, column_table: torch.Tensor, seeds: torch.Tensor
+    bits: torch.Tensor, row_terms: torch.Tensor, column_table: torch.Tensor, seeds: torch.Tensor,
+    screen: torch.Tensor,
 ) -> torch.Tensor:
-    """Lane sums of one block: ``bits`` (rows, width), where row ``r`` starts at global index ``start_r``.
+    """Lane sums of one block: ``bits`` (rows, width), where row ``r`` starts at global index ``start_r``;
+    and, third, how many elements have ``bits & screen[0] == screen[1]`` (``SPECIAL_BITS``: the NaNs and
+    infinities of a floating dtype; ``NO_SCREEN`` matches none). The count rides on the same read of the bits:
+    a save needs it for every chunk, and a pass of its own read the chunk again from memory.
 
     ``row_terms[r] = start_r * K`` and ``column_table[k] = k * K`` (mod 2**64), so ``p = g * K`` is one
     addition; ``seeds`` is ``[S_0, S_1]``. Building ``p`` from tables rather than from ``arange * K`` in the
@@ -83,7 +90,30 @@ def _block_lanes(
     w = bits.to(torch.int64)
     p = row_terms[:, None] + column_table[None, :]
     out = [_mix_tensor(w ^ (p + seeds[lane]), mixer).sum() for lane, mixer in enumerate(LANES)]
+    out.append(((w & screen[0]) == screen[1]).sum())
     return torch.stack(out)
+
+
+def _special_bits() -> dict[torch.dtype, tuple[int, int]]:
+    f16, bf16, f32, f64 = (0x7C00, 0x7C00), (0x7F80, 0x7F80), (0x7F800000, 0x7F800000), (0x7FF << 52, 0x7FF << 52)
+    table = {torch.float16: f16, torch.bfloat16: bf16, torch.float32: f32, torch.float64: f64,
+             torch.complex64: f32, torch.complex128: f64}
+    # float8: e5m2 is IEEE-like (exponent all ones); e4m3fn has no infinity, its NaN is S.1111.111; the fnuz
+    # formats have one NaN, the bits of negative zero (0x80), and no infinity.
+    for name, bits in (("float8_e5m2", (0x7C, 0x7C)), ("float8_e4m3fn", (0x7F, 0x7F)),
+                       ("float8_e4m3fnuz", (0xFF, 0x80)), ("float8_e5m2fnuz", (0xFF, 0x80))):
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            table[dtype] = bits
+    return table
+
+
+#: ``(mask, pattern)`` by dtype: an element is a NaN or an infinity exactly when its bits (as the kernels read
+#: them: the integer view, sign-extended) ``& mask == pattern``. Only dtypes whose NaN/Inf counts a save keeps
+#: (float8_e8m0fnu, float4 and complex32 are left to the torch count). A complex dtype's are its parts'.
+SPECIAL_BITS: dict[torch.dtype, tuple[int, int]] = _special_bits()
+#: A screen no element matches (``bits & 0 == 1`` never holds).
+NO_SCREEN = (0, 1)
 
 
 _BACKENDS = ("auto", "eager", "numpy", "compiled", "triton")
@@ -145,6 +175,20 @@ def prepare_compiled(dtype: torch.dtype = torch.float32, device: str | torch.dev
     return _compiled_kernel(staged, device) is not None
 
 
+def compile_in_background(dtype: torch.dtype) -> None:
+    """Start compiling and checking the fused CPU kernel for tensors of ``dtype`` in a background thread (once
+    per element width and process; nothing when it is ready, failed, or backend ``auto`` is not in use): for a
+    caller that knows it is about to fingerprint at least ``AUTO_COMPILE_AFTER_BYTES`` of large CPU chunks (a
+    save), so ``auto`` takes the kernel from the first chunk after it is ready rather than only once that many
+    bytes have gone through the host path."""
+    if _backend != "auto" or _compile_failed:
+        return
+    size = torch.empty(0, dtype=dtype).element_size() // (2 if dtype.is_complex else 1)
+    bits = _INT_VIEW_BY_SIZE.get(size)
+    if bits is not None:
+        _compiled_kernel(_stage_dtype(bits), torch.device("cpu"), wait=False)
+
+
 def _disable_compiled(reason: object) -> None:
     global _compile_failed
     if not _compile_failed:
@@ -197,12 +241,18 @@ def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device
     first = (1 << 40) + 12345
     seeds = (dtype_seed("self-check", 0), dtype_seed("self-check", 1))
     tables = _CompiledTables(device, seeds)
+    # About one element in 512 matches (nine fixed bits), in every source width: the count is checked too.
+    screen = (0x7FC0, 0x7FC0)
     try:
         with torch.no_grad():  # one grad mode for every call: no recompilation on its account
-            got = fn(bits, tables.row_terms(first), tables.column_table, tables.seeds).tolist()
+            got = fn(bits, tables.row_terms(first), tables.column_table, tables.seeds, tables.screen(screen)).tolist()
     except Exception as exc:  # pragma: no cover - depends on the environment
         _disable_compiled(exc)
         return False
+    if got[2] != _count_special(bits, screen):  # pragma: no cover - a miscompilation
+        _log.warning("compiled fingerprint kernel miscounts special values for %s; not using it", bits_dtype)
+        return False
+    got = got[:2]
     eager = _EagerState(device, seeds, COMPILED_BLOCK)
     rows = max(1, eager.block // _ref.ROW_WIDTH)
     for r in range(0, bits.shape[0], rows):
@@ -225,6 +275,11 @@ class _CompiledTables:
         self._row_terms = torch.empty_like(self._row_steps)
         self.seeds = torch.tensor([_signed(s) for s in seeds], **kw)
         self._k = k
+        self._device = device
+
+    def screen(self, screen: tuple[int, int]) -> torch.Tensor:
+        """The kernel's ``screen`` argument: ``[mask, pattern]`` (a tensor, so that no value compiles anew)."""
+        return torch.tensor([_signed(screen[0]), _signed(screen[1])], dtype=torch.int64, device=self._device)
 
     def row_terms(self, first: int) -> torch.Tensor:
         """``(first + r * ROW_WIDTH) * K`` for each row ``r``."""
@@ -238,6 +293,27 @@ def fingerprint_lanes(
     t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str
 ) -> tuple[int, int]:
     """The two lane sums (unsigned 64-bit) of a chunk ``t`` at ``offsets`` in ``global_shape``."""
+    return _lanes(t, offsets, global_shape, name, None)[0]
+
+
+def fingerprint_lanes_counted(
+    t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str
+) -> tuple[tuple[int, int], int | None]:
+    """:func:`fingerprint_lanes`, and the number of NaNs and infinities in ``t`` (``SPECIAL_BITS``) where the
+    pass that took the lane sums counted them on the same read: the compiled kernel on CPU. ``None`` where it
+    did not (another backend or device, a chunk too small for the compiled kernel, a dtype without an entry in
+    ``SPECIAL_BITS``): the caller counts them itself."""
+    screen = SPECIAL_BITS.get(t.dtype)
+    lanes, count = _lanes(t, offsets, global_shape, name, screen)
+    return lanes, count if screen is not None else None
+
+
+def _lanes(
+    t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
+    screen: tuple[int, int] | None,
+) -> tuple[tuple[int, int], int | None]:
+    """The lane sums of a chunk, and the count of its elements matching ``screen`` (``None`` when not counted,
+    and always when ``screen`` is ``None``)."""
     global _eager_cpu_bytes
     t = t.detach()
     offsets, global_shape = list(offsets), list(global_shape)
@@ -247,9 +323,9 @@ def fingerprint_lanes(
         global_shape.append(2)
     geometry = chunk_geometry(t.shape, offsets, global_shape)
     if t.numel() == 0:
-        return (0, 0)
+        return (0, 0), 0
     if t.device.type == "cpu" and _backend in ("auto", "numpy") and t.numel() > SLAB and not t.is_contiguous():
-        return _slab_lanes(t, offsets, global_shape, name)
+        return _slab_lanes(t, offsets, global_shape, name, screen)
     flat = t.contiguous().reshape(-1).view(_INT_VIEW_BY_SIZE[t.element_size()])
     seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
     device = flat.device
@@ -261,12 +337,12 @@ def fingerprint_lanes(
 
         got = _fingerprint_triton.lanes(flat, geometry, seeds)
         if got is not None:
-            return got
+            return got, None
 
     if device.type == "cpu" and _backend == "auto" and flat.numel() <= SMALL_NUMPY:
         # A small chunk (a bias, a norm, one of a checkpoint's 100 000 items): numpy's fixed cost per
         # operation is a tenth of torch's, and the eager path's buffers cost more than its arithmetic.
-        return _small_lanes(flat, geometry, seeds)
+        return _small_lanes(flat, geometry, seeds), None
 
     compiled = None
     stage_dtype = _stage_dtype(flat.dtype) if device.type == "cpu" else flat.dtype
@@ -277,22 +353,25 @@ def fingerprint_lanes(
         # One pass in numpy over cache-sized blocks, both lanes at once, on torch's threads' worth of cores.
         got = host_lanes(flat, geometry, seeds)
         _eager_cpu_bytes += nbytes
-        return got
+        return got, None
     if compiled is not None and device.type == "cpu":
-        return _compiled_cpu_lanes(compiled, flat, geometry, seeds, stage_dtype)
+        a, b, count = _compiled_cpu_lanes(compiled, flat, geometry, seeds, stage_dtype, screen)
+        return (a, b), count
     block = COMPILED_BLOCK if compiled is not None else eager_block(device)
     compiled_shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
     tables = None
     if compiled is not None:  # on an accelerator (CPU chunks took _compiled_cpu_lanes)
         tables = _CompiledTables(device, seeds)
+        no_screen = tables.screen(NO_SCREEN)
     lanes = [0, 0]
     eager: _EagerState | None = None
     for blk in iter_blocks(flat, geometry, block):
         if compiled is not None and tables is not None and blk.bits.shape == compiled_shape:
             try:
                 with torch.no_grad():
-                    res = compiled(blk.bits, tables.row_terms(blk.first_start), tables.column_table, tables.seeds)
-                a, b = res.tolist()
+                    res = compiled(blk.bits, tables.row_terms(blk.first_start), tables.column_table, tables.seeds,
+                                   no_screen)
+                a, b, _ = res.tolist()
             except Exception as exc:  # pragma: no cover - depends on the environment
                 _disable_compiled(exc)
                 compiled = None
@@ -316,50 +395,76 @@ def fingerprint_lanes(
         lanes[1] += b
     if device.type == "cpu" and compiled is None:
         _eager_cpu_bytes += nbytes
-    return (lanes[0] & _MASK64, lanes[1] & _MASK64)
+    return (lanes[0] & _MASK64, lanes[1] & _MASK64), None
+
+
+#: How :func:`_compiled_cpu_lanes` copies each block into its staging buffer: ``"numpy"``, or ``"torch"``
+#: (``Tensor.copy_``, the former way, kept for ``scripts/bench_save.py --before``). The same bytes either way.
+STAGE_COPY = "numpy"
 
 
 def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
-                        seeds: tuple[int, int], stage_dtype: torch.dtype) -> tuple[int, int]:
+                        seeds: tuple[int, int], stage_dtype: torch.dtype,
+                        screen: tuple[int, int] | None = None) -> tuple[int, int, int]:
     """The lanes of a CPU chunk through the compiled kernel, its blocks split between threads as the host
     path splits its own (:func:`_host_map`): the kernel is compiled single-threaded, because with its own
     OpenMP team every block waited for the slower of two threads, and on a busy machine that ran 3-10x
     slower. Each thread stages its blocks in its own buffer; a block the kernel does not take (the end of a
-    run) goes through the host path."""
+    run) goes through the host path. Third: the count of elements matching ``screen`` (0 without one)."""
+    import numpy as np
+
     shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
     blocks = list(iter_blocks(flat, geometry, COMPILED_BLOCK))
 
-    def run(lo: int, hi: int) -> tuple[int, int]:
+    def run(lo: int, hi: int) -> tuple[int, int, int]:
         tables = _CompiledTables(flat.device, seeds)
+        screen_arg = tables.screen(screen or NO_SCREEN)
         # Copying each block into one reused buffer first, then running the fused kernel on it, was 1.5-1.8x
         # faster on CPU than running the kernel on the tensor's memory directly. Narrow bits are widened
         # (sign-extended) to int32 in that copy: inductor vectorizes the fused loop over int32 and int64
         # inputs but not over int8 or int16 ones (5x slower for bfloat16).
         stage = torch.empty(shape, dtype=stage_dtype)
-        lanes = [0, 0]
+        # The copy is numpy's (one thread, no OpenMP): torch's copy_ of a block is an OpenMP region, and from a
+        # thread that fingerprints alone (a save's) the region's worker went on spinning between blocks, which
+        # doubled the CPU time of a save whose kernel had been compiled in the background.
+        stage_np = stage.numpy()
+        lanes = [0, 0, 0]
         for blk in blocks[lo:hi]:
-            a = b = None
+            a = b = c = None
             if blk.bits.shape == shape and not _compile_failed:
                 try:
+                    if STAGE_COPY == "numpy":
+                        np.copyto(stage_np, blk.bits.numpy(), casting="unsafe")  # int8/int16: sign-extended
+                    else:
+                        stage.copy_(blk.bits)
                     with torch.no_grad():
-                        res = fn(stage.copy_(blk.bits), tables.row_terms(blk.first_start), tables.column_table,
-                                 tables.seeds)
-                    a, b = res.tolist()
+                        res = fn(stage, tables.row_terms(blk.first_start), tables.column_table,
+                                 tables.seeds, screen_arg)
+                    a, b, c = res.tolist()
                 except Exception as exc:  # pragma: no cover - depends on the environment
                     _disable_compiled(exc)
-            if a is None or b is None:
+            if a is None or b is None or c is None:
                 # Rows of one run: consecutive global indices from ``first_start``.
                 n = blk.bits.numel()
                 a, b = host_lanes(blk.bits.reshape(-1), _Geometry((), (), blk.first_start, n), seeds, threads=1)
+                c = _count_special(blk.bits, screen) if screen is not None else 0
             lanes[0] += a
             lanes[1] += b
-        return lanes[0], lanes[1]
+            lanes[2] += c
+        return lanes[0], lanes[1], lanes[2]
 
     threads = max(1, min(_host_threads(flat.numel()), len(blocks)))
     step = -(-len(blocks) // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
     ranges = [(lo, min(len(blocks), lo + step)) for lo in range(0, len(blocks), step)]
     parts = _host_map(run, ranges, threads)
-    return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64
+    return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64, sum(p[2] for p in parts)
+
+
+def _count_special(bits: torch.Tensor, screen: tuple[int, int]) -> int:
+    """How many of ``bits`` (an integer tensor) have ``bits & mask == pattern``, read sign-extended to int64 as
+    the kernels read them."""
+    w = bits.to(torch.int64)
+    return int(((w & _signed(screen[0])) == _signed(screen[1])).sum())
 
 
 #: A non-contiguous CPU chunk larger than this many elements is fingerprinted in pieces of at most this many
@@ -367,21 +472,25 @@ def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geo
 SLAB = 1 << 22
 
 
-def _slab_lanes(t: torch.Tensor, offsets: list[int], global_shape: list[int], name: str) -> tuple[int, int]:
+def _slab_lanes(t: torch.Tensor, offsets: list[int], global_shape: list[int], name: str,
+                screen: tuple[int, int] | None = None) -> tuple[tuple[int, int], int | None]:
     """The lanes of a non-contiguous chunk as the sum of its pieces' lanes: the pieces are disjoint chunks of
     the same global tensor, cut along its first dimension longer than 1 (and further along the next ones
-    while a piece is still larger than ``SLAB`` and not contiguous), so their lanes add up to the chunk's."""
+    while a piece is still larger than ``SLAB`` and not contiguous), so their lanes add up to the chunk's.
+    The pieces' ``screen`` counts add up too (``None`` when any piece was not counted)."""
     dim = next(d for d, size in enumerate(t.shape) if size > 1)
     per = max(1, SLAB // (t.numel() // t.shape[dim]))
     lanes = [0, 0]
+    count: int | None = 0
     for start in range(0, t.shape[dim], per):
         piece = t.narrow(dim, start, min(per, t.shape[dim] - start))
         at = list(offsets)
         at[dim] += start
-        a, b = fingerprint_lanes(piece, at, global_shape, name)
+        (a, b), c = _lanes(piece, at, global_shape, name, screen)
         lanes[0] += a
         lanes[1] += b
-    return lanes[0] & _MASK64, lanes[1] & _MASK64
+        count = None if c is None or count is None else count + c
+    return (lanes[0] & _MASK64, lanes[1] & _MASK64), count
 
 
 #: Chunks of at most this many elements take :func:`_small_lanes` on CPU under backend ``auto``.
@@ -448,10 +557,33 @@ if hasattr(os, "register_at_fork"):  # not on Windows
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_thread_cap = threading.local()
+
+
+@contextmanager
+def thread_limit(threads: int | None) -> Iterator[None]:
+    """Within the block, fingerprints taken by the calling thread on CPU use at most ``threads`` threads
+    (``None``: no limit beyond :func:`_host_threads`'). A save fingerprints in one thread beside the thread
+    that writes and those that digest: splitting each chunk over torch's threads as well put more threads on
+    the cores than there are cores."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise UsageError(f"a thread limit must be a positive int or None, got {threads!r}")
+    saved = getattr(_thread_cap, "threads", None)
+    _thread_cap.threads = threads
+    try:
+        yield
+    finally:
+        _thread_cap.threads = saved
+
+
 def _host_threads(numel: int) -> int:
     """Threads for a chunk of ``numel`` elements: torch's intra-op thread count (``torch.set_num_threads``),
-    at most the CPUs there are, and at least ``HOST_MIN_PER_THREAD`` elements each."""
+    at most the CPUs there are, at most the calling thread's :func:`thread_limit`, and at least
+    ``HOST_MIN_PER_THREAD`` elements each."""
     threads = min(torch.get_num_threads(), os.cpu_count() or 1, numel // HOST_MIN_PER_THREAD)
+    cap = getattr(_thread_cap, "threads", None)
+    if cap is not None:
+        threads = min(threads, cap)
     return max(1, threads)
 
 

@@ -21,8 +21,8 @@ from ckptverify.fingerprint.spec import MASK64 as _MASK64
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FINGERPRINT_VERSION", "TensorFingerprint", "chunk_fingerprint", "combine", "get_fingerprint_backend",
-           "part_fingerprints", "set_fingerprint_backend", "tensor_fingerprint"]
+__all__ = ["FINGERPRINT_VERSION", "TensorFingerprint", "chunk_fingerprint", "chunk_fingerprint_counted", "combine",
+           "get_fingerprint_backend", "part_fingerprints", "set_fingerprint_backend", "tensor_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,25 @@ def chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_sha
     name = kern.dtype_name(t.dtype)
     lanes = kern.fingerprint_lanes(t, offsets, gshape, name)
     return TensorFingerprint.from_lanes(lanes, name, gshape, t.numel())
+
+
+def chunk_fingerprint_counted(
+    t: torch.Tensor, global_offsets: Sequence[int], global_shape: Sequence[int]
+) -> tuple[TensorFingerprint, int | None]:
+    """:func:`chunk_fingerprint`, and how many of the chunk's elements are NaN or infinite, where the pass that
+    fingerprinted it counted them on the same read of the chunk (the compiled kernel on CPU, for the dtypes in
+    ``kernels.SPECIAL_BITS``); ``None`` where it did not, and the caller counts them itself. The fingerprint
+    is the same as :func:`chunk_fingerprint`'s."""
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.subclass import is_wrapper_subclass
+
+    if is_wrapper_subclass(t):
+        return chunk_fingerprint(t, global_offsets, global_shape), None
+    offsets = [int(o) for o in global_offsets]
+    gshape = [int(s) for s in global_shape]
+    name = kern.dtype_name(t.dtype)
+    lanes, count = kern.fingerprint_lanes_counted(t, offsets, gshape, name)
+    return TensorFingerprint.from_lanes(lanes, name, gshape, t.numel()), count
 
 
 def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
