@@ -98,3 +98,14 @@ def test_hexdigest_of_is_digest_bytes(algorithm: str) -> None:
         assert one(memoryview(data)[:n]) == digest_bytes(data[:n], algorithm)
     with pytest.raises(Exception, match="unknown digest algorithm"):
         hexdigest_of("md5")
+
+
+def test_block_strings_refuse_what_the_field_check_refused() -> None:
+    class Text(str):
+        pass
+
+    good = ["0" * 32, "f" * 32]
+    assert mf._block_strings(good) == tuple(good) and mf._block_strings([]) == ()
+    for bad in ([Text("0" * 32)], ["0" * 32, 5], ["a" * 129], ["ab\x00"], [None]):
+        with pytest.raises(ValueError):
+            mf._block_strings(bad)

@@ -285,10 +285,7 @@ def _self_digest(body: dict[str, Any]) -> str:
 def _block_strings(blocks: list[Any]) -> tuple[str, ...]:
     """``tuple(_s(b, 128) for b in blocks)``, checked in a few passes in C: a manifest of a multi-TB checkpoint
     holds millions of block digests, and this runs before every verification against it."""
-    try:
-        joined = "".join(blocks)  # TypeError for anything not a string
-    except TypeError:
-        joined = None
+    joined = "".join(blocks) if set(map(type, blocks)) <= {str} else None
     if joined is None or "\x00" in joined or (blocks and max(map(len, blocks)) > 128):
         return tuple(_s(b, 128) for b in blocks)  # raises, naming the first bad one
     return tuple(blocks)
