@@ -35,8 +35,16 @@ verify lines >= 0.9x cat on page-cached files; peak RSS <= 300 MiB. On a shared 
 once: the ratios move with the load (``cat`` is one thread, verify uses every core).
 
 The command's fixed cost (interpreter start-up and imports, about 0.1 s here) is a large share of a 1 GiB
-run, where ``cat`` takes about 0.15 s; the default size is therefore 4 GiB. The in-process line shows the
-verification alone.
+run, where ``cat`` takes about 0.15 s; the default size is therefore 4 GiB. The same run measures that fixed
+cost (the same two commands on a checkpoint of one small tensor) and prints verify with it taken off, and the
+verification in-process (no start-up at all), without and with the manifest. The commands run with their
+bytecode cached (in a folder of the work directory, ``PYTHONPYCACHEPREFIX``), as an installed package has it,
+also where the environment says ``PYTHONDONTWRITEBYTECODE``: compiling the package from source at every start
+would count as fixed cost what a user never pays.
+
+It also prints what verify does per byte, each on one core in this process: the copy out of the page cache
+(``preadv`` into a reused 1 MiB buffer, as verify reads), CRC-32 (ISA-L's and zlib's), xxh3-128 and sha256 on a
+cached 1 MiB buffer, and the copy and a hash together.
 """
 
 from __future__ import annotations
@@ -69,11 +77,20 @@ def build(path: str, gib: float) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-def timed(cmd: list[str], cpu: list[float] | None = None) -> tuple[float, int, int]:
+def bytecode_env(workdir: str) -> dict[str, str]:
+    """The environment with Python's bytecode cached under ``workdir`` (as an installed package has it), even
+    where ``PYTHONDONTWRITEBYTECODE`` is set: the first run compiles, the others load."""
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=os.path.join(workdir, "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def timed(cmd: list[str], cpu: list[float] | None = None,
+          env: dict[str, str] | None = None) -> tuple[float, int, int]:
     """Wall seconds, peak RSS in KiB (from wait4), and exit code of ``cmd``; its CPU seconds (user + system)
     are appended to ``cpu`` when given."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -316,6 +333,63 @@ def main_nproc(args: argparse.Namespace) -> int:
     return 0
 
 
+def per_byte_costs(path: str, seconds: float = 0.25) -> dict[str, float]:
+    """GB/s on one core (this thread) of each per-byte step of verify: the copy out of the page cache of
+    ``path`` (``preadv`` into a reused 1 MiB buffer), each checksum on a 1 MiB buffer in cache, and the copy
+    followed by each checksum (what a verify thread does per piece). Best of a few timed passes each."""
+    import hashlib
+    import mmap
+    import zlib
+
+    import xxhash
+
+    from ckptverify.safeparse.readers import READ_BYTES
+
+    try:
+        from isal.isal_zlib import crc32 as isal_crc32
+    except ImportError:  # pragma: no cover - isal is a dependency
+        isal_crc32 = None
+    buf = mmap.mmap(-1, READ_BYTES)
+    view = memoryview(buf)
+    view[:] = os.urandom(READ_BYTES)
+    hashes = {"crc32 (isal)": isal_crc32, "crc32 (zlib)": zlib.crc32,
+              "xxh3-128 (xxhash, streaming)": lambda v: xxhash.xxh3_128(v).hexdigest(),
+              "sha256 (hashlib)": lambda v: hashlib.sha256(v).hexdigest()}
+    out: dict[str, float] = {}
+
+    def rate(step: object) -> float:
+        best = 0.0
+        for _ in range(3):
+            n, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds / 3:
+                n += step()  # type: ignore[operator]
+            best = max(best, n / (time.perf_counter() - start) / 1e9)
+        return best
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        pos = [0]
+
+        def copy() -> int:  # round and round the file (cached: read once, before the timings)
+            got = os.preadv(fd, [view], pos[0])
+            pos[0] = pos[0] + got if pos[0] + got < size else 0
+            return got
+
+        out["copy from page cache (preadv, 1 MiB)"] = rate(copy)
+        for name, fn in hashes.items():
+            if fn is None:
+                continue
+            out[name] = rate(lambda fn=fn: (fn(view), READ_BYTES)[1])
+        for name in ("crc32 (isal)", "xxh3-128 (xxhash, streaming)"):
+            fn = hashes[name]
+            if fn is not None:
+                out[f"copy + {name}"] = rate(lambda fn=fn: (copy(), fn(view))[0])
+    finally:
+        os.close(fd)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="where to build the checkpoint [a temporary directory]")
@@ -347,75 +421,148 @@ def main(argv: list[str] | None = None) -> int:
         if args.items < 1:
             ap.error("--items must be at least 1")
         return main_items(args)
+    if args.gib <= 0:
+        ap.error("--gib must be above 0")
     if args.gib < 1:
-        ap.error("--gib must be at least 1")
+        print(f"--gib {args.gib}: the command's fixed cost dominates below 1 GiB; the figures say little")
 
     # Verified in-process (below) in a child process too, so this process stays small.
     workdir, ckpt, files, size = build_cached(args, "ckptverify-bench-")
+    env = bytecode_env(workdir)
 
     exe = [sys.executable, "-m", "ckptverify"]
-    # A copy of the checkpoint that carries a manifest (hard links: same page-cached bytes).
-    with_manifest = os.path.join(workdir, "ckpt-manifest")
-    if os.path.isdir(with_manifest):
-        shutil.rmtree(with_manifest)
-    os.mkdir(with_manifest)
-    for name in os.listdir(ckpt):
-        os.link(os.path.join(ckpt, name), os.path.join(with_manifest, name))
-    subprocess.run([*exe, "fingerprint", "--no-progress", with_manifest], check=True, stdout=subprocess.DEVNULL)
+    here = os.path.dirname(os.path.abspath(__file__))
+    # The fixed cost: a checkpoint of one small tensor, verified by the same commands.
+    tiny = os.path.join(workdir, "tiny")
+    if os.path.isdir(tiny):
+        shutil.rmtree(tiny)
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import bench_verify as b; "
+                    f"b.build({tiny!r}, {1 / 1024})"], check=True, capture_output=True, env=env)
+    # Copies of both checkpoints that carry a manifest (hard links: same page-cached bytes).
+    copies = {}
+    for src in (ckpt, tiny):
+        dst = src + "-manifest"
+        if os.path.isdir(dst):
+            shutil.rmtree(dst)
+        os.mkdir(dst)
+        for name in os.listdir(src):
+            os.link(os.path.join(src, name), os.path.join(dst, name))
+        subprocess.run([*exe, "fingerprint", "--no-progress", dst], check=True, stdout=subprocess.DEVNULL, env=env)
+        copies[src] = dst
+    with_manifest = copies[ckpt]
+    verify = [*exe, "verify", "--no-progress", "--json"]
     tools: dict[str, list[str]] = {
         "cat": ["cat", *files],
-        "ckptverify verify": [*exe, "verify", "--no-progress", "--json", ckpt],
-        "verify with manifest": [*exe, "verify", "--no-progress", "--json", with_manifest],
+        "ckptverify verify": [*verify, ckpt],
+        "verify with manifest": [*verify, with_manifest],
         "sha256sum": ["sha256sum", *files],
     }
     if shutil.which("b3sum"):
         tools["b3sum"] = ["b3sum", *files]
     else:
         print("b3sum not installed: skipped")
+    fixed_tools = {"verify fixed cost": [*verify, tiny], "with manifest fixed cost": [*verify, copies[tiny]]}
+    for cmd in fixed_tools.values():  # compiles the bytecode once, untimed
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+
+    # The same verification in-process (timed inside a child, after its imports: no start-up), in the same
+    # alternation as the commands, so the load moves all figures alike; in a child so this process stays small.
+    in_process = {"verify (in-process core)": ckpt, "with manifest (in-process core)": with_manifest}
+
+    def in_process_seconds(path: str) -> float:
+        code = (
+            "import time; from ckptverify.audit.verify import verify_checkpoint\n"
+            f"t0 = time.perf_counter(); r = verify_checkpoint({path!r}); print(time.perf_counter() - t0)\n"
+            "assert r.passed and r.stats['bytes_hashed'] > 0.99 * r.stats['bytes'], r.stats\n"
+            f"assert r.stats['manifest'] is {path == with_manifest}, r.stats"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            raise RuntimeError(f"verify failed on the clean benchmark checkpoint: {out.stderr[-2000:]}")
+        return float(out.stdout.split()[-1])
 
     best: dict[str, float] = {}
     rss: dict[str, int] = {}
+    core: dict[str, float] = {}
     for _ in range(args.repeats):
-        for name, cmd in tools.items():
-            wall, peak, code = timed(cmd)
+        for name, cmd in {**tools, **fixed_tools}.items():
+            wall, peak, code = timed(cmd, env=env)
             if code != 0:
                 print(f"{name} exited {code}", file=sys.stderr)
                 return 2
             best[name] = min(best.get(name, float("inf")), wall)
             rss[name] = max(rss.get(name, 0), peak)
+        for name, path in in_process.items():
+            try:
+                core[name] = min(core.get(name, float("inf")), in_process_seconds(path))
+            except RuntimeError as exc:
+                print(exc, file=sys.stderr)
+                return 2
 
-    # The same verification in-process, without interpreter start-up, for reference.
-    code = (
-        "import time; from ckptverify.audit.verify import verify_checkpoint\n"
-        f"best = float('inf')\nfor _ in range({args.repeats}):\n"
-        f"    t0 = time.perf_counter(); r = verify_checkpoint({ckpt!r}); best = min(best, time.perf_counter() - t0)\n"
-        "assert r.passed and r.stats['bytes_hashed'] > 0.99 * r.stats['bytes'], r.stats\nprint(best)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if out.returncode != 0:
-        print("verify failed on the clean benchmark checkpoint:", out.stderr[-2000:], file=sys.stderr)
-        return 2
-    core = float(out.stdout.split()[-1])
-
-    gbs = {name: size / t / 1e9 for name, t in best.items()}
+    gbs = {name: size / t / 1e9 for name, t in best.items() if name not in fixed_tools}
+    # Each command with its fixed cost taken off (measured in this run, on the tiny checkpoint).
+    net = {"verify, fixed cost off": best["ckptverify verify"] - best["verify fixed cost"],
+           "with manifest, fixed cost off": best["verify with manifest"] - best["with manifest fixed cost"]}
     print()
-    print(f"{'tool':<26}{'best s':>9}{'GB/s':>8}{'x cat':>8}{'peak RSS MiB':>14}")
+    print(f"{'tool':<32}{'best s':>9}{'GB/s':>8}{'x cat':>8}{'peak RSS MiB':>14}")
     for name in tools:
-        print(f"{name:<26}{best[name]:>9.3f}{gbs[name]:>8.2f}{gbs[name] / gbs['cat']:>8.2f}{rss[name] / 1024:>14.1f}")
-    core_gbs = size / core / 1e9
-    print(f"{'verify (in-process core)':<26}{core:>9.3f}{core_gbs:>8.2f}{core_gbs / gbs['cat']:>8.2f}{'':>14}")
+        print(f"{name:<32}{best[name]:>9.3f}{gbs[name]:>8.2f}{gbs[name] / gbs['cat']:>8.2f}{rss[name] / 1024:>14.1f}")
+    for name in fixed_tools:
+        print(f"{name:<32}{best[name]:>9.3f}{'':>8}{'':>8}{rss[name] / 1024:>14.1f}")
+    for name, t in {**net, **core}.items():
+        if t <= 0:  # the difference of two noisy timings: no figure
+            print(f"{name:<32}{t:>9.3f}{'n/a':>8}{'n/a':>8}{'':>14}")
+            continue
+        rate = size / t / 1e9
+        print(f"{name:<32}{t:>9.3f}{rate:>8.2f}{rate / gbs['cat']:>8.2f}{'':>14}")
     ratio = gbs["ckptverify verify"] / gbs["cat"]
-    peak = rss["ckptverify verify"] / 1024
-    print()
-    print(f"verify / cat = {ratio:.2f}x (target >= 0.90): {'MET' if ratio >= 0.9 else 'NOT MET'}")
-    print(f"verify peak RSS = {peak:.0f} MiB (target <= 300): {'MET' if peak <= 300 else 'NOT MET'}")
     ratio_m = gbs["verify with manifest"] / gbs["cat"]
+    # None where the difference is not above zero: the fixed cost's noise swamps the work (a small checkpoint).
+    ratio_net = {k: best["cat"] / t if t > 0 else None for k, t in net.items()}
+    ratio_core = {k: best["cat"] / t for k, t in core.items()}
+    peak = rss["ckptverify verify"] / 1024
     peak_m = rss["verify with manifest"] / 1024
-    print(f"verify with manifest / cat = {ratio_m:.2f}x (target >= 0.90): {'MET' if ratio_m >= 0.9 else 'NOT MET'}"
-          f"; peak RSS {peak_m:.0f} MiB")
-    print(json.dumps({"bytes": size, "files": len(files), "gbps": gbs, "verify_core_gbps": core_gbs,
-                      "verify_over_cat": ratio, "verify_peak_rss_mib": peak,
-                      "verify_manifest_over_cat": ratio_m, "verify_manifest_peak_rss_mib": peak_m}))
+
+    def met(value: float | None, target: float) -> str:
+        if value is None:
+            return "cannot tell (the fixed cost's noise exceeds the work: use a larger --gib)"
+        return "MET" if value >= target else "NOT MET"
+
+    def x(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    print()
+    print(f"verify / cat = {ratio:.2f}x whole command, {x(ratio_net['verify, fixed cost off'])}x with the fixed "
+          f"cost ({best['verify fixed cost']:.3f} s) off, {ratio_core['verify (in-process core)']:.2f}x in-process "
+          f"(target >= 1.00): {met(ratio, 1.0)} / {met(ratio_net['verify, fixed cost off'], 1.0)} / "
+          f"{met(ratio_core['verify (in-process core)'], 1.0)}")
+    print(f"verify with manifest / cat = {ratio_m:.2f}x whole command, "
+          f"{x(ratio_net['with manifest, fixed cost off'])}x with the fixed cost "
+          f"({best['with manifest fixed cost']:.3f} s) off, {ratio_core['with manifest (in-process core)']:.2f}x "
+          f"in-process (target >= 0.90): {met(ratio_m, 0.9)} / {met(ratio_net['with manifest, fixed cost off'], 0.9)}"
+          f" / {met(ratio_core['with manifest (in-process core)'], 0.9)}")
+    print(f"verify peak RSS = {peak:.0f} MiB, with manifest {peak_m:.0f} MiB (target <= 300): "
+          f"{'MET' if max(peak, peak_m) <= 300 else 'NOT MET'}")
+    costs = per_byte_costs(max(files, key=os.path.getsize))
+    print()
+    print(f"per byte, one core (this process): {'step':<40}{'GB/s':>8}")
+    for name, rate in costs.items():
+        print(f"{'':<35}{name:<40}{rate:>8.2f}")
+    load = os.getloadavg()[0]
+    print(f"cores: {os.cpu_count()}, load average {load:.1f} (ratios move with the load: cat is one thread, "
+          "verify uses every core)")
+    print(json.dumps({"bytes": size, "files": len(files), "gbps": gbs, "verify_core_gbps": size / core[
+                          "verify (in-process core)"] / 1e9,
+                      "verify_manifest_core_gbps": size / core["with manifest (in-process core)"] / 1e9,
+                      "fixed_cost_s": best["verify fixed cost"],
+                      "manifest_fixed_cost_s": best["with manifest fixed cost"],
+                      "verify_over_cat": ratio, "verify_net_over_cat": ratio_net["verify, fixed cost off"],
+                      "verify_core_over_cat": ratio_core["verify (in-process core)"],
+                      "verify_peak_rss_mib": peak,
+                      "verify_manifest_over_cat": ratio_m,
+                      "verify_manifest_net_over_cat": ratio_net["with manifest, fixed cost off"],
+                      "verify_manifest_core_over_cat": ratio_core["with manifest (in-process core)"],
+                      "verify_manifest_peak_rss_mib": peak_m, "per_byte_gbps": costs, "load_average": load}))
     if not args.keep and args.dir is None:
         shutil.rmtree(workdir)
     return 0

@@ -161,8 +161,10 @@ def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest,
 def _hash(f: ReadOnlyFile, task: BlockTask, algorithm: str, bb: int,
           crc_ranges: Sequence[tuple[int, int]]) -> tuple[list[str], list[int]]:
     from ckptverify.fingerprint import new_digest
+    from ckptverify.fingerprint.digest import hexdigest_of
 
     whole = task.last == task.first
+    block_digest = hexdigest_of(algorithm)
     out: list[str] = []
     crcs = [0] * len(crc_ranges)
     state = {"digest": new_digest(algorithm), "filled": 0}
@@ -175,6 +177,11 @@ def _hash(f: ReadOnlyFile, task: BlockTask, algorithm: str, bb: int,
                 crcs[k] = crc32(view[a - at : b - at], crcs[k])
         if whole:
             state["digest"].update(view)
+            return
+        if len(view) == bb and not state["filled"]:
+            # The reader's pieces are block-aligned (a task starts on a block): one block, one digest object
+            # fed at construction (which hashes without the GIL, as update does).
+            out.append(block_digest(view))
             return
         pos = 0
         while pos < len(view):

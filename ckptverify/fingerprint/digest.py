@@ -18,7 +18,7 @@ from ckptverify.errors import TruncatedRangeError, UsageError
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "READ_BUFFER_SIZE", "BlockDigest", "ByteDigest",
            "RangeDigest", "TruncatedRangeError", "block_digests", "digest_bytes", "digest_file_range",
-           "digest_reader", "new_digest"]
+           "digest_reader", "hexdigest_of", "new_digest"]
 
 DEFAULT_ALGORITHM = "xxh3-128"
 ALGORITHMS = ("xxh3-128", "sha256")
@@ -44,6 +44,18 @@ def new_digest(algorithm: str = DEFAULT_ALGORITHM) -> ByteDigest:
     if algorithm == "sha256":
         return hashlib.sha256()
     raise UsageError(f"unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+def hexdigest_of(algorithm: str = DEFAULT_ALGORITHM) -> Any:
+    """A function giving the hex digest of one bytes-like object, as ``digest_bytes(data, algorithm)``.
+
+    It hashes through the streaming object's constructor, which lets other threads run while it hashes:
+    xxhash's one-shot functions (``xxh3_128_hexdigest``) hold the GIL, so two threads calling them hash one
+    at a time."""
+    make: Any = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}.get(algorithm)
+    if make is None:
+        new_digest(algorithm)  # raises the usual error
+    return lambda data: make(data).hexdigest()
 
 
 def digest_bytes(data: Any, algorithm: str = DEFAULT_ALGORITHM) -> str:
