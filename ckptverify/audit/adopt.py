@@ -13,7 +13,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
+import threading
 import time
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 from ckptverify.audit.verify import UNCHECKABLE, ProgressSink, VerificationRun, changed_finding, default_jobs
@@ -119,6 +121,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                                  length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
 
             whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
+            kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan
 
             def digest_batch(batch: _Batch) -> list[ItemEntry]:
                 # Small items (each at most one block), read many at a time: an item's digest and its one block's
@@ -137,6 +140,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                                          offset=item.offset, length=item.length, digest=h, blocks=(h,)))
                 if start == 0 and end == size:
                     whole_files[name] = FileEntry(size=size, digest=digest_bytes(view, digest))
+                    kept.keep(name, buf)
                 run.advance(sum(i.length for i in items))
                 return out
 
@@ -160,7 +164,8 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                 entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
                 file_digests = run.map(digest_file, names)
                 metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-                scans, batched = _scan_small_tensors(desc, run.map)
+                scans, batched = _scan_small_tensors(kept.over(desc), run.map)
+                kept.clear()
                 rest = {name for name in desc.tensors if name not in batched}
                 more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
                 scans.update(more)
@@ -236,6 +241,65 @@ def _shared_digests(run: VerificationRun, executor: Any, ordered: list[StoredRan
                          digest=value[0], blocks=tuple(value[1])) for i, value in zip(ordered, got, strict=False)]
     files = [FileEntry(size=size_of(n), digest=value) for n, value in zip(names, got[len(ordered):], strict=True)]
     return entries, files
+
+
+#: Small files read whole by the digest pass are kept in memory, up to this many bytes each and in all, for the
+#: tensor scan that follows (a checkpoint of one file per item: each file opened and read once, not twice).
+KEEP_FILE_BYTES = 64 << 10
+KEEP_TOTAL_BYTES = 256 << 20
+
+
+class _KeptFiles:
+    """The bytes of small files read whole, kept (within bounds) so that a later pass reads them from memory:
+    the same bytes the digests were taken of. What changes on disk meanwhile is caught as for any pass, by the
+    run's :meth:`~ckptverify.checks.dcp_pipeline.VerificationRun.changed_files` before the manifest is written."""
+
+    def __init__(self, file_bytes: int, total_bytes: int) -> None:
+        self.file_bytes, self.left = file_bytes, total_bytes
+        self.files: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, name: str, data: bytes) -> None:
+        if len(data) <= self.file_bytes:
+            with self._lock:
+                if len(data) <= self.left:
+                    self.files[name] = data
+                    self.left -= len(data)
+
+    def over(self, desc: Any) -> Any:
+        """``desc`` whose files kept here open as readers of the kept bytes (every other file, and every
+        payload, opens as ``desc`` opens it)."""
+        return _KeptOver(desc, self.files) if self.files else desc
+
+    def clear(self) -> None:
+        self.files = {}
+
+
+class _KeptOver:
+    """A description read through kept files: ``open(name)`` of a kept file reads its kept bytes; everything
+    else is the description's own."""
+
+    def __init__(self, desc: Any, files: dict[str, bytes]) -> None:
+        self._desc, self._files = desc, files
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._desc, name)
+
+    def open(self, what: Any) -> Any:
+        data = self._files.get(what) if isinstance(what, str) else None
+        return nullcontext(_KeptReader(data)) if data is not None else self._desc.open(what)
+
+
+class _KeptReader:
+    """A kept file's bytes with the reader calls the passes use (``pread``, ``size``)."""
+
+    __slots__ = ("data", "size")
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.size = data, len(data)
+
+    def pread(self, offset: int, n: int) -> bytes:
+        return self.data[offset:offset + n] if offset >= 0 and n > 0 else b""
 
 
 #: A run of small items of one file read at once: (file, start, end, items).

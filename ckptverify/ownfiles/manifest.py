@@ -361,7 +361,7 @@ def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) 
     """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
     its path. Into a URL (``s3://...``): one PUT, which makes the object appear whole or not at all."""
     path = os.path.join(root, name)
-    text = _dumps_by_line(manifest.to_dict())
+    text = manifest_text(manifest)
     from ckptverify.safeparse import paths
 
     if paths.is_url(path):
@@ -391,3 +391,135 @@ def _dumps_by_line(body: dict[str, Any]) -> str:
         else:
             lines.append(head + enc(value))
     return "{\n" + ",\n".join(lines) + "\n}"
+
+
+def manifest_text(manifest: Manifest) -> str:
+    """What :func:`write_manifest` writes for ``manifest``: byte for byte ``_dumps_by_line(manifest.to_dict())``
+    (its self-digest included), built entry by entry from string pieces (each name and digest escaped once by the
+    C string encoder, shared by the line and the canonical form the self-digest is taken of) instead of a dict
+    per entry encoded twice. A manifest with a value of another type than the entries declare, or a tensor with
+    ``parts``, is encoded entry by entry through :meth:`Manifest.to_dict` as it is (the same text)."""
+    import hashlib
+
+    try:
+        sections = {
+            "metadata_files": _dict_section(manifest.metadata_files, _file_pieces),
+            "files": _dict_section(manifest.files, _file_pieces),
+            "tensors": _dict_section(manifest.tensors, _tensor_pieces),
+            "items": _list_section(manifest.items),
+        }
+    except _NotPlain:
+        return _dumps_by_line(manifest.to_dict())
+    enc = json.JSONEncoder(ensure_ascii=True, allow_nan=True).encode
+    scalars = {
+        "schema": MANIFEST_SCHEMA,
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "created": manifest.created,
+        "tool_version": manifest.tool_version,
+        "torch_version": manifest.torch_version,
+        "source": manifest.source,
+        "world_size": manifest.world_size,
+        "digest_algorithm": manifest.digest_algorithm,
+        "block_bytes": manifest.block_bytes,
+        "fingerprint_version": manifest.fingerprint_version,
+    }
+    lines: dict[str, str] = {}
+    canonical: dict[str, str] = {}
+    for key, value in scalars.items():
+        lines[key] = canonical[key] = enc(value)
+    for key, (line, compact) in sections.items():
+        lines[key], canonical[key] = line, compact
+    text = "{" + ",".join(f"{enc(k)}:{canonical[k]}" for k in sorted(canonical)) + "}"
+    digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    lines["self_digest"] = enc(digest)
+    return "{\n" + ",\n".join(f" {enc(k)}: {v}" for k, v in lines.items()) + "\n}"
+
+
+class _NotPlain(Exception):
+    """An entry holds a value the pieces below do not encode as the JSON encoder would."""
+
+
+_esc = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise _NotPlain
+    return _esc(value)
+
+
+def _int(value: Any) -> str:
+    if type(value) is not int:
+        raise _NotPlain
+    return int.__repr__(value)
+
+
+def _ints(values: Any, sep: str) -> str:
+    if type(values) is not tuple or not set(map(type, values)) <= {int}:
+        raise _NotPlain
+    return "[" + sep.join(map(int.__repr__, values)) + "]"
+
+
+def _dict_section(entries: dict[str, Any], pieces: Any) -> tuple[str, str]:
+    """A section of named entries (files, tensors) as its lines and its canonical form, in name order (what
+    ``sorted`` in :meth:`Manifest.to_dict` and ``sort_keys`` give alike)."""
+    if not entries:
+        return "{}", "{}"
+    lines, compact = [], []
+    for name in sorted(entries):
+        key = _str(name)
+        line, canon = pieces(entries[name])
+        lines.append(f"  {key}: {line}")
+        compact.append(f"{key}:{canon}")
+    return "{\n" + ",\n".join(lines) + "\n }", "{" + ",".join(compact) + "}"
+
+
+def _file_pieces(entry: FileEntry) -> tuple[str, str]:
+    size, digest = _int(entry.size), _str(entry.digest)
+    return f'{{"size": {size}, "digest": {digest}}}', f'{{"digest":{digest},"size":{size}}}'
+
+
+def _tensor_pieces(entry: TensorEntry) -> tuple[str, str]:
+    if entry.parts is not None:  # rare (tensor subclasses): as the encoder writes it
+        body = entry.to_dict()
+        return (json.dumps(body, ensure_ascii=True),
+                json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True))
+    dtype = _str(entry.dtype)
+    fp = "null" if entry.fingerprint is None else _str(entry.fingerprint)
+    line = f'{{"dtype": {dtype}, "shape": {_ints(entry.shape, ", ")}, "fingerprint": {fp}'
+    canon = f'{{"dtype":{dtype},"fingerprint":{fp}'
+    if entry.nan_count is not None:
+        nan = _int(entry.nan_count)
+        line += f', "nan_count": {nan}'
+    if entry.inf_count is not None:
+        inf = _int(entry.inf_count)
+        line += f', "inf_count": {inf}'
+        canon += f',"inf_count":{inf}'
+    if entry.nan_count is not None:
+        canon += f',"nan_count":{nan}'
+    return line + "}", canon + f',"shape":{_ints(entry.shape, ",")}}}'
+
+
+def _list_section(items: tuple[ItemEntry, ...]) -> tuple[str, str]:
+    """The items, one a line, and their canonical form (in the manifest's item order)."""
+    if not items:
+        return "[]", "[]"
+    lines, compact = [], []
+    for item in items:
+        fqn, file, digest = _str(item.fqn), _str(item.file), _str(item.digest)
+        offset, length = _int(item.offset), _int(item.length)
+        blocks = item.blocks
+        if type(blocks) is not tuple:
+            raise _NotPlain
+        spaced = "[" + ", ".join(map(_str, blocks)) + "]"
+        tight = "[" + ",".join(map(_str, blocks)) + "]" if len(blocks) > 1 else spaced
+        offsets = item.chunk_offsets
+        if offsets is None:
+            wide = narrow = "null"
+        else:
+            wide, narrow = _ints(offsets, ", "), _ints(offsets, ",")
+        lines.append(f'  {{"fqn": {fqn}, "chunk_offsets": {wide}, "file": {file}, "offset": {offset}, '
+                     f'"length": {length}, "digest": {digest}, "blocks": {spaced}}}')
+        compact.append(f'{{"blocks":{tight},"chunk_offsets":{narrow},"digest":{digest},"file":{file},'
+                       f'"fqn":{fqn},"length":{length},"offset":{offset}}}')
+    return "[\n" + ",\n".join(lines) + "\n ]", "[" + ",".join(compact) + "]"
