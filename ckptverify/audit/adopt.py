@@ -88,6 +88,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                                       trust_uncheckable=trust_uncheckable, started=started)
     run = VerificationRun(root, jobs or default_jobs(), progress)
     run.executor = executor
+    run.hold_kept = executor is None  # the digest pass and the scan read the small files again: from memory
     # The digests, scans and entries of a checkpoint of many items are many small objects and no cycles: the
     # cyclic collector would walk them all again and again (a third of the time of 100 000 items).
     with paused_gc():
@@ -166,6 +167,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                 metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
                 scans, batched = _scan_small_tensors(kept.over(desc), run.map)
                 kept.clear()
+                run.release_kept()
                 rest = {name for name in desc.tensors if name not in batched}
                 more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
                 scans.update(more)

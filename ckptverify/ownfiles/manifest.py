@@ -13,6 +13,7 @@ File name: :data:`MANIFEST_FILE`. Schema: ``docs/manifest.md``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -440,24 +441,14 @@ class _NotPlain(Exception):
 
 
 _esc = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_NONE = type(None)
 
 
-def _str(value: Any) -> str:
-    if type(value) is not str:
+def _only(values: Any, *types: type) -> None:
+    """Every one of ``values`` is of exactly one of ``types`` (a subclass, ``bool`` for ``int`` among them,
+    would be encoded otherwise): checked for a whole column at once."""
+    if not set(map(type, values)) <= set(types):
         raise _NotPlain
-    return _esc(value)
-
-
-def _int(value: Any) -> str:
-    if type(value) is not int:
-        raise _NotPlain
-    return int.__repr__(value)
-
-
-def _ints(values: Any, sep: str) -> str:
-    if type(values) is not tuple or not set(map(type, values)) <= {int}:
-        raise _NotPlain
-    return "[" + sep.join(map(int.__repr__, values)) + "]"
 
 
 def _dict_section(entries: dict[str, Any], pieces: Any) -> tuple[str, str]:
@@ -465,59 +456,103 @@ def _dict_section(entries: dict[str, Any], pieces: Any) -> tuple[str, str]:
     ``sorted`` in :meth:`Manifest.to_dict` and ``sort_keys`` give alike)."""
     if not entries:
         return "{}", "{}"
+    names = sorted(entries)
+    _only(names, str)
+    lines, compact = pieces([entries[n] for n in names])
+    keys = list(map(_esc, names))
+    return ("{\n" + ",\n".join([f"  {k}: {v}" for k, v in zip(keys, lines, strict=True)]) + "\n }",
+            "{" + ",".join([f"{k}:{v}" for k, v in zip(keys, compact, strict=True)]) + "}")
+
+
+def _file_pieces(entries: list[FileEntry]) -> tuple[list[str], list[str]]:
+    sizes, digests = [e.size for e in entries], [e.digest for e in entries]
+    _only(sizes, int)
+    _only(digests, str)
+    digests = list(map(_esc, digests))
+    return ([f'{{"size": {n}, "digest": {d}}}' for n, d in zip(sizes, digests, strict=True)],
+            [f'{{"digest":{d},"size":{n}}}' for n, d in zip(sizes, digests, strict=True)])
+
+
+def _shape_text(shapes: list[Any]) -> list[tuple[str, str]]:
+    """Each tuple of ints of ``shapes`` as the encoder writes it with and without spaces (equal tuples share
+    their text)."""
+    _only(shapes, tuple)
+    _only(itertools.chain.from_iterable(shapes), int)
+    known: dict[tuple[int, ...], tuple[str, str]] = {}
+    out = []
+    for shape in shapes:
+        text = known.get(shape)
+        if text is None:
+            wide = "[" + ", ".join(map(int.__repr__, shape)) + "]"
+            text = known[shape] = (wide, wide.replace(" ", ""))
+        out.append(text)
+    return out
+
+
+def _tensor_pieces(entries: list[TensorEntry]) -> tuple[list[str], list[str]]:
+    dtypes, fps = [e.dtype for e in entries], [e.fingerprint for e in entries]
+    nans, infs = [e.nan_count for e in entries], [e.inf_count for e in entries]
+    _only(dtypes, str)
+    _only(fps, str, _NONE)
+    _only(nans, int, _NONE)
+    _only(infs, int, _NONE)
+    shapes = _shape_text([e.shape for e in entries])
     lines, compact = [], []
-    for name in sorted(entries):
-        key = _str(name)
-        line, canon = pieces(entries[name])
-        lines.append(f"  {key}: {line}")
-        compact.append(f"{key}:{canon}")
-    return "{\n" + ",\n".join(lines) + "\n }", "{" + ",".join(compact) + "}"
-
-
-def _file_pieces(entry: FileEntry) -> tuple[str, str]:
-    size, digest = _int(entry.size), _str(entry.digest)
-    return f'{{"size": {size}, "digest": {digest}}}', f'{{"digest":{digest},"size":{size}}}'
-
-
-def _tensor_pieces(entry: TensorEntry) -> tuple[str, str]:
-    if entry.parts is not None:  # rare (tensor subclasses): as the encoder writes it
-        body = entry.to_dict()
-        return (json.dumps(body, ensure_ascii=True),
-                json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True))
-    dtype = _str(entry.dtype)
-    fp = "null" if entry.fingerprint is None else _str(entry.fingerprint)
-    line = f'{{"dtype": {dtype}, "shape": {_ints(entry.shape, ", ")}, "fingerprint": {fp}'
-    canon = f'{{"dtype":{dtype},"fingerprint":{fp}'
-    if entry.nan_count is not None:
-        nan = _int(entry.nan_count)
-        line += f', "nan_count": {nan}'
-    if entry.inf_count is not None:
-        inf = _int(entry.inf_count)
-        line += f', "inf_count": {inf}'
-        canon += f',"inf_count":{inf}'
-    if entry.nan_count is not None:
-        canon += f',"nan_count":{nan}'
-    return line + "}", canon + f',"shape":{_ints(entry.shape, ",")}}}'
+    for e, dtype, fp, nan, inf, (wide, narrow) in zip(entries, dtypes, fps, nans, infs, shapes, strict=True):
+        if e.parts is not None:  # rare (tensor subclasses): as the encoder writes it
+            body = e.to_dict()
+            lines.append(json.dumps(body, ensure_ascii=True))
+            compact.append(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True))
+            continue
+        dtype = _esc(dtype)
+        fp = "null" if fp is None else _esc(fp)
+        if nan is None and inf is None:
+            lines.append(f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}}}')
+            compact.append(f'{{"dtype":{dtype},"fingerprint":{fp},"shape":{narrow}}}')
+        elif nan is not None and inf is not None:
+            lines.append(f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}, "nan_count": {nan}, '
+                         f'"inf_count": {inf}}}')
+            compact.append(f'{{"dtype":{dtype},"fingerprint":{fp},"inf_count":{inf},"nan_count":{nan},'
+                           f'"shape":{narrow}}}')
+        else:
+            line = f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}'
+            canon = f'{{"dtype":{dtype},"fingerprint":{fp}'
+            if nan is not None:
+                line += f', "nan_count": {nan}'
+            if inf is not None:
+                line += f', "inf_count": {inf}'
+                canon += f',"inf_count":{inf}'
+            if nan is not None:
+                canon += f',"nan_count":{nan}'
+            lines.append(line + "}")
+            compact.append(canon + f',"shape":{narrow}}}')
+    return lines, compact
 
 
 def _list_section(items: tuple[ItemEntry, ...]) -> tuple[str, str]:
     """The items, one a line, and their canonical form (in the manifest's item order)."""
     if not items:
         return "[]", "[]"
+    fqns, files, digests = [i.fqn for i in items], [i.file for i in items], [i.digest for i in items]
+    offsets, lengths = [i.offset for i in items], [i.length for i in items]
+    blocks, chunks = [i.blocks for i in items], [i.chunk_offsets for i in items]
+    for column in (fqns, files, digests):
+        _only(column, str)
+    _only(offsets, int)
+    _only(lengths, int)
+    _only(blocks, tuple)
+    _only(itertools.chain.from_iterable(blocks), str)
+    placed = [c for c in chunks if c is not None]
+    shapes = iter(_shape_text(placed))
     lines, compact = [], []
-    for item in items:
-        fqn, file, digest = _str(item.fqn), _str(item.file), _str(item.digest)
-        offset, length = _int(item.offset), _int(item.length)
-        blocks = item.blocks
-        if type(blocks) is not tuple:
-            raise _NotPlain
-        spaced = "[" + ", ".join(map(_str, blocks)) + "]"
-        tight = "[" + ",".join(map(_str, blocks)) + "]" if len(blocks) > 1 else spaced
-        offsets = item.chunk_offsets
-        if offsets is None:
-            wide = narrow = "null"
+    for fqn, file, digest, offset, length, block, chunk in zip(
+            map(_esc, fqns), map(_esc, files), map(_esc, digests), offsets, lengths, blocks, chunks, strict=True):
+        if len(block) == 1:
+            spaced = tight = f"[{_esc(block[0])}]"
         else:
-            wide, narrow = _ints(offsets, ", "), _ints(offsets, ",")
+            parts = list(map(_esc, block))
+            spaced, tight = "[" + ", ".join(parts) + "]", "[" + ",".join(parts) + "]"
+        wide, narrow = ("null", "null") if chunk is None else next(shapes)
         lines.append(f'  {{"fqn": {fqn}, "chunk_offsets": {wide}, "file": {file}, "offset": {offset}, '
                      f'"length": {length}, "digest": {digest}, "blocks": {spaced}}}')
         compact.append(f'{{"blocks":{tight},"chunk_offsets":{narrow},"digest":{digest},"file":{file},'
