@@ -88,7 +88,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                                       trust_uncheckable=trust_uncheckable, started=started)
     run = VerificationRun(root, jobs or default_jobs(), progress)
     run.executor = executor
-    run.hold_kept = executor is None  # the digest pass and the scan read the small files again: from memory
+    run.hold_kept = HOLD_KEPT and executor is None  # the digest pass and the scan read the small files again
     # The digests, scans and entries of a checkpoint of many items are many small objects and no cycles: the
     # cyclic collector would walk them all again and again (a third of the time of 100 000 items).
     with paused_gc():
@@ -249,6 +249,8 @@ def _shared_digests(run: VerificationRun, executor: Any, ordered: list[StoredRan
 #: tensor scan that follows (a checkpoint of one file per item: each file opened and read once, not twice).
 KEEP_FILE_BYTES = 64 << 10
 KEEP_TOTAL_BYTES = 256 << 20
+#: The verification pass's small files read whole at open stay in memory through the digest pass and the scan.
+HOLD_KEPT = True
 
 
 class _KeptFiles:
