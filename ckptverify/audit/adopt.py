@@ -57,9 +57,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     ``executor``: shares a DCP checkpoint's verification pass and its item and file digests among ranks
     and the logical fingerprints' reads among ranks (:mod:`ckptverify.cluster`); the manifest is the one a
     single process writes. Other formats are adopted by this process alone."""
-    from ckptverify._version import __version__
-    from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
-    from ckptverify.fingerprint.digest import digest_bytes
+    from ckptverify.fingerprint import ALGORITHMS
 
     root = os.fspath(path)
     if digest not in ALGORITHMS:
@@ -86,124 +84,138 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     if _other_format(root)[0] == "folder":
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, started=started)
+    # The digests, scans and entries of a checkpoint of many items are many small objects and no cycles: the
+    # cyclic collector would walk them all again and again (a third of the time of 100 000 items), and once
+    # more when it is enabled again: all but the report and the manifest is freed before that, by reference
+    # counting, as the call returns.
+    with paused_gc():
+        return _adopt_dcp(root, digest=digest, block_bytes=block_bytes, jobs=jobs,
+                          trust_uncheckable=trust_uncheckable, progress=progress, executor=executor,
+                          started=started)
+
+
+def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, trust_uncheckable: bool,
+               progress: ProgressSink | None, executor: Any, started: float) -> tuple[Report, Manifest | None]:
+    """:func:`fingerprint_checkpoint` of a DCP checkpoint (see there)."""
+    from ckptverify._version import __version__
+    from ckptverify.fingerprint import FINGERPRINT_VERSION, BlockDigest, digest_reader
+    from ckptverify.fingerprint.digest import digest_bytes
+
     run = VerificationRun(root, jobs or default_jobs(), progress)
     run.executor = executor
     run.hold_kept = HOLD_KEPT and executor is None  # the digest pass and the scan read the small files again
-    # The digests, scans and entries of a checkpoint of many items are many small objects and no cycles: the
-    # cyclic collector would walk them all again and again (a third of the time of 100 000 items).
-    with paused_gc():
-        try:
-            run.execute(deep=False, use_manifest=False)
-            checked = run.report("fingerprint", time.perf_counter() - started)
-            if not checked.passed:
-                refusal = error("fingerprint-refused", "the checkpoint fails verification; refusing to write a "
-                                "manifest that would bless it", location=Location(file=MANIFEST_FILE))
-                return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
-                              coverage=checked.coverage, stats=checked.stats), None
-            uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
-            if uncheckable and not trust_uncheckable:
-                refusal = error(
-                    "fingerprint-refused",
-                    f"{len(uncheckable)} finding(s) name content that nothing could check (no CRC-32); a manifest "
-                    "would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
-                    location=Location(file=MANIFEST_FILE))
-                return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
-                              coverage=checked.coverage, stats=checked.stats), None
-            desc = run.description()
-            if progress is not None:
-                progress.start(sum(i.length for i in desc.stored))
+    try:
+        run.execute(deep=False, use_manifest=False)
+        checked = run.report("fingerprint", time.perf_counter() - started)
+        if not checked.passed:
+            refusal = error("fingerprint-refused", "the checkpoint fails verification; refusing to write a "
+                            "manifest that would bless it", location=Location(file=MANIFEST_FILE))
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
+                          coverage=checked.coverage, stats=checked.stats), None
+        uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
+        if uncheckable and not trust_uncheckable:
+            refusal = error(
+                "fingerprint-refused",
+                f"{len(uncheckable)} finding(s) name content that nothing could check (no CRC-32); a manifest "
+                "would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
+                location=Location(file=MANIFEST_FILE))
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
+                          coverage=checked.coverage, stats=checked.stats), None
+        desc = run.description()
+        if progress is not None:
+            progress.start(sum(i.length for i in desc.stored))
 
-            def digest_item(item: StoredRange) -> ItemEntry:
-                d = BlockDigest(digest, block_bytes)
-                with desc.open(item.file) as f:
-                    f.fold(item.offset, item.offset + item.length, d.update)
-                run.advance(item.length)
-                return ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file, offset=item.offset,
-                                 length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
+        def digest_item(item: StoredRange) -> ItemEntry:
+            d = BlockDigest(digest, block_bytes)
+            with desc.open(item.file) as f:
+                f.fold(item.offset, item.offset + item.length, d.update)
+            run.advance(item.length)
+            return ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file, offset=item.offset,
+                             length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
 
-            whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
-            kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan
+        whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
+        kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan
 
-            def digest_batch(batch: _Batch) -> list[ItemEntry]:
-                # Small items (each at most one block), read many at a time: an item's digest and its one block's
-                # digest are the digest of its bytes (what BlockDigest gives for one block), taken once.
-                name, start, end, items = batch
-                with desc.open(name) as f:
-                    buf = f.pread(start, end - start)
-                    size = f.size
-                if len(buf) != end - start:  # inside the size seen at open: the file changed
-                    raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(root, name))
-                out = []
-                view = memoryview(buf)
-                for item in items:
-                    h = digest_bytes(view[item.offset - start:item.offset - start + item.length], digest)
-                    out.append(ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file,
-                                         offset=item.offset, length=item.length, digest=h, blocks=(h,)))
-                if start == 0 and end == size:
-                    whole_files[name] = FileEntry(size=size, digest=digest_bytes(view, digest))
-                    kept.keep(name, buf)
-                run.advance(sum(i.length for i in items))
-                return out
+        def digest_batch(batch: _Batch) -> list[ItemEntry]:
+            # Small items (each at most one block), read many at a time: an item's digest and its one block's
+            # digest are the digest of its bytes (what BlockDigest gives for one block), taken once.
+            name, start, end, items = batch
+            with desc.open(name) as f:
+                buf = f.pread(start, end - start)
+                size = f.size
+            if len(buf) != end - start:  # inside the size seen at open: the file changed
+                raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(root, name))
+            out = []
+            view = memoryview(buf)
+            for item in items:
+                h = digest_bytes(view[item.offset - start:item.offset - start + item.length], digest)
+                out.append(ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file,
+                                     offset=item.offset, length=item.length, digest=h, blocks=(h,)))
+            if start == 0 and end == size:
+                whole_files[name] = FileEntry(size=size, digest=digest_bytes(view, digest))
+                kept.keep(name, buf)
+            run.advance(sum(i.length for i in items))
+            return out
 
-            def digest_file(name: str) -> FileEntry:
-                known = whole_files.get(name)
-                if known is not None:
-                    return known
-                with desc.open(name) as f:
-                    return FileEntry(size=f.size, digest=digest_reader(f, digest))
+        def digest_file(name: str) -> FileEntry:
+            known = whole_files.get(name)
+            if known is not None:
+                return known
+            with desc.open(name) as f:
+                return FileEntry(size=f.size, digest=digest_reader(f, digest))
 
-            names = sorted(desc.files)
-            if executor is not None:
-                ordered = sorted(desc.stored, key=lambda i: -i.length)
-                entries, file_digests = _shared_digests(run, executor, ordered, names, digest, block_bytes)
-                metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-                scans, replica_findings = deep_check.scan_description(desc, executor.tensor_map(run))
-            else:
-                # Small items and small whole tensors in batched reads (a checkpoint of many small tensors).
-                small, large = _small_item_batches(desc.stored, block_bytes)
-                entries = [e for batch in run.map(digest_batch, small) for e in batch]
-                entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
-                file_digests = run.map(digest_file, names)
-                metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-                scans, batched = _scan_small_tensors(kept.over(desc), run.map)
-                kept.clear()
-                run.release_kept()
-                rest = {name for name in desc.tensors if name not in batched}
-                more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
-                scans.update(more)
-            if replica_findings:
-                return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
-                    "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
-                    "the checkpoint", location=Location(file=MANIFEST_FILE))), coverage=checked.coverage,
-                    stats=checked.stats), None
-            tensors: dict[str, TensorEntry] = {}
-            unfingerprinted = 0
-            for fqn, tinfo in desc.tensors.items():
-                scan = scans.get(fqn)
-                value = scan.value(tinfo.shape) if scan is not None else None
-                if value is None and 0 not in tinfo.shape:
-                    unfingerprinted += 1
-                parts = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
-                tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
-                                           nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None,
-                                           parts=parts)
-            ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
-            manifest = Manifest(
-                digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
-                files=dict(zip(names, file_digests, strict=True)), tensors=tensors, metadata_files=metadata,
-                world_size=max(ranks) + 1 if ranks else 1, fingerprint_version=FINGERPRINT_VERSION,
-                created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
-                torch_version=torch_version(), source="fingerprint",
-            )
-            changed = run.changed_files()
-            if changed:
-                return _refused(checked, changed, "files changed while they were digested"), None
-            written = write_manifest(root, manifest)
-        except FileChangedError as exc:
-            name = os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?"
-            return _refused(checked, [changed_finding(name, str(exc))], "a file changed while it was digested"), None
-        finally:
-            run.close()
+        names = sorted(desc.files)
+        if executor is not None:
+            ordered = sorted(desc.stored, key=lambda i: -i.length)
+            entries, file_digests = _shared_digests(run, executor, ordered, names, digest, block_bytes)
+            metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
+            scans, replica_findings = deep_check.scan_description(desc, executor.tensor_map(run))
+        else:
+            # Small items and small whole tensors in batched reads (a checkpoint of many small tensors).
+            small, large = _small_item_batches(desc.stored, block_bytes)
+            entries = [e for batch in run.map(digest_batch, small) for e in batch]
+            entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
+            file_digests = run.map(digest_file, names)
+            metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
+            scans, batched = _scan_small_tensors(kept.over(desc), run.map)
+            kept.clear()
+            run.release_kept()
+            rest = {name for name in desc.tensors if name not in batched}
+            more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
+            scans.update(more)
+        if replica_findings:
+            return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
+                "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
+                "the checkpoint", location=Location(file=MANIFEST_FILE))), coverage=checked.coverage,
+                stats=checked.stats), None
+        tensors: dict[str, TensorEntry] = {}
+        unfingerprinted = 0
+        for fqn, tinfo in desc.tensors.items():
+            scan = scans.get(fqn)
+            value = scan.value(tinfo.shape) if scan is not None else None
+            if value is None and 0 not in tinfo.shape:
+                unfingerprinted += 1
+            parts = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
+            tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
+                                       nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None,
+                                       parts=parts)
+        ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
+        manifest = Manifest(
+            digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
+            files=dict(zip(names, file_digests, strict=True)), tensors=tensors, metadata_files=metadata,
+            world_size=max(ranks) + 1 if ranks else 1, fingerprint_version=FINGERPRINT_VERSION,
+            created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
+            torch_version=torch_version(), source="fingerprint",
+        )
+        changed = run.changed_files()
+        if changed:
+            return _refused(checked, changed, "files changed while they were digested"), None
+        written = write_manifest(root, manifest)
+    except FileChangedError as exc:
+        name = os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?"
+        return _refused(checked, [changed_finding(name, str(exc))], "a file changed while it was digested"), None
+    finally:
+        run.close()
     notes = [info("manifest-written",
                   f"wrote {written}: {len(entries)} items, {len(names)} files, "
                   f"{len(tensors) - unfingerprinted} of {len(tensors)} tensors fingerprinted",
