@@ -152,7 +152,10 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
                 out.append(ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file,
                                      offset=item.offset, length=item.length, digest=h, blocks=(h,)))
             if start == 0 and end == size:
-                whole_files[name] = FileEntry(size=size, digest=digest_bytes(view, digest))
+                # One item that is the whole file (one file per item): the file's digest is the item's.
+                whole = out[0].digest if len(items) == 1 and len(buf) == items[0].length else \
+                    digest_bytes(view, digest)
+                whole_files[name] = FileEntry(size=size, digest=whole)
                 kept.keep(name, buf)
             run.advance(sum(i.length for i in items))
             return out
