@@ -94,7 +94,8 @@ class VerificationRun:
     What other modules use: :meth:`execute`, :meth:`report`, :meth:`description` (what was read, as the
     description every format gives), ``manifest`` (the manifest compared with, read-only), :meth:`map` and
     :meth:`advance` (parallel work with progress), :meth:`changed_files`, :meth:`close`, :meth:`file` (a file
-    as this run opened it), and ``extension_registry`` (set before :meth:`execute`). Everything else is the
+    as this run opened it), ``extension_registry`` (set before :meth:`execute`), and ``hold_kept`` with
+    :meth:`release_kept` (small files kept in memory after :meth:`execute`). Everything else is the
     pipeline's own state.
 
     A run can be one part of a verification shared out among nodes (``docs/verify-after-save.md``): ``only``
