@@ -36,6 +36,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: The checkout this script belongs to: what the lines not marked ``(compared)`` time.
+CHECKOUT = os.path.dirname(HERE)
 
 
 def build(path: str, items: int, per_item: bool) -> None:
@@ -85,10 +87,17 @@ def linked_copy(src: str, dst: str) -> None:
     open(dst + ".complete", "w").close()
 
 
-def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float, int]:
-    """Wall seconds, CPU seconds (user + system), peak RSS in MiB and exit code of ``cmd``."""
+def checkout_env(checkout: str) -> dict[str, str]:
+    """The environment that runs ``python -m ckptverify`` from the source checkout ``checkout``."""
+    return {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[float, float, float, int]:
+    """Wall seconds, CPU seconds (user + system), peak RSS in MiB and exit code of ``cmd``, run in ``cwd``
+    (``python -m`` puts its working directory first on the import path: run from a checkout, it would import
+    that checkout whatever ``PYTHONPATH`` says, so the tools run in the cache folder)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     err = proc.stderr.read() if proc.stderr else b""
@@ -123,9 +132,9 @@ def bench_layout(args: argparse.Namespace, layout: str) -> dict[str, dict[str, f
         "ckptverify fingerprint": [*exe, "fingerprint", "--force", "--no-progress", "--json", adopted],
         "verify with manifest": [*exe, "verify", "--no-progress", "--json", adopted],
     }
-    envs: dict[str, dict[str, str] | None] = dict.fromkeys(tools)
+    envs: dict[str, dict[str, str] | None] = dict.fromkeys(tools, checkout_env(CHECKOUT))
     if args.compare_with:
-        other = {**os.environ, "PYTHONPATH": os.path.abspath(args.compare_with)}
+        other = checkout_env(args.compare_with)
         for name in ("ckptverify verify", "ckptverify fingerprint", "verify with manifest"):
             tools[f"{name} (compared)"] = tools[name]
             envs[f"{name} (compared)"] = other
@@ -134,7 +143,7 @@ def bench_layout(args: argparse.Namespace, layout: str) -> dict[str, dict[str, f
     for _ in range(args.repeats):
         for name, cmd in tools.items():
             loads.append(os.getloadavg()[0])
-            wall, cpu, rss, code = timed(cmd, envs[name])
+            wall, cpu, rss, code = timed(cmd, envs[name], cwd=args.cache)
             if code != 0:
                 raise SystemExit(f"{name} exited {code} on the clean benchmark checkpoint {path}")
             got = best.get(name)
@@ -142,7 +151,7 @@ def bench_layout(args: argparse.Namespace, layout: str) -> dict[str, dict[str, f
                 best[name] = {"wall": wall, "cpu": cpu, "rss_mib": rss}
     if not args.no_load:
         loads.append(os.getloadavg()[0])
-        wall, cpu, rss, code = timed(load_cmd(path))
+        wall, cpu, rss, code = timed(load_cmd(path), cwd=args.cache)
         if code != 0:
             raise SystemExit(f"dcp.load exited {code}")
         best["dcp.load (once)"] = {"wall": wall, "cpu": cpu, "rss_mib": rss}
@@ -174,7 +183,8 @@ def profile(args: argparse.Namespace, layout: str) -> None:
     for what, target, extra in (("verify", path, []), ("fingerprint", adopted, ["--force"])):
         out = os.path.join(args.cache, f"{layout}-{args.items}.{what}.prof")
         subprocess.run([sys.executable, "-m", "cProfile", "-o", out, "-m", "ckptverify", what, *extra, "--jobs", "1",
-                        "--no-progress", "--json", target], stdout=subprocess.DEVNULL, check=False)
+                        "--no-progress", "--json", target], stdout=subprocess.DEVNULL, check=False,
+                       env=checkout_env(CHECKOUT), cwd=args.cache)
         print(f"wrote {out} (python -m pstats {out})")
 
 
@@ -192,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time verify and fingerprint of this source checkout (its root on PYTHONPATH), "
                          "alternating with this one, lines marked (compared)")
     args = ap.parse_args(argv)
+    args.cache = os.path.abspath(args.cache)  # the tools run there (see timed)
     if args.items < 1 or args.repeats < 1:
         ap.error("--items and --repeats must be at least 1")
     layouts = ["one", "per"] if args.layout == "both" else [args.layout]

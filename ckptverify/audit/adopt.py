@@ -13,8 +13,10 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
+import threading
 import time
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, ClassVar
 
 from ckptverify.audit.verify import UNCHECKABLE, ProgressSink, VerificationRun, changed_finding, default_jobs
 from ckptverify.checks import deep as deep_check
@@ -33,6 +35,7 @@ from ckptverify.ownfiles.manifest import (
     write_manifest,
 )
 from ckptverify.safeparse import paths
+from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -54,9 +57,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     ``executor``: shares a DCP checkpoint's verification pass and its item and file digests among ranks
     and the logical fingerprints' reads among ranks (:mod:`ckptverify.cluster`); the manifest is the one a
     single process writes. Other formats are adopted by this process alone."""
-    from ckptverify._version import __version__
-    from ckptverify.fingerprint import ALGORITHMS, FINGERPRINT_VERSION, BlockDigest, digest_reader
-    from ckptverify.fingerprint.digest import digest_bytes
+    from ckptverify.fingerprint import ALGORITHMS
 
     root = os.fspath(path)
     if digest not in ALGORITHMS:
@@ -83,8 +84,26 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     if _other_format(root)[0] == "folder":
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, started=started)
+    # The digests, scans and entries of a checkpoint of many items are many small objects and no cycles: the
+    # cyclic collector would walk them all again and again (a third of the time of 100 000 items), and once
+    # more when it is enabled again: all but the report and the manifest is freed before that, by reference
+    # counting, as the call returns.
+    with paused_gc():
+        return _adopt_dcp(root, digest=digest, block_bytes=block_bytes, jobs=jobs,
+                          trust_uncheckable=trust_uncheckable, progress=progress, executor=executor,
+                          started=started)
+
+
+def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, trust_uncheckable: bool,
+               progress: ProgressSink | None, executor: Any, started: float) -> tuple[Report, Manifest | None]:
+    """:func:`fingerprint_checkpoint` of a DCP checkpoint (see there)."""
+    from ckptverify._version import __version__
+    from ckptverify.fingerprint import FINGERPRINT_VERSION, BlockDigest, digest_reader
+    from ckptverify.fingerprint.digest import digest_bytes
+
     run = VerificationRun(root, jobs or default_jobs(), progress)
     run.executor = executor
+    run.hold_kept = HOLD_KEPT and executor is None  # the digest pass and the scan read the small files again
     try:
         run.execute(deep=False, use_manifest=False)
         checked = run.report("fingerprint", time.perf_counter() - started)
@@ -115,6 +134,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                              length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
 
         whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
+        kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan
 
         def digest_batch(batch: _Batch) -> list[ItemEntry]:
             # Small items (each at most one block), read many at a time: an item's digest and its one block's
@@ -132,7 +152,11 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                 out.append(ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file,
                                      offset=item.offset, length=item.length, digest=h, blocks=(h,)))
             if start == 0 and end == size:
-                whole_files[name] = FileEntry(size=size, digest=digest_bytes(view, digest))
+                # One item that is the whole file (one file per item): the file's digest is the item's.
+                whole = out[0].digest if len(items) == 1 and len(buf) == items[0].length else \
+                    digest_bytes(view, digest)
+                whole_files[name] = FileEntry(size=size, digest=whole)
+                kept.keep(name, buf)
             run.advance(sum(i.length for i in items))
             return out
 
@@ -156,7 +180,9 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
             file_digests = run.map(digest_file, names)
             metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-            scans, batched = _scan_small_tensors(desc, run.map)
+            scans, batched = _scan_small_tensors(kept.over(desc), run.map)
+            kept.clear()
+            run.release_kept()
             rest = {name for name in desc.tensors if name not in batched}
             more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
             scans.update(more)
@@ -177,14 +203,12 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                                        nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None,
                                        parts=parts)
         ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
-        import torch
-
         manifest = Manifest(
             digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
             files=dict(zip(names, file_digests, strict=True)), tensors=tensors, metadata_files=metadata,
             world_size=max(ranks) + 1 if ranks else 1, fingerprint_version=FINGERPRINT_VERSION,
             created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
-            torch_version=str(torch.__version__), source="fingerprint",
+            torch_version=torch_version(), source="fingerprint",
         )
         changed = run.changed_files()
         if changed:
@@ -236,6 +260,67 @@ def _shared_digests(run: VerificationRun, executor: Any, ordered: list[StoredRan
     return entries, files
 
 
+#: Small files read whole by the digest pass are kept in memory, up to this many bytes each and in all, for the
+#: tensor scan that follows (a checkpoint of one file per item: each file opened and read once, not twice).
+KEEP_FILE_BYTES = 64 << 10
+KEEP_TOTAL_BYTES = 256 << 20
+#: The verification pass's small files read whole at open stay in memory through the digest pass and the scan.
+HOLD_KEPT = True
+
+
+class _KeptFiles:
+    """The bytes of small files read whole, kept (within bounds) so that a later pass reads them from memory:
+    the same bytes the digests were taken of. What changes on disk meanwhile is caught as for any pass, by the
+    run's :meth:`~ckptverify.checks.dcp_pipeline.VerificationRun.changed_files` before the manifest is written."""
+
+    def __init__(self, file_bytes: int, total_bytes: int) -> None:
+        self.file_bytes, self.left = file_bytes, total_bytes
+        self.files: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, name: str, data: bytes) -> None:
+        if len(data) <= self.file_bytes:
+            with self._lock:
+                if len(data) <= self.left:
+                    self.files[name] = data
+                    self.left -= len(data)
+
+    def over(self, desc: Any) -> Any:
+        """``desc`` whose files kept here open as readers of the kept bytes (every other file, and every
+        payload, opens as ``desc`` opens it)."""
+        return _KeptOver(desc, self.files) if self.files else desc
+
+    def clear(self) -> None:
+        self.files = {}
+
+
+class _KeptOver:
+    """A description read through kept files: ``open(name)`` of a kept file reads its kept bytes; everything
+    else is the description's own."""
+
+    def __init__(self, desc: Any, files: dict[str, bytes]) -> None:
+        self._desc, self._files = desc, files
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._desc, name)
+
+    def open(self, what: Any) -> Any:
+        data = self._files.get(what) if isinstance(what, str) else None
+        return nullcontext(_KeptReader(data)) if data is not None else self._desc.open(what)
+
+
+class _KeptReader:
+    """A kept file's bytes with the reader calls the passes use (``pread``, ``size``)."""
+
+    __slots__ = ("data", "size")
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.size = data, len(data)
+
+    def pread(self, offset: int, n: int) -> bytes:
+        return self.data[offset:offset + n] if offset >= 0 and n > 0 else b""
+
+
 #: A run of small items of one file read at once: (file, start, end, items).
 _Batch = tuple[str, int, int, list[StoredRange]]
 #: Most bytes read at once for consecutive small items, and the largest gap between two read over.
@@ -274,25 +359,23 @@ _BATCHED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64
 def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[str]]:
     """The scans (fingerprint, NaN and Inf counts) of the small tensors of ``desc`` stored whole in one raw,
     row-major piece of one of its dtypes, read by batched reads (:func:`_small_item_batches`'s windows) and
-    fingerprinted many at once (:func:`~ckptverify.fingerprint.kernels.lanes_many`, the lane sums
+    fingerprinted many at once (:func:`_whole_lanes`, the lane sums
     :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for a whole tensor), instead of one
     scan per tensor: the same values as :func:`~ckptverify.checks.deep.scan_description`, whose work per
-    tensor costs more than a small tensor's arithmetic. Returns the scans and the names scanned; every other
-    tensor (a chunk of a larger one, replicated, a view, a subclass, bytes shorter than the view) is left
-    to the general scan, which also says what is wrong with it."""
+    tensor costs more than a small tensor's arithmetic. Returns the scans (:class:`SmallScan`) and the names
+    scanned; every other tensor (a chunk of a larger one, replicated, a view, a subclass, bytes shorter than
+    the view) is left to the general scan, which also says what is wrong with it.
+
+    The reads of up to :data:`ROUND_BYTES` at a time are fingerprinted together, dtype by dtype, in a few
+    numpy operations (numpy only: torch is not imported), so the cost per tensor is a slice of a read, not a
+    round of array operations: a checkpoint of one file per item has one tensor per read."""
     import math
 
-    import torch
-
-    from ckptverify.checks.deep import TensorScan
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-    from ckptverify.dcp.tensors import torch_dtype
-    from ckptverify.fingerprint import TensorFingerprint
-    from ckptverify.fingerprint import kernels as kern
     from ckptverify.formats.describe import is_row_major
 
     picked: list[StoredRange] = []
-    what: dict[tuple[str, int, int], tuple[str, Any, tuple[int, ...]]] = {}
+    what: dict[str, tuple[str, int]] = {}
     for t in desc.tensors.values():
         if t.subclass is not None or t.unread or len(t.payloads) != 1 or t.dtype not in _BATCHED_DTYPES:
             continue
@@ -307,49 +390,107 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
         if start + nbytes > p.offset + p.length:
             continue
         picked.append(StoredRange(t.name, None, p.file, start, nbytes))
-        what[(p.file, start, nbytes)] = (t.name, torch_dtype(p.dtype), tuple(p.shape))
+        what[t.name] = (p.dtype, n)
     batches, _ = _small_item_batches(picked, BATCH_BYTES)
 
-    def scan(batch: _Batch) -> list[tuple[str, Any]]:
+    def read(batch: _Batch) -> list[tuple[str, bytes]]:
         name, start, end, ranges = batch
         with desc.open(name) as f:
             buf = f.pread(start, end - start)
         if len(buf) != end - start:
             raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(desc.root, name))
-        by_dtype: dict[Any, list[tuple[str, tuple[int, ...], bytes]]] = {}
-        for r in ranges:
-            fqn, dtype, shape = what[(r.file, r.offset, r.length)]
-            by_dtype.setdefault(dtype, []).append((fqn, shape, buf[r.offset - start:r.offset - start + r.length]))
-        out = []
-        for dtype, group in by_dtype.items():
-            joined = b"".join(g[2] for g in group)
-            counts = [math.prod(g[1]) for g in group]
-            dname = kern.dtype_name(dtype)
-            lanes = _whole_lanes(joined, dtype.itemsize, counts, dname)
+        return [(r.name, buf[r.offset - start:r.offset - start + r.length]) for r in ranges]
+
+    scans: dict[str, SmallScan] = {}
+    for group in _rounds(batches, ROUND_BYTES):
+        by_dtype: dict[str, tuple[list[str], list[bytes], list[int]]] = {}
+        for got in run_map(read, group):
+            for fqn, bits in got:
+                dtype, n = what[fqn]
+                names, chunks, counts = by_dtype.setdefault(dtype, ([], [], []))
+                names.append(fqn)
+                chunks.append(bits)
+                counts.append(n)
+        for dtype, (names, chunks, counts) in by_dtype.items():
+            joined = b"".join(chunks)
+            values = _lane_values(_whole_lanes(joined, DTYPE_ITEMSIZE[dtype], counts, dtype))
             nan = inf = None
-            if dtype.is_floating_point:
-                values = torch.frombuffer(bytearray(joined), dtype=dtype)
-                values = values.float() if dtype in (torch.float16, torch.bfloat16) else values
-                if not bool(torch.isfinite(values).all()):  # one reduction for the usual, all-finite group
-                    nan = _segment_sums(torch.isnan(values).numpy(), counts)
-                    inf = _segment_sums(torch.isinf(values).numpy(), counts)
-            for k, ((fqn, shape, _), n, (a, b)) in enumerate(zip(group, counts, lanes, strict=True)):
-                got = TensorScan()
-                got.parts.append(TensorFingerprint.from_lanes((a, b), dname, list(shape), n))
-                got.elements = n
-                if nan is not None and inf is not None:
-                    got.nan, got.inf = nan[k], inf[k]
-                got.chunks.add((0,) * len(shape))
-                out.append((fqn, got))
-        return out
-
-    scans = {fqn: got for batch in run_map(scan, batches) for fqn, got in batch}
-    return scans, set(scans)
+            if dtype in _FLOAT_DTYPES:
+                nan, inf = _nonfinite_counts(joined, dtype, counts)
+            if nan is None or inf is None:
+                for fqn, value in zip(names, values, strict=True):
+                    scans[fqn] = SmallScan(value, 0, 0)
+            else:
+                for fqn, value, a, b in zip(names, values, nan, inf, strict=True):
+                    scans[fqn] = SmallScan(value, a, b)
+    return scans, set(scans)  # type: ignore[return-value]
 
 
-def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str) -> list[tuple[int, int]]:
-    """The two lane sums of each whole tensor whose elements lie end to end in ``bits`` (``counts`` elements
-    each, of ``itemsize`` bytes and dtype ``dtype_name``): what
+#: Most bytes of batched reads fingerprinted together (what a round holds in memory at once).
+ROUND_BYTES = 64 << 20
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+class SmallScan:
+    """The scan of a small whole tensor fingerprinted many at once: what
+    :class:`~ckptverify.checks.deep.TensorScan` gives for it (its fingerprint, NaN and Inf counts; no parts)."""
+
+    __slots__ = ("fingerprint", "inf", "nan")
+    part_values: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, fingerprint: str, nan: int, inf: int) -> None:
+        self.fingerprint, self.nan, self.inf = fingerprint, nan, inf
+
+    def value(self, shape: tuple[int, ...]) -> str:
+        """The fingerprint (the tensor was read whole: every element of ``shape``)."""
+        return self.fingerprint
+
+
+def _rounds(batches: list[_Batch], limit: int) -> list[list[_Batch]]:
+    """``batches`` in consecutive groups of at most ``limit`` bytes read (at least one batch each)."""
+    groups: list[list[_Batch]] = []
+    size = limit
+    for batch in batches:
+        n = batch[2] - batch[1]
+        if size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(batch)
+        size += n
+    return groups
+
+
+def _lane_values(lanes: tuple[Any, Any]) -> list[str]:
+    """The fingerprint value of each pair of lane sums (two arrays of unsigned 64-bit sums): lane 0 then lane
+    1, 16 hex digits each, as :meth:`~ckptverify.fingerprint.TensorFingerprint.from_lanes` writes it."""
+    import numpy as np
+
+    lane0, lane1 = lanes
+    pairs = np.empty((len(lane0), 2), dtype=">u8")  # big-endian: the bytes in the order the hex digits read
+    pairs[:, 0] = lane0
+    pairs[:, 1] = lane1
+    text = pairs.tobytes().hex()
+    return [text[i:i + 32] for i in range(0, len(text), 32)]
+
+
+def _nonfinite_counts(bits: bytes, dtype: str, counts: list[int]) -> tuple[list[int] | None, list[int] | None]:
+    """The NaN and Inf counts of each tensor whose elements of the floating ``dtype`` lie end to end in
+    ``bits`` (``counts`` elements each); ``(None, None)`` when every value is finite (one reduction for the
+    usual case). bfloat16 is widened to float32 by its bits (numpy has no bfloat16)."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        values = (np.frombuffer(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    else:
+        values = np.frombuffer(bits, dtype={"float64": np.float64, "float32": np.float32, "float16": np.float16}[dtype])
+    if bool(np.isfinite(values).all()):
+        return None, None
+    return _segment_sums(np.isnan(values), counts), _segment_sums(np.isinf(values), counts)
+
+
+def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str) -> tuple[Any, Any]:
+    """The two lane sums (two arrays of unsigned 64-bit integers) of each whole tensor whose elements lie end
+    to end in ``bits`` (``counts`` elements each, of ``itemsize`` bytes and dtype ``dtype_name``): what
     :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for each (its small-tensor path: every
     element's bits sign-extended to 64, mixed with its index in its own tensor), for all of them in a few
     numpy operations."""
@@ -375,8 +516,8 @@ def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str)
             y ^= y >> s2
             y *= m2
             y ^= y >> s3
-            lanes.append(np.add.reduceat(y, starts, dtype=np.uint64).tolist())
-    return list(zip(lanes[0], lanes[1], strict=True))
+            lanes.append(np.add.reduceat(y, starts, dtype=np.uint64))
+    return lanes[0], lanes[1]
 
 
 def _segment_sums(flags: Any, counts: list[int]) -> list[int]:
@@ -386,6 +527,33 @@ def _segment_sums(flags: Any, counts: list[int]) -> list[int]:
     starts = np.zeros(len(counts), dtype=np.int64)
     np.cumsum(np.asarray(counts[:-1], dtype=np.int64), out=starts[1:])
     return np.add.reduceat(flags.astype(np.int64), starts).tolist()
+
+
+_TORCH_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"\\]+)['"]\s*$""", re.MULTILINE)
+
+
+def torch_version() -> str:
+    """``str(torch.__version__)`` without importing torch when it is not imported yet (an import costs more than
+    a second, and adopting a checkpoint of small tensors needs none of it): read from the ``torch/version.py``
+    that importing torch would read. Imports torch when that file cannot be read or says something else."""
+    import sys
+
+    loaded = sys.modules.get("torch")
+    if loaded is None:
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec("torch")
+            where = list(spec.submodule_search_locations or []) if spec is not None else []
+            if len(where) == 1:
+                with open(os.path.join(where[0], "version.py"), encoding="utf-8") as f:
+                    found = _TORCH_VERSION_LINE.findall(f.read(1 << 16))
+                if len(found) == 1:
+                    return found[0]
+        except (OSError, ImportError, ValueError, UnicodeDecodeError):
+            pass
+        import torch as loaded
+    return str(loaded.__version__)
 
 
 def _refused(checked: Report, findings: list[Any], why: str) -> Report:

@@ -94,7 +94,8 @@ class VerificationRun:
     What other modules use: :meth:`execute`, :meth:`report`, :meth:`description` (what was read, as the
     description every format gives), ``manifest`` (the manifest compared with, read-only), :meth:`map` and
     :meth:`advance` (parallel work with progress), :meth:`changed_files`, :meth:`close`, :meth:`file` (a file
-    as this run opened it), and ``extension_registry`` (set before :meth:`execute`). Everything else is the
+    as this run opened it), ``extension_registry`` (set before :meth:`execute`), and ``hold_kept`` with
+    :meth:`release_kept` (small files kept in memory after :meth:`execute`). Everything else is the
     pipeline's own state.
 
     A run can be one part of a verification shared out among nodes (``docs/verify-after-save.md``): ``only``
@@ -149,6 +150,9 @@ class VerificationRun:
         self._lock = threading.Lock()
         self._real_root: str | None = None  # the root resolved once, for every file the run opens
         self._kept_bytes = 0  # bytes of small files read whole at open, until the archives are planned
+        #: Keep the small files read whole at open until :meth:`release_kept` rather than until the archives are
+        #: planned: a caller that reads them all again after :meth:`execute` (``fingerprint``) reads memory.
+        self.hold_kept = False
 
     def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
         """The findings so far as a report, with sizes and timings; ``cap``: at most
@@ -191,6 +195,13 @@ class VerificationRun:
         """The file ``name`` as this run opened it (the one its findings judged), or ``None`` when it was not
         opened."""
         return self.opened.get(name)
+
+    def release_kept(self) -> None:
+        """Forget the bytes of the small files read whole at open: later reads go to the files."""
+        for f in self.opened.values():  # what planning needed of the small files read whole: now read
+            if f is not None:
+                f.release_kept()
+        self._kept_bytes = 0
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """``[fn(x) for x in items]``, on all workers; raises what the first failing item (in order) raised."""
@@ -388,10 +399,8 @@ class VerificationRun:
         for name, (file_plans, result) in zip(names, planned, strict=True):
             self.results[name] = result
             self.plans.extend(file_plans)
-        for f in self.opened.values():  # what planning needed of the small files read whole: now read
-            if f is not None:
-                f.release_kept()
-        self._kept_bytes = 0
+        if not self.hold_kept:
+            self.release_kept()
         # Items written through stream transforms: decoded and judged now (CRC-32s of the decoded archive);
         # their plans read the decoded bytes and join the others after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]

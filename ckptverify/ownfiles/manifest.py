@@ -13,6 +13,7 @@ File name: :data:`MANIFEST_FILE`. Schema: ``docs/manifest.md``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -380,7 +381,7 @@ def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) 
     """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
     its path. Into a URL (``s3://...``): one PUT, which makes the object appear whole or not at all."""
     path = os.path.join(root, name)
-    text = _dumps_by_line(manifest.to_dict())
+    text = manifest_text(manifest)
     from ckptverify.safeparse import paths
 
     if paths.is_url(path):
@@ -410,3 +411,169 @@ def _dumps_by_line(body: dict[str, Any]) -> str:
         else:
             lines.append(head + enc(value))
     return "{\n" + ",\n".join(lines) + "\n}"
+
+
+def manifest_text(manifest: Manifest) -> str:
+    """What :func:`write_manifest` writes for ``manifest``: byte for byte ``_dumps_by_line(manifest.to_dict())``
+    (its self-digest included), built entry by entry from string pieces (each name and digest escaped once by the
+    C string encoder, shared by the line and the canonical form the self-digest is taken of) instead of a dict
+    per entry encoded twice. A manifest with a value of another type than the entries declare, or a tensor with
+    ``parts``, is encoded entry by entry through :meth:`Manifest.to_dict` as it is (the same text)."""
+    import hashlib
+
+    try:
+        sections = {
+            "metadata_files": _dict_section(manifest.metadata_files, _file_pieces),
+            "files": _dict_section(manifest.files, _file_pieces),
+            "tensors": _dict_section(manifest.tensors, _tensor_pieces),
+            "items": _list_section(manifest.items),
+        }
+    except _NotPlain:
+        return _dumps_by_line(manifest.to_dict())
+    enc = json.JSONEncoder(ensure_ascii=True, allow_nan=True).encode
+    scalars = {
+        "schema": MANIFEST_SCHEMA,
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "created": manifest.created,
+        "tool_version": manifest.tool_version,
+        "torch_version": manifest.torch_version,
+        "source": manifest.source,
+        "world_size": manifest.world_size,
+        "digest_algorithm": manifest.digest_algorithm,
+        "block_bytes": manifest.block_bytes,
+        "fingerprint_version": manifest.fingerprint_version,
+    }
+    lines: dict[str, str] = {}
+    canonical: dict[str, str] = {}
+    for key, value in scalars.items():
+        lines[key] = canonical[key] = enc(value)
+    for key, (line, compact) in sections.items():
+        lines[key], canonical[key] = line, compact
+    text = "{" + ",".join(f"{enc(k)}:{canonical[k]}" for k in sorted(canonical)) + "}"
+    digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    lines["self_digest"] = enc(digest)
+    return "{\n" + ",\n".join(f" {enc(k)}: {v}" for k, v in lines.items()) + "\n}"
+
+
+class _NotPlain(Exception):
+    """An entry holds a value the pieces below do not encode as the JSON encoder would."""
+
+
+_esc = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_NONE = type(None)
+
+
+def _only(values: Any, *types: type) -> None:
+    """Every one of ``values`` is of exactly one of ``types`` (a subclass, ``bool`` for ``int`` among them,
+    would be encoded otherwise): checked for a whole column at once."""
+    if not set(map(type, values)) <= set(types):
+        raise _NotPlain
+
+
+def _dict_section(entries: dict[str, Any], pieces: Any) -> tuple[str, str]:
+    """A section of named entries (files, tensors) as its lines and its canonical form, in name order (what
+    ``sorted`` in :meth:`Manifest.to_dict` and ``sort_keys`` give alike)."""
+    if not entries:
+        return "{}", "{}"
+    names = sorted(entries)
+    _only(names, str)
+    lines, compact = pieces([entries[n] for n in names])
+    keys = list(map(_esc, names))
+    return ("{\n" + ",\n".join([f"  {k}: {v}" for k, v in zip(keys, lines, strict=True)]) + "\n }",
+            "{" + ",".join([f"{k}:{v}" for k, v in zip(keys, compact, strict=True)]) + "}")
+
+
+def _file_pieces(entries: list[FileEntry]) -> tuple[list[str], list[str]]:
+    sizes, digests = [e.size for e in entries], [e.digest for e in entries]
+    _only(sizes, int)
+    _only(digests, str)
+    digests = list(map(_esc, digests))
+    return ([f'{{"size": {n}, "digest": {d}}}' for n, d in zip(sizes, digests, strict=True)],
+            [f'{{"digest":{d},"size":{n}}}' for n, d in zip(sizes, digests, strict=True)])
+
+
+def _shape_text(shapes: list[Any]) -> list[tuple[str, str]]:
+    """Each tuple of ints of ``shapes`` as the encoder writes it with and without spaces (equal tuples share
+    their text)."""
+    _only(shapes, tuple)
+    _only(itertools.chain.from_iterable(shapes), int)
+    known: dict[tuple[int, ...], tuple[str, str]] = {}
+    out = []
+    for shape in shapes:
+        text = known.get(shape)
+        if text is None:
+            wide = "[" + ", ".join(map(int.__repr__, shape)) + "]"
+            text = known[shape] = (wide, wide.replace(" ", ""))
+        out.append(text)
+    return out
+
+
+def _tensor_pieces(entries: list[TensorEntry]) -> tuple[list[str], list[str]]:
+    dtypes, fps = [e.dtype for e in entries], [e.fingerprint for e in entries]
+    nans, infs = [e.nan_count for e in entries], [e.inf_count for e in entries]
+    _only(dtypes, str)
+    _only(fps, str, _NONE)
+    _only(nans, int, _NONE)
+    _only(infs, int, _NONE)
+    shapes = _shape_text([e.shape for e in entries])
+    lines, compact = [], []
+    for e, dtype, fp, nan, inf, (wide, narrow) in zip(entries, dtypes, fps, nans, infs, shapes, strict=True):
+        if e.parts is not None:  # rare (tensor subclasses): as the encoder writes it
+            body = e.to_dict()
+            lines.append(json.dumps(body, ensure_ascii=True))
+            compact.append(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True))
+            continue
+        dtype = _esc(dtype)
+        fp = "null" if fp is None else _esc(fp)
+        if nan is None and inf is None:
+            lines.append(f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}}}')
+            compact.append(f'{{"dtype":{dtype},"fingerprint":{fp},"shape":{narrow}}}')
+        elif nan is not None and inf is not None:
+            lines.append(f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}, "nan_count": {nan}, '
+                         f'"inf_count": {inf}}}')
+            compact.append(f'{{"dtype":{dtype},"fingerprint":{fp},"inf_count":{inf},"nan_count":{nan},'
+                           f'"shape":{narrow}}}')
+        else:
+            line = f'{{"dtype": {dtype}, "shape": {wide}, "fingerprint": {fp}'
+            canon = f'{{"dtype":{dtype},"fingerprint":{fp}'
+            if nan is not None:
+                line += f', "nan_count": {nan}'
+            if inf is not None:
+                line += f', "inf_count": {inf}'
+                canon += f',"inf_count":{inf}'
+            if nan is not None:
+                canon += f',"nan_count":{nan}'
+            lines.append(line + "}")
+            compact.append(canon + f',"shape":{narrow}}}')
+    return lines, compact
+
+
+def _list_section(items: tuple[ItemEntry, ...]) -> tuple[str, str]:
+    """The items, one a line, and their canonical form (in the manifest's item order)."""
+    if not items:
+        return "[]", "[]"
+    fqns, files, digests = [i.fqn for i in items], [i.file for i in items], [i.digest for i in items]
+    offsets, lengths = [i.offset for i in items], [i.length for i in items]
+    blocks, chunks = [i.blocks for i in items], [i.chunk_offsets for i in items]
+    for column in (fqns, files, digests):
+        _only(column, str)
+    _only(offsets, int)
+    _only(lengths, int)
+    _only(blocks, tuple)
+    _only(itertools.chain.from_iterable(blocks), str)
+    placed = [c for c in chunks if c is not None]
+    shapes = iter(_shape_text(placed))
+    lines, compact = [], []
+    for fqn, file, digest, offset, length, block, chunk in zip(
+            map(_esc, fqns), map(_esc, files), map(_esc, digests), offsets, lengths, blocks, chunks, strict=True):
+        if len(block) == 1:
+            spaced = tight = f"[{_esc(block[0])}]"
+        else:
+            parts = list(map(_esc, block))
+            spaced, tight = "[" + ", ".join(parts) + "]", "[" + ",".join(parts) + "]"
+        wide, narrow = ("null", "null") if chunk is None else next(shapes)
+        lines.append(f'  {{"fqn": {fqn}, "chunk_offsets": {wide}, "file": {file}, "offset": {offset}, '
+                     f'"length": {length}, "digest": {digest}, "blocks": {spaced}}}')
+        compact.append(f'{{"blocks":{tight},"chunk_offsets":{narrow},"digest":{digest},"file":{file},'
+                       f'"fqn":{fqn},"length":{length},"offset":{offset}}}')
+    return "[\n" + ",\n".join(lines) + "\n ]", "[" + ",".join(compact) + "]"
