@@ -16,21 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fingerprint import ALL_DTYPES, chunkings, make_tensor, ref_fingerprint
+from test_fingerprint import ALL_DTYPES, backend, chunkings, make_tensor, ref_fingerprint
 
 from ckptverify import fingerprint as fp
 from ckptverify.fingerprint import eager as ref
 from ckptverify.fingerprint import kernels as kern
-
-
-@contextlib.contextmanager
-def backend(name: str) -> Iterator[None]:
-    saved = fp.get_fingerprint_backend()
-    fp.set_fingerprint_backend(name)
-    try:
-        yield
-    finally:
-        fp.set_fingerprint_backend(saved)
 
 
 @contextlib.contextmanager

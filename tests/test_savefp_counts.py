@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_fingerprint import backend
 
 import ckptverify.checkpoint.save as cs
 import ckptverify.dcp.writer as writer_mod
@@ -29,16 +30,6 @@ from ckptverify.ownfiles.manifest import read_manifest
 FLOAT8 = [d for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
           if isinstance(d := getattr(torch, name, None), torch.dtype)]
 SCREENED = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, *FLOAT8]
-
-
-@contextlib.contextmanager
-def backend(name: str) -> Iterator[None]:
-    saved = fp.get_fingerprint_backend()
-    fp.set_fingerprint_backend(name)
-    try:
-        yield
-    finally:
-        fp.set_fingerprint_backend(saved)
 
 
 @pytest.fixture(scope="module")
