@@ -1,15 +1,16 @@
-"""CRC-32 over a reader's ``fold``: the one definition the local and the remote readers' ``crc32`` share.
+"""What the local and the remote readers share on top of their own ``fold_at``: ``fold`` and ``crc32``.
 
 Apart from both readers so that neither imports the other for it.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from isal.isal_zlib import crc32
 
-__all__ = ["fold_crc32"]
+__all__ = ["Folding", "fold_crc32"]
 
 
 def fold_crc32(fold: Callable[..., None], start: int, end: int,
@@ -24,3 +25,21 @@ def fold_crc32(fold: Callable[..., None], start: int, end: int,
 
     fold(start, end, step, progress)
     return value
+
+
+class Folding(ABC):
+    """``fold`` and ``crc32`` of a reader, in terms of its ``fold_at`` (which reads ``[start, end)`` in views and
+    calls ``fn(view, offset)`` on each; a view is valid only during its call)."""
+
+    @abstractmethod
+    def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
+                progress: Callable[[int], None] | None = None) -> None: ...
+
+    def fold(self, start: int, end: int, fn: Callable[[memoryview], None],
+             progress: Callable[[int], None] | None = None) -> None:
+        """Call ``fn`` on consecutive views covering ``[start, end)``; a view is valid only during its call."""
+        self.fold_at(start, end, lambda view, _at: fn(view), progress)
+
+    def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
+        """CRC-32 (zip's) of bytes ``[start, end)``."""
+        return fold_crc32(self.fold, start, end, progress)

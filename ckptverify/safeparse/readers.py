@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from isal.isal_zlib import crc32, crc32_combine
 
 from ckptverify.errors import FileChangedError, UnsafeFileError
-from ckptverify.safeparse.fold import fold_crc32
+from ckptverify.safeparse.fold import Folding
 from ckptverify.safeparse.paths import is_url
 
 __all__ = [
@@ -223,7 +223,7 @@ def _buffer() -> memoryview:
     return view
 
 
-class ReadOnlyFile:
+class ReadOnlyFile(Folding):
     """A regular file opened read-only (never created, never written), with ranged reads and hashing.
 
     ``size`` is the size at open; every read stays inside it. A read that comes back short inside it, or a
@@ -404,11 +404,6 @@ class ReadOnlyFile:
             pace(len(data))
         return data
 
-    def fold(self, start: int, end: int, fn: Callable[[memoryview], None],
-             progress: Callable[[int], None] | None = None) -> None:
-        """Call ``fn`` on consecutive views covering ``[start, end)``; a view is valid only during its call."""
-        self.fold_at(start, end, lambda view, _at: fn(view), progress)
-
     def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
                 progress: Callable[[int], None] | None = None) -> None:
         """Like :meth:`fold`, also passing each view's offset in the file."""
@@ -429,10 +424,6 @@ class ReadOnlyFile:
                 if pace is not None:
                     pace(got)
                 pos += got
-
-    def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
-        """CRC-32 (zip's) of bytes ``[start, end)``."""
-        return fold_crc32(self.fold, start, end, progress)
 
     def _shrunk(self, at: int) -> FileChangedError:
         return _changed(self.path, f"{self.path} ends at byte {at} now but was {self.size} bytes when opened")

@@ -38,7 +38,7 @@ from datetime import datetime
 from typing import Any
 
 from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
-from ckptverify.safeparse.fold import fold_crc32
+from ckptverify.safeparse.fold import Folding
 
 __all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "StorageError", "exists",
            "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
@@ -375,7 +375,7 @@ def _precondition_failed(exc: BaseException) -> bool:
     return False
 
 
-class RemoteFile:
+class RemoteFile(Folding):
     """An object (or remote file) read with ranged requests; the interface of
     :class:`~ckptverify.safeparse.readers.ReadOnlyFile`.
 
@@ -506,11 +506,6 @@ class RemoteFile:
         self.fold(offset, offset + want, out.extend)
         return bytes(out)
 
-    def fold(self, start: int, end: int, fn: Callable[[memoryview], None],
-             progress: Callable[[int], None] | None = None) -> None:
-        """Call ``fn`` on consecutive views covering ``[start, end)``; a view is valid only during its call."""
-        self.fold_at(start, end, lambda view, _at: fn(view), progress)
-
     def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],
                 progress: Callable[[int], None] | None = None) -> None:
         """Like :meth:`fold`, also passing each view's offset. Ranges are fetched :data:`READ_AHEAD` ahead."""
@@ -546,10 +541,6 @@ class RemoteFile:
         finally:
             for _, future in pending:
                 future.cancel()
-
-    def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
-        """CRC-32 (zip's) of bytes ``[start, end)``."""
-        return fold_crc32(self.fold, start, end, progress)
 
     def changed(self) -> str | None:
         """How the object differs from when it was opened (size, modification time, ETag), read afresh, or
