@@ -256,3 +256,20 @@ def test_kernel_widths_of_the_plan() -> None:
     assert writer_mod._kernel_width(torch.float8_e4m3fn) == 4 and writer_mod._kernel_width(torch.complex64) == 4
     assert writer_mod._kernel_width(torch.float64) == 8 and writer_mod._kernel_width(torch.complex128) == 8
     assert writer_mod._kernel_width(torch.int64) == 8
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("float8_e4m3fn", (1, 0)), ("float8_e4m3fnuz", (3, 0)), ("float8_e5m2fnuz", (3, 0)), ("float8_e8m0fnu", (3, 0)),
+    ("float8_e5m2", (1, 2)),
+])
+def test_float8_counts_are_the_nans_and_infinities_the_format_holds(name: str, expected: tuple[int, int]) -> None:
+    """A format with no infinity holds an Inf as a NaN (or, e4m3fn, saturates it to its largest value): its
+    counts are the NaNs it holds and no Inf, never a negative count and never none at all; e5m2 keeps its
+    infinities."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        pytest.skip(f"this torch has no {name}")
+    t = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 2.0]).to(dtype)
+    assert int(torch.isnan(t).sum()) == expected[0]  # what the format holds, as torch converts to it
+    assert writer_mod._nonfinite_counts(t) == expected
+    assert writer_mod._nonfinite_counts(torch.tensor([1.0, 2.0]).to(dtype)) == (0, 0)

@@ -402,6 +402,11 @@ class _ChunkFacts:
     parts: tuple[tuple[str, str], ...] | None = None
 
 
+#: Floating formats with no encoding for an infinity (only NaN is not finite in them).
+_NO_INFINITY = frozenset(d for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+                         if isinstance(d := getattr(torch, name, None), torch.dtype))
+
+
 def _nonfinite_counts(t: torch.Tensor) -> tuple[int | None, int | None]:
     """(NaN count, Inf count) of a floating or complex tensor; (None, None) for other dtypes.
 
@@ -418,6 +423,10 @@ def _nonfinite_counts(t: torch.Tensor) -> tuple[int | None, int | None]:
             total = t.sum(dtype=torch.float32)
         if bool(torch.isfinite(total).all()):
             return 0, 0
+        if t.dtype in _NO_INFINITY:
+            # These formats encode no infinity (an Inf converts to NaN), and torch's isfinite of them either is
+            # not implemented or calls their NaN finite: every non-finite element is a NaN.
+            return int(torch.isnan(t).sum()), 0
         finite = int(torch.isfinite(t).sum())
         nan = int(torch.isnan(t).sum())
         return nan, t.numel() - finite - nan
