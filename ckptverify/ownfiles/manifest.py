@@ -428,7 +428,7 @@ def manifest_text(manifest: Manifest) -> str:
             "tensors": _dict_section(manifest.tensors, _tensor_pieces),
             "items": _list_section(manifest.items),
         }
-    except _NotPlain:
+    except TypeError:  # a value of another type than its column's (_only): the encoder's own way, same text
         return _dumps_by_line(manifest.to_dict())
     enc = json.JSONEncoder(ensure_ascii=True, allow_nan=True).encode
     scalars = {
@@ -455,19 +455,16 @@ def manifest_text(manifest: Manifest) -> str:
     return "{\n" + ",\n".join(f" {enc(k)}: {v}" for k, v in lines.items()) + "\n}"
 
 
-class _NotPlain(Exception):
-    """An entry holds a value the pieces below do not encode as the JSON encoder would."""
-
-
 _esc = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 _NONE = type(None)
 
 
 def _only(values: Any, *types: type) -> None:
     """Every one of ``values`` is of exactly one of ``types`` (a subclass, ``bool`` for ``int`` among them,
-    would be encoded otherwise): checked for a whole column at once."""
+    would be encoded otherwise): checked for a whole column at once. ``TypeError`` if not: the pieces below would
+    not encode such a value as the JSON encoder does."""
     if not set(map(type, values)) <= set(types):
-        raise _NotPlain
+        raise TypeError("a manifest value of a type its column does not declare")
 
 
 def _dict_section(entries: dict[str, Any], pieces: Any) -> tuple[str, str]:
