@@ -251,11 +251,11 @@ def test_a_large_save_starts_compiling_the_kernel_at_once(tmp_path: Any, monkeyp
 
 
 def test_kernel_widths_of_the_plan() -> None:
-    """Which compilation each dtype takes, and the bytes of large chunks counted for it."""
-    assert writer_mod._kernel_width(torch.float32) == 4 and writer_mod._kernel_width(torch.bfloat16) == 4
-    assert writer_mod._kernel_width(torch.float8_e4m3fn) == 4 and writer_mod._kernel_width(torch.complex64) == 4
-    assert writer_mod._kernel_width(torch.float64) == 8 and writer_mod._kernel_width(torch.complex128) == 8
-    assert writer_mod._kernel_width(torch.int64) == 8
+    """Which compilation of the CPU kernel each dtype takes (the one a save starts compiling for)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.complex64):
+        assert kern.cpu_kernel_dtype(dtype) == torch.int32, dtype
+    for dtype in (torch.float64, torch.complex128, torch.int64):
+        assert kern.cpu_kernel_dtype(dtype) == torch.int64, dtype
 
 
 @pytest.mark.parametrize(("name", "expected"), [

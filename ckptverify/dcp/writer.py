@@ -641,7 +641,7 @@ class HashingFileSystemWriter(FileSystemWriter):
                     continue
                 data = planner.resolve_data(item)
                 if isinstance(data, torch.Tensor):
-                    kernel = _kernel_width(data.dtype) if large else 0
+                    kernel = kernels.cpu_kernel_dtype(data.dtype) if large else None
                     if large.get(kernel, 0) >= kernels.AUTO_COMPILE_AFTER_BYTES and data.device.type == "cpu":
                         # This save alone fingerprints enough on CPU for backend "auto" to compile its kernel:
                         # start now (in the background; the host path goes on meanwhile) rather than after that
@@ -760,20 +760,13 @@ class HashingFileSystemWriter(FileSystemWriter):
         )
 
 
-def _kernel_width(dtype: torch.dtype) -> int:
-    """Which compilation of the fingerprint kernel a CPU chunk of ``dtype`` takes: 8 (64-bit elements), else 4
-    (1-, 2- and 4-byte elements are staged as int32; a complex element is two of its parts)."""
-    width = dtype.itemsize // (2 if dtype.is_complex else 1)
-    return 8 if width == 8 else 4
-
-
-def _large_chunk_bytes(plan: SavePlan) -> dict[int, int]:
+def _large_chunk_bytes(plan: SavePlan) -> dict[torch.dtype | None, int]:
     """Bytes of the plan's tensor chunks large enough for the compiled fingerprint kernel (at least
-    ``COMPILED_BLOCK`` elements as the kernel reads them: a complex element is two), by
-    :func:`_kernel_width`."""
-    from ckptverify.fingerprint.kernels import COMPILED_BLOCK
+    ``COMPILED_BLOCK`` elements as the kernel reads them: a complex element is two), by the kernel's
+    compilation they take (:func:`~ckptverify.fingerprint.kernels.cpu_kernel_dtype`)."""
+    from ckptverify.fingerprint.kernels import COMPILED_BLOCK, cpu_kernel_dtype
 
-    out: dict[int, int] = {}
+    out: dict[torch.dtype | None, int] = {}
     for item in plan.items:
         td = item.tensor_data
         if item.type == WriteItemType.BYTE_IO or td is None:
@@ -783,7 +776,7 @@ def _large_chunk_bytes(plan: SavePlan) -> dict[int, int]:
             numel *= int(size)
         dtype = td.properties.dtype
         if numel * (2 if dtype.is_complex else 1) >= COMPILED_BLOCK:
-            kernel = _kernel_width(dtype)
+            kernel = cpu_kernel_dtype(dtype)
             out[kernel] = out.get(kernel, 0) + numel * dtype.itemsize
     return out
 

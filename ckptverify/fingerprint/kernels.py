@@ -183,10 +183,18 @@ def compile_in_background(dtype: torch.dtype) -> None:
     bytes have gone through the host path."""
     if _backend != "auto" or _compile_failed:
         return
-    size = torch.empty(0, dtype=dtype).element_size() // (2 if dtype.is_complex else 1)
+    staged = cpu_kernel_dtype(dtype)
+    if staged is not None:
+        _compiled_kernel(staged, torch.device("cpu"), wait=False)
+
+
+def cpu_kernel_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """Which compilation of the fused CPU kernel a chunk of ``dtype`` takes, named by the integer dtype its
+    blocks are staged in (1-, 2- and 4-byte elements as int32, 8-byte ones as int64; a complex element is two
+    of its parts); ``None`` for an element width the kernel does not take."""
+    size = dtype.itemsize // (2 if dtype.is_complex else 1)
     bits = _INT_VIEW_BY_SIZE.get(size)
-    if bits is not None:
-        _compiled_kernel(_stage_dtype(bits), torch.device("cpu"), wait=False)
+    return None if bits is None else _stage_dtype(bits)
 
 
 def _disable_compiled(reason: object) -> None:

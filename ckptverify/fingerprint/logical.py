@@ -108,19 +108,7 @@ def chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_sha
     Computed on ``t``'s device. Chunk fingerprints of disjoint chunks :func:`combine` to the fingerprint of
     their union; of a covering set of chunks, to :func:`tensor_fingerprint` of the whole tensor.
     """
-    from ckptverify.fingerprint import kernels as kern
-    from ckptverify.fingerprint.subclass import is_wrapper_subclass
-
-    offsets = [int(o) for o in global_offsets]
-    gshape = [int(s) for s in global_shape]
-    if is_wrapper_subclass(t):
-        # Its values are in its parts, which a chunk of the outer tensor does not address: whole tensors only.
-        if any(offsets) or gshape != list(t.shape):
-            raise UsageError(f"a chunk of a {type(t).__name__} has no fingerprint (only the whole tensor has)")
-        return _subclass_fingerprint(t)
-    name = kern.dtype_name(t.dtype)
-    lanes = kern.fingerprint_lanes(t, offsets, gshape, name)
-    return TensorFingerprint.from_lanes(lanes, name, gshape, t.numel())
+    return _chunk_fingerprint(t, global_offsets, global_shape, counted=False)[0]
 
 
 def chunk_fingerprint_counted(
@@ -130,15 +118,26 @@ def chunk_fingerprint_counted(
     fingerprinted it counted them on the same read of the chunk (the compiled kernel on CPU, for the dtypes in
     ``kernels.SPECIAL_BITS``); ``None`` where it did not, and the caller counts them itself. The fingerprint
     is the same as :func:`chunk_fingerprint`'s."""
+    return _chunk_fingerprint(t, global_offsets, global_shape, counted=True)
+
+
+def _chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_shape: Sequence[int],
+                       counted: bool) -> tuple[TensorFingerprint, int | None]:
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
-    if is_wrapper_subclass(t):
-        return chunk_fingerprint(t, global_offsets, global_shape), None
     offsets = [int(o) for o in global_offsets]
     gshape = [int(s) for s in global_shape]
+    if is_wrapper_subclass(t):
+        # Its values are in its parts, which a chunk of the outer tensor does not address: whole tensors only.
+        if any(offsets) or gshape != list(t.shape):
+            raise UsageError(f"a chunk of a {type(t).__name__} has no fingerprint (only the whole tensor has)")
+        return _subclass_fingerprint(t), None
     name = kern.dtype_name(t.dtype)
-    lanes, count = kern.fingerprint_lanes_counted(t, offsets, gshape, name)
+    if counted:
+        lanes, count = kern.fingerprint_lanes_counted(t, offsets, gshape, name)
+    else:
+        lanes, count = kern.fingerprint_lanes(t, offsets, gshape, name), None
     return TensorFingerprint.from_lanes(lanes, name, gshape, t.numel()), count
 
 
