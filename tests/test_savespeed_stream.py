@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,75 @@ def test_pieces_no_pool_thread_took_are_digested_by_the_writer(monkeypatch: pyte
     assert record.digest == digest_bytes(data, "xxh3-128")
     assert record.segments[(0, len(data))].digest == ref.hexdigest()
     assert record.segments[(0, len(data))].blocks == tuple(ref.block_hexdigests())
+
+
+class _CountingRaw(io.BytesIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, b: Any) -> int:
+        self.writes += 1
+        return super().write(b)
+
+
+def test_digests_fall_behind_the_write_by_at_most_pieces_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a pool thread is stuck on the first piece, the write goes on for ``PIECES_IN_FLIGHT`` pieces and
+    then waits (it does not digest a piece out of order, nor free a buffer still being digested); once the
+    digests go on, the write completes with the digests of every byte."""
+    import threading
+
+    monkeypatch.setattr(w, "SMALL_WRITE_BYTES", 10)
+    monkeypatch.setattr(w, "PARALLEL_HASH_MIN_BYTES", 1000)
+    monkeypatch.setattr(w, "PIECE_BYTES", 300)
+    monkeypatch.setattr(w, "PIECES_IN_FLIGHT", 3)
+    release = threading.Event()
+    started = threading.Event()
+    digest = w._digest_piece
+
+    def slow(file_digest: Any, seg: Any, piece: memoryview) -> None:
+        started.set()
+        release.wait(60)
+        digest(file_digest, seg, piece)
+
+    monkeypatch.setattr(w, "_digest_piece", slow)
+    raw = _CountingRaw()
+    stream = w._HashingStream(raw, "xxh3-128", 128)
+    data = bytes(range(256)) * 40  # 35 pieces
+    writer = threading.Thread(target=stream.write, args=(data,), daemon=True)
+    writer.start()
+    assert started.wait(60)
+    deadline = time.monotonic() + 60
+    while raw.writes < 4 and time.monotonic() < deadline:
+        writer.join(0.01)
+    writer.join(0.3)
+    # the piece being digested, PIECES_IN_FLIGHT - 1 queued behind it, and the one written before the wait
+    assert raw.writes == 4 and writer.is_alive()
+    release.set()
+    writer.join(60)
+    assert not writer.is_alive()
+    stream.tell()
+    record = stream.finalize()
+    ref = BlockDigest("xxh3-128", 128)
+    ref.update(data)
+    assert raw.getvalue() == data
+    assert record.digest == digest_bytes(data, "xxh3-128")
+    assert record.segments[(0, len(data))].blocks == tuple(ref.block_hexdigests())
+
+
+def test_a_digest_that_fails_fails_the_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error raised while digesting a piece reaches the caller of ``write`` (it is not lost in the pool)."""
+    monkeypatch.setattr(w, "SMALL_WRITE_BYTES", 10)
+    monkeypatch.setattr(w, "PARALLEL_HASH_MIN_BYTES", 1000)
+    monkeypatch.setattr(w, "PIECE_BYTES", 300)
+
+    def broken(file_digest: Any, seg: Any, piece: memoryview) -> None:
+        raise MemoryError("digest failed")
+
+    monkeypatch.setattr(w, "_digest_piece", broken)
+    stream = w._HashingStream(io.BytesIO(), "xxh3-128", 128)
+    with pytest.raises(MemoryError, match="digest failed"):
+        stream.write(b"x" * 5000)
 
 
 def _manifest_text(root: Path) -> dict[str, Any]:
