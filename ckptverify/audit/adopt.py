@@ -22,6 +22,7 @@ from ckptverify.audit.verify import UNCHECKABLE, ProgressSink, VerificationRun, 
 from ckptverify.checks import deep as deep_check
 from ckptverify.errors import CheckpointNotFoundError, ManifestExistsError, UsageError
 from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage
+from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.formats.describe import StoredRange
 from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
@@ -199,9 +200,11 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
             if value is None and 0 not in tinfo.shape:
                 unfingerprinted += 1
             parts = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
+            # The counts as a save keeps them: for the dtypes it counts, and only once every chunk was counted.
+            counted = scan is not None and counts_kept(tinfo.dtype) and not scan.uncounted
             tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
-                                       nan_count=scan.nan if scan else None, inf_count=scan.inf if scan else None,
-                                       parts=parts)
+                                       nan_count=scan.nan if counted else None,
+                                       inf_count=scan.inf if counted else None, parts=parts)
         ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
         manifest = Manifest(
             digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
@@ -437,6 +440,7 @@ class SmallScan:
 
     __slots__ = ("fingerprint", "inf", "nan")
     part_values: ClassVar[dict[str, str]] = {}
+    uncounted: ClassVar[bool] = False
 
     def __init__(self, fingerprint: str, nan: int, inf: int) -> None:
         self.fingerprint, self.nan, self.inf = fingerprint, nan, inf

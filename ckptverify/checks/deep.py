@@ -22,8 +22,6 @@ from ckptverify.ownfiles.manifest import Manifest
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError
 
-_FLOATING = {"float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32"}
-
 
 @dataclass(slots=True)
 class TensorScan:
@@ -34,6 +32,9 @@ class TensorScan:
     elements: int = 0
     nan: int = 0
     inf: int = 0
+    #: Some chunk's NaN/Inf could not be counted (a dtype whose counts are not kept, or torch tests none of its
+    #: elements): ``nan`` and ``inf`` are not the tensor's counts.
+    uncounted: bool = False
     unreadable: list[str] = field(default_factory=list)
     #: Chunks not read back because of a size limit (not damage): why, one line each.
     limited: list[str] = field(default_factory=list)
@@ -60,9 +61,9 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
     through ``f``, and count non-finite values. A view that is not row-major and lays out to more than
     ``view_limit`` bytes is not read back (``limited``); with ``None``, the reader's own bound applies
     (:func:`~ckptverify.formats.describe.read_payload`)."""
-    import torch
 
     from ckptverify.fingerprint import chunk_fingerprint
+    from ckptverify.fingerprint.nonfinite import nonfinite_counts
 
     scan = TensorScan()
     row_major = is_row_major(p.shape, p.stride)
@@ -80,11 +81,13 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
         for offsets, block in iter_payload_blocks(f, p, row_major=row_major):
             scan.parts.append(chunk_fingerprint(block, offsets, shape))
             scan.elements += block.numel()
-            if p.dtype in _FLOATING and block.numel():
-                values = block.float() if block.dtype in (torch.float16, torch.bfloat16) else block
-                if not bool(torch.isfinite(values).all()):  # one reduction for the usual, all-finite block
-                    scan.nan += int(torch.isnan(values).sum())
-                    scan.inf += int(torch.isinf(values).sum())
+            if block.numel():
+                nan, inf = nonfinite_counts(block)  # as a save counts them (one reduction when all are finite)
+                if nan is None or inf is None:
+                    scan.uncounted = True
+                else:
+                    scan.nan += nan
+                    scan.inf += inf
             if progress is not None:
                 progress(block.numel() * block.element_size())
     except FileChangedError:
@@ -180,6 +183,7 @@ def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[in
         out.limited.extend(got.limited)
         out.nan += got.nan
         out.inf += got.inf
+        out.uncounted |= got.uncounted
         if got.unreadable or got.limited:
             continue
         if got.elements != math.prod(part.shape):
@@ -222,6 +226,7 @@ def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results:
         m.elements += first.elements
         m.nan += first.nan
         m.inf += first.inf
+        m.uncounted |= first.uncounted
         m.unreadable.extend(first.unreadable)
         m.limited.extend(first.limited)
         m.chunks |= first.chunks

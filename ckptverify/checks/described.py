@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.formats.describe import Description, is_own_file, stored_part, stored_payloads
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
 from ckptverify.safeparse import paths
@@ -25,7 +26,6 @@ from ckptverify.safeparse.readers import ReadOnlyFile
 
 __all__ = ["check_manifest", "deep_check", "folder_files", "judge_described", "manifest_entries", "manifests_of"]
 
-_FLOATING = {"float64", "float32", "float16", "bfloat16", "complex128", "complex64"}
 
 
 def folder_files(root: str) -> list[str]:
@@ -92,7 +92,7 @@ def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | 
         fp = scan.value(t.shape) if scan is not None else None
         if parts is not None and fp is not None and scan is not None and scan.part_values:
             parts[name] = tuple(scan.part_values.items())
-        if fp is None or scan is None or t.dtype not in _FLOATING or not math.prod(t.shape):
+        if fp is None or scan is None or not counts_kept(t.dtype) or scan.uncounted or not math.prod(t.shape):
             out[name] = (fp, None, None)
         else:
             out[name] = (fp, scan.nan, scan.inf)

@@ -64,6 +64,7 @@ from ckptverify.fingerprint import (
     part_fingerprints,
 )
 from ckptverify.fingerprint.logical import chunk_fingerprint_counted
+from ckptverify.fingerprint.nonfinite import nonfinite_counts as _nonfinite_counts
 from ckptverify.fingerprint.subclass import is_wrapper_subclass
 from ckptverify.ownfiles.manifest import (
     DEFAULT_BLOCK_BYTES,
@@ -456,39 +457,6 @@ class _ChunkFacts:
     inf_count: int | None
     #: A tensor subclass's inner tensors' fingerprints by name (MXTensor: qdata, scale).
     parts: tuple[tuple[str, str], ...] | None = None
-
-
-#: Floating formats with no encoding for an infinity (only NaN is not finite in them).
-_NO_INFINITY = frozenset(d for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-                         if isinstance(d := getattr(torch, name, None), torch.dtype))
-
-
-def _nonfinite_counts(t: torch.Tensor) -> tuple[int | None, int | None]:
-    """(NaN count, Inf count) of a floating or complex tensor; (None, None) for other dtypes.
-
-    A sum is a fast screen: NaN and Inf propagate through it (Inf - Inf gives NaN), so a finite sum means
-    no NaN and no Inf. Only a non-finite sum (a NaN, an Inf, or an overflow of finite values) pays for the
-    element-wise count.
-    """
-    if not (t.dtype.is_floating_point or t.dtype.is_complex):
-        return None, None
-    try:
-        if t.dtype in (torch.float32, torch.float64) or t.dtype.is_complex:
-            total = t.sum()
-        else:
-            total = t.sum(dtype=torch.float32)
-        if bool(torch.isfinite(total).all()):
-            return 0, 0
-        if t.dtype in _NO_INFINITY:
-            # These formats encode no infinity (an Inf converts to NaN), and torch's isfinite of them either is
-            # not implemented or calls their NaN finite: every non-finite element is a NaN.
-            return int(torch.isnan(t).sum()), 0
-        finite = int(torch.isfinite(t).sum())
-        nan = int(torch.isnan(t).sum())
-        return nan, t.numel() - finite - nan
-    except (RuntimeError, NotImplementedError, TypeError):
-        # Formats torch cannot sum or test element-wise (e.g. packed float4) get no counts.
-        return None, None
 
 
 def _chunk_facts(t: torch.Tensor, item: WriteItem) -> _ChunkFacts:
