@@ -10,6 +10,11 @@ on. The load average is printed before and after the timed saves.
     python scripts/bench_save.py                                  # 1 GiB, 5 repeats, under $TMPDIR
     python scripts/bench_save.py --dir /dev/shm --no-sync --serial-hash   # no I/O to hide digests behind
 
+``--interference`` adds two variants that are plain ``dcp.save`` again, with another process busy on one core
+throughout: spinning (no memory traffic) and summing an array larger than the caches. They measure what any work
+beside the write costs ``dcp.save`` on the machine: the floor under a save that digests and fingerprints on
+another core, which no code of ours can go under there.
+
 ``--serial-hash`` adds a variant whose digests are all computed in the writing thread, to show what the
 concurrent digesting (a pool of threads hashing each large buffer while it is written) saves. ``--fp-threads``
 adds a save whose fingerprints split over torch's threads (a save's own use one thread); ``--before`` one that
@@ -48,6 +53,8 @@ def make_state(n: int, mib: int, seed: int = 0) -> dict[str, Any]:
 
 def variants(sync: bool, threads: int, serial: bool,
              fp_threads: bool = False, before: bool = False) -> dict[str, Callable[[dict[str, Any], str], Any]]:
+    """The variants by name; each saves ``state`` to ``path`` (returning its own time in seconds when it times
+    itself)."""
     def plain(state: dict[str, Any], path: str) -> None:
         dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=sync, thread_count=threads))
 
@@ -104,6 +111,37 @@ def variants(sync: bool, threads: int, serial: bool,
     return out
 
 
+#: What the other process does beside ``dcp.save`` in the ``--interference`` variants.
+_BUSY = {
+    "spinning": "while True:\n    pass\n",
+    "streaming memory": "import numpy as np\na = np.ones(1 << 27, dtype=np.float32)\nwhile True:\n    a.sum()\n",
+}
+
+
+Save = Callable[[dict[str, Any], str], Any]
+
+
+def interference_variants(plain: Save) -> dict[str, Save]:
+    """Plain ``dcp.save`` with another process busy throughout (started before, killed after each save)."""
+    import subprocess
+
+    def busy(code: str) -> Callable[[dict[str, Any], str], Any]:
+        def run(state: dict[str, Any], path: str) -> float:
+            other = subprocess.Popen([sys.executable, "-c", code])
+            try:
+                time.sleep(0.3)  # started and busy (numpy imported, the array filled) before the save
+                t0 = time.perf_counter()
+                plain(state, path)
+                return time.perf_counter() - t0
+            finally:
+                other.kill()
+                other.wait()
+
+        return run
+
+    return {f"dcp.save, a process {what} beside": busy(code) for what, code in _BUSY.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensors", type=int, default=16)
@@ -120,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", action="store_true",
                     help="add a variant that fingerprints as saves did before: torch's threads, a separate "
                          "pass for the NaN/Inf counts, blocks staged by torch's copy_")
+    ap.add_argument("--interference", action="store_true",
+                    help="add dcp.save with another process spinning, and one streaming memory, on another core")
     ap.add_argument("--fingerprint-backend", default=None, choices=["auto", "eager", "numpy", "compiled"],
                     help="tensor fingerprint backend (default: the library's, 'auto')")
     args = ap.parse_args(argv)
@@ -132,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     state = make_state(args.tensors, args.mib)
     total = sum(t.numel() * t.element_size() for t in state.values())
     runs = variants(not args.no_sync, args.threads, args.serial_hash, args.fp_threads, args.before)
+    if args.interference:
+        runs.update(interference_variants(runs["dcp.save"]))
     if args.only:
         runs = {k: v for k, v in runs.items() if args.only in k or k == "dcp.save"}
     base = tempfile.mkdtemp(prefix="bench-save-", dir=args.dir)
@@ -167,13 +209,14 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 c0 = _cpu()
                 t0 = time.perf_counter()
-                runs[name](state, path)
-                dt = time.perf_counter() - t0
+                timed = runs[name](state, path)
+                # A variant that times itself (the interference ones: not their other process's start) says so.
+                dt = timed if isinstance(timed, float) else time.perf_counter() - t0
                 dc = _cpu() - c0
                 shutil.rmtree(path)
                 times[name].append(dt)
                 cpu[name].append(dc)
-                print(f"  repeat {rep}: {name:36s} {dt:7.3f} s  ({total / dt / 1e9:5.2f} GB/s)  cpu {dc:6.3f} s",
+                print(f"  repeat {rep}: {name:48s} {dt:7.3f} s  ({total / dt / 1e9:5.2f} GB/s)  cpu {dc:6.3f} s",
                       flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -182,11 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = min(times["dcp.save"])
     ref_med = statistics.median(times["dcp.save"])
     ref_cpu = statistics.median(cpu["dcp.save"])
-    print("\nvariant                               best s   median s   ratio(best)  ratio(median)   cpu s (median)")
+    print(f"\n{'variant':48s}  best s   median s   ratio(best)  ratio(median)   cpu s (median)")
     for name, ts in times.items():
         best, med = min(ts), statistics.median(ts)
         c = statistics.median(cpu[name])
-        print(f"{name:36s} {best:7.3f}   {med:7.3f}     {best / ref:6.3f}       {med / ref_med:6.3f}"
+        print(f"{name:48s} {best:7.3f}   {med:7.3f}     {best / ref:6.3f}       {med / ref_med:6.3f}"
               f"        {c:6.3f} ({c - ref_cpu:+.3f})")
     on, off = times.get("ckptverify.save fingerprint=True"), times.get("ckptverify.save fingerprint=False")
     if on and off:
