@@ -73,11 +73,13 @@ def test_stream_paths_give_the_digests_of_the_written_bytes(
 ) -> None:
     """Small thresholds put every path to work in one stream: collected small writes (drained at the
     collection limit, at tell(), before a large write and at close), mid-sized writes digested in place, and
-    large writes cut into pieces; with a raw stream that takes only part of a small write, too."""
+    large writes cut into pieces (their last ``PIECE_BYTES`` in smaller ones); with a raw stream that takes
+    only part of a small write, too."""
     monkeypatch.setattr(w, "SMALL_WRITE_BYTES", 40)
     monkeypatch.setattr(w, "COALESCE_BYTES", 100)
     monkeypatch.setattr(w, "PARALLEL_HASH_MIN_BYTES", 1000)
     monkeypatch.setattr(w, "PIECE_BYTES", 333)
+    monkeypatch.setattr(w, "TAIL_PIECE_BYTES", 100)
     raw: Any = _ShortRaw(short) if short else io.BytesIO()
     stream = w._HashingStream(raw, algo, block)
     written = raw.buf if short else raw
@@ -183,6 +185,7 @@ def test_digests_fall_behind_the_write_by_at_most_pieces_in_flight(monkeypatch: 
     monkeypatch.setattr(w, "PARALLEL_HASH_MIN_BYTES", 1000)
     monkeypatch.setattr(w, "PIECE_BYTES", 300)
     monkeypatch.setattr(w, "PIECES_IN_FLIGHT", 3)
+    monkeypatch.setattr(w, "TAIL_PIECE_BYTES", 300)
     release = threading.Event()
     started = threading.Event()
     digest = w._digest_piece

@@ -106,6 +106,8 @@ PARALLEL_HASH_MIN_BYTES = 1 << 20
 #: thread digests it (three digests: the file's, the item's, the item's blocks), large enough that the
 #: per-piece Python cost (one submit) stays under 1% of the piece's write.
 PIECE_BYTES = 4 << 20
+#: The pieces the last ``PIECE_BYTES`` of a write are cut in (see ``_HashingStream._write_pipelined``).
+TAIL_PIECE_BYTES = 1 << 20
 #: How many written pieces of one write may wait for their digests before the write waits (see
 #: :class:`_DigestLane`): together they stay in the shared cache.
 PIECES_IN_FLIGHT = 4
@@ -223,7 +225,10 @@ class _HashingStream:
         pos = 0
         try:
             while pos < total:
-                piece = view[pos : pos + PIECE_BYTES]
+                # The last PIECE_BYTES go in smaller pieces: the write returns once every piece is digested, so
+                # what it waits for at its end is the digest of its last piece.
+                step = PIECE_BYTES if total - pos > PIECE_BYTES else TAIL_PIECE_BYTES
+                piece = view[pos : pos + step]
                 n = self._raw.write(piece)
                 if n != len(piece):
                     # The digests take whole pieces: a short write would make them wrong.
