@@ -29,13 +29,15 @@ This module and :mod:`ckptverify.dcp.metadata` are the only ones that touch DCP'
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import uuid
 import warnings
 from collections import deque
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -63,7 +65,7 @@ from ckptverify.fingerprint import (
     new_digest,
     part_fingerprints,
 )
-from ckptverify.fingerprint.logical import chunk_fingerprint_counted
+from ckptverify.fingerprint.logical import BlockwiseFingerprint, blockwise_fingerprint, chunk_fingerprint_counted
 from ckptverify.fingerprint.nonfinite import nonfinite_counts as _nonfinite_counts
 from ckptverify.fingerprint.subclass import is_wrapper_subclass
 from ckptverify.ownfiles.manifest import (
@@ -80,6 +82,8 @@ from ckptverify.ownfiles.manifest import (
 from ckptverify.safeparse.gcpause import paused_gc
 
 __all__ = ["HashedStorageInfo", "HashingFileSystemWriter", "validate_digest_options"]
+
+_log = logging.getLogger(__name__)
 
 #: Name of DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
 METADATA_FILE = ".metadata"
@@ -106,6 +110,8 @@ PARALLEL_HASH_MIN_BYTES = 1 << 20
 #: thread digests it (three digests: the file's, the item's, the item's blocks), large enough that the
 #: per-piece Python cost (one submit) stays under 1% of the piece's write.
 PIECE_BYTES = 4 << 20
+#: Seconds a pool thread has to start on a lane the writer waits for before the writer does its work itself.
+LANE_START_GRACE = 0.002
 #: The pieces the last ``PIECE_BYTES`` of a write are cut in (see ``_HashingStream._write_pipelined``).
 TAIL_PIECE_BYTES = 1 << 20
 #: How many written pieces of one write may wait for their digests before the write waits (see
@@ -157,8 +163,12 @@ class _HashingStream:
     writing from offset 0); seeking is refused, since it would make the digests meaningless.
     """
 
-    def __init__(self, raw: Any, algorithm: str, block_bytes: int) -> None:
+    def __init__(self, raw: Any, algorithm: str, block_bytes: int,
+                 fused: Callable[[memoryview], BlockwiseFingerprint | None] | None = None,
+                 fused_jobs: list[Any] | None = None) -> None:
         self._raw = raw
+        self._fused = fused  # the chunk fingerprint that rides on a large write of these bytes, if any
+        self._fused_jobs = fused_jobs
         self._algorithm = algorithm
         self._block_bytes = block_bytes
         self._file_digest = new_digest(algorithm)
@@ -189,7 +199,7 @@ class _HashingStream:
         self._drain()
         seg = self._segment()
         if size >= PARALLEL_HASH_MIN_BYTES:
-            return self._write_pipelined(view, seg)
+            return self._write_pipelined(view, seg, self._fused(view) if self._fused is not None else None)
         n = self._raw.write(view)
         if n is None:
             raise OSError("the underlying stream accepted no bytes")
@@ -213,14 +223,15 @@ class _HashingStream:
             self._segment().update(self._pending)
             del self._pending[:]
 
-    def _write_pipelined(self, view: memoryview, seg: BlockDigest) -> int:
+    def _write_pipelined(self, view: memoryview, seg: BlockDigest, fused: BlockwiseFingerprint | None) -> int:
         """Write a large buffer in pieces of ``PIECE_BYTES``; a pool thread digests the pieces in order while
         this thread writes the next ones, so the digests read what the write has just brought into the cache
         instead of making passes of their own over memory (the write, xxhash and hashlib release the GIL on
         large buffers). Up to ``PIECES_IN_FLIGHT`` pieces may wait for their digests before the write waits
-        for them (see :class:`_DigestLane`). The buffer is only read while this call runs: the caller may free
-        or reuse it as soon as ``write`` returns."""
-        lane = _DigestLane(self._file_digest, seg)
+        for them (see :class:`_DigestLane`). ``fused``: the fingerprint of the tensor chunk whose memory ``view``
+        is, taken by the same thread right after each piece's digests. The buffer is only read while this call
+        runs: the caller may free or reuse it as soon as ``write`` returns."""
+        lane = _DigestLane(self._file_digest, seg, fused, self._fused_jobs)
         total = len(view)
         pos = 0
         try:
@@ -234,8 +245,8 @@ class _HashingStream:
                     # The digests take whole pieces: a short write would make them wrong.
                     raise OSError(f"short write: {pos + (n or 0)} of {total} bytes")
                 lane.wait(PIECES_IN_FLIGHT - 1)
-                lane.put(piece)
                 pos += n
+                lane.put(piece, pos)
         finally:
             lane.wait(0)
         self._pos += total
@@ -311,36 +322,52 @@ class _DigestLane:
     few enough are pending. A lane lets the digests fall behind the write by a few pieces: with one piece in
     flight, the write stopped at every piece whose digest thread the machine had scheduled late, and those
     waits added up to 1-4% of a save. Pieces no pool thread has started on when the writer must wait (every
-    pool thread busy, or none scheduled) are digested by the writing thread itself rather than waited for.
+    pool thread busy, or none scheduled) are digested by the writing thread itself rather than waited for, once
+    a pool thread had ``LANE_START_GRACE`` seconds to start: a thread just woken takes some tens of
+    microseconds, and taking the work over at once put the end of every write (its last piece, and the last
+    block of a chunk fingerprinted beside it) on the writing thread.
     """
 
-    def __init__(self, file_digest: Any, seg: BlockDigest) -> None:
+    def __init__(self, file_digest: Any, seg: BlockDigest, fused: BlockwiseFingerprint | None = None,
+                 jobs: list[Any] | None = None) -> None:
         self._file_digest = file_digest
         self._seg = seg
+        self._fused = fused
+        self._jobs = jobs  # where the jobs that fingerprint ``fused`` are kept, for the storage writer to wait on
         self._cond = threading.Condition()
-        self._queue: deque[memoryview] = deque()
+        self._queue: deque[tuple[memoryview, int]] = deque()
         self._busy = 0  # pieces taken off the queue whose digests are not done
         self._job: Any = None  # the pool job draining the queue, while there is one
+        self._started = False  # whether that job has started
         self._error: BaseException | None = None
 
-    def put(self, piece: memoryview) -> None:
+    def put(self, piece: memoryview, end: int) -> None:
+        """Queue ``piece``, which ends ``end`` bytes into the write."""
         with self._cond:
-            self._queue.append(piece)
+            self._queue.append((piece, end))
             if self._job is None:
+                self._started = False
                 self._job = _hash_pool().submit(self._drain)
+                if self._fused is not None and self._jobs is not None:
+                    self._jobs.append(self._job)
 
     def _drain(self) -> None:
         """Digest the queued pieces in order until none is left (in a pool thread, or in the writer's)."""
+        with self._cond:
+            self._started = True
+            self._cond.notify_all()
         while True:
             with self._cond:
                 if not self._queue or self._error is not None:
                     self._job = None
                     self._cond.notify_all()
                     return
-                piece = self._queue.popleft()
+                piece, end = self._queue.popleft()
                 self._busy += 1
+            failed = True
             try:
                 _digest_piece(self._file_digest, self._seg, piece)
+                failed = False
             except BaseException as exc:  # handed to the writing thread by wait()
                 with self._cond:
                     self._error = exc
@@ -348,9 +375,15 @@ class _DigestLane:
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
+            if self._fused is not None and not failed:
+                # After the piece counts as done: the fingerprint reads the chunk's own memory, which the storage
+                # writer keeps alive until it has collected the fingerprint, not the caller's buffer, so the write
+                # need not wait for the last block's.
+                _advance(self._fused, end)
 
     def wait(self, most: int) -> None:
         """Return once at most ``most`` pieces are pending; raise what a digest raised."""
+        grace = True
         while True:
             with self._cond:
                 if self._error is not None:
@@ -358,6 +391,11 @@ class _DigestLane:
                 if len(self._queue) + self._busy <= most:
                     return
                 job = self._job
+                if job is not None and not self._started and grace:
+                    grace = False
+                    self._cond.wait_for(lambda: self._started or self._error is not None
+                                        or len(self._queue) + self._busy <= most, timeout=LANE_START_GRACE)
+                    continue
             if job is not None and job.cancel():
                 # No pool thread has started on this lane: digest its pieces here.
                 with self._cond:
@@ -367,6 +405,15 @@ class _DigestLane:
             with self._cond:
                 self._cond.wait_for(lambda: self._error is not None or len(self._queue) + self._busy <= most
                                     or self._job is None)
+
+
+def _advance(fused: BlockwiseFingerprint, end: int) -> None:
+    """Fingerprint the blocks of ``fused`` written by now; a failure leaves it incomplete (the writer then takes
+    that chunk's fingerprint on its own, after the write), never fails the write."""
+    try:
+        fused.advance(end)
+    except Exception as exc:  # pragma: no cover - a kernel failing here fails the same way on its own
+        _log.debug("fingerprint beside the write stopped: %s", exc)
 
 
 class _HashingFileSystem(FileSystem):
@@ -382,12 +429,18 @@ class _HashingFileSystem(FileSystem):
         self._lock = threading.Lock()
         self._records: dict[str, _FileRecord] = {}
         self._tell_calls = 0
+        #: Chunks whose fingerprints ride on the write of their memory, by (address, bytes): see ``take_fused``.
+        self.fused: dict[tuple[int, int], BlockwiseFingerprint] = {}
+        #: The pool jobs that fingerprint them (they may run on after the write of their chunk returned).
+        self.fused_jobs: list[Any] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_lock"]
         state["_records"] = {}
         state["_tell_calls"] = 0
+        state["fused"] = {}
+        state["fused_jobs"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -401,12 +454,23 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = _HashingStream(raw, self.algorithm, self.block_bytes)
+            stream = _HashingStream(raw, self.algorithm, self.block_bytes, self.take_fused if self.fused else None,
+                                    self.fused_jobs)
             yield stream
             record = stream.finalize()
         with self._lock:
             self._records[_key(path)] = record
             self._tell_calls += stream.tell_calls
+
+    def take_fused(self, view: memoryview) -> BlockwiseFingerprint | None:
+        """The fingerprint of the chunk whose memory ``view`` is exactly (torch.save writes a tensor's storage as
+        one buffer of its memory), taken out of ``fused``: one write fingerprints it, even when the same memory is
+        written twice (tied weights)."""
+        import numpy as np
+
+        key = (int(np.frombuffer(view, dtype=np.uint8).ctypes.data), view.nbytes)
+        with self._lock:
+            return self.fused.pop(key, None)
 
     def take_records(self) -> tuple[dict[str, _FileRecord], int]:
         """The records of all streams closed since the last call, and how many ``tell()`` calls they saw."""
@@ -464,14 +528,16 @@ class _ChunkFacts:
     parts: tuple[tuple[str, str], ...] | None = None
 
 
-def _chunk_facts(t: torch.Tensor, item: WriteItem) -> _ChunkFacts:
+def _chunk_facts(t: torch.Tensor, item: WriteItem,
+                 taken: tuple[TensorFingerprint, int | None] | None = None) -> _ChunkFacts:
+    """The chunk's fingerprint and NaN/Inf counts; ``taken``: its fingerprint and count, taken beside its write."""
     td = item.tensor_data
     assert td is not None
     parts = None
     specials: int | None = None
     try:
         fp: TensorFingerprint | None
-        fp, specials = chunk_fingerprint_counted(t, td.chunk.offsets, td.size)
+        fp, specials = taken if taken is not None else chunk_fingerprint_counted(t, td.chunk.offsets, td.size)
         if is_wrapper_subclass(t):
             parts = tuple((name, f.value) for name, f in part_fingerprints(t).items())
     except UsageError:
@@ -572,18 +638,66 @@ class HashingFileSystemWriter(FileSystemWriter):
     # -- writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.fs.take_records()  # drop anything left by an earlier, failed save
-        # Fingerprints are taken while DCP writes (torch kernels and the writes both release the GIL).
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptverify-fingerprint") as pool:
-            fp_job = pool.submit(self._fingerprint_items, plan, planner) if self.fingerprint else None
-            results = super().write_data(plan, planner).wait()
-            facts = fp_job.result() if fp_job is not None else {}
+        # Large contiguous CPU chunks are fingerprinted by the threads that digest their bytes, right after each
+        # piece is written (the bytes still in the cache); the rest in a thread of their own while DCP writes
+        # (torch kernels and the writes both release the GIL).
+        fused = self._fusable(plan, planner) if self.fingerprint else {}
+        self.fs.fused = {key: bw for key, (_, _, bw) in fused.items()}
+        self.fs.fused_jobs = jobs = []
+        try:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptverify-fingerprint") as pool:
+                skip = {item.index for item, _, _ in fused.values()}
+                fp_job = pool.submit(self._fingerprint_items, plan, planner, skip) if self.fingerprint else None
+                results = super().write_data(plan, planner).wait()
+                facts = fp_job.result() if fp_job is not None else {}
+        finally:
+            self.fs.fused = {}
+            # The fingerprints still being taken beside the writes. Not the cancelled jobs (the writer did their
+            # work): a cancelled future counts as done only once a pool thread has dequeued it.
+            futures_wait([job for job in jobs if not job.cancelled()])
+            self.fs.fused_jobs = []
+        rode = 0
+        for item, t, bw in fused.values():
+            # A chunk whose write did not carry its fingerprint (its memory was copied on its way to the stream)
+            # is fingerprinted now.
+            facts[item.index] = _chunk_facts(t, item, bw.result() if bw.complete else None)
+            rode += bw.complete
         records, tells = self.fs.take_records()
         # Thousands of items make many small, acyclic objects (the results and their digests): the cyclic
         # collector would walk the growing set again and again. Reference counting frees them as usual.
         # (DCP's own write loop keeps the collector: torch.save leaves reference cycles behind, about 20
         # objects per item, which a pause would keep alive until it ends.)
         with paused_gc():
-            return self._hashed_results(results, facts, records, tells)
+            out = self._hashed_results(results, facts, records, tells)
+        self.stats["fingerprinted_beside_writes"] = rode
+        return out
+
+    @staticmethod
+    def _fusable(plan: SavePlan, planner: SavePlanner
+                 ) -> dict[tuple[int, int], tuple[WriteItem, torch.Tensor, BlockwiseFingerprint]]:
+        """The plan's chunks whose fingerprints can ride on their writes, by (address, bytes) of their memory:
+        CPU tensors the compiled kernel takes, contiguous and the whole of their storage (DCP writes such a tensor's
+        memory as it is, where it copies a view of a larger storage first)."""
+        from ckptverify.fingerprint.kernels import COMPILED_BLOCK
+
+        out: dict[tuple[int, int], tuple[WriteItem, torch.Tensor, BlockwiseFingerprint]] = {}
+        for item in plan.items:
+            td = item.tensor_data
+            if item.type == WriteItemType.BYTE_IO or td is None or td.chunk.sizes.numel() < COMPILED_BLOCK:
+                continue
+            data = planner.resolve_data(item)
+            if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or is_wrapper_subclass(data):
+                continue
+            t = data.detach()
+            nbytes = t.numel() * t.element_size()
+            if (not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != nbytes
+                    or (t.data_ptr(), nbytes) in out):
+                continue
+            with torch.no_grad():
+                bw = blockwise_fingerprint(t, td.chunk.offsets, td.size)
+            if bw is not None and bw.nbytes == nbytes:
+                out[(t.data_ptr(), nbytes)] = (item, t, bw)
+        return out
 
     def _hashed_results(self, results: list[WriteResult], facts: dict[MetadataIndex, _ChunkFacts],
                         records: dict[str, _FileRecord], tells: int) -> Future[list[WriteResult]]:
@@ -659,14 +773,17 @@ class HashingFileSystemWriter(FileSystemWriter):
         return fut
 
     @staticmethod
-    def _fingerprint_items(plan: SavePlan, planner: SavePlanner) -> dict[MetadataIndex, _ChunkFacts]:
+    def _fingerprint_items(plan: SavePlan, planner: SavePlanner,
+                           skip: frozenset[MetadataIndex] | set[MetadataIndex] = frozenset(),
+                           ) -> dict[MetadataIndex, _ChunkFacts]:
+        """The facts of every tensor chunk of ``plan`` but those in ``skip``."""
         from ckptverify.fingerprint import kernels
 
         facts: dict[MetadataIndex, _ChunkFacts] = {}
         large = _large_chunk_bytes(plan)
         with torch.no_grad(), kernels.thread_limit(FINGERPRINT_THREADS):
             for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None or item.index in skip:
                     continue
                 data = planner.resolve_data(item)
                 if isinstance(data, torch.Tensor):

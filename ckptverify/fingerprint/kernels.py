@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,10 +50,10 @@ from ckptverify.fingerprint.spec import signed as _signed
 
 __all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_BLOCK_ACCELERATOR",
            "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "NO_SCREEN", "ROW_WIDTH", "SMALL_NUMPY",
-           "SPECIAL_BITS", "STAGE_COPY", "SUPPORTED_DTYPES", "chunk_geometry", "compile_in_background", "dtype_name",
-           "dtype_seed", "eager_block", "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend",
-           "host_lanes", "iter_blocks", "lanes_many", "mix_python", "prepare_compiled", "set_backend",
-           "thread_limit"]
+           "SPECIAL_BITS", "STAGE_COPY", "SUPPORTED_DTYPES", "CpuBlockLanes", "chunk_geometry",
+           "compile_in_background", "cpu_block_lanes", "dtype_name", "dtype_seed", "eager_block",
+           "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend", "host_lanes", "iter_blocks",
+           "lanes_many", "mix_python", "prepare_compiled", "set_backend", "thread_limit"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -411,33 +411,38 @@ def _lanes(
 STAGE_COPY = "numpy"
 
 
-def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
-                        seeds: tuple[int, int], stage_dtype: torch.dtype,
-                        screen: tuple[int, int] | None = None) -> tuple[int, int, int]:
-    """The lanes of a CPU chunk through the compiled kernel, its blocks split between threads as the host
-    path splits its own (:func:`_host_map`): the kernel is compiled single-threaded, because with its own
-    OpenMP team every block waited for the slower of two threads, and on a busy machine that ran 3-10x
-    slower. Each thread stages its blocks in its own buffer; a block the kernel does not take (the end of a
-    run) goes through the host path. Third: the count of elements matching ``screen`` (0 without one)."""
-    import numpy as np
+class CpuBlockLanes:
+    """The compiled CPU kernel's pass over one chunk, a range of its blocks at a time.
 
-    shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
-    blocks = list(iter_blocks(flat, geometry, COMPILED_BLOCK))
+    ``flat`` is the chunk's contiguous integer view; its blocks are those of ``iter_blocks(flat, geometry,
+    COMPILED_BLOCK)``, and :attr:`byte_ends` says where each one ends in ``flat``'s memory (bytes from its first
+    element), so that a caller that has just written the chunk's bytes can fingerprint the blocks its last
+    write covered, while they are in the cache (a save: :mod:`ckptverify.dcp.writer`). :meth:`run` gives the
+    lane sums and the ``screen`` count of a range of blocks; they add up (modulo 2**64) to the chunk's in any
+    order and split, and calls for disjoint ranges may run in different threads at once (each thread stages
+    its blocks in a buffer of its own). A block the kernel does not take (the end of a run) goes through the
+    host path."""
 
-    def run(lo: int, hi: int) -> tuple[int, int, int]:
-        tables = _CompiledTables(flat.device, seeds)
-        screen_arg = tables.screen(screen or NO_SCREEN)
-        # Copying each block into one reused buffer first, then running the fused kernel on it, was 1.5-1.8x
-        # faster on CPU than running the kernel on the tensor's memory directly. Narrow bits are widened
-        # (sign-extended) to int32 in that copy: inductor vectorizes the fused loop over int32 and int64
-        # inputs but not over int8 or int16 ones (5x slower for bfloat16).
-        stage = torch.empty(shape, dtype=stage_dtype)
-        # The copy is numpy's (one thread, no OpenMP): torch's copy_ of a block is an OpenMP region, and from a
-        # thread that fingerprints alone (a save's) the region's worker went on spinning between blocks, which
-        # doubled the CPU time of a save whose kernel had been compiled in the background.
-        stage_np = stage.numpy()
+    def __init__(self, fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
+                 seeds: tuple[int, int], stage_dtype: torch.dtype, screen: tuple[int, int] | None) -> None:
+        self._fn = fn
+        self._seeds = seeds
+        self._stage_dtype = stage_dtype
+        self._screen = screen
+        self._geometry = geometry
+        self.blocks = list(iter_blocks(flat, geometry, COMPILED_BLOCK))
+        base, size = flat.storage_offset(), flat.element_size()
+        self.byte_ends = [(blk.bits.storage_offset() - base + blk.bits.numel()) * size for blk in self.blocks]
+
+    def run(self, lo: int, hi: int) -> tuple[int, int, int]:
+        """Lane sums and ``screen`` count (0 without one) of blocks ``lo`` to ``hi - 1`` (not reduced)."""
+        import numpy as np
+
+        shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
+        tables, stage, stage_np, screen_arg = self._thread_buffers(shape)
+        fn, seeds, screen = self._fn, self._seeds, self._screen
         lanes = [0, 0, 0]
-        for blk in blocks[lo:hi]:
+        for blk in self.blocks[lo:hi]:
             a = b = c = None
             if blk.bits.shape == shape and not _compile_failed:
                 try:
@@ -446,8 +451,8 @@ def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geo
                     else:
                         stage.copy_(blk.bits)
                     with torch.no_grad():
-                        res = fn(stage, tables.row_terms(blk.first_start), tables.column_table,
-                                 tables.seeds, screen_arg)
+                        res = fn(stage, tables.row_terms(blk.first_start), tables.column_table, tables.seeds,
+                                 screen_arg)
                     a, b, c = res.tolist()
                 except Exception as exc:  # pragma: no cover - depends on the environment
                     _disable_compiled(exc)
@@ -461,10 +466,73 @@ def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geo
             lanes[2] += c
         return lanes[0], lanes[1], lanes[2]
 
+    def _thread_buffers(self, shape: tuple[int, int]) -> tuple[_CompiledTables, torch.Tensor, Any, torch.Tensor]:
+        """The calling thread's kernel inputs for this chunk's seeds and screen, and its staging buffer (kept per
+        thread for the process: a save calls :meth:`run` for every block it writes)."""
+        cache = getattr(_stage_cache, "buffers", None)
+        if cache is None:
+            cache = _stage_cache.buffers = {}
+        key = (self._stage_dtype, self._seeds, self._screen)
+        got = cache.get(key)
+        if got is None:
+            if len(cache) >= 8:  # a few dtypes and screens at a time: the oldest go
+                del cache[next(iter(cache))]
+            tables = _CompiledTables(torch.device("cpu"), self._seeds)
+            # Copying each block into one reused buffer first, then running the fused kernel on it, was 1.5-1.8x
+            # faster on CPU than running the kernel on the tensor's memory directly. Narrow bits are widened
+            # (sign-extended) to int32 in that copy: inductor vectorizes the fused loop over int32 and int64
+            # inputs but not over int8 or int16 ones (5x slower for bfloat16). The copy is numpy's (one thread,
+            # no OpenMP): torch's copy_ of a block is an OpenMP region, and from a thread that fingerprints alone
+            # (a save's) the region's worker went on spinning between blocks, which doubled the CPU time of a
+            # save whose kernel had been compiled in the background.
+            stage = torch.empty(shape, dtype=self._stage_dtype)
+            got = cache[key] = (tables, stage, stage.numpy(), tables.screen(self._screen or NO_SCREEN))
+        return got
+
+
+_stage_cache = threading.local()
+
+
+def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
+                    screen: tuple[int, int] | None) -> CpuBlockLanes | None:
+    """A :class:`CpuBlockLanes` over chunk ``t`` (at ``offsets`` in ``global_shape``; ``name``: its dtype's, as
+    :func:`fingerprint_lanes` takes it) when its fingerprint would be
+    taken by the compiled CPU kernel now (backend ``auto`` or ``compiled``, the kernel compiled and checked for its
+    dtype: this does not wait for a compilation), ``t`` is contiguous and its blocks are the kernel's; else
+    ``None``: :func:`fingerprint_lanes_counted` takes it as usual. The lane sums it gives are those of
+    :func:`fingerprint_lanes` for the chunk, its count that of :func:`fingerprint_lanes_counted`."""
+    if (_compile_failed or _backend not in ("auto", "compiled") or t.device.type != "cpu" or not t.is_contiguous()
+            or t.numel() < COMPILED_BLOCK):
+        return None
+    offsets, global_shape = list(offsets), list(global_shape)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+        offsets.append(0)
+        global_shape.append(2)
+    bits = _INT_VIEW_BY_SIZE.get(t.element_size())
+    if bits is None:
+        return None
+    geometry = chunk_geometry(t.shape, offsets, global_shape)
+    stage = _stage_dtype(bits)
+    if geometry.run_length < COMPILED_BLOCK or not _verified.get(("cpu", stage)) or _compiled_fn is None:
+        return None
+    flat = t.reshape(-1).view(bits)
+    return CpuBlockLanes(_compiled_fn, flat, geometry, (dtype_seed(name, 0), dtype_seed(name, 1)), stage, screen)
+
+
+def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
+                        seeds: tuple[int, int], stage_dtype: torch.dtype,
+                        screen: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """The lanes of a CPU chunk through the compiled kernel, its blocks split between threads as the host
+    path splits its own (:func:`_host_map`): the kernel is compiled single-threaded, because with its own
+    OpenMP team every block waited for the slower of two threads, and on a busy machine that ran 3-10x
+    slower. Third: the count of elements matching ``screen`` (0 without one)."""
+    runner = CpuBlockLanes(fn, flat, geometry, seeds, stage_dtype, screen)
+    blocks = runner.blocks
     threads = max(1, min(_host_threads(flat.numel()), len(blocks)))
     step = -(-len(blocks) // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
     ranges = [(lo, min(len(blocks), lo + step)) for lo in range(0, len(blocks), step)]
-    parts = _host_map(run, ranges, threads)
+    parts = _host_map(runner.run, ranges, threads)
     return sum(p[0] for p in parts) & _MASK64, sum(p[1] for p in parts) & _MASK64, sum(p[2] for p in parts)
 
 

@@ -21,7 +21,8 @@ from ckptverify.fingerprint.spec import MASK64 as _MASK64
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FINGERPRINT_VERSION", "TensorFingerprint", "chunk_fingerprint", "chunk_fingerprint_counted", "combine",
+__all__ = ["FINGERPRINT_VERSION", "BlockwiseFingerprint", "TensorFingerprint", "blockwise_fingerprint",
+           "chunk_fingerprint", "chunk_fingerprint_counted", "combine",
            "get_fingerprint_backend", "part_fingerprints", "set_fingerprint_backend", "tensor_fingerprint"]
 
 
@@ -139,6 +140,76 @@ def _chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_sh
     else:
         lanes, count = kern.fingerprint_lanes(t, offsets, gshape, name), None
     return TensorFingerprint.from_lanes(lanes, name, gshape, t.numel()), count
+
+
+class BlockwiseFingerprint:
+    """:func:`chunk_fingerprint_counted` of one contiguous CPU chunk, taken a few blocks at a time as its bytes
+    become ready: for a caller that reads those bytes anyway (a save writing them), so the fingerprint reads each
+    block while it is still in the cache instead of in a pass of its own over memory. Made by
+    :func:`blockwise_fingerprint`. Calls must not overlap (one caller at a time, from any thread)."""
+
+    def __init__(self, runner: Any, name: str, global_shape: list[int], numel: int, counted: bool) -> None:
+        self._runner = runner
+        self._name = name
+        self._shape = global_shape
+        self._numel = numel
+        self._counted = counted
+        self._next = 0
+        self._sums = [0, 0, 0]
+
+    @property
+    def nbytes(self) -> int:
+        """The chunk's bytes (from its first element)."""
+        return self._runner.byte_ends[-1]
+
+    def advance(self, ready: int) -> None:
+        """Fingerprint the blocks that lie within the chunk's first ``ready`` bytes and are not done yet."""
+        ends = self._runner.byte_ends
+        hi = self._next
+        while hi < len(ends) and ends[hi] <= ready:
+            hi += 1
+        if hi > self._next:
+            a, b, c = self._runner.run(self._next, hi)
+            self._sums[0] += a
+            self._sums[1] += b
+            self._sums[2] += c
+            self._next = hi
+
+    @property
+    def complete(self) -> bool:
+        """Whether every block is fingerprinted."""
+        return self._next == len(self._runner.byte_ends)
+
+    def result(self) -> tuple[TensorFingerprint, int | None]:
+        """What :func:`chunk_fingerprint_counted` gives for the chunk (call once :attr:`complete`)."""
+        if not self.complete:
+            raise RuntimeError("the chunk's fingerprint is not complete")
+        lanes = (self._sums[0] & _MASK64, self._sums[1] & _MASK64)
+        fp = TensorFingerprint.from_lanes(lanes, self._name, self._shape, self._numel)
+        return fp, self._sums[2] if self._counted else None
+
+
+def blockwise_fingerprint(t: torch.Tensor, global_offsets: Sequence[int],
+                          global_shape: Sequence[int]) -> BlockwiseFingerprint | None:
+    """A :class:`BlockwiseFingerprint` of chunk ``t`` when the compiled CPU kernel would take its fingerprint now
+    and ``t`` is contiguous (:func:`~ckptverify.fingerprint.kernels.cpu_block_lanes`); else ``None``: take it with
+    :func:`chunk_fingerprint_counted`."""
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint.subclass import is_wrapper_subclass
+
+    if is_wrapper_subclass(t):
+        return None
+    offsets = [int(o) for o in global_offsets]
+    gshape = [int(s) for s in global_shape]
+    try:
+        name = kern.dtype_name(t.dtype)
+    except UsageError:
+        return None
+    screen = kern.SPECIAL_BITS.get(t.dtype)
+    runner = kern.cpu_block_lanes(t.detach(), offsets, gshape, name, screen)
+    if runner is None or not runner.byte_ends:
+        return None
+    return BlockwiseFingerprint(runner, name, gshape, t.numel(), screen is not None)
 
 
 def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:

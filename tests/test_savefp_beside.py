@@ -1,0 +1,171 @@
+"""Fingerprints taken beside the writes: a save fingerprints each large contiguous CPU chunk block by block in the
+threads that digest its bytes, right after each piece is written (``dcp/writer.py``: ``_fusable``, ``take_fused``,
+``_DigestLane``). The manifest must be exactly the one a save writes with every fingerprint taken in a pass of
+its own, whatever the chunk (dtype, NaN/Inf, tied, a view of a larger storage, small) and however the write goes
+(several files at once, a write whose memory no chunk owns, a pool that never takes the work)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_savefp_counts import compiled, planted  # noqa: F401  (compiled: a fixture)
+
+import ckptverify.dcp.writer as w
+from ckptverify.fingerprint import kernels as kern
+from ckptverify.fingerprint import tensor_fingerprint
+from ckptverify.fingerprint.logical import blockwise_fingerprint, chunk_fingerprint_counted
+from ckptverify.fingerprint.nonfinite import nonfinite_counts
+from ckptverify.ownfiles.manifest import read_manifest
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning",
+    "ignore:Detected an existing checkpoint:UserWarning",
+)
+
+BIG = 2 * kern.COMPILED_BLOCK + 4099  # two kernel blocks and a tail the host path takes
+
+
+def state() -> dict[str, Any]:
+    s: dict[str, Any] = {
+        "f32": planted(torch.float32, BIG, 1),
+        "f32.finite": planted(torch.float32, BIG, 2, specials=False),
+        "bf16": planted(torch.bfloat16, BIG, 3),
+        "f64.rows": planted(torch.float64, 1100 * 1000, 4).view(1100, 1000),
+        "c64": planted(torch.complex64, kern.COMPILED_BLOCK + 17, 5),
+        "view": planted(torch.float32, 2 * BIG, 6)[:BIG],  # not the whole of its storage: DCP copies it
+        "small": planted(torch.float32, 1000, 7),
+        "step": 3,
+    }
+    s["tied"] = s["f32"]  # the same memory written twice
+    return s
+
+
+def manifest_body(path: Path) -> dict[str, Any]:
+    m = read_manifest(str(path))
+    assert m is not None
+    body = dataclasses.replace(m, created="", metadata_files={}).to_dict()
+    del body["self_digest"]
+    return json.loads(json.dumps(body, sort_keys=True))
+
+
+def save(path: Path, s: dict[str, Any], threads: int = 1) -> w.HashingFileSystemWriter:
+    writer = w.HashingFileSystemWriter(path, sync_files=False, thread_count=threads)
+    dcp.save(s, storage_writer=writer)
+    return writer
+
+
+def reference_save(path: Path, threads: int = 1) -> dict[str, Any]:
+    """The manifest of a save that takes no fingerprint beside its writes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(w.HashingFileSystemWriter, "_fusable", staticmethod(lambda plan, planner: {}))
+        writer = save(path, state(), threads)
+    assert writer.stats["fingerprinted_beside_writes"] == 0
+    return manifest_body(path)
+
+
+@pytest.fixture
+def reference(compiled: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
+    return reference_save(tmp_path_factory.mktemp("reference") / "ckpt")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_beside_the_writes_the_manifest_is_the_same(compiled: None, tmp_path: Path, threads: int) -> None:  # noqa: F811
+    reference = reference_save(tmp_path / "reference", threads)  # threads: how many files
+    s = state()
+    writer = save(tmp_path / "ckpt", s, threads)
+    # f32 (or tied: one write carries it), f32.finite, bf16, f64.rows, c64; not the view, nor the small one
+    assert writer.stats["fingerprinted_beside_writes"] == 5
+    assert manifest_body(tmp_path / "ckpt") == reference
+    m = read_manifest(str(tmp_path / "ckpt"))
+    assert m is not None
+    for fqn, t in s.items():
+        if isinstance(t, torch.Tensor):
+            assert m.tensors[fqn].fingerprint == tensor_fingerprint(t).value, fqn
+            assert (m.tensors[fqn].nan_count, m.tensors[fqn].inf_count) == nonfinite_counts(t), fqn
+
+
+def test_a_write_that_carries_no_chunk_s_memory_leaves_the_fingerprint_to_the_writer(
+        reference: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the stream is handed a copy (no chunk's memory), every chunk is fingerprinted after the write."""
+    monkeypatch.setattr(w._HashingFileSystem, "take_fused", lambda self, view: None)
+    writer = save(tmp_path / "ckpt", state())
+    assert writer.stats["fingerprinted_beside_writes"] == 0
+    assert manifest_body(tmp_path / "ckpt") == reference
+
+
+def test_a_pool_that_never_starts_leaves_the_work_to_the_writing_thread(
+        reference: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every digest thread busy elsewhere, the writing thread digests and fingerprints each piece itself."""
+    busy = ThreadPoolExecutor(max_workers=1)
+    release = threading.Event()
+    busy.submit(release.wait)
+    monkeypatch.setattr(w, "_hash_pool", lambda: busy)
+    try:
+        writer = save(tmp_path / "ckpt", state())
+    finally:
+        release.set()
+        busy.shutdown()
+    assert writer.stats["fingerprinted_beside_writes"] == 5
+    assert manifest_body(tmp_path / "ckpt") == reference
+
+
+def test_a_fingerprint_that_fails_beside_the_write_is_taken_after_it(
+        reference: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block pass that fails leaves its chunk incomplete, never fails the save: the chunk is fingerprinted
+    after the write, with the same result."""
+    def broken(self: Any, ready: int) -> None:
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(w.BlockwiseFingerprint, "advance", broken)
+    writer = save(tmp_path / "ckpt", state())
+    assert writer.stats["fingerprinted_beside_writes"] == 0
+    assert manifest_body(tmp_path / "ckpt") == reference
+
+
+@pytest.mark.parametrize("step", [4096, 1 << 20, 3 << 20, 7 << 20])
+def test_blockwise_fingerprint_is_the_chunk_fingerprint_however_the_bytes_come(compiled: None,  # noqa: F811
+                                                                             step: int) -> None:
+    """Ready bytes in steps that do and do not meet the blocks' ends: the same fingerprint and count as
+    :func:`chunk_fingerprint_counted`, for a chunk of a larger tensor too."""
+    whole = planted(torch.float32, 3000 * 1500, 9).view(3000, 1500)
+    chunk = whole[1000:2500]
+    bw = blockwise_fingerprint(chunk, (1000, 0), (3000, 1500))
+    assert bw is not None and bw.nbytes == chunk.numel() * 4
+    ready = 0
+    while not bw.complete:
+        with pytest.raises(RuntimeError):
+            bw.result()
+        ready += step
+        bw.advance(ready)
+    assert bw.result() == chunk_fingerprint_counted(chunk, (1000, 0), (3000, 1500))
+
+
+def test_no_blockwise_fingerprint_where_the_kernel_would_not_take_the_chunk(compiled: None) -> None:  # noqa: F811
+    assert blockwise_fingerprint(torch.randn(1000), (0,), (1000,)) is None  # too small
+    assert blockwise_fingerprint(torch.randn(3000, 1500).t(), (0, 0), (1500, 3000)) is None  # not contiguous
+    # Rows shorter than a block: runs of the global index the kernel's blocks do not hold.
+    assert blockwise_fingerprint(torch.randn(3000, 1500)[:, :700].contiguous(), (0, 0), (3000, 1500)) is None
+    with kern_backend("numpy"):
+        assert blockwise_fingerprint(torch.randn(BIG), (0,), (BIG,)) is None
+    assert os.environ.get("CKPTVERIFY_FINGERPRINT_BACKEND") in (None, "auto", "compiled")
+
+
+@contextmanager
+def kern_backend(name: str) -> Iterator[None]:
+    saved = kern.get_backend()
+    kern.set_backend(name)
+    try:
+        yield
+    finally:
+        kern.set_backend(saved)
