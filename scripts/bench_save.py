@@ -15,6 +15,10 @@ throughout: spinning (no memory traffic) and summing an array larger than the ca
 beside the write costs ``dcp.save`` on the machine: the floor under a save that digests and fingerprints on
 another core, which no code of ours can go under there.
 
+A save fingerprints each large contiguous CPU tensor beside its write (in the threads that digest each written
+piece, the bytes still in the cache); ``--separate-pass`` adds a save that fingerprints every tensor in a pass
+of its own over memory instead, to show what that saves.
+
 ``--serial-hash`` adds a variant whose digests are all computed in the writing thread, to show what the
 concurrent digesting (a pool of threads hashing each large buffer while it is written) saves. ``--fp-threads``
 adds a save whose fingerprints split over torch's threads (a save's own use one thread); ``--before`` one that
@@ -52,7 +56,8 @@ def make_state(n: int, mib: int, seed: int = 0) -> dict[str, Any]:
 
 
 def variants(sync: bool, threads: int, serial: bool,
-             fp_threads: bool = False, before: bool = False) -> dict[str, Callable[[dict[str, Any], str], Any]]:
+             fp_threads: bool = False, before: bool = False,
+             separate_pass: bool = False) -> dict[str, Callable[[dict[str, Any], str], Any]]:
     """The variants by name; each saves ``state`` to ``path`` (returning its own time in seconds when it times
     itself)."""
     def plain(state: dict[str, Any], path: str) -> None:
@@ -82,20 +87,32 @@ def variants(sync: bool, threads: int, serial: bool,
         finally:
             writer_mod.FINGERPRINT_THREADS = saved
 
+    def hashed_fp_pass(state: dict[str, Any], path: str) -> None:
+        # Every fingerprint in a pass of its own over memory, in a thread beside the writes (none beside them).
+        saved = writer_mod.HashingFileSystemWriter.__dict__["_fusable"]
+        writer_mod.HashingFileSystemWriter._fusable = staticmethod(lambda plan, planner: {})
+        try:
+            cs.save(state, path, fingerprint=True, sync_files=sync, thread_count=threads)
+        finally:
+            writer_mod.HashingFileSystemWriter._fusable = saved
+
     def hashed_fp_before(state: dict[str, Any], path: str) -> None:
         # As saves fingerprinted before the NaN/Inf count rode on the kernel's pass: torch's threads, a pass
-        # of its own over every chunk for the counts, blocks staged by torch's copy_.
+        # of its own over every chunk for the fingerprint and one for the counts, blocks staged by torch's copy_.
         from ckptverify.fingerprint import kernels
 
-        saved = writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted, kernels.STAGE_COPY
+        saved = (writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted, kernels.STAGE_COPY,
+                 writer_mod.HashingFileSystemWriter.__dict__["_fusable"])
         counted = saved[1]
         writer_mod.FINGERPRINT_THREADS = None
         writer_mod.chunk_fingerprint_counted = lambda t, offsets, shape: (counted(t, offsets, shape)[0], None)
         kernels.STAGE_COPY = "torch"
+        writer_mod.HashingFileSystemWriter._fusable = staticmethod(lambda plan, planner: {})
         try:
             cs.save(state, path, fingerprint=True, sync_files=sync, thread_count=threads)
         finally:
-            writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted, kernels.STAGE_COPY = saved
+            (writer_mod.FINGERPRINT_THREADS, writer_mod.chunk_fingerprint_counted, kernels.STAGE_COPY,
+             writer_mod.HashingFileSystemWriter._fusable) = saved
 
     out = {
         "dcp.save": plain,
@@ -106,6 +123,8 @@ def variants(sync: bool, threads: int, serial: bool,
         out["ckptverify.save fp=False serial hash"] = hashed_serial
     if fp_threads:
         out["ckptverify.save fp=True torch threads"] = hashed_fp_threads
+    if separate_pass:
+        out["ckptverify.save fp=True, a pass of its own"] = hashed_fp_pass
     if before:
         out["ckptverify.save fp=True as before"] = hashed_fp_before
     return out
@@ -158,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", action="store_true",
                     help="add a variant that fingerprints as saves did before: torch's threads, a separate "
                          "pass for the NaN/Inf counts, blocks staged by torch's copy_")
+    ap.add_argument("--separate-pass", action="store_true",
+                    help="add a variant that fingerprints every tensor in a pass of its own (none beside the writes)")
     ap.add_argument("--interference", action="store_true",
                     help="add dcp.save with another process spinning, and one streaming memory, on another core")
     ap.add_argument("--fingerprint-backend", default=None, choices=["auto", "eager", "numpy", "compiled"],
@@ -171,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         set_fingerprint_backend(args.fingerprint_backend)
     state = make_state(args.tensors, args.mib)
     total = sum(t.numel() * t.element_size() for t in state.values())
-    runs = variants(not args.no_sync, args.threads, args.serial_hash, args.fp_threads, args.before)
+    runs = variants(not args.no_sync, args.threads, args.serial_hash, args.fp_threads, args.before,
+                    args.separate_pass)
     if args.interference:
         runs.update(interference_variants(runs["dcp.save"]))
     if args.only:
