@@ -561,7 +561,9 @@ class HashingFileSystemWriter(FileSystemWriter):
         digest: byte digest algorithm, ``"xxh3-128"`` (default) or ``"sha256"``.
         block_bytes: size of the blocks each item is also digested in (counted from the item's first byte).
         fingerprint: also take the logical fingerprint (and NaN/Inf counts) of every tensor chunk this
-            rank writes, on the chunk's own device, in a thread that runs while DCP writes.
+            rank writes, on the chunk's own device: a large contiguous CPU chunk block by block beside the
+            write of its bytes (by the threads that digest them), the rest in a thread that runs while DCP
+            writes. ``stats["fingerprinted_beside_writes"]`` counts the former.
         **kwargs: passed to :class:`FileSystemWriter` (``thread_count``, ``single_file_per_rank``, ...).
 
     After a save, ``manifest`` holds the manifest on the coordinator (``None`` elsewhere) and ``stats``
