@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from test_savefp_counts import compiled, planted  # noqa: F401  (compiled: a fixture)
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
 
 import ckptverify.dcp.writer as w
 from ckptverify.fingerprint import kernels as kern
@@ -169,3 +170,102 @@ def kern_backend(name: str) -> Iterator[None]:
         yield
     finally:
         kern.set_backend(saved)
+
+
+class CastingPlanner(DefaultSavePlanner):
+    """A user's planner that writes every float32 tensor as float64: ``resolve_data`` makes a new tensor."""
+
+    def transform_object(self, write_item: Any, object: Any) -> Any:
+        if isinstance(object, torch.Tensor) and object.dtype == torch.float32:
+            return object.to(torch.float64)
+        return super().transform_object(write_item, object)
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        items = [dataclasses.replace(item, tensor_data=dataclasses.replace(
+            item.tensor_data, properties=dataclasses.replace(item.tensor_data.properties, dtype=torch.float64)))
+            if item.tensor_data is not None and item.tensor_data.properties.dtype == torch.float32 else item
+            for item in plan.items]
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+
+class NoLookupPlanner(SavePlanner):
+    """A planner that is not a ``DefaultSavePlanner``: it says nothing of what the state dict holds."""
+
+    def __init__(self) -> None:
+        self.inner = DefaultSavePlanner()
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.set_up_planner(*args, **kwargs)
+
+    def create_local_plan(self) -> Any:
+        return self.inner.create_local_plan()
+
+    def create_global_plan(self, plans: Any) -> Any:
+        return self.inner.create_global_plan(plans)
+
+    def finish_plan(self, plan: Any) -> Any:
+        return self.inner.finish_plan(plan)
+
+    def resolve_data(self, write_item: Any) -> Any:
+        return self.inner.resolve_data(write_item)
+
+
+def test_a_planner_that_makes_new_tensors_has_them_fingerprinted_after_the_write(compiled: None,  # noqa: F811
+                                                                                tmp_path: Path) -> None:
+    """Only memory the state dict holds rides on its write: what a planner makes (here a float64 copy of each
+    float32 tensor) is neither kept for the whole write nor matched; its fingerprint is the copy's, taken after."""
+    s = {"f32": planted(torch.float32, BIG, 1), "bf16": planted(torch.bfloat16, BIG, 3)}
+    writer = w.HashingFileSystemWriter(tmp_path / "ckpt", sync_files=False)
+    fusable = w.HashingFileSystemWriter._fusable
+    seen: list[set[str]] = []
+
+    def spy(plan: Any, planner: Any) -> Any:
+        out = fusable(plan, planner)
+        seen.append({item.index.fqn for item, _, _ in out.values()})
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(w.HashingFileSystemWriter, "_fusable", staticmethod(spy))
+        dcp.save(s, storage_writer=writer, planner=CastingPlanner())
+    assert seen == [{"bf16"}]  # the float64 copy is not kept: it is not the state dict's memory
+    assert writer.stats["fingerprinted_beside_writes"] == 1
+    m = read_manifest(str(tmp_path / "ckpt"))
+    assert m is not None
+    assert m.tensors["f32"].fingerprint == tensor_fingerprint(s["f32"].to(torch.float64)).value
+    assert m.tensors["bf16"].fingerprint == tensor_fingerprint(s["bf16"]).value
+    loaded = {"f32": torch.empty(BIG, dtype=torch.float64), "bf16": torch.empty(BIG, dtype=torch.bfloat16)}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt")
+    assert torch.equal(loaded["f32"].view(torch.int64), s["f32"].to(torch.float64).view(torch.int64))
+
+
+def test_a_planner_that_says_nothing_of_the_state_dict_has_every_chunk_fingerprinted_after_the_write(
+        reference: dict[str, Any], tmp_path: Path) -> None:
+    writer = w.HashingFileSystemWriter(tmp_path / "ckpt", sync_files=False)
+    dcp.save(state(), storage_writer=writer, planner=NoLookupPlanner())
+    assert writer.stats["fingerprinted_beside_writes"] == 0
+    assert manifest_body(tmp_path / "ckpt") == reference
+
+
+def test_a_thread_s_staging_buffer_serves_only_its_own_block_shape(compiled: None) -> None:  # noqa: F811
+    """Each thread keeps its staging buffer across chunks; a block geometry of another shape (the tests' small
+    blocks) must get a buffer of its own, not fail the kernel (which would turn it off for the process)."""
+    from test_fingerprint import small_blocks
+
+    big = planted(torch.float32, BIG, 11)
+    assert blockwise_fingerprint(big, (0,), (BIG,)) is not None  # stages a full-size block in this thread
+    expected = chunk_fingerprint_counted(big, (0,), (BIG,))
+    bw = blockwise_fingerprint(big, (0,), (BIG,))
+    assert bw is not None
+    bw.advance(bw.nbytes)
+    assert bw.result() == expected
+    small = planted(torch.float32, 1000, 12)
+    with small_blocks(eager=32, row=16, compiled=64):
+        bw = blockwise_fingerprint(small, (0,), (1000,))
+        assert bw is not None
+        bw.advance(bw.nbytes)
+        got, count = bw.result()
+    assert not kern._compile_failed
+    assert got == tensor_fingerprint(small)
+    assert count == 6  # planted: 3 NaN, 2 +Inf, 1 -Inf

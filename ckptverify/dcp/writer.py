@@ -679,16 +679,30 @@ class HashingFileSystemWriter(FileSystemWriter):
                  ) -> dict[tuple[int, int], tuple[WriteItem, torch.Tensor, BlockwiseFingerprint]]:
         """The plan's chunks whose fingerprints can ride on their writes, by (address, bytes) of their memory:
         CPU tensors the compiled kernel takes, contiguous and the whole of their storage (DCP writes such a tensor's
-        memory as it is, where it copies a view of a larger storage first)."""
+        memory as it is, where it copies a view of a larger storage first), and the memory the state dict holds.
+
+        The last condition: a planner whose ``resolve_data`` makes a new tensor (a cast, a copy) would have these
+        kept for the whole write, every large one at once, and DCP writes another one that no key matches. So
+        only a planner that says what the state dict holds (``lookup_object``, as ``DefaultSavePlanner`` and its
+        subclasses do) has chunks fingerprinted beside their writes, those whose data is that memory."""
         from ckptverify.fingerprint.kernels import COMPILED_BLOCK
 
         out: dict[tuple[int, int], tuple[WriteItem, torch.Tensor, BlockwiseFingerprint]] = {}
+        lookup = getattr(planner, "lookup_object", None)
+        if not callable(lookup):
+            return out
         for item in plan.items:
             td = item.tensor_data
             if item.type == WriteItemType.BYTE_IO or td is None or td.chunk.sizes.numel() < COMPILED_BLOCK:
                 continue
             data = planner.resolve_data(item)
             if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or is_wrapper_subclass(data):
+                continue
+            try:
+                held = lookup(item.index)
+            except Exception:  # a planner's own lookup: whatever it raises, the chunk is fingerprinted after
+                continue
+            if not isinstance(held, torch.Tensor) or held.data_ptr() != data.data_ptr():
                 continue
             t = data.detach()
             nbytes = t.numel() * t.element_size()

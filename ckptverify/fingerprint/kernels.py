@@ -472,7 +472,7 @@ class CpuBlockLanes:
         cache = getattr(_stage_cache, "buffers", None)
         if cache is None:
             cache = _stage_cache.buffers = {}
-        key = (self._stage_dtype, self._seeds, self._screen)
+        key = (self._stage_dtype, self._seeds, self._screen, shape)
         got = cache.get(key)
         if got is None:
             if len(cache) >= 8:  # a few dtypes and screens at a time: the oldest go
