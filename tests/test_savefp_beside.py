@@ -10,15 +10,14 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_fingerprint import backend, small_blocks
 from test_savefp_counts import compiled, planted  # noqa: F401  (compiled: a fixture)
 from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
 
@@ -157,19 +156,9 @@ def test_no_blockwise_fingerprint_where_the_kernel_would_not_take_the_chunk(comp
     assert blockwise_fingerprint(torch.randn(3000, 1500).t(), (0, 0), (1500, 3000)) is None  # not contiguous
     # Rows shorter than a block: runs of the global index the kernel's blocks do not hold.
     assert blockwise_fingerprint(torch.randn(3000, 1500)[:, :700].contiguous(), (0, 0), (3000, 1500)) is None
-    with kern_backend("numpy"):
+    with backend("numpy"):
         assert blockwise_fingerprint(torch.randn(BIG), (0,), (BIG,)) is None
     assert os.environ.get("CKPTVERIFY_FINGERPRINT_BACKEND") in (None, "auto", "compiled")
-
-
-@contextmanager
-def kern_backend(name: str) -> Iterator[None]:
-    saved = kern.get_backend()
-    kern.set_backend(name)
-    try:
-        yield
-    finally:
-        kern.set_backend(saved)
 
 
 class CastingPlanner(DefaultSavePlanner):
@@ -251,8 +240,6 @@ def test_a_planner_that_says_nothing_of_the_state_dict_has_every_chunk_fingerpri
 def test_a_thread_s_staging_buffer_serves_only_its_own_block_shape(compiled: None) -> None:  # noqa: F811
     """Each thread keeps its staging buffer across chunks; a block geometry of another shape (the tests' small
     blocks) must get a buffer of its own, not fail the kernel (which would turn it off for the process)."""
-    from test_fingerprint import small_blocks
-
     big = planted(torch.float32, BIG, 11)
     assert blockwise_fingerprint(big, (0,), (BIG,)) is not None  # stages a full-size block in this thread
     expected = chunk_fingerprint_counted(big, (0,), (BIG,))
