@@ -323,12 +323,7 @@ def _lanes(
     """The lane sums of a chunk, and the count of its elements matching ``screen`` (``None`` when not counted,
     and always when ``screen`` is ``None``)."""
     global _eager_cpu_bytes
-    t = t.detach()
-    offsets, global_shape = list(offsets), list(global_shape)
-    if t.is_complex():
-        t = torch.view_as_real(t)
-        offsets.append(0)
-        global_shape.append(2)
+    t, offsets, global_shape = _as_real(t.detach(), offsets, global_shape)
     geometry = chunk_geometry(t.shape, offsets, global_shape)
     if t.numel() == 0:
         return (0, 0), 0
@@ -429,7 +424,6 @@ class CpuBlockLanes:
         self._seeds = seeds
         self._stage_dtype = stage_dtype
         self._screen = screen
-        self._geometry = geometry
         self.blocks = list(iter_blocks(flat, geometry, COMPILED_BLOCK))
         base, size = flat.storage_offset(), flat.element_size()
         self.byte_ends = [(blk.bits.storage_offset() - base + blk.bits.numel()) * size for blk in self.blocks]
@@ -493,6 +487,18 @@ class CpuBlockLanes:
 _stage_cache = threading.local()
 
 
+def _as_real(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int]
+             ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """``t`` at ``offsets`` in ``global_shape`` as the kernels read it: a complex chunk as its real view, with a
+    last dimension of 2 (real, imaginary) in the global shape too."""
+    offsets, global_shape = list(offsets), list(global_shape)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+        offsets.append(0)
+        global_shape.append(2)
+    return t, offsets, global_shape
+
+
 def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
                     screen: tuple[int, int] | None) -> CpuBlockLanes | None:
     """A :class:`CpuBlockLanes` over chunk ``t`` (at ``offsets`` in ``global_shape``; ``name``: its dtype's, as
@@ -504,11 +510,7 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
     if (_compile_failed or _backend not in ("auto", "compiled") or t.device.type != "cpu" or not t.is_contiguous()
             or t.numel() < COMPILED_BLOCK):
         return None
-    offsets, global_shape = list(offsets), list(global_shape)
-    if t.is_complex():
-        t = torch.view_as_real(t)
-        offsets.append(0)
-        global_shape.append(2)
+    t, offsets, global_shape = _as_real(t, offsets, global_shape)
     bits = _INT_VIEW_BY_SIZE.get(t.element_size())
     if bits is None:
         return None
