@@ -409,3 +409,164 @@ def test_a_production_run_on_two_nodes_stamps_each_checkpoint_once_from_both_par
         assert not [n for n in os.listdir(ckpt) if n.startswith(PARTS_PREFIX)]
     verified = [(e["step"], e["rank"]) for e in read_events(run, "checkpoint-verified")]
     assert sorted(verified) == [(2, 0), (4, 0)], verified
+
+
+# ---------------------------------------------------------------------------------- fingerprint="auto"
+
+
+def _plain_dcp(path: Path, state: dict[str, torch.Tensor], *, safetensors: bool = False) -> str:
+    """A checkpoint written by torch's own ``dcp.save`` (no manifest), in two files of one rank."""
+    import torch.distributed.checkpoint as dcp
+
+    kwargs: dict[str, Any] = {"thread_count": 2}
+    if safetensors:
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        kwargs["serialization_format"] = SerializationFormat.SAFETENSORS
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), **kwargs), no_dist=True)
+    return str(path)
+
+
+def _auto_job(path: str) -> dict[str, Any]:
+    """What the coordinator's verifier runs for an integration's save shared out among two nodes (node 1's part
+    already reported)."""
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+    from ckptverify.verifier.saved import saved_job
+
+    files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    write_plan(path, make_plan(["hostA", "hostB"], [files[:1], files[1:]]))
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    return saved_job(path, 5, "auto", 1, False, 0.0, parts=True)
+
+
+def test_auto_shares_out_a_checkpoint_every_byte_of_which_a_crc_protects(tmp_path: Path) -> None:
+    path = _plain_dcp(tmp_path / "ckpt", {f"w{i}": torch.randn(4096) for i in range(6)})
+    out = _auto_job(path)
+    assert out["event"] == "checkpoint-verified" and "whole" not in out["extra"], out["extra"]
+    stamp = _stamp(Path(path))
+    assert stamp["passed"] and [p["opened"] for p in stamp["parts"]] == [["__0_0.distcp"], ["__0_1.distcp"]]
+    # Nothing was fingerprinted: every byte is under a CRC-32, and the manifest is not written.
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__0_1.distcp", STAMP_FILE]
+
+
+def test_auto_fingerprints_whole_what_the_parts_find_no_checksum_protects(tmp_path: Path) -> None:
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+    from ckptverify.verifier.saved import WHOLE_UNCHECKABLE
+
+    path = _plain_dcp(tmp_path / "ckpt", {f"w{i}": torch.randn(4096) for i in range(6)}, safetensors=True)
+    out = _auto_job(path)
+    assert out["event"] == "checkpoint-verified" and out["extra"]["whole"] == WHOLE_UNCHECKABLE, out["extra"]
+    assert out["extra"]["fingerprint"].startswith("manifest written")
+    stamp = _stamp(Path(path))
+    assert stamp["passed"] and "parts" not in stamp and (Path(path) / MANIFEST_FILE).is_file()
+    assert verify_checkpoint(path).stats["manifest"]
+    assert not [n for n in os.listdir(path) if n.startswith(PARTS_PREFIX)]
+
+
+def test_auto_fingerprints_again_over_a_former_save_s_manifest(tmp_path: Path) -> None:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+    from ckptverify.verifier.saved import WHOLE_STALE
+
+    target = tmp_path / "ckpt"
+    _plain_dcp(target, {f"w{i}": torch.zeros(4096) for i in range(6)})
+    assert fingerprint_checkpoint(str(target))[1] is not None
+    old = (target / MANIFEST_FILE).read_bytes()
+    path = _plain_dcp(target, {f"w{i}": torch.randn(4096) for i in range(6)})  # saved again into the same place
+    out = _auto_job(path)
+    assert out["event"] == "checkpoint-verified" and out["extra"]["whole"] == WHOLE_STALE, out
+    assert (target / MANIFEST_FILE).read_bytes() != old and _stamp(target)["passed"]
+
+
+def _framework_groups(rank: int) -> dict[str, Any]:
+    """The groups the Lightning and accelerate integrations build, on a stand-in for the trainer and the
+    accelerator (both run on the default process group)."""
+    import dataclasses
+    import types
+
+    import torch.distributed as dist
+
+    from ckptverify.integrations import accelerate as acc_mod
+    from ckptverify.integrations.lightning import VerifyCheckpoints
+
+    strategy = types.SimpleNamespace(broadcast=lambda obj, src=0: _broadcast(obj))
+    trainer = types.SimpleNamespace(strategy=strategy, world_size=2, is_global_zero=rank == 0, global_rank=rank)
+    accelerator = types.SimpleNamespace(num_processes=2, is_main_process=rank == 0, process_index=rank,
+                                        wait_for_everyone=dist.barrier)
+    # accelerate's own broadcast needs its process state set up (no Accelerator here): the group's gather, the
+    # integration's own, is what is under test.
+    return {"lightning": VerifyCheckpoints._group(VerifyCheckpoints(), trainer),  # type: ignore[arg-type]
+            "accelerate": dataclasses.replace(acc_mod._group(accelerator), broadcast=_broadcast)}
+
+
+def _broadcast(obj: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _auto_worker(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckptverify.integrations._core import Verifier
+    from ckptverify.verifier import background
+
+    warnings.simplefilter("ignore")
+    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+    groups = _framework_groups(rank)
+    out: dict[str, Any] = {"gather": {k: g.gather is not None for k, g in groups.items()}}
+    verifier = Verifier(verify="background")  # fingerprint="auto", the integrations' default
+    if rank == 1:
+        background.default_verifier().before_verify = (
+            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith("step_2") else None)
+    try:
+        for step, framework in ((1, "lightning"), (2, "accelerate"), (3, "lightning")):
+            path = os.path.join(root, f"step_{step}")
+            state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}
+            kwargs: dict[str, Any] = {}
+            if step == 3:  # content no CRC-32 protects: fingerprinted whole by the coordinator
+                from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+                kwargs["serialization_format"] = SerializationFormat.SAFETENSORS
+            # The framework's own DCP save (no manifest), then the integration's check of what it wrote.
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, **kwargs))
+            dist.barrier()
+            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=groups[framework]).pending
+        arrived = verifier.wait(group=groups["lightning"], timeout=240)
+        out["arrived"] = {v.step: v.verdict for v in arrived}
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+
+
+@pytest.mark.slow
+def test_lightning_and_accelerate_saves_are_shared_out_among_nodes_with_fingerprint_auto(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+    from ckptverify.verifier.saved import WHOLE_UNCHECKABLE
+
+    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
+    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "120")
+    spawn_ranks(_auto_worker, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["gather"] == {"lightning": True, "accelerate": True} for r in ranks), ranks
+    assert all(r[f"pending_{s}"] for r in ranks for s in (1, 2, 3)), ranks
+    assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed", "3": "passed"}, ranks
+    clean = _stamp(tmp_path / "step_1")
+    assert clean["passed"] and [p["opened"] for p in clean["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
+    assert not (tmp_path / "step_1" / MANIFEST_FILE).exists()  # every byte under a CRC-32: nothing to fingerprint
+    failed = _stamp(tmp_path / "step_2")
+    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
+    assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
+    assert (tmp_path / "step_2" / "__1_0.distcp").exists()  # evidence kept
+    whole = _stamp(tmp_path / "step_3")
+    assert whole["passed"] and "parts" not in whole and (tmp_path / "step_3" / MANIFEST_FILE).is_file()
+    events = {e["step"]: e for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")}
+    assert [events[s]["event"] for s in (1, 2, 3)] == ["checkpoint-verified", "checkpoint-failed",
+                                                       "checkpoint-verified"], events
+    assert events[3]["whole"] == WHOLE_UNCHECKABLE and "whole" not in events[1], events
+    for step in (1, 2, 3):
+        assert not [n for n in os.listdir(tmp_path / f"step_{step}") if n.startswith(PARTS_PREFIX)]

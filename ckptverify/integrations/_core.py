@@ -79,7 +79,8 @@ from ckptverify.verifier.saved import (
 from ckptverify.verifier.verification import Verification, unverified
 
 __all__ = ["ON_FAILURE", "WHEN", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions",
-           "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_group"]
+           "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_gather",
+           "torch_group"]
 
 OnFailure = Literal["warn", "raise"]
 ON_FAILURE: tuple[str, ...] = FAILURE_POLICIES
@@ -106,15 +107,39 @@ class Group:
     gather: Callable[[Any], list[Any]] | None = None
 
 
-def torch_group() -> Group:
-    """The default ``torch.distributed`` process group (a single process when there is none)."""
+def _initialized_dist() -> Any:
+    """``torch.distributed`` when its default process group is up with more than one rank, else ``None``."""
     import sys
 
     if "torch.distributed" not in sys.modules:
-        return Group()
+        return None
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist
+
+
+def torch_gather() -> Callable[[Any], list[Any]] | None:
+    """``Group.gather`` over the default ``torch.distributed`` process group (``all_gather_object``), or ``None``
+    when there is none: what an integration whose framework has a broadcast of its own but no gather of objects
+    (Lightning, accelerate) adds, so that its background verification is shared out among nodes."""
+    dist = _initialized_dist()
+    if dist is None:
+        return None
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    return gather
+
+
+def torch_group() -> Group:
+    """The default ``torch.distributed`` process group (a single process when there is none)."""
+    dist = _initialized_dist()
+    if dist is None:
         return Group()
 
     def broadcast(obj: Any) -> Any:
@@ -122,13 +147,8 @@ def torch_group() -> Group:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def gather(obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
     rank = dist.get_rank()
-    return Group(coordinator=rank == 0, broadcast=broadcast, barrier=dist.barrier, rank=rank, gather=gather)
+    return Group(coordinator=rank == 0, broadcast=broadcast, barrier=dist.barrier, rank=rank, gather=torch_gather())
 
 
 #: The result of one check: :class:`~ckptverify.verifier.verification.Verification`, the one result type of
@@ -342,9 +362,12 @@ class Verifier:
 
     def _node_hosts(self, root: str, group: Group, fingerprint: Fingerprint) -> list[str] | None:
         """The node of every rank when this background verification is shared out among nodes (every rank calls
-        it): a local DCP folder written with its manifest (nothing to fingerprint), not deep, a group that can
-        gather, more than one node. Else ``None``: the coordinator verifies everything."""
-        if not self.background or self.deep or fingerprint is not False or group.gather is None or "://" in root \
+        it): a local folder, not deep, not fingerprinted whatever it holds (``fingerprint=True``), a group that
+        can gather, more than one node. Else ``None``: the coordinator verifies everything. With
+        ``fingerprint="auto"`` the parts verify; a checkpoint they find holding content no checksum protects
+        (or a former save's manifest) is then fingerprinted and verified whole by the coordinator
+        (:func:`~ckptverify.verifier.saved.saved_job`)."""
+        if not self.background or self.deep or fingerprint is True or group.gather is None or "://" in root \
                 or not os.path.isdir(root):
             return None
         from ckptverify.verifier.parts import node_name

@@ -55,6 +55,7 @@ from ckptverify.integrations._core import (
     integration_verify,
     numbered_folders,
     plain_folder,
+    torch_gather,
 )
 
 __all__ = ["load_state", "save_state", "wait_for_verifications"]
@@ -177,4 +178,4 @@ def _group(accelerator: Any) -> Group:
         return broadcast_object_list([obj], from_process=0)[0]
 
     return Group(coordinator=accelerator.is_main_process, broadcast=broadcast, barrier=accelerator.wait_for_everyone,
-                 rank=accelerator.process_index)
+                 rank=accelerator.process_index, gather=torch_gather())

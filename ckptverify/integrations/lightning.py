@@ -61,6 +61,7 @@ from ckptverify.integrations._core import (
     VerifyOptions,
     integration_verify,
     settle_verdicts,
+    torch_gather,
 )
 
 __all__ = ["VerifyCheckpoints"]
@@ -149,7 +150,7 @@ class VerifyCheckpoints(Callback):
         if trainer.world_size == 1:
             return Group()
         return Group(coordinator=trainer.is_global_zero, broadcast=lambda obj: strategy.broadcast(obj, src=0),
-                     rank=trainer.global_rank)
+                     rank=trainer.global_rank, gather=torch_gather())
 
     def _saving(self, trainer: pl.Trainer, save: Any) -> Any:
         def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

@@ -32,6 +32,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
@@ -155,13 +156,16 @@ def _describe_node(node: dict[str, Any]) -> str:
 
 
 def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = 1.0,
-                       throttle: Any = None, wait_s: float | None = None) -> Any:
+                       throttle: Any = None, wait_s: float | None = None,
+                       whole_if: Callable[[Any], bool] | None = None) -> Any:
     """The coordinator's side (its caller holds the checkpoint's verifying lock, as for
     :func:`~ckptverify.verifier.stamper.stamp_locked`): verify the whole checkpoint and the coordinator node's
     files, gather the other nodes' part verdicts (waiting up to ``wait_s`` seconds, default
     :func:`part_timeout`), and stamp the merged verdict. Without a readable plan it verifies everything itself
     (:func:`~ckptverify.verifier.stamper.stamp_locked`). Returns a
-    :class:`~ckptverify.verifier.verification.Verification`."""
+    :class:`~ckptverify.verifier.verification.Verification`; or ``None`` when ``whole_if`` says of the merged
+    report that the checkpoint must be checked whole instead (content no checksum protects, to be fingerprinted
+    by the caller): nothing is stamped then, and the plan and part verdicts are removed."""
     from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.findings import Report, error, merge_coverage
     from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
@@ -244,6 +248,9 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     merged = Report(command="verify", target=path, findings=tuple(findings),
                     coverage=merge_coverage([c for r in [mine, *(r for _, r in reports)] for c in r.coverage]),
                     stats=stats)
+    if whole_if is not None and whole_if(merged):
+        _tidy_parts(path, [n["node"] for n in nodes])
+        return None
     if missing and merged.passed:
         # Not a pass: what those nodes wrote was not checked.
         _tidy_parts(path, [n["node"] for n in nodes])
