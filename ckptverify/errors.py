@@ -240,6 +240,12 @@ class ClusterError(CkptVerifyError):
     answering: the command could not run (exit 2). The message names the rank, its host, and what happened."""
 
 
+class PartsOverlapError(CkptVerifyError, ValueError):
+    """The parts of a checkpoint's adoption shared out among nodes cannot be merged into one manifest: a chunk of
+    a tensor is held by two of them (a replica across nodes, whose copies only one reader can compare), or they
+    digested differently. The caller adopts the checkpoint whole instead."""
+
+
 class TruncatedRangeError(CkptVerifyError, EOFError):
     """A byte range extends past the end of its file."""
 

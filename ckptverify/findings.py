@@ -245,3 +245,26 @@ def merge_coverage(parts: Sequence[CheckCoverage]) -> tuple[CheckCoverage, ...]:
     for c in parts:
         totals[(c.check, c.unit)] = totals.get((c.check, c.unit), 0) + c.count
     return tuple(CheckCoverage(check=k[0], count=v, unit=k[1]) for k, v in totals.items())
+
+
+def merge_reports(command: str, target: str, reports: Sequence[Report],
+                  first: Sequence[Finding] = ()) -> Report:
+    """One report of a check shared out in parts, each over its own files (the first part also checked the whole
+    checkpoint): ``first``, then every part's findings once each (a finding of the whole checkpoint can come
+    from more than one part), coverage added up, and the first part's stats with ``bytes`` and ``files`` summed
+    over the parts."""
+    import json
+
+    findings: list[Finding] = list(first)
+    seen: set[str] = set()
+    for report in reports:
+        for f in report.findings:
+            key = json.dumps(f.to_dict(), sort_keys=True, default=str)
+            if key not in seen:
+                seen.add(key)
+                findings.append(f)
+    stats = dict(reports[0].stats) if reports else {}
+    stats["bytes"] = sum(int(r.stats.get("bytes") or 0) for r in reports)
+    stats["files"] = sum(int(r.stats.get("files") or 0) for r in reports)
+    return Report(command=command, target=target, findings=tuple(findings),
+                  coverage=merge_coverage([c for r in reports for c in r.coverage]), stats=stats)

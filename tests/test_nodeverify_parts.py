@@ -427,55 +427,117 @@ def _plain_dcp(path: Path, state: dict[str, torch.Tensor], *, safetensors: bool 
     return str(path)
 
 
-def _auto_job(path: str) -> dict[str, Any]:
-    """What the coordinator's verifier runs for an integration's save shared out among two nodes (node 1's part
-    already reported)."""
+def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None) -> dict[str, Any]:
+    """What the coordinator's verifier runs for an integration's save shared out among two nodes, node 1's part
+    having reported first (``opened``, when given, holds what each side opened: ``part: ...`` then
+    ``coordinator: ...``)."""
     from ckptverify.ownfiles.partsplan import make_plan, write_plan
     from ckptverify.verifier.saved import saved_job
 
     files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
-    write_plan(path, make_plan(["hostA", "hostB"], [files[:1], files[1:]]))
+    write_plan(path, {**make_plan(["hostA", "hostB"], [files[:1], files[1:]]), "fingerprint": fingerprint})
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
-    return saved_job(path, 5, "auto", 1, False, 0.0, parts=True)
+    if opened is not None:
+        opened[:] = [f"part: {n}" for n in opened]
+    out = saved_job(path, 5, fingerprint, 1, False, 0.0, parts=True)
+    if opened is not None:
+        opened[:] = [n if n.startswith("part: ") else f"coordinator: {n}" for n in opened]
+    return out
+
+
+def _without_times(manifest: Any) -> dict[str, Any]:
+    d = manifest.to_dict()
+    d.pop("created")
+    d["items"] = sorted(d["items"], key=lambda e: (e["file"], e["offset"]))
+    return d
 
 
 def test_auto_shares_out_a_checkpoint_every_byte_of_which_a_crc_protects(tmp_path: Path) -> None:
     path = _plain_dcp(tmp_path / "ckpt", {f"w{i}": torch.randn(4096) for i in range(6)})
-    out = _auto_job(path)
-    assert out["event"] == "checkpoint-verified" and "whole" not in out["extra"], out["extra"]
+    out = _job_in_parts(path, "auto")
+    assert out["event"] == "checkpoint-verified" and "fingerprint" not in out["extra"], out["extra"]
     stamp = _stamp(Path(path))
     assert stamp["passed"] and [p["opened"] for p in stamp["parts"]] == [["__0_0.distcp"], ["__0_1.distcp"]]
     # Nothing was fingerprinted: every byte is under a CRC-32, and the manifest is not written.
     assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__0_1.distcp", STAMP_FILE]
 
 
-def test_auto_fingerprints_whole_what_the_parts_find_no_checksum_protects(tmp_path: Path) -> None:
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE
-    from ckptverify.verifier.saved import WHOLE_UNCHECKABLE
+def _mixed_state() -> dict[str, Any]:
+    """Tensors large and small (batched), of several dtypes, a non-tensor item."""
+    return {**{f"w{i}": torch.randn(4096 * (i + 1)) for i in range(6)}, "big": torch.randn(300_000),
+            "half": torch.arange(10, dtype=torch.float16), "step": 3, "ids": torch.arange(77)}
 
-    path = _plain_dcp(tmp_path / "ckpt", {f"w{i}": torch.randn(4096) for i in range(6)}, safetensors=True)
-    out = _auto_job(path)
-    assert out["event"] == "checkpoint-verified" and out["extra"]["whole"] == WHOLE_UNCHECKABLE, out["extra"]
-    assert out["extra"]["fingerprint"].startswith("manifest written")
+
+@pytest.mark.parametrize(("fingerprint", "safetensors"), [(True, False), ("auto", True), (True, True)])
+def test_a_manifest_from_the_parts_is_the_one_a_single_process_writes_and_no_node_opens_another_s_file(
+        tmp_path: Path, opened_paths: list[str], fingerprint: Any, safetensors: bool) -> None:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
+
+    path = _plain_dcp(tmp_path / "ckpt", _mixed_state(), safetensors=safetensors)
+    alone = _plain_dcp(tmp_path / "alone", _mixed_state(), safetensors=safetensors)
+    for name in os.listdir(path):  # the same bytes in a second folder, adopted by one process
+        Path(alone, name).write_bytes(Path(path, name).read_bytes())
+    single = fingerprint_checkpoint(alone, force=True, trust_uncheckable=True)[1]
+    opened_paths.clear()
+    out = _job_in_parts(path, fingerprint, opened_paths)
+    assert out["event"] == "checkpoint-verified", out
+    note = out["extra"]["fingerprint"]
+    assert note.startswith("manifest written") and "1 other node(s)" in note and "read whole" not in note
+    assert _without_times(read_manifest(path)) == _without_times(single)
+    shards = {n for n in opened_paths if n.endswith(".distcp")}
+    assert shards == {"part: __0_1.distcp", "coordinator: __0_0.distcp"}, opened_paths
     stamp = _stamp(Path(path))
-    assert stamp["passed"] and "parts" not in stamp and (Path(path) / MANIFEST_FILE).is_file()
-    assert verify_checkpoint(path).stats["manifest"]
+    assert stamp["passed"] and [p["opened"] for p in stamp["parts"]] == [["__0_0.distcp"], ["__0_1.distcp"]]
+    sizes = {n: Path(path, n).stat().st_size for n in ("__0_0.distcp", "__0_1.distcp")}
+    assert [p["bytes"] for p in stamp["parts"]][1] == sizes["__0_1.distcp"]
+    assert (Path(path) / MANIFEST_FILE).is_file() and verify_checkpoint(path).passed
     assert not [n for n in os.listdir(path) if n.startswith(PARTS_PREFIX)]
 
 
 def test_auto_fingerprints_again_over_a_former_save_s_manifest(tmp_path: Path) -> None:
     from ckptverify.audit.adopt import fingerprint_checkpoint
     from ckptverify.ownfiles.manifest import MANIFEST_FILE
-    from ckptverify.verifier.saved import WHOLE_STALE
 
     target = tmp_path / "ckpt"
     _plain_dcp(target, {f"w{i}": torch.zeros(4096) for i in range(6)})
     assert fingerprint_checkpoint(str(target))[1] is not None
     old = (target / MANIFEST_FILE).read_bytes()
     path = _plain_dcp(target, {f"w{i}": torch.randn(4096) for i in range(6)})  # saved again into the same place
-    out = _auto_job(path)
-    assert out["event"] == "checkpoint-verified" and out["extra"]["whole"] == WHOLE_STALE, out
-    assert (target / MANIFEST_FILE).read_bytes() != old and _stamp(target)["passed"]
+    out = _job_in_parts(path, "auto")
+    assert out["event"] == "checkpoint-verified" and out["extra"]["fingerprint"].startswith("manifest written"), out
+    assert (target / MANIFEST_FILE).read_bytes() != old and _stamp(target)["passed"] and verify_checkpoint(path).passed
+
+
+def test_a_damaged_part_refuses_the_manifest_and_names_its_node(tmp_path: Path) -> None:
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+
+    path = _plain_dcp(tmp_path / "ckpt", _mixed_state())
+    on_node_1 = next(i.fqn for i in inj.tensor_zip_items(path) if i.file == "__0_1.distcp")
+    fault = inj.flip_in_tensor_payload(path, on_node_1)
+    out = _job_in_parts(path, True)
+    assert out["event"] == "checkpoint-failed" and out["extra"]["fingerprint"].startswith("no manifest"), out
+    assert not (Path(path) / MANIFEST_FILE).exists() and (Path(path) / fault.file).exists()
+    stamp = _stamp(Path(path))
+    named = [e["message"] for e in stamp["errors"] if e["check"] == "node-part-failed"]
+    assert named == ["the part of node 1 (host hostB, ranks [1]) failed: __0_1.distcp"], stamp["errors"]
+    assert {p["node"]: p["verdict"] for p in stamp["parts"]} == {0: "passed", 1: "failed"}
+    assert {e["location"].get("file") for e in stamp["errors"] if e["check"] != "node-part-failed"} == \
+        {"__0_1.distcp"}
+
+
+def test_parts_that_cannot_be_merged_are_refused_by_the_merge() -> None:
+    from ckptverify.audit.adopt import SmallScan, _merge_scans
+    from ckptverify.checks.deep import TensorScan
+    from ckptverify.errors import PartsOverlapError
+
+    a = TensorScan(chunks={(0,)}, elements=4)
+    b = TensorScan(chunks={(4,)}, elements=4)
+    assert _merge_scans({"t": a}, [{"t": b}])["t"].elements == 8
+    with pytest.raises(PartsOverlapError, match="more than one node"):
+        _merge_scans({"t": a}, [{"t": TensorScan(chunks={(0,)}, elements=4)}])
+    with pytest.raises(PartsOverlapError):
+        _merge_scans({"t": SmallScan("0" * 32, 0, 0)}, [{"t": b}])
 
 
 def _framework_groups(rank: int) -> dict[str, Any]:
@@ -523,18 +585,20 @@ def _auto_worker(rank: int, world: int, root: str) -> None:
         background.default_verifier().before_verify = (
             lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith("step_2") else None)
     try:
-        for step, framework in ((1, "lightning"), (2, "accelerate"), (3, "lightning")):
+        for step, framework in ((1, "lightning"), (2, "accelerate"), (3, "lightning"), (4, "accelerate")):
             path = os.path.join(root, f"step_{step}")
             state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}
             kwargs: dict[str, Any] = {}
-            if step == 3:  # content no CRC-32 protects: fingerprinted whole by the coordinator
+            if step == 3:  # content no CRC-32 protects: fingerprinted ("auto"), in parts
                 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
                 kwargs["serialization_format"] = SerializationFormat.SAFETENSORS
             # The framework's own DCP save (no manifest), then the integration's check of what it wrote.
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path, **kwargs))
             dist.barrier()
-            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=groups[framework]).pending
+            # Step 4: a manifest asked for (fingerprint=True) over bytes every CRC-32 protects.
+            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=groups[framework],
+                                                         fingerprint=True if step == 4 else None).pending
         arrived = verifier.wait(group=groups["lightning"], timeout=240)
         out["arrived"] = {v.step: v.verdict for v in arrived}
     finally:
@@ -543,18 +607,18 @@ def _auto_worker(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
-def test_lightning_and_accelerate_saves_are_shared_out_among_nodes_with_fingerprint_auto(
+def test_lightning_and_accelerate_saves_are_verified_and_fingerprinted_in_parts_among_nodes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptverify.ownfiles.manifest import MANIFEST_FILE
-    from ckptverify.verifier.saved import WHOLE_UNCHECKABLE
 
     monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
     monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "120")
     spawn_ranks(_auto_worker, 2, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["gather"] == {"lightning": True, "accelerate": True} for r in ranks), ranks
-    assert all(r[f"pending_{s}"] for r in ranks for s in (1, 2, 3)), ranks
-    assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed", "3": "passed"}, ranks
+    assert all(r[f"pending_{s}"] for r in ranks for s in (1, 2, 3, 4)), ranks
+    assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed", "3": "passed",
+                                                          "4": "passed"}, ranks
     clean = _stamp(tmp_path / "step_1")
     assert clean["passed"] and [p["opened"] for p in clean["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
     assert not (tmp_path / "step_1" / MANIFEST_FILE).exists()  # every byte under a CRC-32: nothing to fingerprint
@@ -562,11 +626,15 @@ def test_lightning_and_accelerate_saves_are_shared_out_among_nodes_with_fingerpr
     named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
     assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
     assert (tmp_path / "step_2" / "__1_0.distcp").exists()  # evidence kept
-    whole = _stamp(tmp_path / "step_3")
-    assert whole["passed"] and "parts" not in whole and (tmp_path / "step_3" / MANIFEST_FILE).is_file()
+    for step in (3, 4):  # fingerprinted in parts: each node digested what it wrote
+        adopted = _stamp(tmp_path / f"step_{step}")
+        assert adopted["passed"] and (tmp_path / f"step_{step}" / MANIFEST_FILE).is_file()
+        assert [p["opened"] for p in adopted["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
+        assert verify_checkpoint(tmp_path / f"step_{step}").stats["manifest"]
     events = {e["step"]: e for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")}
-    assert [events[s]["event"] for s in (1, 2, 3)] == ["checkpoint-verified", "checkpoint-failed",
-                                                       "checkpoint-verified"], events
-    assert events[3]["whole"] == WHOLE_UNCHECKABLE and "whole" not in events[1], events
-    for step in (1, 2, 3):
+    assert [events[s]["event"] for s in (1, 2, 3, 4)] == ["checkpoint-verified", "checkpoint-failed",
+                                                          "checkpoint-verified", "checkpoint-verified"], events
+    assert "fingerprint" not in events[1], events
+    assert all(events[s]["fingerprint"].startswith("manifest written") for s in (3, 4)), events
+    for step in (1, 2, 3, 4):
         assert not [n for n in os.listdir(tmp_path / f"step_{step}") if n.startswith(PARTS_PREFIX)]

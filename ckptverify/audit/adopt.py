@@ -16,12 +16,13 @@ import re
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ckptverify.audit.verify import UNCHECKABLE, ProgressSink, VerificationRun, changed_finding, default_jobs
 from ckptverify.checks import deep as deep_check
-from ckptverify.errors import CheckpointNotFoundError, ManifestExistsError, UsageError
-from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage
+from ckptverify.errors import CheckpointNotFoundError, ManifestExistsError, PartsOverlapError, UsageError
+from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage, merge_reports
 from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.formats.describe import StoredRange
 from ckptverify.ownfiles.manifest import (
@@ -45,7 +46,8 @@ _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-128",
                            block_bytes: int = DEFAULT_BLOCK_BYTES, force: bool = False, jobs: int | None = None,
                            trust_uncheckable: bool = False, progress: ProgressSink | None = None,
-                           executor: Any = None) -> tuple[Report, Manifest | None]:
+                           executor: Any = None,
+                           parts: list[AdoptionPart] | None = None) -> tuple[Report, Manifest | None]:
     """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the
     manifest (``None`` when refused).
 
@@ -57,7 +59,13 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
 
     ``executor``: shares a DCP checkpoint's verification pass and its item and file digests among ranks
     and the logical fingerprints' reads among ranks (:mod:`ckptverify.cluster`); the manifest is the one a
-    single process writes. Other formats are adopted by this process alone."""
+    single process writes. Other formats are adopted by this process alone.
+
+    ``parts``: what other nodes computed over their own files (:func:`fingerprint_files`, a save's adoption
+    shared out among the nodes that wrote it): those files are neither opened nor read here, their verification
+    joins this one's, and their digests and scans join the manifest. Raises
+    :class:`~ckptverify.errors.PartsOverlapError` when the parts cannot be merged (a chunk on two nodes,
+    another digest or block size)."""
     from ckptverify.fingerprint import ALGORITHMS
 
     root = os.fspath(path)
@@ -89,25 +97,34 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     # cyclic collector would walk them all again and again (a third of the time of 100 000 items), and once
     # more when it is enabled again: all but the report and the manifest is freed before that, by reference
     # counting, as the call returns.
+    for part in parts or ():
+        if part.complete and (part.digest, part.block_bytes) != (digest, block_bytes):
+            raise PartsOverlapError(f"a part digested with {part.digest} in blocks of {part.block_bytes} bytes, this "
+                               f"adoption with {digest} in blocks of {block_bytes}")
     with paused_gc():
         return _adopt_dcp(root, digest=digest, block_bytes=block_bytes, jobs=jobs,
                           trust_uncheckable=trust_uncheckable, progress=progress, executor=executor,
-                          started=started)
+                          started=started, parts=parts)
 
 
 def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, trust_uncheckable: bool,
-               progress: ProgressSink | None, executor: Any, started: float) -> tuple[Report, Manifest | None]:
+               progress: ProgressSink | None, executor: Any, started: float,
+               parts: list[AdoptionPart] | None = None) -> tuple[Report, Manifest | None]:
     """:func:`fingerprint_checkpoint` of a DCP checkpoint (see there)."""
     from ckptverify._version import __version__
-    from ckptverify.fingerprint import FINGERPRINT_VERSION, BlockDigest, digest_reader
-    from ckptverify.fingerprint.digest import digest_bytes
+    from ckptverify.fingerprint import FINGERPRINT_VERSION
 
-    run = VerificationRun(root, jobs or default_jobs(), progress)
+    skip = frozenset(f for part in parts or () for f in part.only)
+    run = VerificationRun(root, jobs or default_jobs(), progress, skip=skip)
     run.executor = executor
     run.hold_kept = HOLD_KEPT and executor is None  # the digest pass and the scan read the small files again
     try:
         run.execute(deep=False, use_manifest=False)
         checked = run.report("fingerprint", time.perf_counter() - started)
+        if parts:
+            here = checked.stats.get("bytes")
+            checked = merge_reports("fingerprint", root, [checked, *(part.report for part in parts)])
+            checked.stats["bytes_read_here"] = here  # the rest was read by the parts, each on its node
         if not checked.passed:
             refusal = error("fingerprint-refused", "the checkpoint fails verification; refusing to write a "
                             "manifest that would bless it", location=Location(file=MANIFEST_FILE))
@@ -125,68 +142,19 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
         desc = run.description()
         if progress is not None:
             progress.start(sum(i.length for i in desc.stored))
-
-        def digest_item(item: StoredRange) -> ItemEntry:
-            d = BlockDigest(digest, block_bytes)
-            with desc.open(item.file) as f:
-                f.fold(item.offset, item.offset + item.length, d.update)
-            run.advance(item.length)
-            return ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file, offset=item.offset,
-                             length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
-
-        whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
-        kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan
-
-        def digest_batch(batch: _Batch) -> list[ItemEntry]:
-            # Small items (each at most one block), read many at a time: an item's digest and its one block's
-            # digest are the digest of its bytes (what BlockDigest gives for one block), taken once.
-            name, start, end, items = batch
-            with desc.open(name) as f:
-                buf = f.pread(start, end - start)
-                size = f.size
-            if len(buf) != end - start:  # inside the size seen at open: the file changed
-                raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(root, name))
-            out = []
-            view = memoryview(buf)
-            for item in items:
-                h = digest_bytes(view[item.offset - start:item.offset - start + item.length], digest)
-                out.append(ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file,
-                                     offset=item.offset, length=item.length, digest=h, blocks=(h,)))
-            if start == 0 and end == size:
-                # One item that is the whole file (one file per item): the file's digest is the item's.
-                whole = out[0].digest if len(items) == 1 and len(buf) == items[0].length else \
-                    digest_bytes(view, digest)
-                whole_files[name] = FileEntry(size=size, digest=whole)
-                kept.keep(name, buf)
-            run.advance(sum(i.length for i in items))
-            return out
-
-        def digest_file(name: str) -> FileEntry:
-            known = whole_files.get(name)
-            if known is not None:
-                return known
-            with desc.open(name) as f:
-                return FileEntry(size=f.size, digest=digest_reader(f, digest))
-
-        names = sorted(desc.files)
-        if executor is not None:
-            ordered = sorted(desc.stored, key=lambda i: -i.length)
-            entries, file_digests = _shared_digests(run, executor, ordered, names, digest, block_bytes)
-            metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-            scans, replica_findings = deep_check.scan_description(desc, executor.tensor_map(run))
-        else:
-            # Small items and small whole tensors in batched reads (a checkpoint of many small tensors).
-            small, large = _small_item_batches(desc.stored, block_bytes)
-            entries = [e for batch in run.map(digest_batch, small) for e in batch]
-            entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
-            file_digests = run.map(digest_file, names)
-            metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-            scans, batched = _scan_small_tensors(kept.over(desc), run.map)
-            kept.clear()
-            run.release_kept()
-            rest = {name for name in desc.tensors if name not in batched}
-            more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
-            scans.update(more)
+        entries, files, scans, replica_findings = _digests_and_scans(run, desc, digest=digest,
+                                                                     block_bytes=block_bytes, executor=executor)
+        metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
+        if parts:
+            # What the other nodes computed over their files (the files this run skipped): their items, files
+            # and tensor scans join this node's; a chunk two nodes hold cannot be merged (:func:`_merge_scans`).
+            for part in parts:
+                entries += part.items
+                files.update(part.files)
+                replica_findings += list(part.replica_findings)
+            scans = _merge_scans(scans, [part.scans for part in parts])
+        names = sorted(files)
+        file_digests = [files[n] for n in names]
         if replica_findings:
             return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
                 "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
@@ -199,12 +167,12 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
             value = scan.value(tinfo.shape) if scan is not None else None
             if value is None and 0 not in tinfo.shape:
                 unfingerprinted += 1
-            parts = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
+            inner = tuple(scan.part_values.items()) if scan is not None and scan.part_values and value else None
             # The counts as a save keeps them: for the dtypes it counts, and only once every chunk was counted.
             counted = scan is not None and counts_kept(tinfo.dtype) and not scan.uncounted
             tensors[fqn] = TensorEntry(dtype=tinfo.dtype, shape=tinfo.shape, fingerprint=value,
                                        nan_count=scan.nan if counted else None,
-                                       inf_count=scan.inf if counted else None, parts=parts)
+                                       inf_count=scan.inf if counted else None, parts=inner)
         ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
         manifest = Manifest(
             digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
@@ -238,6 +206,178 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
     findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
     return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
                   stats=checked.stats), manifest
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptionPart:
+    """What one node computed over its own files for the manifest of a checkpoint adopted in parts
+    (:func:`fingerprint_files`): the verification of those files (``report``) and, when it passed
+    (``complete``), their items' and files' digests and the scans of the tensor chunks they hold. JSON by
+    :meth:`to_dict`."""
+
+    report: Report
+    #: The files this part was given (the ones it verified, and the only ones it opened).
+    only: tuple[str, ...]
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    items: list[ItemEntry] = field(default_factory=list)
+    scans: dict[str, Any] = field(default_factory=dict)
+    replica_findings: tuple[Any, ...] = ()
+    digest: str = "xxh3-128"
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    complete: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"report": self.report.to_dict(), "only": list(self.only),
+                "files": {n: e.to_dict() for n, e in self.files.items()},
+                "items": [e.to_dict() for e in self.items],
+                "scans": {n: ({"small": [s.fingerprint, s.nan, s.inf]} if isinstance(s, SmallScan) else s.to_json())
+                          for n, s in self.scans.items()},
+                "replica_findings": [f.to_dict() for f in self.replica_findings], "digest": self.digest,
+                "block_bytes": self.block_bytes, "complete": self.complete}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AdoptionPart:
+        """The part :meth:`to_dict` gave; ``ValueError``, ``KeyError`` or ``TypeError`` for anything else."""
+        from ckptverify.findings import Finding
+
+        scans = {str(n): SmallScan(str(s["small"][0]), int(s["small"][1]), int(s["small"][2])) if "small" in s
+                 else deep_check.TensorScan.from_json(s) for n, s in dict(d["scans"]).items()}
+        return cls(report=Report.from_dict(d["report"]), only=tuple(str(n) for n in d["only"]),
+                   files={str(n): FileEntry.from_dict(e) for n, e in dict(d["files"]).items()},
+                   items=[ItemEntry.from_dict(e) for e in d["items"]], scans=scans,
+                   replica_findings=tuple(Finding.from_dict(f) for f in d["replica_findings"]),
+                   digest=str(d["digest"]), block_bytes=int(d["block_bytes"]), complete=bool(d["complete"]))
+
+
+def fingerprint_files(path: str | os.PathLike[str], only: frozenset[str], *, jobs: int | None = None,
+                      digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES) -> AdoptionPart:
+    """One node's part of adopting the DCP checkpoint at ``path`` (:func:`fingerprint_checkpoint` with
+    ``parts``): the byte-level verification of the files ``only`` (no other file is opened), then, when it
+    passed, their items' and files' digests and the scans of the tensor chunks they hold, as one process
+    computes them. Writes nothing."""
+    root = os.fspath(path)
+    if not paths.isdir(root):
+        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
+    started = time.perf_counter()
+    run = VerificationRun(root, jobs or default_jobs(), None, only=only)
+    run.hold_kept = HOLD_KEPT
+    checked = Report(command="fingerprint", target=root, findings=())
+    changed: list[Any] = []
+    mine = tuple(sorted(only))
+    try:
+        with paused_gc():
+            run.execute(deep=False, use_manifest=False)
+            checked = run.report("fingerprint", time.perf_counter() - started)
+            if not checked.passed:
+                return AdoptionPart(report=checked, only=mine, digest=digest, block_bytes=block_bytes, complete=False)
+            entries, files, scans, replicas = _digests_and_scans(run, run.description(), digest=digest,
+                                                                 block_bytes=block_bytes, executor=None)
+            changed = run.changed_files()
+    except FileChangedError as exc:
+        name = os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?"
+        changed = [changed_finding(name, str(exc))]
+    finally:
+        run.close()
+    if changed:
+        checked = Report(command="fingerprint", target=root, findings=(*checked.findings, *changed),
+                         coverage=checked.coverage, stats=checked.stats)
+        return AdoptionPart(report=checked, only=mine, digest=digest, block_bytes=block_bytes, complete=False)
+    checked.stats["seconds"] = round(time.perf_counter() - started, 6)
+    return AdoptionPart(report=checked, only=mine, files=files, items=entries, scans=scans,
+                        replica_findings=tuple(replicas), digest=digest, block_bytes=block_bytes)
+
+
+def _merge_scans(scans: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each tensor's scan from this node's and the other nodes' scans of the chunks each holds: their
+    fingerprint parts, chunks and counts added up. :class:`~ckptverify.errors.PartsOverlapError` when two nodes
+    hold the same chunk (or the same whole tensor)."""
+    out = dict(scans)
+    for part in others:
+        for name, got in part.items():
+            have = out.get(name)
+            if have is None:
+                out[name] = got
+                continue
+            if isinstance(have, SmallScan) or isinstance(got, SmallScan) or have.whole is not None \
+                    or got.whole is not None or have.chunks & got.chunks:
+                raise PartsOverlapError(f"{name!r} has a chunk stored on more than one node")
+            out[name] = deep_check.TensorScan(
+                parts=[*have.parts, *got.parts], chunks=have.chunks | got.chunks,
+                elements=have.elements + got.elements, nan=have.nan + got.nan, inf=have.inf + got.inf,
+                uncounted=have.uncounted or got.uncounted, unreadable=[*have.unreadable, *got.unreadable],
+                limited=[*have.limited, *got.limited])
+    return out
+
+
+def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_bytes: int,
+                       executor: Any) -> tuple[list[ItemEntry], dict[str, FileEntry], dict[str, Any], list[Any]]:
+    """Every item's and file's digests and every tensor's scan of what ``run`` verified (``desc``, its
+    description): the entries of a manifest, the tensors' scans and any ``replica-mismatch`` findings."""
+    from ckptverify.fingerprint import BlockDigest, digest_reader
+    from ckptverify.fingerprint.digest import digest_bytes
+
+    root = run.root
+
+    def digest_item(item: StoredRange) -> ItemEntry:
+        d = BlockDigest(digest, block_bytes)
+        with desc.open(item.file) as f:
+            f.fold(item.offset, item.offset + item.length, d.update)
+        run.advance(item.length)
+        return ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file, offset=item.offset,
+                         length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
+
+    whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
+    kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan
+
+    def digest_batch(batch: _Batch) -> list[ItemEntry]:
+        # Small items (each at most one block), read many at a time: an item's digest and its one block's
+        # digest are the digest of its bytes (what BlockDigest gives for one block), taken once.
+        name, start, end, items = batch
+        with desc.open(name) as f:
+            buf = f.pread(start, end - start)
+            size = f.size
+        if len(buf) != end - start:  # inside the size seen at open: the file changed
+            raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(root, name))
+        out = []
+        view = memoryview(buf)
+        for item in items:
+            h = digest_bytes(view[item.offset - start:item.offset - start + item.length], digest)
+            out.append(ItemEntry(fqn=item.name, chunk_offsets=item.chunk_offsets, file=item.file,
+                                 offset=item.offset, length=item.length, digest=h, blocks=(h,)))
+        if start == 0 and end == size:
+            # One item that is the whole file (one file per item): the file's digest is the item's.
+            whole = out[0].digest if len(items) == 1 and len(buf) == items[0].length else \
+                digest_bytes(view, digest)
+            whole_files[name] = FileEntry(size=size, digest=whole)
+            kept.keep(name, buf)
+        run.advance(sum(i.length for i in items))
+        return out
+
+    def digest_file(name: str) -> FileEntry:
+        known = whole_files.get(name)
+        if known is not None:
+            return known
+        with desc.open(name) as f:
+            return FileEntry(size=f.size, digest=digest_reader(f, digest))
+
+    names = sorted(desc.files)
+    if executor is not None:
+        ordered = sorted(desc.stored, key=lambda i: -i.length)
+        entries, file_digests = _shared_digests(run, executor, ordered, names, digest, block_bytes)
+        scans, replica_findings = deep_check.scan_description(desc, executor.tensor_map(run))
+    else:
+        # Small items and small whole tensors in batched reads (a checkpoint of many small tensors).
+        small, large = _small_item_batches(desc.stored, block_bytes)
+        entries = [e for batch in run.map(digest_batch, small) for e in batch]
+        entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
+        file_digests = run.map(digest_file, names)
+        scans, batched = _scan_small_tensors(kept.over(desc), run.map)
+        kept.clear()
+        run.release_kept()
+        rest = {name for name in desc.tensors if name not in batched}
+        more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
+        scans.update(more)
+    return entries, dict(zip(names, file_digests, strict=True)), scans, replica_findings
 
 
 def _shared_digests(run: VerificationRun, executor: Any, ordered: list[StoredRange], names: list[str], digest: str,

@@ -42,6 +42,22 @@ class TensorScan:
     whole: str | None = None
     part_values: dict[str, str] = field(default_factory=dict)
 
+    def to_json(self) -> dict[str, Any]:
+        """The scan as JSON values (read back by :meth:`from_json`): what another process computed of it."""
+        return {"parts": [[f.value, f.dtype, list(f.shape), f.version, f.elements] for f in self.parts],
+                "chunks": [list(c) for c in self.chunks], "elements": self.elements, "nan": self.nan,
+                "inf": self.inf, "uncounted": self.uncounted, "unreadable": list(self.unreadable),
+                "limited": list(self.limited), "whole": self.whole, "part_values": dict(self.part_values)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TensorScan:
+        from ckptverify.fingerprint.logical import TensorFingerprint
+
+        return cls(parts=[TensorFingerprint(v, dt, tuple(sh), ver, el) for v, dt, sh, ver, el in d["parts"]],
+                   chunks={tuple(c) for c in d["chunks"]}, elements=int(d["elements"]), nan=int(d["nan"]),
+                   inf=int(d["inf"]), uncounted=bool(d.get("uncounted")), unreadable=list(d["unreadable"]),
+                   limited=list(d["limited"]), whole=d["whole"], part_values=dict(d["part_values"]))
+
     def value(self, shape: tuple[int, ...]) -> str | None:
         """The tensor's logical fingerprint if every element of ``shape`` was read back, else ``None``."""
         from ckptverify.fingerprint import combine

@@ -151,20 +151,13 @@ def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[in
 
 
 def scan_to_json(scan: Any) -> dict[str, Any]:
-    return {"parts": [[f.value, f.dtype, list(f.shape), f.version, f.elements] for f in scan.parts],
-            "chunks": [list(c) for c in scan.chunks], "elements": scan.elements, "nan": scan.nan, "inf": scan.inf,
-            "unreadable": list(scan.unreadable), "limited": list(scan.limited), "whole": scan.whole,
-            "part_values": dict(scan.part_values)}
+    return scan.to_json()
 
 
 def scan_from_json(d: dict[str, Any]) -> Any:
     from ckptverify.checks.deep import TensorScan
-    from ckptverify.fingerprint.logical import TensorFingerprint
 
-    return TensorScan(parts=[TensorFingerprint(v, dt, tuple(sh), ver, el) for v, dt, sh, ver, el in d["parts"]],
-                      chunks={tuple(c) for c in d["chunks"]}, elements=d["elements"], nan=d["nan"], inf=d["inf"],
-                      unreadable=list(d["unreadable"]), limited=list(d["limited"]), whole=d["whole"],
-                      part_values=dict(d["part_values"]))
+    return TensorScan.from_json(d)
 
 
 class RankFiles:

@@ -245,7 +245,7 @@ class Verifier:
         if hosts is not None and not group.coordinator:
             self._submit_part(root, step, hosts, group.rank)
         if group.coordinator:
-            if hosts is not None and self._plan(root, hosts):
+            if hosts is not None and self._plan(root, hosts, fingerprint):
                 verdict = self._submit(root, step, fingerprint, parts=True)
             else:
                 verdict = self._dispatch(root, step, fingerprint)
@@ -362,13 +362,11 @@ class Verifier:
 
     def _node_hosts(self, root: str, group: Group, fingerprint: Fingerprint) -> list[str] | None:
         """The node of every rank when this background verification is shared out among nodes (every rank calls
-        it): a local folder, not deep, not fingerprinted whatever it holds (``fingerprint=True``), a group that
-        can gather, more than one node. Else ``None``: the coordinator verifies everything. With
-        ``fingerprint="auto"`` the parts verify; a checkpoint they find holding content no checksum protects
-        (or a former save's manifest) is then fingerprinted and verified whole by the coordinator
+        it): a local folder, not deep, a group that can gather, more than one node. Else ``None``: the
+        coordinator verifies everything. A checkpoint that is fingerprinted (``fingerprint=True``, or ``"auto"``
+        when it needs it) is fingerprinted in parts too, each node's files on that node
         (:func:`~ckptverify.verifier.saved.saved_job`)."""
-        if not self.background or self.deep or fingerprint is True or group.gather is None or "://" in root \
-                or not os.path.isdir(root):
+        if not self.background or self.deep or group.gather is None or "://" in root or not os.path.isdir(root):
             return None
         from ckptverify.verifier.parts import node_name
 
@@ -376,13 +374,14 @@ class Verifier:
         return hosts if len(set(hosts)) > 1 else None
 
     @staticmethod
-    def _plan(root: str, hosts: list[str]) -> bool:
-        """Write the plan of a verification shared out among nodes; ``False`` when it cannot be written (the
-        coordinator then verifies everything, and the other nodes' parts find no plan: they say so)."""
+    def _plan(root: str, hosts: list[str], fingerprint: Fingerprint) -> bool:
+        """Write the plan of a verification shared out among nodes (with ``fingerprint``: whether the parts
+        take digests for a manifest); ``False`` when it cannot be written (the coordinator then verifies
+        everything, and the other nodes' parts find no plan: they say so)."""
         from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
 
         try:
-            write_plan(os.path.abspath(root), plan_from_names(root, hosts))
+            write_plan(os.path.abspath(root), {**plan_from_names(root, hosts), "fingerprint": fingerprint})
         except OSError as exc:
             warnings.warn(f"{root}: the verification cannot be shared out among nodes ({type(exc).__name__}: "
                           f"{exc}); rank 0 verifies it whole", CkptVerifyRuntimeWarning, stacklevel=3)

@@ -19,8 +19,9 @@ __all__ = ["PLAN_SCHEMA", "make_plan", "nodes_of", "part_verdict_path", "plan_fr
            "write_plan"]
 
 PLAN_SCHEMA = "ckptverify/parts-plan"
-#: The most of a plan or a part verdict that is ever read.
-MAX_BYTES = 64 << 20
+#: The most of a plan or a part verdict that is ever read (a part of a fingerprinted save carries the digests of
+#: its node's items and blocks, and the scans of its tensors).
+MAX_BYTES = 256 << 20
 _DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 

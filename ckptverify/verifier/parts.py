@@ -128,17 +128,38 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     files = list(mine["files"])
     started = time.perf_counter()
     before = _signatures(root, files)
-    report = _verify(root, jobs, only=frozenset(files))
+    report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False))
     changed = _signatures(root, files) != before
     data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], "node": node, "host": mine.get("host"),
             "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
             "signatures": before, "bytes": int(report.stats.get("bytes") or 0),
             "seconds": round(time.perf_counter() - started, 6), "report": report.to_dict()}
+    if adoption is not None:
+        data["adoption"] = adoption
     try:
         write_atomic(part_verdict_path(root, node), json.dumps(data, default=str), prefix=STAMP_TEMP_PREFIX)
     except OSError as exc:
         return {"written": False, "why": f"cannot write the part verdict: {type(exc).__name__}: {exc}"}
     return {"written": True, "node": node, "passed": report.passed, "bytes": data["bytes"]}
+
+
+def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) -> tuple[Any, dict[str, Any] | None]:
+    """A node's checks of its ``files``: their verification, and, when the save is fingerprinted (the plan's
+    ``fingerprint``: ``True``; ``"auto"`` with a former save's manifest in the folder, or content of these files
+    no checksum protects), their digests and scans for the manifest
+    (:func:`~ckptverify.audit.adopt.fingerprint_files`, whose verification is then the part's)."""
+    from ckptverify.audit.adopt import fingerprint_files
+    from ckptverify.audit.verify import UNCHECKABLE
+    from ckptverify.ownfiles.names import MANIFEST_FILE
+
+    stale = fingerprint == "auto" and os.path.lexists(os.path.join(root, MANIFEST_FILE))
+    if fingerprint is not True and not stale:
+        report = _verify(root, jobs, only=files)
+        if fingerprint != "auto" or not report.passed or report.stats.get("manifest") \
+                or not any(f.check == UNCHECKABLE for f in report.findings):
+            return report, None
+    part = fingerprint_files(root, files, jobs=jobs)
+    return part.report, part.to_dict()
 
 
 def _part_summary(data: dict[str, Any], report: Any) -> dict[str, Any]:
@@ -157,17 +178,23 @@ def _describe_node(node: dict[str, Any]) -> str:
 
 def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = 1.0,
                        throttle: Any = None, wait_s: float | None = None,
-                       whole_if: Callable[[Any], bool] | None = None) -> Any:
+                       adopt: bool | Callable[[Any], bool] = False, notes: list[str] | None = None) -> Any:
     """The coordinator's side (its caller holds the checkpoint's verifying lock, as for
     :func:`~ckptverify.verifier.stamper.stamp_locked`): verify the whole checkpoint and the coordinator node's
     files, gather the other nodes' part verdicts (waiting up to ``wait_s`` seconds, default
     :func:`part_timeout`), and stamp the merged verdict. Without a readable plan it verifies everything itself
     (:func:`~ckptverify.verifier.stamper.stamp_locked`). Returns a
-    :class:`~ckptverify.verifier.verification.Verification`; or ``None`` when ``whole_if`` says of the merged
-    report that the checkpoint must be checked whole instead (content no checksum protects, to be fingerprinted
-    by the caller): nothing is stamped then, and the plan and part verdicts are removed."""
+    :class:`~ckptverify.verifier.verification.Verification`.
+
+    ``adopt``: fingerprint the checkpoint (write its manifest) from the parts, always (``True``) or when it says
+    so of the merged report (content no checksum protects, a former save's manifest): then no separate
+    verification is run here; :func:`~ckptverify.audit.adopt.fingerprint_checkpoint` verifies this node's files
+    and the whole checkpoint, and takes the other nodes' verification, digests and scans from their parts
+    (:func:`~ckptverify.audit.adopt.fingerprint_files`), reading the files of a part that brought none itself.
+    What writing the manifest did is appended to ``notes``. Without a plan of several nodes, ``None`` when
+    ``adopt`` is set: the caller checks the checkpoint as on one node."""
     from ckptverify.errors import CheckpointNotFoundError
-    from ckptverify.findings import Report, error, merge_coverage
+    from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
     from ckptverify.safeparse.readers import pacing
     from ckptverify.verifier.stamper import stamp_locked
@@ -176,15 +203,17 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     gone = "removed while it was being verified"
     plan = read_plan(path)
     if plan is None or len(plan["nodes"]) < 2:
+        if adopt:  # the caller checks it as on one node (fingerprinting it when needed)
+            return None
         return stamp_locked(path, step=step, jobs=jobs, settle=settle, throttle=throttle)
     started = time.perf_counter()
     nodes = plan["nodes"]
-    own, others = nodes[0], nodes[1:]
+    others = nodes[1:]
     other_files = frozenset(f for n in others for f in n["files"])
     try:
         before = files_fingerprint(path)
         with pacing(throttle):
-            mine = _verify(path, jobs or 1, skip=other_files)
+            mine = None if adopt is True else _verify(path, jobs or 1, skip=other_files)
         reports: list[tuple[dict[str, Any], Report]] = []
         missing: list[dict[str, Any]] = []
         deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
@@ -220,43 +249,31 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         return unverified(path, step, "deleted", gone)
     except OSError as exc:
         return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
-    own_data = {"node": own["node"], "host": own.get("host"), "ranks": own.get("ranks"), "files": own["files"],
-                "bytes": int(mine.stats.get("bytes") or 0), "seconds": mine.stats.get("seconds")}
-    parts = [_part_summary(own_data, mine), *(_part_summary(d, r) for d, r in reports)]
-    named: list[Any] = []
-    for k, part in enumerate(parts):
-        if k == 0 and not part["failed_files"]:
-            # The coordinator's part also holds the checks of the whole checkpoint (named by their own
-            # findings): its node is named only for errors in its node's files.
-            part["verdict"] = "passed"
-        if part["verdict"] == "passed":
-            continue
-        files = ", ".join(part["failed_files"]) or "errors that name no file of its own"
-        named.append(error("node-part-failed", f"the part of {_describe_node(part)} failed: {files}"))
-    findings: list[Any] = [*named]
-    seen: set[str] = set()
-    for report in [mine, *(r for _, r in reports)]:
-        for f in report.findings:
-            key = json.dumps(f.to_dict(), sort_keys=True, default=str)
-            if key not in seen:  # a finding of the whole checkpoint can come from more than one part
-                seen.add(key)
-                findings.append(f)
-    stats = dict(mine.stats)
-    stats["bytes"] = sum(int(r.stats.get("bytes") or 0) for r in [mine, *(r for _, r in reports)])
-    stats["files"] = sum(int(r.stats.get("files") or 0) for r in [mine, *(r for _, r in reports)])
-    stats["parts"] = len(nodes)
-    merged = Report(command="verify", target=path, findings=tuple(findings),
-                    coverage=merge_coverage([c for r in [mine, *(r for _, r in reports)] for c in r.coverage]),
-                    stats=stats)
-    if whole_if is not None and whole_if(merged):
-        _tidy_parts(path, [n["node"] for n in nodes])
-        return None
+    merged = parts = None
+    if mine is not None:
+        parts, merged = _summarize(path, nodes, mine, reports, mine.stats.get("bytes"))
+    if adopt is True or (adopt and merged is not None and adopt(merged)):
+        if missing:  # their files cannot go into a manifest unread
+            _tidy_parts(path, [n["node"] for n in nodes])
+            return unverified(path, step, "error", _silent(missing, wait_s))
+        try:
+            with pacing(throttle):
+                adopted, note = _adopt(path, jobs, [d for d, _ in reports])
+        except (FileNotFoundError, CheckpointNotFoundError):
+            return unverified(path, step, "deleted", gone)
+        except OSError as exc:
+            return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
+        if notes is not None:
+            notes.append(note)
+        # The stamp's fingerprint covers the manifest just written; the files it was taken of were checked for
+        # changes by the adoption (this node's) and by the parts' signatures (the others').
+        before = files_fingerprint(path)
+        parts, merged = _summarize(path, nodes, adopted, reports, adopted.stats.get("bytes_read_here"), whole=True)
+    assert parts is not None and merged is not None
     if missing and merged.passed:
         # Not a pass: what those nodes wrote was not checked.
         _tidy_parts(path, [n["node"] for n in nodes])
-        names = "; ".join(f"{_describe_node(n)}: {', '.join(n['files'])}" for n in missing)
-        return unverified(path, step, "error", f"the part of {len(missing)} node(s) did not report within "
-                          f"{part_timeout() if wait_s is None else wait_s} s, so their files are unchecked: {names}")
+        return unverified(path, step, "error", _silent(missing, wait_s))
     if not merged.passed:
         time.sleep(settle)  # a checkpoint being deleted file by file is not corrupt
     if removed(path):
@@ -278,6 +295,77 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     _tidy_parts(path, [n["node"] for n in nodes])
     return from_report(path, step, merged, seconds=time.perf_counter() - started, stamped=True,
                        stamp=stamp_path(path), throttled_s=throttled or 0.0)
+
+
+def _silent(missing: list[dict[str, Any]], wait_s: float | None) -> str:
+    names = "; ".join(f"{_describe_node(n)}: {', '.join(n['files'])}" for n in missing)
+    return (f"the part of {len(missing)} node(s) did not report within "
+            f"{part_timeout() if wait_s is None else wait_s} s, so their files are unchecked: {names}")
+
+
+def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[tuple[dict[str, Any], Any]],
+               mine_bytes: Any, *, whole: bool = False) -> tuple[list[dict[str, Any]], Any]:
+    """Every part as the stamp records it, and the merged report: ``mine`` (the coordinator's, which also
+    checked the whole checkpoint) with the other parts' reports, a ``node-part-failed`` error naming each failed
+    part first. ``whole``: ``mine`` already holds the other parts' findings (an adoption merged them)."""
+    from ckptverify.findings import Report, error, merge_reports
+
+    own = nodes[0]
+    own_data = {"node": own["node"], "host": own.get("host"), "ranks": own.get("ranks"), "files": own["files"],
+                "bytes": int(mine_bytes or 0), "seconds": mine.stats.get("seconds")}
+    parts = [_part_summary(own_data, mine), *(_part_summary(d, r) for d, r in reports)]
+    named: list[Any] = []
+    for k, part in enumerate(parts):
+        if k == 0 and not part["failed_files"]:
+            # The coordinator's part also holds the checks of the whole checkpoint (named by their own
+            # findings): its node is named only for errors in its node's files.
+            part["verdict"] = "passed"
+        if part["verdict"] == "passed":
+            continue
+        files = ", ".join(part["failed_files"]) or "errors that name no file of its own"
+        named.append(error("node-part-failed", f"the part of {_describe_node(part)} failed: {files}"))
+    if whole:
+        stats = {**mine.stats, "bytes": sum(int(p.get("bytes") or 0) for p in parts)}
+        merged = Report(command="verify", target=path, findings=(*named, *mine.findings), coverage=mine.coverage,
+                        stats=stats)
+    else:
+        merged = merge_reports("verify", path, [mine, *(r for _, r in reports)], first=named)
+    merged.stats["parts"] = len(nodes)
+    return parts, merged
+
+
+def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[Any, str]:
+    """The checkpoint's manifest written from the parts' digests and scans (those that brought them: the files
+    of the others are read here); the whole checkpoint read here when they cannot be merged. Returns the
+    adoption's report (the verification of every file; a refusal to write the manifest is said by the findings
+    that caused it) and what writing the manifest did."""
+    from ckptverify.audit.adopt import AdoptionPart, fingerprint_checkpoint
+    from ckptverify.errors import PartsOverlapError
+
+    pieces = []
+    for data in parts:
+        try:
+            pieces.append(AdoptionPart.from_dict(data["adoption"]))
+        except (KeyError, TypeError, ValueError):  # a part that brought no digests: its files are read here
+            continue
+    try:
+        report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=pieces)
+        whole = ""
+    except PartsOverlapError as exc:
+        report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True)
+        whole = f"; read whole here: {exc}"
+    causes = [f for f in report.findings if f.check != "fingerprint-refused"]
+    if manifest is None:
+        refusal = next((f.message for f in report.findings if f.check == "fingerprint-refused"), "refused")
+        note = f"no manifest: {refusal}"
+        if any(f.severity.value == "error" for f in causes):  # the errors that refused it say it all
+            report = type(report)(command=report.command, target=report.target, findings=tuple(causes),
+                                  coverage=report.coverage, stats=report.stats)
+    else:
+        note = (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
+                f"{len(manifest.tensors)} tensors; the digests of {len(pieces)} other node(s) taken from their "
+                f"parts{whole}")
+    return report, note
 
 
 def _tidy_parts(root: str, nodes: list[int]) -> None:

@@ -228,30 +228,17 @@ def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs:
     return verdict, extra
 
 
-#: Why a checkpoint whose verification was shared out among nodes was checked whole by the coordinator after all.
-WHOLE_UNCHECKABLE = ("the nodes' parts found content no checksum protects: the coordinator fingerprinted the "
-                     "checkpoint and verified it whole")
-WHOLE_STALE = ("a manifest from a former save was in the folder: the coordinator fingerprinted the checkpoint "
-               "again and verified it whole")
-
-
-def _whole_after_parts(root: str) -> tuple[Callable[[Report], bool], list[str]]:
-    """``whole_if`` for :func:`~ckptverify.verifier.parts.stamp_parts_locked` under ``fingerprint="auto"``: the
-    parts' merged report says the checkpoint must be fingerprinted (what :func:`check_saved` does on one node),
-    and why (appended to the list)."""
+def _adopt_when(root: str) -> Callable[[Report], bool]:
+    """When a save verified in parts under ``fingerprint="auto"`` is fingerprinted from them (what
+    :func:`check_saved` decides on one node): a manifest is in the folder (a former save's: the parts judged
+    against digests of bytes that are gone), or the parts found content no checksum protects."""
     from ckptverify.audit.verify import UNCHECKABLE
 
-    why: list[str] = []
+    def adopt(merged: Report) -> bool:
+        return _has_manifest(root) or (merged.passed and not merged.stats.get("manifest")
+                                       and any(f.check == UNCHECKABLE for f in merged.findings))
 
-    def whole_if(merged: Report) -> bool:
-        if _has_manifest(root):  # a former save's: the parts judged against digests of bytes that are gone
-            why.append(WHOLE_STALE)
-        elif merged.passed and not merged.stats.get("manifest") and any(f.check == UNCHECKABLE
-                                                                        for f in merged.findings):
-            why.append(WHOLE_UNCHECKABLE)
-        return bool(why)
-
-    return whole_if, why
+    return adopt
 
 
 def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
@@ -259,26 +246,25 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
     """:func:`check_saved` in the background verifier's process: its outcome as JSON values. ``parts``: the
     checkpoint is verified shared out among the nodes that wrote it; this checks the whole and the coordinator's
     node's files, gathers the other parts and stamps (:func:`~ckptverify.verifier.parts.stamp_parts_locked`).
-    With ``fingerprint="auto"``, a checkpoint the parts find holding content no checksum protects (or a former
-    save's manifest) is then fingerprinted and verified whole here, as on one node: the event's ``whole`` says
-    why. ``fingerprint=True`` and ``deep`` are never shared out."""
-    whole = None
-    if parts and not deep and fingerprint is not True:
+    With ``fingerprint=True``, or ``"auto"`` when the checkpoint needs it (content no checksum protects, a former
+    save's manifest), its manifest is written from the parts' digests and scans, each node's taken on that node.
+    ``deep`` is never shared out."""
+    if parts and not deep:
         from ckptverify.verifier.parts import stamp_parts_locked
 
         started = time.perf_counter()
-        whole_if, why = _whole_after_parts(root) if fingerprint == "auto" else (None, [])
-        result = stamp_parts_locked(root, step=step, jobs=jobs, settle=settle, whole_if=whole_if)
+        notes: list[str] = []
+        adopt = True if fingerprint is True else _adopt_when(root) if fingerprint == "auto" else False
+        result = stamp_parts_locked(root, step=step, jobs=jobs, settle=settle, adopt=adopt, notes=notes)
         if result is not None:
             if result.report is not None:
                 result = verification_of(root, result.report, step, time.perf_counter() - started, result.stamp,
                                          result.reason)
             extra = {} if result.stamped or result.verdict == "unverified" else {"stamp_error": result.reason}
+            if notes:
+                extra["fingerprint"] = notes[0]
             return {"verification": result.to_dict(), "extra": extra, "event": event_of(result),
                     "report": None if result.report is None else result.report.to_dict()}
-        whole = why[0] if why else None
     verdict, extra, event = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
-    if whole is not None:
-        extra["whole"] = whole
     return {"verification": verdict.to_dict(), "extra": extra, "event": event,
             "report": None if verdict.report is None else verdict.report.to_dict()}
