@@ -638,3 +638,22 @@ def test_lightning_and_accelerate_saves_are_verified_and_fingerprinted_in_parts_
     assert all(events[s]["fingerprint"].startswith("manifest written") for s in (3, 4)), events
     for step in (1, 2, 3, 4):
         assert not [n for n in os.listdir(tmp_path / f"step_{step}") if n.startswith(PARTS_PREFIX)]
+
+
+def test_parts_that_cannot_be_merged_are_adopted_whole_here_and_the_stamp_says_what_was_opened(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.audit import adopt
+    from ckptverify.errors import PartsOverlapError
+
+    def overlapping(scans: Any, others: Any) -> Any:
+        raise PartsOverlapError("'w0' has a chunk stored on more than one node")
+
+    monkeypatch.setattr(adopt, "_merge_scans", overlapping)
+    path = _plain_dcp(tmp_path / "ckpt", _mixed_state())
+    out = _job_in_parts(path, True)
+    assert out["event"] == "checkpoint-verified", out
+    assert "read whole here: 'w0' has a chunk stored on more than one node" in out["extra"]["fingerprint"]
+    stamp = _stamp(Path(path))
+    # The coordinator read node 1's file too, and its part says so.
+    assert stamp["passed"] and stamp["parts"][0]["opened"] == ["__0_0.distcp", "__0_1.distcp"], stamp["parts"]
+    assert verify_checkpoint(path).stats["manifest"]

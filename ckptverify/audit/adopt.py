@@ -121,10 +121,11 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
     try:
         run.execute(deep=False, use_manifest=False)
         checked = run.report("fingerprint", time.perf_counter() - started)
-        if parts:
-            here = checked.stats.get("bytes")
+        if parts is not None:
+            here, opened = checked.stats.get("bytes"), sorted(n for n, f in run.opened.items() if f is not None)
             checked = merge_reports("fingerprint", root, [checked, *(part.report for part in parts)])
-            checked.stats["bytes_read_here"] = here  # the rest was read by the parts, each on its node
+            # What this process read; the rest was read by the parts, each on its node.
+            checked.stats.update(bytes_read_here=here, opened=opened)
         if not checked.passed:
             refusal = error("fingerprint-refused", "the checkpoint fails verification; refusing to write a "
                             "manifest that would bless it", location=Location(file=MANIFEST_FILE))

@@ -352,7 +352,7 @@ def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[An
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=pieces)
         whole = ""
     except PartsOverlapError as exc:
-        report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True)
+        report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=[])
         whole = f"; read whole here: {exc}"
     causes = [f for f in report.findings if f.check != "fingerprint-refused"]
     if manifest is None:
