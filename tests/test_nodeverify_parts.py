@@ -447,7 +447,7 @@ def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None) 
 
 def _without_times(manifest: Any) -> dict[str, Any]:
     d = manifest.to_dict()
-    d.pop("created")
+    d.pop("created"), d.pop("self_digest", None)  # the time it was written, and what covers it
     d["items"] = sorted(d["items"], key=lambda e: (e["file"], e["offset"]))
     return d
 

@@ -1,0 +1,181 @@
+"""Benchmark a save's verification and fingerprinting shared out among nodes against one process doing it whole.
+
+    python scripts/bench_parts.py [--nodes 4] [--mib 256] [--dir DIR] [--repeats 3] [--keep]
+
+Builds a DCP checkpoint of ``--mib`` MiB in ``--nodes`` files, as ``--nodes`` nodes of one rank each would write
+it (``FileSystemWriter(thread_count=nodes)``: one file per node in the plan), reads it once so it sits in the
+page cache, then times, best of ``--repeats``:
+
+- ``verify`` whole: :func:`~ckptverify.audit.verify.verify_checkpoint`, one process, every file;
+- ``verify`` in parts: each other node's part (:func:`~ckptverify.verifier.parts.part_job`) and the coordinator
+  (:func:`~ckptverify.verifier.parts.stamp_parts_locked`: the whole checkpoint's checks, its own file,
+  gathering, the stamp);
+- ``fingerprint`` whole: :func:`~ckptverify.audit.adopt.fingerprint_checkpoint` (verify, digest, scan, write the
+  manifest), one process;
+- ``fingerprint`` in parts: each other node's part with the plan's ``fingerprint=True`` (verify, digest and scan
+  its file) and the coordinator's adoption from the parts (:func:`~ckptverify.verifier.saved.saved_job`).
+
+The parts run one after another in this process: on a cluster they run at once, one per node, so the time a
+save's verification takes there is the slowest part plus the coordinator's (which starts with its own file while
+the others run, then waits). The script prints each side's seconds, the bytes each node read (from the stamp's
+``parts``), and the ratio of ``max(part) + coordinator`` to the whole-checkpoint time: below 1 is what sharing
+out gains; it tends to ``1 / nodes`` plus the coordinator's fixed cost as files grow. It checks that the manifest
+written from the parts is the one written whole (but its time), and that each node opened only its own file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+
+def _build(root: str, nodes: int, mib: int) -> str:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    per = max(1, (mib << 20) // 4 // (4 * nodes))  # float32 elements per tensor, four tensors per node
+    gen = torch.Generator().manual_seed(0)
+    state = {f"layer{k}.w": torch.randn(per, generator=gen) for k in range(4 * nodes)}
+    state["step"] = 7
+    path = os.path.join(root, "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=nodes), no_dist=True)
+    for name in os.listdir(path):  # into the page cache
+        with open(os.path.join(path, name), "rb") as f:
+            while f.read(1 << 24):
+                pass
+    return path
+
+
+def _tidy(path: str) -> None:
+    from ckptverify.formats.describe import is_own_file
+
+    for name in os.listdir(path):
+        if is_own_file(name):
+            os.unlink(os.path.join(path, name))
+
+
+def _plan(path: str, nodes: int, fingerprint: Any) -> list[str]:
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+
+    files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    if len(files) != nodes:
+        raise SystemExit(f"expected {nodes} files, DCP wrote {len(files)}: {files}")
+    write_plan(path, {**make_plan([f"node{k}" for k in range(nodes)], [[f] for f in files]),
+                      "fingerprint": fingerprint})
+    return files
+
+
+def _in_parts(path: str, nodes: int, fingerprint: Any) -> tuple[list[float], float, dict[str, Any]]:
+    """Each other node's part, then the coordinator's side: their seconds, and the stamp."""
+    from ckptverify.verifier.parts import part_job
+    from ckptverify.verifier.saved import saved_job
+
+    _tidy(path)
+    _plan(path, nodes, fingerprint)
+    parts = []
+    for k in range(1, nodes):
+        t0 = time.perf_counter()
+        out = part_job(path, k, jobs=1, wait_s=0)
+        parts.append(time.perf_counter() - t0)
+        if not out.get("written"):
+            raise SystemExit(f"node {k}'s part wrote nothing: {out}")
+    t0 = time.perf_counter()
+    result = saved_job(path, 1, fingerprint, 1, False, 0.0, parts=True)
+    coordinator = time.perf_counter() - t0
+    if result["event"] != "checkpoint-verified":
+        raise SystemExit(f"the coordinator's side did not pass: {json.dumps(result)[:2000]}")
+    from ckptverify.ownfiles.names import STAMP_FILE
+
+    with open(os.path.join(path, STAMP_FILE)) as f:
+        stamp = json.load(f)
+    return parts, coordinator, stamp
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--dir", default=None, help="where to build the checkpoint (default: a temporary folder)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args(argv)
+    if args.nodes < 2:
+        parser.error("--nodes must be at least 2")
+
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.ownfiles.manifest import read_manifest
+
+    root = tempfile.mkdtemp(prefix="bench-parts-", dir=args.dir)
+    try:
+        path = _build(root, args.nodes, args.mib)
+        size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+        best: dict[str, float] = {}
+        sides: dict[str, tuple[list[float], float]] = {}
+        stamps: dict[str, dict[str, Any]] = {}
+        manifests: dict[str, Any] = {}
+
+        def keep(name: str, seconds: float) -> None:
+            best[name] = min(best.get(name, float("inf")), seconds)
+
+        for _ in range(args.repeats):
+            _tidy(path)
+            t0 = time.perf_counter()
+            if not verify_checkpoint(path, jobs=1).passed:
+                raise SystemExit("the checkpoint does not verify")
+            keep("verify whole", time.perf_counter() - t0)
+            _tidy(path)
+            t0 = time.perf_counter()
+            manifests["whole"] = fingerprint_checkpoint(path, jobs=1)[1]
+            keep("fingerprint whole", time.perf_counter() - t0)
+            for what, fingerprint in (("verify", False), ("fingerprint", True)):
+                parts, coordinator, stamp = _in_parts(path, args.nodes, fingerprint)
+                name = f"{what} in parts"
+                if max(parts) + coordinator < best.get(name, float("inf")):
+                    sides[name] = (parts, coordinator)
+                    stamps[name] = stamp
+                keep(name, max(parts) + coordinator)
+                if fingerprint is True:
+                    manifests["parts"] = read_manifest(path)
+
+        def plain(m: Any) -> dict[str, Any]:
+            d = m.to_dict()
+            d.pop("created"), d.pop("self_digest", None)  # the time it was written, and what covers it
+            d["items"] = sorted(d["items"], key=lambda e: (e["file"], e["offset"]))
+            return d
+
+        same = plain(manifests["whole"]) == plain(manifests["parts"])
+        print(f"checkpoint: {size / 2**20:.1f} MiB in {args.nodes} files (one per node), page-cached; "
+              f"best of {args.repeats}; one worker thread per side")
+        for what in ("verify", "fingerprint"):
+            whole, name = best[f"{what} whole"], f"{what} in parts"
+            parts, coordinator = sides[name]
+            opened = [p.get("opened") for p in stamps[name]["parts"]]
+            per_node = [p.get("bytes") for p in stamps[name]["parts"]]
+            own_only = all(o == p["files"] for o, p in zip(opened, stamps[name]["parts"], strict=True))
+            print(f"{what:>11} whole: {whole:.3f} s ({size / whole / 2**20:.0f} MiB/s)")
+            print(f"{what:>11} in parts: other nodes {', '.join(f'{s:.3f}' for s in parts)} s; coordinator "
+                  f"{coordinator:.3f} s; slowest part + coordinator {max(parts) + coordinator:.3f} s = "
+                  f"{(max(parts) + coordinator) / whole:.2f}x whole")
+            print(f"{'':>11} bytes read per node: {', '.join(f'{(b or 0) / 2**20:.1f}' for b in per_node)} MiB; "
+                  f"each node opened only its own file: {own_only}")
+        print(f"manifest from the parts == manifest written whole: {same}")
+        return 0 if same else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"kept {root}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
