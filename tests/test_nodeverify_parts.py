@@ -657,3 +657,44 @@ def test_parts_that_cannot_be_merged_are_adopted_whole_here_and_the_stamp_says_w
     # The coordinator read node 1's file too, and its part says so.
     assert stamp["passed"] and stamp["parts"][0]["opened"] == ["__0_0.distcp", "__0_1.distcp"], stamp["parts"]
     assert verify_checkpoint(path).stats["manifest"]
+
+
+def test_only_a_dcp_folder_is_shared_out_among_nodes(tmp_path: Path) -> None:
+    """A folder of other files (a Hugging Face ``checkpoint-N``) has no per-rank files to give each node: the
+    coordinator verifies it whole; a DCP folder is shared out."""
+    from safetensors.torch import save_file
+
+    from ckptverify.integrations._core import Group, Verifier
+
+    gathered: list[Any] = []
+
+    def gather(obj: Any) -> list[Any]:
+        gathered.append(obj)
+        return ["hostA", "hostB"]
+
+    group = Group(coordinator=True, broadcast=lambda obj: obj, barrier=lambda: None, gather=gather)
+    hf = tmp_path / "checkpoint-10"
+    hf.mkdir()
+    save_file({"w": torch.randn(8)}, str(hf / "model.safetensors"))
+    verifier = Verifier(verify="background")
+    assert verifier._node_hosts(str(hf), group, "auto") is None and not gathered
+    dcp_folder = _plain_dcp(tmp_path / "dcp", {"w": torch.randn(8)})
+    assert verifier._node_hosts(dcp_folder, group, "auto") == ["hostA", "hostB"] and len(gathered) == 1
+    assert Verifier(verify="inline")._node_hosts(dcp_folder, group, True) is None
+
+
+@pytest.mark.parametrize("fingerprint", [False, "auto", True])
+def test_a_node_whose_ranks_wrote_no_file_reports_an_empty_part(tmp_path: Path, fingerprint: Any) -> None:
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+    from ckptverify.verifier.saved import saved_job
+
+    path = _plain_dcp(tmp_path / "ckpt", {f"w{i}": torch.randn(4096) for i in range(4)})
+    files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    write_plan(path, {**make_plan(["hostA", "hostB"], [files, []]), "fingerprint": fingerprint})
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    out = saved_job(path, 5, fingerprint, 1, False, 0.0, parts=True)
+    assert out["event"] == "checkpoint-verified", out
+    stamp = _stamp(Path(path))
+    assert [(p["opened"], p["bytes"], p["verdict"]) for p in stamp["parts"]][1] == ([], 0, "passed")
+    assert stamp["parts"][0]["opened"] == files and stamp["bytes_checked"] == sum(
+        Path(path, n).stat().st_size for n in files)

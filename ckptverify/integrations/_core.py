@@ -362,11 +362,13 @@ class Verifier:
 
     def _node_hosts(self, root: str, group: Group, fingerprint: Fingerprint) -> list[str] | None:
         """The node of every rank when this background verification is shared out among nodes (every rank calls
-        it): a local folder, not deep, a group that can gather, more than one node. Else ``None``: the
-        coordinator verifies everything. A checkpoint that is fingerprinted (``fingerprint=True``, or ``"auto"``
-        when it needs it) is fingerprinted in parts too, each node's files on that node
-        (:func:`~ckptverify.verifier.saved.saved_job`)."""
-        if not self.background or self.deep or group.gather is None or "://" in root or not os.path.isdir(root):
+        it): a local DCP folder (its ``.metadata`` written: the plan gives each node the ``__RANK_N.distcp``
+        files of its ranks; a folder of other files, such as a Hugging Face ``checkpoint-N``, has no such
+        split), not deep, a group that can gather, more than one node. Else ``None``: the coordinator verifies
+        everything. A checkpoint that is fingerprinted (``fingerprint=True``, or ``"auto"`` when it needs it) is
+        fingerprinted in parts too, each node's files on that node (:func:`~ckptverify.verifier.saved.saved_job`)."""
+        if not self.background or self.deep or group.gather is None or "://" in root \
+                or not os.path.isfile(os.path.join(root, ".metadata")):
             return None
         from ckptverify.verifier.parts import node_name
 

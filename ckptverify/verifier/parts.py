@@ -147,11 +147,17 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) 
     """A node's checks of its ``files``: their verification, and, when the save is fingerprinted (the plan's
     ``fingerprint``: ``True``; ``"auto"`` with a former save's manifest in the folder, or content of these files
     no checksum protects), their digests and scans for the manifest
-    (:func:`~ckptverify.audit.adopt.fingerprint_files`, whose verification is then the part's)."""
+    (:func:`~ckptverify.audit.adopt.fingerprint_files`, whose verification is then the part's). A node that
+    wrote no file reports an empty part (no findings, no bytes): the merged report counts only what was read."""
     from ckptverify.audit.adopt import fingerprint_files
     from ckptverify.audit.verify import UNCHECKABLE
     from ckptverify.ownfiles.names import MANIFEST_FILE
 
+    if not files:  # this node's ranks wrote nothing: nothing to check, and nothing found
+        from ckptverify.findings import Report
+
+        empty = Report(command="verify", target=root, findings=(), stats={"bytes": 0, "files": 0, "opened": []})
+        return empty, None
     stale = fingerprint == "auto" and os.path.lexists(os.path.join(root, MANIFEST_FILE))
     if fingerprint is not True and not stale:
         report = _verify(root, jobs, only=files)
