@@ -122,7 +122,7 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
         run.execute(deep=False, use_manifest=False)
         checked = run.report("fingerprint", time.perf_counter() - started)
         if parts is not None:
-            here, opened = checked.stats.get("bytes"), sorted(n for n, f in run.opened.items() if f is not None)
+            here, opened = checked.stats.get("bytes"), run.opened_files()
             checked = merge_reports("fingerprint", root, [checked, *(part.report for part in parts)])
             # What this process read; the rest was read by the parts, each on its node.
             checked.stats.update(bytes_read_here=here, opened=opened)

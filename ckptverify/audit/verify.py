@@ -127,7 +127,7 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
         run.close()
     report = run.report("verify", time.perf_counter() - started)
     # Named also when this part skips nothing (every other node's ranks wrote no file).
-    report.stats["opened"] = sorted(n for n, f in run.opened.items() if f is not None)
+    report.stats["opened"] = run.opened_files()
     return report
 
 

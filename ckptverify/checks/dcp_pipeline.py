@@ -175,7 +175,7 @@ class VerificationRun:
                 "deep": self.deep,
             })
         if self.only is not None or self.skip:  # a part: which files it opened (no other node's)
-            stats["opened"] = sorted(n for n, f in self.opened.items() if f is not None)
+            stats["opened"] = self.opened_files()
         per_check = Counter(f.check for f in self.findings)
         omitted = {c: n - MAX_FINDINGS_PER_CHECK for c, n in sorted(per_check.items()) if n > MAX_FINDINGS_PER_CHECK}
         if omitted:
@@ -195,6 +195,10 @@ class VerificationRun:
         """The file ``name`` as this run opened it (the one its findings judged), or ``None`` when it was not
         opened."""
         return self.opened.get(name)
+
+    def opened_files(self) -> list[str]:
+        """The names of the files this run opened (those whose bytes it checks), sorted."""
+        return sorted(n for n, f in self.opened.items() if f is not None)
 
     def release_kept(self) -> None:
         """Forget the bytes of the small files read whole at open: later reads go to the files."""
