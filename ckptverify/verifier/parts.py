@@ -356,10 +356,10 @@ def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[An
             continue
     try:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=pieces)
-        whole = ""
+        how = f"the digests of {len(pieces)} other node(s) taken from their parts"
     except PartsOverlapError as exc:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=[])
-        whole = f"; read whole here: {exc}"
+        how = f"read whole here: {exc}"
     causes = [f for f in report.findings if f.check != "fingerprint-refused"]
     if manifest is None:
         refusal = next((f.message for f in report.findings if f.check == "fingerprint-refused"), "refused")
@@ -369,8 +369,7 @@ def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[An
                                   coverage=report.coverage, stats=report.stats)
     else:
         note = (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
-                f"{len(manifest.tensors)} tensors; the digests of {len(pieces)} other node(s) taken from their "
-                f"parts{whole}")
+                f"{len(manifest.tensors)} tensors; {how}")
     return report, note
 
 
