@@ -699,3 +699,26 @@ def test_a_node_whose_ranks_wrote_no_file_reports_an_empty_part(tmp_path: Path, 
     assert [(p["opened"], p["bytes"], p["verdict"]) for p in stamp["parts"]][1] == ([], 0, "passed")
     assert stamp["parts"][0]["opened"] == files and stamp["bytes_checked"] == sum(
         Path(path, n).stat().st_size for n in files)
+
+
+@pytest.mark.parametrize("planted", [{"report": 3}, [1, 2], {"report": {}, "only": ["__0_1.distcp"], "items": "x"}])
+def test_digests_a_part_verdict_does_not_hold_as_written_are_taken_by_reading_its_files_here(
+        tmp_path: Path, planted: Any) -> None:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.ownfiles.manifest import read_manifest
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+    from ckptverify.verifier.saved import saved_job
+
+    path = _plain_dcp(tmp_path / "ckpt", _mixed_state())
+    files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    write_plan(path, {**make_plan(["hostA", "hostB"], [files[:1], files[1:]]), "fingerprint": True})
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    verdict = Path(parts_mod.part_verdict_path(path, 1))
+    verdict.write_text(json.dumps({**json.loads(verdict.read_text()), "adoption": planted}))
+    out = saved_job(path, 5, True, 1, False, 0.0, parts=True)
+    assert out["event"] == "checkpoint-verified" and "the digests of 0 other node(s)" in out["extra"]["fingerprint"]
+    stamp = _stamp(Path(path))
+    assert stamp["parts"][0]["opened"] == files  # node 1's file, read here: and said so
+    manifest = read_manifest(path)
+    assert manifest is not None and verify_checkpoint(path).stats["manifest"]
+    assert _without_times(manifest) == _without_times(fingerprint_checkpoint(path, force=True)[1])

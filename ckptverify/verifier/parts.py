@@ -352,7 +352,7 @@ def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[An
     for data in parts:
         try:
             pieces.append(AdoptionPart.from_dict(data["adoption"]))
-        except (KeyError, TypeError, ValueError):  # a part that brought no digests: its files are read here
+        except Exception:  # none, or not what a part writes (damaged, planted): its files are read here
             continue
     try:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=pieces)
