@@ -266,13 +266,19 @@ def _nodes_worker(rank: int, world: int, root: str) -> None:
             json.dump(out, f, default=str)
 
 
+def _two_nodes(worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_timeout: int) -> list[Any]:
+    """``worker`` on two gloo ranks, each its own node, with reads unthrottled and a part timeout of
+    ``part_timeout`` seconds; what each rank wrote to ``rankN.json``."""
+    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
+    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, str(part_timeout))
+    spawn_ranks(worker, 2, str(tmp_path))
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 @pytest.mark.slow
 def test_two_nodes_verify_their_own_files_and_one_stamp_names_a_failed_or_silent_node(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
-    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "30")
-    spawn_ranks(_nodes_worker, 2, str(tmp_path))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = _two_nodes(_nodes_worker, tmp_path, monkeypatch, part_timeout=30)
     assert all(r[f"waited_{s}"] for r in ranks for s in (1, 2, 3, 4)), ranks
     verdicts = ranks[0]["verdicts"]
     # Rank 1 verified its node's part in its own verifier; the coordinator alone reports verdicts.
@@ -346,10 +352,7 @@ def _integration_worker(rank: int, world: int, root: str) -> None:
 @pytest.mark.slow
 def test_an_integration_s_background_check_is_shared_out_among_nodes_too(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
-    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "120")
-    spawn_ranks(_integration_worker, 2, str(tmp_path))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = _two_nodes(_integration_worker, tmp_path, monkeypatch, part_timeout=120)
     assert all(r["pending_1"] and r["pending_2"] for r in ranks), ranks
     assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed"}, ranks
     clean = _stamp(tmp_path / "step_1")
@@ -611,10 +614,7 @@ def test_lightning_and_accelerate_saves_are_verified_and_fingerprinted_in_parts_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
-    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
-    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, "120")
-    spawn_ranks(_auto_worker, 2, str(tmp_path))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = _two_nodes(_auto_worker, tmp_path, monkeypatch, part_timeout=120)
     assert all(r["gather"] == {"lightning": True, "accelerate": True} for r in ranks), ranks
     assert all(r[f"pending_{s}"] for r in ranks for s in (1, 2, 3, 4)), ranks
     assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed", "3": "passed",
