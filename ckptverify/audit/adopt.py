@@ -82,6 +82,10 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             raise ManifestExistsError(f"{manifest_path} exists and is not a regular file (a directory, link or "
                                       "special file); it is not replaced: remove it by hand if it is yours")
 
+    for part in parts or ():
+        if part.complete and (part.digest, part.block_bytes) != (digest, block_bytes):
+            raise PartsOverlapError(f"a part digested with {part.digest} in blocks of {part.block_bytes} bytes, "
+                                    f"this adoption with {digest} in blocks of {block_bytes}")
     started = time.perf_counter()
     if single:
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
@@ -97,10 +101,6 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     # cyclic collector would walk them all again and again (a third of the time of 100 000 items), and once
     # more when it is enabled again: all but the report and the manifest is freed before that, by reference
     # counting, as the call returns.
-    for part in parts or ():
-        if part.complete and (part.digest, part.block_bytes) != (digest, block_bytes):
-            raise PartsOverlapError(f"a part digested with {part.digest} in blocks of {part.block_bytes} bytes, this "
-                               f"adoption with {digest} in blocks of {block_bytes}")
     with paused_gc():
         return _adopt_dcp(root, digest=digest, block_bytes=block_bytes, jobs=jobs,
                           trust_uncheckable=trust_uncheckable, progress=progress, executor=executor,

@@ -34,7 +34,7 @@ from ckptverify.safeparse import paths
 # Re-exported: callers import these from here (the public face of ``verify``).
 __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
            "ProgressSink", "VerificationRun", "cap_findings", "changed_finding", "default_jobs", "fail_uncheckable",
-           "verify_checkpoint", "verify_folder_files", "verify_part"]
+           "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part"]
 
 
 def _counts_requests(fn: Any) -> Any:
@@ -108,6 +108,13 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         advice = _fingerprint_advice(root, list(report.findings), bool(report.stats.get("manifest")))
         report = dataclasses.replace(report, findings=(*report.findings, *advice))
     return fail_uncheckable(report) if strict else report
+
+
+def needs_manifest(report: Report) -> bool:
+    """Whether ``report`` passed, without a manifest, over content nothing could check (no CRC-32): what only
+    digests taken right after the save can protect (``fingerprint="auto"`` writes a manifest then)."""
+    return report.passed and not report.stats.get("manifest") and any(f.check == UNCHECKABLE
+                                                                      for f in report.findings)
 
 
 def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: frozenset[str] | None = None,

@@ -150,7 +150,7 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) 
     (:func:`~ckptverify.audit.adopt.fingerprint_files`, whose verification is then the part's). A node that
     wrote no file reports an empty part (no findings, no bytes): the merged report counts only what was read."""
     from ckptverify.audit.adopt import fingerprint_files
-    from ckptverify.audit.verify import UNCHECKABLE
+    from ckptverify.audit.verify import needs_manifest
     from ckptverify.ownfiles.names import MANIFEST_FILE
 
     if not files:  # this node's ranks wrote nothing: nothing to check, and nothing found
@@ -161,8 +161,7 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) 
     stale = fingerprint == "auto" and os.path.lexists(os.path.join(root, MANIFEST_FILE))
     if fingerprint is not True and not stale:
         report = _verify(root, jobs, only=files)
-        if fingerprint != "auto" or not report.passed or report.stats.get("manifest") \
-                or not any(f.check == UNCHECKABLE for f in report.findings):
+        if fingerprint != "auto" or not needs_manifest(report):
             return report, None
     part = fingerprint_files(root, files, jobs=jobs)
     return part.report, part.to_dict()

@@ -165,7 +165,7 @@ def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: 
 
 def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None,
                  deep: bool, settle: float | None) -> tuple[Verification, dict[str, Any]]:
-    from ckptverify.audit.verify import UNCHECKABLE, verify_checkpoint
+    from ckptverify.audit.verify import needs_manifest, verify_checkpoint
     from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
 
     started = time.perf_counter()
@@ -192,8 +192,7 @@ def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs:
         fp_note = _fingerprint(root, jobs) if fingerprint is True or stale else None
         before = files_fingerprint(root)
         report = verify_checkpoint(root, jobs=jobs, deep=deep)
-        if fingerprint == "auto" and report.passed and not report.stats.get("manifest") \
-                and any(f.check == UNCHECKABLE for f in report.findings):
+        if fingerprint == "auto" and needs_manifest(report):
             # Content nothing could check now, or ever after, without digests of it as it was just written.
             fp_note = _fingerprint(root, jobs)
             before = files_fingerprint(root)
@@ -232,11 +231,10 @@ def _adopt_when(root: str) -> Callable[[Report], bool]:
     """When a save verified in parts under ``fingerprint="auto"`` is fingerprinted from them (what
     :func:`check_saved` decides on one node): a manifest is in the folder (a former save's: the parts judged
     against digests of bytes that are gone), or the parts found content no checksum protects."""
-    from ckptverify.audit.verify import UNCHECKABLE
+    from ckptverify.audit.verify import needs_manifest
 
     def adopt(merged: Report) -> bool:
-        return _has_manifest(root) or (merged.passed and not merged.stats.get("manifest")
-                                       and any(f.check == UNCHECKABLE for f in merged.findings))
+        return _has_manifest(root) or needs_manifest(merged)
 
     return adopt
 
