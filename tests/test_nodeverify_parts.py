@@ -722,3 +722,222 @@ def test_digests_a_part_verdict_does_not_hold_as_written_are_taken_by_reading_it
     manifest = read_manifest(path)
     assert manifest is not None and verify_checkpoint(path).stats["manifest"]
     assert _without_times(manifest) == _without_times(fingerprint_checkpoint(path, force=True)[1])
+
+
+# ---------------------------------------------------------------------------------- a folder with DCP folders inside
+
+_SUBS = ("optimizer_0", "pytorch_model_fsdp_0")
+
+
+def _fsdp_folder(root: Path, *, weights: bool = False) -> str:
+    """A ``checkpoint-N`` as transformers writes it under FSDP (``SHARDED_STATE_DICT``): the model and the
+    optimizer in DCP folders (here each in two files of one rank, as two nodes would write them), the scheduler,
+    the RNG states of two ranks and the trainer state beside them. ``weights``: also a ``model.safetensors``,
+    content no CRC-32 protects."""
+    path = root / "checkpoint-4"
+    path.mkdir(parents=True)
+    _plain_dcp(path / _SUBS[1], {f"w{i}": torch.randn(4096) for i in range(4)})
+    _plain_dcp(path / _SUBS[0], {f"state.w{i}.exp_avg": torch.randn(4096) for i in range(4)})
+    for r in (0, 1):
+        torch.save({"cpu": torch.get_rng_state(), "python": r}, path / f"rng_state_{r}.pth")
+    torch.save({"last_epoch": 4}, path / "scheduler.pt")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    if weights:
+        from safetensors.torch import save_file
+
+        save_file({"lm_head": torch.randn(64)}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _folder_nodes(path: str) -> list[list[str]]:
+    """Each DCP folder's two files, one to each of two nodes: what ranks 0 and 1 would have written."""
+    files = {s: sorted(n for n in os.listdir(os.path.join(path, s)) if n.endswith(".distcp")) for s in _SUBS}
+    assert all(len(f) == 2 for f in files.values()), files
+    return [[f"{s}/{files[s][k]}" for s in _SUBS] for k in (0, 1)]
+
+
+def _plan_folder(path: str, nodes: list[list[str]], fingerprint: Any = False) -> None:
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+
+    write_plan(path, {**make_plan(["hostA", "hostB"], nodes), "fingerprint": fingerprint})
+
+
+_TOP = ["rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"]
+
+
+def test_a_folder_s_dcp_folders_are_shared_out_by_file_and_its_own_files_stay_with_the_coordinator(
+        tmp_path: Path, opened_paths: list[str]) -> None:
+    path = _fsdp_folder(tmp_path)
+    nodes = _folder_nodes(path)
+    whole = verify_checkpoint(path)
+    assert whole.passed, whole.errors
+    opened_paths.clear()
+    node = verify_part(path, only=frozenset(nodes[1]))
+    assert set(opened_paths) - {".metadata"} == {"__0_1.distcp"} and opened_paths.count("__0_1.distcp") == 2
+    opened_paths.clear()
+    coordinator = verify_part(path, skip=frozenset(nodes[1]))
+    assert "__0_1.distcp" not in opened_paths and "__0_0.distcp" in opened_paths, opened_paths
+    assert node.passed and coordinator.passed, (node.errors, coordinator.errors)
+    assert node.stats["opened"] == sorted(nodes[1])
+    assert coordinator.stats["opened"] == sorted([*_TOP, *nodes[0]])
+    assert node.stats["bytes"] + coordinator.stats["bytes"] == whole.stats["bytes"]
+    # The checks of each DCP folder as a whole (its metadata, the tiling of its tensors) are the coordinator's.
+    assert not any(c.check == "metadata" for c in node.coverage)
+    assert any(c.check == "metadata" for c in coordinator.coverage)
+
+    from ckptverify.ownfiles.partsplan import dcp_folders
+
+    assert dcp_folders(path) == list(_SUBS) and dcp_folders(os.path.join(path, _SUBS[0])) == [""]
+
+
+def test_a_bit_flipped_in_a_node_s_shard_of_a_folder_names_that_node_and_the_shard(tmp_path: Path) -> None:
+    path = _fsdp_folder(tmp_path)
+    nodes = _folder_nodes(path)
+    _plan_folder(path, nodes)
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    clean = _gather(path, wait_s=5)
+    stamp = _stamp(Path(path))
+    assert clean.verdict == "passed" and [p["opened"] for p in stamp["parts"]] == [sorted([*_TOP, *nodes[0]]),
+                                                                                   sorted(nodes[1])]
+    assert clean.bytes_checked == verify_checkpoint(path).stats["bytes"]
+    assert not [n for n in os.listdir(path) if n.startswith(PARTS_PREFIX)]
+
+    os.unlink(os.path.join(path, STAMP_FILE))
+    sub = os.path.join(path, "optimizer_0")
+    item = next(i for i in inj.tensor_zip_items(sub) if i.file == "__0_1.distcp")
+    inj.flip_in_tensor_payload(sub, item.fqn)
+    _plan_folder(path, nodes)
+    assert parts_mod.part_job(path, 1, wait_s=0)["passed"] is False
+    failed = _gather(path, wait_s=5)
+    stamp = _stamp(Path(path))
+    assert failed.verdict == "failed" and {p["node"]: p["verdict"] for p in stamp["parts"]} == {0: "passed",
+                                                                                                 1: "failed"}
+    named = [e["message"] for e in stamp["errors"] if e["check"] == "node-part-failed"]
+    assert len(named) == 1 and "node 1 (host hostB" in named[0] and "optimizer_0/__0_1.distcp" in named[0], named
+    assert {e["location"].get("file") for e in stamp["errors"] if e["check"] != "node-part-failed"} == {
+        "optimizer_0/__0_1.distcp"}
+    assert os.path.exists(os.path.join(sub, "__0_1.distcp"))  # evidence kept
+
+
+def test_a_planted_plan_cannot_lead_a_part_out_of_the_folder_or_leave_its_own_files_unchecked(
+        tmp_path: Path, opened_paths: list[str]) -> None:
+    path = _fsdp_folder(tmp_path)
+    (tmp_path / "outside").mkdir()
+    _plain_dcp(tmp_path / "outside" / "x", {"w": torch.randn(8)})
+    hostile = frozenset({"../outside/x/__0_0.distcp", "rng_state_1.pth", "optimizer_0/../../outside/__0_0.distcp",
+                         "absent/__0_0.distcp", "../outside", "/etc/passwd"})
+    opened_paths.clear()
+    part = verify_part(path, only=hostile)
+    assert part.stats["opened"] == [] and part.stats["bytes"] == 0 and not opened_paths, opened_paths
+    # The files at the folder's top are always checked by the coordinator, whatever a plan gives away.
+    coordinator = verify_part(path, skip=hostile)
+    assert coordinator.passed and set(_TOP) <= set(coordinator.stats["opened"])
+    assert coordinator.stats["bytes"] == verify_checkpoint(path).stats["bytes"]
+
+
+def test_a_folder_that_needs_a_manifest_is_fingerprinted_whole_by_the_coordinator_and_says_so(
+        tmp_path: Path) -> None:
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+    from ckptverify.verifier.saved import saved_job
+
+    path = _fsdp_folder(tmp_path, weights=True)
+    nodes = _folder_nodes(path)
+    _plan_folder(path, nodes, "auto")
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    out = saved_job(path, 4, "auto", 1, False, 0.0, parts=True)
+    assert out["event"] == "checkpoint-verified", out
+    assert out["extra"]["fingerprint"].endswith("; read whole here: a folder of checkpoint files is fingerprinted "
+                                                "by one process"), out["extra"]
+    stamp = _stamp(Path(path))
+    assert stamp["passed"] and (Path(path) / MANIFEST_FILE).is_file()
+    assert set(nodes[1]) <= set(stamp["parts"][0]["opened"])  # node 1's shards, read here: and said so
+    assert verify_checkpoint(path).stats["manifest"]
+
+
+def test_only_a_folder_that_is_not_always_fingerprinted_shares_out_its_dcp_folders(tmp_path: Path) -> None:
+    from ckptverify.integrations._core import Group, Verifier
+
+    group = Group(coordinator=True, broadcast=lambda obj: obj, barrier=lambda: None,
+                  gather=lambda obj: ["hostA", "hostB"])
+    path = _fsdp_folder(tmp_path)
+    verifier = Verifier(verify="background")
+    assert verifier._node_hosts(path, group, "auto") == verifier._node_hosts(path, group, False) == ["hostA", "hostB"]
+    assert verifier._node_hosts(path, group, True) is None  # read whole by the coordinator anyway
+
+    from ckptverify.ownfiles.partsplan import plan_from_names
+
+    plan = plan_from_names(path, ["hostA", "hostB"])  # every file here is rank 0's
+    assert [n["files"] for n in plan["nodes"]] == [sorted(f for n in _folder_nodes(path) for f in n), []]
+
+
+def _fsdp_worker(rank: int, world: int, root: str) -> None:
+    """Two saves as transformers' ``Trainer`` writes them under FSDP (``SHARDED_STATE_DICT``): every rank writes
+    its shards of the model and the optimizer through DCP and its own ``rng_state_R.pth``, rank 0 the rest; then
+    the transformers callback's ``on_save``, and ``on_train_end`` at the end."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckptverify.integrations.transformers import VerifyCheckpointsCallback
+    from ckptverify.verifier import background
+
+    warnings.simplefilter("ignore")
+    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+    callback = VerifyCheckpointsCallback(verify="background")  # fingerprint="auto"
+    args = SimpleNamespace(output_dir=root)
+    out: dict[str, Any] = {}
+    if rank == 1:
+        def flip(path: str) -> None:
+            if path.endswith("checkpoint-2"):
+                sub = os.path.join(path, "pytorch_model_fsdp_0")
+                item = next(i for i in inj.tensor_zip_items(sub) if i.file == "__1_0.distcp")
+                out["fault"] = f"pytorch_model_fsdp_0/{_flip_keeping_mtime(sub, item.fqn).file}"
+
+        background.default_verifier().before_verify = flip
+    try:
+        for step in (1, 2):
+            path = os.path.join(root, f"checkpoint-{step}")
+            os.makedirs(path, exist_ok=True)
+            model = {f"layer.{rank}.weight": torch.full((4096,), float(step + rank)), "bias": torch.arange(64.0)}
+            dcp.save({"model": model}, storage_writer=dcp.FileSystemWriter(os.path.join(path, "pytorch_model_fsdp_0")))
+            optim = {f"state.{rank}.exp_avg": torch.full((4096,), 0.5 * step), "lr": 1e-3}
+            dcp.save({"optimizer": optim}, storage_writer=dcp.FileSystemWriter(os.path.join(path, "optimizer_0")))
+            torch.save({"cpu": torch.get_rng_state()}, os.path.join(path, f"rng_state_{rank}.pth"))
+            if rank == 0:
+                torch.save({"last_epoch": step}, os.path.join(path, "scheduler.pt"))
+                with open(os.path.join(path, "trainer_state.json"), "w") as f:
+                    json.dump({"global_step": step}, f)
+            callback.on_save(args, SimpleNamespace(global_step=step), None)
+            out[f"pending_{step}"] = callback.verdicts[-1].pending
+            dist.barrier()
+        callback.on_train_end(args, SimpleNamespace(global_step=2), None)
+        out["verdicts"] = {v.step: v.verdict for v in callback.verdicts}
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+
+
+@pytest.mark.slow
+def test_a_transformers_fsdp_checkpoint_is_verified_among_the_nodes_that_wrote_its_shards(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = _two_nodes(_fsdp_worker, tmp_path, monkeypatch, part_timeout=120)
+    assert all(r["pending_1"] and r["pending_2"] for r in ranks), ranks
+    assert ranks[0]["verdicts"] == ranks[1]["verdicts"] == {"1": "passed", "2": "failed"}, ranks
+    shards = [[f"{s}/__{k}_0.distcp" for s in _SUBS] for k in (0, 1)]
+    top = ["rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"]
+    clean = _stamp(tmp_path / "checkpoint-1")
+    # Each node opened the shards its rank wrote, and the coordinator the folder's own files besides.
+    assert clean["passed"] and [p["opened"] for p in clean["parts"]] == [sorted([*top, *shards[0]]), shards[1]]
+    assert [p["files"] for p in clean["parts"]] == shards
+    failed = _stamp(tmp_path / "checkpoint-2")
+    fault = ranks[1]["fault"]
+    assert fault == "pytorch_model_fsdp_0/__1_0.distcp", ranks[1]
+    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
+    assert len(named) == 1 and "node 1 (host node1" in named[0] and fault in named[0], failed["errors"]
+    assert {e["location"].get("file") for e in failed["errors"] if e["check"] != "node-part-failed"} == {fault}
+    assert (tmp_path / "checkpoint-2" / fault).exists()  # evidence kept
+    events = {(e["event"], e["step"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")}
+    assert events == {("checkpoint-verified", 1), ("checkpoint-failed", 2)}, events
+    for step in (1, 2):
+        assert not [n for n in os.listdir(tmp_path / f"checkpoint-{step}") if n.startswith(PARTS_PREFIX)]

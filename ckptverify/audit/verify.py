@@ -127,6 +127,8 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
+    if not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
+        return _folder_part(root, jobs, only, skip, use_manifest, started)
     run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip)
     try:
         run.execute(deep=False, use_manifest=use_manifest)
@@ -136,6 +138,59 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
     # Named also when this part skips nothing (every other node's ranks wrote no file).
     report.stats["opened"] = run.opened_files()
     return report
+
+
+def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
+                 use_manifest: bool, started: float) -> Report:
+    """:func:`verify_part` of a folder of checkpoint files whose DCP sub-folders several nodes wrote (an FSDP
+    save by accelerate or transformers: ``checkpoint-N/pytorch_model_fsdp_0/__R_0.distcp``). Names are
+    ``SUB/FILE``, ``SUB`` one of the folder's DCP sub-folders. With ``only``: the byte-level checks of those
+    files alone. With ``skip``: the whole folder (every file at its top, every sub-folder's whole-checkpoint
+    checks) but those files. Files at the top are always the ``skip`` side's: a part given one checks nothing
+    of it, so nothing goes unchecked. Findings and ``stats["opened"]`` name files as ``SUB/FILE``."""
+    by_sub: dict[str, set[str]] = {}
+    for name in only if only is not None else skip:
+        sub, sep, rest = name.partition("/")
+        if sep and rest and "/" not in rest:
+            by_sub.setdefault(sub, set()).add(rest)
+    if only is None:
+        return _verify_folder(root, jobs, False, use_manifest, started,
+                              skip={sub: frozenset(names) for sub, names in by_sub.items()})
+    from ckptverify.findings import merge_reports
+
+    reports = []
+    for sub in _dcp_subfolders(root):  # only these: a name cannot lead a part out of the folder
+        if sub in by_sub:
+            got = verify_part(os.path.join(root, sub), jobs=jobs, only=frozenset(by_sub[sub]),
+                              use_manifest=use_manifest)
+            reports.append(dataclasses.replace(got, findings=tuple(_under(sub, got.findings)), stats={
+                **got.stats, "opened": [f"{sub}/{n}" for n in got.stats.get("opened") or []]}))
+    report = merge_reports("verify", root, reports)
+    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "format": "folder",
+                         "opened": sorted(n for r in reports for n in r.stats["opened"])})
+    return report
+
+
+def _dcp_subfolders(root: str) -> list[str]:
+    """The sub-folders of ``root`` that hold DCP checkpoints (not followed through links)."""
+    from ckptverify.formats.rundir import dir_format
+
+    out = []
+    for name in sorted(_listdir(root)):
+        sub = os.path.join(root, name)
+        if paths.isdir(sub) and not paths.islink(sub) and dir_format(_listdir(sub)) in ("dcp", "dcp-uncommitted"):
+            out.append(name)
+    return out
+
+
+def _under(sub: str, findings: Any) -> list[Finding]:
+    """``findings`` of the DCP sub-folder ``sub`` as its folder reports them: their file as ``SUB/FILE``."""
+    out = []
+    for f in findings:
+        where = f.location
+        out.append(dataclasses.replace(f, location=dataclasses.replace(
+            where, file=f"{sub}/{where.file}" if where.file else f"{sub}/")))
+    return out
 
 
 def _default_jobs(root: str) -> int:
@@ -209,6 +264,11 @@ def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False, use
     checkpoints inside it: each file by its content, against the folder's manifest and against its own
     manifest when one lies beside it (``docs/manifest.md``). ``stats["parts"]`` names the DCP sub-folders,
     which :func:`verify_checkpoint` verifies too; ``scan`` verifies them one by one."""
+    return _folder_files(root, deep, use_manifest)[0]
+
+
+def _folder_files(root: str | os.PathLike[str], deep: bool, use_manifest: bool) -> tuple[Report, list[str]]:
+    """:func:`verify_folder_files`, and the names of the files it checked."""
     from ckptverify.checks.described import judge_described
     from ckptverify.checks.folder import check_folder
 
@@ -223,25 +283,26 @@ def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False, use
              "throughput_bytes_per_s": _throughput(facts.get("bytes", 0), seconds), "format": "folder",
              "parts": facts["dcp_parts"], "manifest": with_manifest}
     return Report(command="verify", target=path, findings=tuple(findings), coverage=merge_coverage(
-        [*coverage, *more]), stats=stats)
+        [*coverage, *more]), stats=stats), sorted(facts["files"])
 
 
-def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float) -> Report:
+def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float,
+                   skip: dict[str, frozenset[str]] | None = None) -> Report:
     """A folder of checkpoint files, and the DCP checkpoints inside it (FSDP saves of accelerate and
-    transformers), each verified in full; findings of a part name the part in their file."""
-    files = verify_folder_files(root, deep=deep, use_manifest=use_manifest)
+    transformers), each verified in full; findings of a part name the part in their file. ``skip``: by DCP
+    sub-folder, the files other nodes' parts check (:func:`verify_part`); ``stats["opened"]`` then names the
+    files opened here."""
+    files, opened = _folder_files(root, deep, use_manifest)
     findings = [f for f in files.findings if f.check != FINGERPRINT_ADVICE]  # one for the whole, below
     cover = list(files.coverage)
     total = int(files.stats.get("bytes", 0) or 0)
     with_manifest = bool(files.stats.get("manifest"))
     for part in files.stats["parts"]:
-        sub = verify_checkpoint(os.path.join(root, part), jobs=jobs, deep=deep, use_manifest=use_manifest)
-        for f in sub.findings:
-            if f.check == FINGERPRINT_ADVICE:
-                continue
-            where = f.location
-            findings.append(dataclasses.replace(f, location=dataclasses.replace(
-                where, file=f"{part}/{where.file}" if where.file else f"{part}/")))
+        where = os.path.join(root, part)
+        sub = verify_checkpoint(where, jobs=jobs, deep=deep, use_manifest=use_manifest) if skip is None else \
+            verify_part(where, jobs=jobs, skip=skip.get(part, frozenset()), use_manifest=use_manifest)
+        findings.extend(_under(part, (f for f in sub.findings if f.check != FINGERPRINT_ADVICE)))
+        opened.extend(f"{part}/{n}" for n in sub.stats.get("opened") or [])
         cover.extend(sub.coverage)
         total += int(sub.stats.get("bytes", 0) or 0)
         with_manifest = with_manifest and bool(sub.stats.get("manifest"))
@@ -251,6 +312,8 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
     stats = {"seconds": round(seconds, 6), "files": files.stats["files"], "bytes": total,
              "throughput_bytes_per_s": _throughput(total, seconds), "format": "folder",
              "parts": files.stats["parts"], "manifest": with_manifest}
+    if skip is not None:
+        stats["opened"] = sorted(opened)
     return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
                   coverage=merge_coverage(cover), stats=stats)
 

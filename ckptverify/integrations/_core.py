@@ -363,12 +363,20 @@ class Verifier:
     def _node_hosts(self, root: str, group: Group, fingerprint: Fingerprint) -> list[str] | None:
         """The node of every rank when this background verification is shared out among nodes (every rank calls
         it): a local DCP folder (its ``.metadata`` written: the plan gives each node the ``__RANK_N.distcp``
-        files of its ranks; a folder of other files, such as a Hugging Face ``checkpoint-N``, has no such
-        split), not deep, a group that can gather, more than one node. Else ``None``: the coordinator verifies
-        everything. A checkpoint that is fingerprinted (``fingerprint=True``, or ``"auto"`` when it needs it) is
-        fingerprinted in parts too, each node's files on that node (:func:`~ckptverify.verifier.saved.saved_job`)."""
-        if not self.background or self.deep or group.gather is None or "://" in root \
-                or not os.path.isfile(os.path.join(root, ".metadata")):
+        files of its ranks), or a folder of checkpoint files with DCP folders inside (an FSDP save by
+        accelerate or transformers: each node gets its ranks' files in those, the coordinator the rest) unless
+        it is always fingerprinted; not deep, a group that can gather, more than one node. Else ``None``: the
+        coordinator verifies everything (a folder of other files, such as a plain ``checkpoint-N``, has no
+        per-rank split). A DCP folder that is fingerprinted (``fingerprint=True``, or ``"auto"`` when it needs
+        it) is fingerprinted in parts too, each node's files on that node
+        (:func:`~ckptverify.verifier.saved.saved_job`); a folder of checkpoint files is fingerprinted whole by
+        the coordinator."""
+        if not self.background or self.deep or group.gather is None or "://" in root:
+            return None
+        from ckptverify.ownfiles.partsplan import dcp_folders
+
+        where = dcp_folders(root)
+        if not where or (where != [""] and fingerprint is True):
             return None
         from ckptverify.verifier.parts import node_name
 

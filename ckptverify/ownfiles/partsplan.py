@@ -15,8 +15,8 @@ from typing import Any
 
 from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX, STAMP_TEMP_PREFIX, write_atomic
 
-__all__ = ["PLAN_SCHEMA", "make_plan", "nodes_of", "part_verdict_path", "plan_from_names", "read_json", "read_plan",
-           "write_plan"]
+__all__ = ["PLAN_SCHEMA", "dcp_folders", "make_plan", "nodes_of", "part_verdict_path", "plan_from_names", "read_json",
+           "read_plan", "write_plan"]
 
 PLAN_SCHEMA = "ckptverify/parts-plan"
 #: The most of a plan or a part verdict that is ever read (a part of a fingerprinted save carries the digests of
@@ -44,16 +44,37 @@ def make_plan(hosts: list[str], files_of_rank: list[list[str]]) -> dict[str, Any
     return {"schema": PLAN_SCHEMA, "save_id": uuid.uuid4().hex, "nodes": nodes}
 
 
+def dcp_folders(root: str) -> list[str]:
+    """Where a framework's save at ``root`` holds DCP checkpoints whose files a plan can share out: ``[""]`` for
+    a DCP folder (its ``.metadata`` written), else the names of its sub-folders that are (an FSDP save by
+    accelerate or transformers: ``checkpoint-N/pytorch_model_fsdp_0``), else ``[]``. Links are not followed."""
+    if os.path.isfile(os.path.join(root, ".metadata")):
+        return [""]
+    out = []
+    try:
+        with os.scandir(root) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return []
+    for e in entries:
+        if e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, ".metadata")) \
+                and not os.path.islink(os.path.join(e.path, ".metadata")):
+            out.append(e.name)
+    return out
+
+
 def plan_from_names(root: str, hosts: list[str]) -> dict[str, Any]:
     """The plan of a DCP checkpoint at ``root`` written by ranks on ``hosts`` through DCP's file system writer,
     whose rank ``r`` names its files ``__r_N.distcp``: what a front end that does not see DCP's write results
-    (a framework's own save) shares out. Only names are listed (nothing is opened); a file of no rank's name is
-    left to the coordinator, which checks everything no other node's part does."""
+    (a framework's own save) shares out. In a folder of checkpoint files, the files of its DCP sub-folders
+    (:func:`dcp_folders`), named ``SUB/__r_N.distcp``. Only names are listed (nothing is opened); a file of no
+    rank's name is left to the coordinator, which checks everything no other node's part does."""
     files: list[list[str]] = [[] for _ in hosts]
-    for name in sorted(os.listdir(root)):
-        m = _DCP_FILE.fullmatch(name)
-        if m is not None and int(m.group(1)) < len(hosts):
-            files[int(m.group(1))].append(name)
+    for sub in dcp_folders(root):
+        for name in sorted(os.listdir(os.path.join(root, sub))):
+            m = _DCP_FILE.fullmatch(name)
+            if m is not None and int(m.group(1)) < len(hosts):
+                files[int(m.group(1))].append(f"{sub}/{name}" if sub else name)
     return make_plan(hosts, files)
 
 

@@ -38,6 +38,7 @@ from typing import Any
 from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
 from ckptverify.ownfiles.partsplan import (
     PLAN_SCHEMA,
+    dcp_folders,
     make_plan,
     part_verdict_path,
     read_json,
@@ -105,12 +106,10 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     at ``root`` has committed with a plan, verify the files of node ``node`` only, and write its verdict
     (:func:`part_verdict_path`). Returns what was written, or ``{"written": False, "why": ...}`` when nothing
     was (no plan came, the checkpoint is gone)."""
-    from ckptverify.runs.stamp import committed
-
     deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
     plan = None
     while True:
-        if committed(root):
+        if _committed(root):
             plan = read_plan(root)
             # The plan is written as the save commits (or, by an integration, right after): once committed,
             # a plan that is still missing after a grace time is not coming (it could not be written).
@@ -143,6 +142,17 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     return {"written": True, "node": node, "passed": report.passed, "bytes": data["bytes"]}
 
 
+def _committed(root: str) -> bool:
+    """Whether the save at ``root`` finished: a DCP folder committed, or a folder of checkpoint files whose DCP
+    folders all are (:func:`~ckptverify.ownfiles.partsplan.dcp_folders`)."""
+    from ckptverify.runs.stamp import committed
+
+    if committed(root):
+        return True
+    where = dcp_folders(root)
+    return bool(where) and "" not in where and all(committed(os.path.join(root, sub)) for sub in where)
+
+
 def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) -> tuple[Any, dict[str, Any] | None]:
     """A node's checks of its ``files``: their verification, and, when the save is fingerprinted (the plan's
     ``fingerprint``: ``True``; ``"auto"`` with a former save's manifest in the folder, or content of these files
@@ -158,6 +168,10 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) 
 
         empty = Report(command="verify", target=root, findings=(), stats={"bytes": 0, "files": 0, "opened": []})
         return empty, None
+    if not os.path.isfile(os.path.join(root, ".metadata")):
+        # The DCP folders inside a folder of checkpoint files (an FSDP save by accelerate or transformers): their
+        # shards are verified here; when the folder is fingerprinted, the coordinator reads it whole.
+        return _verify(root, jobs, only=files), None
     stale = fingerprint == "auto" and os.path.lexists(os.path.join(root, MANIFEST_FILE))
     if fingerprint is not True and not stale:
         report = _verify(root, jobs, only=files)
@@ -356,6 +370,9 @@ def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[An
     try:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=pieces)
         how = f"the digests of {len(pieces)} other node(s) taken from their parts"
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            how = "read whole here: a folder of checkpoint files is fingerprinted by one process"
+            report.stats.update({"bytes_read_here": report.stats.get("bytes"), "opened": _every_file(path)})
     except PartsOverlapError as exc:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=[])
         how = f"read whole here: {exc}"
@@ -370,6 +387,15 @@ def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[An
         note = (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
                 f"{len(manifest.tensors)} tensors; {how}")
     return report, note
+
+
+def _every_file(root: str) -> list[str]:
+    """Every file of the checkpoint folder ``root`` (its sub-folders' too, as ``SUB/FILE``), ours left out."""
+    from ckptverify.formats.describe import is_own_file
+    from ckptverify.formats.rundir import walk_files
+
+    return sorted(os.path.relpath(e.path, root).replace(os.sep, "/") for e, _ in walk_files(root)
+                  if not is_own_file(e.name) and not e.name.startswith(STAMP_TEMP_PREFIX))
 
 
 def _tidy_parts(root: str, nodes: list[int]) -> None:
