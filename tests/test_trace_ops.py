@@ -318,7 +318,7 @@ def test_resume_check_reports_a_recompute_mismatch_of_its_own_run(monkeypatch):
 #: The NVTX test's run, in an interpreter of its own. In the suite's process, after the fingerprint kernel was
 #: compiled for the tests' tiny block geometry (``small_blocks`` in ``test_savefp_beside``: blocks of 4 x 16, which
 #: no save compiles), the traced script's custom op failed inside torch's dispatcher (``vector::reserve``,
-#: ``bad_alloc``, once a crash) in 5 of 28 runs; with that one test left out, in none of 20.
+#: ``bad_alloc``, once a crash) in 5 of 30 runs; with that one test left out, in none of 20.
 _NVTX_CHILD = """
 import json, sys
 from pathlib import Path
