@@ -941,3 +941,117 @@ def test_a_transformers_fsdp_checkpoint_is_verified_among_the_nodes_that_wrote_i
     assert events == {("checkpoint-verified", 1), ("checkpoint-failed", 2)}, events
     for step in (1, 2):
         assert not [n for n in os.listdir(tmp_path / f"checkpoint-{step}") if n.startswith(PARTS_PREFIX)]
+
+
+# ---------------------------------------------------------------------------------- deep, in parts
+
+
+def _deep_planned(root: Path) -> str:
+    """A hashing save in two files, node 1's holding NaNs and node 0's infinities, planned deep for two nodes."""
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+
+    path = str(root / "ckpt")
+    state = {f"w{i}": torch.randn(4096 * (i + 1)) for i in range(6)}
+    state["w0"][:3] = float("nan")
+    state["w5"][:2] = float("inf")
+    cv.save(state, path, thread_count=2)
+    files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    write_plan(path, {**make_plan(["hostA", "hostB"], [files[:1], files[1:]]), "deep": True})
+    return path
+
+
+def _gather_deep(path: str, wait_s: float) -> Any:
+    from ckptverify.verifier.stamper import VerifyingLock
+
+    lock = VerifyingLock(path)
+    assert lock.acquire()
+    try:
+        return parts_mod.stamp_parts_locked(path, step=7, jobs=1, settle=0.0, wait_s=wait_s, deep=True)
+    finally:
+        lock.release()
+
+
+def _kinds(findings: Any) -> list[tuple[str, str, str]]:
+    return sorted((f.check, f.severity.value, f.message) for f in findings)
+
+
+def test_a_deep_check_in_parts_gives_the_findings_of_one_process_and_each_node_reads_its_own_file(
+        tmp_path: Path, opened_paths: list[str]) -> None:
+    path = _deep_planned(tmp_path)
+    whole = verify_checkpoint(path, deep=True)
+    assert whole.passed and any(f.check == "nonfinite" for f in whole.findings)
+    opened_paths.clear()
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    part_opened = set(opened_paths) - {".metadata", "ckptverify.manifest.json"}
+    data = json.loads(Path(parts_mod.part_verdict_path(path, 1)).read_text())
+    assert data["deep"] and {p["file"] for _, p, _ in data["deep"]} == {"__0_1.distcp"}
+    opened_paths.clear()
+    result = _gather_deep(path, wait_s=5)
+    coordinator_opened = set(opened_paths)
+    assert part_opened == {"__0_1.distcp"} and "__0_1.distcp" not in coordinator_opened, coordinator_opened
+    stamp = _stamp(Path(path))
+    assert result.verdict == "passed" and stamp["passed"] and stamp["deep"], stamp
+    assert [p["opened"] for p in stamp["parts"]] == [["__0_0.distcp"], ["__0_1.distcp"]]
+    # Every tensor rebuilt from the two nodes' pieces, and judged as one process judges them.
+    assert _kinds(result.report.findings) == _kinds(whole.findings)
+    fingerprinted = [c.count for c in result.report.coverage if c.check == "fingerprint"]
+    assert fingerprinted == [c.count for c in whole.coverage if c.check == "fingerprint"] == [6]
+
+
+@pytest.mark.parametrize("planted", ["none", "garbage", "foreign", "chunk-outside"])
+def test_a_deep_part_without_its_own_pieces_did_not_report(tmp_path: Path, planted: str) -> None:
+    path = _deep_planned(tmp_path)
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    verdict = Path(parts_mod.part_verdict_path(path, 1))
+    data = json.loads(verdict.read_text())
+    name, piece, scan = data["deep"][0]
+    data["deep"] = {"none": None, "garbage": [[1, 2]],
+                    "foreign": [[name, {**piece, "file": "__0_0.distcp"}, scan]],  # a file that is not its own
+                    "chunk-outside": [[name, {**piece, "chunk_offsets": [10**9]}, scan]]}[planted]
+    verdict.write_text(json.dumps(data))
+    result = _gather_deep(path, wait_s=0.5)
+    assert result.verdict == "unverified" and not (Path(path) / STAMP_FILE).exists()
+    assert "node 1 (host hostB, ranks [1])" in result.reason and "__0_1.distcp" in result.reason
+
+
+def _deep_worker(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+
+    from ckptverify.options import VerifyOptions
+    from ckptverify.verifier import background
+
+    warnings.simplefilter("ignore")
+    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+    out: dict[str, Any] = {"verdicts": {}}
+    if rank == 1:
+        background.default_verifier().before_verify = (
+            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith("step_2") else None)
+    try:
+        for step in (1, 2):
+            state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(1024.0) * step}
+            cv.save(state, os.path.join(root, f"step_{step}"), verify=VerifyOptions(when="background", deep=True),
+                    events=root)
+            out[f"waited_{step}"] = cv.wait_for_verifications(timeout=240)
+            last = cv.last_verification()
+            out["verdicts"][step] = None if last is None else last.to_dict()
+            dist.barrier()
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+
+
+@pytest.mark.slow
+def test_a_deep_background_check_after_a_save_is_shared_out_among_nodes(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = _two_nodes(_deep_worker, tmp_path, monkeypatch, part_timeout=120)
+    assert all(r["waited_1"] and r["waited_2"] for r in ranks), ranks
+    verdicts = ranks[0]["verdicts"]
+    clean = _stamp(tmp_path / "step_1")
+    assert verdicts["1"]["verdict"] == "passed" and clean["passed"] and clean["deep"], clean
+    assert [p["opened"] for p in clean["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
+    assert any(c["check"] == "fingerprint" and c["count"] == 3 for c in clean["coverage"]), clean["coverage"]
+    failed = _stamp(tmp_path / "step_2")
+    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
+    assert verdicts["2"]["verdict"] == "failed" and not failed["passed"] and failed["deep"]
+    assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
+    assert (tmp_path / "step_2" / "__1_0.distcp").exists()  # evidence kept

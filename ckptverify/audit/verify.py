@@ -34,7 +34,7 @@ from ckptverify.safeparse import paths
 # Re-exported: callers import these from here (the public face of ``verify``).
 __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
            "ProgressSink", "VerificationRun", "cap_findings", "changed_finding", "default_jobs", "fail_uncheckable",
-           "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part"]
+           "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part", "verify_part_deep"]
 
 
 def _counts_requests(fn: Any) -> Any:
@@ -123,21 +123,36 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
     with ``only``, the byte-level checks of those files alone; with ``skip``, everything but the files other parts
     check (see :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`). Files left out are neither opened nor
     reported. ``stats["bytes"]`` counts the bytes of the files this part opened, ``stats["opened"]`` names them."""
+    return _part(path, jobs, only, skip, use_manifest, deep=False)[0]
+
+
+def verify_part_deep(path: str | os.PathLike[str], *, jobs: int | None = None, only: frozenset[str] | None = None,
+                     skip: frozenset[str] = frozenset()) -> tuple[Report, Any]:
+    """:func:`verify_part` of a DCP checkpoint with its deep scan: also every tensor piece in this part's files
+    rebuilt and fingerprinted, not judged (:class:`~ckptverify.checks.deep.DeepPart`, ``None`` when the run
+    stopped before it). The side that checks the whole adds the other parts' pieces and judges them all
+    (:func:`~ckptverify.checks.deep.judge_parts`): the findings one process's ``verify --deep`` gives."""
+    return _part(path, jobs, only, skip, True, deep=True)
+
+
+def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
+          use_manifest: bool, *, deep: bool) -> tuple[Report, Any]:
     root = os.fspath(path)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
-    if not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
-        return _folder_part(root, jobs, only, skip, use_manifest, started)
+    if not deep and not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
+        return _folder_part(root, jobs, only, skip, use_manifest, started), None
     run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip)
+    run.deep_in_parts = deep  # judged after the merge, also when every other node's ranks wrote nothing
     try:
-        run.execute(deep=False, use_manifest=use_manifest)
+        run.execute(deep=deep, use_manifest=use_manifest)
     finally:
         run.close()
     report = run.report("verify", time.perf_counter() - started)
     # Named also when this part skips nothing (every other node's ranks wrote no file).
     report.stats["opened"] = run.opened_files()
-    return report
+    return report, run.deep_part
 
 
 def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],

@@ -17,10 +17,10 @@ is a ``BaseException``, which ``except Exception`` would miss; it is the ``__cau
 Once a save has committed, ``verify=`` (a :class:`~ckptverify.options.VerifyOptions`, or its ``when``:
 ``"background"`` or ``"inline"``) verifies it on the coordinator and stamps the verdict beside it
 (:mod:`ckptverify.verifier.background`, ``docs/verify-after-save.md``); the default, ``"off"``, leaves that to
-``ckptverify watch`` or the next resume. With ``"background"`` on more than one node (and not ``deep``), the
-verification is shared out among the nodes: each node's lowest rank verifies the files its node's ranks wrote,
-the coordinator the whole checkpoint and its own node's files, and the coordinator stamps once every part has
-reported (:mod:`ckptverify.verifier.parts`).
+``ckptverify watch`` or the next resume. With ``"background"`` on more than one node, the verification is
+shared out among the nodes: each node's lowest rank verifies the files its node's ranks wrote (with ``deep``,
+also rebuilds and fingerprints the tensor pieces in them), the coordinator the whole checkpoint and its own
+node's files, and the coordinator stamps once every part has reported (:mod:`ckptverify.verifier.parts`).
 """
 
 from __future__ import annotations
@@ -264,9 +264,9 @@ def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: boo
 
 def _node_hosts(options: AfterSave, process_group: Any, no_dist: bool) -> list[str] | None:
     """The node of every rank of the save's group (by group rank) when the save's background verification is
-    shared out among nodes (more than one node, not ``deep``: :mod:`ckptverify.verifier.parts`); else ``None``.
-    Every rank calls it before the save (one small collective)."""
-    if options.mode != "background" or options.deep or no_dist:
+    shared out among nodes (more than one node, ``deep`` or not: :mod:`ckptverify.verifier.parts`); else
+    ``None``. Every rank calls it before the save (one small collective)."""
+    if options.mode != "background" or no_dist:
         return None
     import torch.distributed as dist
 
@@ -429,6 +429,7 @@ def save(
     _raise_earlier_failures(options, process_group, no_dist)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
     writer.node_hosts = hosts = _node_hosts(options, process_group, no_dist)
+    writer.node_deep = options.deep
     with warnings.catch_warnings():
         # Saving in a single process without a process group is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -476,6 +477,7 @@ def async_save(
     _raise_earlier_failures(options, process_group, no_dist)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
     writer.node_hosts = hosts = _node_hosts(options, process_group, no_dist)
+    writer.node_deep = options.deep
     after = _after_upload(options, path, step, _coordinator(process_group, no_dist), hosts,
                           _group_rank(process_group, no_dist))
     with warnings.catch_warnings():

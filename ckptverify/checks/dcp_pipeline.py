@@ -38,7 +38,7 @@ from ckptverify.checks.structure import check_coverage, check_files, check_items
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
 from ckptverify.errors import StorageError
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, warning
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
@@ -125,6 +125,10 @@ class VerificationRun:
         self.results: dict[str, FileResult] = {}
         self.bytes_hashed = 0
         self.deep = False
+        #: Set before :meth:`execute`: the deep scan is one part of a scan shared out among nodes. Its pieces
+        #: (those in this run's files) go to ``deep_part``, not judged yet (``checks.deep.judge_parts``).
+        self.deep_in_parts = False
+        self.deep_part: Any = None
         #: True when a file changed under the run and the remaining stages were skipped.
         self.stopped = False
         self._named: dict[str, tuple[int, int, int, int] | None] = {}
@@ -584,20 +588,18 @@ class VerificationRun:
             self.progress.start(sum(p.item.length for p in self.plans
                                     if p.item.kind == "tensor" and p.item.chunk is not None))
         run_map = self.map if self.executor is None else self.executor.tensor_map(self)
+        if self.deep_in_parts:
+            # One part of a deep check shared out among nodes: its pieces are judged with the other parts'
+            # (deep.judge_parts), by the part that checks the whole, which also scans the subclass tensors.
+            part = self.deep_part = deep_check.DeepPart(desc, self.manifest)
+            part.scans, _ = deep_check.scan_description(desc, run_map, self.advance, mine=self.mine,
+                                                        pieces=part.pieces, subclasses=self.only is None)
+            return
         scans, found = deep_check.scan_description(desc, run_map, self.advance)
-        self.findings.extend(found)
-        self.findings.extend(deep_check.judge(desc, self.manifest, scans))
-        rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
-                      and scan.value(desc.tensors[fqn].shape) is not None)
-        self.coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
         # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
-        wanted = sum(1 for t in desc.tensors.values() if 0 not in t.shape)
-        if wanted and not rebuilt:
-            self.findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {wanted} tensor(s) from "
-                                       "their bytes: nothing was checked end to end"))
-        elif rebuilt < wanted:
-            self.findings.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
-                                         "others could not be read back (see the findings above)"))
+        judged, rebuilt, _ = deep_check.judge_scans(desc, self.manifest, scans, found)
+        self.findings.extend(judged)
+        self.coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
 
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:

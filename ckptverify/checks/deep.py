@@ -116,8 +116,9 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
 
 def scan_description(desc: Description, run_map: Callable[[Callable[[Any], TensorScan], list[Any]], list[TensorScan]],
                      progress: Callable[[int], None] | None = None, only: set[str] | None = None, *,
-                     view_limit: int | None = BLOCK_BYTES,
-                     stop_on_change: bool = True) -> tuple[dict[str, TensorScan], list[Finding]]:
+                     view_limit: int | None = BLOCK_BYTES, stop_on_change: bool = True,
+                     mine: Callable[[str], bool] | None = None, pieces: list[Any] | None = None,
+                     subclasses: bool = True) -> tuple[dict[str, TensorScan], list[Finding]]:
     """Rebuild and fingerprint every stored piece of every tensor of ``desc`` (those named in ``only``), in
     parallel through ``run_map``; any format (:mod:`ckptverify.formats.describe`).
 
@@ -127,6 +128,10 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
     (:attr:`~ckptverify.formats.describe.TensorDesc.unread`) leaves its tensor without a fingerprint.
     ``view_limit``: see :func:`scan_payload`. ``stop_on_change``: a file that changes under the scan raises
     :class:`~ckptverify.errors.FileChangedError` (the caller stops and says so); else its piece is unreadable.
+
+    ``mine`` (one part of a scan shared out among nodes, :class:`DeepPart`): only the pieces in the files it
+    accepts are scanned, each appended to ``pieces`` as (tensor, piece, scan), not merged; the tensors stored as
+    subclasses are scanned whole and returned when ``subclasses``.
     """
     opener = desc.opener
 
@@ -161,13 +166,87 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
             return out
 
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
-        wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
-        scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
+        if mine is not None:
+            wanted = [(t, p) for t in desc.tensors.values() for p in t.payloads if mine(p.file)]
+            got = run_map(scan, wanted)
+            pieces.extend((t, p, g) for (t, p), g in zip(wanted, got, strict=True))  # type: ignore[union-attr]
+            if not subclasses:
+                return {}, []
+            scans: dict[str, TensorScan] = {}
+            findings: list[Finding] = []
+        else:
+            wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
+            scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
         subclassed = [t for t in desc.tensors.values() if t.subclass is not None and (only is None or t.name in only)]
         for t, got in zip(subclassed, run_map(scan_subclass, subclassed), strict=True):
             got.unreadable.extend(t.unread)
             scans[t.name] = got
         return scans, findings
+
+
+@dataclass
+class DeepPart:
+    """The deep scan of one part of a checkpoint's files, in a verification shared out among nodes: every stored
+    piece in those files scanned (``pieces``: tensor, piece, scan), and, on the part that also checks the whole
+    checkpoint, the tensors stored as subclasses (``scans``), with the description and manifest the merged scan
+    is judged against (:func:`judge_parts`)."""
+
+    desc: Description
+    manifest: Manifest | None
+    pieces: list[tuple[TensorDesc, Payload, TensorScan]] = field(default_factory=list)
+    scans: dict[str, TensorScan] = field(default_factory=dict)
+
+    def to_json(self) -> list[list[Any]]:
+        """The pieces as JSON values, for :meth:`add_json` on the side that judges."""
+        import dataclasses
+
+        return [[t.name, dataclasses.asdict(p), scan.to_json()] for t, p, scan in self.pieces]
+
+    def add_json(self, data: Any, files: set[str] | frozenset[str]) -> bool:
+        """Add the pieces another part scanned in its ``files`` (:meth:`to_json`). ``False``, and nothing added,
+        when ``data`` is not what a part writes, or names a tensor this description does not hold, a piece
+        outside the tensor or in a file not the part's. (This side did not open those files, so it cannot hold
+        their pieces: the merge finds a chunk missing or given twice, as the chunks' tiling does.)"""
+        try:
+            got = []
+            for name, p, scan in data:
+                t = self.desc.tensors[name]
+                piece = Payload.from_json(p)
+                if piece.file not in files or len(piece.chunk_offsets) != len(t.shape) or any(
+                        not 0 <= o < max(n, 1) for o, n in zip(piece.chunk_offsets, t.shape, strict=True)):
+                    return False
+                got.append((t, piece, TensorScan.from_json(scan)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False
+        self.pieces.extend(got)
+        return True
+
+
+def judge_parts(part: DeepPart) -> tuple[list[Finding], int, int]:
+    """The findings of a deep scan made in parts (:class:`DeepPart`, every part's pieces added), as one
+    process's deep check gives them (:func:`judge_scans`)."""
+    wanted = [(t, p) for t, p, _ in part.pieces]
+    scans, found = _merge(part.desc, wanted, [s for _, _, s in part.pieces], None)
+    scans.update(part.scans)
+    return judge_scans(part.desc, part.manifest, scans, found)
+
+
+def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan],
+                found: list[Finding]) -> tuple[list[Finding], int, int]:
+    """``found`` (the scan's own findings), the comparison with the manifest (:func:`judge`), and what was
+    rebuilt: the findings, the tensors rebuilt and the tensors there were to rebuild. A deep check that rebuilt
+    nothing is an error (``deep-nothing-rebuilt``): it never passes."""
+    out = [*found, *judge(desc, manifest, scans)]
+    rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
+                  and scan.value(desc.tensors[fqn].shape) is not None)
+    wanted = sum(1 for t in desc.tensors.values() if 0 not in t.shape)
+    if wanted and not rebuilt:
+        out.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {wanted} tensor(s) from "
+                         "their bytes: nothing was checked end to end"))
+    elif rebuilt < wanted:
+        out.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
+                           "others could not be read back (see the findings above)"))
+    return out, rebuilt, wanted
 
 
 def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None = None,

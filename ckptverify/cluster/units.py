@@ -125,12 +125,7 @@ def payload_unit(name: str, shape: tuple[int, ...], p: Any) -> Unit:
 def payload_from_json(d: dict[str, Any]) -> Any:
     from ckptverify.formats.describe import Payload
 
-    fields = dict(d)
-    for key in ("shape", "stride", "chunk_offsets"):
-        fields[key] = tuple(fields[key])
-    if fields.get("stored") is not None:
-        fields["stored"] = tuple(fields["stored"])
-    return Payload(**fields)
+    return Payload.from_json(d)
 
 
 def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[int, ...], p: Any) -> Any:

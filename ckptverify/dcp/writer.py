@@ -595,6 +595,8 @@ class HashingFileSystemWriter(FileSystemWriter):
         #: verification is shared out among nodes: the coordinator then writes the plan of who verifies which
         #: files (:mod:`ckptverify.verifier.parts`) from the write results, before the save commits.
         self.node_hosts: list[str] | None = None
+        #: Whether the parts' verification is deep (the plan says so to every node).
+        self.node_deep = False
 
     # -- set-up
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -858,7 +860,8 @@ class HashingFileSystemWriter(FileSystemWriter):
             from ckptverify.ownfiles.partsplan import make_plan, write_plan
 
             try:
-                write_plan(root, make_plan(self.node_hosts, _files_of_ranks(results)))
+                plan = make_plan(self.node_hosts, _files_of_ranks(results))
+                write_plan(root, {**plan, "deep": True} if self.node_deep else plan)
             except OSError as exc:  # the save stands; without a plan the coordinator verifies it whole
                 warnings.warn(f"{root}: its verification cannot be shared out among nodes ({type(exc).__name__}: "
                               f"{exc}); the coordinator verifies it whole", CkptVerifyRuntimeWarning, stacklevel=2)

@@ -89,6 +89,16 @@ class Payload:
     checksum: str = "none"
     stored: tuple[int, int] | None = None
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Payload:
+        """The piece ``dataclasses.asdict`` gave as JSON values (what another process described or scanned)."""
+        fields = dict(d)
+        for key in ("shape", "stride", "chunk_offsets"):
+            fields[key] = tuple(fields[key])
+        if fields.get("stored") is not None:
+            fields["stored"] = tuple(fields["stored"])
+        return cls(**fields)
+
 
 @dataclass(slots=True)
 class SubclassPart:

@@ -434,12 +434,12 @@ class BackgroundVerifier:
                     throttle.lift()
                 self._throttle_now = throttle
         try:
-            if job.parts and not job.options.deep:
+            if job.parts:
                 from ckptverify.verifier.parts import stamp_parts_locked
 
                 try:
-                    return stamp_parts_locked(job.path, step=job.step, jobs=jobs, settle=self.settle,
-                                              throttle=throttle)
+                    return stamp_parts_locked(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
+                                              settle=self.settle, throttle=throttle)
                 finally:
                     job.lock.release()
             return verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,

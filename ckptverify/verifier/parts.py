@@ -127,7 +127,14 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     files = list(mine["files"])
     started = time.perf_counter()
     before = _signatures(root, files)
-    report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False))
+    deep = None
+    if plan.get("deep") is True:  # the deep scan of its files, judged by the coordinator with the others'
+        from ckptverify.audit.verify import verify_part_deep
+
+        report, scanned = verify_part_deep(root, jobs=jobs, only=frozenset(files))
+        adoption, deep = None, None if scanned is None else scanned.to_json()
+    else:
+        report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False))
     changed = _signatures(root, files) != before
     data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], "node": node, "host": mine.get("host"),
             "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
@@ -135,6 +142,8 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
             "seconds": round(time.perf_counter() - started, 6), "report": report.to_dict()}
     if adoption is not None:
         data["adoption"] = adoption
+    if deep is not None:
+        data["deep"] = deep
     try:
         write_atomic(part_verdict_path(root, node), json.dumps(data, default=str), prefix=STAMP_TEMP_PREFIX)
     except OSError as exc:
@@ -196,7 +205,7 @@ def _describe_node(node: dict[str, Any]) -> str:
 
 
 def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = 1.0,
-                       throttle: Any = None, wait_s: float | None = None,
+                       throttle: Any = None, wait_s: float | None = None, deep: bool = False,
                        adopt: bool | Callable[[Any], bool] = False, notes: list[str] | None = None) -> Any:
     """The coordinator's side (its caller holds the checkpoint's verifying lock, as for
     :func:`~ckptverify.verifier.stamper.stamp_locked`): verify the whole checkpoint and the coordinator node's
@@ -211,7 +220,12 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     and the whole checkpoint, and takes the other nodes' verification, digests and scans from their parts
     (:func:`~ckptverify.audit.adopt.fingerprint_files`), reading the files of a part that brought none itself.
     What writing the manifest did is appended to ``notes``. Without a plan of several nodes, ``None`` when
-    ``adopt`` is set: the caller checks the checkpoint as on one node."""
+    ``adopt`` is set: the caller checks the checkpoint as on one node.
+
+    ``deep`` (the plan's too, then): every part also rebuilt and fingerprinted the tensor pieces in its files
+    (:func:`~ckptverify.audit.verify.verify_part_deep`); the coordinator judges them all together, as one
+    process's deep check (:func:`~ckptverify.checks.deep.judge_parts`). A part without its pieces did not
+    report."""
     from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
@@ -224,15 +238,21 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     if plan is None or len(plan["nodes"]) < 2:
         if adopt:  # the caller checks it as on one node (fingerprinting it when needed)
             return None
-        return stamp_locked(path, step=step, jobs=jobs, settle=settle, throttle=throttle)
+        return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
     started = time.perf_counter()
     nodes = plan["nodes"]
     others = nodes[1:]
     other_files = frozenset(f for n in others for f in n["files"])
     try:
         before = files_fingerprint(path)
+        scanned = None
         with pacing(throttle):
-            mine = None if adopt is True else _verify(path, jobs or 1, skip=other_files)
+            if deep:
+                from ckptverify.audit.verify import verify_part_deep
+
+                mine, scanned = verify_part_deep(path, jobs=jobs or 1, skip=other_files)
+            else:
+                mine = None if adopt is True else _verify(path, jobs or 1, skip=other_files)
         reports: list[tuple[dict[str, Any], Report]] = []
         missing: list[dict[str, Any]] = []
         deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
@@ -258,6 +278,9 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             except Exception:  # a verdict file that is not one (damaged, planted): that part did not report
                 missing.append(node)
                 continue
+            if scanned is not None and not scanned.add_json(got[k].get("deep"), set(node["files"])):
+                missing.append(node)  # its pieces are not what a deep part writes: they were not checked
+                continue
             # The plan, not the verdict file, says whose files these are.
             data = {**got[k], "node": k, "host": node.get("host"), "ranks": node.get("ranks"), "files": node["files"]}
             # A part read its files at another time than this side: they must be the files it read.
@@ -269,6 +292,8 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     except OSError as exc:
         return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
     merged = parts = None
+    if scanned is not None and mine is not None:
+        mine = _judged(mine, scanned)
     if mine is not None:
         parts, merged = _summarize(path, nodes, mine, reports, mine.stats.get("bytes"))
     if adopt is True or (adopt and merged is not None and adopt(merged)):
@@ -314,6 +339,17 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     _tidy_parts(path, [n["node"] for n in nodes])
     return from_report(path, step, merged, seconds=time.perf_counter() - started, stamped=True,
                        stamp=stamp_path(path), throttled_s=throttled or 0.0)
+
+
+def _judged(mine: Any, scanned: Any) -> Any:
+    """The coordinator's report with the deep check of every part's pieces (``scanned``, the others' added)."""
+    from ckptverify.checks.deep import judge_parts
+    from ckptverify.findings import CheckCoverage, Report, merge_coverage
+
+    found, rebuilt, _ = judge_parts(scanned)
+    return Report(command=mine.command, target=mine.target, findings=(*mine.findings, *found),
+                  coverage=merge_coverage([*mine.coverage, CheckCoverage(check="fingerprint", count=rebuilt,
+                                                                         unit="tensors")]), stats=mine.stats)
 
 
 def _silent(missing: list[dict[str, Any]], wait_s: float | None) -> str:

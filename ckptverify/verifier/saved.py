@@ -246,7 +246,7 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
     node's files, gathers the other parts and stamps (:func:`~ckptverify.verifier.parts.stamp_parts_locked`).
     With ``fingerprint=True``, or ``"auto"`` when the checkpoint needs it (content no checksum protects, a former
     save's manifest), its manifest is written from the parts' digests and scans, each node's taken on that node.
-    ``deep`` is never shared out."""
+    An integration's ``deep`` is not shared out (it is verified here whole)."""
     if parts and not deep:
         from ckptverify.verifier.parts import stamp_parts_locked
 

@@ -68,10 +68,10 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
             replies.flush()
             continue
         try:
-            if req.get("parts") and not deep:  # one part of a verification shared out among nodes
+            if req.get("parts"):  # one part of a verification shared out among nodes
                 from ckptverify.verifier.parts import stamp_parts_locked
 
-                result = stamp_parts_locked(path, step=step, jobs=req.get("jobs") or 1,
+                result = stamp_parts_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
                                             settle=float(req.get("settle", 1.0)),
                                             throttle=_throttle(req, hurried, priority))
             else:
