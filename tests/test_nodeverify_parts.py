@@ -1055,3 +1055,39 @@ def test_a_deep_background_check_after_a_save_is_shared_out_among_nodes(tmp_path
     assert verdicts["2"]["verdict"] == "failed" and not failed["passed"] and failed["deep"]
     assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
     assert (tmp_path / "step_2" / "__1_0.distcp").exists()  # evidence kept
+
+
+def _integration_deep_worker(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckptverify.integrations._core import Verifier, torch_group
+    from ckptverify.options import VerifyOptions
+
+    warnings.simplefilter("ignore")
+    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+    out: dict[str, Any] = {}
+    try:
+        for step, fingerprint in ((1, False), (2, "auto")):
+            verifier = Verifier(verify=VerifyOptions(when="background", deep=True), fingerprint=fingerprint)
+            path = os.path.join(root, f"step_{step}")
+            state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path))  # the framework's own save, no manifest
+            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=torch_group()).pending
+            out[f"arrived_{step}"] = {v.step: v.verdict for v in verifier.wait(group=torch_group(), timeout=240)}
+            dist.barrier()
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+
+
+@pytest.mark.slow
+def test_an_integration_s_deep_check_is_shared_out_when_it_never_fingerprints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = _two_nodes(_integration_deep_worker, tmp_path, monkeypatch, part_timeout=120)
+    assert all(r["arrived_1"] == {"1": "passed"} and r["arrived_2"] == {"2": "passed"} for r in ranks), ranks
+    shared = _stamp(tmp_path / "step_1")
+    assert shared["deep"] and [p["opened"] for p in shared["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
+    assert any(c["check"] == "fingerprint" and c["count"] == 3 for c in shared["coverage"]), shared["coverage"]
+    whole = _stamp(tmp_path / "step_2")  # "auto" may fingerprint: the coordinator verifies it whole
+    assert whole["deep"] and "parts" not in whole, whole

@@ -245,7 +245,7 @@ class Verifier:
         if hosts is not None and not group.coordinator:
             self._submit_part(root, step, hosts, group.rank)
         if group.coordinator:
-            if hosts is not None and self._plan(root, hosts, fingerprint):
+            if hosts is not None and self._plan(root, hosts, fingerprint, self.deep):
                 verdict = self._submit(root, step, fingerprint, parts=True)
             else:
                 verdict = self._dispatch(root, step, fingerprint)
@@ -365,18 +365,19 @@ class Verifier:
         it): a local DCP folder (its ``.metadata`` written: the plan gives each node the ``__RANK_N.distcp``
         files of its ranks), or a folder of checkpoint files with DCP folders inside (an FSDP save by
         accelerate or transformers: each node gets its ranks' files in those, the coordinator the rest) unless
-        it is always fingerprinted; not deep, a group that can gather, more than one node. Else ``None``: the
-        coordinator verifies everything (a folder of other files, such as a plain ``checkpoint-N``, has no
+        it is always fingerprinted; deep only when never fingerprinted (``fingerprint=False``: each node then also
+        rebuilds the tensor pieces in its files); a group that can gather, more than one node. Else ``None``:
+        the coordinator verifies everything (a folder of other files, such as a plain ``checkpoint-N``, has no
         per-rank split). A DCP folder that is fingerprinted (``fingerprint=True``, or ``"auto"`` when it needs
         it) is fingerprinted in parts too, each node's files on that node
         (:func:`~ckptverify.verifier.saved.saved_job`); a folder of checkpoint files is fingerprinted whole by
         the coordinator."""
-        if not self.background or self.deep or group.gather is None or "://" in root:
+        if not self.background or group.gather is None or "://" in root or (self.deep and fingerprint is not False):
             return None
         from ckptverify.ownfiles.partsplan import dcp_folders
 
         where = dcp_folders(root)
-        if not where or (where != [""] and fingerprint is True):
+        if not where or (where != [""] and (fingerprint is True or self.deep)):
             return None
         from ckptverify.verifier.parts import node_name
 
@@ -384,14 +385,16 @@ class Verifier:
         return hosts if len(set(hosts)) > 1 else None
 
     @staticmethod
-    def _plan(root: str, hosts: list[str], fingerprint: Fingerprint) -> bool:
+    def _plan(root: str, hosts: list[str], fingerprint: Fingerprint, deep: bool = False) -> bool:
         """Write the plan of a verification shared out among nodes (with ``fingerprint``: whether the parts
-        take digests for a manifest); ``False`` when it cannot be written (the coordinator then verifies
-        everything, and the other nodes' parts find no plan: they say so)."""
+        take digests for a manifest; ``deep``: whether they rebuild the tensor pieces in their files); ``False``
+        when it cannot be written (the coordinator then verifies everything, and the other nodes' parts find no
+        plan: they say so)."""
         from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
 
+        plan = {**plan_from_names(root, hosts), "fingerprint": fingerprint, **({"deep": True} if deep else {})}
         try:
-            write_plan(os.path.abspath(root), {**plan_from_names(root, hosts), "fingerprint": fingerprint})
+            write_plan(os.path.abspath(root), plan)
         except OSError as exc:
             warnings.warn(f"{root}: the verification cannot be shared out among nodes ({type(exc).__name__}: "
                           f"{exc}); rank 0 verifies it whole", CkptVerifyRuntimeWarning, stacklevel=3)

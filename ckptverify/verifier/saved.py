@@ -246,14 +246,15 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
     node's files, gathers the other parts and stamps (:func:`~ckptverify.verifier.parts.stamp_parts_locked`).
     With ``fingerprint=True``, or ``"auto"`` when the checkpoint needs it (content no checksum protects, a former
     save's manifest), its manifest is written from the parts' digests and scans, each node's taken on that node.
-    An integration's ``deep`` is not shared out (it is verified here whole)."""
-    if parts and not deep:
+    With ``deep`` (shared out only when never fingerprinted), every part also rebuilt the tensor pieces in its
+    files, judged here together."""
+    if parts:
         from ckptverify.verifier.parts import stamp_parts_locked
 
         started = time.perf_counter()
         notes: list[str] = []
         adopt = True if fingerprint is True else _adopt_when(root) if fingerprint == "auto" else False
-        result = stamp_parts_locked(root, step=step, jobs=jobs, settle=settle, adopt=adopt, notes=notes)
+        result = stamp_parts_locked(root, step=step, jobs=jobs, settle=settle, adopt=adopt, notes=notes, deep=deep)
         if result is not None:
             if result.report is not None:
                 result = verification_of(root, result.report, step, time.perf_counter() - started, result.stamp,
