@@ -13,7 +13,10 @@ page cache, then times, best of ``--repeats``:
 - ``fingerprint`` whole: :func:`~ckptverify.audit.adopt.fingerprint_checkpoint` (verify, digest, scan, write the
   manifest), one process;
 - ``fingerprint`` in parts: each other node's part with the plan's ``fingerprint=True`` (verify, digest and scan
-  its file) and the coordinator's adoption from the parts (:func:`~ckptverify.verifier.saved.saved_job`).
+  its file) and the coordinator's adoption from the parts (:func:`~ckptverify.verifier.saved.saved_job`);
+- ``verify --deep`` whole, and in parts (the plan's ``deep``: each node also rebuilds and fingerprints the tensor
+  pieces in its file; the coordinator judges every node's pieces together). It checks that the deep check in
+  parts rebuilt as many tensors as the one made whole.
 
 The parts run one after another in this process: on a cluster they run at once, one per node, so the time a
 save's verification takes there is the slowest part plus the coordinator's (which starts with its own file while
@@ -63,24 +66,24 @@ def _tidy(path: str) -> None:
             os.unlink(os.path.join(path, name))
 
 
-def _plan(path: str, nodes: int, fingerprint: Any) -> list[str]:
+def _plan(path: str, nodes: int, fingerprint: Any, deep: bool = False) -> list[str]:
     from ckptverify.ownfiles.partsplan import make_plan, write_plan
 
     files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
     if len(files) != nodes:
         raise SystemExit(f"expected {nodes} files, DCP wrote {len(files)}: {files}")
     write_plan(path, {**make_plan([f"node{k}" for k in range(nodes)], [[f] for f in files]),
-                      "fingerprint": fingerprint})
+                      "fingerprint": fingerprint, **({"deep": True} if deep else {})})
     return files
 
 
-def _in_parts(path: str, nodes: int, fingerprint: Any) -> tuple[list[float], float, dict[str, Any]]:
+def _in_parts(path: str, nodes: int, fingerprint: Any, deep: bool = False) -> tuple[list[float], float, dict[str, Any]]:
     """Each other node's part, then the coordinator's side: their seconds, and the stamp."""
     from ckptverify.verifier.parts import part_job
     from ckptverify.verifier.saved import saved_job
 
     _tidy(path)
-    _plan(path, nodes, fingerprint)
+    _plan(path, nodes, fingerprint, deep)
     parts = []
     for k in range(1, nodes):
         t0 = time.perf_counter()
@@ -89,7 +92,7 @@ def _in_parts(path: str, nodes: int, fingerprint: Any) -> tuple[list[float], flo
         if not out.get("written"):
             raise SystemExit(f"node {k}'s part wrote nothing: {out}")
     t0 = time.perf_counter()
-    result = saved_job(path, 1, fingerprint, 1, False, 0.0, parts=True)
+    result = saved_job(path, 1, fingerprint, 1, deep, 0.0, parts=True)
     coordinator = time.perf_counter() - t0
     if result["event"] != "checkpoint-verified":
         raise SystemExit(f"the coordinator's side did not pass: {json.dumps(result)[:2000]}")
@@ -137,8 +140,16 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             manifests["whole"] = fingerprint_checkpoint(path, jobs=1)[1]
             keep("fingerprint whole", time.perf_counter() - t0)
-            for what, fingerprint in (("verify", False), ("fingerprint", True)):
-                parts, coordinator, stamp = _in_parts(path, args.nodes, fingerprint)
+            _tidy(path)
+            t0 = time.perf_counter()
+            deep = verify_checkpoint(path, jobs=1, deep=True)
+            keep("verify --deep whole", time.perf_counter() - t0)
+            rebuilt = {"whole": [c.count for c in deep.coverage if c.check == "fingerprint"]}
+            for what, fingerprint, deep_parts in (("verify", False, False), ("fingerprint", True, False),
+                                                  ("verify --deep", False, True)):
+                parts, coordinator, stamp = _in_parts(path, args.nodes, fingerprint, deep_parts)
+                if deep_parts:
+                    rebuilt["parts"] = [c["count"] for c in stamp["coverage"] if c["check"] == "fingerprint"]
                 name = f"{what} in parts"
                 if max(parts) + coordinator < best.get(name, float("inf")):
                     sides[name] = (parts, coordinator)
@@ -156,20 +167,23 @@ def main(argv: list[str] | None = None) -> int:
         same = plain(manifests["whole"]) == plain(manifests["parts"])
         print(f"checkpoint: {size / 2**20:.1f} MiB in {args.nodes} files (one per node), page-cached; "
               f"best of {args.repeats}; one worker thread per side")
-        for what in ("verify", "fingerprint"):
+        for what in ("verify", "fingerprint", "verify --deep"):
             whole, name = best[f"{what} whole"], f"{what} in parts"
             parts, coordinator = sides[name]
             opened = [p.get("opened") for p in stamps[name]["parts"]]
             per_node = [p.get("bytes") for p in stamps[name]["parts"]]
             own_only = all(o == p["files"] for o, p in zip(opened, stamps[name]["parts"], strict=True))
-            print(f"{what:>11} whole: {whole:.3f} s ({size / whole / 2**20:.0f} MiB/s)")
-            print(f"{what:>11} in parts: other nodes {', '.join(f'{s:.3f}' for s in parts)} s; coordinator "
+            print(f"{what:>13} whole: {whole:.3f} s ({size / whole / 2**20:.0f} MiB/s)")
+            print(f"{what:>13} in parts: other nodes {', '.join(f'{s:.3f}' for s in parts)} s; coordinator "
                   f"{coordinator:.3f} s; slowest part + coordinator {max(parts) + coordinator:.3f} s = "
                   f"{(max(parts) + coordinator) / whole:.2f}x whole")
-            print(f"{'':>11} bytes read per node: {', '.join(f'{(b or 0) / 2**20:.1f}' for b in per_node)} MiB; "
+            print(f"{'':>13} bytes read per node: {', '.join(f'{(b or 0) / 2**20:.1f}' for b in per_node)} MiB; "
                   f"each node opened only its own file: {own_only}")
+        deep_same = rebuilt["whole"] == rebuilt["parts"] != [0]
+        print(f"tensors rebuilt by the deep check, whole and in parts: {rebuilt['whole']} and {rebuilt['parts']}: "
+              f"{'same' if deep_same else 'DIFFERENT'}")
         print(f"manifest from the parts == manifest written whole: {same}")
-        return 0 if same else 1
+        return 0 if same and deep_same else 1
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -15,6 +15,8 @@ def test_the_parts_benchmark_runs_and_finds_each_node_reading_only_its_file(tmp_
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert lines[-1] == "manifest from the parts == manifest written whole: True", out.stdout
-    assert sum("each node opened only its own file: True" in line for line in lines) == 2, out.stdout
-    assert any(line.strip().startswith("fingerprint in parts: other nodes") and "x whole" in line for line in lines)
+    assert sum("each node opened only its own file: True" in line for line in lines) == 3, out.stdout
+    for what in ("fingerprint", "verify --deep"):
+        assert any(line.strip().startswith(f"{what} in parts: other nodes") and "x whole" in line for line in lines)
+    assert "tensors rebuilt by the deep check, whole and in parts: [12] and [12]: same" in lines, out.stdout
     assert not list(tmp_path.iterdir())  # the checkpoint it built is removed
