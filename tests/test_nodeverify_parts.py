@@ -7,9 +7,11 @@ stamps once every part reported: passed, failed naming the node and file, or unv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +268,26 @@ def _nodes_worker(rank: int, world: int, root: str) -> None:
             json.dump(out, f, default=str)
 
 
+@contextlib.contextmanager
+def _as_node(rank: int, root: str, flip_in: str | None = None) -> Iterator[dict[str, Any]]:
+    """Rank ``rank`` of a two-node test as node ``node{rank}``: yields what it records, written to ``rankN.json``
+    however the body ends. ``flip_in``: node 1's verifier first flips a bit of ``w.1`` in the checkpoint whose
+    path ends so (its times kept), as silent corruption would."""
+    from ckptverify.verifier import background
+
+    warnings.simplefilter("ignore")
+    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
+    if rank == 1 and flip_in is not None:
+        background.default_verifier().before_verify = (
+            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith(flip_in) else None)
+    out: dict[str, Any] = {}
+    try:
+        yield out
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+
+
 def _two_nodes(worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_timeout: int) -> list[Any]:
     """``worker`` on two gloo ranks, each its own node, with reads unthrottled and a part timeout of
     ``part_timeout`` seconds; what each rank wrote to ``rankN.json``."""
@@ -326,16 +348,9 @@ def test_two_nodes_verify_their_own_files_and_one_stamp_names_a_failed_or_silent
 
 def _integration_worker(rank: int, world: int, root: str) -> None:
     from ckptverify.integrations._core import Verifier, torch_group
-    from ckptverify.verifier import background
 
-    warnings.simplefilter("ignore")
-    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
-    verifier = Verifier(verify="background", fingerprint=False)
-    out: dict[str, Any] = {}
-    if rank == 1:
-        background.default_verifier().before_verify = (
-            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith("step_2") else None)
-    try:
+    with _as_node(rank, root, flip_in="step_2") as out:
+        verifier = Verifier(verify="background", fingerprint=False)
         for step in (1, 2):
             path = os.path.join(root, f"step_{step}")
             # What torchtitan's VerifiedCheckpointManager does: a hashing save, then the check of what it wrote.
@@ -344,9 +359,6 @@ def _integration_worker(rank: int, world: int, root: str) -> None:
                                                          fingerprint=False).pending
         arrived = verifier.wait(group=torch_group(), timeout=240)
         out["arrived"] = {v.step: v.verdict for v in arrived}
-    finally:
-        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f, default=str)
 
 
 @pytest.mark.slow
@@ -577,17 +589,11 @@ def _auto_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from ckptverify.integrations._core import Verifier
-    from ckptverify.verifier import background
 
-    warnings.simplefilter("ignore")
-    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
-    groups = _framework_groups(rank)
-    out: dict[str, Any] = {"gather": {k: g.gather is not None for k, g in groups.items()}}
-    verifier = Verifier(verify="background")  # fingerprint="auto", the integrations' default
-    if rank == 1:
-        background.default_verifier().before_verify = (
-            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith("step_2") else None)
-    try:
+    with _as_node(rank, root, flip_in="step_2") as out:
+        groups = _framework_groups(rank)
+        out["gather"] = {k: g.gather is not None for k, g in groups.items()}
+        verifier = Verifier(verify="background")  # fingerprint="auto", the integrations' default
         for step, framework in ((1, "lightning"), (2, "accelerate"), (3, "lightning"), (4, "accelerate")):
             path = os.path.join(root, f"step_{step}")
             state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}
@@ -604,9 +610,6 @@ def _auto_worker(rank: int, world: int, root: str) -> None:
                                                          fingerprint=True if step == 4 else None).pending
         arrived = verifier.wait(group=groups["lightning"], timeout=240)
         out["arrived"] = {v.step: v.verdict for v in arrived}
-    finally:
-        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f, default=str)
 
 
 @pytest.mark.slow
@@ -882,20 +885,17 @@ def _fsdp_worker(rank: int, world: int, root: str) -> None:
     from ckptverify.integrations.transformers import VerifyCheckpointsCallback
     from ckptverify.verifier import background
 
-    warnings.simplefilter("ignore")
-    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
-    callback = VerifyCheckpointsCallback(verify="background")  # fingerprint="auto"
-    args = SimpleNamespace(output_dir=root)
-    out: dict[str, Any] = {}
-    if rank == 1:
-        def flip(path: str) -> None:
-            if path.endswith("checkpoint-2"):
-                sub = os.path.join(path, "pytorch_model_fsdp_0")
-                item = next(i for i in inj.tensor_zip_items(sub) if i.file == "__1_0.distcp")
-                out["fault"] = f"pytorch_model_fsdp_0/{_flip_keeping_mtime(sub, item.fqn).file}"
+    with _as_node(rank, root) as out:
+        callback = VerifyCheckpointsCallback(verify="background")  # fingerprint="auto"
+        args = SimpleNamespace(output_dir=root)
+        if rank == 1:
+            def flip(path: str) -> None:
+                if path.endswith("checkpoint-2"):
+                    sub = os.path.join(path, "pytorch_model_fsdp_0")
+                    item = next(i for i in inj.tensor_zip_items(sub) if i.file == "__1_0.distcp")
+                    out["fault"] = f"pytorch_model_fsdp_0/{_flip_keeping_mtime(sub, item.fqn).file}"
 
-        background.default_verifier().before_verify = flip
-    try:
+            background.default_verifier().before_verify = flip
         for step in (1, 2):
             path = os.path.join(root, f"checkpoint-{step}")
             os.makedirs(path, exist_ok=True)
@@ -913,9 +913,6 @@ def _fsdp_worker(rank: int, world: int, root: str) -> None:
             dist.barrier()
         callback.on_train_end(args, SimpleNamespace(global_step=2), None)
         out["verdicts"] = {v.step: v.verdict for v in callback.verdicts}
-    finally:
-        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f, default=str)
 
 
 @pytest.mark.slow
@@ -1018,15 +1015,9 @@ def _deep_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed as dist
 
     from ckptverify.options import VerifyOptions
-    from ckptverify.verifier import background
 
-    warnings.simplefilter("ignore")
-    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
-    out: dict[str, Any] = {"verdicts": {}}
-    if rank == 1:
-        background.default_verifier().before_verify = (
-            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith("step_2") else None)
-    try:
+    with _as_node(rank, root, flip_in="step_2") as out:
+        out["verdicts"] = {}
         for step in (1, 2):
             state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(1024.0) * step}
             cv.save(state, os.path.join(root, f"step_{step}"), verify=VerifyOptions(when="background", deep=True),
@@ -1035,9 +1026,6 @@ def _deep_worker(rank: int, world: int, root: str) -> None:
             last = cv.last_verification()
             out["verdicts"][step] = None if last is None else last.to_dict()
             dist.barrier()
-    finally:
-        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f, default=str)
 
 
 @pytest.mark.slow
@@ -1064,10 +1052,7 @@ def _integration_deep_worker(rank: int, world: int, root: str) -> None:
     from ckptverify.integrations._core import Verifier, torch_group
     from ckptverify.options import VerifyOptions
 
-    warnings.simplefilter("ignore")
-    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
-    out: dict[str, Any] = {}
-    try:
+    with _as_node(rank, root) as out:
         for step, fingerprint in ((1, False), (2, "auto")):
             verifier = Verifier(verify=VerifyOptions(when="background", deep=True), fingerprint=fingerprint)
             path = os.path.join(root, f"step_{step}")
@@ -1076,9 +1061,6 @@ def _integration_deep_worker(rank: int, world: int, root: str) -> None:
             out[f"pending_{step}"] = verifier.after_save(path, step=step, group=torch_group()).pending
             out[f"arrived_{step}"] = {v.step: v.verdict for v in verifier.wait(group=torch_group(), timeout=240)}
             dist.barrier()
-    finally:
-        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f, default=str)
 
 
 @pytest.mark.slow
