@@ -381,7 +381,7 @@ def test_an_integration_s_background_check_is_shared_out_among_nodes_too(tmp_pat
 PRODUCTION_SCRIPT = Path(__file__).parent / "user_scripts" / "production_train.py"
 
 
-def _two_node_job(run_dir: Path, steps: int, save_every: int) -> None:
+def _two_node_job(run_dir: Path, steps: int, save_every: int, *extra: str) -> None:
     """The production script started as torchrun starts it on two nodes: one agent per node, one rank each (both
     agents on this machine: torchrun's node rank tells them apart)."""
     import subprocess
@@ -396,7 +396,7 @@ def _two_node_job(run_dir: Path, steps: int, save_every: int) -> None:
         agents = [subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={k}", "--nproc-per-node=1",
              "--master-addr=127.0.0.1", f"--master-port={port}", str(PRODUCTION_SCRIPT), "--run-dir", str(run_dir),
-             "--steps", str(steps), "--save-every", str(save_every)],
+             "--steps", str(steps), "--save-every", str(save_every), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for k in (0, 1)]
         outputs = [a.communicate(timeout=600)[0] for a in agents]
         return [a.returncode for a in agents], outputs
@@ -409,13 +409,20 @@ def _two_node_job(run_dir: Path, steps: int, save_every: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_production_run_on_two_nodes_stamps_each_checkpoint_once_from_both_parts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_production_run_on_two_nodes_stamps_each_checkpoint_once_from_both_parts(tmp_path: Path,
+                                                                                    deep: bool) -> None:
     run = tmp_path / "run"
-    _two_node_job(run, steps=4, save_every=2)
+    _two_node_job(run, 4, 2, *(["--deep"] if deep else []))
     for step in (2, 4):
         ckpt = run / f"step_{step}"
         stamp = read_stamp(ckpt)
         assert stamp is not None and stamp.current and stamp.passed and stamp.step == step
+        assert stamp.data["deep"] is deep
+        if deep:  # every tensor of the TrainState rebuilt from both nodes' pieces
+            rebuilt = [c["count"] for c in stamp.data["coverage"] if c["check"] == "fingerprint"]
+            whole = verify_checkpoint(ckpt, deep=True)
+            assert rebuilt == [c.count for c in whole.coverage if c.check == "fingerprint"] and rebuilt[0] > 0
         parts = stamp.data["parts"]
         assert [p["ranks"] for p in parts] == [[0], [1]] and parts[0]["host"] != parts[1]["host"], parts
         # Rank r's node opened only what rank r wrote.

@@ -81,9 +81,11 @@ if __name__ == "__main__":
     ap.add_argument("--resume", default="auto")
     ap.add_argument("--fault", default=None)
     ap.add_argument("--trace", default="state")
+    ap.add_argument("--deep", action="store_true", help="verify each checkpoint deep, in the background")
     args = ap.parse_args()
     cv.Run.main(train, steps=args.steps, run_dir=args.run_dir, save_every=args.save_every, resume=args.resume,
-                fault=args.fault, trace=args.trace)
+                fault=args.fault, trace=args.trace,
+                verify=cv.VerifyOptions(when="background", deep=True) if args.deep else "background")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # gloo leaves threads behind after the group is destroyed; exit at once, the job's files are written.
         sys.stdout.flush()
