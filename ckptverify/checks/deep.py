@@ -198,9 +198,7 @@ class DeepPart:
 
     def to_json(self) -> list[list[Any]]:
         """The pieces as JSON values, for :meth:`add_json` on the side that judges."""
-        import dataclasses
-
-        return [[t.name, dataclasses.asdict(p), scan.to_json()] for t, p, scan in self.pieces]
+        return [[t.name, p.to_json(), scan.to_json()] for t, p, scan in self.pieces]
 
     def add_json(self, data: Any, files: set[str] | frozenset[str]) -> bool:
         """Add the pieces another part scanned in its ``files`` (:meth:`to_json`). ``False``, and nothing added,

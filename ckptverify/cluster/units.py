@@ -110,22 +110,16 @@ def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | 
         state, reason, counts = judge(root, Candidate(**fields), jobs, deep=bool(unit[2]))
         return [state, reason, counts]
     if kind == "payload":
-        return scan_to_json(scan_raw_payload(open_file, unit[1], tuple(unit[2]), payload_from_json(unit[3])))
+        from ckptverify.formats.describe import Payload
+
+        return scan_to_json(scan_raw_payload(open_file, unit[1], tuple(unit[2]), Payload.from_json(unit[3])))
     raise ValueError(f"unknown work unit {kind!r}")
 
 
 def payload_unit(name: str, shape: tuple[int, ...], p: Any) -> Unit:
     """The ``payload`` unit of tensor ``name``'s stored piece ``p`` (a raw
     :class:`~ckptverify.formats.describe.Payload`)."""
-    import dataclasses
-
-    return ["payload", name, list(shape), dataclasses.asdict(p)]
-
-
-def payload_from_json(d: dict[str, Any]) -> Any:
-    from ckptverify.formats.describe import Payload
-
-    return Payload.from_json(d)
+    return ["payload", name, list(shape), p.to_json()]
 
 
 def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[int, ...], p: Any) -> Any:

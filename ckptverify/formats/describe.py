@@ -89,9 +89,15 @@ class Payload:
     checksum: str = "none"
     stored: tuple[int, int] | None = None
 
+    def to_json(self) -> dict[str, Any]:
+        """The piece as JSON values, for :meth:`from_json` in another process."""
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Payload:
-        """The piece ``dataclasses.asdict`` gave as JSON values (what another process described or scanned)."""
+        """The piece :meth:`to_json` gave (what another process described or scanned)."""
         fields = dict(d)
         for key in ("shape", "stride", "chunk_offsets"):
             fields[key] = tuple(fields[key])
