@@ -288,12 +288,13 @@ def _as_node(rank: int, root: str, flip_in: str | None = None) -> Iterator[dict[
             json.dump(out, f, default=str)
 
 
-def _two_nodes(worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_timeout: int) -> list[Any]:
-    """``worker`` on two gloo ranks, each its own node, with reads unthrottled and a part timeout of
-    ``part_timeout`` seconds; what each rank wrote to ``rankN.json``."""
+def _two_nodes(worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_timeout: int,
+               *args: Any) -> list[Any]:
+    """``worker(rank, world, root, *args)`` on two gloo ranks, each its own node, with reads unthrottled and a
+    part timeout of ``part_timeout`` seconds; what each rank wrote to ``rankN.json``."""
     monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
     monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, str(part_timeout))
-    spawn_ranks(worker, 2, str(tmp_path))
+    spawn_ranks(worker, 2, str(tmp_path), *args)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -845,34 +846,142 @@ def test_a_planted_plan_cannot_lead_a_part_out_of_the_folder_or_leave_its_own_fi
     assert coordinator.stats["bytes"] == verify_checkpoint(path).stats["bytes"]
 
 
-def test_a_folder_that_needs_a_manifest_is_fingerprinted_whole_by_the_coordinator_and_says_so(
-        tmp_path: Path) -> None:
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+def _folder_job(path: str, fingerprint: Any, opened: list[str] | None = None) -> dict[str, Any]:
+    """:func:`_job_in_parts` for a folder of checkpoint files: node 1's part reports first, then the
+    coordinator's job runs; ``opened`` as there."""
     from ckptverify.verifier.saved import saved_job
 
-    path = _fsdp_folder(tmp_path, weights=True)
-    nodes = _folder_nodes(path)
-    _plan_folder(path, nodes, "auto")
+    _plan_folder(path, _folder_nodes(path), fingerprint)
+    if opened is not None:
+        opened.clear()
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
-    out = saved_job(path, 4, "auto", 1, False, 0.0, parts=True)
+    if opened is not None:
+        opened[:] = [f"part: {n}" for n in opened]
+    out = saved_job(path, 4, fingerprint, 1, False, 0.0, parts=True)
+    if opened is not None:
+        opened[:] = [n if n.startswith("part: ") else f"coordinator: {n}" for n in opened]
+    return out
+
+
+def _manifests(path: str) -> dict[str, Any]:
+    """The manifests of a folder and of its DCP folders, by where they lie, their times left out."""
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
+
+    return {sub: _without_times(read_manifest(os.path.join(path, sub))) for sub in ("", *_SUBS)
+            if os.path.exists(os.path.join(path, sub, MANIFEST_FILE))}
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_a_folder_is_fingerprinted_in_parts_as_one_process_would_and_no_node_opens_another_s_shards(
+        tmp_path: Path, opened_paths: list[str], weights: bool) -> None:
+    import shutil
+
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+
+    path = _fsdp_folder(tmp_path / "a", weights=weights)
+    alone = str(tmp_path / "alone")
+    shutil.copytree(path, alone)  # the same bytes, adopted by one process
+    assert fingerprint_checkpoint(alone, force=True, trust_uncheckable=True)[1] is not None
+    out = _folder_job(path, True, opened_paths)
     assert out["event"] == "checkpoint-verified", out
-    assert out["extra"]["fingerprint"].endswith("; read whole here: a folder of checkpoint files is fingerprinted "
-                                                "by one process"), out["extra"]
+    note = out["extra"]["fingerprint"]
+    assert note.startswith("manifest written") and "a manifest in each of 2 DCP folder(s), the digests of 1 other " \
+        "node(s) taken from their parts" in note and "read" not in note, note
+    # The manifests are the ones one process writes of the same bytes: the folder's and each DCP folder's.
+    assert sorted(_manifests(path)) == ["", *_SUBS] and _manifests(path) == _manifests(alone)
+    shards = {n for n in opened_paths if n.endswith(".distcp")}
+    assert shards == {"part: __0_1.distcp", "coordinator: __0_0.distcp"}, opened_paths
+    nodes = _folder_nodes(path)
+    top = [*_TOP, *(["model.safetensors"] if weights else [])]
     stamp = _stamp(Path(path))
-    assert stamp["passed"] and (Path(path) / MANIFEST_FILE).is_file()
-    assert set(nodes[1]) <= set(stamp["parts"][0]["opened"])  # node 1's shards, read here: and said so
-    assert verify_checkpoint(path).stats["manifest"]
+    assert stamp["passed"] and [p["opened"] for p in stamp["parts"]] == [sorted([*top, *nodes[0]]), sorted(nodes[1])]
+    again = verify_checkpoint(path)
+    assert again.passed and again.stats["manifest"], again.findings
+    assert not [n for n in os.listdir(path) if n.startswith(PARTS_PREFIX)]
 
 
-def test_only_a_folder_that_is_not_always_fingerprinted_shares_out_its_dcp_folders(tmp_path: Path) -> None:
+def test_auto_writes_the_manifest_a_folder_s_own_files_need_and_leaves_shards_a_crc_protects_to_their_nodes(
+        tmp_path: Path, opened_paths: list[str]) -> None:
+    from ckptverify.audit.verify import UNCHECKABLE
+
+    path = _fsdp_folder(tmp_path, weights=True)  # model.safetensors: content no checksum protects
+    out = _folder_job(path, "auto", opened_paths)
+    assert out["event"] == "checkpoint-verified", out
+    note = out["extra"]["fingerprint"]
+    assert note.startswith("manifest written: 5 files at the top") and "none in optimizer_0, pytorch_model_fsdp_0: " \
+        "their shards, under CRC-32, were verified on the nodes that wrote them" in note, note
+    assert "coordinator: __0_1.distcp" not in opened_paths, opened_paths
+    assert sorted(_manifests(path)) == [""]
+    nodes = _folder_nodes(path)
+    stamp = _stamp(Path(path))
+    assert stamp["passed"] and stamp["parts"][1]["opened"] == sorted(nodes[1])
+    assert not set(nodes[1]) & set(stamp["parts"][0]["opened"])
+    again = verify_checkpoint(path)
+    assert again.passed and not [f for f in again.findings if f.check == UNCHECKABLE], again.findings
+
+
+def test_auto_writes_again_the_manifests_a_former_save_left_in_a_folder_s_dcp_folders(
+        tmp_path: Path, opened_paths: list[str]) -> None:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+
+    path = _fsdp_folder(tmp_path)
+    assert fingerprint_checkpoint(path, force=True, trust_uncheckable=True)[1] is not None
+    before = _manifests(path)
+    for sub in _SUBS:  # saved again into the same place: the DCP folders' manifests are a former save's
+        _plain_dcp(Path(path) / sub, {f"w{i}": torch.randn(4096) for i in range(4)})
+    out = _folder_job(path, "auto", opened_paths)
+    assert out["event"] == "checkpoint-verified", out
+    assert "a manifest in each of 2 DCP folder(s), the digests of 1 other node(s)" in out["extra"]["fingerprint"]
+    after = _manifests(path)
+    assert sorted(after) == ["", *_SUBS] and all(after[s] != before[s] for s in _SUBS)
+    assert "coordinator: __0_1.distcp" not in opened_paths, opened_paths
+    assert verify_checkpoint(path).passed and _stamp(Path(path))["passed"]
+
+
+def test_a_bit_flipped_in_a_node_s_shard_refuses_every_manifest_of_the_folder_and_names_the_node(
+        tmp_path: Path) -> None:
+    path = _fsdp_folder(tmp_path)
+    sub = os.path.join(path, _SUBS[1])  # the second DCP folder: nothing may be written before it is judged
+    item = next(i for i in inj.tensor_zip_items(sub) if i.file == "__0_1.distcp")
+    inj.flip_in_tensor_payload(sub, item.fqn)
+    out = _folder_job(path, True)
+    assert out["event"] == "checkpoint-failed" and out["extra"]["fingerprint"].startswith("no manifest"), out
+    assert _manifests(path) == {}
+    stamp = _stamp(Path(path))
+    named = [e["message"] for e in stamp["errors"] if e["check"] == "node-part-failed"]
+    assert named == [f"the part of node 1 (host hostB, ranks [1]) failed: {_SUBS[1]}/__0_1.distcp"], stamp["errors"]
+    assert os.path.exists(os.path.join(sub, "__0_1.distcp"))  # evidence kept
+
+
+@pytest.mark.parametrize("planted", [None, {"folders": {"optimizer_0": {"x": 1}}}, {"folders": {}}])
+def test_a_folder_part_without_usable_digests_has_its_shards_read_here_and_the_note_says_so(
+        tmp_path: Path, opened_paths: list[str], monkeypatch: pytest.MonkeyPatch, planted: Any) -> None:
+    real = parts_mod._part_checks
+
+    def planting(*args: Any) -> Any:
+        report, _ = real(*args)
+        return report, planted
+
+    monkeypatch.setattr(parts_mod, "_part_checks", planting)
+    path = _fsdp_folder(tmp_path)
+    out = _folder_job(path, True, opened_paths)
+    assert out["event"] == "checkpoint-verified", out
+    assert "the shards of 1 other node(s) read here" in out["extra"]["fingerprint"], out["extra"]
+    assert "coordinator: __0_1.distcp" in opened_paths  # read here, and said so
+    nodes = _folder_nodes(path)
+    assert set(nodes[1]) <= set(_stamp(Path(path))["parts"][0]["opened"])
+    assert sorted(_manifests(path)) == ["", *_SUBS] and verify_checkpoint(path).passed
+
+
+def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not(tmp_path: Path) -> None:
     from ckptverify.integrations._core import Group, Verifier
 
     group = Group(coordinator=True, broadcast=lambda obj: obj, barrier=lambda: None,
                   gather=lambda obj: ["hostA", "hostB"])
     path = _fsdp_folder(tmp_path)
     verifier = Verifier(verify="background")
-    assert verifier._node_hosts(path, group, "auto") == verifier._node_hosts(path, group, False) == ["hostA", "hostB"]
-    assert verifier._node_hosts(path, group, True) is None  # read whole by the coordinator anyway
+    for fingerprint in (False, "auto", True):
+        assert verifier._node_hosts(path, group, fingerprint) == ["hostA", "hostB"]
 
     from ckptverify.ownfiles.partsplan import plan_from_names
 
@@ -880,10 +989,10 @@ def test_only_a_folder_that_is_not_always_fingerprinted_shares_out_its_dcp_folde
     assert [n["files"] for n in plan["nodes"]] == [sorted(f for n in _folder_nodes(path) for f in n), []]
 
 
-def _fsdp_worker(rank: int, world: int, root: str) -> None:
+def _fsdp_worker(rank: int, world: int, root: str, fingerprint: Any) -> None:
     """Two saves as transformers' ``Trainer`` writes them under FSDP (``SHARDED_STATE_DICT``): every rank writes
     its shards of the model and the optimizer through DCP and its own ``rng_state_R.pth``, rank 0 the rest; then
-    the transformers callback's ``on_save``, and ``on_train_end`` at the end."""
+    the transformers callback's ``on_save`` (with ``fingerprint``), and ``on_train_end`` at the end."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -893,7 +1002,7 @@ def _fsdp_worker(rank: int, world: int, root: str) -> None:
     from ckptverify.verifier import background
 
     with _as_node(rank, root) as out:
-        callback = VerifyCheckpointsCallback(verify="background")  # fingerprint="auto"
+        callback = VerifyCheckpointsCallback(verify="background", fingerprint=fingerprint)
         args = SimpleNamespace(output_dir=root)
         if rank == 1:
             def flip(path: str) -> None:
@@ -923,9 +1032,10 @@ def _fsdp_worker(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fingerprint", ["auto", True])
 def test_a_transformers_fsdp_checkpoint_is_verified_among_the_nodes_that_wrote_its_shards(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ranks = _two_nodes(_fsdp_worker, tmp_path, monkeypatch, part_timeout=120)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fingerprint: Any) -> None:
+    ranks = _two_nodes(_fsdp_worker, tmp_path, monkeypatch, 120, fingerprint)
     assert all(r["pending_1"] and r["pending_2"] for r in ranks), ranks
     assert ranks[0]["verdicts"] == ranks[1]["verdicts"] == {"1": "passed", "2": "failed"}, ranks
     shards = [[f"{s}/__{k}_0.distcp" for s in _SUBS] for k in (0, 1)]
@@ -945,6 +1055,14 @@ def test_a_transformers_fsdp_checkpoint_is_verified_among_the_nodes_that_wrote_i
     assert events == {("checkpoint-verified", 1), ("checkpoint-failed", 2)}, events
     for step in (1, 2):
         assert not [n for n in os.listdir(tmp_path / f"checkpoint-{step}") if n.startswith(PARTS_PREFIX)]
+    # Always fingerprinted: the clean save's manifests came from both nodes' parts (the parts opened no more than
+    # above), the failed save has none.
+    assert sorted(_manifests(str(tmp_path / "checkpoint-1"))) == (["", *_SUBS] if fingerprint is True else [])
+    assert _manifests(str(tmp_path / "checkpoint-2")) == {}
+    if fingerprint is True:
+        notes = [e.get("fingerprint") for e in read_events(tmp_path) if e["event"] == "checkpoint-verified"]
+        assert len(notes) == 1 and "the digests of 1 other node(s) taken from their parts" in notes[0], notes
+        assert verify_checkpoint(str(tmp_path / "checkpoint-1")).stats["manifest"]
 
 
 # ---------------------------------------------------------------------------------- deep, in parts

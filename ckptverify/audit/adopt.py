@@ -732,11 +732,7 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
     and fingerprinted from its description (:mod:`ckptverify.checks.described`). DCP checkpoints inside a
     folder (FSDP saves) are adopted each with its own manifest. A single file's manifest is written beside
     it (``NAME.ckptverify.manifest.json``)."""
-    from ckptverify._version import __version__
-    from ckptverify.audit.verify import verify_checkpoint
-    from ckptverify.checks.described import folder_files, manifest_entries
-    from ckptverify.fingerprint import FINGERPRINT_VERSION
-    from ckptverify.formats.describe import describe
+    from ckptverify.audit.verify import _under, verify_checkpoint
 
     single = not os.path.isdir(root)
     # Findings about the manifest name the file it is (beside a single file, inside a folder).
@@ -759,24 +755,17 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
         sub, _ = fingerprint_checkpoint(os.path.join(root, part), digest=digest, block_bytes=block_bytes, force=force,
                                         jobs=jobs, trust_uncheckable=trust_uncheckable)
         if not sub.passed:
-            return Report(command="fingerprint", target=root, findings=(*findings, *sub.findings),
+            return Report(command="fingerprint", target=root, findings=(*findings, *_under(part, sub.findings)),
                           coverage=checked.coverage, stats=checked.stats), None
-    desc = describe(root)
-    names = [os.path.basename(os.path.abspath(root))] if single else folder_files(root)
+    names = [os.path.basename(os.path.abspath(root))] if single else None
     try:
-        files, items, tensors, missing = manifest_entries(desc, names, digest, block_bytes)
+        written, manifest, missing = _described_manifest(root, names, own, digest, block_bytes)
     except FileChangedError as exc:
         return _refused(checked, [changed_finding(os.path.basename(str(exc.path)), str(exc))],
                         "a file changed while it was digested"), None
-    import torch
-
-    manifest = Manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(items), files=files,
-                        tensors=tensors, world_size=1, fingerprint_version=FINGERPRINT_VERSION,
-                        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
-                        torch_version=str(torch.__version__), source="fingerprint")
-    if not single and set(folder_files(root)) != set(names):
+    if manifest is None:
         return _refused(checked, [], "files were added or removed while they were digested"), None
-    written = write_manifest(desc.root, manifest, name=own)
+    files, items, tensors = manifest.files, manifest.items, manifest.tensors
     notes = [info("manifest-written", f"wrote {written}: {len(files)} files, {len(items)} tensor payloads, "
                   f"{len(tensors) - missing} of {len(tensors)} tensors fingerprinted"
                   + (f", and a manifest in each of {len(parts)} DCP part(s)" if parts else ""),
@@ -790,3 +779,173 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
     stats = {**checked.stats, "seconds": round(time.perf_counter() - started, 6)}
     return Report(command="fingerprint", target=root, findings=(*findings, *notes),
                   coverage=merge_coverage(coverage), stats=stats), manifest
+
+
+def _described_manifest(root: str, names: list[str] | None, own: str, digest: str,
+                        block_bytes: int) -> tuple[str, Manifest | None, int]:
+    """The manifest of a single checkpoint file (``names``: its name) or of the files at the top of a folder
+    (``names`` ``None``), written as ``own``: where it was written, the manifest (``None``, nothing written, when
+    the folder's files were added or removed meanwhile) and how many tensors could not be fingerprinted. Raises
+    :class:`~ckptverify.safeparse.readers.FileChangedError` when a file changed while it was digested."""
+    from ckptverify._version import __version__
+    from ckptverify.checks.described import folder_files, manifest_entries
+    from ckptverify.fingerprint import FINGERPRINT_VERSION
+    from ckptverify.formats.describe import describe
+
+    desc = describe(root)
+    listed = folder_files(root) if names is None else names
+    files, items, tensors, missing = manifest_entries(desc, listed, digest, block_bytes)
+    import torch
+
+    manifest = Manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(items), files=files,
+                        tensors=tensors, world_size=1, fingerprint_version=FINGERPRINT_VERSION,
+                        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
+                        torch_version=str(torch.__version__), source="fingerprint")
+    if names is None and set(folder_files(root)) != set(listed):
+        return "", None, missing
+    return write_manifest(desc.root, manifest, name=own), manifest, missing
+
+
+def fingerprint_folder_files(path: str | os.PathLike[str], only: frozenset[str], *, jobs: int | None = None,
+                             digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
+                             ) -> tuple[Report, dict[str, AdoptionPart]]:
+    """One node's part of adopting a folder of checkpoint files whose DCP folders several nodes wrote (an FSDP
+    save by accelerate or transformers; :func:`fingerprint_folder_parts`): :func:`fingerprint_files` of its
+    shards in each DCP folder, named ``SUB/FILE`` in ``only`` (names that lead out of the folder, or name no
+    DCP folder or a file at its top, are ignored: those files are the coordinator's). Returns the verification
+    of those shards as the folder's (files as ``SUB/FILE``, ``stats["opened"]`` what was opened) and the part of
+    each DCP folder. Writes nothing."""
+    from ckptverify.audit.verify import _dcp_subfolders, _under, by_subfolder
+
+    root = os.fspath(path)
+    if not paths.isdir(root):
+        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
+    started = time.perf_counter()
+    mine = by_subfolder(only)
+    got: dict[str, AdoptionPart] = {}
+    reports: list[Report] = []
+    for sub in _dcp_subfolders(root):  # only these: a name cannot lead a part out of the folder
+        if sub in mine:
+            part = fingerprint_files(os.path.join(root, sub), mine[sub], jobs=jobs, digest=digest,
+                                     block_bytes=block_bytes)
+            got[sub] = part
+            reports.append(Report(command="fingerprint", target=root, findings=tuple(_under(sub, part.report.findings)),
+                                  coverage=part.report.coverage, stats=part.report.stats))
+    report = merge_reports("fingerprint", root, reports)
+    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "format": "folder",
+                         "opened": sorted(f"{sub}/{n}" for sub, p in got.items() for n in p.only)})
+    return report, got
+
+
+def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list[AdoptionPart]],
+                             elsewhere: list[tuple[frozenset[str], Report]], *, read_elsewhere: bool,
+                             digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
+                             jobs: int | None = None,
+                             trust_uncheckable: bool = False) -> tuple[Report, Manifest | None, list[str]]:
+    """:func:`fingerprint_checkpoint` of a folder of checkpoint files whose DCP folders several nodes wrote, the
+    work shared out among them: the files at the folder's top and the shards no other node took are verified,
+    digested and fingerprinted here. By DCP folder:
+
+    - ``parts``: what other nodes computed over their shards (:func:`fingerprint_folder_files`): neither opened
+      nor read here; their verification joins this one's, their digests and scans that folder's manifest.
+    ``elsewhere``: for each node that brought no digests, its shards (``SUB/FILE``) and its verification of
+    them. A DCP folder holding such shards is read whole here and given its manifest when ``read_elsewhere``
+    (``fingerprint=True``) or when a manifest is already in it (a former save's, which the shards no longer
+    match); else it gets no manifest (its shards are under CRC-32, and were verified on the nodes that wrote
+    them: those verifications join this one's) and the rest of it is verified here.
+
+    Returns the report (``stats["bytes_read_here"]`` and ``stats["opened"]``: what this process read), the
+    folder's own manifest (``None`` when refused: a failed verification, content nothing could check without
+    ``trust_uncheckable``, files that changed) and the DCP folders left without a manifest."""
+    from ckptverify.audit.verify import FINGERPRINT_ADVICE, _folder_files, _under, by_subfolder, verify_part
+
+    root = os.fspath(path)
+    if not paths.isdir(root):
+        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
+    started = time.perf_counter()
+    top, opened = _folder_files(root, False, False)
+    dropped = ("manifest-absent", FINGERPRINT_ADVICE)
+    reports = [Report(command="fingerprint", target=root, coverage=top.coverage, stats=top.stats,
+                      findings=tuple(f for f in top.findings if f.check not in dropped))]
+    read_here = int(top.stats.get("bytes") or 0)
+    subs = list(top.stats.get("parts") or [])
+    theirs: dict[str, set[str]] = {}
+    for files, _ in elsewhere:
+        for sub, names in by_subfolder(files).items():
+            theirs.setdefault(sub, set()).update(names)
+    unwritten = [s for s in subs if theirs.get(s) and not read_elsewhere
+                 and not paths.lexists(os.path.join(root, s, MANIFEST_FILE))]
+    # Their own verification stands for the shards not read here.
+    reports += [r for files, r in elsewhere if set(by_subfolder(files)) & set(unwritten)]
+    for sub in unwritten:
+        brought = parts.get(sub, [])
+        skip = theirs[sub] | {f for p in brought for f in p.only}
+        got = verify_part(os.path.join(root, sub), jobs=jobs, skip=frozenset(skip), use_manifest=False)
+        read_here += int(got.stats.get("bytes") or 0)
+        opened.extend(f"{sub}/{n}" for n in got.stats.get("opened") or [])
+        both = merge_reports("fingerprint", root, [got, *(p.report for p in brought)])
+        reports.append(Report(command="fingerprint", target=root, coverage=both.coverage, stats=both.stats,
+                              findings=tuple(_under(sub, (f for f in both.findings if f.check not in dropped)))))
+
+    def result(findings: tuple[Any, ...], coverage: Any) -> Report:
+        stats = {**reports[0].stats, "bytes_read_here": read_here, "opened": sorted(opened),
+                 "seconds": round(time.perf_counter() - started, 6)}
+        return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
+                      stats=stats)
+
+    def refused(why: str, *more: Any) -> tuple[Report, None, list[str]]:
+        merged = merge_reports("fingerprint", root, reports)
+        return result((*merged.findings, *more, error("fingerprint-refused", why, location=Location(
+            file=MANIFEST_FILE))), merged.coverage), None, unwritten
+
+    # Every part's verification before any manifest is written: a failed one refuses them all.
+    checked = merge_reports("fingerprint", root, [*reports, *(
+        Report(command="fingerprint", target=root, findings=tuple(_under(sub, p.report.findings)))
+        for sub, brought in parts.items() for p in brought)])
+    if not checked.passed:
+        return result((*checked.findings, error(
+            "fingerprint-refused", "the checkpoint fails verification; refusing to write a manifest that would "
+            "bless it", location=Location(file=MANIFEST_FILE))), checked.coverage), None, unwritten
+    for sub in subs:  # each other DCP folder gets its manifest, from its nodes' parts and what is read here
+        if sub in unwritten:
+            continue
+        got, manifest = fingerprint_checkpoint(os.path.join(root, sub), digest=digest, block_bytes=block_bytes,
+                                               force=True, jobs=jobs, trust_uncheckable=trust_uncheckable,
+                                               parts=list(parts.get(sub, [])))
+        read_here += int(got.stats.get("bytes_read_here") or 0)
+        opened.extend(f"{sub}/{n}" for n in got.stats.get("opened") or [])
+        keep = tuple(_under(sub, (f for f in got.findings if f.check not in (*dropped, "manifest-written"))))
+        reports.append(Report(command="fingerprint", target=root, findings=keep, coverage=got.coverage,
+                              stats=got.stats))
+        if manifest is None:
+            merged = merge_reports("fingerprint", root, reports)
+            return result(merged.findings, merged.coverage), None, unwritten
+    checked = merge_reports("fingerprint", root, reports)
+    uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
+    if uncheckable and not trust_uncheckable:
+        return refused(f"{len(uncheckable)} finding(s) name content that nothing could check (no checksum: "
+                       "safetensors, pickles); a manifest would bless it as it is now. Refused: pass "
+                       "--trust-uncheckable to adopt it anyway")
+    try:
+        written, manifest, missing = _described_manifest(root, None, MANIFEST_FILE, digest, block_bytes)
+    except FileChangedError as exc:
+        return refused("a file changed while it was digested; refusing to write a manifest of bytes that are no "
+                       "longer on disk", changed_finding(os.path.basename(str(exc.path)), str(exc)))
+    if manifest is None:
+        return refused("files were added or removed while they were digested; refusing to write a manifest of "
+                       "bytes that are no longer on disk")
+    with_manifest = len(subs) - len(unwritten)
+    note = (f"wrote {written}: {len(manifest.files)} files, {len(manifest.items)} tensor payloads, "
+            f"{len(manifest.tensors) - missing} of {len(manifest.tensors)} tensors fingerprinted, and a manifest "
+            f"in each of {with_manifest} DCP part(s)")
+    if unwritten:
+        note += (f"; none in {', '.join(unwritten)}: their shards, under CRC-32, were verified on the nodes that "
+                 "wrote them")
+    notes = [info("manifest-written", note, location=Location(file=MANIFEST_FILE))]
+    if uncheckable:
+        notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
+                          f"could check: {len(uncheckable)} uncheckable finding(s) above",
+                          location=Location(file=MANIFEST_FILE)))
+    coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(manifest.files), unit="files"),
+                CheckCoverage(check="fingerprint", count=len(manifest.tensors) - missing, unit="tensors"))
+    return result((*checked.findings, *notes), coverage), manifest, unwritten

@@ -33,8 +33,9 @@ from ckptverify.safeparse import paths
 
 # Re-exported: callers import these from here (the public face of ``verify``).
 __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
-           "ProgressSink", "VerificationRun", "cap_findings", "changed_finding", "default_jobs", "fail_uncheckable",
-           "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part", "verify_part_deep"]
+           "ProgressSink", "VerificationRun", "by_subfolder", "cap_findings", "changed_finding", "default_jobs",
+           "fail_uncheckable", "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part",
+           "verify_part_deep"]
 
 
 def _counts_requests(fn: Any) -> Any:
@@ -163,20 +164,15 @@ def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip:
     files alone. With ``skip``: the whole folder (every file at its top, every sub-folder's whole-checkpoint
     checks) but those files. Files at the top are always the ``skip`` side's: a part given one checks nothing
     of it, so nothing goes unchecked. Findings and ``stats["opened"]`` name files as ``SUB/FILE``."""
-    by_sub: dict[str, set[str]] = {}
-    for name in only if only is not None else skip:
-        sub, sep, rest = name.partition("/")
-        if sep and rest and "/" not in rest:
-            by_sub.setdefault(sub, set()).add(rest)
+    by_sub = by_subfolder(only if only is not None else skip)
     if only is None:
-        return _verify_folder(root, jobs, False, use_manifest, started,
-                              skip={sub: frozenset(names) for sub, names in by_sub.items()})
+        return _verify_folder(root, jobs, False, use_manifest, started, skip=by_sub)
     from ckptverify.findings import merge_reports
 
     reports = []
     for sub in _dcp_subfolders(root):  # only these: a name cannot lead a part out of the folder
         if sub in by_sub:
-            got = verify_part(os.path.join(root, sub), jobs=jobs, only=frozenset(by_sub[sub]),
+            got = verify_part(os.path.join(root, sub), jobs=jobs, only=by_sub[sub],
                               use_manifest=use_manifest)
             reports.append(dataclasses.replace(got, findings=tuple(_under(sub, got.findings)), stats={
                 **got.stats, "opened": [f"{sub}/{n}" for n in got.stats.get("opened") or []]}))
@@ -184,6 +180,17 @@ def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip:
     report.stats.update({"seconds": round(time.perf_counter() - started, 6), "format": "folder",
                          "opened": sorted(n for r in reports for n in r.stats["opened"])})
     return report
+
+
+def by_subfolder(names: frozenset[str]) -> dict[str, frozenset[str]]:
+    """Names ``SUB/FILE`` (a plan's, for a folder of checkpoint files) as ``{SUB: {FILE, ...}}``; other names (a
+    file at the top, a deeper path) are left out."""
+    out: dict[str, set[str]] = {}
+    for name in names:
+        sub, sep, rest = name.partition("/")
+        if sep and sub and rest and "/" not in rest:
+            out.setdefault(sub, set()).add(rest)
+    return {sub: frozenset(files) for sub, files in out.items()}
 
 
 def _dcp_subfolders(root: str) -> list[str]:

@@ -168,8 +168,8 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) 
     no checksum protects), their digests and scans for the manifest
     (:func:`~ckptverify.audit.adopt.fingerprint_files`, whose verification is then the part's). A node that
     wrote no file reports an empty part (no findings, no bytes): the merged report counts only what was read."""
-    from ckptverify.audit.adopt import fingerprint_files
-    from ckptverify.audit.verify import needs_manifest
+    from ckptverify.audit.adopt import fingerprint_files, fingerprint_folder_files
+    from ckptverify.audit.verify import by_subfolder, needs_manifest
     from ckptverify.ownfiles.names import MANIFEST_FILE
 
     if not files:  # this node's ranks wrote nothing: nothing to check, and nothing found
@@ -177,15 +177,19 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) 
 
         empty = Report(command="verify", target=root, findings=(), stats={"bytes": 0, "files": 0, "opened": []})
         return empty, None
-    if not os.path.isfile(os.path.join(root, ".metadata")):
-        # The DCP folders inside a folder of checkpoint files (an FSDP save by accelerate or transformers): their
-        # shards are verified here; when the folder is fingerprinted, the coordinator reads it whole.
-        return _verify(root, jobs, only=files), None
-    stale = fingerprint == "auto" and os.path.lexists(os.path.join(root, MANIFEST_FILE))
+    folder = not os.path.isfile(os.path.join(root, ".metadata"))
+    # In a folder of checkpoint files (an FSDP save by accelerate or transformers) the files are the shards of
+    # its DCP folders, ``SUB/FILE``: a manifest in one of those is a former save's (the folder's own covers the
+    # files at its top, which are the coordinator's).
+    manifests = [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)] if folder else [MANIFEST_FILE]
+    stale = fingerprint == "auto" and any(os.path.lexists(os.path.join(root, m)) for m in manifests)
     if fingerprint is not True and not stale:
         report = _verify(root, jobs, only=files)
         if fingerprint != "auto" or not needs_manifest(report):
             return report, None
+    if folder:
+        report, by_sub = fingerprint_folder_files(root, files, jobs=jobs)
+        return report, {"folders": {sub: part.to_dict() for sub, part in by_sub.items()}}
     part = fingerprint_files(root, files, jobs=jobs)
     return part.report, part.to_dict()
 
@@ -302,7 +306,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             return unverified(path, step, "error", _silent(missing, wait_s))
         try:
             with pacing(throttle):
-                adopted, note = _adopt(path, jobs, [d for d, _ in reports])
+                adopted, note = _adopt(path, jobs, reports, read_all=adopt is True)
         except (FileNotFoundError, CheckpointNotFoundError):
             return unverified(path, step, "deleted", gone)
         except OSError as exc:
@@ -389,16 +393,19 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
     return parts, merged
 
 
-def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[Any, str]:
+def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
+           read_all: bool = True) -> tuple[Any, str]:
     """The checkpoint's manifest written from the parts' digests and scans (those that brought them: the files
     of the others are read here); the whole checkpoint read here when they cannot be merged. Returns the
     adoption's report (the verification of every file; a refusal to write the manifest is said by the findings
-    that caused it) and what writing the manifest did."""
+    that caused it) and what writing the manifest did. A folder of checkpoint files: :func:`_adopt_folder`."""
     from ckptverify.audit.adopt import AdoptionPart, fingerprint_checkpoint
     from ckptverify.errors import PartsOverlapError
 
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return _adopt_folder(path, jobs, reports, read_all)
     pieces = []
-    for data in parts:
+    for data, _ in reports:
         try:
             pieces.append(AdoptionPart.from_dict(data["adoption"]))
         except Exception:  # none, or not what a part writes (damaged, planted): its files are read here
@@ -406,32 +413,79 @@ def _adopt(path: str, jobs: int | None, parts: list[dict[str, Any]]) -> tuple[An
     try:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=pieces)
         how = f"the digests of {len(pieces)} other node(s) taken from their parts"
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            how = "read whole here: a folder of checkpoint files is fingerprinted by one process"
-            report.stats.update({"bytes_read_here": report.stats.get("bytes"), "opened": _every_file(path)})
     except PartsOverlapError as exc:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=[])
         how = f"read whole here: {exc}"
-    causes = [f for f in report.findings if f.check != "fingerprint-refused"]
     if manifest is None:
-        refusal = next((f.message for f in report.findings if f.check == "fingerprint-refused"), "refused")
-        note = f"no manifest: {refusal}"
-        if any(f.severity.value == "error" for f in causes):  # the errors that refused it say it all
-            report = type(report)(command=report.command, target=report.target, findings=tuple(causes),
-                                  coverage=report.coverage, stats=report.stats)
-    else:
-        note = (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
-                f"{len(manifest.tensors)} tensors; {how}")
-    return report, note
+        return _refusal(report)
+    return report, (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
+                    f"{len(manifest.tensors)} tensors; {how}")
 
 
-def _every_file(root: str) -> list[str]:
-    """Every file of the checkpoint folder ``root`` (its sub-folders' too, as ``SUB/FILE``), ours left out."""
-    from ckptverify.formats.describe import is_own_file
-    from ckptverify.formats.rundir import walk_files
+def _refusal(report: Any) -> tuple[Any, str]:
+    """An adoption that wrote no manifest: its report (the errors that refused it say it all, when there are
+    any) and the note."""
+    causes = [f for f in report.findings if f.check != "fingerprint-refused"]
+    refusal = next((f.message for f in report.findings if f.check == "fingerprint-refused"), "refused")
+    if any(f.severity.value == "error" for f in causes):
+        report = type(report)(command=report.command, target=report.target, findings=tuple(causes),
+                              coverage=report.coverage, stats=report.stats)
+    return report, f"no manifest: {refusal}"
 
-    return sorted(os.path.relpath(e.path, root).replace(os.sep, "/") for e, _ in walk_files(root)
-                  if not is_own_file(e.name) and not e.name.startswith(STAMP_TEMP_PREFIX))
+
+def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
+                  read_all: bool) -> tuple[Any, str]:
+    """:func:`_adopt` of a folder of checkpoint files whose DCP folders several nodes wrote
+    (:func:`~ckptverify.audit.adopt.fingerprint_folder_parts`): each DCP folder's manifest from the digests its
+    nodes' parts brought (``{"folders": {SUB: part}}``), the folder's own from its files, read here. The shards
+    of a part that brought none (``fingerprint="auto"``, where its shards needed no manifest; or a damaged or
+    planted verdict) are read here when ``read_all`` (``fingerprint=True``) or when their DCP folder holds a
+    former save's manifest; else their folder gets no manifest, and the part's own verification stands for
+    them."""
+    from ckptverify.audit.adopt import AdoptionPart, fingerprint_folder_parts
+    from ckptverify.audit.verify import by_subfolder
+    from ckptverify.errors import PartsOverlapError
+
+    brought: dict[str, list[AdoptionPart]] = {}
+    elsewhere: list[tuple[frozenset[str], Any]] = []
+    for data, report in reports:
+        files = frozenset(data.get("files") or ())
+        mine = by_subfolder(files)
+        try:
+            got = {str(sub): AdoptionPart.from_dict(d) for sub, d in dict(data["adoption"]["folders"]).items()}
+            # Each of its folders exactly as the plan gives it, or it brought nothing usable.
+            if set(got) != set(mine) or any(frozenset(got[sub].only) != names for sub, names in mine.items()):
+                raise ValueError("not the files the plan gives the part")
+        except Exception:  # none, or not what a part writes: its files are read here or its report stands
+            elsewhere.append((files, report))
+            continue
+        for sub, part in got.items():
+            brought.setdefault(sub, []).append(part)
+    try:
+        report, manifest, unwritten = fingerprint_folder_parts(path, brought, elsewhere, read_elsewhere=read_all,
+                                                               jobs=jobs, trust_uncheckable=True)
+        overlap = None
+    except PartsOverlapError as exc:
+        every = [(frozenset(data.get("files") or ()), r) for data, r in reports]
+        report, manifest, unwritten = fingerprint_folder_parts(path, {}, every, read_elsewhere=True, jobs=jobs,
+                                                               trust_uncheckable=True)
+        elsewhere, overlap = every, exc
+    if manifest is None:
+        return _refusal(report)
+    adopted = len(report.stats.get("parts") or []) - len(unwritten)
+    said = [f"manifest written: {len(manifest.files)} files at the top"]
+    if adopted:
+        taken = len(reports) - len(elsewhere)
+        read = sum(1 for files, _ in elsewhere if set(by_subfolder(files)) - set(unwritten))
+        said.append(f"a manifest in each of {adopted} DCP folder(s)"
+                    + (f", the digests of {taken} other node(s) taken from their parts" if taken else "")
+                    + (f", the shards of {read} other node(s) read here" if read and overlap is None else ""))
+    if unwritten:
+        said.append(f"none in {', '.join(unwritten)}: their shards, under CRC-32, were verified on the nodes "
+                    "that wrote them")
+    if overlap is not None:
+        said.append(f"read whole here: {overlap}")
+    return report, "; ".join(said)
 
 
 def _tidy_parts(root: str, nodes: list[int]) -> None:

@@ -79,7 +79,12 @@ def _has_manifest(root: str) -> bool:
     from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
     if os.path.isdir(root) and not os.path.islink(root):
-        return os.path.lexists(os.path.join(root, MANIFEST_FILE))
+        from ckptverify.ownfiles.partsplan import dcp_folders
+
+        # The DCP folders inside a folder of checkpoint files (an FSDP save) have manifests of their own.
+        where = dcp_folders(root)
+        inside = [] if where == [""] else where
+        return any(os.path.lexists(os.path.join(root, sub, MANIFEST_FILE)) for sub in ["", *inside])
     return os.path.lexists(file_manifest_path(root))
 
 
