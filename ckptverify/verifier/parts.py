@@ -21,8 +21,9 @@ How it runs (``docs/verify-after-save.md``):
    :func:`part_timeout` seconds (``CKPTVERIFY_PART_TIMEOUT``). The plan and the part verdicts are removed once
    the stamp is written; the stamp records the parts under ``parts``.
 
-No part verifies deep (``VerifyOptions(deep=True)``: a tensor's chunks lie on several nodes); such a save is
-verified whole by the coordinator.
+With ``deep``, each part also rebuilds the tensor pieces in its files, and the coordinator judges them all
+together (a tensor's chunks lie on several nodes). With a manifest to write, each part also digests and scans
+its files, and the coordinator writes the manifest from them (:func:`_adopt`).
 """
 
 from __future__ import annotations
