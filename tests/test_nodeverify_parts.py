@@ -767,10 +767,10 @@ def _folder_nodes(path: str) -> list[list[str]]:
     return [[f"{s}/{files[s][k]}" for s in _SUBS] for k in (0, 1)]
 
 
-def _plan_folder(path: str, nodes: list[list[str]], fingerprint: Any = False) -> None:
+def _plan_folder(path: str, nodes: list[list[str]], fingerprint: Any = False, deep: bool = False) -> None:
     from ckptverify.ownfiles.partsplan import make_plan, write_plan
 
-    write_plan(path, {**make_plan(["hostA", "hostB"], nodes), "fingerprint": fingerprint})
+    write_plan(path, {**make_plan(["hostA", "hostB"], nodes), "fingerprint": fingerprint, "deep": deep})
 
 
 _TOP = ["rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"]
@@ -973,8 +973,10 @@ def test_a_folder_part_without_usable_digests_has_its_shards_read_here_and_the_n
     assert sorted(_manifests(path)) == ["", *_SUBS] and verify_checkpoint(path).passed
 
 
-def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not(tmp_path: Path) -> None:
+def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not_and_deep_when_never_fingerprinted(
+        tmp_path: Path) -> None:
     from ckptverify.integrations._core import Group, Verifier
+    from ckptverify.options import VerifyOptions
 
     group = Group(coordinator=True, broadcast=lambda obj: obj, barrier=lambda: None,
                   gather=lambda obj: ["hostA", "hostB"])
@@ -982,6 +984,8 @@ def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not(tmp_path: Pa
     verifier = Verifier(verify="background")
     for fingerprint in (False, "auto", True):
         assert verifier._node_hosts(path, group, fingerprint) == ["hostA", "hostB"]
+    deep = Verifier(verify=VerifyOptions(when="background", deep=True))
+    assert deep._node_hosts(path, group, False) == ["hostA", "hostB"] and deep._node_hosts(path, group, "auto") is None
 
     from ckptverify.ownfiles.partsplan import plan_from_names
 
@@ -989,10 +993,11 @@ def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not(tmp_path: Pa
     assert [n["files"] for n in plan["nodes"]] == [sorted(f for n in _folder_nodes(path) for f in n), []]
 
 
-def _fsdp_worker(rank: int, world: int, root: str, fingerprint: Any) -> None:
+def _fsdp_worker(rank: int, world: int, root: str, fingerprint: Any, deep: bool) -> None:
     """Two saves as transformers' ``Trainer`` writes them under FSDP (``SHARDED_STATE_DICT``): every rank writes
     its shards of the model and the optimizer through DCP and its own ``rng_state_R.pth``, rank 0 the rest; then
-    the transformers callback's ``on_save`` (with ``fingerprint``), and ``on_train_end`` at the end."""
+    the transformers callback's ``on_save`` (with ``fingerprint`` and ``deep``), and ``on_train_end`` at the
+    end."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -1002,7 +1007,10 @@ def _fsdp_worker(rank: int, world: int, root: str, fingerprint: Any) -> None:
     from ckptverify.verifier import background
 
     with _as_node(rank, root) as out:
-        callback = VerifyCheckpointsCallback(verify="background", fingerprint=fingerprint)
+        from ckptverify.options import VerifyOptions
+
+        callback = VerifyCheckpointsCallback(verify=VerifyOptions(when="background", deep=deep),
+                                             fingerprint=fingerprint)
         args = SimpleNamespace(output_dir=root)
         if rank == 1:
             def flip(path: str) -> None:
@@ -1032,10 +1040,10 @@ def _fsdp_worker(rank: int, world: int, root: str, fingerprint: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fingerprint", ["auto", True])
+@pytest.mark.parametrize(("fingerprint", "deep"), [("auto", False), (True, False), (False, True)])
 def test_a_transformers_fsdp_checkpoint_is_verified_among_the_nodes_that_wrote_its_shards(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fingerprint: Any) -> None:
-    ranks = _two_nodes(_fsdp_worker, tmp_path, monkeypatch, 120, fingerprint)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fingerprint: Any, deep: bool) -> None:
+    ranks = _two_nodes(_fsdp_worker, tmp_path, monkeypatch, 120, fingerprint, deep)
     assert all(r["pending_1"] and r["pending_2"] for r in ranks), ranks
     assert ranks[0]["verdicts"] == ranks[1]["verdicts"] == {"1": "passed", "2": "failed"}, ranks
     shards = [[f"{s}/__{k}_0.distcp" for s in _SUBS] for k in (0, 1)]
@@ -1063,6 +1071,12 @@ def test_a_transformers_fsdp_checkpoint_is_verified_among_the_nodes_that_wrote_i
         notes = [e.get("fingerprint") for e in read_events(tmp_path) if e["event"] == "checkpoint-verified"]
         assert len(notes) == 1 and "the digests of 1 other node(s) taken from their parts" in notes[0], notes
         assert verify_checkpoint(str(tmp_path / "checkpoint-1")).stats["manifest"]
+    # Deep: every tensor of both DCP folders rebuilt from the two nodes' pieces, as many as one process rebuilds.
+    assert clean["deep"] is deep and failed["deep"] is deep
+    if deep:
+        whole = verify_checkpoint(str(tmp_path / "checkpoint-1"), deep=True)
+        rebuilt = [c["count"] for c in clean["coverage"] if c["check"] == "fingerprint"]
+        assert rebuilt == [c.count for c in whole.coverage if c.check == "fingerprint"] and rebuilt[0] >= 5, rebuilt
 
 
 # ---------------------------------------------------------------------------------- deep, in parts
@@ -1134,6 +1148,65 @@ def test_a_deep_part_without_its_own_pieces_did_not_report(tmp_path: Path, plant
     result = _gather_deep(path, wait_s=0.5)
     assert result.verdict == "unverified" and not (Path(path) / STAMP_FILE).exists()
     assert "node 1 (host hostB, ranks [1])" in result.reason and "__0_1.distcp" in result.reason
+
+
+def _deep_folder(root: Path) -> str:
+    """:func:`_fsdp_folder` whose DCP folders hold NaNs and infinities in both nodes' shards, planned deep."""
+    path = _fsdp_folder(root)
+    for sub in _SUBS:
+        state = {f"w{i}": torch.randn(4096 * (i + 1)) for i in range(4)}
+        state["w0"][:3] = float("nan")
+        state["w3"][:2] = float("inf")
+        _plain_dcp(Path(path) / sub, state)
+    _plan_folder(path, _folder_nodes(path), deep=True)
+    return path
+
+
+def test_a_deep_check_of_a_folder_in_parts_gives_the_findings_of_one_process_and_no_node_reads_another_s_shard(
+        tmp_path: Path, opened_paths: list[str]) -> None:
+    path = _deep_folder(tmp_path)
+    whole = verify_checkpoint(path, deep=True)
+    assert whole.passed and any(f.check == "nonfinite" for f in whole.findings), whole.findings
+    assert whole.stats["deep"] and not verify_checkpoint(path).stats["deep"]  # what a stamp records
+    opened_paths.clear()
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    part_opened = set(opened_paths) - {".metadata", "ckptverify.manifest.json"}
+    data = json.loads(Path(parts_mod.part_verdict_path(path, 1)).read_text())
+    assert sorted(data["deep"]["folders"]) == list(_SUBS)
+    assert all({p["file"] for _, p, _ in pieces} == {"__0_1.distcp"} for pieces in data["deep"]["folders"].values())
+    opened_paths.clear()
+    result = _gather_deep(path, wait_s=5)
+    assert part_opened == {"__0_1.distcp"} and "__0_1.distcp" not in opened_paths, opened_paths
+    stamp = _stamp(Path(path))
+    nodes = _folder_nodes(path)
+    assert result.verdict == "passed" and stamp["passed"] and stamp["deep"], stamp
+    assert [p["opened"] for p in stamp["parts"]] == [sorted([*_TOP, *nodes[0]]), sorted(nodes[1])]
+    # Every tensor of both DCP folders rebuilt from the two nodes' pieces, and judged as one process judges them.
+    assert _kinds(result.report.findings) == _kinds(whole.findings)
+    assert {f.location.file for f in result.report.findings if f.check == "nonfinite"} == \
+        {f.location.file for f in whole.findings if f.check == "nonfinite"}
+    fingerprinted = [c.count for c in result.report.coverage if c.check == "fingerprint"]
+    assert fingerprinted == [c.count for c in whole.coverage if c.check == "fingerprint"] and fingerprinted[0] >= 8
+
+
+@pytest.mark.parametrize("planted", ["flat", "one-folder", "foreign-folder", "foreign-file"])
+def test_a_deep_folder_part_that_does_not_bring_each_of_its_folders_pieces_did_not_report(
+        tmp_path: Path, planted: str) -> None:
+    path = _deep_folder(tmp_path)
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    verdict = Path(parts_mod.part_verdict_path(path, 1))
+    data = json.loads(verdict.read_text())
+    folders = data["deep"]["folders"]
+    name, piece, scan = folders[_SUBS[0]][0]
+    data["deep"] = {"flat": folders[_SUBS[0]],  # a DCP folder's pieces, not the folder's
+                    "one-folder": {"folders": {_SUBS[0]: folders[_SUBS[0]]}},
+                    "foreign-folder": {"folders": {**folders, "elsewhere_0": []}},
+                    "foreign-file": {"folders": {**folders, _SUBS[0]: [[name, {**piece, "file": "__0_0.distcp"},
+                                                                        scan]]}}}[planted]
+    verdict.write_text(json.dumps(data))
+    result = _gather_deep(path, wait_s=0.5)
+    assert result.verdict == "unverified" and not (Path(path) / STAMP_FILE).exists()
+    assert "node 1 (host hostB, ranks [1])" in result.reason and f"{_SUBS[0]}/__0_1.distcp" in result.reason
 
 
 def _deep_worker(rank: int, world: int, root: str) -> None:

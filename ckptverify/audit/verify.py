@@ -96,7 +96,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         raise UsageError(f"{root} is a run directory holding {held} (newest seen: {newest.path}), "
                          f"not a checkpoint: name one of them, or run `ckptverify scan {root}` for all")
     if other is not None:
-        report = _verify_folder(root, jobs, deep, use_manifest, started)
+        report = _verify_folder(root, jobs, deep, use_manifest, started)[0]
         return fail_uncheckable(report) if strict else report
     run = VerificationRun(root, jobs or _default_jobs(root), progress)
     run.executor = executor
@@ -142,8 +142,8 @@ def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] |
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
-    if not deep and not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
-        return _folder_part(root, jobs, only, skip, use_manifest, started), None
+    if not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
+        return _folder_part(root, jobs, only, skip, use_manifest, started, deep)
     run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip)
     run.deep_in_parts = deep  # judged after the merge, also when every other node's ranks wrote nothing
     try:
@@ -157,29 +157,73 @@ def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] |
 
 
 def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
-                 use_manifest: bool, started: float) -> Report:
-    """:func:`verify_part` of a folder of checkpoint files whose DCP sub-folders several nodes wrote (an FSDP
-    save by accelerate or transformers: ``checkpoint-N/pytorch_model_fsdp_0/__R_0.distcp``). Names are
-    ``SUB/FILE``, ``SUB`` one of the folder's DCP sub-folders. With ``only``: the byte-level checks of those
-    files alone. With ``skip``: the whole folder (every file at its top, every sub-folder's whole-checkpoint
-    checks) but those files. Files at the top are always the ``skip`` side's: a part given one checks nothing
-    of it, so nothing goes unchecked. Findings and ``stats["opened"]`` name files as ``SUB/FILE``."""
+                 use_manifest: bool, started: float, deep: bool) -> tuple[Report, FolderDeepPart | None]:
+    """:func:`verify_part` (``deep``: :func:`verify_part_deep`) of a folder of checkpoint files whose DCP
+    sub-folders several nodes wrote (an FSDP save by accelerate or transformers:
+    ``checkpoint-N/pytorch_model_fsdp_0/__R_0.distcp``). Names are ``SUB/FILE``, ``SUB`` one of the folder's DCP
+    sub-folders. With ``only``: the byte-level checks of those files alone. With ``skip``: the whole folder
+    (every file at its top, every sub-folder's whole-checkpoint checks) but those files. Files at the top are
+    always the ``skip`` side's: a part given one checks nothing of it, so nothing goes unchecked. Findings and
+    ``stats["opened"]`` name files as ``SUB/FILE``; the deep scan is one per DCP sub-folder."""
     by_sub = by_subfolder(only if only is not None else skip)
     if only is None:
-        return _verify_folder(root, jobs, False, use_manifest, started, skip=by_sub)
+        return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_sub)
     from ckptverify.findings import merge_reports
 
     reports = []
+    scanned: dict[str, Any] = {}
     for sub in _dcp_subfolders(root):  # only these: a name cannot lead a part out of the folder
         if sub in by_sub:
-            got = verify_part(os.path.join(root, sub), jobs=jobs, only=by_sub[sub],
-                              use_manifest=use_manifest)
+            got, scanned[sub] = _part(os.path.join(root, sub), jobs, by_sub[sub], frozenset(), use_manifest,
+                                      deep=deep)
             reports.append(dataclasses.replace(got, findings=tuple(_under(sub, got.findings)), stats={
                 **got.stats, "opened": [f"{sub}/{n}" for n in got.stats.get("opened") or []]}))
     report = merge_reports("verify", root, reports)
-    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "format": "folder",
+    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "format": "folder", "deep": deep,
                          "opened": sorted(n for r in reports for n in r.stats["opened"])})
-    return report
+    return report, _folder_deep(deep, scanned)
+
+
+@dataclasses.dataclass
+class FolderDeepPart:
+    """The deep scan of one part of a folder of checkpoint files shared out among nodes: the scan of each of its
+    DCP sub-folders (:class:`~ckptverify.checks.deep.DeepPart`, by sub-folder). The same contract as a
+    ``DeepPart``: :meth:`to_json`, :meth:`add_json`, :meth:`judge`; files are named ``SUB/FILE``."""
+
+    parts: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"folders": {sub: part.to_json() for sub, part in self.parts.items()}}
+
+    def add_json(self, data: Any, files: set[str] | frozenset[str]) -> bool:
+        """Add another part's pieces (:meth:`to_json`), scanned in its ``files``: ``False`` when it does not
+        bring exactly the DCP sub-folders of those files, or any of them is refused."""
+        try:
+            got = dict(data["folders"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        mine = by_subfolder(frozenset(files))
+        if set(got) != set(mine) or not set(got) <= set(self.parts):
+            return False
+        return all(self.parts[sub].add_json(got[sub], mine[sub]) for sub in sorted(got))
+
+    def judge(self) -> tuple[list[Finding], int]:
+        """Each DCP sub-folder's pieces judged together (its findings named ``SUB/FILE``), and the tensors
+        rebuilt in all."""
+        found: list[Finding] = []
+        rebuilt = 0
+        for sub, part in self.parts.items():
+            got, n = part.judge()
+            found.extend(_under(sub, got))
+            rebuilt += n
+        return found, rebuilt
+
+
+def _folder_deep(deep: bool, scanned: dict[str, Any]) -> FolderDeepPart | None:
+    """The folder's deep scan; ``None`` without ``deep``, or when a sub-folder's run stopped before its scan."""
+    if not deep or any(part is None for part in scanned.values()):
+        return None
+    return FolderDeepPart(scanned)
 
 
 def by_subfolder(names: frozenset[str]) -> dict[str, frozenset[str]]:
@@ -276,7 +320,8 @@ def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bo
     seconds = time.perf_counter() - started
     stats = {"seconds": round(seconds, 6), "files": 1, "bytes": facts.get("bytes", 0),
              "throughput_bytes_per_s": _throughput(facts.get("bytes", 0), seconds),
-             "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": with_manifest}
+             "format": facts.get("format"), "tensors": len(facts.get("tensors", {})), "manifest": with_manifest,
+             "deep": deep}
     return Report(command="verify", target=path, findings=tuple(cap_findings(found)),
                   coverage=merge_coverage(coverage), stats=stats)
 
@@ -303,17 +348,19 @@ def _folder_files(root: str | os.PathLike[str], deep: bool, use_manifest: bool) 
     seconds = time.perf_counter() - started
     stats = {"seconds": round(seconds, 6), "files": len(facts["files"]), "bytes": facts.get("bytes", 0),
              "throughput_bytes_per_s": _throughput(facts.get("bytes", 0), seconds), "format": "folder",
-             "parts": facts["dcp_parts"], "manifest": with_manifest}
+             "parts": facts["dcp_parts"], "manifest": with_manifest, "deep": deep}
     return Report(command="verify", target=path, findings=tuple(findings), coverage=merge_coverage(
         [*coverage, *more]), stats=stats), sorted(facts["files"])
 
 
 def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float,
-                   skip: dict[str, frozenset[str]] | None = None) -> Report:
+                   skip: dict[str, frozenset[str]] | None = None) -> tuple[Report, FolderDeepPart | None]:
     """A folder of checkpoint files, and the DCP checkpoints inside it (FSDP saves of accelerate and
     transformers), each verified in full; findings of a part name the part in their file. ``skip``: by DCP
     sub-folder, the files other nodes' parts check (:func:`verify_part`); ``stats["opened"]`` then names the
-    files opened here."""
+    files opened here, and the folder's deep scan comes with the report (:func:`verify_part_deep`; else
+    ``None``)."""
+    scanned: dict[str, Any] = {}
     files, opened = _folder_files(root, deep, use_manifest)
     findings = [f for f in files.findings if f.check != FINGERPRINT_ADVICE]  # one for the whole, below
     cover = list(files.coverage)
@@ -321,8 +368,10 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
     with_manifest = bool(files.stats.get("manifest"))
     for part in files.stats["parts"]:
         where = os.path.join(root, part)
-        sub = verify_checkpoint(where, jobs=jobs, deep=deep, use_manifest=use_manifest) if skip is None else \
-            verify_part(where, jobs=jobs, skip=skip.get(part, frozenset()), use_manifest=use_manifest)
+        if skip is None:
+            sub = verify_checkpoint(where, jobs=jobs, deep=deep, use_manifest=use_manifest)
+        else:
+            sub, scanned[part] = _part(where, jobs, None, skip.get(part, frozenset()), use_manifest, deep=deep)
         findings.extend(_under(part, (f for f in sub.findings if f.check != FINGERPRINT_ADVICE)))
         opened.extend(f"{part}/{n}" for n in sub.stats.get("opened") or [])
         cover.extend(sub.coverage)
@@ -333,11 +382,12 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
     seconds = time.perf_counter() - started
     stats = {"seconds": round(seconds, 6), "files": files.stats["files"], "bytes": total,
              "throughput_bytes_per_s": _throughput(total, seconds), "format": "folder",
-             "parts": files.stats["parts"], "manifest": with_manifest}
+             "parts": files.stats["parts"], "manifest": with_manifest, "deep": deep}
     if skip is not None:
         stats["opened"] = sorted(opened)
-    return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
-                  coverage=merge_coverage(cover), stats=stats)
+    report = Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
+                    coverage=merge_coverage(cover), stats=stats)
+    return report, None if skip is None else _folder_deep(deep, scanned)
 
 
 def _throughput(n: int, seconds: float) -> int | None:

@@ -220,6 +220,13 @@ class DeepPart:
         return True
 
 
+    def judge(self) -> tuple[list[Finding], int]:
+        """:func:`judge_parts` of this part, every other part's pieces added: the findings and the tensors
+        rebuilt."""
+        found, rebuilt, _ = judge_parts(self)
+        return found, rebuilt
+
+
 def judge_parts(part: DeepPart) -> tuple[list[Finding], int, int]:
     """The findings of a deep scan made in parts (:class:`DeepPart`, every part's pieces added), as one
     process's deep check gives them (:func:`judge_scans`)."""

@@ -366,9 +366,9 @@ class Verifier:
         files of its ranks), or a folder of checkpoint files with DCP folders inside (an FSDP save by
         accelerate or transformers: each node gets its ranks' files in those, the coordinator the rest and all
         of the folder's own files); deep only when never fingerprinted (``fingerprint=False``: each node then also
-        rebuilds the tensor pieces in its files) and at a DCP folder's top; a group that can gather, more than
-        one node. Else ``None``: the coordinator verifies everything (a folder of other files, such as a plain
-        ``checkpoint-N``, has no per-rank split). A save that is fingerprinted (``fingerprint=True``, or
+        rebuilds the tensor pieces in its files); a group that can gather, more than one node. Else ``None``:
+        the coordinator verifies everything (a folder of other files, such as a plain ``checkpoint-N``, has no
+        per-rank split). A save that is fingerprinted (``fingerprint=True``, or
         ``"auto"`` when it needs it) is fingerprinted in parts too, each node's shards on that node
         (:func:`~ckptverify.verifier.saved.saved_job`)."""
         if not self.background or group.gather is None or "://" in root or (self.deep and fingerprint is not False):
@@ -376,7 +376,7 @@ class Verifier:
         from ckptverify.ownfiles.partsplan import dcp_folders
 
         where = dcp_folders(root)
-        if not where or (where != [""] and self.deep):
+        if not where:
             return None
         from ckptverify.verifier.parts import node_name
 

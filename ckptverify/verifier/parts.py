@@ -348,10 +348,9 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
 
 def _judged(mine: Any, scanned: Any) -> Any:
     """The coordinator's report with the deep check of every part's pieces (``scanned``, the others' added)."""
-    from ckptverify.checks.deep import judge_parts
     from ckptverify.findings import CheckCoverage, Report, merge_coverage
 
-    found, rebuilt, _ = judge_parts(scanned)
+    found, rebuilt = scanned.judge()
     return Report(command=mine.command, target=mine.target, findings=(*mine.findings, *found),
                   coverage=merge_coverage([*mine.coverage, CheckCoverage(check="fingerprint", count=rebuilt,
                                                                          unit="tensors")]), stats=mine.stats)
