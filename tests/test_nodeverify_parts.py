@@ -22,6 +22,7 @@ from helpers.multiproc import spawn_ranks
 
 import ckptverify as cv
 from ckptverify.audit.verify import verify_checkpoint, verify_part
+from ckptverify.findings import Report
 from ckptverify.ownfiles.events import read_events
 from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX
 from ckptverify.runs.stamp import STAMP_FILE, read_stamp
@@ -450,7 +451,7 @@ def _plain_dcp(path: Path, state: dict[str, torch.Tensor], *, safetensors: bool 
     return str(path)
 
 
-def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None) -> dict[str, Any]:
+def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None, deep: bool = False) -> dict[str, Any]:
     """What the coordinator's verifier runs for an integration's save shared out among two nodes, node 1's part
     having reported first (``opened``, when given, holds what each side opened: ``part: ...`` then
     ``coordinator: ...``)."""
@@ -458,11 +459,12 @@ def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None) 
     from ckptverify.verifier.saved import saved_job
 
     files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
-    write_plan(path, {**make_plan(["hostA", "hostB"], [files[:1], files[1:]]), "fingerprint": fingerprint})
+    write_plan(path, {**make_plan(["hostA", "hostB"], [files[:1], files[1:]]), "fingerprint": fingerprint,
+                      "deep": deep})
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
     if opened is not None:
         opened[:] = [f"part: {n}" for n in opened]
-    out = saved_job(path, 5, fingerprint, 1, False, 0.0, parts=True)
+    out = saved_job(path, 5, fingerprint, 1, deep, 0.0, parts=True)
     if opened is not None:
         opened[:] = [n if n.startswith("part: ") else f"coordinator: {n}" for n in opened]
     return out
@@ -689,10 +691,10 @@ def test_only_a_dcp_folder_is_shared_out_among_nodes(tmp_path: Path) -> None:
     hf.mkdir()
     save_file({"w": torch.randn(8)}, str(hf / "model.safetensors"))
     verifier = Verifier(verify="background")
-    assert verifier._node_hosts(str(hf), group, "auto") is None and not gathered
+    assert verifier._node_hosts(str(hf), group) is None and not gathered
     dcp_folder = _plain_dcp(tmp_path / "dcp", {"w": torch.randn(8)})
-    assert verifier._node_hosts(dcp_folder, group, "auto") == ["hostA", "hostB"] and len(gathered) == 1
-    assert Verifier(verify="inline")._node_hosts(dcp_folder, group, True) is None
+    assert verifier._node_hosts(dcp_folder, group) == ["hostA", "hostB"] and len(gathered) == 1
+    assert Verifier(verify="inline")._node_hosts(dcp_folder, group) is None
 
 
 @pytest.mark.parametrize("fingerprint", [False, "auto", True])
@@ -846,18 +848,18 @@ def test_a_planted_plan_cannot_lead_a_part_out_of_the_folder_or_leave_its_own_fi
     assert coordinator.stats["bytes"] == verify_checkpoint(path).stats["bytes"]
 
 
-def _folder_job(path: str, fingerprint: Any, opened: list[str] | None = None) -> dict[str, Any]:
+def _folder_job(path: str, fingerprint: Any, opened: list[str] | None = None, deep: bool = False) -> dict[str, Any]:
     """:func:`_job_in_parts` for a folder of checkpoint files: node 1's part reports first, then the
     coordinator's job runs; ``opened`` as there."""
     from ckptverify.verifier.saved import saved_job
 
-    _plan_folder(path, _folder_nodes(path), fingerprint)
+    _plan_folder(path, _folder_nodes(path), fingerprint, deep)
     if opened is not None:
         opened.clear()
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
     if opened is not None:
         opened[:] = [f"part: {n}" for n in opened]
-    out = saved_job(path, 4, fingerprint, 1, False, 0.0, parts=True)
+    out = saved_job(path, 4, fingerprint, 1, deep, 0.0, parts=True)
     if opened is not None:
         opened[:] = [n if n.startswith("part: ") else f"coordinator: {n}" for n in opened]
     return out
@@ -973,7 +975,7 @@ def test_a_folder_part_without_usable_digests_has_its_shards_read_here_and_the_n
     assert sorted(_manifests(path)) == ["", *_SUBS] and verify_checkpoint(path).passed
 
 
-def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not_and_deep_when_never_fingerprinted(
+def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not_deep_or_not(
         tmp_path: Path) -> None:
     from ckptverify.integrations._core import Group, Verifier
     from ckptverify.options import VerifyOptions
@@ -981,11 +983,10 @@ def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not_and_deep_whe
     group = Group(coordinator=True, broadcast=lambda obj: obj, barrier=lambda: None,
                   gather=lambda obj: ["hostA", "hostB"])
     path = _fsdp_folder(tmp_path)
-    verifier = Verifier(verify="background")
     for fingerprint in (False, "auto", True):
-        assert verifier._node_hosts(path, group, fingerprint) == ["hostA", "hostB"]
-    deep = Verifier(verify=VerifyOptions(when="background", deep=True))
-    assert deep._node_hosts(path, group, False) == ["hostA", "hostB"] and deep._node_hosts(path, group, "auto") is None
+        for deep in (False, True):
+            verifier = Verifier(verify=VerifyOptions(when="background", deep=deep), fingerprint=fingerprint)
+            assert verifier._node_hosts(path, group) == ["hostA", "hostB"]
 
     from ckptverify.ownfiles.partsplan import plan_from_names
 
@@ -1209,6 +1210,63 @@ def test_a_deep_folder_part_that_does_not_bring_each_of_its_folders_pieces_did_n
     assert "node 1 (host hostB, ranks [1])" in result.reason and f"{_SUBS[0]}/__0_1.distcp" in result.reason
 
 
+def _nonfinite(state: dict[str, Any]) -> dict[str, Any]:
+    state["w0"][:3] = float("nan")
+    state["w3"][:2] = float("inf")
+    return state
+
+
+@pytest.mark.parametrize("layout", ["dcp", "folder"])
+def test_a_deep_check_of_a_save_fingerprinted_in_parts_is_judged_against_the_manifest_written_from_them(
+        tmp_path: Path, opened_paths: list[str], layout: str) -> None:
+    import shutil
+
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.ownfiles.manifest import read_manifest
+
+    if layout == "dcp":
+        path = _plain_dcp(tmp_path / "a" / "ckpt", _nonfinite(_mixed_state()))
+    else:
+        path = _fsdp_folder(tmp_path / "a")
+        for sub in _SUBS:
+            _plain_dcp(Path(path) / sub, _nonfinite({f"w{i}": torch.randn(4096 * (i + 1)) for i in range(4)}))
+    alone = str(tmp_path / "alone")
+    shutil.copytree(path, alone)
+    assert fingerprint_checkpoint(alone, force=True, trust_uncheckable=True)[1] is not None
+    opened_paths.clear()
+    out = (_job_in_parts if layout == "dcp" else _folder_job)(path, True, opened_paths, deep=True)
+    shards = {n for n in opened_paths if n.endswith(".distcp")}
+    assert shards == {"part: __0_1.distcp", "coordinator: __0_0.distcp"}, opened_paths
+    assert out["event"] == "checkpoint-verified", out
+    assert "the digests of 1 other node(s) taken from their parts" in out["extra"]["fingerprint"], out["extra"]
+    # The manifest one process writes, and the deep check one process makes of the checkpoint with it.
+    got = _manifests(path) if layout == "folder" else {"": _without_times(read_manifest(path))}
+    want = _manifests(alone) if layout == "folder" else {"": _without_times(read_manifest(alone))}
+    assert got == want
+    whole = verify_checkpoint(path, deep=True)
+    stamp = _stamp(Path(path))
+    assert stamp["passed"] and stamp["deep"] and any(f.check == "nonfinite" for f in whole.findings)
+    written = [f for f in Report.from_dict(out["report"]).findings if f.check != "manifest-written"]
+    assert _kinds(written) == _kinds(whole.findings)
+    rebuilt = [c["count"] for c in stamp["coverage"] if c["check"] == "fingerprint"]
+    assert rebuilt == [c.count for c in whole.coverage if c.check == "fingerprint"] and rebuilt[0] >= 6, rebuilt
+
+
+def test_a_deep_check_over_a_former_save_s_manifest_fingerprints_again_and_judges_against_the_new_one(
+        tmp_path: Path) -> None:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+
+    target = tmp_path / "ckpt"
+    _plain_dcp(target, {f"w{i}": torch.zeros(4096) for i in range(6)})
+    assert fingerprint_checkpoint(str(target))[1] is not None
+    path = _plain_dcp(target, _nonfinite({f"w{i}": torch.randn(4096) for i in range(6)}))  # saved again there
+    out = _job_in_parts(path, "auto", deep=True)
+    assert out["event"] == "checkpoint-verified" and out["extra"]["fingerprint"].startswith("manifest written"), out
+    stamp = _stamp(target)
+    assert stamp["passed"] and stamp["deep"] and not [e for e in stamp["errors"] if e["check"] == "node-part-failed"]
+    assert verify_checkpoint(path, deep=True).passed
+
+
 def _deep_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed as dist
 
@@ -1251,7 +1309,7 @@ def _integration_deep_worker(rank: int, world: int, root: str) -> None:
     from ckptverify.options import VerifyOptions
 
     with _as_node(rank, root) as out:
-        for step, fingerprint in ((1, False), (2, "auto")):
+        for step, fingerprint in ((1, False), (2, "auto"), (3, True)):
             verifier = Verifier(verify=VerifyOptions(when="background", deep=True), fingerprint=fingerprint)
             path = os.path.join(root, f"step_{step}")
             state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}
@@ -1262,12 +1320,17 @@ def _integration_deep_worker(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
-def test_an_integration_s_deep_check_is_shared_out_when_it_never_fingerprints(
+def test_an_integration_s_deep_check_is_shared_out_fingerprinted_or_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+
     ranks = _two_nodes(_integration_deep_worker, tmp_path, monkeypatch, part_timeout=120)
-    assert all(r["arrived_1"] == {"1": "passed"} and r["arrived_2"] == {"2": "passed"} for r in ranks), ranks
-    shared = _stamp(tmp_path / "step_1")
-    assert shared["deep"] and [p["opened"] for p in shared["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
-    assert any(c["check"] == "fingerprint" and c["count"] == 3 for c in shared["coverage"]), shared["coverage"]
-    whole = _stamp(tmp_path / "step_2")  # "auto" may fingerprint: the coordinator verifies it whole
-    assert whole["deep"] and "parts" not in whole, whole
+    for step in (1, 2, 3):
+        assert all(r[f"arrived_{step}"] == {str(step): "passed"} for r in ranks), ranks
+        stamp = _stamp(tmp_path / f"step_{step}")
+        assert stamp["deep"] and [p["opened"] for p in stamp["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
+        assert any(c["check"] == "fingerprint" and c["count"] == 3 for c in stamp["coverage"]), stamp["coverage"]
+    # "auto" found every byte under a CRC-32: no manifest; True wrote it from both nodes' digests.
+    assert [(tmp_path / f"step_{s}" / MANIFEST_FILE).exists() for s in (1, 2, 3)] == [False, False, True]
+    notes = [e.get("fingerprint") for e in read_events(tmp_path) if e["event"] == "checkpoint-verified"]
+    assert [n for n in notes if n] and all("taken from their parts" in n for n in notes if n), notes

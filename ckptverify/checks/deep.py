@@ -18,7 +18,7 @@ from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.formats.describe import Description, Payload, TensorDesc, is_row_major, iter_payload_blocks
-from ckptverify.ownfiles.manifest import Manifest
+from ckptverify.ownfiles.manifest import Manifest, read_manifest
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError
 
@@ -219,6 +219,16 @@ class DeepPart:
         self.pieces.extend(got)
         return True
 
+
+    def reread_manifest(self) -> None:
+        """Judge against the manifest in the checkpoint now (one just written from the parts); none when it
+        cannot be read."""
+        from ckptverify.errors import ManifestError
+
+        try:
+            self.manifest = read_manifest(self.desc.root)
+        except ManifestError:
+            self.manifest = None
 
     def judge(self) -> tuple[list[Finding], int]:
         """:func:`judge_parts` of this part, every other part's pieces added: the findings and the tensors

@@ -241,7 +241,7 @@ class Verifier:
         verdict = None
         earlier = None
         fingerprint = self.fingerprint if fingerprint is None else fingerprint
-        hosts = self._node_hosts(root, group, fingerprint)
+        hosts = self._node_hosts(root, group)
         if hosts is not None and not group.coordinator:
             self._submit_part(root, step, hosts, group.rank)
         if group.coordinator:
@@ -360,18 +360,18 @@ class Verifier:
         self._emit(root, event, verdict, 0, **extra)
         return verdict
 
-    def _node_hosts(self, root: str, group: Group, fingerprint: Fingerprint) -> list[str] | None:
+    def _node_hosts(self, root: str, group: Group) -> list[str] | None:
         """The node of every rank when this background verification is shared out among nodes (every rank calls
         it): a local DCP folder (its ``.metadata`` written: the plan gives each node the ``__RANK_N.distcp``
         files of its ranks), or a folder of checkpoint files with DCP folders inside (an FSDP save by
         accelerate or transformers: each node gets its ranks' files in those, the coordinator the rest and all
-        of the folder's own files); deep only when never fingerprinted (``fingerprint=False``: each node then also
-        rebuilds the tensor pieces in its files); a group that can gather, more than one node. Else ``None``:
-        the coordinator verifies everything (a folder of other files, such as a plain ``checkpoint-N``, has no
-        per-rank split). A save that is fingerprinted (``fingerprint=True``, or
-        ``"auto"`` when it needs it) is fingerprinted in parts too, each node's shards on that node
+        of the folder's own files); a group that can gather, more than one node. Else ``None``: the coordinator
+        verifies everything (a folder of other files, such as a plain ``checkpoint-N``, has no per-rank split).
+        Each node's part also rebuilds the tensor pieces in its files with ``deep``, and digests and scans them
+        when the save is fingerprinted (``fingerprint=True``, or ``"auto"`` when it needs it): the coordinator
+        judges the pieces together and writes the manifest from the digests
         (:func:`~ckptverify.verifier.saved.saved_job`)."""
-        if not self.background or group.gather is None or "://" in root or (self.deep and fingerprint is not False):
+        if not self.background or group.gather is None or "://" in root:
             return None
         from ckptverify.ownfiles.partsplan import dcp_folders
 

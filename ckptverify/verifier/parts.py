@@ -133,7 +133,8 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
         from ckptverify.audit.verify import verify_part_deep
 
         report, scanned = verify_part_deep(root, jobs=jobs, only=frozenset(files))
-        adoption, deep = None, None if scanned is None else scanned.to_json()
+        deep = None if scanned is None else scanned.to_json()
+        report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False), report)
     else:
         report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False))
     changed = _signatures(root, files) != before
@@ -163,12 +164,14 @@ def _committed(root: str) -> bool:
     return bool(where) and "" not in where and all(committed(os.path.join(root, sub)) for sub in where)
 
 
-def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) -> tuple[Any, dict[str, Any] | None]:
-    """A node's checks of its ``files``: their verification, and, when the save is fingerprinted (the plan's
-    ``fingerprint``: ``True``; ``"auto"`` with a former save's manifest in the folder, or content of these files
-    no checksum protects), their digests and scans for the manifest
-    (:func:`~ckptverify.audit.adopt.fingerprint_files`, whose verification is then the part's). A node that
-    wrote no file reports an empty part (no findings, no bytes): the merged report counts only what was read."""
+def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
+                 checked: Any = None) -> tuple[Any, dict[str, Any] | None]:
+    """A node's checks of its ``files``: their verification (``checked``, when made already: a deep part's),
+    and, when the save is fingerprinted (the plan's ``fingerprint``: ``True``; ``"auto"`` with a former save's
+    manifest in the folder, or content of these files no checksum protects), their digests and scans for the
+    manifest (:func:`~ckptverify.audit.adopt.fingerprint_files`, whose verification, made without the manifest
+    being replaced, is then the part's). A node that wrote no file reports an empty part (no findings, no
+    bytes): the merged report counts only what was read."""
     from ckptverify.audit.adopt import fingerprint_files, fingerprint_folder_files
     from ckptverify.audit.verify import by_subfolder, needs_manifest
     from ckptverify.ownfiles.names import MANIFEST_FILE
@@ -177,7 +180,7 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) 
         from ckptverify.findings import Report
 
         empty = Report(command="verify", target=root, findings=(), stats={"bytes": 0, "files": 0, "opened": []})
-        return empty, None
+        return checked or empty, None
     folder = not os.path.isfile(os.path.join(root, ".metadata"))
     # In a folder of checkpoint files (an FSDP save by accelerate or transformers) the files are the shards of
     # its DCP folders, ``SUB/FILE``: a manifest in one of those is a former save's (the folder's own covers the
@@ -185,7 +188,7 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any) 
     manifests = [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)] if folder else [MANIFEST_FILE]
     stale = fingerprint == "auto" and any(os.path.lexists(os.path.join(root, m)) for m in manifests)
     if fingerprint is not True and not stale:
-        report = _verify(root, jobs, only=files)
+        report = checked if checked is not None else _verify(root, jobs, only=files)
         if fingerprint != "auto" or not needs_manifest(report):
             return report, None
     if folder:
@@ -314,6 +317,9 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
         if notes is not None:
             notes.append(note)
+        if scanned is not None:  # every part's pieces judged against the manifest written from them
+            scanned.reread_manifest()
+            adopted = _judged(adopted, scanned)
         # The stamp's fingerprint covers the manifest just written; the files it was taken of were checked for
         # changes by the adoption (this node's) and by the parts' signatures (the others').
         before = files_fingerprint(path)
@@ -353,7 +359,8 @@ def _judged(mine: Any, scanned: Any) -> Any:
     found, rebuilt = scanned.judge()
     return Report(command=mine.command, target=mine.target, findings=(*mine.findings, *found),
                   coverage=merge_coverage([*mine.coverage, CheckCoverage(check="fingerprint", count=rebuilt,
-                                                                         unit="tensors")]), stats=mine.stats)
+                                                                         unit="tensors")]),
+                  stats={**mine.stats, "deep": True})
 
 
 def _silent(missing: list[dict[str, Any]], wait_s: float | None) -> str:

@@ -251,8 +251,8 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
     node's files, gathers the other parts and stamps (:func:`~ckptverify.verifier.parts.stamp_parts_locked`).
     With ``fingerprint=True``, or ``"auto"`` when the checkpoint needs it (content no checksum protects, a former
     save's manifest), its manifest is written from the parts' digests and scans, each node's taken on that node.
-    With ``deep`` (shared out only when never fingerprinted), every part also rebuilt the tensor pieces in its
-    files, judged here together."""
+    With ``deep``, every part also rebuilt the tensor pieces in its files, judged here together (against the
+    manifest written from the parts, when one was)."""
     if parts:
         from ckptverify.verifier.parts import stamp_parts_locked
 
