@@ -451,16 +451,20 @@ def _plain_dcp(path: Path, state: dict[str, torch.Tensor], *, safetensors: bool 
     return str(path)
 
 
-def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None, deep: bool = False) -> dict[str, Any]:
-    """What the coordinator's verifier runs for an integration's save shared out among two nodes, node 1's part
-    having reported first (``opened``, when given, holds what each side opened: ``part: ...`` then
-    ``coordinator: ...``)."""
+def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None, deep: bool = False,
+                  nodes: list[list[str]] | None = None) -> dict[str, Any]:
+    """What the coordinator's verifier runs for an integration's save shared out among two nodes (``nodes``:
+    each one's files; by default the DCP folder's first file, then the rest), node 1's part having reported
+    first (``opened``, when given, holds what each side opened: ``part: ...`` then ``coordinator: ...``)."""
     from ckptverify.ownfiles.partsplan import make_plan, write_plan
     from ckptverify.verifier.saved import saved_job
 
-    files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
-    write_plan(path, {**make_plan(["hostA", "hostB"], [files[:1], files[1:]]), "fingerprint": fingerprint,
-                      "deep": deep})
+    if nodes is None:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+        nodes = [files[:1], files[1:]]
+    write_plan(path, {**make_plan(["hostA", "hostB"], nodes), "fingerprint": fingerprint, "deep": deep})
+    if opened is not None:
+        opened.clear()
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
     if opened is not None:
         opened[:] = [f"part: {n}" for n in opened]
@@ -849,20 +853,8 @@ def test_a_planted_plan_cannot_lead_a_part_out_of_the_folder_or_leave_its_own_fi
 
 
 def _folder_job(path: str, fingerprint: Any, opened: list[str] | None = None, deep: bool = False) -> dict[str, Any]:
-    """:func:`_job_in_parts` for a folder of checkpoint files: node 1's part reports first, then the
-    coordinator's job runs; ``opened`` as there."""
-    from ckptverify.verifier.saved import saved_job
-
-    _plan_folder(path, _folder_nodes(path), fingerprint, deep)
-    if opened is not None:
-        opened.clear()
-    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
-    if opened is not None:
-        opened[:] = [f"part: {n}" for n in opened]
-    out = saved_job(path, 4, fingerprint, 1, deep, 0.0, parts=True)
-    if opened is not None:
-        opened[:] = [n if n.startswith("part: ") else f"coordinator: {n}" for n in opened]
-    return out
+    """:func:`_job_in_parts` for a folder of checkpoint files, each node given its shards in both DCP folders."""
+    return _job_in_parts(path, fingerprint, opened, deep, nodes=_folder_nodes(path))
 
 
 def _manifests(path: str) -> dict[str, Any]:
