@@ -1259,6 +1259,24 @@ def test_a_deep_check_over_a_former_save_s_manifest_fingerprints_again_and_judge
     assert verify_checkpoint(path, deep=True).passed
 
 
+def test_a_deep_check_whose_manifest_was_refused_is_not_judged_against_a_former_save_s(tmp_path: Path) -> None:
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+
+    target = tmp_path / "ckpt"
+    _plain_dcp(target, {f"w{i}": torch.zeros(4096) for i in range(6)})
+    assert fingerprint_checkpoint(str(target))[1] is not None
+    path = _plain_dcp(target, {f"w{i}": torch.randn(4096) for i in range(6)})  # saved again there
+    on_node_1 = next(i.fqn for i in inj.tensor_zip_items(path) if i.file == "__0_1.distcp")
+    inj.flip_in_tensor_payload(path, on_node_1)
+    out = _job_in_parts(path, True, deep=True)
+    assert out["event"] == "checkpoint-failed" and out["extra"]["fingerprint"].startswith("no manifest"), out
+    stamp = _stamp(target)
+    assert stamp["deep"] and any(e["check"] == "node-part-failed" for e in stamp["errors"]), stamp["errors"]
+    # The pieces of every tensor were judged against no manifest: the former save's zeros are not "what was in
+    # memory at save time", so no tensor is said to differ from them.
+    assert not [e for e in stamp["errors"] if e["check"] == "fingerprint"], stamp["errors"]
+
+
 def _deep_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed as dist
 

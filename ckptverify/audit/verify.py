@@ -207,9 +207,9 @@ class FolderDeepPart:
             return False
         return all(self.parts[sub].add_json(got[sub], mine[sub]) for sub in sorted(got))
 
-    def reread_manifest(self) -> None:
+    def use_manifest(self, written: bool) -> None:
         for part in self.parts.values():
-            part.reread_manifest()
+            part.use_manifest(written)
 
     def judge(self) -> tuple[list[Finding], int]:
         """Each DCP sub-folder's pieces judged together (its findings named ``SUB/FILE``), and the tensors

@@ -220,13 +220,14 @@ class DeepPart:
         return True
 
 
-    def reread_manifest(self) -> None:
-        """Judge against the manifest in the checkpoint now (one just written from the parts); none when it
-        cannot be read."""
+    def use_manifest(self, written: bool) -> None:
+        """Judge against the manifest just written from the parts (``written``: read from the checkpoint now;
+        none when it cannot be read), or, when none was written, against none: a former save's manifest left in
+        the folder no longer describes it."""
         from ckptverify.errors import ManifestError
 
         try:
-            self.manifest = read_manifest(self.desc.root)
+            self.manifest = read_manifest(self.desc.root) if written else None
         except ManifestError:
             self.manifest = None
 

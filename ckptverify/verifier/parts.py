@@ -310,15 +310,15 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             return unverified(path, step, "error", _silent(missing, wait_s))
         try:
             with pacing(throttle):
-                adopted, note = _adopt(path, jobs, reports, read_all=adopt is True)
+                adopted, note, written = _adopt(path, jobs, reports, read_all=adopt is True)
         except (FileNotFoundError, CheckpointNotFoundError):
             return unverified(path, step, "deleted", gone)
         except OSError as exc:
             return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
         if notes is not None:
             notes.append(note)
-        if scanned is not None:  # every part's pieces judged against the manifest written from them
-            scanned.reread_manifest()
+        if scanned is not None:  # every part's pieces judged against the manifest written from them (or none)
+            scanned.use_manifest(written)
             adopted = _judged(adopted, scanned)
         # The stamp's fingerprint covers the manifest just written; the files it was taken of were checked for
         # changes by the adoption (this node's) and by the parts' signatures (the others').
@@ -401,11 +401,12 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
 
 
 def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
-           read_all: bool = True) -> tuple[Any, str]:
+           read_all: bool = True) -> tuple[Any, str, bool]:
     """The checkpoint's manifest written from the parts' digests and scans (those that brought them: the files
     of the others are read here); the whole checkpoint read here when they cannot be merged. Returns the
     adoption's report (the verification of every file; a refusal to write the manifest is said by the findings
-    that caused it) and what writing the manifest did. A folder of checkpoint files: :func:`_adopt_folder`."""
+    that caused it), what writing the manifest did, and whether it was written. A folder of checkpoint files:
+    :func:`_adopt_folder`."""
     from ckptverify.audit.adopt import AdoptionPart, fingerprint_checkpoint
     from ckptverify.errors import PartsOverlapError
 
@@ -424,9 +425,9 @@ def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=[])
         how = f"read whole here: {exc}"
     if manifest is None:
-        return _refusal(report)
+        return (*_refusal(report), False)
     return report, (f"manifest written: {len(manifest.files)} files, {len(manifest.items)} items, "
-                    f"{len(manifest.tensors)} tensors; {how}")
+                    f"{len(manifest.tensors)} tensors; {how}"), True
 
 
 def _refusal(report: Any) -> tuple[Any, str]:
@@ -441,7 +442,7 @@ def _refusal(report: Any) -> tuple[Any, str]:
 
 
 def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
-                  read_all: bool) -> tuple[Any, str]:
+                  read_all: bool) -> tuple[Any, str, bool]:
     """:func:`_adopt` of a folder of checkpoint files whose DCP folders several nodes wrote
     (:func:`~ckptverify.audit.adopt.fingerprint_folder_parts`): each DCP folder's manifest from the digests its
     nodes' parts brought (``{"folders": {SUB: part}}``), the folder's own from its files, read here. The shards
@@ -478,7 +479,7 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
                                                                trust_uncheckable=True)
         elsewhere, overlap = every, exc
     if manifest is None:
-        return _refusal(report)
+        return (*_refusal(report), False)
     adopted = len(report.stats.get("parts") or []) - len(unwritten)
     said = [f"manifest written: {len(manifest.files)} files at the top"]
     if adopted:
@@ -492,7 +493,7 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
                     "that wrote them")
     if overlap is not None:
         said.append(f"read whole here: {overlap}")
-    return report, "; ".join(said)
+    return report, "; ".join(said), True
 
 
 def _tidy_parts(root: str, nodes: list[int]) -> None:
