@@ -10,6 +10,7 @@ it writes only ``ckptverify.manifest.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import re
@@ -815,25 +816,19 @@ def fingerprint_folder_files(path: str | os.PathLike[str], only: frozenset[str],
     DCP folder or a file at its top, are ignored: those files are the coordinator's). Returns the verification
     of those shards as the folder's (files as ``SUB/FILE``, ``stats["opened"]`` what was opened) and the part of
     each DCP folder. Writes nothing."""
-    from ckptverify.audit.verify import _dcp_subfolders, _under, by_subfolder
+    from ckptverify.audit.verify import each_shard_folder
 
     root = os.fspath(path)
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
-    mine = by_subfolder(only)
-    got: dict[str, AdoptionPart] = {}
-    reports: list[Report] = []
-    for sub in _dcp_subfolders(root):  # only these: a name cannot lead a part out of the folder
-        if sub in mine:
-            part = fingerprint_files(os.path.join(root, sub), mine[sub], jobs=jobs, digest=digest,
-                                     block_bytes=block_bytes)
-            got[sub] = part
-            reports.append(Report(command="fingerprint", target=root, findings=tuple(_under(sub, part.report.findings)),
-                                  coverage=part.report.coverage, stats=part.report.stats))
-    report = merge_reports("fingerprint", root, reports)
-    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "format": "folder",
-                         "opened": sorted(f"{sub}/{n}" for sub, p in got.items() for n in p.only)})
+
+    def run(where: str, names: frozenset[str]) -> tuple[Report, AdoptionPart]:
+        part = fingerprint_files(where, names, jobs=jobs, digest=digest, block_bytes=block_bytes)
+        return dataclasses.replace(part.report, stats={**part.report.stats, "opened": sorted(part.only)}), part
+
+    report, got = each_shard_folder(root, only, "fingerprint", run)
+    report.stats["seconds"] = round(time.perf_counter() - started, 6)
     return report, got
 
 

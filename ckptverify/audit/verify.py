@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckptverify.checks.dcp_pipeline import (
@@ -34,6 +35,7 @@ from ckptverify.safeparse import paths
 # Re-exported: callers import these from here (the public face of ``verify``).
 __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
            "ProgressSink", "VerificationRun", "by_subfolder", "cap_findings", "changed_finding", "default_jobs",
+           "each_shard_folder",
            "fail_uncheckable", "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part",
            "verify_part_deep"]
 
@@ -165,23 +167,34 @@ def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip:
     (every file at its top, every sub-folder's whole-checkpoint checks) but those files. Files at the top are
     always the ``skip`` side's: a part given one checks nothing of it, so nothing goes unchecked. Findings and
     ``stats["opened"]`` name files as ``SUB/FILE``; the deep scan is one per DCP sub-folder."""
-    by_sub = by_subfolder(only if only is not None else skip)
     if only is None:
-        return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_sub)
+        return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_subfolder(skip))
+    report, scanned = each_shard_folder(root, only, "verify", lambda where, names: _part(
+        where, jobs, names, frozenset(), use_manifest, deep=deep))
+    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "deep": deep})
+    return report, _folder_deep(deep, scanned)
+
+
+def each_shard_folder(root: str, only: frozenset[str], command: str,
+                      run: Callable[[str, frozenset[str]], tuple[Report, Any]]) -> tuple[Report, dict[str, Any]]:
+    """A node's part of a folder of checkpoint files whose DCP sub-folders several nodes wrote: ``run(SUB_PATH,
+    FILES)`` on each DCP sub-folder of ``root`` that ``only`` (names ``SUB/FILE``) gives files in; names that
+    lead out of the folder, or name no DCP sub-folder or a file at its top, are ignored. Returns the reports
+    merged as the folder's (findings and ``stats["opened"]`` naming ``SUB/FILE``; ``stats["format"]``
+    ``"folder"``) and what ``run`` gave besides, by sub-folder."""
     from ckptverify.findings import merge_reports
 
+    by_sub = by_subfolder(only)
     reports = []
-    scanned: dict[str, Any] = {}
+    got: dict[str, Any] = {}
     for sub in _dcp_subfolders(root):  # only these: a name cannot lead a part out of the folder
         if sub in by_sub:
-            got, scanned[sub] = _part(os.path.join(root, sub), jobs, by_sub[sub], frozenset(), use_manifest,
-                                      deep=deep)
-            reports.append(dataclasses.replace(got, findings=tuple(_under(sub, got.findings)), stats={
-                **got.stats, "opened": [f"{sub}/{n}" for n in got.stats.get("opened") or []]}))
-    report = merge_reports("verify", root, reports)
-    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "format": "folder", "deep": deep,
-                         "opened": sorted(n for r in reports for n in r.stats["opened"])})
-    return report, _folder_deep(deep, scanned)
+            report, got[sub] = run(os.path.join(root, sub), by_sub[sub])
+            reports.append(dataclasses.replace(report, findings=tuple(_under(sub, report.findings)), stats={
+                **report.stats, "opened": [f"{sub}/{n}" for n in report.stats.get("opened") or []]}))
+    merged = merge_reports(command, root, reports)
+    merged.stats.update({"format": "folder", "opened": sorted(n for r in reports for n in r.stats["opened"])})
+    return merged, got
 
 
 @dataclasses.dataclass
