@@ -184,11 +184,21 @@ def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.Pat
     return out
 
 
-def _plain(state: Any) -> dict[str, Any]:
+def _plain(state: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
     """A :class:`~ckptverify.state.train_state.TrainState` is saved as its state dict (flat names
-    ``model.*``, ``optim.*``, ...); a dict as is."""
-    from ckptverify.state.train_state import TrainState
+    ``model.*``, ``optim.*``, ...); a dict as is. A model (the TrainState's, or a module among the dict's
+    values) whose parameters hold accumulated gradients is warned about: the checkpoint does not save them."""
+    import torch
 
+    from ckptverify.state.train_state import TrainState, pending_gradients_warning
+
+    if isinstance(state, TrainState):
+        model: Any = state.model
+    else:
+        model = [v for v in state.values() if isinstance(v, torch.nn.Module)] if isinstance(state, dict) else None
+    text = pending_gradients_warning(model, f"the checkpoint {os.fspath(path)}") if model else None
+    if text is not None:
+        warnings.warn(text, UserWarning, stacklevel=3)
     return state.state_dict() if isinstance(state, TrainState) else state
 
 
@@ -423,7 +433,7 @@ def save(
 
     options = _verify_options("save", verify, dcp_kwargs, on_verified, events)
     step = _step(state_dict, path)
-    state_dict = _plain(state_dict)
+    state_dict = _plain(state_dict, path)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, SAVE_KWARGS)
     no_dist = bool(save_kw.get("no_dist"))
     _raise_earlier_failures(options, process_group, no_dist)
@@ -471,7 +481,7 @@ def async_save(
 
     options = _verify_options("async_save", verify, dcp_kwargs, on_verified, events)
     step = _step(state_dict, path)
-    state_dict = _plain(state_dict)
+    state_dict = _plain(state_dict, path)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS)
     no_dist = bool(save_kw.get("no_dist"))
     _raise_earlier_failures(options, process_group, no_dist)

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CAUSE_KINDS", "REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "Runs",
-           "buffer_cause", "hparam_start_cause", "rng_cause", "rng_sentence", "show", "step_hparam_cause",
+           "buffer_cause", "hparam_start_cause", "on_ranks", "rng_cause", "rng_sentence", "show", "step_hparam_cause",
            "step_hparam_what", "values_in"]
 
 #: Verdict kinds for a difference that came with the step's inputs (none of them is about hardware).
-CAUSE_KINDS = ("restore-mismatch", "rng", "changed-after-restore", "changed-after-save", "scheduler", "data",
-               "hidden-state", "unregistered-state")
+CAUSE_KINDS = ("restore-mismatch", "accumulated-gradients", "rng", "changed-after-restore", "changed-after-save",
+               "scheduler", "data", "hidden-state", "unregistered-state")
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,20 @@ def rng_cause(runs: Runs, *, a_moved: list[str], b_moved: list[str], first_step:
             "register every generator the job draws from in TrainState(generators=...)")
 
 
-def rng_sentence(names: str, *, when: str, step: int, rank: int | None, cause: str, between: str = "") -> str:
-    """Random streams ``names`` differ when a step begins: the cause, and what follows from it."""
-    return (f"random stream {names} differs{between} when {when} begins (step {step}, rank {rank}): {cause}; the "
+def on_ranks(rank: int | str | None) -> str:
+    """Where, in a sentence: ``rank 1`` for one rank, the text itself for a description of several (``ranks 0,
+    1``), nothing when no rank is singled out."""
+    if rank is None:
+        return ""
+    return f"rank {rank}" if isinstance(rank, int) else rank
+
+
+def rng_sentence(names: str, *, when: str, step: int, rank: int | str | None, cause: str,
+                 between: str = "") -> str:
+    """Random streams ``names`` differ when a step begins: the cause, and what follows from it. ``rank``: see
+    :func:`on_ranks`."""
+    where = ", ".join(x for x in (f"step {step}", on_ranks(rank)) if x)
+    return (f"random stream {names} differs{between} when {when} begins ({where}): {cause}; the "
             "batch and values computed from it differ as a consequence")
 
 
@@ -126,9 +137,10 @@ def step_hparam_cause(unsaved: list[str]) -> tuple[str, str]:
             "compute it from run.step (restored with the checkpoint), or register the scheduler")
 
 
-def buffer_cause(runs: Runs, *, name: str, when: str, rank: int | None) -> tuple[str, str]:
+def buffer_cause(runs: Runs, *, name: str, when: str, rank: int | str | None) -> tuple[str, str]:
     """A buffer registered with ``persistent=False`` (``name``, without ``buffer.``) differs: the sentence and
     the advice."""
-    return (f"buffer {name} differs at {when} (rank {rank}); it is registered with persistent=False, so no "
+    where = f" ({on_ranks(rank)})" if rank is not None else ""
+    return (f"buffer {name} differs at {when}{where}; it is registered with persistent=False, so no "
             f"checkpoint holds it, and {runs.restored} starts it afresh while {runs.saved} carried it on",
             f"register {name} as a persistent buffer, or recompute it from saved state")

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.findings import Finding, Location, error
+from ckptverify.findings import Finding, Location, error, warning
 from ckptverify.resume.run import RunConfig, checkpoint_path
 
 if TYPE_CHECKING:
@@ -110,6 +110,11 @@ class Evidence:
 
     unsaved_schedulers: tuple[str, ...] = ()
     unregistered: tuple[Mapping[str, str], ...] = ()
+    #: Registered objects a run rebuilt after ``run.restore`` (``name``, ``field``, ``type``, ``run``, ``rank``).
+    replaced: tuple[Mapping[str, Any], ...] = ()
+    #: A saved the checkpoint B resumes from while parameters held accumulated gradients (``rank``, ``count``,
+    #: ``names``; one entry per rank).
+    pending_gradients: tuple[Mapping[str, Any], ...] = ()
     missing_optimizer: str | None = None
     restore: tuple[Finding, ...] = ()
     nondeterminism: FirstDivergence | None = None
@@ -139,6 +144,15 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
                              "unregistered": tuple(_unregistered(notes_a)),
                              "missing_optimizer": notes_a.get(0, {}).get("missing_optimizer")}
     findings.extend(_forgotten_findings(found["unregistered"], found["missing_optimizer"]))
+    replaced = [{**r, "run": name, "rank": rank} for name, config in configs.items()
+                for rank, notes in sorted(_read_notes(config).items()) for r in notes.get("replaced", []) or []]
+    found["replaced"] = tuple(replaced)
+    found["pending_gradients"] = tuple({**p, "rank": rank} for rank, notes in sorted(_read_notes(configs["A"]).items())
+                                       for p in notes.get("pending_gradients", []) or [] if p.get("step") == K)
+    findings.extend(warning("replaced-after-restore", f"[{r['run']}] {r['name']} ({r['type']}) was rebuilt after "
+                            f"run.restore() on rank {r['rank']}: the TrainState saves and restores the "
+                            f"{r['registered_type']} registered as {r['field']}, not the one the loop uses",
+                            location=Location(rank=r["rank"], fqn=r["name"]), actual=dict(r)) for r in replaced)
     # (a) restored state vs saved state
     if "B" in configs:
         restore: list[Finding] = []
@@ -220,7 +234,7 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
     """Compare what the training function holds outside the TrainState at the end of A and B (and A2).
     Findings: errors when the runs otherwise agree; info lines (a possible consequence) when an ``earlier``
     comparison already failed."""
-    from ckptverify.findings import info, warning
+    from ckptverify.findings import info
     from ckptverify.resume.unregistered import compare_held, read_held
 
     held = {name: read_held(c.trace_dir) for name, c in configs.items()}
@@ -265,8 +279,6 @@ def _held_gaps(held: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
 
 def _forgotten_findings(unregistered: tuple[Mapping[str, str], ...], missing_optimizer: str | None
                         ) -> list[Finding]:
-    from ckptverify.findings import warning
-
     out = [warning("unregistered-state", f"{u['name']} ({u['type']}: {u['kind']}) is not in the TrainState: a "
                    "resume does not save or restore it", location=Location(fqn=u["name"]), actual=dict(u))
            for u in unregistered]

@@ -48,13 +48,14 @@ from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 
 __all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
-           "skipped", "state_origin", "walk"]
+           "receiver_entries", "skipped", "state_origin", "walk"]
 
 #: Repeats per side when the caller does not say (``--locate-repeats``).
 DEFAULT_REPEATS = 2
 
 #: Verdict kinds whose cause is in what the step starts from: named as origin kind ``"state"``, no re-run.
-STATE_KINDS = ("restore-mismatch", "rng", "changed-after-restore", "changed-after-save", "scheduler", "data")
+STATE_KINDS = ("restore-mismatch", "accumulated-gradients", "rng", "changed-after-restore", "changed-after-save",
+               "scheduler", "data")
 
 #: Verdict kinds whose step is re-run at level ``op``: the difference is computed within the step.
 WALK_KINDS = ("nondeterministic", "hidden-state", "unregistered-state", "diverged", "effect", "beyond-variation")
@@ -152,17 +153,37 @@ class Walked:
         return []
 
 
-def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None) -> Walked:
+def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None, divergence: Any = None
+                 ) -> Walked:
     """The origin of a divergence whose cause is in the state a step starts from (verdict ``kind`` in
     :data:`STATE_KINDS`): origin kind ``"state"`` at ``site`` (the restored field, the random stream, the
-    hyperparameter, the batch), with no re-run."""
+    hyperparameter, the batch), with no re-run. ``divergence``: the job's first divergence
+    (:func:`ckptverify.trace.compare.first_divergence`), whose ranks that only received the difference through
+    a collective are listed as receivers."""
+    origins = getattr(divergence, "origin_ranks", None) or ()
     origin = {"kind": "state", "rank": rank, "step": step, "phase": None, "module": None, "op": None,
-              "occurrence": None, "repeats_differing": None, "site": site}
-    where = f" on rank {rank}" if rank is not None else ""
+              "occurrence": None, "repeats_differing": None, "site": site,
+              "ranks": list(origins) if origins else ([rank] if rank is not None else [])}
+    receivers = receiver_entries(divergence)
+    where = (f" on rank {rank}" if rank is not None else
+             f" on ranks {', '.join(map(str, origins))}, each on its own" if len(origins) > 1 else "")
     at = f"step {step}" if step is not None else "the restore"
     sentence = (f"The difference is born in the state {at} starts from ({site or kind}{where}), before any op of "
                 "the step runs: the op walk is not needed.")
-    return Walked(status="state", sentence=sentence, origin=origin, step=step)
+    return Walked(status="state", sentence=sentence, origin=origin, receivers=receivers, step=step)
+
+
+def receiver_entries(divergence: Any) -> tuple[dict[str, Any], ...]:
+    """The ranks of the job's first divergence (:func:`ckptverify.trace.compare.first_divergence`) that only
+    received the difference through a collective, in the JSON shape of ``stats.verdict.receivers``: at the
+    trace's level the collective is not singled out (``op``, ``group`` and ``seq`` are ``None``), the senders
+    are the ranks where it is born."""
+    origins = list(getattr(divergence, "origin_ranks", None) or ())
+    if not origins:
+        return ()
+    return tuple({"rank": r, "step": getattr(divergence, "step", None), "op": None,
+                  "via": {"collective": None, "group": None, "seq": None, "senders": origins}}
+                 for r in (getattr(divergence, "receiver_ranks", None) or ()))
 
 
 def skipped(reason: str, *, step: int | None = None) -> Walked:
@@ -323,8 +344,10 @@ def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any
     ``B``); ``plan``: its :class:`~ckptverify.resume.harness.Plan` (``locate_repeats``)."""
     kind = verdict.kind
     if kind in STATE_KINDS:
-        step = plan.resume_at if kind == "restore-mismatch" else verdict.step
-        return state_origin(kind=kind, step=step, rank=verdict.rank, site=verdict.site)
+        # A restored field that differs is in the state the first resumed step starts from.
+        step = plan.resume_at + 1 if kind == "restore-mismatch" else verdict.step
+        return state_origin(kind=kind, step=step, rank=verdict.rank, site=verdict.site,
+                            divergence=None if kind == "restore-mismatch" else getattr(evidence, "resume", None))
     if kind not in WALK_KINDS or verdict.step is None or verdict.category in ("final", "held-state"):
         return skipped("the verdict names no traced step whose computation differs (it is in "
                        f"{verdict.category or kind}), so there is no step to re-run at level op", step=verdict.step)

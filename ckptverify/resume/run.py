@@ -131,6 +131,10 @@ class Run:
         self._rank, self._world = rank_world(env_fallback=True)
         #: The frame of the function that called ``restore`` (under the harness), until ``close``.
         self._held_frame: Any = None
+        #: Until the first ``record``: that frame and its variables naming registered objects at the restore
+        #: (to tell whether one was rebuilt after it), and the notes written at the restore.
+        self._bindings: Any = None
+        self._notes: dict[str, Any] = {}
 
     @classmethod
     def from_env(cls, *, steps: int | None = None) -> Run:
@@ -264,12 +268,15 @@ class Run:
             raise UsageError(f"run.restore() takes a TrainState, got {type(state).__name__}")
         self.state = state
         notes: dict[str, Any] = {"unsaved_schedulers": unsaved_schedulers(state)}
-        if self.config.trace_dir:
-            import sys
+        import sys
 
+        from ckptverify.resume.unregistered import registered_bindings
+
+        caller = sys._getframe(1)
+        self._bindings = (caller, registered_bindings(caller.f_locals, state))
+        if self.config.trace_dir:
             from ckptverify.resume.unregistered import find_unregistered, missing_optimizer
 
-            caller = sys._getframe(1)
             notes["unregistered"] = [u.to_dict() for u in find_unregistered(caller.f_locals, state)]
             if self._production is None:
                 # Kept to the end of the run (a frame keeps its locals after the function returns): what the
@@ -304,6 +311,7 @@ class Run:
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
             notes["restored"] = _start_values(state)
         self._p.step = state.counters.step
+        self._notes = notes
         self._write_json(f"notes-rank{self._rank}.json", notes)
         if self._production is not None:
             # Before the trace attaches its hooks: a planted fault must precede the trace's view of the step,
@@ -311,14 +319,22 @@ class Run:
             self._production.began(state, self._p.restored_from)
         self._open_trace()
 
-    def steps(self, loader: Iterable[Any] | None = None) -> Iterator[Any]:
+    def steps(self, loader: Iterable[Any] | None = None, *, micro_batches: int = 1) -> Iterator[Any]:
         """Yield batches from ``loader`` (or step numbers without one) until the stop step.
 
+        ``micro_batches=K`` (gradient accumulation): each item is a list of the ``K`` batches one optimizer
+        step trains on, so a step (and a save) always falls on an optimizer-step boundary; pass the list to
+        ``run.record(batch=...)``. A loader that ends within a step ends the run before that step.
         With a built-in ``ResumableSampler`` the consumed position is tracked; after resuming, the random
         streams are put back once the loader's iterator exists (creating it draws a base seed).
         """
         from ckptverify.state.dataloader import find_resumable_sampler
 
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise UsageError(f"run.steps(micro_batches=...) takes a whole number of at least 1, got {micro_batches!r}")
+        if micro_batches > 1 and loader is None:
+            raise UsageError("run.steps(micro_batches=...) needs the loader whose batches it groups: "
+                             "run.steps(loader, micro_batches=K)")
         stop = self.config.stop_step
         registered = self.state.dataloader if self.state is not None else None
         # The sampler whose last handed-out batch the trace records (``data.indices``): the iterated loader's,
@@ -345,7 +361,11 @@ class Run:
         while stop is None or self._p.step < stop:
             if self._pending:
                 raise UsageError("call run.record(...) once at the end of every step")
-            item = next(it, _END)
+            if micro_batches == 1:
+                item = next(it, _END)
+            else:
+                group = [b for b in (next(it, _END) for _ in range(micro_batches)) if b is not _END]
+                item = group if len(group) == micro_batches else _END
             if item is _END:
                 return
             self._pending = True
@@ -362,6 +382,8 @@ class Run:
         if not getattr(self, "_pending", False):
             raise UsageError("run.record() must be called once per step yielded by run.steps()")
         self._pending = False
+        if self._bindings is not None:
+            self._check_replaced()
         self._p.step += 1
         if self.state is not None:
             self.state.counters.step = self._p.step
@@ -418,6 +440,29 @@ class Run:
 
     # ------------------------------------------------------------------ internals
 
+    def _check_replaced(self) -> None:
+        """At the end of the first step: a registered object that the training function rebuilt after
+        ``run.restore`` (the loop steps the new one; checkpoints save and restore the old one) is warned about,
+        and noted for the harness (``replaced`` in ``notes-rank<r>.json``)."""
+        import warnings
+
+        from ckptverify.resume.unregistered import replaced_objects
+
+        (frame, bindings), self._bindings = self._bindings, None
+        try:
+            replaced = replaced_objects(bindings, frame.f_locals, self.state)
+        finally:
+            del frame
+        if not replaced:
+            return
+        for r in replaced:
+            warnings.warn(f"ckptverify: {r['name']} ({r['type']}) was rebuilt after run.restore(): the TrainState "
+                          f"saves and restores the {r['registered_type']} it was given as {r['field']}, not the "
+                          f"one the loop uses; build it before run.restore(state), or register the new one",
+                          stacklevel=3)
+        self._notes["replaced"] = [{**r, "step": self._p.step + 1} for r in replaced]
+        self._write_json(f"notes-rank{self._rank}.json", self._notes)
+
     def _write_held(self, frame: Any) -> None:
         """``held-rank<r>.json``: fingerprints of what the function that called ``restore`` holds at the end of
         the run outside the ``TrainState`` (:func:`~ckptverify.resume.unregistered.held_state`). A failure to
@@ -445,6 +490,15 @@ class Run:
                                  f"the checkpoint of step {self._p.step}: leave destroy_process_group() to the "
                                  "harness (or call it only after the last run.record)")
         path = checkpoint_path(self.config.checkpoint_dir, self._p.step)
+        if self.state.model is not None and self.config.trace_dir:
+            from ckptverify.state.train_state import pending_gradients
+
+            # `save` warns about them; the harness is told too, to name them as the cause of a divergence.
+            names, count = pending_gradients(self.state.model)
+            if count:
+                self._notes.setdefault("pending_gradients", []).append(
+                    {"step": self._p.step, "count": count, "names": names})
+                self._write_json(f"notes-rank{self._rank}.json", self._notes)
         if self._recorder is not None:
             self._recorder.flush()
         if self._production is not None:

@@ -27,7 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Unregistered", "compare_held", "find_unregistered", "held_state", "missing_optimizer", "read_held"]
+__all__ = ["Unregistered", "compare_held", "find_unregistered", "held_state", "missing_optimizer", "read_held",
+           "registered_bindings", "replaced_objects"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,11 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
     loader = state.dataloader
     if loader is not None:
         ids.add(id(loader))
+        dataset = getattr(loader, "dataset", None)
+        if dataset is not None and _saves_dataset(loader):
+            # torchdata's StatefulDataLoader saves its dataset's state_dict (in each worker, where the copy
+            # that moves lives; the main process's copy never moves): the dataset is covered.
+            ids.add(id(dataset))
         for attr in ("sampler", "batch_sampler", "generator"):
             part = getattr(loader, attr, None)
             if part is not None:
@@ -97,6 +103,13 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
                 if inner is not None:
                     ids.add(id(inner))
     return ids, modules
+
+
+def _saves_dataset(loader: Any) -> bool:
+    """Whether ``loader`` saves its dataset's own state with its state_dict (torchdata's StatefulDataLoader
+    does, for a dataset with ``state_dict``/``load_state_dict``)."""
+    return any(c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.")
+               for c in type(loader).__mro__)
 
 
 def _wraps_registered(obj: Any, modules: list[Any]) -> bool:
@@ -150,6 +163,48 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregis
             for attr, value in vars(module).items():
                 if not attr.startswith("_") and not isinstance(value, bool | int | float | str):
                     visit(".".join(p for p in ("model", mod_name, attr) if p), value)
+    return out
+
+
+def registered_bindings(local_vars: Mapping[str, Any], state: Any) -> dict[str, tuple[int, str, str]]:
+    """The local variables that name an object ``state`` registers: ``{name: (id, TrainState field, type)}``
+    (``model``, ``optimizer``, ``scheduler``, ``dataloader``, ``scaler``, ``extras['key']``). Taken at
+    ``run.restore``, so that :func:`replaced_objects` can tell later that a name was bound to a new object."""
+    fields: dict[int, str] = {}
+    if state.model is not None:
+        fields[id(state.model)] = "model"
+    for obj in state.optimizers:
+        fields[id(obj)] = "optimizer"
+    for obj in state.schedulers:
+        fields[id(obj)] = "scheduler"
+    if state.dataloader is not None:
+        fields[id(state.dataloader)] = "dataloader"
+    if state.scaler is not None:
+        fields[id(state.scaler)] = "scaler"
+    for key, obj in state.extras.items():
+        fields.setdefault(id(obj), f"extras[{key!r}]")
+    out: dict[str, tuple[int, str, str]] = {}
+    for name, obj in local_vars.items():
+        if not name.startswith("_") and id(obj) in fields:
+            out[name] = (id(obj), fields[id(obj)], type(obj).__name__)
+    return out
+
+
+def replaced_objects(bindings: Mapping[str, tuple[int, str, str]], local_vars: Mapping[str, Any], state: Any
+                     ) -> list[dict[str, str]]:
+    """Variables that named a registered object at ``run.restore`` and now name another object of the same
+    kind that ``state`` does not hold (a scheduler, optimizer, loader or model rebuilt after the restore: the
+    loop uses the new one, the checkpoint saves and restores the old one). Each: ``name``, ``field``,
+    ``type``."""
+    ids, _ = _registered(state)
+    out: list[dict[str, str]] = []
+    for name, (oid, field, type_name) in bindings.items():
+        now = local_vars.get(name)
+        if now is None or id(now) == oid or id(now) in ids:
+            continue
+        if _kind(now) is None:
+            continue  # the name was reused for something else, not a rebuilt object
+        out.append({"name": name, "field": field, "type": type(now).__name__, "registered_type": type_name})
     return out
 
 

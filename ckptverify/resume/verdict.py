@@ -36,13 +36,14 @@ prints :meth:`Verdict.headline` as its last line. :func:`decide` reads the typed
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.findings import Finding, Location, Severity
 from ckptverify.resume import causes
 from ckptverify.resume.causes import RESUME
 from ckptverify.resume.compare import Evidence, StepEvidence
+from ckptverify.resume.locate import receiver_entries
 
 if TYPE_CHECKING:
     from ckptverify.resume.locate import Walked
@@ -61,6 +62,9 @@ class Verdict:
     advice: str = ""
     #: The walk down the ladder (:mod:`ckptverify.resume.locate`), ``None`` when it did not run.
     located: Walked | None = None
+    #: The ranks that only received the difference through a collective, as the traces tell (the walk's
+    #: receivers, when it found any, replace them in ``to_dict``).
+    receivers: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -77,7 +81,8 @@ class Verdict:
                 "site": self.site, "category": self.category, "origin_module": self.origin,
                 "advice": self.advice,
                 "origin": dict(loc.origin) if loc is not None and loc.origin is not None else None,
-                "receivers": [dict(r) for r in loc.receivers] if loc is not None else [],
+                "receivers": [dict(r) for r in (loc.receivers if loc is not None and loc.receivers
+                                                 else self.receivers)],
                 "locate": loc.to_dict() if loc is not None else None}
 
     def _said(self) -> str:
@@ -106,11 +111,70 @@ def _get(div: Any, name: str) -> Any:
     return getattr(div, name, None) if div is not None else None
 
 
+def origin_rank(div: Any) -> int | None:
+    """The one rank the traces single out as where ``div`` is born, else ``None`` (several ranks are origins on
+    their own, or every differing rank differs only in values a collective wrote)."""
+    if div is None:
+        return None
+    origins = getattr(div, "origin_ranks", None)
+    if origins is None:  # one rank's own divergence: not judged across ranks
+        return _get(div, "rank")
+    return origins[0] if len(origins) == 1 else None
+
+
+def ranks_said(div: Any) -> str | None:
+    """Where ``div`` is born, for a sentence: ``rank 1``, ``ranks 0, 1 (each on its own)``, or (nothing
+    singles one out) ``ranks 0, 1 (which one it is born on cannot be told)``; ``None`` without a rank."""
+    one = origin_rank(div)
+    if one is not None:
+        return f"rank {one}"
+    origins = getattr(div, "origin_ranks", None) or ()
+    if len(origins) > 1:
+        return f"ranks {', '.join(map(str, origins))} (each on its own)"
+    if _get(div, "rank") is None:
+        return None
+    return f"rank {_get(div, 'rank')} and others (which rank it is born on cannot be told)"
+
+
+def receivers_said(div: Any) -> str:
+    """A sentence naming the ranks that differ only through a collective (``""`` when none)."""
+    receivers = getattr(div, "receiver_ranks", None) or ()
+    origins = getattr(div, "origin_ranks", None) or ()
+    if not receivers or not origins:
+        return ""
+    many = len(receivers) > 1
+    src = ", ".join(map(str, origins))
+    return (f" Rank{'s' if many else ''} {', '.join(map(str, receivers))} differ{'' if many else 's'} only in values "
+            f"a collective carried from rank{'s' if len(origins) > 1 else ''} {src} (gradients, parameters, "
+            f"optimizer state, metrics computed after the reduction): {'receivers' if many else 'a receiver'}, not "
+            "where it is born.")
+
+
+def _undetermined(div: Any) -> str:
+    """What would tell the rank, when the traces do not (several ranks differ, only downstream of a
+    collective)."""
+    if div is None or getattr(div, "origin_ranks", None) != ():
+        return ""
+    return (" Every differing rank differs only in values a collective wrote, so the rank it is born on cannot be "
+            "told from this trace; --level module records each rank's own activations and input gradients, which "
+            "tell.")
+
+
+def _site(div: Any) -> str | None:
+    """The site a verdict names: on several ranks, the origin rank's first difference of its own (its loss
+    rather than a gradient norm taken after the reduction, which comes first in the row), else the first
+    differing site."""
+    own = _get(div, "own_site")
+    several = bool(getattr(div, "receiver_ranks", None)) or len(getattr(div, "origin_ranks", None) or ()) > 1
+    return own if own and several else _get(div, "site")
+
+
 def _where(div: Any) -> str:
     parts = [f"step {_get(div, 'step')}"]
-    if _get(div, "rank") is not None:
-        parts.append(f"rank {_get(div, 'rank')}")
-    site = _get(div, "site")
+    said = ranks_said(div)
+    if said:
+        parts.append(said)
+    site = _site(div)
     if site:
         parts.append(f"first at {site}")
     origin = _get(div, "origin")
@@ -138,21 +202,30 @@ def decide(plan: Any, evidence: Evidence) -> Verdict:
     forgotten = _forgotten(evidence.unregistered, evidence.missing_optimizer)
     if restore:
         f = restore[0]
+        ranks = sorted({x.location.rank for x in restore if x.location.rank is not None})
+        rank = ranks[0] if len(ranks) == 1 else None
+        on = (f" (rank {rank})" if rank is not None else
+              f" (ranks {', '.join(map(str, ranks))}, each on its own)" if ranks else "")
         return Verdict("restore-mismatch", f"resume drops state: restored {f.location.fqn or 'state'} differs from "
-                       f"what was saved (rank {f.location.rank}); {len(restore)} field(s) in all.{forgotten}",
-                       rank=f.location.rank, site=f.location.fqn, category="restore",
+                       f"what was saved{on}; {len(restore)} field(s) in all.{forgotten}",
+                       rank=rank, site=f.location.fqn, category="restore",
                        advice=causes.RESTORE_ADVICE + ".")
     nd = evidence.nondeterminism
     if nd is not None:
         return Verdict("nondeterministic", f"two continuous runs (A and A2) differ at {_where(nd)}: the "
-                       "computation is not deterministic, so no resume can be exact.",
-                       step=_get(nd, "step"), rank=_get(nd, "rank"), site=_get(nd, "site"),
+                       f"computation is not deterministic, so no resume can be exact.{receivers_said(nd)}"
+                       f"{_undetermined(nd)}",
+                       step=_get(nd, "step"), rank=origin_rank(nd), site=_site(nd),
                        category=_get(nd, "category"), origin=_get(nd, "origin"),
                        advice="fix the thread count, seeds and nondeterministic kernels "
-                       "(torch.use_deterministic_algorithms) until A and A2 agree.")
+                       "(torch.use_deterministic_algorithms) until A and A2 agree.", receivers=receiver_entries(nd))
     div = evidence.resume
+    if div is not None and evidence.pending_gradients:
+        return replace(_pending_verdict(plan, evidence, div, forgotten), receivers=receiver_entries(div))
+    if div is not None and evidence.replaced:
+        return replace(_replaced_verdict(plan, evidence, div, forgotten), receivers=receiver_entries(div))
     if div is not None:
-        return _resume_verdict(plan, evidence, div, forgotten)
+        return replace(_resume_verdict(plan, evidence, div, forgotten), receivers=receiver_entries(div))
     final = evidence.final
     if final:
         f = final[0]
@@ -169,14 +242,76 @@ def decide(plan: Any, evidence: Evidence) -> Verdict:
     if forgotten:
         return Verdict("pass", message + " But a real resume would lose state that no traced value shows:"
                        + forgotten, advice="register those objects in the TrainState (extras= for your own).")
+    if evidence.replaced:
+        r = evidence.replaced[0]
+        return Verdict("pass", message + f" But {r['name']} ({r['type']}) was rebuilt after run.restore() (run "
+                       f"{r['run']}, rank {r['rank']}): checkpoints save the {r['field']} registered in the "
+                       "TrainState, which the loop no longer uses.",
+                       advice=f"build {r['name']} before run.restore(state) and do not rebuild it after.")
     return Verdict("pass", message)
+
+
+def _pending_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> Verdict:
+    """The runs part after the resume, and A saved its checkpoint while parameters held accumulated gradients
+    (a save between micro-batches): B starts that optimizer step from zero gradients."""
+    pending = evidence.pending_gradients
+    p = pending[0]
+    ranks = sorted({x["rank"] for x in pending})
+    on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    names = ", ".join(p.get("names") or []) + (", ..." if p.get("count", 0) > len(p.get("names") or []) else "")
+    step = _get(div, "step")
+    when = RESUME.first if step == plan.resume_at + 1 else f"step {step}"
+    return Verdict("accumulated-gradients",
+                   f"the checkpoint of step {plan.resume_at} was saved in the middle of gradient accumulation: "
+                   f"{p.get('count')} parameter(s) held accumulated gradients ({names}; {on}), which a checkpoint "
+                   f"does not save, so B's optimizer step starts from zero gradients while A's carries the "
+                   f"accumulated ones; the runs part at {when} ({_where(div)}) as a consequence.{forgotten}",
+                   step=step, rank=ranks[0] if len(ranks) == 1 else None, site="grad", category="gradients",
+                   origin=_get(div, "origin"),
+                   advice="save at optimizer-step boundaries: take each optimizer step's micro-batches as one "
+                   "step (for batches in run.steps(loader, micro_batches=K)), so run.record() and its save come "
+                   "after optimizer.step() and zero_grad(); or keep the gradients in the state "
+                   "(TrainState(extras=...)).")
+
+
+#: What a rebuilt registered object does to the run, by TrainState field.
+_REBUILT = {"scheduler": "its schedule starts afresh in B while A's carries on from the saved one",
+            "optimizer": "its moments and step counts start from zero in B while A's carry on",
+            "dataloader": "it reads from the start of the data in B while A's position carries on",
+            "model": "its parameters are not the restored ones in B"}
+
+
+def _replaced_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> Verdict:
+    """The runs part, and a run rebuilt a registered object after ``run.restore`` (a scheduler, optimizer,
+    loader or model the TrainState no longer holds): that is named as the cause, whatever value shows it
+    first."""
+    step = _get(div, "step")
+    origins = getattr(div, "origin_ranks", None) or ()
+    ordered = sorted(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins,
+                                                       r["rank"]))
+    r = ordered[0]
+    ranks = sorted({x["rank"] for x in evidence.replaced if x["name"] == r["name"] and x["run"] == r["run"]})
+    on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    field = r["field"]
+    effect = _REBUILT.get(field, "B trains with state that was not restored")
+    when = RESUME.first if step == plan.resume_at + 1 else f"step {step}"
+    message = (f"the {r['type']} the loop uses is not the one in the TrainState: {r['name']} was rebuilt after "
+               f"run.restore() in run {r['run']} ({on}), so {effect}; the runs part at {when} ({_where(div)}) as a "
+               f"consequence.{receivers_said(div)}{forgotten}")
+    return Verdict("changed-after-restore", message, step=step, rank=ranks[0] if len(ranks) == 1 else None,
+                   site=r["name"], category=field if field in _REBUILT else "extras", origin=_get(div, "origin"),
+                   advice=f"build {r['name']} before run.restore(state) and do not rebuild it after; to change it "
+                   "on resume, change the registered object itself.")
 
 
 def _resume_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> Verdict:
     category = _get(div, "category")
-    site = _get(div, "site") or ""
+    site = _site(div) or ""
     step = _get(div, "step")
-    common = dict(step=step, rank=_get(div, "rank"), site=site, category=category, origin=_get(div, "origin"))
+    common = dict(step=step, rank=origin_rank(div), site=site, category=category, origin=_get(div, "origin"))
+    # Said where the cause is named: the ranks that only received the difference, or why no rank is named.
+    forgotten = receivers_said(div) + _undetermined(div) + forgotten
+    where = ranks_said(div)
     first_resumed = step == plan.resume_at + 1
     when = RESUME.first if first_resumed else f"step {step}"
     sites = set(evidence.resume_sites) | {site}
@@ -191,7 +326,7 @@ def _resume_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> 
                                          a_moved=[r.stream for r in rngs if r.a_moved], first_step=first_resumed,
                                          step=step, saved_at=K)
         later = "" if site.startswith("start.") else f" What differs after it (first {site}) is a consequence."
-        return Verdict("rng", causes.rng_sentence(names, when=when, step=step, rank=common["rank"], cause=cause)
+        return Verdict("rng", causes.rng_sentence(names, when=when, step=step, rank=where, cause=cause)
                        + f".{later}" + forgotten, advice=advice + ".",
                        **{**common, "site": rngs[0].stream, "category": "rng"})
 
@@ -235,7 +370,7 @@ def _resume_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> 
     buffers = ev.buffers
     if buffers:
         name = buffers[0][len("buffer."):]
-        text, advice = causes.buffer_cause(RESUME, name=name, when=when, rank=common["rank"])
+        text, advice = causes.buffer_cause(RESUME, name=name, when=when, rank=where)
         return Verdict("hidden-state", f"{text}.{forgotten}", advice=advice + ".",
                        **{**common, "site": buffers[0], "category": "buffers"})
     if category in ("metric", "parameters", "gradients", "optimizer", "module", "buffers"):
@@ -245,7 +380,7 @@ def _resume_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> 
             named = optim or (items[0] if items else None)
             lead = ("no optimizer is registered in the TrainState, so B starts its moments from zero"
                     if evidence.missing_optimizer else "state the TrainState does not hold drives the run")
-            listed = _forgotten(items)
+            listed = _forgotten(items) + receivers_said(div) + _undetermined(div)
             return Verdict("unregistered-state", f"the runs part at {when} ({_where(div)}): {lead}.{listed}",
                            advice=causes.UNREGISTERED_ADVICE + ".",
                            **{**common, "site": named["name"] if named else "optimizer"})
@@ -262,7 +397,8 @@ def _resume_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> 
                       "trace with --level module to name the module.")
         return Verdict("hidden-state", f"the runs part at {when} ({_where(div)}) although every saved field was "
                        "restored exactly: state outside the TrainState (a global counter, a cache, an "
-                       "unregistered generator) drives the computation.", advice=advice, **common)
+                       f"unregistered generator) drives the computation.{receivers_said(div)}{_undetermined(div)}",
+                       advice=advice, **common)
     return Verdict("diverged", f"resumed run diverges at {_where(div)}.{forgotten}", **common)
 
 

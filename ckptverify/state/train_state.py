@@ -65,6 +65,46 @@ class Counters:
         return out
 
 
+def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
+    """The parameters of ``model`` (a module, or a list of modules) whose ``.grad`` holds values other than
+    zero: gradients accumulated since the last ``optimizer.zero_grad()``, which a checkpoint does not save
+    (DCP saves parameters, not their gradients). Returns up to ``limit`` names and how many there are.
+
+    A save between micro-batches of gradient accumulation loses them: the resumed run starts its optimizer
+    step from zero gradients. Each rank checks its own (an FSDP2 gradient's local shard), with no collective."""
+    modules = model if isinstance(model, list | tuple) else [model]
+    names: list[str] = []
+    count = 0
+    seen: set[int] = set()
+    for module in modules:
+        if not isinstance(module, torch.nn.Module):
+            continue
+        for name, p in module.named_parameters():
+            g = p.grad
+            if g is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            local = g.to_local() if hasattr(g, "to_local") else g
+            if local.numel() and bool(torch.any(local.detach() != 0)):
+                count += 1
+                if len(names) < limit:
+                    names.append(name)
+    return names, count
+
+
+def pending_gradients_warning(model: Any, where: str) -> str | None:
+    """The warning to give when ``model`` holds accumulated gradients at a save (``where``: the checkpoint),
+    else ``None``."""
+    names, count = pending_gradients(model)
+    if not count:
+        return None
+    shown = ", ".join(names) + (", ..." if count > len(names) else "")
+    return (f"{where} is saved while {count} parameter(s) hold accumulated gradients ({shown}): a checkpoint does "
+            "not save gradients, so a run resumed from it starts this optimizer step from zero gradients and "
+            "differs. Save at optimizer-step boundaries (after optimizer.step() and zero_grad()); with "
+            "ckptverify.Run, take each step's micro-batches together: run.steps(loader, micro_batches=K).")
+
+
 def _as_list(obj: Any) -> list[Any]:
     if obj is None:
         return []

@@ -9,6 +9,13 @@ category cell is traced back to the one tensor that explains it when there is on
 (:mod:`ckptverify.trace.category`). At level ``module`` the differing module sites of that step are
 classified: the first one, when the step's batch and the parameters it started from are equal, is the
 *origin* (its recorded inputs are equal, its output differs); the later ones are *receivers*.
+
+Across ranks (:func:`first_divergence`), at the job's first divergent step, a rank is an *origin* when a value it
+starts from or computes on its own differs there (:data:`OWN_KINDS`: its random streams, hyperparameters, batch,
+loss, module activations, non-persistent buffers, what it hands to a collective); a rank whose differing values
+all lie downstream of a collective (gradients after their all-reduce or reduce-scatter, parameters, optimizer
+state, metrics other than the loss) is a *receiver* when some other rank is an origin. Under DDP or FSDP a cause
+on one rank reaches every rank at the next gradient reduction, so the lowest differing rank is not the answer.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +46,7 @@ __all__ = [
     "compare_traces",
     "divergences",
     "first_divergence",
+    "job_divergence",
     "module_of",
     "rank_comparisons",
     "recompute_findings",
@@ -48,6 +56,15 @@ __all__ = [
 TraceLike = Trace | str | os.PathLike[str]
 
 _MODULE_KINDS = frozenset({"module_in", "module_out", "module_grad_in"})
+#: Site kinds a rank starts a step from or computes on its own, upstream of any cross-rank collective of the
+#: step: a difference in one of them is born on that rank (or came with its own inputs). Gradients (read after
+#: their reduction), parameters, optimizer state and the outputs of collectives are not among them: under DDP
+#: or FSDP they carry every rank's values.
+OWN_KINDS = frozenset({"rng", "hparam", "batch", "data", "buffer", "scheduler", "counter", "extra", "comm_in",
+                       "module_in", "module_out", "module_grad_in", "module_recompute"})
+#: Metric sites that hold this rank's own value: the loss ``run.record(loss=...)`` records is the rank's own
+#: (a metric such as a gradient norm is computed after the reduction).
+OWN_METRICS = frozenset({"metric.loss"})
 #: Levels that record module sites.
 _MODULE_LEVELS = ("module", "op")
 #: Rows compared at once, and the most bytes one block of a trace may take (a wide trace compares fewer rows
@@ -95,10 +112,23 @@ class FirstDivergence:
     differing_sites: int = 1
     via: str | None = None
     tensors: str | None = None
+    #: The first site of this step among those this rank starts from or computes on its own
+    #: (:data:`OWN_KINDS`, :data:`OWN_METRICS`) that differs; ``None`` when every differing site lies downstream
+    #: of a collective (the rank may only have received the difference).
+    own_site: str | None = None
+    #: Set by :func:`first_divergence` for the job (``None`` on one rank's own divergence): the ranks where the
+    #: difference is born at this step (empty when the traces cannot tell: several ranks differ, each only
+    #: downstream of a collective), and the ranks that differ only because a collective carried an origin's
+    #: values.
+    origin_ranks: tuple[int, ...] | None = None
+    receiver_ranks: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
         out["receivers"] = list(self.receivers)
+        for name in ("origin_ranks", "receiver_ranks"):
+            value = getattr(self, name)
+            out[name] = None if value is None else list(value)
         return out
 
 
@@ -306,10 +336,12 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     j = int(np.argmax(row))
     name = aligned.names[j]
     site = ta.site(name) if ta.has_site(name) else tb.site(name)
+    own = next((aligned.names[k] for k in np.flatnonzero(row)
+                if aligned.kinds[k] in OWN_KINDS or aligned.names[k] in OWN_METRICS), None)
     base = {
         "step": step, "rank": rank, "site": name, "category": site.category, "kind": site.kind,
         "expected": aligned.value(ta, step, name), "actual": aligned.value(tb, step, name),
-        "differing_sites": int(row.sum()),
+        "differing_sites": int(row.sum()), "own_site": own,
     }
     if site.encoding == "set128":
         member, known = _named_member(ta, tb, step, site)
@@ -505,11 +537,25 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
     per_rank = {c.rank: c.first.category for c in divergent if c.first is not None}
     ranks_first = sorted(c.rank for c in divergent if c.first is not None and c.first.step == first_step)
     text = ", ".join(f"rank {r}: {cat}" for r, cat in per_rank.items())
+    job = job_divergence([c.first for c in divergent if c.first is not None])
+    roles = ""
+    if job is not None and len(ranks_first) + len(job.receiver_ranks) > 1:
+        if job.origin_ranks:
+            roles = (f"; born on rank{'s' if len(job.origin_ranks) > 1 else ''} "
+                     f"{', '.join(map(str, job.origin_ranks))}")
+            if job.receiver_ranks:
+                roles += (f", received through a collective by rank{'s' if len(job.receiver_ranks) > 1 else ''} "
+                          f"{', '.join(map(str, job.receiver_ranks))}")
+        else:
+            roles = ("; every rank differs only in values a collective wrote (gradients, parameters, optimizer "
+                     "state), so which rank it is born on cannot be told at this level")
     out.append(info(
         "trace-summary",
         f"traces first diverge at step {first_step} (ranks {', '.join(map(str, ranks_first))}); first divergent "
-        f"category per rank: {text}",
+        f"category per rank: {text}{roles}",
         actual={"first_step": first_step, "ranks": ranks_first,
+                "origin_ranks": list(job.origin_ranks) if job is not None else [],
+                "receiver_ranks": list(job.receiver_ranks) if job is not None else [],
                 "categories": {str(r): cat for r, cat in per_rank.items()},
                 "steps": {str(c.rank): c.first.step for c in divergent if c.first is not None}},
     ))
@@ -589,12 +635,27 @@ def divergences(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = Non
 
 def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
                      ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> FirstDivergence | None:
-    """The job's first divergence: the earliest step over all ranks (lowest rank on a tie); ``None`` when the
-    traces agree on every common step. Accepts two traces or two run directories."""
+    """The job's first divergence: at the earliest divergent step, the divergence of the rank where it is born
+    (see the module docstring; the lowest such rank when several are), with ``origin_ranks`` and
+    ``receiver_ranks`` set for the job; ``None`` when the traces agree on every common step. When several
+    ranks differ at that step and none in a value of its own, the lowest rank's divergence is returned with no
+    origin rank: the traces cannot tell. Accepts two traces or two run directories."""
     found = divergences(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites)
+    return job_divergence(found)
+
+
+def job_divergence(found: Sequence[FirstDivergence]) -> FirstDivergence | None:
+    """:func:`first_divergence` over each rank's first divergence ``found`` (one per rank)."""
     if not found:
         return None
-    return min(found, key=lambda d: (d.step, d.rank))
+    step = min(d.step for d in found)
+    at = sorted((d for d in found if d.step == step), key=lambda d: d.rank)
+    # One rank alone differs: it is where the difference is born, whatever it differs in.
+    origins = [at[0]] if len(at) == 1 else [d for d in at if d.own_site is not None]
+    origin_ranks = tuple(d.rank for d in origins)
+    receivers = tuple(sorted(d.rank for d in found if d.rank not in origin_ranks)) if origins else ()
+    chosen = origins[0] if origins else at[0]
+    return replace(chosen, origin_ranks=origin_ranks, receiver_ranks=receivers)
 
 
 def recompute_findings(trace: TraceLike, *, steps: Iterable[int] | None = None) -> list[Finding]:
