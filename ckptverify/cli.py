@@ -504,8 +504,10 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
                     runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device, locate=locate,
                     locate_repeats=locate_repeats)
         say = _say(progress, json_out, tty_only=False, emoji=False)
-        outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose,
-                               log_dir=log_dir_for(keep) if json_out else None, report_dir=report_dir)
+        log_dir = log_dir_for(keep) if json_out else None
+        with _workload_output(log_dir):
+            outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose, log_dir=log_dir,
+                                   report_dir=report_dir)
     except CkptVerifyError as exc:
         fail_lines(exc, json_out, "resume-check", target)
     _write_metrics(metrics_file, outcome.report, json_out)
@@ -525,7 +527,9 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
               help="Also write Prometheus gauges to this file.")
 @click.option("--target", default=None, metavar="FILE.py:FUNC",
               help="The training function to replay (required: the one RUN_DIR/run.json records, which the error "
-                   "without it names; a run directory is data, so nothing it names runs unless you name it).")
+                   "without it names; a run directory is data, so nothing it names runs unless you name it). "
+                   "FILE.py is found from the working directory, as resume-check finds it; a function other "
+                   "than the one run.json records is refused before anything runs.")
 @click.option("--max-procs", type=click.IntRange(min=1), default=64, show_default=True,
               help="The most ranks a replay may start (run.json's world size above it is refused).")
 @click.option("--json", "json_out", is_flag=True,
@@ -543,25 +547,18 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
     RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...); --target names the training
     function to run (the one RUN_DIR/run.json records: a run directory is data, nothing it names runs on its own).
     """
-    import contextlib
     import os
 
-    from ckptverify.production.mode import read_run_file
     from ckptverify.render.resume import fail_lines, log_dir_for, workload_log_files
-    from ckptverify.replay.replay import pinned
     from ckptverify.replay.replay import replay as run_replay
-    from ckptverify.resume.harness import check_target, workload_logs
 
     say = _say(progress, json_out, tty_only=False, emoji=False)
     log_dir = log_dir_for(keep) if json_out else None
     try:
-        # What runs is what the command line names (never what the run directory says on its own), checked
-        # before anything is verified or launched.
-        pinned_target, _ = pinned(read_run_file(run_dir), run_dir, target, max_procs)
-        check_target(pinned_target)
-        # With --json the workload's prints go to per-rank log files (named in stats.logs), as resume-check's do.
-        with workload_logs(log_dir) if log_dir else contextlib.nullcontext():
-            report = run_replay(run_dir, target=pinned_target, start=start, end=end, device=device, keep=keep,
+        # What runs is what the command line names (never what the run directory says on its own): the replay
+        # checks it is the function run.json records before anything is verified or launched.
+        with _workload_output(log_dir):
+            report = run_replay(run_dir, target=target, start=start, end=end, device=device, keep=keep,
                                 progress=say, max_procs=max_procs, locate=locate,
                                 locate_repeats=locate_repeats)
     except CkptVerifyError as exc:
@@ -611,8 +608,9 @@ def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, l
     try:
         plan = ChangePlan(base=base, changed=changed, steps=steps, nproc=nproc, repeats=repeats, device=device,
                           level=level, locate=locate, locate_repeats=locate_repeats)
-        report = compare_change(plan, keep=keep, progress=_say(progress, json_out, tty_only=False, emoji=False),
-                                log_dir=log_dir)
+        with _workload_output(log_dir):
+            report = compare_change(plan, keep=keep, progress=_say(progress, json_out, tty_only=False, emoji=False),
+                                    log_dir=log_dir)
     except CkptVerifyError as exc:
         fail_lines(exc, json_out, "compare", f"{base} vs {changed}")
     if log_dir:
@@ -672,12 +670,33 @@ def trace_diff(a: str, b: str, allow_header_mismatch: bool, force_deprecated: bo
         # --force means "replace what is there" (fingerprint); this spelling is read for one release.
         click.echo("ckptverify trace diff: warning: --force is deprecated here; use --allow-header-mismatch",
                    err=True)
+    from ckptverify.errors import TraceHeaderMismatchError
+
     try:
         findings = compare_traces(a, b, force=allow_header_mismatch or force_deprecated, ignore_sites=ignore)
+    except TraceHeaderMismatchError as exc:
+        # The library's advice names its Python keyword too (force=True); this command's way is its own option.
+        what, sep, _ = str(exc).rpartition("; pass ")
+        _fail(UsageError(f"{what if sep else exc}; pass --allow-header-mismatch to compare anyway"), json_out,
+              "trace diff", f"{a} {b}")
     except CkptVerifyError as exc:
         _fail(exc, json_out, "trace diff", f"{a} {b}")
     _emit(Report(command="trace diff", target=f"{a} {b}", findings=tuple(findings)), json_out,
           metrics_file=metrics_file)
+
+
+def _workload_output(log_dir: str | None) -> Any:
+    """Within the block, with ``log_dir`` (``--json``), every run launched writes each rank's output to a log
+    file there, the locate walk's re-runs included, so stdout holds the one JSON document (what the user's code
+    prints when its target is checked in this process goes to stderr: ``check_target``). Without ``log_dir``,
+    the runs' output is labelled on the terminal."""
+    import contextlib
+
+    if log_dir is None:
+        return contextlib.nullcontext()
+    from ckptverify.resume.launch import workload_logs
+
+    return workload_logs(log_dir)
 
 
 def _with_progress(call: Any, progress: bool | None, json_out: bool, command: str, target: str) -> Any:

@@ -232,6 +232,7 @@ def test_trace_diff_header_mismatch_option_and_its_deprecated_spelling(tmp_path:
     a, b = str(_trace(tmp_path / "a")), str(_trace(tmp_path / "b", level="state"))
     refused = _invoke("trace", "diff", a, b)
     assert refused.exit_code == 2 and "headers differ" in refused.stderr and "--allow-header-mismatch" in refused.stderr
+    assert "force=True" not in refused.stderr  # the advice names this command's option, not the Python keyword
     allowed = _invoke("trace", "diff", "--allow-header-mismatch", a, b)
     assert allowed.exit_code == 0 and "deprecated" not in allowed.stderr, allowed.output
     old = _invoke("trace", "diff", "--force", "--json", a, b)

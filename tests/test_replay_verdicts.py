@@ -117,6 +117,7 @@ def test_a_flipped_activation_with_equal_inputs_is_a_suspected_fault_of_its_rank
     assert verdict["kind"] == "hardware-fault-suspected", verdict
     assert (verdict["step"], verdict["rank"], verdict["candidate_ranks"]) == (5, 0, [0]), verdict
     assert verdict["site"].startswith("metric.") and verdict["host"], verdict
+    assert "agreed" not in verdict["sentence"] and "other ranks" not in verdict["sentence"]  # a job of one rank
 
 
 @pytest.mark.slow

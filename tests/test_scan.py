@@ -122,3 +122,70 @@ def test_metrics_file_has_prometheus_gauges(run_dir: Path, tmp_path: Path) -> No
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckptverify-metrics-")]
     bad = CliRunner().invoke(main, ["verify", "--metrics-file", str(tmp_path / "no" / "dir.prom"), str(good)])
     assert bad.exit_code == 2
+
+
+# ------------------------------------------------------------------------------------ the quarantine
+
+
+def _quarantined_run(tmp_path: Path, *, recovered_to: int | None) -> Path:
+    """A production run directory whose step_4 failed verification and was moved aside, as the job moves it
+    (:func:`~ckptverify.runs.latest.move_aside`), with good checkpoints of steps 2 and ``recovered_to`` (none
+    when ``None``) outside the quarantine."""
+    from ckptverify.runs.latest import move_aside
+
+    run = tmp_path / "run"
+    fingerprint_checkpoint(_dcp(run / "step_2", 2.0))
+    inj.flip_in_tensor_payload(_dcp(run / "step_4", 4.0), "w")
+    move_aside(run, "step_4")
+    if recovered_to is not None:
+        fingerprint_checkpoint(_dcp(run / f"step_{recovered_to}", float(recovered_to)))
+    return run
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("recovered_to", [4, 6])
+def test_a_quarantined_corrupt_checkpoint_of_a_recovered_job_is_a_warning_and_scan_passes(
+        tmp_path: Path, recovered_to: int) -> None:
+    run = _quarantined_run(tmp_path, recovered_to=recovered_to)
+    before = _tree(run / "quarantine")
+    report = scan_run_dir(run)
+    rows = {r["path"]: r for r in report.stats["checkpoints"]}
+    (moved,) = [p for p in rows if p.startswith("quarantine/")]
+    assert rows[moved]["state"] == "corrupt" and rows[moved]["quarantined"]
+    assert rows[moved]["handled_by"] == {"path": f"step_{recovered_to}", "step": recovered_to}
+    assert "handled: the job moved it aside and recovered" in rows[moved]["reason"]
+    assert all(r["handled_by"] is None for p, r in rows.items() if p != moved)
+    assert report.exit_code == 0 and not report.errors
+    assert [f.location.file for f in report.warnings] == [moved]
+    assert _tree(run / "quarantine") == before  # judged, never moved, changed or deleted
+
+    text = CliRunner().invoke(main, ["scan", str(run)], env={"COLUMNS": "250"})
+    assert text.exit_code == 0 and "handled: the job moved it aside and recovered" in text.output, text.output
+    as_json = CliRunner().invoke(main, ["scan", "--json", str(run)])
+    data = json.loads(as_json.output)
+    assert as_json.exit_code == 0 and data["passed"]
+    (row,) = [r for r in data["stats"]["checkpoints"] if r["quarantined"]]
+    assert row["handled_by"]["step"] == recovered_to
+    (finding,) = [f for f in data["findings"] if f["severity"] == "warning"]
+    assert "handled" in finding["message"]
+
+
+def test_a_quarantined_corrupt_checkpoint_the_job_has_not_got_past_still_fails(tmp_path: Path) -> None:
+    run = _quarantined_run(tmp_path, recovered_to=None)
+    report = scan_run_dir(run)
+    (row,) = [r for r in report.stats["checkpoints"] if r["quarantined"]]
+    assert row["state"] == "corrupt" and row["handled_by"] is None and "handled" not in row["reason"]
+    assert report.exit_code == 1 and [f.location.file for f in report.errors] == [row["path"]]
+
+
+def test_a_corrupt_checkpoint_outside_the_quarantine_fails_even_with_a_newer_good_one(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    inj.flip_in_tensor_payload(_dcp(run / "step_4", 4.0), "w")
+    fingerprint_checkpoint(_dcp(run / "step_6", 6.0))
+    report = scan_run_dir(run)
+    assert report.exit_code == 1 and [f.location.file for f in report.errors] == ["step_4"]
+    assert all(r["handled_by"] is None for r in report.stats["checkpoints"])
+    assert CliRunner().invoke(main, ["scan", str(run)]).exit_code == 1

@@ -330,15 +330,21 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
                          "resume-exact job rules that out), or a replay from an earlier checkpoint (--from)",
                          step=s, site=site, candidate_ranks=candidates)
     if rank is not None:
-        agreed = [r for r in range(world) if r not in first]
-        how = (f"its own value ({site}) differs while the other ranks' equal values are recorded, so the "
-               "differences they show arrived through a reduction" if own_site is not None
-               else "the other ranks computed the step exactly as the replays did")
+        # What the other ranks show, said only where there are others (on one rank there is nothing to add).
+        agreed = ", ".join(str(r) for r in range(world) if r not in first)
+        if world == 1:
+            others = ""
+        elif own_site is not None:
+            others = (f"; its own value ({site}) differs while the other ranks' equal values are recorded, so the "
+                      "differences they show arrived through a reduction"
+                      + (f"; rank(s) {agreed} agreed with the replays" if agreed else ""))
+        else:
+            others = f"; the other ranks ({agreed}) computed the step exactly as the replays did"
         return Judgement("hardware-fault-suspected",
                          f"production differs from two agreeing replays first at step {s} on rank {rank} "
                          f"({where(rank)}), site {site}, with the step's inputs (batch, random streams, "
-                         f"hyperparameters, the state it started from) equal; {how}; ranks that agreed with the "
-                         f"replay: {agreed or 'none'}; suspect the hardware of that rank",
+                         f"hyperparameters, the state it started from) equal{others}; suspect the hardware of that "
+                         "rank",
                          step=s, rank=rank, site=site, candidate_ranks=candidates)
     return Judgement("hardware-fault-suspected",
                      f"production differs from two agreeing replays first at step {s}, site {site}, with the step's "

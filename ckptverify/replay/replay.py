@@ -40,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptverify.errors import UsageError
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
+from ckptverify.errors import TraceHeaderMismatchError, UsageError
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
 from ckptverify.production.mode import read_run_file, segments
 
 __all__ = ["VERDICTS", "replay"]
@@ -161,6 +161,66 @@ def pinned(meta: dict[str, Any], run_dir: str, target: str | None, max_procs: in
     return target, world
 
 
+def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
+    """``target`` resolved as every harness run resolves it (:func:`~ckptverify.resume.harness_target.
+    resolve_target`: a relative ``FILE.py`` from the working directory), once it is known to name the function
+    ``run.json`` records: the same function name in the same file, however either is spelled. A ``module:FUNC``
+    is imported to find its file (:func:`~ckptverify.resume.harness_target.check_target`); what ``run.json``
+    records is only compared, never imported. Raises :class:`UsageError` naming both when they differ (before
+    any process starts: a replay of another function judges nothing), :class:`TargetError` when ``target``
+    cannot be loaded."""
+    from ckptverify.resume.harness_target import check_target, resolve_target, split_target
+
+    recorded = meta["target"]
+    resolved = resolve_target(target)
+    where, name, is_file = split_target(resolved)
+    try:
+        r_where, r_name, r_is_file = split_target(recorded)
+    except UsageError:
+        raise UsageError(f"{run_dir}/run.json records the training function {recorded!r}, which is not "
+                         "FILE.py:FUNC or module:FUNC: the run directory does not say what production ran") from None
+    file = where if is_file else check_target(resolved)
+    # A recorded file is compared by path; a recorded module by its name (importing it would run what the run
+    # directory names).
+    same = (file is not None and _same_path(file, r_where)) if r_is_file else (not is_file and where == r_where)
+    if same and name == r_name:
+        return resolved
+    named = f"{name} in {file}" if file else resolved
+    absent = (f"; {r_where} is not on this machine: replay where the job's code is at that path"
+              if r_is_file and not os.path.isfile(r_where) else "")
+    raise UsageError(f"--target {target} names {named}, but the job in {run_dir} ran {recorded} (its run.json): a "
+                     "replay judges production only by running the function production ran, so nothing was "
+                     f"started. Pass --target {recorded} (target= in Python){absent}.")
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is not here: only the same spelling is the same file
+        return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
+
+
+def comparable(segment: str, *, level: str, workload: str, world: int) -> None:
+    """Refuse, before any process starts, a replay whose traces could not be compared with production's trace
+    ``segment`` (recorded under another torch or ckptverify version, at another level or world size): a
+    bitwise comparison of such traces says nothing. Raises :class:`UsageError` naming what differs."""
+    from ckptverify.trace.compare import run_stores
+    from ckptverify.trace.store import TraceHeader, open_trace
+
+    stores = run_stores(segment)
+    if not stores:
+        return  # no rank's store: the comparison says so, rank by rank
+    prod = open_trace(stores[min(stores)]).header
+    ours = TraceHeader(run="R1", level=level, workload=workload, detail="tensor", rank=prod.rank, world_size=world)
+    fields = prod.differences(ours, ignore=("run", "detail"))
+    if fields:
+        a, b = prod.to_dict(), ours.to_dict()
+        detail = "; ".join(f"{f}: production {a[f]!r}, this replay {b[f]!r}" for f in fields)
+        raise UsageError(f"production's trace in {segment} and this replay's would describe different runs "
+                         f"({detail}), so no step could be compared bitwise and nothing was started. Replay with "
+                         "the versions production ran with installed.")
+
+
 def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start: int | None = None,
            end: int | None = None, device: str = "cpu", keep: str | None = None,
            progress: Callable[[str], None] | None = None, max_procs: int = MAX_PROCS, locate: bool = False,
@@ -185,7 +245,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.replay.causes import judge, twin_cause
-    from ckptverify.resume.harness import launch_jobs
+    from ckptverify.resume.harness import check_target, launch_jobs
     from ckptverify.resume.locate import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.trace.compare import compare_runs, divergences
@@ -196,16 +256,14 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     say = progress or (lambda _msg: None)
     began = time.perf_counter()
     meta = read_run_file(root)
-    workload, world = pinned(meta, root, target, max_procs)
+    named, world = pinned(meta, root, target, max_procs)
+    workload = same_function(named, meta, root)
+    check_target(workload)  # a usage error now, not after the checkpoints are verified
     ckpts = _pick(root, start, end)
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
     stats: dict[str, Any] = {"from": ckpts.start, "to": ckpts.end, "world_size": world, "target": workload,
                              "recorded_target": meta["target"]}
-    if workload != meta["target"]:
-        findings.append(warning("replay-target", f"replaying {workload}, not the function run.json records "
-                                f"({meta['target']}): the replay judges production only as far as they compute "
-                                "the same steps"))
 
     work: str | None = None
     replayed_for = [0.0]  # wall seconds of one replay launch: the walk's launches are bounded by it
@@ -248,6 +306,9 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     if not segs:
         raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
     seg_start, segment = max(segs)
+    level = str(meta.get("level", "metrics"))
+    # The replays' traces describe the run production recorded (run.json's spelling of the same function).
+    comparable(segment, level=level, workload=meta["target"], world=world)
     hosts = _hosts(segment)
     steps = range(ckpts.start + 1, ckpts.end + 1)
     # The job's length, for schedules built from run.total_steps (a replay stops early; they must not change).
@@ -260,7 +321,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                 name=name, stop_step=ckpts.end, total_steps=total, save_at=(ckpts.end,),
                 checkpoint_dir=os.path.join(work, name),
                 resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
-                level=str(meta.get("level", "metrics")), workload=workload,
+                level=level, workload=meta["target"],
                 # Production records one cell per tensor category; the replays one per tensor too, so a
                 # category that differs is traced back to its tensor (see ckptverify.trace.category).
                 trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
@@ -316,6 +377,11 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         return done("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise reproducible on "
                     f"{world} rank(s): two replays agree with each other and with production, traces and final "
                     "state: no fault seen")
+    except TraceHeaderMismatchError as exc:
+        # Checked against rank 0's header before the launches (comparable); another rank's header that differs
+        # ends here, in this command's words (trace diff's option to compare anyway is not this command's).
+        raise UsageError(f"production's trace and the replay's describe different runs ({', '.join(exc.fields)} "
+                         f"differ{'s' if len(exc.fields) == 1 else ''}): no step can be compared bitwise") from None
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -8,6 +8,10 @@ bytes holds only whole lines, and a pipe or terminal does not split it).
 
 Both work on the file descriptors, not on ``sys.stdout``: output of C extensions, of ``print`` and of the
 processes the workload starts (DataLoader workers inherit descriptors 1 and 2) goes the same way.
+
+The user's code also runs once in the command's own process, when its target is checked before any rank starts
+(the file is imported: a script that prints at module level prints then). :func:`stdout_to_stderr` sends that
+output to stderr, so the command's stdout holds nothing but its report.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import os
 import select
 import sys
 import threading
+from collections.abc import Iterator
 from types import TracebackType
 
-__all__ = ["LabelledOutput", "label", "to_log_file"]
+__all__ = ["LabelledOutput", "label", "stdout_to_stderr", "to_log_file"]
 
 #: Bytes one write may hold and still reach a pipe in one piece (POSIX ``PIPE_BUF``).
 _ATOMIC = getattr(select, "PIPE_BUF", 512)
@@ -43,6 +48,42 @@ def to_log_file(path: str) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Within the block, whatever this process writes to its standard output (``sys.stdout`` and descriptor 1,
+    C extensions included) goes to its standard error instead; afterwards stdout is as it was.
+
+    For the user's code run in the command's own process: ``--json`` promises one JSON document on stdout
+    whatever the training script prints.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to flush
+            stream.flush()
+    try:
+        saved: int | None = os.dup(1)
+    except OSError:  # no descriptor 1 (a daemon): nothing there to protect
+        saved = None
+    if saved is not None:
+        os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        _flush_c_stdio()  # printf output buffered in C must reach descriptor 1 while it still points at stderr
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    import ctypes
+
+    with contextlib.suppress(Exception):  # no C library to ask (not POSIX): nothing buffered there either
+        ctypes.CDLL(None).fflush(None)
 
 
 class LabelledOutput:

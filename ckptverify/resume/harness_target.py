@@ -16,7 +16,12 @@ exists, the module imports (run under a private name, so its ``__main__`` block 
 process's ``sys.path``, ``sys.argv`` and environment are put back afterwards), the function exists, is callable and
 takes one argument (the ``Run``), and, when its code shows it cannot, that it calls ``run.restore``. A failure is a
 :class:`TargetError` (exit 2) whose message is the user's own traceback or the line at fault: the script's frames,
-none of the harness's.
+none of the harness's. What the module prints while it is imported goes to stderr: the command's stdout may be a
+JSON report.
+
+**Resolving** (:func:`resolve_target`). A ``FILE.py`` is found from the working directory, by the check, by each
+rank and by every command that takes a target (``resume-check``, ``compare``, ``replay --target``) alike: two
+spellings of one file name one function.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from typing import Any
 
 from ckptverify.errors import TargetError, UsageError
 
-__all__ = ["TargetError", "check_target", "load_target", "never_restored_message", "usage_text", "user_traceback"]
+__all__ = ["TargetError", "check_target", "load_target", "never_restored_message", "resolve_target", "usage_text",
+           "user_traceback"]
 
 #: The name a FILE.py target runs under in a rank (multiprocessing's name for a script re-run in a child).
 MAIN_NAME = "__mp_main__"
@@ -84,39 +90,54 @@ def load_target(target: str) -> Callable[[Any], None]:
     return _function(module, where, name, target)
 
 
-def check_target(target: str) -> None:
-    """Load ``target`` here, without running its ``__main__`` block, and check it can be a harness run's
-    training function; raise :class:`TargetError` (the user's traceback or the line at fault) if not.
+def resolve_target(target: str) -> str:
+    """``target`` as the harness runs it: ``FILE.py:FUNC`` with the file made absolute (found from the working
+    directory, as every rank finds it), ``module:FUNC`` as given. Raises :class:`TargetError` when the file does
+    not exist, :class:`UsageError` when ``target`` is not ``FILE.py:FUNC`` or ``module:FUNC``. Imports nothing."""
+    where, name, is_file = split_target(target)
+    return f"{_existing_file(where)}:{name}" if is_file else target
 
-    Leaves ``sys.path``, ``sys.argv`` and the environment as they were, and forgets the script and the modules
-    it imported from its own folder, or from the working directory it was found in (a later check of another
-    script may have siblings of the same names). A target that passed is not checked again in this process
-    (while its file is unchanged).
+
+def check_target(target: str) -> str | None:
+    """Load ``target`` here, without running its ``__main__`` block, and check it can be a harness run's
+    training function; raise :class:`TargetError` (the user's traceback or the line at fault) if not. Returns
+    the absolute path of the file the function's module was loaded from (``None`` for a module without one).
+
+    What the module prints while it loads goes to stderr (:func:`~ckptverify.resume.harness_output.
+    stdout_to_stderr`). Leaves ``sys.path``, ``sys.argv`` and the environment as they were, and forgets the
+    script and the modules it imported from its own folder, or from the working directory it was found in (a
+    later check of another script may have siblings of the same names). A target that passed is not checked
+    again in this process (while its file is unchanged).
     """
+    from ckptverify.resume.harness_output import stdout_to_stderr
+
     where, name, is_file = split_target(target)
     key = (target, _stamp(where) if is_file else None)
     with _check_lock:  # launches side by side check at the same time; this changes process-wide state
         if key in _checked:
-            return
+            return _checked[key]
         saved_path, saved_argv, saved_env = list(sys.path), list(sys.argv), dict(os.environ)
         before = set(sys.modules)
         folder = None
         try:
-            if is_file:
-                path = _existing_file(where)
-                folder = os.path.dirname(path)
-                _path_first(folder)
-                sys.argv[:] = [path]
-                module = _run_file(path, _CHECK_NAME, target)
-            else:
-                if os.getcwd() not in sys.path:
-                    folder = os.getcwd()
+            with stdout_to_stderr():
+                if is_file:
+                    path = _existing_file(where)
+                    folder = os.path.dirname(path)
                     _path_first(folder)
-                module = _import(where, target)
+                    sys.argv[:] = [path]
+                    module = _run_file(path, _CHECK_NAME, target)
+                else:
+                    if os.getcwd() not in sys.path:
+                        folder = os.getcwd()
+                        _path_first(folder)
+                    module = _import(where, target)
             func = _function(module, where, name, target)
             if _never_restores(func):
                 raise TargetError(never_restored_message(target) + "\n" + _def_line(func))
-            _checked.add(key)
+            file = getattr(module, "__file__", None)
+            _checked[key] = os.path.abspath(file) if isinstance(file, str) else None
+            return _checked[key]
         finally:
             sys.path[:] = saved_path
             sys.argv[:] = saved_argv
@@ -150,8 +171,9 @@ def _found_only_in(mod_name: str, file: str, folder: str, path: list[str]) -> bo
     return name_under(folder) == mod_name and not any(name_under(p) == mod_name for p in path if isinstance(p, str))
 
 
-#: Targets that passed :func:`check_target` in this process (a file's with its size and modification time).
-_checked: set[tuple[str, tuple[int, int] | None]] = set()
+#: Targets that passed :func:`check_target` in this process (a file's with its size and modification time), and
+#: the file each was loaded from.
+_checked: dict[tuple[str, tuple[int, int] | None], str | None] = {}
 _check_lock = threading.Lock()
 
 

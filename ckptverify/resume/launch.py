@@ -41,10 +41,22 @@ def _unused_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: torchdata's ``StatefulDataLoader`` calls ``torch.set_vital``, which torch deprecates with this warning: one
+#: line per rank of every run, about neither the user's code nor ours. Only it is ignored (message, category
+#: and the module that triggers it), in the ranks this module starts; every other warning shows as it would.
+def _quiet_known_noise() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning,
+                            module=r"torchdata\.stateful_dataloader\.")
+
+
 def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, str]], backend: str) -> None:
     """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn, in this one process. The ranks meet
     through the file store ``store`` (a path in a folder of this launch alone)."""
     import torch.distributed as dist
+
+    _quiet_known_noise()
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

@@ -22,7 +22,15 @@ Good means ``verified`` or ``intact``. A checkpoint a production job moved aside
 judged and listed like any other (its row says ``quarantined``), but is never the newest good one. The report
 has one finding per checkpoint (an error for a corrupt one, a warning for an incomplete, uncheckable or
 suspect one, info otherwise), and ``stats`` lists them all, ordered by step, with the newest good one named.
-Exit code 1 when any checkpoint is corrupt, none is good, or part of the run directory could not be seen.
+
+**A corrupt checkpoint in the quarantine of a job that recovered is handled**: when the newest good checkpoint
+outside the quarantine is of its step or a later one, the job moved it aside and got past it. It is still judged
+and listed as corrupt (the evidence is kept as it is), but its finding is a warning, its reason says so, and its
+row's ``handled_by`` names that good checkpoint (``None`` on every other row). A corrupt checkpoint outside the
+quarantine, or in it with no good checkpoint past it, is an error.
+
+Exit code 1 when any checkpoint is corrupt (and not handled), none is good, or part of the run directory could
+not be seen.
 """
 
 from __future__ import annotations
@@ -175,14 +183,22 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
                 progress(f"{n + 1}/{len(candidates)} {cand.path}")
             state, reason, counts = judge(root, cand, jobs, deep=deep)
         rows.append({**cand.to_dict(), "state": state, "reason": reason, **counts,
-                     "quarantined": is_quarantined(cand.path)})
-        make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable", "suspect",
-                                                                     "deleted") else info
-        findings.append(make("scan", f"{cand.path}: {state} ({cand.format}"
-                             f"{'' if cand.step is None else f', step {cand.step}'}): {reason}",
-                             location=Location(file=cand.path)))
+                     "quarantined": is_quarantined(cand.path), "handled_by": None})
     good = [r for r in rows if r["state"] in GOOD_STATES and not r["quarantined"]]
     newest = good[-1] if good else None
+    for row in rows:
+        state = row["state"]
+        if state == "corrupt" and row["quarantined"] and newest is not None and _recovered(row, newest):
+            row["handled_by"] = {"path": newest["path"], "step": newest["step"]}
+            row["reason"] += (f"; handled: the job moved it aside and recovered ({newest['path']}, step "
+                              f"{newest['step']}, is good), so it is kept as evidence, not a failure")
+            make = warning
+        else:
+            make = error if state == "corrupt" else warning if state in ("incomplete", "uncheckable", "suspect",
+                                                                         "deleted") else info
+        at = "" if row["step"] is None else f", step {row['step']}"
+        findings.append(make("scan", f"{row['path']}: {state} ({row['format']}{at}): {row['reason']}",
+                             location=Location(file=row["path"])))
     if newest is None:
         findings.append(error("scan-no-good-checkpoint",
                               f"none of the {len(rows)} checkpoint(s) under {root} is verified or intact"))
@@ -192,6 +208,13 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
              "bytes": sum(r["bytes_checked"] for r in rows), "unseen": [n.to_dict() for n in notes], "deep": deep}
     coverage = (CheckCoverage(check="scan", count=len(rows), unit="checkpoints"),)
     return Report(command="scan", target=root, findings=tuple(findings), coverage=coverage, stats=stats)
+
+
+def _recovered(row: dict[str, Any], newest: dict[str, Any]) -> bool:
+    """Whether the job got past the quarantined checkpoint ``row``: the newest good checkpoint outside the
+    quarantine is of its step or a later one (the job saved that step again, or went on). A checkpoint whose step
+    is not known is never taken as handled."""
+    return row["step"] is not None and newest["step"] is not None and newest["step"] >= row["step"]
 
 
 def _judged_by_ranks(root: str, candidates: list[Candidate], executor: Any, jobs: int | None, deep: bool,

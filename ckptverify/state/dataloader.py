@@ -2,7 +2,7 @@
 
 Two kinds of loader can resume at the exact next batch:
 
-* torchdata's ``StatefulDataLoader`` (``pip install torchdata``), which keeps its own state, prefetching and
+* torchdata's ``StatefulDataLoader`` (``pip install 'ckptverify[data]'``), which keeps its own state, prefetching and
   worker state included. torchdata is optional and never imported here: a loader of that type can only exist
   if its module is already loaded.
 * a standard ``torch.utils.data.DataLoader`` whose ``sampler`` (or ``batch_sampler.sampler``) is a
@@ -71,9 +71,25 @@ KIND_STATEFUL_DATALOADER = "torchdata.StatefulDataLoader"
 KIND_RESUMABLE_SAMPLER = "ckptverify.ResumableSampler"
 
 _SUPPORTED = (
-    "supported loaders are torchdata's StatefulDataLoader, and torch.utils.data.DataLoader whose sampler (or "
-    "batch_sampler.sampler) is a ckptverify.state.sampler.ResumableSampler"
+    "supported loaders are torchdata's StatefulDataLoader (pip install 'ckptverify[data]'), and "
+    "torch.utils.data.DataLoader whose sampler (or batch_sampler.sampler) is a "
+    "ckptverify.state.sampler.ResumableSampler"
 )
+#: Added for a loader over an IterableDataset, which has no sampler to make resumable.
+_ITERABLE = (
+    "; this loader reads an IterableDataset, which draws no indices from a sampler, so a ResumableSampler cannot "
+    "apply: read it through torchdata's StatefulDataLoader and give the dataset state_dict() and "
+    "load_state_dict() methods that save and restore its position (the loader calls them in each worker; "
+    "docs/state.md, Iterable datasets)"
+)
+
+
+def _refusal(loader: Any) -> str:
+    """Why ``loader``'s position cannot be saved, and the ways that can (the one way for an IterableDataset)."""
+    from torch.utils.data import IterableDataset
+
+    iterable = isinstance(getattr(loader, "dataset", None), IterableDataset)
+    return f"{_SUPPORTED}{_ITERABLE if iterable else ''}"
 
 
 def find_resumable_sampler(loader: Any) -> ResumableSampler | None:
@@ -97,7 +113,8 @@ def check_loader(loader: Any) -> None:
         return
     if _is_stateful_dataloader(loader):
         return
-    raise UsageError(f"TrainState(dataloader=...) cannot save the position of a {_describe(loader)}: {_SUPPORTED}")
+    raise UsageError(f"TrainState(dataloader=...) cannot save the position of a {_describe(loader)}: "
+                     f"{_refusal(loader)}")
 
 
 # ------------------------------------------------------------------------------------ workers' random streams
@@ -221,7 +238,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
                 "sampler.advance(n) after each batch) so the saved position counts consumed samples"
             )
         return {"kind": KIND_RESUMABLE_SAMPLER, "state": sampler.state_dict()}
-    raise UsageError(f"cannot save the position of a {_describe(loader)}: {_SUPPORTED}")
+    raise UsageError(f"cannot save the position of a {_describe(loader)}: {_refusal(loader)}")
 
 
 def restore_loader(loader: Any, state: Mapping[str, Any]) -> None:
@@ -238,7 +255,7 @@ def restore_loader(loader: Any, state: Mapping[str, Any]) -> None:
     elif find_resumable_sampler(loader) is not None:
         expected = KIND_RESUMABLE_SAMPLER
     else:
-        raise UsageError(f"cannot restore the position of a {_describe(loader)}: {_SUPPORTED}")
+        raise UsageError(f"cannot restore the position of a {_describe(loader)}: {_refusal(loader)}")
     if kind != expected:
         raise UsageError(f"loader state of kind {kind!r} cannot be restored into a {_describe(loader)} ({expected})")
     if expected == KIND_STATEFUL_DATALOADER:
