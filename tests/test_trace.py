@@ -27,7 +27,7 @@ from ckptverify.trace import (
     first_divergence,
     open_trace,
 )
-from ckptverify.trace.compare import _merged_order
+from ckptverify.trace.compare import _merged_order, divergences
 
 STEPS = 5
 
@@ -370,13 +370,19 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     assert by_rank[0].actual["step"] == 2 and by_rank[0].actual["category"] == "gradients"
     summary = next(f for f in findings if f.check == "trace-summary")
     assert summary.actual["first_step"] == 2 and summary.actual["ranks"] == [0, 1]
+    # The job's first divergence is rank 1's own batch: rank 0 only received it through the reduce-scatter.
     d = first_divergence(tmp_path / "a", tmp_path / "c")
-    assert d is not None and (d.step, d.rank, d.category) == (2, 0, "gradients")
+    assert d is not None and (d.step, d.rank, d.category) == (2, 1, "data")
+    assert (d.origin_ranks, d.receiver_ranks) == ((1,), (0,))
+    assert "born on rank 1, received through a collective by rank 0" in summary.message
+    rank0 = {x.rank: x for x in divergences(tmp_path / "a", tmp_path / "c")}[0]
+    assert (rank0.step, rank0.category, rank0.own_site) == (2, "gradients", None)
     # The same run traced with one cell per category compares with the per-tensor trace: same step, rank and
     # category; every gradient of rank 0 differs, so no single tensor is named.
+    rank0 = {x.rank: x for x in divergences(tmp_path / "a", tmp_path / "d")}[0]
+    assert (rank0.step, rank0.category, rank0.site, rank0.tensors) == (2, "gradients", "grad.*", "several")
     d = first_divergence(tmp_path / "a", tmp_path / "d")
-    assert d is not None and (d.step, d.rank, d.category, d.site, d.tensors) == (2, 0, "gradients", "grad.*",
-                                                                                "several")
+    assert d is not None and (d.step, d.rank, d.origin_ranks) == (2, 1, (1,))
 
 
 # ------------------------------------------------------------------------------------------ category cells

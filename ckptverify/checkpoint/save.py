@@ -194,8 +194,15 @@ def _plain(state: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
 
     if isinstance(state, TrainState):
         model: Any = state.model
+    elif isinstance(state, dict):
+        # A module among the values, or a wrapper holding the model as torchtitan's ModelWrapper does.
+        model = []
+        for value in state.values():
+            inner = value if isinstance(value, torch.nn.Module) else getattr(value, "model", None)
+            inner = inner if isinstance(inner, list | tuple) else [inner]
+            model += [m for m in inner if isinstance(m, torch.nn.Module)]
     else:
-        model = [v for v in state.values() if isinstance(v, torch.nn.Module)] if isinstance(state, dict) else None
+        model = None
     text = pending_gradients_warning(model, f"the checkpoint {os.fspath(path)}") if model else None
     if text is not None:
         warnings.warn(text, UserWarning, stacklevel=3)

@@ -203,6 +203,9 @@ class Verifier:
     def __init__(self, *, verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto",
                  jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None, **renamed: Any) -> None:
         options = integration_verify("Verifier", verify, renamed)
+        from ckptverify.state.train_state import watch_optimizer_steps
+
+        watch_optimizer_steps()  # from now on a save can tell accumulated gradients from a step's
         background, deep = options.when == "background", options.deep
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
@@ -546,6 +549,16 @@ class Verifier:
             return verdict, earlier
         first = data["earlier"]
         return Verification.from_dict(data["verdict"]), None if first is None else Verification.from_dict(first)
+
+
+def warn_if_accumulating(model: Any, path: str | os.PathLike[str]) -> None:
+    """Warn when ``model`` (a module or a list of them) holds gradients accumulated since the last optimizer
+    step as the framework saves ``path``: the checkpoint does not hold them, so a run resumed from it differs."""
+    from ckptverify.state.train_state import pending_gradients_warning
+
+    text = pending_gradients_warning(model, f"the checkpoint {os.fspath(path)}") if model is not None else None
+    if text is not None:
+        warnings.warn(text, UserWarning, stacklevel=3)
 
 
 def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],

@@ -56,6 +56,7 @@ from ckptverify.integrations._core import (
     numbered_folders,
     plain_folder,
     torch_gather,
+    warn_if_accumulating,
 )
 
 __all__ = ["load_state", "save_state", "wait_for_verifications"]
@@ -88,6 +89,8 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
                 "events_dir": _events_dir(accelerator, events_dir)}
     background = options.when == "background"
     verifier = _background_verifier(accelerator, settings) if background else Verifier(**settings)
+    warn_if_accumulating(list(getattr(accelerator, "_models", []) or []) or None,
+                         "accelerator.save_state" if output_dir is None else output_dir)
     location = accelerator.save_state(None if output_dir is None else os.fspath(output_dir), **save_kwargs)
     path = os.fspath(location)
     if step is None:

@@ -62,6 +62,7 @@ from ckptverify.integrations._core import (
     integration_verify,
     settle_verdicts,
     torch_gather,
+    warn_if_accumulating,
 )
 
 __all__ = ["VerifyCheckpoints"]
@@ -154,6 +155,7 @@ class VerifyCheckpoints(Callback):
 
     def _saving(self, trainer: pl.Trainer, save: Any) -> Any:
         def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+            warn_if_accumulating(trainer.lightning_module, filepath)
             save(checkpoint, filepath, storage_options=storage_options)
             path = os.fspath(filepath)
             group = self._group(trainer)

@@ -55,6 +55,7 @@ from ckptverify.integrations._core import (
     plain_folder,
     settle_verdicts,
     torch_group,
+    warn_if_accumulating,
 )
 
 __all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]
@@ -85,6 +86,7 @@ class VerifyCheckpointsCallback(TrainerCallback):
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        warn_if_accumulating(kwargs.get("model"), path)
         self.verdicts.append(self.verifier.after_save(path, step=state.global_step, group=torch_group()))
         return control
 

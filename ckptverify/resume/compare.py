@@ -115,6 +115,9 @@ class Evidence:
     #: A saved the checkpoint B resumes from while parameters held accumulated gradients (``rank``, ``count``,
     #: ``names``; one entry per rank).
     pending_gradients: tuple[Mapping[str, Any], ...] = ()
+    #: The registered loader as A's rank 0 saw it at ``run.restore`` (``type``, ``iterable``: its dataset is an
+    #: ``IterableDataset``); ``None`` when none is registered.
+    loader: Mapping[str, Any] | None = None
     missing_optimizer: str | None = None
     restore: tuple[Finding, ...] = ()
     nondeterminism: FirstDivergence | None = None
@@ -147,6 +150,7 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
     replaced = [{**r, "run": name, "rank": rank} for name, config in configs.items()
                 for rank, notes in sorted(_read_notes(config).items()) for r in notes.get("replaced", []) or []]
     found["replaced"] = tuple(replaced)
+    found["loader"] = notes_a.get(min(notes_a), {}).get("loader") if notes_a else None
     found["pending_gradients"] = tuple({**p, "rank": rank} for rank, notes in sorted(_read_notes(configs["A"]).items())
                                        for p in notes.get("pending_gradients", []) or [] if p.get("step") == K)
     findings.extend(warning("replaced-after-restore", f"[{r['run']}] {r['name']} ({r['type']}) was rebuilt after "

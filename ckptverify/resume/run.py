@@ -268,6 +268,12 @@ class Run:
             raise UsageError(f"run.restore() takes a TrainState, got {type(state).__name__}")
         self.state = state
         notes: dict[str, Any] = {"unsaved_schedulers": unsaved_schedulers(state)}
+        if state.dataloader is not None:
+            from torch.utils.data import IterableDataset
+
+            # What a data verdict can say about the loader's position (an iterable dataset has no indices).
+            notes["loader"] = {"type": type(state.dataloader).__name__, "iterable": isinstance(
+                getattr(state.dataloader, "dataset", None), IterableDataset)}
         import sys
 
         from ckptverify.resume.unregistered import registered_bindings

@@ -265,7 +265,8 @@ def _pending_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) ->
                    f"the checkpoint of step {plan.resume_at} was saved in the middle of gradient accumulation: "
                    f"{p.get('count')} parameter(s) held accumulated gradients ({names}; {on}), which a checkpoint "
                    f"does not save, so B's optimizer step starts from zero gradients while A's carries the "
-                   f"accumulated ones; the runs part at {when} ({_where(div)}) as a consequence.{forgotten}",
+                   f"accumulated ones; the runs part at {when} (step {step}, first at {_site(div)}) as a "
+                   f"consequence.{forgotten}",
                    step=step, rank=ranks[0] if len(ranks) == 1 else None, site="grad", category="gradients",
                    origin=_get(div, "origin"),
                    advice="save at optimizer-step boundaries: take each optimizer step's micro-batches as one "
@@ -450,6 +451,18 @@ def _data_cause(evidence: Evidence, ev: StepEvidence, step: int, first_resumed: 
         if loaders:
             return (f"{named} is not registered in the TrainState, so its position is not saved (whether the "
                     "step drew other samples is not recorded).", f"{register}.")
+        loader = evidence.loader or {}
+        if loader.get("type") == "StatefulDataLoader" or loader.get("iterable"):
+            dataset = ("its IterableDataset's own state_dict in each worker" if loader.get("iterable")
+                       else "the state of its sampler and dataset")
+            return (f"the registered {loader.get('type')} holds the position ({dataset}), but no sample indices "
+                    "are recorded for it, so other samples cannot be told from the same samples with other "
+                    "contents. The usual causes: the loop reads batches from an iterator of the loader made before "
+                    "run.restore() or from another loader, or the dataset's state_dict leaves out part of its "
+                    "position (a shuffle buffer, a random offset).",
+                    "iterate the registered loader with run.steps(loader) (run.steps(loader, micro_batches=K) for "
+                    "gradient accumulation), make no iterator of it before run.restore(state), and give the "
+                    "dataset a state_dict()/load_state_dict() that holds its whole position.")
         return ("whether B drew the same samples as A cannot be told: the sample indices of the step's batch are "
                 "not recorded (they are for a loader driven by a ResumableSampler, iterated through "
                 "run.steps(loader) or sampler.track(loader), at --level state or module).",

@@ -65,14 +65,58 @@ class Counters:
         return out
 
 
+#: Whether :func:`watch_optimizer_steps` installed its hook in this process.
+_watching = False
+
+
+def _local(grad: Any) -> Any:
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _note_consumed(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """After any optimizer step: each parameter notes which gradient, at which version, the step consumed."""
+    import weakref
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None:
+                local = _local(g)
+                p._ckptverify_consumed = (weakref.ref(local), local._version)
+
+
+def watch_optimizer_steps() -> None:
+    """Install (once per process) a hook after every optimizer step that lets :func:`pending_gradients` tell
+    gradients accumulated since the last step from those a step already consumed (a loop that zeroes
+    gradients at the start of the next step, as Lightning and torchtitan do, saves with the last step's
+    gradients still in ``.grad``: nothing is lost)."""
+    global _watching
+    if not _watching:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_note_consumed)
+        _watching = True
+
+
 def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
     """The parameters of ``model`` (a module, or a list of modules) whose ``.grad`` holds values other than
-    zero: gradients accumulated since the last ``optimizer.zero_grad()``, which a checkpoint does not save
-    (DCP saves parameters, not their gradients). Returns up to ``limit`` names and how many there are.
+    zero that no optimizer step consumed: gradients accumulated since the last step, which a checkpoint does
+    not save (DCP saves parameters, not their gradients). Returns up to ``limit`` names and how many there are.
 
     A save between micro-batches of gradient accumulation loses them: the resumed run starts its optimizer
-    step from zero gradients. Each rank checks its own (an FSDP2 gradient's local shard), with no collective."""
+    step from zero gradients. Each rank checks its own (an FSDP2 gradient's local shard), with no collective.
+    Only parameters an optimizer step was seen to update since :func:`watch_optimizer_steps` was installed (a
+    TrainState installs it) are judged, since a step's gradients cannot be told from pending ones otherwise: a
+    save before the first optimizer step is not warned about. Not seen: gradients FSDP2 holds unsharded while
+    its gradient sync is off."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not _watching:
+        return [], 0
+
     modules = model if isinstance(model, list | tuple) else [model]
+    # Named as checkpoints and traces name them: without DDP's "module." prefix.
+    modules = [m.module if isinstance(m, DistributedDataParallel) else m for m in modules]
     names: list[str] = []
     count = 0
     seen: set[int] = set()
@@ -84,7 +128,12 @@ def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
             if g is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            local = g.to_local() if hasattr(g, "to_local") else g
+            local = _local(g)
+            consumed = getattr(p, "_ckptverify_consumed", None)
+            if consumed is None:
+                continue  # no step seen for it: a step's gradients cannot be told from pending ones
+            if consumed[0]() is local and consumed[1] == local._version:
+                continue  # the gradient the last optimizer step used, unchanged since
             if local.numel() and bool(torch.any(local.detach() != 0)):
                 count += 1
                 if len(names) < limit:
@@ -137,6 +186,7 @@ class TrainState:
                  allow_reseed: bool = False, seed: int = 0) -> None:
         self.model = model
         self.optimizers = _as_list(optimizer)
+        watch_optimizer_steps()  # so that a save can tell accumulated gradients from consumed ones
         if self.optimizers and model is None:
             raise UsageError("an optimizer needs its model: pass model= as well")
         self.schedulers = _as_list(scheduler)

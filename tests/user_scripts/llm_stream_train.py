@@ -19,7 +19,8 @@ a LambdaLR warmup-cosine schedule, gradient clipping and dropout.
 * ``restore``: the stream's ``load_state_dict`` drops the position it was given;
 * ``accum``: each ``run.steps()`` item is one micro-batch (the optimizer steps every ACCUM of them), and saves
   fall between micro-batches;
-* ``replaced-loader``: the loader is rebuilt after ``run.restore()``.
+* ``replaced-loader``: the loader is rebuilt after ``run.restore()``;
+* ``noisy``: the attention scores get a little noise drawn from the OS (a nondeterministic computation).
 """
 
 import math
@@ -43,7 +44,7 @@ PARALLEL = os.environ.get("PARALLEL", "ddp")
 
 
 def planted(name, rank):
-    return PLANT == name and (PLANT_RANKS == "all" or str(rank) == PLANT_RANKS)
+    return name == PLANT and (PLANT_RANKS == "all" or str(rank) == PLANT_RANKS)
 
 
 class TokenStream(IterableDataset):
@@ -74,8 +75,9 @@ class TokenStream(IterableDataset):
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, noisy=False):
         super().__init__()
+        self.noisy = noisy
         self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
         self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
         self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
@@ -85,6 +87,8 @@ class Block(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(DIM // HEADS)
+        if self.noisy:
+            att = att + int.from_bytes(os.urandom(2), "little") * 1e-7
         mask = torch.ones(t, t, dtype=torch.bool).tril()
         att = self.drop(att.masked_fill(~mask, float("-inf")).softmax(-1))
         x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, DIM))
@@ -92,10 +96,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self):
+    def __init__(self, noisy=False):
         super().__init__()
         self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(CTX, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(noisy) for _ in range(LAYERS))
         self.ln, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, idx):
@@ -113,16 +117,15 @@ def warmup_cosine(total):
     return f
 
 
-def make_loader(rank, world):
-    ds = TokenStream(rank, world, forget=planted("restore", rank))
-    return ds, StatefulDataLoader(ds, batch_size=MICRO, num_workers=2)
+def make_loader(ds):
+    return StatefulDataLoader(ds, batch_size=MICRO, num_workers=2)
 
 
 def train(run):
     torch.set_num_threads(1)
     rank, world = run.rank, run.world_size
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT(noisy=planted("noisy", rank))
     if world > 1 and PARALLEL == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -136,7 +139,8 @@ def train(run):
     torch.manual_seed(1 + rank)  # dropout differs per rank, as it should
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(run.total_steps))
-    ds, loader = make_loader(rank, world)
+    ds = TokenStream(rank, world, forget=planted("restore", rank))
+    loader = make_loader(ds)
     early = iter(loader) if planted("data", rank) else None
     run.restore(cv.TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=loader))
     if run.step > 0 and planted("rng", rank):
@@ -144,7 +148,7 @@ def train(run):
     if run.step > 0 and planted("scheduler", rank):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(run.total_steps))
     if run.step > 0 and planted("replaced-loader", rank):
-        ds, loader = make_loader(rank, world)
+        loader = make_loader(TokenStream(rank, world))
     tokens_seen = 0
     if PLANT == "accum":
         train_micro(run, model, opt, sched, loader, world)
