@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -171,6 +172,13 @@ def test_a_quarantined_corrupt_checkpoint_of_a_recovered_job_is_a_warning_and_sc
     assert row["handled_by"]["step"] == recovered_to
     (finding,) = [f for f in data["findings"] if f["severity"] == "warning"]
     assert "handled" in finding["message"]
+    # Monitoring clears: the gauge an alert reads counts no corrupt checkpoint that was handled.
+    from ckptverify.render.metrics import render_metrics
+
+    gauges = render_metrics(report, now=0.0)
+    assert re.search(r"^ckptverify_corrupt_checkpoints\{[^}]*\} 0$", gauges, re.M), gauges
+    assert re.search(r"^ckptverify_passed\{[^}]*\} 1$", gauges, re.M), gauges
+    assert "(quarantined, handled)" in text.output
 
 
 def test_a_quarantined_corrupt_checkpoint_the_job_has_not_got_past_still_fails(tmp_path: Path) -> None:

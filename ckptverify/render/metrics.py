@@ -43,7 +43,8 @@ _HELP = {
     "seconds": "wall time of the last run",
     "last_run_timestamp_seconds": "when the last run ended (Unix time)",
     "checkpoints": "checkpoints found by the last scan",
-    "corrupt_checkpoints": "checkpoints the last scan found corrupt",
+    "corrupt_checkpoints": "checkpoints the last scan found corrupt and not handled (a quarantined one the job "
+                           "recovered past is handled)",
     "last_good_step": "step of the newest verified or intact checkpoint (scan, latest; -1 when none)",
 }
 
@@ -65,7 +66,9 @@ def render_metrics(report: Report, *, now: float | None = None) -> str:
         rows = stats.get("checkpoints", [])
         newest = stats.get("newest_good") or {}
         values["checkpoints"] = len(rows)
-        values["corrupt_checkpoints"] = sum(1 for r in rows if r.get("state") == "corrupt")
+        # A corrupt checkpoint the job moved aside and recovered past is handled: an alert on this gauge clears.
+        values["corrupt_checkpoints"] = sum(1 for r in rows if r.get("state") == "corrupt"
+                                            and not r.get("handled_by"))
         step = newest.get("step")
         values["last_good_step"] = -1 if step is None else step
     elif report.command == "latest":

@@ -32,8 +32,9 @@ def render_scan(report: Report, console: Any) -> None:
     for row in rows:
         table.add_row(Text("-" if row["step"] is None else str(row["step"])), Text(printable(row["path"])),
                       Text(row["format"]), Text(human_bytes(row["size"])),
-                      Text(row["state"] + (" (quarantined)" if row.get("quarantined") else ""),
-                           style=style[row["state"]]),
+                      Text(row["state"] + (" (quarantined, handled)" if row.get("handled_by") else
+                                           " (quarantined)" if row.get("quarantined") else ""),
+                           style="yellow" if row.get("handled_by") else style[row["state"]]),
                       Text(printable(row["reason"])))
     console.print(table)
     newest = report.stats.get("newest_good")
