@@ -675,10 +675,8 @@ def trace_diff(a: str, b: str, allow_header_mismatch: bool, force_deprecated: bo
     try:
         findings = compare_traces(a, b, force=allow_header_mismatch or force_deprecated, ignore_sites=ignore)
     except TraceHeaderMismatchError as exc:
-        # The library's advice names its Python keyword too (force=True); this command's way is its own option.
-        what, sep, _ = str(exc).rpartition("; pass ")
-        _fail(UsageError(f"{what if sep else exc}; pass --allow-header-mismatch to compare anyway"), json_out,
-              "trace diff", f"{a} {b}")
+        _fail(UsageError(f"{exc}; pass --allow-header-mismatch to compare anyway"), json_out, "trace diff",
+              f"{a} {b}")
     except CkptVerifyError as exc:
         _fail(exc, json_out, "trace diff", f"{a} {b}")
     _emit(Report(command="trace diff", target=f"{a} {b}", findings=tuple(findings)), json_out,

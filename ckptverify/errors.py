@@ -294,13 +294,14 @@ class TraceFormatError(CkptVerifyError):
 
 
 class TraceHeaderMismatchError(UsageError):
-    """Two traces describe different things (level, workload, world size, versions, config)."""
+    """Two traces describe different things (level, workload, world size, versions, config). The message says
+    what differs and nothing of what to do: each caller names its own way to compare anyway (``force=True`` of
+    the Python API, ``trace diff --allow-header-mismatch``), or none."""
 
     def __init__(self, fields: Sequence[str], a: Any, b: Any) -> None:
         da, db = a.header.to_dict(), b.header.to_dict()
         detail = "; ".join(f"{name}: {da.get(name)!r} vs {db.get(name)!r}" for name in fields)
-        super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}; "
-                         "pass force=True (trace diff --allow-header-mismatch) to compare anyway")
+        super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}")
         self.fields = tuple(fields)
 
 
