@@ -273,7 +273,8 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
                               actual=c.changed))
     kind = "beyond-variation" if varying else "effect"
     where = f"step {first.step}, rank {first.rank}, site {first.site}"
-    sentence = (f"{plan.changed} differs from {plan.base} first at {where}, where every baseline run agrees"
+    sentence = (f"{plan.changed} differs from {plan.base} first at {where}; the baseline is deterministic (its "
+                f"{plan.repeats + 1} runs are bitwise equal at every traced site), so this is the change's effect"
                 if kind == "effect" else
                 f"{plan.changed} leaves the natural variation of {plan.base} first at {where} "
                 f"({len(beyond)} site-step(s) beyond it)")
@@ -285,7 +286,10 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
                                                          total_steps=plan.steps)),
                             nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats, timeout_s=timeout_s,
                             # the traces agree before this step: both start it from equal traced state
-                            state_equal=True),
+                            state_equal=True,
+                            # every baseline run agreed: what the walk sees vary in it varies only sometimes, and
+                            # is never its "natural variation"
+                            deterministic=("base",) if kind == "effect" else ()),
                        os.path.join(work, "locate"), progress=say)
         findings.extend(located.findings())
     return _report(plan, findings, coverage, stats, kind, sentence, first, located)

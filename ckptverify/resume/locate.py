@@ -23,9 +23,12 @@ level ``op`` to say where the difference is *born*:
    Steps before ``s`` run untraced at op level (the window is on ``s`` alone), so the walk's cost is ``s``
    ordinary steps plus one op-traced step per repeat and side.
 3. **per rank**, in its own execution order, the analysis of ``ckptverify.trace.locate`` finds the origin (the
-   first op whose inputs are equal and outputs differ, and in how many repeats), the receivers (ranks whose
-   first difference arrived through a collective or a receive, with the senders) or an untraced producer.
-4. **the kernel.** For an origin op, one more run on side A captures that op's inputs
+   first op whose inputs are equal and outputs differ, or whose tensors are equal and another argument differs,
+   and in how many repeats), the receivers (ranks whose first difference arrived through a collective or a
+   receive, with the senders) or an untraced producer, from the A/B pairs and from each side's repeats among
+   themselves alike (an op that varies within one side on equal inputs is an origin).
+4. **the kernel.** For an origin op, one more run on side A (the side it ran on alone, or the side whose repeats
+   showed it) captures that op's inputs
    (:class:`~ckptverify.trace.oplog.OpWindow` ``capture``) and :mod:`ckptverify.trace.kernel` re-runs it alone
    ``repeats`` times: nondeterministic by itself (with the documented mechanism where torch names one), or
    deterministic alone (the cause is the order or topology around it).
@@ -93,6 +96,9 @@ class Walk:
     #: every saved field is restored); ``None``: not known (state outside the TrainState may differ). It tells
     #: an untraced producer from a difference in the starting state.
     state_equal: bool | None = None
+    #: The names of the sides the calling check found bitwise equal run to run (``compare``'s baseline when its
+    #: control runs all agree): the walk never calls their variation natural.
+    deterministic: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -257,12 +263,14 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
                 logs[side.name].setdefault(rank, []).append(list(ops))
     say(f"locate: comparing the op logs of step {s}")
     a, b = (logs[side.name] for side in request.sides)
-    result = _analyse(a, b, s, request.state_equal)
+    names = (request.sides[0].name, request.sides[1].name)
+    known = tuple(x for x, side in zip("ab", request.sides, strict=True) if side.name in request.deterministic)
+    result = _analyse(a, b, s, request.state_equal, names=names, deterministic=known)
     data = result.to_dict()
     origin, receivers = data.get("origin"), tuple(data.get("receivers") or ())
     within = _within_side(result)
-    extra = {k: data[k] for k in ("origins", "one_side", "output", "last_equal", "within_side", "missing")
-             if k in data}
+    extra = {k: data[k] for k in ("origins", "one_side", "output", "last_equal", "within_side", "missing",
+                                  "arguments", "seen_in") if k in data}
     found = tuple(result.findings())
     if origin is None and not receivers:
         sentence = (f"At level op, the {n} re-run(s) of each side agree at step {s}: the difference does not "
@@ -274,8 +282,9 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
                       within_side=within, extra=extra, found=found)
     kernel = None
     if origin.get("kind") == "op" and origin.get("op"):
-        # An op that ran on one side only is captured on that side.
-        side = request.sides[1] if data.get("one_side") == "b" else request.sides[0]
+        # An op that ran on one side only is captured on that side; one that varies among one side's repeats, on
+        # that side.
+        side = request.sides[1] if data.get("one_side") == "b" or data.get("seen_in") == "b" else request.sides[0]
         kernel, kernel_finding = _kernel(request, side, origin, workdir, say, launch, timeout, config)
         if kernel_finding is not None:
             found += (kernel_finding,)
@@ -287,11 +296,13 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
 
 
 def _analyse(a: Mapping[int, list[list[Any]]], b: Mapping[int, list[list[Any]]], step: int,
-             state_equal: bool | None) -> Any:
-    """The per-rank analysis (``ckptverify.trace.locate``) over the two sides' op logs."""
+             state_equal: bool | None, *, names: tuple[str, str] = ("A", "B"),
+             deterministic: tuple[str, ...] = ()) -> Any:
+    """The per-rank analysis (``ckptverify.trace.locate``) over the two sides' op logs; ``names`` the sides'
+    names, ``deterministic`` those (``"a"``/``"b"``) the calling check found bitwise equal run to run."""
     from ckptverify.trace import locate as analysis
 
-    return analysis.locate(a, b, step=step, state_equal=state_equal)
+    return analysis.locate(a, b, step=step, state_equal=state_equal, names=names, deterministic=deterministic)
 
 
 def _within_side(result: Any) -> bool | None:

@@ -6,9 +6,12 @@ is compared with repeat ``i`` of side B (a *pair*); ops are aligned by :attr:`Op
 index), and "first" on a rank is that rank's execution order (:attr:`OpEvent.index`; an op that ran on one side
 only is placed right after the op that side ran before it).
 
-Per rank and pair, the first op that differs (in its inputs, its outputs, or its presence) is classified:
+Per rank and pair, the first op that differs (in its inputs, its outputs, its other arguments, or its presence)
+is classified:
 
-* **origin** (kind ``op``): its inputs are equal and its outputs differ, or it ran on one side only;
+* **origin** (kind ``op``): its inputs are equal and its outputs differ, or it ran on one side only, or its
+  tensors are equal and another argument (a scalar, a dtype, a shape, a list, a generator) differs while its
+  outputs differ or were not compared;
 * **receiver**: a collective or receive whose inputs on this rank are equal and whose outputs differ, while
   another member's input to the same ``(group, seq)`` differed (the *senders*), or, for a receive, the peer;
 * **origin** (kind ``collective``): a collective whose outputs differ although every member's input to it
@@ -20,14 +23,15 @@ Per rank and pair, the first op that differs (in its inputs, its outputs, or its
   the value was not produced within the step).
 
 A fingerprint that is ``None`` (an ``empty*`` output, an in-flight collective buffer, a non-blocking copy's
-destination) is never a difference. The result is a :class:`Located`; the analysis names a rank only when the
-logs single it out.
+destination) is never a difference. The repeats of each side are also compared with that side's first repeat,
+and a rank's verdict weighs every pair (:func:`locate`). The result is a :class:`Located`; the analysis names a
+rank only when the logs single it out.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +170,11 @@ class Located:
     it is not the starting state). ``state_equal``: what the caller said of the state the step started from.
     ``within_side``: sides whose own repeats differ (nondeterminism within a side). ``missing``: ranks with logs
     on one side only (not compared); ``repeats``: pairs compared.
+    ``arguments``: for an origin op whose tensors were equal, its other arguments that differ (``{"name", "a",
+    "b"}``, each side's readable value or ``None``). ``seen_in``: where the origin was seen: ``"ab"`` (the A/B
+    pairs) or ``"a"``/``"b"`` (the repeats of that side among themselves: nondeterminism within it, the A/B
+    pairs showing nothing more direct); ``side_pairs``: how many such pairs each side had. ``names``: the sides'
+    names in sentences; ``deterministic``: the sides the calling check found bitwise equal run to run.
     """
 
     step: int
@@ -182,6 +191,11 @@ class Located:
     state_equal: bool | None = None
     within_side: tuple[SideVariation, ...] = ()
     missing: tuple[int, ...] = ()
+    arguments: tuple[dict[str, Any], ...] = ()
+    seen_in: str = "ab"
+    names: tuple[str, str] = ("A", "B")
+    deterministic: tuple[str, ...] = ()
+    side_pairs: tuple[int, int] = (0, 0)
 
     @property
     def diverged(self) -> bool:
@@ -205,6 +219,8 @@ class Located:
             "state_equal": self.state_equal,
             "within_side": [v.to_dict() for v in self.within_side],
             "missing": list(self.missing),
+            "arguments": [dict(x) for x in self.arguments],
+            "seen_in": self.seen_in,
             "sentence": self.sentence(),
         }
 
@@ -225,11 +241,14 @@ class Located:
                             + (f" from {_ranks(v.senders)}" if v.senders else ""),
                             actual=r.to_dict(), location=Location(rank=r.rank, record=f"step {r.step} {r.op}")))
         for v in self.within_side:
-            out.append(warning("locate-nondeterministic", f"the {v.repeats} repeats of side {v.side.upper()} differ "
+            out.append(warning("locate-nondeterministic", f"the {v.repeats} repeats of {self._side(v.side)} differ "
                                f"among themselves on rank {v.rank} ({v.repeats_differing} differ from the first), "
                                f"first at {v.site.describe()}", actual=v.to_dict(),
                                location=Location(rank=v.rank, record=f"step {v.site.step} {v.site.op}")))
         return out
+
+    def _side(self, side: str) -> str:
+        return f"side {self.names[0] if side == 'a' else self.names[1]}"
 
     def sentence(self) -> str:
         """The verdict in one sentence."""
@@ -253,14 +272,31 @@ class Located:
                     + "; ".join(f"rank {x.rank}: {x.op} (occurrence {x.occurrence})" for x in self.origins))
         site = f"{o.op} (occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''})"
         count = f"in {o.repeats_differing} of {self.repeats} repeat pairs"
+        if self.seen_in in ("a", "b"):
+            pairs = self.side_pairs[0 if self.seen_in == "a" else 1]
+            count = f"in {o.repeats_differing} of {pairs} pairs of repeats of {self._side(self.seen_in)}"
+        if o.kind == "op" and self.seen_in in ("a", "b"):
+            which = self._side(self.seen_in)
+            how = "ran in only some of its repeats" if self.output is None and not self.arguments else \
+                "has equal inputs and different outputs across its repeats"
+            return (f"The divergence at step {self.step} is born on {who}: {site} {how} ({count}): it is "
+                    f"nondeterministic within {which}, whether or not the pairs of the two sides happened to differ "
+                    f"there")
+        if o.kind == "op" and self.arguments:
+            named = ", ".join(f"{x['name']}: {x['a']} vs {x['b']}" if x["a"] is not None and x["b"] is not None
+                              else f"{x['name']} differs" for x in self.arguments)
+            where = f"occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''}"
+            return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} ({where}): its tensor "
+                    f"inputs are equal and {_plural(len(self.arguments), 'argument')} other than a tensor "
+                    f"{'differs' if len(self.arguments) == 1 else 'differ'} ({count})")
         if o.kind == "op":
             if self.rewired:
                 return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
                        f"the other side, each a value both sides had (it is called on another tensor: the call or " \
                        f"the op sequence changed) ({count})"
             if self.one_side is not None:
-                return f"The divergence at step {self.step} is born on {who}: {site} ran on side " \
-                       f"{self.one_side.upper()} only ({count})"
+                return f"The divergence at step {self.step} is born on {who}: {site} ran on " \
+                       f"{self._side(self.one_side)} only ({count})"
             where = ""
             if self.output is not None:
                 where = f" (output {self.output['index']}"
@@ -308,14 +344,34 @@ class Located:
         return ("; " + "; ".join(parts)) if parts else ""
 
     def _within_text(self) -> str:
+        """What the repeats of each side say of themselves. Never advice the evidence contradicts: a side the
+        calling check found deterministic is not said to vary naturally, and a difference between the sides is
+        called possibly natural variation only where a side varies at the very op where the sides part."""
         if not self.within_side:
             return ""
-        sides = sorted({v.side.upper() for v in self.within_side})
+        sides = sorted({v.side for v in self.within_side})
         first = self.within_side[0]
-        which = f"side {sides[0]}" if len(sides) == 1 else "both sides"
-        return (f"; the repeats of {which} already differ among themselves (first at {first.site.describe()} on "
-                f"rank {first.rank}): the step is not deterministic, so a difference between the sides may be "
-                f"its natural variation")
+        which = self._side(sides[0]) if len(sides) == 1 else "both sides"
+        text = f"; the repeats of {which} differ among themselves (first at {first.site.describe()} on rank " \
+               f"{first.rank})"
+        known = [x for x in sides if x in self.deterministic]
+        if known:
+            names = " and ".join(self._side(x) for x in known)
+            return (text + f": {names} agreed bitwise in every run of the check, so it is nondeterministic only some "
+                    "of the time (what varies here does not vary in every run)")
+        o = self.origin
+        if self.seen_in in ("a", "b") and o is not None:
+            return text
+        same = o is None or any(v.site.op == o.op and v.site.occurrence == o.occurrence and v.site.phase == o.phase
+                                and v.site.module == o.module for v in self.within_side)
+        if same:
+            return text + ": the step is not deterministic, so a difference between the sides may be its natural " \
+                          "variation"
+        return text + ": the step is not deterministic there, but the sides part elsewhere"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"one {word}" if n == 1 else f"{n} {word}s"
 
 
 def _record(o: Origin) -> str:
@@ -346,6 +402,28 @@ def _seq_differs(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
 
 def _inputs_differ(a: OpEvent, b: OpEvent) -> bool:
     return _seq_differs(a.inputs, b.inputs)
+
+
+def _argument_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any], ...]:
+    """The arguments other than tensors (scalars, dtypes, shapes, lists, generators) whose values differ between
+    two events of one key: ``{"name", "a", "b"}`` with each side's readable value (``None`` when it is not small
+    enough to show, or the argument was not recorded on that side)."""
+    if a.arguments == b.arguments:
+        return ()
+    xa = {x.name: x for x in a.arguments}
+    xb = {x.name: x for x in b.arguments}
+    out = []
+    for name in dict.fromkeys([*xa, *xb]):
+        va, vb = xa.get(name), xb.get(name)
+        if va is None or vb is None or va.digest != vb.digest:
+            out.append({"name": name, "a": va.text if va is not None else None,
+                        "b": vb.text if vb is not None else None})
+    return tuple(out)
+
+
+def _compared(e: OpEvent) -> bool:
+    """Whether any output of ``e`` was fingerprinted (an artifact's is not)."""
+    return any(x is not None for x in e.outputs)
 
 
 def _output_difference(a: OpEvent, b: OpEvent) -> dict[str, Any] | None:
@@ -421,18 +499,19 @@ def _merged(a: list[tuple[OpKey, OpEvent]], b: list[tuple[OpKey, OpEvent]], in_a
 def _same(a: OpEvent, b: OpEvent) -> bool:
     """Whether two events of one key are plainly identical in what is compared (the fast path: no artifact)."""
     return (a.inputs == b.inputs and a.outputs == b.outputs and a.shapes == b.shapes and a.dtypes == b.dtypes
-            and a.chunks == b.chunks)
+            and a.chunks == b.chunks and a.arguments == b.arguments)
 
 
 @dataclass(frozen=True, slots=True)
 class _First:
     """The first difference of one rank in one pair."""
 
-    what: str  # "one-sided", "outputs" (inputs equal), "inputs"
+    what: str  # "one-sided", "outputs" (inputs equal), "arguments" (tensors equal, other arguments not), "inputs"
     event: OpEvent  # side A's event (side B's when the op ran on B only)
     other: OpEvent | None
     side: str | None = None  # for one-sided: the side it ran on
     output: dict[str, Any] | None = None
+    arguments: tuple[dict[str, Any], ...] = ()  # for "arguments": those that differ
     last_equal: OpEvent | None = None
     produced_in_step: bool = False
     rewired: bool = False  # for "inputs": each side read a value both sides had
@@ -487,6 +566,12 @@ class _Pair:
                 return _First("inputs", ea, eb, last_equal=self._last_equal(merged, n), produced_in_step=made,
                               rewired=rewired)
             output = _output_difference(ea, eb)
+            arguments = _argument_difference(ea, eb)
+            # Tensors equal, another argument not: the op was called differently. It is a difference when what it
+            # made differs, or when nothing it made was compared (an argument that changes nothing is not).
+            if arguments and (output is not None or not (_compared(ea) and _compared(eb))):
+                return _First("arguments", ea, eb, output=output, arguments=arguments,
+                              last_equal=self._last_equal(merged, n))
             if output is not None:
                 return _First("outputs", ea, eb, output=output, last_equal=self._last_equal(merged, n))
         return None
@@ -537,7 +622,7 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
     first = pairs[rank].first()
     if first is None:
         return None
-    if first.what == "one-sided":
+    if first.what in ("one-sided", "arguments"):
         return _Verdict("op", first)
     if first.what == "inputs":
         if first.rewired:
@@ -648,16 +733,26 @@ def _check_logs(logs: Any, side: str) -> dict[int, list[list[OpEvent]]]:
     return out
 
 
-def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bool | None = None) -> Located:
+def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bool | None = None,
+           names: tuple[str, str] = ("A", "B"), deterministic: Sequence[str] = ()) -> Located:
     """Locate the divergence of one step between sides ``a`` and ``b``.
 
     ``a``/``b``: per rank, the op logs of the step's repeats (the same number of repeats on every rank of a
     side; repeat ``i`` of every rank is one run). Repeat ``i`` of A is compared with repeat ``i`` of B (pairs
-    beyond the shorter side are not compared). ``step``: the step whose ops are compared (default: the smallest
-    step in the logs, and every op of the logs is compared).
+    beyond the shorter side are not compared), and every repeat of a side with its first repeat (the side's own
+    variation). ``step``: the step whose ops are compared (default: the smallest step in the logs, and every op
+    of the logs is compared).
     ``state_equal``: whether the state the step started from was proved equal on both sides (``None``: not
     known); it decides between ``untraced`` and ``state`` for a first difference in an op's inputs that no op of
-    the step produced. Raises :class:`~ckptverify.errors.UsageError` (exit 2) on malformed logs.
+    the step produced. ``names``: how the sentences call the sides; ``deterministic``: the sides (``"a"``,
+    ``"b"``) whose runs the calling check found bitwise equal among themselves (the sentences never call such a
+    side's variation natural). Raises :class:`~ckptverify.errors.UsageError` (exit 2) on malformed logs.
+
+    Evidence from every comparison counts. Per rank, the verdict is taken from the A/B pairs and the pairs
+    within each side alike, preferring what is seen directly: an op or collective whose inputs are equal and
+    whose outputs differ (in any pair: an op that differs among one side's repeats on equal inputs is an origin
+    even when the A/B pairs happened to agree), then a difference that arrived from another rank, then one whose
+    producer the trace does not show; among equals the A/B pairs first, then the verdict most pairs agree on.
     """
     la, lb = _check_logs(a, "A"), _check_logs(b, "B")
     ranks = tuple(sorted(set(la) & set(lb)))
@@ -678,54 +773,93 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     if not any(rep for side in (la, lb) for r in ranks for rep in side[r]):
         raise UsageError(f"nothing to compare: the logs hold no op of step {step}")
 
-    per_pair: list[dict[int, _Verdict]] = []
+    # Every comparison: ("ab", i) is repeat i of A with repeat i of B; ("a", i) / ("b", i) repeat i of that side
+    # with its repeat 0. Each gives, per rank, that rank's first difference.
+    compared: list[tuple[str, int, dict[int, _Verdict], Callable[[int], tuple[Sequence[OpEvent], ...]]]] = []
     for i in range(repeats):
         pairs = {r: _Pair(la[r][i], lb[r][i], what=f"rank {r}, repeat {i}") for r in ranks}
-        per_pair.append({r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None})
+        compared.append(("ab", i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
+                         lambda r, i=i: (la[r][i], lb[r][i])))
+    per_side: dict[str, int] = {}
+    for side, logs in (("a", la), ("b", lb)):
+        n = per_side[side] = min(len(logs[r]) for r in ranks)
+        for i in range(1, n):
+            pairs = {r: _Pair(logs[r][0], logs[r][i], what=f"side {side.upper()}, rank {r}, repeat {i}")
+                     for r in ranks}
+            # Two repeats of one side start the step from the same state when the two sides do.
+            compared.append((side, i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
+                             lambda r, i=i, logs=logs: (logs[r][0], logs[r][i])))
 
     origins: list[Origin] = []
     receivers: list[Receiver] = []
-    details: dict[int, _Verdict] = {}
+    details: dict[int, tuple[_Verdict, str]] = {}
     for r in ranks:
-        verdicts = [p[r] for p in per_pair if r in p]
-        if not verdicts:
+        chosen_at = _choose(r, compared)
+        if chosen_at is None:
             continue
-        # The verdict most pairs agree on; among equals, the one of the earliest pair.
-        tally = Counter(v.identity for v in verdicts)
-        best = max(tally.values())
-        chosen = next(v for v in verdicts if tally[v.identity] == best)
+        source, chosen = chosen_at
         e = chosen.first.event
         if chosen.kind == "receiver":
             assert chosen.via is not None
             receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, phase=e.phase, module=e.module,
                                       occurrence=e.occurrence, seen=chosen.seen))
             continue
-        # Pairs where the same verdict holds; for an op, also those where the op had equal inputs and different
-        # outputs (or ran on one side only) without being that rank's first difference.
-        count = sum(1 for i in range(repeats)
-                    if (r in per_pair[i] and per_pair[i][r].identity == chosen.identity)
-                    or (chosen.kind == "op" and _op_differs(la[r][i], lb[r][i], e.key)))
-        details[r] = chosen
+        # Comparisons of that source where the same verdict holds; for an op, also those where the op had equal
+        # inputs and different outputs (or ran on one side only) without being that rank's first difference.
+        count = sum(1 for src, _, verdicts, logs_of in compared if src == source
+                    and ((r in verdicts and verdicts[r].identity == chosen.identity)
+                         or (chosen.kind == "op" and _op_differs(*logs_of(r), e.key))))
+        details[r] = (chosen, source)
         origins.append(Origin(kind=chosen.kind, rank=r, step=e.step, phase=e.phase, module=e.module, op=e.op,
                               occurrence=e.occurrence, repeats_differing=count))
 
     origin = _combine(origins)
     one = details[origins[0].rank] if len(origins) == 1 and origins[0].rank is not None else None
-    first = one.first if one is not None else None
+    first = one[0].first if one is not None else None
+    sources = {src for _, src in details.values()}
+    seen_in = sources.pop() if len(sources) == 1 else "ab"
     return Located(
         step=step, ranks=ranks, repeats=repeats, origin=origin,
         origins=tuple(origins) if len(origins) > 1 else (),
         receivers=tuple(receivers),
-        one_side=first.side if first is not None and first.what == "one-sided" else None,
+        one_side=first.side if first is not None and first.what == "one-sided" and seen_in == "ab" else None,
         rewired=first is not None and first.what == "inputs" and first.rewired,
         output=first.output if first is not None else None,
+        arguments=first.arguments if first is not None else (),
         last_equal=_site(origins[0].rank, first.last_equal)  # type: ignore[arg-type]
         if first is not None and first.what == "inputs" and first.last_equal is not None else None,
         produced_in_step=first.produced_in_step if first is not None and first.what == "inputs" else None,
         state_equal=state_equal,
-        within_side=_within_side(la, "a", ranks) + _within_side(lb, "b", ranks),
+        within_side=_within_side(compared, "a", ranks, per_side["a"]) + _within_side(compared, "b", ranks,
+                                                                                      per_side["b"]),
         missing=missing,
+        seen_in=seen_in,
+        names=(str(names[0]), str(names[1])),
+        deterministic=tuple(x for x in ("a", "b") if x in deterministic),
+        side_pairs=(per_side["a"] - 1, per_side["b"] - 1),
     )
+
+
+#: How directly a verdict shows where a difference is born: seen at the op or collective itself, arrived from
+#: another rank, or born where the trace does not see.
+_DIRECTNESS = {"op": 0, "collective": 0, "receiver": 1, "untraced": 2, "state": 2}
+
+
+def _choose(rank: int, compared: Sequence[tuple[str, int, dict[int, _Verdict], Any]]) -> tuple[str, _Verdict] | None:
+    """The verdict of ``rank`` over every comparison, and where it was seen (``"ab"``, ``"a"`` or ``"b"``): the
+    most direct kind seen anywhere (an untraced or state verdict of one pair may be the effect of a difference
+    born in an earlier step of that re-run, which another pair shows at its op); among those, the A/B pairs'
+    when they show one; then the one most of those pairs agree on, the earliest among equals."""
+    found = [(src, v[rank]) for src, _, v, _ in compared if rank in v]
+    if not found:
+        return None
+    best = min(_DIRECTNESS[v.kind] for _, v in found)
+    pool = [(src, v) for src, v in found if _DIRECTNESS[v.kind] == best]
+    if any(src == "ab" for src, _ in pool):
+        pool = [(src, v) for src, v in pool if src == "ab"]
+    tally = Counter((src, v.identity) for src, v in pool)
+    most = max(tally.values())
+    return next((src, v) for src, v in pool if tally[(src, v.identity)] == most)
 
 
 def _op_differs(a: Sequence[OpEvent], b: Sequence[OpEvent], key: OpKey) -> bool:
@@ -734,7 +868,10 @@ def _op_differs(a: Sequence[OpEvent], b: Sequence[OpEvent], key: OpKey) -> bool:
     eb = next((e for e in b if e.key == key), None)
     if ea is None or eb is None:
         return (ea is None) != (eb is None)
-    return not _inputs_differ(ea, eb) and _output_difference(ea, eb) is not None
+    if _inputs_differ(ea, eb):
+        return False
+    output = _output_difference(ea, eb)
+    return output is not None or (bool(_argument_difference(ea, eb)) and not (_compared(ea) and _compared(eb)))
 
 
 def _combine(origins: list[Origin]) -> Origin | None:
@@ -753,18 +890,16 @@ def _combine(origins: list[Origin]) -> Origin | None:
                   repeats_differing=min(o.repeats_differing for o in origins))
 
 
-def _within_side(logs: dict[int, list[list[OpEvent]]], side: str, ranks: tuple[int, ...]) -> tuple[SideVariation, ...]:
+def _within_side(compared: Sequence[tuple[str, int, dict[int, _Verdict], Any]], side: str, ranks: tuple[int, ...],
+                 count: int) -> tuple[SideVariation, ...]:
     """Where a side's repeats differ from its first repeat: the ranks where that difference is born (a rank
     that only received it through a collective is not listed, unless no rank shows where it is born)."""
-    count = min((len(logs[r]) for r in ranks), default=0)
     firsts: dict[int, list[_Verdict]] = {}
-    for i in range(1, count):
-        pairs = {r: _Pair(logs[r][0], logs[r][i], what=f"side {side.upper()}, rank {r}, repeat {i}")
-                 for r in ranks}
-        for r in ranks:
-            v = _classify(r, pairs, None)
-            if v is not None:
-                firsts.setdefault(r, []).append(v)
+    for src, _, verdicts, _ in compared:
+        if src == side:
+            for r in ranks:
+                if r in verdicts:
+                    firsts.setdefault(r, []).append(verdicts[r])
     born = [r for r, vs in firsts.items() if any(v.kind != "receiver" for v in vs)] or list(firsts)
     return tuple(SideVariation(side=side, rank=r, site=_site(r, firsts[r][0].first.event),
                                repeats_differing=len(firsts[r]), repeats=count) for r in sorted(born))

@@ -16,8 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PHASES", "CommInfo", "OpEvent", "OpKey", "OpWindow", "make_event", "op_log_path", "op_steps",
-           "ops_dropped", "read_ops", "window_from_dict"]
+__all__ = ["OP_LOG_VERSION", "PHASES", "CommInfo", "OpArgument", "OpEvent", "OpKey", "OpWindow", "make_event",
+           "op_log_path", "op_steps", "ops_dropped", "read_ops", "window_from_dict"]
+
+#: The op log file format this code writes (``"version"``; a file without it is version 1, which records no
+#: ``"a"``). A file of a later version is refused rather than half read.
+OP_LOG_VERSION = 2
+
+#: The longest argument name and readable value an op log may hold (the writer keeps within these).
+MAX_ARGUMENT_NAME = 64
+MAX_ARGUMENT_TEXT = 80
 
 #: Where in the step an op ran: ``forward``; ``backward`` (inside the autograd engine); ``recompute`` (a module's
 #: forward run again during backward by activation checkpointing); ``optimizer`` (inside ``optimizer.step``);
@@ -44,6 +52,18 @@ class CommInfo:
     reduce_op: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class OpArgument:
+    """One argument of an op that is not a plain tensor (a scalar, a dtype, a shape, a list, a generator, ``None``
+    for an optional tensor): ``name`` as the op's schema spells it, ``digest`` a 128-bit fingerprint of its value
+    (a tensor inside a list stands as a placeholder there: its value is among the op's ``inputs``; a generator by
+    its state), ``text`` a short readable form of the value when it is small (``None`` otherwise)."""
+
+    name: str
+    digest: int
+    text: str | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class OpEvent:
     """One op as one rank ran it. ``inputs`` and ``outputs``: the 128-bit fingerprints of its tensor arguments
@@ -52,7 +72,8 @@ class OpEvent:
     of a non-blocking copy: artifacts, not differences). ``shapes``, ``dtypes``, ``numels`` describe ``outputs``.
     ``chunks``: for an order-sensitive output (sort indices, top-k, routing maps), per output, the fingerprints of
     its consecutive chunks of ``chunk_elements`` elements (``None`` for outputs without); ``comm`` is set for a
-    collective or point-to-point op."""
+    collective or point-to-point op. ``arguments``: the op's other arguments (:class:`OpArgument`, in schema
+    order, defaults filled in): they decide its outputs as much as its tensors do."""
 
     step: int
     phase: str
@@ -68,6 +89,7 @@ class OpEvent:
     chunks: tuple[tuple[int, ...] | None, ...] = ()
     chunk_elements: int = 0
     comm: CommInfo | None = None
+    arguments: tuple[OpArgument, ...] = ()
 
     @property
     def key(self) -> OpKey:
@@ -110,7 +132,8 @@ def make_event(step: int, index: int, raw: dict[str, Any], chunk_elements: int) 
                    shapes=tuple(tuple(s) for s in raw["s"]), dtypes=tuple(raw["d"]), numels=tuple(raw["n"]),
                    chunks=() if chunks is None else tuple(None if c is None else tuple(fp(v) for v in c)
                                                           for c in chunks),
-                   chunk_elements=chunk_elements if chunks is not None else 0, comm=comm)
+                   chunk_elements=chunk_elements if chunks is not None else 0, comm=comm,
+                   arguments=tuple(OpArgument(n, int(d, 16), t) for n, d, t in raw.get("a") or ()))
 
 
 #: The largest op log file read (one step of one rank).
@@ -146,16 +169,28 @@ def _check_log(data: Any, step: int) -> None:
     """Refuse an op log file whose structure is not what :func:`~ckptverify.trace.ops.write_op_log` writes."""
     if not isinstance(data, dict) or data.get("step") != step or not isinstance(data.get("events"), list):
         raise ValueError("not an op log of this step")
+    version = data.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= OP_LOG_VERSION:
+        raise ValueError(f"op log version {str(version)[:20]!r} is not one this ckptverify reads (1..{OP_LOG_VERSION})")
     for name in ("dropped", "chunk_elements"):
         if not isinstance(data.get(name), int) or isinstance(data.get(name), bool) or data[name] < 0:
             raise ValueError(f"{name} is not a count")
 
+    def hexdigest(x: Any) -> bool:
+        return isinstance(x, str) and len(x) == 32 and all(c in "0123456789abcdef" for c in x)
+
     def fps(v: Any) -> bool:
-        return isinstance(v, list) and all(x is None or (isinstance(x, str) and len(x) == 32 and
-                                                         all(c in "0123456789abcdef" for c in x)) for x in v)
+        return isinstance(v, list) and all(x is None or hexdigest(x) for x in v)
 
     def ints(v: Any) -> bool:
         return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+    def arguments(v: Any) -> bool:
+        # [[name, digest, text or null], ...]; only version 2 writes them.
+        return v is None or (version >= 2 and isinstance(v, list) and all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and 0 < len(x[0]) <= MAX_ARGUMENT_NAME
+            and hexdigest(x[1]) and (x[2] is None or (isinstance(x[2], str) and len(x[2]) <= MAX_ARGUMENT_TEXT))
+            for x in v))
 
     for e in data["events"]:
         if not isinstance(e, dict):
@@ -164,7 +199,8 @@ def _check_log(data: Any, step: int) -> None:
               and isinstance(e.get("k"), int) and fps(e.get("i")) and fps(e.get("u"))
               and isinstance(e.get("s"), list) and all(ints(s) for s in e["s"])
               and isinstance(e.get("d"), list) and all(isinstance(d, str) for d in e["d"]) and ints(e.get("n"))
-              and (e.get("c") is None or (isinstance(e["c"], list) and all(c is None or fps(c) for c in e["c"]))))
+              and (e.get("c") is None or (isinstance(e["c"], list) and all(c is None or fps(c) for c in e["c"])))
+              and arguments(e.get("a")))
         x = e.get("x")
         if ok and x is not None:
             ok = (isinstance(x, dict) and isinstance(x.get("collective"), str) and ints(x.get("group"))

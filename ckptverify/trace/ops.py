@@ -13,6 +13,11 @@ sees every ATen op, every op registered with ``torch.library`` and the c10d coll
 * Level ``op``, in an :class:`~ckptverify.trace.oplog.OpWindow` only: every op as an
   :class:`~ckptverify.trace.oplog.OpEvent`, keyed ``(step, phase, module, op, occurrence)``, written per step to
   ``<store>/ops/step<N>.json`` (:func:`write_op_log`, read back by :func:`ckptverify.trace.oplog.read_ops`).
+  Its inputs are all its arguments: the tensors' fingerprints, and every other argument of its schema as a digest
+  with a short readable form (:class:`~ckptverify.trace.oplog.OpArgument`). Memory no op wrote is never a value:
+  ``empty*`` outputs, the prior content of a tensor an op overwrites whole (``copy_``, ``fill_``, ``zero_``, the
+  in-place random fills, a grown ``resize_``) and ``out=`` buffers are not compared; what an in-place op wrote is
+  fingerprinted after it wrote it.
 
 Phases: ``optimizer`` inside any ``optimizer.step()`` (global optimizer step hooks); ``recompute`` inside a module
 forward that starts while the autograd engine runs (activation checkpointing); ``backward`` while the engine runs
@@ -33,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.trace.comm import CommCounter, comm_info, comm_site, is_comm
-from ckptverify.trace.oplog import CommInfo, OpWindow, op_log_path
+from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
 
@@ -50,8 +55,21 @@ ORDER_SENSITIVE = frozenset({
 #: Elements per chunk cell of an order-sensitive output.
 DEFAULT_CHUNK_ELEMENTS = 4096
 
-#: Ops whose outputs are uninitialised memory: never compared.
+#: Ops whose outputs are uninitialised memory: never compared (with every other ``empty*``/``new_empty*``/
+#: ``_empty*`` op, :func:`_allocates`).
 _EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
+
+#: In-place ops whose result does not depend on what their ``self`` held before (they overwrite it whole): that
+#: prior content is not an input (it is often memory no op wrote).
+_OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "normal_", "bernoulli_", "exponential_",
+                        "geometric_", "log_normal_", "cauchy_", "set_", "resize_", "resize_as_", "_foreach_zero_",
+                        "_foreach_copy_"})
+
+#: Ops that resize ``self``: grown, it holds memory no op wrote.
+_RESIZE = frozenset({"resize_", "resize_as_"})
+
+#: The longest readable value an argument keeps in the op log (``oplog.MAX_ARGUMENT_TEXT``).
+_ARGUMENT_TEXT = 80
 
 #: c10d ops whose (first) tensor list is read and then written in place; those that write their first list from
 #: their second; and point-to-point.
@@ -413,11 +431,16 @@ class StepTracer:
             ins: list[Any] = [None for _ in _leaves(args)]
         else:
             # An out= buffer is written, never read: what it held before is not an input. A collective's buffer
-            # still in flight is not a value yet.
+            # still in flight is not a value yet. An op that overwrites its self whole does not read it either.
             outs_named = _out_arguments(func)
             read = {k: v for k, v in kwargs.items() if k not in outs_named} if outs_named else kwargs
             flying = self._flying
             ins = [None if id(t) in flying else digest(t) for t in _leaves((args, read))]
+            if name in _OVERWRITE and args:
+                overwritten = len(_leaves(args[0]))
+                ins[:overwritten] = [None] * overwritten
+        arguments = _arguments(func, args, kwargs)
+        size_before = args[0].numel() if name in _RESIZE and args and hasattr(args[0], "numel") else None
         if already is not None:
             out = already
         elif self._nvtx:
@@ -428,23 +451,32 @@ class StepTracer:
         else:
             out = func(*args, **kwargs)
         results = _leaves(out)
+        if comm is None and not results:
+            # An op that returns nothing but writes its arguments (``_foreach_add_``): those are its outputs.
+            results = _written(func, args, kwargs)
         if comm is not None:
             outs: list[Any] = [None] * len(results)  # in flight: taken at completion
             for t in (*_leaves(args), *results):
                 digest.forget(t)
-        elif name in _EMPTY:
+        elif _allocates(name) or (size_before is not None and any(t.numel() > size_before for t in results)):
             outs = [None] * len(results)
             for t in results:
                 digest.uninitialised(t)
-        elif name in ("copy_", "_to_copy", "to") and kwargs.get("non_blocking"):
+        elif name in ("copy_", "_to_copy", "to") and _argument(func, args, kwargs, "non_blocking"):
             outs = [None] * len(results)
         else:
             returns = func._schema.returns
             outs = []
             for i, t in enumerate(results):
                 alias = returns[i].alias_info if i < len(returns) and len(returns) == len(results) else None
-                view = alias is not None and not alias.is_write
-                outs.append(None if view else digest(t))
+                if alias is not None and not alias.is_write:
+                    outs.append(None)  # a view: its values are its base's
+                elif alias is not None or not returns:
+                    # Written in place: the version counter moves only after this mode returns, so what is known
+                    # of the tensor is its content before the op.
+                    outs.append(digest.fresh(t))
+                else:
+                    outs.append(digest(t))
         chunks: list[Any] = []
         if name in ORDER_SENSITIVE:
             import torch
@@ -459,11 +491,115 @@ class StepTracer:
             "n": [t.numel() for t in results], "c": chunks if any(c is not None for c in chunks) else None,
             "x": None if comm is None else {"collective": comm.collective, "group": list(comm.group),
                                             "seq": comm.seq, "peer": comm.peer, "reduce_op": comm.reduce_op},
+            "a": arguments or None,
         })
         return out
 
 
 _OUT_ARGS: dict[Any, frozenset[str]] = {}
+
+
+def _allocates(name: str) -> bool:
+    """Whether an op of this name returns memory it does not write (an ``empty*`` allocation)."""
+    return name in _EMPTY or name.startswith(("empty_", "new_empty", "_empty"))
+
+
+def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The value of the argument ``name`` of an op call, passed by position or by name (``None``: not passed)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) and not a.kwarg_only else kwargs.get(name)
+    return None
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The tensors an op writes through its arguments (``Tensor(a!)``), in schema order."""
+    out: list[Any] = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        out.extend(_leaves(value))
+    return out
+
+
+def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
+    """``[name, digest, text]`` of each argument of the op that is not a plain tensor (those are its inputs),
+    in schema order, an argument not passed standing for its default (so that passing the default and leaving
+    it out are the same call). ``text``: a short readable form of a small value, else ``None``."""
+    import torch
+    import xxhash
+
+    out: list[list[Any]] = []
+    for i, a in enumerate(func._schema.arguments):
+        if getattr(a, "is_out", False):
+            continue
+        if i < len(args) and not a.kwarg_only:
+            value = args[i]
+        elif a.name in kwargs:
+            value = kwargs[a.name]
+        elif a.has_default_value():
+            value = a.default_value
+        else:
+            continue
+        if isinstance(value, torch.Tensor):
+            continue
+        parts: list[str] = []
+        small = _encode(value, parts)
+        text = _text(value) if small else None
+        out.append([a.name[:MAX_ARGUMENT_NAME], xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode()), text])
+    return out
+
+
+def _encode(value: Any, parts: list[str]) -> bool:
+    """Append an exact, process-independent encoding of ``value`` to ``parts`` (a tensor inside a list as a
+    placeholder: its value is among the op's inputs; a generator by its state). Returns whether the value is
+    small and plain enough to be shown as text."""
+    import torch
+
+    if value is None:
+        parts.append("N")
+    elif isinstance(value, bool):
+        parts.append(f"b{int(value)}")
+    elif isinstance(value, int):
+        parts.append(f"i{value}")
+    elif isinstance(value, float):
+        parts.append(f"f{value.hex()}")  # every bit: 0.1 and its neighbour, 0.0 and -0.0 differ
+    elif isinstance(value, complex):
+        parts.append(f"c{value.real.hex()},{value.imag.hex()}")
+    elif isinstance(value, str):
+        parts.append(f"s{value}")
+    elif isinstance(value, torch.dtype | torch.device | torch.layout | torch.memory_format):
+        parts.append(f"d{value}")
+    elif isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        parts.append(f"y{value}")
+    elif isinstance(value, torch.Tensor):
+        parts.append("T")
+        return False
+    elif isinstance(value, list | tuple):
+        parts.append("[")
+        small = len(value) <= 16
+        for x in value:
+            small = _encode(x, parts) and small
+        parts.append("]")
+        return small
+    elif isinstance(value, torch.Generator):
+        import xxhash
+
+        state = value.get_state()
+        parts.append(f"g{value.device}:{xxhash.xxh3_128_hexdigest(state.numpy().tobytes())}")
+        return False
+    else:
+        # A process group, a reduce op, an opaque object: by its type only (its repr may hold an address).
+        parts.append(f"o{type(value).__module__}.{type(value).__qualname__}")
+        return False
+    return True
+
+
+def _text(value: Any) -> str | None:
+    text = repr(value) if isinstance(value, float | int | bool | complex | str | list | tuple) or value is None \
+        else str(value)
+    return text if len(text) <= _ARGUMENT_TEXT else None
 
 
 def _out_arguments(func: Any) -> frozenset[str]:
@@ -629,6 +765,6 @@ def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[st
     os.makedirs(path.parent, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        json.dump({"step": int(step), "dropped": int(dropped), "chunk_elements": int(chunk_elements),
-                   "events": events}, f, separators=(",", ":"))
+        json.dump({"version": OP_LOG_VERSION, "step": int(step), "dropped": int(dropped),
+                   "chunk_elements": int(chunk_elements), "events": events}, f, separators=(",", ":"))
     os.replace(tmp, path)

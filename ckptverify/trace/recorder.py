@@ -133,6 +133,7 @@ class TraceRecorder:
         self._grad_version = -1
         self._field_kinds: dict[str, str] = {}
         self._last: tuple[int, list[Any], list[int]] | None = None
+        self._hook_warning = _HookWarningGuard()
         self._pending: tuple[int, _ReadBack] | None = None
         self._pinned: dict[Any, Any] = {}
         # Module forwards running (recompute pairing): [name, occurrence, call, recompute, cursor], innermost last;
@@ -235,8 +236,9 @@ class TraceRecorder:
             # has what backward needs) still leaves the stack of running forwards.
             self._handles.append(module.register_forward_hook(self._forward_hook(name, cls), always_call=True))
             if backward:
-                if self.records_ops:
-                    self._handles.append(module.register_full_backward_pre_hook(self._backward_pre_hook(name)))
+                # The pre-hook also keeps torch's warning about a module none of whose inputs needs a gradient
+                # from firing at the user's backward() for a hook that is ours (_HookWarningGuard).
+                self._handles.append(module.register_full_backward_pre_hook(self._backward_pre_hook(name)))
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(name, cls)))
 
     def _optimizer_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -253,6 +255,7 @@ class TraceRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hook_warning.reset()
         self._model = None
         self._gradients = None
 
@@ -267,7 +270,10 @@ class TraceRecorder:
 
         task = torch._C._current_graph_task_id
 
+        guard = self._hook_warning
+
         def hook(module: Any, args: Any) -> None:
+            guard.called(name, args)
             if self._paused:
                 return
             if task() == -1:
@@ -333,14 +339,21 @@ class TraceRecorder:
         return hook
 
     def _backward_pre_hook(self, name: str) -> Callable[..., None]:
+        guard = self._hook_warning
+
         def hook(module: Any, grad_output: Any) -> None:
-            if not self._paused:
+            guard.enter(name, module)
+            if not self._paused and self.records_ops:
                 self._context.backward.append(name)
 
+        hook._ckptverify_hook = True  # type: ignore[attr-defined]
         return hook
 
     def _backward_hook(self, name: str, cls: str) -> Callable[..., None]:
+        guard = self._hook_warning
+
         def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
+            guard.leave(name)
             if self._paused:
                 return
             stack = self._context.backward
@@ -352,6 +365,7 @@ class TraceRecorder:
                 site = module_site(name, "bwd", self._next(name, "bwd"))
                 self._module_cells.append(_object_cell(site, "module_grad_in", grad_input, cls))
 
+        hook._ckptverify_hook = True  # type: ignore[attr-defined]
         return hook
 
     def _forget_calls(self) -> None:
@@ -669,3 +683,63 @@ class TraceRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The start of the warning torch gives when a module's full backward hooks fire with no input needing a gradient.
+_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
+
+
+class _HookWarningGuard:
+    """Keeps torch's "Full backward hook is firing when gradients are computed with respect to module outputs
+    since no inputs require gradients" warning from showing at the user's ``backward()`` for our own hooks.
+
+    torch gives it when the module's backward hooks fire and none of the tensors the call was given needs a
+    gradient (an embedding, a first layer fed the batch), right after the module's backward pre-hooks and before
+    its full backward hooks. For a module whose every call so far was like that, and which has no backward hook
+    but ours (and no global one is registered), our pre-hook silences exactly that message until our full hook
+    runs, right after. A module whose calls differ, or that has hooks of the user's, keeps the warning (the
+    user's hooks would give it anyway)."""
+
+    def __init__(self) -> None:
+        self._grad_free: set[str] = set()  # modules called with no input that needs a gradient
+        self._needs_grad: set[str] = set()  # modules called with an input that does
+        self._held: list[tuple[str, Any]] = []
+
+    def called(self, name: str, args: Any) -> None:
+        """A forward call of module ``name`` with positional ``args`` (what torch checks) starts."""
+        import torch
+
+        needs = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        (self._needs_grad if needs else self._grad_free).add(name)
+
+    def enter(self, name: str, module: Any) -> None:
+        """Module ``name``'s backward pre-hook fires: silence the warning if it is about to be given for us."""
+        if name not in self._grad_free or name in self._needs_grad or not _only_our_hooks(module):
+            return
+        import warnings
+
+        held = warnings.catch_warnings()
+        held.__enter__()
+        warnings.filterwarnings("ignore", message=_HOOK_WARNING, category=UserWarning)
+        self._held.append((name, held))
+
+    def leave(self, name: str) -> None:
+        """Module ``name``'s full backward hook fires: the warning, if any, has been given."""
+        if self._held and self._held[-1][0] == name:
+            self._held.pop()[1].__exit__(None, None, None)
+
+    def reset(self) -> None:
+        while self._held:
+            self._held.pop()[1].__exit__(None, None, None)
+        self._grad_free.clear()
+        self._needs_grad.clear()
+
+
+def _only_our_hooks(module: Any) -> bool:
+    from torch.nn.modules import module as torch_module
+
+    if getattr(torch_module, "_global_backward_hooks", None) or \
+            getattr(torch_module, "_global_backward_pre_hooks", None):
+        return False
+    hooks = [*module._backward_hooks.values(), *module._backward_pre_hooks.values()]
+    return all(getattr(h, "_ckptverify_hook", False) for h in hooks)
