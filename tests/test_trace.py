@@ -368,6 +368,8 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     assert by_rank[1].actual["site"] == "batch.0" and by_rank[1].actual["category"] == "data"
     # Rank 0's own batch and forward are unchanged; the gradients reduced over both ranks are not.
     assert by_rank[0].actual["step"] == 2 and by_rank[0].actual["category"] == "gradients"
+    assert "(a receiver: only values a collective wrote differ on this rank)" in by_rank[0].message
+    assert "receiver" not in by_rank[1].message
     summary = next(f for f in findings if f.check == "trace-summary")
     assert summary.actual["first_step"] == 2 and summary.actual["ranks"] == [0, 1]
     # The job's first divergence is rank 1's own batch: rank 0 only received it through the reduce-scatter.

@@ -493,10 +493,14 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
     if not divergent:
         return out
     first_step = min(c.first.step for c in divergent if c.first is not None)
+    job = job_divergence([c.first for c in divergent if c.first is not None])
+    receiving = set(job.receiver_ranks or ()) if job is not None else set()
     for comp in divergent:
         d = comp.first
         assert d is not None
         later = "" if d.step == first_step else f" (after the first divergence of the job at step {first_step})"
+        if d.rank in receiving:
+            later += " (a receiver: only values a collective wrote differ on this rank)"
         where = f"site {d.site} ({d.kind})"
         if d.via:
             where = (f"tensor {d.site} ({d.kind}), the only one of category cell {d.via} that explains it: "
@@ -537,7 +541,6 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
     per_rank = {c.rank: c.first.category for c in divergent if c.first is not None}
     ranks_first = sorted(c.rank for c in divergent if c.first is not None and c.first.step == first_step)
     text = ", ".join(f"rank {r}: {cat}" for r, cat in per_rank.items())
-    job = job_divergence([c.first for c in divergent if c.first is not None])
     roles = ""
     if job is not None and len(ranks_first) + len(job.receiver_ranks) > 1:
         if job.origin_ranks:
