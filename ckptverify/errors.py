@@ -305,6 +305,29 @@ class TraceHeaderMismatchError(UsageError):
         self.fields = tuple(fields)
 
 
+class TraceEncodingMismatchError(UsageError):
+    """Two traces digest their tensors differently (header ``digest_encoding``: bytes on the host, the logical
+    fingerprint on an accelerator): every tensor site would differ from the first step on, which says nothing
+    about the runs. Refused even when other header differences are allowed (exit 2); the message says what
+    differs, each caller what to do."""
+
+    def __init__(self, a: Any, b: Any) -> None:
+        ea, eb = a.header.digest_encoding, b.header.digest_encoding
+        super().__init__(
+            f"the traces digest tensors differently ({a.path}: {_ENCODING_WORDS.get(ea, ea)}; {b.path}: "
+            f"{_ENCODING_WORDS.get(eb, eb)}), so every tensor site would differ and no step can be compared; "
+            "record both on the same kind of device")
+        self.encodings = (ea, eb)
+
+
+_ENCODING_WORDS = {
+    "host": "digest_encoding 'host', xxh3 of the bytes of tensors in host memory",
+    "device": "digest_encoding 'device', logical fingerprints computed on an accelerator",
+    "host-as-device": "digest_encoding 'host-as-device', host tensors sent down the accelerator path "
+                      "(CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)",
+}
+
+
 class TargetError(UsageError):
     """The target cannot be run (exit 2). The message is for the user as it is: several lines (a traceback of
     their code, or the line at fault), to be printed line by line, not escaped into one."""

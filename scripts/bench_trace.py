@@ -30,6 +30,10 @@ process there is no collective, so what it measures is the dispatch mode that wa
 per op. Level ``op`` is printed as microseconds per op over level ``module`` (the op log's size per step is read
 from the trace).
 
+On CUDA, ``--sync-debug`` also counts the host synchronizations of each variant's steps
+(``torch.cuda.set_sync_debug_mode("warn")``: one warning per synchronizing call) and prints them per step, and
+over the untraced step's (a traced step should add at most one: its row's read-back).
+
 It also measures the fixed cost of a tensor site: a category of 1000 one-element tensors recorded at detail
 ``category``, per tensor (target <= 5 microseconds).
 """
@@ -58,6 +62,8 @@ class Variant:
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
     after_step: Any = None
+    #: Host synchronizations per step of each block (``--sync-debug`` on CUDA).
+    syncs: list[float] = field(default_factory=list)
 
 
 def hash_bytes_only(training: Any, spent: list[float] | None = None) -> Any:
@@ -174,26 +180,39 @@ def make_variant(name: str, total: int, d_model: int, layers: int, batch: int, t
     return Variant(name, run, training, iter(run.steps(loader)), after_step=after)
 
 
-def run_block(v: Variant, steps: int) -> None:
+def run_block(v: Variant, steps: int, sync_debug: bool = False) -> None:
+    import warnings
+
     import torch
 
     from ckptverify.examples import train_step
 
     cuda = torch.cuda.is_available()
+    counting = sync_debug and cuda
     t0, c0 = time.perf_counter(), time.thread_time()
-    for _ in range(steps):
-        batch = next(v.steps)
-        out = train_step(v.training, batch)
-        v.run.record(loss=out["loss"], batch=batch, lr=out["lr"], grad_norm=out["grad_norm"])
-        if v.after_step is not None:
-            v.after_step()
+    with warnings.catch_warnings(record=True) as seen:
+        if counting:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                batch = next(v.steps)
+                out = train_step(v.training, batch)
+                v.run.record(loss=out["loss"], batch=batch, lr=out["lr"], grad_norm=out["grad_norm"])
+                if v.after_step is not None:
+                    v.after_step()
+        finally:
+            if counting:
+                torch.cuda.set_sync_debug_mode(0)
+    if counting:
+        v.syncs.append(sum("synchroniz" in str(w.message) for w in seen) / steps)
     if cuda:
         torch.cuda.synchronize()
     v.wall.append((time.perf_counter() - t0) / steps)
     v.cpu.append((time.thread_time() - c0) / steps)
 
 
-def bench_config(name: str, levels: list[str], blocks: int, block_steps: int
+def bench_config(name: str, levels: list[str], blocks: int, block_steps: int, sync_debug: bool = False
                  ) -> tuple[dict[str, tuple[float, float]], int]:
     """Per variant, the median wall and CPU time of a step; and the ops a step of level ``op`` logs (0 without
     that variant)."""
@@ -205,11 +224,18 @@ def bench_config(name: str, levels: list[str], blocks: int, block_steps: int
         for block in range(blocks + 1):
             order.shuffle(variants)
             for v in variants:
-                run_block(v, block_steps)
+                run_block(v, block_steps, sync_debug)
             if block == 0:  # warm-up
                 for v in variants:
                     v.wall.clear()
                     v.cpu.clear()
+                    v.syncs.clear()
+        if sync_debug:
+            base = next((statistics.median(v.syncs) for v in variants if v.name == "none" and v.syncs), None)
+            for v in variants:
+                if v.syncs and base is not None:
+                    print(f"{name} config, {v.name}: {statistics.median(v.syncs):.2f} host synchronizations a step "
+                          f"({statistics.median(v.syncs) - base:+.2f} over the untraced step)")
         for v in variants:
             v.run.close()
         ops = 0
@@ -346,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--large-blocks", type=int, default=6, help="blocks per variant for the large config")
     ap.add_argument("--large-block-steps", type=int, default=10)
     ap.add_argument("--levels", nargs="+", default=LEVELS, choices=LEVELS)
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="on CUDA, count each variant's host synchronizations a step (set_sync_debug_mode)")
     args = ap.parse_args(argv)
     import torch
 
@@ -359,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         d, layers, batch = CONFIGS[config]
         print(f"\n{config} config (d_model {d}, {layers} layers, batch {batch}): {blocks} blocks of {steps} steps "
               "per variant, alternated")
-        result, ops = bench_config(config, levels, blocks, steps)
+        result, ops = bench_config(config, levels, blocks, steps, args.sync_debug)
         wall0, cpu0 = result["none"]
         print(f"{'trace level':<12}{'wall ms':>10}{'x none':>9}{'cpu ms':>10}{'x none':>9}")
         for level in levels:

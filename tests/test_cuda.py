@@ -320,3 +320,44 @@ def test_a_clean_job_on_the_gpu_stays_clean(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     verdict = json.loads(done.stdout)["stats"]["verdict"]
     assert verdict["kind"] == "pass" and verdict["origin"] is None, verdict
+
+
+def test_a_tensor_written_on_a_side_stream_fingerprints_in_a_fresh_thread_as_on_the_cpu() -> None:
+    """A fresh thread's current stream is the default one: the fingerprint runs on the tensor's device and that
+    device's current stream in the thread, and a save's fingerprint thread waits for the saving thread's."""
+    import threading
+
+    from ckptverify.fingerprint.device import FingerprintStreams
+
+    side = torch.cuda.Stream()
+    host = _values(torch.float32, (1 << 22) + 5)
+    with torch.cuda.stream(side):
+        on_gpu = host.to("cuda", non_blocking=True).mul_(2)  # queued on the side stream
+        streams = FingerprintStreams.capture([on_gpu.device])  # the saving thread's current stream: the side one
+    out = []
+
+    def fingerprint() -> None:
+        with streams.scope(on_gpu):
+            out.append(tensor_fingerprint(on_gpu))
+
+    worker = threading.Thread(target=fingerprint)
+    worker.start()
+    worker.join()
+    assert out == [tensor_fingerprint(host * 2)]
+
+
+def test_the_many_tensor_fingerprint_of_a_large_list_keeps_its_extra_memory_bounded() -> None:
+    from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint import triton_kernel as tri
+
+    tensors = [torch.randn((1 << 18) + i, device="cuda") for i in range(256)]  # 256 MiB of small tensors
+    want = kern._lanes_many_eager(tensors).tolist()
+    kern.lanes_many(tensors[:2])  # the kernel checked and compiled outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = kern.lanes_many(tensors).tolist()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert got == want
+    if tri._many_verified.get("cuda"):
+        assert peak <= tri.MANY_GROUP_BYTES + (16 << 20), peak

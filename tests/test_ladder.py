@@ -124,7 +124,7 @@ def test_a_cause_in_the_starting_state_is_a_state_origin_without_reruns(kind: st
                         launcher=_no_launch)
     assert walked.status == "state" and walked.origin is not None
     assert (walked.origin["kind"], walked.origin["site"], walked.origin["rank"]) == ("state", site, 0)
-    assert walked.origin["step"] == (2 if kind == "restore-mismatch" else 3)  # a restore: the resume point
+    assert walked.origin["step"] == 3  # a restore: the state the first resumed step starts from
 
 
 def test_final_state_or_held_verdicts_are_not_walked(tmp_path: Path) -> None:

@@ -106,6 +106,85 @@ def _private_copy(obj: Any) -> Any:
     return obj
 
 
+def _load_template(sd: Any) -> Any:
+    """The state dict DCP loads into: the model's and optimizer's tensors are the live ones (loaded in place,
+    so no device holds a second copy of them; :func:`_restore_point` keeps a host copy to undo with), every
+    other tensor and every container is a private copy (DCP replaces non-tensor values in their containers,
+    and a scheduler's or extra's state dict may share its lists and tensors with the live object)."""
+    return {k: (_containers_copy(v) if k in ("model", "optim") else _private_copy(v)) for k, v in sd.items()}
+
+
+def _in_place(t: Any) -> bool:
+    """Whether tensor ``t`` is loaded in place and undone from a host copy: a plain tensor or a DTensor. A tensor
+    subclass that keeps its values in inner tensors (torchao's ``MXTensor``) is loaded into a private copy as
+    before: its storage is not one buffer to copy to the host and back."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return type(t.to_local()) in (torch.Tensor, torch.nn.Parameter)
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _containers_copy(obj: Any) -> Any:
+    """``obj`` with every container copied, every plain tensor shared (:func:`_in_place`), a tensor subclass
+    privately copied (:func:`_private_copy`) and other leaves shared."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj if _in_place(obj) else _private_copy(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _containers_copy(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_containers_copy(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_containers_copy(v) for v in obj)
+    return obj
+
+
+def _to_host(t: Any) -> Any:
+    """A copy of tensor ``t``'s values in host memory (pinned when ``t`` is on a CUDA device, so that copying it
+    back is a plain DMA; pageable when pinning is refused, as it can be for a large buffer)."""
+    import torch
+
+    pin = t.device.type == "cuda"
+    try:
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    except RuntimeError:
+        if not pin:
+            raise
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out.copy_(t)
+    return out
+
+
+def _live_tensors(obj: Any) -> list[Any]:
+    """Every tensor leaf of ``obj`` (a DTensor as its local shard, which aliases the DTensor's storage), detached
+    aliases of the live tensors, in a fixed order, each once."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    out: dict[tuple[Any, ...], Any] = {}
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            if not _in_place(o):
+                return  # a private copy (see _containers_copy): set back by set_state_dict, not in place
+            t = (o.to_local() if isinstance(o, DTensor) else o).detach()
+            # By what it covers: state dicts hold several aliases of one tensor (tied weights, DTensor shards).
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            out.setdefault(key, t)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list | tuple):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return list(out.values())
+
+
 def _first_line(exc: BaseException) -> str:
     """The innermost failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
     failures = getattr(exc, "failures", None)
@@ -393,15 +472,19 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
     fingerprint = files_fingerprint(root) if stamp_on_failure and (dist is None or dist.get_rank() == 0) else None
     manifest = _read_manifest_for_load(root)
     reader = ProvingFileSystemReader(root, manifest)
-    # All or nothing: DCP loads into a private copy of the state (twice the model and optimizer memory
-    # while this runs), every item proven as it is read, and only then applied. On any refusal the
-    # state is put back as it was: getting a template initializes a fresh optimizer's state, undone here.
+    # All or nothing, without a second copy of the state on its device: DCP loads the model's and optimizer's
+    # tensors in place (every item proven as it is read), after a copy of them was taken in host memory
+    # (:func:`_restore_point`); any failure, or a refused restore check, puts everything back from it. A copy
+    # on the device (as a private template and an undo copy each were) would cap the resumable state at a
+    # third of the device's memory. Getting a template initializes a fresh optimizer's state, undone too.
     before = (state.saved_world_size, [not opt.state for opt in state.optimizers])
     refuse = check and on_restore_mismatch == "refuse"
     undo = None
     try:
         state.saved_world_size = saved_world_size(root)
-        template = _private_copy(state.state_dict())
+        template = _load_template(state.state_dict())
+        _match_saved_cuda_kinds(template, root, state.rank)
+        undo = _restore_point(state)
         with warnings.catch_warnings():
             # Loading in a single process without a process group is intended here, not a mistake.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -421,13 +504,11 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
                 # DCP's CheckpointException is a BaseException, which `except Exception` would miss.
                 raise LoadFailedError(f"DCP could not load {root} into this state; nothing was changed: "
                                       f"{_first_line(exc)}") from exc
-        if refuse:
-            # To put back what the restore check refuses: a copy of the model and optimizer state (a third copy
-            # of them until the template is dropped, right after applying) and of every other field.
-            undo = _restore_point(state)
         state.load_state_dict(template)
         del template
     except BaseException:
+        if undo is not None:
+            undo(before)
         state.saved_world_size = before[0]
         for opt, was_fresh in zip(state.optimizers, before[1], strict=True):
             if was_fresh:
@@ -441,13 +522,12 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
             found, cov = restore_check(state, root)
             failed = _agree([f for f in found if f.severity.value == "error"])
         except BaseException:
-            if undo is not None:
-                undo(before)
+            undo(before)
             raise
         findings.extend(found)
         coverage.extend(cov)
         if failed and refuse:
-            undo(before)  # type: ignore[misc]
+            undo(before)
             first = failed[0]
             raise CheckpointRefusedError(
                 f"refusing {root}: the restore check failed ({len(failed)} error(s)); first: rank {first['rank']}: "
@@ -471,17 +551,27 @@ def _agree(errors: list[Finding]) -> list[dict[str, Any]]:
 
 
 def _restore_point(state: TrainState) -> Any:
-    """A function that puts ``state`` back as it is now: the model and optimizer from a copy of their tensors,
-    every other field through the state's own snapshot."""
+    """A function that puts ``state`` back as it is now: the model's and optimizer's tensors from a copy in host
+    memory (:func:`_to_host`; none on their device), copied back into the same live tensors, then re-applied
+    with their structure (optimizer hyperparameters, which tensor is whose state); every other field through
+    the state's own snapshot."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     fields = state._snapshot()
-    model_sd, optim_sd = _private_copy(state._model_optim()) if state.model is not None else ({}, {})
+    model_sd, optim_sd = state._model_optim() if state.model is not None else ({}, {})
+    # The structure as it is now, tensors shared (they get their values back in place), everything else copied.
+    kept = _containers_copy({"model": model_sd, "optim": optim_sd})
+    live = _live_tensors(kept)
+    kept = _deepcopy_but_tensors(kept)
+    host = [_to_host(t) for t in live]
     digests = dict(state.saved_digests)
 
     def undo(before: tuple[Any, list[bool]]) -> None:
+        for t, h in zip(live, host, strict=True):
+            t.copy_(h)
         if state.model is not None:
-            set_state_dict(state.model, state.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            set_state_dict(state.model, state.optimizers, model_state_dict=kept["model"],
+                           optim_state_dict=kept["optim"])
         for opt, was_fresh in zip(state.optimizers, before[1], strict=True):
             if was_fresh:
                 opt.state.clear()
@@ -490,6 +580,100 @@ def _restore_point(state: TrainState) -> Any:
         state.saved_world_size = before[0]
 
     return undo
+
+
+def _deepcopy_but_tensors(obj: Any) -> Any:
+    """``obj`` with containers copied, tensors shared and every other leaf deep-copied."""
+    import copy
+
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _deepcopy_but_tensors(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_deepcopy_but_tensors(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_deepcopy_but_tensors(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> None:
+    """Make this rank's CUDA random-stream entries of ``template`` (and the digests saved beside them) the ones
+    the checkpoint holds, so DCP neither refuses a key this process does not have nor skips one it has.
+
+    Which CUDA kinds a rank holds depends on whether its process had initialised CUDA (see
+    :mod:`ckptverify.state.rng`): a run whose CUDA starts later (a pinning data loader, a model moved after
+    loading) has none in its template but a saved ``cuda`` to restore; a CPU checkpoint loaded by a process
+    using CUDA has none to load (the restore check then says the stream was not saved). A version 1 checkpoint
+    holds ``cuda.{i}`` for every visible device instead."""
+    import re
+
+    import torch
+
+    from ckptverify.dcp.metadata import read_layout
+    from ckptverify.state.rng import rank_key
+
+    me = rank_key(rank)
+    mine = template.get("rng", {}).get(me)
+    digests = template.get("digests", {}).get(me)
+    if not isinstance(mine, dict):
+        return
+    layout, _ = read_layout(root)
+    if layout is None:
+        return
+    is_cuda_kind = re.compile(r"^cuda(\.\d+)?$")
+    for kind in [k for k in mine if is_cuda_kind.match(k) or k == "cuda_device"]:
+        del mine[kind]
+    prefix = f"rng.{me}."
+    for name, entry in layout.tensors.items():
+        kind = name[len(prefix):] if name.startswith(prefix) else ""
+        if is_cuda_kind.match(kind):
+            mine[kind] = torch.empty(tuple(entry.shape), dtype=torch.uint8)
+    for name in layout.byte_values:
+        if name.startswith(f"{prefix}cuda_device."):
+            mine.setdefault("cuda_device", {})[name[len(f"{prefix}cuda_device."):]] = 0  # loaded over
+    if isinstance(digests, dict):
+        for field in [k for k in digests if k.startswith("rng.cuda")]:
+            del digests[field]
+        dprefix = f"digests.{me}."
+        for name in layout.byte_values:
+            if name.startswith(f"{dprefix}rng.cuda"):
+                digests[name[len(dprefix):]] = ""  # loaded over
+
+
+def _rng_field_findings(state: TrainState, saved: dict[str, str], now: dict[str, str]) -> tuple[
+        dict[str, str], list[Finding]]:
+    """The saved RNG digests to compare ``now`` with, and warnings, where the CUDA stream's key changed: a
+    version 1 state's ``rng.cuda.{i}`` (every visible device by index) is compared with ``rng.cuda`` for the
+    rank's own device index; ``rng.cuda_device`` (which device the stream was saved from) differing is a
+    warning: the rank's stream itself was restored into the device it uses now, and ``rng.cuda`` checks it."""
+    import torch
+
+    findings: list[Finding] = []
+    saved = dict(saved)
+    where = Location(fqn="rng.cuda", rank=state.rank)
+    legacy = sorted(k for k in saved if k.startswith("rng.cuda."))
+    if legacy:
+        index = torch.cuda.current_device() if "rng.cuda" in now else None
+        own = saved.get(f"rng.cuda.{index}") if index is not None else None
+        if own is not None:  # else each stays, and is reported as not restored
+            for k in legacy:
+                del saved[k]
+            saved["rng.cuda"] = own
+            saved["rng.cuda_device"] = now.get("rng.cuda_device", "")
+            findings.append(warning(
+                "restore-device", f"the checkpoint's RNG state (version 1) keys CUDA streams by device index: "
+                f"cuda.{index} was restored into this rank's device cuda:{index}, exact only if the rank used "
+                "the same device index when it saved", location=where))
+    if "rng.cuda_device" in saved and "rng.cuda_device" in now and saved["rng.cuda_device"] != now["rng.cuda_device"]:
+        saved["rng.cuda_device"] = now["rng.cuda_device"]
+        findings.append(warning(
+            "restore-device", "this rank's CUDA random stream was saved on another device (index or UUID) than the "
+            "one it uses now; the stream was restored into the device it uses now (checked as rng.cuda)",
+            location=where))
+    return saved, findings
 
 
 def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[CheckCoverage]]:
@@ -531,7 +715,10 @@ def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[Che
                 ))
     now = state.digests()
     skip_rng = bool(state.warnings)
-    for field, saved_digest in sorted(state.saved_digests.items()):
+    saved_digests, device_notes = _rng_field_findings(state, state.saved_digests, now)
+    if not skip_rng:
+        findings.extend(device_notes)
+    for field, saved_digest in sorted(saved_digests.items()):
         if skip_rng and field.startswith("rng."):
             continue
         if now.get(field) != saved_digest:
@@ -541,9 +728,9 @@ def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[Che
                 "changed part of the saved state",
                 location=Location(fqn=field, rank=state.rank), expected=saved_digest, actual=now.get(field),
             ))
-    for field in sorted(set(now) - set(state.saved_digests)):
+    for field in sorted(set(now) - set(saved_digests)):
         findings.append(warning("restore-mismatch", f"{field} was not saved in this checkpoint; not restored",
                                 location=Location(fqn=field, rank=state.rank)))
     coverage = [CheckCoverage(check="restore-tensors", count=tensors_checked, unit="tensors"),
-                CheckCoverage(check="restore-fields", count=len(state.saved_digests), unit="fields")]
+                CheckCoverage(check="restore-fields", count=len(saved_digests), unit="fields")]
     return findings, coverage

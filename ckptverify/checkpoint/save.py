@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import (
     CkptVerifyRuntimeWarning,
+    CkptVerifyWarning,
     SaveConflictError,
     SaveFailedError,
     UsageError,
@@ -205,7 +206,7 @@ def _plain(state: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
         model = None
     text = pending_gradients_warning(model, f"the checkpoint {os.fspath(path)}") if model else None
     if text is not None:
-        warnings.warn(text, UserWarning, stacklevel=3)
+        warnings.warn(text, CkptVerifyWarning, stacklevel=3)
     return state.state_dict() if isinstance(state, TrainState) else state
 
 

@@ -65,6 +65,7 @@ from ckptverify.fingerprint import (
     new_digest,
     part_fingerprints,
 )
+from ckptverify.fingerprint.device import FingerprintStreams
 from ckptverify.fingerprint.logical import BlockwiseFingerprint, blockwise_fingerprint, chunk_fingerprint_counted
 from ckptverify.fingerprint.nonfinite import nonfinite_counts as _nonfinite_counts
 from ckptverify.fingerprint.subclass import is_wrapper_subclass
@@ -644,14 +645,18 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.fs.take_records()  # drop anything left by an earlier, failed save
         # Large contiguous CPU chunks are fingerprinted by the threads that digest their bytes, right after each
         # piece is written (the bytes still in the cache); the rest in a thread of their own while DCP writes
-        # (torch kernels and the writes both release the GIL).
+        # (torch kernels and the writes both release the GIL). A GPU chunk is fingerprinted on its own device, on a
+        # side stream that waits for this thread's current stream of that device (where the chunk was written):
+        # the fingerprint thread's own current device is cuda:0 whatever this rank's GPU is.
         fused = self._fusable(plan, planner) if self.fingerprint else {}
         self.fs.fused = {key: bw for key, (_, _, bw) in fused.items()}
         self.fs.fused_jobs = jobs = []
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptverify-fingerprint") as pool:
                 skip = {item.index for item, _, _ in fused.values()}
-                fp_job = pool.submit(self._fingerprint_items, plan, planner, skip) if self.fingerprint else None
+                streams = FingerprintStreams.capture(_chunk_devices(plan, planner)) if self.fingerprint else None
+                fp_job = (pool.submit(self._fingerprint_items, plan, planner, skip, streams) if self.fingerprint
+                          else None)
                 results = super().write_data(plan, planner).wait()
                 facts = fp_job.result() if fp_job is not None else {}
         finally:
@@ -793,10 +798,12 @@ class HashingFileSystemWriter(FileSystemWriter):
     @staticmethod
     def _fingerprint_items(plan: SavePlan, planner: SavePlanner,
                            skip: frozenset[MetadataIndex] | set[MetadataIndex] = frozenset(),
-                           ) -> dict[MetadataIndex, _ChunkFacts]:
-        """The facts of every tensor chunk of ``plan`` but those in ``skip``."""
+                           streams: FingerprintStreams | None = None) -> dict[MetadataIndex, _ChunkFacts]:
+        """The facts of every tensor chunk of ``plan`` but those in ``skip``, each taken on its chunk's device and
+        on ``streams``' side stream of that device (default: streams captured in the calling thread)."""
         from ckptverify.fingerprint import kernels
 
+        streams = streams if streams is not None else FingerprintStreams.capture(_chunk_devices(plan, planner))
         facts: dict[MetadataIndex, _ChunkFacts] = {}
         large = _large_chunk_bytes(plan)
         with torch.no_grad(), kernels.thread_limit(FINGERPRINT_THREADS):
@@ -812,7 +819,8 @@ class HashingFileSystemWriter(FileSystemWriter):
                         # much has gone through the host path, which in a fresh process is the whole first save.
                         kernels.compile_in_background(data.dtype)
                         del large[kernel]
-                    facts[item.index] = _chunk_facts(data.detach(), item)
+                    with streams.scope(data):
+                        facts[item.index] = _chunk_facts(data.detach(), item)
         return facts
 
     # -- committing
@@ -923,6 +931,23 @@ class HashingFileSystemWriter(FileSystemWriter):
             torch_version=str(torch.__version__),
             source="save",
         )
+
+
+def _chunk_devices(plan: SavePlan, planner: SavePlanner) -> set[torch.device]:
+    """The devices of the plan's tensor chunks, read where the state dict holds them (``lookup_object``, as
+    ``DefaultSavePlanner`` has: no copy), else as the planner resolves them."""
+    lookup = getattr(planner, "lookup_object", None)
+    devices: set[torch.device] = set()
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            continue
+        try:
+            data = lookup(item.index) if callable(lookup) else planner.resolve_data(item)
+        except Exception:  # a planner's own lookup: whatever it raises, resolve_data says where the chunk is
+            data = planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            devices.add(data.device)
+    return devices
 
 
 def _large_chunk_bytes(plan: SavePlan) -> dict[torch.dtype | None, int]:

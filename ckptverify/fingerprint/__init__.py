@@ -15,8 +15,10 @@ Two kinds of identity, documented in ``docs/fingerprint.md``:
 
 The package's modules depend one way: :mod:`~ckptverify.fingerprint.spec` (the constants) <- ``digest`` and
 ``logical`` <- ``kernels`` (the torch paths and the backend choice) <- ``triton_kernel``, ``eager`` (the reference
-both check against). Importing the package imports no torch: ``logical`` imports the kernels only when a tensor
-is fingerprinted, so byte digests stay cheap to import.
+both check against); :mod:`~ckptverify.fingerprint.device` (on which GPU and stream a fingerprint runs, and which
+tensors none may read) sits below ``kernels`` and ``triton_kernel`` and imports none of them. Importing the
+package imports no torch: ``logical`` imports the kernels only when a tensor is fingerprinted, so byte digests
+stay cheap to import.
 """
 
 from __future__ import annotations

@@ -40,6 +40,24 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise UsageError(f"the tensor fingerprint is not defined for dtype {dtype}") from None
 
 
+def flat_bits(t: torch.Tensor) -> torch.Tensor:
+    """The flat, contiguous integer view of ``t``'s elements as the fingerprint reads them: a complex tensor as
+    its real view (real and imaginary parts in turn), each element's bits as the signed integer of its width.
+
+    A conjugated or negated view (``x.conj()``, its ``.imag``) is fingerprinted by its values, resolved first:
+    its memory holds the values before the pending conjugation. The reinterpretation comes before any copy, so
+    a non-contiguous tensor of a dtype torch cannot copy on every device (packed ``float4_e2m1fn_x2``) is made
+    contiguous as plain integers: the copy moves the exact bytes of each element, in order."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT_VIEW_BY_SIZE[t.element_size()]).contiguous().reshape(-1)
+
+
 # ------------------------------------------------------------------------------------------- geometry
 
 
@@ -335,12 +353,8 @@ def lanes_many_eager(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         if t.device != device:
             raise UsageError(f"lanes_many needs tensors on one device, got {t.device} and {device}")
-        flat = t.detach()
-        name = dtype_name(flat.dtype)
-        if flat.is_complex():
-            flat = torch.view_as_real(flat)
-        flat = flat.contiguous().reshape(-1)
-        flats.append(flat.view(_INT_VIEW_BY_SIZE[flat.element_size()]))
+        name = dtype_name(t.dtype)
+        flats.append(flat_bits(t))
         seeds.append((dtype_seed(name, 0), dtype_seed(name, 1)))
     block = eager_block(device)
     key = (str(device), block, tuple((f.numel(), t.dtype) for f, t in zip(flats, tensors, strict=True)))

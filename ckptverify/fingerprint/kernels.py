@@ -28,6 +28,7 @@ import torch
 
 from ckptverify.errors import UsageError
 from ckptverify.fingerprint import eager as _ref
+from ckptverify.fingerprint.device import check_fingerprintable, device_scope
 from ckptverify.fingerprint.eager import (
     _INT_VIEW_BY_SIZE,
     EAGER_BLOCK,
@@ -41,6 +42,7 @@ from ckptverify.fingerprint.eager import (
     chunk_geometry,
     dtype_name,
     eager_block,
+    flat_bits,
     iter_blocks,
     lanes_many_eager,
 )
@@ -321,7 +323,19 @@ def _lanes(
     screen: tuple[int, int] | None,
 ) -> tuple[tuple[int, int], int | None]:
     """The lane sums of a chunk, and the count of its elements matching ``screen`` (``None`` when not counted,
-    and always when ``screen`` is ``None``)."""
+    and always when ``screen`` is ``None``). Runs on ``t``'s device and that device's current stream in the
+    calling thread, whatever the thread's current device (:func:`~ckptverify.fingerprint.device.device_scope`);
+    refuses a tensor with no values to read (:func:`~ckptverify.fingerprint.device.check_fingerprintable`)."""
+    with device_scope(t.device):
+        check_fingerprintable(t)
+        return _lanes_here(t, offsets, global_shape, name, screen)
+
+
+def _lanes_here(
+    t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
+    screen: tuple[int, int] | None,
+) -> tuple[tuple[int, int], int | None]:
+    """:func:`_lanes`, inside its device scope."""
     global _eager_cpu_bytes
     t, offsets, global_shape = _as_real(t.detach(), offsets, global_shape)
     geometry = chunk_geometry(t.shape, offsets, global_shape)
@@ -329,7 +343,7 @@ def _lanes(
         return (0, 0), 0
     if t.device.type == "cpu" and _backend in ("auto", "numpy") and t.numel() > SLAB and not t.is_contiguous():
         return _slab_lanes(t, offsets, global_shape, name, screen)
-    flat = t.contiguous().reshape(-1).view(_INT_VIEW_BY_SIZE[t.element_size()])
+    flat = flat_bits(t)
     seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
     device = flat.device
     nbytes = flat.numel() * flat.element_size()
@@ -490,8 +504,13 @@ _stage_cache = threading.local()
 def _as_real(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int]
              ) -> tuple[torch.Tensor, list[int], list[int]]:
     """``t`` at ``offsets`` in ``global_shape`` as the kernels read it: a complex chunk as its real view, with a
-    last dimension of 2 (real, imaginary) in the global shape too."""
+    last dimension of 2 (real, imaginary) in the global shape too; a conjugated or negated view resolved to its
+    values first (:func:`~ckptverify.fingerprint.eager.flat_bits`)."""
     offsets, global_shape = list(offsets), list(global_shape)
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
     if t.is_complex():
         t = torch.view_as_real(t)
         offsets.append(0)
@@ -801,7 +820,9 @@ def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     tensors. Nothing waits for the device: the caller reads the result when it needs it (``.tolist()``).
     Sums per tensor come from cumulative sums read at each tensor's end, and the result is put in order by
     gathers: no scatter-add, so it runs under ``torch.use_deterministic_algorithms(True)``. Plain tensors
-    only (for a DTensor, pass its local shard).
+    only (for a DTensor, pass its local shard). Runs on the tensors' device and that device's current stream in
+    the calling thread; refuses meta and fake tensors, and CUDA tensors during a CUDA graph capture
+    (:func:`~ckptverify.fingerprint.device.check_fingerprintable`).
     """
     if not tensors:
         return torch.zeros((0, 2), dtype=torch.int64)
@@ -809,14 +830,18 @@ def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         if t.device != device:
             raise UsageError(f"lanes_many needs tensors on one device, got {t.device} and {device}")
-    # A sparse tensor (a sparse gradient of nn.Embedding(sparse=True)) stands for its dense values.
-    tensors = [t if t.layout == torch.strided else t.detach().to_dense() for t in tensors]
-    if device.type == "cuda" and _backend in ("auto", "triton"):
-        # One Triton launch per element width instead of about fifty eager launches per block: checked
-        # against the eager path before first use (None when Triton is missing or the check failed).
-        from ckptverify.fingerprint import triton_kernel as _fingerprint_triton
+    with device_scope(device):
+        for t in tensors:
+            check_fingerprintable(t)
+        # A sparse tensor (a sparse gradient of nn.Embedding(sparse=True)) stands for its dense values.
+        tensors = [t if t.layout == torch.strided else t.detach().to_dense() for t in tensors]
+        if device.type == "cuda" and _backend in ("auto", "triton"):
+            # A few Triton launches per element width instead of about fifty eager launches per block: checked
+            # against the eager path before first use (None when Triton is missing, the check failed or this
+            # launch failed).
+            from ckptverify.fingerprint import triton_kernel as _fingerprint_triton
 
-        got = _fingerprint_triton.lanes_many(list(tensors))
-        if got is not None:
-            return got
-    return lanes_many_eager(tensors)
+            got = _fingerprint_triton.lanes_many(list(tensors))
+            if got is not None:
+                return got
+        return lanes_many_eager(tensors)

@@ -292,11 +292,15 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None) if module is not None else None
 
 
+#: A DTensor's local shard that is not one box of the global tensor (``_StridedShard``) is fingerprinted as the
+#: boxes it is made of; beyond this many boxes it is refused rather than gathered.
+MAX_SHARD_BOXES = 1 << 16
+
+
 def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import Replicate
 
     from ckptverify.fingerprint import kernels as kern
 
@@ -305,37 +309,43 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
     name = kern.dtype_name(t.dtype)
     gshape = list(t.shape)
     if any(p.is_partial() for p in placements):
-        # Pending reductions: the local values are not the tensor's values until they are reduced.
+        # Pending reductions: the local values are not the tensor's values until they are reduced (a reduction,
+        # not a gather: each rank keeps its shard's size).
+        if t.to_local().device.type != mesh.device_type:
+            raise UsageError(f"cannot fingerprint a DTensor with a Partial placement whose local tensor is on "
+                             f"{t.to_local().device.type}, not on its mesh's {mesh.device_type}: reduce it first")
         placements = [Replicate() if p.is_partial() else p for p in placements]
         t = t.redistribute(mesh, placements)
-    if not all(type(p) in (Shard, Replicate) for p in placements):
-        # Placements whose shards are not one box of the global tensor: fingerprint the full tensor.
-        full = t.full_tensor()
-        lanes = kern.fingerprint_lanes(full, [0] * len(gshape), gshape, name)
-        return TensorFingerprint.from_lanes(lanes, name, gshape, full.numel())
 
     local = t.to_local()
-    local_shape, offsets = compute_local_shape_and_global_offset(gshape, mesh, placements)
     coordinate = mesh.get_coordinate()
     # Replicated mesh dims hold the same shard several times: only coordinate 0 of each contributes.
     contributes = coordinate is not None and all(
         coordinate[d] == 0 for d, p in enumerate(placements) if isinstance(p, Replicate)
     )
+    lanes, count = (0, 0), 0
     if contributes and local.numel():
-        if list(local.shape) != list(local_shape):
-            raise UsageError(f"DTensor local shard has shape {list(local.shape)}, expected {list(local_shape)}")
-        lanes = kern.fingerprint_lanes(local, offsets, gshape, name)
-        count = local.numel()
-    else:
-        lanes, count = (0, 0), 0
+        # Each element's global index is known from where the placements put the shard's rows along each
+        # dimension, so no placement needs a gather: the shard is fingerprinted box by box at global offsets.
+        index = _shard_indices(gshape, mesh, placements, coordinate)
+        if [len(ix) for ix in index] != list(local.shape):
+            raise UsageError(f"DTensor local shard has shape {list(local.shape)}, expected "
+                             f"{[len(ix) for ix in index]}")
+        sums = [0, 0]
+        for box, offsets in _boxes(index):
+            a, b = kern.fingerprint_lanes(local[box], offsets, gshape, name)
+            sums[0] += a
+            sums[1] += b
+        lanes, count = (sums[0] & _MASK64, sums[1] & _MASK64), local.numel()
 
     # Sum over the whole mesh, one mesh dimension at a time. All-gather (exact) then add modulo 2**64.
     values = [signed(lanes[0]), signed(lanes[1]), count]
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         size = dist.get_world_size(group)
-        mine = torch.tensor(values, dtype=torch.int64, device=local.device)
-        gathered = torch.empty(size * 3, dtype=torch.int64, device=local.device)
+        device = _collective_device(group, local.device, mesh.device_type)
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        gathered = torch.empty(size * 3, dtype=torch.int64, device=device)
         with warnings.catch_warnings():
             # torch 2.13 marks the name deprecated in favour of one older releases lack; same collective.
             warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
@@ -347,3 +357,111 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
             sum(r[2] for r in rows),
         ]
     return TensorFingerprint.from_lanes((values[0], values[1]), name, gshape, values[2])
+
+
+def _shard_indices(gshape: list[int], mesh: Any, placements: list[Any], coordinate: list[int]) -> list[Any]:
+    """For each dimension of the global tensor, the global index of each of the local shard's positions along
+    it, in order (a 1-D int64 tensor): the placements applied left to right over the mesh dimensions, as DTensor
+    applies them (``Shard`` keeps a slice of the positions, ``_StridedShard`` an interleaving of slices).
+    Placements that shard nothing (``Replicate``) keep every position."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    index = [torch.arange(n) for n in gshape]
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        current = index[p.dim] if isinstance(p, Shard) or _is_strided_shard(p) else None
+        if current is None:
+            raise UsageError(f"cannot fingerprint a DTensor placed as {p!r} without gathering it")
+        num_chunks, rank = mesh.size(mesh_dim), coordinate[mesh_dim]
+        if _is_strided_shard(p):
+            index[p.dim] = current[torch.tensor(_strided_positions(p, len(current), num_chunks, rank),
+                                                dtype=torch.int64)]
+        else:
+            size, start = Shard.local_shard_size_and_offset(len(current), num_chunks, rank)
+            index[p.dim] = current[int(start) : int(start) + int(size)]
+    return index
+
+
+def _is_strided_shard(p: Any) -> bool:
+    return type(p).__name__ == "_StridedShard"
+
+
+def _strided_positions(p: Any, size: int, num_chunks: int, rank: int) -> list[int]:
+    """The positions (along its dimension, of ``size``) a ``_StridedShard`` keeps on mesh coordinate ``rank``."""
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+        kept, offsets = p.local_shard_size_and_offset(size, num_chunks, rank, _StridedShardOffsetMode.ALL)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch's private API
+        offsets, kept = None, 0
+    if not isinstance(offsets, list):  # pragma: no cover - another torch's private API
+        raise UsageError(f"this torch does not say where a {p!r} shard's elements lie: not fingerprinted")
+    return [int(k) for k in offsets[: int(kept)]]
+
+
+def _runs(positions: Any) -> list[tuple[int, int, int]]:
+    """``positions`` (a 1-D int64 tensor: global indices along one dimension, in local order) as maximal runs of
+    consecutive indices: ``(local start, global start, length)``."""
+    import torch
+
+    n = len(positions)
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(positions[1:] - positions[:-1] != 1).flatten() + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, n]
+    firsts = positions[torch.tensor(starts)].tolist()
+    return [(lo, g, hi - lo) for lo, hi, g in zip(starts, ends, firsts, strict=True)]
+
+
+def _boxes(index: list[Any]) -> list[tuple[tuple[slice, ...], list[int]]]:
+    """The local shard as boxes of the global tensor: for each combination of one run per dimension, the slice
+    of the shard it is and its global offsets. Disjoint, covering the shard: their lane sums add up to its."""
+    import itertools
+
+    per_dim = [_runs(ix) for ix in index]
+    total = 1
+    for runs in per_dim:
+        total *= len(runs)
+    if total > MAX_SHARD_BOXES:
+        raise UsageError(f"a DTensor shard made of {total} separate boxes of its global tensor is not fingerprinted "
+                         f"(at most {MAX_SHARD_BOXES}); fingerprint its full_tensor() instead")
+    out = []
+    for combo in itertools.product(*per_dim):
+        box = tuple(slice(local, local + n) for local, _, n in combo)
+        out.append((box, [start for _, start, _ in combo]))
+    return out
+
+
+def _collective_device(group: Any, local_device: Any, mesh_device_type: str) -> Any:
+    """The device the lane sums travel on over ``group``: the local shard's, where the group's backend serves
+    that device type; else one the backend serves (a CPU-offloaded shard over NCCL: the mesh's current CUDA
+    device). NCCL never receives a CPU tensor."""
+    import torch
+
+    served = _backend_device_types(group) or {mesh_device_type}
+    if local_device.type in served:
+        return local_device
+    if "cpu" in served:
+        return torch.device("cpu")
+    kind = mesh_device_type if mesh_device_type in served else sorted(served)[0]
+    return torch.device(kind, _current_index(kind))
+
+
+def _backend_device_types(group: Any) -> set[str]:
+    """Device types the group's backend takes tensors on: ``"cpu:gloo,cuda:nccl"`` names them; NCCL takes CUDA
+    tensors, Gloo CPU and CUDA ones; empty for any other backend (the caller takes its mesh's device type)."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:
+        return {pair.split(":")[0].strip() for pair in backend.split(",")}
+    return {"nccl": {"cuda"}, "gloo": {"cpu", "cuda"}}.get(backend, set())
+
+
+def _current_index(kind: str) -> int:
+    import torch
+
+    module = getattr(torch, kind, None)
+    return int(module.current_device()) if module is not None and hasattr(module, "current_device") else 0

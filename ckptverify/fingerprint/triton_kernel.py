@@ -8,10 +8,15 @@ is associative and commutative, so the order of the programs does not matter: th
 eager path's.
 
 A second kernel does the same for a whole list of tensors at once (:func:`lanes_many`, what a trace digests
-each step: every gradient, parameter and optimizer state tensor): the tensors of one element width are laid end
-to end, each program takes one block of one tensor, and the per-tensor sums come from the programs' partials in
-a few more operations, so a list costs about ten kernel launches however many tensors it holds (the eager
-path launches about fifty per block).
+each step: every gradient, parameter and optimizer state tensor): small tensors of one element width are laid end
+to end in buffers of at most ``MANY_GROUP_BYTES`` (a larger tensor is read in place), each program takes one
+block of one tensor, and the per-tensor sums come from the programs' partials in a few more operations, so a
+list costs a few kernel launches per 64 MiB however many tensors it holds (the eager path launches about fifty
+per block), and never a copy of the whole list.
+
+Every launch runs on the current device and stream, so callers enter the tensor's device first
+(:func:`~ckptverify.fingerprint.device.device_scope`; :mod:`~ckptverify.fingerprint.kernels` does). A failed
+launch falls back to eager for that call only.
 
 Used for CUDA tensors when Triton imports, after it has matched the eager path
 (:mod:`ckptverify.fingerprint.eager`, which this module imports; :mod:`~ckptverify.fingerprint.kernels` imports
@@ -24,11 +29,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from ckptverify.fingerprint import eager
+from ckptverify.fingerprint.device import is_capturing
 from ckptverify.fingerprint.spec import INDEX_MULTIPLIER, LANES, MASK64, dtype_seed
 from ckptverify.fingerprint.spec import signed as _signed
 
@@ -39,7 +46,12 @@ BLOCK = 2048
 #: Element widths the kernel has been checked for against the eager path, by (device type, bits dtype).
 _verified: dict[tuple[str, torch.dtype], bool] = {}
 _lock = threading.Lock()
-_failed = False
+#: Self-checks that raised, by verdict table and key; after ``_CHECK_TRIES`` of them the kernel is left out for
+#: that key.
+_check_errors: dict[int, dict[Any, int]] = {}
+_CHECK_TRIES = 3
+_failures = 0
+_failure_lock = threading.Lock()
 
 
 try:
@@ -162,98 +174,235 @@ def lanes_of(flat: torch.Tensor, geometry: Any, seeds: tuple[int, int]) -> tuple
 
 
 def lanes(flat: torch.Tensor, geometry: Any, seeds: tuple[int, int]) -> tuple[int, int] | None:
-    """The lane sums through the kernel, or ``None`` where it does not apply (Triton missing, a run too short
-    to fill a block, or the kernel failed its check against the eager path): the caller then takes eager."""
-    global _failed
-    if _failed or flat.numel() == 0 or geometry.run_length < 64 or _kernel() is None:
+    """The lane sums through the kernel, or ``None`` where it does not apply: Triton missing, a run too short to
+    fill a block, the kernel disagreed with the eager path in its check, the device's stream is capturing a
+    CUDA graph, or this launch failed. The caller then takes eager, for this call only: a failed launch (a
+    transient out-of-memory) is counted and logged once (:func:`failures`), and the next call launches again.
+    Call inside :func:`~ckptverify.fingerprint.device.device_scope` of ``flat``'s device."""
+    if flat.numel() == 0 or geometry.run_length < 64 or _kernel() is None or is_capturing(flat.device):
         return None
     key = (flat.device.type, flat.dtype)
     with _lock:
-        if key not in _verified:
-            try:
-                _verified[key] = _self_check(flat.dtype, flat.device)
-            except Exception as exc:  # pragma: no cover - depends on the environment
-                _log.warning("triton fingerprint kernel unavailable, using eager torch: %s", exc)
-                _failed = True
-                return None
-        if not _verified[key]:
+        if not _checked(_verified, key, lambda: _self_check(flat.dtype, flat.device)):
             return None
     try:
         return lanes_of(flat, geometry, seeds)
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        _log.warning("triton fingerprint kernel failed, using eager torch: %s", exc)
-        _failed = True
+    except Exception as exc:  # pragma: no cover - depends on the environment (the CPU tests fake it)
+        _note_failure("launch", exc)
         return None
+
+
+def _checked(verdicts: dict[Any, bool], key: Any, check: Any) -> bool:
+    """Whether the kernel passed its check against the eager path for ``key`` (``verdicts[key]``; running
+    ``check`` the first time; hold ``_lock``). A disagreement is final for the process; a check that raised (out
+    of memory, a driver hiccup) is tried again at the next call, ``_CHECK_TRIES`` times in all."""
+    verdict = verdicts.get(key)
+    if verdict is not None:
+        return verdict
+    try:
+        verdicts[key] = bool(check())
+    except Exception as exc:  # pragma: no cover - depends on the environment (the CPU tests fake it)
+        errors = _check_errors.get(id(verdicts), {})
+        _check_errors[id(verdicts)] = errors
+        errors[key] = errors.get(key, 0) + 1
+        _note_failure("self-check", exc)
+        if errors[key] >= _CHECK_TRIES:
+            verdicts[key] = False
+        return False
+    return verdicts[key]
+
+
+def _note_failure(what: str, exc: BaseException) -> None:
+    """Count a failed launch or self-check; the first one of the process is logged as a warning, the rest at
+    debug level (a job fingerprinting every step would otherwise log every step)."""
+    global _failures
+    with _failure_lock:
+        _failures += 1
+        first = _failures == 1
+    log = _log.warning if first else _log.debug
+    log("triton fingerprint kernel %s failed (this call takes eager torch; failures so far: %d): %s",
+        what, _failures, exc)
+
+
+def failures() -> int:
+    """How many launches and self-checks of the kernels failed in this process (each fell back to eager)."""
+    return _failures
 
 
 # ------------------------------------------------------------------------------------------------ many
 
 
+#: Bytes of tensors one launch of the many-tensor kernel reads from one buffer: tensors smaller than this are
+#: copied end to end into buffers of at most this many bytes (a tensor this large or larger is read in place,
+#: alone), so fingerprinting a list never copies more than this at a time, however large the list.
+MANY_GROUP_BYTES = 64 << 20
+
+
+def _groups(numels: list[int], sizes: list[int], bound: int) -> list[list[int]]:
+    """The members (positions in the list) each launch takes: by element width in order of first appearance,
+    empty tensors left out, consecutive members while their bytes together stay within ``bound`` (a member of
+    at least ``bound`` bytes alone)."""
+    out: list[list[int]] = []
+    for size in dict.fromkeys(sizes):
+        group: list[int] = []
+        nbytes = 0
+        for m, (n, z) in enumerate(zip(numels, sizes, strict=True)):
+            if z != size or not n:
+                continue
+            if group and nbytes + n * z > bound:
+                out.append(group)
+                group, nbytes = [], 0
+            group.append(m)
+            nbytes += n * z
+        if group:
+            out.append(group)
+    return out
+
+
+def _rows(numels: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """The kernel's table for members of ``numels`` elements laid end to end (``seeds``: their (n, 2) signed
+    seeds): one row of five int64 per block of ``BLOCK`` elements, ``(start in the buffer, index of the first
+    element in its tensor, elements, seed 0, seed 1)``, members in order, blocks in order. Built with a few
+    tensor operations whatever the number of blocks (``(rows, 5)``, on the CPU)."""
+    blocks = (numels + (BLOCK - 1)) // BLOCK
+    total = int(blocks.sum())
+    member = torch.repeat_interleave(torch.arange(len(numels)), blocks, output_size=total)
+    first_row = torch.cumsum(blocks, 0) - blocks  # each member's first row
+    first = (torch.arange(total) - first_row[member]) * BLOCK
+    offset = torch.cumsum(numels, 0) - numels  # each member's place in the buffer
+    length = torch.clamp(numels[member] - first, max=BLOCK)
+    return torch.stack([offset[member] + first, first, length, seeds[member, 0], seeds[member, 1]], dim=1)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: through pinned memory without waiting on CUDA (the pinned block stays reserved
+    until the copy has run: torch's host allocator records the copy on its stream)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class _ManyPlan:
-    """How one layout (device, and each tensor's element count, width and dtype name) goes through
-    :func:`lanes_many`: per element width, the members laid end to end and the table of programs (on the
-    device); per member, the range of its programs in the partials."""
+    """How one layout (device, each tensor's element count, width and dtype name) goes through
+    :func:`lanes_many`: its launches (members, table of programs on the device, first program, programs) and,
+    per member, the range of its programs in the partials.
+
+    Its device tensors were made on the stream current when it was built; used on another stream, they are
+    recorded on that stream first (:meth:`use_on`), so that when the plan leaves the cache the allocator does
+    not reuse their memory before the kernels queued on that stream have read them."""
 
     def __init__(self, numels: list[int], sizes: list[int], seeds: list[tuple[int, int]],
-                 device: torch.device) -> None:
-        self.groups: list[tuple[list[int], torch.Tensor, int, int]] = []  # members, table, first program, count
-        first = [0] * len(numels)
-        last = [0] * len(numels)
+                 device: torch.device, bound: int) -> None:
+        self.groups: list[tuple[list[int], torch.Tensor, int, int]] = []
+        first = torch.zeros(len(numels), dtype=torch.int64)
+        last = torch.zeros(len(numels), dtype=torch.int64)
+        signed_seeds = torch.tensor([[_signed(a), _signed(b)] for a, b in seeds], dtype=torch.int64).reshape(-1, 2)
+        counts = torch.tensor(numels, dtype=torch.int64)
         programs = 0
-        for size in dict.fromkeys(sizes):
-            members = [m for m, z in enumerate(sizes) if z == size and numels[m]]
-            if not members:
-                continue
-            rows: list[tuple[int, int, int, int, int]] = []
-            offset = 0
-            for m in members:
-                first[m] = programs + len(rows)
-                for b in range(0, numels[m], BLOCK):
-                    rows.append((offset + b, b, min(BLOCK, numels[m] - b), _signed(seeds[m][0]),
-                                 _signed(seeds[m][1])))
-                last[m] = programs + len(rows)
-                offset += numels[m]
-            table = torch.tensor(rows, dtype=torch.int64).reshape(-1).to(device)
-            self.groups.append((members, table, programs, len(rows)))
-            programs += len(rows)
+        for members in _groups(numels, sizes, bound):
+            index = torch.tensor(members, dtype=torch.int64)
+            rows = _rows(counts[index], signed_seeds[index])
+            blocks = (counts[index] + (BLOCK - 1)) // BLOCK
+            ends = torch.cumsum(blocks, 0) + programs
+            first[index] = ends - blocks
+            last[index] = ends
+            self.groups.append((members, _to_device(rows.reshape(-1), device), programs, rows.shape[0]))
+            programs += rows.shape[0]
         self.programs = programs
-        self.first = torch.tensor(first, dtype=torch.int64).to(device)
-        self.last = torch.tensor(last, dtype=torch.int64).to(device)
+        self.first = _to_device(first, device)
+        self.last = _to_device(last, device)
+        self.nbytes = sum(table.numel() * 8 for _, table, _, _ in self.groups) + 16 * len(numels)
+        self._streams = {_stream_key(_current_stream(device))}
+
+    def use_on(self, stream: Any) -> None:
+        """Record the plan's device tensors on ``stream`` (the current one where it is about to be used), once per
+        stream other than the one it was built on."""
+        key = _stream_key(stream)
+        if key in self._streams:
+            return
+        for tensor in [table for _, table, _, _ in self.groups] + [self.first, self.last]:
+            _record_stream(tensor, stream)
+        self._streams.add(key)
 
 
-_plans: dict[tuple[Any, ...], _ManyPlan] = {}
-_PLANS_KEPT = 64
+def _current_stream(device: torch.device) -> Any:
+    """The calling thread's current stream of ``device`` (``None`` off CUDA, where there are no streams)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _stream_key(stream: Any) -> Any:
+    # A torch.cuda.Stream is a new Python object at each current_stream() call: compare the CUDA streams.
+    return getattr(stream, "cuda_stream", stream)
+
+
+def _record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    if stream is not None:
+        tensor.record_stream(stream)
+
+
+#: Plans by layout, least recently used first: at most ``_PLANS_KEPT`` of them and ``_PLAN_BYTES_KEPT`` bytes of
+#: device tables (a trace's window of operations has hundreds of layouts, each used every step: a cache
+#: smaller than the window rebuilt every plan at every step).
+_plans: OrderedDict[tuple[Any, ...], _ManyPlan] = OrderedDict()
+_PLANS_KEPT = 1024
+_PLAN_BYTES_KEPT = 256 << 20
+_plans_lock = threading.Lock()
+
+
+def _plan_for(key: tuple[Any, ...], build: Any) -> _ManyPlan:
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            return plan
+    plan = build()
+    with _plans_lock:
+        _plans[key] = plan
+        total = sum(p.nbytes for p in _plans.values())
+        while len(_plans) > 1 and (len(_plans) > _PLANS_KEPT or total > _PLAN_BYTES_KEPT):
+            _, old = _plans.popitem(last=False)
+            total -= old.nbytes
+    return plan
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The flat integer view of ``t``'s elements as the kernel reads them (a copy only where ``t`` is not
+    contiguous, conjugated or negated)."""
+    return eager.flat_bits(t)
+
+
+def _launch_many(bits: torch.Tensor, table: torch.Tensor, out: torch.Tensor, programs: int) -> None:
+    """One launch of the many-tensor kernel: ``programs`` rows of ``table`` over ``bits``, sums into ``out``."""
+    (a1, a2), (b1, b2) = LANES[0].multipliers, LANES[1].multipliers
+    _many_kernel[(programs,)](bits, table, out, _signed(INDEX_MULTIPLIER), _signed(a1), _signed(a2), _signed(b1),
+                              _signed(b2), BLOCK=BLOCK, num_warps=8)
 
 
 def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The kernel's answer for :func:`ckptverify.fingerprint.kernels.lanes_many`: each whole tensor's two lane
-    sums as an ``(n, 2)`` int64 tensor on their device (unchecked: :func:`lanes_many` is the guarded entry)."""
+    sums as an ``(n, 2)`` int64 tensor on their device (unchecked: :func:`lanes_many` is the guarded entry).
+
+    Tensors go through in launches of at most ``MANY_GROUP_BYTES`` bytes (:func:`_groups`): only one launch's
+    buffer (its small tensors copied end to end, or one non-contiguous tensor made contiguous) exists at a time."""
     device = tensors[0].device
-    flats: list[torch.Tensor] = []
-    names: list[str] = []
-    for t in tensors:
-        flat = t.detach()
-        names.append(eager.dtype_name(flat.dtype))
-        if flat.is_complex():
-            flat = torch.view_as_real(flat)
-        flat = flat.contiguous().reshape(-1)
-        flats.append(flat.view(eager._INT_VIEW_BY_SIZE[flat.element_size()]))
-    key = (str(device), tuple((f.numel(), f.element_size(), n) for f, n in zip(flats, names, strict=True)))
-    plan = _plans.get(key)
-    if plan is None:
+    names = [eager.dtype_name(t.dtype) for t in tensors]
+    widths = [t.element_size() // (2 if t.is_complex() else 1) for t in tensors]
+    numels = [t.numel() * (2 if t.is_complex() else 1) for t in tensors]
+    bound = MANY_GROUP_BYTES
+    key = (str(device), bound, tuple(zip(numels, widths, names, strict=True)))
+
+    def build() -> _ManyPlan:
         seeds = [(dtype_seed(n, 0), dtype_seed(n, 1)) for n in names]
-        plan = _ManyPlan([f.numel() for f in flats], [f.element_size() for f in flats], seeds, device)
-        if len(_plans) >= _PLANS_KEPT:
-            _plans.pop(next(iter(_plans)))
-        _plans[key] = plan
-    kernel = _many_kernel
+        return _ManyPlan(numels, widths, seeds, device, bound)
+
+    plan = _plan_for(key, build)
+    plan.use_on(_current_stream(device))
     partials = torch.empty((plan.programs + 1, 2), dtype=torch.int64, device=device)
     partials[0].zero_()
-    (a1, a2), (b1, b2) = LANES[0].multipliers, LANES[1].multipliers
     for members, table, first, count in plan.groups:
-        bits = flats[members[0]] if len(members) == 1 else torch.cat([flats[m] for m in members])
-        kernel[(count,)](bits, table, partials[1 + first:1 + first + count], _signed(INDEX_MULTIPLIER),
-                         _signed(a1), _signed(a2), _signed(b1), _signed(b2), BLOCK=BLOCK, num_warps=8)
+        bits = _bits(tensors[members[0]]) if len(members) == 1 else torch.cat([_bits(tensors[m]) for m in members])
+        _launch_many(bits, table, partials[1 + first:1 + first + count], count)
+        del bits  # the next launch's buffer replaces this one
     # Integer sums wrap modulo 2**64 (two's complement); a member's programs are consecutive, so its sum is the
     # difference of the running sums at its two ends.
     running = torch.cumsum(partials, dim=0)
@@ -282,28 +431,23 @@ def _self_check_many(device: torch.device) -> bool:
     return True
 
 
+#: Device type -> whether the many-tensor kernel passed its check against the eager path there.
 _many_verified: dict[str, bool] = {}
 
 
 def lanes_many(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """:func:`lanes_many_of` through the kernel, or ``None`` where it does not apply (Triton missing, or the
-    kernel failed its check against the eager path on this kind of device): the caller then takes eager."""
-    global _failed
-    if _failed or not tensors or _kernel() is None:
+    """:func:`lanes_many_of` through the kernel, or ``None`` where it does not apply (Triton missing, the kernel
+    disagreed with the eager path in its check on this kind of device, the device's stream is capturing a CUDA
+    graph, or this launch failed: counted and logged once, and the next call launches again). Call inside
+    :func:`~ckptverify.fingerprint.device.device_scope` of the tensors' device."""
+    if not tensors or _kernel() is None or is_capturing(tensors[0].device):
         return None
-    kind = tensors[0].device.type
+    device = tensors[0].device
     with _lock:
-        if kind not in _many_verified:
-            try:
-                _many_verified[kind] = _self_check_many(tensors[0].device)
-            except Exception as exc:  # pragma: no cover - depends on the environment
-                _log.warning("triton many-tensor fingerprint kernel unavailable, using eager torch: %s", exc)
-                _many_verified[kind] = False
-        if not _many_verified[kind]:
+        if not _checked(_many_verified, device.type, lambda: _self_check_many(device)):
             return None
     try:
         return lanes_many_of(tensors)
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        _log.warning("triton many-tensor fingerprint kernel failed, using eager torch: %s", exc)
-        _many_verified[kind] = False
+    except Exception as exc:  # pragma: no cover - depends on the environment (the CPU tests fake it)
+        _note_failure("many-tensor launch", exc)
         return None

@@ -11,6 +11,14 @@ replica group, and the group compares those with one small ``all_gather`` (16 by
 its state (``digest_source``: its :class:`~ckptverify.trace.TraceRecorder`) has digested its parameters for the
 row it just recorded; the check reuses those digests and reads no tensor again. Only when the values differ
 does a second collective exchange the per-tensor digests, to name the tensors and the ranks on each side.
+
+:meth:`ReplicaCheck.check_late` (what production mode uses) compares one traced step late: the digests of a row
+recorded on an accelerator reach the host when the next row is recorded, so reading them right away would wait for
+the device at every traced step. At each call it compares the step of the call before, and :meth:`flush_late`
+compares the step still waiting (before a save, so that a checkpoint saved after a mismatch is marked, and at the
+job's last step). The exchange of an NCCL group runs on a side stream, which waits for the collectives already
+queued but not for the computation queued after them.
+
 Which ranks replicate a parameter:
 
 - a DTensor: the ranks along each mesh dimension on which its placement is ``Replicate()``;
@@ -108,6 +116,8 @@ class ReplicaCheck:
         self._episode: _Episode | None = None
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
         self._hosts: list[str] = []
+        #: The traced step :meth:`check_late` has not compared yet.
+        self._late: int | None = None
         self._rank = dist.get_rank() if self.enabled else 0
         if not self.enabled:
             return
@@ -151,6 +161,25 @@ class ReplicaCheck:
         if not found and not grads:
             self._agreed(step)
         return found
+
+    def check_late(self, step: int) -> list[ReplicaMismatch]:
+        """Called at the end of each traced step ``step``: compare the replicas' parameters as they were at the
+        traced step of the previous call (their digests, from ``digest_source``'s rows, are on the host by now),
+        and remember ``step`` for the next call or :meth:`flush_late`. A tensor the row did not digest (optimizer
+        state, with ``optimizer=``) is read as it is now. Without a ``digest_source`` that records state there is
+        no earlier digest to reuse: ``step`` is compared now (:meth:`check`)."""
+        if not self.enabled:
+            return []
+        if not getattr(self.digest_source, "records_state", False):
+            return self.check(step)
+        previous, self._late = self._late, step
+        return [] if previous is None else self.check(previous)
+
+    def flush_late(self) -> list[ReplicaMismatch]:
+        """Compare the step :meth:`check_late` still holds, now (its digests are read back for it). Every member
+        calls it at the same points (it issues collectives)."""
+        step, self._late = self._late, None
+        return [] if step is None or not self.enabled else self.check(step)
 
     def _tensors(self, bucket: _Bucket, grads: bool) -> tuple[list[str], list[Any]]:
         names: list[str] = []
@@ -207,18 +236,18 @@ class ReplicaCheck:
     def _check_bucket(self, bucket: _Bucket, names: list[str], digests: list[int | None], step: int,
                       kind: str) -> ReplicaMismatch | None:
         device = _collective_device(bucket.group)
-        gathered = _all_gather(torch_tensor([_bucket_digest(digests)], device), bucket.group, len(bucket.ranks))
+        gathered = _all_gather([_bucket_digest(digests)], device, bucket.group, len(bucket.ranks))
         if all(g == gathered[0] for g in gathered):
             return None
         # They differ: now (only now) the digest of each tensor, padded to a common length (a member may hold
         # optimizer state the others lack): missing tensors count as all-zero digests.
-        width = _all_gather(torch_tensor([(len(digests), 0)], device), bucket.group, len(bucket.ranks))
+        width = _all_gather([(len(digests), 0)], device, bucket.group, len(bucket.ranks))
         longest = max(w[0][0] for w in width)
         rows = [(0, 0)] * longest
         for n, d in enumerate(digests):
             if d is not None:
                 rows[n] = _lanes(f"{d:032x}")
-        table = _all_gather(torch_tensor(rows, device), bucket.group, len(bucket.ranks))
+        table = _all_gather(rows, device, bucket.group, len(bucket.ranks))
         differing = [names[n] if n < len(names) else f"<tensor {n}>" for n in range(longest)
                      if len({t[n] for t in table}) > 1]
         copies: dict[tuple[tuple[int, int], ...], list[int]] = {}
@@ -382,10 +411,27 @@ def torch_tensor(rows: list[tuple[int, int]], device: Any) -> Any:
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 2)
 
 
-def _all_gather(t: Any, group: Any, n: int) -> list[tuple[tuple[int, int], ...]]:
+#: One side stream per CUDA device for the exchanges (made once: creating a stream costs a driver call).
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _all_gather(rows: list[tuple[int, int]], device: Any, group: Any, n: int) -> list[tuple[tuple[int, int], ...]]:
+    """Every member's ``rows``, gathered over ``group`` on ``device``. On CUDA on a side stream: the exchange and
+    its read wait for the group's collectives already queued, not for the training step's computation queued on
+    the current stream."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
-    out = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(out, t, group=group)
-    return [tuple(tuple(int(x) for x in row) for row in o.cpu().tolist()) for o in out]
+    side: Any = contextlib.nullcontext()
+    if device.type == "cuda":
+        stream = _SIDE_STREAMS.get(device)
+        if stream is None:
+            stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        side = torch.cuda.stream(stream)
+    with side:
+        t = torch_tensor(rows, device)
+        out = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(out, t, group=group)
+        return [tuple(tuple(int(x) for x in row) for row in o.cpu().tolist()) for o in out]

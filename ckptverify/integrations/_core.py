@@ -58,6 +58,7 @@ from ckptverify.errors import (
     CheckpointRefusedError,
     CheckpointVerificationWarning,
     CkptVerifyRuntimeWarning,
+    CkptVerifyWarning,
     UsageError,
 )
 from ckptverify.findings import Report
@@ -558,7 +559,7 @@ def warn_if_accumulating(model: Any, path: str | os.PathLike[str]) -> None:
 
     text = pending_gradients_warning(model, f"the checkpoint {os.fspath(path)}") if model is not None else None
     if text is not None:
-        warnings.warn(text, UserWarning, stacklevel=3)
+        warnings.warn(text, CkptVerifyWarning, stacklevel=3)
 
 
 def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],

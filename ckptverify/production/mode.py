@@ -15,9 +15,11 @@ replicas, so that a later replay can judge it.
   pending verifications before it ends (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s by default);
 - records a rank-local trace in ``DIR/trace/from-<K>/`` (``K`` the step it started from), every
   ``trace_every`` steps, and each rank's host, device, versions and determinism settings beside it;
-- on more than one rank, compares its data-parallel replicas after every traced step
-  (:class:`~ckptverify.hardware.replica.ReplicaCheck`); a checkpoint saved after a mismatch is marked suspect
-  (a note in its folder, copied into its stamp), and no resume picks it;
+- on more than one rank, compares its data-parallel replicas after every traced step, one traced step late (the
+  parameter digests of a row reach the host when the next row is recorded; waiting for them at once would stall
+  the device every step), and at once before a save and at the last step
+  (:meth:`~ckptverify.hardware.replica.ReplicaCheck.check_late`); a checkpoint saved after a mismatch is marked
+  suspect (a note in its folder, copied into its stamp), and no resume picks it;
 - appends what happened to ``DIR/events.jsonl`` (checkpoint-skipped, checkpoint-moved-aside, resume-refused,
   start, restore, save, checkpoint-verified, checkpoint-failed, checkpoint-unverified, checkpoint-deleted,
   checkpoint-cut-short, replica-mismatch, replica-mismatch-end, fault-injected, end; ``docs/json-schema.md``);
@@ -275,10 +277,13 @@ class Production:
             self.replicas.digest_source = recorder
 
     def stepped(self, step: int, *, traced: bool) -> None:
-        """At the end of step ``step`` (after the optimizer step): compare the replicas on traced steps."""
+        """At the end of step ``step`` (after the optimizer step): on traced steps, compare the replicas as they
+        were at the traced step before; at the job's last step, this one's too (nothing comes after it)."""
         self._step = step
         if traced and self.replicas is not None:
-            self.replicas.check(step)
+            self.replicas.check_late(step)
+        if self.replicas is not None and step >= self.options.steps:
+            self.replicas.flush_late()
 
     def save_options(self) -> dict[str, Any]:
         """How ``run`` saves in production: verified after the commit, results in ``events.jsonl``."""
@@ -287,8 +292,11 @@ class Production:
     def before_save(self, step: int, path: str) -> None:
         """Before the save of ``step`` into ``path`` (every rank calls it): on rank 0, whatever is already at
         ``path`` is moved aside (never written over), and a save after a replica mismatch gets its suspect note.
-        The other ranks wait, so none writes into the folder before it is moved."""
+        The other ranks wait, so none writes into the folder before it is moved. Every rank first compares the
+        replicas' step the late check still holds: the suspect note must cover the state being saved."""
         self._suspect = None
+        if self.replicas is not None:
+            self.replicas.flush_late()
         if self.rank == 0:
             from ckptverify.runs.latest import move_aside
 

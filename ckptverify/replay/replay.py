@@ -200,10 +200,11 @@ def _same_path(a: str, b: str) -> bool:
         return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
 
 
-def comparable(segment: str, *, level: str, workload: str, world: int) -> None:
+def comparable(segment: str, *, level: str, workload: str, world: int, device: str = "cpu") -> None:
     """Refuse, before any process starts, a replay whose traces could not be compared with production's trace
-    ``segment`` (recorded under another torch or ckptverify version, at another level or world size): a
-    bitwise comparison of such traces says nothing. Raises :class:`UsageError` naming what differs."""
+    ``segment`` (recorded under another torch or ckptverify version, at another level or world size, or with its
+    tensors digested differently than a replay on ``device`` digests them: production on a GPU, a replay on the
+    CPU): a bitwise comparison of such traces says nothing. Raises :class:`UsageError` naming what differs."""
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import TraceHeader, open_trace
 
@@ -219,6 +220,30 @@ def comparable(segment: str, *, level: str, workload: str, world: int) -> None:
         raise UsageError(f"production's trace in {segment} and this replay's would describe different runs "
                          f"({detail}), so no step could be compared bitwise and nothing was started. Replay with "
                          "the versions production ran with installed.")
+    want = replay_encoding(device)
+    if prod.digest_encoding not in ("unknown", want):
+        raise UsageError(f"production's trace in {segment} has digest_encoding {prod.digest_encoding!r} (its tensors "
+                         f"were digested {_ENCODED.get(prod.digest_encoding, prod.digest_encoding)}), but a replay on "
+                         f"--device {device} records {want!r} ({_ENCODED[want]}): every tensor site would differ at "
+                         "the first step, so nothing was started. Replay on the kind of device production ran on "
+                         f"({_REPLAY_AS[prod.digest_encoding]}).")
+
+
+#: How to replay a production trace of each ``digest_encoding``.
+_REPLAY_AS = {"host": "--device cpu", "device": "--device cuda",
+              "host-as-device": "--device cpu with CKPTVERIFY_TRACE_HOST_AS_DEVICE=1"}
+
+#: How each ``digest_encoding`` digests a tensor, in words.
+_ENCODED = {"host": "by their bytes in host memory", "device": "as logical fingerprints on an accelerator",
+            "host-as-device": "on the host down the accelerator path (CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)"}
+
+
+def replay_encoding(device: str) -> str:
+    """The ``digest_encoding`` of the traces a replay on ``device`` records (its ranks inherit this process's
+    environment)."""
+    if not device.startswith("cpu"):
+        return "device"
+    return "host-as-device" if os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1" else "host"
 
 
 def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start: int | None = None,
@@ -308,7 +333,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     seg_start, segment = max(segs)
     level = str(meta.get("level", "metrics"))
     # The replays' traces describe the run production recorded (run.json's spelling of the same function).
-    comparable(segment, level=level, workload=meta["target"], world=world)
+    comparable(segment, level=level, workload=meta["target"], world=world, device=device)
     hosts = _hosts(segment)
     steps = range(ckpts.start + 1, ckpts.end + 1)
     # The job's length, for schedules built from run.total_steps (a replay stops early; they must not change).

@@ -1,6 +1,9 @@
 """Launching a workload: each ``(target, RunConfig)`` job in a fresh set of processes, one per rank.
 
-``torch.multiprocessing`` spawn, gloo on CPU, NCCL with one GPU per rank on CUDA. A rank runs its jobs in turn
+``torch.multiprocessing`` spawn, gloo on CPU, NCCL (with gloo beside it for host tensors) and one GPU per rank
+on CUDA: rank ``r`` uses ``cuda:r``, so ``nproc`` may not exceed the visible devices (refused before any process
+starts). A rank that fails leaves its process group without tearing it down (peers may sit in a collective
+that would never complete), so the launch reports the crash at once instead of waiting. A rank runs its jobs in turn
 in one process; its output goes to a per-rank log file or to the terminal labelled with the run (and rank). A
 failure comes back as the user's error: :class:`~ckptverify.resume.harness_target.TargetError` (a usage error,
 with the user's line at fault) or :class:`WorkloadCrashedError` (the user's traceback).
@@ -27,7 +30,7 @@ from ckptverify.resume.harness_target import (
     usage_text,
     user_traceback,
 )
-from ckptverify.resume.run import Run, RunConfig, harness_job
+from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
 __all__ = ["WorkloadCrashedError", "launch_jobs", "launch_side_by_side", "spare_cores", "workload_logs"]
 
@@ -51,28 +54,35 @@ def _quiet_known_noise() -> None:
                             module=r"torchdata\.stateful_dataloader\.")
 
 
-def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, str]], backend: str) -> None:
+def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, str]], device: str) -> None:
     """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn, in this one process. The ranks meet
-    through the file store ``store`` (a path in a folder of this launch alone)."""
+    through the file store ``store`` (a path in a folder of this launch alone). On ``device`` ``"cuda"`` the
+    rank uses ``cuda:{rank}``."""
+    import torch
     import torch.distributed as dist
 
     _quiet_known_noise()
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    if device == "cuda":
+        # Every rank, a single one too: the workload's bare "cuda" and the RNG state it saves mean this device.
+        torch.cuda.set_device(rank)
     if nproc > 1:
-        if backend == "nccl":
-            import torch
-
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=nproc)
+        # device_id: NCCL binds its communicator to the rank's device now, not to whatever is current later.
+        bound = {"device_id": torch.device("cuda", rank)} if device == "cuda" else {}
+        dist.init_process_group(_group_backend(device, torch.cuda.is_available()), init_method=f"file://{store}",
+                                rank=rank, world_size=nproc, **bound)
         _tolerate_init(dist)
     try:
         for target, config_json in jobs:
             _run_job(rank, nproc, target, config_json)
-    finally:
+    except BaseException:
         if nproc > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            _abandon_group(dist)
+        raise
+    if nproc > 1 and dist.is_initialized():
+        dist.destroy_process_group()
     if nproc > 1:
         # Every job succeeded and its files are written: leave without interpreter teardown. After FSDP2 or DDP
         # used a gloo group, destroy_process_group leaves its threads alive, and finalizing the interpreter
@@ -80,6 +90,35 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _abandon_group(dist: Any) -> None:
+    """Leave the process group of a rank that failed, without waiting for its peers.
+
+    ``destroy_process_group`` waits for the group's pending work, and the peers may sit in a collective this
+    rank will never join (with NCCL until the watchdog's timeout, minutes): the rank would never exit, and the
+    launch would wait for it. NCCL's communicators are aborted instead (their peers' collectives then fail);
+    a gloo group is left as it is: its peers' collectives fail when this process's connections close at exit.
+    """
+    with contextlib.suppress(Exception):  # leaving must not hide the failure being raised
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        if "nccl" in str(dist.get_backend()):
+            _abort_process_group()
+
+
+def _check_devices(nproc: int, device: str) -> None:
+    """Refuse, before any process starts, ``nproc`` ranks that do not each get a CUDA device of their own."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible to this process")
+    count = torch.cuda.device_count()
+    if nproc > count:
+        raise UsageError(f"--nproc {nproc} on --device cuda needs one CUDA device per rank, but {count} "
+                         f"{'is' if count == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
 
 
 def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
@@ -184,7 +223,9 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
     starts from its own seeds and state. Module-level state of a workload does carry from one job to the
     next, as it would in any long-lived process. Raises :class:`TargetError` (the message: the user's
     traceback or line at fault) when a target cannot run or uses the protocol wrongly, and
-    :class:`WorkloadCrashedError` (the user's traceback) when it raises. With ``timeout_s``, ranks still
+    :class:`WorkloadCrashedError` (the user's traceback) when it raises (promptly: a failed rank does not wait
+    for its peers, see :func:`_abandon_group`), and :class:`~ckptverify.errors.UsageError` when ``device`` is
+    ``"cuda"`` and fewer than ``nproc`` CUDA devices are visible. With ``timeout_s``, ranks still
     running after that many seconds are killed and :class:`WorkloadCrashedError` says so (a walk that re-runs
     a step must never hang the command that found the divergence).
     """
@@ -192,16 +233,16 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
 
     import torch.multiprocessing as mp
 
+    _check_devices(nproc, device)
     for target in dict.fromkeys(t for t, _ in jobs):
         check_target(target)
     if _log_dir is not None:
         jobs = [(t, c if c.log_dir else dataclasses.replace(c, log_dir=_log_dir)) for t, c in jobs]
     # The device travels in each job's config (run.device), not in the environment.
     jobs = [(t, dataclasses.replace(c, device=device)) for t, c in jobs]
-    backend = "nccl" if device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(prefix="ckptverify-rendezvous-") as rendezvous:
         args = (nproc, os.path.join(rendezvous, "store"), _unused_port(),
-                [(target, config.to_json()) for target, config in jobs], backend)
+                [(target, config.to_json()) for target, config in jobs], device)
         try:
             if timeout_s is None:
                 mp.start_processes(_worker, args=args, nprocs=nproc, join=True, start_method="spawn")

@@ -452,6 +452,7 @@ class Run:
         and noted for the harness (``replaced`` in ``notes-rank<r>.json``)."""
         import warnings
 
+        from ckptverify.errors import CkptVerifyWarning
         from ckptverify.resume.unregistered import replaced_objects
 
         (frame, bindings), self._bindings = self._bindings, None
@@ -465,7 +466,7 @@ class Run:
             warnings.warn(f"ckptverify: {r['name']} ({r['type']}) was rebuilt after run.restore(): the TrainState "
                           f"saves and restores the {r['registered_type']} it was given as {r['field']}, not the "
                           f"one the loop uses; build it before run.restore(state), or register the new one",
-                          stacklevel=3)
+                          CkptVerifyWarning, stacklevel=3)
         self._notes["replaced"] = [{**r, "step": self._p.step + 1} for r in replaced]
         self._write_json(f"notes-rank{self._rank}.json", self._notes)
 
@@ -601,10 +602,18 @@ def _init_group_from_env() -> bool:
         return False
     import torch
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    available = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if available and local < torch.cuda.device_count():
+        # The rank's device under torchrun, without creating a CUDA context: torch applies it when this process
+        # first initialises CUDA, and a CPU-only job on a GPU host never does.
+        if torch.cuda.is_initialized():
+            torch.cuda.set_device(local)
+        else:
+            torch.cuda._lazy_call(lambda: torch.cuda.set_device(local))
+    # The device the job trains on is not known here: gloo for host tensors, NCCL for CUDA ones (it connects at
+    # the first CUDA collective, so a CPU model never uses it).
+    dist.init_process_group(_group_backend(None, available))
     return True
 
 
@@ -650,3 +659,20 @@ def _count(start: int) -> Iterator[int]:
     while True:
         yield n
         n += 1
+
+
+def _group_backend(device: str | None, cuda_available: bool) -> str:
+    """The ``torch.distributed`` backend for ranks launched for ``device`` (``RunConfig.device``, ``Plan.device``).
+
+    ``"cpu"``: gloo, even on a GPU host (NCCL cannot carry CPU tensors). ``"cuda"``: NCCL for CUDA tensors and
+    gloo beside it for what the harness and the checks exchange in host memory. ``None`` (not said, e.g. a
+    torchrun job): both where CUDA is available, gloo otherwise. Raises
+    :class:`~ckptverify.errors.UsageError` for ``"cuda"`` without CUDA, or an unknown device.
+    """
+    if device == "cpu" or (device is None and not cuda_available):
+        return "gloo"
+    if device not in ("cuda", None):
+        raise UsageError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if not cuda_available:
+        raise UsageError("device 'cuda': no CUDA device is visible to this process")
+    return "cpu:gloo,cuda:nccl"

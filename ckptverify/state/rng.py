@@ -1,15 +1,28 @@
 """Capture and restore every random stream of a training process, in a form DCP can save.
 
 A resumed run draws the same random numbers as an uninterrupted one only if *every* generator it draws from
-is restored: python's :mod:`random`, numpy's global generator, torch's CPU generator, each CUDA device's
-generator, and any explicit ``torch.Generator`` (a ``DataLoader``'s ``generator``, a dropout generator).
-:func:`capture_rng` returns their states as one dict of *kinds*::
+is restored: python's :mod:`random`, numpy's global generator, torch's CPU generator, the generator of the
+rank's CUDA device, and any explicit ``torch.Generator`` (a ``DataLoader``'s ``generator``, a dropout
+generator). :func:`capture_rng` returns their states as one dict of *kinds*::
 
     python        {"version", "state" (int64 tensor, 625), "gauss_next", "has_gauss_next"}
     numpy         {"bit_generator", "keys" (int64 tensor, 624), "pos", "has_gauss", "cached_gaussian"}
     torch_cpu     uint8 tensor (torch.get_rng_state())
-    cuda.{i}      uint8 tensor, one per visible CUDA device (only when CUDA is available)
+    cuda          uint8 tensor: the generator of this rank's own CUDA device (``torch.cuda.current_device()``)
+    cuda_device   {"index": int (as visible to the process), "uuid": str ("" when torch cannot tell)}: which
+                  device that generator belonged to; informational, never restored
     gen.{name}    {"device": str, "state": uint8 tensor}, one per named generator
+
+``cuda`` and ``cuda_device`` are captured only when this process has initialised CUDA: a CPU-only rank on a GPU
+host never touches CUDA (asking for a generator state would create a CUDA context on GPU 0 in every rank).
+
+**CUDA streams are keyed by role, not by index.** A rank uses one device, whose index differs between launchers
+(``cuda:0`` in every task under Slurm's one-GPU-per-task, ``cuda:{local_rank}`` under torchrun); the stream
+saved as ``cuda`` is restored into the device the rank uses *now* (its current device), whatever its index, so
+a resume on another node layout is exact. ``cuda_device`` lets the restore check say when the device changed.
+Version 1 states (``RNG_STATE_VERSION`` 1) held ``cuda.{i}`` for every visible device; they are still read:
+the rank's current device gets ``cuda.{i}`` of the same index, which is the rank's own stream only when the
+rank uses the device of the same index as when it saved (the launcher and node layout unchanged).
 
 Every leaf is a tensor, an int, a float, a bool or a string, so the dict goes through
 ``torch.distributed.checkpoint`` as is, and tensors are loaded in place into a template of the same shape.
@@ -38,24 +51,32 @@ from ckptverify.errors import UsageError, WorldSizeChangedError
 from ckptverify.state.distributed import rank_world
 
 __all__ = [
+    "READABLE_RNG_STATE_VERSIONS",
     "RNG_STATE_VERSION",
     "RngState",
     "WorldSizeChangedError",
     "capture_rng",
+    "cuda_in_use",
     "derive_seed",
+    "device_identity",
     "rank_key",
     "reseed_rng",
     "restore_rng",
     "rng_fingerprints",
 ]
 
-#: Version of the :class:`RngState` state dict layout.
-RNG_STATE_VERSION = 1
+#: Version of the :class:`RngState` state dict layout (2: one ``cuda`` stream, the rank's own device).
+RNG_STATE_VERSION = 2
+#: Versions :meth:`RngState.load_state_dict` reads (1: ``cuda.{i}`` for every visible device).
+READABLE_RNG_STATE_VERSIONS = (1, 2)
 
 _PYTHON = "python"
 _NUMPY = "numpy"
 _TORCH_CPU = "torch_cpu"
-_CUDA_PREFIX = "cuda."
+_CUDA = "cuda"
+_CUDA_DEVICE = "cuda_device"
+#: Version 1's per-index CUDA kinds (``cuda.{i}``): read, never written.
+_LEGACY_CUDA_PREFIX = "cuda."
 _GEN_PREFIX = "gen."
 
 
@@ -110,11 +131,28 @@ def _check_generators(generators: Mapping[str, torch.Generator] | None) -> dict[
     return out
 
 
+def cuda_in_use() -> bool:
+    """Whether this process has initialised CUDA (and so may have drawn from a CUDA generator).
+
+    Deliberately not ``torch.cuda.is_available()``: that is true for a CPU-only rank on a GPU host, and
+    reading a generator there would create a CUDA context on GPU 0 (hundreds of MB in every rank).
+    """
+    return bool(torch.cuda.is_initialized())
+
+
+def device_identity(index: int) -> dict[str, Any]:
+    """``{"index", "uuid"}`` of CUDA device ``index`` (as visible to this process): the index alone does not
+    name a physical device (``CUDA_VISIBLE_DEVICES`` remaps it); the UUID does, where torch reports it."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return {"index": int(index), "uuid": "" if uuid is None else str(uuid)}
+
+
 def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
     """The current state of every random stream of this process (see the module docstring for the layout).
 
     ``generators`` names explicit ``torch.Generator`` objects to capture as well (``gen.{name}``). The
-    returned tensors are copies: drawing afterwards does not change them.
+    returned tensors are copies: drawing afterwards does not change them. CUDA is read only when this
+    process has initialised it (:func:`cuda_in_use`), and then only the rank's own (current) device.
     """
     gens = _check_generators(generators)
     state: dict[str, Any] = {
@@ -122,9 +160,10 @@ def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict
         _NUMPY: _numpy_state(),
         _TORCH_CPU: torch.get_rng_state().clone(),
     }
-    if torch.cuda.is_available():
-        for i, t in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"{_CUDA_PREFIX}{i}"] = t.clone()
+    if cuda_in_use():
+        index = torch.cuda.current_device()
+        state[_CUDA] = torch.cuda.get_rng_state(index).clone()
+        state[_CUDA_DEVICE] = device_identity(index)
     for name, gen in gens.items():
         state[f"{_GEN_PREFIX}{name}"] = {"device": str(gen.device), "state": gen.get_state().clone()}
     return state
@@ -195,9 +234,12 @@ def _set_state(setter: Any, tensor: torch.Tensor, kind: str) -> None:
 def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None) -> None:
     """Put back every stream captured by :func:`capture_rng`, exactly.
 
-    ``generators`` must name the same generators as at capture time (each on the same device type); the
-    CUDA devices visible now must be the ones captured. Anything else raises
-    :class:`~ckptverify.errors.UsageError`, so no stream is silently left unrestored.
+    ``generators`` must name the same generators as at capture time (each on the same device type). A
+    captured ``cuda`` stream goes into this rank's current CUDA device (initialising CUDA if needed: the
+    rank used it when it saved), whatever its index; ``cuda_device`` is only checked for form. A version 1
+    state's ``cuda.{i}`` streams: the one of the current device's index is restored (see the module
+    docstring). Anything that cannot be restored raises :class:`~ckptverify.errors.UsageError` before any
+    stream is changed, so no stream is silently left unrestored.
     """
     if not isinstance(state, Mapping):
         raise UsageError(f"RNG state must be a mapping, got {type(state).__name__}")
@@ -206,7 +248,8 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
     unknown = [
         k
         for k in state
-        if k not in (_PYTHON, _NUMPY, _TORCH_CPU) and not str(k).startswith((_CUDA_PREFIX, _GEN_PREFIX))
+        if k not in (_PYTHON, _NUMPY, _TORCH_CPU, _CUDA, _CUDA_DEVICE)
+        and not str(k).startswith((_LEGACY_CUDA_PREFIX, _GEN_PREFIX))
     ]
     if unknown:
         raise UsageError(f"unknown RNG state kinds: {sorted(map(str, unknown))}")
@@ -219,14 +262,7 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
         raise UsageError(
             f"RNG state holds generators {sorted(saved_gens)} but {sorted(gens)} were given to restore into"
         )
-    saved_cuda = sorted(k for k in state if k.startswith(_CUDA_PREFIX))
-    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    expected_cuda = [f"{_CUDA_PREFIX}{i}" for i in range(n_cuda)]
-    if sorted(saved_cuda) != sorted(expected_cuda):
-        raise UsageError(
-            f"RNG state holds {len(saved_cuda)} CUDA generator(s) but {n_cuda} CUDA device(s) are visible; "
-            "restore on the same devices it was captured on"
-        )
+    cuda_kind = _cuda_kind_to_restore(state)
 
     # Validate everything that can be validated before changing any stream.
     cpu = _byte_state(state[_TORCH_CPU], _TORCH_CPU)
@@ -234,7 +270,11 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
         raise UsageError(
             f"RNG state 'torch_cpu' has {cpu.numel()} bytes, torch expects {torch.get_rng_state().numel()}"
         )
-    cuda = {k: _byte_state(state[k], k) for k in saved_cuda}
+    cuda = None if cuda_kind is None else _byte_state(state[cuda_kind[0]], cuda_kind[0])
+    if cuda is not None and cuda_kind is not None:
+        expected = torch.cuda.get_rng_state(cuda_kind[1]).numel()
+        if cuda.numel() != expected:
+            raise UsageError(f"RNG state {cuda_kind[0]!r} has {cuda.numel()} bytes, torch expects {expected}")
     gen_states: dict[str, torch.Tensor] = {}
     for name, gen in gens.items():
         kind = f"{_GEN_PREFIX}{name}"
@@ -251,11 +291,37 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
     _restore_python(state[_PYTHON])
     _restore_numpy(state[_NUMPY])
     _set_state(torch.set_rng_state, cpu, _TORCH_CPU)
-    for kind, t in cuda.items():
-        index = int(kind[len(_CUDA_PREFIX) :])
-        _set_state(lambda s, i=index: torch.cuda.set_rng_state(s, device=i), t, kind)
+    if cuda is not None and cuda_kind is not None:
+        kind, index = cuda_kind
+        _set_state(lambda s: torch.cuda.set_rng_state(s, device=index), cuda, kind)
     for name, t in gen_states.items():
         _set_state(gens[name].set_state, t, f"{_GEN_PREFIX}{name}")
+
+
+def _cuda_kind_to_restore(state: Mapping[str, Any]) -> tuple[str, int] | None:
+    """``(kind, device index)``: which saved CUDA stream goes into which device now, or ``None`` when the
+    state holds none (the capturing process never initialised CUDA; nothing of CUDA is touched then)."""
+    legacy = sorted(k for k in state if str(k).startswith(_LEGACY_CUDA_PREFIX))
+    if _CUDA_DEVICE in state:
+        ident = state[_CUDA_DEVICE]
+        if (not isinstance(ident, Mapping) or isinstance(ident.get("index"), bool)
+                or not isinstance(ident.get("index"), int) or not isinstance(ident.get("uuid"), str)):
+            raise UsageError(f"RNG state 'cuda_device' must be {{'index': int, 'uuid': str}}, got {ident!r}")
+    if _CUDA not in state and not legacy:
+        return None
+    if _CUDA in state and legacy:
+        raise UsageError(f"RNG state holds both 'cuda' and version 1 kinds {legacy}")
+    if not torch.cuda.is_available():
+        raise UsageError("RNG state holds a CUDA generator but CUDA is not available here; resume on a CUDA device "
+                         "(the rank's CUDA stream cannot be carried over otherwise)")
+    index = torch.cuda.current_device()  # initialises CUDA: the capturing rank used it
+    if _CUDA in state:
+        return _CUDA, index
+    kind = f"{_LEGACY_CUDA_PREFIX}{index}"
+    if kind not in state:
+        raise UsageError(f"RNG state (version 1) holds CUDA generators {legacy} but none for this rank's device "
+                         f"cuda:{index}; restore with the device indices it was saved with")
+    return kind, index
 
 
 # ------------------------------------------------------------------------------------------- re-seed
@@ -275,10 +341,10 @@ def reseed_rng(seed: int, rank: int, generators: Mapping[str, torch.Generator] |
     random.seed(derive_seed(seed, rank, _PYTHON))
     np.random.seed(derive_seed(seed, rank, _NUMPY) & 0xFFFFFFFF)
     torch.manual_seed(derive_seed(seed, rank, _TORCH_CPU))  # also seeds every CUDA device, identically
-    if torch.cuda.is_available():
-        torch.cuda.init()
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.default_generators[i].manual_seed(derive_seed(seed, rank, f"{_CUDA_PREFIX}{i}"))
+    if cuda_in_use():
+        # The rank's own device, as capture_rng reads it. A process that has not initialised CUDA keeps the seed
+        # torch.manual_seed queued for every device (applied if it ever does): no CUDA context for a CPU rank.
+        torch.cuda.manual_seed(derive_seed(seed, rank, _CUDA))
     for name, gen in gens.items():
         gen.manual_seed(derive_seed(seed, rank, f"{_GEN_PREFIX}{name}"))
 
@@ -344,7 +410,7 @@ def rng_fingerprints(state: Mapping[str, Any]) -> dict[str, str]:
 class RngState:
     """This rank's random streams as a DCP ``Stateful``.
 
-    ``state_dict()`` is ``{"version": 1, "world_size": W, "rank{r}": capture_rng(generators)}``: only this
+    ``state_dict()`` is ``{"version": 2, "world_size": W, "rank{r}": capture_rng(generators)}``: only this
     rank's streams, under a rank-specific key, so that DCP keeps every rank's copy and each rank loads its
     own. Load it with ``dcp.load({"rng": rng_state}, ...)`` (DCP calls ``state_dict()`` for the template and
     then :meth:`load_state_dict`).
@@ -395,8 +461,9 @@ class RngState:
         if not isinstance(state_dict, Mapping):
             raise UsageError(f"RNG state dict must be a mapping, got {type(state_dict).__name__}")
         version = state_dict.get("version")
-        if version != RNG_STATE_VERSION:
-            raise UsageError(f"RNG state dict version {version!r} is not supported (expected {RNG_STATE_VERSION})")
+        if isinstance(version, bool) or version not in READABLE_RNG_STATE_VERSIONS:
+            raise UsageError(f"RNG state dict version {version!r} is not supported (readable: "
+                             f"{', '.join(map(str, READABLE_RNG_STATE_VERSIONS))})")
         saved_world = state_dict.get("world_size")
         if isinstance(saved_world, bool) or not isinstance(saved_world, int):
             raise UsageError(f"RNG state dict has no valid world_size (got {saved_world!r})")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from ckptverify.trace.compare import (
     FirstDivergence,
     RankComparison,
+    TraceEncodingMismatchError,
     TraceHeaderMismatchError,
     compare_runs,
     compare_traces,
@@ -63,6 +64,7 @@ __all__ = [
     "RankComparison",
     "Site",
     "Trace",
+    "TraceEncodingMismatchError",
     "TraceFormatError",
     "TraceHeader",
     "TraceHeaderMismatchError",

@@ -188,8 +188,9 @@ def subclass_digest(t: torch.Tensor) -> int:
 def device_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     """Fingerprint lanes of tensors on one device, computed there in one pass and read back once."""
     from ckptverify.fingerprint import kernels as kern
+    from ckptverify.trace import hostread
 
-    return [(int(a), int(b)) for a, b in kern.lanes_many(tensors).tolist()]
+    return [(int(a), int(b)) for a, b in hostread.to_host(kern.lanes_many(tensors))]
 
 
 def digest_lanes(d: int) -> tuple[int, int]:

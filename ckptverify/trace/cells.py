@@ -88,6 +88,82 @@ def _summary(obj: Any) -> Any:
     return obj
 
 
+def _tensor_leaves(obj: Any, out: list[Any]) -> list[Any]:
+    """The tensors :func:`_summary` meets in ``obj``, in its walk order."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            _tensor_leaves(v, out)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _tensor_leaves(v, out)
+    return out
+
+
+def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
+    """:func:`_object_cell` of anything a module hook sees (a tensor, or a tuple or dict holding tensors), with
+    the digests of tensors on an accelerator computed there in one pass and read back with the rest of the step
+    (a read per hook call is thousands of device synchronizations a step). The cell is the one
+    :func:`_object_cell` makes from the same digests."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return _tensor_item(site, kind, obj, info)
+    leaves = _tensor_leaves(obj, [])
+    if not leaves or all(_on_host(t) for t in leaves) or any(_is_dtensor(t) for t in leaves):
+        return _object_cell(site, kind, obj, info)
+
+    # Only the structure is kept (each tensor's dtype and shape, the other values), not the tensors.
+    skeleton = _skeleton(obj)
+
+    def finish(digests: list[int]) -> list[Cell]:
+        from ckptverify.state.digest import state_digest
+
+        summary = _filled(skeleton, iter(digests))
+        return [Cell(site, kind, hex_lanes(state_digest(summary)), "digest128", info)]
+
+    return _digests_later([t.detach() for t in leaves], finish)[0]
+
+
+class _Slot:
+    """A tensor's place in a :func:`_skeleton`: its dtype and shape, its digest to come."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype: str, shape: list[int]) -> None:
+        self.dtype, self.shape = dtype, shape
+
+
+def _skeleton(obj: Any) -> Any:
+    """``obj`` as :func:`_summary` walks it, each tensor a :class:`_Slot`."""
+    import torch
+
+    from ckptverify.fingerprint import kernels as kern
+
+    if isinstance(obj, torch.Tensor):
+        return _Slot(kern.dtype_name(obj.dtype), list(obj.shape))
+    if isinstance(obj, Mapping):
+        return {str(k): _skeleton(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_skeleton(v) for v in obj]
+    return obj
+
+
+def _filled(skeleton: Any, digests: Any) -> Any:
+    """What :func:`_summary` gives for the object of ``skeleton``, its tensors' digests taken from ``digests``
+    in walk order."""
+    if type(skeleton) is _Slot:
+        return {"digest": f"{next(digests):032x}", "dtype": skeleton.dtype, "shape": skeleton.shape}
+    if isinstance(skeleton, dict):
+        return {k: _filled(v, digests) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_filled(v, digests) for v in skeleton]
+    return skeleton
+
+
 def _object_cell(site: str, kind: str, obj: Any, info: str = "") -> Cell:
     """A tensor's member digest, or the digest of anything else (:func:`_value_lanes`)."""
     import torch
@@ -133,6 +209,33 @@ def _value_lanes(value: Any) -> tuple[int, int]:
         return hex_lanes(state_digest(_summary(value)))
     d = xxhash.xxh3_128_intdigest(b"J" + text.encode("utf-8", "surrogatepass"))
     return d >> 64, d & _MASK64
+
+
+def _scaler_item(site: str, kind: str, scaler: Any) -> Item:
+    """The cell of a loss scaler: the digest of its ``state_dict()`` (:func:`_value_lanes`). A
+    ``torch.amp.GradScaler`` whose scale is on an accelerator is read there, widened exactly (float32 to float64,
+    int32 to int64), with the rest of the step, instead of by the two ``.item()`` calls of its ``state_dict()``;
+    the cell is the same."""
+    import torch
+
+    scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+    if (not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled() or scale is None or tracker is None
+            or _on_host(scale) or scale.device != tracker.device):
+        return Cell(site, kind, _value_lanes(scaler.state_dict()), "digest128")
+    bits = torch.cat([scale.detach().reshape(1).to(torch.float64).view(torch.int64),
+                      tracker.detach().reshape(1).to(torch.int64)])
+    # What state_dict() holds besides the two device values (Python numbers, read now).
+    rest = {"growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
+            "growth_interval": scaler._growth_interval}
+
+    def make(values: list[int]) -> list[Cell]:
+        import struct
+
+        value = float(struct.unpack("<d", struct.pack("<q", values[0]))[0])
+        state = {"scale": value, **rest, "_growth_tracker": int(values[1])}
+        return [Cell(site, kind, _value_lanes(state), "digest128")]
+
+    return _Deferred(bits, make)
 
 
 def _metric_item(name: str, value: Any) -> Item:

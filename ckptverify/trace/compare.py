@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.errors import TraceHeaderMismatchError, UsageError
+from ckptverify.errors import TraceEncodingMismatchError, TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.trace.store import (
     Trace,
@@ -41,6 +41,7 @@ from ckptverify.trace.store import (
 __all__ = [
     "FirstDivergence",
     "RankComparison",
+    "TraceEncodingMismatchError",
     "TraceHeaderMismatchError",
     "compare_runs",
     "compare_traces",
@@ -245,9 +246,18 @@ class _Aligned:
 _ALWAYS_IGNORED = ("run", "detail")
 
 
+def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
+    """Refuse traces whose headers differ (unless ``force``), and always those whose digests read differently."""
+    if "digest_encoding" in diffs:
+        raise TraceEncodingMismatchError(ta, tb)
+    if diffs and not force:
+        raise TraceHeaderMismatchError(diffs, ta, tb)
+
+
 def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool,
                   ignore: Iterable[str], ignore_sites: tuple[str, ...] = ()) -> RankComparison:
     diffs = ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))
+    _check_headers(ta, tb, diffs, force)
     if diffs and not force:
         raise TraceHeaderMismatchError(diffs, ta, tb)
     rank = ta.header.rank if ta.header.rank is not None else 0
@@ -573,7 +583,9 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
     """Compare two traces, or two run directories rank by rank (each ``rank<r>/`` store with its peer).
 
     Headers are checked for every rank before anything is compared: they must agree on every field but
-    ``run`` (and those in ``ignore``), else :class:`TraceHeaderMismatchError`, unless ``force``.
+    ``run`` (and those in ``ignore``), else :class:`TraceHeaderMismatchError`, unless ``force``; traces whose
+    tensor digests read differently (``digest_encoding``, unless in ``ignore``) are refused even with ``force``
+    (:class:`TraceEncodingMismatchError`).
     ``ignore_sites``: glob patterns (``fnmatch``, case-sensitive) of site names left out on both sides.
     """
     ignore = tuple(ignore)
@@ -591,11 +603,8 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
                            missing="b" if r in stores_a else "a")
             for r in sorted(set(stores_a) ^ set(stores_b))
         ]
-    if not force:
-        for ta, tb in pairs:
-            diffs = ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))
-            if diffs:
-                raise TraceHeaderMismatchError(diffs, ta, tb)
+    for ta, tb in pairs:
+        _check_headers(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore)), force)
     sites = tuple(ignore_sites)
     comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore=ignore, ignore_sites=sites) for ta, tb in pairs]
     return sorted([*comps, *missing], key=lambda c: c.rank)

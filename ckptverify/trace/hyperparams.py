@@ -6,8 +6,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptverify.trace.cells import _SCALARS
+from ckptverify.trace.readback import Item, _Deferred, _on_host
 from ckptverify.trace.sites import _is_dtensor
 from ckptverify.trace.store import Cell
+
+
+def _on_device(values: list[Any]) -> list[int]:
+    """Positions of the one-element tensors on an accelerator among ``values`` (reading one waits for it)."""
+    import torch
+
+    return [i for i, v in enumerate(values)
+            if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.numel() == 1 and not _on_host(v)]
 
 
 def _hparam_cell(site: str, v: Any) -> Cell | None:
@@ -72,7 +81,7 @@ class _HparamCells:
         self._cells: list[Cell] = []
         self._spec: _HparamSpec | None = None
 
-    def __call__(self, optimizers: list[Any]) -> list[Cell]:
+    def __call__(self, optimizers: list[Any]) -> list[Item]:
         groups = [g for opt in optimizers for g in opt.param_groups]
         snap = None
         if self._spec is not None and self._spec.comparable:
@@ -83,10 +92,8 @@ class _HparamCells:
         self._snap, self._cells = snap, cells
         return cells
 
-    def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Cell]:
+    def _make(self, optimizers: list[Any], groups: list[Any]) -> list[Item]:
         import struct
-
-        from ckptverify.trace.category import combine
 
         spec = self._spec
         if spec is None or spec.shape != [*map(len, groups), len(optimizers)]:
@@ -101,6 +108,9 @@ class _HparamCells:
                     values.extend(get(g))
                 for key in seqs:
                     values.extend(g[key])
+            on_device = _on_device(values)
+            if on_device:
+                return [self._later(values, on_device, spec, group)]
             packed = struct.pack(spec.fmt, *values)
             lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
             names, weights = spec.names, spec.weights
@@ -112,6 +122,37 @@ class _HparamCells:
             lows = [c.lanes[0] for c in slow]
             weights = [_weight(n) for n in names]
             encodings = [c.encoding for c in slow]
+        return self._cells_of(names, lows, weights, encodings, group)
+
+    def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec, group: str) -> Item:
+        """The cells :meth:`_make` makes, for hyperparameters some of which are tensors on an accelerator (a
+        ``capturable`` optimizer's learning rate): those are widened there exactly (a one-element tensor's value
+        is packed as float64, as ``float(tensor)`` gives it) and read back with the rest of the step."""
+        import struct
+
+        import torch
+
+        bits = torch.cat([values[i].detach().reshape(1).to(torch.float64).view(torch.int64) for i in on_device])
+        kept = list(values)
+        for i in on_device:
+            kept[i] = None  # not held: read back
+        names, weights = spec.names, spec.weights
+        encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
+
+        def make(read: list[int]) -> list[Cell]:
+            filled = list(kept)
+            for i, b in zip(on_device, read, strict=True):
+                filled[i] = struct.unpack("<d", struct.pack("<q", b))[0]
+            packed = struct.pack(spec.fmt, *filled)
+            lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
+            return self._cells_of(names, lows, weights, encodings, group)
+
+        return _Deferred(bits, make)
+
+    def _cells_of(self, names: list[str], lows: list[int], weights: list[int], encodings: list[str],
+                  group: str) -> list[Cell]:
+        from ckptverify.trace.category import combine
+
         if not names:
             return []
         cells = []

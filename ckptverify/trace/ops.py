@@ -6,10 +6,15 @@ sees every ATen op, every op registered with ``torch.library`` and the c10d coll
 (those DDP, FSDP2 and DTensor issue included).
 
 * Level ``comm`` (and above), every traced step: each collective gives trace sites (:mod:`ckptverify.trace.comm`)
-  holding the fingerprint of its input at issue and of its output at completion (a functional collective's at its
-  ``wait_tensor``; a c10d op's, which completes through a ``Work`` handle the dispatcher does not see waited on, when
-  the step is recorded). On an accelerator the fingerprints are computed on the device and read back with the
-  rest of the row: no host synchronization is added.
+  holding the fingerprint of its input at issue and of its output at completion: a functional collective's at its
+  ``wait_tensor``; a c10d op's when its ``Work`` completes (a callback on the work's future: for a synchronous
+  collective before the call returns, for ``async_op`` before ``wait()`` returns), so that what the caller does to
+  the output afterwards (FSDP2 divides its reduce-scatter output in place) is not in it, and the tracer keeps no
+  reference to the output (FSDP2's all-gathered parameters are freed when FSDP2 frees them). Only a c10d op whose
+  work has no future (gloo's point-to-point ops) has its output taken when the step is recorded. On an accelerator
+  the fingerprints are computed on the device (on the callback's stream, which the future orders after the
+  collective; a synchronous collective's issuing stream then waits for that read, so that what it runs next
+  cannot overwrite the output first) and read back with the rest of the row: no host synchronization is added.
 * Level ``op``, in an :class:`~ckptverify.trace.oplog.OpWindow` only: every op as an
   :class:`~ckptverify.trace.oplog.OpEvent`, keyed ``(step, phase, module, op, occurrence)``, written per step to
   ``<store>/ops/step<N>.json`` (:func:`write_op_log`, read back by :func:`ckptverify.trace.oplog.read_ops`).
@@ -33,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -120,6 +126,14 @@ class _Digests:
     def __init__(self) -> None:
         self.lanes: list[Any] = []  # (1, 2) int64 tensors on a device
         self._seen: dict[int, tuple[Any, int, Any]] = {}
+        # A collective's output is digested in the thread that completes its work (gloo's worker): appending a
+        # lane and taking its index is one step.
+        self._lock = threading.Lock()
+
+    def _lane(self, lanes: Any) -> tuple[str, int]:
+        with self._lock:
+            self.lanes.append(lanes)
+            return "dev", len(self.lanes) - 1
 
     def reset(self) -> None:
         self.lanes = []
@@ -151,8 +165,7 @@ class _Digests:
         else:
             from ckptverify.fingerprint import kernels as kern
 
-            self.lanes.append(kern.lanes_many([t.detach()]))
-            value = ("dev", len(self.lanes) - 1)
+            value = self._lane(kern.lanes_many([t.detach()]))
         with contextlib.suppress(TypeError):
             self._seen[id(t)] = (weakref.ref(t), version, value)
         return value
@@ -187,8 +200,50 @@ class _Digests:
             return host_digest(t)
         from ckptverify.fingerprint import kernels as kern
 
-        self.lanes.append(kern.lanes_many([t]))
-        return ("dev", len(self.lanes) - 1)
+        return self._lane(kern.lanes_many([t]))
+
+
+def _work_of(result: Any) -> Any:
+    """The ``Work`` a c10d op returned (alone, or after its tensors), or ``None``."""
+    import torch
+
+    for x in result if isinstance(result, tuple | list) else (result,):
+        if isinstance(x, torch.ScriptObject):
+            try:
+                return torch._C._distributed_c10d.Work.unbox(x)
+            except (RuntimeError, TypeError, AttributeError):
+                return None
+    return None
+
+
+def _after_read(tensors: list[Any]) -> tuple[Any, Any] | None:
+    """``(device, event)`` after the fingerprint kernels just enqueued on the current CUDA stream for
+    ``tensors`` (a callback's: ordered after their collective), ``None`` for host tensors. The caching allocator
+    is told that stream reads them, so that memory freed by its owner meanwhile is not handed out again before
+    the read."""
+    cuda = [t for t in tensors if t.device.type == "cuda"]
+    if not cuda:
+        return None
+    import torch
+
+    device = cuda[0].device
+    stream = torch.cuda.current_stream(device)
+    for t in cuda:
+        t.record_stream(stream)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return device, event
+
+
+def _wait_for(events: list[tuple[Any, Any]]) -> None:
+    """The current stream of each device waits for the fingerprint reads ``events`` mark (the step's row is
+    read back on it), without the host waiting."""
+    if not events:
+        return
+    import torch
+
+    for device, event in events:
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 def _leaves(obj: Any) -> list[Any]:
@@ -234,9 +289,16 @@ class StepTracer:
         self.dropped = 0
         self._occ: dict[tuple[str, str, str], int] = {}
         self._comm_occ: dict[tuple[tuple[int, ...], str], int] = {}
-        #: Collectives whose output is not taken yet: (tensors, sites, info text, event index or -1, the places
-        #: kept for their cells).
+        #: Collectives whose output is not taken yet and that hold it until then (functional collectives until
+        #: their wait, c10d ops whose work has no future until the step ends): (tensors, sites, info text,
+        #: event index or -1, the places kept for their cells).
         self._pending: list[tuple[list[Any], list[str], str, int, list[int]]] = []
+        #: The futures of the callbacks that take c10d outputs at completion (they hold no tensor), and the CUDA
+        #: events after those reads, which the row's read-back waits for.
+        self._callbacks: list[Any] = []
+        self._read_events: list[Any] = []
+        #: Moves at each begin and end: a callback of another step takes nothing.
+        self._generation = 0
         #: The result tensors of functional collectives not waited on yet (reading one is reading a buffer in
         #: flight). A c10d op's buffers are not: its ``Work`` is waited on out of sight, and what reads them
         #: afterwards (DDP copying a bucket into the gradients) reads them complete.
@@ -277,6 +339,9 @@ class StepTracer:
         self._occ.clear()
         self._comm_occ.clear()
         self._pending = []
+        self._callbacks = []
+        self._read_events = []
+        self._generation += 1
         self._flying.clear()
         self._digests.reset()
         self.context.reset()
@@ -314,8 +379,9 @@ class StepTracer:
             _comm_kernels(False)
 
     def end(self) -> tuple[list[Any], list[dict[str, Any]], int]:
-        """Leave the mode; take the outputs of the collectives not waited on. Returns the device lanes the
-        step's digests wait for, the op records (digests as ints or device handles) and the ops left out."""
+        """Leave the mode; wait for the outputs of c10d collectives still running (gloo: a host wait; their
+        work completes them), take those of the collectives not waited on. Returns the device lanes the step's
+        digests wait for, the op records (digests as ints or device handles) and the ops left out."""
         global _ACTIVE
 
         mode, self._mode = self._mode, None
@@ -327,9 +393,15 @@ class StepTracer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        callbacks, self._callbacks = self._callbacks, []
+        for future in callbacks:
+            future.wait()  # raises what a callback of ours raised; a failed collective it ignores
+        self._generation += 1
         for entry in self._pending:
             self._complete(entry)
         self._pending = []
+        events, self._read_events = self._read_events, []
+        _wait_for(events)
         self.context.reset()
         lanes, self._digests.lanes = self._digests.lanes, []
         return lanes, self.events, self.dropped
@@ -362,7 +434,8 @@ class StepTracer:
             self._emit(_tensor_item(comm_site(info, k, "in", i if many else None), "comm_in", t.detach(), note))
         before = len(self.events)
         result = self._record(func, args, kwargs, comm=info) if self.ops_on else func(*args, **kwargs)
-        if func.namespace == "_c10d_functional":
+        functional = func.namespace == "_c10d_functional"
+        if functional:
             outs = _leaves(result)
             self._flying.update(id(t) for t in outs)
         if outs:
@@ -370,8 +443,52 @@ class StepTracer:
             sites = [comm_site(info, k, "out", i if many else None) for i in range(len(outs))]
             index = before if len(self.events) > before else -1
             places = [self._emit(None) for _ in outs]
-            self._pending.append((outs, sites, note, index, places))
+            entry = (outs, sites, note, index, places)
+            if functional or not self._at_completion(result, entry, _argument(func, args, kwargs, "async_op")):
+                self._pending.append(entry)
         return result
+
+    def _at_completion(self, result: Any, entry: tuple[list[Any], list[str], str, int, list[int]],
+                       async_op: Any) -> bool:
+        """Take the outputs of the c10d op that returned ``result`` when its work completes (a callback on the
+        work's future, holding weak references only). ``False`` when the work has no future: the caller keeps
+        the outputs until the step ends."""
+        import torch
+
+        work = _work_of(result)
+        if work is None:
+            return False
+        try:
+            future = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented" (gloo's send and recv)
+            return False
+        outs, sites, note, index, places = entry
+        refs = [weakref.ref(t) for t in outs]
+        generation = self._generation
+        read: list[Any] = []
+
+        def taken(done: Any) -> None:
+            try:
+                done.value()
+            except Exception:  # the collective failed: its caller is told so by its own wait()
+                return
+            tensors = [r() for r in refs]
+            if generation != self._generation or any(t is None for t in tensors):
+                return  # another step's, or gone before its work completed: nothing to take
+            self._complete((tensors, sites, note, index, places))  # type: ignore[arg-type]
+            after = _after_read(tensors)
+            if after is not None:
+                read.append(after)
+                self._read_events.append(after)
+
+        self._callbacks.append(future.then(taken))
+        if read and async_op is False:
+            # NCCL runs the callback inline (its future completes when the collective is enqueued): the stream
+            # that issued this synchronous collective runs what the caller does next to its output (FSDP2's
+            # division); it must not overwrite the output before the fingerprint has read it.
+            device, event = read[0]
+            torch.cuda.current_stream(device).wait_event(event)
+        return True
 
     def _comm_tensors(self, func: Any, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
         """The tensors a collective reads at issue and those it writes, by its kind."""

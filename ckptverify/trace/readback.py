@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ckptverify.trace import hostread
 from ckptverify.trace.sites import _is_dtensor
 from ckptverify.trace.store import Cell
 
@@ -44,7 +45,7 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
         else:
             by_device.setdefault(t.device, []).append(i)
     for members in by_device.values():
-        lanes = kern.lanes_many([tensors[i] for i in members]).tolist()
+        lanes = hostread.to_host(kern.lanes_many([tensors[i] for i in members]))
         for i, (a, b) in zip(members, lanes, strict=True):
             out[i] = TensorFingerprint.from_lanes((a & _MASK64, b & _MASK64), "", (), 0).value
     return [v for v in out if v is not None]
@@ -132,7 +133,7 @@ class _ReadBack:
         for layout, flat, event in self._reads:
             if event is not None:
                 event.synchronize()
-            got = flat.tolist()
+            got = hostread.to_host(flat)
             at = 0
             for key, n in layout:
                 values[key] = got[at:at + n]
@@ -184,5 +185,5 @@ def _device_digests(tensors: list[Any]) -> list[int]:
     """Member digests of tensors on one device, computed there and read back once."""
     from ckptverify.fingerprint import kernels as kern
 
-    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in kern.lanes_many(tensors).tolist()]
+    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in hostread.to_host(kern.lanes_many(tensors))]
 

@@ -47,7 +47,15 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import UsageError
 from ckptverify.state.distributed import rank_world
-from ckptverify.trace.cells import _metric_item, _object_cell, _object_item, _tensor_item, _value_lanes
+from ckptverify.trace.cells import (
+    _metric_item,
+    _object_item,
+    _scaler_item,
+    _tensor_item,
+    _tensor_leaves,
+    _value_item,
+    _value_lanes,
+)
 from ckptverify.trace.flatten import _counters, _data_value, _layout_signature, _StateLayout, _Structure
 from ckptverify.trace.hyperparams import _HparamCells, hparam_cells
 from ckptverify.trace.members import _Gradients
@@ -133,6 +141,7 @@ class TraceRecorder:
         self._grad_version = -1
         self._field_kinds: dict[str, str] = {}
         self._last: tuple[int, list[Any], list[int]] | None = None
+        self._kept: tuple[int, list[Any], list[int]] | None = None
         self._hook_warning = _HookWarningGuard()
         self._pending: tuple[int, _ReadBack] | None = None
         self._pinned: dict[Any, Any] = {}
@@ -146,6 +155,7 @@ class TraceRecorder:
         self._tracer: StepTracer | None = None
         self._step_started: int | None = None
         self._last_step = 0
+        self._encoding_seen = False
         if self.records_comm:
             if chunk_elements < 1:
                 raise UsageError(f"chunk_elements must be positive, got {chunk_elements}")
@@ -279,7 +289,7 @@ class TraceRecorder:
             if task() == -1:
                 occ = self._next(name, "in")
                 with self._own_work():
-                    self._module_cells.append(_object_cell(module_site(name, "in", occ), "module_in", args, cls))
+                    self._module_cells.append(_value_item(module_site(name, "in", occ), "module_in", args, cls))
                 call = len(self._calls)
                 self._calls.append((name, occ, []))
                 self._calls_of.setdefault(name, []).append(call)
@@ -331,10 +341,10 @@ class TraceRecorder:
                 if frame is not None and frame[3]:
                     if frame[1] is not None:  # the pair of forward occurrence frame[1]
                         site = module_site(name, "recompute", frame[1])
-                        self._module_cells.append(_object_cell(site, "module_recompute", output, cls))
+                        self._module_cells.append(_value_item(site, "module_recompute", output, cls))
                     return
                 site = module_site(name, "fwd", self._next(name, "fwd"))
-                self._module_cells.append(_object_cell(site, "module_out", output, cls))
+                self._module_cells.append(_value_item(site, "module_out", output, cls))
 
         return hook
 
@@ -363,7 +373,7 @@ class TraceRecorder:
                     break
             with self._own_work():
                 site = module_site(name, "bwd", self._next(name, "bwd"))
-                self._module_cells.append(_object_cell(site, "module_grad_in", grad_input, cls))
+                self._module_cells.append(_value_item(site, "module_grad_in", grad_input, cls))
 
         hook._ckptverify_hook = True  # type: ignore[attr-defined]
         return hook
@@ -503,6 +513,9 @@ class TraceRecorder:
                                      f"step {step}")
                 op_items = self._op_log_items(step, lanes, records, dropped)
         self._last_step = int(step)
+        if self.header.digest_encoding == "unknown" and not self._encoding_seen:
+            self._encoding_seen = True
+            self._fill_encoding(state, batch, metrics)
         cells: list[Item] = list(self._start_cells) if self.records_state else []
         deep = self.records_state
         if deep and batch_indices is not None:
@@ -512,6 +525,8 @@ class TraceRecorder:
         cells.extend(x for x in self._module_cells if x is not None)
         for name, value in (metrics or {}).items():
             cells.append(_metric_item(str(name), value))
+        if self._last is not None:
+            self._kept = self._last  # the row before: what a check one step late reads
         self._last = None
         if deep:
             grads = self._grad_cells
@@ -537,6 +552,31 @@ class TraceRecorder:
             self._pending = (step, _ReadBack(cells, self._pinned))
         else:
             self.writer.append(step, cells)  # type: ignore[arg-type]
+
+    def _fill_encoding(self, state: TrainState | None, batch: Any, metrics: Mapping[str, Any] | None) -> None:
+        """Write into the header how this trace's tensor digests read (``digest_encoding``), from where the
+        first row's tensors are: the model's parameters, else the batch or a metric (below level ``state``, a
+        metric of several elements: one element is recorded by its bits). A row of numbers only leaves it
+        ``unknown``."""
+        from dataclasses import replace
+
+        from ckptverify.trace.readback import _HOST_AS_DEVICE
+
+        found = None
+        if self.records_state:
+            model = state.model if state is not None and state.model is not None else self._model
+            found = next(iter(model.parameters()), None) if model is not None else None
+            if found is None:
+                found = next(iter(_tensor_leaves([batch, dict(metrics or {})], [])), None)
+        else:
+            found = next((t for t in _tensor_leaves(dict(metrics or {}), []) if t.numel() != 1), None)
+        if found is None:
+            return
+        local = found.to_local() if _is_dtensor(found) else found
+        host = "host-as-device" if _HOST_AS_DEVICE else "host"
+        encoding = host if local.device.type == "cpu" else "device"
+        self.header = replace(self.header, digest_encoding=encoding)
+        self.writer.set_header(self.header)
 
     def _op_log_items(self, step: int, lanes: list[Any], records: list[dict[str, Any]], dropped: int) -> list[Item]:
         """Write the op log of ``step`` now (every digest on the host), or return the item that writes it once
@@ -574,8 +614,10 @@ class TraceRecorder:
     def _state_cells(self, step: int, state: TrainState) -> list[Item]:
         rng = self._rng_cells("rng.", state)  # first, as TrainState.fields() does: reading the rest may draw
         fields = self._field_cells(state, rng)
-        scaler = [c for c in fields if c.kind == "optim"]
-        others = sorted((c for c in fields if c.kind != "optim"), key=lambda c: _FIELD_ORDER[c.kind])
+        # The loss scaler's scale and growth tracker live on the device: read back with the row, not by
+        # state_dict()'s two .item() calls.
+        scaler = [] if state.scaler is None else [_scaler_item("scaler", _field_kind("scaler"), state.scaler)]
+        others = sorted(fields, key=lambda c: _FIELD_ORDER[c.kind])
         layout, digests, lanes = self._members(state)
         lo, hi = layout.digester.bounds[1:3]
         optim: list[Item]
@@ -618,12 +660,11 @@ class TraceRecorder:
 
     def _field_cells(self, state: TrainState, rng: list[Cell]) -> list[Cell]:
         """One digest cell per non-tensor field of ``state``: exactly ``state_digest`` of what
-        ``TrainState.fields()`` returns for it (the random streams' cells come in ``rng``)."""
+        ``TrainState.fields()`` returns for it (the random streams' cells come in ``rng``; the loss scaler's is
+        :func:`~ckptverify.trace.cells._scaler_item`'s)."""
         values: dict[str, Any] = {"counters": _counters(state.counters)}
         for i, sched in enumerate(state.schedulers):
             values[f"scheduler.{i}"] = sched.state_dict()
-        if state.scaler is not None:
-            values["scaler"] = state.scaler.state_dict()
         if state.dataloader is not None:
             values["data"] = _data_value(state)
         cells = [self._field_cell(name, value) for name, value in values.items()]
@@ -639,15 +680,17 @@ class TraceRecorder:
         return Cell(name, kind, _value_lanes(value), "digest128")
 
     def step_digests(self, step: int, tensors: list[Any]) -> list[int | None]:
-        """The member digests the row of ``step`` (the last one recorded) holds for ``tensors`` (parameters, or
-        their local shards), matched by storage; ``None`` for a tensor the row did not digest. Lets a check
-        that runs right after :meth:`record_step` (the cross-replica check) reuse them instead of reading the
-        tensors again."""
+        """The member digests the row of ``step`` (one of the last two recorded) holds for ``tensors``
+        (parameters, or their local shards), matched by storage; ``None`` for a tensor the row did not digest.
+        Lets the cross-replica check reuse them instead of reading the tensors again. The row before the last
+        one is on the host already (its read-back finished when the last one was recorded); the last one's,
+        when its values are still on their way from a device, is waited for."""
         if self._pending is not None and self._pending[0] == step:
             self._settle()
-        if self._last is None or self._last[0] != step:
+        found = next((x for x in (self._last, self._kept) if x is not None and x[0] == step), None)
+        if found is None:
             return [None] * len(tensors)
-        _, members, digests = self._last
+        _, members, digests = found
         index: dict[tuple[Any, ...], int] = {}
         for t, d in zip(members, digests, strict=True):
             local = t.to_local() if _is_dtensor(t) else t

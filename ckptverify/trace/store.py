@@ -41,6 +41,7 @@ from ckptverify.safeparse import safejson
 
 __all__ = [
     "CATEGORIES",
+    "DIGEST_ENCODINGS",
     "ENCODINGS",
     "KINDS",
     "LEVELS",
@@ -66,6 +67,13 @@ TRACE_SCHEMA_VERSION = 2
 #: ``module`` every module's inputs, outputs and input gradients, ``op`` the op log of a window
 #: (:mod:`ckptverify.trace.ops`).
 LEVELS = ("metrics", "state", "comm", "module", "op")
+
+#: How a trace's tensor digests read (its header's ``digest_encoding``): ``host``, xxh3-128 of the bytes (tensors
+#: in host memory); ``device``, the logical fingerprint computed on an accelerator; ``host-as-device``, host tensors
+#: sent down the accelerator path (``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1``); ``unknown``, a trace written before the
+#: header said it, or one that digested no tensor. Digests of one tensor under two encodings never match: two
+#: traces whose encodings are known and differ cannot be compared site by site.
+DIGEST_ENCODINGS = ("unknown", "host", "device", "host-as-device")
 
 #: What a state-level trace records of a tensor category (gradients, parameters, optimizer state, buffers):
 #: ``category`` one cell per category per step; ``tensor`` one cell per tensor as well.
@@ -149,8 +157,13 @@ class TraceHeader:
     extra: Mapping[str, Any] = field(default_factory=dict)
     schema: str = TRACE_SCHEMA
     schema_version: int = TRACE_SCHEMA_VERSION
+    #: One of :data:`DIGEST_ENCODINGS`; the recorder fills it in from the first row it records.
+    digest_encoding: str = "unknown"
 
     def __post_init__(self) -> None:
+        if self.digest_encoding not in DIGEST_ENCODINGS:
+            raise UsageError(f"unknown digest encoding {self.digest_encoding!r}; choose one of "
+                             f"{', '.join(DIGEST_ENCODINGS)}")
         if self.level not in LEVELS:
             raise UsageError(f"unknown trace level {self.level!r}; choose one of {', '.join(LEVELS)}")
         if self.detail not in DETAILS:
@@ -188,8 +201,11 @@ class TraceHeader:
         return replace(self, rank=rank, world_size=world_size)
 
     def differences(self, other: TraceHeader, ignore: Iterable[str] = ("run",)) -> list[str]:
-        """Names of the fields that differ, ``ignore`` aside."""
+        """Names of the fields that differ, ``ignore`` aside. ``digest_encoding`` differs only when both are
+        known (a trace written before the field existed says ``unknown``, and is taken as it comes)."""
         skip = set(ignore)
+        if "unknown" in (self.digest_encoding, other.digest_encoding):
+            skip.add("digest_encoding")
         a, b = self.to_dict(), other.to_dict()
         return [name for name in a if name not in skip and a[name] != b[name]]
 
@@ -198,7 +214,7 @@ class TraceHeader:
 _HEADER_TYPES: dict[str, Any] = {
     "run": str, "level": str, "workload": str, "detail": str, "rank": (int, type(None)),
     "world_size": (int, type(None)), "torch_version": str, "tool_version": str, "extra": dict, "schema": str,
-    "schema_version": int,
+    "schema_version": int, "digest_encoding": str,
 }
 
 
@@ -335,6 +351,14 @@ class TraceWriter:
         self._write_sites(self._site_table(), 0)
         self._group.update_attributes({"header": header.to_dict(), "rows": 0,
                                        "layout": {"flush_every": flush_every, "site_chunk": site_chunk}})
+
+    def set_header(self, header: TraceHeader) -> None:
+        """Replace the header (the recorder learns its ``digest_encoding`` from the first row). Only before the
+        first row is handed to the writing thread, which rewrites the group attributes too."""
+        if self._rows or self._pending is not None:
+            raise UsageError("the header of a trace store can only change before its first row is written")
+        self.header = header
+        self._group.update_attributes({"header": header.to_dict()})
 
     # -------------------------------------------------------------- appending
 
