@@ -533,7 +533,8 @@ def test_stream_digests_equal_the_digests_of_captured_streams() -> None:
     streams = StreamDigests({"g": gen})
 
     def check() -> None:
-        assert streams.current() == {k: state_digest(v) for k, v in capture_rng({"g": gen}).items()}
+        assert streams.current() == {k: state_digest(v) for k, v in capture_rng({"g": gen}).items()
+                                     if k != "cuda_device"}  # which device: not a stream
 
     check()
     for draw in (random.random, np.random.rand, np.random.randn, np.random.randn, np.random.randn,

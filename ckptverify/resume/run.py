@@ -587,7 +587,8 @@ def _start_values(state: Any) -> dict[str, Any]:
     from ckptverify.trace.store import decode
 
     out: dict[str, Any] = {f"start.rng.{kind}": state_digest(value)
-                           for kind, value in capture_rng(state.rng.generators).items()}
+                           for kind, value in capture_rng(state.rng.generators).items()
+                           if kind != "cuda_device"}  # which device, not a stream: the trace has no such site
     for cell in hparam_cells("start.hparam.", state.optimizers):
         out[cell.site] = decode(cell.lanes, cell.encoding)
     return out

@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from ckptverify.state.digest import state_digest
-from ckptverify.state.rng import _numpy_state, _python_state
+from ckptverify.state.rng import _numpy_state, _python_state, cuda_in_use
 
 __all__ = ["StreamDigests"]
 
@@ -92,7 +92,8 @@ class _NumpyStream:
 
 class StreamDigests:
     """``{kind: 32 hex digits}`` of every random stream of this process, equal to
-    ``state_digest(capture_rng(generators)[kind])`` for each kind, recomputed only for the streams that moved.
+    ``state_digest(capture_rng(generators)[kind])`` for each kind but ``cuda_device`` (a device's identity, not
+    a stream), recomputed only for the streams that moved. CUDA is read only once this process uses it.
     """
 
     def __init__(self, generators: Mapping[str, Any] | None = None) -> None:
@@ -102,7 +103,6 @@ class StreamDigests:
         self._keys: dict[str, Any] = {}
         self._digests: dict[str, str] = {}
         self._numpy_gauss = False
-        self._cuda = torch.cuda.is_available()
 
     def current(self) -> dict[str, str]:
         """Every stream's digest now (the kinds and order of :func:`~ckptverify.state.rng.capture_rng`)."""
@@ -122,9 +122,10 @@ class StreamDigests:
         out["numpy"] = self._digests["numpy"]
 
         out["torch_cpu"] = _byte_state_digest(torch.get_rng_state())
-        if self._cuda:
-            for i, t in enumerate(torch.cuda.get_rng_state_all()):
-                out[f"cuda.{i}"] = self._tensor(f"cuda.{i}", t)
+        if cuda_in_use():
+            # The rank's own device's stream, as capture_rng saves it; which physical device that is
+            # (``cuda_device``) is not a random stream, and may differ between runs that are equal.
+            out["cuda"] = self._tensor("cuda", torch.cuda.get_rng_state(torch.cuda.current_device()))
         for name, gen in self.generators.items():
             kind = f"gen.{name}"
             st = gen.get_state()
