@@ -2,19 +2,28 @@
 # The checks that need one GPU, in one go, within 10 minutes on one H200; each part has its own timeout, so a
 # hung part costs its own time only and the others still run:
 #
-#   parity      (150 s) device fingerprints equal the CPU ones: every dtype and layout, backends auto/triton/eager,
+#   parity      (120 s) device fingerprints equal the CPU ones: every dtype and layout, backends auto/triton/eager,
 #                       0-dim, empty, transposed, unaligned storage offset, indices past 2**32, a tensor of more
 #                       than 2**32 elements where memory allows, under a non-default stream
-#   many         (60 s) the many-tensor fingerprint equals eager; its peak extra memory stays bounded
-#   tests       (240 s) the CUDA tests (tests/test_cuda.py, tests/test_*_cuda.py, the CUDA RNG test in
+#   many         (40 s) the many-tensor fingerprint equals eager; its peak extra memory stays bounded
+#   tests       (180 s) the CUDA tests (tests/test_cuda.py, tests/test_*_cuda.py, the CUDA RNG test in
 #                       tests/test_rng.py) and the device-placement tests (tests/test_fingerprint_devices.py)
-#   throughput   (60 s) fingerprint GB/s per backend against clone
+#   throughput   (40 s) fingerprint GB/s per backend against clone
+#   train       (150 s) a one-rank NCCL job trains a ~1B-parameter bf16 transformer (FSDP2, activation
+#                       checkpointing) through ckptverify.Run at trace levels none / state / comm: per level the
+#                       median step time, peak GPU memory and host synchronizations per step; fails when a level
+#                       crashes (scripts/gpu_train_check.py --part train)
+#   saveload     (60 s) ckptverify.save of a TrainState of a 1.5 GiB model on the GPU, ckptverify.load into a fresh
+#                       one: peak GPU memory of each as a ratio of the state; fails when the load peaks above 1.3x
+#                       (scripts/gpu_train_check.py --part saveload)
 #   trace       (300 s) only with --bench, beyond the 10 minutes: trace overhead at both configurations
+#
+# The timeouts add up to 590 s.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--bench]
 #
-# --dry-run (or CKPTVERIFY_GPU_DRY_RUN=1) runs the Python parts on the CPU with tiny sizes and skips the GPU
-# tests: tests/test_gpu_scripts.py runs it, so CI proves the script works. Logs go to OUT_DIR (default
+# --dry-run (or CKPTVERIFY_GPU_DRY_RUN=1) runs the Python parts on the CPU with tiny sizes (train over Gloo) and
+# skips the GPU tests: tests/test_gpu_scripts.py runs it, so CI proves the script works. Logs go to OUT_DIR (default
 # gpu-check/). Exit 0 when every part passed; the parts that failed are listed at the end. PYTHON picks the
 # interpreter. Two or more GPUs: scripts/gpu_check_multi.sh.
 set -u -o pipefail
@@ -52,14 +61,16 @@ else
     $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \
         2>&1 | tee -a "$out/gpu.txt" || failed+=(env)
 fi
-part parity 150 $py scripts/gpu_parity.py --part parity "${flag[@]}"
-part many 60 $py scripts/gpu_parity.py --part many "${flag[@]}"
+part parity 120 $py scripts/gpu_parity.py --part parity "${flag[@]}"
+part many 40 $py scripts/gpu_parity.py --part many "${flag[@]}"
 if [ "$dry" != 1 ]; then
     # shellcheck disable=SC2046  # the glob's files, one word each
-    part tests 240 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py $(cd "$here" && ls tests/test_*_cuda.py) \
+    part tests 180 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py $(cd "$here" && ls tests/test_*_cuda.py) \
         tests/test_rng.py tests/test_fingerprint_devices.py -m "not slow"
 fi
-part throughput 60 $py scripts/gpu_parity.py --part throughput "${flag[@]}"
+part throughput 40 $py scripts/gpu_parity.py --part throughput "${flag[@]}"
+part train 150 $py scripts/gpu_train_check.py --part train "${flag[@]}"
+part saveload 60 $py scripts/gpu_train_check.py --part saveload "${flag[@]}"
 if [ "$bench" = 1 ] && [ "$dry" != 1 ]; then
     part trace 300 $py scripts/bench_trace.py --config both --blocks 6 --block-steps 20 --large-blocks 4 \
         --large-block-steps 10 --levels none state state/10

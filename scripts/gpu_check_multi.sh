@@ -7,10 +7,17 @@
 #                   fingerprints and opens no context on GPU 0
 #   dtensor (180 s) DTensors over an NCCL mesh of two GPUs (Shard, _StridedShard, a shard offloaded to the CPU)
 #                   fingerprint as their full tensors, without a gather
+#   remap   (120 s) a TrainState saved by a process seeing GPUs A,B (CUDA_VISIBLE_DEVICES) whose rank uses cuda:1
+#                   (B), after drawing from its CUDA generator: a fresh process seeing only B (now cuda:0) restores
+#                   that generator exactly; one seeing only A (another GPU) restores it with a restore-device
+#                   finding in its load report (scripts/gpu_train_check.py --part remap)
+#
+# The timeouts add up to 510 s.
 #
 #   bash scripts/gpu_check_multi.sh [OUT_DIR] [--dry-run]
 #
-# --dry-run (or CKPTVERIFY_GPU_DRY_RUN=1) runs the same parts on the CPU with tiny sizes (Gloo for dtensor):
+# --dry-run (or CKPTVERIFY_GPU_DRY_RUN=1) runs the same parts on the CPU with tiny sizes (Gloo for dtensor; remap
+# saves and restores the CPU stream in a fresh process and skips its CUDA parts):
 # tests/test_gpu_scripts.py runs it. Logs go to OUT_DIR (default gpu-check-multi/). Exit 0 when every part
 # passed. PYTHON picks the interpreter.
 set -u -o pipefail
@@ -52,6 +59,7 @@ fi
 part devices 90 $py scripts/gpu_parity.py --part devices "${flag[@]}"
 part save 120 $py scripts/gpu_parity.py --part save "${flag[@]}"
 part dtensor 180 $py scripts/gpu_parity.py --part dtensor "${flag[@]}"
+part remap 120 $py scripts/gpu_train_check.py --part remap "${flag[@]}"
 if [ ${#failed[@]} -gt 0 ]; then
     echo "FAILED: ${failed[*]}"
     exit 1
