@@ -643,6 +643,28 @@ def test_backend_selection() -> None:
             kern._eager_cpu_bytes = saved
 
 
+def test_under_a_dispatch_mode_the_compiled_kernel_is_not_tried_and_stays_on() -> None:
+    """torch.compile does not run under a Python dispatch mode (a profiler, a memory counter): the host path
+    takes the chunk, and the kernel is not turned off for the rest of the process."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    t = make_tensor(torch.float32, (4, kern.COMPILED_BLOCK), 7)
+    failed = kern._compile_failed
+    with backend("compiled"):
+        assert kern._wants_compiled(t.device, t.numel(), torch.int32) != kern._compile_failed
+        with Passthrough():
+            assert not kern._wants_compiled(t.device, t.numel(), torch.int32)
+            assert kern.cpu_block_lanes(t, (0, 0), t.shape, "float32", None) is None
+            inside = fp.tensor_fingerprint(t)
+    assert kern._compile_failed == failed
+    with backend("eager"):
+        assert inside == fp.tensor_fingerprint(t)
+
+
 # ------------------------------------------------------------------------------------------- DTensor
 
 

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _python_dispatch
 
 from ckptverify.errors import UsageError
 from ckptverify.fingerprint import eager as _ref
@@ -157,13 +158,19 @@ def _stage_dtype(bits_dtype: torch.dtype) -> torch.dtype:
 
 def _wants_compiled(device: torch.device, numel: int, bits_dtype: torch.dtype | None = None) -> bool:
     """Whether a chunk of ``numel`` elements (``bits_dtype``: its staged bits) is for the compiled kernel."""
-    if _compile_failed or _backend in ("eager", "numpy") or numel < COMPILED_BLOCK:
+    if _compile_failed or _backend in ("eager", "numpy") or numel < COMPILED_BLOCK or _under_dispatch_mode():
         return False
     if _backend == "compiled":
         return True
     if device.type != "cpu":
         return False
     return _eager_cpu_bytes >= AUTO_COMPILE_AFTER_BYTES or bool(_verified.get((device.type, bits_dtype)))
+
+
+def _under_dispatch_mode() -> bool:
+    """Whether a Python dispatch mode is active (a profiler, a memory counter, a trace of the caller's): the
+    compiled kernel does not run under one, and its failure there would turn it off for the whole process."""
+    return _python_dispatch._get_current_dispatch_mode() is not None
 
 
 def prepare_compiled(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> bool:
@@ -527,7 +534,7 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
     ``None``: :func:`fingerprint_lanes_counted` takes it as usual. The lane sums it gives are those of
     :func:`fingerprint_lanes` for the chunk, its count that of :func:`fingerprint_lanes_counted`."""
     if (_compile_failed or _backend not in ("auto", "compiled") or t.device.type != "cpu" or not t.is_contiguous()
-            or t.numel() < COMPILED_BLOCK):
+            or t.numel() < COMPILED_BLOCK or _under_dispatch_mode()):
         return None
     t, offsets, global_shape = _as_real(t, offsets, global_shape)
     bits = _INT_VIEW_BY_SIZE.get(t.element_size())
