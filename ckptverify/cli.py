@@ -313,22 +313,26 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
               help="With --path-only (implied): end the path with a NUL byte instead of a newline, so any name "
                    "reads back exactly (xargs -0, read -d '').")
 @click.option("--no-stamps", is_flag=True, help="Verify every candidate now, even those with a current stamp.")
+@click.option("--trust-stamps", is_flag=True,
+              help="Take a current stamp that says passed at its word: the pick is not read again (fast; a bit "
+                   "flipped in place since its stamp goes unseen). Default: the pick is verified afresh.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
 @click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
               help="Also write Prometheus gauges (passed, last good step, ...) to this file.")
 @click.option("--progress/--no-progress", default=None, help=_PROGRESS_HELP)
-def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps: bool, jobs: int | None,
-           metrics_file: str | None, progress: bool | None) -> None:
+def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps: bool, trust_stamps: bool,
+           jobs: int | None, metrics_file: str | None, progress: bool | None) -> None:
     """Print the newest checkpoint under RUN_DIR that verifies (exit 1 when none does).
 
-    Newest first: a checkpoint with a current verification stamp is judged by it, any other is verified now;
+    Newest first: a current stamp that says failed, uncheckable or suspect skips its checkpoint; the one about
+    to be printed is verified afresh (unless --trust-stamps), and when it fails the next older one is tried;
     corrupt, torn, incomplete and uncheckable ones are skipped, each with a line saying why.
     """
     from ckptverify.runs.latest import latest_verified
 
     path_only = path_only or null
     try:
-        found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps,
+        found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps, trust_stamps=trust_stamps,
                                 progress=_say(progress, json_out or path_only))
     except CkptVerifyError as exc:
         if path_only:
@@ -361,8 +365,8 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=str))
 @click.option("--once", is_flag=True,
-              help="One pass, then exit: 0 all judged passed, 1 a checkpoint failed or there was nothing to "
-                   "verify, 2 one could not be verified or a result not recorded. For cron.")
+              help="One pass, then exit: 0 all judged passed, 1 a checkpoint failed or none was finished, 2 no "
+                   "checkpoint to verify, one could not be verified or a result not recorded. For cron.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="Seconds between passes.")
 @click.option("--exit-on-failure", is_flag=True, help="Exit 1 at the first checkpoint that fails.")
@@ -415,9 +419,10 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
     if result.nothing is not None and not result.failed:
         message = f"nothing to verify under {run_dir}: {result.nothing}"
         if json_out:
-            line({"event": "nothing", "path": None, "reason": message})
+            line({"event": "nothing", "path": None, "reason": message, "exit_code": result.exit_code})
         else:
-            click.echo(f"ckptverify watch: {_printable(message)}", err=True)
+            label = "error: " if result.exit_code == 2 else ""  # nothing there to watch: a usage error
+            click.echo(f"ckptverify watch: {label}{_printable(message)}", err=True)
     sys.exit(result.exit_code)
 
 

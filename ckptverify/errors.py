@@ -225,8 +225,15 @@ class ManifestError(FindingError):
 
 class NotRegularFileError(CkptVerifyError, OSError):
     """What is at the path of one of ckptverify's own files is not a regular file (a symbolic link, a FIFO, a
-    device, a socket, a directory): it is neither written through nor replaced. An ``OSError``, so a caller that
-    copes with an unwritable file copes with this one too."""
+    device, a socket, a directory), or what is at one of its own folders is not a directory (a link, a file): it
+    is neither written through, moved into nor replaced. An ``OSError``, so a caller that copes with an unwritable
+    file copes with this one too."""
+
+
+class MoveAsideError(CkptVerifyError, OSError):
+    """A checkpoint could not be moved aside into its run directory's ``quarantine/`` (a link or a file at that
+    name, another file system, no permission): nothing was moved (exit 2). A checkpoint is only ever renamed into
+    the quarantine, never copied and deleted."""
 
 
 class StorageError(_FileError):

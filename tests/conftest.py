@@ -27,6 +27,9 @@ if str(TESTS_DIR) not in sys.path:
 
 from helpers import ckpt_factory  # noqa: E402
 
+# Every event ckptverify writes in a test, in this process or a job it starts, must read back (events.py).
+os.environ["CKPTVERIFY_STRICT_EVENTS"] = "1"
+
 settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, print_blob=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -224,3 +225,127 @@ def test_tf32_is_named_beside_the_cublas_mechanism():
 def test_bad_device_is_a_usage_error():
     with pytest.raises(UsageError, match="not a device"):
         rerun(Capture(op="aten.mm.default", args=(torch.eye(2), torch.eye(2)), kwargs={}), device="gpu please")
+
+
+# ------------------------------------------------------------------------------------------- what is re-run
+
+
+@torch.library.custom_op("ckptv_kernel_test::dump", mutates_args=())
+def dump(x: torch.Tensor, path: str) -> torch.Tensor:
+    """A custom op whose string argument names a file it writes."""
+    with open(path, "w") as f:
+        f.write("written")
+    return x.clone()
+
+
+@torch.library.custom_op("ckptv_kernel_test::tile_n", mutates_args=())
+def tile_n(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A custom op whose integer argument sizes its result, without a fake implementation to size it by."""
+    return x.repeat(n)
+
+
+def test_from_file_capture_is_refused_and_the_file_is_left_as_it_was(tmp_path):
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"twelve bytes")
+    path = save(tmp_path, "cap.pt", {"op": "aten.from_file.default", "args": (str(outside), True, 1 << 18),
+                                     "kwargs": {"dtype": torch.float32}})
+    with pytest.raises(UsageError, match=r"refused op aten\.from_file\.default: its string argument 'filename'"):
+        rerun(path)
+    assert outside.read_bytes() == b"twelve bytes"
+
+
+@pytest.mark.timeout(60)
+def test_from_file_on_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UsageError, match="may name a file"):
+        rerun(Capture(op="aten.from_file.out", args=(str(fifo), False, 4), kwargs={"out": torch.empty(4)}))
+
+
+@pytest.mark.parametrize(("op", "args", "why"), [
+    ("aten.save.default", (torch.ones(2), "saved.pt"), "neither a tensor nor a device"),
+    ("aten.set_.source_Storage", (torch.ones(2), None), "Storage argument"),
+    ("ckptv_kernel_test.dump.default", (torch.ones(2), "dumped.txt"), "string argument 'path'"),
+])
+def test_ops_that_may_name_a_file_or_take_foreign_memory_are_refused_by_schema(tmp_path, monkeypatch, op, args,
+                                                                               why):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=why):
+        rerun(Capture(op=op, args=args, kwargs={}))
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize(("op", "args"), [
+    ("aten.randn.default", ([1 << 40],)),
+    ("aten.new_empty.default", (torch.ones(4), [1 << 40])),
+    ("aten.resize_.default", (torch.ones(4), [1 << 40])),
+    ("aten.expand.default", (torch.ones(4, 1), [4, 1 << 40])),
+    ("aten.repeat.default", (torch.ones(4), [1 << 20, 1 << 20])),
+])
+def test_ops_sized_beyond_the_captured_tensors_are_refused_before_they_run(op, args):
+    with pytest.raises(UsageError, match=rf"refused op {op}: on the captured inputs it would leave \d+ bytes"):
+        rerun(Capture(op=op, args=args, kwargs={}))
+
+
+@pytest.mark.parametrize(("op", "args"), [
+    ("aten.bincount.default", (torch.tensor([1 << 40]),)),
+    ("aten.repeat_interleave.Tensor", (torch.tensor([1 << 40]),)),
+    ("aten._nested_view_from_buffer.default", (torch.ones(4), torch.tensor([[1 << 40]]), torch.tensor([[1]]),
+                                               torch.tensor([0]))),
+])
+def test_ops_sized_by_the_values_of_their_inputs_are_refused_before_they_run(op, args):
+    with pytest.raises(UsageError, match=rf"refused op {op}: the size of its results cannot be worked out"):
+        rerun(Capture(op=op, args=args, kwargs={}))
+
+
+def test_custom_op_with_an_integer_and_no_fake_implementation_is_refused():
+    with pytest.raises(UsageError, match=r"integer arguments \(n\) may size them: register a fake"):
+        rerun(Capture(op="ckptv_kernel_test.tile_n.default", args=(torch.ones(4), 1 << 40), kwargs={}))
+
+
+def test_captured_tensor_counted_by_its_logical_size_is_capped(tmp_path):
+    # 8 GiB as a stride-0 view of one element: the file is small, a copy of it is not.
+    path = save(tmp_path, "cap.pt", {"op": "aten.neg.default", "args": (torch.zeros(1).expand(1 << 31),),
+                                     "kwargs": {}})
+    with pytest.raises(UsageError, match=r"its tensors hold 8589934592 bytes"):
+        rerun(path)
+
+
+def test_capture_file_over_the_cap_is_refused_before_it_is_loaded(tmp_path, monkeypatch):
+    path = save(tmp_path, "cap.pt", {"op": "aten.neg.default", "args": (torch.zeros(1 << 20),), "kwargs": {}})
+    monkeypatch.setattr(kernel, "MAX_CAPTURE_BYTES", 1 << 10)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(UsageError, match=r"refused capture file .*bytes, over the 1024 bytes"):
+        rerun(path)
+
+
+def test_op_whose_work_is_over_the_cap_is_refused_before_it_runs():
+    # Two 1 GiB matrices as stride-0 views: a product of 8.8e12 operations.
+    a = torch.ones(1, 1).expand(1 << 14, 1 << 14)
+    with pytest.raises(UsageError, match=r"floating-point operations, over the 1e\+12 allowed on cpu"):
+        rerun(Capture(op="aten.mm.default", args=(a, a), kwargs={}))
+
+
+def test_runs_stop_at_the_time_limit():
+    calls = []
+
+    @torch.library.custom_op("ckptv_kernel_test::slow", mutates_args=())
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        time.sleep(0.3)
+        return x * 2
+
+    with pytest.raises(UsageError, match=r"stopped after 1 of 10 runs .* time limit of 0\.5 s"):
+        rerun(Capture(op="ckptv_kernel_test.slow.default", args=(torch.ones(2),), kwargs={}), runs=10, timeout_s=0.5)
+    assert len(calls) == 1
+
+
+def test_torch_ops_with_a_string_mode_and_small_factory_ops_still_re_run():
+    index = torch.tensor([0, 1, 0])
+    for op, args, kwargs in (
+        ("aten.div.Tensor_mode", (torch.arange(6.0), torch.full((6,), 4.0)), {"rounding_mode": "floor"}),
+        ("aten.scatter_reduce.two", (torch.zeros(2), 0, index, torch.ones(3), "sum"), {}),
+        ("aten.randn.default", ([16],), {"device": torch.device("cpu")}),
+    ):
+        v = rerun(Capture(op=op, args=args, kwargs=kwargs), runs=2)
+        assert not v.nondeterministic, op

@@ -326,12 +326,12 @@ def test_watch_once_on_an_empty_folder_says_there_was_nothing_to_verify(tmp_path
     empty = tmp_path / "run"
     empty.mkdir()
     result = CliRunner().invoke(main, ["watch", "--once", "--log", str(tmp_path / "w.jsonl"), str(empty)])
-    assert result.exit_code == 1 and "nothing to verify" in result.output
+    assert result.exit_code == 2 and "error: nothing to verify" in result.output
     as_json = CliRunner().invoke(main, ["watch", "--once", "--json", "--log", str(tmp_path / "w.jsonl"),
                                         str(empty)])
-    assert as_json.exit_code == 1
+    assert as_json.exit_code == 2
     (item,) = map(json.loads, as_json.output.splitlines())
-    assert item["event"] == "nothing"
+    assert item["event"] == "nothing" and item["exit_code"] == 2
     # A run whose checkpoints are all verified already is not "nothing": it passes.
     _dcp(empty / "step_1", 1.0)
     assert CliRunner().invoke(main, ["watch", "--once", "--log", str(tmp_path / "w.jsonl"), str(empty)]).exit_code == 0

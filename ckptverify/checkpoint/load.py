@@ -19,8 +19,9 @@ verified on the spot; a suspect checkpoint, saved after a replica mismatch, and 
 ``quarantine/`` are never picked), then loads that one and says which, and what it skipped, in its report. A
 picked checkpoint whose bytes fail their proof while loading (changed after its stamp was written, with its
 times put back) gets a failed stamp, so no later pick trusts it, and the next older one is picked
-(:func:`load_newest_proven`). A production ``Run`` resumes through :func:`load_picked`: it refuses such a
-checkpoint (the failed stamp makes the next start move on).
+(:func:`load_newest_proven`). A production ``Run`` resumes through :func:`load_picked`
+(:meth:`~ckptverify.production.mode.Production.restore`): on such a failure it picks again in the same start,
+by its own rules (moving the failed checkpoint aside).
 
 Every rank of the process group calls :func:`load`.
 """
@@ -279,7 +280,8 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
     if dist is None or dist.get_rank() == 0:
         try:
             # What load restores: a DCP checkpoint holding a TrainState (a weights-only export is passed over).
-            found = latest_verified(root, formats={"dcp"}, train_state=True)
+            # Stamps trusted: the load proves the bytes as it reads them, and moves on from a pick that fails.
+            found = latest_verified(root, formats={"dcp"}, train_state=True, trust_stamps=True)
             box[0] = found.to_dict()
         except CheckpointNotFoundError as exc:
             box[0] = {"error": str(exc)}

@@ -68,12 +68,11 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     if not unreferenced:
         return findings
     referenced = set(stats) | set(others) | set(layout.metadata_files) | OWN_FILES
-    for dirpath, dirnames, filenames in paths.walk(root):
-        dirnames.sort()
-        # The top directory's names are their own relative paths (most of a checkpoint: one file per item).
-        top = dirpath == root
-        for fname in sorted(filenames):
-            rel = fname if top else os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
+    walk = paths.Walk(root)
+    for folder, _, entries in walk:
+        for entry in entries:
+            fname = entry.name
+            rel = f"{folder}/{fname}" if folder else fname
             if rel not in referenced and "/" not in rel and fname.startswith(PARTS_PREFIX):
                 continue  # a part verdict of a verification shared out among nodes: ckptverify's own
             if rel not in referenced and "/" not in rel and fname.startswith(STAMP_TEMP_PREFIX):
@@ -85,7 +84,7 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
                 ))
             elif rel not in referenced:
                 try:  # lstat: listed, never opened (it may be a FIFO or a link to a device)
-                    st = paths.lstat(os.path.join(dirpath, fname))
+                    st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue  # gone since the listing
                 what = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
@@ -95,7 +94,29 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
                     "checkpoint, or something planted",
                     location=Location(file=rel),
                 ))
-    return findings
+    return findings + walk_findings(walk)
+
+
+def walk_findings(walk: paths.Walk) -> list[Finding]:
+    """What ``walk`` did not see, as errors: each unaddressable object key (``key-unaddressable``: never
+    opened, and another key or one outside the checkpoint to anything that normalises its name), and a walk
+    cut short (``walk-incomplete``: what lay beyond the bound is unchecked, so the checkpoint cannot pass)."""
+    out: list[Finding] = []
+    for p in walk.problems:
+        if p.kind == "unaddressable":
+            norm = os.path.normpath(p.path)
+            where = ("outside the checkpoint" if norm == ".." or norm.startswith("../")
+                     else f"{norm!r} in the checkpoint")
+            out.append(error("key-unaddressable", f"object key {p.path!r} has a '.', '..' or empty segment: no "
+                             f"path reaches it (normalised, its name is {where}); it is never opened",
+                             location=Location(file=p.path)))
+        elif p.kind == "unlisted":
+            out.append(error("walk-incomplete", f"{p.path} could not be listed ({p.detail}): the files in it are "
+                             "unchecked", location=Location(file=p.path)))
+        else:
+            out.append(error("walk-incomplete", f"the listing of the checkpoint was cut short at {p.path}: "
+                             f"{p.detail}; the files beyond are unchecked", location=Location(file=p.path)))
+    return out
 
 
 def _unsafe_reason(root: str, path: str) -> str | None:

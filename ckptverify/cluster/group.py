@@ -56,6 +56,7 @@ class Group:
         self.liveness = liveness
         self.host = socket.gethostname()
         self.roster: list[dict[str, Any]] = []
+        self.command = ""  # the command the ranks run, once started
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._beating, name="ckptverify-heartbeat", daemon=True)
 
@@ -65,6 +66,7 @@ class Group:
         """Say hello and learn every rank's host: rank 0 waits for every hello (naming the ranks that never
         came) and publishes the roster; the others wait for it."""
         self._beat.start()
+        self.command = command
         hello = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "command": command, "path": path}
         if self.rank == 0:
             self.set("hello/0", hello)

@@ -26,7 +26,9 @@ from ckptverify.errors import ClusterError, FileChangedError, UsageError
 #: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
 DEFAULT_RANK_TIMEOUT = 120.0
 #: Test-only: ``RANK:ACTION`` makes rank RANK (not 0) ``kill`` itself (SIGKILL), ``exit`` (code 3) or
-#: ``stop`` (SIGSTOP) when its first work arrives, so that tests can prove a dead or hung rank is named.
+#: ``stop`` (SIGSTOP) when its first work arrives, or, once it has read its first unit (the rest of its share
+#: unread), ``kill-reading`` (SIGKILL) or ``raise`` (that unit fails), so that tests can prove a dead, hung or
+#: failing rank is named and the command never passes without its share.
 FAULT_ENV = "CKPTVERIFY_TEST_RANK_FAULT"
 
 
@@ -93,7 +95,14 @@ class Session:
         """Read the units rank 0 sends until it says it is done; the exit code of this rank (0, or 2 when rank 0
         could not be heard: the message is printed by the caller from the :class:`ClusterError` raised)."""
         group, files = self.group, RankFiles(self.path)
-        fault = _fault(group.rank)
+        at, fault = _fault(group.rank)
+
+        def read(unit: Unit) -> Any:
+            value = execute(unit, files, self.path, self.jobs)
+            if at == "read":
+                fault()
+            return value
+
         pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="ckptverify-rank")
         try:
             for k in range(1 << 62):
@@ -102,13 +111,13 @@ class Session:
                     group.send(f"bye/{group.rank}", True, "bye")  # rank 0 may host the store: it waits for this
                     return 0
                 work = group.get(f"units/{k}/{group.rank}")
-                if fault is not None:
-                    os.kill(os.getpid(), fault) if fault > 0 else os._exit(3)
+                if at == "work":
+                    fault()
                 files.expect.update(work.get("expect") or {})
                 # A whole checkpoint (scan) is verified with all of this rank's threads: one at a time.
                 run_map = map if any(u[0] == "checkpoint" for u in work["units"]) else pool.map
                 try:
-                    results = list(run_map(lambda u: execute(u, files, self.path, self.jobs), work["units"]))
+                    results = list(run_map(read, work["units"]))
                     reply: dict[str, Any] = {"results": results}
                 except FileChangedError as exc:
                     reply = {"error": "changed", "path": _relative(exc.path, self.path), "message": str(exc)}
@@ -210,14 +219,18 @@ class RankExecutor:
 
         for n, value in zip(share[0], local_map(mine, share[0]), strict=True):
             out[n] = value
-        replies = self.group.collect({r: f"result/{k}/{r}" for r in range(1, self.world)}, "reading its share",
-                                     f"result/{k}")
+        try:
+            replies = self.group.collect({r: f"result/{k}/{r}" for r in range(1, self.world)}, "reading its share",
+                                         f"result/{k}")
+        except ClusterError as exc:
+            raise ClusterError(f"{exc}; {self._incomplete()}") from None
         for r in range(1, self.world):
             reply = replies[r]
             if reply.get("error") == "changed":
                 raise FileChangedError(reply["message"], os.path.join(root, reply["path"]))
             if "error" in reply:
-                raise ClusterError(f"rank {r} on {self.group.host_of(r)} could not read its share: {reply['message']}")
+                raise ClusterError(f"rank {r} on {self.group.host_of(r)} could not read its share: "
+                                   f"{reply['message']}; {self._incomplete()}")
             for n, value in zip(share[r], reply["results"], strict=True):
                 out[n] = value
                 if advance is not None:
@@ -233,6 +246,12 @@ class RankExecutor:
             else:
                 self._ranges[got[0]].append((got[1], got[2]))
         return out
+
+    def _incomplete(self) -> str:
+        # A rank's share unread is never a pass: the command stops without a verdict (exit 2), and says so.
+        what = {"verify": "verification", "scan": "scan", "fingerprint": "fingerprint"}.get(self.group.command,
+                                                                                        "command")
+        return f"the {what} is incomplete: that rank's share was not checked, so nothing is concluded"
 
     def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
         """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description` (``--deep``, ``fingerprint``):
@@ -321,10 +340,19 @@ def _relative(path: Any, root: str) -> str:
     return os.path.relpath(path, root) if isinstance(path, str) else "?"
 
 
-def _fault(rank: int) -> int | None:
-    """The test-only fault planted on this rank by :data:`FAULT_ENV`: a signal to send itself, 0 to exit."""
+def _fault(rank: int) -> tuple[str | None, Callable[[], None]]:
+    """The test-only fault planted on this rank by :data:`FAULT_ENV`: when it strikes (``"work"``: as its first
+    work arrives; ``"read"``: once a unit is read; ``None``: never) and what it does."""
     spec = os.environ.get(FAULT_ENV, "")
-    at, _, action = spec.partition(":")
-    if not at.strip().isdigit() or int(at) != rank or rank == 0:
-        return None
-    return {"kill": int(signal.SIGKILL), "stop": int(signal.SIGSTOP), "exit": 0}.get(action.strip())
+    who, _, action = spec.partition(":")
+    if not who.strip().isdigit() or int(who) != rank or rank == 0:
+        return None, lambda: None
+
+    def planted() -> None:
+        raise RuntimeError(f"fault planted by {FAULT_ENV}")
+
+    return {"kill": ("work", lambda: os.kill(os.getpid(), signal.SIGKILL)),
+            "stop": ("work", lambda: os.kill(os.getpid(), signal.SIGSTOP)),
+            "exit": ("work", lambda: os._exit(3)),
+            "kill-reading": ("read", lambda: os.kill(os.getpid(), signal.SIGKILL)),
+            "raise": ("read", planted)}.get(action.strip(), (None, lambda: None))

@@ -27,20 +27,25 @@ import datetime as _dt
 import json
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ckptverify.ownfiles.names import append_line, open_read
 from ckptverify.safeparse import safejson
 
 __all__ = ["CHECKPOINT_CUT_SHORT", "CHECKPOINT_DELETED", "CHECKPOINT_FAILED", "CHECKPOINT_UNVERIFIED",
-           "CHECKPOINT_VERIFIED", "EVENTS_FILE", "EVENTS_SCHEMA_VERSION", "OLD_EVENT_NAMES", "VERIFICATION_EVENTS",
-           "EventLog", "read_events", "upgrade_event"]
+           "CHECKPOINT_VERIFIED", "EVENTS_FILE", "EVENTS_SCHEMA_VERSION", "MAX_LINE_BYTES", "OLD_EVENT_NAMES",
+           "VERIFICATION_EVENTS", "EventLog", "event_problem", "read_events", "upgrade_event"]
 
 EVENTS_FILE = "events.jsonl"
 #: Written into every event. Version 2: one vocabulary for verify-after-save (:data:`VERIFICATION_EVENTS`) and
 #: ``bytes_checked`` everywhere; a line without ``schema_version`` is version 1.
 EVENTS_SCHEMA_VERSION = 2
+#: Longest line :func:`read_events` reads as an event (the longest ckptverify writes is a few hundred kB: a
+#: replica mismatch naming every tensor of a large model).
+MAX_LINE_BYTES = 8 << 20
+#: Deepest nesting of an event's JSON (an event nests four levels: a finding's location in a verification).
+MAX_EVENT_DEPTH = 16
 
 #: A saved checkpoint passed verification (stamped).
 CHECKPOINT_VERIFIED = "checkpoint-verified"
@@ -87,6 +92,12 @@ class EventLog:
         }
         record.update(fields)
         line = (json.dumps(record, default=str, sort_keys=False) + "\n").encode()
+        # CKPTVERIFY_STRICT_EVENTS=1 (set by the test suite, inherited by the jobs it starts): an event that
+        # read_events would skip is a bug in its writer, raised rather than written.
+        if os.environ.get("CKPTVERIFY_STRICT_EVENTS") == "1":
+            problem = event_problem(json.loads(line))
+            if problem is not None:
+                raise ValueError(f"event {event!r} would be skipped by read_events: {problem}")
         append_line(self.path, line)
         return record
 
@@ -106,18 +117,25 @@ def upgrade_event(record: dict[str, Any]) -> dict[str, Any]:
     if "checked_bytes" in out and "bytes_checked" not in out:
         out["bytes_checked"] = out.pop("checked_bytes")
     if "verdict" not in out:
-        verdicts = {CHECKPOINT_VERIFIED: "passed", CHECKPOINT_FAILED: "failed"}
-        out["verdict"] = verdicts.get(out["event"], "unverified")
+        out["verdict"] = _verdict_of(out["event"])
     if "passed" not in out:
         out["passed"] = out["verdict"] == "passed"
     return out
 
 
-def read_events(run_dir: str | os.PathLike[str], event: str | None = None) -> Iterator[dict[str, Any]]:
-    """The events of a run, in file order (optionally only those named ``event``); a torn last line is skipped.
-    Events of an earlier version are read as today's version writes them (:func:`upgrade_event`: the old name of
-    an event, given as ``event``, selects it too). Raises :class:`~ckptverify.ownfiles.names.NotRegularFileError`
-    when ``events.jsonl`` is not a regular file."""
+def read_events(run_dir: str | os.PathLike[str], event: str | None = None, *,
+                on_bad: Callable[[int, str], None] | None = None) -> Iterator[dict[str, Any]]:
+    """The events of a run, in file order (optionally only those named ``event``). Events of an earlier version
+    are read as today's version writes them (:func:`upgrade_event`: the old name of an event, given as ``event``,
+    selects it too). Raises :class:`~ckptverify.ownfiles.names.NotRegularFileError` when ``events.jsonl`` is not
+    a regular file.
+
+    The log is a record, not an input: a line that is not an event as ckptverify writes it (a torn last line,
+    invalid UTF-8 or JSON, NaN, a repeated key, deep nesting, a line over :data:`MAX_LINE_BYTES`, not an object,
+    a field of the wrong type or out of range, a verification whose ``verdict``, ``passed`` and name disagree:
+    :func:`event_problem`) is skipped, never raised, and ``on_bad(line_number, why)`` is called for it. Nothing
+    is reordered or checked across lines (ranks append concurrently, a restarted job repeats steps), and
+    ``path`` is as written: it may name anything, a URL or a folder outside ``run_dir`` among them."""
     if event is not None:
         event = OLD_EVENT_NAMES.get(event, event)
     path = os.path.join(os.fspath(run_dir), EVENTS_FILE)
@@ -125,14 +143,99 @@ def read_events(run_dir: str | os.PathLike[str], event: str | None = None) -> It
         fd = open_read(path)
     except FileNotFoundError:
         return
-    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                record = safejson.loads(line)
-            except ValueError:  # a torn or hostile line: not an event
+    with os.fdopen(fd, "rb") as f:
+        number = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(line) > MAX_LINE_BYTES:  # skipped a block at a time: its length bounds nothing we hold
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(1 << 20)
+                why = f"longer than the {MAX_LINE_BYTES} bytes of an event line"
+            else:
+                record, why = _parse(line)
+            if why is not None:
+                if on_bad is not None:
+                    on_bad(number, why)
                 continue
-            if not isinstance(record, dict):
-                continue
-            record = upgrade_event(record)
-            if event is None or record.get("event") == event:
+            if event is None or record["event"] == event:
                 yield record
+
+
+def _parse(line: bytes) -> tuple[dict[str, Any], str | None]:
+    """The event on ``line`` (upgraded), or why it is not one."""
+    try:
+        record = safejson.loads(line.decode("utf-8"), max_depth=MAX_EVENT_DEPTH)
+    except UnicodeDecodeError as exc:
+        return {}, f"not UTF-8 ({exc.reason} at byte {exc.start})"
+    except ValueError as exc:  # JSONError; a torn last line too
+        return {}, str(exc)
+    if not isinstance(record, dict):
+        return {}, f"a JSON {type(record).__name__}, not an object"
+    record = upgrade_event(record)
+    return record, event_problem(record)
+
+
+def event_problem(record: dict[str, Any]) -> str | None:
+    """Why ``record`` (as :func:`upgrade_event` returns it) is not an event as ckptverify writes one, or
+    ``None``: the fields of :data:`_FIELDS` must hold their type and range, ``event``, ``time``, ``rank`` and
+    ``host`` must be there, and a verification's name, ``verdict`` and ``passed`` must agree."""
+    for name in ("event", "time", "rank", "host"):
+        if name not in record:
+            return f"no {name!r}"
+    for name, (fits, what) in _FIELDS.items():
+        if name in record and not fits(record[name]):
+            return f"{name!r} is {_short(record[name])}, not {what}"
+    name = record["event"]
+    if name in VERIFICATION_EVENTS:
+        want = _verdict_of(name)
+        if record.get("verdict") != want or record.get("passed", want == "passed") != (want == "passed"):
+            return (f"{name!r} with verdict {_short(record.get('verdict'))} and passed "
+                    f"{_short(record.get('passed'))}: they disagree")
+    return None
+
+
+def _verdict_of(name: str) -> str:
+    """The verdict a verification event of ``name`` (:data:`VERIFICATION_EVENTS`) records."""
+    return {CHECKPOINT_VERIFIED: "passed", CHECKPOINT_FAILED: "failed"}.get(name, "unverified")
+
+
+def _count(hi: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and 0 <= v <= hi
+
+
+def _maybe(fits: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or fits(v)
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+_STEP = _count((1 << 63) - 1)
+#: The fields an event may carry and what each must hold (``docs/json-schema.md``): a consumer may use them as
+#: their type says without checking (``step`` an ``int``, ``passed`` a ``bool``, ...).
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "event": (lambda v: isinstance(v, str) and 0 < len(v) <= 200, "a name"),
+    "schema_version": (_count(1 << 31), "a version number"),
+    "time": (_text, "a time"),
+    "rank": (_count(1 << 31), "a rank"),
+    "host": (_text, "a host name"),
+    **{k: (_maybe(_STEP), "a step") for k in ("step", "first_step", "last_step", "agreed_at")},
+    **{k: (_STEP, "a count") for k in ("bytes_checked", "mismatched_steps", "episode", "unverified",
+                                       "world_size")},
+    **{k: (_text, "a string") for k in ("path", "to", "verdict", "state", "site")},
+    **{k: (_maybe(_text), "a string or null") for k in ("reason", "first_error", "message", "stamp", "no_verdict",
+                                                        "resumed_from", "target")},
+    **{k: (lambda v: type(v) is bool, "true or false") for k in ("passed", "pending", "deleted", "stamped",
+                                                                 "manifest", "deep")},
+    **{k: (lambda v: type(v) in (int, float) and v >= 0, "a number of seconds") for k in ("seconds",
+                                                                                        "throttled_s")},
+    **{k: (lambda v: isinstance(v, list), "a list") for k in ("errors", "coverage", "unchecked", "warnings",
+                                                              "skipped", "group", "tensors")},
+    "summary": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."

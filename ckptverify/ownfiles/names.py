@@ -8,6 +8,9 @@ Logs ckptverify appends to (``events.jsonl``, the watcher's log) are opened with
 Neither ever writes through what is not a regular file: a symbolic link, a FIFO, a device or a socket found
 where one of these files should be is refused (:class:`NotRegularFileError`), never followed, opened for
 writing, waited on or replaced. Opening never blocks: a FIFO with no reader cannot hang the process.
+The folders ckptverify makes for its own files (a run's ``quarantine/`` and trace segments, a trace store,
+a capture folder) are made with :func:`own_dir` / :func:`open_own_dir`: never through a link, never outside
+the folder they belong to.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ __all__ = [
     "append_line",
     "check_replaceable",
     "open_append",
+    "open_own_dir",
     "open_read",
+    "own_dir",
     "write_atomic",
 ]
 
@@ -72,7 +77,8 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISREG, "a regular file")):
         if test(mode):
             return name
     return "not a regular file"
@@ -135,6 +141,45 @@ def append_line(path: str | os.PathLike[str], line: bytes) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+def open_own_dir(root: str | os.PathLike[str], *names: str) -> int:
+    """A descriptor (``O_DIRECTORY``; the caller closes it) of the folder ``root/names...``, each of ``names``
+    created when missing (``mkdir``, the umask's permissions). ``root`` is taken as named (created when missing,
+    links in it followed: the operator chose it); each of ``names`` is one path component, made and opened
+    relative to the folder above without following a link, so the folder is inside ``root``. A link or anything
+    but a directory at one of them raises :class:`NotRegularFileError`, and nothing below it is made. Work done
+    relative to the descriptor (``rename(..., dst_dir_fd=)``) cannot be sent elsewhere by a name swapped since."""
+    where = os.fspath(root)
+    os.makedirs(where, exist_ok=True)
+    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    try:
+        for name in names:
+            if name in ("", ".", "..") or "/" in name or os.sep in name:
+                raise ValueError(f"not one folder name: {name!r}")
+            where = os.path.join(where, name)
+            with contextlib.suppress(FileExistsError):  # made by another rank, or something else is there
+                os.mkdir(name, 0o777, dir_fd=fd)
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                mode = os.lstat(name, dir_fd=fd).st_mode
+                raise NotRegularFileError(errno.EEXIST, f"{_kind(mode)}, not a directory: refusing to make "
+                                                        "or move anything into it", where) from None
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def own_dir(root: str | os.PathLike[str], *names: str) -> str:
+    """The path of the folder ``root/names...``, made and checked as :func:`open_own_dir` does."""
+    os.close(open_own_dir(root, *names))
+    return os.path.join(os.fspath(root), *names)
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, prefix: str, durable: bool = True) -> str:

@@ -6,7 +6,11 @@ replicas, so that a later replay can judge it.
 
 - resumes from the newest checkpoint in ``DIR`` that verifies (a save that did not commit, and a suspect one,
   saved after a replica mismatch, are never taken), as ``resume=`` allows (see below), and says on stderr (rank
-  0) and in ``events.jsonl`` every checkpoint it skipped and why;
+  0) and in ``events.jsonl`` every checkpoint it skipped and why; a pick whose bytes fail their proof as they
+  are loaded is recorded (``checkpoint-refused-at-load``) and the pick made again in the same start
+  (:meth:`Production.restore`);
+- refuses (exit 2, one line on stderr, nothing moved or loaded) a run directory it cannot write: it could not
+  save, record, or move aside what fails;
 - never overwrites a checkpoint that failed verification: one that a save of this job would write over is first
   moved aside, whole, into ``DIR/quarantine/`` (:func:`~ckptverify.runs.latest.move_aside`), and the job says
   so (stderr, a ``checkpoint-moved-aside`` event);
@@ -20,7 +24,8 @@ replicas, so that a later replay can judge it.
   the device every step), and at once before a save and at the last step
   (:meth:`~ckptverify.hardware.replica.ReplicaCheck.check_late`); a checkpoint saved after a mismatch is marked
   suspect (a note in its folder, copied into its stamp), and no resume picks it;
-- appends what happened to ``DIR/events.jsonl`` (checkpoint-skipped, checkpoint-moved-aside, resume-refused,
+- appends what happened to ``DIR/events.jsonl`` (checkpoint-skipped, checkpoint-refused-at-load,
+  checkpoint-moved-aside, resume-refused,
   start, restore, save, checkpoint-verified, checkpoint-failed, checkpoint-unverified, checkpoint-deleted,
   checkpoint-cut-short, replica-mismatch, replica-mismatch-end, fault-injected, end; ``docs/json-schema.md``);
 - writes ``DIR/run.json`` (the target, world size, trace level, ``trace_every``) for ``ckptverify replay``.
@@ -43,6 +48,8 @@ A fault (:class:`~ckptverify.hardware.inject.BitFlip`) can be planted for fire d
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import inspect
 import json
 import os
@@ -50,9 +57,9 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckptverify.errors import ResumeRefusedError, UsageError
+from ckptverify.errors import MoveAsideError, ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, verify_options
-from ckptverify.ownfiles.names import write_atomic
+from ckptverify.ownfiles.names import NotRegularFileError, own_dir, write_atomic
 from ckptverify.safeparse import safejson
 
 __all__ = ["RESUME_MODES", "RUN_FILE", "TRACE_ROOT", "ProductionOptions", "ResumeRefusedError", "read_run_file",
@@ -104,17 +111,51 @@ def _say(message: str) -> None:
     print(f"ckptverify: {message}", file=sys.stderr, flush=True)
 
 
-def _decide(options: ProductionOptions) -> dict[str, Any]:
+def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """On rank 0: pick the checkpoint to resume from as ``options.resume`` allows, say (stderr, events) what was
     skipped and why, and move aside what a save of this job would overwrite. Returns ``{"picked": Latest as a
-    dict, or None}`` or ``{"error": message}`` (then nothing was moved)."""
+    dict, or None}`` or ``{"error": message}`` (then nothing was moved).
+
+    ``refused``: the picks of this start that failed their proof while loading (newest last), each ``path``
+    (absolute), ``step``, ``check``, ``reason``: the last one is recorded, and the pick made again (a failed
+    stamp now says it is corrupt, so it is moved aside and the next older one taken).
+
+    A run directory this job cannot write to (read-only, not permitted, ``events.jsonl`` not a regular file) is
+    refused before anything is moved or loaded: the job could neither save nor record, nor move aside what fails.
+    """
+    root = options.run_dir
+    try:
+        return _decide_writing(options, refused or [])
+    except OSError as exc:
+        error = (f"cannot write to the run directory {root} ({exc}): a production job saves, records its events and "
+                 "moves aside the checkpoints that fail there. Nothing was loaded (what was moved aside, if "
+                 "anything, is said above); this refusal could not be recorded in events.jsonl. Make the run "
+                 "directory writable, or give the job another run_dir.")
+        _say(error)
+        return {"error": error}
+
+
+def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`_decide`, raising ``OSError`` when the run directory cannot be written."""
     from ckptverify.ownfiles.events import EventLog
+    from ckptverify.ownfiles.names import open_append
     from ckptverify.runs.latest import is_own_step_dir, latest_verified, move_aside
 
     root = options.run_dir
     log = EventLog(root, rank=0)  # creates the run directory
-    found = latest_verified(root, formats={"dcp"}, train_state=True)  # what load restores
-    for q in found.quarantined:
+    # Checked before anything is decided, so that a job that could not save or record is refused having changed
+    # nothing (a read-only mount refuses even root; opening for append never follows a link).
+    os.close(open_append(log.path))
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "not writable by this process", root)
+    if refused:
+        last = refused[-1]
+        log.emit("checkpoint-refused-at-load", path=os.path.relpath(last["path"], root),
+                 **{k: v for k, v in last.items() if k != "path"})
+    # What load restores. Stamps trusted: load_picked proves the bytes as it reads them, and a refusal stamps
+    # the pick failed so the next start moves on.
+    found = latest_verified(root, formats={"dcp"}, train_state=True, trust_stamps=True)
+    for q in found.quarantined if not refused else ():  # listed once, at the job's start
         _say(f"not considered: {q['path']}: {q['reason']}")
         log.emit("checkpoint-skipped", **q)
     for s in found.skipped:
@@ -127,7 +168,11 @@ def _decide(options: ProductionOptions) -> dict[str, Any]:
     committed = [s for s in present if s["state"] != "incomplete"]
     listing = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in committed)
     error = None
-    if options.resume == "never" and found.path is not None:
+    if found.path is not None and any(r["path"] == found.path for r in refused):
+        error = (f"{os.path.relpath(found.path, root)} (step {found.step}) failed its proof while loading and its "
+                 "failed stamp could not be written, so it would be picked again: nothing was loaded, and nothing "
+                 "was moved.")
+    elif options.resume == "never" and found.path is not None:
         error = (f"resume='never' starts over from step 0, but {root} holds a checkpoint that verifies "
                  f"({os.path.relpath(found.path, root)}, step {found.step}): the new run would overwrite its steps, "
                  "or a later resume would pick the older run's state over the new one's. Use a new run directory, "
@@ -148,7 +193,13 @@ def _decide(options: ProductionOptions) -> dict[str, Any]:
         # its step. Moved aside now, whole, never written over.
         if not is_own_step_dir(s["path"]):
             continue
-        moved = move_aside(root, s["path"])
+        try:
+            moved = move_aside(root, s["path"])
+        except MoveAsideError as exc:  # the job does not start over a checkpoint it cannot keep
+            error = f"{exc}. The job does not start: a save of it could land on {s['path']}."
+            _say(error)
+            log.emit("resume-refused", resume=options.resume, reason=error, skipped=found.skipped)
+            return {"error": error}
         _say(f"moved {s['path']} aside to {moved} ({s['state']}: {s['reason']}); it is kept as it is, never "
              "overwritten")
         log.emit("checkpoint-moved-aside", path=s["path"], to=moved, step=s["step"], state=s["state"],
@@ -162,14 +213,16 @@ def _decide(options: ProductionOptions) -> dict[str, Any]:
     return {"picked": found.to_dict() if found.path is not None else None}
 
 
-def resume_point(options: ProductionOptions, *, rank: int, world: int) -> Any:
+def resume_point(options: ProductionOptions, *, rank: int, world: int,
+                 refused: list[dict[str, Any]] | None = None) -> Any:
     """The checkpoint a production job resumes from (a :class:`~ckptverify.runs.latest.Latest`, the same on
     every rank), or ``None`` for a start from step 0; see the module docstring. Decided on rank 0 (where the
     run directory may be all there is of it) and broadcast. Raises :class:`ResumeRefusedError` on every rank
-    when ``options.resume`` forbids starting."""
+    when ``options.resume`` forbids starting, or the run directory cannot be written. ``refused``: the picks
+    of this start that failed their proof while loading (:meth:`Production.restore`)."""
     from ckptverify.runs.latest import Latest
 
-    box: list[Any] = [_decide(options) if rank == 0 else None]
+    box: list[Any] = [_decide(options, refused) if rank == 0 else None]
     if world > 1:
         import torch.distributed as dist
 
@@ -234,17 +287,73 @@ class Production:
         self.target = target
         self.start = start
         self.events = EventLog(options.run_dir, rank=rank)
+        try:  # before the run writes its first trace file there: a link at trace/ or from-<K> is never followed
+            self.segment = own_dir(options.run_dir, TRACE_ROOT, os.path.basename(segment_dir(options.run_dir, start)))
+        except NotRegularFileError as exc:
+            if rank == 0:
+                _say(f"cannot record the trace in {exc.filename}: {exc.strerror}. The job does not start.")
+            raise ResumeRefusedError(str(exc)) from None
         self.replicas: Any = None
         self.injector: Any = None
         self._step = start
         self._suspect: dict[str, Any] | None = None
 
+    def restore(self, state: Any, picked: Any) -> tuple[Any, Any]:
+        """Load ``picked`` (from :func:`resume_point`) into ``state``; return the load's report and the pick
+        loaded. A pick whose bytes fail their proof while loading (stamped failed by
+        :func:`~ckptverify.checkpoint.load.load_picked`, ``state`` untouched) is recorded
+        (``checkpoint-refused-at-load``) and the pick made again, as at the job's start: it is moved aside and the
+        next older checkpoint that verifies is loaded, so the job falls back in this start. Raises
+        :class:`ResumeRefusedError` on every rank when nothing is left to resume from (as ``resume=`` says) or a
+        load is refused otherwise (restore check, commit): never trains on damaged state."""
+        from ckptverify.checkpoint.load import load_picked
+        from ckptverify.errors import CheckpointRefusedError, ProofFailedError
+
+        refused: list[dict[str, Any]] = []
+        while True:
+            try:
+                report = load_picked(state, picked)
+            except ProofFailedError as exc:
+                refused.append({"path": picked.path, "step": picked.step, "check": exc.info.get("check"),
+                                "reason": str(exc)})
+                if self.rank == 0:
+                    _say(f"{picked.path} (step {picked.step}) failed its proof while loading: {exc}; trying the "
+                         "next older checkpoint that verifies")
+                failed = picked.path
+                picked = resume_point(self.options, rank=self.rank, world=self.world, refused=refused)
+                if picked is None:  # the refused one vanished meanwhile: this start no longer resumes its run
+                    self._refuse(refused[-1]["reason"], failed)
+                continue
+            except CheckpointRefusedError as exc:
+                self._refuse(str(exc), picked.path)
+            if picked.step != self.start:  # fell back: the trace segment is of the step it resumes from
+                made, self.start = self.segment, picked.step
+                try:  # as at the job's start: a link there is never followed
+                    self.segment = own_dir(self.options.run_dir, TRACE_ROOT,
+                                           os.path.basename(segment_dir(self.options.run_dir, self.start)))
+                except OSError as exc:
+                    self._refuse(f"cannot record the trace: {exc}", picked.path)
+                with contextlib.suppress(OSError):  # made for the pick that failed, still empty (rmdir or nothing)
+                    os.rmdir(made)
+            self._step = self.start
+            return report, picked
+
+    def _refuse(self, reason: str, path: str | None) -> None:
+        """Say (rank 0: stderr, a ``resume-refused`` event) that the resume is refused, and raise
+        :class:`ResumeRefusedError` (every rank)."""
+        if self.rank == 0:
+            _say(f"resume refused: {reason}")
+            try:
+                self.events.emit("resume-refused", reason=reason, path=path)
+            except OSError as exc:
+                _say(f"this refusal could not be recorded in events.jsonl: {exc}")
+        raise ResumeRefusedError(reason)
+
     def began(self, state: Any, resumed_from: str | None) -> None:
         """After ``run.restore``: write the run file and host info, attach the replica check and any fault."""
         from ckptverify.hardware.hostinfo import host_info
 
-        seg = segment_dir(self.options.run_dir, self.start)
-        os.makedirs(seg, exist_ok=True)
+        seg = own_dir(self.options.run_dir, TRACE_ROOT, os.path.basename(self.segment))
         _write_json(os.path.join(seg, f"host-rank{self.rank}.json"), host_info())
         if self.rank == 0:
             _write_json(os.path.join(self.options.run_dir, RUN_FILE), {
@@ -303,7 +412,11 @@ class Production:
             root = self.options.run_dir
             if os.path.lexists(path):
                 rel = os.path.relpath(path, root)
-                moved = move_aside(root, rel)
+                try:
+                    moved = move_aside(root, rel)
+                except MoveAsideError as exc:  # never saved over it: the job stops, as a refused start does
+                    _say(f"{exc}. The save of step {step} would write over it: the job stops.")
+                    raise SystemExit(2) from None
                 why = "something was already at the path of the save of this step"
                 _say(f"moved {rel} aside to {moved} ({why}); it is kept as it is, never overwritten")
                 self.events.emit("checkpoint-moved-aside", path=rel, to=moved, step=step, state="in-the-way",

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckptverify.errors import UsageError, WorkloadCrashedError
+from ckptverify.ownfiles.names import own_dir, write_atomic
 from ckptverify.resume.harness_target import (
     TargetError,
     check_target,
@@ -160,7 +161,8 @@ def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
             dist.barrier()  # no rank tears down while another is still in a collective
     except BaseException as exc:
         if config.trace_dir:
-            os.makedirs(config.trace_dir, exist_ok=True)
+            trace_dir = os.path.abspath(config.trace_dir)
+            own_dir(os.path.dirname(trace_dir), os.path.basename(trace_dir))
             if isinstance(exc, TargetError):
                 kind, text = "usage", str(exc)
             elif isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
@@ -169,8 +171,8 @@ def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
                 kind, text = "usage", usage_text(exc)
             else:
                 kind, text = "error", user_traceback(exc)
-            with open(os.path.join(config.trace_dir, f"{kind}-rank{rank}.txt"), "w") as f:
-                f.write(text)
+            write_atomic(os.path.join(trace_dir, f"{kind}-rank{rank}.txt"), text, prefix=f".{kind}-rank{rank}.",
+                         durable=False)
         raise
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
+from ckptverify.ownfiles.names import own_dir
 
 __all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
            "receiver_entries", "skipped", "state_origin", "walk"]
@@ -323,8 +324,7 @@ def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, 
         return {"status": "not-captured", "sentence": f"{origin.get('op')} is an origin on several ranks on their "
                 "own; its kernel was not re-run alone (capture it on one rank to tell)."}, None
     key = (s, origin.get("phase"), origin.get("module"), origin.get("op"), origin.get("occurrence"))
-    path = os.path.join(workdir, "capture", f"op-rank{rank}.pt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = os.path.join(own_dir(workdir, "capture"), f"op-rank{rank}.pt")
     say(f"locate: capturing the inputs of {origin.get('op')} (rank {rank}) and re-running it alone "
         f"{request.repeats} times")
     try:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ckptverify.errors import UsageError
 from ckptverify.options import VerifyOptions, no_other_keywords, take_renamed, verify_options
-from ckptverify.ownfiles.names import write_atomic
+from ckptverify.ownfiles.names import own_dir, write_atomic
 from ckptverify.state.distributed import rank_world
 
 #: The trace levels (``ckptverify.trace.store.LEVELS``, repeated here so that importing the Run protocol does not
@@ -196,7 +196,7 @@ class Run:
 
     @classmethod
     def _for_production(cls, options: Any, target: str) -> Run:
-        from ckptverify.production.mode import Production, segment_dir
+        from ckptverify.production.mode import Production
 
         owns = _init_group_from_env()
         rank, world = rank_world(env_fallback=True)
@@ -208,14 +208,8 @@ class Run:
 
                 dist.destroy_process_group()  # every rank refuses alike: none is left in a collective
             raise
-        resume_from, start = (picked.path, picked.step) if picked is not None else (None, 0)
-        every = options.save_every
-        config = RunConfig(
-            name="production", stop_step=options.steps, checkpoint_dir=options.run_dir, resume_from=resume_from,
-            save_at=tuple(range(start + every, options.steps + 1, every)) if every else (),
-            trace_dir=segment_dir(options.run_dir, start), level=options.trace, workload=target,
-            trace_every=options.trace_every)
-        run = cls(config)
+        start = picked.step if picked is not None else 0
+        run = cls(_production_config(options, target, picked))
         run._owns_group = owns
         run._picked = picked
         run._production = Production(options, rank=rank, world=world, target=target, start=start)
@@ -291,27 +285,24 @@ class Run:
             del caller
             notes["missing_optimizer"] = missing_optimizer(state)
         if self.config.resume_from:
-            from ckptverify.checkpoint.load import load, load_picked
+            from ckptverify.checkpoint.load import load
 
             # Production: the checkpoint was picked (and so verified) when the job started; the harness names one
             # and diagnoses a restore mismatch rather than refusing it.
             if self._picked is None:
                 report = load(state, self.config.resume_from, on_restore_mismatch="report")
             else:
-                from ckptverify.errors import CheckpointRefusedError
+                from ckptverify.production.mode import ResumeRefusedError
 
                 try:
-                    report = load_picked(state, self._picked)
-                except CheckpointRefusedError as exc:
-                    # Never train on damaged state. A pick whose bytes failed their proof is stamped failed, so
-                    # the next start of the job moves on to the next older checkpoint (and moves this one aside).
-                    if self._rank == 0:
-                        import sys
-
-                        print(f"ckptverify: resume refused: {exc}", file=sys.stderr, flush=True)
-                        self._production.events.emit("resume-refused", reason=str(exc),
-                                                     path=self.config.resume_from)
+                    # Never trains on damaged state: a pick that fails its proof is moved aside and the next
+                    # older one loaded; what cannot be resumed is refused (said on stderr and recorded).
+                    report, picked = self._production.restore(state, self._picked)
+                except ResumeRefusedError:
                     raise SystemExit(2) from None
+                if picked is not self._picked:  # fell back: start, saves and trace segment follow the pick
+                    self._picked = picked
+                    self.config = _production_config(self._production.options, self.config.workload, picked)
             self._p.restored_from = self.config.resume_from
             self._p.restore_report = report
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
@@ -538,8 +529,9 @@ class Run:
     def _write_json(self, name: str, data: Any) -> None:
         if not self.config.trace_dir:
             return
-        os.makedirs(self.config.trace_dir, exist_ok=True)
-        write_atomic(os.path.join(self.config.trace_dir, name), json.dumps(data, indent=1, default=str),
+        trace_dir = os.path.abspath(self.config.trace_dir)
+        own_dir(os.path.dirname(trace_dir), os.path.basename(trace_dir))  # never through a link at its name
+        write_atomic(os.path.join(trace_dir, name), json.dumps(data, indent=1, default=str),
                      prefix=f".{name}.", durable=False)
 
 
@@ -616,6 +608,20 @@ def _init_group_from_env() -> bool:
     # the first CUDA collective, so a CPU model never uses it).
     dist.init_process_group(_group_backend(None, available))
     return True
+
+
+def _production_config(options: Any, target: str, picked: Any) -> RunConfig:
+    """A production job's run, resuming from ``picked`` (``None``: from step 0): saves after its step, a trace
+    segment of its own."""
+    from ckptverify.production.mode import segment_dir
+
+    resume_from, start = (picked.path, picked.step) if picked is not None else (None, 0)
+    every = options.save_every
+    return RunConfig(
+        name="production", stop_step=options.steps, checkpoint_dir=options.run_dir, resume_from=resume_from,
+        save_at=tuple(range(start + every, options.steps + 1, every)) if every else (),
+        trace_dir=segment_dir(options.run_dir, start), level=options.trace, workload=target,
+        trace_every=options.trace_every)
 
 
 def _resume_point(options: Any, *, rank: int, world: int) -> Any:

@@ -1,9 +1,15 @@
 """The newest checkpoint of a run that verifies: what a restarted job should resume from.
 
-Checkpoints are tried newest first (by step). A checkpoint with a *current* verification stamp
-(:mod:`~ckptverify.runs.stamp`) is judged by it; one without a stamp, or with a stale one, is verified on the
-spot. The first one that is ``verified`` or ``intact`` wins; every newer one is listed as skipped, with why
-(corrupt, torn, incomplete, uncheckable, suspect, a format that is not read). Nothing is written.
+Checkpoints are tried newest first (by step). A *current* verification stamp
+(:mod:`~ckptverify.runs.stamp`) that says a checkpoint is not good (failed, uncheckable, suspect) skips it; one
+without a stamp, or with a stale one, is verified on the spot. The checkpoint about to be named is always
+verified afresh, whole, even under a current stamp that says it passed: a stamp is current by the files' size,
+time and inode, which a bit flipped in place (bit rot, with the time put back) leaves unchanged. When that
+verification fails, it is skipped with why and the next older one is tried. ``trust_stamps`` (``latest
+--trust-stamps``) takes a current passing stamp at its word instead: the fast path for a caller that proves the
+bytes again as it reads them (``load``, a production job's resume). The first one that is ``verified`` or
+``intact`` wins; every newer one is listed as skipped, with why (corrupt, torn, incomplete, uncheckable,
+suspect, a format that is not read). Nothing is written, moved or deleted.
 
 A **suspect** checkpoint (saved after the job saw its replicas disagree: a suspect note in the folder or in its
 stamp, :func:`~ckptverify.runs.stamp.read_suspect`) is never picked, whatever its bytes verify to.
@@ -18,6 +24,7 @@ over one, it moves it aside, whole, into ``RUN_DIR/quarantine/`` as ``step_N.mov
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import os
 import re
 import time
@@ -25,9 +32,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import CheckpointNotFoundError, UsageError
+from ckptverify.errors import CheckpointNotFoundError, MoveAsideError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints, step_of
+from ckptverify.ownfiles.names import open_own_dir
 from ckptverify.runs.scan import judge, unseen_findings
 from ckptverify.runs.stamp import describe_suspect, read_stamp, read_suspect
 from ckptverify.runs.states import GOOD_STATES, QUARANTINE_DIR, is_quarantined
@@ -59,22 +67,49 @@ def is_own_step_dir(rel_path: str) -> bool:
 def move_aside(run_dir: str | os.PathLike[str], rel_path: str) -> str:
     """Move the checkpoint ``rel_path`` of ``run_dir`` into the quarantine, whole (one ``rename``: its files,
     stamp and notes keep their bytes, inodes and times, so a current stamp stays current); return its new path
-    relative to ``run_dir``. Never overwrites: an existing name gets a counter."""
+    relative to ``run_dir``. Never overwrites: an existing name gets a counter.
+
+    The quarantine is a folder of ``run_dir`` (:func:`~ckptverify.ownfiles.names.open_own_dir`: a link there is
+    never followed out of it), and the checkpoint is renamed into it, never copied and deleted. Raises
+    :class:`~ckptverify.errors.MoveAsideError` (nothing moved) when it cannot be: a link or a file at
+    ``quarantine``, another file system, no permission."""
     root = os.fspath(run_dir)
     if "://" in root:
         raise UsageError(f"checkpoints are moved aside in a local or mounted run directory only, not in {root}")
     source = os.path.join(root, rel_path)
     base = os.path.basename(os.path.normpath(rel_path))
     when = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    os.makedirs(os.path.join(root, QUARANTINE_DIR), exist_ok=True)
-    for n in range(1000):
-        name = f"{base}.moved-{when}" + (f"-{n}" if n else "")
-        target = os.path.join(root, QUARANTINE_DIR, name)
-        if os.path.lexists(target):
-            continue
-        os.rename(source, target)  # same file system: atomic, nothing copied
-        return f"{QUARANTINE_DIR}/{name}"
-    raise FileExistsError(f"no free name in {os.path.join(root, QUARANTINE_DIR)} for {base}")
+    quarantine = os.path.join(root, QUARANTINE_DIR)
+    try:
+        fd = open_own_dir(root, QUARANTINE_DIR)
+    except OSError as exc:
+        raise MoveAsideError(f"cannot move {rel_path} aside: {_why(exc)}; nothing was moved") from None
+    try:
+        for n in range(1000):
+            name = f"{base}.moved-{when}" + (f"-{n}" if n else "")
+            try:
+                os.lstat(name, dir_fd=fd)
+                continue
+            except FileNotFoundError:
+                pass
+            try:
+                os.rename(source, name, dst_dir_fd=fd)  # into the folder opened above, whatever its name is now
+            except OSError as exc:
+                why = (f"{quarantine} is on another file system than {source} (a checkpoint is renamed aside, "
+                       "never copied and deleted); make it a folder on the run directory's file system"
+                       if exc.errno == errno.EXDEV else _why(exc))
+                raise MoveAsideError(f"cannot move {rel_path} aside into {quarantine}: {why}; nothing was moved") \
+                    from None
+            return f"{QUARANTINE_DIR}/{name}"
+    finally:
+        os.close(fd)
+    raise MoveAsideError(f"cannot move {rel_path} aside: no free name in {quarantine} for {base}; nothing was moved")
+
+
+def _why(exc: OSError) -> str:
+    """``exc`` in a few words, with the path it is about."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{exc.strerror or exc}"
 
 
 @dataclass
@@ -92,14 +127,21 @@ class Latest:
     #: the pick.
     unseen: list[dict[str, Any]] = field(default_factory=list)
 
+    #: Whether a current passing stamp was taken at its word (``trust_stamps``) rather than the pick verified
+    #: afresh.
+    trust_stamps: bool = False
+
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "step": self.step, "skipped": self.skipped, "quarantined": self.quarantined,
-                "unseen": self.unseen}
+                "unseen": self.unseen, "trust_stamps": self.trust_stamps}
 
 
-def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool) -> tuple[str, str, str]:
-    """State, reason, and how it was decided (``stamp``, ``suspect note`` or ``verified now``)."""
+def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool,
+           trust_stamps: bool) -> tuple[str, str, str]:
+    """State, reason, and how it was decided (``stamp``, ``suspect note`` or ``verified now``). A current stamp
+    that says good decides only with ``trust_stamps``; otherwise the checkpoint is verified now."""
     path = os.path.join(root, cand.path)
+    vouched = ""
     if use_stamps and cand.format != "dcp-uncommitted":
         stamp = read_stamp(path)
         if stamp is not None and stamp.current:
@@ -113,13 +155,16 @@ def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool) -> tu
                 why = f"stamped {checked_at}"
                 if stamp.state == "uncheckable":
                     why += ": nothing could check its content (no CRCs, no manifest)"
-                return stamp.state, why, "stamp"
+                if trust_stamps or stamp.state not in GOOD_STATES:
+                    return stamp.state, why, "stamp"
+                vouched = f"; its current stamp ({checked_at}) said {stamp.state}: its bytes changed since"
     state, reason, _ = judge(root, cand, jobs)
     if state in GOOD_STATES:
         suspect = read_suspect(path)
         if suspect is not None:
             return "suspect", describe_suspect(suspect), "suspect note"
-    return state, reason, "verified now"
+        return state, reason, "verified now"
+    return state, reason + (vouched if state == "corrupt" else ""), "verified now"
 
 
 def _first_error(stamp: Any) -> str:
@@ -169,10 +214,14 @@ def missing_train_state_keys(path: str) -> list[str]:
 
 
 def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None, use_stamps: bool = True,
-                    formats: Collection[str] | None = None, train_state: bool = False,
+                    trust_stamps: bool = False, formats: Collection[str] | None = None, train_state: bool = False,
                     progress: Callable[[str], None] | None = None) -> Latest:
     """The newest checkpoint under ``run_dir`` that verifies; see the module docstring. ``progress``: called
     with one line per candidate as it is examined, newest first.
+
+    ``use_stamps=False``: no stamp is read, every candidate is verified now. ``trust_stamps``: a current stamp
+    that says passed picks its checkpoint without reading its bytes (the fast path; only for a caller that
+    proves them again as it reads them). By default the pick is verified afresh, whole, whatever its stamp says.
 
     ``formats``: consider only checkpoints of these formats (``find_checkpoints``' names, e.g. ``{"dcp"}`` for
     what :func:`ckptverify.load` restores); newer ones of other formats are listed as skipped, with why.
@@ -190,6 +239,9 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
     directory with no good checkpoint gives ``path=None`` and a report that fails.
     """
     root = os.fspath(run_dir)
+    if trust_stamps and not use_stamps:
+        raise UsageError("trust_stamps and use_stamps=False (--trust-stamps and --no-stamps) contradict each other: "
+                         "give one")
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
     started = time.perf_counter()
@@ -197,7 +249,7 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
     candidates = sorted(find_checkpoints(root, notes=notes),
                         key=lambda c: (c.step is not None, c.step or 0, c.mtime_ns), reverse=True)
     findings: list[Finding] = []
-    result = Latest(path=None, step=None)
+    result = Latest(path=None, step=None, trust_stamps=trust_stamps)
     examined = 0
     for cand in candidates:
         if is_quarantined(cand.path):
@@ -215,7 +267,7 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
             reason = (f"a DCP export without the TrainState's keys (no {', '.join(missing[:3])}"
                       f"{', ...' if len(missing) > 3 else ''}): weights only, not a checkpoint load restores")
         else:
-            state, reason, how = _judge(root, cand, jobs, use_stamps)
+            state, reason, how = _judge(root, cand, jobs, use_stamps, trust_stamps)
         where = Location(file=cand.path)
         if state in GOOD_STATES:
             result.path, result.step = paths.abspath(os.path.join(root, cand.path)), cand.step

@@ -81,10 +81,11 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
             raise
         return "deleted", _DELETED, {"errors": 0, "warnings": 0, "bytes_checked": 0}
     # A save that never committed looks "removed" to the stamper's test: only a checkpoint that was committed
-    # when the walk found it can have been deleted since. Files that did not move while they were verified
-    # were judged as they are; files that moved get a settle time (retention deletes file by file).
+    # when the walk found it can have been deleted since. Files that did not move since the walk measured them
+    # were judged as they are; files that moved (retention may have started before this verification, and
+    # deletes file by file) get a settle time.
     if state in ("corrupt", "incomplete") and cand.format != "dcp-uncommitted" \
-            and (removed(path) or files_fingerprint(path) != before):
+            and (removed(path) or files_fingerprint(path) != before or _moved_since_walk(path, cand)):
         if not removed(path):
             time.sleep(SETTLE_SECONDS)
         if removed(path):
@@ -96,6 +97,24 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
         if suspect is not None:
             return "suspect", describe_suspect(suspect), counts
     return state, reason, counts
+
+
+def _moved_since_walk(path: str, cand: Candidate) -> bool:
+    """Whether the files of ``cand`` no longer have the total size and newest time the walk measured (the run
+    directory itself, measured in part, is never taken for moved)."""
+    import stat
+
+    from ckptverify.formats.rundir import walk_files
+
+    if cand.path == ".":
+        return False
+    try:
+        files = [paths.lstat(path)] if cand.kind == "file" else [st for _, st in walk_files(path)]
+    except OSError:
+        return True
+    regular = [st for st in files if stat.S_ISREG(st.st_mode)]
+    return (sum(st.st_size for st in regular), max((st.st_mtime_ns for st in regular), default=0)) != \
+        (cand.size, cand.mtime_ns)
 
 
 def _judge_bytes(root: str, cand: Candidate, jobs: int | None, deep: bool) -> tuple[str, str, dict[str, Any]]:

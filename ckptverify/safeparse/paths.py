@@ -13,10 +13,11 @@ import os
 import posixpath
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["abspath", "exists", "is_url", "isdir", "isfile", "islink", "lexists", "listdir", "lstat", "normpath",
-           "scandir", "stat", "walk"]
+__all__ = ["MAX_WALK_DEPTH", "MAX_WALK_ENTRIES", "Walk", "WalkProblem", "abspath", "exists", "is_url", "isdir",
+           "isfile", "islink", "lexists", "listdir", "lstat", "normpath", "scandir", "stat"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -110,17 +111,113 @@ def exists(path: str) -> bool:
     return lexists(path) if is_url(path) else os.path.exists(path)
 
 
-def walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
-    """``os.walk`` (top down; the caller may prune ``dirnames`` in place)."""
-    if not is_url(top):
-        yield from os.walk(top)
-        return
-    from ckptverify.safeparse import remote
+#: Folders below the top a :class:`Walk` descends at most (a checkpoint is a few levels deep).
+MAX_WALK_DEPTH = 32
+#: Entries (files, folders, unaddressable keys) a :class:`Walk` looks at, at most.
+MAX_WALK_ENTRIES = 1_000_000
 
-    try:
-        dirs, files = remote.listdir_split(top)
-    except OSError:
-        return
-    yield top, dirs, files
-    for name in dirs:
-        yield from walk(top.rstrip("/") + "/" + name)
+
+@dataclass(frozen=True)
+class WalkProblem:
+    """What a :class:`Walk` did not see. ``kind``: ``unaddressable`` (an object key with a ``.``, ``..`` or
+    empty segment: no path reaches it; ``path`` is the key as stored, relative to the top), ``unlisted`` (a
+    folder could not be listed), ``depth`` (a folder deeper than the depth bound, not entered), ``entries``
+    (the entry bound was reached: the walk stopped there). ``path`` is relative to the top (``.`` for it)."""
+
+    kind: str
+    path: str
+    detail: str
+
+
+class Walk:
+    """A bounded top-down walk of the tree under ``top`` (a folder, or a URL's prefix listed afresh).
+
+    Iterating yields ``(rel, dirs, files)`` per folder, ``rel`` relative to ``top`` (``""`` for it), the
+    entries sorted by name; the caller may prune ``dirs`` in place. Links are never followed (a link is a
+    file here), no folder is entered twice (a bind-mount loop), nothing deeper than ``max_depth`` is entered,
+    and no more than ``max_entries`` entries are looked at. Everything not seen is in :attr:`problems` (one
+    per unaddressable key): a caller that judges the tree must report them; :attr:`complete` is whether the
+    walk saw all of it.
+    """
+
+    def __init__(self, top: str, *, max_depth: int | None = None, max_entries: int | None = None) -> None:
+        self.top = top
+        self.max_depth = MAX_WALK_DEPTH if max_depth is None else max_depth
+        self.max_entries = MAX_WALK_ENTRIES if max_entries is None else max_entries
+        self.problems: list[WalkProblem] = []
+        self.seen = 0
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+    def __iter__(self) -> Iterator[tuple[str, list[Any], list[Any]]]:
+        visited: set[object] = set()
+        stack: list[tuple[str, str, int]] = [(self.top, "", 0)]
+        while stack:
+            path, rel, depth = stack.pop()
+            key = self._identity(path)
+            if key is None or key in visited:
+                continue  # gone since its parent was listed, or entered already by another name
+            visited.add(key)
+            listed = self._list(path, rel)
+            if listed is None:
+                return  # the entry bound: noted
+            dirs, files = listed
+            yield rel, dirs, files
+            if dirs and depth >= self.max_depth:
+                self._note("depth", rel, f"{len(dirs)} folder(s) in it, {depth} levels down, were not entered "
+                           f"(at most {self.max_depth} levels are)")
+                continue
+            stack.extend((d.path, f"{rel}/{d.name}" if rel else d.name, depth + 1) for d in reversed(dirs))
+
+    def _identity(self, path: str) -> object:
+        if is_url(path):
+            return normpath(path)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return path  # listing it says why
+        return (st.st_dev, st.st_ino)
+
+    def _list(self, path: str, rel: str) -> tuple[list[Any], list[Any]] | None:
+        """(folders, other entries) of ``path``; ``([], [])`` when it cannot be listed, ``None`` once the entry
+        bound is reached."""
+        from ckptverify.errors import StorageError
+
+        dirs: list[Any] = []
+        files: list[Any] = []
+        try:
+            with scandir(path) as it:
+                for e in it:
+                    if self.seen >= self.max_entries:
+                        self._note("entries", rel, f"the walk stopped at its bound of {self.max_entries} entries")
+                        return None
+                    self.seen += 1
+                    try:
+                        (dirs if e.is_dir(follow_symlinks=False) else files).append(e)
+                    except OSError:
+                        files.append(e)
+                odd = getattr(it, "unaddressable", None)
+                if odd is not None:
+                    keys, more = odd(self.max_entries - self.seen)
+                    self.seen += len(keys)
+                    for k in keys:
+                        self._note("unaddressable", f"{rel}/{k}" if rel else k, "")
+                    if more:
+                        self._note("entries", rel, f"the walk stopped at its bound of {self.max_entries} entries")
+                        return None
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # gone since its parent was listed
+        except StorageError:
+            raise  # the store failed, not the checkpoint: the command cannot run
+        except OSError as exc:
+            self._note("unlisted", rel, f"{type(exc).__name__}: {exc.strerror or exc}")
+        dirs.sort(key=lambda e: e.name)
+        files.sort(key=lambda e: e.name)
+        return dirs, files
+
+    def _note(self, kind: str, rel: str, detail: str) -> None:
+        self.problems.append(WalkProblem(kind, rel or ".", detail))

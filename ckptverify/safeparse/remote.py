@@ -250,25 +250,50 @@ def forget(url: str) -> None:
             cache.pop(key, None)
 
 
-def _entries(url: str) -> list[dict[str, Any]]:
+def _segment(own: str, info: dict[str, Any]) -> str | None:
+    """The name ``info`` has below the listed prefix ``own`` (``None`` for ``own`` itself or its folder marker,
+    the empty object ``own/`` some tools write). A prefix's trailing ``/`` is not part of its name."""
+    name = str(info.get("name", ""))
+    if not name.startswith(own + "/"):
+        return None
+    seg = name[len(own) + 1:]
+    if info.get("type") == "directory":
+        return seg[:-1] if seg.endswith("/") else seg
+    return None if seg == "" and not info.get("size") else seg
+
+
+def _unaddressable(seg: str) -> bool:
+    """A name no path can reach: a ``.``, ``..`` or empty segment (any path naming it is normalised to another
+    key, possibly outside the prefix), or a ``/`` the listing should have split at."""
+    return seg in ("", ".", "..") or "/" in seg
+
+
+def _entries(url: str) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
+    """One fresh listing of ``url``: (the entries a path reaches, the unaddressable ones with their names)."""
     fs, path = filesystem(url)
     forget(url)  # a listing is the truth now: what changed since the last one must show
     entries = _store_call(url, "a listing", fs.ls, path, True)
     own = path.rstrip("/")
     if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == own:
         raise NotADirectoryError(20, "Not a directory", url)
-    return [e for e in entries if e["name"].rstrip("/") != own]
+    good, odd = [], []
+    for e in entries:
+        seg = _segment(own, e)
+        if seg is not None:
+            (odd if _unaddressable(seg) else good).append((seg, e))
+    return [e for _, e in good], odd
 
 
 def listdir(url: str) -> list[str]:
-    """The names directly under ``url`` (objects and prefixes), listed afresh."""
-    return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _entries(url)]
+    """The names directly under ``url`` (objects and prefixes), listed afresh; unaddressable keys (a ``.``,
+    ``..`` or empty segment) are left out: :meth:`_Scan.unaddressable` names them."""
+    return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _entries(url)[0]]
 
 
 def listdir_split(url: str) -> tuple[list[str], list[str]]:
-    """(prefixes, objects) directly under ``url``, by name."""
+    """(prefixes, objects) directly under ``url``, by name (unaddressable keys left out, as by :func:`listdir`)."""
     dirs, files = [], []
-    for e in _entries(url):
+    for e in _entries(url)[0]:
         (dirs if e.get("type") == "directory" else files).append(e["name"].rstrip("/").rsplit("/", 1)[-1])
     return dirs, files
 
@@ -298,8 +323,10 @@ class _Entry:
 
 
 class _Scan:
-    def __init__(self, entries: list[_Entry]) -> None:
+    def __init__(self, url: str, entries: list[_Entry], odd: list[tuple[str, dict[str, Any]]]) -> None:
+        self._url = url
         self._it = iter(entries)
+        self._odd = odd
 
     def __enter__(self) -> _Scan:
         return self
@@ -316,10 +343,32 @@ class _Scan:
     def close(self) -> None:
         self._it = iter(())
 
+    def unaddressable(self, limit: int) -> tuple[list[str], bool]:
+        """The keys under the listed prefix that no path reaches (a ``.``, ``..`` or empty segment: see
+        :func:`_unaddressable`), relative to it as stored (``./a``, ``../../x``), sorted; at most ``limit`` of
+        them, and whether there were more. Costs one flat listing per such name, none when there is none."""
+        fs, path = filesystem(self._url)
+        own = path.rstrip("/")
+        keys: list[str] = []
+        for seg, info in self._odd:
+            if info.get("type") != "directory":
+                keys.append(seg)
+                continue
+            # The raw prefix ``own/SEG/``, listed flat: a walk into it by name would be normalised elsewhere.
+            below = _store_call(self._url, "a listing", lambda s=seg: fs.find(own, prefix=s + "/"))
+            keys.extend(str(k)[len(own) + 1:] for k in below)
+            if len(keys) > limit:
+                break
+        fs.invalidate_cache(own)  # find filled the cache with the raw prefixes
+        keys.sort()
+        return keys[:limit], len(keys) > limit
+
 
 def scandir(url: str) -> _Scan:
-    """The entries directly under ``url`` (one fresh listing), as ``os.scandir`` gives them."""
-    return _Scan([_Entry(url, e) for e in _entries(url)])
+    """The entries directly under ``url`` (one fresh listing), as ``os.scandir`` gives them; unaddressable keys
+    are left out (:meth:`_Scan.unaddressable` names them)."""
+    good, odd = _entries(url)
+    return _Scan(url, [_Entry(url, e) for e in good], odd)
 
 
 def isdir(url: str) -> bool:

@@ -12,7 +12,9 @@ the order or topology around it (its inputs' history, the scheduling, the number
 The capture file is untrusted input: it is loaded with ``torch.load(weights_only=True)`` (plain data and
 tensors only; a pickle global is refused, never called), and the op is resolved only as a registered operator
 ``torch.ops.<ns>.<name>.<overload>`` after its name is checked; anything else is refused with a
-:class:`~ckptverify.errors.UsageError` (exit 2). Collectives are refused too: one alone has no peers.
+:class:`~ckptverify.errors.UsageError` (exit 2). Collectives are refused too: one alone has no peers. Before
+anything runs, :func:`check_op` refuses an op by its schema (one that may name a file or use memory it was not
+given) and :func:`rerun` sizes the op on meta tensors against caps; the runs are held to a time limit.
 
 :func:`nvtx_site` marks an op site with an NVTX range on CUDA (a no-op elsewhere), so ``nsys`` can map kernels
 to the sites of an op trace (``docs/locate.md``, section "Kernel and mechanism").
@@ -21,9 +23,11 @@ to the sites of an op trace (``docs/locate.md``, section "Kernel and mechanism")
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pickle
 import re
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,9 +46,15 @@ if TYPE_CHECKING:
     from ckptverify.trace.oplog import OpKey
 
 __all__ = [
+    "MAX_CAPTURE_BYTES",
+    "MAX_FLOPS",
     "MECHANISMS",
+    "OUTPUT_FACTOR",
+    "OUTPUT_SLACK_BYTES",
+    "RERUN_TIMEOUT_S",
     "Capture",
     "KernelVerdict",
+    "check_op",
     "load_capture",
     "mechanism_of",
     "nvtx_enabled",
@@ -100,6 +110,28 @@ _SEGMENT = r"(?!__)[A-Za-z_][A-Za-z0-9_]*"
 _OP_NAME = re.compile(rf"({_SEGMENT})\.({_SEGMENT})\.({_SEGMENT})")
 # One collective alone has no peers to run with.
 _REFUSED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
+# torch's own operators (as torch._library.utils.is_builtin has them): their string arguments beside a tensor
+# name a mode (reduce="sum", rounding_mode, approximate), never a file.
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"})
+# Argument types (JIT type kinds, inside Optional and List) an op may take: tensors, numbers, dtypes, layouts,
+# memory formats (ints in a schema), devices and generators. A string is judged apart; anything else (a Storage,
+# a class, Any, a dict) is refused.
+_PLAIN_KINDS = frozenset({"TensorType", "IntType", "SymIntType", "FloatType", "BoolType", "NumberType",
+                          "ComplexType", "DeviceObjType", "GeneratorType", "NoneType"})
+# Kinds of argument that can size a result (int[] size, int repeats, int n, a Scalar holding an int).
+_SIZING_KINDS = frozenset({"IntType", "SymIntType", "NumberType"})
+
+#: The most a capture may hold: the logical bytes of its tensors (``numel * element_size``, so a stride-0 view
+#: counts whole, as a copy of it would allocate) and the size of its file.
+MAX_CAPTURE_BYTES = 4 << 30
+#: What the tensors an op leaves (its outputs and its arguments after it ran) may hold: this many times the
+#: captured bytes, plus :data:`OUTPUT_SLACK_BYTES`.
+OUTPUT_FACTOR = 8
+OUTPUT_SLACK_BYTES = 1 << 30
+#: The work one run may do, per device type (torch's flop counter: matrix products, convolutions, attention).
+MAX_FLOPS: dict[str, float] = {"cpu": 1e12, "default": 1e14}
+#: The time limit of a re-run, all its runs together (checked after each run).
+RERUN_TIMEOUT_S = 600.0
 
 
 # ------------------------------------------------------------------------------------------- NVTX
@@ -184,17 +216,61 @@ def resolve_op(name: Any) -> torch._ops.OpOverload:
     return resolved
 
 
+def _kinds(t: Any) -> Iterator[str]:
+    """The kinds of a schema argument's type, through Optional and List."""
+    kind = t.kind()
+    if kind in ("OptionalType", "ListType"):
+        yield from _kinds(t.getElementType())
+    else:
+        yield kind
+
+
+def _reads_tensor(arg: Any) -> bool:
+    """Whether a schema argument is a tensor the op reads (an ``out=`` buffer is only written)."""
+    written_only = arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
+    return "TensorType" in _kinds(arg.type) and not written_only
+
+
+def check_op(op: torch._ops.OpOverload) -> None:
+    """Refuse, by its schema, an op the re-run must not call: one taking neither a tensor nor a device (it
+    computes on no tensor); one taking an argument of another type than tensors, numbers, dtypes, devices and
+    generators (a ``Storage``, a class, a dict: memory or objects it was not given); one taking a string
+    anywhere but beside a tensor input of torch's own operators (where it names a mode; elsewhere it may name a
+    file or device: ``aten.from_file``, ``aten.save``). Raises :class:`~ckptverify.errors.UsageError` naming the
+    op and the argument."""
+    name = str(op)
+    arguments = op._schema.arguments
+    reads = any(_reads_tensor(a) for a in arguments)
+    if not any({"TensorType", "DeviceObjType"} & set(_kinds(a.type)) for a in arguments):
+        raise UsageError(f"refused op {name}: it takes neither a tensor nor a device, so it computes on no tensor")
+    for a in arguments:
+        kinds = set(_kinds(a.type))
+        if "StringType" in kinds:
+            if op.namespace not in _TORCH_NAMESPACES or not reads:
+                raise UsageError(f"refused op {name}: its string argument {a.name!r} may name a file or device "
+                                 f"(only torch's own tensor operators take a string, as a mode)")
+            kinds.discard("StringType")
+        if not kinds <= _PLAIN_KINDS:
+            raise UsageError(f"refused op {name}: it takes a {a.real_type} argument ({a.name!r}); only tensors, "
+                             f"numbers, dtypes, devices and generators are re-run")
+
+
 def load_capture(path: str | os.PathLike[str]) -> Capture:
     """Read a capture file safely: a regular file, loaded with ``torch.load(weights_only=True)`` onto the host,
-    holding a dict with ``op`` (a string), ``args`` (a list or tuple) and ``kwargs`` (a dict with string keys).
-    Raises :class:`~ckptverify.errors.UsageError` for anything else (a pickle global is refused unexecuted)."""
+    holding a dict with ``op`` (a string), ``args`` (a list or tuple) and ``kwargs`` (a dict with string keys),
+    no larger than :data:`MAX_CAPTURE_BYTES` (and a sixteenth of it for the pickle). Raises
+    :class:`~ckptverify.errors.UsageError` for anything else (a pickle global is refused unexecuted)."""
     import torch
 
     path = os.fspath(path)
     try:
-        fd, _ = open_regular(path)
+        fd, st = open_regular(path)
     except OSError as e:
         raise UsageError(f"cannot open capture file {path}: {e}") from e
+    if st.st_size > MAX_CAPTURE_BYTES + MAX_CAPTURE_BYTES // 16:  # its tensors, and room for the pickle
+        os.close(fd)
+        raise UsageError(f"refused capture file {path}: {st.st_size} bytes, over the {MAX_CAPTURE_BYTES} bytes of "
+                         f"tensors a capture may hold")
     try:
         with os.fdopen(fd, "rb") as f:
             data = torch.load(f, weights_only=True, map_location="cpu")
@@ -346,25 +422,99 @@ def _differing(runs: list[list[int]]) -> tuple[int, ...]:
     return tuple(i for i in range(width) if len({r[i] if i < len(r) else None for r in runs}) > 1)
 
 
+def _tensor_bytes(value: Any) -> int:
+    """The logical bytes of the distinct tensors in ``value`` (``numel * element_size``: what a copy holds)."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten(value)
+    seen = {id(x): x for x in leaves if isinstance(x, torch.Tensor)}
+    return sum(x.numel() * x.element_size() for x in seen.values())
+
+
+def _check_size(op: torch._ops.OpOverload, cap: Capture, device: torch.device) -> None:
+    """Refuse, before it runs, a capture whose tensors exceed :data:`MAX_CAPTURE_BYTES`, or whose op, run on meta
+    tensors (shapes without data), leaves tensors over ``OUTPUT_FACTOR`` times those bytes plus
+    ``OUTPUT_SLACK_BYTES`` (an ``int[] size``, ``repeats`` or ``resize_`` asking for more) or does more work
+    than :data:`MAX_FLOPS` allows on ``device``. An op whose results cannot be sized on meta tensors is refused,
+    except an op outside torch's namespaces without a fake implementation that takes no integer (its results'
+    size is then its own code's, not the capture's)."""
+    import torch
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        captured = _tensor_bytes((cap.args, cap.kwargs))
+    except Exception as e:  # a tensor without a size (a foreign layout)
+        raise UsageError(f"refused capture of {cap.op}: a tensor in it has no size ({type(e).__name__}: {e})") from e
+    if captured > MAX_CAPTURE_BYTES:
+        raise UsageError(f"refused capture of {cap.op}: its tensors hold {captured} bytes, over the "
+                         f"{MAX_CAPTURE_BYTES} a capture may hold")
+
+    def meta(x: Any) -> Any:
+        return x.detach().to("meta") if isinstance(x, torch.Tensor) else x
+
+    try:
+        args, kwargs = tree_map(meta, cap.args), tree_map(meta, cap.kwargs)
+        # A device argument, given in any form or left to its default, is meta too: a factory op would
+        # otherwise allocate for real.
+        schema = op._schema.arguments
+        for i, a in enumerate(schema):
+            if "DeviceObjType" in _kinds(a.type):
+                if i < len(args) and not a.kwarg_only:
+                    args = (*args[:i], torch.device("meta"), *args[i + 1:])
+                else:
+                    kwargs[a.name] = torch.device("meta")
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            out = op(*args, **kwargs)
+        left = _tensor_bytes((out, args, kwargs))
+    except Exception as e:  # no meta kernel, a size that depends on the values, inputs that do not fit the op
+        sizing = sorted({a.name for a in op._schema.arguments if set(_kinds(a.type)) & _SIZING_KINDS})
+        if op.namespace in _TORCH_NAMESPACES or sizing:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            hint = "" if op.namespace in _TORCH_NAMESPACES else \
+                f"; its integer arguments ({', '.join(sizing)}) may size them: register a fake implementation " \
+                f"(torch.library.register_fake) so they can be sized"
+            raise UsageError(f"refused op {cap.op}: the size of its results cannot be worked out before it runs "
+                             f"(it failed on the captured inputs as meta tensors: {why}){hint}") from e
+        return
+    limit = OUTPUT_FACTOR * captured + OUTPUT_SLACK_BYTES
+    if left > limit:
+        raise UsageError(f"refused op {cap.op}: on the captured inputs it would leave {left} bytes of tensors, over "
+                         f"its limit of {limit} ({OUTPUT_FACTOR} times the {captured} captured bytes plus "
+                         f"{OUTPUT_SLACK_BYTES})")
+    flops, most = counter.get_total_flops(), MAX_FLOPS.get(device.type, MAX_FLOPS["default"])
+    if flops > most:
+        raise UsageError(f"refused op {cap.op}: one run would take {flops:.3g} floating-point operations, over the "
+                         f"{most:.3g} allowed on {device.type}")
+
+
 def rerun(capture: str | os.PathLike[str] | Capture, *, runs: int = 5, device: str | None = None,
-          seed: int = 0) -> KernelVerdict:
+          seed: int = 0, timeout_s: float = RERUN_TIMEOUT_S) -> KernelVerdict:
     """Run the captured op alone ``runs`` times on fresh copies of its inputs (moved to ``device``, default:
     the host) and judge whether its outputs agree. Each run starts from the same random generator state
-    (``seed``), so a random op is judged as a kernel, not by its generator. An op that fails on its inputs is a
-    :class:`~ckptverify.errors.UsageError` (exit 2)."""
+    (``seed``), so a random op is judged as a kernel, not by its generator. Before anything runs, the op is
+    checked by its schema (:func:`check_op`) and its size on meta tensors; the runs stop with an error once
+    ``timeout_s`` has passed, or would pass before the next run ends. A refused op, one that fails on its
+    inputs and one past its time are a :class:`~ckptverify.errors.UsageError` (exit 2)."""
     import torch
     from torch.utils._pytree import tree_map
 
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 2:
         raise UsageError(f"runs must be an integer of at least 2 (a kernel is judged against itself), got {runs!r}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0 \
+            or not math.isfinite(timeout_s):
+        raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     cap = capture if isinstance(capture, Capture) else load_capture(capture)
     op = resolve_op(cap.op)
+    check_op(op)
     try:
         target = torch.device(device) if device is not None else torch.device("cpu")
     except (RuntimeError, TypeError) as e:
         raise UsageError(f"not a device: {device!r} ({e})") from e
     if target.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"cannot re-run {cap.op} on {target}: CUDA is not available here")
+    _check_size(op, cap, target)
     settings = _settings()
 
     def fresh(x: Any) -> Any:
@@ -374,7 +524,15 @@ def rerun(capture: str | os.PathLike[str] | Capture, *, runs: int = 5, device: s
     devices = [target.index if target.index is not None else torch.cuda.current_device()] \
         if target.type == "cuda" else []
     results: list[tuple[list[int], list[int]]] = []
-    for _ in range(runs):
+    start = time.monotonic()
+    for done in range(runs):
+        if done:
+            # A run cannot be stopped once it has started: stop before one that would end past the limit.
+            now = time.monotonic()
+            if now + (now - start) / done > start + timeout_s:
+                raise UsageError(f"re-running {cap.op} on {target} stopped after {done} of {runs} runs "
+                                 f"({now - start:.1f} s): the next run would end past its time limit of "
+                                 f"{timeout_s:g} s")
         args, kwargs = tree_map(fresh, cap.args), tree_map(fresh, cap.kwargs)
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)

@@ -88,6 +88,11 @@ class VerifyingLock:
         finally:
             os.close(self._fd)
             self._fd = None
+        # Retention that deleted the checkpoint meanwhile (rmtree: list, unlink each, rmdir) could not remove the
+        # folder while the lock file was in it: an empty folder left now is removed, finishing that deletion
+        # (rmdir removes nothing else: a folder that holds anything stays).
+        with contextlib.suppress(OSError):
+            os.rmdir(self._checkpoint)
 
 
 def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,

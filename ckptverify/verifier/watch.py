@@ -83,6 +83,8 @@ class RunState:
     pending: int = 0
     #: Of ``verified`` and ``corrupt``, those whose stamp could not be written.
     unstamped: int = 0
+    #: Found, then removed (or renamed away) before or while they were verified: no verdict, not a failure.
+    deleted: int = 0
     last_good_step: int | None = None
     #: What the pass could not see of the run directory (:meth:`WalkNote.describe` lines): a checkpoint there
     #: was neither verified nor counted.
@@ -138,16 +140,20 @@ class WatchResult:
             return None
         if not state.checkpoints:
             return "no checkpoint found"
+        if state.deleted == state.checkpoints:
+            return f"{state.checkpoints} checkpoint(s) found, all removed before they could be verified"
         return f"{state.checkpoints} checkpoint(s) found, none finished (still being written, or torn)"
 
     @property
     def exit_code(self) -> int:
         """1 when a checkpoint failed (stamped or not); else 2 when the last pass left a checkpoint that could
-        not be verified, or a result or the metrics could not be recorded; else 1 when there was nothing to
-        judge (an operation that checked nothing does not pass); else 0."""
+        not be verified, or a result or the metrics could not be recorded, or found no checkpoint left to verify
+        (none at all, or all removed: a usage error, as ``scan`` says of a folder without one); else 1 when none
+        of the checkpoints it found was finished (still being written, or torn: nothing judged does not pass);
+        else 0."""
         if self.failed:
             return 1
-        if self.state.unverifiable or self.problems:
+        if self.state.unverifiable or self.problems or self.state.checkpoints == self.state.deleted:
             return 2
         if self.nothing is not None:
             return 1
@@ -260,7 +266,9 @@ def _count(state: RunState, event: str, step: int | None, stamped: bool = True) 
         state.corrupt += 1
     elif event == "error":
         state.unverifiable += 1
-    elif event != "deleted":
+    elif event == "deleted":
+        state.deleted += 1
+    else:
         state.pending += 1
         return
     if event in ("verified", "failed") and not stamped:
