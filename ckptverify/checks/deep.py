@@ -17,7 +17,16 @@ from typing import Any
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.formats.describe import Description, Payload, TensorDesc, is_row_major, iter_payload_blocks
+from ckptverify.formats.describe import (
+    MAX_VIEW_BYTES,
+    Description,
+    Payload,
+    TensorDesc,
+    is_row_major,
+    iter_payload_blocks,
+    stored_payloads,
+    view_span,
+)
 from ckptverify.ownfiles.manifest import Manifest, read_manifest
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import FileChangedError
@@ -72,27 +81,23 @@ class TensorScan:
 
 
 def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
-                 progress: Callable[[int], None] | None = None, view_limit: int | None = BLOCK_BYTES) -> TensorScan:
+                 progress: Callable[[int], None] | None = None, view_limit: int | None = BLOCK_BYTES,
+                 budget: int = MAX_VIEW_BYTES) -> TensorScan:
     """Fingerprint one stored piece ``p`` of tensor ``name`` (global ``shape``), block by block, read
-    through ``f``, and count non-finite values. A view that is not row-major and lays out to more than
-    ``view_limit`` bytes is not read back (``limited``); with ``None``, the reader's own bound applies
-    (:func:`~ckptverify.formats.describe.read_payload`)."""
-
+    through ``f``, and count non-finite values. A view that is not row-major is read back from the storage bytes
+    it addresses, whatever its strides (stride 0 and overlapping views included), unless those bytes are more
+    than ``view_limit`` (``None``: no bound) or it lays out more than
+    :data:`~ckptverify.formats.describe.MAX_VIEW_BYTES` from fewer: then it is ``limited`` (a size limit, not
+    damage), as it is past ``budget`` (what is left of that bound in a scan of many pieces); a view its storage
+    cannot hold is ``unreadable``."""
     from ckptverify.fingerprint import chunk_fingerprint
     from ckptverify.fingerprint.nonfinite import nonfinite_counts
 
     scan = TensorScan()
     row_major = is_row_major(p.shape, p.stride)
-    if not row_major and view_limit is not None and math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1) > view_limit:
-        laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE.get(p.dtype, 1)
-        # A view that is not row-major (an expanded, stride-0 tensor) is materialised whole: a few stored bytes
-        # can stand for gigabytes. It is a valid tensor: not read back, and said so, never called damage.
-        scan.limited.append(
-            f"{name} chunk {list(p.chunk_offsets)} is a strided view (shape {list(p.shape)}, stride "
-            f"{list(p.stride)}) of {laid_out} bytes once laid out, more than the {view_limit} the deep "
-            "check materialises at once")
-        scan.chunks.add(p.chunk_offsets)
-        return scan
+    why = None if row_major else view_limited(p, view_limit, budget)
+    if why is not None:
+        return _limited(name, p, why)
     try:
         for offsets, block in iter_payload_blocks(f, p, row_major=row_major):
             scan.parts.append(chunk_fingerprint(block, offsets, shape))
@@ -114,6 +119,50 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
     return scan
 
 
+def view_limited(p: Payload, view_limit: int | None, budget: int = MAX_VIEW_BYTES) -> str | None:
+    """Why the deep check does not read back the view ``p``, or ``None`` when it does (a damaged view included:
+    reading it says what is wrong): the storage it addresses is more than ``view_limit`` bytes (memory: held
+    whole while it is read), or it lays out more than ``budget`` bytes from fewer stored (work: every element
+    is fingerprinted)."""
+    try:
+        start, end = view_span(p)
+    except ValueError:
+        return None
+    laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
+    view = f"a strided view (shape {list(p.shape)}, stride {list(p.stride)})"
+    if view_limit is not None and end - start > view_limit:
+        return f"{view} over {end - start} stored bytes, more than the {view_limit} the deep check holds at once"
+    if laid_out > max(end - start, budget):
+        return (f"{view} of {laid_out} bytes once laid out from {end - start} stored, past the {MAX_VIEW_BYTES} "
+                "bytes of such views the deep check reads back")
+    return None
+
+
+def _limited(name: str, p: Payload, why: str) -> TensorScan:
+    scan = TensorScan()
+    scan.limited.append(f"{name} chunk {list(p.chunk_offsets)} is {why}")
+    scan.chunks.add(p.chunk_offsets)
+    return scan
+
+
+def _view_budget(pieces: list[Payload]) -> dict[int, int]:
+    """What is left of :data:`~ckptverify.formats.describe.MAX_VIEW_BYTES` for each piece (by ``id``) that lays
+    out more bytes than it addresses, in order: the work of all such views of one scan is bounded together, so
+    that many small records cannot stand for unbounded work either."""
+    left, out = MAX_VIEW_BYTES, {}
+    for p in pieces:
+        try:
+            start, end = view_span(p)
+        except ValueError:
+            continue
+        laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
+        if laid_out > end - start:
+            out[id(p)] = left
+            if laid_out <= left:
+                left -= laid_out
+    return out
+
+
 def scan_description(desc: Description, run_map: Callable[[Callable[[Any], TensorScan], list[Any]], list[TensorScan]],
                      progress: Callable[[int], None] | None = None, only: set[str] | None = None, *,
                      view_limit: int | None = BLOCK_BYTES, stop_on_change: bool = True,
@@ -126,22 +175,32 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
     read in every copy: the copies must hold identical values (``replica-mismatch`` otherwise), and the
     tensor's fingerprint counts the chunk once. A piece that could not be described
     (:attr:`~ckptverify.formats.describe.TensorDesc.unread`) leaves its tensor without a fingerprint.
-    ``view_limit``: see :func:`scan_payload`. ``stop_on_change``: a file that changes under the scan raises
-    :class:`~ckptverify.errors.FileChangedError` (the caller stops and says so); else its piece is unreadable.
+    ``view_limit``: see :func:`scan_payload`; the views that lay out more bytes than they store share one bound
+    (:data:`~ckptverify.formats.describe.MAX_VIEW_BYTES`), in the order of the pieces. ``stop_on_change``: a file
+    that changes under the scan raises :class:`~ckptverify.errors.FileChangedError` (the caller stops and says
+    so); else its piece is unreadable.
 
     ``mine`` (one part of a scan shared out among nodes, :class:`DeepPart`): only the pieces in the files it
     accepts are scanned, each appended to ``pieces`` as (tensor, piece, scan), not merged; the tensors stored as
     subclasses are scanned whole and returned when ``subclasses``.
     """
     opener = desc.opener
+    if mine is not None:
+        wanted = [(t, p) for t in desc.tensors.values() for p in t.payloads if mine(p.file)]
+    else:
+        wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
+    subclassed = [t for t in desc.tensors.values() if t.subclass is not None and (only is None or t.name in only)
+                  and (mine is None or subclasses)]
+    budgets = _view_budget([p for _, p in wanted] + [q for t in subclassed for q in stored_payloads(t)])
 
     def scan(pair: tuple[TensorDesc, Payload]) -> TensorScan:
         t, p = pair
+        budget = budgets.get(id(p), MAX_VIEW_BYTES)
         try:
             if opener is not None:  # readers the description holds open: no context to enter
-                return scan_payload(opener(p), t.name, p, t.shape, progress, view_limit)
+                return scan_payload(opener(p), t.name, p, t.shape, progress, view_limit, budget)
             with desc.open(p) as f:
-                return scan_payload(f, t.name, p, t.shape, progress, view_limit)
+                return scan_payload(f, t.name, p, t.shape, progress, view_limit, budget)
         except FileChangedError as exc:
             if stop_on_change:
                 raise
@@ -157,7 +216,7 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
 
     def scan_subclass(t: TensorDesc) -> TensorScan:
         try:
-            return scan_subclass_parts(desc, t, progress, view_limit)
+            return scan_subclass_parts(desc, t, progress, view_limit, budgets)
         except FileChangedError as exc:
             if stop_on_change:
                 raise
@@ -167,7 +226,6 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
 
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         if mine is not None:
-            wanted = [(t, p) for t in desc.tensors.values() for p in t.payloads if mine(p.file)]
             got = run_map(scan, wanted)
             pieces.extend((t, p, g) for (t, p), g in zip(wanted, got, strict=True))  # type: ignore[union-attr]
             if not subclasses:
@@ -175,9 +233,7 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
             scans: dict[str, TensorScan] = {}
             findings: list[Finding] = []
         else:
-            wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
             scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
-        subclassed = [t for t in desc.tensors.values() if t.subclass is not None and (only is None or t.name in only)]
         for t, got in zip(subclassed, run_map(scan_subclass, subclassed), strict=True):
             got.unreadable.extend(t.unread)
             scans[t.name] = got
@@ -266,10 +322,11 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
 
 
 def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None = None,
-                        view_limit: int | None = BLOCK_BYTES) -> TensorScan:
+                        view_limit: int | None = BLOCK_BYTES, budgets: dict[int, int] | None = None) -> TensorScan:
     """Rebuild every inner tensor of ``t``, stored as a tensor subclass (:attr:`TensorDesc.subclass`), and give
     each part's fingerprint and the subclass's (as :func:`~ckptverify.fingerprint.tensor_fingerprint` gives it
-    for the live tensor: :mod:`ckptverify.fingerprint.subclass`)."""
+    for the live tensor: :mod:`ckptverify.fingerprint.subclass`). ``budgets``: each part's share of the bound on
+    views that lay out more than they store, by ``id`` of its payload (:func:`scan_payload`'s ``budget``)."""
     import json
 
     from ckptverify.fingerprint import TensorFingerprint, combine
@@ -281,12 +338,14 @@ def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[in
     parts: list[tuple[str, TensorFingerprint]] = []
     for part in t.subclass.parts:
         p = part.payload
+        budget = MAX_VIEW_BYTES if budgets is None else budgets.get(id(p), MAX_VIEW_BYTES)
         try:
             if desc.opener is not None:
-                got = scan_payload(desc.opener(p), f"{t.name}.{part.name}", p, part.shape, progress, view_limit)
+                got = scan_payload(desc.opener(p), f"{t.name}.{part.name}", p, part.shape, progress, view_limit,
+                                   budget)
             else:
                 with desc.open(p) as f:
-                    got = scan_payload(f, f"{t.name}.{part.name}", p, part.shape, progress, view_limit)
+                    got = scan_payload(f, f"{t.name}.{part.name}", p, part.shape, progress, view_limit, budget)
         except (OSError, ValueError, KeyError) as exc:
             out.unreadable.append(f"{t.name} part {part.name!r}: {exc}")
             continue

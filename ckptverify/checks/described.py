@@ -77,12 +77,14 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
 
 
 def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | None = None,
-             ) -> dict[str, tuple[str | None, int | None, int | None]]:
+             why: dict[str, tuple[bool, str]] | None = None) -> dict[str, tuple[str | None, int | None, int | None]]:
     """Every tensor's logical fingerprint and NaN/Inf counts (``None`` where it cannot be rebuilt, counts
     ``None`` for a tensor that is not floating or has no elements), through the one deep scan of every format
     (:func:`~ckptverify.checks.deep.scan_description`). A file that changes under the scan leaves its tensors
     unrebuilt (reported by the caller), as any other unreadable bytes. ``parts``, when given, is filled with
-    each fingerprinted tensor subclass's part fingerprints, by tensor."""
+    each fingerprinted tensor subclass's part fingerprints, by tensor; ``why``, with why each tensor that has no
+    fingerprint has none: ``(True, reason)`` for a size limit of the deep check, ``(False, reason)`` for bytes
+    that do not hold it."""
     from ckptverify.checks.deep import scan_description
 
     scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
@@ -92,6 +94,8 @@ def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | 
         fp = scan.value(t.shape) if scan is not None else None
         if parts is not None and fp is not None and scan is not None and scan.part_values:
             parts[name] = tuple(scan.part_values.items())
+        if why is not None and fp is None and scan is not None and (scan.limited or scan.unreadable):
+            why[name] = (not scan.unreadable, (scan.unreadable or scan.limited)[0])
         if fp is None or scan is None or not counts_kept(t.dtype) or scan.uncounted or not math.prod(t.shape):
             out[name] = (fp, None, None)
         else:
@@ -190,19 +194,27 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
 
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
     """Rebuild every tensor from its bytes: its fingerprint against the manifest's, its NaN/Inf counts. A
-    tensor that cannot be rebuilt is an error, and so is a deep check that rebuilt nothing."""
+    tensor that cannot be rebuilt is an error, and so is a deep check that rebuilt nothing; one not read back
+    because of a size limit of the check (:func:`~ckptverify.checks.deep.scan_payload`) is a warning."""
     from ckptverify.checks.deep import parts_note
 
     findings: list[Finding] = []
     rebuilt = 0
     parts: dict[str, tuple[tuple[str, str], ...]] = {}
-    scans = _rebuild(desc, parts)
+    why: dict[str, tuple[bool, str]] = {}
+    scans = _rebuild(desc, parts, why)
     for name, t in sorted(desc.tensors.items()):
         stored = stored_payloads(t)
         loc = Location(fqn=name, file=stored[0].file if stored else None)
         fp, nan, inf = scans[name]
+        limited, reason = why.get(name, (False, ""))
+        if fp is None and limited:
+            findings.append(warning("deep-limit", f"{name!r} was not read back: {reason}; its stored bytes are "
+                                    "checked as any other's, its values are not", location=loc))
+            continue
         if fp is None:
-            findings.append(error("fingerprint", f"{name!r} cannot be rebuilt from its bytes", location=loc))
+            findings.append(error("fingerprint", f"{name!r} cannot be rebuilt from its bytes"
+                                  + (f" ({reason})" if reason else ""), location=loc))
             continue
         rebuilt += 1
         if nan or inf:

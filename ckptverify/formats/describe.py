@@ -30,6 +30,7 @@ checkpoint of the same state; everything else as ``FILE:PATH`` (``optimizer.bin:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckptverify.dcp import safetensors
+from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
            "describe", "is_own_file", "is_row_major", "iter_payload_blocks", "json_values", "read_parts",
-           "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads"]
+           "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads", "view_span"]
 
 
 def is_own_file(name: str) -> bool:
@@ -61,8 +63,13 @@ def is_own_file(name: str) -> bool:
     part verdicts of a verification shared out among nodes."""
     return name in OWN_FILES or name.endswith(f".{MANIFEST_FILE}") or name.startswith(PARTS_PREFIX)
 _WEIGHT_PREFIXES = ("pytorch_model", "model")
-#: A view larger than its stored bytes (overlapping strides) is read up to this size.
-MAX_VIEW_BYTES = 256 << 20
+#: A view that lays out more bytes than the storage it addresses (stride 0, overlapping strides) is read back up to
+#: this size laid out, each view and all of one deep scan together: every element is fingerprinted, so a few stored
+#: bytes could otherwise stand for any amount of work.
+MAX_VIEW_BYTES = 4 << 30
+#: Such a view is materialised whole (:func:`read_tensor`, :func:`read_parts`: ``diff`` compares elements) up to
+#: this size laid out.
+MAX_MATERIALISED_VIEW_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,31 +382,43 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------ reading tensors
 
 
-def read_payload(f: Any, p: Payload) -> torch.Tensor:
-    """The piece ``p`` as a tensor of its shape (memory: its storage bytes). Raises ``ValueError`` when its
-    bytes do not hold the view."""
+def view_span(p: Payload) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of ``p``'s storage that its view addresses (``(0, 0)`` for a view of no
+    elements). Raises ``ValueError`` when the view is damaged: a dtype of unknown size, a negative size, stride
+    or offset, or an element outside the storage."""
+    itemsize = DTYPE_ITEMSIZE.get(p.dtype)
+    if itemsize is None:
+        raise ValueError(f"dtype {str(p.dtype)[:40]!r} has no known element size")
+    if len(p.shape) != len(p.stride) or any(v < 0 for v in (*p.shape, *p.stride, p.storage_offset)):
+        raise ValueError(f"the view (shape {list(p.shape)}, stride {list(p.stride)}, offset {p.storage_offset}) "
+                         "is malformed")
+    if math.prod(p.shape) == 0:
+        return 0, 0
+    extent = p.storage_offset + sum((n - 1) * s for n, s in zip(p.shape, p.stride, strict=True)) + 1
+    if extent * itemsize > p.length:
+        raise ValueError(f"the view reaches element {extent} but the storage holds {p.length // itemsize}")
+    return p.storage_offset * itemsize, extent * itemsize
+
+
+def read_payload(f: Any, p: Payload, limit: int = MAX_VIEW_BYTES) -> torch.Tensor:
+    """The piece ``p`` as a tensor of its shape and strides, a view onto the storage bytes it addresses (memory:
+    those bytes, however many elements they stand for). Raises ``ValueError`` when its bytes do not hold the
+    view (:func:`view_span`), or it lays out more than ``limit`` bytes from fewer stored."""
     import torch
 
-    from ckptverify.dcp.layout import DTYPE_ITEMSIZE
     from ckptverify.dcp.tensors import torch_dtype
 
     dtype = torch_dtype(p.dtype)
-    itemsize = DTYPE_ITEMSIZE[p.dtype]
-    if math.prod(p.shape) == 0:
+    start, end = view_span(p)
+    if start == end:
         return torch.empty(p.shape, dtype=dtype)
-    extent = p.storage_offset + sum((n - 1) * s for n, s in zip(p.shape, p.stride, strict=True)) + 1
-    size = math.prod(p.shape) * itemsize
-    if size > max(p.length, MAX_VIEW_BYTES):
-        # Overlapping strides (stride 0) could make a few stored bytes into any number of elements.
-        raise ValueError(f"the view holds {size} bytes over {p.length} stored: refused")
-    if extent * itemsize > p.length:
-        raise ValueError(f"the view reaches element {extent} but the storage holds {p.length // itemsize}")
-    raw = bytearray(f.pread(p.offset, p.length))
-    if len(raw) != p.length:
+    size = math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
+    if size > max(end - start, limit):
+        raise ValueError(f"the view lays out {size} bytes from {end - start} stored: refused")
+    raw = bytearray(f.pread(p.offset + start, end - start))
+    if len(raw) != end - start:
         raise ValueError("the storage bytes are cut short")
-    usable = len(raw) - len(raw) % itemsize
-    storage = torch.frombuffer(raw, dtype=dtype, count=usable // itemsize) if usable else torch.empty(0, dtype=dtype)
-    return storage.as_strided(p.shape, p.stride, p.storage_offset)
+    return torch.frombuffer(raw, dtype=dtype).as_strided(p.shape, p.stride, 0)
 
 
 def read_tensor(desc: Description, name: str) -> torch.Tensor:
@@ -415,7 +434,7 @@ def read_tensor(desc: Description, name: str) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     for p in t.payloads:
         with desc.open(p) as f:
-            piece = read_payload(f, p)
+            piece = read_payload(f, p, MAX_MATERIALISED_VIEW_BYTES)
         view = out
         for dim, (o, n) in enumerate(zip(p.chunk_offsets, p.shape, strict=True)):
             view = view.narrow(dim, o, n)
@@ -432,22 +451,22 @@ def read_parts(desc: Description, name: str) -> dict[str, torch.Tensor]:
     out = {}
     for part in t.subclass.parts:
         with desc.open(part.payload) as f:
-            out[part.name] = read_payload(f, part.payload)
+            out[part.name] = read_payload(f, part.payload, MAX_MATERIALISED_VIEW_BYTES)
     return out
 
 
 def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
                         row_major: bool | None = None) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
     """Yield ``(global_offsets, tensor)`` blocks that together make up the piece ``p`` read through ``f``
-    (from :meth:`Description.open`): consecutive rows of at most ``max_bytes`` for a row-major view, each
-    itself a box of the global tensor (so block fingerprints combine exactly); the whole view at once
-    otherwise. Memory stays flat however large a row-major piece is. ``row_major``: what
-    :func:`is_row_major` says of ``p`` when the caller knows it already. Raises
-    :class:`~ckptverify.dcp.tensors.UnreadableTensor` when the bytes are shorter than the view, or the
-    dtype is not one this torch has; ``ValueError`` for a view its bytes cannot hold."""
+    (from :meth:`Description.open`), each a box of the global tensor of at most ``max_bytes`` laid out (one
+    element at least), so block fingerprints combine exactly: consecutive rows read one block at a time for a
+    row-major view; for any other view (transposed, expanded with stride 0, overlapping) boxes of the view onto
+    the storage bytes it addresses, read once (:func:`read_payload`). ``row_major``: what :func:`is_row_major`
+    says of ``p`` when the caller knows it already. Raises :class:`~ckptverify.dcp.tensors.UnreadableTensor`
+    when the bytes are shorter than the view, or the dtype is not one this torch has; ``ValueError`` for a view
+    its bytes cannot hold."""
     import torch
 
-    from ckptverify.dcp.layout import DTYPE_ITEMSIZE
     from ckptverify.dcp.tensors import torch_dtype
 
     dtype = torch_dtype(p.dtype)
@@ -458,9 +477,15 @@ def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
         return
     if row_major is None:
         row_major = is_row_major(sizes, p.stride)
+    view_span(p)  # a view past its storage is damage, never the bytes of whatever lies beyond it
     if not row_major or not sizes:
-        # Small or unusual views: the whole storage, viewed as saved.
-        yield p.chunk_offsets, read_payload(f, p)
+        view = read_payload(f, p)
+        for starts, lengths in _boxes(sizes, itemsize, max_bytes):
+            block = view
+            for dim, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+                if n != sizes[dim]:
+                    block = block.narrow(dim, s, n)
+            yield tuple(o + s for o, s in zip(p.chunk_offsets, starts, strict=True)), block
         return
     row_elems = math.prod(sizes[1:])
     row_bytes = row_elems * itemsize
@@ -474,6 +499,26 @@ def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
         block = torch.frombuffer(raw, dtype=dtype).view((r1 - r0, *sizes[1:])) if raw else torch.empty(
             (r1 - r0, *sizes[1:]), dtype=dtype)
         yield (p.chunk_offsets[0] + r0, *p.chunk_offsets[1:]), block
+
+
+def _boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int,
+           ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(starts, lengths)`` of boxes that tile ``shape`` in row-major order, each at most ``max_bytes`` laid out
+    (one element at least): the trailing dimensions that fit whole, runs along the dimension before them, one
+    index of each dimension before that."""
+    whole, inner = len(shape), 1
+    while whole and inner * shape[whole - 1] * itemsize <= max_bytes:
+        whole -= 1
+        inner *= shape[whole]
+    if not whole:
+        yield (0,) * len(shape), tuple(shape)
+        return
+    cut = whole - 1
+    per = max(1, max_bytes // (inner * itemsize))
+    rest = len(shape) - whole
+    for lead in itertools.product(*(range(n) for n in shape[:cut])):
+        for s in range(0, shape[cut], per):
+            yield (*lead, s, *(0,) * rest), (*(1,) * cut, min(per, shape[cut] - s), *shape[whole:])
 
 
 def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:

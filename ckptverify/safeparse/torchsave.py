@@ -243,19 +243,40 @@ SUBCLASSES: dict[str, tuple[str, ...]] = {
                                                               "act_per_tensor_scale"),
 }
 
+_KERNEL = "torchao.quantization.quantize_.common.kernel_preference.KernelPreference"
+_SCALING = "torchao.prototype.mx_formats.config.ScaleCalculationMode"
+_MX_KWARGS = "torchao.prototype.mx_formats.mx_tensor.QuantizeTensorToMXKwargs"
+_NVFP4_KWARGS = "torchao.prototype.mx_formats.nvfp4_tensor.QuantizeTensorToNVFP4Kwargs"
+
 #: Enums their attributes use: ``module.QualName`` -> the values a record may name.
 _ENUMS: dict[str, frozenset[str]] = {
-    "torchao.quantization.quantize_.common.kernel_preference.KernelPreference":
-        frozenset({"auto", "torch", "mslk", "emulated", "triton"}),
-    "torchao.prototype.mx_formats.config.ScaleCalculationMode": frozenset({"floor", "rceil", "ceil", "even"}),
+    _KERNEL: frozenset({"auto", "torch", "mslk", "emulated", "triton"}),
+    _SCALING: frozenset({"floor", "rceil", "ceil", "even"}),
 }
 
-#: Dataclasses their attributes use (the activation quantization settings): ``module.QualName`` -> fields.
-_RECORDS: dict[str, frozenset[str]] = {
-    "torchao.prototype.mx_formats.mx_tensor.QuantizeTensorToMXKwargs":
-        frozenset({"elem_dtype", "block_size", "scaling_mode", "kernel_preference", "is_swizzled_scales"}),
-    "torchao.prototype.mx_formats.nvfp4_tensor.QuantizeTensorToNVFP4Kwargs":
-        frozenset({"block_size", "is_swizzled_scales", "use_triton_kernel", "use_dynamic_per_tensor_scale"}),
+#: Dataclasses their attributes use (the activation quantization settings), by ``module.QualName``; their fields
+#: are in :data:`_ATTRIBUTES`.
+_RECORDS: frozenset[str] = frozenset({_MX_KWARGS, _NVFP4_KWARGS})
+
+#: What each attribute of the classes of :data:`SUBCLASSES` and :data:`_RECORDS` holds, as torchao writes them:
+#: name -> (kind, optional). A kind is ``part`` (an inner tensor), ``dtype``, ``elem`` (a dtype or the name of an
+#: element format, torchao's ``"fp6_e2m3"``), ``int`` (positive), ``bool``, or the label of an enum of
+#: :data:`_ENUMS` or a record of :data:`_RECORDS`; ``?`` after it admits ``None``. An optional attribute may be
+#: absent (torchao's ``optional_tensor_*_names``); every other is in every record (its constructor sets it).
+_ATTRIBUTES: dict[str, dict[str, tuple[str, bool]]] = {
+    "torchao.prototype.mx_formats.mx_tensor.MXTensor": {
+        "qdata": ("part", False), "scale": ("part", False), "elem_dtype": ("elem", False),
+        "block_size": ("int", False), "orig_dtype": ("dtype", False), "kernel_preference": (f"{_KERNEL}?", False),
+        "act_quant_kwargs": (f"{_MX_KWARGS}?", False), "is_swizzled_scales": ("bool", False)},
+    "torchao.prototype.mx_formats.nvfp4_tensor.NVFP4Tensor": {
+        "qdata": ("part", False), "scale": ("part", False), "block_size": ("int", False),
+        "orig_dtype": ("dtype", False), "per_tensor_scale": ("part?", True), "act_per_tensor_scale": ("part?", True),
+        "is_swizzled_scales": ("bool", True), "use_triton_kernel": ("bool", True),
+        "act_quant_kwargs": (f"{_NVFP4_KWARGS}?", True)},
+    _MX_KWARGS: {"elem_dtype": ("elem", False), "block_size": ("int", False), "scaling_mode": (_SCALING, False),
+                 "kernel_preference": (_KERNEL, False), "is_swizzled_scales": ("bool", False)},
+    _NVFP4_KWARGS: {"block_size": ("int", False), "is_swizzled_scales": ("bool", False),
+                    "use_triton_kernel": ("bool", False), "use_dynamic_per_tensor_scale": ("bool", False)},
 }
 
 
@@ -313,7 +334,7 @@ def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
     return callable_global(_Global, label, make)
 
 
-def _record_class(label: str, fields: frozenset[str]) -> type:
+def _record_class(label: str) -> type:
     """A stand-in class for an allowlisted dataclass: ``NEWOBJ`` makes an empty record, one ``BUILD`` fills it
     with a dict of its fields (scalars, dtypes, enum members), and nothing else can change it."""
 
@@ -323,8 +344,9 @@ def _record_class(label: str, fields: frozenset[str]) -> type:
         return inst
 
     def __setstate__(self: Any, state: Any) -> None:
-        if self.fields is not None or type(state) is not dict or not set(state) <= fields:
+        if self.fields is not None or type(state) is not dict or not all(type(k) is str for k in state):
             raise pickle.UnpicklingError(f"data.pkl sets unexpected state on {label}")
+        _check_attributes(label, state, None)
         object.__setattr__(self, "fields", {k: _canonical(v) for k, v in state.items()})
 
     def __setattr__(self: Any, key: str, value: Any) -> None:
@@ -349,6 +371,45 @@ def _canonical(value: Any) -> Any:
     raise pickle.UnpicklingError(f"a tensor subclass attribute of type {type(value).__name__} is not allowed")
 
 
+def _check_attributes(label: str, state: dict[str, Any], part_type: type | None) -> None:
+    """Refuse a record of ``label`` (a class of :data:`_ATTRIBUTES`) whose attributes are not those torchao
+    writes: one the class does not have, one it always has missing, or one of another kind (:data:`_ATTRIBUTES`;
+    an inner tensor is a ``part_type`` record)."""
+    kinds = _ATTRIBUTES[label]
+    for key, value in state.items():
+        if key not in kinds and not (key == "_is_param" and value is True and part_type is not None):
+            # ``_is_param``: the mark ``nn.Parameter`` leaves on a subclass it wraps, nothing of the values.
+            what = "inner tensor" if part_type is not None and isinstance(value, part_type) else "attribute"
+            raise pickle.UnpicklingError(f"{label} has no {what} {key[:40]!r}")
+    for key, (kind, optional) in kinds.items():
+        if key not in state:
+            if optional:
+                continue
+            raise pickle.UnpicklingError(f"{label} record without its {key!r}")
+        if not _is_kind(state[key], kind, part_type):
+            raise pickle.UnpicklingError(f"a tensor subclass attribute of type {type(state[key]).__name__} is not "
+                                         f"what {label}.{key} holds ({kind.rsplit('.', 1)[-1]})")
+
+
+def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
+    """Whether ``value``, as the stand-ins resolve it, is of ``kind`` (see :data:`_ATTRIBUTES`)."""
+    if kind.endswith("?"):
+        if value is None:
+            return True
+        kind = kind[:-1]
+    if kind == "part":
+        return part_type is not None and isinstance(value, part_type)
+    if kind in ("dtype", "elem"):
+        return type(value) is _DType or (kind == "elem" and type(value) is str and 0 < len(value) <= 64)
+    if kind == "int":
+        return type(value) is int and 0 < value < 1 << 31
+    if kind == "bool":
+        return type(value) is bool
+    if kind in _ENUMS:
+        return type(value) is _EnumValue and value._label == kind
+    return getattr(type(value), "label", None) == kind and getattr(value, "fields", None) is not None
+
+
 def subclass_fields(func: Any, new_type: Any, args: Any, state: Any, part_type: type,
                     ) -> tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[tuple[str, Any], ...], str]:
     """Check the arguments of ``torch._tensor._rebuild_from_type_v2`` for an allowlisted tensor subclass, as
@@ -359,8 +420,8 @@ def subclass_fields(func: Any, new_type: Any, args: Any, state: Any, part_type: 
         raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
     if type(args) is not tuple or len(args) != 8:
         raise pickle.UnpicklingError("malformed wrapper subclass arguments")
-    cls, dtype, size, stride, offset, layout, _device, _requires_grad = args
-    if cls is not new_type or type(dtype) is not _DType or layout is not _STRIDED:
+    cls, dtype, size, stride, offset, layout, _device, requires_grad = args
+    if cls is not new_type or type(dtype) is not _DType or layout is not _STRIDED or type(requires_grad) is not bool:
         raise pickle.UnpicklingError("wrapper subclass arguments name another class, no dtype or another layout")
     if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64 or len(size) != len(stride):
         raise pickle.UnpicklingError("wrapper subclass size or stride is not a short tuple")
@@ -368,15 +429,12 @@ def subclass_fields(func: Any, new_type: Any, args: Any, state: Any, part_type: 
         raise pickle.UnpicklingError("wrapper subclass view fields are not small non-negative integers")
     if type(state) is not dict or not all(type(k) is str for k in state):
         raise pickle.UnpicklingError("wrapper subclass state is not a dict of attributes")
+    _check_attributes(new_type._label, state, part_type)
+    if state["orig_dtype"].name != dtype.name:
+        raise pickle.UnpicklingError(f"{new_type._label} of {dtype.name} records another original dtype")
     names = SUBCLASSES[new_type._label]
-    parts = tuple((n, state[n]) for n in names if isinstance(state.get(n), part_type))
-    stray = [k for k, v in state.items() if isinstance(v, part_type) and k not in names]
-    if stray:
-        raise pickle.UnpicklingError(f"{new_type._label} has no inner tensor {stray[0][:40]!r}")
-    if not any(n == "qdata" for n, _ in parts):
-        raise pickle.UnpicklingError(f"{new_type._label} record without its data")
-    # ``_is_param``: the mark ``nn.Parameter`` leaves on a subclass it wraps (saved with ``keep_vars=True``, or
-    # the parameter itself); not an attribute of the values, and not among those the live tensor flattens to.
+    parts = tuple((n, state[n]) for n in names if state.get(n) is not None)
+    # ``_is_param`` (see _check_attributes) is not among the attributes the live tensor flattens to.
     context = {k: _canonical(v) for k, v in state.items()
                if k not in names and v is not None and not (k == "_is_param" and v is True)}
     text = json.dumps(context, sort_keys=True, separators=(",", ":"))
@@ -416,9 +474,9 @@ def _subclass_globals() -> dict[tuple[str, str], Any]:
     for label, values in _ENUMS.items():
         module, name = label.rsplit(".", 1)
         allowed[(module, name)] = _enum_global(label, values)
-    for label, fields in _RECORDS.items():
+    for label in _RECORDS:
         module, name = label.rsplit(".", 1)
-        allowed[(module, name)] = _record_class(label, fields)
+        allowed[(module, name)] = _record_class(label)
     return allowed
 
 
