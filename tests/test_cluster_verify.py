@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.multiproc import process_gone
 from helpers.ports import on_a_free_port, refused_port
 
 from ckptverify.cluster.split import assign, balance
@@ -196,15 +197,6 @@ def test_text_report_lists_each_rank(clean: Path) -> None:
     assert "rank 0 on " in proc.stdout and "rank 1 on " in proc.stdout and "balanced" in proc.stdout
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:  # a zombie of another parent: exited
-        return f.read().split(")")[-1].split()[0] == "Z"
-
-
 @pytest.mark.parametrize("fault", ["kill", "stop", "exit"])
 def test_dead_or_stopped_rank_is_named(fault: str, clean: Path) -> None:
     import re
@@ -220,7 +212,7 @@ def test_dead_or_stopped_rank_is_named(fault: str, clean: Path) -> None:
             "exit": "exited with code 3"}[fault]
     assert want in line and "while reading its share" in line, line
     pid = int(re.search(r"pid (\d+)", line).group(1))  # type: ignore[union-attr]
-    assert _gone(pid)  # no rank outlives the command, a stopped one neither
+    assert process_gone(pid)  # no rank outlives the command, a stopped one neither
 
 
 def test_dead_rank_as_json(clean: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.multiproc import process_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Generous: two ranks and their start-up on a busy 2-core machine; a hang fails the test instead of the run.
@@ -44,15 +45,6 @@ def _verify(path: Path, fault: str, *extra: str) -> subprocess.CompletedProcess[
                           cwd=ROOT, env=_env(fault))
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:  # a zombie of another parent: exited
-        return f.read().split(")")[-1].split()[0] == "Z"
-
-
 def test_a_rank_killed_while_reading_ends_verify_with_exit_2_naming_it(checkpoint: Path) -> None:
     proc = _verify(checkpoint, "1:kill-reading")
     assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
@@ -60,7 +52,7 @@ def test_a_rank_killed_while_reading_ends_verify_with_exit_2_naming_it(checkpoin
     (line,) = proc.stderr.strip().splitlines()
     assert "rank 1 on " in line and "was killed by signal 9 (SIGKILL)" in line, proc.stderr[-3000:]
     assert "the verification is incomplete" in line, line
-    assert _gone(int(re.search(r"pid (\d+)", line).group(1)))  # type: ignore[union-attr]
+    assert process_gone(int(re.search(r"pid (\d+)", line).group(1)))  # type: ignore[union-attr]
 
 
 def test_a_rank_killed_while_reading_is_a_json_error_not_a_report(checkpoint: Path) -> None:

@@ -125,3 +125,13 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, launcher_env: b
                 raise
             msg = f"\n\n-- Process {rank} terminated with the following error (the first rank to fail):\n{trace}"
             raise mp.ProcessRaisedException(msg, rank, pid) from exc
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie of another parent counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] == "Z"
