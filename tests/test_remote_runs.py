@@ -116,7 +116,7 @@ def test_latest_on_s3_skips_a_damaged_newest_and_uses_stamps(s3: Any, tmp_path: 
     stamp = read_stamp(step20)
     assert stamp is not None and stamp.passed and stamp.current
     _flip(s3, _shard(s3, f"{run.url}/step_30"))
-    picked = latest_verified(run.url)
+    picked = latest_verified(run.url, trust_stamps=True)
     assert picked.path == step20 and picked.step == 20
     assert [(s["path"], s["state"], s["how"]) for s in picked.skipped] == [("step_30", "corrupt", "verified now")]
     assert any("step_20" in f.message and "stamp" in f.message for f in picked.report.findings)  # type: ignore[union-attr]
