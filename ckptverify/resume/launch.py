@@ -58,8 +58,13 @@ def _quiet_known_noise() -> None:
                             module=r"torchdata\.stateful_dataloader\.")
 
 
-#: What the fork server imports before it forks any rank.
-_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "ckptverify", "ckptverify.resume.launch"]
+#: What the fork server imports before it forks any rank: torch, and what a rank of a run with saves and a
+#: trace imports on its way (the first optimizer alone imports torch._dynamo: seconds per process). None of it
+#: initialises CUDA.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+            "torch.distributed.tensor", "torch.multiprocessing", "zarr", "ckptverify", "ckptverify.resume.launch",
+            "ckptverify.resume.run", "ckptverify.checkpoint.save", "ckptverify.checkpoint.load",
+            "ckptverify.trace.recorder", "ckptverify.trace.store", "ckptverify.verifier.background"]
 
 
 def start_method() -> str:
