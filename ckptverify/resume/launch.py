@@ -83,8 +83,13 @@ def _take_environment(env: dict[str, str]) -> None:
     server's, from when it started; a spawned one already has this one."""
     import torch
 
+    import multiprocessing
+
     os.environ.clear()
     os.environ.update(env)
+    # multiprocessing made the launch's start method this process's default: the workload's own processes
+    # (DataLoader workers) start as in a plain run instead (fork on Linux: from this rank, torch imported).
+    multiprocessing.set_start_method(None, force=True)
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # torch read it when the server imported it
         torch.set_num_threads(int(threads))
@@ -176,6 +181,17 @@ def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
                 # The workload's objects end now (DataLoader workers among them, which hold the output pipe),
                 # not whenever a reference cycle is collected: its output is then drained at once.
                 gc.collect()
+                _end_loader_workers()
+
+
+def _end_loader_workers() -> None:
+    """Stop the worker processes of every DataLoader iterator still alive once the training function returned
+    (one the workload keeps, directly or through the sampler that notes its seed): they hold the output pipe
+    open, and its end would otherwise wait for them, seconds per run."""
+    for obj in gc.get_objects():
+        if type(obj).__name__.endswith("MultiProcessingDataLoaderIter"):
+            with contextlib.suppress(Exception):  # torch's private teardown: best effort, the run is over
+                obj._shutdown_workers()
 
 
 def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
