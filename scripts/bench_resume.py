@@ -4,7 +4,8 @@
                                    [--compare-with CHECKOUT]
 
 The job is written the way users write one: their own ``Dataset`` class with per-sample augmentation, a
-``DataLoader`` with 2 workers over the sampler the docs name (``ResumableSampler``), an MLP (DDP on 2 ranks), AdamW, a StepLR schedule, gradient clipping. By hand
+``DataLoader`` with 2 workers over the sampler the docs name (``ResumableSampler``), an MLP (DDP on 2
+ranks), AdamW, a StepLR schedule, gradient clipping. By hand
 (the baseline) it runs as a plain PyTorch script twice, each in its own interpreter (``torchrun`` on 2 ranks):
 ``T`` steps saving at ``K`` with ``torch.save``, then resumed from that file to ``T``. Checked, it runs as
 ``python -m ckptverify resume-check job.py:train -T T -K K --no-locate`` (runs A, A2 and B, compared), also in its

@@ -81,9 +81,9 @@ def start_method() -> str:
 def _take_environment(env: dict[str, str]) -> None:
     """Make this rank's environment the launcher's as it is now. A process forked from the fork server has the
     server's, from when it started; a spawned one already has this one."""
-    import torch
-
     import multiprocessing
+
+    import torch
 
     os.environ.clear()
     os.environ.update(env)
