@@ -42,6 +42,7 @@ __all__ = [
     "open_own_dir",
     "open_read",
     "own_dir",
+    "own_folder",
     "write_atomic",
 ]
 
@@ -180,6 +181,13 @@ def own_dir(root: str | os.PathLike[str], *names: str) -> str:
     """The path of the folder ``root/names...``, made and checked as :func:`open_own_dir` does."""
     os.close(open_own_dir(root, *names))
     return os.path.join(os.fspath(root), *names)
+
+
+def own_folder(path: str | os.PathLike[str]) -> str:
+    """The absolute path of folder ``path``, its last name made and checked as :func:`own_dir` does (the folders
+    above it taken as named)."""
+    path = os.path.abspath(os.fspath(path))
+    return own_dir(os.path.dirname(path), os.path.basename(path))
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, prefix: str, durable: bool = True) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckptverify.errors import UsageError, WorkloadCrashedError
-from ckptverify.ownfiles.names import own_dir, write_atomic
+from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.resume.harness_target import (
     TargetError,
     check_target,
@@ -214,8 +214,7 @@ def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
             dist.barrier()  # no rank tears down while another is still in a collective
     except BaseException as exc:
         if config.trace_dir:
-            trace_dir = os.path.abspath(config.trace_dir)
-            own_dir(os.path.dirname(trace_dir), os.path.basename(trace_dir))
+            trace_dir = own_folder(config.trace_dir)
             if isinstance(exc, TargetError):
                 kind, text = "usage", str(exc)
             elif isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):

@@ -30,7 +30,7 @@ from typing import Any
 
 from ckptverify.errors import UsageError
 from ckptverify.options import VerifyOptions, no_other_keywords, take_renamed, verify_options
-from ckptverify.ownfiles.names import own_dir, write_atomic
+from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.state.distributed import rank_world
 
 #: The trace levels (``ckptverify.trace.store.LEVELS``, repeated here so that importing the Run protocol does not
@@ -529,8 +529,7 @@ class Run:
     def _write_json(self, name: str, data: Any) -> None:
         if not self.config.trace_dir:
             return
-        trace_dir = os.path.abspath(self.config.trace_dir)
-        own_dir(os.path.dirname(trace_dir), os.path.basename(trace_dir))  # never through a link at its name
+        trace_dir = own_folder(self.config.trace_dir)  # never through a link at its name
         write_atomic(os.path.join(trace_dir, name), json.dumps(data, indent=1, default=str),
                      prefix=f".{name}.", durable=False)
 

@@ -40,7 +40,7 @@ from ckptverify.ownfiles.names import (
     STAMP_TEMP_PREFIX,
     SUSPECT_NOTE,
     VERIFYING_LOCK,
-    own_dir,
+    own_folder,
     write_atomic,
 )
 from ckptverify.safeparse import paths, safejson
@@ -274,7 +274,7 @@ def write_suspect_note(checkpoint: str | os.PathLike[str], record: dict[str, Any
     """Write the suspect note of ``checkpoint`` (a folder, created if missing) before it is saved into; return
     its path. ``record``: what made it suspect (see :meth:`ckptverify.hardware.replica.ReplicaCheck.suspect`)."""
     folder = os.path.abspath(checkpoint)
-    own_dir(os.path.dirname(folder), os.path.basename(folder))  # never written through a link at its name
+    own_folder(folder)  # never written through a link at its name
     data = {"schema": SUSPECT_SCHEMA, **record}
     return write_atomic(_note_path(folder), json.dumps(data, indent=1, default=str), prefix=STAMP_TEMP_PREFIX)
 

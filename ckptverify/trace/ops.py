@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ckptverify.ownfiles.names import own_dir, write_atomic
+from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.trace.comm import CommCounter, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
 
@@ -752,8 +752,7 @@ def _capture(path: str | None, op: str, args: Any, kwargs: Any) -> None:
             return None  # a process group or a reduce op: not saved (a collective cannot be re-run alone)
         return x
 
-    folder = os.path.dirname(os.path.abspath(path))
-    own_dir(os.path.dirname(folder), os.path.basename(folder))
+    own_folder(os.path.dirname(os.path.abspath(path)))
     data = io.BytesIO()
     torch.save({"op": op, "args": tree_map(host, tuple(args)), "kwargs": tree_map(host, dict(kwargs))}, data)
     write_atomic(path, data.getvalue(), prefix=".ckptverify-capture-", durable=False)
@@ -882,7 +881,7 @@ def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[st
                        "c": None if r["c"] is None else [None if c is None else [resolve(x) for x in c]
                                                          for c in r["c"]]})
     path = op_log_path(store, step)
-    own_dir(path.parent.parent, path.parent.name)
+    own_folder(path.parent)
     write_atomic(path, json.dumps({"version": OP_LOG_VERSION, "step": int(step), "dropped": int(dropped),
                                    "chunk_elements": int(chunk_elements), "events": events}, separators=(",", ":")),
                  prefix=f".{path.name}.", durable=False)

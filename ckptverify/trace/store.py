@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ckptverify.errors import TraceFormatError, TraceNotFoundError, UsageError
-from ckptverify.ownfiles.names import own_dir
+from ckptverify.ownfiles.names import own_folder
 from ckptverify.safeparse import safejson
 
 __all__ = [
@@ -318,7 +318,7 @@ class TraceWriter:
         self.flush_every = flush_every
         self.site_chunk = site_chunk
         # Made here first: zarr's "w" empties whatever the name leads to, so a link there is refused, not followed.
-        own_dir(self.path.parent, self.path.name)
+        own_folder(self.path)
         self._group = zarr.open_group(str(self.path), mode="w" if overwrite else "a")
         self._steps = self._group.create_array("steps", shape=(0,), chunks=(flush_every,), dtype="int64",
                                                fill_value=0)
