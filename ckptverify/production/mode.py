@@ -240,7 +240,11 @@ def resume_point(options: ProductionOptions, *, rank: int, world: int,
 
 def segment_dir(run_dir: str, start: int) -> str:
     """The trace segment of a production job that started (fresh or resumed) at step ``start``."""
-    return os.path.join(run_dir, TRACE_ROOT, f"from-{start:08d}")
+    return os.path.join(run_dir, TRACE_ROOT, _segment_name(start))
+
+
+def _segment_name(start: int) -> str:
+    return f"from-{start:08d}"
 
 
 def segments(run_dir: str) -> list[tuple[int, str]]:
@@ -288,7 +292,7 @@ class Production:
         self.start = start
         self.events = EventLog(options.run_dir, rank=rank)
         try:  # before the run writes its first trace file there: a link at trace/ or from-<K> is never followed
-            self.segment = own_dir(options.run_dir, TRACE_ROOT, os.path.basename(segment_dir(options.run_dir, start)))
+            self.segment = self._own_segment()
         except NotRegularFileError as exc:
             if rank == 0:
                 _say(f"cannot record the trace in {exc.filename}: {exc.strerror}. The job does not start.")
@@ -329,14 +333,18 @@ class Production:
             if picked.step != self.start:  # fell back: the trace segment is of the step it resumes from
                 made, self.start = self.segment, picked.step
                 try:  # as at the job's start: a link there is never followed
-                    self.segment = own_dir(self.options.run_dir, TRACE_ROOT,
-                                           os.path.basename(segment_dir(self.options.run_dir, self.start)))
+                    self.segment = self._own_segment()
                 except OSError as exc:
                     self._refuse(f"cannot record the trace: {exc}", picked.path)
                 with contextlib.suppress(OSError):  # made for the pick that failed, still empty (rmdir or nothing)
                     os.rmdir(made)
             self._step = self.start
             return report, picked
+
+    def _own_segment(self) -> str:
+        """This start's trace segment, made (or checked) as an own folder: a link at ``trace/`` or at its name is
+        never followed out of the run directory."""
+        return own_dir(self.options.run_dir, TRACE_ROOT, _segment_name(self.start))
 
     def _refuse(self, reason: str, path: str | None) -> None:
         """Say (rank 0: stderr, a ``resume-refused`` event) that the resume is refused, and raise
@@ -353,7 +361,7 @@ class Production:
         """After ``run.restore``: write the run file and host info, attach the replica check and any fault."""
         from ckptverify.hardware.hostinfo import host_info
 
-        seg = own_dir(self.options.run_dir, TRACE_ROOT, os.path.basename(self.segment))
+        seg = self._own_segment()
         _write_json(os.path.join(seg, f"host-rank{self.rank}.json"), host_info())
         if self.rank == 0:
             _write_json(os.path.join(self.options.run_dir, RUN_FILE), {
