@@ -1,7 +1,7 @@
 """Benchmark ``resume-check`` of a small user job against checking that job by hand, in one run.
 
     python scripts/bench_resume.py [--steps 40] [--resume-at 20] [--nproc 1 2] [--repeats 3]
-                                   [--compare-with CHECKOUT]
+                                   [--compare-with CHECKOUT] [--walk]
 
 The job is written the way users write one: their own ``Dataset`` class with per-sample augmentation, a
 ``DataLoader`` with 2 workers over the sampler the docs name (``ResumableSampler``), an MLP (DDP on 2
@@ -12,6 +12,10 @@ ranks), AdamW, a StepLR schedule, gradient clipping. By hand
 own interpreter. Both sides alternate within each repeat (the machine's load moves between runs); the medians
 and their ratio are printed per rank count, with the target (checked <= 1.5x by hand).
 
+``--walk`` times the op walk instead: the same job with a counter planted in it (the loss depends on it, it is
+never saved), checked with ``--no-locate`` and with the walk (``hidden-state``, located), alternating; the target
+is the check with its walk within 2x of the failing check without it.
+
 ``--compare-with CHECKOUT`` times ``resume-check`` of another checkout of ckptverify in the same run too (its
 package first on ``PYTHONPATH``), so a change's before and after are measured side by side. Exit 0 when every
 check passed (whatever the times), 1 otherwise.
@@ -20,6 +24,7 @@ check passed (whatever the times), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -28,6 +33,7 @@ import tempfile
 import time
 
 TARGET_RATIO = 1.5
+WALK_TARGET_RATIO = 2.0
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 JOB = '''
@@ -89,7 +95,11 @@ def train(run):
 
     model, optimizer, scheduler, loader = build(run.rank, run.world_size)
     run.restore(cv.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, dataloader=loader))
+    seen = 0  # with BENCH_HIDDEN_STATE=1: a counter the loss depends on, never saved (the planted bug)
     for batch in run.steps(loader):
+        if os.environ.get("BENCH_HIDDEN_STATE") == "1":
+            seen += 1
+            batch = (batch[0] * (1 + 1e-3 * seen), batch[1])
         loss = step(model, optimizer, scheduler, batch)
         run.record(loss=loss.detach(), batch=batch)
 
@@ -140,7 +150,7 @@ def _timed(cmd: list[str], env: dict[str, str], cwd: str) -> tuple[float, int, s
 
 def by_hand(work: str, steps: int, resume_at: int, nproc: int) -> float:
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                  "--nproc-per-node", str(nproc), "--master-port", "0"]
+                                                  "--standalone", "--nproc-per-node", str(nproc)]
     ckpt = os.path.join(work, "by_hand.pt")
     total = 0.0
     for args in (["--steps", str(steps), "--save-at", str(resume_at), "--out", ckpt],
@@ -152,13 +162,52 @@ def by_hand(work: str, steps: int, resume_at: int, nproc: int) -> float:
     return total
 
 
-def checked(work: str, checkout: str, steps: int, resume_at: int, nproc: int) -> tuple[float, bool]:
+def checked(work: str, checkout: str, steps: int, resume_at: int, nproc: int, *, locate: bool = False,
+            planted: bool = False) -> tuple[float, bool]:
+    """The wall time of ``resume-check`` and whether it said what it should: passed, or (``planted``) failed
+    with the hidden-state verdict, and (``locate``) with the walk located."""
     cmd = [sys.executable, "-m", "ckptverify", "resume-check", "job.py:train", "-T", str(steps), "-K",
-           str(resume_at), "--nproc", str(nproc), "--no-locate", "--no-progress"]
-    took, rc, err = _timed(cmd, _env(checkout), work)
-    if rc != 0:
-        print(f"resume-check exited {rc}:\n{err}", file=sys.stderr)
-    return took, rc == 0
+           str(resume_at), "--nproc", str(nproc), "--no-progress", "--json"]
+    if not locate:
+        cmd.append("--no-locate")
+    env = _env(checkout)
+    if planted:
+        env["BENCH_HIDDEN_STATE"] = "1"
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
+    took = time.perf_counter() - t0
+    try:
+        verdict = json.loads(proc.stdout)["stats"]["verdict"]
+    except (ValueError, KeyError, TypeError):
+        print(f"resume-check exited {proc.returncode}:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return took, False
+    if not planted:
+        right = proc.returncode == 0
+    else:
+        right = proc.returncode == 1 and verdict.get("kind") == "hidden-state" and (
+            not locate or (verdict.get("locate") or {}).get("status") == "located")
+    if not right:
+        print(f"resume-check exited {proc.returncode} with verdict {verdict.get('kind')} (walk "
+              f"{(verdict.get('locate') or {}).get('status')}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+    return took, right
+
+
+def bench_walk(work: str, args: argparse.Namespace) -> bool:
+    """The failing check with the walk against the same check without it, on the job with its planted counter."""
+    ok = True
+    for nproc in args.nproc:
+        without, walked = [], []
+        for _ in range(args.repeats):
+            took, right = checked(work, HERE, args.steps, args.resume_at, nproc, planted=True)
+            without.append(took)
+            ok &= right
+            took, right = checked(work, HERE, args.steps, args.resume_at, nproc, locate=True, planted=True)
+            walked.append(took)
+            ok &= right
+        a, b = statistics.median(without), statistics.median(walked)
+        print(f"{nproc} rank(s), planted hidden state: failing check --no-locate {a:.1f} s; with the walk {b:.1f} s: "
+              f"{b / a:.2f}x (target <= {WALK_TARGET_RATIO}x: {'met' if b / a <= WALK_TARGET_RATIO else 'not met'})")
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compare-with", metavar="CHECKOUT", help="another checkout of ckptverify, timed beside this one")
+    p.add_argument("--walk", action="store_true",
+                   help="time the failing check with its walk against it without (a counter planted in the job)")
     args = p.parse_args(argv)
     ok = True
     with tempfile.TemporaryDirectory(prefix="bench-resume-") as work:
@@ -175,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(JOB)
         print(f"{args.steps} steps, resumed at {args.resume_at}; median of {args.repeats}; load "
               f"{os.getloadavg()[0]:.1f} at the start")
+        if args.walk:
+            return 0 if bench_walk(work, args) else 1
         for nproc in args.nproc:
             hand, mine, other = [], [], []
             for _ in range(args.repeats):
