@@ -79,9 +79,9 @@ def build(rank, world):
     return model, optimizer, scheduler, loader
 
 
-def step(model, optimizer, scheduler, batch):
+def step(model, optimizer, scheduler, batch, scale=1.0):
     x, y = batch
-    loss = F.cross_entropy(model(x), y)
+    loss = F.cross_entropy(model(x), y) * scale
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
@@ -99,8 +99,7 @@ def train(run):
     for batch in run.steps(loader):
         if os.environ.get("BENCH_HIDDEN_STATE") == "1":
             seen += 1
-            batch = (batch[0] * (1 + 1e-3 * seen), batch[1])
-        loss = step(model, optimizer, scheduler, batch)
+        loss = step(model, optimizer, scheduler, batch, scale=1 + 1e-3 * seen)
         run.record(loss=loss.detach(), batch=batch)
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,8 +156,9 @@ def test_a_failing_walk_is_reported_not_raised(tmp_path: Path) -> None:
     assert [f.check for f in walked.findings()] == ["locate-failed"]
 
 
-def test_walk_sides_start_where_the_state_is_proved_equal(tmp_path: Path) -> None:
+def test_walk_sides_start_where_the_state_is_proved_equal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Nondeterminism after the checkpoint: both sides from it; a resumed run's divergence: A from scratch."""
+    monkeypatch.setattr("ckptverify.resume.launch.launches_at_once", lambda nproc, device: 1)  # one at a time
     launched: list[tuple[str, str | None, int]] = []
 
     def record(nproc: int, device: str, jobs: list, timeout: float) -> None:
@@ -172,6 +174,29 @@ def test_walk_sides_start_where_the_state_is_proved_equal(tmp_path: Path) -> Non
     hidden = SimpleNamespace(kind="hidden-state", step=3, rank=0, site="x", category="parameters")
     for_resume(_plan(), hidden, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w2"), launcher=record)
     assert launched == [("A-0", None, 3)]
+
+
+def test_the_walk_says_its_runs_and_time_before_it_starts_and_runs_them_side_by_side_where_cores_allow(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ckptverify.resume.launch.launches_at_once", lambda nproc, device: 2)
+    both = threading.Barrier(2, timeout=60)  # broken (an error) unless two launches are in flight at once
+    launched: list[str] = []
+
+    def together(nproc: int, device: str, jobs: list, timeout: float) -> None:
+        launched.append(jobs[0][1].name)
+        both.wait()
+        raise WorkloadCrashedError("stop here", "")
+
+    said: list[str] = []
+    configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
+    hidden = SimpleNamespace(kind="hidden-state", step=3, rank=0, site="x", category="parameters")
+    walked = for_resume(_plan(), hidden, SimpleNamespace(nondeterminism=None), configs, str(tmp_path),
+                        launcher=together, progress=said.append, run_seconds=8.0)
+    assert sorted(launched) == ["A-0", "A-1", "B-0", "B-1"] and not both.broken
+    assert walked.status == "failed" and "stop here" in (walked.reason or "")
+    # A from scratch runs 3 of the job's 4 steps (6 s of the check's 8), B 1 (2 s): two waves and the capture.
+    assert said[0] == ("locate: re-running step 3 at level op: 4 runs (2 per side), 2 at a time, about 18 s with "
+                       "the kernel's capture")
 
 
 def test_repeats_must_be_positive() -> None:

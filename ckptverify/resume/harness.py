@@ -37,7 +37,7 @@ from ckptverify.resume.launch import (
     WorkloadCrashedError,
     launch_jobs,
     launch_side_by_side,
-    spare_cores,
+    launches_at_once,
     workload_logs,
 )
 from ckptverify.resume.locate import DEFAULT_REPEATS, Walked, for_resume
@@ -160,7 +160,7 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
                 say(f"run {name} of {len(jobs[name])} checks")
 
         began = time.perf_counter()
-        if jobs["A2"] and spare_cores(nproc, device):
+        if jobs["A2"] and launches_at_once(nproc, device) >= 2:
             # A and A2 are independent: side by side they cost one start-up's wall time, not two.
             announce("A")
             announce("A2")
@@ -236,4 +236,4 @@ def _locate(plan: Plan, verdict: Verdict, evidence: Evidence, configs: dict[str,
     # Each launch of the walk runs at most the steps run A ran, one of them at level op: ten times A's wall
     # time (and a minute for start-up) is far past any honest run.
     return for_resume(plan, verdict, evidence, configs, os.path.join(root, "locate"), progress=say,
-                      timeout_s=10 * run_seconds + 60)
+                      timeout_s=10 * run_seconds + 60, run_seconds=run_seconds)

@@ -36,7 +36,8 @@ from ckptverify.resume.harness_target import (
 )
 from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
-__all__ = ["WorkloadCrashedError", "launch_jobs", "launch_side_by_side", "spare_cores", "start_method", "workload_logs"]
+__all__ = ["WorkloadCrashedError", "launch_jobs", "launch_side_by_side", "launches_at_once", "start_method",
+           "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -356,13 +357,13 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     raise WorkloadCrashedError(f"the workload crashed in run {run} (rank{'s' if len(ranks) > 1 else ''} "
                                f"{', '.join(map(str, ranks))}):", "\n".join(parts)) from None
 
-def spare_cores(nproc: int, device: str) -> bool:
-    """Whether two runs of ``nproc`` ranks fit side by side: a core each on CPU (the built-in workloads run
-    one intra-op thread per rank)."""
+def launches_at_once(nproc: int, device: str) -> int:
+    """How many launches of ``nproc`` ranks fit side by side: a core per rank on CPU (the built-in workloads
+    run one intra-op thread per rank); one on CUDA (every launch uses devices ``0..nproc-1``)."""
     if device != "cpu":
-        return False
+        return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores >= 2 * nproc
+    return max(1, cores // max(1, nproc))
 
 
 def launch_side_by_side(nproc: int, device: str, first: list[tuple[str, RunConfig]],

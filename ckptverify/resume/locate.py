@@ -100,6 +100,9 @@ class Walk:
     #: The names of the sides the calling check found bitwise equal run to run (``compare``'s baseline when its
     #: control runs all agree): the walk never calls their variation natural.
     deterministic: tuple[str, ...] = ()
+    #: The wall time the calling check's run of the whole job took (``total_steps`` of the sides, start-up
+    #: included): the walk says from it how long it will take before it starts. ``None``: no estimate.
+    run_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -248,20 +251,26 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
                          trace_dir=os.path.join(d, "trace"), level="op", workload=side.target,
                          trace_detail="tensor", op_window=asdict(win))
 
-    logs: dict[str, dict[int, list[list[Any]]]] = {}
-    for side in request.sides:
-        logs[side.name] = {}
-    for r in range(n):
-        for side in request.sides:
-            start = f"from {os.path.basename(side.resume_from)}" if side.resume_from else "from scratch"
-            say(f"locate: step {s} at level op, side {side.name} ({start}), repeat {r + 1} of {n}")
-            cfg = config(side, f"{side.name}-{r}", window)
-            launch(request.nproc, request.device, [(side.target, cfg)], timeout)
-            for rank in range(request.nproc):
-                if request.ranks is not None and rank not in request.ranks:
-                    continue
-                ops = read_ops(cfg.trace_dir, rank, s)
-                logs[side.name].setdefault(rank, []).append(list(ops))
+    # Every re-run is its own fresh launch, independent of the others: as many run at once as the machine has
+    # room for (a core per rank on CPU), each repeat of a side in its own processes all the same.
+    runs = [(r, side, config(side, f"{side.name}-{r}", window)) for r in range(n) for side in request.sides]
+    width = min(len(runs), _launches_at_once(request.nproc, request.device))
+    say(f"locate: re-running step {s} at level op: {len(runs)} runs ({n} per side), {width} at a time"
+        + _estimate(request, width, len(runs)))
+
+    def one(run: tuple[int, Side, Any]) -> None:
+        r, side, cfg = run
+        start = f"from {os.path.basename(side.resume_from)}" if side.resume_from else "from scratch"
+        say(f"locate: step {s} at level op, side {side.name} ({start}), repeat {r + 1} of {n}")
+        launch(request.nproc, request.device, [(side.target, cfg)], timeout)
+
+    _each(one, runs, width)
+    logs: dict[str, dict[int, list[list[Any]]]] = {side.name: {} for side in request.sides}
+    for _r, side, cfg in runs:  # in repeat order, whatever order the launches finished in
+        for rank in range(request.nproc):
+            if request.ranks is not None and rank not in request.ranks:
+                continue
+            logs[side.name].setdefault(rank, []).append(list(read_ops(cfg.trace_dir, rank, s)))
     say(f"locate: comparing the op logs of step {s}")
     a, b = (logs[side.name] for side in request.sides)
     names = (request.sides[0].name, request.sides[1].name)
@@ -294,6 +303,51 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
         sentence = f"{sentence} {kernel['sentence']}"
     return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
                   step=s, repeats=n, within_side=within, extra=extra, found=found)
+
+
+def _launches_at_once(nproc: int, device: str) -> int:
+    from ckptverify.resume.launch import launches_at_once
+
+    return launches_at_once(nproc, device)
+
+
+def _each(fn: Callable[[Any], None], items: list[Any], width: int) -> None:
+    """``fn`` of every item, ``width`` at a time; the first item's error (in order) is raised once all ended."""
+    if width <= 1:
+        for item in items:
+            fn(item)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="ckptverify-locate") as pool:
+        futures = [pool.submit(fn, item) for item in items]
+    for future in futures:
+        future.result()
+
+
+def _estimate(request: Walk, width: int, count: int) -> str:
+    """``", about N s"`` from the check's own run time (``request.run_seconds``), or ``""`` without one: each
+    wave of ``width`` re-runs costs the longest of its sides' share of that run, and the kernel's capture one
+    more run of a side."""
+    total = next((side.total_steps for side in request.sides if side.total_steps), None)
+    if not request.run_seconds or not total:
+        return ""
+
+    def cost(side: Side) -> float:
+        steps = request.step - (_resumed_at(side) or 0)
+        return request.run_seconds * max(1, steps) / max(total, request.step)
+
+    longest = max(cost(side) for side in request.sides)
+    waves = -(-count // max(1, width))
+    return f", about {round((waves + 1) * longest)} s with the kernel's capture"
+
+
+def _resumed_at(side: Side) -> int | None:
+    """The step of the checkpoint a side resumes from, read from its name (``step_N``); ``None`` from scratch."""
+    if not side.resume_from:
+        return None
+    name = os.path.basename(os.path.normpath(side.resume_from))
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
 def _analyse(a: Mapping[int, list[list[Any]]], b: Mapping[int, list[list[Any]]], step: int,
@@ -350,9 +404,10 @@ def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, 
 
 def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any], workdir: str, *,
                progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
-               launcher: Launcher | None = None) -> Walked:
+               launcher: Launcher | None = None, run_seconds: float | None = None) -> Walked:
     """The walk of a ``resume-check`` whose ``verdict`` failed. ``configs``: the runs made (``A``, ``A2``,
-    ``B``); ``plan``: its :class:`~ckptverify.resume.harness.Plan` (``locate_repeats``)."""
+    ``B``); ``plan``: its :class:`~ckptverify.resume.harness.Plan` (``locate_repeats``); ``run_seconds``: how long
+    run A took (the estimate said before the walk starts)."""
     kind = verdict.kind
     if kind in STATE_KINDS:
         # A restored field that differs is in the state the first resumed step starts from.
@@ -379,7 +434,7 @@ def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any
         sides = (Side(name="A", target=plan.target, total_steps=T),
                  Side(name="B", target=plan.target, resume_from=checkpoint_path(a_ckpt, K), total_steps=T))
     request = Walk(step=s, sides=sides, nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats,
-                   timeout_s=timeout_s, state_equal=state_equal)
+                   timeout_s=timeout_s, state_equal=state_equal, run_seconds=run_seconds)
     return walk(request, workdir, progress=progress, launcher=launcher)
 
 
