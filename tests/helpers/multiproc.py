@@ -59,10 +59,13 @@ class FileRendezvous:
 
 
 def _rank_main(rank: int, world: int, init_method: str, launcher_env: bool, fn: Callable[..., None],
-               args: tuple[Any, ...]) -> None:
+               args: tuple[Any, ...], env: dict[str, str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from ckptverify.resume.launch import _take_environment
+
+    _take_environment(env)  # the test's environment now, not the fork server's from when it started
     torch.set_num_threads(1)  # the ranks share a few cores: one thread each keeps them from starving each other
     # The group meets through the file store; this is only the address torch's own helpers (the process-based
     # async checkpointer's store) bind on, loopback as on one machine.
@@ -99,7 +102,9 @@ def _note_first_failure(init_method: str, rank: int) -> None:
 
 
 def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, launcher_env: bool = False) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh (spawned) processes joined by a gloo group.
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group, started as
+    ``resume-check`` starts its ranks (:func:`ckptverify.resume.launch.start_method`: from a fork server that
+    imported torch once), with the test's environment of the moment.
 
     Each rank runs with one torch thread, joins the group, calls ``fn``, meets the others at a barrier and
     destroys the group. ``fn`` must be importable by name (a module-level function). Raises
@@ -110,10 +115,12 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, launcher_env: b
     """
     import torch.multiprocessing as mp
 
+    from ckptverify.resume.launch import start_method
+
     with FileRendezvous() as init_method:
         try:
-            mp.start_processes(_rank_main, args=(world, init_method, launcher_env, fn, args), nprocs=world,
-                               join=True, start_method="spawn")
+            mp.start_processes(_rank_main, args=(world, init_method, launcher_env, fn, args, dict(os.environ)),
+                               nprocs=world, join=True, start_method=start_method())
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             try:
                 with open(_failure_file(init_method)) as f:
