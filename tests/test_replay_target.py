@@ -85,7 +85,7 @@ class _Launched(Exception):
 
 def test_a_relative_file_or_a_module_naming_the_recorded_function_replays_it_traced_as_recorded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_processes: None) -> None:
-    import ckptverify.resume.harness as harness
+    import ckptverify.resume.launch as launching
 
     script = tmp_path / "prod.py"
     script.write_text("def train(run):\n    run.restore(None)\n")
@@ -96,7 +96,7 @@ def test_a_relative_file_or_a_module_naming_the_recorded_function_replays_it_tra
     def launch(nproc: int, device: str, jobs: list, **kwargs: object) -> None:
         raise _Launched([(target, config.workload) for target, config in jobs])
 
-    monkeypatch.setattr(harness, "launch_jobs", launch)
+    monkeypatch.setattr(launching, "launch_jobs", launch)  # the replays' launches, side by side or in turn
     monkeypatch.chdir(tmp_path)
     for spelling, runs in (("prod.py:train", recorded), ("./prod.py:train", recorded),
                            (f"{tmp_path}/../{tmp_path.name}/prod.py:train", recorded), ("prod:train", "prod:train")):

@@ -161,7 +161,11 @@ def test_watch_while_checkpoints_are_written_renamed_and_deleted_passes_only_wha
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     # A watcher that does not stop on SIGINT prints every thread's stack when aborted below: the evidence of a hang.
     env["PYTHONFAULTHANDLER"] = "1"
-    watcher = subprocess.Popen([sys.executable, "-m", "ckptverify", "watch", "--json", "--poll", "--interval",
+    # SIGINT as a terminal gives it: a process inherits an ignored SIGINT (a test before this one in the same
+    # worker may leave it ignored, as a shell does for a job started with &), and then rightly does not stop on it.
+    interruptible = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "sys.argv[0] = 'ckptverify'; runpy.run_module('ckptverify', run_name='__main__')")
+    watcher = subprocess.Popen([sys.executable, "-c", interruptible, "watch", "--json", "--poll", "--interval",
                                 "0.1", "--log", str(tmp_path / "w.jsonl"), str(run)], env=env, cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
