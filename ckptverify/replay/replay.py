@@ -271,7 +271,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.replay.causes import judge, twin_cause
     from ckptverify.resume.harness import check_target
-    from ckptverify.resume.launch import launch_jobs, launch_side_by_side, launches_at_once
+    from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
     from ckptverify.resume.locate import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.trace.compare import compare_runs, divergences
@@ -351,24 +351,17 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                 # Production records one cell per tensor category; the replays one per tensor too, so a
                 # category that differs is traced back to its tensor (see ckptverify.trace.category).
                 trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
+
+        def run(name: str) -> None:
+            say(f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)")
+            launched = time.perf_counter()
+            launch_jobs(world, device, [(workload, configs[name])])
+            replayed_for[0] = max(replayed_for[0], time.perf_counter() - launched)
+
         # Each replay in its own fresh processes: nondeterminism that depends on the process (hash seeds,
         # allocation order, thread start-up) must show between the two. They are independent: side by side
         # where the machine has a core per rank for both, as A and A2 of resume-check.
-        def announce(name: str) -> None:
-            say(f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)")
-
-        if launches_at_once(world, device) >= 2:
-            announce("R1")
-            announce("R2")
-            launched = time.perf_counter()
-            launch_side_by_side(world, device, [(workload, configs["R1"])], [(workload, configs["R2"])])
-            replayed_for[0] = time.perf_counter() - launched
-        else:
-            for name in ("R1", "R2"):
-                announce(name)
-                launched = time.perf_counter()
-                launch_jobs(world, device, [(workload, configs[name])])
-                replayed_for[0] = max(replayed_for[0], time.perf_counter() - launched)
+        at_once(run, ["R1", "R2"], launches_at_once(world, device))
         r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
         assert r1 is not None and r2 is not None
         twin = [f for f in compare_runs(r1, r2, steps=steps) if f.severity.value == "error"]

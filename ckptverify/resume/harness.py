@@ -35,8 +35,8 @@ from ckptverify.resume.compare import Evidence, compare
 from ckptverify.resume.harness_target import TargetError, check_target, load_target, split_target
 from ckptverify.resume.launch import (
     WorkloadCrashedError,
+    at_once,
     launch_jobs,
-    launch_side_by_side,
     launches_at_once,
     workload_logs,
 )
@@ -159,17 +159,13 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
             else:
                 say(f"run {name} of {len(jobs[name])} checks")
 
+        def run(name: str) -> None:
+            announce(name)
+            launch_jobs(nproc, device, jobs[name])
+
         began = time.perf_counter()
-        if jobs["A2"] and launches_at_once(nproc, device) >= 2:
-            # A and A2 are independent: side by side they cost one start-up's wall time, not two.
-            announce("A")
-            announce("A2")
-            launch_side_by_side(nproc, device, jobs["A"], jobs["A2"])
-        else:
-            for name in ("A", "A2"):
-                if jobs[name]:
-                    announce(name)
-                    launch_jobs(nproc, device, jobs[name])
+        # A and A2 are independent: side by side they cost one start-up's wall time, not two.
+        at_once(run, [name for name in ("A", "A2") if jobs[name]], launches_at_once(nproc, device))
         # A launch of the walk that takes far longer than run A did has hung (see ckptverify.resume.locate).
         run_seconds = time.perf_counter() - began
         if jobs["B"]:

@@ -21,8 +21,8 @@ import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ckptverify.errors import UsageError, WorkloadCrashedError
 from ckptverify.ownfiles.names import own_folder, write_atomic
@@ -36,8 +36,9 @@ from ckptverify.resume.harness_target import (
 )
 from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
-__all__ = ["WorkloadCrashedError", "launch_jobs", "launch_side_by_side", "launches_at_once", "start_method",
-           "workload_logs"]
+T = TypeVar("T")
+
+__all__ = ["WorkloadCrashedError", "at_once", "launch_jobs", "launches_at_once", "start_method", "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -366,25 +367,18 @@ def launches_at_once(nproc: int, device: str) -> int:
     return max(1, cores // max(1, nproc))
 
 
-def launch_side_by_side(nproc: int, device: str, first: list[tuple[str, RunConfig]],
-                         second: list[tuple[str, RunConfig]]) -> None:
-    """Launch two independent sets of jobs at once; raise the first one's error if both fail."""
-    import threading
+def at_once(fn: Callable[[T], None], items: list[T], width: int) -> None:
+    """``fn(item)`` for every item, ``width`` at a time (each ``fn`` a launch of its own: independent runs side by
+    side, :func:`launches_at_once` of them); once all have ended, the error of the first item (in order) that
+    failed is raised."""
+    if width <= 1:
+        for item in items:
+            fn(item)
+        return
+    from concurrent.futures import ThreadPoolExecutor
 
-    errors: dict[int, BaseException] = {}
-
-    def go(i: int, jobs: list[tuple[str, RunConfig]]) -> None:
-        try:
-            launch_jobs(nproc, device, jobs)
-        except BaseException as exc:  # re-raised in the caller's thread below
-            errors[i] = exc
-
-    threads = [threading.Thread(target=go, args=(i, j), daemon=True) for i, j in enumerate((first, second))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for i in (0, 1):
-        if i in errors:
-            raise errors[i]
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="ckptverify-launch") as pool:
+        futures = [pool.submit(fn, item) for item in items]
+    for future in futures:
+        future.result()
 

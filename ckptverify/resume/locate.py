@@ -235,6 +235,7 @@ def _reason(exc: BaseException) -> str:
 def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launcher) -> Walked:
     from dataclasses import asdict
 
+    from ckptverify.resume.launch import at_once, launches_at_once
     from ckptverify.resume.run import RunConfig
     from ckptverify.trace.oplog import OpWindow, read_ops
 
@@ -254,7 +255,7 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     # Every re-run is its own fresh launch, independent of the others: as many run at once as the machine has
     # room for (a core per rank on CPU), each repeat of a side in its own processes all the same.
     runs = [(r, side, config(side, f"{side.name}-{r}", window)) for r in range(n) for side in request.sides]
-    width = min(len(runs), _launches_at_once(request.nproc, request.device))
+    width = min(len(runs), launches_at_once(request.nproc, request.device))
     say(f"locate: re-running step {s} at level op: {len(runs)} runs ({n} per side), {width} at a time"
         + _estimate(request, width, len(runs)))
 
@@ -264,7 +265,7 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
         say(f"locate: step {s} at level op, side {side.name} ({start}), repeat {r + 1} of {n}")
         launch(request.nproc, request.device, [(side.target, cfg)], timeout)
 
-    _each(one, runs, width)
+    at_once(one, runs, width)
     logs: dict[str, dict[int, list[list[Any]]]] = {side.name: {} for side in request.sides}
     for _r, side, cfg in runs:  # in repeat order, whatever order the launches finished in
         for rank in range(request.nproc):
@@ -303,26 +304,6 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
         sentence = f"{sentence} {kernel['sentence']}"
     return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
                   step=s, repeats=n, within_side=within, extra=extra, found=found)
-
-
-def _launches_at_once(nproc: int, device: str) -> int:
-    from ckptverify.resume.launch import launches_at_once
-
-    return launches_at_once(nproc, device)
-
-
-def _each(fn: Callable[[Any], None], items: list[Any], width: int) -> None:
-    """``fn`` of every item, ``width`` at a time; the first item's error (in order) is raised once all ended."""
-    if width <= 1:
-        for item in items:
-            fn(item)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="ckptverify-locate") as pool:
-        futures = [pool.submit(fn, item) for item in items]
-    for future in futures:
-        future.result()
 
 
 def _estimate(request: Walk, width: int, count: int) -> str:
