@@ -181,7 +181,7 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
     """Run ``plan`` (see the module docstring) and return its report; ``keep``: keep the runs' traces there.
     Raises :class:`~ckptverify.errors.UsageError` (exit 2) for a target that cannot run, and
     :class:`~ckptverify.errors.WorkloadCrashedError` when a workload raises."""
-    from ckptverify.resume.launch import launch_jobs
+    from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
 
     for target in dict.fromkeys((plan.base, plan.changed)):
         check_target(target)
@@ -200,13 +200,18 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
                                       level=plan.level, workload=plan.changed if name == "changed" else plan.base,
                                       log_dir=log_dir, trace_detail="tensor")
         longest = 0.0
-        for name in names:
+
+        def run(name: str) -> None:
+            nonlocal longest
             target = plan.changed if name == "changed" else plan.base
             say(f"run {name}: {target}, steps 1..{plan.steps} on {plan.nproc} rank(s)")
             t0 = time.perf_counter()
             # Each run in its own fresh processes: variation that depends on the process must show.
             launch_jobs(plan.nproc, plan.device, [(target, configs[name])])
             longest = max(longest, time.perf_counter() - t0)
+
+        # The runs are independent: side by side where each has a core per rank (one rule with resume-check's A/A2).
+        at_once(run, names, launches_at_once(plan.nproc, plan.device))
         say("comparing")
         controls = [configs[n].trace_dir or "" for n in names[:-1]]
         cells = _cells(controls, configs["changed"].trace_dir or "")
