@@ -1,5 +1,8 @@
 """``fingerprint`` and ``scan`` across ranks: the manifest written and the report given are those of one
-process, and the ranks share the reads. Real processes and a real rendezvous store on this machine."""
+process, and the ranks share the reads. Real processes and a real rendezvous store on this machine: the commands
+run in this process (``invoke``), which under ``--nproc 2`` is rank 0 and starts rank 1 as a real process; what
+these tests compare is reports and manifests, not a process's start-up or exit (the launches themselves are
+``test_cluster_verify``'s)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cluster_verify import build, run
+from test_cluster_verify import ROOT, build, invoke, run
 
 
 def _json(proc: Any) -> dict[str, Any]:
@@ -33,8 +36,8 @@ def test_fingerprint_nproc_writes_the_single_process_manifest(source: Path, tmp_
     one, two = tmp_path / "one", tmp_path / "two"
     shutil.copytree(source, one)
     shutil.copytree(source, two)
-    a = run("-m", "ckptverify", "fingerprint", str(one), "--json")
-    b = run("-m", "ckptverify", "fingerprint", str(two), "--nproc", "2", "--json")
+    a = invoke("fingerprint", str(one), "--json")
+    b = invoke("fingerprint", str(two), "--nproc", "2", "--json")
     assert a.returncode == 0 and b.returncode == 0, b.stderr[-2000:]
     assert _manifest(one) == _manifest(two)
     ra, rb = _json(a), _json(b)
@@ -48,7 +51,7 @@ def test_fingerprint_nproc_writes_the_single_process_manifest(source: Path, tmp_
     assert max(r["bytes_read"] for r in ranks) <= 0.6 * sum(r["bytes_read"] for r in ranks)
     assert rb["stats"]["balance"]["met"]
     # The manifest written by the ranks is one verify accepts, byte for byte.
-    check = run("-m", "ckptverify", "verify", str(two), "--nproc", "2", "--json")
+    check = invoke("verify", str(two), "--nproc", "2", "--json")
     assert check.returncode == 0 and _json(check)["stats"]["manifest"] is True
 
 
@@ -59,8 +62,8 @@ def test_fingerprint_refused_alike(source: Path, tmp_path: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    a = run("-m", "ckptverify", "fingerprint", str(bad), "--json")
-    b = run("-m", "ckptverify", "fingerprint", str(bad), "--nproc", "2", "--json")
+    a = invoke("fingerprint", str(bad), "--json")
+    b = invoke("fingerprint", str(bad), "--nproc", "2", "--json")
     assert a.returncode == b.returncode == 1
     assert [f["check"] for f in _json(a)["findings"]] == [f["check"] for f in _json(b)["findings"]]
     assert "fingerprint-refused" in [f["check"] for f in _json(b)["findings"]]
@@ -75,8 +78,8 @@ def test_scan_nproc_same_report(source: Path, tmp_path: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    a = run("-m", "ckptverify", "scan", str(runs), "--json")
-    b = run("-m", "ckptverify", "scan", str(runs), "--nproc", "2", "--json")
+    a = invoke("scan", str(runs), "--json")
+    b = invoke("scan", str(runs), "--nproc", "2", "--json")
     assert a.returncode == b.returncode == 1
     ra, rb = _json(a), _json(b)
     assert ra["findings"] == rb["findings"]
@@ -88,13 +91,12 @@ def test_scan_nproc_same_report(source: Path, tmp_path: Path) -> None:
     assert [r["units"] for r in ranks] == [2, 2]  # four checkpoints of one size: two each
     assert sum(r["bytes_read"] for r in ranks) == sum(c["size"] for c in rb["stats"]["checkpoints"])
     assert rb["stats"]["balance"]["met"]
-    text = run("-m", "ckptverify", "scan", str(runs), "--nproc", "2")
+    text = invoke("scan", str(runs), "--nproc", "2")
     assert text.returncode == 1 and "read by 2 ranks (local)" in text.stdout and "corrupt" in text.stdout
 
 
 def test_bench_verify_nproc_prints_throughput_per_rank_count(tmp_path: Path) -> None:
-    from test_cluster_verify import ROOT
-
+    # The script as a user runs it: its own command line, and the verify commands it starts and times.
     proc = run(str(ROOT / "scripts" / "bench_verify.py"), "--nproc", "2", "--gib", "0.02", "--repeats", "1",
                "--dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,6 +1,11 @@
 """``verify`` across ranks: ``--nproc 2``, torchrun and srun give the findings one process gives, each rank
 reads its share (the shares sum to the checkpoint's bytes, the largest within 1.2/N), and a rank that dies or
-stops is named, never a hang. Real processes and a real rendezvous store on this machine."""
+stops is named, never a hang. Real processes and a real rendezvous store on this machine.
+
+Where what a test proves is the findings and shares (not a process's start-up, exit or signals), the one-process
+reference runs in this process, and so does rank 0 of ``--nproc 2`` (:func:`invoke`): the other rank is still a
+real process it starts, meeting it at a real store. The launches a test is about stay real processes: torchrun,
+srun, dead or stopped ranks, a rank without rank 0, exit codes through a launcher."""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import inproc_cli
+from helpers.inproc_cli import Done
 from helpers.multiproc import process_gone
 from helpers.ports import on_a_free_port, refused_port
 
@@ -23,11 +30,16 @@ from ckptverify.cluster.split import assign, balance
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
+TORCHRUN = ("-m", "torch.distributed.run", "--nproc-per-node", "2")
+
+
+def _stripped(key: str) -> bool:
+    """A variable of an outer launcher (or of ckptverify's own) that must not leak into the command under test."""
+    return key.startswith(("SLURM_", "TORCHELASTIC_", "CKPTVERIFY_")) or key in ("RANK", "WORLD_SIZE")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "CKPTVERIFY_")) and k not in ("RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if not _stripped(k)}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -38,8 +50,22 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           env=env or _env())
 
 
+def invoke(*args: str, **extra: str) -> Done:
+    """``ckptverify ARGS`` in this process (the environment cleaned as :func:`_env` does, ``extra`` added). Under
+    ``--nproc N`` this process is rank 0 and hosts the store; ranks 1..N-1 are real processes it starts
+    (``python -m ckptverify``), as from the command line."""
+    env: dict[str, str | None] = {k: None for k in os.environ if _stripped(k)}
+    env.update(extra)
+    return inproc_cli.invoke(*args, env=env)
+
+
 def verify_json(path: Path, *extra: str, launcher: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
-    proc = run(*launcher, "-m", "ckptverify", "verify", str(path), "--json", *extra)
+    """``verify PATH --json EXTRA``: under ``launcher`` (e.g. torchrun) as real processes, else in this process
+    (:func:`invoke`; ``--nproc``'s other ranks real processes)."""
+    if launcher:
+        proc = run(*launcher, "-m", "ckptverify", "verify", str(path), "--json", *extra)
+    else:
+        proc = invoke("verify", str(path), "--json", *extra)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout)
 
@@ -94,6 +120,47 @@ def _planted(kind: str, clean: Path, with_manifest: Path, dst: Path) -> Path:
     return dst
 
 
+KINDS = ["bit-flip", "truncated", "missing", "manifest-digest", "metadata"]
+#: Verified under ``torchrun -m ckptverify verify`` itself: the command's exit code through torchrun, 0 for a clean
+#: checkpoint, 1 for a planted fault. The other checkpoints share one torchrun launch (:func:`torchrun_reports`).
+TORCHRUN_CLI = ("clean", "bit-flip")
+
+
+@pytest.fixture(scope="module")
+def planted(clean: Path, with_manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each fault planted in a copy of its own, once for the module (verify only reads them)."""
+    root = tmp_path_factory.mktemp("planted")
+    return {kind: _planted(kind, clean, with_manifest, root / kind) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def torchrun_reports(with_manifest: Path, planted: dict[str, Path],
+                     tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Rank 0's exit code and report of ``verify PATH --json`` under torchrun (two ranks), for each checkpoint not
+    in :data:`TORCHRUN_CLI`: one launch runs the commands in turn in the same ranks
+    (``helpers/ranked_verify_runs.py``), each across the ranks as ``torchrun -m ckptverify verify`` runs it."""
+    paths = {"manifest": with_manifest, **{k: p for k, p in planted.items() if k not in TORCHRUN_CLI}}
+    out = tmp_path_factory.mktemp("torchrun-out")
+    proc = run(*TORCHRUN, str(ROOT / "tests" / "helpers" / "ranked_verify_runs.py"),
+               str(out), *(json.dumps(["verify", str(p), "--json"]) for p in paths.values()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(rank0) == len(rank1) == len(paths)
+    for r in rank1:  # rank 1 served its share of every command and left quietly
+        assert r["exit_code"] == 0 and r["error"] is None and r["stdout"] == "", r
+    reports = {}
+    for name, r in zip(paths, rank0, strict=True):
+        assert r["error"] is None and r["stdout"].strip(), r
+        reports[name] = (r["exit_code"], json.loads(r["stdout"]))
+    return reports
+
+
+def torchrun_verify(name: str, path: Path, reports: dict[str, tuple[int, dict[str, Any]]]) -> tuple[int, dict]:
+    if name in TORCHRUN_CLI:
+        return verify_json(path, launcher=TORCHRUN)
+    return reports[name]
+
+
 def srun_like(path: Path, nproc: int = 2, **extra: str) -> list[subprocess.CompletedProcess[str]]:
     """The ranks as Slurm's ``srun`` starts them: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, MASTER_* set."""
     return on_a_free_port(lambda port: _srun_on(path, str(port), nproc, **extra), _port_taken)
@@ -133,7 +200,8 @@ def assert_shares(data: dict[str, Any], nproc: int) -> None:
 
 
 @pytest.mark.parametrize("which", ["clean", "manifest"])
-def test_nproc_and_torchrun_equal_one_process(which: str, clean: Path, with_manifest: Path) -> None:
+def test_nproc_and_torchrun_equal_one_process(which: str, clean: Path, with_manifest: Path,
+                                              torchrun_reports: dict[str, tuple[int, dict[str, Any]]]) -> None:
     path = clean if which == "clean" else with_manifest
     code, one = verify_json(path)
     assert code == 0 and "ranks" not in one["stats"]
@@ -141,15 +209,16 @@ def test_nproc_and_torchrun_equal_one_process(which: str, clean: Path, with_mani
     assert code2 == 0 and findings(two) == findings(one)
     assert two["stats"]["launcher"] == "local" and two["stats"]["manifest"] == (which == "manifest")
     assert_shares(two, 2)
-    code3, tr = verify_json(path, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    code3, tr = torchrun_verify(which, path, torchrun_reports)
     assert code3 == 0 and findings(tr) == findings(one)
     assert tr["stats"]["launcher"] == "torchrun"
     assert_shares(tr, 2)
 
 
-@pytest.mark.parametrize("kind", ["bit-flip", "truncated", "missing", "manifest-digest", "metadata"])
-def test_planted_faults_same_findings(kind: str, clean: Path, with_manifest: Path, tmp_path: Path) -> None:
-    path = _planted(kind, clean, with_manifest, tmp_path / kind)
+@pytest.mark.parametrize("kind", KINDS)
+def test_planted_faults_same_findings(kind: str, planted: dict[str, Path],
+                                      torchrun_reports: dict[str, tuple[int, dict[str, Any]]]) -> None:
+    path = planted[kind]
     code, one = verify_json(path)
     assert code == 1, one["findings"]
     expected = {"bit-flip": "zip-crc", "truncated": "item-bounds", "missing": "file-missing",
@@ -157,8 +226,9 @@ def test_planted_faults_same_findings(kind: str, clean: Path, with_manifest: Pat
     assert any(f["check"].startswith(expected.split("-")[0]) for f in one["findings"]), findings(one)
     code2, two = verify_json(path, "--nproc", "2")
     assert code2 == 1 and findings(two) == findings(one)
-    code3, tr = verify_json(path, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    code3, tr = torchrun_verify(kind, path, torchrun_reports)
     assert code3 == 1 and findings(tr) == findings(one)  # torchrun exits 1 when rank 0 does
+    assert tr["stats"]["launcher"] == "torchrun"
 
 
 def test_srun_environment(clean: Path) -> None:
@@ -191,7 +261,7 @@ def test_nproc_with_no_cluster_is_exit_2_not_one_process(clean: Path) -> None:
 
 
 def test_text_report_lists_each_rank(clean: Path) -> None:
-    proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2")
+    proc = invoke("verify", str(clean), "--nproc", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "read by 2 ranks (local)" in proc.stdout
     assert "rank 0 on " in proc.stdout and "rank 1 on " in proc.stdout and "balanced" in proc.stdout
@@ -268,12 +338,48 @@ def test_deep_and_single_file_under_ranks(with_manifest: Path, tmp_path: Path) -
 
 
 def test_stopped_rank_under_torchrun_is_named(clean: Path) -> None:
-    proc = run("-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ckptverify", "verify", str(clean),
-               "--rank-timeout", "5", env=_env(CKPTVERIFY_TEST_RANK_FAULT="1:stop"))
-    assert proc.returncode != 0 and proc.stdout == ""
-    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("ckptverify verify: error:")]
-    assert len(ours) == 1, proc.stderr[-3000:]
+    import re
+    import signal
+    import tempfile
+    import threading
+
+    # Once rank 0 has failed (naming the stopped rank), torchrun's agent sends the stopped rank SIGTERM, held while
+    # it is stopped, and SIGKILLs it 30 s later: torch 2.13 hard-codes that grace where a worker fails
+    # (PContext._poll -> close(), timeout=30; --shutdown-timeout governs only the agent's own shutdown). When the
+    # agent says it is ending the very process rank 0 named, the test sends the SIGKILL itself rather than idle
+    # 30 s; should the agent's log line differ, the test waits out torchrun's grace as before.
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([sys.executable, *TORCHRUN, "-m", "ckptverify", "verify", str(clean),
+                                 "--rank-timeout", "5"], stdout=out, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env=_env(CKPTVERIFY_TEST_RANK_FAULT="1:stop"))
+        assert proc.stderr is not None
+        timed_out = threading.Event()
+
+        def hang() -> None:  # a hang fails the test: the launcher is killed and the test says so
+            timed_out.set()
+            proc.kill()
+
+        hung = threading.Timer(TIMEOUT, hang)
+        hung.start()
+        stderr, named = [], None
+        for line in proc.stderr:
+            stderr.append(line)
+            if line.startswith("ckptverify verify: error:") and (m := re.search(r"rank 1 on \S+ \(pid (\d+)\)", line)):
+                named = int(m.group(1))
+            closing = re.search(r"Sending process (\d+) closing signal SIGTERM", line)
+            if named is not None and closing and int(closing.group(1)) == named:
+                os.kill(named, signal.SIGKILL)  # what the agent does after its grace
+        returncode = proc.wait()
+        hung.cancel()
+        out.seek(0)
+        stdout = out.read()
+    text = "".join(stderr)
+    assert not timed_out.is_set(), f"torchrun still running after {TIMEOUT} s: {text[-3000:]}"
+    assert returncode != 0 and stdout == ""
+    ours = [ln for ln in text.splitlines() if ln.startswith("ckptverify verify: error:")]
+    assert len(ours) == 1, text[-3000:]
     assert f"rank 1 on {socket.gethostname()} (pid " in ours[0] and "gave no sign of life for 5 s" in ours[0]
+    assert named is not None and process_gone(named)
 
 
 def test_rank_without_rank_0_exits_2_saying_so(clean: Path) -> None:

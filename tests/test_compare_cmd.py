@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.inproc_cli import Done, invoke
 
 from ckptverify.errors import UsageError
 from ckptverify.resume.change import ChangePlan
@@ -29,10 +27,10 @@ needs_op_level = pytest.mark.skipif(
     reason="the op level and its analysis (ckptverify.trace.ops, .locate) are not in this tree")
 
 
-def _cli(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "ckptverify", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=timeout)
+def _cli(*args: str, cwd: Path) -> Done:
+    # In this process (its runs from this process's fork server): the verdict, exit code and words are the point,
+    # and with --json the runs' output goes to log files, not to this process's descriptors.
+    return invoke(*args, cwd=cwd)
 
 
 def _compare(base: str, changed: str, *extra: str, cwd: Path) -> tuple[int, dict]:

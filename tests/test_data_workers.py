@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ckptverify.resume.harness import Plan, resume_check
+from ckptverify.resume.harness import Plan, resume_check_many
 from ckptverify.state.dataloader import WorkerSeeding, check_loader, loader_state, restore_loader
 from ckptverify.state.sampler import ResumableSampler
 
@@ -176,57 +176,78 @@ def test_stateful_dataloader_with_a_resumable_sampler_resumes_the_noise_too() ->
 
 # ------------------------------------------------------------------------------------------- resume-check
 
-
-def _check(func: str, *, steps: int = 9, resume_at: int = 4, nproc: int = 1, runs: tuple[str, ...] = ("A", "B"),
-           keep: str | None = None) -> Any:
-    return resume_check(Plan(target=f"{SCRIPT}:{func}", steps=steps, resume_at=resume_at, nproc=nproc, runs=runs),
-                        keep=keep).verdict
-
-
-def test_worker_augmentation_job_resumes_bitwise_mid_epoch() -> None:
+#: Each check below is a resume check of its own (its own runs, checkpoints and verdict); those of one rank count
+#: share one launch per run (resume_check_many), checked once for the module.
+CHECKS: dict[str, tuple[str, dict[str, Any]]] = {
     # 24 samples, batches of 4: 6 an epoch. Resumed after step 4 (mid-epoch 0), B runs into epoch 1.
-    verdict = _check("train", runs=("A", "A2", "B"))
+    "train-1": ("train", {"runs": ("A", "A2", "B")}),
+    # 12 samples a rank: 3 batches an epoch; resumed after step 4 (epoch 1, batch 2 of 3), into epoch 2.
+    "train-2": ("train", {"steps": 7, "nproc": 2}),
+    "train_unregistered_loader-1": ("train_unregistered_loader", {"steps": 6}),
+    "train_unregistered_loader-2": ("train_unregistered_loader", {"steps": 6, "nproc": 2}),
+    "train_per_worker_rng-1": ("train_per_worker_rng", {"steps": 6, "runs": ("A", "A2", "B")}),
+    "train_urandom_noise-1": ("train_urandom_noise", {"steps": 6}),
+    "train_fetch_ahead-1": ("train_fetch_ahead", {"steps": 7}),
+    "train_reseeded-1": ("train_reseeded", {"steps": 6}),
+    "train_unsaved_scheduler-1": ("train_unsaved_scheduler", {"steps": 6}),
+}
+
+
+def _plan(func: str, *, steps: int = 9, resume_at: int = 4, nproc: int = 1,
+          runs: tuple[str, ...] = ("A", "B")) -> Plan:
+    return Plan(target=f"{SCRIPT}:{func}", steps=steps, resume_at=resume_at, nproc=nproc, runs=runs)
+
+
+@pytest.fixture(scope="module")
+def verdicts() -> dict[str, Any]:
+    plans = {key: _plan(func, **kw) for key, (func, kw) in CHECKS.items()}
+    out: dict[str, Any] = {}
+    for nproc in sorted({plan.nproc for plan in plans.values()}):
+        keys = [key for key, plan in plans.items() if plan.nproc == nproc]
+        out.update(zip(keys, (o.verdict for o in resume_check_many([plans[k] for k in keys])), strict=True))
+    return out
+
+
+def test_worker_augmentation_job_resumes_bitwise_mid_epoch(verdicts) -> None:
+    verdict = verdicts["train-1"]
     assert verdict.kind == "pass", verdict.headline()
 
 
-def test_worker_augmentation_job_resumes_bitwise_on_two_ranks() -> None:
-    # 12 samples a rank: 3 batches an epoch; resumed after step 4 (epoch 1, batch 2 of 3), into epoch 2.
-    verdict = _check("train", steps=7, nproc=2)
+def test_worker_augmentation_job_resumes_bitwise_on_two_ranks(verdicts) -> None:
+    verdict = verdicts["train-2"]
     assert verdict.kind == "pass", verdict.headline()
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_an_unregistered_loader_is_data_with_advice_to_register_it(nproc: int) -> None:
-    verdict = _check("train_unregistered_loader", steps=6, nproc=nproc)
+def test_an_unregistered_loader_is_data_with_advice_to_register_it(verdicts, nproc: int) -> None:
+    verdict = verdicts[f"train_unregistered_loader-{nproc}"]
     assert verdict.kind == "data" and verdict.step == 5, verdict.headline()
     assert verdict.site == "data.indices"
     assert "other samples" in verdict.message and "not registered" in verdict.message
     assert "register the loader: TrainState(dataloader=...)" in verdict.advice
 
 
-@pytest.mark.parametrize("func, runs", [("train_per_worker_rng", ("A", "A2", "B")),
-                                        ("train_urandom_noise", ("A", "B"))])
-def test_dataset_randomness_that_cannot_be_reproduced_is_data_naming_the_dataset(func: str,
-                                                                                 runs: tuple[str, ...]) -> None:
-    verdict = _check(func, steps=6, runs=runs)
+@pytest.mark.parametrize("func", ["train_per_worker_rng", "train_urandom_noise"])
+def test_dataset_randomness_that_cannot_be_reproduced_is_data_naming_the_dataset(verdicts, func: str) -> None:
+    verdict = verdicts[f"{func}-1"]
     assert verdict.kind == "data" and verdict.step == 5, verdict.headline()
     assert "same sample indices" in verdict.message and "Dataset" in verdict.message
     assert "register the loader" not in verdict.advice
     assert "__getitem__" in verdict.advice
 
 
-def test_a_batch_taken_before_the_save_is_data_naming_the_fetch_ahead() -> None:
-    verdict = _check("train_fetch_ahead", steps=7)
+def test_a_batch_taken_before_the_save_is_data_naming_the_fetch_ahead(verdicts) -> None:
+    verdict = verdicts["train_fetch_ahead-1"]
     assert verdict.kind == "data" and verdict.step == 5, verdict.headline()
     assert "before its save point" in verdict.message
     assert "register the loader" not in verdict.advice
 
 
-def test_a_reseeded_generator_is_rng_not_data() -> None:
-    verdict = _check("train_reseeded", steps=6)
+def test_a_reseeded_generator_is_rng_not_data(verdicts) -> None:
+    verdict = verdicts["train_reseeded-1"]
     assert verdict.kind == "rng", verdict.headline()
 
 
-def test_an_unsaved_scheduler_is_scheduler_not_data() -> None:
-    verdict = _check("train_unsaved_scheduler", steps=6)
+def test_an_unsaved_scheduler_is_scheduler_not_data(verdicts) -> None:
+    verdict = verdicts["train_unsaved_scheduler-1"]
     assert verdict.kind == "scheduler", verdict.headline()

@@ -3,15 +3,59 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import time
 from pathlib import Path
 
 import pytest
 from frameworks import harness as h
 from helpers import faults as inj
+from helpers.multiproc import spawn_ranks
 
-pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
+pytestmark = pytest.mark.slow  # the producer's jobs run once for this module: 15-60 s
 
-lightning = h.fixture("lightning")
+
+def _two_rank_job(rank: int, world: int, out: str) -> None:
+    from frameworks import produce_lightning
+
+    produce_lightning.stage_ws2(Path(out))
+
+
+def _one_rank_jobs(rank: int, world: int, out: str) -> None:
+    from frameworks import produce_lightning
+
+    produce_lightning.stage_ws1(Path(out))
+    produce_lightning.stage_plain(Path(out))
+
+
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory: pytest.TempPathFactory) -> h.Built:
+    """``tests/frameworks/produce_lightning.py``'s checkpoints, written by its own stages, each in ranks of its own
+    (never in pytest): the 2-rank job, then the 1-rank jobs (the resharded resume, then the default strategy's),
+    forked from the fork server with torchrun's environment rather than a fresh interpreter per stage and rank
+    (Lightning takes the group it finds and starts no processes of its own). What the script's ``main`` writes to
+    ``produced.json`` is the map below."""
+    try:
+        importlib.metadata.version("pytorch-lightning")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"pytorch-lightning is not installed: {h.INSTALL_HINT}")
+    out = tmp_path_factory.mktemp("frameworks") / "lightning"
+    out.mkdir()
+    start = time.monotonic()
+    spawn_ranks(_two_rank_job, 2, str(out), launcher_env=True)
+    spawn_ranks(_one_rank_jobs, 1, str(out), launcher_env=True)
+    produced = {
+        "ws2-step2": {"path": "ws2/checkpoints/step=2.ckpt", "world_size": 2, "step": 2},
+        "ws2-step4": {"path": "ws2/checkpoints/step=4.ckpt", "world_size": 2, "step": 4},
+        "ws1-step4": {"path": "ws1/checkpoints/step=4.ckpt", "world_size": 1, "step": 4},
+        "plain-step2": {"path": "plain/checkpoints/step=2.ckpt", "world_size": 1, "step": 2},
+        "plain-step4": {"path": "plain/checkpoints/step=4.ckpt", "world_size": 1, "step": 4},
+    }
+    from frameworks._launch import write_produced
+
+    write_produced(out, produced)  # fails if a checkpoint was not written
+    return h.Built("lightning", out, time.monotonic() - start, json.loads((out / "produced.json").read_text()))
 
 DCP = ["ws2-step2", "ws2-step4", "ws1-step4"]
 

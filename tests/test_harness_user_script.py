@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.inproc_cli import invoke
 
 from ckptverify.replay.replay import VERDICTS as REPLAY_VERDICTS
 from ckptverify.resume.harness import Plan, TargetError, WorkloadCrashedError, resume_check
@@ -32,6 +33,8 @@ VERDICT_KINDS = {"pass", "restore-mismatch", "nondeterministic", "rng", "changed
 
 
 def _cli(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    """A real ``python -m ckptverify``: for what its ranks write to descriptors 1 and 2 (labelled lines, a JSON
+    stdout kept clean of the script's prints), which an in-process run would not show."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run([sys.executable, "-m", "ckptverify", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=timeout)
@@ -183,15 +186,15 @@ def test_usage_errors_come_before_any_process_starts_as_the_users_traceback(case
     monkeypatch.setattr(subprocess.Popen, "__init__", no_processes)
     with pytest.raises(TargetError) as caught:
         resume_check(Plan(target=target, steps=3, resume_at=1), keep=str(tmp_path / "work"))
-    monkeypatch.undo()  # the CLI below runs in a process of its own
     message = str(caught.value)
     for part in expected:
         assert part in message, message
     assert OURS not in message and not (tmp_path / "work").exists()
 
-    done = _cli("resume-check", "--no-locate", target, "--steps", "3", "--resume-at", "1",
-                "--keep", str(tmp_path / "work"),
-                cwd=tmp_path)
+    # The command, in this process with processes still refused: its words and exit code are the point, and it
+    # must start nothing either.
+    done = invoke("resume-check", "--no-locate", target, "--steps", "3", "--resume-at", "1",
+                  "--keep", str(tmp_path / "work"), cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.splitlines()
     assert lines[0].startswith("ckptverify resume-check: error: ")
@@ -199,7 +202,8 @@ def test_usage_errors_come_before_any_process_starts_as_the_users_traceback(case
         assert any(line.startswith(f'  File "{script}", line ') for line in lines), done.stderr
     assert "\\n" not in done.stderr and OURS not in done.stderr and done.stdout == ""
     assert not (tmp_path / "work").exists()  # no run was started
-    json_done = _cli("resume-check", "--no-locate", target, "--steps", "3", "--resume-at", "1", "--json", cwd=tmp_path)
+    json_done = invoke("resume-check", "--no-locate", target, "--steps", "3", "--resume-at", "1", "--json",
+                       cwd=tmp_path)
     assert json_done.returncode == 2 and json.loads(json_done.stdout)["error"] == message
 
 
@@ -239,8 +243,10 @@ def test_a_crash_shows_the_users_traceback_on_several_lines_without_the_harness(
     assert text.startswith("the workload crashed in run A (rank 0):\nTraceback (most recent call last):\n"
                            f'  File "{script}", line 7, in train\n'), text
     assert "ZeroDivisionError: division by zero" in text and OURS not in text
-    done = _cli("resume-check", "--no-locate", f"{script}:train", "--steps", "3", "--resume-at", "1", "--runs", "A",
-                cwd=tmp_path)
+    # In this process: the words the command prints for the crash are the point (the rank's traceback comes back
+    # to the launcher, which prints it).
+    done = invoke("resume-check", "--no-locate", f"{script}:train", "--steps", "3", "--resume-at", "1", "--runs",
+                  "A", cwd=tmp_path)
     assert done.returncode == 2 and "\\n" not in done.stderr
     assert f'  File "{script}", line 3, in forward' in done.stderr.splitlines(), done.stderr
 

@@ -1,15 +1,13 @@
 """ckptverify's accelerate helpers (``save_state``, ``load_state``) around a real ``Accelerator`` on CPU.
 
 One process in this one; the two-process job (every process waits for the others' files, all follow rank 0's
-verdict) runs ``tests/frameworks/accelerate_integration.py`` on two gloo ranks.
+verdict) runs ``tests/frameworks/accelerate_integration.py``'s ``job`` on two gloo ranks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -24,6 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 from frameworks import harness as h
+from helpers.multiproc import spawn_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -33,8 +32,6 @@ from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier import background
 from ckptverify.verifier.background import BackgroundVerifier
-
-WORKER = Path(__file__).resolve().parent / "frameworks" / "accelerate_integration.py"
 
 
 class Job:
@@ -188,12 +185,16 @@ def test_load_of_a_state_with_a_flip_in_its_weights_is_refused(saved: Any, tmp_p
     assert "model.safetensors" in str(exc.value) and tensor in str(exc.value)
 
 
+def _rank(rank: int, world: int, out: Path, mode: str) -> None:
+    from frameworks import accelerate_integration
+
+    accelerate_integration.job(rank, world, out, mode)
+
+
 def run_two_processes(out: Path, mode: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(WORKER), str(out), mode], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    # The script's own job on two gloo ranks started as its `spawn` starts them (spawn_ranks with torchrun's
+    # environment), only from this process's fork server instead of a fresh interpreter of the script's own.
+    spawn_ranks(_rank, 2, out, mode, launcher_env=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

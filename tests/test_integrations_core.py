@@ -10,6 +10,7 @@ import json
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,19 @@ def _hf_folder(path: Path, value: float = 1.0) -> Path:
     return path
 
 
+@pytest.fixture
+def thread_queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
+    """conftest's ``queue`` (a fresh process-wide background verifier, short settle time, closed after the test),
+    verifying in its worker thread at normal priority, for the tests about how the integration queues, waits,
+    raises and reports rather than about the verifier process (a process imports torch anew for each test);
+    ``test_background_writes_the_same_manifest_stamp_and_event_as_inline`` keeps the process."""
+    fresh = BackgroundVerifier(settle=0.05, isolation="thread", priority="normal")
+    monkeypatch.setattr(background, "_default", fresh)
+    yield fresh
+    fresh.before_verify = None
+    fresh.close(timeout=60)
+
+
 def _strip(event: dict[str, object]) -> dict[str, object]:
     """An event without what differs from one run to the next (time, host, seconds, paths)."""
     return {k: v for k, v in event.items() if k not in ("time", "host", "seconds", "path", "message", "stamp")}
@@ -132,7 +146,7 @@ def test_background_writes_the_same_manifest_stamp_and_event_as_inline(tmp_path:
 
 
 def test_a_background_failure_warns_logs_and_is_raised_at_the_next_save(tmp_path: Path,
-                                                                        queue: BackgroundVerifier) -> None:
+                                                                        thread_queue: BackgroundVerifier) -> None:
     from helpers import faults as inj
 
     first, second = tmp_path / "step-1", tmp_path / "step-2"
@@ -140,7 +154,8 @@ def test_a_background_failure_warns_logs_and_is_raised_at_the_next_save(tmp_path
     dcp.save({"w": torch.randn(64, 64)}, checkpoint_id=second)
     faults: list[object] = []
     # Damage planted right before the verifier reads it: what storage that corrupted the write would show.
-    queue.before_verify = lambda p: faults.append(inj.flip_in_tensor_payload(Path(p))) if p == str(first) else None
+    thread_queue.before_verify = (
+        lambda p: faults.append(inj.flip_in_tensor_payload(Path(p))) if p == str(first) else None)
     verifier = Verifier(background=True, on_failure="raise")
     assert verifier.after_save(first, step=1).pending
     with pytest.warns(CheckpointVerificationWarning, match=r"step-1 fails verification"):
@@ -157,14 +172,14 @@ def test_a_background_failure_warns_logs_and_is_raised_at_the_next_save(tmp_path
 
 
 def test_a_checkpoint_deleted_before_its_turn_is_an_event_not_a_failure(tmp_path: Path,
-                                                                         queue: BackgroundVerifier) -> None:
+                                                                         thread_queue: BackgroundVerifier) -> None:
     import shutil
 
     folder = _hf_folder(tmp_path / "checkpoint-1")
     single = tmp_path / "step=2.ckpt"
     torch.save({"w": torch.randn(8)}, single)
     # Retention deletes them as their turn comes (a folder file by file, with ckptverify's lock inside).
-    queue.before_verify = lambda p: shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+    thread_queue.before_verify = lambda p: shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
     verifier = Verifier(background=True, on_failure="raise", fingerprint=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -178,10 +193,10 @@ def test_a_checkpoint_deleted_before_its_turn_is_an_event_not_a_failure(tmp_path
 
 
 def test_a_resume_of_a_checkpoint_still_queued_waits_for_its_verification(tmp_path: Path,
-                                                                           queue: BackgroundVerifier) -> None:
+                                                                           thread_queue: BackgroundVerifier) -> None:
     folder = _hf_folder(tmp_path / "checkpoint-1")
     release = threading.Event()
-    queue.before_verify = lambda p: release.wait(60)
+    thread_queue.before_verify = lambda p: release.wait(60)
     verifier = Verifier(background=True)
     verifier.after_save(folder, step=1)
     assert verifier.pending() == [str(folder)]
@@ -191,10 +206,10 @@ def test_a_resume_of_a_checkpoint_still_queued_waits_for_its_verification(tmp_pa
     assert verifier.pending() == []
 
 
-def test_a_wait_that_runs_out_says_which_were_cut_short(tmp_path: Path, queue: BackgroundVerifier) -> None:
+def test_a_wait_that_runs_out_says_which_were_cut_short(tmp_path: Path, thread_queue: BackgroundVerifier) -> None:
     folder = _hf_folder(tmp_path / "checkpoint-1")
     release = threading.Event()
-    queue.before_verify = lambda p: release.wait(60)
+    thread_queue.before_verify = lambda p: release.wait(60)
     verifier = Verifier(background=True)
     verifier.after_save(folder, step=1)
     with pytest.warns(VerifyIncompleteWarning, match=r"1 checkpoint verification\(s\) cut short.*checkpoint-1"):

@@ -1,16 +1,14 @@
 """ckptverify's Lightning callback (``VerifyCheckpoints``) in real ``pytorch_lightning`` training runs on CPU.
 
 The single device runs (``.ckpt`` files) run in this process; the ``ModelParallelStrategy`` runs (DCP folders
-with ``meta.pt``) run ``tests/frameworks/lightning_integration.py`` in their own processes, because a
-distributed strategy sets up a process group.
+with ``meta.pt``) run ``tests/frameworks/lightning_integration.py``'s model in ranks of their own
+(``tests/helpers/lightning_model_parallel.py``), because a distributed strategy sets up a process group.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +20,8 @@ pl = pytest.importorskip("pytorch_lightning", reason="pip install -e '.[lightnin
 
 import torch  # noqa: E402
 from frameworks import harness as h  # noqa: E402
+from helpers.lightning_model_parallel import save_flip_resume  # noqa: E402
+from helpers.multiproc import spawn_ranks  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # noqa: E402
 from torch import nn  # noqa: E402
@@ -35,8 +35,6 @@ from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp, stamp_path  # noqa: E402
 from ckptverify.verifier import background  # noqa: E402
 from ckptverify.verifier.background import BackgroundVerifier  # noqa: E402
-
-WORKER = Path(__file__).resolve().parent / "frameworks" / "lightning_integration.py"
 
 
 class Regressor(pl.LightningModule):
@@ -296,43 +294,42 @@ def test_a_checkpoint_top_k_removes_before_its_verification_is_an_event_not_a_fa
 # -- ModelParallelStrategy: DCP folders, in their own processes
 
 
-def run_worker(out: Path, world: int, stage: str, ckpt: Path | None = None) -> list[dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
-    args = [sys.executable, str(WORKER), str(out), str(world), stage] + ([str(ckpt)] if ckpt else [])
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
-    results = []
+def results(out: Path, world: int, stage: str) -> list[dict[str, Any]]:
+    found = []
     for rank in range(world):
         f = out / f"{stage}-rank{rank}.json"
-        assert f.exists(), f"rank {rank} wrote no result (exit {done.returncode}):\n{done.stderr[-4000:]}"
-        results.append(json.loads(f.read_text()))
-    return results
+        assert f.exists(), f"rank {rank} wrote no result for {stage}"
+        found.append(json.loads(f.read_text()))
+    return found
 
 
 def check_dcp_run(tmp_path: Path, world: int) -> None:
-    from helpers import faults as inj
-
-    (saved, *others) = run_worker(tmp_path, world, "save")
+    # One launch of `world` ranks (forked from the fork server, as torchrun would start them: their own
+    # processes and process group) runs the save, the resume from a flipped step 2 and the resume from step 4
+    # in turn; see helpers/lightning_model_parallel.py.
+    spawn_ranks(save_flip_resume, world, str(tmp_path), launcher_env=True)
+    (saved, *others) = results(tmp_path, world, "save")
     assert saved["error"] is None and saved["warnings"] == [], saved
+    stamps = json.loads((tmp_path / "stamps.json").read_text())  # read by rank 0 before it flipped a bit
     for step in (2, 4):
         folder = tmp_path / "checkpoints" / f"step={step}.ckpt"
         assert (folder / "meta.pt").is_file() and (folder / "ckptverify.manifest.json").is_file()
-        stamp = read_stamp(folder)
-        assert stamp is not None and stamp.passed and stamp.current and stamp.data["manifest"], stamp
+        stamp = stamps[str(step)]
+        assert stamp is not None and stamp["passed"] and stamp["current"] and stamp["manifest"], stamp
+    fourth = read_stamp(tmp_path / "checkpoints" / "step=4.ckpt")
+    assert fourth is not None and fourth.passed and fourth.current and fourth.data["manifest"], fourth
     assert [v["step"] for v in saved["verdicts"]] == [2, 4]
     assert all(v["manifest"] and v["bytes_checked"] > 0 for v in saved["verdicts"])
     for other in others:  # every rank got rank 0's verdicts
         assert [v["passed"] for v in other["verdicts"]] == [True, True] and other["warnings"] == []
 
-    fault = inj.flip_in_tensor_payload(tmp_path / "checkpoints" / "step=2.ckpt")
-    refused = run_worker(tmp_path, world, "resume", tmp_path / "checkpoints" / "step=2.ckpt")
-    for result in refused:
+    fault = json.loads((tmp_path / "fault.json").read_text())  # rank 0 flipped a bit of step=2.ckpt here
+    for result in results(tmp_path, world, "refused"):
         assert result["error"] is not None and result["error"]["type"] == "CheckpointRefusedError", result
-        assert fault.file in result["error"]["message"] and "step=2.ckpt" in result["error"]["message"]
+        assert fault["file"] in result["error"]["message"] and "step=2.ckpt" in result["error"]["message"]
         assert result["untouched"] is True and result["global_step"] == 0
 
-    resumed = run_worker(tmp_path, world, "resume", tmp_path / "checkpoints" / "step=4.ckpt")
-    for result in resumed:
+    for result in results(tmp_path, world, "resumed"):
         assert result["error"] is None and result["warnings"] == [], result
         assert result["global_step"] == 6 and [v["passed"] for v in result["verdicts"]] == [True]
 

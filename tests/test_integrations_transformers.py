@@ -87,6 +87,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, VerifyCheckpoin
     return out, verify, warned
 
 
+@pytest.fixture
+def queue(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """conftest's ``queue`` (a fresh process-wide background verifier, short settle time, closed after the test),
+    verifying in its worker thread at normal priority: these tests are about what the callback does with
+    background verdicts, not about the verifier process (``tests/test_background_verify.py`` and
+    ``tests/test_integrations_core.py`` run that), and a verifier process imports torch anew for each test."""
+    fresh = BackgroundVerifier(settle=0.05, isolation="thread", priority="normal")
+    monkeypatch.setattr(background, "_default", fresh)
+    yield fresh
+    fresh.before_verify = None
+    fresh.close(timeout=60)
+
+
 def copy_run(run: tuple[Path, Any, Any], dst: Path) -> Path:
     import shutil
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers.inproc_cli import Done, invoke
 
 from ckptverify.errors import UsageError, WorkloadCrashedError
 from ckptverify.resume.harness import Plan
@@ -28,13 +29,13 @@ SCRIPTS = Path(__file__).with_name("user_scripts")
 SCRIPT = SCRIPTS / "ladder_train.py"
 
 
-def _cli(*args: str, cwd: Path, timeout: int = 1200) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "ckptverify", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=timeout)
+def _cli(*args: str, cwd: Path) -> Done:
+    # In this process (its runs from this process's fork server): the report, exit code and progress lines are the
+    # point, and with --json the runs' output goes to log files, not to this process's descriptors.
+    return invoke(*args, cwd=cwd)
 
 
-def _resume_check(func: str, *extra: str, cwd: Path) -> tuple[subprocess.CompletedProcess[str], dict]:
+def _resume_check(func: str, *extra: str, cwd: Path) -> tuple[Done, dict]:
     done = _cli("resume-check", f"{SCRIPT}:{func}", "--steps", "2", "--resume-at", "1", "--runs", "A,A2", "--json",
                 "--progress", *extra, cwd=cwd)
     assert "Traceback" not in done.stdout, done.stdout[-4000:]

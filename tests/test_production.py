@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +39,20 @@ def _job(run_dir: Path, *, steps: int = 6, save_every: int = 3, nproc: int = 1, 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A clean 6-step job (saving every 3 steps), the start of two tests, run once: ``"original"`` is its run
+    directory, for the test that resumes it from its newest checkpoint's current stamp (a stamp is of the files'
+    inodes too); ``"copy"`` a copy of it, for the test that corrupts that checkpoint (its stamp stale either way)."""
+    base = tmp_path_factory.mktemp("six-steps")
+    _job(base / "original")
+    shutil.copytree(base / "original", base / "copy", symlinks=True)
+    return {"original": base / "original", "copy": base / "copy"}
+
+
 @pytest.mark.slow
-def test_a_production_job_saves_traces_resumes_and_replays_as_reproduced(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    _job(run)
+def test_a_production_job_saves_traces_resumes_and_replays_as_reproduced(six_steps: dict[str, Path]) -> None:
+    run = six_steps["original"]  # a clean 6-step job's run directory, as the job left it
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step_")) == ["step_3", "step_6"]
     meta = json.loads((run / "run.json").read_text())
     assert meta["target"].endswith("production_workload.py:train") and meta["world_size"] == 1
@@ -126,9 +137,8 @@ def test_a_nondeterministic_job_cannot_be_judged(tmp_path: Path, monkeypatch: py
 
 
 @pytest.mark.slow
-def test_a_corrupt_checkpoint_is_named_before_anything_is_replayed(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    _job(run)
+def test_a_corrupt_checkpoint_is_named_before_anything_is_replayed(six_steps: dict[str, Path]) -> None:
+    run = six_steps["copy"]  # a clean 6-step job's run directory
     inj.flip_in_tensor_payload(run / "step_6", "model.blocks.0.mlp.fc.weight")
     report = replay(run, target=TARGET, start=3, end=6)
     assert report.stats["verdict"]["kind"] == "checkpoint-corrupt" and report.stats["verdict"]["step"] == 6

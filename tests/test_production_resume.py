@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,10 +77,28 @@ def _flip(ckpt: Path) -> None:
     inj.flip_in_tensor_payload(ckpt, "model.0.weight")
 
 
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A clean 4-step job (``step_2``, ``step_4``), the start of two tests, run once: ``"original"`` is its run
+    directory, for the test that needs ``step_2``'s stamp current (a stamp is of the files' inodes too);
+    ``"copy"`` a copy of it, for the test that corrupts both checkpoints (their stamps stale either way)."""
+    base = tmp_path_factory.mktemp("four-steps")
+    _ok(_job(base / "original", steps=4))
+    shutil.copytree(base / "original", base / "copy", symlinks=True)
+    return {"original": base / "original", "copy": base / "copy"}
+
+
+@pytest.fixture(scope="module")
+def empty_required(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """``resume="required"`` in an empty run directory (two tests judge the same job)."""
+    run = tmp_path_factory.mktemp("empty") / "run"
+    return run, _job(run, steps=2, resume="required")
+
+
 @pytest.mark.slow
-def test_every_checkpoint_corrupt_refuses_to_start_and_never_starts_over_without_burying_them(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    _ok(_job(run, steps=4))
+def test_every_checkpoint_corrupt_refuses_to_start_and_never_starts_over_without_burying_them(
+        four_steps: dict[str, Path]) -> None:
+    run = four_steps["copy"]  # a clean 4-step job's run directory
     for name in ("step_2", "step_4"):
         _flip(run / name)
     before = {name: _tree(run / name) for name in ("step_2", "step_4")}
@@ -121,9 +140,9 @@ def test_every_checkpoint_corrupt_refuses_to_start_and_never_starts_over_without
 
 
 @pytest.mark.slow
-def test_newest_corrupt_resumes_from_the_older_one_says_so_and_keeps_the_corrupt_one(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    _ok(_job(run, steps=4))
+def test_newest_corrupt_resumes_from_the_older_one_says_so_and_keeps_the_corrupt_one(
+        four_steps: dict[str, Path]) -> None:
+    run = four_steps["original"]  # a clean 4-step job's run directory, as the job left it
     _flip(run / "step_4")
     corrupt = _tree(run / "step_4")
 
@@ -147,7 +166,8 @@ def test_newest_corrupt_resumes_from_the_older_one_says_so_and_keeps_the_corrupt
 
 
 @pytest.mark.slow
-def test_a_first_save_that_never_committed_does_not_stop_a_fresh_start_and_is_kept(tmp_path: Path) -> None:
+def test_a_first_save_that_never_committed_does_not_stop_a_fresh_start_and_is_kept(
+        tmp_path: Path, empty_required: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     run = tmp_path / "run"
     _ok(_job(run, steps=2))
     os.remove(run / "step_2" / ".metadata")  # the job died before DCP committed its first save
@@ -157,12 +177,12 @@ def test_a_first_save_that_never_committed_does_not_stop_a_fresh_start_and_is_ke
     assert "moved step_2 aside to quarantine/" in err and _tree(_quarantined(run)["step_2"]) == torn
     assert [e["step"] for e in read_events(run, "start")] == [0, 0] and read_stamp(run / "step_2").passed
     # "required" still wants a checkpoint that verifies.
-    assert "nothing to resume from" in _refused(_job(tmp_path / "empty", steps=2, resume="required"))
+    assert "nothing to resume from" in _refused(empty_required[1])
 
 
-def test_required_with_an_empty_run_dir_refuses(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    err = _refused(_job(run, steps=2, resume="required"))
+def test_required_with_an_empty_run_dir_refuses(empty_required: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    run, done = empty_required
+    err = _refused(done)
     assert "resume='required': there is nothing to resume from" in err
     assert _steps(run) == [] and not list(read_events(run, "start"))
 

@@ -4,12 +4,10 @@ ranks, whatever `run.json` says."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.inproc_cli import Done, invoke
 
 from ckptverify.errors import UsageError
 from ckptverify.replay.replay import replay
@@ -27,10 +25,9 @@ def _run_dir(tmp_path: Path, **meta: object) -> tuple[Path, Path]:
     return run, mark
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "ckptverify", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+def _cli(*args: str) -> Done:
+    # In this process: the command's words and exit code are the point, and each is refused before any rank starts.
+    return invoke(*args)
 
 
 def test_replay_without_a_named_target_runs_nothing_and_says_what_run_json_records(tmp_path: Path) -> None:

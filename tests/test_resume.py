@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptverify.cli import main
-from ckptverify.resume.harness import Plan, WorkloadCrashedError, resume_check
+from ckptverify.resume.harness import Outcome, Plan, WorkloadCrashedError, resume_check, resume_check_many
 
 WORKLOADS = "ckptverify.examples.workloads"
 
@@ -20,35 +20,45 @@ WORKLOADS = "ckptverify.examples.workloads"
 # run for all of them).
 
 
-def test_module_level_names_the_origin_module_of_a_nondeterministic_run():
-    outcome = resume_check(Plan(target=f"{WORKLOADS}:rng_not_restored", steps=4, resume_at=2, level="module",
-                                runs=("A", "B")))
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Outcome]]:
+    """The plans of the tests below, checked together with one launch per run (``resume_check_many``: each plan
+    its own runs, checkpoints, traces and verdict; only process start-up shared), their work kept in
+    ``<root>/<i>``: 0, a nondeterministic run at level module; 1, a data bug; 2 and 3, a correct workload traced
+    at levels metrics and state (run A alone: only its trace is read)."""
+    root = tmp_path_factory.mktemp("checked")
+    outcomes = resume_check_many([
+        Plan(target=f"{WORKLOADS}:rng_not_restored", steps=4, resume_at=2, level="module", runs=("A", "B")),
+        Plan(target=f"{WORKLOADS}:data_not_restored", steps=5, resume_at=3, runs=("A", "B")),
+        Plan(target=f"{WORKLOADS}:correct", steps=3, resume_at=1, runs=("A",), level="metrics"),
+        Plan(target=f"{WORKLOADS}:correct", steps=3, resume_at=1, runs=("A",), level="state"),
+    ], keep=str(root))
+    return root, outcomes
+
+
+def test_module_level_names_the_origin_module_of_a_nondeterministic_run(checked):
+    outcome = checked[1][0]
     assert outcome.verdict.kind == "rng"
     assert outcome.verdict.site.startswith(("module.", "rng.", "metric."))
 
 
-def test_first_divergence_of_a_data_bug_is_the_first_resumed_step(tmp_path):
-    outcome = resume_check(Plan(target=f"{WORKLOADS}:data_not_restored", steps=5, resume_at=3, runs=("A", "B")),
-                           keep=str(tmp_path))
+def test_first_divergence_of_a_data_bug_is_the_first_resumed_step(checked):
+    outcome, work = checked[1][1], checked[0] / "1"
     assert outcome.verdict.step == 4 and outcome.verdict.category == "data"
     # The kept traces compare with `trace diff` too; identical traces pass.
     runner = CliRunner()
-    same = runner.invoke(main, ["trace", "diff", str(tmp_path / "A" / "trace"), str(tmp_path / "A" / "trace")])
+    same = runner.invoke(main, ["trace", "diff", str(work / "A" / "trace"), str(work / "A" / "trace")])
     assert same.exit_code == 0, same.output
-    differ = runner.invoke(main, ["trace", "diff", "--json", str(tmp_path / "A" / "trace"),
-                                  str(tmp_path / "B" / "trace")])
+    differ = runner.invoke(main, ["trace", "diff", "--json", str(work / "A" / "trace"),
+                                  str(work / "B" / "trace")])
     assert differ.exit_code == 1
     assert any(f["check"] == "trace-incomplete" or f["check"] == "trace-divergence"
                for f in json.loads(differ.output)["findings"])
 
 
-def test_trace_diff_refuses_different_headers_unless_forced(tmp_path):
-    resume_check(Plan(target=f"{WORKLOADS}:correct", steps=3, resume_at=1, runs=("A", "B"), level="metrics"),
-                 keep=str(tmp_path / "m"))
-    resume_check(Plan(target=f"{WORKLOADS}:correct", steps=3, resume_at=1, runs=("A", "B"), level="state"),
-                 keep=str(tmp_path / "s"))
+def test_trace_diff_refuses_different_headers_unless_forced(checked):
     runner = CliRunner()
-    a, b = str(tmp_path / "m" / "A" / "trace"), str(tmp_path / "s" / "A" / "trace")
+    a, b = str(checked[0] / "2" / "A" / "trace"), str(checked[0] / "3" / "A" / "trace")  # levels metrics, state
     assert runner.invoke(main, ["trace", "diff", a, b]).exit_code == 2
     assert runner.invoke(main, ["trace", "diff", "--force", a, b]).exit_code == 0
 

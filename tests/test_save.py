@@ -211,31 +211,49 @@ def check_fingerprints_match(manifest: Manifest, state: dict[str, Any]) -> None:
 
 
 _PLAIN_CHECK = textwrap.dedent("""
-    import pickle, sys
+    import json, pickle, sys
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
-    for path in sys.argv[1:]:
-        with open(path, "rb") as f:
-            md = pickle.load(f)
-        assert type(md) is Metadata, type(md)
+
+    def problem(path):
+        try:
+            with open(path, "rb") as f:
+                md = pickle.load(f)
+        except Exception as exc:
+            return f"does not unpickle: {type(exc).__name__}: {exc}"
+        if type(md) is not Metadata:
+            return f"unpickles as {type(md)}"
         kinds = {type(v) for v in md.storage_data.values()}
-        assert kinds == {_StorageInfo}, kinds
+        if kinds != {_StorageInfo}:
+            return f"storage data of types {kinds}"
         for v in md.storage_data.values():
-            assert set(vars(v)) <= {"relative_path", "offset", "length", "transform_descriptors"}, vars(v)
+            if not set(vars(v)) <= {"relative_path", "offset", "length", "transform_descriptors"}:
+                return f"storage info with fields {vars(v)}"
+        return None
+
+    found = {path: problem(path) for path in sys.argv[1:]}
     assert not any(m == "ckptverify" or m.startswith("ckptverify.") for m in sys.modules), "ckptverify imported"
-    print("plain", len(sys.argv) - 1)
+    print(json.dumps(found))
 """)
 
 
-def check_plain_metadata(*roots: Path) -> None:
-    """``.metadata`` unpickles in a fresh interpreter that never imports ckptverify, as plain DCP classes."""
+def plain_metadata_problems(*roots: Path) -> dict[Path, str | None]:
+    """Each root's ``.metadata`` unpickled in one fresh interpreter that never imports ckptverify: ``None`` for a
+    root whose metadata is plain DCP classes, else what is wrong with it."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
         [sys.executable, "-I", "-c", _PLAIN_CHECK, *(str(r / ".metadata") for r in roots)],
         capture_output=True, text=True, env=env, cwd="/", timeout=120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == f"plain {len(roots)}"
+    found = json.loads(out.stdout)
+    assert len(found) == len(roots), found
+    return {root: found[str(root / ".metadata")] for root in roots}
+
+
+def check_plain_metadata(*roots: Path) -> None:
+    """``.metadata`` unpickles in a fresh interpreter that never imports ckptverify, as plain DCP classes."""
+    assert plain_metadata_problems(*roots) == dict.fromkeys(roots)
 
 
 def load_back(root: Path, seed: int = 123) -> dict[str, Any]:
@@ -304,8 +322,21 @@ def test_small_blocks_split_items(saved: dict[str, tuple[Path, Manifest]]) -> No
     assert all(len(b) == 64 for it in manifest.items for b in (it.digest, *it.blocks))  # sha256 hex
 
 
-def test_metadata_is_plain_dcp(saved: dict[str, tuple[Path, Manifest]]) -> None:
-    check_plain_metadata(*(root for root, _ in saved.values()))
+@pytest.fixture(scope="module")
+def plain_metadata(saved: dict[str, tuple[Path, Manifest]], stream_transformed: tuple[Path, HashingFileSystemWriter],
+                   two_rank_saves: tuple[Path, list[dict[str, Any]]]) -> dict[Path, str | None]:
+    """:func:`plain_metadata_problems` of the module's checkpoints (every writer variant, the stream-transformed
+    save, the two-rank ``sync`` and ``async_thread`` saves), all in one fresh interpreter: starting one that
+    imports torch costs seconds, the check of one more ``.metadata`` nothing."""
+    roots = [root for root, _ in saved.values()] + [stream_transformed[0]]
+    roots += [two_rank_saves[0] / kind for kind in ("sync", "async_thread")]
+    return plain_metadata_problems(*roots)
+
+
+def test_metadata_is_plain_dcp(saved: dict[str, tuple[Path, Manifest]],
+                               plain_metadata: dict[Path, str | None]) -> None:
+    roots = [root for root, _ in saved.values()]
+    assert {root: plain_metadata[root] for root in roots} == dict.fromkeys(roots)
 
 
 @pytest.mark.parametrize("variant", ["default", "threads", "per_item"])
@@ -412,10 +443,9 @@ def test_safetensors_format_items_are_digested(tmp_path: Path) -> None:
     check_fingerprints_match(writer.manifest, {"w": state["w"], "v": state["v"]})
 
 
-def test_stream_transform_extension_items_are_digested(tmp_path: Path) -> None:
-    """With a stream transform (DCP's experimental ``_extensions``), each item's transformed bytes are
-    still written between two tell() calls, so they are digested as written, and the digests are those
-    of the bytes on disk."""
+@pytest.fixture(scope="module")
+def stream_transformed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HashingFileSystemWriter]:
+    """A save through a stream transform (DCP's experimental ``_extensions``: each byte XORed) and its writer."""
     from torch.distributed.checkpoint._extension import StreamTransformExtension
 
     class _Xor(io.RawIOBase):
@@ -452,14 +482,24 @@ def test_stream_transform_extension_items_are_digested(tmp_path: Path) -> None:
         def transform_from(self, input: Any) -> Any:  # pragma: no cover - this test only saves
             raise AssertionError("the test saves with this extension; nothing loads through it")
 
+    root = tmp_path_factory.mktemp("stream-transform")
     state = {"w": torch.randn(64, 64), "k": [1, 2, 3]}
-    writer = HashingFileSystemWriter(str(tmp_path), _extensions=[XorExtension()], block_bytes=4096)
+    writer = HashingFileSystemWriter(str(root), _extensions=[XorExtension()], block_bytes=4096)
     dcp.save(state, storage_writer=writer)
+    return root, writer
+
+
+def test_stream_transform_extension_items_are_digested(stream_transformed: tuple[Path, HashingFileSystemWriter],
+                                                       plain_metadata: dict[Path, str | None]) -> None:
+    """With a stream transform (DCP's experimental ``_extensions``), each item's transformed bytes are
+    still written between two tell() calls, so they are digested as written, and the digests are those
+    of the bytes on disk."""
+    root, writer = stream_transformed
     assert writer.stats["reread_items"] == 0
-    check_manifest_against_disk(tmp_path, writer.manifest)
-    md = FileSystemReader(str(tmp_path)).read_metadata()
+    check_manifest_against_disk(root, writer.manifest)
+    md = FileSystemReader(str(root)).read_metadata()
     assert all(s.transform_descriptors == ["xor/1"] for s in md.storage_data.values())
-    check_plain_metadata(tmp_path)
+    assert plain_metadata[root] is None
 
 
 def test_several_ranks_without_collectives_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -761,9 +801,11 @@ def test_two_rank_fsdp2_manifest(two_rank_saves: tuple[Path, list[dict]], kind: 
         assert len([f for f in manifest.files if f.startswith("__0_")]) == 2  # thread_count=2
 
 
-def test_two_rank_metadata_is_plain_dcp(two_rank_saves: tuple[Path, list[dict]]) -> None:
+def test_two_rank_metadata_is_plain_dcp(two_rank_saves: tuple[Path, list[dict]],
+                                       plain_metadata: dict[Path, str | None]) -> None:
     root, _ = two_rank_saves
-    check_plain_metadata(root / "sync", root / "async_thread")
+    assert {kind: plain_metadata[root / kind] for kind in ("sync", "async_thread")} == dict.fromkeys(
+        ("sync", "async_thread"))
 
 
 def test_two_rank_manifest_matches_single_process_manifest(

@@ -2,14 +2,20 @@
 as complete unless the whole save committed; a second save into a directory being saved fails clearly.
 
 Kills are real: a fresh job (1 or 2 ranks over gloo) is SIGKILLed, all its ranks at once, at a chosen point
-inside the save (``scripts/chaos_save.py`` runs the same jobs at random points)."""
+inside the save (``scripts/chaos_save.py`` runs the same jobs at random points). As in the script, each job's
+ranks are processes of their own forked from one zygote that imported torch once (not fresh interpreters that
+each pay the imports): a kill is still a SIGKILL of the job's own process group, the test process untouched."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +36,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
                                         "ignore:Detected an existing checkpoint:UserWarning")
 
 
-def _killed(job: chaos.Job, path: Path) -> dict[str, Any]:
-    result = chaos.run_job(job, path)
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[chaos.Zygote]:
+    """The chaos script's own fork server: one process that imported torch and ckptverify, forking each job's
+    ranks (each job in a process group of its own, killed whole)."""
+    server = chaos.Zygote()
+    yield server
+    server.close()
+
+
+def _killed(job: chaos.Job, path: Path, zygote: chaos.Zygote) -> dict[str, Any]:
+    result = chaos.run_job(job, path, zygote=zygote)
     assert result["killed"], f"the job was not killed at {job.kill_at}: {result}"
     return result
 
@@ -43,9 +58,10 @@ def _killed(job: chaos.Job, path: Path) -> dict[str, Any]:
     ("metadata", "per-item"),    # every shard and .metadata written, no manifest
     ("manifest", "single"),      # the manifest written, the marker not yet removed
 ])
-def test_a_resave_killed_inside_is_refused_by_verify_and_load(tmp_path: Path, kill_at: str, layout: str) -> None:
+def test_a_resave_killed_inside_is_refused_by_verify_and_load(tmp_path: Path, kill_at: str, layout: str,
+                                                             zygote: chaos.Zygote) -> None:
     path = tmp_path / "ckpt"
-    _killed(chaos.Job(world=1, mode="sync", existing=True, layout=layout, kill_at=kill_at), path)
+    _killed(chaos.Job(world=1, mode="sync", existing=True, layout=layout, kill_at=kill_at), path, zygote)
     assert read_marker(str(path)) is not None
     report = verify_checkpoint(path, jobs=1)
     assert "save-uncommitted" in {f.check for f in report.errors}
@@ -55,32 +71,32 @@ def test_a_resave_killed_inside_is_refused_by_verify_and_load(tmp_path: Path, ki
         assert not (path / ".metadata").exists() and not (path / MANIFEST_FILE).exists()
 
 
-def test_an_async_resave_killed_between_shards_is_refused(tmp_path: Path) -> None:
+def test_an_async_resave_killed_between_shards_is_refused(tmp_path: Path, zygote: chaos.Zygote) -> None:
     path = tmp_path / "ckpt"
-    _killed(chaos.Job(world=1, mode="async", existing=True, layout="per-item", kill_at="file:2"), path)
+    _killed(chaos.Job(world=1, mode="async", existing=True, layout="per-item", kill_at="file:2"), path, zygote)
     assert chaos.judge(path, existing=True)[0] == "refused"
 
 
-def test_two_ranks_one_writing_late_killed_when_the_other_has_written(tmp_path: Path) -> None:
+def test_two_ranks_one_writing_late_killed_when_the_other_has_written(tmp_path: Path, zygote: chaos.Zygote) -> None:
     """Rank 1 starts writing its shards late (here: not before the job dies); the job dies as soon as rank 0
     has written one: old shards of rank 1 beside new shards of rank 0, and the directory must not pass."""
     path = tmp_path / "ckpt"
     never = str(tmp_path / "never")  # rank 1 waits for this file, which never appears
     _killed(chaos.Job(world=2, mode="sync", existing=True, layout="single", kill_at="file:1", kill_rank=0,
-                      late=0.5, late_rank=1, hold=never), path)
+                      late=0.5, late_rank=1, hold=never), path, zygote)
     assert chaos.judge(path, existing=True)[0] == "refused"
 
 
-def test_two_ranks_async_killed_before_the_manifest(tmp_path: Path) -> None:
+def test_two_ranks_async_killed_before_the_manifest(tmp_path: Path, zygote: chaos.Zygote) -> None:
     path = tmp_path / "ckpt"
-    _killed(chaos.Job(world=2, mode="async", existing=True, layout="per-item", kill_at="metadata"), path)
+    _killed(chaos.Job(world=2, mode="async", existing=True, layout="per-item", kill_at="metadata"), path, zygote)
     assert chaos.judge(path, existing=True)[0] == "refused"
 
 
-def test_a_killed_save_does_not_block_the_next_one(tmp_path: Path) -> None:
+def test_a_killed_save_does_not_block_the_next_one(tmp_path: Path, zygote: chaos.Zygote) -> None:
     """The lock dies with the process that held it; the next save commits and its directory is clean."""
     path = tmp_path / "ckpt"
-    _killed(chaos.Job(world=1, existing=True, layout="per-item", kill_at="file:3"), path)
+    _killed(chaos.Job(world=1, existing=True, layout="per-item", kill_at="file:3"), path, zygote)
     assert read_marker(str(path)) is not None
     state = chaos.make_state(7)
     ckptverify.save(state, path, single_file_per_rank=False)
@@ -92,9 +108,9 @@ def test_a_killed_save_does_not_block_the_next_one(tmp_path: Path) -> None:
     assert loaded.counters.step == 7
 
 
-def test_an_uninterrupted_resave_commits(tmp_path: Path) -> None:
+def test_an_uninterrupted_resave_commits(tmp_path: Path, zygote: chaos.Zygote) -> None:
     path = tmp_path / "ckpt"
-    result = chaos.run_job(chaos.Job(world=1, existing=True), path)
+    result = chaos.run_job(chaos.Job(world=1, existing=True), path, zygote=zygote)
     assert result["returncodes"] == [0], result["output"]
     assert chaos.judge(path, existing=True) == ("new", "")
     assert not (path / MARKER_FILE).exists()
@@ -148,33 +164,33 @@ def test_a_second_save_into_a_directory_being_saved_fails_clearly(tmp_path: Path
     assert torch.equal(template["w"], torch.ones(8))
 
 
-def test_a_save_from_another_process_into_a_directory_being_saved_fails_clearly(tmp_path: Path) -> None:
+def test_a_save_from_another_process_into_a_directory_being_saved_fails_clearly(tmp_path: Path,
+                                                                               zygote: chaos.Zygote) -> None:
     """The lock holds across processes: a job holds inside its save (before writing its shards) while this
     process tries to save into the same directory."""
-    import subprocess
-    import sys
-    import time
-
     path = tmp_path / "ckpt"
     go = tmp_path / "go"
     job = chaos.Job(world=1, existing=False, late_rank=0, hold=str(go))
     args = chaos._worker_args(job, path, 0, str(tmp_path / "rendezvous"), str(tmp_path / "signal"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(chaos.ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, chaos.__file__, "worker", *args], env=env)
+    pid = zygote.start([args], str(tmp_path / "job.log"))  # one rank: its pid is its job's process group
+    reply = None
     try:
         deadline = time.monotonic() + 120
         # The marker exists (empty) a moment before its holder writes who it is: wait for the record.
-        while not (read_marker(str(path)) or {}).get("pid") and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.01)
+        while not (read_marker(str(path)) or {}).get("pid") and time.monotonic() < deadline and reply is None:
+            reply = zygote.reply(timeout=0.01)  # an answer here: the job ended before it held the lock
         info = read_marker(str(path))
-        assert info is not None and info.get("pid") == proc.pid
-        with pytest.raises(SaveConflictError, match=f"pid {proc.pid}"):
+        assert info is not None and info.get("pid") == pid, (info, reply)
+        with pytest.raises(SaveConflictError, match=f"pid {pid}"):
             ckptverify.save(chaos.make_state(9), path)
         go.touch()
-        assert proc.wait(timeout=120) == 0
+        reply = zygote.reply(timeout=120)
+        assert reply is not None and reply["returncodes"] == [0], (tmp_path / "job.log").read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if reply is None:  # leave the zygote ready for the next job: end this one and take its answer
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            zygote.reply(timeout=60)
     assert chaos.judge(path, existing=False) == ("new", "")  # the job's save, whole
 
 

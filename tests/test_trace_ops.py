@@ -259,26 +259,29 @@ def test_damaged_op_log_is_a_format_error(tmp_path, op_runs):
 
 # ------------------------------------------------------------------------------------------------ device path
 
+#: The three runs of the device-path test, one after another in one interpreter of their own (the variable that
+#: sends host tensors down the device path is read at import): ``argv``: device, then (folder, skew) pairs.
 _DEVICE_PATH_SCRIPT = r'''
 import sys, torch
 from ckptverify.trace import TraceHeader, TraceRecorder
 from ckptverify.trace import readback
 from ckptverify.trace.oplog import op_steps
-device = sys.argv[3]
+device = sys.argv[1]
 assert readback._HOST_AS_DEVICE or device != "cpu"
-torch.manual_seed(0)
-lin = torch.nn.Linear(8, 8).to(device)
-skew = sys.argv[2] == "1"
-with TraceRecorder(sys.argv[1], header=TraceHeader(run="d", level="op")) as rec:
-    for step in (1, 2):
-        rec.record_step_start(None, step=step)
-        y = lin(torch.ones(2, 8, device=device) * step)
-        if skew and step == 2:
-            y = y * 1.0001
-        torch.topk(y.flatten(), 5)
-        rec.record_step(step, metrics={"loss": y.sum()})
-        # the op log of a step waits for its digests: written when the next row is recorded, or at close
-        assert op_steps(sys.argv[1], 0) == list(range(1, step))
+for folder, skew in zip(sys.argv[2::2], sys.argv[3::2], strict=True):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).to(device)
+    skew = skew == "1"
+    with TraceRecorder(folder, header=TraceHeader(run="d", level="op")) as rec:
+        for step in (1, 2):
+            rec.record_step_start(None, step=step)
+            y = lin(torch.ones(2, 8, device=device) * step)
+            if skew and step == 2:
+                y = y * 1.0001
+            torch.topk(y.flatten(), 5)
+            rec.record_step(step, metrics={"loss": y.sum()})
+            # the op log of a step waits for its digests: written when the next row is recorded, or at close
+            assert op_steps(folder, 0) == list(range(1, step))
 '''
 
 
@@ -289,9 +292,9 @@ def test_op_log_on_the_device_path(tmp_path, device="cpu"):
 
     env = {**os.environ, "CKPTVERIFY_TRACE_HOST_AS_DEVICE": "1" if device == "cpu" else "0"}
     runs = ("p", "q", "s")
-    for name, skew in zip(runs, ("0", "0", "1"), strict=True):
-        subprocess.run([sys.executable, "-c", _DEVICE_PATH_SCRIPT, str(tmp_path / name), skew, device], check=True,
-                       env=env, timeout=300)
+    # one interpreter for the three runs: each is its own recorder, model and seed, as in a process of its own
+    args = [arg for name, skew in zip(runs, ("0", "0", "1"), strict=True) for arg in (str(tmp_path / name), skew)]
+    subprocess.run([sys.executable, "-c", _DEVICE_PATH_SCRIPT, device, *args], check=True, env=env, timeout=300)
     p, q, s = (read_ops(tmp_path / name, 0, 2) for name in runs)
     assert [(e.key, e.inputs, e.outputs, e.chunks) for e in p] == [(e.key, e.inputs, e.outputs, e.chunks) for e in q]
     assert all(v is not None for e in p if e.op == "aten.addmm.default" for v in (*e.inputs, *e.outputs))

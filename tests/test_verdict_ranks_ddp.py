@@ -7,18 +7,42 @@ warmup-cosine LambdaLR, clipping and dropout. Each cause is planted on rank 1 on
 every rank: under DDP rank 0's gradients, parameters and gradient norm differ too (the all-reduce carried rank
 1's values), so rank 0 is a receiver, never the verdict's rank; with the cause on every rank, no one rank is
 named.
+
+Every job below is a resume check of its own (its own runs, checkpoints and verdict); they are checked together,
+sharing one launch per run (see ``helpers.llm_job``).
 """
 
 from __future__ import annotations
 
 import pytest
-from helpers.llm_job import checks, receiver_ranks, resume_check, verdict
+from helpers.llm_job import Job, checks, receiver_ranks, resume_checks, verdict
 
 pytestmark = pytest.mark.slow
 
+JOBS = {
+    "clean": Job(),
+    "rng-1": Job("rng", "1"),
+    "rng-all": Job("rng", "all"),
+    "data-1": Job("data", "1"),
+    "scheduler-1": Job("scheduler", "1"),
+    "replaced-loader-1": Job("replaced-loader", "1"),
+    "held-1": Job("held", "1"),
+    "held-all": Job("held", "all"),
+    "restore-1": Job("restore", "1"),
+    "restore-all": Job("restore", "all"),
+    # The optimizer steps every 4 micro-batches (steps 4 and 8); step 6's checkpoint falls between them.
+    "accum": Job("accum", steps=8, resume_at=6),
+    "noisy-1": Job("noisy", "1", runs="A,A2"),
+}
 
-def test_a_clean_job_passes_and_the_loaders_own_dataset_is_not_called_unregistered(tmp_path):
-    report = resume_check(tmp_path)
+
+@pytest.fixture(scope="module")
+def reports():
+    return resume_checks(JOBS)
+
+
+def test_a_clean_job_passes_and_the_loaders_own_dataset_is_not_called_unregistered(reports):
+    report = reports["clean"]
     v = verdict(report)
     assert v["kind"] == "pass", v
     assert "unregistered-state" not in checks(report), report["findings"]
@@ -26,8 +50,8 @@ def test_a_clean_job_passes_and_the_loaders_own_dataset_is_not_called_unregister
 
 
 @pytest.mark.parametrize(("ranks", "rank", "receivers"), [("1", 1, [0]), ("all", None, [])])
-def test_a_reseed_after_restore_is_rng_on_the_rank_that_reseeded(tmp_path, ranks, rank, receivers):
-    report = resume_check(tmp_path, plant="rng", ranks=ranks)
+def test_a_reseed_after_restore_is_rng_on_the_rank_that_reseeded(reports, ranks, rank, receivers):
+    report = reports[f"rng-{ranks}"]
     v = verdict(report)
     assert (v["kind"], v["rank"], v["site"], v["step"]) == ("rng", rank, "rng.torch_cpu", 3), v
     assert receiver_ranks(report) == receivers
@@ -38,8 +62,8 @@ def test_a_reseed_after_restore_is_rng_on_the_rank_that_reseeded(tmp_path, ranks
     assert "unregistered" not in v["message"].lower()
 
 
-def test_an_iterator_made_before_the_restore_is_data_on_that_rank_with_advice_for_an_iterable_dataset(tmp_path):
-    report = resume_check(tmp_path, plant="data", ranks="1")
+def test_an_iterator_made_before_the_restore_is_data_on_that_rank_with_advice_for_an_iterable_dataset(reports):
+    report = reports["data-1"]
     v = verdict(report)
     assert (v["kind"], v["rank"], v["step"]) == ("data", 1, 3), v
     assert v["site"].startswith("batch")
@@ -50,8 +74,8 @@ def test_an_iterator_made_before_the_restore_is_data_on_that_rank_with_advice_fo
     assert "IterableDataset" in v["message"]
 
 
-def test_a_scheduler_rebuilt_after_restore_is_named_with_its_variable(tmp_path):
-    report = resume_check(tmp_path, plant="scheduler", ranks="1")
+def test_a_scheduler_rebuilt_after_restore_is_named_with_its_variable(reports):
+    report = reports["scheduler-1"]
     v = verdict(report)
     assert (v["kind"], v["rank"], v["site"]) == ("changed-after-restore", 1, "sched"), v
     assert "the LambdaLR the loop uses is not the one in the TrainState: sched was rebuilt after run.restore()" \
@@ -60,8 +84,8 @@ def test_a_scheduler_rebuilt_after_restore_is_named_with_its_variable(tmp_path):
     assert "replaced-after-restore" in checks(report, "warning")
 
 
-def test_a_loader_rebuilt_after_restore_is_named_not_called_an_unrestored_position(tmp_path):
-    report = resume_check(tmp_path, plant="replaced-loader", ranks="1")
+def test_a_loader_rebuilt_after_restore_is_named_not_called_an_unrestored_position(reports):
+    report = reports["replaced-loader-1"]
     v = verdict(report)
     assert (v["kind"], v["rank"], v["site"], v["category"]) == ("changed-after-restore", 1, "loader",
                                                                  "dataloader"), v
@@ -69,8 +93,8 @@ def test_a_loader_rebuilt_after_restore_is_named_not_called_an_unrestored_positi
 
 
 @pytest.mark.parametrize(("ranks", "rank", "receivers"), [("1", 1, [0]), ("all", None, [])])
-def test_a_counter_held_outside_the_train_state_is_hidden_state_on_its_rank(tmp_path, ranks, rank, receivers):
-    report = resume_check(tmp_path, plant="held", ranks=ranks)
+def test_a_counter_held_outside_the_train_state_is_hidden_state_on_its_rank(reports, ranks, rank, receivers):
+    report = reports[f"held-{ranks}"]
     v = verdict(report)
     assert (v["kind"], v["rank"], v["step"]) == ("hidden-state", rank, 3), v
     # The rank's own value (its loss), not the gradient norm computed after the all-reduce.
@@ -79,23 +103,22 @@ def test_a_counter_held_outside_the_train_state_is_hidden_state_on_its_rank(tmp_
 
 
 @pytest.mark.parametrize(("ranks", "rank"), [("1", 1), ("all", None)])
-def test_a_dataset_that_drops_its_position_on_load_is_a_restore_mismatch_of_its_rank(tmp_path, ranks, rank):
-    report = resume_check(tmp_path, plant="restore", ranks=ranks)
+def test_a_dataset_that_drops_its_position_on_load_is_a_restore_mismatch_of_its_rank(reports, ranks, rank):
+    report = reports[f"restore-{ranks}"]
     v = verdict(report)
     assert (v["kind"], v["rank"], v["site"]) == ("restore-mismatch", rank, "data"), v
 
 
-def test_a_save_between_micro_batches_is_named_accumulated_gradients(tmp_path):
-    # The optimizer steps every 4 micro-batches (steps 4 and 8); step 6's checkpoint falls between them.
-    report = resume_check(tmp_path, plant="accum", steps=8, resume_at=6)
+def test_a_save_between_micro_batches_is_named_accumulated_gradients(reports):
+    report = reports["accum"]
     v = verdict(report)
     assert (v["kind"], v["category"], v["step"]) == ("accumulated-gradients", "gradients", 7), v
     assert "held accumulated gradients (tok.weight" in v["message"]
     assert "run.steps(loader, micro_batches=K)" in v["advice"]
 
 
-def test_a_computation_nondeterministic_on_rank_1_is_named_on_rank_1_with_rank_0_receiving(tmp_path):
-    report = resume_check(tmp_path, plant="noisy", ranks="1", runs="A,A2")
+def test_a_computation_nondeterministic_on_rank_1_is_named_on_rank_1_with_rank_0_receiving(reports):
+    report = reports["noisy-1"]
     v = verdict(report)
     assert (v["kind"], v["rank"], v["step"]) == ("nondeterministic", 1, 1), v
     assert v["site"] == "metric.loss"

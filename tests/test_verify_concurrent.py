@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -37,6 +38,17 @@ def _checkpoint(path: Path) -> Path:
     report, manifest = fingerprint_checkpoint(path, block_bytes=1 << 20)
     assert report.passed and manifest is not None
     return path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint (with its manifest), built once; each test verifies a fresh copy of it."""
+    return _checkpoint(tmp_path_factory.mktemp("concurrent") / "ckpt")
+
+
+@pytest.fixture
+def checkpoint(built: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(built, tmp_path / "ckpt"))
 
 
 def _largest(path: Path) -> Path:
@@ -102,8 +114,9 @@ def _verify(path: Path, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", [(), ("--deep",), ("--no-manifest",)], ids=["manifest", "deep", "no-manifest"])
-def test_shard_changing_under_verify_is_a_finding_never_a_crash(mode: tuple[str, ...], tmp_path: Path) -> None:
-    path = _checkpoint(tmp_path / "ckpt")
+def test_shard_changing_under_verify_is_a_finding_never_a_crash(mode: tuple[str, ...], checkpoint: Path,
+                                                                 tmp_path: Path) -> None:
+    path = checkpoint  # a fresh copy: the writer below changes (and restores) its largest shard
     mutator = _Mutator(_largest(path), tmp_path)
     mutator.start()
     reports: list[dict] = []
@@ -155,12 +168,12 @@ def test_truncation_between_open_and_read_is_reported(tmp_path: Path) -> None:
         assert "replaced" in (f.changed() or "")
 
 
-def test_verify_reports_a_shard_rewritten_in_place_after_it_was_read(tmp_path: Path,
+def test_verify_reports_a_shard_rewritten_in_place_after_it_was_read(checkpoint: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A change that leaves the bytes read intact (it happens after they were hashed) is still reported."""
     import ckptverify.audit.verify as v
 
-    path = _checkpoint(tmp_path / "ckpt")
+    path = checkpoint
     shard = _largest(path)
     real = v.VerificationRun._hash
 

@@ -1,47 +1,33 @@
-"""A save's background verification shared out among the nodes that wrote it (``ckptverify.verifier.parts``).
-
-Two "nodes" are simulated on one machine: each rank names its node with ``CKPTVERIFY_NODE`` (the override for
-where host names do not tell nodes apart). Each node's part must open only its node's files; the coordinator
-stamps once every part reported: passed, failed naming the node and file, or unverified naming a silent node.
+"""A save's verification shared out among the nodes that wrote it (``ckptverify.verifier.parts``,
+``ckptverify.ownfiles.partsplan``), each side run in this one process: what a node's part opens and judges, how
+the coordinator merges the parts into one stamp, a manifest written from the parts' digests, a folder of DCP
+folders (a transformers FSDP ``checkpoint-N``), and the deep check in parts. The same with real ranks as nodes:
+``test_parts_among_nodes.py``; a production job on two torchrun nodes: ``test_parts_torchrun_job.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import faults as inj
-from helpers.multiproc import spawn_ranks
+from helpers.nodeparts import SUBS as _SUBS
+from helpers.nodeparts import manifests as _manifests
+from helpers.nodeparts import plain_dcp as _plain_dcp
+from helpers.nodeparts import stamp_of as _stamp
+from helpers.nodeparts import without_times as _without_times
 
 import ckptverify as cv
 from ckptverify.audit.verify import verify_checkpoint, verify_part
 from ckptverify.findings import Report
-from ckptverify.ownfiles.events import read_events
 from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX
 from ckptverify.runs.stamp import STAMP_FILE, read_stamp
 from ckptverify.safeparse import readers
 from ckptverify.verifier import parts as parts_mod
-
-
-def _stamp(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / STAMP_FILE).read_text())
-
-
-def _flip_keeping_mtime(ckpt: str, fqn: str) -> inj.Fault:
-    """Silent corruption: one bit of ``fqn``'s payload flipped in place, the file's times kept."""
-    item = next(i for i in inj.tensor_zip_items(ckpt) if i.fqn == fqn)
-    st = os.stat(os.path.join(ckpt, item.file))
-    fault = inj.flip_in_tensor_payload(ckpt, fqn)
-    os.utime(os.path.join(ckpt, item.file), ns=(st.st_atime_ns, st.st_mtime_ns))
-    return fault
-
 
 # ---------------------------------------------------------------------------------- one process
 
@@ -223,232 +209,7 @@ def test_a_part_verdict_of_another_save_or_no_verdict_at_all_is_no_report(tmp_pa
     assert "node 1 (host hostB, ranks [1])" in result.reason and "__0_1.distcp" in result.reason
 
 
-# ---------------------------------------------------------------------------------- two nodes, real ranks
-
-
-def _nodes_worker(rank: int, world: int, root: str) -> None:
-    import torch.distributed as dist
-
-    from ckptverify.verifier import background
-
-    warnings.simplefilter("ignore")
-    os.environ[parts_mod.NODE_ENV] = f"node{rank}"  # each rank its own node
-    out: dict[str, Any] = {"rank": rank, "verdicts": {}}
-
-    def save(step: int) -> None:
-        state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(1024.0) * step}
-        cv.save(state, os.path.join(root, f"step_{step}"), verify="background", events=root)
-        out[f"waited_{step}"] = cv.wait_for_verifications(timeout=240)
-        last = cv.last_verification()
-        out["verdicts"][step] = None if last is None else last.to_dict()
-        dist.barrier()
-
-    def plant(path: str) -> None:
-        if path.endswith("step_2"):
-            out["fault"] = _flip_keeping_mtime(path, "w.1").file
-        elif path.endswith("step_3"):
-            raise RuntimeError("this node's verifier is gone")
-
-    try:
-        save(1)
-        if rank == 1:
-            background.default_verifier().before_verify = plant
-        dist.barrier()
-        save(2)  # a bit flipped in node 1's file, by node 1, before its part reads it
-        save(3)  # node 1's part never reports
-        os.environ[parts_mod.NODE_ENV] = "node0"  # both ranks on one node: one part, as without nodes
-        save(4)
-        os.environ[parts_mod.NODE_ENV] = f"node{rank}"
-        state = {f"w.{rank}": torch.full((4096,), 5.0 + rank), "shared": torch.arange(1024.0)}
-        cv.async_save(state, os.path.join(root, "step_5"), verify="background", events=root).result()
-        out["waited_5"] = cv.wait_for_verifications(timeout=240)
-        dist.barrier()
-        out["has_verifier"] = background._default is not None
-    finally:
-        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f, default=str)
-
-
-@contextlib.contextmanager
-def _as_node(rank: int, root: str, flip_in: str | None = None) -> Iterator[dict[str, Any]]:
-    """Rank ``rank`` of a two-node test as node ``node{rank}``: yields what it records, written to ``rankN.json``
-    however the body ends. ``flip_in``: node 1's verifier first flips a bit of ``w.1`` in the checkpoint whose
-    path ends so (its times kept), as silent corruption would."""
-    from ckptverify.verifier import background
-
-    warnings.simplefilter("ignore")
-    os.environ[parts_mod.NODE_ENV] = f"node{rank}"
-    if rank == 1 and flip_in is not None:
-        background.default_verifier().before_verify = (
-            lambda p: _flip_keeping_mtime(p, "w.1") and None if p.endswith(flip_in) else None)
-    out: dict[str, Any] = {}
-    try:
-        yield out
-    finally:
-        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f, default=str)
-
-
-def _two_nodes(worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_timeout: int,
-               *args: Any) -> list[Any]:
-    """``worker(rank, world, root, *args)`` on two gloo ranks, each its own node, with reads unthrottled and a
-    part timeout of ``part_timeout`` seconds; what each rank wrote to ``rankN.json``."""
-    monkeypatch.setenv("CKPTVERIFY_VERIFY_THROTTLE", "0")
-    monkeypatch.setenv(parts_mod.PART_TIMEOUT_ENV, str(part_timeout))
-    spawn_ranks(worker, 2, str(tmp_path), *args)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-
-
-@pytest.mark.slow
-def test_two_nodes_verify_their_own_files_and_one_stamp_names_a_failed_or_silent_node(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ranks = _two_nodes(_nodes_worker, tmp_path, monkeypatch, part_timeout=30)
-    assert all(r[f"waited_{s}"] for r in ranks for s in (1, 2, 3, 4)), ranks
-    verdicts = ranks[0]["verdicts"]
-    # Rank 1 verified its node's part in its own verifier; the coordinator alone reports verdicts.
-    assert ranks[1]["has_verifier"] and all(v is None for v in ranks[1]["verdicts"].values())
-
-    clean = _stamp(tmp_path / "step_1")
-    assert clean["passed"] and verdicts["1"]["verdict"] == "passed"
-    by_node = {p["node"]: p for p in clean["parts"]}
-    assert [by_node[k]["host"] for k in (0, 1)] == ["node0", "node1"]
-    assert by_node[0]["ranks"] == [0] and by_node[1]["ranks"] == [1]
-    files = {n for n in os.listdir(tmp_path / "step_1") if n.endswith(".distcp")}
-    for k in (0, 1):
-        # No part read another node's files: each opened exactly the files its ranks wrote.
-        assert by_node[k]["opened"] == by_node[k]["files"] == sorted(n for n in files if n.startswith(f"__{k}_"))
-    sizes = {n: (tmp_path / "step_1" / n).stat().st_size for n in files}
-    assert clean["bytes_checked"] == sum(sizes.values()) == sum(p["bytes"] for p in clean["parts"])
-    assert not [n for n in os.listdir(tmp_path / "step_1") if n.startswith(PARTS_PREFIX)]  # tidied after stamping
-    assert read_stamp(tmp_path / "step_1").current
-
-    failed = _stamp(tmp_path / "step_2")
-    fault = ranks[1]["fault"]
-    assert fault.startswith("__1_") and not failed["passed"] and verdicts["2"]["verdict"] == "failed"
-    named = [e for e in failed["errors"] if e["check"] == "node-part-failed"]
-    assert len(named) == 1 and "node 1 (host node1" in named[0]["message"] and fault in named[0]["message"], named
-    assert {e["location"].get("file") for e in failed["errors"] if e["check"] != "node-part-failed"} == {fault}
-    assert {p["node"]: p["verdict"] for p in failed["parts"]} == {0: "passed", 1: "failed"}
-    assert (tmp_path / "step_2" / fault).exists()  # evidence kept
-
-    silent = verdicts["3"]
-    assert silent["verdict"] == "unverified" and not (tmp_path / "step_3" / STAMP_FILE).exists()
-    assert "node 1 (host node1, ranks [1])" in silent["reason"] and "__1_0.distcp" in silent["reason"], silent
-
-    one_node = _stamp(tmp_path / "step_4")
-    assert one_node["passed"] and "parts" not in one_node
-    after_upload = _stamp(tmp_path / "step_5")  # async_save: the parts are queued once the upload committed
-    assert after_upload["passed"] and [p["opened"] for p in after_upload["parts"]] == [["__0_0.distcp"],
-                                                                                     ["__1_0.distcp"]]
-    events = [(e["event"], e["step"], e["rank"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")]
-    assert events == [("checkpoint-verified", 1, 0), ("checkpoint-failed", 2, 0), ("checkpoint-unverified", 3, 0),
-                      ("checkpoint-verified", 4, 0), ("checkpoint-verified", 5, 0)], events
-
-
-# ---------------------------------------------------------------------------------- the integrations' path
-
-
-def _integration_worker(rank: int, world: int, root: str) -> None:
-    from ckptverify.integrations._core import Verifier, torch_group
-
-    with _as_node(rank, root, flip_in="step_2") as out:
-        verifier = Verifier(verify="background", fingerprint=False)
-        for step in (1, 2):
-            path = os.path.join(root, f"step_{step}")
-            # What torchtitan's VerifiedCheckpointManager does: a hashing save, then the check of what it wrote.
-            cv.save({f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}, path)
-            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=torch_group(),
-                                                         fingerprint=False).pending
-        arrived = verifier.wait(group=torch_group(), timeout=240)
-        out["arrived"] = {v.step: v.verdict for v in arrived}
-
-
-@pytest.mark.slow
-def test_an_integration_s_background_check_is_shared_out_among_nodes_too(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    ranks = _two_nodes(_integration_worker, tmp_path, monkeypatch, part_timeout=120)
-    assert all(r["pending_1"] and r["pending_2"] for r in ranks), ranks
-    assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed"}, ranks
-    clean = _stamp(tmp_path / "step_1")
-    assert clean["passed"] and [p["opened"] for p in clean["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
-    failed = _stamp(tmp_path / "step_2")
-    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
-    assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
-    events = {(e["event"], e["step"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")}
-    assert events == {("checkpoint-verified", 1), ("checkpoint-failed", 2)}, events
-
-
-# ---------------------------------------------------------------------------------- a production job on two nodes
-
-PRODUCTION_SCRIPT = Path(__file__).parent / "user_scripts" / "production_train.py"
-
-
-def _two_node_job(run_dir: Path, steps: int, save_every: int, *extra: str) -> None:
-    """The production script started as torchrun starts it on two nodes: one agent per node, one rank each (both
-    agents on this machine: torchrun's node rank tells them apart)."""
-    import subprocess
-    import sys
-
-    from helpers.ports import on_a_free_port
-
-    env = {**os.environ, "CKPTVERIFY_VERIFY_THROTTLE": "0", parts_mod.PART_TIMEOUT_ENV: "240"}
-    env.pop(parts_mod.NODE_ENV, None)
-
-    def start(port: int) -> tuple[list[int | None], list[str]]:
-        agents = [subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={k}", "--nproc-per-node=1",
-             "--master-addr=127.0.0.1", f"--master-port={port}", str(PRODUCTION_SCRIPT), "--run-dir", str(run_dir),
-             "--steps", str(steps), "--save-every", str(save_every), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for k in (0, 1)]
-        outputs = [a.communicate(timeout=600)[0] for a in agents]
-        return [a.returncode for a in agents], outputs
-
-    def taken(result: tuple[list[int | None], list[str]]) -> bool:
-        return any("EADDRINUSE" in o or "address already in use" in o for o in result[1])
-
-    codes, outputs = on_a_free_port(start, taken)
-    assert codes == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("deep", [False, True])
-def test_a_production_run_on_two_nodes_stamps_each_checkpoint_once_from_both_parts(tmp_path: Path,
-                                                                                    deep: bool) -> None:
-    run = tmp_path / "run"
-    _two_node_job(run, 4, 2, *(["--deep"] if deep else []))
-    for step in (2, 4):
-        ckpt = run / f"step_{step}"
-        stamp = read_stamp(ckpt)
-        assert stamp is not None and stamp.current and stamp.passed and stamp.step == step
-        assert stamp.data["deep"] is deep
-        if deep:  # every tensor of the TrainState rebuilt from both nodes' pieces
-            rebuilt = [c["count"] for c in stamp.data["coverage"] if c["check"] == "fingerprint"]
-            whole = verify_checkpoint(ckpt, deep=True)
-            assert rebuilt == [c.count for c in whole.coverage if c.check == "fingerprint"] and rebuilt[0] > 0
-        parts = stamp.data["parts"]
-        assert [p["ranks"] for p in parts] == [[0], [1]] and parts[0]["host"] != parts[1]["host"], parts
-        # Rank r's node opened only what rank r wrote.
-        assert [p["opened"] for p in parts] == [sorted(n for n in os.listdir(ckpt) if n.startswith(f"__{r}_"))
-                                                for r in (0, 1)]
-        assert not [n for n in os.listdir(ckpt) if n.startswith(PARTS_PREFIX)]
-    verified = [(e["step"], e["rank"]) for e in read_events(run, "checkpoint-verified")]
-    assert sorted(verified) == [(2, 0), (4, 0)], verified
-
-
 # ---------------------------------------------------------------------------------- fingerprint="auto"
-
-
-def _plain_dcp(path: Path, state: dict[str, torch.Tensor], *, safetensors: bool = False) -> str:
-    """A checkpoint written by torch's own ``dcp.save`` (no manifest), in two files of one rank."""
-    import torch.distributed.checkpoint as dcp
-
-    kwargs: dict[str, Any] = {"thread_count": 2}
-    if safetensors:
-        from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-        kwargs["serialization_format"] = SerializationFormat.SAFETENSORS
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), **kwargs), no_dist=True)
-    return str(path)
 
 
 def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None, deep: bool = False,
@@ -472,13 +233,6 @@ def _job_in_parts(path: str, fingerprint: Any, opened: list[str] | None = None, 
     if opened is not None:
         opened[:] = [n if n.startswith("part: ") else f"coordinator: {n}" for n in opened]
     return out
-
-
-def _without_times(manifest: Any) -> dict[str, Any]:
-    d = manifest.to_dict()
-    d.pop("created"), d.pop("self_digest", None)  # the time it was written, and what covers it
-    d["items"] = sorted(d["items"], key=lambda e: (e["file"], e["offset"]))
-    return d
 
 
 def test_auto_shares_out_a_checkpoint_every_byte_of_which_a_crc_protects(tmp_path: Path) -> None:
@@ -569,94 +323,6 @@ def test_parts_that_cannot_be_merged_are_refused_by_the_merge() -> None:
         _merge_scans({"t": SmallScan("0" * 32, 0, 0)}, [{"t": b}])
 
 
-def _framework_groups(rank: int) -> dict[str, Any]:
-    """The groups the Lightning and accelerate integrations build, on a stand-in for the trainer and the
-    accelerator (both run on the default process group)."""
-    import dataclasses
-    import types
-
-    import torch.distributed as dist
-
-    from ckptverify.integrations import accelerate as acc_mod
-    from ckptverify.integrations.lightning import VerifyCheckpoints
-
-    strategy = types.SimpleNamespace(broadcast=lambda obj, src=0: _broadcast(obj))
-    trainer = types.SimpleNamespace(strategy=strategy, world_size=2, is_global_zero=rank == 0, global_rank=rank)
-    accelerator = types.SimpleNamespace(num_processes=2, is_main_process=rank == 0, process_index=rank,
-                                        wait_for_everyone=dist.barrier)
-    # accelerate's own broadcast needs its process state set up (no Accelerator here): the group's gather, the
-    # integration's own, is what is under test.
-    return {"lightning": VerifyCheckpoints._group(VerifyCheckpoints(), trainer),  # type: ignore[arg-type]
-            "accelerate": dataclasses.replace(acc_mod._group(accelerator), broadcast=_broadcast)}
-
-
-def _broadcast(obj: Any) -> Any:
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _auto_worker(rank: int, world: int, root: str) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from ckptverify.integrations._core import Verifier
-
-    with _as_node(rank, root, flip_in="step_2") as out:
-        groups = _framework_groups(rank)
-        out["gather"] = {k: g.gather is not None for k, g in groups.items()}
-        verifier = Verifier(verify="background")  # fingerprint="auto", the integrations' default
-        for step, framework in ((1, "lightning"), (2, "accelerate"), (3, "lightning"), (4, "accelerate")):
-            path = os.path.join(root, f"step_{step}")
-            state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}
-            kwargs: dict[str, Any] = {}
-            if step == 3:  # content no CRC-32 protects: fingerprinted ("auto"), in parts
-                from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-                kwargs["serialization_format"] = SerializationFormat.SAFETENSORS
-            # The framework's own DCP save (no manifest), then the integration's check of what it wrote.
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, **kwargs))
-            dist.barrier()
-            # Step 4: a manifest asked for (fingerprint=True) over bytes every CRC-32 protects.
-            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=groups[framework],
-                                                         fingerprint=True if step == 4 else None).pending
-        arrived = verifier.wait(group=groups["lightning"], timeout=240)
-        out["arrived"] = {v.step: v.verdict for v in arrived}
-
-
-@pytest.mark.slow
-def test_lightning_and_accelerate_saves_are_verified_and_fingerprinted_in_parts_among_nodes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE
-
-    ranks = _two_nodes(_auto_worker, tmp_path, monkeypatch, part_timeout=120)
-    assert all(r["gather"] == {"lightning": True, "accelerate": True} for r in ranks), ranks
-    assert all(r[f"pending_{s}"] for r in ranks for s in (1, 2, 3, 4)), ranks
-    assert ranks[0]["arrived"] == ranks[1]["arrived"] == {"1": "passed", "2": "failed", "3": "passed",
-                                                          "4": "passed"}, ranks
-    clean = _stamp(tmp_path / "step_1")
-    assert clean["passed"] and [p["opened"] for p in clean["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
-    assert not (tmp_path / "step_1" / MANIFEST_FILE).exists()  # every byte under a CRC-32: nothing to fingerprint
-    failed = _stamp(tmp_path / "step_2")
-    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
-    assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
-    assert (tmp_path / "step_2" / "__1_0.distcp").exists()  # evidence kept
-    for step in (3, 4):  # fingerprinted in parts: each node digested what it wrote
-        adopted = _stamp(tmp_path / f"step_{step}")
-        assert adopted["passed"] and (tmp_path / f"step_{step}" / MANIFEST_FILE).is_file()
-        assert [p["opened"] for p in adopted["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
-        assert verify_checkpoint(tmp_path / f"step_{step}").stats["manifest"]
-    events = {e["step"]: e for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")}
-    assert [events[s]["event"] for s in (1, 2, 3, 4)] == ["checkpoint-verified", "checkpoint-failed",
-                                                          "checkpoint-verified", "checkpoint-verified"], events
-    assert "fingerprint" not in events[1], events
-    assert all(events[s]["fingerprint"].startswith("manifest written") for s in (3, 4)), events
-    for step in (1, 2, 3, 4):
-        assert not [n for n in os.listdir(tmp_path / f"step_{step}") if n.startswith(PARTS_PREFIX)]
-
-
 def test_parts_that_cannot_be_merged_are_adopted_whole_here_and_the_stamp_says_what_was_opened(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptverify.audit import adopt
@@ -742,9 +408,6 @@ def test_digests_a_part_verdict_does_not_hold_as_written_are_taken_by_reading_it
 
 
 # ---------------------------------------------------------------------------------- a folder with DCP folders inside
-
-_SUBS = ("optimizer_0", "pytorch_model_fsdp_0")
-
 
 def _fsdp_folder(root: Path, *, weights: bool = False) -> str:
     """A ``checkpoint-N`` as transformers writes it under FSDP (``SHARDED_STATE_DICT``): the model and the
@@ -855,14 +518,6 @@ def test_a_planted_plan_cannot_lead_a_part_out_of_the_folder_or_leave_its_own_fi
 def _folder_job(path: str, fingerprint: Any, opened: list[str] | None = None, deep: bool = False) -> dict[str, Any]:
     """:func:`_job_in_parts` for a folder of checkpoint files, each node given its shards in both DCP folders."""
     return _job_in_parts(path, fingerprint, opened, deep, nodes=_folder_nodes(path))
-
-
-def _manifests(path: str) -> dict[str, Any]:
-    """The manifests of a folder and of its DCP folders, by where they lie, their times left out."""
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
-
-    return {sub: _without_times(read_manifest(os.path.join(path, sub))) for sub in ("", *_SUBS)
-            if os.path.exists(os.path.join(path, sub, MANIFEST_FILE))}
 
 
 @pytest.mark.parametrize("weights", [False, True])
@@ -984,92 +639,6 @@ def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not_deep_or_not(
 
     plan = plan_from_names(path, ["hostA", "hostB"])  # every file here is rank 0's
     assert [n["files"] for n in plan["nodes"]] == [sorted(f for n in _folder_nodes(path) for f in n), []]
-
-
-def _fsdp_worker(rank: int, world: int, root: str, fingerprint: Any, deep: bool) -> None:
-    """Two saves as transformers' ``Trainer`` writes them under FSDP (``SHARDED_STATE_DICT``): every rank writes
-    its shards of the model and the optimizer through DCP and its own ``rng_state_R.pth``, rank 0 the rest; then
-    the transformers callback's ``on_save`` (with ``fingerprint`` and ``deep``), and ``on_train_end`` at the
-    end."""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from ckptverify.integrations.transformers import VerifyCheckpointsCallback
-    from ckptverify.verifier import background
-
-    with _as_node(rank, root) as out:
-        from ckptverify.options import VerifyOptions
-
-        callback = VerifyCheckpointsCallback(verify=VerifyOptions(when="background", deep=deep),
-                                             fingerprint=fingerprint)
-        args = SimpleNamespace(output_dir=root)
-        if rank == 1:
-            def flip(path: str) -> None:
-                if path.endswith("checkpoint-2"):
-                    sub = os.path.join(path, "pytorch_model_fsdp_0")
-                    item = next(i for i in inj.tensor_zip_items(sub) if i.file == "__1_0.distcp")
-                    out["fault"] = f"pytorch_model_fsdp_0/{_flip_keeping_mtime(sub, item.fqn).file}"
-
-            background.default_verifier().before_verify = flip
-        for step in (1, 2):
-            path = os.path.join(root, f"checkpoint-{step}")
-            os.makedirs(path, exist_ok=True)
-            model = {f"layer.{rank}.weight": torch.full((4096,), float(step + rank)), "bias": torch.arange(64.0)}
-            dcp.save({"model": model}, storage_writer=dcp.FileSystemWriter(os.path.join(path, "pytorch_model_fsdp_0")))
-            optim = {f"state.{rank}.exp_avg": torch.full((4096,), 0.5 * step), "lr": 1e-3}
-            dcp.save({"optimizer": optim}, storage_writer=dcp.FileSystemWriter(os.path.join(path, "optimizer_0")))
-            torch.save({"cpu": torch.get_rng_state()}, os.path.join(path, f"rng_state_{rank}.pth"))
-            if rank == 0:
-                torch.save({"last_epoch": step}, os.path.join(path, "scheduler.pt"))
-                with open(os.path.join(path, "trainer_state.json"), "w") as f:
-                    json.dump({"global_step": step}, f)
-            callback.on_save(args, SimpleNamespace(global_step=step), None)
-            out[f"pending_{step}"] = callback.verdicts[-1].pending
-            dist.barrier()
-        callback.on_train_end(args, SimpleNamespace(global_step=2), None)
-        out["verdicts"] = {v.step: v.verdict for v in callback.verdicts}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("fingerprint", "deep"), [("auto", False), (True, False), (False, True)])
-def test_a_transformers_fsdp_checkpoint_is_verified_among_the_nodes_that_wrote_its_shards(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fingerprint: Any, deep: bool) -> None:
-    ranks = _two_nodes(_fsdp_worker, tmp_path, monkeypatch, 120, fingerprint, deep)
-    assert all(r["pending_1"] and r["pending_2"] for r in ranks), ranks
-    assert ranks[0]["verdicts"] == ranks[1]["verdicts"] == {"1": "passed", "2": "failed"}, ranks
-    shards = [[f"{s}/__{k}_0.distcp" for s in _SUBS] for k in (0, 1)]
-    top = ["rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"]
-    clean = _stamp(tmp_path / "checkpoint-1")
-    # Each node opened the shards its rank wrote, and the coordinator the folder's own files besides.
-    assert clean["passed"] and [p["opened"] for p in clean["parts"]] == [sorted([*top, *shards[0]]), shards[1]]
-    assert [p["files"] for p in clean["parts"]] == shards
-    failed = _stamp(tmp_path / "checkpoint-2")
-    fault = ranks[1]["fault"]
-    assert fault == "pytorch_model_fsdp_0/__1_0.distcp", ranks[1]
-    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
-    assert len(named) == 1 and "node 1 (host node1" in named[0] and fault in named[0], failed["errors"]
-    assert {e["location"].get("file") for e in failed["errors"] if e["check"] != "node-part-failed"} == {fault}
-    assert (tmp_path / "checkpoint-2" / fault).exists()  # evidence kept
-    events = {(e["event"], e["step"]) for e in read_events(tmp_path) if e["event"].startswith("checkpoint-")}
-    assert events == {("checkpoint-verified", 1), ("checkpoint-failed", 2)}, events
-    for step in (1, 2):
-        assert not [n for n in os.listdir(tmp_path / f"checkpoint-{step}") if n.startswith(PARTS_PREFIX)]
-    # Always fingerprinted: the clean save's manifests came from both nodes' parts (the parts opened no more than
-    # above), the failed save has none.
-    assert sorted(_manifests(str(tmp_path / "checkpoint-1"))) == (["", *_SUBS] if fingerprint is True else [])
-    assert _manifests(str(tmp_path / "checkpoint-2")) == {}
-    if fingerprint is True:
-        notes = [e.get("fingerprint") for e in read_events(tmp_path) if e["event"] == "checkpoint-verified"]
-        assert len(notes) == 1 and "the digests of 1 other node(s) taken from their parts" in notes[0], notes
-        assert verify_checkpoint(str(tmp_path / "checkpoint-1")).stats["manifest"]
-    # Deep: every tensor of both DCP folders rebuilt from the two nodes' pieces, as many as one process rebuilds.
-    assert clean["deep"] is deep and failed["deep"] is deep
-    if deep:
-        whole = verify_checkpoint(str(tmp_path / "checkpoint-1"), deep=True)
-        rebuilt = [c["count"] for c in clean["coverage"] if c["check"] == "fingerprint"]
-        assert rebuilt == [c.count for c in whole.coverage if c.check == "fingerprint"] and rebuilt[0] >= 5, rebuilt
 
 
 # ---------------------------------------------------------------------------------- deep, in parts
@@ -1275,72 +844,3 @@ def test_a_deep_check_whose_manifest_was_refused_is_not_judged_against_a_former_
     # The pieces of every tensor were judged against no manifest: the former save's zeros are not "what was in
     # memory at save time", so no tensor is said to differ from them.
     assert not [e for e in stamp["errors"] if e["check"] == "fingerprint"], stamp["errors"]
-
-
-def _deep_worker(rank: int, world: int, root: str) -> None:
-    import torch.distributed as dist
-
-    from ckptverify.options import VerifyOptions
-
-    with _as_node(rank, root, flip_in="step_2") as out:
-        out["verdicts"] = {}
-        for step in (1, 2):
-            state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(1024.0) * step}
-            cv.save(state, os.path.join(root, f"step_{step}"), verify=VerifyOptions(when="background", deep=True),
-                    events=root)
-            out[f"waited_{step}"] = cv.wait_for_verifications(timeout=240)
-            last = cv.last_verification()
-            out["verdicts"][step] = None if last is None else last.to_dict()
-            dist.barrier()
-
-
-@pytest.mark.slow
-def test_a_deep_background_check_after_a_save_is_shared_out_among_nodes(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    ranks = _two_nodes(_deep_worker, tmp_path, monkeypatch, part_timeout=120)
-    assert all(r["waited_1"] and r["waited_2"] for r in ranks), ranks
-    verdicts = ranks[0]["verdicts"]
-    clean = _stamp(tmp_path / "step_1")
-    assert verdicts["1"]["verdict"] == "passed" and clean["passed"] and clean["deep"], clean
-    assert [p["opened"] for p in clean["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
-    assert any(c["check"] == "fingerprint" and c["count"] == 3 for c in clean["coverage"]), clean["coverage"]
-    failed = _stamp(tmp_path / "step_2")
-    named = [e["message"] for e in failed["errors"] if e["check"] == "node-part-failed"]
-    assert verdicts["2"]["verdict"] == "failed" and not failed["passed"] and failed["deep"]
-    assert len(named) == 1 and "node 1 (host node1" in named[0] and "__1_0.distcp" in named[0], failed["errors"]
-    assert (tmp_path / "step_2" / "__1_0.distcp").exists()  # evidence kept
-
-
-def _integration_deep_worker(rank: int, world: int, root: str) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from ckptverify.integrations._core import Verifier, torch_group
-    from ckptverify.options import VerifyOptions
-
-    with _as_node(rank, root) as out:
-        for step, fingerprint in ((1, False), (2, "auto"), (3, True)):
-            verifier = Verifier(verify=VerifyOptions(when="background", deep=True), fingerprint=fingerprint)
-            path = os.path.join(root, f"step_{step}")
-            state = {f"w.{rank}": torch.full((4096,), float(step + rank)), "shared": torch.arange(512.0)}
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(path))  # the framework's own save, no manifest
-            out[f"pending_{step}"] = verifier.after_save(path, step=step, group=torch_group()).pending
-            out[f"arrived_{step}"] = {v.step: v.verdict for v in verifier.wait(group=torch_group(), timeout=240)}
-            dist.barrier()
-
-
-@pytest.mark.slow
-def test_an_integration_s_deep_check_is_shared_out_fingerprinted_or_not(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE
-
-    ranks = _two_nodes(_integration_deep_worker, tmp_path, monkeypatch, part_timeout=120)
-    for step in (1, 2, 3):
-        assert all(r[f"arrived_{step}"] == {str(step): "passed"} for r in ranks), ranks
-        stamp = _stamp(tmp_path / f"step_{step}")
-        assert stamp["deep"] and [p["opened"] for p in stamp["parts"]] == [["__0_0.distcp"], ["__1_0.distcp"]]
-        assert any(c["check"] == "fingerprint" and c["count"] == 3 for c in stamp["coverage"]), stamp["coverage"]
-    # "auto" found every byte under a CRC-32: no manifest; True wrote it from both nodes' digests.
-    assert [(tmp_path / f"step_{s}" / MANIFEST_FILE).exists() for s in (1, 2, 3)] == [False, False, True]
-    notes = [e.get("fingerprint") for e in read_events(tmp_path) if e["event"] == "checkpoint-verified"]
-    assert [n for n in notes if n] and all("taken from their parts" in n for n in notes if n), notes

@@ -1,0 +1,88 @@
+"""Lightning ``ModelParallelStrategy`` (FSDP2, gloo, CPU) runs with ckptverify's ``VerifyCheckpoints``, every
+stage of one check in the same ranks.
+
+``tests/frameworks/lightning_integration.py`` runs one stage per fresh interpreter (and Lightning starts rank
+1.. by running that script again), so a check of three stages pays torch's and Lightning's imports nine times on
+two ranks. Here the ranks come from :func:`helpers.multiproc.spawn_ranks` (forked from the fork server, with
+the environment torchrun gives: Lightning takes the group it finds and starts no processes of its own) and run
+the stages one after another, each with a fresh ``Trainer`` and a fresh model from
+``lightning_integration.module()``:
+
+- ``save``: train 4 steps, ``ModelCheckpoint`` every 2 (``OUT/checkpoints/step={2,4}.ckpt/``, DCP folders with
+  ``meta.pt``), with ``VerifyCheckpoints(on_failure="raise", fingerprint=True)``;
+- rank 0 writes the stamps of both folders to ``OUT/stamps.json``, flips one bit of ``step=2.ckpt``'s largest
+  tensor (``helpers.faults.flip_in_tensor_payload``) and writes what it changed to ``OUT/fault.json``;
+- ``refused``: ``fit(ckpt_path=step=2.ckpt)`` to step 6;
+- ``resumed``: ``fit(ckpt_path=step=4.ckpt)`` to step 6, saving ``step=6.ckpt``.
+
+Each rank writes ``OUT/STAGE-rank{R}.json`` as the script does: the verdicts it got, the warnings ckptverify
+raised, the error that stopped it (type and message), the global step reached, and whether the model's weights
+are still those it was built with (nothing loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | None = None) -> dict[str, Any]:
+    """One ``fit`` of ``lightning_integration``'s model on ``world`` ranks; return (and write) this rank's result."""
+    import pytorch_lightning as pl
+    from frameworks.lightning_integration import module
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    from ckptverify.integrations import CheckpointVerificationWarning
+    from ckptverify.integrations.lightning import VerifyCheckpoints
+
+    verify = VerifyCheckpoints(on_failure="raise", fingerprint=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=ModelParallelStrategy(process_group_backend="gloo"),
+        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=out,
+        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", every_n_train_steps=2,
+                                   save_top_k=-1), verify])
+    model = module()
+    result: dict[str, Any] = {"error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model, ckpt_path=ckpt)
+        except Exception as exc:  # reported to the test, which judges it
+            result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointVerificationWarning)]
+    result["verdicts"] = [v.to_dict() for v in verify.verdicts]
+    result["global_step"] = trainer.global_step
+    result["untouched"] = model.untouched() if result["error"] else None
+    (out / f"{stage}-rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def save_flip_resume(rank: int, world: int, out: str) -> None:
+    """The three stages and the flip between them (run under ``spawn_ranks(..., launcher_env=True)``)."""
+    import torch.distributed as dist
+
+    from ckptverify.runs.stamp import read_stamp
+    from helpers import faults as inj
+
+    root = Path(out)
+    checkpoints = root / "checkpoints"
+    run_stage(root, world, "save", 4)
+    dist.barrier()  # every rank's save stage is over before a byte is changed
+    if rank == 0:
+        stamps = {}
+        for step in (2, 4):  # as the save stage left them
+            stamp = read_stamp(checkpoints / f"step={step}.ckpt")
+            stamps[step] = None if stamp is None else {"passed": stamp.passed, "current": stamp.current,
+                                                       "manifest": stamp.data["manifest"], "repr": repr(stamp)}
+        (root / "stamps.json").write_text(json.dumps(stamps))
+        fault = inj.flip_in_tensor_payload(checkpoints / "step=2.ckpt")
+        (root / "fault.json").write_text(json.dumps(dataclasses.asdict(fault), default=list))
+    dist.barrier()
+    run_stage(root, world, "refused", 6, checkpoints / "step=2.ckpt")
+    dist.barrier()
+    run_stage(root, world, "resumed", 6, checkpoints / "step=4.ckpt")
