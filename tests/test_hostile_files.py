@@ -5,7 +5,8 @@ Roles: the metadata (``.metadata``), the manifest, a shard the metadata referenc
 references. Kinds: a FIFO (``open`` would block for a writer), links to ``/dev/zero`` and ``/dev/urandom``
 (endless), a UNIX socket, a directory, and a link to a regular file outside the checkpoint (a perfect copy of
 the shard, so only containment can tell). Every command runs in a child process under a timeout: a hang fails
-the test instead of hanging it.
+the test instead of hanging it (a child forked from a server that imported ckptverify and torch once; see
+:mod:`helpers.preloaded_children`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.preloaded_children import PreloadedServer
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
@@ -57,21 +59,38 @@ def _make(kind: str, path: Path, outside: Path) -> Any:
     return None
 
 
-def _run(*args: str) -> tuple[int, str, str]:
-    """Run a command in a fresh interpreter under :data:`TIMEOUT`; it must end by itself, not by a signal."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[1]),
-                                                                     os.environ.get("PYTHONPATH")) if p)}
-    try:
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    except subprocess.TimeoutExpired as exc:  # pragma: no cover - the failure this file exists to catch
-        pytest.fail(f"{args} did not finish within {TIMEOUT} s: {exc}")
+#: What the commands import; the server imports it once, every command runs in a child forked from it.
+_PRELOAD = ("ckptverify", "ckptverify.cli", "ckptverify.audit.verify", "torch", "ckptverify.state.train_state")
+
+
+@pytest.fixture(scope="module")
+def children() -> Iterator[PreloadedServer]:
+    """Each command's process: a child forked from a server that imported :data:`_PRELOAD` once, not a fresh
+    interpreter (an import of torch per command). Still a process of its own: a hang is killed at the timeout and
+    fails the test, a death by signal shows as one. ``test_a_tuple_nested_a_million_deep_in_a_torch_save_file_...``
+    keeps fresh ``python -m ckptverify`` processes."""
+    with PreloadedServer(_PRELOAD) as server:
+        yield server
+
+
+def _run(children: PreloadedServer, *args: str) -> tuple[int, str, str]:
+    """``python ARGS`` (``-m ckptverify ...`` or ``-c CODE``) in a child process under :data:`TIMEOUT`; it must end
+    by itself, not by a signal."""
+    if args[:2] == ("-m", "ckptverify"):
+        proc = children.cli(*args[2:], timeout=TIMEOUT)
+    else:
+        assert args[0] == "-c", args
+        proc = children.run(args[1], *args[2:], timeout=TIMEOUT)
+    if proc.timed_out:  # pragma: no cover - the failure this file exists to catch
+        pytest.fail(f"{args} did not finish within {TIMEOUT} s")
+    assert proc.returncode is not None
     assert proc.returncode >= 0, f"{args} died by signal {-proc.returncode}: {proc.stderr[-2000:]}"
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr[-4000:]
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def _verify_json(path: Path) -> dict[str, Any]:
-    code, out, err = _run("-m", "ckptverify", "verify", "--no-progress", "--json", str(path))
+def _verify_json(children: PreloadedServer, path: Path) -> dict[str, Any]:
+    code, out, err = _run(children, "-m", "ckptverify", "verify", "--no-progress", "--json", str(path))
     assert code in (0, 1), (code, out[-2000:], err[-2000:])
     report = json.loads(out)
     assert report["exit_code"] == code
@@ -99,11 +118,12 @@ def outside(tmp_path: Path) -> Callable[[Path, str], Path]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_metadata_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outside: Any) -> None:
+def test_metadata_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outside: Any,
+                                               children: PreloadedServer) -> None:
     path = fresh_ckpt("single")
     keep = _make(kind, path / ".metadata", outside(path, ".metadata"))
     try:
-        report = _verify_json(path)
+        report = _verify_json(children, path)
     finally:
         if keep is not None:
             keep.close()
@@ -112,13 +132,14 @@ def test_metadata_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outsi
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_manifest_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outside: Any) -> None:
+def test_manifest_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outside: Any,
+                                               children: PreloadedServer) -> None:
     path = fresh_ckpt("single")
     _, manifest = fingerprint_checkpoint(path, block_bytes=4096)
     assert manifest is not None
     keep = _make(kind, path / MANIFEST_FILE, outside(path, MANIFEST_FILE))
     try:
-        got = _verify_json(path)
+        got = _verify_json(children, path)
     finally:
         if keep is not None:
             keep.close()
@@ -127,11 +148,12 @@ def test_manifest_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outsi
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_shard_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outside: Any) -> None:
+def test_shard_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outside: Any,
+                                            children: PreloadedServer) -> None:
     path = fresh_ckpt("single")
     keep = _make(kind, path / SHARD, outside(path, SHARD))
     try:
-        report = _verify_json(path)
+        report = _verify_json(children, path)
     finally:
         if keep is not None:
             keep.close()
@@ -142,23 +164,24 @@ def test_shard_as_special_file_is_a_finding(kind: str, fresh_ckpt: Any, outside:
         assert "outside the checkpoint" in unsafe[0]["message"]
 
 
-def test_shard_link_inside_the_checkpoint_is_followed(fresh_ckpt: Any) -> None:
+def test_shard_link_inside_the_checkpoint_is_followed(fresh_ckpt: Any, children: PreloadedServer) -> None:
     path = fresh_ckpt("single")
     (path / "store").mkdir()
     os.replace(path / SHARD, path / "store" / SHARD)
     (path / SHARD).symlink_to(Path("store") / SHARD)
-    report = _verify_json(path)
+    report = _verify_json(children, path)
     assert report["exit_code"] == 0, report["findings"]
     # The real file is listed where it is, as no item names it there.
     assert "file-unreferenced" in _checks(report, "warning")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_unreferenced_special_file_is_listed_without_being_opened(kind: str, fresh_ckpt: Any, outside: Any) -> None:
+def test_unreferenced_special_file_is_listed_without_being_opened(kind: str, fresh_ckpt: Any, outside: Any,
+                                                                  children: PreloadedServer) -> None:
     path = fresh_ckpt("single")
     keep = _make(kind, path / "planted.bin", outside(path, SHARD))
     try:
-        report = _verify_json(path)
+        report = _verify_json(children, path)
     finally:
         if keep is not None:
             keep.close()
@@ -169,18 +192,19 @@ def test_unreferenced_special_file_is_listed_without_being_opened(kind: str, fre
 
 @pytest.mark.parametrize("role", [".metadata", SHARD])
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
-def test_fingerprint_diff_and_load_finish(role: str, kind: str, fresh_ckpt: Any, outside: Any) -> None:
+def test_fingerprint_diff_and_load_finish(role: str, kind: str, fresh_ckpt: Any, outside: Any,
+                                          children: PreloadedServer) -> None:
     clean = fresh_ckpt("single")
     path = fresh_ckpt("single")
     _make(kind, path / role, outside(path, role))
-    code, out, _ = _run("-m", "ckptverify", "fingerprint", "--no-progress", "--json", str(path))
+    code, out, _ = _run(children, "-m", "ckptverify", "fingerprint", "--no-progress", "--json", str(path))
     assert code == 1 and "fingerprint-refused" in out
     assert not (path / MANIFEST_FILE).exists()
     for a, b in ((clean, path), (path, clean)):
-        code, out, _ = _run("-m", "ckptverify", "diff", "--no-progress", "--json", str(a), str(b))
+        code, out, _ = _run(children, "-m", "ckptverify", "diff", "--no-progress", "--json", str(a), str(b))
         assert code == 1, out[-2000:]
         json.loads(out)
-    code, out, _ = _run("-c", (
+    code, out, _ = _run(children, "-c", (
         "import ckptverify\n"
         "from ckptverify.errors import CheckpointRefusedError\n"
         "from ckptverify.state.train_state import TrainState\n"
@@ -192,13 +216,13 @@ def test_fingerprint_diff_and_load_finish(role: str, kind: str, fresh_ckpt: Any,
     assert code == 0 and out.startswith("refused:"), out[-2000:]
 
 
-def test_metadata_link_outside_is_not_read(fresh_ckpt: Any, tmp_path: Path) -> None:
+def test_metadata_link_outside_is_not_read(fresh_ckpt: Any, tmp_path: Path, children: PreloadedServer) -> None:
     """A metadata file that is a link to a valid ``.metadata`` elsewhere is refused: never read outside."""
     src = fresh_ckpt("single", "source")
     path = fresh_ckpt("single", "victim")
     (path / ".metadata").unlink()
     (path / ".metadata").symlink_to(src / ".metadata")
-    report = _verify_json(path)
+    report = _verify_json(children, path)
     assert "metadata-unreadable" in _checks(report)
     assert any("outside the checkpoint" in f["message"] for f in report["findings"])
 

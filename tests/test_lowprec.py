@@ -14,10 +14,12 @@ import sys
 import warnings
 import zipfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.preloaded_children import PreloadedServer
 
 pytest.importorskip("torchao", reason="torchao is not installed: pip install 'ckptverify[lowprec]' (CI installs it)")
 warnings.filterwarnings("ignore", message=".*register_constant.*")
@@ -173,7 +175,7 @@ def test_an_async_collective_result_is_not_taken_apart() -> None:
     assert tensor_fingerprint(pending) == tensor_fingerprint(torch.arange(4.0))
 
 
-def test_trace_device_path_digests_parts_by_fingerprint() -> None:
+def test_trace_device_path_digests_parts_by_fingerprint(children: PreloadedServer) -> None:
     """With host tensors taking the accelerator path (fingerprints batched and read back once per step), a
     subclass is digested by its parts' logical fingerprints, now; a scale change still shows."""
     code = """
@@ -194,28 +196,36 @@ assert fingerprint_many([m, torch.ones(2), n]) == [tensor_fingerprint(m).value, 
                                                    tensor_fingerprint(n).value]
 print("ok")
 """
-    env = dict(os.environ, CKPTVERIFY_TRACE_HOST_AS_DEVICE="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    # The variable is read when ckptverify.trace is imported: the child imports it, the server did not.
+    out = children.run(code, env={"CKPTVERIFY_TRACE_HOST_AS_DEVICE": "1"}, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def _run_script(run_dir: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir), *args], cwd=SCRIPT.parent, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+#: What the scripts below import first (torch, torchao's formats); not ckptverify, whose trace modules read the
+#: environment when imported.
+_PRELOAD = ("numpy", "torch", "torch.utils.data", "torchao.prototype.mx_formats.mx_tensor",
+            "torchao.prototype.mx_formats.nvfp4_tensor")
 
 
 @pytest.fixture(scope="module")
-def adapter_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def children() -> Iterator[PreloadedServer]:
+    """The scripts' processes: children forked from a server that imported :data:`_PRELOAD` once, not a fresh
+    interpreter each (torch and torchao cost some 4 s of CPU to import). A test that needs a process without
+    torchao (``test_hostile_files_naming_torchao_functions_import_nothing``) starts a fresh one."""
+    with PreloadedServer(_PRELOAD) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def adapter_runs(tmp_path_factory: pytest.TempPathFactory, children: PreloadedServer) -> dict[str, Path]:
     """The adapter script four times: twice clean, once re-quantizing the frozen base after step 3, once
     doubling the learning rate at step 3."""
     root = tmp_path_factory.mktemp("adapter")
     plan = {"clean": (), "clean2": (), "rescaled": ("--rescale-at", "3"), "lr": ("--lr-bump-at", "3")}
     runs = {name: root / name for name in plan}
-    procs = {name: _run_script(runs[name], *args) for name, args in plan.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+    for name, args in plan.items():
+        done = children.script(SCRIPT, str(runs[name]), *args, cwd=SCRIPT.parent, timeout=600)
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
     return runs
 
 

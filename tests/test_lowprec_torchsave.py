@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.preloaded_children import PreloadedServer
 
 pytest.importorskip("torchao", reason="torchao is not installed: pip install 'ckptverify[lowprec]' (CI installs it)")
 warnings.filterwarnings("ignore", message=".*register_constant.*")
@@ -117,16 +118,17 @@ def _flip_first_byte(data: bytearray) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The user's script three times: clean, re-quantizing the frozen base after the last update, and doubling
-    the learning rate of the last step instead."""
+    the learning rate of the last step instead. Each run is a child forked from a server that imported torch and
+    torchao once (not a fresh interpreter each: some 4 s of CPU to import them); the test that needs a process
+    without torchao (``test_reading_hostile_and_real_files_imports_no_torchao``) starts a fresh one."""
     root = tmp_path_factory.mktemp("torchsave")
     plan = {"clean": (), "rescaled": ("--rescale",), "lr": ("--lr-bump",)}
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    procs = {name: subprocess.Popen([sys.executable, str(SCRIPT), str(root / f"{name}.pt"), *args],
-                                    cwd=SCRIPT.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True) for name, args in plan.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+    preload = ("numpy", "torch", "torch.utils.data", "torchao.prototype.mx_formats.mx_tensor",
+               "torchao.prototype.mx_formats.nvfp4_tensor")
+    with PreloadedServer(preload) as children:
+        for name, args in plan.items():
+            done = children.script(SCRIPT, str(root / f"{name}.pt"), *args, cwd=SCRIPT.parent, timeout=600)
+            assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
     return {name: root / f"{name}.pt" for name in plan}
 
 

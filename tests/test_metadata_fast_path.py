@@ -146,7 +146,7 @@ _TOKENS = st.one_of(
 )
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_TOKENS, min_size=1, max_size=40))
 def test_generated_opcode_streams_read_the_same_on_both_paths(tokens):
     data = b"\x80\x04" + b"".join(tokens) + b"."
@@ -196,7 +196,7 @@ def _tuple_shape(value: object, seen: dict[int, tuple[int, int]]) -> tuple[int, 
     return known
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_tuple_heavy())
 def test_no_tuple_the_c_unpickler_builds_nests_deep_or_grows(data):
     # The pass's promise, checked on what the C unpickler actually built: every memo entry and the result.

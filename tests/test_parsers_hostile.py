@@ -15,14 +15,15 @@ import os
 import pickle
 import shutil
 import struct
-import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.preloaded_children import PreloadedServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,14 +31,16 @@ from ckptverify.dcp import safetensors
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 
-ROOT = Path(__file__).parents[1]
 TIMEOUT = 300
 #: Most a bomb case may grow the child's peak resident memory.
 MAX_GROWTH_MB = 300
 
+#: What every command imports, before the baseline; the server imports them once, each child inherits them.
+_PRELOAD = ("torch", "numpy", "zarr", "ckptverify.cli", "ckptverify.audit.verify", "ckptverify.trace.compare")
+
 _CHILD = textwrap.dedent("""
     import contextlib, io, json, resource, sys
-    import torch, numpy, zarr  # the imports every command makes, before the baseline
+    import torch, numpy, zarr  # the imports every command makes, before the baseline (preloaded: no-ops here)
     import ckptverify.cli, ckptverify.audit.verify, ckptverify.trace.compare
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
@@ -55,20 +58,53 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _cli(*args: str) -> dict[str, Any]:
-    """Run ``ckptverify args`` in a child under the memory limit: exit code, output, peak memory growth."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "OMP_NUM_THREADS": "1"}
-    try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True,
-                              timeout=TIMEOUT, env=env)
-    except subprocess.TimeoutExpired as exc:  # pragma: no cover - the failure this file exists to catch
-        pytest.fail(f"{args} did not finish within {TIMEOUT} s: {exc}")
-    assert proc.returncode == 0, f"the child died ({proc.returncode}): {proc.stderr[-3000:]}"
+@pytest.fixture(scope="module")
+def children() -> Iterator[PreloadedServer]:
+    """The bombs' processes: each a child forked from one server that imported :data:`_PRELOAD` once (a fresh
+    interpreter per case would import torch 21 times). A child is still a process of its own, so the limit on its
+    address space and its peak resident memory are its own; ``test_the_memory_measure_sees_what_a_child_allocates``
+    shows the measure works in such a child."""
+    with PreloadedServer(_PRELOAD, env={**os.environ, "OMP_NUM_THREADS": "1"}) as server:
+        yield server
+
+
+#: ``cli(*args)``: see the fixture.
+Cli = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture
+def cli(children: PreloadedServer) -> Cli:
+    """``cli(*args)``: ``ckptverify args`` in a child under the memory limit: exit code, output, peak memory
+    growth."""
+    def run(*args: str) -> dict[str, Any]:
+        proc = children.run(_CHILD, *args, timeout=TIMEOUT)
+        if proc.timed_out:  # pragma: no cover - the failure this file exists to catch
+            pytest.fail(f"{args} did not finish within {TIMEOUT} s")
+        assert proc.returncode == 0, f"the child died ({proc.returncode}): {proc.stderr[-3000:]}"
+        result = json.loads(proc.stdout.splitlines()[-1])
+        assert "Traceback" not in result["stderr"] + result["stdout"], result["stderr"][-3000:]
+        assert "internal error" not in result["stderr"], result["stderr"][-3000:]
+        return result
+    return run
+
+
+def test_the_memory_measure_sees_what_a_child_allocates(children: PreloadedServer) -> None:
+    """The bombs' measure, shown to work in a forked child: 400 MiB touched there is seen as about that much growth
+    of its peak resident memory, and allocating past its address-space limit fails in the child, not here."""
+    code = _CHILD.split("out, err =")[0] + textwrap.dedent("""
+        block = numpy.ones(400 << 20, dtype=numpy.uint8)
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+        try:
+            numpy.ones(3 << 30, dtype=numpy.uint8)
+            refused = False
+        except MemoryError:
+            refused = True
+        print(json.dumps({"grown_mb": grown, "refused": refused}))
+    """)
+    proc = children.run(code, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
-    assert "Traceback" not in result["stderr"] + result["stdout"], result["stderr"][-3000:]
-    assert "internal error" not in result["stderr"], result["stderr"][-3000:]
-    return result
+    assert 380 <= result["grown_mb"] < 400 + MAX_GROWTH_MB and result["refused"], result
 
 
 def _report(result: dict[str, Any]) -> dict[str, Any]:
@@ -127,15 +163,15 @@ def test_a_well_formed_header_still_reads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["infinite-shape", "huge-float-shape", "infinite-offset", "float-shape"])
-def test_verify_of_a_safetensors_file_with_a_hostile_header_is_a_finding(tmp_path: Path, name: str) -> None:
+def test_verify_of_a_safetensors_file_with_a_hostile_header_is_a_finding(tmp_path: Path, name: str, cli: Cli) -> None:
     path = tmp_path / "model.safetensors"
     path.write_bytes(_safetensors_bytes(None, b"\0" * 8, raw_header=HOSTILE_HEADERS[name]))
-    result = _cli("verify", "--no-progress", "--json", str(path))
+    result = cli("verify", "--no-progress", "--json", str(path))
     assert result["code"] == 1, result
     assert {f["check"] for f in _report(result)["findings"] if f["severity"] == "error"} == {"blob-structure"}
 
 
-def test_run_directory_commands_survive_an_infinite_safetensors_shape(tmp_path: Path) -> None:
+def test_run_directory_commands_survive_an_infinite_safetensors_shape(tmp_path: Path, cli: Cli) -> None:
     """One hostile file does not stop ``scan`` or ``latest`` over the whole run directory."""
     import torch
     from safetensors.torch import save_file
@@ -148,12 +184,12 @@ def test_run_directory_commands_survive_an_infinite_safetensors_shape(tmp_path: 
     (bad / "model.safetensors").write_bytes(_safetensors_bytes(None, b"\0" * 8,
                                                                raw_header=HOSTILE_HEADERS["infinite-shape"]))
     for command in ("scan", "latest"):
-        result = _cli(command, "--json", str(run))
+        result = cli(command, "--json", str(run))
         assert result["code"] in (0, 1, 2), result
         assert "OverflowError" not in result["stdout"] + result["stderr"], result
 
 
-def test_verify_of_a_dcp_safetensors_blob_with_an_infinite_offset_is_a_finding(tmp_path: Path) -> None:
+def test_verify_of_a_dcp_safetensors_blob_with_an_infinite_offset_is_a_finding(tmp_path: Path, cli: Cli) -> None:
     from helpers.ckpt_factory import safetensors_supported
     from helpers.dcp_encodings import safetensors_ckpt
 
@@ -175,7 +211,7 @@ def test_verify_of_a_dcp_safetensors_blob_with_an_infinite_offset_is_a_finding(t
     assert len(text) <= n
     data[start:start + n] = text + b" " * (n - len(text))
     shard.write_bytes(bytes(data))
-    result = _cli("verify", "--no-progress", "--json", str(ckpt))
+    result = cli("verify", "--no-progress", "--json", str(ckpt))
     assert result["code"] == 1, result
     checks = {f["check"] for f in _report(result)["findings"] if f["severity"] == "error"}
     assert checks, result
@@ -201,12 +237,12 @@ def _torch_archive(path: Path, pkl: bytes) -> Path:
     return path
 
 
-def test_a_huge_memo_index_in_a_torch_save_file_allocates_nothing(tmp_path: Path) -> None:
+def test_a_huge_memo_index_in_a_torch_save_file_allocates_nothing(tmp_path: Path, cli: Cli) -> None:
     # LONG_BINPUT 2**26: the C unpickler would zero-fill 1 GiB of memo slots for this record of a few bytes.
     pkl = b"\x80\x02}r" + (1 << 26).to_bytes(4, "little") + b"."
     path = _torch_archive(tmp_path / "bomb.pt", pkl)
     assert path.stat().st_size < 2000
-    result = _cli("verify", "--no-progress", "--json", str(path))
+    result = cli("verify", "--no-progress", "--json", str(path))
     assert result["grown_mb"] < MAX_GROWTH_MB, result
     assert result["code"] == 1, result
     assert "memo" in result["stdout"], result
@@ -276,7 +312,7 @@ _json_values = st.recursive(
     max_leaves=20)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(entries=st.dictionaries(st.text(max_size=6), st.one_of(
     _json_values,
     st.fixed_dictionaries({"dtype": st.sampled_from(["F32", "I64", "BOOL", "X"]) | _json_values,
@@ -424,17 +460,17 @@ def test_a_hostile_trace_store_is_a_trace_format_error(tmp_path: Path, name: str
 
 @pytest.mark.parametrize("name", ["rows-infinite", "deep", "values-7-byte-chunk", "site-no-name",
                                   "values-huge-chunks", "steps-chunk-truncated-zstd"])
-def test_trace_diff_of_a_hostile_store_exits_2_with_a_message(tmp_path: Path, name: str) -> None:
+def test_trace_diff_of_a_hostile_store_exits_2_with_a_message(tmp_path: Path, name: str, cli: Cli) -> None:
     a = _store(tmp_path / "a")
     b = _hostile_store(tmp_path, name)
-    result = _cli("trace", "diff", str(a), str(b))
+    result = cli("trace", "diff", str(a), str(b))
     assert result["code"] == 2, result
     assert "trace diff: error:" in result["stderr"] and str(b) in result["stderr"], result
 
 
-def test_trace_diff_compares_one_ranks_stores(tmp_path: Path) -> None:
+def test_trace_diff_compares_one_ranks_stores(tmp_path: Path, cli: Cli) -> None:
     a, b = _store(tmp_path / "a"), _store(tmp_path / "b")
-    same = _cli("trace", "diff", "--json", str(a), str(b))
+    same = cli("trace", "diff", "--json", str(a), str(b))
     assert same["code"] == 0, same
     _edit(b / "sites" / "zarr.json", lambda m: None)  # unchanged metadata, changed value below
     from ckptverify.trace.store import Cell, TraceHeader, TraceWriter
@@ -445,14 +481,14 @@ def test_trace_diff_compares_one_ranks_stores(tmp_path: Path) -> None:
             w.append(s, [Cell.from_float("metric.loss", "metric", s * 1.5 + (s == 7)),
                          Cell.from_int("c", "counter", s), Cell("param.w", "param", (s, s + 1)),
                          Cell("param.v", "param", (1, 2))])
-    differ = _cli("trace", "diff", "--json", str(a), str(tmp_path / "c"))
+    differ = cli("trace", "diff", "--json", str(a), str(tmp_path / "c"))
     assert differ["code"] == 1, differ
     first = next(f for f in _report(differ)["findings"] if f["check"] == "trace-divergence")
     assert "step 7" in first["message"] and "metric.loss" in first["message"], first
 
 
 @pytest.mark.parametrize("declare", [False, True])
-def test_a_zstd_chunk_inflating_to_1_gib_is_refused_without_inflating(tmp_path: Path, declare: bool) -> None:
+def test_a_zstd_chunk_inflating_to_1_gib_is_refused_without_inflating(tmp_path: Path, declare: bool, cli: Cli) -> None:
     # 1 GiB fits under the child's limit: a reader that inflates it shows in its peak memory, not as a failed
     # allocation it might happen to survive.
     a = _store(tmp_path / "a")
@@ -460,7 +496,7 @@ def test_a_zstd_chunk_inflating_to_1_gib_is_refused_without_inflating(tmp_path: 
     bomb = _rle_bomb(1 << 30, declare)
     assert len(bomb) < 40_000
     (b / "steps" / "c" / "0").write_bytes(bomb)
-    result = _cli("trace", "diff", str(a), str(b))
+    result = cli("trace", "diff", str(a), str(b))
     assert result["grown_mb"] < MAX_GROWTH_MB, result
     assert result["code"] == 2 and str(b / "steps") in result["stderr"], result
 
@@ -480,14 +516,14 @@ def test_numcodecs_fallback_bounds_zstd_chunks_by_their_declared_sizes(tmp_path:
 
 
 @pytest.mark.parametrize(("rows", "why"), [(1 << 26, "outside"), (1 << 23, "missing")])
-def test_zarr_json_declaring_millions_of_rows_is_refused_at_once(tmp_path: Path, rows: int, why: str) -> None:
+def test_zarr_json_declaring_millions_of_rows_is_refused_at_once(tmp_path: Path, rows: int, why: str, cli: Cli) -> None:
     a = _store(tmp_path / "a")
     b = _store(tmp_path / "b")
     _edit(b / "zarr.json", _set(("attributes", "rows"), rows))
     _edit(b / "steps" / "zarr.json", _set(("shape",), [rows]))
     _edit(b / "values" / "zarr.json", _set(("shape",), [rows, 4, 2]))
     _edit(b / "present" / "zarr.json", _set(("shape",), [rows, 4]))
-    result = _cli("trace", "diff", str(a), str(b))
+    result = cli("trace", "diff", str(a), str(b))
     assert result["grown_mb"] < MAX_GROWTH_MB, result
     assert result["code"] == 2 and why in result["stderr"], result
 
@@ -506,7 +542,7 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzz_trace_store_metadata_raises_only_trace_errors(tmp_path_factory: pytest.TempPathFactory,
                                                             data: st.DataObject) -> None:
@@ -538,8 +574,8 @@ def test_fuzz_trace_store_metadata_raises_only_trace_errors(tmp_path_factory: py
 # ------------------------------------------------------------------------------------------- verify --deep
 
 
-def test_deep_verify_rebuilds_an_expanded_dcp_tensor_in_bounded_memory(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deep_verify_rebuilds_an_expanded_dcp_tensor_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        cli: Cli) -> None:
     """A stride-0 (expanded) tensor of 2**27 elements over one stored element is a valid tensor (``torch.load``
     reads it): ``--deep`` rebuilds it block by block, within its memory bound, and calls nothing damaged."""
     import warnings
@@ -559,7 +595,7 @@ def test_deep_verify_rebuilds_an_expanded_dcp_tensor_in_bounded_memory(tmp_path:
         dcp.save({"w": torch.full((1,), 0.5).expand(1 << 27), "b": torch.ones(3)},
                  storage_writer=fs.FileSystemWriter(str(ckpt), thread_count=1))
     assert sum(p.stat().st_size for p in ckpt.iterdir()) < 100_000
-    result = _cli("verify", "--deep", "--no-progress", "--json", str(ckpt))
+    result = cli("verify", "--deep", "--no-progress", "--json", str(ckpt))
     assert result["grown_mb"] < MAX_GROWTH_MB, result
     report = _report(result)
     assert result["code"] == 0, report

@@ -24,6 +24,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed (the `t
 
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.preloaded_children import PreloadedServer
 from helpers.remote_s3 import SECRET, SlowDownProxy, serve_bucket
 
 from ckptverify.audit.verify import verify_checkpoint
@@ -290,14 +291,16 @@ def test_throttled_requests_are_retried_and_verify_passes(s3: Any, monkeypatch: 
     assert report.stats["storage"]["retries"] == 3
 
 
-def test_a_store_that_keeps_failing_is_exit_2_naming_the_object(s3: Any, server_env: dict[str, str]) -> None:
+def test_a_store_that_keeps_failing_is_exit_2_naming_the_object(s3: Any, server_env: dict[str, str],
+                                                               children: PreloadedServer) -> None:
     """Every ranged GET answered 500 (retried, 3 attempts): the command could not run; it says which object
     and range, passes nothing, prints no traceback."""
     url = save_s3(fresh("failing"))
     port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
     proxy = SlowDownProxy(port, failures=10**9, only_ranged=True, status=500, code=b"InternalError")
     try:
-        run = _cli(["verify", url], {**server_env, "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_MAX_ATTEMPTS": "3"})
+        run = _child_cli(children, ["verify", url],
+                         {**server_env, "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_MAX_ATTEMPTS": "3"})
     finally:
         proxy.stop()
     assert run.returncode == 2, run.stdout + run.stderr
@@ -307,7 +310,7 @@ def test_a_store_that_keeps_failing_is_exit_2_naming_the_object(s3: Any, server_
     # Access denied to everything: not "does not exist", not a finding: the store refused.
     denied = SlowDownProxy(port, failures=10**9, status=403, code=b"AccessDenied")
     try:
-        run = _cli(["verify", url], {**server_env, "AWS_ENDPOINT_URL": denied.endpoint})
+        run = _child_cli(children, ["verify", url], {**server_env, "AWS_ENDPOINT_URL": denied.endpoint})
     finally:
         denied.stop()
     assert run.returncode == 2 and "did not answer" in run.stderr and "does not exist" not in run.stderr, \
@@ -338,24 +341,44 @@ def test_manifest_on_s3_is_checked(s3: Any, tmp_path: Path) -> None:
     assert any(f.check == "manifest-digest" for f in bad.findings) and not bad.passed
 
 
+def _code(args: list[str], prelude: str = "") -> str:
+    return f"{prelude}\nimport sys\nfrom ckptverify.cli import main\nsys.argv = ['ckptverify', *{args!r}]\nmain()"
+
+
 def _cli(args: list[str], env: dict[str, str], *, prelude: str = "") -> subprocess.CompletedProcess[str]:
-    code = f"{prelude}\nimport sys\nfrom ckptverify.cli import main\nsys.argv = ['ckptverify', *{args!r}]\nmain()"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    """The command in a fresh interpreter started with ``env``: for the tests about the environment itself."""
+    return subprocess.run([sys.executable, "-c", _code(args, prelude)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **env})
 
 
-def test_cli_verify_s3_never_prints_the_secret(s3: Any, server_env: dict[str, str]) -> None:
+@pytest.fixture(scope="module")
+def children(s3: Any) -> Iterator[PreloadedServer]:
+    """Processes for the command line forked from a server that imported it and s3fs once (a fresh interpreter
+    costs a second of CPU apiece, a child a third of that); started once the module's server is up."""
+    preload = ("s3fs", "ckptverify.cli", "ckptverify.audit.verify", "ckptverify.safeparse.remote")
+    with PreloadedServer(preload) as server:
+        yield server
+
+
+def _child_cli(children: PreloadedServer, args: list[str], env: dict[str, str]) -> Any:
+    """The command in a child process (exit status, stdout, stderr), ``env`` set before it runs."""
+    done = children.run(_code(args), env=env, timeout=300)
+    assert not done.timed_out, f"{args} did not finish"
+    return done
+
+
+def test_cli_verify_s3_never_prints_the_secret(s3: Any, server_env: dict[str, str], children: PreloadedServer) -> None:
     url = save_s3(fresh("cli"))
-    ok = _cli(["verify", url, "--json"], server_env)
+    ok = _child_cli(children, ["verify", url, "--json"], server_env)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["target"] == url
     key = shard(s3, url)
     s3.rm_file(key)
-    bad = _cli(["verify", url], server_env)
+    bad = _child_cli(children, ["verify", url], server_env)
     assert bad.returncode == 1
-    gone = _cli(["verify", f"s3://{BUCKET}/no-such-checkpoint"], server_env)
+    gone = _child_cli(children, ["verify", f"s3://{BUCKET}/no-such-checkpoint"], server_env)
     assert gone.returncode == 2 and "does not exist" in gone.stderr
-    wrong = _cli(["verify", f"s3://no-such-bucket-{uuid.uuid4().hex[:6]}/x"], server_env)
+    wrong = _child_cli(children, ["verify", f"s3://no-such-bucket-{uuid.uuid4().hex[:6]}/x"], server_env)
     assert wrong.returncode == 2
     for run in (ok, bad, gone, wrong):
         assert SECRET not in run.stdout + run.stderr

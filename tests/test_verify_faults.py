@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 from helpers import ckpt_factory
 from helpers import faults as inj
+from helpers.preloaded_children import PreloadedServer
 
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main as cli_main
@@ -394,11 +395,30 @@ def _malicious(via: str, nested: bool = False) -> Case:
         assert hits, f"expected metadata-unsafe naming {name}\n{describe(report)}"
         result = cli(str(path), "--json", "--no-progress")
         assert result.exit_code == 1 and not canary.exists()
-        subprocess.run([sys.executable, "-m", "ckptverify", "verify", str(path), "--no-progress"],
-                       capture_output=True, timeout=120)
+        done = _command_line_processes().cli("verify", str(path), "--no-progress", timeout=120)
+        assert not done.timed_out, "the command line did not finish"
         assert not canary.exists(), "the metadata pickle was executed by the command line"
 
     return Case(inject, check)
+
+
+_servers: list[PreloadedServer] = []
+
+
+def _command_line_processes() -> PreloadedServer:
+    """Where the malicious-metadata cases run ``python -m ckptverify verify``: a child process forked from a server
+    that imported the command line once (started on first use, ended with the module), not a fresh interpreter
+    each (:mod:`helpers.preloaded_children`). ``test_cli_process_exit_codes`` keeps fresh interpreters."""
+    if not _servers:
+        _servers.append(PreloadedServer(("ckptverify.cli", "ckptverify.audit.verify")))
+    return _servers[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _end_the_command_line_server() -> Iterator[None]:
+    yield
+    while _servers:
+        _servers.pop().close()
 
 
 def _md_edit(edit: Callable[[Any, Path], str], index: int = 0) -> Callable[[Path, Path], inj.Fault]:
