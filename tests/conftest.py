@@ -21,6 +21,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+# One intra-op thread for torch in each test worker and in every process it starts (set before torch is imported):
+# the suite runs one worker per core, and torch's default (a thread per core, spinning between small ops) made two
+# workers on two cores fight over them, costing several times the CPU of the work itself. Tests about thread
+# counts set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
