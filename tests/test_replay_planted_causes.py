@@ -1,13 +1,7 @@
-"""`replay` names the cause of the first difference between production and two agreeing replays.
+"""`replay` on a real fault and on the input causes planted before it (the jobs, and what replay may blame:
+tests/test_replay_verdicts.py).
 
-A replay whose inputs differ from production's (the batch, a random stream, a hyperparameter, the restored
-state) says nothing about the hardware; hardware is suspected only when the inputs of a step are equal and a
-computed value differs, and a rank is named only when the evidence singles it out. The jobs are the user
-scripts in `tests/user_scripts/replay_*.py` (own Dataset, DataLoader with two workers and noise augmentation,
-AdamW, OneCycleLR, gradient clipping, dropout, an EMA; DDP on two ranks), started as users start them
-(tests/helpers/replay_jobs.py).
-
-Here: a flipped activation with equal inputs is a suspected fault of its rank, and each input cause planted before
+A flipped activation with equal inputs is a suspected fault of its rank, and each input cause planted before
 that same fault is named as that cause, not as the hardware.
 """
 

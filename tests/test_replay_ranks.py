@@ -1,13 +1,6 @@
-"""`replay` names the cause of the first difference between production and two agreeing replays.
+"""`replay` and the rank it names (the jobs, and what replay may blame: tests/test_replay_verdicts.py).
 
-A replay whose inputs differ from production's (the batch, a random stream, a hyperparameter, the restored
-state) says nothing about the hardware; hardware is suspected only when the inputs of a step are equal and a
-computed value differs, and a rank is named only when the evidence singles it out. The jobs are the user
-scripts in `tests/user_scripts/replay_*.py` (own Dataset, DataLoader with two workers and noise augmentation,
-AdamW, OneCycleLR, gradient clipping, dropout, an EMA; DDP on two ranks), started as users start them
-(tests/helpers/replay_jobs.py).
-
-Here: which rank a suspected fault is pinned on (DDP on two ranks, and the rule itself), and that without recorded
+Which rank a suspected fault is pinned on (DDP on two ranks, and the rule itself), and that without recorded
 inputs no cause and no rank is named.
 """
 

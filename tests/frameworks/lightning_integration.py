@@ -19,6 +19,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,9 +64,8 @@ def module():
     return TinyRegressor()
 
 
-def main() -> None:
-    out, world, stage = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    ckpt = sys.argv[4] if len(sys.argv) > 4 else None
+def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | None = None) -> dict[str, Any]:
+    """One ``fit`` of ``lightning_integration``'s model on ``world`` ranks; return (and write) this rank's result."""
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.strategies import ModelParallelStrategy
@@ -76,12 +76,12 @@ def main() -> None:
     verify = VerifyCheckpoints(on_failure="raise", fingerprint=True)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=ModelParallelStrategy(process_group_backend="gloo"),
-        max_steps=4 if stage == "save" else 6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=out,
         callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", every_n_train_steps=2,
                                    save_top_k=-1), verify])
     model = module()
-    result: dict = {"error": None}
+    result: dict[str, Any] = {"error": None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -92,8 +92,14 @@ def main() -> None:
     result["verdicts"] = [v.to_dict() for v in verify.verdicts]
     result["global_step"] = trainer.global_step
     result["untouched"] = model.untouched() if result["error"] else None
-    rank = trainer.global_rank
-    (out / f"{stage}-rank{rank}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stage}-rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main() -> None:
+    out, world, stage = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    ckpt = Path(sys.argv[4]) if len(sys.argv) > 4 else None
+    run_stage(out, world, stage, 4 if stage == "save" else 6, ckpt)
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without interpreter teardown: gloo threads outlive the process group (see tests/helpers/multiproc.py).

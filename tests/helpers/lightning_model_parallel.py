@@ -24,42 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from pathlib import Path
-from typing import Any
 
-
-def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | None = None) -> dict[str, Any]:
-    """One ``fit`` of ``lightning_integration``'s model on ``world`` ranks; return (and write) this rank's result."""
-    import pytorch_lightning as pl
-    from frameworks.lightning_integration import module
-    from pytorch_lightning.callbacks import ModelCheckpoint
-    from pytorch_lightning.strategies import ModelParallelStrategy
-
-    from ckptverify.integrations import CheckpointVerificationWarning
-    from ckptverify.integrations.lightning import VerifyCheckpoints
-
-    verify = VerifyCheckpoints(on_failure="raise", fingerprint=True)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=ModelParallelStrategy(process_group_backend="gloo"),
-        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=out,
-        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", every_n_train_steps=2,
-                                   save_top_k=-1), verify])
-    model = module()
-    result: dict[str, Any] = {"error": None}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            trainer.fit(model, ckpt_path=ckpt)
-        except Exception as exc:  # reported to the test, which judges it
-            result["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointVerificationWarning)]
-    result["verdicts"] = [v.to_dict() for v in verify.verdicts]
-    result["global_step"] = trainer.global_step
-    result["untouched"] = model.untouched() if result["error"] else None
-    (out / f"{stage}-rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=1))
-    return result
+from frameworks.lightning_integration import run_stage
 
 
 def save_flip_resume(rank: int, world: int, out: str) -> None:
