@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.replay_jobs import verdict_of
+from helpers.replay_jobs import losses_run, verdict_of
 
 from ckptverify.hardware.inject import BitFlip
 from ckptverify.replay.causes import _origin
@@ -64,32 +64,17 @@ def test_the_origin_rank_is_named_only_when_the_evidence_singles_it_out() -> Non
     assert _origin({0: ["grad.*"]}, 2, every) == ((0, 1), None, None)
 
 
-def _metrics_run(run_dir: Path, losses: dict[int, dict[int, float]], world: int,
-                 monkeypatch: pytest.MonkeyPatch) -> str:
-    """A trace directory of ``world`` ranks at level metrics: ``losses[rank][step]`` (each rank's store written
-    from this process, as that rank would)."""
-    from ckptverify.trace import TraceHeader, TraceRecorder
-
-    for rank in range(world):
-        monkeypatch.setattr("ckptverify.trace.recorder.rank_world", lambda rank=rank: (rank, world))
-        header = TraceHeader(run=run_dir.name, level="metrics", rank=rank, world_size=world)
-        with TraceRecorder(run_dir, header=header) as rec:
-            for step, loss in sorted(losses[rank].items()):
-                rec.record_step(step, metrics={"loss": loss})
-    return str(run_dir)
-
-
 def test_without_recorded_inputs_a_difference_names_no_cause_and_no_rank(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptverify.replay.causes import judge
 
-    prod = _metrics_run(tmp_path / "prod", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.5}}, 2, monkeypatch)
-    rep = _metrics_run(tmp_path / "rep", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.25}}, 2, monkeypatch)
+    prod = losses_run(tmp_path / "prod", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.5}}, 2, monkeypatch, level="metrics")
+    rep = losses_run(tmp_path / "rep", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.25}}, 2, monkeypatch, level="metrics")
     j = judge(prod, rep, start=3, end=5, world=2, production_start=0)
     # Only rank 1's loss differs, but the inputs of step 5 are not recorded: no hardware verdict.
     assert (j.kind, j.step, j.rank, j.candidate_ranks) == ("undetermined", 5, None, (1,)), j
     assert 'trace="state"' in j.sentence
     # Steps recorded in one run only, all common steps equal: undetermined, not an error.
-    short = _metrics_run(tmp_path / "short", {0: {4: 1.0}, 1: {4: 1.5}}, 2, monkeypatch)
+    short = losses_run(tmp_path / "short", {0: {4: 1.0}, 1: {4: 1.5}}, 2, monkeypatch, level="metrics")
     j = judge(prod, short, start=3, end=5, world=2, production_start=0)
     assert j.kind == "undetermined" and j.rank is None and "cannot be judged" in j.sentence, j

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.replay_jobs import losses_run
 
 from ckptverify.cli import main
 from ckptverify.errors import UsageError
@@ -170,26 +171,12 @@ def test_replay_with_a_relative_target_of_a_printing_script_reproduces_and_print
 # ------------------------------------------------------------------------------------ the verdict's words
 
 
-def _state_run(run_dir: Path, losses: dict[int, dict[int, float]], world: int,
-               monkeypatch: pytest.MonkeyPatch) -> str:
-    """A trace directory of ``world`` ranks at level state: ``losses[rank][step]``."""
-    from ckptverify.trace import TraceHeader, TraceRecorder
-
-    for rank in range(world):
-        monkeypatch.setattr("ckptverify.trace.recorder.rank_world", lambda rank=rank: (rank, world))
-        header = TraceHeader(run=run_dir.name, level="state", rank=rank, world_size=world)
-        with TraceRecorder(run_dir, header=header) as rec:
-            for step, loss in sorted(losses[rank].items()):
-                rec.record_step(step, metrics={"loss": loss})
-    return str(run_dir)
-
-
 def test_a_suspected_fault_on_a_one_rank_job_says_nothing_about_other_ranks(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptverify.replay.causes import judge
 
-    prod = _state_run(tmp_path / "prod", {0: {4: 1.0, 5: 2.0}}, 1, monkeypatch)
-    rep = _state_run(tmp_path / "rep", {0: {4: 1.0, 5: 2.5}}, 1, monkeypatch)
+    prod = losses_run(tmp_path / "prod", {0: {4: 1.0, 5: 2.0}}, 1, monkeypatch, level="state")
+    rep = losses_run(tmp_path / "rep", {0: {4: 1.0, 5: 2.5}}, 1, monkeypatch, level="state")
     j = judge(prod, rep, start=3, end=5, world=1, production_start=3)
     assert (j.kind, j.step, j.rank) == ("hardware-fault-suspected", 5, 0), j
     assert "agreed" not in j.sentence and "other ranks" not in j.sentence and "none" not in j.sentence, j.sentence
@@ -199,10 +186,10 @@ def test_a_suspected_fault_on_several_ranks_names_the_ranks_that_agreed(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptverify.replay.causes import judge
 
-    prod = _state_run(tmp_path / "prod", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.5}, 2: {4: 1.0, 5: 2.0}}, 3,
-                      monkeypatch)
-    rep = _state_run(tmp_path / "rep", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.25}, 2: {4: 1.0, 5: 2.0}}, 3,
-                     monkeypatch)
+    prod = losses_run(tmp_path / "prod", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.5}, 2: {4: 1.0, 5: 2.0}}, 3,
+                      monkeypatch, level="state")
+    rep = losses_run(tmp_path / "rep", {0: {4: 1.0, 5: 2.0}, 1: {4: 1.5, 5: 2.25}, 2: {4: 1.0, 5: 2.0}}, 3,
+                     monkeypatch, level="state")
     j = judge(prod, rep, start=3, end=5, world=3, production_start=3)
     assert (j.kind, j.rank) == ("hardware-fault-suspected", 1), j
     assert "the other ranks (0, 2) computed the step exactly as the replays did" in j.sentence, j.sentence

@@ -1,11 +1,6 @@
-"""Lightning's ``ModelParallelStrategy`` (FSDP2, gloo, CPU) training with ckptverify's ``VerifyCheckpoints``.
-
-``python lightning_integration.py OUT WORLD STAGE [CKPT]``, run in its own process (a distributed strategy sets
-up a process group; Lightning starts rank 1.. by running this script again with the same arguments):
-
-- ``save``: train 4 steps, ``ModelCheckpoint`` every 2 (``OUT/checkpoints/step={2,4}.ckpt/``, DCP folders with
-  ``meta.pt``), with ``VerifyCheckpoints(on_failure="raise")``;
-- ``resume``: ``fit(ckpt_path=CKPT)`` to step 6 with ``VerifyCheckpoints``, saving ``OUT/checkpoints/step=6.ckpt``.
+"""Lightning's ``ModelParallelStrategy`` (FSDP2, gloo, CPU) training with ckptverify's ``VerifyCheckpoints``: the
+model (:func:`module`) and one ``fit`` of it (:func:`run_stage`), which ``tests/helpers/lightning_model_parallel.py``
+runs stage after stage in ranks forked with the environment torchrun gives (Lightning takes the group it finds).
 
 Each rank writes ``OUT/STAGE-rank{R}.json``: the verdicts it got, the warnings ckptverify raised, the error that
 stopped it (type and message), the global step reached, and whether the model's weights are still those it was
@@ -15,8 +10,6 @@ built with (nothing loaded).
 from __future__ import annotations
 
 import json
-import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -94,17 +87,3 @@ def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | No
     result["untouched"] = model.untouched() if result["error"] else None
     (out / f"{stage}-rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=1))
     return result
-
-
-def main() -> None:
-    out, world, stage = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    ckpt = Path(sys.argv[4]) if len(sys.argv) > 4 else None
-    run_stage(out, world, stage, 4 if stage == "save" else 6, ckpt)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without interpreter teardown: gloo threads outlive the process group (see tests/helpers/multiproc.py).
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

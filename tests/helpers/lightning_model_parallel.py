@@ -1,12 +1,10 @@
 """Lightning ``ModelParallelStrategy`` (FSDP2, gloo, CPU) runs with ckptverify's ``VerifyCheckpoints``, every
 stage of one check in the same ranks.
 
-``tests/frameworks/lightning_integration.py`` runs one stage per fresh interpreter (and Lightning starts rank
-1.. by running that script again), so a check of three stages pays torch's and Lightning's imports nine times on
-two ranks. Here the ranks come from :func:`helpers.multiproc.spawn_ranks` (forked from the fork server, with
-the environment torchrun gives: Lightning takes the group it finds and starts no processes of its own) and run
-the stages one after another, each with a fresh ``Trainer`` and a fresh model from
-``lightning_integration.module()``:
+The ranks come from :func:`helpers.multiproc.spawn_ranks` (forked from the fork server, with the environment
+torchrun gives: Lightning takes the group it finds and starts no processes of its own) and run the stages one
+after another, each a ``lightning_integration.run_stage`` with a fresh ``Trainer`` and a fresh model (a stage per
+fresh interpreter would pay torch's and Lightning's imports nine times on two ranks):
 
 - ``save``: train 4 steps, ``ModelCheckpoint`` every 2 (``OUT/checkpoints/step={2,4}.ckpt/``, DCP folders with
   ``meta.pt``), with ``VerifyCheckpoints(on_failure="raise", fingerprint=True)``;
@@ -15,7 +13,7 @@ the stages one after another, each with a fresh ``Trainer`` and a fresh model fr
 - ``refused``: ``fit(ckpt_path=step=2.ckpt)`` to step 6;
 - ``resumed``: ``fit(ckpt_path=step=4.ckpt)`` to step 6, saving ``step=6.ckpt``.
 
-Each rank writes ``OUT/STAGE-rank{R}.json`` as the script does: the verdicts it got, the warnings ckptverify
+Each rank writes ``OUT/STAGE-rank{R}.json`` (``run_stage``): the verdicts it got, the warnings ckptverify
 raised, the error that stopped it (type and message), the global step reached, and whether the model's weights
 are still those it was built with (nothing loaded).
 """

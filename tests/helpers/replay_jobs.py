@@ -50,3 +50,18 @@ def verdict_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, env: dict[str
 def not_hardware(verdict: dict) -> None:
     assert verdict["kind"] != "hardware-fault-suspected", verdict
     assert "suspect the hardware" not in verdict["sentence"]
+
+
+def losses_run(run_dir: Path, losses: dict[int, dict[int, float]], world: int, monkeypatch: pytest.MonkeyPatch,
+               level: str) -> str:
+    """A trace directory of ``world`` ranks at ``level``: ``losses[rank][step]`` (each rank's store written from this
+    process, as that rank would)."""
+    from ckptverify.trace import TraceHeader, TraceRecorder
+
+    for rank in range(world):
+        monkeypatch.setattr("ckptverify.trace.recorder.rank_world", lambda rank=rank: (rank, world))
+        header = TraceHeader(run=run_dir.name, level=level, rank=rank, world_size=world)
+        with TraceRecorder(run_dir, header=header) as rec:
+            for step, loss in sorted(losses[rank].items()):
+                rec.record_step(step, metrics={"loss": loss})
+    return str(run_dir)
