@@ -175,6 +175,16 @@ def test_a_sharded_hugging_face_folder_matches_its_index(tmp_path: Path) -> None
     assert "json-invalid" in {f.check for f in _errors(check_folder(str(root))[0])}
 
 
+def test_side_files_parse_with_the_safe_reader_and_a_framework_nan_is_not_a_failure(tmp_path: Path) -> None:
+    root = _hf_folder(tmp_path / "hf")
+    # Python's json.dumps writes a diverged loss as NaN: a trainer state with one is valid, not damage.
+    (root / "trainer_state.json").write_text(json.dumps({"log_history": [{"loss": float("nan")}], "step": 3}))
+    assert not _errors(check_folder(str(root))[0])
+    for hostile in ('{"hidden_size": 4, "hidden_size": 8}', "[" * 100 + "]" * 100):
+        (root / "config.json").write_text(hostile)
+        assert "json-invalid" in {f.check for f in _errors(check_folder(str(root))[0])}, hostile
+
+
 def test_special_files_in_a_folder_are_findings_never_opened(tmp_path: Path) -> None:
     root = _hf_folder(tmp_path / "hf")
     os.mkfifo(root / "optimizer.bin")

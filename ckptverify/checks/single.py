@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -17,6 +16,7 @@ from ckptverify.checks.torchsave_file import verify_torchsave_file
 from ckptverify.dcp import safetensors
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
+from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 
 __all__ = ["check_file", "check_json"]
@@ -81,6 +81,6 @@ def check_json(path: str, *, name: str | None = None, root: str | None = None) -
         return [error("file-missing", f"{label} cannot be opened for reading: {exc}",
                       location=Location(file=label))], None
     try:
-        return [], json.loads(raw)
-    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        return [], safejson.loads(raw, nonfinite=True)
+    except safejson.JSONError as exc:
         return [error("json-invalid", f"{label} is not valid JSON: {exc}"[:300], location=Location(file=label))], None

@@ -31,7 +31,6 @@ checkpoint of the same state; everything else as ``FILE:PATH`` (``optimizer.bin:
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import stat
@@ -45,7 +44,7 @@ from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
-from ckptverify.safeparse import paths
+from ckptverify.safeparse import paths, safejson
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
@@ -351,8 +350,8 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
         desc.unread[name] = f"JSON of {f.size} bytes, more than this tool parses"
         return
     try:
-        value = json.loads(f.pread(0, f.size))
-    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        value = safejson.loads(f.pread(0, f.size), nonfinite=True)
+    except safejson.JSONError as exc:
         desc.unread[name] = f"not valid JSON: {exc}"[:200]
         return
     desc.files[name] = "json"

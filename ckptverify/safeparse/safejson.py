@@ -54,15 +54,22 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def loads(data: bytes | bytearray | memoryview | str, *, max_bytes: int = MAX_BYTES,
-          max_depth: int = MAX_DEPTH) -> Any:
-    """Parse ``data`` (UTF-8, -16 or -32 bytes, or text); raise :class:`JSONError` for anything refused."""
+          max_depth: int = MAX_DEPTH, nonfinite: bool = False) -> Any:
+    """Parse ``data`` (UTF-8, -16 or -32 bytes, or text); raise :class:`JSONError` for anything refused.
+
+    ``nonfinite``: accept ``NaN`` and infinities as floats, for side files a framework wrote with Python's
+    :func:`json.dumps` (a diverged loss in a trainer state is ``NaN``); callers must not turn them into integers.
+    """
     if len(data) > max_bytes:
         raise JSONError(f"the JSON is {len(data)} bytes, more than the {max_bytes} this tool reads")
     if isinstance(data, memoryview | bytearray):
         data = bytes(data)
     try:
-        value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float,
-                           object_pairs_hook=_unique)
+        if nonfinite:
+            value = json.loads(data, object_pairs_hook=_unique)
+        else:
+            value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float,
+                               object_pairs_hook=_unique)
     except JSONError:
         raise
     except RecursionError:
