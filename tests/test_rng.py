@@ -190,7 +190,9 @@ def test_dcp_round_trip_restores_in_fresh_process(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": "1"})
     result = json.loads(out.read_text())
     assert result["draws"] == expected
-    assert result["fingerprints"] == rng_fingerprints(sd["rank0"])
+    # The fresh process uses no CUDA, so it asks for no CUDA stream (on a GPU machine this one may hold one).
+    assert result["fingerprints"] == {k: v for k, v in rng_fingerprints(sd["rank0"]).items()
+                                      if not k.startswith("cuda")}
 
 
 def test_dcp_stateful_protocol(tmp_path: Path) -> None:

@@ -104,6 +104,17 @@ def test_a_cpu_only_rank_on_a_gpu_host_never_touches_cuda(monkeypatch: pytest.Mo
     assert not cuda.initialized
 
 
+def test_a_cpu_only_rank_whose_cuda_a_library_started_keeps_the_same_streams_and_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU host ``dcp.save``'s writer initialises CUDA in a CPU-only rank: its state dict must not gain a
+    ``cuda`` key after its first save (a template built then would ask for a key the checkpoint lacks)."""
+    FakeCuda(monkeypatch, n=8, current=0, holds_tensors=False)
+    gen = torch.Generator().manual_seed(1)
+    rng = RngState({"g": gen}, rank=0, world_size=1)
+    assert not any(k.startswith("cuda") for k in rng.state_dict()["rank0"])
+    assert not any(k.startswith("cuda") for k in capture_rng({"g": gen}))
+
+
 # ----------------------------------------------------------------------------------- through save and load
 
 

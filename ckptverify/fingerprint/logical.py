@@ -376,8 +376,7 @@ def _shard_indices(gshape: list[int], mesh: Any, placements: list[Any], coordina
             raise UsageError(f"cannot fingerprint a DTensor placed as {p!r} without gathering it")
         num_chunks, rank = mesh.size(mesh_dim), coordinate[mesh_dim]
         if _is_strided_shard(p):
-            index[p.dim] = current[torch.tensor(_strided_positions(p, len(current), num_chunks, rank),
-                                                dtype=torch.int64)]
+            index[p.dim] = _strided_positions(p, current, num_chunks, rank)
         else:
             size, start = Shard.local_shard_size_and_offset(len(current), num_chunks, rank)
             index[p.dim] = current[int(start) : int(start) + int(size)]
@@ -388,17 +387,15 @@ def _is_strided_shard(p: Any) -> bool:
     return type(p).__name__ == "_StridedShard"
 
 
-def _strided_positions(p: Any, size: int, num_chunks: int, rank: int) -> list[int]:
-    """The positions (along its dimension, of ``size``) a ``_StridedShard`` keeps on mesh coordinate ``rank``."""
+def _strided_positions(p: Any, current: Any, num_chunks: int, rank: int) -> Any:
+    """Of the positions ``current`` (1-D) along its dimension, those a ``_StridedShard`` keeps on mesh coordinate
+    ``rank``, in local order: split by the placement's own ``_split_tensor``, the function DTensor distributes a
+    tensor with (its offset helpers differ between torch releases; this one does not)."""
     try:
-        from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
-
-        kept, offsets = p.local_shard_size_and_offset(size, num_chunks, rank, _StridedShardOffsetMode.ALL)
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch's private API
-        offsets, kept = None, 0
-    if not isinstance(offsets, list):  # pragma: no cover - another torch's private API
-        raise UsageError(f"this torch does not say where a {p!r} shard's elements lie: not fingerprinted")
-    return [int(k) for k in offsets[: int(kept)]]
+        shards, _ = p._split_tensor(current.reshape([1] * p.dim + [len(current)]), num_chunks, with_padding=False)
+        return shards[rank].reshape(-1)
+    except (AttributeError, TypeError, IndexError):  # pragma: no cover - another torch's private API
+        raise UsageError(f"this torch does not say where a {p!r} shard's elements lie: not fingerprinted") from None
 
 
 def _runs(positions: Any) -> list[tuple[int, int, int]]:

@@ -13,8 +13,9 @@ generator). :func:`capture_rng` returns their states as one dict of *kinds*::
                   device that generator belonged to; informational, never restored
     gen.{name}    {"device": str, "state": uint8 tensor}, one per named generator
 
-``cuda`` and ``cuda_device`` are captured only when this process has initialised CUDA: a CPU-only rank on a GPU
-host never touches CUDA (asking for a generator state would create a CUDA context on GPU 0 in every rank).
+``cuda`` and ``cuda_device`` are captured only when this rank uses CUDA (:func:`cuda_in_use`: initialised, and
+tensors on its device): a CPU-only rank on a GPU host never touches CUDA (asking for a generator state would
+create a CUDA context on GPU 0 in every rank).
 
 **CUDA streams are keyed by role, not by index.** A rank uses one device, whose index differs between launchers
 (``cuda:0`` in every task under Slurm's one-GPU-per-task, ``cuda:{local_rank}`` under torchrun); the stream
@@ -132,12 +133,15 @@ def _check_generators(generators: Mapping[str, torch.Generator] | None) -> dict[
 
 
 def cuda_in_use() -> bool:
-    """Whether this process has initialised CUDA (and so may have drawn from a CUDA generator).
+    """Whether this rank uses CUDA: CUDA is initialised and the rank's current device holds tensors.
 
-    Deliberately not ``torch.cuda.is_available()``: that is true for a CPU-only rank on a GPU host, and
-    reading a generator there would create a CUDA context on GPU 0 (hundreds of MB in every rank).
+    Not ``torch.cuda.is_available()``: that is true for a CPU-only rank on a GPU host, and reading a generator
+    there would create a CUDA context on GPU 0 (hundreds of MB in every rank). Not ``is_initialized()`` alone:
+    ``dcp.save``'s file writer initialises CUDA on any GPU host, so a CPU-only rank would capture a ``cuda``
+    stream after its first save and not before, and a template built after a save would ask for a key its
+    checkpoint lacks.
     """
-    return bool(torch.cuda.is_initialized())
+    return bool(torch.cuda.is_initialized()) and torch.cuda.memory_allocated(torch.cuda.current_device()) > 0
 
 
 def device_identity(index: int) -> dict[str, Any]:
@@ -152,7 +156,7 @@ def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict
 
     ``generators`` names explicit ``torch.Generator`` objects to capture as well (``gen.{name}``). The
     returned tensors are copies: drawing afterwards does not change them. CUDA is read only when this
-    process has initialised it (:func:`cuda_in_use`), and then only the rank's own (current) device.
+    rank uses it (:func:`cuda_in_use`), and then only the rank's own (current) device.
     """
     gens = _check_generators(generators)
     state: dict[str, Any] = {

@@ -19,9 +19,11 @@ class FakeCuda:
     device call initialises the fake runtime, as the real one does. Every call is recorded in ``calls``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *, n: int, current: int = 0, node: str = "a",
-                 initialized: bool = True) -> None:
+                 initialized: bool = True, holds_tensors: bool = True) -> None:
         self.states = {i: torch.full((16,), 16 * i + len(node), dtype=torch.uint8) for i in range(n)}
         self.n, self.current, self.node, self.initialized = n, current, node, initialized
+        #: Whether the rank's tensors are on its device (False: CUDA initialised by a library, as DCP's writer does).
+        self.holds_tensors = holds_tensors
         self.calls: list[str] = []
         patch: dict[str, Callable[..., Any]] = {
             "is_available": lambda: True,
@@ -39,6 +41,7 @@ class FakeCuda:
             "set_device": lambda i: setattr(self, "current", self._index(i)),
             "manual_seed": lambda seed: None,
             "manual_seed_all": lambda seed: None,
+            "memory_allocated": lambda device=None: (1 << 20) if self.holds_tensors else 0,
         }
         for name, fn in patch.items():
             monkeypatch.setattr(torch.cuda, name, self._recorded(name, fn))
