@@ -78,9 +78,10 @@ if triton is not None:
                     A3: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
         # Both lanes' sums over the block's elements where ``mask``: ``w`` their bits sign-extended, ``p`` their
         # global indices times K (uint64); the lanes' multipliers and shifts are spec.LANES' (see _launch_args).
-        u = tl.uint64
-        y0 = _mix(w ^ (p + seed0.to(u, bitcast=True)), A1, a_m1.to(u, bitcast=True), A2, a_m2.to(u, bitcast=True), A3)
-        y1 = _mix(w ^ (p + seed1.to(u, bitcast=True)), B1, b_m1.to(u, bitcast=True), B2, b_m2.to(u, bitcast=True), B3)
+        y0 = _mix(w ^ (p + seed0.to(tl.uint64, bitcast=True)), A1, a_m1.to(tl.uint64, bitcast=True), A2,
+                  a_m2.to(tl.uint64, bitcast=True), A3)
+        y1 = _mix(w ^ (p + seed1.to(tl.uint64, bitcast=True)), B1, b_m1.to(tl.uint64, bitcast=True), B2,
+                  b_m2.to(tl.uint64, bitcast=True), B3)
         zero = tl.zeros_like(y0)
         return (tl.sum(tl.where(mask, y0, zero), axis=0).to(tl.int64, bitcast=True),
                 tl.sum(tl.where(mask, y1, zero), axis=0).to(tl.int64, bitcast=True))
