@@ -2,15 +2,15 @@
 """Throughput of the logical tensor fingerprint, against the copy bandwidth of the same tensor.
 
 For float32 and bfloat16 tensors of ``--size-mib`` MiB (256 by default) on the CPU (and on CUDA when
-available) this times ``tensor_fingerprint`` with the eager backend and with the compiled backend, and
-``t.clone()`` as the ceiling a pass over the tensor can reach.
-Backends: ``eager`` (torch operations, the reference), ``numpy`` (the host path: what ``auto`` uses on CPU
-until the compiled kernel is ready, and where no C++ compiler is), ``compiled`` (the fused ``torch.compile``
-kernel), ``triton`` (CUDA only). Each figure is the best of ``--repeats``
-runs; the compiled backend is warmed up (compiled) first and its one-off compile time is printed apart.
+available) this times each path of ``tensor_fingerprint``, and ``t.clone()`` as the ceiling a pass over the
+tensor can reach. Paths: ``numpy`` (CPU backend ``numpy``: what ``auto`` uses until the compiled kernel is ready,
+and where no C++ compiler is), ``compiled`` (CPU backend ``compiled``, the fused ``torch.compile`` kernel),
+``triton`` (CUDA: the Triton kernel) and ``eager`` (eager torch on any device: what a device no fused kernel
+serves takes). Each figure is the best of ``--repeats`` runs; each path is warmed up (compiled) first and a
+one-off compile time is printed apart.
 
     python scripts/bench_fingerprint.py
-    python scripts/bench_fingerprint.py --size-mib 64 --threads 1 --backends eager
+    python scripts/bench_fingerprint.py --size-mib 64 --threads 1 --paths numpy,eager
 """
 
 from __future__ import annotations
@@ -25,6 +25,18 @@ from collections.abc import Callable
 import torch
 
 from ckptverify import fingerprint as fp
+from ckptverify.fingerprint import kernels
+
+#: The paths a device has (the others do not apply to it).
+PATHS = {"cpu": ("numpy", "compiled", "eager"), "cuda": ("triton", "eager")}
+
+
+def _fingerprint(path: str, t: torch.Tensor) -> object:
+    if path == "eager":
+        return kernels.eager_fingerprint_lanes(t, [0] * t.dim(), list(t.shape), kernels.dtype_name(t.dtype))
+    if path in ("numpy", "compiled"):
+        fp.set_fingerprint_backend(path)
+    return fp.tensor_fingerprint(t).lanes
 
 
 def _sync(device: torch.device) -> None:
@@ -80,8 +92,8 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256, help="tensor size in MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the best counts")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--backends", default="eager,numpy,compiled,triton",
-                        help="comma-separated: eager, numpy, compiled, triton (CUDA only)")
+    parser.add_argument("--paths", default="numpy,compiled,triton,eager",
+                        help="comma-separated: numpy, compiled (CPU), triton (CUDA), eager (any device)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtype names")
     parser.add_argument("--devices", default=None, help="comma-separated (default: cpu, and cuda if present)")
     parser.add_argument(
@@ -98,7 +110,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    backends = [b for b in args.backends.split(",") if b]
+    paths = [b for b in args.paths.split(",") if b]
     nbytes = args.size_mib << 20
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} CPUs")
     print(f"tensor size {args.size_mib} MiB, best of {args.repeats} runs; load average at start: {_load()}")
@@ -127,25 +139,24 @@ def main() -> None:
                 f"{nbytes / statistics.median(copy) / 1e9:>12.2f} {min(clone) / min(copy):>9.2f}"
             )
             values = set()
-            for backend in backends:
-                if backend == "triton" and device.type != "cuda":
-                    continue  # the Triton kernel is for CUDA tensors; elsewhere it is the eager path
-                fp.set_fingerprint_backend(backend)
+            for path in paths:
+                if path not in PATHS.get(device.type, ("eager",)):
+                    continue
                 start = time.perf_counter()
-                values.add(fp.tensor_fingerprint(t))  # warm-up; compiles on first use of "compiled"
+                values.add(_fingerprint(path, t))  # warm-up; compiles on first use of "compiled"
                 _sync(device)
                 first = time.perf_counter() - start
-                times = _time(functools.partial(fp.tensor_fingerprint, t), device, args.repeats)
+                times = _time(functools.partial(_fingerprint, path, t), device, args.repeats)
                 best = nbytes / min(times) / 1e9
-                label = f"fingerprint {backend}"
+                label = f"fingerprint {path}"
                 print(
                     f"{device_name:<7} {dtype_name:<9} {label:<22} {best:>10.2f} "
                     f"{nbytes / statistics.median(times) / 1e9:>12.2f} {best / ceiling:>9.2f}"
                 )
-                if backend in ("compiled", "triton") and first > 2 * min(times):
+                if path in ("compiled", "triton") and first > 2 * min(times):
                     print(f"{'':<17} (first call incl. compile and self-check: {first:.1f} s)")
             if len(values) != 1:
-                raise SystemExit(f"backends disagree on {dtype_name}: {values}")
+                raise SystemExit(f"paths disagree on {dtype_name}: {values}")
             del t
     print()
     print(f"load average at end: {_load()} (other work on the machine lowers every figure)")

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="add a variant that fingerprints every tensor in a pass of its own (none beside the writes)")
     ap.add_argument("--interference", action="store_true",
                     help="add dcp.save with another process spinning, and one streaming memory, on another core")
-    ap.add_argument("--fingerprint-backend", default=None, choices=["auto", "eager", "numpy", "compiled"],
+    ap.add_argument("--fingerprint-backend", default=None, choices=["auto", "numpy", "compiled"],
                     help="tensor fingerprint backend (default: the library's, 'auto')")
     args = ap.parse_args(argv)
 

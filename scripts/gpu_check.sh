@@ -2,7 +2,7 @@
 # The checks that need one GPU, in one go, within 10 minutes on one H200; each part has its own timeout, so a
 # hung part costs its own time only and the others still run:
 #
-#   parity      (120 s) device fingerprints equal the CPU ones: every dtype and layout, backends auto/triton/eager,
+#   parity      (120 s) device fingerprints equal the CPU ones: every dtype and layout, paths fused (Triton)/eager,
 #                       0-dim, empty, transposed, unaligned storage offset, indices past 2**32, a tensor of more
 #                       than 2**32 elements where memory allows, under a non-default stream
 #   many         (40 s) the many-tensor fingerprint equals eager; its peak extra memory stays bounded

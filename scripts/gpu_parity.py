@@ -5,11 +5,11 @@ Each part prints what it checked and exits non-zero on the first disagreement:
 
 * ``parity``: device fingerprints equal the CPU ones for every dtype and layout: 0-dim, empty, short and long,
   transposed, a chunk at global offsets, an unaligned storage offset, global indices past 2**32 (and, on a GPU
-  with the memory, a tensor of more than 2**32 elements), conjugated complex, under a non-default stream; each
-  device backend (``auto``, ``triton``, ``eager``).
+  with the memory, a tensor of more than 2**32 elements), conjugated complex, under a non-default stream; on each
+  device path (``fused``: what ``tensor_fingerprint`` takes, the Triton kernel on a GPU; ``eager``: eager torch).
 * ``many``: the many-tensor fingerprint (what a trace takes every step) equals the eager one, and its peak of
   extra device memory stays near ``MANY_GROUP_BYTES`` for a list far larger than that.
-* ``throughput``: GB/s of ``tensor_fingerprint`` against ``clone``, per backend.
+* ``throughput``: GB/s of ``tensor_fingerprint`` against ``clone``, per path.
 * ``devices`` (two or more GPUs): a tensor on each GPU but the first, fingerprinted in a fresh thread (whose
   current device is ``cuda:0``), equals its CPU fingerprint, and no CUDA context is opened on GPU 0.
 * ``save`` (two or more GPUs): ``ckptverify.save`` of a state dict on ``cuda:1`` (fingerprints taken by the writer's
@@ -31,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,10 +64,20 @@ def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
     return bits.to(width).view(dtype).reshape(shape)
 
 
-def _backend(name: str) -> Callable[[], None]:
-    saved = fp.get_fingerprint_backend()
-    fp.set_fingerprint_backend(name)
-    return lambda: fp.set_fingerprint_backend(saved)
+#: The device paths: what ``tensor_fingerprint`` takes (on a GPU the Triton kernel), and eager torch (what a GPU
+#: takes where Triton is missing or failed its check).
+PATHS = ("fused", "eager")
+
+
+def _fingerprint(path: str, t: torch.Tensor, offsets: list[int] | None = None,
+                 gshape: list[int] | None = None) -> Any:
+    """``t``'s fingerprint (a chunk's at ``offsets`` in ``gshape``) through ``path``, on its device."""
+    if path == "fused":
+        return fp.tensor_fingerprint(t) if offsets is None else fp.chunk_fingerprint(t, offsets, gshape)
+    gshape = list(t.shape) if gshape is None else gshape
+    name = kern.dtype_name(t.dtype)
+    lanes = kern.eager_fingerprint_lanes(t, offsets or [0] * len(gshape), gshape, name)
+    return fp.TensorFingerprint.from_lanes(lanes, name, gshape, t.numel())
 
 
 def _cpu_fp(t: torch.Tensor, offsets: list[int] | None = None, gshape: list[int] | None = None) -> Any:
@@ -77,58 +86,53 @@ def _cpu_fp(t: torch.Tensor, offsets: list[int] | None = None, gshape: list[int]
 
 
 def part_parity(dev: torch.device, dry: bool) -> int:
-    backends = ("auto", "eager") if dev.type == "cpu" else ("auto", "triton", "eager")
     long = 1 << 10 if dry else (1 << 22) + 7
     cases = 0
     stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     for dtype in kern.SUPPORTED_DTYPES:
-        for backend in backends:
-            restore = _backend(backend)
-            try:
-                layouts: list[tuple[str, torch.Tensor, list[int] | None, list[int] | None]] = []
-                base = _values(dtype, (48, 80), 7)
-                layouts += [
-                    ("0-dim", _values(dtype, (), 1), None, None),
-                    ("empty", _values(dtype, (0, 5), 2), None, None),
-                    ("one", _values(dtype, (1,), 3), None, None),
-                    ("long", _values(dtype, (long,), 4), None, None),
-                    ("transposed", base.t(), None, None),
-                    ("chunk", base[8:40, 16:72], [8, 16], [48, 80]),
-                    ("column-split", base[:, 3:11], [0, 3], [48, 80]),
-                    # Global indices past 2**32 (a chunk far into a huge tensor): only the indices are large.
-                    ("past-2^32", base[:4], [1 << 27, 0], [(1 << 27) + 4, 80]),
-                ]
-                flat = _values(dtype, (4099,), 5)
-                layouts.append(("unaligned-offset", flat[1:], None, None))  # storage offset 1: not 16-byte aligned
-                if dtype.is_complex:
-                    layouts.append(("conjugated", base.conj(), None, None))
-                for label, t, offsets, gshape in layouts:
-                    want = _cpu_fp(t, offsets, gshape)
-                    # The same view of the same values, made on the device (``.to`` of a view copies it compactly).
-                    if label == "transposed":
-                        on = base.to(dev).t()
-                    elif label == "unaligned-offset":
-                        on = flat.to(dev)[1:]
-                    elif label == "conjugated":
-                        on = base.to(dev).conj()
-                    else:
-                        on = t.to(dev)
-                    got = fp.tensor_fingerprint(on) if offsets is None else fp.chunk_fingerprint(on, offsets, gshape)
-                    if got != want:
-                        _say(f"MISMATCH {dtype} {backend} {label}: {got} != {want}")
-                        return 1
-                    cases += 1
-                if stream is not None:
-                    # Under a non-default stream: the tensor written on it, fingerprinted on it.
-                    with torch.cuda.stream(stream):
-                        on = base.to(dev)  # the copy runs on the stream
-                        got = fp.tensor_fingerprint(on)
-                    if got != _cpu_fp(on):
-                        _say(f"MISMATCH {dtype} {backend} non-default stream")
-                        return 1
-                    cases += 1
-            finally:
-                restore()
+        for path in PATHS:
+            layouts: list[tuple[str, torch.Tensor, list[int] | None, list[int] | None]] = []
+            base = _values(dtype, (48, 80), 7)
+            layouts += [
+                ("0-dim", _values(dtype, (), 1), None, None),
+                ("empty", _values(dtype, (0, 5), 2), None, None),
+                ("one", _values(dtype, (1,), 3), None, None),
+                ("long", _values(dtype, (long,), 4), None, None),
+                ("transposed", base.t(), None, None),
+                ("chunk", base[8:40, 16:72], [8, 16], [48, 80]),
+                ("column-split", base[:, 3:11], [0, 3], [48, 80]),
+                # Global indices past 2**32 (a chunk far into a huge tensor): only the indices are large.
+                ("past-2^32", base[:4], [1 << 27, 0], [(1 << 27) + 4, 80]),
+            ]
+            flat = _values(dtype, (4099,), 5)
+            layouts.append(("unaligned-offset", flat[1:], None, None))  # storage offset 1: not 16-byte aligned
+            if dtype.is_complex:
+                layouts.append(("conjugated", base.conj(), None, None))
+            for label, t, offsets, gshape in layouts:
+                want = _cpu_fp(t, offsets, gshape)
+                # The same view of the same values, made on the device (``.to`` of a view copies it compactly).
+                if label == "transposed":
+                    on = base.to(dev).t()
+                elif label == "unaligned-offset":
+                    on = flat.to(dev)[1:]
+                elif label == "conjugated":
+                    on = base.to(dev).conj()
+                else:
+                    on = t.to(dev)
+                got = _fingerprint(path, on, offsets, gshape)
+                if got != want:
+                    _say(f"MISMATCH {dtype} {path} {label}: {got} != {want}")
+                    return 1
+                cases += 1
+            if stream is not None:
+                # Under a non-default stream: the tensor written on it, fingerprinted on it.
+                with torch.cuda.stream(stream):
+                    on = base.to(dev)  # the copy runs on the stream
+                    got = _fingerprint(path, on)
+                if got != _cpu_fp(on):
+                    _say(f"MISMATCH {dtype} {path} non-default stream")
+                    return 1
+                cases += 1
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         n = (1 << 32) + 4097
@@ -156,7 +160,7 @@ def part_many(dev: torch.device, dry: bool) -> int:
                 torch.randn(5000, generator=gen).to(torch.bfloat16).to(dev)]
     want = [list(kern.fingerprint_lanes(t.cpu(), [0] * t.dim(), list(t.shape), kern.dtype_name(t.dtype)))
             for t in tensors[-4:]]
-    reference = kern._lanes_many_eager(tensors).tolist()
+    reference = kern.lanes_many_eager(tensors).tolist()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -191,23 +195,18 @@ def part_many(dev: torch.device, dry: bool) -> int:
 
 def part_throughput(dev: torch.device, dry: bool) -> int:
     n = (1 << 10) if dry else (1 << 28)  # 1 GiB of float32
-    backends = ("auto", "eager") if dev.type == "cpu" else ("auto", "triton", "eager")
     for dtype in (torch.float32, torch.bfloat16):
         t = torch.randn(n, device=dev).to(dtype)
-        for backend in backends:
-            restore = _backend(backend)
-            try:
-                fp.tensor_fingerprint(t)  # warm-up (compilation, self-check)
-                best = float("inf")
-                for _ in range(1 if dry or backend == "eager" else 3):
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize(dev)
-                    start = time.perf_counter()
-                    fp.tensor_fingerprint(t)
-                    best = min(best, time.perf_counter() - start)
-            finally:
-                restore()
-            _say(f"throughput {dtype} {backend}: {t.numel() * t.element_size() / best / 1e9:.2f} GB/s")
+        for path in PATHS:
+            _fingerprint(path, t)  # warm-up (compilation, self-check)
+            best = float("inf")
+            for _ in range(1 if dry or path == "eager" else 3):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                start = time.perf_counter()
+                _fingerprint(path, t)
+                best = min(best, time.perf_counter() - start)
+            _say(f"throughput {dtype} {path}: {t.numel() * t.element_size() / best / 1e9:.2f} GB/s")
     return 0
 
 
@@ -223,22 +222,18 @@ def part_devices(dev: torch.device, dry: bool) -> int:
         return 1
     base = _values(torch.float32, (256, 512), 11)
     want = fp.tensor_fingerprint(base)
-    for backend in ("auto", "triton", "eager") if not dry else ("auto",):
-        restore = _backend(backend)
-        try:
-            for d in devices:
-                on = base.to(d)
-                out: list[Any] = []
-                # A fresh thread: its current device is cuda:0, whatever the tensor's.
-                worker = threading.Thread(target=lambda o=on, found=out: found.append(fp.tensor_fingerprint(o)))
-                worker.start()
-                worker.join()
-                many = kern.lanes_many([on]).tolist()[0]
-                if out != [want] or [v & ((1 << 64) - 1) for v in many] != list(want.lanes):
-                    _say(f"MISMATCH on {d} ({backend}): {out} != {want}")
-                    return 1
-        finally:
-            restore()
+    for path in PATHS if not dry else ("fused",):
+        for d in devices:
+            on = base.to(d)
+            out: list[Any] = []
+            # A fresh thread: its current device is cuda:0, whatever the tensor's.
+            worker = threading.Thread(target=lambda o=on, found=out, p=path: found.append(_fingerprint(p, o)))
+            worker.start()
+            worker.join()
+            many = (kern.lanes_many if path == "fused" else kern.lanes_many_eager)([on]).tolist()[0]
+            if out != [want] or [v & ((1 << 64) - 1) for v in many] != list(want.lanes):
+                _say(f"MISMATCH on {d} ({path}): {out} != {want}")
+                return 1
     if not dry and _has_context(0):
         _say("FAIL: a CUDA context was opened on GPU 0")
         return 1

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckptverify as cv
-from ckptverify.fingerprint import chunk_fingerprint, set_fingerprint_backend, tensor_fingerprint
+from ckptverify.fingerprint import chunk_fingerprint, tensor_fingerprint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -39,51 +39,50 @@ def _values(dtype: torch.dtype, n: int) -> torch.Tensor:
                          ).to(dtype)
 
 
-@pytest.mark.parametrize("backend", ["eager", "compiled", "triton", "auto"])
+@pytest.mark.parametrize("path", ["triton", "eager"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fingerprints_on_the_gpu_equal_the_cpu_ones(dtype: torch.dtype, backend: str) -> None:
-    set_fingerprint_backend(backend)
-    try:
-        for n in (1, 1000, (1 << 20) + 7):
-            t = _values(dtype, n)
-            assert tensor_fingerprint(t.cuda()) == tensor_fingerprint(t), (dtype, n)
-        t = _values(dtype, 6 * 1024).view(64, 96)
-        part = t[16:48, 32:96]
-        on_gpu = chunk_fingerprint(part.cuda(), [16, 32], [64, 96])
-        assert on_gpu == chunk_fingerprint(part, [16, 32], [64, 96])
-        # Non-contiguous views on the GPU fingerprint as their values.
-        assert tensor_fingerprint(t.cuda().t()) == tensor_fingerprint(t.t().contiguous())
-        if backend in ("triton", "auto"):
-            from ckptverify.fingerprint import kernels as kern
-            from ckptverify.fingerprint import triton_kernel as tri
+def test_fingerprints_on_the_gpu_equal_the_cpu_ones(dtype: torch.dtype, path: str) -> None:
+    """Through the Triton kernel (what a CUDA tensor takes) and the eager path (where Triton is missing, or its
+    check failed): the CPU's values."""
+    from test_fingerprint import eager_fingerprint
 
-            width = kern._INT_VIEW_BY_SIZE[t.element_size()]
-            assert tri._verified.get(("cuda", width)) is True  # the fused kernel ran, and matched eager first
-    finally:
-        set_fingerprint_backend("auto")
+    whole = tensor_fingerprint if path == "triton" else eager_fingerprint
+    chunk = chunk_fingerprint if path == "triton" else eager_fingerprint
+    for n in (1, 1000, (1 << 20) + 7):
+        t = _values(dtype, n)
+        assert whole(t.cuda()) == tensor_fingerprint(t), (dtype, n)
+    t = _values(dtype, 6 * 1024).view(64, 96)
+    part = t[16:48, 32:96]
+    on_gpu = chunk(part.cuda(), (16, 32), (64, 96))
+    assert on_gpu == chunk_fingerprint(part, (16, 32), (64, 96))
+    # Non-contiguous views on the GPU fingerprint as their values.
+    assert whole(t.cuda().t()) == tensor_fingerprint(t.t().contiguous())
+    if path == "triton":
+        from ckptverify.fingerprint import kernels as kern
+        from ckptverify.fingerprint import triton_kernel as tri
+
+        width = kern._INT_VIEW_BY_SIZE[t.element_size()]
+        assert tri._verified.get(("cuda", width)) is True  # the fused kernel ran, and matched eager first
 
 
-@pytest.mark.parametrize("backend", ["eager", "triton"])
-def test_many_tensors_on_the_gpu_fingerprint_as_on_the_cpu(backend: str) -> None:
+@pytest.mark.parametrize("path", ["triton", "eager"])
+def test_many_tensors_on_the_gpu_fingerprint_as_on_the_cpu(path: str) -> None:
     """What a trace digests each step (a list of tensors, one batched pass): the lanes on the GPU, through the
     Triton kernel or the eager path, equal the CPU's, and a flipped bit changes only its tensor's."""
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.fingerprint import triton_kernel as tri
 
-    set_fingerprint_backend(backend)
-    try:
-        tensors = [_values(dtype, n) for dtype, n in zip(DTYPES, (1, 7, 1000, 5000, (1 << 20) + 3, 65), strict=False)]
-        tensors.append(torch.zeros(0))
-        want = kern.lanes_many(tensors).tolist()
-        on_gpu = [t.cuda() for t in tensors]
-        assert kern.lanes_many(on_gpu).tolist() == want
-        if backend == "triton":
-            assert tri._many_verified.get("cuda") is True
-        on_gpu[3].view(torch.uint8)[11] ^= 1
-        got = kern.lanes_many(on_gpu).tolist()
-        assert [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b] == [3]
-    finally:
-        set_fingerprint_backend("auto")
+    many = kern.lanes_many if path == "triton" else kern.lanes_many_eager
+    tensors = [_values(dtype, n) for dtype, n in zip(DTYPES, (1, 7, 1000, 5000, (1 << 20) + 3, 65), strict=False)]
+    tensors.append(torch.zeros(0))
+    want = kern.lanes_many(tensors).tolist()
+    on_gpu = [t.cuda() for t in tensors]
+    assert many(on_gpu).tolist() == want
+    if path == "triton":
+        assert tri._many_verified.get("cuda") is True
+    on_gpu[3].view(torch.uint8)[11] ^= 1
+    got = many(on_gpu).tolist()
+    assert [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b] == [3]
 
 
 def test_one_flipped_bit_on_the_gpu_changes_the_fingerprint() -> None:
@@ -351,7 +350,7 @@ def test_the_many_tensor_fingerprint_of_a_large_list_keeps_its_extra_memory_boun
     from ckptverify.fingerprint import triton_kernel as tri
 
     tensors = [torch.randn((1 << 18) + i, device="cuda") for i in range(256)]  # 256 MiB of small tensors
-    want = kern._lanes_many_eager(tensors).tolist()
+    want = kern.lanes_many_eager(tensors).tolist()
     kern.lanes_many(tensors[:2])  # the kernel checked and compiled outside the measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -24,6 +24,7 @@ from ckptverify import fingerprint as fp
 from ckptverify.errors import UsageError
 from ckptverify.fingerprint import eager as ref
 from ckptverify.fingerprint import kernels as kern
+from ckptverify.fingerprint import spec
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning"),
@@ -176,14 +177,16 @@ def test_block_digest_rejects_bad_block_size() -> None:
 
 # ------------------------------------------------------------------------- reference fingerprint (spec)
 #
-# An independent, element-by-element implementation of the algorithm exactly as docs/fingerprint.md
-# states it. The library must agree with it bit for bit.
+# The algorithm element by element, exactly as docs/fingerprint.md states it, with the one definition of the
+# mixing step (spec.mix, on Python ints), which the published finalizers below pin. Every path must agree with it
+# bit for bit.
 
 MASK = (1 << 64) - 1
 K = 0x9E3779B97F4A7C15
 
 
 def ref_fmix64(x: int) -> int:
+    """MurmurHash3's fmix64, as published (not the library's)."""
     x ^= x >> 33
     x = (x * 0xFF51AFD7ED558CCD) & MASK
     x ^= x >> 33
@@ -192,6 +195,7 @@ def ref_fmix64(x: int) -> int:
 
 
 def ref_mix13(x: int) -> int:
+    """SplitMix64's finalizer (Stafford's Mix13), as published."""
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & MASK
     x ^= x >> 27
@@ -217,9 +221,20 @@ def ref_fingerprint(t: torch.Tensor) -> str:
     for g, bits in enumerate(words):  # row-major order: g is the global linear index
         w = bits & MASK  # sign-extended to 64 bits
         p = (g * K) & MASK
-        lane0 += ref_fmix64(w ^ ((p + s0) & MASK))
-        lane1 += ref_mix13(w ^ ((p + s1) & MASK))
+        lane0 += spec.mix(w ^ ((p + s0) & MASK), spec.LANES[0])
+        lane1 += spec.mix(w ^ ((p + s1) & MASK), spec.LANES[1])
     return f"{lane0 & MASK:016x}{lane1 & MASK:016x}"
+
+
+def eager_fingerprint(t: torch.Tensor, offsets: tuple[int, ...] | None = None,
+                      shape: tuple[int, ...] | None = None) -> fp.TensorFingerprint:
+    """The fingerprint of chunk ``t`` (at ``offsets`` in ``shape``; default: the whole tensor) through the eager
+    torch path, on ``t``'s device: what a device that no fused kernel serves takes."""
+    shape = tuple(t.shape) if shape is None else tuple(shape)
+    offsets = (0,) * len(shape) if offsets is None else tuple(offsets)
+    name = kern.dtype_name(t.dtype)
+    lanes = kern.eager_fingerprint_lanes(t, offsets, shape, name)
+    return fp.TensorFingerprint.from_lanes(lanes, name, shape, t.numel())
 
 
 # ------------------------------------------------------------------------------------- tensor helpers
@@ -251,13 +266,14 @@ shapes = st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple)
 
 @contextlib.contextmanager
 def small_blocks(eager: int = 32, row: int = 8, compiled: int = 64) -> Iterator[None]:
-    """Shrink the block geometry so small tensors cross every block and row boundary."""
-    saved = (ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK)
-    ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK = eager, row, compiled
+    """Shrink the block geometry so small tensors cross every block and row boundary (and take the paths of
+    large chunks: no chunk is small enough for the one-shot numpy formula)."""
+    saved = (ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK, kern.SMALL_NUMPY)
+    ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK, kern.SMALL_NUMPY = eager, row, compiled, 0
     try:
         yield
     finally:
-        ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK = saved
+        ref.EAGER_BLOCK, ref.ROW_WIDTH, kern.COMPILED_BLOCK, kern.SMALL_NUMPY = saved
 
 
 @contextlib.contextmanager
@@ -302,22 +318,50 @@ def test_matches_reference_definition(dtype: torch.dtype, shape: tuple[int, ...]
 
 
 def test_known_answer() -> None:
-    """Pinned values: a change here changes every stored fingerprint, and needs a new version."""
+    """Pinned values: a change here changes every stored fingerprint (manifests written before would no longer
+    verify), and needs a new version. The large tensor takes the host path; the rest the small-chunk path."""
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert fp.tensor_fingerprint(t).value == ref_fingerprint(t)
     assert fp.tensor_fingerprint(t).value == KNOWN_ANSWER_FLOAT32
     b = torch.tensor([True, False, True])
     assert fp.tensor_fingerprint(b).value == KNOWN_ANSWER_BOOL
+    got = {
+        "bfloat16": fp.tensor_fingerprint(make_tensor(torch.bfloat16, (5, 7), 1)),
+        "int8": fp.tensor_fingerprint(make_tensor(torch.int8, (300,), 2)),
+        "float64 chunk": fp.chunk_fingerprint(make_tensor(torch.float64, (3, 4), 3), (2, 5), (9, 9)),
+        "complex64": fp.tensor_fingerprint(make_tensor(torch.complex64, (4, 3), 4)),
+        "float8_e4m3fn transposed": fp.tensor_fingerprint(make_tensor(torch.float8_e4m3fn, (6, 6), 5).t()),
+        "float32 large": fp.tensor_fingerprint(make_tensor(torch.float32, (3, 1 << 20), 6)),
+        "empty": fp.tensor_fingerprint(torch.zeros(0, 4, dtype=torch.int64)),
+    }
+    assert {k: v.value for k, v in got.items()} == KNOWN_ANSWERS
 
 
 KNOWN_ANSWER_FLOAT32 = "e379311fe8f5b228ef444722dab8845f"
 KNOWN_ANSWER_BOOL = "203a194ad7c0b847503c24d59cf7533d"
+KNOWN_ANSWERS = {
+    "bfloat16": "199d79eb4022b1288ef3a17687805757",
+    "int8": "83984a9935fddd16caa68982bc8a0f47",
+    "float64 chunk": "853ac001dd060b0e32307643e4ba5275",
+    "complex64": "a0fb8c2f9ca4281651d357c4100d1068",
+    "float8_e4m3fn transposed": "dfcedb9761ee94f56b6547edf5fc7736",
+    "float32 large": "5e93a3b401b0cb4e16c2314490bb4141",
+    "empty": "0" * 32,
+}
 
 
 def test_mixers_are_the_published_finalizers() -> None:
-    for x in [0, 1, 2**63, MASK, 0x0123456789ABCDEF]:
-        assert kern.mix_python(x, 0) == ref_fmix64(x)
-        assert kern.mix_python(x, 1) == ref_mix13(x)
+    """spec.mix, the one definition of the mixing step, is MurmurHash3's fmix64 in lane 0 and SplitMix64's
+    finalizer in lane 1, on Python ints and on numpy words alike."""
+    import numpy as np
+
+    xs = [0, 1, 2**63, MASK, 0x0123456789ABCDEF]
+    for x in xs:
+        assert spec.mix(x, spec.LANES[0]) == ref_fmix64(x)
+        assert spec.mix(x, spec.LANES[1]) == ref_mix13(x)
+    words = np.array(xs, dtype=np.uint64)
+    assert [int(v) for v in spec.mix(words, spec.LANES[0])] == [ref_fmix64(x) for x in xs]
+    assert [int(v) for v in spec.mix(words, spec.LANES[1])] == [ref_mix13(x) for x in xs]
     # SplitMix64 from state 0: the first output is the mixer applied to the golden-ratio increment.
     assert ref_mix13(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
 
@@ -580,7 +624,83 @@ def test_same_bits_other_float8_dtype_changes_value(dtype: torch.dtype) -> None:
     assert len(values) == 1 + len(others)
 
 
-# ------------------------------------------------------------------------------ eager vs compiled path
+# ---------------------------------------------------------------------------- every path, one definition
+
+
+def ref_chunk(whole: torch.Tensor, box: tuple[slice, ...]) -> tuple[int, int]:
+    """Reference lanes of the chunk ``whole[box]`` at its place in ``whole``, element by element."""
+    name = str(whole.dtype).removeprefix("torch.")
+    if whole.is_complex():
+        whole, box = torch.view_as_real(whole), (*box, slice(None))
+    index = torch.arange(whole.numel()).reshape(whole.shape)[box].reshape(-1).tolist()
+    words = whole.contiguous().view(INT_VIEW[whole.element_size()])[box].reshape(-1).tolist()
+    lanes = [0, 0]
+    for g, bits in zip(index, words, strict=True):
+        for lane in (0, 1):
+            lanes[lane] += spec.mix((bits & MASK) ^ ((g * K + ref_seed(name, lane)) & MASK), spec.LANES[lane])
+    return lanes[0] & MASK, lanes[1] & MASK
+
+
+def box_all(t: torch.Tensor) -> tuple[slice, ...]:
+    return tuple(slice(None) for _ in t.shape)
+
+
+@contextlib.contextmanager
+def small_host_blocks(block: int = 8) -> Iterator[None]:
+    saved = kern.HOST_BLOCK
+    kern.HOST_BLOCK = block
+    try:
+        yield
+    finally:
+        kern.HOST_BLOCK = saved
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=dtypes, shape=shapes, seed=st.integers(0, 2**32),
+       layout=st.sampled_from(["as is", "transposed", "every other"]), data=st.data())
+def test_every_path_computes_the_reference(dtype: torch.dtype, shape: tuple[int, ...], seed: int, layout: str,
+                                           data: st.DataObject) -> None:
+    """Each implementation of the fingerprint gives the reference's integers (:func:`ref_chunk`, the one
+    definition of the mix element by element), over every dtype, shapes of odd lengths and no elements, chunks at
+    offsets and non-contiguous views: numpy's one-shot formula and host path, eager torch, the many-tensor path,
+    the adoption's batched numpy path, and the public entry under each CPU backend. (The compiled kernel: below;
+    the Triton kernel: tests/test_fingerprint_triton.py and, on a GPU, tests/test_cuda.py.)"""
+    from ckptverify.audit.adopt import _BATCHED_DTYPES, _whole_lanes
+
+    whole = make_tensor(dtype, shape, seed)
+    if layout == "transposed" and whole.dim() >= 2:
+        whole = whole.transpose(0, -1)
+    elif layout == "every other" and whole.dim() >= 1:
+        whole = make_tensor(dtype, (*shape[:-1], 2 * shape[-1]), seed)[..., ::2]
+    gshape = tuple(whole.shape)
+    box, offsets = data.draw(st.sampled_from(data.draw(chunkings(gshape)))) if gshape else ((), ())
+    part = whole[box]
+    want = ref_chunk(whole, box)
+    name = kern.dtype_name(dtype)
+    seeds = (spec.dtype_seed(name, 0), spec.dtype_seed(name, 1))
+    for name_of_backend in ("auto", "numpy", "compiled"):  # (no chunk here is large enough to compile for)
+        with backend(name_of_backend):
+            assert fp.chunk_fingerprint(part, offsets, gshape).lanes == want, name_of_backend
+    real, real_offsets, real_shape = kern._as_real(part, offsets, gshape)
+    flat = ref.flat_bits(real)
+    geometry = kern.chunk_geometry(real.shape, real_offsets, real_shape)
+    if flat.numel():
+        assert kern._small_lanes(flat, geometry, seeds) == want
+        with small_host_blocks():
+            assert kern.host_lanes(flat, geometry, seeds, threads=2) == want
+        with small_blocks():
+            assert ref.eager_lanes(flat, geometry, seeds) == want
+    whole_lanes = ref_chunk(whole, box_all(whole))
+    with small_blocks():  # several tensors to a block, and a tensor over several
+        many = kern.lanes_many([whole, part, whole]).tolist()
+    assert [(a & MASK, b & MASK) for a, b in many] == [whole_lanes, ref_chunk(part, box_all(part)), whole_lanes]
+    if name in _BATCHED_DTYPES and whole.numel():
+        bits = ref.flat_bits(whole).numpy().tobytes()
+        lanes = _whole_lanes(bits * 2, whole.element_size(), [whole.numel()] * 2, name)
+        assert [(int(a), int(b)) for a, b in zip(*lanes, strict=True)] == [whole_lanes] * 2
+
+
+# ------------------------------------------------------------------------------ the compiled kernel
 
 COMPILE_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.int16, torch.bool]
 
@@ -594,22 +714,22 @@ COMPILE_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float8_e4m
     seed=st.integers(0, 2**32),
     data=st.data(),
 )
-def test_compiled_path_equals_eager_path(
+def test_compiled_path_computes_the_reference(
     dtype: torch.dtype, rows: int, cols: int, seed: int, data: st.DataObject
 ) -> None:
-    """Full blocks go through ``torch.compile``; everything else through eager ops: same values."""
+    """Full blocks go through ``torch.compile``; everything else through the host path: the reference's values."""
     t = make_tensor(dtype, (rows, cols), seed)
     c = data.draw(st.integers(0, cols))
     with small_blocks(eager=32, row=16, compiled=64):
-        with backend("eager"):
-            eager_whole = fp.tensor_fingerprint(t)
+        with backend("numpy"):
+            numpy_whole = fp.tensor_fingerprint(t)
         with backend("compiled"):
             compiled_whole = fp.tensor_fingerprint(t)
             parts = [fp.chunk_fingerprint(t[:, :c], (0, 0), t.shape), fp.chunk_fingerprint(t[:, c:], (0, c), t.shape)]
             flat = fp.chunk_fingerprint(t.reshape(-1)[17:], (17,), (t.numel(),))
-    assert compiled_whole == eager_whole
+    assert compiled_whole == numpy_whole
     assert compiled_whole.value == ref_fingerprint(t)
-    assert fp.combine(parts) == eager_whole
+    assert fp.combine(parts) == numpy_whole
     assert flat.value == _ref_suffix(t.reshape(-1), 17)
     # 8- and 16-bit bits are widened to int32 as they are staged: the int32 kernel serves them.
     assert kern._verified.get(("cpu", kern._stage_dtype(bits_of(t).dtype))) is True, "the compiled kernel was not used"
@@ -623,24 +743,26 @@ def _ref_suffix(flat: torch.Tensor, start: int) -> str:
 
 
 def test_backend_selection() -> None:
-    with pytest.raises(UsageError):
-        fp.set_fingerprint_backend("fast")
-    with backend("eager"):
-        assert fp.get_fingerprint_backend() == "eager"
-        assert not kern._wants_compiled(torch.device("cpu"), 1 << 40)
+    for unknown in ("fast", "eager", "triton"):  # eager torch and Triton serve other devices: no CPU backend
+        with pytest.raises(UsageError):
+            fp.set_fingerprint_backend(unknown)
+    with backend("compiled"):
+        assert fp.get_fingerprint_backend() == "compiled"
+        assert kern._wants_compiled(torch.device("cpu"), 1 << 40) != kern._compile_failed
+        assert not kern._wants_compiled(torch.device("meta"), 1 << 40)
     with backend("numpy"):
         assert fp.get_fingerprint_backend() == "numpy"
         assert not kern._wants_compiled(torch.device("cpu"), 1 << 40)
     with backend("auto"):
-        saved = kern._eager_cpu_bytes
+        saved = kern._host_bytes
         try:
-            kern._eager_cpu_bytes = 0
+            kern._host_bytes = 0
             assert not kern._wants_compiled(torch.device("cpu"), 1 << 30)
-            kern._eager_cpu_bytes = kern.AUTO_COMPILE_AFTER_BYTES
+            kern._host_bytes = kern.AUTO_COMPILE_AFTER_BYTES
             assert kern._wants_compiled(torch.device("cpu"), 1 << 30) != kern._compile_failed
             assert not kern._wants_compiled(torch.device("meta"), 1 << 30)
         finally:
-            kern._eager_cpu_bytes = saved
+            kern._host_bytes = saved
 
 
 def test_under_a_dispatch_mode_the_compiled_kernel_is_not_tried_and_stays_on() -> None:
@@ -662,7 +784,7 @@ def test_under_a_dispatch_mode_the_compiled_kernel_is_not_tried_and_stays_on() -
             assert kern.cpu_block_lanes(t, (0, 0), t.shape, "float32", None) is None
             inside = fp.tensor_fingerprint(t)
     assert kern._compile_failed == failed
-    with backend("eager"):
+    with backend("numpy"):
         assert inside == fp.tensor_fingerprint(t)
 
 
@@ -706,25 +828,6 @@ def test_dtensor_fingerprint_two_ranks(tmp_path: Path) -> None:
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for label, want in expected.items():
             assert fp.TensorFingerprint.from_dict(got[label]) == want, (rank, label)
-
-
-@settings(max_examples=60, deadline=None)
-@given(dtype=dtypes, shape=shapes, seed=st.integers(0, 2**32), data=st.data())
-def test_small_chunks_take_numpy_and_match_the_eager_path(dtype: torch.dtype, shape: tuple[int, ...], seed: int,
-                                                         data: st.DataObject) -> None:
-    """Backend ``auto`` fingerprints small host chunks with numpy (:func:`_small_lanes`): the eager path's
-    integers, chunk by chunk."""
-    from ckptverify.fingerprint import kernels as kern
-
-    t = make_tensor(dtype, shape, seed)
-    assert t.numel() <= kern.SMALL_NUMPY
-    for slices, offsets in data.draw(chunkings(shape)):
-        part = t[slices] if shape else t
-        with backend("auto"):
-            small = fp.chunk_fingerprint(part, offsets if shape else (), shape)
-        with backend("eager"):
-            eager = fp.chunk_fingerprint(part, offsets if shape else (), shape)
-        assert small == eager, (slices, offsets)
 
 
 def test_importing_the_package_imports_no_torch() -> None:

@@ -76,7 +76,7 @@ def emulate_many(bits: torch.Tensor, table: torch.Tensor, out: torch.Tensor, pro
         seg = w[start : start + length]
         p = torch.arange(first, first + length, dtype=torch.int64).mul_(_signed(INDEX_MULTIPLIER))
         for lane, seed in enumerate((s0, s1)):
-            out[r, lane] = ref._mix_tensor(seg ^ (p + seed), LANES[lane]).sum()
+            out[r, lane] = ref.mix_tensor(seg ^ (p + seed), LANES[lane]).sum()
 
 
 def old_rows(numels: list[int], sizes: list[int], seeds: list[tuple[int, int]]) -> list[list[int]]:

@@ -19,11 +19,12 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent('''
     import torch
     from ckptverify.fingerprint import kernels as kern
+    from ckptverify.fingerprint import eager as ref
     from ckptverify.fingerprint import triton_kernel as tri
 
     def eager(t, offsets, gshape, name):
-        kern.set_backend("eager")
-        return kern.fingerprint_lanes(t, offsets, gshape, name)
+        geometry = kern.chunk_geometry(t.shape, offsets, gshape)
+        return ref.eager_lanes(ref.flat_bits(t), geometry, (kern.dtype_seed(name, 0), kern.dtype_seed(name, 1)))
 
     gen = torch.Generator().manual_seed(1)
     cases = 0
@@ -77,7 +78,7 @@ MANY = textwrap.dedent('''
     for sizes in ((1,), (tri.BLOCK,), (tri.BLOCK + 1, 3, 0, 2 * tri.BLOCK), (70 * 30, 5000, 0, 3, 1)):
         dtypes = (torch.float32, torch.float16, torch.int32, torch.float64, torch.int8)
         tensors = [(torch.randn(n, generator=gen) * 50).to(dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)]
-        want = kern._lanes_many_eager(tensors).tolist()
+        want = kern.lanes_many_eager(tensors).tolist()
         assert tri.lanes_many(tensors).tolist() == want, sizes
         # A flipped bit changes that tensor's lanes and no other's.
         for i, t in enumerate(tensors):

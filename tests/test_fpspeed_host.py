@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fingerprint import ALL_DTYPES, backend, chunkings, make_tensor, ref_fingerprint
+from test_fingerprint import ALL_DTYPES, backend, chunkings, eager_fingerprint, make_tensor, ref_fingerprint
 
 from ckptverify import fingerprint as fp
 from ckptverify.fingerprint import eager as ref
@@ -38,9 +38,7 @@ def host_geometry(block: int, min_per_thread: int = 1) -> Iterator[None]:
 def both(part: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[object, object]:
     with backend("numpy"):
         host = fp.chunk_fingerprint(part, offsets, shape)
-    with backend("eager"):
-        eager = fp.chunk_fingerprint(part, offsets, shape)
-    return host, eager
+    return host, eager_fingerprint(part, offsets, shape)
 
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=4).map(tuple)
@@ -82,9 +80,8 @@ def test_any_thread_split_gives_the_same_lanes(rows: int, cols: int, block: int,
         one = kern.host_lanes(flat, geometry, seeds, threads=1)
         many = kern.host_lanes(flat, geometry, seeds, threads=threads)
     assert one == many
-    with backend("eager"):
-        assert fp.TensorFingerprint.from_lanes(one, "bfloat16", t.shape, part.numel()) == fp.chunk_fingerprint(
-            part, (0, c), t.shape)
+    assert fp.TensorFingerprint.from_lanes(one, "bfloat16", t.shape, part.numel()) == eager_fingerprint(
+        part, (0, c), t.shape)
 
 
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128]
@@ -158,8 +155,7 @@ def test_non_contiguous_chunks_are_fingerprinted_in_bounded_pieces(
 def test_large_chunk_on_default_blocks_and_threads() -> None:
     """A chunk large enough for several threads with the shipped block size, whole and split by columns."""
     t = make_tensor(torch.float32, (1 << 10, 1 << 11 | 5), 7)
-    with backend("eager"):
-        want = fp.tensor_fingerprint(t)
+    want = eager_fingerprint(t)
     with backend("numpy"):
         got = fp.tensor_fingerprint(t)
         parts = [fp.chunk_fingerprint(t[:, :1000], (0, 0), t.shape),
@@ -172,13 +168,13 @@ def test_large_chunk_on_default_blocks_and_threads() -> None:
 @contextlib.contextmanager
 def fresh_compile_state(key: tuple[str, torch.dtype]) -> Iterator[None]:
     """Forget whether the compiled kernel was checked for ``key`` (restored after)."""
-    saved = (kern._verified.pop(key, None), key in kern._compiling, kern._eager_cpu_bytes,
+    saved = (kern._verified.pop(key, None), key in kern._compiling, kern._host_bytes,
              kern.AUTO_COMPILE_AFTER_BYTES, kern._compiled_fn)
     kern._compiling.discard(key)
     try:
         yield
     finally:
-        verified, compiling, kern._eager_cpu_bytes, kern.AUTO_COMPILE_AFTER_BYTES, kern._compiled_fn = saved
+        verified, compiling, kern._host_bytes, kern.AUTO_COMPILE_AFTER_BYTES, kern._compiled_fn = saved
         kern._verified.pop(key, None)
         if verified is not None:
             kern._verified[key] = verified
@@ -205,8 +201,7 @@ def test_auto_answers_while_compiling_and_never_uses_a_kernel_that_failed_its_ch
 
     monkeypatch.setattr(kern, "_self_check", failing_check)
     t = make_tensor(torch.float32, (3 * kern.COMPILED_BLOCK + 17,), 3)
-    with backend("eager"):
-        want = fp.tensor_fingerprint(t)
+    want = eager_fingerprint(t)
     with fresh_compile_state(key), backend("auto"):
         kern.AUTO_COMPILE_AFTER_BYTES = 0
         got = []
@@ -234,9 +229,8 @@ def test_auto_compiles_in_the_background_then_uses_the_kernel() -> None:
     key = ("cpu", torch.int32)
     t = make_tensor(torch.bfloat16, (4, kern.COMPILED_BLOCK + 333), 11)
     part = t[1:, 5:]
-    with backend("eager"):
-        want_whole = fp.tensor_fingerprint(t)
-        want_part = fp.chunk_fingerprint(part, (1, 5), t.shape)
+    want_whole = eager_fingerprint(t)
+    want_part = eager_fingerprint(part, (1, 5), t.shape)
     with fresh_compile_state(key), backend("auto"):
         kern.AUTO_COMPILE_AFTER_BYTES = 0
         assert fp.tensor_fingerprint(t) == want_whole  # starts the compilation, does not wait for it
@@ -266,8 +260,7 @@ def test_prepare_compiled_makes_auto_take_the_kernel_from_the_first_chunk() -> N
     went through the host path; without it, not."""
     key = ("cpu", torch.int32)
     t = make_tensor(torch.float16, (2 * kern.COMPILED_BLOCK + 1,), 5)
-    with backend("eager"):
-        want = fp.tensor_fingerprint(t)
+    want = eager_fingerprint(t)
     with fresh_compile_state(key), backend("auto"):
         kern.AUTO_COMPILE_AFTER_BYTES = 1 << 60
         assert not kern._wants_compiled(torch.device("cpu"), t.numel(), torch.int32)

@@ -637,33 +637,18 @@ def _nonfinite_counts(bits: bytes, dtype: str, counts: list[int]) -> tuple[list[
 def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str) -> tuple[Any, Any]:
     """The two lane sums (two arrays of unsigned 64-bit integers) of each whole tensor whose elements lie end
     to end in ``bits`` (``counts`` elements each, of ``itemsize`` bytes and dtype ``dtype_name``): what
-    :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for each (its small-tensor path: every
-    element's bits sign-extended to 64, mixed with its index in its own tensor), for all of them in a few
-    numpy operations."""
+    :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for each, for all of them in a few numpy
+    operations (:func:`~ckptverify.fingerprint.spec.numpy_lanes`, each element at its index in its own tensor)."""
     import numpy as np
 
-    from ckptverify.fingerprint.spec import INDEX_MULTIPLIER, LANES, dtype_seed
+    from ckptverify.fingerprint.spec import dtype_seed, numpy_lanes
 
-    w = np.frombuffer(bits, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
-    w = w.astype(np.int64).view(np.uint64)
+    w = np.frombuffer(bits, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]).astype(np.int64)
     sizes = np.asarray(counts, dtype=np.int64)
     starts = np.zeros(len(counts), dtype=np.int64)
     np.cumsum(sizes[:-1], out=starts[1:])
-    g = (np.arange(len(w), dtype=np.int64) - np.repeat(starts, sizes)).view(np.uint64)
-    p = g * np.uint64(INDEX_MULTIPLIER)
-    lanes = []
-    with np.errstate(over="ignore"):
-        for lane, mixer in enumerate(LANES):
-            s1, s2, s3 = (np.uint64(x) for x in mixer.shifts)
-            m1, m2 = (np.uint64(x) for x in mixer.multipliers)
-            y = w ^ (p + np.uint64(dtype_seed(dtype_name, lane)))
-            y ^= y >> s1
-            y *= m1
-            y ^= y >> s2
-            y *= m2
-            y ^= y >> s3
-            lanes.append(np.add.reduceat(y, starts, dtype=np.uint64))
-    return lanes[0], lanes[1]
+    index = (np.arange(len(w), dtype=np.int64) - np.repeat(starts, sizes)).view(np.uint64)
+    return numpy_lanes(w, index, (dtype_seed(dtype_name, 0), dtype_seed(dtype_name, 1)), starts)
 
 
 def _segment_sums(flags: Any, counts: list[int]) -> list[int]:

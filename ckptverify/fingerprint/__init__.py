@@ -13,10 +13,11 @@ Two kinds of identity, documented in ``docs/fingerprint.md``:
   ``MXTensor``, ``NVFP4Tensor``) is fingerprinted by its parts (:mod:`~ckptverify.fingerprint.subclass`,
   :func:`part_fingerprints`).
 
-The package's modules depend one way: :mod:`~ckptverify.fingerprint.spec` (the constants) <- ``digest`` and
-``logical`` <- ``kernels`` (the torch paths and the backend choice) <- ``triton_kernel``, ``eager`` (the reference
-both check against); :mod:`~ckptverify.fingerprint.device` (on which GPU and stream a fingerprint runs, and which
-tensors none may read) sits below ``kernels`` and ``triton_kernel`` and imports none of them. Importing the
+The package's modules depend one way: :mod:`~ckptverify.fingerprint.spec` (the constants and the one definition
+of the mixing step, which every path runs) <- ``digest`` and ``logical`` <- ``kernels`` (the paths and the CPU
+backend choice) <- ``triton_kernel``, ``eager`` (the reference both check against);
+:mod:`~ckptverify.fingerprint.device` (on which GPU and stream a fingerprint runs, and which tensors none may read)
+sits below ``kernels`` and ``triton_kernel`` and imports none of them. Importing the
 package imports no torch: ``logical`` imports the kernels only when a tensor is fingerprinted, so byte digests
 stay cheap to import.
 """

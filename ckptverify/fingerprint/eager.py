@@ -1,12 +1,14 @@
-"""The eager torch path of the logical tensor fingerprint: the reference every faster path is checked against.
+"""The eager torch path of the logical tensor fingerprint: any device, and the reference the fused kernels check
+themselves against.
 
-A fixed sequence of in-place torch operations over blocks of a fixed number of elements, writing into buffers
-allocated once per call; it runs on every device (see ``docs/fingerprint.md``). Here too: the dtype table, a
-chunk's geometry (its runs of consecutive global indices) and the cutting of a chunk into blocks, which the
-compiled path (:mod:`ckptverify.fingerprint.kernels`) and the Triton kernel
-(:mod:`ckptverify.fingerprint.triton_kernel`) share, and :func:`lanes_many_eager`, the reference of the
-many-tensor kernels. This module imports nothing of the package but :mod:`ckptverify.fingerprint.spec`, so the
-kernels that check themselves against it depend on it, never the reverse.
+Torch operations over blocks of a fixed number of elements, the mixing step :func:`mix_tensor`
+(:func:`~ckptverify.fingerprint.spec.mix` on int64 tensors); it runs on every device (see
+``docs/fingerprint.md``) and is what a device no fused kernel serves takes (:func:`eager_lanes`). Here too: the
+dtype table, a chunk's geometry (its runs of consecutive global indices) and the cutting of a chunk into blocks,
+which the compiled path (:mod:`ckptverify.fingerprint.kernels`) and the Triton kernel
+(:mod:`ckptverify.fingerprint.triton_kernel`) share, and :func:`lanes_many_eager`, the many-tensor path off
+CUDA. This module imports nothing of the package but :mod:`ckptverify.fingerprint.spec`, so the kernels that
+check themselves against it depend on it, never the reverse.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from ckptverify.errors import UsageError
-from ckptverify.fingerprint.spec import DTYPE_NAMES, INDEX_MULTIPLIER, LANES, Mixer, dtype_seed
+from ckptverify.fingerprint.spec import DTYPE_NAMES, INDEX_MULTIPLIER, LANES, MASK64, Mixer, dtype_seed, mix
 from ckptverify.fingerprint.spec import signed as _signed
 
 # --------------------------------------------------------------------------------------------- dtypes
@@ -181,19 +183,13 @@ def iter_blocks(flat: torch.Tensor, geometry: _Geometry, block: int) -> Iterator
 
 
 class _EagerState:
-    """Buffers and tables for one fingerprint call on one device, allocated once per call."""
+    """The lane sums of one chunk on one device, added up block by block on the device (no host synchronisation
+    per block)."""
 
     def __init__(self, device: torch.device, seeds: tuple[int, int], numel: int) -> None:
         kw: dict = {"dtype": torch.int64, "device": device}
         self.block = eager_block(device)
-        n = min(self.block, numel)  # no block holds more elements than this
-        self.w = torch.empty(n, **kw)
-        self.idx = torch.empty(n, **kw)
-        self.y = torch.empty(n, **kw)
-        self.t = torch.empty(n, **kw)
-        self.row_terms = torch.empty(n, **kw)
-        self.lane_terms = torch.empty(n, **kw)
-        # column_table[k] = k * K; a row starting at global index r contributes r * K + S on top.
+        # column_table[k] = k * K; a row starting at global index r adds r * K on top.
         width = min(max(ROW_WIDTH, self.block), numel)  # no row is wider
         self.column_table = torch.arange(width, **kw).mul_(_signed(INDEX_MULTIPLIER))
         self.seeds = [_signed(s) for s in seeds]
@@ -201,50 +197,40 @@ class _EagerState:
 
     def add_block(self, blk: _Block) -> None:
         rows, width = blk.bits.shape
-        n = rows * width
-        w = self.w[:n].view(rows, width)
-        w.copy_(blk.bits)  # sign-extends the element bits to 64
-        row_terms = self.row_terms[:rows]
+        w = blk.bits.to(torch.int64)  # sign-extends the element bits to 64
         if blk.starts is None:
-            torch.arange(rows, out=row_terms)
-            row_terms.mul_(blk.row_step).add_(blk.first_start)
+            starts = torch.arange(rows, dtype=torch.int64, device=w.device).mul_(blk.row_step).add_(blk.first_start)
         else:
-            row_terms.copy_(blk.starts)
-        row_terms.mul_(_signed(INDEX_MULTIPLIER))
-        lane_terms = self.lane_terms[:rows]
-        idx = self.idx[:n].view(rows, width)
-        y = self.y[:n].view(rows, width)
-        t = self.t[:n].view(rows, width)
+            starts = blk.starts
+        p = starts.mul(_signed(INDEX_MULTIPLIER))[:, None] + self.column_table[:width]  # g * K, modulo 2**64
         for lane, mixer in enumerate(LANES):
-            # idx = (row start + column) * K + S_lane, modulo 2**64
-            torch.add(row_terms, self.seeds[lane], out=lane_terms)
-            torch.add(self.column_table[:width], lane_terms[:, None], out=idx)
-            torch.bitwise_xor(w, idx, out=y)
-            s1, s2, s3 = mixer.shifts
-            m1, m2 = mixer.multipliers
-            _xorshift(y, t, s1)
-            y.mul_(_signed(m1))
-            _xorshift(y, t, s2)
-            y.mul_(_signed(m2))
-            _xorshift(y, t, s3)
-            self.acc[lane] += y.sum()
+            self.acc[lane] += mix_tensor(w ^ (p + self.seeds[lane]), mixer).sum()
 
 
-def _xorshift(y: torch.Tensor, t: torch.Tensor, s: int) -> None:
-    """``y ^= y >> s`` with a logical shift (an arithmetic shift, then the sign copies masked off)."""
-    torch.bitwise_right_shift(y, s, out=t)
-    t.bitwise_and_((1 << (64 - s)) - 1)
-    y.bitwise_xor_(t)
+def eager_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]) -> tuple[int, int]:
+    """The two lane sums (unsigned) of the chunk whose flat integer view is ``flat``, laid out as ``geometry``,
+    in torch operations on its own device: the path of every device no fused kernel serves, and the reference
+    the fused kernels check themselves against."""
+    state = _EagerState(flat.device, seeds, flat.numel())
+    for blk in iter_blocks(flat, geometry, state.block):
+        state.add_block(blk)
+    a, b = state.acc.tolist()
+    return a & MASK64, b & MASK64
 
 
-def _mix_tensor(x: torch.Tensor, mixer: Mixer) -> torch.Tensor:
-    s1, s2, s3 = mixer.shifts
-    m1, m2 = mixer.multipliers
-    x = x ^ ((x >> s1) & ((1 << (64 - s1)) - 1))
-    x = x * _signed(m1)
-    x = x ^ ((x >> s2) & ((1 << (64 - s2)) - 1))
-    x = x * _signed(m2)
-    return x ^ ((x >> s3) & ((1 << (64 - s3)) - 1))
+def _xorshift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """``x ^ (x >> s)`` with a logical shift: torch's int64 shift is arithmetic, so the sign copies are masked off."""
+    return x ^ ((x >> s) & ((1 << (64 - s)) - 1))
+
+
+def _multiply(x: torch.Tensor, m: int) -> torch.Tensor:
+    return x * _signed(m)  # int64 multiplication wraps modulo 2**64
+
+
+def mix_tensor(x: torch.Tensor, mixer: Mixer) -> torch.Tensor:
+    """:func:`~ckptverify.fingerprint.spec.mix` on an int64 tensor (the two's complement of the unsigned words):
+    the eager path's and the compiled kernel's mixing step."""
+    return mix(x, mixer, _xorshift, _multiply)
 
 
 # ------------------------------------------------------------------------------------------- many
@@ -372,7 +358,7 @@ def lanes_many_eager(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             bits = flats[p.member][p.start : p.start + p.length].to(torch.int64)
             g = torch.arange(p.start, p.start + p.length, dtype=torch.int64, device=device).mul_(k)
             for lane, mixer in enumerate(LANES):
-                y = _mix_tensor(bits ^ (g + _signed(seeds[p.member][lane])), mixer)
+                y = mix_tensor(bits ^ (g + _signed(seeds[p.member][lane])), mixer)
                 sums[lane].append(y.sum().reshape(1))
             continue
         tab = blk.tables
@@ -380,7 +366,7 @@ def lanes_many_eager(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         piece = torch.repeat_interleave(tab["pieces"], tab["lengths"], output_size=blk.numel)
         g = torch.arange(blk.numel, dtype=torch.int64, device=device).add_(tab["offsets"][piece]).mul_(k)
         for lane, mixer in enumerate(LANES):
-            y = _mix_tensor(bits ^ (g + tab[f"seed{lane}"][piece]), mixer)
+            y = mix_tensor(bits ^ (g + tab[f"seed{lane}"][piece]), mixer)
             at_ends = torch.cumsum(y, 0)[tab["ends"]]
             sums[lane].append(torch.diff(at_ends, prepend=at_ends.new_zeros(1)))
     lanes = []

@@ -1,18 +1,20 @@
-"""Torch kernels of the logical tensor fingerprint and the choice between them (see ``docs/fingerprint.md``).
+"""The paths of the logical tensor fingerprint and the choice between them (see ``docs/fingerprint.md``).
 
-Everything here runs on the tensor's own device with torch operations only. Three implementations of the
-same arithmetic exist:
+Every fingerprint runs on the tensor's own device:
 
-* the **eager** path (:mod:`ckptverify.fingerprint.eager`): a fixed sequence of in-place torch operations over
-  blocks of a fixed number of elements. It runs on every device and is the reference.
-* the **compiled** path: the same formula handed to ``torch.compile``, which fuses it into one loop
-  (C++/OpenMP on CPU). It is used only for full blocks of one fixed shape, so one compilation per source
-  integer width is all it ever needs, and any block it does not take goes through the eager path.
-* the **Triton** kernel (:mod:`ckptverify.fingerprint.triton_kernel`) for CUDA tensors.
+* CPU tensors: **numpy** (a one-shot formula for small chunks, the host path over cache-sized blocks for larger
+  ones), and the **compiled** kernel (``torch.compile`` of the same formula, fused into one loop) for large
+  chunks once it is ready. The backend (:func:`set_backend`, ``CKPTVERIFY_FINGERPRINT_BACKEND``) chooses
+  between them: ``auto``, ``numpy`` or ``compiled``.
+* CUDA tensors: the **Triton** kernel (:mod:`ckptverify.fingerprint.triton_kernel`), where it imports and
+  passed its check.
+* Every other device, and CUDA where the Triton kernel does not apply: **eager** torch operations
+  (:mod:`ckptverify.fingerprint.eager`).
 
-All compute exactly the same integers (wrapping 64-bit arithmetic has no rounding), which the tests check;
-the fused ones check themselves against the eager path before first use. This module depends on the eager
-path and the Triton kernel, neither of them on it.
+All run the mixing step of :func:`ckptverify.fingerprint.spec.mix` and compute exactly the same integers
+(wrapping 64-bit arithmetic has no rounding), which the tests check; the fused kernels check themselves against
+the eager path before first use. This module depends on the eager path and the Triton kernel, neither of them
+on it.
 """
 
 from __future__ import annotations
@@ -36,18 +38,25 @@ from ckptverify.fingerprint.eager import (
     EAGER_BLOCK_ACCELERATOR,
     ROW_WIDTH,
     SUPPORTED_DTYPES,
-    _Block,
-    _EagerState,
     _Geometry,
-    _mix_tensor,
     chunk_geometry,
     dtype_name,
     eager_block,
+    eager_lanes,
     flat_bits,
     iter_blocks,
     lanes_many_eager,
+    mix_tensor,
 )
-from ckptverify.fingerprint.spec import FINGERPRINT_VERSION, INDEX_MULTIPLIER, LANES, dtype_seed, mix_python
+from ckptverify.fingerprint.spec import (
+    FINGERPRINT_VERSION,
+    INDEX_MULTIPLIER,
+    LANES,
+    Mixer,
+    dtype_seed,
+    mix,
+    numpy_lanes,
+)
 from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.fingerprint.spec import signed as _signed
 
@@ -55,16 +64,13 @@ __all__ = ["AUTO_COMPILE_AFTER_BYTES", "COMPILED_BLOCK", "EAGER_BLOCK", "EAGER_B
            "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "NO_SCREEN", "ROW_WIDTH", "SMALL_NUMPY",
            "SPECIAL_BITS", "STAGE_COPY", "SUPPORTED_DTYPES", "CpuBlockLanes", "chunk_geometry",
            "compile_in_background", "cpu_block_lanes", "dtype_name", "dtype_seed", "eager_block",
-           "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend", "host_lanes", "iter_blocks",
-           "lanes_many", "mix_python", "prepare_compiled", "set_backend", "thread_limit"]
+           "eager_fingerprint_lanes", "fingerprint_lanes", "fingerprint_lanes_counted", "get_backend", "host_lanes",
+           "iter_blocks", "lanes_many", "prepare_compiled", "set_backend", "thread_limit"]
 
 if TYPE_CHECKING:
     import numpy as np
 
 _log = logging.getLogger(__name__)
-
-#: The eager reference of :func:`lanes_many` (kept under its former name here).
-_lanes_many_eager = lanes_many_eager
 
 # The block geometry (``EAGER_BLOCK``, ``ROW_WIDTH``) is the eager module's, read from it at each call
 # (``_ref.ROW_WIDTH``): set it there (the names here are copies for reading).
@@ -92,7 +98,7 @@ def _block_lanes(
     """
     w = bits.to(torch.int64)
     p = row_terms[:, None] + column_table[None, :]
-    out = [_mix_tensor(w ^ (p + seeds[lane]), mixer).sum() for lane, mixer in enumerate(LANES)]
+    out = [mix_tensor(w ^ (p + seeds[lane]), mixer).sum() for lane, mixer in enumerate(LANES)]
     out.append(((w & screen[0]) == screen[1]).sum())
     return torch.stack(out)
 
@@ -119,7 +125,10 @@ SPECIAL_BITS: dict[torch.dtype, tuple[int, int]] = _special_bits()
 NO_SCREEN = (0, 1)
 
 
-_BACKENDS = ("auto", "eager", "numpy", "compiled", "triton")
+#: How CPU tensors are fingerprinted: ``numpy`` never compiles; ``compiled`` takes the compiled kernel for every
+#: large chunk, compiling it at the first one (waiting); ``auto`` takes numpy until the kernel is ready. Other
+#: devices are not concerned: CUDA takes the Triton kernel where it applies, eager torch otherwise.
+_BACKENDS = ("auto", "numpy", "compiled")
 _backend = os.environ.get("CKPTVERIFY_FINGERPRINT_BACKEND", "auto")
 if _backend not in _BACKENDS:  # pragma: no cover - environment
     _log.warning("ignoring CKPTVERIFY_FINGERPRINT_BACKEND=%r (not one of %s)", _backend, _BACKENDS)
@@ -129,7 +138,7 @@ if _backend not in _BACKENDS:  # pragma: no cover - environment
 #: after it compiled and passed its self-check. Compiling costs 5-15 s of one core once (less with
 #: torch's on-disk compile cache), so a process that fingerprints less than this never pays it.
 AUTO_COMPILE_AFTER_BYTES = 1 << 30
-_eager_cpu_bytes = 0
+_host_bytes = 0
 _compiled_fn: Callable[..., torch.Tensor] | None = None
 _compile_failed = False
 #: (device type, bits dtype) -> whether the compiled kernel passed its check against the eager path.
@@ -158,13 +167,11 @@ def _stage_dtype(bits_dtype: torch.dtype) -> torch.dtype:
 
 def _wants_compiled(device: torch.device, numel: int, bits_dtype: torch.dtype | None = None) -> bool:
     """Whether a chunk of ``numel`` elements (``bits_dtype``: its staged bits) is for the compiled kernel."""
-    if _compile_failed or _backend in ("eager", "numpy") or numel < COMPILED_BLOCK or _under_dispatch_mode():
+    if (_compile_failed or _backend == "numpy" or device.type != "cpu" or numel < COMPILED_BLOCK
+            or _under_dispatch_mode()):
         return False
-    if _backend == "compiled":
-        return True
-    if device.type != "cpu":
-        return False
-    return _eager_cpu_bytes >= AUTO_COMPILE_AFTER_BYTES or bool(_verified.get((device.type, bits_dtype)))
+    return (_backend == "compiled" or _host_bytes >= AUTO_COMPILE_AFTER_BYTES
+            or bool(_verified.get((device.type, bits_dtype))))
 
 
 def _under_dispatch_mode() -> bool:
@@ -173,15 +180,13 @@ def _under_dispatch_mode() -> bool:
     return _python_dispatch._get_current_dispatch_mode() is not None
 
 
-def prepare_compiled(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> bool:
-    """Compile and check the fused kernel for tensors of ``dtype`` on ``device`` now, waiting for it, so that
-    backend ``auto`` takes it from the first large chunk on (a process that fingerprints a lot can pay the
-    compilation at start-up rather than in the background later). Whether it is ready: ``False`` where
-    ``torch.compile`` does not work (no C++ compiler on CPU) or the kernel disagreed with the eager path."""
-    device = torch.device(device)
-    bits = torch.empty(0, dtype=dtype).view(_INT_VIEW_BY_SIZE[torch.empty(0, dtype=dtype).element_size()])
-    staged = _stage_dtype(bits.dtype) if device.type == "cpu" else bits.dtype
-    return _compiled_kernel(staged, device) is not None
+def prepare_compiled(dtype: torch.dtype = torch.float32) -> bool:
+    """Compile and check the fused CPU kernel for tensors of ``dtype`` now, waiting for it, so that backend
+    ``auto`` takes it from the first large chunk on (a process that fingerprints a lot can pay the compilation
+    at start-up rather than in the background later). Whether it is ready: ``False`` where ``torch.compile``
+    does not work (no C++ compiler) or the kernel disagreed with the eager path."""
+    staged = cpu_kernel_dtype(dtype)
+    return staged is not None and _compiled_kernel(staged, torch.device("cpu")) is not None
 
 
 def compile_in_background(dtype: torch.dtype) -> None:
@@ -269,12 +274,8 @@ def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device
     if got[2] != _count_special(bits, screen):  # pragma: no cover - a miscompilation
         _log.warning("compiled fingerprint kernel miscounts special values for %s; not using it", bits_dtype)
         return False
-    got = got[:2]
-    eager = _EagerState(device, seeds, COMPILED_BLOCK)
-    rows = max(1, eager.block // _ref.ROW_WIDTH)
-    for r in range(0, bits.shape[0], rows):
-        eager.add_block(_Block(bits[r : r + rows], None, first + r * _ref.ROW_WIDTH, _ref.ROW_WIDTH))
-    if got != eager.acc.tolist():  # pragma: no cover - a miscompilation
+    want = eager_lanes(bits.reshape(-1), _Geometry((), (), first, COMPILED_BLOCK), seeds)
+    if (got[0] & _MASK64, got[1] & _MASK64) != want:  # pragma: no cover - a miscompilation
         _log.warning("compiled fingerprint kernel disagrees with eager torch for %s; not using it", bits_dtype)
         return False
     return True
@@ -325,6 +326,19 @@ def fingerprint_lanes_counted(
     return lanes, count if screen is not None else None
 
 
+def eager_fingerprint_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int],
+                            name: str) -> tuple[int, int]:
+    """:func:`fingerprint_lanes` through the eager torch path whatever the device: what a device no fused kernel
+    serves takes (the tests and the GPU checks hold the paths to each other with it)."""
+    with device_scope(t.device):
+        check_fingerprintable(t)
+        t, offsets, global_shape = _as_real(t.detach(), offsets, global_shape)
+        if t.numel() == 0:
+            return 0, 0
+        geometry = chunk_geometry(t.shape, offsets, global_shape)
+        return eager_lanes(flat_bits(t), geometry, (dtype_seed(name, 0), dtype_seed(name, 1)))
+
+
 def _lanes(
     t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
     screen: tuple[int, int] | None,
@@ -343,83 +357,40 @@ def _lanes_here(
     screen: tuple[int, int] | None,
 ) -> tuple[tuple[int, int], int | None]:
     """:func:`_lanes`, inside its device scope."""
-    global _eager_cpu_bytes
+    global _host_bytes
     t, offsets, global_shape = _as_real(t.detach(), offsets, global_shape)
     geometry = chunk_geometry(t.shape, offsets, global_shape)
     if t.numel() == 0:
         return (0, 0), 0
-    if t.device.type == "cpu" and _backend in ("auto", "numpy") and t.numel() > SLAB and not t.is_contiguous():
+    if t.device.type == "cpu" and t.numel() > SLAB and not t.is_contiguous():
         return _slab_lanes(t, offsets, global_shape, name, screen)
     flat = flat_bits(t)
     seeds = (dtype_seed(name, 0), dtype_seed(name, 1))
     device = flat.device
-    nbytes = flat.numel() * flat.element_size()
+    if device.type != "cpu":
+        if device.type == "cuda":
+            # One fused Triton pass on the GPU (checked against the eager path before first use).
+            from ckptverify.fingerprint import triton_kernel as _fingerprint_triton
 
-    if device.type == "cuda" and _backend in ("auto", "triton"):
-        # One fused Triton pass on the GPU (checked against this module's eager path before first use).
-        from ckptverify.fingerprint import triton_kernel as _fingerprint_triton
-
-        got = _fingerprint_triton.lanes(flat, geometry, seeds)
-        if got is not None:
-            return got, None
-
-    if device.type == "cpu" and _backend == "auto" and flat.numel() <= SMALL_NUMPY:
-        # A small chunk (a bias, a norm, one of a checkpoint's 100 000 items): numpy's fixed cost per
-        # operation is a tenth of torch's, and the eager path's buffers cost more than its arithmetic.
+            got = _fingerprint_triton.lanes(flat, geometry, seeds)
+            if got is not None:
+                return got, None
+        return eager_lanes(flat, geometry, seeds), None
+    if flat.numel() <= SMALL_NUMPY:
+        # A small chunk (a bias, a norm, one of a checkpoint's 100 000 items): one numpy formula, whose fixed
+        # cost is the smallest.
         return _small_lanes(flat, geometry, seeds), None
-
-    compiled = None
-    stage_dtype = _stage_dtype(flat.dtype) if device.type == "cpu" else flat.dtype
+    stage_dtype = _stage_dtype(flat.dtype)
     if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel(), stage_dtype):
         # Backend "auto" does not wait for the compilation: the host path takes the chunks until it is ready.
-        compiled = _compiled_kernel(stage_dtype, device, wait=_backend != "auto" or device.type != "cpu")
-    if compiled is None and device.type == "cpu" and _backend in ("auto", "numpy"):
-        # One pass in numpy over cache-sized blocks, both lanes at once, on torch's threads' worth of cores.
-        got = host_lanes(flat, geometry, seeds)
-        _eager_cpu_bytes += nbytes
-        return got, None
-    if compiled is not None and device.type == "cpu":
-        a, b, count = _compiled_cpu_lanes(compiled, flat, geometry, seeds, stage_dtype, screen)
-        return (a, b), count
-    block = COMPILED_BLOCK if compiled is not None else eager_block(device)
-    compiled_shape = (COMPILED_BLOCK // _ref.ROW_WIDTH, _ref.ROW_WIDTH)
-    tables = None
-    if compiled is not None:  # on an accelerator (CPU chunks took _compiled_cpu_lanes)
-        tables = _CompiledTables(device, seeds)
-        no_screen = tables.screen(NO_SCREEN)
-    lanes = [0, 0]
-    eager: _EagerState | None = None
-    for blk in iter_blocks(flat, geometry, block):
-        if compiled is not None and tables is not None and blk.bits.shape == compiled_shape:
-            try:
-                with torch.no_grad():
-                    res = compiled(blk.bits, tables.row_terms(blk.first_start), tables.column_table, tables.seeds,
-                                   no_screen)
-                a, b, _ = res.tolist()
-            except Exception as exc:  # pragma: no cover - depends on the environment
-                _disable_compiled(exc)
-                compiled = None
-            else:
-                lanes[0] += a
-                lanes[1] += b
-                continue
-        if eager is None:
-            eager = _EagerState(device, seeds, flat.numel())
-        if blk.bits.numel() <= eager.block:
-            eager.add_block(blk)
-            continue
-        # A compiled-size block (consecutive rows of one run) that the compiled kernel did not take.
-        rows = max(1, eager.block // _ref.ROW_WIDTH)
-        for r in range(0, blk.bits.shape[0], rows):
-            width = _ref.ROW_WIDTH
-            eager.add_block(_Block(blk.bits[r : r + rows], None, blk.first_start + r * width, width))
-    if eager is not None:
-        a, b = eager.acc.tolist()
-        lanes[0] += a
-        lanes[1] += b
-    if device.type == "cpu" and compiled is None:
-        _eager_cpu_bytes += nbytes
-    return (lanes[0] & _MASK64, lanes[1] & _MASK64), None
+        compiled = _compiled_kernel(stage_dtype, device, wait=_backend == "compiled")
+        if compiled is not None:
+            a, b, count = _compiled_cpu_lanes(compiled, flat, geometry, seeds, stage_dtype, screen)
+            return (a, b), count
+    # One pass in numpy over cache-sized blocks, both lanes at once, on torch's threads' worth of cores.
+    got = host_lanes(flat, geometry, seeds)
+    _host_bytes += flat.numel() * flat.element_size()
+    return got, None
 
 
 #: How :func:`_compiled_cpu_lanes` copies each block into its staging buffer: ``"numpy"``, or ``"torch"``
@@ -533,7 +504,7 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
     dtype: this does not wait for a compilation), ``t`` is contiguous and its blocks are the kernel's; else
     ``None``: :func:`fingerprint_lanes_counted` takes it as usual. The lane sums it gives are those of
     :func:`fingerprint_lanes` for the chunk, its count that of :func:`fingerprint_lanes_counted`."""
-    if (_compile_failed or _backend not in ("auto", "compiled") or t.device.type != "cpu" or not t.is_contiguous()
+    if (_compile_failed or _backend == "numpy" or t.device.type != "cpu" or not t.is_contiguous()
             or t.numel() < COMPILED_BLOCK or _under_dispatch_mode()):
         return None
     t, offsets, global_shape = _as_real(t, offsets, global_shape)
@@ -602,31 +573,17 @@ SMALL_NUMPY = 1 << 14
 
 
 def _small_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]) -> tuple[int, int]:
-    """The eager path's two lane sums, in numpy: the same integers (uint64 arithmetic wraps modulo 2**64,
-    ``>>`` on uint64 is a logical shift; sign extension by ``astype(int64)``, as the eager copy into int64)."""
+    """The lane sums of a small CPU chunk in one numpy formula (:func:`~ckptverify.fingerprint.spec.numpy_lanes`;
+    ``astype(int64)`` sign-extends the bits as every path does)."""
     import numpy as np
 
-    w = flat.numpy().astype(np.int64).view(np.uint64)
     run = geometry.run_length
     if geometry.num_runs == 1:
         g = np.arange(geometry.first_start, geometry.first_start + run, dtype=np.uint64)
     else:
-        starts = geometry.run_starts(0, geometry.num_runs, flat.device).numpy().view(np.uint64)
-        g = (starts[:, None] + np.arange(run, dtype=np.uint64)[None, :]).reshape(-1)
-    p = g * np.uint64(INDEX_MULTIPLIER)
-    out = []
-    with np.errstate(over="ignore"):
-        for seed, mixer in zip(seeds, LANES, strict=True):
-            s1, s2, s3 = (np.uint64(x) for x in mixer.shifts)
-            m1, m2 = (np.uint64(x) for x in mixer.multipliers)
-            y = w ^ (p + np.uint64(seed))
-            y ^= y >> s1
-            y *= m1
-            y ^= y >> s2
-            y *= m2
-            y ^= y >> s3
-            out.append(int(y.sum(dtype=np.uint64)))
-    return out[0], out[1]
+        g = (_host_run_starts(geometry, 0, geometry.num_runs)[:, None] + np.arange(run, dtype=np.uint64)).reshape(-1)
+    a, b = numpy_lanes(flat.numpy().astype(np.int64), g, seeds)
+    return int(a), int(b)
 
 
 # ------------------------------------------------------------------------------------------ host path
@@ -753,8 +710,9 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
     # Several ranges per thread, taken in turn: on a busy machine a thread that gets less of its core does less.
     step = -(-nblocks // (threads if threads == 1 else threads * HOST_RANGES_PER_THREAD))
     ranges = [(lo, min(nblocks, lo + step)) for lo in range(0, nblocks, step)]
-    shifts = [np.array([[m.shifts[j]] for m in LANES], np.uint64) for j in range(3)]
-    mults = [np.array([[m.multipliers[j]] for m in LANES], np.uint64) for j in range(2)]
+    # Both lanes' mixers at once: each constant a column of the two lanes', broadcast along the block.
+    both = Mixer(tuple(np.array([[m.shifts[j]] for m in LANES], np.uint64) for j in range(3)),  # type: ignore[arg-type]
+                 tuple(np.array([[m.multipliers[j]] for m in LANES], np.uint64) for j in range(2)))  # type: ignore[arg-type]
     seed_col = np.array([[s] for s in seeds], np.uint64)
     columns = np.arange(min(block, run), dtype=np.uint64) * np.uint64(INDEX_MULTIPLIER)
 
@@ -765,6 +723,14 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
         yu = y.view(np.uint64)
         base = np.empty((2, 1), np.uint64)
         acc = np.zeros(2, np.uint64)
+
+        def xorshift(u: np.ndarray, s: np.ndarray) -> np.ndarray:  # in place, through the shifted copies
+            np.right_shift(u, s, out=t[:, :u.shape[1]])
+            return np.bitwise_xor(u, t[:, :u.shape[1]], out=u)
+
+        def multiply(u: np.ndarray, m: np.ndarray) -> np.ndarray:
+            return np.multiply(u, m, out=u)
+
         with np.errstate(over="ignore"):
             for b in range(lo, hi):
                 if per_run:
@@ -772,7 +738,7 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
                     pos *= block
                     n = min(block, run - pos)
                     w = bits[q * run + pos : q * run + pos + n]
-                    u, tt = yu[:, :n], t[:, :n]
+                    u = yu[:, :n]
                     # p + S = (g0 + k) * K + S = k * K + (g0 * K + S): the column table plus one term per lane.
                     g0 = geometry.run_start(q) + pos
                     np.add(seed_col, np.uint64((g0 * INDEX_MULTIPLIER) & _MASK64), out=base)
@@ -782,21 +748,13 @@ def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
                     rows = min(per_block, geometry.num_runs - q0)
                     n = rows * run
                     w = bits[q0 * run : q0 * run + n]
-                    u, tt = yu[:, :n], t[:, :n]
+                    u = yu[:, :n]
                     row_terms = _host_run_starts(geometry, q0, rows) * np.uint64(INDEX_MULTIPLIER)
                     terms = row_terms[None, :, None] + seed_col[:, :, None]  # (2, rows, 1)
                     np.add(columns[None, None, :run], terms, out=u.reshape(2, rows, run))
                 # XOR with the bits read as int64: numpy widens w with sign extension, as the eager copy does.
                 np.bitwise_xor(w, y[:, :n], out=y[:, :n])
-                np.right_shift(u, shifts[0], out=tt)
-                np.bitwise_xor(u, tt, out=u)
-                np.multiply(u, mults[0], out=u)
-                np.right_shift(u, shifts[1], out=tt)
-                np.bitwise_xor(u, tt, out=u)
-                np.multiply(u, mults[1], out=u)
-                np.right_shift(u, shifts[2], out=tt)
-                np.bitwise_xor(u, tt, out=u)
-                acc += np.add.reduce(u, axis=1, dtype=np.uint64)
+                acc += np.add.reduce(mix(u, both, xorshift, multiply), axis=1, dtype=np.uint64)
         return int(acc[0]), int(acc[1])
 
     parts = _host_map(blocks, ranges, threads)
@@ -842,7 +800,7 @@ def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             check_fingerprintable(t)
         # A sparse tensor (a sparse gradient of nn.Embedding(sparse=True)) stands for its dense values.
         tensors = [t if t.layout == torch.strided else t.detach().to_dense() for t in tensors]
-        if device.type == "cuda" and _backend in ("auto", "triton"):
+        if device.type == "cuda":
             # A few Triton launches per element width instead of about fifty eager launches per block: checked
             # against the eager path before first use (None when Triton is missing, the check failed or this
             # launch failed).

@@ -238,14 +238,13 @@ def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
 
 
 def set_fingerprint_backend(name: str) -> None:
-    """How tensor fingerprints are computed: ``"eager"`` (plain torch operations, any device), ``"numpy"``
-    (CPU tensors in one numpy pass over cache-sized blocks, on torch's number of threads; other devices take
-    eager), ``"compiled"`` (``torch.compile`` fused kernel for large blocks), ``"triton"`` (one fused Triton
-    kernel for CUDA tensors; other devices take eager) or ``"auto"`` (the default: Triton for CUDA tensors
-    when it imports; on CPU numpy, and the compiled kernel once it is ready: it is compiled in a background
-    thread once 1 GiB went through numpy in the process). All give the same values; the fused kernels are
-    checked against eager before first use. The environment variable ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets
-    the initial choice."""
+    """How CPU tensors are fingerprinted: ``"numpy"`` (one numpy pass over cache-sized blocks, on torch's number
+    of threads; never compiles), ``"compiled"`` (the ``torch.compile`` fused kernel for large chunks, compiled at
+    the first one, waiting) or ``"auto"`` (the default: numpy, and the compiled kernel once it is ready: it is
+    compiled in a background thread once 1 GiB went through numpy in the process). CUDA tensors take the Triton
+    kernel where it imports and eager torch otherwise, other devices eager torch, whatever the backend. All give
+    the same values; the fused kernels are checked against eager before first use. The environment variable
+    ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets the initial choice."""
     from ckptverify.fingerprint import kernels as kern
 
     kern.set_backend(name)

@@ -1,19 +1,25 @@
-"""The constants that define the logical tensor fingerprint (see ``docs/fingerprint.md``), in one place.
+"""The definition of the logical tensor fingerprint (see ``docs/fingerprint.md``), in one place.
 
-Every implementation (the eager torch path, the compiled and numpy paths, the Triton kernel) and the
-:class:`~ckptverify.fingerprint.logical.TensorFingerprint` it produces read their constants here: the version,
-the 64-bit arithmetic, the index multiplier ``K``, the two lane mixers, the dtype names and the per-dtype
-seeds. Importing this module imports no torch.
+The version, the 64-bit arithmetic, the index multiplier ``K``, the two lane mixers and the one definition of the
+mixing step (:func:`mix`), the dtype names and the per-dtype seeds; and :func:`numpy_lanes`, the element formula
+over numpy arrays. Every implementation (numpy on CPU, the compiled kernel, eager torch, the Triton kernel)
+reads its constants here and runs :func:`mix` with its own two primitive operations, except the Triton kernel,
+which cannot call Python and is held to it by tests. Importing this module imports no torch (numpy only when
+:func:`numpy_lanes` runs).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-__all__ = ["DTYPE_NAMES", "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "MASK64", "Mixer", "dtype_seed",
-           "mix_python", "signed"]
+__all__ = ["DTYPE_NAMES", "FINGERPRINT_VERSION", "INDEX_MULTIPLIER", "LANES", "MASK64", "Mixer", "dtype_seed", "mix",
+           "numpy_lanes", "signed"]
+
+W = TypeVar("W")
 
 #: Version of the tensor fingerprint algorithm; any change to its values bumps it.
 FINGERPRINT_VERSION = 1
@@ -47,18 +53,44 @@ LANES: tuple[Mixer, Mixer] = (
 )
 
 
-def mix_python(x: int, lane: int) -> int:
-    """The lane's mixer on one unsigned 64-bit word, in plain Python (the reference for docs and tests)."""
-    mixer = LANES[lane]
+def _xorshift(x: Any, s: Any) -> Any:
+    return x ^ (x >> s)
+
+
+def _multiply(x: Any, m: Any) -> Any:
+    return (x * m) & MASK64
+
+
+def mix(x: W, mixer: Mixer, xorshift: Callable[[W, Any], W] = _xorshift,
+        multiply: Callable[[W, Any], W] = _multiply) -> W:
+    """The fingerprint's mixing step: ``mixer`` applied to ``x``, unsigned 64-bit words. The one definition.
+
+    ``xorshift(x, s)`` is ``x ^ (x >> s)`` with a logical shift and ``multiply(x, m)`` is ``x * m`` modulo 2**64;
+    the defaults do it for Python ints in ``[0, 2**64)`` and numpy ``uint64`` arrays. A backend whose words need
+    other operations (torch's int64 shift is arithmetic; the numpy host path works in place) passes its own two;
+    the sequence and the constants stay these. ``mixer``'s constants may be numpy columns (both lanes at once).
+    """
     s1, s2, s3 = mixer.shifts
     m1, m2 = mixer.multipliers
-    x &= MASK64
-    x ^= x >> s1
-    x = (x * m1) & MASK64
-    x ^= x >> s2
-    x = (x * m2) & MASK64
-    x ^= x >> s3
-    return x
+    return xorshift(multiply(xorshift(multiply(xorshift(x, s1), m1), s2), m2), s3)
+
+
+def numpy_lanes(words: Any, index: Any, seeds: Sequence[int], starts: Any = None) -> tuple[Any, Any]:
+    """The lane sums of elements in numpy: ``words`` their bits sign-extended to 64 (an int64 or uint64 array),
+    ``index`` their global indices (uint64, the same length), ``seeds`` the two lanes' (:func:`dtype_seed`).
+    Each lane sums ``mix(word ^ (index * K + seed))`` modulo 2**64: one ``uint64`` scalar per lane, or, with
+    ``starts`` (where each of several consecutive tensors begins), one per tensor (``uint64`` arrays)."""
+    import numpy as np
+
+    w = words.view(np.uint64)
+    p = index * np.uint64(INDEX_MULTIPLIER)
+    lanes = []
+    with np.errstate(over="ignore"):
+        for seed, mixer in zip(seeds, LANES, strict=True):
+            y = mix(w ^ (p + np.uint64(seed)), mixer)
+            lanes.append(np.add.reduceat(y, starts, dtype=np.uint64) if starts is not None
+                         else y.sum(dtype=np.uint64))
+    return lanes[0], lanes[1]
 
 
 #: Element dtypes the fingerprint is defined for, by the name torch gives them. Complex dtypes are

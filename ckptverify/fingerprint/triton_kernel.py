@@ -65,7 +65,8 @@ if triton is not None:
 
     @triton.jit
     def _mix(y, s1: tl.constexpr, m1, s2: tl.constexpr, m2, s3: tl.constexpr):
-        # On uint64, >> is a logical shift and * wraps modulo 2**64: the mixer exactly as documented.
+        # ckptverify.fingerprint.spec.mix on uint64 words, where >> is a logical shift and * wraps modulo 2**64.
+        # Triton cannot call the Python definition: the self-checks and the tests hold this to it.
         y = y ^ (y >> s1)
         y = y * m1
         y = y ^ (y >> s2)
@@ -73,30 +74,38 @@ if triton is not None:
         return y ^ (y >> s3)
 
     @triton.jit
+    def _block_sums(w, p, mask, seed0, seed1, a_m1, a_m2, b_m1, b_m2, A1: tl.constexpr, A2: tl.constexpr,
+                    A3: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
+        # Both lanes' sums over the block's elements where ``mask``: ``w`` their bits sign-extended, ``p`` their
+        # global indices times K (uint64); the lanes' multipliers and shifts are spec.LANES' (see _launch_args).
+        y0 = _mix(w ^ (p + seed0.to(tl.uint64, bitcast=True)), A1, a_m1.to(tl.uint64, bitcast=True), A2,
+                  a_m2.to(tl.uint64, bitcast=True), A3)
+        y1 = _mix(w ^ (p + seed1.to(tl.uint64, bitcast=True)), B1, b_m1.to(tl.uint64, bitcast=True), B2,
+                  b_m2.to(tl.uint64, bitcast=True), B3)
+        zero = tl.zeros_like(y0)
+        return (tl.sum(tl.where(mask, y0, zero), axis=0).to(tl.int64, bitcast=True),
+                tl.sum(tl.where(mask, y1, zero), axis=0).to(tl.int64, bitcast=True))
+
+    @triton.jit
     def _fingerprint_kernel(bits_ptr, starts_ptr, out_ptr, run_length, blocks_per_run, k, seed0, seed1,
-                            a_m1, a_m2, b_m1, b_m2, BLOCK: tl.constexpr):
+                            a_m1, a_m2, b_m1, b_m2, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+                            B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         q = pid // blocks_per_run  # the run
         b = pid - q * blocks_per_run  # the block within it
         j = b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         mask = j < run_length
-        # Sign-extend the element's bits to 64, as the eager path's copy into int64 does.
+        # Sign-extend the element's bits to 64, as every path does.
         w = tl.load(bits_ptr + q * run_length + j, mask=mask, other=0).to(tl.int64).to(tl.uint64, bitcast=True)
         g = (tl.load(starts_ptr + q) + j).to(tl.uint64, bitcast=True)  # global index of each element
         p = g * k.to(tl.uint64, bitcast=True)
-        y0 = _mix(w ^ (p + seed0.to(tl.uint64, bitcast=True)), 33, a_m1.to(tl.uint64, bitcast=True), 33,
-                  a_m2.to(tl.uint64, bitcast=True), 33)
-        y1 = _mix(w ^ (p + seed1.to(tl.uint64, bitcast=True)), 30, b_m1.to(tl.uint64, bitcast=True), 27,
-                  b_m2.to(tl.uint64, bitcast=True), 31)
-        zero = tl.zeros_like(y0)
-        s0 = tl.sum(tl.where(mask, y0, zero), axis=0)
-        s1 = tl.sum(tl.where(mask, y1, zero), axis=0)
-        tl.store(out_ptr + 2 * pid, s0.to(tl.int64, bitcast=True))
-        tl.store(out_ptr + 2 * pid + 1, s1.to(tl.int64, bitcast=True))
-
+        s0, s1 = _block_sums(w, p, mask, seed0, seed1, a_m1, a_m2, b_m1, b_m2, A1, A2, A3, B1, B2, B3)
+        tl.store(out_ptr + 2 * pid, s0)
+        tl.store(out_ptr + 2 * pid + 1, s1)
 
     @triton.jit
-    def _many_kernel(bits_ptr, table_ptr, out_ptr, k, a_m1, a_m2, b_m1, b_m2, BLOCK: tl.constexpr):
+    def _many_kernel(bits_ptr, table_ptr, out_ptr, k, a_m1, a_m2, b_m1, b_m2, A1: tl.constexpr, A2: tl.constexpr,
+                     A3: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, BLOCK: tl.constexpr):
         # Row `pid` of the table: where the block starts in `bits`, the global index of its first element in
         # its tensor, how many elements it holds, and its tensor's two seeds.
         pid = tl.program_id(0).to(tl.int64)
@@ -104,17 +113,23 @@ if triton is not None:
         start = tl.load(row)
         first = tl.load(row + 1)
         length = tl.load(row + 2)
-        seed0 = tl.load(row + 3).to(tl.uint64, bitcast=True)
-        seed1 = tl.load(row + 4).to(tl.uint64, bitcast=True)
         j = tl.arange(0, BLOCK).to(tl.int64)
         mask = j < length
         w = tl.load(bits_ptr + start + j, mask=mask, other=0).to(tl.int64).to(tl.uint64, bitcast=True)
         p = (first + j).to(tl.uint64, bitcast=True) * k.to(tl.uint64, bitcast=True)
-        y0 = _mix(w ^ (p + seed0), 33, a_m1.to(tl.uint64, bitcast=True), 33, a_m2.to(tl.uint64, bitcast=True), 33)
-        y1 = _mix(w ^ (p + seed1), 30, b_m1.to(tl.uint64, bitcast=True), 27, b_m2.to(tl.uint64, bitcast=True), 31)
-        zero = tl.zeros_like(y0)
-        tl.store(out_ptr + 2 * pid, tl.sum(tl.where(mask, y0, zero), axis=0).to(tl.int64, bitcast=True))
-        tl.store(out_ptr + 2 * pid + 1, tl.sum(tl.where(mask, y1, zero), axis=0).to(tl.int64, bitcast=True))
+        s0, s1 = _block_sums(w, p, mask, tl.load(row + 3), tl.load(row + 4), a_m1, a_m2, b_m1, b_m2,
+                             A1, A2, A3, B1, B2, B3)
+        tl.store(out_ptr + 2 * pid, s0)
+        tl.store(out_ptr + 2 * pid + 1, s1)
+
+
+def _launch_args() -> dict[str, int]:
+    """The kernels' mixing constants, spec.LANES': the multipliers as int64 (their two's complement) and the
+    shifts as compile-time constants."""
+    (a1, a2), (b1, b2) = LANES[0].multipliers, LANES[1].multipliers
+    (s1, s2, s3), (t1, t2, t3) = LANES[0].shifts, LANES[1].shifts
+    return {"a_m1": _signed(a1), "a_m2": _signed(a2), "b_m1": _signed(b1), "b_m2": _signed(b2),
+            "A1": s1, "A2": s2, "A3": s3, "B1": t1, "B2": t2, "B3": t3, "BLOCK": BLOCK}
 
 
 def _kernel() -> Any:
@@ -130,11 +145,8 @@ def _run(flat: torch.Tensor, starts: torch.Tensor, run_length: int, num_runs: in
     blocks_per_run = -(-run_length // BLOCK)
     programs = num_runs * blocks_per_run
     partials = torch.empty(programs * 2, dtype=torch.int64, device=flat.device)
-    assert LANES[0].shifts == (33, 33, 33) and LANES[1].shifts == (30, 27, 31)  # the kernel's constants
-    (a1, a2), (b1, b2) = LANES[0].multipliers, LANES[1].multipliers
     kernel[(programs,)](flat, starts, partials, run_length, blocks_per_run, _signed(INDEX_MULTIPLIER),
-                        _signed(seeds[0]), _signed(seeds[1]), _signed(a1), _signed(a2), _signed(b1), _signed(b2),
-                        BLOCK=BLOCK, num_warps=8)
+                        _signed(seeds[0]), _signed(seeds[1]), **_launch_args(), num_warps=8)
     # Integer sums wrap modulo 2**64 (two's complement), which is the fingerprint's arithmetic.
     a, b = partials.view(programs, 2).sum(dim=0).tolist()
     return a & MASK64, b & MASK64
@@ -153,11 +165,7 @@ def _self_check(bits_dtype: torch.dtype, device: torch.device) -> bool:
         bits = torch.randint(info.min, info.max, (n,), dtype=bits_dtype, generator=gen)
         geometry = eager.chunk_geometry(shape, offsets, gshape)
         got = lanes_of(bits.to(device), geometry, seeds)
-        reference = eager._EagerState(torch.device("cpu"), seeds, n)
-        for blk in eager.iter_blocks(bits, geometry, reference.block):
-            reference.add_block(blk)
-        want = tuple(v & MASK64 for v in reference.acc.tolist())
-        if got != want:  # pragma: no cover - a miscompilation
+        if got != eager.eager_lanes(bits, geometry, seeds):  # pragma: no cover - a miscompilation
             _log.warning("triton fingerprint kernel disagrees with eager torch for %s; not using it", bits_dtype)
             return False
     return True
@@ -373,9 +381,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _launch_many(bits: torch.Tensor, table: torch.Tensor, out: torch.Tensor, programs: int) -> None:
     """One launch of the many-tensor kernel: ``programs`` rows of ``table`` over ``bits``, sums into ``out``."""
-    (a1, a2), (b1, b2) = LANES[0].multipliers, LANES[1].multipliers
-    _many_kernel[(programs,)](bits, table, out, _signed(INDEX_MULTIPLIER), _signed(a1), _signed(a2), _signed(b1),
-                              _signed(b2), BLOCK=BLOCK, num_warps=8)
+    _many_kernel[(programs,)](bits, table, out, _signed(INDEX_MULTIPLIER), **_launch_args(), num_warps=8)
 
 
 def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
