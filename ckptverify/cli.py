@@ -514,22 +514,18 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     in fresh processes, then compares restored state, traces and final states, and names the first
     divergence. Exit 0: equivalent; 1: not; 2: could not run (a crashing workload shows its traceback).
     """
-
-    from ckptverify.render.resume import emit_resume, fail_lines, log_dir_for, resume_check
+    from ckptverify.render.resume import emit_resume, resume_check
     from ckptverify.resume.harness import Plan
 
-    try:
+    def run(log_dir: str | None) -> Any:
         # The device travels to the workload's processes in the plan (Plan.device -> RunConfig.device -> run.device).
         plan = Plan(target=target, steps=steps, resume_at=resume_at, nproc=nproc, level=level,
                     runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device, locate=locate,
                     locate_repeats=locate_repeats)
-        say = _say(progress, json_out, emoji=False)
-        log_dir = log_dir_for(keep) if json_out else None
-        with _workload_output(log_dir):
-            outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose, log_dir=log_dir,
-                                   report_dir=report_dir)
-    except CkptVerifyError as exc:
-        fail_lines(exc, json_out, "resume-check", target)
+        return resume_check(plan, keep=keep, progress=_say(progress, json_out, emoji=False), verbose=verbose,
+                            log_dir=log_dir, report_dir=report_dir)
+
+    outcome = _launch("resume-check", target, keep, json_out, run)
     _write_metrics(metrics_file, outcome.report, json_out)
     sys.exit(emit_resume(outcome, json_out))
 
@@ -558,27 +554,14 @@ def replay(run_dir: str, start: int | None, end: int | None, target: str | None,
     RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...); --target names the training
     function to run (the one RUN_DIR/run.json records: a run directory is data, nothing it names runs on its own).
     """
-    import os
-
-    from ckptverify.render.resume import fail_lines, log_dir_for, workload_log_files
     from ckptverify.replay.replay import replay as run_replay
 
-    say = _say(progress, json_out, emoji=False)
-    log_dir = log_dir_for(keep) if json_out else None
-    try:
-        # What runs is what the command line names (never what the run directory says on its own): the replay
-        # checks it is the function run.json records before anything is verified or launched.
-        with _workload_output(log_dir):
-            report = run_replay(run_dir, target=target, start=start, end=end, device=device, keep=keep,
-                                progress=say, max_procs=max_procs, locate=locate,
-                                locate_repeats=locate_repeats)
-    except CkptVerifyError as exc:
-        fail_lines(exc, json_out, "replay", run_dir)
-    finally:
-        if log_dir and not keep and os.path.isdir(log_dir) and not os.listdir(log_dir):
-            os.rmdir(log_dir)  # nothing was launched: no empty temporary folder left behind
-    if log_dir:
-        report.stats["logs"] = workload_log_files(log_dir)
+    # What runs is what the command line names (never what the run directory says on its own): the replay
+    # checks it is the function run.json records before anything is verified or launched.
+    report = _launch("replay", run_dir, keep, json_out, lambda log_dir: run_replay(
+        run_dir, target=target, start=start, end=end, device=device, keep=keep,
+        progress=_say(progress, json_out, emoji=False), max_procs=max_procs, locate=locate,
+        locate_repeats=locate_repeats))
     _emit(report, json_out, metrics_file=metrics_file)
 
 
@@ -603,20 +586,15 @@ def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, l
     exit 1), within-variation (exit 0) or beyond-variation (exit 1) for a nondeterministic BASE. Exit 2: could
     not run.
     """
-    from ckptverify.render.resume import fail_lines, log_dir_for, render_compare, workload_log_files
+    from ckptverify.render.resume import render_compare
     from ckptverify.resume.change import ChangePlan, compare_change
 
-    log_dir = log_dir_for(keep) if json_out else None
-    try:
+    def run(log_dir: str | None) -> Any:
         plan = ChangePlan(base=base, changed=changed, steps=steps, nproc=nproc, repeats=repeats, device=device,
                           level=level, locate=locate, locate_repeats=locate_repeats)
-        with _workload_output(log_dir):
-            report = compare_change(plan, keep=keep, progress=_say(progress, json_out, emoji=False),
-                                    log_dir=log_dir)
-    except CkptVerifyError as exc:
-        fail_lines(exc, json_out, "compare", f"{base} vs {changed}")
-    if log_dir:
-        report.stats["logs"] = workload_log_files(log_dir)
+        return compare_change(plan, keep=keep, progress=_say(progress, json_out, emoji=False), log_dir=log_dir)
+
+    report = _launch("compare", f"{base} vs {changed}", keep, json_out, run)
     _emit(report, json_out, render=render_compare, metrics_file=metrics_file)
 
 
@@ -677,18 +655,37 @@ def trace_diff(a: str, b: str, allow_header_mismatch: bool, ignore: tuple[str, .
           metrics_file=metrics_file)
 
 
-def _workload_output(log_dir: str | None) -> Any:
-    """Within the block, with ``log_dir`` (``--json``), every run launched writes each rank's output to a log
-    file there, the locate walk's re-runs included, so stdout holds the one JSON document (what the user's code
-    prints when its target is checked in this process goes to stderr: ``check_target``). Without ``log_dir``,
-    the runs' output is labelled on the terminal."""
+def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Callable[[str | None], Any]) -> Any:
+    """``run(log_dir)``: the training runs ``command`` launches; returns what it returns, or exits 2 when they
+    could not run. With ``--json`` every run writes each rank's output to a log file in ``log_dir``
+    (``KEEP/logs``, else a temporary folder, removed if nothing was launched), the locate walk's re-runs
+    included, so stdout holds the one JSON document (what the user's code prints when its target is checked in
+    this process goes to stderr: ``check_target``), and the report's ``stats.logs`` names the files. Without
+    ``--json`` (``log_dir`` None) the runs' output is labelled on the terminal."""
     import contextlib
+    import os
 
-    if log_dir is None:
-        return contextlib.nullcontext()
-    from ckptverify.resume.launch import workload_logs
+    from ckptverify.findings import Report
+    from ckptverify.render.resume import fail_lines, log_dir_for, workload_log_files
 
-    return workload_logs(log_dir)
+    log_dir = log_dir_for(keep) if json_out else None
+    try:
+        if log_dir is None:
+            logs: Any = contextlib.nullcontext()
+        else:
+            from ckptverify.resume.launch import workload_logs
+
+            logs = workload_logs(log_dir)
+        with logs:
+            result = run(log_dir)
+    except CkptVerifyError as exc:
+        fail_lines(exc, json_out, command, target)
+    finally:
+        if log_dir and not keep and os.path.isdir(log_dir) and not os.listdir(log_dir):
+            os.rmdir(log_dir)
+    if log_dir and isinstance(result, Report):  # resume-check's outcome names its logs itself
+        result.stats["logs"] = workload_log_files(log_dir)
+    return result
 
 
 def _with_progress(call: Any, progress: _Progress, json_out: bool, command: str, target: str) -> Any:
@@ -707,6 +704,7 @@ def _read_shared(command: str, target: str, call: Any, cluster: _Cluster, jobs: 
     """Run ``call(bar, jobs, executor)`` in this process, or as rank 0 of the ranks that share its reading
     (:mod:`ckptverify.cluster`; every other rank serves its share here and exits), and print the one report:
     with ranks, followed by the bytes each read. ``bar``: the command shows progress as a byte bar."""
+    from ckptverify.render.ranks import render_ranks
     from ckptverify.render.report import render_text
 
     render = render or render_text
@@ -722,7 +720,7 @@ def _read_shared(command: str, target: str, call: Any, cluster: _Cluster, jobs: 
         session.close(failed=True)
         raise
     session.close()
-    _emit(report, json_out, render=lambda r, c: (render(r, c), _render_ranks(r, c)), metrics_file=metrics_file)
+    _emit(report, json_out, render=lambda r, c: (render(r, c), render_ranks(r, c)), metrics_file=metrics_file)
 
 
 def _session(command: str, path: str, cluster: _Cluster, jobs: int | None, json_out: bool) -> Any:
@@ -760,36 +758,6 @@ def _launched() -> bool:
     env = os.environ
     return env.get("CKPTVERIFY_CLUSTER") == "local" or bool(env.get("TORCHELASTIC_RUN_ID")) \
         or env.get("SLURM_PROCID") is not None
-
-
-def _render_ranks(report: Any, console: Any) -> None:
-    """One line per rank (a summary past a few ranks) with the bytes it read, and the balance."""
-    from ckptverify.render.report import human_bytes
-
-    stats = report.stats
-    ranks = stats.get("ranks") or []
-    total = int(stats.get("bytes") or 0)
-
-    def line(r: dict[str, Any]) -> str:
-        share = f" ({r['bytes_read'] / total:.1%})" if total else ""
-        return f"  rank {r['rank']} on {r['host']}: read {human_bytes(r['bytes_read'])}{share} in {r['units']} unit(s)"
-
-    console.print(_text(f"read by {len(ranks)} ranks ({stats.get('launcher')}):", "dim"))
-    listed = 8
-    shown = ranks if len(ranks) <= listed else sorted(ranks, key=lambda r: -r["bytes_read"])[:3]
-    for r in shown:
-        console.print(_text(line(r), "dim"))
-    if len(ranks) > listed:
-        sizes = sorted(r["bytes_read"] for r in ranks)
-        console.print(_text(f"  ... and {len(ranks) - 3} more ranks: least {human_bytes(sizes[0])}, median "
-                            f"{human_bytes(sizes[len(sizes) // 2])}", "dim"))
-    bal = stats.get("balance") or {}
-    if bal:
-        console.print(_text(f"  largest share {bal['largest_fraction']:.1%} of the bytes (limit "
-                            f"{bal['limit_fraction']:.1%}): "
-                            + ("balanced" if bal["met"] else f"not balanced: {bal['why_not']}"), "dim"))
-    if stats.get("ranks_note"):
-        console.print(_text(f"  {stats['ranks_note']}", "dim"))
 
 
 def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> NoReturn:
