@@ -704,7 +704,6 @@ def _read_shared(command: str, target: str, call: Any, cluster: _Cluster, jobs: 
     """Run ``call(bar, jobs, executor)`` in this process, or as rank 0 of the ranks that share its reading
     (:mod:`ckptverify.cluster`; every other rank serves its share here and exits), and print the one report:
     with ranks, followed by the bytes each read. ``bar``: the command shows progress as a byte bar."""
-    from ckptverify.render.ranks import render_ranks
     from ckptverify.render.report import render_text
 
     render = render or render_text
@@ -720,7 +719,7 @@ def _read_shared(command: str, target: str, call: Any, cluster: _Cluster, jobs: 
         session.close(failed=True)
         raise
     session.close()
-    _emit(report, json_out, render=lambda r, c: (render(r, c), render_ranks(r, c)), metrics_file=metrics_file)
+    _emit(report, json_out, render=lambda r, c: (render(r, c), _render_ranks(r, c)), metrics_file=metrics_file)
 
 
 def _session(command: str, path: str, cluster: _Cluster, jobs: int | None, json_out: bool) -> Any:
@@ -758,6 +757,33 @@ def _launched() -> bool:
     env = os.environ
     return env.get("CKPTVERIFY_CLUSTER") == "local" or bool(env.get("TORCHELASTIC_RUN_ID")) \
         or env.get("SLURM_PROCID") is not None
+
+
+def _render_ranks(report: Any, console: Any) -> None:
+    """One line per rank (the three that read most and a summary past eight) with the bytes it read, and the
+    balance."""
+    from ckptverify.render.report import human_bytes
+
+    def say(text: str) -> None:
+        console.print(_text(text, "dim"))
+
+    stats = report.stats
+    ranks = stats.get("ranks") or []
+    total = int(stats.get("bytes") or 0)
+    say(f"read by {len(ranks)} ranks ({stats.get('launcher')}):")
+    for r in ranks if len(ranks) <= 8 else sorted(ranks, key=lambda r: -r["bytes_read"])[:3]:
+        share = f" ({r['bytes_read'] / total:.1%})" if total else ""
+        say(f"  rank {r['rank']} on {r['host']}: read {human_bytes(r['bytes_read'])}{share} in {r['units']} unit(s)")
+    if len(ranks) > 8:
+        sizes = sorted(r["bytes_read"] for r in ranks)
+        say(f"  ... and {len(ranks) - 3} more ranks: least {human_bytes(sizes[0])}, median "
+            f"{human_bytes(sizes[len(sizes) // 2])}")
+    bal = stats.get("balance") or {}
+    if bal:
+        say(f"  largest share {bal['largest_fraction']:.1%} of the bytes (limit {bal['limit_fraction']:.1%}): "
+            + ("balanced" if bal["met"] else f"not balanced: {bal['why_not']}"))
+    if stats.get("ranks_note"):
+        say(f"  {stats['ranks_note']}")
 
 
 def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> NoReturn:
