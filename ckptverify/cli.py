@@ -5,9 +5,11 @@ Exit codes everywhere: 0 all checks passed, 1 a check failed, 2 the tool could n
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -52,17 +54,24 @@ class _RichProgress:
             self._progress.advance(self._task, n)
 
 
-def _want_progress(flag: bool | None, json_out: bool, *, tty_only: bool = True) -> bool:
-    """``--progress``/``--no-progress`` as given, else the command's default: on a terminal without ``--json``
-    (``tty_only``), or whenever ``--json`` is not given (the commands that have always narrated their steps)."""
-    if flag is not None:
-        return flag
-    return not json_out and (sys.stderr.isatty() or not tty_only)
+@dataclasses.dataclass(frozen=True)
+class _Progress:
+    """The value of ``--progress/--no-progress``: as given, else the command's default (``always``: whenever
+    ``--json`` is not given, for the commands that narrate their stages; else on a terminal without ``--json``)."""
+
+    flag: bool | None
+    always: bool
+
+    def wanted(self, quiet: bool) -> bool:
+        """Whether to show progress; ``quiet``: stdout is for a program (``--json``, ``latest --path-only``)."""
+        if self.flag is not None:
+            return self.flag
+        return not quiet and (self.always or sys.stderr.isatty())
 
 
-def _say(flag: bool | None, json_out: bool, *, tty_only: bool = True, emoji: bool = True) -> Any:
+def _say(progress: _Progress, quiet: bool, *, emoji: bool = True) -> Any:
     """A ``progress(message)`` callback printing dim ``· message`` lines on stderr, or ``None`` (no progress)."""
-    if not _want_progress(flag, json_out, tty_only=tty_only):
+    if not progress.wanted(quiet):
         return None
     from rich.console import Console
 
@@ -70,13 +79,80 @@ def _say(flag: bool | None, json_out: bool, *, tty_only: bool = True, emoji: boo
     return lambda msg: err.print(_text(f"· {msg}", "dim"))
 
 
-_NPROC_HELP = ("Verify with N ranks on this machine (started here; each reads its share of the bytes). Under "
-               "torchrun or srun the ranks come from the launcher instead: leave this out.")
-_RANK_TIMEOUT_HELP = "Seconds a rank may give no sign of life before the command fails naming it (exit 2)."
-_NO_CLUSTER_HELP = "Run in this one process even under torchrun or srun (their variables are ignored)."
-_METRICS_HELP = "Also write Prometheus gauges (passed, errors, bytes checked, seconds, ...) to this file."
-_PROGRESS_HELP = "Show progress on stderr [default: on a terminal, without --json]."
-_NARRATE_HELP = "Show each stage on stderr as it runs [default: on, without --json]."
+def _decorators(*options: Callable[[F], F]) -> Callable[[F], F]:
+    """Several ``click.option`` decorators as one, in the order they are listed (as ``--help`` shows them)."""
+    def apply(fn: F) -> F:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return apply
+
+
+# The options that several commands take: one definition, one help text each (docs/cli.md, "Shared options").
+
+def _json_option(note: str = "") -> Callable[[F], F]:
+    """``--json`` (``json_out``); ``note``: where this command's own results are in the report."""
+    return click.option("--json", "json_out", is_flag=True,
+                        help=f"Print the result as JSON (docs/json-schema.md){note}.")
+
+
+def _metrics_option(when: str = "") -> Callable[[F], F]:
+    """``--metrics-file``; ``when``: said when the command writes them other than once, at the end."""
+    return click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
+                        help=f"Also write Prometheus gauges of the result (passed, errors, ...) to this file{when}.")
+
+
+def _progress_option(*, always: bool = False) -> Callable[[F], F]:
+    """``--progress/--no-progress``, as a :class:`_Progress`; ``always``: on by default off a terminal too."""
+    return click.option("--progress/--no-progress", default=None,
+                        callback=lambda ctx, param, flag: _Progress(flag, always),
+                        help="Show progress on stderr [default: " + ("on" if always else "on a terminal")
+                             + ", without --json].")
+
+
+_JOBS = click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+                     help="Files read in parallel [default: one per core].")
+_DEEP = click.option("--deep", is_flag=True,
+                     help="Also rebuild every tensor and compare its logical fingerprint with the manifest's "
+                          "(memory -> disk -> memory); count NaN/Inf.")
+_DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                       help="cpu: gloo; cuda: NCCL, one GPU per rank.")
+_KEEP = click.option("--keep", type=click.Path(path_type=str), default=None,
+                     help="Keep the files the runs make (checkpoints, traces, logs) in this directory.")
+
+
+def _nproc_option(default: int) -> Callable[[F], F]:
+    """``--nproc``: the ranks of each training run the command launches (torchrun's ``--nproc-per-node``)."""
+    return click.option("--nproc", type=click.IntRange(min=1), default=default, show_default=True,
+                        help="Ranks per training run, on this machine (as torchrun's --nproc-per-node).")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cluster:
+    """``--readers``, ``--rank-timeout`` and ``--no-cluster``: whether and how the reading is shared among ranks."""
+
+    readers: int | None
+    rank_timeout: float
+    off: bool
+
+
+def _cluster_options(fn: F) -> F:
+    """The options of a command that can share its reading among ranks, handed to it as ``cluster``
+    (:class:`_Cluster`)."""
+    @functools.wraps(fn)
+    def command(*args: Any, readers: int | None, rank_timeout: float, no_cluster: bool, **kwargs: Any) -> Any:
+        return fn(*args, cluster=_Cluster(readers, rank_timeout, no_cluster), **kwargs)
+
+    return _decorators(
+        click.option("--readers", type=click.IntRange(min=1), default=None,
+                     help="Share the reading among N processes started on this machine, each reading its share "
+                          "of the bytes. Under torchrun or srun the ranks come from the launcher instead: leave "
+                          "this out."),
+        click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+                     help="Seconds a rank may give no sign of life before the command fails naming it (exit 2)."),
+        click.option("--no-cluster", is_flag=True,
+                     help="Run in this one process even under torchrun or srun (their variables are ignored)."),
+    )(command)  # type: ignore[return-value]
 
 
 class _Group(click.Group):
@@ -136,26 +212,17 @@ def main() -> None:
 
 @main.command()
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON (schema: docs/json-schema.md).")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
-              help="Files read in parallel [default: one per core].")
-@click.option("--deep", is_flag=True,
-              help="Also rebuild every tensor and compare its logical fingerprint with the manifest's "
-                   "(memory -> disk -> memory); count NaN/Inf.")
+@_json_option()
+@_JOBS
+@_DEEP
 @click.option("--no-manifest", is_flag=True, help="Ignore manifests even if present.")
 @click.option("--strict", is_flag=True,
               help="Fail closed: content that cannot be checked (no CRC-32 and no manifest) is an error.")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help="Also write Prometheus gauges (passed, errors, bytes checked, seconds) to this file.")
-@click.option("--progress/--no-progress", default=None,
-              help="Show a progress bar [default: on a terminal, without --json].")
-@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
-@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
-              help=_RANK_TIMEOUT_HELP)
-@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
+@_metrics_option()
+@_progress_option()
+@_cluster_options
 def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest: bool, strict: bool,
-           metrics_file: str | None, progress: bool | None, nproc: int | None, rank_timeout: float,
-           no_cluster: bool) -> None:
+           metrics_file: str | None, progress: _Progress, cluster: _Cluster) -> None:
     """Verify the checkpoint PATH: a DCP folder, a single torch.save or safetensors file, or a folder of
     such files (Hugging Face, accelerate, transformers).
 
@@ -166,20 +233,11 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
     """
     from ckptverify.audit.verify import verify_checkpoint
 
-    session = _session("verify", path, nproc, rank_timeout, no_cluster, jobs, json_out)
-    if session is None:
-        def call(bar: Any) -> Any:
-            return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
-                                     progress=bar)
+    def call(bar: Any, jobs: int | None, executor: Any) -> Any:
+        return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
+                                 progress=bar, executor=executor)
 
-        _emit(_with_progress(call, progress, json_out, "verify", path), json_out, metrics_file=metrics_file)
-        return
-
-    def ranked(bar: Any) -> Any:
-        return verify_checkpoint(path, jobs=session.jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
-                                 progress=bar, executor=session.executor)
-
-    _emit_ranked(session, ranked, progress, json_out, "verify", path, metrics_file)
+    _read_shared("verify", path, call, cluster, jobs, progress, json_out, metrics_file)
 
 
 @main.command()
@@ -192,18 +250,13 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
 @click.option("--trust-uncheckable", is_flag=True,
               help="Adopt content that nothing could check (no CRC-32: stream transforms, safetensors, CRC "
                    "disabled) as it is; without it such a checkpoint is refused.")
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
-@click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help=_METRICS_HELP)
-@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
-@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
-              help=_RANK_TIMEOUT_HELP)
-@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
+@_json_option()
+@_JOBS
+@_progress_option()
+@_metrics_option()
+@_cluster_options
 def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_uncheckable: bool, json_out: bool,
-                jobs: int | None, progress: bool | None, metrics_file: str | None, nproc: int | None,
-                rank_timeout: float, no_cluster: bool) -> None:
+                jobs: int | None, progress: _Progress, metrics_file: str | None, cluster: _Cluster) -> None:
     """Adopt the checkpoint PATH: verify it, then write its manifest (ckptverify.manifest.json).
 
     PATH is a DCP folder, a folder of checkpoint files (Hugging Face, accelerate, transformers; DCP parts
@@ -214,25 +267,19 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
     """
     from ckptverify.audit.adopt import fingerprint_checkpoint
 
-    session = _session("fingerprint", path, nproc, rank_timeout, no_cluster, jobs, json_out)
+    def call(bar: Any, jobs: int | None, executor: Any) -> Any:
+        return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
+                                      trust_uncheckable=trust_uncheckable, progress=bar, executor=executor)[0]
 
-    def call(bar: Any) -> Any:
-        return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force,
-                                      jobs=session.jobs if session else jobs, trust_uncheckable=trust_uncheckable,
-                                      progress=bar, executor=session.executor if session else None)[0]
-
-    if session is not None:
-        _emit_ranked(session, call, progress, json_out, "fingerprint", path, metrics_file)
-        return
-    _emit(_with_progress(call, progress, json_out, "fingerprint", path), json_out, metrics_file=metrics_file)
+    _read_shared("fingerprint", path, call, cluster, jobs, progress, json_out, metrics_file)
 
 
 @main.command()
 @click.argument("a", type=click.Path(path_type=str))
 @click.argument("b", type=click.Path(path_type=str))
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
-@click.option("--progress/--no-progress", default=None, help="Show a progress bar [on a terminal].")
+@_json_option()
+@_JOBS
+@_progress_option()
 @click.option("--ignore", "ignore", multiple=True, metavar="PATTERN",
               help="Leave out tensors and values whose name matches this glob (repeatable), e.g. per-rank "
                    "entries that legitimately differ: --ignore '*_extra_state/shard_*'.")
@@ -240,9 +287,8 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
               help="Compare A's names starting with A_PREFIX with B's names starting with B_PREFIX instead "
                    "(repeatable; the longest matching prefix wins; either side may be empty), e.g. "
                    "--map-prefix net.=model.net. or --map-prefix =model.")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help=_METRICS_HELP)
-def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None, ignore: tuple[str, ...],
+@_metrics_option()
+def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: _Progress, ignore: tuple[str, ...],
          map_prefix: tuple[str, ...], metrics_file: str | None) -> None:
     """Compare checkpoints A and B tensor by tensor and value by value, whatever their sharding or format
     (DCP folders, single torch.save/safetensors files, Hugging Face/accelerate/transformers folders).
@@ -260,22 +306,14 @@ def diff(a: str, b: str, json_out: bool, jobs: int | None, progress: bool | None
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=str))
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help="Also write Prometheus gauges (last good step, corrupt checkpoints, ...) to this file.")
-@click.option("--deep", is_flag=True,
-              help="Also rebuild every tensor of each checkpoint and compare its logical fingerprint with the "
-                   "manifest's, as verify --deep does.")
-@click.option("--progress/--no-progress", default=None, help=_PROGRESS_HELP)
-@click.option("--nproc", type=click.IntRange(min=1), default=None,
-              help="Scan with N ranks on this machine, the checkpoints shared among them by bytes. Under "
-                   "torchrun or srun the ranks come from the launcher instead: leave this out.")
-@click.option("--rank-timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
-              help=_RANK_TIMEOUT_HELP)
-@click.option("--no-cluster", is_flag=True, help=_NO_CLUSTER_HELP)
+@_json_option()
+@_JOBS
+@_metrics_option()
+@_DEEP
+@_progress_option()
+@_cluster_options
 def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | None, deep: bool,
-         progress: bool | None, nproc: int | None, rank_timeout: float, no_cluster: bool) -> None:
+         progress: _Progress, cluster: _Cluster) -> None:
     """Verify every checkpoint under the training run directory RUN_DIR and name the newest good one.
 
     Finds checkpoints by what they hold (torchtitan step-N/, Lightning checkpoints/, transformers
@@ -286,26 +324,16 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
     from ckptverify.render.scan import render_scan
     from ckptverify.runs.scan import scan_run_dir
 
-    session = _session("scan", run_dir, nproc, rank_timeout, no_cluster, jobs, json_out)
-    if session is not None:
-        def ranked(bar: Any) -> Any:
-            return scan_run_dir(run_dir, jobs=session.jobs, progress=_say(progress, json_out), deep=deep,
-                                executor=session.executor)
+    def call(bar: Any, jobs: int | None, executor: Any) -> Any:
+        return scan_run_dir(run_dir, jobs=jobs, progress=_say(progress, json_out), deep=deep, executor=executor)
 
-        _emit_ranked(session, ranked, False, json_out, "scan", run_dir, metrics_file,
-                     render=lambda r, c: (render_scan(r, c), _render_ranks(r, c)))
-        return
-    try:
-        report = scan_run_dir(run_dir, jobs=jobs, progress=_say(progress, json_out), deep=deep)
-    except CkptVerifyError as exc:
-        _fail(exc, json_out, "scan", run_dir)
-    _emit(report, json_out, render=render_scan, metrics_file=metrics_file)
+    _read_shared("scan", run_dir, call, cluster, jobs, progress, json_out, metrics_file, bar=False,
+                 render=render_scan)
 
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=str))
-@click.option("--json", "json_out", is_flag=True,
-              help="Print the report as JSON: the pick is stats.path and stats.step (docs/json-schema.md).")
+@_json_option(": the pick is stats.path and stats.step")
 @click.option("--path-only", is_flag=True,
               help="Print only the path, as raw bytes, one line (nothing when none is good): for scripts. A path "
                    "holding a newline is refused (exit 2): use --null.")
@@ -316,12 +344,11 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
 @click.option("--trust-stamps", is_flag=True,
               help="Take a current stamp that says passed at its word: the pick is not read again (fast; a bit "
                    "flipped in place since its stamp goes unseen). Default: the pick is verified afresh.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help="Also write Prometheus gauges (passed, last good step, ...) to this file.")
-@click.option("--progress/--no-progress", default=None, help=_PROGRESS_HELP)
+@_JOBS
+@_metrics_option()
+@_progress_option()
 def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps: bool, trust_stamps: bool,
-           jobs: int | None, metrics_file: str | None, progress: bool | None) -> None:
+           jobs: int | None, metrics_file: str | None, progress: _Progress) -> None:
     """Print the newest checkpoint under RUN_DIR that verifies (exit 1 when none does).
 
     Newest first: a current stamp that says failed, uncheckable or suspect skips its checkpoint; the one about
@@ -372,13 +399,11 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
 @click.option("--exit-on-failure", is_flag=True, help="Exit 1 at the first checkpoint that fails.")
 @click.option("--log", "log_path", type=click.Path(path_type=str, dir_okay=False), default=None,
               help="Append one JSON line per result here [default: RUN_DIR/ckptverify-watch.jsonl].")
-@click.option("--deep", is_flag=True, help="Also rebuild tensors and compare fingerprints.")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help="Write Prometheus gauges of the run's state after every pass.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel workers [one per core].")
+@_DEEP
+@_metrics_option(", after every pass (the run's state: docs/runs.md)")
+@_JOBS
 @click.option("--poll", is_flag=True, help="Poll only: no inotify wake-ups (e.g. on network file systems).")
-@click.option("--json", "json_out", is_flag=True,
-              help="Print one JSON object per line (each result, each problem) instead of text lines.")
+@_json_option(": one object per line, each result and each problem")
 def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_path: str | None, deep: bool,
           metrics_file: str | None, jobs: int | None, poll: bool, json_out: bool) -> None:
     """Verify and stamp every checkpoint under RUN_DIR as it commits; one line per result.
@@ -447,19 +472,19 @@ def _watch_line(item: dict) -> str:
     return f"{event}: {where}: {_printable(item.get('reason'))}"
 
 
-_LOCATE_HELP = ("When the check fails, re-run the first divergent step at trace level op and name the op where "
-                "the difference is born, the ranks that receive it, and whether its kernel is nondeterministic "
-                "alone (docs/locate.md).")
-
-
-def _locate_options(locate_help: str = _LOCATE_HELP,
-                    repeats_help: str = "Re-runs per side of the divergent step at level op.") -> Callable[[F], F]:
-    """``--locate/--no-locate`` and ``--locate-repeats``, as every command that can locate a divergence takes them."""
-    def apply(fn: F) -> F:
-        fn = click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
-                          help=repeats_help)(fn)
-        return click.option("--locate/--no-locate", default=True, show_default=True, help=locate_help)(fn)
-    return apply
+#: The options of the commands that launch training runs and judge them (resume-check, replay, compare).
+_RUNS = _decorators(
+    _DEVICE, _KEEP,
+    click.option("--locate/--no-locate", default=True, show_default=True,
+                 help="When the check fails, re-run the first divergent step at trace level op and name the op "
+                      "where the difference is born, the ranks that receive it, and whether its kernel is "
+                      "nondeterministic alone (docs/locate.md)."),
+    click.option("--locate-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+                 help="Re-runs per side of the divergent step at level op (more repeats tell how often it "
+                      "differs)."),
+    _json_option(": the workload's output goes to per-rank log files named in stats.logs"),
+    _metrics_option(), _progress_option(always=True),
+)
 
 
 @main.command("resume-check")
@@ -467,7 +492,7 @@ def _locate_options(locate_help: str = _LOCATE_HELP,
 @click.option("--steps", "-T", type=click.IntRange(min=2), required=True, help="Steps of the continuous run.")
 @click.option("--resume-at", "-K", type=click.IntRange(min=1), required=True,
               help="Step whose checkpoint run B resumes from.")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per run.")
+@_nproc_option(1)
 @click.option("--level", type=click.Choice(["metrics", "state", "comm", "module", "op"]), default="state",
               show_default=True,
               help="Trace detail: exact metrics; plus batch/params/grads/optimizer/scheduler/RNG fingerprints; "
@@ -475,23 +500,13 @@ def _locate_options(locate_help: str = _LOCATE_HELP,
                    "plus every op (the op log).")
 @click.option("--runs", default="A,A2,B", show_default=True,
               help="Runs to make: A (continuous), A2 (continuous again: determinism), B (resumed).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="cpu: gloo; cuda: NCCL, one GPU per rank.")
-@click.option("--keep", type=click.Path(path_type=str), default=None,
-              help="Keep checkpoints and traces in this directory.")
 @click.option("--verbose", is_flag=True, help="List every final-state difference (else folded into one row).")
 @click.option("--report", "report_dir", type=click.Path(path_type=str), default=None,
               help="Write an HTML page with figures here (needs matplotlib: pip install 'ckptverify[report]').")
-@click.option("--json", "json_out", is_flag=True,
-              help="Print the report as JSON (the workload's output goes to per-rank log files it names).")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help=_METRICS_HELP)
-@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
-@_locate_options(repeats_help="Re-runs per side of the divergent step at level op (more repeats tell how often it "
-                              "differs).")
-def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level: str, runs: str, device: str,
-                     keep: str | None, verbose: bool, report_dir: str | None, json_out: bool,
-                     metrics_file: str | None, progress: bool | None, locate: bool, locate_repeats: int) -> None:
+@_RUNS
+def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level: str, runs: str, verbose: bool,
+                     report_dir: str | None, device: str, keep: str | None, locate: bool, locate_repeats: int,
+                     json_out: bool, metrics_file: str | None, progress: _Progress) -> None:
     """Prove that resuming TARGET from a checkpoint is bitwise identical to never stopping.
 
     TARGET is FILE.py:FUNC or package.module:FUNC, a function train(run) following the Run protocol
@@ -499,22 +514,18 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     in fresh processes, then compares restored state, traces and final states, and names the first
     divergence. Exit 0: equivalent; 1: not; 2: could not run (a crashing workload shows its traceback).
     """
-
-    from ckptverify.render.resume import emit_resume, fail_lines, log_dir_for, resume_check
+    from ckptverify.render.resume import emit_resume, resume_check
     from ckptverify.resume.harness import Plan
 
-    try:
+    def run(log_dir: str | None) -> Any:
         # The device travels to the workload's processes in the plan (Plan.device -> RunConfig.device -> run.device).
         plan = Plan(target=target, steps=steps, resume_at=resume_at, nproc=nproc, level=level,
                     runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device, locate=locate,
                     locate_repeats=locate_repeats)
-        say = _say(progress, json_out, tty_only=False, emoji=False)
-        log_dir = log_dir_for(keep) if json_out else None
-        with _workload_output(log_dir):
-            outcome = resume_check(plan, keep=keep, progress=say, verbose=verbose, log_dir=log_dir,
-                                   report_dir=report_dir)
-    except CkptVerifyError as exc:
-        fail_lines(exc, json_out, "resume-check", target)
+        return resume_check(plan, keep=keep, progress=_say(progress, json_out, emoji=False), verbose=verbose,
+                            log_dir=log_dir, report_dir=report_dir)
+
+    outcome = _launch("resume-check", target, keep, json_out, run)
     _write_metrics(metrics_file, outcome.report, json_out)
     sys.exit(emit_resume(outcome, json_out))
 
@@ -525,11 +536,6 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
               help="Step of the production checkpoint to replay from [default: the second newest verified].")
 @click.option("--to", "end", type=click.IntRange(min=1), default=None,
               help="Step of the production checkpoint to replay to [default: the newest verified].")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="cpu: gloo; cuda: NCCL, one GPU per rank.")
-@click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the replays' files here.")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help="Also write Prometheus gauges to this file.")
 @click.option("--target", default=None, metavar="FILE.py:FUNC",
               help="The training function to replay (required: the one RUN_DIR/run.json records, which the error "
                    "without it names; a run directory is data, so nothing it names runs unless you name it). "
@@ -537,14 +543,10 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
                    "than the one run.json records is refused before anything runs.")
 @click.option("--max-procs", type=click.IntRange(min=1), default=64, show_default=True,
               help="The most ranks a replay may start (run.json's world size above it is refused).")
-@click.option("--json", "json_out", is_flag=True,
-              help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files "
-                   "named in stats.logs).")
-@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
-@_locate_options()
-def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: str | None,
-           metrics_file: str | None, target: str | None, max_procs: int, json_out: bool,
-           progress: bool | None, locate: bool, locate_repeats: int) -> None:
+@_RUNS
+def replay(run_dir: str, start: int | None, end: int | None, target: str | None, max_procs: int, device: str,
+           keep: str | None, locate: bool, locate_repeats: int, json_out: bool, metrics_file: str | None,
+           progress: _Progress) -> None:
     """Replay production steps FROM+1..TO of the job in RUN_DIR twice and judge the hardware.
 
     Verdicts: reproduced (exit 0); nondeterministic, hardware-fault-suspected, undetermined, checkpoint-corrupt,
@@ -552,27 +554,14 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
     RUN_DIR is the run directory of a job run with cv.Run.main(..., run_dir=...); --target names the training
     function to run (the one RUN_DIR/run.json records: a run directory is data, nothing it names runs on its own).
     """
-    import os
-
-    from ckptverify.render.resume import fail_lines, log_dir_for, workload_log_files
     from ckptverify.replay.replay import replay as run_replay
 
-    say = _say(progress, json_out, tty_only=False, emoji=False)
-    log_dir = log_dir_for(keep) if json_out else None
-    try:
-        # What runs is what the command line names (never what the run directory says on its own): the replay
-        # checks it is the function run.json records before anything is verified or launched.
-        with _workload_output(log_dir):
-            report = run_replay(run_dir, target=target, start=start, end=end, device=device, keep=keep,
-                                progress=say, max_procs=max_procs, locate=locate,
-                                locate_repeats=locate_repeats)
-    except CkptVerifyError as exc:
-        fail_lines(exc, json_out, "replay", run_dir)
-    finally:
-        if log_dir and not keep and os.path.isdir(log_dir) and not os.listdir(log_dir):
-            os.rmdir(log_dir)  # nothing was launched: no empty temporary folder left behind
-    if log_dir:
-        report.stats["logs"] = workload_log_files(log_dir)
+    # What runs is what the command line names (never what the run directory says on its own): the replay
+    # checks it is the function run.json records before anything is verified or launched.
+    report = _launch("replay", run_dir, keep, json_out, lambda log_dir: run_replay(
+        run_dir, target=target, start=start, end=end, device=device, keep=keep,
+        progress=_say(progress, json_out, emoji=False), max_procs=max_procs, locate=locate,
+        locate_repeats=locate_repeats))
     _emit(report, json_out, metrics_file=metrics_file)
 
 
@@ -580,24 +569,15 @@ def replay(run_dir: str, start: int | None, end: int | None, device: str, keep: 
 @click.argument("base")
 @click.argument("changed")
 @click.option("--steps", "-T", type=click.IntRange(min=1), required=True, help="Steps each run makes.")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per run.")
+@_nproc_option(1)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Control runs of BASE that measure its natural variation.")
 @click.option("--level", type=click.Choice(["state", "module"]), default="state", show_default=True,
               help="Trace detail of the runs compared.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="cpu: gloo; cuda: NCCL, one GPU per rank.")
-@click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep the runs' traces here.")
-@_locate_options("When CHANGED differs, re-run the first differing step of both at trace level op and name the op "
-                 "where the change enters (docs/locate.md).", "Re-runs per side of that step at level op.")
-@click.option("--json", "json_out", is_flag=True,
-              help="Print the report as JSON (stats.verdict; the workload's output goes to per-rank log files).")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help=_METRICS_HELP)
-@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
+@_RUNS
 def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, level: str, device: str,
                 keep: str | None, locate: bool, locate_repeats: int, json_out: bool, metrics_file: str | None,
-                progress: bool | None) -> None:
+                progress: _Progress) -> None:
     """Tell whether CHANGED computes anything different from BASE, beyond BASE's natural variation.
 
     BASE and CHANGED are FILE.py:FUNC training functions following the Run protocol (as resume-check's TARGET).
@@ -606,35 +586,30 @@ def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, l
     exit 1), within-variation (exit 0) or beyond-variation (exit 1) for a nondeterministic BASE. Exit 2: could
     not run.
     """
-    from ckptverify.render.resume import fail_lines, log_dir_for, render_compare, workload_log_files
+    from ckptverify.render.resume import render_compare
     from ckptverify.resume.change import ChangePlan, compare_change
 
-    log_dir = log_dir_for(keep) if json_out else None
-    try:
+    def run(log_dir: str | None) -> Any:
         plan = ChangePlan(base=base, changed=changed, steps=steps, nproc=nproc, repeats=repeats, device=device,
                           level=level, locate=locate, locate_repeats=locate_repeats)
-        with _workload_output(log_dir):
-            report = compare_change(plan, keep=keep, progress=_say(progress, json_out, tty_only=False, emoji=False),
-                                    log_dir=log_dir)
-    except CkptVerifyError as exc:
-        fail_lines(exc, json_out, "compare", f"{base} vs {changed}")
-    if log_dir:
-        report.stats["logs"] = workload_log_files(log_dir)
+        return compare_change(plan, keep=keep, progress=_say(progress, json_out, emoji=False), log_dir=log_dir)
+
+    report = _launch("compare", f"{base} vs {changed}", keep, json_out, run)
     _emit(report, json_out, render=render_compare, metrics_file=metrics_file)
 
 
 @main.command()
-@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks (gloo, CPU).")
-@click.option("--keep", type=click.Path(path_type=str), default=None, help="Keep everything in this directory.")
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
-@click.option("--progress/--no-progress", default=None, help=_NARRATE_HELP)
-def demo(nproc: int, keep: str | None, json_out: bool, progress: bool | None) -> None:
+@_nproc_option(2)
+@_KEEP
+@_json_option()
+@_progress_option(always=True)
+def demo(nproc: int, keep: str | None, json_out: bool, progress: _Progress) -> None:
     """Show the whole tool on the built-in workload (about a minute): save and verify a checkpoint, find a
     flipped bit, prove a resume bitwise exact, and diagnose a planted bug."""
     from ckptverify.examples.demo import run_demo
 
     say = None
-    if _want_progress(progress, json_out, tty_only=False):
+    if progress.wanted(json_out):
         from rich.console import Console
 
         err = Console(stderr=True)
@@ -657,28 +632,20 @@ def trace() -> None:
 @click.argument("b", type=click.Path(path_type=str))
 @click.option("--allow-header-mismatch", is_flag=True,
               help="Compare even if the trace headers differ (over the sites both record).")
-@click.option("--force", "force_deprecated", is_flag=True, hidden=True,
-              help="Deprecated spelling of --allow-header-mismatch.")
 @click.option("--ignore", "ignore", multiple=True, metavar="PATTERN",
               help="Leave out sites whose name matches this glob (repeatable), e.g. --ignore 'module.*'.")
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
-@click.option("--metrics-file", type=click.Path(path_type=str, dir_okay=False), default=None,
-              help=_METRICS_HELP)
-def trace_diff(a: str, b: str, allow_header_mismatch: bool, force_deprecated: bool, ignore: tuple[str, ...],
-               json_out: bool, metrics_file: str | None) -> None:
+@_json_option()
+@_metrics_option()
+def trace_diff(a: str, b: str, allow_header_mismatch: bool, ignore: tuple[str, ...], json_out: bool,
+               metrics_file: str | None) -> None:
     """Compare two stored traces (a run directory with rank*/ stores, or one rank's store) and name the first
     divergence: step, rank, site, category, and the originating module at module level."""
+    from ckptverify.errors import TraceHeaderMismatchError
     from ckptverify.findings import Report
     from ckptverify.trace.compare import compare_traces
 
-    if force_deprecated:
-        # --force means "replace what is there" (fingerprint); this spelling is read for one release.
-        click.echo("ckptverify trace diff: warning: --force is deprecated here; use --allow-header-mismatch",
-                   err=True)
-    from ckptverify.errors import TraceHeaderMismatchError
-
     try:
-        findings = compare_traces(a, b, force=allow_header_mismatch or force_deprecated, ignore_sites=ignore)
+        findings = compare_traces(a, b, force=allow_header_mismatch, ignore_sites=ignore)
     except TraceHeaderMismatchError as exc:
         _fail(UsageError(f"{exc}; pass --allow-header-mismatch to compare anyway"), json_out, "trace diff",
               f"{a} {b}")
@@ -688,23 +655,43 @@ def trace_diff(a: str, b: str, allow_header_mismatch: bool, force_deprecated: bo
           metrics_file=metrics_file)
 
 
-def _workload_output(log_dir: str | None) -> Any:
-    """Within the block, with ``log_dir`` (``--json``), every run launched writes each rank's output to a log
-    file there, the locate walk's re-runs included, so stdout holds the one JSON document (what the user's code
-    prints when its target is checked in this process goes to stderr: ``check_target``). Without ``log_dir``,
-    the runs' output is labelled on the terminal."""
+def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Callable[[str | None], Any]) -> Any:
+    """``run(log_dir)``: the training runs ``command`` launches; returns what it returns, or exits 2 when they
+    could not run. With ``--json`` every run writes each rank's output to a log file in ``log_dir``
+    (``KEEP/logs``, else a temporary folder, removed if nothing was launched), the locate walk's re-runs
+    included, so stdout holds the one JSON document (what the user's code prints when its target is checked in
+    this process goes to stderr: ``check_target``), and the report's ``stats.logs`` names the files. Without
+    ``--json`` (``log_dir`` None) the runs' output is labelled on the terminal."""
     import contextlib
+    import os
 
-    if log_dir is None:
-        return contextlib.nullcontext()
-    from ckptverify.resume.launch import workload_logs
+    from ckptverify.findings import Report
+    from ckptverify.render.resume import fail_lines, log_dir_for, workload_log_files
 
-    return workload_logs(log_dir)
-
-
-def _with_progress(call: Any, progress: bool | None, json_out: bool, command: str, target: str) -> Any:
+    log_dir = log_dir_for(keep) if json_out else None
     try:
-        if _want_progress(progress, json_out):
+        if log_dir is None:
+            logs: Any = contextlib.nullcontext()
+        else:
+            from ckptverify.resume.launch import workload_logs
+
+            logs = workload_logs(log_dir)
+        with logs:
+            result = run(log_dir)
+    except CkptVerifyError as exc:
+        fail_lines(exc, json_out, command, target)
+    finally:
+        if log_dir and not keep and os.path.isdir(log_dir) and not os.listdir(log_dir):
+            os.rmdir(log_dir)
+    if log_dir and isinstance(result, Report):  # resume-check's outcome names its logs itself
+        result.stats["logs"] = workload_log_files(log_dir)
+    return result
+
+
+def _with_progress(call: Any, progress: _Progress, json_out: bool, command: str, target: str) -> Any:
+    """``call(bar)`` with a byte progress bar on stderr when progress is wanted (else ``None``), or exit 2."""
+    try:
+        if progress.wanted(json_out):
             with _RichProgress(command) as bar:
                 return call(bar)
         return call(None)
@@ -712,20 +699,43 @@ def _with_progress(call: Any, progress: bool | None, json_out: bool, command: st
         _fail(exc, json_out, command, target)
 
 
-def _session(command: str, path: str, nproc: int | None, rank_timeout: float, no_cluster: bool, jobs: int | None,
-             json_out: bool) -> Any:
+def _read_shared(command: str, target: str, call: Any, cluster: _Cluster, jobs: int | None, progress: _Progress,
+                 json_out: bool, metrics_file: str | None, *, bar: bool = True, render: Any = None) -> None:
+    """Run ``call(bar, jobs, executor)`` in this process, or as rank 0 of the ranks that share its reading
+    (:mod:`ckptverify.cluster`; every other rank serves its share here and exits), and print the one report:
+    with ranks, followed by the bytes each read. ``bar``: the command shows progress as a byte bar."""
+    from ckptverify.render.report import render_text
+
+    render = render or render_text
+    session = _session(command, target, cluster, jobs, json_out)
+    progress = progress if bar else _Progress(False, False)
+    if session is None:
+        _emit(_with_progress(lambda b: call(b, jobs, None), progress, json_out, command, target), json_out,
+              render=render, metrics_file=metrics_file)
+    try:
+        report = session.finish(_with_progress(lambda b: call(b, session.jobs, session.executor), progress,
+                                               json_out, command, target))
+    except BaseException:
+        session.close(failed=True)
+        raise
+    session.close()
+    _emit(report, json_out, render=lambda r, c: (render(r, c), _render_ranks(r, c)), metrics_file=metrics_file)
+
+
+def _session(command: str, path: str, cluster: _Cluster, jobs: int | None, json_out: bool) -> Any:
     """This process's part in a command run across ranks (:mod:`ckptverify.cluster`), or ``None`` to run alone.
     A rank other than 0 serves its share here and exits: rank 0 prints the one report."""
-    if no_cluster and (nproc or 1) > 1:
-        _fail(UsageError(f"--nproc {nproc} and --no-cluster contradict each other: --no-cluster runs one process"),
-              json_out, command, path)
-    if no_cluster or ((nproc or 1) < 2 and not _launched()):
+    readers = cluster.readers or 1
+    if cluster.off and readers > 1:
+        _fail(UsageError(f"--readers {readers} and --no-cluster contradict each other: --no-cluster runs one "
+                         "process"), json_out, command, path)
+    if cluster.off or (readers < 2 and not _launched()):
         return None
     from ckptverify.cluster.session import open_session
 
     try:
-        session = open_session(command, path, nproc=nproc, rank_timeout=rank_timeout, jobs=jobs,
-                               child_options={})
+        session = open_session(command, path, readers=cluster.readers, rank_timeout=cluster.rank_timeout,
+                               jobs=jobs, child_options={})
     except CkptVerifyError as exc:
         _fail(exc, json_out, command, path)
     if session is None or session.is_root:
@@ -741,7 +751,7 @@ def _session(command: str, path: str, nproc: int | None, rank_timeout: float, no
 
 
 def _launched() -> bool:
-    """Whether a launcher (torchrun, srun, --nproc) may have started this process as one of several ranks."""
+    """Whether a launcher (torchrun, srun, --readers) may have started this process as one of several ranks."""
     import os
 
     env = os.environ
@@ -749,57 +759,34 @@ def _launched() -> bool:
         or env.get("SLURM_PROCID") is not None
 
 
-def _emit_ranked(session: Any, call: Any, progress: bool | None, json_out: bool, command: str, target: str,
-                 metrics_file: str | None, render: Any = None) -> None:
-    """Rank 0: run ``call`` with the other ranks, then print the one report with the bytes each rank read."""
-    try:
-        report = session.finish(_with_progress(call, progress, json_out, command, target))
-    except BaseException:
-        session.close(failed=True)
-        raise
-    session.close()
-    _emit(report, json_out, render=render or _render_ranked, metrics_file=metrics_file)
-
-
-def _render_ranked(report: Any, console: Any) -> None:
-    """The text report, then the ranks' lines."""
-    from ckptverify.render.report import render_text
-
-    render_text(report, console)
-    _render_ranks(report, console)
-
-
 def _render_ranks(report: Any, console: Any) -> None:
-    """One line per rank (a summary past a few ranks) with the bytes it read, and the balance."""
+    """One line per rank (the three that read most and a summary past eight) with the bytes it read, and the
+    balance."""
     from ckptverify.render.report import human_bytes
+
+    def say(text: str) -> None:
+        console.print(_text(text, "dim"))
 
     stats = report.stats
     ranks = stats.get("ranks") or []
     total = int(stats.get("bytes") or 0)
-
-    def line(r: dict[str, Any]) -> str:
+    say(f"read by {len(ranks)} ranks ({stats.get('launcher')}):")
+    for r in ranks if len(ranks) <= 8 else sorted(ranks, key=lambda r: -r["bytes_read"])[:3]:
         share = f" ({r['bytes_read'] / total:.1%})" if total else ""
-        return f"  rank {r['rank']} on {r['host']}: read {human_bytes(r['bytes_read'])}{share} in {r['units']} unit(s)"
-
-    console.print(_text(f"read by {len(ranks)} ranks ({stats.get('launcher')}):", "dim"))
-    listed = 8
-    shown = ranks if len(ranks) <= listed else sorted(ranks, key=lambda r: -r["bytes_read"])[:3]
-    for r in shown:
-        console.print(_text(line(r), "dim"))
-    if len(ranks) > listed:
+        say(f"  rank {r['rank']} on {r['host']}: read {human_bytes(r['bytes_read'])}{share} in {r['units']} unit(s)")
+    if len(ranks) > 8:
         sizes = sorted(r["bytes_read"] for r in ranks)
-        console.print(_text(f"  ... and {len(ranks) - 3} more ranks: least {human_bytes(sizes[0])}, median "
-                            f"{human_bytes(sizes[len(sizes) // 2])}", "dim"))
+        say(f"  ... and {len(ranks) - 3} more ranks: least {human_bytes(sizes[0])}, median "
+            f"{human_bytes(sizes[len(sizes) // 2])}")
     bal = stats.get("balance") or {}
     if bal:
-        console.print(_text(f"  largest share {bal['largest_fraction']:.1%} of the bytes (limit "
-                            f"{bal['limit_fraction']:.1%}): "
-                            + ("balanced" if bal["met"] else f"not balanced: {bal['why_not']}"), "dim"))
+        say(f"  largest share {bal['largest_fraction']:.1%} of the bytes (limit {bal['limit_fraction']:.1%}): "
+            + ("balanced" if bal["met"] else f"not balanced: {bal['why_not']}"))
     if stats.get("ranks_note"):
-        console.print(_text(f"  {stats['ranks_note']}", "dim"))
+        say(f"  {stats['ranks_note']}")
 
 
-def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> None:
+def _emit(report: Any, json_out: bool, render: Any = None, metrics_file: str | None = None) -> NoReturn:
     from ckptverify.render.report import render_text, to_json
 
     _write_metrics(metrics_file, report, json_out)
@@ -848,7 +835,7 @@ def _echo_json_error(command: str, target: str, message: str, exit_code: int) ->
     }, indent=None if command == "watch" else 2))  # watch --json prints one JSON object per line
 
 
-def _fail(exc: CkptVerifyError, json_out: bool, command: str, target: str) -> None:
+def _fail(exc: CkptVerifyError, json_out: bool, command: str, target: str) -> NoReturn:
     if json_out:
         _echo_json_error(command, target, str(exc), exc.exit_code)
     else:

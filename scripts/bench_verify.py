@@ -2,9 +2,9 @@
 
     python scripts/bench_verify.py [--dir DIR] [--gib 4.0] [--repeats 3] [--keep]
     python scripts/bench_verify.py --items 100000 [--dir DIR] [--repeats 3] [--keep]
-    python scripts/bench_verify.py --nproc 4 [--gib 1.0] [--jobs-per-rank J] [--dir DIR] [--repeats 3] [--keep]
+    python scripts/bench_verify.py --readers 4 [--gib 1.0] [--jobs-per-rank J] [--dir DIR] [--repeats 3] [--keep]
 
-With ``--nproc N`` it measures verify across ranks (``ckptverify verify --nproc n``, n = 1..N) on one
+With ``--readers N`` it measures verify across ranks (``ckptverify verify --readers n``, n = 1..N) on one
 page-cached checkpoint, in one run: for each rank count the best wall time of the whole command (the ranks'
 start-up included), the verification's own time as rank 0 reports it (``stats.seconds``), the throughput of
 both and its ratio to one rank, and the bytes each rank read (smallest and largest share, balance). On one
@@ -286,14 +286,14 @@ def build_cached(args: argparse.Namespace, prefix: str) -> tuple[str, str, list[
     return workdir, ckpt, files, size
 
 
-def main_nproc(args: argparse.Namespace) -> int:
-    """Throughput of ``verify`` per rank count, 1..``args.nproc``, on one checkpoint."""
-    workdir, ckpt, files, size = build_cached(args, "ckptverify-bench-nproc-")
+def main_readers(args: argparse.Namespace) -> int:
+    """Throughput of ``verify`` per rank count, 1..``args.readers``, on one checkpoint."""
+    workdir, ckpt, files, size = build_cached(args, "ckptverify-bench-readers-")
     rows = []
-    for n in range(1, args.nproc + 1):
+    for n in range(1, args.readers + 1):
         cmd = [sys.executable, "-m", "ckptverify", "verify", "--no-progress", "--json", ckpt]
         if n > 1:
-            cmd += ["--nproc", str(n)]
+            cmd += ["--readers", str(n)]
         if args.jobs_per_rank:
             cmd += ["--jobs", str(args.jobs_per_rank)]
         best_wall, best_core, stats = float("inf"), float("inf"), {}
@@ -398,17 +398,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: a checkpoint of this many small tensors, per-item costs [off]")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per tool [3]")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
-    ap.add_argument("--nproc", type=int, default=None,
-                    help="instead: verify throughput with 1..N ranks (verify --nproc), bytes per rank [off]")
+    ap.add_argument("--readers", type=int, default=None,
+                    help="instead: verify throughput with 1..N ranks (verify --readers), bytes per rank [off]")
     ap.add_argument("--jobs-per-rank", type=int, default=None,
-                    help="with --nproc: threads per rank [the machine's cores / ranks]")
+                    help="with --readers: threads per rank [the machine's cores / ranks]")
     ap.add_argument("--rss-sizes", default=None, metavar="GIB,GIB",
                     help="instead: peak RSS of verify at each of these checkpoint sizes, e.g. 2,8 [off]")
     args = ap.parse_args(argv)
-    if args.nproc is not None:
-        if args.nproc < 1 or args.gib <= 0:
-            ap.error("--nproc must be at least 1 and --gib above 0")
-        return main_nproc(args)
+    if args.readers is not None:
+        if args.readers < 1 or args.gib <= 0:
+            ap.error("--readers must be at least 1 and --gib above 0")
+        return main_readers(args)
     if args.rss_sizes:
         try:
             sizes = [float(x) for x in args.rss_sizes.split(",")]

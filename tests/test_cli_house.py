@@ -1,5 +1,6 @@
 """The command line's one house: every command has ``--json`` (the one report schema), every command that checks
-has ``--metrics-file``, every command that can run long has ``--progress``, and an option name means one thing."""
+has ``--metrics-file``, every command that can run long has ``--progress``, and an option name means one thing,
+said by one help text."""
 
 from __future__ import annotations
 
@@ -59,12 +60,37 @@ def test_the_option_matrix() -> None:
 
 
 def test_force_means_replace_and_nothing_else() -> None:
-    shown = [name for name in COMMANDS if "--force" in _options(name)]
+    shown = [name for name in COMMANDS if "--force" in _options(name, hidden=True)]
     assert shown == ["fingerprint"]
     assert "replace" in (next(p for p in _command("fingerprint").params if p.name == "force").help or "").lower()
-    # The old spelling of trace diff is still read, hidden from --help.
-    assert "--force" in _options("trace diff", hidden=True)
-    assert "--force" not in CliRunner().invoke(main, ["trace", "diff", "--help"]).output
+
+
+def _help(name: str, option: str) -> str:
+    return next(p.help or "" for p in _command(name).params if isinstance(p, click.Option) and option in p.opts)
+
+
+def test_an_option_name_has_one_help_text_and_the_defaults_say_which_commands_differ() -> None:
+    shared = ("--json", "--metrics-file", "--progress", "--jobs", "--deep", "--device", "--keep", "--nproc",
+              "--readers", "--rank-timeout", "--no-cluster", "--locate", "--locate-repeats")
+    for option in shared:
+        # One text, to which a command may add its own default or where its results are.
+        texts = {_help(name, option).split(" [default:")[0] for name in COMMANDS if option in _options(name)}
+        common = min(texts, key=len).rstrip(".")
+        assert len(common) > 20 and all(text.startswith(common) for text in texts), (option, texts)
+    assert {_help(name, "--progress") for name in LONG} == {
+        "Show progress on stderr [default: on a terminal, without --json].",
+        "Show progress on stderr [default: on, without --json]."}
+    # No hidden option: nothing was released, so there is no old spelling to read.
+    assert not [n for n in COMMANDS if any(p.hidden for p in _command(n).params if isinstance(p, click.Option))]
+
+
+def test_nproc_is_ranks_per_training_run_and_readers_share_the_reading() -> None:
+    # torchrun's meaning: --nproc is the ranks of each training run a command launches; the commands that share
+    # the reading of a checkpoint among processes call them readers.
+    assert [n for n in COMMANDS if "--nproc" in _options(n)] == ["resume-check", "compare", "demo"]
+    shared = [n for n in COMMANDS if "--readers" in _options(n)]
+    assert shared == ["verify", "fingerprint", "scan"]
+    assert all({"--rank-timeout", "--no-cluster"} <= _options(n) for n in shared)
 
 
 def _dcp(path: Path, value: float) -> Path:
@@ -228,16 +254,13 @@ def test_trace_diff_ignore_leaves_out_matching_sites(tmp_path: Path) -> None:
     assert [f["severity"] for f in nothing["findings"] if f["check"] == "trace-ignored"] == ["error"]
 
 
-def test_trace_diff_header_mismatch_option_and_its_deprecated_spelling(tmp_path: Path) -> None:
+def test_trace_diff_compares_different_headers_only_when_allowed(tmp_path: Path) -> None:
     a, b = str(_trace(tmp_path / "a")), str(_trace(tmp_path / "b", level="state"))
     refused = _invoke("trace", "diff", a, b)
     assert refused.exit_code == 2 and "headers differ" in refused.stderr and "--allow-header-mismatch" in refused.stderr
     assert "force=True" not in refused.stderr  # the advice names this command's option, not the Python keyword
-    allowed = _invoke("trace", "diff", "--allow-header-mismatch", a, b)
-    assert allowed.exit_code == 0 and "deprecated" not in allowed.stderr, allowed.output
-    old = _invoke("trace", "diff", "--force", "--json", a, b)
-    assert old.exit_code == 0 and "--force is deprecated" in old.stderr and "--allow-header-mismatch" in old.stderr
-    assert _report(old)["passed"]  # the warning never reaches stdout
+    allowed = _invoke("trace", "diff", "--allow-header-mismatch", "--json", a, b)
+    assert allowed.exit_code == 0 and _report(allowed)["passed"] and not allowed.stderr, allowed.output
 
 
 def test_watch_prints_text_by_default_and_json_lines_only_with_json(run: Path, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """``fingerprint`` and ``scan`` across ranks: the manifest written and the report given are those of one
 process, and the ranks share the reads. Real processes and a real rendezvous store on this machine: the commands
-run in this process (``invoke``), which under ``--nproc 2`` is rank 0 and starts rank 1 as a real process; what
+run in this process (``invoke``), which under ``--readers 2`` is rank 0 and starts rank 1 as a real process; what
 these tests compare is reports and manifests, not a process's start-up or exit (the launches themselves are
 ``test_cluster_verify``'s)."""
 
@@ -32,12 +32,12 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("cluster-cmd") / "src")
 
 
-def test_fingerprint_nproc_writes_the_single_process_manifest(source: Path, tmp_path: Path) -> None:
+def test_fingerprint_readers_writes_the_single_process_manifest(source: Path, tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     shutil.copytree(source, one)
     shutil.copytree(source, two)
     a = invoke("fingerprint", str(one), "--json")
-    b = invoke("fingerprint", str(two), "--nproc", "2", "--json")
+    b = invoke("fingerprint", str(two), "--readers", "2", "--json")
     assert a.returncode == 0 and b.returncode == 0, b.stderr[-2000:]
     assert _manifest(one) == _manifest(two)
     ra, rb = _json(a), _json(b)
@@ -51,7 +51,7 @@ def test_fingerprint_nproc_writes_the_single_process_manifest(source: Path, tmp_
     assert max(r["bytes_read"] for r in ranks) <= 0.6 * sum(r["bytes_read"] for r in ranks)
     assert rb["stats"]["balance"]["met"]
     # The manifest written by the ranks is one verify accepts, byte for byte.
-    check = invoke("verify", str(two), "--nproc", "2", "--json")
+    check = invoke("verify", str(two), "--readers", "2", "--json")
     assert check.returncode == 0 and _json(check)["stats"]["manifest"] is True
 
 
@@ -63,14 +63,14 @@ def test_fingerprint_refused_alike(source: Path, tmp_path: Path) -> None:
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
     a = invoke("fingerprint", str(bad), "--json")
-    b = invoke("fingerprint", str(bad), "--nproc", "2", "--json")
+    b = invoke("fingerprint", str(bad), "--readers", "2", "--json")
     assert a.returncode == b.returncode == 1
     assert [f["check"] for f in _json(a)["findings"]] == [f["check"] for f in _json(b)["findings"]]
     assert "fingerprint-refused" in [f["check"] for f in _json(b)["findings"]]
     assert not (bad / "ckptverify.manifest.json").exists()
 
 
-def test_scan_nproc_same_report(source: Path, tmp_path: Path) -> None:
+def test_scan_readers_same_report(source: Path, tmp_path: Path) -> None:
     runs = tmp_path / "run"
     for step in (100, 200, 300, 400):
         shutil.copytree(source, runs / f"step_{step}")
@@ -79,7 +79,7 @@ def test_scan_nproc_same_report(source: Path, tmp_path: Path) -> None:
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
     a = invoke("scan", str(runs), "--json")
-    b = invoke("scan", str(runs), "--nproc", "2", "--json")
+    b = invoke("scan", str(runs), "--readers", "2", "--json")
     assert a.returncode == b.returncode == 1
     ra, rb = _json(a), _json(b)
     assert ra["findings"] == rb["findings"]
@@ -91,13 +91,13 @@ def test_scan_nproc_same_report(source: Path, tmp_path: Path) -> None:
     assert [r["units"] for r in ranks] == [2, 2]  # four checkpoints of one size: two each
     assert sum(r["bytes_read"] for r in ranks) == sum(c["size"] for c in rb["stats"]["checkpoints"])
     assert rb["stats"]["balance"]["met"]
-    text = invoke("scan", str(runs), "--nproc", "2")
+    text = invoke("scan", str(runs), "--readers", "2")
     assert text.returncode == 1 and "read by 2 ranks (local)" in text.stdout and "corrupt" in text.stdout
 
 
-def test_bench_verify_nproc_prints_throughput_per_rank_count(tmp_path: Path) -> None:
+def test_bench_verify_readers_prints_throughput_per_rank_count(tmp_path: Path) -> None:
     # The script as a user runs it: its own command line, and the verify commands it starts and times.
-    proc = run(str(ROOT / "scripts" / "bench_verify.py"), "--nproc", "2", "--gib", "0.02", "--repeats", "1",
+    proc = run(str(ROOT / "scripts" / "bench_verify.py"), "--readers", "2", "--gib", "0.02", "--repeats", "1",
                "--dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(proc.stdout.strip().splitlines()[-1])

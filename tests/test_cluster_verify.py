@@ -1,9 +1,9 @@
-"""``verify`` across ranks: ``--nproc 2``, torchrun and srun give the findings one process gives, each rank
+"""``verify`` across ranks: ``--readers 2``, torchrun and srun give the findings one process gives, each rank
 reads its share (the shares sum to the checkpoint's bytes, the largest within 1.2/N), and a rank that dies or
 stops is named, never a hang. Real processes and a real rendezvous store on this machine.
 
 Where what a test proves is the findings and shares (not a process's start-up, exit or signals), the one-process
-reference runs in this process, and so does rank 0 of ``--nproc 2`` (:func:`invoke`): the other rank is still a
+reference runs in this process, and so does rank 0 of ``--readers 2`` (:func:`invoke`): the other rank is still a
 real process it starts, meeting it at a real store. The launches a test is about stay real processes: torchrun,
 srun, dead or stopped ranks, a rank without rank 0, exit codes through a launcher."""
 
@@ -52,7 +52,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 def invoke(*args: str, **extra: str) -> Done:
     """``ckptverify ARGS`` in this process (the environment cleaned as :func:`_env` does, ``extra`` added). Under
-    ``--nproc N`` this process is rank 0 and hosts the store; ranks 1..N-1 are real processes it starts
+    ``--readers N`` this process is rank 0 and hosts the store; ranks 1..N-1 are real processes it starts
     (``python -m ckptverify``), as from the command line."""
     env: dict[str, str | None] = {k: None for k in os.environ if _stripped(k)}
     env.update(extra)
@@ -61,7 +61,7 @@ def invoke(*args: str, **extra: str) -> Done:
 
 def verify_json(path: Path, *extra: str, launcher: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
     """``verify PATH --json EXTRA``: under ``launcher`` (e.g. torchrun) as real processes, else in this process
-    (:func:`invoke`; ``--nproc``'s other ranks real processes)."""
+    (:func:`invoke`; ``--readers``'s other ranks real processes)."""
     if launcher:
         proc = run(*launcher, "-m", "ckptverify", "verify", str(path), "--json", *extra)
     else:
@@ -200,12 +200,12 @@ def assert_shares(data: dict[str, Any], nproc: int) -> None:
 
 
 @pytest.mark.parametrize("which", ["clean", "manifest"])
-def test_nproc_and_torchrun_equal_one_process(which: str, clean: Path, with_manifest: Path,
+def test_readers_and_torchrun_equal_one_process(which: str, clean: Path, with_manifest: Path,
                                               torchrun_reports: dict[str, tuple[int, dict[str, Any]]]) -> None:
     path = clean if which == "clean" else with_manifest
     code, one = verify_json(path)
     assert code == 0 and "ranks" not in one["stats"]
-    code2, two = verify_json(path, "--nproc", "2")
+    code2, two = verify_json(path, "--readers", "2")
     assert code2 == 0 and findings(two) == findings(one)
     assert two["stats"]["launcher"] == "local" and two["stats"]["manifest"] == (which == "manifest")
     assert_shares(two, 2)
@@ -224,7 +224,7 @@ def test_planted_faults_same_findings(kind: str, planted: dict[str, Path],
     expected = {"bit-flip": "zip-crc", "truncated": "item-bounds", "missing": "file-missing",
                 "manifest-digest": "manifest-digest", "metadata": "metadata"}[kind]
     assert any(f["check"].startswith(expected.split("-")[0]) for f in one["findings"]), findings(one)
-    code2, two = verify_json(path, "--nproc", "2")
+    code2, two = verify_json(path, "--readers", "2")
     assert code2 == 1 and findings(two) == findings(one)
     code3, tr = torchrun_verify(kind, path, torchrun_reports)
     assert code3 == 1 and findings(tr) == findings(one)  # torchrun exits 1 when rank 0 does
@@ -255,13 +255,13 @@ def test_srun_without_master_is_exit_2_saying_what_to_set(clean: Path) -> None:
     assert batch.returncode == 0 and "ranks" not in json.loads(batch.stdout)["stats"], batch.stderr[-2000:]
 
 
-def test_nproc_with_no_cluster_is_exit_2_not_one_process(clean: Path) -> None:
-    proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2", "--no-cluster", env=_env())
+def test_readers_with_no_cluster_is_exit_2_not_one_process(clean: Path) -> None:
+    proc = run("-m", "ckptverify", "verify", str(clean), "--readers", "2", "--no-cluster", env=_env())
     assert proc.returncode == 2 and "contradict" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_text_report_lists_each_rank(clean: Path) -> None:
-    proc = invoke("verify", str(clean), "--nproc", "2")
+    proc = invoke("verify", str(clean), "--readers", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "read by 2 ranks (local)" in proc.stdout
     assert "rank 0 on " in proc.stdout and "rank 1 on " in proc.stdout and "balanced" in proc.stdout
@@ -271,7 +271,7 @@ def test_text_report_lists_each_rank(clean: Path) -> None:
 def test_dead_or_stopped_rank_is_named(fault: str, clean: Path) -> None:
     import re
 
-    proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2", "--rank-timeout", "5",
+    proc = run("-m", "ckptverify", "verify", str(clean), "--readers", "2", "--rank-timeout", "5",
                env=_env(CKPTVERIFY_TEST_RANK_FAULT=f"1:{fault}"))
     assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
     assert proc.stdout == "" and "Traceback" not in proc.stderr
@@ -286,7 +286,7 @@ def test_dead_or_stopped_rank_is_named(fault: str, clean: Path) -> None:
 
 
 def test_dead_rank_as_json(clean: Path) -> None:
-    proc = run("-m", "ckptverify", "verify", str(clean), "--nproc", "2", "--rank-timeout", "5", "--json",
+    proc = run("-m", "ckptverify", "verify", str(clean), "--readers", "2", "--rank-timeout", "5", "--json",
                env=_env(CKPTVERIFY_TEST_RANK_FAULT="1:kill"))
     assert proc.returncode == 2
     data = json.loads(proc.stdout)
@@ -316,7 +316,7 @@ def test_balance_says_why_not() -> None:
 
 def test_deep_and_single_file_under_ranks(with_manifest: Path, tmp_path: Path) -> None:
     _, one = verify_json(with_manifest, "--deep")
-    code, two = verify_json(with_manifest, "--deep", "--nproc", "2")
+    code, two = verify_json(with_manifest, "--deep", "--readers", "2")
     assert code == 0 and findings(two) == findings(one) and two["coverage"] == one["coverage"]
     assert "a second time" in two["stats"]["ranks_note"]
     # The tensors are rebuilt on both ranks: each read its share of the blocks and of the tensors.
@@ -325,13 +325,13 @@ def test_deep_and_single_file_under_ranks(with_manifest: Path, tmp_path: Path) -
     assert max(r["bytes_read"] for r in ranks) <= 0.6 * sum(r["bytes_read"] for r in ranks)
     flipped = _planted("manifest-digest", with_manifest, with_manifest, tmp_path / "flipped")
     _, one = verify_json(flipped, "--deep")
-    code, two = verify_json(flipped, "--deep", "--nproc", "2")
+    code, two = verify_json(flipped, "--deep", "--readers", "2")
     assert code == 1 and findings(two) == findings(one)
     assert any(f["check"] == "fingerprint" for f in two["findings"]), findings(two)
     single = tmp_path / "model.pt"
     torch.save({"w": torch.arange(1000.0)}, single)
     _, alone = verify_json(single)
-    code, ranked = verify_json(single, "--nproc", "2")
+    code, ranked = verify_json(single, "--readers", "2")
     assert code == 0 and findings(ranked) == findings(alone)
     assert ranked["stats"]["ranks"][1]["bytes_read"] == 0
     assert ranked["stats"]["balance"]["why_not"].startswith("nothing was shared out")
@@ -397,7 +397,7 @@ def test_small_items_are_rank_0s_and_the_report_says_so(tmp_path: Path) -> None:
     dcp.save({f"b{i}": torch.full((64,), float(i)) for i in range(20)},
              storage_writer=dcp.FileSystemWriter(str(path), thread_count=2))
     _, one = verify_json(path)
-    code, two = verify_json(path, "--nproc", "2")
+    code, two = verify_json(path, "--readers", "2")
     assert code == 0 and findings(two) == findings(one)
     ranks = two["stats"]["ranks"]
     assert sum(r["bytes_read"] for r in ranks) == two["stats"]["bytes"] and ranks[1]["bytes_read"] == 0

@@ -1,4 +1,4 @@
-"""``verify --nproc N`` when a rank dies or fails in the middle of reading its share: the command ends with exit 2
+"""``verify --readers N`` when a rank dies or fails in the middle of reading its share: the command ends with exit 2
 and one line naming the rank and saying the verification is incomplete; never a pass, never a hang, and no rank
 outlives it."""
 
@@ -32,7 +32,7 @@ def _env(fault: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Large enough that each rank reads several units: rank 1 is stopped with part of its share unread."""
-    path = tmp_path_factory.mktemp("nproc") / "ckpt"
+    path = tmp_path_factory.mktemp("readers") / "ckpt"
     g = torch.Generator().manual_seed(0)
     state = {f"layers.{i}.weight": torch.randn(512 * 1024 + 37 * i, generator=g) for i in range(12)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), thread_count=4))
@@ -40,7 +40,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _verify(path: Path, fault: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptverify", "verify", str(path), "--nproc", "2", "--jobs", "1",
+    return subprocess.run([sys.executable, "-m", "ckptverify", "verify", str(path), "--readers", "2", "--jobs", "1",
                            "--rank-timeout", "60", *extra], capture_output=True, text=True, timeout=TIMEOUT,
                           cwd=ROOT, env=_env(fault))
 

@@ -8,7 +8,7 @@ judges them exactly as one process does, so its one report holds the same findin
 rank read (``stats.ranks``).
 
 The ranks meet through torch.distributed's rendezvous store (``env://``: torchrun's agent store, or one
-rank 0 hosts under Slurm's ``srun`` and ``--nproc``), and talk through it (:mod:`.group`): each rank beats
+rank 0 hosts under Slurm's ``srun`` and ``--readers``), and talk through it (:mod:`.group`): each rank beats
 a heartbeat there, so a rank that dies or stops answering is named, with its host, within the timeout,
 where a collective would only hang or fail without saying which peer it waited for.
 

@@ -9,7 +9,7 @@ Three launchers are recognised:
   from ``SLURM_PROCID``, the world from the step's task count, the ranks on this node from
   ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_NTASKS_PER_NODE``; ``MASTER_ADDR`` and ``MASTER_PORT`` must be set by
   the job script (rank 0's host and a free port);
-- ``ckptverify ... --nproc N`` (``CKPTVERIFY_CLUSTER=local``): the ranks it started itself.
+- ``ckptverify ... --readers N`` (``CKPTVERIFY_CLUSTER=local``): the ranks it started itself.
 
 A world of one is no cluster: the command runs as it always did. ``--no-cluster`` (or
 ``CKPTVERIFY_CLUSTER=off``) runs one process whatever the environment says, e.g. a ``verify`` started by one

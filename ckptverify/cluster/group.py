@@ -5,7 +5,7 @@ pid, command), rank 0's rounds of work and each rank's reply. Each rank also bea
 counter bumped every second by a thread of its own, on a connection of its own). Whoever waits for another
 rank watches its heartbeat: a rank whose heartbeat has not moved for the timeout (stopped, hung, or dead
 without a launcher to tell) is named with its host, and the command fails (exit 2) instead of hanging. A
-launcher that knows more (``--nproc``: the exit code or signal of each rank it started) says so first.
+launcher that knows more (``--readers``: the exit code or signal of each rank it started) says so first.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``--nproc N``: the ranks of one command on this machine, started by the command itself.
+"""``--readers N``: the ranks of one command on this machine, started by the command itself.
 
 This process is rank 0 and hosts the rendezvous store (on a free port of 127.0.0.1); ranks 1..N-1 are the
 same command started again (``python -m ckptverify COMMAND PATH ...``) with the variables a launcher sets.

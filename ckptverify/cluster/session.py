@@ -32,24 +32,24 @@ DEFAULT_RANK_TIMEOUT = 120.0
 FAULT_ENV = "CKPTVERIFY_TEST_RANK_FAULT"
 
 
-def open_session(command: str, path: str, *, nproc: int | None, rank_timeout: float, jobs: int | None,
+def open_session(command: str, path: str, *, readers: int | None, rank_timeout: float, jobs: int | None,
                  child_options: dict[str, Any]) -> Session | None:
-    """The session this process takes part in, or ``None`` to run alone. ``nproc``: start that many ranks
+    """The session this process takes part in, or ``None`` to run alone. ``readers``: start that many ranks
     here (this process is rank 0); otherwise the launcher's environment (:func:`~.env.detect`) decides.
-    ``child_options``: the options ranks 1..N-1 are started with under ``nproc``."""
+    ``child_options``: the options ranks 1..N-1 are started with under ``readers``."""
     env = detect()
-    if nproc is not None and nproc > 1:
+    if readers is not None and readers > 1:
         if env is not None:
-            raise UsageError(f"--nproc starts the ranks itself, but this process is already rank {env.rank} of "
-                             f"{env.world_size} under {env.launcher}: leave --nproc out")
+            raise UsageError(f"--readers starts the ranks itself, but this process is already rank {env.rank} of "
+                             f"{env.world_size} under {env.launcher}: leave --readers out")
         from ckptverify.cluster.launch import LocalRanks, child_argv
 
-        per_rank = jobs or cores_per_rank(nproc)
-        ranks = LocalRanks(nproc, child_argv(command, path, {**child_options, "jobs": per_rank,
-                                                             "rank-timeout": rank_timeout}), rank_timeout)
+        per_rank = jobs or cores_per_rank(readers)
+        ranks = LocalRanks(readers, child_argv(command, path, {**child_options, "jobs": per_rank,
+                                                               "rank-timeout": rank_timeout}), rank_timeout)
         try:
-            beat = connect("127.0.0.1", ranks.port, nproc, rank_timeout, server=False)
-            group = Group(ranks.store, beat, 0, nproc, rank_timeout, _namespace(), liveness=ranks.liveness)
+            beat = connect("127.0.0.1", ranks.port, readers, rank_timeout, server=False)
+            group = Group(ranks.store, beat, 0, readers, rank_timeout, _namespace(), liveness=ranks.liveness)
             session = Session(group, path, per_rank, "local", ranks)
             group.start(command, path)
         except BaseException:
@@ -63,7 +63,7 @@ def open_session(command: str, path: str, *, nproc: int | None, rank_timeout: fl
 
 def _join(env: ClusterEnv, command: str, path: str, timeout: float, jobs: int | None) -> Session:
     # Under torchrun the agent hosts the store at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE);
-    # under srun and --nproc's children, rank 0 hosts it.
+    # under srun and --readers's children, rank 0 hosts it.
     agent = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     server = connect(env.master_addr, env.master_port, env.world_size, timeout,
                      server=True) if env.rank == 0 and not agent and env.launcher != "local" else None
