@@ -10,7 +10,7 @@ manifest; then its stamp is written
 (:class:`~ckptverify.ownfiles.events.EventLog`). Every result is a
 :class:`~ckptverify.verifier.verification.Verification` (``ckptverify.Verification``, the type a save with
 ``verify=`` gives too; the check itself is :func:`~ckptverify.verifier.saved.check_saved`). A failure is a
-:class:`CheckpointVerificationWarning` and a ``checkpoint-failed`` event, and with ``on_failure="raise"`` a
+:class:`VerifyFailedWarning` and a ``checkpoint-failed`` event, and with ``on_failure="raise"`` a
 :class:`~ckptverify.errors.CheckpointRefusedError` on every rank.
 
 Before a load (:meth:`Verifier.before_resume`): the checkpoint is verified (read only: nothing is written into
@@ -31,7 +31,7 @@ checkpoint to the process's background verifier (:mod:`ckptverify.verifier.backg
 idle CPU priority) and the save returns at once, with a *pending* verdict. The verifier process runs the same
 check as inline (its ``check-saved`` job, :func:`check_saved`: fingerprinted when needed, verified, stamped),
 and the same event is
-appended when it finishes, with the same fields; a failure is then a :class:`CheckpointVerificationWarning` (on
+appended when it finishes, with the same fields; a failure is then a :class:`VerifyFailedWarning` (on
 the coordinator, from the verifier's thread), and with ``on_failure="raise"`` a
 :class:`~ckptverify.errors.CheckpointRefusedError` raised by the next :meth:`Verifier.after_save` (or
 :meth:`Verifier.wait`) on every rank together. :meth:`Verifier.wait` (the integrations call it at the end of
@@ -56,10 +56,9 @@ from typing import Any, Literal
 
 from ckptverify.errors import (
     CheckpointRefusedError,
-    CheckpointVerificationWarning,
-    CkptVerifyRuntimeWarning,
     CkptVerifyWarning,
     UsageError,
+    VerifyFailedWarning,
 )
 from ckptverify.findings import Report
 from ckptverify.options import (
@@ -79,9 +78,22 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, unverified
 
-__all__ = ["ON_FAILURE", "WHEN", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions",
-           "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_gather",
-           "torch_group"]
+__all__ = [
+    "ON_FAILURE",
+    "WHEN",
+    "Group",
+    "Verdict",
+    "Verifier",
+    "VerifyFailedWarning",
+    "VerifyOptions",
+    "check_saved",
+    "integration_verify",
+    "numbered_folders",
+    "plain_folder",
+    "settle_verdicts",
+    "torch_gather",
+    "torch_group",
+]
 
 OnFailure = Literal["warn", "raise"]
 ON_FAILURE: tuple[str, ...] = FAILURE_POLICIES
@@ -265,7 +277,7 @@ class Verifier:
             if self.on_failure == "raise":
                 raise CheckpointRefusedError(f"checkpoint saved at {verdict.message}", verdict.report)
             if group.coordinator:
-                warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=3)
+                warnings.warn(verdict.message, VerifyFailedWarning, stacklevel=3)
         return verdict
 
     def wait(self, *, group: Group = Group(), timeout: float | None = None) -> list[Verification]:
@@ -355,7 +367,7 @@ class Verifier:
             self._emit(root, f"{event}-verified" if verdict.passed else f"{event}-refused", verdict, group.rank)
         verdict = self._agree(verdict, group)
         if warn and not verdict.passed and group.coordinator:
-            warnings.warn(f"{event}: {verdict.message}", CheckpointVerificationWarning, stacklevel=3)
+            warnings.warn(f"{event}: {verdict.message}", VerifyFailedWarning, stacklevel=3)
         return verdict
 
     # -- coordinator side
@@ -400,7 +412,7 @@ class Verifier:
             write_plan(os.path.abspath(root), plan)
         except OSError as exc:
             warnings.warn(f"{root}: the verification cannot be shared out among nodes ({type(exc).__name__}: "
-                          f"{exc}); rank 0 verifies it whole", CkptVerifyRuntimeWarning, stacklevel=3)
+                          f"{exc}); rank 0 verifies it whole", CkptVerifyWarning, stacklevel=3)
             return False
         return True
 
@@ -478,7 +490,7 @@ class Verifier:
             if failed and self.on_failure == "raise":
                 self._unraised.append(verdict)
         if failed:
-            warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=2)
+            warnings.warn(verdict.message, VerifyFailedWarning, stacklevel=2)
 
     def _cut_short_one(self, root: str, step: int | None, folder: str, why: str) -> None:
         """The process's background verifier gave up waiting for ``root`` (at interpreter exit)."""
@@ -524,7 +536,7 @@ class Verifier:
             EventLog(folder, rank=rank).emit(event, **verdict.to_dict(), **extra)
         except OSError as exc:  # the log is a record; an unwritable one must not stop training
             warnings.warn(f"ckptverify could not append to {folder}/events.jsonl: {exc}",
-                          CheckpointVerificationWarning, stacklevel=4)
+                          VerifyFailedWarning, stacklevel=4)
 
     @staticmethod
     def _agree(verdict: Verification | None, group: Group) -> Verification:
@@ -590,9 +602,9 @@ def _cut(path: str, step: int | None, why: str) -> Verification:
 
 
 def _incomplete_warning() -> type[Warning]:
-    from ckptverify.verifier.background import VerifyIncompleteWarning
+    from ckptverify.errors import CkptVerifyWarning
 
-    return VerifyIncompleteWarning
+    return CkptVerifyWarning
 
 
 def _await_background(root: str) -> None:
