@@ -183,11 +183,6 @@ class NotRegularFileError(CkptVerifyError, OSError):
     file copes with this one too."""
 
 
-class MoveAsideError(CkptVerifyError, OSError):
-    """A checkpoint could not be moved aside into its run directory's ``quarantine/`` (a link or a file at that
-    name, another file system, no permission): nothing was moved (exit 2). A checkpoint is only ever renamed into
-    the quarantine, never copied and deleted."""
-
 
 class StorageError(_FileError):
     """An object store (or remote file system) did not serve a read or a listing after every retry (throttled
@@ -252,8 +247,6 @@ class WorkloadCrashedError(CkptVerifyError):
 class ResumeRefusedError(UsageError):
     """The production job will not start: ``resume=`` forbids what the run directory holds (checkpoints that all
     fail, nothing to resume from, or good checkpoints that ``resume="never"`` would bury). Nothing was changed."""
-
-    exit_code = 2
 
 
 class ReplicaMismatchError(CkptVerifyError):
