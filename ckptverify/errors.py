@@ -5,11 +5,25 @@ exception. Exceptions are reserved for situations where no conclusion can be dra
 that does not exist, an environment that cannot run the check. Every error knows its exit code, so front
 ends catch :class:`CkptVerifyError` once at the boundary.
 
-Every exception ckptverify defines descends from :class:`CkptVerifyError`, and every warning it issues from
-:class:`CkptVerifyWarning`. The errors a reader or a check raises inside ckptverify and turns into a finding
-(a malformed manifest, pickle, archive, blob; an item that failed its proof) descend from :class:`FindingError`.
-Each class keeps the standard base it had (``ValueError``, ``OSError``, ``pickle.UnpicklingError``, ...), so
-code that catches those still catches it, and each is importable from the module that raises it as well.
+A class exists only where some caller tells it apart from its parent (an exit code, an ``except``, an
+attribute); anything else is raised as its parent, and the message says what happened. The tree:
+
+- :class:`CkptVerifyError` (exit 2, could not run; raised as itself too) and :class:`UsageError` (bad
+  arguments; under it :class:`TraceHeaderMismatchError`, :class:`TargetError`, :class:`ResumeRefusedError`).
+- Exit 1, a checkpoint failed: :class:`CheckpointRefusedError` (``report``; :class:`ProofFailedError`,
+  ``info``), :class:`VerifyFailedError` (``verification``), :class:`ReplicaMismatchError` (``mismatch``).
+- Files: :class:`CheckpointNotFoundError`, :class:`UnsafeFileError`, :class:`FileChangedError`,
+  :class:`StorageError` (``path``), :class:`NotRegularFileError`, :class:`TruncatedRangeError`.
+- Runs: :class:`SaveFailedError` (``failures``), :class:`WorkloadCrashedError` (``traceback_text``),
+  :class:`ClusterError`, :class:`PartsOverlapError`.
+- :class:`FindingError`: raised by a reader and turned into a finding, never meant to reach a user
+  (:class:`JSONError`, :class:`BadPickle`, :class:`UnsafeGlobal`, :class:`ArchiveError`,
+  :class:`TransformError`, :class:`ItemProofError`, :class:`ManifestError`).
+- Warnings: :class:`CkptVerifyWarning` (issued as itself too), :class:`VerifyFailedWarning`,
+  :class:`ReplicaMismatchWarning`.
+
+Several are also a standard exception (``ValueError``, ``OSError``, ``EOFError``, ``pickle.UnpicklingError``),
+so code that catches those catches them too.
 """
 
 from __future__ import annotations
