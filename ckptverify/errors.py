@@ -15,7 +15,7 @@ attribute); anything else is raised as its parent, and the message says what hap
 - Files: :class:`CheckpointNotFoundError`, :class:`UnsafeFileError`, :class:`FileChangedError`,
   :class:`StorageError` (``path``), :class:`NotRegularFileError`, :class:`TruncatedRangeError`.
 - Runs: :class:`SaveFailedError` (``failures``), :class:`WorkloadCrashedError` (``traceback_text``),
-  :class:`ClusterError`, :class:`PartsOverlapError`.
+  :class:`PartsOverlapError`.
 - :class:`FindingError`: raised by a reader and turned into a finding, never meant to reach a user
   (:class:`JSONError`, :class:`BadPickle`, :class:`UnsafeGlobal`, :class:`ArchiveError`,
   :class:`TransformError`, :class:`ItemProofError`, :class:`ManifestError`).
@@ -203,10 +203,6 @@ class StorageError(_FileError):
     too long, unreachable, access denied): nothing can be said about the checkpoint, so the command could not
     run (exit 2), naming the object. Never turned into a finding about the checkpoint."""
 
-
-class ClusterError(CkptVerifyError):
-    """The ranks of a command run across ranks (:mod:`ckptverify.cluster`) could not meet, or one stopped
-    answering: the command could not run (exit 2). The message names the rank, its host, and what happened."""
 
 
 class PartsOverlapError(CkptVerifyError, ValueError):
