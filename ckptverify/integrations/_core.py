@@ -431,7 +431,7 @@ class Verifier:
         def done(result: Any, why: str | None) -> None:
             if result is None or not result.get("written"):
                 warnings.warn(f"node {node}'s part of the verification of {root} was not verified: "
-                              f"{why if result is None else result.get('why')}", _incomplete_warning(), stacklevel=2)
+                              f"{why if result is None else result.get('why')}", CkptVerifyWarning, stacklevel=2)
 
         default_verifier().submit(where, step=step, task=Task(job=VERIFY_PART, args={"root": where, "node": node},
                                                               done=done, locked=False))
@@ -496,13 +496,13 @@ class Verifier:
         """The process's background verifier gave up waiting for ``root`` (at interpreter exit)."""
         self._emit_in(folder, "checkpoint-cut-short", _cut(root, step, why), 0)
         warnings.warn(f"{root}: {why}; it carries no stamp and is verified when a resume picks it",
-                      _incomplete_warning(), stacklevel=2)
+                      CkptVerifyWarning, stacklevel=2)
 
     def _cut_short(self, left: list[str], why: str) -> None:
         for where in left:
             self._emit_in(self._events_folder(where), "checkpoint-cut-short", _cut(where, None, why), 0)
         warnings.warn(f"{len(left)} checkpoint verification(s) cut short, {why}: {', '.join(left)}; they carry no "
-                      "stamp and are verified when a resume picks them", _incomplete_warning(), stacklevel=3)
+                      "stamp and are verified when a resume picks them", CkptVerifyWarning, stacklevel=3)
 
     def _take_unraised(self) -> Verification | None:
         with self._lock:
@@ -599,12 +599,6 @@ def settle_verdicts(verdicts: list[Verification], arrived: list[Verification]) -
 
 def _cut(path: str, step: int | None, why: str) -> Verification:
     return unverified(path, step, "cut-short", why, message=f"{path} was not verified: {why}")
-
-
-def _incomplete_warning() -> type[Warning]:
-    from ckptverify.errors import CkptVerifyWarning
-
-    return CkptVerifyWarning
 
 
 def _await_background(root: str) -> None:
