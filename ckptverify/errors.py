@@ -5,11 +5,25 @@ exception. Exceptions are reserved for situations where no conclusion can be dra
 that does not exist, an environment that cannot run the check. Every error knows its exit code, so front
 ends catch :class:`CkptVerifyError` once at the boundary.
 
-Every exception ckptverify defines descends from :class:`CkptVerifyError`, and every warning it issues from
-:class:`CkptVerifyWarning`. The errors a reader or a check raises inside ckptverify and turns into a finding
-(a malformed manifest, pickle, archive, blob; an item that failed its proof) descend from :class:`FindingError`.
-Each class keeps the standard base it had (``ValueError``, ``OSError``, ``pickle.UnpicklingError``, ...), so
-code that catches those still catches it, and each is importable from the module that raises it as well.
+A class exists only where some caller tells it apart from its parent (an exit code, an ``except``, an
+attribute); anything else is raised as its parent, and the message says what happened. The tree:
+
+- :class:`CkptVerifyError` (exit 2, could not run; raised as itself too) and :class:`UsageError` (bad
+  arguments; under it :class:`TraceHeaderMismatchError`, :class:`TargetError`, :class:`ResumeRefusedError`).
+- Exit 1, a checkpoint failed: :class:`CheckpointRefusedError` (``report``; :class:`ProofFailedError`,
+  ``info``), :class:`VerifyFailedError` (``verification``), :class:`ReplicaMismatchError` (``mismatch``).
+- Files: :class:`CheckpointNotFoundError`, :class:`UnsafeFileError`, :class:`FileChangedError`,
+  :class:`StorageError` (``path``), :class:`NotRegularFileError`, :class:`TruncatedRangeError`.
+- Runs: :class:`SaveFailedError` (``failures``), :class:`WorkloadCrashedError` (``traceback_text``),
+  :class:`PartsOverlapError`.
+- :class:`FindingError`: raised by a reader and turned into a finding, never meant to reach a user
+  (:class:`JSONError`, :class:`BadPickle`, :class:`UnsafeGlobal`, :class:`ArchiveError`,
+  :class:`TransformError`, :class:`ItemProofError`, :class:`ManifestError`).
+- Warnings: :class:`CkptVerifyWarning` (issued as itself too), :class:`VerifyFailedWarning`,
+  :class:`ReplicaMismatchWarning`.
+
+Several are also a standard exception (``ValueError``, ``OSError``, ``EOFError``, ``pickle.UnpicklingError``),
+so code that catches those catches them too.
 """
 
 from __future__ import annotations
@@ -34,10 +48,6 @@ class CheckpointNotFoundError(CkptVerifyError, FileNotFoundError):
     """The checkpoint path does not exist or is not a directory."""
 
 
-class ManifestExistsError(CkptVerifyError, FileExistsError):
-    """A manifest is already present and overwriting it was not requested."""
-
-
 class _FileError(CkptVerifyError, OSError):
     """An error about one file; ``path`` is that file's path."""
 
@@ -60,7 +70,8 @@ class FileChangedError(_FileError):
 
 
 class CheckpointRefusedError(CkptVerifyError):
-    """A checkpoint failed verification and the caller asked for it to be refused.
+    """A checkpoint failed verification and the caller asked for it to be refused, or its metadata is what the
+    safe reader refuses (hostile, malformed, or a second entry point) when DCP asks for it.
 
     Carries the report whose findings explain the refusal.
     """
@@ -81,12 +92,9 @@ class ProofFailedError(CheckpointRefusedError):
         self.info = dict(info or {})
 
 
-class UnsafeMetadataError(CheckpointRefusedError):
-    """DCP asked for metadata the safe reader refuses (hostile, malformed, or a second entry point)."""
-
-
 class SaveFailedError(CkptVerifyError):
-    """A save did not commit (some rank failed while planning, writing or committing).
+    """A save did not commit (some rank failed while planning, writing or committing), or another save into the
+    same directory is in progress and this one wrote nothing (the message says so).
 
     The directory holds no committed checkpoint of this save: if the save got as far as marking it, it is
     marked as not committed and ``verify``/``load`` refuse it. ``failures`` maps each failed rank to its
@@ -96,17 +104,6 @@ class SaveFailedError(CkptVerifyError):
     def __init__(self, message: str, failures: dict[int, BaseException] | None = None) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
-
-
-class SaveConflictError(SaveFailedError):
-    """Another save into the same directory is in progress; this one wrote nothing."""
-
-
-class LoadFailedError(CkptVerifyError):
-    """A checkpoint could not be loaded into the given state (DCP failed, or a saved field does not fit).
-
-    Raised only before anything was changed: the state is exactly what it was before the call.
-    """
 
 
 class VerifyFailedError(CkptVerifyError):
@@ -128,11 +125,6 @@ class FindingError(CkptVerifyError):
     what the input is, not that the tool could not run. Never meant to reach a user as itself."""
 
 
-class OpcodeRefusal(FindingError):
-    """A pickle's opcodes break a bound of the safe unpicklers (memo, nesting); raised inside
-    :mod:`ckptverify.safeparse.unpickler` and re-raised as the configuration's own error."""
-
-
 def reported_as_itself(exc: BaseException) -> bool:
     """Whether ``exc`` is a ckptverify error meant for the caller as it is (every :class:`CkptVerifyError` but a
     :class:`FindingError`): code that wraps what it does not expect passes these through unchanged."""
@@ -146,16 +138,10 @@ class JSONError(FindingError, ValueError):
     """The bytes are not JSON this tool accepts (malformed, too large, too deep, non-finite, repeated keys)."""
 
 
-class PickleScanError(FindingError):
-    """The pickle is malformed, too large, or builds more than the budget allows."""
-
-
 class BadPickle(FindingError):
-    """The pickle does something real unpickling would fail on, or DCP never writes."""
-
-
-class BudgetExceeded(BadPickle):
-    """The pickle asks for more work than its size justifies (a memoized "billion laughs")."""
+    """A pickle (DCP metadata, a ``torch.save`` data.pkl) is refused: malformed, larger or nested deeper than
+    the safe unpicklers allow, asking for more work than its size justifies (a memoized "billion laughs"), or
+    not the structure its writer makes. The message says which."""
 
 
 class UnsafeGlobal(FindingError, pickle.UnpicklingError):
@@ -167,28 +153,13 @@ class UnsafeGlobal(FindingError, pickle.UnpicklingError):
 
 
 class ArchiveError(FindingError):
-    """The item is not a well-formed torch.save archive. ``start``/``end`` locate the bad bytes."""
+    """The bytes are not a well-formed container (a ``torch.save`` archive, a safetensors blob); the message
+    says which. ``start``/``end`` locate the bad bytes when known."""
 
     def __init__(self, message: str, start: int | None = None, end: int | None = None) -> None:
         super().__init__(message)
         self.start = start
         self.end = end
-
-
-class BadMetadata(FindingError):
-    """The metadata parsed as a pickle but does not have the structure DCP writes."""
-
-
-class BlobError(FindingError):
-    """The blob is malformed. ``start``/``end`` locate the bad bytes in the file."""
-
-    def __init__(self, message: str, start: int, end: int) -> None:
-        super().__init__(message)
-        self.start, self.end = start, end
-
-
-class UnreadableTensor(FindingError):
-    """The item's payload cannot be turned into a tensor (exotic dtype or layout)."""
 
 
 class TransformError(FindingError, ValueError):
@@ -197,10 +168,6 @@ class TransformError(FindingError, ValueError):
     def __init__(self, message: str, *, unavailable: bool = False) -> None:
         super().__init__(message)
         self.unavailable = unavailable
-
-
-class UnsafeValueError(FindingError, pickle.UnpicklingError):
-    """A non-tensor value in the checkpoint is not plain data; it was not loaded."""
 
 
 class ItemProofError(FindingError):
@@ -230,21 +197,12 @@ class NotRegularFileError(CkptVerifyError, OSError):
     file copes with this one too."""
 
 
-class MoveAsideError(CkptVerifyError, OSError):
-    """A checkpoint could not be moved aside into its run directory's ``quarantine/`` (a link or a file at that
-    name, another file system, no permission): nothing was moved (exit 2). A checkpoint is only ever renamed into
-    the quarantine, never copied and deleted."""
-
 
 class StorageError(_FileError):
     """An object store (or remote file system) did not serve a read or a listing after every retry (throttled
     too long, unreachable, access denied): nothing can be said about the checkpoint, so the command could not
     run (exit 2), naming the object. Never turned into a finding about the checkpoint."""
 
-
-class ClusterError(CkptVerifyError):
-    """The ranks of a command run across ranks (:mod:`ckptverify.cluster`) could not meet, or one stopped
-    answering: the command could not run (exit 2). The message names the rank, its host, and what happened."""
 
 
 class PartsOverlapError(CkptVerifyError, ValueError):
@@ -267,37 +225,7 @@ class TruncatedRangeError(CkptVerifyError, EOFError):
         self.available = available
 
 
-class WalkIncompleteError(CkptVerifyError):
-    """The walk of a run directory did not see all of it, and the caller must not act on a partial view
-    (retention cannot know what is newest). ``notes`` say what was not seen."""
-
-    def __init__(self, message: str, notes: list[Any]) -> None:
-        super().__init__(message)
-        self.notes = list(notes)
-
-
 # ------------------------------------------------------------------ training state, traces, runs
-
-
-class WorldSizeChangedError(UsageError):
-    """RNG state saved by one world size cannot be restored exactly by another.
-
-    Each rank owns its own random streams; with a different number of ranks there is no exact mapping from
-    saved streams to new ranks. Pass ``allow_reseed=True`` to :class:`~ckptverify.state.rng.RngState` to re-seed
-    instead (the resumed run is then not bitwise identical to an uninterrupted one).
-    """
-
-
-class CannotReshardError(UsageError):
-    """A sampler position cannot be carried to a different number of replicas without skipping or repeating."""
-
-
-class TraceNotFoundError(CkptVerifyError, FileNotFoundError):
-    """The trace store does not exist."""
-
-
-class TraceFormatError(CkptVerifyError):
-    """The path is not a readable trace store (wrong schema, newer version, damaged metadata)."""
 
 
 class TraceHeaderMismatchError(UsageError):
@@ -310,29 +238,6 @@ class TraceHeaderMismatchError(UsageError):
         detail = "; ".join(f"{name}: {da.get(name)!r} vs {db.get(name)!r}" for name in fields)
         super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}")
         self.fields = tuple(fields)
-
-
-class TraceEncodingMismatchError(UsageError):
-    """Two traces digest their tensors differently (header ``digest_encoding``: bytes on the host, the logical
-    fingerprint on an accelerator): every tensor site would differ from the first step on, which says nothing
-    about the runs. Refused even when other header differences are allowed (exit 2); the message says what
-    differs, each caller what to do."""
-
-    def __init__(self, a: Any, b: Any) -> None:
-        ea, eb = a.header.digest_encoding, b.header.digest_encoding
-        super().__init__(
-            f"the traces digest tensors differently ({a.path}: {_ENCODING_WORDS.get(ea, ea)}; {b.path}: "
-            f"{_ENCODING_WORDS.get(eb, eb)}), so every tensor site would differ and no step can be compared; "
-            "record both on the same kind of device")
-        self.encodings = (ea, eb)
-
-
-_ENCODING_WORDS = {
-    "host": "digest_encoding 'host', xxh3 of the bytes of tensors in host memory",
-    "device": "digest_encoding 'device', logical fingerprints computed on an accelerator",
-    "host-as-device": "digest_encoding 'host-as-device', host tensors sent down the accelerator path "
-                      "(CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)",
-}
 
 
 class TargetError(UsageError):
@@ -353,8 +258,6 @@ class ResumeRefusedError(UsageError):
     """The production job will not start: ``resume=`` forbids what the run directory holds (checkpoints that all
     fail, nothing to resume from, or good checkpoints that ``resume="never"`` would bury). Nothing was changed."""
 
-    exit_code = 2
-
 
 class ReplicaMismatchError(CkptVerifyError):
     """Replicas that must be identical differ (``on_mismatch="raise"``): a hardware fault is likely.
@@ -372,29 +275,18 @@ class ReplicaMismatchError(CkptVerifyError):
 
 class CkptVerifyWarning(UserWarning):
     """Root of every warning ckptverify issues: ``warnings.filterwarnings("error", category=CkptVerifyWarning)``
-    turns them all into errors."""
+    turns them all into errors. Issued as itself for what is neither a failed verification nor a replica
+    mismatch: a checkpoint left without a verdict (the job ended first, or its files changed while verified), or
+    something around a check that went wrong and was passed over (an event not appended, a callback raised)."""
 
 
 class CkptVerifyDeprecationWarning(CkptVerifyWarning, DeprecationWarning):
     """A keyword, option or name that still works for one release; the message names what replaces it."""
 
 
-class CkptVerifyRuntimeWarning(CkptVerifyWarning, RuntimeWarning):
-    """Something around a check went wrong and was passed over (an event could not be appended, a callback
-    raised, a setting was not understood); the check itself is unaffected."""
-
-
 class VerifyFailedWarning(CkptVerifyWarning):
-    """A checkpoint failed its verification after it was saved."""
-
-
-class VerifyIncompleteWarning(CkptVerifyWarning):
-    """A committed checkpoint was left without a verdict: the job ended before it was verified, or its files
-    changed (or vanished) while it was verified."""
-
-
-class CheckpointVerificationWarning(CkptVerifyWarning):
-    """A checkpoint a framework saved (or was asked to load) failed verification."""
+    """A checkpoint failed its verification after it was saved (by ``save``, ``Run`` or a framework
+    integration), or one a framework was asked to load failed it."""
 
 
 class ReplicaMismatchWarning(CkptVerifyWarning):

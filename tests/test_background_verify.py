@@ -22,12 +22,12 @@ from helpers import faults as inj
 from helpers.multiproc import spawn_ranks
 
 import ckptverify as cv
-from ckptverify.errors import CheckpointRefusedError, UsageError, VerifyFailedError
+from ckptverify.errors import CheckpointRefusedError, CkptVerifyWarning, UsageError, VerifyFailedError
 from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.prune import prune
 from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp
 from ckptverify.verifier import background
-from ckptverify.verifier.background import BackgroundVerifier, VerifyFailedWarning, VerifyIncompleteWarning
+from ckptverify.verifier.background import BackgroundVerifier, VerifyFailedWarning
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -182,7 +182,7 @@ def test_a_verifier_process_that_dies_leaves_that_checkpoint_unverified_and_the_
             threading.Timer(1.0, proc.kill).start()
 
     verifier.before_verify = kill
-    with pytest.warns(VerifyIncompleteWarning,
+    with pytest.warns(CkptVerifyWarning,
                       match="step_2.*verifier process (ended without an answer|failed: BrokenPipeError)"):
         cv.save(_state(2.0), tmp_path / "step_2", verify="background", events=tmp_path)
         assert cv.wait_for_verifications(timeout=60)
@@ -206,7 +206,7 @@ def test_a_too_short_wait_says_it_cut_one_short(tmp_path: Path, verifier: Backgr
     gate = threading.Event()
     verifier.before_verify = lambda p: gate.wait(30) and None
     cv.save(_state(1.0), tmp_path / "step_1", verify="background", events=tmp_path)
-    with pytest.warns(VerifyIncompleteWarning, match=r"1 checkpoint verification\(s\) not finished.*step_1"):
+    with pytest.warns(CkptVerifyWarning, match=r"1 checkpoint verification\(s\) not finished.*step_1"):
         assert cv.wait_for_verifications(timeout=0.2) is False
     cut = list(read_events(tmp_path, "checkpoint-cut-short"))
     assert [(e["step"], e["verdict"]) for e in cut] == [(1, "unverified")]
@@ -280,7 +280,7 @@ def test_a_job_that_ends_waits_and_every_checkpoint_carries_a_stamp(tmp_path: Pa
 def test_a_job_whose_exit_wait_is_too_short_says_which_it_cut_short(tmp_path: Path) -> None:
     done = _job(tmp_path, HOLD="5", RELEASE="0", CKPTVERIFY_VERIFY_EXIT_TIMEOUT="0.5")
     assert done.returncode == 0, done.stderr
-    assert "VerifyIncompleteWarning" in done.stderr and "not finished after waiting 0.5 s" in done.stderr
+    assert "CkptVerifyWarning" in done.stderr and "not finished after waiting 0.5 s" in done.stderr
     cut = {e["step"] for e in read_events(tmp_path, "checkpoint-cut-short")}
     assert cut == {1, 2, 3} and not list(read_events(tmp_path, "checkpoint-verified"))
     assert not any((tmp_path / f"step_{s}" / STAMP_FILE).exists() for s in (1, 2, 3))
@@ -296,7 +296,7 @@ def test_a_close_that_cuts_a_verification_short_ends_the_verifier_process(tmp_pa
         time.sleep(0.05)
     proc = slow._child._proc
     assert proc is not None
-    with pytest.warns(VerifyIncompleteWarning) as said:
+    with pytest.warns(CkptVerifyWarning) as said:
         assert slow.close(timeout=0.5) is False
         slow._thread.join(30)
     assert proc.poll() is not None  # ended with the job, not left behind

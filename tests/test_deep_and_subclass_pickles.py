@@ -27,7 +27,7 @@ from ckptverify.checks import deep
 from ckptverify.fingerprint import chunk_fingerprint, combine, tensor_fingerprint
 from ckptverify.formats import describe as describe_module
 from ckptverify.formats.describe import describe, iter_payload_blocks
-from ckptverify.safeparse.pickle_scan import PickleScanError, scan_pickle
+from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
 from ckptverify.safeparse.torchsave import SubclassHeader, item_header
 
 REPO = Path(__file__).resolve().parent.parent
@@ -329,7 +329,7 @@ _CRAFTED = {
 @pytest.mark.parametrize("case", sorted(_CRAFTED))
 def test_crafted_subclass_records_are_refused_by_both_readers(case: str, no_imports: _ImportWatch) -> None:
     cls, edits, why = _CRAFTED[case]
-    with pytest.raises(PickleScanError, match=why):
+    with pytest.raises(BadPickle, match=why):
         scan_pickle(_pickled({"w": _record(cls, _state(cls, **edits))}))
     with pytest.raises(pickle.UnpicklingError, match=why):
         item_header(_pickled(_record(cls, _state(cls, **edits))))

@@ -1,7 +1,7 @@
 """Fuzzing the metadata reader and the zip walker.
 
 Every case must end in a parse or in one of the documented exceptions (the metadata reader:
-``UnsafeGlobal``, ``BadPickle``, ``BadMetadata``; the zip walker: ``ArchiveError``; the tensor header reader:
+``UnsafeGlobal``, ``BadPickle``; the zip walker: ``ArchiveError``; the tensor header reader:
 ``pickle.UnpicklingError``), never anything else. Where the safe reader *accepts* a metadata file, real
 unpickling with torch's classes (restricted to the same allowlist, so nothing else can run) must accept it
 too and give the same object, so what verify passes DCP can load without falling back to another file.
@@ -35,11 +35,11 @@ from torch.distributed.checkpoint.metadata import (
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.storage_reader import build_metadata
-from ckptverify.errors import UnsafeMetadataError
+from ckptverify.errors import CheckpointRefusedError
 from ckptverify.safeparse.torchsave import tensor_header
 from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 
-EXPECTED = (sp.UnsafeGlobal, sp.BadPickle, md.BadMetadata)
+EXPECTED = (sp.UnsafeGlobal, sp.BadPickle)
 
 
 class _RealAllowlist(pickle.Unpickler):
@@ -61,8 +61,8 @@ def check_metadata_bytes(data: bytes) -> str:
         return "unsafe path"  # a metadata-unsafe finding; the reader refuses to load it
     try:
         ours = build_metadata(parsed)
-    except UnsafeMetadataError:
-        return "UnsafeMetadataError"  # e.g. a dtype this torch lacks
+    except CheckpointRefusedError:
+        return "CheckpointRefusedError"  # e.g. a dtype this torch lacks
     real = _RealAllowlist(io.BytesIO(data)).load()  # must not raise: the safe reader accepted it
     if getattr(real, "storage_meta", None) is not None:
         assert type(real.storage_meta) is StorageMeta

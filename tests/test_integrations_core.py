@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptverify.errors import CheckpointRefusedError, UsageError
-from ckptverify.integrations import CheckpointVerificationWarning, Verifier
+from ckptverify.errors import CheckpointRefusedError, CkptVerifyWarning, UsageError
+from ckptverify.integrations import Verifier, VerifyFailedWarning
 from ckptverify.ownfiles.events import read_events
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
 from ckptverify.runs.stamp import read_stamp, stamp_path
 from ckptverify.verifier import background
-from ckptverify.verifier.background import BackgroundVerifier, VerifyIncompleteWarning
+from ckptverify.verifier.background import BackgroundVerifier
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -44,7 +44,7 @@ def test_a_resave_into_the_same_folder_replaces_the_stale_manifest_and_passes(tm
     digest = read_manifest(str(folder)).items[0].digest
     dcp.save({"w": torch.ones(64, 64)}, checkpoint_id=folder)  # the framework overwrites its "last" checkpoint
     with warnings.catch_warnings():
-        warnings.simplefilter("error", CheckpointVerificationWarning)
+        warnings.simplefilter("error", VerifyFailedWarning)
         second = verifier.after_save(folder, step=2)
     assert first.passed and second.passed and second.manifest, second
     assert read_manifest(str(folder)).items[0].digest != digest  # describes the bytes now on disk
@@ -79,7 +79,7 @@ def test_auto_fingerprints_content_no_checksum_protects(tmp_path: Path) -> None:
 
 def test_a_checkpoint_that_cannot_be_verified_fails_at_save_and_is_refused_at_resume(tmp_path: Path) -> None:
     verifier = Verifier(events_dir=tmp_path)
-    with pytest.warns(CheckpointVerificationWarning, match="local file system only"):
+    with pytest.warns(VerifyFailedWarning, match="local file system only"):
         verdict = verifier.after_save("s3://bucket/run/step-1", step=1)
     assert not verdict.passed
     with pytest.raises(CheckpointRefusedError, match="checkpoint saved at s3://bucket/run/step-1 cannot be verified"):
@@ -158,7 +158,7 @@ def test_a_background_failure_warns_logs_and_is_raised_at_the_next_save(tmp_path
         lambda p: faults.append(inj.flip_in_tensor_payload(Path(p))) if p == str(first) else None)
     verifier = Verifier(background=True, on_failure="raise")
     assert verifier.after_save(first, step=1).pending
-    with pytest.warns(CheckpointVerificationWarning, match=r"step-1 fails verification"):
+    with pytest.warns(VerifyFailedWarning, match=r"step-1 fails verification"):
         assert background.wait_for_checkpoint(first, timeout=120)
     (failed,) = read_events(tmp_path, "checkpoint-failed")
     assert failed["step"] == 1 and failed["errors"][0]["location"]["file"] == faults[0].file  # type: ignore[attr-defined]
@@ -212,7 +212,7 @@ def test_a_wait_that_runs_out_says_which_were_cut_short(tmp_path: Path, thread_q
     thread_queue.before_verify = lambda p: release.wait(60)
     verifier = Verifier(background=True)
     verifier.after_save(folder, step=1)
-    with pytest.warns(VerifyIncompleteWarning, match=r"1 checkpoint verification\(s\) cut short.*checkpoint-1"):
+    with pytest.warns(CkptVerifyWarning, match=r"1 checkpoint verification\(s\) cut short.*checkpoint-1"):
         assert verifier.wait(timeout=0.2) == []
     (cut,) = read_events(tmp_path, "checkpoint-cut-short")
     assert cut["path"] == str(folder) and "0.2 s" in cut["message"]

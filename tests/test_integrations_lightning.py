@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckptverify.audit.adopt import file_manifest_path  # noqa: E402
 from ckptverify.errors import CheckpointRefusedError  # noqa: E402
-from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
+from ckptverify.integrations import VerifyFailedWarning  # noqa: E402
 from ckptverify.integrations.lightning import VerifyCheckpoints  # noqa: E402
 from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp, stamp_path  # noqa: E402
@@ -256,7 +256,7 @@ def test_background_on_failure_raise_stops_training_at_the_next_save(tmp_path: P
     with pytest.raises(CheckpointRefusedError, match=r"earlier checkpoint failed verification in the background: "
                                                      r"checkpoint saved at .*step=2\.ckpt fails verification"), \
             warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointVerificationWarning)
+        warnings.simplefilter("ignore", VerifyFailedWarning)
         trainer.fit(Regressor())
     assert trainer.global_step == 4 and not (tmp_path / "step=6.ckpt").exists()  # stopped at the next save
     for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
@@ -267,7 +267,7 @@ def test_background_on_failure_raise_at_the_last_save_raises_when_fit_ends(tmp_p
                                                                            queue: BackgroundVerifier) -> None:
     with pytest.raises(CheckpointRefusedError, match=r"in the background: .*step=4\.ckpt fails verification"), \
             warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointVerificationWarning)
+        warnings.simplefilter("ignore", VerifyFailedWarning)
         fit(tmp_path, VerifyCheckpoints(background=True, on_failure="raise"), plugins=[DamagingIO(step=4)])
     assert not read_stamp(tmp_path / "step=4.ckpt").passed  # type: ignore[union-attr]
 

@@ -22,7 +22,7 @@ from frameworks import harness as h  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ckptverify.errors import CheckpointRefusedError  # noqa: E402
-from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
+from ckptverify.integrations import VerifyFailedWarning  # noqa: E402
 from ckptverify.integrations.transformers import (  # noqa: E402
     VerifyCheckpointsCallback,
     verified_resume_checkpoint,
@@ -161,7 +161,7 @@ def test_resume_is_refused_when_no_checkpoint_verifies(run: Any, tmp_path: Path)
     for step in (2, 4):
         h.flip_in_zip_member(out / f"checkpoint-{step}" / "scheduler.pt", bit=1)
     with pytest.raises(CheckpointRefusedError, match=r"none of the 2 checkpoint\(s\)"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointVerificationWarning)
+        warnings.simplefilter("ignore", VerifyFailedWarning)
         verified_resume_checkpoint(out)
     assert verified_resume_checkpoint(tmp_path / "empty-run") is None  # nothing to resume from: a fresh start
 

@@ -32,7 +32,7 @@ from ckptverify.audit.verify import verify_checkpoint  # noqa: E402
 from ckptverify.checks.torchsave_file import verify_torchsave_file  # noqa: E402
 from ckptverify.fingerprint import part_fingerprints, tensor_fingerprint  # noqa: E402
 from ckptverify.formats.describe import describe  # noqa: E402
-from ckptverify.safeparse.pickle_scan import PickleScanError, leaf_values, scan_pickle  # noqa: E402
+from ckptverify.safeparse.pickle_scan import BadPickle, leaf_values, scan_pickle  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "user_scripts" / "lowprec_torchsave_train.py"
@@ -378,20 +378,20 @@ def test_crafted_subclass_records_are_refused() -> None:
     ]
     for old, new, why in swaps:
         assert old in pkl, old
-        with pytest.raises(PickleScanError, match=why):
+        with pytest.raises(BadPickle, match=why):
             scan_pickle(pkl.replace(old, new, 1))
 
     # _rebuild_from_type_v2 of an allowlisted class over the plain tensor rebuild, not the wrapper rebuild.
     crafted = pickle.dumps(_Call(torch._tensor._rebuild_from_type_v2,
                                  (torch._utils._rebuild_tensor_v2, MXTensor, (), {})), protocol=2)
-    with pytest.raises(PickleScanError, match="other than an allowlisted tensor subclass"):
+    with pytest.raises(BadPickle, match="other than an allowlisted tensor subclass"):
         scan_pickle(crafted)
     # A float8 rebuild whose dtype is no dtype.
-    with pytest.raises(PickleScanError, match="_rebuild_tensor_v3 without a dtype"):
+    with pytest.raises(BadPickle, match="_rebuild_tensor_v3 without a dtype"):
         scan_pickle(pkl.replace(b"torch\nfloat8_e8m0fnu", b"torch\nfloat8_e8m0fnx", 1))
     assert scan_pickle(pkl).opaque == set()
     # The object budget counts a subclass record's rebuilds and globals like any other.
-    with pytest.raises(PickleScanError, match="builds more than"):
+    with pytest.raises(BadPickle, match="builds more than"):
         scan_pickle(pkl, max_objects=8)
 
 

@@ -17,7 +17,7 @@ from helpers.ckpt_factory import ZIP_LAYOUTS
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main
-from ckptverify.errors import ManifestExistsError
+from ckptverify.errors import CkptVerifyError
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
 
 
@@ -50,7 +50,7 @@ def test_adopted_clean_checkpoint_passes_plain_and_deep(fresh_ckpt, layout):
 
 def test_fingerprint_refuses_to_overwrite_and_to_bless_a_corrupt_checkpoint(fresh_ckpt):
     path = _adopted(fresh_ckpt, "single")
-    with pytest.raises(ManifestExistsError):
+    with pytest.raises(CkptVerifyError, match="exists; pass --force"):
         fingerprint_checkpoint(path)
     runner = CliRunner()
     assert runner.invoke(main, ["fingerprint", str(path)]).exit_code == 2

@@ -321,7 +321,7 @@ def test_exponential_hashing_is_refused():
                  + bytes([i + 1]) + b"ub")
     data += b"}h" + bytes([61]) + b"Ns."
     assert in_fast_subset(bytes(data))
-    with pytest.raises(sp.BudgetExceeded):
+    with pytest.raises(sp.BadPickle, match="asks for more"):
         sp.parse(bytes(data))
 
 
@@ -334,9 +334,9 @@ def test_the_c_path_keeps_the_budget():
     data = (b"\x80\x04" + data + b")\x81}(" + _s(b"state_dict_metadata") + b"}" + _s(b"storage_data") + b"}"
             + _s(b"planner_data") + b"h\x09ub.")
     assert in_fast_subset(data)
-    with pytest.raises(sp.BudgetExceeded):
+    with pytest.raises(sp.BadPickle, match="asks for more"):
         sp._parse(data, fast=True)
-    with pytest.raises(sp.BudgetExceeded):
+    with pytest.raises(sp.BadPickle, match="asks for more"):
         sp.parse(data)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptverify.errors import MoveAsideError, NotRegularFileError, ResumeRefusedError
+from ckptverify.errors import CkptVerifyError, NotRegularFileError, ResumeRefusedError
 from ckptverify.ownfiles.events import read_events
 from ckptverify.ownfiles.names import own_dir
 from ckptverify.production import mode
@@ -75,7 +75,7 @@ def test_a_quarantine_linked_out_of_the_run_directory_is_refused_and_nothing_mov
     run, out = tmp_path / "run", _elsewhere(tmp_path)
     before = _evidence(run)
     (run / QUARANTINE_DIR).symlink_to(out)
-    with pytest.raises(MoveAsideError, match=r"a symbolic link, not a directory.*nothing was moved"):
+    with pytest.raises(CkptVerifyError, match=r"a symbolic link, not a directory.*nothing was moved"):
         move_aside(run, "step_4")
     assert _files(run / "step_4") == before and list(out.iterdir()) == []
 
@@ -84,7 +84,7 @@ def test_a_quarantine_that_is_a_file_is_refused_and_nothing_moves(tmp_path: Path
     run = tmp_path / "run"
     before = _evidence(run)
     (run / QUARANTINE_DIR).write_text("not a folder")
-    with pytest.raises(MoveAsideError, match=r"a regular file, not a directory.*nothing was moved"):
+    with pytest.raises(CkptVerifyError, match=r"a regular file, not a directory.*nothing was moved"):
         move_aside(run, "step_4")
     assert _files(run / "step_4") == before and (run / QUARANTINE_DIR).read_text() == "not a folder"
 
@@ -99,7 +99,7 @@ def test_a_quarantine_on_another_file_system_is_refused_never_copied(tmp_path: P
 
     monkeypatch.setattr(os, "rename", cross_device)
     monkeypatch.setattr(os, "replace", cross_device)
-    with pytest.raises(MoveAsideError, match=r"on another file system.*never copied and deleted.*nothing was moved"):
+    with pytest.raises(CkptVerifyError, match=r"on another file system.*never copied and deleted.*nothing was moved"):
         move_aside(run, "step_4")
     assert _files(run / "step_4") == before and list((run / QUARANTINE_DIR).iterdir()) == []
 

@@ -94,7 +94,7 @@ def test_only_ckptverify_s_own_warnings_count_even_in_a_folder_named_ckptverify(
         from frameworks.harness import ckptverify_warnings
     finally:
         sys.path.pop(0)
-    from ckptverify.integrations import CheckpointVerificationWarning
+    from ckptverify.integrations import VerifyFailedWarning
 
     def caught(category, filename):
         return warnings.WarningMessage("m", category, filename, 1)
@@ -103,4 +103,4 @@ def test_only_ckptverify_s_own_warnings_count_even_in_a_folder_named_ckptverify(
     own = os.path.join(os.path.dirname(ckptverify.__file__), "saving.py")
     assert ckptverify_warnings([caught(DeprecationWarning, library)]) == []
     assert ckptverify_warnings([caught(UserWarning, own)]) == ["m"]
-    assert ckptverify_warnings([caught(CheckpointVerificationWarning, library)]) == ["m"]
+    assert ckptverify_warnings([caught(VerifyFailedWarning, library)]) == ["m"]

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptverify.dcp import safetensors
+from ckptverify.errors import CkptVerifyError
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 
@@ -149,7 +150,7 @@ HOSTILE_HEADERS = {
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_HEADERS))
 def test_hostile_safetensors_header_is_a_blob_error(tmp_path: Path, name: str) -> None:
-    with pytest.raises(safetensors.BlobError):
+    with pytest.raises(safetensors.ArchiveError):
         _blob(tmp_path, _safetensors_bytes(None, b"\0" * 8, raw_header=HOSTILE_HEADERS[name]))
 
 
@@ -263,9 +264,9 @@ def test_sequential_memo_indices_still_read(tmp_path: Path) -> None:
     b"(dp-1\n.",  # a negative index
 ])
 def test_memo_indices_past_what_was_memoized_are_refused(pkl: bytes) -> None:
-    from ckptverify.safeparse.pickle_scan import PickleScanError, scan_pickle
+    from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
 
-    with pytest.raises(PickleScanError, match="memo"):
+    with pytest.raises(BadPickle, match="memo"):
         scan_pickle(pkl)
 
 
@@ -280,11 +281,11 @@ def _tensor_pkl(size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
 
 
 def test_tensor_sizes_must_be_64_bit_integers() -> None:
-    from ckptverify.safeparse.pickle_scan import PickleScanError, scan_pickle
+    from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
 
     assert scan_pickle(_tensor_pkl((2, 3), (3, 1))).tensors["<root>"].shape == (2, 3)
     for size, stride in (((1 << 64,), (1,)), ((2, 2), (1,)), ((2,), (1 << 70,))):
-        with pytest.raises(PickleScanError, match="offset, shape or stride"):
+        with pytest.raises(BadPickle, match="offset, shape or stride"):
             scan_pickle(_tensor_pkl(size, stride))
 
 
@@ -328,7 +329,7 @@ def test_fuzz_safetensors_headers_raise_only_blob_errors(tmp_path: Path, entries
         text = text.replace(b"0", raw, 1)
     try:
         blob = _blob(tmp_path, _safetensors_bytes(None, b"\0" * payload, raw_header=text))
-    except safetensors.BlobError:
+    except safetensors.ArchiveError:
         return
     for t in blob.tensors.values():
         assert all(type(d) is int and d >= 0 for d in t.shape)
@@ -449,10 +450,10 @@ def _hostile_store(tmp_path: Path, name: str) -> Path:
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_STORES))
 def test_a_hostile_trace_store_is_a_trace_format_error(tmp_path: Path, name: str) -> None:
-    from ckptverify.trace.store import TraceFormatError, open_trace
+    from ckptverify.trace.store import open_trace
 
     store = _hostile_store(tmp_path, name)
-    with pytest.raises(TraceFormatError):
+    with pytest.raises(CkptVerifyError):
         trace = open_trace(store)
         for _ in trace:
             pass
@@ -511,7 +512,7 @@ def test_numcodecs_fallback_bounds_zstd_chunks_by_their_declared_sizes(tmp_path:
     assert [r.step for r in store_module.open_trace(good)] == list(range(1, 11))
     for declare in (False, True):
         (good / "steps" / "c" / "0").write_bytes(_rle_bomb(4 << 20, declare))
-        with pytest.raises(store_module.TraceFormatError):
+        with pytest.raises(CkptVerifyError):
             store_module.open_trace(good)
 
 
@@ -546,7 +547,6 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 @given(data=st.data())
 def test_fuzz_trace_store_metadata_raises_only_trace_errors(tmp_path_factory: pytest.TempPathFactory,
                                                             data: st.DataObject) -> None:
-    from ckptverify.errors import CkptVerifyError
     from ckptverify.trace.store import open_trace
 
     base = tmp_path_factory.getbasetemp() / "fuzz-store"

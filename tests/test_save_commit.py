@@ -25,7 +25,7 @@ import torch
 import ckptverify
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.dcp.commit import MARKER_FILE, begin_save, read_marker
-from ckptverify.errors import SaveConflictError
+from ckptverify.errors import SaveFailedError
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
 # The jobs are scripts/chaos_save.py's own (the tool runs them at random kill points; these tests at chosen ones).
@@ -147,9 +147,9 @@ def test_a_second_save_into_a_directory_being_saved_fails_clearly(tmp_path: Path
     try:
         assert inside.wait(60)
         assert verify_checkpoint(path, jobs=1).errors  # mid-save: not a checkpoint
-        with pytest.raises(SaveConflictError, match=f"another save into .* is in progress .*pid {os.getpid()}"):
+        with pytest.raises(SaveFailedError, match=f"another save into .* is in progress .*pid {os.getpid()}"):
             ckptverify.save({"w": torch.full((8,), 2.0)}, path)
-        with pytest.raises(SaveConflictError):
+        with pytest.raises(SaveFailedError, match="is in progress"):
             ckptverify.async_save({"w": torch.full((8,), 3.0)}, path).result(timeout=60)
     finally:
         release.set()
@@ -181,7 +181,7 @@ def test_a_save_from_another_process_into_a_directory_being_saved_fails_clearly(
             reply = zygote.reply(timeout=0.01)  # an answer here: the job ended before it held the lock
         info = read_marker(str(path))
         assert info is not None and info.get("pid") == pid, (info, reply)
-        with pytest.raises(SaveConflictError, match=f"pid {pid}"):
+        with pytest.raises(SaveFailedError, match=f"pid {pid}"):
             ckptverify.save(chaos.make_state(9), path)
         go.touch()
         reply = zygote.reply(timeout=120)
@@ -196,7 +196,7 @@ def test_a_save_from_another_process_into_a_directory_being_saved_fails_clearly(
 
 def test_saves_into_one_directory_from_many_threads_never_mix(tmp_path: Path) -> None:
     """Eight threads save eight different states into one directory at once: each either commits whole or
-    fails with SaveConflictError; what is left is exactly one of them."""
+    fails with SaveFailedError; what is left is exactly one of them."""
     path = tmp_path / "ckpt"
     outcomes: dict[int, str] = {}
     barrier = threading.Barrier(8)
@@ -207,7 +207,7 @@ def test_saves_into_one_directory_from_many_threads_never_mix(tmp_path: Path) ->
         try:
             ckptverify.save(state, path, single_file_per_rank=False)
             outcomes[i] = "saved"
-        except SaveConflictError:
+        except SaveFailedError:
             outcomes[i] = "conflict"
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
@@ -264,7 +264,7 @@ def test_begin_save_writes_who_is_saving_and_commit_removes_it(tmp_path: Path) -
     lock = begin_save(str(tmp_path), "save-1")
     info = read_marker(str(tmp_path))
     assert info is not None and info["save_id"] == "save-1" and info["pid"] == os.getpid()
-    with pytest.raises(SaveConflictError):
+    with pytest.raises(SaveFailedError, match="is in progress"):
         begin_save(str(tmp_path), "save-2")
     lock.commit()
     assert read_marker(str(tmp_path)) is None and not lock.held

@@ -16,6 +16,7 @@ from helpers.multiproc import spawn_ranks
 from torch import nn
 
 from ckptverify import TrainState
+from ckptverify.errors import CkptVerifyError
 from ckptverify.trace import (
     Cell,
     TraceHeader,
@@ -166,7 +167,7 @@ def test_presence_difference_is_a_divergence(tmp_path: Path) -> None:
     assert d is not None and (d.step, d.site, d.expected, d.actual) == (2, "metric.skipped", None, 1)
     (div,) = [f for f in compare_traces(tmp_path / "a", tmp_path / "b") if f.check == "trace-divergence"]
     assert "not recorded in A" in div.message
-    with pytest.raises(FileNotFoundError, match="no trace store"):
+    with pytest.raises(CkptVerifyError, match=r"no trace store at .*missing"):
         open_trace(tmp_path / "missing")
 
 

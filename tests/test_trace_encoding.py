@@ -14,7 +14,7 @@ from torch import nn
 
 from ckptverify import TrainState
 from ckptverify.cli import main
-from ckptverify.errors import TraceEncodingMismatchError, UsageError
+from ckptverify.errors import UsageError
 from ckptverify.replay.replay import comparable
 from ckptverify.trace import TraceHeader, TraceRecorder, compare_runs, open_trace
 
@@ -45,11 +45,11 @@ def test_a_device_trace_compared_with_a_host_one_is_refused_not_called_a_diverge
     host = _train(tmp_path / "host")
     device = _train(tmp_path / "device", "device")  # what a GPU run writes
     for force in (False, True):
-        with pytest.raises(TraceEncodingMismatchError) as exc:
+        with pytest.raises(UsageError) as exc:
             compare_runs(device, host, force=force)
         message = str(exc.value)
         assert "'device'" in message and "'host'" in message and "record both on the same kind of device" in message
-        assert exc.value.exit_code == 2 and exc.value.encodings == ("device", "host")
+        assert exc.value.exit_code == 2 and message.index("'device'") < message.index("'host'")
     result = CliRunner().invoke(main, ["trace", "diff", str(device), str(host)])
     assert result.exit_code == 2, result.output
     assert "digest tensors differently" in result.output and "divergence" not in result.output.lower()

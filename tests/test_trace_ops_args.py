@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckptverify.errors import TraceFormatError
+from ckptverify.errors import CkptVerifyError
 from ckptverify.trace import TraceHeader, TraceRecorder
 from ckptverify.trace.category import host_digest
 from ckptverify.trace.locate import locate
@@ -151,7 +151,7 @@ def test_op_log_versions_and_hostile_arguments_are_refused_cleanly(tmp_path):
         {**data, "events": [{**data["events"][0], "a": {"p": 1}}]},
     ):
         write(bad)
-        with pytest.raises(TraceFormatError):
+        with pytest.raises(CkptVerifyError):
             read_ops(tmp_path, 0, 1)
 
 

@@ -31,7 +31,8 @@ import ckptverify.runs.scan as scan_mod
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main
-from ckptverify.formats.rundir import WalkIncompleteError, find_checkpoints
+from ckptverify.errors import CkptVerifyError
+from ckptverify.formats.rundir import find_checkpoints
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.prune import prune
 from ckptverify.runs.scan import scan_run_dir
@@ -99,7 +100,7 @@ def test_checkpoint_files_beyond_the_budget_fail_scan_and_stop_latest_and_prune(
         [(f.check, f.message) for f in found.report.findings]
 
     before = sorted(p.name for p in run.iterdir())
-    with pytest.raises(WalkIncompleteError, match="prune deleted nothing"):
+    with pytest.raises(CkptVerifyError, match="prune deleted nothing"):
         prune(run, keep=1)
     assert sorted(p.name for p in run.iterdir()) == before and (run / "step_10" / ".metadata").exists()
 
@@ -159,7 +160,7 @@ def test_an_unlistable_checkpoint_folder_fails_scan_and_is_never_passed_over(tmp
 
     found = latest_verified(run)  # step_20 may be newer than step_10: step_10 is not picked
     assert found.path is None and [s["path"] for s in found.skipped if s["state"] == "unseen"] == ["step_20"]
-    with pytest.raises(WalkIncompleteError):
+    with pytest.raises(CkptVerifyError, match=r"prune deleted nothing.*step_20"):
         prune(run, keep=1)
     assert (run / "step_10" / ".metadata").exists()
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from ckptverify.audit.verify import UNCHECKABLE, ProgressSink, VerificationRun, changed_finding, default_jobs
 from ckptverify.checks import deep as deep_check
-from ckptverify.errors import CheckpointNotFoundError, ManifestExistsError, PartsOverlapError, UsageError
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, PartsOverlapError, UsageError
 from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage, merge_reports
 from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.formats.describe import StoredRange
@@ -55,7 +55,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     Content that verification could not check (items without CRC-32: stream transforms, DCP's safetensors
     serialization, CRC disabled at save) would be blessed as it is by a manifest, so it is refused unless
     ``trust_uncheckable``; the report names every such item either way. Raises
-    :class:`~ckptverify.errors.ManifestExistsError` when a manifest exists and ``force`` is false, or the
+    :class:`~ckptverify.errors.CkptVerifyError` when a manifest exists and ``force`` is false, or the
     manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments.
 
     ``executor``: shares a DCP checkpoint's verification pass and its item and file digests among ranks
@@ -78,9 +78,9 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     manifest_path = os.path.join(root, MANIFEST_FILE) if not single else file_manifest_path(root)
     if paths.lexists(manifest_path) and (single or paths.isdir(root)):
         if not force:
-            raise ManifestExistsError(f"{manifest_path} exists; pass --force to replace it")
+            raise CkptVerifyError(f"{manifest_path} exists; pass --force to replace it")
         if paths.islink(manifest_path) or not paths.isfile(manifest_path):
-            raise ManifestExistsError(f"{manifest_path} exists and is not a regular file (a directory, link or "
+            raise CkptVerifyError(f"{manifest_path} exists and is not a regular file (a directory, link or "
                                       "special file); it is not replaced: remove it by hand if it is yours")
 
     for part in parts or ():

@@ -477,14 +477,14 @@ _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 def _subclass_finding(what: str, sa: _Side, a_name: str, sb: _Side, b_name: str, fa: str, fb: str) -> Finding:
     """The ``diff-tensor`` error for a tensor stored as a tensor subclass on one side or both: which parts
     differ (data, scales), which attributes, and how the decoded values differ."""
-    from ckptverify.errors import UnreadableTensor
+    from ckptverify.errors import FindingError
 
     try:
         stats = subclass_difference(sa.subclass(a_name), sa.parts, a_name, sb.subclass(b_name), sb.parts, b_name,
                                     sa.load, sb.load)
     except FileChangedError:
         raise  # the comparison stops and says so
-    except (ValueError, RuntimeError, TypeError, OSError, UnreadableTensor) as exc:
+    except (ValueError, RuntimeError, TypeError, OSError, FindingError) as exc:
         return error("diff-tensor", f"{what} differs (by fingerprint); reading its parts to say how failed: "
                      f"{exc}"[:300], location=Location(fqn=b_name), expected=fa, actual=fb)
     said = []

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ckptverify.errors import (
     CheckpointNotFoundError,
     CheckpointRefusedError,
-    LoadFailedError,
+    CkptVerifyError,
     ProofFailedError,
     UsageError,
     reported_as_itself,
@@ -234,10 +234,10 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
     schedulers, scaler, data position, extras) is exactly what it was before the call. Raises
     :class:`~ckptverify.errors.CheckpointRefusedError` for a checkpoint that fails verification or whose save
     did not commit (:class:`~ckptverify.errors.ProofFailedError` when an item fails its proof while loading)
-    or whose restore check fails, :class:`~ckptverify.errors.LoadFailedError` when DCP cannot load it into
-    ``state`` or a saved field does not fit, and :class:`~ckptverify.state.rng.WorldSizeChangedError` /
-    :class:`~ckptverify.state.sampler.CannotReshardError` when the world size changed in a way that cannot be
-    restored exactly (and re-seeding was not allowed). Every one is an ``Exception``.
+    or whose restore check fails, :class:`~ckptverify.errors.CkptVerifyError` (exit 2) when DCP cannot load it
+    into ``state`` or a saved field does not fit, and :class:`~ckptverify.errors.UsageError` when the world
+    size changed in a way that cannot be restored exactly (random streams, a sampler position; re-seeding was
+    not allowed). Every one is an ``Exception``.
     """
     deep = _deep("load", deep, renamed)
     root = os.fspath(path)
@@ -504,7 +504,7 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
                         f"refusing to load {root}: rank {proof[0]}: {proof[1]}; nothing was changed"
                         + ("; it is stamped failed" if stamp_on_failure else ""), report, proof[1].info) from None
                 # DCP's CheckpointException is a BaseException, which `except Exception` would miss.
-                raise LoadFailedError(f"DCP could not load {root} into this state; nothing was changed: "
+                raise CkptVerifyError(f"DCP could not load {root} into this state; nothing was changed: "
                                       f"{_first_line(exc)}") from exc
         state.load_state_dict(template)
         del template

@@ -8,7 +8,7 @@ an ordinary DCP checkpoint (any torch loads it without ckptverify); beside it, t
 A save into a directory that already holds a checkpoint follows the commit protocol of
 :mod:`ckptverify.dcp.commit`: the directory is locked and marked as not committed before any shard is
 rewritten, so a save killed at any point never leaves something that verifies or loads as complete, and a
-second save into the same directory fails with :class:`~ckptverify.errors.SaveConflictError`.
+second save into the same directory fails with :class:`~ckptverify.errors.SaveFailedError`.
 
 Every rank of the process group calls these functions, exactly as it would call DCP's. A save that does not
 commit raises :class:`~ckptverify.errors.SaveFailedError` on every rank (DCP's own ``CheckpointException``
@@ -31,9 +31,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import (
-    CkptVerifyRuntimeWarning,
     CkptVerifyWarning,
-    SaveConflictError,
     SaveFailedError,
     UsageError,
     VerifyFailedError,
@@ -124,9 +122,9 @@ def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseExceptio
     """What a failed DCP save is raised as: a conflict or a usage error found on any rank as itself (so
     every rank sees the same type), anything else as :class:`SaveFailedError` naming the first failure."""
     failures = _failures(exc)
-    conflict = next((e for e in failures.values() if isinstance(e, SaveConflictError)), None)
+    conflict = next((e for e in failures.values() if isinstance(e, SaveFailedError)), None)
     if conflict is not None:
-        return SaveConflictError(str(conflict), failures)
+        return SaveFailedError(str(conflict), failures)
     usage = next((e for e in failures.values() if isinstance(e, UsageError)), None)
     if usage is not None:
         return usage
@@ -173,7 +171,7 @@ def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.Pat
                     after_commit()
                 except Exception as failure:  # a verification that cannot start is said, the save stands
                     warnings.warn(f"the checkpoint {os.fspath(path)} was saved but its verification could not "
-                                  f"start: {type(failure).__name__}: {failure}", CkptVerifyRuntimeWarning,
+                                  f"start: {type(failure).__name__}: {failure}", CkptVerifyWarning,
                                   stacklevel=2)
             out.set_result(f.result())
             return
@@ -332,7 +330,7 @@ def _part_done(path: str, node: int, result: Any, why: str | None) -> None:
         return
     reason = why if result is None else result.get("why")
     warnings.warn(f"node {node}'s part of the verification of {path} was not verified: {reason}; the "
-                  "coordinator leaves the checkpoint unverified", CkptVerifyRuntimeWarning, stacklevel=2)
+                  "coordinator leaves the checkpoint unverified", CkptVerifyWarning, stacklevel=2)
 
 
 def _group_rank(process_group: Any, no_dist: bool) -> int:
@@ -433,7 +431,7 @@ def save(
     Raises:
         UsageError: an unknown digest, a non-positive block size or thread count, an unknown keyword, a bad
             ``verify``.
-        SaveConflictError: another save into ``path`` is in progress (nothing was written).
+        SaveFailedError: another save into ``path`` is in progress (nothing was written).
         SaveFailedError: the save did not commit on some rank; ``path`` holds no committed checkpoint.
         VerifyFailedError: ``on_failure="raise"`` and a verification failed (see there).
     """
@@ -475,7 +473,7 @@ def async_save(
 
     Returns what DCP returns (a future, or an ``AsyncSaveResponse`` with a stager that reports staging
     separately), except that the upload future fails with :class:`~ckptverify.errors.SaveFailedError` (or
-    :class:`~ckptverify.errors.SaveConflictError`) instead of DCP's ``CheckpointException``. The manifest is
+    :class:`~ckptverify.errors.SaveFailedError`) instead of DCP's ``CheckpointException``. The manifest is
     written when the upload finishes, before the future completes; read it with
     :func:`ckptverify.ownfiles.manifest.read_manifest`. ``async_checkpointer_type`` and ``async_stager`` are
     accepted besides the options of :func:`save`.

@@ -343,7 +343,7 @@ class VerificationRun:
             start = min(i.offset for i in tensor_items)
             try:
                 blob = safetensors.read_blob(f, start)  # type: ignore[arg-type]
-            except safetensors.BlobError as exc:
+            except safetensors.ArchiveError as exc:
                 self.findings.append(error("blob-structure", f"{name}: the safetensors blob is malformed: {exc}",
                                            location=Location(file=name, byte_range=(exc.start, exc.end))))
                 blobs[name] = (start, f.size)  # type: ignore[union-attr]

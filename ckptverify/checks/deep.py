@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
+from ckptverify.dcp.tensors import BLOCK_BYTES
+from ckptverify.errors import FindingError
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.formats.describe import (
     MAX_VIEW_BYTES,
@@ -113,7 +114,7 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
                 progress(block.numel() * block.element_size())
     except FileChangedError:
         raise  # the run stops and says so: what was read proves nothing about the file now
-    except (UnreadableTensor, RuntimeError, TypeError, ValueError, OSError) as exc:
+    except (FindingError, RuntimeError, TypeError, ValueError, OSError) as exc:
         scan.unreadable.append(f"{name} chunk {list(p.chunk_offsets)}: {exc}")
     scan.chunks.add(p.chunk_offsets)
     return scan

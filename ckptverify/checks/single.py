@@ -52,7 +52,7 @@ def _check_safetensors(path: str, label: str) -> tuple[list[Finding], list[Check
         facts["bytes"] = f.size
         try:
             blob = safetensors.read_blob(f, 0)
-        except safetensors.BlobError as exc:
+        except safetensors.ArchiveError as exc:
             return [error("blob-structure", f"{label} is not a well-formed safetensors file: {exc}",
                           location=Location(file=label, byte_range=(exc.start, exc.end)))], [], facts
         for tname, t in blob.tensors.items():

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.single import sniff
-from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, scan_pickle
+from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, BadPickle, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.zipwalk import ArchiveError, looks_like_zip, parse_archive
 
@@ -85,7 +85,7 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
         elif pkl not in bad:
             try:
                 scan = scan_pickle(f.pread(pkl.data_offset, pkl.size))
-            except PickleScanError as exc:
+            except BadPickle as exc:
                 findings.append(error("pickle-structure", f"{label}: data.pkl cannot be read safely: {exc}",
                                       location=Location(file=label, record=pkl.name,
                                                         byte_range=(pkl.data_offset, pkl.data_end))))

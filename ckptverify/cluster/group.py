@@ -19,7 +19,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ckptverify.errors import ClusterError
+from ckptverify.errors import CkptVerifyError
 
 #: Seconds between two heartbeats of a rank.
 BEAT_SECONDS = 1.0
@@ -36,7 +36,7 @@ def connect(addr: str, port: int, world: int, timeout: float, *, server: bool) -
         return TCPStore(addr, port, world, False, wait)
     except Exception as exc:  # c10d raises RuntimeError subclasses whose type names vary by version
         role = "start the rendezvous store on" if server else "reach the rendezvous store at"
-        raise ClusterError(f"could not {role} {addr}:{port} within {timeout:g} s ({_short(exc)}): check that "
+        raise CkptVerifyError(f"could not {role} {addr}:{port} within {timeout:g} s ({_short(exc)}): check that "
                            "rank 0 runs, that MASTER_ADDR names its host and that MASTER_PORT is free there "
                            "and reachable from every node") from None
 
@@ -75,7 +75,7 @@ class Group:
             self.roster = [hello] + [got[r] for r in range(1, self.world)]
             for other in self.roster[1:]:
                 if (other["command"], other["path"]) != (command, path):
-                    raise ClusterError(
+                    raise CkptVerifyError(
                         f"rank {other['rank']} on {other['host']} runs `{other['command']} {other['path']}`, "
                         f"rank 0 runs `{command} {path}`: start the same command on every rank")
             self.set("roster", self.roster)
@@ -159,7 +159,7 @@ class Group:
                         if self.store.check([key]):
                             got[r] = json.loads(self.store.get(key))
                             del pending[r]
-            except ClusterError:
+            except CkptVerifyError:
                 raise
             except Exception as exc:
                 raise self._lost(exc) from None
@@ -168,7 +168,7 @@ class Group:
             if self.liveness is not None:
                 gone = self.liveness(set(pending))
                 if gone is not None:
-                    raise ClusterError(f"{gone}, while {what}")
+                    raise CkptVerifyError(f"{gone}, while {what}")
             now = time.monotonic()
             if now - beats_at >= beat_every:
                 beats_at = now
@@ -180,7 +180,7 @@ class Group:
                     elif now - beats[r][1] > self.timeout:
                         silent.append(r)
                 if silent:
-                    raise ClusterError(self._silent(silent, what))
+                    raise CkptVerifyError(self._silent(silent, what))
             time.sleep(pause)
             pause = min(slowest, pause * 2)
         return got
@@ -205,9 +205,9 @@ class Group:
         return (f"{names} gave no sign of life for {self.timeout:g} s while {what}: stopped, hung or dead (its "
                 "heartbeat stopped); raise --rank-timeout if a node is that slow")
 
-    def _lost(self, exc: Exception) -> ClusterError:
+    def _lost(self, exc: Exception) -> CkptVerifyError:
         who = "rank 0's rendezvous store" if self.rank else "the rendezvous store"
-        return ClusterError(f"rank {self.rank} on {self.host} lost {who} ({_short(exc)}): rank 0 or the launcher "
+        return CkptVerifyError(f"rank {self.rank} on {self.host} lost {who} ({_short(exc)}): rank 0 or the launcher "
                             "ended")
 
 

@@ -21,7 +21,7 @@ from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
 from ckptverify.cluster.group import Group, connect
 from ckptverify.cluster.split import assign, balance
 from ckptverify.cluster.units import RankFiles, Unit, execute, unit_bytes, unit_file, unit_range
-from ckptverify.errors import ClusterError, FileChangedError, UsageError
+from ckptverify.errors import CkptVerifyError, FileChangedError, UsageError
 
 #: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
 DEFAULT_RANK_TIMEOUT = 120.0
@@ -93,7 +93,7 @@ class Session:
 
     def serve(self) -> int:
         """Read the units rank 0 sends until it says it is done; the exit code of this rank (0, or 2 when rank 0
-        could not be heard: the message is printed by the caller from the :class:`ClusterError` raised)."""
+        could not be heard: the message is printed by the caller from the :class:`CkptVerifyError` raised)."""
         group, files = self.group, RankFiles(self.path)
         at, fault = _fault(group.rank)
 
@@ -154,7 +154,7 @@ class Session:
                     if not failed:
                         self.group.collect({r: f"bye/{r}" for r in range(1, self.group.world)}, "saying goodbye",
                                            "bye")
-                except ClusterError:
+                except CkptVerifyError:
                     pass  # a rank already named as failed, or gone since: nothing more to say to it
         finally:
             self.group.close()
@@ -197,7 +197,7 @@ class RankExecutor:
         """The results of ``units``, in order: rank 0's share read here through ``open_file`` (with
         ``local_map``; ``jobs``: the workers of a whole checkpoint read here), the others' sent to them; a
         rank's ``file-changed`` raised here as
-        :class:`~ckptverify.errors.FileChangedError`, any other failure as :class:`ClusterError` naming it."""
+        :class:`~ckptverify.errors.FileChangedError`, any other failure as :class:`CkptVerifyError` naming it."""
         sizes = [unit_bytes(u, size_of) for u in units]
         owner = assign(sizes, self.loads)
         k, self.round = self.round, self.round + 1
@@ -222,14 +222,14 @@ class RankExecutor:
         try:
             replies = self.group.collect({r: f"result/{k}/{r}" for r in range(1, self.world)}, "reading its share",
                                          f"result/{k}")
-        except ClusterError as exc:
-            raise ClusterError(f"{exc}; {self._incomplete()}") from None
+        except CkptVerifyError as exc:
+            raise CkptVerifyError(f"{exc}; {self._incomplete()}") from None
         for r in range(1, self.world):
             reply = replies[r]
             if reply.get("error") == "changed":
                 raise FileChangedError(reply["message"], os.path.join(root, reply["path"]))
             if "error" in reply:
-                raise ClusterError(f"rank {r} on {self.group.host_of(r)} could not read its share: "
+                raise CkptVerifyError(f"rank {r} on {self.group.host_of(r)} could not read its share: "
                                    f"{reply['message']}; {self._incomplete()}")
             for n, value in zip(share[r], reply["results"], strict=True):
                 out[n] = value

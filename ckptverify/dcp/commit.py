@@ -5,7 +5,7 @@ would leave the old ``.metadata`` beside a mixture of old and new shards, and ev
 well-formed archive with a matching CRC. So the coordinator rank, before any rank writes a byte:
 
 1. creates :data:`MARKER_FILE` and takes an exclusive ``flock`` on it (non-blocking: a second save into the
-   same directory fails at once with :class:`~ckptverify.errors.SaveConflictError`); the lock belongs to the
+   same directory fails at once with :class:`~ckptverify.errors.SaveFailedError`); the lock belongs to the
    open file, so the kernel drops it when the saving process dies, and a crashed save never blocks the next;
 2. writes who is saving into the marker (save id, pid, host, start time) and ``fsync``\\ s it and the
    directory;
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ckptverify.errors import SaveConflictError
+from ckptverify.errors import SaveFailedError
 from ckptverify.ownfiles.names import MANIFEST_TEMP_PREFIX, SAVE_MARKER
 from ckptverify.safeparse import paths, safejson
 
@@ -107,7 +107,7 @@ def _holder(fd: int) -> str:
 def begin_save(root: str, save_id: str) -> SaveLock:
     """Lock ``root`` for one save and mark it as not committed; see the module docstring.
 
-    Raises :class:`~ckptverify.errors.SaveConflictError` when another save holds the directory, and
+    Raises :class:`~ckptverify.errors.SaveFailedError` when another save holds the directory, and
     ``OSError`` when the marker cannot be created (e.g. something that is not a regular file sits at its
     name).
     """
@@ -122,7 +122,7 @@ def begin_save(root: str, save_id: str) -> SaveLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise SaveConflictError(
+                raise SaveFailedError(
                     f"another save into {root} is in progress ({_holder(fd)}); refusing to write beside it"
                 ) from None
             # A save that committed between our open() and flock() unlinked the file we locked: a lock on
@@ -141,7 +141,7 @@ def begin_save(root: str, save_id: str) -> SaveLock:
             raise
         break
     else:  # pragma: no cover - needs 100 commits racing this one
-        raise SaveConflictError(f"could not lock {root}: other saves keep committing into it")
+        raise SaveFailedError(f"could not lock {root}: other saves keep committing into it")
     import socket  # here: only a save names its host, and verify should not pay the import at start-up
 
     try:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ckptverify.errors import UnsafeValueError
+from ckptverify.errors import FindingError
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -32,7 +32,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise UnsafeValueError(
+            raise FindingError(
                 f"value {read_item.dest_index.fqn!r} in the checkpoint is not plain data and was not loaded: {exc}"
             ) from None
         if self.flatten_state_dict:

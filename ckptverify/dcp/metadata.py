@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
-from ckptverify.errors import BadMetadata, StorageError
+from ckptverify.errors import BadPickle, StorageError
 from ckptverify.findings import Finding, Location, error
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
@@ -143,7 +143,7 @@ def parse_metadata(data: bytes, name: str = METADATA_FILE) -> ParsedMetadata:
     """Parse and validate one metadata file's bytes.
 
     Raises :class:`~ckptverify.dcp.metadata_pickle.UnsafeGlobal` (a global outside the allowlist),
-    :class:`~ckptverify.dcp.metadata_pickle.BadPickle` (including the budget) or :class:`BadMetadata`.
+    :class:`~ckptverify.errors.BadPickle` (the budget, a structure DCP never writes included).
     """
     with paused_gc():
         tree = sp.parse(data)
@@ -218,7 +218,7 @@ def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Findin
         raise  # the store failed, not the checkpoint: the command could not run
     except OSError as exc:
         return error("metadata-unreadable", f"cannot read {name}: {exc.strerror or exc}", location=where)
-    except BadMetadata as exc:
+    except BadPickle as exc:
         return error("metadata-unreadable", str(exc), location=where)
     try:
         return parse_metadata(data, name)
@@ -231,10 +231,7 @@ def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Findin
             expected="only DCP metadata and planner classes, torch.Size, torch dtypes and layouts, pathlib paths",
             actual=exc.name,
         )
-    except sp.BudgetExceeded as exc:
-        return error("metadata-unreadable", f"{name} is refused: {exc} (limit: {sp.BUDGET_PER_BYTE} per byte "
-                     f"+ {sp.BUDGET_BASE})", location=where)
-    except (sp.BadPickle, BadMetadata) as exc:
+    except BadPickle as exc:
         return error("metadata-unreadable", f"{name} is not a DCP metadata file torch could load: {exc}",
                      location=where)
 
@@ -251,14 +248,14 @@ def _short(value: Any) -> str:
 
 def _obj(value: Any, kind: str, what: str) -> dict[str, Any]:
     if not isinstance(value, sp.Obj) or value.kind != kind:
-        raise BadMetadata(f"{what} is {value.kind if isinstance(value, sp.Obj) else _short(value)}, "
+        raise BadPickle(f"{what} is {value.kind if isinstance(value, sp.Obj) else _short(value)}, "
                           f"expected {kind}")
     return value.fields
 
 
 def _int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0 or value >= 1 << 63:
-        raise BadMetadata(f"{what} must be an integer in [0, 2^63), got {_short(value)}")
+        raise BadPickle(f"{what} must be an integer in [0, 2^63), got {_short(value)}")
     return value
 
 
@@ -268,7 +265,7 @@ def _opt_int(value: Any, what: str) -> int | None:
 
 def _bool(value: Any, what: str) -> bool:
     if type(value) is not bool:
-        raise BadMetadata(f"{what} must be a bool, got {_short(value)}")
+        raise BadPickle(f"{what} must be a bool, got {_short(value)}")
     return value
 
 
@@ -278,7 +275,7 @@ _INT = frozenset({int})
 def _dims(value: Any, what: str) -> tuple[int, ...]:
     # DCP stores every shape, offset and size as a torch.Size; anything else is not what it wrote.
     if type(value) is not sp.Size or len(value) > MAX_DIMS:
-        raise BadMetadata(f"{what} must be a torch.Size of at most {MAX_DIMS} integers")
+        raise BadPickle(f"{what} must be a torch.Size of at most {MAX_DIMS} integers")
     if value and (not set(map(type, value)) <= _INT or min(value) < 0 or max(value) >= 1 << 63):
         for v in value:
             _int(v, what)
@@ -287,9 +284,9 @@ def _dims(value: Any, what: str) -> tuple[int, ...]:
 
 def _str(value: Any, what: str, limit: int = MAX_STRING) -> str:
     if type(value) is not str:
-        raise BadMetadata(f"{what} must be a string, got {_short(value)}")
+        raise BadPickle(f"{what} must be a string, got {_short(value)}")
     if len(value) > limit or "\x00" in value:
-        raise BadMetadata(f"{what} is not an acceptable string")
+        raise BadPickle(f"{what} is not an acceptable string")
     return value
 
 
@@ -299,13 +296,13 @@ def _opt_str(value: Any, what: str, limit: int = MAX_STRING) -> str | None:
 
 def _seq(value: Any, what: str) -> list[Any] | tuple[Any, ...]:
     if not isinstance(value, list | tuple):
-        raise BadMetadata(f"{what} is {_short(value)}, expected a list")
+        raise BadPickle(f"{what} is {_short(value)}, expected a list")
     return value
 
 
 def _dict(value: Any, what: str) -> tuple[tuple[Any, Any], ...]:
     if not isinstance(value, sp.PDict):
-        raise BadMetadata(f"{what} is {_short(value)}, expected a dict")
+        raise BadPickle(f"{what} is {_short(value)}, expected a dict")
     return value.items
 
 
@@ -323,13 +320,13 @@ def _properties(value: Any, what: str) -> TensorProps:
     f = _obj(value, "TensorProperties", what)
     dtype = f["dtype"]
     if not isinstance(dtype, sp.DType):
-        raise BadMetadata(f"dtype of {what} is {_short(dtype)}, expected a torch dtype")
+        raise BadPickle(f"dtype of {what} is {_short(dtype)}, expected a torch dtype")
     layout = f["layout"]
     if not isinstance(layout, sp.Layout):
-        raise BadMetadata(f"layout of {what} is {_short(layout)}, expected a torch layout")
+        raise BadPickle(f"layout of {what} is {_short(layout)}, expected a torch layout")
     mem = f["memory_format"]
     if not isinstance(mem, sp.Enum) or mem.kind != "_MEM_FORMAT_ENCODING":
-        raise BadMetadata(f"memory format of {what} is not a _MEM_FORMAT_ENCODING")
+        raise BadPickle(f"memory format of {what} is not a _MEM_FORMAT_ENCODING")
     return TensorProps(dtype.name, layout.name, _bool(f["requires_grad"], f"requires_grad of {what}"),
                        mem.value, _bool(f["pin_memory"], f"pin_memory of {what}"))
 
@@ -442,7 +439,7 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     for fqn_raw, entry in _dict(fields["state_dict_metadata"], "state_dict_metadata"):
         fqn = fqn_raw if _ok_str(fqn_raw) else _str(fqn_raw, "a state dict key")
         if fqn in entries:
-            raise BadMetadata(f"state dict key {fqn!r} appears twice")
+            raise BadPickle(f"state dict key {fqn!r} appears twice")
         if type(entry) is sp.Obj and entry.kind == "BytesStorageMetadata":
             entries[fqn] = None
             continue
@@ -452,7 +449,7 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
             tsm = _obj(entry, "TensorStorageMetadata", f"entry {fqn!r}")
         props = interned.properties(tsm["properties"], f"{fqn!r}")
         if props.dtype not in DTYPE_ITEMSIZE:
-            raise BadMetadata(f"{fqn!r} has an unknown dtype")
+            raise BadPickle(f"{fqn!r} has an unknown dtype")
         size = tsm["size"]
         shape = tuple(size) if _ok_dims(size) else _dims(size, f"size of {fqn!r}")
         chunks_raw = tsm["chunks"]
@@ -463,7 +460,7 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
 
     storage_raw = fields["storage_data"]
     if not isinstance(storage_raw, sp.PDict):
-        raise BadMetadata("storage_data is not a dict (was the checkpoint written by FileSystemWriter?)")
+        raise BadPickle("storage_data is not a dict (was the checkpoint written by FileSystemWriter?)")
     parsed = ParsedMetadata(name=name, entries=entries, storage=[], planner_data=None, storage_meta=None,
                             version=None)
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
@@ -471,7 +468,7 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     for key, info in storage_raw.items:
         fqn, chunk_offsets, hint = _storage_key(key)
         if (fqn, chunk_offsets) in seen:
-            raise BadMetadata(f"storage entry {fqn!r} at {chunk_offsets} appears twice (DCP would keep one)")
+            raise BadPickle(f"storage entry {fqn!r} at {chunk_offsets} appears twice (DCP would keep one)")
         seen.add((fqn, chunk_offsets))
         if type(info) is sp.Obj and info.kind == "_StorageInfo":
             sinfo = info.fields
@@ -514,7 +511,7 @@ def _inert(value: Any, what: str) -> Any:
         t = type(v)
         if v is None or t in _SCALARS:
             if t is str and len(v) > MAX_STRING:
-                raise BadMetadata(f"a string in {where} is too long")
+                raise BadPickle(f"a string in {where} is too long")
             continue
         if t in (sp.Size, sp.DType, sp.Path, sp.Layout):
             if t is sp.Size:
@@ -522,7 +519,7 @@ def _inert(value: Any, what: str) -> Any:
             continue
         if t is sp.Enum:
             if v.kind != "WriteItemType":
-                raise BadMetadata(f"{where} holds a {v.kind}")
+                raise BadPickle(f"{where} holds a {v.kind}")
             continue
         if t in (list, tuple):
             stack.extend((x, where) for x in v)
@@ -530,13 +527,13 @@ def _inert(value: Any, what: str) -> Any:
         if t is sp.PDict:
             for k, x in v.items:
                 if not _hashable_key(k):
-                    raise BadMetadata(f"{where} has a dict key of type {type(k).__name__}")
+                    raise BadPickle(f"{where} has a dict key of type {type(k).__name__}")
                 stack.append((x, where))
             continue
         if t is sp.Obj:
             stack.extend(_planner_children(v, where))
             continue
-        raise BadMetadata(f"{where} holds a {t.__name__}")
+        raise BadPickle(f"{where} holds a {t.__name__}")
     return value
 
 
@@ -553,7 +550,7 @@ def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
     if kind in ("SavePlan", "MCoreSavePlan"):
         for item in _seq(f["items"], f"items of a plan in {where}"):
             if not (isinstance(item, sp.Obj) and item.kind == "WriteItem"):
-                raise BadMetadata(f"a plan in {where} holds {_short(item)} among its write items")
+                raise BadPickle(f"a plan in {where} holds {_short(item)} among its write items")
         _bool(f["usable"], f"usable of a plan in {where}")
         out = [(f["items"], where), (f["storage_data"], where), (f["planner_data"], where)]
         if kind == "MCoreSavePlan":
@@ -563,7 +560,7 @@ def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
         _index(f["index"], f"the index of a write item in {where}")
         t = f["type"]
         if not (isinstance(t, sp.Enum) and t.kind == "WriteItemType"):
-            raise BadMetadata(f"a write item in {where} has no WriteItemType")
+            raise BadPickle(f"a write item in {where} has no WriteItemType")
         if f["bytes_io_data"] is not None:
             _int(_obj(f["bytes_io_data"], "BytesIOWriteData", f"bytes data in {where}")["nbytes"], "nbytes")
         if f["tensor_data"] is not None:
@@ -584,7 +581,7 @@ def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
     if kind == "StorageMeta":
         _storage_meta(v)
         return []
-    raise BadMetadata(f"{where} holds a {kind}, which belongs elsewhere in DCP metadata")
+    raise BadPickle(f"{where} holds a {kind}, which belongs elsewhere in DCP metadata")
 
 
 # ---------------------------------------------------------------------------------------------

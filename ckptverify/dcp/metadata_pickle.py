@@ -18,7 +18,7 @@ this module accepts is one that real unpickling with torch's classes would also 
 The result is a plain tree (:class:`Obj`, :class:`Size`, :class:`DType`, :class:`Enum`, :class:`Path`,
 :class:`Layout`, ``PDict``/lists/tuples/str/int/float/bool/None/bytes) built with a **budget**: every node
 visited while building it, and every element a stand-in copies, is charged, and the parse stops with
-:class:`BudgetExceeded` past ``BUDGET_PER_BYTE * len(data) + BUDGET_BASE``. A memoized pickle that
+:class:`BadPickle` past ``BUDGET_PER_BYTE * len(data) + BUDGET_BASE``. A memoized pickle that
 references one object a billion times ("billion laughs") is refused in time linear in its size.
 
 Hashing is bounded too: a dict key or set member that is a tuple nesting deeper than ``MAX_DEPTH`` or
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, ClassVar
 
-from ckptverify.errors import BadPickle, BudgetExceeded, UnsafeGlobal
+from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.pickle_subset import in_fast_subset
@@ -246,9 +246,9 @@ class _Budget(Budget):
         super().__init__(limit, _budget_exceeded, LIMITS)
 
 
-def _budget_exceeded() -> BudgetExceeded:
-    return BudgetExceeded("the pickle asks for more work than its size allows "
-                          "(a memoized structure expanded past the budget)")
+def _budget_exceeded() -> BadPickle:
+    return BadPickle("the pickle asks for more work than its size allows (a memoized structure expanded past "
+                     f"the budget; limit: {BUDGET_PER_BYTE} per byte + {BUDGET_BASE})")
 
 
 def _check_hashable(value: Any, budget: Budget) -> None:
@@ -491,7 +491,7 @@ class _DTypeGlobal(_Global):
 def parse(data: bytes) -> Any:
     """Unpickle ``data`` through the allowlist and return the plain tree.
 
-    Raises :class:`UnsafeGlobal` for a global outside the allowlist, :class:`BudgetExceeded` past the
+    Raises :class:`UnsafeGlobal` for a global outside the allowlist, :class:`BadPickle` past the
     budget, :class:`BadPickle` for anything real unpickling would reject (or DCP never writes), and
     ``pickle.UnpicklingError`` for bytes that are not a pickle. Any other exception raised while reading
     hostile bytes is turned into :class:`BadPickle`, so callers need to catch only these.
@@ -531,7 +531,7 @@ def _parse(data: bytes, *, fast: bool) -> Any:
     except pickle.UnpicklingError as exc:
         raise BadPickle(f"not a valid pickle: {exc}"[:300]) from None
     except MemoryError:
-        raise BudgetExceeded("the pickle asks for more memory than is available") from None
+        raise BadPickle("the pickle asks for more memory than is available") from None
     except RecursionError:
         raise BadPickle("the pickle nests too deeply") from None
     except Exception as exc:  # hostile bytes: every failure is a finding, never a traceback

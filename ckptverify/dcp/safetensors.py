@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-from ckptverify.errors import BlobError
+from ckptverify.errors import ArchiveError
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import TensorHeader
@@ -53,16 +53,16 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
     """Parse and check the safetensors blob at ``start``: header, tensor ranges tiling the data, length."""
     head = f.pread(start, 8)
     if len(head) != 8:
-        raise BlobError("safetensors header length is cut short", start, start + 8)
+        raise ArchiveError("safetensors header length is cut short", start, start + 8)
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER_BYTES or start + 8 + n > f.size:
-        raise BlobError(f"safetensors header claims {n} bytes, past the end of the file", start, start + 8)
+        raise ArchiveError(f"safetensors header claims {n} bytes, past the end of the file", start, start + 8)
     try:
         header = safejson.loads(f.pread(start + 8, n), max_bytes=MAX_HEADER_BYTES)
     except safejson.JSONError as exc:
-        raise BlobError(f"safetensors header is not valid JSON: {exc}", start + 8, start + 8 + n) from None
+        raise ArchiveError(f"safetensors header is not valid JSON: {exc}", start + 8, start + 8 + n) from None
     if not isinstance(header, dict):
-        raise BlobError("safetensors header is not a JSON object", start + 8, start + 8 + n)
+        raise ArchiveError("safetensors header is not a JSON object", start + 8, start + 8 + n)
     data_start = start + 8 + n
     tensors: dict[str, BlobTensor] = {}
     for name, spec in header.items():
@@ -71,22 +71,22 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
         try:
             shape, begin, end, dtype = _entry(spec)
         except safejson.JSONError as exc:
-            raise BlobError(f"safetensors entry {name[:200]!r} is malformed: {exc}", start + 8, data_start) from None
+            raise ArchiveError(f"safetensors entry {name[:200]!r} is malformed: {exc}", start + 8, data_start) from None
         if end < begin:
-            raise BlobError(f"safetensors entry {name[:200]!r} has an invalid range", start + 8, data_start)
+            raise ArchiveError(f"safetensors entry {name[:200]!r} has an invalid range", start + 8, data_start)
         if dtype is not None and end - begin != math.prod(shape) * DTYPE_ITEMSIZE[dtype]:
-            raise BlobError(f"safetensors entry {name[:200]!r}: {end - begin} bytes for {dtype}{list(shape)}",
+            raise ArchiveError(f"safetensors entry {name[:200]!r}: {end - begin} bytes for {dtype}{list(shape)}",
                             data_start + begin, data_start + end)
         tensors[name] = BlobTensor(dtype, shape, begin, end)
     cursor = 0
     for name, t in sorted(tensors.items(), key=lambda kv: kv[1].begin):
         if t.begin != cursor:
-            raise BlobError(f"safetensors entry {name!r} does not start where the previous one ended",
+            raise ArchiveError(f"safetensors entry {name!r} does not start where the previous one ended",
                             data_start + min(cursor, t.begin), data_start + max(cursor, t.begin))
         cursor = t.end
     end = data_start + cursor
     if end > f.size:
-        raise BlobError(f"safetensors data ends at byte {end} but the file has only {f.size} bytes",
+        raise ArchiveError(f"safetensors data ends at byte {end} but the file has only {f.size} bytes",
                         f.size, end)
     return Blob(start, data_start, end, tensors)
 

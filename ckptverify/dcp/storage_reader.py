@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
-from ckptverify.errors import ItemProofError, UnsafeMetadataError
+from ckptverify.errors import CheckpointRefusedError, ItemProofError
 from ckptverify.safeparse import paths
 
 if TYPE_CHECKING:
@@ -65,11 +65,11 @@ class SafeFileSystemReader(FileSystemReader):
         name = md.METADATA_FILE if rank is None else f"__{int(rank)}.metadata"
         names = md.metadata_files(root)
         if rank is not None and md.METADATA_FILE in names:
-            raise UnsafeMetadataError(
+            raise CheckpointRefusedError(
                 f"refusing {name}: {root} has a .metadata, so the per-rank file is a second entry point; "
                 "DCP reads it only because .metadata failed")
         if rank is None and len(names) > 1 and md.METADATA_FILE in names:
-            raise UnsafeMetadataError(
+            raise CheckpointRefusedError(
                 f"refusing {root}: per-rank metadata {names[1]} lies beside .metadata (run ckptverify verify)")
         metadata = build_metadata(load_parsed(os.path.join(root, name), name, self._check_metadata))
         if metadata.storage_meta is None:
@@ -84,7 +84,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def load_parsed(path: str, name: str, check: Any = None) -> md.ParsedMetadata:
-    """Read and validate one metadata file; :class:`~ckptverify.errors.UnsafeMetadataError` on anything wrong.
+    """Read and validate one metadata file; :class:`~ckptverify.errors.CheckpointRefusedError` on anything wrong.
     ``check(name, raw)``, when given, sees the bytes as read, before they are parsed."""
     try:
         raw = md.read_metadata_bytes(path)
@@ -94,14 +94,14 @@ def load_parsed(path: str, name: str, check: Any = None) -> md.ParsedMetadata:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise UnsafeMetadataError(f"cannot read {name}: {exc.strerror or exc}") from None
+        raise CheckpointRefusedError(f"cannot read {name}: {exc.strerror or exc}") from None
     except sp.UnsafeGlobal as exc:
-        raise UnsafeMetadataError(f"refusing {name}: it asks to load the global {exc.name}") from None
-    except (sp.BadPickle, md.BadMetadata) as exc:
-        raise UnsafeMetadataError(f"refusing {name}: {exc}") from None
+        raise CheckpointRefusedError(f"refusing {name}: it asks to load the global {exc.name}") from None
+    except sp.BadPickle as exc:
+        raise CheckpointRefusedError(f"refusing {name}: {exc}") from None
     if parsed.unsafe_paths:
         fqn, _, raw = parsed.unsafe_paths[0]
-        raise UnsafeMetadataError(f"refusing {name}: storage path {raw!r} of {fqn!r} leaves the checkpoint")
+        raise CheckpointRefusedError(f"refusing {name}: storage path {raw!r} of {fqn!r} leaves the checkpoint")
     return parsed
 
 
@@ -260,7 +260,7 @@ def _dtype(name: str) -> Any:
 
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise UnsafeMetadataError(f"this torch has no dtype {name!r}")
+        raise CheckpointRefusedError(f"this torch has no dtype {name!r}")
     return dtype
 
 
@@ -269,7 +269,7 @@ def _layout(name: str) -> Any:
 
     value = getattr(torch, name.removeprefix("torch."), None) if name.startswith("torch.") else None
     if not isinstance(value, torch.layout) or str(value) != name:
-        raise UnsafeMetadataError(f"this torch has no layout {name!r}")
+        raise CheckpointRefusedError(f"this torch has no layout {name!r}")
     return value
 
 
@@ -324,7 +324,7 @@ def _real(value: Any) -> Any:
         return WriteItemType(value.value)
     if t is sp.Obj:
         return _real_obj(value)
-    raise UnsafeMetadataError(f"unexpected value of type {t.__name__} in validated metadata")
+    raise CheckpointRefusedError(f"unexpected value of type {t.__name__} in validated metadata")
 
 
 def _real_obj(obj: sp.Obj) -> Any:
@@ -363,4 +363,4 @@ def _real_obj(obj: sp.Obj) -> Any:
         return _StoragePrefix(prefix=f["prefix"])
     if obj.kind == "StorageMeta":
         return _storage_meta(md._storage_meta(obj))
-    raise UnsafeMetadataError(f"unexpected {obj.kind} in validated metadata")
+    raise CheckpointRefusedError(f"unexpected {obj.kind} in validated metadata")

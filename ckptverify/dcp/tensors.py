@@ -11,23 +11,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptverify.errors import UnreadableTensor
+from ckptverify.errors import FindingError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCK_BYTES", "UnreadableTensor", "torch_dtype"]
+__all__ = ["BLOCK_BYTES", "torch_dtype"]
 
 #: Upper bound on the bytes materialised at once when streaming a chunk.
 BLOCK_BYTES = 64 << 20
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a stable dtype name (``"bfloat16"``); :class:`UnreadableTensor` when this torch has
+    """The torch dtype of a stable dtype name (``"bfloat16"``); :class:`FindingError` when this torch has
     none of that name."""
     import torch
 
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise UnreadableTensor(f"this torch has no dtype {name!r}")
+        raise FindingError(f"this torch has no dtype {name!r}")
     return dtype

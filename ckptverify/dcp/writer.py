@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
-from ckptverify.errors import CkptVerifyRuntimeWarning, UsageError
+from ckptverify.errors import CkptVerifyWarning, UsageError
 from ckptverify.fingerprint import (
     ALGORITHMS,
     FINGERPRINT_VERSION,
@@ -872,7 +872,7 @@ class HashingFileSystemWriter(FileSystemWriter):
                 write_plan(root, {**plan, "deep": True} if self.node_deep else plan)
             except OSError as exc:  # the save stands; without a plan the coordinator verifies it whole
                 warnings.warn(f"{root}: its verification cannot be shared out among nodes ({type(exc).__name__}: "
-                              f"{exc}); the coordinator verifies it whole", CkptVerifyRuntimeWarning, stacklevel=2)
+                              f"{exc}); the coordinator verifies it whole", CkptVerifyWarning, stacklevel=2)
 
     def _build_manifest(
         self,
@@ -996,7 +996,7 @@ def _blob_range(cache: dict[tuple[str, int], Any], path: str, start: int, fqn: s
         try:
             with ReadOnlyFile(path) as f:
                 cache[key] = safetensors.read_blob(f, start)
-        except (OSError, safetensors.BlobError):
+        except (OSError, safetensors.ArchiveError):
             cache[key] = None
     blob = cache[key]
     return None if blob is None else safetensors.data_range(blob, fqn)

@@ -139,7 +139,7 @@ def _opener(files: dict[str, Any], readers: dict[tuple[str, int, int], Any]) -> 
 
 def _values(items: Iterable[ReadItem]) -> dict[str, str]:
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.safeparse.pickle_scan import PickleScanError, leaf_values, scan_pickle
+    from ckptverify.safeparse.pickle_scan import BadPickle, leaf_values, scan_pickle
 
     got: dict[str, str] = {}
     done: set[str] = set()
@@ -154,6 +154,6 @@ def _values(items: Iterable[ReadItem]) -> dict[str, str]:
         data = r.reader.pread(r.base + rec.data_offset, rec.size)
         try:
             got.update(leaf_values(scan_pickle(data).root, prefix=item.fqn))
-        except PickleScanError:
+        except BadPickle:
             got[item.fqn] = f"pickle:xxh3-128:{digest_bytes(data)}"
     return got

@@ -41,11 +41,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-from ckptverify.dcp.tensors import BLOCK_BYTES, UnreadableTensor
+from ckptverify.dcp.tensors import BLOCK_BYTES
+from ckptverify.errors import FindingError
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
-from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, PickleScanError, leaf_values, scan_pickle
+from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, BadPickle, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
 
@@ -282,7 +283,7 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
         return
     try:
         scan = scan_pickle(f.pread(pkl.data_offset, pkl.size))
-    except PickleScanError as exc:
+    except BadPickle as exc:
         desc.unread[name] = f"data.pkl cannot be read safely: {exc}"
         return
     records = {r.name: r for r in archive.records}
@@ -316,7 +317,7 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
 def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
     try:
         blob = safetensors.read_blob(f, 0)
-    except safetensors.BlobError as exc:
+    except safetensors.ArchiveError as exc:
         desc.unread[name] = f"not a well-formed safetensors file: {exc}"
         return
     desc.files[name] = "safetensors"
@@ -337,7 +338,7 @@ def _pickle(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
     data = f.pread(0, f.size)
     try:
         scan = scan_pickle(data)
-    except PickleScanError as exc:
+    except BadPickle as exc:
         desc.unread[name] = f"not a readable pickle: {exc}"
         return
     # A legacy (pre-1.6) torch.save starts with the pickled magic number; its tensors follow in raw form.
@@ -461,7 +462,7 @@ def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
     element at least), so block fingerprints combine exactly: consecutive rows read one block at a time for a
     row-major view; for any other view (transposed, expanded with stride 0, overlapping) boxes of the view onto
     the storage bytes it addresses, read once (:func:`read_payload`). ``row_major``: what :func:`is_row_major`
-    says of ``p`` when the caller knows it already. Raises :class:`~ckptverify.dcp.tensors.UnreadableTensor`
+    says of ``p`` when the caller knows it already. Raises :class:`~ckptverify.errors.FindingError`
     when the bytes are shorter than the view, or the dtype is not one this torch has; ``ValueError`` for a view
     its bytes cannot hold."""
     import torch
@@ -494,7 +495,7 @@ def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
         r1 = min(sizes[0], r0 + rows_per_block)
         raw = bytearray(f.pread(start + r0 * row_bytes, (r1 - r0) * row_bytes))
         if len(raw) != (r1 - r0) * row_bytes:
-            raise UnreadableTensor("payload shorter than its shape")
+            raise FindingError("payload shorter than its shape")
         block = torch.frombuffer(raw, dtype=dtype).view((r1 - r0, *sizes[1:])) if raw else torch.empty(
             (r1 - r0, *sizes[1:]), dtype=dtype)
         yield (p.chunk_offsets[0] + r0, *p.chunk_offsets[1:]), block

@@ -21,7 +21,6 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ckptverify.errors import WalkIncompleteError
 from ckptverify.ownfiles.names import SAVE_MARKER
 from ckptverify.safeparse import paths
 
@@ -31,7 +30,6 @@ __all__ = [
     "MAX_FOLDER_ENTRIES",
     "MAX_NAMES",
     "Candidate",
-    "WalkIncompleteError",
     "WalkNote",
     "dir_format",
     "file_format",

@@ -16,7 +16,7 @@ the ``verify_when``, ``verify_deep`` and ``verify_on_failure`` fields of its con
 the save returns at once and the checkpoint is verified by the process's background verifier
 (:mod:`ckptverify.verifier.background`).
 
-What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`CheckpointVerificationWarning`,
+What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`VerifyFailedWarning`,
 and the result of every check, :class:`~ckptverify.verifier.verification.Verification` (``ckptverify.Verification``,
 the result of a save's ``verify=`` too; ``Verdict``, its former name here, still works for one release with a
 ``DeprecationWarning``). See ``docs/integrations.md``.
@@ -28,11 +28,11 @@ import warnings
 from typing import Any
 
 from ckptverify.errors import CkptVerifyDeprecationWarning
-from ckptverify.integrations._core import CheckpointVerificationWarning, Group, Verifier, torch_group
+from ckptverify.integrations._core import Group, Verifier, VerifyFailedWarning, torch_group
 from ckptverify.options import VerifyOptions
 from ckptverify.verifier.verification import Verification
 
-__all__ = ["CheckpointVerificationWarning", "Group", "Verification", "Verifier", "VerifyOptions", "torch_group"]
+__all__ = ["Group", "Verification", "Verifier", "VerifyFailedWarning", "VerifyOptions", "torch_group"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,7 @@ manifest; then its stamp is written
 (:class:`~ckptverify.ownfiles.events.EventLog`). Every result is a
 :class:`~ckptverify.verifier.verification.Verification` (``ckptverify.Verification``, the type a save with
 ``verify=`` gives too; the check itself is :func:`~ckptverify.verifier.saved.check_saved`). A failure is a
-:class:`CheckpointVerificationWarning` and a ``checkpoint-failed`` event, and with ``on_failure="raise"`` a
+:class:`VerifyFailedWarning` and a ``checkpoint-failed`` event, and with ``on_failure="raise"`` a
 :class:`~ckptverify.errors.CheckpointRefusedError` on every rank.
 
 Before a load (:meth:`Verifier.before_resume`): the checkpoint is verified (read only: nothing is written into
@@ -31,7 +31,7 @@ checkpoint to the process's background verifier (:mod:`ckptverify.verifier.backg
 idle CPU priority) and the save returns at once, with a *pending* verdict. The verifier process runs the same
 check as inline (its ``check-saved`` job, :func:`check_saved`: fingerprinted when needed, verified, stamped),
 and the same event is
-appended when it finishes, with the same fields; a failure is then a :class:`CheckpointVerificationWarning` (on
+appended when it finishes, with the same fields; a failure is then a :class:`VerifyFailedWarning` (on
 the coordinator, from the verifier's thread), and with ``on_failure="raise"`` a
 :class:`~ckptverify.errors.CheckpointRefusedError` raised by the next :meth:`Verifier.after_save` (or
 :meth:`Verifier.wait`) on every rank together. :meth:`Verifier.wait` (the integrations call it at the end of
@@ -56,10 +56,9 @@ from typing import Any, Literal
 
 from ckptverify.errors import (
     CheckpointRefusedError,
-    CheckpointVerificationWarning,
-    CkptVerifyRuntimeWarning,
     CkptVerifyWarning,
     UsageError,
+    VerifyFailedWarning,
 )
 from ckptverify.findings import Report
 from ckptverify.options import (
@@ -79,9 +78,22 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, unverified
 
-__all__ = ["ON_FAILURE", "WHEN", "CheckpointVerificationWarning", "Group", "Verdict", "Verifier", "VerifyOptions",
-           "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_gather",
-           "torch_group"]
+__all__ = [
+    "ON_FAILURE",
+    "WHEN",
+    "Group",
+    "Verdict",
+    "Verifier",
+    "VerifyFailedWarning",
+    "VerifyOptions",
+    "check_saved",
+    "integration_verify",
+    "numbered_folders",
+    "plain_folder",
+    "settle_verdicts",
+    "torch_gather",
+    "torch_group",
+]
 
 OnFailure = Literal["warn", "raise"]
 ON_FAILURE: tuple[str, ...] = FAILURE_POLICIES
@@ -265,7 +277,7 @@ class Verifier:
             if self.on_failure == "raise":
                 raise CheckpointRefusedError(f"checkpoint saved at {verdict.message}", verdict.report)
             if group.coordinator:
-                warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=3)
+                warnings.warn(verdict.message, VerifyFailedWarning, stacklevel=3)
         return verdict
 
     def wait(self, *, group: Group = Group(), timeout: float | None = None) -> list[Verification]:
@@ -355,7 +367,7 @@ class Verifier:
             self._emit(root, f"{event}-verified" if verdict.passed else f"{event}-refused", verdict, group.rank)
         verdict = self._agree(verdict, group)
         if warn and not verdict.passed and group.coordinator:
-            warnings.warn(f"{event}: {verdict.message}", CheckpointVerificationWarning, stacklevel=3)
+            warnings.warn(f"{event}: {verdict.message}", VerifyFailedWarning, stacklevel=3)
         return verdict
 
     # -- coordinator side
@@ -400,7 +412,7 @@ class Verifier:
             write_plan(os.path.abspath(root), plan)
         except OSError as exc:
             warnings.warn(f"{root}: the verification cannot be shared out among nodes ({type(exc).__name__}: "
-                          f"{exc}); rank 0 verifies it whole", CkptVerifyRuntimeWarning, stacklevel=3)
+                          f"{exc}); rank 0 verifies it whole", CkptVerifyWarning, stacklevel=3)
             return False
         return True
 
@@ -419,7 +431,7 @@ class Verifier:
         def done(result: Any, why: str | None) -> None:
             if result is None or not result.get("written"):
                 warnings.warn(f"node {node}'s part of the verification of {root} was not verified: "
-                              f"{why if result is None else result.get('why')}", _incomplete_warning(), stacklevel=2)
+                              f"{why if result is None else result.get('why')}", CkptVerifyWarning, stacklevel=2)
 
         default_verifier().submit(where, step=step, task=Task(job=VERIFY_PART, args={"root": where, "node": node},
                                                               done=done, locked=False))
@@ -478,19 +490,19 @@ class Verifier:
             if failed and self.on_failure == "raise":
                 self._unraised.append(verdict)
         if failed:
-            warnings.warn(verdict.message, CheckpointVerificationWarning, stacklevel=2)
+            warnings.warn(verdict.message, VerifyFailedWarning, stacklevel=2)
 
     def _cut_short_one(self, root: str, step: int | None, folder: str, why: str) -> None:
         """The process's background verifier gave up waiting for ``root`` (at interpreter exit)."""
         self._emit_in(folder, "checkpoint-cut-short", _cut(root, step, why), 0)
         warnings.warn(f"{root}: {why}; it carries no stamp and is verified when a resume picks it",
-                      _incomplete_warning(), stacklevel=2)
+                      CkptVerifyWarning, stacklevel=2)
 
     def _cut_short(self, left: list[str], why: str) -> None:
         for where in left:
             self._emit_in(self._events_folder(where), "checkpoint-cut-short", _cut(where, None, why), 0)
         warnings.warn(f"{len(left)} checkpoint verification(s) cut short, {why}: {', '.join(left)}; they carry no "
-                      "stamp and are verified when a resume picks them", _incomplete_warning(), stacklevel=3)
+                      "stamp and are verified when a resume picks them", CkptVerifyWarning, stacklevel=3)
 
     def _take_unraised(self) -> Verification | None:
         with self._lock:
@@ -524,7 +536,7 @@ class Verifier:
             EventLog(folder, rank=rank).emit(event, **verdict.to_dict(), **extra)
         except OSError as exc:  # the log is a record; an unwritable one must not stop training
             warnings.warn(f"ckptverify could not append to {folder}/events.jsonl: {exc}",
-                          CheckpointVerificationWarning, stacklevel=4)
+                          VerifyFailedWarning, stacklevel=4)
 
     @staticmethod
     def _agree(verdict: Verification | None, group: Group) -> Verification:
@@ -587,12 +599,6 @@ def settle_verdicts(verdicts: list[Verification], arrived: list[Verification]) -
 
 def _cut(path: str, step: int | None, why: str) -> Verification:
     return unverified(path, step, "cut-short", why, message=f"{path} was not verified: {why}")
-
-
-def _incomplete_warning() -> type[Warning]:
-    from ckptverify.verifier.background import VerifyIncompleteWarning
-
-    return VerifyIncompleteWarning
 
 
 def _await_background(root: str) -> None:

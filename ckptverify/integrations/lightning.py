@@ -78,7 +78,7 @@ class VerifyCheckpoints(Callback):
         verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``. ``when``: ``"inline"`` (default)
             or ``"background"``: each save returns at once, its verdict arrives later (see the module docstring);
             ``teardown`` waits for the pending ones. ``on_failure``: ``"warn"`` (default: a
-            :class:`~ckptverify.integrations.CheckpointVerificationWarning` and a ``checkpoint-failed`` event) or
+            :class:`~ckptverify.integrations.VerifyFailedWarning` and a ``checkpoint-failed`` event) or
             ``"raise"`` (also stop training with :class:`~ckptverify.errors.CheckpointRefusedError`) when a saved
             checkpoint fails verification. ``deep``: as for :class:`~ckptverify.integrations.Verifier`.
             (``on_failure=``, ``background=`` and ``deep=`` still work for one release, with a

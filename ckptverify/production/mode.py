@@ -57,7 +57,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckptverify.errors import MoveAsideError, ResumeRefusedError, UsageError
+from ckptverify.errors import CkptVerifyError, ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import NotRegularFileError, own_dir, write_atomic
 from ckptverify.safeparse import safejson
@@ -195,7 +195,7 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
             continue
         try:
             moved = move_aside(root, s["path"])
-        except MoveAsideError as exc:  # the job does not start over a checkpoint it cannot keep
+        except CkptVerifyError as exc:  # the job does not start over a checkpoint it cannot keep
             error = f"{exc}. The job does not start: a save of it could land on {s['path']}."
             _say(error)
             log.emit("resume-refused", resume=options.resume, reason=error, skipped=found.skipped)
@@ -422,7 +422,7 @@ class Production:
                 rel = os.path.relpath(path, root)
                 try:
                     moved = move_aside(root, rel)
-                except MoveAsideError as exc:  # never saved over it: the job stops, as a refused start does
+                except CkptVerifyError as exc:  # never saved over it: the job stops, as a refused start does
                     _say(f"{exc}. The save of step {step} would write over it: the job stops.")
                     raise SystemExit(2) from None
                 why = "something was already at the path of the save of this step"

@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import CheckpointNotFoundError, MoveAsideError, UsageError
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints, step_of
 from ckptverify.ownfiles.names import open_own_dir
@@ -71,7 +71,7 @@ def move_aside(run_dir: str | os.PathLike[str], rel_path: str) -> str:
 
     The quarantine is a folder of ``run_dir`` (:func:`~ckptverify.ownfiles.names.open_own_dir`: a link there is
     never followed out of it), and the checkpoint is renamed into it, never copied and deleted. Raises
-    :class:`~ckptverify.errors.MoveAsideError` (nothing moved) when it cannot be: a link or a file at
+    :class:`~ckptverify.errors.CkptVerifyError` (nothing moved) when it cannot be: a link or a file at
     ``quarantine``, another file system, no permission."""
     root = os.fspath(run_dir)
     if "://" in root:
@@ -83,7 +83,7 @@ def move_aside(run_dir: str | os.PathLike[str], rel_path: str) -> str:
     try:
         fd = open_own_dir(root, QUARANTINE_DIR)
     except OSError as exc:
-        raise MoveAsideError(f"cannot move {rel_path} aside: {_why(exc)}; nothing was moved") from None
+        raise CkptVerifyError(f"cannot move {rel_path} aside: {_why(exc)}; nothing was moved") from None
     try:
         for n in range(1000):
             name = f"{base}.moved-{when}" + (f"-{n}" if n else "")
@@ -98,12 +98,12 @@ def move_aside(run_dir: str | os.PathLike[str], rel_path: str) -> str:
                 why = (f"{quarantine} is on another file system than {source} (a checkpoint is renamed aside, "
                        "never copied and deleted); make it a folder on the run directory's file system"
                        if exc.errno == errno.EXDEV else _why(exc))
-                raise MoveAsideError(f"cannot move {rel_path} aside into {quarantine}: {why}; nothing was moved") \
+                raise CkptVerifyError(f"cannot move {rel_path} aside into {quarantine}: {why}; nothing was moved") \
                     from None
             return f"{QUARANTINE_DIR}/{name}"
     finally:
         os.close(fd)
-    raise MoveAsideError(f"cannot move {rel_path} aside: no free name in {quarantine} for {base}; nothing was moved")
+    raise CkptVerifyError(f"cannot move {rel_path} aside: no free name in {quarantine} for {base}; nothing was moved")
 
 
 def _why(exc: OSError) -> str:

@@ -17,7 +17,7 @@
 **Nothing is deleted when the walk did not see the whole run directory** (a folder it could not list, a folder
 with too many entries, its budget spent: :class:`~ckptverify.formats.rundir.WalkNote`): retention cannot know
 which checkpoints are newest, nor which one is the newest that verifies. :func:`prune` raises
-:class:`~ckptverify.formats.rundir.WalkIncompleteError` (exit 2) naming what was not seen.
+:class:`~ckptverify.errors.CkptVerifyError` (exit 2) naming what was not seen.
 
 Deletion never follows a symbolic link and never leaves the run directory.
 """
@@ -31,8 +31,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import CheckpointNotFoundError, UsageError
-from ckptverify.formats.rundir import WalkIncompleteError, WalkNote, find_checkpoints
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
+from ckptverify.formats.rundir import WalkNote, find_checkpoints
 from ckptverify.ownfiles.names import SAVE_MARKER, VERIFYING_LOCK
 
 __all__ = ["PruneResult", "is_locked", "prune"]
@@ -95,10 +95,10 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
     notes: list[WalkNote] = []
     found = find_checkpoints(root, notes=notes)
     if notes:
-        raise WalkIncompleteError(
+        raise CkptVerifyError(
             f"prune deleted nothing: the walk of {root} did not see all of it, so it cannot tell which checkpoints "
             f"are the newest: {'; '.join(n.describe() for n in notes)}. Make it visible (permissions), move what is "
-            "not a checkpoint out of the run directory, or prune the folder that holds the checkpoints.", notes)
+            "not a checkpoint out of the run directory, or prune the folder that holds the checkpoints.")
     candidates = [c for c in found if c.step is not None and not is_quarantined(c.path)]
     newest_first = sorted(candidates, key=lambda c: (c.step, c.mtime_ns), reverse=True)
     protected: dict[str, str] = {}
@@ -110,8 +110,8 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
             (None, False, "the newest checkpoint that verifies")):
         good = latest_verified(root, jobs=jobs, formats=formats, train_state=train_state)
         if good.unseen:  # the run directory changed since the walk above: decide nothing on a partial view
-            raise WalkIncompleteError(f"prune deleted nothing: the walk of {root} did not see all of it",
-                                      [WalkNote(**u) for u in good.unseen])
+            raise CkptVerifyError(f"prune deleted nothing: the walk of {root} did not see all of it: "
+                                  f"{'; '.join(WalkNote(**u).describe() for u in good.unseen)}")
         if good.path is not None:
             protected.setdefault(os.path.relpath(good.path, root), reason)
     result = PruneResult(dry_run=dry_run)

@@ -28,13 +28,23 @@ from typing import Any
 
 import xxhash
 
-from ckptverify.errors import PickleScanError
+from ckptverify.errors import BadPickle
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 from ckptverify.safeparse.torchsave import SUBCLASSES, dtype_name, subclass_allowlist, subclass_fields
 from ckptverify.safeparse.unpickler import Budget, FastUnpickler, Limits, check_opcodes
 
-__all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "Opaque", "PickleScan", "PickleScanError", "SubclassRef",
-           "TensorRef", "leaf_values", "scan_pickle"]
+__all__ = [
+    "MAX_OBJECTS",
+    "MAX_PICKLE_BYTES",
+    "MAX_VALUES",
+    "BadPickle",
+    "Opaque",
+    "PickleScan",
+    "SubclassRef",
+    "TensorRef",
+    "leaf_values",
+    "scan_pickle",
+]
 
 #: Largest ``data.pkl`` read.
 MAX_PICKLE_BYTES = 256 << 20
@@ -163,8 +173,8 @@ class PickleScan:
 
 
 def _budget(max_objects: int) -> Budget:
-    def exceeded() -> PickleScanError:
-        return PickleScanError(f"the pickle builds more than {MAX_OBJECTS} objects; refused (a decompression "
+    def exceeded() -> BadPickle:
+        return BadPickle(f"the pickle builds more than {MAX_OBJECTS} objects; refused (a decompression "
                                "bomb, or not a checkpoint)")
 
     return Budget(max_objects, exceeded, LIMITS)
@@ -195,18 +205,18 @@ class _Unpickler(FastUnpickler):
     def persistent(self, pid: Any) -> Any:
         self.budget.charge()
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise PickleScanError("a persistent reference that is not a torch storage")
+            raise BadPickle("a persistent reference that is not a torch storage")
         _, kind, key, _location, numel = pid
         dtype = kind[1] if isinstance(kind, tuple) and len(kind) == 2 else None
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise PickleScanError("a storage reference with a bad key or size")
+            raise BadPickle("a storage reference with a bad key or size")
         ref = self.scan.storages.get(key)
         if ref is None:
             ref = StorageRef(key, dtype, numel)
             self.scan.storages[key] = ref
         elif ref.dtype != dtype:
             # One record read as two storage types would be sized two ways; torch.save never writes that.
-            raise PickleScanError(f"storage {key[:40]!r} is referenced with two different types")
+            raise BadPickle(f"storage {key[:40]!r} is referenced with two different types")
         return ref
 
     def _rebuild_tensor_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
@@ -215,12 +225,12 @@ class _Unpickler(FastUnpickler):
         bytes)."""
         name = dtype_name(dtype)
         if name is None or name not in DTYPE_ITEMSIZE:
-            raise PickleScanError("_rebuild_tensor_v3 without a dtype")
+            raise BadPickle("_rebuild_tensor_v3 without a dtype")
         ref = self._rebuild_tensor(storage, offset, size, stride)
         if not isinstance(ref, TensorRef):
             return ref
         if ref.storage.dtype is not None and ref.storage.dtype != name:
-            raise PickleScanError(f"a {name} tensor over a {ref.storage.dtype} storage")
+            raise BadPickle(f"a {name} tensor over a {ref.storage.dtype} storage")
         return TensorRef(ref.storage, ref.offset, ref.shape, ref.stride, elem_dtype=name)
 
     def _rebuild_from_type(self, func: Any, new_type: Any, args: Any, state: Any = None, *rest: Any) -> Any:
@@ -234,11 +244,11 @@ class _Unpickler(FastUnpickler):
             self.scan.opaque.add(qual)
             return self.unknown_global(*qual.rsplit(".", 1))(func, new_type, args, state, *rest)
         if rest:
-            raise PickleScanError(f"a {label} record with extra arguments")
+            raise BadPickle(f"a {label} record with extra arguments")
         try:
             cls, dtype, shape, stride, parts, context = subclass_fields(func, new_type, args, state, TensorRef)
         except pickle.UnpicklingError as exc:
-            raise PickleScanError(str(exc)) from None
+            raise BadPickle(str(exc)) from None
         return SubclassRef(cls, dtype, shape, stride, parts, context)
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
@@ -246,13 +256,13 @@ class _Unpickler(FastUnpickler):
         if not isinstance(storage, StorageRef):
             return _opaque_class("torch._utils._rebuild_tensor_v2 (not over a storage)")()
         if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
-            raise PickleScanError("a tensor with a bad offset, shape or stride")
+            raise BadPickle("a tensor with a bad offset, shape or stride")
         shape, strides = tuple(size), tuple(stride)
         # Below 2**63 as torch's own sizes: a pickle's LONG4 can carry an integer of millions of digits, and the
         # extent of a tensor multiplies them.
         if len(shape) != len(strides) or len(shape) > 64 or not all(
                 type(v) is int and 0 <= v < 1 << 63 for v in (*shape, *strides, offset)):
-            raise PickleScanError("a tensor with a bad offset, shape or stride")
+            raise BadPickle("a tensor with a bad offset, shape or stride")
         return TensorRef(storage, offset, shape, strides)
 
 
@@ -305,24 +315,24 @@ class _OrderedDict(dict):  # type: ignore[type-arg]
 
 def _encode(text: Any, encoding: Any = "latin1") -> bytes:
     if not isinstance(text, str) or encoding != "latin1":
-        raise PickleScanError("_codecs.encode outside the bytes-in-protocol-2 form")
+        raise BadPickle("_codecs.encode outside the bytes-in-protocol-2 form")
     return text.encode("latin1")
 
 
 def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
-    """Unpickle ``data`` into inert stand-ins and list its tensors; raises :class:`PickleScanError`."""
+    """Unpickle ``data`` into inert stand-ins and list its tensors; raises :class:`BadPickle`."""
     if len(data) > MAX_PICKLE_BYTES:
-        raise PickleScanError(f"data.pkl is {len(data)} bytes, more than this tool reads ({MAX_PICKLE_BYTES})")
-    check_opcodes(data, LIMITS, PickleScanError)
+        raise BadPickle(f"data.pkl is {len(data)} bytes, more than this tool reads ({MAX_PICKLE_BYTES})")
+    check_opcodes(data, LIMITS, BadPickle)
     scan = PickleScan(root=None)
     budget = _budget(max_objects)
     try:
         scan.root = _Unpickler(data, scan, budget).load()
-    except PickleScanError:
+    except BadPickle:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
             RecursionError, MemoryError, OverflowError, UnicodeDecodeError, ImportError) as exc:
-        raise PickleScanError(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
+        raise BadPickle(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
     _walk(scan, budget)
     return scan
 

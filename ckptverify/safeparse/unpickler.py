@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ckptverify.errors import OpcodeRefusal
+from ckptverify.errors import BadPickle
 
 __all__ = ["Allowlisted", "Budget", "FastUnpickler", "FrozenGlobal", "Limits", "ReferenceUnpickler",
            "callable_global", "check_opcodes"]
@@ -393,7 +393,7 @@ def check_opcodes(data: bytes, limits: Limits, refused: Callable[[str], Exceptio
     Calls are charged the height of their arguments, as a stand-in may hand a tuple argument back."""
     try:
         _check_opcodes(data, limits.max_depth, limits.memo_slack)
-    except OpcodeRefusal as refusal:
+    except BadPickle as refusal:
         raise refused(str(refusal)) from None
     except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
         raise refused(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
@@ -415,7 +415,7 @@ def _check_opcodes(data: bytes, max_depth: int, slack: int) -> None:
         if name in _MEMO_PUT or name == "MEMOIZE":
             index = int(arg) if name != "MEMOIZE" else len(memo)
             if index < 0 or index > puts + slack:
-                raise OpcodeRefusal(f"the pickle stores memo entry {index} after {puts} entries; refused "
+                raise BadPickle(f"the pickle stores memo entry {index} after {puts} entries; refused "
                                "(the unpickler would allocate memory for every index below it)")
             puts += 1
             memo[index] = stack[-1] if stack else 0
@@ -442,5 +442,5 @@ def _check_opcodes(data: bytes, max_depth: int, slack: int) -> None:
         else:
             height = 0
         if height > max_depth:
-            raise OpcodeRefusal(f"the pickle nests tuples deeper than {max_depth} levels; refused")
+            raise BadPickle(f"the pickle nests tuples deeper than {max_depth} levels; refused")
         stack.extend([height] * len(op.stack_after))

@@ -33,7 +33,7 @@ canonical byte serialization) so saved and restored states can be compared witho
 **Ranks.** DCP silently deduplicates items that several ranks save under the same key, so rank-local state
 must be keyed by rank. :class:`RngState` is a DCP ``Stateful`` whose ``state_dict()`` holds only this rank's
 streams under ``rank{r}`` (see :func:`rank_key`) and the world size under ``world_size`` (equal on all ranks,
-so deduplicating it is harmless). Loading with a different world size raises :class:`WorldSizeChangedError`
+so deduplicating it is harmless). Loading with a different world size raises :class:`UsageError`
 unless re-seeding was allowed.
 """
 
@@ -48,14 +48,13 @@ import numpy as np
 import torch
 import xxhash
 
-from ckptverify.errors import UsageError, WorldSizeChangedError
+from ckptverify.errors import UsageError
 from ckptverify.state.distributed import rank_world
 
 __all__ = [
     "READABLE_RNG_STATE_VERSIONS",
     "RNG_STATE_VERSION",
     "RngState",
-    "WorldSizeChangedError",
     "capture_rng",
     "cuda_in_use",
     "derive_seed",
@@ -420,7 +419,7 @@ class RngState:
     then :meth:`load_state_dict`).
 
     With a different world size, the saved streams cannot be mapped to the new ranks: loading raises
-    :class:`WorldSizeChangedError`, or, with ``allow_reseed=True``, re-seeds every stream from ``seed`` and
+    :class:`UsageError`, or, with ``allow_reseed=True``, re-seeds every stream from ``seed`` and
     the rank (:func:`reseed_rng`) and appends a message to :attr:`warnings`. When the world grows, ranks
     without a saved key need DCP's partial load (``DefaultLoadPlanner(allow_partial_load=True)``) to get as
     far as :meth:`load_state_dict`; the world-size check then still runs, because ``world_size`` is saved by
@@ -473,7 +472,7 @@ class RngState:
             raise UsageError(f"RNG state dict has no valid world_size (got {saved_world!r})")
         if saved_world != self.world_size:
             if not self.allow_reseed:
-                raise WorldSizeChangedError(
+                raise UsageError(
                     f"RNG state was saved by {saved_world} rank(s) but this job has {self.world_size}; per-rank "
                     "random streams cannot be carried over exactly. Pass allow_reseed=True to re-seed from a seed "
                     "and the rank (the resumed run will then not be bitwise identical to an uninterrupted one)."

@@ -42,7 +42,7 @@ loader re-seeds torch's, ``random``'s and numpy's global streams in the worker b
 ``R`` replicas the first ``C = p * R`` samples of the global interleaved order were consumed. On ``R'``
 replicas, rank ``r'`` continues exactly at global index ``C + r'`` when ``C`` is divisible by ``R'``
 (new position ``C / R'``). Otherwise no assignment avoids skipping or repeating samples, and loading raises
-:class:`CannotReshardError`. A state saved at the end of an epoch reshards to the end of that epoch. The
+:class:`UsageError`. A state saved at the end of an epoch reshards to the end of that epoch. The
 epoch's tail follows the new replica count: without ``drop_last`` the padding (repeats of the first samples
 that make the length a multiple of the replica count) is the new count's, and no sample is ever skipped; with
 ``drop_last``, a change that would end the epoch at a different sample is refused.
@@ -59,12 +59,11 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Sampler
 
-from ckptverify.errors import CannotReshardError, UsageError
+from ckptverify.errors import UsageError
 from ckptverify.state.distributed import rank_world
 
 __all__ = [
     "SAMPLER_STATE_VERSION",
-    "CannotReshardError",
     "Drawn",
     "ResumableSampler",
     "epoch_indices",
@@ -355,7 +354,7 @@ class ResumableSampler(Sampler[int]):
 
         The dataset length, ``shuffle``, ``seed`` and ``drop_last`` must match the saved ones. With the same
         replica count the saved rank must be this rank; with a different one, the position is resharded when
-        that is exact, else :class:`CannotReshardError` is raised. The saved ``worker_seed`` (absent from
+        that is exact, else :class:`UsageError` is raised. The saved ``worker_seed`` (absent from
         older states) is the base seed the workers started for the resumed epoch re-seed from.
         """
         if not isinstance(state_dict, Mapping):
@@ -408,7 +407,7 @@ class ResumableSampler(Sampler[int]):
             return self.num_samples  # the epoch was finished
         consumed = position * old_replicas
         if consumed % new_replicas != 0:
-            raise CannotReshardError(
+            raise UsageError(
                 f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas: each rank consumed "
                 f"{position} samples, {consumed} globally, which is not divisible by {new_replicas}; resuming would "
                 f"skip or repeat samples. Resume on {old_replicas} replicas, or checkpoint at a global sample count "
@@ -416,14 +415,14 @@ class ResumableSampler(Sampler[int]):
             )
         old_total = old_num_samples * old_replicas
         if self.drop_last and old_total != self.total_size:
-            raise CannotReshardError(
+            raise UsageError(
                 f"cannot reshard the sampler from {old_replicas} to {new_replicas} replicas with drop_last=True: the "
                 f"epoch would end after {self.total_size} samples instead of {old_total}, so samples would be "
                 "skipped or added"
             )
         new_position = consumed // new_replicas
         if new_position > self.num_samples:  # pragma: no cover - excluded by the arithmetic above
-            raise CannotReshardError(
+            raise UsageError(
                 f"cannot reshard the sampler: {consumed} samples consumed exceed the {self.total_size} samples of an "
                 f"epoch on {new_replicas} replicas"
             )

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckptverify.errors import LoadFailedError, UsageError, reported_as_itself
+from ckptverify.errors import CkptVerifyError, UsageError, reported_as_itself
 from ckptverify.state.dataloader import loader_state, restore_loader
 from ckptverify.state.digest import state_digest
 from ckptverify.state.distributed import rank_world
@@ -49,10 +49,10 @@ class Counters:
             setattr(self, name, value)
 
     def validated(self, sd: Any) -> dict[str, int]:
-        """The counters in ``sd`` as ints; :class:`~ckptverify.errors.LoadFailedError` unless every one is
+        """The counters in ``sd`` as ints; :class:`~ckptverify.errors.CkptVerifyError` unless every one is
         an int (or a one-element integer tensor)."""
         if not isinstance(sd, Mapping):
-            raise LoadFailedError(f"counters in the checkpoint are a {type(sd).__name__}, not a mapping")
+            raise CkptVerifyError(f"counters in the checkpoint are a {type(sd).__name__}, not a mapping")
         out: dict[str, int] = {}
         for name in asdict(self):
             value = sd.get(name)
@@ -60,7 +60,7 @@ class Counters:
                     and not value.dtype.is_complex and value.dtype != torch.bool:
                 value = int(value)
             if type(value) is not int:
-                raise LoadFailedError(f"counter {name!r} in the checkpoint is {value!r}, not an int")
+                raise CkptVerifyError(f"counter {name!r} in the checkpoint is {value!r}, not an int")
             out[name] = value
         return out
 
@@ -309,7 +309,7 @@ class TrainState:
 
         Every field is checked first (types, versions, the RNG state's shape); then the fields are applied
         in order of how easily they are undone, the model and optimizer last. If anything fails, the fields
-        already applied are put back as they were and :class:`~ckptverify.errors.LoadFailedError` (or the
+        already applied are put back as they were and :class:`~ckptverify.errors.CkptVerifyError` (or the
         :class:`~ckptverify.errors.UsageError` that explains it, such as a world size change) is raised:
         the state is then what it was before the call.
         """
@@ -321,20 +321,20 @@ class TrainState:
             undo()
             if reported_as_itself(exc) or not isinstance(exc, Exception):
                 raise
-            raise LoadFailedError(f"restoring the train state failed ({type(exc).__name__}: {exc}); "
+            raise CkptVerifyError(f"restoring the train state failed ({type(exc).__name__}: {exc}); "
                                   "nothing was changed") from exc
 
     def _check(self, sd: Any) -> dict[str, Any]:
         """Everything about ``sd`` that can be checked without changing the state; returns what applying
         needs (validated counters, this rank's loader state)."""
         if not isinstance(sd, Mapping):
-            raise LoadFailedError(f"a train state must be a mapping, got {type(sd).__name__}")
+            raise CkptVerifyError(f"a train state must be a mapping, got {type(sd).__name__}")
         if sd.get("version") != STATE_VERSION:
-            raise LoadFailedError(f"train state version {sd.get('version')!r} is not supported")
+            raise CkptVerifyError(f"train state version {sd.get('version')!r} is not supported")
 
         def mapping(value: Any, what: str) -> Mapping[str, Any]:
             if not isinstance(value, Mapping):
-                raise LoadFailedError(f"{what} in the checkpoint is a {type(value).__name__}, not a mapping")
+                raise CkptVerifyError(f"{what} in the checkpoint is a {type(value).__name__}, not a mapping")
             return value
 
         if self.model is not None:
@@ -354,17 +354,17 @@ class TrainState:
             data = mapping(sd.get("data"), "the data loader state")
             me = rank_key(self.rank)
             if me not in data and not data:
-                raise LoadFailedError("the checkpoint holds no data loader state")
+                raise CkptVerifyError("the checkpoint holds no data loader state")
             loader = mapping(data[me] if me in data else next(iter(data.values())), "the data loader state")
         if self.extras:
             extras = mapping(sd.get("extras"), "the extras")
             for name in self.extras:
                 if name not in extras:
-                    raise LoadFailedError(f"the checkpoint holds no state for extra {name!r}")
+                    raise CkptVerifyError(f"the checkpoint holds no state for extra {name!r}")
         digests = mapping(sd.get("digests", {}), "the saved field digests")
         mine = mapping(digests.get(rank_key(self.rank), {}), "this rank's saved field digests")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in mine.items()):
-            raise LoadFailedError("this rank's saved field digests are not all strings")
+            raise CkptVerifyError("this rank's saved field digests are not all strings")
         return {"counters": counters, "loader": loader, "digests": dict(mine)}
 
     def _snapshot(self) -> Any:

@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.errors import TraceEncodingMismatchError, TraceHeaderMismatchError, UsageError
+from ckptverify.errors import TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.trace.store import (
+    CkptVerifyError,
     Trace,
-    TraceNotFoundError,
     open_trace,
     step_ranges,
 )
@@ -41,7 +41,6 @@ from ckptverify.trace.store import (
 __all__ = [
     "FirstDivergence",
     "RankComparison",
-    "TraceEncodingMismatchError",
     "TraceHeaderMismatchError",
     "compare_runs",
     "compare_traces",
@@ -171,7 +170,7 @@ def run_stores(run_dir: str | os.PathLike[str]) -> dict[int, Path]:
     """``{rank: store path}`` of a run's trace directory (its ``rank<r>/`` stores)."""
     root = Path(run_dir)
     if not root.is_dir():
-        raise TraceNotFoundError(f"no trace directory at {root}")
+        raise CkptVerifyError(f"no trace directory at {root}")
     out: dict[int, Path] = {}
     for child in root.iterdir():
         name = child.name
@@ -246,10 +245,22 @@ class _Aligned:
 _ALWAYS_IGNORED = ("run", "detail")
 
 
+_ENCODING_WORDS = {
+    "host": "digest_encoding 'host', xxh3 of the bytes of tensors in host memory",
+    "device": "digest_encoding 'device', logical fingerprints computed on an accelerator",
+    "host-as-device": "digest_encoding 'host-as-device', host tensors sent down the accelerator path "
+                      "(CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)",
+}
+
+
 def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
-    """Refuse traces whose headers differ (unless ``force``), and always those whose digests read differently."""
+    """Refuse traces whose headers differ (unless ``force``), and always those whose digests read differently:
+    every tensor site would differ from the first step on, which says nothing about the runs."""
     if "digest_encoding" in diffs:
-        raise TraceEncodingMismatchError(ta, tb)
+        ea, eb = ta.header.digest_encoding, tb.header.digest_encoding
+        raise UsageError(f"the traces digest tensors differently ({ta.path}: {_ENCODING_WORDS.get(ea, ea)}; "
+                         f"{tb.path}: {_ENCODING_WORDS.get(eb, eb)}), so every tensor site would differ and no "
+                         "step can be compared; record both on the same kind of device")
     if diffs and not force:
         raise TraceHeaderMismatchError(diffs, ta, tb)
 
@@ -585,7 +596,7 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
     Headers are checked for every rank before anything is compared: they must agree on every field but
     ``run`` (and those in ``ignore``), else :class:`TraceHeaderMismatchError`, unless ``force``; traces whose
     tensor digests read differently (``digest_encoding``, unless in ``ignore``) are refused even with ``force``
-    (:class:`TraceEncodingMismatchError`).
+    (:class:`UsageError`).
     ``ignore_sites``: glob patterns (``fnmatch``, case-sensitive) of site names left out on both sides.
     """
     ignore = tuple(ignore)
@@ -595,7 +606,7 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
     else:
         stores_a, stores_b = run_stores(a), run_stores(b)
         if not stores_a and not stores_b:
-            raise TraceNotFoundError(f"no rank<r>/ trace stores in {a} or {b}")
+            raise CkptVerifyError(f"no rank<r>/ trace stores in {a} or {b}")
         pairs = [(open_trace(stores_a[r]), open_trace(stores_b[r])) for r in stores_a if r in stores_b]
         missing = [
             RankComparison(rank=r, path_a=str(stores_a.get(r, "")), path_b=str(stores_b.get(r, "")), run_a="",

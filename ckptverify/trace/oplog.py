@@ -142,7 +142,7 @@ MAX_OP_LOG_BYTES = 1 << 30
 
 def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> tuple[Any, Path]:
     """The parsed op log of ``step`` on ``rank`` (checked), and its path."""
-    from ckptverify.errors import TraceFormatError, TraceNotFoundError
+    from ckptverify.errors import CkptVerifyError
     from ckptverify.safeparse import safejson
     from ckptverify.trace.store import rank_store_path
 
@@ -153,15 +153,15 @@ def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) ->
         with open(path, "rb") as f:
             raw = f.read(MAX_OP_LOG_BYTES + 1)
     except FileNotFoundError:
-        raise TraceNotFoundError(f"no op log of step {step} in {store} (level op records only the steps and "
+        raise CkptVerifyError(f"no op log of step {step} in {store} (level op records only the steps and "
                                  "ranks of its window)") from None
     except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot read the op log: {exc}") from None
+        raise CkptVerifyError(f"{path}: cannot read the op log: {exc}") from None
     try:
         data = safejson.loads(raw, max_bytes=MAX_OP_LOG_BYTES)
         _check_log(data, step)
     except (safejson.JSONError, ValueError, TypeError, KeyError) as exc:
-        raise TraceFormatError(f"{path}: damaged op log: {exc}"[:400]) from None
+        raise CkptVerifyError(f"{path}: damaged op log: {exc}"[:400]) from None
     return data, path
 
 
@@ -214,8 +214,8 @@ def read_ops(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -
     """The op log of ``step`` on ``rank``, in that rank's execution order (``index`` 0 first).
 
     ``trace_dir_or_store``: a run's trace directory (its store ``rank<rank>/`` is read) or one rank's store.
-    :class:`~ckptverify.errors.TraceNotFoundError` when that step was not recorded at level ``op`` on that rank
-    (outside the window); :class:`~ckptverify.errors.TraceFormatError` for a damaged file."""
+    :class:`~ckptverify.errors.CkptVerifyError` when that step was not recorded at level ``op`` on that rank
+    (outside the window); :class:`~ckptverify.errors.CkptVerifyError` for a damaged file."""
     data, _ = _op_log(trace_dir_or_store, rank, step)
     return [make_event(step, i, e, data["chunk_elements"]) for i, e in enumerate(data["events"])]
 

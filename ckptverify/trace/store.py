@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.errors import TraceFormatError, TraceNotFoundError, UsageError
+from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.ownfiles.names import own_folder
 from ckptverify.safeparse import safejson
 
@@ -51,9 +51,7 @@ __all__ = [
     "Cell",
     "Site",
     "Trace",
-    "TraceFormatError",
     "TraceHeader",
-    "TraceNotFoundError",
     "TraceRow",
     "TraceWriter",
     "open_trace",
@@ -170,9 +168,9 @@ class TraceHeader:
         if self.detail not in DETAILS:
             raise UsageError(f"unknown trace detail {self.detail!r}; choose one of {', '.join(DETAILS)}")
         if self.schema != TRACE_SCHEMA:
-            raise TraceFormatError(f"not a trace header: schema {self.schema!r}")
+            raise CkptVerifyError(f"not a trace header: schema {self.schema!r}")
         if self.schema_version > TRACE_SCHEMA_VERSION:
-            raise TraceFormatError(f"trace schema version {self.schema_version} is newer than this tool's "
+            raise CkptVerifyError(f"trace schema version {self.schema_version} is newer than this tool's "
                                    f"({TRACE_SCHEMA_VERSION})")
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,22 +179,22 @@ class TraceHeader:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TraceHeader:
-        """The header a store's attributes hold; :class:`TraceFormatError` for anything but the types
+        """The header a store's attributes hold; :class:`CkptVerifyError` for anything but the types
         :meth:`to_dict` writes (a level or detail not known to this tool included)."""
         if not isinstance(data, Mapping):
-            raise TraceFormatError(f"damaged trace header: {type(data).__name__}, not an object")
+            raise CkptVerifyError(f"damaged trace header: {type(data).__name__}, not an object")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         for name, value in values.items():
             want = _HEADER_TYPES[name]
             if not (isinstance(value, want) and not (isinstance(value, bool) and bool not in _as_tuple(want))):
-                raise TraceFormatError(f"damaged trace header: {name} is {type(value).__name__}")
+                raise CkptVerifyError(f"damaged trace header: {name} is {type(value).__name__}")
         if "detail" not in values and values.get("schema_version", 1) < 2:
             values["detail"] = "tensor"  # version 1 recorded every tensor, and no category cells
         try:
             return cls(**values)
         except (TypeError, UsageError) as exc:  # a field missing, or a level or detail this tool does not know
-            raise TraceFormatError(f"damaged trace header: {exc}") from None
+            raise CkptVerifyError(f"damaged trace header: {exc}") from None
 
     def with_rank(self, rank: int, world_size: int) -> TraceHeader:
         return replace(self, rank=rank, world_size=world_size)
@@ -553,44 +551,44 @@ class TraceRow:
 
 
 def _read_file(path: Path, limit: int) -> bytes | None:
-    """The bytes of the regular file ``path`` (``None`` if there is none); :class:`TraceFormatError` past
+    """The bytes of the regular file ``path`` (``None`` if there is none); :class:`CkptVerifyError` past
     ``limit`` bytes or for anything but a regular file (a FIFO would block the reader)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot be read: {exc}") from None
+        raise CkptVerifyError(f"{path}: cannot be read: {exc}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise TraceFormatError(f"{path}: not a regular file")
+            raise CkptVerifyError(f"{path}: not a regular file")
         if info.st_size > limit:
-            raise TraceFormatError(f"{path}: {info.st_size} bytes, more than the {limit} a trace store holds there")
+            raise CkptVerifyError(f"{path}: {info.st_size} bytes, more than the {limit} a trace store holds there")
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(limit + 1)
     except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot be read: {exc}") from None
+        raise CkptVerifyError(f"{path}: cannot be read: {exc}") from None
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise TraceFormatError(f"{path}: more than the {limit} bytes a trace store holds there")
+        raise CkptVerifyError(f"{path}: more than the {limit} bytes a trace store holds there")
     return data
 
 
 def _read_json(path: Path) -> Any:
     data = _read_file(path, MAX_METADATA_BYTES)
     if data is None:
-        raise TraceFormatError(f"{path}: missing (not a complete trace store)")
+        raise CkptVerifyError(f"{path}: missing (not a complete trace store)")
     try:
         return safejson.loads(data, max_bytes=MAX_METADATA_BYTES)
     except safejson.JSONError as exc:
-        raise TraceFormatError(f"{path}: damaged metadata: {exc}") from None
+        raise CkptVerifyError(f"{path}: damaged metadata: {exc}") from None
 
 
 def _node(meta: Any, kind: str, where: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != kind:
-        raise TraceFormatError(f"{where}: not a zarr v3 {kind}")
+        raise CkptVerifyError(f"{where}: not a zarr v3 {kind}")
     return meta
 
 
@@ -598,7 +596,7 @@ def _json_int(value: Any, what: str, where: Path, hi: int, lo: int = 0) -> int:
     try:
         return safejson.exact_int(value, what, lo=lo, hi=hi)
     except safejson.JSONError as exc:
-        raise TraceFormatError(f"{where}: {exc}") from None
+        raise CkptVerifyError(f"{where}: {exc}") from None
 
 
 _SITE_TEXT = ("name", "kind", "category", "encoding")
@@ -608,11 +606,11 @@ def _site(raw: Any, col: int, store: Path) -> tuple[Site, int]:
     """One entry of the site table and the row it was first recorded at."""
     where = store / "sites"
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in _SITE_TEXT):
-        raise TraceFormatError(f"{where}: site {col} lacks its name, kind, category or encoding")
+        raise CkptVerifyError(f"{where}: site {col} lacks its name, kind, category or encoding")
     if not isinstance(raw.get("info", ""), str) or not isinstance(raw.get("group", ""), str):
-        raise TraceFormatError(f"{where}: site {col} has a note or group that is not text")
+        raise CkptVerifyError(f"{where}: site {col} has a note or group that is not text")
     if raw["encoding"] not in ENCODINGS:
-        raise TraceFormatError(f"{where}: site {col} has an unknown encoding {raw['encoding'][:40]!r}")
+        raise CkptVerifyError(f"{where}: site {col} has an unknown encoding {raw['encoding'][:40]!r}")
     order = _json_int(raw.get("order"), f"the order of site {col}", where, MAX_SITES)
     first = _json_int(raw.get("first_row"), f"the first row of site {col}", where, MAX_ROWS)
     site = Site(raw["name"], raw["kind"], raw["category"], raw["encoding"], order, raw.get("info", ""),
@@ -624,7 +622,7 @@ def _configuration(node: Any, where: Path) -> dict[str, Any]:
     """The ``configuration`` of a zarr metadata object (empty when it has none)."""
     conf = node.get("configuration", {}) if isinstance(node, dict) else None
     if not isinstance(conf, dict):
-        raise TraceFormatError(f"{where}: damaged array metadata")
+        raise CkptVerifyError(f"{where}: damaged array metadata")
     return conf
 
 
@@ -642,7 +640,7 @@ class _Array:
     @classmethod
     def open(cls, path: Path, dtype: str, ndim: int) -> _Array:
         meta = _node(_read_json(path / "zarr.json"), "array", path)
-        bad = lambda why: TraceFormatError(f"{path}: {why}")  # noqa: E731
+        bad = lambda why: CkptVerifyError(f"{path}: {why}")  # noqa: E731
         if meta.get("data_type") != dtype:
             raise bad(f"data type {str(meta.get('data_type'))[:40]!r}, not {dtype}")
         shape, grid = meta.get("shape"), meta.get("chunk_grid")
@@ -691,7 +689,7 @@ class _Array:
         if self.zstd:
             raw = _zstd(raw, self.chunk_bytes, where)
         if len(raw) != self.chunk_bytes:
-            raise TraceFormatError(f"{where}: {len(raw)} bytes, its array's chunks hold {self.chunk_bytes}")
+            raise CkptVerifyError(f"{where}: {len(raw)} bytes, its array's chunks hold {self.chunk_bytes}")
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.chunks)
 
     def _chunk_files(self, first: int, last: int, enough: int) -> int:
@@ -723,7 +721,7 @@ class _Array:
             # Before allocating: the chunk files present must be able to hold the rows (all but one chunk).
             first, last = starts[0] // self.chunks[0], -(-stops[0] // self.chunks[0])
             if self._chunk_files(first, last, last - first - 1) < last - first - 1:
-                raise TraceFormatError(f"{self.path}: chunks of committed rows are missing")
+                raise CkptVerifyError(f"{self.path}: chunks of committed rows are missing")
         out = np.full([b - a for a, b in zip(starts, stops, strict=True)], self.fill,
                       dtype=self.dtype.newbyteorder("="))
         if out.size == 0:
@@ -740,7 +738,7 @@ class _Array:
             if chunk is None:
                 missing += math.prod(s.stop - s.start for s in src)
                 if committed and missing > 1:
-                    raise TraceFormatError(f"{self.path}: chunks of committed rows are missing")
+                    raise CkptVerifyError(f"{self.path}: chunks of committed rows are missing")
                 continue
             out[dst] = chunk[src]
         return out
@@ -758,9 +756,9 @@ def _zstd(raw: bytes, size: int, where: Path) -> bytes:
             with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as r:
                 out = r.read(size + 1)
         except zstandard.ZstdError as exc:
-            raise TraceFormatError(f"{where}: corrupt zstd chunk: {exc}") from None
+            raise CkptVerifyError(f"{where}: corrupt zstd chunk: {exc}") from None
         if len(out) != size:
-            raise TraceFormatError(f"{where}: the chunk decodes to {'more than ' if len(out) > size else ''}"
+            raise CkptVerifyError(f"{where}: the chunk decodes to {'more than ' if len(out) > size else ''}"
                                    f"{min(len(out), size)} bytes, its array's chunks hold {size}")
         return out
     # numcodecs (zarr's own dependency) decodes into a buffer of the right size, never past it; it cannot say
@@ -768,12 +766,12 @@ def _zstd(raw: bytes, size: int, where: Path) -> bytes:
     from numcodecs import Zstd
 
     if _zstd_declared_size(raw, where) != size:
-        raise TraceFormatError(f"{where}: the chunk's zstd frames do not declare {size} bytes")
+        raise CkptVerifyError(f"{where}: the chunk's zstd frames do not declare {size} bytes")
     out = np.empty(size, dtype=np.uint8)
     try:
         Zstd().decode(raw, out=out)
     except (RuntimeError, ValueError) as exc:
-        raise TraceFormatError(f"{where}: corrupt zstd chunk: {exc}") from None
+        raise CkptVerifyError(f"{where}: corrupt zstd chunk: {exc}") from None
     return out.tobytes()
 
 
@@ -781,7 +779,7 @@ def _zstd_declared_size(raw: bytes, where: Path) -> int:
     """The sum of the content sizes the zstd frames of ``raw`` declare (RFC 8878); refused when a frame
     declares none or uses a dictionary."""
     at, total = 0, 0
-    bad = TraceFormatError(f"{where}: not a zstd chunk with declared sizes")
+    bad = CkptVerifyError(f"{where}: not a zstd chunk with declared sizes")
     while at < len(raw):
         if len(raw) - at < 6:
             raise bad
@@ -831,28 +829,28 @@ class Trace:
             hint = ""
             if self.path.is_dir() and any(c.name.startswith("rank") for c in self.path.iterdir()):
                 hint = f" (it is a run directory: its stores are {self.path}/rank<r>)"
-            raise TraceNotFoundError(f"no trace store at {self.path}{hint}")
+            raise CkptVerifyError(f"no trace store at {self.path}{hint}")
         # The store is read here, not through zarr: every size is checked against caps and against the
         # bytes present before anything is allocated (a hostile zarr.json is a few bytes).
         group = _read_json(self.path / "zarr.json")
         attrs = _node(group, "group", self.path / "zarr.json").get("attributes")
         if not isinstance(attrs, dict) or "header" not in attrs or "rows" not in attrs:
-            raise TraceFormatError(f"{self.path}: not a trace store (its zarr.json holds no trace header)")
+            raise CkptVerifyError(f"{self.path}: not a trace store (its zarr.json holds no trace header)")
         self.header = TraceHeader.from_dict(attrs["header"])
         self._rows = _json_int(attrs["rows"], "rows", self.path / "zarr.json", MAX_ROWS)
         sites_meta = _node(_read_json(self.path / "sites" / "zarr.json"), "array", self.path / "sites")
         sites_attrs = sites_meta.get("attributes")
         raw_sites = sites_attrs.get("sites") if isinstance(sites_attrs, dict) else None
         if not isinstance(raw_sites, list) or len(raw_sites) > MAX_SITES:
-            raise TraceFormatError(f"{self.path}/sites: the site table is not a list of at most {MAX_SITES} sites")
+            raise CkptVerifyError(f"{self.path}/sites: the site table is not a list of at most {MAX_SITES} sites")
         steps_array = _Array.open(self.path / "steps", "int64", 1)
         self._values = _Array.open(self.path / "values", "uint64", 3)
         self._present = _Array.open(self.path / "present", "bool", 2)
         if steps_array.shape[0] < self._rows:
-            raise TraceFormatError(f"{self.path}: {steps_array.shape[0]} step entries for {self._rows} rows")
+            raise CkptVerifyError(f"{self.path}: {steps_array.shape[0]} step entries for {self._rows} rows")
         steps = steps_array.read((slice(0, self._rows),), committed=True)
         if self._rows > 1 and not bool(np.all(steps[1:] > steps[:-1])):
-            raise TraceFormatError(f"{self.path}: the steps of the committed rows do not increase")
+            raise CkptVerifyError(f"{self.path}: the steps of the committed rows do not increase")
         sites = [_site(s, col, self.path) for col, s in enumerate(raw_sites)]
         # Sites added by a flush that did not commit (the writer died) have no rows yet; leave them out.
         width = len(sites)
@@ -862,12 +860,12 @@ class Trace:
         if (steps.shape[0] != self._rows or self._values.shape[0] < self._rows or self._values.shape[1] < width
                 or self._values.shape[2] != 2 or self._present.shape[0] < self._rows
                 or self._present.shape[1] < width):
-            raise TraceFormatError(f"{self.path}: arrays are shorter than the committed site table and rows")
+            raise CkptVerifyError(f"{self.path}: arrays are shorter than the committed site table and rows")
         self._width = width
         self._columns: dict[str, int] = {}
         for col, site in enumerate(by_column):
             if site.name in self._columns:
-                raise TraceFormatError(f"{self.path}/sites: the site {site.name[:200]!r} appears twice")
+                raise CkptVerifyError(f"{self.path}/sites: the site {site.name[:200]!r} appears twice")
             self._columns[site.name] = col
         self._first_row = np.asarray([first for _, first in sites[:width]], dtype=np.int64)
         self._by_column = tuple(by_column)

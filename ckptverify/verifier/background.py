@@ -23,7 +23,7 @@ run's ``events.jsonl`` (when the save was given ``events=``; names and fields in
 ``checkpoint-verified``, or ``checkpoint-failed`` for a failure, which is also a :class:`VerifyFailedWarning`,
 and, with ``VerifyOptions(on_failure="raise")``, a :class:`~ckptverify.errors.VerifyFailedError` raised by the next save
 on every rank. A checkpoint left without a verdict (the job ended first, its files changed while it was
-verified, it was deleted) is a :class:`VerifyIncompleteWarning` and a ``checkpoint-cut-short``,
+verified, it was deleted) is a :class:`CkptVerifyWarning` and a ``checkpoint-cut-short``,
 ``checkpoint-unverified`` or ``checkpoint-deleted`` event: it is verified when a resume picks it
 (:func:`~ckptverify.runs.latest.latest_verified`).
 
@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptverify.errors import CkptVerifyRuntimeWarning, UsageError, VerifyFailedWarning, VerifyIncompleteWarning
+from ckptverify.errors import CkptVerifyWarning, UsageError, VerifyFailedWarning
 from ckptverify.options import VerifyOptions
 from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
 from ckptverify.verifier.throttle import IdleProbe, Throttle, throttle_enabled
@@ -64,7 +64,6 @@ __all__ = [
     "Task",
     "Verification",
     "VerifyFailedWarning",
-    "VerifyIncompleteWarning",
     "default_verifier",
     "exit_timeout",
     "last_verification",
@@ -255,7 +254,7 @@ class BackgroundVerifier:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every submitted checkpoint is verified; ``True`` if so. If ``timeout`` seconds pass first,
-        say which were cut short (a :class:`VerifyIncompleteWarning`, and a ``checkpoint-cut-short`` event in each
+        say which were cut short (a :class:`CkptVerifyWarning`, and a ``checkpoint-cut-short`` event in each
         one's event log) and return ``False``; they stay queued."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         with self._waited_for(), self._cond:
@@ -383,7 +382,7 @@ class BackgroundVerifier:
             task.done(result, why)
         except Exception as exc:  # the task's own reporting must not stop the verifier
             warnings.warn(f"reporting the verification of {job.path} failed: {type(exc).__name__}: {exc}",
-                          CkptVerifyRuntimeWarning, stacklevel=2)
+                          CkptVerifyWarning, stacklevel=2)
         finally:
             with self._cond:
                 with contextlib.suppress(ValueError):
@@ -464,13 +463,13 @@ class BackgroundVerifier:
             warnings.warn(result.describe(), VerifyFailedWarning, stacklevel=2)
         elif result.verdict == "unverified":
             warnings.warn(f"{result.describe()}; it carries no stamp and is verified when a resume picks it",
-                          VerifyIncompleteWarning, stacklevel=2)
+                          CkptVerifyWarning, stacklevel=2)
         callback = job.options.on_verified
         if callback is not None:
             try:
                 callback(result)
             except Exception as exc:  # a user's callback must not stop the verifier
-                warnings.warn(f"on_verified callback raised {type(exc).__name__}: {exc}", CkptVerifyRuntimeWarning,
+                warnings.warn(f"on_verified callback raised {type(exc).__name__}: {exc}", CkptVerifyWarning,
                               stacklevel=2)
 
     def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
@@ -480,13 +479,13 @@ class BackgroundVerifier:
                     job.task.cut_short(f"not verified within the {timeout} s waited")
                 except Exception as exc:  # reporting must not stop the wait
                     warnings.warn(f"reporting the cut-short verification of {job.path} failed: "
-                                  f"{type(exc).__name__}: {exc}", CkptVerifyRuntimeWarning, stacklevel=2)
+                                  f"{type(exc).__name__}: {exc}", CkptVerifyWarning, stacklevel=2)
         left = [j for j in left if j.task is None or j.task.cut_short is None]
         if not left:
             return
         names = ", ".join(j.path for j in left)
         warnings.warn(f"{len(left)} checkpoint verification(s) not finished after waiting {timeout} s: {names}; "
-                      "they carry no stamp and are verified when a resume picks them", VerifyIncompleteWarning,
+                      "they carry no stamp and are verified when a resume picks them", CkptVerifyWarning,
                       stacklevel=3)
         for job in left:
             cut = _unverified(job, "cut-short", f"not verified within the {timeout} s waited")
@@ -511,7 +510,7 @@ def _emit(log: Any, event: str, result: Verification) -> None:
     try:
         log.emit(event, **result.to_dict())
     except OSError as exc:  # the run directory went away or is read-only: the warning still says it
-        warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", CkptVerifyRuntimeWarning,
+        warnings.warn(f"cannot append the {event} event for {result.path}: {exc}", CkptVerifyWarning,
                       stacklevel=2)
 
 
@@ -566,7 +565,7 @@ def exit_timeout() -> float:
         value = -1.0
     if not value >= 0:  # also NaN
         warnings.warn(f"{EXIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; using {DEFAULT_EXIT_TIMEOUT}",
-                      CkptVerifyRuntimeWarning, stacklevel=2)
+                      CkptVerifyWarning, stacklevel=2)
         return DEFAULT_EXIT_TIMEOUT
     return value
 

@@ -89,7 +89,7 @@ def background_job(rank: int, out: Path) -> None:
     import warnings
 
     from ckptverify.errors import CheckpointRefusedError
-    from ckptverify.integrations import CheckpointVerificationWarning
+    from ckptverify.integrations import VerifyFailedWarning
     from ckptverify.integrations import accelerate as ckv
     from ckptverify.verifier.background import wait_for_verifications
 
@@ -112,7 +112,7 @@ def background_job(rank: int, out: Path) -> None:
                     result[f"step{step}_error"] = {"type": type(exc).__name__, "message": str(exc)}
                     break
         result["waited"] = [v.to_dict() for v in ckv.wait_for_verifications(accelerator)]
-    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointVerificationWarning)]
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, VerifyFailedWarning)]
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
 
 

@@ -264,8 +264,8 @@ def ckptverify_warnings(caught: list[Any]) -> list[str]:
     installed package, not the word "ckptverify" in its path: a clone of the project is usually a folder of that
     name, and every library of a virtual environment inside it would match."""
     import ckptverify
-    from ckptverify.integrations import CheckpointVerificationWarning
+    from ckptverify.integrations import VerifyFailedWarning
 
     package = os.path.dirname(os.path.abspath(ckptverify.__file__)) + os.sep
     return [str(w.message) for w in caught
-            if issubclass(w.category, CheckpointVerificationWarning) or os.path.abspath(w.filename).startswith(package)]
+            if issubclass(w.category, VerifyFailedWarning) or os.path.abspath(w.filename).startswith(package)]

@@ -63,7 +63,7 @@ def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | No
     from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.strategies import ModelParallelStrategy
 
-    from ckptverify.integrations import CheckpointVerificationWarning
+    from ckptverify.integrations import VerifyFailedWarning
     from ckptverify.integrations.lightning import VerifyCheckpoints
 
     verify = VerifyCheckpoints(on_failure="raise", fingerprint=True)
@@ -81,7 +81,7 @@ def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | No
             trainer.fit(model, ckpt_path=ckpt)
         except Exception as exc:  # reported to the test, which judges it
             result["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointVerificationWarning)]
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, VerifyFailedWarning)]
     result["verdicts"] = [v.to_dict() for v in verify.verdicts]
     result["global_step"] = trainer.global_step
     result["untouched"] = model.untouched() if result["error"] else None

@@ -93,7 +93,7 @@ def train(rank: int, world: int, model: nn.Module, optimizers: Any, lr_scheduler
 
 def stage(result: dict[str, Any], name: str, fn: Any) -> None:
     from ckptverify.errors import CheckpointRefusedError
-    from ckptverify.integrations import CheckpointVerificationWarning
+    from ckptverify.integrations import VerifyFailedWarning
 
     entry: dict[str, Any] = {"error": None}
     with warnings.catch_warnings(record=True) as caught:
@@ -102,7 +102,7 @@ def stage(result: dict[str, Any], name: str, fn: Any) -> None:
             entry.update(fn() or {})
         except CheckpointRefusedError as exc:
             entry["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    entry["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CheckpointVerificationWarning)]
+    entry["warnings"] = [str(w.message) for w in caught if issubclass(w.category, VerifyFailedWarning)]
     result[name] = entry
 
 
