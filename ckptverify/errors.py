@@ -375,10 +375,6 @@ class CkptVerifyWarning(UserWarning):
     turns them all into errors."""
 
 
-class CkptVerifyDeprecationWarning(CkptVerifyWarning, DeprecationWarning):
-    """A keyword, option or name that still works for one release; the message names what replaces it."""
-
-
 class CkptVerifyRuntimeWarning(CkptVerifyWarning, RuntimeWarning):
     """Something around a check went wrong and was passed over (an event could not be appended, a callback
     raised, a setting was not understood); the check itself is unaffected."""

@@ -31,10 +31,14 @@ from ckptverify.audit.adopt import file_manifest_path  # noqa: E402
 from ckptverify.errors import CheckpointRefusedError  # noqa: E402
 from ckptverify.integrations import CheckpointVerificationWarning  # noqa: E402
 from ckptverify.integrations.lightning import VerifyCheckpoints  # noqa: E402
+from ckptverify.options import VerifyOptions  # noqa: E402
 from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp, stamp_path  # noqa: E402
 from ckptverify.verifier import background  # noqa: E402
 from ckptverify.verifier.background import BackgroundVerifier  # noqa: E402
+
+RAISE = VerifyOptions(on_failure="raise")
+BACKGROUND_RAISE = VerifyOptions(when="background", on_failure="raise")
 
 
 class Regressor(pl.LightningModule):
@@ -127,7 +131,7 @@ def test_a_checkpoint_damaged_on_its_way_to_disk_gets_a_failed_stamp_a_warning_a
 
 def test_on_failure_raise_stops_training_at_the_damaged_save(tmp_path: Path) -> None:
     with pytest.raises(CheckpointRefusedError, match=r"step=2\.ckpt fails verification"):
-        fit(tmp_path, VerifyCheckpoints(on_failure="raise"), plugins=[DamagingIO(step=2)])
+        fit(tmp_path, VerifyCheckpoints(verify=RAISE), plugins=[DamagingIO(step=2)])
     assert not (tmp_path / "step=4.ckpt").exists()  # no training past the damaged save
 
 
@@ -201,7 +205,7 @@ def test_the_strategy_is_left_as_it_was_after_fit_and_after_a_refused_resume(tmp
         assert name not in vars(trainer.strategy), name
 
 
-# -- background=True: the save returns at once; the verdict comes from the background verifier
+# -- verify="background": the save returns at once; the verdict comes from the background verifier
 
 
 class WaitForBackground(pl.Callback):
@@ -218,7 +222,7 @@ class WaitForBackground(pl.Callback):
 
 def test_background_saves_are_stamped_once_fit_ends_with_no_warning(tmp_path: Path,
                                                                     queue: BackgroundVerifier) -> None:
-    verify = VerifyCheckpoints(background=True)
+    verify = VerifyCheckpoints(verify="background")
     _, warned = fit(tmp_path, verify)
     assert warned == [] and queue.pending() == []
     for step in (2, 4):
@@ -235,7 +239,7 @@ def test_background_saves_are_stamped_once_fit_ends_with_no_warning(tmp_path: Pa
 
 def test_a_damaged_background_save_is_a_warning_a_failed_stamp_and_an_event(tmp_path: Path,
                                                                            queue: BackgroundVerifier) -> None:
-    verify = VerifyCheckpoints(background=True)
+    verify = VerifyCheckpoints(verify="background")
     _, warned = fit(tmp_path, verify, plugins=[DamagingIO(step=2)])
     assert len(warned) == 1 and "step=2.ckpt" in warned[0] and "zip-crc" in warned[0], warned
     bad = read_stamp(tmp_path / "step=2.ckpt")
@@ -252,7 +256,7 @@ def test_background_on_failure_raise_stops_training_at_the_next_save(tmp_path: P
                          enable_model_summary=False, plugins=[DamagingIO(step=2)],
                          callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2,
                                                     save_top_k=-1),
-                                    WaitForBackground(step=4), VerifyCheckpoints(background=True, on_failure="raise")])
+                                    WaitForBackground(step=4), VerifyCheckpoints(verify=BACKGROUND_RAISE)])
     with pytest.raises(CheckpointRefusedError, match=r"earlier checkpoint failed verification in the background: "
                                                      r"checkpoint saved at .*step=2\.ckpt fails verification"), \
             warnings.catch_warnings():
@@ -268,7 +272,7 @@ def test_background_on_failure_raise_at_the_last_save_raises_when_fit_ends(tmp_p
     with pytest.raises(CheckpointRefusedError, match=r"in the background: .*step=4\.ckpt fails verification"), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointVerificationWarning)
-        fit(tmp_path, VerifyCheckpoints(background=True, on_failure="raise"), plugins=[DamagingIO(step=4)])
+        fit(tmp_path, VerifyCheckpoints(verify=BACKGROUND_RAISE), plugins=[DamagingIO(step=4)])
     assert not read_stamp(tmp_path / "step=4.ckpt").passed  # type: ignore[union-attr]
 
 
@@ -280,7 +284,7 @@ def test_a_checkpoint_top_k_removes_before_its_verification_is_an_event_not_a_fa
             time.sleep(0.02)
 
     queue.before_verify = hold_until_removed
-    verify = VerifyCheckpoints(background=True, on_failure="raise", fingerprint=True)
+    verify = VerifyCheckpoints(verify=BACKGROUND_RAISE, fingerprint=True)
     _, warned = fit(tmp_path, verify, top_k=1)
     assert warned == []
     (deleted,) = events(tmp_path, "checkpoint-deleted")

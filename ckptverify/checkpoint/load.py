@@ -42,7 +42,6 @@ from ckptverify.errors import (
     reported_as_itself,
 )
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
-from ckptverify.options import no_other_keywords, take_renamed
 from ckptverify.safeparse import paths
 from ckptverify.state.train_state import TrainState
 
@@ -211,16 +210,15 @@ def saved_world_size(path: str) -> int | None:
 
 
 def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True, check: bool = True,
-         deep: bool = False, pick: str | None = None, on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
+         deep: bool = False, pick: str | None = None, on_restore_mismatch: str = "refuse") -> Report:
     """Restore ``state`` from the checkpoint at ``path``; return the restore check's findings.
 
     ``verify=False`` skips the verification before loading (explicit opt-out; a directory whose save did not
     commit is still refused, and every item is still proven as it is loaded); ``deep=True`` also rebuilds every
-    tensor in that verification and compares its logical fingerprint with the one taken at save time
-    (``deep_verify=`` still works for one release, with a ``DeprecationWarning``); ``check=False`` skips the
-    restore check. ``on_restore_mismatch``: ``"refuse"`` (a failed restore check raises and puts the state
-    back) or ``"report"`` (the state stays as loaded, the differences are findings: for diagnosis, as the
-    resume harness does).
+    tensor in that verification and compares its logical fingerprint with the one taken at save time;
+    ``check=False`` skips the restore check. ``on_restore_mismatch``: ``"refuse"`` (a failed restore check raises
+    and puts the state back) or ``"report"`` (the state stays as loaded, the differences are findings: for
+    diagnosis, as the resume harness does).
 
     ``pick="latest-verified"``: ``path`` is a run directory; the newest checkpoint under it that verifies is
     loaded (see :func:`pick_checkpoint`), and the report names it (``stats["picked"]``, ``stats["step"]``) and
@@ -239,7 +237,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
     :class:`~ckptverify.state.sampler.CannotReshardError` when the world size changed in a way that cannot be
     restored exactly (and re-seeding was not allowed). Every one is an ``Exception``.
     """
-    deep = _deep("load", deep, renamed)
+    _check_deep("load", deep)
     root = os.fspath(path)
     if not isinstance(state, TrainState):
         raise UsageError(f"load() restores a TrainState, got {type(state).__name__}")
@@ -297,7 +295,7 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
 
 
 def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: bool = False,
-                on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
+                on_restore_mismatch: str = "refuse") -> Report:
     """Load the checkpoint :func:`pick_checkpoint` picked into ``state``, as :func:`load` does; the pick
     verified it already (or trusted its stamp), so only its commit is checked again before loading (and, with
     ``deep``, every tensor), and every item is proven as it is loaded.
@@ -306,7 +304,7 @@ def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: 
     and :class:`~ckptverify.errors.ProofFailedError` when the pick's bytes fail their proof while loading:
     then a failed stamp is written beside it (so no later pick trusts it; nothing of the checkpoint is changed
     or deleted) and ``state`` is as it was."""
-    deep = _deep("load_picked", deep, renamed)
+    _check_deep("load_picked", deep)
     skipped = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in picked.skipped)
     if picked.path is None:
         hidden = any(s["state"] == "unseen" for s in picked.skipped)
@@ -329,7 +327,7 @@ def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: 
 
 
 def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, check: bool = True,
-                       deep: bool = False, on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
+                       deep: bool = False, on_restore_mismatch: str = "refuse") -> Report:
     """Load the newest checkpoint under ``run_dir`` that verifies *and* proves while loading.
 
     :func:`pick_checkpoint` picks (a current stamp is trusted); :func:`load_picked` loads and proves. A pick
@@ -339,7 +337,7 @@ def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, ch
     the checkpoint's bytes (the loader of some field ignored or changed it): it raises, without moving on.
     Raises :class:`~ckptverify.errors.CheckpointRefusedError` when nothing left verifies, or when a failed pick
     could not be stamped (it would be picked again)."""
-    deep = _deep("load_newest_proven", deep, renamed)
+    _check_deep("load_newest_proven", deep)
     root = os.fspath(run_dir)
     refused: list[dict[str, Any]] = []
     while True:
@@ -372,14 +370,9 @@ def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, ch
                                                                  for r in refused]})
 
 
-def _deep(where: str, deep: bool, renamed: dict[str, Any]) -> bool:
-    """``deep``, or the renamed ``deep_verify`` (with a warning); anything else in ``renamed`` is refused."""
-    old = take_renamed(where, renamed, {"deep_verify": "deep="}, stacklevel=5)
-    no_other_keywords(where, renamed)
-    value = old.get("deep_verify", deep)
-    if not isinstance(value, bool):
-        raise UsageError(f"{where}: deep must be True or False, got {value!r}")
-    return value
+def _check_deep(where: str, deep: bool) -> None:
+    if not isinstance(deep, bool):
+        raise UsageError(f"{where}: deep must be True or False, got {deep!r}")
 
 
 def _refused_text(refused: list[dict[str, Any]]) -> str:

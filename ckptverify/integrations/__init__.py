@@ -18,26 +18,11 @@ the save returns at once and the checkpoint is verified by the process's backgro
 
 What they share (:mod:`ckptverify.integrations._core`): :class:`Verifier`, :class:`CheckpointVerificationWarning`,
 and the result of every check, :class:`~ckptverify.verifier.verification.Verification` (``ckptverify.Verification``,
-the result of a save's ``verify=`` too; ``Verdict``, its former name here, still works for one release with a
-``DeprecationWarning``). See ``docs/integrations.md``.
+the result of a save's ``verify=`` too). See ``docs/integrations.md``.
 """
 
-from __future__ import annotations
-
-import warnings
-from typing import Any
-
-from ckptverify.errors import CkptVerifyDeprecationWarning
 from ckptverify.integrations._core import CheckpointVerificationWarning, Group, Verifier, torch_group
 from ckptverify.options import VerifyOptions
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["CheckpointVerificationWarning", "Group", "Verification", "Verifier", "VerifyOptions", "torch_group"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Verdict":
-        warnings.warn("ckptverify.integrations.Verdict is renamed ckptverify.Verification (the one result type of "
-                      "a checkpoint's verification after it was saved)", CkptVerifyDeprecationWarning, stacklevel=2)
-        return Verification
-    raise AttributeError(f"module 'ckptverify.integrations' has no attribute {name!r}")

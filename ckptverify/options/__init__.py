@@ -2,13 +2,11 @@
 
 :class:`VerifyOptions` says what happens once a checkpoint is saved: :func:`ckptverify.save`,
 :func:`ckptverify.async_save`, :meth:`ckptverify.Run.main` and every framework integration take it as ``verify=``
-(a bare string is its ``when``). :func:`renamed` is how a keyword that was renamed keeps working for one release.
+(a bare string is its ``when``).
 """
 
 from __future__ import annotations
 
-from ckptverify.options.deprecated import no_other_keywords, renamed, take_renamed
 from ckptverify.options.verify import FAILURE_POLICIES, WHEN, VerifyOptions, verify_options
 
-__all__ = ["FAILURE_POLICIES", "WHEN", "VerifyOptions", "no_other_keywords", "renamed", "take_renamed",
-           "verify_options"]
+__all__ = ["FAILURE_POLICIES", "WHEN", "VerifyOptions", "verify_options"]

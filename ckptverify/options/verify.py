@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ckptverify.errors import UsageError
@@ -59,14 +59,10 @@ class VerifyOptions:
                    on_failure=data.get("on_failure", "warn"))
 
 
-def verify_options(where: str, verify: VerifyOptions | str, *, deep: bool | None = None,
-                   on_failure: str | None = None, when: tuple[str, ...] = WHEN) -> VerifyOptions:
-    """``verify=`` as a :class:`VerifyOptions`, with what deprecated keywords said folded in.
-
-    ``verify``: a ``VerifyOptions`` or a ``when`` string. ``deep`` and ``on_failure``: the values of the renamed
-    keywords that said them (``None`` when not given), which override the fields. ``when``: the values ``where``
-    (the function, named in messages) accepts. Raises :class:`~ckptverify.errors.UsageError` naming ``verify``
-    for anything else."""
+def verify_options(where: str, verify: VerifyOptions | str, *, when: tuple[str, ...] = WHEN) -> VerifyOptions:
+    """``verify=`` as a :class:`VerifyOptions`: ``verify`` is one, or a ``when`` string. ``when``: the values
+    ``where`` (the function, named in messages) accepts. Raises :class:`~ckptverify.errors.UsageError` naming
+    ``verify`` for anything else."""
     if isinstance(verify, str):
         _one_of(f"{where}: verify", verify, WHEN)
         options = VerifyOptions(when=verify)  # type: ignore[arg-type]
@@ -75,13 +71,6 @@ def verify_options(where: str, verify: VerifyOptions | str, *, deep: bool | None
     else:
         raise UsageError(f"{where}: verify must be a VerifyOptions or one of {', '.join(map(repr, WHEN))}, "
                          f"got {type(verify).__name__} {verify!r}")
-    changes: dict[str, Any] = {}
-    if deep is not None:
-        changes["deep"] = deep
-    if on_failure is not None:
-        changes["on_failure"] = on_failure
-    if changes:
-        options = replace(options, **changes)
     if options.when not in when:
         raise UsageError(f"{where}: verify.when must be one of {', '.join(map(repr, when))}, got {options.when!r}")
     return options

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptverify.errors import UsageError
-from ckptverify.options import VerifyOptions, no_other_keywords, take_renamed, verify_options
+from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.state.distributed import rank_world
 
@@ -148,7 +148,7 @@ class Run:
     def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
              save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
              on_mismatch: str = "warn", fault: str | None = None, verify: VerifyOptions | str = "background",
-             resume: str = "auto", **renamed: Any) -> None:
+             resume: str = "auto") -> None:
         """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with
         ``run_dir``: see :mod:`ckptverify.production.mode`), or plainly for ``steps`` steps.
 
@@ -158,8 +158,8 @@ class Run:
         :class:`~ckptverify.hardware.inject.BitFlip` as JSON, for fire drills; ``verify``: how each saved
         checkpoint is verified and stamped once committed, a :class:`~ckptverify.options.VerifyOptions` or its
         ``when`` (``"background"``, the default, ``"inline"`` or ``"off"``; see :func:`ckptverify.save`), with
-        its ``deep`` and ``on_failure`` (``"warn"`` or ``"raise"``; ``on_verify_failure=`` still works for one
-        release, with a ``DeprecationWarning``); the job waits for the pending verifications before it ends.
+        its ``deep`` and ``on_failure`` (``"warn"`` or ``"raise"``); the job waits for the pending verifications
+        before it ends.
         Started by ``python`` or ``torchrun``: the process group is created from torchrun's environment when none
         exists.
 
@@ -170,9 +170,7 @@ class Run:
         :mod:`ckptverify.production.mode`). A refusal prints why on stderr and exits with status 2 (raises
         ``SystemExit(2)``) before ``train`` runs, having changed nothing.
         """
-        old = take_renamed("Run.main", renamed, {"on_verify_failure": "verify=VerifyOptions(on_failure=...)"})
-        no_other_keywords("Run.main", renamed)
-        verifying = verify_options("Run.main", verify, on_failure=old.get("on_verify_failure"))
+        verifying = verify_options("Run.main", verify)
         if _harness_config is not None or run_dir is None:
             run = cls.from_env(steps=steps)
         else:

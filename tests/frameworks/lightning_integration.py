@@ -65,8 +65,9 @@ def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | No
 
     from ckptverify.integrations import CheckpointVerificationWarning
     from ckptverify.integrations.lightning import VerifyCheckpoints
+    from ckptverify.options import VerifyOptions
 
-    verify = VerifyCheckpoints(on_failure="raise", fingerprint=True)
+    verify = VerifyCheckpoints(verify=VerifyOptions(on_failure="raise"), fingerprint=True)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=ModelParallelStrategy(process_group_backend="gloo"),
         max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
