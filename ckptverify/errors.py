@@ -357,7 +357,7 @@ class ResumeRefusedError(UsageError):
 
 
 class ReplicaMismatchError(CkptVerifyError):
-    """Replicas that must be identical differ (``on_mismatch="raise"``): a hardware fault is likely.
+    """Replicas that must be identical differ (``on_replica_mismatch="raise"``): a hardware fault is likely.
     ``mismatch`` is the :class:`~ckptverify.hardware.replica.ReplicaMismatch`."""
 
     exit_code = 1
@@ -394,4 +394,4 @@ class CheckpointVerificationWarning(CkptVerifyWarning):
 
 
 class ReplicaMismatchWarning(CkptVerifyWarning):
-    """Replicas that must be identical differ (``on_mismatch="warn"``)."""
+    """Replicas that must be identical differ (``on_replica_mismatch="warn"``)."""

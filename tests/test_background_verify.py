@@ -350,7 +350,7 @@ def test_load_picks_the_newest_checkpoint_that_verifies_and_says_which(tmp_path:
     with pytest.raises(UsageError):
         cv.load(fresh, run, pick="newest")
     with pytest.raises(UsageError):
-        cv.load(fresh, run, pick="latest-verified", verify=False)
+        cv.load(fresh, run, pick="latest-verified", verify="off")
 
 
 def test_load_pick_trusts_a_failed_stamp_from_the_background_verifier(tmp_path: Path,

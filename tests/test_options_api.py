@@ -1,7 +1,8 @@
 """One name per concept in the Python API: ``VerifyOptions`` (``when``, ``deep``, ``on_failure``) taken as ``verify=``
-by ``save``, ``async_save``, ``Run.main`` and the integrations; ``deep`` in ``load``; validated when built. And one tree
-of errors and warnings: every class under ``CkptVerifyError`` or ``CkptVerifyWarning``, every warning issued with
-a category of that tree.
+by ``save``, ``async_save``, ``load``, ``Run.main`` and the integrations, validated when built; one value set
+(``FAILURE_POLICIES``) for every failure knob (``on_failure``, ``on_replica_mismatch``, ``on_restore_mismatch``).
+And one tree of errors and warnings: every class under ``CkptVerifyError`` or ``CkptVerifyWarning``, every
+warning issued with a category of that tree.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ckptverify.errors import (
     VerifyFailedWarning,
 )
 from ckptverify.integrations import Verifier
-from ckptverify.options import VerifyOptions
+from ckptverify.options import FAILURE_POLICIES, VerifyOptions
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
 from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier import background
@@ -130,13 +131,19 @@ def _fingerprint_edited(path: Path) -> None:
     (path / MANIFEST_FILE).write_text(json.dumps(data))
 
 
-def test_load_deep(tmp_path: Path) -> None:
+DEEP = VerifyOptions(deep=True)
+
+
+def test_load_takes_verify_options(tmp_path: Path) -> None:
     path = tmp_path / "step_1"
     cv.save(_train_state(), path)
     _fingerprint_edited(path)
     cv.load(_train_state(), path, check=False)  # not deep: the bytes pass, nothing rebuilds the tensor
     with pytest.raises(CheckpointRefusedError, match="fingerprint"):
-        cv.load(_train_state(), path, check=False, deep=True)
+        cv.load(_train_state(), path, check=False, verify=DEEP)
+    # A failed verification is never loaded, whatever on_failure says: it is the policy of a saved checkpoint.
+    with pytest.raises(CheckpointRefusedError, match="fingerprint"):
+        cv.load(_train_state(), path, check=False, verify=VerifyOptions(deep=True, on_failure="warn"))
 
 
 def test_picking_loads_take_deep(tmp_path: Path) -> None:
@@ -147,16 +154,36 @@ def test_picking_loads_take_deep(tmp_path: Path) -> None:
     report = cv.load(_train_state(), tmp_path, pick="latest-verified", check=False)
     assert report.stats["step"] == 1  # the pick verifies its bytes only
     with pytest.raises(CheckpointRefusedError, match="fingerprint"):
-        cv.load(_train_state(), tmp_path, pick="latest-verified", check=False, deep=True)
+        cv.load(_train_state(), tmp_path, pick="latest-verified", check=False, verify=DEEP)
     with pytest.raises(CheckpointRefusedError, match="fingerprint"):
         load_newest_proven(_train_state(), tmp_path, check=False, deep=True)
 
 
-def test_load_refuses_a_bad_deep_and_an_unknown_keyword(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="deep must be True or False"):
-        cv.load(_train_state(), tmp_path, deep="yes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="deep_verfy"):
-        cv.load(_train_state(), tmp_path, deep_verfy=True)
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"verify": True}, r"load: verify must be a VerifyOptions"),
+    ({"verify": "background"}, r"load: verify\.when must be one of 'inline', 'off'"),
+    ({"verify": VerifyOptions(when="off", deep=True)}, r"verify\.deep needs verify\.when='inline'"),
+    ({"on_restore_mismatch": "refuse"}, r"on_restore_mismatch must be one of 'warn', 'raise'"),
+])
+def test_load_refuses_a_bad_option_before_reading(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        cv.load(_train_state(), tmp_path / "none", **kwargs)
+    with pytest.raises(TypeError, match="deep"):
+        cv.load(_train_state(), tmp_path, deep=True)  # type: ignore[call-arg]
+
+
+def test_every_failure_knob_takes_the_one_value_set() -> None:
+    from ckptverify.checkpoint.load import load
+    from ckptverify.hardware.replica import ReplicaCheck
+
+    assert FAILURE_POLICIES == ("warn", "raise")
+    defaults = [inspect.signature(fn).parameters[name].default for fn, name in (
+        (load, "on_restore_mismatch"), (ReplicaCheck.__init__, "on_replica_mismatch"),
+        (cv.Run.main, "on_replica_mismatch"))]
+    assert defaults == ["raise", "warn", "warn"]
+    assert VerifyOptions().on_failure == "warn"
+    with pytest.raises(UsageError, match="on_replica_mismatch must be one of 'warn', 'raise'"):
+        ReplicaCheck(torch.nn.Linear(2, 2), on_replica_mismatch="stop")
 
 
 # ------------------------------------------------------------------ Run.main

@@ -406,10 +406,12 @@ def save(
         verify: once the save has committed, verify it on the coordinator and stamp the verdict beside it: a
             :class:`~ckptverify.options.VerifyOptions`, or its ``when`` alone: ``"background"`` (queued for the
             process's background verifier; this returns at once), ``"inline"`` (before this returns) or ``"off"``
-            (the default: nothing). ``VerifyOptions.deep``: also rebuild every tensor and compare its fingerprint
-            with the one taken at save time. ``VerifyOptions.on_failure``: ``"warn"`` (a warning, and an event with
-            ``events``) or ``"raise"``: also a :class:`~ckptverify.errors.VerifyFailedError` on every rank, from
-            this save when ``"inline"``, else from the next save called with ``"raise"``.
+            (the default here: the save digests every byte as it writes it, and re-reading it is asked for; the
+            options and their defaults: :mod:`ckptverify.options.verify`). ``VerifyOptions.deep``: also rebuild
+            every tensor and compare its fingerprint with the one taken at save time. ``VerifyOptions.on_failure``:
+            ``"warn"`` (a warning, and an event with ``events``) or ``"raise"``: also a
+            :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when ``"inline"``, else
+            from the next save called with ``"raise"``.
         on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (on the
             coordinator, in the thread that verified).
         events: an :class:`~ckptverify.ownfiles.events.EventLog` or a run directory: results are appended to its

@@ -52,7 +52,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from ckptverify.errors import (
     CheckpointRefusedError,
@@ -62,7 +62,7 @@ from ckptverify.errors import (
     UsageError,
 )
 from ckptverify.findings import Report
-from ckptverify.options import FAILURE_POLICIES, VerifyOptions, verify_options
+from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.verifier.saved import (
     Fingerprint,
     cannot_verify,
@@ -73,12 +73,10 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, unverified
 
-__all__ = ["ON_FAILURE", "WHEN", "CheckpointVerificationWarning", "Group", "Verifier", "VerifyOptions",
+__all__ = ["WHEN", "CheckpointVerificationWarning", "Group", "Verifier", "VerifyOptions",
            "check_saved", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts", "torch_gather",
            "torch_group"]
 
-OnFailure = Literal["warn", "raise"]
-ON_FAILURE: tuple[str, ...] = FAILURE_POLICIES
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
 #: Errors carried by a verdict (and broadcast to every rank): the first few are enough to act on.
@@ -182,7 +180,7 @@ class Verifier:
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
         self.verify = options
-        self.on_failure: OnFailure = options.on_failure
+        self.on_failure = options.on_failure
         if fingerprint not in (True, False, "auto"):
             raise UsageError(f"fingerprint must be True, False or 'auto', got {fingerprint!r}")
         self.fingerprint: Fingerprint = fingerprint

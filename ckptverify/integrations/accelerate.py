@@ -56,6 +56,7 @@ from ckptverify.integrations._core import (
     torch_gather,
     warn_if_accumulating,
 )
+from ckptverify.options import verify_options
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["load_state", "save_state", "wait_for_verifications"]
@@ -109,17 +110,20 @@ def wait_for_verifications(accelerator: Any, *, timeout: float | None = None) ->
     return verifier.wait(group=_group(accelerator), timeout=timeout)
 
 
-def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *, deep: bool = False,
-               jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None,
-               load_kwargs: dict[str, Any] | None = None, **load_model_func_kwargs: Any) -> Verification:
+def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *,
+               verify: VerifyOptions | str = "inline", jobs: int | None = None,
+               events_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
+               **load_model_func_kwargs: Any) -> Verification:
     """Verify the folder, then ``accelerator.load_state(folder, load_kwargs, **load_model_func_kwargs)``; see the
     module docstring.
 
-    Every process calls it. Returns the verdict of the folder loaded; raises
-    :class:`~ckptverify.errors.CheckpointRefusedError` on every process, before anything is loaded, when the
-    folder (or, without ``input_dir``, every ``checkpoint_N``) fails verification.
+    Every process calls it. ``verify``: as for :func:`ckptverify.load` (``when`` ``"inline"`` only: every folder
+    loaded is verified first; ``VerifyOptions(deep=True)`` also rebuilds every tensor). Returns the verdict of
+    the folder loaded; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process, before
+    anything is loaded, when the folder (or, without ``input_dir``, every ``checkpoint_N``) fails verification.
     """
-    verifier = Verifier(verify=VerifyOptions(deep=deep), jobs=jobs, events_dir=_events_dir(accelerator, events_dir))
+    options = verify_options("load_state", verify, when=("inline",))
+    verifier = Verifier(verify=options, jobs=jobs, events_dir=_events_dir(accelerator, events_dir))
     group = _group(accelerator)
     if input_dir is not None:
         verdict = verifier.before_resume(os.fspath(input_dir), group=group)

@@ -46,7 +46,6 @@ from torchtitan.tools import filesystem
 
 from ckptverify.errors import UsageError
 from ckptverify.integrations._core import (
-    ON_FAILURE,
     WHEN,
     Verifier,
     VerifyOptions,
@@ -54,6 +53,7 @@ from ckptverify.integrations._core import (
     settle_verdicts,
     torch_group,
 )
+from ckptverify.options import failure_policy
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifiedCheckpointManager"]
@@ -67,6 +67,10 @@ class VerifiedCheckpointManager(CheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
+        """torchtitan's config, plus the three fields of :class:`~ckptverify.options.VerifyOptions` as
+        ``verify_when``, ``verify_deep`` and ``verify_on_failure``: flat, as every torchtitan config field is (one
+        TOML table, one command-line flag each); :meth:`verify_options` is them as the one type."""
+
         verify_on_failure: Literal["warn", "raise"] = "warn"
         """A saved checkpoint that fails verification: ``warn`` (a warning and an event) or ``raise`` (stop)."""
 
@@ -79,9 +83,7 @@ class VerifiedCheckpointManager(CheckpointManager):
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.verify_on_failure not in ON_FAILURE:
-                raise UsageError(f"checkpoint.verify_on_failure must be one of {', '.join(ON_FAILURE)}, "
-                                 f"got {self.verify_on_failure!r}")
+            failure_policy("checkpoint.verify_on_failure", self.verify_on_failure)
             if self.verify_when not in WHEN:
                 raise UsageError(f"checkpoint.verify_when must be one of {', '.join(WHEN)}, got {self.verify_when!r}")
             self.verify_options()  # every field checked now, not at the first save
