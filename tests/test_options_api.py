@@ -248,12 +248,12 @@ def test_deep_from_the_verifier_reaches_the_check(tmp_path: Path) -> None:
 
 def test_lightning_callback_keywords() -> None:
     lightning = pytest.importorskip("ckptverify.integrations.lightning")
-    callback = lightning.VerifyCheckpoints(verify="background")
+    callback = lightning.VerifyCheckpointsCallback(verify="background")
     assert callback.verifier.verify == VerifyOptions(when="background")
-    callback = lightning.VerifyCheckpoints(verify=VerifyOptions(on_failure="raise"), verify_resume=False)
+    callback = lightning.VerifyCheckpointsCallback(verify=VerifyOptions(on_failure="raise"), verify_resume=False)
     assert callback.verifier.on_failure == "raise" and not callback.verify_resume
-    with pytest.raises(UsageError, match=r"VerifyCheckpoints: verify"):
-        lightning.VerifyCheckpoints(verify="never")
+    with pytest.raises(UsageError, match=r"VerifyCheckpointsCallback: verify"):
+        lightning.VerifyCheckpointsCallback(verify="never")
 
 
 def test_transformers_callback_keywords() -> None:

@@ -2,9 +2,9 @@
 
 ::
 
-    from ckptverify.integrations.lightning import VerifyCheckpoints
+    from ckptverify.integrations.lightning import VerifyCheckpointsCallback
 
-    trainer = pl.Trainer(callbacks=[ModelCheckpoint(...), VerifyCheckpoints()])
+    trainer = pl.Trainer(callbacks=[ModelCheckpoint(...), VerifyCheckpointsCallback()])
     trainer.fit(model, ckpt_path=...)   # a ckpt_path that fails verification is refused before it is read
 
 **Where it hooks in, and why.** Lightning has no callback hook that runs after a checkpoint is on disk:
@@ -65,13 +65,13 @@ from ckptverify.integrations._core import (
 )
 from ckptverify.verifier.verification import Verification
 
-__all__ = ["VerifyCheckpoints"]
+__all__ = ["VerifyCheckpointsCallback"]
 
 _WRAPPED = "_ckptverify_wrapped"
 _ABSENT = object()
 
 
-class VerifyCheckpoints(Callback):
+class VerifyCheckpointsCallback(Callback):
     """Verify each checkpoint the trainer saves, and the ``ckpt_path`` it resumes from.
 
     Args:
@@ -94,7 +94,7 @@ class VerifyCheckpoints(Callback):
                  fingerprint: Fingerprint = "auto", jobs: int | None = None,
                  events_dir: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
-        options = integration_verify("VerifyCheckpoints", verify)
+        options = integration_verify("VerifyCheckpointsCallback", verify)
         self.verifier = Verifier(verify=options, fingerprint=fingerprint, jobs=jobs, events_dir=events_dir)
         self.verify_resume = verify_resume
         self.verdicts: list[Verification] = []
