@@ -381,11 +381,6 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
             sys.stdout.buffer.write(raw + (b"\0" if null else b"\n"))
             sys.stdout.buffer.flush()
         sys.exit(report.exit_code)
-    if json_out:
-        from ckptverify.render.report import latest_json
-
-        click.echo(latest_json(report))
-        sys.exit(report.exit_code)
     _emit(report, json_out)
 
 

@@ -260,7 +260,7 @@ class ResumeRefusedError(UsageError):
 
 
 class ReplicaMismatchError(CkptVerifyError):
-    """Replicas that must be identical differ (``on_mismatch="raise"``): a hardware fault is likely.
+    """Replicas that must be identical differ (``on_replica_mismatch="raise"``): a hardware fault is likely.
     ``mismatch`` is the :class:`~ckptverify.hardware.replica.ReplicaMismatch`."""
 
     exit_code = 1
@@ -280,14 +280,10 @@ class CkptVerifyWarning(UserWarning):
     something around a check that went wrong and was passed over (an event not appended, a callback raised)."""
 
 
-class CkptVerifyDeprecationWarning(CkptVerifyWarning, DeprecationWarning):
-    """A keyword, option or name that still works for one release; the message names what replaces it."""
-
-
 class VerifyFailedWarning(CkptVerifyWarning):
     """A checkpoint failed its verification after it was saved (by ``save``, ``Run`` or a framework
     integration), or one a framework was asked to load failed it."""
 
 
 class ReplicaMismatchWarning(CkptVerifyWarning):
-    """Replicas that must be identical differ (``on_mismatch="warn"``)."""
+    """Replicas that must be identical differ (``on_replica_mismatch="warn"``)."""

@@ -38,7 +38,8 @@ def _model(wrap: str) -> torch.nn.Module:
     raise ValueError(wrap)
 
 
-def run(rank: int, world: int, out_dir: str, wrap: str, fault: str | None, on_mismatch: str, steps: int) -> None:
+def run(rank: int, world: int, out_dir: str, wrap: str, fault: str | None, on_replica_mismatch: str,
+        steps: int) -> None:
     result: dict[str, Any] = {"mismatch_steps": [], "compared": [], "reused": [], "error": None, "fired": False}
     model = _model(wrap)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -47,7 +48,8 @@ def run(rank: int, world: int, out_dir: str, wrap: str, fault: str | None, on_mi
     if fault:
         injector = FaultInjector(BitFlip.from_json(fault), model=model, optimizer=opt, rank=rank,
                                  step_in_progress=lambda: step + 1)
-    check = ReplicaCheck(model, optimizer=opt, on_mismatch=on_mismatch, events=EventLog(out_dir, rank=rank))
+    check = ReplicaCheck(model, optimizer=opt, on_replica_mismatch=on_replica_mismatch,
+                         events=EventLog(out_dir, rank=rank))
     result["tensors"] = check.tensors
     recorder = None
     if wrap == "ddp-traced":  # a state-level trace: the check reuses the parameter digests of each row

@@ -23,6 +23,7 @@ from helpers.multiproc import spawn_ranks
 
 import ckptverify as cv
 from ckptverify.errors import CheckpointRefusedError, CkptVerifyWarning, UsageError, VerifyFailedError
+from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.prune import prune
 from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp
@@ -90,7 +91,7 @@ def test_a_shard_damaged_before_verification_fails_warns_logs_and_raises_at_the_
     run = tmp_path / "run"
     verifier.before_verify = lambda p: inj.flip_in_tensor_payload(p, "w") and None
     with pytest.warns(VerifyFailedWarning, match="step_1.*failed verification"):
-        cv.save(_state(1.0), run / "step_1", verify="background", on_verify_failure="raise", events=run)
+        cv.save(_state(1.0), run / "step_1", verify=VerifyOptions(when="background", on_failure="raise"), events=run)
         assert cv.wait_for_verifications(timeout=60)
     verifier.before_verify = None
     data = _stamp(run / "step_1")
@@ -102,10 +103,10 @@ def test_a_shard_damaged_before_verification_fails_warns_logs_and_raises_at_the_
     assert len(failed) == 1 and failed[0]["step"] == 1 and failed[0]["first_error"] == last.first_error
     # The next save in raise mode refuses before it writes anything; the one after goes ahead.
     with pytest.raises(VerifyFailedError, match="step_1") as raised:
-        cv.save(_state(2.0), run / "step_2", verify="background", on_verify_failure="raise", events=run)
+        cv.save(_state(2.0), run / "step_2", verify=VerifyOptions(when="background", on_failure="raise"), events=run)
     assert raised.value.verification == last and raised.value.exit_code == 1
     assert not (run / "step_2").exists()
-    cv.save(_state(2.0), run / "step_2", verify="background", on_verify_failure="raise", events=run)
+    cv.save(_state(2.0), run / "step_2", verify=VerifyOptions(when="background", on_failure="raise"), events=run)
     assert cv.wait_for_verifications(timeout=60) and _stamp(run / "step_2")["passed"]
     # The stamp says failed, so a resume skips the damaged checkpoint without verifying it again.
     assert cv.latest_verified(run).skipped == []  # step_2 is newest and good
@@ -115,7 +116,7 @@ def test_a_shard_damaged_before_verification_fails_warns_logs_and_raises_at_the_
 def test_inline_raise_fails_the_save_itself(tmp_path: Path, verifier: BackgroundVerifier) -> None:
     verifier.before_verify = lambda p: inj.flip_in_tensor_payload(p, "w") and None
     with pytest.warns(VerifyFailedWarning), pytest.raises(VerifyFailedError, match="step_4"):
-        cv.save(_state(4.0), tmp_path / "step_4", verify="inline", on_verify_failure="raise")
+        cv.save(_state(4.0), tmp_path / "step_4", verify=VerifyOptions(on_failure="raise"))
     assert _stamp(tmp_path / "step_4")["verdict"] == "failed"
     assert verifier.take_failures() == []  # raised already: the next save does not raise it again
 
@@ -131,9 +132,10 @@ def test_a_failed_verification_whose_stamp_cannot_be_written_still_raises(tmp_pa
     verifier.before_verify = damage
     seen: list[cv.Verification] = []
     with pytest.warns(VerifyFailedWarning), pytest.raises(VerifyFailedError, match="step_4"):
-        cv.save(_state(4.0), tmp_path / "step_4", verify=mode, on_verify_failure="raise", on_verified=seen.append)
+        raising = VerifyOptions(when=mode, on_failure="raise")
+        cv.save(_state(4.0), tmp_path / "step_4", verify=raising, on_verified=seen.append)
         assert cv.wait_for_verifications(timeout=60)
-        cv.save(_state(5.0), tmp_path / "step_5", verify=mode, on_verify_failure="raise")  # raises the earlier one
+        cv.save(_state(5.0), tmp_path / "step_5", verify=raising)  # raises the earlier one
     (result,) = seen
     assert result.verdict == "failed" and not result.stamped and "not stamped" in (result.reason or "")
     assert read_stamp(tmp_path / "step_4") is None
@@ -195,8 +197,8 @@ def test_a_verifier_process_that_dies_leaves_that_checkpoint_unverified_and_the_
 
 
 def test_bad_verify_arguments_are_usage_errors(tmp_path: Path, verifier: BackgroundVerifier) -> None:
-    for kwargs in ({"verify": "later"}, {"verify": "inline", "on_verify_failure": "ignore"},
-                   {"verify": "inline", "on_verified": 3}, {"verify": "inline", "verify_deep": "yes"}):
+    for kwargs in ({"verify": "later"}, {"verify": "inline", "on_verified": 3},
+                   {"verify": "inline", "verify_deep": True}):  # not a keyword of save
         with pytest.raises(UsageError):
             cv.save(_state(1.0), tmp_path / "x", **kwargs)
     assert not (tmp_path / "x").exists()
@@ -348,7 +350,7 @@ def test_load_picks_the_newest_checkpoint_that_verifies_and_says_which(tmp_path:
     with pytest.raises(UsageError):
         cv.load(fresh, run, pick="newest")
     with pytest.raises(UsageError):
-        cv.load(fresh, run, pick="latest-verified", verify=False)
+        cv.load(fresh, run, pick="latest-verified", verify="off")
 
 
 def test_load_pick_trusts_a_failed_stamp_from_the_background_verifier(tmp_path: Path,
@@ -377,8 +379,8 @@ def _two_rank_worker(rank: int, world: int, root: str) -> None:
     try:
         def save(step: int) -> None:
             state = {f"w.{rank}": torch.full((256,), float(step + rank)), "shared": torch.arange(512.0) * step}
-            cv.save(state, os.path.join(root, f"step_{step}"), verify="background", on_verify_failure="raise",
-                    events=root)
+            cv.save(state, os.path.join(root, f"step_{step}"),
+                    verify=VerifyOptions(when="background", on_failure="raise"), events=root)
 
         save(1)
         out["after_save_1"] = background._default is not None and background._default.pending() != []

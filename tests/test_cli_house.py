@@ -145,9 +145,7 @@ def test_every_checking_command_prints_the_one_report_schema(run: Path, tmp_path
         assert _report(result)["command"] == " ".join(words)
 
 
-def test_latest_json_is_a_report_with_the_pick_in_stats_and_the_old_keys_kept(run: Path) -> None:
-    from ckptverify.render.report import LATEST_LEGACY_KEYS
-
+def test_latest_json_is_a_report_with_the_pick_in_stats(run: Path) -> None:
     result = _invoke("latest", "--json", str(run))
     data = _report(result)
     assert result.exit_code == 0
@@ -155,13 +153,11 @@ def test_latest_json_is_a_report_with_the_pick_in_stats_and_the_old_keys_kept(ru
     assert stats["path"] == str(run / "step_20") and stats["step"] == 20
     assert [s["path"] for s in stats["skipped"]] == ["step_30"] and stats["quarantined"] == []
     assert {f["check"] for f in data["findings"]} == {"latest", "latest-skipped"}
-    # What latest --json printed before (the pick at the top level) is still there, equal to stats, one release.
-    assert set(data) - REPORT_KEYS == set(LATEST_LEGACY_KEYS)
-    assert all(data[key] == stats[key] for key in LATEST_LEGACY_KEYS)
+    assert set(data) == REPORT_KEYS  # the one report schema, nothing besides
     none = run.parent / "none"
     shutil.copytree(run / "step_30", none / "step_30")
     data = _report(_invoke("latest", "--json", str(none)))
-    assert data["stats"]["path"] is None and data["path"] is None and data["exit_code"] == 1
+    assert data["stats"]["path"] is None and data["exit_code"] == 1
 
 
 def _gauges(path: Path) -> dict[str, float]:

@@ -20,10 +20,10 @@ from ckptverify.hardware.inject import BitFlip, FaultInjector, flip_bit_
 from ckptverify.ownfiles.events import read_events
 
 
-def _launch(tmp: Path, wrap: str, fault: BitFlip | None = None, on_mismatch: str = "warn",
+def _launch(tmp: Path, wrap: str, fault: BitFlip | None = None, on_replica_mismatch: str = "warn",
             steps: int = 4) -> list[dict[str, Any]]:
     tmp.mkdir(parents=True, exist_ok=True)
-    spawn_ranks(worker.run, 2, str(tmp), wrap, fault.to_json() if fault else None, on_mismatch, steps)
+    spawn_ranks(worker.run, 2, str(tmp), wrap, fault.to_json() if fault else None, on_replica_mismatch, steps)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -70,7 +70,7 @@ def test_a_traced_job_checks_its_replicas_with_the_digests_the_trace_made(tmp_pa
 @pytest.mark.slow
 def test_raise_stops_every_replica_at_the_mismatch(tmp_path: Path) -> None:
     flip = BitFlip(kind="param", name="0.bias", step=2, rank=0, element=0, bit=31)
-    results = _launch(tmp_path, "ddp", flip, on_mismatch="raise")
+    results = _launch(tmp_path, "ddp", flip, on_replica_mismatch="raise")
     assert [r["error"] for r in results] == [{"type": "ReplicaMismatchError", "step": 2}] * 2
 
 

@@ -28,10 +28,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptverify.errors import CheckpointRefusedError
 from ckptverify.integrations import accelerate as ckv
+from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier import background
 from ckptverify.verifier.background import BackgroundVerifier
+
+RAISE = VerifyOptions(on_failure="raise")
+BACKGROUND_RAISE = VerifyOptions(when="background", on_failure="raise")
 
 
 class Job:
@@ -129,7 +133,7 @@ def test_on_failure_raise_stops_at_the_damaged_save(tmp_path: Path) -> None:
     job = Job()
     job.accelerator.save_state = damaging(job.accelerator.save_state, "state-step2")
     with pytest.raises(CheckpointRefusedError, match=r"state-step2 fails verification.*optimizer\.bin"):
-        job.train(4, lambda s: ckv.save_state(job.accelerator, tmp_path / f"state-step{s}", on_failure="raise"))
+        job.train(4, lambda s: ckv.save_state(job.accelerator, tmp_path / f"state-step{s}", verify=RAISE))
 
 
 def test_load_of_a_flipped_state_is_refused_before_anything_is_loaded(saved: Any, tmp_path: Path) -> None:
@@ -213,7 +217,7 @@ def test_two_processes_wait_for_each_other_and_follow_rank_0s_verdict(tmp_path: 
     assert not read_stamp(tmp_path / "state-step4").passed  # type: ignore[union-attr]
 
 
-# -- background=True: save_state returns at once; the verdict comes from the background verifier
+# -- verify="background": save_state returns at once; the verdict comes from the background verifier
 
 
 def test_background_states_are_fingerprinted_and_stamped_once_waited_for(tmp_path: Path,
@@ -223,7 +227,7 @@ def test_background_states_are_fingerprinted_and_stamped_once_waited_for(tmp_pat
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         job.train(4, lambda s: returned.append(ckv.save_state(job.accelerator, tmp_path / f"state-step{s}",
-                                                              background=True)))
+                                                              verify="background")))
         arrived = ckv.wait_for_verifications(job.accelerator)
     assert ours(caught) == [] and queue.pending() == []
     assert [(v.step, v.pending, v.passed) for v in returned] == [(2, True, False), (4, True, False)]
@@ -247,7 +251,7 @@ def test_a_damaged_background_state_is_a_warning_an_event_and_raised_at_the_next
     def save(step: int) -> None:
         if step == 4:  # the earlier verdict is in, as in a run whose steps take longer than a verification
             assert background.wait_for_verifications(timeout=120)
-        ckv.save_state(job.accelerator, tmp_path / f"state-step{step}", background=True, on_failure="raise")
+        ckv.save_state(job.accelerator, tmp_path / f"state-step{step}", verify=BACKGROUND_RAISE)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -273,7 +277,7 @@ def test_load_of_a_state_still_queued_waits_for_its_verification(tmp_path: Path,
     release = threading.Event()
     queue.before_verify = lambda p: release.wait(60)
     job = Job()
-    job.train(2, lambda s: ckv.save_state(job.accelerator, tmp_path / f"state-step{s}", background=True))
+    job.train(2, lambda s: ckv.save_state(job.accelerator, tmp_path / f"state-step{s}", verify="background"))
     assert queue.pending() == [str(tmp_path / "state-step2")]
     threading.Timer(0.5, release.set).start()
     verdict = ckv.load_state(Job().accelerator, tmp_path / "state-step2")
@@ -309,7 +313,7 @@ def test_a_state_total_limit_removes_before_its_verification_is_an_event_not_a_f
     job = Job(ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        job.train(4, lambda s: ckv.save_state(job.accelerator, background=True, on_failure="raise"))
+        job.train(4, lambda s: ckv.save_state(job.accelerator, verify=BACKGROUND_RAISE))
         arrived = ckv.wait_for_verifications(job.accelerator)
     assert ours(caught) == []
     assert [(Path(v.path).name, v.deleted, v.passed) for v in arrived] == [("checkpoint_0", True, False),

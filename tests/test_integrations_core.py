@@ -19,18 +19,22 @@ import torch.distributed.checkpoint as dcp
 
 from ckptverify.errors import CheckpointRefusedError, CkptVerifyWarning, UsageError
 from ckptverify.integrations import Verifier, VerifyFailedWarning
+from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles.events import read_events
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
 from ckptverify.runs.stamp import read_stamp, stamp_path
 from ckptverify.verifier import background
 from ckptverify.verifier.background import BackgroundVerifier
 
+RAISE = VerifyOptions(on_failure="raise")
+BACKGROUND_RAISE = VerifyOptions(when="background", on_failure="raise")
+
 
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(UsageError, match="on_failure"):
-        Verifier(on_failure="ignore")  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="background"):
-        Verifier(background="yes")  # type: ignore[arg-type]
+        Verifier(verify=VerifyOptions(on_failure="ignore"))  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="verify"):
+        Verifier(verify="yes")
     with pytest.raises(UsageError, match="jobs"):
         Verifier(jobs=0)
 
@@ -83,7 +87,7 @@ def test_a_checkpoint_that_cannot_be_verified_fails_at_save_and_is_refused_at_re
         verdict = verifier.after_save("s3://bucket/run/step-1", step=1)
     assert not verdict.passed
     with pytest.raises(CheckpointRefusedError, match="checkpoint saved at s3://bucket/run/step-1 cannot be verified"):
-        Verifier(on_failure="raise", events_dir=tmp_path).after_save("s3://bucket/run/step-1")
+        Verifier(verify=RAISE, events_dir=tmp_path).after_save("s3://bucket/run/step-1")
     with pytest.raises(CheckpointRefusedError, match=r"refusing to resume: .*missing.*cannot be verified"):
         verifier.before_resume(tmp_path / "missing")
     assert len(list(read_events(tmp_path, "checkpoint-failed"))) == 2
@@ -124,7 +128,7 @@ def test_background_writes_the_same_manifest_stamp_and_event_as_inline(tmp_path:
     inline_dir.mkdir()
     bg_dir.mkdir()
     inline = Verifier().after_save(_hf_folder(inline_dir / "checkpoint-1"), step=1)
-    verifier = Verifier(background=True)
+    verifier = Verifier(verify="background")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pending = verifier.after_save(_hf_folder(bg_dir / "checkpoint-1"), step=1)
@@ -156,7 +160,7 @@ def test_a_background_failure_warns_logs_and_is_raised_at_the_next_save(tmp_path
     # Damage planted right before the verifier reads it: what storage that corrupted the write would show.
     thread_queue.before_verify = (
         lambda p: faults.append(inj.flip_in_tensor_payload(Path(p))) if p == str(first) else None)
-    verifier = Verifier(background=True, on_failure="raise")
+    verifier = Verifier(verify=BACKGROUND_RAISE)
     assert verifier.after_save(first, step=1).pending
     with pytest.warns(VerifyFailedWarning, match=r"step-1 fails verification"):
         assert background.wait_for_checkpoint(first, timeout=120)
@@ -180,7 +184,7 @@ def test_a_checkpoint_deleted_before_its_turn_is_an_event_not_a_failure(tmp_path
     torch.save({"w": torch.randn(8)}, single)
     # Retention deletes them as their turn comes (a folder file by file, with ckptverify's lock inside).
     thread_queue.before_verify = lambda p: shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
-    verifier = Verifier(background=True, on_failure="raise", fingerprint=True)
+    verifier = Verifier(verify=BACKGROUND_RAISE, fingerprint=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         verifier.after_save(folder, step=1)
@@ -197,7 +201,7 @@ def test_a_resume_of_a_checkpoint_still_queued_waits_for_its_verification(tmp_pa
     folder = _hf_folder(tmp_path / "checkpoint-1")
     release = threading.Event()
     thread_queue.before_verify = lambda p: release.wait(60)
-    verifier = Verifier(background=True)
+    verifier = Verifier(verify="background")
     verifier.after_save(folder, step=1)
     assert verifier.pending() == [str(folder)]
     threading.Timer(0.5, release.set).start()
@@ -210,7 +214,7 @@ def test_a_wait_that_runs_out_says_which_were_cut_short(tmp_path: Path, thread_q
     folder = _hf_folder(tmp_path / "checkpoint-1")
     release = threading.Event()
     thread_queue.before_verify = lambda p: release.wait(60)
-    verifier = Verifier(background=True)
+    verifier = Verifier(verify="background")
     verifier.after_save(folder, step=1)
     with pytest.warns(CkptVerifyWarning, match=r"1 checkpoint verification\(s\) cut short.*checkpoint-1"):
         assert verifier.wait(timeout=0.2) == []

@@ -1,4 +1,4 @@
-"""ckptverify's Lightning callback (``VerifyCheckpoints``) in real ``pytorch_lightning`` training runs on CPU.
+"""ckptverify's Lightning callback (``VerifyCheckpointsCallback``) in real ``pytorch_lightning`` training runs on CPU.
 
 The single device runs (``.ckpt`` files) run in this process; the ``ModelParallelStrategy`` runs (DCP folders
 with ``meta.pt``) run ``tests/frameworks/lightning_integration.py``'s model in ranks of their own
@@ -30,11 +30,15 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from ckptverify.audit.adopt import file_manifest_path  # noqa: E402
 from ckptverify.errors import CheckpointRefusedError  # noqa: E402
 from ckptverify.integrations import VerifyFailedWarning  # noqa: E402
-from ckptverify.integrations.lightning import VerifyCheckpoints  # noqa: E402
+from ckptverify.integrations.lightning import VerifyCheckpointsCallback  # noqa: E402
+from ckptverify.options import VerifyOptions  # noqa: E402
 from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp, stamp_path  # noqa: E402
 from ckptverify.verifier import background  # noqa: E402
 from ckptverify.verifier.background import BackgroundVerifier  # noqa: E402
+
+RAISE = VerifyOptions(on_failure="raise")
+BACKGROUND_RAISE = VerifyOptions(when="background", on_failure="raise")
 
 
 class Regressor(pl.LightningModule):
@@ -70,7 +74,7 @@ class DamagingIO(TorchCheckpointIO):
             h.flip_in_zip_member(Path(path))
 
 
-def fit(out: Path, callback: VerifyCheckpoints, *, max_steps: int = 4, ckpt_path: Path | None = None,
+def fit(out: Path, callback: VerifyCheckpointsCallback, *, max_steps: int = 4, ckpt_path: Path | None = None,
         model: Regressor | None = None, top_k: int = -1, plugins: list[Any] | None = None) -> tuple[Any, list[str]]:
     """Train with ``ModelCheckpoint`` every 2 steps into ``out``; return the trainer and ckptverify's warnings."""
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
@@ -93,7 +97,7 @@ def events(out: Path, name: str) -> list[dict[str, Any]]:
 
 
 def test_every_saved_checkpoint_carries_a_current_passed_stamp_and_no_warning(tmp_path: Path) -> None:
-    verify = VerifyCheckpoints()
+    verify = VerifyCheckpointsCallback()
     _, warned = fit(tmp_path, verify)
     assert warned == []
     for step in (2, 4):
@@ -113,7 +117,7 @@ def test_every_saved_checkpoint_carries_a_current_passed_stamp_and_no_warning(tm
 
 
 def test_a_checkpoint_damaged_on_its_way_to_disk_gets_a_failed_stamp_a_warning_and_an_event(tmp_path: Path) -> None:
-    verify = VerifyCheckpoints()
+    verify = VerifyCheckpointsCallback()
     _, warned = fit(tmp_path, verify, plugins=[DamagingIO(step=2)])
     assert len(warned) == 1 and "step=2.ckpt" in warned[0] and "zip-crc" in warned[0], warned
     bad, good = read_stamp(tmp_path / "step=2.ckpt"), read_stamp(tmp_path / "step=4.ckpt")
@@ -127,19 +131,20 @@ def test_a_checkpoint_damaged_on_its_way_to_disk_gets_a_failed_stamp_a_warning_a
 
 def test_on_failure_raise_stops_training_at_the_damaged_save(tmp_path: Path) -> None:
     with pytest.raises(CheckpointRefusedError, match=r"step=2\.ckpt fails verification"):
-        fit(tmp_path, VerifyCheckpoints(on_failure="raise"), plugins=[DamagingIO(step=2)])
+        fit(tmp_path, VerifyCheckpointsCallback(verify=RAISE), plugins=[DamagingIO(step=2)])
     assert not (tmp_path / "step=4.ckpt").exists()  # no training past the damaged save
 
 
 def test_resume_from_a_flipped_checkpoint_is_refused_before_any_state_is_loaded(tmp_path: Path) -> None:
-    fit(tmp_path, VerifyCheckpoints())
+    fit(tmp_path, VerifyCheckpointsCallback())
     member = h.flip_in_zip_member(tmp_path / "step=2.ckpt")
     assert read_stamp(tmp_path / "step=2.ckpt").current is False  # type: ignore[union-attr]  # rewritten since
     model = Regressor()
     before = [p.detach().clone() for p in model.parameters()]
     trainer = None
     with pytest.raises(CheckpointRefusedError, match=r"refusing to resume: .*step=2\.ckpt fails verification") as exc:
-        trainer, _ = fit(tmp_path / "resumed", VerifyCheckpoints(), model=model, ckpt_path=tmp_path / "step=2.ckpt")
+        trainer, _ = fit(tmp_path / "resumed", VerifyCheckpointsCallback(), model=model,
+                         ckpt_path=tmp_path / "step=2.ckpt")
     assert member.split("/")[-1] in str(exc.value)  # the damaged record is named
     assert trainer is None
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))  # nothing loaded
@@ -148,9 +153,9 @@ def test_resume_from_a_flipped_checkpoint_is_refused_before_any_state_is_loaded(
 
 
 def test_resume_from_a_clean_checkpoint_continues_and_stamps_what_it_saves(tmp_path: Path) -> None:
-    fit(tmp_path, VerifyCheckpoints())
+    fit(tmp_path, VerifyCheckpointsCallback())
     out = tmp_path / "resumed"
-    verify = VerifyCheckpoints()
+    verify = VerifyCheckpointsCallback()
     trainer, warned = fit(out, verify, max_steps=6, ckpt_path=tmp_path / "step=2.ckpt")
     assert warned == []
     assert trainer.global_step == 6
@@ -160,7 +165,7 @@ def test_resume_from_a_clean_checkpoint_continues_and_stamps_what_it_saves(tmp_p
 
 
 def test_async_checkpoint_io_is_checked_after_the_file_is_written(tmp_path: Path) -> None:
-    verify = VerifyCheckpoints()
+    verify = VerifyCheckpointsCallback()
     _, warned = fit(tmp_path, verify, plugins=[AsyncCheckpointIO()])
     assert warned == []  # a file still being written would fail: none was read early
     assert sorted(v.step for v in verify.verdicts) == [2, 4]
@@ -170,7 +175,7 @@ def test_async_checkpoint_io_is_checked_after_the_file_is_written(tmp_path: Path
 
 
 def test_async_checkpoint_io_damage_is_caught_in_the_writing_thread(tmp_path: Path) -> None:
-    verify = VerifyCheckpoints()
+    verify = VerifyCheckpointsCallback()
     _, warned = fit(tmp_path, verify, plugins=[AsyncCheckpointIO(DamagingIO(step=4))])
     assert len(warned) == 1 and "step=4.ckpt" in warned[0], warned
     stamp = read_stamp(tmp_path / "step=4.ckpt")
@@ -178,7 +183,7 @@ def test_async_checkpoint_io_damage_is_caught_in_the_writing_thread(tmp_path: Pa
 
 
 def test_top_k_retention_removes_the_stamp_and_manifest_beside_a_removed_checkpoint(tmp_path: Path) -> None:
-    verify = VerifyCheckpoints(fingerprint=True)
+    verify = VerifyCheckpointsCallback(fingerprint=True)
     fit(tmp_path, verify, top_k=1)
     assert [v.manifest for v in verify.verdicts] == [True, True]  # checked against the manifest beside
     assert os.path.isfile(file_manifest_path(str(tmp_path / "step=4.ckpt")))
@@ -189,19 +194,20 @@ def test_top_k_retention_removes_the_stamp_and_manifest_beside_a_removed_checkpo
 
 
 def test_the_strategy_is_left_as_it_was_after_fit_and_after_a_refused_resume(tmp_path: Path) -> None:
-    trainer, _ = fit(tmp_path, VerifyCheckpoints())
+    trainer, _ = fit(tmp_path, VerifyCheckpointsCallback())
     for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
         assert name not in vars(trainer.strategy), name
     (tmp_path / "not-a-checkpoint.ckpt").write_bytes(b"junk")
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, callbacks=[VerifyCheckpoints()])
+                         enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[VerifyCheckpointsCallback()])
     with pytest.raises(CheckpointRefusedError, match=r"not-a-checkpoint\.ckpt"):
         trainer.fit(Regressor(), ckpt_path=tmp_path / "not-a-checkpoint.ckpt")
     for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
         assert name not in vars(trainer.strategy), name
 
 
-# -- background=True: the save returns at once; the verdict comes from the background verifier
+# -- verify="background": the save returns at once; the verdict comes from the background verifier
 
 
 class WaitForBackground(pl.Callback):
@@ -218,7 +224,7 @@ class WaitForBackground(pl.Callback):
 
 def test_background_saves_are_stamped_once_fit_ends_with_no_warning(tmp_path: Path,
                                                                     queue: BackgroundVerifier) -> None:
-    verify = VerifyCheckpoints(background=True)
+    verify = VerifyCheckpointsCallback(verify="background")
     _, warned = fit(tmp_path, verify)
     assert warned == [] and queue.pending() == []
     for step in (2, 4):
@@ -235,7 +241,7 @@ def test_background_saves_are_stamped_once_fit_ends_with_no_warning(tmp_path: Pa
 
 def test_a_damaged_background_save_is_a_warning_a_failed_stamp_and_an_event(tmp_path: Path,
                                                                            queue: BackgroundVerifier) -> None:
-    verify = VerifyCheckpoints(background=True)
+    verify = VerifyCheckpointsCallback(verify="background")
     _, warned = fit(tmp_path, verify, plugins=[DamagingIO(step=2)])
     assert len(warned) == 1 and "step=2.ckpt" in warned[0] and "zip-crc" in warned[0], warned
     bad = read_stamp(tmp_path / "step=2.ckpt")
@@ -252,7 +258,7 @@ def test_background_on_failure_raise_stops_training_at_the_next_save(tmp_path: P
                          enable_model_summary=False, plugins=[DamagingIO(step=2)],
                          callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2,
                                                     save_top_k=-1),
-                                    WaitForBackground(step=4), VerifyCheckpoints(background=True, on_failure="raise")])
+                                    WaitForBackground(step=4), VerifyCheckpointsCallback(verify=BACKGROUND_RAISE)])
     with pytest.raises(CheckpointRefusedError, match=r"earlier checkpoint failed verification in the background: "
                                                      r"checkpoint saved at .*step=2\.ckpt fails verification"), \
             warnings.catch_warnings():
@@ -268,7 +274,7 @@ def test_background_on_failure_raise_at_the_last_save_raises_when_fit_ends(tmp_p
     with pytest.raises(CheckpointRefusedError, match=r"in the background: .*step=4\.ckpt fails verification"), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", VerifyFailedWarning)
-        fit(tmp_path, VerifyCheckpoints(background=True, on_failure="raise"), plugins=[DamagingIO(step=4)])
+        fit(tmp_path, VerifyCheckpointsCallback(verify=BACKGROUND_RAISE), plugins=[DamagingIO(step=4)])
     assert not read_stamp(tmp_path / "step=4.ckpt").passed  # type: ignore[union-attr]
 
 
@@ -280,7 +286,7 @@ def test_a_checkpoint_top_k_removes_before_its_verification_is_an_event_not_a_fa
             time.sleep(0.02)
 
     queue.before_verify = hold_until_removed
-    verify = VerifyCheckpoints(background=True, on_failure="raise", fingerprint=True)
+    verify = VerifyCheckpointsCallback(verify=BACKGROUND_RAISE, fingerprint=True)
     _, warned = fit(tmp_path, verify, top_k=1)
     assert warned == []
     (deleted,) = events(tmp_path, "checkpoint-deleted")

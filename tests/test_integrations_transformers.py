@@ -28,10 +28,14 @@ from ckptverify.integrations.transformers import (  # noqa: E402
     verified_resume_checkpoint,
     verify_before_resume,
 )
+from ckptverify.options import VerifyOptions  # noqa: E402
 from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp  # noqa: E402
 from ckptverify.verifier import background  # noqa: E402
 from ckptverify.verifier.background import BackgroundVerifier  # noqa: E402
+
+RAISE = VerifyOptions(on_failure="raise")
+BACKGROUND_RAISE = VerifyOptions(when="background", on_failure="raise")
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -137,7 +141,7 @@ def test_a_checkpoint_damaged_on_its_way_to_disk_gets_a_failed_stamp_a_warning_a
 def test_on_failure_raise_stops_training_at_the_damaged_save(tmp_path: Path) -> None:
     out = tmp_path / "run"
     with pytest.raises(CheckpointRefusedError, match=r"checkpoint-2 fails verification.*optimizer\.pt"):
-        train(out, [DamageOnSave(step=2), VerifyCheckpointsCallback(on_failure="raise")])
+        train(out, [DamageOnSave(step=2), VerifyCheckpointsCallback(verify=RAISE)])
     assert not (out / "checkpoint-4").exists()
 
 
@@ -187,7 +191,7 @@ def test_a_flip_in_the_weights_is_refused_at_resume_naming_the_tensor(run: Any, 
     assert "model.safetensors" in str(exc.value) and tensor in str(exc.value)
 
 
-# -- background=True: on_save returns at once; the verdict comes from the background verifier
+# -- verify="background": on_save returns at once; the verdict comes from the background verifier
 
 
 class WaitForBackground(TrainerCallback):
@@ -205,7 +209,7 @@ class WaitForBackground(TrainerCallback):
 def test_background_saves_are_fingerprinted_and_stamped_by_the_end_of_training(tmp_path: Path,
                                                                                queue: BackgroundVerifier) -> None:
     out = tmp_path / "run"
-    verify = VerifyCheckpointsCallback(background=True)
+    verify = VerifyCheckpointsCallback(verify="background")
     _, warned = train(out, [verify])
     assert warned == [] and queue.pending() == []
     for step in (2, 4):
@@ -222,7 +226,7 @@ def test_background_saves_are_fingerprinted_and_stamped_by_the_end_of_training(t
 def test_a_damaged_background_save_is_a_warning_a_failed_stamp_and_an_event(tmp_path: Path,
                                                                            queue: BackgroundVerifier) -> None:
     out = tmp_path / "run"
-    _, warned = train(out, [DamageOnSave(step=2), VerifyCheckpointsCallback(background=True)])
+    _, warned = train(out, [DamageOnSave(step=2), VerifyCheckpointsCallback(verify="background")])
     assert len(warned) == 1 and "checkpoint-2" in warned[0] and "optimizer.pt" in warned[0], warned
     assert not read_stamp(out / "checkpoint-2").passed  # type: ignore[union-attr]
     assert read_stamp(out / "checkpoint-4").passed  # type: ignore[union-attr]
@@ -235,7 +239,7 @@ def test_background_on_failure_raise_stops_training_at_the_next_save(tmp_path: P
     out = tmp_path / "run"
     with pytest.raises(CheckpointRefusedError, match=r"in the background: .*checkpoint-2 fails verification"):
         train(out, [DamageOnSave(step=2), WaitForBackground(step=4), VerifyCheckpointsCallback(
-            background=True, on_failure="raise")], max_steps=8)
+            verify=BACKGROUND_RAISE)], max_steps=8)
     assert (out / "checkpoint-4").is_dir() and not (out / "checkpoint-6").exists()  # stopped at the next save
 
 
@@ -248,7 +252,7 @@ def test_a_checkpoint_rotated_away_before_its_verification_is_an_event_not_a_fai
 
     queue.before_verify = hold_until_removed
     out = tmp_path / "run"
-    verify = VerifyCheckpointsCallback(background=True, on_failure="raise")
+    verify = VerifyCheckpointsCallback(verify=BACKGROUND_RAISE)
     _, warned = train(out, [verify], save_total_limit=1)
     assert warned == []
     (deleted,) = read_events(out, "checkpoint-deleted")

@@ -214,7 +214,7 @@ def test_an_uncommitted_save_is_refused_even_without_verification(good, tmp_path
     torn = tmp_path / "torn"
     shutil.copytree(path, torn)
     (torn / MARKER_FILE).write_text('{"save_id": "x", "pid": 1}')
-    for verify in (True, False):
+    for verify in ("inline", "off"):
         state = build(5)
         before = snapshot(state)
         with pytest.raises(CheckpointRefusedError, match="save-uncommitted"):

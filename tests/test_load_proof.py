@@ -91,9 +91,9 @@ def test_an_explicit_path_that_fails_its_proof_raises_and_changes_nothing(tmp_pa
     target = build(5)
     before = snapshot(target)
     rng_draw = torch.get_rng_state()
-    # verify=False skips the verification pass before loading, not the proof in the read that loads.
+    # verify="off" skips the verification pass before loading, not the proof in the read that loads.
     with pytest.raises(ProofFailedError, match="manifest-digest") as exc:
-        cv.load(target, ckpt, verify=False)
+        cv.load(target, ckpt, verify="off")
     assert exc.value.info["fqn"] == fault.fqn and exc.value.info["file"] == fault.file
     assert fault.byte_offset is not None
     lo, hi = exc.value.info["byte_range"]
@@ -114,14 +114,14 @@ def test_without_a_manifest_the_zip_crc_catches_it(tmp_path: Path) -> None:
         write_stamp(run / f"step_{step}", verify_checkpoint(str(run / f"step_{step}")), step=step)
         assert read_stamp(run / f"step_{step}").data["state"] == "intact"
     good = build(5)
-    report = cv.load(good, run / "step_1", verify=False)  # the control: a clean one loads, proven by CRCs
+    report = cv.load(good, run / "step_1", verify="off")  # the control: a clean one loads, proven by CRCs
     assert report.passed and report.stats["proof"] == "zip-crc" and report.stats["proven_items"] > 0
     _keeping_times(run / "step_2", lambda: inj.flip_in_tensor_payload(run / "step_2", "model.0.weight"))
     assert latest_verified(run, formats={"dcp"}, trust_stamps=True).path == str(run / "step_2")
     target = build(6)
     before = snapshot(target)
     with pytest.raises(ProofFailedError, match="zip-crc"):
-        cv.load(target, run / "step_2", verify=False)
+        cv.load(target, run / "step_2", verify="off")
     assert_unchanged(before, snapshot(target))
     report = cv.load(target, run, pick="latest-verified")
     # The refused load stamped it failed (it had a stamp that vouched for it): the pick passes over it.
@@ -250,7 +250,7 @@ def _two_rank_worker(rank: int, world: int, root: str) -> None:
         target = _ddp_state(10 + rank)
         before = _live(target)
         try:
-            cv.load(target, run / "step_2", verify=False)
+            cv.load(target, run / "step_2", verify="off")
             out["explicit"] = "loaded"
         except ProofFailedError as exc:
             out["explicit"] = ("ProofFailedError", exc.info.get("check"), exc.info.get("fqn"), str(exc))

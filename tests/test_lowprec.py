@@ -280,7 +280,7 @@ def test_train_state_with_a_quantized_weight_loads_back_with_its_scales(tmp_path
     cv.save(saved, tmp_path / "ck")
     model, state = make(1)
     assert not torch.equal(model.base.weight.scale.view(torch.uint8), saved_model.base.weight.scale.view(torch.uint8))
-    report = cv.load(state, tmp_path / "ck", deep=True)
+    report = cv.load(state, tmp_path / "ck", verify=cv.VerifyOptions(deep=True))
     assert report.exit_code == 0, _findings(report)
     for part in ("qdata", "scale"):
         assert torch.equal(getattr(model.base.weight, part).view(torch.uint8),

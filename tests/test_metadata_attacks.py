@@ -92,7 +92,7 @@ def test_fallback_attack_fails_verify_and_load_and_never_runs(tmp_path):
     with pytest.raises(CheckpointRefusedError):
         ckptverify.load(_state(1), path)
     with pytest.raises(BaseException):  # noqa: B017 - whatever DCP wraps the refusal in
-        ckptverify.load(_state(1), path, verify=False)
+        ckptverify.load(_state(1), path, verify="off")
     with pytest.raises(CheckpointRefusedError, match="refusing"):
         SafeFileSystemReader(str(path)).read_metadata()
     with pytest.raises(CheckpointRefusedError, match="refusing"):

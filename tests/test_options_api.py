@@ -1,8 +1,8 @@
 """One name per concept in the Python API: ``VerifyOptions`` (``when``, ``deep``, ``on_failure``) taken as ``verify=``
-by ``save``, ``async_save``, ``Run.main`` and the integrations; ``deep`` in ``load``; validated when built; the
-renamed keywords still work for one release, each with a deprecation warning naming what replaces it. And one tree
-of errors and warnings: every class under ``CkptVerifyError`` or ``CkptVerifyWarning``, every warning issued with
-a category of that tree.
+by ``save``, ``async_save``, ``load``, ``Run.main`` and the integrations, validated when built; one value set
+(``FAILURE_POLICIES``) for every failure knob (``on_failure``, ``on_replica_mismatch``, ``on_restore_mismatch``).
+And one tree of errors and warnings: every class under ``CkptVerifyError`` or ``CkptVerifyWarning``, every
+warning issued with a category of that tree.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import ckptverify as cv
 from ckptverify import errors
 from ckptverify.errors import (
     CheckpointRefusedError,
-    CkptVerifyDeprecationWarning,
     CkptVerifyError,
     CkptVerifyWarning,
     UsageError,
@@ -33,7 +32,7 @@ from ckptverify.errors import (
     VerifyFailedWarning,
 )
 from ckptverify.integrations import Verifier
-from ckptverify.options import VerifyOptions
+from ckptverify.options import FAILURE_POLICIES, VerifyOptions
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
 from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier import background
@@ -53,16 +52,6 @@ def verifier(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackgroundVerifier]:
 
 def _state(value: float) -> dict[str, Any]:
     return {"w": torch.full((64, 32), value), "b": torch.arange(32.0) + value}
-
-
-def _renamed(record: Any, old: str, new: str) -> None:
-    """Exactly one deprecation warning, naming the old keyword and its replacement, pointing at this file."""
-    hits = [w for w in record if issubclass(w.category, DeprecationWarning)]
-    assert len(hits) == 1, [str(w.message) for w in record]
-    message = str(hits[0].message)
-    assert issubclass(hits[0].category, CkptVerifyDeprecationWarning)
-    assert f"{old}=" in message and new in message, message
-    assert hits[0].filename == __file__, hits[0].filename  # the user's line, not ours
 
 
 # ------------------------------------------------------------------ VerifyOptions
@@ -101,39 +90,24 @@ def test_save_takes_verify_options(tmp_path: Path, verifier: BackgroundVerifier)
     assert seen[-1].passed and not seen[-1].deep
 
 
-def test_save_verify_deep_still_works_with_a_warning(tmp_path: Path, verifier: BackgroundVerifier) -> None:
-    seen: list[cv.Verification] = []
-    with pytest.warns(DeprecationWarning) as record:
-        cv.save(_state(1.0), tmp_path / "step_1", verify="inline", verify_deep=True, on_verified=seen.append)
-    _renamed(record, "verify_deep", "VerifyOptions(deep=")
-    assert seen[0].deep and seen[0].passed
-
-
 @pytest.mark.parametrize("fn", ["save", "async_save"])
-def test_on_verify_failure_still_works_with_a_warning(tmp_path: Path, verifier: BackgroundVerifier,
-                                                      fn: str) -> None:
+def test_on_failure_raise_raises_on_a_failed_verification(tmp_path: Path, verifier: BackgroundVerifier,
+                                                          fn: str) -> None:
     verifier.before_verify = lambda p: inj.flip_in_tensor_payload(p, "w") and None
-    with pytest.warns(DeprecationWarning) as record, pytest.raises(VerifyFailedError, match="step_1"):
-        if fn == "save":
-            cv.save(_state(1.0), tmp_path / "step_1", verify="inline", on_verify_failure="raise")
-        else:
-            cv.async_save(_state(1.0), tmp_path / "step_1", verify="inline",
-                          on_verify_failure="raise").result(timeout=120)
-            cv.save(_state(2.0), tmp_path / "step_2", verify="inline", on_verify_failure="raise")
-    assert any("on_verify_failure=" in str(w.message) and "VerifyOptions(on_failure=" in str(w.message)
-               for w in record)
-    assert read_stamp(tmp_path / "step_1").passed is False
-
-
-def test_the_new_on_failure_raises_as_the_old_one_did(tmp_path: Path, verifier: BackgroundVerifier) -> None:
-    verifier.before_verify = lambda p: inj.flip_in_tensor_payload(p, "w") and None
+    raising = VerifyOptions(on_failure="raise")
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
         warnings.simplefilter("ignore", VerifyFailedWarning)
         with pytest.raises(VerifyFailedError, match="step_1"):
-            cv.save(_state(1.0), tmp_path / "step_1", verify=VerifyOptions(on_failure="raise"))
-        verifier.before_verify = None
-        cv.save(_state(2.0), tmp_path / "step_2", verify=VerifyOptions(on_failure="raise"))  # no warning at all
+            if fn == "save":
+                cv.save(_state(1.0), tmp_path / "step_1", verify=raising)
+            else:  # verified before the future completes; raised by the next save
+                cv.async_save(_state(1.0), tmp_path / "step_1", verify=raising).result(timeout=120)
+                cv.save(_state(2.0), tmp_path / "step_2", verify=raising)
+    assert read_stamp(tmp_path / "step_1").passed is False
+    verifier.before_verify = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cv.save(_state(3.0), tmp_path / "step_3", verify=raising)  # a clean save: no warning at all
 
 
 # ------------------------------------------------------------------ load
@@ -157,19 +131,22 @@ def _fingerprint_edited(path: Path) -> None:
     (path / MANIFEST_FILE).write_text(json.dumps(data))
 
 
-def test_load_deep_and_the_renamed_deep_verify(tmp_path: Path) -> None:
+DEEP = VerifyOptions(deep=True)
+
+
+def test_load_takes_verify_options(tmp_path: Path) -> None:
     path = tmp_path / "step_1"
     cv.save(_train_state(), path)
     _fingerprint_edited(path)
     cv.load(_train_state(), path, check=False)  # not deep: the bytes pass, nothing rebuilds the tensor
     with pytest.raises(CheckpointRefusedError, match="fingerprint"):
-        cv.load(_train_state(), path, check=False, deep=True)
-    with pytest.warns(DeprecationWarning) as record, pytest.raises(CheckpointRefusedError, match="fingerprint"):
-        cv.load(_train_state(), path, check=False, deep_verify=True)
-    _renamed(record, "deep_verify", "deep=")
+        cv.load(_train_state(), path, check=False, verify=DEEP)
+    # A failed verification is never loaded, whatever on_failure says: it is the policy of a saved checkpoint.
+    with pytest.raises(CheckpointRefusedError, match="fingerprint"):
+        cv.load(_train_state(), path, check=False, verify=VerifyOptions(deep=True, on_failure="warn"))
 
 
-def test_picking_loads_take_deep_and_the_renamed_deep_verify(tmp_path: Path) -> None:
+def test_picking_loads_take_deep(tmp_path: Path) -> None:
     from ckptverify.checkpoint.load import load_newest_proven
 
     cv.save(_train_state(), tmp_path / "step_1")
@@ -177,17 +154,36 @@ def test_picking_loads_take_deep_and_the_renamed_deep_verify(tmp_path: Path) -> 
     report = cv.load(_train_state(), tmp_path, pick="latest-verified", check=False)
     assert report.stats["step"] == 1  # the pick verifies its bytes only
     with pytest.raises(CheckpointRefusedError, match="fingerprint"):
-        cv.load(_train_state(), tmp_path, pick="latest-verified", check=False, deep=True)
-    with pytest.warns(DeprecationWarning) as record, pytest.raises(CheckpointRefusedError, match="fingerprint"):
-        load_newest_proven(_train_state(), tmp_path, check=False, deep_verify=True)
-    _renamed(record, "deep_verify", "deep=")
+        cv.load(_train_state(), tmp_path, pick="latest-verified", check=False, verify=DEEP)
+    with pytest.raises(CheckpointRefusedError, match="fingerprint"):
+        load_newest_proven(_train_state(), tmp_path, check=False, deep=True)
 
 
-def test_load_refuses_a_bad_deep_and_an_unknown_keyword(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="deep must be True or False"):
-        cv.load(_train_state(), tmp_path, deep="yes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="deep_verfy"):
-        cv.load(_train_state(), tmp_path, deep_verfy=True)
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"verify": True}, r"load: verify must be a VerifyOptions"),
+    ({"verify": "background"}, r"load: verify\.when must be one of 'inline', 'off'"),
+    ({"verify": VerifyOptions(when="off", deep=True)}, r"verify\.deep needs verify\.when='inline'"),
+    ({"on_restore_mismatch": "refuse"}, r"on_restore_mismatch must be one of 'warn', 'raise'"),
+])
+def test_load_refuses_a_bad_option_before_reading(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        cv.load(_train_state(), tmp_path / "none", **kwargs)
+    with pytest.raises(TypeError, match="deep"):
+        cv.load(_train_state(), tmp_path, deep=True)  # type: ignore[call-arg]
+
+
+def test_every_failure_knob_takes_the_one_value_set() -> None:
+    from ckptverify.checkpoint.load import load
+    from ckptverify.hardware.replica import ReplicaCheck
+
+    assert FAILURE_POLICIES == ("warn", "raise")
+    defaults = [inspect.signature(fn).parameters[name].default for fn, name in (
+        (load, "on_restore_mismatch"), (ReplicaCheck.__init__, "on_replica_mismatch"),
+        (cv.Run.main, "on_replica_mismatch"))]
+    assert defaults == ["raise", "warn", "warn"]
+    assert VerifyOptions().on_failure == "warn"
+    with pytest.raises(UsageError, match="on_replica_mismatch must be one of 'warn', 'raise'"):
+        ReplicaCheck(torch.nn.Linear(2, 2), on_replica_mismatch="stop")
 
 
 # ------------------------------------------------------------------ Run.main
@@ -201,17 +197,14 @@ def _production_train(seen: list[Any]) -> Any:
     return train
 
 
-def test_run_main_takes_verify_options_and_the_renamed_on_verify_failure(tmp_path: Path) -> None:
+def test_run_main_takes_verify_options(tmp_path: Path) -> None:
     seen: list[Any] = []
     cv.Run.main(_production_train(seen), steps=1, run_dir=str(tmp_path / "a"),
                 verify=VerifyOptions(when="inline", deep=True, on_failure="raise"))
     cv.Run.main(_production_train(seen), steps=1, run_dir=str(tmp_path / "b"))
-    with pytest.warns(DeprecationWarning) as record:
-        cv.Run.main(_production_train(seen), steps=1, run_dir=str(tmp_path / "c"), verify="off",
-                    on_verify_failure="raise")
-    _renamed(record, "on_verify_failure", "VerifyOptions(on_failure=")
+    cv.Run.main(_production_train(seen), steps=1, run_dir=str(tmp_path / "c"), verify="off")
     assert seen == [VerifyOptions(when="inline", deep=True, on_failure="raise"), VerifyOptions(when="background"),
-                    VerifyOptions(when="off", on_failure="raise")]
+                    VerifyOptions(when="off")]
     # run.json records the options as one object, the same fields as the API's.
     recorded = json.loads((tmp_path / "a" / "run.json").read_text())["options"]
     assert recorded["verify"] == {"when": "inline", "deep": True, "on_failure": "raise"}
@@ -222,27 +215,12 @@ def test_run_main_refuses_a_bad_verify_before_the_job_starts(tmp_path: Path) -> 
     seen: list[Any] = []
     with pytest.raises(UsageError, match=r"Run\.main: verify"):
         cv.Run.main(_production_train(seen), steps=1, run_dir=str(tmp_path), verify="sometimes")
-    with pytest.raises(UsageError, match="on_failure"):
-        cv.Run.main(_production_train(seen), steps=1, run_dir=str(tmp_path), on_verify_failure="ignore")
+    with pytest.raises(TypeError, match="on_verify_failure"):
+        cv.Run.main(_production_train(seen), steps=1, run_dir=str(tmp_path), on_verify_failure="raise")
     assert seen == [] and not tmp_path.joinpath("run.json").exists()
 
 
 # ------------------------------------------------------------------ integrations
-
-
-@pytest.mark.parametrize(("old", "value", "new", "expected"), [
-    ("on_failure", "raise", "VerifyOptions(on_failure=", VerifyOptions(on_failure="raise")),
-    ("background", True, 'verify="background"', VerifyOptions(when="background")),
-    ("background", False, 'verify="background"', VerifyOptions(when="inline")),
-    ("deep", True, "VerifyOptions(deep=", VerifyOptions(deep=True)),
-])
-def test_the_verifier_keeps_its_renamed_keywords(old: str, value: Any, new: str, expected: VerifyOptions) -> None:
-    with pytest.warns(DeprecationWarning) as record:
-        verifier = Verifier(**{old: value})
-    _renamed(record, old, new)
-    assert verifier.verify == expected
-    assert (verifier.on_failure, verifier.background, verifier.deep) == (
-        expected.on_failure, expected.when == "background", expected.deep)
 
 
 def test_the_verifier_takes_verify_options_and_refuses_off_and_unknown_keywords() -> None:
@@ -253,8 +231,8 @@ def test_the_verifier_takes_verify_options_and_refuses_off_and_unknown_keywords(
         Verifier(verify="off")
     with pytest.raises(UsageError, match="verify"):
         Verifier(verify="sometimes")
-    with pytest.raises(TypeError, match="backgrund"):
-        Verifier(backgrund=True)
+    with pytest.raises(TypeError, match="background"):
+        Verifier(background=True)
 
 
 def test_deep_from_the_verifier_reaches_the_check(tmp_path: Path) -> None:
@@ -262,32 +240,25 @@ def test_deep_from_the_verifier_reaches_the_check(tmp_path: Path) -> None:
     cv.save(_state(1.0), path)
     _fingerprint_edited(path)
     assert Verifier().after_save(path, fingerprint=False).passed
-    with pytest.warns(DeprecationWarning):
-        old_style = Verifier(deep=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CkptVerifyWarning)  # the failure's own warning
-        old = old_style.after_save(path, fingerprint=False)
-        new = Verifier(verify=VerifyOptions(deep=True)).after_save(path, fingerprint=False)
-    assert not old.passed and not new.passed and "fingerprint" in new.message
+        deep = Verifier(verify=VerifyOptions(deep=True)).after_save(path, fingerprint=False)
+    assert not deep.passed and "fingerprint" in deep.message
 
 
 def test_lightning_callback_keywords() -> None:
     lightning = pytest.importorskip("ckptverify.integrations.lightning")
-    with pytest.warns(DeprecationWarning) as record:
-        callback = lightning.VerifyCheckpoints(background=True)
-    _renamed(record, "background", 'verify="background"')
+    callback = lightning.VerifyCheckpointsCallback(verify="background")
     assert callback.verifier.verify == VerifyOptions(when="background")
-    callback = lightning.VerifyCheckpoints(verify=VerifyOptions(on_failure="raise"), verify_resume=False)
+    callback = lightning.VerifyCheckpointsCallback(verify=VerifyOptions(on_failure="raise"), verify_resume=False)
     assert callback.verifier.on_failure == "raise" and not callback.verify_resume
-    with pytest.raises(UsageError, match=r"VerifyOptions\.on_failure"):
-        lightning.VerifyCheckpoints(on_failure="ignore")
+    with pytest.raises(UsageError, match=r"VerifyCheckpointsCallback: verify"):
+        lightning.VerifyCheckpointsCallback(verify="never")
 
 
 def test_transformers_callback_keywords() -> None:
     transformers = pytest.importorskip("ckptverify.integrations.transformers")
-    with pytest.warns(DeprecationWarning) as record:
-        callback = transformers.VerifyCheckpointsCallback(on_failure="raise")
-    _renamed(record, "on_failure", "VerifyOptions(on_failure=")
+    callback = transformers.VerifyCheckpointsCallback(verify=VerifyOptions(on_failure="raise"))
     assert callback.verifier.verify == VerifyOptions(on_failure="raise")
     assert transformers.VerifyCheckpointsCallback(verify="background").verifier.background
 
@@ -299,9 +270,7 @@ def test_accelerate_save_state_keywords(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     accelerator = accelerate.Accelerator(cpu=True)
     accelerator.prepare(torch.nn.Linear(4, 2))
-    with pytest.warns(DeprecationWarning) as record:
-        verdict = ckv.save_state(accelerator, tmp_path / "state-step1", on_failure="raise")
-    _renamed(record, "on_failure", "VerifyOptions(on_failure=")
+    verdict = ckv.save_state(accelerator, tmp_path / "state-step1")
     assert verdict.passed and verdict.step == 1
     verdict = ckv.save_state(accelerator, tmp_path / "state-step2", verify=VerifyOptions(on_failure="raise"))
     assert verdict.passed and read_stamp(tmp_path / "state-step2").passed
@@ -316,10 +285,6 @@ def test_torchtitan_config_fields() -> None:
 
     config = VerifiedCheckpointManager.Config(verify_when="background", verify_deep=True, verify_on_failure="raise")
     assert config.verify_options() == VerifyOptions(when="background", deep=True, on_failure="raise")
-    with pytest.warns(DeprecationWarning) as record:
-        config = VerifiedCheckpointManager.Config(verify_background=True)
-    _renamed(record, "verify_background", 'verify_when="background"')
-    assert config.verify_when == "background" and config.verify_options().when == "background"
     with pytest.raises(UsageError, match="verify_when"):
         VerifiedCheckpointManager.Config(verify_when="off")
     with pytest.raises(ValueError, match="verify_on_failure"):
@@ -402,8 +367,7 @@ def test_every_warning_the_package_issues_is_under_the_root_warning() -> None:
 # ------------------------------------------------------------------ bytes_checked
 
 
-def test_a_verdict_says_bytes_checked_and_reads_what_earlier_versions_wrote(tmp_path: Path) -> None:
-    from ckptverify.integrations._core import Verdict
+def test_a_verdict_says_bytes_checked(tmp_path: Path) -> None:
     from ckptverify.ownfiles.events import read_events
 
     path = tmp_path / "step_1"
@@ -413,9 +377,4 @@ def test_a_verdict_says_bytes_checked_and_reads_what_earlier_versions_wrote(tmp_
     assert data["bytes_checked"] == verdict.bytes_checked > 64 * 32 * 4 and "checked_bytes" not in data
     (event,) = read_events(tmp_path, "checkpoint-verified")
     assert event["bytes_checked"] == verdict.bytes_checked and "checked_bytes" not in event
-    with pytest.warns(DeprecationWarning, match=r"Verification\.checked_bytes .* Verification\.bytes_checked"):
-        assert verdict.checked_bytes == verdict.bytes_checked
-    # An event line written by an earlier version, with the old key, reads back with the same count.
-    old = {k: v for k, v in data.items() if k != "bytes_checked"} | {"checked_bytes": 12345}
-    assert Verdict.from_dict(old).bytes_checked == 12345
-    assert Verdict.from_dict(data) == verdict
+    assert cv.Verification.from_dict(data) == verdict

@@ -166,7 +166,7 @@ def _framework_groups(rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ckptverify.integrations import accelerate as acc_mod
-    from ckptverify.integrations.lightning import VerifyCheckpoints
+    from ckptverify.integrations.lightning import VerifyCheckpointsCallback
 
     strategy = types.SimpleNamespace(broadcast=lambda obj, src=0: _broadcast(obj))
     trainer = types.SimpleNamespace(strategy=strategy, world_size=2, is_global_zero=rank == 0, global_rank=rank)
@@ -174,7 +174,7 @@ def _framework_groups(rank: int) -> dict[str, Any]:
                                         wait_for_everyone=dist.barrier)
     # accelerate's own broadcast needs its process state set up (no Accelerator here): the group's gather, the
     # integration's own, is what is under test.
-    return {"lightning": VerifyCheckpoints._group(VerifyCheckpoints(), trainer),  # type: ignore[arg-type]
+    return {"lightning": VerifyCheckpointsCallback._group(VerifyCheckpointsCallback(), trainer),  # type: ignore[arg-type]
             "accelerate": dataclasses.replace(acc_mod._group(accelerator), broadcast=_broadcast)}
 
 

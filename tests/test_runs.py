@@ -65,7 +65,8 @@ def test_latest_skips_corrupt_and_torn_checkpoints_and_says_why(run: Path) -> No
     assert [(s["path"], s["state"]) for s in found.skipped] == [("step_40", "corrupt"), ("step_30", "incomplete")]
     as_json = CliRunner().invoke(main, ["latest", "--json", str(run)])
     data = json.loads(as_json.output)
-    assert as_json.exit_code == 0 and data["path"] == str(run / "step_20") and len(data["skipped"]) == 2
+    assert as_json.exit_code == 0 and data["stats"]["path"] == str(run / "step_20")
+    assert len(data["stats"]["skipped"]) == 2
     only = CliRunner().invoke(main, ["latest", "--path-only", str(run)])
     assert only.exit_code == 0 and only.output == f"{run / 'step_20'}\n"
 
@@ -118,7 +119,7 @@ def test_a_hostile_stamp_is_no_stamp_for_every_reader(tmp_path: Path, hostile: s
     assert latest_verified(root).step == 2  # verified afresh
     assert prune(root, keep=1, dry_run=True).deleted == ["step_1"]
     result = CliRunner().invoke(main, ["latest", "--json", str(root)])
-    assert result.exit_code == 0 and json.loads(result.output)["step"] == 2, result.output
+    assert result.exit_code == 0 and json.loads(result.output)["stats"]["step"] == 2, result.output
 
 
 def test_latest_with_nothing_good_exits_1(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import train_state_worker as worker
 from helpers.multiproc import spawn_ranks
 
 import ckptverify
-from ckptverify.errors import CheckpointRefusedError
+from ckptverify.errors import CheckpointRefusedError, CkptVerifyWarning
 from ckptverify.resume.launch import start_method
 
 
@@ -134,8 +134,9 @@ def test_restore_check_reports_state_a_loader_ignores(tmp_path):
         ckptverify.load(build(), tmp_path / "ckpt")
     hits = [f for f in refused.value.report.errors if f.check == "restore-mismatch"]
     assert [f.location.fqn for f in hits] == ["scheduler.0"]
-    # For diagnosis (the resume harness), the state stays as loaded and the difference is reported.
-    report = ckptverify.load(build(), tmp_path / "ckpt", on_restore_mismatch="report")
+    # For diagnosis (the resume harness), the state stays as loaded and the difference is reported and warned of.
+    with pytest.warns(CkptVerifyWarning, match=r"restore check .* failed .*scheduler\.0"):
+        report = ckptverify.load(build(), tmp_path / "ckpt", on_restore_mismatch="warn")
     hits = [f for f in report.errors if f.check == "restore-mismatch"]
     assert [f.location.fqn for f in hits] == ["scheduler.0"]
 

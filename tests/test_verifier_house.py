@@ -1,7 +1,6 @@
 """One verify-after-save path: one result type (:class:`ckptverify.Verification`) from the stamper, the background
-verifier, the verifier process and the integrations; one event vocabulary in ``events.jsonl`` (version 2), with
-the names of version 1 still read; the verifier process runs only the jobs it imports; ``runs`` needs nothing
-from ``verifier``."""
+verifier, the verifier process and the integrations; one event vocabulary in ``events.jsonl``; the verifier
+process runs only the jobs it imports; ``runs`` needs nothing from ``verifier``."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import ckptverify as cv
 from ckptverify.errors import UsageError
 from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles import events as ev
-from ckptverify.ownfiles.events import EVENTS_FILE, EVENTS_SCHEMA_VERSION, EventLog, read_events
+from ckptverify.ownfiles.events import EVENTS_FILE, EVENTS_SCHEMA_VERSION, read_events
 from ckptverify.verifier import background
 from ckptverify.verifier.background import AfterSave, BackgroundVerifier, Task, VerifyFailedWarning
 from ckptverify.verifier.jobs import CHECK_SAVED, JOBS
@@ -113,98 +112,27 @@ def test_a_checkpoint_removed_before_its_turn_is_a_deleted_event_not_a_failure(t
     assert [e["event"] for e in read_events(run)] == ["checkpoint-deleted"]
 
 
-# ---------------------------------------------------------------------- the names of version 1, still read
-
-
-_OLD = [
-    {"event": "start", "time": "t", "rank": 0, "host": "h", "step": 0},
-    {"event": "verified", "time": "t", "rank": 0, "host": "h", "path": "/r/step_1", "step": 1, "verdict": "passed",
-     "bytes_checked": 10, "stamped": True},
-    {"event": "verify-failed", "time": "t", "rank": 0, "host": "h", "path": "/r/step_2", "step": 2,
-     "verdict": "failed", "first_error": "zip-crc: corrupt"},
-    {"event": "verify-skipped", "time": "t", "rank": 0, "host": "h", "path": "/r/step_3", "step": 3,
-     "verdict": "unverified", "reason": "its files changed while it was being verified"},
-    {"event": "verify-cut-short", "time": "t", "rank": 0, "host": "h", "path": "/r/step_4", "step": 4,
-     "verdict": "unverified", "reason": "not verified within the 1 s waited"},
-    # The integrations' version 1: today's name, but `checked_bytes` and no `verdict`.
-    {"event": "checkpoint-verified", "time": "t", "rank": 0, "host": "h", "path": "/r/step_5", "step": 5,
-     "passed": True, "message": "ok", "checked_bytes": 55},
-    # Production's resume pick: a checkpoint passed over, not a verification left without a verdict.
-    {"event": "checkpoint-skipped", "time": "t", "rank": 0, "host": "h", "path": "/r/step_6", "state": "corrupt"},
-]
-
-
-def _write_old(run: Path) -> None:
-    run.mkdir(parents=True, exist_ok=True)
-    (run / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in _OLD))
-
-
-def test_version_1_lines_are_read_under_todays_names(tmp_path: Path) -> None:
-    _write_old(tmp_path)
-    got = list(read_events(tmp_path))
-    assert [e["event"] for e in got] == ["start", "checkpoint-verified", "checkpoint-failed", "checkpoint-unverified",
-                                         "checkpoint-cut-short", "checkpoint-verified", "checkpoint-skipped"]
-    assert got[0] == _OLD[0] and got[-1] == _OLD[-1]  # not verification events: as written
-    assert [e["passed"] for e in got[1:6]] == [True, False, False, False, True]
-    assert got[5]["bytes_checked"] == 55 and "checked_bytes" not in got[5] and got[5]["verdict"] == "passed"
-    assert got[1]["bytes_checked"] == 10
-    # Each reads back as a Verification.
-    assert [Verification.from_dict(e).verdict for e in got[1:6]] == ["passed", "failed", "unverified",
-                                                                     "unverified", "passed"]
-
-
-@pytest.mark.parametrize(("asked", "steps"), [
-    ("verified", [1, 5]), ("checkpoint-verified", [1, 5]),
-    ("verify-failed", [2]), ("checkpoint-failed", [2]),
-    ("verify-skipped", [3]), ("checkpoint-unverified", [3]),
-    ("verify-cut-short", [4]), ("checkpoint-cut-short", [4]),
-])
-def test_old_and_new_names_select_the_same_events(tmp_path: Path, asked: str, steps: list[int]) -> None:
-    _write_old(tmp_path)
-    EventLog(tmp_path).emit("checkpoint-verified", path="/r/step_7", step=7, verdict="passed", passed=True)
-    expected = steps + ([7] if asked in ("verified", "checkpoint-verified") else [])
-    assert [e["step"] for e in read_events(tmp_path, asked)] == expected
-
-
-def test_a_version_2_line_is_never_renamed(tmp_path: Path) -> None:
-    # Whatever today's writer puts under a name of version 1 (no verification does) is read as written.
-    EventLog(tmp_path).emit("verified", step=1, note="some other producer's own event")
-    (event,) = read_events(tmp_path)
-    assert event["event"] == "verified" and "verdict" not in event
-
-
 # ---------------------------------------------------------------------- one result type
 
 
-def test_the_former_result_types_are_gone_and_verdict_is_a_deprecated_alias() -> None:
+def test_the_former_result_types_are_gone() -> None:
     import ckptverify.integrations as integrations
     import ckptverify.integrations._core as core
     import ckptverify.verifier.stamper as stamper
 
-    assert not hasattr(stamper, "Outcome")
-    assert core.Verdict is Verification
-    with pytest.warns(DeprecationWarning, match="Verification"):
-        alias = integrations.Verdict
-    assert alias is Verification is cv.Verification
+    assert not hasattr(stamper, "Outcome") and not hasattr(core, "Verdict") and not hasattr(integrations, "Verdict")
+    assert integrations.Verification is Verification is cv.Verification
 
 
-def test_the_former_field_names_still_read(tmp_path: Path) -> None:
-    former = {"path": "/c", "passed": True, "message": "m", "step": 2, "errors": [], "checked_bytes": 7,
-              "coverage": [], "manifest": True, "unchecked": [], "warnings": [], "seconds": 0.1, "stamp": None}
-    result = Verification.from_dict(former)
-    assert result.passed and result.bytes_checked == 7 and result.manifest and result.message == "m"
-    with pytest.warns(DeprecationWarning, match="bytes_checked"):
-        assert result.checked_bytes == 7
-    pending = Verification.from_dict({"path": "/c", "passed": False, "message": "q", "pending": True})
-    deleted = Verification.from_dict({"path": "/c", "passed": False, "message": "d", "deleted": True})
-    assert pending.pending and not pending.passed and pending.verdict == "unverified"
-    assert deleted.deleted and not deleted.pending and deleted.verdict == "unverified"
-    again = Verification.from_dict(result.to_dict())
-    assert again == result and "checked_bytes" not in result.to_dict()
+def test_a_verification_reads_back_as_itself() -> None:
+    result = Verification(path="/c", step=2, verdict="passed", bytes_checked=7, manifest=True, message="m")
+    again = Verification.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert again == result and again.bytes_checked == 7
 
 
 def test_a_verification_refuses_what_is_not_one() -> None:
     for bad in ({"step": 1, "verdict": "passed"}, {"path": "p", "step": 1, "verdict": "fine"}, ["p"],
+                {"path": "p", "step": 1, "passed": True},
                 {"path": "p", "step": 1, "verdict": "unverified", "no_verdict": "sleepy"}):
         with pytest.raises(TypeError):
             Verification.from_dict(bad)  # type: ignore[arg-type]

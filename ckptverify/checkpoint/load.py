@@ -11,7 +11,7 @@ checked after.
 3. **Restore check**: every restored tensor's logical fingerprint is compared with the manifest's (taken
    from memory at save time), and every other field's digest with the digest saved beside it. A difference
    is state the loader silently ignored, or restored wrongly: the load is refused (on every rank) and the
-   state put back as it was (``on_restore_mismatch="report"`` keeps it and reports the difference instead).
+   state put back as it was (``on_restore_mismatch="warn"`` keeps it and reports the difference instead).
 
 Given a run directory and ``pick="latest-verified"``, :func:`load` first picks the newest checkpoint that
 verifies (:func:`~ckptverify.runs.latest.latest_verified`: a current stamp is trusted, any other checkpoint is
@@ -37,12 +37,13 @@ from ckptverify.errors import (
     CheckpointNotFoundError,
     CheckpointRefusedError,
     CkptVerifyError,
+    CkptVerifyWarning,
     ProofFailedError,
     UsageError,
     reported_as_itself,
 )
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
-from ckptverify.options import no_other_keywords, take_renamed
+from ckptverify.options import VerifyOptions, failure_policy, verify_options
 from ckptverify.safeparse import paths
 from ckptverify.state.train_state import TrainState
 
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
 
 #: What ``load(..., pick=)`` can pick from a run directory.
 PICKS = ("latest-verified",)
-#: What ``load(..., on_restore_mismatch=)`` accepts.
-ON_RESTORE_MISMATCH = ("refuse", "report")
+#: The ``when`` of ``load(..., verify=)``: a load needs the verdict before it reads (no ``"background"``).
+LOAD_WHEN = ("inline", "off")
 _log = logging.getLogger(__name__)
 
 
@@ -210,23 +211,24 @@ def saved_world_size(path: str) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
-def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True, check: bool = True,
-         deep: bool = False, pick: str | None = None, on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
+def load(state: TrainState, path: str | os.PathLike[str], *, verify: VerifyOptions | str = "inline",
+         check: bool = True, pick: str | None = None, on_restore_mismatch: str = "raise") -> Report:
     """Restore ``state`` from the checkpoint at ``path``; return the restore check's findings.
 
-    ``verify=False`` skips the verification before loading (explicit opt-out; a directory whose save did not
-    commit is still refused, and every item is still proven as it is loaded); ``deep=True`` also rebuilds every
-    tensor in that verification and compares its logical fingerprint with the one taken at save time
-    (``deep_verify=`` still works for one release, with a ``DeprecationWarning``); ``check=False`` skips the
-    restore check. ``on_restore_mismatch``: ``"refuse"`` (a failed restore check raises and puts the state
-    back) or ``"report"`` (the state stays as loaded, the differences are findings: for diagnosis, as the
-    resume harness does).
+    ``verify``: the verification before loading, a :class:`~ckptverify.options.VerifyOptions` or its ``when``:
+    ``"inline"`` (the default) or ``"off"`` (explicit opt-out; a directory whose save did not commit is still
+    refused, and every item is still proven as it is loaded); ``VerifyOptions(deep=True)`` also rebuilds every
+    tensor and compares its logical fingerprint with the one taken at save time. A checkpoint that fails is
+    always refused (``on_failure`` does not apply: nothing is loaded from it). ``check=False`` skips the restore
+    check. ``on_restore_mismatch``, a failure policy (:mod:`ckptverify.options.verify`): ``"raise"`` (a failed
+    restore check raises and puts the state back) or ``"warn"`` (the state stays as loaded, the differences are
+    findings and a warning: for diagnosis, as the resume harness does).
 
     ``pick="latest-verified"``: ``path`` is a run directory; the newest checkpoint under it that verifies is
     loaded (see :func:`pick_checkpoint`), and the report names it (``stats["picked"]``, ``stats["step"]``) and
     every newer one skipped, with why (``stats["skipped"]``). When none verifies,
     :class:`~ckptverify.errors.CheckpointRefusedError` lists what was skipped. Picking verifies, so
-    ``verify=False`` cannot be combined with it; ``deep`` verifies the pick deeply before loading. A
+    ``verify="off"`` cannot be combined with it; ``deep`` verifies the pick deeply before loading. A
     pick whose bytes fail their proof while loading is stamped failed and the next older one is loaded
     (:func:`load_newest_proven`; ``stats["refused_at_load"]``).
 
@@ -239,23 +241,24 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: bool = True
     size changed in a way that cannot be restored exactly (random streams, a sampler position; re-seeding was
     not allowed). Every one is an ``Exception``.
     """
-    deep = _deep("load", deep, renamed)
+    options = verify_options("load", verify, when=LOAD_WHEN)
+    if options.when == "off" and options.deep:
+        raise UsageError("load: verify.deep needs verify.when='inline' (a deep verification is a verification)")
+    failure_policy("on_restore_mismatch", on_restore_mismatch)
     root = os.fspath(path)
     if not isinstance(state, TrainState):
         raise UsageError(f"load() restores a TrainState, got {type(state).__name__}")
-    if on_restore_mismatch not in ON_RESTORE_MISMATCH:
-        raise UsageError(f"on_restore_mismatch must be one of {', '.join(map(repr, ON_RESTORE_MISMATCH))}, "
-                         f"got {on_restore_mismatch!r}")
     if pick is not None:
         if pick not in PICKS:
             raise UsageError(f"pick must be one of {', '.join(map(repr, PICKS))}, got {pick!r}")
-        if not verify:
+        if options.when == "off":
             raise UsageError("pick='latest-verified' verifies the checkpoints it picks from; it cannot be "
-                             "combined with verify=False")
-        return load_newest_proven(state, root, check=check, deep=deep, on_restore_mismatch=on_restore_mismatch)
+                             "combined with verify='off'")
+        return load_newest_proven(state, root, check=check, deep=options.deep,
+                                  on_restore_mismatch=on_restore_mismatch)
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
-    _verify_on_coordinator(root, deep, full=verify)
+    _verify_on_coordinator(root, options.deep, full=options.when == "inline")
     from ckptverify.runs.stamp import read_stamp
 
     # A stamp beside it would keep vouching for bytes that fail their proof: it is replaced by a failed one.
@@ -297,7 +300,7 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
 
 
 def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: bool = False,
-                on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
+                on_restore_mismatch: str = "raise") -> Report:
     """Load the checkpoint :func:`pick_checkpoint` picked into ``state``, as :func:`load` does; the pick
     verified it already (or trusted its stamp), so only its commit is checked again before loading (and, with
     ``deep``, every tensor), and every item is proven as it is loaded.
@@ -306,7 +309,6 @@ def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: 
     and :class:`~ckptverify.errors.ProofFailedError` when the pick's bytes fail their proof while loading:
     then a failed stamp is written beside it (so no later pick trusts it; nothing of the checkpoint is changed
     or deleted) and ``state`` is as it was."""
-    deep = _deep("load_picked", deep, renamed)
     skipped = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in picked.skipped)
     if picked.path is None:
         hidden = any(s["state"] == "unseen" for s in picked.skipped)
@@ -329,7 +331,7 @@ def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: 
 
 
 def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, check: bool = True,
-                       deep: bool = False, on_restore_mismatch: str = "refuse", **renamed: Any) -> Report:
+                       deep: bool = False, on_restore_mismatch: str = "raise") -> Report:
     """Load the newest checkpoint under ``run_dir`` that verifies *and* proves while loading.
 
     :func:`pick_checkpoint` picks (a current stamp is trusted); :func:`load_picked` loads and proves. A pick
@@ -339,7 +341,6 @@ def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, ch
     the checkpoint's bytes (the loader of some field ignored or changed it): it raises, without moving on.
     Raises :class:`~ckptverify.errors.CheckpointRefusedError` when nothing left verifies, or when a failed pick
     could not be stamped (it would be picked again)."""
-    deep = _deep("load_newest_proven", deep, renamed)
     root = os.fspath(run_dir)
     refused: list[dict[str, Any]] = []
     while True:
@@ -370,16 +371,6 @@ def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, ch
                       coverage=report.coverage,
                       stats={**report.stats, "refused_at_load": [{k: v for k, v in r.items() if k != "abs_path"}
                                                                  for r in refused]})
-
-
-def _deep(where: str, deep: bool, renamed: dict[str, Any]) -> bool:
-    """``deep``, or the renamed ``deep_verify`` (with a warning); anything else in ``renamed`` is refused."""
-    old = take_renamed(where, renamed, {"deep_verify": "deep="}, stacklevel=5)
-    no_other_keywords(where, renamed)
-    value = old.get("deep_verify", deep)
-    if not isinstance(value, bool):
-        raise UsageError(f"{where}: deep must be True or False, got {value!r}")
-    return value
 
 
 def _refused_text(refused: list[dict[str, Any]]) -> str:
@@ -457,10 +448,11 @@ def _read_manifest_for_load(root: str) -> Any:
                                "nothing was changed", report, {"check": "manifest-invalid"}) from None
 
 
-def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatch: str = "refuse", *,
+def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatch: str = "raise", *,
                    stamp_on_failure: bool = False, step: int | None = None) -> Report:
     """Load ``root`` into ``state``, proving every item as it is read, all or nothing, then run the restore
-    check (refusing, and putting everything back, when it fails and ``on_restore_mismatch`` is ``"refuse"``).
+    check (refusing, and putting everything back, when it fails and ``on_restore_mismatch`` is ``"raise"``;
+    with ``"warn"``, a warning).
 
     ``stamp_on_failure``: when an item fails its proof, write a failed stamp beside ``root``."""
     import torch.distributed.checkpoint as dcp
@@ -480,7 +472,7 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
     # on the device (as a private template and an undo copy each were) would cap the resumable state at a
     # third of the device's memory. Getting a template initializes a fresh optimizer's state, undone too.
     before = (state.saved_world_size, [not opt.state for opt in state.optimizers])
-    refuse = check and on_restore_mismatch == "refuse"
+    refuse = check and on_restore_mismatch == "raise"
     undo = None
     try:
         state.saved_world_size = saved_world_size(root)
@@ -528,13 +520,17 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
             raise
         findings.extend(found)
         coverage.extend(cov)
-        if failed and refuse:
-            undo(before)
+        if failed:
             first = failed[0]
-            raise CheckpointRefusedError(
-                f"refusing {root}: the restore check failed ({len(failed)} error(s)); first: rank {first['rank']}: "
-                f"{first['check']} at {first['fqn']}: {first['message']}; the state was put back as it was",
-                Report(command="load", target=root, findings=tuple(findings), coverage=tuple(coverage)))
+            what = (f"the restore check of {root} failed ({len(failed)} error(s)); first: rank {first['rank']}: "
+                    f"{first['check']} at {first['fqn']}: {first['message']}")
+            if refuse:
+                undo(before)
+                raise CheckpointRefusedError(f"refusing {root}: {what}; the state was put back as it was",
+                                             Report(command="load", target=root, findings=tuple(findings),
+                                                    coverage=tuple(coverage)))
+            warnings.warn(f"{what}; the state stays as loaded (on_restore_mismatch='warn')", CkptVerifyWarning,
+                          stacklevel=3)
     return Report(command="load", target=root, findings=tuple(findings), coverage=tuple(coverage),
                   stats={"proven_items": reader.proven["items"], "proven_bytes": reader.proven["bytes"],
                          "proof": reader.proven["method"]})

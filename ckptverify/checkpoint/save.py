@@ -37,7 +37,7 @@ from ckptverify.errors import (
     VerifyFailedError,
     reported_as_itself,
 )
-from ckptverify.options import VerifyOptions, take_renamed, verify_options
+from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.manifest import DEFAULT_BLOCK_BYTES, Manifest
 
 if TYPE_CHECKING:
@@ -218,20 +218,12 @@ def _step(state: Any, path: str | os.PathLike[str]) -> int | None:
     return step_of(os.path.basename(os.path.normpath(os.fspath(path))))
 
 
-#: Keywords of ``save``/``async_save`` renamed in this release -> what replaces them (still accepted, with a warning).
-RENAMED = {"verify_deep": "verify=VerifyOptions(deep=...)", "on_verify_failure": "verify=VerifyOptions(on_failure=...)"}
-
-
-def _verify_options(where: str, verify: VerifyOptions | str, dcp_kwargs: dict[str, Any],
-                    on_verified: Callable[[Verification], None] | None,
+def _verify_options(where: str, verify: VerifyOptions | str, on_verified: Callable[[Verification], None] | None,
                     events: EventLog | str | os.PathLike[str] | None) -> AfterSave:
-    """``verify=`` (and the renamed ``verify_deep``/``on_verify_failure``, taken out of ``dcp_kwargs``) as what
-    the background verifier is handed."""
+    """``verify=`` as what the background verifier is handed."""
     from ckptverify.verifier.background import AfterSave
 
-    old = take_renamed(where, dcp_kwargs, RENAMED, stacklevel=5)
-    options = verify_options(where, verify, deep=old.get("verify_deep"), on_failure=old.get("on_verify_failure"))
-    return AfterSave(verify=options, on_verified=on_verified, events=events)
+    return AfterSave(verify=verify_options(where, verify), on_verified=on_verified, events=events)
 
 
 def _coordinator(process_group: Any, no_dist: bool) -> bool:
@@ -412,11 +404,12 @@ def save(
         verify: once the save has committed, verify it on the coordinator and stamp the verdict beside it: a
             :class:`~ckptverify.options.VerifyOptions`, or its ``when`` alone: ``"background"`` (queued for the
             process's background verifier; this returns at once), ``"inline"`` (before this returns) or ``"off"``
-            (the default: nothing). ``VerifyOptions.deep``: also rebuild every tensor and compare its fingerprint
-            with the one taken at save time. ``VerifyOptions.on_failure``: ``"warn"`` (a warning, and an event with
-            ``events``) or ``"raise"``: also a :class:`~ckptverify.errors.VerifyFailedError` on every rank, from
-            this save when ``"inline"``, else from the next save called with ``"raise"``. (``verify_deep=`` and
-            ``on_verify_failure=`` still work for one release, with a ``DeprecationWarning``.)
+            (the default here: the save digests every byte as it writes it, and re-reading it is asked for; the
+            options and their defaults: :mod:`ckptverify.options.verify`). ``VerifyOptions.deep``: also rebuild
+            every tensor and compare its fingerprint with the one taken at save time. ``VerifyOptions.on_failure``:
+            ``"warn"`` (a warning, and an event with ``events``) or ``"raise"``: also a
+            :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when ``"inline"``, else
+            from the next save called with ``"raise"``.
         on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (on the
             coordinator, in the thread that verified).
         events: an :class:`~ckptverify.ownfiles.events.EventLog` or a run directory: results are appended to its
@@ -437,7 +430,7 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
-    options = _verify_options("save", verify, dcp_kwargs, on_verified, events)
+    options = _verify_options("save", verify, on_verified, events)
     step = _step(state_dict, path)
     state_dict = _plain(state_dict, path)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, SAVE_KWARGS)
@@ -485,7 +478,7 @@ def async_save(
     """
     import torch.distributed.checkpoint as dcp
 
-    options = _verify_options("async_save", verify, dcp_kwargs, on_verified, events)
+    options = _verify_options("async_save", verify, on_verified, events)
     step = _step(state_dict, path)
     state_dict = _plain(state_dict, path)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS)

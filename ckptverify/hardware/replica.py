@@ -36,11 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import ReplicaMismatchError, ReplicaMismatchWarning
+from ckptverify.options import failure_policy
 
 __all__ = ["ReplicaCheck", "ReplicaMismatch", "ReplicaMismatchError", "ReplicaMismatchWarning"]
-
-ON_MISMATCH = ("warn", "raise")
-
 
 @dataclass(frozen=True)
 class ReplicaMismatch:
@@ -84,8 +82,9 @@ class ReplicaCheck:
 
     Every rank of the process group constructs it with the same model (and optimizer, whose per-parameter
     state is compared with the parameters: a flipped moment shows at once, not one update later) and calls
-    :meth:`check` at the same points (it issues collectives). ``on_mismatch="raise"`` raises
-    :class:`ReplicaMismatchError` on every member at the first mismatch; ``"warn"`` warns and training goes on.
+    :meth:`check` at the same points (it issues collectives). ``on_replica_mismatch`` (a failure policy,
+    :mod:`ckptverify.options.verify`): ``"raise"`` raises :class:`ReplicaMismatchError` on every member at the
+    first mismatch; ``"warn"`` warns and training goes on.
 
     Mismatches come in **episodes**: from the first checked step at which some replicas disagree until a check
     at which all agree again (a flipped bit that stays flipped makes one episode to the end of the job). The
@@ -95,13 +94,11 @@ class ReplicaCheck:
     count) when it ends, or at :meth:`finish`. :meth:`suspect` says what a checkpoint saved now must record.
     """
 
-    def __init__(self, model: Any, *, optimizer: Any = None, group: Any = None, on_mismatch: str = "warn",
-                 events: Any = None, exclude: Iterable[str] = ()) -> None:
+    def __init__(self, model: Any, *, optimizer: Any = None, group: Any = None,
+                 on_replica_mismatch: str = "warn", events: Any = None, exclude: Iterable[str] = ()) -> None:
         import torch.distributed as dist
 
-        if on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}")
-        self.on_mismatch = on_mismatch
+        self.on_replica_mismatch = failure_policy("on_replica_mismatch", on_replica_mismatch)
         self.events = events
         self.optimizer = optimizer
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -276,7 +273,7 @@ class ReplicaCheck:
             # One event where an episode begins (and one where it ends, with its count): a flipped bit that
             # stays flipped would otherwise write one line per step for the rest of the job.
             self.events.emit("replica-mismatch", **mismatch.to_event(), episode=episode.number)
-        if self.on_mismatch == "raise":
+        if self.on_replica_mismatch == "raise":
             raise ReplicaMismatchError(message, mismatch)
         if reporter and first:
             warnings.warn(f"{message}; further mismatched steps of this episode are counted, not repeated",

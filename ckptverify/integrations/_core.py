@@ -52,7 +52,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from ckptverify.errors import (
     CheckpointRefusedError,
@@ -61,13 +61,7 @@ from ckptverify.errors import (
     VerifyFailedWarning,
 )
 from ckptverify.findings import Report
-from ckptverify.options import (
-    FAILURE_POLICIES,
-    VerifyOptions,
-    no_other_keywords,
-    take_renamed,
-    verify_options,
-)
+from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.verifier.saved import (
     Fingerprint,
     cannot_verify,
@@ -78,30 +72,11 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, unverified
 
-__all__ = [
-    "ON_FAILURE",
-    "WHEN",
-    "Group",
-    "Verdict",
-    "Verifier",
-    "VerifyFailedWarning",
-    "VerifyOptions",
-    "check_saved",
-    "integration_verify",
-    "numbered_folders",
-    "plain_folder",
-    "settle_verdicts",
-    "torch_gather",
-    "torch_group",
-]
+__all__ = ["WHEN", "Group", "Verifier", "VerifyFailedWarning", "VerifyOptions", "check_saved", "integration_verify",
+           "numbered_folders", "plain_folder", "settle_verdicts", "torch_gather", "torch_group"]
 
-OnFailure = Literal["warn", "raise"]
-ON_FAILURE: tuple[str, ...] = FAILURE_POLICIES
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
-#: Keywords of the integrations renamed in this release -> what replaces them (still accepted, with a warning).
-RENAMED = {"on_failure": "verify=VerifyOptions(on_failure=...)", "background": 'verify="background"',
-           "deep": "verify=VerifyOptions(deep=...)"}
 #: Errors carried by a verdict (and broadcast to every rank): the first few are enough to act on.
 _MAX_ERRORS = 5
 
@@ -164,28 +139,10 @@ def torch_group() -> Group:
     return Group(coordinator=rank == 0, broadcast=broadcast, barrier=dist.barrier, rank=rank, gather=torch_gather())
 
 
-#: The result of one check: :class:`~ckptverify.verifier.verification.Verification`, the one result type of
-#: verify-after-save (``ckptverify.integrations.Verdict`` is its former name, still importable).
-Verdict = Verification
-
-
-def integration_verify(where: str, verify: VerifyOptions | str, renamed: dict[str, Any], *,
-                       stacklevel: int = 5) -> VerifyOptions:
-    """``verify=`` of an integration as a :class:`~ckptverify.options.VerifyOptions`, with the renamed keywords
-    ``on_failure``, ``background`` and ``deep`` (taken out of ``renamed``, a ``**kwargs``, with a warning each)
-    folded in. Anything else left in ``renamed`` is a ``TypeError``, as for any unknown keyword."""
-    old = take_renamed(where, renamed, RENAMED, stacklevel=stacklevel)
-    no_other_keywords(where, renamed)
-    if "background" in old and not isinstance(old["background"], bool):
-        raise UsageError(f"{where}: background must be True or False, got {old['background']!r}")
-    options = verify_options(where, verify, deep=old.get("deep"), on_failure=old.get("on_failure"),
-                             when=("off", *WHEN))
-    if "background" in old:
-        options = replace(options, when="background" if old["background"] else "inline")
-    if options.when not in WHEN:
-        raise UsageError(f"{where}: verify.when must be one of {', '.join(map(repr, WHEN))} (every save is verified), "
-                         f"got {options.when!r}")
-    return options
+def integration_verify(where: str, verify: VerifyOptions | str) -> VerifyOptions:
+    """``verify=`` of an integration (``where``, named in messages) as a
+    :class:`~ckptverify.options.VerifyOptions` whose ``when`` is one of :data:`WHEN`: every save is verified."""
+    return verify_options(where, verify, when=WHEN)
 
 
 class Verifier:
@@ -200,8 +157,6 @@ class Verifier:
             :class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a saved checkpoint fails; a
             checkpoint that fails before a load is always refused. ``VerifyOptions.deep``: also rebuild every
             tensor and compare its logical fingerprint with the manifest's (after a save and before a load).
-            (``on_failure=``, ``background=`` and ``deep=`` still work for one release, with a
-            ``DeprecationWarning``.)
         fingerprint: write a manifest right after a save (inside a checkpoint folder, beside a single file), so
             that later verifications check every byte against digests taken now. ``"auto"`` (default): only
             when the checkpoint holds content no checksum protects (safetensors weights, DCP items without
@@ -214,8 +169,8 @@ class Verifier:
     """
 
     def __init__(self, *, verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto",
-                 jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None, **renamed: Any) -> None:
-        options = integration_verify("Verifier", verify, renamed)
+                 jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None) -> None:
+        options = integration_verify("Verifier", verify)
         from ckptverify.state.train_state import watch_optimizer_steps
 
         watch_optimizer_steps()  # from now on a save can tell accumulated gradients from a step's
@@ -223,7 +178,7 @@ class Verifier:
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
         self.verify = options
-        self.on_failure: OnFailure = options.on_failure
+        self.on_failure = options.on_failure
         if fingerprint not in (True, False, "auto"):
             raise UsageError(f"fingerprint must be True, False or 'auto', got {fingerprint!r}")
         self.fingerprint: Fingerprint = fingerprint

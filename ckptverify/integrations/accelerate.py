@@ -46,10 +46,8 @@ from typing import Any
 
 from ckptverify.errors import CheckpointRefusedError, UsageError
 from ckptverify.integrations._core import (
-    RENAMED,
     Fingerprint,
     Group,
-    Verdict,
     Verifier,
     VerifyOptions,
     integration_verify,
@@ -58,6 +56,8 @@ from ckptverify.integrations._core import (
     torch_gather,
     warn_if_accumulating,
 )
+from ckptverify.options import verify_options
+from ckptverify.verifier.verification import Verification
 
 __all__ = ["load_state", "save_state", "wait_for_verifications"]
 
@@ -67,7 +67,7 @@ _LAST_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")
 def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None, *,
                verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto", jobs: int | None = None,
                events_dir: str | os.PathLike[str] | None = None, step: int | None = None,
-               **save_kwargs: Any) -> Verdict:
+               **save_kwargs: Any) -> Verification:
     """``accelerator.save_state(output_dir, **save_kwargs)``, then verify, stamp and log the folder it wrote.
 
     Every process calls it, as it calls ``save_state``. ``step`` is recorded in the stamp (default: the number
@@ -75,16 +75,14 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
     process; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process when the folder fails
     and ``verify=VerifyOptions(on_failure="raise")``. ``verify``: a :class:`~ckptverify.options.VerifyOptions`
     or its ``when`` (``"inline"``, the default, or ``"background"``); ``deep``: as for
-    :class:`~ckptverify.integrations.Verifier`. (``on_failure=``, ``background=`` and ``deep=`` still work for
-    one release, with a ``DeprecationWarning``; every other keyword goes to ``accelerator.save_state``.)
+    :class:`~ckptverify.integrations.Verifier`. Every other keyword goes to ``accelerator.save_state``.
 
     ``verify="background"``: the verdict returned is pending; the verification runs in the background (see the
     module docstring), and a failure found since the last call is raised here, on every process, with
     ``on_failure="raise"``. The accelerator keeps the background verifier's state between calls; call
     :func:`wait_for_verifications` at the end.
     """
-    renamed = {old: save_kwargs.pop(old) for old in list(save_kwargs) if old in RENAMED}
-    options = integration_verify("save_state", verify, renamed)
+    options = integration_verify("save_state", verify)
     settings = {"verify": options, "fingerprint": fingerprint, "jobs": jobs,
                 "events_dir": _events_dir(accelerator, events_dir)}
     background = options.when == "background"
@@ -100,7 +98,7 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
     return verifier.after_save(path, step=step, group=_group(accelerator))
 
 
-def wait_for_verifications(accelerator: Any, *, timeout: float | None = None) -> list[Verdict]:
+def wait_for_verifications(accelerator: Any, *, timeout: float | None = None) -> list[Verification]:
     """Wait for the background verifications of this accelerator's :func:`save_state` calls, up to ``timeout``
     seconds (default: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600; those cut short are a warning and a
     ``checkpoint-cut-short`` event each). Every process calls it. Returns the verdicts that arrived since the
@@ -112,17 +110,20 @@ def wait_for_verifications(accelerator: Any, *, timeout: float | None = None) ->
     return verifier.wait(group=_group(accelerator), timeout=timeout)
 
 
-def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *, deep: bool = False,
-               jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None,
-               load_kwargs: dict[str, Any] | None = None, **load_model_func_kwargs: Any) -> Verdict:
+def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *,
+               verify: VerifyOptions | str = "inline", jobs: int | None = None,
+               events_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
+               **load_model_func_kwargs: Any) -> Verification:
     """Verify the folder, then ``accelerator.load_state(folder, load_kwargs, **load_model_func_kwargs)``; see the
     module docstring.
 
-    Every process calls it. Returns the verdict of the folder loaded; raises
-    :class:`~ckptverify.errors.CheckpointRefusedError` on every process, before anything is loaded, when the
-    folder (or, without ``input_dir``, every ``checkpoint_N``) fails verification.
+    Every process calls it. ``verify``: as for :func:`ckptverify.load` (``when`` ``"inline"`` only: every folder
+    loaded is verified first; ``VerifyOptions(deep=True)`` also rebuilds every tensor). Returns the verdict of
+    the folder loaded; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process, before
+    anything is loaded, when the folder (or, without ``input_dir``, every ``checkpoint_N``) fails verification.
     """
-    verifier = Verifier(verify=VerifyOptions(deep=deep), jobs=jobs, events_dir=_events_dir(accelerator, events_dir))
+    options = verify_options("load_state", verify, when=("inline",))
+    verifier = Verifier(verify=options, jobs=jobs, events_dir=_events_dir(accelerator, events_dir))
     group = _group(accelerator)
     if input_dir is not None:
         verdict = verifier.before_resume(os.fspath(input_dir), group=group)
@@ -148,7 +149,7 @@ def _background_verifier(accelerator: Any, settings: dict[str, Any]) -> Verifier
     return verifier
 
 
-def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Verdict:
+def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Verification:
     if not accelerator.project_configuration.automatic_checkpoint_naming:
         raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")

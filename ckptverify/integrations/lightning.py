@@ -2,9 +2,9 @@
 
 ::
 
-    from ckptverify.integrations.lightning import VerifyCheckpoints
+    from ckptverify.integrations.lightning import VerifyCheckpointsCallback
 
-    trainer = pl.Trainer(callbacks=[ModelCheckpoint(...), VerifyCheckpoints()])
+    trainer = pl.Trainer(callbacks=[ModelCheckpoint(...), VerifyCheckpointsCallback()])
     trainer.fit(model, ckpt_path=...)   # a ckpt_path that fails verification is refused before it is read
 
 **Where it hooks in, and why.** Lightning has no callback hook that runs after a checkpoint is on disk:
@@ -56,7 +56,6 @@ from pytorch_lightning.callbacks import Callback
 from ckptverify.integrations._core import (
     Fingerprint,
     Group,
-    Verdict,
     Verifier,
     VerifyOptions,
     integration_verify,
@@ -64,14 +63,15 @@ from ckptverify.integrations._core import (
     torch_gather,
     warn_if_accumulating,
 )
+from ckptverify.verifier.verification import Verification
 
-__all__ = ["VerifyCheckpoints"]
+__all__ = ["VerifyCheckpointsCallback"]
 
 _WRAPPED = "_ckptverify_wrapped"
 _ABSENT = object()
 
 
-class VerifyCheckpoints(Callback):
+class VerifyCheckpointsCallback(Callback):
     """Verify each checkpoint the trainer saves, and the ``ckpt_path`` it resumes from.
 
     Args:
@@ -81,8 +81,6 @@ class VerifyCheckpoints(Callback):
             :class:`~ckptverify.integrations.VerifyFailedWarning` and a ``checkpoint-failed`` event) or
             ``"raise"`` (also stop training with :class:`~ckptverify.errors.CheckpointRefusedError`) when a saved
             checkpoint fails verification. ``deep``: as for :class:`~ckptverify.integrations.Verifier`.
-            (``on_failure=``, ``background=`` and ``deep=`` still work for one release, with a
-            ``DeprecationWarning``.)
         verify_resume: refuse a ``ckpt_path`` that fails verification (default ``True``).
         fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``fingerprint``
             ``"auto"``: a ``.ckpt`` file or a DCP folder, every byte under a CRC-32, gets no manifest unless
@@ -94,12 +92,12 @@ class VerifyCheckpoints(Callback):
 
     def __init__(self, *, verify: VerifyOptions | str = "inline", verify_resume: bool = True,
                  fingerprint: Fingerprint = "auto", jobs: int | None = None,
-                 events_dir: str | os.PathLike[str] | None = None, **renamed: Any) -> None:
+                 events_dir: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
-        options = integration_verify("VerifyCheckpoints", verify, renamed)
+        options = integration_verify("VerifyCheckpointsCallback", verify)
         self.verifier = Verifier(verify=options, fingerprint=fingerprint, jobs=jobs, events_dir=events_dir)
         self.verify_resume = verify_resume
-        self.verdicts: list[Verdict] = []
+        self.verdicts: list[Verification] = []
         self._restore: list[tuple[Any, str, Any]] = []
         self._async = False
         self._async_paths: set[str] = set()

@@ -46,16 +46,15 @@ from torchtitan.tools import filesystem
 
 from ckptverify.errors import UsageError
 from ckptverify.integrations._core import (
-    ON_FAILURE,
     WHEN,
-    Verdict,
     Verifier,
     VerifyOptions,
     numbered_folders,
     settle_verdicts,
     torch_group,
 )
-from ckptverify.options import renamed
+from ckptverify.options import failure_policy
+from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifiedCheckpointManager"]
 
@@ -68,6 +67,10 @@ class VerifiedCheckpointManager(CheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
+        """torchtitan's config, plus the three fields of :class:`~ckptverify.options.VerifyOptions` as
+        ``verify_when``, ``verify_deep`` and ``verify_on_failure``: flat, as every torchtitan config field is (one
+        TOML table, one command-line flag each); :meth:`verify_options` is them as the one type."""
+
         verify_on_failure: Literal["warn", "raise"] = "warn"
         """A saved checkpoint that fails verification: ``warn`` (a warning and an event) or ``raise`` (stop)."""
 
@@ -78,20 +81,9 @@ class VerifiedCheckpointManager(CheckpointManager):
         """``inline``: a save returns once its checkpoint is verified. ``background``: a save returns once it is
         written; its verdict arrives later (a failure with ``raise`` is raised at the next save or at ``close``)."""
 
-        verify_background: bool | None = None
-        """Deprecated (one release): ``verify_when = "background"`` replaces ``verify_background = true``."""
-
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.verify_on_failure not in ON_FAILURE:
-                raise UsageError(f"checkpoint.verify_on_failure must be one of {', '.join(ON_FAILURE)}, "
-                                 f"got {self.verify_on_failure!r}")
-            if self.verify_background is not None:
-                renamed("VerifiedCheckpointManager.Config", "verify_background",
-                        'verify_when="background"' if self.verify_background else 'verify_when="inline"',
-                        stacklevel=4)  # the caller of the dataclass's __init__
-                self.verify_when = "background" if self.verify_background else "inline"
-                self.verify_background = None
+            failure_policy("checkpoint.verify_on_failure", self.verify_on_failure)
             if self.verify_when not in WHEN:
                 raise UsageError(f"checkpoint.verify_when must be one of {', '.join(WHEN)}, got {self.verify_when!r}")
             self.verify_options()  # every field checked now, not at the first save
@@ -107,7 +99,7 @@ class VerifiedCheckpointManager(CheckpointManager):
         if filesystem.is_remote(self.folder):
             raise UsageError(f"checkpoint.folder {self.folder} is remote; ckptverify verifies local folders only")
         self.verifier = Verifier(verify=config.verify_options(), events_dir=self.folder)
-        self.verdicts: list[Verdict] = []
+        self.verdicts: list[Verification] = []
         self._pending: tuple[str, bool] | None = None
         self._verified_for_load: str | None = None
 

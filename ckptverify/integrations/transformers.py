@@ -47,7 +47,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptverify.integrations._core import (
     Fingerprint,
-    Verdict,
     Verifier,
     VerifyOptions,
     integration_verify,
@@ -57,6 +56,7 @@ from ckptverify.integrations._core import (
     torch_group,
     warn_if_accumulating,
 )
+from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]
 
@@ -70,8 +70,7 @@ class VerifyCheckpointsCallback(TrainerCallback):
         verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
             ``"background"`` (see the module docstring; ``on_train_end`` waits for them); ``on_failure``:
             ``"warn"`` (default) or ``"raise"`` (:class:`~ckptverify.errors.CheckpointRefusedError` on every rank)
-            when a checkpoint fails; ``deep``: as for :class:`~ckptverify.integrations.Verifier`. (``on_failure=``,
-            ``background=`` and ``deep=`` still work for one release, with a ``DeprecationWarning``.)
+            when a checkpoint fails; ``deep``: as for :class:`~ckptverify.integrations.Verifier`.
         fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
 
     ``verdicts`` lists the verdicts so far (with ``background``, pending ones until ``on_train_end`` replaces
@@ -79,10 +78,10 @@ class VerifyCheckpointsCallback(TrainerCallback):
     """
 
     def __init__(self, *, verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto",
-                 jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None, **renamed: Any) -> None:
-        options = integration_verify("VerifyCheckpointsCallback", verify, renamed)
+                 jobs: int | None = None, events_dir: str | os.PathLike[str] | None = None) -> None:
+        options = integration_verify("VerifyCheckpointsCallback", verify)
         self.verifier = Verifier(verify=options, fingerprint=fingerprint, jobs=jobs, events_dir=events_dir)
-        self.verdicts: list[Verdict] = []
+        self.verdicts: list[Verification] = []
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")

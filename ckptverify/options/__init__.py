@@ -1,14 +1,13 @@
 """Options shared by every entry point that saves, loads or verifies: one name for each concept.
 
-:class:`VerifyOptions` says what happens once a checkpoint is saved: :func:`ckptverify.save`,
-:func:`ckptverify.async_save`, :meth:`ckptverify.Run.main` and every framework integration take it as ``verify=``
-(a bare string is its ``when``). :func:`renamed` is how a keyword that was renamed keeps working for one release.
+:class:`VerifyOptions` says when a checkpoint is verified and what its failure does: :func:`ckptverify.save`,
+:func:`ckptverify.async_save`, :func:`ckptverify.load`, :meth:`ckptverify.Run.main` and every framework
+integration take it as ``verify=`` (a bare string is its ``when``). :data:`FAILURE_POLICIES` is the one value
+set of every failure knob. The vocabulary, its defaults and why they differ: :mod:`ckptverify.options.verify`.
 """
 
 from __future__ import annotations
 
-from ckptverify.options.deprecated import no_other_keywords, renamed, take_renamed
-from ckptverify.options.verify import FAILURE_POLICIES, WHEN, VerifyOptions, verify_options
+from ckptverify.options.verify import FAILURE_POLICIES, WHEN, VerifyOptions, failure_policy, verify_options
 
-__all__ = ["FAILURE_POLICIES", "WHEN", "VerifyOptions", "no_other_keywords", "renamed", "take_renamed",
-           "verify_options"]
+__all__ = ["FAILURE_POLICIES", "WHEN", "VerifyOptions", "failure_policy", "verify_options"]

@@ -1,19 +1,41 @@
-"""``VerifyOptions``: what happens once a checkpoint is saved, in every API that saves."""
+"""The one vocabulary of verify options and failure policies, for every API that saves, loads or checks.
+
+**When a checkpoint is verified** (:class:`VerifyOptions`, taken as ``verify=`` by :func:`ckptverify.save`,
+:func:`ckptverify.async_save`, :func:`ckptverify.load`, :meth:`ckptverify.Run.main` and every framework
+integration; a bare string is its ``when``): ``when`` is ``"inline"``, ``"background"`` or ``"off"``, ``deep``
+also rebuilds every tensor, ``on_failure`` is the failure policy below. The default is ``VerifyOptions()``
+(``"inline"``) wherever verifying is the point of the call (``load``, the integrations). Two defaults differ,
+on purpose: ``save``/``async_save`` default to ``"off"`` (a plain save, as DCP's, already digests every byte it
+writes; re-reading it is asked for), and ``Run.main`` to ``"background"`` (a production job must not stall on
+its saves). ``"off"`` is refused where every checkpoint is verified (the integrations), ``"background"`` where
+the call needs the verdict before it returns (``load``).
+
+**What a failed check does** (:data:`FAILURE_POLICIES`, one value set for every check): ``"warn"`` (say it: a
+warning, and an event or a finding; the job goes on) or ``"raise"`` (an error on every rank). Each check names
+its own knob, because each fails differently and a job may want them apart:
+
+- ``VerifyOptions.on_failure``: a saved checkpoint fails its verification (default ``"warn"``: the checkpoint
+  is stamped failed, and no resume picks it). Not consulted by a load: a checkpoint that fails its
+  verification is never loaded.
+- ``on_replica_mismatch`` (``Run.main``, :class:`~ckptverify.hardware.replica.ReplicaCheck`): replicas that must
+  be identical differ during training, a hardware symptom (default ``"warn"``).
+- ``on_restore_mismatch`` (``load``): the state as restored differs from what was saved (default ``"raise"``,
+  the state put back as it was; ``"warn"`` keeps it as loaded, for diagnosis).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ckptverify.errors import UsageError
 
-__all__ = ["FAILURE_POLICIES", "WHEN", "VerifyOptions", "verify_options"]
+__all__ = ["FAILURE_POLICIES", "WHEN", "VerifyOptions", "failure_policy", "verify_options"]
 
 #: When a saved checkpoint is verified: not at all, in the background (the save returns at once), or before the
 #: save returns.
 WHEN = ("off", "background", "inline")
-#: What a checkpoint that fails its verification does besides a warning and an event: nothing more, or raise
-#: (on every rank).
+#: What a failed check does (see the module docstring): say it and go on, or raise (on every rank).
 FAILURE_POLICIES = ("warn", "raise")
 
 When = Literal["off", "background", "inline"]
@@ -23,6 +45,13 @@ OnFailure = Literal["warn", "raise"]
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in allowed:
         raise UsageError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def failure_policy(name: str, value: Any) -> str:
+    """``value`` when it is one of :data:`FAILURE_POLICIES`, else a :class:`~ckptverify.errors.UsageError`
+    naming ``name``."""
+    _one_of(name, value, FAILURE_POLICIES)
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +77,7 @@ class VerifyOptions:
         _one_of("VerifyOptions.when", self.when, WHEN)
         if not isinstance(self.deep, bool):
             raise UsageError(f"VerifyOptions.deep must be True or False, got {self.deep!r}")
-        _one_of("VerifyOptions.on_failure", self.on_failure, FAILURE_POLICIES)
+        failure_policy("VerifyOptions.on_failure", self.on_failure)
 
     def to_dict(self) -> dict[str, Any]:
         return {"when": self.when, "deep": self.deep, "on_failure": self.on_failure}
@@ -59,14 +88,10 @@ class VerifyOptions:
                    on_failure=data.get("on_failure", "warn"))
 
 
-def verify_options(where: str, verify: VerifyOptions | str, *, deep: bool | None = None,
-                   on_failure: str | None = None, when: tuple[str, ...] = WHEN) -> VerifyOptions:
-    """``verify=`` as a :class:`VerifyOptions`, with what deprecated keywords said folded in.
-
-    ``verify``: a ``VerifyOptions`` or a ``when`` string. ``deep`` and ``on_failure``: the values of the renamed
-    keywords that said them (``None`` when not given), which override the fields. ``when``: the values ``where``
-    (the function, named in messages) accepts. Raises :class:`~ckptverify.errors.UsageError` naming ``verify``
-    for anything else."""
+def verify_options(where: str, verify: VerifyOptions | str, *, when: tuple[str, ...] = WHEN) -> VerifyOptions:
+    """``verify=`` as a :class:`VerifyOptions`: ``verify`` is one, or a ``when`` string. ``when``: the values
+    ``where`` (the function, named in messages) accepts. Raises :class:`~ckptverify.errors.UsageError` naming
+    ``verify`` for anything else."""
     if isinstance(verify, str):
         _one_of(f"{where}: verify", verify, WHEN)
         options = VerifyOptions(when=verify)  # type: ignore[arg-type]
@@ -75,13 +100,6 @@ def verify_options(where: str, verify: VerifyOptions | str, *, deep: bool | None
     else:
         raise UsageError(f"{where}: verify must be a VerifyOptions or one of {', '.join(map(repr, WHEN))}, "
                          f"got {type(verify).__name__} {verify!r}")
-    changes: dict[str, Any] = {}
-    if deep is not None:
-        changes["deep"] = deep
-    if on_failure is not None:
-        changes["on_failure"] = on_failure
-    if changes:
-        options = replace(options, **changes)
     if options.when not in when:
         raise UsageError(f"{where}: verify.when must be one of {', '.join(map(repr, when))}, got {options.when!r}")
     return options

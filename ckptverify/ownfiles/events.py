@@ -7,10 +7,7 @@ One JSON object per line, each with ``event`` (a stable name: ``save``, ``replic
 
 A checkpoint's verification after it was saved (by a save with ``verify=``, a production run, or a framework
 integration) is one of the :data:`VERIFICATION_EVENTS`, whose fields are those of
-:class:`~ckptverify.verifier.verification.Verification`. Logs written before version 2 named the ones of a save
-with ``verify=`` otherwise (``verified``, ``verify-failed``, ``verify-skipped``, ``verify-cut-short``) and called
-``bytes_checked`` ``checked_bytes`` in the integrations' events: :func:`read_events` reads them under today's
-names (:data:`OLD_EVENT_NAMES`). Every line is written with one
+:class:`~ckptverify.verifier.verification.Verification`. Every line is written with one
 ``write`` on a file opened ``O_APPEND``, so lines from several ranks and processes never interleave (POSIX
 appends of one buffer are atomic with respect to each other on local file systems), and a process killed
 mid-run leaves at most its last line unwritten, never a torn one among whole ones.
@@ -34,12 +31,11 @@ from ckptverify.ownfiles.names import append_line, open_read
 from ckptverify.safeparse import safejson
 
 __all__ = ["CHECKPOINT_CUT_SHORT", "CHECKPOINT_DELETED", "CHECKPOINT_FAILED", "CHECKPOINT_UNVERIFIED",
-           "CHECKPOINT_VERIFIED", "EVENTS_FILE", "EVENTS_SCHEMA_VERSION", "MAX_LINE_BYTES", "OLD_EVENT_NAMES",
-           "VERIFICATION_EVENTS", "EventLog", "event_problem", "read_events", "upgrade_event"]
+           "CHECKPOINT_VERIFIED", "EVENTS_FILE", "EVENTS_SCHEMA_VERSION", "MAX_LINE_BYTES",
+           "VERIFICATION_EVENTS", "EventLog", "event_problem", "read_events"]
 
 EVENTS_FILE = "events.jsonl"
-#: Written into every event. Version 2: one vocabulary for verify-after-save (:data:`VERIFICATION_EVENTS`) and
-#: ``bytes_checked`` everywhere; a line without ``schema_version`` is version 1.
+#: Written into every event.
 EVENTS_SCHEMA_VERSION = 2
 #: Longest line :func:`read_events` reads as an event (the longest ckptverify writes is a few hundred kB: a
 #: replica mismatch naming every tensor of a large model).
@@ -62,15 +58,6 @@ CHECKPOINT_CUT_SHORT = "checkpoint-cut-short"
 #: :class:`~ckptverify.verifier.verification.Verification`'s.
 VERIFICATION_EVENTS = (CHECKPOINT_VERIFIED, CHECKPOINT_FAILED, CHECKPOINT_UNVERIFIED, CHECKPOINT_DELETED,
                        CHECKPOINT_CUT_SHORT)
-#: Names of version 1 -> today's.
-OLD_EVENT_NAMES = {
-    "verified": CHECKPOINT_VERIFIED,
-    "verify-failed": CHECKPOINT_FAILED,
-    "verify-skipped": CHECKPOINT_UNVERIFIED,
-    "verify-cut-short": CHECKPOINT_CUT_SHORT,
-}
-
-
 class EventLog:
     """Appends events to ``DIR/events.jsonl`` for one rank."""
 
@@ -102,33 +89,10 @@ class EventLog:
         return record
 
 
-def upgrade_event(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` as today's version writes it: a version 1 event of a saved checkpoint's verification under its
-    name of today (:data:`OLD_EVENT_NAMES`), with ``bytes_checked`` (for the integrations' ``checked_bytes``),
-    ``verdict`` and ``passed``. Other events, and version 2 ones, are returned as they are."""
-    version = record.get("schema_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version >= 2:
-        return record
-    name = record.get("event")
-    if not isinstance(name, str) or (name not in OLD_EVENT_NAMES and name not in VERIFICATION_EVENTS):
-        return record
-    out = dict(record)
-    out["event"] = OLD_EVENT_NAMES.get(name, name)
-    if "checked_bytes" in out and "bytes_checked" not in out:
-        out["bytes_checked"] = out.pop("checked_bytes")
-    if "verdict" not in out:
-        out["verdict"] = _verdict_of(out["event"])
-    if "passed" not in out:
-        out["passed"] = out["verdict"] == "passed"
-    return out
-
-
 def read_events(run_dir: str | os.PathLike[str], event: str | None = None, *,
                 on_bad: Callable[[int, str], None] | None = None) -> Iterator[dict[str, Any]]:
-    """The events of a run, in file order (optionally only those named ``event``). Events of an earlier version
-    are read as today's version writes them (:func:`upgrade_event`: the old name of an event, given as ``event``,
-    selects it too). Raises :class:`~ckptverify.ownfiles.names.NotRegularFileError` when ``events.jsonl`` is not
-    a regular file.
+    """The events of a run, in file order (optionally only those named ``event``). Raises
+    :class:`~ckptverify.ownfiles.names.NotRegularFileError` when ``events.jsonl`` is not a regular file.
 
     The log is a record, not an input: a line that is not an event as ckptverify writes it (a torn last line,
     invalid UTF-8 or JSON, NaN, a repeated key, deep nesting, a line over :data:`MAX_LINE_BYTES`, not an object,
@@ -136,8 +100,6 @@ def read_events(run_dir: str | os.PathLike[str], event: str | None = None, *,
     :func:`event_problem`) is skipped, never raised, and ``on_bad(line_number, why)`` is called for it. Nothing
     is reordered or checked across lines (ranks append concurrently, a restarted job repeats steps), and
     ``path`` is as written: it may name anything, a URL or a folder outside ``run_dir`` among them."""
-    if event is not None:
-        event = OLD_EVENT_NAMES.get(event, event)
     path = os.path.join(os.fspath(run_dir), EVENTS_FILE)
     try:
         fd = open_read(path)
@@ -162,7 +124,7 @@ def read_events(run_dir: str | os.PathLike[str], event: str | None = None, *,
 
 
 def _parse(line: bytes) -> tuple[dict[str, Any], str | None]:
-    """The event on ``line`` (upgraded), or why it is not one."""
+    """The event on ``line``, or why it is not one."""
     try:
         record = safejson.loads(line.decode("utf-8"), max_depth=MAX_EVENT_DEPTH)
     except UnicodeDecodeError as exc:
@@ -171,12 +133,11 @@ def _parse(line: bytes) -> tuple[dict[str, Any], str | None]:
         return {}, str(exc)
     if not isinstance(record, dict):
         return {}, f"a JSON {type(record).__name__}, not an object"
-    record = upgrade_event(record)
     return record, event_problem(record)
 
 
 def event_problem(record: dict[str, Any]) -> str | None:
-    """Why ``record`` (as :func:`upgrade_event` returns it) is not an event as ckptverify writes one, or
+    """Why ``record`` is not an event as ckptverify writes one, or
     ``None``: the fields of :data:`_FIELDS` must hold their type and range, ``event``, ``time``, ``rank`` and
     ``host`` must be there, and a verification's name, ``verdict`` and ``passed`` must agree."""
     for name in ("event", "time", "rank", "host"):

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckptverify.errors import CkptVerifyError, ResumeRefusedError, UsageError
-from ckptverify.options import VerifyOptions, verify_options
+from ckptverify.options import VerifyOptions, failure_policy, verify_options
 from ckptverify.ownfiles.names import NotRegularFileError, own_dir, write_atomic
 from ckptverify.safeparse import safejson
 
@@ -81,7 +81,7 @@ class ProductionOptions:
     save_every: int | None = None
     trace: str = "metrics"
     trace_every: int = 1
-    on_mismatch: str = "warn"
+    on_replica_mismatch: str = "warn"
     replica_check: bool = True
     fault: str | None = None  # BitFlip JSON
     #: How each saved checkpoint is verified once committed: a VerifyOptions after construction (a ``when``
@@ -101,8 +101,7 @@ class ProductionOptions:
             raise UsageError(f"save_every must be at least 1, got {self.save_every}")
         if self.trace_every < 1:
             raise UsageError(f"trace_every must be at least 1, got {self.trace_every}")
-        if self.on_mismatch not in ("warn", "raise"):
-            raise UsageError(f"on_mismatch must be 'warn' or 'raise', got {self.on_mismatch!r}")
+        failure_policy("on_replica_mismatch", self.on_replica_mismatch)
         if self.resume not in RESUME_MODES:
             raise UsageError(f"resume must be one of {', '.join(map(repr, RESUME_MODES))}, got {self.resume!r}")
 
@@ -375,7 +374,8 @@ class Production:
         if self.options.replica_check and self.world > 1 and model is not None:
             from ckptverify.hardware.replica import ReplicaCheck
 
-            self.replicas = ReplicaCheck(model, optimizer=None, on_mismatch=self.options.on_mismatch,
+            self.replicas = ReplicaCheck(model, optimizer=None,
+                                         on_replica_mismatch=self.options.on_replica_mismatch,
                                          events=self.events)
         fault = self.options.fault or os.environ.get("CKPTVERIFY_FAULT")
         if fault and model is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptverify.findings import Report, Severity, sort_findings
 
-__all__ = ["LATEST_LEGACY_KEYS", "human_bytes", "latest_json", "number_width", "printable", "render_text", "to_json"]
+__all__ = ["human_bytes", "number_width", "printable", "render_text", "to_json"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -51,20 +51,6 @@ def number_width(texts: object) -> int:
 def to_json(report: Report, indent: int | None = 2) -> str:
     """The documented JSON form (``docs/json-schema.md``). JSON escapes control characters itself."""
     return json.dumps(report.to_dict(), indent=indent, sort_keys=False, default=_jsonable)
-
-
-#: Keys ``latest --json`` printed at the top level before it printed the one report schema. They are in
-#: ``stats`` now, and are still printed at the top level too for one release (deprecated; docs/json-schema.md).
-LATEST_LEGACY_KEYS = ("path", "step", "skipped", "quarantined", "unseen")
-
-
-def latest_json(report: Report, indent: int | None = 2) -> str:
-    """``latest --json``: the report (the pick in ``stats.path`` and ``stats.step``), then, deprecated, the
-    :data:`LATEST_LEGACY_KEYS` copied from ``stats`` to the top level as earlier versions printed them."""
-    data = report.to_dict()
-    stats = data.get("stats") or {}
-    data.update({key: stats.get(key) for key in LATEST_LEGACY_KEYS if key not in data})
-    return json.dumps(data, indent=indent, sort_keys=False, default=_jsonable)
 
 
 def _jsonable(value: Any) -> Any:

@@ -24,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptverify.errors import UsageError
-from ckptverify.options import VerifyOptions, no_other_keywords, take_renamed, verify_options
+from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.state.distributed import rank_world
 
@@ -147,19 +148,19 @@ class Run:
     @classmethod
     def main(cls, train: Callable[[Run], None], *, steps: int | None = None, run_dir: str | None = None,
              save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
-             on_mismatch: str = "warn", fault: str | None = None, verify: VerifyOptions | str = "background",
-             resume: str = "auto", **renamed: Any) -> None:
+             on_replica_mismatch: str = "warn", fault: str | None = None,
+             verify: VerifyOptions | str = "background", resume: str = "auto") -> None:
         """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with
         ``run_dir``: see :mod:`ckptverify.production.mode`), or plainly for ``steps`` steps.
 
         Production mode: ``steps`` total steps; the full state saved every ``save_every`` steps to
         ``run_dir/step_N``; a trace at level ``trace`` every ``trace_every`` steps; replicas compared on more
-        than one rank (``on_mismatch``: ``"warn"`` or ``"raise"``); ``fault``: a
+        than one rank (``on_replica_mismatch``: ``"warn"`` or ``"raise"``); ``fault``: a
         :class:`~ckptverify.hardware.inject.BitFlip` as JSON, for fire drills; ``verify``: how each saved
         checkpoint is verified and stamped once committed, a :class:`~ckptverify.options.VerifyOptions` or its
-        ``when`` (``"background"``, the default, ``"inline"`` or ``"off"``; see :func:`ckptverify.save`), with
-        its ``deep`` and ``on_failure`` (``"warn"`` or ``"raise"``; ``on_verify_failure=`` still works for one
-        release, with a ``DeprecationWarning``); the job waits for the pending verifications before it ends.
+        ``when`` (``"background"``, the default here so that no save stalls the job, ``"inline"`` or ``"off"``),
+        with its ``deep`` and ``on_failure``; the job waits for the pending verifications before it ends. The
+        options and failure policies: :mod:`ckptverify.options.verify`.
         Started by ``python`` or ``torchrun``: the process group is created from torchrun's environment when none
         exists.
 
@@ -170,9 +171,7 @@ class Run:
         :mod:`ckptverify.production.mode`). A refusal prints why on stderr and exits with status 2 (raises
         ``SystemExit(2)``) before ``train`` runs, having changed nothing.
         """
-        old = take_renamed("Run.main", renamed, {"on_verify_failure": "verify=VerifyOptions(on_failure=...)"})
-        no_other_keywords("Run.main", renamed)
-        verifying = verify_options("Run.main", verify, on_failure=old.get("on_verify_failure"))
+        verifying = verify_options("Run.main", verify)
         if _harness_config is not None or run_dir is None:
             run = cls.from_env(steps=steps)
         else:
@@ -182,8 +181,9 @@ class Run:
                 raise UsageError("production mode needs steps=")
             local = run_dir if "://" in os.fspath(run_dir) else os.path.abspath(run_dir)  # a URL is refused there
             options = ProductionOptions(run_dir=local, steps=steps, save_every=save_every,
-                                        trace=trace, trace_every=trace_every, on_mismatch=on_mismatch, fault=fault,
-                                        verify=verifying, resume=resume)
+                                        trace=trace, trace_every=trace_every,
+                                        on_replica_mismatch=on_replica_mismatch, fault=fault, verify=verifying,
+                                        resume=resume)
             try:
                 run = cls._for_production(options, target_of(train))
             except ResumeRefusedError:
@@ -290,7 +290,10 @@ class Run:
             # Production: the checkpoint was picked (and so verified) when the job started; the harness names one
             # and diagnoses a restore mismatch rather than refusing it.
             if self._picked is None:
-                report = load(state, self.config.resume_from, on_restore_mismatch="report")
+                with warnings.catch_warnings():
+                    # The harness judges the difference itself (restore-rankN.json, then its verdict).
+                    warnings.filterwarnings("ignore", message="the restore check of ", category=UserWarning)
+                    report = load(state, self.config.resume_from, on_restore_mismatch="warn")
             else:
                 from ckptverify.production.mode import ResumeRefusedError
 

@@ -5,11 +5,8 @@ framework integrations produce and consume, and the fields of the ``checkpoint-*
 
 from __future__ import annotations
 
-import warnings as _warnings
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
-
-from ckptverify.errors import CkptVerifyDeprecationWarning
 
 if TYPE_CHECKING:
     from ckptverify.findings import Report
@@ -92,13 +89,6 @@ class Verification:
         """Removed (by retention, most likely) before its verification finished: no verdict, and no failure."""
         return self.no_verdict == "deleted"
 
-    @property
-    def checked_bytes(self) -> int:
-        """Deprecated name of :attr:`bytes_checked`."""
-        _warnings.warn("Verification.checked_bytes is deprecated and will be removed in the next release; use "
-                       "Verification.bytes_checked instead", CkptVerifyDeprecationWarning, stacklevel=2)
-        return self.bytes_checked
-
     def to_dict(self) -> dict[str, Any]:
         """Every field but ``report``, as JSON values, and ``passed``, ``pending`` and ``deleted``: what an event
         records, what the verifier process answers and what a job broadcasts to its ranks."""
@@ -117,22 +107,13 @@ class Verification:
     @classmethod
     def from_dict(cls, data: dict[str, Any], report: Report | None = None) -> Verification:
         """The :class:`Verification` :meth:`to_dict` gave (keys it does not know, such as an event's ``event``
-        and ``time``, are left out). Also reads what earlier versions wrote: ``checked_bytes`` for
-        ``bytes_checked``, and the framework integrations' verdicts (``passed``, ``pending``, ``deleted``, no
-        ``verdict``). Raises ``TypeError`` when ``data`` is not one."""
+        and ``time``, are left out). Raises ``TypeError`` when ``data`` is not one."""
         if not isinstance(data, dict):
             raise TypeError(f"not a verification: {type(data).__name__}")
         known = {f.name for f in fields(cls)} - {"report"}
         values = {k: v for k, v in data.items() if k in known}
-        if "bytes_checked" not in values and "checked_bytes" in data:
-            values["bytes_checked"] = data["checked_bytes"]
         if "verdict" not in values:
-            if data.get("pending"):
-                values.update(verdict="unverified", no_verdict="pending")
-            elif data.get("deleted"):
-                values.update(verdict="unverified", no_verdict="deleted")
-            else:
-                values["verdict"] = "passed" if data.get("passed") else "failed"
+            raise TypeError("not a verification: no verdict")
         for name in ("errors", "coverage", "unchecked", "warnings"):
             if name in values:
                 values[name] = tuple(values[name] or ())

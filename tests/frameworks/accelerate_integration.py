@@ -56,6 +56,7 @@ def job(rank: int, world: int, out: Path, mode: str) -> None:
         return
     from ckptverify.errors import CheckpointRefusedError
     from ckptverify.integrations import accelerate as ckv
+    from ckptverify.options import VerifyOptions
 
     accelerator, model, opt, loader = setup(rank)
     result: dict = {}
@@ -67,7 +68,8 @@ def job(rank: int, world: int, out: Path, mode: str) -> None:
         if step in (2, 4):
             weights[step] = [p.detach().clone() for p in model.parameters()]
             try:
-                verdict = ckv.save_state(accelerator, out / f"state-step{step}", on_failure="raise")
+                verdict = ckv.save_state(accelerator, out / f"state-step{step}",
+                                         verify=VerifyOptions(on_failure="raise"))
                 result[f"step{step}"] = verdict.to_dict()
             except CheckpointRefusedError as exc:
                 result[f"step{step}_error"] = {"type": type(exc).__name__, "message": str(exc)}
@@ -91,6 +93,7 @@ def background_job(rank: int, out: Path) -> None:
     from ckptverify.errors import CheckpointRefusedError
     from ckptverify.integrations import VerifyFailedWarning
     from ckptverify.integrations import accelerate as ckv
+    from ckptverify.options import VerifyOptions
     from ckptverify.verifier.background import wait_for_verifications
 
     accelerator, model, opt, loader = setup(rank)
@@ -105,8 +108,8 @@ def background_job(rank: int, out: Path) -> None:
                 if step == 6:  # step 4's verdict is in before this save (rank 0 verifies; rank 1 waits in the save)
                     assert wait_for_verifications(timeout=120)
                 try:
-                    verdict = ckv.save_state(accelerator, out / f"state-step{step}", background=True,
-                                             on_failure="raise")
+                    verdict = ckv.save_state(accelerator, out / f"state-step{step}",
+                                             verify=VerifyOptions(when="background", on_failure="raise"))
                     result[f"step{step}"] = verdict.to_dict()
                 except CheckpointRefusedError as exc:
                     result[f"step{step}_error"] = {"type": type(exc).__name__, "message": str(exc)}

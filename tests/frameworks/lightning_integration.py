@@ -1,6 +1,7 @@
-"""Lightning's ``ModelParallelStrategy`` (FSDP2, gloo, CPU) training with ckptverify's ``VerifyCheckpoints``: the
-model (:func:`module`) and one ``fit`` of it (:func:`run_stage`), which ``tests/helpers/lightning_model_parallel.py``
-runs stage after stage in ranks forked with the environment torchrun gives (Lightning takes the group it finds).
+"""Lightning's ``ModelParallelStrategy`` (FSDP2, gloo, CPU) training with ckptverify's
+``VerifyCheckpointsCallback``: the model (:func:`module`) and one ``fit`` of it (:func:`run_stage`), which
+``tests/helpers/lightning_model_parallel.py`` runs stage after stage in ranks forked with the environment torchrun
+gives (Lightning takes the group it finds).
 
 Each rank writes ``OUT/STAGE-rank{R}.json``: the verdicts it got, the warnings ckptverify raised, the error that
 stopped it (type and message), the global step reached, and whether the model's weights are still those it was
@@ -64,9 +65,10 @@ def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | No
     from pytorch_lightning.strategies import ModelParallelStrategy
 
     from ckptverify.integrations import VerifyFailedWarning
-    from ckptverify.integrations.lightning import VerifyCheckpoints
+    from ckptverify.integrations.lightning import VerifyCheckpointsCallback
+    from ckptverify.options import VerifyOptions
 
-    verify = VerifyCheckpoints(on_failure="raise", fingerprint=True)
+    verify = VerifyCheckpointsCallback(verify=VerifyOptions(on_failure="raise"), fingerprint=True)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=ModelParallelStrategy(process_group_backend="gloo"),
         max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,

@@ -6,9 +6,9 @@
 2. ``async``: the same with ``async_mode="async"`` into ``OUT/async/``, then ``close``;
 3. ``damaged``: storage that flips one bit of ``step-2`` right after it is written, ``verify_on_failure="raise"``,
    into ``OUT/damaged/``;
-4. ``background``: as ``train``, with ``verify_background=True``, into ``OUT/background/``, then ``close`` (which
+4. ``background``: as ``train``, with ``verify_when="background"``, into ``OUT/background/``, then ``close`` (which
    waits for the background verifications);
-5. ``background_damaged``: as ``damaged``, with ``verify_background=True``, into ``OUT/background_damaged/``; rank 0
+5. ``background_damaged``: as ``damaged``, with ``verify_when="background"``, into ``OUT/background_damaged/``; rank 0
    waits for the background verifier before the step 4 save, at which every rank raises step 2's failure;
 6. ``retention``: as ``background``, 8 steps with ``keep_latest_k=2``; rank 0's background verifier holds
    ``step-2`` back until torchtitan has purged it (after the step 6 save: the last save purges nothing), into
@@ -155,7 +155,7 @@ def job(rank: int, world: int, out: Path) -> None:
         return run
 
     def in_background() -> dict[str, Any]:
-        *parts, manager = build(world, out / "background", verify_background=True)
+        *parts, manager = build(world, out / "background", verify_when="background")
         train(rank, world, *parts, manager)
         pending = [v.to_dict() for v in manager.verdicts]
         manager.close()
@@ -172,7 +172,7 @@ def job(rank: int, world: int, out: Path) -> None:
 
             default_verifier().before_verify = hold_until_purged
         try:
-            *parts, manager = build(world, out / "retention", steps=8, verify_background=True, keep_latest_k=2)
+            *parts, manager = build(world, out / "retention", steps=8, verify_when="background", keep_latest_k=2)
             train(rank, world, *parts, manager, steps=8)
             manager.close()
         finally:
@@ -198,7 +198,7 @@ def job(rank: int, world: int, out: Path) -> None:
     stage(result, "async", async_)
     stage(result, "damaged", damaged())
     stage(result, "background", in_background)
-    stage(result, "background_damaged", damaged("background_damaged", verify_background=True))
+    stage(result, "background_damaged", damaged("background_damaged", verify_when="background"))
     stage(result, "retention", retention)
     if rank == 0:
         result["fault"] = inj.flip_in_tensor_payload(out / "sync" / "step-4").file

@@ -1,4 +1,4 @@
-"""Lightning ``ModelParallelStrategy`` (FSDP2, gloo, CPU) runs with ckptverify's ``VerifyCheckpoints``, every
+"""Lightning ``ModelParallelStrategy`` (FSDP2, gloo, CPU) runs with ckptverify's ``VerifyCheckpointsCallback``, every
 stage of one check in the same ranks.
 
 The ranks come from :func:`helpers.multiproc.spawn_ranks` (forked from the fork server, with the environment
@@ -7,7 +7,7 @@ after another, each a ``lightning_integration.run_stage`` with a fresh ``Trainer
 fresh interpreter would pay torch's and Lightning's imports nine times on two ranks):
 
 - ``save``: train 4 steps, ``ModelCheckpoint`` every 2 (``OUT/checkpoints/step={2,4}.ckpt/``, DCP folders with
-  ``meta.pt``), with ``VerifyCheckpoints(on_failure="raise", fingerprint=True)``;
+  ``meta.pt``), with ``VerifyCheckpointsCallback(verify=VerifyOptions(on_failure="raise"), fingerprint=True)``;
 - rank 0 writes the stamps of both folders to ``OUT/stamps.json``, flips one bit of ``step=2.ckpt``'s largest
   tensor (``helpers.faults.flip_in_tensor_payload``) and writes what it changed to ``OUT/fault.json``;
 - ``refused``: ``fit(ckpt_path=step=2.ckpt)`` to step 6;
