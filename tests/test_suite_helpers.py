@@ -116,3 +116,8 @@ def test_every_test_runs_under_a_timeout_and_the_readme_runs_the_suite_in_parall
     assert any(d.startswith("pytest-xdist") for d in extra) and any(d.startswith("pytest-timeout") for d in extra)
     blocks = re.findall(r"^```bash\n(.*?)\n```", (REPO / "README.md").read_text(), re.M | re.S)
     assert re.search(r"python -m pytest -n \S+", blocks[1]), blocks[1]
+    # The longest files start first (conftest.START_FIRST), which needs xdist to keep the collection's order.
+    assert "--dist loadfile --no-loadscope-reorder" in blocks[1], blocks[1]
+    import conftest
+
+    assert [n for n in conftest.START_FIRST if not (REPO / "tests" / n).is_file()] == []
