@@ -255,7 +255,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     ``target``: the training function to run (``FILE.py:FUNC`` or ``module:FUNC``), normally the one the run
     directory's ``run.json`` records; required, since a run directory is data (:func:`pinned`). ``max_procs``:
     the most ranks the replay may start (the recorded world size above it is refused). ``locate``: when the
-    verdict is not ``reproduced``, walk the ladder (:mod:`ckptverify.resume.locate`: two replays that differ
+    verdict is not ``reproduced``, walk the ladder (:mod:`ckptverify.resume.locate.walk`: two replays that differ
     are re-run at level op, ``locate_repeats`` times each, to name the op where they part; an input cause is
     an origin of kind ``state``); the ``replay`` command turns it on unless ``--no-locate``.
 
@@ -272,7 +272,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.replay.causes import judge, twin_cause
     from ckptverify.resume.harness import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
-    from ckptverify.resume.locate import for_replay
+    from ckptverify.resume.locate.walk import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.trace.compare import compare_runs, divergences
 

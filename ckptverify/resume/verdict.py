@@ -44,10 +44,10 @@ from ckptverify.findings import Finding, Location, Severity
 from ckptverify.resume import causes
 from ckptverify.resume.causes import RESUME
 from ckptverify.resume.compare import Evidence, StepEvidence
-from ckptverify.resume.locate import receiver_entries
+from ckptverify.resume.locate.walk import receiver_entries
 
 if TYPE_CHECKING:
-    from ckptverify.resume.locate import Walked
+    from ckptverify.resume.locate.walk import Walked
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Verdict:
     #: The module where the first divergence originates (level ``module``), ``origin_module`` in JSON.
     origin: str | None = None
     advice: str = ""
-    #: The walk down the ladder (:mod:`ckptverify.resume.locate`), ``None`` when it did not run.
+    #: The walk down the ladder (:mod:`ckptverify.resume.locate.walk`), ``None`` when it did not run.
     located: Walked | None = None
     #: The ranks that only received the difference through a collective, as the traces tell (the walk's
     #: receivers, when it found any, replace them in ``to_dict``).
