@@ -272,7 +272,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.replay.causes import judge, twin_cause
     from ckptverify.resume.harness import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
-    from ckptverify.resume.locate.walk import for_replay
+    from ckptverify.resume.locate.walk import for_replay, walk_fields
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.trace.compare import compare_runs, divergences
 
@@ -308,10 +308,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                 sentence = f"{sentence}. {located.sentence}"
         verdict = {"kind": kind, "sentence": sentence, "step": where.get("step"), "rank": where.get("rank"),
                    "site": where.get("site"), "host": where.get("host"),
-                   "candidate_ranks": list(candidates) if candidates is not None else None,
-                   "origin": dict(located.origin) if located is not None and located.origin is not None else None,
-                   "receivers": [dict(r) for r in located.receivers] if located is not None else [],
-                   "locate": located.to_dict() if located is not None else None}
+                   "candidate_ranks": list(candidates) if candidates is not None else None, **walk_fields(located)}
         stats.update(verdict=verdict, seconds=round(time.perf_counter() - began, 3))
         make = info if kind == "reproduced" else error
         findings.append(make(f"replay-{kind}", sentence, location=Location(

@@ -44,7 +44,7 @@ from ckptverify.findings import Finding, Location, Severity
 from ckptverify.resume import causes
 from ckptverify.resume.causes import RESUME
 from ckptverify.resume.compare import Evidence, StepEvidence
-from ckptverify.resume.locate.walk import receiver_entries
+from ckptverify.resume.locate.walk import receiver_entries, walk_fields
 
 if TYPE_CHECKING:
     from ckptverify.resume.locate.walk import Walked
@@ -77,14 +77,9 @@ class Verdict:
         ``untraced`` | ``state``, ``rank``, ``step``, ``phase``, ``module``, ``op``, ``occurrence``,
         ``repeats_differing``; ``None`` when nothing is singled out or no walk ran), ``receivers`` and
         ``locate`` (the walk's status, sentence, kernel re-run; ``None`` when it did not run)."""
-        loc = self.located
         return {"kind": self.kind, "message": self.message, "step": self.step, "rank": self.rank,
                 "site": self.site, "category": self.category, "origin_module": self.origin,
-                "advice": self.advice,
-                "origin": dict(loc.origin) if loc is not None and loc.origin is not None else None,
-                "receivers": [dict(r) for r in (loc.receivers if loc is not None and loc.receivers
-                                                 else self.receivers)],
-                "locate": loc.to_dict() if loc is not None else None}
+                "advice": self.advice, **walk_fields(self.located, self.receivers)}
 
     def _said(self) -> str:
         located = f" {self.located.sentence}" if self.located is not None and self.located.sentence else ""

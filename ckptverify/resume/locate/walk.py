@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,7 +53,7 @@ from ckptverify.ownfiles.names import own_dir
 from ckptverify.resume.locate.ops import locate
 
 __all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
-           "receiver_entries", "skipped", "state_origin", "walk"]
+           "receiver_entries", "skipped", "state_origin", "walk", "walk_fields"]
 
 #: Repeats per side when the caller does not say (``--locate-repeats``).
 DEFAULT_REPEATS = 2
@@ -162,6 +162,15 @@ class Walked:
         if self.status == "skipped":
             return [info("locate-skipped", self.sentence)]
         return []
+
+
+def walk_fields(located: Walked | None, receivers: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """``origin``, ``receivers`` and ``locate`` of a command's ``stats.verdict``, from the walk: ``None``,
+    ``receivers`` and ``None`` when it did not run (``receivers``: the ranks the traces show only received the
+    difference, also said when the walk named none)."""
+    walked = located.receivers if located is not None and located.receivers else receivers
+    return {"origin": dict(located.origin) if located is not None and located.origin is not None else None,
+            "receivers": [dict(r) for r in walked], "locate": located.to_dict() if located is not None else None}
 
 
 def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None, divergence: Any = None
