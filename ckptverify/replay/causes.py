@@ -29,8 +29,6 @@ could hold it.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -39,7 +37,7 @@ from typing import Any
 from ckptverify.findings import Finding
 from ckptverify.resume import causes
 from ckptverify.resume.causes import CAUSE_KINDS, REPLAY, first_verdict
-from ckptverify.resume.compare import HparamDiff, StepEvidence
+from ckptverify.resume.compare import HparamDiff, StepEvidence, rank_files, restore_findings
 
 __all__ = ["CAUSE_KINDS", "RULES", "Judgement", "judge", "twin_cause"]
 
@@ -55,29 +53,6 @@ class Judgement:
     site: str | None = None
     candidate_ranks: tuple[int, ...] | None = None
     findings: tuple[Finding, ...] = ()
-
-
-def _read_json_files(trace_dir: str, prefix: str) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-    if not os.path.isdir(trace_dir):
-        return out
-    for name in os.listdir(trace_dir):
-        middle = name[len(prefix):-5]
-        if name.startswith(prefix) and name.endswith(".json") and middle.isdigit():
-            try:
-                with open(os.path.join(trace_dir, name)) as f:
-                    out[int(middle)] = json.load(f)
-            except (OSError, ValueError):
-                continue
-    return out
-
-
-def restore_findings(replay_dir: str) -> list[Finding]:
-    """The replay's restore check: fields restored from production's checkpoint that differ from it."""
-    out: list[Finding] = []
-    for _, data in sorted(_read_json_files(replay_dir, "restore-rank").items()):
-        out.extend(Finding.from_dict(x) for x in (data.get("findings") or []) if x.get("severity") == "error")
-    return out
 
 
 def differing_sites(dir_a: str, dir_b: str, step: int) -> dict[int, list[str]]:
@@ -265,7 +240,7 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
     s = min(d.step for d in found)
     case = _Case(prod=prod, replay=replay, start=start, world=world, production_start=production_start,
                  where=where, s=s, first={d.rank: d for d in found if d.step == s}, pairs=_both(prod, replay),
-                 sites=differing_sites(prod, replay, s), notes=_read_json_files(replay, "notes-rank"))
+                 sites=differing_sites(prod, replay, s), notes=rank_files(replay, "notes"))
     return first_verdict(RULES, case)
 
 
