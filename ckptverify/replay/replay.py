@@ -127,11 +127,36 @@ _FINAL_CAUSES = (
 )
 
 
-def _final_cause(item: str) -> tuple[str, str] | None:
+def _final_differs(first: Finding, end: int, world: int) -> tuple[str, str, dict[str, Any]]:
+    """The verdict when every traced site agreed but the final checkpoints differ (``first``: the first
+    difference): the cause the item names, else a fault no rank is singled out for."""
+    item = first.location.fqn or first.check
     for prefix, kind, what in _FINAL_CAUSES:
         if item.startswith(prefix):
-            return kind, what
-    return None
+            return (kind, f"every traced site agreed, but the production checkpoint of step {end} differs from the "
+                    f"replay's in {item}: {what}; this says nothing about the hardware",
+                    {"step": end, "site": first.location.fqn})
+    return ("hardware-fault-suspected",
+            f"every traced site agreed, but the production checkpoint of step {end} differs from the replay's "
+            f"({item}): a fault between the last traced site and the save, or in state the trace does not cover; "
+            f"the evidence cannot tell which rank ({world} could)",
+            {"step": end, "site": first.location.fqn, "candidate_ranks": tuple(range(world))})
+
+
+def _twins_differ(r1: str, r2: str, steps: range) -> tuple[str, dict[str, Any]]:
+    """The sentence when the two replays differ from each other, and where they first do."""
+    from ckptverify.replay.causes import twin_cause
+    from ckptverify.trace.compare import divergences
+
+    first = divergences(r1, r2, steps=steps)
+    if not first:
+        return ("the two replays differ from each other, so no judgement about the hardware is possible: the job is "
+                "not deterministic; make it deterministic (torch.use_deterministic_algorithms, fixed seeds) and "
+                "replay again", {"step": None, "rank": None, "site": None})
+    d = min(first, key=lambda x: (x.step, x.rank))
+    return (f"the two replays differ from each other, first at step {d.step} on rank {d.rank}, site {d.site}, so "
+            f"no judgement about the hardware is possible: {twin_cause(r1, r2, d.step)}",
+            {"step": d.step, "rank": d.rank, "site": d.site})
 
 
 #: The most ranks a replay starts unless the caller allows more (``max_procs``): a run directory says how many.
@@ -269,12 +294,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     """
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.audit.verify import verify_checkpoint
-    from ckptverify.replay.causes import judge, twin_cause
+    from ckptverify.replay.causes import judge
     from ckptverify.resume.harness import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
     from ckptverify.resume.locate.walk import for_replay, walk_fields
     from ckptverify.resume.run import RunConfig, checkpoint_path
-    from ckptverify.trace.compare import compare_runs, divergences
+    from ckptverify.trace.compare import compare_runs
 
     if locate_repeats < 1:
         raise UsageError(f"--locate-repeats must be at least 1, got {locate_repeats}")
@@ -365,14 +390,8 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
         if twin:
             findings.extend(twin[:20])
-            first = divergences(r1, r2, steps=steps)
-            d = min(first, key=lambda x: (x.step, x.rank)) if first else None
-            why = (twin_cause(r1, r2, d.step) if d else "the job is not deterministic; make it deterministic "
-                   "(torch.use_deterministic_algorithms, fixed seeds) and replay again")
-            return done("nondeterministic", "the two replays differ from each other"
-                        + (f", first at step {d.step} on rank {d.rank}, site {d.site}" if d else "")
-                        + f", so no judgement about the hardware is possible: {why}",
-                        step=d.step if d else None, rank=d.rank if d else None, site=d.site if d else None)
+            sentence, where = _twins_differ(r1, r2, steps)
+            return done("nondeterministic", sentence, **where)
         say("compare production with the replay")
         prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
         coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
@@ -388,19 +407,8 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         coverage.extend(final.coverage)
         if not final.passed:
             findings.extend(final.errors[:20])
-            first = final.errors[0]
-            item = first.location.fqn or first.check
-            cause = _final_cause(item)
-            if cause is not None:
-                kind, what = cause
-                return done(kind, f"every traced site agreed, but the production checkpoint of step {ckpts.end} "
-                            f"differs from the replay's in {item}: {what}; this says nothing about the hardware",
-                            step=ckpts.end, site=first.location.fqn)
-            return done("hardware-fault-suspected",
-                        f"every traced site agreed, but the production checkpoint of step {ckpts.end} differs from "
-                        f"the replay's ({item}): a fault between the last traced site and the save, or in state the "
-                        f"trace does not cover; the evidence cannot tell which rank ({world} could)",
-                        step=ckpts.end, site=first.location.fqn, candidate_ranks=tuple(range(world)))
+            kind, sentence, where = _final_differs(final.errors[0], ckpts.end, world)
+            return done(kind, sentence, **where)
         return done("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise reproducible on "
                     f"{world} rank(s): two replays agree with each other and with production, traces and final "
                     "state: no fault seen")
