@@ -3,7 +3,7 @@
 A replay judges hardware only where the inputs of a step are known to be equal in production and in the
 replay. :func:`judge` takes the first step ``s`` at which production and the replay ``R1`` differ (on any rank)
 and classifies what differs there, with the causes, kind names and sentences of ``resume-check``
-(:mod:`ckptverify.resume.causes`), in this order:
+(:mod:`ckptverify.resume.causes`), in this order (:data:`RULES`, a small function each):
 
 * ``restore-mismatch`` — the replay's restored state differs from what production's checkpoint holds;
 * ``rng`` — a random stream differs when step ``s`` starts (re-seeded or drawn after ``run.restore`` in the

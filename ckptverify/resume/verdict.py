@@ -29,8 +29,9 @@ consequence, not the cause):
 
 Every verdict carries one sentence of cause (``message``) and one of what to do (``advice``); the command
 prints :meth:`Verdict.headline` as its last line. :func:`decide` reads the typed
-:class:`~ckptverify.resume.compare.Evidence` of the comparisons; the sentences of cause it shares with
-``replay`` come from :mod:`ckptverify.resume.causes`.
+:class:`~ckptverify.resume.compare.Evidence` of the comparisons with the rules above (:data:`RULES`, and
+:data:`PARTED` within (c)), a small function each, taken in order by the engine ``replay`` shares
+(:func:`~ckptverify.resume.causes.first_verdict`), as are the sentences of cause.
 """
 
 from __future__ import annotations
