@@ -36,10 +36,10 @@ from typing import Any
 
 from ckptverify.findings import Finding
 from ckptverify.resume import causes
-from ckptverify.resume.causes import CAUSE_KINDS, REPLAY, first_verdict
+from ckptverify.resume.causes import REPLAY, first_verdict
 from ckptverify.resume.compare import HparamDiff, StepEvidence, rank_files, restore_findings
 
-__all__ = ["CAUSE_KINDS", "RULES", "Judgement", "judge", "twin_cause"]
+__all__ = ["RULES", "Judgement", "judge", "twin_cause"]
 
 
 @dataclass(frozen=True)

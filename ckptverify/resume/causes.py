@@ -16,14 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["CAUSE_KINDS", "REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "Runs",
+__all__ = ["REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "Runs",
            "buffer_cause", "first_verdict", "hparam_start_cause", "on_ranks", "rng_cause", "rng_sentence", "show",
            "step_hparam_cause", "step_hparam_what", "values_in"]
-
-#: Verdict kinds for a difference that came with the step's inputs (none of them is about hardware).
-CAUSE_KINDS = ("restore-mismatch", "accumulated-gradients", "rng", "changed-after-restore", "changed-after-save",
-               "scheduler", "data", "hidden-state", "unregistered-state")
-
 
 @dataclass(frozen=True)
 class Runs:

@@ -246,7 +246,7 @@ def _resumed(c: _Case) -> Verdict | None:
     div = c.evidence.resume
     if div is None:
         return None
-    return replace(causes.first_verdict(PARTED, _Parted(c.plan, c.evidence, c.forgotten, div)),
+    return replace(causes.first_verdict(PARTED, _Parted.of(c, div)),
                    receivers=receiver_entries(div))
 
 
@@ -278,28 +278,27 @@ def _passed(c: _Case) -> Verdict:
     return Verdict("pass", message)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Parted:
-    """Where A and B first part after the resume (``div``, a first divergence) and what the step started
-    from, for the rules of :data:`PARTED`. ``forgotten``: as :class:`_Case`'s; ``said``: the same, after the
-    ranks that only received the difference (or why no rank is named)."""
+    """Where A and B first part after the resume (``div``, a first divergence: its ``step``, ``category``,
+    ``site``) and what the step started from (``ev``), for the rules of :data:`PARTED`. ``forgotten``: as
+    :class:`_Case`'s; ``said``: the same, after the ranks that only received the difference (or why no rank
+    is named); ``common``: the fields of a verdict at the divergence."""
 
     plan: Any
     evidence: Evidence
     forgotten: str
     div: Any
+    step: Any
+    category: Any
+    site: str
+    ev: StepEvidence
 
-    @property
-    def step(self) -> Any:
-        return _get(self.div, "step")
-
-    @property
-    def category(self) -> Any:
-        return _get(self.div, "category")
-
-    @property
-    def site(self) -> str:
-        return _site(self.div) or ""
+    @classmethod
+    def of(cls, c: _Case, div: Any) -> _Parted:
+        ev = c.evidence.step or StepEvidence(step=_get(div, "step"), rank=_get(div, "rank") or 0)
+        return cls(c.plan, c.evidence, c.forgotten, div, _get(div, "step"), _get(div, "category"), _site(div) or "",
+                   ev)
 
     @property
     def common(self) -> dict[str, Any]:
@@ -321,11 +320,6 @@ class _Parted:
     @property
     def sites(self) -> set[str]:
         return set(self.evidence.resume_sites) | {self.site}
-
-    @property
-    def ev(self) -> StepEvidence:
-        ev = self.evidence.step
-        return ev if ev is not None else StepEvidence(step=self.step, rank=_get(self.div, "rank") or 0)
 
 
 def _pending(c: _Parted) -> Verdict | None:
