@@ -94,6 +94,19 @@ def _pick(run_dir: str, start: int | None, end: int | None) -> _Checkpoints:
     return _Checkpoints(start, end, steps[start], steps[end], frozenset(verified))
 
 
+def _first_unverified(ckpts: _Checkpoints) -> tuple[int, list[Finding]] | None:
+    """The first of the two checkpoints that fails verification, with its errors (one that already verified
+    while it was picked is not verified again)."""
+    from ckptverify.audit.verify import verify_checkpoint
+
+    for step, path in ((ckpts.start, ckpts.start_path), (ckpts.end, ckpts.end_path)):
+        if path not in ckpts.verified:
+            report = verify_checkpoint(path)
+            if not report.passed:
+                return step, list(report.errors)
+    return None
+
+
 def _hosts(segment: str) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for name in os.listdir(segment) if os.path.isdir(segment) else []:
@@ -293,7 +306,6 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     :class:`~ckptverify.resume.harness.WorkloadCrashedError` when the workload crashes.
     """
     from ckptverify.audit.diff import diff_checkpoints
-    from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.replay.causes import judge
     from ckptverify.resume.harness import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
@@ -342,14 +354,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                       stats=stats)
 
     say(f"verify checkpoints of steps {ckpts.start} and {ckpts.end}")
-    for step, path in ((ckpts.start, ckpts.start_path), (ckpts.end, ckpts.end_path)):
-        if path in ckpts.verified:
-            continue
-        report = verify_checkpoint(path)
-        if not report.passed:
-            findings.extend(report.errors[:20])
-            return done("checkpoint-corrupt", f"the production checkpoint of step {step} fails verification "
-                        f"({report.errors[0].check}): nothing can be replayed or judged from it", step=step)
+    corrupt = _first_unverified(ckpts)
+    if corrupt is not None:
+        step, errors = corrupt
+        findings.extend(errors[:20])
+        return done("checkpoint-corrupt", f"the production checkpoint of step {step} fails verification "
+                    f"({errors[0].check}): nothing can be replayed or judged from it", step=step)
     segs = [(s, p) for s, p in segments(root) if s <= ckpts.start]
     if not segs:
         raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
