@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).with_name("user_scripts") / "ladder_train.py"
 
 #: Locating the op where a change enters needs the op level and its analysis.
 needs_op_level = pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in ("ckptverify.trace.ops", "ckptverify.trace.locate")),
+    any(importlib.util.find_spec(m) is None for m in ("ckptverify.trace.ops", "ckptverify.resume.locate.ops")),
     reason="the op level and its analysis (ckptverify.trace.ops, .locate) are not in this tree")
 
 

@@ -23,7 +23,7 @@ from helpers.inproc_cli import Done, invoke
 
 from ckptverify.errors import UsageError, WorkloadCrashedError
 from ckptverify.resume.harness import Plan
-from ckptverify.resume.locate import Side, Walk, for_replay, for_resume, walk
+from ckptverify.resume.locate.walk import Side, Walk, for_replay, for_resume, walk
 
 SCRIPTS = Path(__file__).with_name("user_scripts")
 SCRIPT = SCRIPTS / "ladder_train.py"

@@ -1,4 +1,4 @@
-"""The ladder's per-rank analysis (ckptverify.trace.locate) on op logs built the way the recorder writes them.
+"""The ladder's per-rank analysis (ckptverify.resume.locate.ops) on op logs built the way the recorder writes them.
 
 Each scenario builds, per side and rank, the op log of one training step of a small DDP-like loop (forward,
 backward, the gradient all-reduce, the optimizer) and plants one cause; next to it stand the causes it must not
@@ -13,7 +13,7 @@ import random
 import pytest
 
 from ckptverify.errors import UsageError
-from ckptverify.trace.locate import ORIGIN_KINDS, locate
+from ckptverify.resume.locate.ops import ORIGIN_KINDS, locate
 from ckptverify.trace.oplog import CommInfo, OpEvent
 
 STEP = 12

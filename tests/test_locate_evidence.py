@@ -1,4 +1,4 @@
-"""The ladder's analysis on op logs (ckptverify.trace.locate): every argument of an op is an input, evidence from
+"""The ladder's analysis on op logs (ckptverify.resume.locate.ops): every argument of an op is an input, evidence from
 any pair of repeats counts, and the sentences never contradict what the runs showed.
 
 Logs are built the way the recorder writes them (``test_locate.ddp_step``: one DDP step of two ranks); each rule
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from test_locate import Log, ddp_step, fp, rep
 
-from ckptverify.trace.locate import locate
+from ckptverify.resume.locate.ops import locate
 from ckptverify.trace.oplog import OpArgument, OpEvent
 
 

@@ -11,8 +11,8 @@ import pytest
 from helpers.multiproc import spawn_ranks
 from locate_worker import _load_script, run_logged
 
+from ckptverify.resume.locate.ops import locate
 from ckptverify.trace.kernel import rerun
-from ckptverify.trace.locate import locate
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptverify.resume.locate import Side, Walk, walk
+from ckptverify.resume.locate.walk import Side, Walk, walk
 
 SCRIPT = Path(__file__).with_name("user_scripts") / "walk_evidence_train.py"
 

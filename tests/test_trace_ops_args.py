@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from ckptverify.errors import CkptVerifyError
+from ckptverify.resume.locate.ops import locate
 from ckptverify.trace import TraceHeader, TraceRecorder
 from ckptverify.trace.category import host_digest
-from ckptverify.trace.locate import locate
 from ckptverify.trace.oplog import OP_LOG_VERSION, op_log_path, read_ops
 
 

@@ -3,7 +3,7 @@
 A replay judges hardware only where the inputs of a step are known to be equal in production and in the
 replay. :func:`judge` takes the first step ``s`` at which production and the replay ``R1`` differ (on any rank)
 and classifies what differs there, with the causes, kind names and sentences of ``resume-check``
-(:mod:`ckptverify.resume.causes`), in this order:
+(:mod:`ckptverify.resume.causes`), in this order (:data:`RULES`, a small function each):
 
 * ``restore-mismatch`` — the replay's restored state differs from what production's checkpoint holds;
 * ``rng`` — a random stream differs when step ``s`` starts (re-seeded or drawn after ``run.restore`` in the
@@ -29,18 +29,17 @@ could hold it.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from ckptverify.findings import Finding
 from ckptverify.resume import causes
-from ckptverify.resume.causes import CAUSE_KINDS, REPLAY
-from ckptverify.resume.compare import HparamDiff, StepEvidence
+from ckptverify.resume.causes import REPLAY, first_verdict
+from ckptverify.resume.compare import HparamDiff, StepEvidence, rank_files, restore_findings
 
-__all__ = ["CAUSE_KINDS", "Judgement", "judge", "twin_cause"]
+__all__ = ["RULES", "Judgement", "judge", "twin_cause"]
 
 
 @dataclass(frozen=True)
@@ -54,29 +53,6 @@ class Judgement:
     site: str | None = None
     candidate_ranks: tuple[int, ...] | None = None
     findings: tuple[Finding, ...] = ()
-
-
-def _read_json_files(trace_dir: str, prefix: str) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-    if not os.path.isdir(trace_dir):
-        return out
-    for name in os.listdir(trace_dir):
-        middle = name[len(prefix):-5]
-        if name.startswith(prefix) and name.endswith(".json") and middle.isdigit():
-            try:
-                with open(os.path.join(trace_dir, name)) as f:
-                    out[int(middle)] = json.load(f)
-            except (OSError, ValueError):
-                continue
-    return out
-
-
-def restore_findings(replay_dir: str) -> list[Finding]:
-    """The replay's restore check: fields restored from production's checkpoint that differ from it."""
-    out: list[Finding] = []
-    for _, data in sorted(_read_json_files(replay_dir, "restore-rank").items()):
-        out.extend(Finding.from_dict(x) for x in (data.get("findings") or []) if x.get("severity") == "error")
-    return out
 
 
 def differing_sites(dir_a: str, dir_b: str, step: int) -> dict[int, list[str]]:
@@ -155,206 +131,326 @@ def _origin(found: dict[int, list[str]], world: int, records: Callable[[int, str
     return tuple(sorted({*differing, *missing})), None, None
 
 
+@dataclass
+class _Case:
+    """The evidence a replay's verdict is judged on: the first step ``s`` where production and the replay
+    ``R1`` differ (``first``: each differing rank's first divergence there), the two runs' traces per rank
+    (``pairs``), each rank's differing sites at ``s`` (``sites``) and the replay's restore notes. What is
+    derived from them (the step's inputs, the ranks that could hold the origin) is read once, when a rule
+    first asks."""
+
+    prod: str
+    replay: str
+    start: int
+    world: int
+    production_start: int
+    where: Callable[[int], str]
+    s: int
+    first: dict[int, Any]
+    pairs: dict[int, tuple[Any, Any]]
+    sites: dict[int, list[str]]
+    notes: dict[int, Any]
+
+    @property
+    def first_replayed(self) -> bool:
+        return self.s == self.start + 1
+
+    @property
+    def when(self) -> str:
+        return REPLAY.first if self.first_replayed else f"step {self.s}"
+
+    @property
+    def lead(self) -> Any:
+        return min(self.first.values(), key=lambda d: d.rank)
+
+    @property
+    def level(self) -> str:
+        return next(iter(self.pairs.values()))[0].header.level if self.pairs else "metrics"
+
+    @property
+    def ran_on(self) -> bool:
+        """Production's process ran on from memory past the checkpoint the replay restored."""
+        return self.production_start != self.start
+
+    @cached_property
+    def evidence(self) -> dict[int, StepEvidence]:
+        """The step's inputs, on every rank that differs (what differs on one rank's inputs reaches the others)."""
+        from ckptverify.resume.compare import step_evidence
+
+        out: dict[int, StepEvidence] = {}
+        for r in sorted(self.first):
+            restored = (self.notes.get(r) or {}).get("restored") or {}
+            ev = step_evidence(self.prod, self.replay, r, self.s, first_resumed=self.first_replayed,
+                               restored=restored)
+            ta, tb = self.pairs[r]
+            mine = self.sites.get(r, [])
+            # Production records one cell per category; the replay a cell per tensor and per hyperparameter
+            # too. Only what both record is evidence: the per-field cells only the replay holds are not
+            # differences.
+            out[r] = replace(
+                ev, rng=tuple(x for x in ev.rng if f"start.{x.stream}" in mine),
+                hparams_start=_hparams(ta, tb, self.s, "start.hparam.", mine, restored, self.first_replayed),
+                hparams_step=_hparams(ta, tb, self.s, "hparam.", mine, None, self.first_replayed),
+                buffers=tuple(n for n in mine if n.startswith("buffer.")),
+                batch=any(n == "batch" or n.startswith("batch.") for n in mine), position="data" in mine,
+                sites=tuple(mine))
+        return out
+
+    @cached_property
+    def origin(self) -> tuple[tuple[int, ...], int | None, str | None, str | None]:
+        """``(candidate ranks, the rank singled out or None, its own differing site or None, the site the
+        verdict names)`` for a computed value that differs (see :func:`_origin`)."""
+        def records(rank: int, site: str) -> bool:
+            ta, tb = self.pairs[rank]
+            return (ta.has_site(site) and tb.has_site(site) and ta.row_index(self.s) is not None
+                    and tb.row_index(self.s) is not None)
+
+        candidates, rank, own_site = _origin(self.sites, self.world, records)
+        if rank is not None:
+            d = self.first.get(rank)
+            site = own_site if own_site is not None else (d.site if d is not None else None)
+        else:
+            site = self.lead.site
+        return candidates, rank, own_site, site
+
+    def unregistered(self) -> list[str]:
+        return sorted({u["name"] for n in self.notes.values() for u in (n or {}).get("unregistered") or []})
+
+    def prev_traced(self) -> bool:
+        """The step before ``s`` is a replayed step traced on every rank in both runs."""
+        s = self.s
+        return s - 1 >= self.start + 1 and all(ta.row_index(s - 1) is not None and tb.row_index(s - 1) is not None
+                                               for ta, tb in self.pairs.values())
+
+
 def judge(prod: str, replay: str, *, start: int, end: int, world: int, production_start: int,
           where: Callable[[int], str] = lambda rank: "host unknown") -> Judgement:
     """Classify the first difference between production's trace segment ``prod`` and the replay's trace
-    directory ``replay`` over steps ``start+1..end`` (see the module docstring). ``production_start``: the
-    step that production's trace segment (and its process) started from; ``where(rank)``: the host and device
-    of a production rank, in words."""
-    from ckptverify.resume.compare import step_evidence
+    directory ``replay`` over steps ``start+1..end`` (see the module docstring): the first of :data:`RULES`
+    that applies. ``production_start``: the step that production's trace segment (and its process) started
+    from; ``where(rank)``: the host and device of a production rank, in words."""
     from ckptverify.trace.compare import divergences
 
-    steps = range(start + 1, end + 1)
-    found = divergences(prod, replay, steps=steps)
+    found = divergences(prod, replay, steps=range(start + 1, end + 1))
     if not found:
         # The comparison failed without a divergence: steps or ranks recorded in one run only.
         return Judgement("undetermined", "production's trace and the replay's do not cover the same steps and "
                          "ranks, and every step both cover agrees: the steps not compared cannot be judged. What "
                          "would tell: a production trace of every replayed step on every rank (trace_every=1)")
     s = min(d.step for d in found)
-    first = {d.rank: d for d in found if d.step == s}
-    pairs = _both(prod, replay)
-    level = next(iter(pairs.values()))[0].header.level if pairs else "metrics"
-    sites = differing_sites(prod, replay, s)
-    notes = _read_json_files(replay, "notes-rank")
-    first_replayed = s == start + 1
-    lead = min(first.values(), key=lambda d: d.rank)
+    case = _Case(prod=prod, replay=replay, start=start, world=world, production_start=production_start,
+                 where=where, s=s, first={d.rank: d for d in found if d.step == s}, pairs=_both(prod, replay),
+                 sites=differing_sites(prod, replay, s), notes=rank_files(replay, "notes"))
+    return first_verdict(RULES, case)
 
-    # 0. The replay's restore: its inputs are production's checkpoint only if it restored exactly that.
-    restore = restore_findings(replay)
-    if restore:
-        f = restore[0]
-        return Judgement("restore-mismatch", f"the replay's restored {f.location.fqn or 'state'} differs from what "
-                         f"production's checkpoint of step {start} holds (rank {f.location.rank}; {len(restore)} "
-                         "field(s) in all), so the replay did not start from production's state: this says nothing "
-                         f"about the hardware. What to do: {causes.RESTORE_ADVICE}, then replay again",
-                         step=s, rank=f.location.rank, site=f.location.fqn, findings=tuple(restore[:20]))
 
-    # 1.-5. The step's inputs, on every rank that differs (what differs on one rank's inputs reaches the others).
-    evidence: dict[int, StepEvidence] = {}
-    for r in sorted(first):
-        restored = (notes.get(r) or {}).get("restored") or {}
-        ev = step_evidence(prod, replay, r, s, first_resumed=first_replayed, restored=restored)
-        ta, tb = pairs[r]
-        mine = sites.get(r, [])
-        # Production records one cell per category; the replay a cell per tensor and per hyperparameter too.
-        # Only what both record is evidence: the per-field cells only the replay holds are not differences.
-        evidence[r] = replace(
-            ev, rng=tuple(x for x in ev.rng if f"start.{x.stream}" in mine),
-            hparams_start=_hparams(ta, tb, s, "start.hparam.", mine, restored, first_replayed),
-            hparams_step=_hparams(ta, tb, s, "hparam.", mine, None, first_replayed),
-            buffers=tuple(n for n in mine if n.startswith("buffer.")),
-            batch=any(n == "batch" or n.startswith("batch.") for n in mine), position="data" in mine,
-            sites=tuple(mine))
-    when = REPLAY.first if first_replayed else f"step {s}"
-    none_hw = "this says nothing about the hardware"
+_NONE_HW = "this says nothing about the hardware"
 
-    for r, ev in evidence.items():
-        if not ev.rng:
-            continue
-        names = ", ".join(x.stream for x in ev.rng)
-        b_moved = [x.stream for x in ev.rng if x.b_moved]
-        cause, advice = causes.rng_cause(REPLAY, b_moved=b_moved, a_moved=[x.stream for x in ev.rng if x.a_moved],
-                                         first_step=first_replayed, step=s, saved_at=start)
-        if b_moved and first_replayed:
-            cause += f", which production, running on from step {start}, did not"
-        sentence = causes.rng_sentence(names, when=when, step=s, rank=r, cause=cause,
-                                       between=" between production and the replays")
-        return Judgement("rng", f"{sentence}, and {none_hw}. What to do: {advice}, then replay again",
-                         step=s, rank=r, site=ev.rng[0].stream)
+# ---------------------------------------------------------------------------- the step's inputs (1.-5.)
 
-    for r, ev in evidence.items():
-        if not ev.hparams_start:
-            continue
-        h = ev.hparams_start[0]
+
+def _restore(c: _Case) -> Judgement | None:
+    """The replay's restore: its inputs are production's checkpoint only if it restored exactly that."""
+    restore = restore_findings(c.replay)
+    if not restore:
+        return None
+    f = restore[0]
+    return Judgement("restore-mismatch", f"the replay's restored {f.location.fqn or 'state'} differs from what "
+                     f"production's checkpoint of step {c.start} holds (rank {f.location.rank}; {len(restore)} "
+                     f"field(s) in all), so the replay did not start from production's state: {_NONE_HW}. What "
+                     f"to do: {causes.RESTORE_ADVICE}, then replay again",
+                     step=c.s, rank=f.location.rank, site=f.location.fqn, findings=tuple(restore[:20]))
+
+
+def _rng(c: _Case) -> Judgement | None:
+    r, ev = _first_rank(c, lambda ev: bool(ev.rng))
+    if ev is None:
+        return None
+    names = ", ".join(x.stream for x in ev.rng)
+    b_moved = [x.stream for x in ev.rng if x.b_moved]
+    cause, advice = causes.rng_cause(REPLAY, b_moved=b_moved, a_moved=[x.stream for x in ev.rng if x.a_moved],
+                                     first_step=c.first_replayed, step=c.s, saved_at=c.start)
+    if b_moved and c.first_replayed:
+        cause += f", which production, running on from step {c.start}, did not"
+    sentence = causes.rng_sentence(names, when=c.when, step=c.s, rank=r, cause=cause,
+                                   between=" between production and the replays")
+    return Judgement("rng", f"{sentence}, and {_NONE_HW}. What to do: {advice}, then replay again",
+                     step=c.s, rank=r, site=ev.rng[0].stream)
+
+
+def _hparam_start(c: _Case) -> Judgement | None:
+    r, ev = _first_rank(c, lambda ev: bool(ev.hparams_start))
+    if ev is None:
+        return None
+    h = ev.hparams_start[0]
+    g, _, key = h.field.partition(".")
+    name = f"param_groups[{g}].{key}"
+    kind, text, advice = causes.hparam_start_cause(REPLAY, name=name, a=h.a, b=h.b, first_step=c.first_replayed,
+                                                   a_moved=h.a_moved, b_moved=h.b_moved, step=c.s,
+                                                   saved_at=c.start, when=c.when)
+    return Judgement(kind, f"{text}; {_NONE_HW}. What to do: {advice}", step=c.s, rank=r, site=f"optim.{name}")
+
+
+_LR_SITES = ("optim.param_groups", "metric.lr", "scheduler")
+
+
+def _step_hparams(c: _Case) -> Judgement | None:
+    unsaved = sorted({u for n in c.notes.values() for u in (n or {}).get("unsaved_schedulers") or []})
+    r, ev = _first_rank(c, lambda ev: bool(ev.hparams_step) or bool(
+        unsaved and any(x.startswith(_LR_SITES) for x in ev.sites)))
+    if ev is None:
+        return None
+    if ev.hparams_step:
+        h = next((x for x in ev.hparams_step if x.field.endswith(".lr")), ev.hparams_step[0])
         g, _, key = h.field.partition(".")
-        name = f"param_groups[{g}].{key}"
-        kind, text, advice = causes.hparam_start_cause(REPLAY, name=name, a=h.a, b=h.b, first_step=first_replayed,
-                                                       a_moved=h.a_moved, b_moved=h.b_moved, step=s, saved_at=start,
-                                                       when=when)
-        return Judgement(kind, f"{text}; {none_hw}. What to do: {advice}", step=s, rank=r, site=f"optim.{name}")
-
-    unsaved = sorted({u for n in notes.values() for u in (n or {}).get("unsaved_schedulers") or []})
-    for r, ev in evidence.items():
-        lr_moved = any(x.startswith(("optim.param_groups", "metric.lr", "scheduler")) for x in ev.sites)
-        if not ev.hparams_step and not (unsaved and lr_moved):
-            continue
-        if ev.hparams_step:
-            h = next((x for x in ev.hparams_step if x.field.endswith(".lr")), ev.hparams_step[0])
-            g, _, key = h.field.partition(".")
-            what = causes.step_hparam_what(REPLAY, key=key, group=g, a=h.a, b=h.b, step=s)
-            site = f"optim.param_groups[{g}].{key}"
-        else:
-            what = f"the learning rate differs at {when}"
-            site = next(x for x in ev.sites if x.startswith(("optim.param_groups", "metric.lr", "scheduler")))
-        cause, advice = causes.step_hparam_cause(unsaved)
-        return Judgement("scheduler", f"{what} on rank {r}: {cause}; {none_hw}. What to do: {advice}, then replay "
-                         "again", step=s, rank=r, site=site)
-
-    for r, ev in evidence.items():
-        if not (ev.batch or ev.position):
-            continue
-        batch_site = next((x for x in ev.sites if x == "batch" or x.startswith("batch.")), "data")
-        if ev.batch and not ev.position and all(_records_position(pairs[r])):
-            cause = (f"the batch of step {s} differs on rank {r} ({batch_site}) while the loader's position, the "
-                     "random streams and the hyperparameters are equal: the samples at the same position differ, "
-                     "so the data pipeline does not reproduce production after a restart. DataLoader workers draw "
-                     "augmentation from their own random streams, seeded from the main process when the "
-                     "iterator is made, and no checkpoint holds them")
-            advice = ("draw augmentation from a generator derived from the sample index (and epoch), so that a "
-                      "sample reads the same after a restart")
-        else:
-            cause = (f"the batch of step {s} differs on rank {r} ({batch_site}) while the random streams and "
-                     "hyperparameters it started from are equal: the data loader's position was not saved or not "
-                     "restored")
-            advice = (f"{causes.REGISTER_LOADER}, and keep the batch fetch inside the step (a batch prefetched "
-                      "before the save is lost)")
-        return Judgement("data", f"{cause}; {none_hw}. What to do: {advice}, then replay again",
-                         step=s, rank=r, site=batch_site)
-
-    for r, ev in evidence.items():
-        if ev.buffers:
-            name = ev.buffers[0]
-            if name == "buffer.*":
-                from ckptverify.trace.compare import _named_member
-
-                ta, tb = pairs[r]
-                member, _ = _named_member(ta, tb, s, ta.site(name))
-                name = member or name
-            text, advice = causes.buffer_cause(REPLAY, name=name.removeprefix("buffer."), when=when, rank=r)
-            return Judgement("hidden-state", f"{text}; {none_hw}. What to do: {advice}", step=s, rank=r, site=name)
-
-    # 6. Inputs equal: a computed value differs. Which ranks could hold the origin.
-    def records(rank: int, site: str) -> bool:
-        ta, tb = pairs[rank]
-        return ta.has_site(site) and tb.has_site(site) and ta.row_index(s) is not None and tb.row_index(s) is not None
-
-    candidates, rank, own_site = _origin(sites, world, records)
-    if rank is not None:
-        d = first.get(rank)
-        site = own_site if own_site is not None else (d.site if d is not None else None)
+        what = causes.step_hparam_what(REPLAY, key=key, group=g, a=h.a, b=h.b, step=c.s)
+        site = f"optim.param_groups[{g}].{key}"
     else:
-        site = lead.site
-    if level == "metrics":
-        return Judgement("undetermined", f"production differs from two agreeing replays first at step {s} "
-                         f"({_ranks(candidates)}), site {site}, but the trace is at level metrics: it records no "
-                         "input of a step (batch, random streams, hyperparameters), so a data pipeline or restore "
-                         "that does not reproduce production cannot be told from a fault. What would tell: trace "
-                         "at level state (cv.Run.main(..., trace=\"state\")) and replay again",
-                         step=s, rank=None, site=site, candidate_ranks=candidates)
-    unregistered = sorted({u["name"] for n in notes.values() for u in (n or {}).get("unregistered") or []})
-    missing_optim = any((n or {}).get("missing_optimizer") for n in notes.values())
-    if first_replayed and production_start != start and (unregistered or missing_optim):
-        what = (f"objects the TrainState does not hold: {', '.join(unregistered)}" if unregistered
-                else "no optimizer is registered in the TrainState")
-        return Judgement("unregistered-state", f"the replay differs from production at the first replayed step "
-                         f"(rank {lead.rank}, {lead.site}) and the job holds state no checkpoint saves ({what}): the "
-                         f"replay starts it afresh while production carried it on; {none_hw}. What to do: "
-                         f"{causes.UNREGISTERED_ADVICE}",
-                         step=s, rank=lead.rank, site=lead.site)
+        what = f"the learning rate differs at {c.when}"
+        site = next(x for x in ev.sites if x.startswith(_LR_SITES))
+    cause, advice = causes.step_hparam_cause(unsaved)
+    return Judgement("scheduler", f"{what} on rank {r}: {cause}; {_NONE_HW}. What to do: {advice}, then replay "
+                     "again", step=c.s, rank=r, site=site)
 
-    prev_traced = s - 1 >= start + 1 and all(ta.row_index(s - 1) is not None and tb.row_index(s - 1) is not None
-                                             for ta, tb in pairs.values())
-    if not first_replayed and not prev_traced:
-        return Judgement("undetermined", f"production differs from two agreeing replays first at step {s} "
-                         f"({_ranks(candidates)}), site {site}, with the batch, random streams and hyperparameters "
-                         f"of step {s} equal; but step {s - 1} is not traced, so the inputs of the untraced steps "
-                         f"before it may already have differed. What would tell: trace every step (trace_every=1) "
-                         "and replay again", step=s, site=site, candidate_ranks=candidates)
-    if first_replayed and production_start != start:
-        return Judgement("undetermined", f"production differs from two agreeing replays at the first replayed step "
-                         f"{s} ({_ranks(candidates)}), site {site}, with the batch, random streams and "
-                         "hyperparameters equal and the restore exact; but production ran on from memory past its "
-                         f"checkpoint of step {start}, so state that no checkpoint holds (a global counter, a cache) "
-                         "would look the same as a fault. What would tell: `ckptverify resume-check` on the job (a "
-                         "resume-exact job rules that out), or a replay from an earlier checkpoint (--from)",
-                         step=s, site=site, candidate_ranks=candidates)
-    if rank is not None:
-        # What the other ranks show, said only where there are others (on one rank there is nothing to add).
-        agreed = ", ".join(str(r) for r in range(world) if r not in first)
-        if world == 1:
-            others = ""
-        elif own_site is not None:
-            others = (f"; its own value ({site}) differs while the other ranks' equal values are recorded, so the "
-                      "differences they show arrived through a reduction"
-                      + (f"; rank(s) {agreed} agreed with the replays" if agreed else ""))
-        else:
-            others = f"; the other ranks ({agreed}) computed the step exactly as the replays did"
-        return Judgement("hardware-fault-suspected",
-                         f"production differs from two agreeing replays first at step {s} on rank {rank} "
-                         f"({where(rank)}), site {site}, with the step's inputs (batch, random streams, "
-                         f"hyperparameters, the state it started from) equal{others}; suspect the hardware of that "
-                         "rank",
-                         step=s, rank=rank, site=site, candidate_ranks=candidates)
+
+def _data(c: _Case) -> Judgement | None:
+    r, ev = _first_rank(c, lambda ev: ev.batch or ev.position)
+    if ev is None:
+        return None
+    s = c.s
+    batch_site = next((x for x in ev.sites if x == "batch" or x.startswith("batch.")), "data")
+    if ev.batch and not ev.position and all(t.has_site("data") for t in c.pairs[r]):
+        cause = (f"the batch of step {s} differs on rank {r} ({batch_site}) while the loader's position, the "
+                 "random streams and the hyperparameters are equal: the samples at the same position differ, "
+                 "so the data pipeline does not reproduce production after a restart. DataLoader workers draw "
+                 "augmentation from their own random streams, seeded from the main process when the "
+                 "iterator is made, and no checkpoint holds them")
+        advice = ("draw augmentation from a generator derived from the sample index (and epoch), so that a "
+                  "sample reads the same after a restart")
+    else:
+        cause = (f"the batch of step {s} differs on rank {r} ({batch_site}) while the random streams and "
+                 "hyperparameters it started from are equal: the data loader's position was not saved or not "
+                 "restored")
+        advice = (f"{causes.REGISTER_LOADER}, and keep the batch fetch inside the step (a batch prefetched "
+                  "before the save is lost)")
+    return Judgement("data", f"{cause}; {_NONE_HW}. What to do: {advice}, then replay again",
+                     step=s, rank=r, site=batch_site)
+
+
+def _buffer(c: _Case) -> Judgement | None:
+    r, ev = _first_rank(c, lambda ev: bool(ev.buffers))
+    if ev is None:
+        return None
+    name = ev.buffers[0]
+    if name == "buffer.*":
+        from ckptverify.trace.compare import _named_member
+
+        ta, tb = c.pairs[r]
+        member, _ = _named_member(ta, tb, c.s, ta.site(name))
+        name = member or name
+    text, advice = causes.buffer_cause(REPLAY, name=name.removeprefix("buffer."), when=c.when, rank=r)
+    return Judgement("hidden-state", f"{text}; {_NONE_HW}. What to do: {advice}", step=c.s, rank=r, site=name)
+
+
+def _first_rank(c: _Case, differs: Callable[[StepEvidence], bool]) -> tuple[int, StepEvidence | None]:
+    """The lowest differing rank whose step inputs ``differ`` in what a rule is about, and its evidence."""
+    return next(((r, ev) for r, ev in c.evidence.items() if differs(ev)), (-1, None))
+
+
+# ---------------------------------------------------------------------------- inputs equal: a computed value (6.)
+
+
+def _metrics_level(c: _Case) -> Judgement | None:
+    if c.level != "metrics":
+        return None
+    candidates, _, _, site = c.origin
+    return Judgement("undetermined", f"production differs from two agreeing replays first at step {c.s} "
+                     f"({_ranks(candidates)}), site {site}, but the trace is at level metrics: it records no "
+                     "input of a step (batch, random streams, hyperparameters), so a data pipeline or restore "
+                     "that does not reproduce production cannot be told from a fault. What would tell: trace "
+                     "at level state (cv.Run.main(..., trace=\"state\")) and replay again",
+                     step=c.s, rank=None, site=site, candidate_ranks=candidates)
+
+
+def _unregistered(c: _Case) -> Judgement | None:
+    unregistered = c.unregistered()
+    missing_optim = any((n or {}).get("missing_optimizer") for n in c.notes.values())
+    if not (c.first_replayed and c.ran_on and (unregistered or missing_optim)):
+        return None
+    what = (f"objects the TrainState does not hold: {', '.join(unregistered)}" if unregistered
+            else "no optimizer is registered in the TrainState")
+    lead = c.lead
+    return Judgement("unregistered-state", f"the replay differs from production at the first replayed step "
+                     f"(rank {lead.rank}, {lead.site}) and the job holds state no checkpoint saves ({what}): the "
+                     f"replay starts it afresh while production carried it on; {_NONE_HW}. What to do: "
+                     f"{causes.UNREGISTERED_ADVICE}",
+                     step=c.s, rank=lead.rank, site=lead.site)
+
+
+def _untraced_before(c: _Case) -> Judgement | None:
+    if c.first_replayed or c.prev_traced():
+        return None
+    candidates, _, _, site = c.origin
+    s = c.s
+    return Judgement("undetermined", f"production differs from two agreeing replays first at step {s} "
+                     f"({_ranks(candidates)}), site {site}, with the batch, random streams and hyperparameters "
+                     f"of step {s} equal; but step {s - 1} is not traced, so the inputs of the untraced steps "
+                     f"before it may already have differed. What would tell: trace every step (trace_every=1) "
+                     "and replay again", step=s, site=site, candidate_ranks=candidates)
+
+
+def _ran_on_from_memory(c: _Case) -> Judgement | None:
+    if not (c.first_replayed and c.ran_on):
+        return None
+    candidates, _, _, site = c.origin
+    return Judgement("undetermined", f"production differs from two agreeing replays at the first replayed step "
+                     f"{c.s} ({_ranks(candidates)}), site {site}, with the batch, random streams and "
+                     "hyperparameters equal and the restore exact; but production ran on from memory past its "
+                     f"checkpoint of step {c.start}, so state that no checkpoint holds (a global counter, a cache) "
+                     "would look the same as a fault. What would tell: `ckptverify resume-check` on the job (a "
+                     "resume-exact job rules that out), or a replay from an earlier checkpoint (--from)",
+                     step=c.s, site=site, candidate_ranks=candidates)
+
+
+def _one_rank(c: _Case) -> Judgement | None:
+    candidates, rank, own_site, site = c.origin
+    if rank is None:
+        return None
+    # What the other ranks show, said only where there are others (on one rank there is nothing to add).
+    agreed = ", ".join(str(r) for r in range(c.world) if r not in c.first)
+    if c.world == 1:
+        others = ""
+    elif own_site is not None:
+        others = (f"; its own value ({site}) differs while the other ranks' equal values are recorded, so the "
+                  "differences they show arrived through a reduction"
+                  + (f"; rank(s) {agreed} agreed with the replays" if agreed else ""))
+    else:
+        others = f"; the other ranks ({agreed}) computed the step exactly as the replays did"
     return Judgement("hardware-fault-suspected",
-                     f"production differs from two agreeing replays first at step {s}, site {site}, with the step's "
-                     "inputs (batch, random streams, hyperparameters, the state it started from) equal; every "
-                     f"difference shows on {'every rank' if len(candidates) == world else _ranks(candidates)} alike "
-                     "(values after a reduction: averaged gradients, a reduced loss, the gradient norm), so the "
-                     f"evidence cannot tell which rank computed it wrong: {_ranks(candidates)} could. What would "
-                     "tell: record each rank's own loss (before any all-reduce) or trace at level module "
+                     f"production differs from two agreeing replays first at step {c.s} on rank {rank} "
+                     f"({c.where(rank)}), site {site}, with the step's inputs (batch, random streams, "
+                     f"hyperparameters, the state it started from) equal{others}; suspect the hardware of that "
+                     "rank",
+                     step=c.s, rank=rank, site=site, candidate_ranks=candidates)
+
+
+def _every_rank(c: _Case) -> Judgement:
+    candidates, _, _, site = c.origin
+    return Judgement("hardware-fault-suspected",
+                     f"production differs from two agreeing replays first at step {c.s}, site {site}, with the "
+                     "step's inputs (batch, random streams, hyperparameters, the state it started from) equal; "
+                     f"every difference shows on {'every rank' if len(candidates) == c.world else _ranks(candidates)}"
+                     " alike (values after a reduction: averaged gradients, a reduced loss, the gradient norm), so "
+                     f"the evidence cannot tell which rank computed it wrong: {_ranks(candidates)} could. What "
+                     "would tell: record each rank's own loss (before any all-reduce) or trace at level module "
                      "(cv.Run.main(..., trace=\"module\")) so that each rank's forward is compared, and replay "
-                     "again", step=s, site=site, candidate_ranks=candidates)
+                     "again", step=c.s, site=site, candidate_ranks=candidates)
+
+
+#: The rules, in the order of the module docstring: the first that applies gives the verdict.
+RULES: tuple[Callable[[_Case], Judgement | None], ...] = (
+    _restore, _rng, _hparam_start, _step_hparams, _data, _buffer,
+    _metrics_level, _unregistered, _untraced_before, _ran_on_from_memory, _one_rank, _every_rank)
 
 
 def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], restored: Mapping[str, Any] | None,
@@ -395,6 +491,3 @@ def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], res
 def _ranks(ranks: tuple[int, ...]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
-
-def _records_position(pair: tuple[Any, Any]) -> tuple[bool, ...]:
-    return tuple(t.has_site("data") for t in pair)

@@ -94,6 +94,19 @@ def _pick(run_dir: str, start: int | None, end: int | None) -> _Checkpoints:
     return _Checkpoints(start, end, steps[start], steps[end], frozenset(verified))
 
 
+def _first_unverified(ckpts: _Checkpoints) -> tuple[int, list[Finding]] | None:
+    """The first of the two checkpoints that fails verification, with its errors (one that already verified
+    while it was picked is not verified again)."""
+    from ckptverify.audit.verify import verify_checkpoint
+
+    for step, path in ((ckpts.start, ckpts.start_path), (ckpts.end, ckpts.end_path)):
+        if path not in ckpts.verified:
+            report = verify_checkpoint(path)
+            if not report.passed:
+                return step, list(report.errors)
+    return None
+
+
 def _hosts(segment: str) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for name in os.listdir(segment) if os.path.isdir(segment) else []:
@@ -127,11 +140,36 @@ _FINAL_CAUSES = (
 )
 
 
-def _final_cause(item: str) -> tuple[str, str] | None:
+def _final_differs(first: Finding, end: int, world: int) -> tuple[str, str, dict[str, Any]]:
+    """The verdict when every traced site agreed but the final checkpoints differ (``first``: the first
+    difference): the cause the item names, else a fault no rank is singled out for."""
+    item = first.location.fqn or first.check
     for prefix, kind, what in _FINAL_CAUSES:
         if item.startswith(prefix):
-            return kind, what
-    return None
+            return (kind, f"every traced site agreed, but the production checkpoint of step {end} differs from the "
+                    f"replay's in {item}: {what}; this says nothing about the hardware",
+                    {"step": end, "site": first.location.fqn})
+    return ("hardware-fault-suspected",
+            f"every traced site agreed, but the production checkpoint of step {end} differs from the replay's "
+            f"({item}): a fault between the last traced site and the save, or in state the trace does not cover; "
+            f"the evidence cannot tell which rank ({world} could)",
+            {"step": end, "site": first.location.fqn, "candidate_ranks": tuple(range(world))})
+
+
+def _twins_differ(r1: str, r2: str, steps: range) -> tuple[str, dict[str, Any]]:
+    """The sentence when the two replays differ from each other, and where they first do."""
+    from ckptverify.replay.causes import twin_cause
+    from ckptverify.trace.compare import divergences
+
+    first = divergences(r1, r2, steps=steps)
+    if not first:
+        return ("the two replays differ from each other, so no judgement about the hardware is possible: the job is "
+                "not deterministic; make it deterministic (torch.use_deterministic_algorithms, fixed seeds) and "
+                "replay again", {"step": None, "rank": None, "site": None})
+    d = min(first, key=lambda x: (x.step, x.rank))
+    return (f"the two replays differ from each other, first at step {d.step} on rank {d.rank}, site {d.site}, so "
+            f"no judgement about the hardware is possible: {twin_cause(r1, r2, d.step)}",
+            {"step": d.step, "rank": d.rank, "site": d.site})
 
 
 #: The most ranks a replay starts unless the caller allows more (``max_procs``): a run directory says how many.
@@ -255,7 +293,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     ``target``: the training function to run (``FILE.py:FUNC`` or ``module:FUNC``), normally the one the run
     directory's ``run.json`` records; required, since a run directory is data (:func:`pinned`). ``max_procs``:
     the most ranks the replay may start (the recorded world size above it is refused). ``locate``: when the
-    verdict is not ``reproduced``, walk the ladder (:mod:`ckptverify.resume.locate`: two replays that differ
+    verdict is not ``reproduced``, walk the ladder (:mod:`ckptverify.resume.locate.walk`: two replays that differ
     are re-run at level op, ``locate_repeats`` times each, to name the op where they part; an input cause is
     an origin of kind ``state``); the ``replay`` command turns it on unless ``--no-locate``.
 
@@ -268,13 +306,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     :class:`~ckptverify.resume.harness.WorkloadCrashedError` when the workload crashes.
     """
     from ckptverify.audit.diff import diff_checkpoints
-    from ckptverify.audit.verify import verify_checkpoint
-    from ckptverify.replay.causes import judge, twin_cause
+    from ckptverify.replay.causes import judge
     from ckptverify.resume.harness import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
-    from ckptverify.resume.locate import for_replay
+    from ckptverify.resume.locate.walk import for_replay, walk_fields
     from ckptverify.resume.run import RunConfig, checkpoint_path
-    from ckptverify.trace.compare import compare_runs, divergences
+    from ckptverify.trace.compare import compare_runs
 
     if locate_repeats < 1:
         raise UsageError(f"--locate-repeats must be at least 1, got {locate_repeats}")
@@ -308,10 +345,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                 sentence = f"{sentence}. {located.sentence}"
         verdict = {"kind": kind, "sentence": sentence, "step": where.get("step"), "rank": where.get("rank"),
                    "site": where.get("site"), "host": where.get("host"),
-                   "candidate_ranks": list(candidates) if candidates is not None else None,
-                   "origin": dict(located.origin) if located is not None and located.origin is not None else None,
-                   "receivers": [dict(r) for r in located.receivers] if located is not None else [],
-                   "locate": located.to_dict() if located is not None else None}
+                   "candidate_ranks": list(candidates) if candidates is not None else None, **walk_fields(located)}
         stats.update(verdict=verdict, seconds=round(time.perf_counter() - began, 3))
         make = info if kind == "reproduced" else error
         findings.append(make(f"replay-{kind}", sentence, location=Location(
@@ -320,14 +354,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                       stats=stats)
 
     say(f"verify checkpoints of steps {ckpts.start} and {ckpts.end}")
-    for step, path in ((ckpts.start, ckpts.start_path), (ckpts.end, ckpts.end_path)):
-        if path in ckpts.verified:
-            continue
-        report = verify_checkpoint(path)
-        if not report.passed:
-            findings.extend(report.errors[:20])
-            return done("checkpoint-corrupt", f"the production checkpoint of step {step} fails verification "
-                        f"({report.errors[0].check}): nothing can be replayed or judged from it", step=step)
+    corrupt = _first_unverified(ckpts)
+    if corrupt is not None:
+        step, errors = corrupt
+        findings.extend(errors[:20])
+        return done("checkpoint-corrupt", f"the production checkpoint of step {step} fails verification "
+                    f"({errors[0].check}): nothing can be replayed or judged from it", step=step)
     segs = [(s, p) for s, p in segments(root) if s <= ckpts.start]
     if not segs:
         raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
@@ -368,14 +400,8 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
         if twin:
             findings.extend(twin[:20])
-            first = divergences(r1, r2, steps=steps)
-            d = min(first, key=lambda x: (x.step, x.rank)) if first else None
-            why = (twin_cause(r1, r2, d.step) if d else "the job is not deterministic; make it deterministic "
-                   "(torch.use_deterministic_algorithms, fixed seeds) and replay again")
-            return done("nondeterministic", "the two replays differ from each other"
-                        + (f", first at step {d.step} on rank {d.rank}, site {d.site}" if d else "")
-                        + f", so no judgement about the hardware is possible: {why}",
-                        step=d.step if d else None, rank=d.rank if d else None, site=d.site if d else None)
+            sentence, where = _twins_differ(r1, r2, steps)
+            return done("nondeterministic", sentence, **where)
         say("compare production with the replay")
         prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
         coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
@@ -391,19 +417,8 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         coverage.extend(final.coverage)
         if not final.passed:
             findings.extend(final.errors[:20])
-            first = final.errors[0]
-            item = first.location.fqn or first.check
-            cause = _final_cause(item)
-            if cause is not None:
-                kind, what = cause
-                return done(kind, f"every traced site agreed, but the production checkpoint of step {ckpts.end} "
-                            f"differs from the replay's in {item}: {what}; this says nothing about the hardware",
-                            step=ckpts.end, site=first.location.fqn)
-            return done("hardware-fault-suspected",
-                        f"every traced site agreed, but the production checkpoint of step {ckpts.end} differs from "
-                        f"the replay's ({item}): a fault between the last traced site and the save, or in state the "
-                        f"trace does not cover; the evidence cannot tell which rank ({world} could)",
-                        step=ckpts.end, site=first.location.fqn, candidate_ranks=tuple(range(world)))
+            kind, sentence, where = _final_differs(final.errors[0], ckpts.end, world)
+            return done(kind, sentence, **where)
         return done("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise reproducible on "
                     f"{world} rank(s): two replays agree with each other and with production, traces and final "
                     "state: no fault seen")

@@ -5,21 +5,20 @@ The two commands compare two runs that should agree: resume-check run A (continu
 A's checkpoint), replay production with a replay (restored from production's checkpoint). :class:`Runs` names
 them in a sentence; the first run is the one that saved, the second the one that restored. Sentences come
 without a final period and advice without "What to do:", so that each command frames them its own way.
+
+Both verdicts are taken the same way (:func:`first_verdict`): an ordered table of rules, each a small function
+from the command's evidence to a verdict or ``None`` (does not apply); the first rule that applies decides.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["CAUSE_KINDS", "REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "Runs",
-           "buffer_cause", "hparam_start_cause", "on_ranks", "rng_cause", "rng_sentence", "show", "step_hparam_cause",
-           "step_hparam_what", "values_in"]
-
-#: Verdict kinds for a difference that came with the step's inputs (none of them is about hardware).
-CAUSE_KINDS = ("restore-mismatch", "accumulated-gradients", "rng", "changed-after-restore", "changed-after-save",
-               "scheduler", "data", "hidden-state", "unregistered-state")
-
+__all__ = ["REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "Runs",
+           "buffer_cause", "first_verdict", "hparam_start_cause", "on_ranks", "rng_cause", "rng_sentence", "show",
+           "step_hparam_cause", "step_hparam_what", "values_in"]
 
 @dataclass(frozen=True)
 class Runs:
@@ -41,6 +40,20 @@ RESTORE_ADVICE = "make the object's load_state_dict restore exactly what its sta
 UNREGISTERED_ADVICE = ("register it in the TrainState (optimizer=, scheduler=, scaler=, generators=, extras= for "
                        "your own objects)")
 REGISTER_LOADER = "register the loader: TrainState(dataloader=...)"
+
+
+C = TypeVar("C")
+V = TypeVar("V")
+
+
+def first_verdict(rules: Sequence[Callable[[C], V | None]], case: C) -> V:
+    """The verdict of the first of ``rules`` that applies to ``case`` (a rule returns ``None`` when it does not);
+    the last rule of a table always applies."""
+    for rule in rules:
+        verdict = rule(case)
+        if verdict is not None:
+            return verdict
+    raise AssertionError(f"no rule applies to {type(case).__name__}: the last rule of a table always applies")
 
 
 def show(value: Any) -> str:

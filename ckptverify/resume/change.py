@@ -10,7 +10,7 @@ processes: they measure the natural variation of the baseline), CHANGED once. Th
   - ``no-effect``: CHANGED equals BASE at every traced site of every step (exit 0);
   - ``effect``: CHANGED differs: the first divergent step, rank and site, and (with ``locate``) the op where the
     change enters, found by re-running that step of BASE and CHANGED at level op
-    (:mod:`ckptverify.resume.locate`; an op present on one side only is itself the origin) (exit 1);
+    (:mod:`ckptverify.resume.locate.walk`; an op present on one side only is itself the origin) (exit 1);
 
 * some control differs from BASE (a nondeterministic baseline), judged per site (step, rank, site):
 
@@ -46,7 +46,7 @@ from typing import Any
 from ckptverify.errors import UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
 from ckptverify.resume.harness_target import check_target, split_target
-from ckptverify.resume.locate import DEFAULT_REPEATS, Side, Walk, Walked, walk
+from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Side, Walk, Walked, walk, walk_fields
 from ckptverify.resume.run import LEVELS, RunConfig
 
 __all__ = ["MAX_SITES", "VERDICTS", "WIDEN", "ChangePlan", "compare_change"]
@@ -311,8 +311,6 @@ def _report(plan: ChangePlan, findings: list[Finding], coverage: tuple[CheckCove
         rank=first.rank if first else None, fqn=first.site if first else None)))
     stats["verdict"] = {"kind": kind, "sentence": sentence, "step": first.step if first else None,
                         "rank": first.rank if first else None, "site": first.site if first else None,
-                        "origin": dict(located.origin) if located is not None and located.origin else None,
-                        "receivers": [dict(r) for r in located.receivers] if located is not None else [],
-                        "locate": located.to_dict() if located is not None else None}
+                        **walk_fields(located)}
     return Report(command="compare", target=f"{plan.base} vs {plan.changed}", findings=tuple(findings),
                   coverage=coverage, stats=stats)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ckptverify.trace.compare import FirstDivergence
 
 __all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "HparamDiff", "Indices", "StepEvidence", "StreamDiff",
-           "compare", "step_evidence"]
+           "compare", "rank_files", "restore_findings", "step_evidence"]
 
 
 @dataclass(frozen=True)
@@ -159,13 +159,7 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
                             location=Location(rank=r["rank"], fqn=r["name"]), actual=dict(r)) for r in replaced)
     # (a) restored state vs saved state
     if "B" in configs:
-        restore: list[Finding] = []
-        for name in sorted(os.listdir(configs["B"].trace_dir)):  # type: ignore[arg-type]
-            if name.startswith("restore-rank") and name.endswith(".json"):
-                with open(os.path.join(configs["B"].trace_dir, name)) as f:  # type: ignore[arg-type]
-                    data = json.load(f)
-                restore.extend(Finding.from_dict(x) for x in data.get("findings", [])
-                               if x.get("severity") == "error")
+        restore = restore_findings(configs["B"].trace_dir)
         findings.extend(_tag("B restore", restore))
         found["restore"] = tuple(restore)
     # (b) A vs A2: nondeterminism
@@ -239,9 +233,9 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
     Findings: errors when the runs otherwise agree; info lines (a possible consequence) when an ``earlier``
     comparison already failed."""
     from ckptverify.findings import info
-    from ckptverify.resume.unregistered import compare_held, read_held
+    from ckptverify.resume.unregistered import compare_held
 
-    held = {name: read_held(c.trace_dir) for name, c in configs.items()}
+    held = {name: rank_files(c.trace_dir, "held") for name, c in configs.items()}
     differ = compare_held(held["A"], held["B"])
     a2 = "A2" in configs and bool(held["A2"])
     again = {d["var"] for d in compare_held(held["A"], held["A2"])} if a2 else set()
@@ -421,17 +415,27 @@ def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:
     return out
 
 
+def rank_files(trace_dir: str | None, kind: str) -> dict[int, Any]:
+    """What each rank of a run wrote beside its trace (``<kind>-rank<r>.json``: ``notes``, what ``run.restore``
+    found; ``restore``, its restore check; ``held``, the values held outside the TrainState at the end), in
+    rank order; ``{}`` without the folder."""
+    out: dict[int, Any] = {}
+    prefix = f"{kind}-rank"
+    for name in os.listdir(trace_dir) if trace_dir and os.path.isdir(trace_dir) else ():
+        if name.startswith(prefix) and name.endswith(".json") and name[len(prefix):-5].isdigit():
+            with open(os.path.join(trace_dir, name)) as f:  # type: ignore[arg-type]
+                out[int(name[len(prefix):-5])] = json.load(f)
+    return dict(sorted(out.items()))
+
+
+def restore_findings(trace_dir: str | None) -> list[Finding]:
+    """A run's restore check, every rank in order: the restored fields that differ from the checkpoint."""
+    return [Finding.from_dict(x) for data in rank_files(trace_dir, "restore").values()
+            for x in data.get("findings") or [] if x.get("severity") == "error"]
+
+
 def _read_notes(config: RunConfig) -> dict[int, dict[str, Any]]:
-    """Each rank's notes (``notes-rank<r>.json``: what ``run.restore`` found), by rank."""
-    out: dict[int, dict[str, Any]] = {}
-    d = config.trace_dir or ""
-    if not os.path.isdir(d):
-        return out
-    for name in os.listdir(d):
-        if name.startswith("notes-rank") and name.endswith(".json") and name[10:-5].isdigit():
-            with open(os.path.join(d, name)) as f:
-                out[int(name[10:-5])] = json.load(f)
-    return out
+    return rank_files(config.trace_dir, "notes")
 
 
 def _tag(stage: str, findings: list[Finding]) -> list[Finding]:

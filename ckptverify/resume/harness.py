@@ -40,7 +40,7 @@ from ckptverify.resume.launch import (
     launches_at_once,
     workload_logs,
 )
-from ckptverify.resume.locate import DEFAULT_REPEATS, Walked, for_resume
+from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Walked, for_resume
 from ckptverify.resume.run import RunConfig, checkpoint_path
 from ckptverify.resume.verdict import Verdict, decide
 
@@ -61,7 +61,7 @@ class Plan:
     level: str = "state"
     runs: tuple[str, ...] = RUN_NAMES
     device: str = "cpu"
-    #: Walk the ladder when the check fails (:mod:`ckptverify.resume.locate`): re-run the first divergent step
+    #: Walk the ladder when the check fails (:mod:`ckptverify.resume.locate.walk`): re-run the first divergent step
     #: at level op, ``locate_repeats`` times per side, to name the op where the difference is born. Off in the
     #: API (a caller checking many plans opts in); the ``resume-check`` command turns it on unless
     #: ``--no-locate``.
@@ -226,7 +226,7 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
 
 def _locate(plan: Plan, verdict: Verdict, evidence: Evidence, configs: dict[str, RunConfig], root: str,
             progress: Callable[[str], None] | None, run_seconds: float) -> Walked:
-    """Walk the ladder below ``verdict`` in ``<root>/locate`` (see :mod:`ckptverify.resume.locate`)."""
+    """Walk the ladder below ``verdict`` in ``<root>/locate`` (see :mod:`ckptverify.resume.locate.walk`)."""
     say = progress or (lambda _msg: None)
     say(f"locate: walking down from the verdict {verdict.kind}")
     # Each launch of the walk runs at most the steps run A ran, one of them at level op: ten times A's wall

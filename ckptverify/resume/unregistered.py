@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Unregistered", "compare_held", "find_unregistered", "held_state", "missing_optimizer", "read_held",
+__all__ = ["Unregistered", "compare_held", "find_unregistered", "held_state", "missing_optimizer",
            "registered_bindings", "replaced_objects"]
 
 
@@ -412,21 +412,6 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
                     path = ".".join(p for p in ("model", mod_name, attr) if p)
                     visit(path, path, value, 1)  # named by the attribute: "model" alone would name nothing
     return {"entries": entries, "truncated": truncated, "skipped": skipped}
-
-
-def read_held(trace_dir: str | None) -> dict[int, dict[str, Any]]:
-    """Each rank's held state at the end of a run (``held-rank<r>.json``, written by ``Run.close``), by rank."""
-    import json
-    import os
-
-    out: dict[int, dict[str, Any]] = {}
-    if not trace_dir or not os.path.isdir(trace_dir):
-        return out
-    for name in os.listdir(trace_dir):
-        if name.startswith("held-rank") and name.endswith(".json") and name[9:-5].isdigit():
-            with open(os.path.join(trace_dir, name)) as f:
-                out[int(name[9:-5])] = json.load(f)
-    return out
 
 
 def compare_held(a: Mapping[int, Mapping[str, Any]], b: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:

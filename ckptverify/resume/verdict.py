@@ -29,24 +29,26 @@ consequence, not the cause):
 
 Every verdict carries one sentence of cause (``message``) and one of what to do (``advice``); the command
 prints :meth:`Verdict.headline` as its last line. :func:`decide` reads the typed
-:class:`~ckptverify.resume.compare.Evidence` of the comparisons; the sentences of cause it shares with
-``replay`` come from :mod:`ckptverify.resume.causes`.
+:class:`~ckptverify.resume.compare.Evidence` of the comparisons with the rules above (:data:`RULES`, and
+:data:`PARTED` within (c)), a small function each, taken in order by the engine ``replay`` shares
+(:func:`~ckptverify.resume.causes.first_verdict`), as are the sentences of cause.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.findings import Finding, Location, Severity
 from ckptverify.resume import causes
 from ckptverify.resume.causes import RESUME
 from ckptverify.resume.compare import Evidence, StepEvidence
-from ckptverify.resume.locate import receiver_entries
+from ckptverify.resume.locate.walk import receiver_entries, walk_fields
 
 if TYPE_CHECKING:
-    from ckptverify.resume.locate import Walked
+    from ckptverify.resume.locate.walk import Walked
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Verdict:
     #: The module where the first divergence originates (level ``module``), ``origin_module`` in JSON.
     origin: str | None = None
     advice: str = ""
-    #: The walk down the ladder (:mod:`ckptverify.resume.locate`), ``None`` when it did not run.
+    #: The walk down the ladder (:mod:`ckptverify.resume.locate.walk`), ``None`` when it did not run.
     located: Walked | None = None
     #: The ranks that only received the difference through a collective, as the traces tell (the walk's
     #: receivers, when it found any, replace them in ``to_dict``).
@@ -76,14 +78,9 @@ class Verdict:
         ``untraced`` | ``state``, ``rank``, ``step``, ``phase``, ``module``, ``op``, ``occurrence``,
         ``repeats_differing``; ``None`` when nothing is singled out or no walk ran), ``receivers`` and
         ``locate`` (the walk's status, sentence, kernel re-run; ``None`` when it did not run)."""
-        loc = self.located
         return {"kind": self.kind, "message": self.message, "step": self.step, "rank": self.rank,
                 "site": self.site, "category": self.category, "origin_module": self.origin,
-                "advice": self.advice,
-                "origin": dict(loc.origin) if loc is not None and loc.origin is not None else None,
-                "receivers": [dict(r) for r in (loc.receivers if loc is not None and loc.receivers
-                                                 else self.receivers)],
-                "locate": loc.to_dict() if loc is not None else None}
+                "advice": self.advice, **walk_fields(self.located, self.receivers)}
 
     def _said(self) -> str:
         located = f" {self.located.sentence}" if self.located is not None and self.located.sentence else ""
@@ -195,46 +192,76 @@ def _forgotten(unregistered: tuple[Mapping[str, str], ...], missing_optimizer: s
     return text
 
 
+@dataclass
+class _Case:
+    """What :func:`decide` judges: ``plan``'s steps, resume point and runs, and the ``evidence`` of its
+    comparisons; ``forgotten``: the objects the TrainState does not hold, as a sentence."""
+
+    plan: Any
+    evidence: Evidence
+
+    @cached_property
+    def forgotten(self) -> str:
+        return _forgotten(self.evidence.unregistered, self.evidence.missing_optimizer)
+
+
 def decide(plan: Any, evidence: Evidence) -> Verdict:
-    """The verdict for the ``evidence`` of ``plan``'s comparisons (see the module docstring for the order of
-    rules). ``plan``: a :class:`~ckptverify.resume.harness.Plan` (its steps, resume point, runs, ranks, level)."""
-    restore = evidence.restore
-    forgotten = _forgotten(evidence.unregistered, evidence.missing_optimizer)
-    if restore:
-        f = restore[0]
-        ranks = sorted({x.location.rank for x in restore if x.location.rank is not None})
-        rank = ranks[0] if len(ranks) == 1 else None
-        on = (f" (rank {rank})" if rank is not None else
-              f" (ranks {', '.join(map(str, ranks))}, each on its own)" if ranks else "")
-        return Verdict("restore-mismatch", f"resume drops state: restored {f.location.fqn or 'state'} differs from "
-                       f"what was saved{on}; {len(restore)} field(s) in all.{forgotten}",
-                       rank=rank, site=f.location.fqn, category="restore",
-                       advice=causes.RESTORE_ADVICE + ".")
-    nd = evidence.nondeterminism
-    if nd is not None:
-        return Verdict("nondeterministic", f"two continuous runs (A and A2) differ at {_where(nd)}: the "
-                       f"computation is not deterministic, so no resume can be exact.{receivers_said(nd)}"
-                       f"{_undetermined(nd)}",
-                       step=_get(nd, "step"), rank=origin_rank(nd), site=_site(nd),
-                       category=_get(nd, "category"), origin=_get(nd, "origin"),
-                       advice="fix the thread count, seeds and nondeterministic kernels "
-                       "(torch.use_deterministic_algorithms) until A and A2 agree.", receivers=receiver_entries(nd))
-    div = evidence.resume
-    if div is not None and evidence.pending_gradients:
-        return replace(_pending_verdict(plan, evidence, div, forgotten), receivers=receiver_entries(div))
-    if div is not None and evidence.replaced:
-        return replace(_replaced_verdict(plan, evidence, div, forgotten), receivers=receiver_entries(div))
-    if div is not None:
-        return replace(_resume_verdict(plan, evidence, div, forgotten), receivers=receiver_entries(div))
-    final = evidence.final
-    if final:
-        f = final[0]
-        return Verdict("diverged", f"the traced steps agree, but the final checkpoints differ ({len(final)} "
-                       f"item(s), first {f.location.fqn or f.message}).{forgotten}", site=f.location.fqn,
-                       category="final", advice="trace at a higher --level to see the step where they part.")
-    held = _held_verdict(plan, evidence)
-    if held is not None:
-        return held
+    """The verdict for the ``evidence`` of ``plan``'s comparisons: the first of :data:`RULES` that applies (see
+    the module docstring for their order). ``plan``: a :class:`~ckptverify.resume.harness.Plan` (its steps,
+    resume point, runs, ranks, level)."""
+    return causes.first_verdict(RULES, _Case(plan, evidence))
+
+
+def _restore(c: _Case) -> Verdict | None:
+    restore = c.evidence.restore
+    if not restore:
+        return None
+    f = restore[0]
+    ranks = sorted({x.location.rank for x in restore if x.location.rank is not None})
+    rank = ranks[0] if len(ranks) == 1 else None
+    on = (f" (rank {rank})" if rank is not None else
+          f" (ranks {', '.join(map(str, ranks))}, each on its own)" if ranks else "")
+    return Verdict("restore-mismatch", f"resume drops state: restored {f.location.fqn or 'state'} differs from "
+                   f"what was saved{on}; {len(restore)} field(s) in all.{c.forgotten}",
+                   rank=rank, site=f.location.fqn, category="restore",
+                   advice=causes.RESTORE_ADVICE + ".")
+
+
+def _nondeterministic(c: _Case) -> Verdict | None:
+    nd = c.evidence.nondeterminism
+    if nd is None:
+        return None
+    return Verdict("nondeterministic", f"two continuous runs (A and A2) differ at {_where(nd)}: the "
+                   f"computation is not deterministic, so no resume can be exact.{receivers_said(nd)}"
+                   f"{_undetermined(nd)}",
+                   step=_get(nd, "step"), rank=origin_rank(nd), site=_site(nd),
+                   category=_get(nd, "category"), origin=_get(nd, "origin"),
+                   advice="fix the thread count, seeds and nondeterministic kernels "
+                   "(torch.use_deterministic_algorithms) until A and A2 agree.", receivers=receiver_entries(nd))
+
+
+def _resumed(c: _Case) -> Verdict | None:
+    """A and B part after the resume: the first of :data:`PARTED` that applies, with the ranks that only
+    received the difference."""
+    div = c.evidence.resume
+    if div is None:
+        return None
+    return replace(causes.first_verdict(PARTED, _Parted.of(c, div)),
+                   receivers=receiver_entries(div))
+
+
+def _final(c: _Case) -> Verdict | None:
+    final = c.evidence.final
+    if not final:
+        return None
+    f = final[0]
+    return Verdict("diverged", f"the traced steps agree, but the final checkpoints differ ({len(final)} "
+                   f"item(s), first {f.location.fqn or f.message}).{c.forgotten}", site=f.location.fqn,
+                   category="final", advice="trace at a higher --level to see the step where they part.")
+
+
+def _passed(c: _Case) -> Verdict:
+    plan, evidence, forgotten = c.plan, c.evidence, c.forgotten
     runs = "B equals A" if "B" in plan.runs else "A ran"
     message = (f"resume-equivalent: {runs} bitwise for steps {plan.resume_at + 1}..{plan.steps}"
                + (", and two continuous runs agree" if "A2" in plan.runs else "")
@@ -251,10 +278,57 @@ def decide(plan: Any, evidence: Evidence) -> Verdict:
     return Verdict("pass", message)
 
 
-def _pending_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> Verdict:
-    """The runs part after the resume, and A saved its checkpoint while parameters held accumulated gradients
-    (a save between micro-batches): B starts that optimizer step from zero gradients."""
-    pending = evidence.pending_gradients
+@dataclass(frozen=True)
+class _Parted:
+    """Where A and B first part after the resume (``div``, a first divergence: its ``step``, ``category``,
+    ``site``) and what the step started from (``ev``), for the rules of :data:`PARTED`. ``forgotten``: as
+    :class:`_Case`'s; ``said``: the same, after the ranks that only received the difference (or why no rank
+    is named); ``common``: the fields of a verdict at the divergence."""
+
+    plan: Any
+    evidence: Evidence
+    forgotten: str
+    div: Any
+    step: Any
+    category: Any
+    site: str
+    ev: StepEvidence
+
+    @classmethod
+    def of(cls, c: _Case, div: Any) -> _Parted:
+        ev = c.evidence.step or StepEvidence(step=_get(div, "step"), rank=_get(div, "rank") or 0)
+        return cls(c.plan, c.evidence, c.forgotten, div, _get(div, "step"), _get(div, "category"), _site(div) or "",
+                   ev)
+
+    @property
+    def common(self) -> dict[str, Any]:
+        return dict(step=self.step, rank=origin_rank(self.div), site=self.site, category=self.category,
+                    origin=_get(self.div, "origin"))
+
+    @property
+    def said(self) -> str:
+        return receivers_said(self.div) + _undetermined(self.div) + self.forgotten
+
+    @property
+    def first_resumed(self) -> bool:
+        return self.step == self.plan.resume_at + 1
+
+    @property
+    def when(self) -> str:
+        return RESUME.first if self.first_resumed else f"step {self.step}"
+
+    @property
+    def sites(self) -> set[str]:
+        return set(self.evidence.resume_sites) | {self.site}
+
+
+def _pending(c: _Parted) -> Verdict | None:
+    """A saved its checkpoint while parameters held accumulated gradients (a save between micro-batches): B
+    starts that optimizer step from zero gradients."""
+    plan, div, forgotten = c.plan, c.div, c.forgotten
+    pending = c.evidence.pending_gradients
+    if not pending:
+        return None
     p = pending[0]
     ranks = sorted({x["rank"] for x in pending})
     on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
@@ -282,10 +356,12 @@ _REBUILT = {"scheduler": "its schedule starts afresh in B while A's carries on f
             "model": "its parameters are not the restored ones in B"}
 
 
-def _replaced_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> Verdict:
-    """The runs part, and a run rebuilt a registered object after ``run.restore`` (a scheduler, optimizer,
-    loader or model the TrainState no longer holds): that is named as the cause, whatever value shows it
-    first."""
+def _replaced(c: _Parted) -> Verdict | None:
+    """A run rebuilt a registered object after ``run.restore`` (a scheduler, optimizer, loader or model the
+    TrainState no longer holds): that is named as the cause, whatever value shows it first."""
+    plan, evidence, div, forgotten = c.plan, c.evidence, c.div, c.forgotten
+    if not evidence.replaced:
+        return None
     step = _get(div, "step")
     origins = getattr(div, "origin_ranks", None) or ()
     ordered = sorted(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins,
@@ -305,109 +381,141 @@ def _replaced_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -
                    "on resume, change the registered object itself.")
 
 
-def _resume_verdict(plan: Any, evidence: Evidence, div: Any, forgotten: str) -> Verdict:
-    category = _get(div, "category")
-    site = _site(div) or ""
-    step = _get(div, "step")
-    common = dict(step=step, rank=origin_rank(div), site=site, category=category, origin=_get(div, "origin"))
-    # Said where the cause is named: the ranks that only received the difference, or why no rank is named.
-    forgotten = receivers_said(div) + _undetermined(div) + forgotten
-    where = ranks_said(div)
-    first_resumed = step == plan.resume_at + 1
-    when = RESUME.first if first_resumed else f"step {step}"
-    sites = set(evidence.resume_sites) | {site}
-    ev = evidence.step if evidence.step is not None else StepEvidence(step=step, rank=_get(div, "rank") or 0)
-    K = plan.resume_at
+# ---------------------------------------------------------------- the causes the first differing step starts from
 
-    # 1. Random streams at the start of the step: the cause of whatever they feed.
-    rngs = ev.rng
-    if rngs:
-        names = ", ".join(r.stream for r in rngs)
-        cause, advice = causes.rng_cause(RESUME, b_moved=[r.stream for r in rngs if r.b_moved],
-                                         a_moved=[r.stream for r in rngs if r.a_moved], first_step=first_resumed,
-                                         step=step, saved_at=K)
-        later = "" if site.startswith("start.") else f" What differs after it (first {site}) is a consequence."
-        return Verdict("rng", causes.rng_sentence(names, when=when, step=step, rank=where, cause=cause)
-                       + f".{later}" + forgotten, advice=advice + ".",
-                       **{**common, "site": rngs[0].stream, "category": "rng"})
 
-    # 2. Hyperparameters at the start of the step.
-    hstart = ev.hparams_start
-    if hstart:
-        h = hstart[0]
-        fields = ", ".join(x.field for x in hstart)
-        name = f"param_groups[{h.field.split('.')[0]}].{'.'.join(h.field.split('.')[1:])}"
-        kind, text, advice = causes.hparam_start_cause(RESUME, name=name, a=h.a, b=h.b, first_step=first_resumed,
-                                                       a_moved=h.a_moved, b_moved=h.b_moved, step=step,
-                                                       saved_at=K, when=when)
-        return Verdict(kind, f"{text} (fields: {fields}).{forgotten}", advice=advice + ".",
-                       **{**common, "site": f"optim.{name}", "category": "hyperparameters"})
+def _rng(c: _Parted) -> Verdict | None:
+    """Random streams at the start of the step: the cause of whatever they feed."""
+    rngs = c.ev.rng
+    if not rngs:
+        return None
+    step, site = c.step, c.site
+    names = ", ".join(r.stream for r in rngs)
+    cause, advice = causes.rng_cause(RESUME, b_moved=[r.stream for r in rngs if r.b_moved],
+                                     a_moved=[r.stream for r in rngs if r.a_moved], first_step=c.first_resumed,
+                                     step=step, saved_at=c.plan.resume_at)
+    later = "" if site.startswith("start.") else f" What differs after it (first {site}) is a consequence."
+    return Verdict("rng", causes.rng_sentence(names, when=c.when, step=step, rank=ranks_said(c.div), cause=cause)
+                   + f".{later}" + c.said, advice=advice + ".",
+                   **{**c.common, "site": rngs[0].stream, "category": "rng"})
 
-    # 3. Hyperparameters as the optimizer step used them (set during the step, e.g. from a counter).
-    unsaved = list(evidence.unsaved_schedulers)
-    hstep = ev.hparams_step
+
+def _hparam_start(c: _Parted) -> Verdict | None:
+    """Hyperparameters at the start of the step."""
+    hstart = c.ev.hparams_start
+    if not hstart:
+        return None
+    h = hstart[0]
+    fields = ", ".join(x.field for x in hstart)
+    name = f"param_groups[{h.field.split('.')[0]}].{'.'.join(h.field.split('.')[1:])}"
+    kind, text, advice = causes.hparam_start_cause(RESUME, name=name, a=h.a, b=h.b, first_step=c.first_resumed,
+                                                   a_moved=h.a_moved, b_moved=h.b_moved, step=c.step,
+                                                   saved_at=c.plan.resume_at, when=c.when)
+    return Verdict(kind, f"{text} (fields: {fields}).{c.said}", advice=advice + ".",
+                   **{**c.common, "site": f"optim.{name}", "category": "hyperparameters"})
+
+
+def _step_hparams(c: _Parted) -> Verdict | None:
+    """Hyperparameters as the optimizer step used them (set during the step, e.g. from a counter)."""
+    unsaved = list(c.evidence.unsaved_schedulers)
+    hstep, sites = c.ev.hparams_step, c.sites
     lr_moved = any(s.startswith(("optim.param_groups", "metric.lr")) for s in sites)
-    if hstep or category == "scheduler" or any(s.startswith("scheduler") for s in sites) or (unsaved and lr_moved):
-        if hstep:
-            h = next((x for x in hstep if x.field.endswith(".lr") or x.field == "lr"), hstep[0])
-            g, _, key = h.field.partition(".")
-            what = causes.step_hparam_what(RESUME, key=key, group=g, a=h.a, b=h.b, step=step)
-            lr_site = f"optim.param_groups[{g}].{key}"
-        else:
-            what = f"the learning rate differs at {when} ({_where(div)})"
-            lr_site = site
-        cause, advice = causes.step_hparam_cause(unsaved)
-        return Verdict("scheduler", f"{what}: {cause}. A batch or value that differs in the same step is a "
-                       f"consequence.{forgotten}", advice=advice + ".",
-                       **{**common, "site": lr_site, "category": "scheduler"})
-
-    # 4. The batch.
-    if ev.batch or category == "data" or "data.indices" in sites or any(s.startswith("batch") for s in sites):
-        message, advice = _data_cause(evidence, ev, step, first_resumed, K)
-        return Verdict("data", f"the batch of step {step} differs ({_where(div)}) while the random streams and "
-                       f"hyperparameters it started from are equal: {message}{forgotten}", advice=advice,
-                       **common)
-    # 5. Non-persistent buffers: state a checkpoint never holds.
-    buffers = ev.buffers
-    if buffers:
-        name = buffers[0][len("buffer."):]
-        text, advice = causes.buffer_cause(RESUME, name=name, when=when, rank=where)
-        return Verdict("hidden-state", f"{text}.{forgotten}", advice=advice + ".",
-                       **{**common, "site": buffers[0], "category": "buffers"})
-    if category in ("metric", "parameters", "gradients", "optimizer", "module", "buffers"):
-        if evidence.missing_optimizer or evidence.unregistered:
-            items = evidence.unregistered
-            optim = next((u for u in items if u["kind"] == "optimizer"), None)
-            named = optim or (items[0] if items else None)
-            lead = ("no optimizer is registered in the TrainState, so B starts its moments from zero"
-                    if evidence.missing_optimizer else "state the TrainState does not hold drives the run")
-            listed = _forgotten(items) + receivers_said(div) + _undetermined(div)
-            return Verdict("unregistered-state", f"the runs part at {when} ({_where(div)}): {lead}.{listed}",
-                           advice=causes.UNREGISTERED_ADVICE + ".",
-                           **{**common, "site": named["name"] if named else "optimizer"})
-        origin, fed = _get(div, "origin"), _get(div, "origin_fed")
-        if origin and fed:
-            advice = (f"look at what {origin}.forward computes before it calls {fed}: the state it reads (a global "
-                      "counter, a cache) is not saved; keep it in the model as a persistent buffer or save it "
-                      "with TrainState(extras=...).")
-        elif origin:
-            advice = (f"look at the state module {origin} reads besides its inputs and parameters, and save it "
-                      "(a persistent buffer, or TrainState(extras=...)).")
-        else:
-            advice = ("find the value the first differing site reads and save it (TrainState(extras=...)); "
-                      "trace with --level module to name the module.")
-        return Verdict("hidden-state", f"the runs part at {when} ({_where(div)}) although every saved field was "
-                       "restored exactly: state outside the TrainState (a global counter, a cache, an "
-                       f"unregistered generator) drives the computation.{receivers_said(div)}{_undetermined(div)}",
-                       advice=advice, **common)
-    return Verdict("diverged", f"resumed run diverges at {_where(div)}.{forgotten}", **common)
+    if not (hstep or c.category == "scheduler" or any(s.startswith("scheduler") for s in sites)
+            or (unsaved and lr_moved)):
+        return None
+    if hstep:
+        h = next((x for x in hstep if x.field.endswith(".lr") or x.field == "lr"), hstep[0])
+        g, _, key = h.field.partition(".")
+        what = causes.step_hparam_what(RESUME, key=key, group=g, a=h.a, b=h.b, step=c.step)
+        lr_site = f"optim.param_groups[{g}].{key}"
+    else:
+        what = f"the learning rate differs at {c.when} ({_where(c.div)})"
+        lr_site = c.site
+    cause, advice = causes.step_hparam_cause(unsaved)
+    return Verdict("scheduler", f"{what}: {cause}. A batch or value that differs in the same step is a "
+                   f"consequence.{c.said}", advice=advice + ".",
+                   **{**c.common, "site": lr_site, "category": "scheduler"})
 
 
-def _held_verdict(plan: Any, evidence: Evidence) -> Verdict | None:
+def _data(c: _Parted) -> Verdict | None:
+    """The batch."""
+    sites = c.sites
+    if not (c.ev.batch or c.category == "data" or "data.indices" in sites
+            or any(s.startswith("batch") for s in sites)):
+        return None
+    message, advice = _data_cause(c.evidence, c.ev, c.step, c.first_resumed, c.plan.resume_at)
+    return Verdict("data", f"the batch of step {c.step} differs ({_where(c.div)}) while the random streams and "
+                   f"hyperparameters it started from are equal: {message}{c.said}", advice=advice, **c.common)
+
+
+def _buffer(c: _Parted) -> Verdict | None:
+    """Non-persistent buffers: state a checkpoint never holds."""
+    buffers = c.ev.buffers
+    if not buffers:
+        return None
+    text, advice = causes.buffer_cause(RESUME, name=buffers[0][len("buffer."):], when=c.when,
+                                       rank=ranks_said(c.div))
+    return Verdict("hidden-state", f"{text}.{c.said}", advice=advice + ".",
+                   **{**c.common, "site": buffers[0], "category": "buffers"})
+
+
+#: Categories of values the step computes: a difference there that no cause above explains is state the
+#: TrainState does not hold.
+_COMPUTED = ("metric", "parameters", "gradients", "optimizer", "module", "buffers")
+
+
+def _unregistered(c: _Parted) -> Verdict | None:
+    evidence, div = c.evidence, c.div
+    if c.category not in _COMPUTED or not (evidence.missing_optimizer or evidence.unregistered):
+        return None
+    items = evidence.unregistered
+    optim = next((u for u in items if u["kind"] == "optimizer"), None)
+    named = optim or (items[0] if items else None)
+    lead = ("no optimizer is registered in the TrainState, so B starts its moments from zero"
+            if evidence.missing_optimizer else "state the TrainState does not hold drives the run")
+    listed = _forgotten(items) + receivers_said(div) + _undetermined(div)
+    return Verdict("unregistered-state", f"the runs part at {c.when} ({_where(div)}): {lead}.{listed}",
+                   advice=causes.UNREGISTERED_ADVICE + ".",
+                   **{**c.common, "site": named["name"] if named else "optimizer"})
+
+
+def _hidden(c: _Parted) -> Verdict | None:
+    div = c.div
+    if c.category not in _COMPUTED:
+        return None
+    origin, fed = _get(div, "origin"), _get(div, "origin_fed")
+    if origin and fed:
+        advice = (f"look at what {origin}.forward computes before it calls {fed}: the state it reads (a global "
+                  "counter, a cache) is not saved; keep it in the model as a persistent buffer or save it "
+                  "with TrainState(extras=...).")
+    elif origin:
+        advice = (f"look at the state module {origin} reads besides its inputs and parameters, and save it "
+                  "(a persistent buffer, or TrainState(extras=...)).")
+    else:
+        advice = ("find the value the first differing site reads and save it (TrainState(extras=...)); "
+                  "trace with --level module to name the module.")
+    return Verdict("hidden-state", f"the runs part at {c.when} ({_where(div)}) although every saved field was "
+                   "restored exactly: state outside the TrainState (a global counter, a cache, an "
+                   f"unregistered generator) drives the computation.{receivers_said(div)}{_undetermined(div)}",
+                   advice=advice, **c.common)
+
+
+def _diverged(c: _Parted) -> Verdict:
+    return Verdict("diverged", f"resumed run diverges at {_where(c.div)}.{c.said}", **c.common)
+
+
+#: Where A and B part after the resume, in this order: a rebuilt or half-accumulated state, named as the cause
+#: whatever shows it first; then the causes a step starts from, before what they change (a batch drawn from a
+#: moved random stream is a consequence, not the cause); then what the step computes.
+PARTED: tuple[Callable[[_Parted], Verdict | None], ...] = (
+    _pending, _replaced, _rng, _hparam_start, _step_hparams, _data, _buffer, _unregistered, _hidden, _diverged)
+
+
+def _held(c: _Case) -> Verdict | None:
     """Every traced step and the final checkpoints agree, but the training function ends holding different
     values outside the TrainState in A and B (``evidence.held``): state a resume loses, or (when A and A2
     differ there too) a nondeterministic computation of it."""
-    held = evidence.held
+    plan, held = c.plan, c.evidence.held
     differ = held.differ if held is not None else ()
     if held is None or not differ:
         return None
@@ -437,6 +545,11 @@ def _held_verdict(plan: Any, evidence: Evidence) -> Verdict | None:
                    advice=f"register {d['var']} in the TrainState (extras={{'{d['var']}': ...}}: a module such as "
                    "an AveragedModel as it is, a dict of tensors in an object with state_dict()/load_state_dict()), "
                    "or rebuild it from saved state after run.restore().")
+
+
+#: The comparisons in the order of the module docstring: the first rule that applies gives the verdict.
+RULES: tuple[Callable[[_Case], Verdict | None], ...] = (
+    _restore, _nondeterministic, _resumed, _final, _held, _passed)
 
 
 def _data_cause(evidence: Evidence, ev: StepEvidence, step: int, first_resumed: bool, K: int) -> tuple[str, str]:

@@ -1,7 +1,7 @@
 """The op log: what levels ``comm`` and ``op`` record of one step on one rank, in that rank's execution order.
 
 This module is the contract between the recorder (which writes op and collective records into the run's trace
-store) and the analyses that read them (:mod:`ckptverify.trace.locate`: origin, receivers, untraced; the kernel
+store) and the analyses that read them (:mod:`ckptverify.resume.locate.ops`: origin, receivers, untraced; the kernel
 re-run). Everything here is plain data; reading a store into it is :func:`read_ops`.
 
 Identity, never arrival order: an op is keyed ``(step, phase, module, op, occurrence)`` where ``occurrence``

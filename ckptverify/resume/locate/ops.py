@@ -275,40 +275,49 @@ class Located:
         if self.seen_in in ("a", "b"):
             pairs = self.side_pairs[0 if self.seen_in == "a" else 1]
             count = f"in {o.repeats_differing} of {pairs} pairs of repeats of {self._side(self.seen_in)}"
-        if o.kind == "op" and self.seen_in in ("a", "b"):
+        if o.kind == "op":
+            return self._op_text(o, who, site, count)
+        if o.kind == "collective":
+            return f"The divergence at step {self.step} is born on {who} in the collective {site}: every " \
+                   f"member's input to it was equal and its output differs {count}"
+        return self._unseen_text(o, who, site, count)
+
+    def _op_text(self, o: Origin, who: str, site: str, count: str) -> str:
+        """An origin op: nondeterministic within one side, another argument, another tensor read, on one side
+        only, or equal inputs and different outputs."""
+        if self.seen_in in ("a", "b"):
             which = self._side(self.seen_in)
             how = "ran in only some of its repeats" if self.output is None and not self.arguments else \
                 "has equal inputs and different outputs across its repeats"
             return (f"The divergence at step {self.step} is born on {who}: {site} {how} ({count}): it is "
                     f"nondeterministic within {which}, whether or not the pairs of the two sides happened to differ "
                     f"there")
-        if o.kind == "op" and self.arguments:
+        if self.arguments:
             named = ", ".join(f"{x['name']}: {x['a']} vs {x['b']}" if x["a"] is not None and x["b"] is not None
                               else f"{x['name']} differs" for x in self.arguments)
             where = f"occurrence {o.occurrence}, {o.phase}{f' in {o.module}' if o.module else ''}"
             return (f"The divergence at step {self.step} is born on {who} at {o.op} {named} ({where}): its tensor "
                     f"inputs are equal and {_plural(len(self.arguments), 'argument')} other than a tensor "
                     f"{'differs' if len(self.arguments) == 1 else 'differ'} ({count})")
-        if o.kind == "op":
-            if self.rewired:
-                return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
-                       f"the other side, each a value both sides had (it is called on another tensor: the call or " \
-                       f"the op sequence changed) ({count})"
-            if self.one_side is not None:
-                return f"The divergence at step {self.step} is born on {who}: {site} ran on " \
-                       f"{self._side(self.one_side)} only ({count})"
-            where = ""
-            if self.output is not None:
-                where = f" (output {self.output['index']}"
-                if "chunk" in self.output:
-                    start, end = self.output["elements"]
-                    where += f", chunk {self.output['chunk']}: elements {start}..{end - 1}"
-                where += ")"
-            return f"The divergence at step {self.step} is born on {who}: {site} has equal inputs and " \
-                   f"different outputs{where} {count}"
-        if o.kind == "collective":
-            return f"The divergence at step {self.step} is born on {who} in the collective {site}: every " \
-                   f"member's input to it was equal and its output differs {count}"
+        if self.rewired:
+            return f"The divergence at step {self.step} is born on {who}: {site} reads other values than on " \
+                   f"the other side, each a value both sides had (it is called on another tensor: the call or " \
+                   f"the op sequence changed) ({count})"
+        if self.one_side is not None:
+            return f"The divergence at step {self.step} is born on {who}: {site} ran on " \
+                   f"{self._side(self.one_side)} only ({count})"
+        where = ""
+        if self.output is not None:
+            where = f" (output {self.output['index']}"
+            if "chunk" in self.output:
+                start, end = self.output["elements"]
+                where += f", chunk {self.output['chunk']}: elements {start}..{end - 1}"
+            where += ")"
+        return f"The divergence at step {self.step} is born on {who}: {site} has equal inputs and " \
+               f"different outputs{where} {count}"
+
+    def _unseen_text(self, o: Origin, who: str, site: str, count: str) -> str:
+        """A value born where the op trace does not see (``untraced``), or already in the starting state."""
         if o.rank is None:  # several ranks: each has its own last equal op (see origins)
             after = "each after its last equal op"
         elif self.last_equal is not None:

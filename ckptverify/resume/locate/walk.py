@@ -22,7 +22,7 @@ level ``op`` to say where the difference is *born*:
 
    Steps before ``s`` run untraced at op level (the window is on ``s`` alone), so the walk's cost is ``s``
    ordinary steps plus one op-traced step per repeat and side.
-3. **per rank**, in its own execution order, the analysis of ``ckptverify.trace.locate`` finds the origin (the
+3. **per rank**, in its own execution order, the analysis of ``ckptverify.resume.locate.ops`` finds the origin (the
    first op whose inputs are equal and outputs differ, or whose tensors are equal and another argument differs,
    and in how many repeats), the receivers (ranks whose first difference arrived through a collective or a
    receive, with the senders) or an untraced producer, from the A/B pairs and from each side's repeats among
@@ -43,16 +43,17 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.ownfiles.names import own_dir
+from ckptverify.resume.locate.ops import locate
 
 __all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
-           "receiver_entries", "skipped", "state_origin", "walk"]
+           "receiver_entries", "skipped", "state_origin", "walk", "walk_fields"]
 
 #: Repeats per side when the caller does not say (``--locate-repeats``).
 DEFAULT_REPEATS = 2
@@ -146,7 +147,7 @@ class Walked:
     def findings(self) -> list[Finding]:
         """The walk in the findings vocabulary. A walk that ran gives the analysis' own findings
         (``locate-origin``, ``locate-receiver``, ``locate-nondeterministic``, ``locate-clean``: see
-        :meth:`ckptverify.trace.locate.Located.findings`) and the kernel re-run's (``kernel-nondeterministic`` /
+        :meth:`ckptverify.resume.locate.ops.Located.findings`) and the kernel re-run's (``kernel-nondeterministic`` /
         ``kernel-deterministic``); a ``state`` origin is ``locate-origin``; a walk not run is ``locate-skipped``
         (info) and one that could not finish ``locate-failed`` (a warning: the verdict stands). They explain a
         verdict the check already reached, so none is an error."""
@@ -161,6 +162,15 @@ class Walked:
         if self.status == "skipped":
             return [info("locate-skipped", self.sentence)]
         return []
+
+
+def walk_fields(located: Walked | None, receivers: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """``origin``, ``receivers`` and ``locate`` of a command's ``stats.verdict``, from the walk: ``None``,
+    ``receivers`` and ``None`` when it did not run (``receivers``: the ranks the traces show only received the
+    difference, also said when the walk named none)."""
+    walked = located.receivers if located is not None and located.receivers else receivers
+    return {"origin": dict(located.origin) if located is not None and located.origin is not None else None,
+            "receivers": [dict(r) for r in walked], "locate": located.to_dict() if located is not None else None}
 
 
 def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None, divergence: Any = None
@@ -276,10 +286,10 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     a, b = (logs[side.name] for side in request.sides)
     names = (request.sides[0].name, request.sides[1].name)
     known = tuple(x for x, side in zip("ab", request.sides, strict=True) if side.name in request.deterministic)
-    result = _analyse(a, b, s, request.state_equal, names=names, deterministic=known)
+    result = locate(a, b, step=s, state_equal=request.state_equal, names=names, deterministic=known)
     data = result.to_dict()
     origin, receivers = data.get("origin"), tuple(data.get("receivers") or ())
-    within = _within_side(result)
+    within = bool(result.within_side)
     extra = {k: data[k] for k in ("origins", "one_side", "output", "last_equal", "within_side", "missing",
                                   "arguments", "seen_in") if k in data}
     found = tuple(result.findings())
@@ -329,21 +339,6 @@ def _resumed_at(side: Side) -> int | None:
         return None
     name = os.path.basename(os.path.normpath(side.resume_from))
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
-
-
-def _analyse(a: Mapping[int, list[list[Any]]], b: Mapping[int, list[list[Any]]], step: int,
-             state_equal: bool | None, *, names: tuple[str, str] = ("A", "B"),
-             deterministic: tuple[str, ...] = ()) -> Any:
-    """The per-rank analysis (``ckptverify.trace.locate``) over the two sides' op logs; ``names`` the sides'
-    names, ``deterministic`` those (``"a"``/``"b"``) the calling check found bitwise equal run to run."""
-    from ckptverify.trace import locate as analysis
-
-    return analysis.locate(a, b, step=step, state_equal=state_equal, names=names, deterministic=deterministic)
-
-
-def _within_side(result: Any) -> bool | None:
-    value = getattr(result, "within_side", None)
-    return None if value is None else bool(value)
 
 
 def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, say: Callable[[str], None],
