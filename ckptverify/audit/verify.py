@@ -22,6 +22,7 @@ from ckptverify.checks.dcp_pipeline import (
     SEGMENT_BYTES,
     SMALL_RECORD_BYTES,
     UNCHECKABLE,
+    Executor,
     ProgressSink,
     VerificationRun,
     cap_findings,
@@ -34,8 +35,8 @@ from ckptverify.safeparse import paths
 
 # Re-exported: callers import these from here (the public face of ``verify``).
 __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
-           "ProgressSink", "VerificationRun", "by_subfolder", "cap_findings", "changed_finding", "default_jobs",
-           "each_shard_folder",
+           "Executor", "ProgressSink", "VerificationRun", "by_subfolder", "cap_findings", "changed_finding",
+           "default_jobs", "each_shard_folder",
            "fail_uncheckable", "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part",
            "verify_part_deep"]
 
@@ -61,7 +62,7 @@ def _counts_requests(fn: Any) -> Any:
 @_counts_requests
 def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
                       use_manifest: bool = True, strict: bool = False,
-                      progress: ProgressSink | None = None, executor: Any = None) -> Report:
+                      progress: ProgressSink | None = None, executor: Executor | None = None) -> Report:
     """Verify the checkpoint at ``path`` and return a report of findings.
 
     ``path`` is a DCP checkpoint directory; or a single ``torch.save``/safetensors file, or a folder of such

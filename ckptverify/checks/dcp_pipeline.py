@@ -80,6 +80,24 @@ class ProgressSink(Protocol):
     def advance(self, n: int) -> None: ...
 
 
+class Executor(Protocol):
+    """Shares reads among ranks (:class:`ckptverify.cluster.session.RankExecutor`): the results of plain work
+    units (:mod:`ckptverify.cluster.units`), in order, each read on some rank, the same as if read here."""
+
+    world: int
+
+    def map_units(self, run: VerificationRun, units: list[list[Any]]) -> list[Any]:
+        """The results of ``units`` over the files ``run`` opened, its progress advanced as they arrive."""
+
+    def map_plain(self, units: list[list[Any]], *, root: str, open_file: Callable[[str], Any],
+                  size_of: Callable[[str], int], local_map: Callable[..., list[Any]],
+                  advance: Callable[[int], None] | None = None, jobs: int | None = 1) -> list[Any]:
+        """The results of ``units`` under ``root``, rank 0's share read through ``open_file`` by ``local_map``."""
+
+    def tensor_map(self, run: VerificationRun) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
+        """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description` that shares the raw tensor pieces."""
+
+
 def default_jobs() -> int:
     """One worker per usable core."""
     try:
@@ -141,11 +159,8 @@ class VerificationRun:
         self.side_files: list[str] = []
         #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
         self.extension_registry: Any = None
-        #: Shares the hashing pass and the deep scan among ranks (:class:`ckptverify.cluster.session.RankExecutor`):
-        #: its ``map_units(run, units)`` returns the results of plain work units (:mod:`ckptverify.cluster.units`)
-        #: in order, read on other ranks or here; ``tensor_map(run)`` is the deep scan's ``run_map``. ``None``:
-        #: every byte is read by this process.
-        self.executor: Any = None
+        #: Shares the hashing pass and the deep scan among ranks; ``None``: every byte is read by this process.
+        self.executor: Executor | None = None
         #: Records whose bytes only the manifest's block digests checked (file, item offset, record name), and
         #: the items the manifest digested block by block (file, offset, length): what protects each payload.
         self._manifest_records: set[tuple[str, int, str]] = set()
