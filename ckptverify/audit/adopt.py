@@ -123,9 +123,9 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
     from ckptverify.fingerprint import FINGERPRINT_VERSION
 
     skip = frozenset(f for part in parts or () for f in part.only)
-    run = VerificationRun(root, jobs or default_jobs(), progress, skip=skip)
-    run.executor = executor
-    run.hold_kept = HOLD_KEPT and executor is None  # the digest pass and the scan read the small files again
+    # The digest pass and the scan read the small files again (hold_kept).
+    run = VerificationRun(root, jobs or default_jobs(), progress, skip=skip, executor=executor,
+                          hold_kept=HOLD_KEPT and executor is None)
     try:
         run.execute(deep=False, use_manifest=False)
         checked = run.report("fingerprint", time.perf_counter() - started)
@@ -268,8 +268,7 @@ def fingerprint_files(path: str | os.PathLike[str], only: frozenset[str], *, job
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
-    run = VerificationRun(root, jobs or default_jobs(), None, only=only)
-    run.hold_kept = HOLD_KEPT
+    run = VerificationRun(root, jobs or default_jobs(), None, only=only, hold_kept=HOLD_KEPT)
     checked = Report(command="fingerprint", target=root, findings=())
     changed: list[Any] = []
     mine = tuple(sorted(only))

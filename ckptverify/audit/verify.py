@@ -101,8 +101,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     if other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)[0]
         return fail_uncheckable(report) if strict else report
-    run = VerificationRun(root, jobs or _default_jobs(root), progress)
-    run.executor = executor
+    run = VerificationRun(root, jobs or _default_jobs(root), progress, executor=executor)
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
@@ -147,8 +146,8 @@ def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] |
     started = time.perf_counter()
     if not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
         return _folder_part(root, jobs, only, skip, use_manifest, started, deep)
-    run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip)
-    run.deep_in_parts = deep  # judged after the merge, also when every other node's ranks wrote nothing
+    # Judged after the merge (deep_in_parts), also when every other node's ranks wrote nothing.
+    run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip, deep_in_parts=deep)
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
