@@ -9,12 +9,15 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from ckptverify._version import __version__
 from ckptverify.errors import CkptVerifyError, UsageError
+
+if TYPE_CHECKING:
+    from ckptverify.checks.dcp_pipeline import Executor
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -233,7 +236,7 @@ def verify(path: str, json_out: bool, jobs: int | None, deep: bool, no_manifest:
     """
     from ckptverify.audit.verify import verify_checkpoint
 
-    def call(bar: Any, jobs: int | None, executor: Any) -> Any:
+    def call(bar: Any, jobs: int | None, executor: Executor | None) -> Any:
         return verify_checkpoint(path, jobs=jobs, deep=deep, use_manifest=not no_manifest, strict=strict,
                                  progress=bar, executor=executor)
 
@@ -267,7 +270,7 @@ def fingerprint(path: str, digest: str, block_bytes: int, force: bool, trust_unc
     """
     from ckptverify.audit.adopt import fingerprint_checkpoint
 
-    def call(bar: Any, jobs: int | None, executor: Any) -> Any:
+    def call(bar: Any, jobs: int | None, executor: Executor | None) -> Any:
         return fingerprint_checkpoint(path, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, progress=bar, executor=executor)[0]
 
@@ -324,7 +327,7 @@ def scan(run_dir: str, json_out: bool, jobs: int | None, metrics_file: str | Non
     from ckptverify.render.scan import render_scan
     from ckptverify.runs.scan import scan_run_dir
 
-    def call(bar: Any, jobs: int | None, executor: Any) -> Any:
+    def call(bar: Any, jobs: int | None, executor: Executor | None) -> Any:
         return scan_run_dir(run_dir, jobs=jobs, progress=_say(progress, json_out), deep=deep, executor=executor)
 
     _read_shared("scan", run_dir, call, cluster, jobs, progress, json_out, metrics_file, bar=False,

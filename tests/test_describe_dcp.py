@@ -270,12 +270,14 @@ def test_formats_recognise_and_describe_only() -> None:
         assert not above, (path.name, above)
 
 
-def test_only_the_dcp_pipeline_reads_a_runs_own_state() -> None:
-    """``fingerprint`` and ``diff`` use the run's description and report, never its stages' state."""
-    internal = {"plans", "extra_plans", "opened", "layout", "results", "findings", "coverage", "side_files"}
-    for name in ("adopt.py", "diff.py", "verify.py"):
-        tree = ast.parse((ROOT / "ckptverify" / "audit" / name).read_text())
-        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-                and isinstance(n.value, ast.Name | ast.Attribute)
-                and (getattr(n.value, "id", None) == "run" or getattr(n.value, "attr", None) == "run")}
-        assert not used & internal, (name, used & internal)
+def test_only_the_dcp_pipeline_reaches_into_a_run() -> None:
+    """Every module that uses a ``VerificationRun`` does so through its interface: it reads none of the run's
+    own state (``_...``) and sets no attribute of it (its options are constructor arguments)."""
+    users = [p for p in (ROOT / "ckptverify").rglob("*.py")
+             if p.name != "dcp_pipeline.py" and "VerificationRun" in p.read_text()]
+    assert {p.name for p in users} >= {"adopt.py", "diff.py", "verify.py", "session.py"}
+    for path in users:
+        reached = [(n.attr, n.lineno) for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)
+                   and (getattr(n.value, "id", None) == "run" or getattr(n.value, "attr", None) == "run")
+                   and (n.attr.startswith("_") or isinstance(n.ctx, ast.Store))]
+        assert not reached, (path.name, reached)

@@ -295,8 +295,7 @@ def test_a_registered_transform_is_decoded_through_the_callers_registry(tmp_path
     ckpt = _dcp(tmp_path / "inv", _extensions=[Invert()])
     registry = ExtensionRegistry()
     registry.register(Invert)
-    run = VerificationRun(str(ckpt), 1, None)
-    run.extension_registry = registry
+    run = VerificationRun(str(ckpt), 1, None, extension_registry=registry)
     try:
         run.execute(deep=True, use_manifest=False)
     finally:

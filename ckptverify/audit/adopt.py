@@ -20,7 +20,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ckptverify.audit.verify import UNCHECKABLE, ProgressSink, VerificationRun, changed_finding, default_jobs
+from ckptverify.audit.verify import (
+    UNCHECKABLE,
+    Executor,
+    ProgressSink,
+    VerificationRun,
+    changed_finding,
+    default_jobs,
+)
 from ckptverify.checks import deep as deep_check
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, PartsOverlapError, UsageError
 from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage, merge_reports
@@ -47,7 +54,7 @@ _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-128",
                            block_bytes: int = DEFAULT_BLOCK_BYTES, force: bool = False, jobs: int | None = None,
                            trust_uncheckable: bool = False, progress: ProgressSink | None = None,
-                           executor: Any = None,
+                           executor: Executor | None = None,
                            parts: list[AdoptionPart] | None = None) -> tuple[Report, Manifest | None]:
     """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the
     manifest (``None`` when refused).
@@ -109,16 +116,16 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
 
 
 def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, trust_uncheckable: bool,
-               progress: ProgressSink | None, executor: Any, started: float,
+               progress: ProgressSink | None, executor: Executor | None, started: float,
                parts: list[AdoptionPart] | None = None) -> tuple[Report, Manifest | None]:
     """:func:`fingerprint_checkpoint` of a DCP checkpoint (see there)."""
     from ckptverify._version import __version__
     from ckptverify.fingerprint import FINGERPRINT_VERSION
 
     skip = frozenset(f for part in parts or () for f in part.only)
-    run = VerificationRun(root, jobs or default_jobs(), progress, skip=skip)
-    run.executor = executor
-    run.hold_kept = HOLD_KEPT and executor is None  # the digest pass and the scan read the small files again
+    # The digest pass and the scan read the small files again (hold_kept).
+    run = VerificationRun(root, jobs or default_jobs(), progress, skip=skip, executor=executor,
+                          hold_kept=HOLD_KEPT and executor is None)
     try:
         run.execute(deep=False, use_manifest=False)
         checked = run.report("fingerprint", time.perf_counter() - started)
@@ -261,8 +268,7 @@ def fingerprint_files(path: str | os.PathLike[str], only: frozenset[str], *, job
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
-    run = VerificationRun(root, jobs or default_jobs(), None, only=only)
-    run.hold_kept = HOLD_KEPT
+    run = VerificationRun(root, jobs or default_jobs(), None, only=only, hold_kept=HOLD_KEPT)
     checked = Report(command="fingerprint", target=root, findings=())
     changed: list[Any] = []
     mine = tuple(sorted(only))
@@ -311,8 +317,8 @@ def _merge_scans(scans: dict[str, Any], others: list[dict[str, Any]]) -> dict[st
     return out
 
 
-def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_bytes: int,
-                       executor: Any) -> tuple[list[ItemEntry], dict[str, FileEntry], dict[str, Any], list[Any]]:
+def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_bytes: int, executor: Executor | None
+                       ) -> tuple[list[ItemEntry], dict[str, FileEntry], dict[str, Any], list[Any]]:
     """Every item's and file's digests and every tensor's scan of what ``run`` verified (``desc``, its
     description): the entries of a manifest, the tensors' scans and any ``replica-mismatch`` findings."""
     from ckptverify.fingerprint import BlockDigest, digest_reader
@@ -363,9 +369,15 @@ def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_by
             return FileEntry(size=f.size, digest=digest_reader(f, digest))
 
     names = sorted(desc.files)
-    if executor is not None:
+    if executor is not None:  # the item and file digests, read by the ranks (each its share), in order
         ordered = sorted(desc.stored, key=lambda i: -i.length)
-        entries, file_digests = _shared_digests(run, executor, ordered, names, digest, block_bytes)
+        got = executor.map_units(run, [["item", i.file, i.offset, i.length, digest, block_bytes] for i in ordered]
+                                 + [["digest", n, digest] for n in names])
+        entries = [ItemEntry(fqn=i.name, chunk_offsets=i.chunk_offsets, file=i.file, offset=i.offset,
+                             length=i.length, digest=value[0], blocks=tuple(value[1]))
+                   for i, value in zip(ordered, got, strict=False)]
+        file_digests = [FileEntry(size=run.file(n).size, digest=value)  # type: ignore[union-attr]
+                        for n, value in zip(names, got[len(ordered):], strict=True)]
         scans, replica_findings = deep_check.scan_description(desc, executor.tensor_map(run))
     else:
         # Small items and small whole tensors in batched reads (a checkpoint of many small tensors).
@@ -380,29 +392,6 @@ def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_by
         more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
         scans.update(more)
     return entries, dict(zip(names, file_digests, strict=True)), scans, replica_findings
-
-
-def _shared_digests(run: VerificationRun, executor: Any, ordered: list[StoredRange], names: list[str], digest: str,
-                    block_bytes: int) -> tuple[list[ItemEntry], list[FileEntry]]:
-    """The item and file digests, read by the ranks (each its share) and returned in order."""
-
-    def opened(name: str) -> Any:
-        f = run.file(name)
-        if f is None:
-            raise FileChangedError("it could not be opened again", os.path.join(run.root, name))
-        return f
-
-    def size_of(name: str) -> int:
-        return int(opened(name).size)
-
-    units = [["item", i.file, i.offset, i.length, digest, block_bytes] for i in ordered]
-    units += [["digest", n, digest] for n in names]
-    got = executor.map_plain(units, root=run.root, open_file=opened, size_of=size_of, local_map=run.map,
-                             advance=run.advance)
-    entries = [ItemEntry(fqn=i.name, chunk_offsets=i.chunk_offsets, file=i.file, offset=i.offset, length=i.length,
-                         digest=value[0], blocks=tuple(value[1])) for i, value in zip(ordered, got, strict=False)]
-    files = [FileEntry(size=size_of(n), digest=value) for n, value in zip(names, got[len(ordered):], strict=True)]
-    return entries, files
 
 
 #: Small files read whole by the digest pass are kept in memory, up to this many bytes each and in all, for the

@@ -22,6 +22,7 @@ from ckptverify.checks.dcp_pipeline import (
     SEGMENT_BYTES,
     SMALL_RECORD_BYTES,
     UNCHECKABLE,
+    Executor,
     ProgressSink,
     VerificationRun,
     cap_findings,
@@ -34,8 +35,8 @@ from ckptverify.safeparse import paths
 
 # Re-exported: callers import these from here (the public face of ``verify``).
 __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
-           "ProgressSink", "VerificationRun", "by_subfolder", "cap_findings", "changed_finding", "default_jobs",
-           "each_shard_folder",
+           "Executor", "ProgressSink", "VerificationRun", "by_subfolder", "cap_findings", "changed_finding",
+           "default_jobs", "each_shard_folder",
            "fail_uncheckable", "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part",
            "verify_part_deep"]
 
@@ -61,7 +62,7 @@ def _counts_requests(fn: Any) -> Any:
 @_counts_requests
 def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, deep: bool = False,
                       use_manifest: bool = True, strict: bool = False,
-                      progress: ProgressSink | None = None, executor: Any = None) -> Report:
+                      progress: ProgressSink | None = None, executor: Executor | None = None) -> Report:
     """Verify the checkpoint at ``path`` and return a report of findings.
 
     ``path`` is a DCP checkpoint directory; or a single ``torch.save``/safetensors file, or a folder of such
@@ -100,8 +101,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
     if other is not None:
         report = _verify_folder(root, jobs, deep, use_manifest, started)[0]
         return fail_uncheckable(report) if strict else report
-    run = VerificationRun(root, jobs or _default_jobs(root), progress)
-    run.executor = executor
+    run = VerificationRun(root, jobs or _default_jobs(root), progress, executor=executor)
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
@@ -146,8 +146,8 @@ def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] |
     started = time.perf_counter()
     if not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
         return _folder_part(root, jobs, only, skip, use_manifest, started, deep)
-    run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip)
-    run.deep_in_parts = deep  # judged after the merge, also when every other node's ranks wrote nothing
+    # Judged after the merge (deep_in_parts), also when every other node's ranks wrote nothing.
+    run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip, deep_in_parts=deep)
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:

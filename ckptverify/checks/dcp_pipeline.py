@@ -47,6 +47,7 @@ from ckptverify.safeparse.torchsave import SubclassHeader
 from ckptverify.safeparse.zipwalk import TemplateCache
 
 if TYPE_CHECKING:
+    from ckptverify.checks.deep import DeepPart
     from ckptverify.formats.describe import Description
 
 # Deep checks, descriptions and DCP's safetensors blobs are imported where used: a plain verify never needs
@@ -80,6 +81,24 @@ class ProgressSink(Protocol):
     def advance(self, n: int) -> None: ...
 
 
+class Executor(Protocol):
+    """Shares reads among ranks (:class:`ckptverify.cluster.session.RankExecutor`): ``map_units`` gives the
+    results of plain work units (:mod:`ckptverify.cluster.units`) over the files ``run`` opened, in order, each
+    read on some rank as it would be here, ``run``'s progress advanced as they arrive; ``map_plain`` the same
+    under ``root`` through ``open_file``; ``tensor_map`` a ``run_map`` for
+    :func:`~ckptverify.checks.deep.scan_description` that shares the raw tensor pieces."""
+
+    world: int
+
+    def map_units(self, run: VerificationRun, units: list[list[Any]]) -> list[Any]: ...
+
+    def map_plain(self, units: list[list[Any]], *, root: str, open_file: Callable[[str], Any],
+                  size_of: Callable[[str], int], local_map: Callable[..., list[Any]],
+                  advance: Callable[[int], None] | None = None, jobs: int | None = 1) -> list[Any]: ...
+
+    def tensor_map(self, run: VerificationRun) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]: ...
+
+
 def default_jobs() -> int:
     """One worker per usable core."""
     try:
@@ -91,12 +110,18 @@ def default_jobs() -> int:
 class VerificationRun:
     """One verification of a DCP checkpoint, stage by stage.
 
-    What other modules use: :meth:`execute`, :meth:`report`, :meth:`description` (what was read, as the
-    description every format gives), ``manifest`` (the manifest compared with, read-only), :meth:`map` and
-    :meth:`advance` (parallel work with progress), :meth:`changed_files`, :meth:`close`, :meth:`file` (a file
-    as this run opened it), ``extension_registry`` (set before :meth:`execute`), and ``hold_kept`` with
-    :meth:`release_kept` (small files kept in memory after :meth:`execute`). Everything else is the
-    pipeline's own state.
+    Made with all it needs and run once by :meth:`execute`; then it gives :meth:`report`, :meth:`description`
+    (what was read, as every format describes it), :attr:`manifest` (the one compared with), :attr:`deep_part`,
+    :meth:`opened_files`, :meth:`changed_files`; :meth:`map`, :meth:`advance` and :meth:`file` lend a caller's
+    later passes (``fingerprint``'s digests, an :class:`Executor`) its workers, progress and opened files;
+    :meth:`close` ends it. ``root`` is the path it was given. The rest is the pipeline's own state.
+
+    ``executor`` shares the hashing pass and the deep scan among ranks (``None``: all read by this process).
+    ``hold_kept`` keeps the small files read whole at open until :meth:`release_kept`, not only until the
+    archives are planned (a caller that reads them all again after :meth:`execute` reads memory).
+    ``extension_registry``: a DCP ``ExtensionRegistry`` for stream transforms other than ZStandard.
+    ``deep_in_parts``: the deep scan is one part of a scan shared out among nodes; its pieces in this run's
+    files go to :attr:`deep_part`, not judged yet (:func:`~ckptverify.checks.deep.judge_parts`).
 
     A run can be one part of a verification shared out among nodes (``docs/verify-after-save.md``): ``only``
     restricts it to the byte-level checks (item bounds, zip structure, record CRCs, the manifest's block and
@@ -107,45 +132,31 @@ class VerificationRun:
     """
 
     def __init__(self, root: str, jobs: int, progress: ProgressSink | None, *,
-                 only: frozenset[str] | None = None, skip: frozenset[str] = frozenset()) -> None:
+                 only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
+                 executor: Executor | None = None, hold_kept: bool = False, extension_registry: Any = None,
+                 deep_in_parts: bool = False) -> None:
         self.root = root
-        #: Restrictions to part of the files (see the class docstring); ``whole``: the run also does the
-        #: checks of the whole checkpoint.
-        self.only = only
-        self.skip = skip
-        self.whole = only is None
-        self.jobs = jobs
-        self.progress = progress
-        self.findings: list[Finding] = []
-        self.coverage: list[CheckCoverage] = []
-        self.layout: Layout | None = None
-        self.manifest: Manifest | None = None
-        self.opened: dict[str, ReadOnlyFile | None] = {}
-        self.plans: list[ItemPlan] = []
-        self.results: dict[str, FileResult] = {}
-        self.bytes_hashed = 0
-        self.deep = False
-        #: Set before :meth:`execute`: the deep scan is one part of a scan shared out among nodes. Its pieces
-        #: (those in this run's files) go to ``deep_part``, not judged yet (``checks.deep.judge_parts``).
-        self.deep_in_parts = False
-        self.deep_part: Any = None
-        #: True when a file changed under the run and the remaining stages were skipped.
-        self.stopped = False
+        self._only, self._skip, self._whole = only, skip, only is None  # whole: also the whole-checkpoint checks
+        self._jobs, self._progress, self._executor = jobs, progress, executor
+        self._hold_kept, self._extension_registry, self._deep_in_parts = hold_kept, extension_registry, deep_in_parts
+        self._findings: list[Finding] = []
+        self._coverage: list[CheckCoverage] = []
+        self._layout: Layout | None = None
+        self._manifest: Manifest | None = None
+        self._opened: dict[str, ReadOnlyFile | None] = {}
+        self._plans: list[ItemPlan] = []
+        self._results: dict[str, FileResult] = {}
+        self._bytes_hashed = 0
+        self._deep = False
+        self._deep_part: DeepPart | None = None
         self._named: dict[str, tuple[int, int, int, int] | None] = {}
         self._reported_changed: set[str] = set()
         #: Plans read through their own reader (``ItemPlan.reader``): items written through stream transforms
         #: (their decoded bytes) and tensors in DCP's safetensors blobs (their raw payloads). They join
         #: ``plans`` after the hashing pass, which reads the files as stored.
-        self.extra_plans: list[ItemPlan] = []
+        self._extra_plans: list[ItemPlan] = []
         #: Framework side files beside the shards (``meta.pt``, ``metadata.json``), checked and opened.
-        self.side_files: list[str] = []
-        #: A DCP ``ExtensionRegistry`` for stream transforms other than ZStandard (library callers only).
-        self.extension_registry: Any = None
-        #: Shares the hashing pass and the deep scan among ranks (:class:`ckptverify.cluster.session.RankExecutor`):
-        #: its ``map_units(run, units)`` returns the results of plain work units (:mod:`ckptverify.cluster.units`)
-        #: in order, read on other ranks or here; ``tensor_map(run)`` is the deep scan's ``run_map``. ``None``:
-        #: every byte is read by this process.
-        self.executor: Any = None
+        self._side_files: list[str] = []
         #: Records whose bytes only the manifest's block digests checked (file, item offset, record name), and
         #: the items the manifest digested block by block (file, offset, length): what protects each payload.
         self._manifest_records: set[tuple[str, int, str]] = set()
@@ -154,59 +165,67 @@ class VerificationRun:
         self._lock = threading.Lock()
         self._real_root: str | None = None  # the root resolved once, for every file the run opens
         self._kept_bytes = 0  # bytes of small files read whole at open, until the archives are planned
-        #: Keep the small files read whole at open until :meth:`release_kept` rather than until the archives are
-        #: planned: a caller that reads them all again after :meth:`execute` (``fingerprint``) reads memory.
-        self.hold_kept = False
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The manifest the run compared the checkpoint with (after :meth:`execute`), or ``None``."""
+        return self._manifest
+
+    @property
+    def deep_part(self) -> DeepPart | None:
+        """With ``deep_in_parts``, this part's deep scan (:class:`~ckptverify.checks.deep.DeepPart`), ``None``
+        when the run stopped before it."""
+        return self._deep_part
 
     def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
         """The findings so far as a report, with sizes and timings; ``cap``: at most
         :data:`MAX_FINDINGS_PER_CHECK` findings of each check listed (the rest counted)."""
-        files = [f for f in self.opened.values() if f is not None]
+        files = [f for f in self._opened.values() if f is not None]
         file_bytes = sum(f.size for f in files)
         stats: dict[str, Any] = {"seconds": round(seconds, 6)}
-        if self.layout is not None:
+        if self._layout is not None:
             stats.update({
                 "files": len(files),
-                "items": len(self.layout.items),
-                "tensors": len(self.layout.tensors),
+                "items": len(self._layout.items),
+                "tensors": len(self._layout.tensors),
                 "bytes": file_bytes,
-                "bytes_hashed": self.bytes_hashed,
+                "bytes_hashed": self._bytes_hashed,
                 "throughput_bytes_per_s": round(file_bytes / seconds) if seconds > 0 else None,
-                "jobs": self.jobs,
-                "dcp_version": self.layout.dcp_version,
-                "per_rank_metadata": self.layout.per_rank,
-                "manifest": self.manifest is not None,
-                "deep": self.deep,
+                "jobs": self._jobs,
+                "dcp_version": self._layout.dcp_version,
+                "per_rank_metadata": self._layout.per_rank,
+                "manifest": self._manifest is not None,
+                "deep": self._deep,
             })
-        if self.only is not None or self.skip:  # a part: which files it opened (no other node's)
+        if self._only is not None or self._skip:  # a part: which files it opened (no other node's)
             stats["opened"] = self.opened_files()
-        per_check = Counter(f.check for f in self.findings)
+        per_check = Counter(f.check for f in self._findings)
         omitted = {c: n - MAX_FINDINGS_PER_CHECK for c, n in sorted(per_check.items()) if n > MAX_FINDINGS_PER_CHECK}
         if omitted:
             stats["findings_omitted"] = omitted
         return Report(command=command, target=self.root,
-                      findings=tuple(cap_findings(self.findings) if cap else self.findings),
-                      coverage=merge_coverage(self.coverage), stats=stats)
+                      findings=tuple(cap_findings(self._findings) if cap else self._findings),
+                      coverage=merge_coverage(self._coverage), stats=stats)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
-        for f in self.opened.values():
+        for f in self._opened.values():
             if f is not None:
                 f.close()
 
     def file(self, name: str) -> ReadOnlyFile | None:
         """The file ``name`` as this run opened it (the one its findings judged), or ``None`` when it was not
         opened."""
-        return self.opened.get(name)
+        return self._opened.get(name)
 
     def opened_files(self) -> list[str]:
         """The names of the files this run opened (those whose bytes it checks), sorted."""
-        return sorted(n for n, f in self.opened.items() if f is not None)
+        return sorted(n for n, f in self._opened.items() if f is not None)
 
     def release_kept(self) -> None:
         """Forget the bytes of the small files read whole at open: later reads go to the files."""
-        for f in self.opened.values():  # what planning needed of the small files read whole: now read
+        for f in self._opened.values():  # what planning needed of the small files read whole: now read
             if f is not None:
                 f.release_kept()
         self._kept_bytes = 0
@@ -218,12 +237,12 @@ class VerificationRun:
         items = list(items)
         if len(items) <= PULL_MAP_MIN:
             return list(self._pool.map(fn, items))
-        return pulled_map(self._pool, self.jobs, fn, items)
+        return pulled_map(self._pool, self._jobs, fn, items)
 
     def advance(self, n: int) -> None:
-        if self.progress is not None:
+        if self._progress is not None:
             with self._lock:
-                self.progress.advance(n)
+                self._progress.advance(n)
 
     def execute(self, *, deep: bool, use_manifest: bool) -> None:
         """Run every stage. A file that changes under the run stops it with a ``file-changed`` finding."""
@@ -232,21 +251,20 @@ class VerificationRun:
             with paused_gc():  # the layout, plans and results of a large checkpoint form no cycles
                 self._stages(deep=deep, use_manifest=use_manifest)
         except FileChangedError as exc:
-            self.findings.append(changed_finding(_changed_name(self.root, exc), str(exc)))
-            self.stopped = True
-        self.findings.extend(self.changed_files())
+            self._findings.append(changed_finding(_changed_name(self.root, exc), str(exc)))
+        self._findings.extend(self.changed_files())
 
-    def mine(self, name: str) -> bool:
+    def _mine(self, name: str) -> bool:
         """Whether this run checks the bytes of the file ``name`` (see the class docstring)."""
-        return (self.only is None or name in self.only) and name not in self.skip
+        return (self._only is None or name in self._only) and name not in self._skip
 
     def changed_files(self) -> list[Finding]:
         """A ``file-changed`` finding for every file that differs from when this run first saw it (opened
         files by ``fstat`` and the inode behind their name; the metadata and manifest by ``stat``), each
         reported once."""
         out: list[Finding] = []
-        for name in sorted(self.opened):  # by name alone: sorting (name, file) pairs costs more
-            f = self.opened[name]
+        for name in sorted(self._opened):  # by name alone: sorting (name, file) pairs costs more
+            f = self._opened[name]
             if f is None or name in self._reported_changed:
                 continue
             how = f.changed()
@@ -261,35 +279,35 @@ class VerificationRun:
         return out
 
     def _stages(self, *, deep: bool, use_manifest: bool) -> None:
-        self.deep = deep
-        if self.whole:
-            self.findings.extend(check_commit(self.root))  # a save that did not commit: never complete
+        self._deep = deep
+        if self._whole:
+            self._findings.extend(check_commit(self.root))  # a save that did not commit: never complete
         layout, md_findings = read_layout(self.root)
-        self.findings.extend(md_findings)
+        self._findings.extend(md_findings)
         if layout is None:
             return
-        self.layout = layout
-        if self.whole:
-            self.coverage.append(CheckCoverage(check="metadata", count=len(layout.metadata_files),
+        self._layout = layout
+        if self._whole:
+            self._coverage.append(CheckCoverage(check="metadata", count=len(layout.metadata_files),
                                                unit="metadata files"))
         if use_manifest:
             self._read_manifest()
         self._structure(layout)
         self._archives(layout)
         self._hash(layout)
-        self.plans.extend(self.extra_plans)
+        self._plans.extend(self._extra_plans)
         if deep:
-            self._deep(layout)
+            self._deep_scan(layout)
 
     def _read_manifest(self) -> None:
         try:
-            self.manifest = read_manifest(self.root)
+            self._manifest = read_manifest(self.root)
         except ManifestError as exc:
-            self.findings.append(error("manifest-invalid", f"{MANIFEST_FILE} cannot be trusted: {exc}",
+            self._findings.append(error("manifest-invalid", f"{MANIFEST_FILE} cannot be trusted: {exc}",
                                        location=Location(file=MANIFEST_FILE)))
             return
-        if self.manifest is None:
-            self.findings.append(info(
+        if self._manifest is None:
+            self._findings.append(info(
                 "manifest-absent",
                 f"no {MANIFEST_FILE}: content is checked against the CRC-32s inside the items only, not against "
                 "what was in memory at save time (write one with ckptverify.save or `ckptverify fingerprint`)",
@@ -299,52 +317,52 @@ class VerificationRun:
         from ckptverify.checks.sidefiles import check_side_files, side_files
 
         # A part of the files (``only``, ``skip``) looks at (stat), opens and reports only its own.
-        stats = stat_files(self.root, [n for n in layout.files if self.mine(n)])
-        others = [n for n in layout.files if not self.mine(n)]
-        found = check_files(self.root, layout, stats, others=others, unreferenced=self.whole)
-        if self.whole:
+        stats = stat_files(self.root, [n for n in layout.files if self._mine(n)])
+        others = [n for n in layout.files if not self._mine(n)]
+        found = check_files(self.root, layout, stats, others=others, unreferenced=self._whole)
+        if self._whole:
             # Framework side files (Lightning's meta.pt, Megatron's metadata.json) are checked by their content
             # and opened like shards (so a manifest digests them), not reported as unreferenced.
             known = [n for n in side_files(self.root) if n not in stats and n not in others]
             found = [f for f in found if not (f.check == "file-unreferenced" and f.location.file in known)]
-            self.findings.extend(found)
-            found, cov, self.side_files = check_side_files(self.root, known)
-            self.findings.extend(found)
-            self.coverage.extend(cov)
-            for name in self.side_files:
-                self.opened[name] = self._open(name)
-            self.findings.extend(check_coverage(layout))
+            self._findings.extend(found)
+            found, cov, self._side_files = check_side_files(self.root, known)
+            self._findings.extend(found)
+            self._coverage.extend(cov)
+            for name in self._side_files:
+                self._opened[name] = self._open(name)
+            self._findings.extend(check_coverage(layout))
             tiling, cov = check_tiling(layout)
-            self.findings.extend(tiling)
-            self.coverage.append(cov)
+            self._findings.extend(tiling)
+            self._coverage.append(cov)
         else:
-            self.findings.extend(found)
+            self._findings.extend(found)
         for name, st in stats.items():
-            self.opened[name] = self._open(name) if st is not None else None
-        self.safetensors = safetensors_files(self.opened, layout.items)
+            self._opened[name] = self._open(name) if st is not None else None
+        self._safetensors = safetensors_files(self._opened, layout.items)
         blobs = self._blobs(layout)
-        usable = {n: (s if self.opened.get(n) else None) for n, s in stats.items()}
-        self.findings.extend(check_items(layout, usable, blobs))
-        bounded = len(layout.items) if self.only is None and not self.skip else \
-            sum(1 for i in layout.items if self.mine(i.file))
-        self.coverage.append(CheckCoverage(check="item-bounds", count=bounded, unit="items"))
+        usable = {n: (s if self._opened.get(n) else None) for n, s in stats.items()}
+        self._findings.extend(check_items(layout, usable, blobs))
+        bounded = len(layout.items) if self._only is None and not self._skip else \
+            sum(1 for i in layout.items if self._mine(i.file))
+        self._coverage.append(CheckCoverage(check="item-bounds", count=bounded, unit="items"))
 
     def _blobs(self, layout: Layout) -> dict[str, tuple[int, int]]:
         """Parse each safetensors blob; check it against the metadata's tensor items."""
         blobs: dict[str, tuple[int, int]] = {}
-        if not self.safetensors:
+        if not self._safetensors:
             return blobs
         from ckptverify.dcp import safetensors
 
         resolved: dict[Item, tuple[int, int]] = {}
-        for name in sorted(self.safetensors):
-            f = self.opened[name]
+        for name in sorted(self._safetensors):
+            f = self._opened[name]
             tensor_items = [i for i in layout.items if i.file == name and i.kind == "tensor"]
             start = min(i.offset for i in tensor_items)
             try:
                 blob = safetensors.read_blob(f, start)  # type: ignore[arg-type]
             except safetensors.ArchiveError as exc:
-                self.findings.append(error("blob-structure", f"{name}: the safetensors blob is malformed: {exc}",
+                self._findings.append(error("blob-structure", f"{name}: the safetensors blob is malformed: {exc}",
                                            location=Location(file=name, byte_range=(exc.start, exc.end))))
                 blobs[name] = (start, f.size)  # type: ignore[union-attr]
                 continue
@@ -354,7 +372,7 @@ class VerificationRun:
                 want = item.chunk.sizes if item.chunk else ()
                 if entry is None or entry.shape != want or (entry.dtype is not None and entry.dtype != item.dtype):
                     got = "nothing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
-                    self.findings.append(error(
+                    self._findings.append(error(
                         "tensor-record",
                         f"{item_label(item)}: the safetensors blob holds {got} under this name, the metadata "
                         f"says {item.dtype}{list(want)}",
@@ -371,8 +389,8 @@ class VerificationRun:
             item = layout.items[n] = dataclasses.replace(item, offset=offset, length=length)
             if item.chunk is not None and item.dtype is not None:
                 archive, header = safetensors.raw_payload(item.dtype, item.chunk.sizes, length)
-                self.extra_plans.append(ItemPlan(dataclasses.replace(item, offset=0), archive, header,
-                                                 reader=_Window(self.opened[item.file], offset, length)))  # type: ignore[arg-type]
+                self._extra_plans.append(ItemPlan(dataclasses.replace(item, offset=0), archive, header,
+                                                 reader=_Window(self._opened[item.file], offset, length)))  # type: ignore[arg-type]
         return blobs
 
     def _open(self, name: str) -> ReadOnlyFile | None:
@@ -385,44 +403,44 @@ class VerificationRun:
             self._kept_bytes += f.kept
             return f
         except FileChangedError as exc:
-            self.findings.append(changed_finding(name, str(exc)))
+            self._findings.append(changed_finding(name, str(exc)))
         except UnsafeFileError as exc:
-            self.findings.append(error("file-unsafe", f"{name} is not opened: {exc}", location=Location(file=name)))
+            self._findings.append(error("file-unsafe", f"{name} is not opened: {exc}", location=Location(file=name)))
         except StorageError:
             raise
         except OSError as exc:
-            self.findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
+            self._findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
                                        location=Location(file=name)))
         return None
 
     def _archives(self, layout: Layout) -> None:
         by_file: dict[str, list[Item]] = defaultdict(list)
         for item in layout.items:
-            if self.opened.get(item.file) is not None:
+            if self._opened.get(item.file) is not None:
                 by_file[item.file].append(item)
         names = sorted(by_file)
         templates = TemplateCache()  # shared: a checkpoint saved one file per item has one item per file
-        planned = self.map(lambda n: plan_file(self.opened[n], n, [i for i in by_file[n] if not i.transforms],  # type: ignore[arg-type]
-                                               safetensors=n in self.safetensors, templates=templates), names)
+        planned = self.map(lambda n: plan_file(self._opened[n], n, [i for i in by_file[n] if not i.transforms],  # type: ignore[arg-type]
+                                               safetensors=n in self._safetensors, templates=templates), names)
         for name, (file_plans, result) in zip(names, planned, strict=True):
-            self.results[name] = result
-            self.plans.extend(file_plans)
-        if not self.hold_kept:
+            self._results[name] = result
+            self._plans.extend(file_plans)
+        if not self._hold_kept:
             self.release_kept()
         # Items written through stream transforms: decoded and judged now (CRC-32s of the decoded archive);
         # their plans read the decoded bytes and join the others after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]
         decoded = self.map(lambda i: self._transformed(i), transformed)
-        self.extra_plans.extend(p for p in decoded if p is not None)
+        self._extra_plans.extend(p for p in decoded if p is not None)
 
     def _transformed(self, item: Item) -> ItemPlan | None:
         from ckptverify.checks.transformed import plan_transformed
 
         result = FileResult(file=item.file)
-        plan = plan_transformed(self.opened[item.file], item, result,  # type: ignore[arg-type]
-                                registry=self.extension_registry)
+        plan = plan_transformed(self._opened[item.file], item, result,  # type: ignore[arg-type]
+                                registry=self._extension_registry)
         with self._lock:
-            into = self.results[item.file]
+            into = self._results[item.file]
             into.findings.extend(result.findings)
             into.items += result.items
             into.records += result.records
@@ -434,7 +452,7 @@ class VerificationRun:
         """One pass over the bytes, on all cores: CRC-32 of every record and, with a manifest, the digest of
         every block. Items the manifest covers are hashed as block-aligned tasks that compute both in the
         same pass; the rest as record segments (CRC only)."""
-        manifest = self.manifest
+        manifest = self._manifest
         matched: dict[int, Item] = {}
         tasks: list[manifest_check.BlockTask] = []
         crc_ranges: list[list[tuple[int, int]]] = []
@@ -443,21 +461,21 @@ class VerificationRun:
         by_manifest: set[tuple[int, int]] = set()  # (plan, record) whose bytes only the manifest checks
         if manifest is not None:
             found, matched = manifest_check.compare_layout(manifest, layout)
-            self.findings.extend(found)
-            self.findings.extend(f for f in manifest_check.check_files(manifest, self.opened, self.root)
-                                 if self.mine(f.location.file or "")
-                                 or (self.whole and f.location.file not in manifest.files))
-            tasks = manifest_check.block_tasks(manifest, matched, self.opened, SEGMENT_BYTES)
-            plan_index = {(p.item.file, p.item.offset, p.item.length): n for n, p in enumerate(self.plans)}
+            self._findings.extend(found)
+            self._findings.extend(f for f in manifest_check.check_files(manifest, self._opened, self.root)
+                                 if self._mine(f.location.file or "")
+                                 or (self._whole and f.location.file not in manifest.files))
+            tasks = manifest_check.block_tasks(manifest, matched, self._opened, SEGMENT_BYTES)
+            plan_index = {(p.item.file, p.item.offset, p.item.length): n for n, p in enumerate(self._plans)}
             for task in tasks:
                 item = matched[task.entry]
                 n = plan_index.get((item.file, item.offset, item.length))
                 ranges, keys = [], []
                 if n is not None:
                     covered.add(n)
-                if n is not None and self.plans[n].crcs is None:
+                if n is not None and self._plans[n].crcs is None:
                     base = item.offset
-                    for r, rec in enumerate(self.plans[n].archive.records):
+                    for r, rec in enumerate(self._plans[n].archive.records):
                         if rec.size > SMALL_RECORD_BYTES:
                             # The block digests cover these bytes: a CRC on top would only halve the speed.
                             by_manifest.add((n, r))
@@ -469,29 +487,29 @@ class VerificationRun:
                             keys.append((n, r))
                 crc_ranges.append(ranges)
                 crc_keys.append(keys)
-        rest = [p for n, p in enumerate(self.plans) if n not in covered and p.crcs is None]
-        index_of = {id(p): n for n, p in enumerate(self.plans)}
+        rest = [p for n, p in enumerate(self._plans) if n not in covered and p.crcs is None]
+        index_of = {id(p): n for n, p in enumerate(self._plans)}
         segs = [Segment(s.file, s.start, s.end, index_of[id(rest[s.plan])], s.record, s.index)
                 for s in segments(rest, 0, SEGMENT_BYTES)]
         work: list[Any] = [("blocks", k) for k in range(len(tasks))] + [("crc", s) for s in segs]
         size = {("blocks", k): tasks[k].end - tasks[k].start for k in range(len(tasks))}
         work.sort(key=lambda w: -(size[w] if w[0] == "blocks" else w[1].end - w[1].start))
-        if self.progress is not None:
-            self.progress.start(sum(t.end - t.start for t in tasks) + sum(s.end - s.start for s in segs))
+        if self._progress is not None:
+            self._progress.start(sum(t.end - t.start for t in tasks) + sum(s.end - s.start for s in segs))
 
         def run(w: Any) -> Any:
             kind, what = w
             if kind == "crc":
-                value = self.opened[what.file].crc32(what.start, what.end)  # type: ignore[union-attr]
+                value = self._opened[what.file].crc32(what.start, what.end)  # type: ignore[union-attr]
                 self.advance(what.end - what.start)
                 return value
             task = tasks[what]
-            result = manifest_check.hash_task(self.opened[task.file], task, manifest, crc_ranges[what])  # type: ignore[arg-type]
+            result = manifest_check.hash_task(self._opened[task.file], task, manifest, crc_ranges[what])  # type: ignore[arg-type]
             self.advance(task.end - task.start)
             return result
 
-        if self.executor is not None:
-            got = self.executor.map_units(self, [_unit(w, tasks, crc_ranges, manifest) for w in work])
+        if self._executor is not None:
+            got = self._executor.map_units(self, [_unit(w, tasks, crc_ranges, manifest) for w in work])
         else:
             got = self.map(run, work)
         results = dict(zip(work, got, strict=True))
@@ -503,9 +521,9 @@ class VerificationRun:
             _, crcs = results[("blocks", k)]
             for (lo, hi), key, value in zip(crc_ranges[k], crc_keys[k], crcs, strict=True):
                 partials[key].append((lo, hi - lo, value))
-        for n, plan in enumerate(self.plans):
+        for n, plan in enumerate(self._plans):
             if plan.crcs is not None:  # small items: computed while planning
-                judge_item(self.opened[plan.item.file], plan, plan.crcs, self.results[plan.item.file])  # type: ignore[arg-type]
+                judge_item(self._opened[plan.item.file], plan, plan.crcs, self._results[plan.item.file])  # type: ignore[arg-type]
                 continue
             crcs = []
             for r, rec in enumerate(plan.archive.records):
@@ -516,31 +534,31 @@ class VerificationRun:
                 for _, length, part in sorted(partials[(n, r)]):
                     value = crc32_combine(value, part, length)
                 crcs.append(value)
-            judge_item(self.opened[plan.item.file], plan, crcs, self.results[plan.item.file])  # type: ignore[arg-type]
-        for name in sorted(self.results):
-            res = self.results[name]
-            self.findings.extend(res.findings)
-            self.coverage.append(CheckCoverage(check="zip-structure", count=res.items, unit="items"))
-            self.coverage.append(CheckCoverage(check="zip-crc", count=res.records, unit="records"))
-            self.bytes_hashed += res.bytes_hashed
+            judge_item(self._opened[plan.item.file], plan, crcs, self._results[plan.item.file])  # type: ignore[arg-type]
+        for name in sorted(self._results):
+            res = self._results[name]
+            self._findings.extend(res.findings)
+            self._coverage.append(CheckCoverage(check="zip-structure", count=res.items, unit="items"))
+            self._coverage.append(CheckCoverage(check="zip-crc", count=res.records, unit="records"))
+            self._bytes_hashed += res.bytes_hashed
         if manifest is None:
             return
-        plan_of = {(p.item.file, p.item.offset, p.item.length): p for p in self.plans}
+        plan_of = {(p.item.file, p.item.offset, p.item.length): p for p in self._plans}
         blocks = 0
         for k, task in enumerate(tasks):
             digests, _ = results[("blocks", k)]
             item = matched[task.entry]
             self._manifest_items.add((item.file, item.offset, item.length))
-            self.findings.extend(manifest_check.judge_blocks(
+            self._findings.extend(manifest_check.judge_blocks(
                 manifest, task, item, digests, plan_of.get((item.file, item.offset, item.length))))
             blocks += len(digests)
-        self.coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
+        self._coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
         self._untiled_files(manifest, matched)
         # Content the CRCs could not cover is now covered by the manifest's digests.
         verified = {matched[t.entry].file for t in tasks}
         covered_items = {(i.fqn, i.file) for i in matched.values()}
-        self.findings = [
-            f for f in self.findings
+        self._findings = [
+            f for f in self._findings
             if not (f.check == "content-uncheckable"
                     and ((f.location.fqn is None and f.location.file in verified)
                          or (f.location.fqn, f.location.file) in covered_items))
@@ -559,7 +577,7 @@ class VerificationRun:
             ranges[item.file].append((item.offset, item.end))
         todo = []
         for name, entry in manifest.files.items():
-            f = self.opened.get(name)
+            f = self._opened.get(name)
             if f is None or f.size != entry.size:
                 continue  # missing or resized: already reported
             cursor = 0
@@ -569,37 +587,37 @@ class VerificationRun:
                 cursor = end
             if cursor != f.size:
                 todo.append(name)
-        if self.executor is not None:
-            got = self.executor.map_units(self, [["digest", n, manifest.digest_algorithm] for n in todo])
+        if self._executor is not None:
+            got = self._executor.map_units(self, [["digest", n, manifest.digest_algorithm] for n in todo])
         else:
-            got = self.map(lambda n: digest_reader(self.opened[n], manifest.digest_algorithm), todo)  # type: ignore[arg-type]
+            got = self.map(lambda n: digest_reader(self._opened[n], manifest.digest_algorithm), todo)  # type: ignore[arg-type]
         for name, digest in zip(todo, got, strict=True):
             if digest != manifest.files[name].digest:
-                self.findings.append(error(
+                self._findings.append(error(
                     "manifest-digest", f"{name} differs from the file written at save time",
                     location=Location(file=name), expected=manifest.files[name].digest, actual=digest))
-        self.coverage.append(CheckCoverage(check="manifest-digest", count=len(todo), unit="whole files"))
+        self._coverage.append(CheckCoverage(check="manifest-digest", count=len(todo), unit="whole files"))
 
-    def _deep(self, layout: Layout) -> None:
+    def _deep_scan(self, layout: Layout) -> None:
         from ckptverify.checks import deep as deep_check
 
         desc = self.description()
-        if self.progress is not None:
-            self.progress.start(sum(p.item.length for p in self.plans
+        if self._progress is not None:
+            self._progress.start(sum(p.item.length for p in self._plans
                                     if p.item.kind == "tensor" and p.item.chunk is not None))
-        run_map = self.map if self.executor is None else self.executor.tensor_map(self)
-        if self.deep_in_parts:
+        run_map = self.map if self._executor is None else self._executor.tensor_map(self)
+        if self._deep_in_parts:
             # One part of a deep check shared out among nodes: its pieces are judged with the other parts'
             # (deep.judge_parts), by the part that checks the whole, which also scans the subclass tensors.
-            part = self.deep_part = deep_check.DeepPart(desc, self.manifest)
-            part.scans, _ = deep_check.scan_description(desc, run_map, self.advance, mine=self.mine,
-                                                        pieces=part.pieces, subclasses=self.only is None)
+            part = self._deep_part = deep_check.DeepPart(desc, self._manifest)
+            part.scans, _ = deep_check.scan_description(desc, run_map, self.advance, mine=self._mine,
+                                                        pieces=part.pieces, subclasses=self._only is None)
             return
         scans, found = deep_check.scan_description(desc, run_map, self.advance)
         # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
-        judged, rebuilt, _ = deep_check.judge_scans(desc, self.manifest, scans, found)
-        self.findings.extend(judged)
-        self.coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
+        judged, rebuilt, _ = deep_check.judge_scans(desc, self._manifest, scans, found)
+        self._findings.extend(judged)
+        self._coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
 
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:
@@ -612,7 +630,7 @@ class VerificationRun:
 
         from ckptverify.formats.describe import Description
 
-        if self.layout is None:
+        if self._layout is None:
             return Description(root=self.root, target=self.root, format="dcp")
         with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
             return self._describe(values, values_skip, side_files)
@@ -621,10 +639,10 @@ class VerificationRun:
         from ckptverify.formats.dcp import ReadItem, describe_dcp
         from ckptverify.formats.describe import side_file_description
 
-        assert self.layout is not None
+        assert self._layout is not None
         read = []
-        by_manifest, digested, opened = self._manifest_records, self._manifest_items, self.opened.get
-        for plan in self.plans:
+        by_manifest, digested, opened = self._manifest_records, self._manifest_items, self._opened.get
+        for plan in self._plans:
             item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
             # A tensor subclass's item holds one storage record per inner tensor: the first stands for them all
             # in what protects them (they are in one archive, checked alike).
@@ -647,8 +665,8 @@ class VerificationRun:
             if digested and checksum != "manifest" and (item.file, item.offset, item.length) in digested:
                 checksum = "manifest" if checksum == "none" else f"{checksum}+manifest"
             read.append(ReadItem(item, plan.archive, header, base, reader, rec, checksum))
-        side = side_file_description(self.root, list(self.side_files)) if side_files and self.side_files else None
-        return describe_dcp(self.root, self.layout, read, files=self.opened, values=values, values_skip=values_skip,
+        side = side_file_description(self.root, list(self._side_files)) if side_files and self._side_files else None
+        return describe_dcp(self.root, self._layout, read, files=self._opened, values=values, values_skip=values_skip,
                             side=side)
 
 

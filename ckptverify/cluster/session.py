@@ -15,13 +15,16 @@ import signal
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
 from ckptverify.cluster.group import Group, connect
 from ckptverify.cluster.split import assign, balance
 from ckptverify.cluster.units import RankFiles, Unit, execute, unit_bytes, unit_file, unit_range
 from ckptverify.errors import CkptVerifyError, FileChangedError, UsageError
+
+if TYPE_CHECKING:
+    from ckptverify.checks.dcp_pipeline import VerificationRun
 
 #: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
 DEFAULT_RANK_TIMEOUT = 120.0
@@ -177,19 +180,26 @@ class RankExecutor:
         self._unranged = 0
         self._rank0_own: int | None = None
 
-    def map_units(self, run: Any, units: Sequence[Unit]) -> list[Any]:
+    def map_units(self, run: VerificationRun, units: Sequence[Unit]) -> list[Any]:
         """The results of ``units`` for a :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`: read
-        through its opened files on rank 0, its progress advanced as results arrive."""
+        through its opened files on rank 0 (one it could not open: ``FileChangedError``), its progress advanced
+        as results arrive."""
+
+        def opened(name: str) -> Any:
+            f = run.file(name)
+            if f is None:
+                raise FileChangedError("it could not be opened again", os.path.join(run.root, name))
+            return f
 
         def size_of(name: str) -> int:
-            return int(run.opened[name].size)
+            return int(opened(name).size)
 
         if self._rank0_own is None:  # rank 0 read the rest itself: metadata, headers, small items
-            total = sum(f.size for f in run.opened.values() if f is not None)
+            total = sum(size_of(n) for n in run.opened_files())
             self._rank0_own = max(0, total - _union(units, size_of))
             self.loads[0] += self._rank0_own
-        return self.map_plain(units, root=run.root, open_file=lambda n: run.opened[n], size_of=size_of,
-                              local_map=run.map, advance=run.advance)
+        return self.map_plain(units, root=run.root, open_file=opened, size_of=size_of, local_map=run.map,
+                              advance=run.advance)
 
     def map_plain(self, units: Sequence[Unit], *, root: str, open_file: Callable[[str], Any],
                   size_of: Callable[[str], int], local_map: Callable[..., list[Any]],
@@ -253,7 +263,7 @@ class RankExecutor:
                                                                                         "command")
         return f"the {what} is incomplete: that rank's share was not checked, so nothing is concluded"
 
-    def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
+    def tensor_map(self, run: VerificationRun) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
         """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description` (``--deep``, ``fingerprint``):
         the stored pieces of tensors in raw bytes of a file are scanned on the ranks (each its share), the rest
         (stream-transformed items, tensor subclasses) here through ``run.map``; the scans are the ones

@@ -73,7 +73,9 @@ class TensorProps:
 
 
 @dataclass(frozen=True, slots=True)
-class TensorEntry:
+class TensorStorageMetadata:
+    """DCP's ``TensorStorageMetadata``: a tensor's dtype, global shape, chunks and properties."""
+
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
@@ -109,7 +111,7 @@ class ParsedMetadata:
     plain tree of :mod:`ckptverify.dcp.metadata_pickle` (checked inert)."""
 
     name: str
-    entries: dict[str, TensorEntry | None]  # None: a BytesStorageMetadata (a non-tensor value)
+    entries: dict[str, TensorStorageMetadata | None]  # None: a BytesStorageMetadata (a non-tensor value)
     storage: list[StorageEntry]
     planner_data: Any
     storage_meta: StorageMetaInfo | None
@@ -322,7 +324,7 @@ def _properties(value: Any, what: str) -> TensorProps:
     if not isinstance(dtype, sp.DType):
         raise BadPickle(f"dtype of {what} is {_short(dtype)}, expected a torch dtype")
     layout = f["layout"]
-    if not isinstance(layout, sp.Layout):
+    if not isinstance(layout, sp.TorchLayout):
         raise BadPickle(f"layout of {what} is {_short(layout)}, expected a torch layout")
     mem = f["memory_format"]
     if not isinstance(mem, sp.Enum) or mem.kind != "_MEM_FORMAT_ENCODING":
@@ -413,7 +415,7 @@ class _Interned:
             f = value.fields
             dtype, layout, mem = f["dtype"], f["layout"], f["memory_format"]
             rg, pin = f["requires_grad"], f["pin_memory"]
-            if (type(dtype) is sp.DType and type(layout) is sp.Layout and type(mem) is sp.Enum
+            if (type(dtype) is sp.DType and type(layout) is sp.TorchLayout and type(mem) is sp.Enum
                     and mem.kind == "_MEM_FORMAT_ENCODING" and type(rg) is bool and type(pin) is bool):
                 key = (dtype.name, layout.name, rg, mem.value, pin)
                 props = self.props.get(key)
@@ -435,7 +437,7 @@ class _Interned:
 def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     fields = _obj(tree, "Metadata", "the top-level object")
     interned = _Interned()
-    entries: dict[str, TensorEntry | None] = {}
+    entries: dict[str, TensorStorageMetadata | None] = {}
     for fqn_raw, entry in _dict(fields["state_dict_metadata"], "state_dict_metadata"):
         fqn = fqn_raw if _ok_str(fqn_raw) else _str(fqn_raw, "a state dict key")
         if fqn in entries:
@@ -456,7 +458,7 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
         if type(chunks_raw) is not list and type(chunks_raw) is not tuple:
             chunks_raw = _seq(chunks_raw, f"chunks of {fqn!r}")
         chunks = tuple(interned.chunk(c, f"a chunk of {fqn!r}") for c in chunks_raw)
-        entries[fqn] = TensorEntry(props.dtype, shape, chunks, props)
+        entries[fqn] = TensorStorageMetadata(props.dtype, shape, chunks, props)
 
     storage_raw = fields["storage_data"]
     if not isinstance(storage_raw, sp.PDict):
@@ -513,7 +515,7 @@ def _inert(value: Any, what: str) -> Any:
             if t is str and len(v) > MAX_STRING:
                 raise BadPickle(f"a string in {where} is too long")
             continue
-        if t in (sp.Size, sp.DType, sp.Path, sp.Layout):
+        if t in (sp.Size, sp.DType, sp.Path, sp.TorchLayout):
             if t is sp.Size:
                 _dims(v, where)
             continue
@@ -538,7 +540,7 @@ def _inert(value: Any, what: str) -> Any:
 
 
 def _hashable_key(k: Any) -> bool:
-    if k is None or type(k) in _SCALARS or type(k) in (sp.Size, sp.DType, sp.Path, sp.Enum, sp.Layout):
+    if k is None or type(k) in _SCALARS or type(k) in (sp.Size, sp.DType, sp.Path, sp.Enum, sp.TorchLayout):
         return True
     return type(k) is tuple and all(_hashable_key(x) for x in k)
 

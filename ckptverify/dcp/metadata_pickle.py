@@ -16,7 +16,7 @@ at the moment the real unpickler would raise, whether or not the object ends up 
 this module accepts is one that real unpickling with torch's classes would also accept.
 
 The result is a plain tree (:class:`Obj`, :class:`Size`, :class:`DType`, :class:`Enum`, :class:`Path`,
-:class:`Layout`, ``PDict``/lists/tuples/str/int/float/bool/None/bytes) built with a **budget**: every node
+:class:`TorchLayout`, ``PDict``/lists/tuples/str/int/float/bool/None/bytes) built with a **budget**: every node
 visited while building it, and every element a stand-in copies, is charged, and the parse stops with
 :class:`BadPickle` past ``BUDGET_PER_BYTE * len(data) + BUDGET_BASE``. A memoized pickle that
 references one object a billion times ("billion laughs") is refused in time linear in its size.
@@ -218,7 +218,9 @@ class Path:
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class TorchLayout:
+    """A ``torch.layout`` (``torch.strided``, ...) by name."""
+
     name: str
 
     __setstate__ = _refuse_build
@@ -381,7 +383,7 @@ def _check_properties_state(state: Any) -> None:
     dtype, layout, requires_grad, encoding, pin_memory = state
     if type(encoding) is not Enum or encoding.kind != "_MEM_FORMAT_ENCODING":
         raise BadPickle("TensorProperties memory format is not a _MEM_FORMAT_ENCODING")
-    if (type(dtype) is not _DTypeGlobal or type(layout) is not Layout or type(requires_grad) is not bool
+    if (type(dtype) is not _DTypeGlobal or type(layout) is not TorchLayout or type(requires_grad) is not bool
             or type(pin_memory) is not bool):
         raise BadPickle("TensorProperties state is not (dtype, layout, bool, memory format, bool)")
 
@@ -443,11 +445,11 @@ def _allowlist(budget: _Budget) -> dict[tuple[str, str], Any]:
 
         return make
 
-    def make_layout(*args: Any) -> Layout:
+    def make_layout(*args: Any) -> TorchLayout:
         budget.charge()
         if len(args) != 1 or type(args[0]) is not str or args[0] not in LAYOUTS:
             raise BadPickle("unknown torch layout (torch.serialization._get_layout raises on it)")
-        return Layout(args[0])
+        return TorchLayout(args[0])
 
     def make_path(*parts: Any) -> Path:
         budget.charge(len(parts) + 1)
@@ -615,7 +617,7 @@ class _Plain:
             t = type(v)
             if t in _SCALAR_LEAVES:
                 continue
-            if depth <= MAX_DEPTH and (t is Size or t is Enum or t is Layout or t is Path or t is _DTypeGlobal):
+            if depth <= MAX_DEPTH and (t is Size or t is Enum or t is TorchLayout or t is Path or t is _DTypeGlobal):
                 # Leaves inline (what convert would do for them, charges included).
                 budget.left -= 1
                 if t is Size:
@@ -633,6 +635,6 @@ class _Plain:
 
 
 #: Values the plain tree keeps as they are.
-_LEAVES = frozenset({str, int, float, bool, bytes, Size, Enum, Path, Layout})
+_LEAVES = frozenset({str, int, float, bool, bytes, Size, Enum, Path, TorchLayout})
 #: Leaves cheap enough to copy without a charge of their own (the container was charged for them).
 _SCALAR_LEAVES = frozenset({str, int, float, bool, type(None)})

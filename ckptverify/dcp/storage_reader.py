@@ -314,7 +314,7 @@ def _real(value: Any) -> Any:
         return torch.Size(value)
     if t is sp.DType:
         return _dtype(value.name)
-    if t is sp.Layout:
+    if t is sp.TorchLayout:
         return _layout(value.name)
     if t is sp.Path:
         return pathlib.Path(value.value)

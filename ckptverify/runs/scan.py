@@ -37,13 +37,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
 from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, judge_report
 from ckptverify.safeparse import paths
+
+if TYPE_CHECKING:
+    from ckptverify.checks.dcp_pipeline import Executor
 
 __all__ = ["GOOD_STATES", "SETTLE_SECONDS", "STATES", "judge", "judge_report", "scan_run_dir", "unseen_findings"]
 
@@ -167,7 +170,7 @@ def reason_of(state: str, report: Report) -> str:
 
 
 def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, progress: Any = None,
-                 deep: bool = False, executor: Any = None) -> Report:
+                 deep: bool = False, executor: Executor | None = None) -> Report:
     """Verify every checkpoint under ``run_dir``; see the module docstring. ``progress``: called with one line
     per checkpoint as its verification starts. ``deep``: verify each as ``verify --deep`` does (every tensor
     rebuilt and its logical fingerprint compared with the manifest's; ``stats.deep`` says so).
@@ -236,7 +239,7 @@ def _recovered(row: dict[str, Any], newest: dict[str, Any]) -> bool:
     return row["step"] is not None and newest["step"] is not None and newest["step"] >= row["step"]
 
 
-def _judged_by_ranks(root: str, candidates: list[Candidate], executor: Any, jobs: int | None, deep: bool,
+def _judged_by_ranks(root: str, candidates: list[Candidate], executor: Executor, jobs: int | None, deep: bool,
                      progress: Any) -> list[tuple[str, str, dict[str, Any]]]:
     """Every candidate judged by :func:`judge` on the rank it was given (``[state, reason, counts]`` each)."""
     import dataclasses
