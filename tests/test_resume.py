@@ -56,11 +56,11 @@ def test_first_divergence_of_a_data_bug_is_the_first_resumed_step(checked):
                for f in json.loads(differ.output)["findings"])
 
 
-def test_trace_diff_refuses_different_headers_unless_forced(checked):
+def test_trace_diff_refuses_different_headers_unless_allowed(checked):
     runner = CliRunner()
     a, b = str(checked[0] / "2" / "A" / "trace"), str(checked[0] / "3" / "A" / "trace")  # levels metrics, state
     assert runner.invoke(main, ["trace", "diff", a, b]).exit_code == 2
-    assert runner.invoke(main, ["trace", "diff", "--force", a, b]).exit_code == 0
+    assert runner.invoke(main, ["trace", "diff", "--allow-header-mismatch", a, b]).exit_code == 0
 
 
 def test_a_crashing_workload_is_exit_2_with_its_traceback(tmp_path):
