@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from frameworks import harness as h
 from helpers import faults as inj
 from helpers.multiproc import spawn_ranks
+
+from frameworks import harness as h
 
 pytestmark = pytest.mark.slow  # the producer's jobs run once for this module: 15-60 s
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from frameworks import harness as h
 from helpers import faults as inj
+
+from frameworks import harness as h
 
 pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from frameworks import harness as h
 from helpers import faults as inj
+
+from frameworks import harness as h
 
 pytestmark = pytest.mark.slow  # each framework's producer runs once per session: 15-60 s
 

@@ -21,7 +21,6 @@ pytest.importorskip("accelerate", reason="pip install -e '.[accelerate]' (see do
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
-from frameworks import harness as h
 from helpers.multiproc import spawn_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -33,6 +32,7 @@ from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier import background
 from ckptverify.verifier.background import BackgroundVerifier
+from frameworks import harness as h
 
 RAISE = VerifyOptions(on_failure="raise")
 BACKGROUND_RAISE = VerifyOptions(when="background", on_failure="raise")

@@ -266,7 +266,7 @@ def test_a_job_that_ends_without_waiting_is_waited_for_at_exit(tmp_path: Path) -
     folder = _hf_folder(tmp_path / "checkpoint-1")
     script = ("import sys; from ckptverify.integrations import Verifier; "
               "v = Verifier(verify=\"background\"); print(v.after_save(sys.argv[1], step=1).pending)")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", script, str(folder)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]

@@ -19,7 +19,6 @@ import pytest
 pl = pytest.importorskip("pytorch_lightning", reason="pip install -e '.[lightning]' (see docs/integrations.md)")
 
 import torch  # noqa: E402
-from frameworks import harness as h  # noqa: E402
 from helpers.lightning_model_parallel import save_flip_resume  # noqa: E402
 from helpers.multiproc import spawn_ranks  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
@@ -36,6 +35,7 @@ from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp, stamp_path  # noqa: E402
 from ckptverify.verifier import background  # noqa: E402
 from ckptverify.verifier.background import BackgroundVerifier  # noqa: E402
+from frameworks import harness as h  # noqa: E402
 
 RAISE = VerifyOptions(on_failure="raise")
 BACKGROUND_RAISE = VerifyOptions(when="background", on_failure="raise")

@@ -21,11 +21,11 @@ from ckptverify.ownfiles.events import read_events
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
 from ckptverify.runs.stamp import read_stamp
 
-WORKER = Path(__file__).resolve().parent / "frameworks" / "torchtitan_integration.py"
+WORKER = Path(__file__).resolve().parent / "torchtitan_integration.py"
 
 
 def run_job(out: Path, world: int) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(WORKER), str(out), str(world)], env=env, capture_output=True,
                           text=True, timeout=400)

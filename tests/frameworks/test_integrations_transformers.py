@@ -18,7 +18,6 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[transformers]' (see docs/integrations.md)")
 
 import torch  # noqa: E402
-from frameworks import harness as h  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ckptverify.errors import CheckpointRefusedError  # noqa: E402
@@ -33,6 +32,7 @@ from ckptverify.ownfiles.events import read_events  # noqa: E402
 from ckptverify.runs.stamp import read_stamp  # noqa: E402
 from ckptverify.verifier import background  # noqa: E402
 from ckptverify.verifier.background import BackgroundVerifier  # noqa: E402
+from frameworks import harness as h  # noqa: E402
 
 RAISE = VerifyOptions(on_failure="raise")
 BACKGROUND_RAISE = VerifyOptions(when="background", on_failure="raise")
@@ -95,8 +95,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, VerifyCheckpoin
 def queue(monkeypatch: pytest.MonkeyPatch) -> Any:
     """conftest's ``queue`` (a fresh process-wide background verifier, short settle time, closed after the test),
     verifying in its worker thread at normal priority: these tests are about what the callback does with
-    background verdicts, not about the verifier process (``tests/test_background_verify.py`` and
-    ``tests/test_integrations_core.py`` run that), and a verifier process imports torch anew for each test."""
+    background verdicts, not about the verifier process (``tests/unit/test_background_verify.py`` and
+    ``tests/frameworks/test_integrations_core.py`` run that), and a verifier process imports torch anew for each
+    test."""
     fresh = BackgroundVerifier(settle=0.05, isolation="thread", priority="normal")
     monkeypatch.setattr(background, "_default", fresh)
     yield fresh

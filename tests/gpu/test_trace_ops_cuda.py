@@ -1,5 +1,5 @@
 """The op log on CUDA: fingerprints computed on the device during the step and read back with the row (the CPU
-version, with host tensors sent the device way, is in tests/test_trace_ops.py)."""
+version, with host tensors sent the device way, is in tests/processes/test_trace_ops.py)."""
 
 from __future__ import annotations
 

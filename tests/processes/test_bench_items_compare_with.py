@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compare_with_runs_the_other_checkout_even_from_this_checkouts_root(tmp_path: Path) -> None:

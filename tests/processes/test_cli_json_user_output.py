@@ -15,7 +15,7 @@ import pytest
 
 from ckptverify.resume.harness_target import check_target
 
-SCRIPTS = Path(__file__).with_name("user_scripts")
+SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 PRINTING = SCRIPTS / "printing_train.py"
 MODULE_LINE = "printing_train: module level, on stdout"
 

@@ -28,7 +28,7 @@ from helpers.ports import on_a_free_port, refused_port
 
 from ckptverify.cluster.split import assign, balance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
 TORCHRUN = ("-m", "torch.distributed.run", "--nproc-per-node", "2")
 

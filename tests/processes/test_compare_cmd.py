@@ -19,7 +19,7 @@ from helpers.inproc_cli import Done, invoke
 from ckptverify.errors import UsageError
 from ckptverify.resume.change import ChangePlan
 
-SCRIPT = Path(__file__).with_name("user_scripts") / "ladder_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "ladder_train.py"
 
 #: Locating the op where a change enters needs the op level and its analysis.
 needs_op_level = pytest.mark.skipif(

@@ -20,7 +20,7 @@ from ckptverify.state.sampler import ResumableSampler
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning",
                                         "ignore:This DataLoader will create:UserWarning")
 
-SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 SCRIPT = SCRIPTS / "data_augment_train.py"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))

@@ -1,7 +1,7 @@
 """The Triton fingerprint kernel (used for CUDA tensors) computes the eager path's integers.
 
 Triton's interpreter runs the same kernel on CPU tensors when ``TRITON_INTERPRET=1`` is set before Triton is
-imported, so these tests run in a fresh interpreter. On a GPU, tests/test_cuda.py holds the compiled kernel to
+imported, so these tests run in a fresh interpreter. On a GPU, tests/gpu/test_cuda.py holds the compiled kernel to
 the CPU fingerprints.
 """
 

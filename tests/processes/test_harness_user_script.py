@@ -3,7 +3,7 @@
 The scripts (``tests/user_scripts/harness_*.py``) define their own Dataset with random augmentation and read it
 through a DataLoader with worker processes, train with AdamW, an LR scheduler, gradient clipping and dropout, keep
 an EMA (registered or not), and end with an ``if __name__ == "__main__":`` block. What a verdict says about them
-is judged elsewhere (tests/test_diagnosis.py); here: they run under ``resume-check`` and ``replay`` on 1 and 2
+is judged elsewhere (tests/processes/test_diagnosis.py); here: they run under ``resume-check`` and ``replay`` on 1 and 2
 ranks to a verdict, their output is labelled or kept out of the JSON, and usage errors come before any process
 starts, as the user's own traceback.
 """
@@ -24,7 +24,7 @@ from helpers.inproc_cli import invoke
 from ckptverify.replay.replay import VERDICTS as REPLAY_VERDICTS
 from ckptverify.resume.harness import Plan, TargetError, WorkloadCrashedError, resume_check
 
-SCRIPTS = Path(__file__).with_name("user_scripts")
+SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 AUGMENT = SCRIPTS / "harness_augment.py"
 #: Where the harness's own frames would show (they must not, in anything shown for the user's code).
 OURS = os.path.join("ckptverify", "resume", "")

@@ -9,7 +9,7 @@ import pytest
 
 from ckptverify.resume.harness import Plan, resume_check_many
 
-SCRIPT = Path(__file__).resolve().parent / "user_scripts" / "ema_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "ema_train.py"
 ONE_RANK = ("averaged", "dict", "dict_rebound", "registered", "scheduler_unsaved", "nonpersistent")
 TWO_RANKS = ("averaged", "dict", "registered")
 

@@ -25,7 +25,7 @@ from ckptverify.errors import UsageError, WorkloadCrashedError
 from ckptverify.resume.harness import Plan
 from ckptverify.resume.locate.walk import Side, Walk, for_replay, for_resume, walk
 
-SCRIPTS = Path(__file__).with_name("user_scripts")
+SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 SCRIPT = SCRIPTS / "ladder_train.py"
 
 

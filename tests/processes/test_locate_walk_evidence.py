@@ -22,7 +22,7 @@ import pytest
 
 from ckptverify.resume.locate.walk import Side, Walk, walk
 
-SCRIPT = Path(__file__).with_name("user_scripts") / "walk_evidence_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "walk_evidence_train.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -34,8 +34,8 @@ from ckptverify.fingerprint import part_fingerprints, tensor_fingerprint  # noqa
 from ckptverify.formats.describe import describe  # noqa: E402
 from ckptverify.safeparse.pickle_scan import BadPickle, leaf_values, scan_pickle  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "user_scripts" / "lowprec_torchsave_train.py"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "lowprec_torchsave_train.py"
 BASE = "model.base.weight"
 
 

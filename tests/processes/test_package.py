@@ -50,7 +50,7 @@ def test_each_integration_extra_admits_the_framework_versions_the_tests_pin():
 
     from packaging.requirements import Requirement
 
-    extras = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())[
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
         "project"]["optional-dependencies"]
     pinned = {(r := Requirement(line)).name: next(iter(r.specifier)).version for line in extras["frameworks"]}
     for extra in ("lightning", "transformers", "accelerate", "torchtitan"):
@@ -89,7 +89,7 @@ def test_only_ckptverify_s_own_warnings_count_even_in_a_folder_named_ckptverify(
     import os
     import warnings
 
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/, whose frameworks package holds it
     try:
         from frameworks.harness import ckptverify_warnings
     finally:

@@ -21,7 +21,7 @@ from ckptverify.verifier import parts as parts_mod
 
 # ---------------------------------------------------------------------------------- a production job on two nodes
 
-PRODUCTION_SCRIPT = Path(__file__).parent / "user_scripts" / "production_train.py"
+PRODUCTION_SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "production_train.py"
 
 
 def _two_node_job(run_dir: Path, steps: int, save_every: int, *extra: str) -> None:

@@ -21,7 +21,7 @@ from ckptverify.ownfiles.events import read_events
 from ckptverify.replay.replay import replay
 from ckptverify.runs.stamp import read_stamp
 
-SCRIPT = Path(__file__).with_name("production_workload.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "production_workload.py"
 #: What a replay runs: the function run.json records, named by the caller (a run directory is data).
 TARGET = f"{SCRIPT.resolve()}:train"
 SITE = "blocks.0.mlp.fc.weight"

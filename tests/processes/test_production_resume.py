@@ -29,7 +29,7 @@ from ckptverify.runs.prune import prune
 from ckptverify.runs.scan import scan_run_dir
 from ckptverify.runs.stamp import read_stamp, read_suspect
 
-SCRIPTS = Path(__file__).with_name("user_scripts")
+SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 SCRIPT = SCRIPTS / "production_train.py"
 # Rank 1's copy of the first layer's weight gets one bit flipped at the end of step 3: under DDP nothing
 # re-synchronizes parameters, so the replicas differ from then on.

@@ -1,5 +1,5 @@
 """`replay` on a real fault and on the input causes planted before it (the jobs, and what replay may blame:
-tests/test_replay_verdicts.py).
+tests/processes/test_replay_verdicts.py).
 
 A flipped activation with equal inputs is a suspected fault of its rank, and each input cause planted before
 that same fault is named as that cause, not as the hardware.

@@ -1,4 +1,4 @@
-"""`replay` and the rank it names (the jobs, and what replay may blame: tests/test_replay_verdicts.py).
+"""`replay` and the rank it names (the jobs, and what replay may blame: tests/processes/test_replay_verdicts.py).
 
 Which rank a suspected fault is pinned on (DDP on two ranks, and the rule itself), and that without recorded
 inputs no cause and no rank is named.

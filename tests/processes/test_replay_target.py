@@ -20,7 +20,7 @@ from ckptverify.cli import main
 from ckptverify.errors import UsageError
 from ckptverify.replay.replay import replay
 
-SCRIPTS = Path(__file__).with_name("user_scripts")
+SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 PRINTING = SCRIPTS / "printing_train.py"
 #: Options no replay error may advise: they belong to other commands (trace diff) or to Python.
 FOREIGN = ("--allow-header-mismatch", "force=True")

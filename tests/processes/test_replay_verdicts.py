@@ -8,7 +8,8 @@ AdamW, OneCycleLR, gradient clipping, dropout, an EMA; DDP on two ranks), starte
 (tests/helpers/replay_jobs.py).
 
 Here: noise in the data pipeline is data or nondeterminism, never hardware. A real fault, and the input causes
-planted before it, are in tests/test_replay_planted_causes.py; which rank is named, in tests/test_replay_ranks.py.
+planted before it, are in tests/processes/test_replay_planted_causes.py; which rank is named, in
+tests/processes/test_replay_ranks.py.
 """
 
 from __future__ import annotations

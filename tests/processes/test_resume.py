@@ -16,7 +16,7 @@ from ckptverify.resume.harness import Outcome, Plan, WorkloadCrashedError, resum
 WORKLOADS = "ckptverify.examples.workloads"
 
 
-# The verdict of every built-in and planted workload on 1 and 2 ranks: tests/test_diagnosis.py (one launch per
+# The verdict of every built-in and planted workload on 1 and 2 ranks: tests/processes/test_diagnosis.py (one launch per
 # run for all of them).
 
 

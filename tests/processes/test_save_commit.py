@@ -29,7 +29,7 @@ from ckptverify.errors import SaveFailedError
 from ckptverify.ownfiles.manifest import MANIFEST_FILE
 
 # The jobs are scripts/chaos_save.py's own (the tool runs them at random kill points; these tests at chosen ones).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import chaos_save as chaos
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",

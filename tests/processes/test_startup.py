@@ -113,7 +113,7 @@ def test_side_file_beside_dcp_is_still_checked(fresh_ckpt, tmp_path: Path, side_
     assert "ckptverify.checks.single" in modules
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_startup_prints_medians_ratios_and_imports(tmp_path: Path) -> None:

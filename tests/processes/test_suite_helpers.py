@@ -17,7 +17,7 @@ from helpers import faults
 from helpers.multiproc import spawn_ranks
 from hypothesis import settings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _report_rank(rank: int, world: int, out_dir: str) -> None:
@@ -120,4 +120,11 @@ def test_every_test_runs_under_a_timeout_and_the_readme_runs_the_suite_in_parall
     assert "--dist loadfile --no-loadscope-reorder" in blocks[1], blocks[1]
     import conftest
 
-    assert [n for n in conftest.START_FIRST if not (REPO / "tests" / n).is_file()] == []
+    assert [n for n in conftest.START_FIRST if not list((REPO / "tests").rglob(n))] == []
+
+
+def test_test_file_basenames_are_unique_across_folders() -> None:
+    """pytest imports each test file by its basename (the default import mode), test modules import one another
+    by it (conftest.py puts every folder on ``sys.path``), and START_FIRST names files by it."""
+    names = [p.name for p in (REPO / "tests").rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

@@ -5,7 +5,7 @@ reads them all back once per step: the copy starts when the step is recorded and
 (a read that waits for the device, one per category, batch element and metric, is what made tracing a GPU job
 expensive). ``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1``
 sends host tensors down that path, so these tests run it here, in a fresh interpreter (the switch is read at
-import). tests/test_cuda.py runs the production and replay tests on a real GPU.
+import). tests/gpu/test_cuda.py runs the production and replay tests on a real GPU.
 """
 
 from __future__ import annotations

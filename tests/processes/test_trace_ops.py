@@ -17,7 +17,7 @@ from ckptverify.resume.run import Run, RunConfig
 from ckptverify.trace import LEVELS, TraceHeader, compare_traces, open_trace, recompute_findings
 from ckptverify.trace.oplog import OpWindow, op_steps, ops_dropped, read_ops, window_from_dict
 
-SCRIPT = Path(__file__).parent / "user_scripts" / "optrace_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "optrace_train.py"
 STEPS = 3
 
 
@@ -287,7 +287,7 @@ for folder, skew in zip(sys.argv[2::2], sys.argv[3::2], strict=True):
 
 def test_op_log_on_the_device_path(tmp_path, device="cpu"):
     """Accelerator tensors (on CPU: host ones sent the device way): fingerprints computed in the step, read back
-    with the row, and the op log written when they arrive. ``tests/test_trace_ops_cuda.py`` runs it on CUDA."""
+    with the row, and the op log written when they arrive. ``tests/gpu/test_trace_ops_cuda.py`` runs it on CUDA."""
     import subprocess
 
     env = {**os.environ, "CKPTVERIFY_TRACE_HOST_AS_DEVICE": "1" if device == "cpu" else "0"}
@@ -319,9 +319,9 @@ def test_resume_check_reports_a_recompute_mismatch_of_its_own_run(monkeypatch):
 
 
 #: The NVTX test's run, in an interpreter of its own. In the suite's process, after the fingerprint kernel was
-#: compiled for the tests' tiny block geometry (``small_blocks`` in ``test_savefp_beside``: blocks of 4 x 16, which
-#: no save compiles), the traced script's custom op failed inside torch's dispatcher (``vector::reserve``,
-#: ``bad_alloc``, once a crash) in 5 of 30 runs; with that one test left out, in none of 20.
+#: compiled for the tests' tiny block geometry (``small_blocks`` in ``test_save_fingerprint_beside_writes``:
+#: blocks of 4 x 16, which no save compiles), the traced script's custom op failed inside torch's dispatcher
+#: (``vector::reserve``, ``bad_alloc``, once a crash) in 5 of 30 runs; with that one test left out, in none of 20.
 _NVTX_CHILD = """
 import json, sys
 from pathlib import Path

@@ -101,7 +101,7 @@ class _Mutator(threading.Thread):
 
 
 def _verify(path: Path, *extra: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[1]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
                                                                      os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-m", "ckptverify", "verify", "--no-progress", "--json", *extra,
                            str(path)], capture_output=True, text=True, timeout=TIMEOUT, env=env)

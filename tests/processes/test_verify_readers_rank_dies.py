@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers.multiproc import process_gone
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Generous: two ranks and their start-up on a busy 2-core machine; a hang fails the test instead of the run.
 TIMEOUT = 300
 

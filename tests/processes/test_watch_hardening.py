@@ -29,7 +29,7 @@ from ckptverify.verifier.notify import DirectoryNotifier
 from ckptverify.verifier.watch import watch
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify and FIFOs as on Linux")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: A command that regressed into blocking on a FIFO fails the test at this bound instead of hanging the suite.
 HANG_LIMIT_S = 60
 

@@ -30,7 +30,7 @@ from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp
 from ckptverify.verifier import background
 from ckptverify.verifier.background import BackgroundVerifier, VerifyFailedWarning
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import ckptverify as cv
 from ckptverify.errors import UsageError
 from ckptverify.state.dataloader import loader_state, restore_loader
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Stream(IterableDataset):

@@ -30,7 +30,7 @@ from ckptverify.formats.describe import describe, iter_payload_blocks
 from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
 from ckptverify.safeparse.torchsave import SubclassHeader, item_header
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _found(report: Any, severity: str) -> list[Any]:

@@ -29,7 +29,7 @@ from ckptverify.fingerprint import tensor_fingerprint
 from ckptverify.formats.describe import Description, read_tensor
 from ckptverify.safeparse.zipwalk import parse_archive
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager

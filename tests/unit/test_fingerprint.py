@@ -664,7 +664,7 @@ def test_every_path_computes_the_reference(dtype: torch.dtype, shape: tuple[int,
     definition of the mix element by element), over every dtype, shapes of odd lengths and no elements, chunks at
     offsets and non-contiguous views: numpy's one-shot formula and host path, eager torch, the many-tensor path,
     the adoption's batched numpy path, and the public entry under each CPU backend. (The compiled kernel: below;
-    the Triton kernel: tests/test_fingerprint_triton.py and, on a GPU, tests/test_cuda.py.)"""
+    the Triton kernel: tests/processes/test_fingerprint_triton.py and, on a GPU, tests/gpu/test_cuda.py.)"""
     from ckptverify.audit.adopt import _BATCHED_DTYPES, _whole_lanes
 
     whole = make_tensor(dtype, shape, seed)

@@ -5,7 +5,7 @@ on purpose, never during a CUDA graph capture, and fall back to eager torch for 
 The many-tensor kernel copies at most a bounded buffer at a time, builds its tables with tensor operations, and
 keeps an evicted table alive for the streams that used it. The CUDA calls go through small module functions
 (``device._cuda_scope``, ``device._side_stream``, the Triton launchers), which these tests replace to watch them
-on tensors that report a CUDA device while their data is on the CPU. tests/test_cuda.py and
+on tensors that report a CUDA device while their data is on the CPU. tests/gpu/test_cuda.py and
 scripts/gpu_check*.sh run the real thing on GPUs.
 """
 

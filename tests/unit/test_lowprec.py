@@ -35,8 +35,8 @@ from ckptverify.fingerprint import chunk_fingerprint, part_fingerprints, tensor_
 from ckptverify.safeparse.torchsave import SubclassHeader, item_header, tensor_header  # noqa: E402
 from ckptverify.trace.category import HostViews, tensor_digests  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "user_scripts" / "lowprec_adapter_train.py"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "lowprec_adapter_train.py"
 
 
 def _mx(seed: int = 0, rows: int = 4, cols: int = 64) -> MXTensor:

@@ -21,7 +21,7 @@ from ckptverify.ownfiles import manifest as mf
 
 @pytest.fixture(scope="module")
 def adopted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("verifycat-manifest") / "ckpt"
+    root = tmp_path_factory.mktemp("manifest-digests") / "ckpt"
     g = torch.Generator().manual_seed(5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

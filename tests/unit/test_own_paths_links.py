@@ -23,7 +23,7 @@ from ckptverify.runs.stamp import write_suspect_note
 from ckptverify.trace.ops import _capture, write_op_log
 from ckptverify.trace.store import TraceHeader, TraceWriter
 
-SCRIPT = Path(__file__).with_name("user_scripts") / "production_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "production_train.py"
 
 
 def _evidence(run: Path, name: str = "step_4") -> dict[str, bytes]:

@@ -28,7 +28,7 @@ from ckptverify.state.rng import (
     rng_fingerprints,
 )
 
-TESTS_DIR = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # this file's folder; its parent, tests/, holds the shared helpers
 N = 64
 
 
@@ -91,7 +91,7 @@ def test_every_kind_is_captured_and_restored() -> None:
     kinds = set(state)
     assert {"python", "numpy", "torch_cpu", "gen.loader", "gen.dropout"} <= kinds
     assert not any(k.startswith("cuda.") for k in kinds)  # version 1's kinds (one per visible device): read only
-    # The rank's own device's stream, only in a process that uses CUDA (tests/test_rng_cuda_roles.py).
+    # The rank's own device's stream, only in a process that uses CUDA (tests/unit/test_rng_cuda_roles.py).
     assert ("cuda" in kinds) == ("cuda_device" in kinds) == torch.cuda.is_initialized()
     assert state["gen.loader"]["device"] == "cpu"
     assert state["torch_cpu"].dtype == torch.uint8
@@ -183,7 +183,7 @@ def test_dcp_round_trip_restores_in_fresh_process(tmp_path: Path) -> None:
 
     out = tmp_path / "fresh.json"
     code = (
-        f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r}); import test_rng; "
+        f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]; import test_rng; "
         f"test_rng._fresh_process_restore({str(ckpt)!r}, {str(out)!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": "1"})

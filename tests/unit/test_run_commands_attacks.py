@@ -29,7 +29,7 @@ from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier.stamper import verify_and_stamp
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: A command that regressed into a hang fails the test at this bound instead of hanging the suite.
 HANG_LIMIT_S = 300
 #: A watcher stops on SIGINT at its next check of signals: seconds, even on a loaded machine.

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from test_fingerprint import backend, small_blocks
-from test_savefp_counts import compiled, planted  # noqa: F401  (compiled: a fixture)
+from test_save_fingerprint_counts import compiled, planted  # noqa: F401  (compiled: a fixture)
 from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
 
 import ckptverify.dcp.writer as w

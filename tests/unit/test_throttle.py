@@ -36,7 +36,7 @@ from ckptverify.verifier.throttle import (
     throttle_enabled,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _stat(*cpus: tuple[int, int, int, int], running: int = 1) -> str:
@@ -464,7 +464,7 @@ def _can_raise_priority() -> bool:
     code = ("from ckptverify.verifier.worker import lower_priority, restore_priority\n"
             "lower_priority('idle', whole_process=True)\nprint(restore_priority(0))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert done.returncode == 0, done.stderr
     return done.stdout.strip() == "True"
 

@@ -20,7 +20,7 @@ from ckptverify.trace.category import combine_digests
 from ckptverify.trace.cells import _metric_cell, _metric_item
 
 _MASK64 = (1 << 64) - 1
-BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_trace.py"
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_trace.py"
 
 
 def test_category_cell_lanes_are_the_sums_of_the_low_halves() -> None:

@@ -37,7 +37,7 @@ CUTS = [(64 * KIB, 64 * KIB), (64 * KIB, 128 * KIB), (96 * KIB, 64 * KIB)]
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One DCP checkpoint (one file) whose tensor payload spans many pieces, segments and blocks; where that
     payload and its item lie in the file."""
-    root = tmp_path_factory.mktemp("verifycat") / "ckpt"
+    root = tmp_path_factory.mktemp("read-boundaries") / "ckpt"
     g = torch.Generator().manual_seed(21)
     # Above content.SMALL_ITEM_BYTES (1 MiB: read whole, CRCs from memory), so it takes the piecewise paths;
     # an odd length: the last piece, segment and block are partial.
