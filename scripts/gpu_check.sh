@@ -6,8 +6,8 @@
 #                       0-dim, empty, transposed, unaligned storage offset, indices past 2**32, a tensor of more
 #                       than 2**32 elements where memory allows, under a non-default stream
 #   many         (40 s) the many-tensor fingerprint equals eager; its peak extra memory stays bounded
-#   tests       (240 s) the CUDA tests (tests/test_cuda.py, tests/test_*_cuda.py, the CUDA RNG test in
-#                       tests/test_rng.py) and the device-placement tests (tests/test_fingerprint_devices.py)
+#   tests       (240 s) the CUDA tests (tests/gpu/, the CUDA RNG test in tests/unit/test_rng.py) and the
+#                       device-placement tests (tests/unit/test_fingerprint_devices.py)
 #   throughput   (40 s) fingerprint GB/s per backend against clone
 #   train        (90 s) a one-rank NCCL job trains a ~1B-parameter bf16 transformer (FSDP2, activation
 #                       checkpointing) through ckptverify.Run at trace levels none / state / comm: per level the
@@ -23,9 +23,9 @@
 #   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--bench]
 #
 # --dry-run (or CKPTVERIFY_GPU_DRY_RUN=1) runs the Python parts on the CPU with tiny sizes (train over Gloo) and
-# skips the GPU tests: tests/test_gpu_scripts.py runs it, so CI proves the script works. Logs go to OUT_DIR (default
-# gpu-check/). Exit 0 when every part passed; the parts that failed are listed at the end. PYTHON picks the
-# interpreter. Two or more GPUs: scripts/gpu_check_multi.sh.
+# skips the GPU tests: tests/processes/test_gpu_scripts.py runs it, so CI proves the script works. Logs go to
+# OUT_DIR (default gpu-check/). Exit 0 when every part passed; the parts that failed are listed at the end. PYTHON
+# picks the interpreter. Two or more GPUs: scripts/gpu_check_multi.sh.
 set -u -o pipefail
 out=gpu-check
 dry=${CKPTVERIFY_GPU_DRY_RUN:-0}
@@ -64,9 +64,8 @@ fi
 part parity 120 $py scripts/gpu_parity.py --part parity "${flag[@]}"
 part many 40 $py scripts/gpu_parity.py --part many "${flag[@]}"
 if [ "$dry" != 1 ]; then
-    # shellcheck disable=SC2046  # the glob's files, one word each
-    part tests 240 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py $(cd "$here" && ls tests/test_*_cuda.py) \
-        tests/test_rng.py tests/test_fingerprint_devices.py -m "not slow"
+    part tests 240 $py -m pytest -q -p no:cacheprovider tests/gpu \
+        tests/unit/test_rng.py tests/unit/test_fingerprint_devices.py -m "not slow"
 fi
 part throughput 40 $py scripts/gpu_parity.py --part throughput "${flag[@]}"
 part train 90 $py scripts/gpu_train_check.py --part train "${flag[@]}"

@@ -18,7 +18,7 @@
 #
 # --dry-run (or CKPTVERIFY_GPU_DRY_RUN=1) runs the same parts on the CPU with tiny sizes (Gloo for dtensor; remap
 # saves and restores the CPU stream in a fresh process and skips its CUDA parts):
-# tests/test_gpu_scripts.py runs it. Logs go to OUT_DIR (default gpu-check-multi/). Exit 0 when every part
+# tests/processes/test_gpu_scripts.py runs it. Logs go to OUT_DIR (default gpu-check-multi/). Exit 0 when every part
 # passed. PYTHON picks the interpreter.
 set -u -o pipefail
 out=gpu-check-multi

@@ -18,7 +18,7 @@ Each part prints what it checked and exits non-zero on the first disagreement:
   shard is offloaded to the CPU, fingerprint as their full tensors, without a gather.
 
 ``--dry-run`` runs the same code on the CPU with tiny sizes (device ``cpu``, Gloo for ``dtensor``), so the CPU
-test suite proves the script works (tests/test_gpu_scripts.py).
+test suite proves the script works (tests/processes/test_gpu_scripts.py).
 
     python scripts/gpu_parity.py --part parity [--dry-run]
 """

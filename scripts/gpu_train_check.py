@@ -28,7 +28,7 @@ Each part prints what it measured and exits non-zero when its check fails:
 ``--dry-run`` (or ``CKPTVERIFY_GPU_DRY_RUN=1``) runs the same code on the CPU with tiny sizes: ``train`` over Gloo
 with a model of a few thousand parameters (memory as the process's RSS; synchronizations "n/a"), ``saveload``
 with a tiny model (memory not measured), ``remap`` saving and loading the CPU stream in fresh processes (the CUDA
-parts skipped, and said so). tests/test_gpu_scripts.py runs them.
+parts skipped, and said so). tests/processes/test_gpu_scripts.py runs them.
 
     python scripts/gpu_train_check.py --part train|saveload|remap [--dry-run]
 """

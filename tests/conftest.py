@@ -1,7 +1,9 @@
 """Shared fixtures: real DCP checkpoints, built once per session, handed out as fresh copies.
 
 ``tests/`` is put on ``sys.path`` so test modules import the shared helpers as ``from helpers import ...``
-(``tests/helpers/``: starting ranks, planting faults, building checkpoints).
+(``tests/helpers/``: starting ranks, planting faults, building checkpoints); so is each folder of test files
+(``unit``, ``processes``, ``fuzz``, ``gpu``; ``frameworks`` is a package), so that one test module imports
+another by its basename.
 
 Hypothesis runs under the ``ci`` profile unless ``HYPOTHESIS_PROFILE`` names another: the same examples every
 run (derandomized, no example database), so CI and the README's test command are steady; no deadline (a
@@ -27,9 +29,12 @@ from hypothesis import HealthCheck, settings
 # counts set their own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# tests/ for the shared modules, and each folder of test files, so that a test module imports another by its
+# basename wherever the two are and whichever file pytest was given (basenames are unique across folders).
 TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
+for folder in (TESTS_DIR, *(TESTS_DIR / kind for kind in ("unit", "processes", "fuzz", "gpu"))):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 from helpers import ckpt_factory  # noqa: E402
 
@@ -43,7 +48,7 @@ os.environ["CKPTVERIFY_STRICT_EVENTS"] = "1"
 START_FIRST = (
     "test_cluster_verify.py", "test_diagnosis.py", "test_production_resume.py", "test_production.py",
     "test_gpu_scripts.py", "test_replay_planted_causes.py", "test_parts_among_nodes.py",
-    "test_harness_user_script.py", "test_save_commit.py", "test_itemscale_bench.py", "test_replay_verdicts.py",
+    "test_harness_user_script.py", "test_save_commit.py", "test_bench_items.py", "test_replay_verdicts.py",
     "test_verdict_ranks_ddp.py", "test_ladder.py", "test_integrations_torchtitan.py", "test_replay_ranks.py",
     "test_verify_faults.py", "test_remote_verify.py", "test_cli_json_user_output.py", "test_fingerprint.py",
     "test_cluster_commands.py", "test_parts_torchrun_job.py", "test_integrations_accelerate.py",

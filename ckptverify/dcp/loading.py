@@ -6,7 +6,7 @@ them with ``weights_only=True`` (torch's allowlist: containers, numbers, strings
 value is refused instead of executed. :func:`flat_names` gives the flattened names (``model.0.weight``,
 ``optim.param_groups.0.lr``) under which DCP stores each entry, as the manifest and ``.metadata`` list them.
 
-This module touches DCP internals (``set_element``, ``flatten_state_dict``); ``tests/test_train_state.py``
+This module touches DCP internals (``set_element``, ``flatten_state_dict``); ``tests/processes/test_train_state.py``
 breaks loudly if they change.
 """
 

@@ -23,7 +23,7 @@ this save is written after its commit.
 
 This module and :mod:`ckptverify.dcp.metadata` are the only ones that touch DCP's private classes
 (``_StorageInfo``, ``FileSystem.create_stream``, ``FileSystemWriter.fs``, ``WriteResult``); the tests in
-``tests/test_save.py`` check every assumption made here against the installed torch.
+``tests/unit/test_save.py`` check every assumption made here against the installed torch.
 """
 
 from __future__ import annotations

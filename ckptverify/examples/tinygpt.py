@@ -20,8 +20,9 @@ Determinism (same seed, fresh processes):
 * FSDP2 on gloo: with two ranks each gradient element is the sum of exactly two addends, and floating-point addition
   is commutative, so the reduce-scatter result does not depend on the order in which the ranks' contributions
   arrive; the 1/world_size scaling is a fixed multiplication. Two launches therefore give bitwise-identical losses
-  (checked in ``tests/test_examples.py``). With more than two ranks the sum of three or more addends depends on the
-  reduction order, which gloo fixes by its algorithm for a given world size and message size, not by contract.
+  (checked in ``tests/processes/test_examples.py``). With more than two ranks the sum of three or more addends
+  depends on the reduction order, which gloo fixes by its algorithm for a given world size and message size, not
+  by contract.
 """
 
 from __future__ import annotations

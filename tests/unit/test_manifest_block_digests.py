@@ -1,0 +1,111 @@
+"""Reading a manifest checks its block digests in a few passes over all of them at once; it refuses exactly what
+checking them one by one refused, and names the first bad one the same way."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptverify.audit.adopt import fingerprint_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
+from ckptverify.errors import ManifestError
+from ckptverify.fingerprint.digest import digest_bytes, hexdigest_of
+from ckptverify.ownfiles import manifest as mf
+
+
+@pytest.fixture(scope="module")
+def adopted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("manifest-digests") / "ckpt"
+    g = torch.Generator().manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(64 * 1024, generator=g), "v": torch.randn(9000, generator=g)},
+                 storage_writer=dcp.FileSystemWriter(str(root), thread_count=1))
+    report, manifest = fingerprint_checkpoint(str(root), block_bytes=4096)
+    assert report.passed and manifest is not None
+    return root
+
+
+def _rewrite(root: Path, edit: Any) -> None:
+    """Edit the manifest's JSON and seal it again (a valid self-digest): only the field check can refuse it."""
+    path = root / mf.MANIFEST_FILE
+    body = json.loads(path.read_text())
+    del body["self_digest"]
+    edit(body)
+    body["self_digest"] = mf._self_digest(body)
+    path.write_text(json.dumps(body))
+
+
+def _item_with_blocks(body: dict) -> dict:
+    return next(i for i in body["items"] if len(i["blocks"]) > 3)
+
+
+BAD_BLOCKS = {
+    "upper case": lambda b: b.upper(),
+    "one character short": lambda b: b[:-1],
+    "one character long": lambda b: b + "0",
+    "not hex": lambda b: "g" + b[1:],
+    "a NUL": lambda b: "\x00" + b[1:],
+    "too long for a digest field": lambda b: b * 5,
+    "a number": lambda b: 7,
+    "null": lambda b: None,
+}
+
+
+@pytest.mark.parametrize("where", [0, 2, -1], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("bad", list(BAD_BLOCKS), ids=list(BAD_BLOCKS))
+def test_a_bad_block_digest_anywhere_is_refused(adopted: Path, tmp_path: Path, bad: str, where: int) -> None:
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(adopted, root)
+
+    def edit(body: dict) -> None:
+        item = _item_with_blocks(body)
+        item["blocks"][where] = BAD_BLOCKS[bad](item["blocks"][where])
+
+    _rewrite(root, edit)
+    with pytest.raises(ManifestError) as exc:
+        mf.read_manifest(str(root))
+    if bad in ("a number", "null", "a NUL", "too long for a digest field"):
+        assert "wrong structure" in str(exc.value)
+    else:
+        assert "a block digest of item" in str(exc.value)
+    report = verify_checkpoint(str(root))
+    assert not report.passed and "manifest-invalid" in {f.check for f in report.findings}
+
+
+def test_block_digests_read_back_as_written(adopted: Path) -> None:
+    manifest = mf.read_manifest(str(adopted))
+    assert manifest is not None
+    written = json.loads((adopted / mf.MANIFEST_FILE).read_text())
+    assert [list(i.blocks) for i in manifest.items] == [i["blocks"] for i in written["items"]]
+    assert sum(len(i.blocks) for i in manifest.items) > 60
+    assert mf._block_digests_valid((), 32) and not mf._block_digests_valid(("",), 32)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "sha256"])
+def test_hexdigest_of_is_digest_bytes(algorithm: str) -> None:
+    data = bytes(range(256)) * 40
+    one = hexdigest_of(algorithm)
+    for n in (0, 1, 2047, 2048, len(data)):
+        assert one(memoryview(data)[:n]) == digest_bytes(data[:n], algorithm)
+    with pytest.raises(Exception, match="unknown digest algorithm"):
+        hexdigest_of("md5")
+
+
+def test_block_strings_refuse_what_the_field_check_refused() -> None:
+    class Text(str):
+        pass
+
+    good = ["0" * 32, "f" * 32]
+    assert mf._block_strings(good) == tuple(good) and mf._block_strings([]) == ()
+    for bad in ([Text("0" * 32)], ["0" * 32, 5], ["a" * 129], ["ab\x00"], [None]):
+        with pytest.raises(ValueError):
+            mf._block_strings(bad)
