@@ -1,17 +1,8 @@
 """Per-step traces: record fingerprints of every training step, and find where two runs first diverge.
 
-* :class:`TraceRecorder` records one row per step (metrics, and at higher levels the batch, gradients,
-  parameters, optimizer state, non-tensor state, module outputs and input gradients) into a rank-local
-  zarr store ``<run_dir>/rank<r>``; tensor categories as one cell each (detail ``category``), or one cell
-  per tensor as well (detail ``tensor``), see :mod:`ckptverify.trace.category`;
-* :class:`TraceWriter` / :func:`open_trace` write and read one store;
-* :func:`compare_traces` / :func:`compare_runs` return findings, :func:`first_divergence` the structured
-  first divergence; :func:`recompute_findings` the recomputed forwards that differ from their forward;
-* levels ``comm`` and ``op``: collectives and the op log (:mod:`ckptverify.trace.ops`), read back with
-  :func:`ckptverify.trace.oplog.read_ops`.
-
-The layout, levels, site names and comparison semantics are documented in ``docs/trace.md``.
-"""
+:class:`TraceRecorder` writes one row per step to a rank-local store ``<run_dir>/rank<r>``; :class:`TraceWriter` /
+:func:`open_trace` write and read one store; :func:`compare_traces`, :func:`compare_runs` and
+:func:`first_divergence` compare. Layout, levels, site names and semantics: ``docs/trace.md``."""
 
 from __future__ import annotations
 

@@ -1,34 +1,19 @@
-"""Tensor digests for traces, and category cells: one cell that stands for every tensor of a category and still
-names the tensor when only one of them differs.
+"""Tensor member digests, and category cells: one cell for every tensor of a category that still names the tensor when
+only one differs.
 
-**Member digests.** Each tensor a trace records gets a 128-bit digest (:func:`tensor_digests`): in host memory,
-xxh3-128 of its bytes xor a 128-bit signature of its dtype and shape (one C call per tensor, which releases the
-GIL while it reads; a seeded xxh3 would derive a new secret at every call); on an accelerator, the logical
-fingerprint (:mod:`ckptverify.fingerprint.kernels`), computed there for all tensors of a list in one batched
-pass. A trace only compares runs of one configuration, so a digest that
-changes with every bit this rank holds is all a site needs. A tensor subclass that keeps its values in inner
-tensors (torchao's ``MXTensor``, ``NVFP4Tensor``; :mod:`ckptverify.fingerprint.subclass`) is digested by its
-parts (:func:`subclass_digest`): the digest of its class, outer dtype and shape, flatten context and each inner
-tensor's member digest, so equal data with different scales differ.
+Member digest (:func:`tensor_digests`): on the host xxh3-128 of the bytes xor a dtype/shape signature (an unseeded call:
+a seeded xxh3 derives a secret per call); on a device the logical fingerprint, batched. Traces compare runs of one
+configuration only, so this suffices. A wrapper subclass is digested by its parts (:func:`subclass_digest`), so equal
+data with different scales differ.
 
-**Category cells.** A category (the gradients, the parameters, the optimizer state, the non-persistent buffers)
-holds many tensors; one cell per tensor per step is what made tracing expensive. The category cell sums the low
-64 bits ``l_j`` of its members' digests, modulo 2**64::
+Category cell, over members' low 64 bits ``l_j``, modulo 2**64::
 
-    lane 0 = sum of l_j
-    lane 1 = sum of w(name_j) * l_j
+    lane 0 = sum of l_j        lane 1 = sum of w(name_j) * l_j      (w odd, :func:`weight`)
 
-with ``w(name)`` an odd 64-bit weight drawn from the member's site name (:func:`weight`). Any change of a member
-changes lane 0 (unless the low halves of its two digests are equal: odds 2**-64). When exactly one member ``j``
-differs between two runs, ``Δlane1 = w(name_j) * Δlane0``: with ``Δlane0 = 2**k * u`` (``u`` odd), ``w(name_j)``
-is known modulo ``2**(64-k)`` (:func:`locate`), so a trace that holds the members' names (one recorded with
-``detail="tensor"``, such as a replay) names the tensor. When several members differ the quotient is a random
-number that matches no member (odds about n / 2**(64-k)). Members are summed, so the order in which they are
-digested does not matter, and a member absent in one run (a parameter without a gradient) counts as a
-difference of that member. On the host the sums are Python integer arithmetic over the members' digests (a
-category has tens to thousands of members: numpy's per-call cost, paid cold after every training step, is
-larger than the sums themselves).
-"""
+When exactly one member differs, ``Δlane1 = w * Δlane0`` gives ``w`` modulo ``2**(64-k)`` (:func:`locate`), so a
+``detail="tensor"`` trace names it; several differing members match none (odds about n / 2**(64-k)). Sums are
+order-free, an absent member counts as a difference, and host sums use Python ints (cheaper than numpy's per-call
+cost at these sizes)."""
 
 from __future__ import annotations
 
@@ -71,22 +56,19 @@ def weight(name: str) -> int:
 
 
 def combine(lows: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
-    """The two lanes of a category cell over members whose digests' low halves are ``lows`` (64-bit unsigned
-    integers), with these ``weights``: sums modulo 2**64."""
+    """The two lanes of a category cell over members' low halves ``lows`` with ``weights`` (sums mod 2**64)."""
     return sum(lows) & _MASK64, sum(map(_mul, lows, weights)) & _MASK64
 
 
 def combine_digests(digests: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
     """:func:`combine` over whole 128-bit member digests (their low halves are what a category cell sums)."""
-    # Sums modulo 2**64 see only the low halves: summing the whole digests gives the same lanes without
-    # building the list of low halves (a third of the cost, per category cell, per step).
+    # Mod 2**64 only the low halves count: no need to build the list of them (a third of the cost).
     return sum(digests) & _MASK64, sum(map(_mul, digests, weights)) & _MASK64
 
 
 def locate(expected: Sequence[int], actual: Sequence[int]) -> tuple[int, int] | None:
-    """What the one member whose change turns category cell ``expected`` into ``actual`` must weigh: ``(w,
-    bits)``, its weight modulo ``2**bits`` (see :func:`matches`); ``None`` when the cells are equal or no
-    single member explains the difference."""
+    """The weight modulo ``2**bits`` that the one member turning cell ``expected`` into ``actual`` must have, as
+    ``(w, bits)`` (see :func:`matches`); ``None`` when equal or no single member explains it."""
     d0 = (int(actual[0]) - int(expected[0])) & _MASK64
     d1 = (int(actual[1]) - int(expected[1])) & _MASK64
     if d0 == 0:
@@ -105,11 +87,8 @@ def matches(name: str, located: tuple[int, int]) -> bool:
     return weight(name) & ((1 << bits) - 1) == w
 
 
-# ------------------------------------------------------------------------------------------- digests
-
-
 def signature(dtype: Any, shape: tuple[int, ...]) -> int:
-    """The 128-bit value a host tensor's byte digest is xor-ed with: xxh3-128 of its dtype and shape."""
+    """xxh3-128 of a dtype and shape: what a host tensor's byte digest is xor-ed with."""
     key = (dtype, shape)
     sig = _signatures.get(key)
     if sig is None:
@@ -138,13 +117,9 @@ def host_digest(t: torch.Tensor) -> int:
 
 
 def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """The member digest of each tensor (unsigned 128-bit integers), in order.
-
-    Host tensors: :func:`host_digest`. Tensors on an accelerator: the logical fingerprint's two lanes
-    (``lane0 << 64 | lane1``), computed on their device in one batched pass per device
-    (:func:`ckptverify.fingerprint.kernels.lanes_many`) and read back once. A DTensor stands for its local
-    shard (what this rank holds).
-    """
+    """The member digest of each tensor (unsigned 128-bit), in order: :func:`host_digest` on the host; on a device
+    ``lane0 << 64 | lane1`` of the fingerprint, one batched pass and read-back per device. A DTensor stands for its
+    local shard."""
     from ckptverify.fingerprint import _dtensor_type
     from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
@@ -169,10 +144,8 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
 
 
 def subclass_digest(t: torch.Tensor) -> int:
-    """The member digest of a tensor subclass with inner tensors: xxh3-128 of the canonical JSON text of its
-    class, outer dtype and shape, flatten context (:func:`ckptverify.fingerprint.subclass.flatten`; an attribute
-    without a canonical form by its type only) and each inner tensor's name and member digest
-    (:func:`tensor_digests`: bytes on the host, the logical fingerprint on a device, read back now)."""
+    """Member digest of a wrapper subclass: xxh3-128 of the canonical JSON of its class, outer dtype and shape,
+    flatten context (uncanonical attributes by type) and each inner tensor's member digest."""
     import json
 
     from ckptverify.fingerprint.subclass import flatten
@@ -199,10 +172,9 @@ def digest_lanes(d: int) -> tuple[int, int]:
 
 
 class HostViews:
-    """Digests of a fixed list of host tensors whose storage stays put from step to step (parameters,
-    optimizer state, buffers, all updated in place): the numpy views and signatures are made once, and each
-    call costs one C call per tensor. :meth:`digests` returns ``None`` when a tensor's storage moved (``p.data
-    = ...``): the caller rebuilds."""
+    """Digests of host tensors whose storage stays put across steps (parameters, optimizer state, buffers): views and
+    signatures made once, one C call per tensor per step. :meth:`digests` returns ``None`` when a storage moved
+    (``p.data = ...``): the caller rebuilds."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[Any] | None = None) -> None:
         import torch
@@ -210,21 +182,19 @@ class HostViews:
         from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
         self.tensors = list(tensors)
-        #: What to read data pointers from to see a moved storage (e.g. the Parameter a state-dict alias
-        #: was taken from); defaults to the tensors themselves.
+        #: Read data pointers from these to see a moved storage (e.g. the Parameter behind a state-dict alias).
         self.owners = list(owners) if owners is not None else self.tensors
-        # Tensor subclasses (MXTensor, ...) have no bytes of their own: digested by their parts at each call.
         self._subclassed = [n for n, t in enumerate(self.tensors) if is_wrapper_subclass(t)]
         plain = not self._subclassed and not any(is_wrapper_subclass(o) for o in self.owners)
         self.views = [None if n in self._subclassed else host_view(t) for n, t in enumerate(self.tensors)]
         self.signatures = [signature(t.dtype, tuple(t.shape)) for t in self.tensors]
         self._ptr = torch.Tensor.data_ptr if plain else _pointer
         self.pointers = list(map(self._ptr, self.owners))
-        # A non-contiguous tensor's view is a copy: it must be made again each time.
+        # A non-contiguous tensor's view is a copy: remade each time.
         self._copies = [n for n, t in enumerate(self.tensors) if n not in self._subclassed and not t.is_contiguous()]
 
     def digests(self) -> list[int] | None:
-        """Each tensor's member digest (an unsigned 128-bit integer, as :func:`host_digest`), or ``None``."""
+        """Each tensor's member digest (as :func:`host_digest`), or ``None`` when a storage moved."""
         if list(map(self._ptr, self.owners)) != self.pointers:
             return None
         for n in self._copies:
@@ -239,7 +209,7 @@ class HostViews:
 
 
 def _pointer(t: Any) -> Any:
-    """Where a tensor's values live, to see them move: its data pointer, or a tensor subclass's parts'."""
+    """Where a tensor's values live (data pointer, or a subclass's parts'), to see them move."""
     from ckptverify.fingerprint.subclass import flatten, is_wrapper_subclass
 
     if is_wrapper_subclass(t):

@@ -1,9 +1,5 @@
-"""Cell encoders: one trace cell from a tensor, a metric, or any other value.
-
-Tensors by their member digest (bytes on the host, the logical fingerprint on a device, see
-:mod:`ckptverify.trace.readback`); metrics by their exact bits; other values by the digest of their JSON text
-with sorted keys (:func:`_value_lanes`), or of their state digest when they are not plain data.
-"""
+"""Cell encoders: one trace cell from a tensor (member digest, :mod:`ckptverify.trace.readback`), a metric (exact
+bits), or any other value (digest of its sorted-key JSON, or its state digest when not plain data)."""
 
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ from ckptverify.trace.store import Cell, hex_lanes
 if TYPE_CHECKING:
     import torch
 
-#: Plain values: compared as they are from step to step, and packed as numbers when they are.
 _SCALARS = (int, float, bool, str, type(None))
 
 def _encoding(t: Any) -> str:
@@ -67,7 +62,7 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
     return Cell(site, kind, digest_lanes(tensor_digests([t])[0]), _encoding(t), info)
 
 
-#: Tensor types that hold their own values (no DTensor or other subclass that needs unwrapping).
+#: Tensor types holding their own values (no subclass to unwrap).
 _PLAIN = frozenset({"Tensor", "Parameter", "Buffer"})
 
 
@@ -104,10 +99,8 @@ def _tensor_leaves(obj: Any, out: list[Any]) -> list[Any]:
 
 
 def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
-    """:func:`_object_cell` of anything a module hook sees (a tensor, or a tuple or dict holding tensors), with
-    the digests of tensors on an accelerator computed there in one pass and read back with the rest of the step
-    (a read per hook call is thousands of device synchronizations a step). The cell is the one
-    :func:`_object_cell` makes from the same digests."""
+    """:func:`_object_cell` of what a module hook sees, with device tensors digested there in one pass and read back
+    with the step (a read per hook call would be thousands of syncs a step); same cell either way."""
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -116,7 +109,6 @@ def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
     if not leaves or all(_on_host(t) for t in leaves) or any(_is_dtensor(t) for t in leaves):
         return _object_cell(site, kind, obj, info)
 
-    # Only the structure is kept (each tensor's dtype and shape, the other values), not the tensors.
     skeleton = _skeleton(obj)
 
     def finish(digests: list[int]) -> list[Cell]:
@@ -153,8 +145,7 @@ def _skeleton(obj: Any) -> Any:
 
 
 def _filled(skeleton: Any, digests: Any) -> Any:
-    """What :func:`_summary` gives for the object of ``skeleton``, its tensors' digests taken from ``digests``
-    in walk order."""
+    """What :func:`_summary` gives for ``skeleton``'s object, tensor digests taken from ``digests`` in walk order."""
     if type(skeleton) is _Slot:
         return {"digest": f"{next(digests):032x}", "dtype": skeleton.dtype, "shape": skeleton.shape}
     if isinstance(skeleton, dict):
@@ -174,8 +165,8 @@ def _object_cell(site: str, kind: str, obj: Any, info: str = "") -> Cell:
 
 
 def _json_encoder() -> Callable[[Any], str]:
-    """JSON text with sorted keys and no spaces. CPython's C encoder is made once and called directly (the
-    JSONEncoder front end builds it again at every call, which costs more than encoding a state dict)."""
+    """JSON text with sorted keys, no spaces. CPython's C encoder is built once and called directly (``JSONEncoder``
+    rebuilds it per call, costing more than encoding a state dict)."""
     encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:
@@ -197,10 +188,8 @@ _json = _json_encoder()
 
 
 def _value_lanes(value: Any) -> tuple[int, int]:
-    """A digest of a non-tensor value for a trace cell. Plain data (dicts, lists, strings, numbers, ``None``)
-    is digested through its JSON text with sorted keys (the C encoder: microseconds for a state dict); anything
-    else through :func:`~ckptverify.state.digest.state_digest`, tensors inside by member digest. Traces compare
-    values of one configuration with each other, so each field takes the same path in both runs."""
+    """Digest of a non-tensor value: plain data through its sorted-key JSON, anything else through
+    :func:`~ckptverify.state.digest.state_digest`. Both runs take the same path per field, so the digests compare."""
     try:
         text = _json(value)
     except (TypeError, ValueError):
@@ -212,10 +201,8 @@ def _value_lanes(value: Any) -> tuple[int, int]:
 
 
 def _scaler_item(site: str, kind: str, scaler: Any) -> Item:
-    """The cell of a loss scaler: the digest of its ``state_dict()`` (:func:`_value_lanes`). A
-    ``torch.amp.GradScaler`` whose scale is on an accelerator is read there, widened exactly (float32 to float64,
-    int32 to int64), with the rest of the step, instead of by the two ``.item()`` calls of its ``state_dict()``;
-    the cell is the same."""
+    """The loss scaler's cell: digest of its ``state_dict()``. A ``GradScaler`` on a device is read with the step
+    (widened exactly) instead of by ``state_dict()``'s two ``.item()`` syncs; the cell is the same."""
     import torch
 
     scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
@@ -224,7 +211,6 @@ def _scaler_item(site: str, kind: str, scaler: Any) -> Item:
         return Cell(site, kind, _value_lanes(scaler.state_dict()), "digest128")
     bits = torch.cat([scale.detach().reshape(1).to(torch.float64).view(torch.int64),
                       tracker.detach().reshape(1).to(torch.int64)])
-    # What state_dict() holds besides the two device values (Python numbers, read now).
     rest = {"growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
             "growth_interval": scaler._growth_interval}
 
@@ -239,12 +225,11 @@ def _scaler_item(site: str, kind: str, scaler: Any) -> Item:
 
 
 def _metric_item(name: str, value: Any) -> Item:
-    """:func:`_metric_cell`, with a one-element real tensor on an accelerator widened there (to float64 or
-    int64, exactly) and read back with the rest of the step instead of by ``.item()``."""
+    """:func:`_metric_cell`, but a one-element real device tensor is widened exactly on the device and read back with
+    the step instead of by ``.item()``."""
     import torch
 
-    # The common cases first (a learning rate, a loss or a norm on the host): the cell _metric_cell makes,
-    # without its chain of type tests (called for every metric at every step).
+    # Fast path for host floats: same cell as _metric_cell, without its type tests (every metric, every step).
     if type(value) is float:
         return Cell.from_float(f"metric.{name}", "metric", value)
     if (type(value) is torch.Tensor and value.dtype.is_floating_point and value.device.type == "cpu"
@@ -269,8 +254,8 @@ def _metric_item(name: str, value: Any) -> Item:
 
 
 def _metric_cell(name: str, value: Any) -> Cell:
-    """A metric's exact value: numbers (and one-element real tensors) by their bits, as float64 or int64 —
-    widening any real float dtype to float64 is exact — anything else by member digest or state digest."""
+    """A metric's exact value: numbers and one-element real tensors by their bits as float64/int64 (widening is
+    exact), anything else by member or state digest."""
     import numpy as np
     import torch
 

@@ -1,11 +1,6 @@
-"""Collectives and point-to-point ops as the dispatcher sees them: what one was (:class:`~ckptverify.trace.oplog.
-CommInfo`), and the names of the trace sites that hold the fingerprints of its input and output.
-
-The c10d ops (``c10d.allreduce_``, ``c10d.broadcast_``, ``c10d.send``, ``c10d.recv_``, ...) carry their process
-group and reduce op as TorchScript objects; the group's global ranks come from
-``torch.distributed.get_process_group_ranks``. Functional collectives (``_c10d_functional.*``) name their group
-by its name. Nothing here synchronizes with a device or another rank.
-"""
+"""Collectives and point-to-point ops as the dispatcher sees them (:class:`~ckptverify.trace.oplog.CommInfo`), and
+the names of the sites holding their input and output fingerprints. c10d ops carry group and reduce op as TorchScript
+objects; functional collectives name their group. Nothing here syncs with a device or another rank."""
 
 from __future__ import annotations
 
@@ -42,8 +37,8 @@ def _name(func: Any) -> str:
 
 
 def _group_of(obj: Any) -> tuple[tuple[int, ...], Any] | None:
-    """The global ranks of a process group argument (a ProcessGroup script object, or a functional
-    collective's group name), and the group itself."""
+    """The global ranks of a process-group argument (a ProcessGroup script object or a functional group name), and
+    the group; ``None`` if unreadable."""
     import torch
     import torch.distributed as dist
 
@@ -83,8 +78,7 @@ def _reduce_op(obj: Any) -> str | None:
 
 
 def _peer(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], group: tuple[int, ...]) -> int | None:
-    """The global rank on the other side of a send or receive: its ``dstRank``/``srcRank`` argument is a rank
-    of the group."""
+    """The global rank on the other side of a send or receive (its ``dstRank``/``srcRank`` is a group rank)."""
     if name not in ("send", "recv_", "recv_any_source_"):
         return None
     for value in (*args, *kwargs.values()):
@@ -94,8 +88,8 @@ def _peer(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], group: tuple
 
 
 class CommCounter:
-    """Per-group sequence numbers: how many collectives this rank has issued on each group since the recorder
-    started (the same count on every member, as every member issues the group's collectives in one order)."""
+    """Per-group sequence numbers since the recorder started: equal on every member, as members issue a group's
+    collectives in one order."""
 
     def __init__(self) -> None:
         self._seq: dict[tuple[int, ...], int] = {}
@@ -107,8 +101,8 @@ class CommCounter:
 
 
 def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter: CommCounter) -> CommInfo | None:
-    """What the collective ``func`` called with ``args`` is (its sequence number taken from ``counter``);
-    ``None`` when its process group cannot be read (the op is then traced as an ordinary op)."""
+    """What collective ``func`` is, its sequence number taken from ``counter``; ``None`` when its process group
+    cannot be read (it is then traced as an ordinary op)."""
     import torch
 
     name = _name(func)
@@ -140,8 +134,7 @@ def group_label(group: tuple[int, ...]) -> str:
 
 
 def comm_site(info: CommInfo, occurrence: int, direction: str, part: int | None = None) -> str:
-    """Site name of a collective's input (``in``, at issue) or output (``out``, at completion) in the step:
-    ``comm.<group>.<collective>#<k>.<direction>``, ``k`` counting the step's earlier collectives of that name on
-    that group; ``part``: the tensor's position when the op takes several."""
+    """Site name of a collective's input (``in``, at issue) or output (``out``, at completion):
+    ``comm.<group>.<collective>#<k>.<direction>[.<part>]``, ``k`` counting the step's earlier such collectives."""
     base = f"comm.{group_label(info.group)}.{info.collective}#{occurrence}.{direction}"
     return base if part is None else f"{base}.{part}"

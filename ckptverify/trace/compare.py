@@ -1,22 +1,11 @@
 """Compare two traces step by step and find where they first diverge (see ``docs/trace.md``).
 
-Cells are aligned by identity: the step number and the site name (which carries the occurrence, ``#k``).
-For each rank the first divergent step is the first common step with any differing cell (a different value,
-or a value recorded in one trace only), and the first divergent site is the first differing site of that step
-in execution order. A trace recorded with ``detail="category"`` holds one cell per tensor category; compared
-with a trace of detail ``tensor``, the per-tensor cells only the latter holds are left out, and a differing
-category cell is traced back to the one tensor that explains it when there is one
-(:mod:`ckptverify.trace.category`). At level ``module`` the differing module sites of that step are
-classified: the first one, when the step's batch and the parameters it started from are equal, is the
-*origin* (its recorded inputs are equal, its output differs); the later ones are *receivers*.
-
-Across ranks (:func:`first_divergence`), at the job's first divergent step, a rank is an *origin* when a value it
-starts from or computes on its own differs there (:data:`OWN_KINDS`: its random streams, hyperparameters, batch,
-loss, module activations, non-persistent buffers, what it hands to a collective); a rank whose differing values
-all lie downstream of a collective (gradients after their all-reduce or reduce-scatter, parameters, optimizer
-state, metrics other than the loss) is a *receiver* when some other rank is an origin. Under DDP or FSDP a cause
-on one rank reaches every rank at the next gradient reduction, so the lowest differing rank is not the answer.
-"""
+Cells align by step number and site name (which carries the occurrence ``#k``); a rank's first divergence is the
+first differing cell (value, or recorded in one trace only) of the first such step, in execution order. Per-tensor
+cells only a ``tensor``-detail trace holds are left out; a differing category cell is traced back to its one tensor
+when possible. Trap: under DDP/FSDP a cause on one rank reaches every rank at the next gradient reduction, so the
+lowest differing rank is not the answer: a rank is an *origin* when an :data:`OWN_KINDS` value differs, a *receiver*
+when only values downstream of a collective do."""
 
 from __future__ import annotations
 
@@ -56,19 +45,14 @@ __all__ = [
 TraceLike = Trace | str | os.PathLike[str]
 
 _MODULE_KINDS = frozenset({"module_in", "module_out", "module_grad_in"})
-#: Site kinds a rank starts a step from or computes on its own, upstream of any cross-rank collective of the
-#: step: a difference in one of them is born on that rank (or came with its own inputs). Gradients (read after
-#: their reduction), parameters, optimizer state and the outputs of collectives are not among them: under DDP
-#: or FSDP they carry every rank's values.
+#: Site kinds a rank computes on its own, upstream of any collective: a difference there is born on that rank.
+#: Gradients (read after reduction), parameters, optimizer state and collective outputs carry every rank's values.
 OWN_KINDS = frozenset({"rng", "hparam", "batch", "data", "buffer", "scheduler", "counter", "extra", "comm_in",
                        "module_in", "module_out", "module_grad_in", "module_recompute"})
-#: Metric sites that hold this rank's own value: the loss ``run.record(loss=...)`` records is the rank's own
-#: (a metric such as a gradient norm is computed after the reduction).
+#: Metrics holding the rank's own value (a gradient norm, say, is computed after the reduction).
 OWN_METRICS = frozenset({"metric.loss"})
-#: Levels that record module sites.
 _MODULE_LEVELS = ("module", "op")
-#: Rows compared at once, and the most bytes one block of a trace may take (a wide trace compares fewer rows
-#: at once).
+#: Rows compared at once, capped in bytes for wide traces.
 _BLOCK = 256
 _BLOCK_BYTES = 64 << 20
 #: Receivers named in a message (all are in the finding's ``actual``).
@@ -77,24 +61,13 @@ _SHOWN = 5
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FirstDivergence:
-    """Where one rank's traces first differ.
+    """Where one rank's traces first differ; ``expected`` is trace A's value, ``actual`` B's (``None``: not recorded).
 
-    ``expected`` is trace A's value, ``actual`` trace B's (``None`` where the site was not recorded). At
-    level ``module``: ``origin`` is the module named as origin (``None`` when there is none: the first
-    difference is not a module site, or the step's inputs differ), ``origin_site`` its site,
-    ``receivers`` the module sites that differ after it, and ``inputs_verified`` whether the step's batch
-    and the parameters it started from were recorded in both traces and found equal (when ``False`` the
-    origin assumes equal parameters, e.g. on the first step after a restore, which the restore check covers).
-    When the first differing module site is a child's *input* (``module.<child>.in#k``) while the input of
-    its parent was equal, the work that changed it was done in the parent's own ``forward``: ``origin`` is
-    the parent and ``origin_fed`` the child it fed.
-
-    When the first differing cell is a category cell (``grad.*``, ``param.*``, ...), ``site`` names the one
-    tensor of the category that explains the difference if a trace holds the tensors' names (detail
-    ``tensor``) and only one differs; ``via`` is then the category cell (``expected``/``actual`` are its
-    values). ``tensors`` says what is known of the category's differing tensors: ``"one"`` (named),
-    ``"several"``, or ``"unnamed"`` (neither trace holds per-tensor cells).
-    """
+    Module levels: ``origin`` is the module whose recorded inputs are equal and output differs (``None`` when the
+    step's inputs differ), ``receivers`` the module sites differing after it; ``inputs_verified`` says the batch and
+    starting parameters were found equal (else assumed). A differing child *input* under an equal parent input makes
+    the parent the origin and ``origin_fed`` the child. For a category cell, ``site`` names the one tensor that
+    explains it when known, ``via`` the category cell, ``tensors`` is ``one``/``several``/``unnamed``."""
 
     step: int
     rank: int
@@ -112,14 +85,10 @@ class FirstDivergence:
     differing_sites: int = 1
     via: str | None = None
     tensors: str | None = None
-    #: The first site of this step among those this rank starts from or computes on its own
-    #: (:data:`OWN_KINDS`, :data:`OWN_METRICS`) that differs; ``None`` when every differing site lies downstream
-    #: of a collective (the rank may only have received the difference).
+    #: First differing site of :data:`OWN_KINDS`/:data:`OWN_METRICS`; ``None``: all downstream of a collective.
     own_site: str | None = None
-    #: Set by :func:`first_divergence` for the job (``None`` on one rank's own divergence): the ranks where the
-    #: difference is born at this step (empty when the traces cannot tell: several ranks differ, each only
-    #: downstream of a collective), and the ranks that differ only because a collective carried an origin's
-    #: values.
+    #: Set by :func:`first_divergence` for the job: ranks where it is born (empty: cannot tell), and ranks that
+    #: differ only through a collective.
     origin_ranks: tuple[int, ...] | None = None
     receiver_ranks: tuple[int, ...] | None = None
 
@@ -150,12 +119,8 @@ class RankComparison:
     sites_only_a: tuple[str, ...] = ()
     sites_only_b: tuple[str, ...] = ()
     header_differences: tuple[str, ...] = ()
-    #: Sites left out of the comparison because their name matches one of ``ignore_sites``.
     ignored_sites: tuple[str, ...] = ()
     missing: str | None = field(default=None)  # "a" or "b" when that run has no store for this rank
-
-
-# ------------------------------------------------------------------------------------------ inputs
 
 
 def _as_trace(x: TraceLike) -> Trace:
@@ -205,9 +170,6 @@ def _merged_order(a: Sequence[str], b: Sequence[str]) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------------------------------ compare
-
-
 class _Aligned:
     """Two traces' columns lined up over a common list of site names."""
 
@@ -220,8 +182,7 @@ class _Aligned:
 
     @staticmethod
     def _take(trace: Trace, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # Each run of consecutive rows is read on its own: the rows of common steps may lie far apart, and
-        # reading everything between them would cost the gap.
+        # Read each run of consecutive rows on its own: reading across gaps would cost the gap.
         cuts = np.flatnonzero(np.diff(rows) != 1) + 1
         parts = [trace.rows(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, cuts)]
         values = np.concatenate([v for v, _ in parts], axis=0)
@@ -241,7 +202,6 @@ class _Aligned:
         return trace.value(step, name) if trace.has_site(name) else None
 
 
-#: Header fields that never stop a comparison: the run's name, and how finely tensor categories were recorded.
 _ALWAYS_IGNORED = ("run", "detail")
 
 
@@ -254,8 +214,8 @@ _ENCODING_WORDS = {
 
 
 def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
-    """Refuse traces whose headers differ (unless ``force``), and always those whose digests read differently:
-    every tensor site would differ from the first step on, which says nothing about the runs."""
+    """Refuse differing headers unless ``force``, and differing digest encodings always (every tensor site would
+    differ, which says nothing about the runs)."""
     if "digest_encoding" in diffs:
         ea, eb = ta.header.digest_encoding, tb.header.digest_encoding
         raise UsageError(f"the traces digest tensors differently ({ta.path}: {_ENCODING_WORDS.get(ea, ea)}; "
@@ -282,8 +242,7 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
     names_b = [s.name for s in tb.sites]
     ignored: tuple[str, ...] = ()
     if ignore_sites:
-        # Left out on both sides before anything is aligned: an ignored site can be neither a difference nor a
-        # site recorded by one trace only.
+        # Before aligning: an ignored site is neither a difference nor a one-sided site.
         ignored = tuple(dict.fromkeys(n for n in (*names_a, *names_b)
                                       if any(fnmatch.fnmatchcase(n, p) for p in ignore_sites)))
         names_a = [n for n in names_a if n not in ignored]
@@ -291,14 +250,12 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
     sites_only_a: tuple[str, ...] = ()
     sites_only_b: tuple[str, ...] = ()
     if force:
-        # Traces that describe different things: compare what both record, and say what was left out.
         names = [n for n in names_a if tb.has_site(n)]
         sites_only_a = tuple(n for n in names_a if not tb.has_site(n))
         sites_only_b = tuple(n for n in names_b if not ta.has_site(n))
     else:
         names = _merged_order(names_a, names_b)
-    # A tensor's own cell, recorded by a trace of detail "tensor" only, is not a difference: its category
-    # cell, which both record, stands for it.
+    # A per-tensor cell only one trace records is no difference: the category cell stands for it.
     names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
     aligned = _Aligned(ta, tb, names)
     rows_a = np.searchsorted(sa, common)
@@ -333,7 +290,7 @@ def _member_of_finer(name: str, ta: Trace, tb: Trace) -> bool:
 
 def _named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | None, str]:
     """The one tensor of category cell ``site`` that explains its difference at ``step``, and what is known:
-    ``"one"`` (named), ``"several"``, ``"unnamed"`` (neither trace names the category's tensors)."""
+    ``"one"``, ``"several"`` or ``"unnamed"``."""
     from ckptverify.trace.category import locate, matches
 
     finer = [t for t in (ta, tb) if t.header.detail == "tensor"]
@@ -342,8 +299,7 @@ def _named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | Non
     a, b = ta.lanes(step, site.name), tb.lanes(step, site.name)
     located = locate(a, b) if a is not None and b is not None else None
     if located is not None:
-        # Only an unambiguous match names a tensor (a difference with many trailing zero bits leaves the
-        # weight's high bits unknown).
+        # Only an unambiguous match names a tensor (many trailing zero bits leave the weight ambiguous).
         found = {s.name for trace in finer for s in trace.sites
                  if s.group == site.name and matches(s.name, located) and trace.lanes(step, s.name) is not None}
         if len(found) == 1:
@@ -378,7 +334,6 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     params_state = _previous_params(aligned, step)  # True equal, False differ, None not recorded
     inputs_verified = bool(batch_cols) and batch_equal and params_state is True
     if not differing_modules or not batch_equal or params_state is False:
-        # No module to blame: the difference is not in a module, or it came in with the step's inputs.
         receivers = tuple(aligned.names[k] for k in differing_modules)
         return FirstDivergence(**base, receivers=receivers, inputs_verified=inputs_verified)
     k0 = differing_modules[0]
@@ -386,8 +341,6 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     origin_site = ta.site(origin_name) if ta.has_site(origin_name) else tb.site(origin_name)
     origin, fed, origin_type = module_of(origin_name), None, origin_site.info or None
     if origin_site.kind == "module_in":
-        # Its input differs while everything recorded before (the parent's input included) is equal: the
-        # parent's own forward computed it.
         fed = origin
         origin = parent_module(origin)
         origin_type = _module_type(aligned, origin)
@@ -425,8 +378,8 @@ def module_of(site: str) -> str:
 
 
 def _previous_params(aligned: _Aligned, step: int) -> bool | None:
-    """Whether the parameters recorded at the step before ``step`` are equal in both traces (``None`` when
-    that step or its parameters are not in both)."""
+    """Whether the parameters recorded at the step before ``step`` are equal in both traces (``None`` when not in
+    both)."""
     ta, tb = aligned.ta, aligned.tb
     row_a = ta.row_index(step)
     if not row_a:
@@ -444,9 +397,6 @@ def _previous_params(aligned: _Aligned, step: int) -> bool | None:
     return not bool(differs[0, cols].any())
 
 
-# ------------------------------------------------------------------------------------------ findings
-
-
 def _show(value: float | int | str | None) -> str:
     if value is None:
         return "not recorded"
@@ -456,7 +406,7 @@ def _show(value: float | int | str | None) -> str:
 
 
 def _run_label(run: str, tag: str) -> str:
-    """How a message names a run: by its own name (``A2``), with the comparison side only when they differ."""
+    """How a message names a run: its own name (``A2``), with the side only when they differ."""
     if not run or run == tag:
         return f"run {tag}"
     if len(run) <= 3 and run[:1].isupper():
@@ -497,7 +447,7 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
         if comp.ignored_sites:
             names = comp.ignored_sites
             shown = ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
-            # A comparison that compared nothing proves nothing: every site ignored is an error, not a pass.
+            # Comparing nothing proves nothing: all sites ignored is an error.
             make = error if comp.compared_sites == 0 else info
             out.append(make("trace-ignored", f"rank {r}: {len(names)} sites matching --ignore were left out of the "
                             f"comparison{' (nothing was left to compare)' if make is error else ''}: {shown}",
@@ -586,19 +536,13 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
     return out
 
 
-# ------------------------------------------------------------------------------------------ public
-
-
 def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
                      ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[RankComparison]:
-    """Compare two traces, or two run directories rank by rank (each ``rank<r>/`` store with its peer).
+    """Compare two traces, or two run directories rank by rank.
 
-    Headers are checked for every rank before anything is compared: they must agree on every field but
-    ``run`` (and those in ``ignore``), else :class:`TraceHeaderMismatchError`, unless ``force``; traces whose
-    tensor digests read differently (``digest_encoding``, unless in ``ignore``) are refused even with ``force``
-    (:class:`UsageError`).
-    ``ignore_sites``: glob patterns (``fnmatch``, case-sensitive) of site names left out on both sides.
-    """
+    Every rank's headers are checked first: they must agree but for ``run`` and ``ignore``, else
+    :class:`TraceHeaderMismatchError` unless ``force``; differing ``digest_encoding`` is a :class:`UsageError` even
+    with ``force``. ``ignore_sites``: case-sensitive ``fnmatch`` globs of site names left out on both sides."""
     ignore = tuple(ignore)
     if isinstance(a, Trace) or isinstance(b, Trace) or _is_store(a) or _is_store(b):
         pairs = [(_as_trace(a), _as_trace(b))]
@@ -623,16 +567,8 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
 
 def compare_traces(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
                    ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[Finding]:
-    """Findings of comparing two traces (stores or open :class:`Trace`\\ s); no findings when they are equal
-    over the compared steps.
-
-    ``steps`` restricts the comparison (e.g. ``range(K + 1, T + 1)`` for a run resumed at ``K``); steps in
-    the range recorded by only one trace are a ``trace-incomplete`` error. Findings: ``trace-divergence``
-    (error, the first divergent step and site), ``trace-origin`` (info, level ``module``),
-    ``trace-summary`` (info), ``trace-incomplete`` (error), ``trace-sites`` (warning, only with ``force``),
-    ``trace-ignored`` (info: the sites left out because they match a glob of ``ignore_sites``), and each
-    trace's own ``recompute-mismatch`` errors (:func:`recompute_findings`).
-    """
+    """Findings of comparing two traces (none when equal over the compared steps), plus each trace's
+    :func:`recompute_findings`. Steps in ``steps`` recorded by only one trace are a ``trace-incomplete`` error."""
     found = _findings(rank_comparisons(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites))
     return [*found, *recompute_findings(a, steps=steps), *recompute_findings(b, steps=steps)]
 
@@ -658,11 +594,9 @@ def divergences(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = Non
 
 def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
                      ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> FirstDivergence | None:
-    """The job's first divergence: at the earliest divergent step, the divergence of the rank where it is born
-    (see the module docstring; the lowest such rank when several are), with ``origin_ranks`` and
-    ``receiver_ranks`` set for the job; ``None`` when the traces agree on every common step. When several
-    ranks differ at that step and none in a value of its own, the lowest rank's divergence is returned with no
-    origin rank: the traces cannot tell. Accepts two traces or two run directories."""
+    """The job's first divergence: at the earliest divergent step, the (lowest) rank where it is born, with
+    ``origin_ranks``/``receiver_ranks`` set; ``None`` when the traces agree. When several ranks differ and none in a
+    value of its own, the lowest rank's divergence with no origin rank: the traces cannot tell."""
     found = divergences(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites)
     return job_divergence(found)
 
@@ -673,7 +607,6 @@ def job_divergence(found: Sequence[FirstDivergence]) -> FirstDivergence | None:
         return None
     step = min(d.step for d in found)
     at = sorted((d for d in found if d.step == step), key=lambda d: d.rank)
-    # One rank alone differs: it is where the difference is born, whatever it differs in.
     origins = [at[0]] if len(at) == 1 else [d for d in at if d.own_site is not None]
     origin_ranks = tuple(d.rank for d in origins)
     receivers = tuple(sorted(d.rank for d in found if d.rank not in origin_ranks)) if origins else ()
@@ -682,11 +615,9 @@ def job_divergence(found: Sequence[FirstDivergence]) -> FirstDivergence | None:
 
 
 def recompute_findings(trace: TraceLike, *, steps: Iterable[int] | None = None) -> list[Finding]:
-    """``recompute-mismatch`` errors of one run (a trace, a store or a run directory; no second run needed): per
-    rank and module, the first step where a module forward that activation checkpointing recomputed in backward
-    (``module.<m>.recompute#k``) gave another output than the forward it repeats (``module.<m>.fwd#k``), so
-    that backward used activations the forward never produced (dropout with ``preserve_rng_state=False``, a
-    nondeterministic kernel, state that changed in between). ``steps`` narrows the steps looked at."""
+    """``recompute-mismatch`` errors of one run: per rank and module, the first step where a forward recomputed by
+    activation checkpointing (``recompute#k``) differs from the forward it repeats (``fwd#k``), so backward used
+    activations the forward never produced. ``steps`` narrows the steps."""
     if isinstance(trace, Trace) or _is_store(trace):
         traces = [_as_trace(trace)]
     else:

@@ -1,7 +1,6 @@
-"""TrainState flattening: what a state-level row reads from a :class:`~ckptverify.state.train_state.TrainState`,
-found once and kept while the model and optimizers keep their layout (:class:`_StateLayout`), with the
-non-tensor leaves of its state dicts digested per parent (:class:`_Leaves`) and its non-tensor fields read
-as ``TrainState.fields()`` does."""
+"""What a state-level row reads from a :class:`~ckptverify.state.train_state.TrainState`: found once and kept while
+the layout holds (:class:`_StateLayout`), non-tensor state-dict leaves digested per parent (:class:`_Leaves`), fields
+read as ``TrainState.fields()`` does."""
 
 from __future__ import annotations
 
@@ -35,8 +34,8 @@ _UNCACHEABLE = object()
 
 
 def _snapshot(value: Any) -> Any:
-    """An immutable copy of a value made of numbers, strings, ``None``, lists and tuples (to compare with the
-    next step's); ``_UNCACHEABLE`` for anything else (a tensor, an object: digested every time)."""
+    """An immutable copy of plain ``value`` to compare with the next step's; ``_UNCACHEABLE`` for anything else
+    (digested every time)."""
     kind = type(value)
     if kind in _SCALARS:
         return value
@@ -47,10 +46,9 @@ def _snapshot(value: Any) -> Any:
 
 
 class _Leaves:
-    """The non-tensor leaves of a flattened state dict, digested together per parent name (one cell per
-    optimizer param group, ...): each cell is the digest (:func:`_value_lanes`) of ``{leaf: value}``. Leaves
-    that are hyperparameters of a live param group are read from it at each step (a scheduler changes them);
-    the others come from the cached state dict. A parent whose live leaves are unchanged keeps its cell."""
+    """Non-tensor leaves of a flattened state dict, one cell per parent (``{leaf: value}`` digest). Leaves that are
+    hyperparameters of a live param group are read from it each step (a scheduler changes them); a parent whose live
+    leaves are unchanged keeps its cell."""
 
     def __init__(self, flat: Mapping[str, Any], prefix: str, site_prefix: str, kind: str,
                  groups: list[Any] | None = None) -> None:
@@ -71,8 +69,7 @@ class _Leaves:
             self.parents.setdefault(site, []).append((leaf, value, live))
         self.groups = groups or []
         self._cache: dict[str, tuple[Any, Cell]] = {}
-        # Per parent, the JSON text of its fixed leaves and of its live leaves' names, made once: a step then
-        # encodes the live values only (None where a fixed leaf is not plain data).
+        # JSON of fixed leaves and live names made once: a step encodes the live values only.
         self._fixed: dict[str, bytes | None] = {}
         for site, leaves in self.parents.items():
             fixed = {leaf: value for leaf, value, where in leaves if where is None}
@@ -81,9 +78,7 @@ class _Leaves:
                 self._fixed[site] = (_json(fixed) + "|" + _json(names) + "|").encode("utf-8", "surrogatepass")
             except (TypeError, ValueError):
                 self._fixed[site] = None
-        # The param groups a parent reads, when their values can be compared as a whole from step to step
-        # (numbers, strings, tuples; the "params" list by identity): then an unchanged group costs one
-        # comparison of tuples.
+        # Param groups comparable as a whole (plain values): an unchanged group costs one tuple comparison.
         self._reads: dict[str, list[int] | None] = {}
         for site, leaves in self.parents.items():
             read = sorted({where[0] for _, _, where in leaves if where is not None})
@@ -136,13 +131,9 @@ def _is_tensor(value: Any) -> bool:
 
 
 class _StateLayout:
-    """What a state-level row reads from a TrainState, found once through ``get_state_dict`` (which costs
-    milliseconds) and kept while it holds: the optimizer-state and parameter tensors (updated in place from
-    step to step) as category members, the non-tensor leaves, the non-persistent buffers.
-
-    It holds while :meth:`signature` is unchanged: no module registered a parameter, buffer or submodule (the
-    recorder's registration hooks count those), the optimizers hold the same state tensors and param groups,
-    and no parameter's storage moved (checked when digesting)."""
+    """What a state-level row reads from a TrainState, found once through ``get_state_dict`` (milliseconds) and kept
+    while :func:`_layout_signature` is unchanged (no registration, same optimizer state and groups) and no storage
+    moved (checked when digesting)."""
 
     def __init__(self, state: TrainState, structure: int) -> None:
         from ckptverify.dcp.loading import flat_names
@@ -182,7 +173,7 @@ class _StateLayout:
 
 
 def _layout_signature(state: TrainState, structure: int) -> list[Any]:
-    """Cheap to compute every step: what a change of the layout changes."""
+    """Cheap per step: what any change of the layout changes."""
     from itertools import chain
 
     sig: list[Any] = [structure, id(state.model), len(state.optimizers)]
@@ -197,8 +188,8 @@ def _layout_signature(state: TrainState, structure: int) -> list[Any]:
 
 
 class _Structure:
-    """Counts parameter, buffer and submodule registrations anywhere (global module hooks): a cached list of
-    a model's parameters or buffers holds while the count has not moved."""
+    """Counts parameter, buffer and submodule registrations anywhere (global hooks): cached lists of a model's
+    tensors hold while the count is unchanged."""
 
     def __init__(self) -> None:
         from torch.nn.modules import module
@@ -220,8 +211,7 @@ class _Structure:
 
 
 def _counters(counters: Any) -> dict[str, Any]:
-    """``counters.state_dict()``: for the built-in :class:`Counters` (integers), its fields read directly
-    rather than through ``dataclasses.asdict``'s deep copy."""
+    """``counters.state_dict()``, reading the built-in :class:`Counters` fields directly (no deep copy)."""
     if not _COUNTERS:
         import dataclasses
 
@@ -234,14 +224,13 @@ def _counters(counters: Any) -> dict[str, Any]:
     return counters.state_dict()
 
 
-#: The built-in Counters class, then its field names (filled on first use: importing it here would import torch).
+#: Counters class, then its field names (filled lazily: importing it here would import torch).
 _COUNTERS: list[Any] = []
 
 
 def _data_value(state: TrainState) -> Any:
-    """``state``'s data position, as ``TrainState.fields()`` reads it. A ``DataLoader`` driven by a
-    ``ResumableSampler`` gives its position without starting an iterator, so no random stream needs the
-    capture-and-restore guard ``TrainState`` puts around other loaders."""
+    """``state``'s data position as ``TrainState.fields()`` reads it. A ``ResumableSampler`` gives it without
+    starting an iterator, so no random stream needs ``TrainState``'s capture-and-restore guard."""
     from ckptverify.state.dataloader import find_resumable_sampler, loader_state
     from ckptverify.state.sampler import _is_stateful_dataloader
 

@@ -32,9 +32,8 @@ def _hparam_cell(site: str, v: Any) -> Cell | None:
 
 
 def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
-    """One exact-value cell per hyperparameter of every param group: ``<prefix><g>.<key>`` (``<prefix><o>.<g>.<key>``
-    with several optimizers; a sequence such as ``betas`` one cell per element). Numbers by their bits;
-    other values (``None``, strings) are left out: what drives a step's arithmetic is numeric."""
+    """One exact-value cell per numeric hyperparameter of every param group: ``<prefix>[<o>.]<g>.<key>[.<i>]``.
+    Non-numbers (``None``, strings) are left out: what drives a step's arithmetic is numeric."""
     cells: list[Cell] = []
     for o, opt in enumerate(optimizers):
         head = f"{prefix}{o}." if len(optimizers) > 1 else prefix
@@ -52,9 +51,8 @@ def hparam_cells(prefix: str, optimizers: list[Any]) -> list[Cell]:
 
 @dataclass
 class _HparamSpec:
-    """Where the numbers of each param group are, found once: per group, the keys of its scalar entries (read
-    with one ``itemgetter`` call) and of its sequence entries (``betas``), the members' names in that order,
-    the ``struct`` format that packs their 64-bit values, and their weights."""
+    """Where each param group's numbers are, found once: scalar keys (one ``itemgetter``), sequence keys, member
+    names in that order, the ``struct`` format packing them, and their weights."""
 
     scalars: list[Any]  # per group: an itemgetter of its scalar keys, or None
     counts: list[int]  # per group: how many scalar keys
@@ -62,18 +60,14 @@ class _HparamSpec:
     names: list[str]
     fmt: str
     weights: list[int]
-    comparable: bool  # values that cannot change in place: the groups can be compared as a whole
+    comparable: bool  # no value can change in place: groups compare as a whole
     shape: list[int]  # len() of each group, and the number of optimizers, when found
 
 
 class _HparamCells:
-    """The hyperparameters of every param group as cells, made cheaply every step.
-
-    At detail ``tensor``: one exact-value cell per hyperparameter (:func:`hparam_cells`), then a category cell
-    ``<prefix>*`` over them; at detail ``category``: the category cell only (its members' values are their
-    bits, so a replay of detail ``tensor`` names the one that differs). The numeric entries are found once
-    (:class:`_HparamSpec`) and packed with one ``struct`` call per step; while the groups hold the same values,
-    the cells of the step before are reused."""
+    """Every param group's hyperparameters as cells, cheaply per step: the category cell ``<prefix>*`` (its members'
+    values are their bits, so a ``tensor``-detail replay names the one that differs), preceded at detail ``tensor``
+    by one cell per hyperparameter. Packed with one ``struct`` call; unchanged groups reuse last step's cells."""
 
     def __init__(self, prefix: str, detail: str) -> None:
         self.prefix, self.detail = prefix, detail
@@ -125,9 +119,8 @@ class _HparamCells:
         return self._cells_of(names, lows, weights, encodings, group)
 
     def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec, group: str) -> Item:
-        """The cells :meth:`_make` makes, for hyperparameters some of which are tensors on an accelerator (a
-        ``capturable`` optimizer's learning rate): those are widened there exactly (a one-element tensor's value
-        is packed as float64, as ``float(tensor)`` gives it) and read back with the rest of the step."""
+        """:meth:`_make` when some hyperparameters are device tensors (a ``capturable`` optimizer's lr): those are
+        widened to float64 there, exactly as ``float(tensor)``, and read back with the step."""
         import struct
 
         import torch
@@ -157,7 +150,6 @@ class _HparamCells:
             return []
         cells = []
         if self.detail == "tensor":
-            # A member's value in the category cell is its 64 bits (lane 0 of its own cell).
             cells = [Cell(n, "hparam", (b, 0), e, "", group)
                      for n, b, e in zip(names, lows, encodings, strict=True)]
         cells.append(Cell(group, "hparam", combine(lows, weights), "set128"))

@@ -1,24 +1,10 @@
 """The last rung of the ladder: is the origin op nondeterministic by itself, and by what mechanism?
 
-:func:`rerun` loads the inputs the recorder captured for one op (``OpWindow.capture``: a ``torch.save`` of
-``{"op": "<ns>.<name>.<overload>", "args": ..., "kwargs": ...}``, tensors on the host), runs that op alone on
-fresh copies of them several times, and compares the fingerprints of its outputs. Outputs that differ among
-the runs mean the kernel is nondeterministic by itself: the verdict names the mechanism torch documents for it
-where there is one (atomics for the ops ``torch.use_deterministic_algorithms`` lists, the cuBLAS workspace for
-matrix products, cuDNN's algorithm choice for convolutions), and otherwise says no mechanism is documented (a
-custom or extension kernel). Outputs that agree mean the op is deterministic alone: the difference comes from
-the order or topology around it (its inputs' history, the scheduling, the number of threads or ranks).
-
-The capture file is untrusted input: it is loaded with ``torch.load(weights_only=True)`` (plain data and
-tensors only; a pickle global is refused, never called), and the op is resolved only as a registered operator
-``torch.ops.<ns>.<name>.<overload>`` after its name is checked; anything else is refused with a
-:class:`~ckptverify.errors.UsageError` (exit 2). Collectives are refused too: one alone has no peers. Before
-anything runs, :func:`check_op` refuses an op by its schema (one that may name a file or use memory it was not
-given) and :func:`rerun` sizes the op on meta tensors against caps; the runs are held to a time limit.
-
-:func:`nvtx_site` marks an op site with an NVTX range on CUDA (a no-op elsewhere), so ``nsys`` can map kernels
-to the sites of an op trace (``docs/locate.md``, section "Kernel and mechanism").
-"""
+:func:`rerun` runs one captured op (``OpWindow.capture``) alone several times on fresh copies of its inputs:
+differing outputs mean the kernel is nondeterministic (the verdict names torch's documented mechanism, if any);
+agreeing outputs put the cause in the order or topology around it. Trap: the capture file is untrusted: loaded with
+``weights_only=True``, the op resolved only as a registered operator, collectives refused, the op checked by schema
+(:func:`check_op`) and sized on meta tensors before running, and the runs time-limited."""
 
 from __future__ import annotations
 
@@ -76,9 +62,7 @@ MECHANISMS: dict[str, str] = {
     "none": "no documented mechanism; a custom or extension kernel",
 }
 
-# Ops (name without namespace and overload, in-place and out= forms included) that torch's
-# use_deterministic_algorithms documentation lists as nondeterministic, and on which devices: they accumulate
-# with atomics (or, for the backward of pooling, padding and interpolation, scatter their gradient that way).
+# Ops torch's use_deterministic_algorithms documentation lists as nondeterministic (atomics), by device.
 _ATOMICS: dict[str, frozenset[str]] = {}
 for _names, _devices in (
     (("index_add", "scatter_add", "scatter_reduce", "scatter", "put", "index_put", "_index_put_impl",
@@ -104,37 +88,26 @@ _CONV = frozenset({"convolution", "_convolution", "convolution_backward", "cudnn
                    "cudnn_convolution_transpose", "cudnn_convolution_relu", "cudnn_convolution_add_relu",
                    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 
-# A segment of an operator name: an identifier that is not a dunder (which would reach Python attributes of
-# the namespace objects instead of operators).
+# No dunders: they would reach Python attributes of the namespace objects instead of operators.
 _SEGMENT = r"(?!__)[A-Za-z_][A-Za-z0-9_]*"
 _OP_NAME = re.compile(rf"({_SEGMENT})\.({_SEGMENT})\.({_SEGMENT})")
-# One collective alone has no peers to run with.
 _REFUSED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
-# torch's own operators (as torch._library.utils.is_builtin has them): their string arguments beside a tensor
-# name a mode (reduce="sum", rounding_mode, approximate), never a file.
+# torch's own operators: a string beside a tensor names a mode (reduce="sum"), never a file.
 _TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"})
-# Argument types (JIT type kinds, inside Optional and List) an op may take: tensors, numbers, dtypes, layouts,
-# memory formats (ints in a schema), devices and generators. A string is judged apart; anything else (a Storage,
-# a class, Any, a dict) is refused.
+# Argument kinds an op may take; strings are judged apart, anything else (Storage, Any, dict) is refused.
 _PLAIN_KINDS = frozenset({"TensorType", "IntType", "SymIntType", "FloatType", "BoolType", "NumberType",
                           "ComplexType", "DeviceObjType", "GeneratorType", "NoneType"})
-# Kinds of argument that can size a result (int[] size, int repeats, int n, a Scalar holding an int).
 _SIZING_KINDS = frozenset({"IntType", "SymIntType", "NumberType"})
 
-#: The most a capture may hold: the logical bytes of its tensors (``numel * element_size``, so a stride-0 view
-#: counts whole, as a copy of it would allocate) and the size of its file.
+#: Cap on a capture's logical tensor bytes (a stride-0 view counts whole, as its copy would) and its file.
 MAX_CAPTURE_BYTES = 4 << 30
-#: What the tensors an op leaves (its outputs and its arguments after it ran) may hold: this many times the
-#: captured bytes, plus :data:`OUTPUT_SLACK_BYTES`.
+#: Cap on what an op leaves (outputs and arguments): this many times the captured bytes, plus the slack.
 OUTPUT_FACTOR = 8
 OUTPUT_SLACK_BYTES = 1 << 30
-#: The work one run may do, per device type (torch's flop counter: matrix products, convolutions, attention).
+#: Work one run may do, per device type (torch's flop counter).
 MAX_FLOPS: dict[str, float] = {"cpu": 1e12, "default": 1e14}
-#: The time limit of a re-run, all its runs together (checked after each run).
+#: Time limit of all runs of a re-run together.
 RERUN_TIMEOUT_S = 600.0
-
-
-# ------------------------------------------------------------------------------------------- NVTX
 
 
 def site_name(key: OpKey) -> str:
@@ -157,9 +130,8 @@ def nvtx_enabled() -> bool:
 
 @contextmanager
 def nvtx_site(name: str) -> Iterator[None]:
-    """An NVTX range named ``name`` around the block on CUDA, so ``nsys profile --trace=cuda,nvtx`` puts the
-    kernels the block launches under the site; nothing without CUDA. Whether CUDA is there is asked once per
-    process (this is called around every op of a window)."""
+    """An NVTX range named ``name`` around the block on CUDA, for ``nsys``; nothing without CUDA (asked once per
+    process: this wraps every op of a window)."""
     if not _nvtx_enabled():
         yield
         return
@@ -172,12 +144,9 @@ def nvtx_site(name: str) -> Iterator[None]:
         torch.cuda.nvtx.range_pop()
 
 
-# ------------------------------------------------------------------------------------------- capture
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Capture:
-    """One op's captured call: ``op`` its name (``<ns>.<name>.<overload>``), ``args``/``kwargs`` its arguments."""
+    """One op's captured call: ``op`` (``<ns>.<name>.<overload>``), ``args`` and ``kwargs``."""
 
     op: str
     args: tuple[Any, ...]
@@ -185,10 +154,8 @@ class Capture:
 
 
 def resolve_op(name: Any) -> torch._ops.OpOverload:
-    """The registered operator ``torch.ops.<ns>.<name>.<overload>`` that ``name`` (``"<ns>.<name>.<overload>"``)
-    names. Raises :class:`~ckptverify.errors.UsageError` for anything else: a name of another shape, a
-    collective, an operator not registered in this process (a custom op is registered by importing the code
-    that defines it). Never evaluates the name."""
+    """The registered operator ``torch.ops.<ns>.<name>.<overload>`` that ``name`` names; never evaluates the name.
+    :class:`~ckptverify.errors.UsageError` for another shape, a collective, or an unregistered operator."""
     import torch
 
     if not isinstance(name, str) or (m := _OP_NAME.fullmatch(name)) is None:
@@ -226,18 +193,16 @@ def _kinds(t: Any) -> Iterator[str]:
 
 
 def _reads_tensor(arg: Any) -> bool:
-    """Whether a schema argument is a tensor the op reads (an ``out=`` buffer is only written)."""
+    """Whether a schema argument is a tensor the op reads (not a write-only ``out=`` buffer)."""
     written_only = arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
     return "TensorType" in _kinds(arg.type) and not written_only
 
 
 def check_op(op: torch._ops.OpOverload) -> None:
-    """Refuse, by its schema, an op the re-run must not call: one taking neither a tensor nor a device (it
-    computes on no tensor); one taking an argument of another type than tensors, numbers, dtypes, devices and
-    generators (a ``Storage``, a class, a dict: memory or objects it was not given); one taking a string
-    anywhere but beside a tensor input of torch's own operators (where it names a mode; elsewhere it may name a
-    file or device: ``aten.from_file``, ``aten.save``). Raises :class:`~ckptverify.errors.UsageError` naming the
-    op and the argument."""
+    """Refuse by schema an op the re-run must not call (:class:`~ckptverify.errors.UsageError`): one taking no tensor
+    or device; one taking a type beyond tensors, numbers, dtypes, devices, generators (memory or objects it was not
+    given); a string anywhere but beside a tensor input of torch's own ops (else it may name a file:
+    ``aten.from_file``)."""
     name = str(op)
     arguments = op._schema.arguments
     reads = any(_reads_tensor(a) for a in arguments)
@@ -256,10 +221,9 @@ def check_op(op: torch._ops.OpOverload) -> None:
 
 
 def load_capture(path: str | os.PathLike[str]) -> Capture:
-    """Read a capture file safely: a regular file, loaded with ``torch.load(weights_only=True)`` onto the host,
-    holding a dict with ``op`` (a string), ``args`` (a list or tuple) and ``kwargs`` (a dict with string keys),
-    no larger than :data:`MAX_CAPTURE_BYTES` (and a sixteenth of it for the pickle). Raises
-    :class:`~ckptverify.errors.UsageError` for anything else (a pickle global is refused unexecuted)."""
+    """Read a capture file safely (regular file, ``weights_only=True``, onto the host): a dict of ``op`` (str),
+    ``args`` (list/tuple), ``kwargs`` (str keys), at most :data:`MAX_CAPTURE_BYTES` plus a sixteenth.
+    :class:`~ckptverify.errors.UsageError` otherwise; a pickle global is refused unexecuted."""
     import torch
 
     path = os.fspath(path)
@@ -295,8 +259,8 @@ def load_capture(path: str | os.PathLike[str]) -> Capture:
 
 
 def _unpickler_reason(message: str) -> tuple[bool, str]:
-    """Whether torch's weights-only unpickler refused a pickle global, and its reason, without its advice to
-    load the file unsafely (its wording differs between the kinds of refusal)."""
+    """Whether torch's weights-only unpickler refused a pickle global, and its reason without the advice to load
+    unsafely."""
     lines = [" ".join(line.split()) for line in message.splitlines()]
     lines = [line.partition("WeightsUnpickler error:")[2].strip() or line for line in lines if line.strip()]
     lines = [line for line in lines if line and not line.startswith(("Weights only load failed", "Check the "
@@ -307,18 +271,11 @@ def _unpickler_reason(message: str) -> tuple[bool, str]:
     return is_global, reason.split(". ")[0].rstrip(".")
 
 
-# ------------------------------------------------------------------------------------------- verdict
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KernelVerdict:
-    """The op re-run alone. ``runs``: how many times; ``distinct``: how many different results they gave;
-    ``outputs_differing``: the indices (in the flattened outputs) of those that differ among runs,
-    ``arguments_differing`` those of the flattened ``(args, kwargs)`` an in-place or ``out=`` op wrote;
-    ``nondeterministic``: ``distinct > 1``; ``mechanism``: a key of :data:`MECHANISMS` when nondeterministic
-    (``None`` otherwise); ``random``: the op draws from a random generator (tagged ``nondeterministic_seeded``:
-    every run starts from the same generator state, so its results are compared as for any op); ``settings``:
-    the determinism settings in force."""
+    """The op re-run alone: ``distinct`` results over ``runs``; indices of differing flattened outputs and written
+    ``(args, kwargs)``; ``mechanism`` a :data:`MECHANISMS` key when nondeterministic. ``random``: the op is
+    ``nondeterministic_seeded``, judged from one fixed generator state per run."""
 
     op: str
     device: str
@@ -433,12 +390,10 @@ def _tensor_bytes(value: Any) -> int:
 
 
 def _check_size(op: torch._ops.OpOverload, cap: Capture, device: torch.device) -> None:
-    """Refuse, before it runs, a capture whose tensors exceed :data:`MAX_CAPTURE_BYTES`, or whose op, run on meta
-    tensors (shapes without data), leaves tensors over ``OUTPUT_FACTOR`` times those bytes plus
-    ``OUTPUT_SLACK_BYTES`` (an ``int[] size``, ``repeats`` or ``resize_`` asking for more) or does more work
-    than :data:`MAX_FLOPS` allows on ``device``. An op whose results cannot be sized on meta tensors is refused,
-    except an op outside torch's namespaces without a fake implementation that takes no integer (its results'
-    size is then its own code's, not the capture's)."""
+    """Refuse before running a capture over :data:`MAX_CAPTURE_BYTES`, or whose op on meta tensors leaves more than
+    ``OUTPUT_FACTOR`` times that plus ``OUTPUT_SLACK_BYTES`` or exceeds :data:`MAX_FLOPS`. An op that cannot be sized
+    on meta is refused, unless it is outside torch's namespaces and takes no integer (its result size is then its own
+    code's, not the capture's)."""
     import torch
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import FlopCounterMode
@@ -456,8 +411,7 @@ def _check_size(op: torch._ops.OpOverload, cap: Capture, device: torch.device) -
 
     try:
         args, kwargs = tree_map(meta, cap.args), tree_map(meta, cap.kwargs)
-        # A device argument, given in any form or left to its default, is meta too: a factory op would
-        # otherwise allocate for real.
+        # Device arguments become meta too, or a factory op would allocate for real.
         schema = op._schema.arguments
         for i, a in enumerate(schema):
             if "DeviceObjType" in _kinds(a.type):
@@ -491,12 +445,10 @@ def _check_size(op: torch._ops.OpOverload, cap: Capture, device: torch.device) -
 
 def rerun(capture: str | os.PathLike[str] | Capture, *, runs: int = 5, device: str | None = None,
           seed: int = 0, timeout_s: float = RERUN_TIMEOUT_S) -> KernelVerdict:
-    """Run the captured op alone ``runs`` times on fresh copies of its inputs (moved to ``device``, default:
-    the host) and judge whether its outputs agree. Each run starts from the same random generator state
-    (``seed``), so a random op is judged as a kernel, not by its generator. Before anything runs, the op is
-    checked by its schema (:func:`check_op`) and its size on meta tensors; the runs stop with an error once
-    ``timeout_s`` has passed, or would pass before the next run ends. A refused op, one that fails on its
-    inputs and one past its time are a :class:`~ckptverify.errors.UsageError` (exit 2)."""
+    """Run the captured op alone ``runs`` times on fresh copies of its inputs on ``device`` (default host), each from
+    generator state ``seed``, and judge whether the results agree. Checked first by :func:`check_op` and
+    :func:`_check_size`; stops before a run that would end past ``timeout_s``. A refusal, a failure on the inputs or
+    a timeout is a :class:`~ckptverify.errors.UsageError`."""
     import torch
     from torch.utils._pytree import tree_map
 
@@ -527,7 +479,7 @@ def rerun(capture: str | os.PathLike[str] | Capture, *, runs: int = 5, device: s
     start = time.monotonic()
     for done in range(runs):
         if done:
-            # A run cannot be stopped once it has started: stop before one that would end past the limit.
+            # A started run cannot be stopped: stop before one that would end past the limit.
             now = time.monotonic()
             if now + (now - start) / done > start + timeout_s:
                 raise UsageError(f"re-running {cap.op} on {target} stopped after {done} of {runs} runs "

@@ -1,5 +1,5 @@
-"""Category digests: the tensors of a category (gradients, optimizer state, parameters, buffers) digested
-together, one cell per category (and one per tensor at detail ``tensor``)."""
+"""Category digests: a category's tensors digested together, one cell per category (plus one per tensor at detail
+``tensor``)."""
 
 from __future__ import annotations
 
@@ -32,13 +32,12 @@ class _Members:
 
 
 class _Digester:
-    """Digests the members of several categories in one pass: host tensors through views kept from step to
-    step (one C call each), device tensors in one batched pass per device; the category sums in Python
-    integers."""
+    """Digests several categories' members in one pass: host tensors through views kept across steps, device tensors
+    in one batched pass per device; category sums in Python ints."""
 
     def __init__(self, categories: list[_Members], owners: list[Any]) -> None:
-        """``owners``: what to read data pointers from to see a host member's storage move (the Parameters
-        behind state-dict aliases, the buffers); the optimizer state is followed by identity elsewhere."""
+        """``owners``: what to read data pointers from to see a host member's storage move; the optimizer state is
+        followed by identity elsewhere."""
         from itertools import accumulate
 
         from ckptverify.trace.category import HostViews
@@ -57,8 +56,8 @@ class _Digester:
         self._spans = [(k, self.bounds[k], self.bounds[k + 1]) for k, c in enumerate(categories) if c.names]
 
     def _host_digests(self) -> list[int] | None:
-        """Every member's slot in category order, the host members' digests in theirs (zero elsewhere);
-        ``None`` when a host member's storage moved (rebuild)."""
+        """A slot per member in category order, host digests filled (zero elsewhere); ``None`` when a host storage
+        moved."""
         host = self._views.digests()
         if host is None or not self._device:
             return host
@@ -68,8 +67,7 @@ class _Digester:
         return out
 
     def digests(self) -> list[int] | None:
-        """Every member's digest (an unsigned 128-bit integer) in category order; ``None`` when a host
-        member's storage moved (rebuild)."""
+        """Every member's digest in category order; ``None`` when a host storage moved (rebuild)."""
         out = self._host_digests()
         if out is None:
             return None
@@ -79,10 +77,9 @@ class _Digester:
         return out
 
     def digests_later(self) -> tuple[list[int], Any] | None:
-        """:meth:`digests`, with the members on one accelerator left there: the digests (zero at those
-        members' places) and the device's ``(m, 2)`` lane sums in member order (``None`` when every member is
-        on the host); ``None`` when a host member's storage moved. Members on several devices are read back
-        now."""
+        """:meth:`digests` leaving one accelerator's members there: the digests (zero at those) and the device's
+        ``(m, 2)`` lane sums (``None``: all on host); ``None`` when a host storage moved. Several devices are read
+        back now."""
         if len(self._device) != 1:
             digests = self.digests()
             return None if digests is None else (digests, None)
@@ -95,7 +92,7 @@ class _Digester:
         return out, kern.lanes_many([self._tensors[i] for i in members])
 
     def fill(self, digests: list[int], values: list[int]) -> list[int]:
-        """``digests`` with the device members' read-back lane sums (``values``, flattened) in their places."""
+        """``digests`` with the device members' read-back lane sums ``values`` filled in."""
         out = list(digests)
         (members,) = self._device.values()
         for i, d in zip(members, _pair_digests(values), strict=True):
@@ -115,7 +112,7 @@ class _Digester:
 
 def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
                     digests: list[int], detail: str) -> list[Cell]:
-    """At detail ``tensor`` one cell per member, then (at every detail) the category cell."""
+    """One cell per member at detail ``tensor``, then the category cell."""
     from ckptverify.trace.category import combine_digests
 
     cells: list[Cell] = []
@@ -144,11 +141,9 @@ class _Gradients:
         locals_ = [p.to_local() if _is_dtensor(p) else p for p in self.params]
         self.dtensor = [_is_dtensor(p) for p in self.params]
         self.host = [_on_host(t) for t in locals_]
-        # A gradient has its parameter's dtype and shape (autograd refuses any other).
         self.signatures = [signature(t.dtype, tuple(t.shape)) for t in locals_]
         self.encodings = ["digest128" if h else "fp128" for h in self.host]
-        # Plain host parameters: each step, a view over every gradient's bytes straight from its address (a
-        # third of the cost of .numpy()), checked contiguous first; the gradients are held while hashed.
+        # Plain host parameters: views straight from each gradient's address (a third of .numpy()'s cost).
         self.fast = bool(self.params) and all(self.host) and not any(self.dtensor) and all(
             t.numel() for t in locals_)
         self._makers = [(ctypes.c_char * (t.numel() * t.element_size())).from_address for t in locals_]

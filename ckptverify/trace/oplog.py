@@ -1,13 +1,9 @@
-"""The op log: what levels ``comm`` and ``op`` record of one step on one rank, in that rank's execution order.
+"""The op log: what levels ``comm`` and ``op`` record of one step on one rank, in its execution order.
 
-This module is the contract between the recorder (which writes op and collective records into the run's trace
-store) and the analyses that read them (:mod:`ckptverify.resume.locate.ops`: origin, receivers, untraced; the kernel
-re-run). Everything here is plain data; reading a store into it is :func:`read_ops`.
-
-Identity, never arrival order: an op is keyed ``(step, phase, module, op, occurrence)`` where ``occurrence``
-counts the earlier ops of the same ``(phase, module, op)`` within the step on that rank. Two runs are aligned
-by key; "first" on a rank is that rank's execution order (``index``).
-"""
+The plain-data contract between the recorder and the analyses (:mod:`ckptverify.resume.locate.ops`, the kernel
+re-run); :func:`read_ops` reads a store into it. Trap: ops are aligned by identity, never arrival order: the key is
+``(step, phase, module, op, occurrence)``, ``occurrence`` counting earlier ops of that ``(phase, module, op)`` in the
+step; "first" on a rank is its execution order (``index``)."""
 
 from __future__ import annotations
 
@@ -19,17 +15,13 @@ from typing import Any
 __all__ = ["OP_LOG_VERSION", "PHASES", "CommInfo", "OpArgument", "OpEvent", "OpKey", "OpWindow", "make_event",
            "op_log_path", "op_steps", "ops_dropped", "read_ops", "window_from_dict"]
 
-#: The op log file format this code writes (``"version"``; a file without it is version 1, which records no
-#: ``"a"``). A file of a later version is refused rather than half read.
+#: Op log format version (absent: 1, no ``"a"``); a later version is refused rather than half read.
 OP_LOG_VERSION = 2
 
-#: The longest argument name and readable value an op log may hold (the writer keeps within these).
 MAX_ARGUMENT_NAME = 64
 MAX_ARGUMENT_TEXT = 80
 
-#: Where in the step an op ran: ``forward``; ``backward`` (inside the autograd engine); ``recompute`` (a module's
-#: forward run again during backward by activation checkpointing); ``optimizer`` (inside ``optimizer.step``);
-#: ``other`` (anything else between the start of the step and its record: a loss scaler, a clip outside a hook).
+#: Where in the step an op ran (``docs/trace.md``).
 PHASES = ("forward", "backward", "recompute", "optimizer", "other")
 
 #: ``(step, phase, module, op, occurrence)``.
@@ -38,12 +30,9 @@ OpKey = tuple[int, str, str, str, int]
 
 @dataclass(frozen=True, kw_only=True)
 class CommInfo:
-    """What a collective or point-to-point op was. ``collective``: the c10d name without namespace and overload
-    (``allreduce_``, ``broadcast_``, ``allgather_``, ``reduce_scatter_``, ``send``, ``recv_``, or a functional
-    collective's name); ``group``: the global ranks of its process group, in group-rank order; ``seq``: this
-    rank's count of earlier collectives on that group since the recorder started (equal on every member for the
-    same collective); ``peer``: the global rank of the other side of a send or receive (``None`` otherwise);
-    ``reduce_op``: ``sum``, ``avg``, ``max``, ... or ``None``."""
+    """What a collective or point-to-point op was: ``collective`` its c10d name; ``group`` the global ranks in group
+    order; ``seq`` this rank's count of earlier collectives on the group (equal on every member); ``peer`` the other
+    side of a send/receive; ``reduce_op`` or ``None``."""
 
     collective: str
     group: tuple[int, ...]
@@ -54,10 +43,8 @@ class CommInfo:
 
 @dataclass(frozen=True, slots=True)
 class OpArgument:
-    """One argument of an op that is not a plain tensor (a scalar, a dtype, a shape, a list, a generator, ``None``
-    for an optional tensor): ``name`` as the op's schema spells it, ``digest`` a 128-bit fingerprint of its value
-    (a tensor inside a list stands as a placeholder there: its value is among the op's ``inputs``; a generator by
-    its state), ``text`` a short readable form of the value when it is small (``None`` otherwise)."""
+    """A non-tensor argument of an op: schema ``name``, 128-bit ``digest`` of its value (tensors in a list as
+    placeholders, generators by state), and ``text`` when small."""
 
     name: str
     digest: int
@@ -66,14 +53,10 @@ class OpArgument:
 
 @dataclass(frozen=True, kw_only=True)
 class OpEvent:
-    """One op as one rank ran it. ``inputs`` and ``outputs``: the 128-bit fingerprints of its tensor arguments
-    (inputs taken before an in-place op wrote them) and of its tensor results, in argument order, ``None`` for
-    one that is not compared (an ``empty*`` output, an async collective's buffer still in flight, the destination
-    of a non-blocking copy: artifacts, not differences). ``shapes``, ``dtypes``, ``numels`` describe ``outputs``.
-    ``chunks``: for an order-sensitive output (sort indices, top-k, routing maps), per output, the fingerprints of
-    its consecutive chunks of ``chunk_elements`` elements (``None`` for outputs without); ``comm`` is set for a
-    collective or point-to-point op. ``arguments``: the op's other arguments (:class:`OpArgument`, in schema
-    order, defaults filled in): they decide its outputs as much as its tensors do."""
+    """One op as one rank ran it. ``inputs``/``outputs``: fingerprints of its tensor arguments (before an in-place
+    write) and results, ``None`` where not compared (``empty*`` outputs, buffers in flight, non-blocking copy
+    targets: artifacts, not differences). ``chunks``: per order-sensitive output, fingerprints of its chunks.
+    ``arguments`` decide the outputs as much as the tensors do."""
 
     step: int
     phase: str
@@ -98,12 +81,9 @@ class OpEvent:
 
 @dataclass(frozen=True, kw_only=True)
 class OpWindow:
-    """Where level ``op`` records (level ``comm`` records every step, collectives only). ``steps``, ``ranks``:
-    the steps and global ranks recorded (``None``: all); ``modules``: module-path prefixes whose ops are recorded
-    (``None``: all, including ops outside any module); ``max_ops``: at most this many ops per step and rank
-    (the rest are counted, not recorded, and the trace says it was cut); ``capture``: the key of one op whose
-    inputs are saved (``torch.save`` of ``{"op", "args", "kwargs"}``, tensors detached and on the host) to
-    ``capture_path``, for re-running it alone."""
+    """Where level ``op`` records: ``steps``, ``ranks``, ``modules`` (path prefixes; ``None``: all, ops outside
+    modules included); ``max_ops`` per step and rank (the rest counted, the trace marked cut); ``capture``: key of
+    one op whose inputs are saved to ``capture_path`` for re-running it alone."""
 
     steps: tuple[int, ...] | None = None
     ranks: tuple[int, ...] | None = None
@@ -136,7 +116,6 @@ def make_event(step: int, index: int, raw: dict[str, Any], chunk_elements: int) 
                    arguments=tuple(OpArgument(n, int(d, 16), t) for n, d, t in raw.get("a") or ()))
 
 
-#: The largest op log file read (one step of one rank).
 MAX_OP_LOG_BYTES = 1 << 30
 
 
@@ -186,7 +165,7 @@ def _check_log(data: Any, step: int) -> None:
         return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
 
     def arguments(v: Any) -> bool:
-        # [[name, digest, text or null], ...]; only version 2 writes them.
+        # Only version 2 writes them.
         return v is None or (version >= 2 and isinstance(v, list) and all(
             isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and 0 < len(x[0]) <= MAX_ARGUMENT_NAME
             and hexdigest(x[1]) and (x[2] is None or (isinstance(x[2], str) and len(x[2]) <= MAX_ARGUMENT_TEXT))
@@ -211,11 +190,8 @@ def _check_log(data: Any, step: int) -> None:
 
 
 def read_ops(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> list[OpEvent]:
-    """The op log of ``step`` on ``rank``, in that rank's execution order (``index`` 0 first).
-
-    ``trace_dir_or_store``: a run's trace directory (its store ``rank<rank>/`` is read) or one rank's store.
-    :class:`~ckptverify.errors.CkptVerifyError` when that step was not recorded at level ``op`` on that rank
-    (outside the window); :class:`~ckptverify.errors.CkptVerifyError` for a damaged file."""
+    """The op log of ``step`` on ``rank`` in execution order, from a run's trace directory or one rank's store.
+    :class:`~ckptverify.errors.CkptVerifyError` when the step was not recorded (outside the window) or is damaged."""
     data, _ = _op_log(trace_dir_or_store, rank, step)
     return [make_event(step, i, e, data["chunk_elements"]) for i, e in enumerate(data["events"])]
 
@@ -246,8 +222,7 @@ def op_steps(trace_dir_or_store: str | os.PathLike[str], rank: int) -> list[int]
 
 
 def window_from_dict(data: Any) -> OpWindow:
-    """An :class:`OpWindow` from its JSON form (``dataclasses.asdict``: lists for tuples);
-    :class:`~ckptverify.errors.UsageError` for anything else."""
+    """An :class:`OpWindow` from its JSON form; :class:`~ckptverify.errors.UsageError` otherwise."""
     from ckptverify.errors import UsageError
 
     if isinstance(data, OpWindow):

@@ -1,37 +1,12 @@
-"""Levels ``comm`` and ``op``: a dispatch mode that sees every op of a traced step.
+"""Levels ``comm`` and ``op``: a dispatch mode that sees every op of a traced step (phases, keys: ``docs/trace.md``).
 
-Between :meth:`TraceRecorder.record_step_start <ckptverify.trace.TraceRecorder.record_step_start>` and
-:meth:`~ckptverify.trace.TraceRecorder.record_step` a :class:`StepTracer` (a ``TorchDispatchMode``) is active. It
-sees every ATen op, every op registered with ``torch.library`` and the c10d collectives and point-to-point ops
-(those DDP, FSDP2 and DTensor issue included).
-
-* Level ``comm`` (and above), every traced step: each collective gives trace sites (:mod:`ckptverify.trace.comm`)
-  holding the fingerprint of its input at issue and of its output at completion: a functional collective's at its
-  ``wait_tensor``; a c10d op's when its ``Work`` completes (a callback on the work's future: for a synchronous
-  collective before the call returns, for ``async_op`` before ``wait()`` returns), so that what the caller does to
-  the output afterwards (FSDP2 divides its reduce-scatter output in place) is not in it, and the tracer keeps no
-  reference to the output (FSDP2's all-gathered parameters are freed when FSDP2 frees them). Only a c10d op whose
-  work has no future (gloo's point-to-point ops) has its output taken when the step is recorded. On an accelerator
-  the fingerprints are computed on the device (on the callback's stream, which the future orders after the
-  collective; a synchronous collective's issuing stream then waits for that read, so that what it runs next
-  cannot overwrite the output first) and read back with the rest of the row: no host synchronization is added.
-* Level ``op``, in an :class:`~ckptverify.trace.oplog.OpWindow` only: every op as an
-  :class:`~ckptverify.trace.oplog.OpEvent`, keyed ``(step, phase, module, op, occurrence)``, written per step to
-  ``<store>/ops/step<N>.json`` (:func:`write_op_log`, read back by :func:`ckptverify.trace.oplog.read_ops`).
-  Its inputs are all its arguments: the tensors' fingerprints, and every other argument of its schema as a digest
-  with a short readable form (:class:`~ckptverify.trace.oplog.OpArgument`). Memory no op wrote is never a value:
-  ``empty*`` outputs, the prior content of a tensor an op overwrites whole (``copy_``, ``fill_``, ``zero_``, the
-  in-place random fills, a grown ``resize_``) and ``out=`` buffers are not compared; what an in-place op wrote is
-  fingerprinted after it wrote it.
-
-Phases: ``optimizer`` inside any ``optimizer.step()`` (global optimizer step hooks); ``recompute`` inside a module
-forward that starts while the autograd engine runs (activation checkpointing); ``backward`` while the engine runs
-(``torch._C._current_graph_task_id() != -1``); ``forward`` before the step's first backward; ``other`` after it
-(gradient clipping, a loss scaler). Modules: the innermost module whose forward (hooks of the attached model) is
-running; in backward, the innermost one whose full backward pre-hook has fired and whose backward hook has not (the
-autograd engine may interleave independent branches: an op of one branch can then be attributed to a module of
-the other); ops outside any module: ``""``.
-"""
+Level ``comm``: each collective's input is fingerprinted at issue and its output at completion (a functional one's at
+``wait_tensor``, a c10d op's in a callback on its work's future), so in-place changes made afterwards (FSDP2's
+division) are excluded and no output is kept alive; on a device the read is ordered after the collective and before
+the issuing stream's next work, without host synchronization. Level ``op``, inside an
+:class:`~ckptverify.trace.oplog.OpWindow`: every op's inputs, arguments and outputs to ``ops/step<N>.json``. Memory
+no op wrote (``empty*``, overwritten ``self``, ``out=`` buffers) is never compared. In backward an op may be
+attributed to the wrong module when autograd interleaves independent branches."""
 
 from __future__ import annotations
 
@@ -52,23 +27,19 @@ __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer
 
 _MASK64 = (1 << 64) - 1
 
-#: Ops whose integer outputs are orders or positions (indices, routing): their outputs also get chunk-wise cells,
-#: so that a difference names its chunk.
+#: Ops whose integer outputs are orders or positions: also chunk-wise cells, so a difference names its chunk.
 ORDER_SENSITIVE = frozenset({
     "sort", "argsort", "topk", "max", "min", "kthvalue", "mode", "median", "nanmedian", "argmax", "argmin",
     "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "searchsorted", "bucketize", "nonzero",
     "multinomial", "histc", "bincount", "cummax", "cummin",
 })
 
-#: Elements per chunk cell of an order-sensitive output.
 DEFAULT_CHUNK_ELEMENTS = 4096
 
-#: Ops whose outputs are uninitialised memory: never compared (with every other ``empty*``/``new_empty*``/
-#: ``_empty*`` op, :func:`_allocates`).
+#: Outputs of uninitialised memory: never compared (see :func:`_allocates`).
 _EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
 
-#: In-place ops whose result does not depend on what their ``self`` held before (they overwrite it whole): that
-#: prior content is not an input (it is often memory no op wrote).
+#: In-place ops that overwrite ``self`` whole: its prior content (often never written) is not an input.
 _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "normal_", "bernoulli_", "exponential_",
                         "geometric_", "log_normal_", "cauchy_", "set_", "resize_", "resize_as_", "_foreach_zero_",
                         "_foreach_copy_"})
@@ -76,24 +47,21 @@ _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "norma
 #: Ops that resize ``self``: grown, it holds memory no op wrote.
 _RESIZE = frozenset({"resize_", "resize_as_"})
 
-#: The longest readable value an argument keeps in the op log (``oplog.MAX_ARGUMENT_TEXT``).
 _ARGUMENT_TEXT = 80
 
-#: c10d ops whose (first) tensor list is read and then written in place; those that write their first list from
-#: their second; and point-to-point.
+#: c10d ops that read and write their first tensor list in place; point-to-point.
 _INPLACE_COMM = frozenset({"allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_"})
 _SEND = frozenset({"send"})
 _RECV = frozenset({"recv_", "recv_any_source_"})
 
 
 class OpContext:
-    """Where the step is: the module stacks the recorder's hooks keep, the optimizer depth, whether a backward
-    has run. Shared by the recorder's hooks (which write it) and the tracer (which reads it)."""
+    """Where the step is (module stacks, optimizer depth, whether a backward ran): written by the recorder's hooks,
+    read by the tracer."""
 
     def __init__(self) -> None:
-        #: ``(module, recompute)`` of the module forwards running, innermost last.
+        #: Innermost last.
         self.forward: list[tuple[str, bool]] = []
-        #: Modules whose backward is running, innermost last.
         self.backward: list[str] = []
         self.optimizer = 0
         self.backward_seen = False
@@ -121,15 +89,14 @@ class OpContext:
 
 
 class _Digests:
-    """Fingerprints of the tensors an op reads and writes: host tensors by their bytes now, accelerator tensors
-    on their device (read back with the step's row). A tensor met again unchanged (same object, same version
-    counter) reuses its digest. Values are ints, or ``("dev", i)`` handles into the device lanes."""
+    """Fingerprints of the tensors an op reads and writes: host tensors now, device tensors on the device (read back
+    with the row). A tensor met again with the same version counter reuses its digest; values are ints or ``("dev",
+    i)`` handles into the device lanes."""
 
     def __init__(self) -> None:
         self.lanes: list[Any] = []  # (1, 2) int64 tensors on a device
         self._seen: dict[int, tuple[Any, int, Any]] = {}
-        # A collective's output is digested in the thread that completes its work (gloo's worker): appending a
-        # lane and taking its index is one step.
+        # Collective outputs are digested on gloo's worker thread: append and index must be atomic.
         self._lock = threading.Lock()
 
     def _lane(self, lanes: Any) -> tuple[str, int]:
@@ -150,8 +117,7 @@ class _Digests:
         if _is_dtensor(t):
             t = t.to_local()
         elif type(t).__name__ == "AsyncCollectiveTensor":
-            # A functional collective's result that the op reads: it waits for it anyway; what was known of the
-            # buffer while it was in flight is stale (a collective writes without moving the version counter).
+            # Waited on anyway; what was known while in flight is stale (no version bump).
             t = t.trigger_wait()
             self.forget(t)
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_meta:
@@ -173,8 +139,7 @@ class _Digests:
         return value
 
     def forget(self, t: Any) -> None:
-        """``t`` is written without its version counter moving (a collective writes its buffers so): its next
-        digest is taken afresh."""
+        """``t`` was written without its version counter moving (a collective): digest it afresh next time."""
         self._seen.pop(id(t), None)
 
     def fresh(self, t: Any) -> Any:
@@ -183,8 +148,7 @@ class _Digests:
         return self(t)
 
     def uninitialised(self, t: Any) -> None:
-        """``t`` holds uninitialised memory (an ``empty*`` output): read before it is written, it is not
-        compared."""
+        """Mark ``t`` as uninitialised memory (an ``empty*`` output): not compared until written."""
         with contextlib.suppress(TypeError):
             self._seen[id(t)] = (weakref.ref(t), t._version, None)
 
@@ -219,10 +183,8 @@ def _work_of(result: Any) -> Any:
 
 
 def _after_read(tensors: list[Any]) -> tuple[Any, Any] | None:
-    """``(device, event)`` after the fingerprint kernels just enqueued on the current CUDA stream for
-    ``tensors`` (a callback's: ordered after their collective), ``None`` for host tensors. The caching allocator
-    is told that stream reads them, so that memory freed by its owner meanwhile is not handed out again before
-    the read."""
+    """``(device, event)`` after the fingerprint kernels just enqueued for ``tensors`` (``None`` on the host). The
+    tensors are recorded on that stream, so memory their owner frees meanwhile is not reused before the read."""
     cuda = [t for t in tensors if t.device.type == "cuda"]
     if not cuda:
         return None
@@ -238,8 +200,7 @@ def _after_read(tensors: list[Any]) -> tuple[Any, Any] | None:
 
 
 def _wait_for(events: list[tuple[Any, Any]]) -> None:
-    """The current stream of each device waits for the fingerprint reads ``events`` mark (the step's row is
-    read back on it), without the host waiting."""
+    """Make each device's current stream (where the row is read back) wait for ``events``, without a host wait."""
     if not events:
         return
     import torch
@@ -260,12 +221,8 @@ def _short(func: Any) -> str:
 
 
 class StepTracer:
-    """The dispatch mode of one recorder, entered for each traced step (:meth:`begin`) and left when it is
-    recorded (:meth:`end`).
-
-    ``emit(item) -> index`` appends a trace item (a cell, or a value still on a device) to the step's ordered
-    items and says where; ``fill(index, item)`` puts an item in a place ``emit(None)`` kept.
-    """
+    """The dispatch mode of one recorder, entered per traced step (:meth:`begin`) and left at :meth:`end`.
+    ``emit(item) -> index`` appends a step item; ``fill(index, item)`` fills a slot ``emit(None)`` kept."""
 
     def __init__(self, context: OpContext, *, rank: int, comm: bool, window: OpWindow | None,
                  emit: Callable[[Any], int], fill: Callable[[int, Any], None],
@@ -280,34 +237,26 @@ class StepTracer:
         self._digests = _Digests()
         self._mode: Any = None
         self._active = False
-        #: Whether this tracer holds the collectives' kernels (:func:`_comm_kernels`).
         self._kernels = False
         self._hooks: list[Any] = []
         self.step = 0
         self.ops_on = False
-        #: Above 0 while the recorder does its own tensor work inside the step: nothing of it is traced.
+        #: Above 0 during the recorder's own tensor work: not traced.
         self.quiet = 0
         self.events: list[dict[str, Any]] = []
         self.dropped = 0
         self._occ: dict[tuple[str, str, str], int] = {}
         self._comm_occ: dict[tuple[tuple[int, ...], str], int] = {}
-        #: Collectives whose output is not taken yet and that hold it until then (functional collectives until
-        #: their wait, c10d ops whose work has no future until the step ends): (tensors, sites, info text,
-        #: event index or -1, the places kept for their cells).
+        #: Collectives whose output is held until taken: (tensors, sites, note, event index or -1, slots).
         self._pending: list[tuple[list[Any], list[str], str, int, list[int]]] = []
-        #: The futures of the callbacks that take c10d outputs at completion (they hold no tensor), and the CUDA
-        #: events after those reads, which the row's read-back waits for.
         self._callbacks: list[Any] = []
         self._read_events: list[Any] = []
-        #: Moves at each begin and end: a callback of another step takes nothing.
+        #: Moves at each begin and end, so a late callback of another step takes nothing.
         self._generation = 0
-        #: The result tensors of functional collectives not waited on yet (reading one is reading a buffer in
-        #: flight). A c10d op's buffers are not: its ``Work`` is waited on out of sight, and what reads them
-        #: afterwards (DDP copying a bucket into the gradients) reads them complete.
+        #: Functional collective results not waited on (in flight). A c10d op's buffers are not tracked: its
+        #: ``Work`` is waited on out of sight, so later readers read them complete.
         self._flying: set[int] = set()
         self._nvtx = False
-
-    # -------------------------------------------------------------- window
 
     def _in_window(self, step: int) -> bool:
         w = self.window
@@ -321,11 +270,9 @@ class StepTracer:
             return True
         return any(module == m or module.startswith(m + ".") for m in mods)
 
-    # -------------------------------------------------------------- lifetime
-
     def begin(self, step: int) -> None:
-        """The traced step ``step`` starts: in the op window the dispatch mode is entered; otherwise the
-        collectives' own kernels (:func:`_comm_kernels`) hand them to this tracer."""
+        """Start traced step ``step``: enter the dispatch mode in the op window, else route collectives through
+        :func:`_comm_kernels` to this tracer."""
         global _ACTIVE
 
         self.step = step
@@ -333,8 +280,7 @@ class StepTracer:
         if self.ops_on:
             from ckptverify.trace.kernel import nvtx_enabled
 
-            # On CUDA each op of the window runs inside an NVTX range named for its site, so that `nsys` maps the
-            # kernels it launches to the site (docs/locate.md, "Kernel and mechanism").
+            # NVTX range per op so `nsys` maps kernels to sites (docs/locate.md).
             self._nvtx = nvtx_enabled()
         self.events = []
         self.dropped = 0
@@ -381,9 +327,8 @@ class StepTracer:
             _comm_kernels(False)
 
     def end(self) -> tuple[list[Any], list[dict[str, Any]], int]:
-        """Leave the mode; wait for the outputs of c10d collectives still running (gloo: a host wait; their
-        work completes them), take those of the collectives not waited on. Returns the device lanes the step's
-        digests wait for, the op records (digests as ints or device handles) and the ops left out."""
+        """Leave the mode, wait for running c10d collectives' outputs, take those not waited on. Returns the device
+        lanes, the op records and the count of ops left out."""
         global _ACTIVE
 
         mode, self._mode = self._mode, None
@@ -407,8 +352,6 @@ class StepTracer:
         self.context.reset()
         lanes, self._digests.lanes = self._digests.lanes, []
         return lanes, self.events, self.dropped
-
-    # -------------------------------------------------------------- one op
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.quiet:
@@ -452,9 +395,8 @@ class StepTracer:
 
     def _at_completion(self, result: Any, entry: tuple[list[Any], list[str], str, int, list[int]],
                        async_op: Any) -> bool:
-        """Take the outputs of the c10d op that returned ``result`` when its work completes (a callback on the
-        work's future, holding weak references only). ``False`` when the work has no future: the caller keeps
-        the outputs until the step ends."""
+        """Take the c10d op's outputs when its work completes (a future callback holding weak references only);
+        ``False`` when the work has no future, so the caller keeps them until the step ends."""
         import torch
 
         work = _work_of(result)
@@ -485,9 +427,8 @@ class StepTracer:
 
         self._callbacks.append(future.then(taken))
         if read and async_op is False:
-            # NCCL runs the callback inline (its future completes when the collective is enqueued): the stream
-            # that issued this synchronous collective runs what the caller does next to its output (FSDP2's
-            # division); it must not overwrite the output before the fingerprint has read it.
+            # NCCL runs the callback inline at enqueue: the issuing stream must not overwrite the output (FSDP2's
+            # division) before the fingerprint has read it.
             device, event = read[0]
             torch.cuda.current_stream(device).wait_event(event)
         return True
@@ -549,8 +490,7 @@ class StepTracer:
         if comm is not None and name in _RECV:
             ins: list[Any] = [None for _ in _leaves(args)]
         else:
-            # An out= buffer is written, never read: what it held before is not an input. A collective's buffer
-            # still in flight is not a value yet. An op that overwrites its self whole does not read it either.
+            # Not inputs: out= buffers, collective buffers in flight, a self the op overwrites whole.
             outs_named = _out_arguments(func)
             read = {k: v for k, v in kwargs.items() if k not in outs_named} if outs_named else kwargs
             flying = self._flying
@@ -571,7 +511,7 @@ class StepTracer:
             out = func(*args, **kwargs)
         results = _leaves(out)
         if comm is None and not results:
-            # An op that returns nothing but writes its arguments (``_foreach_add_``): those are its outputs.
+            # Returns nothing but writes its arguments (``_foreach_add_``).
             results = _written(func, args, kwargs)
         if comm is not None:
             outs: list[Any] = [None] * len(results)  # in flight: taken at completion
@@ -591,8 +531,7 @@ class StepTracer:
                 if alias is not None and not alias.is_write:
                     outs.append(None)  # a view: its values are its base's
                 elif alias is not None or not returns:
-                    # Written in place: the version counter moves only after this mode returns, so what is known
-                    # of the tensor is its content before the op.
+                    # In place: the version counter moves only after this mode returns, so digest afresh.
                     outs.append(digest.fresh(t))
                 else:
                     outs.append(digest(t))
@@ -624,7 +563,7 @@ def _allocates(name: str) -> bool:
 
 
 def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    """The value of the argument ``name`` of an op call, passed by position or by name (``None``: not passed)."""
+    """The value of argument ``name`` of an op call, by position or name; ``None`` if not passed."""
     for i, a in enumerate(func._schema.arguments):
         if a.name == name:
             return args[i] if i < len(args) and not a.kwarg_only else kwargs.get(name)
@@ -643,9 +582,8 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[A
 
 
 def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
-    """``[name, digest, text]`` of each argument of the op that is not a plain tensor (those are its inputs),
-    in schema order, an argument not passed standing for its default (so that passing the default and leaving
-    it out are the same call). ``text``: a short readable form of a small value, else ``None``."""
+    """``[name, digest, text]`` of each non-tensor argument in schema order, a default standing for an omitted
+    argument (so both calls match); ``text`` only for small values."""
     import torch
     import xxhash
 
@@ -671,9 +609,8 @@ def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list
 
 
 def _encode(value: Any, parts: list[str]) -> bool:
-    """Append an exact, process-independent encoding of ``value`` to ``parts`` (a tensor inside a list as a
-    placeholder: its value is among the op's inputs; a generator by its state). Returns whether the value is
-    small and plain enough to be shown as text."""
+    """Append an exact, process-independent encoding of ``value`` to ``parts`` (tensors as placeholders, generators
+    by state); returns whether it is small and plain enough to show as text."""
     import torch
 
     if value is None:
@@ -709,7 +646,7 @@ def _encode(value: Any, parts: list[str]) -> bool:
         parts.append(f"g{value.device}:{xxhash.xxh3_128_hexdigest(state.numpy().tobytes())}")
         return False
     else:
-        # A process group, a reduce op, an opaque object: by its type only (its repr may hold an address).
+        # Opaque objects by type only: a repr may hold an address.
         parts.append(f"o{type(value).__module__}.{type(value).__qualname__}")
         return False
     return True
@@ -730,8 +667,8 @@ def _out_arguments(func: Any) -> frozenset[str]:
 
 
 def _comm_note(info: CommInfo, tensors: list[Any]) -> str:
-    """The site ``info`` of a collective: what it was, and the sizes it moved. The group sequence number is left
-    out: it counts from when the recorder started, so a resumed run's differs."""
+    """A collective's site ``info``: what it was and the sizes it moved. The group sequence number is left out: it
+    counts from recorder start, so a resumed run's differs."""
     return json.dumps({"collective": info.collective, "group": list(info.group), "peer": info.peer,
                        "reduce_op": info.reduce_op, "sizes": [int(t.numel()) for t in tensors]},
                       separators=(",", ":"))
@@ -759,8 +696,8 @@ def _capture(path: str | None, op: str, args: Any, kwargs: Any) -> None:
 
 
 class _Mode:
-    """Placeholder replaced below by a ``TorchDispatchMode`` subclass (made on first use, so that importing this
-    module does not import torch)."""
+    """Placeholder for a ``TorchDispatchMode`` subclass made on first use (importing this module must not import
+    torch)."""
 
     def __new__(cls, tracer: StepTracer) -> Any:  # type: ignore[misc]
         return _mode_class()(tracer)
@@ -768,22 +705,19 @@ class _Mode:
 
 _MODE_CLASS: Any = None
 
-#: The tracer whose step is running outside an op window (level ``comm`` and above): the collectives' kernels
-#: hand their calls to it. One training loop per process records at a time.
+#: The tracer the collectives' kernels hand calls to outside an op window; one recording loop per process.
 _ACTIVE: StepTracer | None = None
-#: The library holding the collectives' kernels, and how many tracers use it.
 _LIBRARY: Any = None
 _USERS = 0
 
-#: The dispatch keys the collectives' kernels are registered for: the autograd keys of the backends c10d has
-#: kernels for. c10d ops have no autograd kernel of their own; a Python one there sees every call (DDP's reducer
-#: included) and costs nothing to the other ops, which a dispatch mode would make pay a Python call each.
+#: c10d ops have no autograd kernel: a Python one there sees every call (DDP's reducer included) and costs the
+#: other ops nothing, unlike a dispatch mode.
 _KERNEL_KEYS = ("AutogradCPU", "AutogradCUDA")
 
 
 def _comm_kernels(use: bool) -> None:
-    """Register (``use``) or release a Python kernel in front of every c10d and functional collective op; the
-    kernel hands the call to :data:`_ACTIVE` (when set) below autograd, and runs the op unchanged otherwise."""
+    """Register (``use``) or release a Python kernel in front of every c10d and functional collective; it hands calls
+    to :data:`_ACTIVE` below autograd, or runs the op unchanged."""
     global _LIBRARY, _USERS
     import torch
 
@@ -860,13 +794,9 @@ def _mode_class() -> Any:
     return _MODE_CLASS
 
 
-# ------------------------------------------------------------------------------------------ op log files
-
-
 def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[str, Any]], dropped: int,
                  values: list[int], chunk_elements: int) -> None:
-    """Write the op log of ``step``: ``records`` as :class:`StepTracer` made them, device handles resolved
-    from ``values`` (the device lanes read back, flattened pairs)."""
+    """Write the op log of ``step``, resolving device handles from ``values`` (flattened lane pairs)."""
     def resolve(v: Any) -> str | None:
         if v is None:
             return None

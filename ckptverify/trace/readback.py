@@ -1,10 +1,8 @@
-"""Batched read-back: digests of tensors on an accelerator, computed there and read to the host once a step.
+"""Batched read-back: digests of device tensors computed there and read to the host once a step.
 
-A cell whose value is still on a device is a :class:`_Deferred` item; every deferred item of a step is read back
-together (:class:`_ReadBack`), one copy per device, started when the step is recorded and finished when the next
-one is. Host tensors are digested at once by their bytes (:func:`_on_host`), unless
-``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1`` sends them down the device path too.
-"""
+Deferred cells (:class:`_Deferred`) of a step are read together (:class:`_ReadBack`), one copy per device, started
+when the step is recorded and finished when the next one is. Host tensors are digested at once, unless
+``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1`` sends them down the device path too."""
 
 from __future__ import annotations
 
@@ -21,19 +19,14 @@ if TYPE_CHECKING:
 
 _MASK64 = (1 << 64) - 1
 
-# ---------------------------------------------------------------------------------------- fingerprints
-
-#: Kept for callers of :func:`fingerprint_many`: plain tensors of any size now go through one batched pass.
+#: For callers of :func:`fingerprint_many`; tensors of every size are batched.
 SMALL_TENSOR = 1 << 12
 
 
 def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
-    """:func:`~ckptverify.fingerprint.tensor_fingerprint` values of ``tensors``, in order.
-
-    Plain tensors are fingerprinted together on their device (one batched pass per device,
-    :func:`ckptverify.fingerprint.kernels.lanes_many`, read back once); DTensors one by one through
-    ``tensor_fingerprint``, in list order (DTensor fingerprints are collective: every rank passes the same
-    list)."""
+    """:func:`~ckptverify.fingerprint.tensor_fingerprint` values of ``tensors``, in order: plain tensors batched per
+    device and read back once; DTensors one by one in list order (their fingerprints are collective: every rank
+    passes the same list)."""
     from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
     from ckptverify.fingerprint import kernels as kern
 
@@ -52,15 +45,13 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
 
 
 
-#: Host tensors take the accelerator path too (logical fingerprints computed in batches, read back once per
-#: step): set ``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1`` so that a machine without an accelerator runs that path
-#: (the test suite does). Traces recorded this way compare only with traces recorded this way.
+#: Host tensors take the device path, so CPU-only machines (the tests) run it; such traces compare only with
+#: traces recorded the same way.
 _HOST_AS_DEVICE = os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1"
 
 
 def _has_parts(t: Any) -> bool:
-    """A tensor subclass digested by its parts (MXTensor, ...): its digest is taken now, its device parts read
-    back with it (:func:`~ckptverify.trace.category.subclass_digest`), never batched as one tensor."""
+    """A wrapper subclass (MXTensor, ...): digested now by its parts, never batched as one tensor."""
     from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
     return type(t).__name__ not in _PLAIN_TYPES and is_wrapper_subclass(t)
@@ -75,10 +66,9 @@ def _on_host(t: Any) -> bool:
 
 
 class _Deferred:
-    """Cells whose values are still on an accelerator: ``make(values)`` builds them from ``tensor`` once it is
-    read back (``values``: the tensor's elements as Python ints, flattened). Every deferred item of a step is
-    read back together, once (:class:`_ReadBack`), instead of one synchronizing read per category, batch element
-    and metric. Items that share one tensor share its read."""
+    """Cells still on an accelerator: ``make(values)`` builds them once ``tensor`` is read back (its elements as
+    Python ints, flattened). All of a step's deferred items share one read per device instead of a synchronizing read
+    each."""
 
     __slots__ = ("make", "tensor")
 
@@ -90,14 +80,9 @@ Item = Cell | _Deferred
 
 
 class _ReadBack:
-    """The values a step's deferred items wait for, on their way to the host: one copy per device, started
-    when the step is recorded and finished (:meth:`cells`) when the next step is, so that nothing waits for
-    the device in between. On CUDA the copy goes to a pinned buffer without blocking and an event marks its
-    end; elsewhere the values are read when needed.
-
-    ``pinned``: per CUDA device, the pinned host buffer its owner (one recorder) reuses step after step
-    (allocating one costs milliseconds). A recorder finishes one step's read before it starts the next, so one
-    buffer per device is enough."""
+    """A step's deferred values on their way to the host: one copy per device, started when the step is recorded and
+    finished (:meth:`cells`) at the next, so nothing waits in between. On CUDA a non-blocking copy into
+    ``pinned[device]`` (reused: allocation costs milliseconds; one read at a time per recorder) with an event."""
 
     def __init__(self, items: list[Item], pinned: dict[Any, Any] | None = None) -> None:
         import torch
@@ -154,9 +139,8 @@ def _pair_digests(values: list[int]) -> list[int]:
 
 
 def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]) -> list[Item]:
-    """``finish(digests)`` of ``tensors``' member digests (plain local tensors): host ones digested now, the
-    others in one batched pass on their device, read back with the rest of the step. Returns ``finish``'s
-    cells, or one deferred item that makes them."""
+    """``finish(digests)`` of the member digests of plain local ``tensors``: host ones now, device ones in one
+    batched pass read back with the step. Returns the cells, or one deferred item making them."""
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace.category import tensor_digests
 

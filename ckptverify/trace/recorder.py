@@ -2,38 +2,15 @@
 
 Use (see ``docs/trace.md``)::
 
-    header = TraceHeader(run="a", level="state", workload="tinygpt")
-    with TraceRecorder(run_dir, header=header) as rec:
+    with TraceRecorder(run_dir, header=TraceHeader(run="a", level="state")) as rec:
         rec.attach(model, optimizer=optimizer)  # gradient and module hooks
         for step in range(1, steps + 1):
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
+            ...  # forward, backward, optimizer.step(), scheduler.step()
             rec.record_step(step, metrics={"loss": loss}, batch=(x, y), state=train_state)
 
-``record_step`` is called once per step, after ``optimizer.step()`` (and ``scheduler.step()``): what it
-reads from ``state`` is the state *after* the step. Gradients are recorded right before
-``optimizer.step()`` by the hook ``attach(model, optimizer=...)`` installs; without it, by an explicit
-:meth:`TraceRecorder.record_grads` call, or else read from ``p.grad`` when ``record_step`` runs (which a
-loop that calls ``zero_grad`` at the end of the step has already cleared).
-
-Every rank writes its own store, ``<run_dir>/rank<r>``, of what it holds (a DTensor's local shard). The
-recorder walks the sites in a fixed order (state dict order, ``named_parameters`` order).
-
-At detail ``category`` (the header's) each tensor category is one cell per step (:mod:`ckptverify.trace.category`);
-at detail ``tensor`` each tensor also gets its own cell. How the per-step cost is kept down is described in
-``docs/trace.md`` (*Values*, *Cost*): views kept from step to step, one vectorized pass for all category cells,
-random streams re-digested only when they moved, hyperparameters packed with one ``struct`` call.
-
-The recorder drives the modules below it, each one concern (each imports only those listed before it):
-:mod:`~ckptverify.trace.sites` (site names, the model behind its wrappers), :mod:`~ckptverify.trace.readback`
-(device digests read back once a step), :mod:`~ckptverify.trace.cells` (cell encoders for tensors, metrics and
-other values), :mod:`~ckptverify.trace.hyperparams` (optimizer hyperparameters),
-:mod:`~ckptverify.trace.members` (category digests: gradients, optimizer state, parameters, buffers) and
-:mod:`~ckptverify.trace.flatten` (what a row reads from a TrainState).
-"""
+Traps: ``record_step`` reads the state *after* the step. Gradients are taken right before ``optimizer.step()`` by the
+``attach(..., optimizer=...)`` hook, or by :meth:`TraceRecorder.record_grads`; else from ``p.grad`` at
+``record_step``, which a loop that zeroes gradients at the end of its step has already cleared."""
 
 
 from __future__ import annotations
@@ -87,24 +64,14 @@ if TYPE_CHECKING:
 
     from ckptverify.state.train_state import TrainState
 
-#: ``fingerprint_many`` (:mod:`ckptverify.trace.readback`) and ``hparam_cells`` (:mod:`ckptverify.trace.hyperparams`)
-#: are re-exported for callers that import them from here.
 __all__ = ["ROOT_MODULE", "TraceRecorder", "canonical_name", "fingerprint_many", "hparam_cells", "module_site"]
 
 class TraceRecorder:
     """Records one row per training step into ``<path>/rank<r>`` (a :class:`~ckptverify.trace.TraceWriter`).
 
-    Args:
-        path: the run's trace directory; rank ``r`` writes the store ``<path>/rank<r>``.
-        header: what the trace describes; its level (``metrics`` | ``state`` | ``comm`` | ``module`` | ``op``)
-            decides what is recorded, its detail (``category`` | ``tensor``) whether tensor categories get a cell
-            per tensor. ``rank``/``world_size`` are filled in from ``torch.distributed`` when left ``None``.
-        flush_every: rows buffered before a (background) write.
-        overwrite: replace an existing store instead of refusing.
-        window: at level ``op``, the steps, ranks and modules whose ops are logged (``None``: every step, rank
-            and module, at most ``OpWindow().max_ops`` ops a step); ignored below level ``op``.
-        chunk_elements: elements per chunk cell of an order-sensitive op output (sort indices, top-k, ...).
-    """
+    The header's level decides what is recorded and its detail whether categories get a cell per tensor;
+    ``rank``/``world_size`` come from ``torch.distributed`` when ``None``. ``window``: at level ``op``, the steps,
+    ranks and modules whose ops are logged (``None``: all, capped by ``OpWindow().max_ops``)."""
 
     def __init__(self, path: str | os.PathLike[str], *, header: TraceHeader, flush_every: int = DEFAULT_FLUSH_EVERY,
                  overwrite: bool = False, window: OpWindow | None = None,
@@ -145,8 +112,8 @@ class TraceRecorder:
         self._hook_warning = _HookWarningGuard()
         self._pending: tuple[int, _ReadBack] | None = None
         self._pinned: dict[Any, Any] = {}
-        # Module forwards running (recompute pairing): [name, occurrence, call, recompute, cursor], innermost last;
-        # the step's forward calls: (name, occurrence, children); calls of each module; calls a recompute repeated.
+        # Recompute pairing: running forwards [name, occurrence, call, recompute, cursor] (innermost last), the
+        # step's calls (name, occurrence, children), calls per module, calls already repeated.
         self._frames: list[list[Any]] = []
         self._calls: list[tuple[str, int, list[int]]] = []
         self._calls_of: dict[str, list[int]] = {}
@@ -182,7 +149,7 @@ class TraceRecorder:
         return self.level == "op"
 
     def _emit(self, item: Any) -> int:
-        """Append a step item (``None``: a place to :meth:`_fill` later) in execution order; its index."""
+        """Append a step item (``None``: a slot to :meth:`_fill` later); returns its index."""
         self._module_cells.append(item)
         return len(self._module_cells) - 1
 
@@ -191,7 +158,7 @@ class TraceRecorder:
 
     @contextlib.contextmanager
     def _own_work(self) -> Iterator[None]:
-        """The recorder's own tensor work inside a traced step (digests in hooks): not traced as the step's ops."""
+        """The recorder's own tensor work in a traced step (digests in hooks): not traced as the step's ops."""
         tracer = self._tracer
         if tracer is None or not tracer.active:
             yield
@@ -207,22 +174,14 @@ class TraceRecorder:
             self._structure = _Structure()
         return self._structure.version
 
-    # -------------------------------------------------------------- module hooks
-
     def attach(self, model: torch.nn.Module, *, optimizer: Any = None, backward: bool = True,
                include: Callable[[str, torch.nn.Module], bool] | None = None) -> None:
-        """Remember ``model`` (for :meth:`record_grads`) and install the recording hooks.
+        """Remember ``model`` and install the recording hooks.
 
-        * ``optimizer`` (one or a list): at level ``state`` and above, a step pre-hook calls
-          :meth:`record_grads` right before each ``optimizer.step()``, so gradients are recorded as the
-          optimizer consumes them (after clipping and unscaling), wherever the loop calls ``zero_grad``.
-        * At level ``module``, every module (``include(name, module)`` narrows the set) gets a forward hook
-          recording its output's digest, a forward pre-hook recording its inputs' (so work a parent does
-          in its own ``forward`` between children shows as a child input that differs while the parent's
-          does not), and with ``backward`` a full backward hook recording the digest of the gradient
-          with respect to its inputs. Sites are ``module.<name>.in#k`` / ``module.<name>.fwd#k`` /
-          ``module.<name>.bwd#k``, ``k`` counting the hook's calls for that module in the step.
-        """
+        ``optimizer`` (one or a list), level ``state`` and up: a step pre-hook calls :meth:`record_grads`, so
+        gradients are recorded as the optimizer consumes them (after clipping, unscaling). Level ``module``: every
+        module (narrowed by ``include(name, module)``) gets hooks for its inputs, outputs and, with ``backward``,
+        input gradients; input sites show work a parent does between its children."""
         if self._model is not None:
             raise UsageError("a model is already attached; call detach() first")
         self._model = model
@@ -242,12 +201,9 @@ class TraceRecorder:
                 continue  # a wrapper's inner module: the wrapper already records this output
             cls = type(module).__name__
             self._handles.append(module.register_forward_pre_hook(self._input_hook(name, cls)))
-            # always_call: a forward that raises (non-reentrant checkpointing stops a recompute that way once it
-            # has what backward needs) still leaves the stack of running forwards.
+            # always_call: non-reentrant checkpointing stops a recompute by raising; the frame must still pop.
             self._handles.append(module.register_forward_hook(self._forward_hook(name, cls), always_call=True))
             if backward:
-                # The pre-hook also keeps torch's warning about a module none of whose inputs needs a gradient
-                # from firing at the user's backward() for a hook that is ours (_HookWarningGuard).
                 self._handles.append(module.register_full_backward_pre_hook(self._backward_pre_hook(name)))
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(name, cls)))
 
@@ -257,7 +213,7 @@ class TraceRecorder:
         with self._own_work():
             if self._model is not None:
                 self.record_grads(self._model)
-            # The hyperparameters this optimizer step uses (a loop sets lr from its own counter right before it).
+            # Read here: a loop may set lr right before the step.
             self._hparam_cells = self._hparams(self._optimizers)
 
     def detach(self) -> None:
@@ -305,9 +261,8 @@ class TraceRecorder:
         return hook
 
     def _repeated_call(self, name: str) -> int | None:
-        """The forward call of ``name`` that a recompute starting now repeats: inside a recomputed parent, its
-        next child call of that module; else (the outermost module of a recomputed region: regions are
-        recomputed last first) the latest call of that module not repeated yet."""
+        """The forward call of ``name`` a recompute starting now repeats: inside a recomputed parent, its next child
+        call of that module; else the latest call not yet repeated (regions recompute last first)."""
         parent = self._frames[-1] if self._frames and self._frames[-1][3] else None
         found = None
         if parent is not None:
@@ -385,8 +340,7 @@ class TraceRecorder:
         self._paired.clear()
 
     def begin_skipped_step(self) -> None:
-        """A step that will not be recorded (``trace_every`` > 1) begins: hooks gather nothing until
-        :meth:`skip_step`."""
+        """A step that will not be recorded begins: hooks gather nothing until :meth:`skip_step`."""
         self._paused += 1
 
     def skip_step(self) -> None:
@@ -408,8 +362,6 @@ class TraceRecorder:
         finally:
             self._paused -= 1
 
-    # -------------------------------------------------------------- gradients
-
     def _grads_of(self, model: Any) -> list[Item]:
         grads = self._gradients
         if grads is None or grads.model is not model or self._grad_version != self._version():
@@ -418,14 +370,9 @@ class TraceRecorder:
         return grads.cells(self.detail)
 
     def record_grads(self, model: torch.nn.Module | None = None) -> None:
-        """Digest every parameter's ``.grad`` now, for the next :meth:`record_step`.
-
-        ``attach(model, optimizer=...)`` calls it right before each ``optimizer.step()``. Without that hook,
-        call it after ``backward()`` (and any gradient clipping) and before ``optimizer.zero_grad()`` in a
-        loop that clears gradients before ``record_step``. A later call in the same step replaces the
-        earlier one (with gradient accumulation, the last one before the step is what the step used).
-        ``model`` defaults to the attached one. Does nothing below level ``state``.
-        """
+        """Digest every parameter's ``.grad`` now, for the next :meth:`record_step` (no-op below level ``state``).
+        Without the optimizer hook, call it after ``backward()`` and clipping, before ``zero_grad()``; a later call
+        in the step replaces the earlier one. ``model`` defaults to the attached one."""
         if not self.records_state:
             return
         model = model if model is not None else self._model
@@ -434,11 +381,8 @@ class TraceRecorder:
         with self._own_work():
             self._grad_cells = self._grads_of(model)
 
-    # -------------------------------------------------------------- steps
-
     def _rng_cells(self, prefix: str, state: TrainState) -> list[Cell]:
-        """A digest cell per random stream (``<prefix><kind>``); the cell of a stream that did not move is the
-        one made before."""
+        """A digest cell per random stream (``<prefix><kind>``), reusing the cell of a stream that did not move."""
         from ckptverify.trace.streams import StreamDigests
 
         gens = state.rng.generators
@@ -455,14 +399,10 @@ class TraceRecorder:
         return out
 
     def record_step_start(self, state: TrainState | None, *, step: int | None = None) -> None:
-        """The state a step starts from, for the next :meth:`record_step`: every random stream
-        (``start.rng.<stream>``) and every optimizer hyperparameter (``start.hparam.<g>.<key>``) as they are
-        before the step draws or computes anything. A stream that differs here is a cause (re-seeded, or drawn
-        outside the steps), not a consequence of a different batch. Nothing of this below level ``state``.
-
-        At level ``comm`` and above this also starts tracing the step's ops (:mod:`ckptverify.trace.ops`) until
-        :meth:`record_step`: ``step`` is the number the step will be recorded as (default: the last recorded
-        step + 1), which the op window is matched against."""
+        """Capture the state a step starts from for the next :meth:`record_step`: random streams (``start.rng.*``)
+        and hyperparameters (``start.hparam.*``), so a stream that differs here is a cause (re-seeded, drawn outside
+        the steps), not a consequence. At level ``comm`` and up also starts tracing the step's ops; ``step``
+        (default: last recorded + 1) is what the op window matches."""
         if self.records_state and state is not None:
             self._start_cells = [*self._rng_cells("start.rng.", state), *self._start_hparams(state.optimizers)]
         if self._tracer is not None:
@@ -473,34 +413,13 @@ class TraceRecorder:
 
     def record_step(self, step: int, *, metrics: Mapping[str, Any] | None = None, batch: Any = None,
                     state: TrainState | None = None, batch_indices: Any = None) -> None:
-        """Record the row of ``step``: call once at the end of each step, after ``optimizer.step()``.
+        """Record the row of ``step``; call once at the end of each step, after ``optimizer.step()``.
 
-        * every level: ``metrics`` (name -> number or tensor) by their exact bits;
-        * ``state`` and ``module``: what :meth:`record_step_start` captured when the step began (random
-          streams, hyperparameters), and the hyperparameters the optimizer step used (``hparam.<g>.<key>``,
-          captured by the optimizer hook);
-        * ``state`` and ``module``: ``batch_indices`` (the sample indices the batch was made from, with its
-          epoch: ``data.indices``, a digest), then the ``batch`` digest (a tensor, or one site per element of a
-          tuple/list/dict); the gradients (those captured by :meth:`record_grads` — or the optimizer hook —
-          in this step, else the ``.grad`` of ``state.model`` / the attached model as they are now;
-          parameters without a gradient are not recorded) as the category cell ``grad.*``; and from
-          ``state``: optimizer state (``optim.param_groups.<i>``: hyperparameters digested per param group;
-          the category cell ``optim.state.*``), parameters and buffers (``param.*``), buffers registered with
-          ``persistent=False`` (``buffer.*``: no checkpoint holds them), and a digest of each non-tensor field
-          (``scheduler.<i>``, ``rng.<stream>``, ``data``, ``counters``, ...). At detail ``tensor`` each
-          tensor of a category also gets its own cell (``grad.<fqn>``, ``optim.state.<fqn>.<key>``,
-          ``param.<fqn>``, ``buffer.<fqn>``), right before its category cell;
-        * ``comm``: the input and output fingerprints of each collective of the step (``comm.*`` sites), in
-          execution order among the module sites;
-        * ``module``: the module outputs and input gradients recorded by the hooks since the last row, and the
-          outputs of module forwards recomputed by activation checkpointing (``module.<m>.recompute#k``, the
-          pair of ``module.<m>.fwd#k``);
-        * ``op``: in the window, the step's op log (``ops/step<N>.json`` in the store, see
-          :func:`~ckptverify.trace.oplog.read_ops`).
-
-        Lower levels ignore what they do not record, so the same loop works at every level. Steps must
-        increase. On several ranks every rank must call this for every step.
-        """
+        Records metrics by their exact bits at every level; from ``state`` up, the step-start cells, hyperparameters,
+        ``batch_indices``, batch, gradients (from :meth:`record_grads` or the hook, else the current ``.grad``) and
+        the state's categories and fields; ``comm``/``module``/``op`` add their sites (site names:
+        ``docs/trace.md``). Lower levels ignore what they do not record. Steps must increase; on several ranks every
+        rank must call this for every step."""
         import torch
 
         op_items: list[Item] = []
@@ -544,9 +463,7 @@ class TraceRecorder:
         self._occurrences.clear()
         self._forget_calls()
         self._grad_cells = None
-        # Values still on an accelerator (gradients, state, batch, metrics) are read back together, once: the
-        # copy starts now and is taken when the next step is recorded (or at flush), so that nothing waits for
-        # the device here.
+        # Device values are read back once, when the next step is recorded (or at flush): nothing waits here.
         self._settle()
         if any(type(x) is _Deferred for x in cells):
             self._pending = (step, _ReadBack(cells, self._pinned))
@@ -554,10 +471,8 @@ class TraceRecorder:
             self.writer.append(step, cells)  # type: ignore[arg-type]
 
     def _fill_encoding(self, state: TrainState | None, batch: Any, metrics: Mapping[str, Any] | None) -> None:
-        """Write into the header how this trace's tensor digests read (``digest_encoding``), from where the
-        first row's tensors are: the model's parameters, else the batch or a metric (below level ``state``, a
-        metric of several elements: one element is recorded by its bits). A row of numbers only leaves it
-        ``unknown``."""
+        """Set the header's ``digest_encoding`` from where the first row's tensors live (the model's parameters, else
+        the batch or a metric); a row of numbers only leaves it ``unknown``."""
         from dataclasses import replace
 
         from ckptverify.trace.readback import _HOST_AS_DEVICE
@@ -579,8 +494,8 @@ class TraceRecorder:
         self.writer.set_header(self.header)
 
     def _op_log_items(self, step: int, lanes: list[Any], records: list[dict[str, Any]], dropped: int) -> list[Item]:
-        """Write the op log of ``step`` now (every digest on the host), or return the item that writes it once
-        the device digests are read back with the row."""
+        """Write the op log of ``step`` now (all digests on the host), or return the item that writes it once the
+        device digests are read back with the row."""
         chunk = self._tracer.chunk_elements if self._tracer is not None else DEFAULT_CHUNK_ELEMENTS
         if not lanes:
             write_op_log(self.store_path, step, records, dropped, [], chunk)
@@ -614,8 +529,7 @@ class TraceRecorder:
     def _state_cells(self, step: int, state: TrainState) -> list[Item]:
         rng = self._rng_cells("rng.", state)  # first, as TrainState.fields() does: reading the rest may draw
         fields = self._field_cells(state, rng)
-        # The loss scaler's scale and growth tracker live on the device: read back with the row, not by
-        # state_dict()'s two .item() calls.
+        # The scaler's tensors are read back with the row, not by state_dict()'s two .item() syncs.
         scaler = [] if state.scaler is None else [_scaler_item("scaler", _field_kind("scaler"), state.scaler)]
         others = sorted(fields, key=lambda c: _FIELD_ORDER[c.kind])
         layout, digests, lanes = self._members(state)
@@ -627,7 +541,6 @@ class TraceRecorder:
             optim, params, buffers = layout.digester.cells(digests, self.detail)  # type: ignore[assignment]
             self._last = (step, layout.params.tensors, digests[lo:hi])
         else:
-            # On an accelerator: the three categories' cells are made from one read-back, with the step's.
             made: list[list[list[Cell]]] = []
 
             def part(k: int) -> _Deferred:
@@ -645,8 +558,8 @@ class TraceRecorder:
                 *others]
 
     def _members(self, state: TrainState) -> tuple[_StateLayout, list[int], Any]:
-        """The layout, the digests of its optimizer-state, parameter and buffer members now, and the lane sums
-        of those on an accelerator (not read back yet; ``None`` when all are on the host)."""
+        """The layout, its optimizer-state/parameter/buffer member digests, and the device lane sums not yet read
+        back (``None`` when all are on the host)."""
         for _ in range(2):
             layout = self._layout
             version = self._version()
@@ -659,9 +572,8 @@ class TraceRecorder:
         raise UsageError("the model's tensors keep moving while the trace reads them")
 
     def _field_cells(self, state: TrainState, rng: list[Cell]) -> list[Cell]:
-        """One digest cell per non-tensor field of ``state``: exactly ``state_digest`` of what
-        ``TrainState.fields()`` returns for it (the random streams' cells come in ``rng``; the loss scaler's is
-        :func:`~ckptverify.trace.cells._scaler_item`'s)."""
+        """One digest cell per non-tensor field of ``state``, exactly ``state_digest`` of what
+        ``TrainState.fields()`` returns for it (random streams come in ``rng``)."""
         values: dict[str, Any] = {"counters": _counters(state.counters)}
         for i, sched in enumerate(state.schedulers):
             values[f"scheduler.{i}"] = sched.state_dict()
@@ -680,11 +592,8 @@ class TraceRecorder:
         return Cell(name, kind, _value_lanes(value), "digest128")
 
     def step_digests(self, step: int, tensors: list[Any]) -> list[int | None]:
-        """The member digests the row of ``step`` (one of the last two recorded) holds for ``tensors``
-        (parameters, or their local shards), matched by storage; ``None`` for a tensor the row did not digest.
-        Lets the cross-replica check reuse them instead of reading the tensors again. The row before the last
-        one is on the host already (its read-back finished when the last one was recorded); the last one's,
-        when its values are still on their way from a device, is waited for."""
+        """The member digests the row of ``step`` (one of the last two) holds for ``tensors``, matched by storage;
+        ``None`` where not digested. Waits for the last row's device read-back if still pending."""
         if self._pending is not None and self._pending[0] == step:
             self._settle()
         found = next((x for x in (self._last, self._kept) if x is not None and x[0] == step), None)
@@ -702,8 +611,6 @@ class TraceRecorder:
             key = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())
             out.append(index.get(key) if local.numel() else None)
         return out
-
-    # -------------------------------------------------------------- lifetime
 
     def flush(self) -> None:
         """Write the buffered rows and wait until they are committed."""
@@ -728,20 +635,16 @@ class TraceRecorder:
         self.close()
 
 
-#: The start of the warning torch gives when a module's full backward hooks fire with no input needing a gradient.
 _HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 
 class _HookWarningGuard:
-    """Keeps torch's "Full backward hook is firing when gradients are computed with respect to module outputs
-    since no inputs require gradients" warning from showing at the user's ``backward()`` for our own hooks.
+    """Keeps torch's "Full backward hook is firing ... since no inputs require gradients" warning from showing at the
+    user's ``backward()`` for our own hooks.
 
-    torch gives it when the module's backward hooks fire and none of the tensors the call was given needs a
-    gradient (an embedding, a first layer fed the batch), right after the module's backward pre-hooks and before
-    its full backward hooks. For a module whose every call so far was like that, and which has no backward hook
-    but ours (and no global one is registered), our pre-hook silences exactly that message until our full hook
-    runs, right after. A module whose calls differ, or that has hooks of the user's, keeps the warning (the
-    user's hooks would give it anyway)."""
+    Torch gives it between a module's backward pre-hooks and full hooks when no input needed a gradient. Only for a
+    module whose every call was like that and that has no backward hook but ours (and no global one) is it silenced;
+    otherwise the user's hooks would give it anyway."""
 
     def __init__(self) -> None:
         self._grad_free: set[str] = set()  # modules called with no input that needs a gradient

@@ -1,9 +1,8 @@
 """Site names of a trace row, and the model as its names see it.
 
-A site is what one cell of a row digests: ``grad.<fqn>``, ``param.<fqn>``, ``module.<name>.fwd#k``, ... Names
-are the canonical FQNs ``get_state_dict`` uses (wrapper components dropped), so that gradient, module and
-parameter sites of one model line up whatever wraps it (DDP, ``torch.compile``, activation checkpointing, FSDP1).
-"""
+A site is what one cell digests (``grad.<fqn>``, ``module.<name>.fwd#k``, ...). Names are the canonical FQNs
+``get_state_dict`` uses (wrapper components dropped), so sites line up whatever wraps the model (DDP,
+``torch.compile``, activation checkpointing, FSDP1)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ from typing import Any
 #: The name the root module goes by in site names.
 ROOT_MODULE = "(root)"
 
-#: Wrapper components that ``get_state_dict`` leaves out of FQNs (torch.compile, activation checkpointing,
-#: FSDP1); module and gradient names drop them too, so they match parameter names.
+#: Wrapper components ``get_state_dict`` leaves out of FQNs; module and gradient names drop them too.
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 #: Order of the non-tensor fields of a TrainState in a row, by kind.
@@ -25,8 +23,7 @@ def canonical_name(name: str) -> str:
 
 
 def module_site(module: str, direction: str, occurrence: int) -> str:
-    """Site name of a module's forward input (``in``), forward output (``fwd``) or input gradient (``bwd``)
-    at one occurrence."""
+    """Site name of a module's input (``in``), output (``fwd``) or input gradient (``bwd``) at one occurrence."""
     return f"module.{module or ROOT_MODULE}.{direction}#{occurrence}"
 
 
@@ -51,8 +48,7 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def non_persistent_buffers(model: Any) -> list[tuple[str, Any]]:
-    """``(canonical name, tensor)`` of every buffer of ``model`` registered with ``persistent=False`` (state
-    dicts, and so checkpoints, leave them out)."""
+    """``(canonical name, tensor)`` of each ``persistent=False`` buffer of ``model`` (no checkpoint holds them)."""
     out = []
     for mod_name, module in _unwrap(model).named_modules():
         for name in sorted(getattr(module, "_non_persistent_buffers_set", ())):

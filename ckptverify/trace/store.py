@@ -1,24 +1,16 @@
-"""The trace store: one rank-local, append-only zarr (v3) group per run and rank.
+"""The trace store: one rank-local, append-only zarr (v3) group per run and rank (layout: ``docs/trace.md``).
 
-Layout (documented in ``docs/trace.md``)::
+Layout::
 
-    <store>/zarr.json        group attributes: header (TraceHeader.to_dict()), rows (committed rows: the
-                             commit marker), layout {flush_every, site_chunk}
-    <store>/sites/zarr.json  an empty array whose attribute ``sites`` is the site table, by column:
-                             [{name, kind, category, encoding, order, first_row, info, group}, ...]
-    <store>/steps            int64  [capacity]             the step number of each row
-    <store>/values           uint64 [capacity, sites, 2]   the 128-bit value of each cell (lane 0, lane 1)
+    <store>/zarr.json        attributes: header, rows (the commit marker), layout {flush_every, site_chunk}
+    <store>/sites/zarr.json  empty array whose attribute ``sites`` is the site table, by column
+    <store>/steps            int64  [capacity]             step of each row
+    <store>/values           uint64 [capacity, sites, 2]   128-bit value of each cell
     <store>/present          bool   [capacity, sites]      whether the cell was recorded
 
-Rows are buffered in memory and written ``flush_every`` at a time, so each flush writes whole chunks instead of
-rewriting a chunk once per step. The write itself runs on a background thread (one at a time, in order), so a
-training step never waits for it; :meth:`TraceWriter.flush` and :meth:`TraceWriter.close` wait. The arrays grow
-in steps of whole chunks ahead of the rows (``capacity``): only ``rows`` of them hold rows. Every array's
-metadata and the attributes are plain zarr v3 ``zarr.json`` files, so the store opens without consolidated
-metadata. The site table is rewritten only when a site is added; ``rows`` is written last on each flush, and a
-reader trusts only that many rows (and the sites first recorded before them), so a store whose writer died
-mid-flush still opens with every committed row.
-"""
+Rows are written ``flush_every`` at a time on a background thread; arrays grow in whole chunks ahead of the rows.
+``rows`` is written last on each flush and a reader trusts only that many rows (and the sites first recorded before
+them), so a store whose writer died mid-flush still opens with every committed row."""
 
 from __future__ import annotations
 
@@ -59,7 +51,6 @@ __all__ = [
 ]
 
 TRACE_SCHEMA = "ckptverify/trace"
-#: 2: category cells (``set128``), site groups, header ``detail``, arrays allocated ahead of the rows.
 TRACE_SCHEMA_VERSION = 2
 
 #: Recording levels, each including the previous one: ``comm`` adds every collective and point-to-point op,
@@ -67,15 +58,12 @@ TRACE_SCHEMA_VERSION = 2
 #: (:mod:`ckptverify.trace.ops`).
 LEVELS = ("metrics", "state", "comm", "module", "op")
 
-#: How a trace's tensor digests read (its header's ``digest_encoding``): ``host``, xxh3-128 of the bytes (tensors
-#: in host memory); ``device``, the logical fingerprint computed on an accelerator; ``host-as-device``, host tensors
-#: sent down the accelerator path (``CKPTVERIFY_TRACE_HOST_AS_DEVICE=1``); ``unknown``, a trace written before the
-#: header said it, or one that digested no tensor. Digests of one tensor under two encodings never match: two
-#: traces whose encodings are known and differ cannot be compared site by site.
+#: How a trace's tensor digests read (header ``digest_encoding``): ``host`` xxh3-128 of host bytes, ``device`` the
+#: accelerator fingerprint, ``host-as-device`` host tensors on the accelerator path, ``unknown`` no tensor digested.
+#: Digests under two known encodings never match, so such traces cannot be compared site by site.
 DIGEST_ENCODINGS = ("unknown", "host", "device", "host-as-device")
 
-#: What a state-level trace records of a tensor category (gradients, parameters, optimizer state, buffers):
-#: ``category`` one cell per category per step; ``tensor`` one cell per tensor as well.
+#: ``category``: one cell per tensor category per step; ``tensor``: one cell per tensor as well.
 DETAILS = ("category", "tensor")
 
 #: Site kind -> category.
@@ -101,23 +89,19 @@ KINDS: dict[str, str] = {
 }
 CATEGORIES = tuple(dict.fromkeys(KINDS.values()))
 
-#: How a cell's 128 bits are to be read:
-#: ``fp128`` a logical tensor fingerprint; ``digest128`` an xxh3-128 digest; ``f64`` lane 0 holds the
-#: IEEE-754 binary64 bits of a number (lane 1 is 0); ``i64`` lane 0 holds a two's-complement 64-bit integer;
-#: ``set128`` a category cell (:mod:`ckptverify.trace.category`): two sums modulo 2**61 - 1 over its members.
+#: How a cell's 128 bits read: ``fp128`` tensor fingerprint, ``digest128`` xxh3-128, ``f64``/``i64`` a number in
+#: lane 0 (lane 1 is 0), ``set128`` a category cell (:mod:`ckptverify.trace.category`).
 ENCODINGS = ("fp128", "digest128", "f64", "i64", "set128")
 
 _MASK64 = (1 << 64) - 1
 DEFAULT_FLUSH_EVERY = 64
 DEFAULT_SITE_CHUNK = 512
 
-#: What a reader accepts of a store (a store is untrusted bytes: a run directory someone handed over). Rows and
-#: sites: far beyond any training run (a step every second for half a year; a per-tensor trace of a model with a
-#: million tensors). A chunk: what one chunk decodes to, whatever its metadata or compressed size says.
+#: Reader caps: a store is untrusted bytes. Rows and sites far beyond any run; a chunk's decoded size, whatever
+#: its metadata or compressed size says.
 MAX_ROWS = 1 << 24
 MAX_SITES = 1 << 20
 MAX_CHUNK_BYTES = 256 << 20
-#: Largest ``zarr.json`` read (the site table lives in one).
 MAX_METADATA_BYTES = 256 << 20
 
 
@@ -137,13 +121,9 @@ def _tool_version() -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class TraceHeader:
-    """What a trace describes. Two traces are comparable when their headers agree on everything but ``run``.
-
-    ``rank`` and ``world_size`` left as ``None`` are filled in by :class:`~ckptverify.trace.TraceRecorder`
-    from ``torch.distributed`` (0 and 1 without it). ``extra`` holds the run's configuration (JSON values).
-    ``detail`` (one of :data:`DETAILS`) says whether tensor categories are recorded per category only or per
-    tensor too; traces of either detail compare with each other.
-    """
+    """What a trace describes; two traces are comparable when their headers agree on everything but ``run``.
+    ``rank``/``world_size`` left ``None`` are filled in by the recorder; ``extra`` holds the run's configuration;
+    traces of either ``detail`` compare with each other."""
 
     run: str
     level: str = "state"
@@ -156,7 +136,6 @@ class TraceHeader:
     extra: Mapping[str, Any] = field(default_factory=dict)
     schema: str = TRACE_SCHEMA
     schema_version: int = TRACE_SCHEMA_VERSION
-    #: One of :data:`DIGEST_ENCODINGS`; the recorder fills it in from the first row it records.
     digest_encoding: str = "unknown"
 
     def __post_init__(self) -> None:
@@ -179,8 +158,8 @@ class TraceHeader:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TraceHeader:
-        """The header a store's attributes hold; :class:`CkptVerifyError` for anything but the types
-        :meth:`to_dict` writes (a level or detail not known to this tool included)."""
+        """The header a store's attributes hold; :class:`CkptVerifyError` for anything but the types :meth:`to_dict`
+        writes (an unknown level or detail included)."""
         if not isinstance(data, Mapping):
             raise CkptVerifyError(f"damaged trace header: {type(data).__name__}, not an object")
         known = {f.name for f in fields(cls)}
@@ -200,8 +179,7 @@ class TraceHeader:
         return replace(self, rank=rank, world_size=world_size)
 
     def differences(self, other: TraceHeader, ignore: Iterable[str] = ("run",)) -> list[str]:
-        """Names of the fields that differ, ``ignore`` aside. ``digest_encoding`` differs only when both are
-        known (a trace written before the field existed says ``unknown``, and is taken as it comes)."""
+        """Names of the fields that differ, ``ignore`` aside; ``digest_encoding`` counts only when both are known."""
         skip = set(ignore)
         if "unknown" in (self.digest_encoding, other.digest_encoding):
             skip.add("digest_encoding")
@@ -209,7 +187,6 @@ class TraceHeader:
         return [name for name in a if name not in skip and a[name] != b[name]]
 
 
-#: The JSON type of each header field, as :meth:`TraceHeader.to_dict` writes it.
 _HEADER_TYPES: dict[str, Any] = {
     "run": str, "level": str, "workload": str, "detail": str, "rank": (int, type(None)),
     "world_size": (int, type(None)), "torch_version": str, "tool_version": str, "extra": dict, "schema": str,
@@ -223,9 +200,8 @@ def _as_tuple(t: Any) -> tuple[Any, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Site:
-    """One recorded quantity. ``order`` is its position in execution order (0 first); ``info`` is a free
-    note (a module's class name); ``group`` names the category cell a tensor's digest is summed into (empty
-    for everything else)."""
+    """One recorded quantity. ``order``: position in execution order; ``info``: a free note; ``group``: the category
+    cell a tensor's digest is summed into (empty otherwise)."""
 
     name: str
     kind: str
@@ -293,15 +269,11 @@ def rank_store_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
 
 
 class TraceWriter:
-    """Appends rows to a new trace store at ``path``.
+    """Appends rows to a new trace store at ``path``; each :meth:`append` is one step's cells in execution order.
 
-    Each :meth:`append` is one step: the cells in execution order. A site seen for the first time (at any
-    step) is added to the site table, placed in execution order right after the site recorded before it in
-    that row; its cells at earlier rows read as absent. Rows are buffered and written ``flush_every`` at a
-    time on a background thread (``background=False``: in the caller's thread); :meth:`flush` writes what is
-    buffered and waits for every write, :meth:`close` (or leaving a ``with`` block) too. An error of a
-    background write is raised by the next call.
-    """
+    A site first seen at any step is placed right after the site recorded before it in that row; its earlier cells
+    read as absent. Writes run on a background thread (``background=False``: the caller's); :meth:`flush` and
+    :meth:`close` wait, and a background write's error is raised by the next call."""
 
     def __init__(self, path: str | os.PathLike[str], *, header: TraceHeader, flush_every: int = DEFAULT_FLUSH_EVERY,
                  site_chunk: int = DEFAULT_SITE_CHUNK, overwrite: bool = False, background: bool = True) -> None:
@@ -324,7 +296,6 @@ class TraceWriter:
                                                 dtype="uint64", fill_value=0, compressors=None)
         self._present = self._group.create_array("present", shape=(0, 0), chunks=(flush_every, site_chunk),
                                                  dtype="bool", fill_value=False)
-        # Site table, by column (first-appearance order).
         self._names: list[str] = []
         self._column: dict[str, int] = {}
         self._kinds: list[str] = []
@@ -332,7 +303,6 @@ class TraceWriter:
         self._infos: list[str] = []
         self._groups: list[str] = []
         self._first_row: list[int] = []
-        # Execution order: column numbers.
         self._order: list[int] = []
         self._position: dict[int, int] = {}
         self._rows = 0  # rows handed to the writing thread (written, or being written)
@@ -354,8 +324,8 @@ class TraceWriter:
                                        "layout": {"flush_every": flush_every, "site_chunk": site_chunk}})
 
     def set_header(self, header: TraceHeader) -> None:
-        """Replace the header (the recorder learns its ``digest_encoding`` from the first row). Only before the
-        first row is handed to the writing thread, which rewrites the group attributes too."""
+        """Replace the header (the recorder learns ``digest_encoding`` from its first row); only before the first row
+        is handed to the writing thread."""
         if self._rows or self._pending is not None:
             raise UsageError("the header of a trace store can only change before its first row is written")
         self.header = header
@@ -474,7 +444,7 @@ class TraceWriter:
 
     def _write(self, rows: list[tuple[int, list[int], list[tuple[int, int]]]], start: int, width: int,
                sites: list[dict[str, Any]] | None, version: int) -> None:
-        """Write ``rows`` from row ``start`` (one write per array), then commit them in the group attributes."""
+        """Write ``rows`` from row ``start``, one write per array, then commit them."""
         n = len(rows)
         end = start + n
         steps = np.fromiter((row[0] for row in rows), dtype=np.int64, count=n)
@@ -491,10 +461,8 @@ class TraceWriter:
                 present[i, idx] = True
         capacity, allocated = self._capacity
         if end > capacity or width > allocated:
-            # Grow ahead of the rows (double, at least 16 chunks, in whole chunks): a resize rewrites three
-            # arrays' metadata (milliseconds of the writing thread, which shares the cores and the GIL with
-            # the training step), so it happens a few times a run, not at every flush. Rows never written are
-            # chunks never written (no files); only `rows` of them are ever read.
+            # Grow ahead (doubling, whole chunks): a resize rewrites three arrays' metadata on a thread that
+            # shares the GIL with training, so it happens a few times a run; unwritten rows cost no files.
             chunk = self.flush_every
             new_capacity = max(end, 2 * capacity, 16 * chunk)
             new_capacity = -(-new_capacity // chunk) * chunk
@@ -508,7 +476,7 @@ class TraceWriter:
         self._present[start:end, :width] = present
         if sites is not None:
             self._write_sites(sites, version)
-        # Last: the commit marker. A reader trusts only this many rows.
+        # Last: the commit marker.
         self._group.update_attributes({"rows": end})
 
     def _site_table(self) -> list[dict[str, Any]]:
@@ -520,7 +488,7 @@ class TraceWriter:
         ]
 
     def _write_sites(self, sites: list[dict[str, Any]], version: int) -> None:
-        """The site table, in the attributes of the (empty) ``sites`` array: rewritten only when it changes."""
+        """Store the site table in the attributes of the empty ``sites`` array."""
         self._sites_meta.update_attributes({"sites": sites})
         self._sites_written = version
 
@@ -543,16 +511,15 @@ class TraceWriter:
 
 @dataclass(frozen=True, slots=True)
 class TraceRow:
-    """One step of a trace: ``values`` maps site name -> value (see :func:`decode`), in execution order,
-    recorded sites only."""
+    """One step of a trace: site name -> value (see :func:`decode`), recorded sites only, in execution order."""
 
     step: int
     values: dict[str, float | int | str]
 
 
 def _read_file(path: Path, limit: int) -> bytes | None:
-    """The bytes of the regular file ``path`` (``None`` if there is none); :class:`CkptVerifyError` past
-    ``limit`` bytes or for anything but a regular file (a FIFO would block the reader)."""
+    """The bytes of the regular file ``path`` (``None`` if absent); :class:`CkptVerifyError` past ``limit`` bytes or
+    for a non-regular file (a FIFO would block the reader)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
@@ -627,9 +594,9 @@ def _configuration(node: Any, where: Path) -> dict[str, Any]:
 
 
 class _Array:
-    """One array of a store, read chunk by chunk without zarr: the only layout :class:`TraceWriter` writes (zarr
-    v3, a regular chunk grid, the default chunk keys, the ``bytes`` codec and at most a ``zstd`` after it).
-    Every chunk decodes to exactly its declared size, at most :data:`MAX_CHUNK_BYTES`."""
+    """One store array read chunk by chunk without zarr, in the only layout :class:`TraceWriter` writes (regular
+    grid, default keys, ``bytes`` codec, optional ``zstd``). Every chunk decodes to exactly its size, at most
+    :data:`MAX_CHUNK_BYTES`."""
 
     def __init__(self, path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype,
                  fill: Any, zstd: bool, separator: str) -> None:
@@ -693,8 +660,8 @@ class _Array:
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.chunks)
 
     def _chunk_files(self, first: int, last: int, enough: int) -> int:
-        """How many chunk files of a one-dimensional array lie in ``[first, last)``, counted up to ``enough``
-        (a directory listing: it costs what is present, not what the metadata declares)."""
+        """How many chunk files of a 1-D array lie in ``[first, last)``, counted up to ``enough`` (a listing costs
+        what is present, not what the metadata declares)."""
         folder, prefix = (self.path / "c", "") if self.separator == "/" else (self.path, "c.")
         found = 0
         try:
@@ -710,15 +677,13 @@ class _Array:
         return found
 
     def read(self, region: tuple[slice, ...], *, committed: bool = False) -> np.ndarray:
-        """The values in ``region`` (slices with start and stop within the shape), chunk by chunk.
-
-        ``committed``: the region holds committed rows of ``steps``, whose values increase, so at most one of
-        them equals the fill value 0; a chunk left unwritten (all fill) may hold only that one. Refusing more
-        makes the rows a store declares cost bytes that are present."""
+        """The values in ``region``, chunk by chunk. ``committed``: the region holds committed ``steps`` rows, which
+        increase, so at most one equals the fill 0 and an unwritten chunk may hold only that one; refusing more makes
+        declared rows cost bytes that are present."""
         starts = [s.start for s in region]
         stops = [s.stop for s in region]
         if committed and len(region) == 1:
-            # Before allocating: the chunk files present must be able to hold the rows (all but one chunk).
+            # Before allocating: the chunk files present must hold the rows (all but one chunk).
             first, last = starts[0] // self.chunks[0], -(-stops[0] // self.chunks[0])
             if self._chunk_files(first, last, last - first - 1) < last - first - 1:
                 raise CkptVerifyError(f"{self.path}: chunks of committed rows are missing")
@@ -745,8 +710,8 @@ class _Array:
 
 
 def _zstd(raw: bytes, size: int, where: Path) -> bytes:
-    """``raw`` decompressed, refused unless it decodes to exactly ``size`` bytes; never more than ``size`` + 1
-    bytes are produced, whatever the frames claim."""
+    """``raw`` decompressed, refused unless it is exactly ``size`` bytes; never produces more than ``size`` + 1,
+    whatever the frames claim."""
     try:
         import zstandard
     except ImportError:
@@ -761,8 +726,7 @@ def _zstd(raw: bytes, size: int, where: Path) -> bytes:
             raise CkptVerifyError(f"{where}: the chunk decodes to {'more than ' if len(out) > size else ''}"
                                    f"{min(len(out), size)} bytes, its array's chunks hold {size}")
         return out
-    # numcodecs (zarr's own dependency) decodes into a buffer of the right size, never past it; it cannot say
-    # how much it wrote, so the frames must declare their sizes, and those must add up to the chunk's.
+    # numcodecs cannot say how much it wrote, so the frames must declare sizes adding up to the chunk's.
     from numcodecs import Zstd
 
     if _zstd_declared_size(raw, where) != size:
@@ -776,8 +740,8 @@ def _zstd(raw: bytes, size: int, where: Path) -> bytes:
 
 
 def _zstd_declared_size(raw: bytes, where: Path) -> int:
-    """The sum of the content sizes the zstd frames of ``raw`` declare (RFC 8878); refused when a frame
-    declares none or uses a dictionary."""
+    """Sum of the content sizes the zstd frames of ``raw`` declare (RFC 8878); refused when a frame declares none or
+    uses a dictionary."""
     at, total = 0, 0
     bad = CkptVerifyError(f"{where}: not a zstd chunk with declared sizes")
     while at < len(raw):
@@ -830,8 +794,7 @@ class Trace:
             if self.path.is_dir() and any(c.name.startswith("rank") for c in self.path.iterdir()):
                 hint = f" (it is a run directory: its stores are {self.path}/rank<r>)"
             raise CkptVerifyError(f"no trace store at {self.path}{hint}")
-        # The store is read here, not through zarr: every size is checked against caps and against the
-        # bytes present before anything is allocated (a hostile zarr.json is a few bytes).
+        # Read without zarr: every size is checked against caps and bytes present before allocating.
         group = _read_json(self.path / "zarr.json")
         attrs = _node(group, "group", self.path / "zarr.json").get("attributes")
         if not isinstance(attrs, dict) or "header" not in attrs or "rows" not in attrs:
@@ -852,7 +815,7 @@ class Trace:
         if self._rows > 1 and not bool(np.all(steps[1:] > steps[:-1])):
             raise CkptVerifyError(f"{self.path}: the steps of the committed rows do not increase")
         sites = [_site(s, col, self.path) for col, s in enumerate(raw_sites)]
-        # Sites added by a flush that did not commit (the writer died) have no rows yet; leave them out.
+        # Sites of a flush that never committed have no rows: leave them out.
         width = len(sites)
         while width and sites[width - 1][1] >= self._rows:
             width -= 1
@@ -869,14 +832,10 @@ class Trace:
             self._columns[site.name] = col
         self._first_row = np.asarray([first for _, first in sites[:width]], dtype=np.int64)
         self._by_column = tuple(by_column)
-        #: Sites in execution order.
         self.sites: tuple[Site, ...] = tuple(sorted(by_column, key=lambda s: s.order))
-        #: Columns in execution order.
         self._order = np.asarray([self._columns[s.name] for s in self.sites], dtype=np.int64)
         self._steps = steps
         self._cache: tuple[int, np.ndarray, np.ndarray] | None = None
-
-    # -------------------------------------------------------------- lookups
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -902,7 +861,6 @@ class Trace:
         return self._columns.get(name)
 
     def row_index(self, step: int) -> int | None:
-        # Steps increase (checked on opening): a binary search, no per-row dictionary.
         step = int(step)
         if not -(1 << 63) <= step < 1 << 63:
             return None
@@ -910,21 +868,18 @@ class Trace:
         return i if i < self._rows and int(self._steps[i]) == step else None
 
     def rows(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(values, present)`` of rows ``[start, end)``, all columns by column number; cells of a site before
-        it was first recorded read as absent."""
+        """``(values, present)`` of rows ``[start, end)`` by column; cells before a site's first row read absent."""
         start, end = max(0, start), min(self._rows, end)
         if end <= start or self._width == 0:
             return (np.zeros((max(end - start, 0), self._width, 2), np.uint64),
                     np.zeros((max(end - start, 0), self._width), bool))
         values = self._values.read((slice(start, end), slice(0, self._width), slice(0, 2)))
         present = self._present.read((slice(start, end), slice(0, self._width)))
-        # Cells of a site before its first row were never written: whatever an edge chunk holds there is absent.
         present &= np.arange(start, end)[:, None] >= self._first_row[None, :]
         return values, present
 
     def _row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache is None or not self._cache[0] <= row < self._cache[0] + self._cache[1].shape[0]:
-            # Fewer rows at once in a wide trace: a block stays within _BLOCK_BYTES whatever the site count.
             block = max(1, min(self._BLOCK, self._BLOCK_BYTES // (17 * max(1, self._width))))
             base = row - row % block
             values, present = self.rows(base, base + block)
@@ -943,8 +898,7 @@ class Trace:
         return int(values[col, 0]), int(values[col, 1])
 
     def value(self, step: int, site: str) -> float | int | str | None:
-        """``site``'s value at ``step``: 32 hex digits for fingerprints and digests, the number itself for
-        ``f64``/``i64`` cells; ``None`` when absent."""
+        """``site``'s value at ``step`` (hex digits, or the number for ``f64``/``i64``); ``None`` when absent."""
         lanes = self.lanes(step, site)
         if lanes is None:
             return None

@@ -1,20 +1,11 @@
-"""Digests of every random stream, twice a step, at the cost of seeing whether they moved.
+"""Digests of every random stream, twice a step, paid only for streams that moved.
 
-A state-level trace records each random stream when a step starts and when it ends. Capturing a stream the way a
-checkpoint does (:func:`ckptverify.state.rng.capture_rng`) costs tens of microseconds for numpy's and python's
-Mersenne Twisters (the state is copied into new objects), and digesting it more; most steps draw from neither.
-:class:`StreamDigests` gives, for each stream, exactly ``state_digest(capture_rng(generators)[kind])``, but
-captures and digests a stream again only when it moved. Whether it moved is read in place:
-
-- numpy's global generator: the 2500 bytes of its MT19937 state (key and position), through numpy's own
-  ``BitGenerator.ctypes.state_address``. A draw that only hands out the Gaussian cached by the previous one
-  moves nothing there, so while a Gaussian is cached (``has_gauss``) the stream is captured every time;
-- python's :mod:`random`: the Mersenne Twister words and position inside the ``random.Random`` object (CPython
-  lays them out right after the object header), checked once against ``random.getstate()``; where the check
-  fails (another Python implementation or layout), ``random.getstate()`` is compared instead. ``gauss_next``
-  is a plain attribute;
-- torch's generators: their state bytes (``get_rng_state()``: a copy of a few kilobytes, cheap).
-"""
+Capturing a stream as a checkpoint does costs tens of microseconds (numpy's and python's Mersenne Twisters are
+copied), and most steps draw from neither. :class:`StreamDigests` gives exactly
+``state_digest(capture_rng(generators)[kind])`` but re-digests only when a cheap in-place key changed: numpy's
+MT19937 state bytes (captured every time while a Gaussian is cached: drawing it moves nothing); python's MT words
+read from the object (layout verified once against ``random.getstate()``, else ``getstate()`` itself); torch's state
+bytes."""
 
 from __future__ import annotations
 
@@ -91,10 +82,9 @@ class _NumpyStream:
 
 
 class StreamDigests:
-    """``{kind: 32 hex digits}`` of every random stream of this process, equal to
-    ``state_digest(capture_rng(generators)[kind])`` for each kind but ``cuda_device`` (a device's identity, not
-    a stream), recomputed only for the streams that moved. CUDA is read only once this process uses it.
-    """
+    """``{kind: digest}`` of every random stream of this process, equal to
+    ``state_digest(capture_rng(generators)[kind])`` but for ``cuda_device`` (an identity, not a stream); CUDA is read
+    only once this process uses it."""
 
     def __init__(self, generators: Mapping[str, Any] | None = None) -> None:
         self.generators = dict(generators or {})
@@ -123,8 +113,7 @@ class StreamDigests:
 
         out["torch_cpu"] = _byte_state_digest(torch.get_rng_state())
         if cuda_in_use():
-            # The rank's own device's stream, as capture_rng saves it; which physical device that is
-            # (``cuda_device``) is not a random stream, and may differ between runs that are equal.
+            # ``cuda_device`` is left out: it is no stream, and may differ between equal runs.
             out["cuda"] = self._tensor("cuda", torch.cuda.get_rng_state(torch.cuda.current_device()))
         for name, gen in self.generators.items():
             kind = f"gen.{name}"
@@ -150,7 +139,7 @@ _BYTE_STATE_HEAD = b"T" + len(b"torch.uint8").to_bytes(4, "little") + b"torch.ui
 
 
 def _byte_state_digest(t: torch.Tensor) -> str:
-    """``state_digest(t)`` of a 1-D uint8 host tensor (a generator's state), without the general walk."""
+    """``state_digest(t)`` of a 1-D uint8 host tensor (a generator state), without the general walk."""
     h = xxhash.xxh3_128(_BYTE_STATE_HEAD + t.shape[0].to_bytes(8, "little", signed=True))
     if t.shape[0]:
         h.update(t.numpy())
