@@ -1,14 +1,7 @@
-"""The causes a step can differ by, in words: the sentences of cause and of what to do that ``resume-check``'s
-verdict (:mod:`ckptverify.resume.verdict`) and ``replay``'s (:mod:`ckptverify.replay.causes`) both say.
-
-The two commands compare two runs that should agree: resume-check run A (continuous) with run B (resumed from
-A's checkpoint), replay production with a replay (restored from production's checkpoint). :class:`Runs` names
-them in a sentence; the first run is the one that saved, the second the one that restored. Sentences come
-without a final period and advice without "What to do:", so that each command frames them its own way.
-
-Both verdicts are taken the same way (:func:`first_verdict`): an ordered table of rules, each a small function
-from the command's evidence to a verdict or ``None`` (does not apply); the first rule that applies decides.
-"""
+"""The causes a step can differ by, in words, shared by ``resume-check`` (:mod:`ckptverify.resume.verdict`) and
+``replay`` (:mod:`ckptverify.replay.causes`). :class:`Runs` names the run that saved and the one that restored.
+Sentences carry no final period and advice no "What to do:", so each command frames them. Both verdicts use
+:func:`first_verdict`: an ordered table of rules, the first that applies decides."""
 
 from __future__ import annotations
 
@@ -22,8 +15,7 @@ __all__ = ["REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERE
 
 @dataclass(frozen=True)
 class Runs:
-    """How a sentence names the two runs: ``saved`` (the run that saved the checkpoint and ran on), ``restored``
-    (the run that restored it), ``checkpoint`` (the checkpoint the second run restored), and ``first`` (the
+    """How a sentence names the two runs: ``saved``, ``restored``, the ``checkpoint`` restored, and ``first`` (the
     first step after the restore)."""
 
     saved: str
@@ -47,8 +39,7 @@ V = TypeVar("V")
 
 
 def first_verdict(rules: Sequence[Callable[[C], V | None]], case: C) -> V:
-    """The verdict of the first of ``rules`` that applies to ``case`` (a rule returns ``None`` when it does not);
-    the last rule of a table always applies."""
+    """The verdict of the first rule that applies to ``case`` (returns non-``None``); the last rule always applies."""
     for rule in rules:
         verdict = rule(case)
         if verdict is not None:
@@ -64,8 +55,7 @@ def show(value: Any) -> str:
 
 
 def values_in(runs: Runs, a: Any, b: Any) -> str:
-    """``a`` in the first run, ``b`` in the second (``a`` is ``None`` when the first run records only its category
-    cell)."""
+    """``a`` in the first run, ``b`` in the second (``a`` ``None``: only the category cell recorded)."""
     if a is None:
         return f"{show(b)} in {runs.restored}, another value in {runs.saved}"
     return f"{show(a)} in {runs.saved}, {show(b)} in {runs.restored}"
@@ -73,9 +63,8 @@ def values_in(runs: Runs, a: Any, b: Any) -> str:
 
 def rng_cause(runs: Runs, *, a_moved: list[str], b_moved: list[str], first_step: bool, step: int,
               saved_at: int) -> tuple[str, str]:
-    """Why random streams differ when ``step`` starts, and what to do: the second run re-seeded them after the
-    restore, the first drew from them after its save point (at ``saved_at``), a run drew between steps, or (no
-    run moved them) they were not restored."""
+    """Why random streams differ when ``step`` starts, and what to do: re-seeded after the restore, drawn by the
+    first run after its save point, drawn between steps, or not restored."""
     if b_moved and first_step:
         return (f"{runs.restored} re-seeded or drew from {', '.join(b_moved)} after run.restore() and before step "
                 f"{step} (e.g. torch.manual_seed after the restore)",
@@ -94,8 +83,7 @@ def rng_cause(runs: Runs, *, a_moved: list[str], b_moved: list[str], first_step:
 
 
 def on_ranks(rank: int | str | None) -> str:
-    """Where, in a sentence: ``rank 1`` for one rank, the text itself for a description of several (``ranks 0,
-    1``), nothing when no rank is singled out."""
+    """Where, in a sentence: ``rank 1``, a given description of several, or nothing."""
     if rank is None:
         return ""
     return f"rank {rank}" if isinstance(rank, int) else rank
@@ -103,8 +91,7 @@ def on_ranks(rank: int | str | None) -> str:
 
 def rng_sentence(names: str, *, when: str, step: int, rank: int | str | None, cause: str,
                  between: str = "") -> str:
-    """Random streams ``names`` differ when a step begins: the cause, and what follows from it. ``rank``: see
-    :func:`on_ranks`."""
+    """Random streams ``names`` differ when a step begins: the cause and its consequence."""
     where = ", ".join(x for x in (f"step {step}", on_ranks(rank)) if x)
     return (f"random stream {names} differs{between} when {when} begins ({where}): {cause}; the "
             "batch and values computed from it differ as a consequence")
@@ -112,9 +99,8 @@ def rng_sentence(names: str, *, when: str, step: int, rank: int | str | None, ca
 
 def hparam_start_cause(runs: Runs, *, name: str, a: Any, b: Any, first_step: bool, a_moved: bool | None,
                        b_moved: bool | None, step: int, saved_at: int, when: str) -> tuple[str, str, str]:
-    """A hyperparameter (``name``: ``param_groups[g].key``) differs when ``step`` starts: the verdict kind,
-    the sentence and the advice. Changed after the restore, changed by the first run after its save point,
-    or (neither) a scheduler or step counter that was not restored."""
+    """A hyperparameter differs when ``step`` starts: ``(kind, sentence, advice)``: changed after the restore,
+    changed after the save point, or an unrestored scheduler or counter."""
     values = values_in(runs, a, b)
     if first_step and b_moved:
         return ("changed-after-restore",
@@ -140,8 +126,8 @@ def step_hparam_what(runs: Runs, *, key: str, group: str, a: Any, b: Any, step: 
 
 
 def step_hparam_cause(unsaved: list[str]) -> tuple[str, str]:
-    """Why a hyperparameter the optimizer step used differs, and what to do: an LR scheduler driving
-    ``unsaved`` is not saved, or (none) the code that sets it reads a counter that was not restored."""
+    """Why a hyperparameter the optimizer step used differs, and what to do: an unsaved LR scheduler, or a counter
+    that was not restored."""
     if unsaved:
         return (f"an LR scheduler drives {', '.join(unsaved)} but is not saved in the TrainState",
                 "register it: TrainState(scheduler=...)")
@@ -151,8 +137,7 @@ def step_hparam_cause(unsaved: list[str]) -> tuple[str, str]:
 
 
 def buffer_cause(runs: Runs, *, name: str, when: str, rank: int | str | None) -> tuple[str, str]:
-    """A buffer registered with ``persistent=False`` (``name``, without ``buffer.``) differs: the sentence and
-    the advice."""
+    """A ``persistent=False`` buffer ``name`` differs: the sentence and the advice."""
     where = f" ({on_ranks(rank)})" if rank is not None else ""
     return (f"buffer {name} differs at {when}{where}; it is registered with persistent=False, so no "
             f"checkpoint holds it, and {runs.restored} starts it afresh while {runs.saved} carried it on",

@@ -1,37 +1,12 @@
-"""``ckptverify compare BASE CHANGED``: does a change to the training function change the run, beyond natural
-variation, and where does it enter?
+"""``ckptverify compare BASE CHANGED``: does a change to the training function change the run beyond natural variation,
+and where does it enter? (Verdicts and findings: ``docs/cli.md``, ``docs/locate.md``.)
 
-Both targets follow the Run protocol (``FILE.py:func``, as ``resume-check``'s). Each runs steps 1..N from
-scratch in fresh processes, traced: BASE once plus ``repeats`` control runs (BASE again, each in its own
-processes: they measure the natural variation of the baseline), CHANGED once. Then:
-
-* the controls all equal BASE bitwise (a deterministic baseline):
-
-  - ``no-effect``: CHANGED equals BASE at every traced site of every step (exit 0);
-  - ``effect``: CHANGED differs: the first divergent step, rank and site, and (with ``locate``) the op where the
-    change enters, found by re-running that step of BASE and CHANGED at level op
-    (:mod:`ckptverify.resume.locate.walk`; an op present on one side only is itself the origin) (exit 1);
-
-* some control differs from BASE (a nondeterministic baseline), judged per site (step, rank, site):
-
-  - where BASE and every control agree *before* the baseline's first varying value (an earlier step; earlier in
-    that rank's step), CHANGED must equal them: a difference there is *beyond* variation. After it, runs that
-    agree may agree by chance (a few runs rounding the same noise alike), so a difference there is *undecided*
-    (``compare-undecided``, info: more ``repeats`` would tell), not beyond;
-  - where they vary, a number (a metric such as the loss) is within variation when it lies within the controls'
-    range widened by :data:`WIDEN` units on each side (``[lo - 3 u, hi + 3 u]``, ``u`` the widest range of the
-    controls at that site over all steps and ranks, at least ``hi - lo``); a
-    fingerprint, which has no distance, is within variation whatever its value (the controls already disagree
-    there);
-  - ``within-variation`` when no site is beyond (exit 0), ``beyond-variation`` naming the first site beyond
-    otherwise (exit 1). More ``repeats`` make the spread more representative.
-
-Findings: ``compare-verdict`` (error for ``effect`` and ``beyond-variation``, info otherwise), ``compare-site``
-(each site beyond variation, up to :data:`MAX_SITES`), ``compare-variation`` (info: where the controls vary),
-``compare-undecided`` (info), and
-the walk's ``locate-*`` findings. ``stats.verdict`` has ``kind``, ``sentence``, ``step``, ``rank``, ``site`` and,
-from the walk, ``origin``, ``receivers`` and ``locate`` (as ``resume-check``'s).
-"""
+BASE runs once plus ``repeats`` controls (fresh processes each), CHANGED once, all traced from scratch. If every
+control equals BASE bitwise: ``no-effect`` or ``effect`` (then the walk locates the op). Otherwise each site is
+judged against the controls: before the baseline's first varying value, CHANGED must equal them (else *beyond*);
+after it, agreeing controls may agree by chance, so a difference is only *undecided*; where they vary, a number is
+within ``[lo - WIDEN u, hi + WIDEN u]`` (``u`` the site's widest control range) and a fingerprint always is.
+``within-variation`` or ``beyond-variation`` follow."""
 
 from __future__ import annotations
 
@@ -59,9 +34,8 @@ MAX_SITES = 20
 
 @dataclass(frozen=True, kw_only=True)
 class ChangePlan:
-    """``base`` and ``changed``: the two training functions (``FILE.py:func``); ``steps``: steps each runs;
-    ``repeats``: control runs of ``base``; ``locate``: walk the ladder when they differ (``locate_repeats`` per
-    side)."""
+    """``base``/``changed`` training functions, ``steps`` each runs, ``repeats`` control runs of ``base``,
+    ``locate``: walk the ladder when they differ."""
 
     base: str
     changed: str
@@ -85,7 +59,7 @@ class ChangePlan:
                              f"{self.repeats}")
         if self.locate_repeats < 1:
             raise UsageError(f"--locate-repeats must be at least 1, got {self.locate_repeats}")
-        # metrics records no state to compare per site; op is what the walk records, in a window of its own.
+        # metrics has no per-site state; op is the walk's own level.
         allowed = [x for x in LEVELS if x not in ("metrics", "op")]
         if self.level not in allowed:
             raise UsageError(f"--level must be one of {', '.join(allowed)}, got {self.level!r}")
@@ -93,8 +67,7 @@ class ChangePlan:
 
 _STREAMS = ("rng.", "start.rng.")
 
-#: A number where the baseline runs vary is within variation inside their range widened by this many ranges on
-#: each side: a few runs only sample the spread, so a new draw of the same noise often lands a little outside it.
+#: Ranges added on each side: a few runs only sample the spread; a new draw often lands a little outside.
 WIDEN = 3
 
 
@@ -117,12 +90,9 @@ class _Cell:
         return numbers if len(numbers) == len(self.controls) else None
 
     def beyond(self, variation_from: tuple[int, int, int] | None = None, spread: float = 0.0) -> bool:
-        """Whether CHANGED's value lies outside the baseline's variation. ``variation_from``: ``(step, rank,
-        order)`` of the baseline's first varying value, when it varies: a value the baseline runs agree on
-        *after* that point may agree by chance (a few runs of rounding the same noise), so a difference there is
-        not beyond (:meth:`undecided`). ``spread``: the widest range of the baseline runs' values at this site
-        over every step and rank, the unit of a number's variation (a few runs at one step can land within a
-        few rounding steps of each other by chance)."""
+        """Whether CHANGED lies outside the baseline's variation. After ``variation_from`` (the baseline's first
+        varying ``(step, rank, order)``) an agreeing value may agree by chance: not beyond (:meth:`undecided`).
+        ``spread``: the site's widest control range over all steps and ranks, the unit for numbers."""
         if self.site.startswith(_STREAMS) and not self.controls_agree:
             return False
         if self.controls_agree:
@@ -135,21 +105,20 @@ class _Cell:
         return False
 
     def undecided(self, variation_from: tuple[int, int, int] | None) -> bool:
-        """CHANGED differs where the baseline runs agree, but after the baseline's variation began: the noise may
-        reach this value too, and the runs may have agreed by chance; more control runs would tell."""
+        """CHANGED differs where the controls agree, but after the baseline began to vary: more control runs would
+        tell."""
         return self.controls_agree and self.changed != self.controls[0] and self._after(variation_from)
 
     def _after(self, variation_from: tuple[int, int, int] | None) -> bool:
         if variation_from is None:
             return False
         step, rank, order = variation_from
-        # A later step, or the same step on another rank (a collective may carry the noise there), or later in
-        # the same rank's step.
+        # Same step on another rank counts: a collective may carry the noise there.
         return self.step > step or (self.step == step and (self.rank != rank or self.order > order))
 
 
 def _cells(dirs: list[str], changed: str) -> list[_Cell]:
-    """Every (step, rank, site) recorded by the first run, with its value in each control run and in ``changed``."""
+    """Every (step, rank, site) of the first run, with its value in each control and in ``changed``."""
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import open_trace
 
@@ -178,9 +147,8 @@ def _cells(dirs: list[str], changed: str) -> list[_Cell]:
 
 def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
                    log_dir: str | None = None) -> Report:
-    """Run ``plan`` (see the module docstring) and return its report; ``keep``: keep the runs' traces there.
-    Raises :class:`~ckptverify.errors.UsageError` (exit 2) for a target that cannot run, and
-    :class:`~ckptverify.errors.WorkloadCrashedError` when a workload raises."""
+    """Run ``plan`` and return its report; ``keep``: keep the runs' traces there. :class:`UsageError` for a target
+    that cannot run, :class:`WorkloadCrashedError` when a workload raises."""
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
 
     for target in dict.fromkeys((plan.base, plan.changed)):
@@ -206,11 +174,10 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
             target = plan.changed if name == "changed" else plan.base
             say(f"run {name}: {target}, steps 1..{plan.steps} on {plan.nproc} rank(s)")
             t0 = time.perf_counter()
-            # Each run in its own fresh processes: variation that depends on the process must show.
+            # Fresh processes each: process-dependent variation must show.
             launch_jobs(plan.nproc, plan.device, [(target, configs[name])])
             longest = max(longest, time.perf_counter() - t0)
 
-        # The runs are independent: side by side where each has a core per rank (one rule with resume-check's A/A2).
         at_once(run, names, launches_at_once(plan.nproc, plan.device))
         say("comparing")
         controls = [configs[n].trace_dir or "" for n in names[:-1]]
@@ -228,8 +195,7 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
     findings: list[Finding] = []
     varying = [c for c in cells if not c.controls_agree]
     streams = sorted({c.site.removeprefix("start.") for c in varying if c.site.startswith(_STREAMS)})
-    # A random stream that varies while no value computed from it does is an unseeded generator the job never
-    # draws from (Python's or numpy's, seeded from the OS): not variation of the computation.
+    # A varying stream nothing depends on is an unused OS-seeded generator, not computation variation.
     varying = [c for c in varying if not c.site.startswith(_STREAMS)]
     if streams and not varying:
         findings.append(info("compare-rng-unused", f"unused random stream(s) differ between the baseline runs: "
@@ -292,8 +258,7 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
                             nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats, timeout_s=timeout_s,
                             # the traces agree before this step: both start it from equal traced state
                             state_equal=True,
-                            # every baseline run agreed: what the walk sees vary in it varies only sometimes, and
-                            # is never its "natural variation"
+                            # every baseline run agreed: never call its variation natural
                             deterministic=("base",) if kind == "effect" else ()),
                        os.path.join(work, "locate"), progress=say)
         findings.extend(located.findings())

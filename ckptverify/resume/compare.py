@@ -1,11 +1,6 @@
-"""Comparing the runs of a resume check, and what the comparisons found (:class:`Evidence`, for the verdict).
-
-In order: (a) the state B restored against the state A saved, field by field, before any step; (b) A against
-A2; (c) A against B for steps K+1..T, with the causes the first differing step starts from
-(:func:`step_evidence`); (d) the final checkpoints of A and B; then what the training function holds outside
-the TrainState at the end of A, A2 and B. :func:`compare` returns the findings (each tagged with its stage)
-and the :class:`Evidence` :func:`ckptverify.resume.verdict.decide` reads.
-"""
+"""Comparing the runs of a resume check into findings (tagged by stage) and the :class:`Evidence` the verdict reads:
+(a) restore, (b) A vs A2, (c) A vs B after the resume with the causes the first differing step starts from
+(:func:`step_evidence`), (d) final checkpoints, then values held outside the TrainState."""
 
 from __future__ import annotations
 
@@ -27,9 +22,8 @@ __all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "HparamDiff", "Indices", 
 
 @dataclass(frozen=True)
 class StreamDiff:
-    """A random stream that differs when a step starts (``stream``: its site without ``start.``, e.g.
-    ``rng.torch_cpu``), its digests in A (``a``) and B (``b``), and whether each run moved it since the
-    previous step (B on the first resumed step: since the restore); ``None``: not recorded."""
+    """A random stream differing when a step starts (``stream``: site without ``start.``), its digests in A and B,
+    and whether each run moved it since the previous step (B's first resumed step: since the restore)."""
 
     stream: str
     a: Any
@@ -40,8 +34,8 @@ class StreamDiff:
 
 @dataclass(frozen=True)
 class HparamDiff:
-    """An optimizer hyperparameter that differs (``field``: ``<group>.<key>``), its values in A and B (``a`` is
-    ``None`` when A records only its category cell) and, when the step starts, whether each run moved it."""
+    """A differing hyperparameter (``<group>.<key>``), its values in A and B (``a`` ``None`` when A has only the
+    category cell) and, at step start, whether each run moved it."""
 
     field: str
     a: Any
@@ -52,8 +46,7 @@ class HparamDiff:
 
 @dataclass(frozen=True)
 class Indices:
-    """The digests of the sample indices a step's batch was made from (``data.indices``): in A, in B, and A's
-    of the next step; ``None`` where not recorded."""
+    """Digests of ``data.indices``: in A, in B, and A's of the next step; ``None`` where not recorded."""
 
     a: Any = None
     b: Any = None
@@ -62,10 +55,8 @@ class Indices:
 
 @dataclass(frozen=True)
 class StepEvidence:
-    """What differs at ``step`` on ``rank`` among the causes a step starts from (:func:`step_evidence`).
-
-    ``position`` (the loader's position after the step differs) and ``sites`` (every differing site) are
-    filled in by a replay, which reads them from its own comparison."""
+    """What differs at ``step`` on ``rank`` among the causes a step starts from (:func:`step_evidence`); ``position``
+    and ``sites`` are filled in by a replay."""
 
     step: int
     rank: int
@@ -81,10 +72,8 @@ class StepEvidence:
 
 @dataclass(frozen=True)
 class HeldComparison:
-    """What the training function holds outside the TrainState at the end of A and B (and A2): ``differ``
-    (A vs B, one entry per variable and rank: ``var``, ``rank``, ``path``, ...), ``nondeterministic`` (the
-    variables among them that A and A2 hold differently too), ``a2`` (whether A2 was compared), ``incomplete``
-    (why some values could not be compared)."""
+    """Values held outside the TrainState at the end: ``differ`` (A vs B, per variable and rank),
+    ``nondeterministic`` (those A2 holds differently too), ``a2`` (A2 compared), ``incomplete`` (why not all were)."""
 
     differ: tuple[Mapping[str, Any], ...] = ()
     nondeterministic: tuple[str, ...] = ()
@@ -94,29 +83,17 @@ class HeldComparison:
 
 @dataclass(frozen=True)
 class Evidence:
-    """Everything the comparisons of one resume check found that the verdict reads.
-
-    * ``unsaved_schedulers``, ``unregistered`` (objects the training function holds that the TrainState does
-      not: ``name``, ``type``, ``kind``), ``missing_optimizer`` (why no optimizer counts as registered): what
-      ``run.restore`` noticed in A;
-    * ``restore``: (a) the restored fields that differ from what A saved;
-    * ``nondeterminism`` / ``nondeterminism_sites``: (b) where A and A2 first part, and every site that
-      differs at that step;
-    * ``resume`` / ``resume_sites`` / ``step``: (c) where A and B first part after the resume, every site that
-      differs at that step, and the causes it started from;
-    * ``final``: (d) the differences of the final checkpoints;
-    * ``held``: the values held outside the TrainState (``None``: B did not run).
-    """
+    """Everything the comparisons of one resume check found that the verdict reads: what ``run.restore`` noticed in A
+    (``unsaved_schedulers``, ``unregistered``, ``missing_optimizer``), then (a) ``restore``, (b)
+    ``nondeterminism[_sites]``, (c) ``resume[_sites]`` and ``step``, (d) ``final``, and ``held`` (``None``: no B)."""
 
     unsaved_schedulers: tuple[str, ...] = ()
     unregistered: tuple[Mapping[str, str], ...] = ()
-    #: Registered objects a run rebuilt after ``run.restore`` (``name``, ``field``, ``type``, ``run``, ``rank``).
+    #: Registered objects a run rebuilt after ``run.restore``.
     replaced: tuple[Mapping[str, Any], ...] = ()
-    #: A saved the checkpoint B resumes from while parameters held accumulated gradients (``rank``, ``count``,
-    #: ``names``; one entry per rank).
+    #: Per rank: A saved B's checkpoint while parameters held accumulated gradients.
     pending_gradients: tuple[Mapping[str, Any], ...] = ()
-    #: The registered loader as A's rank 0 saw it at ``run.restore`` (``type``, ``iterable``: its dataset is an
-    #: ``IterableDataset``); ``None`` when none is registered.
+    #: The registered loader as A saw it at ``run.restore`` (``type``, ``iterable``); ``None``: none.
     loader: Mapping[str, Any] | None = None
     missing_optimizer: str | None = None
     restore: tuple[Finding, ...] = ()
@@ -136,8 +113,8 @@ class Evidence:
 
 def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, verbose: bool = False
             ) -> tuple[list[Finding], Evidence]:
-    """Compare the runs of ``configs`` (``A``, and ``A2``, ``B`` when they ran) of a check of ``steps`` steps
-    resumed at ``resume_at``: the findings, each tagged with its stage, and the evidence for the verdict."""
+    """Compare the runs of ``configs`` (A, and A2/B when they ran): findings tagged with their stage, and the
+    evidence for the verdict."""
     from ckptverify.audit.diff import diff_checkpoints
 
     T, K = steps, resume_at
@@ -189,8 +166,7 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
         errors = [f for f in final.findings if f.severity.value == "error"]
         findings.extend(_tag("final A vs B", errors if verbose else _fold(errors)))
         found["final"] = tuple(errors)
-    # Each run's own recomputed forwards that differ from their forward (activation checkpointing): no second
-    # run needed.
+    # Each run's own recompute mismatches (activation checkpointing).
     from ckptverify.trace.compare import recompute_findings
 
     for name, config in configs.items():
@@ -204,7 +180,7 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
     return findings, evidence
 
 
-#: Final-state differences listed one by one in the text report (all of them under ``--verbose`` and in JSON).
+#: Final-state differences listed one by one in the text report (all under ``--verbose`` and in JSON).
 FOLD_ABOVE = 3
 
 
@@ -229,9 +205,8 @@ def _unregistered(notes: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[HeldComparison, list[Finding]]:
-    """Compare what the training function holds outside the TrainState at the end of A and B (and A2).
-    Findings: errors when the runs otherwise agree; info lines (a possible consequence) when an ``earlier``
-    comparison already failed."""
+    """Compare values held outside the TrainState at the end of A, B (and A2): errors when the runs otherwise agree,
+    info (a possible consequence) when an ``earlier`` comparison failed."""
     from ckptverify.findings import info
     from ckptverify.resume.unregistered import compare_held
 
@@ -257,8 +232,8 @@ def _held_state(configs: Mapping[str, RunConfig], *, earlier: bool) -> tuple[Hel
 
 
 def _held_gaps(held: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
-    """Why some held values were not compared: a rank left no record, a walk failed, hit a limit or could
-    not fingerprint a value."""
+    """Why some held values were not compared: a missing rank record, a failed walk, a limit, or an unfingerprintable
+    value."""
     from ckptverify.resume.unregistered import HELD_ENTRIES, HELD_ITEMS, HELD_VISITS
 
     out = [f"run {name} left no record of rank {r}" for name in ("A", "B")
@@ -287,19 +262,9 @@ def _forgotten_findings(unregistered: tuple[Mapping[str, str], ...], missing_opt
 
 def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed: bool,
                   restored: Mapping[str, Any]) -> StepEvidence:
-    """What differs at ``step`` on ``rank`` among the causes a step starts from, and which run moved them.
-
-    * ``rng``: random streams that differ when the step starts (``start.rng.<stream>``), each with
-      ``a_moved`` / ``b_moved``: whether that run's stream at the start of the step differs from where the
-      previous step (for B on the first resumed step: the restore, ``restored``) left it;
-    * ``hparams_start``: optimizer hyperparameters that differ when the step starts, with ``b_moved`` /
-      ``a_moved`` as above (on the first resumed step, against the restored value);
-    * ``hparams_step``: hyperparameters that differ as the optimizer step uses them;
-    * ``buffers``: non-persistent buffers (``buffer.<fqn>``) that differ after the step;
-    * ``batch``: whether the batch differs;
-    * ``indices``: the digest of the sample indices the step's batch was made from (``data.indices``) in A
-      and B, and A's of the next step; ``None`` where not recorded.
-    """
+    """What differs at ``step`` on ``rank`` among the causes a step starts from (random streams and hyperparameters
+    at step start, hyperparameters as used, non-persistent buffers, batch, ``data.indices``), and for streams and
+    start hyperparameters whether each run moved them since the previous step (B's first step: since ``restored``)."""
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import open_trace
 
@@ -316,7 +281,6 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
         if is_b and first_resumed:
             before = restored.get(name)
         elif first_resumed and not is_b:
-            # A's value at the end of the previous step is what it saved; B restored exactly that.
             before = restored.get(name) if name in restored else val(trace, step - 1, end_name)
         else:
             before = val(trace, step - 1, end_name)
@@ -346,8 +310,8 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
 
 
 def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) -> tuple[list[Finding], Any]:
-    """Compare two runs' traces. Random streams that differ while no value computed from them does (an
-    unseeded, unused generator) are an info line, not a divergence."""
+    """Compare two runs' traces. Random streams that differ while nothing computed from them does (an unseeded,
+    unused generator) are an info line, not a divergence."""
     from ckptverify.findings import info
     from ckptverify.trace.compare import compare_runs, first_divergence
 
@@ -362,8 +326,7 @@ def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) 
     idle = _idle_streams(a, b, steps, differing)  # type: ignore[arg-type]
     if not idle:
         return _tag(stage, found), first_divergence(a, b, steps=steps)  # type: ignore[arg-type]
-    # Other values differ too: a stream that no step drew from (in either run) caused none of it, so it is not
-    # the first divergence, however early its site comes.
+    # A stream no step drew from caused none of the other differences, however early its site comes.
     sites = [name for s in idle for name in (s, f"start.{s}")]
     found = compare_runs(a, b, steps=steps, ignore_sites=sites)  # type: ignore[arg-type]
     first = first_divergence(a, b, steps=steps, ignore_sites=sites)  # type: ignore[arg-type]
@@ -373,8 +336,8 @@ def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) 
 
 
 def _idle_streams(dir_a: str, dir_b: str, steps: range | None, differing: set[str]) -> list[str]:
-    """The random streams (``rng.<stream>``) among ``differing`` that no compared step moved, in either run and on
-    any rank: each step ended with the stream where it started (``start.rng.<s>`` equals ``rng.<s>``)."""
+    """Streams among ``differing`` that no compared step moved, in either run, on any rank (``start.rng.<s>`` equals
+    ``rng.<s>`` every step)."""
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import open_trace
 
@@ -389,7 +352,7 @@ def _idle_streams(dir_a: str, dir_b: str, steps: range | None, differing: set[st
             recorded = [int(x) for x in trace.steps if steps is None or int(x) in steps]
             for stream in list(idle):
                 if stream not in names or f"start.{stream}" not in names or not recorded:
-                    idle.discard(stream)  # not seen at both ends of a step: cannot tell it stood still
+                    idle.discard(stream)  # cannot tell it stood still
                     continue
                 if any(trace.value(step, f"start.{stream}") != trace.value(step, stream) for step in recorded):
                     idle.discard(stream)
@@ -416,9 +379,8 @@ def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:
 
 
 def rank_files(trace_dir: str | None, kind: str) -> dict[int, Any]:
-    """What each rank of a run wrote beside its trace (``<kind>-rank<r>.json``: ``notes``, what ``run.restore``
-    found; ``restore``, its restore check; ``held``, the values held outside the TrainState at the end), in
-    rank order; ``{}`` without the folder."""
+    """Each rank's ``<kind>-rank<r>.json`` beside a run's trace (``notes``, ``restore``, ``held``), in rank order;
+    ``{}`` without the folder."""
     out: dict[int, Any] = {}
     prefix = f"{kind}-rank"
     for name in os.listdir(trace_dir) if trace_dir and os.path.isdir(trace_dir) else ():

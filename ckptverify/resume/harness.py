@@ -1,22 +1,11 @@
 """The resume-equivalence harness: run A continuously, B resumed from A's checkpoint, and A2 again.
 
-Each run is a fresh set of processes (``torch.multiprocessing`` spawn, one per rank; gloo on CPU, NCCL on
-CUDA) executing the user's ``train(run)`` under a :class:`~ckptverify.resume.run.RunConfig`:
-
-* **A** runs steps 1..T continuously, saving at K and T, tracing every step;
-* **A2** runs 1..T again (no saves: only its trace is compared), to tell nondeterminism from missing state;
-  when the machine has a core per rank to spare, A and A2 run at the same time;
-* **B** starts in a new process group from A's checkpoint K, runs K+1..T (saving at T), tracing.
-
-Then, in order: (a) the state restored in B against the state A saved, field by field, before any step;
-(b) A against A2; (c) A against B for steps K+1..T; (d) the final checkpoints of A and B. The verdict
-(:mod:`ckptverify.resume.verdict`) names what went wrong in plain words.
-
-This module orchestrates; :mod:`ckptverify.resume.launch` starts the processes, :mod:`ckptverify.resume.compare`
-compares the runs into the typed :class:`~ckptverify.resume.compare.Evidence` the verdict reads. A report page
-is drawn by the :class:`FigureWriter` the caller passes (drawing belongs to :mod:`ckptverify.render`, above
-this layer).
-"""
+Each run is a fresh set of spawned processes (one per rank) running ``train(run)`` under a
+:class:`~ckptverify.resume.run.RunConfig`: A runs 1..T saving at K and T; A2 reruns 1..T (to tell nondeterminism from
+missing state; beside A when cores allow); B resumes from A's checkpoint K in a new process group. Then (a) B's
+restored state vs A's saved, (b) A vs A2, (c) A vs B for K+1..T, (d) final checkpoints;
+:mod:`ckptverify.resume.verdict` names the cause. Launching is :mod:`~ckptverify.resume.launch`; drawing is left to
+the caller's :class:`FigureWriter` (:mod:`ckptverify.render` sits above this layer)."""
 
 from __future__ import annotations
 
@@ -44,8 +33,6 @@ from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Walked, for_resume
 from ckptverify.resume.run import RunConfig, checkpoint_path
 from ckptverify.resume.verdict import Verdict, decide
 
-#: Launching lives in :mod:`ckptverify.resume.launch` and target loading in
-#: :mod:`ckptverify.resume.harness_target`; their public names are re-exported here, where callers import them.
 __all__ = ["Evidence", "FigureWriter", "Outcome", "Plan", "TargetError", "WorkloadCrashedError", "check_target",
            "launch_jobs", "load_target", "resume_check", "resume_check_many", "workload_logs"]
 
@@ -61,10 +48,7 @@ class Plan:
     level: str = "state"
     runs: tuple[str, ...] = RUN_NAMES
     device: str = "cpu"
-    #: Walk the ladder when the check fails (:mod:`ckptverify.resume.locate.walk`): re-run the first divergent step
-    #: at level op, ``locate_repeats`` times per side, to name the op where the difference is born. Off in the
-    #: API (a caller checking many plans opts in); the ``resume-check`` command turns it on unless
-    #: ``--no-locate``.
+    #: On failure, walk the ladder (:mod:`ckptverify.resume.locate.walk`); off in the API, on in the command.
     locate: bool = False
     locate_repeats: int = DEFAULT_REPEATS
 
@@ -93,9 +77,8 @@ class Outcome:
 
 
 class FigureWriter(Protocol):
-    """Draws the report page of one checked plan into ``report_dir`` while its traces still exist, and returns
-    the page's path (:func:`ckptverify.render.figures.write_report` is one). ``trace_dirs``: each run's trace
-    directory by name (``A``, ``A2``, ``B``); ``steps``: the resumed steps compared."""
+    """Draws one plan's report page into ``report_dir`` while its traces exist and returns its path (e.g.
+    :func:`ckptverify.render.figures.write_report`); ``trace_dirs`` by run name, ``steps`` the resumed steps."""
 
     def __call__(self, report_dir: str, *, report: Report, verdict: Verdict, trace_dirs: Mapping[str, str],
                  steps: range) -> str: ...
@@ -106,14 +89,10 @@ def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str
                  figures: FigureWriter | None = None) -> Outcome:
     """Run the resume-equivalence check of ``plan``; return findings and verdict. Workdir kept if ``keep``.
 
-    ``verbose`` lists every final-state difference (else many are folded into one row; the JSON report
-    carries the full list either way). With ``log_dir``, each rank's stdout and stderr go to
-    ``<log_dir>/<run>-rank<r>.log`` (named in the report's stats) instead of the terminal. With
-    ``report_dir``, ``figures`` draws a report page there (its path in the report's stats as
-    ``report_page``); the package's ``ckptverify.resume_check`` passes the HTML page with PNG figures of
-    :mod:`ckptverify.render.figures` (needs matplotlib). ``report_dir`` without ``figures`` is a
-    :class:`UsageError`: this layer draws nothing itself.
-    """
+    ``verbose`` lists every final-state difference; ``log_dir`` sends each rank's output to
+    ``<log_dir>/<run>-rank<r>.log``. With ``report_dir``, ``figures`` draws a report page there
+    (``ckptverify.resume_check`` passes :func:`ckptverify.render.figures.write_report`); ``report_dir`` without
+    ``figures`` is a :class:`UsageError`: this layer draws nothing itself."""
     return resume_check_many([plan], keep=keep, progress=progress, verbose=verbose, log_dir=log_dir,
                              report_dir=report_dir, figures=figures)[0]
 
@@ -122,12 +101,9 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
                       progress: Callable[[str], None] | None = None, verbose: bool = False,
                       log_dir: str | None = None, report_dir: str | None = None,
                       figures: FigureWriter | None = None) -> list[Outcome]:
-    """:func:`resume_check` of several plans with one launch per run (A, A2, B) for all of them.
-
-    The plans must agree on ``nproc`` and ``device``. Each plan's runs are its own (own checkpoints, traces,
-    verdict); only process start-up is shared. Plan ``i`` works in ``<workdir>/<i>`` when there are several
-    (and writes its report page, if asked, to ``<report_dir>/<i>``).
-    """
+    """:func:`resume_check` of several plans sharing one launch per run (A, A2, B). Plans must agree on ``nproc`` and
+    ``device``; each keeps its own checkpoints, traces and verdict, in ``<workdir>/<i>`` (and ``<report_dir>/<i>``)
+    when there are several."""
     if not plans:
         return []
     if len({(p.nproc, p.device) for p in plans}) != 1:
@@ -166,7 +142,7 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
         began = time.perf_counter()
         # A and A2 are independent: side by side they cost one start-up's wall time, not two.
         at_once(run, [name for name in ("A", "A2") if jobs[name]], launches_at_once(nproc, device))
-        # A launch of the walk that takes far longer than run A did has hung (see ckptverify.resume.locate).
+        # Walk launches far slower than run A have hung (ckptverify.resume.locate).
         run_seconds = time.perf_counter() - began
         if jobs["B"]:
             announce("B")
@@ -189,7 +165,7 @@ def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]
     for d in dirs.values():
         if os.path.exists(d):
             shutil.rmtree(d)
-    # A cell per tensor: the runs are short, and a divergence is then named down to the tensor in one pass.
+    # Per-tensor cells: runs are short, and a divergence is named down to the tensor in one pass.
     common = dict(stop_step=T, level=plan.level, workload=plan.target, log_dir=log_dir, trace_detail="tensor")
     configs = {"A": RunConfig(name="A", save_at=(K, T), checkpoint_dir=os.path.join(dirs["A"], "ckpt"),
                               trace_dir=os.path.join(dirs["A"], "trace"), **common)}  # type: ignore[arg-type]
@@ -229,7 +205,6 @@ def _locate(plan: Plan, verdict: Verdict, evidence: Evidence, configs: dict[str,
     """Walk the ladder below ``verdict`` in ``<root>/locate`` (see :mod:`ckptverify.resume.locate.walk`)."""
     say = progress or (lambda _msg: None)
     say(f"locate: walking down from the verdict {verdict.kind}")
-    # Each launch of the walk runs at most the steps run A ran, one of them at level op: ten times A's wall
-    # time (and a minute for start-up) is far past any honest run.
+    # A walk launch runs at most A's steps: ten times A's time plus a minute is past any honest run.
     return for_resume(plan, verdict, evidence, configs, os.path.join(root, "locate"), progress=say,
                       timeout_s=10 * run_seconds + 60, run_seconds=run_seconds)

@@ -1,18 +1,9 @@
-"""Where a rank's workload output goes while the harness runs it.
+"""Where a rank's workload output goes: a per-rank log file, or the harness's stdout/stderr with each line labelled ``[A
+r0]``.
 
-Either a per-rank log file (``<log_dir>/<run>-rank<r>.log``: the command's stdout stays machine-readable), or
-the harness's own stdout and stderr with every line labelled by its run, and by its rank when there are several:
-``[A r0] step 3 loss 1.25``. Runs A and A2 may run side by side, each with several ranks, all writing to the same
-terminal: labels say whose line it is, and each line is written whole (one ``write`` of at most ``PIPE_BUF``
-bytes holds only whole lines, and a pipe or terminal does not split it).
-
-Both work on the file descriptors, not on ``sys.stdout``: output of C extensions, of ``print`` and of the
-processes the workload starts (DataLoader workers inherit descriptors 1 and 2) goes the same way.
-
-The user's code also runs once in the command's own process, when its target is checked before any rank starts
-(the file is imported: a script that prints at module level prints then). :func:`stdout_to_stderr` sends that
-output to stderr, so the command's stdout holds nothing but its report.
-"""
+Traps: redirection works on file descriptors, not ``sys.stdout``, so C extensions and child processes (DataLoader
+workers) follow. Parallel runs share the terminal, so each line is written whole (writes of at most ``PIPE_BUF``).
+The target check runs user code in the command's own process: :func:`stdout_to_stderr` keeps stdout for the report."""
 
 from __future__ import annotations
 
@@ -26,11 +17,10 @@ from types import TracebackType
 
 __all__ = ["LabelledOutput", "label", "stdout_to_stderr", "to_log_file"]
 
-#: Bytes one write may hold and still reach a pipe in one piece (POSIX ``PIPE_BUF``).
 _ATOMIC = getattr(select, "PIPE_BUF", 512)
 #: A "line" longer than this (a progress bar redrawn with ``\r``, never ended) is written out as it stands.
 _LONGEST = 1 << 16
-#: How long the end of a job waits for its output to drain (DataLoader workers may still hold the pipe).
+#: Drain wait at a job's end (DataLoader workers may still hold the pipe).
 _DRAIN_S = 10.0
 
 
@@ -52,12 +42,8 @@ def to_log_file(path: str) -> None:
 
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
-    """Within the block, whatever this process writes to its standard output (``sys.stdout`` and descriptor 1,
-    C extensions included) goes to its standard error instead; afterwards stdout is as it was.
-
-    For the user's code run in the command's own process: ``--json`` promises one JSON document on stdout
-    whatever the training script prints.
-    """
+    """Within the block, everything written to stdout (``sys.stdout`` and descriptor 1, C included) goes to stderr
+    instead; stdout is restored afterwards (``--json`` promises one document on stdout)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to flush
             stream.flush()
@@ -87,8 +73,8 @@ def _flush_c_stdio() -> None:
 
 
 class LabelledOutput:
-    """Within the block, each line written to descriptors 1 and 2 (by this process or its children) reaches
-    the original descriptor with ``prefix`` and a space before it; the block's end drains what was written."""
+    """Within the block, each line on descriptors 1 and 2 (this process or its children) reaches the original with
+    ``prefix``; the block's end drains what was written."""
 
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix.encode() + b" "

@@ -1,28 +1,11 @@
-"""The training function a harness run calls: found, checked before any process starts, and loaded in each rank.
+"""The training function a harness run calls (``FILE.py:FUNC`` or ``package.module:FUNC``): resolved, checked before any
+process starts, and loaded in each rank.
 
-A target is ``FILE.py:FUNC`` or ``package.module:FUNC``.
-
-**Loading in a rank** (:func:`load_target`). A ``FILE.py`` runs as a script's main module runs in a child that
-multiprocessing *spawned*: under the name ``__mp_main__``, registered as both ``__mp_main__`` and ``__main__``,
-with the file's folder first on ``sys.path``. So the classes and functions the script defines pickle as they do
-under ``python FILE.py`` (by reference to the main module), and a process the rank starts re-creates them: a
-spawned or forkserver DataLoader worker re-runs the file as ``__mp_main__`` (what multiprocessing does for any
-script), a forked one inherits it. The script's ``if __name__ == "__main__":`` block does not run. A
-``package.module`` is imported as ``python -m`` would find it (the working directory on ``sys.path``); its classes
-pickle under their own module's name.
-
-**Checking before launching** (:func:`check_target`). In the calling process, before any rank starts: the file
-exists, the module imports (run under a private name, so its ``__main__`` block does not run either; the
-process's ``sys.path``, ``sys.argv`` and environment are put back afterwards), the function exists, is callable and
-takes one argument (the ``Run``), and, when its code shows it cannot, that it calls ``run.restore``. A failure is a
-:class:`TargetError` (exit 2) whose message is the user's own traceback or the line at fault: the script's frames,
-none of the harness's. What the module prints while it is imported goes to stderr: the command's stdout may be a
-JSON report.
-
-**Resolving** (:func:`resolve_target`). A ``FILE.py`` is found from the working directory, by the check, by each
-rank and by every command that takes a target (``resume-check``, ``compare``, ``replay --target``) alike: two
-spellings of one file name one function.
-"""
+Traps: in a rank a ``FILE.py`` runs as spawn runs a script's main module (``__mp_main__``, aliased to ``__main__``,
+its folder first on ``sys.path``), so its classes pickle by reference to the main module and DataLoader workers
+re-create them; its ``__main__`` block never runs. :func:`check_target` imports the target in the calling process
+under a private name, restores ``sys.path``/``argv``/environment afterwards and sends its prints to stderr (stdout
+may be a JSON report); failures are :class:`TargetError` with the user's own traceback."""
 
 from __future__ import annotations
 
@@ -46,9 +29,7 @@ from ckptverify.errors import TargetError, UsageError
 __all__ = ["TargetError", "check_target", "load_target", "never_restored_message", "resolve_target", "usage_text",
            "user_traceback"]
 
-#: The name a FILE.py target runs under in a rank (multiprocessing's name for a script re-run in a child).
 MAIN_NAME = "__mp_main__"
-#: The name a FILE.py target is checked under in the launching process (anything but ``__main__``).
 _CHECK_NAME = "_ckptverify_target_check"
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,17 +43,9 @@ def split_target(target: str) -> tuple[str, str, bool]:
     return where, name, where.endswith(".py") or os.sep in where or (os.altsep or os.sep) in where
 
 
-# ------------------------------------------------------------------------------------------------ loading
-
-
 def load_target(target: str) -> Callable[[Any], None]:
-    """Resolve ``FILE.py:FUNC`` or ``package.module:FUNC`` to the training function, in a rank process.
-
-    A file runs as the process's main module (``__mp_main__``, aliased to ``__main__``; see the module
-    docstring); when it already is the main module (a script that launched the harness itself, re-run by
-    spawn), it is not run again. Raises :class:`TargetError` when the target cannot be loaded or is not a
-    function of one argument.
-    """
+    """Resolve the target to the training function in a rank: a file runs as ``__mp_main__`` (not again if it already
+    is the main module). :class:`TargetError` when it cannot load or is not a one-argument function."""
     where, name, is_file = split_target(target)
     if is_file:
         path = _existing_file(where)
@@ -91,24 +64,19 @@ def load_target(target: str) -> Callable[[Any], None]:
 
 
 def resolve_target(target: str) -> str:
-    """``target`` as the harness runs it: ``FILE.py:FUNC`` with the file made absolute (found from the working
-    directory, as every rank finds it), ``module:FUNC`` as given. Raises :class:`TargetError` when the file does
-    not exist, :class:`UsageError` when ``target`` is not ``FILE.py:FUNC`` or ``module:FUNC``. Imports nothing."""
+    """``target`` as the harness runs it: the file made absolute (from the working directory, as every rank finds
+    it), a module as given. :class:`TargetError` for a missing file, :class:`UsageError` for a bad shape; imports
+    nothing."""
     where, name, is_file = split_target(target)
     return f"{_existing_file(where)}:{name}" if is_file else target
 
 
 def check_target(target: str) -> str | None:
-    """Load ``target`` here, without running its ``__main__`` block, and check it can be a harness run's
-    training function; raise :class:`TargetError` (the user's traceback or the line at fault) if not. Returns
-    the absolute path of the file the function's module was loaded from (``None`` for a module without one).
+    """Load ``target`` here without its ``__main__`` block and check it can be a training function; :class:`TargetError`
+    if not. Returns the module's absolute file (``None`` without one).
 
-    What the module prints while it loads goes to stderr (:func:`~ckptverify.resume.harness_output.
-    stdout_to_stderr`). Leaves ``sys.path``, ``sys.argv`` and the environment as they were, and forgets the
-    script and the modules it imported from its own folder, or from the working directory it was found in (a
-    later check of another script may have siblings of the same names). A target that passed is not checked
-    again in this process (while its file is unchanged).
-    """
+    Leaves ``sys.path``, ``sys.argv`` and the environment as they were and forgets modules found only through the
+    script's folder (a later script may have same-named siblings). Cached per target while its file is unchanged."""
     from ckptverify.resume.harness_output import stdout_to_stderr
 
     where, name, is_file = split_target(target)
@@ -153,8 +121,8 @@ def check_target(target: str) -> str | None:
 
 
 def _found_only_in(mod_name: str, file: str, folder: str, path: list[str]) -> bool:
-    """Whether module ``mod_name`` (from ``file``) was found through ``folder`` and would not have been through
-    ``path`` (what ``sys.path`` was before): only such a module is forgotten after a check."""
+    """Whether ``mod_name`` was found through ``folder`` and not through the earlier ``path``: only such modules are
+    forgotten after a check."""
 
     def name_under(root: str) -> str | None:
         rel = os.path.relpath(os.path.abspath(file), os.path.abspath(root or "."))
@@ -171,8 +139,6 @@ def _found_only_in(mod_name: str, file: str, folder: str, path: list[str]) -> bo
     return name_under(folder) == mod_name and not any(name_under(p) == mod_name for p in path if isinstance(p, str))
 
 
-#: Targets that passed :func:`check_target` in this process (a file's with its size and modification time), and
-#: the file each was loaded from.
 _checked: dict[tuple[str, tuple[int, int] | None], str | None] = {}
 _check_lock = threading.Lock()
 
@@ -207,14 +173,14 @@ def _same_file(a: str | None, b: str) -> bool:
 
 
 def _path_first(folder: str) -> None:
-    """As ``python FILE.py`` (the script's folder) and ``python -m`` (the working directory) do."""
+    """Put ``folder`` first on ``sys.path``, as ``python FILE.py`` and ``python -m`` do."""
     if folder not in sys.path:
         sys.path.insert(0, folder)
 
 
 def _run_file(path: str, module_name: str, target: str) -> types.ModuleType:
-    """Run the file as a script runs (``__spec__`` and ``__package__`` None) under ``module_name``, registered
-    in ``sys.modules`` while it runs (dataclasses and pickling look a class's module up there)."""
+    """Run the file as a script (``__spec__``/``__package__`` None) under ``module_name``, registered in
+    ``sys.modules`` while it runs (dataclasses and pickling look classes up there)."""
     module = types.ModuleType(module_name)
     module.__dict__.update(__file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None,
                            __builtins__=builtins)
@@ -294,10 +260,8 @@ _OPAQUE = frozenset({"locals", "vars", "globals", "eval", "exec", "getattr", "__
 
 
 def _never_restores(func: Any) -> bool:
-    """Whether the code of ``func`` shows that it uses the protocol but cannot call ``run.restore``: no
-    ``.restore`` anywhere in it, and its one parameter used, only as ``run.<attribute>`` (never passed on,
-    stored or rebound). Anything less certain (a helper that receives ``run``, a decorator, no source) is left
-    to the run itself."""
+    """Whether ``func``'s code shows it uses the protocol but cannot call ``run.restore``: no ``.restore`` anywhere
+    and its parameter only used as ``run.<attribute>``. Anything less certain is left to the run."""
     try:
         source = textwrap.dedent(inspect.getsource(func))
         tree = ast.parse(source)
@@ -324,20 +288,15 @@ def _never_restores(func: Any) -> bool:
                 if not (isinstance(node.ctx, ast.Load) and isinstance(parent, ast.Attribute) and parent.value is node):
                     return False
                 used = True
-    # A function that never touches ``run`` is not written for the protocol at all: what it does when it runs
-    # (a crash of its own, most likely) says more than this would.
+    # One that never touches ``run`` is not written for the protocol: its own crash says more.
     return used
 
 
-# ------------------------------------------------------------------------------------------------ tracebacks
-
-
-#: The modules of this folder whose frames lie between a harness run and the user's code.
 _HARNESS_FILES = frozenset({"harness.py", "harness_target.py", "harness_output.py", "launch.py"})
 
 
 def _ours(filename: str) -> bool:
-    """A frame of the machinery between the harness and the user's code (not shown to the user)."""
+    """Whether a frame is machinery between the harness and the user's code (hidden from the user)."""
     if filename.startswith("<frozen importlib") or os.path.basename(os.path.dirname(filename)) == "importlib":
         return True
     return (os.path.dirname(os.path.abspath(filename)) == os.path.dirname(os.path.abspath(__file__))
@@ -345,8 +304,7 @@ def _ours(filename: str) -> bool:
 
 
 def user_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback as Python prints it, without the leading frames of the harness and the import
-    machinery that led into the user's code (in chained exceptions too)."""
+    """``exc``'s traceback without the leading harness and import frames, chained exceptions included."""
     te = traceback.TracebackException.from_exception(exc)
     seen: set[int] = set()
     todo = [te]
@@ -374,8 +332,7 @@ def _user_file(filename: str) -> bool:
 
 
 def usage_text(exc: BaseException) -> str:
-    """A usage error raised inside the user's code (by this library, about how it was called): its message,
-    then the user's own frames that led to it (where in their script to look)."""
+    """A usage error raised in the user's code: its message, then the user's own frames leading to it."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _user_file(f.filename)]
     where = "".join(traceback.StackSummary.from_list(frames).format()).rstrip("\n")
     return f"{exc}\n{where}" if where else str(exc)

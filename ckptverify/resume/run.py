@@ -1,23 +1,16 @@
 """The ``Run`` protocol: five lines that make a training function resumable, traceable and checkable.
 
 ```python
-import ckptverify as cv
-
 def train(run: cv.Run) -> None:
-    ...                                          # build model, optimizer, scheduler, loader as usual
     state = cv.TrainState(model=model, optimizer=opt, scheduler=sched, dataloader=loader)
     run.restore(state)                           # resumes here under the harness; no-op on a fresh start
     for batch in run.steps(loader):              # yields until the stop step
-        loss = ...
         run.record(loss=loss, batch=batch)       # end of step: trace; saves when asked
 ```
 
-The same function runs unchanged under plain ``python`` (``cv.Run.main(train, steps=100)``), under
-``torchrun`` on N ranks, and under the harness (``ckptverify resume-check``), which hands its plan (stop
-step, save steps, resume checkpoint, trace level and directory) to each rank's process as a
-:class:`RunConfig` (:func:`harness_job`), never through the environment: nothing of it leaks into a process
-the training function starts.
-"""
+The same function runs under ``python`` (``cv.Run.main``), ``torchrun`` and the harness. Trap: the harness's plan
+reaches each rank as a :class:`RunConfig` (:func:`harness_job`), never through the environment, so nothing leaks into
+processes the training function starts."""
 
 from __future__ import annotations
 
@@ -34,8 +27,7 @@ from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.state.distributed import rank_world
 
-#: The trace levels (``ckptverify.trace.store.LEVELS``, repeated here so that importing the Run protocol does not
-#: import the trace package; a test checks that the two agree).
+#: ``ckptverify.trace.store.LEVELS``, repeated so importing Run does not import trace (a test keeps them equal).
 LEVELS = ("metrics", "state", "comm", "module", "op")
 
 
@@ -54,15 +46,12 @@ class RunConfig:
     level: str = "state"
     workload: str = ""
     log_dir: str | None = None
-    #: Record every ``trace_every``-th step (those with ``step % trace_every == 0``); 1 records every step.
+    #: Record steps with ``step % trace_every == 0``.
     trace_every: int = 1
-    #: ``category``: one trace cell per tensor category (production); ``tensor``: one per tensor as well.
     trace_detail: str = "category"
-    #: The device the ranks were launched for (``Plan.device``: ``"cpu"`` with gloo, ``"cuda"`` with NCCL, one GPU
-    #: per rank), set by the launcher; ``None`` when no launcher of ours said (a plain or production run).
+    #: ``Plan.device`` set by our launcher; ``None`` for a plain or production run.
     device: str | None = None
-    #: At level ``op``: the op window (``dataclasses.asdict`` of a :class:`ckptverify.trace.oplog.OpWindow`,
-    #: JSON values): the steps, ranks and modules whose every op is logged; ``None``: all of them.
+    #: At level ``op``: ``asdict`` of an :class:`~ckptverify.trace.oplog.OpWindow`; ``None``: everything.
     op_window: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -100,15 +89,13 @@ class _Progress:
     saved: list[str] = field(default_factory=list)
 
 
-#: The harness's run of this process while it runs one of its jobs (see :func:`harness_job`), else ``None``.
 _harness_config: RunConfig | None = None
 
 
 @contextlib.contextmanager
 def harness_job(config: RunConfig) -> Iterator[None]:
-    """Within the block, this process runs the harness job ``config``: ``Run.main`` and ``Run.from_env`` give
-    its run. Set by the harness in each rank's process around the training function (an argument of the
-    process, not an environment variable, so a process the training function starts does not inherit it)."""
+    """Within the block, ``Run.main``/``Run.from_env`` give the harness job ``config``. A process argument, not an
+    environment variable, so a process the training function starts does not inherit it."""
     global _harness_config
     previous, _harness_config = _harness_config, config
     try:
@@ -126,14 +113,12 @@ class Run:
         self._p = _Progress()
         self._recorder: Any = None
         self._production: Any = None
-        #: Production mode: the checkpoint picked to resume from (see ``_resume_point``).
         self._picked: Any = None
         self._owns_group = False
         self._rank, self._world = rank_world(env_fallback=True)
         #: The frame of the function that called ``restore`` (under the harness), until ``close``.
         self._held_frame: Any = None
-        #: Until the first ``record``: that frame and its variables naming registered objects at the restore
-        #: (to tell whether one was rebuilt after it), and the notes written at the restore.
+        #: Until the first ``record``: that frame and its bindings of registered objects (to spot rebuilds).
         self._bindings: Any = None
         self._notes: dict[str, Any] = {}
 
@@ -150,27 +135,16 @@ class Run:
              save_every: int | None = None, trace: str = "metrics", trace_every: int = 1,
              on_replica_mismatch: str = "warn", fault: str | None = None,
              verify: VerifyOptions | str = "background", resume: str = "auto") -> None:
-        """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with
-        ``run_dir``: see :mod:`ckptverify.production.mode`), or plainly for ``steps`` steps.
+        """Run ``train`` once: as the harness asks (if it launched this process), as a production job (with ``run_dir``,
+        see :mod:`ckptverify.production.mode`), or plainly for ``steps`` steps.
 
-        Production mode: ``steps`` total steps; the full state saved every ``save_every`` steps to
-        ``run_dir/step_N``; a trace at level ``trace`` every ``trace_every`` steps; replicas compared on more
-        than one rank (``on_replica_mismatch``: ``"warn"`` or ``"raise"``); ``fault``: a
-        :class:`~ckptverify.hardware.inject.BitFlip` as JSON, for fire drills; ``verify``: how each saved
-        checkpoint is verified and stamped once committed, a :class:`~ckptverify.options.VerifyOptions` or its
-        ``when`` (``"background"``, the default here so that no save stalls the job, ``"inline"`` or ``"off"``),
-        with its ``deep`` and ``on_failure``; the job waits for the pending verifications before it ends. The
-        options and failure policies: :mod:`ckptverify.options.verify`.
-        Started by ``python`` or ``torchrun``: the process group is created from torchrun's environment when none
-        exists.
-
-        ``resume``: ``"auto"`` (the newest checkpoint that verifies; step 0 in an empty run directory; refused
-        when checkpoints exist and none verifies), ``"required"`` (refused when there is nothing to resume
-        from) or ``"never"`` (step 0; refused when a checkpoint verifies). Every checkpoint skipped is said on
-        stderr and in ``events.jsonl``, and one that fails is moved aside, never overwritten (see
-        :mod:`ckptverify.production.mode`). A refusal prints why on stderr and exits with status 2 (raises
-        ``SystemExit(2)``) before ``train`` runs, having changed nothing.
-        """
+        Production: saves every ``save_every`` steps to ``run_dir/step_N``, traces at ``trace`` every
+        ``trace_every``, compares replicas (``on_replica_mismatch``), plants ``fault`` (a BitFlip as JSON), and
+        verifies each save per ``verify`` (:mod:`ckptverify.options.verify`; ``background`` so no save stalls),
+        waiting for pending verifications at the end. Creates the process group from torchrun's environment if none
+        exists. ``resume``: ``auto`` (newest verifying checkpoint; refused if some exist and none verifies),
+        ``required`` or ``never``; failing checkpoints are moved aside, never overwritten. A refusal prints why and
+        raises ``SystemExit(2)`` before ``train`` runs, having changed nothing."""
         verifying = verify_options("Run.main", verify)
         if _harness_config is not None or run_dir is None:
             run = cls.from_env(steps=steps)
@@ -215,8 +189,6 @@ class Run:
         run._production = Production(options, rank=rank, world=world, target=target, start=start)
         return run
 
-    # ------------------------------------------------------------------ the protocol
-
     @property
     def step(self) -> int:
         """Steps completed so far (restored from the checkpoint when resuming)."""
@@ -232,30 +204,23 @@ class Run:
 
     @property
     def device(self) -> str | None:
-        """The device ``resume-check --device`` or ``replay --device`` launched this rank for (``"cpu"`` or
-        ``"cuda"``), for a workload that places its model by it; ``None`` when it was not launched by them."""
+        """The device ``resume-check``/``replay --device`` launched this rank for; ``None`` otherwise."""
         return self.config.device
 
     @property
     def total_steps(self) -> int:
-        """The job's length in steps: ``Run.main(steps=)``, the production job's ``steps`` (also in a replay of
-        part of it), or the harness's ``--steps``; for a schedule that needs it, such as
-        ``OneCycleLR(total_steps=run.total_steps)``.
-
-        Every run of one resume check (A, A2 and B) gets the same value, so a schedule built from it is the same
-        in all of them. Raises :class:`~ckptverify.errors.UsageError` for a run started without a step count."""
+        """The job's length (``Run.main(steps=)``, the production job's, or the harness's ``--steps``), the same in
+        every run of one resume check, for schedules such as ``OneCycleLR``. :class:`UsageError` without a count."""
         total = self.config.total_steps if self.config.total_steps is not None else self.config.stop_step
         if total is None:
             raise UsageError("this run has no step count: give Run.main(train, steps=N) (or --steps to the harness)")
         return total
 
     def restore(self, state: Any) -> None:
-        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint.
-
-        Under the harness it also notes what the calling function holds outside ``state`` (stateful local
-        variables, see :mod:`ckptverify.resume.unregistered`) and, when resuming, the random streams and
-        hyperparameters as restored (to tell later which run moved them). At the end of the run (``close``) it
-        fingerprints the values that function then holds outside ``state``, so runs can be compared on them."""
+        """Register the training state; when resuming, load it (verified, then checked) from the checkpoint. Under
+        the harness it also notes stateful locals of the caller held outside ``state``
+        (:mod:`ckptverify.resume.unregistered`) and the restored streams and hyperparameters; ``close`` fingerprints
+        what the caller then holds outside ``state``, so runs can be compared on it."""
         from ckptverify.state.train_state import TrainState
 
         if not isinstance(state, TrainState):
@@ -265,7 +230,6 @@ class Run:
         if state.dataloader is not None:
             from torch.utils.data import IterableDataset
 
-            # What a data verdict can say about the loader's position (an iterable dataset has no indices).
             notes["loader"] = {"type": type(state.dataloader).__name__, "iterable": isinstance(
                 getattr(state.dataloader, "dataset", None), IterableDataset)}
         import sys
@@ -279,27 +243,23 @@ class Run:
 
             notes["unregistered"] = [u.to_dict() for u in find_unregistered(caller.f_locals, state)]
             if self._production is None:
-                # Kept to the end of the run (a frame keeps its locals after the function returns): what the
-                # function then holds outside `state` is compared across runs (see `_write_held`).
+                # A frame keeps its locals after return: read at close (`_write_held`).
                 self._held_frame = caller
             del caller
             notes["missing_optimizer"] = missing_optimizer(state)
         if self.config.resume_from:
             from ckptverify.checkpoint.load import load
 
-            # Production: the checkpoint was picked (and so verified) when the job started; the harness names one
-            # and diagnoses a restore mismatch rather than refusing it.
+            # The harness diagnoses a restore mismatch rather than refusing it; production verified its pick.
             if self._picked is None:
                 with warnings.catch_warnings():
-                    # The harness judges the difference itself (restore-rankN.json, then its verdict).
                     warnings.filterwarnings("ignore", message="the restore check of ", category=UserWarning)
                     report = load(state, self.config.resume_from, on_restore_mismatch="warn")
             else:
                 from ckptverify.production.mode import ResumeRefusedError
 
                 try:
-                    # Never trains on damaged state: a pick that fails its proof is moved aside and the next
-                    # older one loaded; what cannot be resumed is refused (said on stderr and recorded).
+                    # Never trains on damaged state: a failing pick is moved aside and an older one loaded.
                     report, picked = self._production.restore(state, self._picked)
                 except ResumeRefusedError:
                     raise SystemExit(2) from None
@@ -314,20 +274,15 @@ class Run:
         self._notes = notes
         self._write_json(f"notes-rank{self._rank}.json", notes)
         if self._production is not None:
-            # Before the trace attaches its hooks: a planted fault must precede the trace's view of the step,
-            # as a real one in the computation would.
+            # Before the trace hooks: a planted fault must precede the trace's view, as a real one would.
             self._production.began(state, self._p.restored_from)
         self._open_trace()
 
     def steps(self, loader: Iterable[Any] | None = None, *, micro_batches: int = 1) -> Iterator[Any]:
-        """Yield batches from ``loader`` (or step numbers without one) until the stop step.
-
-        ``micro_batches=K`` (gradient accumulation): each item is a list of the ``K`` batches one optimizer
-        step trains on, so a step (and a save) always falls on an optimizer-step boundary; pass the list to
-        ``run.record(batch=...)``. A loader that ends within a step ends the run before that step.
-        With a built-in ``ResumableSampler`` the consumed position is tracked; after resuming, the random
-        streams are put back once the loader's iterator exists (creating it draws a base seed).
-        """
+        """Yield batches from ``loader`` (or step numbers) until the stop step. ``micro_batches=K``: each item is the
+        list of ``K`` batches one optimizer step uses, so steps and saves fall on optimizer-step boundaries; a loader
+        ending mid-step ends the run. After resuming, random streams are put back once the loader's iterator exists
+        (creating it draws a base seed)."""
         from ckptverify.state.dataloader import find_resumable_sampler
 
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -337,8 +292,7 @@ class Run:
                              "run.steps(loader, micro_batches=K)")
         stop = self.config.stop_step
         registered = self.state.dataloader if self.state is not None else None
-        # The sampler whose last handed-out batch the trace records (``data.indices``): the iterated loader's,
-        # else the registered one's (a loop that fetches its batches itself through ``sampler.track``).
+        # The sampler behind ``data.indices``: the iterated loader's, else the registered one's.
         self._sampler = find_resumable_sampler(loader) if loader is not None else None
         if self._sampler is None and registered is not None:
             self._sampler = find_resumable_sampler(registered)
@@ -346,8 +300,8 @@ class Run:
             it: Iterator[Any] = _count(self._p.step + 1)
         else:
             it = _epochs(loader, self.state)
-            # Creating the loader's iterator draws a base seed from a random stream; an uninterrupted run
-            # drew it when the epoch began, before the checkpoint. A resumed run must not draw it again.
+            # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
+            # a resumed run must not draw it again.
             resumed = self._p.restored_from is not None and self.state is not None
             if resumed:
                 from ckptverify.state.rng import capture_rng, restore_rng
@@ -405,8 +359,7 @@ class Run:
             self._save()
 
     def _batch_indices(self) -> list[Any] | None:
-        """``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed to the loop (with
-        ``run.steps(loader)``: this step's batch), or ``None`` when no tracked sampler is known."""
+        """``[epoch, indices]`` of the last batch the tracked ``ResumableSampler`` handed out; ``None`` without one."""
         sampler = getattr(self, "_sampler", None)
         last = sampler.last_batch() if sampler is not None else None
         return None if last is None else [last[0], last[1]]
@@ -433,17 +386,13 @@ class Run:
                 dist.destroy_process_group()
             self._owns_group = False
         if self._production is not None:
-            # After the group is gone: rank 0 may wait here for its pending verifications, longer than a
-            # collective would wait for it.
+            # After the group is gone: rank 0 may wait for verifications longer than a collective would.
             self._production.close(self._p.step)
             self._production = None
 
-    # ------------------------------------------------------------------ internals
-
     def _check_replaced(self) -> None:
-        """At the end of the first step: a registered object that the training function rebuilt after
-        ``run.restore`` (the loop steps the new one; checkpoints save and restore the old one) is warned about,
-        and noted for the harness (``replaced`` in ``notes-rank<r>.json``)."""
+        """After the first step: warn about, and note for the harness, registered objects rebuilt after
+        ``run.restore`` (the loop steps the new one; checkpoints hold the old one)."""
         import warnings
 
         from ckptverify.errors import CkptVerifyWarning
@@ -465,10 +414,8 @@ class Run:
         self._write_json(f"notes-rank{self._rank}.json", self._notes)
 
     def _write_held(self, frame: Any) -> None:
-        """``held-rank<r>.json``: fingerprints of what the function that called ``restore`` holds at the end of
-        the run outside the ``TrainState`` (:func:`~ckptverify.resume.unregistered.held_state`). A failure to
-        take them is written there too (the harness then says it could not compare), never raised: the run
-        itself succeeded."""
+        """Write ``held-rank<r>.json``: fingerprints of what the ``restore`` caller holds outside the ``TrainState``
+        at the end. A failure is written there, never raised: the run itself succeeded."""
         from ckptverify.resume.unregistered import held_state
 
         try:
@@ -525,8 +472,6 @@ class Run:
         if self._production is not None:
             self._production.traced_by(self._recorder)
         if self.config.level != "metrics" and self.state is not None and self.state.model is not None:
-            # Gradients are captured right before each optimizer step (wherever the loop zeroes them);
-            # at level "module" (and "op") every module's output and input gradient too.
             self._recorder.attach(self.state.model, optimizer=self.state.optimizers or None)
 
     def _write_json(self, name: str, data: Any) -> None:
@@ -541,9 +486,8 @@ _END = object()
 
 
 def _epochs(loader: Iterable[Any], state: Any) -> Iterator[Any]:
-    """Batches over epochs. The first item yielded is a marker once the epoch's iterator exists (so the
-    caller can act right after the base-seed draw), then batches; at the end of an epoch the sampler moves
-    to the next epoch and the epoch counter advances."""
+    """Batches over epochs: first a marker once the epoch's iterator exists (right after the base-seed draw), then
+    batches; at each epoch's end the sampler and epoch counter advance."""
     from ckptverify.state.dataloader import find_resumable_sampler
 
     sampler = find_resumable_sampler(loader)
@@ -573,8 +517,7 @@ _ITER_READY = object()
 
 
 def _start_values(state: Any) -> dict[str, Any]:
-    """The step-start sites (see ``TraceRecorder.record_step_start``) as ``state`` holds them now, decoded
-    as a trace reads them: what a resumed run restored, before any step."""
+    """The step-start sites as ``state`` holds them now, decoded as a trace reads them."""
     from ckptverify.state.digest import state_digest
     from ckptverify.state.rng import capture_rng
     from ckptverify.trace.recorder import hparam_cells
@@ -589,8 +532,8 @@ def _start_values(state: Any) -> dict[str, Any]:
 
 
 def _init_group_from_env() -> bool:
-    """Create the default process group from torchrun's environment (``WORLD_SIZE`` > 1) when none exists;
-    ``True`` when this call created it (and the run must destroy it)."""
+    """Create the default group from torchrun's environment (``WORLD_SIZE`` > 1) if none exists; ``True`` when
+    created here (the run must destroy it)."""
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or dist.is_initialized():
@@ -600,21 +543,18 @@ def _init_group_from_env() -> bool:
     available = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if available and local < torch.cuda.device_count():
-        # The rank's device under torchrun, without creating a CUDA context: torch applies it when this process
-        # first initialises CUDA, and a CPU-only job on a GPU host never does.
+        # Lazily, so a CPU-only job on a GPU host never creates a CUDA context.
         if torch.cuda.is_initialized():
             torch.cuda.set_device(local)
         else:
             torch.cuda._lazy_call(lambda: torch.cuda.set_device(local))
-    # The device the job trains on is not known here: gloo for host tensors, NCCL for CUDA ones (it connects at
-    # the first CUDA collective, so a CPU model never uses it).
+    # Training device unknown here: NCCL connects only at the first CUDA collective, so a CPU model never uses it.
     dist.init_process_group(_group_backend(None, available))
     return True
 
 
 def _production_config(options: Any, target: str, picked: Any) -> RunConfig:
-    """A production job's run, resuming from ``picked`` (``None``: from step 0): saves after its step, a trace
-    segment of its own."""
+    """A production job's run resuming from ``picked`` (``None``: step 0), with its own trace segment."""
     from ckptverify.production.mode import segment_dir
 
     resume_from, start = (picked.path, picked.step) if picked is not None else (None, 0)
@@ -627,23 +567,15 @@ def _production_config(options: Any, target: str, picked: Any) -> RunConfig:
 
 
 def _resume_point(options: Any, *, rank: int, world: int) -> Any:
-    """The checkpoint a production job resumes from (a :class:`~ckptverify.runs.latest.Latest`, the same on
-    every rank), or ``None`` for a start from step 0, as ``options.resume`` allows; raises
-    :class:`~ckptverify.production.mode.ResumeRefusedError` on every rank when it refuses. See
-    :func:`ckptverify.production.mode.resume_point`."""
+    """See :func:`ckptverify.production.mode.resume_point`."""
     from ckptverify.production.mode import resume_point
 
     return resume_point(options, rank=rank, world=world)
 
 
 def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
-    """``torch.distributed.init_process_group`` for a training function that may run under the harness.
-
-    The harness owns the process group when it runs several ranks (it creates it before ``train(run)`` and
-    destroys it after) and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
-    even on one rank. This creates the group only when none exists, so the same script runs plainly, under
-    ``torchrun`` and under the harness.
-    """
+    """``torch.distributed.init_process_group`` only when no group exists: the harness owns the group on several
+    ranks, so the same script runs plainly, under ``torchrun`` and under the harness."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -652,11 +584,8 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
 
 
 def unsaved_schedulers(state: Any) -> list[str]:
-    """Optimizers of ``state`` driven by an LR scheduler that ``state`` does not hold.
-
-    torch's LR schedulers wrap their optimizer's ``step`` (marking it ``_wrapped_by_lr_sched``); a scheduler
-    that wraps a registered optimizer but is not registered itself will not be saved.
-    """
+    """Optimizers of ``state`` wrapped by an LR scheduler (``_wrapped_by_lr_sched``) that ``state`` does not hold, so
+    it will not be saved."""
     if state.schedulers:
         return []
     return [f"optimizer {i} ({type(opt).__name__})" for i, opt in enumerate(state.optimizers)
@@ -671,13 +600,9 @@ def _count(start: int) -> Iterator[int]:
 
 
 def _group_backend(device: str | None, cuda_available: bool) -> str:
-    """The ``torch.distributed`` backend for ranks launched for ``device`` (``RunConfig.device``, ``Plan.device``).
-
-    ``"cpu"``: gloo, even on a GPU host (NCCL cannot carry CPU tensors). ``"cuda"``: NCCL for CUDA tensors and
-    gloo beside it for what the harness and the checks exchange in host memory. ``None`` (not said, e.g. a
-    torchrun job): both where CUDA is available, gloo otherwise. Raises
-    :class:`~ckptverify.errors.UsageError` for ``"cuda"`` without CUDA, or an unknown device.
-    """
+    """Backend for ranks launched for ``device``: ``cpu`` gloo (NCCL cannot carry CPU tensors); ``cuda`` NCCL plus
+    gloo for host exchanges; ``None`` both with CUDA, else gloo. :class:`UsageError` for ``cuda`` without CUDA or an
+    unknown device."""
     if device == "cpu" or (device is None and not cuda_available):
         return "gloo"
     if device not in ("cuda", None):

@@ -1,22 +1,11 @@
 """What the user forgot: stateful objects in the training function that the ``TrainState`` does not hold.
 
-At ``run.restore(state)`` the harness looks through the calling function's local variables (and, one level
-down, the attributes of plain containers among them: a dataclass or namespace holding model, optimizer and
-loader), and through the plain attributes of the registered model's modules, for objects whose state a
-resume needs and that ``state`` does not register:
-
-* ``torch.nn.Module``\\ s other than the model, its submodules and wrappers around it (an EMA copy);
-* optimizers, LR schedulers, GradScalers (``torch.amp`` and ``torch.cuda.amp``), ``torch.Generator``\\ s;
-* data loaders and samplers (a registered loader's own sampler and generator count as registered);
-* anything else with callable ``state_dict`` and ``load_state_dict``.
-
-Each is reported by variable name and type. An object that never feeds a traced value (an EMA, a GradScaler
-whose power-of-two scale leaves every value bitwise equal) would pass a step-by-step comparison, yet a real
-resume loses it: so at the end of each run :func:`held_state` fingerprints what the function then holds
-outside the ``TrainState`` (tensors in locals and containers, unregistered modules, the state dicts of
-unregistered optimizers, schedulers and scalers), and :func:`compare_held` names the variables whose values
-differ between two runs.
-"""
+At ``run.restore(state)`` the caller's locals (one level into plain containers) and the plain attributes of the
+model's modules are searched for modules, optimizers, schedulers, scalers, generators, loaders, samplers or anything
+with ``state_dict``/``load_state_dict`` that ``state`` does not register. Trap: an object that feeds no traced value
+(an EMA, a power-of-two GradScaler) passes a step-by-step comparison yet a real resume loses it, so
+:func:`held_state` fingerprints what the function holds outside the ``TrainState`` at the end of each run and
+:func:`compare_held` names what differs."""
 
 from __future__ import annotations
 
@@ -92,8 +81,7 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
         ids.add(id(loader))
         dataset = getattr(loader, "dataset", None)
         if dataset is not None and _saves_dataset(loader):
-            # torchdata's StatefulDataLoader saves its dataset's state_dict (in each worker, where the copy
-            # that moves lives; the main process's copy never moves): the dataset is covered.
+            # StatefulDataLoader saves its dataset's state (per worker, where the moving copy lives).
             ids.add(id(dataset))
         for attr in ("sampler", "batch_sampler", "generator"):
             part = getattr(loader, attr, None)
@@ -106,8 +94,7 @@ def _registered(state: Any) -> tuple[set[int], list[Any]]:
 
 
 def _saves_dataset(loader: Any) -> bool:
-    """Whether ``loader`` saves its dataset's own state with its state_dict (torchdata's StatefulDataLoader
-    does, for a dataset with ``state_dict``/``load_state_dict``)."""
+    """Whether ``loader`` saves its dataset's state with its own (torchdata's StatefulDataLoader)."""
     return any(c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.")
                for c in type(loader).__mro__)
 
@@ -156,8 +143,7 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregis
         else:
             for attr, value in _container_attrs(obj).items():
                 visit(f"{name}.{attr}", value)
-    # Reachable from what is registered: plain attributes of the model's modules (a generator a layer
-    # draws its noise from, an EMA kept as an attribute rather than a submodule).
+    # Plain attributes of the model's modules (a layer's noise generator, an EMA kept as an attribute).
     if state.model is not None:
         for mod_name, module in state.model.named_modules():
             for attr, value in vars(module).items():
@@ -167,9 +153,8 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregis
 
 
 def registered_bindings(local_vars: Mapping[str, Any], state: Any) -> dict[str, tuple[int, str, str]]:
-    """The local variables that name an object ``state`` registers: ``{name: (id, TrainState field, type)}``
-    (``model``, ``optimizer``, ``scheduler``, ``dataloader``, ``scaler``, ``extras['key']``). Taken at
-    ``run.restore``, so that :func:`replaced_objects` can tell later that a name was bound to a new object."""
+    """Locals naming an object ``state`` registers: ``{name: (id, TrainState field, type)}``, taken at
+    ``run.restore`` so :func:`replaced_objects` can tell a name was later rebound."""
     fields: dict[int, str] = {}
     if state.model is not None:
         fields[id(state.model)] = "model"
@@ -192,10 +177,8 @@ def registered_bindings(local_vars: Mapping[str, Any], state: Any) -> dict[str, 
 
 def replaced_objects(bindings: Mapping[str, tuple[int, str, str]], local_vars: Mapping[str, Any], state: Any
                      ) -> list[dict[str, str]]:
-    """Variables that named a registered object at ``run.restore`` and now name another object of the same
-    kind that ``state`` does not hold (a scheduler, optimizer, loader or model rebuilt after the restore: the
-    loop uses the new one, the checkpoint saves and restores the old one). Each: ``name``, ``field``,
-    ``type``."""
+    """Variables that named a registered object at ``run.restore`` and now name another object of a stateful kind
+    ``state`` does not hold (rebuilt after the restore: the loop uses the new one, checkpoints the old)."""
     ids, _ = _registered(state)
     out: list[dict[str, str]] = []
     for name, (oid, field, type_name) in bindings.items():
@@ -218,18 +201,13 @@ def missing_optimizer(state: Any) -> str | None:
             "resumed run starts them from zero")
 
 
-# ------------------------------------------------------------------------------------ held at the end
-
-
-#: How deep the walk goes into containers (dict, list, tuple, dataclass, namespace, plain object).
 HELD_DEPTH = 4
-#: At most this many items of one container are walked, and this many values fingerprinted per rank.
+#: Items walked per container; values fingerprinted per rank.
 HELD_ITEMS = 10_000
 HELD_ENTRIES = 20_000
-#: At most this many objects are looked at per rank (a library object's attributes can be a large graph).
+#: Objects looked at per rank (a library object's attributes can be a large graph).
 HELD_VISITS = 200_000
-#: Classes from these packages are walked only as torch objects (modules, optimizers, ...), never as plain
-#: objects: their attributes are library internals, not the job's state.
+#: Packages whose objects are never walked as plain objects: their attributes are internals, not job state.
 _OPAQUE = ("torch", "numpy", "builtins", "ckptverify.resume", "ckptverify.state", "ckptverify.trace")
 
 
@@ -246,8 +224,7 @@ def _storage_key(t: Any) -> tuple[str, int | None, int] | None:
 
 
 def _covered_storages(state: Any) -> set[tuple[str, int | None, int]]:
-    """The memory of every tensor ``state`` saves (model parameters, buffers and gradients, optimizer state,
-    the tensors of module and plain-object extras): a held tensor in it is an alias of registered state."""
+    """The memory of every tensor ``state`` saves: a held tensor there is an alias of registered state."""
     import torch
 
     tensors: list[Any] = []
@@ -269,8 +246,7 @@ def _covered_storages(state: Any) -> set[tuple[str, int | None, int]]:
 
 
 def _tensor_value(t: Any) -> str:
-    """A tensor's values as one string: dtype, shape and logical fingerprint (a ``DTensor``: its local shard,
-    so no rank waits for another)."""
+    """A tensor as ``dtype[shape]:fingerprint`` (a ``DTensor``: its local shard, so no rank waits)."""
     from ckptverify.fingerprint import tensor_fingerprint
 
     to_local = getattr(t, "to_local", None)
@@ -281,8 +257,7 @@ def _tensor_value(t: Any) -> str:
 
 
 def _plain(obj: Any) -> bool:
-    """Whether ``obj`` is a plain object of the job whose attributes may hold state (a hand-written EMA class,
-    a dataclass or namespace of training objects), rather than a library's internals."""
+    """Whether ``obj`` is a plain object of the job whose attributes may hold state, not library internals."""
     from torch.utils.data import Dataset
 
     if isinstance(obj, type | types.ModuleType | types.FunctionType | types.MethodType | Dataset):
@@ -296,20 +271,13 @@ def _plain(obj: Any) -> bool:
 
 
 def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
-    """Fingerprints of the values among ``local_vars`` that ``state`` does not save, for comparing two runs.
+    """Fingerprints of values among ``local_vars`` that ``state`` does not save, for comparing runs.
 
-    Walked (``HELD_DEPTH`` levels into containers, at most ``HELD_ITEMS`` items each and ``HELD_VISITS`` objects
-    in all; ``truncated`` says when a limit cut the walk short): tensors; dicts, lists,
-    tuples, dataclasses, namespaces and plain objects of the job; modules other than the registered ones (their
-    parameters, buffers and tensors in plain attributes: an ``AveragedModel``, a deep-copied EMA); the
-    ``state_dict()`` of unregistered optimizers, LR schedulers and GradScalers (scalars included); unregistered
-    random generators. Not walked: what ``state`` holds, tensors sharing memory with it (a parameter under another
-    name), data loaders, samplers, datasets. The registered model's modules are looked into for tensors in
-    plain attributes (not parameters or buffers). No copy is kept: each value is fingerprinted where it lies.
-
-    Returns ``{"entries": {path: {"var": variable, "value": str}}, "truncated": bool, "skipped": [paths]}``,
-    paths written as Python reads them (``ema['net.0.weight']``, ``ema_model.module.net.0.weight``).
-    """
+    Walks tensors, containers and plain objects of the job, unregistered modules, the ``state_dict()`` of
+    unregistered optimizers/schedulers/scalers and generators, bounded by
+    ``HELD_DEPTH``/``HELD_ITEMS``/``HELD_VISITS`` (``truncated`` when cut). Skips what ``state`` holds, aliases of
+    its memory, loaders, samplers and datasets. No copy is kept. Returns ``{"entries": {path: {"var", "value"}},
+    "truncated", "skipped"}``."""
     import torch
 
     ids, _ = _registered(state)
@@ -403,8 +371,7 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
         if name.startswith("__") or name == "_" or type(obj).__name__ in ("Run", "TrainState"):
             continue
         visit(name, name, obj, 0)
-    # Plain attributes of the registered model's modules (a dict of EMA tensors kept on the model): a
-    # checkpoint holds its parameters and buffers, not these.
+    # A checkpoint holds the model's parameters and buffers, not its modules' plain attributes.
     if state.model is not None:
         for mod_name, module in state.model.named_modules():
             for attr, value in vars(module).items():
@@ -415,12 +382,9 @@ def held_state(local_vars: Mapping[str, Any], state: Any) -> dict[str, Any]:
 
 
 def compare_held(a: Mapping[int, Mapping[str, Any]], b: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Variables held in both runs whose values differ at the end, one per variable and rank (ranks in order,
-    variables in the order the training function bound them), each with the first differing path.
-
-    A variable one run holds and the other does not is no difference here (a value set only on a fresh start
-    is not state the job keeps updating); within a variable both hold, a path only one run has is.
-    """
+    """Variables held in both runs whose values differ at the end, one per variable and rank, with the first
+    differing path. A variable only one run holds is no difference (a value set only on a fresh start is not state
+    the job keeps updating); a path only one run has within a shared variable is."""
     out: list[dict[str, Any]] = []
     for rank in sorted(set(a) & set(b)):
         ea, eb = a[rank].get("entries") or {}, b[rank].get("entries") or {}

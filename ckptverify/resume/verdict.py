@@ -1,38 +1,10 @@
-"""From comparisons to a verdict in plain words.
+"""From comparisons to a verdict in plain words (verdict kinds: ``docs/resume.md``).
 
-The harness compares (a) the state B restored with the state A saved, (b) A with A2, (c) A with B after the
-resume, (d) the final states. The verdict takes the first conclusive comparison in that order. Within (c),
-the causes a step starts from come before what they change (a batch drawn from a moved random stream is a
-consequence, not the cause):
-
-* ``restore-mismatch`` — (a) a restored field differs from the saved one: the loader dropped or changed state;
-* ``nondeterministic`` — (b) two continuous runs differ: saving more state cannot make a resume exact;
-* ``rng`` — (c) a random stream differs when the step starts: re-seeded or drawn after the restore in B, or
-  drawn in A after the save point;
-* ``changed-after-restore`` — (c) a hyperparameter restored exactly differs when the first resumed step
-  starts: code after ``run.restore`` set it;
-* ``changed-after-save`` — (c) A changed a hyperparameter after its save point, before the next step;
-* ``scheduler`` — (c) the learning rate (or another hyperparameter) the optimizer step used differs: an
-  unsaved LR scheduler, or a step counter that restarted;
-* ``data`` — (c) the batch differs while the random streams and hyperparameters do not: by the sample
-  indices the step used, other samples were drawn (the loader is not registered, or its position was not
-  restored), a batch was taken from the loader before the save, or the same samples came out different
-  (randomness inside the dataset or its workers);
-* ``hidden-state`` — (c) a value no saved field explains differs: a non-persistent buffer, a global
-  counter, a cache;
-* ``unregistered-state`` — (c) as ``hidden-state``, and the training function holds a stateful object (or
-  no optimizer) that the TrainState does not; or, after (d) with everything equal, a value the training
-  function holds outside the TrainState ends the run different in A and B (category ``held-state``; when A
-  and A2 differ in it too: ``nondeterministic``);
-* ``diverged`` — (c)/(d) the runs part in a category not covered above;
-* ``pass`` — none of the above: B equals A bitwise for steps K+1..T, A equals A2, final states equal, held values equal.
-
-Every verdict carries one sentence of cause (``message``) and one of what to do (``advice``); the command
-prints :meth:`Verdict.headline` as its last line. :func:`decide` reads the typed
-:class:`~ckptverify.resume.compare.Evidence` of the comparisons with the rules above (:data:`RULES`, and
-:data:`PARTED` within (c)), a small function each, taken in order by the engine ``replay`` shares
-(:func:`~ckptverify.resume.causes.first_verdict`), as are the sentences of cause.
-"""
+The harness compares (a) B's restored state with A's saved one, (b) A with A2, (c) A with B after the resume, (d) the
+final states (and held values); the verdict is the first conclusive rule of :data:`RULES` in that order. Trap: within
+(c), :data:`PARTED` judges the causes a step starts from (random streams, hyperparameters) before what they change: a
+batch drawn from a moved random stream is a consequence, not the cause. Rules are small functions taken in order by
+the engine ``replay`` shares (:func:`~ckptverify.resume.causes.first_verdict`)."""
 
 from __future__ import annotations
 
@@ -59,13 +31,11 @@ class Verdict:
     rank: int | None = None
     site: str | None = None
     category: str | None = None
-    #: The module where the first divergence originates (level ``module``), ``origin_module`` in JSON.
+    #: Module where the first divergence originates; ``origin_module`` in JSON.
     origin: str | None = None
     advice: str = ""
-    #: The walk down the ladder (:mod:`ckptverify.resume.locate.walk`), ``None`` when it did not run.
     located: Walked | None = None
-    #: The ranks that only received the difference through a collective, as the traces tell (the walk's
-    #: receivers, when it found any, replace them in ``to_dict``).
+    #: Ranks that only received the difference (the walk's receivers replace them in ``to_dict``).
     receivers: tuple[Mapping[str, Any], ...] = ()
 
     @property
@@ -73,11 +43,8 @@ class Verdict:
         return self.kind == "pass"
 
     def to_dict(self) -> dict[str, Any]:
-        """``kind``, ``message``, ``step``, ``rank``, ``site``, ``category``, ``advice``, ``origin_module``; and
-        from the walk: ``origin`` (where the difference is born: ``kind`` ``op`` | ``collective`` |
-        ``untraced`` | ``state``, ``rank``, ``step``, ``phase``, ``module``, ``op``, ``occurrence``,
-        ``repeats_differing``; ``None`` when nothing is singled out or no walk ran), ``receivers`` and
-        ``locate`` (the walk's status, sentence, kernel re-run; ``None`` when it did not run)."""
+        """The verdict's fields (``origin`` as ``origin_module``) plus the walk's ``origin``, ``receivers`` and
+        ``locate`` (:func:`~ckptverify.resume.locate.walk.walk_fields`; ``None`` when it did not run)."""
         return {"kind": self.kind, "message": self.message, "step": self.step, "rank": self.rank,
                 "site": self.site, "category": self.category, "origin_module": self.origin,
                 "advice": self.advice, **walk_fields(self.located, self.receivers)}
@@ -87,7 +54,7 @@ class Verdict:
         return self.message + located + (f" What to do: {self.advice}" if self.advice else "")
 
     def headline(self) -> str:
-        """One line: kind, step, rank, category, site, the cause, where the walk found it born, what to do."""
+        """One line: kind, step, rank, category, site, cause, where the walk found it born, what to do."""
         where = [f"step {self.step}" if self.step is not None else None,
                  f"rank {self.rank}" if self.rank is not None else None,
                  self.category, self.site]
@@ -109,8 +76,8 @@ def _get(div: Any, name: str) -> Any:
 
 
 def origin_rank(div: Any) -> int | None:
-    """The one rank the traces single out as where ``div`` is born, else ``None`` (several ranks are origins on
-    their own, or every differing rank differs only in values a collective wrote)."""
+    """The one rank the traces single out as where ``div`` is born; ``None`` when several are origins or all differ
+    only in values a collective wrote."""
     if div is None:
         return None
     origins = getattr(div, "origin_ranks", None)
@@ -120,8 +87,8 @@ def origin_rank(div: Any) -> int | None:
 
 
 def ranks_said(div: Any) -> str | None:
-    """Where ``div`` is born, for a sentence: ``rank 1``, ``ranks 0, 1 (each on its own)``, or (nothing
-    singles one out) ``ranks 0, 1 (which one it is born on cannot be told)``; ``None`` without a rank."""
+    """Where ``div`` is born, for a sentence (``rank 1``, ``ranks 0, 1 (each on its own)``, or that it cannot be
+    told); ``None`` without a rank."""
     one = origin_rank(div)
     if one is not None:
         return f"rank {one}"
@@ -148,8 +115,7 @@ def receivers_said(div: Any) -> str:
 
 
 def _undetermined(div: Any) -> str:
-    """What would tell the rank, when the traces do not (several ranks differ, only downstream of a
-    collective)."""
+    """What would tell the rank when the traces cannot (all differ only downstream of a collective)."""
     if div is None or getattr(div, "origin_ranks", None) != ():
         return ""
     return (" Every differing rank differs only in values a collective wrote, so the rank it is born on cannot be "
@@ -158,9 +124,8 @@ def _undetermined(div: Any) -> str:
 
 
 def _site(div: Any) -> str | None:
-    """The site a verdict names: on several ranks, the origin rank's first difference of its own (its loss
-    rather than a gradient norm taken after the reduction, which comes first in the row), else the first
-    differing site."""
+    """The site a verdict names: on several ranks the origin's first own difference (its loss, not a post-reduction
+    gradient norm that comes first in the row), else the first differing site."""
     own = _get(div, "own_site")
     several = bool(getattr(div, "receiver_ranks", None)) or len(getattr(div, "origin_ranks", None) or ()) > 1
     return own if own and several else _get(div, "site")
@@ -194,8 +159,7 @@ def _forgotten(unregistered: tuple[Mapping[str, str], ...], missing_optimizer: s
 
 @dataclass
 class _Case:
-    """What :func:`decide` judges: ``plan``'s steps, resume point and runs, and the ``evidence`` of its
-    comparisons; ``forgotten``: the objects the TrainState does not hold, as a sentence."""
+    """What :func:`decide` judges: ``plan`` and the ``evidence`` of its comparisons."""
 
     plan: Any
     evidence: Evidence
@@ -206,9 +170,7 @@ class _Case:
 
 
 def decide(plan: Any, evidence: Evidence) -> Verdict:
-    """The verdict for the ``evidence`` of ``plan``'s comparisons: the first of :data:`RULES` that applies (see
-    the module docstring for their order). ``plan``: a :class:`~ckptverify.resume.harness.Plan` (its steps,
-    resume point, runs, ranks, level)."""
+    """The verdict for ``plan``'s ``evidence``: the first of :data:`RULES` that applies."""
     return causes.first_verdict(RULES, _Case(plan, evidence))
 
 
@@ -241,8 +203,7 @@ def _nondeterministic(c: _Case) -> Verdict | None:
 
 
 def _resumed(c: _Case) -> Verdict | None:
-    """A and B part after the resume: the first of :data:`PARTED` that applies, with the ranks that only
-    received the difference."""
+    """A and B part after the resume: the first of :data:`PARTED` that applies, with the receiving ranks."""
     div = c.evidence.resume
     if div is None:
         return None
@@ -280,10 +241,8 @@ def _passed(c: _Case) -> Verdict:
 
 @dataclass(frozen=True)
 class _Parted:
-    """Where A and B first part after the resume (``div``, a first divergence: its ``step``, ``category``,
-    ``site``) and what the step started from (``ev``), for the rules of :data:`PARTED`. ``forgotten``: as
-    :class:`_Case`'s; ``said``: the same, after the ranks that only received the difference (or why no rank
-    is named); ``common``: the fields of a verdict at the divergence."""
+    """Where A and B first part after the resume (``div``) and what the step started from (``ev``), for the rules of
+    :data:`PARTED`; ``said`` adds receivers and unregistered objects to a message."""
 
     plan: Any
     evidence: Evidence
@@ -323,8 +282,7 @@ class _Parted:
 
 
 def _pending(c: _Parted) -> Verdict | None:
-    """A saved its checkpoint while parameters held accumulated gradients (a save between micro-batches): B
-    starts that optimizer step from zero gradients."""
+    """A saved mid gradient accumulation: B starts that optimizer step from zero gradients."""
     plan, div, forgotten = c.plan, c.div, c.forgotten
     pending = c.evidence.pending_gradients
     if not pending:
@@ -349,7 +307,6 @@ def _pending(c: _Parted) -> Verdict | None:
                    "(TrainState(extras=...)).")
 
 
-#: What a rebuilt registered object does to the run, by TrainState field.
 _REBUILT = {"scheduler": "its schedule starts afresh in B while A's carries on from the saved one",
             "optimizer": "its moments and step counts start from zero in B while A's carry on",
             "dataloader": "it reads from the start of the data in B while A's position carries on",
@@ -357,8 +314,7 @@ _REBUILT = {"scheduler": "its schedule starts afresh in B while A's carries on f
 
 
 def _replaced(c: _Parted) -> Verdict | None:
-    """A run rebuilt a registered object after ``run.restore`` (a scheduler, optimizer, loader or model the
-    TrainState no longer holds): that is named as the cause, whatever value shows it first."""
+    """A registered object was rebuilt after ``run.restore``: named as the cause, whatever value shows it first."""
     plan, evidence, div, forgotten = c.plan, c.evidence, c.div, c.forgotten
     if not evidence.replaced:
         return None
@@ -379,9 +335,6 @@ def _replaced(c: _Parted) -> Verdict | None:
                    site=r["name"], category=field if field in _REBUILT else "extras", origin=_get(div, "origin"),
                    advice=f"build {r['name']} before run.restore(state) and do not rebuild it after; to change it "
                    "on resume, change the registered object itself.")
-
-
-# ---------------------------------------------------------------- the causes the first differing step starts from
 
 
 def _rng(c: _Parted) -> Verdict | None:
@@ -459,8 +412,7 @@ def _buffer(c: _Parted) -> Verdict | None:
                    **{**c.common, "site": buffers[0], "category": "buffers"})
 
 
-#: Categories of values the step computes: a difference there that no cause above explains is state the
-#: TrainState does not hold.
+#: Computed categories: a difference there no cause above explains is state the TrainState does not hold.
 _COMPUTED = ("metric", "parameters", "gradients", "optimizer", "module", "buffers")
 
 
@@ -504,17 +456,15 @@ def _diverged(c: _Parted) -> Verdict:
     return Verdict("diverged", f"resumed run diverges at {_where(c.div)}.{c.said}", **c.common)
 
 
-#: Where A and B part after the resume, in this order: a rebuilt or half-accumulated state, named as the cause
-#: whatever shows it first; then the causes a step starts from, before what they change (a batch drawn from a
-#: moved random stream is a consequence, not the cause); then what the step computes.
+#: In order: rebuilt or half-accumulated state (the cause whatever shows first), then what a step starts
+#: from before what it changes, then what it computes.
 PARTED: tuple[Callable[[_Parted], Verdict | None], ...] = (
     _pending, _replaced, _rng, _hparam_start, _step_hparams, _data, _buffer, _unregistered, _hidden, _diverged)
 
 
 def _held(c: _Case) -> Verdict | None:
-    """Every traced step and the final checkpoints agree, but the training function ends holding different
-    values outside the TrainState in A and B (``evidence.held``): state a resume loses, or (when A and A2
-    differ there too) a nondeterministic computation of it."""
+    """Steps and final checkpoints agree, but A and B end holding different values outside the TrainState: state a
+    resume loses, or (A and A2 differ too) a nondeterministic computation."""
     plan, held = c.plan, c.evidence.held
     differ = held.differ if held is not None else ()
     if held is None or not differ:
@@ -547,15 +497,13 @@ def _held(c: _Case) -> Verdict | None:
                    "or rebuild it from saved state after run.restore().")
 
 
-#: The comparisons in the order of the module docstring: the first rule that applies gives the verdict.
 RULES: tuple[Callable[[_Case], Verdict | None], ...] = (
     _restore, _nondeterministic, _resumed, _final, _held, _passed)
 
 
 def _data_cause(evidence: Evidence, ev: StepEvidence, step: int, first_resumed: bool, K: int) -> tuple[str, str]:
-    """Why a batch differs, and what to do, from the sample indices the step used (``data.indices``) in A and B:
-    other samples (the loader is not registered, or its position was not restored), a batch taken from the
-    loader before the save, or the same samples with other contents (randomness in the dataset or workers)."""
+    """Why a batch differs and what to do, from ``data.indices`` in A and B: other samples (loader unregistered or
+    position not restored), a batch taken before the save, or the same samples with other contents."""
     a, b, a_next = ev.indices.a, ev.indices.b, ev.indices.a_next
     loaders = [u for u in evidence.unregistered if u.get("kind") in ("data loader", "sampler")]
     named = ", ".join(f"{u['name']} ({u['type']})" for u in loaders)

@@ -1,3 +1,2 @@
-"""Locating where two runs part, below the step a verdict names: :mod:`~ckptverify.resume.locate.walk` re-runs
-that step at trace level ``op`` (and the origin op alone, for its kernel), :mod:`~ckptverify.resume.locate.ops`
-reads the op logs it records to name the origin rank, module and op, and the receivers."""
+"""Locating where two runs part below a verdict's step: :mod:`~ckptverify.resume.locate.walk` re-runs the step at
+level ``op``, :mod:`~ckptverify.resume.locate.ops` reads the op logs to name the origin and receivers."""

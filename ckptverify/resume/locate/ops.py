@@ -1,32 +1,12 @@
-"""Locate where a divergence is born, from op logs of one step: the origin op, the receivers, the untraced.
+"""Locate where a divergence is born from one step's op logs: the origin op, the receivers, the untraced.
 
-Input: for one step, per side (A and B) and per rank, the op logs of ``N`` repeats of that step
-(``dict[rank, list[list[OpEvent]]]``: repeat ``i`` of every rank is one multi-rank run). Repeat ``i`` of side A
-is compared with repeat ``i`` of side B (a *pair*); ops are aligned by :attr:`OpEvent.key` (identity, never
-index), and "first" on a rank is that rank's execution order (:attr:`OpEvent.index`; an op that ran on one side
-only is placed right after the op that side ran before it).
-
-Per rank and pair, the first op that differs (in its inputs, its outputs, its other arguments, or its presence)
-is classified:
-
-* **origin** (kind ``op``): its inputs are equal and its outputs differ, or it ran on one side only, or its
-  tensors are equal and another argument (a scalar, a dtype, a shape, a list, a generator) differs while its
-  outputs differ or were not compared;
-* **receiver**: a collective or receive whose inputs on this rank are equal and whose outputs differ, while
-  another member's input to the same ``(group, seq)`` differed (the *senders*), or, for a receive, the peer;
-* **origin** (kind ``collective``): a collective whose outputs differ although every member's input to it
-  was equal (the reduction itself, or the transport, differs);
-* **untraced**: its inputs differ although no earlier op of the rank produced anything differently: the
-  value was made or changed by code the dispatcher does not see (numpy, a C extension, a kernel called outside
-  it), between the last equal op and this one ("one hop later");
-* **state** (an origin kind): the same, when the caller says the state the step started from differed (and
-  the value was not produced within the step).
-
-A fingerprint that is ``None`` (an ``empty*`` output, an in-flight collective buffer, a non-blocking copy's
-destination) is never a difference. The repeats of each side are also compared with that side's first repeat,
-and a rank's verdict weighs every pair (:func:`locate`). The result is a :class:`Located`; the analysis names a
-rank only when the logs single it out.
-"""
+Input per side and rank: ``N`` repeats of the step (repeat ``i`` of every rank is one run). Repeat ``i`` of A is
+paired with repeat ``i`` of B, and each side's repeats with its first. Ops align by :attr:`OpEvent.key`, never index;
+"first" is the rank's execution order. A rank's first differing op is an **origin** (``op``: equal inputs, different
+outputs, one-sided, or another non-tensor argument; ``collective``: every member's input equal), a **receiver**
+(equal inputs here, a member's input differed), or **untraced**/**state** (inputs differ though no earlier op made
+them differently: code the dispatcher does not see, or the starting state). Traps: a ``None`` fingerprint is an
+artifact, never a difference; a rank is named only when the logs single it out."""
 
 from __future__ import annotations
 
@@ -50,15 +30,9 @@ __all__ = [
     "locate",
 ]
 
-#: What an origin can be: an op (its inputs equal, its outputs differ, or it ran on one side only); a collective
-#: whose outputs differ with every member's input equal; a value born outside the dispatcher (``untraced``); the
-#: state the step started from (``state``).
 ORIGIN_KINDS = ("op", "collective", "untraced", "state")
 
 RankLogs = Mapping[int, Sequence[Sequence[OpEvent]]]
-
-
-# ------------------------------------------------------------------------------------------- results
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,11 +56,9 @@ class OpSite:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Origin:
-    """Where the divergence is born. ``rank`` is ``None`` when several ranks are origins on their own (see
-    :attr:`Located.origins`); then ``phase``/``module``/``op``/``occurrence`` are ``None`` where those origins
-    differ in them, and ``kind`` is their common kind (``op`` when they differ in kind too). For kind
-    ``untraced`` and ``state`` the op is the first op that read the differing value (the difference shows there,
-    one hop after it was made). ``repeats_differing``: in how many of the repeat pairs this is so."""
+    """Where the divergence is born. ``rank`` ``None``: several ranks are origins on their own (see
+    :attr:`Located.origins`), and fields they differ in are ``None``. For ``untraced``/``state`` the op is the first
+    that read the differing value (one hop after it was made). ``repeats_differing``: pairs where this holds."""
 
     kind: str
     rank: int | None
@@ -104,8 +76,8 @@ class Origin:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Via:
-    """The collective (or point-to-point op) through which a receiver got the difference. ``senders``: the
-    members whose input to it differed (for a receive, the peer); empty when no member's log shows it."""
+    """The collective through which a receiver got the difference; ``senders``: members whose input differed (for a
+    receive, the peer), empty when no log shows it."""
 
     collective: str
     group: tuple[int, ...]
@@ -119,9 +91,8 @@ class Via:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Receiver:
-    """A rank whose first difference arrived from another rank, and through what. ``op`` is the rank's first
-    differing op: the collective itself when its output was compared (``seen``); otherwise (its output was not
-    fingerprinted, a buffer in flight) the first op that read a differing value after it."""
+    """A rank whose first difference came from another rank. ``op``: the collective itself when its output was
+    compared (``seen``), else the first op that read a differing value after it."""
 
     rank: int
     step: int
@@ -139,9 +110,8 @@ class Receiver:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SideVariation:
-    """Repeats of one side differ among themselves on ``rank``: the side is not deterministic. ``site`` is the
-    first op where a repeat differs from the side's first repeat, ``repeats_differing`` how many of the other
-    repeats differ from the first."""
+    """One side's repeats differ among themselves on ``rank`` (not deterministic): ``site`` is the first op differing
+    from the side's first repeat."""
 
     side: str
     rank: int
@@ -158,24 +128,12 @@ class SideVariation:
 class Located:
     """The located divergence of one step.
 
-    ``origin`` is ``None`` when no rank's logs show where a difference is born (a clean pair, or only receivers
-    whose senders' logs are not here); ``origins`` holds each rank's own origin when several ranks have one.
-    ``one_side``: for an origin op that ran on one side only, that side (``"a"``/``"b"``); ``rewired``: the origin
-    op read, on each side, a value both sides had, but not the same one (it was called on another tensor: a
-    changed call or op sequence). ``output``: for an origin op, the first differing output (``index``; ``chunk``
-    and ``elements`` ``[start, end)`` when the output is recorded chunk-wise). These and the fields below
-    describe a single origin rank. ``last_equal``: for ``untraced``/``state``, the last op before it whose inputs and
-    outputs were equal on the origin rank (``None``: it was the first op of the step); ``produced_in_step``:
-    whether the differing value is one an earlier op of the step produced (then it was changed afterwards, so
-    it is not the starting state). ``state_equal``: what the caller said of the state the step started from.
-    ``within_side``: sides whose own repeats differ (nondeterminism within a side). ``missing``: ranks with logs
-    on one side only (not compared); ``repeats``: pairs compared.
-    ``arguments``: for an origin op whose tensors were equal, its other arguments that differ (``{"name", "a",
-    "b"}``, each side's readable value or ``None``). ``seen_in``: where the origin was seen: ``"ab"`` (the A/B
-    pairs) or ``"a"``/``"b"`` (the repeats of that side among themselves: nondeterminism within it, the A/B
-    pairs showing nothing more direct); ``side_pairs``: how many such pairs each side had. ``names``: the sides'
-    names in sentences; ``deterministic``: the sides the calling check found bitwise equal run to run.
-    """
+    ``origin`` ``None``: no log shows where it is born; ``origins``: each rank's own when several. For a single
+    origin rank: ``one_side`` (ran on one side only), ``rewired`` (read another value both sides had: a changed
+    call), ``output`` (first differing output, with chunk range), ``arguments`` (differing non-tensor arguments),
+    ``last_equal`` and ``produced_in_step`` (for ``untraced``/``state``). ``seen_in``: ``ab`` or the side whose own
+    repeats showed it; ``within_side``: sides whose repeats differ; ``deterministic``: sides the caller found bitwise
+    equal run to run (never called naturally varying)."""
 
     step: int
     ranks: tuple[int, ...]
@@ -202,8 +160,7 @@ class Located:
         return self.origin is not None or bool(self.receivers)
 
     def to_dict(self) -> dict[str, Any]:
-        """``origin`` and ``receivers`` in the shape of ``stats.verdict.origin`` / ``stats.verdict.receivers``;
-        the other keys add what the analysis knows beside them."""
+        """``origin`` and ``receivers`` as in ``stats.verdict``, plus what the analysis knows beside them."""
         return {
             "origin": self.origin.to_dict() if self.origin is not None else None,
             "receivers": [r.to_dict() for r in self.receivers],
@@ -225,9 +182,8 @@ class Located:
         }
 
     def findings(self) -> list[Finding]:
-        """The verdict as findings, for the report: ``locate-origin`` (the origin), ``locate-receiver`` (one per
-        receiver), ``locate-nondeterministic`` (a warning per side and rank whose repeats differ among
-        themselves), or ``locate-clean``. They explain a divergence the calling check judged; none is an error."""
+        """The verdict as findings: ``locate-origin``, ``locate-receiver`` each, ``locate-nondeterministic``
+        warnings, or ``locate-clean``; none is an error (they explain a divergence the calling check judged)."""
         out: list[Finding] = []
         if not self.diverged:
             out.append(info("locate-clean", self.sentence(), location=Location(record=f"step {self.step}")))
@@ -353,9 +309,8 @@ class Located:
         return ("; " + "; ".join(parts)) if parts else ""
 
     def _within_text(self) -> str:
-        """What the repeats of each side say of themselves. Never advice the evidence contradicts: a side the
-        calling check found deterministic is not said to vary naturally, and a difference between the sides is
-        called possibly natural variation only where a side varies at the very op where the sides part."""
+        """What each side's repeats say of themselves, never contradicting evidence: a side found deterministic is
+        not said to vary naturally; "natural variation" only where a side varies at the op where the sides part."""
         if not self.within_side:
             return ""
         sides = sorted({v.side for v in self.within_side})
@@ -397,9 +352,6 @@ def _ranks(ranks: Sequence[int]) -> str:
     return "ranks " + ", ".join(str(r) for r in ranks)
 
 
-# ------------------------------------------------------------------------------------------- one pair
-
-
 def _differs(x: int | None, y: int | None) -> bool:
     # None is an artifact (empty output, in-flight buffer, non-blocking copy): never a difference.
     return x is not None and y is not None and x != y
@@ -414,9 +366,8 @@ def _inputs_differ(a: OpEvent, b: OpEvent) -> bool:
 
 
 def _argument_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any], ...]:
-    """The arguments other than tensors (scalars, dtypes, shapes, lists, generators) whose values differ between
-    two events of one key: ``{"name", "a", "b"}`` with each side's readable value (``None`` when it is not small
-    enough to show, or the argument was not recorded on that side)."""
+    """Non-tensor arguments whose values differ between two events of one key, as ``{"name", "a", "b"}`` (readable
+    value, or ``None`` when too large or absent)."""
     if a.arguments == b.arguments:
         return ()
     xa = {x.name: x for x in a.arguments}
@@ -488,8 +439,8 @@ def _ordered(by_key: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, OpEvent]]:
 
 def _merged(a: list[tuple[OpKey, OpEvent]], b: list[tuple[OpKey, OpEvent]], in_a: Mapping[OpKey, OpEvent],
             in_b: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, str]]:
-    """Both logs in one execution order: A's, with each op B ran alone placed right after the op B ran before
-    it. Each entry is ``(key, side)`` with side ``"ab"``, ``"a"`` or ``"b"``."""
+    """Both logs in one execution order: A's, each B-only op right after the op B ran before it; entries ``(key,
+    side)`` with side ``ab``, ``a`` or ``b``."""
     after: dict[OpKey | None, list[OpKey]] = {}
     prev: OpKey | None = None
     for key, _ in b:
@@ -506,7 +457,7 @@ def _merged(a: list[tuple[OpKey, OpEvent]], b: list[tuple[OpKey, OpEvent]], in_a
 
 
 def _same(a: OpEvent, b: OpEvent) -> bool:
-    """Whether two events of one key are plainly identical in what is compared (the fast path: no artifact)."""
+    """Fast path: two events of one key identical in everything compared."""
     return (a.inputs == b.inputs and a.outputs == b.outputs and a.shapes == b.shapes and a.dtypes == b.dtypes
             and a.chunks == b.chunks and a.arguments == b.arguments)
 
@@ -568,16 +519,14 @@ class _Pair:
             if _inputs_differ(ea, eb):
                 produced, seen = self._values_before(merged, n)
                 pairs = [(x, y) for x, y in zip(ea.inputs, eb.inputs, strict=False) if _differs(x, y)]
-                # Each side read a value both sides had: the op was called on another tensor (a changed call or
-                # op sequence), not on a value something outside the trace changed.
+                # Each side read a value both sides had: a changed call, not an outside change.
                 rewired = len(ea.inputs) != len(eb.inputs) or all(x in seen and y in seen for x, y in pairs)
                 made = any(x in produced or y in produced for x, y in pairs)
                 return _First("inputs", ea, eb, last_equal=self._last_equal(merged, n), produced_in_step=made,
                               rewired=rewired)
             output = _output_difference(ea, eb)
             arguments = _argument_difference(ea, eb)
-            # Tensors equal, another argument not: the op was called differently. It is a difference when what it
-            # made differs, or when nothing it made was compared (an argument that changes nothing is not).
+            # An argument that changes nothing is no difference; one whose effect was not compared is.
             if arguments and (output is not None or not (_compared(ea) and _compared(eb))):
                 return _First("arguments", ea, eb, output=output, arguments=arguments,
                               last_equal=self._last_equal(merged, n))
@@ -586,12 +535,10 @@ class _Pair:
         return None
 
     def _last_equal(self, merged: list[tuple[OpKey, str]], n: int) -> OpEvent | None:
-        # Every op before the first difference is equal on both sides.
         return self.ka[merged[n - 1][0]] if n > 0 else None
 
     def _values_before(self, merged: list[tuple[OpKey, str]], n: int) -> tuple[set[int], set[int]]:
-        """The outputs of the (equal) ops before position ``n``, and their inputs and outputs: values both
-        sides had."""
+        """Outputs of the equal ops before position ``n``, and all their values: values both sides had."""
         produced: set[int] = set()
         seen: set[int] = set()
         for key, _ in merged[:n]:
@@ -608,9 +555,6 @@ def _is_recv(name: str) -> bool:
 
 def _site(rank: int, e: OpEvent) -> OpSite:
     return OpSite(rank=rank, step=e.step, phase=e.phase, module=e.module, op=e.op, occurrence=e.occurrence)
-
-
-# ------------------------------------------------------------------------------------------- one rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -639,8 +583,6 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
         via = _through_unseen_output(rank, first, pairs)
         if via is not None:
             return _Verdict("receiver", first, via, seen=False)
-        # Nothing this rank ran before produced the value differently: code outside the dispatcher made it, or
-        # it was already in the state the step started from (only when it was not made within the step).
         if state_equal is False and not first.produced_in_step:
             return _Verdict("state", first)
         return _Verdict("untraced", first)
@@ -649,7 +591,6 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
         return _Verdict("op", first)
     if comm.peer is not None and _is_recv(comm.collective):
         via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=(comm.peer,))
-        # The peer sent equal data and this rank received different data: the transfer itself differs.
         if _peer_sent_differently(rank, first.event, pairs) is False:
             return _Verdict("collective", first)
         return _Verdict("receiver", first, via)
@@ -661,8 +602,8 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
 
 
 def _members_differing(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> tuple[list[int], bool]:
-    """The other members whose input to the collective ``event`` (same group and seq) differed between the
-    sides, and whether every other member's log holds it."""
+    """Other members whose input to collective ``event`` (same group and seq) differed, and whether every member's
+    log holds it."""
     comm = event.comm
     assert comm is not None
     senders: list[int] = []
@@ -682,8 +623,8 @@ def _members_differing(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) ->
 
 
 def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]) -> bool | None:
-    """Whether the peer's send matching the receive ``event`` had a differing input (``None``: no log tells).
-    The k-th receive from a peer pairs with the peer's k-th send to this rank."""
+    """Whether the peer's send matching receive ``event`` had a differing input (``None``: no log tells); the k-th
+    receive from a peer pairs with its k-th send here."""
     comm = event.comm
     assert comm is not None and comm.peer is not None
     peer = pairs.get(comm.peer)
@@ -704,9 +645,8 @@ def _unseen(e: OpEvent) -> bool:
 
 
 def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair]) -> Via | None:
-    """For a first difference in an op's inputs: an earlier collective or receive of this rank whose output was
-    not fingerprinted (a buffer still in flight when it was recorded) and into which another rank fed a
-    difference. The value probably arrived through it; the earliest such is returned."""
+    """For a first difference in inputs: the earliest earlier collective or receive whose output was not
+    fingerprinted (in flight) and into which another rank fed a difference: the likely way it arrived."""
     pair = pairs[rank]
     for e in pair.a:
         if e.index >= first.event.index:
@@ -725,9 +665,6 @@ def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair])
     return None
 
 
-# ------------------------------------------------------------------------------------------- entry point
-
-
 def _check_logs(logs: Any, side: str) -> dict[int, list[list[OpEvent]]]:
     if not isinstance(logs, Mapping):
         raise UsageError(f"side {side}: expected a mapping of rank to repeats of op logs, got {type(logs).__name__}")
@@ -744,46 +681,32 @@ def _check_logs(logs: Any, side: str) -> dict[int, list[list[OpEvent]]]:
 
 def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bool | None = None,
            names: tuple[str, str] = ("A", "B"), deterministic: Sequence[str] = ()) -> Located:
-    """Locate the divergence of one step between sides ``a`` and ``b``.
+    """Locate the divergence of one step between sides ``a`` and ``b`` (per rank, the step's repeats).
 
-    ``a``/``b``: per rank, the op logs of the step's repeats (the same number of repeats on every rank of a
-    side; repeat ``i`` of every rank is one run). Repeat ``i`` of A is compared with repeat ``i`` of B (pairs
-    beyond the shorter side are not compared), and every repeat of a side with its first repeat (the side's own
-    variation). ``step``: the step whose ops are compared (default: the smallest step in the logs, and every op
-    of the logs is compared).
-    ``state_equal``: whether the state the step started from was proved equal on both sides (``None``: not
-    known); it decides between ``untraced`` and ``state`` for a first difference in an op's inputs that no op of
-    the step produced. ``names``: how the sentences call the sides; ``deterministic``: the sides (``"a"``,
-    ``"b"``) whose runs the calling check found bitwise equal among themselves (the sentences never call such a
-    side's variation natural). Raises :class:`~ckptverify.errors.UsageError` (exit 2) on malformed logs.
-
-    Evidence from every comparison counts. Per rank, the verdict is taken from the A/B pairs and the pairs
-    within each side alike, preferring what is seen directly: an op or collective whose inputs are equal and
-    whose outputs differ (in any pair: an op that differs among one side's repeats on equal inputs is an origin
-    even when the A/B pairs happened to agree), then a difference that arrived from another rank, then one whose
-    producer the trace does not show; among equals the A/B pairs first, then the verdict most pairs agree on.
-    """
+    Pairs repeat ``i`` of A with repeat ``i`` of B and each side's repeats with its first; ``step`` defaults to the
+    smallest step in the logs. ``state_equal`` (was the starting state proved equal) decides ``untraced`` vs
+    ``state``. Per rank the most direct verdict wins (an op or collective seen directly, then a receiver, then
+    untraced; a within-side origin counts even if the A/B pairs agreed), the A/B pairs first, then the majority.
+    :class:`~ckptverify.errors.UsageError` on malformed or empty logs."""
     la, lb = _check_logs(a, "A"), _check_logs(b, "B")
     ranks = tuple(sorted(set(la) & set(lb)))
     missing = tuple(sorted(set(la) ^ set(lb)))
     counts = [len(la[r]) for r in ranks] + [len(lb[r]) for r in ranks]
     repeats = min(counts) if counts else 0
     if not ranks or repeats == 0:
-        # Nothing compared is no evidence of equality.
         raise UsageError("nothing to compare: no rank has op logs on both sides" if not ranks else
                          f"nothing to compare: a rank has no repeat on one side (ranks {list(ranks)})")
     steps = {e.step for side in (la, lb) for r in ranks for rep in side[r] for e in rep if isinstance(e, OpEvent)}
     if step is None:
         step = min(steps) if steps else 0
     else:
-        # Logs of a window of steps: only this step's ops (anything not an OpEvent stays, to be refused).
+        # Non-OpEvent entries stay, to be refused.
         la, lb = ({r: [[e for e in rep if not isinstance(e, OpEvent) or e.step == step] for rep in reps]
                    for r, reps in side.items()} for side in (la, lb))
     if not any(rep for side in (la, lb) for r in ranks for rep in side[r]):
         raise UsageError(f"nothing to compare: the logs hold no op of step {step}")
 
-    # Every comparison: ("ab", i) is repeat i of A with repeat i of B; ("a", i) / ("b", i) repeat i of that side
-    # with its repeat 0. Each gives, per rank, that rank's first difference.
+    # ("ab", i): A's repeat i vs B's; ("a"/"b", i): that side's repeat i vs its repeat 0.
     compared: list[tuple[str, int, dict[int, _Verdict], Callable[[int], tuple[Sequence[OpEvent], ...]]]] = []
     for i in range(repeats):
         pairs = {r: _Pair(la[r][i], lb[r][i], what=f"rank {r}, repeat {i}") for r in ranks}
@@ -795,7 +718,6 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
         for i in range(1, n):
             pairs = {r: _Pair(logs[r][0], logs[r][i], what=f"side {side.upper()}, rank {r}, repeat {i}")
                      for r in ranks}
-            # Two repeats of one side start the step from the same state when the two sides do.
             compared.append((side, i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
                              lambda r, i=i, logs=logs: (logs[r][0], logs[r][i])))
 
@@ -813,8 +735,7 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
             receivers.append(Receiver(rank=r, step=e.step, op=e.op, via=chosen.via, phase=e.phase, module=e.module,
                                       occurrence=e.occurrence, seen=chosen.seen))
             continue
-        # Comparisons of that source where the same verdict holds; for an op, also those where the op had equal
-        # inputs and different outputs (or ran on one side only) without being that rank's first difference.
+        # Also count pairs where the op differed without being the rank's first difference.
         count = sum(1 for src, _, verdicts, logs_of in compared if src == source
                     and ((r in verdicts and verdicts[r].identity == chosen.identity)
                          or (chosen.kind == "op" and _op_differs(*logs_of(r), e.key))))
@@ -849,16 +770,13 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
     )
 
 
-#: How directly a verdict shows where a difference is born: seen at the op or collective itself, arrived from
-#: another rank, or born where the trace does not see.
 _DIRECTNESS = {"op": 0, "collective": 0, "receiver": 1, "untraced": 2, "state": 2}
 
 
 def _choose(rank: int, compared: Sequence[tuple[str, int, dict[int, _Verdict], Any]]) -> tuple[str, _Verdict] | None:
-    """The verdict of ``rank`` over every comparison, and where it was seen (``"ab"``, ``"a"`` or ``"b"``): the
-    most direct kind seen anywhere (an untraced or state verdict of one pair may be the effect of a difference
-    born in an earlier step of that re-run, which another pair shows at its op); among those, the A/B pairs'
-    when they show one; then the one most of those pairs agree on, the earliest among equals."""
+    """The verdict of ``rank`` over every comparison and where it was seen: the most direct kind anywhere (an
+    untraced verdict may be the effect of an earlier step's difference another pair shows at its op), the A/B pairs'
+    first, then the majority, earliest among equals."""
     found = [(src, v[rank]) for src, _, v, _ in compared if rank in v]
     if not found:
         return None
@@ -901,8 +819,8 @@ def _combine(origins: list[Origin]) -> Origin | None:
 
 def _within_side(compared: Sequence[tuple[str, int, dict[int, _Verdict], Any]], side: str, ranks: tuple[int, ...],
                  count: int) -> tuple[SideVariation, ...]:
-    """Where a side's repeats differ from its first repeat: the ranks where that difference is born (a rank
-    that only received it through a collective is not listed, unless no rank shows where it is born)."""
+    """Ranks where a side's repeats first differ from its first repeat by birth (receivers only when no rank shows
+    the birth)."""
     firsts: dict[int, list[_Verdict]] = {}
     for src, _, verdicts, _ in compared:
         if src == side:

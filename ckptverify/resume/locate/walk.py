@@ -1,42 +1,15 @@
-"""The automatic walk down the ladder: from the step where two runs part to the op (and kernel) where it begins.
+"""The automatic walk down the ladder: from the step where two runs part to the op (and kernel) where it is born.
 
-When ``resume-check`` or ``replay`` has found the first divergent step ``s`` (and ``compare`` the first step
-where a change shows), the broad trace has said *where* the runs part; this module re-runs that step at trace
-level ``op`` to say where the difference is *born*:
+1. A difference in what step ``s`` starts from (restored field, random stream, hyperparameter, batch) is a ``state``
+   origin, no re-run.
+2. Otherwise step ``s`` is re-run at level ``op``, ``repeats`` times per side, each in fresh processes
+   (process-dependent nondeterminism must be able to show), from the nearest point whose state is proved equal on both
+   sides (A vs A2: checkpoint K if ``s`` > K; A vs B: A from scratch, B from K; replays: the production checkpoint).
+   Only ``s`` is op-traced.
+3. :mod:`~ckptverify.resume.locate.ops` names the origin, receivers or untraced producer per rank.
+4. An origin op's inputs are captured and :mod:`ckptverify.trace.kernel` re-runs it alone.
 
-1. **state first.** A difference in what the step starts from (a restored field, a random stream, a
-   hyperparameter, the batch) is named as it is: origin kind ``"state"``, no re-run (an op walk could only
-   rediscover an input that already differs).
-2. **re-run step s at level op.** Each side is re-run from the nearest point before ``s`` whose state is proved
-   equal on both sides, with the op window on step ``s`` only, ``repeats`` times per side, every repeat in
-   fresh processes (nondeterminism that depends on the process, such as hash seeds or thread start-up, must be
-   able to show between repeats). The points, per kind of divergence:
-
-   * two continuous runs differ (``nondeterministic``): both sides are the same continuous run. If ``s`` is
-     after the checkpoint of step K, both re-run K+1..s from it (the runs were equal up to ``s``, so the state at
-     K is the state both started step K+1 from); else both re-run 1..s from scratch;
-   * the resumed run differs from the continuous one: side A re-runs 1..s from scratch (it is what a resume is
-     compared with; no checkpoint can stand in for it), side B resumes from A's checkpoint K and runs K+1..s;
-   * two replays differ: both sides replay from the production checkpoint to ``s``;
-   * ``compare``: the baseline and the changed function, each from scratch, 1..s.
-
-   Steps before ``s`` run untraced at op level (the window is on ``s`` alone), so the walk's cost is ``s``
-   ordinary steps plus one op-traced step per repeat and side.
-3. **per rank**, in its own execution order, the analysis of ``ckptverify.resume.locate.ops`` finds the origin (the
-   first op whose inputs are equal and outputs differ, or whose tensors are equal and another argument differs,
-   and in how many repeats), the receivers (ranks whose first difference arrived through a collective or a
-   receive, with the senders) or an untraced producer, from the A/B pairs and from each side's repeats among
-   themselves alike (an op that varies within one side on equal inputs is an origin).
-4. **the kernel.** For an origin op, one more run on side A (the side it ran on alone, or the side whose repeats
-   showed it) captures that op's inputs
-   (:class:`~ckptverify.trace.oplog.OpWindow` ``capture``) and :mod:`ckptverify.trace.kernel` re-runs it alone
-   ``repeats`` times: nondeterministic by itself (with the documented mechanism where torch names one), or
-   deterministic alone (the cause is the order or topology around it).
-
-The walk never decides the verdict already reached: it adds to it. A failure of the walk (a crash, a run that
-exceeds its time limit, an op log that cannot be read) is reported as ``status: "failed"`` with the reason, and
-the verdict stands.
-"""
+Trap: the walk adds to the verdict, never changes it; its own failure is ``status: "failed"`` and the verdict stands."""
 
 from __future__ import annotations
 
@@ -55,7 +28,6 @@ from ckptverify.resume.locate.ops import locate
 __all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
            "receiver_entries", "skipped", "state_origin", "walk", "walk_fields"]
 
-#: Repeats per side when the caller does not say (``--locate-repeats``).
 DEFAULT_REPEATS = 2
 
 #: Verdict kinds whose cause is in what the step starts from: named as origin kind ``"state"``, no re-run.
@@ -65,15 +37,14 @@ STATE_KINDS = ("restore-mismatch", "accumulated-gradients", "rng", "changed-afte
 #: Verdict kinds whose step is re-run at level ``op``: the difference is computed within the step.
 WALK_KINDS = ("nondeterministic", "hidden-state", "unregistered-state", "diverged", "effect", "beyond-variation")
 
-#: The least time a re-run may take before it counts as hung (seconds); see :func:`walk`.
+#: Least seconds a re-run may take before it counts as hung.
 MIN_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class Side:
-    """One side of the divergence as it is re-run: ``name`` (``A``, ``B``, ``R``, ``base``, ``changed``), the
-    training function ``target``, the checkpoint it resumes from (``None``: from scratch) and the job's length
-    ``total_steps`` (so schedules built from ``run.total_steps`` are those of the run that diverged)."""
+    """One re-run side: ``name``, training ``target``, checkpoint to resume from (``None``: scratch) and
+    ``total_steps`` (so ``run.total_steps`` schedules match the run that diverged)."""
 
     name: str
     target: str
@@ -83,9 +54,8 @@ class Side:
 
 @dataclass(frozen=True, kw_only=True)
 class Walk:
-    """What to re-run: step ``step`` of both ``sides`` on ``nproc`` ranks of ``device``, ``repeats`` times per
-    side, with the op window on that step (and on ``ranks``, all when ``None``). ``timeout_s``: the longest one
-    launch may take before it counts as hung (``None``: :data:`MIN_TIMEOUT_S`)."""
+    """What to re-run: ``step`` of both ``sides`` on ``nproc`` ranks, ``repeats`` times each, with the op window on
+    that step (and ``ranks``). ``timeout_s``: per launch before it counts as hung (at least :data:`MIN_TIMEOUT_S`)."""
 
     step: int
     sides: tuple[Side, Side]
@@ -94,15 +64,11 @@ class Walk:
     repeats: int = DEFAULT_REPEATS
     ranks: tuple[int, ...] | None = None
     timeout_s: float | None = None
-    #: Whether the state both sides start step ``step`` from is proved equal (the traces agree up to it and
-    #: every saved field is restored); ``None``: not known (state outside the TrainState may differ). It tells
-    #: an untraced producer from a difference in the starting state.
+    #: Starting state proved equal (``None``: unknown); tells ``untraced`` from ``state``.
     state_equal: bool | None = None
-    #: The names of the sides the calling check found bitwise equal run to run (``compare``'s baseline when its
-    #: control runs all agree): the walk never calls their variation natural.
+    #: Sides the caller found bitwise equal run to run: never called naturally varying.
     deterministic: tuple[str, ...] = ()
-    #: The wall time the calling check's run of the whole job took (``total_steps`` of the sides, start-up
-    #: included): the walk says from it how long it will take before it starts. ``None``: no estimate.
+    #: Wall time of the caller's whole run, for the walk's time estimate.
     run_seconds: float | None = None
 
     def __post_init__(self) -> None:
@@ -114,12 +80,9 @@ class Walk:
 
 @dataclass(frozen=True, kw_only=True)
 class Walked:
-    """What the walk found. ``status``: ``located`` (an origin), ``clean`` (the re-run sides agree at op level:
-    no origin), ``state`` (the origin is in the state the step starts from), ``skipped`` (no walk: ``reason``),
-    ``failed`` (the walk could not finish: ``reason``). ``origin`` and ``receivers``: the issue's JSON shapes
-    (``None`` / empty when nothing is singled out); ``sentence``: the one sentence the text verdict adds;
-    ``kernel``: the kernel re-run of an origin op (``None`` when not run); ``repeats``: repeats per side;
-    ``within_side``: a side whose own repeats already differ (nondeterminism within one side)."""
+    """What the walk found. ``status``: ``located``, ``clean`` (sides agree at op level), ``state``, ``skipped`` or
+    ``failed`` (``reason``). ``origin``/``receivers`` in the JSON shapes; ``sentence`` for the text verdict;
+    ``kernel``: the origin op's re-run; ``within_side``: a side's own repeats differ."""
 
     status: str
     sentence: str = ""
@@ -132,12 +95,10 @@ class Walked:
     within_side: bool | None = None
     seconds: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
-    #: The findings of the analysis and of the kernel re-run, when the walk ran.
     found: tuple[Finding, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"status", "sentence", "reason", "step", "repeats", "within_side", "kernel", "seconds", ...}``:
-        the walk as ``stats.verdict.locate``; ``origin`` and ``receivers`` go to ``stats.verdict`` itself."""
+        """The walk as ``stats.verdict.locate``; ``origin`` and ``receivers`` go to ``stats.verdict`` itself."""
         out = {"status": self.status, "sentence": self.sentence, "reason": self.reason, "step": self.step,
                "repeats": self.repeats, "within_side": self.within_side, "kernel": dict(self.kernel) if self.kernel
                else None, "seconds": self.seconds}
@@ -145,12 +106,9 @@ class Walked:
         return out
 
     def findings(self) -> list[Finding]:
-        """The walk in the findings vocabulary. A walk that ran gives the analysis' own findings
-        (``locate-origin``, ``locate-receiver``, ``locate-nondeterministic``, ``locate-clean``: see
-        :meth:`ckptverify.resume.locate.ops.Located.findings`) and the kernel re-run's (``kernel-nondeterministic`` /
-        ``kernel-deterministic``); a ``state`` origin is ``locate-origin``; a walk not run is ``locate-skipped``
-        (info) and one that could not finish ``locate-failed`` (a warning: the verdict stands). They explain a
-        verdict the check already reached, so none is an error."""
+        """The walk as findings: the analysis' and kernel re-run's own, ``locate-origin`` for a state origin,
+        ``locate-skipped`` (info) or ``locate-failed`` (warning). None is an error: they explain a verdict already
+        reached."""
         if self.found:
             return list(self.found)
         o = self.origin
@@ -165,9 +123,8 @@ class Walked:
 
 
 def walk_fields(located: Walked | None, receivers: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-    """``origin``, ``receivers`` and ``locate`` of a command's ``stats.verdict``, from the walk: ``None``,
-    ``receivers`` and ``None`` when it did not run (``receivers``: the ranks the traces show only received the
-    difference, also said when the walk named none)."""
+    """``origin``, ``receivers`` and ``locate`` of ``stats.verdict`` from the walk; without one, ``None``, the
+    traces' ``receivers`` and ``None``."""
     walked = located.receivers if located is not None and located.receivers else receivers
     return {"origin": dict(located.origin) if located is not None and located.origin is not None else None,
             "receivers": [dict(r) for r in walked], "locate": located.to_dict() if located is not None else None}
@@ -175,11 +132,8 @@ def walk_fields(located: Walked | None, receivers: Sequence[Mapping[str, Any]] =
 
 def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None, divergence: Any = None
                  ) -> Walked:
-    """The origin of a divergence whose cause is in the state a step starts from (verdict ``kind`` in
-    :data:`STATE_KINDS`): origin kind ``"state"`` at ``site`` (the restored field, the random stream, the
-    hyperparameter, the batch), with no re-run. ``divergence``: the job's first divergence
-    (:func:`ckptverify.trace.compare.first_divergence`), whose ranks that only received the difference through
-    a collective are listed as receivers."""
+    """A ``state`` origin at ``site`` for a verdict ``kind`` in :data:`STATE_KINDS`, no re-run; ranks of
+    ``divergence`` that only received the difference are listed as receivers."""
     origins = getattr(divergence, "origin_ranks", None) or ()
     origin = {"kind": "state", "rank": rank, "step": step, "phase": None, "module": None, "op": None,
               "occurrence": None, "repeats_differing": None, "site": site,
@@ -194,10 +148,8 @@ def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | N
 
 
 def receiver_entries(divergence: Any) -> tuple[dict[str, Any], ...]:
-    """The ranks of the job's first divergence (:func:`ckptverify.trace.compare.first_divergence`) that only
-    received the difference through a collective, in the JSON shape of ``stats.verdict.receivers``: at the
-    trace's level the collective is not singled out (``op``, ``group`` and ``seq`` are ``None``), the senders
-    are the ranks where it is born."""
+    """Ranks of the job's first divergence that only received the difference, as ``stats.verdict.receivers`` entries:
+    the collective unknown at trace level, the senders being the origin ranks."""
     origins = list(getattr(divergence, "origin_ranks", None) or ())
     if not origins:
         return ()
@@ -221,10 +173,8 @@ def _launch(nproc: int, device: str, jobs: list[tuple[str, Any]], timeout_s: flo
 
 def walk(request: Walk, workdir: str, *, progress: Callable[[str], None] | None = None,
          launcher: Launcher | None = None) -> Walked:
-    """Re-run step ``request.step`` of both sides at level ``op`` and locate where the difference is born (see
-    the module docstring). Works in ``workdir`` (created; the caller removes it). Never raises for a failure of
-    the walk itself: it comes back as ``status: "failed"`` with the reason. ``launcher`` replaces
-    :func:`ckptverify.resume.launch.launch_jobs` (``(nproc, device, jobs, timeout_s)``)."""
+    """Re-run ``request.step`` of both sides at level ``op`` in ``workdir`` and locate where the difference is born.
+    Never raises for the walk's own failure (``status: "failed"``). ``launcher`` replaces ``launch_jobs``."""
     say = progress or (lambda _msg: None)
     began = time.perf_counter()
     try:
@@ -262,8 +212,7 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
                          trace_dir=os.path.join(d, "trace"), level="op", workload=side.target,
                          trace_detail="tensor", op_window=asdict(win))
 
-    # Every re-run is its own fresh launch, independent of the others: as many run at once as the machine has
-    # room for (a core per rank on CPU), each repeat of a side in its own processes all the same.
+    # Independent fresh launches: as many at once as the machine has room for.
     runs = [(r, side, config(side, f"{side.name}-{r}", window)) for r in range(n) for side in request.sides]
     width = min(len(runs), launches_at_once(request.nproc, request.device))
     say(f"locate: re-running step {s} at level op: {len(runs)} runs ({n} per side), {width} at a time"
@@ -303,8 +252,6 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
                       within_side=within, extra=extra, found=found)
     kernel = None
     if origin.get("kind") == "op" and origin.get("op"):
-        # An op that ran on one side only is captured on that side; one that varies among one side's repeats, on
-        # that side.
         side = request.sides[1] if data.get("one_side") == "b" or data.get("seen_in") == "b" else request.sides[0]
         kernel, kernel_finding = _kernel(request, side, origin, workdir, say, launch, timeout, config)
         if kernel_finding is not None:
@@ -317,9 +264,8 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
 
 
 def _estimate(request: Walk, width: int, count: int) -> str:
-    """``", about N s"`` from the check's own run time (``request.run_seconds``), or ``""`` without one: each
-    wave of ``width`` re-runs costs the longest of its sides' share of that run, and the kernel's capture one
-    more run of a side."""
+    """``", about N s"`` from the check's own run time (waves of re-runs plus the kernel capture); ``""`` without
+    one."""
     total = next((side.total_steps for side in request.sides if side.total_steps), None)
     if not request.run_seconds or not total:
         return ""
@@ -334,7 +280,7 @@ def _estimate(request: Walk, width: int, count: int) -> str:
 
 
 def _resumed_at(side: Side) -> int | None:
-    """The step of the checkpoint a side resumes from, read from its name (``step_N``); ``None`` from scratch."""
+    """The step of a side's resume checkpoint from its ``step_N`` name; ``None`` from scratch."""
     if not side.resume_from:
         return None
     name = os.path.basename(os.path.normpath(side.resume_from))
@@ -344,9 +290,8 @@ def _resumed_at(side: Side) -> int | None:
 def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, say: Callable[[str], None],
             launch: Launcher, timeout: float, config: Callable[..., Any]
             ) -> tuple[dict[str, Any] | None, Finding | None]:
-    """Capture the origin op's inputs in one more run of ``side`` and re-run the op alone: the kernel entry of
-    ``stats.verdict.locate`` and the re-run's finding. A failure here is said in the kernel entry (a
-    ``locate-kernel-failed`` warning); the origin found stands."""
+    """Capture the origin op's inputs in one more run of ``side`` and re-run it alone: the kernel entry and its
+    finding. A failure here is a ``locate-kernel-failed`` warning; the origin stands."""
     from ckptverify.trace.oplog import OpWindow
 
     s, rank = request.step, origin.get("rank")
@@ -375,18 +320,13 @@ def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, 
         return {"status": "failed", "sentence": text}, warning("locate-kernel-failed", text)
 
 
-# --------------------------------------------------------------------------- the walks the commands take
-
-
 def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any], workdir: str, *,
                progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
                launcher: Launcher | None = None, run_seconds: float | None = None) -> Walked:
-    """The walk of a ``resume-check`` whose ``verdict`` failed. ``configs``: the runs made (``A``, ``A2``,
-    ``B``); ``plan``: its :class:`~ckptverify.resume.harness.Plan` (``locate_repeats``); ``run_seconds``: how long
-    run A took (the estimate said before the walk starts)."""
+    """The walk of a failed ``resume-check`` ``verdict`` over its ``configs`` (A, A2, B); ``run_seconds``: run A's
+    time, for the estimate."""
     kind = verdict.kind
     if kind in STATE_KINDS:
-        # A restored field that differs is in the state the first resumed step starts from.
         step = plan.resume_at + 1 if kind == "restore-mismatch" else verdict.step
         return state_origin(kind=kind, step=step, rank=verdict.rank, site=verdict.site,
                             divergence=None if kind == "restore-mismatch" else getattr(evidence, "resume", None))
@@ -398,8 +338,7 @@ def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any
     s, K, T = verdict.step, plan.resume_at, plan.steps
     a_ckpt = configs["A"].checkpoint_dir
     nd = getattr(evidence, "nondeterminism", None)
-    # Two continuous runs that agree up to s start it from equal state; a resumed run that parts from A may
-    # start it from state outside the TrainState that differs (what hidden-state verdicts are about).
+    # A resumed run may start s from differing state outside the TrainState; continuous runs do not.
     state_equal: bool | None = None
     if kind == "nondeterministic" or (nd is not None and getattr(nd, "step", None) == s):
         start = checkpoint_path(a_ckpt, K) if s > K else None
@@ -418,9 +357,8 @@ def for_replay(kind: str, *, step: int | None, rank: int | None, site: str | Non
                start_path: str, total_steps: int | None, world: int, device: str, repeats: int, workdir: str,
                progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
                launcher: Launcher | None = None) -> Walked:
-    """The walk of a ``replay`` whose verdict is ``kind``: two replays that differ are re-run at level op from
-    the production checkpoint ``start_path``; an input cause is a ``state`` origin; a difference between
-    production and the replays cannot be walked (production recorded no op log) and says so."""
+    """The walk of a ``replay`` verdict ``kind``: differing replays re-run from ``start_path``; input causes are
+    ``state`` origins; production vs replay cannot be walked (production has no op log)."""
     if kind in STATE_KINDS:
         return state_origin(kind=kind, step=step, rank=rank, site=site)
     if kind != "nondeterministic" or step is None:
