@@ -1,31 +1,12 @@
 """Why production differs from two agreeing replays: the cause of the first difference.
 
-A replay judges hardware only where the inputs of a step are known to be equal in production and in the
-replay. :func:`judge` takes the first step ``s`` at which production and the replay ``R1`` differ (on any rank)
-and classifies what differs there, with the causes, kind names and sentences of ``resume-check``
-(:mod:`ckptverify.resume.causes`), in this order (:data:`RULES`, a small function each):
-
-* ``restore-mismatch`` — the replay's restored state differs from what production's checkpoint holds;
-* ``rng`` — a random stream differs when step ``s`` starts (re-seeded or drawn after ``run.restore`` in the
-  replay, or drawn by production after its save point);
-* ``changed-after-restore`` / ``changed-after-save`` / ``scheduler`` — a hyperparameter differs when the
-  step starts, or as the optimizer step used it;
-* ``data`` — the batch (or the loader's position after the step) differs while the random streams and
-  hyperparameters are equal;
-* ``hidden-state`` / ``unregistered-state`` — a non-persistent buffer differs, or, at the first replayed step
-  of a trace that records the step's inputs, the job holds state its ``TrainState`` does not;
-* ``undetermined`` — a computed value differs but the step's inputs are not all known to be equal: the trace
-  records no inputs (level ``metrics``), the steps before ``s`` are not traced, or ``s`` is the first
-  replayed step and production ran on from memory (state a checkpoint does not hold would look the same);
-* ``hardware-fault-suspected`` — the inputs of step ``s`` are equal and a computed value differs.
-
-None of the input causes is evidence about hardware. For the last two, the rank is named only when the
-evidence singles it out: it is the only rank that differs at step ``s``, or the only one with a difference
-that another rank, recording the same site, does not have (its own loss, its own activations, before any
-reduction). When every difference shows on every rank alike (values after an all-reduce: averaged gradients,
-a reduced loss, the gradient norm) the origin cannot be told, and ``candidate_ranks`` lists the ranks that
-could hold it.
-"""
+:func:`judge` takes the first step ``s`` where production and ``R1`` differ and applies :data:`RULES` in order, with
+``resume-check``'s kinds and sentences (:mod:`ckptverify.resume.causes`): the step's inputs first (restore, random
+streams, hyperparameters, data, buffers: none is evidence about hardware), then ``undetermined`` when the inputs are
+not all known equal (level ``metrics``, untraced earlier steps, production ran on from memory past ``K``), else
+``hardware-fault-suspected``. Trap: a rank is named only when it alone differs, or alone differs where another rank
+records an equal value; differences every rank shares came through a reduction, and ``candidate_ranks`` lists who
+could hold them."""
 
 from __future__ import annotations
 
@@ -56,8 +37,8 @@ class Judgement:
 
 
 def differing_sites(dir_a: str, dir_b: str, step: int) -> dict[int, list[str]]:
-    """Per rank (with a store in both runs), the sites that differ at ``step``, in execution order. A tensor's
-    own cell that only a trace of detail ``tensor`` records is left out (its category cell stands for it)."""
+    """Per rank with a store in both runs, the sites differing at ``step`` in execution order (per-tensor cells only
+    a ``tensor``-detail trace holds are left out)."""
     from ckptverify.trace.compare import _member_of_finer, _merged_order, run_stores
     from ckptverify.trace.store import open_trace
 
@@ -83,7 +64,7 @@ def _both(dir_a: str, dir_b: str) -> dict[int, tuple[Any, Any]]:
 
 
 def twin_cause(r1: str, r2: str, step: int) -> str:
-    """What the two replays' first difference at ``step`` says about where the nondeterminism is, and what to do."""
+    """Where the two replays' nondeterminism at ``step`` lies, and what to do."""
     sites = sorted({s for names in differing_sites(r1, r2, step).values() for s in names})
     if any(s.startswith("start.rng.") for s in sites):
         names = ", ".join(s[len("start."):] for s in sites if s.startswith("start.rng."))
@@ -101,22 +82,19 @@ def twin_cause(r1: str, r2: str, step: int) -> str:
 
 def _origin(found: dict[int, list[str]], world: int, records: Callable[[int, str], bool]
             ) -> tuple[tuple[int, ...], int | None, str | None]:
-    """``(candidate ranks, the rank singled out or None, its own differing site or None)`` at the first
-    differing step; ``found``: each rank's differing sites; ``records(rank, site)``: both runs record ``site``
-    on ``rank``."""
+    """``(candidate ranks, rank singled out, its own differing site)`` at the first differing step, from each rank's
+    differing sites; ``records(rank, site)``: both runs record it there."""
     differing = [r for r, names in found.items() if names]
     missing = sorted(set(range(world)) - set(found))
     if world == 1 and differing == [0]:
-        return (0,), 0, None  # one rank: no reduction brings another rank's values in
+        return (0,), 0, None  # one rank: no reduction brings others' values in
     if len(differing) + len(missing) < world:
-        # Some rank computed the step exactly as the replay did: the others are the candidates (a rank with no
-        # store in one of the runs cannot be cleared).
+        # Ranks that agree are cleared; one without a store in both runs cannot be.
         candidates = tuple(sorted({*differing, *missing}))
         if len(candidates) == 1 and not missing:
             return candidates, candidates[0], None
         return candidates, None, None
-    # Every rank differs: a rank whose own value differs where another rank's recorded value is equal holds the
-    # origin; the differences that every rank shares arrived through a reduction.
+    # Every rank differs: shared differences arrived through a reduction; an own one marks the origin.
     own: dict[int, str] = {}
     for r in differing:
         site = next((x for x in found[r]
@@ -133,11 +111,9 @@ def _origin(found: dict[int, list[str]], world: int, records: Callable[[int, str
 
 @dataclass
 class _Case:
-    """The evidence a replay's verdict is judged on: the first step ``s`` where production and the replay
-    ``R1`` differ (``first``: each differing rank's first divergence there), the two runs' traces per rank
-    (``pairs``), each rank's differing sites at ``s`` (``sites``) and the replay's restore notes. What is
-    derived from them (the step's inputs, the ranks that could hold the origin) is read once, when a rule
-    first asks."""
+    """The evidence of a replay verdict: the first step ``s`` where production and ``R1`` differ, each differing
+    rank's first divergence, both traces per rank, differing sites and restore notes; derived facts are computed
+    once, when a rule first asks."""
 
     prod: str
     replay: str
@@ -174,7 +150,7 @@ class _Case:
 
     @cached_property
     def evidence(self) -> dict[int, StepEvidence]:
-        """The step's inputs, on every rank that differs (what differs on one rank's inputs reaches the others)."""
+        """The step's inputs on every differing rank (one rank's input difference reaches the others)."""
         from ckptverify.resume.compare import step_evidence
 
         out: dict[int, StepEvidence] = {}
@@ -184,9 +160,7 @@ class _Case:
                                restored=restored)
             ta, tb = self.pairs[r]
             mine = self.sites.get(r, [])
-            # Production records one cell per category; the replay a cell per tensor and per hyperparameter
-            # too. Only what both record is evidence: the per-field cells only the replay holds are not
-            # differences.
+            # Only what both record is evidence: the replay's extra per-field cells are not differences.
             out[r] = replace(
                 ev, rng=tuple(x for x in ev.rng if f"start.{x.stream}" in mine),
                 hparams_start=_hparams(ta, tb, self.s, "start.hparam.", mine, restored, self.first_replayed),
@@ -198,8 +172,7 @@ class _Case:
 
     @cached_property
     def origin(self) -> tuple[tuple[int, ...], int | None, str | None, str | None]:
-        """``(candidate ranks, the rank singled out or None, its own differing site or None, the site the
-        verdict names)`` for a computed value that differs (see :func:`_origin`)."""
+        """``(candidates, rank, own site, site the verdict names)`` for a differing computed value."""
         def records(rank: int, site: str) -> bool:
             ta, tb = self.pairs[rank]
             return (ta.has_site(site) and tb.has_site(site) and ta.row_index(self.s) is not None
@@ -225,16 +198,14 @@ class _Case:
 
 def judge(prod: str, replay: str, *, start: int, end: int, world: int, production_start: int,
           where: Callable[[int], str] = lambda rank: "host unknown") -> Judgement:
-    """Classify the first difference between production's trace segment ``prod`` and the replay's trace
-    directory ``replay`` over steps ``start+1..end`` (see the module docstring): the first of :data:`RULES`
-    that applies. ``production_start``: the step that production's trace segment (and its process) started
-    from; ``where(rank)``: the host and device of a production rank, in words."""
+    """Classify the first difference between production's segment ``prod`` and ``replay`` over ``start+1..end``: the
+    first of :data:`RULES` that applies. ``production_start``: where production's segment (and process) started;
+    ``where(rank)``: a rank's host and device in words."""
     from ckptverify.trace.compare import divergences
 
     found = divergences(prod, replay, steps=range(start + 1, end + 1))
     if not found:
-        # The comparison failed without a divergence: steps or ranks recorded in one run only.
-        return Judgement("undetermined", "production's trace and the replay's do not cover the same steps and "
+            return Judgement("undetermined", "production's trace and the replay's do not cover the same steps and "
                          "ranks, and every step both cover agrees: the steps not compared cannot be judged. What "
                          "would tell: a production trace of every replayed step on every rank (trace_every=1)")
     s = min(d.step for d in found)
@@ -246,7 +217,7 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
 
 _NONE_HW = "this says nothing about the hardware"
 
-# ---------------------------------------------------------------------------- the step's inputs (1.-5.)
+# ---------------------------------------------------------------------------- the step's inputs
 
 
 def _restore(c: _Case) -> Judgement | None:
@@ -357,7 +328,7 @@ def _first_rank(c: _Case, differs: Callable[[StepEvidence], bool]) -> tuple[int,
     return next(((r, ev) for r, ev in c.evidence.items() if differs(ev)), (-1, None))
 
 
-# ---------------------------------------------------------------------------- inputs equal: a computed value (6.)
+# ---------------------------------------------------------------------------- inputs equal: a computed value
 
 
 def _metrics_level(c: _Case) -> Judgement | None:
@@ -416,7 +387,6 @@ def _one_rank(c: _Case) -> Judgement | None:
     candidates, rank, own_site, site = c.origin
     if rank is None:
         return None
-    # What the other ranks show, said only where there are others (on one rank there is nothing to add).
     agreed = ", ".join(str(r) for r in range(c.world) if r not in c.first)
     if c.world == 1:
         others = ""
@@ -447,7 +417,6 @@ def _every_rank(c: _Case) -> Judgement:
                      "again", step=c.s, site=site, candidate_ranks=candidates)
 
 
-#: The rules, in the order of the module docstring: the first that applies gives the verdict.
 RULES: tuple[Callable[[_Case], Judgement | None], ...] = (
     _restore, _rng, _hparam_start, _step_hparams, _data, _buffer,
     _metrics_level, _unregistered, _untraced_before, _ran_on_from_memory, _one_rank, _every_rank)
@@ -455,11 +424,9 @@ RULES: tuple[Callable[[_Case], Judgement | None], ...] = (
 
 def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], restored: Mapping[str, Any] | None,
              first_replayed: bool) -> tuple[HparamDiff, ...]:
-    """The hyperparameters (``<prefix><group>.<key>``) that differ at ``step``: ``field``, ``a`` (production's
-    value, ``None`` when only its category cell is recorded), ``b`` (the replay's), and, for the step-start
-    cells of the first replayed step, ``b_moved``: whether the replay changed it after the restore (the
-    restored value is what production's checkpoint holds, so when the replay did not move it, production
-    did after its save point: ``a_moved``)."""
+    """Hyperparameters differing at ``step``, with ``a`` (``None``: category cell only) and ``b``; on the first
+    replayed step's start cells ``b_moved`` (the replay changed it after the restore), else ``a_moved`` (production
+    did after its save point: the restored value is production's)."""
     from ckptverify.trace.compare import _named_member
 
     out: list[HparamDiff] = []
@@ -469,8 +436,7 @@ def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], res
         if name == prefix + "*":
             member, _ = _named_member(ta, tb, step, ta.site(name) if ta.has_site(name) else tb.site(name))
             if member is None:
-                # Several differ, or they are not named: the replay's own cells against the restore still tell
-                # whether it moved them.
+                # Unnamed: the replay's own cells against the restore still tell whether it moved them.
                 fields = [x.name for x in tb.sites if x.group == name] or [name]
                 member = fields[0]
                 if restored is not None and first_replayed:

@@ -1,33 +1,12 @@
 """``ckptverify replay RUN_DIR --from K --to L``: re-run production steps and judge the hardware.
 
-The periodic job of hardware-fault detection. From the production checkpoint ``K`` of a job run in production
-mode (:mod:`~ckptverify.production.mode`), steps ``K+1..L`` are run again in fresh processes at the
-production world size, **twice** (R1 and R2), tracing the same sites at the same steps. Then:
-
-1. checkpoints ``K`` and ``L`` must verify, else ``checkpoint-corrupt``;
-2. R1 and R2 must agree with each other, else ``nondeterministic``: the replay itself is not reproducible, so it
-   cannot judge the hardware (the sentence says whether a random stream, the batch or a computed value differs
-   first, and what to make deterministic);
-3. production must agree with R1 on every traced site of steps ``K+1..L``. Where it does not, the first step
-   ``s`` that differs is classified by what differs there (:mod:`~ckptverify.replay.causes`), with the
-   causes and kind names of ``resume-check``: a difference in the step's *inputs* (the replay's restored state
-   against production's checkpoint, a random stream or a hyperparameter when the step starts, the batch, a
-   non-persistent buffer, state the TrainState does not hold) is ``restore-mismatch``, ``rng``,
-   ``changed-after-restore``, ``changed-after-save``, ``scheduler``, ``data``, ``hidden-state`` or
-   ``unregistered-state``, and says nothing about the hardware. Only when the inputs of step ``s`` are equal
-   and a computed value differs is it ``hardware-fault-suspected``; the rank is named only when the evidence
-   singles it out (the only rank that differs, or the only one whose own value differs where another rank's
-   equal value is recorded), else ``candidate_ranks`` lists the ranks that could hold it (values after an
-   all-reduce hide the origin). When the inputs of ``s`` are not all known to be equal (a trace at level
-   ``metrics``, untraced steps before ``s``, or ``s`` the first replayed step of a job that ran on from memory
-   past ``K``) it is ``undetermined``, with what would tell;
-4. the final state (the production checkpoint ``L`` against R1's) must agree, else the differing item names
-   the cause: data position, random streams, scheduler or counters, or ``hardware-fault-suspected`` for
-   computed state (no rank named);
-5. otherwise ``reproduced``: the production steps are bitwise reproducible, no fault seen.
-
-Without ``--from``/``--to`` the two newest verified checkpoints are taken.
-"""
+From production checkpoint ``K`` (:mod:`~ckptverify.production.mode`), steps ``K+1..L`` run twice (R1, R2) in fresh
+processes at the production world size. In order: checkpoints must verify (``checkpoint-corrupt``); R1 and R2 must
+agree (``nondeterministic``: the replay cannot judge); production must agree with R1, the first differing step
+classified by :mod:`~ckptverify.replay.causes`; the final states must agree; else ``reproduced``. Traps: only a
+computed difference on equal inputs is ``hardware-fault-suspected`` (input causes say nothing about hardware), a rank
+is named only when the evidence singles it out, and the run directory is data: the function to run must be named by
+the caller."""
 
 from __future__ import annotations
 
@@ -57,7 +36,6 @@ class _Checkpoints:
     end: int
     start_path: str
     end_path: str
-    #: Paths that already verified while they were picked (not verified a second time).
     verified: frozenset[str] = frozenset()
 
 
@@ -95,8 +73,8 @@ def _pick(run_dir: str, start: int | None, end: int | None) -> _Checkpoints:
 
 
 def _first_unverified(ckpts: _Checkpoints) -> tuple[int, list[Finding]] | None:
-    """The first of the two checkpoints that fails verification, with its errors (one that already verified
-    while it was picked is not verified again)."""
+    """The first of the two checkpoints that fails verification, with its errors (those verified while picked are not
+    verified again)."""
     from ckptverify.audit.verify import verify_checkpoint
 
     for step, path in ((ckpts.start, ckpts.start_path), (ckpts.end, ckpts.end_path)):
@@ -131,7 +109,7 @@ def _where(host: dict[str, Any] | None) -> str:
     return f"host {host.get('hostname', '?')}, device {device}"
 
 
-#: Final-state items that no computation on a device produces: a difference there is not a hardware fault.
+#: Final-state items no device computation produces: a difference there is no hardware fault.
 _FINAL_CAUSES = (
     ("data.", "data", "the data loader's position after the last step differs (not saved or not restored)"),
     ("rng.", "rng", "a random stream after the last step differs (re-seeded, or drawn outside the steps)"),
@@ -141,8 +119,8 @@ _FINAL_CAUSES = (
 
 
 def _final_differs(first: Finding, end: int, world: int) -> tuple[str, str, dict[str, Any]]:
-    """The verdict when every traced site agreed but the final checkpoints differ (``first``: the first
-    difference): the cause the item names, else a fault no rank is singled out for."""
+    """The verdict when every traced site agreed but the final checkpoints differ: the cause the item names, else a
+    fault no rank is singled out for."""
     item = first.location.fqn or first.check
     for prefix, kind, what in _FINAL_CAUSES:
         if item.startswith(prefix):
@@ -172,17 +150,14 @@ def _twins_differ(r1: str, r2: str, steps: range) -> tuple[str, dict[str, Any]]:
             {"step": d.step, "rank": d.rank, "site": d.site})
 
 
-#: The most ranks a replay starts unless the caller allows more (``max_procs``): a run directory says how many.
+#: Default cap on ranks started: the (untrusted) run directory says how many.
 MAX_PROCS = 64
 
 
 def pinned(meta: dict[str, Any], run_dir: str, target: str | None, max_procs: int) -> tuple[str, int]:
-    """The training function a replay runs and its rank count, as the caller pinned them.
-
-    A run directory is data: its ``run.json`` says which file and function the job ran and on how many ranks,
-    and anyone who can write the directory can change that. A replay runs the function the caller names
-    (``target``; refused when ``None``, the message naming what ``run.json`` records) and at most ``max_procs``
-    processes; the recorded world size must be a whole number from 1 to ``max_procs``."""
+    """The training function and rank count a replay runs, as the caller pinned them. A run directory is data anyone
+    with write access can change: ``target`` is required (the message names what ``run.json`` records) and the
+    recorded world size must be 1..``max_procs``."""
     recorded = meta["target"]
     world = meta.get("world_size", 1)
     if type(world) is not int or world < 1:
@@ -200,13 +175,10 @@ def pinned(meta: dict[str, Any], run_dir: str, target: str | None, max_procs: in
 
 
 def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
-    """``target`` resolved as every harness run resolves it (:func:`~ckptverify.resume.harness_target.
-    resolve_target`: a relative ``FILE.py`` from the working directory), once it is known to name the function
-    ``run.json`` records: the same function name in the same file, however either is spelled. A ``module:FUNC``
-    is imported to find its file (:func:`~ckptverify.resume.harness_target.check_target`); what ``run.json``
-    records is only compared, never imported. Raises :class:`UsageError` naming both when they differ (before
-    any process starts: a replay of another function judges nothing), :class:`TargetError` when ``target``
-    cannot be loaded."""
+    """``target`` resolved as every harness run resolves it, once known to name the function ``run.json`` records
+    (same name, same file, however spelled); a ``module:FUNC`` target is imported to find its file, the recorded one
+    never is. :class:`UsageError` when they differ (before any process starts), :class:`TargetError` when ``target``
+    cannot load."""
     from ckptverify.resume.harness_target import check_target, resolve_target, split_target
 
     recorded = meta["target"]
@@ -218,8 +190,7 @@ def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
         raise UsageError(f"{run_dir}/run.json records the training function {recorded!r}, which is not "
                          "FILE.py:FUNC or module:FUNC: the run directory does not say what production ran") from None
     file = where if is_file else check_target(resolved)
-    # A recorded file is compared by path; a recorded module by its name (importing it would run what the run
-    # directory names).
+    # A recorded module is compared by name: importing it would run what the run directory names.
     same = (file is not None and _same_path(file, r_where)) if r_is_file else (not is_file and where == r_where)
     if same and name == r_name:
         return resolved
@@ -239,10 +210,9 @@ def _same_path(a: str, b: str) -> bool:
 
 
 def comparable(segment: str, *, level: str, workload: str, world: int, device: str = "cpu") -> None:
-    """Refuse, before any process starts, a replay whose traces could not be compared with production's trace
-    ``segment`` (recorded under another torch or ckptverify version, at another level or world size, or with its
-    tensors digested differently than a replay on ``device`` digests them: production on a GPU, a replay on the
-    CPU): a bitwise comparison of such traces says nothing. Raises :class:`UsageError` naming what differs."""
+    """Refuse before any process starts a replay whose traces could not be compared with production's ``segment``
+    (other versions, level, world size, or digest encoding than a replay on ``device`` gives): :class:`UsageError`
+    naming what differs."""
     from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import TraceHeader, open_trace
 
@@ -267,18 +237,15 @@ def comparable(segment: str, *, level: str, workload: str, world: int, device: s
                          f"({_REPLAY_AS[prod.digest_encoding]}).")
 
 
-#: How to replay a production trace of each ``digest_encoding``.
 _REPLAY_AS = {"host": "--device cpu", "device": "--device cuda",
               "host-as-device": "--device cpu with CKPTVERIFY_TRACE_HOST_AS_DEVICE=1"}
 
-#: How each ``digest_encoding`` digests a tensor, in words.
 _ENCODED = {"host": "by their bytes in host memory", "device": "as logical fingerprints on an accelerator",
             "host-as-device": "on the host down the accelerator path (CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)"}
 
 
 def replay_encoding(device: str) -> str:
-    """The ``digest_encoding`` of the traces a replay on ``device`` records (its ranks inherit this process's
-    environment)."""
+    """The ``digest_encoding`` a replay on ``device`` records (ranks inherit this environment)."""
     if not device.startswith("cpu"):
         return "device"
     return "host-as-device" if os.environ.get("CKPTVERIFY_TRACE_HOST_AS_DEVICE") == "1" else "host"
@@ -288,23 +255,13 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
            end: int | None = None, device: str = "cpu", keep: str | None = None,
            progress: Callable[[str], None] | None = None, max_procs: int = MAX_PROCS, locate: bool = False,
            locate_repeats: int = 2) -> Report:
-    """Replay production steps ``start+1..end`` twice and judge them; see the module docstring.
+    """Replay production steps ``start+1..end`` twice and judge them (see the module docstring).
 
-    ``target``: the training function to run (``FILE.py:FUNC`` or ``module:FUNC``), normally the one the run
-    directory's ``run.json`` records; required, since a run directory is data (:func:`pinned`). ``max_procs``:
-    the most ranks the replay may start (the recorded world size above it is refused). ``locate``: when the
-    verdict is not ``reproduced``, walk the ladder (:mod:`ckptverify.resume.locate.walk`: two replays that differ
-    are re-run at level op, ``locate_repeats`` times each, to name the op where they part; an input cause is
-    an origin of kind ``state``); the ``replay`` command turns it on unless ``--no-locate``.
-
-    Returns a report whose ``stats["verdict"]`` has ``kind`` (one of :data:`VERDICTS`), ``step``, ``rank``
-    (``None`` unless the evidence singles one out), ``site``, ``host``, ``sentence`` and ``candidate_ranks``
-    (the ranks that could hold the origin of a computed difference; ``None`` for other kinds), and from the
-    walk ``origin``, ``receivers`` and ``locate`` (``None``, ``[]``, ``None`` when it did not run).
-    Raises :class:`~ckptverify.errors.UsageError` when ``run_dir`` is not a
-    production run directory or the checkpoints cannot be found, and
-    :class:`~ckptverify.resume.harness.WorkloadCrashedError` when the workload crashes.
-    """
+    ``target`` is required (:func:`pinned`); ``max_procs`` caps the ranks started; ``locate`` walks the ladder when
+    the verdict is not ``reproduced`` (:mod:`ckptverify.resume.locate.walk`). ``stats["verdict"]`` holds ``kind`` (of
+    :data:`VERDICTS`), ``step``, ``rank``, ``site``, ``host``, ``sentence``, ``candidate_ranks`` and the walk's
+    fields. Raises :class:`UsageError` for a non-production directory or missing checkpoints,
+    ``WorkloadCrashedError`` when the workload crashes."""
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.replay.causes import judge
     from ckptverify.resume.harness import check_target
@@ -329,7 +286,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                              "recorded_target": meta["target"]}
 
     work: str | None = None
-    replayed_for = [0.0]  # wall seconds of one replay launch: the walk's launches are bounded by it
+    replayed_for = [0.0]  # bounds the walk's launches
 
     def done(kind: str, sentence: str, **where: Any) -> Report:
         candidates = where.get("candidate_ranks")
@@ -365,11 +322,10 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
     seg_start, segment = max(segs)
     level = str(meta.get("level", "metrics"))
-    # The replays' traces describe the run production recorded (run.json's spelling of the same function).
     comparable(segment, level=level, workload=meta["target"], world=world, device=device)
     hosts = _hosts(segment)
     steps = range(ckpts.start + 1, ckpts.end + 1)
-    # The job's length, for schedules built from run.total_steps (a replay stops early; they must not change).
+    # For run.total_steps schedules: a replay stops early, they must not change.
     total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
     work = keep or tempfile.mkdtemp(prefix="ckptverify-replay-")
     try:
@@ -380,8 +336,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                 checkpoint_dir=os.path.join(work, name),
                 resume_from=ckpts.start_path, trace_dir=os.path.join(work, f"trace-{name}"),
                 level=level, workload=meta["target"],
-                # Production records one cell per tensor category; the replays one per tensor too, so a
-                # category that differs is traced back to its tensor (see ckptverify.trace.category).
+                # Per-tensor cells, so a differing category is traced back to its tensor.
                 trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
 
         def run(name: str) -> None:
@@ -390,9 +345,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
             launch_jobs(world, device, [(workload, configs[name])])
             replayed_for[0] = max(replayed_for[0], time.perf_counter() - launched)
 
-        # Each replay in its own fresh processes: nondeterminism that depends on the process (hash seeds,
-        # allocation order, thread start-up) must show between the two. They are independent: side by side
-        # where the machine has a core per rank for both, as A and A2 of resume-check.
+        # Fresh processes each: process-dependent nondeterminism (hash seeds, allocation order) must show.
         at_once(run, ["R1", "R2"], launches_at_once(world, device))
         r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
         assert r1 is not None and r2 is not None
@@ -423,8 +376,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                     f"{world} rank(s): two replays agree with each other and with production, traces and final "
                     "state: no fault seen")
     except TraceHeaderMismatchError as exc:
-        # Checked against rank 0's header before the launches (comparable); another rank's header that differs
-        # ends here, in this command's words (trace diff's option to compare anyway is not this command's).
+        # Another rank's differing header (only rank 0's was checked up front), in this command's words.
         raise UsageError(f"production's trace and the replay's describe different runs ({', '.join(exc.fields)} "
                          f"differ{'s' if len(exc.fields) == 1 else ''}): no step can be compared bitwise") from None
     finally:
