@@ -1,8 +1,5 @@
-"""What a hardware-fault report must name about each rank: the host, the device, and the software.
-
-Recorded in the production trace's header and gathered from every rank, so a verdict such as
-``hardware-fault-suspected`` at rank 5 can say "host gpu-node-17, device 3 (NVIDIA H200, GPU-6f1e...)".
-"""
+"""What a hardware-fault report must name about each rank (host, device, software), so a verdict can say "host
+gpu-node-17, device 3 (NVIDIA H200, GPU-6f1e...)"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """Fault injection for tests and fire drills: flip one bit of one tensor, on one rank, at one step.
 
-A silent data corruption on a real device looks like this: one element of one tensor on one rank has one bit
-wrong, once (transient) or at every step (persistent), and training goes on. :class:`BitFlip` describes such a
-fault; :class:`FaultInjector` plants it in a running job through hooks (no change to the training code):
-
-- ``grad``: the gradient of parameter ``name`` right before the optimizer step (after any all-reduce, so the
-  replicas' gradients differ from then on);
-- ``param``: parameter ``name`` right after the optimizer step;
-- ``optim``: the optimizer state ``state_key`` (e.g. ``exp_avg``) of parameter ``name`` after the step;
-- ``activation``: the output of module ``name`` in its first forward call of the step.
-
-Faults are for *production* runs only (``Run.main(..., fault=...)`` or the ``CKPTVERIFY_FAULT`` environment
-variable holding :meth:`BitFlip.to_json`): a replay must never inject one, or it would reproduce the fault.
-"""
+:class:`BitFlip` describes the fault (kinds: ``grad`` before the optimizer step, after any all-reduce; ``param`` and
+``optim`` state after it; ``activation``: a module's first forward output of the step); :class:`FaultInjector` plants
+it through hooks. Trap: production runs only (``Run.main(fault=...)`` or ``CKPTVERIFY_FAULT``): a replay must never
+inject one, or it would reproduce the fault."""
 
 from __future__ import annotations
 
@@ -31,8 +22,8 @@ KINDS = ("grad", "param", "optim", "activation")
 
 @dataclass(frozen=True, kw_only=True)
 class BitFlip:
-    """Flip bit ``bit`` of element ``element`` (row-major, of this rank's local tensor) of the tensor named by
-    ``kind`` and ``name``, on rank ``rank``, during step ``step`` (1-based: the step being computed)."""
+    """Flip bit ``bit`` of element ``element`` (row-major, of the rank's local tensor) of the tensor named by
+    ``kind``/``name`` on rank ``rank`` during 1-based step ``step``."""
 
     kind: str
     name: str
@@ -69,7 +60,7 @@ _INT_BY_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def flip_bit_(t: Any, element: int, bit: int) -> None:
-    """Flip bit ``bit`` of element ``element`` of ``t`` in place (any dtype; through an integer view)."""
+    """Flip bit ``bit`` of element ``element`` of ``t`` in place, any dtype, through an integer view."""
     import torch
 
     local = t.to_local() if hasattr(t, "to_local") else t
@@ -92,11 +83,8 @@ def flip_bit_(t: Any, element: int, bit: int) -> None:
 
 
 class FaultInjector:
-    """Plants one :class:`BitFlip` in a model/optimizer through hooks; :meth:`detach` removes them.
-
-    ``step_in_progress()`` returns the 1-based step being computed; ``rank`` is this process's rank. ``fired``
-    says whether the flip happened; ``on_fire(flip)`` (optional) is called right after it.
-    """
+    """Plants one :class:`BitFlip` through hooks; :meth:`detach` removes them. ``step_in_progress()`` gives the
+    1-based step being computed; ``fired`` says whether it flipped; ``on_fire(flip)`` runs right after."""
 
     def __init__(self, flip: BitFlip, *, model: Any, optimizer: Any = None, rank: int = 0,
                  step_in_progress: Callable[[], int], on_fire: Callable[[BitFlip], None] | None = None) -> None:

@@ -1,31 +1,12 @@
 """Cross-replica consistency: ranks that must hold identical values prove it every traced step.
 
-Data-parallel replicas (DDP; the replicate dimension of HSDP; parameters replicated under tensor parallelism)
-hold bitwise-identical parameters after every optimizer step, and identical gradients after the all-reduce.
-A device that silently flips a bit breaks that, and nothing in training notices: the replicas simply drift.
-
-Each rank digests its copy of every parameter it shares with others (the trace's member digests,
-:mod:`ckptverify.trace.category`: xxh3-128 of the bytes for host tensors, the 128-bit logical fingerprint
-computed on the device otherwise, all tensors in one batched pass), folds them into one 128-bit value per
-replica group, and the group compares those with one small ``all_gather`` (16 bytes a rank). A job that traces
-its state (``digest_source``: its :class:`~ckptverify.trace.TraceRecorder`) has digested its parameters for the
-row it just recorded; the check reuses those digests and reads no tensor again. Only when the values differ
-does a second collective exchange the per-tensor digests, to name the tensors and the ranks on each side.
-
-:meth:`ReplicaCheck.check_late` (what production mode uses) compares one traced step late: the digests of a row
-recorded on an accelerator reach the host when the next row is recorded, so reading them right away would wait for
-the device at every traced step. At each call it compares the step of the call before, and :meth:`flush_late`
-compares the step still waiting (before a save, so that a checkpoint saved after a mismatch is marked, and at the
-job's last step). The exchange of an NCCL group runs on a side stream, which waits for the collectives already
-queued but not for the computation queued after them.
-
-Which ranks replicate a parameter:
-
-- a DTensor: the ranks along each mesh dimension on which its placement is ``Replicate()``;
-- a plain tensor: every rank of ``group`` (default: the whole world, as under DDP). A model whose plain
-  parameters differ by design across ranks (manual model parallelism) must pass the right ``group``, or
-  ``exclude`` them.
-"""
+Replicas (DDP, HSDP's replicate dimension, replicated TP parameters) hold bitwise-identical parameters after each
+step; a silently flipped bit makes them drift unnoticed. Each rank folds its member digests (reused from the trace's
+row when available) into one 128-bit value per replica group, compared with one 16-byte ``all_gather``; only on
+mismatch does a second collective name the tensors and ranks. Traps: :meth:`ReplicaCheck.check_late` compares one
+traced step late so device digests never force a wait (:meth:`~ReplicaCheck.flush_late` before a save and at the
+end); NCCL exchanges run on a side stream that waits for queued collectives, not computation. Plain tensors replicate
+over ``group`` (default: world): manual model parallelism must pass ``group`` or ``exclude``."""
 
 from __future__ import annotations
 
@@ -42,11 +23,8 @@ __all__ = ["ReplicaCheck", "ReplicaMismatch", "ReplicaMismatchError", "ReplicaMi
 
 @dataclass(frozen=True)
 class ReplicaMismatch:
-    """One replica group whose members disagree at one step.
-
-    ``sides`` lists each distinct copy: the global ranks holding it and their hosts. ``suspects`` are the ranks
-    of a strict minority copy when one copy has a strict majority (with two replicas no side can be blamed).
-    """
+    """One replica group whose members disagree at one step: ``sides`` lists each distinct copy's ranks and hosts;
+    ``suspects`` are a strict minority's ranks when one copy has a strict majority."""
 
     step: int
     kind: str
@@ -78,21 +56,13 @@ class _Bucket:
 
 
 class ReplicaCheck:
-    """Compare parameters and optimizer state (or gradients) across replicas; see the module docstring.
+    """Compare parameters and optimizer state (or gradients) across replicas.
 
-    Every rank of the process group constructs it with the same model (and optimizer, whose per-parameter
-    state is compared with the parameters: a flipped moment shows at once, not one update later) and calls
-    :meth:`check` at the same points (it issues collectives). ``on_replica_mismatch`` (a failure policy,
-    :mod:`ckptverify.options.verify`): ``"raise"`` raises :class:`ReplicaMismatchError` on every member at the
-    first mismatch; ``"warn"`` warns and training goes on.
-
-    Mismatches come in **episodes**: from the first checked step at which some replicas disagree until a check
-    at which all agree again (a flipped bit that stays flipped makes one episode to the end of the job). The
-    lowest rank of the group warns once per episode, at its first step, and says at its end (on stderr) how
-    many checked steps mismatched; ``events`` (an :class:`~ckptverify.ownfiles.events.EventLog`) receives a
-    ``replica-mismatch`` event at the first step of each episode and a ``replica-mismatch-end`` event (with the
-    count) when it ends, or at :meth:`finish`. :meth:`suspect` says what a checkpoint saved now must record.
-    """
+    Every rank constructs it with the same model (and optimizer: a flipped moment shows at once) and calls the checks
+    at the same points (they issue collectives). ``on_replica_mismatch``: ``raise`` on every member, or ``warn``.
+    Mismatches group into episodes (until all agree again): the group's lowest rank warns once at the start and
+    reports the count at the end; ``events`` gets ``replica-mismatch`` and ``replica-mismatch-end``. :meth:`suspect`
+    says what a checkpoint saved now must record."""
 
     def __init__(self, model: Any, *, optimizer: Any = None, group: Any = None,
                  on_replica_mismatch: str = "warn", events: Any = None, exclude: Iterable[str] = ()) -> None:
@@ -104,16 +74,14 @@ class ReplicaCheck:
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.compared = 0  # tensors compared by the last check (this rank)
         self.reused = 0  # of which the trace had digested already
-        #: A trace recorder whose ``step_digests(step, tensors)`` gives the digests of the row just recorded.
+        #: A recorder whose ``step_digests(step, tensors)`` gives the row's digests.
         self.digest_source: Any = None
         self._views: dict[tuple[Any, ...], Any] = {}
         self.mismatches: list[ReplicaMismatch] = []
-        #: Mismatch episodes so far (the last one open while ``_episode`` is set).
         self.episodes: list[_Episode] = []
         self._episode: _Episode | None = None
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
         self._hosts: list[str] = []
-        #: The traced step :meth:`check_late` has not compared yet.
         self._late: int | None = None
         self._rank = dist.get_rank() if self.enabled else 0
         if not self.enabled:
@@ -140,8 +108,7 @@ class ReplicaCheck:
         return sum(len(b.params) for b in self._buckets.values())
 
     def check(self, step: int, *, grads: bool = False) -> list[ReplicaMismatch]:
-        """Compare the replicas' parameters and optimizer state (``grads=True``: their gradients) now; return
-        the mismatches. ``compared`` then holds the number of tensors this rank compared."""
+        """Compare the replicas' parameters and optimizer state (``grads``: gradients) now; returns the mismatches."""
         if not self.enabled:
             return []
         kind = "gradients" if grads else "parameters"
@@ -160,11 +127,9 @@ class ReplicaCheck:
         return found
 
     def check_late(self, step: int) -> list[ReplicaMismatch]:
-        """Called at the end of each traced step ``step``: compare the replicas' parameters as they were at the
-        traced step of the previous call (their digests, from ``digest_source``'s rows, are on the host by now),
-        and remember ``step`` for the next call or :meth:`flush_late`. A tensor the row did not digest (optimizer
-        state, with ``optimizer=``) is read as it is now. Without a ``digest_source`` that records state there is
-        no earlier digest to reuse: ``step`` is compared now (:meth:`check`)."""
+        """At the end of traced step ``step``: compare the previous call's step (its trace digests are on the host by
+        now) and remember ``step``. Untraced tensors (optimizer state) are read as they are now; without a
+        state-recording ``digest_source``, compares ``step`` now."""
         if not self.enabled:
             return []
         if not getattr(self.digest_source, "records_state", False):
@@ -173,8 +138,8 @@ class ReplicaCheck:
         return [] if previous is None else self.check(previous)
 
     def flush_late(self) -> list[ReplicaMismatch]:
-        """Compare the step :meth:`check_late` still holds, now (its digests are read back for it). Every member
-        calls it at the same points (it issues collectives)."""
+        """Compare the step :meth:`check_late` still holds, now. Every member calls it at the same points
+        (collectives)."""
         step, self._late = self._late, None
         return [] if step is None or not self.enabled else self.check(step)
 
@@ -197,8 +162,8 @@ class ReplicaCheck:
         return names, tensors
 
     def _digests_of(self, bucket: _Bucket, tensors: list[Any], step: int, *, reuse: bool) -> list[int | None]:
-        """Each tensor's member digest (``None`` for an absent one): from the trace's row of ``step`` when it
-        has them, else computed here (host tensors through views kept from check to check)."""
+        """Each tensor's member digest (``None`` if absent): from the trace's row of ``step`` when it has them, else
+        computed (host tensors through views kept across checks)."""
         from ckptverify.trace.category import HostViews, tensor_digests
 
         present = [n for n, t in enumerate(tensors) if t is not None]
@@ -236,8 +201,7 @@ class ReplicaCheck:
         gathered = _all_gather([_bucket_digest(digests)], device, bucket.group, len(bucket.ranks))
         if all(g == gathered[0] for g in gathered):
             return None
-        # They differ: now (only now) the digest of each tensor, padded to a common length (a member may hold
-        # optimizer state the others lack): missing tensors count as all-zero digests.
+        # Only now per-tensor digests, padded: a member may hold optimizer state the others lack.
         width = _all_gather([(len(digests), 0)], device, bucket.group, len(bucket.ranks))
         longest = max(w[0][0] for w in width)
         rows = [(0, 0)] * longest
@@ -270,8 +234,7 @@ class ReplicaCheck:
         episode.add(mismatch)
         reporter = self._rank == min(episode.first.group)
         if self.events is not None and reporter and first:
-            # One event where an episode begins (and one where it ends, with its count): a flipped bit that
-            # stays flipped would otherwise write one line per step for the rest of the job.
+            # One event per episode start: a bit that stays flipped would otherwise log every step.
             self.events.emit("replica-mismatch", **mismatch.to_event(), episode=episode.number)
         if self.on_replica_mismatch == "raise":
             raise ReplicaMismatchError(message, mismatch)
@@ -297,14 +260,12 @@ class ReplicaCheck:
                 self.events.emit("replica-mismatch-end", **episode.to_event())
 
     def finish(self) -> None:
-        """At the end of the job: an episode still open is closed and its count said (on stderr, and an event);
-        no collective. Nothing happens when every replica agreed at the last check."""
+        """At the end of the job: close an open episode and report its count; no collective."""
         if self._episode is not None:
             self._close_episode(agreed_at=None)
 
     def suspect(self) -> dict[str, Any] | None:
-        """What a checkpoint saved now must record as the reason it is suspect: the replica mismatches this
-        check has seen (any episode, open or closed), or ``None`` when the replicas always agreed."""
+        """The replica-mismatch record a checkpoint saved now must carry; ``None`` if replicas always agreed."""
         if not self.episodes:
             return None
         first, last = self.episodes[0], self.episodes[-1]
@@ -347,9 +308,6 @@ class _Episode:
                 "tensors": sorted(self.tensors)}
 
 
-# ----------------------------------------------------------------------------------------------- helpers
-
-
 def _replica_groups(p: Any, group: Any) -> list[tuple[tuple[Any, ...], Any]]:
     """``(key, process group)`` for each set of ranks that replicate ``p``; keys agree across ranks."""
     from ckptverify.trace.recorder import _is_dtensor
@@ -380,8 +338,7 @@ def _signed(v: int) -> int:
 
 
 def _bucket_digest(digests: list[int | None]) -> tuple[int, int]:
-    """One 128-bit value for a bucket: xxh3-128 over its tensors' digests in order (an absent tensor as its
-    position and a marker)."""
+    """xxh3-128 over a bucket's tensor digests in order (an absent tensor as position and marker)."""
     import struct
 
     import xxhash
@@ -408,14 +365,13 @@ def torch_tensor(rows: list[tuple[int, int]], device: Any) -> Any:
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 2)
 
 
-#: One side stream per CUDA device for the exchanges (made once: creating a stream costs a driver call).
+#: One side stream per CUDA device (creating one costs a driver call).
 _SIDE_STREAMS: dict[Any, Any] = {}
 
 
 def _all_gather(rows: list[tuple[int, int]], device: Any, group: Any, n: int) -> list[tuple[tuple[int, int], ...]]:
-    """Every member's ``rows``, gathered over ``group`` on ``device``. On CUDA on a side stream: the exchange and
-    its read wait for the group's collectives already queued, not for the training step's computation queued on
-    the current stream."""
+    """Every member's ``rows`` gathered over ``group``. On CUDA on a side stream: it waits for queued collectives,
+    not for the step's computation on the current stream."""
     import contextlib
 
     import torch
