@@ -1,50 +1,17 @@
-"""Production mode of the Run protocol: the same ``train(run)`` as a real job, saving, tracing and watching its
-replicas, so that a later replay can judge it.
+"""Production mode of the Run protocol (``cv.Run.main(train, steps=T, run_dir=DIR, ...)``): the same ``train(run)`` as a
+real job that saves, verifies in the background, traces to ``DIR/trace/from-<K>/``, checks its replicas, logs
+``DIR/events.jsonl`` and writes ``DIR/run.json`` so a later replay can judge it.
 
-``cv.Run.main(train, steps=T, run_dir=DIR, save_every=N, trace="metrics"|"state", trace_every=1)`` under
-``python file.py`` or ``torchrun`` (any number of ranks):
+Traps, all to keep a job from training on or burying damaged state:
 
-- resumes from the newest checkpoint in ``DIR`` that verifies (a save that did not commit, and a suspect one,
-  saved after a replica mismatch, are never taken), as ``resume=`` allows (see below), and says on stderr (rank
-  0) and in ``events.jsonl`` every checkpoint it skipped and why; a pick whose bytes fail their proof as they
-  are loaded is recorded (``checkpoint-refused-at-load``) and the pick made again in the same start
-  (:meth:`Production.restore`);
-- refuses (exit 2, one line on stderr, nothing moved or loaded) a run directory it cannot write: it could not
-  save, record, or move aside what fails;
-- never overwrites a checkpoint that failed verification: one that a save of this job would write over is first
-  moved aside, whole, into ``DIR/quarantine/`` (:func:`~ckptverify.runs.latest.move_aside`), and the job says
-  so (stderr, a ``checkpoint-moved-aside`` event);
-- saves the full ``TrainState`` every ``N`` steps to ``DIR/step_N`` (with manifest), and verifies each one in
-  the background once it has committed (``verify=``), stamping the verdict beside it; the job waits for the
-  pending verifications before it ends (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s by default);
-- records a rank-local trace in ``DIR/trace/from-<K>/`` (``K`` the step it started from), every
-  ``trace_every`` steps, and each rank's host, device, versions and determinism settings beside it;
-- on more than one rank, compares its data-parallel replicas after every traced step, one traced step late (the
-  parameter digests of a row reach the host when the next row is recorded; waiting for them at once would stall
-  the device every step), and at once before a save and at the last step
-  (:meth:`~ckptverify.hardware.replica.ReplicaCheck.check_late`); a checkpoint saved after a mismatch is marked
-  suspect (a note in its folder, copied into its stamp), and no resume picks it;
-- appends what happened to ``DIR/events.jsonl`` (checkpoint-skipped, checkpoint-refused-at-load,
-  checkpoint-moved-aside, resume-refused,
-  start, restore, save, checkpoint-verified, checkpoint-failed, checkpoint-unverified, checkpoint-deleted,
-  checkpoint-cut-short, replica-mismatch, replica-mismatch-end, fault-injected, end; ``docs/json-schema.md``);
-- writes ``DIR/run.json`` (the target, world size, trace level, ``trace_every``) for ``ckptverify replay``.
-
-``resume=``:
-
-- ``"auto"`` (the default): resume from the newest checkpoint that verifies; start from step 0 when the run
-  directory holds no checkpoint; **refuse** (:class:`ResumeRefusedError`, exit 2, nothing changed) when it holds
-  checkpoints and none verifies, rather than start over and bury them;
-- ``"required"``: as ``"auto"``, but refuse too when there is nothing to resume from;
-- ``"never"``: start from step 0. The checkpoints that fail are moved aside into ``quarantine/`` first; a run
-  directory that holds a checkpoint that verifies is refused (its steps would be overwritten, or a later
-  ``"auto"`` would resume from the older run's state instead of this one's): use a new run directory.
-
-Checkpoints already in ``quarantine/`` are listed at every start but never count as checkpoints to resume from.
-
-A fault (:class:`~ckptverify.hardware.inject.BitFlip`) can be planted for fire drills with ``fault=`` or the
-``CKPTVERIFY_FAULT`` environment variable; it is never planted under the harness (a replay).
-"""
+- it resumes from the newest checkpoint that verifies (never an uncommitted or suspect one); ``resume="auto"`` refuses
+  when checkpoints exist and none verifies, ``"required"`` also when there are none, ``"never"`` when one verifies; a
+  refusal is exit 2 with nothing changed; a pick failing its proof at load falls back in-start;
+- a checkpoint that fails is never overwritten: it is moved aside whole into ``DIR/quarantine/``;
+- an unwritable run directory is refused before anything is moved or loaded;
+- replicas are compared one traced step late (no device stall), and before each save, so a checkpoint saved after a
+  mismatch is marked suspect and never resumed from;
+- a fault (``fault=`` / ``CKPTVERIFY_FAULT``) is never planted under the harness (a replay)."""
 
 from __future__ import annotations
 
@@ -65,12 +32,11 @@ from ckptverify.safeparse import safejson
 __all__ = ["RESUME_MODES", "RUN_FILE", "TRACE_ROOT", "ProductionOptions", "ResumeRefusedError", "read_run_file",
            "resume_point", "segment_dir"]
 
-#: What ``Run.main(..., resume=)`` accepts; see the module docstring.
 RESUME_MODES = ("auto", "required", "never")
 
-#: What a replay needs to know about the production job, written by rank 0 in the run directory.
+#: Written by rank 0 for replays.
 RUN_FILE = "run.json"
-#: Production traces live under ``DIR/trace/from-<step>/`` (one segment per start of the job).
+#: One segment ``DIR/trace/from-<step>/`` per start of the job.
 TRACE_ROOT = "trace"
 
 
@@ -84,14 +50,13 @@ class ProductionOptions:
     on_replica_mismatch: str = "warn"
     replica_check: bool = True
     fault: str | None = None  # BitFlip JSON
-    #: How each saved checkpoint is verified once committed: a VerifyOptions after construction (a ``when``
-    #: string given here is turned into one).
+    #: A VerifyOptions after construction (a ``when`` string is converted).
     verify: VerifyOptions | str = "background"
     resume: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_dir, str) or "://" in self.run_dir:
-            # Checkpoints, traces, events and the quarantine are written and renamed there (docs/storage.md).
+            # Everything is written and renamed there (docs/storage.md).
             raise UsageError(f"run_dir must be a local or mounted directory path, got {self.run_dir!r}; verify, "
                              "scan and latest read object-store URLs")
         object.__setattr__(self, "verify", verify_options("Run.main", self.verify))  # the same checks as save's
@@ -111,17 +76,10 @@ def _say(message: str) -> None:
 
 
 def _decide(options: ProductionOptions, refused: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """On rank 0: pick the checkpoint to resume from as ``options.resume`` allows, say (stderr, events) what was
-    skipped and why, and move aside what a save of this job would overwrite. Returns ``{"picked": Latest as a
-    dict, or None}`` or ``{"error": message}`` (then nothing was moved).
-
-    ``refused``: the picks of this start that failed their proof while loading (newest last), each ``path``
-    (absolute), ``step``, ``check``, ``reason``: the last one is recorded, and the pick made again (a failed
-    stamp now says it is corrupt, so it is moved aside and the next older one taken).
-
-    A run directory this job cannot write to (read-only, not permitted, ``events.jsonl`` not a regular file) is
-    refused before anything is moved or loaded: the job could neither save nor record, nor move aside what fails.
-    """
+    """On rank 0: pick the checkpoint to resume from as ``options.resume`` allows, report what was skipped and why,
+    and move aside what a save would overwrite. Returns ``{"picked": Latest dict or None}`` or ``{"error": msg}``
+    (nothing moved). ``refused``: this start's picks that failed while loading; the last is recorded and the pick
+    made again. An unwritable run directory is refused before anything is moved."""
     root = options.run_dir
     try:
         return _decide_writing(options, refused or [])
@@ -142,8 +100,8 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
 
     root = options.run_dir
     log = EventLog(root, rank=0)  # creates the run directory
-    # Checked before anything is decided, so that a job that could not save or record is refused having changed
-    # nothing (a read-only mount refuses even root; opening for append never follows a link).
+    # Before deciding, so an unwritable directory is refused with nothing changed (a read-only mount refuses
+    # even root; append-open never follows a link).
     os.close(open_append(log.path))
     if not os.access(root, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "not writable by this process", root)
@@ -151,8 +109,7 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
         last = refused[-1]
         log.emit("checkpoint-refused-at-load", path=os.path.relpath(last["path"], root),
                  **{k: v for k, v in last.items() if k != "path"})
-    # What load restores. Stamps trusted: load_picked proves the bytes as it reads them, and a refusal stamps
-    # the pick failed so the next start moves on.
+    # Stamps trusted: load_picked proves the bytes while reading, and a refusal stamps the pick failed.
     found = latest_verified(root, formats={"dcp"}, train_state=True, trust_stamps=True)
     for q in found.quarantined if not refused else ():  # listed once, at the job's start
         _say(f"not considered: {q['path']}: {q['reason']}")
@@ -162,8 +119,7 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
         _say(f"skipped {s['path']}{at}: {s['state']}: {s['reason']}")
         log.emit("checkpoint-skipped", **s)
     present = [s for s in found.skipped if s["state"] != "other-format"]
-    # A save that never committed (the job died while writing it) is no checkpoint whose loss a fresh start would
-    # hide: it does not stop "auto" from starting at step 0 (it is still moved aside, never written over).
+    # An uncommitted save does not stop "auto" from starting at step 0 (it is still moved aside).
     committed = [s for s in present if s["state"] != "incomplete"]
     listing = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in committed)
     error = None
@@ -188,8 +144,7 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
         log.emit("resume-refused", resume=options.resume, reason=error, skipped=found.skipped)
         return {"error": error}
     for s in present:
-        # Every skipped checkpoint is newer than the pick (or there is no pick): a save of this job may land on
-        # its step. Moved aside now, whole, never written over.
+        # Skipped ones are newer than the pick: a save of this job may land on them.
         if not is_own_step_dir(s["path"]):
             continue
         try:
@@ -214,11 +169,9 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
 
 def resume_point(options: ProductionOptions, *, rank: int, world: int,
                  refused: list[dict[str, Any]] | None = None) -> Any:
-    """The checkpoint a production job resumes from (a :class:`~ckptverify.runs.latest.Latest`, the same on
-    every rank), or ``None`` for a start from step 0; see the module docstring. Decided on rank 0 (where the
-    run directory may be all there is of it) and broadcast. Raises :class:`ResumeRefusedError` on every rank
-    when ``options.resume`` forbids starting, or the run directory cannot be written. ``refused``: the picks
-    of this start that failed their proof while loading (:meth:`Production.restore`)."""
+    """The checkpoint a production job resumes from (a :class:`~ckptverify.runs.latest.Latest`, equal on every rank),
+    or ``None`` for step 0. Decided on rank 0 (the run directory may exist only there) and broadcast;
+    :class:`ResumeRefusedError` on every rank when refused."""
     from ckptverify.runs.latest import Latest
 
     box: list[Any] = [_decide(options, refused) if rank == 0 else None]
@@ -302,13 +255,10 @@ class Production:
         self._suspect: dict[str, Any] | None = None
 
     def restore(self, state: Any, picked: Any) -> tuple[Any, Any]:
-        """Load ``picked`` (from :func:`resume_point`) into ``state``; return the load's report and the pick
-        loaded. A pick whose bytes fail their proof while loading (stamped failed by
-        :func:`~ckptverify.checkpoint.load.load_picked`, ``state`` untouched) is recorded
-        (``checkpoint-refused-at-load``) and the pick made again, as at the job's start: it is moved aside and the
-        next older checkpoint that verifies is loaded, so the job falls back in this start. Raises
-        :class:`ResumeRefusedError` on every rank when nothing is left to resume from (as ``resume=`` says) or a
-        load is refused otherwise (restore check, commit): never trains on damaged state."""
+        """Load ``picked`` into ``state``; returns the load's report and the pick loaded. A pick failing its proof
+        while loading (``state`` untouched) is recorded and the pick made again, so the job falls back in this start.
+        :class:`ResumeRefusedError` on every rank when nothing is left or a load is refused: never trains on damaged
+        state."""
         from ckptverify.checkpoint.load import load_picked
         from ckptverify.errors import CheckpointRefusedError, ProofFailedError
 
@@ -341,13 +291,12 @@ class Production:
             return report, picked
 
     def _own_segment(self) -> str:
-        """This start's trace segment, made (or checked) as an own folder: a link at ``trace/`` or at its name is
-        never followed out of the run directory."""
+        """This start's trace segment as an own folder: a link at ``trace/`` or its name is never followed out of the
+        run directory."""
         return own_dir(self.options.run_dir, TRACE_ROOT, _segment_name(self.start))
 
     def _refuse(self, reason: str, path: str | None) -> None:
-        """Say (rank 0: stderr, a ``resume-refused`` event) that the resume is refused, and raise
-        :class:`ResumeRefusedError` (every rank)."""
+        """Report the refusal (rank 0: stderr and event) and raise :class:`ResumeRefusedError` on every rank."""
         if self.rank == 0:
             _say(f"resume refused: {reason}")
             try:
@@ -394,8 +343,8 @@ class Production:
             self.replicas.digest_source = recorder
 
     def stepped(self, step: int, *, traced: bool) -> None:
-        """At the end of step ``step`` (after the optimizer step): on traced steps, compare the replicas as they
-        were at the traced step before; at the job's last step, this one's too (nothing comes after it)."""
+        """At the end of ``step``: on traced steps compare the replicas one traced step late; at the last step, this
+        one too."""
         self._step = step
         if traced and self.replicas is not None:
             self.replicas.check_late(step)
@@ -407,10 +356,9 @@ class Production:
         return {"verify": self.options.verify, "events": self.events}
 
     def before_save(self, step: int, path: str) -> None:
-        """Before the save of ``step`` into ``path`` (every rank calls it): on rank 0, whatever is already at
-        ``path`` is moved aside (never written over), and a save after a replica mismatch gets its suspect note.
-        The other ranks wait, so none writes into the folder before it is moved. Every rank first compares the
-        replicas' step the late check still holds: the suspect note must cover the state being saved."""
+        """Before the save of ``step`` into ``path`` (every rank): first flush the late replica check (the suspect
+        note must cover the saved state); rank 0 moves aside whatever is at ``path`` and writes a suspect note after
+        a mismatch; the others wait so none writes into the folder before it moves."""
         self._suspect = None
         if self.replicas is not None:
             self.replicas.flush_late()
@@ -463,8 +411,7 @@ class Production:
                 pending = len(verifier.pending())
             self.events.emit("end", step=step, **({"unverified": pending} if pending else {}))
         elif self.options.verify.when != "off":
-            # The lowest rank of another node verifies its node's part of each save (verifier.parts): a job
-            # that ends with os._exit would cut it short.
+            # Another node's lowest rank verifies its part of each save: os._exit would cut it short.
             from ckptverify.verifier.background import exit_timeout, wait_for_verifications
 
             wait_for_verifications(exit_timeout())
