@@ -1,25 +1,11 @@
 """The newest checkpoint of a run that verifies: what a restarted job should resume from.
 
-Checkpoints are tried newest first (by step). A *current* verification stamp
-(:mod:`~ckptverify.runs.stamp`) that says a checkpoint is not good (failed, uncheckable, suspect) skips it; one
-without a stamp, or with a stale one, is verified on the spot. The checkpoint about to be named is always
-verified afresh, whole, even under a current stamp that says it passed: a stamp is current by the files' size,
-time and inode, which a bit flipped in place (bit rot, with the time put back) leaves unchanged. When that
-verification fails, it is skipped with why and the next older one is tried. ``trust_stamps`` (``latest
---trust-stamps``) takes a current passing stamp at its word instead: the fast path for a caller that proves the
-bytes again as it reads them (``load``, a production job's resume). The first one that is ``verified`` or
-``intact`` wins; every newer one is listed as skipped, with why (corrupt, torn, incomplete, uncheckable,
-suspect, a format that is not read). Nothing is written, moved or deleted.
-
-A **suspect** checkpoint (saved after the job saw its replicas disagree: a suspect note in the folder or in its
-stamp, :func:`~ckptverify.runs.stamp.read_suspect`) is never picked, whatever its bytes verify to.
-
-**Quarantine.** A production job never overwrites a checkpoint that failed verification: before it could save
-over one, it moves it aside, whole, into ``RUN_DIR/quarantine/`` as ``step_N.moved-<UTC time>``
-(:func:`move_aside`). A checkpoint under ``quarantine/`` is never a resume candidate (it is listed in
-``quarantined``, not judged), never deleted by :func:`~ckptverify.runs.prune.prune`, and still shown by
-``scan``.
-"""
+Candidates are tried newest first; a current stamp saying not good (failed, uncheckable, suspect) skips one, others
+are verified on the spot. Trap: the pick itself is always verified afresh, whole, even under a current passing stamp,
+since a bit flipped in place with its time put back leaves the stamp current; only ``trust_stamps`` (for callers that
+prove the bytes while reading, like ``load``) skips that. Suspect checkpoints and anything under ``quarantine/``
+(where :func:`move_aside` puts failed ones, never overwritten or pruned) are never picked. Nothing is written, moved
+or deleted here."""
 
 from __future__ import annotations
 
@@ -51,28 +37,23 @@ __all__ = [
     "move_aside",
 ]
 
-#: Entries every :class:`~ckptverify.state.train_state.TrainState` saves, whatever it holds: a DCP checkpoint
-#: without them is no TrainState checkpoint (a weights-only export) and ``load`` cannot restore it.
+#: Entries every TrainState saves: a DCP checkpoint without them is a weights-only export ``load`` cannot restore.
 TRAIN_STATE_KEYS = ("version", "world_size", "rng.version", "rng.world_size", "counters.step", "counters.epoch",
                     "counters.samples_seen", "counters.tokens_seen")
 _OWN_NAME = re.compile(r"^step_\d+$")
 
 
 def is_own_step_dir(rel_path: str) -> bool:
-    """Whether ``rel_path`` is a ``step_N`` folder at the top of the run directory: where a production job
-    saves, so what a save of it could overwrite."""
+    """Whether ``rel_path`` is a top-level ``step_N`` folder: where a production job saves, so what it could
+    overwrite."""
     return "/" not in rel_path.replace(os.sep, "/") and bool(_OWN_NAME.match(rel_path))
 
 
 def move_aside(run_dir: str | os.PathLike[str], rel_path: str) -> str:
-    """Move the checkpoint ``rel_path`` of ``run_dir`` into the quarantine, whole (one ``rename``: its files,
-    stamp and notes keep their bytes, inodes and times, so a current stamp stays current); return its new path
-    relative to ``run_dir``. Never overwrites: an existing name gets a counter.
-
-    The quarantine is a folder of ``run_dir`` (:func:`~ckptverify.ownfiles.names.open_own_dir`: a link there is
-    never followed out of it), and the checkpoint is renamed into it, never copied and deleted. Raises
-    :class:`~ckptverify.errors.CkptVerifyError` (nothing moved) when it cannot be: a link or a file at
-    ``quarantine``, another file system, no permission."""
+    """Move checkpoint ``rel_path`` whole into the run's quarantine with one ``rename`` (bytes, inodes and times
+    kept, so a current stamp stays current); returns the new relative path. Never overwrites (a counter is added) and
+    never follows a link out of the run directory. :class:`CkptVerifyError` (nothing moved) when it cannot (a link or
+    file at ``quarantine``, another file system, no permission)."""
     root = os.fspath(run_dir)
     if "://" in root:
         raise UsageError(f"checkpoints are moved aside in a local or mounted run directory only, not in {root}")
@@ -114,21 +95,16 @@ def _why(exc: OSError) -> str:
 
 @dataclass
 class Latest:
-    """The pick: ``path`` (absolute) and ``step`` of the newest good checkpoint, or ``None``; ``skipped`` lists
-    the newer ones passed over; ``quarantined`` the checkpoints moved aside into ``quarantine/`` (never
-    candidates); ``report`` holds one finding per checkpoint examined."""
+    """The pick: absolute ``path`` and ``step`` of the newest good checkpoint, or ``None``; ``skipped``: newer ones
+    passed over; ``quarantined``: never candidates; ``report``: one finding per checkpoint examined."""
 
     path: str | None
     step: int | None
     skipped: list[dict[str, Any]] = field(default_factory=list)
     report: Report | None = None
     quarantined: list[dict[str, Any]] = field(default_factory=list)
-    #: What the walk of the run directory could not see (:meth:`WalkNote.to_dict`), whether or not it blocked
-    #: the pick.
     unseen: list[dict[str, Any]] = field(default_factory=list)
 
-    #: Whether a current passing stamp was taken at its word (``trust_stamps``) rather than the pick verified
-    #: afresh.
     trust_stamps: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,8 +114,8 @@ class Latest:
 
 def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool,
            trust_stamps: bool) -> tuple[str, str, str]:
-    """State, reason, and how it was decided (``stamp``, ``suspect note`` or ``verified now``). A current stamp
-    that says good decides only with ``trust_stamps``; otherwise the checkpoint is verified now."""
+    """State, reason and how decided (``stamp``, ``suspect note``, ``verified now``). A current good stamp decides
+    only with ``trust_stamps``."""
     path = os.path.join(root, cand.path)
     vouched = ""
     if use_stamps and cand.format != "dcp-uncommitted":
@@ -186,9 +162,8 @@ def _quarantined(root: str, cand: Candidate) -> dict[str, Any]:
 
 
 def _may_hide_newer(note: WalkNote, picked_step: int | None) -> bool:
-    """Whether the part of the run directory ``note`` says was not seen may hold a checkpoint newer than the
-    pick: anything a cut-short walk did not reach may; a folder that could not be listed may, unless its own
-    name carries a step no newer than the pick's."""
+    """Whether the unseen part ``note`` may hold a checkpoint newer than the pick: a cut-short walk may; an unlisted
+    folder may unless its name carries a step no newer than the pick's."""
     if note.kind != "unlisted":
         return True
     step = step_of(note.path)
@@ -196,9 +171,8 @@ def _may_hide_newer(note: WalkNote, picked_step: int | None) -> bool:
 
 
 def missing_train_state_keys(path: str) -> list[str]:
-    """The :data:`TRAIN_STATE_KEYS` the DCP checkpoint at ``path`` lacks, read from its metadata through the
-    allowlist reader (nothing is loaded or executed); ``[]`` when it has them all or its metadata cannot be read
-    (verification then says what is wrong with it)."""
+    """The :data:`TRAIN_STATE_KEYS` the DCP checkpoint at ``path`` lacks, from its metadata via the allowlist reader
+    (nothing loaded); ``[]`` when complete or unreadable (verification reports that)."""
     from ckptverify.dcp.metadata import read_all
 
     try:
@@ -216,28 +190,13 @@ def missing_train_state_keys(path: str) -> list[str]:
 def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None, use_stamps: bool = True,
                     trust_stamps: bool = False, formats: Collection[str] | None = None, train_state: bool = False,
                     progress: Callable[[str], None] | None = None) -> Latest:
-    """The newest checkpoint under ``run_dir`` that verifies; see the module docstring. ``progress``: called
-    with one line per candidate as it is examined, newest first.
+    """The newest checkpoint under ``run_dir`` that verifies (see the module docstring).
 
-    ``use_stamps=False``: no stamp is read, every candidate is verified now. ``trust_stamps``: a current stamp
-    that says passed picks its checkpoint without reading its bytes (the fast path; only for a caller that
-    proves them again as it reads them). By default the pick is verified afresh, whole, whatever its stamp says.
-
-    ``formats``: consider only checkpoints of these formats (``find_checkpoints``' names, e.g. ``{"dcp"}`` for
-    what :func:`ckptverify.load` restores); newer ones of other formats are listed as skipped, with why.
-    ``train_state``: consider only DCP checkpoints that hold a TrainState (:data:`TRAIN_STATE_KEYS`, read from
-    the metadata before anything is verified or loaded); a newer weights-only DCP export is skipped as
-    ``other-format``, with why.
-
-    **What the walk could not see.** When part of the run directory could not be seen
-    (:class:`~ckptverify.formats.rundir.WalkNote`) and it may hold a checkpoint newer than the pick (the walk was
-    cut short; or a folder could not be listed whose name carries no step, or a newer one), nothing is picked:
-    ``path=None``, each such part is in ``skipped`` with state ``unseen``, and the report fails with what to do.
-    An unlisted folder whose name carries an older step is a warning; the pick stands. ``unseen`` lists all.
-
-    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory. A run
-    directory with no good checkpoint gives ``path=None`` and a report that fails.
-    """
+    ``use_stamps=False`` verifies every candidate; ``trust_stamps`` lets a current passing stamp pick without reading
+    bytes. ``formats``/``train_state`` restrict candidates (newer others are skipped as ``other-format``). When an
+    unseen part of the run directory may hide a newer checkpoint, nothing is picked (resuming older would drop
+    progress, and later saves could overwrite the hidden one). :class:`CheckpointNotFoundError` when ``run_dir`` is
+    not a directory; no good checkpoint gives ``path=None`` and a failing report."""
     root = os.fspath(run_dir)
     if trust_stamps and not use_stamps:
         raise UsageError("trust_stamps and use_stamps=False (--trust-stamps and --no-stamps) contradict each other: "
@@ -279,8 +238,6 @@ def latest_verified(run_dir: str | os.PathLike[str], *, jobs: int | None = None,
     result.unseen = [n.to_dict() for n in notes]
     blocking = [n for n in notes if _may_hide_newer(n, result.step if result.path is not None else None)]
     if blocking:
-        # A newer checkpoint may be hidden: resuming from an older one would drop training progress, and a job
-        # that then saves its steps again could write over the hidden one. Refuse, and say what was not seen.
         if result.path is not None:
             findings.append(error("latest-unseen", f"not picked: {os.path.relpath(result.path, root)} (step "
                                   f"{result.step}) verifies, but a newer checkpoint may be hidden where the walk "

@@ -1,26 +1,10 @@
 """Retention that never deletes what a restart would need.
 
-:func:`prune` keeps the ``keep`` newest checkpoints of a run (by step) and deletes older ones, except:
-
-- the newest checkpoint that verifies (:func:`~ckptverify.runs.latest.latest_verified`), however old: deleting
-  it while every newer one is corrupt or torn would leave nothing to resume from; and, as well, the newest one
-  that verifies of the format :func:`ckptverify.load` restores (DCP), and the newest one load can restore (a
-  DCP checkpoint holding a TrainState's keys): a newer export (a ``.pt`` or safetensors file, or a weights-only
-  DCP export) is no checkpoint a job resumes from;
-- a checkpoint whose stamp says it failed verification: it is evidence (of a fault on the way to the disk, or
-  on the disk), and ckptverify never deletes it;
-- a checkpoint being verified right now (its verifying lock is held);
-- a checkpoint a save is writing right now (its in-progress marker is locked by a live save);
-- anything whose step is unknown, and anything that is not a checkpoint ``find_checkpoints`` recognized;
-- anything a production job moved aside into ``quarantine/`` (kept as evidence: never deleted).
-
-**Nothing is deleted when the walk did not see the whole run directory** (a folder it could not list, a folder
-with too many entries, its budget spent: :class:`~ckptverify.formats.rundir.WalkNote`): retention cannot know
-which checkpoints are newest, nor which one is the newest that verifies. :func:`prune` raises
-:class:`~ckptverify.errors.CkptVerifyError` (exit 2) naming what was not seen.
-
-Deletion never follows a symbolic link and never leaves the run directory.
-"""
+:func:`prune` keeps the ``keep`` newest checkpoints (by step) and deletes older ones, except: the newest that
+verifies (also the newest DCP, and the newest holding a TrainState: a newer export is nothing to resume from); a
+stamped failure (evidence); one being verified or saved right now (locked); unknown steps and non-checkpoints;
+anything in ``quarantine/``. Traps: nothing is deleted when the walk did not see the whole run directory (it cannot
+know what is newest: :class:`CkptVerifyError`); deletion never follows a link or leaves the run directory."""
 
 from __future__ import annotations
 
@@ -79,10 +63,8 @@ def _failed(path: str) -> bool:
 
 
 def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, jobs: int | None = None) -> PruneResult:
-    """Delete all but the ``keep`` newest checkpoints of ``run_dir``, with the exceptions of the module docstring.
-
-    ``dry_run`` deletes nothing and says what would go. Returns what was deleted and what was kept, and why.
-    """
+    """Delete all but the ``keep`` newest checkpoints of ``run_dir``, with the module docstring's exceptions;
+    ``dry_run`` deletes nothing. Returns what was deleted and what was kept, and why."""
     from ckptverify.runs.latest import latest_verified
 
     root = os.path.realpath(os.fspath(run_dir))
@@ -102,8 +84,7 @@ def prune(run_dir: str | os.PathLike[str], *, keep: int, dry_run: bool = False, 
     candidates = [c for c in found if c.step is not None and not is_quarantined(c.path)]
     newest_first = sorted(candidates, key=lambda c: (c.step, c.mtime_ns), reverse=True)
     protected: dict[str, str] = {}
-    # Each consumer's newest good checkpoint: load's (a DCP checkpoint holding a TrainState) first, so that its
-    # reason names the strongest need.
+    # load's need first, so the kept reason names the strongest one.
     for formats, train_state, reason in (
             ({"dcp"}, True, "the newest checkpoint that verifies that load restores (DCP, holding a TrainState)"),
             ({"dcp"}, False, "the newest checkpoint that verifies of the format load restores (DCP)"),

@@ -1,37 +1,11 @@
-"""``scan``: every checkpoint under a run directory, its state, and the newest good one.
+"""``scan``: every checkpoint under a run directory, its state, and the newest good one (states:
+:mod:`~ckptverify.runs.states`, ``docs/runs.md``).
 
-Each checkpoint found by :func:`~ckptverify.formats.rundir.find_checkpoints` is verified and given one state:
-
-- ``verified``: every byte checked against the manifest's digests (taken at save time);
-- ``intact``: structure and every CRC-32 check out, but no manifest says what was in memory;
-- ``uncheckable``: nothing could check some of its content (no CRC-32 and no manifest), or its format is not
-  one ckptverify reads yet;
-- ``incomplete``: a save that never committed (no metadata, or a ckptverify save's in-progress marker);
-- ``corrupt``: a check failed;
-- ``suspect``: its bytes verify, but it was saved after the job saw its replicas disagree (a suspect note in
-  the folder or its stamp: :func:`~ckptverify.runs.stamp.read_suspect`); never resumed from;
-- ``deleted``: it was removed while scan verified it (retention): a warning, not a failure; nothing is left
-  to judge (not one of :data:`STATES`, which a stamp may record).
-
-**What the walk could not see fails the scan.** A folder the account cannot list, a folder with more entries
-than the walk reads, or the walk's budget spent (:class:`~ckptverify.formats.rundir.WalkNote`): each is an
-error (``scan-unseen``) naming the folder and what to do, since a checkpoint in it was neither found nor
-checked. The checkpoints that were found are still judged and listed.
-
-Good means ``verified`` or ``intact``. A checkpoint a production job moved aside into ``quarantine/`` is
-judged and listed like any other (its row says ``quarantined``), but is never the newest good one. The report
-has one finding per checkpoint (an error for a corrupt one, a warning for an incomplete, uncheckable or
-suspect one, info otherwise), and ``stats`` lists them all, ordered by step, with the newest good one named.
-
-**A corrupt checkpoint in the quarantine of a job that recovered is handled**: when the newest good checkpoint
-outside the quarantine is of its step or a later one, the job moved it aside and got past it. It is still judged
-and listed as corrupt (the evidence is kept as it is), but its finding is a warning, its reason says so, and its
-row's ``handled_by`` names that good checkpoint (``None`` on every other row). A corrupt checkpoint outside the
-quarantine, or in it with no good checkpoint past it, is an error.
-
-Exit code 1 when any checkpoint is corrupt (and not handled), none is good, or part of the run directory could
-not be seen.
-"""
+Traps: whatever the walk could not see fails the scan (``scan-unseen``), since a checkpoint there was neither found
+nor checked. A checkpoint removed while being verified (retention) is ``deleted``, a warning, not corrupt. A
+quarantined checkpoint is listed but never the newest good one; a corrupt one in quarantine of a job that has since
+saved that step or later is *handled* (a warning, ``handled_by``). Exit 1 on unhandled corruption, no good
+checkpoint, or an unseen part."""
 
 from __future__ import annotations
 
@@ -60,18 +34,14 @@ def _judge_path(path: str, jobs: int | None, deep: bool = False) -> tuple[str, R
 
 _WORST = {s: n for n, s in enumerate(("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt"))}
 _DELETED = "removed while it was being verified (retention, or someone deleting it): nothing left to judge"
-#: After a failed verdict, how long a checkpoint must stay in place before it is judged corrupt (retention
-#: deletes file by file).
+#: A failed checkpoint must stay in place this long to be corrupt (retention deletes file by file).
 SETTLE_SECONDS = 1.0
 
 
 def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -> tuple[str, str, dict[str, Any]]:
-    """State, one-line reason, and counts for one candidate, verified exactly as ``verify`` verifies it (the
-    same routing, so the same manifests: a folder's, and a file's own beside it). A good one with a suspect note
-    is ``suspect``. One that was removed while it was verified (retention) is ``deleted``, not corrupt: a
-    failed verdict is judged only after :data:`SETTLE_SECONDS` in which it stayed in place (as the stamper
-    judges it: :func:`~ckptverify.runs.stamp.removed`). ``deep``: each DCP checkpoint and file is also
-    rebuilt tensor by tensor, as ``verify --deep`` does."""
+    """State, one-line reason and counts for one candidate, verified exactly as ``verify`` routes it. A good one with
+    a suspect note is ``suspect``; one removed meanwhile is ``deleted``: a failed verdict stands only after it stayed
+    in place for :data:`SETTLE_SECONDS` (as the stamper judges). ``deep``: as ``verify --deep``."""
     from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.runs.stamp import files_fingerprint, removed
 
@@ -83,10 +53,8 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
         if not removed(path):
             raise
         return "deleted", _DELETED, {"errors": 0, "warnings": 0, "bytes_checked": 0}
-    # A save that never committed looks "removed" to the stamper's test: only a checkpoint that was committed
-    # when the walk found it can have been deleted since. Files that did not move since the walk measured them
-    # were judged as they are; files that moved (retention may have started before this verification, and
-    # deletes file by file) get a settle time.
+    # Only a checkpoint committed when found can have been deleted since; files that moved since the walk
+    # (retention deletes file by file) get a settle time.
     if state in ("corrupt", "incomplete") and cand.format != "dcp-uncommitted" \
             and (removed(path) or files_fingerprint(path) != before or _moved_since_walk(path, cand)):
         if not removed(path):
@@ -103,8 +71,8 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
 
 
 def _moved_since_walk(path: str, cand: Candidate) -> bool:
-    """Whether the files of ``cand`` no longer have the total size and newest time the walk measured (the run
-    directory itself, measured in part, is never taken for moved)."""
+    """Whether ``cand``'s files no longer have the size and newest time the walk measured (the run directory itself
+    never counts as moved)."""
     import stat
 
     from ckptverify.formats.rundir import walk_files
@@ -130,8 +98,7 @@ def _judge_bytes(root: str, cand: Candidate, jobs: int | None, deep: bool) -> tu
     folder = verify_folder_files(path, deep=deep)
     states, reasons = [judge_report(folder)], []
     counts = counts_of(folder)
-    # The run directory itself ("."): only the parts the walk gave it (DCP folders named by a step are
-    # checkpoints of their own); any other folder: every DCP folder inside it.
+    # The run directory itself: only the parts the walk gave it (step folders are checkpoints of their own).
     parts = list(cand.parts) if cand.parts or cand.path == "." else list(folder.stats.get("parts") or [])
     if folder.findings or not parts:
         reasons.append(f"files: {reason_of(states[0], folder)}")
@@ -171,16 +138,9 @@ def reason_of(state: str, report: Report) -> str:
 
 def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, progress: Any = None,
                  deep: bool = False, executor: Executor | None = None) -> Report:
-    """Verify every checkpoint under ``run_dir``; see the module docstring. ``progress``: called with one line
-    per checkpoint as its verification starts. ``deep``: verify each as ``verify --deep`` does (every tensor
-    rebuilt and its logical fingerprint compared with the manifest's; ``stats.deep`` says so).
-
-    ``executor``: shares the checkpoints among ranks (:mod:`ckptverify.cluster`), balanced by their bytes;
-    each is judged where it is read, exactly as here, and the report is the one a single process gives.
-
-    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory and
-    :class:`~ckptverify.errors.UsageError` when it holds no checkpoint at all.
-    """
+    """Verify every checkpoint under ``run_dir`` (see the module docstring). ``deep``: as ``verify --deep``;
+    ``executor``: share checkpoints among ranks by bytes, with the same report as one process.
+    :class:`CheckpointNotFoundError` for a non-directory, :class:`UsageError` when it holds no checkpoint."""
     root = os.fspath(run_dir)
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a directory: {root}")
@@ -233,9 +193,8 @@ def scan_run_dir(run_dir: str | os.PathLike[str], *, jobs: int | None = None, pr
 
 
 def _recovered(row: dict[str, Any], newest: dict[str, Any]) -> bool:
-    """Whether the job got past the quarantined checkpoint ``row``: the newest good checkpoint outside the
-    quarantine is of its step or a later one (the job saved that step again, or went on). A checkpoint whose step
-    is not known is never taken as handled."""
+    """Whether the job got past quarantined ``row``: the newest good checkpoint outside quarantine is of its step or
+    later (unknown steps never count)."""
     return row["step"] is not None and newest["step"] is not None and newest["step"] >= row["step"]
 
 

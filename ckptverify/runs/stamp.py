@@ -1,27 +1,11 @@
-"""The verification stamp: ``ckptverify.verified.json``, written beside a checkpoint once it was verified.
+"""The verification stamp ``ckptverify.verified.json``, written atomically beside a verified checkpoint
+(``NAME.ckptverify.verified.json`` beside a single file).
 
-A stamp records the verdict (passed or not, the counts, the first errors), its strength (``state``: verified by
-a manifest, intact by CRCs, or uncheckable: a stamp never ranks a checkpoint higher than that), what was checked
-(bytes, deep or not), the tool version, the time taken, the digest of the manifest, and a fingerprint of the
-directory's files (name, size, modification time, inode of every file but the stamp itself). A stamp is
-**current** only while that fingerprint still matches: a file rewritten, added, removed or touched after the
-verification makes it stale, and a stale stamp is never trusted (the checkpoint is verified again). A stamp is
-written atomically (a temporary file, then ``rename``), so a reader sees a whole stamp or none.
-
-The stamp is a cache of a verification, not evidence against an attacker who can write the directory: such an
-attacker can write a stamp too (``docs/security.md``).
-
-A checkpoint that is a single file (a Lightning ``.ckpt``, a ``torch.save`` file) cannot hold its stamp: it is
-kept beside it, as ``NAME.ckptverify.verified.json`` (:func:`stamp_path`), fingerprints that one file, and
-digests the manifest kept beside it (``NAME.ckptverify.manifest.json``).
-
-A checkpoint saved after the job saw its data-parallel replicas disagree is **suspect**: its bytes may verify,
-but the state they hold is not one every replica agreed on. A production job writes a suspect note
-(``ckptverify.suspect.json``: the step of the save, the first and last mismatched steps, how many, the ranks on
-each side) into the folder before the save; the stamp copies it under ``suspect`` and says ``"verdict":
-"suspect"`` (``passed`` still says whether the bytes verified). :func:`read_suspect` reads it from either;
-``latest``/``load(pick=...)`` never pick a suspect checkpoint, ``scan`` shows it as ``suspect``.
-"""
+It records the verdict, its strength (``state``: a stamp never ranks a checkpoint higher), what was checked and a
+fingerprint of the files (name, size, mtime, inode). Traps: a stamp is *current* only while that fingerprint and the
+manifest digest match, and a stale one is never trusted; it is a cache, not evidence against someone who can write
+the directory (``docs/security.md``). A suspect note (saved after a replica mismatch) is copied into the stamp
+(``"verdict": "suspect"``) and keeps the checkpoint from ever being picked."""
 
 from __future__ import annotations
 
@@ -70,9 +54,8 @@ def committed(path: str) -> bool:
 
 
 def removed(path: str) -> bool:
-    """Whether the checkpoint at ``path`` was removed (or, for DCP, lost its metadata: retention under way).
-    What every verdict on a checkpoint that may be deleted meanwhile (``scan``, the stamper, the background
-    verifier) asks before it calls damage corruption."""
+    """Whether the checkpoint at ``path`` was removed (or, for DCP, lost its metadata: retention under way); asked
+    before any verdict calls such damage corruption."""
     if paths.isdir(path):
         from ckptverify.formats.rundir import dir_format
 
@@ -93,9 +76,8 @@ def stamp_path(checkpoint: str | os.PathLike[str]) -> str:
 
 
 def files_fingerprint(root: str) -> str:
-    """xxh3-128 over (relative path, size, mtime_ns, inode) of every file under ``root``, links not followed,
-    the stamp, the verifying lock and the part verdicts of a shared verification excluded; of ``root`` itself
-    when it is not a directory."""
+    """xxh3-128 over (relative path, type, size, mtime_ns, inode) of every file under ``root``, links not followed,
+    the stamp, lock and part verdicts excluded; of ``root`` itself when not a directory."""
     import xxhash
 
     from ckptverify.formats.rundir import walk_files
@@ -121,7 +103,7 @@ def files_fingerprint(root: str) -> str:
 
 @dataclass(frozen=True)
 class Stamp:
-    """A stamp as read back. ``current`` says whether the directory is still what was verified."""
+    """A stamp as read back; ``current``: the directory is still what was verified."""
 
     passed: bool
     data: dict[str, Any]
@@ -134,9 +116,8 @@ class Stamp:
 
     @property
     def state(self) -> str | None:
-        """What the verification could establish (``runs.scan``'s states: ``verified`` by a manifest, ``intact``
-        by CRCs, ``uncheckable`` when nothing could check the content, ...), or ``None`` for a stamp that does
-        not record it (a stamp of an older version: never worth more than a fresh verification)."""
+        """The recorded strength (a :data:`~ckptverify.runs.states.STATES` value), or ``None`` for a stamp without
+        one (never worth more than a fresh verification)."""
         from ckptverify.runs.states import STATES
 
         value = self.data.get("state")
@@ -175,15 +156,9 @@ def _manifest_digest(root: str) -> str | None:
 def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | None = None,
                 fingerprint: str | None = None, throttled_s: float | None = None,
                 parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Write the stamp for ``report`` (a ``verify`` report of ``root``) at :func:`stamp_path`; return what was
-    written.
-
-    ``fingerprint``: :func:`files_fingerprint` taken *before* the verification began (default: now). Taking it
-    before means a file changed during the verification leaves a stamp that is already stale.
-    ``throttled_s``: seconds of the verification spent waiting for an idle core (recorded when given).
-    ``parts``: of a verification shared out among nodes, each node's part (node, host, ranks, files, bytes,
-    verdict: :mod:`ckptverify.verifier.parts`), recorded when given.
-    """
+    """Write the stamp for ``report`` (a ``verify`` report of ``root``); return what was written. ``fingerprint``
+    should be taken *before* verifying, so a file changed meanwhile leaves the stamp already stale. ``throttled_s``
+    and ``parts`` (a verification shared among nodes) are recorded when given."""
     from ckptverify._version import __version__
     from ckptverify.runs.states import judge_report
 
@@ -194,11 +169,10 @@ def write_stamp(root: str | os.PathLike[str], report: Report, *, step: int | Non
         "schema": STAMP_SCHEMA,
         "schema_version": STAMP_VERSION,
         "tool_version": __version__,
-        # A failure of the bytes outranks the suspicion: such a checkpoint is failed, whatever else it is.
+        # A failure of the bytes outranks the suspicion.
         "verdict": "failed" if not report.passed else "suspect" if suspect is not None else "passed",
         "passed": report.passed,
-        # How strong the verdict is: a stamp ranks a checkpoint no higher than this (never "verified" for
-        # content nothing could check).
+        # A stamp ranks a checkpoint no higher than this.
         "state": judge_report(report),
         "summary": counts,
         "errors": [f.to_dict() for f in report.errors[:20]],
@@ -271,8 +245,8 @@ def _read_note(checkpoint: str) -> dict[str, Any] | None:
 
 
 def write_suspect_note(checkpoint: str | os.PathLike[str], record: dict[str, Any]) -> str:
-    """Write the suspect note of ``checkpoint`` (a folder, created if missing) before it is saved into; return
-    its path. ``record``: what made it suspect (see :meth:`ckptverify.hardware.replica.ReplicaCheck.suspect`)."""
+    """Write the suspect note into ``checkpoint`` (created if missing, never through a link) before it is saved into;
+    return its path."""
     folder = os.path.abspath(checkpoint)
     own_folder(folder)  # never written through a link at its name
     data = {"schema": SUSPECT_SCHEMA, **record}
@@ -280,8 +254,8 @@ def write_suspect_note(checkpoint: str | os.PathLike[str], record: dict[str, Any
 
 
 def read_suspect(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """Why ``checkpoint`` is suspect (its note, else what a stamp recorded, current or not: the suspicion is
-    about the state saved, which a later change to the files does not clear), or ``None`` when it is not."""
+    """Why ``checkpoint`` is suspect (its note, else its stamp's record, current or not: a later file change does not
+    clear a suspicion about the saved state), or ``None``."""
     folder = os.fspath(checkpoint)
     note = _read_note(folder)
     if note is not None:

@@ -1,7 +1,5 @@
-"""Where a checkpoint of a run stands: the states a verification gives it, and the quarantine.
-
-Shared by ``scan``, ``latest``, ``prune`` and the stamps (which record a state), below all of them.
-"""
+"""Where a checkpoint of a run stands: the states a verification gives it, and the quarantine; shared by ``scan``,
+``latest``, ``prune`` and the stamps."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from ckptverify.findings import Report
 
 __all__ = ["GOOD_STATES", "INCOMPLETE_CHECKS", "QUARANTINE_DIR", "STATES", "is_quarantined", "judge_report"]
 
-#: Where a production job moves a checkpoint it must not overwrite (relative to the run directory).
 QUARANTINE_DIR = "quarantine"
 
 STATES = ("verified", "intact", "suspect", "uncheckable", "incomplete", "corrupt")
@@ -34,6 +31,5 @@ def judge_report(report: Report) -> str:
 
 
 def is_quarantined(rel_path: str) -> bool:
-    """Whether a checkpoint path (relative to its run directory, as ``find_checkpoints`` gives it) lies in the
-    run's quarantine."""
+    """Whether a checkpoint path relative to its run directory lies in the quarantine."""
     return rel_path.replace(os.sep, "/").split("/", 1)[0] == QUARANTINE_DIR
