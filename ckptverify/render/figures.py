@@ -1,12 +1,6 @@
-"""Pictures of a resume check: an HTML page with PNG figures (``resume-check --report DIR``).
-
-* ``metrics.png``: per step, each recorded metric for A, A2 and B, and ``|A - B|`` (rank 0);
-* ``categories.png``: a step x category heatmap of the sites that differ between A and B (all ranks);
-* ``modules.png`` (level ``module``): a step x module heatmap of differing module sites, the origin marked;
-* ``index.html``: the verdict, the findings, and the figures.
-
-Needs matplotlib (the ``report`` extra); without it :func:`write_report` raises :class:`UsageError`.
-"""
+"""Pictures of a resume check (``resume-check --report DIR``): ``index.html`` with the verdict and findings, and PNGs
+of metrics per run, differing sites per category and (level ``module``) per module with the origin marked. Needs
+matplotlib; without it :func:`write_report` raises :class:`UsageError`."""
 
 from __future__ import annotations
 
@@ -108,11 +102,8 @@ def _heatmap(plt: Any, counts: Sequence[Sequence[int]], rows: Sequence[str], ste
 
 def write_report(report_dir: str, *, report: Any, verdict: Any, trace_dirs: Mapping[str, str],
                  steps: range) -> str:
-    """Write ``index.html`` and its figures into ``report_dir``; return the page's path.
-
-    ``trace_dirs`` maps run names (``A``, ``A2``, ``B``) to their trace directories; ``steps`` are the
-    resumed steps (A and B are compared over them).
-    """
+    """Write ``index.html`` and its figures into ``report_dir``; return the page's path. ``trace_dirs``: run name ->
+    trace directory; A and B are compared over ``steps``."""
     plt = _pyplot()
     from ckptverify.trace.compare import module_of
 

@@ -1,26 +1,9 @@
-"""Prometheus text-format gauges for a report, for node exporters' textfile collectors.
+"""Prometheus text-format gauges of a report (``--metrics-file PATH``), for textfile collectors, e.g.
+``ckptverify_passed{command="verify",target="/ckpt/step_100"} 1``; alert on ``ckptverify_passed == 0`` or a stale
+``ckptverify_last_run_timestamp_seconds``.
 
-``--metrics-file PATH`` on every command that checks (``verify``, ``fingerprint``, ``diff``, ``scan``, ``latest``,
-``watch``, ``resume-check``, ``replay``, ``trace diff``) writes, atomically (a temporary file in the same
-folder, then ``rename``, so a collector never reads half a file), gauges such as::
-
-    ckptverify_passed{command="verify",target="/ckpt/step_100"} 1
-    ckptverify_errors{command="verify",target="/ckpt/step_100"} 0
-    ckptverify_bytes_checked{command="verify",target="/ckpt/step_100"} 8589934592
-    ckptverify_seconds{command="verify",target="/ckpt/step_100"} 1.94
-    ckptverify_last_run_timestamp_seconds{command="verify",target="/ckpt/step_100"} 1796000000.25
-    ckptverify_last_good_step{command="scan",target="/runs/a"} 1200
-
-``watch`` writes the state of the run after every pass (:data:`~ckptverify.verifier.watch.WATCH_HELP`, through
-:mod:`ckptverify.ownfiles.gauges`, which the core may import). Integers
-are written as integers and other numbers with every digit (``repr``), never rounded to six digits; a label
-value that is not valid UTF-8 (a file name's raw bytes) has each such byte written as ``\\xNN``.
-
-The file is replaced only when it is a regular file (:func:`~ckptverify.ownfiles.names.write_atomic`): a symbolic
-link, FIFO or device at ``PATH`` is refused, never replaced or written through.
-
-Alert on ``ckptverify_passed == 0`` or on a stale ``ckptverify_last_run_timestamp_seconds``.
-"""
+Traps: the file is replaced atomically (a collector never reads half) and only when it is a regular file (a link,
+FIFO or device is refused); numbers keep every digit; non-UTF-8 label bytes are written as ``\\xNN``."""
 
 from __future__ import annotations
 
@@ -31,8 +14,7 @@ from ckptverify.findings import Report
 from ckptverify.ownfiles.gauges import format_value, render_gauges, write_gauges
 from ckptverify.verifier.watch import WATCH_HELP
 
-# format_value, render_gauges, write_gauges and WATCH_HELP are re-exported: their homes are below the core
-# (ownfiles.gauges: the file format; verifier.watch: the watcher's gauges), which never imports render.
+# Re-exported from below the core, which never imports render.
 __all__ = ["WATCH_HELP", "format_value", "render_gauges", "render_metrics", "write_gauges", "write_metrics"]
 
 _HELP = {
@@ -66,7 +48,7 @@ def render_metrics(report: Report, *, now: float | None = None) -> str:
         rows = stats.get("checkpoints", [])
         newest = stats.get("newest_good") or {}
         values["checkpoints"] = len(rows)
-        # A corrupt checkpoint the job moved aside and recovered past is handled: an alert on this gauge clears.
+        # Handled (quarantined and recovered past) ones do not count, so an alert clears.
         values["corrupt_checkpoints"] = sum(1 for r in rows if r.get("state") == "corrupt"
                                             and not r.get("handled_by"))
         step = newest.get("step")

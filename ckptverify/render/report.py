@@ -1,10 +1,6 @@
-"""Rendering a :class:`~ckptverify.findings.Report` for people (rich) and machines (JSON).
-
-Library code never prints; the command line calls these. Every name and value in a report may come from a
-hostile checkpoint (an FQN, a file name, a pickled string), so text output never lets them act as rich
-markup, emoji codes or terminal control sequences: they are rendered as :class:`rich.text.Text` (never parsed)
-after :func:`printable` has made every control character visible.
-"""
+"""Rendering a :class:`~ckptverify.findings.Report` for people (rich) and machines (JSON); library code never prints.
+Trap: every name and value may come from a hostile checkpoint, so text output never lets it act as rich markup, emoji
+or terminal control: it is shown as :class:`rich.text.Text` after :func:`printable`."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ __all__ = ["human_bytes", "number_width", "printable", "render_text", "to_json"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
-# C0 and C1 control characters, DEL, and the bidirectional overrides and isolates (which can make a
-# name read differently from what it is). Tabs and newlines are escaped too: one finding, one cell.
+# Controls, DEL and bidi overrides (a name could read as something else); tabs/newlines too: one cell each.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -32,14 +27,13 @@ def printable(value: object) -> str:
 
 # A whitespace-delimited word that is a number, bare or in punctuation: "0.00123,", "[8672,", "1.5e-07)".
 _NUMBER_WORD = re.compile(r"[\[(]*[-+]?(?:\d[\d_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?%?[\]),;:.]*")
-#: Numbers longer than this may still be folded (a hostile name can hold a digit string of any length).
+#: Longer numbers may fold (a hostile name can hold any digit string).
 _MAX_NUMBER_WIDTH = 40
 
 
 def number_width(texts: object) -> int:
-    """The width of the longest number (with the punctuation around it) among the words of ``texts``: a table
-    column at least this wide never breaks a number across lines (rich folds only words wider than the
-    column), so ``0.0012345314025878906`` is never shown as ``0.00123453140258`` over ``78906``."""
+    """Width of the longest number (with surrounding punctuation) among the words of ``texts``: a column at least
+    this wide never splits a number (rich folds only words wider than the column)."""
     widest = 0
     for text in texts:  # type: ignore[attr-defined]
         for word in str(text).split():
@@ -113,9 +107,8 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
 
 
 def _text_widths(width: int, *fixed_and_text: list[str]) -> tuple[int | None, int | None]:
-    """Widths of the two text columns (where, what) of a findings table ``width`` wide after the no-wrap
-    columns, or ``None`` for rich's own choice when everything fits. Each gets at least its widest number
-    (:func:`number_width`): rich folds a word wider than its column, and would cut a number in two."""
+    """Widths of the ``where``/``what`` columns of a findings table ``width`` wide, or ``None`` for rich's choice
+    when everything fits; each at least its widest number, so no number is cut."""
     *fixed, where, what = fixed_and_text
     borders = 3 * (len(fixed) + 2) + 1  # "│ " before each column, " " after it, and the last "│"
     rest = width - borders - sum(max((len(x) for x in col), default=0) for col in fixed)

@@ -1,10 +1,6 @@
-"""How ``resume-check`` shows its outcome: the findings, then the verdict as the last line, and the report page.
-
-A front end (like :mod:`ckptverify.render.report`): it prints, and imports rich only when called.
-:func:`resume_check` is the check as the package offers it (``ckptverify.resume_check``): the core check of
-:mod:`ckptverify.resume.harness` with the HTML page of :mod:`ckptverify.render.figures` plugged in, since the
-core layers never import this one.
-"""
+"""How ``resume-check`` shows its outcome: findings, the verdict as the last line, and the report page. A front end
+that imports rich only when called; :func:`resume_check` is ``ckptverify.resume_check``: the core check with
+:mod:`ckptverify.render.figures` plugged in (the core never imports render)."""
 
 from __future__ import annotations
 
@@ -39,8 +35,8 @@ def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str
 
 
 def log_dir_for(keep: str | None) -> str:
-    """Where the workload's per-rank logs go when stdout must stay clean: ``<keep>/logs``, or a fresh
-    directory that outlives the check (its files are named in the report)."""
+    """Where per-rank workload logs go when stdout must stay clean: ``<keep>/logs``, or a fresh directory that
+    outlives the check."""
     if keep:
         return os.path.join(os.path.abspath(keep), "logs")
     return tempfile.mkdtemp(prefix="ckptverify-logs-")
@@ -54,11 +50,8 @@ def workload_log_files(log_dir: str) -> list[str] | None:
 
 
 def fail_lines(exc: Any, json_out: bool, command: str, target: str) -> NoReturn:
-    """Say why ``command`` could not run and exit with the error's code (2).
-
-    The message may have several lines (the user's traceback, the line at fault): on a terminal each is printed
-    as it is, control characters shown as escapes, after ``ckptverify COMMAND: error:``; with ``--json`` it is
-    the report's ``error`` string."""
+    """Say why ``command`` could not run and exit with the error's code (2): each line with controls escaped on a
+    terminal, or the JSON report's ``error``."""
     from ckptverify.render.report import printable
 
     if json_out:

@@ -1,9 +1,5 @@
-"""How ``scan`` shows its report: a table of the checkpoints in step order, the newest good one, the verdict.
-
-A front end (like :mod:`ckptverify.render.report`): the command line calls it; :mod:`ckptverify.runs.scan`
-builds the report and never prints. Every name in the table comes from the file system, so it is shown through
-:func:`~ckptverify.render.report.printable` as :class:`rich.text.Text` (never parsed as markup).
-"""
+"""How ``scan`` shows its report: a table of checkpoints in step order, the newest good one, the verdict. Names come
+from the file system, so they are shown via :func:`~ckptverify.render.report.printable` as plain Text."""
 
 from __future__ import annotations
 
@@ -41,8 +37,7 @@ def render_scan(report: Report, console: Any) -> None:
     if newest:
         console.print(Text.assemble(("newest good: ", "bold"), printable(newest["path"]),
                                     f" (step {newest['step']})" if newest["step"] is not None else ""))
-    # Findings that are not a row of the table (none good) are shown, so the verdict never counts an
-    # error the page does not show.
+    # Show non-row findings, so the verdict never counts an error the page hides.
     for f in report.findings:
         if f.check != "scan":
             console.print(Text.assemble((f"{f.severity.value}: ", _SEVERITY_STYLE[f.severity.value]),
