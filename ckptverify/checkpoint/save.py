@@ -383,7 +383,8 @@ def save(
         verify: after commit, verify on the coordinator and stamp: a :class:`~ckptverify.options.VerifyOptions` or its
             ``when``: ``"background"`` (returns at once), ``"inline"`` or ``"off"`` (default: the save already digests
             every byte; :mod:`ckptverify.options.verify`). ``on_failure="raise"`` raises
-            :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when inline, else from the next.
+            :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when inline, else from the
+            next save called with ``"raise"``.
         on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (coordinator).
         events: an :class:`~ckptverify.ownfiles.events.EventLog` or run directory for ``events.jsonl``.
         **dcp_kwargs: ``FileSystemWriter`` options and ``dcp.save`` options (``planner``, ``no_dist``,
@@ -437,8 +438,8 @@ def async_save(
     Returns DCP's future (or ``AsyncSaveResponse``); the upload future fails with
     :class:`~ckptverify.errors.SaveFailedError` instead of DCP's ``CheckpointException``. The manifest is written
     before the future completes (:func:`ckptverify.ownfiles.manifest.read_manifest`). ``verify``: queued
-    (``"background"``) or done before the future completes (``"inline"``); a ``"raise"`` failure is raised by the next
-    save, on every rank.
+    (``"background"``) or done before the future completes (``"inline"``); a ``"raise"`` failure is raised on every rank
+    by the next save called with ``"raise"``.
     """
     import torch.distributed.checkpoint as dcp
 
