@@ -47,8 +47,7 @@ STORAGE_META_FIELDS = sp.KINDS["StorageMeta"].fields
 ALLOWED_GLOBALS = sp.ALLOWED_GLOBALS
 
 
-# ---------------------------------------------------------------------------------------------
-# What a validated metadata file says.
+# -------- What a validated metadata file says.
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +109,7 @@ class ParsedMetadata:
     unsafe_paths: list[tuple[str, tuple[int, ...] | None, str]] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------------------------------------
-# Files.
+# -------- Files.
 
 
 def metadata_files(root: str) -> list[str]:
@@ -218,8 +216,7 @@ def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Findin
                      location=where)
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation of the plain tree. Everything below treats the values as hostile.
+# -------- Validation of the plain tree. Everything below treats the values as hostile.
 
 
 def _short(value: Any) -> str:
@@ -565,8 +562,7 @@ def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
     raise BadPickle(f"{where} holds a {kind}, which belongs elsewhere in DCP metadata")
 
 
-# ---------------------------------------------------------------------------------------------
-# Merging validated files into the layout the checks use: linear in entries and chunks.
+# -------- Merging validated files into the layout the checks use: linear in entries and chunks.
 
 
 class _Merger:

@@ -132,8 +132,7 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# The plain tree handed to validation: immutable values, no behaviour.
+# -------- The plain tree handed to validation: immutable values, no behaviour.
 
 
 def _refuse_build(self: Any, state: Any) -> None:
@@ -201,8 +200,7 @@ class PDict:
     __setstate__ = _refuse_build
 
 
-# ---------------------------------------------------------------------------------------------
-# Stand-ins: new for every parse, immutable where they are shared.
+# -------- Stand-ins: new for every parse, immutable where they are shared.
 
 
 class _Budget(Budget):
@@ -448,7 +446,6 @@ class _DTypeGlobal(_Global):
         return self._label[len("torch."):]
 
 
-# ---------------------------------------------------------------------------------------------
 
 
 def parse(data: bytes) -> Any:
