@@ -1,11 +1,9 @@
-"""``fingerprint``: adopt an existing DCP checkpoint by computing and writing its manifest.
+"""``fingerprint``: adopt an existing checkpoint (torchtitan, Megatron, plain ``dcp.save``, ...) by writing its
+manifest.
 
-For checkpoints written by another tool (torchtitan, Megatron, plain ``dcp.save``). The checkpoint is
-verified first (structure, metadata safety, every CRC-32); one that fails is refused, never blessed. Then
-every item, block, file and metadata file is digested and every tensor fingerprinted from its bytes (all
-read through the checkpoint's description, :mod:`ckptverify.formats.describe`, as for every format), and
-the manifest is written atomically. This is the only command that writes into a checkpoint directory, and
-it writes only ``ckptverify.manifest.json``.
+It is verified first; one that fails is refused, never blessed. Then every item, block, file and metadata file is
+digested and every tensor fingerprinted from its description (:mod:`ckptverify.formats.describe`), and the
+manifest written atomically. The only command that writes into a checkpoint, and only its manifest.
 """
 
 from __future__ import annotations
@@ -56,24 +54,16 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                            trust_uncheckable: bool = False, progress: ProgressSink | None = None,
                            executor: Executor | None = None,
                            parts: list[AdoptionPart] | None = None) -> tuple[Report, Manifest | None]:
-    """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the
-    manifest (``None`` when refused).
+    """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the manifest
+    (``None`` when refused).
 
-    Content that verification could not check (items without CRC-32: stream transforms, DCP's safetensors
-    serialization, CRC disabled at save) would be blessed as it is by a manifest, so it is refused unless
-    ``trust_uncheckable``; the report names every such item either way. Raises
-    :class:`~ckptverify.errors.CkptVerifyError` when a manifest exists and ``force`` is false, or the
-    manifest path is not a regular file, :class:`~ckptverify.errors.UsageError` for bad arguments.
-
-    ``executor``: shares a DCP checkpoint's verification pass and its item and file digests among ranks
-    and the logical fingerprints' reads among ranks (:mod:`ckptverify.cluster`); the manifest is the one a
-    single process writes. Other formats are adopted by this process alone.
-
-    ``parts``: what other nodes computed over their own files (:func:`fingerprint_files`, a save's adoption
-    shared out among the nodes that wrote it): those files are neither opened nor read here, their verification
-    joins this one's, and their digests and scans join the manifest. Raises
-    :class:`~ckptverify.errors.PartsOverlapError` when the parts cannot be merged (a chunk on two nodes,
-    another digest or block size)."""
+    Content verification could not check (no CRC-32) is refused unless ``trust_uncheckable`` (the report names it
+    either way). ``executor``: share a DCP checkpoint's reads among ranks (:mod:`ckptverify.cluster`), same manifest.
+    ``parts``: other nodes' :func:`fingerprint_files` results, whose files are not read here.
+    Raises :class:`~ckptverify.errors.CkptVerifyError` (a manifest exists without ``force``, or its path is not a
+    regular file), :class:`~ckptverify.errors.PartsOverlapError` (parts cannot be merged),
+    :class:`~ckptverify.errors.UsageError` (bad arguments).
+    """
     from ckptverify.fingerprint import ALGORITHMS
 
     root = os.fspath(path)
@@ -105,10 +95,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     if _other_format(root)[0] == "folder":
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
                                       trust_uncheckable=trust_uncheckable, started=started)
-    # The digests, scans and entries of a checkpoint of many items are many small objects and no cycles: the
-    # cyclic collector would walk them all again and again (a third of the time of 100 000 items), and once
-    # more when it is enabled again: all but the report and the manifest is freed before that, by reference
-    # counting, as the call returns.
+    # Many small acyclic objects (see gcpause): a third of the time of 100 000 items without the pause.
     with paused_gc():
         return _adopt_dcp(root, digest=digest, block_bytes=block_bytes, jobs=jobs,
                           trust_uncheckable=trust_uncheckable, progress=progress, executor=executor,
@@ -155,8 +142,7 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
                                                                      block_bytes=block_bytes, executor=executor)
         metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
         if parts:
-            # What the other nodes computed over their files (the files this run skipped): their items, files
-            # and tensor scans join this node's; a chunk two nodes hold cannot be merged (:func:`_merge_scans`).
+            # Other nodes' items, files and scans join this node's (:func:`_merge_scans`).
             for part in parts:
                 entries += part.items
                 files.update(part.files)
@@ -219,10 +205,8 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
 
 @dataclass(frozen=True, slots=True)
 class AdoptionPart:
-    """What one node computed over its own files for the manifest of a checkpoint adopted in parts
-    (:func:`fingerprint_files`): the verification of those files (``report``) and, when it passed
-    (``complete``), their items' and files' digests and the scans of the tensor chunks they hold. JSON by
-    :meth:`to_dict`."""
+    """One node's share of an adoption in parts (:func:`fingerprint_files`): its files' verification (``report``) and,
+    when it passed (``complete``), their digests and tensor-chunk scans. JSON via :meth:`to_dict`."""
 
     report: Report
     #: The files this part was given (the ones it verified, and the only ones it opened).
@@ -260,10 +244,8 @@ class AdoptionPart:
 
 def fingerprint_files(path: str | os.PathLike[str], only: frozenset[str], *, jobs: int | None = None,
                       digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES) -> AdoptionPart:
-    """One node's part of adopting the DCP checkpoint at ``path`` (:func:`fingerprint_checkpoint` with
-    ``parts``): the byte-level verification of the files ``only`` (no other file is opened), then, when it
-    passed, their items' and files' digests and the scans of the tensor chunks they hold, as one process
-    computes them. Writes nothing."""
+    """One node's part of adopting ``path`` (see :func:`fingerprint_checkpoint`'s ``parts``): byte-level verification of
+    ``only`` (no other file opened), then, if it passed, their digests and scans. Writes nothing."""
     root = os.fspath(path)
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
@@ -296,9 +278,8 @@ def fingerprint_files(path: str | os.PathLike[str], only: frozenset[str], *, job
 
 
 def _merge_scans(scans: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each tensor's scan from this node's and the other nodes' scans of the chunks each holds: their
-    fingerprint parts, chunks and counts added up. :class:`~ckptverify.errors.PartsOverlapError` when two nodes
-    hold the same chunk (or the same whole tensor)."""
+    """Each tensor's scan merged over all nodes; :class:`~ckptverify.errors.PartsOverlapError` if two hold the same
+    chunk (or whole tensor)."""
     out = dict(scans)
     for part in others:
         for name, got in part.items():
@@ -319,8 +300,8 @@ def _merge_scans(scans: dict[str, Any], others: list[dict[str, Any]]) -> dict[st
 
 def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_bytes: int, executor: Executor | None
                        ) -> tuple[list[ItemEntry], dict[str, FileEntry], dict[str, Any], list[Any]]:
-    """Every item's and file's digests and every tensor's scan of what ``run`` verified (``desc``, its
-    description): the entries of a manifest, the tensors' scans and any ``replica-mismatch`` findings."""
+    """Every item's and file's digests and every tensor's scan of what ``run`` verified: the manifest entries, scans and
+    any ``replica-mismatch`` findings."""
     from ckptverify.fingerprint import BlockDigest, digest_reader
     from ckptverify.fingerprint.digest import digest_bytes
 
@@ -338,8 +319,7 @@ def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_by
     kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan
 
     def digest_batch(batch: _Batch) -> list[ItemEntry]:
-        # Small items (each at most one block), read many at a time: an item's digest and its one block's
-        # digest are the digest of its bytes (what BlockDigest gives for one block), taken once.
+        # A small item is one block: its digest and its block's are the same, taken once.
         name, start, end, items = batch
         with desc.open(name) as f:
             buf = f.pread(start, end - start)
@@ -394,8 +374,7 @@ def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_by
     return entries, dict(zip(names, file_digests, strict=True)), scans, replica_findings
 
 
-#: Small files read whole by the digest pass are kept in memory, up to this many bytes each and in all, for the
-#: tensor scan that follows (a checkpoint of one file per item: each file opened and read once, not twice).
+#: Small files the digest pass read whole stay in memory (per file, in all) for the tensor scan: read once.
 KEEP_FILE_BYTES = 64 << 10
 KEEP_TOTAL_BYTES = 256 << 20
 #: The verification pass's small files read whole at open stay in memory through the digest pass and the scan.
@@ -403,9 +382,8 @@ HOLD_KEPT = True
 
 
 class _KeptFiles:
-    """The bytes of small files read whole, kept (within bounds) so that a later pass reads them from memory:
-    the same bytes the digests were taken of. What changes on disk meanwhile is caught as for any pass, by the
-    run's :meth:`~ckptverify.checks.dcp_pipeline.VerificationRun.changed_files` before the manifest is written."""
+    """Bytes of small files read whole, kept within bounds for a later pass (the bytes that were digested; a change on
+    disk is caught by ``changed_files`` before the manifest is written)."""
 
     def __init__(self, file_bytes: int, total_bytes: int) -> None:
         self.file_bytes, self.left = file_bytes, total_bytes
@@ -420,8 +398,7 @@ class _KeptFiles:
                     self.left -= len(data)
 
     def over(self, desc: Any) -> Any:
-        """``desc`` whose files kept here open as readers of the kept bytes (every other file, and every
-        payload, opens as ``desc`` opens it)."""
+        """``desc`` with kept files opening as readers of their kept bytes."""
         return _KeptOver(desc, self.files) if self.files else desc
 
     def clear(self) -> None:
@@ -429,8 +406,7 @@ class _KeptFiles:
 
 
 class _KeptOver:
-    """A description read through kept files: ``open(name)`` of a kept file reads its kept bytes; everything
-    else is the description's own."""
+    """A description whose kept files read from memory; everything else is the description's own."""
 
     def __init__(self, desc: Any, files: dict[str, bytes]) -> None:
         self._desc, self._files = desc, files
@@ -463,10 +439,8 @@ BATCH_GAP = 64 << 10
 
 
 def _small_item_batches(stored: list[StoredRange], block_bytes: int) -> tuple[list[_Batch], list[StoredRange]]:
-    """Items of at least one byte and at most one block, grouped into runs of one file read at once (at most
-    :data:`BATCH_BYTES`, gaps of at most :data:`BATCH_GAP` read over); and the other items, digested one by one.
-    A checkpoint of many small tensors (or one file per item) is then read by a few large reads, not one per
-    item."""
+    """Items of 1 byte to one block grouped into per-file runs read at once (at most :data:`BATCH_BYTES`, gaps up to
+    :data:`BATCH_GAP`), and the other items, digested singly."""
     limit = min(block_bytes, BATCH_BYTES)
     small = sorted((i for i in stored if 0 < i.length <= limit), key=lambda i: (i.file, i.offset))
     large = [i for i in stored if not 0 < i.length <= limit]
@@ -491,18 +465,10 @@ _BATCHED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64
 
 
 def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[str]]:
-    """The scans (fingerprint, NaN and Inf counts) of the small tensors of ``desc`` stored whole in one raw,
-    row-major piece of one of its dtypes, read by batched reads (:func:`_small_item_batches`'s windows) and
-    fingerprinted many at once (:func:`_whole_lanes`, the lane sums
-    :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for a whole tensor), instead of one
-    scan per tensor: the same values as :func:`~ckptverify.checks.deep.scan_description`, whose work per
-    tensor costs more than a small tensor's arithmetic. Returns the scans (:class:`SmallScan`) and the names
-    scanned; every other tensor (a chunk of a larger one, replicated, a view, a subclass, bytes shorter than
-    the view) is left to the general scan, which also says what is wrong with it.
-
-    The reads of up to :data:`ROUND_BYTES` at a time are fingerprinted together, dtype by dtype, in a few
-    numpy operations (numpy only: torch is not imported), so the cost per tensor is a slice of a read, not a
-    round of array operations: a checkpoint of one file per item has one tensor per read."""
+    """Scans of the small tensors stored whole in one raw row-major piece of a batched dtype, fingerprinted many at a
+    time in numpy (:func:`_whole_lanes`, no torch import) from the batched reads: the same values as
+    :func:`~ckptverify.checks.deep.scan_description` at a fraction of its per-tensor cost. Returns the scans and
+    names; every other tensor is left to the general scan (which also reports what is wrong)."""
     import math
 
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
@@ -566,8 +532,7 @@ _FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 class SmallScan:
-    """The scan of a small whole tensor fingerprinted many at once: what
-    :class:`~ckptverify.checks.deep.TensorScan` gives for it (its fingerprint, NaN and Inf counts; no parts)."""
+    """A batched small tensor's scan: what :class:`~ckptverify.checks.deep.TensorScan` gives (fingerprint, counts)."""
 
     __slots__ = ("fingerprint", "inf", "nan")
     part_values: ClassVar[dict[str, str]] = {}
@@ -596,8 +561,7 @@ def _rounds(batches: list[_Batch], limit: int) -> list[list[_Batch]]:
 
 
 def _lane_values(lanes: tuple[Any, Any]) -> list[str]:
-    """The fingerprint value of each pair of lane sums (two arrays of unsigned 64-bit sums): lane 0 then lane
-    1, 16 hex digits each, as :meth:`~ckptverify.fingerprint.TensorFingerprint.from_lanes` writes it."""
+    """Fingerprint values (lane 0 then lane 1, 16 hex digits each) of pairs of unsigned lane-sum arrays."""
     import numpy as np
 
     lane0, lane1 = lanes
@@ -609,9 +573,8 @@ def _lane_values(lanes: tuple[Any, Any]) -> list[str]:
 
 
 def _nonfinite_counts(bits: bytes, dtype: str, counts: list[int]) -> tuple[list[int] | None, list[int] | None]:
-    """The NaN and Inf counts of each tensor whose elements of the floating ``dtype`` lie end to end in
-    ``bits`` (``counts`` elements each); ``(None, None)`` when every value is finite (one reduction for the
-    usual case). bfloat16 is widened to float32 by its bits (numpy has no bfloat16)."""
+    """NaN and Inf counts per tensor laid end to end in ``bits``; ``(None, None)`` when all finite (one reduction).
+    bfloat16 is widened via its bits (numpy has none)."""
     import numpy as np
 
     if dtype == "bfloat16":
@@ -624,10 +587,8 @@ def _nonfinite_counts(bits: bytes, dtype: str, counts: list[int]) -> tuple[list[
 
 
 def _whole_lanes(bits: bytes, itemsize: int, counts: list[int], dtype_name: str) -> tuple[Any, Any]:
-    """The two lane sums (two arrays of unsigned 64-bit integers) of each whole tensor whose elements lie end
-    to end in ``bits`` (``counts`` elements each, of ``itemsize`` bytes and dtype ``dtype_name``): what
-    :func:`~ckptverify.fingerprint.kernels.fingerprint_lanes` gives for each, for all of them in a few numpy
-    operations (:func:`~ckptverify.fingerprint.spec.numpy_lanes`, each element at its index in its own tensor)."""
+    """Both lane sums of each whole tensor laid end to end in ``bits``, as ``fingerprint_lanes`` gives them, in a few
+    numpy operations (:func:`~ckptverify.fingerprint.spec.numpy_lanes`)."""
     import numpy as np
 
     from ckptverify.fingerprint.spec import dtype_seed, numpy_lanes
@@ -653,9 +614,8 @@ _TORCH_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"\\]+)['"]\s*$""
 
 
 def torch_version() -> str:
-    """``str(torch.__version__)`` without importing torch when it is not imported yet (an import costs more than
-    a second, and adopting a checkpoint of small tensors needs none of it): read from the ``torch/version.py``
-    that importing torch would read. Imports torch when that file cannot be read or says something else."""
+    """``torch.__version__`` without importing torch (over a second) when not yet imported, from ``torch/version.py``;
+    imports torch if that cannot be read."""
     import sys
 
     loaded = sys.modules.get("torch")
@@ -702,11 +662,9 @@ def file_manifest_path(path: str) -> str:
 
 def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: bool, jobs: int | None,
                            trust_uncheckable: bool, started: float) -> tuple[Report, Manifest | None]:
-    """A folder of checkpoint files (Hugging Face, accelerate, transformers) or a single file: verified by
-    every file's own checks, then every regular file digested and every tensor payload digested by blocks
-    and fingerprinted from its description (:mod:`ckptverify.checks.described`). DCP checkpoints inside a
-    folder (FSDP saves) are adopted each with its own manifest. A single file's manifest is written beside
-    it (``NAME.ckptverify.manifest.json``)."""
+    """Adopt a folder of checkpoint files or a single file: verified by each file's checks, then every file digested and
+    every tensor payload digested and fingerprinted (:mod:`ckptverify.checks.described`). DCP sub-folders get their
+    own manifests; a single file's goes beside it."""
     from ckptverify.audit.verify import _under, verify_checkpoint
 
     single = not os.path.isdir(root)
@@ -758,10 +716,8 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
 
 def _described_manifest(root: str, names: list[str] | None, own: str, digest: str,
                         block_bytes: int) -> tuple[str, Manifest | None, int]:
-    """The manifest of a single checkpoint file (``names``: its name) or of the files at the top of a folder
-    (``names`` ``None``), written as ``own``: where it was written, the manifest (``None``, nothing written, when
-    the folder's files were added or removed meanwhile) and how many tensors could not be fingerprinted. Raises
-    :class:`~ckptverify.safeparse.readers.FileChangedError` when a file changed while it was digested."""
+    """The manifest of one file (``names``) or a folder's top files (``None``), written as ``own``: path, manifest
+    (``None`` if files came or went) and unfingerprinted count. Raises ``FileChangedError`` if a file changed."""
     from ckptverify._version import __version__
     from ckptverify.checks.described import folder_files, manifest_entries
     from ckptverify.fingerprint import FINGERPRINT_VERSION
@@ -784,12 +740,9 @@ def _described_manifest(root: str, names: list[str] | None, own: str, digest: st
 def fingerprint_folder_files(path: str | os.PathLike[str], only: frozenset[str], *, jobs: int | None = None,
                              digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
                              ) -> tuple[Report, dict[str, AdoptionPart]]:
-    """One node's part of adopting a folder of checkpoint files whose DCP folders several nodes wrote (an FSDP
-    save by accelerate or transformers; :func:`fingerprint_folder_parts`): :func:`fingerprint_files` of its
-    shards in each DCP folder, named ``SUB/FILE`` in ``only`` (names that lead out of the folder, or name no
-    DCP folder or a file at its top, are ignored: those files are the coordinator's). Returns the verification
-    of those shards as the folder's (files as ``SUB/FILE``, ``stats["opened"]`` what was opened) and the part of
-    each DCP folder. Writes nothing."""
+    """One node's part of adopting a folder whose DCP folders several nodes wrote: :func:`fingerprint_files` of its
+    ``SUB/FILE`` shards (other names ignored: the coordinator's). Returns the shards' verification as the folder's
+    and each DCP folder's part. Writes nothing."""
     from ckptverify.audit.verify import each_shard_folder
 
     root = os.fspath(path)
@@ -811,21 +764,15 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list
                              digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
                              jobs: int | None = None,
                              trust_uncheckable: bool = False) -> tuple[Report, Manifest | None, list[str]]:
-    """:func:`fingerprint_checkpoint` of a folder of checkpoint files whose DCP folders several nodes wrote, the
-    work shared out among them: the files at the folder's top and the shards no other node took are verified,
-    digested and fingerprinted here. By DCP folder:
+    """:func:`fingerprint_checkpoint` of a folder whose DCP folders several nodes wrote; top files and unclaimed shards
+    are handled here.
 
-    - ``parts``: what other nodes computed over their shards (:func:`fingerprint_folder_files`): neither opened
-      nor read here; their verification joins this one's, their digests and scans that folder's manifest.
-    ``elsewhere``: for each node that brought no digests, its shards (``SUB/FILE``) and its verification of
-    them. A DCP folder holding such shards is read whole here and given its manifest when ``read_elsewhere``
-    (``fingerprint=True``) or when a manifest is already in it (a former save's, which the shards no longer
-    match); else it gets no manifest (its shards are under CRC-32, and were verified on the nodes that wrote
-    them: those verifications join this one's) and the rest of it is verified here.
-
-    Returns the report (``stats["bytes_read_here"]`` and ``stats["opened"]``: what this process read), the
-    folder's own manifest (``None`` when refused: a failed verification, content nothing could check without
-    ``trust_uncheckable``, files that changed) and the DCP folders left without a manifest."""
+    ``parts``: other nodes' :func:`fingerprint_folder_files` per DCP folder (not read here). ``elsewhere``: shards
+    of nodes that brought no digests, with their verification; such a folder is read whole and given a manifest
+    when ``read_elsewhere`` or it holds a former manifest, else none (its shards are CRC-protected and were verified
+    where written). Returns the report (``stats``: what was read here), the folder's manifest (``None`` if refused)
+    and the DCP folders left without one.
+    """
     from ckptverify.audit.verify import FINGERPRINT_ADVICE, _folder_files, _under, by_subfolder, verify_part
 
     root = os.fspath(path)

@@ -1,19 +1,10 @@
 """``diff``: compare two checkpoints tensor by tensor and value by value, whatever their sharding or format.
 
-Each side is read through its format's description (:mod:`ckptverify.formats.describe`; DCP through
-:mod:`ckptverify.formats.dcp`, from what its verification read), so a DCP checkpoint, its
-``dcp_to_torch_save`` file and its Hugging Face export compare by tensor name. Tensors are compared by
-logical fingerprint (from a DCP checkpoint's manifest when it has a valid one, else rebuilt from the
-payloads of the description, one way for every format), so checkpoints saved with different world sizes or chunkings
-compare correctly; only tensors whose fingerprints differ are loaded in full (both sides, one tensor at a
-time) to say how they differ: differing elements, max absolute difference, max ULP distance, first
-differing index. Plain values (non-tensor DCP items, pickled and JSON values of framework files such as
-Lightning's ``meta.pt`` or ``trainer_state.json``) are compared exactly.
-
-Both checkpoints are verified first; their errors are reported and their damaged tensors not compared. A
-tensor present on both sides that could not be read back fails the comparison (it was not compared), and a
-comparison that compared nothing never passes. ``ignore``: glob patterns of names left out on both sides
-(per-rank entries that legitimately differ); the report counts them.
+Each side is read via its format's description, so DCP, ``dcp_to_torch_save`` and HF exports compare by name.
+Tensors compare by logical fingerprint (a valid manifest's, else rebuilt); only differing ones are loaded, one at a
+time, to say how they differ. Plain values compare exactly. Both sides are verified first; damaged tensors are not
+compared. A tensor that could not be read back fails the comparison, and comparing nothing never passes.
+``ignore``: globs left out on both sides (counted).
 """
 
 from __future__ import annotations
@@ -42,14 +33,13 @@ if TYPE_CHECKING:
 def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jobs: int | None = None,
                      progress: ProgressSink | None = None, ignore: Sequence[str] = (),
                      map_prefix: Sequence[str | tuple[str, str]] = ()) -> Report:
-    """Compare checkpoints ``a`` and ``b`` (each a DCP folder, a folder of checkpoint files or a single
-    file); exit code 0 when every tensor and value is bitwise equal and something was compared.
+    """Compare checkpoints ``a`` and ``b`` (DCP folder, folder of files, or single file); exit code 0 when every tensor
+    and value is bitwise equal and something was compared.
 
-    ``map_prefix``: ``"A_PREFIX=B_PREFIX"`` strings (or ``(a_prefix, b_prefix)`` pairs): a name of A that
-    starts with ``A_PREFIX`` is compared with the name of B that has ``B_PREFIX`` instead (the longest
-    matching prefix wins; either side may be empty, not both): ``net.=model.net.`` compares A's
-    ``net.0.weight`` with B's ``model.net.0.weight``. Raises :class:`~ckptverify.errors.UsageError` for a
-    malformed mapping, and for one that maps two names of A onto the same name."""
+    ``map_prefix``: ``"A_PREFIX=B_PREFIX"`` strings or pairs; A's names starting with ``A_PREFIX`` are compared with
+    B's names with ``B_PREFIX`` instead (longest prefix wins; one side may be empty). Raises
+    :class:`~ckptverify.errors.UsageError` for a malformed mapping or one mapping two names of A onto one.
+    """
     from ckptverify.errors import CheckpointNotFoundError
 
     mapping = parse_prefix_map(map_prefix)
@@ -85,9 +75,8 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], *, jo
 
 
 def parse_prefix_map(specs: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
-    """Validate ``--map-prefix`` values: each ``A_PREFIX=B_PREFIX`` with exactly one ``=`` (or a pair of
-    strings), not both empty, no A prefix given twice, no control characters. Raises
-    :class:`~ckptverify.errors.UsageError`."""
+    """Validate ``--map-prefix`` values (one ``=`` each or a pair; not both empty; no repeated A prefix; no control
+    characters). Raises :class:`~ckptverify.errors.UsageError`."""
     from ckptverify.errors import UsageError
 
     if isinstance(specs, str | bytes):
@@ -116,8 +105,8 @@ def parse_prefix_map(specs: Sequence[str | tuple[str, str]]) -> list[tuple[str, 
 
 def _mapped_names(names: Sequence[str], mapping: list[tuple[str, str]],
                   used: dict[tuple[str, str], int]) -> dict[str, str]:
-    """``{name in B's terms: name in A}`` for A's ``names`` under ``mapping`` (longest A prefix wins); counts
-    the names each mapping renamed in ``used``. Two names of A onto one is a usage error."""
+    """``{B's name: A's name}`` for ``names`` under ``mapping`` (longest prefix wins), counting renames in ``used``. Two
+    names onto one is a usage error."""
     from ckptverify.errors import UsageError
 
     by_length = sorted(mapping, key=lambda m: -len(m[0]))
@@ -253,8 +242,7 @@ def _short(value: str) -> str:
 
 
 class _Side:
-    """One checkpoint as ``diff`` sees it: tensor names with (dtype, shape), plain values, and how to
-    fingerprint and load a tensor."""
+    """One checkpoint as ``diff`` sees it: tensor names with (dtype, shape), plain values, fingerprint and load."""
 
     format = "?"
     errors: list[Finding]
@@ -303,14 +291,12 @@ def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
 
 
 class _DescribedSide(_Side):
-    """A single file or a folder of files, through :func:`~ckptverify.formats.describe.describe`.
+    """A single file or folder through :func:`~ckptverify.formats.describe.describe`.
 
-    Verification errors leave out only what they touch: a tensor whose payload overlaps an error's byte
-    range, or that an error names; every tensor of a file with an error that names no bytes (its structure,
-    its size), except where a manifest still vouches for the tensor: a whole-file ``manifest-digest`` error
-    leaves out none of the file's tensors whose payload is, byte for byte, an item of a manifest covering the
-    file and hashes to that item's digest (read again here). Values of a file with an error that names no
-    tensor bytes are left out (named, not compared)."""
+    Errors leave out only what they touch: tensors overlapping an error's bytes or named by it; all of a file's
+    tensors for an error naming no bytes, except payloads a covering manifest item still vouches for (rehashed here).
+    A file with an error not confined to tensor bytes has its values left out (named, not compared).
+    """
 
     def __init__(self, root: str, jobs: int) -> None:
         from ckptverify.audit.verify import verify_checkpoint
@@ -370,8 +356,8 @@ def _serial_map(fn: Any, items: list[Any]) -> list[Any]:
 
 
 def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple[str, int, int]]:
-    """Tensor payloads ``(file, offset, length)`` of ``files`` that are an item of a manifest covering the
-    file and whose bytes hash to that item's digest now."""
+    """Payloads ``(file, offset, length)`` of ``files`` that are a covering manifest's item and hash to its digest now.
+    """
     if not files:
         return set()
     from ckptverify.checks.described import manifests_of
@@ -405,10 +391,9 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
 
 
 def rebuilt_fingerprints(desc: Description, names: set[str], run_map: Any, **scan: Any) -> dict[str, str]:
-    """The logical fingerprint of each tensor of ``desc`` in ``names``, rebuilt from its payloads (through
-    ``run_map``; ``scan``: options of :func:`~ckptverify.checks.deep.scan_description`), whatever the format;
-    a tensor with no elements and nothing stored is ``"empty"``. A tensor that cannot be rebuilt in full is
-    left out (the caller reports it as not compared)."""
+    """Fingerprints of ``desc``'s tensors in ``names``, rebuilt from payloads via ``run_map`` (``scan``: options of
+    :func:`~ckptverify.checks.deep.scan_description`); ``"empty"`` for no elements and nothing stored. Tensors not
+    fully rebuilt are left out (reported as not compared)."""
     wanted = {n for n in names if n in desc.tensors}
     scans, _ = deep_check.scan_description(desc, run_map, only=wanted, **scan)
     out: dict[str, str] = {}
@@ -424,8 +409,7 @@ def rebuilt_fingerprints(desc: Description, names: set[str], run_map: Any, **sca
 
 
 class _DcpSide(_Side):
-    """A DCP checkpoint, through the DCP pipeline's verification and the description it read (tensors chunk
-    by chunk, non-tensor items as plain values, the framework side files beside the shards)."""
+    """A DCP checkpoint via its pipeline's verification and description (chunks, plain values, side files)."""
 
     format = "dcp"
 
@@ -475,8 +459,8 @@ _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def _subclass_finding(what: str, sa: _Side, a_name: str, sb: _Side, b_name: str, fa: str, fb: str) -> Finding:
-    """The ``diff-tensor`` error for a tensor stored as a tensor subclass on one side or both: which parts
-    differ (data, scales), which attributes, and how the decoded values differ."""
+    """The ``diff-tensor`` error for a tensor stored as a subclass on either side: differing parts, attributes, values.
+    """
     from ckptverify.errors import FindingError
 
     try:
@@ -517,11 +501,9 @@ def _subclass_finding(what: str, sa: _Side, a_name: str, sb: _Side, b_name: str,
 
 def subclass_difference(desc_a: SubclassDesc | None, parts_a: Any, name_a: str, desc_b: SubclassDesc | None,
                         parts_b: Any, name_b: str, load_a: Any, load_b: Any) -> dict[str, Any]:
-    """How two stored tensors differ when one or both are stored as a tensor subclass: ``stored_as`` (class
-    name or ``"plain"``, A then B), ``parts`` (per inner tensor: :func:`tensor_difference`, or a string when
-    only one side has it or dtype/shape differ), ``context`` (attributes that differ: ``[A, B]``), ``decoded``
-    (:func:`tensor_difference` of the values both decode to, as float32; ``None`` with ``decoded_note`` saying
-    why not). ``parts_*``/``load_*``: read a side's inner tensors / plain tensor by name."""
+    """How two stored tensors differ when either is a subclass: ``stored_as`` (A, B), ``parts`` (per inner tensor),
+    ``context`` (differing attributes), ``decoded`` (of the float32 values, or ``None`` with ``decoded_note``).
+    ``parts_*``/``load_*`` read a side's inner tensors / plain tensor."""
     import json
 
     import torch
@@ -569,10 +551,8 @@ def subclass_difference(desc_a: SubclassDesc | None, parts_a: Any, name_a: str, 
 
 
 def decoded_values(desc: SubclassDesc, parts: dict[str, torch.Tensor]) -> torch.Tensor | str:
-    """The values a stored tensor subclass decodes to, as float32, through torchao's own decoding, or why
-    not (a string). Safe on hostile files: the parts are plain tensors rebuilt from the stored bytes, and the
-    attributes the canonical values the allowlist let through (:mod:`ckptverify.safeparse.torchsave`),
-    checked again here before torchao sees them; only the classes of
+    """A stored subclass's values as float32 via torchao's decoding, or why not. Safe on hostile files: parts are plain
+    rebuilt tensors and attributes the allowlist's canonical values, rechecked; only
     :data:`~ckptverify.safeparse.torchsave.SUBCLASSES` are decoded."""
     import importlib.util
     import json
@@ -591,8 +571,7 @@ def decoded_values(desc: SubclassDesc, parts: dict[str, torch.Tensor]) -> torch.
 
 @contextlib.contextmanager
 def _quiet_import() -> Iterator[None]:
-    """torchao logs a warning for each optional native library of another platform as it is first imported
-    (and torch one for each enum it registers): noise on a report, not a finding."""
+    """Silence torchao's and torch's import-time warnings (noise, not findings)."""
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:

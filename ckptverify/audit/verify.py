@@ -1,12 +1,7 @@
-"""``verify``: what a path is, and which checks judge it.
-
-A path is routed by what it holds (:mod:`ckptverify.formats.rundir`): a DCP checkpoint goes through the DCP
-pipeline (:mod:`ckptverify.checks.dcp_pipeline`); a single ``torch.save``/safetensors file or a folder of
-such files (Hugging Face, accelerate, transformers) through each file's own checks and the checks on its
-description (:mod:`ckptverify.checks.single`, :mod:`ckptverify.checks.folder`,
-:mod:`ckptverify.checks.described`); a folder holding DCP parts through both; a run directory is refused
-with a pointer to ``scan``. Nothing is ever written into the checkpoint.
-"""
+"""``verify``: what a path is, and which checks judge it. Routed by content (:mod:`ckptverify.formats.rundir`): DCP
+through :mod:`ckptverify.checks.dcp_pipeline`; single files and folders of files through their own and
+description checks; folders holding DCP parts through both; a run directory is refused (use ``scan``). Nothing is
+ever written into the checkpoint."""
 
 from __future__ import annotations
 
@@ -42,8 +37,7 @@ __all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMA
 
 
 def _counts_requests(fn: Any) -> Any:
-    """For a URL: nothing cached from before is trusted, and the report's ``stats["storage"]`` counts the
-    ranged requests, bytes and retries (throttling) it took."""
+    """For a URL: trust nothing cached, and count requests, bytes and retries in ``stats["storage"]``."""
     @functools.wraps(fn)
     def counted(path: str | os.PathLike[str], **kwargs: Any) -> Report:
         if not paths.is_url(os.fspath(path)):
@@ -65,23 +59,13 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
                       progress: ProgressSink | None = None, executor: Executor | None = None) -> Report:
     """Verify the checkpoint at ``path`` and return a report of findings.
 
-    ``path`` is a DCP checkpoint directory; or a single ``torch.save``/safetensors file, or a folder of such
-    files (Hugging Face, accelerate, transformers), judged by their content (``docs/formats.md``). A run
-    directory (a folder of checkpoints) is refused with a pointer to ``scan``. ``path`` may be a URL
-    (``s3://bucket/prefix``, any fsspec URL: ``docs/storage.md``), read with ranged requests.
-
-    ``jobs``: parallel workers (default one per core). ``use_manifest``: compare with every manifest that
-    covers the checkpoint, by the one rule of ``docs/manifest.md``: ``ckptverify.manifest.json`` inside a
-    folder, ``NAME.ckptverify.manifest.json`` beside a single file (also when the file is verified as part
-    of its folder). ``deep``: also rebuild every tensor and compare logical
-    fingerprints with those taken at save time (and count NaN/Inf). ``strict``: fail closed, content that
-    cannot be checked (no CRC-32 and no manifest covering it) is an error instead of a warning. Raises
-    :class:`~ckptverify.errors.CheckpointNotFoundError` when ``path`` does not exist and
-    :class:`~ckptverify.errors.UsageError` for bad arguments or a run directory; every problem *with* the
-    checkpoint is a finding in the report, never an exception.
-
-    ``executor``: shares a DCP checkpoint's hashing pass among ranks (:mod:`ckptverify.cluster`); the
-    findings are the same as without it. Other formats are read by this process alone.
+    ``path``: a DCP directory, a single ``torch.save``/safetensors file, or a folder of them (``docs/formats.md``);
+    may be a URL (``docs/storage.md``). ``jobs``: workers (default one per core). ``use_manifest``: compare with every
+    covering manifest (``docs/manifest.md``). ``deep``: rebuild every tensor and compare fingerprints (and count
+    NaN/Inf). ``strict``: uncheckable content is an error, not a warning. ``executor``: share a DCP checkpoint's
+    hashing among ranks (same findings). Raises :class:`~ckptverify.errors.CheckpointNotFoundError` (missing) and
+    :class:`~ckptverify.errors.UsageError` (bad arguments, a run directory); problems *with* the checkpoint are
+    findings, never exceptions.
     """
     root = os.fspath(path)
     if jobs is not None and jobs < 1:
@@ -114,27 +98,25 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
 
 
 def needs_manifest(report: Report) -> bool:
-    """Whether ``report`` passed, without a manifest, over content nothing could check (no CRC-32): what only
-    digests taken right after the save can protect (``fingerprint="auto"`` writes a manifest then)."""
+    """Whether ``report`` passed without a manifest over content nothing could check (``fingerprint="auto"`` then
+    writes one)."""
     return report.passed and not report.stats.get("manifest") and any(f.check == UNCHECKABLE
                                                                       for f in report.findings)
 
 
 def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: frozenset[str] | None = None,
                 skip: frozenset[str] = frozenset(), use_manifest: bool = True) -> Report:
-    """One part of a DCP checkpoint's verification shared out among nodes (:mod:`ckptverify.verifier.parts`):
-    with ``only``, the byte-level checks of those files alone; with ``skip``, everything but the files other parts
-    check (see :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`). Files left out are neither opened nor
-    reported. ``stats["bytes"]`` counts the bytes of the files this part opened, ``stats["opened"]`` names them."""
+    """One part of a DCP verification shared among nodes: ``only`` (byte-level checks of those files) or ``skip`` (all
+    but those); see :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`. ``stats["bytes"]``/``["opened"]``: this
+    part's files."""
     return _part(path, jobs, only, skip, use_manifest, deep=False)[0]
 
 
 def verify_part_deep(path: str | os.PathLike[str], *, jobs: int | None = None, only: frozenset[str] | None = None,
                      skip: frozenset[str] = frozenset()) -> tuple[Report, Any]:
-    """:func:`verify_part` of a DCP checkpoint with its deep scan: also every tensor piece in this part's files
-    rebuilt and fingerprinted, not judged (:class:`~ckptverify.checks.deep.DeepPart`, ``None`` when the run
-    stopped before it). The side that checks the whole adds the other parts' pieces and judges them all
-    (:func:`~ckptverify.checks.deep.judge_parts`): the findings one process's ``verify --deep`` gives."""
+    """:func:`verify_part` plus the deep scan of this part's pieces, unjudged
+    (:class:`~ckptverify.checks.deep.DeepPart`;
+    ``None`` if stopped before); the whole's side judges all parts (:func:`~ckptverify.checks.deep.judge_parts`)."""
     return _part(path, jobs, only, skip, True, deep=True)
 
 
@@ -160,13 +142,9 @@ def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] |
 
 def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
                  use_manifest: bool, started: float, deep: bool) -> tuple[Report, FolderDeepPart | None]:
-    """:func:`verify_part` (``deep``: :func:`verify_part_deep`) of a folder of checkpoint files whose DCP
-    sub-folders several nodes wrote (an FSDP save by accelerate or transformers:
-    ``checkpoint-N/pytorch_model_fsdp_0/__R_0.distcp``). Names are ``SUB/FILE``, ``SUB`` one of the folder's DCP
-    sub-folders. With ``only``: the byte-level checks of those files alone. With ``skip``: the whole folder
-    (every file at its top, every sub-folder's whole-checkpoint checks) but those files. Files at the top are
-    always the ``skip`` side's: a part given one checks nothing of it, so nothing goes unchecked. Findings and
-    ``stats["opened"]`` name files as ``SUB/FILE``; the deep scan is one per DCP sub-folder."""
+    """:func:`verify_part`/:func:`verify_part_deep` of a folder whose DCP sub-folders several nodes wrote (names
+    ``SUB/FILE``). ``only``: those files' byte checks; ``skip``: the whole folder but them. Top-level files always
+    belong to the ``skip`` side, so nothing goes unchecked. One deep scan per sub-folder."""
     if only is None:
         return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_subfolder(skip))
     report, scanned = each_shard_folder(root, only, "verify", lambda where, names: _part(
@@ -177,11 +155,8 @@ def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip:
 
 def each_shard_folder(root: str, only: frozenset[str], command: str,
                       run: Callable[[str, frozenset[str]], tuple[Report, Any]]) -> tuple[Report, dict[str, Any]]:
-    """A node's part of a folder of checkpoint files whose DCP sub-folders several nodes wrote: ``run(SUB_PATH,
-    FILES)`` on each DCP sub-folder of ``root`` that ``only`` (names ``SUB/FILE``) gives files in; names that
-    lead out of the folder, or name no DCP sub-folder or a file at its top, are ignored. Returns the reports
-    merged as the folder's (findings and ``stats["opened"]`` naming ``SUB/FILE``; ``stats["format"]``
-    ``"folder"``) and what ``run`` gave besides, by sub-folder."""
+    """``run(SUB_PATH, FILES)`` on each DCP sub-folder ``only`` gives files in (other names ignored). Returns the merged
+    report as the folder's (names ``SUB/FILE``, ``stats["format"]`` ``"folder"``) and ``run``'s extras by sub-folder."""
     from ckptverify.findings import merge_reports
 
     by_sub = by_subfolder(only)
@@ -199,9 +174,8 @@ def each_shard_folder(root: str, only: frozenset[str], command: str,
 
 @dataclasses.dataclass
 class FolderDeepPart:
-    """The deep scan of one part of a folder of checkpoint files shared out among nodes: the scan of each of its
-    DCP sub-folders (:class:`~ckptverify.checks.deep.DeepPart`, by sub-folder). The same contract as a
-    ``DeepPart``: :meth:`to_json`, :meth:`add_json`, :meth:`judge`; files are named ``SUB/FILE``."""
+    """A folder's deep part: a :class:`~ckptverify.checks.deep.DeepPart` per DCP sub-folder, with the same contract
+    (:meth:`to_json`, :meth:`add_json`, :meth:`judge`); files named ``SUB/FILE``."""
 
     parts: dict[str, Any]
 
@@ -209,8 +183,7 @@ class FolderDeepPart:
         return {"folders": {sub: part.to_json() for sub, part in self.parts.items()}}
 
     def add_json(self, data: Any, files: set[str] | frozenset[str]) -> bool:
-        """Add another part's pieces (:meth:`to_json`), scanned in its ``files``: ``False`` when it does not
-        bring exactly the DCP sub-folders of those files, or any of them is refused."""
+        """Add another part's pieces; ``False`` unless it brings exactly its files' sub-folders and none is refused."""
         try:
             got = dict(data["folders"])
         except (KeyError, TypeError, ValueError):
@@ -225,8 +198,7 @@ class FolderDeepPart:
             part.use_manifest(written)
 
     def judge(self) -> tuple[list[Finding], int]:
-        """Each DCP sub-folder's pieces judged together (its findings named ``SUB/FILE``), and the tensors
-        rebuilt in all."""
+        """Each sub-folder's pieces judged (findings named ``SUB/FILE``), and the tensors rebuilt in all."""
         found: list[Finding] = []
         rebuilt = 0
         for sub, part in self.parts.items():
@@ -244,8 +216,7 @@ def _folder_deep(deep: bool, scanned: dict[str, Any]) -> FolderDeepPart | None:
 
 
 def by_subfolder(names: frozenset[str]) -> dict[str, frozenset[str]]:
-    """Names ``SUB/FILE`` (a plan's, for a folder of checkpoint files) as ``{SUB: {FILE, ...}}``; other names (a
-    file at the top, a deeper path) are left out."""
+    """``SUB/FILE`` names as ``{SUB: {FILE, ...}}``; other names left out."""
     out: dict[str, set[str]] = {}
     for name in names:
         sub, sep, rest = name.partition("/")
@@ -277,8 +248,7 @@ def _under(sub: str, findings: Any) -> list[Finding]:
 
 
 def _default_jobs(root: str) -> int:
-    """One worker per core; for a URL at least :data:`~ckptverify.safeparse.remote.JOBS` (reads wait on the
-    network, not on a core)."""
+    """One worker per core; for a URL at least :data:`~ckptverify.safeparse.remote.JOBS` (network-bound)."""
     if paths.is_url(root):
         from ckptverify.safeparse import remote
 
@@ -287,9 +257,8 @@ def _default_jobs(root: str) -> int:
 
 
 def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
-    """``None`` for a DCP checkpoint (or a torn one: judged as DCP), ``"folder"`` for a folder of checkpoint
-    files (Hugging Face, accelerate, transformers), ``"run-directory"`` for a folder of checkpoints (with the
-    checkpoints found, which the caller names: the walk is done once), and whether the walk missed part of it."""
+    """``None`` for DCP (or torn DCP), ``"folder"`` for a folder of files, ``"run-directory"`` (with the checkpoints
+    found: the walk is done once); and whether the walk missed anything."""
     from ckptverify.formats.rundir import dir_format, find_checkpoints
 
     try:
@@ -324,8 +293,7 @@ def _listdir(path: str) -> list[str]:
 
 
 def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bool = True) -> Report:
-    """A single checkpoint file (``torch.save``, safetensors), judged by its content and by its own manifest
-    (``NAME.ckptverify.manifest.json`` beside it)."""
+    """A single file, judged by content and by its own manifest beside it."""
     from ckptverify.checks.described import judge_described
     from ckptverify.checks.single import check_file
 
@@ -344,10 +312,8 @@ def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bo
 
 
 def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False, use_manifest: bool = True) -> Report:
-    """The files of a folder of checkpoint files (Hugging Face, accelerate, transformers), without the DCP
-    checkpoints inside it: each file by its content, against the folder's manifest and against its own
-    manifest when one lies beside it (``docs/manifest.md``). ``stats["parts"]`` names the DCP sub-folders,
-    which :func:`verify_checkpoint` verifies too; ``scan`` verifies them one by one."""
+    """A folder of checkpoint files without its DCP sub-folders (named in ``stats["parts"]``): each file by content,
+    against the folder's manifest and its own (``docs/manifest.md``)."""
     return _folder_files(root, deep, use_manifest)[0]
 
 
@@ -372,11 +338,8 @@ def _folder_files(root: str | os.PathLike[str], deep: bool, use_manifest: bool) 
 
 def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float,
                    skip: dict[str, frozenset[str]] | None = None) -> tuple[Report, FolderDeepPart | None]:
-    """A folder of checkpoint files, and the DCP checkpoints inside it (FSDP saves of accelerate and
-    transformers), each verified in full; findings of a part name the part in their file. ``skip``: by DCP
-    sub-folder, the files other nodes' parts check (:func:`verify_part`); ``stats["opened"]`` then names the
-    files opened here, and the folder's deep scan comes with the report (:func:`verify_part_deep`; else
-    ``None``)."""
+    """A folder of files and its DCP sub-folders, each in full (part findings name the part). ``skip``: per sub-folder,
+    files other parts check; ``stats["opened"]`` then names what was opened, and the deep scan comes back too."""
     scanned: dict[str, Any] = {}
     files, opened = _folder_files(root, deep, use_manifest)
     findings = [f for f in files.findings if f.check != FINGERPRINT_ADVICE]  # one for the whole, below
@@ -416,9 +379,8 @@ FINGERPRINT_ADVICE = "fingerprint-advice"
 
 
 def _fingerprint_advice(path: str, findings: list[Finding], with_manifest: bool) -> list[Finding]:
-    """An ``info`` saying that ``ckptverify fingerprint`` would protect what nothing can check now: only when
-    some content is ``content-uncheckable`` and nothing names an error (a damaged checkpoint is never to be
-    blessed). A manifest written now proves nothing about the bytes as they are: it protects them from here on."""
+    """An ``info`` that ``fingerprint`` would protect unchecked content: only with ``content-uncheckable`` and no error
+    (damage is never blessed). A manifest protects bytes from then on, proving nothing about them now."""
     unchecked = [f for f in findings if f.check == UNCHECKABLE]
     if not unchecked or with_manifest or any(f.severity.value == "error" for f in findings):
         return []

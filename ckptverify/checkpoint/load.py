@@ -1,29 +1,16 @@
 """``load``: restore a :class:`~ckptverify.state.train_state.TrainState` from a checkpoint, verified first and
-checked after.
+checked after. Every rank calls it.
 
-1. **Verify** (on the coordinator; the verdict is broadcast): a corrupt checkpoint is refused with
-   :class:`~ckptverify.errors.CheckpointRefusedError` naming what is wrong, before anything is loaded.
-2. **Load** through DCP with :class:`~ckptverify.dcp.loading.SafeLoadPlanner` (non-tensor values are
-   unpickled with ``weights_only=True``, never executed), **proving** every item in the read that loads it
-   (:class:`~ckptverify.dcp.storage_reader.ProvingFileSystemReader`: the manifest's digest, or without a
-   manifest every zip record's CRC-32). An item that fails raises
-   :class:`~ckptverify.errors.ProofFailedError` on every rank; nothing is applied.
-3. **Restore check**: every restored tensor's logical fingerprint is compared with the manifest's (taken
-   from memory at save time), and every other field's digest with the digest saved beside it. A difference
-   is state the loader silently ignored, or restored wrongly: the load is refused (on every rank) and the
-   state put back as it was (``on_restore_mismatch="warn"`` keeps it and reports the difference instead).
+1. **Verify** on the coordinator (verdict broadcast): a corrupt checkpoint is refused before anything is loaded.
+2. **Load** via DCP with :class:`~ckptverify.dcp.loading.SafeLoadPlanner` (``weights_only=True``), **proving**
+   each item in the read that loads it (:class:`~ckptverify.dcp.storage_reader.ProvingFileSystemReader`); a
+   failure raises :class:`~ckptverify.errors.ProofFailedError` on every rank, nothing applied.
+3. **Restore check**: restored tensors' fingerprints against the manifest, other fields' digests against those
+   saved; a difference refuses the load and restores the state (``on_restore_mismatch="warn"`` reports instead).
 
-Given a run directory and ``pick="latest-verified"``, :func:`load` first picks the newest checkpoint that
-verifies (:func:`~ckptverify.runs.latest.latest_verified`: a current stamp is trusted, any other checkpoint is
-verified on the spot; a suspect checkpoint, saved after a replica mismatch, and one moved into the run's
-``quarantine/`` are never picked), then loads that one and says which, and what it skipped, in its report. A
-picked checkpoint whose bytes fail their proof while loading (changed after its stamp was written, with its
-times put back) gets a failed stamp, so no later pick trusts it, and the next older one is picked
-(:func:`load_newest_proven`). A production ``Run`` resumes through :func:`load_picked`
-(:meth:`~ckptverify.production.mode.Production.restore`): on such a failure it picks again in the same start,
-by its own rules (moving the failed checkpoint aside).
-
-Every rank of the process group calls :func:`load`.
+With ``pick="latest-verified"``, the newest verifying checkpoint of a run directory is loaded (never a suspect or
+quarantined one); a pick failing its proof is stamped failed and the next older one tried
+(:func:`load_newest_proven`). A production ``Run`` uses :func:`load_picked` with its own rules.
 """
 
 from __future__ import annotations
@@ -64,8 +51,8 @@ def _dist() -> Any:
 
 
 def _verify_on_coordinator(path: str, deep: bool, full: bool = True) -> None:
-    """Verify on the coordinator and broadcast the verdict; with ``full=False`` only check that the save
-    that wrote ``path`` committed (cheap, and never skipped)."""
+    """Verify on the coordinator and broadcast the verdict; ``full=False`` checks only that the save committed (cheap,
+    never skipped)."""
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.checks.commit import check_commit
 
@@ -93,8 +80,8 @@ def _verify_on_coordinator(path: str, deep: bool, full: bool = True) -> None:
 
 
 def _private_copy(obj: Any) -> Any:
-    """``obj`` with every container and tensor copied (tensors detached, same device, same DTensor layout),
-    other leaves shared: DCP loads into the copy, never into the live state."""
+    """``obj`` with containers and tensors copied (detached, same device and DTensor layout): DCP loads into the copy.
+    """
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -109,17 +96,14 @@ def _private_copy(obj: Any) -> Any:
 
 
 def _load_template(sd: Any) -> Any:
-    """The state dict DCP loads into: the model's and optimizer's tensors are the live ones (loaded in place,
-    so no device holds a second copy of them; :func:`_restore_point` keeps a host copy to undo with), every
-    other tensor and every container is a private copy (DCP replaces non-tensor values in their containers,
-    and a scheduler's or extra's state dict may share its lists and tensors with the live object)."""
+    """The state dict DCP loads into: model and optimizer tensors are the live ones (in place, no second device copy;
+    :func:`_restore_point` keeps a host copy), everything else a private copy (DCP replaces non-tensor values, and
+    state dicts may share lists and tensors with live objects)."""
     return {k: (_containers_copy(v) if k in ("model", "optim") else _private_copy(v)) for k, v in sd.items()}
 
 
 def _in_place(t: Any) -> bool:
-    """Whether tensor ``t`` is loaded in place and undone from a host copy: a plain tensor or a DTensor. A tensor
-    subclass that keeps its values in inner tensors (torchao's ``MXTensor``) is loaded into a private copy as
-    before: its storage is not one buffer to copy to the host and back."""
+    """Whether ``t`` is loaded in place (plain tensor or DTensor); a wrapper subclass is privately copied instead."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -129,8 +113,7 @@ def _in_place(t: Any) -> bool:
 
 
 def _containers_copy(obj: Any) -> Any:
-    """``obj`` with every container copied, every plain tensor shared (:func:`_in_place`), a tensor subclass
-    privately copied (:func:`_private_copy`) and other leaves shared."""
+    """``obj`` with containers copied, plain tensors shared, subclasses privately copied, other leaves shared."""
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -145,8 +128,7 @@ def _containers_copy(obj: Any) -> Any:
 
 
 def _to_host(t: Any) -> Any:
-    """A copy of tensor ``t``'s values in host memory (pinned when ``t`` is on a CUDA device, so that copying it
-    back is a plain DMA; pageable when pinning is refused, as it can be for a large buffer)."""
+    """A host copy of ``t``'s values (pinned for CUDA so copying back is plain DMA; pageable if pinning is refused)."""
     import torch
 
     pin = t.device.type == "cuda"
@@ -161,8 +143,7 @@ def _to_host(t: Any) -> Any:
 
 
 def _live_tensors(obj: Any) -> list[Any]:
-    """Every tensor leaf of ``obj`` (a DTensor as its local shard, which aliases the DTensor's storage), detached
-    aliases of the live tensors, in a fixed order, each once."""
+    """Every tensor leaf of ``obj`` once, as detached aliases (a DTensor as its local shard), in a fixed order."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -213,33 +194,21 @@ def saved_world_size(path: str) -> int | None:
 
 def load(state: TrainState, path: str | os.PathLike[str], *, verify: VerifyOptions | str = "inline",
          check: bool = True, pick: str | None = None, on_restore_mismatch: str = "raise") -> Report:
-    """Restore ``state`` from the checkpoint at ``path``; return the restore check's findings.
+    """Restore ``state`` from the checkpoint at ``path``; return the restore check's findings. All ranks call it.
 
-    ``verify``: the verification before loading, a :class:`~ckptverify.options.VerifyOptions` or its ``when``:
-    ``"inline"`` (the default) or ``"off"`` (explicit opt-out; a directory whose save did not commit is still
-    refused, and every item is still proven as it is loaded); ``VerifyOptions(deep=True)`` also rebuilds every
-    tensor and compares its logical fingerprint with the one taken at save time. A checkpoint that fails is
-    always refused (``on_failure`` does not apply: nothing is loaded from it). ``check=False`` skips the restore
-    check. ``on_restore_mismatch``, a failure policy (:mod:`ckptverify.options.verify`): ``"raise"`` (a failed
-    restore check raises and puts the state back) or ``"warn"`` (the state stays as loaded, the differences are
-    findings and a warning: for diagnosis, as the resume harness does).
+    ``verify``: a :class:`~ckptverify.options.VerifyOptions` or ``"inline"`` (default) / ``"off"`` (an uncommitted
+    save is still refused and every item still proven); ``deep=True`` also compares every tensor's fingerprint. A
+    failing checkpoint is always refused. ``check=False`` skips the restore check. ``on_restore_mismatch``:
+    ``"raise"`` (put the state back) or ``"warn"`` (keep it, report findings). ``pick="latest-verified"``: ``path`` is a
+    run directory; the newest verifying checkpoint is loaded (:func:`pick_checkpoint`), named in ``stats["picked"]``,
+    ``stats["step"]``, ``stats["skipped"]``; cannot combine with ``verify="off"``; a pick failing its proof is stamped
+    failed and the next older loaded (``stats["refused_at_load"]``).
 
-    ``pick="latest-verified"``: ``path`` is a run directory; the newest checkpoint under it that verifies is
-    loaded (see :func:`pick_checkpoint`), and the report names it (``stats["picked"]``, ``stats["step"]``) and
-    every newer one skipped, with why (``stats["skipped"]``). When none verifies,
-    :class:`~ckptverify.errors.CheckpointRefusedError` lists what was skipped. Picking verifies, so
-    ``verify="off"`` cannot be combined with it; ``deep`` verifies the pick deeply before loading. A
-    pick whose bytes fail their proof while loading is stamped failed and the next older one is loaded
-    (:func:`load_newest_proven`; ``stats["refused_at_load"]``).
-
-    All or nothing: if this raises, ``state`` (parameters, optimizer, every random stream, counters,
-    schedulers, scaler, data position, extras) is exactly what it was before the call. Raises
-    :class:`~ckptverify.errors.CheckpointRefusedError` for a checkpoint that fails verification or whose save
-    did not commit (:class:`~ckptverify.errors.ProofFailedError` when an item fails its proof while loading)
-    or whose restore check fails, :class:`~ckptverify.errors.CkptVerifyError` (exit 2) when DCP cannot load it
-    into ``state`` or a saved field does not fit, and :class:`~ckptverify.errors.UsageError` when the world
-    size changed in a way that cannot be restored exactly (random streams, a sampler position; re-seeding was
-    not allowed). Every one is an ``Exception``.
+    All or nothing: if this raises, ``state`` is exactly as before. Raises
+    :class:`~ckptverify.errors.CheckpointRefusedError` (fails verification, uncommitted, restore check fails, nothing
+    to pick; :class:`~ckptverify.errors.ProofFailedError` for an item failing its proof),
+    :class:`~ckptverify.errors.CkptVerifyError` (DCP cannot load it into ``state``), and
+    :class:`~ckptverify.errors.UsageError` (a world size change that cannot be restored exactly).
     """
     options = verify_options("load", verify, when=LOAD_WHEN)
     if options.when == "off" and options.deep:
@@ -267,13 +236,10 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: VerifyOptio
 
 
 def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
-    """The newest checkpoint under ``run_dir`` that verifies and that load can restore (a DCP checkpoint holding
-    a TrainState's keys: a newer weights-only DCP export is skipped, with why), decided on the coordinator and
-    broadcast, so that every rank gets the same pick (``path=None`` when none verifies, or when a newer one may
-    be hidden where the walk could not see; ``report`` only on the coordinator).
-
-    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory.
-    """
+    """The newest checkpoint under ``run_dir`` that verifies and ``load`` can restore (a DCP TrainState; weights-only
+    exports skipped), decided on the coordinator and broadcast (``path=None`` if none, or if a newer one may be hidden
+    from the walk; ``report`` on the coordinator only). :class:`~ckptverify.errors.CheckpointNotFoundError` if not a
+    directory."""
     from ckptverify.runs.latest import Latest, latest_verified
 
     root = os.fspath(run_dir)
@@ -301,14 +267,10 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
 
 def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: bool = False,
                 on_restore_mismatch: str = "raise") -> Report:
-    """Load the checkpoint :func:`pick_checkpoint` picked into ``state``, as :func:`load` does; the pick
-    verified it already (or trusted its stamp), so only its commit is checked again before loading (and, with
-    ``deep``, every tensor), and every item is proven as it is loaded.
-
-    Raises :class:`~ckptverify.errors.CheckpointRefusedError` naming what was skipped when nothing verified,
-    and :class:`~ckptverify.errors.ProofFailedError` when the pick's bytes fail their proof while loading:
-    then a failed stamp is written beside it (so no later pick trusts it; nothing of the checkpoint is changed
-    or deleted) and ``state`` is as it was."""
+    """Load :func:`pick_checkpoint`'s pick as :func:`load` does; only its commit (and with ``deep`` every tensor) is
+    rechecked, and every item proven. Raises :class:`~ckptverify.errors.CheckpointRefusedError` if nothing verified,
+    :class:`~ckptverify.errors.ProofFailedError` if the pick fails its proof (then stamped failed, nothing else
+    changed; ``state`` as before)."""
     skipped = "; ".join(f"{s['path']}: {s['state']} ({s['reason']})" for s in picked.skipped)
     if picked.path is None:
         hidden = any(s["state"] == "unseen" for s in picked.skipped)
@@ -332,15 +294,10 @@ def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: 
 
 def load_newest_proven(state: TrainState, run_dir: str | os.PathLike[str], *, check: bool = True,
                        deep: bool = False, on_restore_mismatch: str = "raise") -> Report:
-    """Load the newest checkpoint under ``run_dir`` that verifies *and* proves while loading.
-
-    :func:`pick_checkpoint` picks (a current stamp is trusted); :func:`load_picked` loads and proves. A pick
-    whose bytes fail their proof is stamped failed by :func:`load_picked`, so picking again passes over it, and
-    the next older one is tried; the report says which were refused at load and why
-    (``stats["refused_at_load"]``, a ``load-proof-failed`` warning each). A failed restore check is not about
-    the checkpoint's bytes (the loader of some field ignored or changed it): it raises, without moving on.
-    Raises :class:`~ckptverify.errors.CheckpointRefusedError` when nothing left verifies, or when a failed pick
-    could not be stamped (it would be picked again)."""
+    """Load the newest checkpoint under ``run_dir`` that verifies *and* proves while loading: picks fail over to older
+    ones, each refusal reported (``stats["refused_at_load"]``, a ``load-proof-failed`` warning). A failed restore check
+    is not about bytes: it raises without moving on. :class:`~ckptverify.errors.CheckpointRefusedError` when nothing
+    verifies or a failed pick could not be stamped (it would be picked again)."""
     root = os.fspath(run_dir)
     refused: list[dict[str, Any]] = []
     while True:
@@ -414,8 +371,8 @@ def _proof_report(root: str, inner: Any, rank: int) -> Report:
 
 
 def _stamp_failed(root: str, report: Report, fingerprint: str | None, step: int | None) -> None:
-    """On the coordinator: a failed stamp beside ``root`` (its bytes failed their proof while loading), so no
-    later pick trusts an earlier passing stamp. Writes only the stamp: the checkpoint is evidence, kept as is."""
+    """On the coordinator: a failed stamp beside ``root`` so no later pick trusts an earlier pass. Only the stamp is
+    written; the checkpoint is evidence, kept."""
     dist = _dist()
     if dist is not None and dist.get_rank() != 0:
         return
@@ -436,8 +393,7 @@ def _manifest_name() -> str:
 
 
 def _read_manifest_for_load(root: str) -> Any:
-    """The manifest that proves the items (``None`` when there is none); a manifest that cannot be trusted
-    refuses the load (it is part of the checkpoint, and damaged)."""
+    """The manifest that proves the items (``None`` if none); an untrustworthy one refuses the load."""
     from ckptverify.ownfiles.manifest import ManifestError, read_manifest
 
     try:
@@ -450,11 +406,8 @@ def _read_manifest_for_load(root: str) -> Any:
 
 def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatch: str = "raise", *,
                    stamp_on_failure: bool = False, step: int | None = None) -> Report:
-    """Load ``root`` into ``state``, proving every item as it is read, all or nothing, then run the restore
-    check (refusing, and putting everything back, when it fails and ``on_restore_mismatch`` is ``"raise"``;
-    with ``"warn"``, a warning).
-
-    ``stamp_on_failure``: when an item fails its proof, write a failed stamp beside ``root``."""
+    """Load ``root`` into ``state``, proving each item, all or nothing, then the restore check (refused and undone on
+    failure with ``"raise"``, a warning with ``"warn"``). ``stamp_on_failure``: stamp failed on a proof failure."""
     import torch.distributed.checkpoint as dcp
 
     from ckptverify.dcp.loading import SafeLoadPlanner
@@ -466,11 +419,9 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
     fingerprint = files_fingerprint(root) if stamp_on_failure and (dist is None or dist.get_rank() == 0) else None
     manifest = _read_manifest_for_load(root)
     reader = ProvingFileSystemReader(root, manifest)
-    # All or nothing, without a second copy of the state on its device: DCP loads the model's and optimizer's
-    # tensors in place (every item proven as it is read), after a copy of them was taken in host memory
-    # (:func:`_restore_point`); any failure, or a refused restore check, puts everything back from it. A copy
-    # on the device (as a private template and an undo copy each were) would cap the resumable state at a
-    # third of the device's memory. Getting a template initializes a fresh optimizer's state, undone too.
+    # All or nothing without a second device copy (which would cap resumable state at a third of device memory):
+    # load in place after a host copy (:func:`_restore_point`); any failure restores from it, including a fresh
+    # optimizer's state initialized by getting a template.
     before = (state.saved_world_size, [not opt.state for opt in state.optimizers])
     refuse = check and on_restore_mismatch == "raise"
     undo = None
@@ -549,10 +500,8 @@ def _agree(errors: list[Finding]) -> list[dict[str, Any]]:
 
 
 def _restore_point(state: TrainState) -> Any:
-    """A function that puts ``state`` back as it is now: the model's and optimizer's tensors from a copy in host
-    memory (:func:`_to_host`; none on their device), copied back into the same live tensors, then re-applied
-    with their structure (optimizer hyperparameters, which tensor is whose state); every other field through
-    the state's own snapshot."""
+    """A function putting ``state`` back as now: model and optimizer tensors from a host copy into the same live
+    tensors, then their structure re-applied; other fields via the state's own snapshot."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     fields = state._snapshot()
@@ -598,14 +547,9 @@ def _deepcopy_but_tensors(obj: Any) -> Any:
 
 
 def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> None:
-    """Make this rank's CUDA random-stream entries of ``template`` (and the digests saved beside them) the ones
-    the checkpoint holds, so DCP neither refuses a key this process does not have nor skips one it has.
-
-    Which CUDA kinds a rank holds depends on whether its process had initialised CUDA (see
-    :mod:`ckptverify.state.rng`): a run whose CUDA starts later (a pinning data loader, a model moved after
-    loading) has none in its template but a saved ``cuda`` to restore; a CPU checkpoint loaded by a process
-    using CUDA has none to load (the restore check then says the stream was not saved). A version 1 checkpoint
-    holds ``cuda.{i}`` for every visible device instead."""
+    """Make this rank's CUDA stream entries of ``template`` (and their digests) match the checkpoint's, so DCP neither
+    refuses a missing key nor skips a saved one: a process may have initialised CUDA at save but not now, or the
+    reverse (see :mod:`ckptverify.state.rng`); version 1 holds ``cuda.{i}`` per device."""
     import re
 
     import torch
@@ -643,10 +587,8 @@ def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> N
 
 def _rng_field_findings(state: TrainState, saved: dict[str, str], now: dict[str, str]) -> tuple[
         dict[str, str], list[Finding]]:
-    """The saved RNG digests to compare ``now`` with, and warnings, where the CUDA stream's key changed: a
-    version 1 state's ``rng.cuda.{i}`` (every visible device by index) is compared with ``rng.cuda`` for the
-    rank's own device index; ``rng.cuda_device`` (which device the stream was saved from) differing is a
-    warning: the rank's stream itself was restored into the device it uses now, and ``rng.cuda`` checks it."""
+    """Saved RNG digests to compare ``now`` with, and warnings, where the CUDA key changed (version 1's ``rng.cuda.{i}``
+    compared as ``rng.cuda``); a differing ``rng.cuda_device`` is only a warning."""
     import torch
 
     findings: list[Finding] = []
@@ -675,8 +617,8 @@ def _rng_field_findings(state: TrainState, saved: dict[str, str], now: dict[str,
 
 
 def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[CheckCoverage]]:
-    """Compare the restored state with what was saved: tensors by logical fingerprint against the manifest,
-    other fields by digest against the digests saved beside them."""
+    """Compare the restored state with what was saved: tensors by fingerprint against the manifest, other fields by
+    digest."""
     from ckptverify.fingerprint import tensor_fingerprint
     from ckptverify.ownfiles.manifest import ManifestError, read_manifest
 

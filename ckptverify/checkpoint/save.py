@@ -1,26 +1,12 @@
-"""Save a DCP checkpoint and its manifest in one pass: ``save`` and ``async_save``.
+"""Save a DCP checkpoint and its manifest in one pass: ``save`` and ``async_save``. Every rank calls them, as DCP's.
 
-A thin layer over :func:`torch.distributed.checkpoint.save` and :func:`~torch.distributed.checkpoint.async_save`
-with a :class:`~ckptverify.dcp.writer.HashingFileSystemWriter` as the storage writer. The checkpoint written is
-an ordinary DCP checkpoint (any torch loads it without ckptverify); beside it, the coordinator writes
-``ckptverify.manifest.json`` last, once ``.metadata`` is in place, so its presence marks a committed checkpoint.
-
-A save into a directory that already holds a checkpoint follows the commit protocol of
-:mod:`ckptverify.dcp.commit`: the directory is locked and marked as not committed before any shard is
-rewritten, so a save killed at any point never leaves something that verifies or loads as complete, and a
-second save into the same directory fails with :class:`~ckptverify.errors.SaveFailedError`.
-
-Every rank of the process group calls these functions, exactly as it would call DCP's. A save that does not
-commit raises :class:`~ckptverify.errors.SaveFailedError` on every rank (DCP's own ``CheckpointException``
-is a ``BaseException``, which ``except Exception`` would miss; it is the ``__cause__``).
-
-Once a save has committed, ``verify=`` (a :class:`~ckptverify.options.VerifyOptions`, or its ``when``:
-``"background"`` or ``"inline"``) verifies it on the coordinator and stamps the verdict beside it
-(:mod:`ckptverify.verifier.background`, ``docs/verify-after-save.md``); the default, ``"off"``, leaves that to
-``ckptverify watch`` or the next resume. With ``"background"`` on more than one node, the verification is
-shared out among the nodes: each node's lowest rank verifies the files its node's ranks wrote (with ``deep``,
-also rebuilds and fingerprints the tensor pieces in them), the coordinator the whole checkpoint and its own
-node's files, and the coordinator stamps once every part has reported (:mod:`ckptverify.verifier.parts`).
+A thin layer over DCP with :class:`~ckptverify.dcp.writer.HashingFileSystemWriter`: an ordinary DCP checkpoint,
+with ``ckptverify.manifest.json`` written last by the coordinator (its presence marks a commit). The commit
+protocol (:mod:`ckptverify.dcp.commit`) means a killed save never leaves something that verifies or loads, and a
+concurrent save into the same directory fails. A save that does not commit raises
+:class:`~ckptverify.errors.SaveFailedError` on every rank (DCP's ``CheckpointException`` is a ``BaseException``;
+it is the ``__cause__``). ``verify=`` verifies and stamps after commit (``docs/verify-after-save.md``); with
+``"background"`` on several nodes, the work is shared among nodes (:mod:`ckptverify.verifier.parts`).
 """
 
 from __future__ import annotations
@@ -119,8 +105,8 @@ def _failures(exc: BaseException) -> dict[int, BaseException]:
 
 
 def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseException:
-    """What a failed DCP save is raised as: a conflict or a usage error found on any rank as itself (so
-    every rank sees the same type), anything else as :class:`SaveFailedError` naming the first failure."""
+    """A failed DCP save as raised: a conflict or usage error as itself (the same type on every rank), anything else as
+    :class:`SaveFailedError` naming the first failure."""
     failures = _failures(exc)
     conflict = next((e for e in failures.values() if isinstance(e, SaveFailedError)), None)
     if conflict is not None:
@@ -152,9 +138,8 @@ def _run(fn: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str])
 
 def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
                 after_commit: Callable[[], None] | None = None) -> Any:
-    """A future that completes with ``future``, failures raised as :class:`SaveFailedError`; the lock is
-    dropped as soon as the upload ends, whatever the outcome. ``after_commit`` runs once the upload has
-    committed, before the future completes."""
+    """A future completing with ``future``, failures as :class:`SaveFailedError`; the lock is dropped when the upload
+    ends; ``after_commit`` runs after commit, before completion."""
     from concurrent.futures import Future
 
     out: Future[Any] = Future()
@@ -184,9 +169,8 @@ def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.Pat
 
 
 def _plain(state: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A :class:`~ckptverify.state.train_state.TrainState` is saved as its state dict (flat names
-    ``model.*``, ``optim.*``, ...); a dict as is. A model (the TrainState's, or a module among the dict's
-    values) whose parameters hold accumulated gradients is warned about: the checkpoint does not save them."""
+    """A :class:`~ckptverify.state.train_state.TrainState` as its state dict; a dict as is. Warns if the model holds
+    accumulated gradients (not saved)."""
     import torch
 
     from ckptverify.state.train_state import TrainState, pending_gradients_warning
@@ -257,8 +241,8 @@ def _raise(verification: dict[str, Any] | None) -> None:
 
 
 def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: bool) -> None:
-    """With ``on_failure="raise"``: raise, on every rank, the failure of an earlier save's verification
-    that finished since (found on the coordinator, broadcast), before anything is written."""
+    """With ``on_failure="raise"``: raise on every rank an earlier save's verification failure (broadcast from the
+    coordinator) before anything is written."""
     if options.on_failure != "raise":
         return
     first = None
@@ -271,9 +255,8 @@ def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: boo
 
 
 def _node_hosts(options: AfterSave, process_group: Any, no_dist: bool) -> list[str] | None:
-    """The node of every rank of the save's group (by group rank) when the save's background verification is
-    shared out among nodes (more than one node, ``deep`` or not: :mod:`ckptverify.verifier.parts`); else
-    ``None``. Every rank calls it before the save (one small collective)."""
+    """Node of each group rank when background verification is shared among nodes (more than one node), else ``None``.
+    Every rank calls it (one small collective)."""
     if options.mode != "background" or no_dist:
         return None
     import torch.distributed as dist
@@ -289,9 +272,8 @@ def _node_hosts(options: AfterSave, process_group: Any, no_dist: bool) -> list[s
 
 def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
             hosts: list[str] | None, rank: int) -> None:
-    """Queue the committed checkpoint for the background verifier: on the coordinator (all of it, or, shared out
-    among nodes, the whole and its node's part, gathering the others), and on the lowest rank of every other
-    node, that node's part."""
+    """Queue the committed checkpoint: on the coordinator (all, or the whole plus its node's part) and on each other
+    node's lowest rank (its part)."""
     from ckptverify.verifier.background import default_verifier
 
     if hosts is None:
@@ -335,8 +317,7 @@ def _group_rank(process_group: Any, no_dist: bool) -> int:
 
 def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
                       process_group: Any, no_dist: bool, hosts: list[str] | None = None) -> None:
-    """After a synchronous save committed: hand it to the background verifier, or verify it now (and with
-    ``raise``, raise a failure on every rank)."""
+    """After a synchronous save committed: queue it, or verify now (and with ``raise``, raise on every rank)."""
     if options.mode == "off":
         return
     from ckptverify.verifier.background import default_verifier
@@ -357,9 +338,8 @@ def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: in
 
 def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | None,
                   coordinator: bool, hosts: list[str] | None = None, rank: int = 0) -> Callable[[], None] | None:
-    """What an asynchronous save does once its upload committed (on the coordinator, and shared out among nodes
-    on each node's lowest rank): queue the checkpoint, or verify it before the future completes. A
-    ``raise``-mode failure is raised by the next save."""
+    """After an async upload committed: queue or verify before the future completes; a ``raise`` failure is raised by
+    the next save."""
     if options.mode == "off" or (not coordinator and hosts is None):
         return None
     from ckptverify.verifier.background import default_verifier
@@ -392,41 +372,31 @@ def save(
     """Save ``state_dict`` to the directory ``path`` with DCP, and write its manifest.
 
     Args:
-        state_dict: what to save, as for :func:`torch.distributed.checkpoint.save`, or a
-            :class:`~ckptverify.state.train_state.TrainState` (restore it with :func:`ckptverify.checkpoint.load.load`).
+        state_dict: as for :func:`torch.distributed.checkpoint.save`, or a
+            :class:`~ckptverify.state.train_state.TrainState` (restore with :func:`ckptverify.checkpoint.load.load`).
         path: the checkpoint directory (created if missing).
-        digest: byte digest, ``"xxh3-128"`` (fast, the default) or ``"sha256"`` (tamper evidence).
-        block_bytes: every item is also digested in blocks of this many bytes, to localize damage.
-        fingerprint: record each tensor's logical fingerprint and NaN/Inf counts (taken on the tensor's
-            own device before it is written).
-        thread_count: writer threads per rank (several files per rank), as for ``FileSystemWriter``.
-        process_group: the process group to save over (default: the default group, if initialized).
-        verify: once the save has committed, verify it on the coordinator and stamp the verdict beside it: a
-            :class:`~ckptverify.options.VerifyOptions`, or its ``when`` alone: ``"background"`` (queued for the
-            process's background verifier; this returns at once), ``"inline"`` (before this returns) or ``"off"``
-            (the default here: the save digests every byte as it writes it, and re-reading it is asked for; the
-            options and their defaults: :mod:`ckptverify.options.verify`). ``VerifyOptions.deep``: also rebuild
-            every tensor and compare its fingerprint with the one taken at save time. ``VerifyOptions.on_failure``:
-            ``"warn"`` (a warning, and an event with ``events``) or ``"raise"``: also a
-            :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when ``"inline"``, else
-            from the next save called with ``"raise"``.
-        on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (on the
-            coordinator, in the thread that verified).
-        events: an :class:`~ckptverify.ownfiles.events.EventLog` or a run directory: results are appended to its
-            ``events.jsonl`` (``checkpoint-verified``, ``checkpoint-failed``, ...: ``docs/json-schema.md``).
-        **dcp_kwargs: ``FileSystemWriter`` options (``single_file_per_rank``, ``sync_files``, ``overwrite``,
-            ``serialization_format``, ...) and ``dcp.save`` options (``planner``, ``no_dist``,
+        digest: ``"xxh3-128"`` (default, fast) or ``"sha256"`` (tamper evidence).
+        block_bytes: block size each item is also digested in, to localize damage.
+        fingerprint: record each tensor's logical fingerprint and NaN/Inf counts (on its device, before writing).
+        thread_count: writer threads per rank, as for ``FileSystemWriter``.
+        process_group: the group to save over (default: the default group, if initialized).
+        verify: after commit, verify on the coordinator and stamp: a :class:`~ckptverify.options.VerifyOptions` or its
+            ``when``: ``"background"`` (returns at once), ``"inline"`` or ``"off"`` (default: the save already digests
+            every byte; :mod:`ckptverify.options.verify`). ``on_failure="raise"`` raises
+            :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when inline, else from the
+            next save called with ``"raise"``.
+        on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (coordinator).
+        events: an :class:`~ckptverify.ownfiles.events.EventLog` or run directory for ``events.jsonl``.
+        **dcp_kwargs: ``FileSystemWriter`` options and ``dcp.save`` options (``planner``, ``no_dist``,
             ``use_collectives``).
 
     Returns:
-        The manifest on the coordinator rank, ``None`` on the others.
+        The manifest on the coordinator, ``None`` elsewhere.
 
     Raises:
-        UsageError: an unknown digest, a non-positive block size or thread count, an unknown keyword, a bad
-            ``verify``.
-        SaveFailedError: another save into ``path`` is in progress (nothing was written).
-        SaveFailedError: the save did not commit on some rank; ``path`` holds no committed checkpoint.
-        VerifyFailedError: ``on_failure="raise"`` and a verification failed (see there).
+        UsageError: bad digest, block size, thread count, keyword or ``verify``.
+        SaveFailedError: another save into ``path`` is in progress (nothing written), or the save did not commit.
+        VerifyFailedError: ``on_failure="raise"`` and a verification failed.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -462,19 +432,14 @@ def async_save(
     events: EventLog | str | os.PathLike[str] | None = None,
     **dcp_kwargs: Any,
 ) -> Any:
-    """Like :func:`save`, through :func:`torch.distributed.checkpoint.async_save`.
+    """Like :func:`save`, through :func:`torch.distributed.checkpoint.async_save`; also accepts
+    ``async_checkpointer_type`` and ``async_stager``.
 
-    Returns what DCP returns (a future, or an ``AsyncSaveResponse`` with a stager that reports staging
-    separately), except that the upload future fails with :class:`~ckptverify.errors.SaveFailedError` (or
-    :class:`~ckptverify.errors.SaveFailedError`) instead of DCP's ``CheckpointException``. The manifest is
-    written when the upload finishes, before the future completes; read it with
-    :func:`ckptverify.ownfiles.manifest.read_manifest`. ``async_checkpointer_type`` and ``async_stager`` are
-    accepted besides the options of :func:`save`.
-
-    ``verify``: once the upload has committed, the coordinator queues the checkpoint for the background
-    verifier (``"background"``) or verifies it before its future completes (``"inline"``). With
-    ``VerifyOptions(on_failure="raise")`` a failure is raised by the next save called with ``"raise"``, on every
-    rank.
+    Returns DCP's future (or ``AsyncSaveResponse``); the upload future fails with
+    :class:`~ckptverify.errors.SaveFailedError` instead of DCP's ``CheckpointException``. The manifest is written
+    before the future completes (:func:`ckptverify.ownfiles.manifest.read_manifest`). ``verify``: queued
+    (``"background"``) or done before the future completes (``"inline"``); a ``"raise"`` failure is raised on every rank
+    by the next save called with ``"raise"``.
     """
     import torch.distributed.checkpoint as dcp
 

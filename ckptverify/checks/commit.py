@@ -1,9 +1,8 @@
-"""Did the save that wrote this directory commit? (the ``save-uncommitted`` check)
+"""The ``save-uncommitted`` check: did the save that wrote this directory commit?
 
-A ckptverify save marks its directory with :data:`~ckptverify.dcp.commit.MARKER_FILE` before it rewrites
-any shard and removes the marker only after its manifest (the commit record) is in place. A directory that
-still holds the marker was being written by a save that is running now or died: its shards may mix two
-saves even where every item is well formed, so it is never a complete checkpoint, whatever else it holds.
+A ckptverify save writes :data:`~ckptverify.dcp.commit.MARKER_FILE` before rewriting any shard and removes it only
+after its manifest is in place. A directory still holding it may mix two saves even where every item is well
+formed, so it is never a complete checkpoint.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Content checks without a manifest: each item's zip structure and every record's CRC-32.
 
-DCP writes each item as a ``torch.save`` zip whose records carry CRC-32s that neither ``torch.load`` nor
-``dcp.load`` ever check. Here every record's bytes are hashed and compared, and the structure around
-them is cross-checked (:mod:`ckptverify.safeparse.zipwalk`), so a flipped bit anywhere in an item is found.
-Tensor payload corruption is localized to the FQN, chunk, byte range and element range.
-
-Small items (most of a checkpoint's items, a small part of its bytes) are read many at a time, parsed
-(against a template when one of the same length was parsed before) and CRC-checked from memory while
-planning; large ones are parsed through small reads and their payloads hashed later, in segments on
-all cores.
+Neither ``torch.load`` nor ``dcp.load`` checks the CRC-32s DCP writes; here every record is hashed and the
+structure cross-checked (:mod:`ckptverify.safeparse.zipwalk`), and payload damage is localized to FQN, chunk,
+byte and element range. Small items are read many at a time and checked from memory while planning; large ones
+are hashed later in segments on all cores.
 """
 
 from __future__ import annotations
@@ -83,12 +78,10 @@ class ItemPlan:
 
     item: Item
     archive: Archive
-    #: The tensor header read from ``data.pkl`` once its CRC checked out (tensor items only); a
-    #: :class:`~ckptverify.safeparse.torchsave.SubclassHeader` for an allowlisted tensor subclass (MXTensor, ...).
+    #: The header from ``data.pkl`` once its CRC checked out (tensor items; a ``SubclassHeader`` for a subclass).
     header: TensorHeader | SubclassHeader | None = None
-    #: Where the item's bytes are read when not from its file as stored: the decoded bytes of an item
-    #: written through stream transforms (``item`` then addresses those), or a payload described by
-    #: another format (DCP's safetensors blob). ``None``: the checkpoint's file ``item.file``.
+    #: Reader of the item's bytes when not its stored file (decoded stream transforms, a safetensors blob);
+    #: ``None``: ``item.file``.
     reader: Any = None
     #: The CRC-32 of every record, in archive order, when planning computed them (small items).
     crcs: list[int] | None = None
@@ -110,13 +103,9 @@ class Segment:
 
 def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: bool,
               templates: TemplateCache | None = None) -> tuple[list[ItemPlan], FileResult]:
-    """Parse the archive structure of every item of one file that lies within it.
-
-    Returns the items whose structure is intact and a result holding the structural findings. Small items
-    (up to :data:`SMALL_ITEM_BYTES`) are read whole, many at a time, and their records' CRCs computed
-    here (``ItemPlan.crcs``); of larger ones only headers and directories are read, their payloads are
-    left to the caller to hash.
-    """
+    """Parse the archive structure of every item of one file. Returns the structurally intact items and a result of
+    structural findings. Small items (:data:`SMALL_ITEM_BYTES`) are read whole and CRC-checked here
+    (``ItemPlan.crcs``); larger ones only have headers read, their payloads left to the caller."""
     result = FileResult(file=name)
     outcomes: dict[int, ItemPlan | Finding] = {}  # by position in offset order, so findings keep that order
     small: list[tuple[int, Item]] = []
@@ -180,8 +169,7 @@ def _windows(items: list[tuple[int, Item]]) -> list[tuple[int, int, list[tuple[i
 
 
 def _plan_in_memory(buf: bytes, base: int, item: Item, templates: TemplateCache) -> ItemPlan | Finding:
-    """Parse the item at ``buf[base:base + item.length]`` (against a template where one fits) and compute the
-    CRC-32 of each record."""
+    """Parse the item at ``buf[base:base + item.length]`` (against a template where one fits) and CRC each record."""
     length = item.length
     template = templates.get(length)
     matched = template.match(buf, base) if template is not None else None
@@ -214,11 +202,8 @@ def _structure_finding(item: Item, exc: ArchiveError) -> Finding:
 
 
 def segments(plans: list[ItemPlan], first_plan: int, max_bytes: int) -> list[Segment]:
-    """Split every record payload of ``plans`` into segments of at most ``max_bytes``.
-
-    Segments are hashed independently (in parallel) and their CRCs combined, so one huge record or
-    one huge file does not serialise the work.
-    """
+    """Split every record payload of ``plans`` into segments of at most ``max_bytes``, hashed in parallel and their
+    CRCs combined, so one huge record does not serialise the work."""
     out: list[Segment] = []
     for p, plan in enumerate(plans, start=first_plan):
         base = plan.item.offset
@@ -396,8 +381,8 @@ def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> l
 
 def _subclass_crc_findings(item: Item, archive: Archive, rec: Record, header: SubclassHeader,
                            actual: int) -> list[Finding]:
-    """The ``zip-crc`` error for a record of a tensor subclass's item, naming the inner tensor (``qdata``,
-    ``scale``, ...) whose bytes it holds, plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
+    """The ``zip-crc`` error for a tensor subclass's record, naming its inner tensor, plus ``zip-crc-bit`` if one
+    flipped bit explains it."""
     byte_range = (item.offset + rec.data_offset, item.offset + rec.data_end)
     expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
     part = next((name for name, h in header.parts if rec.name == f"{archive.prefix}/data/{h.storage_key}"), None)
@@ -420,8 +405,7 @@ def _subclass_crc_findings(item: Item, archive: Archive, rec: Record, header: Su
 
 
 def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) -> list[Finding]:
-    """A tensor subclass's record against the metadata (outer dtype and shape) and each inner tensor's
-    header against its storage record."""
+    """A subclass record against the metadata (outer dtype, shape) and each inner header against its storage record."""
     assert item.chunk is not None and item.dtype is not None
     out: list[Finding] = []
     loc = item_location(item, record=f"{archive.prefix}/data.pkl")

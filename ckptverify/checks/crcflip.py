@@ -1,15 +1,9 @@
 """Locate a single flipped bit from a CRC-32 mismatch alone.
 
-CRC-32 is linear: flipping bit ``k`` (LSB-first numbering, ``k = 8 * byte + bit``) of an ``L``-byte
-message changes the CRC by ``T^(8L - k)(1)``, where ``T`` is one step of the reflected CRC register
-(shift right, fold in the polynomial). So the syndrome ``recorded ^ computed`` determines ``8L - k``
-as a discrete logarithm, found here by baby-step giant-step in ``O(sqrt(8L))``. The CRC-32 polynomial's
-register sequence has period ``2^32 - 1``, so for messages shorter than that a single-bit error has
-exactly one solution.
-
-The converse does not hold: an error of several bits yields an arbitrary syndrome, which matches *some*
-single-bit position with probability about ``8L / 2^32``. Callers must present the answer as "consistent
-with one flipped bit at ...", with that probability, never as a certainty.
+CRC-32 is linear: flipping bit ``k`` of an ``L``-byte message changes the CRC by ``T^(8L - k)(1)`` (``T``: one
+reflected register step), so the syndrome gives ``8L - k`` as a discrete log, found by baby-step giant-step in
+``O(sqrt(8L))``; unique below period ``2^32 - 1``. The converse fails: a multi-bit error matches *some* single
+bit with probability about ``8L / 2^32``, so callers must say "consistent with one flipped bit", never certain.
 """
 
 from __future__ import annotations
@@ -36,8 +30,8 @@ def _unstep(y: int) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _steps(m: int) -> tuple[dict[int, int], list[list[int]]]:
-    """The baby steps ``T^j(1) -> j`` for ``j < m`` and the tables of ``T^-m``: they depend on the message
-    length alone, and a damaged checkpoint has many damaged records of one length (read-only once built)."""
+    """Baby steps ``T^j(1) -> j`` (``j < m``) and the tables of ``T^-m``; cached per message length (a damaged
+    checkpoint has many damaged records of one length), read-only once built."""
     baby: dict[int, int] = {}
     v = 1
     for j in range(m):
@@ -73,11 +67,8 @@ def false_match_probability(nbytes: int) -> float:
 
 
 def locate_single_bit(recorded: int, computed: int, nbytes: int) -> tuple[int, int] | None:
-    """``(byte, bit)`` of the one flipped bit that explains the mismatch, or ``None`` if none does.
-
-    ``bit`` is 0 for the least significant bit of the byte. Returns ``None`` when the CRCs agree, when
-    the message is longer than :data:`MAX_BITS`, or when no single-bit flip produces this syndrome.
-    """
+    """``(byte, bit)`` (bit 0 = LSB) of the one flipped bit that explains the mismatch, or ``None`` (CRCs agree,
+    message over :data:`MAX_BITS`, or no single flip fits)."""
     syndrome = (recorded ^ computed) & _MASK
     n_bits = 8 * nbytes
     if syndrome == 0 or n_bits == 0 or n_bits > MAX_BITS:

@@ -1,16 +1,10 @@
 """The DCP verification pipeline: prove a DCP checkpoint intact, or say exactly where it is not.
 
-Stages (:class:`VerificationRun`): read the metadata safely; check the structure (files, bounds, overlaps,
-chunk tiling); parse every item's archive structure (small items, many per read, CRC-checked at once from
-memory); hash every other record payload for its CRC-32 (segments on all cores); with a manifest, compare
-the metadata with it and hash every item block against the digests taken at save time; with ``deep``,
-rebuild every tensor from the checkpoint's description and compare its logical fingerprint with the one
-taken in memory. Nothing is ever written into the checkpoint: files are opened ``O_RDONLY`` and mapped
-``PROT_READ``.
-
-What the run read safely is handed on as a :class:`~ckptverify.formats.describe.Description`
-(:meth:`VerificationRun.description`, built by :mod:`ckptverify.formats.dcp`), the contract every format
-meets: ``fingerprint`` and ``diff`` work on that, never on the run's own state.
+Stages (:class:`VerificationRun`): metadata read safely; structure (files, bounds, overlaps, tiling); every
+item's archive; CRC-32 of every record payload; with a manifest, its comparison and block digests; with
+``deep``, every tensor rebuilt and fingerprinted. Nothing is written into the checkpoint. What was read is
+handed on as a :class:`~ckptverify.formats.describe.Description` (:meth:`VerificationRun.description`), the one
+contract ``fingerprint`` and ``diff`` use.
 """
 
 from __future__ import annotations
@@ -50,23 +44,19 @@ if TYPE_CHECKING:
     from ckptverify.checks.deep import DeepPart
     from ckptverify.formats.describe import Description
 
-# Deep checks, descriptions and DCP's safetensors blobs are imported where used: a plain verify never needs
-# them, and every import is paid at each start of the command (a cron job over many checkpoints).
+# Deep checks, descriptions and safetensors blobs are imported where used: a plain verify pays no import.
 
 #: Largest byte range hashed as one task; larger records are split and their CRCs combined.
 SEGMENT_BYTES = 64 << 20
-#: With a manifest, records larger than this (tensor payloads) are checked by the manifest's block digests
-#: only; smaller ones (``data.pkl``, headers) also by their CRC, so a tensor header is read only once proven.
+#: With a manifest, larger records are checked by block digests only; smaller ones (``data.pkl``) also by CRC,
+#: so a header is read only once proven.
 SMALL_RECORD_BYTES = 64 << 10
 #: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
 UNCHECKABLE = "content-uncheckable"
-#: Files of at most this many bytes are read whole at open while the run's total stays under
-#: ``KEEP_TOTAL_BYTES``, and read from memory until the archives are planned (a checkpoint saved one file per
-#: item: one open per file instead of three; :meth:`~ckptverify.safeparse.readers.ReadOnlyFile.release_kept`).
+#: Files this small are read whole at open (within ``KEEP_TOTAL_BYTES``) until planned: one open per file.
 KEEP_FILE_BYTES = 64 << 10
 KEEP_TOTAL_BYTES = 256 << 20
-#: Above this many tasks, :meth:`VerificationRun.map` runs one pulling loop per worker instead of one future
-#: per task: a future costs about as much as checking a small item (a checkpoint of 100 000 items, or files).
+#: Above this many tasks, :meth:`VerificationRun.map` pulls per worker (a future costs as much as a small item).
 PULL_MAP_MIN = 64
 
 T = TypeVar("T")
@@ -82,11 +72,10 @@ class ProgressSink(Protocol):
 
 
 class Executor(Protocol):
-    """Shares reads among ranks (:class:`ckptverify.cluster.session.RankExecutor`): ``map_units`` gives the
-    results of plain work units (:mod:`ckptverify.cluster.units`) over the files ``run`` opened, in order, each
-    read on some rank as it would be here, ``run``'s progress advanced as they arrive; ``map_plain`` the same
-    under ``root`` through ``open_file``; ``tensor_map`` a ``run_map`` for
-    :func:`~ckptverify.checks.deep.scan_description` that shares the raw tensor pieces."""
+    """Shares reads among ranks (:class:`ckptverify.cluster.session.RankExecutor`): ``map_units`` gives, in order,
+    results of work units (:mod:`ckptverify.cluster.units`) over ``run``'s files, each read on some rank, advancing
+    ``run``'s progress; ``map_plain`` the same under ``root`` via ``open_file``; ``tensor_map`` a ``run_map`` for
+    :func:`~ckptverify.checks.deep.scan_description` sharing the raw tensor pieces."""
 
     world: int
 
@@ -108,27 +97,15 @@ def default_jobs() -> int:
 
 
 class VerificationRun:
-    """One verification of a DCP checkpoint, stage by stage.
+    """One verification of a DCP checkpoint, stage by stage; run once by :meth:`execute`, ended by :meth:`close`.
 
-    Made with all it needs and run once by :meth:`execute`; then it gives :meth:`report`, :meth:`description`
-    (what was read, as every format describes it), :attr:`manifest` (the one compared with), :attr:`deep_part`,
-    :meth:`opened_files`, :meth:`changed_files`; :meth:`map`, :meth:`advance` and :meth:`file` lend a caller's
-    later passes (``fingerprint``'s digests, an :class:`Executor`) its workers, progress and opened files;
-    :meth:`close` ends it. ``root`` is the path it was given. The rest is the pipeline's own state.
-
-    ``executor`` shares the hashing pass and the deep scan among ranks (``None``: all read by this process).
-    ``hold_kept`` keeps the small files read whole at open until :meth:`release_kept`, not only until the
-    archives are planned (a caller that reads them all again after :meth:`execute` reads memory).
-    ``extension_registry``: a DCP ``ExtensionRegistry`` for stream transforms other than ZStandard.
-    ``deep_in_parts``: the deep scan is one part of a scan shared out among nodes; its pieces in this run's
-    files go to :attr:`deep_part`, not judged yet (:func:`~ckptverify.checks.deep.judge_parts`).
-
-    A run can be one part of a verification shared out among nodes (``docs/verify-after-save.md``): ``only``
-    restricts it to the byte-level checks (item bounds, zip structure, record CRCs, the manifest's block and
-    file digests) of the files named, and drops the whole-checkpoint checks (commit marker, side files,
-    tiling, coverage, unreferenced files), which one other part does; ``skip`` names files another part
-    checks, which this one does all but. Either way the files left out are neither opened nor reported
-    missing: they are someone else's. By default a run checks everything.
+    Afterwards it gives :meth:`report`, :meth:`description`, :attr:`manifest`, :attr:`deep_part`, and lends its
+    workers, progress and opened files (:meth:`map`, :meth:`advance`, :meth:`file`) to later passes.
+    ``executor`` shares hashing and the deep scan among ranks. ``hold_kept`` keeps small files read at open until
+    :meth:`release_kept`. ``deep_in_parts``: pieces go to :attr:`deep_part` for
+    :func:`~ckptverify.checks.deep.judge_parts`. ``only`` restricts the run to the byte-level checks of the named
+    files (the whole-checkpoint checks are another part's); ``skip`` names files another part checks. Files left
+    out are neither opened nor reported missing (``docs/verify-after-save.md``).
     """
 
     def __init__(self, root: str, jobs: int, progress: ProgressSink | None, *,
@@ -151,14 +128,11 @@ class VerificationRun:
         self._deep_part: DeepPart | None = None
         self._named: dict[str, tuple[int, int, int, int] | None] = {}
         self._reported_changed: set[str] = set()
-        #: Plans read through their own reader (``ItemPlan.reader``): items written through stream transforms
-        #: (their decoded bytes) and tensors in DCP's safetensors blobs (their raw payloads). They join
-        #: ``plans`` after the hashing pass, which reads the files as stored.
+        #: Plans with their own reader (transformed items, safetensors blobs): joined after the hashing pass.
         self._extra_plans: list[ItemPlan] = []
         #: Framework side files beside the shards (``meta.pt``, ``metadata.json``), checked and opened.
         self._side_files: list[str] = []
-        #: Records whose bytes only the manifest's block digests checked (file, item offset, record name), and
-        #: the items the manifest digested block by block (file, offset, length): what protects each payload.
+        #: What protects each payload: records only block digests checked, and items digested by block.
         self._manifest_records: set[tuple[str, int, str]] = set()
         self._manifest_items: set[tuple[str, int, int]] = set()
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckptverify") if jobs > 1 else None
@@ -173,13 +147,12 @@ class VerificationRun:
 
     @property
     def deep_part(self) -> DeepPart | None:
-        """With ``deep_in_parts``, this part's deep scan (:class:`~ckptverify.checks.deep.DeepPart`), ``None``
-        when the run stopped before it."""
+        """With ``deep_in_parts``, this part's :class:`~ckptverify.checks.deep.DeepPart`; ``None`` if the run stopped
+        before."""
         return self._deep_part
 
     def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
-        """The findings so far as a report, with sizes and timings; ``cap``: at most
-        :data:`MAX_FINDINGS_PER_CHECK` findings of each check listed (the rest counted)."""
+        """The findings so far as a report; ``cap``: at most :data:`MAX_FINDINGS_PER_CHECK` listed per check."""
         files = [f for f in self._opened.values() if f is not None]
         file_bytes = sum(f.size for f in files)
         stats: dict[str, Any] = {"seconds": round(seconds, 6)}
@@ -215,8 +188,7 @@ class VerificationRun:
                 f.close()
 
     def file(self, name: str) -> ReadOnlyFile | None:
-        """The file ``name`` as this run opened it (the one its findings judged), or ``None`` when it was not
-        opened."""
+        """The file ``name`` as this run opened (and judged) it, or ``None``."""
         return self._opened.get(name)
 
     def opened_files(self) -> list[str]:
@@ -259,9 +231,9 @@ class VerificationRun:
         return (self._only is None or name in self._only) and name not in self._skip
 
     def changed_files(self) -> list[Finding]:
-        """A ``file-changed`` finding for every file that differs from when this run first saw it (opened
-        files by ``fstat`` and the inode behind their name; the metadata and manifest by ``stat``), each
-        reported once."""
+        """A ``file-changed`` finding, once each, for every file that differs from when the run first saw it (opened
+        files
+        by ``fstat`` and name, metadata and manifest by ``stat``)."""
         out: list[Finding] = []
         for name in sorted(self._opened):  # by name alone: sorting (name, file) pairs costs more
             f = self._opened[name]
@@ -321,8 +293,7 @@ class VerificationRun:
         others = [n for n in layout.files if not self._mine(n)]
         found = check_files(self.root, layout, stats, others=others, unreferenced=self._whole)
         if self._whole:
-            # Framework side files (Lightning's meta.pt, Megatron's metadata.json) are checked by their content
-            # and opened like shards (so a manifest digests them), not reported as unreferenced.
+            # Side files are checked by content and opened like shards (a manifest digests them), not unreferenced.
             known = [n for n in side_files(self.root) if n not in stats and n not in others]
             found = [f for f in found if not (f.check == "file-unreferenced" and f.location.file in known)]
             self._findings.extend(found)
@@ -380,8 +351,7 @@ class VerificationRun:
                     ))
                     continue
                 resolved[item] = safetensors.data_range(blob, item.fqn)  # type: ignore[assignment]
-        # The metadata places every tensor at the blob's start; from here on each item addresses its own
-        # bytes (the blob header's data offsets), so manifests digest, and findings name, the real ranges.
+        # From here each item addresses its own bytes in the blob, so digests and findings use real ranges.
         for n, item in enumerate(layout.items):
             if item not in resolved:
                 continue
@@ -427,8 +397,7 @@ class VerificationRun:
             self._plans.extend(file_plans)
         if not self._hold_kept:
             self.release_kept()
-        # Items written through stream transforms: decoded and judged now (CRC-32s of the decoded archive);
-        # their plans read the decoded bytes and join the others after the hashing pass.
+        # Stream-transformed items are decoded and judged now; their plans join after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]
         decoded = self.map(lambda i: self._transformed(i), transformed)
         self._extra_plans.extend(p for p in decoded if p is not None)
@@ -449,9 +418,9 @@ class VerificationRun:
         return plan
 
     def _hash(self, layout: Layout) -> None:
-        """One pass over the bytes, on all cores: CRC-32 of every record and, with a manifest, the digest of
-        every block. Items the manifest covers are hashed as block-aligned tasks that compute both in the
-        same pass; the rest as record segments (CRC only)."""
+        """One pass over the bytes on all cores: CRC-32 of every record and, with a manifest, every block digest (items
+        it
+        covers as block-aligned tasks computing both; the rest as CRC-only segments)."""
         manifest = self._manifest
         matched: dict[int, Item] = {}
         tasks: list[manifest_check.BlockTask] = []
@@ -565,11 +534,9 @@ class VerificationRun:
         ]
 
     def _untiled_files(self, manifest: Manifest, matched: dict[int, Item]) -> None:
-        """Whole-file digests for files whose items do not cover every byte (blobs, gaps, trailing bytes).
-
-        Where matched items tile a file exactly and every block matched, the file equals what was saved
-        and its digest needs no second pass.
-        """
+        """Whole-file digests for files whose items do not cover every byte. A file its matched items tile exactly,
+        every
+        block matching, needs no second pass."""
         from ckptverify.fingerprint import digest_reader
 
         ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -607,8 +574,7 @@ class VerificationRun:
                                     if p.item.kind == "tensor" and p.item.chunk is not None))
         run_map = self.map if self._executor is None else self._executor.tensor_map(self)
         if self._deep_in_parts:
-            # One part of a deep check shared out among nodes: its pieces are judged with the other parts'
-            # (deep.judge_parts), by the part that checks the whole, which also scans the subclass tensors.
+            # One part of a shared deep check: judged with the others (deep.judge_parts) by the whole's part.
             part = self._deep_part = deep_check.DeepPart(desc, self._manifest)
             part.scans, _ = deep_check.scan_description(desc, run_map, self.advance, mine=self._mine,
                                                         pieces=part.pieces, subclasses=self._only is None)
@@ -621,12 +587,10 @@ class VerificationRun:
 
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:
-        """What the run read, as the description every format gives (:mod:`ckptverify.formats.dcp`): every
-        tensor with its payloads chunk by chunk (byte ranges in the files as stored or in the decoded stream
-        of a transformed item, and the checksum that checked them), every item as stored, the metadata files.
-        Read through the files this run opened. ``values``: also every non-tensor item's plain values (but
-        those of the items in ``values_skip``); ``side_files``: the framework side files beside the shards
-        merged in (``meta.pt:...``). Call after :meth:`execute`; empty when the metadata could not be read."""
+        """What the run read as a format description (:mod:`ckptverify.formats.dcp`), through its opened files; empty if
+        the
+        metadata could not be read. Call after :meth:`execute`. ``values``: also plain values of non-tensor items (not
+        those in ``values_skip``); ``side_files``: side files merged in (``meta.pt:...``)."""
 
         from ckptverify.formats.describe import Description
 
@@ -644,8 +608,7 @@ class VerificationRun:
         by_manifest, digested, opened = self._manifest_records, self._manifest_items, self._opened.get
         for plan in self._plans:
             item, base, reader, header = plan.item, plan.item.offset, plan.reader, plan.header
-            # A tensor subclass's item holds one storage record per inner tensor: the first stands for them all
-            # in what protects them (they are in one archive, checked alike).
+            # A subclass's first storage record stands for all (one archive, checked alike).
             key = header.parts[0][1].storage_key if isinstance(header, SubclassHeader) else \
                 header.storage_key if header is not None else None
             rec = plan.archive.record(f"data/{key}") if key is not None else None
@@ -705,9 +668,8 @@ MAX_FINDINGS_PER_CHECK = 100
 
 
 def cap_findings(findings: Iterable[Finding], limit: int = MAX_FINDINGS_PER_CHECK) -> list[Finding]:
-    """The first ``limit`` findings of each check, in order, then per check one summary finding (same check,
-    the worst severity of those left out) that counts the rest: a checkpoint damaged everywhere gives a
-    readable report, and the count says how far the damage goes."""
+    """The first ``limit`` findings of each check in order, then per check one summary (worst severity left out)
+    counting the rest."""
     kept: list[Finding] = []
     left: dict[str, list[Finding]] = defaultdict(list)
     seen: dict[str, int] = defaultdict(int)
@@ -731,10 +693,9 @@ def cap_findings(findings: Iterable[Finding], limit: int = MAX_FINDINGS_PER_CHEC
 
 
 def pulled_map(pool: ThreadPoolExecutor, workers: int, fn: Callable[[T], R], items: list[T]) -> list[R]:
-    """``[fn(x) for x in items]`` by ``workers`` loops on ``pool``, each taking the next index until none is
-    left (the balance of one future per item, without its cost). As ``pool.map``: the results in order, and
-    the exception of the lowest-indexed item that raised: items are taken in order and every one taken
-    finishes, so every item before a failing one has run, and no later one is taken once it is recorded."""
+    """``[fn(x) for x in items]`` by ``workers`` loops on ``pool``, each taking the next index (one future per item
+    costs too much). As ``pool.map``: results in order, and the lowest-indexed exception (items are taken in order
+    and every taken one finishes)."""
     results: list[Any] = [None] * len(items)
     failed: dict[int, BaseException] = {}
     take = iter(range(len(items))).__next__  # a C iterator: one index per call, atomic under the GIL

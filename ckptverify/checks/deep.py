@@ -1,9 +1,8 @@
-"""Deep verification: rebuild every tensor from disk and compare its logical fingerprint with the one the
-live tensor had at save time (end to end: memory -> disk -> memory).
+"""Deep verification: rebuild every tensor from disk and compare its logical fingerprint with the one taken at
+save time (memory -> disk -> memory).
 
-Tensors are rebuilt from their payloads as the format's description gives them
-(:mod:`ckptverify.formats.describe`: the same for every format), never through ``torch.load``; NaN and Inf
-are counted on the way (warnings: legal values, but rarely wanted).
+Tensors are rebuilt from the format's description (:mod:`ckptverify.formats.describe`), never via ``torch.load``;
+NaN/Inf are counted on the way (warnings).
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ class TensorScan:
     elements: int = 0
     nan: int = 0
     inf: int = 0
-    #: Some chunk's NaN/Inf could not be counted (a dtype whose counts are not kept, or torch tests none of its
-    #: elements): ``nan`` and ``inf`` are not the tensor's counts.
+    #: Some chunk's NaN/Inf could not be counted: ``nan`` and ``inf`` are not the tensor's counts.
     uncounted: bool = False
     unreadable: list[str] = field(default_factory=list)
     #: Chunks not read back because of a size limit (not damage): why, one line each.
@@ -84,13 +82,10 @@ class TensorScan:
 def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
                  progress: Callable[[int], None] | None = None, view_limit: int | None = BLOCK_BYTES,
                  budget: int = MAX_VIEW_BYTES) -> TensorScan:
-    """Fingerprint one stored piece ``p`` of tensor ``name`` (global ``shape``), block by block, read
-    through ``f``, and count non-finite values. A view that is not row-major is read back from the storage bytes
-    it addresses, whatever its strides (stride 0 and overlapping views included), unless those bytes are more
-    than ``view_limit`` (``None``: no bound) or it lays out more than
-    :data:`~ckptverify.formats.describe.MAX_VIEW_BYTES` from fewer: then it is ``limited`` (a size limit, not
-    damage), as it is past ``budget`` (what is left of that bound in a scan of many pieces); a view its storage
-    cannot hold is ``unreadable``."""
+    """Fingerprint stored piece ``p`` of tensor ``name`` block by block through ``f``, counting non-finite values.
+    A non-row-major view is read back from the storage bytes it addresses (any strides), unless :func:`view_limited`
+    says it is over ``view_limit``/``budget`` (then ``limited``: a size limit, not damage); a view its storage cannot
+    hold is ``unreadable``."""
     from ckptverify.fingerprint import chunk_fingerprint
     from ckptverify.fingerprint.nonfinite import nonfinite_counts
 
@@ -121,10 +116,8 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
 
 
 def view_limited(p: Payload, view_limit: int | None, budget: int = MAX_VIEW_BYTES) -> str | None:
-    """Why the deep check does not read back the view ``p``, or ``None`` when it does (a damaged view included:
-    reading it says what is wrong): the storage it addresses is more than ``view_limit`` bytes (memory: held
-    whole while it is read), or it lays out more than ``budget`` bytes from fewer stored (work: every element
-    is fingerprinted)."""
+    """Why the view ``p`` is not read back (``None``: it is, damaged or not): it addresses more than ``view_limit``
+    bytes (held whole: memory), or lays out more than ``budget`` bytes from fewer stored (work)."""
     try:
         start, end = view_span(p)
     except ValueError:
@@ -147,9 +140,8 @@ def _limited(name: str, p: Payload, why: str) -> TensorScan:
 
 
 def _view_budget(pieces: list[Payload]) -> dict[int, int]:
-    """What is left of :data:`~ckptverify.formats.describe.MAX_VIEW_BYTES` for each piece (by ``id``) that lays
-    out more bytes than it addresses, in order: the work of all such views of one scan is bounded together, so
-    that many small records cannot stand for unbounded work either."""
+    """What is left of :data:`~ckptverify.formats.describe.MAX_VIEW_BYTES` for each expanding piece (by ``id``), in
+    order: such views of one scan share the bound, so many small records cannot add up to unbounded work."""
     left, out = MAX_VIEW_BYTES, {}
     for p in pieces:
         try:
@@ -169,21 +161,13 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
                      view_limit: int | None = BLOCK_BYTES, stop_on_change: bool = True,
                      mine: Callable[[str], bool] | None = None, pieces: list[Any] | None = None,
                      subclasses: bool = True) -> tuple[dict[str, TensorScan], list[Finding]]:
-    """Rebuild and fingerprint every stored piece of every tensor of ``desc`` (those named in ``only``), in
-    parallel through ``run_map``; any format (:mod:`ckptverify.formats.describe`).
+    """Rebuild and fingerprint every stored piece of every tensor of ``desc`` (or of ``only``) through ``run_map``.
 
-    A chunk stored more than once (per-rank metadata keeps one copy per rank of a replicated tensor) is
-    read in every copy: the copies must hold identical values (``replica-mismatch`` otherwise), and the
-    tensor's fingerprint counts the chunk once. A piece that could not be described
-    (:attr:`~ckptverify.formats.describe.TensorDesc.unread`) leaves its tensor without a fingerprint.
-    ``view_limit``: see :func:`scan_payload`; the views that lay out more bytes than they store share one bound
-    (:data:`~ckptverify.formats.describe.MAX_VIEW_BYTES`), in the order of the pieces. ``stop_on_change``: a file
-    that changes under the scan raises :class:`~ckptverify.errors.FileChangedError` (the caller stops and says
-    so); else its piece is unreadable.
-
-    ``mine`` (one part of a scan shared out among nodes, :class:`DeepPart`): only the pieces in the files it
-    accepts are scanned, each appended to ``pieces`` as (tensor, piece, scan), not merged; the tensors stored as
-    subclasses are scanned whole and returned when ``subclasses``.
+    A chunk stored more than once (a replicated tensor) is read in every copy: copies must match
+    (``replica-mismatch``), and the fingerprint counts it once. An undescribed piece leaves its tensor without a
+    fingerprint. ``view_limit``: see :func:`scan_payload`. ``stop_on_change``: a file changing under the scan raises
+    :class:`~ckptverify.errors.FileChangedError`, else its piece is unreadable. ``mine`` (:class:`DeepPart`): only
+    pieces in accepted files, appended to ``pieces`` unmerged; subclass tensors scanned whole when ``subclasses``.
     """
     opener = desc.opener
     if mine is not None:
@@ -243,10 +227,9 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
 
 @dataclass
 class DeepPart:
-    """The deep scan of one part of a checkpoint's files, in a verification shared out among nodes: every stored
-    piece in those files scanned (``pieces``: tensor, piece, scan), and, on the part that also checks the whole
-    checkpoint, the tensors stored as subclasses (``scans``), with the description and manifest the merged scan
-    is judged against (:func:`judge_parts`)."""
+    """The deep scan of one part of the files in a verification shared among nodes (``pieces``: tensor, piece, scan),
+    plus on the whole-checkpoint part the subclass tensors (``scans``), description and manifest for
+    :func:`judge_parts`."""
 
     desc: Description
     manifest: Manifest | None
@@ -258,10 +241,8 @@ class DeepPart:
         return [[t.name, p.to_json(), scan.to_json()] for t, p, scan in self.pieces]
 
     def add_json(self, data: Any, files: set[str] | frozenset[str]) -> bool:
-        """Add the pieces another part scanned in its ``files`` (:meth:`to_json`). ``False``, and nothing added,
-        when ``data`` is not what a part writes, or names a tensor this description does not hold, a piece
-        outside the tensor or in a file not the part's. (This side did not open those files, so it cannot hold
-        their pieces: the merge finds a chunk missing or given twice, as the chunks' tiling does.)"""
+        """Add another part's pieces in its ``files`` (:meth:`to_json`). ``False``, nothing added, if ``data`` is
+        malformed or names an unknown tensor, a piece outside it, or a file not that part's."""
         try:
             got = []
             for name, p, scan in data:
@@ -278,9 +259,8 @@ class DeepPart:
 
 
     def use_manifest(self, written: bool) -> None:
-        """Judge against the manifest just written from the parts (``written``: read from the checkpoint now;
-        none when it cannot be read), or, when none was written, against none: a former save's manifest left in
-        the folder no longer describes it."""
+        """Judge against the manifest just written from the parts (``written``), or none: an older manifest left in the
+        folder no longer describes it."""
         from ckptverify.errors import ManifestError
 
         try:
@@ -289,15 +269,13 @@ class DeepPart:
             self.manifest = None
 
     def judge(self) -> tuple[list[Finding], int]:
-        """:func:`judge_parts` of this part, every other part's pieces added: the findings and the tensors
-        rebuilt."""
+        """:func:`judge_parts` with every part's pieces added: the findings and the tensors rebuilt."""
         found, rebuilt, _ = judge_parts(self)
         return found, rebuilt
 
 
 def judge_parts(part: DeepPart) -> tuple[list[Finding], int, int]:
-    """The findings of a deep scan made in parts (:class:`DeepPart`, every part's pieces added), as one
-    process's deep check gives them (:func:`judge_scans`)."""
+    """Findings of a deep scan made in parts, as one process's :func:`judge_scans` gives them."""
     wanted = [(t, p) for t, p, _ in part.pieces]
     scans, found = _merge(part.desc, wanted, [s for _, _, s in part.pieces], None)
     scans.update(part.scans)
@@ -306,9 +284,8 @@ def judge_parts(part: DeepPart) -> tuple[list[Finding], int, int]:
 
 def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan],
                 found: list[Finding]) -> tuple[list[Finding], int, int]:
-    """``found`` (the scan's own findings), the comparison with the manifest (:func:`judge`), and what was
-    rebuilt: the findings, the tensors rebuilt and the tensors there were to rebuild. A deep check that rebuilt
-    nothing is an error (``deep-nothing-rebuilt``): it never passes."""
+    """``found`` plus the manifest comparison: findings, tensors rebuilt, tensors to rebuild. Rebuilding nothing is an
+    error (``deep-nothing-rebuilt``): it never passes."""
     out = [*found, *judge(desc, manifest, scans)]
     rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
                   and scan.value(desc.tensors[fqn].shape) is not None)
@@ -324,10 +301,8 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
 
 def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None = None,
                         view_limit: int | None = BLOCK_BYTES, budgets: dict[int, int] | None = None) -> TensorScan:
-    """Rebuild every inner tensor of ``t``, stored as a tensor subclass (:attr:`TensorDesc.subclass`), and give
-    each part's fingerprint and the subclass's (as :func:`~ckptverify.fingerprint.tensor_fingerprint` gives it
-    for the live tensor: :mod:`ckptverify.fingerprint.subclass`). ``budgets``: each part's share of the bound on
-    views that lay out more than they store, by ``id`` of its payload (:func:`scan_payload`'s ``budget``)."""
+    """Rebuild each inner tensor of ``t`` (a tensor subclass) and give each part's fingerprint and the subclass's (as
+    :mod:`ckptverify.fingerprint.subclass` gives it live). ``budgets``: each part's share of the view bound."""
     import json
 
     from ckptverify.fingerprint import TensorFingerprint, combine

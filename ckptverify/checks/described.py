@@ -1,12 +1,9 @@
-"""Checks that work on a format's description (:mod:`ckptverify.formats.describe`) alone: the manifest of a
-folder of checkpoint files (write it, compare with it) and the deep check (rebuild every tensor).
+"""Checks on a format's description alone (:mod:`ckptverify.formats.describe`): a folder's manifest (write,
+compare) and the deep check.
 
-The manifest of a folder pins every regular file of it (size and digest) and, for every tensor payload,
-its byte range with block digests (so a changed byte is blamed on the tensor and block it falls in) and
-the tensor's logical fingerprint; a tensor stored as a tensor subclass (torchao's ``MXTensor``, ...) has one
-payload per part (data, scales), each digested and fingerprinted, and a change is blamed on the part.
-Formats without a checksum of their own (safetensors, plain pickles, JSON) are protected by it from the moment
-it is written.
+A folder manifest pins every regular file (size, digest) and every tensor payload (byte range, block digests,
+logical fingerprint; a tensor subclass per part), so damage is blamed on tensor, part and block. Formats without
+their own checksum are protected from the moment it is written.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ __all__ = ["check_manifest", "deep_check", "folder_files", "judge_described", "m
 
 
 def folder_files(root: str) -> list[str]:
-    """Every regular file directly in ``root`` except ckptverify's own (names only; links and special files
-    are left out: they are findings of the folder check, never opened)."""
+    """Regular files directly in ``root`` except ckptverify's own (links and special files are folder-check findings).
+    """
     out = []
     with paths.scandir(root) as it:
         for e in it:
@@ -44,9 +41,8 @@ def folder_files(root: str) -> list[str]:
 
 def manifest_entries(desc: Description, files: list[str], digest: str,
                      block_bytes: int) -> tuple[dict[str, FileEntry], list[ItemEntry], dict[str, TensorEntry], int]:
-    """Digests of ``files`` and of every tensor payload (whole and per block), and every tensor's logical
-    fingerprint with its NaN/Inf counts. Returns files, items, tensors and how many tensors could not be
-    fingerprinted."""
+    """Digests of ``files`` and of every tensor payload (whole, per block), and each tensor's fingerprint and NaN/Inf
+    counts. Returns files, items, tensors and the count not fingerprinted."""
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     entries: dict[str, FileEntry] = {}
@@ -78,13 +74,10 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
 
 def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | None = None,
              why: dict[str, tuple[bool, str]] | None = None) -> dict[str, tuple[str | None, int | None, int | None]]:
-    """Every tensor's logical fingerprint and NaN/Inf counts (``None`` where it cannot be rebuilt, counts
-    ``None`` for a tensor that is not floating or has no elements), through the one deep scan of every format
-    (:func:`~ckptverify.checks.deep.scan_description`). A file that changes under the scan leaves its tensors
-    unrebuilt (reported by the caller), as any other unreadable bytes. ``parts``, when given, is filled with
-    each fingerprinted tensor subclass's part fingerprints, by tensor; ``why``, with why each tensor that has no
-    fingerprint has none: ``(True, reason)`` for a size limit of the deep check, ``(False, reason)`` for bytes
-    that do not hold it."""
+    """Every tensor's fingerprint and NaN/Inf counts via :func:`~ckptverify.checks.deep.scan_description` (``None``
+    where
+    not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part fingerprints and
+    ``why`` with ``(size_limit, reason)`` per tensor without a fingerprint."""
     from ckptverify.checks.deep import scan_description
 
     scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
@@ -108,9 +101,8 @@ def _serial(fn: Any, items: list[Any]) -> list[Any]:
 
 
 def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage], set[str]]:
-    """Every file the manifest pins against its digest; a changed file's tensor payloads block by block, so
-    the damage is named by file, tensor and byte range. Returns findings, coverage and the files whose
-    bytes matched (their content is now checked, whatever their format)."""
+    """Every pinned file against its digest; a changed file's payloads block by block. Returns findings, coverage and
+    the files whose bytes matched (now checked, whatever their format)."""
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     findings: list[Finding] = []
@@ -193,9 +185,8 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
 
 
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
-    """Rebuild every tensor from its bytes: its fingerprint against the manifest's, its NaN/Inf counts. A
-    tensor that cannot be rebuilt is an error, and so is a deep check that rebuilt nothing; one not read back
-    because of a size limit of the check (:func:`~ckptverify.checks.deep.scan_payload`) is a warning."""
+    """Rebuild every tensor and compare fingerprints and NaN/Inf counts. Unrebuildable is an error, as is rebuilding
+    nothing; skipped for a size limit is a warning."""
     from ckptverify.checks.deep import parts_note
 
     findings: list[Finding] = []
@@ -238,13 +229,10 @@ def describe_stats(desc: Description) -> dict[str, Any]:
 
 
 def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
-    """Every manifest that covers the single file or folder of files at ``path``, by the one rule of
-    ``docs/manifest.md``: a folder's ``ckptverify.manifest.json`` covers the files of the folder; a file's
-    own ``NAME.ckptverify.manifest.json`` beside it covers that file, whether the file is given alone or
-    as part of its folder. Returns ``(target, manifest)`` pairs (``target``: the path the manifest
-    describes: the folder, or one file) and a ``manifest-invalid`` error for each manifest that cannot be
-    trusted (refused whole: nothing is compared with it). An orphan file manifest (its file is gone) is
-    returned too: comparing it reports the missing file."""
+    """Every manifest covering the file or folder at ``path`` (the rule of ``docs/manifest.md``): the folder's
+    ``ckptverify.manifest.json``, and each file's own ``NAME.ckptverify.manifest.json``. Returns ``(target,
+    manifest)`` pairs (orphan file manifests included: comparing reports the missing file) and a
+    ``manifest-invalid`` error per untrustworthy manifest (refused whole)."""
     from ckptverify.ownfiles.manifest import MANIFEST_FILE, ManifestError, file_manifest_name, read_manifest
 
     if not use_manifest:
@@ -293,8 +281,8 @@ def _folder_of_files(folder: str) -> bool:
 
 
 def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
-    """What a folder's manifest says of its file ``name``, in the terms of the file alone (a folder names a
-    tensor of a non-weight file ``FILE:PATH``, the file alone ``PATH``); ``None`` when it does not list it."""
+    """A folder manifest's entry for ``name`` in the file's own terms (``FILE:PATH`` -> ``PATH``); ``None`` if unlisted.
+    """
     import dataclasses
 
     if name not in manifest.files:
@@ -313,11 +301,8 @@ def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
 
 def judge_described(path: str, found: list[Finding], *, deep: bool,
                     use_manifest: bool) -> tuple[list[Finding], list[CheckCoverage], bool]:
-    """The manifest and deep stages of ``verify`` for a single file or a folder of files, after the format's
-    own checks gave ``found``. Every manifest :func:`manifests_of` finds is compared with the files it pins
-    (a folder's with every file, a file's own with that file); content a manifest has checked, intact or not,
-    is no longer ``content-uncheckable``. Returns all findings, the added coverage and whether manifests
-    cover every file (so "verified" means every byte was compared with a digest)."""
+    """The manifest and deep stages of ``verify`` for a file or folder, after ``found``. Content a manifest checked is
+    no longer ``content-uncheckable``. Returns findings, added coverage, and whether manifests cover every file."""
     from ckptverify.formats.describe import describe
 
     findings = list(found)
@@ -338,8 +323,7 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
         coverage.extend(cov)
         covered |= {n for n in manifest.files if paths.lexists(os.path.join(desc.root, n))}
         if deep and target != path:
-            # A file's own manifest in a folder: its fingerprints are compared here (the folder's deep
-            # check below rebuilds every tensor once and reports what cannot be rebuilt or is not finite).
+            # A file's own manifest in a folder: fingerprints compared here; the folder's deep check rebuilds.
             more, _ = deep_check(desc, manifest)
             findings.extend(f for f in more if f.check == "fingerprint" and f.expected is not None)
     # Content a manifest checked is no longer uncheckable: it was compared, and any change is an error above.

@@ -1,14 +1,8 @@
-"""Folders of checkpoint files: Hugging Face model folders, accelerate ``save_state`` and transformers
-``checkpoint-N`` folders.
+"""Folders of checkpoint files: Hugging Face model folders, accelerate ``save_state``, transformers ``checkpoint-N``.
 
-Every file is judged by its content (:func:`~ckptverify.checks.single.check_file`): ``torch.save`` archives
-(``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``random_states_N.pkl``, ``rng_state.pth``,
-``scheduler.pt``) get structure + CRC + a safe pickle read; safetensors files their header and layout; JSON side
-files (``config.json``, ``trainer_state.json``, ``*.index.json``) are parsed. A sharded model's index
-(``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) is checked against its shards: every
-shard it names exists inside the folder, every tensor it maps is in that shard, and no shard holds a tensor the
-index does not map there. DCP folders inside (FSDP saves) are listed in ``dcp_parts`` for the caller to verify.
-Symbolic links are not followed out of the folder; special files are findings, never opened.
+Every file is judged by content (:func:`~ckptverify.checks.single.check_file`). A sharded model's index is
+checked against its shards (each exists in the folder, holds every tensor mapped to it, and nothing unmapped).
+DCP sub-folders go to ``dcp_parts`` for the caller. Links are not followed out; special files are never opened.
 """
 
 from __future__ import annotations
@@ -28,8 +22,7 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
-    """Check every file of the (non-DCP) checkpoint folder ``root``. Facts: ``files`` (name -> format),
-    ``tensors`` (file -> tensor -> dtype/shape), ``dcp_parts`` (sub-folders holding DCP checkpoints), ``bytes``."""
+    """Check every file of the non-DCP folder ``root``. Facts: ``files``, ``tensors``, ``dcp_parts``, ``bytes``."""
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
     facts: dict[str, Any] = {"files": {}, "tensors": {}, "dcp_parts": [], "bytes": 0, "unchecked": []}

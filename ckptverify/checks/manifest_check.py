@@ -1,9 +1,5 @@
-"""Checks against the manifest written at save time: is the checkpoint on disk what was saved?
-
-The manifest pins every item's bytes (one digest per fixed-size block, so damage is narrowed to a block's
-element range), every file's size, the ``.metadata`` files, and each tensor's logical fingerprint at save
-time. These checks compare; :mod:`ckptverify.audit.verify` schedules the hashing.
-"""
+"""Checks against the save-time manifest (per-block item digests, file sizes, ``.metadata`` files, logical
+fingerprints). These compare; :mod:`ckptverify.audit.verify` schedules the hashing."""
 
 from __future__ import annotations
 
@@ -34,10 +30,8 @@ class BlockTask:
 
 
 def compare_layout(manifest: Manifest, layout: Layout) -> tuple[list[Finding], dict[int, Item]]:
-    """Manifest items vs the metadata's items: same set, same places, same tensor dtypes and shapes.
-
-    Returns the findings and, for every manifest entry that matches a metadata item, that item.
-    """
+    """Manifest items vs metadata items (same set, places, dtypes, shapes). Returns findings and, per matching entry,
+    its item."""
     findings: list[Finding] = []
     by_key: dict[tuple[str, tuple[int, ...] | None, str], Item] = {}
     for item in layout.items:
@@ -153,8 +147,8 @@ def block_tasks(manifest: Manifest, matched: dict[int, Item], opened: dict[str, 
 
 def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest,
               crc_ranges: Sequence[tuple[int, int]] = ()) -> tuple[list[str], list[int]]:
-    """Digests of the task's blocks (or of the whole item when it has no blocks), and, in the same pass
-    over the bytes, the CRC-32 of each ``[start, end)`` in ``crc_ranges`` (each inside the task)."""
+    """The task's block digests (or whole-item digest) and, in the same pass, the CRC-32 of each ``crc_ranges`` range.
+    """
     return _hash(f, task, manifest.digest_algorithm, manifest.block_bytes, crc_ranges)
 
 
@@ -179,8 +173,7 @@ def _hash(f: ReadOnlyFile, task: BlockTask, algorithm: str, bb: int,
             state["digest"].update(view)
             return
         if len(view) == bb and not state["filled"]:
-            # The reader's pieces are block-aligned (a task starts on a block): one block, one digest object
-            # fed at construction (which hashes without the GIL, as update does).
+            # Pieces are block-aligned: one digest per block, fed at construction (hashes without the GIL).
             out.append(block_digest(view))
             return
         pos = 0

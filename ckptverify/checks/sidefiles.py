@@ -1,27 +1,13 @@
-"""Files that frameworks write beside a DCP checkpoint's shards, recognized by name *and* checked by content.
+"""Framework files beside a DCP checkpoint's shards, recognized by name *and* checked by content.
 
-| file | written by | what it is |
-| --- | --- | --- |
-| ``meta.pt`` | Lightning ``ModelParallelStrategy`` | ``torch.save``: global step, loop and LR-scheduler state |
-| ``common.pt`` | Megatron Core ``dist_checkpointing`` (older versions) | ``torch.save``: the common (unsharded) state |
-| ``metadata.json`` | Megatron Core ``dist_checkpointing`` | JSON: the sharded backend and its version |
-| ``integrity.json`` | Megatron Core ``dist_checkpointing`` (``verify_integrity=True``) | JSON: each file's SHA-256 |
+Known side files (:data:`SIDE_FILES`: Lightning's ``meta.pt``, Megatron's ``common.pt``, ``metadata.json``,
+``integrity.json``) are not ``file-unreferenced``; each is checked by content (a ``meta.pt`` that is not a
+``torch.save`` archive is an error), digested by ``fingerprint`` and compared by ``diff``.
 
-A known side file is not ``file-unreferenced`` (a false warning); it is checked by what its content shows
-(:func:`~ckptverify.checks.single.check_file`: a ``torch.save`` archive's structure, every CRC-32 and its
-pickle through the inert reader; JSON parsed), ``fingerprint`` digests it into the manifest, and ``diff``
-compares its values. Its name alone proves nothing: a ``meta.pt`` that is not a ``torch.save`` archive is
-an error. Any other file beside the shards stays ``file-unreferenced``.
-
-Megatron's ``integrity.json`` is the framework's own integrity record, ``{"algorithm": "sha256", "files":
-{NAME: HEX}}`` (Megatron Core ``dist_checkpointing/validation.py``: ``save_integrity_manifest`` lists every
-file of the checkpoint folder but itself). It is read as such: every digest it lists is checked against the
-file's bytes (``integrity-mismatch`` names the file), a listed file that is absent is ``integrity-missing``, a
-shard or metadata file it does not list is an ``integrity-unlisted`` warning, and a record that is not of that
-form (wrong types, a name leading out of the folder, another algorithm, too large to be one) is
-``integrity-invalid``. Nothing covers ``integrity.json`` itself but a manifest: ``fingerprint`` digests it like
-any side file, so a byte changed in it afterwards is caught. Checking it reads every listed file once more
-(SHA-256, about a tenth of the speed of the manifest's xxh3).
+Megatron's ``integrity.json`` (``{"algorithm": "sha256", "files": {NAME: HEX}}``) is checked as such:
+``integrity-mismatch``, ``integrity-missing``, ``integrity-unlisted`` (warning) and ``integrity-invalid``
+(malformed, escaping the folder, another algorithm). Only a manifest covers the record itself. Checking it
+re-reads every listed file (SHA-256, about a tenth of xxh3's speed).
 """
 
 from __future__ import annotations
@@ -54,14 +40,14 @@ _COVERED = re.compile(r"^(?:__\d+_\d+\.distcp|(?:__\d+)?\.metadata|common\.pt|me
 
 
 def side_files(root: str) -> list[str]:
-    """The known side files present in ``root`` (any file type: a FIFO named ``meta.pt`` is listed, and
-    :func:`check_side_files` refuses to open it)."""
+    """Known side files in ``root``, any file type (a FIFO named ``meta.pt`` is listed; the check refuses to open it).
+    """
     return sorted(n for n in SIDE_FILES if paths.lexists(os.path.join(root, n)))
 
 
 def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[CheckCoverage], list[str]]:
-    """Check each side file by its content. Returns findings, coverage and the names that are regular files
-    inside ``root`` (the ones to open, digest and compare)."""
+    """Check each side file by content. Returns findings, coverage, and the names that are regular files inside
+    ``root``."""
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
     usable: list[str] = []
@@ -103,8 +89,8 @@ def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[C
 
 
 def check_integrity_record(root: str, name: str = "integrity.json") -> tuple[list[Finding], list[CheckCoverage]]:
-    """Check Megatron Core's integrity record ``name`` in ``root``: every SHA-256 it lists against the file's
-    bytes. A record that is not of Megatron's form is one ``integrity-invalid`` error, never an exception."""
+    """Check Megatron's integrity record ``name`` in ``root`` against each listed file. A malformed record is one
+    ``integrity-invalid`` error, never an exception."""
     from ckptverify.checks.single import check_json
 
     where = Location(file=name)

@@ -1,11 +1,6 @@
-"""Checks of single checkpoint files, recognized by their first bytes (:func:`~ckptverify.formats.single.sniff`).
-
-- a zip archive: ``torch.save`` (:mod:`~ckptverify.checks.torchsave_file`);
-- an 8-byte little-endian length and a JSON object: safetensors (header, dtypes, shapes, byte ranges tiling the
-  data exactly, the file's length). Safetensors carries no checksum: its content is ``content-uncheckable``
-  until a manifest covers it;
-- a pickle protocol byte: legacy ``torch.save`` (no checksum).
-"""
+"""Checks of single checkpoint files, recognized by their first bytes (:func:`~ckptverify.formats.single.sniff`):
+a zip (``torch.save``), a length-prefixed JSON header (safetensors: no checksum, ``content-uncheckable`` until a
+manifest covers it), or a pickle protocol byte (legacy ``torch.save``, no checksum)."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ __all__ = ["check_file", "check_json"]
 
 def check_file(path: str, *, name: str | None = None,
                root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
-    """Check one checkpoint file by its content. Returns findings, coverage and facts (``format``, ``bytes``,
-    ``tensors``)."""
+    """Check one file by content. Returns findings, coverage and facts (``format``, ``bytes``, ``tensors``)."""
     label = name or os.path.basename(path)
     try:
         with ReadOnlyFile(path) as f:
@@ -68,8 +62,7 @@ def _check_safetensors(path: str, label: str) -> tuple[list[Finding], list[Check
 
 
 def check_json(path: str, *, name: str | None = None, root: str | None = None) -> tuple[list[Finding], Any]:
-    """Parse a JSON side file (bounded): an ``json-invalid`` error when it does not parse. ``root``: the file
-    must resolve inside it."""
+    """Parse a JSON side file (bounded; ``json-invalid`` if it does not parse). ``root``: it must resolve inside it."""
     label = name or os.path.basename(path)
     try:
         with (ReadOnlyFile(path, root=root) if root is not None else ReadOnlyFile(path)) as f:

@@ -22,9 +22,8 @@ from ckptverify.safeparse.readers import file_kind, is_inside
 
 
 def stat_files(root: str, names: Iterable[str]) -> dict[str, os.stat_result | None]:
-    """``os.stat`` of each referenced file (following links), ``None`` where it must not be opened: missing,
-    not a regular file (FIFO, device, socket, directory), or resolving outside the checkpoint directory.
-    Nothing is opened here."""
+    """``os.stat`` of each referenced file; ``None`` where it must not be opened (missing, not regular, or outside the
+    checkpoint). Opens nothing."""
     out: dict[str, os.stat_result | None] = {}
     real_root = os.path.realpath(root)
     for name in names:
@@ -98,9 +97,8 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
 
 
 def walk_findings(walk: paths.Walk) -> list[Finding]:
-    """What ``walk`` did not see, as errors: each unaddressable object key (``key-unaddressable``: never
-    opened, and another key or one outside the checkpoint to anything that normalises its name), and a walk
-    cut short (``walk-incomplete``: what lay beyond the bound is unchecked, so the checkpoint cannot pass)."""
+    """What ``walk`` did not see, as errors: ``key-unaddressable`` per key no path reaches, ``walk-incomplete`` if cut
+    short (unchecked content: the checkpoint cannot pass)."""
     out: list[Finding] = []
     for p in walk.problems:
         if p.kind == "unaddressable":
@@ -134,11 +132,8 @@ def _unsafe_reason(root: str, path: str) -> str | None:
 
 def check_items(layout: Layout, stats: dict[str, os.stat_result | None],
                 blobs: dict[str, tuple[int, int]] | None = None) -> list[Finding]:
-    """Every item inside its file; no two items overlapping; no bytes outside all items.
-
-    ``blobs`` maps safetensors-format files to the byte range of their tensor blob: their tensor items do
-    not address their own bytes, so the blob stands in for them as one range.
-    """
+    """Every item inside its file, none overlapping, no bytes outside all items. ``blobs``: safetensors files' blob
+    range, standing in for their tensor items (which do not address their own bytes)."""
     findings: list[Finding] = []
     blobs = blobs or {}
     by_file: dict[str, list[Item]] = defaultdict(list)
@@ -284,13 +279,8 @@ MAX_TILING_COMPARISONS = 2_000_000
 
 
 def _overlaps(boxes: list[Chunk]) -> tuple[list[tuple[Chunk, Chunk]], bool]:
-    """Overlapping pairs among ``boxes`` (same rank, inside bounds, non-empty) and whether the search was complete.
-
-    Linear when the chunks form a grid (in every dimension, any two chunk intervals are equal or disjoint),
-    which is how DCP shards tensors: then two boxes overlap exactly when they start at the same offsets.
-    Otherwise a sweep along the dimension with the most distinct starts, capped at
-    :data:`MAX_TILING_COMPARISONS`.
-    """
+    """Overlapping pairs among ``boxes`` and whether the search was complete. Linear when chunks form a grid (DCP's
+    sharding: boxes overlap iff they start alike); else a sweep capped at :data:`MAX_TILING_COMPARISONS`."""
     pairs: list[tuple[Chunk, Chunk]] = []
     first: dict[tuple[int, ...], Chunk] = {}
     for c in boxes:

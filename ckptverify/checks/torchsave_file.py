@@ -1,14 +1,9 @@
 """A whole-file ``torch.save`` checkpoint (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output).
 
-What is checked: the zip structure (every duplicated field cross-checked, as for DCP items), the CRC-32 of every
-record, and the pickle (``data.pkl``), read through :mod:`~ckptverify.safeparse.pickle_scan` (nothing executes):
-every tensor's storage record exists and is large enough for the tensor's extent, no storage record is
-orphaned. A tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``) is checked
-inner tensor by inner tensor (data, scales), and a damaged record names the part it holds. What is guaranteed
-when it passes: every byte of every record is what was written (up to CRC-32), and every tensor's bytes lie
-where its header says. Not guaranteed: that the values are what was in memory (no manifest yet), nor anything
-about objects outside the tensor allowlist (they are named, not interpreted).
-The legacy (pre-1.6, non-zip) format carries no checksum: uncheckable.
+Checked: zip structure, every record's CRC-32, and the pickle read inertly (:mod:`~ckptverify.safeparse.pickle_scan`):
+every tensor's storage exists and covers its extent, no storage is orphaned; subclass tensors part by part. A pass
+guarantees the bytes as written (up to CRC-32), not the values in memory (no manifest), nor anything about
+objects outside the allowlist (named, not interpreted). Legacy non-zip files carry no checksum: uncheckable.
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ __all__ = ["verify_torchsave_file"]
 
 def verify_torchsave_file(path: str, *, name: str | None = None,
                           root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
-    """Check the ``torch.save`` file at ``path``; ``name`` is how findings call it. Returns findings, coverage
-    and facts (``tensors``: path -> dtype/shape, and for a tensor subclass ``stored_as`` (its class name) and
-    ``parts`` (name -> dtype/shape); ``bytes``)."""
+    """Check the ``torch.save`` file ``path`` (``name``: as findings call it). Returns findings, coverage and facts
+    (``tensors``: path -> dtype/shape, subclasses with ``stored_as`` and ``parts``; ``bytes``)."""
     label = name or os.path.basename(path)
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []

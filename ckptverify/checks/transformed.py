@@ -1,10 +1,7 @@
 """Items written through DCP stream transforms (ZStandard, ...): decoded, then judged like any other item.
 
-The decoded bytes are the usual ``torch.save`` archive: its zip structure and every record's CRC-32 are
-checked exactly as for a plain item (:func:`~ckptverify.checks.content.judge_item`), so a flipped bit in a
-compressed item is found (the stream fails to decode, or a record's CRC-32 fails). Findings name the item's
-*stored* (compressed) byte range: a position inside the decoded stream means nothing in the file.
-An item that cannot be decoded here (no decoder installed) stays ``content-uncheckable``.
+Findings name the item's *stored* byte range (a position in the decoded stream means nothing in the file). An
+item that cannot be decoded here (no decoder) stays ``content-uncheckable``.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ __all__ = ["plan_transformed"]
 
 def plan_transformed(f: ReadOnlyFile, item: Item, result: FileResult, *,
                      registry: Any = None) -> ItemPlan | None:
-    """Decode ``item``, check its archive and CRC-32s into ``result``; the plan (reading the decoded bytes
-    through ``plan.reader``) when its structure is intact, else ``None``."""
+    """Decode ``item`` and check its archive and CRC-32s into ``result``; the plan (reading decoded bytes via
+    ``plan.reader``) if intact, else ``None``."""
     if item.end > f.size:
         return None  # reported by the structural check
     try:

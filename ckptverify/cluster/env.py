@@ -1,19 +1,10 @@
 """Whether this process is one rank of a distributed command, and where the ranks meet, from the environment.
 
-Three launchers are recognised:
-
-- ``torchrun`` (``TORCHELASTIC_RUN_ID`` set): ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-  ``MASTER_ADDR``, ``MASTER_PORT`` as torchrun sets them;
-- Slurm's ``srun`` (``SLURM_PROCID`` with ``SLURM_STEP_NUM_TASKS`` above 1, which only ``srun`` sets: a batch
-  script's own ``SLURM_NTASKS`` is the job's, and a ``verify`` run from the script itself runs alone): the rank
-  from ``SLURM_PROCID``, the world from the step's task count, the ranks on this node from
-  ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_NTASKS_PER_NODE``; ``MASTER_ADDR`` and ``MASTER_PORT`` must be set by
-  the job script (rank 0's host and a free port);
-- ``ckptverify ... --readers N`` (``CKPTVERIFY_CLUSTER=local``): the ranks it started itself.
-
-A world of one is no cluster: the command runs as it always did. ``--no-cluster`` (or
-``CKPTVERIFY_CLUSTER=off``) runs one process whatever the environment says, e.g. a ``verify`` started by one
-rank of a training job, which inherits that job's variables.
+Launchers: ``torchrun`` (``TORCHELASTIC_RUN_ID``); Slurm ``srun`` (``SLURM_PROCID`` with ``SLURM_STEP_NUM_TASKS``
+above 1, which only ``srun`` sets: a batch script's own ``verify`` runs alone; ``MASTER_ADDR``/``MASTER_PORT``
+must be set by the job script); ``--readers N`` (``CKPTVERIFY_CLUSTER=local``). A world of one is no cluster.
+``--no-cluster`` / ``CKPTVERIFY_CLUSTER=off`` forces one process (e.g. a ``verify`` inheriting a training job's
+variables).
 """
 
 from __future__ import annotations
@@ -38,9 +29,9 @@ class ClusterEnv:
 
 
 def detect(environ: dict[str, str] | None = None) -> ClusterEnv | None:
-    """The cluster this process is a rank of, or ``None`` when it runs alone. Raises
-    :class:`~ckptverify.errors.UsageError` (exit 2) naming what to set when a launcher is recognised but a
-    variable the ranks need to meet is missing or malformed."""
+    """The cluster this process is a rank of, or ``None``. :class:`~ckptverify.errors.UsageError` naming what to set
+    when
+    a recognised launcher lacks a needed variable."""
     env = os.environ if environ is None else environ
     if env.get("CKPTVERIFY_CLUSTER") == "off":
         return None
@@ -86,8 +77,7 @@ def _int(env: dict[str, str] | os._Environ[str], key: str, launcher: str) -> int
 
 
 def _tasks_here(spec: str) -> int:
-    """Tasks on the first node of a Slurm ``TASKS_PER_NODE`` spec (``4(x2),3``): how many ranks share this node's
-    cores, near enough (the nodes of a step usually run alike)."""
+    """Tasks on the first node of a Slurm ``TASKS_PER_NODE`` spec (``4(x2),3``), taken as this node's."""
     m = re.match(r"\s*(\d+)", spec)
     return int(m.group(1)) if m else 1
 

@@ -1,12 +1,7 @@
-"""The ranks of one command, meeting and talking through torch.distributed's TCP store.
-
-Every message is a key in the rendezvous store (under a ``ckptverify/`` prefix): each rank's hello (host,
-pid, command), rank 0's rounds of work and each rank's reply. Each rank also beats a heartbeat there (a
-counter bumped every second by a thread of its own, on a connection of its own). Whoever waits for another
-rank watches its heartbeat: a rank whose heartbeat has not moved for the timeout (stopped, hung, or dead
-without a launcher to tell) is named with its host, and the command fails (exit 2) instead of hanging. A
-launcher that knows more (``--readers``: the exit code or signal of each rank it started) says so first.
-"""
+"""The ranks of one command meeting and talking through torch.distributed's TCP store (keys under ``ckptverify/``:
+hellos, rank 0's rounds, replies). Each rank beats a heartbeat on its own connection; a waiter names a rank whose
+heartbeat stopped for the timeout (with its host) and the command fails (exit 2) instead of hanging. A launcher
+that knows exit codes (``--readers``) says so first."""
 
 from __future__ import annotations
 
@@ -42,9 +37,8 @@ def connect(addr: str, port: int, world: int, timeout: float, *, server: bool) -
 
 
 class Group:
-    """This rank's view of the others. ``store`` and ``beat_store`` are two connections to one store (the
-    heartbeat thread has its own); ``liveness(pending)`` may name a rank among ``pending`` that is known to
-    be gone (its exit code or signal), or return ``None``."""
+    """This rank's view of the others: ``store`` and ``beat_store`` (separate connections; the heartbeat thread has its
+    own); ``liveness(pending)`` may name a rank known to be gone, or return ``None``."""
 
     def __init__(self, store: Any, beat_store: Any, rank: int, world: int, timeout: float, namespace: str,
                  liveness: Callable[[set[int]], str | None] | None = None) -> None:
@@ -63,8 +57,8 @@ class Group:
     # ---- lifecycle
 
     def start(self, command: str, path: str) -> None:
-        """Say hello and learn every rank's host: rank 0 waits for every hello (naming the ranks that never
-        came) and publishes the roster; the others wait for it."""
+        """Say hello and learn every rank's host: rank 0 waits for all hellos (naming missing ranks) and publishes the
+        roster."""
         self._beat.start()
         self.command = command
         hello = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "command": command, "path": path}
@@ -118,9 +112,9 @@ class Group:
         return self._await({0: key}, what)[0]
 
     def collect(self, keys: dict[int, str], what: str, topic: str | None = None) -> dict[int, Any]:
-        """Every rank's message (rank -> key), waiting as long as each one's heartbeat moves. With ``topic``
-        (the messages were sent with :meth:`send`), the keys are looked at only when its count moved: one
-        request per poll, whatever the number of ranks."""
+        """Every rank's message (rank -> key), waiting while each heartbeat moves. With ``topic`` (sent by
+        :meth:`send`),
+        keys are read only when its count moved: one request per poll."""
         return self._await(keys, what, topic=topic)
 
     # ---- internals

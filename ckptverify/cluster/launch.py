@@ -1,11 +1,6 @@
-"""``--readers N``: the ranks of one command on this machine, started by the command itself.
-
-This process is rank 0 and hosts the rendezvous store (on a free port of 127.0.0.1); ranks 1..N-1 are the
-same command started again (``python -m ckptverify COMMAND PATH ...``) with the variables a launcher sets.
-Knowing its children, rank 0 names one that exits early by its exit code or signal, at once; one that
-stops answering is named by the heartbeat timeout (:mod:`.group`). Whatever happens, no rank outlives the
-command: the remaining ones are ended (SIGKILL after a grace period) when it finishes.
-"""
+"""``--readers N``: the ranks of one command on this machine, started by the command itself. This process is rank 0
+and hosts the store on 127.0.0.1; it names a child that exits early by code or signal at once (a silent one by the
+heartbeat timeout), and no rank outlives the command (SIGKILL after a grace period)."""
 
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ class LocalRanks:
     def __init__(self, nproc: int, argv: list[str], timeout: float) -> None:
         from ckptverify.cluster.group import connect
 
-        # The ranks are started before this process imports torch for the store (seconds on a busy machine),
-        # so that their start-up and its own overlap; they retry connecting until the store is up.
+        # Start ranks before importing torch (seconds) so start-ups overlap; they retry until the store is up.
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = int(probe.getsockname()[1])
@@ -66,8 +60,7 @@ class LocalRanks:
         return None
 
     def close(self, grace: float = GRACE_SECONDS) -> None:
-        """Wait ``grace`` seconds for the ranks to exit (they were told to), then end any that did not (a
-        stopped one too)."""
+        """Wait ``grace`` seconds for the ranks to exit, then kill any left (stopped ones too)."""
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=grace)

@@ -1,11 +1,6 @@
-"""One command across ranks: who this rank is, rank 0's executor, the other ranks' loop, and the report.
-
-:func:`open_session` returns ``None`` when the command runs as one process (no launcher, or a world of
-one), else a :class:`Session`. On rank 0, :attr:`Session.executor` is handed to the command (the DCP
-pipeline's hashing pass, ``fingerprint``'s digests, ``scan``'s checkpoints), which hands it its work
-units; :meth:`Session.finish` adds the bytes each rank read to the report. Every other rank calls
-:meth:`Session.serve`: it reads the units it is sent until rank 0 says it is done.
-"""
+"""One command across ranks: :func:`open_session` gives ``None`` (one process) or a :class:`Session`. On rank 0,
+:attr:`Session.executor` takes the command's work units and :meth:`Session.finish` adds each rank's bytes to the
+report; every other rank calls :meth:`Session.serve` until rank 0 says it is done."""
 
 from __future__ import annotations
 
@@ -28,18 +23,15 @@ if TYPE_CHECKING:
 
 #: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
 DEFAULT_RANK_TIMEOUT = 120.0
-#: Test-only: ``RANK:ACTION`` makes rank RANK (not 0) ``kill`` itself (SIGKILL), ``exit`` (code 3) or
-#: ``stop`` (SIGSTOP) when its first work arrives, or, once it has read its first unit (the rest of its share
-#: unread), ``kill-reading`` (SIGKILL) or ``raise`` (that unit fails), so that tests can prove a dead, hung or
-#: failing rank is named and the command never passes without its share.
+#: Test-only ``RANK:ACTION`` (rank not 0): ``kill``, ``exit`` (3) or ``stop`` at its first work, or after its first
+#: unit ``kill-reading`` or ``raise``: proves a failing rank is named and never passes without its share.
 FAULT_ENV = "CKPTVERIFY_TEST_RANK_FAULT"
 
 
 def open_session(command: str, path: str, *, readers: int | None, rank_timeout: float, jobs: int | None,
                  child_options: dict[str, Any]) -> Session | None:
-    """The session this process takes part in, or ``None`` to run alone. ``readers``: start that many ranks
-    here (this process is rank 0); otherwise the launcher's environment (:func:`~.env.detect`) decides.
-    ``child_options``: the options ranks 1..N-1 are started with under ``readers``."""
+    """This process's session, or ``None`` to run alone. ``readers``: start that many ranks here (this is rank 0);
+    else the launcher's environment decides. ``child_options``: options for ranks 1..N-1 under ``readers``."""
     env = detect()
     if readers is not None and readers > 1:
         if env is not None:
@@ -65,8 +57,7 @@ def open_session(command: str, path: str, *, readers: int | None, rank_timeout: 
 
 
 def _join(env: ClusterEnv, command: str, path: str, timeout: float, jobs: int | None) -> Session:
-    # Under torchrun the agent hosts the store at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE);
-    # under srun and --readers's children, rank 0 hosts it.
+    # torchrun's agent hosts the store; under srun and --readers, rank 0 does.
     agent = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     server = connect(env.master_addr, env.master_port, env.world_size, timeout,
                      server=True) if env.rank == 0 and not agent and env.launcher != "local" else None
@@ -95,8 +86,9 @@ class Session:
     # ---- the other ranks
 
     def serve(self) -> int:
-        """Read the units rank 0 sends until it says it is done; the exit code of this rank (0, or 2 when rank 0
-        could not be heard: the message is printed by the caller from the :class:`CkptVerifyError` raised)."""
+        """Read rank 0's units until it says done; returns this rank's exit code (2 when rank 0 could not be heard, with
+        a
+        :class:`CkptVerifyError` for the caller to print)."""
         group, files = self.group, RankFiles(self.path)
         at, fault = _fault(group.rank)
 
@@ -135,8 +127,7 @@ class Session:
     # ---- rank 0
 
     def finish(self, report: Any) -> Any:
-        """``report`` with the bytes each rank read (``stats.ranks``, ``stats.world_size``,
-        ``stats.balance``)."""
+        """``report`` with the bytes each rank read (``stats.ranks``, ``stats.world_size``, ``stats.balance``)."""
         assert self.executor is not None
         stats = dict(report.stats)
         stats.update(self.executor.summary(int(stats.get("bytes") or 0), deep=bool(stats.get("deep"))))
@@ -144,8 +135,9 @@ class Session:
         return dataclasses.replace(report, stats=stats)
 
     def close(self, *, failed: bool = False) -> None:
-        """Tell the other ranks to stop (rank 0) and, unless the command ``failed`` (a rank may be the reason),
-        wait until each has heard it; stop the heartbeat, and end the ranks started here."""
+        """Tell the other ranks to stop (rank 0) and, unless ``failed``, wait until each heard it; stop the heartbeat
+        and
+        end the ranks started here."""
         if self._closed:
             return
         self._closed = True
@@ -181,9 +173,8 @@ class RankExecutor:
         self._rank0_own: int | None = None
 
     def map_units(self, run: VerificationRun, units: Sequence[Unit]) -> list[Any]:
-        """The results of ``units`` for a :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`: read
-        through its opened files on rank 0 (one it could not open: ``FileChangedError``), its progress advanced
-        as results arrive."""
+        """Results of ``units`` for a ``VerificationRun``, read through its opened files on rank 0 (an unopened one:
+        ``FileChangedError``), advancing its progress as results arrive."""
 
         def opened(name: str) -> Any:
             f = run.file(name)
@@ -204,10 +195,10 @@ class RankExecutor:
     def map_plain(self, units: Sequence[Unit], *, root: str, open_file: Callable[[str], Any],
                   size_of: Callable[[str], int], local_map: Callable[..., list[Any]],
                   advance: Callable[[int], None] | None = None, jobs: int | None = 1) -> list[Any]:
-        """The results of ``units``, in order: rank 0's share read here through ``open_file`` (with
-        ``local_map``; ``jobs``: the workers of a whole checkpoint read here), the others' sent to them; a
-        rank's ``file-changed`` raised here as
-        :class:`~ckptverify.errors.FileChangedError`, any other failure as :class:`CkptVerifyError` naming it."""
+        """Results of ``units`` in order: rank 0's share read here via ``open_file`` (``local_map``, ``jobs``), the
+        others' sent
+        out. A rank's ``file-changed`` raises :class:`~ckptverify.errors.FileChangedError`, other failures
+        :class:`CkptVerifyError` naming it."""
         sizes = [unit_bytes(u, size_of) for u in units]
         owner = assign(sizes, self.loads)
         k, self.round = self.round, self.round + 1
@@ -258,16 +249,15 @@ class RankExecutor:
         return out
 
     def _incomplete(self) -> str:
-        # A rank's share unread is never a pass: the command stops without a verdict (exit 2), and says so.
+        # An unread share is never a pass: stop without a verdict (exit 2).
         what = {"verify": "verification", "scan": "scan", "fingerprint": "fingerprint"}.get(self.group.command,
                                                                                         "command")
         return f"the {what} is incomplete: that rank's share was not checked, so nothing is concluded"
 
     def tensor_map(self, run: VerificationRun) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
-        """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description` (``--deep``, ``fingerprint``):
-        the stored pieces of tensors in raw bytes of a file are scanned on the ranks (each its share), the rest
-        (stream-transformed items, tensor subclasses) here through ``run.map``; the scans are the ones
-        ``scan_description`` computes itself."""
+        """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description`: raw-file pieces scanned on the ranks, the
+        rest
+        (transformed items, subclasses) here via ``run.map``; the same scans as computed locally."""
         from ckptverify.cluster.units import payload_unit, scan_from_json
         from ckptverify.formats.describe import Payload
 
@@ -289,8 +279,7 @@ class RankExecutor:
         return shared
 
     def summary(self, total: int, *, deep: bool = False) -> dict[str, Any]:
-        """``ranks`` (each rank's host, bytes read and units), ``world_size`` and ``balance``; rank 0 is
-        charged what no unit covered (it read that itself: metadata, archive headers, small items)."""
+        """``ranks`` (host, bytes, units each), ``world_size``, ``balance``; rank 0 is charged what no unit covered."""
         covered = sum(_merged(r) for r in self._ranges.values()) + self._unranged
         # What the first shared pass left to rank 0 (read while planning), else what no unit covered.
         own = self._rank0_own if self._rank0_own is not None else max(0, total - covered) if self.round else total
@@ -299,8 +288,7 @@ class RankExecutor:
         ranks = [{"rank": r, "host": self.group.host_of(r), "bytes_read": per[r], "units": self.units[r]}
                  for r in range(self.world)]
         units = sum(self.units)
-        # Against all the bytes read: a command that reads some bytes twice (fingerprint: CRCs, then digests)
-        # is balanced when each pass is.
+        # Against all bytes read: a command reading bytes twice is balanced when each pass is.
         bal = balance(per, sum(per), units, self.largest_unit, own)
         if not self.round:
             bal["why_not"] = ("nothing was shared out: this checkpoint is read by rank 0 alone (only DCP "
@@ -351,8 +339,9 @@ def _relative(path: Any, root: str) -> str:
 
 
 def _fault(rank: int) -> tuple[str | None, Callable[[], None]]:
-    """The test-only fault planted on this rank by :data:`FAULT_ENV`: when it strikes (``"work"``: as its first
-    work arrives; ``"read"``: once a unit is read; ``None``: never) and what it does."""
+    """The test-only fault of :data:`FAULT_ENV` on this rank: when it strikes (``"work"``, ``"read"``, ``None``) and
+    what
+    it does."""
     spec = os.environ.get(FAULT_ENV, "")
     who, _, action = spec.partition(":")
     if not who.strip().isdigit() or int(who) != rank or rank == 0:

@@ -1,8 +1,5 @@
-"""Work units shared among ranks, balanced by bytes, and what the balance came to.
-
-The assignment is deterministic (largest unit first, each to the rank with the fewest bytes so far, ties to
-the lowest rank): the same work on the same world always lands the same way, so a report can be reproduced.
-"""
+"""Work units shared among ranks, balanced by bytes. Deterministic (largest first, to the least-loaded rank, ties to
+the lowest), so the same work on the same world always lands the same way."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ BALANCE_LIMIT = 1.2
 
 
 def assign(sizes: Sequence[int], loads: list[int]) -> list[int]:
-    """The rank of each unit (``sizes`` its bytes), adding to ``loads`` (bytes per rank so far, updated in
-    place): longest-processing-time first, which stays within 4/3 of the best split."""
+    """Each unit's rank (``sizes``: its bytes), updating ``loads`` in place; LPT order, within 4/3 of the best split."""
     heap = [(load, rank) for rank, load in enumerate(loads)]
     heapq.heapify(heap)
     owner = [0] * len(sizes)
@@ -29,9 +25,9 @@ def assign(sizes: Sequence[int], loads: list[int]) -> list[int]:
 
 
 def balance(per_rank: Sequence[int], total: int, units: int, largest_unit: int, rank0_own: int) -> dict[str, Any]:
-    """How even the shares came out: the largest share as a fraction of ``total``, the limit
-    (:data:`BALANCE_LIMIT` / ranks), whether it was met, and when not, why the work did not allow it
-    (``None`` when it did)."""
+    """How even the shares are: the largest as a fraction of ``total``, the limit (:data:`BALANCE_LIMIT` / ranks),
+    whether
+    met, and if not why the work did not allow it."""
     world = len(per_rank)
     largest = max(per_rank) if per_rank else 0
     limit = BALANCE_LIMIT / world if world else 1.0

@@ -1,21 +1,10 @@
-"""Work units: what a rank is asked to read, as plain JSON lists, and how a rank reads one.
+"""Work units: what a rank is asked to read, as plain JSON lists, and how it reads one.
 
-=============  =================================================================  ============================
-unit           fields                                                             result
-=============  =================================================================  ============================
-``crc``        file, start, end                                                   CRC-32 of the bytes
-``blocks``     file, start, end, first, last, algorithm, block_bytes, crc_ranges  [block digests, CRC-32s]
-``digest``     file, algorithm                                                    digest of the whole file
-``item``       file, offset, length, algorithm, block_bytes                       [digest, block digests]
-``checkpoint`` candidate (``scan``), deep                                         [state, reason, counts]
-``payload``    tensor name, global shape, payload (raw bytes of a file)           the tensor scan (``--deep``,
-                                                                                  ``fingerprint``)
-=============  =================================================================  ============================
-
-Every byte range is read as the pipeline reads it on one process (the same functions), so the results are
-the ones a single process computes. Names are relative to the command's path; a rank opens them safely
-(:class:`~ckptverify.safeparse.readers.ReadOnlyFile`) and checks that each is the file rank 0 planned from
-(size, modification time), else the read is a ``file-changed`` as on one process.
+Kinds: ``crc`` (file, start, end), ``blocks`` (+ first, last, algorithm, block_bytes, crc_ranges), ``digest`` (file,
+algorithm), ``item`` (file, offset, length, algorithm, block_bytes), ``checkpoint`` (a ``scan`` candidate, deep),
+``payload`` (tensor name, global shape, raw payload). Each is read with the same functions as on one process, so
+results are identical. Ranks open names relative to the command's path safely and check each file is the one rank 0
+planned from (size, mtime), else ``file-changed``.
 """
 
 from __future__ import annotations
@@ -76,8 +65,8 @@ class _Hashing:
 
 
 def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | None = 1) -> Any:
-    """Read one unit through ``open_file(name)`` and return its result (JSON-able); ``jobs``: the workers that
-    verify a whole checkpoint (``None``: one per core)."""
+    """Read one unit via ``open_file(name)`` and return its JSON-able result; ``jobs``: workers for a whole checkpoint.
+    """
     kind = unit[0]
     if kind == "crc":
         _, name, start, end = unit
@@ -117,15 +106,13 @@ def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | 
 
 
 def payload_unit(name: str, shape: tuple[int, ...], p: Any) -> Unit:
-    """The ``payload`` unit of tensor ``name``'s stored piece ``p`` (a raw
-    :class:`~ckptverify.formats.describe.Payload`)."""
+    """The ``payload`` unit of raw piece ``p`` of tensor ``name``."""
     return ["payload", name, list(shape), p.to_json()]
 
 
 def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[int, ...], p: Any) -> Any:
-    """:func:`~ckptverify.checks.deep.scan_payload` of a raw payload, with the outcomes
-    :func:`~ckptverify.checks.deep.scan_description` gives a piece it cannot read (an unreadable piece; a file
-    that changed raises, as there)."""
+    """:func:`~ckptverify.checks.deep.scan_payload` of a raw payload, with ``scan_description``'s outcomes for an
+    unreadable piece (a changed file raises)."""
     from ckptverify.checks.deep import TensorScan, scan_payload
 
     try:
@@ -150,8 +137,8 @@ def scan_from_json(d: dict[str, Any]) -> Any:
 
 
 class RankFiles:
-    """The files one rank opened, by name under ``root``, each checked against what rank 0 planned from
-    (``expect``: name -> [size, mtime_ns])."""
+    """Files one rank opened under ``root``, each checked against rank 0's plan (``expect``: name -> [size, mtime_ns]).
+    """
 
     def __init__(self, root: str) -> None:
         self.root = root

@@ -1,24 +1,11 @@
 """The commit protocol of a ckptverify save: an exclusive, crash-released lock and an in-progress marker.
 
-A save into a directory that already holds a checkpoint rewrites its shards in place. Killed halfway, it
-would leave the old ``.metadata`` beside a mixture of old and new shards, and every item would still be a
-well-formed archive with a matching CRC. So the coordinator rank, before any rank writes a byte:
-
-1. creates :data:`MARKER_FILE` and takes an exclusive ``flock`` on it (non-blocking: a second save into the
-   same directory fails at once with :class:`~ckptverify.errors.SaveFailedError`); the lock belongs to the
-   open file, so the kernel drops it when the saving process dies, and a crashed save never blocks the next;
-2. writes who is saving into the marker (save id, pid, host, start time) and ``fsync``\\ s it and the
-   directory;
-3. removes the manifest and every DCP metadata file (``.metadata``, ``__N.metadata``) of the earlier save,
-   so neither ckptverify nor plain ``dcp.load`` can read the directory as a checkpoint until this save
-   commits.
-
-DCP then writes the shards on every rank, gathers the results and writes ``.metadata``; the coordinator
-writes the manifest (atomically) — **the commit** — and only then removes the marker and drops the lock.
-
-Any crash therefore leaves either the marker (the save did not commit: ``verify`` and ``load`` refuse the
-directory, see :mod:`ckptverify.checks.commit`) or a manifest with no marker (the whole save committed).
-No torch import here: ``verify`` reads the marker too.
+A save rewriting a checkpoint in place and killed halfway would leave the old ``.metadata`` over mixed shards,
+every item still well formed. So before any rank writes, the coordinator creates :data:`MARKER_FILE` and takes
+a non-blocking ``flock`` on it (a concurrent save fails at once; the kernel drops it if the process dies),
+records who is saving (fsynced with the directory), and removes the earlier manifest and metadata files so the
+directory reads as no checkpoint. After ``.metadata``, the manifest is written atomically (the commit), then the
+marker removed. A crash leaves either the marker (``verify``/``load`` refuse) or a committed save. No torch here.
 """
 
 from __future__ import annotations
@@ -44,8 +31,7 @@ __all__ = ["MARKER_FILE", "MARKER_MAX_BYTES", "SaveLock", "begin_save", "read_ma
 MARKER_FILE = SAVE_MARKER
 #: The most of the marker that is ever read (it holds a few short fields).
 MARKER_MAX_BYTES = 4096
-#: DCP metadata files an earlier save may have left: ``.metadata``, per-rank ``__N.metadata``, and the
-#: temporary files of a metadata or manifest write that was killed.
+#: Metadata files an earlier save may have left, and temporaries of killed metadata or manifest writes.
 _METADATA_NAME = re.compile(r"^(?:(?:__\d+)?\.metadata(?:\.tmp)?|" + re.escape(MANIFEST_TEMP_PREFIX) + r".*)$")
 
 
@@ -86,8 +72,7 @@ class SaveLock:
         return self.fd is not None
 
     def __del__(self) -> None:
-        # A writer whose save failed and that nobody releases (a checkpoint process of async_save, a
-        # HashingFileSystemWriter given to dcp.save directly) lets go of the directory when it is collected.
+        # A failed writer nobody releases lets go of the directory when collected.
         with contextlib.suppress(Exception):
             self.release()
 
@@ -105,11 +90,8 @@ def _holder(fd: int) -> str:
 
 
 def begin_save(root: str, save_id: str) -> SaveLock:
-    """Lock ``root`` for one save and mark it as not committed; see the module docstring.
-
-    Raises :class:`~ckptverify.errors.SaveFailedError` when another save holds the directory, and
-    ``OSError`` when the marker cannot be created (e.g. something that is not a regular file sits at its
-    name).
+    """Lock ``root`` for one save and mark it uncommitted (see the module docstring). Raises
+    :class:`~ckptverify.errors.SaveFailedError` if another save holds it, ``OSError`` if the marker cannot be created.
     """
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, MARKER_FILE)
@@ -125,8 +107,7 @@ def begin_save(root: str, save_id: str) -> SaveLock:
                 raise SaveFailedError(
                     f"another save into {root} is in progress ({_holder(fd)}); refusing to write beside it"
                 ) from None
-            # A save that committed between our open() and flock() unlinked the file we locked: a lock on
-            # a file no longer at `path` guards nothing, so start again on the file that is there now.
+            # A save that committed between open() and flock() unlinked our file: a lock on it guards nothing; retry.
             mine = os.fstat(fd)
             try:
                 now = os.stat(path, follow_symlinks=False)
@@ -159,9 +140,8 @@ def begin_save(root: str, save_id: str) -> SaveLock:
 
 
 def invalidate_previous(root: str, manifest_file: str) -> list[str]:
-    """Remove the manifest and every DCP metadata file from ``root`` (the earlier save's commit records,
-    and temporary files of killed ones), so the directory reads as no checkpoint until the save under way
-    commits. Returns the names removed."""
+    """Remove the manifest and every DCP metadata file (and killed writes' temporaries) from ``root`` so it reads as
+    no checkpoint until this save commits. Returns the names removed."""
     removed = []
     for name in sorted(os.listdir(root)):
         if name == manifest_file or _METADATA_NAME.match(name):
@@ -192,8 +172,8 @@ def describe_marker(info: dict[str, Any]) -> str:
 
 
 def read_marker(root: str) -> dict[str, Any] | None:
-    """The marker's fields if ``root`` holds a marker (``{}`` when it is unreadable or not a regular file),
-    else ``None``. Never follows a link, never blocks, reads at most :data:`MARKER_MAX_BYTES`."""
+    """The marker's fields if ``root`` holds one (``{}`` if unreadable or not regular), else ``None``. Never follows a
+    link, never blocks, reads at most :data:`MARKER_MAX_BYTES`."""
     path = os.path.join(root, MARKER_FILE)
     if not paths.lexists(path):
         return None

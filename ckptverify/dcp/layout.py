@@ -1,8 +1,5 @@
-"""ckptverify's own model of a DCP checkpoint's layout: plain data, no torch, no pickle.
-
-The safe metadata reader (:mod:`ckptverify.dcp.metadata`) turns DCP's ``.metadata`` into these types
-after validating every field, so the checks never touch DCP's private classes.
-"""
+"""ckptverify's own model of a DCP checkpoint's layout: plain data, no torch, no pickle. Built by
+:mod:`ckptverify.dcp.metadata` from validated fields, so the checks never touch DCP's private classes."""
 
 from __future__ import annotations
 
@@ -47,12 +44,9 @@ ItemKind = Literal["tensor", "bytes"]
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One stored item: a byte range ``[offset, offset + length)`` of ``file`` holding one value.
-
-    For a tensor chunk, ``chunk`` is the box it covers; for a non-tensor value it is ``None``.
-    ``transforms`` lists the stream transforms (compression, ...) applied on write, if any.
-    ``source`` is the metadata file that listed the item (``.metadata`` or ``__N.metadata``).
-    """
+    """One stored item: bytes ``[offset, offset + length)`` of ``file``. ``chunk``: the box a tensor chunk covers
+    (``None`` for a non-tensor); ``transforms``: stream transforms applied on write; ``source``: the metadata file
+    that listed it."""
 
     fqn: str
     kind: ItemKind

@@ -1,13 +1,9 @@
 """Loading through DCP safely, and DCP's naming of state dict entries.
 
-DCP's ``DefaultLoadPlanner.load_bytes`` unpickles every non-tensor value with
-``torch.load(weights_only=False)``, which runs whatever the pickle says. :class:`SafeLoadPlanner` loads
-them with ``weights_only=True`` (torch's allowlist: containers, numbers, strings, tensors), so a hostile
-value is refused instead of executed. :func:`flat_names` gives the flattened names (``model.0.weight``,
-``optim.param_groups.0.lr``) under which DCP stores each entry, as the manifest and ``.metadata`` list them.
-
-This module touches DCP internals (``set_element``, ``flatten_state_dict``); ``tests/processes/test_train_state.py``
-breaks loudly if they change.
+DCP's ``load_bytes`` unpickles non-tensor values with ``weights_only=False`` (runs anything);
+:class:`SafeLoadPlanner` uses ``weights_only=True``, so a hostile value is refused. :func:`flat_names` gives the
+flattened names DCP stores entries under. Touches DCP internals (``set_element``, ``flatten_state_dict``);
+``tests/processes/test_train_state.py`` breaks loudly if they change.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Safe reader for DCP's ``.metadata`` — the one module that knows DCP's metadata structure.
+"""Safe reader for DCP's ``.metadata``: the one module that knows DCP's metadata structure.
 
-DCP's own ``FileSystemReader.read_metadata`` calls ``pickle.load`` with no restriction, so a crafted
-``.metadata`` runs arbitrary code on whoever opens it; and when that unpickling raises, ``dcp.load`` falls
-back to ``__{rank}.metadata``, so a file that merely *fails* to unpickle hands control to another one.
-Here every metadata file DCP could read (``.metadata`` and every ``__N.metadata``) is parsed by
-:mod:`ckptverify.dcp.metadata_pickle` (allowlist, per-parse stand-ins, a work budget; nothing from torch or
-from the file runs) and then **every field** is validated: the state dict entries, the storage entries,
-``planner_data``, ``storage_meta``, ``version`` and whatever a writer attached (Megatron's
-``all_local_plans`` of DCP planner dataclasses, ``mcore_data``). The result is a :class:`ParsedMetadata`
-(what :mod:`ckptverify.dcp.storage_reader` turns into real DCP objects for loading) and, merged over the
-files, a :class:`~ckptverify.dcp.layout.Layout` for the checks.
-
-A ``__N.metadata`` beside ``.metadata`` is an error (``metadata-stray``): DCP reads it whenever
-``.metadata`` fails to load, so it is a second, unverified entry point.
-
-All work is linear in the size of the metadata and the number of chunks.
+DCP's ``read_metadata`` unpickles without restriction (a crafted file runs code), and on failure ``dcp.load``
+falls back to ``__{rank}.metadata``. Here every metadata file is parsed by :mod:`ckptverify.dcp.metadata_pickle`
+(nothing runs) and **every field** validated, giving :class:`ParsedMetadata` and, merged, a
+:class:`~ckptverify.dcp.layout.Layout`. A ``__N.metadata`` beside ``.metadata`` is ``metadata-stray`` (a second,
+unverified entry point). All work is linear in metadata size and chunk count.
 """
 
 from __future__ import annotations
@@ -57,8 +47,7 @@ STORAGE_META_FIELDS = sp.KINDS["StorageMeta"].fields
 ALLOWED_GLOBALS = sp.ALLOWED_GLOBALS
 
 
-# ---------------------------------------------------------------------------------------------
-# What a validated metadata file says.
+# -------- What a validated metadata file says.
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +96,7 @@ class StorageMetaInfo:
 
 @dataclass(slots=True)
 class ParsedMetadata:
-    """Everything one metadata file says, validated. Values of ``planner_data`` and ``extras`` are the
-    plain tree of :mod:`ckptverify.dcp.metadata_pickle` (checked inert)."""
+    """One metadata file, validated; ``planner_data`` and ``extras`` values are the inert plain tree."""
 
     name: str
     entries: dict[str, TensorStorageMetadata | None]  # None: a BytesStorageMetadata (a non-tensor value)
@@ -121,8 +109,7 @@ class ParsedMetadata:
     unsafe_paths: list[tuple[str, tuple[int, ...] | None, str]] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------------------------------------
-# Files.
+# -------- Files.
 
 
 def metadata_files(root: str) -> list[str]:
@@ -134,31 +121,22 @@ def metadata_files(root: str) -> list[str]:
 
 
 def read_metadata_bytes(path: str) -> bytes:
-    """The bytes of a metadata file: a regular file (not a FIFO, device or socket: refused unopened) whose
-    resolved location is inside its checkpoint directory (the directory holding ``path``), at most
-    :data:`MAX_METADATA_BYTES`. Never blocks. Raises ``OSError`` (:class:`~ckptverify.errors.UnsafeFileError`
-    for what is refused)."""
+    """A metadata file's bytes: a regular file inside its checkpoint directory, at most :data:`MAX_METADATA_BYTES`;
+    never blocks. Raises ``OSError`` (:class:`~ckptverify.errors.UnsafeFileError` for refusals)."""
     return read_small_file(path, MAX_METADATA_BYTES, root=os.path.dirname(os.path.abspath(path)))
 
 
 def parse_metadata(data: bytes, name: str = METADATA_FILE) -> ParsedMetadata:
-    """Parse and validate one metadata file's bytes.
-
-    Raises :class:`~ckptverify.dcp.metadata_pickle.UnsafeGlobal` (a global outside the allowlist),
-    :class:`~ckptverify.errors.BadPickle` (the budget, a structure DCP never writes included).
-    """
+    """Parse and validate one metadata file's bytes. Raises :class:`~ckptverify.dcp.metadata_pickle.UnsafeGlobal` or
+    :class:`~ckptverify.errors.BadPickle` (budget, or a structure DCP never writes)."""
     with paused_gc():
         tree = sp.parse(data)
         return _validate_metadata(tree, name)
 
 
 def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
-    """Read and validate all metadata of the checkpoint at ``root``.
-
-    Returns the merged layout, or ``None`` when no metadata could be trusted, and the findings
-    (``metadata-missing``, ``metadata-unreadable``, ``metadata-unsafe``, ``metadata-inconsistent``,
-    ``metadata-stray``). Nothing from the files is executed.
-    """
+    """Read and validate all metadata at ``root``, executing nothing. Returns the merged layout (``None`` if none
+    could be trusted) and findings (``metadata-missing``/``-unreadable``/``-unsafe``/``-inconsistent``/``-stray``)."""
     layout, findings, _ = read_all(root)
     return layout, findings
 
@@ -238,8 +216,7 @@ def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Findin
                      location=where)
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation of the plain tree. Everything below treats the values as hostile.
+# -------- Validation of the plain tree. Everything below treats the values as hostile.
 
 
 def _short(value: Any) -> str:
@@ -371,8 +348,7 @@ def _storage_meta(value: Any) -> StorageMetaInfo | None:
                            _opt_str(f["load_id"], "storage_meta load_id", 256), modules)
 
 
-# The checks above, for values that pass them: no message is formatted, nothing is called. A value that
-# fails one of these goes through the checks above, which raise with the message.
+# Fast paths of the checks above (no message formatted); a failing value goes through them for the message.
 
 _I63 = 1 << 63
 
@@ -586,8 +562,7 @@ def _planner_children(v: sp.Obj, where: str) -> list[tuple[Any, str]]:
     raise BadPickle(f"{where} holds a {kind}, which belongs elsewhere in DCP metadata")
 
 
-# ---------------------------------------------------------------------------------------------
-# Merging validated files into the layout the checks use: linear in entries and chunks.
+# -------- Merging validated files into the layout the checks use: linear in entries and chunks.
 
 
 class _Merger:

@@ -1,43 +1,15 @@
 """Unpickling DCP metadata without executing anything: per-parse stand-ins, a budget, a plain tree out.
 
-A configuration of :mod:`ckptverify.safeparse.unpickler` (the allowlist, what each global resolves to, the
-budget and its limits); the unpicklers, the bounds on the memo and on hashed tuples are the framework's.
+A configuration of :mod:`ckptverify.safeparse.unpickler`. The allowlist (DCP dataclasses, ``torch.Size``, dtypes,
+layouts, two enums, paths) resolves to stand-ins made afresh per parse, so a hostile pickle cannot change what a
+later parse uses. Stand-ins fail where the real objects would, at the same moment, so an accepted pickle is one
+real unpickling would accept. The result is a plain tree, built under a budget (``BUDGET_PER_BYTE * len(data) +
+BUDGET_BASE``: a "billion laughs" is refused in linear time); hashed tuples are bounded (``MAX_DEPTH``,
+``MAX_KEY_NODES``: ``hash`` recurses in C without limit) and stand-ins refuse growing tuples.
 
-:func:`parse` reads a pickle with an unpickler whose ``find_class`` resolves only an allowlist of names
-(DCP's metadata and planner dataclasses, ``torch.Size``, torch dtypes and layouts, two enums, ``pathlib``
-paths) and resolves them to *stand-ins* built afresh for that one parse. Nothing from torch runs and nothing
-the file does can outlive the parse: a hostile pickle cannot change the stand-ins a later parse uses
-(the globals refuse ``BUILD``; the record classes are new classes each time).
-
-The stand-ins do what the real objects would do where that can fail: ``torch.Size`` of a non-integer, an
-enum of an unknown value, ``TensorProperties`` state that is not DCP's 5-tuple, slot state that is not a
-dict, a frozen dataclass given slot state, hashing an unhashable dataclass all raise :class:`BadPickle`,
-at the moment the real unpickler would raise, whether or not the object ends up in the result. So a pickle
-this module accepts is one that real unpickling with torch's classes would also accept.
-
-The result is a plain tree (:class:`Obj`, :class:`Size`, :class:`DType`, :class:`Enum`, :class:`Path`,
-:class:`TorchLayout`, ``PDict``/lists/tuples/str/int/float/bool/None/bytes) built with a **budget**: every node
-visited while building it, and every element a stand-in copies, is charged, and the parse stops with
-:class:`BadPickle` past ``BUDGET_PER_BYTE * len(data) + BUDGET_BASE``. A memoized pickle that
-references one object a billion times ("billion laughs") is refused in time linear in its size.
-
-Hashing is bounded too: a dict key or set member that is a tuple nesting deeper than ``MAX_DEPTH`` or
-expanding to more than ``MAX_KEY_NODES`` values is refused before it is hashed (``hash`` of a tuple
-recurses in C without any limit: a key nested a million deep kills the process), every hash of a
-dataclass stand-in is charged to the budget, and the stand-ins refuse what would let tuples grow past
-that (``torch.Size`` and paths of more than ``MAX_DIMS``/``MAX_PATH_PARTS`` parts, a ``TensorProperties``
-state that is not DCP's).
-
-Two unpicklers read through these stand-ins. The reference is the pure-Python unpickler: every opcode is
-dispatched in Python, so every check above applies wherever an opcode could defeat it, and where it is
-more lenient than the C unpickler that DCP uses it follows the C one (or refuses). DCP's own output is
-read by the C unpickler (:class:`pickle.Unpickler`, about four times faster), but only once
-:func:`~ckptverify.safeparse.pickle_subset.in_fast_subset` has shown, in one pass over the bytes, that the pickle
-uses only opcodes on which the two agree and that none of its tuples can nest or grow (each goes straight to
-a stand-in, or is a short literal holding no other literal); any other pickle, and any pickle the C
-unpickler fails on, is read by the reference, whose outcome is then the answer (the C unpickler's refusal
-stands where the reference would accept: it is what DCP meets). The tests check the two agree on real,
-mutated and generated pickles.
+The C unpickler reads only pickles :func:`~ckptverify.safeparse.pickle_subset.in_fast_subset` admits; any other,
+or any it fails on, goes to the pure-Python reference, whose outcome is the answer (a C refusal stands: it is
+what DCP meets). Tests check both agree on real, mutated and generated pickles.
 """
 
 from __future__ import annotations
@@ -61,21 +33,16 @@ from ckptverify.safeparse.unpickler import (
     callable_global,
 )
 
-#: Charges allowed per byte of pickle, and in addition to that. A DCP metadata pickle needs at most about
-#: one node per two bytes (every node costs at least an opcode and an argument byte), so these leave a
-#: wide margin for real files while bounding the work a memoized pickle can ask for.
+#: Charges per byte, and in addition: real metadata needs about one node per two bytes, a wide margin.
 BUDGET_PER_BYTE = 4
 BUDGET_BASE = 100_000
-#: Deepest nesting of the plain tree (DCP metadata is about 8 deep; Megatron's planner data about 12), and of
-#: a tuple that is hashed.
+#: Deepest nesting of the plain tree and of a hashed tuple (DCP ~8, Megatron ~12).
 MAX_DEPTH = 64
 #: Most values a hashed tuple (a dict key, a set member, a dataclass's hashed field) may expand to.
 MAX_KEY_NODES = 1024
-#: Most dimensions of a ``torch.Size`` and parts of a path (DCP writes at most a tensor's dimensions, and a
-#: checkpoint path).
+#: Most dimensions of a ``torch.Size`` and parts of a path.
 MAX_DIMS = 64
 MAX_PATH_PARTS = 256
-#: The bounds above, as the unpickler framework takes them.
 LIMITS = Limits(work_per_byte=BUDGET_PER_BYTE, work_base=BUDGET_BASE, max_depth=MAX_DEPTH,
                 max_key_nodes=MAX_KEY_NODES, memo_slack=0)
 
@@ -165,13 +132,11 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# The plain tree handed to validation: immutable values, no behaviour.
+# -------- The plain tree handed to validation: immutable values, no behaviour.
 
 
 def _refuse_build(self: Any, state: Any) -> None:
-    # Frozen slotted dataclasses get a __setstate__ that sets their fields: a pickle BUILDing onto a value
-    # a stand-in returned (an Enum, a Path) would rewrite it after its check. Refuse, as for the globals.
+    # A BUILD onto a checked value (an Enum, a Path) would rewrite it after its check: refused.
     raise BadPickle(f"the pickle modifies a {type(self).__name__} value")
 
 
@@ -235,8 +200,7 @@ class PDict:
     __setstate__ = _refuse_build
 
 
-# ---------------------------------------------------------------------------------------------
-# Stand-ins: new for every parse, immutable where they are shared.
+# -------- Stand-ins: new for every parse, immutable where they are shared.
 
 
 class _Budget(Budget):
@@ -254,17 +218,14 @@ def _budget_exceeded() -> BadPickle:
 
 
 def _check_hashable(value: Any, budget: Budget) -> None:
-    """Refuse a tuple whose hash would recurse deeper than :data:`MAX_DEPTH` or visit more than
-    :data:`MAX_KEY_NODES` values (:meth:`Budget.check_hashable`; a ``torch.Size`` holds ints only)."""
+    """:meth:`Budget.check_hashable` with this module's bounds (a ``torch.Size`` holds ints only)."""
     if isinstance(value, tuple) and type(value) is not Size:
         budget.check_hashable(value, BadPickle, Size)
 
 
 class _Global(FrozenGlobal):
-    """A shared global (function, enum, dtype): refuses ``BUILD``, so no pickle can change it.
-
-    Callable globals are instances of a subclass whose ``__call__`` is the stand-in function itself
-    (:func:`_callable_global`): one Python call per ``REDUCE``."""
+    """A shared global (function, enum, dtype) that refuses ``BUILD``. Callable ones come from
+    :func:`_callable_global` (one Python call per ``REDUCE``)."""
 
     __slots__ = ()
     Refused: ClassVar[type[Exception]] = BadPickle
@@ -375,9 +336,7 @@ _PLAIN_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 
 def _check_properties_state(state: Any) -> None:
-    # TensorProperties.__setstate__ unpacks five values and maps the fourth through _MEM_FORMAT_ENCODING.
-    # The others must be what DCP pickles there (a dtype, a layout, two bools) already now, even if this
-    # record never reaches the result: a state tuple holding tuples could nest without limit.
+    # DCP's 5-tuple, checked now even if unused: a state tuple holding tuples could nest without limit.
     if type(state) is not tuple or len(state) != 5:
         raise BadPickle("TensorProperties state is not the 5-tuple DCP pickles")
     dtype, layout, requires_grad, encoding, pin_memory = state
@@ -487,21 +446,13 @@ class _DTypeGlobal(_Global):
         return self._label[len("torch."):]
 
 
-# ---------------------------------------------------------------------------------------------
 
 
 def parse(data: bytes) -> Any:
-    """Unpickle ``data`` through the allowlist and return the plain tree.
+    """Unpickle ``data`` through the allowlist and return the plain tree (fast path and fallback: module docstring).
 
-    Raises :class:`UnsafeGlobal` for a global outside the allowlist, :class:`BadPickle` past the
-    budget, :class:`BadPickle` for anything real unpickling would reject (or DCP never writes), and
-    ``pickle.UnpicklingError`` for bytes that are not a pickle. Any other exception raised while reading
-    hostile bytes is turned into :class:`BadPickle`, so callers need to catch only these.
-
-    A pickle :func:`in_fast_subset` admits is read by the C unpickler; any other, and any the C unpickler
-    fails on, by the pure-Python reference (:func:`parse_reference`), whose outcome is then the answer
-    (if the reference accepted what the C unpickler refused, the C unpickler's refusal stands: it is what
-    DCP would meet).
+    Raises :class:`UnsafeGlobal` (global outside the allowlist), :class:`BadPickle` (budget, anything real unpickling
+    rejects or DCP never writes, and any other failure on hostile bytes) or ``pickle.UnpicklingError`` (not a pickle).
     """
     with paused_gc():
         if not in_fast_subset(data):

@@ -1,11 +1,6 @@
-"""DCP's safetensors serialization: one safetensors blob per file, after the non-tensor items.
-
-With ``FileSystemWriter(serialization_format=SAFETENSORS)`` DCP writes the file's non-tensor values as
-``torch.save`` archives first, then all its tensors as one safetensors blob: an 8-byte little-endian header
-length, a JSON header (``{fqn: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": ...}``),
-then the tensor bytes. The metadata's storage entries for tensors all point at the blob's start and do not
-address their bytes, so the blob is checked here as a unit. It carries no checksums.
-"""
+"""DCP's safetensors serialization: non-tensor items as ``torch.save`` archives, then one safetensors blob per file
+(8-byte header length, JSON header with ``data_offsets``, tensor bytes). The metadata points every tensor at the
+blob's start, so the blob is checked as a unit. It carries no checksums."""
 
 from __future__ import annotations
 
@@ -92,8 +87,8 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
 
 
 def _entry(spec: object) -> tuple[tuple[int, ...], int, int, str | None]:
-    """Shape, data offsets and dtype (``None``: a dtype this tool does not read) of one header entry: exact
-    integers (never ``true``, never ``2.0``) within :data:`MAX_INT`, at most :data:`MAX_DIMS` dimensions."""
+    """Shape, data offsets and dtype (``None``: unknown) of one header entry: exact integers within :data:`MAX_INT`, at
+    most :data:`MAX_DIMS` dimensions."""
     if not isinstance(spec, dict):
         raise safejson.JSONError("the entry is not an object")
     raw_shape, offsets, dtype = spec.get("shape"), spec.get("data_offsets"), spec.get("dtype")
@@ -109,16 +104,14 @@ def _entry(spec: object) -> tuple[tuple[int, ...], int, int, str | None]:
 
 
 def data_range(blob: Blob, name: str) -> tuple[int, int] | None:
-    """``(offset, length)`` in the file of tensor ``name``'s bytes in ``blob``, or ``None``: DCP's metadata
-    records the blob's start for every tensor, the real place is in the blob's header."""
+    """``(offset, length)`` in the file of tensor ``name`` in ``blob`` (from the blob header), or ``None``."""
     t = blob.tensors.get(name)
     return None if t is None else (blob.data_start + t.begin, t.end - t.begin)
 
 
 def raw_payload(dtype: str, shape: tuple[int, ...], length: int) -> tuple[Archive, TensorHeader]:
-    """A raw little-endian payload of ``length`` bytes described as the one-record archive and tensor header
-    the tensor readers take (:mod:`ckptverify.dcp.tensors`): record ``data/0`` at the payload's first byte,
-    a contiguous view of ``shape``. It carries no CRC-32: never hand it to a CRC check."""
+    """A raw payload as the one-record archive (``data/0``) and contiguous header the tensor readers take. It carries
+    no CRC-32: never hand it to a CRC check."""
     strides: list[int] = []
     acc = 1
     for n in reversed(shape):

@@ -1,24 +1,13 @@
-"""A DCP ``StorageReader`` that never unpickles checkpoint bytes: :class:`SafeFileSystemReader`.
+"""DCP ``StorageReader`` s that never unpickle checkpoint metadata.
 
-``FileSystemReader.read_metadata`` is ``pickle.load`` on ``.metadata`` (or ``__{rank}.metadata``) with
-every global available, and ``dcp.load`` retries with ``__{rank}.metadata`` whenever the first call raises.
-This reader instead parses the file with :func:`ckptverify.dcp.metadata.parse_metadata` (allowlist,
-stand-ins, budget, every field validated) and only then **constructs** torch's real ``Metadata``,
-``TensorStorageMetadata``, ``MetadataIndex``, ``_StorageInfo``, ... from the validated values. Nothing in
-the file chooses what is constructed beyond those validated values. It also closes DCP's fallback: with
-``.metadata`` present it refuses any ``__N.metadata`` (and refuses ``.metadata`` itself while a
-``__N.metadata`` lies beside it), so a hostile per-rank file is never read in place of a broken
-``.metadata``.
+:class:`SafeFileSystemReader` parses metadata with :func:`ckptverify.dcp.metadata.parse_metadata` and only then
+**constructs** torch's real metadata objects from validated values. It closes DCP's fallback: ``__N.metadata`` is
+refused beside ``.metadata`` (and vice versa), so a hostile per-rank file never stands in for a broken one.
+Items are still read by ``read_data`` (``weights_only=True``), non-tensors via
+:class:`~ckptverify.dcp.loading.SafeLoadPlanner`.
 
-Works for every layout ``FileSystemWriter`` writes: one ``.metadata``, per-rank ``__N.metadata``
-(``use_collectives=False``), and the safetensors serialization (its metadata has the same structure).
-Tensor and byte items are still read by ``FileSystemReader.read_data`` (``torch.load(weights_only=True)``);
-non-tensor values additionally go through :class:`~ckptverify.dcp.loading.SafeLoadPlanner`.
-
-:class:`ProvingFileSystemReader` also proves every item it loads, in the read that loads it: each item's bytes
-are read once into memory, checked there (against the manifest's digest when the checkpoint has a manifest,
-else every zip record's CRC-32, which ``torch.load`` never checks), and only then deserialized from the same
-buffer. An item that fails raises :class:`ItemProofError` before anything is copied out of it.
+:class:`ProvingFileSystemReader` reads each item once into memory, proves it there (manifest digest, else every
+zip CRC-32) and only then deserializes that buffer; a failure raises :class:`ItemProofError` before any copy.
 """
 
 from __future__ import annotations
@@ -42,10 +31,8 @@ if TYPE_CHECKING:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` builds real DCP objects from safely parsed metadata.
-
-    A URL (``s3://...``, any fsspec URL) is read through torch's fsspec file system, with the options
-    :mod:`ckptverify.safeparse.remote` gives its scheme (retries, ``CKPTVERIFY_STORAGE_OPTIONS``)."""
+    """``FileSystemReader`` whose ``read_metadata`` builds DCP objects from safely parsed metadata. A URL is read via
+    torch's fsspec file system with :mod:`ckptverify.safeparse.remote`'s options."""
 
     def __init__(self, path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
@@ -85,7 +72,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 def load_parsed(path: str, name: str, check: Any = None) -> md.ParsedMetadata:
     """Read and validate one metadata file; :class:`~ckptverify.errors.CheckpointRefusedError` on anything wrong.
-    ``check(name, raw)``, when given, sees the bytes as read, before they are parsed."""
+    ``check(name, raw)`` sees the raw bytes first."""
     try:
         raw = md.read_metadata_bytes(path)
         if check is not None:
@@ -106,11 +93,8 @@ def load_parsed(path: str, name: str, check: Any = None) -> md.ParsedMetadata:
 
 
 class ProvingFileSystemReader(SafeFileSystemReader):
-    """:class:`SafeFileSystemReader` that proves every item it loads, in the same read (see the module docstring).
-
-    ``manifest``: the checkpoint's manifest (already read and validated), or ``None`` to check each item's zip
-    CRC-32s instead. ``proven`` counts what was proven (``items``, ``bytes``, ``method``).
-    """
+    """:class:`SafeFileSystemReader` proving each item in the read that loads it. ``manifest``: validated manifest, or
+    ``None`` for zip CRC-32s. ``proven`` counts ``items``, ``bytes``, ``method``."""
 
     def __init__(self, path: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
         super().__init__(path)
@@ -164,8 +148,7 @@ class ProvingFileSystemReader(SafeFileSystemReader):
         return fut
 
     def _prove(self, req: ReadItem, relative_path: str, info: Any, raw: bytes) -> bytes:
-        """The item's bytes as DCP deserializes them (its transforms undone), once proven; raises
-        :class:`ItemProofError`."""
+        """The item's bytes with transforms undone, once proven; raises :class:`ItemProofError`."""
         idx = req.storage_index
         offsets = None if idx.offset is None else tuple(int(x) for x in idx.offset)
         where = {"fqn": idx.fqn, "chunk_offsets": None if offsets is None else list(offsets), "file": relative_path,

@@ -1,11 +1,5 @@
-"""Turning stored bytes into tensors without ``torch.load``: the dtype by its stable name, and the bound on
-how many bytes are materialised at once.
-
-A tensor payload is the raw little-endian bytes of its storage; the description of a checkpoint
-(:mod:`ckptverify.formats.describe`, :mod:`ckptverify.formats.dcp`) knows its byte range, dtype, shape,
-strides and storage offset (read by an allowlist that executes nothing), and rebuilds it from those bytes
-with ``torch.frombuffer``, in blocks of at most :data:`BLOCK_BYTES`. Nothing is unpickled.
-"""
+"""Turning stored bytes into tensors without ``torch.load`` or unpickling: the dtype by stable name, and the bound
+(:data:`BLOCK_BYTES`) on bytes materialised at once by ``torch.frombuffer``."""
 
 from __future__ import annotations
 
@@ -23,8 +17,7 @@ BLOCK_BYTES = 64 << 20
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a stable dtype name (``"bfloat16"``); :class:`FindingError` when this torch has
-    none of that name."""
+    """The torch dtype named ``name``; :class:`FindingError` if this torch has none."""
     import torch
 
     dtype = getattr(torch, name, None)

@@ -1,20 +1,9 @@
-"""DCP's stream transforms (``torch.distributed.checkpoint._extension``): undo them to read an item's bytes.
+"""Undoing DCP's stream transforms (``_extension``, e.g. ``stream.zstd/1``) to read an item's bytes.
 
-``FileSystemWriter(_extensions=[ZStandard()])`` passes every item (a complete ``torch.save`` archive)
-through the transforms before it reaches the file, and records their descriptors (``"stream.zstd/1"``) in
-the item's ``_StorageInfo.transform_descriptors``. The stored bytes carry no checksum of their own that
-this tool could check; the *decoded* bytes are the usual archive, whose records carry CRC-32s. So a
-transformed item is decoded here (in memory, bounded) and then judged like any other.
-
-Decoders:
-
-* ``stream.zstd/1``: the ``zstandard`` package (or ``pyzstd``), the same libraries DCP's ``ZStandard``
-  uses; neither installed: the item cannot be decoded and says so (``pip install zstandard``).
-* any other descriptor: only through an ``ExtensionRegistry`` the caller hands over (the library API):
-  the descriptor, which comes from the (untrusted) metadata, merely selects one of the classes the caller
-  registered. Nothing is imported because a checkpoint names it.
-
-The output is bounded (:data:`MAX_DECODED_BYTES` per item): a decompression bomb is an error, not a hang.
+Stored bytes have no checksum of their own; the decoded archive has CRC-32s, so an item is decoded (in memory,
+bounded by :data:`MAX_DECODED_BYTES`: a bomb is an error, not a hang) and judged like any other. ZStandard uses
+``zstandard`` or ``pyzstd``; any other descriptor only via a caller's ``ExtensionRegistry``: the (untrusted)
+descriptor merely selects a registered class, and nothing is imported because a checkpoint names it.
 """
 
 from __future__ import annotations
@@ -79,9 +68,7 @@ def _zstd(raw: bytes, limit: int) -> bytes:
 
 def decode(raw: bytes, descriptors: Sequence[str], *, registry: Any = None,
            limit: int = MAX_DECODED_BYTES) -> bytes:
-    """``raw`` with the transforms ``descriptors`` undone, in the order DCP's reader applies them.
-
-    ``registry``: a DCP ``ExtensionRegistry`` for descriptors other than ``stream.zstd/1``. Raises
+    """``raw`` with ``descriptors`` undone, in DCP's reader order; ``registry`` for non-zstd descriptors. Raises
     :class:`TransformError`."""
     data = raw
     for desc in descriptors:
@@ -107,11 +94,8 @@ def decode(raw: bytes, descriptors: Sequence[str], *, registry: Any = None,
 
 
 class DecodedItem:
-    """A transformed item's decoded bytes, read like a file (``pread``, ``crc32``, ``fold``, ``size``).
-
-    Holds the decoded bytes once decoded; :meth:`drop` frees them (a later read decodes again).
-    ``item`` is the item as the decoded bytes see it: offset 0, the decoded length, no transforms.
-    """
+    """A transformed item's decoded bytes, read like a file; :meth:`drop` frees them (a later read decodes again).
+    ``item``: as the decoded bytes see it (offset 0, no transforms)."""
 
     def __init__(self, f: ReadOnlyFile, stored: Item, data: bytes, registry: Any = None) -> None:
         self.path = f"{stored.file}[{stored.offset}:{stored.end}] (decoded)"
@@ -124,8 +108,7 @@ class DecodedItem:
 
     @property
     def data(self) -> bytes:
-        """The decoded bytes. Each thread holds at most one decoded item at a time, so reading every item
-        of a checkpoint in turn keeps one item's worth of memory per thread."""
+        """The decoded bytes; each thread holds at most one decoded item (memory bounded per thread)."""
         if getattr(_held, "owner", None) is self:
             return _held.data  # type: ignore[no-any-return]
         data = decode(self._f.pread(self.stored.offset, self.stored.length), self.stored.transforms,

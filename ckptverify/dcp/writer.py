@@ -1,29 +1,11 @@
 """A DCP storage writer that digests every byte as it is written and writes the manifest last.
 
-:class:`HashingFileSystemWriter` is a :class:`~torch.distributed.checkpoint.FileSystemWriter` whose file
-system wraps each output stream in a :class:`_HashingStream`:
-
-* every byte written goes into a digest of the whole file;
-* the byte stream is cut into *segments* at every ``tell()`` call. DCP's ``_write_item`` calls
-  ``stream.tell()`` right before and right after writing each item, so each segment is exactly one item's
-  bytes. Each segment is digested whole and in blocks of ``block_bytes`` counted from its first byte.
-
-``write_data`` then replaces each ``WriteResult.storage_data`` (a ``_StorageInfo``) by a
-:class:`HashedStorageInfo` carrying the item's digests, its file's size and digest and, when asked, the
-logical fingerprint of the tensor chunk. These travel to the coordinator through DCP's own gather of
-write results. ``finish`` takes them out again, puts plain ``_StorageInfo`` objects back (so ``.metadata``
-is an ordinary DCP file any torch reads without ckptverify), lets DCP write ``.metadata``, digests it, and
-writes the manifest last (:func:`ckptverify.ownfiles.manifest.write_manifest`, atomic).
-
-The writer follows the commit protocol of :mod:`ckptverify.dcp.commit`: in ``prepare_global_plan`` (on
-the coordinator, before any rank writes) it locks the directory, marks it as not committed and removes the
-earlier save's manifest and metadata; ``finish`` removes the marker once the manifest is in place. Every
-rank's shards are written before ``finish`` runs (DCP gathers all write results first), so no shard of
-this save is written after its commit.
-
-This module and :mod:`ckptverify.dcp.metadata` are the only ones that touch DCP's private classes
-(``_StorageInfo``, ``FileSystem.create_stream``, ``FileSystemWriter.fs``, ``WriteResult``); the tests in
-``tests/unit/test_save.py`` check every assumption made here against the installed torch.
+:class:`HashingFileSystemWriter` wraps each output stream in :class:`_HashingStream`: a digest of the whole file,
+and segments cut at each ``tell()`` (DCP calls it right before and after each item, so a segment is one item),
+each digested whole and in blocks. ``write_data`` swaps each ``storage_data`` for :class:`HashedStorageInfo`
+(travelling to the coordinator in DCP's own gather); ``finish`` restores plain ``_StorageInfo`` (``.metadata``
+stays an ordinary DCP file), writes ``.metadata``, digests it, and writes the manifest last. It follows
+:mod:`ckptverify.dcp.commit`. It touches DCP's private classes; ``tests/unit/test_save.py`` checks every assumption.
 """
 
 from __future__ import annotations
@@ -91,8 +73,8 @@ METADATA_FILE = ".metadata"
 
 
 def validate_digest_options(digest: str, block_bytes: int) -> None:
-    """Raise :class:`UsageError` unless ``digest`` is a known algorithm and ``block_bytes`` an int within
-    [``MIN_BLOCK_BYTES``, ``MAX_BLOCK_BYTES``] (the bounds verify accepts)."""
+    """Raise :class:`UsageError` unless ``digest`` is known and ``block_bytes`` an int in [``MIN_BLOCK_BYTES``,
+    ``MAX_BLOCK_BYTES``] (what verify accepts)."""
     if digest not in ALGORITHMS:
         raise UsageError(f"unknown digest algorithm {digest!r}; choose one of {', '.join(ALGORITHMS)}")
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
@@ -104,24 +86,18 @@ def validate_digest_options(digest: str, block_bytes: int) -> None:
 
 # ------------------------------------------------------------------------------------------ the stream
 
-#: Buffers at least this large are written piece by piece, each piece digested by a pool thread while the
-#: next one is written (see ``_HashingStream._write_pipelined``).
+#: Buffers this large are written in pieces digested by a pool thread (``_HashingStream._write_pipelined``).
 PARALLEL_HASH_MIN_BYTES = 1 << 20
-#: The piece: small enough that a piece the write has just read is still in the shared cache when the pool
-#: thread digests it (three digests: the file's, the item's, the item's blocks), large enough that the
-#: per-piece Python cost (one submit) stays under 1% of the piece's write.
+#: Small enough to be in cache when digested (three digests), large enough that a submit costs under 1%.
 PIECE_BYTES = 4 << 20
 #: Seconds a pool thread has to start on a lane the writer waits for before the writer does its work itself.
 LANE_START_GRACE = 0.002
 #: The pieces the last ``PIECE_BYTES`` of a write are cut in (see ``_HashingStream._write_pipelined``).
 TAIL_PIECE_BYTES = 1 << 20
-#: How many written pieces of one write may wait for their digests before the write waits (see
-#: :class:`_DigestLane`): together they stay in the shared cache.
+#: Written pieces that may await digests before the write waits (they stay in cache together).
 PIECES_IN_FLIGHT = 4
-#: Writes shorter than this (torch.save's zip headers, small items) are collected and digested together once
-#: ``COALESCE_BYTES`` of them are pending, at the next ``tell()``, before a large write and at close: one
-#: digest call for many small writes. The digests are the same (streaming digests do not depend on how their
-#: input is split).
+#: Shorter writes are coalesced (up to ``COALESCE_BYTES``; flushed at ``tell()``, a large write or close) into
+#: one digest call: streaming digests do not depend on how input is split.
 SMALL_WRITE_BYTES = 64 << 10
 COALESCE_BYTES = 256 << 10
 
@@ -131,8 +107,7 @@ _pool_pid = 0
 
 
 def _hash_pool() -> ThreadPoolExecutor:
-    """The process-wide pool that digests large buffers (created on first use, re-created after a fork,
-    never pickled)."""
+    """The process-wide digest pool (made on first use, re-made after a fork, never pickled)."""
     global _pool, _pool_pid
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid():
@@ -158,11 +133,8 @@ class _FileRecord:
 
 
 class _HashingStream:
-    """A write-only stream that digests what it forwards to ``raw`` and cuts segments at ``tell()``.
-
-    ``tell()`` reports the number of bytes written through this stream (DCP opens every data file for
-    writing from offset 0); seeking is refused, since it would make the digests meaningless.
-    """
+    """A write-only stream digesting what it forwards to ``raw`` and cutting segments at ``tell()`` (bytes written so
+    far; DCP writes from offset 0). Seeking is refused: it would make the digests meaningless."""
 
     def __init__(self, raw: Any, algorithm: str, block_bytes: int,
                  fused: Callable[[memoryview], BlockwiseFingerprint | None] | None = None,
@@ -225,20 +197,15 @@ class _HashingStream:
             del self._pending[:]
 
     def _write_pipelined(self, view: memoryview, seg: BlockDigest, fused: BlockwiseFingerprint | None) -> int:
-        """Write a large buffer in pieces of ``PIECE_BYTES``; a pool thread digests the pieces in order while
-        this thread writes the next ones, so the digests read what the write has just brought into the cache
-        instead of making passes of their own over memory (the write, xxhash and hashlib release the GIL on
-        large buffers). Up to ``PIECES_IN_FLIGHT`` pieces may wait for their digests before the write waits
-        for them (see :class:`_DigestLane`). ``fused``: the fingerprint of the tensor chunk whose memory ``view``
-        is, taken by the same thread right after each piece's digests. The buffer is only read while this call
-        runs: the caller may free or reuse it as soon as ``write`` returns."""
+        """Write a large buffer in ``PIECE_BYTES`` pieces while a pool thread digests earlier ones (reading them from
+        cache; the calls release the GIL), at most ``PIECES_IN_FLIGHT`` behind (:class:`_DigestLane`). ``fused``: the
+        chunk fingerprint advanced after each piece. The buffer is only read during the call."""
         lane = _DigestLane(self._file_digest, seg, fused, self._fused_jobs)
         total = len(view)
         pos = 0
         try:
             while pos < total:
-                # The last PIECE_BYTES go in smaller pieces: the write returns once every piece is digested, so
-                # what it waits for at its end is the digest of its last piece.
+                # Smaller tail pieces: the write ends waiting on the last piece's digest.
                 step = PIECE_BYTES if total - pos > PIECE_BYTES else TAIL_PIECE_BYTES
                 piece = view[pos : pos + step]
                 n = self._raw.write(piece)
@@ -317,16 +284,11 @@ def _digest_piece(file_digest: Any, seg: BlockDigest, piece: memoryview) -> None
 
 
 class _DigestLane:
-    """The pieces of one large write, digested in the order they were written by one pool thread at a time.
+    """The pieces of one large write, digested in order by one pool thread at a time.
 
-    The writing thread hands each piece to :meth:`put` once written, and calls :meth:`wait` before the next one, until
-    few enough are pending. A lane lets the digests fall behind the write by a few pieces: with one piece in
-    flight, the write stopped at every piece whose digest thread the machine had scheduled late, and those
-    waits added up to 1-4% of a save. Pieces no pool thread has started on when the writer must wait (every
-    pool thread busy, or none scheduled) are digested by the writing thread itself rather than waited for, once
-    a pool thread had ``LANE_START_GRACE`` seconds to start: a thread just woken takes some tens of
-    microseconds, and taking the work over at once put the end of every write (its last piece, and the last
-    block of a chunk fingerprinted beside it) on the writing thread.
+    The writer :meth:`put` s each piece and :meth:`wait` s until few are pending; letting digests lag a few pieces
+    avoids stalls on late-scheduled threads (1-4% of a save). Pieces no pool thread started on within
+    ``LANE_START_GRACE`` are digested by the writer itself (taking over at once put every write's tail on it).
     """
 
     def __init__(self, file_digest: Any, seg: BlockDigest, fused: BlockwiseFingerprint | None = None,
@@ -377,9 +339,8 @@ class _DigestLane:
                     self._busy -= 1
                     self._cond.notify_all()
             if self._fused is not None and not failed:
-                # After the piece counts as done: the fingerprint reads the chunk's own memory, which the storage
-                # writer keeps alive until it has collected the fingerprint, not the caller's buffer, so the write
-                # need not wait for the last block's.
+                # After the piece is done: the fingerprint reads the chunk's memory (kept alive by the storage writer),
+                # so the write need not wait for it.
                 _advance(self._fused, end)
 
     def wait(self, most: int) -> None:
@@ -409,8 +370,8 @@ class _DigestLane:
 
 
 def _advance(fused: BlockwiseFingerprint, end: int) -> None:
-    """Fingerprint the blocks of ``fused`` written by now; a failure leaves it incomplete (the writer then takes
-    that chunk's fingerprint on its own, after the write), never fails the write."""
+    """Fingerprint the blocks of ``fused`` written so far; a failure leaves it incomplete (fingerprinted after the
+    write instead), never fails the write."""
     try:
         fused.advance(end)
     except Exception as exc:  # pragma: no cover - a kernel failing here fails the same way on its own
@@ -418,10 +379,8 @@ def _advance(fused: BlockwiseFingerprint, end: int) -> None:
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's local :class:`FileSystem`, with every stream opened for writing wrapped in a hashing stream.
-
-    Records are kept by absolute path until :meth:`take_records` collects them.
-    """
+    """DCP's local :class:`FileSystem` with every write stream wrapped in a hashing stream; records kept by absolute
+    path until :meth:`take_records`."""
 
     def __init__(self, algorithm: str, block_bytes: int) -> None:
         super().__init__()
@@ -464,9 +423,9 @@ class _HashingFileSystem(FileSystem):
             self._tell_calls += stream.tell_calls
 
     def take_fused(self, view: memoryview) -> BlockwiseFingerprint | None:
-        """The fingerprint of the chunk whose memory ``view`` is exactly (torch.save writes a tensor's storage as
-        one buffer of its memory), taken out of ``fused``: one write fingerprints it, even when the same memory is
-        written twice (tied weights)."""
+        """Take out of ``fused`` the fingerprint of the chunk whose memory is exactly ``view``: one write fingerprints
+        it,
+        even when the same memory is written twice (tied weights)."""
         import numpy as np
 
         key = (int(np.frombuffer(view, dtype=np.uint8).ctypes.data), view.nbytes)
@@ -490,12 +449,8 @@ def _key(path: str | os.PathLike) -> str:
 
 @dataclass
 class HashedStorageInfo(_StorageInfo):
-    """A ``_StorageInfo`` that also carries what the writing rank learned about the item.
-
-    Lives only between ``write_data`` and ``finish``: ``finish`` replaces it by a plain ``_StorageInfo``
-    before ``.metadata`` is written. ``extra_files`` carries files of the writing rank that hold no item
-    (DCP creates one per empty bucket); it is set on one result per rank.
-    """
+    """A ``_StorageInfo`` carrying what the writing rank learned about the item; lives only between ``write_data`` and
+    ``finish``. ``extra_files``: a rank's files holding no item (set on one result per rank)."""
 
     digest: str | None = None
     blocks: tuple[str, ...] = ()
@@ -506,17 +461,15 @@ class HashedStorageInfo(_StorageInfo):
     inf_count: int | None = None
     parts: tuple[tuple[str, str], ...] | None = None
     extra_files: tuple[tuple[str, int, str], ...] = ()
-    #: ``(offset, length)`` of the bytes the digests cover, where it differs from what DCP records
-    #: (safetensors-format tensors: DCP records the blob's start, the bytes are further in).
+    #: ``(offset, length)`` digested, where DCP records otherwise (safetensors tensors: the blob's start).
     span: tuple[int, int] | None = None
 
     def plain(self) -> _StorageInfo:
         return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
 
 
-#: Threads a save's fingerprints of CPU chunks use (``None``: torch's intra-op thread count, as a fingerprint
-#: taken outside a save does). The fingerprints run beside DCP's writing thread and the digesting pool; see
-#: ``docs/fingerprint.md`` for what was measured.
+#: Threads for a save's CPU fingerprints (``None``: torch's intra-op count); they run beside DCP's writer and
+#: the digest pool (``docs/fingerprint.md``).
 FINGERPRINT_THREADS: int | None = 1
 
 
@@ -543,9 +496,7 @@ def _chunk_facts(t: torch.Tensor, item: WriteItem,
             parts = tuple((name, f.value) for name, f in part_fingerprints(t).items())
     except UsageError:
         fp = None  # a dtype the fingerprint is not defined for
-    # The fingerprint's pass counted the NaN and Inf bit patterns on its read of the chunk (the compiled kernel):
-    # none means no NaN and no Inf, what _nonfinite_counts would find with a pass of its own over the chunk.
-    # Any found are told apart by that pass, as before.
+    # The kernel counted NaN/Inf patterns in its pass: zero means none; otherwise a pass tells them apart.
     nan, inf = (0, 0) if specials == 0 else _nonfinite_counts(t)
     return _ChunkFacts(fp, nan, inf, parts)
 
@@ -554,23 +505,19 @@ def _chunk_facts(t: torch.Tensor, item: WriteItem,
 
 
 class HashingFileSystemWriter(FileSystemWriter):
-    """A :class:`FileSystemWriter` that digests every item and file as it is written, and writes a
+    """A :class:`FileSystemWriter` that digests every item and file as written and writes a
     :data:`~ckptverify.ownfiles.manifest.MANIFEST_FILE` beside ``.metadata`` when the save commits.
 
     Args:
         path: the checkpoint directory.
-        digest: byte digest algorithm, ``"xxh3-128"`` (default) or ``"sha256"``.
-        block_bytes: size of the blocks each item is also digested in (counted from the item's first byte).
-        fingerprint: also take the logical fingerprint (and NaN/Inf counts) of every tensor chunk this
-            rank writes, on the chunk's own device: a large contiguous CPU chunk block by block beside the
-            write of its bytes (by the threads that digest them), the rest in a thread that runs while DCP
-            writes. ``stats["fingerprinted_beside_writes"]`` counts the former.
-        **kwargs: passed to :class:`FileSystemWriter` (``thread_count``, ``single_file_per_rank``, ...).
+        digest: ``"xxh3-128"`` (default) or ``"sha256"``.
+        block_bytes: block size each item is also digested in (from the item's first byte).
+        fingerprint: also fingerprint (with NaN/Inf counts) each tensor chunk on its device, large CPU chunks
+            beside their writes (``stats["fingerprinted_beside_writes"]``).
+        **kwargs: passed to :class:`FileSystemWriter`.
 
-    After a save, ``manifest`` holds the manifest on the coordinator (``None`` elsewhere) and ``stats``
-    counts what was digested. The writer is picklable, so ``dcp.async_save`` can hand it to a checkpoint
-    process. DCP must gather write results on a coordinator (``use_collectives=True``), except in a
-    single process.
+    After a save, ``manifest`` is set on the coordinator (``None`` elsewhere) and ``stats`` counts digests. Picklable
+    (for ``dcp.async_save``). Needs ``use_collectives=True`` except in a single process.
     """
 
     def __init__(
@@ -592,9 +539,8 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.manifest: Manifest | None = None
         self.stats: dict[str, int] = {}
         self._lock: SaveLock | None = None
-        #: The node of every rank of the save's group (by group rank), set before the save when its
-        #: verification is shared out among nodes: the coordinator then writes the plan of who verifies which
-        #: files (:mod:`ckptverify.verifier.parts`) from the write results, before the save commits.
+        #: Node of each group rank, when verification is shared among nodes: the coordinator then writes the
+        #: parts plan (:mod:`ckptverify.verifier.parts`) before committing.
         self.node_hosts: list[str] | None = None
         #: Whether the parts' verification is deep (the plan says so to every node).
         self.node_deep = False
@@ -613,9 +559,8 @@ class HashingFileSystemWriter(FileSystemWriter):
             )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """On the coordinator, after every rank has planned and before any rank writes: lock the directory
-        and mark it as not committed, then remove the earlier save's manifest and metadata
-        (:mod:`ckptverify.dcp.commit`). A conflicting save fails here, on every rank, having written nothing."""
+        """On the coordinator, before any rank writes: lock, mark uncommitted, remove the earlier manifest and metadata
+        (:mod:`ckptverify.dcp.commit`). A conflicting save fails here on every rank, having written nothing."""
         plans = super().prepare_global_plan(plans)
         root = os.fspath(self.path)
         self._release_lock()
@@ -634,8 +579,7 @@ class HashingFileSystemWriter(FileSystemWriter):
             lock.release()
 
     def __getstate__(self) -> dict[str, Any]:
-        # The lock is a descriptor of the process that took it; a pickled writer (async_save with a
-        # checkpoint process) takes its own.
+        # The lock is a descriptor of its process: a pickled writer takes its own.
         state = dict(self.__dict__)
         state["_lock"] = None
         return state
@@ -643,11 +587,9 @@ class HashingFileSystemWriter(FileSystemWriter):
     # -- writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.fs.take_records()  # drop anything left by an earlier, failed save
-        # Large contiguous CPU chunks are fingerprinted by the threads that digest their bytes, right after each
-        # piece is written (the bytes still in the cache); the rest in a thread of their own while DCP writes
-        # (torch kernels and the writes both release the GIL). A GPU chunk is fingerprinted on its own device, on a
-        # side stream that waits for this thread's current stream of that device (where the chunk was written):
-        # the fingerprint thread's own current device is cuda:0 whatever this rank's GPU is.
+        # Large contiguous CPU chunks are fingerprinted by the digest threads (bytes still in cache); the rest in
+        # a thread while DCP writes. A GPU chunk uses a side stream waiting on this thread's current stream of
+        # its device (the fingerprint thread's current device is cuda:0 whatever this rank's GPU is).
         fused = self._fusable(plan, planner) if self.fingerprint else {}
         self.fs.fused = {key: bw for key, (_, _, bw) in fused.items()}
         self.fs.fused_jobs = jobs = []
@@ -661,21 +603,17 @@ class HashingFileSystemWriter(FileSystemWriter):
                 facts = fp_job.result() if fp_job is not None else {}
         finally:
             self.fs.fused = {}
-            # The fingerprints still being taken beside the writes. Not the cancelled jobs (the writer did their
-            # work): a cancelled future counts as done only once a pool thread has dequeued it.
+            # Not the cancelled jobs (the writer did their work): one counts as done only once dequeued.
             futures_wait([job for job in jobs if not job.cancelled()])
             self.fs.fused_jobs = []
         rode = 0
         for item, t, bw in fused.values():
-            # A chunk whose write did not carry its fingerprint (its memory was copied on its way to the stream)
-            # is fingerprinted now.
+            # A chunk whose write did not carry its fingerprint (memory copied on the way) is fingerprinted now.
             facts[item.index] = _chunk_facts(t, item, bw.result() if bw.complete else None)
             rode += bw.complete
         records, tells = self.fs.take_records()
-        # Thousands of items make many small, acyclic objects (the results and their digests): the cyclic
-        # collector would walk the growing set again and again. Reference counting frees them as usual.
-        # (DCP's own write loop keeps the collector: torch.save leaves reference cycles behind, about 20
-        # objects per item, which a pause would keep alive until it ends.)
+        # Many small acyclic objects (see gcpause). DCP's write loop keeps the collector: torch.save leaves
+        # ~20 objects per item in cycles, which a pause would keep alive.
         with paused_gc():
             out = self._hashed_results(results, facts, records, tells)
         self.stats["fingerprinted_beside_writes"] = rode
@@ -684,14 +622,9 @@ class HashingFileSystemWriter(FileSystemWriter):
     @staticmethod
     def _fusable(plan: SavePlan, planner: SavePlanner
                  ) -> dict[tuple[int, int], tuple[WriteItem, torch.Tensor, BlockwiseFingerprint]]:
-        """The plan's chunks whose fingerprints can ride on their writes, by (address, bytes) of their memory:
-        CPU tensors the compiled kernel takes, contiguous and the whole of their storage (DCP writes such a tensor's
-        memory as it is, where it copies a view of a larger storage first), and the memory the state dict holds.
-
-        The last condition: a planner whose ``resolve_data`` makes a new tensor (a cast, a copy) would have these
-        kept for the whole write, every large one at once, and DCP writes another one that no key matches. So
-        only a planner that says what the state dict holds (``lookup_object``, as ``DefaultSavePlanner`` and its
-        subclasses do) has chunks fingerprinted beside their writes, those whose data is that memory."""
+        """Chunks whose fingerprints can ride on their writes, by (address, bytes): CPU, kernel-supported, contiguous,
+        the whole storage, and the very memory the state dict holds. The last needs ``lookup_object``: a planner whose
+        ``resolve_data`` copies would keep every large copy alive through the write, with no key matching."""
         from ckptverify.fingerprint.kernels import COMPILED_BLOCK
 
         out: dict[tuple[int, int], tuple[WriteItem, torch.Tensor, BlockwiseFingerprint]] = {}
@@ -747,9 +680,8 @@ class HashingFileSystemWriter(FileSystemWriter):
                 segment = _Segment(new_digest(self.digest).hexdigest(), ())
             span = (info.offset, info.length)
             if segment is None and info.length:
-                # Not written as one segment between two tell() calls: safetensors-format tensors, whose
-                # storage data all point at the start of one blob. Their own bytes are where the blob's
-                # header says; digest that range from the closed file.
+                # Safetensors-format tensors all point at the blob's start: digest their own range (from the blob
+                # header) from the closed file.
                 span = _blob_range(blobs, path, info.offset, wr.index.fqn) or span
                 rd = block_digests(path, span[0], span[1], self.digest, self.block_bytes)
                 segment = _Segment(rd.digest, rd.blocks)
@@ -799,8 +731,7 @@ class HashingFileSystemWriter(FileSystemWriter):
     def _fingerprint_items(plan: SavePlan, planner: SavePlanner,
                            skip: frozenset[MetadataIndex] | set[MetadataIndex] = frozenset(),
                            streams: FingerprintStreams | None = None) -> dict[MetadataIndex, _ChunkFacts]:
-        """The facts of every tensor chunk of ``plan`` but those in ``skip``, each taken on its chunk's device and
-        on ``streams``' side stream of that device (default: streams captured in the calling thread)."""
+        """Facts of every tensor chunk of ``plan`` not in ``skip``, each on its device and ``streams``' side stream."""
         from ckptverify.fingerprint import kernels
 
         streams = streams if streams is not None else FingerprintStreams.capture(_chunk_devices(plan, planner))
@@ -814,9 +745,7 @@ class HashingFileSystemWriter(FileSystemWriter):
                 if isinstance(data, torch.Tensor):
                     kernel = kernels.cpu_kernel_dtype(data.dtype) if large else None
                     if large.get(kernel, 0) >= kernels.AUTO_COMPILE_AFTER_BYTES and data.device.type == "cpu":
-                        # This save alone fingerprints enough on CPU for backend "auto" to compile its kernel:
-                        # start now (in the background; the host path goes on meanwhile) rather than after that
-                        # much has gone through the host path, which in a fresh process is the whole first save.
+                        # Enough CPU work for "auto" to compile: start now in the background, not after the first save.
                         kernels.compile_in_background(data.dtype)
                         del large[kernel]
                     with streams.scope(data):
@@ -825,8 +754,8 @@ class HashingFileSystemWriter(FileSystemWriter):
 
     # -- committing
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit (coordinator only; every rank's writes are done): write ``.metadata``, then the manifest,
-        then remove the in-progress marker and drop the lock. Anything that fails leaves the marker."""
+        """Commit (coordinator; all writes done): ``.metadata``, then the manifest, then remove the marker and drop the
+        lock. Any failure leaves the marker."""
         try:
             with paused_gc():  # the manifest of many items: as in write_data
                 self._finish(metadata, results)
@@ -934,8 +863,7 @@ class HashingFileSystemWriter(FileSystemWriter):
 
 
 def _chunk_devices(plan: SavePlan, planner: SavePlanner) -> set[torch.device]:
-    """The devices of the plan's tensor chunks, read where the state dict holds them (``lookup_object``, as
-    ``DefaultSavePlanner`` has: no copy), else as the planner resolves them."""
+    """Devices of the plan's tensor chunks, via ``lookup_object`` where available (no copy), else ``resolve_data``."""
     lookup = getattr(planner, "lookup_object", None)
     devices: set[torch.device] = set()
     for item in plan.items:
@@ -951,9 +879,8 @@ def _chunk_devices(plan: SavePlan, planner: SavePlanner) -> set[torch.device]:
 
 
 def _large_chunk_bytes(plan: SavePlan) -> dict[torch.dtype | None, int]:
-    """Bytes of the plan's tensor chunks large enough for the compiled fingerprint kernel (at least
-    ``COMPILED_BLOCK`` elements as the kernel reads them: a complex element is two), by the kernel's
-    compilation they take (:func:`~ckptverify.fingerprint.kernels.cpu_kernel_dtype`)."""
+    """Bytes of chunks large enough for the compiled kernel (``COMPILED_BLOCK`` elements; complex counts two), by the
+    kernel compilation they take (:func:`~ckptverify.fingerprint.kernels.cpu_kernel_dtype`)."""
     from ckptverify.fingerprint.kernels import COMPILED_BLOCK, cpu_kernel_dtype
 
     out: dict[torch.dtype | None, int] = {}
@@ -972,8 +899,7 @@ def _large_chunk_bytes(plan: SavePlan) -> dict[torch.dtype | None, int]:
 
 
 def _files_of_ranks(results: list[list[WriteResult]]) -> list[list[str]]:
-    """The files each rank wrote (relative names), from its write results: those its items are in, and those it
-    wrote without items (``extra_files``)."""
+    """Files each rank wrote: those holding its items and its ``extra_files``."""
     out = []
     for wr_list in results:
         names: set[str] = set()
@@ -986,8 +912,8 @@ def _files_of_ranks(results: list[list[WriteResult]]) -> list[list[str]]:
 
 
 def _blob_range(cache: dict[tuple[str, int], Any], path: str, start: int, fqn: str) -> tuple[int, int] | None:
-    """Where tensor ``fqn``'s bytes are in the safetensors blob starting at ``start`` of ``path`` (the blob's
-    header is read once per blob); ``None`` when no blob starts there or it holds no such tensor."""
+    """Where tensor ``fqn``'s bytes lie in the safetensors blob at ``start`` of ``path`` (header read once per blob);
+    ``None`` if no such blob or tensor."""
     from ckptverify.dcp import safetensors
     from ckptverify.safeparse.readers import ReadOnlyFile
 
@@ -1012,8 +938,8 @@ def _add_file(files: dict[str, FileEntry], name: str, size: int, digest: str) ->
 def _combine_chunks(
     infos: Iterable[HashedStorageInfo], shape: tuple[int, ...]
 ) -> tuple[str | None, int | None, int | None]:
-    """The tensor's fingerprint and NaN/Inf counts from its unique chunks; None where any chunk lacks one
-    or the chunks do not add up to the whole tensor."""
+    """The tensor's fingerprint and NaN/Inf counts from its unique chunks; ``None`` if any chunk lacks one or they do
+    not cover the tensor."""
     infos = list(infos)
     if not infos:
         return None, None, None

@@ -1,25 +1,13 @@
-"""Byte digests and the logical tensor fingerprint.
+"""Byte digests and the logical tensor fingerprint (``docs/fingerprint.md``).
 
-Two kinds of identity, documented in ``docs/fingerprint.md``:
+**Byte digests** (:mod:`~ckptverify.fingerprint.digest`: xxh3-128, or sha256 for tamper evidence) identify exact
+bytes, per range and per block. The **logical fingerprint** (:mod:`~ckptverify.fingerprint.logical`) identifies a
+tensor's *values* whatever its sharding or serialization: :func:`tensor_fingerprint`, :func:`chunk_fingerprint`,
+:func:`combine`; wrapper subclasses by their parts (:func:`part_fingerprints`).
 
-* **Byte digests** (:mod:`~ckptverify.fingerprint.digest`) identify exact bytes: xxh3-128 by default (fast),
-  sha256 when tamper evidence is wanted. :func:`new_digest` gives a streaming digest, :func:`digest_file_range`
-  digests a byte range of a file with flat memory, :func:`block_digests` digests fixed-size blocks of a range in
-  the same pass, so a mismatch can be narrowed to one block.
-* The **logical tensor fingerprint** (:mod:`~ckptverify.fingerprint.logical`) identifies a tensor's *values*,
-  independent of how it is sharded or serialized: :func:`tensor_fingerprint` for a whole tensor (or a
-  ``DTensor``), :func:`chunk_fingerprint` for one chunk of a global tensor, and :func:`combine` to add chunk
-  fingerprints up to the whole. A tensor subclass that keeps its values in inner tensors (torchao's
-  ``MXTensor``, ``NVFP4Tensor``) is fingerprinted by its parts (:mod:`~ckptverify.fingerprint.subclass`,
-  :func:`part_fingerprints`).
-
-The package's modules depend one way: :mod:`~ckptverify.fingerprint.spec` (the constants and the one definition
-of the mixing step, which every path runs) <- ``digest`` and ``logical`` <- ``kernels`` (the paths and the CPU
-backend choice) <- ``triton_kernel``, ``eager`` (the reference both check against);
-:mod:`~ckptverify.fingerprint.device` (on which GPU and stream a fingerprint runs, and which tensors none may read)
-sits below ``kernels`` and ``triton_kernel`` and imports none of them. Importing the
-package imports no torch: ``logical`` imports the kernels only when a tensor is fingerprinted, so byte digests
-stay cheap to import.
+Modules depend one way: ``spec`` (constants, the one :func:`~ckptverify.fingerprint.spec.mix`) <- ``digest``,
+``logical`` <- ``kernels`` <- ``triton_kernel``, ``eager`` (the reference); ``device`` sits below ``kernels``.
+Importing the package imports no torch.
 """
 
 from __future__ import annotations

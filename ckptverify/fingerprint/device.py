@@ -1,17 +1,10 @@
-"""Where a fingerprint runs: the tensor's own device and a stream chosen on purpose (see ``docs/fingerprint.md``).
+"""Where a fingerprint runs: the tensor's own device and a deliberately chosen stream (``docs/fingerprint.md``).
 
-A CUDA kernel (a Triton launch, each eager torch operation) runs on the *current* device and stream of the
-calling thread, not on the tensor's. A fresh thread's current device is ``cuda:0``: a save's fingerprint thread
-on rank 3 of a node would launch on GPU 0 with pointers into GPU 3 (an illegal memory access) and open a CUDA
-context on GPU 0. So every device-side fingerprint runs inside :func:`device_scope` of its tensor's device, and a
-save's fingerprints run on a side stream of their own that waits for the stream that produced the tensors
-(:class:`FingerprintStreams`).
-
-Every CUDA call of this module goes through three module functions (``_cuda_scope``, ``_side_stream``,
-``_producer_streams``) that the CPU test suite replaces to watch which device and stream each fingerprint
-enters, on a machine without CUDA. Also here: :func:`check_fingerprintable`, the tensors no path may read (a
-meta or fake tensor has no values; a CUDA tensor whose stream is being captured into a CUDA graph cannot be
-read back). This module imports nothing of the package but :mod:`ckptverify.errors`.
+CUDA work launches on the calling thread's *current* device and stream; a fresh thread's is ``cuda:0``, so rank
+3's fingerprint thread would read GPU 3 pointers on GPU 0 (illegal access). Hence every device-side fingerprint
+runs in :func:`device_scope`, and a save's on a side stream waiting for the producing stream
+(:class:`FingerprintStreams`). All CUDA calls go through ``_cuda_scope``, ``_side_stream`` and
+``_producer_streams``, which CPU tests replace. :func:`check_fingerprintable` refuses unreadable tensors.
 """
 
 from __future__ import annotations
@@ -30,8 +23,7 @@ __all__ = ["FingerprintStreams", "check_fingerprintable", "device_scope", "is_ca
 
 
 def _cuda_scope(device: torch.device, stream: Any | None) -> AbstractContextManager[Any]:
-    """Make ``device`` the current CUDA device and, where given, ``stream`` its current stream (``None``: the
-    calling thread's current stream of ``device``, as it is)."""
+    """Make ``device`` current and, if given, ``stream`` its current stream (``None``: leave it)."""
     if stream is None:
         return torch.cuda.device(device)
     return _device_and_stream(device, stream)
@@ -45,9 +37,8 @@ def _device_and_stream(device: torch.device, stream: Any) -> Iterator[None]:
 
 @contextmanager
 def device_scope(device: torch.device, stream: Any | None = None) -> Iterator[None]:
-    """Within the block, CUDA work launches on ``device`` (a CUDA tensor's device) and on ``stream`` (default:
-    the calling thread's current stream of ``device``), whatever the thread's current device was; the previous
-    device and stream are restored after. Nothing happens for any other device type."""
+    """Within the block, CUDA work launches on ``device`` and ``stream`` (default: this thread's current stream of it),
+    whatever the thread's current device; both restored after. No-op for non-CUDA devices."""
     if device.type != "cuda":
         yield
         return
@@ -66,10 +57,9 @@ def is_capturing(device: torch.device) -> bool:
 
 
 def check_fingerprintable(t: Any) -> None:
-    """Refuse (:class:`~ckptverify.errors.UsageError`) a tensor whose values cannot be read: a meta tensor, a fake
-    tensor (``torch.compile`` traces with them: a fingerprint inside a compiled region sees no values), and a
-    CUDA tensor while its device's current stream is capturing a CUDA graph (a fingerprint reads its sums back
-    to the host, which a capture forbids; call inside :func:`device_scope`)."""
+    """Refuse (:class:`~ckptverify.errors.UsageError`) a tensor whose values cannot be read: meta, fake (inside
+    ``torch.compile``), or CUDA while its device's current stream captures a graph (the sums are read back to the
+    host, which capture forbids; call inside :func:`device_scope`)."""
     if t.device.type == "meta" or _is_fake(t):
         raise UsageError(f"a {'meta' if t.device.type == 'meta' else 'fake'} tensor has no values to fingerprint")
     if is_capturing(t.device):
@@ -83,35 +73,29 @@ def _is_fake(t: Any) -> bool:
 
 
 def _producer_streams(devices: Iterable[torch.device]) -> dict[int, Any]:
-    """The calling thread's current stream of each CUDA device among ``devices`` (those of the tensors to
-    fingerprint), by index. Nothing is asked of CUDA for any other device, and nothing at all without one."""
+    """This thread's current stream of each CUDA device in ``devices``, by index; asks CUDA nothing otherwise."""
     return {d.index if d.index is not None else 0: torch.cuda.current_stream(d)
             for d in dict.fromkeys(devices) if d.type == "cuda"}
 
 
 def _side_stream(device: torch.device, kept: Any | None, producer: Any, t: torch.Tensor) -> Any:
-    """The fingerprint's stream on ``device`` (``kept``, or a new one), made to wait for the work queued so far
-    on ``producer`` (the stream that wrote ``t``), with ``t`` recorded on it: the allocator does not hand
-    ``t``'s memory to anyone until the fingerprint's work queued on it has run. Called inside
-    :func:`device_scope` of ``device``."""
+    """The fingerprint stream on ``device`` (``kept`` or new), waiting for ``producer``'s queued work, with ``t``
+    recorded on it so its memory is not reused before the fingerprint ran. Call inside :func:`device_scope`."""
     stream = kept if kept is not None else torch.cuda.Stream(device)
     stream.wait_stream(producer)
-    # A wrapper subclass (MXTensor) may not take it: its parts are read inside the scope, while the caller holds
-    # the tensor, and the scope ends only once the sums are back on the host.
+    # A wrapper subclass may refuse: safe, its parts are read within the scope while the caller holds it.
     with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
         t.record_stream(stream)
     return stream
 
 
 class FingerprintStreams:
-    """The streams a save's fingerprints run on, for a fingerprint thread of its own.
+    """The streams a save's fingerprints run on, from a fingerprint thread of its own.
 
-    Made in the saving thread (:meth:`capture`): it notes that thread's current stream of each CUDA device the
-    tensors are on, the stream they were written on. In the fingerprint thread, :meth:`scope` of a tensor
-    enters the tensor's device and a side stream of that device (one per device, made on first use) that first
-    waits for the saving thread's stream; the fingerprint's sums are read back to the host inside the block, so
-    its work is done when the block ends. A CPU tensor's scope does nothing. A CUDA tensor on a device that was
-    not captured runs on that device's current stream in the fingerprint thread."""
+    :meth:`capture` (in the saving thread) notes its current stream per CUDA device. In the fingerprint thread,
+    :meth:`scope` enters the tensor's device and a per-device side stream waiting on that; sums are read back inside
+    the block, so the work is done when it ends. CPU: no-op; an uncaptured device uses its current stream.
+    """
 
     def __init__(self, producers: dict[int, Any]) -> None:
         self._producers = producers
@@ -119,8 +103,7 @@ class FingerprintStreams:
 
     @classmethod
     def capture(cls, devices: Iterable[torch.device]) -> FingerprintStreams:
-        """The calling (saving) thread's current streams of ``devices`` (the tensors'), for fingerprints taken in
-        another thread."""
+        """The calling (saving) thread's current streams of ``devices``, for fingerprints taken in another thread."""
         return cls(_producer_streams(devices))
 
     @contextmanager

@@ -1,9 +1,5 @@
-"""Byte digests: identities of exact bytes (see ``docs/fingerprint.md``).
-
-xxh3-128 by default (fast), sha256 when tamper evidence is wanted. :func:`new_digest` gives a streaming
-digest, :func:`digest_file_range` digests a byte range of a file with flat memory, :func:`block_digests`
-digests fixed-size blocks of a range in the same pass, so a mismatch can be narrowed to one block.
-"""
+"""Byte digests: identities of exact bytes (``docs/fingerprint.md``); xxh3-128 by default, sha256 for tamper
+evidence. Ranges are digested with flat memory; :func:`block_digests` narrows a mismatch to a block."""
 
 from __future__ import annotations
 
@@ -47,11 +43,8 @@ def new_digest(algorithm: str = DEFAULT_ALGORITHM) -> ByteDigest:
 
 
 def hexdigest_of(algorithm: str = DEFAULT_ALGORITHM) -> Any:
-    """A function giving the hex digest of one bytes-like object, as ``digest_bytes(data, algorithm)``.
-
-    It hashes through the streaming object's constructor, which lets other threads run while it hashes:
-    xxhash's one-shot functions (``xxh3_128_hexdigest``) hold the GIL, so two threads calling them hash one
-    at a time."""
+    """A function giving one buffer's hex digest (as ``digest_bytes``), through the streaming constructor, which
+    releases the GIL (xxhash's one-shot functions do not)."""
     make: Any = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}.get(algorithm)
     if make is None:
         new_digest(algorithm)  # raises the usual error
@@ -66,11 +59,8 @@ def digest_bytes(data: Any, algorithm: str = DEFAULT_ALGORITHM) -> str:
 
 
 class BlockDigest:
-    """A streaming digest of a whole byte stream plus one digest per fixed-size block of it.
-
-    Blocks are counted from the first byte fed; the last block may be shorter. Feeding nothing gives no
-    blocks. ``hexdigest()`` equals the plain digest of all bytes fed.
-    """
+    """A streaming digest of a byte stream plus one per fixed-size block (counted from the first byte; the last may be
+    shorter; none if nothing fed). ``hexdigest()`` equals the plain digest of all bytes."""
 
     def __init__(self, algorithm: str = DEFAULT_ALGORITHM, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if block_size <= 0:
@@ -121,13 +111,9 @@ class RangeDigest:
 
 def _read_range(path: str | os.PathLike[str], offset: int, length: int, read_size: int, sink: ByteDigest,
                 root: str | None = None) -> None:
-    """Feed ``length`` bytes of ``path`` from ``offset`` to ``sink``.
-
-    The file is opened by :class:`~ckptverify.safeparse.readers.ReadOnlyFile`: only a regular file (a FIFO or device is
-    refused unopened, with :class:`~ckptverify.errors.UnsafeFileError`), inside ``root`` when given, read
-    through a reused page-aligned buffer. ``read_size`` is kept for compatibility; the reader's buffer size
-    applies.
-    """
+    """Feed ``length`` bytes of ``path`` from ``offset`` to ``sink`` through a
+    :class:`~ckptverify.safeparse.readers.ReadOnlyFile` (regular files only, inside ``root`` if given).
+    ``read_size`` is ignored: the reader's buffer size applies."""
     from ckptverify.safeparse.readers import ReadOnlyFile
 
     if offset < 0 or length < 0:
@@ -149,24 +135,17 @@ def digest_file_range(
     *,
     root: str | None = None,
 ) -> str:
-    """Hex digest of ``length`` bytes of ``path`` starting at ``offset``.
-
-    Reads with ``os.preadv`` into one reused page-aligned buffer, so memory stays flat whatever the range.
-    Raises :class:`TruncatedRangeError` if the file ends inside the range,
-    :class:`~ckptverify.errors.UnsafeFileError` if ``path`` is not a regular file (or, with ``root``, resolves
-    outside it) and :class:`~ckptverify.errors.FileChangedError` if it shrinks while being read.
-    """
+    """Hex digest of ``length`` bytes of ``path`` from ``offset``, with flat memory. Raises :class:`TruncatedRangeError`
+    (file ends inside the range), :class:`~ckptverify.errors.UnsafeFileError` (not regular, or outside ``root``),
+    :class:`~ckptverify.errors.FileChangedError` (shrinks while read)."""
     digest = new_digest(algorithm)
     _read_range(path, offset, length, block_size, digest, root)
     return digest.hexdigest()
 
 
 def digest_reader(f: Any, algorithm: str = DEFAULT_ALGORITHM, start: int = 0, end: int | None = None) -> str:
-    """Hex digest of bytes ``[start, end)`` (default: all) of an open
-    :class:`~ckptverify.safeparse.readers.ReadOnlyFile`.
-
-    For a file already opened and checked: no second open by name, which could meet another file.
-    """
+    """Hex digest of bytes ``[start, end)`` of an open :class:`~ckptverify.safeparse.readers.ReadOnlyFile` (no second
+    open by name, which could meet another file)."""
     digest = new_digest(algorithm)
     f.fold(start, f.size if end is None else end, digest.update)
     return digest.hexdigest()
@@ -180,11 +159,7 @@ def block_digests(
     block_size: int = DEFAULT_BLOCK_SIZE,
     read_size: int = READ_BUFFER_SIZE,
 ) -> RangeDigest:
-    """Digest of a byte range and of each ``block_size`` block of it, in one pass over the bytes.
-
-    Block ``k`` covers bytes ``[offset + k*block_size, offset + (k+1)*block_size)``, the last one ending at
-    ``offset + length``.
-    """
+    """Digest of a byte range and of each ``block_size`` block of it (from ``offset``), in one pass."""
     digest = BlockDigest(algorithm, block_size)
     _read_range(path, offset, length, read_size, digest)
     return RangeDigest(algorithm, digest.hexdigest(), block_size, tuple(digest.block_hexdigests()))

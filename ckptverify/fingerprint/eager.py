@@ -1,14 +1,8 @@
-"""The eager torch path of the logical tensor fingerprint: any device, and the reference the fused kernels check
-themselves against.
+"""The eager torch path of the logical fingerprint: any device, and the reference the fused kernels check against.
 
-Torch operations over blocks of a fixed number of elements, the mixing step :func:`mix_tensor`
-(:func:`~ckptverify.fingerprint.spec.mix` on int64 tensors); it runs on every device (see
-``docs/fingerprint.md``) and is what a device no fused kernel serves takes (:func:`eager_lanes`). Here too: the
-dtype table, a chunk's geometry (its runs of consecutive global indices) and the cutting of a chunk into blocks,
-which the compiled path (:mod:`ckptverify.fingerprint.kernels`) and the Triton kernel
-(:mod:`ckptverify.fingerprint.triton_kernel`) share, and :func:`lanes_many_eager`, the many-tensor path off
-CUDA. This module imports nothing of the package but :mod:`ckptverify.fingerprint.spec`, so the kernels that
-check themselves against it depend on it, never the reverse.
+Also the dtype table, a chunk's geometry (runs of consecutive global indices) and block cutting, shared with the
+compiled and Triton paths, and :func:`lanes_many_eager`. Imports only :mod:`ckptverify.fingerprint.spec`, so the
+kernels depend on it, never the reverse.
 """
 
 from __future__ import annotations
@@ -43,13 +37,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
-    """The flat, contiguous integer view of ``t``'s elements as the fingerprint reads them: a complex tensor as
-    its real view (real and imaginary parts in turn), each element's bits as the signed integer of its width.
-
-    A conjugated or negated view (``x.conj()``, its ``.imag``) is fingerprinted by its values, resolved first:
-    its memory holds the values before the pending conjugation. The reinterpretation comes before any copy, so
-    a non-contiguous tensor of a dtype torch cannot copy on every device (packed ``float4_e2m1fn_x2``) is made
-    contiguous as plain integers: the copy moves the exact bytes of each element, in order."""
+    """The flat contiguous signed-integer view of ``t``'s elements as fingerprinted (complex as its real view). A
+    conjugated or negated view is resolved to its values first; reinterpretation precedes any copy, so dtypes torch
+    cannot copy everywhere (packed ``float4_e2m1fn_x2``) are copied as plain integers."""
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
@@ -65,11 +55,8 @@ def flat_bits(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Geometry:
-    """A chunk (local shape at global offsets) as runs of consecutive global indices.
-
-    Dimensions ``p+1 ..`` of the chunk span the whole global extent, so each run covers dims ``p ..`` and
-    is ``run_length`` elements long; runs are enumerated by the outer dims ``0 .. p-1`` in row-major order.
-    """
+    """A chunk as runs of consecutive global indices: dims ``p+1..`` span the global extent, so each run covers dims
+    ``p..`` (``run_length`` elements); runs enumerate dims ``0..p-1`` in row-major order."""
 
     outer_shape: tuple[int, ...]
     outer_strides: tuple[int, ...]  # global strides of the outer dims
@@ -128,8 +115,7 @@ def chunk_geometry(shape: Sequence[int], offsets: Sequence[int], global_shape: S
 
 # --------------------------------------------------------------------------------------------- blocks
 
-#: Elements per block of the eager path on CPU (a few int64 buffers of this many words per call: small
-#: enough to stay in cache, large enough to amortize the per-operation overhead).
+#: Elements per eager block on CPU (buffers stay in cache, per-operation overhead amortized).
 EAGER_BLOCK = 1 << 16
 #: Elements per block of the eager path on accelerators, where each operation costs a kernel launch.
 EAGER_BLOCK_ACCELERATOR = 1 << 22
@@ -150,8 +136,7 @@ class _Block:
 
 
 def iter_blocks(flat: torch.Tensor, geometry: _Geometry, block: int) -> Iterator[_Block]:
-    """Cut the chunk's flat integer view into blocks of about ``block`` elements, each a set of rows of
-    consecutive global indices."""
+    """Cut the flat view into blocks of about ``block`` elements, each a set of rows of consecutive global indices."""
     run = geometry.run_length
     if run >= block:  # long runs: each cut into rows, a block holding rows of one run
         width = min(ROW_WIDTH, block)
@@ -183,8 +168,7 @@ def iter_blocks(flat: torch.Tensor, geometry: _Geometry, block: int) -> Iterator
 
 
 class _EagerState:
-    """The lane sums of one chunk on one device, added up block by block on the device (no host synchronisation
-    per block)."""
+    """One chunk's lane sums on its device, accumulated per block without host synchronisation."""
 
     def __init__(self, device: torch.device, seeds: tuple[int, int], numel: int) -> None:
         kw: dict = {"dtype": torch.int64, "device": device}
@@ -208,9 +192,8 @@ class _EagerState:
 
 
 def eager_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]) -> tuple[int, int]:
-    """The two lane sums (unsigned) of the chunk whose flat integer view is ``flat``, laid out as ``geometry``,
-    in torch operations on its own device: the path of every device no fused kernel serves, and the reference
-    the fused kernels check themselves against."""
+    """The two unsigned lane sums of the chunk ``flat`` (laid out as ``geometry``) in torch operations on its device:
+    the path of devices without a fused kernel, and the reference."""
     state = _EagerState(flat.device, seeds, flat.numel())
     for blk in iter_blocks(flat, geometry, state.block):
         state.add_block(blk)
@@ -228,8 +211,7 @@ def _multiply(x: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def mix_tensor(x: torch.Tensor, mixer: Mixer) -> torch.Tensor:
-    """:func:`~ckptverify.fingerprint.spec.mix` on an int64 tensor (the two's complement of the unsigned words):
-    the eager path's and the compiled kernel's mixing step."""
+    """:func:`~ckptverify.fingerprint.spec.mix` on an int64 tensor (two's complement of the words)."""
     return mix(x, mixer, _xorshift, _multiply)
 
 
@@ -245,8 +227,7 @@ class _Piece:
 
 @dataclass
 class _ManyBlock:
-    """Consecutive pieces of tensors of one element size, processed together. ``tables`` (several pieces
-    only) lives on the device."""
+    """Consecutive pieces of tensors of one element size; ``tables`` (several pieces only) on the device."""
 
     pieces: tuple[_Piece, ...]
     numel: int
@@ -255,24 +236,22 @@ class _ManyBlock:
 
 @dataclass
 class _ManyPlan:
-    """How one list of tensors (a layout: device, numels, dtypes) goes through :func:`lanes_many_eager`: its
-    blocks, and for each tensor the range of its pieces in the order the blocks produce their sums."""
+    """How one layout goes through :func:`lanes_many_eager`: its blocks and each tensor's range of piece sums."""
 
     blocks: list[_ManyBlock]
     first: torch.Tensor  # (n,) index in the zero-prefixed cumulative piece sums
     last: torch.Tensor  # (n,)
 
 
-#: Layouts -> plans. The members of a trace category keep their shapes from step to step, so a plan and its
-#: device tables are built once.
+#: Layouts -> plans (a trace category keeps its shapes, so each plan is built once).
 _many_plans: dict[tuple[Any, ...], _ManyPlan] = {}
 _MANY_PLANS_KEPT = 64
 
 
 def _plan_many(numels: Sequence[int], sizes: Sequence[int], seeds: Sequence[tuple[int, int]], block: int,
                device: torch.device) -> _ManyPlan:
-    """Cut the tensors into blocks of at most ``block`` elements, by element size: a large tensor alone, in
-    pieces of ``block``; small tensors whole, several to a block."""
+    """Cut tensors into blocks of at most ``block`` elements by element size: large ones alone in pieces, small ones
+    several to a block."""
     blocks: list[_ManyBlock] = []
     for size in dict.fromkeys(sizes):
         pieces: list[_Piece] = []
@@ -310,8 +289,7 @@ def _plan_many(numels: Sequence[int], sizes: Sequence[int], seeds: Sequence[tupl
 
 
 def _block_tables(blk: _ManyBlock, seeds: Sequence[tuple[int, int]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Per-piece tables of a block of several pieces: how long each piece is and where it ends in the block,
-    the offset that turns a position in the block into the element's index in its tensor, and the seeds."""
+    """Per-piece tables of a multi-piece block: lengths, ends, offsets to tensor indices, and seeds."""
     kw: dict = {"dtype": torch.int64}
     ends, offsets, pos = [], [], 0
     for p in blk.pieces:

@@ -1,20 +1,10 @@
-"""The paths of the logical tensor fingerprint and the choice between them (see ``docs/fingerprint.md``).
+"""The paths of the logical fingerprint and the choice between them (``docs/fingerprint.md``).
 
-Every fingerprint runs on the tensor's own device:
-
-* CPU tensors: **numpy** (a one-shot formula for small chunks, the host path over cache-sized blocks for larger
-  ones), and the **compiled** kernel (``torch.compile`` of the same formula, fused into one loop) for large
-  chunks once it is ready. The backend (:func:`set_backend`, ``CKPTVERIFY_FINGERPRINT_BACKEND``) chooses
-  between them: ``auto``, ``numpy`` or ``compiled``.
-* CUDA tensors: the **Triton** kernel (:mod:`ckptverify.fingerprint.triton_kernel`), where it imports and
-  passed its check.
-* Every other device, and CUDA where the Triton kernel does not apply: **eager** torch operations
-  (:mod:`ckptverify.fingerprint.eager`).
-
-All run the mixing step of :func:`ckptverify.fingerprint.spec.mix` and compute exactly the same integers
-(wrapping 64-bit arithmetic has no rounding), which the tests check; the fused kernels check themselves against
-the eager path before first use. This module depends on the eager path and the Triton kernel, neither of them
-on it.
+On its own device: CPU takes numpy (a one-shot formula for small chunks, the host path otherwise) or the
+``torch.compile`` fused kernel once ready (:func:`set_backend`, ``CKPTVERIFY_FINGERPRINT_BACKEND``: ``auto``,
+``numpy``, ``compiled``); CUDA takes the Triton kernel where it imports and passed its check; anything else eager
+torch. All compute exactly the same integers (wrapping 64-bit arithmetic has no rounding); fused kernels
+self-check against eager before first use.
 """
 
 from __future__ import annotations
@@ -86,16 +76,10 @@ def _block_lanes(
     bits: torch.Tensor, row_terms: torch.Tensor, column_table: torch.Tensor, seeds: torch.Tensor,
     screen: torch.Tensor,
 ) -> torch.Tensor:
-    """Lane sums of one block: ``bits`` (rows, width), where row ``r`` starts at global index ``start_r``;
-    and, third, how many elements have ``bits & screen[0] == screen[1]`` (``SPECIAL_BITS``: the NaNs and
-    infinities of a floating dtype; ``NO_SCREEN`` matches none). The count rides on the same read of the bits:
-    a save needs it for every chunk, and a pass of its own read the chunk again from memory.
-
-    ``row_terms[r] = start_r * K`` and ``column_table[k] = k * K`` (mod 2**64), so ``p = g * K`` is one
-    addition; ``seeds`` is ``[S_0, S_1]``. Building ``p`` from tables rather than from ``arange * K`` in the
-    kernel ran about 1.5x faster, and a constant-folded ``arange * K`` has given wrong values from 16-bit
-    inputs under ``torch.compile`` (which the self-check would catch).
-    """
+    """Lane sums of one block ``bits`` (rows, width), plus the count of elements with ``bits & screen[0] == screen[1]``
+    (NaN/Inf, ``SPECIAL_BITS``), taken on the same read so a save need not re-read the chunk. ``p = g * K`` comes
+    from ``row_terms`` + ``column_table`` (mod 2**64): 1.5x faster than ``arange * K``, which ``torch.compile`` has
+    also constant-folded wrongly for 16-bit inputs."""
     w = bits.to(torch.int64)
     p = row_terms[:, None] + column_table[None, :]
     out = [mix_tensor(w ^ (p + seeds[lane]), mixer).sum() for lane, mixer in enumerate(LANES)]
@@ -117,26 +101,21 @@ def _special_bits() -> dict[torch.dtype, tuple[int, int]]:
     return table
 
 
-#: ``(mask, pattern)`` by dtype: an element is a NaN or an infinity exactly when its bits (as the kernels read
-#: them: the integer view, sign-extended) ``& mask == pattern``. Only dtypes whose NaN/Inf counts a save keeps
-#: (float8_e8m0fnu, float4 and complex32 are left to the torch count). A complex dtype's are its parts'.
+#: ``(mask, pattern)``: an element is NaN/Inf iff its sign-extended bits ``& mask == pattern``. Not for
+#: float8_e8m0fnu, float4, complex32 (counted by torch); complex uses its parts'.
 SPECIAL_BITS: dict[torch.dtype, tuple[int, int]] = _special_bits()
 #: A screen no element matches (``bits & 0 == 1`` never holds).
 NO_SCREEN = (0, 1)
 
 
-#: How CPU tensors are fingerprinted: ``numpy`` never compiles; ``compiled`` takes the compiled kernel for every
-#: large chunk, compiling it at the first one (waiting); ``auto`` takes numpy until the kernel is ready. Other
-#: devices are not concerned: CUDA takes the Triton kernel where it applies, eager torch otherwise.
+#: CPU backends (see :func:`~ckptverify.fingerprint.logical.set_fingerprint_backend`).
 _BACKENDS = ("auto", "numpy", "compiled")
 _backend = os.environ.get("CKPTVERIFY_FINGERPRINT_BACKEND", "auto")
 if _backend not in _BACKENDS:  # pragma: no cover - environment
     _log.warning("ignoring CKPTVERIFY_FINGERPRINT_BACKEND=%r (not one of %s)", _backend, _BACKENDS)
     _backend = "auto"
-#: "auto" starts compiling the fused kernel (in a background thread; the host path goes on meanwhile) once
-#: this many bytes went through the host path on CPU in this process, and uses it from the first chunk
-#: after it compiled and passed its self-check. Compiling costs 5-15 s of one core once (less with
-#: torch's on-disk compile cache), so a process that fingerprints less than this never pays it.
+#: "auto" compiles in the background after this many host-path bytes: compiling costs 5-15 s of a core, which
+#: a process fingerprinting less never pays.
 AUTO_COMPILE_AFTER_BYTES = 1 << 30
 _host_bytes = 0
 _compiled_fn: Callable[..., torch.Tensor] | None = None
@@ -160,8 +139,7 @@ def get_backend() -> str:
 
 
 def _stage_dtype(bits_dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype a CPU block is staged in for the compiled kernel (int32 for 8- and 16-bit bits: the
-    same values after the sign extension to int64 that the kernel does)."""
+    """The integer dtype a CPU block is staged in (int32 for 8/16-bit bits: the same values after sign extension)."""
     return torch.int32 if bits_dtype in (torch.int8, torch.int16) else bits_dtype
 
 
@@ -175,26 +153,21 @@ def _wants_compiled(device: torch.device, numel: int, bits_dtype: torch.dtype | 
 
 
 def _under_dispatch_mode() -> bool:
-    """Whether a Python dispatch mode is active (a profiler, a memory counter, a trace of the caller's): the
-    compiled kernel does not run under one, and its failure there would turn it off for the whole process."""
+    """Whether a Python dispatch mode is active: the compiled kernel cannot run under one, and failing there would
+    disable it for the whole process."""
     return _python_dispatch._get_current_dispatch_mode() is not None
 
 
 def prepare_compiled(dtype: torch.dtype = torch.float32) -> bool:
-    """Compile and check the fused CPU kernel for tensors of ``dtype`` now, waiting for it, so that backend
-    ``auto`` takes it from the first large chunk on (a process that fingerprints a lot can pay the compilation
-    at start-up rather than in the background later). Whether it is ready: ``False`` where ``torch.compile``
-    does not work (no C++ compiler) or the kernel disagreed with the eager path."""
+    """Compile and check the fused CPU kernel for ``dtype`` now, waiting, so ``auto`` uses it from the first large
+    chunk. ``False`` where ``torch.compile`` does not work or the kernel disagreed with eager."""
     staged = cpu_kernel_dtype(dtype)
     return staged is not None and _compiled_kernel(staged, torch.device("cpu")) is not None
 
 
 def compile_in_background(dtype: torch.dtype) -> None:
-    """Start compiling and checking the fused CPU kernel for tensors of ``dtype`` in a background thread (once
-    per element width and process; nothing when it is ready, failed, or backend ``auto`` is not in use): for a
-    caller that knows it is about to fingerprint at least ``AUTO_COMPILE_AFTER_BYTES`` of large CPU chunks (a
-    save), so ``auto`` takes the kernel from the first chunk after it is ready rather than only once that many
-    bytes have gone through the host path."""
+    """Start compiling and checking the CPU kernel for ``dtype`` in the background (once per width; nothing if ready,
+    failed, or not ``auto``), for a caller about to fingerprint ``AUTO_COMPILE_AFTER_BYTES`` of large chunks."""
     if _backend != "auto" or _compile_failed:
         return
     staged = cpu_kernel_dtype(dtype)
@@ -203,9 +176,8 @@ def compile_in_background(dtype: torch.dtype) -> None:
 
 
 def cpu_kernel_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """Which compilation of the fused CPU kernel a chunk of ``dtype`` takes, named by the integer dtype its
-    blocks are staged in (1-, 2- and 4-byte elements as int32, 8-byte ones as int64; a complex element is two
-    of its parts); ``None`` for an element width the kernel does not take."""
+    """The staging dtype naming the kernel compilation a ``dtype`` chunk takes (1-4 byte elements int32, 8-byte int64;
+    complex as two parts); ``None`` if the kernel does not take that width."""
     size = dtype.itemsize // (2 if dtype.is_complex else 1)
     bits = _INT_VIEW_BY_SIZE.get(size)
     return None if bits is None else _stage_dtype(bits)
@@ -220,11 +192,8 @@ def _disable_compiled(reason: object) -> None:
 
 def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device,
                      wait: bool = True) -> Callable[..., torch.Tensor] | None:
-    """The compiled block kernel, once it has matched the eager path on a test block of this dtype.
-
-    ``wait=False``: the kernel if it is ready for this dtype; otherwise ``None`` at once, and its compilation
-    and self-check start in a background thread (once), for the calls that come after it.
-    """
+    """The compiled block kernel once it matched eager on a test block of this dtype. ``wait=False``: ``None`` unless
+    ready, compilation and self-check then starting in the background (once)."""
     global _compiled_fn
     key = (device.type, bits_dtype)
     if not wait:
@@ -242,8 +211,7 @@ def _compiled_kernel(bits_dtype: torch.dtype, device: torch.device,
             return None
         if _compiled_fn is None:
             try:
-                # One thread per kernel call (``cpp.threads``; no effect on GPUs): on CPU the calling code
-                # splits the blocks between threads itself (:func:`_compiled_cpu_lanes`).
+                # One thread per call: the caller splits blocks between threads (:func:`_compiled_cpu_lanes`).
                 _compiled_fn = torch.compile(_block_lanes, dynamic=False, fullgraph=True,
                                              options={"cpp.threads": 1})
             except Exception as exc:  # pragma: no cover - depends on the environment
@@ -282,8 +250,7 @@ def _self_check(fn: Callable[..., torch.Tensor], bits_dtype: torch.dtype, device
 
 
 class _CompiledTables:
-    """The compiled kernel's inputs besides the bits, for blocks of ``COMPILED_BLOCK // ROW_WIDTH`` rows of
-    ``ROW_WIDTH`` consecutive global indices."""
+    """The compiled kernel's non-bits inputs for blocks of ``COMPILED_BLOCK // ROW_WIDTH`` rows of ``ROW_WIDTH``."""
 
     def __init__(self, device: torch.device, seeds: tuple[int, int]) -> None:
         k = _signed(INDEX_MULTIPLIER)
@@ -317,10 +284,8 @@ def fingerprint_lanes(
 def fingerprint_lanes_counted(
     t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str
 ) -> tuple[tuple[int, int], int | None]:
-    """:func:`fingerprint_lanes`, and the number of NaNs and infinities in ``t`` (``SPECIAL_BITS``) where the
-    pass that took the lane sums counted them on the same read: the compiled kernel on CPU. ``None`` where it
-    did not (another backend or device, a chunk too small for the compiled kernel, a dtype without an entry in
-    ``SPECIAL_BITS``): the caller counts them itself."""
+    """:func:`fingerprint_lanes` plus the NaN/Inf count where the same pass counted it (compiled kernel on CPU);
+    ``None`` otherwise, and the caller counts."""
     screen = SPECIAL_BITS.get(t.dtype)
     lanes, count = _lanes(t, offsets, global_shape, name, screen)
     return lanes, count if screen is not None else None
@@ -328,8 +293,7 @@ def fingerprint_lanes_counted(
 
 def eager_fingerprint_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int],
                             name: str) -> tuple[int, int]:
-    """:func:`fingerprint_lanes` through the eager torch path whatever the device: what a device no fused kernel
-    serves takes (the tests and the GPU checks hold the paths to each other with it)."""
+    """:func:`fingerprint_lanes` via the eager path on any device (the reference the tests and GPU checks use)."""
     with device_scope(t.device):
         check_fingerprintable(t)
         t, offsets, global_shape = _as_real(t.detach(), offsets, global_shape)
@@ -343,10 +307,8 @@ def _lanes(
     t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
     screen: tuple[int, int] | None,
 ) -> tuple[tuple[int, int], int | None]:
-    """The lane sums of a chunk, and the count of its elements matching ``screen`` (``None`` when not counted,
-    and always when ``screen`` is ``None``). Runs on ``t``'s device and that device's current stream in the
-    calling thread, whatever the thread's current device (:func:`~ckptverify.fingerprint.device.device_scope`);
-    refuses a tensor with no values to read (:func:`~ckptverify.fingerprint.device.check_fingerprintable`)."""
+    """A chunk's lane sums and its ``screen`` count (``None`` if not counted or no ``screen``), on ``t``'s device and
+    current stream (:func:`~ckptverify.fingerprint.device.device_scope`); refuses unreadable tensors."""
     with device_scope(t.device):
         check_fingerprintable(t)
         return _lanes_here(t, offsets, global_shape, name, screen)
@@ -377,8 +339,7 @@ def _lanes_here(
                 return got, None
         return eager_lanes(flat, geometry, seeds), None
     if flat.numel() <= SMALL_NUMPY:
-        # A small chunk (a bias, a norm, one of a checkpoint's 100 000 items): one numpy formula, whose fixed
-        # cost is the smallest.
+        # A small chunk: one numpy formula has the smallest fixed cost.
         return _small_lanes(flat, geometry, seeds), None
     stage_dtype = _stage_dtype(flat.dtype)
     if geometry.run_length >= COMPILED_BLOCK and _wants_compiled(device, flat.numel(), stage_dtype):
@@ -393,22 +354,18 @@ def _lanes_here(
     return got, None
 
 
-#: How :func:`_compiled_cpu_lanes` copies each block into its staging buffer: ``"numpy"``, or ``"torch"``
-#: (``Tensor.copy_``, the former way, kept for ``scripts/bench_save.py --before``). The same bytes either way.
+#: Staging copy: ``"numpy"`` or ``"torch"`` (``Tensor.copy_``, for ``scripts/bench_save.py --before``); same bytes.
 STAGE_COPY = "numpy"
 
 
 class CpuBlockLanes:
-    """The compiled CPU kernel's pass over one chunk, a range of its blocks at a time.
+    """The compiled CPU kernel's pass over one contiguous chunk, a range of blocks at a time.
 
-    ``flat`` is the chunk's contiguous integer view; its blocks are those of ``iter_blocks(flat, geometry,
-    COMPILED_BLOCK)``, and :attr:`byte_ends` says where each one ends in ``flat``'s memory (bytes from its first
-    element), so that a caller that has just written the chunk's bytes can fingerprint the blocks its last
-    write covered, while they are in the cache (a save: :mod:`ckptverify.dcp.writer`). :meth:`run` gives the
-    lane sums and the ``screen`` count of a range of blocks; they add up (modulo 2**64) to the chunk's in any
-    order and split, and calls for disjoint ranges may run in different threads at once (each thread stages
-    its blocks in a buffer of its own). A block the kernel does not take (the end of a run) goes through the
-    host path."""
+    Blocks are ``iter_blocks(flat, geometry, COMPILED_BLOCK)``; :attr:`byte_ends` says where each ends, so a writer
+    can fingerprint blocks still in cache (:mod:`ckptverify.dcp.writer`). :meth:`run` gives a range's lane sums and
+    ``screen`` count; they add up mod 2**64 in any order, and disjoint ranges may run in parallel threads (each with
+    its own staging buffer). Blocks the kernel does not take use the host path.
+    """
 
     def __init__(self, fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
                  seeds: tuple[int, int], stage_dtype: torch.dtype, screen: tuple[int, int] | None) -> None:
@@ -453,8 +410,7 @@ class CpuBlockLanes:
         return lanes[0], lanes[1], lanes[2]
 
     def _thread_buffers(self, shape: tuple[int, int]) -> tuple[_CompiledTables, torch.Tensor, Any, torch.Tensor]:
-        """The calling thread's kernel inputs for this chunk's seeds and screen, and its staging buffer (kept per
-        thread for the process: a save calls :meth:`run` for every block it writes)."""
+        """This thread's kernel inputs for the chunk's seeds and screen, and its staging buffer (kept per thread)."""
         cache = getattr(_stage_cache, "buffers", None)
         if cache is None:
             cache = _stage_cache.buffers = {}
@@ -464,13 +420,9 @@ class CpuBlockLanes:
             if len(cache) >= 8:  # a few dtypes and screens at a time: the oldest go
                 del cache[next(iter(cache))]
             tables = _CompiledTables(torch.device("cpu"), self._seeds)
-            # Copying each block into one reused buffer first, then running the fused kernel on it, was 1.5-1.8x
-            # faster on CPU than running the kernel on the tensor's memory directly. Narrow bits are widened
-            # (sign-extended) to int32 in that copy: inductor vectorizes the fused loop over int32 and int64
-            # inputs but not over int8 or int16 ones (5x slower for bfloat16). The copy is numpy's (one thread,
-            # no OpenMP): torch's copy_ of a block is an OpenMP region, and from a thread that fingerprints alone
-            # (a save's) the region's worker went on spinning between blocks, which doubled the CPU time of a
-            # save whose kernel had been compiled in the background.
+            # Staging into a reused buffer is 1.5-1.8x faster than running on the tensor's memory. Narrow bits are
+            # widened to int32 (inductor vectorizes int32/int64, not int8/int16: 5x for bfloat16). numpy copies:
+            # torch's copy_ is an OpenMP region whose spinning worker doubled a save's CPU time.
             stage = torch.empty(shape, dtype=self._stage_dtype)
             got = cache[key] = (tables, stage, stage.numpy(), tables.screen(self._screen or NO_SCREEN))
         return got
@@ -481,9 +433,8 @@ _stage_cache = threading.local()
 
 def _as_real(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int]
              ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """``t`` at ``offsets`` in ``global_shape`` as the kernels read it: a complex chunk as its real view, with a
-    last dimension of 2 (real, imaginary) in the global shape too; a conjugated or negated view resolved to its
-    values first (:func:`~ckptverify.fingerprint.eager.flat_bits`)."""
+    """``t`` as the kernels read it: complex as its real view (global shape gains a last dim of 2), conjugated or
+    negated views resolved (:func:`~ckptverify.fingerprint.eager.flat_bits`)."""
     offsets, global_shape = list(offsets), list(global_shape)
     if t.is_conj():
         t = t.resolve_conj()
@@ -498,12 +449,9 @@ def _as_real(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int
 
 def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
                     screen: tuple[int, int] | None) -> CpuBlockLanes | None:
-    """A :class:`CpuBlockLanes` over chunk ``t`` (at ``offsets`` in ``global_shape``; ``name``: its dtype's, as
-    :func:`fingerprint_lanes` takes it) when its fingerprint would be
-    taken by the compiled CPU kernel now (backend ``auto`` or ``compiled``, the kernel compiled and checked for its
-    dtype: this does not wait for a compilation), ``t`` is contiguous and its blocks are the kernel's; else
-    ``None``: :func:`fingerprint_lanes_counted` takes it as usual. The lane sums it gives are those of
-    :func:`fingerprint_lanes` for the chunk, its count that of :func:`fingerprint_lanes_counted`."""
+    """A :class:`CpuBlockLanes` over contiguous chunk ``t`` when the compiled kernel would take it now (``auto`` or
+    ``compiled``, ready for its dtype: no waiting); else ``None`` (use :func:`fingerprint_lanes_counted`). Its results
+    equal those of :func:`fingerprint_lanes_counted`."""
     if (_compile_failed or _backend == "numpy" or t.device.type != "cpu" or not t.is_contiguous()
             or t.numel() < COMPILED_BLOCK or _under_dispatch_mode()):
         return None
@@ -522,10 +470,8 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
 def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geometry: _Geometry,
                         seeds: tuple[int, int], stage_dtype: torch.dtype,
                         screen: tuple[int, int] | None = None) -> tuple[int, int, int]:
-    """The lanes of a CPU chunk through the compiled kernel, its blocks split between threads as the host
-    path splits its own (:func:`_host_map`): the kernel is compiled single-threaded, because with its own
-    OpenMP team every block waited for the slower of two threads, and on a busy machine that ran 3-10x
-    slower. Third: the count of elements matching ``screen`` (0 without one)."""
+    """A CPU chunk's lanes through the compiled kernel, blocks split between threads by :func:`_host_map` (the kernel
+    is single-threaded: its own OpenMP team ran 3-10x slower on a busy machine). Third: the ``screen`` count."""
     runner = CpuBlockLanes(fn, flat, geometry, seeds, stage_dtype, screen)
     blocks = runner.blocks
     threads = max(1, min(_host_threads(flat.numel()), len(blocks)))
@@ -536,23 +482,20 @@ def _compiled_cpu_lanes(fn: Callable[..., torch.Tensor], flat: torch.Tensor, geo
 
 
 def _count_special(bits: torch.Tensor, screen: tuple[int, int]) -> int:
-    """How many of ``bits`` (an integer tensor) have ``bits & mask == pattern``, read sign-extended to int64 as
-    the kernels read them."""
+    """How many of ``bits`` (sign-extended to int64) have ``bits & mask == pattern``."""
     w = bits.to(torch.int64)
     return int(((w & _signed(screen[0])) == _signed(screen[1])).sum())
 
 
-#: A non-contiguous CPU chunk larger than this many elements is fingerprinted in pieces of at most this many
-#: (backends ``auto`` and ``numpy``), each made contiguous in turn, rather than copied whole.
+#: Larger non-contiguous CPU chunks are fingerprinted in contiguous pieces of this size, not copied whole.
 SLAB = 1 << 22
 
 
 def _slab_lanes(t: torch.Tensor, offsets: list[int], global_shape: list[int], name: str,
                 screen: tuple[int, int] | None = None) -> tuple[tuple[int, int], int | None]:
-    """The lanes of a non-contiguous chunk as the sum of its pieces' lanes: the pieces are disjoint chunks of
-    the same global tensor, cut along its first dimension longer than 1 (and further along the next ones
-    while a piece is still larger than ``SLAB`` and not contiguous), so their lanes add up to the chunk's.
-    The pieces' ``screen`` counts add up too (``None`` when any piece was not counted)."""
+    """A non-contiguous chunk's lanes as the sum of disjoint pieces' (cut along the first dim longer than 1, and further
+    while still above ``SLAB`` and non-contiguous). ``screen`` counts add up too (``None`` if any piece is uncounted).
+    """
     dim = next(d for d, size in enumerate(t.shape) if size > 1)
     per = max(1, SLAB // (t.numel() // t.shape[dim]))
     lanes = [0, 0]
@@ -573,8 +516,7 @@ SMALL_NUMPY = 1 << 14
 
 
 def _small_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]) -> tuple[int, int]:
-    """The lane sums of a small CPU chunk in one numpy formula (:func:`~ckptverify.fingerprint.spec.numpy_lanes`;
-    ``astype(int64)`` sign-extends the bits as every path does)."""
+    """A small CPU chunk's lane sums in one numpy formula (:func:`~ckptverify.fingerprint.spec.numpy_lanes`)."""
     import numpy as np
 
     run = geometry.run_length
@@ -588,9 +530,7 @@ def _small_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int]
 
 # ------------------------------------------------------------------------------------------ host path
 
-#: Elements per block of the host (numpy) path: its two int64 buffers of two lanes each (512 KiB) and the
-#: block's bits stay in a core's L2 cache. 8192 ran 10-20% slower (each numpy call costs about a
-#: microsecond), 65536 about as much slower (the buffers spill to L3).
+#: Host-path block: its buffers (512 KiB) stay in L2; 8192 and 65536 both ran 10-20% slower.
 HOST_BLOCK = 1 << 14
 #: Elements per thread below which the host path does not split a chunk over threads.
 HOST_MIN_PER_THREAD = 1 << 20
@@ -603,8 +543,7 @@ _host_lock = threading.Lock()  # not ``_lock``, which a compilation holds for se
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has none of its parent's threads: a lock one of them held would never be released, a
-    pool's work would never be done, and a compilation under way in the parent would never finish here."""
+    """A forked child has none of the parent's threads: reset locks they might hold, pools and pending compilations."""
     global _lock, _host_lock, _host_pool, _host_pool_size
     _lock = threading.Lock()
     _host_lock = threading.Lock()
@@ -623,10 +562,8 @@ _thread_cap = threading.local()
 
 @contextmanager
 def thread_limit(threads: int | None) -> Iterator[None]:
-    """Within the block, fingerprints taken by the calling thread on CPU use at most ``threads`` threads
-    (``None``: no limit beyond :func:`_host_threads`'). A save fingerprints in one thread beside the thread
-    that writes and those that digest: splitting each chunk over torch's threads as well put more threads on
-    the cores than there are cores."""
+    """Within the block, this thread's CPU fingerprints use at most ``threads`` threads (``None``: no extra limit). A
+    save fingerprints beside its writer and digesters; splitting chunks too oversubscribed the cores."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise UsageError(f"a thread limit must be a positive int or None, got {threads!r}")
     saved = getattr(_thread_cap, "threads", None)
@@ -638,8 +575,7 @@ def thread_limit(threads: int | None) -> Iterator[None]:
 
 
 def _host_threads(numel: int) -> int:
-    """Threads for a chunk of ``numel`` elements: torch's intra-op thread count (``torch.set_num_threads``),
-    at most the CPUs there are, at most the calling thread's :func:`thread_limit`, and at least
+    """Threads for ``numel`` elements: torch's intra-op count, capped by CPUs and :func:`thread_limit`, with at least
     ``HOST_MIN_PER_THREAD`` elements each."""
     threads = min(torch.get_num_threads(), os.cpu_count() or 1, numel // HOST_MIN_PER_THREAD)
     cap = getattr(_thread_cap, "threads", None)
@@ -650,9 +586,8 @@ def _host_threads(numel: int) -> int:
 
 def _host_map(fn: Callable[[int, int], tuple[int, int]], ranges: list[tuple[int, int]],
               workers: int) -> list[tuple[int, int]]:
-    """``fn(lo, hi)`` for each range, on at most ``workers`` threads of a pool kept for the process (numpy
-    releases the GIL inside each operation, so the threads run on separate cores). Each thread takes the next
-    range when it is done with one, so a thread slowed by other work on its core takes fewer."""
+    """``fn(lo, hi)`` per range on at most ``workers`` pooled threads (numpy releases the GIL); each takes the next
+    range when done, so a thread slowed by other work takes fewer."""
     global _host_pool, _host_pool_size
     if workers <= 1 or len(ranges) == 1:
         return [fn(*r) for r in ranges]
@@ -684,15 +619,9 @@ def _host_map(fn: Callable[[int, int], tuple[int, int]], ranges: list[tuple[int,
 
 def host_lanes(flat: torch.Tensor, geometry: _Geometry, seeds: tuple[int, int],
                threads: int | None = None) -> tuple[int, int]:
-    """The eager path's two lane sums of a CPU chunk (``flat``: its contiguous integer view), in numpy.
-
-    One pass over the chunk in blocks of ``HOST_BLOCK`` elements: each block's bits are read once, both lanes
-    are mixed together in two reused ``(2, block)`` buffers (the lanes' seeds, shifts and multipliers
-    broadcast along the first axis), and the block's sums are added to a running sum. Blocks are split
-    between ``threads`` threads (default :func:`_host_threads`); the lane sums are sums modulo 2**64, so
-    the threads' partial sums add up to the same integers in any order. Nothing the size of the chunk is
-    allocated.
-    """
+    """The two lane sums of a CPU chunk (contiguous integer view ``flat``) in numpy: one pass in ``HOST_BLOCK`` blocks,
+    both lanes mixed in two reused buffers, blocks split over ``threads`` (default :func:`_host_threads`); sums mod
+    2**64 add up in any order. Nothing chunk-sized is allocated."""
     import numpy as np
 
     bits = flat.numpy()
@@ -777,17 +706,12 @@ def _host_run_starts(geometry: _Geometry, q0: int, count: int) -> np.ndarray:
 
 
 def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The lane sums of each whole tensor (those :func:`fingerprint_lanes` gives for the whole tensor), as an
-    ``(n, 2)`` int64 tensor (the two's complement of each unsigned sum) on the tensors' common device.
+    """Each whole tensor's lane sums as an ``(n, 2)`` int64 tensor on their common device.
 
-    Tensors of one element size are streamed through blocks of :func:`eager_block` elements, several small
-    tensors to a block, so the number of device operations follows the total size, not the number of
-    tensors. Nothing waits for the device: the caller reads the result when it needs it (``.tolist()``).
-    Sums per tensor come from cumulative sums read at each tensor's end, and the result is put in order by
-    gathers: no scatter-add, so it runs under ``torch.use_deterministic_algorithms(True)``. Plain tensors
-    only (for a DTensor, pass its local shard). Runs on the tensors' device and that device's current stream in
-    the calling thread; refuses meta and fake tensors, and CUDA tensors during a CUDA graph capture
-    (:func:`~ckptverify.fingerprint.device.check_fingerprintable`).
+    Tensors of one element size stream through shared blocks, so device operations follow total size, not count;
+    nothing waits for the device (read with ``.tolist()``). No scatter-add: works under
+    ``torch.use_deterministic_algorithms(True)``. Plain tensors only (a DTensor: pass its local shard). Runs on the
+    device's current stream; refuses what :func:`~ckptverify.fingerprint.device.check_fingerprintable` refuses.
     """
     if not tensors:
         return torch.zeros((0, 2), dtype=torch.int64)
@@ -801,9 +725,7 @@ def lanes_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         # A sparse tensor (a sparse gradient of nn.Embedding(sparse=True)) stands for its dense values.
         tensors = [t if t.layout == torch.strided else t.detach().to_dense() for t in tensors]
         if device.type == "cuda":
-            # A few Triton launches per element width instead of about fifty eager launches per block: checked
-            # against the eager path before first use (None when Triton is missing, the check failed or this
-            # launch failed).
+            # A few Triton launches per width instead of ~50 eager ones per block (None: not applicable).
             from ckptverify.fingerprint import triton_kernel as _fingerprint_triton
 
             got = _fingerprint_triton.lanes_many(list(tensors))

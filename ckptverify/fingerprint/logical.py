@@ -1,10 +1,6 @@
-"""The logical tensor fingerprint: an identity of a tensor's *values* (see ``docs/fingerprint.md``).
-
-Independent of how the tensor is sharded or serialized: :func:`tensor_fingerprint` for a whole tensor (or a
-``DTensor``), :func:`chunk_fingerprint` for one chunk of a global tensor, and :func:`combine` to add chunk
-fingerprints up to the whole. The arithmetic runs in :mod:`ckptverify.fingerprint.kernels` (imported, and
-torch with it, only when a tensor is fingerprinted); the constants are :mod:`ckptverify.fingerprint.spec`'s.
-"""
+"""The logical tensor fingerprint: an identity of a tensor's *values*, independent of sharding or serialization
+(``docs/fingerprint.md``). Arithmetic is in :mod:`ckptverify.fingerprint.kernels` (torch imported only when a
+tensor is fingerprinted); constants in :mod:`ckptverify.fingerprint.spec`."""
 
 from __future__ import annotations
 
@@ -28,12 +24,8 @@ __all__ = ["FINGERPRINT_VERSION", "BlockwiseFingerprint", "TensorFingerprint", "
 
 @dataclass(frozen=True)
 class TensorFingerprint:
-    """The logical fingerprint of a tensor (or of part of one).
-
-    ``value`` is 128 bits as 32 hex digits: lane 0 then lane 1, each 16 digits. ``shape`` is the *global*
-    shape; ``elements`` counts the elements that contributed (``prod(shape)`` for a whole tensor; less for
-    a single chunk). Two fingerprints describe equal tensors when all fields are equal.
-    """
+    """The logical fingerprint of a tensor (or part of one). ``value``: 128 bits as 32 hex digits (lane 0, lane 1);
+    ``shape``: the *global* shape; ``elements``: elements that contributed. Equal fields mean equal tensors."""
 
     value: str
     dtype: str
@@ -79,11 +71,8 @@ class TensorFingerprint:
 
 
 def combine(parts: Iterable[TensorFingerprint]) -> TensorFingerprint:
-    """Add chunk fingerprints of one global tensor up to the fingerprint of the chunks together.
-
-    The chunks must be disjoint; when they cover the tensor the result equals :func:`tensor_fingerprint`
-    of the whole. All parts must agree on dtype, global shape and version.
-    """
+    """Add fingerprints of disjoint chunks of one tensor (same dtype, global shape, version); covering chunks give
+    :func:`tensor_fingerprint` of the whole."""
     parts = list(parts)
     if not parts:
         raise UsageError("combine() needs at least one fingerprint")
@@ -104,21 +93,16 @@ def combine(parts: Iterable[TensorFingerprint]) -> TensorFingerprint:
 
 
 def chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_shape: Sequence[int]) -> TensorFingerprint:
-    """Fingerprint of the chunk ``t`` that sits at ``global_offsets`` in a tensor of ``global_shape``.
-
-    Computed on ``t``'s device. Chunk fingerprints of disjoint chunks :func:`combine` to the fingerprint of
-    their union; of a covering set of chunks, to :func:`tensor_fingerprint` of the whole tensor.
-    """
+    """Fingerprint of chunk ``t`` at ``global_offsets`` in a tensor of ``global_shape``, computed on ``t``'s device.
+    Disjoint chunks :func:`combine`; a covering set gives :func:`tensor_fingerprint` of the whole."""
     return _chunk_fingerprint(t, global_offsets, global_shape, counted=False)[0]
 
 
 def chunk_fingerprint_counted(
     t: torch.Tensor, global_offsets: Sequence[int], global_shape: Sequence[int]
 ) -> tuple[TensorFingerprint, int | None]:
-    """:func:`chunk_fingerprint`, and how many of the chunk's elements are NaN or infinite, where the pass that
-    fingerprinted it counted them on the same read of the chunk (the compiled kernel on CPU, for the dtypes in
-    ``kernels.SPECIAL_BITS``); ``None`` where it did not, and the caller counts them itself. The fingerprint
-    is the same as :func:`chunk_fingerprint`'s."""
+    """:func:`chunk_fingerprint` plus the NaN/Inf count where the same pass counted it (compiled CPU kernel,
+    ``kernels.SPECIAL_BITS`` dtypes); else ``None`` and the caller counts."""
     return _chunk_fingerprint(t, global_offsets, global_shape, counted=True)
 
 
@@ -143,10 +127,8 @@ def _chunk_fingerprint(t: torch.Tensor, global_offsets: Sequence[int], global_sh
 
 
 class BlockwiseFingerprint:
-    """:func:`chunk_fingerprint_counted` of one contiguous CPU chunk, taken a few blocks at a time as its bytes
-    become ready: for a caller that reads those bytes anyway (a save writing them), so the fingerprint reads each
-    block while it is still in the cache instead of in a pass of its own over memory. Made by
-    :func:`blockwise_fingerprint`. Calls must not overlap (one caller at a time, from any thread)."""
+    """:func:`chunk_fingerprint_counted` of a contiguous CPU chunk, taken blocks at a time as a writer makes them ready,
+    so each block is read while in cache. Made by :func:`blockwise_fingerprint`; calls must not overlap."""
 
     def __init__(self, runner: Any, name: str, global_shape: list[int], numel: int, counted: bool) -> None:
         self._runner = runner
@@ -191,9 +173,8 @@ class BlockwiseFingerprint:
 
 def blockwise_fingerprint(t: torch.Tensor, global_offsets: Sequence[int],
                           global_shape: Sequence[int]) -> BlockwiseFingerprint | None:
-    """A :class:`BlockwiseFingerprint` of chunk ``t`` when the compiled CPU kernel would take its fingerprint now
-    and ``t`` is contiguous (:func:`~ckptverify.fingerprint.kernels.cpu_block_lanes`); else ``None``: take it with
-    :func:`chunk_fingerprint_counted`."""
+    """A :class:`BlockwiseFingerprint` of ``t`` when the compiled kernel would take it now and ``t`` is contiguous;
+    else ``None`` (use :func:`chunk_fingerprint_counted`)."""
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.fingerprint.subclass import is_wrapper_subclass
 
@@ -215,13 +196,10 @@ def blockwise_fingerprint(t: torch.Tensor, global_offsets: Sequence[int],
 def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
     """Fingerprint of a whole tensor, computed on its own device.
 
-    A ``DTensor`` is fingerprinted collectively: each rank fingerprints its local shard at its global
-    offsets and the lanes are summed across the device mesh, so every rank returns the fingerprint of the
-    global tensor. Every rank of the mesh must call this.
-
-    A wrapper subclass (torchao's ``MXTensor``, ``NVFP4Tensor``, ...) is fingerprinted by its parts
-    (:mod:`ckptverify.fingerprint.subclass`): its ``value`` is the digest of its class, context and parts'
-    fingerprints (not a lane sum: it does not :func:`combine` with anything), ``dtype`` its outer dtype.
+    A ``DTensor`` is fingerprinted collectively (local shards at global offsets, lanes summed over the mesh): every
+    rank of the mesh must call this, and each gets the global fingerprint. A wrapper subclass (``MXTensor``,
+    ``NVFP4Tensor``) is fingerprinted by its parts (:mod:`ckptverify.fingerprint.subclass`): ``value`` is a digest,
+    not a lane sum (it does not :func:`combine`); ``dtype`` is its outer dtype.
     """
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.fingerprint.subclass import is_wrapper_subclass
@@ -238,13 +216,10 @@ def tensor_fingerprint(t: torch.Tensor) -> TensorFingerprint:
 
 
 def set_fingerprint_backend(name: str) -> None:
-    """How CPU tensors are fingerprinted: ``"numpy"`` (one numpy pass over cache-sized blocks, on torch's number
-    of threads; never compiles), ``"compiled"`` (the ``torch.compile`` fused kernel for large chunks, compiled at
-    the first one, waiting) or ``"auto"`` (the default: numpy, and the compiled kernel once it is ready: it is
-    compiled in a background thread once 1 GiB went through numpy in the process). CUDA tensors take the Triton
-    kernel where it imports and eager torch otherwise, other devices eager torch, whatever the backend. All give
-    the same values; the fused kernels are checked against eager before first use. The environment variable
-    ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets the initial choice."""
+    """How CPU tensors are fingerprinted: ``"numpy"`` (never compiles), ``"compiled"`` (``torch.compile`` kernel for
+    large chunks, compiled at the first, waiting) or ``"auto"`` (default: numpy, then the kernel once compiled in the
+    background after 1 GiB). CUDA takes Triton where available, else eager; other devices eager. All give the same
+    values. ``CKPTVERIFY_FINGERPRINT_BACKEND`` sets the initial choice."""
     from ckptverify.fingerprint import kernels as kern
 
     kern.set_backend(name)
@@ -260,9 +235,8 @@ def get_fingerprint_backend() -> str:
 
 
 def part_fingerprints(t: torch.Tensor) -> dict[str, TensorFingerprint]:
-    """The fingerprint of each inner tensor of a wrapper subclass, by the name ``__tensor_flatten__`` gives it
-    (``qdata``, ``scale``, ...); an inner subclass is fingerprinted by its own parts. Raises
-    :class:`~ckptverify.errors.UsageError` for a tensor that is not a wrapper subclass."""
+    """Fingerprint of each inner tensor of a wrapper subclass by its ``__tensor_flatten__`` name (inner subclasses by
+    their own parts). :class:`~ckptverify.errors.UsageError` if ``t`` is not one."""
     from ckptverify.fingerprint.subclass import flatten, is_wrapper_subclass
 
     if not is_wrapper_subclass(t):
@@ -291,8 +265,7 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None) if module is not None else None
 
 
-#: A DTensor's local shard that is not one box of the global tensor (``_StridedShard``) is fingerprinted as the
-#: boxes it is made of; beyond this many boxes it is refused rather than gathered.
+#: A ``_StridedShard`` shard is fingerprinted box by box; beyond this many boxes it is refused, not gathered.
 MAX_SHARD_BOXES = 1 << 16
 
 
@@ -308,8 +281,7 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
     name = kern.dtype_name(t.dtype)
     gshape = list(t.shape)
     if any(p.is_partial() for p in placements):
-        # Pending reductions: the local values are not the tensor's values until they are reduced (a reduction,
-        # not a gather: each rank keeps its shard's size).
+        # Pending reductions: local values are not the tensor's until reduced.
         if t.to_local().device.type != mesh.device_type:
             raise UsageError(f"cannot fingerprint a DTensor with a Partial placement whose local tensor is on "
                              f"{t.to_local().device.type}, not on its mesh's {mesh.device_type}: reduce it first")
@@ -324,8 +296,7 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
     )
     lanes, count = (0, 0), 0
     if contributes and local.numel():
-        # Each element's global index is known from where the placements put the shard's rows along each
-        # dimension, so no placement needs a gather: the shard is fingerprinted box by box at global offsets.
+        # Placements give each element's global index: no gather, the shard is fingerprinted box by box.
         index = _shard_indices(gshape, mesh, placements, coordinate)
         if [len(ix) for ix in index] != list(local.shape):
             raise UsageError(f"DTensor local shard has shape {list(local.shape)}, expected "
@@ -359,10 +330,8 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
 
 
 def _shard_indices(gshape: list[int], mesh: Any, placements: list[Any], coordinate: list[int]) -> list[Any]:
-    """For each dimension of the global tensor, the global index of each of the local shard's positions along
-    it, in order (a 1-D int64 tensor): the placements applied left to right over the mesh dimensions, as DTensor
-    applies them (``Shard`` keeps a slice of the positions, ``_StridedShard`` an interleaving of slices).
-    Placements that shard nothing (``Replicate``) keep every position."""
+    """Per global dimension, the global index of each local position (1-D int64), applying placements over mesh dims
+    left to right as DTensor does (``Replicate`` keeps all)."""
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
@@ -387,9 +356,8 @@ def _is_strided_shard(p: Any) -> bool:
 
 
 def _strided_positions(p: Any, current: Any, num_chunks: int, rank: int) -> Any:
-    """Of the positions ``current`` (1-D) along its dimension, those a ``_StridedShard`` keeps on mesh coordinate
-    ``rank``, in local order: split by the placement's own ``_split_tensor``, the function DTensor distributes a
-    tensor with (its offset helpers differ between torch releases; this one does not)."""
+    """The positions of ``current`` a ``_StridedShard`` keeps on coordinate ``rank``, via the placement's own
+    ``_split_tensor`` (its offset helpers differ between torch releases)."""
     try:
         shards, _ = p._split_tensor(current.reshape([1] * p.dim + [len(current)]), num_chunks, with_padding=False)
         return shards[rank].reshape(-1)
@@ -398,8 +366,8 @@ def _strided_positions(p: Any, current: Any, num_chunks: int, rank: int) -> Any:
 
 
 def _runs(positions: Any) -> list[tuple[int, int, int]]:
-    """``positions`` (a 1-D int64 tensor: global indices along one dimension, in local order) as maximal runs of
-    consecutive indices: ``(local start, global start, length)``."""
+    """``positions`` (1-D global indices in local order) as maximal consecutive runs ``(local start, global start,
+    length)``."""
     import torch
 
     n = len(positions)
@@ -412,8 +380,7 @@ def _runs(positions: Any) -> list[tuple[int, int, int]]:
 
 
 def _boxes(index: list[Any]) -> list[tuple[tuple[slice, ...], list[int]]]:
-    """The local shard as boxes of the global tensor: for each combination of one run per dimension, the slice
-    of the shard it is and its global offsets. Disjoint, covering the shard: their lane sums add up to its."""
+    """The local shard as disjoint boxes of the global tensor (one run per dimension): slice and global offsets."""
     import itertools
 
     per_dim = [_runs(ix) for ix in index]
@@ -431,9 +398,8 @@ def _boxes(index: list[Any]) -> list[tuple[tuple[slice, ...], list[int]]]:
 
 
 def _collective_device(group: Any, local_device: Any, mesh_device_type: str) -> Any:
-    """The device the lane sums travel on over ``group``: the local shard's, where the group's backend serves
-    that device type; else one the backend serves (a CPU-offloaded shard over NCCL: the mesh's current CUDA
-    device). NCCL never receives a CPU tensor."""
+    """The device lane sums travel on over ``group``: the shard's, if the backend serves it; else one it serves (NCCL
+    never receives a CPU tensor)."""
     import torch
 
     served = _backend_device_types(group) or {mesh_device_type}
@@ -446,8 +412,7 @@ def _collective_device(group: Any, local_device: Any, mesh_device_type: str) -> 
 
 
 def _backend_device_types(group: Any) -> set[str]:
-    """Device types the group's backend takes tensors on: ``"cpu:gloo,cuda:nccl"`` names them; NCCL takes CUDA
-    tensors, Gloo CPU and CUDA ones; empty for any other backend (the caller takes its mesh's device type)."""
+    """Device types the group's backend takes (from ``"cpu:gloo,cuda:nccl"``; NCCL CUDA, Gloo both); empty otherwise."""
     import torch.distributed as dist
 
     backend = str(dist.get_backend(group)).lower()

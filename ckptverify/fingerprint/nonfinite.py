@@ -1,12 +1,6 @@
-"""NaN and Inf counts of a tensor: one definition for every path that keeps them.
-
-A save's manifest (:mod:`ckptverify.dcp.writer`), the manifest ``fingerprint`` writes for a checkpoint already on
-disk (:mod:`ckptverify.audit.adopt`, :mod:`ckptverify.checks.described`) and the deep check's ``nonfinite``
-warning (:mod:`ckptverify.checks.deep`) all count with :func:`nonfinite_counts`, so the same tensor has the same
-counts whichever path read it. Counts are kept for the dtypes named in :data:`COUNTED_DTYPES` (floating formats,
-float8 ones included, and complex ones); for any other dtype they are ``None`` (not zero: nothing was counted).
-Importing this module imports no torch.
-"""
+"""NaN and Inf counts of a tensor: one definition (:func:`nonfinite_counts`) for every path that keeps them (save,
+``fingerprint``, deep check), so a tensor gets the same counts whichever path read it. Counted only for
+:data:`COUNTED_DTYPES`; otherwise ``None`` (not zero). No torch import."""
 
 from __future__ import annotations
 
@@ -16,8 +10,7 @@ __all__ = ["COUNTED_DTYPES", "NO_INFINITY_DTYPES", "counts_kept", "nonfinite_cou
 
 #: Floating formats with no encoding for an infinity (an Inf converts to NaN): every non-finite value is a NaN.
 NO_INFINITY_DTYPES = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
-#: Dtypes (by the name a manifest gives them) whose NaN and Inf counts are kept. Packed float4 has no NaN or Inf
-#: encoding and torch tests none of its elements: it is not counted.
+#: Dtypes whose NaN/Inf counts are kept (not packed float4: no such encoding, and torch tests none).
 COUNTED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
                             "float8_e5m2"}) | NO_INFINITY_DTYPES
 
@@ -28,14 +21,9 @@ def counts_kept(dtype: str) -> bool:
 
 
 def nonfinite_counts(t: Any) -> tuple[int | None, int | None]:
-    """``(NaN count, Inf count)`` of tensor ``t``; ``(None, None)`` for a dtype not in :data:`COUNTED_DTYPES`, or
-    one torch cannot test element-wise.
-
-    A sum is a fast screen: NaN and Inf propagate through it (Inf - Inf gives NaN), so a finite sum means no NaN
-    and no Inf. Only a non-finite sum (a NaN, an Inf, or an overflow of finite values), or a format torch cannot
-    sum (complex32), pays for the element-wise count. A complex element is a NaN if either part is, else an Inf if
-    either part is.
-    """
+    """``(NaN count, Inf count)`` of ``t``; ``(None, None)`` for a dtype not counted or not testable element-wise. A
+    finite sum proves no NaN/Inf; only a non-finite sum (or an unsummable format) pays for the element-wise count.
+    A complex element is NaN if either part is, else Inf if either part is."""
     import torch
 
     name = str(t.dtype).removeprefix("torch.")

@@ -1,12 +1,7 @@
-"""The definition of the logical tensor fingerprint (see ``docs/fingerprint.md``), in one place.
-
-The version, the 64-bit arithmetic, the index multiplier ``K``, the two lane mixers and the one definition of the
-mixing step (:func:`mix`), the dtype names and the per-dtype seeds; and :func:`numpy_lanes`, the element formula
-over numpy arrays. Every implementation (numpy on CPU, the compiled kernel, eager torch, the Triton kernel)
-reads its constants here and runs :func:`mix` with its own two primitive operations, except the Triton kernel,
-which cannot call Python and is held to it by tests. Importing this module imports no torch (numpy only when
-:func:`numpy_lanes` runs).
-"""
+"""The definition of the logical tensor fingerprint, in one place (``docs/fingerprint.md``): version, 64-bit
+arithmetic, ``K``, the two lane mixers and :func:`mix`, dtype names and seeds, and :func:`numpy_lanes`. Every
+implementation reads its constants here and runs :func:`mix`, except Triton (which cannot call Python; tests hold
+it to it). No torch import."""
 
 from __future__ import annotations
 
@@ -63,23 +58,18 @@ def _multiply(x: Any, m: Any) -> Any:
 
 def mix(x: W, mixer: Mixer, xorshift: Callable[[W, Any], W] = _xorshift,
         multiply: Callable[[W, Any], W] = _multiply) -> W:
-    """The fingerprint's mixing step: ``mixer`` applied to ``x``, unsigned 64-bit words. The one definition.
-
-    ``xorshift(x, s)`` is ``x ^ (x >> s)`` with a logical shift and ``multiply(x, m)`` is ``x * m`` modulo 2**64;
-    the defaults do it for Python ints in ``[0, 2**64)`` and numpy ``uint64`` arrays. A backend whose words need
-    other operations (torch's int64 shift is arithmetic; the numpy host path works in place) passes its own two;
-    the sequence and the constants stay these. ``mixer``'s constants may be numpy columns (both lanes at once).
-    """
+    """The fingerprint's mixing step (the one definition): ``mixer`` applied to unsigned 64-bit words ``x``.
+    ``xorshift(x, s)`` (logical shift) and ``multiply(x, m)`` (mod 2**64) default to Python ints and numpy
+    ``uint64``; a backend needing other operations (torch's arithmetic shift) passes its own."""
     s1, s2, s3 = mixer.shifts
     m1, m2 = mixer.multipliers
     return xorshift(multiply(xorshift(multiply(xorshift(x, s1), m1), s2), m2), s3)
 
 
 def numpy_lanes(words: Any, index: Any, seeds: Sequence[int], starts: Any = None) -> tuple[Any, Any]:
-    """The lane sums of elements in numpy: ``words`` their bits sign-extended to 64 (an int64 or uint64 array),
-    ``index`` their global indices (uint64, the same length), ``seeds`` the two lanes' (:func:`dtype_seed`).
-    Each lane sums ``mix(word ^ (index * K + seed))`` modulo 2**64: one ``uint64`` scalar per lane, or, with
-    ``starts`` (where each of several consecutive tensors begins), one per tensor (``uint64`` arrays)."""
+    """Lane sums in numpy: each lane sums ``mix(word ^ (index * K + seed))`` mod 2**64 over ``words`` (bits
+    sign-extended
+    to 64) and ``index`` (uint64). One ``uint64`` per lane, or with ``starts`` one per consecutive tensor."""
     import numpy as np
 
     w = words.view(np.uint64)
@@ -93,8 +83,7 @@ def numpy_lanes(words: Any, index: Any, seeds: Sequence[int], starts: Any = None
     return lanes[0], lanes[1]
 
 
-#: Element dtypes the fingerprint is defined for, by the name torch gives them. Complex dtypes are
-#: fingerprinted through their real view (pairs of the matching float), under the complex dtype's own name.
+#: Dtypes the fingerprint is defined for; complex via its real view, under its own name.
 DTYPE_NAMES = (
     "float64", "float32", "float16", "bfloat16",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",

@@ -1,22 +1,10 @@
-"""Tensor subclasses that hold their values in inner tensors (torchao's ``MXTensor`` and ``NVFP4Tensor``,
-Transformer Engine's storages): fingerprinted by their parts (see ``docs/fingerprint.md``).
+"""Wrapper tensor subclasses (torchao's ``MXTensor``, ``NVFP4Tensor``, Transformer Engine's): fingerprinted by parts.
 
-A wrapper subclass has no bytes of its own: ``__tensor_flatten__`` names the inner tensors that hold its
-values (for a block-scaled format, the encoded data ``qdata`` and the ``scale``; for NVFP4 also an optional
-per-tensor scale) and gives the attributes that say how to read them (block size, element dtype, whether the
-scales are swizzled, ...). Its fingerprint is the digest of
-
-* the class (``module.QualName``), the outer dtype and shape,
-* its **context**: every attribute of ``__tensor_flatten__``'s context that is not ``None``, in the canonical
-  JSON form of :func:`canonical` (the same form the checkpoint reader builds from a stored record without
-  importing the class, :mod:`ckptverify.safeparse.torchsave`),
-* each inner tensor's name and logical fingerprint (value, dtype, shape), in the order ``__tensor_flatten__``
-  names them.
-
-So two tensors with equal data and different scales differ, and so do two with equal parts and a different
-block size. :func:`combine_parts` is that digest; the fingerprint of each part comes from
-:mod:`ckptverify.fingerprint.logical` (which calls this module, never the other way round). Importing this
-module imports no torch.
+Such a tensor has no bytes of its own; ``__tensor_flatten__`` names its inner tensors and attributes. Its
+fingerprint (:func:`combine_parts`) digests the class, outer dtype and shape, the non-``None`` context in
+:func:`canonical` form (as :mod:`ckptverify.safeparse.torchsave` rebuilds it from a stored record), and each
+part's name and logical fingerprint in flatten order: equal data with different scales or block size differ.
+No torch import; :mod:`ckptverify.fingerprint.logical` calls this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -41,8 +29,7 @@ __all__ = ["Flattened", "canonical", "class_label", "combine_parts", "flatten", 
 #: Tensor types that hold their own values (nothing to flatten).
 _PLAIN = frozenset({"Tensor", "Parameter", "Buffer"})
 
-#: Subclasses with ``__tensor_flatten__`` that are not taken apart: an async collective's result must be waited
-#: for (any op on it waits; its inner buffer may still be in flight).
+#: Not taken apart: an async collective's result (its inner buffer may still be in flight).
 _NOT_TAKEN_APART = frozenset({"torch.distributed._functional_collectives.AsyncCollectiveTensor"})
 
 
@@ -52,9 +39,7 @@ def class_label(cls: type) -> str:
 
 
 def is_wrapper_subclass(t: Any) -> bool:
-    """Whether ``t`` is a tensor subclass fingerprinted by its parts (not a plain tensor, not a ``DTensor``,
-    whose fingerprint is collective, see :func:`~ckptverify.fingerprint.tensor_fingerprint`, not an async
-    collective's pending result)."""
+    """Whether ``t`` is fingerprinted by its parts (not plain, not a ``DTensor``, not a pending async collective)."""
     cls = type(t)
     if cls.__name__ in _PLAIN and cls.__module__.startswith("torch"):
         return False
@@ -66,12 +51,9 @@ def is_wrapper_subclass(t: Any) -> bool:
 
 
 def canonical(value: Any) -> Any:
-    """The canonical JSON form of one attribute of a subclass's flatten context.
-
-    ``None``, booleans, integers, floats and strings stay as they are; a torch dtype is ``"torch.NAME"``; an
-    enum member is ``{"enum": "module.QualName", "value": its value}``; a list or tuple is a list; a dict (string
-    keys) a dict; a dataclass instance ``{"class": "module.QualName", "fields": {name: canonical(value)}}``.
-    Anything else raises :class:`~ckptverify.errors.UsageError` (the fingerprint cannot say what it is)."""
+    """The canonical JSON form of one context attribute: scalars as they are, a dtype ``"torch.NAME"``, an enum
+    ``{"enum", "value"}``, lists/tuples as lists, string-keyed dicts, dataclasses ``{"class", "fields"}``. Anything else
+    raises :class:`~ckptverify.errors.UsageError`."""
     import torch
 
     if value is None or (isinstance(value, bool | int | float | str) and not isinstance(value, enum.Enum)):
@@ -92,8 +74,7 @@ def canonical(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Flattened:
-    """A wrapper subclass taken apart: its class label, its context (canonical, ``None`` values left out) and
-    its inner tensors by name, in ``__tensor_flatten__``'s order."""
+    """A wrapper subclass taken apart: class label, canonical context (``None`` left out), inner tensors in order."""
 
     label: str
     context: dict[str, Any]
@@ -101,11 +82,8 @@ class Flattened:
 
 
 def flatten(t: torch.Tensor, *, strict: bool = True) -> Flattened:
-    """Take ``t`` (a wrapper subclass, :func:`is_wrapper_subclass`) apart through ``__tensor_flatten__``.
-
-    ``strict``: an attribute without a canonical form raises :class:`~ckptverify.errors.UsageError` (a
-    fingerprint must not pretend to cover it); otherwise it stands as ``{"type": "module.QualName"}`` (a trace,
-    which must not stop a training run, still covers every part and every other attribute)."""
+    """Take wrapper subclass ``t`` apart via ``__tensor_flatten__``. ``strict``: an attribute without a canonical form
+    raises :class:`~ckptverify.errors.UsageError`; otherwise it stands as ``{"type": ...}`` (a trace must not stop)."""
     names, ctx = t.__tensor_flatten__()
     if ctx is None:
         ctx = {}
@@ -128,9 +106,8 @@ def flatten(t: torch.Tensor, *, strict: bool = True) -> Flattened:
 
 def combine_parts(label: str, dtype: str, shape: Sequence[int], context: dict[str, Any],
                   parts: Sequence[tuple[str, Any]]) -> str:
-    """The fingerprint value (32 hex digits) of a subclass from its parts' fingerprints (each a
-    :class:`~ckptverify.fingerprint.TensorFingerprint`: its ``value``, ``dtype`` and ``shape`` count): xxh3-128
-    of the canonical JSON text of the class label, outer dtype and shape, context and parts."""
+    """A subclass's fingerprint value: xxh3-128 of the canonical JSON of label, outer dtype, shape, context and parts.
+    """
     text = json.dumps({
         "class": label,
         "dtype": dtype,

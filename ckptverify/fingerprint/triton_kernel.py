@@ -1,28 +1,11 @@
-"""A Triton kernel of the logical tensor fingerprint, for CUDA tensors (see ``docs/fingerprint.md``).
+"""A Triton kernel of the logical fingerprint for CUDA tensors (``docs/fingerprint.md``).
 
-The eager torch path launches about twenty element-wise kernels per block and lane, each reading and writing
-64-bit temporaries, so on a GPU it runs at a few percent of memory bandwidth. This kernel computes the same
-integers in one pass: each program takes one block of one run of consecutive global indices, mixes both lanes
-in registers and writes its two partial sums; the partials are then added modulo 2**64. Addition modulo 2**64
-is associative and commutative, so the order of the programs does not matter: the result is exactly the
-eager path's.
-
-A second kernel does the same for a whole list of tensors at once (:func:`lanes_many`, what a trace digests
-each step: every gradient, parameter and optimizer state tensor): small tensors of one element width are laid end
-to end in buffers of at most ``MANY_GROUP_BYTES`` (a larger tensor is read in place), each program takes one
-block of one tensor, and the per-tensor sums come from the programs' partials in a few more operations, so a
-list costs a few kernel launches per 64 MiB however many tensors it holds (the eager path launches about fifty
-per block), and never a copy of the whole list.
-
-Every launch runs on the current device and stream, so callers enter the tensor's device first
-(:func:`~ckptverify.fingerprint.device.device_scope`; :mod:`~ckptverify.fingerprint.kernels` does). A failed
-launch falls back to eager for that call only.
-
-Used for CUDA tensors when Triton imports, after it has matched the eager path
-(:mod:`ckptverify.fingerprint.eager`, which this module imports; :mod:`~ckptverify.fingerprint.kernels` imports
-this one) on test data of each element width (:func:`lanes` and :func:`lanes_many` return ``None`` otherwise, and
-the caller takes the eager path). With ``TRITON_INTERPRET=1`` set before Triton is imported, the same kernel runs
-on CPU tensors through Triton's interpreter: that is how the CPU test suite checks it.
+Eager torch runs at a few percent of GPU bandwidth; this computes the same integers in one pass (one program per
+block of a run, partials summed mod 2**64, so order does not matter). :func:`lanes_many` does a whole list at
+once, small tensors packed into buffers of at most ``MANY_GROUP_BYTES`` (never a copy of the whole list).
+Launches use the current device and stream: callers enter :func:`~ckptverify.fingerprint.device.device_scope`.
+Used only after matching eager on test data per width (else ``None``: caller takes eager); a failed launch falls
+back for that call only. ``TRITON_INTERPRET=1`` (set before import) runs it on CPU for the tests.
 """
 
 from __future__ import annotations
@@ -46,8 +29,7 @@ BLOCK = 2048
 #: Element widths the kernel has been checked for against the eager path, by (device type, bits dtype).
 _verified: dict[tuple[str, torch.dtype], bool] = {}
 _lock = threading.Lock()
-#: Self-checks that raised, by verdict table and key; after ``_CHECK_TRIES`` of them the kernel is left out for
-#: that key.
+#: Self-checks that raised, by table and key (after ``_CHECK_TRIES`` the key is left out).
 _check_errors: dict[int, dict[Any, int]] = {}
 _CHECK_TRIES = 3
 _failures = 0
@@ -76,8 +58,7 @@ if triton is not None:
     @triton.jit
     def _block_sums(w, p, mask, seed0, seed1, a_m1, a_m2, b_m1, b_m2, A1: tl.constexpr, A2: tl.constexpr,
                     A3: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
-        # Both lanes' sums over the block's elements where ``mask``: ``w`` their bits sign-extended, ``p`` their
-        # global indices times K (uint64); the lanes' multipliers and shifts are spec.LANES' (see _launch_args).
+        # Both lanes' sums where ``mask``; ``w`` sign-extended bits, ``p`` global index * K (spec.LANES' constants).
         y0 = _mix(w ^ (p + seed0.to(tl.uint64, bitcast=True)), A1, a_m1.to(tl.uint64, bitcast=True), A2,
                   a_m2.to(tl.uint64, bitcast=True), A3)
         y1 = _mix(w ^ (p + seed1.to(tl.uint64, bitcast=True)), B1, b_m1.to(tl.uint64, bitcast=True), B2,
@@ -124,8 +105,7 @@ if triton is not None:
 
 
 def _launch_args() -> dict[str, int]:
-    """The kernels' mixing constants, spec.LANES': the multipliers as int64 (their two's complement) and the
-    shifts as compile-time constants."""
+    """The mixing constants of spec.LANES: multipliers as int64, shifts as compile-time constants."""
     (a1, a2), (b1, b2) = LANES[0].multipliers, LANES[1].multipliers
     (s1, s2, s3), (t1, t2, t3) = LANES[0].shifts, LANES[1].shifts
     return {"a_m1": _signed(a1), "a_m2": _signed(a2), "b_m1": _signed(b1), "b_m2": _signed(b2),
@@ -139,8 +119,8 @@ def _kernel() -> Any:
 
 def _run(flat: torch.Tensor, starts: torch.Tensor, run_length: int, num_runs: int,
          seeds: tuple[int, int]) -> tuple[int, int]:
-    """The two lane sums of ``flat`` (an integer view, ``num_runs`` runs of ``run_length`` elements, run ``q``
-    starting at global index ``starts[q]``), unsigned."""
+    """The two unsigned lane sums of ``flat``: ``num_runs`` runs of ``run_length``, run ``q`` from index ``starts[q]``.
+    """
     kernel = _kernel()
     blocks_per_run = -(-run_length // BLOCK)
     programs = num_runs * blocks_per_run
@@ -182,11 +162,9 @@ def lanes_of(flat: torch.Tensor, geometry: Any, seeds: tuple[int, int]) -> tuple
 
 
 def lanes(flat: torch.Tensor, geometry: Any, seeds: tuple[int, int]) -> tuple[int, int] | None:
-    """The lane sums through the kernel, or ``None`` where it does not apply: Triton missing, a run too short to
-    fill a block, the kernel disagreed with the eager path in its check, the device's stream is capturing a
-    CUDA graph, or this launch failed. The caller then takes eager, for this call only: a failed launch (a
-    transient out-of-memory) is counted and logged once (:func:`failures`), and the next call launches again.
-    Call inside :func:`~ckptverify.fingerprint.device.device_scope` of ``flat``'s device."""
+    """The lane sums through the kernel, or ``None`` (Triton missing, runs too short, self-check failed, graph capture,
+    or the launch failed: counted, logged once by :func:`failures`, retried next call). Call inside
+    :func:`~ckptverify.fingerprint.device.device_scope`."""
     if flat.numel() == 0 or geometry.run_length < 64 or _kernel() is None or is_capturing(flat.device):
         return None
     key = (flat.device.type, flat.dtype)
@@ -201,9 +179,9 @@ def lanes(flat: torch.Tensor, geometry: Any, seeds: tuple[int, int]) -> tuple[in
 
 
 def _checked(verdicts: dict[Any, bool], key: Any, check: Any) -> bool:
-    """Whether the kernel passed its check against the eager path for ``key`` (``verdicts[key]``; running
-    ``check`` the first time; hold ``_lock``). A disagreement is final for the process; a check that raised (out
-    of memory, a driver hiccup) is tried again at the next call, ``_CHECK_TRIES`` times in all."""
+    """Whether ``key`` passed its self-check (running ``check`` the first time; hold ``_lock``). A disagreement is
+    final;
+    a check that raised is retried, ``_CHECK_TRIES`` times in all."""
     verdict = verdicts.get(key)
     if verdict is not None:
         return verdict
@@ -221,8 +199,7 @@ def _checked(verdicts: dict[Any, bool], key: Any, check: Any) -> bool:
 
 
 def _note_failure(what: str, exc: BaseException) -> None:
-    """Count a failed launch or self-check; the first one of the process is logged as a warning, the rest at
-    debug level (a job fingerprinting every step would otherwise log every step)."""
+    """Count a failed launch or self-check; log the first per process as a warning, the rest at debug level."""
     global _failures
     with _failure_lock:
         _failures += 1
@@ -240,16 +217,13 @@ def failures() -> int:
 # ------------------------------------------------------------------------------------------------ many
 
 
-#: Bytes of tensors one launch of the many-tensor kernel reads from one buffer: tensors smaller than this are
-#: copied end to end into buffers of at most this many bytes (a tensor this large or larger is read in place,
-#: alone), so fingerprinting a list never copies more than this at a time, however large the list.
+#: Smaller tensors are packed into buffers of at most this size (larger read in place): bounds the copy.
 MANY_GROUP_BYTES = 64 << 20
 
 
 def _groups(numels: list[int], sizes: list[int], bound: int) -> list[list[int]]:
-    """The members (positions in the list) each launch takes: by element width in order of first appearance,
-    empty tensors left out, consecutive members while their bytes together stay within ``bound`` (a member of
-    at least ``bound`` bytes alone)."""
+    """Members each launch takes: by width (first-appearance order), empties left out, consecutive while within
+    ``bound`` bytes (a larger member alone)."""
     out: list[list[int]] = []
     for size in dict.fromkeys(sizes):
         group: list[int] = []
@@ -268,10 +242,8 @@ def _groups(numels: list[int], sizes: list[int], bound: int) -> list[list[int]]:
 
 
 def _rows(numels: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """The kernel's table for members of ``numels`` elements laid end to end (``seeds``: their (n, 2) signed
-    seeds): one row of five int64 per block of ``BLOCK`` elements, ``(start in the buffer, index of the first
-    element in its tensor, elements, seed 0, seed 1)``, members in order, blocks in order. Built with a few
-    tensor operations whatever the number of blocks (``(rows, 5)``, on the CPU)."""
+    """The kernel's table for members laid end to end: per ``BLOCK`` block one int64 row ``(buffer start, first index in
+    its tensor, elements, seed 0, seed 1)``, built in a few CPU tensor operations."""
     blocks = (numels + (BLOCK - 1)) // BLOCK
     total = int(blocks.sum())
     member = torch.repeat_interleave(torch.arange(len(numels)), blocks, output_size=total)
@@ -283,21 +255,15 @@ def _rows(numels: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device``: through pinned memory without waiting on CUDA (the pinned block stays reserved
-    until the copy has run: torch's host allocator records the copy on its stream)."""
+    """``host`` on ``device`` via pinned memory without waiting (the allocator records the copy on its stream)."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
 class _ManyPlan:
-    """How one layout (device, each tensor's element count, width and dtype name) goes through
-    :func:`lanes_many`: its launches (members, table of programs on the device, first program, programs) and,
-    per member, the range of its programs in the partials.
-
-    Its device tensors were made on the stream current when it was built; used on another stream, they are
-    recorded on that stream first (:meth:`use_on`), so that when the plan leaves the cache the allocator does
-    not reuse their memory before the kernels queued on that stream have read them."""
+    """How one layout goes through :func:`lanes_many`: launches and per-member program ranges. Its device tensors are
+    recorded on any other stream it is used on (:meth:`use_on`), so evicting the plan never frees memory in use."""
 
     def __init__(self, numels: list[int], sizes: list[int], seeds: list[tuple[int, int]],
                  device: torch.device, bound: int) -> None:
@@ -323,8 +289,7 @@ class _ManyPlan:
         self._streams = {_stream_key(_current_stream(device))}
 
     def use_on(self, stream: Any) -> None:
-        """Record the plan's device tensors on ``stream`` (the current one where it is about to be used), once per
-        stream other than the one it was built on."""
+        """Record the device tensors on ``stream`` (once per stream other than the building one)."""
         key = _stream_key(stream)
         if key in self._streams:
             return
@@ -348,9 +313,7 @@ def _record_stream(tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
 
 
-#: Plans by layout, least recently used first: at most ``_PLANS_KEPT`` of them and ``_PLAN_BYTES_KEPT`` bytes of
-#: device tables (a trace's window of operations has hundreds of layouts, each used every step: a cache
-#: smaller than the window rebuilt every plan at every step).
+#: Plans by layout, LRU, bounded by ``_PLANS_KEPT`` and ``_PLAN_BYTES_KEPT`` (a trace uses hundreds per step).
 _plans: OrderedDict[tuple[Any, ...], _ManyPlan] = OrderedDict()
 _PLANS_KEPT = 1024
 _PLAN_BYTES_KEPT = 256 << 20
@@ -374,8 +337,7 @@ def _plan_for(key: tuple[Any, ...], build: Any) -> _ManyPlan:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The flat integer view of ``t``'s elements as the kernel reads them (a copy only where ``t`` is not
-    contiguous, conjugated or negated)."""
+    """The flat integer view as the kernel reads it (copied only if non-contiguous, conjugated or negated)."""
     return eager.flat_bits(t)
 
 
@@ -385,11 +347,8 @@ def _launch_many(bits: torch.Tensor, table: torch.Tensor, out: torch.Tensor, pro
 
 
 def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The kernel's answer for :func:`ckptverify.fingerprint.kernels.lanes_many`: each whole tensor's two lane
-    sums as an ``(n, 2)`` int64 tensor on their device (unchecked: :func:`lanes_many` is the guarded entry).
-
-    Tensors go through in launches of at most ``MANY_GROUP_BYTES`` bytes (:func:`_groups`): only one launch's
-    buffer (its small tensors copied end to end, or one non-contiguous tensor made contiguous) exists at a time."""
+    """Each whole tensor's lane sums as ``(n, 2)`` int64 on their device, unchecked (:func:`lanes_many` is the guarded
+    entry). Only one launch's buffer exists at a time."""
     device = tensors[0].device
     names = [eager.dtype_name(t.dtype) for t in tensors]
     widths = [t.element_size() // (2 if t.is_complex() else 1) for t in tensors]
@@ -409,15 +368,13 @@ def lanes_many_of(tensors: list[torch.Tensor]) -> torch.Tensor:
         bits = _bits(tensors[members[0]]) if len(members) == 1 else torch.cat([_bits(tensors[m]) for m in members])
         _launch_many(bits, table, partials[1 + first:1 + first + count], count)
         del bits  # the next launch's buffer replaces this one
-    # Integer sums wrap modulo 2**64 (two's complement); a member's programs are consecutive, so its sum is the
-    # difference of the running sums at its two ends.
+    # Sums wrap mod 2**64; a member's sum is the difference of running sums at its ends.
     running = torch.cumsum(partials, dim=0)
     return running[plan.last] - running[plan.first]
 
 
 def _self_check_many(device: torch.device) -> bool:
-    """Run :func:`lanes_many_of` and the eager path on a list of every element width, tensors shorter and
-    longer than a block, an empty one and a complex one; they must agree."""
+    """:func:`lanes_many_of` must agree with eager on every width, short/long/empty/complex tensors."""
     gen = torch.Generator(device="cpu").manual_seed(0x3A11)
     tensors = [
         torch.randn(3 * BLOCK + 5, generator=gen),
@@ -442,10 +399,8 @@ _many_verified: dict[str, bool] = {}
 
 
 def lanes_many(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """:func:`lanes_many_of` through the kernel, or ``None`` where it does not apply (Triton missing, the kernel
-    disagreed with the eager path in its check on this kind of device, the device's stream is capturing a CUDA
-    graph, or this launch failed: counted and logged once, and the next call launches again). Call inside
-    :func:`~ckptverify.fingerprint.device.device_scope` of the tensors' device."""
+    """:func:`lanes_many_of`, or ``None`` where not applicable (as :func:`lanes`). Call inside
+    :func:`~ckptverify.fingerprint.device.device_scope`."""
     if not tensors or _kernel() is None or is_capturing(tensors[0].device):
         return None
     device = tensors[0].device

@@ -1,19 +1,9 @@
-"""The description of a DCP checkpoint (:class:`~ckptverify.formats.describe.Description`), from what was
-read safely: its metadata (:class:`~ckptverify.dcp.layout.Layout`) and each item's archive and tensor header
-(:mod:`ckptverify.safeparse.torchsave`, through the DCP pipeline that checked them).
+"""The :class:`~ckptverify.formats.describe.Description` of a DCP checkpoint, from what the pipeline read safely.
 
-Every tensor is named by its FQN with its global dtype and shape; each stored chunk is one
-:class:`~ckptverify.formats.describe.Payload`: the storage record's byte range (of the file as stored, or of
-the decoded stream of an item written through stream transforms: ``encoding`` names them and ``stored``
-gives the item's stored bytes), the view onto it, the chunk's offsets in the global tensor and the checksum
-that protects those bytes (the zip record's CRC-32, the manifest's block digests, or none: DCP's
-safetensors blobs). A chunk that per-rank metadata lists once per rank has one payload per copy. Every
-item, tensor or not, is in ``stored`` (the byte ranges a manifest digests one by one). Non-tensor items
-give plain values (``values``): each item's ``data.pkl`` read through the inert pickle reader
-(:func:`~ckptverify.safeparse.pickle_scan.leaf_values`), or its bytes' digest when it cannot be read so.
-
-Nothing here opens a file: the pipeline hands the readers it opened (checked against changes while it
-ran), and the description reads through them (:meth:`~ckptverify.formats.describe.Description.open`).
+Each stored chunk is a :class:`~ckptverify.formats.describe.Payload` (storage byte range, in the file or the
+decoded stream of a transformed item; view; global offsets; protecting checksum); per-rank metadata gives one
+payload per copy. Every item is in ``stored``. Non-tensor items give plain values via the inert pickle reader (or
+their bytes' digest). Opens no file: it reads through the readers the pipeline opened and change-checked.
 """
 
 from __future__ import annotations
@@ -30,12 +20,9 @@ __all__ = ["ReadItem", "describe_dcp"]
 
 
 class ReadItem(NamedTuple):
-    """One item as the DCP pipeline read it: ``item`` as the metadata places it in its file (for DCP's
-    safetensors blobs, at the tensor's own bytes), its ``archive`` (the records of its ``torch.save`` zip,
-    of the decoded bytes for a transformed item) and, for a tensor item whose header could be read, its
-    ``header``. ``base``: where the archive starts in the bytes ``reader`` reads (the file's, or the
-    decoded stream's). ``storage``: the tensor's storage record (``data/KEY`` of its header), and
-    ``checksum`` what protects its bytes (:attr:`~ckptverify.formats.describe.Payload.checksum`)."""
+    """One item as the pipeline read it: ``item`` as placed (for safetensors blobs, at its own bytes), its ``archive``
+    (of the decoded bytes if transformed), ``header`` if readable, ``base`` (archive start in ``reader``'s bytes),
+    ``storage`` record and its ``checksum``."""
 
     item: Item
     archive: Archive
@@ -49,12 +36,9 @@ class ReadItem(NamedTuple):
 def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: dict[str, Any],
                  values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                  side: Description | None = None) -> Description:
-    """The description of the DCP checkpoint at ``root``: ``layout`` from its metadata, ``read`` the items
-    whose archive parsed (in the order the pipeline checked them), ``files`` the readers of its opened files
-    by name (shards and side files; ``None`` for one that could not be opened). ``values``: also read every
-    non-tensor item's plain values, except those of the items named in ``values_skip``. ``side``: the
-    description of the framework side files beside the shards (``meta.pt``, ...), merged in (their tensors
-    and values named ``FILE:PATH``)."""
+    """The description of the DCP checkpoint at ``root`` from ``layout``, the parsed items ``read`` and the opened
+    ``files`` (``None``: could not be opened). ``values``: also plain values (not those in ``values_skip``); ``side``:
+    side files' description merged in (``FILE:PATH``)."""
     read = list(read)
     desc = Description(root=root, target=root, format="dcp", metadata_files=list(layout.metadata_files))
     for name, f in sorted(files.items()):
@@ -102,8 +86,7 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
 
 
 def _describe_subclass(t: TensorDesc, r: ReadItem, h: SubclassHeader) -> None:
-    """``t`` stored as a tensor subclass in item ``r``: one payload per inner tensor (the whole tensor: a
-    subclass's item is never a chunk of a larger tensor, DCP saves it whole)."""
+    """``t`` stored as a subclass in item ``r``: one payload per inner tensor (DCP saves a subclass whole)."""
     item, chunk = r.item, r.item.chunk
     assert chunk is not None
     where = f"{item.fqn} chunk {list(chunk.offsets)}"

@@ -1,31 +1,11 @@
-"""One description of what a checkpoint holds, whatever its format: the layer the commands work on.
+"""One description of what a checkpoint holds, whatever its format: the layer ``fingerprint``, ``verify --deep`` and
+``diff`` work on.
 
-A format reader turns a path into a :class:`Description`: its files (each with the format its content
-shows), its tensors (name, dtype, global shape, and for each stored piece a :class:`Payload`: file, byte
-range, view, chunk, encoding, and what checksum protects those bytes) and its plain values (by path, as
-canonical strings). ``fingerprint``, ``verify --deep`` and ``diff`` work on this description alone, whatever
-the format (:mod:`ckptverify.checks.deep`, :mod:`ckptverify.checks.described`, :mod:`ckptverify.audit.diff`):
-a tensor is rebuilt from its payloads through :meth:`Description.open` and :func:`iter_payload_blocks`. The
-DCP reader (:mod:`ckptverify.formats.dcp`) produces the same description from the metadata and the items
-the DCP pipeline read safely, chunk by chunk.
-
-Readers here (by content, never by name alone; nothing is unpickled, no link is followed, no special file
-is opened):
-
-* ``torch.save`` archive: tensors from ``data.pkl`` through :mod:`~ckptverify.safeparse.pickle_scan`, each
-  one view onto a storage record (protected by the record's CRC-32), float8 and the other dtypes torch saves
-  over an untyped storage included; a tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``,
-  ``NVFP4Tensor``) by its inner tensors (:attr:`TensorDesc.subclass`, one payload each); plain values from the
-  same tree;
-* safetensors: tensors from the header (no checksum);
-* plain pickle (``random_states_N.pkl``) and legacy ``torch.save``: plain values only (no checksum);
-* JSON: values (no checksum).
-
-Naming: in a single file, tensors and values by their path in the file (``state_dict.net.0.weight``). In a
-folder, tensors of the model weight files (``*.safetensors``, ``pytorch_model*.bin``) by their own names,
-as Hugging Face and DCP's ``HuggingFaceStorageWriter`` name them, so a folder compares with a DCP
-checkpoint of the same state; everything else as ``FILE:PATH`` (``optimizer.bin:state.0.exp_avg``,
-``trainer_state.json:global_step``).
+A :class:`Description` lists files (by content format), tensors (with a :class:`Payload` per stored piece, and
+what checksum protects it) and plain values. Readers here go by content (nothing unpickled, no link followed, no
+special file opened): ``torch.save`` (via :mod:`~ckptverify.safeparse.pickle_scan`; allowlisted subclasses by
+part), safetensors, plain and legacy pickles (values only), JSON. In a single file names are paths in the file;
+in a folder, weight files' tensors keep their own names (to compare with DCP), everything else is ``FILE:PATH``.
 """
 
 from __future__ import annotations
@@ -59,30 +39,22 @@ __all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc",
 
 
 def is_own_file(name: str) -> bool:
-    """ckptverify's own files: a folder's manifest and stamp, a single file's manifest beside it, and the plan and
-    part verdicts of a verification shared out among nodes."""
+    """ckptverify's own files: manifest, stamp, a file's manifest beside it, parts plan and verdicts."""
     return name in OWN_FILES or name.endswith(f".{MANIFEST_FILE}") or name.startswith(PARTS_PREFIX)
 _WEIGHT_PREFIXES = ("pytorch_model", "model")
-#: A view that lays out more bytes than the storage it addresses (stride 0, overlapping strides) is read back up to
-#: this size laid out, each view and all of one deep scan together: every element is fingerprinted, so a few stored
-#: bytes could otherwise stand for any amount of work.
+#: Bound on bytes laid out by views expanding their storage (stride 0, overlaps), per view and per deep scan:
+#: otherwise a few stored bytes could stand for unbounded work.
 MAX_VIEW_BYTES = 4 << 30
-#: Such a view is materialised whole (:func:`read_tensor`, :func:`read_parts`: ``diff`` compares elements) up to
-#: this size laid out.
+#: Largest such view materialised whole (:func:`read_tensor`, :func:`read_parts`).
 MAX_MATERIALISED_VIEW_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class Payload:
-    """One stored piece of a tensor: the storage bytes ``[offset, offset + length)`` of ``file``, the view
-    onto them (``shape``, ``stride``, ``storage_offset`` in elements), where the piece sits in the global
-    tensor (``chunk_offsets``), how the bytes are encoded and what checksum protects them.
-
-    ``encoding``: ``raw`` (the bytes as stored), or the stream transforms a DCP item was written through
-    (``+``-joined); then ``offset`` and ``length`` address the decoded stream of the stored bytes
-    ``stored`` (``[start, end)`` of ``file``). ``checksum``: ``crc32`` (a zip record's CRC-32, checked
-    against the bytes), ``manifest`` (only the manifest's block digests checked them), ``crc32+manifest``
-    (both), ``none``."""
+    """One stored piece of a tensor: storage bytes ``[offset, offset + length)`` of ``file``, the view (``shape``,
+    ``stride``, ``storage_offset``), its place in the global tensor (``chunk_offsets``). ``encoding``: ``raw`` or
+    ``+``-joined stream transforms (then the range addresses the decoded stream of ``stored``). ``checksum``:
+    ``crc32``, ``manifest``, ``crc32+manifest`` or ``none``."""
 
     file: str
     offset: int
@@ -115,8 +87,7 @@ class Payload:
 
 @dataclass(slots=True)
 class SubclassPart:
-    """One inner tensor of a stored tensor subclass: its name (``qdata``, ``scale``, ...), dtype, shape and
-    the payload that holds it (the whole inner tensor)."""
+    """One inner tensor of a stored subclass: name, dtype, shape, and its payload."""
 
     name: str
     dtype: str
@@ -126,9 +97,8 @@ class SubclassPart:
 
 @dataclass(slots=True)
 class SubclassDesc:
-    """How a tensor stored as a tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``) keeps its values:
-    its class (``module.QualName``), its attributes (``context``: canonical JSON text, see
-    :mod:`ckptverify.fingerprint.subclass`) and its inner tensors, in their flatten order."""
+    """How a stored tensor subclass keeps its values: class, ``context`` (canonical JSON,
+    :mod:`ckptverify.fingerprint.subclass`) and inner tensors in flatten order."""
 
     cls: str
     context: str
@@ -137,9 +107,8 @@ class SubclassDesc:
 
 @dataclass(slots=True)
 class TensorDesc:
-    """A tensor: its global dtype and shape, its stored pieces, and the pieces that are stored but could not
-    be described (``unread``: why, one line each; a damaged header). A tensor stored as a tensor subclass has
-    no payloads of its own: ``subclass`` describes its inner tensors."""
+    """A tensor: global dtype and shape, stored pieces, and ``unread`` pieces (why, one line each). A subclass has no
+    payloads of its own: ``subclass`` describes its parts."""
 
     name: str
     dtype: str
@@ -150,8 +119,7 @@ class TensorDesc:
 
 
 class StoredRange(NamedTuple):
-    """A byte range ``[offset, offset + length)`` of ``file`` that a manifest digests as one item: a DCP item
-    as stored (``name`` its FQN, ``chunk_offsets`` for a tensor chunk)."""
+    """A byte range of ``file`` a manifest digests as one item (a DCP item; ``name`` its FQN)."""
 
     name: str
     chunk_offsets: tuple[int, ...] | None
@@ -162,12 +130,10 @@ class StoredRange(NamedTuple):
 
 @dataclass(slots=True)
 class Description:
-    """What a checkpoint holds. ``root`` is the folder every file name is relative to; ``files`` maps each
-    described file to its format (``torch.save``, ``safetensors``, ``pickle``, ``json``, ``legacy``);
-    ``unread`` names files whose content could not be described (damaged or unknown), with why;
-    ``metadata_files`` the files that describe the others (DCP's ``.metadata``); ``stored`` the items a
-    manifest digests one by one where the format has items of its own (DCP). ``opener``: how payload bytes
-    and files are read (:meth:`open`); by default each file is opened read-only inside ``root``."""
+    """What a checkpoint holds. ``root``: base of file names; ``files``: name -> format; ``unread``: undescribable
+    files,
+    with why; ``metadata_files``; ``stored``: items a manifest digests singly (DCP). ``opener``: how bytes are read
+    (:meth:`open`; default read-only inside ``root``)."""
 
     root: str
     target: str
@@ -185,9 +151,9 @@ class Description:
         return [t for t in self.tensors.values() if any(p.file == file for p in stored_payloads(t))]
 
     def open(self, what: Payload | str) -> AbstractContextManager[Any]:
-        """A reader (``pread``, ``fold``, ``crc32``, ``size``) of the bytes ``what`` addresses: a payload's
-        (decoded when it is encoded) or a file's by name, as a context manager. Raises ``OSError`` when the
-        file cannot be opened, ``ValueError`` for an encoded payload with no decoder."""
+        """A reader (``pread``, ``fold``, ``crc32``, ``size``) of a payload's bytes (decoded if encoded) or of a file by
+        name,
+        as a context manager. ``OSError`` if unopenable, ``ValueError`` for an encoding without decoder."""
         if self.opener is not None:
             return nullcontext(self.opener(what))
         if isinstance(what, Payload) and what.encoding != "raw":
@@ -210,8 +176,7 @@ def stored_part(t: TensorDesc, p: Payload) -> str | None:
 
 
 def describe(path: str | os.PathLike[str]) -> Description:
-    """Describe a single checkpoint file, or a folder of checkpoint files (its own regular files; DCP
-    sub-folders are not part of it)."""
+    """Describe a single checkpoint file, or a folder's own regular files (DCP sub-folders are not part of it)."""
     target = os.fspath(path)
     if not paths.isdir(target):
         root, name = os.path.split(paths.abspath(target))
@@ -361,8 +326,7 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
 
 
 def json_values(value: Any) -> dict[str, str]:
-    """Every leaf of a parsed JSON document by path, as :func:`~ckptverify.safeparse.pickle_scan.leaf_values`
-    writes them."""
+    """Every leaf of a parsed JSON document by path, in ``leaf_values``' format."""
     return leaf_values(value)
 
 
@@ -383,9 +347,9 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def view_span(p: Payload) -> tuple[int, int]:
-    """The bytes ``[start, end)`` of ``p``'s storage that its view addresses (``(0, 0)`` for a view of no
-    elements). Raises ``ValueError`` when the view is damaged: a dtype of unknown size, a negative size, stride
-    or offset, or an element outside the storage."""
+    """The storage bytes ``[start, end)`` ``p``'s view addresses (``(0, 0)`` if empty). ``ValueError`` for a damaged
+    view
+    (unknown dtype size, negative size/stride/offset, element outside the storage)."""
     itemsize = DTYPE_ITEMSIZE.get(p.dtype)
     if itemsize is None:
         raise ValueError(f"dtype {str(p.dtype)[:40]!r} has no known element size")
@@ -401,9 +365,9 @@ def view_span(p: Payload) -> tuple[int, int]:
 
 
 def read_payload(f: Any, p: Payload, limit: int = MAX_VIEW_BYTES) -> torch.Tensor:
-    """The piece ``p`` as a tensor of its shape and strides, a view onto the storage bytes it addresses (memory:
-    those bytes, however many elements they stand for). Raises ``ValueError`` when its bytes do not hold the
-    view (:func:`view_span`), or it lays out more than ``limit`` bytes from fewer stored."""
+    """Piece ``p`` as a tensor view onto the storage bytes it addresses (memory: those bytes). ``ValueError`` if the
+    bytes
+    cannot hold the view or it lays out more than ``limit`` bytes from fewer stored."""
     import torch
 
     from ckptverify.dcp.tensors import torch_dtype
@@ -422,8 +386,8 @@ def read_payload(f: Any, p: Payload, limit: int = MAX_VIEW_BYTES) -> torch.Tenso
 
 
 def read_tensor(desc: Description, name: str) -> torch.Tensor:
-    """Tensor ``name`` assembled from its payloads (memory: the whole tensor). A tensor stored as a tensor
-    subclass has no values of its own to assemble: ``ValueError`` (read its parts, :func:`read_parts`)."""
+    """Tensor ``name`` assembled from its payloads (memory: the whole tensor). ``ValueError`` for a subclass (see
+    :func:`read_parts`)."""
     import torch
 
     from ckptverify.dcp.tensors import torch_dtype
@@ -443,8 +407,8 @@ def read_tensor(desc: Description, name: str) -> torch.Tensor:
 
 
 def read_parts(desc: Description, name: str) -> dict[str, torch.Tensor]:
-    """The inner tensors of tensor ``name``, stored as a tensor subclass (:attr:`TensorDesc.subclass`), by
-    name, each rebuilt from its bytes (memory: the whole parts). Raises ``ValueError`` for a plain tensor."""
+    """The inner tensors of subclass tensor ``name`` by name, rebuilt (memory: the whole parts); ``ValueError`` if
+    plain."""
     t = desc.tensors[name]
     if t.subclass is None:
         raise ValueError(f"{name!r} is not stored as a tensor subclass")
@@ -457,14 +421,11 @@ def read_parts(desc: Description, name: str) -> dict[str, torch.Tensor]:
 
 def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
                         row_major: bool | None = None) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
-    """Yield ``(global_offsets, tensor)`` blocks that together make up the piece ``p`` read through ``f``
-    (from :meth:`Description.open`), each a box of the global tensor of at most ``max_bytes`` laid out (one
-    element at least), so block fingerprints combine exactly: consecutive rows read one block at a time for a
-    row-major view; for any other view (transposed, expanded with stride 0, overlapping) boxes of the view onto
-    the storage bytes it addresses, read once (:func:`read_payload`). ``row_major``: what :func:`is_row_major`
-    says of ``p`` when the caller knows it already. Raises :class:`~ckptverify.errors.FindingError`
-    when the bytes are shorter than the view, or the dtype is not one this torch has; ``ValueError`` for a view
-    its bytes cannot hold."""
+    """Yield ``(global_offsets, tensor)`` boxes of at most ``max_bytes`` laid out making up piece ``p`` (via ``f``), so
+    block fingerprints combine exactly: row-major views read block by block; other views (transposed, stride 0,
+    overlapping) read once via :func:`read_payload`. ``row_major``: :func:`is_row_major` if known. Raises
+    :class:`~ckptverify.errors.FindingError` (bytes too short, unknown dtype) or ``ValueError`` (view its bytes cannot
+    hold)."""
     import torch
 
     from ckptverify.dcp.tensors import torch_dtype
@@ -503,9 +464,8 @@ def iter_payload_blocks(f: Any, p: Payload, max_bytes: int = BLOCK_BYTES, *,
 
 def _boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int,
            ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """``(starts, lengths)`` of boxes that tile ``shape`` in row-major order, each at most ``max_bytes`` laid out
-    (one element at least): the trailing dimensions that fit whole, runs along the dimension before them, one
-    index of each dimension before that."""
+    """``(starts, lengths)`` of row-major boxes tiling ``shape``, each at most ``max_bytes`` laid out (at least one
+    element)."""
     whole, inner = len(shape), 1
     while whole and inner * shape[whole - 1] * itemsize <= max_bytes:
         whole -= 1

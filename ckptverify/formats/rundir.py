@@ -1,14 +1,10 @@
-"""Run directories: find every checkpoint under a training run's output, with its step and format.
+"""Run directories: find every checkpoint under a training run, with its step and format.
 
-Frameworks lay out their runs differently: torchtitan ``checkpoint/step-N/``, Lightning ``checkpoints/`` (DCP
-folders or ``.ckpt`` files named ``epoch=E-step=N``), transformers ``output_dir/checkpoint-N/``, Megatron
-``iter_0000N/``, ckptverify's own ``step_N/``. A checkpoint is recognized by its contents, never by its name
-alone; its step is read from its name. The walk never follows symbolic links, never opens a file (names and
-``lstat`` only), stops at a bounded depth and count, and does not descend into a checkpoint it found.
-
-What the walk could not see it says (:class:`WalkNote`: a folder it could not list, a folder with too many
-entries, its budget spent), so that no caller mistakes a partial view for the whole run: ``scan`` fails on it,
-``latest`` refuses to pick when a newer checkpoint may be hidden, and ``prune`` deletes nothing.
+Layouts differ by framework (torchtitan ``step-N/``, Lightning ``.ckpt`` and DCP folders, transformers
+``checkpoint-N/``, Megatron ``iter_N/``, ckptverify ``step_N/``). A checkpoint is recognised by content, its step
+read from its name. The walk never follows links, never opens a file, is bounded in depth and count, and does not
+descend into a checkpoint found. What it could not see it says (:class:`WalkNote`), so ``scan`` fails, ``latest``
+refuses to pick, and ``prune`` deletes nothing rather than act on a partial view.
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ __all__ = [
 
 #: How deep below the run directory checkpoints are looked for.
 MAX_DEPTH = 4
-#: Directory entries examined at most (a run directory is not a file system to crawl): the subfolders of each
-#: folder searched, the files whose names announce a checkpoint, and everything inside each checkpoint found.
+#: Entries examined at most: subfolders searched, files announcing a checkpoint, everything inside checkpoints.
 MAX_ENTRIES = 200_000
 #: Names read from one folder at most (a folder of a million log files is read by name, up to this).
 MAX_FOLDER_ENTRIES = 1_000_000
@@ -63,13 +58,9 @@ _STEP_PATTERNS = tuple(re.compile(p) for p in (
 
 @dataclass(frozen=True)
 class Candidate:
-    """One checkpoint found under a run directory.
-
-    ``path`` is relative to the run directory; ``kind`` is ``"dir"`` or ``"file"``; ``format`` is ``dcp``,
-    ``dcp-uncommitted`` (shards or an in-progress marker but no metadata), ``hf``, ``accelerate``,
-    ``composite`` (a directory holding DCP checkpoints, as transformers' and accelerate's FSDP saves do),
-    ``torch.save`` or ``safetensors``. ``parts`` lists the DCP folders inside a composite checkpoint.
-    """
+    """One checkpoint found: ``path`` relative to the run directory; ``kind`` ``"dir"``/``"file"``; ``format`` ``dcp``,
+    ``dcp-uncommitted``, ``hf``, ``accelerate``, ``composite`` (a folder of DCP checkpoints; ``parts`` lists them),
+    ``torch.save`` or ``safetensors``."""
 
     path: str
     kind: str
@@ -105,8 +96,7 @@ def _marker(name: str) -> int | None:
     """The rank (lower is stronger) of the format a directory entry named ``name`` announces, or ``None``."""
     if _DCP_METADATA.match(name):
         return 0
-    # ``.metadata.tmp``: DCP's writers (and s3torchconnector's, whose shards may sit in sub-folders) write the
-    # metadata under this name and then rename it: left alone, it is a save that did not commit.
+    # ``.metadata.tmp`` left alone: DCP renames it at commit, so this is an uncommitted save.
     if name == SAVE_MARKER or _DCP_SHARD.match(name) or name == ".metadata.tmp":
         return 1
     if name.startswith("random_states_") and name.endswith(".pkl"):
@@ -134,8 +124,8 @@ def _scandir(path: str) -> list[os.DirEntry[str]]:
 
 
 def walk_files(root: str, budget: list[int] | None = None) -> Iterator[tuple[os.DirEntry[str], os.stat_result]]:
-    """Every entry under ``root`` that is not a directory, with its ``lstat``: links are not followed, nothing is
-    opened. ``budget`` (a one-element list) counts entries down and stops the walk at zero."""
+    """Every non-directory entry under ``root`` with its ``lstat`` (no link followed, nothing opened); ``budget`` (a
+    one-element list) counts down and stops the walk at zero."""
     stack = [root]
     while stack and (budget is None or budget[0] > 0):
         for entry in _scandir(stack.pop()):
@@ -153,11 +143,9 @@ def walk_files(root: str, budget: list[int] | None = None) -> Iterator[tuple[os.
 
 @dataclass(frozen=True)
 class WalkNote:
-    """Something the walk could not see. ``kind``: ``unlisted`` (a folder could not be listed: ``detail`` is
-    the OS error), ``folder-cap`` (a folder holds more than :data:`MAX_FOLDER_ENTRIES` entries: only the first
-    ``entries``, in directory order, were looked at), ``budget`` (the walk's budget was spent: ``detail`` names
-    the folders not looked into, ``entries`` how many there were). ``path`` is relative to the run directory
-    (``"."`` for the run directory itself)."""
+    """What the walk could not see at ``path`` (relative; ``"."`` the run directory): ``unlisted`` (``detail``: the OS
+    error), ``folder-cap`` (only the first ``entries`` of a folder over :data:`MAX_FOLDER_ENTRIES`), ``budget`` (spent;
+    ``detail`` names the folders not looked into, ``entries`` how many)."""
 
     kind: str
     path: str
@@ -179,8 +167,7 @@ class WalkNote:
 
 @dataclass
 class _Listing:
-    """One folder's entries as the walk needs them: its format (from the names of all its entries read), its
-    subfolders and the files whose names announce a checkpoint format, sorted by name."""
+    """One folder's entries as the walk needs them: its format, subfolders and checkpoint-named files, sorted."""
 
     fmt: str | None
     dirs: list[os.DirEntry[str]]
@@ -189,8 +176,7 @@ class _Listing:
 
 
 class _Walker:
-    """The state of one walk: each folder is listed at most once; ``budget`` counts the entries examined
-    (see :func:`find_checkpoints`), ``names`` the names read in all; ``notes`` gathers what was not seen."""
+    """One walk's state: each folder listed at most once; ``budget`` and ``names`` counters; ``notes``."""
 
     def __init__(self, root: str, notes: list[WalkNote]) -> None:
         self.root = root
@@ -207,8 +193,8 @@ class _Walker:
         return self.budget <= 0 or self.names <= 0
 
     def listing(self, path: str) -> _Listing | None:
-        """``path``'s listing (read once), or ``None`` when it could not be read (a note says why; a folder
-        not read because the budget was spent is remembered for the budget's note)."""
+        """``path``'s listing (read once), or ``None`` if unreadable (noted; a folder skipped for budget is remembered).
+        """
         if path in self._cache:
             return self._cache[path]
         if self.spent():
@@ -258,8 +244,8 @@ class _Walker:
             self.names = 0
 
     def size(self, path: str) -> tuple[int, int]:
-        """Bytes of the regular files under the checkpoint ``path`` (links not followed) and the newest mtime;
-        every entry is charged to the budget."""
+        """Bytes of regular files under checkpoint ``path`` (no links) and newest mtime; every entry charged to the
+        budget."""
         total, newest = 0, 0
         box = [self.budget]
         for _, st in walk_files(path, box):
@@ -295,24 +281,13 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
 
 def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DEPTH,
                      notes: list[WalkNote] | None = None) -> list[Candidate]:
-    """Every checkpoint under ``run_dir``, ordered by step (unknown steps first, by modification time), then
-    path.
+    """Every checkpoint under ``run_dir``, ordered by step (unknown first, by mtime), then path.
 
-    ``run_dir`` itself is one when its own files make a checkpoint (a DCP folder, a Hugging Face or accelerate
-    folder given directly): it is listed as ``"."``, with the DCP folders directly inside it whose names carry
-    no step as its parts (FSDP saves: ``pytorch_model_fsdp_0/``); the folders below it are still searched (a
-    transformers ``output_dir`` holds the final model and its ``checkpoint-N/`` folders).
-
-    The walk is breadth-first (shallow checkpoints before deep clutter) and bounded: it examines at most
-    :data:`MAX_ENTRIES` entries (the subfolders of each folder it searches, the files whose names announce a
-    checkpoint, and everything inside each checkpoint it measures), reads at most :data:`MAX_FOLDER_ENTRIES`
-    names from one folder and :data:`MAX_NAMES` in all; other files (logs, images) are read by name only and
-    not examined. ``lost+found`` (the file system's recovery folder) is not entered.
-
-    ``notes``: when given, every part of the run directory the walk could not see is appended to it as a
-    :class:`WalkNote` (a folder it could not list, with the OS error; a folder with too many entries; the
-    budget spent, with the folders not looked into). Without it, what was not seen goes unsaid: a caller that
-    acts on the result as on the whole run (a verdict, a pick, a deletion) must pass it.
+    ``run_dir`` itself is listed as ``"."`` when its own files make a checkpoint (with step-less DCP sub-folders as
+    parts); folders below are still searched. Breadth-first and bounded (:data:`MAX_ENTRIES`,
+    :data:`MAX_FOLDER_ENTRIES`, :data:`MAX_NAMES`); other files are read by name only; ``lost+found`` is skipped.
+    ``notes`` receives a :class:`WalkNote` per unseen part: a caller acting on the whole run (verdict, pick, deletion)
+    must pass it.
     """
     root = os.fspath(run_dir)
     out: list[WalkNote] = [] if notes is None else notes
@@ -347,8 +322,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DE
         entries = walker.listing(path)
         if entries is None:
             continue
-        # A folder is charged when it is searched (its subfolders are listed in turn), not when it was only
-        # listed to look for checkpoint markers: a sibling full of files does not eat the budget.
+        # Charged when searched, not when only listed for markers: a sibling full of files does not eat the budget.
         walker.budget -= len(entries.dirs) + len(entries.files)
         for e in entries.dirs:
             if (path == root and e.name in own_parts) or e.name == "lost+found":

@@ -1,11 +1,6 @@
-"""Single checkpoint files, recognized by their first bytes (never by their names alone).
-
-- a zip archive: ``torch.save``;
-- an 8-byte little-endian length and a JSON object: safetensors;
-- a pickle protocol byte: legacy ``torch.save``.
-
-Recognising only: the checks of each format are in :mod:`ckptverify.checks.single`.
-"""
+"""Single checkpoint files, recognised by their first bytes (never by name alone): a zip (``torch.save``), an
+8-byte length plus JSON (safetensors), or a pickle protocol byte (legacy ``torch.save``). Checks are in
+:mod:`ckptverify.checks.single`."""
 
 from __future__ import annotations
 
@@ -21,12 +16,9 @@ JSON_MAX_BYTES = 64 << 20
 
 
 def sniff(head: bytes) -> str | None:
-    """``torch.save``, ``safetensors``, ``pickle`` or ``None`` from a file's first 16 bytes.
-
-    Safetensors is tried before pickle: its first byte is the low byte of its header length, which is
-    ``0x80`` (a pickle's protocol opcode) for one header length in 256 (and ``80 02``, protocol 2, for one
-    in 65536), while a pickle never has ``{`` at byte 8 after a plausible header length: a legacy
-    ``torch.save`` has its magic number there."""
+    """``torch.save``, ``safetensors``, ``pickle`` or ``None`` from a file's first 16 bytes. Safetensors is tried first:
+    its first byte is ``0x80`` for one header length in 256, while a pickle never has ``{`` at byte 8 (legacy
+    ``torch.save`` has its magic number there)."""
     if looks_like_zip(head):
         return "torch.save"
     if len(head) >= 9:

@@ -1,44 +1,18 @@
-"""What every framework integration shares: check a checkpoint the framework has just written, and one it is
-about to load.
+"""What every framework integration shares: check a checkpoint the framework just wrote, and one about to be loaded.
 
-After a save (:meth:`Verifier.after_save`), on the coordinator: the checkpoint is verified
-(:func:`~ckptverify.audit.verify.verify_checkpoint`); when it holds content no checksum protects (safetensors weights),
-or always with ``fingerprint=True``, it is fingerprinted (its manifest written,
-:func:`~ckptverify.audit.adopt.fingerprint_checkpoint`: inside a folder, beside a single file) and verified against that
-manifest; then its stamp is written
-(:func:`~ckptverify.runs.stamp.write_stamp`) and one event appended to ``events.jsonl``
-(:class:`~ckptverify.ownfiles.events.EventLog`). Every result is a
-:class:`~ckptverify.verifier.verification.Verification` (``ckptverify.Verification``, the type a save with
-``verify=`` gives too; the check itself is :func:`~ckptverify.verifier.saved.check_saved`). A failure is a
-:class:`VerifyFailedWarning` and a ``checkpoint-failed`` event, and with ``on_failure="raise"`` a
-:class:`~ckptverify.errors.CheckpointRefusedError` on every rank.
-
-Before a load (:meth:`Verifier.before_resume`): the checkpoint is verified (read only: nothing is written into
-it) and one that fails, or that cannot be verified at all, is refused on every rank with
-:class:`~ckptverify.errors.CheckpointRefusedError` naming the first error's file, before the framework reads it.
-
-A clean checkpoint raises no warning. Findings that are not errors (content no checksum protects, such as
-safetensors weights; a framework's side file DCP's metadata does not list) are recorded in the event, never
-warned about: they are the same on every clean save.
-
-The verdict is reached on the coordinator (rank 0) and handed to every rank through the framework's own
+After a save (:meth:`Verifier.after_save`), the coordinator runs :func:`~ckptverify.verifier.saved.check_saved`
+(verify; fingerprint when content no checksum protects, or with ``fingerprint=True``; stamp) and appends one event
+to ``events.jsonl``. A failure is a :class:`VerifyFailedWarning` and a ``checkpoint-failed`` event, and with
+``on_failure="raise"`` a :class:`~ckptverify.errors.CheckpointRefusedError` on every rank. Non-error findings are
+recorded, never warned about. Before a load (:meth:`Verifier.before_resume`) the checkpoint is verified read-only
+and refused on every rank if it fails or cannot be verified. Verdicts reach every rank through the framework's
 broadcast (:class:`Group`), so every rank raises or none does.
 
-By default the integrations verify inline: a save returns once its checkpoint is verified and stamped. With
-``verify="background"`` (:meth:`Verifier.after_save`'s one dispatch, ``self._dispatch``) the coordinator hands the
-checkpoint to the process's background verifier (:mod:`ckptverify.verifier.background`, the one
-``ckptverify.save(verify="background")`` uses: its queue, the checkpoint's verifying lock, its verifier process at
-idle CPU priority) and the save returns at once, with a *pending* verdict. The verifier process runs the same
-check as inline (its ``check-saved`` job, :func:`check_saved`: fingerprinted when needed, verified, stamped),
-and the same event is
-appended when it finishes, with the same fields; a failure is then a :class:`VerifyFailedWarning` (on
-the coordinator, from the verifier's thread), and with ``on_failure="raise"`` a
-:class:`~ckptverify.errors.CheckpointRefusedError` raised by the next :meth:`Verifier.after_save` (or
-:meth:`Verifier.wait`) on every rank together. :meth:`Verifier.wait` (the integrations call it at the end of
-training) waits for the pending ones, up to a bound, and says which were cut short (a ``checkpoint-cut-short``
-event each). :meth:`Verifier.before_resume` of a checkpoint still pending waits for it, then verifies it as
-always. A checkpoint the framework's retention deleted before its verification finished is no failure: a
-``checkpoint-deleted`` event, no warning, and ckptverify's own files left beside or inside it removed.
+With ``verify="background"`` the coordinator queues the checkpoint for the process's background verifier (its
+``check-saved`` job) and the save returns with a *pending* verdict; a ``raise`` failure surfaces at the next
+:meth:`Verifier.after_save` or :meth:`Verifier.wait` (which the integrations call at the end, bounded, reporting
+``checkpoint-cut-short``). :meth:`Verifier.before_resume` waits for a pending check first. A checkpoint the
+framework's retention deleted meanwhile is a ``checkpoint-deleted`` event, not a failure; our files are removed.
 """
 
 from __future__ import annotations
@@ -77,16 +51,14 @@ __all__ = ["WHEN", "Group", "Verifier", "VerifyFailedWarning", "VerifyOptions", 
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
-#: Errors carried by a verdict (and broadcast to every rank): the first few are enough to act on.
+#: Errors carried by a verdict (and broadcast): the first few suffice.
 _MAX_ERRORS = 5
 
 
 @dataclass(frozen=True)
 class Group:
-    """How the ranks of a job agree on a verdict. ``coordinator``: this rank verifies; ``broadcast(obj)``:
-    the coordinator's ``obj`` on every rank; ``barrier()``: wait until every rank is here; ``gather(obj)``:
-    every rank's ``obj``, by rank, on every rank (when given, a background verification is shared out among the
-    nodes that wrote the checkpoint: :mod:`ckptverify.verifier.parts`). A single process is ``Group()``."""
+    """How ranks agree on a verdict: ``coordinator`` (this rank verifies), ``broadcast(obj)``, ``barrier()``, and
+    optionally ``gather(obj)`` (enables sharing a background verification among nodes). ``Group()``: one process."""
 
     coordinator: bool = True
     broadcast: Callable[[Any], Any] | None = None
@@ -109,9 +81,8 @@ def _initialized_dist() -> Any:
 
 
 def torch_gather() -> Callable[[Any], list[Any]] | None:
-    """``Group.gather`` over the default ``torch.distributed`` process group (``all_gather_object``), or ``None``
-    when there is none: what an integration whose framework has a broadcast of its own but no gather of objects
-    (Lightning, accelerate) adds, so that its background verification is shared out among nodes."""
+    """``Group.gather`` over the default process group (``all_gather_object``), or ``None`` without one (for frameworks
+    with a broadcast but no object gather: Lightning, accelerate)."""
     dist = _initialized_dist()
     if dist is None:
         return None
@@ -140,32 +111,24 @@ def torch_group() -> Group:
 
 
 def integration_verify(where: str, verify: VerifyOptions | str) -> VerifyOptions:
-    """``verify=`` of an integration (``where``, named in messages) as a
-    :class:`~ckptverify.options.VerifyOptions` whose ``when`` is one of :data:`WHEN`: every save is verified."""
+    """An integration's ``verify=`` as :class:`~ckptverify.options.VerifyOptions` with ``when`` in :data:`WHEN` (every
+    save is verified)."""
     return verify_options(where, verify, when=WHEN)
 
 
 class Verifier:
-    """Verify checkpoints after a framework saves them and before it loads them; see the module docstring.
+    """Verify checkpoints after a framework saves them and before it loads them (see the module docstring).
 
     Args:
-        verify: how each saved checkpoint is verified, a :class:`~ckptverify.options.VerifyOptions` or its ``when``:
-            ``"inline"`` (the default: ``after_save`` returns once it is verified) or ``"background"`` (hand each
-            saved checkpoint to the background verifier and return at once, see the module docstring; the
-            framework must then call :meth:`wait` at the end of training). ``VerifyOptions.on_failure``:
-            ``"warn"`` (a warning and an event; training goes on) or ``"raise"`` (also
-            :class:`~ckptverify.errors.CheckpointRefusedError` on every rank) when a saved checkpoint fails; a
-            checkpoint that fails before a load is always refused. ``VerifyOptions.deep``: also rebuild every
-            tensor and compare its logical fingerprint with the manifest's (after a save and before a load).
-        fingerprint: write a manifest right after a save (inside a checkpoint folder, beside a single file), so
-            that later verifications check every byte against digests taken now. ``"auto"`` (default): only
-            when the checkpoint holds content no checksum protects (safetensors weights, DCP items without
-            CRC-32), which nothing else could check later; elsewhere every byte is already under a CRC-32, and
-            the manifest's logical tensor fingerprints cost far more than the save (``docs/integrations.md``,
-            Cost). ``True``: always (the manifest then also serves ``verify --deep`` and ``diff``). ``False``:
-            never.
+        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
+            ``"background"`` (the framework must call :meth:`wait` at the end). ``on_failure``: ``"warn"`` or
+            ``"raise"`` (:class:`~ckptverify.errors.CheckpointRefusedError` on every rank) for a failed save; a
+            failing load is always refused. ``deep``: also compare every tensor's fingerprint with the manifest's.
+        fingerprint: write a manifest right after a save. ``"auto"`` (default): only for content no checksum
+            protects (safetensors weights, DCP items without CRC-32); elsewhere CRC-32 covers every byte and the
+            fingerprints cost more than the save (``docs/integrations.md``). ``True``: always. ``False``: never.
         jobs: verification threads (default: one per core inline, one in the background).
-        events_dir: where ``events.jsonl`` goes (default: the folder that holds the checkpoint).
+        events_dir: where ``events.jsonl`` goes (default: the checkpoint's folder).
     """
 
     def __init__(self, *, verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto",
@@ -186,8 +149,7 @@ class Verifier:
         self.deep = bool(deep)
         self.jobs = jobs
         self.events_dir = None if events_dir is None else os.fspath(events_dir)
-        # Background state, on the coordinator: checkpoints handed over and not finished, verdicts arrived since
-        # the last wait, failures not raised yet (raise mode). Filled from the background verifier's thread.
+        # Coordinator's background state (pending, arrived, unraised failures), filled from the verifier thread.
         self._lock = threading.Lock()
         self._pending: list[str] = []
         self._arrived_verdicts: list[Verification] = []
@@ -199,13 +161,10 @@ class Verifier:
     # -- the entry points
     def after_save(self, path: str | os.PathLike[str], *, step: int | None = None, group: Group = Group(),
                    fingerprint: Fingerprint | None = None) -> Verification:
-        """Check the checkpoint just written at ``path`` (every rank calls this; the coordinator checks).
-
-        ``fingerprint``: override the verifier's setting for this save (``False`` when the checkpoint was
-        written with its manifest already, by ckptverify's hashing writer). Returns the verdict on every rank
-        (with ``background``, a pending one); raises :class:`~ckptverify.errors.CheckpointRefusedError` on every
-        rank when it failed and ``on_failure="raise"``, and with ``background`` when an earlier checkpoint's
-        verification failed since the last call."""
+        """Check the checkpoint just written at ``path`` (every rank calls; the coordinator checks). ``fingerprint``:
+        override for this save (``False`` when the hashing writer wrote the manifest). Returns the verdict on every rank
+        (pending with ``background``); raises :class:`~ckptverify.errors.CheckpointRefusedError` on every rank for a
+        failure with ``on_failure="raise"`` (with ``background``: one found since the last call)."""
         root = os.fspath(path)
         if group.barrier is not None:
             group.barrier()  # every rank's files are written before any is read
@@ -236,12 +195,10 @@ class Verifier:
         return verdict
 
     def wait(self, *, group: Group = Group(), timeout: float | None = None) -> list[Verification]:
-        """Wait for this verifier's background verifications (every rank calls it; the coordinator waits), up to
-        ``timeout`` seconds (default: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600). Those not finished by then are
-        cut short: a warning naming them, and a ``checkpoint-cut-short`` event each (they carry no stamp, and are
-        verified when a resume picks them; they stay queued). Returns, on every rank, the verdicts that arrived
-        since the last wait (none without ``background``). With ``on_failure="raise"``, raises
-        :class:`~ckptverify.errors.CheckpointRefusedError` on every rank for a failure not raised yet."""
+        """Wait for this verifier's background verifications (every rank calls), up to ``timeout`` (default
+        ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s); unfinished ones are warned about and logged ``checkpoint-cut-short``
+        (verified when a resume picks them). Returns the verdicts arrived since the last wait on every rank; raises
+        :class:`~ckptverify.errors.CheckpointRefusedError` for an unraised failure with ``on_failure="raise"``."""
         if not self.background:
             return []
         arrived: list[Verification] | None = None
@@ -284,19 +241,20 @@ class Verifier:
             return list(self._pending)
 
     def before_resume(self, path: str | os.PathLike[str], *, group: Group = Group()) -> Verification:
-        """Verify the checkpoint at ``path`` before it is loaded; refuse it on every rank if it fails (or cannot
-        be verified). A checkpoint whose background verification is still pending is waited for first.
-        Nothing is written into the checkpoint. Returns the verdict when it passed."""
+        """Verify ``path`` before it is loaded (after any pending background check), read-only; refuse on every rank if
+        it
+        fails or cannot be verified. Returns the verdict when it passed."""
         verdict = self.check(path, group=group, event="resume", warn=False)
         if not verdict.passed:
             raise CheckpointRefusedError(f"refusing to resume: {verdict.message}", verdict.report)
         return verdict
 
     def newest_verified(self, paths: list[str], folder: str, *, group: Group = Group()) -> Verification | None:
-        """The verdict of the first of ``paths`` (newest first, the same list on every rank) that verifies, on
-        every rank; each one before it is skipped with a warning and a ``resume-refused`` event. ``None`` when
-        ``paths`` is empty; :class:`~ckptverify.errors.CheckpointRefusedError` when none verifies (starting over
-        would silently throw the run away)."""
+        """The verdict of the first of ``paths`` (newest first, same on every rank) that verifies; earlier ones are
+        skipped
+        with a warning and ``resume-refused`` event. ``None`` if ``paths`` is empty;
+        :class:`~ckptverify.errors.CheckpointRefusedError` if none verifies (starting over would silently lose the run).
+        """
         refused: list[Verification] = []
         for path in paths:
             verdict = self.check(path, group=group, event="resume")
@@ -310,10 +268,9 @@ class Verifier:
 
     def check(self, path: str | os.PathLike[str], *, group: Group = Group(), event: str = "resume",
               warn: bool = True) -> Verification:
-        """Verify ``path`` read-only on the coordinator, log ``{event}-verified`` or ``{event}-refused``, and
-        return the verdict on every rank (with ``warn``, a failure is also a warning on the coordinator). A
-        background verification of ``path`` still pending in this process is waited for first (it may write the
-        manifest that protects the weights). Never raises for a checkpoint that fails."""
+        """Verify ``path`` read-only on the coordinator (after any pending background check), log ``{event}-verified``
+        or
+        ``{event}-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
         root = os.fspath(path)
         verdict = None
         if group.coordinator:
@@ -332,15 +289,9 @@ class Verifier:
         return verdict
 
     def _node_hosts(self, root: str, group: Group) -> list[str] | None:
-        """The node of every rank when this background verification is shared out among nodes (every rank calls
-        it): a local DCP folder (its ``.metadata`` written: the plan gives each node the ``__RANK_N.distcp``
-        files of its ranks), or a folder of checkpoint files with DCP folders inside (an FSDP save by
-        accelerate or transformers: each node gets its ranks' files in those, the coordinator the rest and all
-        of the folder's own files); a group that can gather, more than one node. Else ``None``: the coordinator
-        verifies everything (a folder of other files, such as a plain ``checkpoint-N``, has no per-rank split).
-        Each node's part also rebuilds the tensor pieces in its files with ``deep``, and digests and scans them
-        when the save is fingerprinted (``fingerprint=True``, or ``"auto"`` when it needs it): the coordinator
-        judges the pieces together and writes the manifest from the digests
+        """Each rank's node when this background verification is shared among nodes (every rank calls it): a local DCP
+        folder, or a folder with DCP folders inside, a group that can gather, and more than one node. Else ``None`` (the
+        coordinator verifies everything). Parts rebuild pieces with ``deep`` and bring digests when fingerprinting
         (:func:`~ckptverify.verifier.saved.saved_job`)."""
         if not self.background or group.gather is None or "://" in root:
             return None
@@ -356,10 +307,9 @@ class Verifier:
 
     @staticmethod
     def _plan(root: str, hosts: list[str], fingerprint: Fingerprint, deep: bool = False) -> bool:
-        """Write the plan of a verification shared out among nodes (with ``fingerprint``: whether the parts
-        take digests for a manifest; ``deep``: whether they rebuild the tensor pieces in their files); ``False``
-        when it cannot be written (the coordinator then verifies everything, and the other nodes' parts find no
-        plan: they say so)."""
+        """Write the parts plan (``fingerprint``, ``deep`` included); ``False`` if unwritable (the coordinator then
+        verifies
+        everything and the parts report finding no plan)."""
         from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
 
         plan = {**plan_from_names(root, hosts), "fingerprint": fingerprint, **({"deep": True} if deep else {})}
@@ -392,8 +342,7 @@ class Verifier:
                                                               done=done, locked=False))
 
     def _submit(self, root: str, step: int | None, fingerprint: Fingerprint, parts: bool = False) -> Verification:
-        """Queue ``root`` for the background verifier (:func:`check_saved` in its process; ``parts``: shared out
-        among the nodes that wrote it, :func:`~ckptverify.verifier.saved.saved_job`)."""
+        """Queue ``root`` for the background verifier (``parts``: shared among nodes)."""
         from ckptverify.verifier.background import Task, default_verifier
         from ckptverify.verifier.jobs import CHECK_SAVED
 
@@ -419,8 +368,8 @@ class Verifier:
                           message=f"{root} is queued for verification in the background")
 
     def _arrived(self, root: str, where: str, step: int | None, folder: str, result: Any, why: str | None) -> None:
-        """A background verification finished (in the background verifier's thread): the event, the warning,
-        and a failure kept for the next save to raise."""
+        """A background verification finished (verifier thread): event, warning, and a failure kept for the next save.
+        """
         extra: dict[str, Any] = {}
         if result is None and why == "removed before it was verified":
             verdict, event = was_deleted(root, step), "checkpoint-deleted"
@@ -520,8 +469,8 @@ class Verifier:
 
 
 def warn_if_accumulating(model: Any, path: str | os.PathLike[str]) -> None:
-    """Warn when ``model`` (a module or a list of them) holds gradients accumulated since the last optimizer
-    step as the framework saves ``path``: the checkpoint does not hold them, so a run resumed from it differs."""
+    """Warn when ``model`` holds gradients accumulated since the last step as ``path`` is saved (not in the checkpoint).
+    """
     from ckptverify.state.train_state import pending_gradients_warning
 
     text = pending_gradients_warning(model, f"the checkpoint {os.fspath(path)}") if model is not None else None
@@ -531,8 +480,9 @@ def warn_if_accumulating(model: Any, path: str | os.PathLike[str]) -> None:
 
 def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
                      keep: Callable[[str], bool]) -> list[tuple[int, str]]:
-    """``(N, name)`` of the entries of ``root`` whose name ``number`` matches (group 1: ``N``) and whose path
-    ``keep`` accepts, newest (highest ``N``) first; none when ``root`` cannot be listed."""
+    """``(N, name)`` of ``root``'s entries ``number`` matches (group 1: ``N``) and ``keep`` accepts, newest first; none
+    if
+    unlistable."""
     try:
         names = os.listdir(root)
     except OSError:
@@ -557,8 +507,8 @@ def _cut(path: str, step: int | None, why: str) -> Verification:
 
 
 def _await_background(root: str) -> None:
-    """Wait for a background verification of ``root`` still pending in this process (bounded by
-    ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``); the verification that follows judges the checkpoint either way."""
+    """Wait (bounded by ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``) for a pending background check of ``root`` in this process.
+    """
     import sys
 
     background = sys.modules.get("ckptverify.verifier.background")

@@ -7,35 +7,14 @@
     ckv.save_state(accelerator, "ckpt/step-100")   # instead of accelerator.save_state("ckpt/step-100")
     ckv.load_state(accelerator, "ckpt/step-100")   # refused (nothing loaded) if it fails verification
 
-**Why helpers, not hooks.** ``Accelerator.register_save_state_pre_hook`` runs *before* the files are written,
-and ``register_load_state_pre_hook`` runs after an FSDP model and optimizer have already been loaded; neither
-runs at the right moment. These two functions call the ``Accelerator``'s own methods, with the check after the
-save (once every process has written its ``random_states_R.pkl``) and before the load.
-
-- :func:`save_state`: ``accelerator.save_state``, then every process waits for the others, the main process
-  verifies the folder (DCP folders inside it, FSDP ``SHARDED_STATE_DICT`` saves, are verified in full, part by
-  part), writes the stamp inside it and appends to ``events.jsonl``; the verdict is shared, so with
-  ``on_failure="raise"`` every process raises.
-- :func:`load_state`: a given folder is verified and refused (every process raises
-  :class:`~ckptverify.errors.CheckpointRefusedError`) before ``accelerator.load_state`` reads it. Without a
-  folder, under ``automatic_checkpoint_naming``, the newest ``checkpoints/checkpoint_N`` that verifies is
-  loaded (newer ones that fail are skipped, each a warning and an event) where accelerate would take the newest
-  whatever its state.
-
-With ``verify="background"`` the main process queues the folder for the background verifier and :func:`save_state`
-returns at once (a pending verdict); the manifest (when needed), the stamp and the event are written when its
-verification finishes. Call :func:`wait_for_verifications` at the end of training, on every process: it waits for
-the pending ones (bounded) and returns their verdicts. A failure is a warning and a ``checkpoint-failed`` event
-when it is found; with ``on_failure="raise"`` every process raises at the next :func:`save_state` (or at
-:func:`wait_for_verifications`). A folder deleted (``total_limit`` rotation) before its turn is a
-``checkpoint-deleted`` event, not a failure; :func:`load_state` of a folder still queued waits for it.
-
-``events.jsonl`` goes to ``accelerator.project_dir`` when there is one (never into ``checkpoints/``, whose
-every entry accelerate reads as a checkpoint), else beside the checkpoint folder. Weights saved as
-``model.safetensors`` carry no checksum: with ``fingerprint="auto"`` (the default) the folder gets a manifest
-right after the save, which every later verification (and :func:`load_state`) checks them against;
-``optimizer.bin``, ``scheduler.bin`` and ``random_states_R.pkl`` are ``torch.save`` archives whose every
-record's CRC-32 is checked.
+Helpers, not hooks: accelerate's save pre-hook runs before the files are written, and its load pre-hook after
+FSDP state is already loaded. :func:`save_state` verifies once every process wrote its files (DCP sub-folders in
+full); :func:`load_state` refuses a failing folder before accelerate reads it, and without a folder under
+``automatic_checkpoint_naming`` loads the newest ``checkpoint_N`` that verifies. Background mode and failure
+policy work as in :mod:`ckptverify.integrations._core`; call :func:`wait_for_verifications` at the end.
+``events.jsonl`` goes to ``accelerator.project_dir`` (never into ``checkpoints/``, whose entries accelerate reads
+as checkpoints), else beside the folder. ``model.safetensors`` has no checksum: ``fingerprint="auto"`` writes a
+manifest after each save.
 """
 
 from __future__ import annotations
@@ -68,19 +47,14 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
                verify: VerifyOptions | str = "inline", fingerprint: Fingerprint = "auto", jobs: int | None = None,
                events_dir: str | os.PathLike[str] | None = None, step: int | None = None,
                **save_kwargs: Any) -> Verification:
-    """``accelerator.save_state(output_dir, **save_kwargs)``, then verify, stamp and log the folder it wrote.
+    """``accelerator.save_state(output_dir, **save_kwargs)``, then verify, stamp and log the folder it wrote. Every
+    process calls it.
 
-    Every process calls it, as it calls ``save_state``. ``step`` is recorded in the stamp (default: the number
-    the folder's name ends with). Returns the verdict (its ``path`` is where ``save_state`` wrote) on every
-    process; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process when the folder fails
-    and ``verify=VerifyOptions(on_failure="raise")``. ``verify``: a :class:`~ckptverify.options.VerifyOptions`
-    or its ``when`` (``"inline"``, the default, or ``"background"``); ``deep``: as for
-    :class:`~ckptverify.integrations.Verifier`. Every other keyword goes to ``accelerator.save_state``.
-
-    ``verify="background"``: the verdict returned is pending; the verification runs in the background (see the
-    module docstring), and a failure found since the last call is raised here, on every process, with
-    ``on_failure="raise"``. The accelerator keeps the background verifier's state between calls; call
-    :func:`wait_for_verifications` at the end.
+    ``step``: recorded in the stamp (default: the number ending the folder's name). ``verify``: a
+    :class:`~ckptverify.options.VerifyOptions` or ``"inline"`` (default) / ``"background"`` (pending verdict; state kept
+    on the accelerator; call :func:`wait_for_verifications` at the end). Returns the verdict on every process; raises
+    :class:`~ckptverify.errors.CheckpointRefusedError` on every process for a failure (with ``background``, one found
+    since the last call) when ``on_failure="raise"``.
     """
     options = integration_verify("save_state", verify)
     settings = {"verify": options, "fingerprint": fingerprint, "jobs": jobs,
@@ -99,11 +73,10 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
 
 
 def wait_for_verifications(accelerator: Any, *, timeout: float | None = None) -> list[Verification]:
-    """Wait for the background verifications of this accelerator's :func:`save_state` calls, up to ``timeout``
-    seconds (default: ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600; those cut short are a warning and a
-    ``checkpoint-cut-short`` event each). Every process calls it. Returns the verdicts that arrived since the
-    last call, on every process; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process for
-    a failure not raised yet when it was saved with ``VerifyOptions(on_failure="raise")``."""
+    """Wait for this accelerator's background verifications, up to ``timeout`` (default
+    ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s; the rest are ``checkpoint-cut-short``). Every process calls it.
+    Returns the verdicts arrived since the last call; raises :class:`~ckptverify.errors.CheckpointRefusedError` for an
+    unraised failure with ``on_failure="raise"``."""
     verifier = getattr(accelerator, _VERIFIER, None)
     if verifier is None:
         return []
@@ -114,14 +87,10 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
                verify: VerifyOptions | str = "inline", jobs: int | None = None,
                events_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
                **load_model_func_kwargs: Any) -> Verification:
-    """Verify the folder, then ``accelerator.load_state(folder, load_kwargs, **load_model_func_kwargs)``; see the
-    module docstring.
-
-    Every process calls it. ``verify``: as for :func:`ckptverify.load` (``when`` ``"inline"`` only: every folder
-    loaded is verified first; ``VerifyOptions(deep=True)`` also rebuilds every tensor). Returns the verdict of
-    the folder loaded; raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process, before
-    anything is loaded, when the folder (or, without ``input_dir``, every ``checkpoint_N``) fails verification.
-    """
+    """Verify the folder, then ``accelerator.load_state(folder, load_kwargs, **load_model_func_kwargs)``. Every process
+    calls it. ``verify``: ``"inline"`` only (``deep=True`` also rebuilds tensors). Returns the loaded folder's verdict;
+    raises :class:`~ckptverify.errors.CheckpointRefusedError` on every process, before loading, if it (or, without
+    ``input_dir``, every ``checkpoint_N``) fails."""
     options = verify_options("load_state", verify, when=("inline",))
     verifier = Verifier(verify=options, jobs=jobs, events_dir=_events_dir(accelerator, events_dir))
     group = _group(accelerator)
@@ -137,8 +106,7 @@ _VERIFIER = "_ckptverify_background_verifier"
 
 
 def _background_verifier(accelerator: Any, settings: dict[str, Any]) -> Verifier:
-    """The verifier kept on ``accelerator`` for its background saves (what is pending, failures not raised yet),
-    with this call's settings."""
+    """The verifier kept on ``accelerator`` for background saves, with this call's settings."""
     verifier = getattr(accelerator, _VERIFIER, None)
     fresh = Verifier(**settings)  # validates the settings
     if verifier is None:

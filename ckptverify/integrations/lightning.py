@@ -7,40 +7,15 @@
     trainer = pl.Trainer(callbacks=[ModelCheckpoint(...), VerifyCheckpointsCallback()])
     trainer.fit(model, ckpt_path=...)   # a ckpt_path that fails verification is refused before it is read
 
-**Where it hooks in, and why.** Lightning has no callback hook that runs after a checkpoint is on disk:
-``Callback.on_save_checkpoint`` runs while the checkpoint dict is being built, before anything is written, and
-``ModelCheckpoint`` is always moved behind every other callback, so another callback's ``on_train_batch_end``
-runs *before* that batch's save. Every checkpoint the ``Trainer`` writes (``ModelCheckpoint``, a manual
-``trainer.save_checkpoint``, a fault-tolerant save) and every one it reads (``fit/validate/test(ckpt_path=...)``)
-goes through the strategy: ``Strategy.save_checkpoint`` returns once the file (or, for a distributed strategy,
-the DCP folder and ``meta.pt``) is written, and ``Strategy.load_checkpoint`` is the first thing that reads
-``ckpt_path``. So in ``setup`` (which Lightning calls before it restores ``ckpt_path``) the callback wraps these
-methods of the trainer's strategy object, and in ``teardown`` puts them back. The strategy's own code is not
-changed, so any strategy works: the default single device one (``.ckpt`` files), DDP, and
-``ModelParallelStrategy``/``FSDPStrategy`` with distributed checkpoints (a DCP folder with ``meta.pt``).
-
-- After ``save_checkpoint``: the coordinator (global rank 0) verifies (with ``fingerprint=True``, after writing
-  the manifest: inside a DCP folder, beside a ``.ckpt`` file), stamps (inside a folder; beside a ``.ckpt`` file as
-  ``NAME.ckpt.ckptverify.verified.json``) and logs to
-  ``events.jsonl`` in the checkpoint's folder; the verdict is broadcast, so with ``on_failure="raise"`` every
-  rank raises :class:`~ckptverify.errors.CheckpointRefusedError`.
-- Before ``load_checkpoint``: the checkpoint is verified (read only) and refused on every rank when it fails.
-- ``remove_checkpoint`` (``save_top_k`` retention) also removes the stamp and manifest kept beside a ``.ckpt``
-  file.
-- With ``verify="background"`` the coordinator queues each checkpoint for the background verifier
-  (:mod:`ckptverify.integrations._core`) and the save returns at once; the stamp and the event come when its
-  verification finishes. ``teardown`` (once ``fit``/``validate``/``test`` is done, after any asynchronous write
-  has finished) waits for the pending ones, bounded (``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``, 600 s), and puts their
-  final verdicts in ``verdicts``. A failure is a warning and a ``checkpoint-failed`` event when it is found; with
-  ``on_failure="raise"`` every rank raises :class:`~ckptverify.errors.CheckpointRefusedError` at the next save,
-  or at the end of ``fit``. A checkpoint ``save_top_k`` removed before its turn is a ``checkpoint-deleted``
-  event, not a failure.
-- With ``AsyncCheckpointIO`` the file is written in a thread after ``save_checkpoint`` returns: the check then
-  runs in that thread, right after the write, and a failure raised there surfaces (as Lightning's async plugin
-  does for any error) at the next save or at teardown.
-
-Tested with ``pytorch-lightning`` 2.6 (the ``pytorch_lightning`` package; the ``lightning`` package's
-``lightning.pytorch.Trainer`` needs its own ``Callback`` class and is not covered).
+No Lightning hook runs after a checkpoint is on disk (``on_save_checkpoint`` runs before writing, and
+``ModelCheckpoint`` runs after every other callback). But every save and load goes through the strategy, so
+``setup`` wraps the strategy object's ``save_checkpoint``/``load_checkpoint``/``remove_checkpoint`` and
+``teardown`` restores them; any strategy works (single device ``.ckpt``, DDP, distributed DCP folders). After a
+save the coordinator verifies, stamps (beside a ``.ckpt`` as ``NAME.ckpt.ckptverify.verified.json``) and logs;
+before a load the checkpoint is verified and refused on failure; retention also removes our files beside a
+``.ckpt``. Background mode as in :mod:`ckptverify.integrations._core`, waited for in ``teardown``. With
+``AsyncCheckpointIO`` the check runs in the writer thread after the write; its failure surfaces at the next save
+or teardown. Tested with ``pytorch-lightning`` 2.6 (not the ``lightning`` package's ``Trainer``).
 """
 
 from __future__ import annotations
@@ -75,19 +50,15 @@ class VerifyCheckpointsCallback(Callback):
     """Verify each checkpoint the trainer saves, and the ``ckpt_path`` it resumes from.
 
     Args:
-        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``. ``when``: ``"inline"`` (default)
-            or ``"background"``: each save returns at once, its verdict arrives later (see the module docstring);
-            ``teardown`` waits for the pending ones. ``on_failure``: ``"warn"`` (default: a
-            :class:`~ckptverify.integrations.VerifyFailedWarning` and a ``checkpoint-failed`` event) or
-            ``"raise"`` (also stop training with :class:`~ckptverify.errors.CheckpointRefusedError`) when a saved
-            checkpoint fails verification. ``deep``: as for :class:`~ckptverify.integrations.Verifier`.
+        verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
+            ``"background"`` (``teardown`` waits). ``on_failure``: ``"warn"`` (default:
+            :class:`~ckptverify.integrations.VerifyFailedWarning` and an event) or ``"raise"``
+            (:class:`~ckptverify.errors.CheckpointRefusedError` stops training). ``deep``: as for
+            :class:`~ckptverify.integrations.Verifier`.
         verify_resume: refuse a ``ckpt_path`` that fails verification (default ``True``).
-        fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier` (``fingerprint``
-            ``"auto"``: a ``.ckpt`` file or a DCP folder, every byte under a CRC-32, gets no manifest unless
-            ``fingerprint=True``).
+        fingerprint, jobs, events_dir: as for :class:`~ckptverify.integrations.Verifier`.
 
-    ``verdicts`` lists the verdicts of the saves checked so far (on every rank); with ``background``, pending
-    ones until ``teardown`` replaces them with the verdicts that arrived.
+    ``verdicts``: the verdicts of the saves so far, on every rank (pending ones until ``teardown``).
     """
 
     def __init__(self, *, verify: VerifyOptions | str = "inline", verify_resume: bool = True,

@@ -1,5 +1,5 @@
-"""torchtitan: a ``CheckpointManager`` that saves through ckptverify's hashing writer, verifies each ``step-N``,
-and loads only a checkpoint that verifies.
+"""torchtitan: a ``CheckpointManager`` that saves through ckptverify's hashing writer, verifies each ``step-N``, and
+loads only a checkpoint that verifies.
 
 ::
 
@@ -7,31 +7,13 @@ and loads only a checkpoint that verifies.
 
     config.checkpoint = VerifiedCheckpointManager.Config(enable=True, folder="checkpoint", interval=500)
 
-**Why a subclass.** torchtitan 0.3's ``CheckpointManager`` takes no storage writer: ``dcp_save`` calls
-``dcp.save``/``dcp.async_save`` with its own. But it is built from its ``Config`` (``Config.build()``
-constructs the class that declares the ``Config``), and it documents its overridable pieces: ``dcp_save`` and
-``dcp_load`` (the one place each save and load reaches DCP, with the resolved ``checkpoint_id``),
-``_find_load_step``, ``_wait_for_saving`` and ``_close``. So:
-
-- ``dcp_save`` writes native DCP checkpoints with :func:`ckptverify.save` / :func:`ckptverify.async_save`
-  (:class:`~ckptverify.dcp.writer.HashingFileSystemWriter`: every byte digested as it is written, each tensor's
-  logical fingerprint taken from memory, the manifest written last, under the commit protocol), then verifies the
-  folder against that manifest, stamps it and logs to ``FOLDER/events.jsonl``. A synchronous save is verified
-  before ``save`` returns; an asynchronous one when torchtitan waits for it (the next save, or ``close``).
-  Hugging Face safetensors exports (``last_save_in_hf``) are written by torchtitan's own writer and verified.
-- With ``verify_when = "background"`` the folder is queued for the background verifier instead
-  (:mod:`ckptverify.integrations._core`): ``save`` returns once the save is done, and the stamp and the event
-  come when the verification finishes. A failure is a warning and a ``checkpoint-failed`` event when it is found;
-  with ``verify_on_failure = "raise"`` every rank raises at the next save (or at ``close``, which waits for the
-  pending ones, bounded by ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT``). A ``step-N`` that ``keep_latest_k`` purged
-  before its turn is a ``checkpoint-deleted`` event, not a failure.
-- ``_find_load_step`` (``load(step=-1)``, the fault-tolerant restart) picks the newest ``step-N`` that verifies;
-  newer ones that fail are skipped, each with a warning and a ``resume-refused`` event, and when none verifies
-  the load is refused. ``dcp_load`` verifies any other checkpoint (``load(step=N)``, ``initial_load_path``)
-  and refuses it on every rank, before DCP reads it, when it fails.
-
-Rank 0 verifies; every rank gets its verdict, so every rank raises or none does. Only local folders: a remote
-``folder`` is refused.
+A subclass because torchtitan 0.3 takes no storage writer, but builds the class that declares its ``Config`` and
+documents ``dcp_save``, ``dcp_load``, ``_find_load_step``, ``_wait_for_saving`` and ``_close`` as overridable.
+``dcp_save`` saves with :func:`ckptverify.save`/:func:`ckptverify.async_save` (manifest from memory, commit
+protocol), then verifies, stamps and logs (an async save when torchtitan waits for it); HF exports are written by
+torchtitan and verified. Background mode as in :mod:`ckptverify.integrations._core` (``close`` waits).
+``_find_load_step`` picks the newest ``step-N`` that verifies (refusing if none does); ``dcp_load`` refuses any
+other failing checkpoint on every rank before DCP reads it. Local folders only.
 """
 
 from __future__ import annotations
@@ -62,14 +44,14 @@ _STEP = re.compile(r"step-(\d+)")
 
 
 class VerifiedCheckpointManager(CheckpointManager):
-    """torchtitan's ``CheckpointManager``, with every save verified and every load checked; see the module
-    docstring. ``verdicts`` lists the verdicts of the saves checked so far (on every rank)."""
+    """torchtitan's ``CheckpointManager`` with every save verified and every load checked (see the module docstring).
+    ``verdicts``: the saves' verdicts so far, on every rank."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        """torchtitan's config, plus the three fields of :class:`~ckptverify.options.VerifyOptions` as
-        ``verify_when``, ``verify_deep`` and ``verify_on_failure``: flat, as every torchtitan config field is (one
-        TOML table, one command-line flag each); :meth:`verify_options` is them as the one type."""
+        """torchtitan's config plus ``verify_when``, ``verify_deep`` and ``verify_on_failure`` (flat, as torchtitan
+        configs
+        are); :meth:`verify_options` combines them."""
 
         verify_on_failure: Literal["warn", "raise"] = "warn"
         """A saved checkpoint that fails verification: ``warn`` (a warning and an event) or ``raise`` (stop)."""
@@ -160,8 +142,8 @@ class VerifiedCheckpointManager(CheckpointManager):
 
     # -- loading
     def _find_load_step(self, folder: str = "") -> int:
-        """The newest ``step-N`` under ``folder`` that verifies (``-1`` when there is none at all); refuses when
-        there are some and none verifies."""
+        """The newest ``step-N`` under ``folder`` that verifies (``-1`` if none exist); refuses if some exist and none
+        verifies."""
         folder = folder or self.folder
         group = torch_group()
         steps = self._candidates(folder) if group.coordinator else None
@@ -176,8 +158,7 @@ class VerifiedCheckpointManager(CheckpointManager):
         return ids[verdict.path]
 
     def _candidates(self, folder: str) -> list[int]:
-        """What torchtitan's ``_find_load_step`` accepts (``step-N`` holding ``.metadata`` or a Hugging Face
-        index), newest first."""
+        """``step-N`` folders torchtitan would accept (``.metadata`` or an HF index), newest first."""
         def holds_a_checkpoint(path: str) -> bool:
             return os.path.isfile(os.path.join(path, ".metadata")) \
                 or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))

@@ -1,9 +1,8 @@
-"""Options shared by every entry point that saves, loads or verifies: one name for each concept.
+"""Options shared by every entry point that saves, loads or verifies.
 
-:class:`VerifyOptions` says when a checkpoint is verified and what its failure does: :func:`ckptverify.save`,
-:func:`ckptverify.async_save`, :func:`ckptverify.load`, :meth:`ckptverify.Run.main` and every framework
-integration take it as ``verify=`` (a bare string is its ``when``). :data:`FAILURE_POLICIES` is the one value
-set of every failure knob. The vocabulary, its defaults and why they differ: :mod:`ckptverify.options.verify`.
+:class:`VerifyOptions` (``verify=`` of save, async_save, load, ``Run.main`` and the integrations; a bare string
+is its ``when``) and :data:`FAILURE_POLICIES`, the one value set of every failure knob. Defaults and why they
+differ: :mod:`ckptverify.options.verify`.
 """
 
 from __future__ import annotations

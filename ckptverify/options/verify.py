@@ -1,26 +1,13 @@
 """The one vocabulary of verify options and failure policies, for every API that saves, loads or checks.
 
-**When a checkpoint is verified** (:class:`VerifyOptions`, taken as ``verify=`` by :func:`ckptverify.save`,
-:func:`ckptverify.async_save`, :func:`ckptverify.load`, :meth:`ckptverify.Run.main` and every framework
-integration; a bare string is its ``when``): ``when`` is ``"inline"``, ``"background"`` or ``"off"``, ``deep``
-also rebuilds every tensor, ``on_failure`` is the failure policy below. The default is ``VerifyOptions()``
-(``"inline"``) wherever verifying is the point of the call (``load``, the integrations). Two defaults differ,
-on purpose: ``save``/``async_save`` default to ``"off"`` (a plain save, as DCP's, already digests every byte it
-writes; re-reading it is asked for), and ``Run.main`` to ``"background"`` (a production job must not stall on
-its saves). ``"off"`` is refused where every checkpoint is verified (the integrations), ``"background"`` where
-the call needs the verdict before it returns (``load``).
+``VerifyOptions()`` (``"inline"``) is the default where verifying is the point (``load``, the integrations).
+Two defaults differ on purpose: ``save``/``async_save`` default to ``"off"`` (a save already digests every byte
+it writes) and ``Run.main`` to ``"background"`` (a production job must not stall on saves). ``"off"`` is refused
+by the integrations, ``"background"`` by ``load`` (it needs the verdict before returning).
 
-**What a failed check does** (:data:`FAILURE_POLICIES`, one value set for every check): ``"warn"`` (say it: a
-warning, and an event or a finding; the job goes on) or ``"raise"`` (an error on every rank). Each check names
-its own knob, because each fails differently and a job may want them apart:
-
-- ``VerifyOptions.on_failure``: a saved checkpoint fails its verification (default ``"warn"``: the checkpoint
-  is stamped failed, and no resume picks it). Not consulted by a load: a checkpoint that fails its
-  verification is never loaded.
-- ``on_replica_mismatch`` (``Run.main``, :class:`~ckptverify.hardware.replica.ReplicaCheck`): replicas that must
-  be identical differ during training, a hardware symptom (default ``"warn"``).
-- ``on_restore_mismatch`` (``load``): the state as restored differs from what was saved (default ``"raise"``,
-  the state put back as it was; ``"warn"`` keeps it as loaded, for diagnosis).
+Failure knobs, each ``"warn"`` or ``"raise"`` (:data:`FAILURE_POLICIES`): ``VerifyOptions.on_failure`` (default
+warn: stamped failed, never resumed; a load never loads a failed checkpoint), ``on_replica_mismatch``
+(``Run.main``, default warn) and ``on_restore_mismatch`` (``load``, default raise).
 """
 
 from __future__ import annotations
@@ -32,8 +19,7 @@ from ckptverify.errors import UsageError
 
 __all__ = ["FAILURE_POLICIES", "WHEN", "VerifyOptions", "failure_policy", "verify_options"]
 
-#: When a saved checkpoint is verified: not at all, in the background (the save returns at once), or before the
-#: save returns.
+#: When a saved checkpoint is verified.
 WHEN = ("off", "background", "inline")
 #: What a failed check does (see the module docstring): say it and go on, or raise (on every rank).
 FAILURE_POLICIES = ("warn", "raise")
@@ -48,8 +34,7 @@ def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 def failure_policy(name: str, value: Any) -> str:
-    """``value`` when it is one of :data:`FAILURE_POLICIES`, else a :class:`~ckptverify.errors.UsageError`
-    naming ``name``."""
+    """``value`` if in :data:`FAILURE_POLICIES`, else :class:`~ckptverify.errors.UsageError` naming ``name``."""
     _one_of(name, value, FAILURE_POLICIES)
     return value
 
@@ -58,19 +43,17 @@ def failure_policy(name: str, value: Any) -> str:
 class VerifyOptions:
     """How each saved checkpoint is verified once its save has committed, and what a failure does.
 
-    Validated when it is built: a bad value is a :class:`~ckptverify.errors.UsageError` naming the field.
-    Where an API takes ``verify=``, a bare string is the ``when`` of a ``VerifyOptions`` with the other fields
-    at their defaults (``verify="background"`` is ``verify=VerifyOptions(when="background")``).
+    Validated on construction (a bad value is a :class:`~ckptverify.errors.UsageError` naming the field). Where an
+    API takes ``verify=``, a bare string means ``VerifyOptions(when=that)``.
     """
 
-    #: ``"inline"`` (verified before the save returns), ``"background"`` (queued for the process's background
-    #: verifier; the save returns at once) or ``"off"`` (not verified after the save: ``ckptverify watch`` or the
-    #: next resume verifies it).
+    #: ``"inline"`` (before the save returns), ``"background"`` (queued; the save returns at once) or ``"off"``
+    #: (left to ``ckptverify watch`` or the next resume).
     when: When = "inline"
     #: Also rebuild every tensor and compare its logical fingerprint with the one taken at save time.
     deep: bool = False
-    #: ``"warn"`` (a warning and an event; training goes on) or ``"raise"`` (also an error on every rank: from
-    #: the save itself when ``"inline"``, from the next save (or the wait at the end) when ``"background"``).
+    #: ``"warn"`` (warning and event) or ``"raise"`` (error on every rank: from the save when ``"inline"``, from
+    #: the next save or the final wait when ``"background"``).
     on_failure: OnFailure = "warn"
 
     def __post_init__(self) -> None:
@@ -89,9 +72,9 @@ class VerifyOptions:
 
 
 def verify_options(where: str, verify: VerifyOptions | str, *, when: tuple[str, ...] = WHEN) -> VerifyOptions:
-    """``verify=`` as a :class:`VerifyOptions`: ``verify`` is one, or a ``when`` string. ``when``: the values
-    ``where`` (the function, named in messages) accepts. Raises :class:`~ckptverify.errors.UsageError` naming
-    ``verify`` for anything else."""
+    """``verify`` (a :class:`VerifyOptions` or a ``when`` string) as a :class:`VerifyOptions`; ``when``: the values
+    ``where`` accepts. Raises :class:`~ckptverify.errors.UsageError` otherwise.
+    """
     if isinstance(verify, str):
         _one_of(f"{where}: verify", verify, WHEN)
         options = VerifyOptions(when=verify)  # type: ignore[arg-type]

@@ -1,21 +1,11 @@
-"""``events.jsonl``: the append-only log of what happened to a production run.
+"""``events.jsonl``: the append-only log of what happened to a production run (names and fields:
+``docs/json-schema.md``).
 
-One JSON object per line, each with ``event`` (a stable name: ``save``, ``replica-mismatch``,
-``checkpoint-verified``, ...), ``schema_version`` (:data:`EVENTS_SCHEMA_VERSION`), ``time`` (UTC, ISO 8601),
-``rank`` and ``host``, plus the event's own fields; every name and its fields are listed in
-``docs/json-schema.md``.
-
-A checkpoint's verification after it was saved (by a save with ``verify=``, a production run, or a framework
-integration) is one of the :data:`VERIFICATION_EVENTS`, whose fields are those of
-:class:`~ckptverify.verifier.verification.Verification`. Every line is written with one
-``write`` on a file opened ``O_APPEND``, so lines from several ranks and processes never interleave (POSIX
-appends of one buffer are atomic with respect to each other on local file systems), and a process killed
-mid-run leaves at most its last line unwritten, never a torn one among whole ones.
-
-The log is written and read only as a regular file (:func:`~ckptverify.ownfiles.names.open_append`): a symbolic
-link, FIFO or device named ``events.jsonl`` is refused with
-:class:`~ckptverify.ownfiles.names.NotRegularFileError` (an ``OSError``), never followed or waited on, so a FIFO
-planted there cannot hang a training job or a watcher.
+One JSON object per line with ``event``, ``schema_version``, ``time`` (UTC ISO 8601), ``rank``, ``host`` and the
+event's fields; verification events (:data:`VERIFICATION_EVENTS`) carry a
+:class:`~ckptverify.verifier.verification.Verification`'s fields. Each line is one ``write`` on an ``O_APPEND`` file,
+so ranks never interleave and a kill leaves at most the last line missing, never torn. Only a regular file is
+written or read (:func:`~ckptverify.ownfiles.names.open_append`): a planted FIFO cannot hang a job.
 """
 
 from __future__ import annotations
@@ -37,8 +27,7 @@ __all__ = ["CHECKPOINT_CUT_SHORT", "CHECKPOINT_DELETED", "CHECKPOINT_FAILED", "C
 EVENTS_FILE = "events.jsonl"
 #: Written into every event.
 EVENTS_SCHEMA_VERSION = 2
-#: Longest line :func:`read_events` reads as an event (the longest ckptverify writes is a few hundred kB: a
-#: replica mismatch naming every tensor of a large model).
+#: Longest line read as an event (ckptverify writes at most a few hundred kB).
 MAX_LINE_BYTES = 8 << 20
 #: Deepest nesting of an event's JSON (an event nests four levels: a finding's location in a verification).
 MAX_EVENT_DEPTH = 16
@@ -47,15 +36,13 @@ MAX_EVENT_DEPTH = 16
 CHECKPOINT_VERIFIED = "checkpoint-verified"
 #: A saved checkpoint failed verification (stamped), or could not be verified at all.
 CHECKPOINT_FAILED = "checkpoint-failed"
-#: A saved checkpoint was left without a verdict: its files changed while they were read, or the verification
-#: itself stopped.
+#: A saved checkpoint was left without a verdict (files changed while read, or the verification stopped).
 CHECKPOINT_UNVERIFIED = "checkpoint-unverified"
 #: A saved checkpoint was deleted (retention) before its verification finished: no verdict, no failure.
 CHECKPOINT_DELETED = "checkpoint-deleted"
 #: The job stopped waiting for a saved checkpoint's verification (at its end): no verdict.
 CHECKPOINT_CUT_SHORT = "checkpoint-cut-short"
-#: The events that record a saved checkpoint's verification; their fields are a
-#: :class:`~ckptverify.verifier.verification.Verification`'s.
+#: Events recording a saved checkpoint's verification (a ``Verification``'s fields).
 VERIFICATION_EVENTS = (CHECKPOINT_VERIFIED, CHECKPOINT_FAILED, CHECKPOINT_UNVERIFIED, CHECKPOINT_DELETED,
                        CHECKPOINT_CUT_SHORT)
 class EventLog:
@@ -68,8 +55,8 @@ class EventLog:
         os.makedirs(os.fspath(run_dir), exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Append one event and return it as written. Raises ``OSError`` (among them
-        :class:`~ckptverify.ownfiles.names.NotRegularFileError`) when it cannot be appended."""
+        """Append one event and return it as written; ``OSError`` (including
+        :class:`~ckptverify.ownfiles.names.NotRegularFileError`) if it cannot be appended."""
         record: dict[str, Any] = {
             "event": event,
             "schema_version": EVENTS_SCHEMA_VERSION,
@@ -79,8 +66,7 @@ class EventLog:
         }
         record.update(fields)
         line = (json.dumps(record, default=str, sort_keys=False) + "\n").encode()
-        # CKPTVERIFY_STRICT_EVENTS=1 (set by the test suite, inherited by the jobs it starts): an event that
-        # read_events would skip is a bug in its writer, raised rather than written.
+        # CKPTVERIFY_STRICT_EVENTS=1 (tests): an event read_events would skip is a writer bug: raise.
         if os.environ.get("CKPTVERIFY_STRICT_EVENTS") == "1":
             problem = event_problem(json.loads(line))
             if problem is not None:
@@ -91,15 +77,11 @@ class EventLog:
 
 def read_events(run_dir: str | os.PathLike[str], event: str | None = None, *,
                 on_bad: Callable[[int, str], None] | None = None) -> Iterator[dict[str, Any]]:
-    """The events of a run, in file order (optionally only those named ``event``). Raises
-    :class:`~ckptverify.ownfiles.names.NotRegularFileError` when ``events.jsonl`` is not a regular file.
-
-    The log is a record, not an input: a line that is not an event as ckptverify writes it (a torn last line,
-    invalid UTF-8 or JSON, NaN, a repeated key, deep nesting, a line over :data:`MAX_LINE_BYTES`, not an object,
-    a field of the wrong type or out of range, a verification whose ``verdict``, ``passed`` and name disagree:
-    :func:`event_problem`) is skipped, never raised, and ``on_bad(line_number, why)`` is called for it. Nothing
-    is reordered or checked across lines (ranks append concurrently, a restarted job repeats steps), and
-    ``path`` is as written: it may name anything, a URL or a folder outside ``run_dir`` among them."""
+    """The run's events in file order (only ``event`` ones if given);
+    :class:`~ckptverify.ownfiles.names.NotRegularFileError`
+    if ``events.jsonl`` is not a regular file. The log is a record, not an input: a line that is not a valid event
+    (:func:`event_problem`, bounded by :data:`MAX_LINE_BYTES`) is skipped with ``on_bad(line_number, why)``, never
+    raised. Nothing is checked across lines; ``path`` values are as written and may name anything."""
     path = os.path.join(os.fspath(run_dir), EVENTS_FILE)
     try:
         fd = open_read(path)
@@ -137,9 +119,8 @@ def _parse(line: bytes) -> tuple[dict[str, Any], str | None]:
 
 
 def event_problem(record: dict[str, Any]) -> str | None:
-    """Why ``record`` is not an event as ckptverify writes one, or
-    ``None``: the fields of :data:`_FIELDS` must hold their type and range, ``event``, ``time``, ``rank`` and
-    ``host`` must be there, and a verification's name, ``verdict`` and ``passed`` must agree."""
+    """Why ``record`` is not an event as ckptverify writes one (types and ranges of :data:`_FIELDS`, required fields,
+    verification name/``verdict``/``passed`` agreeing), or ``None``."""
     for name in ("event", "time", "rank", "host"):
         if name not in record:
             return f"no {name!r}"
@@ -173,8 +154,7 @@ def _text(v: Any) -> bool:
 
 
 _STEP = _count((1 << 63) - 1)
-#: The fields an event may carry and what each must hold (``docs/json-schema.md``): a consumer may use them as
-#: their type says without checking (``step`` an ``int``, ``passed`` a ``bool``, ...).
+#: Event fields and what each must hold, so consumers may trust their types (``docs/json-schema.md``).
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "event": (lambda v: isinstance(v, str) and 0 < len(v) <= 200, "a name"),
     "schema_version": (_count(1 << 31), "a version number"),

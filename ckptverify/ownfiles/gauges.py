@@ -1,10 +1,5 @@
-"""The Prometheus text exposition format, and the atomic write of a gauges file for a textfile collector.
-
-The file format only, with no knowledge of what the gauges mean: the watcher
-(:mod:`ckptverify.verifier.watch`) writes the state of a run with it, and the command line's
-``--metrics-file`` writes a report's gauges through :mod:`ckptverify.render.metrics`. It lives below the
-core so that the core never imports the front ends (``render/``).
-"""
+"""The Prometheus text exposition format and the atomic write of a gauges file, knowing nothing of what gauges
+mean (used by ``watch`` and ``--metrics-file``); below the core so the core never imports ``render/``."""
 
 from __future__ import annotations
 
@@ -18,8 +13,8 @@ __all__ = ["format_value", "render_gauges", "write_gauges"]
 
 
 def format_value(value: float | int | bool) -> str:
-    """A sample value as the text format wants it: an integer exactly, any other number with every digit
-    (``repr``: it reads back as the same float), ``NaN``, ``+Inf`` and ``-Inf``."""
+    """A sample value for the text format: integers exactly, floats by ``repr`` (round-trip), ``NaN``, ``+Inf``,
+    ``-Inf``."""
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, int):
@@ -35,16 +30,14 @@ def format_value(value: float | int | bool) -> str:
 
 
 def _label(value: str) -> str:
-    # A path from the file system may hold bytes that are not UTF-8 (decoded as lone surrogates): the text
-    # format is UTF-8, so such a byte is written as the four characters \xNN.
+    # Non-UTF-8 path bytes (lone surrogates) are written as \xNN: the format is UTF-8.
     text = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def render_gauges(command: str, target: str, values: Mapping[str, float | int | bool],
                   help_texts: Mapping[str, str]) -> str:
-    """``values`` as gauges ``ckptverify_NAME{command=...,target=...}`` in the Prometheus text exposition
-    format, each with its ``# HELP`` (from ``help_texts``) and ``# TYPE`` line."""
+    """``values`` as ``ckptverify_NAME{command=...,target=...}`` gauges with ``# HELP`` and ``# TYPE`` lines."""
     labels = f'command="{_label(command)}",target="{_label(target)}"'
     lines = []
     for name, value in values.items():
@@ -55,6 +48,5 @@ def render_gauges(command: str, target: str, values: Mapping[str, float | int | 
 
 
 def write_gauges(path: str | os.PathLike[str], text: str) -> None:
-    """Write rendered gauges to ``path`` atomically; only a regular file there is replaced (``OSError``,
-    :class:`~ckptverify.ownfiles.names.NotRegularFileError` for anything else)."""
+    """Write rendered gauges to ``path`` atomically; only a regular file is replaced (else ``NotRegularFileError``)."""
     write_atomic(path, text.encode("utf-8"), prefix=METRICS_TEMP_PREFIX, durable=False)

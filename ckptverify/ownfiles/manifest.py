@@ -1,14 +1,9 @@
-"""The manifest: what a checkpoint held when it was saved, written beside it as JSON.
+"""The manifest: what a checkpoint held when saved, written beside it as JSON (:data:`MANIFEST_FILE`;
+schema: ``docs/manifest.md``).
 
-A manifest records, for every item DCP wrote, its exact place and a digest of its bytes (plus digests of
-fixed-size blocks, to localize damage), for every file its size and digest, and for every tensor its dtype,
-global shape and the logical fingerprint of the live tensor at save time. It also pins ``.metadata``.
-
-It is written atomically (temporary file, fsync, rename) and **last**, so its presence marks a committed
-checkpoint. Its own integrity is protected by ``self_digest``, a digest of its canonical JSON form without
-that field: a truncated or edited manifest is detected, never trusted.
-
-File name: :data:`MANIFEST_FILE`. Schema: ``docs/manifest.md``.
+Per item its place and digest (plus block digests, to localize damage), per file size and digest, per tensor
+dtype, global shape and live fingerprint; ``.metadata`` pinned too. Written atomically and **last**, so its
+presence marks a commit. ``self_digest`` (of its canonical JSON without that field) detects truncation or edits.
 """
 
 from __future__ import annotations
@@ -97,9 +92,8 @@ class FileEntry:
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """A tensor as it was in memory at save time: dtype, global shape, logical fingerprint (if taken). A tensor
-    subclass with inner tensors (torchao's MXTensor, ...) also has ``parts``: each inner tensor's fingerprint by
-    name (``qdata``, ``scale``, ...), so a mismatch names the part."""
+    """A tensor as in memory at save time: dtype, global shape, fingerprint (if taken); a subclass also has ``parts``
+    (each inner tensor's fingerprint by name), so a mismatch names the part."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -203,15 +197,10 @@ class Manifest:
 
 
 def validate(manifest: Manifest) -> None:
-    """Check every field of a manifest read from disk; raise :class:`ManifestError` at the first bad one.
-
-    A manifest is input like any other file of the checkpoint: its self-digest proves it unchanged, not
-    sensible. So: a known digest algorithm, digests of its exact form, ``block_bytes`` within
-    [:data:`MIN_BLOCK_BYTES`, :data:`MAX_BLOCK_BYTES`], every path a plain relative name inside the
-    checkpoint (metadata files named as DCP names them), every item inside a file the manifest lists and
-    with exactly one block digest per block (or none), no item listed twice, each tensor item's chunk offsets
-    as long as its tensor's shape. Rules and limits: ``docs/manifest.md``.
-    """
+    """Check every field of a manifest read from disk; :class:`ManifestError` at the first bad one. The self-digest
+    proves it unchanged, not sensible: algorithms, digest forms, ``block_bytes`` bounds, plain relative paths inside
+    the checkpoint, items inside listed files with one digest per block (or none), no duplicates, chunk offsets
+    matching shapes (``docs/manifest.md``)."""
     from ckptverify.fingerprint import ALGORITHMS
 
     if manifest.digest_algorithm not in ALGORITHMS:
@@ -284,8 +273,8 @@ def _self_digest(body: dict[str, Any]) -> str:
 
 
 def _block_strings(blocks: list[Any]) -> tuple[str, ...]:
-    """``tuple(_s(b, 128) for b in blocks)``, checked in a few passes in C: a manifest of a multi-TB checkpoint
-    holds millions of block digests, and this runs before every verification against it."""
+    """``tuple(_s(b, 128) for b in blocks)`` checked in a few C passes (millions of block digests, before every verify).
+    """
     joined = "".join(blocks) if set(map(type, blocks)) <= {str} else None
     if joined is None or "\x00" in joined or (blocks and max(map(len, blocks)) > 128):
         return tuple(_s(b, 128) for b in blocks)  # raises, naming the first bad one
@@ -293,8 +282,7 @@ def _block_strings(blocks: list[Any]) -> tuple[str, ...]:
 
 
 def _block_digests_valid(blocks: tuple[str, ...], size: int) -> bool:
-    """Whether every string of ``blocks`` is a hex digest of ``size`` characters (as ``_DIGEST_RE`` says), in
-    one match over all of them: each is exactly ``size`` characters long and their concatenation is hex."""
+    """Whether every string of ``blocks`` is a ``size``-character hex digest, in one match."""
     return not blocks or (min(map(len, blocks)) == size == max(map(len, blocks))
                           and _HEX.fullmatch("".join(blocks)) is not None)
 
@@ -351,17 +339,13 @@ def _relative_name(value: str) -> str | None:
 
 
 def file_manifest_name(filename: str) -> str:
-    """The name of the manifest of the single checkpoint file ``filename``, written beside it
-    (``step=4.ckpt`` -> ``step=4.ckpt.ckptverify.manifest.json``)."""
+    """The manifest name beside single file ``filename`` (``x.ckpt`` -> ``x.ckpt.ckptverify.manifest.json``)."""
     return f"{filename}.{MANIFEST_FILE}"
 
 
 def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str = MANIFEST_FILE) -> Manifest | None:
-    """The manifest of the checkpoint at ``root``; ``None`` if it has none. Raises :class:`ManifestError`.
-
-    The file must be a regular file inside ``root`` of at most ``max_bytes`` (a FIFO, a device or a link out
-    of the checkpoint is refused unopened), and every field must pass :func:`validate`.
-    """
+    """The manifest at ``root`` (``None`` if absent): a regular file inside ``root``, at most ``max_bytes``, passing
+    :func:`validate`. Raises :class:`ManifestError`."""
     from ckptverify.safeparse import paths
     from ckptverify.safeparse.readers import read_small_file
 
@@ -378,8 +362,9 @@ def read_manifest(root: str, *, max_bytes: int = MAX_MANIFEST_BYTES, name: str =
 
 
 def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) -> str:
-    """Write ``manifest`` into ``root`` as ``name`` atomically (temp file, fsync, rename, fsync dir). Returns
-    its path. Into a URL (``s3://...``): one PUT, which makes the object appear whole or not at all."""
+    """Write ``manifest`` into ``root`` as ``name`` atomically (temp, fsync, rename, fsync dir); returns its path. To a
+    URL:
+    one PUT (whole or nothing)."""
     path = os.path.join(root, name)
     text = manifest_text(manifest)
     from ckptverify.safeparse import paths
@@ -394,10 +379,9 @@ def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) 
 
 
 def _dumps_by_line(body: dict[str, Any]) -> str:
-    """``body`` as JSON, one top-level field a line and one entry of each of its lists and objects a line
-    (an item, a file, a tensor). Each piece is encoded by the C encoder: ``json.dumps(indent=...)`` runs the
-    pure-Python one, about ten times slower (seconds for a checkpoint of 100 000 items). What is read back
-    is the same either way; the layout only keeps the file readable and diffable line by line."""
+    """``body`` as JSON, one top-level field and one list/object entry per line (readable, diffable), each encoded by
+    the
+    C encoder (``indent=`` uses the pure-Python one, ten times slower)."""
     enc = json.JSONEncoder(ensure_ascii=True, allow_nan=True).encode
     lines = []
     for key, value in body.items():
@@ -414,11 +398,10 @@ def _dumps_by_line(body: dict[str, Any]) -> str:
 
 
 def manifest_text(manifest: Manifest) -> str:
-    """What :func:`write_manifest` writes for ``manifest``: byte for byte ``_dumps_by_line(manifest.to_dict())``
-    (its self-digest included), built entry by entry from string pieces (each name and digest escaped once by the
-    C string encoder, shared by the line and the canonical form the self-digest is taken of) instead of a dict
-    per entry encoded twice. A manifest with a value of another type than the entries declare, or a tensor with
-    ``parts``, is encoded entry by entry through :meth:`Manifest.to_dict` as it is (the same text)."""
+    """Exactly what :func:`write_manifest` writes (``_dumps_by_line(manifest.to_dict())``), built from string pieces
+    each
+    escaped once. Values of unexpected types, or tensors with ``parts``, go through :meth:`Manifest.to_dict` (same
+    text)."""
     import hashlib
 
     try:
@@ -460,16 +443,14 @@ _NONE = type(None)
 
 
 def _only(values: Any, *types: type) -> None:
-    """Every one of ``values`` is of exactly one of ``types`` (a subclass, ``bool`` for ``int`` among them,
-    would be encoded otherwise): checked for a whole column at once. ``TypeError`` if not: the pieces below would
-    not encode such a value as the JSON encoder does."""
+    """``TypeError`` unless each of ``values`` is exactly one of ``types`` (a subclass, e.g. ``bool`` for ``int``, would
+    encode differently)."""
     if not set(map(type, values)) <= set(types):
         raise TypeError("a manifest value of a type its column does not declare")
 
 
 def _dict_section(entries: dict[str, Any], pieces: Any) -> tuple[str, str]:
-    """A section of named entries (files, tensors) as its lines and its canonical form, in name order (what
-    ``sorted`` in :meth:`Manifest.to_dict` and ``sort_keys`` give alike)."""
+    """A section of named entries as its lines and canonical form, in name order."""
     if not entries:
         return "{}", "{}"
     names = sorted(entries)
@@ -490,8 +471,7 @@ def _file_pieces(entries: list[FileEntry]) -> tuple[list[str], list[str]]:
 
 
 def _shape_text(shapes: list[Any]) -> list[tuple[str, str]]:
-    """Each tuple of ints of ``shapes`` as the encoder writes it with and without spaces (equal tuples share
-    their text)."""
+    """Each shape tuple as the encoder writes it with and without spaces (equal tuples share text)."""
     _only(shapes, tuple)
     _only(itertools.chain.from_iterable(shapes), int)
     known: dict[tuple[int, ...], tuple[str, str]] = {}

@@ -1,16 +1,9 @@
 """The files ckptverify writes into or beside a checkpoint: their names, and how they are written.
 
-Every check that lists a checkpoint's files must know these names, so that ckptverify's own files are never
-reported as part of (or missing from) the checkpoint, and a half-written one is recognised as ckptverify's.
-They are written with :func:`write_atomic`: a reader sees the old content or the new, never a part of either.
-Logs ckptverify appends to (``events.jsonl``, the watcher's log) are opened with :func:`open_append`.
-
-Neither ever writes through what is not a regular file: a symbolic link, a FIFO, a device or a socket found
-where one of these files should be is refused (:class:`NotRegularFileError`), never followed, opened for
-writing, waited on or replaced. Opening never blocks: a FIFO with no reader cannot hang the process.
-The folders ckptverify makes for its own files (a run's ``quarantine/`` and trace segments, a trace store,
-a capture folder) are made with :func:`own_dir` / :func:`open_own_dir`: never through a link, never outside
-the folder they belong to.
+Checks must know these names so our files are never reported as part of (or missing from) a checkpoint.
+:func:`write_atomic` replaces whole files; :func:`open_append` opens logs. Neither writes through a non-regular
+file (link, FIFO, device, socket: :class:`NotRegularFileError`), and opening never blocks. Our folders are made
+with :func:`own_dir`/:func:`open_own_dir`: never through a link, never outside their parent.
 """
 
 from __future__ import annotations
@@ -50,17 +43,14 @@ __all__ = [
 MANIFEST_FILE = "ckptverify.manifest.json"
 #: A checkpoint's verification stamp (inside a folder; ``NAME.ckptverify.verified.json`` beside a file).
 STAMP_FILE = "ckptverify.verified.json"
-#: Written into a checkpoint folder before its save when the job saw its replicas disagree: the checkpoint is
-#: suspect (``ckptverify.runs.stamp.read_suspect``), whatever its bytes verify to.
+#: Written before a save after replicas disagreed: the checkpoint is suspect whatever its bytes verify to.
 SUSPECT_NOTE = "ckptverify.suspect.json"
 #: Held (``flock``) by whoever is verifying a checkpoint right now; retention skips a locked checkpoint.
 VERIFYING_LOCK = ".ckptverify-verifying"
 #: The in-progress marker (and lock file) of a ckptverify save that has not committed.
 SAVE_MARKER = ".ckptverify-save-in-progress"
-#: A verification shared out among nodes after a save (``ckptverify.verifier.parts``) leaves files named
-#: ``PARTS_PREFIX...`` in the checkpoint folder until its stamp is written: the plan (which node checks which
-#: files, written as the save commits) and each node's part verdict (``.ckptverify-part-N.json``). Never part of
-#: the checkpoint, never in its stamp's fingerprint.
+#: The parts plan and part verdicts (``.ckptverify-part-N.json``) of a verification shared among nodes, until
+#: the stamp is written: never part of the checkpoint or its stamp's fingerprint.
 PARTS_PREFIX = ".ckptverify-part"
 PARTS_PLAN = ".ckptverify-parts.json"
 #: The temporary files a manifest, a stamp and a metrics file are written to before they are renamed.
@@ -91,8 +81,7 @@ def _refuse(path: str, mode: int) -> NotRegularFileError:
 
 
 def check_replaceable(path: str | os.PathLike[str]) -> None:
-    """Raise :class:`NotRegularFileError` when something other than a regular file is at ``path`` (the link
-    itself, not followed); nothing there, or a regular file, is fine."""
+    """:class:`NotRegularFileError` if something other than a regular file (not followed) is at ``path``."""
     target = os.fspath(path)
     try:
         st = os.lstat(target)
@@ -122,21 +111,18 @@ def _open_own(target: str, flags: int, mode: int) -> int:
 
 
 def open_append(path: str | os.PathLike[str], mode: int = 0o644) -> int:
-    """A file descriptor to append to the regular file ``path`` (created when missing): opened without following
-    a link and without blocking (a FIFO with no reader fails at once instead of hanging), then checked to be a
-    regular file. Raises :class:`NotRegularFileError` for anything else, ``OSError`` when it cannot be opened."""
+    """A descriptor appending to regular file ``path`` (created if missing), opened without following links or blocking,
+    then checked. :class:`NotRegularFileError` for anything else; ``OSError`` if it cannot be opened."""
     return _open_own(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
 
 
 def open_read(path: str | os.PathLike[str]) -> int:
-    """A file descriptor to read the regular file ``path``, opened as :func:`open_append` opens (no link
-    followed, never blocking, only a regular file); ``FileNotFoundError`` when there is none."""
+    """A descriptor reading regular file ``path``, opened as :func:`open_append`; ``FileNotFoundError`` if absent."""
     return _open_own(os.fspath(path), os.O_RDONLY, 0)
 
 
 def append_line(path: str | os.PathLike[str], line: bytes) -> None:
-    """Append ``line`` to the regular file ``path`` with one ``write`` (:func:`open_append`), so lines appended
-    by several processes never interleave."""
+    """Append ``line`` to regular file ``path`` in one ``write``, so concurrent appends never interleave."""
     fd = open_append(path)
     try:
         os.write(fd, line)
@@ -145,12 +131,10 @@ def append_line(path: str | os.PathLike[str], line: bytes) -> None:
 
 
 def open_own_dir(root: str | os.PathLike[str], *names: str) -> int:
-    """A descriptor (``O_DIRECTORY``; the caller closes it) of the folder ``root/names...``, each of ``names``
-    created when missing (``mkdir``, the umask's permissions). ``root`` is taken as named (created when missing,
-    links in it followed: the operator chose it); each of ``names`` is one path component, made and opened
-    relative to the folder above without following a link, so the folder is inside ``root``. A link or anything
-    but a directory at one of them raises :class:`NotRegularFileError`, and nothing below it is made. Work done
-    relative to the descriptor (``rename(..., dst_dir_fd=)``) cannot be sent elsewhere by a name swapped since."""
+    """A directory descriptor (caller closes) of ``root/names...``, each name created if missing and opened relative to
+    the one above without following links (so it is inside ``root``; ``root`` itself is taken as named). A link or
+    non-directory raises :class:`NotRegularFileError`. Work relative to the descriptor cannot be redirected by a
+    swapped name."""
     where = os.fspath(root)
     os.makedirs(where, exist_ok=True)
     fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
@@ -184,21 +168,15 @@ def own_dir(root: str | os.PathLike[str], *names: str) -> str:
 
 
 def own_folder(path: str | os.PathLike[str]) -> str:
-    """The absolute path of folder ``path``, its last name made and checked as :func:`own_dir` does (the folders
-    above it taken as named)."""
+    """Absolute path of folder ``path``, its last name made and checked as :func:`own_dir` does."""
     path = os.path.abspath(os.fspath(path))
     return own_dir(os.path.dirname(path), os.path.basename(path))
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, prefix: str, durable: bool = True) -> str:
-    """Replace ``path`` with ``data`` at once: written to a temporary file named ``prefix...`` in the same folder,
-    then renamed over ``path``; the temporary file is removed if anything fails. ``durable``: the data and the
-    rename are flushed to disk (``fsync`` of the file, then of the folder) before this returns. The file gets
-    the permissions any new file there would get (the umask's). Returns the path written.
-
-    Only a regular file is ever replaced: a symbolic link, FIFO, device, socket or directory at ``path`` raises
-    :class:`NotRegularFileError` and is left as it is (checked before writing and again just before the
-    rename; the rename itself replaces a name, never writes through it)."""
+    """Replace ``path`` with ``data`` at once via a temporary ``prefix...`` file renamed over it (removed on failure);
+    ``durable`` fsyncs file and folder first. Permissions: the umask's. Returns the path. Only a regular file is
+    replaced: anything else raises :class:`NotRegularFileError` (checked before writing and before the rename)."""
     target = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(target))
     check_replaceable(target)

@@ -1,9 +1,6 @@
-"""The plan of a save's verification shared out among the nodes that wrote it, and where its part verdicts go:
-the files :mod:`ckptverify.verifier.parts` leaves beside a checkpoint's own
-(:data:`~ckptverify.ownfiles.names.PARTS_PLAN`, ``.ckptverify-part-N.json``). Written by the coordinator as the
-save commits (:class:`~ckptverify.dcp.writer.HashingFileSystemWriter`) or, for a framework's save, by the
-integration (:func:`plan_from_names`); read by every node's part and by the coordinator's verifier.
-"""
+"""The plan of a save's verification shared among its nodes, and where part verdicts go
+(:data:`~ckptverify.ownfiles.names.PARTS_PLAN`, ``.ckptverify-part-N.json``). Written by the coordinator at commit
+(or by an integration, :func:`plan_from_names`); read by every node's part and the coordinator's verifier."""
 
 from __future__ import annotations
 
@@ -19,15 +16,14 @@ __all__ = ["PLAN_SCHEMA", "dcp_folders", "make_plan", "nodes_of", "part_verdict_
            "read_plan", "write_plan"]
 
 PLAN_SCHEMA = "ckptverify/parts-plan"
-#: The most of a plan or a part verdict that is ever read (a part of a fingerprinted save carries the digests of
-#: its node's items and blocks, and the scans of its tensors).
+#: Most of a plan or part verdict ever read (a fingerprinted part carries digests and scans).
 MAX_BYTES = 256 << 20
 _DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def nodes_of(hosts: list[str]) -> list[tuple[str, list[int]]]:
-    """The nodes of a group whose rank ``r`` runs on ``hosts[r]``: ``(host, ranks)``, ordered by lowest rank (node
-    0 holds the coordinator)."""
+    """``(host, ranks)`` per node of a group whose rank ``r`` runs on ``hosts[r]``, by lowest rank (node 0:
+    coordinator)."""
     order: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
         order.setdefault(host, []).append(rank)
@@ -35,8 +31,7 @@ def nodes_of(hosts: list[str]) -> list[tuple[str, list[int]]]:
 
 
 def make_plan(hosts: list[str], files_of_rank: list[list[str]]) -> dict[str, Any]:
-    """The plan of a save whose rank ``r`` ran on ``hosts[r]`` and wrote ``files_of_rank[r]`` (names relative to
-    the checkpoint)."""
+    """The plan of a save whose rank ``r`` ran on ``hosts[r]`` and wrote ``files_of_rank[r]``."""
     nodes = []
     for k, (host, ranks) in enumerate(nodes_of(hosts)):
         files = sorted({f for r in ranks if r < len(files_of_rank) for f in files_of_rank[r]})
@@ -45,9 +40,8 @@ def make_plan(hosts: list[str], files_of_rank: list[list[str]]) -> dict[str, Any
 
 
 def dcp_folders(root: str) -> list[str]:
-    """Where a framework's save at ``root`` holds DCP checkpoints whose files a plan can share out: ``[""]`` for
-    a DCP folder (its ``.metadata`` written), else the names of its sub-folders that are (an FSDP save by
-    accelerate or transformers: ``checkpoint-N/pytorch_model_fsdp_0``), else ``[]``. Links are not followed."""
+    """DCP checkpoints in a framework save at ``root``: ``[""]`` if it is one, else its DCP sub-folders, else ``[]``.
+    Links not followed."""
     if os.path.isfile(os.path.join(root, ".metadata")):
         return [""]
     out = []
@@ -64,11 +58,8 @@ def dcp_folders(root: str) -> list[str]:
 
 
 def plan_from_names(root: str, hosts: list[str]) -> dict[str, Any]:
-    """The plan of a DCP checkpoint at ``root`` written by ranks on ``hosts`` through DCP's file system writer,
-    whose rank ``r`` names its files ``__r_N.distcp``: what a front end that does not see DCP's write results
-    (a framework's own save) shares out. In a folder of checkpoint files, the files of its DCP sub-folders
-    (:func:`dcp_folders`), named ``SUB/__r_N.distcp``. Only names are listed (nothing is opened); a file of no
-    rank's name is left to the coordinator, which checks everything no other node's part does."""
+    """The plan of DCP files written through DCP's file system writer (rank ``r`` names ``__r_N.distcp``; in a folder of
+    files, ``SUB/__r_N.distcp``), from names alone. Files of no rank's name are left to the coordinator."""
     files: list[list[str]] = [[] for _ in hosts]
     for sub in dcp_folders(root):
         for name in sorted(os.listdir(os.path.join(root, sub))):

@@ -1,7 +1,6 @@
 """The torch dtypes a checkpoint may name, and the bytes per element of each.
 
-The readers accept ``torch.<dtype>`` globals only for these names, and size storages by them; DCP's layout
-(:mod:`ckptverify.dcp.layout`) and the format readers use the same table.
+Readers accept ``torch.<dtype>`` globals only for these names and size storages by them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""What the local and the remote readers share on top of their own ``fold_at``: ``fold`` and ``crc32``.
-
-Apart from both readers so that neither imports the other for it.
-"""
+"""``fold`` and ``crc32`` shared by the local and remote readers, kept apart so neither imports the other."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ __all__ = ["Folding", "fold_crc32"]
 
 def fold_crc32(fold: Callable[..., None], start: int, end: int,
                progress: Callable[[int], None] | None = None) -> int:
-    """CRC-32 (zip's) of bytes ``[start, end)`` of a reader, through its ``fold`` (the one definition every
-    reader's ``crc32`` uses)."""
+    """CRC-32 (zip's) of bytes ``[start, end)`` through a reader's ``fold``."""
     value = 0
 
     def step(view: memoryview) -> None:
@@ -28,8 +24,8 @@ def fold_crc32(fold: Callable[..., None], start: int, end: int,
 
 
 class Folding(ABC):
-    """``fold`` and ``crc32`` of a reader, in terms of its ``fold_at`` (which reads ``[start, end)`` in views and
-    calls ``fn(view, offset)`` on each; a view is valid only during its call)."""
+    """``fold`` and ``crc32`` in terms of ``fold_at`` (calls ``fn(view, offset)`` on views covering
+    ``[start, end)``; a view is valid only during its call)."""
 
     @abstractmethod
     def fold_at(self, start: int, end: int, fn: Callable[[memoryview, int], None],

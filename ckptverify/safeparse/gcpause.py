@@ -1,10 +1,7 @@
-"""Pausing Python's cyclic garbage collector while a large, acyclic structure is built.
+"""Pausing the cyclic garbage collector while a large, acyclic structure is built.
 
-Reading the metadata of a checkpoint with 100 000 chunks builds millions of small objects (pickle stand-ins,
-the plain tree, the validated layout, the items to check) and no reference cycles. The cyclic collector,
-triggered every few hundred allocations, walks the ever-growing set of live objects again and again: it
-took about half of such a run. Nothing here leaks: reference counting frees everything as usual, and the
-collector runs again once the outermost pause ends.
+Metadata of 100 000 chunks builds millions of small objects and no cycles; the collector re-walking them took
+about half the run. Nothing leaks: refcounting frees as usual, and the collector resumes after the outermost pause.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from contextlib import contextmanager
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """Disable the cyclic collector for the duration of the block, if it was enabled (nesting is harmless:
-    only the outermost pause re-enables it)."""
+    """Disable the cyclic collector for the block if enabled; nesting is harmless (the outermost re-enables)."""
     if not gc.isenabled():
         yield
         return

@@ -1,10 +1,8 @@
-"""Listing and examining checkpoint paths that may be URLs (``s3://bucket/prefix``, any fsspec URL).
+"""``os``/``os.path`` stand-ins that also accept URLs (``s3://bucket/prefix``, any fsspec URL).
 
-Each function here has the name and contract of the ``os`` / ``os.path`` function it stands for. A local path
-goes to that very function, unchanged (its behaviour, its errors, its safety rules); a URL goes to
-:mod:`ckptverify.safeparse.remote` (fsspec, imported only then), where an object store's prefixes are
-directories, its objects regular files, and nothing is a link. So a caller written for local paths serves
-URLs by calling these instead of ``os``, and a local-path user imports nothing more.
+Each function has the name and contract of the ``os`` function it stands for. A local path goes to that very
+function unchanged; a URL goes to :mod:`ckptverify.safeparse.remote` (fsspec imported only then), where prefixes
+are directories, objects regular files, and nothing is a link.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def listdir(path: str) -> list[str]:
 
 
 def scandir(path: str) -> Any:
-    """``os.scandir`` (a context manager iterating entries with ``name``, ``path``, ``is_dir``, ``is_file``,
-    ``is_symlink`` and ``stat``); for a URL, the entries of one fresh listing, their ``stat`` taken from it."""
+    """``os.scandir``; for a URL, the entries of one fresh listing, their ``stat`` taken from it."""
     if is_url(path):
         from ckptverify.safeparse import remote
 
@@ -60,8 +57,8 @@ def abspath(path: str) -> str:
 
 
 def stat(path: str, *, follow_symlinks: bool = True) -> os.stat_result:
-    """``os.stat``; for a URL, an object as a read-only regular file (size, modification time, and its ETag
-    folded into ``st_ino``, so a replaced object reads as another file) or a prefix as a directory."""
+    """``os.stat``; for a URL, an object as a read-only regular file (its ETag folded into ``st_ino``, so a replaced
+    object reads as another file) or a prefix as a directory."""
     if is_url(path):
         from ckptverify.safeparse import remote
 
@@ -119,10 +116,9 @@ MAX_WALK_ENTRIES = 1_000_000
 
 @dataclass(frozen=True)
 class WalkProblem:
-    """What a :class:`Walk` did not see. ``kind``: ``unaddressable`` (an object key with a ``.``, ``..`` or
-    empty segment: no path reaches it; ``path`` is the key as stored, relative to the top), ``unlisted`` (a
-    folder could not be listed), ``depth`` (a folder deeper than the depth bound, not entered), ``entries``
-    (the entry bound was reached: the walk stopped there). ``path`` is relative to the top (``.`` for it)."""
+    """What a :class:`Walk` did not see, at ``path`` (relative to the top; ``.`` for it). ``kind``: ``unaddressable``
+    (an object key with a ``.``, ``..`` or empty segment; ``path`` is the key as stored), ``unlisted``, ``depth``
+    (beyond the depth bound) or ``entries`` (the entry bound stopped the walk)."""
 
     kind: str
     path: str
@@ -130,14 +126,11 @@ class WalkProblem:
 
 
 class Walk:
-    """A bounded top-down walk of the tree under ``top`` (a folder, or a URL's prefix listed afresh).
+    """A bounded top-down walk of ``top`` (a folder, or a URL's prefix listed afresh).
 
-    Iterating yields ``(rel, dirs, files)`` per folder, ``rel`` relative to ``top`` (``""`` for it), the
-    entries sorted by name; the caller may prune ``dirs`` in place. Links are never followed (a link is a
-    file here), no folder is entered twice (a bind-mount loop), nothing deeper than ``max_depth`` is entered,
-    and no more than ``max_entries`` entries are looked at. Everything not seen is in :attr:`problems` (one
-    per unaddressable key): a caller that judges the tree must report them; :attr:`complete` is whether the
-    walk saw all of it.
+    Yields ``(rel, dirs, files)`` per folder (``rel`` ``""`` for the top, entries sorted; ``dirs`` may be pruned in
+    place). Links are never followed, no folder is entered twice (bind-mount loops), and ``max_depth``/``max_entries``
+    bound the walk. What was not seen is in :attr:`problems`: a caller judging the tree must report them.
     """
 
     def __init__(self, top: str, *, max_depth: int | None = None, max_entries: int | None = None) -> None:
@@ -183,8 +176,8 @@ class Walk:
         return (st.st_dev, st.st_ino)
 
     def _list(self, path: str, rel: str) -> tuple[list[Any], list[Any]] | None:
-        """(folders, other entries) of ``path``; ``([], [])`` when it cannot be listed, ``None`` once the entry
-        bound is reached."""
+        """(folders, other entries) of ``path``; ``([], [])`` if unlistable, ``None`` once the entry bound is reached.
+        """
         from ckptverify.errors import StorageError
 
         dirs: list[Any] = []

@@ -1,23 +1,12 @@
-"""Find the tensors in a ``torch.save`` pickle (``data.pkl``) without executing anything.
+"""Find the tensors in a whole-file ``torch.save`` pickle (``data.pkl``) without executing anything.
 
-A whole-file ``torch.save`` (a ``.pt``/``.bin``/``.ckpt``: a state dict, a Lightning checkpoint, an optimizer)
-pickles nested containers whose leaves are tensors (``torch._utils._rebuild_tensor_v2`` over a persistent
-storage reference) and plain values. This unpickler resolves the tensor machinery (rebuild functions, storage
-types, dtypes, ``torch.Size``) and plain containers to inert stand-ins of its own; every other global (a
-framework's ``AttributeDict``, a ``Path``, a user class) becomes an :class:`Opaque` placeholder that records
-its name and whatever the pickle hands it, and is **never called or imported**. So nothing in the file runs,
-whatever it names, and the report says which globals were left uninterpreted.
+Tensor machinery (rebuild functions, storage types, dtypes, ``torch.Size``) and plain containers resolve to
+inert stand-ins; every other global becomes an :class:`Opaque` placeholder that records its name and arguments
+and is **never imported or called**. Allowlisted tensor subclasses (torchao's ``MXTensor``, ``NVFP4Tensor``)
+become :class:`SubclassRef` via :mod:`ckptverify.safeparse.torchsave`; a malformed one is refused.
 
-Float8 and the other dtypes ``torch.save`` writes over an untyped storage (``_rebuild_tensor_v3``) are tensors
-of their dtype. A tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``) is
-read by the stand-ins and checks of :mod:`ckptverify.safeparse.torchsave` (``subclass_allowlist``,
-``subclass_fields``) into a :class:`SubclassRef` of its inner tensors and attributes, without importing
-torchao; a malformed record of one is refused, a subclass outside the list stays a placeholder.
-
-A configuration of :mod:`ckptverify.safeparse.unpickler`, read by the C unpickler (:class:`FastUnpickler`)
-once :func:`~ckptverify.safeparse.unpickler.check_opcodes` has bounded the tuple nesting and the memo. Work is
-bounded: the pickle's size, the objects it may build (:data:`MAX_OBJECTS`, one :class:`Budget`), and the walk
-over the result visits each object once (a "billion laughs" of shared references stays linear).
+Read by the C unpickler only after :func:`~ckptverify.safeparse.unpickler.check_opcodes` bounded tuple nesting
+and the memo. Work is bounded by size, :data:`MAX_OBJECTS`, and a walk visiting each object once.
 """
 
 from __future__ import annotations
@@ -50,14 +39,11 @@ __all__ = [
 MAX_PICKLE_BYTES = 256 << 20
 #: Most objects (globals resolved, calls, storages) one pickle may make.
 MAX_OBJECTS = 2_000_000
-#: Deepest nesting of tuples in tuples a pickle may build. Hashing a tuple (a dict key, a set member) recurses
-#: in C with no limit, so a key nested a million deep would crash the process; real checkpoints nest a few deep.
+#: Deepest tuple nesting: hashing a tuple recurses in C without limit (a deep key crashes the process).
 MAX_TUPLE_DEPTH = 200
-#: How far past the memo entries made so far a ``PUT`` index may reach. A pickler numbers memo entries 0, 1, 2,
-#: ... in order; the C unpickler zero-fills its memo array up to twice the largest index it is given, so one
-#: ``LONG_BINPUT`` of index 2**31 in a file of a few hundred bytes would allocate 32 GiB.
+#: How far past the entries made a ``PUT`` index may reach: the C unpickler zero-fills its memo to twice the
+#: largest index (one ``LONG_BINPUT`` of 2**31 would allocate 32 GiB).
 MEMO_SLACK = 1024
-#: The bounds above, as the unpickler framework takes them (the object budget is ``max_objects``).
 LIMITS = Limits(max_depth=MAX_TUPLE_DEPTH, memo_slack=MEMO_SLACK, max_bytes=MAX_PICKLE_BYTES)
 
 _STORAGE_DTYPES = {
@@ -79,9 +65,8 @@ class StorageRef:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A tensor as the pickle describes it: its storage record, dtype, shape, stride, storage offset (in
-    elements). ``elem_dtype``: the dtype ``_rebuild_tensor_v3`` names (float8 and the other dtypes without a
-    typed storage, over an untyped storage); otherwise the storage's dtype is the tensor's."""
+    """A tensor as the pickle describes it (storage offset in elements). ``elem_dtype``: the dtype
+    ``_rebuild_tensor_v3`` names over an untyped storage; otherwise the storage's dtype is the tensor's."""
 
     storage: StorageRef
     offset: int
@@ -94,7 +79,7 @@ class TensorRef:
         return self.elem_dtype or self.storage.dtype
 
     def extent(self) -> int:
-        """Elements of the storage this tensor reaches (offset + the furthest element + 1; 0 when empty)."""
+        """Elements of the storage this tensor reaches (0 when empty)."""
         if any(s == 0 for s in self.shape):
             return 0
         return self.offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride, strict=False)) + 1
@@ -107,10 +92,9 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class SubclassRef:
-    """A tensor stored as an allowlisted tensor subclass (torchao's ``MXTensor``, ``NVFP4Tensor``: see
-    :data:`~ckptverify.safeparse.torchsave.SUBCLASSES`): its class (``module.QualName``), outer dtype, shape
-    and stride, its inner tensors by name (in their flatten order) and its other attributes (``context``:
-    canonical JSON text, as :mod:`ckptverify.fingerprint.subclass` fingerprints them)."""
+    """A tensor stored as an allowlisted subclass (:data:`~ckptverify.safeparse.torchsave.SUBCLASSES`): class
+    (``module.QualName``), outer dtype/shape/stride, inner tensors in flatten order, and ``context`` (canonical
+    JSON, as :mod:`ckptverify.fingerprint.subclass` fingerprints it)."""
 
     cls: str
     dtype: str
@@ -125,9 +109,8 @@ class SubclassRef:
 
 
 class Opaque:
-    """An instance of a global outside the tensor allowlist: it records the arguments and state the pickle
-    gives it. Its class is made per name by the unpickler (so ``NEWOBJ``, which needs a class, works); nothing
-    of the real global is ever imported or called."""
+    """An instance of a global outside the allowlist, recording what the pickle gives it. A class is made per name
+    (``NEWOBJ`` needs one); nothing of the real global is imported or called."""
 
     name = "?"
 
@@ -153,9 +136,8 @@ def _opaque_class(qual: str) -> type[Opaque]:
 
 @dataclass
 class PickleScan:
-    """What a pickle holds: its tensors by path (``state_dict.layer.weight``), its tensors stored as an
-    allowlisted tensor subclass by path (``subclasses``; their inner tensors are not in ``tensors``) and the
-    storages they use."""
+    """What a pickle holds: tensors by path, allowlisted subclasses by path (their inner tensors are not in
+    ``tensors``), and the storages they use."""
 
     root: Any
     tensors: dict[str, TensorRef] = field(default_factory=dict)
@@ -164,8 +146,8 @@ class PickleScan:
     subclasses: dict[str, SubclassRef] = field(default_factory=dict)
 
     def all_tensors(self) -> list[tuple[str, str | None, TensorRef]]:
-        """Every stored tensor as ``(path, part, ref)``: the plain ones (``part`` ``None``), then each inner
-        tensor of each subclass (``part`` its name)."""
+        """Every stored tensor as ``(path, part, ref)``: plain ones (``part`` ``None``), then each subclass's inner
+        ones."""
         out: list[tuple[str, str | None, TensorRef]] = [(p, None, r) for p, r in self.tensors.items()]
         for path, sub in self.subclasses.items():
             out.extend((path, name, ref) for name, ref in sub.parts)
@@ -181,8 +163,8 @@ def _budget(max_objects: int) -> Budget:
 
 
 class _Unpickler(FastUnpickler):
-    """The C unpickler over the tensor allowlist (:func:`_allowlist`); any other global resolves to an
-    :class:`Opaque` class of its name. Every global and every storage is charged to the budget."""
+    """The C unpickler over :func:`_allowlist`; other globals resolve to :class:`Opaque` classes. Every global and
+    storage is charged to the budget."""
 
     def __init__(self, data: bytes, scan: PickleScan, budget: Budget) -> None:
         super().__init__(data, {})
@@ -221,8 +203,7 @@ class _Unpickler(FastUnpickler):
 
     def _rebuild_tensor_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
                            hooks: Any = None, dtype: Any = None, *rest: Any) -> Any:
-        """``_rebuild_tensor_v3``: as v2, with the element dtype given (over an untyped storage, sized in
-        bytes)."""
+        """As v2, with the element dtype given (over an untyped storage, sized in bytes)."""
         name = dtype_name(dtype)
         if name is None or name not in DTYPE_ITEMSIZE:
             raise BadPickle("_rebuild_tensor_v3 without a dtype")
@@ -234,9 +215,8 @@ class _Unpickler(FastUnpickler):
         return TensorRef(ref.storage, ref.offset, ref.shape, ref.stride, elem_dtype=name)
 
     def _rebuild_from_type(self, func: Any, new_type: Any, args: Any, state: Any = None, *rest: Any) -> Any:
-        """``torch._tensor._rebuild_from_type_v2``: for an allowlisted tensor subclass (only those), a
-        :class:`SubclassRef` over its inner tensors, and a malformed record of one is refused; for any other
-        class an inert :class:`Opaque` as for any unknown global (nothing is called)."""
+        """``_rebuild_from_type_v2``: a :class:`SubclassRef` for an allowlisted subclass (malformed: refused), else an
+        inert :class:`Opaque` (nothing is called)."""
         self.budget.charge()
         label = getattr(new_type, "_label", None)
         if label not in SUBCLASSES:
@@ -258,8 +238,7 @@ class _Unpickler(FastUnpickler):
         if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
             raise BadPickle("a tensor with a bad offset, shape or stride")
         shape, strides = tuple(size), tuple(stride)
-        # Below 2**63 as torch's own sizes: a pickle's LONG4 can carry an integer of millions of digits, and the
-        # extent of a tensor multiplies them.
+        # Below 2**63: a LONG4 can carry millions of digits, and the extent multiplies them.
         if len(shape) != len(strides) or len(shape) > 64 or not all(
                 type(v) is int and 0 <= v < 1 << 63 for v in (*shape, *strides, offset)):
             raise BadPickle("a tensor with a bad offset, shape or stride")
@@ -267,18 +246,13 @@ class _Unpickler(FastUnpickler):
 
 
 def _allowlist(unpickler: _Unpickler) -> dict[tuple[str, str], Any]:
-    """What each allowlisted global resolves to: the tensor machinery to stand-ins that build :class:`TensorRef`
-    and :class:`StorageRef` records, plain containers to plain values. Made per parse (the rebuild stand-in is
-    bound to its unpickler's scan and budget)."""
+    """Allowlisted global -> stand-in (tensor machinery builds :class:`TensorRef`/:class:`StorageRef`). Made per parse:
+    the rebuild stand-in is bound to its unpickler's scan and budget."""
     rebuild = unpickler._rebuild_tensor
-    # The subclass machinery (wrapper rebuild, layout, device, the classes, enums and attribute records of
-    # SUBCLASSES) and the dtypes, as shared immutable stand-ins; the tensor rebuilds and storages are this
-    # reader's own.
+    # Shared immutable stand-ins; the tensor rebuilds and storages are this reader's own.
     allowed: dict[tuple[str, str], Any] = subclass_allowlist()
-    # A device or a layout elsewhere (a Lightning hyperparameter, ``torch.device("cuda", 0)``) stays the inert
-    # placeholder it was before subclasses were read: only the strided layout a subclass record needs is
-    # resolved. A device is not reported as uninterpreted (every subclass record names one; it is a name and an
-    # index).
+    # A device elsewhere (a Lightning hyperparameter) stays an inert placeholder, not reported as uninterpreted
+    # (every subclass record names one).
     del allowed[("torch", "device")]
     device_class = _opaque_class("torch.device")
     layout = allowed.pop(("torch.serialization", "_get_layout"))
@@ -373,11 +347,9 @@ MAX_VALUES = 200_000
 
 
 def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict[str, str]:
-    """Every plain value (number, string, bytes, bool, ``None``) of an object tree, by path, as a canonical
-    string (``int:4``, ``float:0.001``: exact, ``-0.0`` and ``0.0`` differ), for comparing two trees value by
-    value. Tensors are not values (see :attr:`PickleScan.tensors`); an :class:`Opaque` object contributes its
-    name (``<path>.__class__``) and what the pickle handed it (``.args.N``, ``.state...``). Each object is
-    visited once; past ``limit`` values the rest are left out."""
+    """Every plain value of an object tree by path, as an exact canonical string (``int:4``; ``-0.0`` != ``0.0``).
+    Tensors are not values; an :class:`Opaque` contributes ``<path>.__class__`` and its arguments/state. Each object
+    is visited once; values past ``limit`` are left out."""
     out: dict[str, str] = {}
     seen: set[int] = set()
     stack: list[tuple[str, Any]] = [(prefix, root)]

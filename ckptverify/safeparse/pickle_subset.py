@@ -1,36 +1,15 @@
-"""Deciding, in one fast pass over the bytes, whether a metadata pickle may be read by the C unpickler.
+"""Whether a metadata pickle may be read by the C unpickler, decided in one fast pass over the bytes.
 
-:mod:`ckptverify.dcp.metadata_pickle` has two ways to read a pickle through its allowlist: the pure-Python
-unpickler (the reference: every opcode is dispatched in Python, so no opcode is out of reach of a check)
-and the C unpickler (several times faster, used for DCP's own output). The C unpickler is only safe, and
-only agrees with the reference, on a subset of pickles; :func:`in_fast_subset` says whether a pickle lies
-in it. Anything outside is read by the reference, so this pass may refuse freely: it never decides a
-finding, only which unpickler runs.
+The pure-Python unpickler is the reference; the C one is faster but safe, and equal to it, only on a subset.
+Anything outside goes to the reference, so this pass may refuse freely: it never decides a finding.
 
-The subset (everything ``FileSystemWriter`` and Megatron write falls in it):
-
-* protocol 2 to 5, the ``PROTO`` opcode first; no opcode outside a small set: the binary pushes (ints,
-  floats, strings, bytes), the empty containers, ``MARK``, ``APPEND(S)``, ``SETITEM(S)``, ``LIST``,
-  ``DICT``, ``STACK_GLOBAL``, ``REDUCE``, ``NEWOBJ``, ``BUILD``, ``MEMOIZE``, ``BINGET``/``LONG_BINGET``,
-  the tuple opcodes, ``FRAME`` and ``STOP``. Not in it: every ``PUT`` (the C unpickler zero-fills a memo
-  array as long as the largest index a ``LONG_BINPUT`` names), ``GLOBAL``/``INST``/``OBJ`` and the other
-  text opcodes, ``POP``/``DUP``, persistent ids, extensions, sets, out-of-band buffers, ``LONG4``;
-* every length-prefixed argument inside the data (the C unpickler allocates a ``BINBYTES8`` before it
-  reads it); every frame inside the data, each opcode inside one frame, and no ``FRAME`` inside a frame
-  (where the pure-Python unpickler refuses such pickles, the C one reads on);
-* **tuples that cannot grow**: ``hash`` of a tuple recurses in C without limit (a dict key nested a
-  million deep kills the process) and costs as much as the tuple's expansion (a tuple of ``k`` copies of
-  a tuple of ``k`` copies of ... costs ``k**depth``), and the C unpickler hashes every dict key. So a
-  tuple is either handed at once to a call (``REDUCE``), a class (``NEWOBJ``) or ``BUILD`` (after at most
-  one ``MEMOIZE``, or wrapped once more in a 1-tuple, as ``torch.Size`` pickles its argument), where the
-  allowlist's stand-ins refuse nested or long tuples; or it is a *literal*: at most 64 values pushed by
-  single opcodes (the path tuples of DCP's ``planner_data``, Megatron's shapes), of which at most one is
-  a memo entry not known to hold a plain value, and none a memo entry holding another literal. So no
-  tuple nests more than four deep or expands to more than a few hundred values.
-
-Literals are checked by following the memo: the pass counts ``MEMOIZE`` opcodes (in one regular
-expression per stretch of the pickle) and remembers which memo entries hold literals and which hold
-plain values it saw pushed.
+The subset (all ``FileSystemWriter`` and Megatron output): protocol 2-5 with ``PROTO`` first; a small opcode set
+(no ``PUT``: the C memo zero-fills to the largest index; no text opcodes, ``POP``/``DUP``, persistent ids, sets,
+out-of-band buffers, ``LONG4``); every length and frame inside the data, no nested ``FRAME``; and **tuples that
+cannot grow** (``hash`` of a tuple recurses in C without limit and costs its whole expansion, and dict keys are
+hashed): a tuple is either handed at once to ``REDUCE``/``NEWOBJ``/``BUILD`` (whose stand-ins refuse nested or
+long tuples), or a *literal* of at most 64 single-opcode values, at most one an unknown memo entry and none a
+literal. Literals are checked by following ``MEMOIZE`` counts per run.
 """
 
 from __future__ import annotations
@@ -51,11 +30,11 @@ def _counted(ops: bytes) -> bytes:
     return b"[" + re.escape(ops) + b"](?:" + lengths + b")"
 
 
-#: Opcodes whose value may be memoized (each makes a new object): EMPTY_TUPLE EMPTY_LIST EMPTY_DICT LIST DICT
-#: NEWOBJ REDUCE STACK_GLOBAL NONE NEWTRUE NEWFALSE, and the pushes with arguments below.
+#: Opcodes making a new object (may be memoized): EMPTY_TUPLE EMPTY_LIST EMPTY_DICT LIST DICT NEWOBJ REDUCE
+#: STACK_GLOBAL NONE NEWTRUE NEWFALSE, and the pushes below.
 _FRESH = rb")\]}ld\x81R\x93N\x88\x89"
-#: Opcodes after which no MEMOIZE may come (each leaves an existing object on top: a MEMOIZE would give it a
-#: second memo entry, out of this pass's sight): MARK BUILD SETITEMS SETITEM APPEND APPENDS.
+#: No MEMOIZE may follow these (it would give an existing object a second, unseen memo entry): MARK BUILD
+#: SETITEMS SETITEM APPEND APPENDS.
 _KEEP = rb"(buase"
 _PUSHES = (
     rb"K" + _BYTE,  # BININT1
@@ -72,8 +51,7 @@ _GET = (rb"h" + _BYTE, rb"j" + _BYTE + b"{4}")  # BINGET LONG_BINGET
 #: a flat state dict: ``{fqn: (fqn,)}``).
 _FLAT_ITEM = rb"h([\x00-\xff])h\1\x85\x94|j([\x00-\xff]{4})j\2\x85\x94"
 _FLAT_ITEMS = re.compile(_FLAT_ITEM)
-#: A MARK and the entries of :data:`_FLAT_ITEM` after it, read as one batch (a batch split by a frame boundary
-#: goes on entry by entry, as any literal).
+#: A MARK and :data:`_FLAT_ITEM` entries, one batch (split by a frame: entry by entry).
 _FLAT = re.compile(rb"\((?:" + _FLAT_ITEM + rb")+")
 _RUN = re.compile(b"(?:" + b"|".join((
     b"[" + _FRESH + b"]\x94?",
@@ -98,8 +76,7 @@ _GETS = frozenset(b"hj")
 #: Opcodes with a 4- or 8-byte length, read outside the regular expressions: opcode -> size of the length.
 _LONG = {ord("X"): 4, ord("B"): 4, 0x8D: 8, 0x8E: 8}
 _MEMOIZE, _MARK, _TUPLE1, _REDUCE, _BUILD, _FRAME, _STOP = 0x94, ord("("), 0x85, ord("R"), ord("b"), 0x95, ord(".")
-#: Longest run read again opcode by opcode to find a literal's values (the first literal after a long run
-#: costs that much; a pickle whose literals need more is left to the reference).
+#: Longest run re-read opcode by opcode for a literal's values (beyond: left to the reference).
 _MAX_RESCAN = 1 << 20
 
 # What the pass expects next: any token; a tuple's consumer (after the tuple, after its MEMOIZE); the
@@ -109,9 +86,8 @@ _ANY, _TUPLE, _TUPLE_MEMO, _WRAPPED, _WRAPPED_MEMO, _CALLED = range(6)
 
 
 def in_fast_subset(data: bytes) -> bool:
-    """True if ``data`` is a pickle the C unpickler reads exactly as the pure-Python reference does
-    (given :mod:`~ckptverify.dcp.metadata_pickle`'s stand-ins) and without unbounded allocation, recursion or
-    hashing work. Linear in ``len(data)``; nearly all of it runs inside regular expressions."""
+    """True if the C unpickler reads ``data`` exactly as the reference does (given the metadata stand-ins), without
+    unbounded allocation, recursion or hashing. Linear in ``len(data)``."""
     n = len(data)
     if n < 3 or data[0] != 0x80 or not 2 <= data[1] <= 5:
         return False
@@ -212,8 +188,8 @@ class _Pass:
         del self.uncounted[:upto]
 
     def flat_literals(self, start: int, stop: int) -> bool:
-        """Entries ``key: (key,)`` in ``[start, stop)``: each 1-tuple a literal whose one value is a memo entry
-        made before the batch and not a literal."""
+        """Entries ``key: (key,)`` in ``[start, stop)``: each 1-tuple a literal of one earlier non-literal memo entry.
+        """
         self.flush(len(self.uncounted))
         first = self.memos
         literals = self.literal_memos
@@ -227,10 +203,7 @@ class _Pass:
         return True
 
     def literal_values(self, stop: int, op: int) -> bool:
-        """Whether the tuple opcode at ``stop`` makes a literal: values pushed by single opcodes in the runs
-        just before it, at most one of them a memo entry of unknown content, none a literal."""
-        # The run that ends at ``stop`` is read again opcode by opcode (counting its MEMOIZEs); the runs
-        # before it are counted as they are.
+        """Whether the tuple opcode at ``stop`` makes a literal (see the module docstring)."""
         runs = self.uncounted
         last = runs[-1] if runs and runs[-1][1] == stop else (stop, stop)
         if stop - last[0] > _MAX_RESCAN:

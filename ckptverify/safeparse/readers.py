@@ -1,29 +1,12 @@
 """Opening and reading checkpoint files: read-only, never blocking, never outside the checkpoint, never by signal.
 
-Everything under a checkpoint directory is hostile input, its file *types* included. So every file is
-
-* examined with ``stat`` **before** it is opened, and opened only if it is a regular file: a FIFO would block
-  ``open``, ``/dev/zero`` would never end, and opening some devices has side effects (a tape rewinds);
-* opened ``O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC``, and checked again with ``fstat`` on the descriptor
-  (same inode as examined, still a regular file), so swapping the name between the two steps gains nothing;
-* when a checkpoint root is given, *contained*: the path is resolved (symlinks and ``..``) and must lie inside
-  the resolved root; the resolved path is opened with ``O_NOFOLLOW``, and on Linux the descriptor's own path
-  (``/proc/self/fd``) is checked again after opening. A symlink inside the checkpoint to another file inside it
-  is fine; one that leads out is refused;
-* read with ``os.preadv`` into a reused, page-aligned buffer (an anonymous mapping), never through a mapping
-  of the file: a mapping of a file that another process truncates kills the reader with ``SIGBUS``, a read just
-  comes back short. A short read inside the size seen at open raises :class:`FileChangedError`, and
-  :meth:`ReadOnlyFile.changed` compares the file's ``fstat`` (and the inode behind its name) with what it was
-  at open, so a file rewritten or replaced while it was checked is reported, never silently passed.
-
-A thread can pace its reads (:func:`pacing`): a background verification waits between reads while the training
-needs every core (:mod:`~ckptverify.verifier.throttle`).
-
-The buffer is one per thread and small enough to stay in the CPU cache (:data:`READ_BYTES`): the copy from the
-page cache lands in cache and the hash reads it from there, which is what makes this as fast as ``cat``.
-
-Errors are :class:`~ckptverify.errors.UnsafeFileError` (refused without reading) and
-:class:`~ckptverify.errors.FileChangedError`; both are ``OSError`` s, which checks turn into findings.
+Everything under a checkpoint is hostile, file *types* included. A file is ``stat``-ed before opening and
+opened only if regular (a FIFO blocks, ``/dev/zero`` never ends), with ``O_RDONLY|O_NONBLOCK|O_NOCTTY|O_CLOEXEC``,
+then ``fstat``-checked (same inode). With a root it must resolve inside it (opened ``O_NOFOLLOW``; on Linux
+``/proc/self/fd`` is checked after opening). Reads use ``os.preadv`` into a per-thread, cache-sized buffer, never
+a mapping (a file truncated under a mapping kills the reader with ``SIGBUS``). A short read, or a changed
+``fstat`` (:meth:`ReadOnlyFile.changed`), is :class:`~ckptverify.errors.FileChangedError`; refusals are
+:class:`~ckptverify.errors.UnsafeFileError`. Both are ``OSError`` s, which checks turn into findings.
 """
 
 from __future__ import annotations
@@ -76,9 +59,8 @@ def file_kind(mode: int) -> str:
 
 
 def is_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
-    """True if ``path``, resolved (every symlink and ``..``), lies inside ``root`` resolved (``real_root``,
-    when the caller resolved it already). For a URL (no links in an object store): ``path`` names a key under
-    ``root``'s prefix."""
+    """True if ``path`` resolved (symlinks, ``..``) lies inside ``root`` resolved (``real_root`` if given). For a
+    URL: ``path`` names a key under ``root``'s prefix."""
     if is_url(path) or is_url(root):
         base = root.rstrip("/") + "/"
         return path.startswith(base) and ".." not in path[len(base):].split("/")
@@ -90,11 +72,8 @@ def is_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
 
 
 def _resolved_entry(root: str, path: str, real_root: str) -> tuple[str, os.stat_result] | None:
-    """``os.path.realpath(path)`` without resolving every component, where that is certain: ``path`` is
-    ``root``'s own entry (``root/NAME``, one plain name) and that entry exists and is no symbolic link, so it
-    resolves to ``real_root/NAME``; with its ``lstat``. ``None`` otherwise (the caller resolves in full). One
-    ``lstat`` instead of one per component of the path: a checkpoint saved one file per item has one entry
-    per item."""
+    """``(realpath(path), lstat)`` in one ``lstat`` when certain: ``path`` is ``root/NAME`` and that entry is no
+    symbolic link. ``None`` otherwise (the caller resolves in full). Saves a call per component per file."""
     head, sep, name = path.rpartition("/")
     if not sep or head.rstrip("/") != root.rstrip("/") or name in ("", ".", "..") or not root:
         return None
@@ -113,12 +92,11 @@ def _under(real_root: str, real: str) -> bool:
 
 
 def open_regular(path: str, *, root: str | None = None, real_root: str | None = None) -> tuple[int, os.stat_result]:
-    """Open ``path`` for reading if, and only if, it is a regular file (inside ``root`` when given).
+    """Open ``path`` for reading iff it is a regular file (inside ``root`` when given); never blocks.
 
-    Returns the descriptor (the caller closes it) and its ``fstat``. Raises
-    :class:`~ckptverify.errors.UnsafeFileError` for a FIFO, device, socket or directory, or a path that
-    resolves outside ``root``, without opening it; ``FileNotFoundError`` (an ``OSError``) when it does not
-    exist. Never blocks. ``real_root``: ``root`` resolved already (by the caller, earlier).
+    Returns the descriptor (the caller closes it) and its ``fstat``. Raises :class:`~ckptverify.errors.UnsafeFileError`
+    (not regular, or resolving outside ``root``) without opening, ``FileNotFoundError`` if missing. ``real_root``:
+    ``root`` already resolved.
     """
     fd, st, _ = _open_regular(path, root, real_root)
     return fd, st
@@ -156,8 +134,8 @@ def _open_regular(path: str, root: str | None, real_root: str | None) -> tuple[i
 
 
 def _check_descriptor_inside(fd: int, path: str, real_root: str) -> None:
-    """Where ``/proc`` tells the opened file's path, it must be inside ``real_root`` (a directory on the way
-    may have been swapped for a link between resolving and opening)."""
+    """Where ``/proc`` tells the opened file's path, it must be inside ``real_root`` (a directory may have been
+    swapped for a link between resolving and opening)."""
     try:
         opened = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
@@ -167,13 +145,10 @@ def _check_descriptor_inside(fd: int, path: str, real_root: str) -> None:
 
 
 def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
-    """The whole content of a small regular file (metadata, manifest), refusing what could hang or flood memory.
+    """The whole content of a small regular file, opened as :func:`open_regular` does.
 
-    Opened as :func:`open_regular` does (so a FIFO, device or socket is refused unopened, and with ``root`` a
-    path leading out of it is too). Raises :class:`~ckptverify.errors.UnsafeFileError` when the file holds
-    more than ``limit`` bytes (checked before reading and while reading: it may grow), and
-    :class:`~ckptverify.errors.FileChangedError` when it changed while it was read. A URL is read through
-    :func:`ckptverify.safeparse.remote.read_small`.
+    Raises :class:`~ckptverify.errors.UnsafeFileError` past ``limit`` bytes (checked before and while reading) and
+    :class:`~ckptverify.errors.FileChangedError` if it changed while read. A URL goes to ``remote.read_small``.
     """
     if is_url(path):
         from ckptverify.safeparse.remote import read_small
@@ -203,9 +178,8 @@ def read_small_file(path: str, limit: int, *, root: str | None = None) -> bytes:
 
 @contextmanager
 def pacing(pacer: Callable[[int], None] | None) -> Iterator[None]:
-    """Within the block, this thread calls ``pacer`` with the size of each read of a :meth:`ReadOnlyFile.fold`
-    (after the bytes are used) and of :meth:`ReadOnlyFile.pread` (after the read): it may wait there, and it
-    changes nothing that is read."""
+    """Within the block, this thread calls ``pacer`` with the size of each ``fold`` read (after use) and ``pread``
+    (after the read); it may wait, and changes nothing read."""
     before = getattr(_local, "pacer", None)
     _local.pacer = pacer
     try:
@@ -224,22 +198,13 @@ def _buffer() -> memoryview:
 
 
 class ReadOnlyFile(Folding):
-    """A regular file opened read-only (never created, never written), with ranged reads and hashing.
+    """A regular file opened read-only, with ranged reads and hashing; a URL opens a ``RemoteFile`` instead.
 
-    ``size`` is the size at open; every read stays inside it. A read that comes back short inside it, or a
-    file whose ``fstat`` no longer matches (see :meth:`changed`), means the file changed under the reader:
-    :class:`~ckptverify.errors.FileChangedError`.
-
-    At most :data:`MAX_OPEN` descriptors are held at once, process-wide (a checkpoint saved one file per item
-    has as many files as items, more than a process may open): the least recently used idle one is closed
-    and opened again when next needed, and it must then be the same file, unchanged (device, inode, size,
-    modification time), or the read raises :class:`~ckptverify.errors.FileChangedError`. The reopen takes the
-    path resolved the first time when it still names that very file (:meth:`_reopen_same`), else every
-    check of the first open runs again. ``keep_bytes``: a file of at most that size is read whole at open and
-    read from memory until :meth:`release_kept`.
-
-    A URL (``s3://...``, any fsspec URL) opens a :class:`~ckptverify.safeparse.remote.RemoteFile` instead:
-    the same interface, read with ranged requests (``real_root`` and ``keep_bytes`` do not apply).
+    ``size`` is the size at open; reads stay inside it; a short read or a changed ``fstat`` is
+    :class:`~ckptverify.errors.FileChangedError`. At most :data:`MAX_OPEN` descriptors are held process-wide (one
+    file per item may exceed the process limit): idle ones are closed LRU and reopened, which must find the same,
+    unchanged file. ``keep_bytes``: a file that small is read whole at open and served from memory until
+    :meth:`release_kept`.
     """
 
     def __new__(cls, path: str, *, root: str | None = None, real_root: str | None = None,
@@ -254,8 +219,7 @@ class ReadOnlyFile(Folding):
                  keep_bytes: int = 0) -> None:
         self.path = path
         self._root = root
-        # The root as resolved at open (or by the caller, once for many files): a reopen checks the path
-        # against it (a root moved since would make the path resolve elsewhere, which is refused).
+        # A reopen checks the path against the root as resolved at open (a moved root is refused).
         self._real_root = (real_root or os.path.realpath(root)) if root is not None else None
         fd, st, target = _open_regular(path, root, self._real_root)
         # The resolved path opened, for a quick reopen (see _reopen); only where it was resolved.
@@ -282,11 +246,8 @@ class ReadOnlyFile(Folding):
         return len(self._kept) if self._kept is not None else 0
 
     def release_kept(self) -> None:
-        """Forget the bytes read at open; later reads go to the file. A checkpoint saved one file per item
-        has as many files as items, more than may stay open: its small files are read whole while their
-        descriptor is fresh, and the first stages (structure, archives) read them from memory instead of
-        opening each file again. The bytes are those the file held at open; a change after it is found as
-        for any read (:meth:`changed`)."""
+        """Forget the bytes read at open; later reads go to the file (a change after open is found by :meth:`changed`).
+        """
         self._kept = None
 
     def close(self) -> None:
@@ -308,8 +269,7 @@ class ReadOnlyFile(Folding):
             _DESCRIPTORS.unpin(self)
 
     def _reopen(self) -> int:
-        """Open the file again (after its descriptor was closed to stay under :data:`MAX_OPEN`); it must be
-        the same, unchanged file."""
+        """Reopen after the descriptor was closed for :data:`MAX_OPEN`; it must be the same, unchanged file."""
         fd = self._reopen_same()
         if fd is not None:
             return fd
@@ -325,11 +285,8 @@ class ReadOnlyFile(Folding):
         raise _changed(self.path, f"{self.path} changed while it was verified: {how}")
 
     def _reopen_same(self) -> int | None:
-        """The quick reopen: the resolved path opened the first time still names a regular file with this
-        file's signature (device, inode, size, modification time), and opening it (no link followed) gives
-        that file. It is then the very file checked to lie inside the root at the first open, unchanged, so
-        resolving the path again and asking ``/proc`` where it lies would prove nothing more. ``None``
-        when anything differs: the full :func:`open_regular` then runs and says what."""
+        """Quick reopen: the resolved path still names a regular file of this signature, opened without following links,
+        so it is the file checked at first open. ``None`` if anything differs (the full :func:`open_regular` runs)."""
         target = self._target
         if target is None:
             return None
@@ -357,8 +314,7 @@ class ReadOnlyFile(Folding):
                 f"is {now.st_size} bytes modified at {now.st_mtime_ns} ns now")
 
     def changed(self) -> str | None:
-        """How the file differs from when it was opened (size, modification time, or the name now naming
-        another file), or ``None`` if it looks the same."""
+        """How the file differs from open (size, mtime, or its name naming another file), or ``None``."""
         fd = _DESCRIPTORS.pin_if_open(self)
         if fd is None:  # closed to stay under MAX_OPEN: what its name opens must be the file, unchanged
             try:
@@ -429,14 +385,12 @@ class ReadOnlyFile(Folding):
         return _changed(self.path, f"{self.path} ends at byte {at} now but was {self.size} bytes when opened")
 
 
-#: Most descriptors :class:`ReadOnlyFile` objects hold open at once (idle ones beyond it are closed, least
-#: recently used first, and opened again when needed): well under the usual limit of 1024 per process.
+#: Most descriptors held open at once: well under the usual limit of 1024 per process.
 MAX_OPEN = 256
 
 
 class _Descriptors:
-    """The open descriptors of all :class:`ReadOnlyFile` objects, at most :data:`MAX_OPEN` (beyond it only
-    while pinned: a read in progress keeps its descriptor)."""
+    """Open descriptors of all :class:`ReadOnlyFile` s, at most :data:`MAX_OPEN` (beyond only while reads pin them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,24 +1,11 @@
-"""Reading checkpoints in object stores and on remote file systems (``s3://``, any fsspec URL).
+"""Reading checkpoints in object stores and remote file systems (``s3://``, any fsspec URL).
 
-Imported only when a URL is given (:func:`ckptverify.safeparse.paths.is_url`): a local-path user needs neither
-fsspec nor s3fs. Without them a URL is a :class:`~ckptverify.errors.UsageError` saying what to install.
-
-* :class:`RemoteFile` has the interface of :class:`~ckptverify.safeparse.readers.ReadOnlyFile` (``size``,
-  ``pread``, ``fold``, ``fold_at``, ``crc32``, ``changed``, ``close``). It reads with ranged requests
-  (:data:`RANGE_BYTES` each), several in flight from a shared pool (:data:`CONCURRENCY` threads) with at
-  most :data:`READ_AHEAD` ranges ahead per pass, so memory stays bounded whatever the object's size: an
-  object is never read into memory whole.
-* An object's signature is its size and ETag (or the store's version tag; its modification time where it has
-  neither: a listing and a ``HEAD`` state times at different precisions). On S3 every
-  ranged GET carries ``If-Match: <ETag seen at open>``: an object replaced while it is verified fails the
-  next read (:class:`~ckptverify.errors.FileChangedError`, a ``file-changed`` finding), and
-  :meth:`RemoteFile.changed` compares the signature with a fresh listing at the end, as a local file's
-  ``fstat`` is.
-* Credentials come from the store's own standard chain (for S3, botocore's: environment, ``~/.aws`` files,
-  instance roles); nothing here reads, holds or prints them. ``AWS_ENDPOINT_URL`` points S3 at an
-  S3-compatible store; :data:`OPTIONS_ENV` passes further fsspec options (a JSON object).
-* Throttling (HTTP 503 ``SlowDown``) is retried with backoff by botocore's ``standard`` retry mode, 10 attempts
-  (unless ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` say otherwise); :func:`stats` counts the retries seen.
+Imported only for a URL; without fsspec/s3fs a URL is a :class:`~ckptverify.errors.UsageError`.
+:class:`RemoteFile` has :class:`~ckptverify.safeparse.readers.ReadOnlyFile`'s interface, reading bounded ranged
+requests from a shared pool; an object is never read into memory whole. An object's signature is size and ETag
+(or version; mtime only without either). On S3 each GET carries ``If-Match``: a replaced object fails the next
+read (``file-changed``). Credentials come from the store's own chain; nothing here reads or prints them.
+Throttling is retried by botocore's ``standard`` mode, 10 attempts.
 """
 
 from __future__ import annotations
@@ -55,9 +42,8 @@ CONCURRENCY = max(1, int(_CONCURRENCY_ENV)) if _CONCURRENCY_ENV.isdigit() else 1
 JOBS = 8
 #: Environment variable holding extra fsspec options (a JSON object), e.g. ``{"anon": true}``.
 OPTIONS_ENV = "CKPTVERIFY_STORAGE_OPTIONS"
-#: Small reads (headers) fetch this much around them, kept process-wide up to :data:`_BLOCK_BUDGET` bytes
-#: (least recently used dropped first; a file's blocks go when it is closed): a
-#: checkpoint's many small reads near each other cost one request, not one each.
+#: Small reads fetch a block this size, kept LRU up to :data:`_BLOCK_BUDGET` (dropped on close), so nearby
+#: small reads cost one request.
 _BLOCK_BYTES = 256 << 10
 _BLOCK_BUDGET = 64 << 20
 #: Views handed to ``fn`` in a pass are at most this long (as a local file's reads).
@@ -74,9 +60,8 @@ _pool: ThreadPoolExecutor | None = None
 _stats = {"requests": 0, "bytes": 0, "retries": 0}
 
 
-#: The last fresh listing of each prefix (per file system): (monotonic time it began, entries by name). An
-#: object read before a listing began is checked against it at the end, so the end checks of a checkpoint's
-#: objects cost one listing per prefix, not one request per object.
+#: Last fresh listing per prefix: (monotonic start, entries). End checks of objects read before it use it:
+#: one listing per prefix, not a request per object.
 _listings: dict[tuple[int, str], tuple[float, dict[str, dict[str, Any]]]] = {}
 _LISTINGS_KEPT = 64
 
@@ -139,8 +124,8 @@ def storage_options(url: str) -> dict[str, Any]:
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec file system serving ``url`` and the path within it. Raises
-    :class:`~ckptverify.errors.UsageError` when fsspec (or the scheme's implementation) is not installed."""
+    """The fsspec file system serving ``url`` and the path within it; :class:`~ckptverify.errors.UsageError` when
+    fsspec (or the scheme's implementation) is not installed."""
     protocol = url.split("://", 1)[0].lower()
     try:
         import fsspec
@@ -197,8 +182,7 @@ def _mtime_ns(info: dict[str, Any]) -> int:
 
 
 def _signature(info: dict[str, Any]) -> tuple[int, int, str]:
-    """(size, modification time, tag). With a tag (ETag, version) the time is left out (0): a listing and a
-    HEAD may state it at different precisions, and the tag changes with the content anyway."""
+    """(size, mtime, tag). With a tag the time is 0: a listing and a HEAD state it at different precisions."""
     tag = _tag(info)
     return int(info.get("size") or 0), 0 if tag else _mtime_ns(info), tag
 
@@ -239,8 +223,7 @@ def stat(url: str) -> os.stat_result:
 
 
 def forget(url: str) -> None:
-    """Drop what the file system has cached about ``url``, everything under it and its parents: what is read
-    next is read afresh. Each command starts so (a long-lived process must not judge by an old listing)."""
+    """Drop cached knowledge of ``url``, below and above it, so a long-lived process never judges by an old listing."""
     fs, path = filesystem(url)
     fs.invalidate_cache(path)
     cache = getattr(fs, "dircache", None)
@@ -251,8 +234,7 @@ def forget(url: str) -> None:
 
 
 def _segment(own: str, info: dict[str, Any]) -> str | None:
-    """The name ``info`` has below the listed prefix ``own`` (``None`` for ``own`` itself or its folder marker,
-    the empty object ``own/`` some tools write). A prefix's trailing ``/`` is not part of its name."""
+    """``info``'s name below ``own`` (``None`` for ``own`` itself or its ``own/`` folder marker)."""
     name = str(info.get("name", ""))
     if not name.startswith(own + "/"):
         return None
@@ -263,8 +245,7 @@ def _segment(own: str, info: dict[str, Any]) -> str | None:
 
 
 def _unaddressable(seg: str) -> bool:
-    """A name no path can reach: a ``.``, ``..`` or empty segment (any path naming it is normalised to another
-    key, possibly outside the prefix), or a ``/`` the listing should have split at."""
+    """A name no path reaches: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at."""
     return seg in ("", ".", "..") or "/" in seg
 
 
@@ -285,8 +266,7 @@ def _entries(url: str) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, 
 
 
 def listdir(url: str) -> list[str]:
-    """The names directly under ``url`` (objects and prefixes), listed afresh; unaddressable keys (a ``.``,
-    ``..`` or empty segment) are left out: :meth:`_Scan.unaddressable` names them."""
+    """Names directly under ``url``, listed afresh; unaddressable keys are left out (:meth:`_Scan.unaddressable`)."""
     return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _entries(url)[0]]
 
 
@@ -344,9 +324,8 @@ class _Scan:
         self._it = iter(())
 
     def unaddressable(self, limit: int) -> tuple[list[str], bool]:
-        """The keys under the listed prefix that no path reaches (a ``.``, ``..`` or empty segment: see
-        :func:`_unaddressable`), relative to it as stored (``./a``, ``../../x``), sorted; at most ``limit`` of
-        them, and whether there were more. Costs one flat listing per such name, none when there is none."""
+        """Keys under the prefix no path reaches, as stored relative to it, sorted; at most ``limit``, and whether there
+        were more. One flat listing per such name."""
         fs, path = filesystem(self._url)
         own = path.rstrip("/")
         keys: list[str] = []
@@ -365,8 +344,7 @@ class _Scan:
 
 
 def scandir(url: str) -> _Scan:
-    """The entries directly under ``url`` (one fresh listing), as ``os.scandir`` gives them; unaddressable keys
-    are left out (:meth:`_Scan.unaddressable` names them)."""
+    """Entries directly under ``url`` (one fresh listing), as ``os.scandir``; unaddressable keys left out."""
     good, odd = _entries(url)
     return _Scan(url, [_Entry(url, e) for e in good], odd)
 
@@ -396,8 +374,7 @@ def exists(url: str) -> bool:
 
 
 def read_small(url: str, limit: int) -> bytes:
-    """The whole content of a small object (metadata, manifest, stamp); as
-    :func:`~ckptverify.safeparse.readers.read_small_file`: more than ``limit`` bytes is refused unread."""
+    """Whole content of a small object, as ``read_small_file``: more than ``limit`` bytes is refused unread."""
     with RemoteFile(url) as f:
         if f.size > limit:
             raise UnsafeFileError(f"{url} is {f.size} bytes, more than the {limit} this tool reads for it", url)
@@ -405,8 +382,7 @@ def read_small(url: str, limit: int) -> bytes:
 
 
 def put_small(url: str, data: bytes) -> None:
-    """Write ``data`` as the object ``url`` in one request (a stamp beside a checkpoint: never a checkpoint's
-    own bytes)."""
+    """Write ``data`` as the object ``url`` in one request (a stamp, never a checkpoint's own bytes)."""
     fs, path = filesystem(url)
     fs.pipe_file(path, data)
     fs.invalidate_cache(path)
@@ -425,14 +401,10 @@ def _precondition_failed(exc: BaseException) -> bool:
 
 
 class RemoteFile(Folding):
-    """An object (or remote file) read with ranged requests; the interface of
-    :class:`~ckptverify.safeparse.readers.ReadOnlyFile`.
+    """An object read with ranged requests; the interface of :class:`~ckptverify.safeparse.readers.ReadOnlyFile`.
 
-    ``size`` is the size seen at open; reads stay inside it. A read that comes back short, a GET refused
-    because the ETag no longer matches, or a signature that differs at :meth:`changed` means the object
-    changed under the reader (:class:`~ckptverify.errors.FileChangedError`, or the description returned).
-    ``root`` is accepted for the interface: an object store has no links, so a key under the checkpoint's
-    prefix cannot lead out of it.
+    A short read, an ETag mismatch, or a changed signature at :meth:`changed` means the object changed under the
+    reader. ``root`` is accepted for the interface (an object store has no links).
     """
 
     def __init__(self, path: str, *, root: str | None = None) -> None:
@@ -459,8 +431,7 @@ class RemoteFile(Folding):
 
     @property
     def kept(self) -> int:
-        """Bytes held from the open (:attr:`ReadOnlyFile.kept`): none, an object's small reads go through the
-        block cache instead."""
+        """Always 0: small reads go through the block cache."""
         return 0
 
     def release_kept(self) -> None:
@@ -592,8 +563,7 @@ class RemoteFile(Folding):
                 future.cancel()
 
     def changed(self) -> str | None:
-        """How the object differs from when it was opened (size, modification time, ETag), read afresh, or
-        ``None`` if it looks the same."""
+        """How the object differs from open (size, mtime, ETag), read afresh, or ``None``."""
         try:
             listed = _listed_after(self._fs, posixpath.dirname(self._key.rstrip("/")), self._last_read)
         except FileNotFoundError:

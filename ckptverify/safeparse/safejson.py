@@ -1,18 +1,8 @@
 """Reading JSON from untrusted bytes: bounded size and depth, finite numbers, unique keys, exact integers.
 
-:func:`loads` is :func:`json.loads` with the ways hostile JSON hurts a reader closed off:
-
-* ``NaN``, ``Infinity``, ``-Infinity`` and numbers that overflow a float (``1e999``) are refused: they turn
-  into ``OverflowError`` the moment a reader converts them to an integer;
-* nesting deeper than ``max_depth`` is refused after the parse, before any caller walks the value
-  (:func:`json.loads` itself stops at the interpreter's recursion limit with ``RecursionError``, which is
-  caught here too), so a caller may recurse over what it gets;
-* a repeated key in one object is refused (the last one would silently win, hiding the first);
-* more than ``max_bytes`` bytes are refused before parsing.
-
-Everything it refuses is a :class:`JSONError` (a ``ValueError``). :func:`exact_int` then takes a number out
-of the parsed value only when it is an ``int`` (never a ``bool``, never a ``float``, even ``2.0``) within
-bounds.
+:func:`loads` refuses ``NaN``/infinities/overflowing numbers (they raise ``OverflowError`` when made integers),
+nesting past ``max_depth`` (so callers may recurse), repeated keys (the last would silently win) and documents
+over ``max_bytes``, all as :class:`JSONError` (a ``ValueError``). :func:`exact_int` takes only a true ``int``.
 """
 
 from __future__ import annotations
@@ -55,11 +45,8 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def loads(data: bytes | bytearray | memoryview | str, *, max_bytes: int = MAX_BYTES,
           max_depth: int = MAX_DEPTH, nonfinite: bool = False) -> Any:
-    """Parse ``data`` (UTF-8, -16 or -32 bytes, or text); raise :class:`JSONError` for anything refused.
-
-    ``nonfinite``: accept ``NaN`` and infinities as floats, for side files a framework wrote with Python's
-    :func:`json.dumps` (a diverged loss in a trainer state is ``NaN``); callers must not turn them into integers.
-    """
+    """Parse ``data`` (UTF-8/16/32 bytes, or text); raise :class:`JSONError` for anything refused. ``nonfinite``:
+    accept ``NaN``/infinities (a framework's side file); callers must not make them integers."""
     if len(data) > max_bytes:
         raise JSONError(f"the JSON is {len(data)} bytes, more than the {max_bytes} this tool reads")
     if isinstance(data, memoryview | bytearray):
@@ -97,8 +84,7 @@ def _check_depth(value: Any, max_depth: int) -> None:
 
 
 def exact_int(value: Any, what: str, *, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
-    """``value`` if it is an ``int`` (not a ``bool``, not a ``float``) with ``lo <= value <= hi``; else
-    :class:`JSONError` naming ``what``."""
+    """``value`` if an ``int`` (not ``bool``/``float``) in ``[lo, hi]``; else :class:`JSONError` naming ``what``."""
     if type(value) is not int:
         raise JSONError(f"{what} is {type(value).__name__} {_short(value)}, not an integer")
     if not lo <= value <= hi:

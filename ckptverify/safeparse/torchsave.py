@@ -1,20 +1,10 @@
-"""Reading the ``data.pkl`` of a ``torch.save`` tensor item (each DCP item) without executing anything.
+"""Reading a DCP tensor item's ``data.pkl`` without executing anything.
 
-:func:`tensor_header` learns a tensor's dtype, shape, strides and storage offset from its ``data.pkl``: a
-configuration of :mod:`ckptverify.safeparse.unpickler` whose allowlist resolves the tensor machinery
-(``torch._utils._rebuild_tensor_v2``/``_v3``, the storage types, dtypes, ``collections.OrderedDict`` for the
-hooks) to stand-ins shared by every parse (so each refuses ``BUILD`` and attribute writes), read by the
-pure-Python reference unpickler with a dict memo. A plain tensor's ``data.pkl`` hashes no tuple, so any tuple
-used as a dict key or set member is refused. The archive around it is walked by
-:mod:`ckptverify.safeparse.zipwalk`.
-
-:func:`item_header` also reads the record of a tensor subclass that keeps its values in inner tensors
-(torchao's ``MXTensor`` and ``NVFP4Tensor``, :data:`SUBCLASSES`): ``torch._tensor._rebuild_from_type_v2`` over
-``torch._utils._rebuild_wrapper_subclass``, the class, and a state dict of inner tensor records and plain
-attributes. The class, the enums and the small dataclasses of its attributes are stand-ins named by
-``module.name``: nothing of torchao is imported or run, whether torchao is installed or not, and any other
-global (a torchao function, another class) is refused. The result, :class:`SubclassHeader`, holds each inner
-tensor's header and the attributes in the canonical form :mod:`ckptverify.fingerprint.subclass` fingerprints.
+:func:`tensor_header` reads dtype, shape, strides and offset through the reference unpickler with an allowlist
+of shared stand-ins (each refuses ``BUILD`` and attribute writes); no tuple may be hashed.
+:func:`item_header` also reads allowlisted tensor subclasses (:data:`SUBCLASSES`, torchao's ``MXTensor`` and
+``NVFP4Tensor``) as :class:`SubclassHeader`: the class, enums and attribute records are stand-ins by name, so
+nothing of torchao is imported or run, and any other global is refused.
 """
 
 from __future__ import annotations
@@ -42,8 +32,7 @@ _LEGACY_STORAGE_DTYPES = {
     "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
 }  # fmt: skip
 
-#: The bounds of a ``data.pkl`` read: no tuple hashed, memo entries numbered in order. No work budget: none of
-#: the stand-ins copies or walks what it is given, so each opcode costs work in proportion to the bytes read.
+#: No tuple hashed, memo in order. No work budget: no stand-in copies or walks its input, so work is linear.
 LIMITS = Limits(max_key_nodes=0, memo_slack=0)
 
 
@@ -138,8 +127,8 @@ def _header(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None
 
 
 def _tensor_globals() -> dict[tuple[str, str], Any]:
-    """The allowlist for ``data.pkl``. Shared by every parse, so every member is immutable: the globals
-    refuse ``BUILD`` and attribute writes, and the OrderedDict stand-in's class is never handed out."""
+    """The ``data.pkl`` allowlist, shared by every parse, so every member is immutable (the OrderedDict stand-in's
+    class is never handed out)."""
 
     def rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorHeader:
         return _header(storage, offset, size, stride, storage.dtype if isinstance(storage, _StorageRef) else None)
@@ -169,8 +158,8 @@ _TENSOR_GLOBALS: dict[tuple[str, str], Any] | None = None
 
 
 class _TensorHeaderUnpickler(ReferenceUnpickler):
-    """The reference unpickler over the tensor allowlist: ``BUILD`` only onto objects that define
-    ``__setstate__`` (all of which refuse it), storages from persistent ids, no tuple hashed."""
+    """Reference unpickler over the tensor allowlist: ``BUILD`` only onto stand-ins (which refuse it), storages from
+    persistent ids, no tuple hashed."""
 
     noop_build = False
     what = "data.pkl"
@@ -198,10 +187,8 @@ def _exceeded() -> Exception:  # pragma: no cover - nothing charges the budget
 
 
 def tensor_header(data_pkl: bytes) -> TensorHeader:
-    """Read a tensor item's ``data.pkl`` safely. Raises ``pickle.UnpicklingError`` on anything else.
-
-    The result depends on the bytes alone, and the items of a checkpoint share a handful of headers (one
-    per dtype and shape), so small ones are remembered by their bytes."""
+    """Read a tensor item's ``data.pkl`` safely; ``pickle.UnpicklingError`` on anything else. Small results are
+    cached by their bytes (a checkpoint has one header per dtype and shape)."""
     if len(data_pkl) <= _CACHED_HEADER_BYTES:
         return _tensor_header_cached(bytes(data_pkl))
     return _tensor_header(data_pkl)
@@ -220,8 +207,7 @@ def _tensor_header(data_pkl: bytes) -> TensorHeader:
 
 
 def _load_record(unpickler: Any, want: type[T]) -> T:
-    """What ``unpickler`` loads, if it is a ``want``; anything else (hostile bytes included) is an
-    ``UnpicklingError``, never another exception."""
+    """What ``unpickler`` loads if it is a ``want``; any failure (hostile bytes) is an ``UnpicklingError``."""
     try:
         obj = unpickler.load()
     except pickle.UnpicklingError:
@@ -235,8 +221,7 @@ def _load_record(unpickler: Any, want: type[T]) -> T:
 
 # ----------------------------------------------------------------------------------- tensor subclasses
 
-#: The tensor subclasses whose stored records :func:`item_header` reads, by ``module.QualName``: the names of
-#: their inner tensors, in the order their ``__tensor_flatten__`` gives them (optional ones last).
+#: Subclasses :func:`item_header` reads -> inner tensor names in ``__tensor_flatten__`` order (optional last).
 SUBCLASSES: dict[str, tuple[str, ...]] = {
     "torchao.prototype.mx_formats.mx_tensor.MXTensor": ("qdata", "scale"),
     "torchao.prototype.mx_formats.nvfp4_tensor.NVFP4Tensor": ("qdata", "scale", "per_tensor_scale",
@@ -254,15 +239,12 @@ _ENUMS: dict[str, frozenset[str]] = {
     _SCALING: frozenset({"floor", "rceil", "ceil", "even"}),
 }
 
-#: Dataclasses their attributes use (the activation quantization settings), by ``module.QualName``; their fields
-#: are in :data:`_ATTRIBUTES`.
+#: Dataclasses their attributes use; fields in :data:`_ATTRIBUTES`.
 _RECORDS: frozenset[str] = frozenset({_MX_KWARGS, _NVFP4_KWARGS})
 
-#: What each attribute of the classes of :data:`SUBCLASSES` and :data:`_RECORDS` holds, as torchao writes them:
-#: name -> (kind, optional). A kind is ``part`` (an inner tensor), ``dtype``, ``elem`` (a dtype or the name of an
-#: element format, torchao's ``"fp6_e2m3"``), ``int`` (positive), ``bool``, or the label of an enum of
-#: :data:`_ENUMS` or a record of :data:`_RECORDS`; ``?`` after it admits ``None``. An optional attribute may be
-#: absent (torchao's ``optional_tensor_*_names``); every other is in every record (its constructor sets it).
+#: Attribute name -> (kind, optional) per class, as torchao writes them. Kind: ``part`` (inner tensor), ``dtype``,
+#: ``elem`` (dtype or format name like ``"fp6_e2m3"``), ``int`` (positive), ``bool``, or an :data:`_ENUMS` /
+#: :data:`_RECORDS` label; ``?`` admits ``None``. Non-optional attributes are in every record.
 _ATTRIBUTES: dict[str, dict[str, tuple[str, bool]]] = {
     "torchao.prototype.mx_formats.mx_tensor.MXTensor": {
         "qdata": ("part", False), "scale": ("part", False), "elem_dtype": ("elem", False),
@@ -282,10 +264,8 @@ _ATTRIBUTES: dict[str, dict[str, tuple[str, bool]]] = {
 
 @dataclass(frozen=True, slots=True)
 class SubclassHeader:
-    """What the record of a tensor subclass says: its class (``module.QualName``), outer dtype, shape and
-    strides, the header of each inner tensor by name (in :data:`SUBCLASSES` order) and its other attributes
-    (``context``: canonical JSON text with sorted keys, ``None`` values left out; see
-    :func:`ckptverify.fingerprint.subclass.canonical`)."""
+    """A tensor subclass record: class (``module.QualName``), outer dtype/shape/strides, inner headers by name (in
+    :data:`SUBCLASSES` order), ``context`` (canonical JSON, see :func:`ckptverify.fingerprint.subclass.canonical`)."""
 
     cls: str
     dtype: str
@@ -335,8 +315,8 @@ def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
 
 
 def _record_class(label: str) -> type:
-    """A stand-in class for an allowlisted dataclass: ``NEWOBJ`` makes an empty record, one ``BUILD`` fills it
-    with a dict of its fields (scalars, dtypes, enum members), and nothing else can change it."""
+    """Stand-in for an allowlisted dataclass: ``NEWOBJ`` makes it empty, one ``BUILD`` fills it, nothing else changes
+    it."""
 
     def __new__(cls: type) -> Any:
         inst = object.__new__(cls)
@@ -357,8 +337,8 @@ def _record_class(label: str) -> type:
 
 
 def _canonical(value: Any) -> Any:
-    """An attribute's canonical JSON form (as :func:`ckptverify.fingerprint.subclass.canonical` gives it for
-    the live value); anything that is not a scalar, a dtype, an enum member or a filled record is refused."""
+    """An attribute's canonical JSON form (as ``fingerprint.subclass.canonical``); anything not a scalar, dtype, enum
+    member or filled record is refused."""
     if value is None or type(value) in (bool, int, float, str):
         return value
     if type(value) is _DType:
@@ -372,9 +352,8 @@ def _canonical(value: Any) -> Any:
 
 
 def _check_attributes(label: str, state: dict[str, Any], part_type: type | None) -> None:
-    """Refuse a record of ``label`` (a class of :data:`_ATTRIBUTES`) whose attributes are not those torchao
-    writes: one the class does not have, one it always has missing, or one of another kind (:data:`_ATTRIBUTES`;
-    an inner tensor is a ``part_type`` record)."""
+    """Refuse a ``label`` record whose attributes differ from what torchao writes (unknown, required missing, wrong
+    kind per :data:`_ATTRIBUTES`; inner tensors are ``part_type`` records)."""
     kinds = _ATTRIBUTES[label]
     for key, value in state.items():
         if key not in kinds and not (key == "_is_param" and value is True and part_type is not None):
@@ -412,10 +391,9 @@ def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
 
 def subclass_fields(func: Any, new_type: Any, args: Any, state: Any, part_type: type,
                     ) -> tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[tuple[str, Any], ...], str]:
-    """Check the arguments of ``torch._tensor._rebuild_from_type_v2`` for an allowlisted tensor subclass, as
-    resolved through :func:`subclass_allowlist`, and give its class label, outer dtype, size, stride, inner
-    tensors (those of ``state`` that are ``part_type`` records, in :data:`SUBCLASSES` order) and canonical
-    attributes. Raises ``pickle.UnpicklingError`` for anything else."""
+    """Check ``_rebuild_from_type_v2`` arguments for an allowlisted subclass; return class label, outer dtype, size,
+    stride, inner tensors (in :data:`SUBCLASSES` order) and canonical attributes. ``pickle.UnpicklingError`` otherwise.
+    """
     if func is not _WRAPPER or type(new_type) is not _SubclassType:
         raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
     if type(args) is not tuple or len(args) != 8:
@@ -484,10 +462,8 @@ _SUBCLASS_GLOBALS: dict[tuple[str, str], Any] | None = None
 
 
 def subclass_allowlist() -> dict[tuple[str, str], Any]:
-    """What a tensor subclass record names, beyond the plain tensor machinery: the wrapper rebuild, the layout
-    and device, the classes of :data:`SUBCLASSES`, their enums and attribute records, and the dtypes (their
-    stand-ins, which :func:`subclass_fields` requires), all shared immutable stand-ins; not the rebuild
-    functions or the storage types, which each reader resolves its own way. A new dict per call."""
+    """A new dict of shared stand-ins for what a subclass record names beyond the plain tensor machinery (not the
+    rebuild functions or storage types, which each reader resolves its own way)."""
     global _SUBCLASS_GLOBALS
     if _SUBCLASS_GLOBALS is None:
         _SUBCLASS_GLOBALS = _subclass_globals()
@@ -511,8 +487,8 @@ class _ItemHeaderUnpickler(_TensorHeaderUnpickler):
 
 
 def item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
-    """Read a tensor item's ``data.pkl`` safely: a plain tensor's header, or an allowlisted tensor subclass's
-    (:class:`SubclassHeader`). Raises ``pickle.UnpicklingError`` on anything else."""
+    """A tensor item's ``data.pkl``: a plain header or a :class:`SubclassHeader`; ``pickle.UnpicklingError`` otherwise.
+    """
     if len(data_pkl) <= _CACHED_HEADER_BYTES:
         return _item_header_cached(bytes(data_pkl))
     return _item_header(data_pkl)

@@ -1,27 +1,11 @@
 """One budgeted allowlist unpickler: every restricted unpickler of the package is a configuration of it.
 
-A pickle is a program: each global it names is imported and called. The package reads three kinds of
-pickle from files it does not trust (DCP's ``.metadata``, a DCP tensor item's ``data.pkl``, the ``data.pkl``
-of a whole-file ``torch.save``), each with an unpickler built from the parts here. A *configuration* is
-
-* an **allowlist**: a dict ``(module, name) -> stand-in`` that :meth:`Allowlisted.find_class` resolves
-  globals through, so nothing outside it is imported and nothing in it is the real object (a global
-  outside it is refused, or, where a configuration says so, resolved to an inert placeholder);
-* what each stand-in does when the pickle calls or ``BUILD``\\ s it (shared stand-ins derive from
-  :class:`FrozenGlobal`, which no pickle can modify);
-* a :class:`Budget`: the work the parse may do (charged per object built, visited or copied) and the
-  :class:`Limits` on the memo, the nesting and the size of hashed tuples, and the pickle's size;
-* the exception its refusals raise (:attr:`ReferenceUnpickler.Refused`).
-
-Two unpicklers read through a configuration. :class:`ReferenceUnpickler` is the pure-Python one: every
-opcode is dispatched in Python, so every bound applies wherever an opcode could defeat it (a memo index far
-past the entries made so far, a tuple hashed as a dict key or set member, ``BUILD`` onto a value that does
-not define ``__setstate__``, opcodes a configuration never expects), and where it is more lenient than the C
-unpickler it follows the C one. :class:`FastUnpickler` is the C unpickler (several times faster) through the
-same allowlist; it has no per-opcode hooks, so it is used only on pickles a pass over the bytes has shown
-safe for it: :func:`~ckptverify.safeparse.pickle_subset.in_fast_subset` (every tuple goes straight to a stand-in
-or is a short literal) or :func:`check_opcodes` (tuples nest at most :attr:`Limits.max_depth` deep; memo
-indices stay within :attr:`Limits.memo_slack` of the entries made).
+A pickle is a program: each global it names is imported and called. A configuration is an allowlist
+``(module, name) -> stand-in`` (nothing outside it is imported; nothing in it is the real object), what each
+stand-in does when called or ``BUILD``-ed (shared ones derive from :class:`FrozenGlobal`), a :class:`Budget`
+with :class:`Limits`, and the refusal exception. :class:`ReferenceUnpickler` (pure Python) applies every bound
+per opcode and follows the C unpickler where it is more lenient. :class:`FastUnpickler` (C, no per-opcode hooks)
+is used only on pickles a byte pass admitted: ``pickle_subset.in_fast_subset`` or :func:`check_opcodes`.
 """
 
 from __future__ import annotations
@@ -50,8 +34,7 @@ class Limits:
     max_depth: int = 64
     #: Most values a hashed tuple (a dict key, a set member) may expand to; 0: no tuple may be hashed at all.
     max_key_nodes: int = 1024
-    #: How far past the memo entries made so far a memo index may reach. A pickler numbers entries 0, 1, 2, ...
-    #: in order; the C unpickler zero-fills its memo array up to twice the largest index it is given.
+    #: How far past the entries made a memo index may reach (the C unpickler zero-fills to twice the index).
     memo_slack: int = 0
     #: Largest pickle read (``None``: the caller bounds it).
     max_bytes: int | None = None
@@ -62,10 +45,8 @@ class Limits:
 
 
 class Budget:
-    """The work one parse may still do (``left``), and what it learned about the tuples it was asked to hash.
-
-    Hot paths charge inline (``budget.left -= n; if budget.left < 0: budget.charge(0)``); :meth:`charge`
-    raises the configuration's ``exceeded`` exception once ``left`` is below zero."""
+    """The work one parse may still do (``left``) and what it learned about tuples it hashed. Hot paths charge inline
+    (``left -= n``, then :meth:`charge` ``(0)`` if negative, which raises ``exceeded``)."""
 
     __slots__ = ("_exceeded", "left", "limits", "tuples")
 
@@ -83,11 +64,9 @@ class Budget:
 
     def check_hashable(self, value: Any, refused: Callable[[str], Exception], flat: type | None = None,
                        what: str = "the pickle") -> None:
-        """Refuse a tuple whose hash would recurse deeper than :attr:`Limits.max_depth` or visit more than
-        :attr:`Limits.max_key_nodes` values (any tuple, where that is 0), before it is hashed: ``hash`` of a
-        tuple recurses in C without limit (a key nested a million deep kills the process) and costs its whole
-        expansion. ``flat`` is a tuple subclass known to hold scalars only (counted, not walked). Each tuple
-        is examined once per parse (shared ones are looked up)."""
+        """Refuse, before hashing, a tuple whose hash would recurse past :attr:`Limits.max_depth` or visit more than
+        :attr:`Limits.max_key_nodes` values (``hash`` recurses in C without limit). ``flat``: a scalar-only tuple type
+        (counted, not walked). Each tuple is examined once per parse."""
         if isinstance(value, tuple) and type(value) is not flat:
             if self.limits.max_key_nodes == 0:
                 raise refused(f"{what} uses a tuple as a dict key or set member")
@@ -121,10 +100,8 @@ def _tuple_nodes(t: tuple[Any, ...], memo: dict[int, tuple[int, int, tuple[Any, 
 
 
 class FrozenGlobal:
-    """A stand-in for a global (a function, a class used as a value, an enum, a dtype) that no pickle can
-    change: ``BUILD`` and attribute writes raise :attr:`Refused`, so a stand-in shared between parses (or
-    between the objects of one) stays what the allowlist made it. Not callable; :func:`callable_global`
-    makes one whose call is a given function (one Python call per ``REDUCE``)."""
+    """A stand-in for a global that no pickle can change (``BUILD`` and attribute writes raise :attr:`Refused`), so
+    shared stand-ins stay as made. Not callable; see :func:`callable_global`."""
 
     __slots__ = ("_label",)
     Refused: ClassVar[type[Exception]] = pickle.UnpicklingError
@@ -182,13 +159,12 @@ class FastUnpickler(Allowlisted, pickle.Unpickler):
 
 
 class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-defined]
-    """The pure-Python unpickler through an allowlist, with a dict memo (the C unpickler grows its memo array
-    to any index a ``LONG_BINPUT`` names and zero-fills it: a 10-byte pickle makes it touch gigabytes).
+    """The pure-Python unpickler through an allowlist, with a dict memo (the C one zero-fills its memo array to any
+    ``LONG_BINPUT`` index: a 10-byte pickle can touch gigabytes).
 
-    Where the pure-Python unpickler is more lenient than the C one, this follows the C one (or refuses), so
-    a pickle accepted here is never one real unpickling fails on, and the C unpickler, where a configuration
-    uses it, reads every pickle it is given exactly as this one does. A configuration subclasses it and sets
-    the class attributes below; each subclass gets its own dispatch table."""
+    Where it is more lenient than the C unpickler it follows the C one or refuses, so both read every admitted
+    pickle alike. Configurations subclass it and set the class attributes; each gets its own dispatch table.
+    """
 
     #: The exception every refusal raises.
     Refused: ClassVar[type[Exception]] = pickle.UnpicklingError
@@ -228,8 +204,7 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
             return
         if not self.noop_build:
             raise self.Refused(f"{self.what} sets the state of a value that has none")
-        # The C unpickler's default for a value without __setstate__ (here: builtins and flat tuples, none of
-        # which has a __dict__ or attributes to set): a state of None and an empty slot state are no-ops.
+        # As the C unpickler: without __setstate__, a None state and an empty slot state are no-ops.
         slots = None
         if isinstance(state, tuple) and len(state) == 2:
             state, slots = state
@@ -384,13 +359,9 @@ _MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
 
 
 def check_opcodes(data: bytes, limits: Limits, refused: Callable[[str], Exception]) -> None:
-    """Refuse, before anything is built, a pickle the C unpickler (:class:`FastUnpickler`) must not be given:
-    one that would build tuples nested deeper than :attr:`Limits.max_depth`, or store a memo entry more than
-    :attr:`Limits.memo_slack` past the number made before it (so the memo stays linear in the pickle's size).
-
-    One pass over the opcodes with a stack of nesting heights (0: not a tuple). Tuples are immutable, so a
-    tuple's height is fixed when it is built; lists and dicts cannot be hashed, so their contents do not count.
-    Calls are charged the height of their arguments, as a stand-in may hand a tuple argument back."""
+    """Refuse, before building anything, a pickle the C unpickler must not get: tuples nested past
+    :attr:`Limits.max_depth`, or a memo entry more than :attr:`Limits.memo_slack` past those made (keeps the memo
+    linear). One opcode pass; calls are charged their arguments' height (a stand-in may return a tuple argument)."""
     try:
         _check_opcodes(data, limits.max_depth, limits.memo_slack)
     except BadPickle as refusal:

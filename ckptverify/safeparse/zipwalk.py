@@ -1,21 +1,10 @@
 """Walking ``torch.save`` zip archives (each DCP item) without unpickling or decompressing anything.
 
-A DCP item written with the default serialization is a complete ``torch.save`` zip: stored (never
-compressed) records, 64-byte aligned through ``FB`` padding extras of ``Z`` bytes, each followed by a
-data descriptor, then a central directory, a zip64 end record, its locator and the classic end record.
-:func:`parse_archive` walks that structure over an item's byte range and cross-checks every field that
-is stored twice (local header vs central directory vs data descriptor), so a flipped bit anywhere
-outside the record payloads is caught structurally; the payloads are then covered by their CRC-32,
-which the caller computes (see :mod:`ckptverify.checks.content`).
-
-Items of one checkpoint are mostly alike: every tensor of one shape and dtype is an archive of the same
-length whose bytes differ only in a few record payloads (the values, a serialization id) and their CRC
-fields. :class:`ArchiveTemplate` keeps one fully parsed item and proves another of the same length to
-have the same structure by comparing their bytes everywhere but there, which is what makes checking
-100 000 small items take a fraction of a second instead of many seconds.
-
-The records' ``data.pkl`` is read by :func:`ckptverify.safeparse.torchsave.tensor_header` (a tensor item's
-header) or :func:`ckptverify.safeparse.pickle_scan.scan_pickle` (a whole-file ``torch.save``).
+:func:`parse_archive` walks torch's layout (stored, 64-byte aligned records with data descriptors, central
+directory, zip64 end records) and cross-checks every field stored twice, so a flipped bit outside the payloads
+is caught structurally; payloads are covered by CRC-32, computed by the caller.
+:class:`ArchiveTemplate` proves an item of the same length structurally equal to a parsed one by comparing bytes
+outside the varying payloads and CRC fields: 100 000 small items take a fraction of a second.
 """
 
 from __future__ import annotations
@@ -90,13 +79,8 @@ def _unpack(fmt: str, data: bytes, at: int, what: str, base: int) -> tuple[Any, 
 
 
 def parse_archive(read: Reader, length: int, *, crc_fields: dict[str, list[int]] | None = None) -> Archive:
-    """Parse and cross-check the archive occupying ``[0, length)``; raise :class:`ArchiveError`.
-
-    With ``crc_fields``, also note, per record name, the offsets of the 4-byte fields that hold the
-    record's CRC-32 (its central directory entry, its data descriptor, and its local header where that
-    holds the CRC rather than zero): the only fields whose values this parse uses solely to compare
-    them with each other.
-    """
+    """Parse and cross-check the archive in ``[0, length)``; raise :class:`ArchiveError`. With ``crc_fields``, also
+    note per record the offsets of its 4-byte CRC fields (the only fields used solely to compare with each other)."""
     if length < 22:
         raise ArchiveError(f"{length} bytes is too short for a zip archive", 0, length)
     tail_len = min(length, 22 + 20 + 56)
@@ -221,15 +205,11 @@ def parse_archive(read: Reader, length: int, *, crc_fields: dict[str, list[int]]
 
 
 class ArchiveTemplate:
-    """One item parsed in full, against which items of the same length are matched byte for byte.
+    """One fully parsed item, against which items of the same length are matched byte for byte.
 
-    An item *matches* when its bytes equal the template's everywhere except in the payloads and CRC
-    fields of the records found to vary between items (learned as items are matched), and each varying
-    record's CRC fields agree with each other. :func:`parse_archive` reads nothing else and uses the CRC
-    fields only to compare them with each other, so it would return the template's records with the
-    item's CRCs: :meth:`match` returns them without parsing. Records outside the varying set are
-    byte-identical to the template's, payload and CRC included, so their computed CRCs are the
-    template's too.
+    An item matches when its bytes equal the template's outside the payloads and CRC fields of the varying records
+    (learned while matching), and each varying record's CRC copies agree. :func:`parse_archive` would return the same
+    records with the item's CRCs, so :meth:`match` skips parsing; non-varying records keep the template's CRCs.
     """
 
     def __init__(self, data: bytes, parsed: ParsedItem, crcs: list[int]) -> None:
@@ -262,8 +242,9 @@ class ArchiveTemplate:
         return out
 
     def match(self, buf: bytes, base: int) -> tuple[Archive, list[int | None]] | None:
-        """The archive of the item at ``buf[base:base + len(template)]`` and, per record, its computed CRC
-        where the template's holds (``None``: the caller computes it); ``None`` if the item does not match."""
+        """The archive at ``buf[base:base + len(template)]`` and per record its CRC where the template's holds
+        (``None``:
+        the caller computes it); ``None`` if the item does not match."""
         varying, same = self._state
         if not all(buf.startswith(seg, base + start) for start, _, seg in same):
             if not all(buf.startswith(seg, base + start) for start, _, seg in self._structure):
@@ -301,10 +282,8 @@ class ArchiveTemplate:
 
 
 class TemplateCache:
-    """The templates of one verification, by item length, shared by the threads planning its files.
-
-    A length's first item is only remembered; the template is built when a second item of that length
-    comes (most lengths of a large checkpoint repeat, some do not). At most ``limit`` lengths are kept."""
+    """Templates of one verification by item length, shared by its planning threads. A length's first item is only
+    remembered; the template is built on the second. At most ``limit`` lengths."""
 
     def __init__(self, limit: int = 256, max_item_bytes: int = 64 << 10) -> None:
         self.limit = limit

@@ -1,50 +1,21 @@
 """Save and restore a data loader's position, whatever keeps it.
 
-Two kinds of loader can resume at the exact next batch:
+Two kinds resume at the exact next batch: torchdata's ``StatefulDataLoader`` (never imported here: one can only
+exist if its module is loaded), and a ``DataLoader`` whose sampler is a
+:class:`~ckptverify.state.sampler.ResumableSampler` (with workers, the loop must report consumption via
+``sampler.track(loader)``). Others raise :class:`~ckptverify.errors.UsageError`. The state is this rank's only:
+key it by rank in DCP (which deduplicates equal keys).
 
-* torchdata's ``StatefulDataLoader`` (``pip install 'ckptverify[data]'``), which keeps its own state, prefetching and
-  worker state included. torchdata is optional and never imported here: a loader of that type can only exist
-  if its module is already loaded.
-* a standard ``torch.utils.data.DataLoader`` whose ``sampler`` (or ``batch_sampler.sampler``) is a
-  :class:`~ckptverify.state.sampler.ResumableSampler`. With ``num_workers > 0`` the loader draws indices
-  ahead of the training loop, so the loop must report consumption (``sampler.track(loader)``).
-
-:func:`loader_state` returns ``{"kind": ..., "state": ...}`` and :func:`restore_loader` puts it back into a
-loader of the same kind; any other loader raises :class:`~ckptverify.errors.UsageError`. The state holds only
-this rank's position: a caller saving it through DCP must key it by rank (DCP deduplicates equal keys across
-ranks).
-
-**Random streams in the workers are state too.** A ``Dataset`` that augments in ``__getitem__`` (noise, crops,
-masking) draws from the global streams of the worker process that fetches the sample: torch's, ``random``'s
-and numpy's. Torch seeds them once per worker when the loader's iterator starts (``base_seed + worker_id``
-for torch and ``random``, numpy from ``(base_seed, worker_id)``; ``base_seed`` is drawn from the main
-process's generator, or the loader's ``generator``), so a batch's noise depends on which worker fetched it and
-on all that worker drew before: a resumed run, whose workers start afresh, draws other noise. torchdata's
-``StatefulDataLoader`` saves ``base_seed`` but not where each worker's streams have got to, so it has the same
-gap for a map-style dataset.
-
-:func:`check_loader` (called by ``TrainState(dataloader=loader)``) therefore makes a loader with workers whose
-sampler is a :class:`~ckptverify.state.sampler.ResumableSampler` (``reseed_workers=True``, the default)
-re-seed per batch. The contract:
-
-* before each batch, the worker seeds torch's default CPU generator, ``random`` and ``numpy.random`` from
-  ``(base_seed, epoch, slot of the batch's first sample in the epoch's global order)``; the dataset receives
-  plain ``int`` indices, and ``torch.initial_seed()`` in ``__getitem__`` is that batch seed (a generator the
-  dataset makes from it, ``np.random.default_rng(torch.initial_seed())``, is covered too);
-* what a batch draws is then a function of its position in the epoch only, not of the worker that fetched it,
-  how far workers prefetched, ``num_workers`` or ``prefetch_factor``;
-* ``base_seed`` is the one torch drew for the epoch's iterator (so ``torch.manual_seed`` and the loader's
-  ``generator`` still choose it); the sampler's state saves it (``worker_seed``), and the workers started in
-  the resumed epoch re-seed from the saved one (persistent workers keep it for the rest of the run);
-* the user's ``worker_init_fn`` still runs once per worker, first; the per-batch seeding then replaces whatever
-  it seeded in the global streams. Randomness from anywhere else (``os.urandom``, the clock, a generator the
-  dataset creates once per worker, another library's own generator) is not reproduced.
-
-This draws other random numbers than torch's own worker seeding would (the streams are re-seeded per batch
-instead of running on per worker); ``ResumableSampler(..., reseed_workers=False)`` keeps torch's seeding, and
-with it a resume that reproduces the indices but not the workers' noise. The per-batch seeding needs
-automatic batching (``batch_size`` set, the loader's default), costs a few microseconds per batch, and is
-installed in workers started after the ``TrainState`` is created.
+**Worker random streams are state too.** Torch seeds each worker once per iterator, so augmentation noise depends
+on which worker fetched a batch and what it drew before; a resume draws other noise (torchdata has the same gap).
+So :func:`check_loader` makes a ``ResumableSampler``-driven loader with workers (``reseed_workers=True``, default)
+re-seed torch's CPU generator, ``random`` and ``numpy.random`` before each batch from ``(base_seed, epoch, slot of
+the batch's first sample)``; ``torch.initial_seed()`` in ``__getitem__`` is that seed. A batch's draws then depend
+only on its position. ``base_seed`` is still torch's draw (``manual_seed`` and ``generator`` choose it) and is
+saved (``worker_seed``). ``worker_init_fn`` runs first, then is overridden for the global streams; other
+randomness (``os.urandom``, per-worker generators) is not reproduced. This differs from torch's own seeding
+(``reseed_workers=False`` keeps it, without reproducible noise); it needs automatic batching, costs microseconds
+per batch, and applies to workers started after the ``TrainState`` is created.
 """
 
 from __future__ import annotations
@@ -104,9 +75,8 @@ def find_resumable_sampler(loader: Any) -> ResumableSampler | None:
 
 
 def check_loader(loader: Any) -> None:
-    """Refuse, when the training state is created, a loader whose position cannot be saved; make the worker
-    randomness of a ``ResumableSampler``-driven loader with workers part of its state (see the module
-    docstring)."""
+    """Refuse, at ``TrainState`` creation, a loader whose position cannot be saved; install per-batch worker seeding
+    for a ``ResumableSampler``-driven loader with workers (see the module docstring)."""
     sampler = find_resumable_sampler(loader)
     if sampler is not None:
         _seed_workers_per_batch(loader, sampler)
@@ -160,8 +130,7 @@ def _seed_workers_per_batch(loader: Any, sampler: ResumableSampler) -> None:
 
 
 class WorkerSeeding:
-    """A loader's ``worker_init_fn`` that makes the worker re-seed its global random streams before each batch
-    (see the module docstring); it calls the user's ``worker_init_fn`` (``user_fn``) first."""
+    """``worker_init_fn`` re-seeding a worker's global streams before each batch; calls ``user_fn`` first."""
 
     def __init__(self, sampler: ResumableSampler, user_fn: Callable[[int], None] | None) -> None:
         self.sampler = sampler
@@ -198,8 +167,7 @@ class _ReseedEachBatch:
 
 
 def _reseed_each_batch(dataset: Any, base_seed: int) -> None:
-    # torch's map-style fetcher calls dataset.__getitems__(indices) when the dataset has one (an instance
-    # attribute counts), else dataset[i] for each index; a dataset's own __getitems__ is kept and called.
+    # torch's fetcher calls __getitems__ when present (instance attributes count); a dataset's own is kept.
     fetch = getattr(dataset, "__getitems__", None) or None
     if isinstance(fetch, _ReseedEachBatch):
         fetch.base_seed = base_seed
@@ -242,11 +210,8 @@ def loader_state(loader: Any) -> dict[str, Any]:
 
 
 def restore_loader(loader: Any, state: Mapping[str, Any]) -> None:
-    """Restore a position saved by :func:`loader_state` into a freshly built loader of the same kind.
-
-    Call it before iterating the loader: the next batch is then the one an uninterrupted run would have
-    produced next.
-    """
+    """Restore a :func:`loader_state` position into a fresh loader of the same kind; call before iterating, so the next
+    batch is the one an uninterrupted run would produce."""
     if not isinstance(state, Mapping) or "kind" not in state or "state" not in state:
         raise UsageError("loader state must be a mapping with 'kind' and 'state', as made by loader_state()")
     kind = state["kind"]

@@ -1,13 +1,6 @@
-"""State digests: one stable hex digest of any DCP-saveable value (nested dicts, lists, tensors, scalars).
-
-Used to prove that a restored field equals the saved one without keeping a copy: the digest depends only on
-values (dtypes, shapes, bytes, types of scalars, dict keys sorted), not on strides, devices or dict order.
-
-The serialization (below) is part of the checkpoint format: checkpoints store these digests, so the bytes fed
-to the hash must never change. The walk builds small items in one buffer and hands tensor payloads to the hash
-without copying them, which gives the same digest as hashing item by item (xxh3 streams); the common exact
-types are dispatched first.
-"""
+"""State digests: one stable hex digest of any DCP-saveable value, proving a restored field equals the saved one
+without keeping a copy. It depends only on values (dtypes, shapes, bytes, scalar types, sorted keys), not strides,
+devices or dict order. The serialization is part of the checkpoint format: the bytes hashed must never change."""
 
 from __future__ import annotations
 
@@ -59,7 +52,7 @@ def _tensor(obj: Any, h: Any, buf: bytearray) -> None:
 
 def _walk(obj: Any, h: Any, buf: bytearray) -> None:
     kind = type(obj)
-    # The common exact types first; the isinstance chain below gives the same bytes for their subclasses.
+    # Fast path; the isinstance chain below gives the same bytes.
     if kind is float:
         buf += b"F" + _F64.pack(obj)
     elif kind is int:

@@ -6,11 +6,8 @@ import os
 
 
 def rank_world(*, env_fallback: bool = False) -> tuple[int, int]:
-    """``(rank, world_size)`` of the initialized default process group, else ``(0, 1)``.
-
-    With ``env_fallback``, an uninitialized process reads ``RANK``/``WORLD_SIZE`` (as set by ``torchrun``)
-    before falling back to ``(0, 1)``.
-    """
+    """``(rank, world_size)`` of the initialized default group, else (with ``env_fallback``) ``RANK``/``WORLD_SIZE``
+    from the environment, else ``(0, 1)``."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -1,40 +1,17 @@
 """Capture and restore every random stream of a training process, in a form DCP can save.
 
-A resumed run draws the same random numbers as an uninterrupted one only if *every* generator it draws from
-is restored: python's :mod:`random`, numpy's global generator, torch's CPU generator, the generator of the
-rank's CUDA device, and any explicit ``torch.Generator`` (a ``DataLoader``'s ``generator``, a dropout
-generator). :func:`capture_rng` returns their states as one dict of *kinds*::
+A resume is exact only if *every* stream is restored: ``random``, numpy's global generator, torch CPU, this rank's
+CUDA device, and named ``torch.Generator`` s. :func:`capture_rng` returns kinds ``python``, ``numpy``,
+``torch_cpu``, ``cuda`` (this rank's device), ``cuda_device`` (``{"index", "uuid"}``, informational) and
+``gen.{name}``; every leaf is a tensor or scalar, so DCP loads it in place. CUDA is captured only when
+:func:`cuda_in_use` (else a CPU rank would create a context on GPU 0).
 
-    python        {"version", "state" (int64 tensor, 625), "gauss_next", "has_gauss_next"}
-    numpy         {"bit_generator", "keys" (int64 tensor, 624), "pos", "has_gauss", "cached_gaussian"}
-    torch_cpu     uint8 tensor (torch.get_rng_state())
-    cuda          uint8 tensor: the generator of this rank's own CUDA device (``torch.cuda.current_device()``)
-    cuda_device   {"index": int (as visible to the process), "uuid": str ("" when torch cannot tell)}: which
-                  device that generator belonged to; informational, never restored
-    gen.{name}    {"device": str, "state": uint8 tensor}, one per named generator
+**CUDA streams are keyed by role, not index**: ``cuda`` is restored into the rank's current device whatever its
+index (launchers differ), so a new node layout resumes exactly. Version 1 states (``cuda.{i}`` per device) are
+still read: the current device's index is restored, correct only with an unchanged layout.
 
-``cuda`` and ``cuda_device`` are captured only when this rank uses CUDA (:func:`cuda_in_use`: initialised, and
-tensors on its device): a CPU-only rank on a GPU host never touches CUDA (asking for a generator state would
-create a CUDA context on GPU 0 in every rank).
-
-**CUDA streams are keyed by role, not by index.** A rank uses one device, whose index differs between launchers
-(``cuda:0`` in every task under Slurm's one-GPU-per-task, ``cuda:{local_rank}`` under torchrun); the stream
-saved as ``cuda`` is restored into the device the rank uses *now* (its current device), whatever its index, so
-a resume on another node layout is exact. ``cuda_device`` lets the restore check say when the device changed.
-Version 1 states (``RNG_STATE_VERSION`` 1) held ``cuda.{i}`` for every visible device; they are still read:
-the rank's current device gets ``cuda.{i}`` of the same index, which is the rank's own stream only when the
-rank uses the device of the same index as when it saved (the launcher and node layout unchanged).
-
-Every leaf is a tensor, an int, a float, a bool or a string, so the dict goes through
-``torch.distributed.checkpoint`` as is, and tensors are loaded in place into a template of the same shape.
-:func:`restore_rng` puts a captured dict back; :func:`rng_fingerprints` digests each kind (xxh3-128 of a
-canonical byte serialization) so saved and restored states can be compared without drawing from them.
-
-**Ranks.** DCP silently deduplicates items that several ranks save under the same key, so rank-local state
-must be keyed by rank. :class:`RngState` is a DCP ``Stateful`` whose ``state_dict()`` holds only this rank's
-streams under ``rank{r}`` (see :func:`rank_key`) and the world size under ``world_size`` (equal on all ranks,
-so deduplicating it is harmless). Loading with a different world size raises :class:`UsageError`
-unless re-seeding was allowed.
+**Ranks.** DCP deduplicates equal keys across ranks, so :class:`RngState` saves this rank's streams under
+``rank{r}``, plus ``world_size``. A different world size raises :class:`UsageError` unless re-seeding is allowed.
 """
 
 from __future__ import annotations
@@ -75,7 +52,7 @@ _NUMPY = "numpy"
 _TORCH_CPU = "torch_cpu"
 _CUDA = "cuda"
 _CUDA_DEVICE = "cuda_device"
-#: Version 1's per-index CUDA kinds (``cuda.{i}``): read, never written.
+#: Version 1's per-index CUDA kinds: read, never written.
 _LEGACY_CUDA_PREFIX = "cuda."
 _GEN_PREFIX = "gen."
 
@@ -132,31 +109,22 @@ def _check_generators(generators: Mapping[str, torch.Generator] | None) -> dict[
 
 
 def cuda_in_use() -> bool:
-    """Whether this rank uses CUDA: CUDA is initialised and the rank's current device holds tensors.
-
-    Not ``torch.cuda.is_available()``: that is true for a CPU-only rank on a GPU host, and reading a generator
-    there would create a CUDA context on GPU 0 (hundreds of MB in every rank). Not ``is_initialized()`` alone:
-    ``dcp.save``'s file writer initialises CUDA on any GPU host, so a CPU-only rank would capture a ``cuda``
-    stream after its first save and not before, and a template built after a save would ask for a key its
-    checkpoint lacks.
-    """
+    """Whether this rank uses CUDA: initialised, and its current device holds tensors. Not ``is_available()`` (a CPU
+    rank would create a context on GPU 0), nor ``is_initialized()`` alone (``dcp.save`` initialises CUDA, so the
+    captured kinds would change after the first save)."""
     return bool(torch.cuda.is_initialized()) and torch.cuda.memory_allocated(torch.cuda.current_device()) > 0
 
 
 def device_identity(index: int) -> dict[str, Any]:
-    """``{"index", "uuid"}`` of CUDA device ``index`` (as visible to this process): the index alone does not
-    name a physical device (``CUDA_VISIBLE_DEVICES`` remaps it); the UUID does, where torch reports it."""
+    """``{"index", "uuid"}`` of visible device ``index`` (the UUID names the physical device; the index may be
+    remapped)."""
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
     return {"index": int(index), "uuid": "" if uuid is None else str(uuid)}
 
 
 def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
-    """The current state of every random stream of this process (see the module docstring for the layout).
-
-    ``generators`` names explicit ``torch.Generator`` objects to capture as well (``gen.{name}``). The
-    returned tensors are copies: drawing afterwards does not change them. CUDA is read only when this
-    rank uses it (:func:`cuda_in_use`), and then only the rank's own (current) device.
-    """
+    """Every random stream's current state (layout: module docstring), plus ``generators`` as ``gen.{name}``. Tensors
+    are copies. CUDA is read only if :func:`cuda_in_use`, and only the current device."""
     gens = _check_generators(generators)
     state: dict[str, Any] = {
         _PYTHON: _python_state(),
@@ -235,15 +203,9 @@ def _set_state(setter: Any, tensor: torch.Tensor, kind: str) -> None:
 
 
 def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None) -> None:
-    """Put back every stream captured by :func:`capture_rng`, exactly.
-
-    ``generators`` must name the same generators as at capture time (each on the same device type). A
-    captured ``cuda`` stream goes into this rank's current CUDA device (initialising CUDA if needed: the
-    rank used it when it saved), whatever its index; ``cuda_device`` is only checked for form. A version 1
-    state's ``cuda.{i}`` streams: the one of the current device's index is restored (see the module
-    docstring). Anything that cannot be restored raises :class:`~ckptverify.errors.UsageError` before any
-    stream is changed, so no stream is silently left unrestored.
-    """
+    """Put back every stream :func:`capture_rng` captured, exactly. ``generators`` must name the same generators (same
+    device types). ``cuda`` goes into the current device (initialising CUDA if needed). Anything unrestorable raises
+    :class:`~ckptverify.errors.UsageError` before any stream changes."""
     if not isinstance(state, Mapping):
         raise UsageError(f"RNG state must be a mapping, got {type(state).__name__}")
     gens = _check_generators(generators)
@@ -302,8 +264,8 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
 
 
 def _cuda_kind_to_restore(state: Mapping[str, Any]) -> tuple[str, int] | None:
-    """``(kind, device index)``: which saved CUDA stream goes into which device now, or ``None`` when the
-    state holds none (the capturing process never initialised CUDA; nothing of CUDA is touched then)."""
+    """``(kind, device index)`` of the saved CUDA stream to restore now, or ``None`` if none was saved (CUDA untouched).
+    """
     legacy = sorted(k for k in state if str(k).startswith(_LEGACY_CUDA_PREFIX))
     if _CUDA_DEVICE in state:
         ident = state[_CUDA_DEVICE]
@@ -331,10 +293,8 @@ def _cuda_kind_to_restore(state: Mapping[str, Any]) -> tuple[str, int] | None:
 
 
 def derive_seed(seed: int, rank: int, kind: str) -> int:
-    """A 63-bit seed for one stream, derived from the base seed, the rank and the stream's kind.
-
-    Distinct kinds get unrelated seeds, so a named generator never replays the global torch stream.
-    """
+    """A 63-bit seed for one stream from base seed, rank and kind (kinds get unrelated seeds: a named generator never
+    replays the global stream)."""
     return xxhash.xxh3_64_intdigest(f"{int(seed)}:{int(rank)}:{kind}".encode()) & ((1 << 63) - 1)
 
 
@@ -345,8 +305,7 @@ def reseed_rng(seed: int, rank: int, generators: Mapping[str, torch.Generator] |
     np.random.seed(derive_seed(seed, rank, _NUMPY) & 0xFFFFFFFF)
     torch.manual_seed(derive_seed(seed, rank, _TORCH_CPU))  # also seeds every CUDA device, identically
     if cuda_in_use():
-        # The rank's own device, as capture_rng reads it. A process that has not initialised CUDA keeps the seed
-        # torch.manual_seed queued for every device (applied if it ever does): no CUDA context for a CPU rank.
+        # The rank's own device; without CUDA initialised, the queued manual_seed applies (no context for a CPU rank).
         torch.cuda.manual_seed(derive_seed(seed, rank, _CUDA))
     for name, gen in gens.items():
         gen.manual_seed(derive_seed(seed, rank, f"{_GEN_PREFIX}{name}"))
@@ -392,11 +351,8 @@ def _canonical(obj: Any, out: bytearray) -> None:
 
 
 def rng_fingerprints(state: Mapping[str, Any]) -> dict[str, str]:
-    """A stable hex digest (xxh3-128 of a canonical serialization) for each kind in a captured state.
-
-    Equal digests mean equal states; the digest depends only on the values (not on tensor strides, devices
-    or dict order), so a state captured before saving and one loaded from a checkpoint compare directly.
-    """
+    """A stable hex digest (xxh3-128, canonical serialization) per captured kind: equal digests mean equal states,
+    independent of strides, devices or dict order."""
     if not isinstance(state, Mapping):
         raise UsageError(f"RNG state must be a mapping, got {type(state).__name__}")
     out: dict[str, str] = {}
@@ -413,19 +369,10 @@ def rng_fingerprints(state: Mapping[str, Any]) -> dict[str, str]:
 class RngState:
     """This rank's random streams as a DCP ``Stateful``.
 
-    ``state_dict()`` is ``{"version": 2, "world_size": W, "rank{r}": capture_rng(generators)}``: only this
-    rank's streams, under a rank-specific key, so that DCP keeps every rank's copy and each rank loads its
-    own. Load it with ``dcp.load({"rng": rng_state}, ...)`` (DCP calls ``state_dict()`` for the template and
-    then :meth:`load_state_dict`).
-
-    With a different world size, the saved streams cannot be mapped to the new ranks: loading raises
-    :class:`UsageError`, or, with ``allow_reseed=True``, re-seeds every stream from ``seed`` and
-    the rank (:func:`reseed_rng`) and appends a message to :attr:`warnings`. When the world grows, ranks
-    without a saved key need DCP's partial load (``DefaultLoadPlanner(allow_partial_load=True)``) to get as
-    far as :meth:`load_state_dict`; the world-size check then still runs, because ``world_size`` is saved by
-    every rank.
-
-    ``rank`` and ``world_size`` default to the initialized process group (else 0 and 1).
+    ``state_dict()`` is ``{"version": 2, "world_size": W, "rank{r}": capture_rng(generators)}``, so DCP keeps every
+    rank's copy. On a different world size, loading raises :class:`UsageError`, or with ``allow_reseed=True``
+    re-seeds from ``seed`` and rank (:func:`reseed_rng`) and appends to :attr:`warnings`. Growing worlds need DCP's
+    ``allow_partial_load=True``; the world-size check still runs. ``rank``/``world_size`` default to the process group.
     """
 
     def __init__(

@@ -1,51 +1,16 @@
 """A map-style sampler that shards like ``DistributedSampler`` and resumes at the exact next index.
 
-:class:`ResumableSampler` yields, for epoch ``e``, exactly the indices ``DistributedSampler`` yields for the
-same ``(len, num_replicas, rank, shuffle, seed, drop_last)`` (the permutation is
-``torch.randperm(n, generator=torch.Generator().manual_seed(seed + e))``, padded or truncated to a multiple of
-the replica count, and rank ``r`` takes ``indices[r::num_replicas]``), and it remembers how far into the epoch
-this rank has got.
+:class:`ResumableSampler` yields exactly ``DistributedSampler``'s indices per epoch and remembers this rank's
+position. **Position counts consumed samples**: a loader with workers draws ahead, so use
+``for batch in sampler.track(loader)`` (or :meth:`~ResumableSampler.advance`); otherwise indices drawn count,
+which is right with ``num_workers=0`` or torchdata's ``StatefulDataLoader`` (:meth:`~ResumableSampler.track`
+refuses the latter; ``loader_state`` refuses an untracked loader with workers).
 
-**Position counts consumed samples.** A ``DataLoader`` with workers pulls indices from its sampler ahead of
-the training loop (``prefetch_factor * num_workers`` batches), so the number of indices *drawn* from the
-sampler is not the number of samples *trained on*. The position saved by :meth:`ResumableSampler.state_dict`
-is therefore:
-
-* the number of samples the loop reported as consumed, once it reports: iterate with
-  ``for batch in sampler.track(loader)`` (each batch counts as consumed when it is handed to the loop, so a
-  checkpoint taken inside the loop body after K batches of size B records position ``K * B``), or call
-  :meth:`ResumableSampler.advance` yourself;
-* otherwise, the number of indices drawn. That equals consumption when nothing draws ahead: a ``DataLoader``
-  with ``num_workers=0``, and torchdata's ``StatefulDataLoader``, which takes the sampler's state when it
-  dispatches each batch and hands back the snapshot matching the batches the loop received.
-
-Use one or the other, not both: :meth:`ResumableSampler.track` refuses a ``StatefulDataLoader``, and
-:func:`ckptverify.state.dataloader.loader_state` refuses a standard ``DataLoader`` with workers whose sampler
-was drawn from without reporting consumption.
-
-**Resuming.** :meth:`ResumableSampler.load_state_dict` restores the epoch and position; the next pass over the
-sampler starts at the saved position, so the next index is exactly the one an uninterrupted run would have
-drawn next. ``set_epoch`` with the epoch already loaded keeps the position (the usual loop calls
-``set_epoch(epoch)`` at the top of every epoch, including the resumed one); a different epoch starts at 0.
-A state saved at the very end of an epoch resumes to an empty pass, and the loop moves on to the next epoch.
-
-**Randomness in the workers.** A ``Dataset`` that augments in ``__getitem__`` draws from the random streams of
-the ``DataLoader`` worker that fetches the sample; torch seeds each worker once per iterator (``base_seed +
-worker_id``), so what a batch draws depends on which worker fetched it and on everything that worker fetched
-before. Registered in a ``TrainState`` (with ``num_workers > 0`` and ``reseed_workers=True``, the default), the
-loader re-seeds torch's, ``random``'s and numpy's global streams in the worker before each batch from
-``(base seed, epoch, position of the batch in the epoch)``, and the state holds the base seed
-(``worker_seed``): a resumed run draws the same noise for every batch. See
-:mod:`ckptverify.state.dataloader` for the contract.
-
-**Changing the number of replicas.** All ranks consume at the same rate, so after ``p`` samples per rank on
-``R`` replicas the first ``C = p * R`` samples of the global interleaved order were consumed. On ``R'``
-replicas, rank ``r'`` continues exactly at global index ``C + r'`` when ``C`` is divisible by ``R'``
-(new position ``C / R'``). Otherwise no assignment avoids skipping or repeating samples, and loading raises
-:class:`UsageError`. A state saved at the end of an epoch reshards to the end of that epoch. The
-epoch's tail follows the new replica count: without ``drop_last`` the padding (repeats of the first samples
-that make the length a multiple of the replica count) is the new count's, and no sample is ever skipped; with
-``drop_last``, a change that would end the epoch at a different sample is refused.
+**Resuming**: the next pass starts at the saved position; ``set_epoch`` with the loaded epoch keeps it, another
+epoch starts at 0; a state saved at an epoch's end resumes to an empty pass. Worker random streams are re-seeded
+per batch (see :mod:`ckptverify.state.dataloader`). **Changing replicas**: after ``C = p * R`` consumed samples,
+``R'`` replicas continue exactly when ``R'`` divides ``C``, else :class:`UsageError`. The epoch's tail follows the
+new count (padding without ``drop_last``; with it, a change that ends the epoch elsewhere is refused).
 """
 
 from __future__ import annotations
@@ -76,16 +41,15 @@ SAMPLER_STATE_VERSION = 1
 _T = TypeVar("_T")
 
 _STATE_KEYS = ("version", "epoch", "position", "seed", "num_replicas", "rank", "dataset_len", "shuffle", "drop_last")
-#: Optional key (absent from states saved before it existed): the base seed of the workers of the saved epoch.
+#: Optional key: the base seed of the saved epoch's workers.
 _WORKER_SEED = "worker_seed"
 #: Attribute set on a DataLoader iterator: the base seed its workers re-seed each batch from.
 _ITER_SEED_ATTR = "_ckptverify_worker_seed"
 
 
 class Drawn(int):
-    """An index as a :class:`ResumableSampler` yields it to a loader whose workers re-seed per batch: the
-    index, with the epoch and this index's slot in the epoch's global order (``position * num_replicas +
-    rank``). It is an ``int`` everywhere; the workers hand the dataset plain ints."""
+    """An ``int`` index carrying its epoch and slot in the epoch's global order (``position * num_replicas + rank``) for
+    per-batch worker seeding; the dataset receives plain ints."""
 
     epoch: int
     slot: int
@@ -144,10 +108,8 @@ def _is_stateful_dataloader(obj: Any) -> bool:
 
 
 class ResumableSampler(Sampler[int]):
-    """``DistributedSampler``'s index order, with a saved and restored position (see the module docstring).
-
-    ``num_replicas`` and ``rank`` default to the initialized process group, else 1 and 0.
-    """
+    """``DistributedSampler``'s index order with a saved and restored position (see the module docstring).
+    ``num_replicas`` and ``rank`` default to the process group, else 1 and 0."""
 
     def __init__(
         self,
@@ -235,11 +197,8 @@ class ResumableSampler(Sampler[int]):
         self._consumed += n
 
     def track(self, batches: Iterable[_T], batch_size: int | None = None) -> Iterator[_T]:
-        """Iterate ``batches`` (a ``DataLoader`` over this sampler), counting each batch as consumed.
-
-        Each batch is counted when it is handed to the caller, as ``min(batch_size, samples left in the
-        epoch)`` (the last batch of an epoch may be short). ``batch_size`` defaults to ``batches.batch_size``.
-        """
+        """Iterate ``batches`` (a loader over this sampler), counting each batch as consumed when handed out, as
+        ``min(batch_size, samples left)``. ``batch_size`` defaults to ``batches.batch_size``."""
         if _is_stateful_dataloader(batches):
             raise UsageError(
                 "do not track a StatefulDataLoader: it snapshots the sampler when it dispatches each batch and "
@@ -266,9 +225,7 @@ class ResumableSampler(Sampler[int]):
             yield batch
 
     def _note_iterator(self, it: Any) -> None:
-        """Note the base seed the workers of loader iterator ``it`` re-seed from: the saved one for the
-        iterator made in the resumed epoch (its workers were started with it; persistent workers keep it),
-        else the seed torch drew for ``it``."""
+        """Note the base seed ``it``'s workers re-seed from: the saved one in the resumed epoch, else torch's draw."""
         seed = getattr(it, _ITER_SEED_ATTR, None)
         if seed is None:
             seed = self._resume_worker_seed if self._resume_worker_seed is not None else getattr(it, "_base_seed", None)
@@ -279,8 +236,8 @@ class ResumableSampler(Sampler[int]):
             self._worker_seed = seed
 
     def last_batch(self) -> tuple[int, list[int]] | None:
-        """``(epoch, indices)`` of the last batch :meth:`track` handed to the loop, or ``None`` before the
-        first. The indices are this rank's, in the order the batch holds them."""
+        """``(epoch, indices)`` of the last batch :meth:`track` handed out (this rank's, in batch order), or ``None``.
+        """
         if self._handed is None:
             return None
         epoch, start, n = self._handed
@@ -297,8 +254,7 @@ class ResumableSampler(Sampler[int]):
     # ------------------------------------------------------------------------------------ iteration
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (its seed is ``seed + epoch``). A new epoch starts at position 0; the epoch
-        already set (for example, restored by :meth:`load_state_dict`) keeps its position."""
+        """Select the epoch (seed ``seed + epoch``). A new epoch starts at 0; the current one keeps its position."""
         epoch = _int(epoch, "epoch")
         if epoch == self.epoch:
             return
@@ -350,13 +306,10 @@ class ResumableSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume: the next pass starts at the saved position of the saved epoch.
-
-        The dataset length, ``shuffle``, ``seed`` and ``drop_last`` must match the saved ones. With the same
-        replica count the saved rank must be this rank; with a different one, the position is resharded when
-        that is exact, else :class:`UsageError` is raised. The saved ``worker_seed`` (absent from
-        older states) is the base seed the workers started for the resumed epoch re-seed from.
-        """
+        """Resume at the saved epoch and position. Length, ``shuffle``, ``seed`` and ``drop_last`` must match; same
+        replica
+        count requires the same rank, a different one is resharded when exact, else :class:`UsageError`. The saved
+        ``worker_seed`` (optional) seeds the resumed epoch's workers."""
         if not isinstance(state_dict, Mapping):
             raise UsageError(f"sampler state must be a mapping, got {type(state_dict).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state_dict]

@@ -1,14 +1,10 @@
 """``TrainState``: the full state of a training job as one DCP ``Stateful``.
 
-Holds the model and optimizer(s) (through ``get_state_dict``/``set_state_dict``, so plain, DDP and FSDP2
-models work and optimizer state is keyed by FQN), LR scheduler(s), a ``GradScaler``, counters, the data
-loader's position, every random stream, and any user ``Stateful`` extras. Rank-local state (random
-streams, data position, state digests) is stored under ``rank{r}`` keys, because DCP silently keeps only one
-copy of items several ranks save under the same key.
-
-Besides the state itself, every rank stores a digest of each non-tensor field as it was at save time
-(``digests.rank{r}.<field>``); after a load, :func:`ckptverify.checkpoint.load.load` recomputes them from the restored
-objects, so a field that a ``load_state_dict`` silently ignored is reported.
+Model and optimizers (via ``get_state_dict``/``set_state_dict``: plain, DDP and FSDP2), schedulers,
+``GradScaler``, counters, data position, random streams and user extras. Rank-local state is keyed ``rank{r}``
+(DCP keeps one copy of equal keys). Every rank also saves a digest of each non-tensor field
+(``digests.rank{r}.<field>``); :func:`ckptverify.checkpoint.load.load` recomputes them after loading, so a field a
+``load_state_dict`` silently ignored is reported.
 """
 
 from __future__ import annotations
@@ -49,8 +45,8 @@ class Counters:
             setattr(self, name, value)
 
     def validated(self, sd: Any) -> dict[str, int]:
-        """The counters in ``sd`` as ints; :class:`~ckptverify.errors.CkptVerifyError` unless every one is
-        an int (or a one-element integer tensor)."""
+        """The counters in ``sd`` as ints; :class:`~ckptverify.errors.CkptVerifyError` unless each is an int (or a
+        one-element integer tensor)."""
         if not isinstance(sd, Mapping):
             raise CkptVerifyError(f"counters in the checkpoint are a {type(sd).__name__}, not a mapping")
         out: dict[str, int] = {}
@@ -86,10 +82,9 @@ def _note_consumed(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def watch_optimizer_steps() -> None:
-    """Install (once per process) a hook after every optimizer step that lets :func:`pending_gradients` tell
-    gradients accumulated since the last step from those a step already consumed (a loop that zeroes
-    gradients at the start of the next step, as Lightning and torchtitan do, saves with the last step's
-    gradients still in ``.grad``: nothing is lost)."""
+    """Install (once per process) a post-step hook so :func:`pending_gradients` can tell accumulated gradients from
+    those
+    a step consumed (loops that zero gradients at the next step save with stale ``.grad``: nothing lost)."""
     global _watching
     if not _watching:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -99,16 +94,11 @@ def watch_optimizer_steps() -> None:
 
 
 def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
-    """The parameters of ``model`` (a module, or a list of modules) whose ``.grad`` holds values other than
-    zero that no optimizer step consumed: gradients accumulated since the last step, which a checkpoint does
-    not save (DCP saves parameters, not their gradients). Returns up to ``limit`` names and how many there are.
-
-    A save between micro-batches of gradient accumulation loses them: the resumed run starts its optimizer
-    step from zero gradients. Each rank checks its own (an FSDP2 gradient's local shard), with no collective.
-    Only parameters an optimizer step was seen to update since :func:`watch_optimizer_steps` was installed (a
-    TrainState installs it) are judged, since a step's gradients cannot be told from pending ones otherwise: a
-    save before the first optimizer step is not warned about. Not seen: gradients FSDP2 holds unsharded while
-    its gradient sync is off."""
+    """Parameters of ``model`` (module or list) whose nonzero ``.grad`` no optimizer step consumed: accumulated
+    gradients
+    a checkpoint does not save. Returns up to ``limit`` names and the count. Per rank, no collective. Only parameters a
+    step was seen to update are judged (so a save before the first step is not warned about); FSDP2's unsharded
+    gradients with sync off are not seen."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not _watching:
@@ -142,8 +132,7 @@ def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
 
 
 def pending_gradients_warning(model: Any, where: str) -> str | None:
-    """The warning to give when ``model`` holds accumulated gradients at a save (``where``: the checkpoint),
-    else ``None``."""
+    """The warning for accumulated gradients in ``model`` at a save to ``where``, else ``None``."""
     names, count = pending_gradients(model)
     if not count:
         return None
@@ -166,17 +155,16 @@ class TrainState:
     """Everything a bitwise-exact resume needs, as one DCP ``Stateful``.
 
     Args:
-        model: the model (plain, DDP or FSDP2).
-        optimizer: an optimizer or a list of them (all over ``model``'s parameters).
-        scheduler: an LR scheduler or a list of them.
+        model: plain, DDP or FSDP2.
+        optimizer: one or a list (over ``model``'s parameters).
+        scheduler: one or a list of LR schedulers.
         scaler: a ``torch.amp.GradScaler``.
-        dataloader: a torchdata ``StatefulDataLoader``, or a ``DataLoader`` driven by a
+        dataloader: a ``StatefulDataLoader``, or a ``DataLoader`` driven by a
             :class:`~ckptverify.state.sampler.ResumableSampler`.
-        generators: named ``torch.Generator``\\ s the job draws from (a DataLoader's ``generator``, ...).
-        extras: user objects with ``state_dict()``/``load_state_dict()``, saved under their names.
+        generators: named ``torch.Generator``\\ s the job draws from.
+        extras: objects with ``state_dict()``/``load_state_dict()``, saved under their names.
         counters: progress counters (a fresh :class:`Counters` by default).
-        allow_reseed: on a world size change, re-seed random streams from ``seed`` and the rank instead of
-            refusing (the resumed run is then not bitwise identical; a warning says so).
+        allow_reseed: on a world size change, re-seed random streams instead of refusing (not bitwise; warned).
     """
 
     def __init__(self, *, model: torch.nn.Module | None = None, optimizer: Any = None, scheduler: Any = None,
@@ -222,11 +210,8 @@ class TrainState:
         return get_state_dict(self.model, self.optimizers)
 
     def fields(self, rng: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The non-tensor-model fields, as they are now (the ones digested for the restore check).
-
-        Random streams are captured first: reading other state (a loader's ``state_dict`` may start an
-        iterator) can draw from them.
-        """
+        """The non-model fields as they are now (digested for the restore check); random streams captured first, since
+        reading other state may draw from them."""
         rng = capture_rng(self.rng.generators) if rng is None else rng
         out: dict[str, Any] = {"counters": self.counters.state_dict()}
         for i, sched in enumerate(self.schedulers):
@@ -262,9 +247,8 @@ class TrainState:
         sd["rng"] = {"version": RNG_STATE_VERSION, "world_size": self.world_size, me: rng}
         data_key, digest_key = me, me
         if self.resharding:
-            # Loading a checkpoint of another world size: this rank's keys may not exist. RNG streams
-            # cannot be mapped (RngState refuses or re-seeds on the saved world size alone); the data
-            # position is resharded from rank 0's (all ranks consume at the same rate).
+            # Another world size: RNG cannot be mapped (RngState refuses or re-seeds); the data position is resharded
+            # from rank 0's (all ranks consume alike).
             sd["rng"] = {k: v for k, v in sd["rng"].items() if k in ("version", "world_size")}
             data_key = rank_key(0)
             digest_key = me if self.rank < (self.saved_world_size or 0) else None
@@ -277,8 +261,7 @@ class TrainState:
         return sd
 
     def _loader_state(self) -> dict[str, Any]:
-        # A loader's state_dict may start an iterator, which draws a base seed from the global generator:
-        # reading the position must not move any random stream.
+        # A loader's state_dict may start an iterator (drawing a seed): reading must not move any stream.
         before = capture_rng(self.rng.generators)
         try:
             return loader_state(self.dataloader)
@@ -286,13 +269,10 @@ class TrainState:
             restore_rng(before, self.rng.generators)
 
     def reapply_rng(self) -> None:
-        """Put back the random streams as they were restored by the last load.
-
-        Creating a ``DataLoader`` iterator draws a base seed from the global generator (or the loader's
-        ``generator``). An uninterrupted run drew it when the epoch began, before the checkpoint; a resumed
-        run draws it again after loading. Call this right after creating the resumed iterator (the resume
-        harness does) so the next draws are the uninterrupted run's.
-        """
+        """Put back the random streams as the last load restored them. A resumed run draws a new ``DataLoader``
+        iterator's
+        base seed after loading; call this right after creating that iterator so the next draws match the uninterrupted
+        run."""
         if self._restored_rng is None:
             raise UsageError("reapply_rng() needs a state restored by ckptverify.load()")
         restore_rng(self._restored_rng, self.rng.generators)
@@ -305,14 +285,10 @@ class TrainState:
     # ------------------------------------------------------------------ restoring
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore every field from ``sd``, or none of them.
-
-        Every field is checked first (types, versions, the RNG state's shape); then the fields are applied
-        in order of how easily they are undone, the model and optimizer last. If anything fails, the fields
-        already applied are put back as they were and :class:`~ckptverify.errors.CkptVerifyError` (or the
-        :class:`~ckptverify.errors.UsageError` that explains it, such as a world size change) is raised:
-        the state is then what it was before the call.
-        """
+        """Restore every field from ``sd``, or none: everything is checked first, then applied (model and optimizer
+        last);
+        on failure the applied fields are put back and :class:`~ckptverify.errors.CkptVerifyError` (or the explaining
+        :class:`~ckptverify.errors.UsageError`) is raised, the state unchanged."""
         plan = self._check(sd)
         undo = self._snapshot()
         try:
@@ -325,8 +301,7 @@ class TrainState:
                                   "nothing was changed") from exc
 
     def _check(self, sd: Any) -> dict[str, Any]:
-        """Everything about ``sd`` that can be checked without changing the state; returns what applying
-        needs (validated counters, this rank's loader state)."""
+        """Everything checkable in ``sd`` without changing state; returns what applying needs."""
         if not isinstance(sd, Mapping):
             raise CkptVerifyError(f"a train state must be a mapping, got {type(sd).__name__}")
         if sd.get("version") != STATE_VERSION:
@@ -368,8 +343,8 @@ class TrainState:
         return {"counters": counters, "loader": loader, "digests": dict(mine)}
 
     def _snapshot(self) -> Any:
-        """Capture what applying a state dict changes outside the model and optimizer; return a function
-        that puts it back (each part independently, so one failing part does not stop the others)."""
+        """Capture what applying changes outside model and optimizer; return a function putting each part back
+        independently."""
         rng = capture_rng(self.rng.generators)
         counters = self.counters.state_dict()
         scheds = [copy.deepcopy(s.state_dict()) for s in self.schedulers]

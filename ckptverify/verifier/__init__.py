@@ -1,1 +1,1 @@
-"""Verification after a save: the background verifier, its worker process, throttling, stamping, watch, notification."""
+"""Verification after a save: the background verifier, its process, throttling, stamping, watch, notification."""

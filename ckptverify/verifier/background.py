@@ -1,39 +1,18 @@
 """Verify each checkpoint once its save has committed, and stamp it: in the background or inline.
 
-A save with ``verify="background"`` (:func:`ckptverify.save`, :func:`ckptverify.async_save`) hands the committed
-checkpoint to the process's :class:`BackgroundVerifier` on the coordinator rank and returns at once. The
-verifier's one worker thread takes checkpoints in the order they were submitted and has each verified
-(structure, CRC-32s, the manifest's digests; tensor fingerprints too with ``deep``) and its verdict written
-beside it as its stamp (:mod:`~ckptverify.runs.stamp`). From submission until the stamp is written the
-checkpoint's verifying lock is held, so retention (:func:`~ckptverify.runs.prune.prune`) never deletes it
-meanwhile.
+A ``verify="background"`` save hands the committed checkpoint to the coordinator's :class:`BackgroundVerifier`
+and returns. Its one worker thread verifies checkpoints in submission order and stamps each
+(:mod:`~ckptverify.runs.stamp`), holding the checkpoint's verifying lock from submission to stamp so retention
+never deletes it meanwhile. The work runs in a verifier process (:mod:`~ckptverify.verifier.worker`, no torch,
+``SCHED_IDLE``/nice 19): a low-priority *thread* could be descheduled holding the training's GIL
+(``isolation="thread"`` keeps that mode). Reads are also paced (:mod:`~ckptverify.verifier.throttle`) until
+someone waits.
 
-The verification itself runs in a verifier process (:mod:`~ckptverify.verifier.worker`, started at the first
-submission, one per training process, no torch in it) at the lowest CPU priority the system offers
-(``SCHED_IDLE`` and nice 19 on Linux): it takes CPU time the training leaves idle, and never holds the training
-process's interpreter lock. A verifier thread at that priority would: when the machine is oversubscribed it can
-be descheduled while holding the lock, and the training thread then waits for it (``isolation="thread"`` keeps
-that mode, for where processes cannot be started). Idle priority does not keep it off training that uses every
-core, so a background verification also paces its reads: it waits while no core is idle
-(:mod:`~ckptverify.verifier.throttle`; ``throttle=False`` or ``CKPTVERIFY_VERIFY_THROTTLE=0`` turns that off), and
-reads at full speed once someone waits for it. ``scripts/bench_background.py`` measures the step-time cost.
-
-Every result is a :class:`Verification` (:func:`last_verification` returns the newest), and one event in the
-run's ``events.jsonl`` (when the save was given ``events=``; names and fields in ``docs/json-schema.md``):
-``checkpoint-verified``, or ``checkpoint-failed`` for a failure, which is also a :class:`VerifyFailedWarning`,
-and, with ``VerifyOptions(on_failure="raise")``, a :class:`~ckptverify.errors.VerifyFailedError` raised by the next save
-on every rank. A checkpoint left without a verdict (the job ended first, its files changed while it was
-verified, it was deleted) is a :class:`CkptVerifyWarning` and a ``checkpoint-cut-short``,
-``checkpoint-unverified`` or ``checkpoint-deleted`` event: it is verified when a resume picks it
-(:func:`~ckptverify.runs.latest.latest_verified`).
-
-A front end with its own verification hands the checkpoint over as a :class:`Task` (the framework integrations:
-:mod:`ckptverify.integrations._core`): the same queue, verifying lock, verifier process (which runs the task's
-job, one of :data:`~ckptverify.verifier.jobs.JOBS`) and exit wait; the task reports its own result.
-
-At interpreter exit the pending verifications are waited for, up to ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT`` seconds
-(600 by default); :func:`wait_for_verifications` waits explicitly (a job that ends with ``os._exit`` must call
-it).
+Results are :class:`Verification` s and ``events.jsonl`` events (``docs/json-schema.md``); a failure is a
+:class:`VerifyFailedWarning` and, with ``on_failure="raise"``, a :class:`~ckptverify.errors.VerifyFailedError`
+from the next save on every rank. A checkpoint left without a verdict is verified when a resume picks it.
+Pending work is waited for at exit up to ``CKPTVERIFY_VERIFY_EXIT_TIMEOUT`` s (600); a job ending with
+``os._exit`` must call :func:`wait_for_verifications`.
 """
 
 from __future__ import annotations
@@ -85,8 +64,8 @@ _OFF = VerifyOptions(when="off")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AfterSave:
-    """What a save does once it has committed: its :class:`~ckptverify.options.VerifyOptions` (validated there),
-    and where its results go."""
+    """What a save does once committed: its validated :class:`~ckptverify.options.VerifyOptions` and where results go.
+    """
 
     #: When and how deep the checkpoint is verified, and what a failure does.
     verify: VerifyOptions = _OFF
@@ -126,17 +105,13 @@ class AfterSave:
 
 @dataclass(frozen=True, eq=False)
 class Task:
-    """A verification a front end defines for itself, handed to :meth:`BackgroundVerifier.submit`.
+    """A verification a front end defines itself (the integrations), for :meth:`BackgroundVerifier.submit`.
 
-    ``job`` (a name of :data:`~ckptverify.verifier.jobs.JOBS`) is run with ``args`` (JSON values) once the
-    checkpoint's verifying lock is held, in the verifier process (in the worker thread with
-    ``isolation="thread"``; with ``locked=False`` without the lock: a node's part of a verification shared
-    out among nodes, whose coordinator holds it); it returns a JSON value. ``done(result, None)`` then runs in
-    the worker thread with it, or ``done(None, why)`` when there is no result (the checkpoint was removed
-    before its turn, the verifier process died, the job raised). ``cut_short(why)``: the job ended (or a wait
-    gave up) before it ran. The task reports its results itself: no event, :class:`VerifyFailedWarning` or
-    :func:`last_verification` entry from the verifier. A ``job`` that names no job is a
-    :class:`~ckptverify.errors.UsageError` here.
+    ``job`` (a :data:`~ckptverify.verifier.jobs.JOBS` name; anything else is a :class:`~ckptverify.errors.UsageError`)
+    runs with JSON ``args`` in the verifier process once the verifying lock is held (``locked=False``: without it, for
+    a node's part whose coordinator holds it). Then ``done(result, None)`` or ``done(None, why)`` runs in the worker
+    thread; ``cut_short(why)`` if it never ran. The task reports its own results (no event, warning or
+    :func:`last_verification` entry from the verifier).
     """
 
     job: str
@@ -167,15 +142,13 @@ class _Job:
 
 
 class BackgroundVerifier:
-    """Verifies and stamps checkpoints, one at a time, from one daemon worker thread.
+    """Verifies and stamps checkpoints one at a time from one daemon worker thread (started at the first
+    :meth:`submit`).
 
-    ``isolation``: where each verification runs, a verifier process (``"process"``, the default) or the worker
-    thread (``"thread"``). ``priority``: its CPU priority (see :data:`PRIORITIES`). ``jobs``: threads one
-    verification uses. ``settle``: seconds a failed verification waits before judging (a checkpoint being
-    deleted file by file is not corrupt). ``throttle``: pace the reads to leave the training's cores alone
-    (:mod:`~ckptverify.verifier.throttle`; default: on unless ``CKPTVERIFY_VERIFY_THROTTLE=0``); the
-    verifications a :meth:`wait` or :meth:`wait_for` waits for read at full speed, at the waiter's CPU priority
-    where the system allows it. The thread (and the process) start at the first :meth:`submit`.
+    Args: ``isolation`` (``"process"`` default, or ``"thread"``), ``priority`` (:data:`PRIORITIES`), ``jobs`` (threads
+    per verification), ``settle`` (seconds a failure waits before judging: a checkpoint being deleted is not
+    corrupt), ``throttle`` (pace reads; default on unless ``CKPTVERIFY_VERIFY_THROTTLE=0``). Verifications that
+    :meth:`wait`/:meth:`wait_for` waits on read at full speed, at the waiter's priority where allowed.
     """
 
     def __init__(self, *, isolation: str = "process", priority: str = "idle", jobs: int = 1,
@@ -207,11 +180,10 @@ class BackgroundVerifier:
 
     def submit(self, path: str | os.PathLike[str], *, step: int | None = None,
                options: AfterSave | None = None, task: Task | None = None, parts: bool = False) -> None:
-        """Queue the committed checkpoint at ``path`` for verification (or for ``task``); returns at once. Its
-        verifying lock is taken now (when free; not for a ``task`` with ``locked=False``), so retention leaves it
-        alone while it waits in the queue. ``parts``: its verification is shared out among the nodes that wrote
-        it, and this verifier checks the whole checkpoint and its own node's files, gathers the other nodes'
-        parts and stamps (:mod:`~ckptverify.verifier.parts`)."""
+        """Queue the committed checkpoint ``path`` (or ``task``) and return at once. Its verifying lock is taken now
+        when
+        free (not for a ``locked=False`` task). ``parts``: verification shared among the writing nodes; this verifier
+        checks the whole and its node's files, gathers the others and stamps (:mod:`~ckptverify.verifier.parts`)."""
         options = options or AfterSave(verify=VerifyOptions(when="background"))
         job = self._job(path, step, options, deliver_later=True, take=task is None or task.locked)
         job.task = task
@@ -228,8 +200,8 @@ class BackgroundVerifier:
 
     def verify_now(self, path: str | os.PathLike[str], *, step: int | None = None,
                    options: AfterSave | None = None, deliver_later: bool = False) -> Verification:
-        """Verify and stamp ``path`` in the calling thread (all cores), handle the result as :meth:`submit`
-        would, and return it. ``deliver_later``: keep a ``raise``-mode failure for the next save to raise."""
+        """Verify and stamp ``path`` in the calling thread (all cores), handle the result as :meth:`submit` would, and
+        return it. ``deliver_later``: keep a ``raise``-mode failure for the next save."""
         options = options or AfterSave(verify=VerifyOptions(when="inline"))
         job = self._job(path, step, options, deliver_later=deliver_later)
         with self._cond:
@@ -253,9 +225,8 @@ class BackgroundVerifier:
             return out
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted checkpoint is verified; ``True`` if so. If ``timeout`` seconds pass first,
-        say which were cut short (a :class:`CkptVerifyWarning`, and a ``checkpoint-cut-short`` event in each
-        one's event log) and return ``False``; they stay queued."""
+        """Wait until every submitted checkpoint is verified; ``True`` if so. On ``timeout``, warn and log
+        ``checkpoint-cut-short`` for each unfinished one (they stay queued) and return ``False``."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         with self._waited_for(), self._cond:
             while self._pending:
@@ -270,8 +241,7 @@ class BackgroundVerifier:
         return True
 
     def wait_for(self, paths: list[str] | set[str], timeout: float | None = None) -> bool:
-        """Wait until none of ``paths`` is pending (queued or being verified); ``True`` if so, ``False`` when
-        ``timeout`` seconds passed first (nothing is reported: the caller says what it waited for)."""
+        """Wait until none of ``paths`` is pending; ``False`` on ``timeout`` (nothing reported)."""
         wanted = {os.path.abspath(os.fspath(p)) for p in paths}
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         with self._waited_for(), self._cond:
@@ -284,8 +254,7 @@ class BackgroundVerifier:
 
     @contextlib.contextmanager
     def _waited_for(self) -> Iterator[None]:
-        """While someone waits: verifications read at full speed, at the waiter's CPU priority (the one in
-        progress from now on, the later ones from their start)."""
+        """While someone waits, verifications read at full speed at the waiter's priority."""
         with self._cond:
             self._waiting += 1
             hurry = bool(self._pending)
@@ -325,8 +294,7 @@ class BackgroundVerifier:
         return _Job(root, step, options, lock, deliver_later=deliver_later, events=options.event_log())
 
     def _work(self) -> None:
-        # With a verifier process this thread only hands it work and waits: it keeps the process's priority, so
-        # that the replies of a verification someone waits for are never starved. In-thread, it verifies.
+        # With a process this thread only relays, at the process's priority, so awaited replies never starve.
         self._worker_tid = threading.get_native_id()
         while True:
             job = self._queue.get()
@@ -390,8 +358,8 @@ class BackgroundVerifier:
                 self._cond.notify_all()
 
     def _take_lock(self, job: _Job) -> bool:
-        """Hold the job's verifying lock, waiting while someone else (``ckptverify watch``) holds it; ``False``
-        when the checkpoint is gone."""
+        """Hold the job's verifying lock, waiting while another holder (``watch``) has it; ``False`` if the checkpoint
+        is gone."""
         while not job.lock.held:
             try:
                 if job.lock.acquire():
@@ -522,8 +490,8 @@ _atexit_registered = False
 
 
 def default_verifier() -> BackgroundVerifier:
-    """The process's verifier (created at first use), which saves with ``verify=`` use; it is waited for at
-    interpreter exit, up to :func:`exit_timeout` seconds."""
+    """The process's verifier (made at first use), used by saves with ``verify=``; waited for at exit up to
+    :func:`exit_timeout` seconds."""
     global _default, _atexit_registered
     with _default_lock:
         if _default is None:
@@ -535,22 +503,19 @@ def default_verifier() -> BackgroundVerifier:
 
 
 def last_verification() -> Verification | None:
-    """The newest result of a save's verification in this process (``None`` before the first one, and on
-    ranks other than the coordinator, which alone verifies)."""
+    """The newest result of a save's verification in this process (``None`` before one, and off the coordinator)."""
     return None if _default is None else _default.last()
 
 
 def wait_for_checkpoint(path: str | os.PathLike[str], timeout: float | None = None) -> bool:
-    """Wait until this process's verifier has finished with the checkpoint at ``path`` (at once when it is not
-    queued); ``False`` when ``timeout`` seconds passed first."""
+    """Wait until this process's verifier is done with ``path`` (at once if not queued); ``False`` on ``timeout``."""
     verifier = _default
     return True if verifier is None else verifier.wait_for([os.fspath(path)], timeout)
 
 
 def wait_for_verifications(timeout: float | None = None) -> bool:
-    """Wait until every checkpoint this process saved with ``verify=`` is verified and stamped; ``True`` if
-    so. After ``timeout`` seconds, warn (and log ``checkpoint-cut-short``) naming those not finished, and return
-    ``False``."""
+    """Wait until every checkpoint this process saved with ``verify=`` is verified and stamped; ``True`` if so. On
+    ``timeout``, warn (and log ``checkpoint-cut-short``) naming the unfinished ones and return ``False``."""
     return True if _default is None else _default.wait(timeout)
 
 

@@ -1,15 +1,8 @@
-"""The verifications a front end can hand to the background verifier as a
-:class:`~ckptverify.verifier.background.Task`, each under a name: what a task's ``job`` names, and what the
-verifier process (:mod:`~ckptverify.verifier.worker`) runs for it.
+"""Named verifications a :class:`~ckptverify.verifier.background.Task` may request: ``check-saved``
+(:func:`~ckptverify.verifier.saved.saved_job`) and ``verify-part`` (:func:`~ckptverify.verifier.parts.part_job`).
 
-A request names a job, never a module or a function: the verifier process runs only the functions imported here,
-so nothing a request says can make it import code (it runs with ``python -P`` in ``/``, and whatever reaches its
-standard input is data).
-
-- ``check-saved``: :func:`~ckptverify.verifier.saved.saved_job`, the framework integrations' check of a
-  checkpoint they just saved (fingerprinted when needed, verified, stamped).
-- ``verify-part``: :func:`~ckptverify.verifier.parts.part_job`, one node's part of a save's verification
-  shared out among the nodes that wrote it (the files its ranks wrote, verified; the part verdict written).
+A request names a job, never a module or function: the verifier process (``python -P`` in ``/``) runs only what
+is imported here, so nothing on its standard input can make it import code.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Change notification for a run directory (Linux ``inotify``), so ``watch`` acts as soon as a save lands.
+"""Change notification for a run directory (Linux ``inotify`` via ``ctypes``), so ``watch`` acts as a save lands.
 
-:class:`DirectoryNotifier` watches a run directory and each directory directly under it (the checkpoints), and
-:meth:`~DirectoryNotifier.wait` returns as soon as something was created, written, moved or deleted there,
-or when its timeout passes. It is a wake-up call, never the source of truth: the watcher still lists the
-directory on every pass and still waits at most its polling interval, so an event that is lost (a queue
-overflow, a network file system that sends none, a directory deeper than the watch) only delays a pass.
-Where inotify is unavailable, :meth:`~DirectoryNotifier.open` returns ``None`` and the watcher polls.
-
-Changes to ckptverify's own files (:func:`own_file`: stamps, verifying locks, their temporary files, and the
-names the watcher is given, such as its log and metrics file) wake nothing: the watcher writes them itself,
-and being woken by its own writes would have it pass over the run again and again, each pass writing again.
-
-Called through ``ctypes`` on the C library: no dependency, nothing compiled.
+:class:`DirectoryNotifier` watches the run directory and each directory directly under it. It is a wake-up call,
+never the source of truth: the watcher still lists and polls, so a lost event only delays a pass; without
+inotify, :meth:`~DirectoryNotifier.open` returns ``None``. ckptverify's own files (:func:`own_file`) and given
+names wake nothing: otherwise the watcher's own writes would wake it endlessly.
 """
 
 from __future__ import annotations
@@ -55,8 +47,8 @@ GATHER_SECONDS = 0.2
 
 
 def own_file(name: str) -> bool:
-    """Whether a file named ``name`` is one ckptverify writes while it verifies (a stamp, inside a directory
-    or beside a single file; a verifying lock; a stamp's or metrics file's temporary file; a part verdict)."""
+    """Whether ``name`` is a file ckptverify writes while verifying (stamp, verifying lock, temporaries, part verdict).
+    """
     return (name in (STAMP_FILE, VERIFYING_LOCK) or name.endswith(f".{STAMP_FILE}")
             or name.startswith((STAMP_TEMP_PREFIX, METRICS_TEMP_PREFIX, PARTS_PREFIX)))
 
@@ -95,9 +87,8 @@ class DirectoryNotifier:
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], *, ignore_names: Collection[str] = ()) -> DirectoryNotifier | None:
-        """A notifier for ``root``, or ``None`` where inotify is not available (the caller polls). A change to a
-        file named in ``ignore_names`` (the caller's own log, say), or to one of ckptverify's own files
-        (:func:`own_file`), wakes nothing."""
+        """A notifier for ``root``, or ``None`` without inotify. Changes to ``ignore_names`` or :func:`own_file` s wake
+        nothing."""
         libc = _libc()
         if libc is None:
             return None
@@ -120,8 +111,7 @@ class DirectoryNotifier:
             self._watched[wd] = path
 
     def wait(self, timeout: float) -> bool:
-        """Block until something changed or ``timeout`` seconds passed; ``True`` when woken by a change. Changes
-        to ignored files (see :meth:`open`) are drained and waited past, never a reason to return early."""
+        """Block until a change or ``timeout``; ``True`` if woken by a change (ignored files never end the wait)."""
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             left = deadline - time.monotonic()

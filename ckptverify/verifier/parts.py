@@ -1,29 +1,13 @@
-"""A save's verification shared out among the nodes that wrote it: each node checks the files its own ranks
-just wrote (still in its page cache), and one stamp is written once every part has reported.
+"""A save's verification shared among the nodes that wrote it: each node checks the files its ranks just wrote
+(still in its page cache), and one stamp is written once every part reports (``docs/verify-after-save.md``).
 
-How it runs (``docs/verify-after-save.md``):
-
-1. Before the save, the ranks of the save's group exchange their node names (:func:`node_name`, one small
-   collective). With one node, nothing below happens: the coordinator verifies the whole checkpoint, as always.
-2. As the save commits, the coordinator writes the **plan** (:data:`~ckptverify.ownfiles.names.PARTS_PLAN` in
-   the checkpoint folder, :func:`make_plan`): for every node its host, ranks and the files its ranks wrote (from
-   DCP's write results), and a save id.
-3. The lowest rank of every node but the coordinator's hands its background verifier a **part**
-   (:func:`part_job`, the ``verify-part`` job): the byte-level checks of its node's files only
-   (:class:`~ckptverify.checks.dcp_pipeline.VerificationRun` with ``only``); it never opens another node's
-   file. It writes its verdict beside the plan (``.ckptverify-part-N.json``, :func:`part_verdict_path`).
-4. The coordinator's verifier (holding the checkpoint's verifying lock from submission to stamp) checks the
-   whole checkpoint (commit marker, metadata, structure, tiling, coverage, the manifest's layout: small reads)
-   and its own node's files (``skip`` = the other nodes' files), waits for every other part's verdict
-   (:func:`stamp_parts_locked`), and writes the one stamp: passed when every part passed; failed naming each
-   failed part's node, host and files (a ``node-part-failed`` error per failed part, besides the part's own
-   findings); no stamp, **unverified**, naming every node whose part did not report within
-   :func:`part_timeout` seconds (``CKPTVERIFY_PART_TIMEOUT``). The plan and the part verdicts are removed once
-   the stamp is written; the stamp records the parts under ``parts``.
-
-With ``deep``, each part also rebuilds the tensor pieces in its files, and the coordinator judges them all
-together (a tensor's chunks lie on several nodes). With a manifest to write, each part also digests and scans
-its files, and the coordinator writes the manifest from them (:func:`_adopt`).
+Ranks exchange node names before the save (one node: nothing here happens). As the save commits the coordinator
+writes the plan (:func:`make_plan`: per node its host, ranks and files). Each other node's lowest rank runs a
+part (:func:`part_job`): byte-level checks of its files only, verdict written beside the plan. The coordinator
+checks the whole checkpoint and its node's files, waits for the parts (:func:`stamp_parts_locked`, up to
+:func:`part_timeout`), and stamps: passed if all passed; failed with a ``node-part-failed`` error per failed part;
+**unverified** naming nodes that never reported. With ``deep`` the coordinator judges all parts' tensor pieces
+together; with a manifest to write, parts bring digests and scans (:func:`_adopt`).
 """
 
 from __future__ import annotations
@@ -63,9 +47,8 @@ _POLL_SECONDS = 0.1
 
 
 def node_name() -> str:
-    """The node this process runs on: ``CKPTVERIFY_NODE`` when set; else the host name, with torchrun's node
-    rank (``GROUP_RANK``) when the process was started by torchrun (two torchrun agents on one host are two
-    nodes to it)."""
+    """This process's node: ``CKPTVERIFY_NODE`` if set, else the host name (with torchrun's ``GROUP_RANK`` when under
+    torchrun: two agents on one host are two nodes)."""
     name = os.environ.get(NODE_ENV)
     if name:
         return name
@@ -74,8 +57,8 @@ def node_name() -> str:
 
 
 def part_timeout() -> float:
-    """Seconds the coordinator waits for the other nodes' parts after its own (``CKPTVERIFY_PART_TIMEOUT``;
-    1800 by default); an unreadable value is the default."""
+    """Seconds the coordinator waits for other parts (``CKPTVERIFY_PART_TIMEOUT``, default 1800; unreadable: default).
+    """
     try:
         value = float(os.environ.get(PART_TIMEOUT_ENV, DEFAULT_PART_TIMEOUT))
     except ValueError:
@@ -103,17 +86,15 @@ def _verify(root: str, jobs: int, *, only: frozenset[str] | None = None,
 
 
 def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -> dict[str, Any]:
-    """The ``verify-part`` job: wait (up to ``wait_s`` seconds, default :func:`part_timeout`) until the checkpoint
-    at ``root`` has committed with a plan, verify the files of node ``node`` only, and write its verdict
-    (:func:`part_verdict_path`). Returns what was written, or ``{"written": False, "why": ...}`` when nothing
-    was (no plan came, the checkpoint is gone)."""
+    """The ``verify-part`` job: wait (up to ``wait_s``, default :func:`part_timeout`) for ``root`` to commit with a
+    plan,
+    verify node ``node``'s files only, write its verdict. Returns what was written, or ``{"written": False, "why"}``."""
     deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
     plan = None
     while True:
         if _committed(root):
             plan = read_plan(root)
-            # The plan is written as the save commits (or, by an integration, right after): once committed,
-            # a plan that is still missing after a grace time is not coming (it could not be written).
+            # Once committed, a plan still missing after a grace time is not coming.
             deadline = min(deadline, time.monotonic() + _PLAN_GRACE_SECONDS) if plan is None else deadline
         if plan is not None or time.monotonic() >= deadline:
             break
@@ -154,8 +135,7 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
 
 
 def _committed(root: str) -> bool:
-    """Whether the save at ``root`` finished: a DCP folder committed, or a folder of checkpoint files whose DCP
-    folders all are (:func:`~ckptverify.ownfiles.partsplan.dcp_folders`)."""
+    """Whether the save at ``root`` finished: a committed DCP folder, or a folder whose DCP folders all committed."""
     from ckptverify.runs.stamp import committed
 
     if committed(root):
@@ -166,12 +146,10 @@ def _committed(root: str) -> bool:
 
 def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
                  checked: Any = None) -> tuple[Any, dict[str, Any] | None]:
-    """A node's checks of its ``files``: their verification (``checked``, when made already: a deep part's),
-    and, when the save is fingerprinted (the plan's ``fingerprint``: ``True``; ``"auto"`` with a former save's
-    manifest in the folder, or content of these files no checksum protects), their digests and scans for the
-    manifest (:func:`~ckptverify.audit.adopt.fingerprint_files`, whose verification, made without the manifest
-    being replaced, is then the part's). A node that wrote no file reports an empty part (no findings, no
-    bytes): the merged report counts only what was read."""
+    """A node's checks of ``files``: their verification (``checked`` if done already) and, when the save is
+    fingerprinted (plan's ``fingerprint``: ``True``, or ``"auto"`` with a former manifest or unprotected content),
+    digests and scans via :func:`~ckptverify.audit.adopt.fingerprint_files`. A node with no files reports an empty part.
+    """
     from ckptverify.audit.adopt import fingerprint_files, fingerprint_folder_files
     from ckptverify.audit.verify import by_subfolder, needs_manifest
     from ckptverify.ownfiles.names import MANIFEST_FILE
@@ -182,9 +160,8 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
         empty = Report(command="verify", target=root, findings=(), stats={"bytes": 0, "files": 0, "opened": []})
         return checked or empty, None
     folder = not os.path.isfile(os.path.join(root, ".metadata"))
-    # In a folder of checkpoint files (an FSDP save by accelerate or transformers) the files are the shards of
-    # its DCP folders, ``SUB/FILE``: a manifest in one of those is a former save's (the folder's own covers the
-    # files at its top, which are the coordinator's).
+    # In a folder of checkpoint files the parts' files are DCP-folder shards ``SUB/FILE``: a manifest there
+    # is a former save's (the top's files are the coordinator's).
     manifests = [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)] if folder else [MANIFEST_FILE]
     stale = fingerprint == "auto" and any(os.path.lexists(os.path.join(root, m)) for m in manifests)
     if fingerprint is not True and not stale:
@@ -215,25 +192,16 @@ def _describe_node(node: dict[str, Any]) -> str:
 def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, settle: float = 1.0,
                        throttle: Any = None, wait_s: float | None = None, deep: bool = False,
                        adopt: bool | Callable[[Any], bool] = False, notes: list[str] | None = None) -> Any:
-    """The coordinator's side (its caller holds the checkpoint's verifying lock, as for
-    :func:`~ckptverify.verifier.stamper.stamp_locked`): verify the whole checkpoint and the coordinator node's
-    files, gather the other nodes' part verdicts (waiting up to ``wait_s`` seconds, default
-    :func:`part_timeout`), and stamp the merged verdict. Without a readable plan it verifies everything itself
-    (:func:`~ckptverify.verifier.stamper.stamp_locked`). Returns a
-    :class:`~ckptverify.verifier.verification.Verification`.
+    """The coordinator's side (caller holds the verifying lock): verify the whole checkpoint and this node's files,
+    gather the other parts (up to ``wait_s``, default :func:`part_timeout`) and stamp the merged verdict. Returns a
+    :class:`~ckptverify.verifier.verification.Verification`. Without a readable plan, verifies everything itself via
+    :func:`~ckptverify.verifier.stamper.stamp_locked` (or returns ``None`` when ``adopt`` is set).
 
-    ``adopt``: fingerprint the checkpoint (write its manifest) from the parts, always (``True``) or when it says
-    so of the merged report (content no checksum protects, a former save's manifest): then no separate
-    verification is run here; :func:`~ckptverify.audit.adopt.fingerprint_checkpoint` verifies this node's files
-    and the whole checkpoint, and takes the other nodes' verification, digests and scans from their parts
-    (:func:`~ckptverify.audit.adopt.fingerprint_files`), reading the files of a part that brought none itself.
-    What writing the manifest did is appended to ``notes``. Without a plan of several nodes, ``None`` when
-    ``adopt`` is set: the caller checks the checkpoint as on one node.
-
-    ``deep`` (the plan's too, then): every part also rebuilt and fingerprinted the tensor pieces in its files
-    (:func:`~ckptverify.audit.verify.verify_part_deep`); the coordinator judges them all together, as one
-    process's deep check (:func:`~ckptverify.checks.deep.judge_parts`). A part without its pieces did not
-    report."""
+    ``adopt``: write the manifest from the parts (always, or when the merged report needs it) via
+    :func:`~ckptverify.audit.adopt.fingerprint_checkpoint`, reading files of parts that brought none; notes go to
+    ``notes``. ``deep``: parts' tensor pieces are judged together (:func:`~ckptverify.checks.deep.judge_parts`); a part
+    without its pieces did not report.
+    """
     from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
@@ -320,8 +288,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         if scanned is not None:  # every part's pieces judged against the manifest written from them (or none)
             scanned.use_manifest(written)
             adopted = _judged(adopted, scanned)
-        # The stamp's fingerprint covers the manifest just written; the files it was taken of were checked for
-        # changes by the adoption (this node's) and by the parts' signatures (the others').
+        # The fingerprint covers the new manifest; its files were change-checked by the adoption and signatures.
         before = files_fingerprint(path)
         parts, merged = _summarize(path, nodes, adopted, reports, adopted.stats.get("bytes_read_here"), whole=True)
     assert parts is not None and merged is not None
@@ -371,9 +338,8 @@ def _silent(missing: list[dict[str, Any]], wait_s: float | None) -> str:
 
 def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[tuple[dict[str, Any], Any]],
                mine_bytes: Any, *, whole: bool = False) -> tuple[list[dict[str, Any]], Any]:
-    """Every part as the stamp records it, and the merged report: ``mine`` (the coordinator's, which also
-    checked the whole checkpoint) with the other parts' reports, a ``node-part-failed`` error naming each failed
-    part first. ``whole``: ``mine`` already holds the other parts' findings (an adoption merged them)."""
+    """Every part as the stamp records it, and the merged report (``mine`` plus the others', a ``node-part-failed``
+    error first per failed part). ``whole``: ``mine`` already holds the others' findings."""
     from ckptverify.findings import Report, error, merge_reports
 
     own = nodes[0]
@@ -383,8 +349,7 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
     named: list[Any] = []
     for k, part in enumerate(parts):
         if k == 0 and not part["failed_files"]:
-            # The coordinator's part also holds the checks of the whole checkpoint (named by their own
-            # findings): its node is named only for errors in its node's files.
+            # The coordinator's node is named only for errors in its own files, not whole-checkpoint ones.
             part["verdict"] = "passed"
         if part["verdict"] == "passed":
             continue
@@ -402,11 +367,8 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
 
 def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
            read_all: bool = True) -> tuple[Any, str, bool]:
-    """The checkpoint's manifest written from the parts' digests and scans (those that brought them: the files
-    of the others are read here); the whole checkpoint read here when they cannot be merged. Returns the
-    adoption's report (the verification of every file; a refusal to write the manifest is said by the findings
-    that caused it), what writing the manifest did, and whether it was written. A folder of checkpoint files:
-    :func:`_adopt_folder`."""
+    """The manifest written from the parts' digests and scans (others' files read here; the whole when unmergeable).
+    Returns the adoption's report, what writing did, and whether written. Folders: :func:`_adopt_folder`."""
     from ckptverify.audit.adopt import AdoptionPart, fingerprint_checkpoint
     from ckptverify.errors import PartsOverlapError
 
@@ -431,8 +393,7 @@ def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]
 
 
 def _refusal(report: Any) -> tuple[Any, str]:
-    """An adoption that wrote no manifest: its report (the errors that refused it say it all, when there are
-    any) and the note."""
+    """An adoption that wrote no manifest: its report and the note."""
     causes = [f for f in report.findings if f.check != "fingerprint-refused"]
     refusal = next((f.message for f in report.findings if f.check == "fingerprint-refused"), "refused")
     if any(f.severity.value == "error" for f in causes):
@@ -443,13 +404,10 @@ def _refusal(report: Any) -> tuple[Any, str]:
 
 def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
                   read_all: bool) -> tuple[Any, str, bool]:
-    """:func:`_adopt` of a folder of checkpoint files whose DCP folders several nodes wrote
-    (:func:`~ckptverify.audit.adopt.fingerprint_folder_parts`): each DCP folder's manifest from the digests its
-    nodes' parts brought (``{"folders": {SUB: part}}``), the folder's own from its files, read here. The shards
-    of a part that brought none (``fingerprint="auto"``, where its shards needed no manifest; or a damaged or
-    planted verdict) are read here when ``read_all`` (``fingerprint=True``) or when their DCP folder holds a
-    former save's manifest; else their folder gets no manifest, and the part's own verification stands for
-    them."""
+    """:func:`_adopt` for a folder whose DCP folders several nodes wrote
+    (:func:`~ckptverify.audit.adopt.fingerprint_folder_parts`). Shards of a part that brought no digests are read
+    here when ``read_all`` or their folder holds a former manifest; else that folder gets no manifest and the part's
+    verification stands."""
     from ckptverify.audit.adopt import AdoptionPart, fingerprint_folder_parts
     from ckptverify.audit.verify import by_subfolder
     from ckptverify.errors import PartsOverlapError

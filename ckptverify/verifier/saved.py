@@ -1,12 +1,7 @@
-"""The check a framework integration runs on a checkpoint it has just saved (:func:`check_saved`), inline or in
-the background verifier's process (:func:`saved_job`, the ``check-saved`` job of :mod:`~ckptverify.verifier.jobs`).
-
-The checkpoint is verified (:func:`~ckptverify.audit.verify.verify_checkpoint`); when it holds content no checksum
-protects (safetensors weights), or always with ``fingerprint=True``, it is fingerprinted (its manifest written,
-:func:`~ckptverify.audit.adopt.fingerprint_checkpoint`: inside a folder, beside a single file) and verified
-against that manifest; then its stamp is written (:func:`~ckptverify.runs.stamp.write_stamp`). The result is a
-:class:`~ckptverify.verifier.verification.Verification` and the name of its event (``docs/json-schema.md``).
-"""
+"""The check an integration runs on a checkpoint it just saved (:func:`check_saved`), inline or as the
+``check-saved`` job (:func:`saved_job`): verify; fingerprint (write a manifest) when content no checksum protects
+or with ``fingerprint=True``, and verify against it; stamp. Gives a
+:class:`~ckptverify.verifier.verification.Verification` and its event name."""
 
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ def first_error_line(path: str, errors: list[dict[str, Any]] | tuple[dict[str, A
 
 def verification_of(path: str, report: Report, step: int | None, seconds: float, stamp: str | None,
                     reason: str | None = None) -> Verification:
-    """The :class:`~ckptverify.verifier.verification.Verification` of ``report``, with the integrations' message
-    (what was checked, or the first error and where)."""
+    """The :class:`~ckptverify.verifier.verification.Verification` of ``report``, with the integrations' message."""
     from ckptverify.audit.verify import UNCHECKABLE
 
     errors = report.errors
@@ -65,8 +59,7 @@ def _checked_text(report: Report) -> str:
 
 
 def cannot_verify(path: str, why: str, step: int | None = None, seconds: float = 0.0) -> Verification:
-    """A failed verification of a checkpoint that could not be verified at all (missing, not a checkpoint,
-    remote): refused like one that fails."""
+    """A failed verification of a checkpoint that could not be verified at all (missing, not one, remote)."""
     return Verification(path=path, step=step, verdict="failed", summary={"error": 1},
                         first_error=f"not-verified: {why}", seconds=round(seconds, 6),
                         errors=({"check": "not-verified", "severity": "error", "message": why,
@@ -101,10 +94,8 @@ def was_deleted(path: str, step: int | None, seconds: float = 0.0) -> Verificati
 
 
 def _fingerprint(root: str, jobs: int | None) -> str:
-    """Write the manifest of the checkpoint just saved at ``root`` (replacing one a former save into the same
-    place left: it describes bytes that are gone). Content no checksum protects (safetensors weights) is
-    adopted as it was just written: from now on the manifest protects it. Returns what happened, for the
-    event; a refusal is no failure by itself (the verification that follows judges the checkpoint)."""
+    """Write the manifest of the checkpoint just saved (replacing a former save's, which describes gone bytes);
+    unprotected content is adopted as written. Returns what happened; a refusal is no failure by itself."""
     from ckptverify.audit.adopt import fingerprint_checkpoint
 
     report, manifest = fingerprint_checkpoint(root, force=True, jobs=jobs, trust_uncheckable=True)
@@ -116,8 +107,8 @@ def _fingerprint(root: str, jobs: int | None) -> str:
 
 
 def _vanished(root: str) -> bool:
-    """Whether the checkpoint at ``root`` was deleted (or is being deleted): gone, a DCP folder that lost its
-    metadata, or a folder left holding nothing but ckptverify's own files."""
+    """Whether ``root`` was (or is being) deleted: gone, a DCP folder without metadata, or only ckptverify's files left.
+    """
     from ckptverify.formats.describe import is_own_file
     from ckptverify.runs.stamp import removed
 
@@ -133,8 +124,7 @@ def _vanished(root: str) -> bool:
 
 
 def _tidy(root: str) -> None:
-    """Remove ckptverify's own files (stamp, manifest, verifying lock) from a checkpoint that was deleted while
-    it was verified: inside a folder left with nothing else (then the folder too), or beside a single file."""
+    """Remove ckptverify's own files from a checkpoint deleted while verified (and the folder, if left empty)."""
     from ckptverify.audit.adopt import file_manifest_path
     from ckptverify.formats.describe import is_own_file
     from ckptverify.runs.stamp import stamp_path
@@ -156,14 +146,10 @@ def _tidy(root: str) -> None:
 
 def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None = None,
                 deep: bool = False, settle: float | None = None) -> tuple[Verification, dict[str, Any], str]:
-    """Fingerprint (when needed), verify and stamp the checkpoint just saved at ``root``; see the module
-    docstring. Returns the verification, the event's extra fields (``fingerprint``: what fingerprinting did;
-    ``stamp_error``: why no stamp was written) and the event's name (``checkpoint-verified``,
-    ``checkpoint-failed``, or ``checkpoint-deleted``). Appends no event and warns of nothing.
-
-    ``settle``: set when the checkpoint may be deleted meanwhile (a verification in the background, while the
-    framework's retention runs): a failure, or files that changed, is judged only after ``settle`` seconds, and
-    a checkpoint gone by then is ``deleted``, with ckptverify's own files removed."""
+    """Fingerprint (when needed), verify and stamp the checkpoint just saved at ``root`` (see the module docstring).
+    Returns the verification, the event's extra fields (``fingerprint``, ``stamp_error``) and its name
+    (``checkpoint-verified``/``-failed``/``-deleted``); appends no event, warns of nothing. ``settle``: a failure or
+    change is judged only after that many seconds; a checkpoint gone by then is ``deleted``, its own files removed."""
     verdict, extra = _check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
     return verdict, extra, event_of(verdict)
 
@@ -220,8 +206,7 @@ def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs:
     else:
         stamp_error = "files changed while they were verified"
     if background and (_vanished(root) or files_fingerprint(root) != before) and deleted_now():
-        # Deleted as the stamp was written (a framework's rmtree that listed the folder before the stamp was in
-        # it fails on it): ckptverify's files are taken away too.
+        # Deleted as the stamp was written (an rmtree listing it before the stamp fails on it): tidy ours too.
         return was_deleted(root, step, time.perf_counter() - started), {}
     verdict = verification_of(root, report, step, time.perf_counter() - started, stamp, stamp_error)
     extra: dict[str, Any] = {}
@@ -233,9 +218,8 @@ def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs:
 
 
 def _adopt_when(root: str) -> Callable[[Report], bool]:
-    """When a save verified in parts under ``fingerprint="auto"`` is fingerprinted from them (what
-    :func:`check_saved` decides on one node): a manifest is in the folder (a former save's: the parts judged
-    against digests of bytes that are gone), or the parts found content no checksum protects."""
+    """When a parts-verified save under ``fingerprint="auto"`` is fingerprinted: a former manifest is present, or the
+    parts found unprotected content."""
     from ckptverify.audit.verify import needs_manifest
 
     def adopt(merged: Report) -> bool:
@@ -246,13 +230,9 @@ def _adopt_when(root: str) -> Callable[[Report], bool]:
 
 def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int | None, deep: bool,
               settle: float, parts: bool = False) -> dict[str, Any]:
-    """:func:`check_saved` in the background verifier's process: its outcome as JSON values. ``parts``: the
-    checkpoint is verified shared out among the nodes that wrote it; this checks the whole and the coordinator's
-    node's files, gathers the other parts and stamps (:func:`~ckptverify.verifier.parts.stamp_parts_locked`).
-    With ``fingerprint=True``, or ``"auto"`` when the checkpoint needs it (content no checksum protects, a former
-    save's manifest), its manifest is written from the parts' digests and scans, each node's taken on that node.
-    With ``deep``, every part also rebuilt the tensor pieces in its files, judged here together (against the
-    manifest written from the parts, when one was)."""
+    """:func:`check_saved` in the verifier process, as JSON values. ``parts``: shared among nodes
+    (:func:`~ckptverify.verifier.parts.stamp_parts_locked`), with the manifest written from the parts' digests when
+    fingerprinting; ``deep``: parts' tensor pieces judged together here."""
     if parts:
         from ckptverify.verifier.parts import stamp_parts_locked
 

@@ -1,11 +1,8 @@
-"""Verify one committed checkpoint and stamp it: what ``watch`` does for each checkpoint, and what a save with
-``verify=`` does once it has committed.
+"""Verify one committed checkpoint and stamp it (for ``watch`` and for saves with ``verify=``).
 
-The checkpoint's verifying lock (``.ckptverify-verifying``, an ``flock``) is held from before the verification
-until the stamp is written, so retention (:func:`~ckptverify.runs.prune.prune`) leaves it alone meanwhile. The
-directory's fingerprint is taken before the verification and compared after it: a verdict is stamped only on
-the files that were verified. A failed verification is judged only after a short settle time in which nothing
-moved, so a checkpoint being deleted file by file is not reported corrupt.
+The verifying lock (``.ckptverify-verifying``, an ``flock``) is held until the stamp is written, so retention
+leaves it alone. The files' fingerprint is compared before and after: a verdict is stamped only on the files
+verified. A failure is judged after a settle time with nothing moving (a checkpoint being deleted is not corrupt).
 """
 
 from __future__ import annotations
@@ -23,22 +20,17 @@ from ckptverify.verifier.verification import Verification, from_report, unverifi
 
 __all__ = ["SETTLE_SECONDS", "VerifyingLock", "committed", "removed", "stamp_locked", "verify_and_stamp"]
 
-#: After a failed verification, how long to wait before judging: a checkpoint being deleted file by file must
-#: not be reported as corrupt.
+#: Wait after a failure before judging: a checkpoint being deleted file by file is not corrupt.
 SETTLE_SECONDS = 1.0
 _GONE = "removed while it was being verified"
 
 
 class VerifyingLock:
-    """The verifying lock of one checkpoint directory (an exclusive ``flock`` on ``.ckptverify-verifying``).
-
-    The lock file is removed on release, while still held. A lock taken on a file that was removed (or
-    replaced) in the meantime is dropped and taken again, so two holders never hold two different files.
-    """
+    """The verifying lock of one checkpoint directory (exclusive ``flock`` on ``.ckptverify-verifying``). The file is
+    removed on release, while held; a lock on a file removed meanwhile is retaken, so holders never differ in file."""
 
     def __init__(self, checkpoint: str) -> None:
-        # A single-file checkpoint has no directory to hold a lock: nothing is created beside it, and the
-        # lock is a no-op (two watchers may verify it twice; retention of single files does not wait).
+        # A single file has no directory for a lock: a no-op (two watchers may verify it twice).
         self._checkpoint = checkpoint
         self._single = os.path.lexists(checkpoint) and not os.path.isdir(checkpoint)
         self.path = os.path.join(checkpoint, VERIFYING_LOCK)
@@ -49,8 +41,8 @@ class VerifyingLock:
         return self._fd is not None
 
     def acquire(self) -> bool:
-        """Take the lock without blocking; ``False`` when someone else holds it. Raises ``FileNotFoundError``
-        when the checkpoint directory is gone."""
+        """Take the lock without blocking; ``False`` if held elsewhere. ``FileNotFoundError`` if the directory is gone.
+        """
         if self._fd is not None:
             return True
         if self._single:
@@ -88,9 +80,7 @@ class VerifyingLock:
         finally:
             os.close(self._fd)
             self._fd = None
-        # Retention that deleted the checkpoint meanwhile (rmtree: list, unlink each, rmdir) could not remove the
-        # folder while the lock file was in it: an empty folder left now is removed, finishing that deletion
-        # (rmdir removes nothing else: a folder that holds anything stays).
+        # Finish a retention rmtree our lock file blocked: rmdir removes only an empty folder.
         with contextlib.suppress(OSError):
             os.rmdir(self._checkpoint)
 
@@ -98,16 +88,12 @@ class VerifyingLock:
 def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
                      settle: float = SETTLE_SECONDS, lock: VerifyingLock | None = None,
                      throttle: Throttle | None = None) -> Verification:
-    """Verify the checkpoint at ``path`` and stamp the verdict beside it; see the module docstring.
+    """Verify ``path`` and stamp the verdict beside it (see the module docstring).
 
-    Returns a :class:`~ckptverify.verifier.verification.Verification`: ``passed`` or ``failed`` (stamped unless
-    ``stamped`` is false: then ``reason`` says why the stamp could not be written; the verdict stands all the
-    same), or ``unverified`` with ``no_verdict`` ``deleted`` (removed while being verified), ``changed`` (its
-    files changed while being verified: no verdict, no stamp), ``error`` (it could not be verified: ``reason``
-    says why) or ``busy`` (someone else holds the verifying lock).
-
-    ``lock``: the checkpoint's verifying lock, already held by the caller (released here); by default it is
-    taken here, and the result is ``busy`` when someone else holds it. ``throttle``: see :func:`stamp_locked`.
+    Returns a :class:`~ckptverify.verifier.verification.Verification`: ``passed``/``failed`` (unstamped if
+    ``stamped`` is false, ``reason`` saying why; the verdict stands), or ``unverified`` with ``no_verdict``
+    ``deleted``, ``changed``, ``error`` or ``busy``. ``lock``: already held by the caller (released here); else taken
+    here. ``throttle``: see :func:`stamp_locked`.
     """
     own = lock if lock is not None else VerifyingLock(path)
     try:
@@ -117,8 +103,7 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
     except (FileNotFoundError, CheckpointNotFoundError):
         return unverified(path, step, "deleted", _GONE, deep=deep)
     except OSError as exc:
-        # The lock cannot be created (a read-only run directory, something not ours at its name): verify all the
-        # same; the verdict is reported whether or not it can be stamped.
+        # No lock possible (read-only, foreign file): verify anyway; the verdict stands unstamped.
         if own.held:
             return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
         return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
@@ -128,9 +113,8 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
 
 def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
                  settle: float = SETTLE_SECONDS, throttle: Throttle | None = None) -> Verification:
-    """:func:`verify_and_stamp` for a caller that holds the checkpoint's verifying lock (in this process or in
-    the one that started this one). ``throttle``: paces this thread's reads (with ``jobs=1``, all of them); the
-    seconds it waited are recorded in the stamp and the result as ``throttled_s``."""
+    """:func:`verify_and_stamp` for a caller holding the verifying lock (here or in the parent). ``throttle`` paces this
+    thread's reads; its waits are recorded as ``throttled_s``."""
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.safeparse.readers import pacing
 

@@ -1,20 +1,11 @@
-"""Keep a background verification off the cores the training uses: read in slices, and between slices wait
-while no core is idle.
+"""Keep a background verification off the training's cores: read in slices, and wait while no core is idle.
 
-Idle priority (``SCHED_IDLE``, nice 19) is not enough for training that uses every core on the CPU: torch's
-parallel regions wait for their slowest thread, and a verifier that runs in the gaps between them (hashing at
-memory bandwidth, evicting the training's data from shared caches, on SMT siblings) is still running when the
-next region starts. So the verifier also paces itself (:class:`Throttle`): at its first read, and then every
-:data:`WINDOW_SECONDS` of reading, it asks an :class:`IdleProbe` how many of the cores it may run on were idle
-since the last look (not counting its own CPU time) and are idle at that instant (from the tasks ready to run:
-parallel regions that keep every core busy leave gaps that an average counts as idle). With fewer than
-:data:`MIN_FREE_CORES` idle it waits (25 ms, then twice as long each time, up to :data:`MAX_PAUSE_SECONDS`)
-and looks again; as soon as a core is idle (training on a GPU, a data loader waiting for I/O, a core left
-free, the job ended) it reads at full speed again.
-
-The throttle changes only when bytes are read, never what is read or checked: the verdict is the same. It is
-off (reads at full speed) where ``/proc/stat`` cannot be read (not Linux), when ``CKPTVERIFY_VERIFY_THROTTLE=0``,
-and once :meth:`Throttle.lift` is called (someone waits for the verification: the job is ending).
+Idle priority is not enough: torch's parallel regions wait for their slowest thread, and a verifier filling the
+gaps (evicting caches, on SMT siblings) delays the next region. So :class:`Throttle` asks an :class:`IdleProbe`
+every :data:`WINDOW_SECONDS` how many usable cores were idle (excluding its own CPU time, and capped by the tasks
+ready now: averages count gaps as idle); below :data:`MIN_FREE_CORES` it backs off (25 ms doubling to
+:data:`MAX_PAUSE_SECONDS`). It changes only *when* bytes are read, never the verdict. Off without ``/proc/stat``,
+with ``CKPTVERIFY_VERIFY_THROTTLE=0``, and after :meth:`Throttle.lift`.
 """
 
 from __future__ import annotations
@@ -48,14 +39,12 @@ THROTTLE_ENV = "CKPTVERIFY_VERIFY_THROTTLE"
 MIN_FREE_CORES = 0.5
 #: Overrides :data:`MIN_FREE_CORES` (a number of cores, for tuning).
 MIN_FREE_ENV = "CKPTVERIFY_VERIFY_THROTTLE_MIN_FREE"
-#: Seconds between two looks at the idle cores while reading. ``/proc/stat`` counts in 10 ms ticks, so a
-#: shorter window measures little; a longer one lets a verifier run on while the training needs the core.
+#: Seconds between looks: ``/proc/stat`` ticks are 10 ms; longer lets the verifier run on a needed core.
 WINDOW_SECONDS = 0.05
 #: The first wait when no core is idle, and the longest (each further wait doubles, up to it).
 FIRST_PAUSE_SECONDS = 0.025
 MAX_PAUSE_SECONDS = 0.1
-#: How often (seconds of reading) the verifier asks how long it waited for a CPU, and the share of that time
-#: which means it was pushed aside (it then waits at once).
+#: How often it checks its CPU wait, and the share that means it was pushed aside (then it waits at once).
 CHECK_SECONDS = 0.002
 PREEMPTED_SHARE = 0.25
 _OFF = ("0", "off", "false", "no")
@@ -79,9 +68,8 @@ def min_free_cores(environ: dict[str, str] | None = None) -> float:
 
 @dataclass(frozen=True, slots=True)
 class CpuTimes:
-    """Cumulative ``/proc/stat`` ticks of a set of CPUs: busy, all, and how many CPUs they are; ``running``:
-    the tasks running or ready to run on the whole machine at this instant (``procs_running``), when the CPUs
-    are all the machine's (``None`` otherwise or when not told)."""
+    """Cumulative ``/proc/stat`` ticks of a CPU set (busy, all, count); ``running``: ``procs_running`` when the set is
+    the whole machine, else ``None``."""
 
     busy: int
     total: int
@@ -90,8 +78,8 @@ class CpuTimes:
 
 
 def parse_proc_stat(text: str, cpus: Iterable[int] | None = None) -> CpuTimes | None:
-    """Busy and total ticks of ``cpus`` (default: all) from the text of ``/proc/stat``; ``None`` if it does not
-    read as one. Idle and I/O wait count as not busy; guest time (already inside user time) is not counted twice."""
+    """Busy and total ticks of ``cpus`` (default all) from ``/proc/stat`` text, or ``None``. Idle and iowait are not
+    busy; guest time (inside user) is not counted twice."""
     lines: dict[str, list[int]] = {}
     running = None
     for line in text.splitlines():
@@ -141,15 +129,9 @@ def _allowed_cpus() -> set[int] | None:
 
 
 class IdleProbe:
-    """How many of the CPUs this process may run on were idle since the previous look, not counting the CPU
-    time of the verifying thread itself (which an idle-priority verifier takes only from idle cores), and no
-    more than are idle right now: training whose parallel regions keep every core busy leaves idle gaps
-    between them that an average over the window counts, so the tasks ready to run at the instant of the look
-    (``procs_running``, the verifier itself not counted) also say how many cores are free.
-
-    ``read_stat``: the text of ``/proc/stat``; ``own_seconds``: the verifier's CPU seconds so far;
-    ``cpus``: the CPUs to count (default: this process's affinity); ``hz``: ticks per second.
-    """
+    """Idle cores this process may use since the last look, excluding the verifier's own CPU time, and no more than
+    idle right now (``procs_running``, minus itself): averages count the gaps between parallel regions as idle.
+    ``cpus`` defaults to this process's affinity."""
 
     def __init__(self, *, read_stat: Callable[[], str] = _read_proc_stat,
                  own_seconds: Callable[[], float] = time.thread_time, cpus: Iterable[int] | None = None,
@@ -170,8 +152,7 @@ class IdleProbe:
         return cls() if readable else None
 
     def look(self) -> float | None:
-        """Idle cores, on average, since the previous look (``None`` at the first look, when no tick passed,
-        or when ``/proc/stat`` cannot be read)."""
+        """Average idle cores since the previous look (``None`` at the first, when no tick passed, or unreadable)."""
         try:
             now = parse_proc_stat(self._read(), self._cpus)
         except OSError:
@@ -196,8 +177,8 @@ class IdleProbe:
 
 def next_pause(free_cores: float | None, pause: float, *, min_free: float = MIN_FREE_CORES,
                first: float = FIRST_PAUSE_SECONDS, longest: float = MAX_PAUSE_SECONDS) -> float:
-    """The back-off decision: seconds to wait before reading on (0: read now), given the idle cores measured
-    (``None``: unknown, read on) and the previous wait ``pause`` (0 after reading)."""
+    """Seconds to wait before reading on (0: now), given measured idle cores (``None``: read on) and the previous
+    ``pause``."""
     if free_cores is None or free_cores >= min_free:
         return 0.0
     return first if pause <= 0 else min(longest, pause * 2)
@@ -213,17 +194,13 @@ def _read_run_delay() -> float | None:
 
 
 class Throttle:
-    """Paces the reads of one verification (call it with the bytes of each read, from the reading thread).
+    """Paces one verification's reads (called with each read's size, from the reading thread).
 
-    It waits while fewer than ``min_free`` cores (default: :func:`min_free_cores`) are idle: it looks at the
-    first read, then every ``window`` seconds of reading; and, every ``check`` seconds, it asks the kernel how
-    long this thread waited for a CPU (``run_delay``): waiting for a ``preempted`` share of that time or more
-    means something else wanted the core (an idle-priority thread yields it at once), and it backs off at once
-    instead of staying runnable, which would let it fill every short gap between the training's parallel regions
-    (each gap a cache evicted). Each wait (``first`` seconds, doubling up to ``longest``) ends with a look.
-    ``throttled_s``: seconds spent waiting. ``probe`` ``None``: never waits. ``lifted``: asked at each read
-    until it says ``True`` (someone waits for this verification); then ``on_lift`` is called once, in the
-    reading thread (the verifier process raises its CPU priority there), and the throttle stays lifted.
+    Waits while fewer than ``min_free`` cores are idle, looking at the first read and every ``window`` seconds.
+    Every ``check`` seconds it reads its ``run_delay``: a ``preempted`` share means another task wanted the core, and
+    it backs off at once rather than fill each gap between parallel regions. Waits go ``first`` doubling to
+    ``longest``; ``throttled_s`` sums them. ``probe`` ``None``: never waits. Once ``lifted()`` says ``True``,
+    ``on_lift`` runs once in the reading thread and the throttle stays lifted.
     """
 
     def __init__(self, probe: IdleProbe | None, *, min_free: float | None = None, window: float = WINDOW_SECONDS,

@@ -1,7 +1,5 @@
-"""The result of verifying one saved checkpoint (:class:`Verification`): the one type the stamper, the background
-verifier, the verifier process, a save's ``on_verified`` callback, ``ckptverify watch``'s stamper and the
-framework integrations produce and consume, and the fields of the ``checkpoint-*`` events in ``events.jsonl``
-(``docs/json-schema.md``)."""
+"""The result of verifying one saved checkpoint (:class:`Verification`): the one type every verifier path produces
+and consumes, and the fields of the ``checkpoint-*`` events (``docs/json-schema.md``)."""
 
 from __future__ import annotations
 
@@ -16,13 +14,10 @@ __all__ = ["MAX_ERRORS", "NO_VERDICT", "VERDICTS", "Verification", "event_of", "
 
 #: What a verification concluded: ``passed``, ``failed``, or ``unverified`` (no verdict).
 VERDICTS = ("passed", "failed", "unverified")
-#: Why a verification has no verdict (its :attr:`Verification.no_verdict`): queued and not verified yet
-#: (``pending``), removed before or while it was verified (``deleted``), its files changed while they were read
-#: (``changed``), someone else holds its verifying lock (``busy``), it could not be read or the verification
-#: itself stopped (``error``), the job stopped waiting for it (``cut-short``).
+#: Why there is no verdict: queued (``pending``), removed (``deleted``), files changed while read (``changed``),
+#: lock held elsewhere (``busy``), unreadable or stopped (``error``), no longer waited for (``cut-short``).
 NO_VERDICT = ("pending", "deleted", "changed", "busy", "error", "cut-short")
-#: Errors a verification carries (and an event records, and the integrations broadcast): the first few are
-#: enough to act on; the report has them all.
+#: Errors a verification carries (the first few suffice; the report has all).
 MAX_ERRORS = 5
 
 
@@ -30,18 +25,12 @@ MAX_ERRORS = 5
 class Verification:
     """The result of verifying one saved checkpoint.
 
-    ``verdict``: ``passed``, ``failed`` (both stamped beside the checkpoint unless ``stamped`` is false: then
-    ``reason`` says why the stamp could not be written, and the verdict stands all the same; a checkpoint that
-    cannot be verified at all, such as a remote one, is ``failed`` too, unstamped), or ``unverified`` (no
-    verdict: ``no_verdict`` says why in one word, ``reason`` in a sentence; nothing stamped). ``summary``:
-    findings per severity. ``first_error``: the first error as ``check: message``; ``errors``: the first few
-    errors as findings (``check``, ``severity``, ``message``, ``location``, ...). ``bytes_checked``: bytes of
-    the checkpoint's files read and checked; ``coverage``: what was checked, per check; ``manifest``: whether
-    it was verified against a manifest; ``unchecked``: files with content nothing could check; ``warnings``:
-    the report's other warnings, by check name. ``throttled_s``: of ``seconds``, those a background
-    verification spent waiting for an idle core (:mod:`~ckptverify.verifier.throttle`). ``stamp``: the path of
-    the stamp written. ``message``: one line for people (:meth:`describe`). ``report``: the whole verification
-    report, where it was reached (never serialized: :meth:`to_dict` leaves it out).
+    ``verdict``: ``passed`` or ``failed`` (stamped unless ``stamped`` is false, ``reason`` saying why; the verdict
+    stands; an unverifiable checkpoint such as a remote one is ``failed``, unstamped), or ``unverified``
+    (``no_verdict`` says why in a word, ``reason`` in a sentence; nothing stamped). ``summary``: findings per
+    severity; ``first_error``/``errors``: the first errors; ``bytes_checked``, ``coverage``, ``manifest``,
+    ``unchecked``, ``warnings``: what was checked; ``throttled_s``: seconds of ``seconds`` spent waiting for an idle
+    core; ``stamp``: its path; ``message``: one line (:meth:`describe`); ``report``: the full report, never serialized.
     """
 
     path: str
@@ -90,8 +79,7 @@ class Verification:
         return self.no_verdict == "deleted"
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field but ``report``, as JSON values, and ``passed``, ``pending`` and ``deleted``: what an event
-        records, what the verifier process answers and what a job broadcasts to its ranks."""
+        """Every field but ``report`` as JSON values, plus ``passed``, ``pending`` and ``deleted``."""
         data: dict[str, Any] = {}
         for f in fields(self):
             if f.name == "report":
@@ -106,8 +94,8 @@ class Verification:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], report: Report | None = None) -> Verification:
-        """The :class:`Verification` :meth:`to_dict` gave (keys it does not know, such as an event's ``event``
-        and ``time``, are left out). Raises ``TypeError`` when ``data`` is not one."""
+        """The :class:`Verification` :meth:`to_dict` gave (unknown keys ignored); ``TypeError`` if ``data`` is not one.
+        """
         if not isinstance(data, dict):
             raise TypeError(f"not a verification: {type(data).__name__}")
         known = {f.name for f in fields(cls)} - {"report"}
@@ -140,8 +128,8 @@ class Verification:
 
 
 def event_of(result: Verification) -> str:
-    """The name of the ``events.jsonl`` event that records ``result``
-    (:data:`~ckptverify.ownfiles.events.VERIFICATION_EVENTS`)."""
+    """The ``events.jsonl`` event name recording ``result`` (:data:`~ckptverify.ownfiles.events.VERIFICATION_EVENTS`).
+    """
     from ckptverify.ownfiles import events
 
     if result.verdict == "passed":

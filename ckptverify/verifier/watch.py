@@ -1,32 +1,13 @@
 """Verify every checkpoint of a run as it commits: ``ckptverify watch RUN_DIR``.
 
-Each pass lists the run's checkpoints (:func:`~ckptverify.formats.rundir.find_checkpoints`: every format
-``scan`` knows), and every finished checkpoint without a current stamp is verified and stamped
-(:mod:`~ckptverify.runs.stamp`), with one JSON line appended to the log for each result. *Finished* means, for
-DCP, its ``.metadata`` is in place and no ckptverify save is in progress in it (every DCP part, for a folder
-holding several); for a format without a commit marker (a Hugging Face or accelerate folder, a ``.ckpt`` or
-``.safetensors`` file), that none of its files changed for ``quiet`` seconds. A checkpoint still being written
-is left for a later pass. While verifying a directory, the watcher holds its verifying lock, so retention
-(:func:`~ckptverify.runs.prune.prune`) leaves it alone (a single file has no lock). A checkpoint deleted while
-being verified (retention elsewhere) is logged as ``deleted``, not as a failure.
-
-A verdict does not depend on its stamp: where the stamp (or the verifying lock) cannot be written (a read-only
-run directory, a full disk, something that is not a regular file where the stamp goes), the checkpoint is
-verified without them and its result says ``"stamped": false`` and why (``stamp_error``). A failed verification
-is a failure whether stamped or not. The watcher remembers such a verdict with the fingerprint of the files it
-judged, so it verifies the checkpoint again only once they change; a checkpoint that could not be verified at
-all (``error``) is tried again at most once per interval.
-
-The directory is listed at least every ``interval`` seconds, which works the same on local and network file
-systems; where Linux ``inotify`` is available (:mod:`~ckptverify.verifier.notify`), a change in the run directory or
-in a checkpoint directory wakes the watcher at once, so a pass follows a save within a fraction of a second.
-Notification only hastens a pass: the listing stays the source of truth, so a lost event costs at most one
-interval. The watcher's own writes (stamps, locks, its log, its metrics file) wake nothing.
-
-After every pass (idle ones too) the state of the run (:class:`RunState`) is known, and written as Prometheus
-gauges when a metrics file is given (:data:`WATCH_HELP`). The log and the metrics file are
-written only as regular files (:mod:`~ckptverify.ownfiles.names`): a symbolic link, FIFO or device there is refused
-when the watcher starts, and reported, never written through, if one appears later.
+Each pass lists the run's checkpoints (every format ``scan`` knows) and verifies and stamps each finished one
+without a current stamp, logging one JSON line per result. *Finished*: DCP committed (no save in progress); a
+format without commit marker unchanged for ``quiet`` seconds. The verifying lock keeps retention away; a
+checkpoint deleted meanwhile is ``deleted``, not failed. Where stamp or lock cannot be written the verdict stands
+(``"stamped": false``, ``stamp_error``) and is remembered until the files change; ``error`` s retry at most once
+per interval. Listing every ``interval`` is the truth; inotify (:mod:`~ckptverify.verifier.notify`) only hastens a
+pass. After each pass :class:`RunState` can be written as Prometheus gauges. Log and metrics are written only as
+regular files: a link, FIFO or device there is refused at start and reported, never written through, later.
 """
 
 from __future__ import annotations
@@ -46,8 +27,7 @@ from ckptverify.verifier.stamper import SETTLE_SECONDS, committed, removed, veri
 
 __all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch", "watch_pass"]
 
-#: A checkpoint of a format without a commit marker is taken for finished once none of its files changed for
-#: this long (a save still writing keeps touching its files).
+#: A format without commit marker is finished once its files stayed unchanged this long.
 QUIET_SECONDS = 5.0
 #: The watcher's log, in the run directory unless another is given.
 WATCH_LOG = "ckptverify-watch.jsonl"
@@ -71,8 +51,7 @@ WATCH_HELP = {
 
 @dataclass
 class RunState:
-    """The run as the last pass left it: how many checkpoints are in each state. A checkpoint judged earlier
-    (stamped, or remembered by this watcher) counts by its verdict."""
+    """The run as the last pass left it: checkpoints per state (earlier verdicts count by their verdict)."""
 
     checkpoints: int = 0
     verified: int = 0
@@ -86,8 +65,7 @@ class RunState:
     #: Found, then removed (or renamed away) before or while they were verified: no verdict, not a failure.
     deleted: int = 0
     last_good_step: int | None = None
-    #: What the pass could not see of the run directory (:meth:`WalkNote.describe` lines): a checkpoint there
-    #: was neither verified nor counted.
+    #: What the pass could not see (:meth:`WalkNote.describe` lines): neither verified nor counted.
     unseen: list[str] = field(default_factory=list)
 
     @property
@@ -146,11 +124,9 @@ class WatchResult:
 
     @property
     def exit_code(self) -> int:
-        """1 when a checkpoint failed (stamped or not); else 2 when the last pass left a checkpoint that could
-        not be verified, or a result or the metrics could not be recorded, or found no checkpoint left to verify
-        (none at all, or all removed: a usage error, as ``scan`` says of a folder without one); else 1 when none
-        of the checkpoints it found was finished (still being written, or torn: nothing judged does not pass);
-        else 0."""
+        """1 if a checkpoint failed; else 2 if one could not be verified, a result or metrics could not be recorded, or
+        no
+        checkpoint was found (a usage error); else 1 if none found was finished; else 0."""
         if self.failed:
             return 1
         if self.state.unverifiable or self.problems or self.state.checkpoints == self.state.deleted:
@@ -181,8 +157,8 @@ def _outcome_result(base: dict[str, Any], event: str, report: Any, seconds: floa
 
 def _verify_unstamped(path: str, base: dict[str, Any], jobs: int | None, deep: bool, settle: float,
                       why: str) -> tuple[dict[str, Any], str]:
-    """Verify without lock or stamp (neither could be written: ``why``), as the stamper would: a verdict only on
-    files that did not move meanwhile. Returns the result and the fingerprint of the files judged."""
+    """Verify without lock or stamp (``why``), as the stamper would: a verdict only on unmoved files. Returns the result
+    and the judged files' fingerprint."""
     from ckptverify.audit.verify import verify_checkpoint
 
     started = time.perf_counter()
@@ -210,9 +186,8 @@ def _verify_unstamped(path: str, base: dict[str, Any], jobs: int | None, deep: b
 
 def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
                 settle: float) -> tuple[dict[str, Any] | None, str | None]:
-    """Verify and stamp one checkpoint; the result (``None`` when someone else is verifying it), and for a
-    verdict that could not be stamped (or a checkpoint that could not be verified) the fingerprint of its
-    files."""
+    """Verify and stamp one checkpoint: the result (``None`` if someone else is on it) and, for an unstamped verdict or
+    an error, its files' fingerprint."""
     path = os.path.join(root, cand.path)
     base = {"path": cand.path, "step": cand.step}
     outcome = verify_and_stamp(path, step=cand.step, jobs=jobs, deep=deep, settle=settle)
@@ -245,9 +220,8 @@ def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
 
 
 def _ready(path: str, cand: Candidate, quiet: float) -> bool:
-    """Whether a checkpoint is finished: a DCP save committed (every DCP part of a composite one); a format
-    without a commit marker (a Hugging Face or accelerate folder, a single file) unchanged for ``quiet``
-    seconds."""
+    """Whether a checkpoint is finished: DCP committed (every DCP part), or otherwise unchanged for ``quiet`` seconds.
+    """
     if cand.format == "dcp":
         return committed(path)
     if cand.format == "dcp-uncommitted":
@@ -277,8 +251,7 @@ def _count(state: RunState, event: str, step: int | None, stamped: bool = True) 
 
 def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: float,
           known: dict[str, _Known] | None, retry: float) -> tuple[list[dict[str, Any]], RunState]:
-    """One pass (see :func:`watch_pass`); ``known``: the watcher's memory of unstamped verdicts and failures
-    to verify, kept across passes (``None``: no memory, every such checkpoint is verified again)."""
+    """One pass (see :func:`watch_pass`); ``known``: unstamped verdicts and errors remembered across passes."""
     out: list[dict[str, Any]] = []
     state = RunState()
     seen: set[str] = set()
@@ -330,13 +303,10 @@ def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: floa
 
 def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
                settle: float = SETTLE_SECONDS, quiet: float = QUIET_SECONDS) -> list[dict[str, Any]]:
-    """One pass: verify and stamp every finished, unstamped (or stale) checkpoint of any format ``scan``
-    knows; report failed stamps.
+    """One pass: verify and stamp every finished, unstamped (or stale) checkpoint; report failed stamps.
 
-    Returns one result per checkpoint acted on: ``verified``, ``failed`` (a new failure, or a current stamp that
-    says failed), ``deleted``, ``changed`` (its files changed during the verification: no verdict, no stamp) or
-    ``error`` (it could not be verified at all). ``verified`` and ``failed`` carry ``stamped``: ``false`` when
-    the stamp could not be written (``stamp_error`` says why): the verdict stands all the same.
+    Returns one result per checkpoint acted on: ``verified``, ``failed``, ``deleted``, ``changed`` or ``error``;
+    ``verified``/``failed`` carry ``stamped`` (``false`` with ``stamp_error`` when unwritable; the verdict stands).
     """
     return _pass(os.fspath(run_dir), jobs=jobs, deep=deep, settle=settle, quiet=quiet, known=None, retry=0.0)[0]
 
@@ -359,19 +329,13 @@ def watch(run_dir: str | os.PathLike[str], *, once: bool = False, interval: floa
           max_passes: int | None = None, on_result: Callable[[dict[str, Any]], None] | None = None,
           notify: bool = True, quiet: float = QUIET_SECONDS, metrics_file: str | None = None,
           on_problem: Callable[[str], None] | None = None, settle: float = SETTLE_SECONDS) -> WatchResult:
-    """Watch ``run_dir``; see the module docstring. Returns when ``once`` (after one pass), at the first failure
-    with ``exit_on_failure``, after ``max_passes`` passes, or on ``KeyboardInterrupt``.
+    """Watch ``run_dir`` (see the module docstring) until one pass with ``once``, the first failure with
+    ``exit_on_failure``, ``max_passes``, or ``KeyboardInterrupt``.
 
-    ``log``: a file to append one JSON line per result to (default: ``RUN_DIR/ckptverify-watch.jsonl``).
-    ``notify``: wake at once on changes where inotify is available (else, and with ``False``: poll only).
-    ``quiet``: how long a checkpoint without a commit marker must stay unchanged to be taken for finished.
-    ``metrics_file``: Prometheus gauges of the run's state (:class:`RunState`), written after every pass.
-    ``on_problem``: called with a message when a result or the gauges could not be recorded (each distinct
-    message once); the watcher goes on, and :attr:`WatchResult.exit_code` says 2.
-
-    Raises :class:`~ckptverify.errors.CheckpointNotFoundError` when ``run_dir`` is not a directory, and
-    :class:`~ckptverify.errors.UsageError` when the log or the metrics file is something other than a regular
-    file (a link, a FIFO, a device) or its directory does not exist.
+    ``log``: JSON lines file (default ``RUN_DIR/ckptverify-watch.jsonl``). ``notify``: wake on inotify changes.
+    ``quiet``: see :data:`QUIET_SECONDS`. ``metrics_file``: Prometheus gauges after each pass. ``on_problem``: called
+    once per distinct recording problem (then exit code 2). Raises :class:`~ckptverify.errors.CheckpointNotFoundError`
+    (not a directory) and :class:`~ckptverify.errors.UsageError` (log or metrics not a regular file, or no directory).
     """
     from ckptverify.verifier.notify import DirectoryNotifier
 

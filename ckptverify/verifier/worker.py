@@ -1,27 +1,12 @@
-"""The verifier process: verifies and stamps checkpoints for a
-:class:`~ckptverify.verifier.background.BackgroundVerifier` in another process, so that hashing never contends
-with the training process for its interpreter lock.
-:class:`VerifierProcess` is the training process's side; :func:`main` the verifier's:
+"""The verifier process: verifies and stamps for a :class:`~ckptverify.verifier.background.BackgroundVerifier` so
+hashing never contends with the training for its GIL. :class:`VerifierProcess` is the parent's side, :func:`main`
+the child's (``python -m ckptverify.verifier.worker [--priority P] [--waiter-nice N] [--hurry-fd FD]``).
 
-    python -m ckptverify.verifier.worker [--priority idle|low|normal] [--waiter-nice N] [--hurry-fd FD]
-
-Reads one JSON request per line on standard input (``path``, ``step``, ``deep``, ``jobs``, ``settle``,
-``throttle``, ``urgent``, ``seq``, and ``parts``: gather the other nodes' parts,
-:mod:`~ckptverify.verifier.parts`; the parent holds the checkpoint's verifying lock meanwhile) and writes one JSON
-:class:`~ckptverify.verifier.verification.Verification` per line on the standard output it was started with; anything
-else printed goes to standard error. A request with ``job`` (a name of :data:`~ckptverify.verifier.jobs.JOBS`)
-and ``args`` instead runs that job with ``args`` and answers ``{"result": ...}`` (what it returned, JSON) or
-``{"call_error": ...}``: how a front end with its own verification (the framework integrations: fingerprint when
-needed, verify, stamp) runs it here. A request names a job, never code: the process runs only the functions
-:mod:`~ckptverify.verifier.jobs` imports. Runs at the lowest CPU priority (``SCHED_IDLE``, nice 19; the parent may
-ask for another with ``--priority``), without torch, and with ``throttle`` paces its reads to
-leave the training's cores alone (:mod:`~ckptverify.verifier.throttle`). A byte on the pipe named by
-``--hurry-fd`` (the parent writes the ``seq`` of the request in flight when it starts waiting
-for its verifications: the job is ending) lifts the throttle of that verification and puts the process back at
-the parent's CPU priority (``SCHED_OTHER`` at ``--waiter-nice``) until that request is answered;
-an ``urgent`` request (sent while the parent waits) runs at that priority from its start. Where the system does
-not allow a process to raise its priority again (no ``CAP_SYS_NICE`` and ``RLIMIT_NICE`` 0), it stays low.
-Ends at the end of its input (its parent closed the pipe, or died).
+One JSON request per stdin line (a verification, or a ``job`` of :data:`~ckptverify.verifier.jobs.JOBS` with
+``args``), one JSON answer per stdout line; stray prints go to stderr. Requests name jobs, never code. Runs
+without torch at idle priority; a ``seq`` on the hurry pipe (the parent now waits) lifts that request's throttle
+and restores the parent's priority until answered (``urgent`` requests start so), where the system allows raising
+priority again. Ends when stdin closes.
 """
 
 from __future__ import annotations
@@ -47,9 +32,8 @@ PRIORITIES = ("idle", "low", "normal")
 
 def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = None,
           priority: _Priority | None = None) -> None:
-    """Answer every request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the
-    parent asked for request ``seq`` (a number it gives each request) to read at full speed. ``priority``: set
-    for each request (the low one, or the parent's for a request it waits for)."""
+    """Answer each request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the parent asked
+    for full speed; ``priority``: set per request."""
     from ckptverify.verifier.stamper import stamp_locked
 
     for line in requests:
@@ -86,9 +70,8 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
 
 
 def _arguments(argv: list[str]) -> tuple[str, int, str | None]:
-    """``--priority`` (the priority the process gives itself), ``--waiter-nice`` (the parent's nice value: the
-    priority of a verification the parent waits for) and ``--hurry-fd`` (the descriptor of the pipe on which the
-    parent asks for full speed), all set by the parent; anything unreadable falls back to the lowest priority."""
+    """``--priority``, ``--waiter-nice`` and ``--hurry-fd`` as set by the parent; anything unreadable: lowest priority.
+    """
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m ckptverify.verifier.worker", add_help=False)
@@ -114,9 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Priority:
-    """The verifier process's CPU priority: ``low`` (one of :data:`PRIORITIES`) while nobody waits for the
-    request it serves, the parent's (``SCHED_OTHER`` at ``waiter_nice``) while the parent waits for it: idle
-    priority would starve a verification the job now waits for on a machine kept busy by other processes."""
+    """The process's CPU priority: ``low`` while nobody waits, the parent's while it waits (idle priority would starve
+    an awaited verification on a busy machine)."""
 
     def __init__(self, low: str, waiter_nice: int) -> None:
         self.low = low
@@ -135,9 +117,8 @@ class _Priority:
 
 def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None,
               priority: _Priority | None = None) -> Throttle | None:
-    """The pacing a request asks for (``throttle``), lifted when the parent hurries its ``seq``; then, and for an
-    ``urgent`` request from the start, the process runs at the parent's priority. A request without a throttle
-    still gets one without a probe (it never waits) when the priority is low, to see the hurry."""
+    """A request's pacing, lifted when the parent hurries its ``seq`` (then, and for ``urgent``, at the parent's
+    priority). Low priority without throttle still gets a probe-less one, to see the hurry."""
     probe = IdleProbe.open() if req.get("throttle") and not req.get("urgent") else None
     seq = req.get("seq")
     asked = None if hurried is None or not isinstance(seq, int) else functools.partial(hurried, seq)
@@ -148,8 +129,7 @@ def _throttle(req: dict[str, Any], hurried: Callable[[int], bool] | None,
 
 
 def _run_job(job: object, args: object, throttle: Throttle | None = None) -> dict[str, Any]:
-    """Run the job named ``job`` (:data:`~ckptverify.verifier.jobs.JOBS`) with ``args``, its reads paced by
-    ``throttle``: ``{"result": ...}`` or ``{"call_error": ...}``."""
+    """Run job ``job`` with ``args``, reads paced by ``throttle``: ``{"result": ...}`` or ``{"call_error": ...}``."""
     from ckptverify.safeparse.readers import pacing
     from ckptverify.verifier.jobs import JOBS, run_job
 
@@ -165,8 +145,8 @@ def _run_job(job: object, args: object, throttle: Throttle | None = None) -> dic
 
 
 def _hurry_reader(raw: str | None) -> Callable[[int], bool] | None:
-    """``hurried(seq)``: whether the hurry pipe carried request number ``seq`` (never blocks). The parent writes
-    the number of the request in flight, so a late one never lifts the throttle of a later request."""
+    """``hurried(seq)``: whether the hurry pipe carried ``seq`` (never blocks; a late number never lifts a later
+    request)."""
     try:
         fd = int(raw) if raw else -1
         os.set_blocking(fd, False)
@@ -192,8 +172,7 @@ def _hurry_reader(raw: str | None) -> Callable[[int], bool] | None:
 
 
 class VerifierProcess:
-    """The verifier process (:mod:`~ckptverify.verifier.worker`), started on first use and again after it
-    died; one request at a time, from the worker thread."""
+    """The verifier process, started on first use and again after it died; one request at a time."""
 
     def __init__(self, priority: str) -> None:
         self.priority = priority
@@ -205,10 +184,8 @@ class VerifierProcess:
     def _start(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        # The same ckptverify as this process's, wherever it was imported from. Nothing of the job's working
-        # directory is importable there (a module planted in it would run in the verifier): `-P` keeps the working
-        # directory off sys.path, the process runs in "/", and PYTHONPATH keeps only absolute entries (an empty or
-        # relative one means a folder relative to the working directory).
+        # This ckptverify, and nothing importable from the job's working directory (a planted module would run):
+        # `-P`, cwd "/", and only absolute PYTHONPATH entries.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         entries = [root, *(env.get("PYTHONPATH") or "").split(os.pathsep)]
@@ -260,11 +237,9 @@ class VerifierProcess:
     def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
                throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None,
                parts: bool = False) -> Verification:
-        """Have ``path`` verified and stamped; ``throttle``: whether to pace the reads, ``urgent``: whether the
-        caller waits for it already (it then runs at the caller's priority), both asked once the process runs (so
-        a :meth:`hurry` from then on reaches this verification). ``parts``: the checkpoint's verification is
-        shared out among nodes: check the whole and this node's part, gather the others' parts, then stamp
-        (:func:`~ckptverify.verifier.parts.stamp_parts_locked`)."""
+        """Have ``path`` verified and stamped. ``throttle``/``urgent`` are asked once the process runs (so a
+        :meth:`hurry`
+        reaches it). ``parts``: see :func:`~ckptverify.verifier.parts.stamp_parts_locked`."""
 
         def request() -> dict[str, Any]:
             with self._hurry_lock:  # from now on a hurry names this request
@@ -285,9 +260,8 @@ class VerifierProcess:
 
     def run(self, job: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,
             urgent: Callable[[], bool] | None = None) -> Any:
-        """Run the job named ``job`` (:data:`~ckptverify.verifier.jobs.JOBS`) with ``args`` in the verifier
-        process and return what it returned (its reads paced as for :meth:`verify`); raises ``RuntimeError``
-        (why) when there is no answer or the job raised."""
+        """Run job ``job`` with ``args`` in the process and return its result; ``RuntimeError`` if no answer or it
+        raised."""
 
         def request() -> dict[str, Any]:
             with self._hurry_lock:
@@ -304,8 +278,7 @@ class VerifierProcess:
         return data["result"]
 
     def _ask(self, request: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
-        """Send one request (made once the process runs), read its one answer: ``(answer, "")``, or
-        ``(None, why)``."""
+        """Send one request (built once the process runs) and read its answer: ``(answer, "")`` or ``(None, why)``."""
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
@@ -325,8 +298,7 @@ class VerifierProcess:
             code = proc.poll()
             return None, f"the verifier process ended without an answer (exit code {code})"
         if "protocol_error" not in data and data.pop("seq", None) != sent["seq"]:
-            # an answer to another request (one written to its input by someone else): the process and this
-            # request are out of step, so neither its answer nor the next one can be trusted
+            # an answer to another request: out of step, so no later answer can be trusted either
             self.kill()
             return None, "the verifier process answered another request"
         return data, ""
@@ -366,9 +338,8 @@ class VerifierProcess:
 
 
 def restore_priority(nice: int, thread: int | None = None) -> bool:
-    """Put the calling thread (or native thread id ``thread``, Linux) back in the normal scheduling class at
-    ``nice`` (elsewhere: the process's nice value); ``False`` where the system refuses (raising a priority
-    needs ``CAP_SYS_NICE`` or a ``RLIMIT_NICE`` that allows it)."""
+    """Put the calling thread (or native ``thread``) back in normal scheduling at ``nice``; ``False`` where refused
+    (needs ``CAP_SYS_NICE`` or a permissive ``RLIMIT_NICE``)."""
     linux = sys.platform.startswith("linux")
     tid = (thread or threading.get_native_id()) if linux else 0
     try:
@@ -382,8 +353,7 @@ def restore_priority(nice: int, thread: int | None = None) -> bool:
 
 
 def lower_priority(priority: str, *, whole_process: bool = False) -> None:
-    """Lower the CPU priority of the calling thread (Linux schedules threads one by one; elsewhere only with
-    ``whole_process``, where the process is lowered, as the verifier process lowers itself)."""
+    """Lower the calling thread's CPU priority (per thread on Linux; elsewhere only with ``whole_process``)."""
     linux = sys.platform.startswith("linux")
     if priority == "normal" or not (linux or whole_process):
         return
