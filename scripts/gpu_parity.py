@@ -292,8 +292,14 @@ def _dtensor_rank(rank: int, world: int, init: str, dry: bool, out: str) -> None
         results.append(fp.tensor_fingerprint(offloaded) == want)
         with open(os.path.join(out, f"rank{rank}"), "w") as f:
             f.write(" ".join(str(r) for r in results))
+        dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
+    # DTensor's gloo group keeps worker threads alive past destroy_process_group; interpreter teardown around them
+    # now and then aborts a finished rank ("terminate called without an active exception"). The result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def part_dtensor(dev: torch.device, dry: bool) -> int:
