@@ -10,10 +10,10 @@ from typing import Any, Protocol
 
 import xxhash
 
-from ckptverify.errors import TruncatedRangeError, UsageError
+from ckptverify.errors import CkptVerifyError, UsageError
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "READ_BUFFER_SIZE", "BlockDigest", "ByteDigest",
-           "RangeDigest", "TruncatedRangeError", "block_digests", "digest_bytes", "digest_file_range",
+           "RangeDigest", "block_digests", "digest_bytes", "digest_file_range",
            "digest_reader", "hexdigest_of", "new_digest"]
 
 DEFAULT_ALGORITHM = "xxh3-128"
@@ -122,7 +122,8 @@ def _read_range(path: str | os.PathLike[str], offset: int, length: int, read_siz
         raise UsageError(f"read buffer size must be positive, got {read_size}")
     with ReadOnlyFile(os.fspath(path), root=root) as f:
         if offset + length > f.size:
-            raise TruncatedRangeError(path, offset, length, max(0, f.size - offset))
+            raise CkptVerifyError(f"{os.fspath(path)}: range [{offset}, {offset + length}) extends past the end of "
+                                  f"the file ({max(0, f.size - offset)} of {length} bytes readable)")
         f.fold(offset, offset + length, sink.update)
 
 
@@ -135,8 +136,9 @@ def digest_file_range(
     *,
     root: str | None = None,
 ) -> str:
-    """Hex digest of ``length`` bytes of ``path`` from ``offset``, with flat memory. Raises :class:`TruncatedRangeError`
-    (file ends inside the range), :class:`~ckptverify.errors.UnsafeFileError` (not regular, or outside ``root``),
+    """Hex digest of ``length`` bytes of ``path`` from ``offset``, with flat memory. Raises
+    :class:`~ckptverify.errors.CkptVerifyError` (file ends inside the range),
+    :class:`~ckptverify.errors.UnsafeFileError` (not regular, or outside ``root``),
     :class:`~ckptverify.errors.FileChangedError` (shrinks while read)."""
     digest = new_digest(algorithm)
     _read_range(path, offset, length, block_size, digest, root)
