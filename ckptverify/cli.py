@@ -15,6 +15,7 @@ import click
 
 from ckptverify._version import __version__
 from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.render.report import fail, printable
 
 if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import Executor
@@ -183,12 +184,11 @@ class _Group(click.Group):
             sys.exit(130)
         except click.ClickException as exc:
             if json_out:
-                _echo_json_error(command, " ".join(argv), exc.format_message(), 2)
-                sys.exit(2)
+                fail(command, " ".join(argv), exc.format_message(), json_out)
             exc.show()
             sys.exit(exc.exit_code)
         except CkptVerifyError as exc:
-            _fail(exc, json_out, command, " ".join(argv))
+            fail(command, " ".join(argv), exc, json_out)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:  # the last line of defence: no traceback for any input
@@ -196,12 +196,8 @@ class _Group(click.Group):
 
             if os.environ.get("CKPTVERIFY_DEBUG"):
                 raise
-            message = f"internal error ({type(exc).__name__}: {exc}); set CKPTVERIFY_DEBUG=1 for the traceback"
-            if json_out:
-                _echo_json_error(command, " ".join(argv), message, 2)
-            else:
-                click.echo(f"ckptverify {command}: {_printable(message)}", err=True)
-            sys.exit(2)
+            fail(command, " ".join(argv), f"internal error ({type(exc).__name__}: {exc}); set CKPTVERIFY_DEBUG=1 for "
+                 "the traceback", json_out, label="")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -365,10 +361,7 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
         found = latest_verified(run_dir, jobs=jobs, use_stamps=not no_stamps, trust_stamps=trust_stamps,
                                 progress=_say(progress, json_out or path_only))
     except CkptVerifyError as exc:
-        if path_only:
-            click.echo(f"ckptverify latest: error: {_printable(exc)}", err=True)
-            sys.exit(exc.exit_code)
-        _fail(exc, json_out, "latest", run_dir)
+        fail("latest", run_dir, exc, json_out and not path_only)
     report = found.report
     _write_metrics(metrics_file, report, json_out and not path_only)
     if path_only:
@@ -377,9 +370,8 @@ def latest(run_dir: str, json_out: bool, path_only: bool, null: bool, no_stamps:
 
             raw = os.fsencode(found.path)  # the name's own bytes, whatever their encoding
             if not null and b"\n" in raw:
-                click.echo(f"ckptverify latest: error: the path {_printable(found.path)} holds a newline, which "
-                           "one line cannot carry; use --null", err=True)
-                sys.exit(2)
+                fail("latest", run_dir, f"the path {found.path} holds a newline, which one line cannot carry; use "
+                     "--null", False)
             sys.stdout.flush()
             sys.stdout.buffer.write(raw + (b"\0" if null else b"\n"))
             sys.stdout.buffer.flush()
@@ -427,17 +419,16 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
         if json_out:
             line({"event": "problem", "reason": message})
         else:
-            click.echo(f"ckptverify watch: error: {_printable(message)}", err=True)
+            click.echo(f"ckptverify watch: error: {printable(message)}", err=True)
 
     try:
         result = run_watch(run_dir, once=once, interval=interval, exit_on_failure=exit_on_failure, log=log_path,
                            jobs=jobs, deep=deep, on_result=show, notify=not poll, metrics_file=metrics_file,
                            on_problem=problem)
     except CkptVerifyError as exc:
-        if json_out:
-            line({"event": "error", "path": None, "reason": str(exc), "exit_code": exc.exit_code})
-        else:
-            click.echo(f"ckptverify watch: error: {_printable(exc)}", err=True)
+        if not json_out:
+            fail("watch", run_dir, exc, False)
+        line({"event": "error", "path": None, "reason": str(exc), "exit_code": exc.exit_code})
         sys.exit(exc.exit_code)
     if result.nothing is not None and not result.failed:
         message = f"nothing to verify under {run_dir}: {result.nothing}"
@@ -445,13 +436,13 @@ def watch(run_dir: str, once: bool, interval: float, exit_on_failure: bool, log_
             line({"event": "nothing", "path": None, "reason": message, "exit_code": result.exit_code})
         else:
             label = "error: " if result.exit_code == 2 else ""  # nothing there to watch: a usage error
-            click.echo(f"ckptverify watch: {label}{_printable(message)}", err=True)
+            click.echo(f"ckptverify watch: {label}{printable(message)}", err=True)
     sys.exit(result.exit_code)
 
 
 def _watch_line(item: dict) -> str:
     """One result of ``watch`` as a line of text (names escaped: a name cannot forge a line)."""
-    event, where = item["event"], _printable(item["path"])
+    event, where = item["event"], printable(item["path"])
     if item.get("step") is not None:
         where += f" (step {item['step']})"
     if event in ("verified", "failed"):
@@ -463,11 +454,11 @@ def _watch_line(item: dict) -> str:
                    f"{item.get('errors', 0)} error(s), {item.get('warnings', 0)} warning(s)"
             if item.get("first_error"):
                 first = item["first_error"]
-                text += f"; first: [{_printable(first['check'])}] {_printable(first['message'])}"
+                text += f"; first: [{printable(first['check'])}] {printable(first['message'])}"
         if item.get("stamped") is False:
-            text += f" (NOT STAMPED: {_printable(item.get('stamp_error'))})"
+            text += f" (NOT STAMPED: {printable(item.get('stamp_error'))})"
         return text
-    return f"{event}: {where}: {_printable(item.get('reason'))}"
+    return f"{event}: {where}: {printable(item.get('reason'))}"
 
 
 #: The options of the commands that launch training runs and judge them (resume-check, replay, compare).
@@ -616,7 +607,7 @@ def demo(nproc: int, keep: str | None, json_out: bool, progress: _Progress) -> N
     try:
         report = run_demo(nproc=nproc, keep=keep, say=say)
     except CkptVerifyError as exc:
-        _fail(exc, json_out, "demo", "built-in workload")
+        fail("demo", "built-in workload", exc, json_out)
     _emit(report, json_out)
 
 
@@ -645,10 +636,9 @@ def trace_diff(a: str, b: str, allow_header_mismatch: bool, ignore: tuple[str, .
     try:
         findings = compare_traces(a, b, force=allow_header_mismatch, ignore_sites=ignore)
     except TraceHeaderMismatchError as exc:
-        _fail(UsageError(f"{exc}; pass --allow-header-mismatch to compare anyway"), json_out, "trace diff",
-              f"{a} {b}")
+        fail("trace diff", f"{a} {b}", UsageError(f"{exc}; pass --allow-header-mismatch to compare anyway"), json_out)
     except CkptVerifyError as exc:
-        _fail(exc, json_out, "trace diff", f"{a} {b}")
+        fail("trace diff", f"{a} {b}", exc, json_out)
     _emit(Report(command="trace diff", target=f"{a} {b}", findings=tuple(findings)), json_out,
           metrics_file=metrics_file)
 
@@ -664,7 +654,7 @@ def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Ca
     import os
 
     from ckptverify.findings import Report
-    from ckptverify.render.resume import fail_lines, log_dir_for, workload_log_files
+    from ckptverify.render.resume import log_dir_for, workload_log_files
 
     log_dir = log_dir_for(keep) if json_out else None
     try:
@@ -677,7 +667,7 @@ def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Ca
         with logs:
             result = run(log_dir)
     except CkptVerifyError as exc:
-        fail_lines(exc, json_out, command, target)
+        fail(command, target, exc, json_out, lines=True)
     finally:
         if log_dir and not keep and os.path.isdir(log_dir) and not os.listdir(log_dir):
             os.rmdir(log_dir)
@@ -694,7 +684,7 @@ def _with_progress(call: Any, progress: _Progress, json_out: bool, command: str,
                 return call(bar)
         return call(None)
     except CkptVerifyError as exc:
-        _fail(exc, json_out, command, target)
+        fail(command, target, exc, json_out)
 
 
 def _read_shared(command: str, target: str, call: Any, cluster: _Cluster, jobs: int | None, progress: _Progress,
@@ -725,8 +715,8 @@ def _session(command: str, path: str, cluster: _Cluster, jobs: int | None, json_
     A rank other than 0 serves its share here and exits: rank 0 prints the one report."""
     readers = cluster.readers or 1
     if cluster.off and readers > 1:
-        _fail(UsageError(f"--readers {readers} and --no-cluster contradict each other: --no-cluster runs one "
-                         "process"), json_out, command, path)
+        fail(command, path, UsageError(f"--readers {readers} and --no-cluster contradict each other: --no-cluster "
+                                       "runs one process"), json_out)
     if cluster.off or (readers < 2 and not _launched()):
         return None
     from ckptverify.cluster.session import open_session
@@ -735,16 +725,18 @@ def _session(command: str, path: str, cluster: _Cluster, jobs: int | None, json_
         session = open_session(command, path, readers=cluster.readers, rank_timeout=cluster.rank_timeout,
                                jobs=jobs, child_options={})
     except CkptVerifyError as exc:
-        _fail(exc, json_out, command, path)
+        fail(command, path, exc, json_out)
     if session is None or session.is_root:
         return session
+    failure: CkptVerifyError | None = None
     try:
         code = session.serve()
     except CkptVerifyError as exc:
-        click.echo(f"ckptverify {command}: error: {_printable(exc)}", err=True)
-        code = exc.exit_code
+        failure = exc
     finally:
         session.close()
+    if failure is not None:
+        fail(command, path, failure, False)  # as text: only rank 0 prints the report
     sys.exit(code)
 
 
@@ -806,39 +798,13 @@ def _write_metrics(metrics_file: str | None, report: Any, json_out: bool) -> Non
     try:
         write_metrics(metrics_file, report)
     except OSError as exc:
-        _fail(UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out, report.command,
-              report.target)
-
-
-def _printable(value: object) -> str:
-    from ckptverify.render.report import printable
-
-    return printable(value)
+        fail(report.command, report.target, UsageError(f"cannot write --metrics-file {metrics_file}: {exc}"), json_out)
 
 
 def _text(value: object, style: str) -> Any:
     from rich.text import Text
 
-    return Text(_printable(value), style=style)
-
-
-def _echo_json_error(command: str, target: str, message: str, exit_code: int) -> None:
-    import json
-
-    from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
-
-    click.echo(json.dumps({
-        "schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
-        "target": target, "passed": False, "exit_code": exit_code, "error": message, "findings": [],
-    }, indent=None if command == "watch" else 2))  # watch --json prints one JSON object per line
-
-
-def _fail(exc: CkptVerifyError, json_out: bool, command: str, target: str) -> NoReturn:
-    if json_out:
-        _echo_json_error(command, target, str(exc), exc.exit_code)
-    else:
-        click.echo(f"ckptverify {command}: error: {_printable(exc)}", err=True)
-    sys.exit(exc.exit_code)
+    return Text(printable(value), style=style)
 
 
 if __name__ == "__main__":  # pragma: no cover

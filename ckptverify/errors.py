@@ -8,27 +8,28 @@ ends catch :class:`CkptVerifyError` once at the boundary.
 A class exists only where some caller tells it apart from its parent (an exit code, an ``except``, an
 attribute); anything else is raised as its parent, and the message says what happened. The tree:
 
-- :class:`CkptVerifyError` (exit 2, could not run; raised as itself too) and :class:`UsageError` (bad
-  arguments; under it :class:`TraceHeaderMismatchError`, :class:`TargetError`, :class:`ResumeRefusedError`).
+- :class:`CkptVerifyError` (exit 2, could not run, e.g. a workload that crashed or a byte range past the end
+  of its file; raised as itself too) and :class:`UsageError` (bad arguments, or a training target that cannot
+  run; under it :class:`TraceHeaderMismatchError`, :class:`ResumeRefusedError`).
 - Exit 1, a checkpoint failed: :class:`CheckpointRefusedError` (``report``; :class:`ProofFailedError`,
   ``info``), :class:`VerifyFailedError` (``verification``), :class:`ReplicaMismatchError` (``mismatch``).
 - Files: :class:`CheckpointNotFoundError`, :class:`UnsafeFileError`, :class:`FileChangedError`,
-  :class:`StorageError` (``path``), :class:`NotRegularFileError`, :class:`TruncatedRangeError`.
-- Runs: :class:`SaveFailedError` (``failures``), :class:`WorkloadCrashedError` (``traceback_text``),
-  :class:`PartsOverlapError`.
+  :class:`StorageError` (``path``), :class:`NotRegularFileError`.
+- Runs: :class:`SaveFailedError` (``failures``), :class:`PartsOverlapError`.
 - :class:`FindingError`: raised by a reader and turned into a finding, never meant to reach a user
   (:class:`JSONError`, :class:`BadPickle`, :class:`UnsafeGlobal`, :class:`ArchiveError`,
   :class:`TransformError`, :class:`ItemProofError`, :class:`ManifestError`).
-- Warnings: :class:`CkptVerifyWarning` (issued as itself too), :class:`VerifyFailedWarning`,
-  :class:`ReplicaMismatchWarning`.
+- Warnings: :class:`CkptVerifyWarning` (issued as itself too, a replica mismatch among them),
+  :class:`VerifyFailedWarning`.
 
-Several are also a standard exception (``ValueError``, ``OSError``, ``EOFError``, ``pickle.UnpicklingError``),
+A message of several lines (a workload's traceback, an unusable target's) is printed line by line.
+
+Several are also a standard exception (``ValueError``, ``OSError``, ``pickle.UnpicklingError``),
 so code that catches those catches them too.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -197,32 +198,16 @@ class NotRegularFileError(CkptVerifyError, OSError):
     file copes with this one too."""
 
 
-
 class StorageError(_FileError):
     """An object store (or remote file system) did not serve a read or a listing after every retry (throttled
     too long, unreachable, access denied): nothing can be said about the checkpoint, so the command could not
     run (exit 2), naming the object. Never turned into a finding about the checkpoint."""
 
 
-
 class PartsOverlapError(CkptVerifyError, ValueError):
     """The parts of a checkpoint's adoption shared out among nodes cannot be merged into one manifest: a chunk of
     a tensor is held by two of them (a replica across nodes, whose copies only one reader can compare), or they
     digested differently. The caller adopts the checkpoint whole instead."""
-
-
-class TruncatedRangeError(CkptVerifyError, EOFError):
-    """A byte range extends past the end of its file."""
-
-    def __init__(self, path: str | os.PathLike[str], offset: int, length: int, available: int) -> None:
-        super().__init__(
-            f"{os.fspath(path)}: range [{offset}, {offset + length}) extends past the end of the file "
-            f"({available} of {length} bytes readable)"
-        )
-        self.path = os.fspath(path)
-        self.offset = offset
-        self.length = length
-        self.available = available
 
 
 # ------------------------------------------------------------------ training state, traces, runs
@@ -238,20 +223,6 @@ class TraceHeaderMismatchError(UsageError):
         detail = "; ".join(f"{name}: {da.get(name)!r} vs {db.get(name)!r}" for name in fields)
         super().__init__(f"trace headers differ ({', '.join(fields)}): {detail} — {a.path} vs {b.path}")
         self.fields = tuple(fields)
-
-
-class TargetError(UsageError):
-    """The target cannot be run (exit 2). The message is for the user as it is: several lines (a traceback of
-    their code, or the line at fault), to be printed line by line, not escaped into one."""
-
-
-class WorkloadCrashedError(CkptVerifyError):
-    """The training function raised (exit 2: nothing could be concluded). Carries the user's traceback (their
-    frames, none of the harness's); the message has several lines, to be printed as they are."""
-
-    def __init__(self, message: str, traceback_text: str) -> None:
-        super().__init__(message + "\n" + traceback_text)
-        self.traceback_text = traceback_text
 
 
 class ResumeRefusedError(UsageError):
@@ -275,15 +246,12 @@ class ReplicaMismatchError(CkptVerifyError):
 
 class CkptVerifyWarning(UserWarning):
     """Root of every warning ckptverify issues: ``warnings.filterwarnings("error", category=CkptVerifyWarning)``
-    turns them all into errors. Issued as itself for what is neither a failed verification nor a replica
-    mismatch: a checkpoint left without a verdict (the job ended first, or its files changed while verified), or
-    something around a check that went wrong and was passed over (an event not appended, a callback raised)."""
+    turns them all into errors. Issued as itself for all but a failed verification: replicas that must be
+    identical differ (``on_replica_mismatch="warn"``), a checkpoint left without a verdict (the job ended first,
+    or its files changed while verified), or something around a check that went wrong and was passed over (an
+    event not appended, a callback raised)."""
 
 
 class VerifyFailedWarning(CkptVerifyWarning):
     """A checkpoint failed its verification after it was saved (by ``save``, ``Run`` or a framework
     integration), or one a framework was asked to load failed it."""
-
-
-class ReplicaMismatchWarning(CkptVerifyWarning):
-    """Replicas that must be identical differ (``on_replica_mismatch="warn"``)."""

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from ckptverify.errors import CkptVerifyWarning
 from ckptverify.hardware.inject import flip_bit_
-from ckptverify.hardware.replica import ReplicaCheck, ReplicaMismatchWarning
+from ckptverify.hardware.replica import ReplicaCheck
 from ckptverify.ownfiles.events import EventLog
 
 #: Steps at whose end rank 1 flips element 3, bit 20 of ``0.weight`` (twice in a row: the copy is restored).
@@ -36,7 +37,7 @@ def run(rank: int, world: int, out_dir: str, steps: int) -> None:
             result["found"].append([m.step for m in check.check(step)])
         result["suspect"] = check.suspect()  # what a save now would record: the second episode is open
         check.finish()
-    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ReplicaMismatchWarning)]
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CkptVerifyWarning)]
     result["stderr"] = err.getvalue()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -27,6 +27,7 @@ from ckptverify.audit.verify import (
     default_jobs,
 )
 from ckptverify.checks import deep as deep_check
+from ckptverify.checks.dcp_pipeline import KEEP_FILE_BYTES, KEEP_TOTAL_BYTES
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, PartsOverlapError, UsageError
 from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage, merge_reports
 from ckptverify.fingerprint.nonfinite import counts_kept
@@ -316,7 +317,7 @@ def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_by
                          length=item.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests()))
 
     whole_files: dict[str, FileEntry] = {}  # files one batch of small items read whole
-    kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan
+    kept = _KeptFiles(KEEP_FILE_BYTES, KEEP_TOTAL_BYTES)  # and their bytes, for the tensor scan: read once
 
     def digest_batch(batch: _Batch) -> list[ItemEntry]:
         # A small item is one block: its digest and its block's are the same, taken once.
@@ -374,9 +375,6 @@ def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_by
     return entries, dict(zip(names, file_digests, strict=True)), scans, replica_findings
 
 
-#: Small files the digest pass read whole stay in memory (per file, in all) for the tensor scan: read once.
-KEEP_FILE_BYTES = 64 << 10
-KEEP_TOTAL_BYTES = 256 << 20
 #: The verification pass's small files read whole at open stay in memory through the digest pass and the scan.
 HOLD_KEPT = True
 

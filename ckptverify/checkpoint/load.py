@@ -549,9 +549,7 @@ def _deepcopy_but_tensors(obj: Any) -> Any:
 def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> None:
     """Make this rank's CUDA stream entries of ``template`` (and their digests) match the checkpoint's, so DCP neither
     refuses a missing key nor skips a saved one: a process may have initialised CUDA at save but not now, or the
-    reverse (see :mod:`ckptverify.state.rng`); version 1 holds ``cuda.{i}`` per device."""
-    import re
-
+    reverse (see :mod:`ckptverify.state.rng`)."""
     import torch
 
     from ckptverify.dcp.metadata import read_layout
@@ -565,14 +563,12 @@ def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> N
     layout, _ = read_layout(root)
     if layout is None:
         return
-    is_cuda_kind = re.compile(r"^cuda(\.\d+)?$")
-    for kind in [k for k in mine if is_cuda_kind.match(k) or k == "cuda_device"]:
-        del mine[kind]
+    mine.pop("cuda", None)
+    mine.pop("cuda_device", None)
     prefix = f"rng.{me}."
-    for name, entry in layout.tensors.items():
-        kind = name[len(prefix):] if name.startswith(prefix) else ""
-        if is_cuda_kind.match(kind):
-            mine[kind] = torch.empty(tuple(entry.shape), dtype=torch.uint8)
+    entry = layout.tensors.get(f"{prefix}cuda")
+    if entry is not None:
+        mine["cuda"] = torch.empty(tuple(entry.shape), dtype=torch.uint8)
     for name in layout.byte_values:
         if name.startswith(f"{prefix}cuda_device."):
             mine.setdefault("cuda_device", {})[name[len(f"{prefix}cuda_device."):]] = 0  # loaded over
@@ -587,26 +583,10 @@ def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> N
 
 def _rng_field_findings(state: TrainState, saved: dict[str, str], now: dict[str, str]) -> tuple[
         dict[str, str], list[Finding]]:
-    """Saved RNG digests to compare ``now`` with, and warnings, where the CUDA key changed (version 1's ``rng.cuda.{i}``
-    compared as ``rng.cuda``); a differing ``rng.cuda_device`` is only a warning."""
-    import torch
-
+    """Saved RNG digests to compare ``now`` with, and warnings: a differing ``rng.cuda_device`` is only a warning."""
     findings: list[Finding] = []
     saved = dict(saved)
     where = Location(fqn="rng.cuda", rank=state.rank)
-    legacy = sorted(k for k in saved if k.startswith("rng.cuda."))
-    if legacy:
-        index = torch.cuda.current_device() if "rng.cuda" in now else None
-        own = saved.get(f"rng.cuda.{index}") if index is not None else None
-        if own is not None:  # else each stays, and is reported as not restored
-            for k in legacy:
-                del saved[k]
-            saved["rng.cuda"] = own
-            saved["rng.cuda_device"] = now.get("rng.cuda_device", "")
-            findings.append(warning(
-                "restore-device", f"the checkpoint's RNG state (version 1) keys CUDA streams by device index: "
-                f"cuda.{index} was restored into this rank's device cuda:{index}, exact only if the rank used "
-                "the same device index when it saved", location=where))
     if "rng.cuda_device" in saved and "rng.cuda_device" in now and saved["rng.cuda_device"] != now["rng.cuda_device"]:
         saved["rng.cuda_device"] = now["rng.cuda_device"]
         findings.append(warning(

@@ -10,17 +10,15 @@ from typing import Any, Protocol
 
 import xxhash
 
-from ckptverify.errors import TruncatedRangeError, UsageError
+from ckptverify.errors import CkptVerifyError, UsageError
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "READ_BUFFER_SIZE", "BlockDigest", "ByteDigest",
-           "RangeDigest", "TruncatedRangeError", "block_digests", "digest_bytes", "digest_file_range",
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "BlockDigest", "ByteDigest", "RangeDigest",
+           "block_digests", "digest_bytes", "digest_file_range",
            "digest_reader", "hexdigest_of", "new_digest"]
 
 DEFAULT_ALGORITHM = "xxh3-128"
 ALGORITHMS = ("xxh3-128", "sha256")
 
-#: Default size of the reused read buffer (a multiple of the page size).
-READ_BUFFER_SIZE = 4 << 20
 #: Default block size of :func:`block_digests`.
 DEFAULT_BLOCK_SIZE = 1 << 20
 
@@ -109,20 +107,18 @@ class RangeDigest:
     blocks: tuple[str, ...]
 
 
-def _read_range(path: str | os.PathLike[str], offset: int, length: int, read_size: int, sink: ByteDigest,
+def _read_range(path: str | os.PathLike[str], offset: int, length: int, sink: ByteDigest,
                 root: str | None = None) -> None:
     """Feed ``length`` bytes of ``path`` from ``offset`` to ``sink`` through a
-    :class:`~ckptverify.safeparse.readers.ReadOnlyFile` (regular files only, inside ``root`` if given).
-    ``read_size`` is ignored: the reader's buffer size applies."""
+    :class:`~ckptverify.safeparse.readers.ReadOnlyFile` (regular files only, inside ``root`` if given)."""
     from ckptverify.safeparse.readers import ReadOnlyFile
 
     if offset < 0 or length < 0:
         raise UsageError(f"byte range must be non-negative, got offset={offset} length={length}")
-    if read_size <= 0:
-        raise UsageError(f"read buffer size must be positive, got {read_size}")
     with ReadOnlyFile(os.fspath(path), root=root) as f:
         if offset + length > f.size:
-            raise TruncatedRangeError(path, offset, length, max(0, f.size - offset))
+            raise CkptVerifyError(f"{os.fspath(path)}: range [{offset}, {offset + length}) extends past the end of "
+                                  f"the file ({max(0, f.size - offset)} of {length} bytes readable)")
         f.fold(offset, offset + length, sink.update)
 
 
@@ -131,15 +127,15 @@ def digest_file_range(
     offset: int,
     length: int,
     algorithm: str = DEFAULT_ALGORITHM,
-    block_size: int = READ_BUFFER_SIZE,
     *,
     root: str | None = None,
 ) -> str:
-    """Hex digest of ``length`` bytes of ``path`` from ``offset``, with flat memory. Raises :class:`TruncatedRangeError`
-    (file ends inside the range), :class:`~ckptverify.errors.UnsafeFileError` (not regular, or outside ``root``),
+    """Hex digest of ``length`` bytes of ``path`` from ``offset``, with flat memory. Raises
+    :class:`~ckptverify.errors.CkptVerifyError` (file ends inside the range),
+    :class:`~ckptverify.errors.UnsafeFileError` (not regular, or outside ``root``),
     :class:`~ckptverify.errors.FileChangedError` (shrinks while read)."""
     digest = new_digest(algorithm)
-    _read_range(path, offset, length, block_size, digest, root)
+    _read_range(path, offset, length, digest, root)
     return digest.hexdigest()
 
 
@@ -157,9 +153,8 @@ def block_digests(
     length: int,
     algorithm: str = DEFAULT_ALGORITHM,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    read_size: int = READ_BUFFER_SIZE,
 ) -> RangeDigest:
     """Digest of a byte range and of each ``block_size`` block of it (from ``offset``), in one pass."""
     digest = BlockDigest(algorithm, block_size)
-    _read_range(path, offset, length, read_size, digest)
+    _read_range(path, offset, length, digest)
     return RangeDigest(algorithm, digest.hexdigest(), block_size, tuple(digest.block_hexdigests()))

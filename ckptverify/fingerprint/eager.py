@@ -36,17 +36,27 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise UsageError(f"the tensor fingerprint is not defined for dtype {dtype}") from None
 
 
-def flat_bits(t: torch.Tensor) -> torch.Tensor:
-    """The flat contiguous signed-integer view of ``t``'s elements as fingerprinted (complex as its real view). A
-    conjugated or negated view is resolved to its values first; reinterpretation precedes any copy, so dtypes torch
-    cannot copy everywhere (packed ``float4_e2m1fn_x2``) are copied as plain integers."""
-    t = t.detach()
+def as_real(t: torch.Tensor, offsets: Sequence[int] = (), global_shape: Sequence[int] = ()
+            ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """``t`` as fingerprinted, with its chunk's ``offsets`` and ``global_shape``: a conjugated or negated view
+    resolved to its values, complex as its real view (a last dim of 2 in the global shape too)."""
+    offsets, global_shape = list(offsets), list(global_shape)
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
     if t.is_complex():
         t = torch.view_as_real(t)
+        offsets.append(0)
+        global_shape.append(2)
+    return t, offsets, global_shape
+
+
+def flat_bits(t: torch.Tensor) -> torch.Tensor:
+    """The flat contiguous signed-integer view of ``t``'s elements as fingerprinted (:func:`as_real`).
+    Reinterpretation precedes any copy, so dtypes torch cannot copy everywhere (packed ``float4_e2m1fn_x2``) are
+    copied as plain integers."""
+    t = as_real(t.detach())[0]
     return t.view(_INT_VIEW_BY_SIZE[t.element_size()]).contiguous().reshape(-1)
 
 

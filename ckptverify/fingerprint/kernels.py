@@ -29,6 +29,7 @@ from ckptverify.fingerprint.eager import (
     ROW_WIDTH,
     SUPPORTED_DTYPES,
     _Geometry,
+    as_real,
     chunk_geometry,
     dtype_name,
     eager_block,
@@ -296,7 +297,7 @@ def eager_fingerprint_lanes(t: torch.Tensor, offsets: Sequence[int], global_shap
     """:func:`fingerprint_lanes` via the eager path on any device (the reference the tests and GPU checks use)."""
     with device_scope(t.device):
         check_fingerprintable(t)
-        t, offsets, global_shape = _as_real(t.detach(), offsets, global_shape)
+        t, offsets, global_shape = as_real(t.detach(), offsets, global_shape)
         if t.numel() == 0:
             return 0, 0
         geometry = chunk_geometry(t.shape, offsets, global_shape)
@@ -320,7 +321,7 @@ def _lanes_here(
 ) -> tuple[tuple[int, int], int | None]:
     """:func:`_lanes`, inside its device scope."""
     global _host_bytes
-    t, offsets, global_shape = _as_real(t.detach(), offsets, global_shape)
+    t, offsets, global_shape = as_real(t.detach(), offsets, global_shape)
     geometry = chunk_geometry(t.shape, offsets, global_shape)
     if t.numel() == 0:
         return (0, 0), 0
@@ -431,22 +432,6 @@ class CpuBlockLanes:
 _stage_cache = threading.local()
 
 
-def _as_real(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int]
-             ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """``t`` as the kernels read it: complex as its real view (global shape gains a last dim of 2), conjugated or
-    negated views resolved (:func:`~ckptverify.fingerprint.eager.flat_bits`)."""
-    offsets, global_shape = list(offsets), list(global_shape)
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-        offsets.append(0)
-        global_shape.append(2)
-    return t, offsets, global_shape
-
-
 def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], name: str,
                     screen: tuple[int, int] | None) -> CpuBlockLanes | None:
     """A :class:`CpuBlockLanes` over contiguous chunk ``t`` when the compiled kernel would take it now (``auto`` or
@@ -455,7 +440,7 @@ def cpu_block_lanes(t: torch.Tensor, offsets: Sequence[int], global_shape: Seque
     if (_compile_failed or _backend == "numpy" or t.device.type != "cpu" or not t.is_contiguous()
             or t.numel() < COMPILED_BLOCK or _under_dispatch_mode()):
         return None
-    t, offsets, global_shape = _as_real(t, offsets, global_shape)
+    t, offsets, global_shape = as_real(t, offsets, global_shape)
     bits = _INT_VIEW_BY_SIZE.get(t.element_size())
     if bits is None:
         return None

@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptverify.errors import ReplicaMismatchError, ReplicaMismatchWarning
+from ckptverify.errors import CkptVerifyWarning, ReplicaMismatchError
 from ckptverify.options import failure_policy
 
-__all__ = ["ReplicaCheck", "ReplicaMismatch", "ReplicaMismatchError", "ReplicaMismatchWarning"]
+__all__ = ["ReplicaCheck", "ReplicaMismatch", "ReplicaMismatchError"]
 
 @dataclass(frozen=True)
 class ReplicaMismatch:
@@ -240,7 +240,7 @@ class ReplicaCheck:
             raise ReplicaMismatchError(message, mismatch)
         if reporter and first:
             warnings.warn(f"{message}; further mismatched steps of this episode are counted, not repeated",
-                          ReplicaMismatchWarning, stacklevel=3)
+                          CkptVerifyWarning, stacklevel=3)
             sys.stderr.flush()
 
     def _agreed(self, step: int) -> None:

@@ -6,16 +6,34 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
-from ckptverify.findings import Report, Severity, sort_findings
+from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Report, Severity, sort_findings
 
-__all__ = ["human_bytes", "number_width", "printable", "render_text", "to_json"]
+__all__ = ["fail", "human_bytes", "number_width", "printable", "render_text", "to_json"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
 # Controls, DEL and bidi overrides (a name could read as something else); tabs/newlines too: one cell each.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def fail(command: str, target: str, error: object, json_out: bool, *, lines: bool = False,
+         label: str = "error: ") -> NoReturn:
+    """Say why ``command`` could not run and exit with ``error``'s ``exit_code`` (2 for a plain message): the JSON
+    report's ``error`` on stdout (one line for ``watch``, which prints an object per line), or ``ckptverify COMMAND:
+    error: ...`` on stderr with every control escaped, as one line; ``lines``: a message of several lines (a
+    traceback) is printed line by line instead."""
+    message, exit_code = str(error), getattr(error, "exit_code", 2)
+    if json_out:
+        print(json.dumps({"schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
+                          "target": target, "passed": False, "exit_code": exit_code, "error": message,
+                          "findings": []}, indent=None if command == "watch" else 2))
+    else:
+        first, *rest = (message.splitlines() or [""]) if lines else [message]
+        print("\n".join([f"ckptverify {command}: {label}{printable(first)}", *map(printable, rest)]), file=sys.stderr)
+    sys.exit(exit_code)
 
 
 def printable(value: object) -> str:

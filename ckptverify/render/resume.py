@@ -5,15 +5,14 @@ that imports rich only when called; :func:`resume_check` is ``ckptverify.resume_
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ckptverify.resume.harness import FigureWriter, Outcome, Plan
 
-__all__ = ["emit_resume", "fail_lines", "log_dir_for", "render_compare", "resume_check", "workload_log_files"]
+__all__ = ["emit_resume", "log_dir_for", "render_compare", "resume_check", "workload_log_files"]
 
 
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
@@ -47,26 +46,6 @@ def workload_log_files(log_dir: str) -> list[str] | None:
     if not os.path.isdir(log_dir):
         return None
     return sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) or None
-
-
-def fail_lines(exc: Any, json_out: bool, command: str, target: str) -> NoReturn:
-    """Say why ``command`` could not run and exit with the error's code (2): each line with controls escaped on a
-    terminal, or the JSON report's ``error``."""
-    from ckptverify.render.report import printable
-
-    if json_out:
-        import json
-
-        from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
-
-        print(json.dumps({"schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "command": command,
-                          "target": target, "passed": False, "exit_code": exc.exit_code, "error": str(exc),
-                          "findings": []}, indent=2))
-    else:
-        lines = str(exc).splitlines() or [""]
-        text = "\n".join([f"ckptverify {command}: error: {printable(lines[0])}", *map(printable, lines[1:])])
-        print(text, file=sys.stderr)
-    sys.exit(exc.exit_code)
 
 
 def emit_resume(outcome: Any, json_out: bool) -> int:

@@ -177,8 +177,7 @@ def pinned(meta: dict[str, Any], run_dir: str, target: str | None, max_procs: in
 def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
     """``target`` resolved as every harness run resolves it, once known to name the function ``run.json`` records
     (same name, same file, however spelled); a ``module:FUNC`` target is imported to find its file, the recorded one
-    never is. :class:`UsageError` when they differ (before any process starts), :class:`TargetError` when ``target``
-    cannot load."""
+    never is. :class:`UsageError` when they differ (before any process starts) or ``target`` cannot load."""
     from ckptverify.resume.harness_target import check_target, resolve_target, split_target
 
     recorded = meta["target"]
@@ -261,7 +260,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     the verdict is not ``reproduced`` (:mod:`ckptverify.resume.locate.walk`). ``stats["verdict"]`` holds ``kind`` (of
     :data:`VERDICTS`), ``step``, ``rank``, ``site``, ``host``, ``sentence``, ``candidate_ranks`` and the walk's
     fields. Raises :class:`UsageError` for a non-production directory or missing checkpoints,
-    ``WorkloadCrashedError`` when the workload crashes."""
+    ``CkptVerifyError`` when the workload crashes."""
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.replay.causes import judge
     from ckptverify.resume.harness import check_target

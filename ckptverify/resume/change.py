@@ -148,7 +148,7 @@ def _cells(dirs: list[str], changed: str) -> list[_Cell]:
 def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
                    log_dir: str | None = None) -> Report:
     """Run ``plan`` and return its report; ``keep``: keep the runs' traces there. :class:`UsageError` for a target
-    that cannot run, :class:`WorkloadCrashedError` when a workload raises."""
+    that cannot run, :class:`~ckptverify.errors.CkptVerifyError` when a workload raises."""
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
 
     for target in dict.fromkeys((plan.base, plan.changed)):

@@ -5,7 +5,7 @@ Traps: in a rank a ``FILE.py`` runs as spawn runs a script's main module (``__mp
 its folder first on ``sys.path``), so its classes pickle by reference to the main module and DataLoader workers
 re-create them; its ``__main__`` block never runs. :func:`check_target` imports the target in the calling process
 under a private name, restores ``sys.path``/``argv``/environment afterwards and sends its prints to stderr (stdout
-may be a JSON report); failures are :class:`TargetError` with the user's own traceback."""
+may be a JSON report); failures are :class:`~ckptverify.errors.UsageError` with the user's own traceback."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ckptverify.errors import TargetError, UsageError
+from ckptverify.errors import UsageError
 
-__all__ = ["TargetError", "check_target", "load_target", "never_restored_message", "resolve_target", "usage_text",
+__all__ = ["check_target", "load_target", "never_restored_message", "resolve_target", "usage_text",
            "user_traceback"]
 
 MAIN_NAME = "__mp_main__"
@@ -45,7 +45,7 @@ def split_target(target: str) -> tuple[str, str, bool]:
 
 def load_target(target: str) -> Callable[[Any], None]:
     """Resolve the target to the training function in a rank: a file runs as ``__mp_main__`` (not again if it already
-    is the main module). :class:`TargetError` when it cannot load or is not a one-argument function."""
+    is the main module). :class:`UsageError` when it cannot load or is not a one-argument function."""
     where, name, is_file = split_target(target)
     if is_file:
         path = _existing_file(where)
@@ -65,14 +65,13 @@ def load_target(target: str) -> Callable[[Any], None]:
 
 def resolve_target(target: str) -> str:
     """``target`` as the harness runs it: the file made absolute (from the working directory, as every rank finds
-    it), a module as given. :class:`TargetError` for a missing file, :class:`UsageError` for a bad shape; imports
-    nothing."""
+    it), a module as given. :class:`UsageError` for a missing file or a bad shape; imports nothing."""
     where, name, is_file = split_target(target)
     return f"{_existing_file(where)}:{name}" if is_file else target
 
 
 def check_target(target: str) -> str | None:
-    """Load ``target`` here without its ``__main__`` block and check it can be a training function; :class:`TargetError`
+    """Load ``target`` here without its ``__main__`` block and check it can be a training function; :class:`UsageError`
     if not. Returns the module's absolute file (``None`` without one).
 
     Leaves ``sys.path``, ``sys.argv`` and the environment as they were and forgets modules found only through the
@@ -102,7 +101,7 @@ def check_target(target: str) -> str | None:
                     module = _import(where, target)
             func = _function(module, where, name, target)
             if _never_restores(func):
-                raise TargetError(never_restored_message(target) + "\n" + _def_line(func))
+                raise UsageError(never_restored_message(target) + "\n" + _def_line(func))
             file = getattr(module, "__file__", None)
             _checked[key] = os.path.abspath(file) if isinstance(file, str) else None
             return _checked[key]
@@ -161,7 +160,7 @@ def _existing_file(where: str) -> str:
     path = os.path.abspath(where)
     if not os.path.isfile(path):
         hint = " (it is a folder)" if os.path.isdir(path) else ""
-        raise TargetError(f"workload file not found: {where}{hint}")
+        raise UsageError(f"workload file not found: {where}{hint}")
     return path
 
 
@@ -197,7 +196,7 @@ def _run_file(path: str, module_name: str, target: str) -> types.ModuleType:
             sys.modules.pop(module_name, None)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise TargetError(f"{path} failed to import:\n{user_traceback(exc)}") from None
+        raise UsageError(f"{path} failed to import:\n{user_traceback(exc)}") from None
     return module
 
 
@@ -206,13 +205,13 @@ def _import(where: str, target: str) -> types.ModuleType:
         return importlib.import_module(where)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (where == exc.name or where.startswith(exc.name + ".")):
-            raise TargetError(f"no module named {exc.name!r} (from target {target}): run from the folder that "
-                              "holds the package, or install it, or give FILE.py:FUNC") from None
-        raise TargetError(f"{where} failed to import:\n{user_traceback(exc)}") from None
+            raise UsageError(f"no module named {exc.name!r} (from target {target}): run from the folder that "
+                             "holds the package, or install it, or give FILE.py:FUNC") from None
+        raise UsageError(f"{where} failed to import:\n{user_traceback(exc)}") from None
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        raise TargetError(f"{where} failed to import:\n{user_traceback(exc)}") from None
+        raise UsageError(f"{where} failed to import:\n{user_traceback(exc)}") from None
 
 
 def _function(module: types.ModuleType, where: str, name: str, target: str) -> Callable[[Any], None]:
@@ -227,12 +226,12 @@ def _function(module: types.ModuleType, where: str, name: str, target: str) -> C
         close = difflib.get_close_matches(name, functions, n=1)
         listed = f" (functions defined there: {', '.join(functions)})" if functions else ""
         if close:
-            raise TargetError(f"{where} has no function {name!r}; did you mean {close[0]!r}?{listed}\n"
-                              + _def_line(getattr(module, close[0])))
-        raise TargetError(f"{where} has no function {name!r}{listed}")
+            raise UsageError(f"{where} has no function {name!r}; did you mean {close[0]!r}?{listed}\n"
+                             + _def_line(getattr(module, close[0])))
+        raise UsageError(f"{where} has no function {name!r}{listed}")
     if not callable(obj):
-        raise TargetError(f"{target} is a {type(obj).__name__}, not a function: give the training function "
-                          "train(run)")
+        raise UsageError(f"{target} is a {type(obj).__name__}, not a function: give the training function "
+                         "train(run)")
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):
@@ -240,8 +239,8 @@ def _function(module: types.ModuleType, where: str, name: str, target: str) -> C
     try:
         signature.bind(object())
     except TypeError:
-        raise TargetError(f"{target} must take one argument, the Run (train(run)); it is {name}{signature}\n"
-                          + _def_line(obj)) from None
+        raise UsageError(f"{target} must take one argument, the Run (train(run)); it is {name}{signature}\n"
+                         + _def_line(obj)) from None
     return obj
 
 

@@ -4,7 +4,8 @@ Ranks fork from a server that preloaded torch and ckptverify (``spawn`` where th
 no training state, started in milliseconds; the server never initialises CUDA. On CUDA rank ``r`` uses ``cuda:r``
 (``nproc`` beyond the visible devices is refused up front). Trap: a failed rank abandons its group without teardown
 (peers may sit in a collective forever), so a crash is reported at once. Failures come back as
-:class:`~ckptverify.resume.harness_target.TargetError` or :class:`WorkloadCrashedError` with the user's traceback."""
+:class:`~ckptverify.errors.UsageError` (an unusable target) or :class:`~ckptverify.errors.CkptVerifyError` (a crash)
+with the user's traceback."""
 
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ckptverify.errors import UsageError, WorkloadCrashedError
+from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.resume.harness_target import (
-    TargetError,
     check_target,
     load_target,
     never_restored_message,
@@ -32,7 +32,7 @@ from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
 T = TypeVar("T")
 
-__all__ = ["WorkloadCrashedError", "at_once", "launch_jobs", "launches_at_once", "start_method", "workload_logs"]
+__all__ = ["at_once", "launch_jobs", "launches_at_once", "start_method", "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -194,9 +194,7 @@ def _call_target(rank: int, nproc: int, target: str, config: RunConfig) -> None:
     except BaseException as exc:
         if config.trace_dir:
             trace_dir = own_folder(config.trace_dir)
-            if isinstance(exc, TargetError):
-                kind, text = "usage", str(exc)
-            elif isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
+            if isinstance(exc, UsageError) and run is not None and run.state is None and _from_save(exc):
                 kind, text = "usage", never_restored_message(target)  # the first checkpoint, and no state
             elif isinstance(exc, UsageError):
                 kind, text = "usage", usage_text(exc)
@@ -250,9 +248,9 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
     """Run each ``(target, config)`` in turn in one set of ``nproc`` fresh processes; raise if any rank fails.
 
     Targets are checked before any process starts. Jobs share process start-up but not seeds or state (module-level
-    state does carry over). Raises :class:`TargetError` (unusable target or protocol misuse),
-    :class:`WorkloadCrashedError` (promptly: failed ranks do not wait for peers), :class:`UsageError` (too few CUDA
-    devices). ``timeout_s``: kill ranks still running after it (a walk must never hang its command)."""
+    state does carry over). Raises :class:`UsageError` (unusable target, protocol misuse, too
+    few CUDA devices), :class:`CkptVerifyError` (a crash, promptly: failed ranks do not wait for peers; a time limit
+    passed). ``timeout_s``: kill ranks still running after it (a walk must never hang its command)."""
     import dataclasses
 
     import torch.multiprocessing as mp
@@ -273,7 +271,7 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
             else:
                 _join_within(mp.start_processes(_worker, args=args, nprocs=nproc, join=False,
                                                 start_method=how), timeout_s, jobs)
-        except WorkloadCrashedError:
+        except CkptVerifyError:  # a time limit passed: said already
             raise
         except Exception as exc:
             _raise_failure(jobs, exc)
@@ -291,8 +289,8 @@ def _join_within(context: Any, timeout_s: float, jobs: list[tuple[str, RunConfig
                     p.kill()
             for p in context.processes:
                 p.join(5)
-            raise WorkloadCrashedError(f"run {jobs[0][1].name} did not finish within {timeout_s:.0f} s; its "
-                                       "processes were stopped", "")
+            raise CkptVerifyError(f"run {jobs[0][1].name} did not finish within {timeout_s:.0f} s; its processes "
+                                  "were stopped")
 
 
 def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
@@ -309,10 +307,9 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
                 found.setdefault(config.name, {}).setdefault(kind, {}).setdefault(text, []).append(int(rest[:-4]))
     for kinds in found.values():
         if "usage" in kinds:
-            raise TargetError(next(iter(kinds["usage"])))
+            raise UsageError(next(iter(kinds["usage"])))
     if not found:
-        raise WorkloadCrashedError(f"the workload crashed in run {jobs[0][1].name}: {type(exc).__name__}",
-                                   str(exc)) from None
+        raise CkptVerifyError(f"the workload crashed in run {jobs[0][1].name}: {type(exc).__name__}\n{exc}") from None
     run, kinds = next(iter(found.items()))
     parts = []
     for text, ranks in kinds["error"].items():
@@ -321,8 +318,8 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
             parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}:")
         parts.append(text)
     ranks = sorted(r for rs in kinds["error"].values() for r in rs)
-    raise WorkloadCrashedError(f"the workload crashed in run {run} (rank{'s' if len(ranks) > 1 else ''} "
-                               f"{', '.join(map(str, ranks))}):", "\n".join(parts)) from None
+    raise CkptVerifyError(f"the workload crashed in run {run} (rank{'s' if len(ranks) > 1 else ''} "
+                          f"{', '.join(map(str, ranks))}):\n" + "\n".join(parts)) from None
 
 def launches_at_once(nproc: int, device: str) -> int:
     """How many launches of ``nproc`` ranks fit side by side: a core per rank on CPU; one on CUDA (every launch uses

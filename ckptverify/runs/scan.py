@@ -42,14 +42,13 @@ def judge(root: str, cand: Candidate, jobs: int | None, *, deep: bool = False) -
     """State, one-line reason and counts for one candidate, verified exactly as ``verify`` routes it. A good one with
     a suspect note is ``suspect``; one removed meanwhile is ``deleted``: a failed verdict stands only after it stayed
     in place for :data:`SETTLE_SECONDS` (as the stamper judges). ``deep``: as ``verify --deep``."""
-    from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.runs.stamp import files_fingerprint, removed
 
     path = paths.normpath(os.path.join(root, cand.path))
     before = files_fingerprint(path)
     try:
         state, reason, counts = _judge_bytes(root, cand, jobs, deep)
-    except (FileNotFoundError, CheckpointNotFoundError):
+    except FileNotFoundError:  # CheckpointNotFoundError included
         if not removed(path):
             raise
         return "deleted", _DELETED, {"errors": 0, "warnings": 0, "bytes_checked": 0}

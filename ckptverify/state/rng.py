@@ -7,8 +7,7 @@ CUDA device, and named ``torch.Generator`` s. :func:`capture_rng` returns kinds 
 :func:`cuda_in_use` (else a CPU rank would create a context on GPU 0).
 
 **CUDA streams are keyed by role, not index**: ``cuda`` is restored into the rank's current device whatever its
-index (launchers differ), so a new node layout resumes exactly. Version 1 states (``cuda.{i}`` per device) are
-still read: the current device's index is restored, correct only with an unchanged layout.
+index (launchers differ), so a new node layout resumes exactly.
 
 **Ranks.** DCP deduplicates equal keys across ranks, so :class:`RngState` saves this rank's streams under
 ``rank{r}``, plus ``world_size``. A different world size raises :class:`UsageError` unless re-seeding is allowed.
@@ -29,7 +28,6 @@ from ckptverify.errors import UsageError
 from ckptverify.state.distributed import rank_world
 
 __all__ = [
-    "READABLE_RNG_STATE_VERSIONS",
     "RNG_STATE_VERSION",
     "RngState",
     "capture_rng",
@@ -44,16 +42,12 @@ __all__ = [
 
 #: Version of the :class:`RngState` state dict layout (2: one ``cuda`` stream, the rank's own device).
 RNG_STATE_VERSION = 2
-#: Versions :meth:`RngState.load_state_dict` reads (1: ``cuda.{i}`` for every visible device).
-READABLE_RNG_STATE_VERSIONS = (1, 2)
 
 _PYTHON = "python"
 _NUMPY = "numpy"
 _TORCH_CPU = "torch_cpu"
 _CUDA = "cuda"
 _CUDA_DEVICE = "cuda_device"
-#: Version 1's per-index CUDA kinds: read, never written.
-_LEGACY_CUDA_PREFIX = "cuda."
 _GEN_PREFIX = "gen."
 
 
@@ -214,7 +208,7 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
         k
         for k in state
         if k not in (_PYTHON, _NUMPY, _TORCH_CPU, _CUDA, _CUDA_DEVICE)
-        and not str(k).startswith((_LEGACY_CUDA_PREFIX, _GEN_PREFIX))
+        and not str(k).startswith(_GEN_PREFIX)
     ]
     if unknown:
         raise UsageError(f"unknown RNG state kinds: {sorted(map(str, unknown))}")
@@ -227,7 +221,7 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
         raise UsageError(
             f"RNG state holds generators {sorted(saved_gens)} but {sorted(gens)} were given to restore into"
         )
-    cuda_kind = _cuda_kind_to_restore(state)
+    cuda_index = _cuda_index_to_restore(state)
 
     # Validate everything that can be validated before changing any stream.
     cpu = _byte_state(state[_TORCH_CPU], _TORCH_CPU)
@@ -235,11 +229,11 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
         raise UsageError(
             f"RNG state 'torch_cpu' has {cpu.numel()} bytes, torch expects {torch.get_rng_state().numel()}"
         )
-    cuda = None if cuda_kind is None else _byte_state(state[cuda_kind[0]], cuda_kind[0])
-    if cuda is not None and cuda_kind is not None:
-        expected = torch.cuda.get_rng_state(cuda_kind[1]).numel()
+    cuda = None if cuda_index is None else _byte_state(state[_CUDA], _CUDA)
+    if cuda is not None and cuda_index is not None:
+        expected = torch.cuda.get_rng_state(cuda_index).numel()
         if cuda.numel() != expected:
-            raise UsageError(f"RNG state {cuda_kind[0]!r} has {cuda.numel()} bytes, torch expects {expected}")
+            raise UsageError(f"RNG state {_CUDA!r} has {cuda.numel()} bytes, torch expects {expected}")
     gen_states: dict[str, torch.Tensor] = {}
     for name, gen in gens.items():
         kind = f"{_GEN_PREFIX}{name}"
@@ -256,37 +250,26 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generat
     _restore_python(state[_PYTHON])
     _restore_numpy(state[_NUMPY])
     _set_state(torch.set_rng_state, cpu, _TORCH_CPU)
-    if cuda is not None and cuda_kind is not None:
-        kind, index = cuda_kind
-        _set_state(lambda s: torch.cuda.set_rng_state(s, device=index), cuda, kind)
+    if cuda is not None and cuda_index is not None:
+        _set_state(lambda s: torch.cuda.set_rng_state(s, device=cuda_index), cuda, _CUDA)
     for name, t in gen_states.items():
         _set_state(gens[name].set_state, t, f"{_GEN_PREFIX}{name}")
 
 
-def _cuda_kind_to_restore(state: Mapping[str, Any]) -> tuple[str, int] | None:
-    """``(kind, device index)`` of the saved CUDA stream to restore now, or ``None`` if none was saved (CUDA untouched).
-    """
-    legacy = sorted(k for k in state if str(k).startswith(_LEGACY_CUDA_PREFIX))
+def _cuda_index_to_restore(state: Mapping[str, Any]) -> int | None:
+    """The device index the saved CUDA stream is restored into now (the current device), or ``None`` if none was
+    saved (CUDA untouched)."""
     if _CUDA_DEVICE in state:
         ident = state[_CUDA_DEVICE]
         if (not isinstance(ident, Mapping) or isinstance(ident.get("index"), bool)
                 or not isinstance(ident.get("index"), int) or not isinstance(ident.get("uuid"), str)):
             raise UsageError(f"RNG state 'cuda_device' must be {{'index': int, 'uuid': str}}, got {ident!r}")
-    if _CUDA not in state and not legacy:
+    if _CUDA not in state:
         return None
-    if _CUDA in state and legacy:
-        raise UsageError(f"RNG state holds both 'cuda' and version 1 kinds {legacy}")
     if not torch.cuda.is_available():
         raise UsageError("RNG state holds a CUDA generator but CUDA is not available here; resume on a CUDA device "
                          "(the rank's CUDA stream cannot be carried over otherwise)")
-    index = torch.cuda.current_device()  # initialises CUDA: the capturing rank used it
-    if _CUDA in state:
-        return _CUDA, index
-    kind = f"{_LEGACY_CUDA_PREFIX}{index}"
-    if kind not in state:
-        raise UsageError(f"RNG state (version 1) holds CUDA generators {legacy} but none for this rank's device "
-                         f"cuda:{index}; restore with the device indices it was saved with")
-    return kind, index
+    return torch.cuda.current_device()  # initialises CUDA: the capturing rank used it
 
 
 # ------------------------------------------------------------------------------------------- re-seed
@@ -411,9 +394,8 @@ class RngState:
         if not isinstance(state_dict, Mapping):
             raise UsageError(f"RNG state dict must be a mapping, got {type(state_dict).__name__}")
         version = state_dict.get("version")
-        if isinstance(version, bool) or version not in READABLE_RNG_STATE_VERSIONS:
-            raise UsageError(f"RNG state dict version {version!r} is not supported (readable: "
-                             f"{', '.join(map(str, READABLE_RNG_STATE_VERSIONS))})")
+        if isinstance(version, bool) or version != RNG_STATE_VERSION:
+            raise UsageError(f"RNG state dict version {version!r} is not supported (readable: {RNG_STATE_VERSION})")
         saved_world = state_dict.get("world_size")
         if isinstance(saved_world, bool) or not isinstance(saved_world, int):
             raise UsageError(f"RNG state dict has no valid world_size (got {saved_world!r})")

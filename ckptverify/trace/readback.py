@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 
 _MASK64 = (1 << 64) - 1
 
-#: For callers of :func:`fingerprint_many`; tensors of every size are batched.
-SMALL_TENSOR = 1 << 12
-
 
 def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
     """:func:`~ckptverify.fingerprint.tensor_fingerprint` values of ``tensors``, in order: plain tensors batched per

@@ -202,7 +202,6 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     ``notes``. ``deep``: parts' tensor pieces are judged together (:func:`~ckptverify.checks.deep.judge_parts`); a part
     without its pieces did not report.
     """
-    from ckptverify.errors import CheckpointNotFoundError
     from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
     from ckptverify.safeparse.readers import pacing
@@ -263,7 +262,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             changed = changed or bool(data.get("changed")) or _signatures(path, node["files"]) \
                 != data.get("signatures")
             reports.append((data, report))
-    except (FileNotFoundError, CheckpointNotFoundError):
+    except FileNotFoundError:  # CheckpointNotFoundError included
         return unverified(path, step, "deleted", gone)
     except OSError as exc:
         return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
@@ -279,7 +278,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         try:
             with pacing(throttle):
                 adopted, note, written = _adopt(path, jobs, reports, read_all=adopt is True)
-        except (FileNotFoundError, CheckpointNotFoundError):
+        except FileNotFoundError:
             return unverified(path, step, "deleted", gone)
         except OSError as exc:
             return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
@@ -309,7 +308,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         round(throttle.throttled_s, 6)
     try:
         write_stamp(path, merged, step=step, fingerprint=before, throttled_s=throttled, parts=parts)
-    except (FileNotFoundError, CheckpointNotFoundError):
+    except FileNotFoundError:
         return unverified(path, step, "deleted", gone)
     except OSError as exc:
         return from_report(path, step, merged, seconds=time.perf_counter() - started, stamped=False,

@@ -12,7 +12,6 @@ import fcntl
 import os
 import time
 
-from ckptverify.errors import CheckpointNotFoundError
 from ckptverify.ownfiles.names import VERIFYING_LOCK
 from ckptverify.runs.stamp import committed, files_fingerprint, removed, stamp_path, write_stamp
 from ckptverify.verifier.throttle import Throttle
@@ -100,7 +99,7 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
         if not own.held and not own.acquire():
             return unverified(path, step, "busy", "another process is verifying it", deep=deep)
         return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
-    except (FileNotFoundError, CheckpointNotFoundError):
+    except FileNotFoundError:  # CheckpointNotFoundError included
         return unverified(path, step, "deleted", _GONE, deep=deep)
     except OSError as exc:
         # No lock possible (read-only, foreign file): verify anyway; the verdict stands unstamped.
@@ -133,13 +132,13 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
             # Not a verdict on anything: the files verified are not the files there now.
             return unverified(path, step, "changed", "its files changed while it was being verified", deep=deep)
         throttled = None if throttle is None or throttle.probe is None else round(throttle.throttled_s, 6)
-    except (FileNotFoundError, CheckpointNotFoundError):
+    except FileNotFoundError:
         return unverified(path, step, "deleted", _GONE, deep=deep)
     except OSError as exc:  # it could not be read
         return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
     try:
         write_stamp(path, report, step=step, fingerprint=before, throttled_s=throttled)
-    except (FileNotFoundError, CheckpointNotFoundError):
+    except FileNotFoundError:
         return unverified(path, step, "deleted", _GONE, deep=deep)
     except OSError as exc:  # e.g. a read-only run directory: the verdict stands, unstamped
         return from_report(path, step, report, seconds=time.perf_counter() - started, stamped=False,

@@ -173,7 +173,7 @@ def _verify_unstamped(path: str, base: dict[str, Any], jobs: int | None, deep: b
             return {"event": "changed", **base,
                     "reason": "its files changed while it was being verified; it is verified again in a later pass"
                     }, before
-    except (FileNotFoundError, CheckpointNotFoundError):
+    except FileNotFoundError:  # CheckpointNotFoundError included
         return {"event": "deleted", **base, "reason": "removed while it was being verified"}, ""
     except (OSError, CkptVerifyError) as exc:
         return {"event": "error", **base, "reason": f"{why}; verifying it without a stamp failed too: "

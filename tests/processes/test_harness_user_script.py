@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from helpers.inproc_cli import invoke
 
+from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.replay.replay import VERDICTS as REPLAY_VERDICTS
-from ckptverify.resume.harness import Plan, TargetError, WorkloadCrashedError, resume_check
+from ckptverify.resume.harness import Plan, resume_check
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 AUGMENT = SCRIPTS / "harness_augment.py"
@@ -184,7 +185,7 @@ def test_usage_errors_come_before_any_process_starts_as_the_users_traceback(case
     monkeypatch.setattr(torch.multiprocessing, "start_processes", no_processes)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_processes)
     monkeypatch.setattr(subprocess.Popen, "__init__", no_processes)
-    with pytest.raises(TargetError) as caught:
+    with pytest.raises(UsageError) as caught:
         resume_check(Plan(target=target, steps=3, resume_at=1), keep=str(tmp_path / "work"))
     message = str(caught.value)
     for part in expected:
@@ -222,7 +223,7 @@ def test_a_function_that_hands_run_to_a_helper_and_never_restores_is_named_at_it
         def train(run):
             loop(run, torch.nn.Linear(2, 1))
     '''))
-    with pytest.raises(TargetError, match=r"train\.py:train never calls run\.restore\(state\)"):
+    with pytest.raises(UsageError, match=r"train\.py:train never calls run\.restore\(state\)"):
         resume_check(Plan(target=f"{script}:train", steps=3, resume_at=1, runs=("A",)))
 
 
@@ -237,7 +238,7 @@ def test_a_crash_shows_the_users_traceback_on_several_lines_without_the_harness(
         def train(run):
             forward(1)
     '''))
-    with pytest.raises(WorkloadCrashedError) as caught:
+    with pytest.raises(CkptVerifyError) as caught:
         resume_check(Plan(target=f"{script}:train", steps=3, resume_at=1, runs=("A",)))
     text = str(caught.value)
     assert text.startswith("the workload crashed in run A (rank 0):\nTraceback (most recent call last):\n"

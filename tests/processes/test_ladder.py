@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 from helpers.inproc_cli import Done, invoke
 
-from ckptverify.errors import UsageError, WorkloadCrashedError
+from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.resume.harness import Plan
 from ckptverify.resume.locate.walk import Side, Walk, for_replay, for_resume, walk
 
@@ -146,7 +146,7 @@ def test_a_production_difference_is_not_walked_and_says_what_would_tell(tmp_path
 
 def test_a_failing_walk_is_reported_not_raised(tmp_path: Path) -> None:
     def crash(*_args: object) -> None:
-        raise WorkloadCrashedError("the workload crashed in run A-0", "boom")
+        raise CkptVerifyError("the workload crashed in run A-0\nboom")
 
     verdict = SimpleNamespace(kind="nondeterministic", step=3, rank=0, site="metric.loss", category="metric")
     configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
@@ -165,7 +165,7 @@ def test_walk_sides_start_where_the_state_is_proved_equal(tmp_path: Path, monkey
     def record(nproc: int, device: str, jobs: list, timeout: float) -> None:
         for _, cfg in jobs:
             launched.append((cfg.name, cfg.resume_from, cfg.stop_step))
-        raise WorkloadCrashedError("stop here", "")
+        raise CkptVerifyError("stop here")
 
     configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
     nd = SimpleNamespace(kind="nondeterministic", step=3, rank=0, site="x", category="metric")
@@ -186,7 +186,7 @@ def test_the_walk_says_its_runs_and_time_before_it_starts_and_runs_them_side_by_
     def together(nproc: int, device: str, jobs: list, timeout: float) -> None:
         launched.append(jobs[0][1].name)
         both.wait()
-        raise WorkloadCrashedError("stop here", "")
+        raise CkptVerifyError("stop here")
 
     said: list[str] = []
     configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
@@ -213,7 +213,7 @@ def test_a_hung_run_is_stopped_within_its_time_limit(tmp_path: Path) -> None:
 
     config = RunConfig(name="hang", stop_step=1, trace_dir=str(tmp_path / "trace"), level="metrics")
     began = time.monotonic()
-    with pytest.raises(WorkloadCrashedError, match="did not finish within"):
+    with pytest.raises(CkptVerifyError, match="did not finish within"):
         launch_jobs(1, "cpu", [(f"{SCRIPTS / 'ladder_hang.py'}:train", config)], timeout_s=8)
     assert time.monotonic() - began < 120
 

@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from ckptverify.cli import main
-from ckptverify.resume.harness import Outcome, Plan, WorkloadCrashedError, resume_check, resume_check_many
+from ckptverify.errors import CkptVerifyError
+from ckptverify.resume.harness import Outcome, Plan, resume_check, resume_check_many
 
 WORKLOADS = "ckptverify.examples.workloads"
 
@@ -69,7 +70,7 @@ def test_a_crashing_workload_is_exit_2_with_its_traceback(tmp_path):
         def train(run):
             raise RuntimeError("the workload fell over")
     """))
-    with pytest.raises(WorkloadCrashedError, match="the workload fell over"):
+    with pytest.raises(CkptVerifyError, match="the workload fell over"):
         resume_check(Plan(target=f"{script}:train", steps=3, resume_at=1, runs=("A",)))
     result = CliRunner().invoke(main, ["resume-check", "--no-locate", f"{script}:train", "--steps", "3",
                                        "--resume-at", "1"])

@@ -90,7 +90,7 @@ def test_every_kind_is_captured_and_restored() -> None:
     state = capture_rng({"loader": gen, "dropout": torch.Generator().manual_seed(2)})
     kinds = set(state)
     assert {"python", "numpy", "torch_cpu", "gen.loader", "gen.dropout"} <= kinds
-    assert not any(k.startswith("cuda.") for k in kinds)  # version 1's kinds (one per visible device): read only
+    assert not any(k.startswith("cuda.") for k in kinds)  # never a stream per visible device
     # The rank's own device's stream, only in a process that uses CUDA (tests/unit/test_rng_cuda_roles.py).
     assert ("cuda" in kinds) == ("cuda_device" in kinds) == torch.cuda.is_initialized()
     assert state["gen.loader"]["device"] == "cpu"

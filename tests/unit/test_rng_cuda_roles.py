@@ -8,7 +8,6 @@ the rank uses now, so one GPU per task (Slurm: every rank on ``cuda:0``) and one
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -45,24 +44,6 @@ def test_the_saved_stream_goes_into_the_device_the_rank_uses_now_whatever_its_in
     now = rng_fingerprints(capture_rng())
     assert now["cuda"] == rng_fingerprints(state)["cuda"]
     assert now["cuda_device"] != rng_fingerprints(state)["cuda_device"]
-
-
-def test_a_version_1_state_restores_the_stream_of_the_current_devices_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    cuda = FakeCuda(monkeypatch, n=8, current=2)
-    state = capture_rng()
-    del state["cuda"], state["cuda_device"]
-    legacy = {**state, **{f"cuda.{i}": torch.full((16,), 200 + i, dtype=torch.uint8) for i in range(8)}}
-    before = {i: s.clone() for i, s in cuda.states.items()}
-    rng = RngState(rank=0, world_size=1)
-    rng.load_state_dict({"version": 1, "world_size": 1, "rank0": legacy})
-    assert torch.equal(cuda.states[2], legacy["cuda.2"])
-    assert all(torch.equal(cuda.states[i], before[i]) for i in range(8) if i != 2)
-    # A version 1 state without the current device's index cannot say which stream is this rank's: refused.
-    only_one = {**state, "cuda.0": legacy["cuda.0"]}
-    with pytest.raises(UsageError, match=r"cuda:2"):
-        restore_rng(only_one)
-    with pytest.raises(UsageError, match="both"):
-        restore_rng({**legacy, "cuda": legacy["cuda.0"]})
 
 
 def test_a_cuda_stream_is_refused_where_cuda_is_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,30 +123,6 @@ def test_a_resume_on_another_gpu_restores_the_ranks_stream_and_says_the_device_c
     resumer.states[0] = torch.zeros(16, dtype=torch.uint8)
     with pytest.raises(CheckpointRefusedError, match=r"rng\.cuda"):
         ckptverify.load(_job(), tmp_path / "ckpt")
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_a_version_1_checkpoint_with_a_stream_per_visible_device_still_loads(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptverify.state.train_state as ts
-
-    def version_1_capture(generators: Any = None) -> dict[str, Any]:
-        state = capture_rng(generators)
-        del state["cuda"], state["cuda_device"]
-        return {**state, **{f"cuda.{i}": torch.full((16,), 100 + i, dtype=torch.uint8) for i in range(4)}}
-
-    with monkeypatch.context() as m:
-        FakeCuda(m, n=4, current=2)
-        m.setattr(torch.cuda, "is_available", lambda: False)  # DCP's writer would use CUDA streams
-        m.setattr(ts, "capture_rng", version_1_capture)
-        m.setattr(ts, "RNG_STATE_VERSION", 1)
-        ckptverify.save(_job().state_dict(), tmp_path / "ckpt")
-    resumer = FakeCuda(monkeypatch, n=4, current=2)
-    report = ckptverify.load(_job(), tmp_path / "ckpt")
-    assert not report.errors, report.errors
-    assert torch.equal(resumer.states[2], torch.full((16,), 102, dtype=torch.uint8))
-    assert [f.check for f in report.warnings] == ["restore-device"], report.warnings
-    assert "version 1" in report.warnings[0].message
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
