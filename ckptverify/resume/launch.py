@@ -91,6 +91,10 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
     import torch
     import torch.distributed as dist
 
+    # What is loaded now (torch and ckptverify, preloaded by the fork server) lives as long as the rank: out of the
+    # collector's sight, each collection (ours after every job, the automatic ones) walks the jobs' own objects,
+    # not torch's 300k (0.2 s a full collection).
+    gc.freeze()
     _take_environment(env)
     _quiet_known_noise()
 
