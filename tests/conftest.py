@@ -14,6 +14,7 @@ example count.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -58,6 +59,13 @@ START_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(START_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # What collection imported (torch, the frameworks, ckptverify, the test modules) lives for the whole session:
+    # out of the collector's sight, the automatic full collections during tests walk the tests' own objects, not
+    # hundreds of thousands of torch's.
+    gc.freeze()
 
 
 settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True,
