@@ -30,6 +30,11 @@ from hypothesis import HealthCheck, settings
 # counts set their own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Bytecode caching on for the workers and every process they start, where the environment turned it off
+# (PYTHONDONTWRITEBYTECODE): otherwise each of the suite's few hundred processes compiles the package from source.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # tests/ for the shared modules, and each folder of test files, so that a test module imports another by its
 # basename wherever the two are and whichever file pytest was given (basenames are unique across folders).
 TESTS_DIR = Path(__file__).resolve().parent
