@@ -75,13 +75,15 @@ def emit_resume(outcome: Any, json_out: bool) -> int:
 
 
 def render_compare(report: Any, console: Any) -> None:
-    """``compare``'s text output: the findings table, then the verdict (``stats.verdict``) as the last line."""
+    """``compare``'s text output: the findings table, then the verdict (``stats.verdict``'s kind and its
+    ``compare-verdict`` finding, which adds the walk's sentence) as the last line."""
     from rich.markup import escape
 
     from ckptverify.render.report import printable, render_text
 
     render_text(report, console)
     verdict = report.stats.get("verdict") or {}
+    said = next((f.message for f in report.findings if f.check == "compare-verdict"), "")
     style = "bold green" if report.passed else "bold red"
-    line = f"verdict: {verdict.get('kind')} — {verdict.get('sentence')}"
+    line = f"verdict: {verdict.get('kind')} — {said}"
     console.print(f"[{style}]{escape(printable(line))}[/]")

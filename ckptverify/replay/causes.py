@@ -4,9 +4,9 @@
 ``resume-check``'s kinds and sentences (:mod:`ckptverify.resume.causes`): the step's inputs first (restore, random
 streams, hyperparameters, data, buffers: none is evidence about hardware), then ``undetermined`` when the inputs are
 not all known equal (level ``metrics``, untraced earlier steps, production ran on from memory past ``K``), else
-``hardware-fault-suspected``. Trap: a rank is named only when it alone differs, or alone differs where another rank
-records an equal value; differences every rank shares came through a reduction, and ``candidate_ranks`` lists who
-could hold them."""
+``hardware-fault-suspected``; each a :class:`~ckptverify.resume.verdict.Verdict`. Trap: a rank is named only when
+it alone differs, or alone differs where another rank records an equal value; differences every rank shares came
+through a reduction, and ``candidate_ranks`` lists who could hold them."""
 
 from __future__ import annotations
 
@@ -15,25 +15,12 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from ckptverify.findings import Finding
 from ckptverify.resume import causes
 from ckptverify.resume.causes import REPLAY, first_verdict
 from ckptverify.resume.compare import HparamDiff, StepEvidence, rank_files, restore_findings
+from ckptverify.resume.verdict import Verdict
 
-__all__ = ["RULES", "Judgement", "judge", "twin_cause"]
-
-
-@dataclass(frozen=True)
-class Judgement:
-    """One replay verdict: ``kind``, the ``sentence`` (cause and what to do), where, and the candidates."""
-
-    kind: str
-    sentence: str
-    step: int | None = None
-    rank: int | None = None
-    site: str | None = None
-    candidate_ranks: tuple[int, ...] | None = None
-    findings: tuple[Finding, ...] = ()
+__all__ = ["RULES", "judge", "twin_cause"]
 
 
 def differing_sites(dir_a: str, dir_b: str, step: int) -> dict[int, list[str]]:
@@ -197,7 +184,7 @@ class _Case:
 
 
 def judge(prod: str, replay: str, *, start: int, end: int, world: int, production_start: int,
-          where: Callable[[int], str] = lambda rank: "host unknown") -> Judgement:
+          where: Callable[[int], str] = lambda rank: "host unknown") -> Verdict:
     """Classify the first difference between production's segment ``prod`` and ``replay`` over ``start+1..end``: the
     first of :data:`RULES` that applies. ``production_start``: where production's segment (and process) started;
     ``where(rank)``: a rank's host and device in words."""
@@ -205,9 +192,9 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
 
     found = divergences(prod, replay, steps=range(start + 1, end + 1))
     if not found:
-            return Judgement("undetermined", "production's trace and the replay's do not cover the same steps and "
-                         "ranks, and every step both cover agrees: the steps not compared cannot be judged. What "
-                         "would tell: a production trace of every replayed step on every rank (trace_every=1)")
+        return Verdict("undetermined", "production's trace and the replay's do not cover the same steps and ranks, "
+                       "and every step both cover agrees: the steps not compared cannot be judged. What would tell: a "
+                       "production trace of every replayed step on every rank (trace_every=1).")
     s = min(d.step for d in found)
     case = _Case(prod=prod, replay=replay, start=start, world=world, production_start=production_start,
                  where=where, s=s, first={d.rank: d for d in found if d.step == s}, pairs=_both(prod, replay),
@@ -220,20 +207,20 @@ _NONE_HW = "this says nothing about the hardware"
 # ---------------------------------------------------------------------------- the step's inputs
 
 
-def _restore(c: _Case) -> Judgement | None:
+def _restore(c: _Case) -> Verdict | None:
     """The replay's restore: its inputs are production's checkpoint only if it restored exactly that."""
     restore = restore_findings(c.replay)
     if not restore:
         return None
     f = restore[0]
-    return Judgement("restore-mismatch", f"the replay's restored {f.location.fqn or 'state'} differs from what "
-                     f"production's checkpoint of step {c.start} holds (rank {f.location.rank}; {len(restore)} "
-                     f"field(s) in all), so the replay did not start from production's state: {_NONE_HW}. What "
-                     f"to do: {causes.RESTORE_ADVICE}, then replay again",
-                     step=c.s, rank=f.location.rank, site=f.location.fqn, findings=tuple(restore[:20]))
+    return Verdict("restore-mismatch", f"the replay's restored {f.location.fqn or 'state'} differs from what "
+                   f"production's checkpoint of step {c.start} holds (rank {f.location.rank}; {len(restore)} "
+                   f"field(s) in all), so the replay did not start from production's state: {_NONE_HW}.",
+                   advice=f"{causes.RESTORE_ADVICE}, then replay again.",
+                   step=c.s, rank=f.location.rank, site=f.location.fqn, findings=tuple(restore[:20]))
 
 
-def _rng(c: _Case) -> Judgement | None:
+def _rng(c: _Case) -> Verdict | None:
     r, ev = _first_rank(c, lambda ev: bool(ev.rng))
     if ev is None:
         return None
@@ -245,11 +232,11 @@ def _rng(c: _Case) -> Judgement | None:
         cause += f", which production, running on from step {c.start}, did not"
     sentence = causes.rng_sentence(names, when=c.when, step=c.s, rank=r, cause=cause,
                                    between=" between production and the replays")
-    return Judgement("rng", f"{sentence}, and {_NONE_HW}. What to do: {advice}, then replay again",
-                     step=c.s, rank=r, site=ev.rng[0].stream)
+    return Verdict("rng", f"{sentence}, and {_NONE_HW}.", advice=f"{advice}, then replay again.",
+                   step=c.s, rank=r, site=ev.rng[0].stream)
 
 
-def _hparam_start(c: _Case) -> Judgement | None:
+def _hparam_start(c: _Case) -> Verdict | None:
     r, ev = _first_rank(c, lambda ev: bool(ev.hparams_start))
     if ev is None:
         return None
@@ -259,13 +246,13 @@ def _hparam_start(c: _Case) -> Judgement | None:
     kind, text, advice = causes.hparam_start_cause(REPLAY, name=name, a=h.a, b=h.b, first_step=c.first_replayed,
                                                    a_moved=h.a_moved, b_moved=h.b_moved, step=c.s,
                                                    saved_at=c.start, when=c.when)
-    return Judgement(kind, f"{text}; {_NONE_HW}. What to do: {advice}", step=c.s, rank=r, site=f"optim.{name}")
+    return Verdict(kind, f"{text}; {_NONE_HW}.", advice=f"{advice}.", step=c.s, rank=r, site=f"optim.{name}")
 
 
 _LR_SITES = ("optim.param_groups", "metric.lr", "scheduler")
 
 
-def _step_hparams(c: _Case) -> Judgement | None:
+def _step_hparams(c: _Case) -> Verdict | None:
     unsaved = sorted({u for n in c.notes.values() for u in (n or {}).get("unsaved_schedulers") or []})
     r, ev = _first_rank(c, lambda ev: bool(ev.hparams_step) or bool(
         unsaved and any(x.startswith(_LR_SITES) for x in ev.sites)))
@@ -280,11 +267,11 @@ def _step_hparams(c: _Case) -> Judgement | None:
         what = f"the learning rate differs at {c.when}"
         site = next(x for x in ev.sites if x.startswith(_LR_SITES))
     cause, advice = causes.step_hparam_cause(unsaved)
-    return Judgement("scheduler", f"{what} on rank {r}: {cause}; {_NONE_HW}. What to do: {advice}, then replay "
-                     "again", step=c.s, rank=r, site=site)
+    return Verdict("scheduler", f"{what} on rank {r}: {cause}; {_NONE_HW}.", advice=f"{advice}, then replay again.",
+                   step=c.s, rank=r, site=site)
 
 
-def _data(c: _Case) -> Judgement | None:
+def _data(c: _Case) -> Verdict | None:
     r, ev = _first_rank(c, lambda ev: ev.batch or ev.position)
     if ev is None:
         return None
@@ -304,11 +291,11 @@ def _data(c: _Case) -> Judgement | None:
                  "restored")
         advice = (f"{causes.REGISTER_LOADER}, and keep the batch fetch inside the step (a batch prefetched "
                   "before the save is lost)")
-    return Judgement("data", f"{cause}; {_NONE_HW}. What to do: {advice}, then replay again",
-                     step=s, rank=r, site=batch_site)
+    return Verdict("data", f"{cause}; {_NONE_HW}.", advice=f"{advice}, then replay again.",
+                   step=s, rank=r, site=batch_site)
 
 
-def _buffer(c: _Case) -> Judgement | None:
+def _buffer(c: _Case) -> Verdict | None:
     r, ev = _first_rank(c, lambda ev: bool(ev.buffers))
     if ev is None:
         return None
@@ -320,7 +307,7 @@ def _buffer(c: _Case) -> Judgement | None:
         member, _ = _named_member(ta, tb, c.s, ta.site(name))
         name = member or name
     text, advice = causes.buffer_cause(REPLAY, name=name.removeprefix("buffer."), when=c.when, rank=r)
-    return Judgement("hidden-state", f"{text}; {_NONE_HW}. What to do: {advice}", step=c.s, rank=r, site=name)
+    return Verdict("hidden-state", f"{text}; {_NONE_HW}.", advice=f"{advice}.", step=c.s, rank=r, site=name)
 
 
 def _first_rank(c: _Case, differs: Callable[[StepEvidence], bool]) -> tuple[int, StepEvidence | None]:
@@ -331,19 +318,19 @@ def _first_rank(c: _Case, differs: Callable[[StepEvidence], bool]) -> tuple[int,
 # ---------------------------------------------------------------------------- inputs equal: a computed value
 
 
-def _metrics_level(c: _Case) -> Judgement | None:
+def _metrics_level(c: _Case) -> Verdict | None:
     if c.level != "metrics":
         return None
     candidates, _, _, site = c.origin
-    return Judgement("undetermined", f"production differs from two agreeing replays first at step {c.s} "
-                     f"({_ranks(candidates)}), site {site}, but the trace is at level metrics: it records no "
-                     "input of a step (batch, random streams, hyperparameters), so a data pipeline or restore "
-                     "that does not reproduce production cannot be told from a fault. What would tell: trace "
-                     "at level state (cv.Run.main(..., trace=\"state\")) and replay again",
-                     step=c.s, rank=None, site=site, candidate_ranks=candidates)
+    return Verdict("undetermined", f"production differs from two agreeing replays first at step {c.s} "
+                   f"({_ranks(candidates)}), site {site}, but the trace is at level metrics: it records no "
+                   "input of a step (batch, random streams, hyperparameters), so a data pipeline or restore "
+                   "that does not reproduce production cannot be told from a fault. What would tell: trace "
+                   "at level state (cv.Run.main(..., trace=\"state\")) and replay again.",
+                   step=c.s, rank=None, site=site, candidate_ranks=candidates)
 
 
-def _unregistered(c: _Case) -> Judgement | None:
+def _unregistered(c: _Case) -> Verdict | None:
     unregistered = c.unregistered()
     missing_optim = any((n or {}).get("missing_optimizer") for n in c.notes.values())
     if not (c.first_replayed and c.ran_on and (unregistered or missing_optim)):
@@ -351,39 +338,38 @@ def _unregistered(c: _Case) -> Judgement | None:
     what = (f"objects the TrainState does not hold: {', '.join(unregistered)}" if unregistered
             else "no optimizer is registered in the TrainState")
     lead = c.lead
-    return Judgement("unregistered-state", f"the replay differs from production at the first replayed step "
-                     f"(rank {lead.rank}, {lead.site}) and the job holds state no checkpoint saves ({what}): the "
-                     f"replay starts it afresh while production carried it on; {_NONE_HW}. What to do: "
-                     f"{causes.UNREGISTERED_ADVICE}",
-                     step=c.s, rank=lead.rank, site=lead.site)
+    return Verdict("unregistered-state", f"the replay differs from production at the first replayed step "
+                   f"(rank {lead.rank}, {lead.site}) and the job holds state no checkpoint saves ({what}): the "
+                   f"replay starts it afresh while production carried it on; {_NONE_HW}.",
+                   advice=f"{causes.UNREGISTERED_ADVICE}.", step=c.s, rank=lead.rank, site=lead.site)
 
 
-def _untraced_before(c: _Case) -> Judgement | None:
+def _untraced_before(c: _Case) -> Verdict | None:
     if c.first_replayed or c.prev_traced():
         return None
     candidates, _, _, site = c.origin
     s = c.s
-    return Judgement("undetermined", f"production differs from two agreeing replays first at step {s} "
-                     f"({_ranks(candidates)}), site {site}, with the batch, random streams and hyperparameters "
-                     f"of step {s} equal; but step {s - 1} is not traced, so the inputs of the untraced steps "
-                     f"before it may already have differed. What would tell: trace every step (trace_every=1) "
-                     "and replay again", step=s, site=site, candidate_ranks=candidates)
+    return Verdict("undetermined", f"production differs from two agreeing replays first at step {s} "
+                   f"({_ranks(candidates)}), site {site}, with the batch, random streams and hyperparameters "
+                   f"of step {s} equal; but step {s - 1} is not traced, so the inputs of the untraced steps "
+                   f"before it may already have differed. What would tell: trace every step (trace_every=1) "
+                   "and replay again.", step=s, site=site, candidate_ranks=candidates)
 
 
-def _ran_on_from_memory(c: _Case) -> Judgement | None:
+def _ran_on_from_memory(c: _Case) -> Verdict | None:
     if not (c.first_replayed and c.ran_on):
         return None
     candidates, _, _, site = c.origin
-    return Judgement("undetermined", f"production differs from two agreeing replays at the first replayed step "
-                     f"{c.s} ({_ranks(candidates)}), site {site}, with the batch, random streams and "
-                     "hyperparameters equal and the restore exact; but production ran on from memory past its "
-                     f"checkpoint of step {c.start}, so state that no checkpoint holds (a global counter, a cache) "
-                     "would look the same as a fault. What would tell: `ckptverify resume-check` on the job (a "
-                     "resume-exact job rules that out), or a replay from an earlier checkpoint (--from)",
-                     step=c.s, site=site, candidate_ranks=candidates)
+    return Verdict("undetermined", f"production differs from two agreeing replays at the first replayed step "
+                   f"{c.s} ({_ranks(candidates)}), site {site}, with the batch, random streams and "
+                   "hyperparameters equal and the restore exact; but production ran on from memory past its "
+                   f"checkpoint of step {c.start}, so state that no checkpoint holds (a global counter, a cache) "
+                   "would look the same as a fault. What would tell: `ckptverify resume-check` on the job (a "
+                   "resume-exact job rules that out), or a replay from an earlier checkpoint (--from).",
+                   step=c.s, site=site, candidate_ranks=candidates)
 
 
-def _one_rank(c: _Case) -> Judgement | None:
+def _one_rank(c: _Case) -> Verdict | None:
     candidates, rank, own_site, site = c.origin
     if rank is None:
         return None
@@ -396,28 +382,28 @@ def _one_rank(c: _Case) -> Judgement | None:
                   + (f"; rank(s) {agreed} agreed with the replays" if agreed else ""))
     else:
         others = f"; the other ranks ({agreed}) computed the step exactly as the replays did"
-    return Judgement("hardware-fault-suspected",
-                     f"production differs from two agreeing replays first at step {c.s} on rank {rank} "
-                     f"({c.where(rank)}), site {site}, with the step's inputs (batch, random streams, "
-                     f"hyperparameters, the state it started from) equal{others}; suspect the hardware of that "
-                     "rank",
-                     step=c.s, rank=rank, site=site, candidate_ranks=candidates)
+    return Verdict("hardware-fault-suspected",
+                   f"production differs from two agreeing replays first at step {c.s} on rank {rank} "
+                   f"({c.where(rank)}), site {site}, with the step's inputs (batch, random streams, "
+                   f"hyperparameters, the state it started from) equal{others}; suspect the hardware of that "
+                   "rank.",
+                   step=c.s, rank=rank, site=site, candidate_ranks=candidates)
 
 
-def _every_rank(c: _Case) -> Judgement:
+def _every_rank(c: _Case) -> Verdict:
     candidates, _, _, site = c.origin
-    return Judgement("hardware-fault-suspected",
-                     f"production differs from two agreeing replays first at step {c.s}, site {site}, with the "
-                     "step's inputs (batch, random streams, hyperparameters, the state it started from) equal; "
-                     f"every difference shows on {'every rank' if len(candidates) == c.world else _ranks(candidates)}"
-                     " alike (values after a reduction: averaged gradients, a reduced loss, the gradient norm), so "
-                     f"the evidence cannot tell which rank computed it wrong: {_ranks(candidates)} could. What "
-                     "would tell: record each rank's own loss (before any all-reduce) or trace at level module "
-                     "(cv.Run.main(..., trace=\"module\")) so that each rank's forward is compared, and replay "
-                     "again", step=c.s, site=site, candidate_ranks=candidates)
+    return Verdict("hardware-fault-suspected",
+                   f"production differs from two agreeing replays first at step {c.s}, site {site}, with the "
+                   "step's inputs (batch, random streams, hyperparameters, the state it started from) equal; "
+                   f"every difference shows on {'every rank' if len(candidates) == c.world else _ranks(candidates)}"
+                   " alike (values after a reduction: averaged gradients, a reduced loss, the gradient norm), so "
+                   f"the evidence cannot tell which rank computed it wrong: {_ranks(candidates)} could. What "
+                   "would tell: record each rank's own loss (before any all-reduce) or trace at level module "
+                   "(cv.Run.main(..., trace=\"module\")) so that each rank's forward is compared, and replay "
+                   "again.", step=c.s, site=site, candidate_ranks=candidates)
 
 
-RULES: tuple[Callable[[_Case], Judgement | None], ...] = (
+RULES: tuple[Callable[[_Case], Verdict | None], ...] = (
     _restore, _rng, _hparam_start, _step_hparams, _data, _buffer,
     _metrics_level, _unregistered, _untraced_before, _ran_on_from_memory, _one_rank, _every_rank)
 

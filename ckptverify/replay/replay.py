@@ -16,12 +16,15 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import TraceHeaderMismatchError, UsageError
-from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
+from ckptverify.findings import CheckCoverage, Finding, Report
 from ckptverify.production.mode import read_run_file, segments
+
+if TYPE_CHECKING:
+    from ckptverify.resume.verdict import Verdict
 
 __all__ = ["VERDICTS", "replay"]
 
@@ -118,36 +121,39 @@ _FINAL_CAUSES = (
 )
 
 
-def _final_differs(first: Finding, end: int, world: int) -> tuple[str, str, dict[str, Any]]:
+def _final_differs(first: Finding, end: int, world: int) -> Verdict:
     """The verdict when every traced site agreed but the final checkpoints differ: the cause the item names, else a
     fault no rank is singled out for."""
+    from ckptverify.resume.verdict import Verdict
+
     item = first.location.fqn or first.check
     for prefix, kind, what in _FINAL_CAUSES:
         if item.startswith(prefix):
-            return (kind, f"every traced site agreed, but the production checkpoint of step {end} differs from the "
-                    f"replay's in {item}: {what}; this says nothing about the hardware",
-                    {"step": end, "site": first.location.fqn})
-    return ("hardware-fault-suspected",
-            f"every traced site agreed, but the production checkpoint of step {end} differs from the replay's "
-            f"({item}): a fault between the last traced site and the save, or in state the trace does not cover; "
-            f"the evidence cannot tell which rank ({world} could)",
-            {"step": end, "site": first.location.fqn, "candidate_ranks": tuple(range(world))})
+            return Verdict(kind, f"every traced site agreed, but the production checkpoint of step {end} differs from "
+                           f"the replay's in {item}: {what}; this says nothing about the hardware.",
+                           step=end, site=first.location.fqn)
+    return Verdict("hardware-fault-suspected",
+                   f"every traced site agreed, but the production checkpoint of step {end} differs from the replay's "
+                   f"({item}): a fault between the last traced site and the save, or in state the trace does not "
+                   f"cover; the evidence cannot tell which rank ({world} could).",
+                   step=end, site=first.location.fqn, candidate_ranks=tuple(range(world)))
 
 
-def _twins_differ(r1: str, r2: str, steps: range) -> tuple[str, dict[str, Any]]:
-    """The sentence when the two replays differ from each other, and where they first do."""
+def _twins_differ(r1: str, r2: str, steps: range) -> Verdict:
+    """The verdict when the two replays differ from each other, where they first do."""
     from ckptverify.replay.causes import twin_cause
+    from ckptverify.resume.verdict import Verdict
     from ckptverify.trace.compare import divergences
 
     first = divergences(r1, r2, steps=steps)
     if not first:
-        return ("the two replays differ from each other, so no judgement about the hardware is possible: the job is "
-                "not deterministic; make it deterministic (torch.use_deterministic_algorithms, fixed seeds) and "
-                "replay again", {"step": None, "rank": None, "site": None})
+        return Verdict("nondeterministic", "the two replays differ from each other, so no judgement about the "
+                       "hardware is possible: the job is not deterministic; make it deterministic "
+                       "(torch.use_deterministic_algorithms, fixed seeds) and replay again.")
     d = min(first, key=lambda x: (x.step, x.rank))
-    return (f"the two replays differ from each other, first at step {d.step} on rank {d.rank}, site {d.site}, so "
-            f"no judgement about the hardware is possible: {twin_cause(r1, r2, d.step)}",
-            {"step": d.step, "rank": d.rank, "site": d.site})
+    return Verdict("nondeterministic", f"the two replays differ from each other, first at step {d.step} on rank "
+                   f"{d.rank}, site {d.site}, so no judgement about the hardware is possible: "
+                   f"{twin_cause(r1, r2, d.step)}.", step=d.step, rank=d.rank, site=d.site)
 
 
 #: Default cap on ranks started: the (untrusted) run directory says how many.
@@ -258,15 +264,16 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
 
     ``target`` is required (:func:`pinned`); ``max_procs`` caps the ranks started; ``locate`` walks the ladder when
     the verdict is not ``reproduced`` (:mod:`ckptverify.resume.locate.walk`). ``stats["verdict"]`` holds ``kind`` (of
-    :data:`VERDICTS`), ``step``, ``rank``, ``site``, ``host``, ``sentence``, ``candidate_ranks`` and the walk's
-    fields. Raises :class:`UsageError` for a non-production directory or missing checkpoints,
+    :data:`VERDICTS`) and the other fields of :meth:`~ckptverify.resume.verdict.Verdict.to_dict`, plus ``host``
+    (the named rank's). Raises :class:`UsageError` for a non-production directory or missing checkpoints,
     ``CkptVerifyError`` when the workload crashes."""
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.replay.causes import judge
     from ckptverify.resume.harness import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
-    from ckptverify.resume.locate.walk import for_replay, walk_fields
+    from ckptverify.resume.locate.walk import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path
+    from ckptverify.resume.verdict import Verdict
     from ckptverify.trace.compare import compare_runs
 
     if locate_repeats < 1:
@@ -287,25 +294,18 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     work: str | None = None
     replayed_for = [0.0]  # bounds the walk's launches
 
-    def done(kind: str, sentence: str, **where: Any) -> Report:
-        candidates = where.get("candidate_ranks")
-        located = None
-        if locate and kind not in ("reproduced", "checkpoint-corrupt") and work is not None:
-            say(f"locate: walking down from the verdict {kind}")
-            located = for_replay(kind, step=where.get("step"), rank=where.get("rank"), site=where.get("site"),
+    def done(verdict: Verdict, host: str | None = None) -> Report:
+        findings.extend(verdict.findings)
+        if locate and verdict.kind not in ("reproduced", "checkpoint-corrupt") and work is not None:
+            say(f"locate: walking down from the verdict {verdict.kind}")
+            located = for_replay(verdict.kind, step=verdict.step, rank=verdict.rank, site=verdict.site,
                                  target=workload, start_path=ckpts.start_path, total_steps=total, world=world,
                                  device=device, repeats=locate_repeats, workdir=os.path.join(work, "locate"),
                                  progress=say, timeout_s=10 * replayed_for[0] + 60)
             findings.extend(located.findings())
-            if located.sentence:
-                sentence = f"{sentence}. {located.sentence}"
-        verdict = {"kind": kind, "sentence": sentence, "step": where.get("step"), "rank": where.get("rank"),
-                   "site": where.get("site"), "host": where.get("host"),
-                   "candidate_ranks": list(candidates) if candidates is not None else None, **walk_fields(located)}
-        stats.update(verdict=verdict, seconds=round(time.perf_counter() - began, 3))
-        make = info if kind == "reproduced" else error
-        findings.append(make(f"replay-{kind}", sentence, location=Location(
-            rank=where.get("rank"), fqn=where.get("site"))))
+            verdict = replace(verdict, located=located)
+        stats.update(verdict={**verdict.to_dict(), "host": host}, seconds=round(time.perf_counter() - began, 3))
+        findings.append(verdict.finding(f"replay-{verdict.kind}"))
         return Report(command="replay", target=root, findings=tuple(findings), coverage=tuple(coverage),
                       stats=stats)
 
@@ -314,8 +314,8 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     if corrupt is not None:
         step, errors = corrupt
         findings.extend(errors[:20])
-        return done("checkpoint-corrupt", f"the production checkpoint of step {step} fails verification "
-                    f"({errors[0].check}): nothing can be replayed or judged from it", step=step)
+        return done(Verdict("checkpoint-corrupt", f"the production checkpoint of step {step} fails verification "
+                            f"({errors[0].check}): nothing can be replayed or judged from it.", step=step))
     segs = [(s, p) for s, p in segments(root) if s <= ckpts.start]
     if not segs:
         raise UsageError(f"no production trace under {root} covers step {ckpts.start + 1}")
@@ -352,28 +352,25 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
         if twin:
             findings.extend(twin[:20])
-            sentence, where = _twins_differ(r1, r2, steps)
-            return done("nondeterministic", sentence, **where)
+            return done(_twins_differ(r1, r2, steps))
         say("compare production with the replay")
         prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
         coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
         if prod:
             findings.extend(prod[:20])
-            j = judge(segment, r1, start=ckpts.start, end=ckpts.end, world=world, production_start=seg_start,
-                      where=lambda r: _where(hosts.get(r)))
-            findings.extend(j.findings)
-            return done(j.kind, j.sentence, step=j.step, rank=j.rank, site=j.site, candidate_ranks=j.candidate_ranks,
-                        host=hosts.get(j.rank, {}).get("hostname") if j.rank is not None else None)
+            judged = judge(segment, r1, start=ckpts.start, end=ckpts.end, world=world, production_start=seg_start,
+                           where=lambda r: _where(hosts.get(r)))
+            rank = judged.rank
+            return done(judged, host=hosts.get(rank, {}).get("hostname") if rank is not None else None)
         say("compare the final state with the production checkpoint")
         final = diff_checkpoints(ckpts.end_path, checkpoint_path(os.path.join(work, "R1"), ckpts.end))
         coverage.extend(final.coverage)
         if not final.passed:
             findings.extend(final.errors[:20])
-            kind, sentence, where = _final_differs(final.errors[0], ckpts.end, world)
-            return done(kind, sentence, **where)
-        return done("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise reproducible on "
-                    f"{world} rank(s): two replays agree with each other and with production, traces and final "
-                    "state: no fault seen")
+            return done(_final_differs(final.errors[0], ckpts.end, world))
+        return done(Verdict("reproduced", f"production steps {steps.start}..{steps.stop - 1} are bitwise "
+                            f"reproducible on {world} rank(s): two replays agree with each other and with production, "
+                            "traces and final state: no fault seen."))
     except TraceHeaderMismatchError as exc:
         # Another rank's differing header (only rank 0's was checked up front), in this command's words.
         raise UsageError(f"production's trace and the replay's describe different runs ({', '.join(exc.fields)} "

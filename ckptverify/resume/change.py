@@ -21,8 +21,9 @@ from typing import Any
 from ckptverify.errors import UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info
 from ckptverify.resume.harness_target import check_target, split_target
-from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Side, Walk, Walked, walk, walk_fields
+from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Side, Walk, Walked, walk
 from ckptverify.resume.run import LEVELS, RunConfig
+from ckptverify.resume.verdict import Verdict
 
 __all__ = ["MAX_SITES", "VERDICTS", "WIDEN", "ChangePlan", "compare_change"]
 
@@ -267,15 +268,9 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
 
 def _report(plan: ChangePlan, findings: list[Finding], coverage: tuple[CheckCoverage, ...], stats: dict[str, Any],
             kind: str, sentence: str, first: _Cell | None, located: Walked | None) -> Report:
-    if located is not None and located.sentence:
-        sentence = f"{sentence}. {located.sentence}"
-    elif not sentence.endswith("."):
-        sentence += "."
-    make = error if kind in ("effect", "beyond-variation") else info
-    findings.append(make("compare-verdict", sentence, location=Location(
-        rank=first.rank if first else None, fqn=first.site if first else None)))
-    stats["verdict"] = {"kind": kind, "sentence": sentence, "step": first.step if first else None,
-                        "rank": first.rank if first else None, "site": first.site if first else None,
-                        **walk_fields(located)}
+    verdict = Verdict(kind, f"{sentence}.", step=first.step if first else None, rank=first.rank if first else None,
+                      site=first.site if first else None, located=located)
+    findings.append(verdict.finding("compare-verdict"))
+    stats["verdict"] = verdict.to_dict()
     return Report(command="compare", target=f"{plan.base} vs {plan.changed}", findings=tuple(findings),
                   coverage=coverage, stats=stats)

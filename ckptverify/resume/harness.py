@@ -186,7 +186,7 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
         located = _locate(plan, verdict, evidence, configs, root, progress, run_seconds)
         verdict = dataclasses.replace(verdict, located=located)
         findings.extend(located.findings())
-    findings.append(verdict.finding())
+    findings.append(verdict.finding("resume-verdict"))
     logs = sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) if log_dir and os.path.isdir(log_dir) else None
     stats = {"steps": plan.steps, "resume_at": plan.resume_at, "nproc": plan.nproc, "level": plan.level,
              "runs": list(configs), "workdir": root if keep else None, "logs": logs, "verdict": verdict.to_dict()}

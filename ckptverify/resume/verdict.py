@@ -23,8 +23,15 @@ if TYPE_CHECKING:
     from ckptverify.resume.locate.walk import Walked
 
 
+#: Kinds that pass: resume-check's, replay's and compare's (every other kind is an error).
+PASSING = ("pass", "reproduced", "no-effect", "within-variation")
+
+
 @dataclass(frozen=True)
 class Verdict:
+    """What ``resume-check``, ``replay`` and ``compare`` conclude: ``kind``, the ``message`` (cause), ``advice``
+    (what to do, ``""`` when the message says it), where, and the walk (``located``) when one ran."""
+
     kind: str
     message: str
     step: int | None = None
@@ -37,17 +44,23 @@ class Verdict:
     located: Walked | None = None
     #: Ranks that only received the difference (the walk's receivers replace them in ``to_dict``).
     receivers: tuple[Mapping[str, Any], ...] = ()
+    #: Ranks that could hold the origin of a computed difference no rank is singled out for (``replay``).
+    candidate_ranks: tuple[int, ...] | None = None
+    #: Evidence behind the verdict, for the report (not in ``to_dict``).
+    findings: tuple[Finding, ...] = ()
 
     @property
     def passed(self) -> bool:
-        return self.kind == "pass"
+        return self.kind in PASSING
 
     def to_dict(self) -> dict[str, Any]:
         """The verdict's fields (``origin`` as ``origin_module``) plus the walk's ``origin``, ``receivers`` and
         ``locate`` (:func:`~ckptverify.resume.locate.walk.walk_fields`; ``None`` when it did not run)."""
         return {"kind": self.kind, "message": self.message, "step": self.step, "rank": self.rank,
                 "site": self.site, "category": self.category, "origin_module": self.origin,
-                "advice": self.advice, **walk_fields(self.located, self.receivers)}
+                "advice": self.advice,
+                "candidate_ranks": list(self.candidate_ranks) if self.candidate_ranks is not None else None,
+                **walk_fields(self.located, self.receivers)}
 
     def _said(self) -> str:
         located = f" {self.located.sentence}" if self.located is not None and self.located.sentence else ""
@@ -61,9 +74,10 @@ class Verdict:
         head = " · ".join(w for w in where if w)
         return f"verdict: {self.kind}" + (f" ({head})" if head else "") + f" — {self._said()}"
 
-    def finding(self) -> Finding:
+    def finding(self, check: str) -> Finding:
+        """The verdict as the report's finding ``check``: info when it passes, else an error."""
         return Finding(
-            check="resume-verdict",
+            check=check,
             severity=Severity.INFO if self.passed else Severity.ERROR,
             message=self._said(),
             location=Location(rank=self.rank, fqn=self.site),

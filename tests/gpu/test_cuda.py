@@ -214,7 +214,7 @@ def test_production_on_the_gpu_replays_as_reproduced_and_a_flipped_gradient_is_n
     verdict = report.stats["verdict"]
     assert verdict["kind"] == "hardware-fault-suspected", verdict
     assert (verdict["step"], verdict["rank"], verdict["site"]) == (5, 0, f"grad.{site}")
-    assert "device cuda" in verdict["sentence"]
+    assert "device cuda" in verdict["message"]
 
 
 def test_a_state_trace_on_the_gpu_reads_back_once_per_step(tmp_path: Path) -> None:

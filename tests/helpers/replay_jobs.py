@@ -49,7 +49,7 @@ def verdict_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, env: dict[str
 
 def not_hardware(verdict: dict) -> None:
     assert verdict["kind"] != "hardware-fault-suspected", verdict
-    assert "suspect the hardware" not in verdict["sentence"]
+    assert "suspect the hardware" not in verdict["message"]
 
 
 def losses_run(run_dir: Path, losses: dict[int, dict[int, float]], world: int, monkeypatch: pytest.MonkeyPatch,

@@ -41,7 +41,7 @@ def test_compare_of_two_dropout_rates_names_the_probability_at_its_op(tmp_path: 
     assert (origin["kind"], origin["op"], origin["rank"], origin["phase"]) == \
         ("op", "aten.bernoulli_.float", 0, "forward"), located
     assert located["arguments"] == [{"name": "p", "a": "0.9", "b": "0.8"}], located
-    sentence = verdict["sentence"]
+    sentence = f"{verdict['message']} {located['sentence']}"
     assert "aten.bernoulli_.float p: 0.9 vs 0.8" in sentence, sentence
     assert "the baseline is deterministic" in sentence, sentence
     # Nothing varies within a side (uninitialised memory is not compared), and no advice contradicts that.

@@ -108,7 +108,7 @@ def test_a_flipped_gradient_bit_is_named_by_replay(tmp_path: Path) -> None:
     verdict = report.stats["verdict"]
     assert report.exit_code == 1 and verdict["kind"] == "hardware-fault-suspected", verdict
     assert (verdict["step"], verdict["rank"], verdict["site"]) == (5, 0, f"grad.{SITE}")
-    assert verdict["host"] and "device cpu" in verdict["sentence"]
+    assert verdict["host"] and "device cpu" in verdict["message"]
 
 
 @pytest.mark.slow
@@ -123,7 +123,7 @@ def test_two_ranks_the_replica_check_sees_it_during_production_and_replay_names_
     verdict = report.stats["verdict"]
     assert verdict["kind"] == "hardware-fault-suspected" and (verdict["step"], verdict["rank"]) == (5, 1), verdict
     assert verdict["site"] == f"grad.{SITE}"
-    assert "the other ranks (0) computed the step exactly as the replays did" in verdict["sentence"]
+    assert "the other ranks (0) computed the step exactly as the replays did" in verdict["message"]
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ def test_a_flipped_activation_with_equal_inputs_is_a_suspected_fault_of_its_rank
     assert verdict["kind"] == "hardware-fault-suspected", verdict
     assert (verdict["step"], verdict["rank"], verdict["candidate_ranks"]) == (5, 0, [0]), verdict
     assert verdict["site"].startswith("metric.") and verdict["host"], verdict
-    assert "agreed" not in verdict["sentence"] and "other ranks" not in verdict["sentence"]  # a job of one rank
+    assert "agreed" not in verdict["message"] and "other ranks" not in verdict["message"]  # a job of one rank
 
 
 @pytest.mark.slow
@@ -40,4 +40,4 @@ def test_an_input_cause_before_a_real_fault_is_named_as_that_cause(
     not_hardware(verdict)
     assert (verdict["kind"], verdict["step"]) == (kind, step), verdict
     assert site is None or verdict["site"] == site, verdict
-    assert "nothing about the hardware" in verdict["sentence"]
+    assert "nothing about the hardware" in verdict["message"]

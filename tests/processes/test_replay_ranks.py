@@ -38,7 +38,7 @@ def test_ddp_a_fault_seen_only_in_reduced_values_names_no_rank(tmp_path: Path,
     assert verdict["kind"] == "hardware-fault-suspected" and verdict["step"] == 5, verdict
     assert verdict["rank"] is None and verdict["host"] is None, verdict
     assert verdict["candidate_ranks"] == [0, 1], verdict
-    assert "cannot tell which rank" in verdict["sentence"] and "level module" in verdict["sentence"]
+    assert "cannot tell which rank" in verdict["message"] and "level module" in verdict["message"]
 
 
 # ------------------------------------------------------------------------------------ the rank rule
@@ -73,8 +73,8 @@ def test_without_recorded_inputs_a_difference_names_no_cause_and_no_rank(tmp_pat
     j = judge(prod, rep, start=3, end=5, world=2, production_start=0)
     # Only rank 1's loss differs, but the inputs of step 5 are not recorded: no hardware verdict.
     assert (j.kind, j.step, j.rank, j.candidate_ranks) == ("undetermined", 5, None, (1,)), j
-    assert 'trace="state"' in j.sentence
+    assert 'trace="state"' in j.message
     # Steps recorded in one run only, all common steps equal: undetermined, not an error.
     short = losses_run(tmp_path / "short", {0: {4: 1.0}, 1: {4: 1.5}}, 2, monkeypatch, level="metrics")
     j = judge(prod, short, start=3, end=5, world=2, production_start=0)
-    assert j.kind == "undetermined" and j.rank is None and "cannot be judged" in j.sentence, j
+    assert j.kind == "undetermined" and j.rank is None and "cannot be judged" in j.message, j

@@ -179,7 +179,7 @@ def test_a_suspected_fault_on_a_one_rank_job_says_nothing_about_other_ranks(tmp_
     rep = losses_run(tmp_path / "rep", {0: {4: 1.0, 5: 2.5}}, 1, monkeypatch, level="state")
     j = judge(prod, rep, start=3, end=5, world=1, production_start=3)
     assert (j.kind, j.step, j.rank) == ("hardware-fault-suspected", 5, 0), j
-    assert "agreed" not in j.sentence and "other ranks" not in j.sentence and "none" not in j.sentence, j.sentence
+    assert "agreed" not in j.message and "other ranks" not in j.message and "none" not in j.message, j.message
 
 
 def test_a_suspected_fault_on_several_ranks_names_the_ranks_that_agreed(tmp_path: Path,
@@ -192,4 +192,4 @@ def test_a_suspected_fault_on_several_ranks_names_the_ranks_that_agreed(tmp_path
                      monkeypatch, level="state")
     j = judge(prod, rep, start=3, end=5, world=3, production_start=3)
     assert (j.kind, j.rank) == ("hardware-fault-suspected", 1), j
-    assert "the other ranks (0, 2) computed the step exactly as the replays did" in j.sentence, j.sentence
+    assert "the other ranks (0, 2) computed the step exactly as the replays did" in j.message, j.message

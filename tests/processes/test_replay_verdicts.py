@@ -31,7 +31,7 @@ def test_worker_noise_of_a_dataset_defined_in_the_script_is_never_blamed_on_the_
     assert verdict["kind"] in ("data", "reproduced"), verdict
     if verdict["kind"] == "data":
         assert (verdict["step"], verdict["rank"]) == (4, 0) and verdict["site"].startswith("batch")
-        assert "nothing about the hardware" in verdict["sentence"]
+        assert "nothing about the hardware" in verdict["message"]
 
 
 @pytest.mark.slow
@@ -43,7 +43,7 @@ def test_worker_noise_is_a_data_cause_at_the_first_replayed_step(tmp_path: Path,
     if verdict["kind"] == "data":
         assert (verdict["step"], verdict["rank"], verdict["site"]) == (4, 0, "batch.0"), verdict
         # The loader's position is equal: the samples themselves differ, which points at the augmentation.
-        assert "samples at the same position differ" in verdict["sentence"], verdict
+        assert "samples at the same position differ" in verdict["message"], verdict
         assert verdict["candidate_ranks"] is None
 
 
@@ -53,7 +53,7 @@ def test_noise_no_seed_fixes_is_nondeterminism_of_the_data_pipeline(tmp_path: Pa
     verdict = verdict_of(tmp_path, monkeypatch, env={"REPLAY_NOISE": "urandom"})
     not_hardware(verdict)
     assert verdict["kind"] == "nondeterministic" and verdict["step"] == 4, verdict
-    assert verdict["site"].startswith("batch") and "data pipeline" in verdict["sentence"], verdict
+    assert verdict["site"].startswith("batch") and "data pipeline" in verdict["message"], verdict
 
 
 @pytest.mark.slow
@@ -64,4 +64,4 @@ def test_a_trace_without_inputs_cannot_tell_data_from_a_fault(tmp_path: Path,
     assert verdict["kind"] in ("undetermined", "reproduced"), verdict
     if verdict["kind"] == "undetermined":
         assert verdict["step"] == 4 and verdict["rank"] is None and verdict["candidate_ranks"] == [0]
-        assert 'trace="state"' in verdict["sentence"]
+        assert 'trace="state"' in verdict["message"]
