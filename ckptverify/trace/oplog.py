@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptverify.errors import JSONError
+
 __all__ = ["OP_LOG_VERSION", "PHASES", "CommInfo", "OpArgument", "OpEvent", "OpKey", "OpWindow", "make_event",
            "op_log_path", "op_steps", "ops_dropped", "read_ops", "window_from_dict"]
 
@@ -139,7 +141,7 @@ def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) ->
     try:
         data = safejson.loads(raw, max_bytes=MAX_OP_LOG_BYTES)
         _check_log(data, step)
-    except (safejson.JSONError, ValueError, TypeError, KeyError) as exc:
+    except (JSONError, ValueError, TypeError, KeyError) as exc:
         raise CkptVerifyError(f"{path}: damaged op log: {exc}"[:400]) from None
     return data, path
 

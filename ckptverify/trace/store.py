@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.errors import CkptVerifyError, JSONError, UsageError
 from ckptverify.ownfiles.names import own_folder
 from ckptverify.safeparse import safejson
 
@@ -551,7 +551,7 @@ def _read_json(path: Path) -> Any:
         raise CkptVerifyError(f"{path}: missing (not a complete trace store)")
     try:
         return safejson.loads(data, max_bytes=MAX_METADATA_BYTES)
-    except safejson.JSONError as exc:
+    except JSONError as exc:
         raise CkptVerifyError(f"{path}: damaged metadata: {exc}") from None
 
 
@@ -564,7 +564,7 @@ def _node(meta: Any, kind: str, where: Path) -> dict[str, Any]:
 def _json_int(value: Any, what: str, where: Path, hi: int, lo: int = 0) -> int:
     try:
         return safejson.exact_int(value, what, lo=lo, hi=hi)
-    except safejson.JSONError as exc:
+    except JSONError as exc:
         raise CkptVerifyError(f"{where}: {exc}") from None
 
 

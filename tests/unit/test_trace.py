@@ -16,11 +16,10 @@ from helpers.multiproc import spawn_ranks
 from torch import nn
 
 from ckptverify import TrainState
-from ckptverify.errors import CkptVerifyError
+from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError
 from ckptverify.trace import (
     Cell,
     TraceHeader,
-    TraceHeaderMismatchError,
     TraceRecorder,
     TraceWriter,
     compare_runs,
