@@ -11,8 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptverify.errors import ReplicaMismatchError
 from ckptverify.hardware.inject import BitFlip, FaultInjector
-from ckptverify.hardware.replica import ReplicaCheck, ReplicaMismatchError
+from ckptverify.hardware.replica import ReplicaCheck
 from ckptverify.ownfiles.events import EventLog
 
 

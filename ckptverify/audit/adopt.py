@@ -28,7 +28,7 @@ from ckptverify.audit.verify import (
 )
 from ckptverify.checks import deep as deep_check
 from ckptverify.checks.dcp_pipeline import KEEP_FILE_BYTES, KEEP_TOTAL_BYTES
-from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, PartsOverlapError, UsageError
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, FileChangedError, PartsOverlapError, UsageError
 from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage, merge_reports
 from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.formats.describe import StoredRange
@@ -45,7 +45,6 @@ from ckptverify.ownfiles.manifest import (
 )
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
-from ckptverify.safeparse.readers import FileChangedError
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.audit.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
 from ckptverify.checks import deep as deep_check
+from ckptverify.errors import FileChangedError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.safeparse import paths
-from ckptverify.safeparse.readers import FileChangedError
 
 if TYPE_CHECKING:
     import torch

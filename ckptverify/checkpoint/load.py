@@ -345,7 +345,7 @@ def _on_coordinator(fn: Any) -> Any:
 
 def _proof_failure(exc: BaseException) -> tuple[int, Any] | None:
     """``(rank, ItemProofError)`` when DCP failed because an item failed its proof (the lowest such rank)."""
-    from ckptverify.dcp.storage_reader import ItemProofError
+    from ckptverify.errors import ItemProofError
 
     if isinstance(exc, ItemProofError):
         return 0, exc
@@ -394,7 +394,8 @@ def _manifest_name() -> str:
 
 def _read_manifest_for_load(root: str) -> Any:
     """The manifest that proves the items (``None`` if none); an untrustworthy one refuses the load."""
-    from ckptverify.ownfiles.manifest import ManifestError, read_manifest
+    from ckptverify.errors import ManifestError
+    from ckptverify.ownfiles.manifest import read_manifest
 
     try:
         return read_manifest(root)
@@ -599,8 +600,9 @@ def _rng_field_findings(state: TrainState, saved: dict[str, str], now: dict[str,
 def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[CheckCoverage]]:
     """Compare the restored state with what was saved: tensors by fingerprint against the manifest, other fields by
     digest."""
+    from ckptverify.errors import ManifestError
     from ckptverify.fingerprint import tensor_fingerprint
-    from ckptverify.ownfiles.manifest import ManifestError, read_manifest
+    from ckptverify.ownfiles.manifest import read_manifest
 
     findings: list[Finding] = []
     try:

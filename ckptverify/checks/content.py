@@ -18,10 +18,11 @@ from typing import Any
 from ckptverify.checks import item_label, item_location
 from ckptverify.checks.crcflip import false_match_probability, locate_single_bit
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
+from ckptverify.errors import ArchiveError
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader, item_header
-from ckptverify.safeparse.zipwalk import Archive, ArchiveError, Record, TemplateCache, parse_archive, parse_item
+from ckptverify.safeparse.zipwalk import Archive, Record, TemplateCache, parse_archive, parse_item
 
 #: Items up to this size are read whole, with their neighbours, and checked from memory while planning.
 SMALL_ITEM_BYTES = 1 << 20

@@ -31,12 +31,12 @@ from ckptverify.checks.content import (
 from ckptverify.checks.structure import check_coverage, check_files, check_items, check_tiling, stat_files
 from ckptverify.dcp.layout import Item, Layout
 from ckptverify.dcp.metadata import RANK_METADATA_RE, read_layout
-from ckptverify.errors import StorageError
+from ckptverify.errors import ArchiveError, FileChangedError, ManifestError, StorageError, UnsafeFileError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage
-from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
+from ckptverify.ownfiles.manifest import MANIFEST_FILE, Manifest, read_manifest
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
-from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, crc32_combine
+from ckptverify.safeparse.readers import ReadOnlyFile, crc32_combine
 from ckptverify.safeparse.torchsave import SubclassHeader
 from ckptverify.safeparse.zipwalk import TemplateCache
 
@@ -333,7 +333,7 @@ class VerificationRun:
             start = min(i.offset for i in tensor_items)
             try:
                 blob = safetensors.read_blob(f, start)  # type: ignore[arg-type]
-            except safetensors.ArchiveError as exc:
+            except ArchiveError as exc:
                 self._findings.append(error("blob-structure", f"{name}: the safetensors blob is malformed: {exc}",
                                            location=Location(file=name, byte_range=(exc.start, exc.end))))
                 blobs[name] = (start, f.size)  # type: ignore[union-attr]

@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.tensors import BLOCK_BYTES
-from ckptverify.errors import FindingError
+from ckptverify.errors import FileChangedError, FindingError
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.formats.describe import (
     MAX_VIEW_BYTES,
@@ -29,7 +29,6 @@ from ckptverify.formats.describe import (
 )
 from ckptverify.ownfiles.manifest import Manifest, read_manifest
 from ckptverify.safeparse.gcpause import paused_gc
-from ckptverify.safeparse.readers import FileChangedError
 
 
 @dataclass(slots=True)

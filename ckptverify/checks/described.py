@@ -233,7 +233,8 @@ def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[st
     ``ckptverify.manifest.json``, and each file's own ``NAME.ckptverify.manifest.json``. Returns ``(target,
     manifest)`` pairs (orphan file manifests included: comparing reports the missing file) and a
     ``manifest-invalid`` error per untrustworthy manifest (refused whole)."""
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE, ManifestError, file_manifest_name, read_manifest
+    from ckptverify.errors import ManifestError
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name, read_manifest
 
     if not use_manifest:
         return [], []

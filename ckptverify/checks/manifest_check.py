@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from ckptverify.checks import item_label, item_location
 from ckptverify.checks.content import ItemPlan
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
+from ckptverify.errors import FileChangedError
 from ckptverify.findings import Finding, Location, error
 from ckptverify.ownfiles.manifest import ItemEntry, Manifest
-from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, crc32
+from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from ckptverify.checks.torchsave_file import verify_torchsave_file
 from ckptverify.dcp import safetensors
+from ckptverify.errors import ArchiveError, JSONError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.safeparse import safejson
@@ -46,7 +47,7 @@ def _check_safetensors(path: str, label: str) -> tuple[list[Finding], list[Check
         facts["bytes"] = f.size
         try:
             blob = safetensors.read_blob(f, 0)
-        except safetensors.ArchiveError as exc:
+        except ArchiveError as exc:
             return [error("blob-structure", f"{label} is not a well-formed safetensors file: {exc}",
                           location=Location(file=label, byte_range=(exc.start, exc.end)))], [], facts
         for tname, t in blob.tensors.items():
@@ -75,5 +76,5 @@ def check_json(path: str, *, name: str | None = None, root: str | None = None) -
                       location=Location(file=label))], None
     try:
         return [], safejson.loads(raw, nonfinite=True)
-    except safejson.JSONError as exc:
+    except JSONError as exc:
         return [error("json-invalid", f"{label} is not valid JSON: {exc}"[:300], location=Location(file=label))], None

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ckptverify.errors import ArchiveError, BadPickle
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.single import sniff
-from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, BadPickle, scan_pickle
+from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.zipwalk import ArchiveError, looks_like_zip, parse_archive
+from ckptverify.safeparse.zipwalk import looks_like_zip, parse_archive
 
 __all__ = ["verify_torchsave_file"]
 

@@ -12,10 +12,11 @@ from typing import Any
 from ckptverify.checks import item_label, item_location
 from ckptverify.checks.content import FileResult, ItemPlan, judge_item
 from ckptverify.dcp.layout import Item
-from ckptverify.dcp.transforms import TransformError, decoded_item
+from ckptverify.dcp.transforms import decoded_item
+from ckptverify.errors import ArchiveError, TransformError
 from ckptverify.findings import Finding, error, warning
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
+from ckptverify.safeparse.zipwalk import parse_archive
 
 __all__ = ["plan_transformed"]
 

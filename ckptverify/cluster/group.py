@@ -36,9 +36,9 @@ def connect(addr: str, port: int, world: int, timeout: float, *, server: bool) -
                            "and reachable from every node") from None
 
 
-class Group:
-    """This rank's view of the others: ``store`` and ``beat_store`` (separate connections; the heartbeat thread has its
-    own); ``liveness(pending)`` may name a rank known to be gone, or return ``None``."""
+class CommandRanks:
+    """The ranks running one command, as this rank sees them: ``store`` and ``beat_store`` (separate connections;
+    the heartbeat thread has its own); ``liveness(pending)`` may name a rank known to be gone, or return ``None``."""
 
     def __init__(self, store: Any, beat_store: Any, rank: int, world: int, timeout: float, namespace: str,
                  liveness: Callable[[set[int]], str | None] | None = None) -> None:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
-from ckptverify.cluster.group import Group, connect
+from ckptverify.cluster.group import CommandRanks, connect
 from ckptverify.cluster.split import assign, balance
 from ckptverify.cluster.units import RankFiles, Unit, execute, unit_bytes, unit_file, unit_range
 from ckptverify.errors import CkptVerifyError, FileChangedError, UsageError
@@ -44,7 +44,7 @@ def open_session(command: str, path: str, *, readers: int | None, rank_timeout: 
                                                                "rank-timeout": rank_timeout}), rank_timeout)
         try:
             beat = connect("127.0.0.1", ranks.port, readers, rank_timeout, server=False)
-            group = Group(ranks.store, beat, 0, readers, rank_timeout, _namespace(), liveness=ranks.liveness)
+            group = CommandRanks(ranks.store, beat, 0, readers, rank_timeout, _namespace(), liveness=ranks.liveness)
             session = Session(group, path, per_rank, "local", ranks)
             group.start(command, path)
         except BaseException:
@@ -63,7 +63,7 @@ def _join(env: ClusterEnv, command: str, path: str, timeout: float, jobs: int | 
                      server=True) if env.rank == 0 and not agent and env.launcher != "local" else None
     store = server or connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
     beat = connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
-    group = Group(store, beat, env.rank, env.world_size, timeout, _namespace())
+    group = CommandRanks(store, beat, env.rank, env.world_size, timeout, _namespace())
     session = Session(group, path, jobs or cores_per_rank(env.local_world_size), env.launcher, None)
     session._server = server
     group.start(command, path)
@@ -73,7 +73,7 @@ def _join(env: ClusterEnv, command: str, path: str, timeout: float, jobs: int | 
 class Session:
     """This rank's part in one command (see the module docstring)."""
 
-    def __init__(self, group: Group, path: str, jobs: int, launcher: str, local: Any) -> None:
+    def __init__(self, group: CommandRanks, path: str, jobs: int, launcher: str, local: Any) -> None:
         self.group, self.path, self.jobs, self.launcher, self._local = group, path, jobs, launcher, local
         self._server: Any = None
         self.executor = RankExecutor(group) if group.rank == 0 else None
@@ -160,7 +160,7 @@ class Session:
 class RankExecutor:
     """Rank 0's side: shares work units among the ranks and returns their results in order."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: CommandRanks) -> None:
         self.group = group
         self.world = group.world
         self.round = 0

@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Chunk, Item, Layout, TensorInfo
-from ckptverify.errors import BadPickle, StorageError
+from ckptverify.errors import BadPickle, StorageError, UnsafeGlobal
 from ckptverify.findings import Finding, Location, error
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
@@ -127,7 +127,7 @@ def read_metadata_bytes(path: str) -> bytes:
 
 
 def parse_metadata(data: bytes, name: str = METADATA_FILE) -> ParsedMetadata:
-    """Parse and validate one metadata file's bytes. Raises :class:`~ckptverify.dcp.metadata_pickle.UnsafeGlobal` or
+    """Parse and validate one metadata file's bytes. Raises :class:`~ckptverify.errors.UnsafeGlobal` or
     :class:`~ckptverify.errors.BadPickle` (budget, or a structure DCP never writes)."""
     with paused_gc():
         tree = sp.parse(data)
@@ -202,7 +202,7 @@ def _read_one(root: str, name: str, rank: int | None) -> ParsedMetadata | Findin
         return error("metadata-unreadable", str(exc), location=where)
     try:
         return parse_metadata(data, name)
-    except sp.UnsafeGlobal as exc:
+    except UnsafeGlobal as exc:
         return error(
             "metadata-unsafe",
             f"{name} asks to load the global {exc.name}, which DCP metadata never contains; "

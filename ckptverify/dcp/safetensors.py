@@ -9,7 +9,7 @@ import struct
 from dataclasses import dataclass
 
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-from ckptverify.errors import ArchiveError
+from ckptverify.errors import ArchiveError, JSONError
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import TensorHeader
@@ -54,7 +54,7 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
         raise ArchiveError(f"safetensors header claims {n} bytes, past the end of the file", start, start + 8)
     try:
         header = safejson.loads(f.pread(start + 8, n), max_bytes=MAX_HEADER_BYTES)
-    except safejson.JSONError as exc:
+    except JSONError as exc:
         raise ArchiveError(f"safetensors header is not valid JSON: {exc}", start + 8, start + 8 + n) from None
     if not isinstance(header, dict):
         raise ArchiveError("safetensors header is not a JSON object", start + 8, start + 8 + n)
@@ -65,7 +65,7 @@ def read_blob(f: ReadOnlyFile, start: int) -> Blob:
             continue
         try:
             shape, begin, end, dtype = _entry(spec)
-        except safejson.JSONError as exc:
+        except JSONError as exc:
             raise ArchiveError(f"safetensors entry {name[:200]!r} is malformed: {exc}", start + 8, data_start) from None
         if end < begin:
             raise ArchiveError(f"safetensors entry {name[:200]!r} has an invalid range", start + 8, data_start)
@@ -90,14 +90,14 @@ def _entry(spec: object) -> tuple[tuple[int, ...], int, int, str | None]:
     """Shape, data offsets and dtype (``None``: unknown) of one header entry: exact integers within :data:`MAX_INT`, at
     most :data:`MAX_DIMS` dimensions."""
     if not isinstance(spec, dict):
-        raise safejson.JSONError("the entry is not an object")
+        raise JSONError("the entry is not an object")
     raw_shape, offsets, dtype = spec.get("shape"), spec.get("data_offsets"), spec.get("dtype")
     if not isinstance(raw_shape, list) or len(raw_shape) > MAX_DIMS:
-        raise safejson.JSONError(f"shape is not a list of at most {MAX_DIMS} dimensions")
+        raise JSONError(f"shape is not a list of at most {MAX_DIMS} dimensions")
     if not isinstance(offsets, list) or len(offsets) != 2:
-        raise safejson.JSONError("data_offsets is not a list of two offsets")
+        raise JSONError("data_offsets is not a list of two offsets")
     if not isinstance(dtype, str):
-        raise safejson.JSONError("dtype is not a string")
+        raise JSONError("dtype is not a string")
     shape = tuple(safejson.exact_int(x, "a dimension", hi=MAX_INT) for x in raw_shape)
     begin, end = (safejson.exact_int(x, "a data offset", hi=MAX_INT) for x in offsets)
     return shape, begin, end, _DTYPES.get(dtype)

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
-from ckptverify.errors import CheckpointRefusedError, ItemProofError
+from ckptverify.errors import BadPickle, CheckpointRefusedError, ItemProofError, UnsafeGlobal
 from ckptverify.safeparse import paths
 
 if TYPE_CHECKING:
@@ -82,9 +82,9 @@ def load_parsed(path: str, name: str, check: Any = None) -> md.ParsedMetadata:
         raise
     except OSError as exc:
         raise CheckpointRefusedError(f"cannot read {name}: {exc.strerror or exc}") from None
-    except sp.UnsafeGlobal as exc:
+    except UnsafeGlobal as exc:
         raise CheckpointRefusedError(f"refusing {name}: it asks to load the global {exc.name}") from None
-    except sp.BadPickle as exc:
+    except BadPickle as exc:
         raise CheckpointRefusedError(f"refusing {name}: {exc}") from None
     if parsed.unsafe_paths:
         fqn, _, raw = parsed.unsafe_paths[0]
@@ -186,8 +186,9 @@ class ProvingFileSystemReader(SafeFileSystemReader):
 
 def _prove_crcs(data: bytes, fail: Any) -> None:
     """Every record of the ``torch.save`` archive ``data`` against its CRC-32 (the structure cross-checked too)."""
+    from ckptverify.errors import ArchiveError
     from ckptverify.safeparse.readers import crc32
-    from ckptverify.safeparse.zipwalk import ArchiveError, parse_item
+    from ckptverify.safeparse.zipwalk import parse_item
 
     try:
         archive = parse_item(data, 0, len(data)).archive

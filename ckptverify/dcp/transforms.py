@@ -18,7 +18,7 @@ from ckptverify.dcp.layout import Item
 from ckptverify.errors import TransformError
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 
-__all__ = ["MAX_DECODED_BYTES", "DecodedItem", "TransformError", "decode", "decoded_item"]
+__all__ = ["MAX_DECODED_BYTES", "DecodedItem", "decode", "decoded_item"]
 
 #: Largest decoded item (bytes). An item decoding to more is refused (a bomb, or not worth holding in memory).
 MAX_DECODED_BYTES = 4 << 30

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
-from ckptverify.errors import CkptVerifyWarning, UsageError
+from ckptverify.errors import ArchiveError, CkptVerifyWarning, UsageError
 from ckptverify.fingerprint import (
     ALGORITHMS,
     FINGERPRINT_VERSION,
@@ -922,7 +922,7 @@ def _blob_range(cache: dict[tuple[str, int], Any], path: str, start: int, fqn: s
         try:
             with ReadOnlyFile(path) as f:
                 cache[key] = safetensors.read_blob(f, start)
-        except (OSError, safetensors.ArchiveError):
+        except (OSError, ArchiveError):
             cache[key] = None
     blob = cache[key]
     return None if blob is None else safetensors.data_range(blob, fqn)

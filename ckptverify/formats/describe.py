@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ckptverify.dcp import safetensors
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.dcp.tensors import BLOCK_BYTES
-from ckptverify.errors import FindingError
+from ckptverify.errors import ArchiveError, BadPickle, FindingError, JSONError
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
-from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, BadPickle, leaf_values, scan_pickle
+from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
+from ckptverify.safeparse.zipwalk import parse_archive
 
 if TYPE_CHECKING:
     import torch
@@ -282,7 +282,7 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
 def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
     try:
         blob = safetensors.read_blob(f, 0)
-    except safetensors.ArchiveError as exc:
+    except ArchiveError as exc:
         desc.unread[name] = f"not a well-formed safetensors file: {exc}"
         return
     desc.files[name] = "safetensors"
@@ -317,7 +317,7 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
         return
     try:
         value = safejson.loads(f.pread(0, f.size), nonfinite=True)
-    except safejson.JSONError as exc:
+    except JSONError as exc:
         desc.unread[name] = f"not valid JSON: {exc}"[:200]
         return
     desc.files[name] = "json"

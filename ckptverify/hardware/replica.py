@@ -19,7 +19,7 @@ from typing import Any
 from ckptverify.errors import CkptVerifyWarning, ReplicaMismatchError
 from ckptverify.options import failure_policy
 
-__all__ = ["ReplicaCheck", "ReplicaMismatch", "ReplicaMismatchError"]
+__all__ = ["ReplicaCheck", "ReplicaMismatch"]
 
 @dataclass(frozen=True)
 class ReplicaMismatch:

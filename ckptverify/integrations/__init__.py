@@ -6,11 +6,11 @@ One module per framework, importing it only when imported itself: ``lightning`` 
 ``load_state``) and ``torchtitan`` (``VerifiedCheckpointManager``, saving through the hashing writer). Each takes
 ``verify=`` a :class:`~ckptverify.options.VerifyOptions` (torchtitan: ``verify_when``/``verify_deep``/
 ``verify_on_failure`` config fields). Shared pieces (:mod:`ckptverify.integrations._core`): :class:`Verifier`,
-:class:`VerifyFailedWarning`, and results as :class:`~ckptverify.verifier.verification.Verification`.
+:class:`~ckptverify.errors.VerifyFailedWarning`, and results as :class:`~ckptverify.verifier.verification.Verification`.
 """
 
-from ckptverify.integrations._core import Group, Verifier, VerifyFailedWarning, torch_group
+from ckptverify.integrations._core import Group, Verifier, torch_group
 from ckptverify.options import VerifyOptions
 from ckptverify.verifier.verification import Verification
 
-__all__ = ["Group", "Verification", "Verifier", "VerifyFailedWarning", "VerifyOptions", "torch_group"]
+__all__ = ["Group", "Verification", "Verifier", "VerifyOptions", "torch_group"]

@@ -52,7 +52,7 @@ class VerifyCheckpointsCallback(Callback):
     Args:
         verify: a :class:`~ckptverify.options.VerifyOptions` or its ``when``: ``"inline"`` (default) or
             ``"background"`` (``teardown`` waits). ``on_failure``: ``"warn"`` (default:
-            :class:`~ckptverify.integrations.VerifyFailedWarning` and an event) or ``"raise"``
+            :class:`~ckptverify.errors.VerifyFailedWarning` and an event) or ``"raise"``
             (:class:`~ckptverify.errors.CheckpointRefusedError` stops training). ``deep``: as for
             :class:`~ckptverify.integrations.Verifier`.
         verify_resume: refuse a ``ckpt_path`` that fails verification (default ``True``).

@@ -56,7 +56,7 @@ class EventLog:
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one event and return it as written; ``OSError`` (including
-        :class:`~ckptverify.ownfiles.names.NotRegularFileError`) if it cannot be appended."""
+        :class:`~ckptverify.errors.NotRegularFileError`) if it cannot be appended."""
         record: dict[str, Any] = {
             "event": event,
             "schema_version": EVENTS_SCHEMA_VERSION,
@@ -78,7 +78,7 @@ class EventLog:
 def read_events(run_dir: str | os.PathLike[str], event: str | None = None, *,
                 on_bad: Callable[[int, str], None] | None = None) -> Iterator[dict[str, Any]]:
     """The run's events in file order (only ``event`` ones if given);
-    :class:`~ckptverify.ownfiles.names.NotRegularFileError`
+    :class:`~ckptverify.errors.NotRegularFileError`
     if ``events.jsonl`` is not a regular file. The log is a record, not an input: a line that is not a valid event
     (:func:`event_problem`, bounded by :data:`MAX_LINE_BYTES`) is skipped with ``on_bad(line_number, why)``, never
     raised. Nothing is checked across lines; ``path`` values are as written and may name anything."""

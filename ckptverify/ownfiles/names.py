@@ -28,7 +28,6 @@ __all__ = [
     "STAMP_TEMP_PREFIX",
     "SUSPECT_NOTE",
     "VERIFYING_LOCK",
-    "NotRegularFileError",
     "append_line",
     "check_replaceable",
     "open_append",

@@ -24,12 +24,12 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckptverify.errors import CkptVerifyError, ResumeRefusedError, UsageError
+from ckptverify.errors import CkptVerifyError, NotRegularFileError, ResumeRefusedError, UsageError
 from ckptverify.options import VerifyOptions, failure_policy, verify_options
-from ckptverify.ownfiles.names import NotRegularFileError, own_dir, write_atomic
+from ckptverify.ownfiles.names import own_dir, write_atomic
 from ckptverify.safeparse import safejson
 
-__all__ = ["RESUME_MODES", "RUN_FILE", "TRACE_ROOT", "ProductionOptions", "ResumeRefusedError", "read_run_file",
+__all__ = ["RESUME_MODES", "RUN_FILE", "TRACE_ROOT", "ProductionOptions", "read_run_file",
            "resume_point", "segment_dir"]
 
 RESUME_MODES = ("auto", "required", "never")

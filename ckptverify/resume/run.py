@@ -149,7 +149,8 @@ class Run:
         if _harness_config is not None or run_dir is None:
             run = cls.from_env(steps=steps)
         else:
-            from ckptverify.production.mode import ProductionOptions, ResumeRefusedError, target_of
+            from ckptverify.errors import ResumeRefusedError
+            from ckptverify.production.mode import ProductionOptions, target_of
 
             if steps is None:
                 raise UsageError("production mode needs steps=")
@@ -256,7 +257,7 @@ class Run:
                     warnings.filterwarnings("ignore", message="the restore check of ", category=UserWarning)
                     report = load(state, self.config.resume_from, on_restore_mismatch="warn")
             else:
-                from ckptverify.production.mode import ResumeRefusedError
+                from ckptverify.errors import ResumeRefusedError
 
                 try:
                     # Never trains on damaged state: a failing pick is moved aside and an older one loaded.

@@ -26,7 +26,6 @@ __all__ = [
     "MAX_OBJECTS",
     "MAX_PICKLE_BYTES",
     "MAX_VALUES",
-    "BadPickle",
     "Opaque",
     "PickleScan",
     "SubclassRef",

@@ -28,9 +28,7 @@ from ckptverify.safeparse.paths import is_url
 
 __all__ = [
     "READ_BYTES",
-    "FileChangedError",
     "ReadOnlyFile",
-    "UnsafeFileError",
     "crc32",
     "crc32_combine",
     "file_kind",

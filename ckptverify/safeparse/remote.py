@@ -27,7 +27,7 @@ from typing import Any
 from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, UsageError
 from ckptverify.safeparse.fold import Folding
 
-__all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "StorageError", "exists",
+__all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists",
            "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
            "reset_stats", "scandir", "stat", "stats", "storage_options"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptverify.errors import JSONError
 
-__all__ = ["MAX_DEPTH", "JSONError", "exact_int", "loads"]
+__all__ = ["MAX_DEPTH", "exact_int", "loads"]
 
 #: Deepest nesting of arrays and objects accepted (every JSON file the tool reads nests a few levels).
 MAX_DEPTH = 64

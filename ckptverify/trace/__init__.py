@@ -9,7 +9,6 @@ from __future__ import annotations
 from ckptverify.trace.compare import (
     FirstDivergence,
     RankComparison,
-    TraceHeaderMismatchError,
     compare_runs,
     compare_traces,
     divergences,
@@ -53,7 +52,6 @@ __all__ = [
     "Site",
     "Trace",
     "TraceHeader",
-    "TraceHeaderMismatchError",
     "TraceRecorder",
     "TraceRow",
     "TraceWriter",

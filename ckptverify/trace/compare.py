@@ -18,19 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.errors import TraceHeaderMismatchError, UsageError
+from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.trace.store import (
-    CkptVerifyError,
-    Trace,
-    open_trace,
-    step_ranges,
-)
+from ckptverify.trace.store import Trace, open_trace, step_ranges
 
 __all__ = [
     "FirstDivergence",
     "RankComparison",
-    "TraceHeaderMismatchError",
     "compare_runs",
     "compare_traces",
     "divergences",

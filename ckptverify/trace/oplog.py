@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptverify.errors import JSONError
+
 __all__ = ["OP_LOG_VERSION", "PHASES", "CommInfo", "OpArgument", "OpEvent", "OpKey", "OpWindow", "make_event",
            "op_log_path", "op_steps", "ops_dropped", "read_ops", "window_from_dict"]
 
-#: Op log format version (absent: 1, no ``"a"``); a later version is refused rather than half read.
+#: Op log format version; a file of any other version is refused rather than half read.
 OP_LOG_VERSION = 2
 
 MAX_ARGUMENT_NAME = 64
@@ -139,7 +141,7 @@ def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) ->
     try:
         data = safejson.loads(raw, max_bytes=MAX_OP_LOG_BYTES)
         _check_log(data, step)
-    except (safejson.JSONError, ValueError, TypeError, KeyError) as exc:
+    except (JSONError, ValueError, TypeError, KeyError) as exc:
         raise CkptVerifyError(f"{path}: damaged op log: {exc}"[:400]) from None
     return data, path
 
@@ -148,9 +150,9 @@ def _check_log(data: Any, step: int) -> None:
     """Refuse an op log file whose structure is not what :func:`~ckptverify.trace.ops.write_op_log` writes."""
     if not isinstance(data, dict) or data.get("step") != step or not isinstance(data.get("events"), list):
         raise ValueError("not an op log of this step")
-    version = data.get("version", 1)
-    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= OP_LOG_VERSION:
-        raise ValueError(f"op log version {str(version)[:20]!r} is not one this ckptverify reads (1..{OP_LOG_VERSION})")
+    version = data.get("version")
+    if type(version) is not int or version != OP_LOG_VERSION:
+        raise ValueError(f"op log version {str(version)[:20]!r} is not one this ckptverify reads ({OP_LOG_VERSION})")
     for name in ("dropped", "chunk_elements"):
         if not isinstance(data.get(name), int) or isinstance(data.get(name), bool) or data[name] < 0:
             raise ValueError(f"{name} is not a count")
@@ -165,8 +167,7 @@ def _check_log(data: Any, step: int) -> None:
         return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
 
     def arguments(v: Any) -> bool:
-        # Only version 2 writes them.
-        return v is None or (version >= 2 and isinstance(v, list) and all(
+        return v is None or (isinstance(v, list) and all(
             isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and 0 < len(x[0]) <= MAX_ARGUMENT_NAME
             and hexdigest(x[1]) and (x[2] is None or (isinstance(x[2], str) and len(x[2]) <= MAX_ARGUMENT_TEXT))
             for x in v))

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptverify.errors import CkptVerifyError, UsageError
+from ckptverify.errors import CkptVerifyError, JSONError, UsageError
 from ckptverify.ownfiles.names import own_folder
 from ckptverify.safeparse import safejson
 
@@ -148,9 +148,9 @@ class TraceHeader:
             raise UsageError(f"unknown trace detail {self.detail!r}; choose one of {', '.join(DETAILS)}")
         if self.schema != TRACE_SCHEMA:
             raise CkptVerifyError(f"not a trace header: schema {self.schema!r}")
-        if self.schema_version > TRACE_SCHEMA_VERSION:
-            raise CkptVerifyError(f"trace schema version {self.schema_version} is newer than this tool's "
-                                   f"({TRACE_SCHEMA_VERSION})")
+        if self.schema_version != TRACE_SCHEMA_VERSION:
+            raise CkptVerifyError(f"trace schema version {self.schema_version} is not one this tool reads "
+                                  f"({TRACE_SCHEMA_VERSION})")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (dict(getattr(self, f.name)) if f.name == "extra" else getattr(self, f.name))
@@ -158,8 +158,8 @@ class TraceHeader:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TraceHeader:
-        """The header a store's attributes hold; :class:`CkptVerifyError` for anything but the types :meth:`to_dict`
-        writes (an unknown level or detail included)."""
+        """The header a store's attributes hold; :class:`CkptVerifyError` for anything but the fields and types
+        :meth:`to_dict` writes (an unknown level, detail or schema version included)."""
         if not isinstance(data, Mapping):
             raise CkptVerifyError(f"damaged trace header: {type(data).__name__}, not an object")
         known = {f.name for f in fields(cls)}
@@ -168,12 +168,14 @@ class TraceHeader:
             want = _HEADER_TYPES[name]
             if not (isinstance(value, want) and not (isinstance(value, bool) and bool not in _as_tuple(want))):
                 raise CkptVerifyError(f"damaged trace header: {name} is {type(value).__name__}")
-        if "detail" not in values and values.get("schema_version", 1) < 2:
-            values["detail"] = "tensor"  # version 1 recorded every tensor, and no category cells
         try:
-            return cls(**values)
-        except (TypeError, UsageError) as exc:  # a field missing, or a level or detail this tool does not know
+            header = cls(**values)
+        except UsageError as exc:  # a level or detail this tool does not know
             raise CkptVerifyError(f"damaged trace header: {exc}") from None
+        missing = sorted(known - values.keys())
+        if missing:
+            raise CkptVerifyError(f"damaged trace header: no {', '.join(missing)}")
+        return header
 
     def with_rank(self, rank: int, world_size: int) -> TraceHeader:
         return replace(self, rank=rank, world_size=world_size)
@@ -549,7 +551,7 @@ def _read_json(path: Path) -> Any:
         raise CkptVerifyError(f"{path}: missing (not a complete trace store)")
     try:
         return safejson.loads(data, max_bytes=MAX_METADATA_BYTES)
-    except safejson.JSONError as exc:
+    except JSONError as exc:
         raise CkptVerifyError(f"{path}: damaged metadata: {exc}") from None
 
 
@@ -562,7 +564,7 @@ def _node(meta: Any, kind: str, where: Path) -> dict[str, Any]:
 def _json_int(value: Any, what: str, where: Path, hi: int, lo: int = 0) -> int:
     try:
         return safejson.exact_int(value, what, lo=lo, hi=hi)
-    except safejson.JSONError as exc:
+    except JSONError as exc:
         raise CkptVerifyError(f"{where}: {exc}") from None
 
 
@@ -574,14 +576,13 @@ def _site(raw: Any, col: int, store: Path) -> tuple[Site, int]:
     where = store / "sites"
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in _SITE_TEXT):
         raise CkptVerifyError(f"{where}: site {col} lacks its name, kind, category or encoding")
-    if not isinstance(raw.get("info", ""), str) or not isinstance(raw.get("group", ""), str):
-        raise CkptVerifyError(f"{where}: site {col} has a note or group that is not text")
+    if not isinstance(raw.get("info"), str) or not isinstance(raw.get("group"), str):
+        raise CkptVerifyError(f"{where}: site {col} lacks its note or group, or one is not text")
     if raw["encoding"] not in ENCODINGS:
         raise CkptVerifyError(f"{where}: site {col} has an unknown encoding {raw['encoding'][:40]!r}")
     order = _json_int(raw.get("order"), f"the order of site {col}", where, MAX_SITES)
     first = _json_int(raw.get("first_row"), f"the first row of site {col}", where, MAX_ROWS)
-    site = Site(raw["name"], raw["kind"], raw["category"], raw["encoding"], order, raw.get("info", ""),
-                raw.get("group", ""))
+    site = Site(raw["name"], raw["kind"], raw["category"], raw["encoding"], order, raw["info"], raw["group"])
     return site, first
 
 

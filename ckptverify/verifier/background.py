@@ -42,7 +42,6 @@ __all__ = [
     "BackgroundVerifier",
     "Task",
     "Verification",
-    "VerifyFailedWarning",
     "default_verifier",
     "exit_timeout",
     "last_verification",

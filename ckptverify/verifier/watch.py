@@ -313,7 +313,8 @@ def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
 
 def _check_output(path: str, what: str) -> None:
     """Refuse, before anything is verified, an output file that could never be written."""
-    from ckptverify.ownfiles.names import NotRegularFileError, check_replaceable
+    from ckptverify.errors import NotRegularFileError
+    from ckptverify.ownfiles.names import check_replaceable
 
     try:
         check_replaceable(path)

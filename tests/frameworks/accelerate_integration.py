@@ -90,8 +90,7 @@ def job(rank: int, world: int, out: Path, mode: str) -> None:
 def background_job(rank: int, out: Path) -> None:
     import warnings
 
-    from ckptverify.errors import CheckpointRefusedError
-    from ckptverify.integrations import VerifyFailedWarning
+    from ckptverify.errors import CheckpointRefusedError, VerifyFailedWarning
     from ckptverify.integrations import accelerate as ckv
     from ckptverify.options import VerifyOptions
     from ckptverify.verifier.background import wait_for_verifications

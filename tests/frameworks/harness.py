@@ -264,7 +264,7 @@ def ckptverify_warnings(caught: list[Any]) -> list[str]:
     installed package, not the word "ckptverify" in its path: a clone of the project is usually a folder of that
     name, and every library of a virtual environment inside it would match."""
     import ckptverify
-    from ckptverify.integrations import VerifyFailedWarning
+    from ckptverify.errors import VerifyFailedWarning
 
     package = os.path.dirname(os.path.abspath(ckptverify.__file__)) + os.sep
     return [str(w.message) for w in caught

@@ -64,7 +64,7 @@ def run_stage(out: Path, world: int, stage: str, max_steps: int, ckpt: Path | No
     from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.strategies import ModelParallelStrategy
 
-    from ckptverify.integrations import VerifyFailedWarning
+    from ckptverify.errors import VerifyFailedWarning
     from ckptverify.integrations.lightning import VerifyCheckpointsCallback
     from ckptverify.options import VerifyOptions
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptverify.errors import CheckpointRefusedError, CkptVerifyWarning, UsageError
-from ckptverify.integrations import Verifier, VerifyFailedWarning
+from ckptverify.errors import CheckpointRefusedError, CkptVerifyWarning, UsageError, VerifyFailedWarning
+from ckptverify.integrations import Verifier
 from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles.events import read_events
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest

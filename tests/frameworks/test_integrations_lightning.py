@@ -27,8 +27,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckptverify.audit.adopt import file_manifest_path  # noqa: E402
-from ckptverify.errors import CheckpointRefusedError  # noqa: E402
-from ckptverify.integrations import VerifyFailedWarning  # noqa: E402
+from ckptverify.errors import CheckpointRefusedError, VerifyFailedWarning  # noqa: E402
 from ckptverify.integrations.lightning import VerifyCheckpointsCallback  # noqa: E402
 from ckptverify.options import VerifyOptions  # noqa: E402
 from ckptverify.ownfiles.events import read_events  # noqa: E402

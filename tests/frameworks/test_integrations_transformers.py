@@ -20,8 +20,7 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[tra
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from ckptverify.errors import CheckpointRefusedError  # noqa: E402
-from ckptverify.integrations import VerifyFailedWarning  # noqa: E402
+from ckptverify.errors import CheckpointRefusedError, VerifyFailedWarning  # noqa: E402
 from ckptverify.integrations.transformers import (  # noqa: E402
     VerifyCheckpointsCallback,
     verified_resume_checkpoint,

@@ -92,8 +92,7 @@ def train(rank: int, world: int, model: nn.Module, optimizers: Any, lr_scheduler
 
 
 def stage(result: dict[str, Any], name: str, fn: Any) -> None:
-    from ckptverify.errors import CheckpointRefusedError
-    from ckptverify.integrations import VerifyFailedWarning
+    from ckptverify.errors import CheckpointRefusedError, VerifyFailedWarning
 
     entry: dict[str, Any] = {"error": None}
     with warnings.catch_warnings(record=True) as caught:

@@ -33,13 +33,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptverify.dcp import metadata as md
-from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.storage_reader import build_metadata
-from ckptverify.errors import CheckpointRefusedError
+from ckptverify.errors import ArchiveError, BadPickle, CheckpointRefusedError, UnsafeGlobal
 from ckptverify.safeparse.torchsave import tensor_header
-from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
+from ckptverify.safeparse.zipwalk import parse_archive
 
-EXPECTED = (sp.UnsafeGlobal, sp.BadPickle)
+EXPECTED = (UnsafeGlobal, BadPickle)
 
 
 class _RealAllowlist(pickle.Unpickler):

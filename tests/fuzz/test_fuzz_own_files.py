@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
-from ckptverify.ownfiles.manifest import MANIFEST_FILE, ManifestError, read_manifest
+from ckptverify.errors import ManifestError
+from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.stamp import STAMP_FILE, read_stamp, read_suspect, write_stamp
 

@@ -228,7 +228,8 @@ def test_metadata_link_outside_is_not_read(fresh_ckpt: Any, tmp_path: Path, chil
 
 
 def test_oversized_manifest_is_refused_unread(fresh_ckpt: Any) -> None:
-    from ckptverify.ownfiles.manifest import ManifestError, read_manifest
+    from ckptverify.errors import ManifestError
+    from ckptverify.ownfiles.manifest import read_manifest
 
     path = fresh_ckpt("single")
     with open(path / MANIFEST_FILE, "wb") as f:

@@ -30,9 +30,10 @@ from ckptverify.audit.adopt import fingerprint_checkpoint  # noqa: E402
 from ckptverify.audit.diff import diff_checkpoints  # noqa: E402
 from ckptverify.audit.verify import verify_checkpoint  # noqa: E402
 from ckptverify.checks.torchsave_file import verify_torchsave_file  # noqa: E402
+from ckptverify.errors import BadPickle  # noqa: E402
 from ckptverify.fingerprint import part_fingerprints, tensor_fingerprint  # noqa: E402
 from ckptverify.formats.describe import describe  # noqa: E402
-from ckptverify.safeparse.pickle_scan import BadPickle, leaf_values, scan_pickle  # noqa: E402
+from ckptverify.safeparse.pickle_scan import leaf_values, scan_pickle  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "lowprec_torchsave_train.py"

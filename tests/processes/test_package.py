@@ -94,7 +94,7 @@ def test_only_ckptverify_s_own_warnings_count_even_in_a_folder_named_ckptverify(
         from frameworks.harness import ckptverify_warnings
     finally:
         sys.path.pop(0)
-    from ckptverify.integrations import VerifyFailedWarning
+    from ckptverify.errors import VerifyFailedWarning
 
     def caught(category, filename):
         return warnings.WarningMessage("m", category, filename, 1)

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptverify.dcp import safetensors
-from ckptverify.errors import CkptVerifyError
+from ckptverify.errors import ArchiveError, CkptVerifyError, JSONError
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
 
@@ -150,7 +150,7 @@ HOSTILE_HEADERS = {
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_HEADERS))
 def test_hostile_safetensors_header_is_a_blob_error(tmp_path: Path, name: str) -> None:
-    with pytest.raises(safetensors.ArchiveError):
+    with pytest.raises(ArchiveError):
         _blob(tmp_path, _safetensors_bytes(None, b"\0" * 8, raw_header=HOSTILE_HEADERS[name]))
 
 
@@ -264,7 +264,8 @@ def test_sequential_memo_indices_still_read(tmp_path: Path) -> None:
     b"(dp-1\n.",  # a negative index
 ])
 def test_memo_indices_past_what_was_memoized_are_refused(pkl: bytes) -> None:
-    from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
+    from ckptverify.errors import BadPickle
+    from ckptverify.safeparse.pickle_scan import scan_pickle
 
     with pytest.raises(BadPickle, match="memo"):
         scan_pickle(pkl)
@@ -281,7 +282,8 @@ def _tensor_pkl(size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
 
 
 def test_tensor_sizes_must_be_64_bit_integers() -> None:
-    from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
+    from ckptverify.errors import BadPickle
+    from ckptverify.safeparse.pickle_scan import scan_pickle
 
     assert scan_pickle(_tensor_pkl((2, 3), (3, 1))).tensors["<root>"].shape == (2, 3)
     for size, stride in (((1 << 64,), (1,)), ((2, 2), (1,)), ((2,), (1 << 70,))):
@@ -295,7 +297,7 @@ def test_tensor_sizes_must_be_64_bit_integers() -> None:
 @pytest.mark.parametrize("text", ["NaN", "[Infinity]", "-Infinity", "[1e999]", '{"a": 1, "a": 2}',
                                   "[" * 65 + "]" * 65, "[" * 100_000, "{", b"\xff\xfe\x00".decode("latin1")])
 def test_safejson_refuses(text: str) -> None:
-    with pytest.raises(safejson.JSONError):
+    with pytest.raises(JSONError):
         safejson.loads(text)
 
 
@@ -303,7 +305,7 @@ def test_safejson_exact_int() -> None:
     assert safejson.loads('{"a": [1, 2.5, "x"]}') == {"a": [1, 2.5, "x"]}
     assert safejson.exact_int(3, "n") == 3
     for bad in (True, 3.0, "3", None, -1, 1 << 63):
-        with pytest.raises(safejson.JSONError):
+        with pytest.raises(JSONError):
             safejson.exact_int(bad, "n")
 
 
@@ -329,7 +331,7 @@ def test_fuzz_safetensors_headers_raise_only_blob_errors(tmp_path: Path, entries
         text = text.replace(b"0", raw, 1)
     try:
         blob = _blob(tmp_path, _safetensors_bytes(None, b"\0" * payload, raw_header=text))
-    except safetensors.ArchiveError:
+    except ArchiveError:
         return
     for t in blob.tensors.values():
         assert all(type(d) is int and d >= 0 for d in t.shape)

@@ -24,7 +24,8 @@ import torch.distributed.checkpoint as dcp
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
-from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile
+from ckptverify.errors import FileChangedError
+from ckptverify.safeparse.readers import ReadOnlyFile
 
 RUNS_PER_MODE = 8
 MAX_RUNS_PER_MODE = 40

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.checks import content
+from ckptverify.errors import ArchiveError
 from ckptverify.safeparse.readers import crc32
-from ckptverify.safeparse.zipwalk import ArchiveError, ArchiveTemplate, parse_archive, parse_item
+from ckptverify.safeparse.zipwalk import ArchiveTemplate, parse_archive, parse_item
 
 
 def _saved(value: torch.Tensor) -> bytes:

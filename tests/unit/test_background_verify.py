@@ -22,13 +22,19 @@ from helpers import faults as inj
 from helpers.multiproc import spawn_ranks
 
 import ckptverify as cv
-from ckptverify.errors import CheckpointRefusedError, CkptVerifyWarning, UsageError, VerifyFailedError
+from ckptverify.errors import (
+    CheckpointRefusedError,
+    CkptVerifyWarning,
+    UsageError,
+    VerifyFailedError,
+    VerifyFailedWarning,
+)
 from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles.events import read_events
 from ckptverify.runs.prune import prune
 from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp
 from ckptverify.verifier import background
-from ckptverify.verifier.background import BackgroundVerifier, VerifyFailedWarning
+from ckptverify.verifier.background import BackgroundVerifier
 
 REPO = Path(__file__).resolve().parents[2]
 

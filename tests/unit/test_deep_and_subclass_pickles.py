@@ -24,10 +24,11 @@ import torch
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.checks import deep
+from ckptverify.errors import BadPickle
 from ckptverify.fingerprint import chunk_fingerprint, combine, tensor_fingerprint
 from ckptverify.formats import describe as describe_module
 from ckptverify.formats.describe import describe, iter_payload_blocks
-from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
+from ckptverify.safeparse.pickle_scan import scan_pickle
 from ckptverify.safeparse.torchsave import SubclassHeader, item_header
 
 REPO = Path(__file__).resolve().parents[2]

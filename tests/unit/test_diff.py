@@ -13,6 +13,7 @@ from helpers.dcp_encodings import safetensors_ckpt, zstd_ckpt
 
 from ckptverify.audit.diff import diff_checkpoints, tensor_difference
 from ckptverify.cli import main
+from ckptverify.errors import TransformError
 
 
 def test_a_checkpoint_equals_its_copy(fresh_ckpt):
@@ -100,7 +101,7 @@ def test_a_comparison_that_could_read_no_tensor_fails(tmp_path, monkeypatch):
     a, b = zstd_ckpt(tmp_path / "a"), zstd_ckpt(tmp_path / "b", seed=1)
 
     def unavailable(raw, limit):
-        raise transforms.TransformError("no zstd decoder", unavailable=True)
+        raise TransformError("no zstd decoder", unavailable=True)
 
     monkeypatch.setattr(transforms, "_zstd", unavailable)
     report = diff_checkpoints(a, b)

@@ -17,7 +17,8 @@ from helpers.dcp_encodings import safetensors_ckpt, zstd_ckpt
 
 from ckptverify.checks.folder import check_folder
 from ckptverify.checks.single import check_file
-from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
+from ckptverify.errors import BadPickle, TransformError
+from ckptverify.safeparse.pickle_scan import scan_pickle
 
 
 @dataclasses.dataclass
@@ -234,7 +235,7 @@ def test_a_zstd_item_that_cannot_be_decoded_here_is_uncheckable_and_deep_does_no
     ckpt = zstd_ckpt(tmp_path / "z")
 
     def unavailable(raw, limit):
-        raise transforms.TransformError("no zstd decoder", unavailable=True)
+        raise TransformError("no zstd decoder", unavailable=True)
 
     monkeypatch.setattr(transforms, "_zstd", unavailable)
     report = verify_checkpoint(ckpt)
@@ -246,7 +247,8 @@ def test_a_zstd_item_that_cannot_be_decoded_here_is_uncheckable_and_deep_does_no
 
 def test_a_zstd_bomb_is_refused_within_its_bound() -> None:
     zstandard = pytest.importorskip("zstandard")
-    from ckptverify.dcp.transforms import TransformError, decode
+    from ckptverify.dcp.transforms import decode
+    from ckptverify.errors import TransformError
 
     raw = zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))
     assert len(decode(raw, ["stream.zstd/1"])) == 8 << 20

@@ -20,7 +20,7 @@ from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.storage_reader import SafeFileSystemReader
-from ckptverify.errors import CheckpointRefusedError
+from ckptverify.errors import BadPickle, CheckpointRefusedError
 
 
 class _Canary:
@@ -187,7 +187,7 @@ def _laughs(depth: int, width: int = 10) -> bytes:
 def test_billion_laughs_is_refused_by_the_budget(tmp_path):
     data = _laughs(9)  # 10^9 leaves in ~1 KB
     assert len(data) < 2000
-    with pytest.raises(sp.BadPickle, match="asks for more"):
+    with pytest.raises(BadPickle, match="asks for more"):
         sp.parse(data)
     (tmp_path / ".metadata").write_bytes(data)
     layout, findings = md.read_layout(str(tmp_path))
@@ -212,7 +212,7 @@ def test_a_huge_memo_index_is_refused_at_once(index):
     # LONG_BINPUT with a huge index: the C unpickler (which DCP uses) would zero-fill index * 16 bytes, or
     # fail with MemoryError and so make dcp.load fall back to another file. Refused here, without allocating.
     data = b"\x80\x04\x8c\x25torch.distributed.checkpoint.metadata\x8c\x08Metadata\x93r" + index.to_bytes(4, "little")
-    with pytest.raises(sp.BadPickle, match="memo index"):
+    with pytest.raises(BadPickle, match="memo index"):
         sp.parse(data + b".")
 
 
@@ -223,7 +223,7 @@ def test_a_huge_memo_index_is_refused_at_once(index):
 def test_where_python_unpickling_is_lenient_the_safe_parse_is_not(data):
     with pytest.raises(Exception):  # noqa: B017 - whatever the C unpickler raises
         pickle.loads(data)
-    with pytest.raises(sp.BadPickle):
+    with pytest.raises(BadPickle):
         sp.parse(data)
 
 
@@ -252,5 +252,5 @@ def test_safe_reader_gives_dcp_the_same_metadata_in_every_layout(fresh_ckpt, lay
 def test_values_made_by_stand_ins_cannot_be_rewritten(value):
     # BUILD a new state onto the value after the stand-in checked it (a frozen slotted dataclass would obey).
     for state in (b"X\x0d\x00\x00\x00WriteItemTypeK\x63\x86", b"}X\x01\x00\x00\x00aK\x01s"):
-        with pytest.raises(sp.BadPickle):
+        with pytest.raises(BadPickle):
             sp.parse(b"\x80\x02" + value + state + b"b.")

@@ -25,9 +25,10 @@ from hypothesis import strategies as st
 
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
+from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse.pickle_subset import MAX_LITERAL, in_fast_subset
 
-EXPECTED = (sp.UnsafeGlobal, sp.BadPickle)
+EXPECTED = (UnsafeGlobal, BadPickle)
 MD = b"torch.distributed.checkpoint.metadata"
 
 
@@ -302,8 +303,9 @@ def _real_metadata():
 def test_a_tuple_key_nested_a_million_deep_is_refused_not_a_crash():
     # hash() of it recursed in C until the process died (SIGSEGV); now refused before hashing.
     code = ("from ckptverify.dcp import metadata_pickle as sp\n"
+            "from ckptverify.errors import BadPickle\n"
             "data = b'\\x80\\x02}N' + b'\\x85' * 1_000_000 + b'Ns.'\n"
-            "try:\n    sp.parse(data)\nexcept sp.BadPickle as exc:\n    print('refused:', exc)\n")
+            "try:\n    sp.parse(data)\nexcept BadPickle as exc:\n    print('refused:', exc)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused: a hashed tuple nests deeper than 64 levels" in proc.stdout
@@ -312,7 +314,7 @@ def test_a_tuple_key_nested_a_million_deep_is_refused_not_a_crash():
 def test_exponential_hashing_is_refused():
     # t0 = (None,), t[i+1] = (t[i], t[i]): 60 levels in 300 bytes, 2**60 values to hash as a dict key.
     body = b"N\x85\x94" + b"".join(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94" for i in range(60))
-    with pytest.raises(sp.BadPickle, match="more than 1024 values"):
+    with pytest.raises(BadPickle, match="more than 1024 values"):
         sp.parse(b"\x80\x04}" + body + b"Ns.")
     # MetadataIndex records whose hashed fields are the record before, twice: 2**60 hashes.
     data = bytearray(b"\x80\x04" + _global(MD, b"MetadataIndex") + b"\x94N\x94")  # memo 0: class, 1: None
@@ -321,7 +323,7 @@ def test_exponential_hashing_is_refused():
                  + bytes([i + 1]) + b"ub")
     data += b"}h" + bytes([61]) + b"Ns."
     assert in_fast_subset(bytes(data))
-    with pytest.raises(sp.BadPickle, match="asks for more"):
+    with pytest.raises(BadPickle, match="asks for more"):
         sp.parse(bytes(data))
 
 
@@ -334,9 +336,9 @@ def test_the_c_path_keeps_the_budget():
     data = (b"\x80\x04" + data + b")\x81}(" + _s(b"state_dict_metadata") + b"}" + _s(b"storage_data") + b"}"
             + _s(b"planner_data") + b"h\x09ub.")
     assert in_fast_subset(data)
-    with pytest.raises(sp.BadPickle, match="asks for more"):
+    with pytest.raises(BadPickle, match="asks for more"):
         sp._parse(data, fast=True)
-    with pytest.raises(sp.BadPickle, match="asks for more"):
+    with pytest.raises(BadPickle, match="asks for more"):
         sp.parse(data)
 
 
@@ -347,7 +349,7 @@ def test_a_hostile_pickle_read_by_the_c_unpickler_cannot_change_later_parses(tmp
     for state in (b"}" + _s(b"kind") + _s(b"bad") + b"s", b"N}" + _s(b"_label") + b"K\x01s\x86"):
         data = b"\x80\x04" + _global(*target) + state + b"b."
         assert in_fast_subset(data)
-        with pytest.raises(sp.BadPickle):
+        with pytest.raises(BadPickle):
             sp._parse(data, fast=True)
     assert sp.parse(clean) == sp.parse_reference(clean)
 
@@ -360,9 +362,9 @@ def test_where_the_c_unpickler_is_stricter_its_refusal_stands(monkeypatch):
 
     def c_refuses(data: bytes, *, fast: bool):
         if fast:
-            raise sp.BadPickle("refused by the C unpickler")
+            raise BadPickle("refused by the C unpickler")
         return real(data, fast=fast)
 
     monkeypatch.setattr(sp, "_parse", c_refuses)
-    with pytest.raises(sp.BadPickle, match="refused by the C unpickler"):
+    with pytest.raises(BadPickle, match="refused by the C unpickler"):
         sp.parse(data)

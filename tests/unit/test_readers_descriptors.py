@@ -18,8 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptverify.audit.verify import verify_checkpoint
+from ckptverify.errors import FileChangedError
 from ckptverify.safeparse import readers
-from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile
+from ckptverify.safeparse.readers import ReadOnlyFile
 
 
 @pytest.fixture

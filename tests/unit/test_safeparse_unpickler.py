@@ -20,8 +20,9 @@ import torch
 
 import ckptverify.safeparse
 from ckptverify.dcp import metadata_pickle as sp
+from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse import unpickler as up
-from ckptverify.safeparse.pickle_scan import BadPickle, scan_pickle
+from ckptverify.safeparse.pickle_scan import scan_pickle
 from ckptverify.safeparse.torchsave import tensor_header
 
 MD = b"torch.distributed.checkpoint.metadata"
@@ -47,9 +48,9 @@ class _Calls:
 
 def test_a_global_outside_each_allowlist_is_never_called(capsys):
     data = pickle.dumps(_Calls(), protocol=4)
-    with pytest.raises(sp.UnsafeGlobal):
+    with pytest.raises(UnsafeGlobal):
         sp.parse(data)
-    with pytest.raises(sp.UnsafeGlobal):
+    with pytest.raises(UnsafeGlobal):
         sp.parse_reference(data)
     with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print is not part of a plain tensor record"):
         tensor_header(data)
@@ -60,8 +61,8 @@ def test_a_global_outside_each_allowlist_is_never_called(capsys):
 
 
 @pytest.mark.parametrize("read, refused", [
-    (sp.parse_reference, sp.BadPickle),
-    (sp.parse, sp.BadPickle),
+    (sp.parse_reference, BadPickle),
+    (sp.parse, BadPickle),
     (tensor_header, pickle.UnpicklingError),
 ])
 def test_a_shared_stand_in_cannot_be_modified(read, refused):
@@ -74,7 +75,7 @@ def test_a_shared_stand_in_cannot_be_modified(read, refused):
 
 
 @pytest.mark.parametrize("read, refused", [
-    (sp.parse_reference, sp.BadPickle),
+    (sp.parse_reference, BadPickle),
     (tensor_header, pickle.UnpicklingError),
     (scan_pickle, BadPickle),
 ])
@@ -87,7 +88,7 @@ def test_a_memo_index_far_past_the_entries_made_is_refused_at_once(read, refused
 
 def test_each_configuration_refuses_a_tuple_key_by_its_own_bound():
     deep = b"\x80\x02}" + b"N" + b"\x85" * 100 + b"Ns."  # {((((None,),),)...): None}, 100 deep
-    with pytest.raises(sp.BadPickle, match="nests deeper than 64"):
+    with pytest.raises(BadPickle, match="nests deeper than 64"):
         sp.parse_reference(deep)
     with pytest.raises(pickle.UnpicklingError, match=r"data\.pkl uses a tuple as a dict key"):
         tensor_header(deep)
@@ -103,7 +104,7 @@ def test_the_budget_raises_its_configurations_exception():
     budget.charge(3)
     with pytest.raises(KeyError, match="spent"):
         budget.charge()
-    with pytest.raises(sp.BadPickle, match="asks for more"):
+    with pytest.raises(BadPickle, match="asks for more"):
         sp._Budget(0).charge()
     # The scan's object budget: a list of a thousand globals is more than a budget of 100 objects allows.
     data = b"\x80\x02(" + b"ctorch\nSize\n" * 1000 + b"l."

@@ -12,8 +12,9 @@ import zlib
 import pytest
 import torch
 
+from ckptverify.errors import ArchiveError
 from ckptverify.safeparse.torchsave import tensor_header
-from ckptverify.safeparse.zipwalk import ArchiveError, parse_archive
+from ckptverify.safeparse.zipwalk import parse_archive
 
 
 def _saved(value) -> bytes:

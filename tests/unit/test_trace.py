@@ -16,11 +16,10 @@ from helpers.multiproc import spawn_ranks
 from torch import nn
 
 from ckptverify import TrainState
-from ckptverify.errors import CkptVerifyError
+from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError
 from ckptverify.trace import (
     Cell,
     TraceHeader,
-    TraceHeaderMismatchError,
     TraceRecorder,
     TraceWriter,
     compare_runs,
@@ -85,6 +84,11 @@ def test_header_round_trip_and_validation() -> None:
     assert h.differences(TraceHeader.from_dict({**h.to_dict(), "run": "b", "workload": "v"})) == ["workload"]
     with pytest.raises(ValueError, match="unknown trace level"):
         TraceHeader(run="a", level="everything")
+    # Only the version this tool writes reads, with every field present.
+    for bad, match in (({**h.to_dict(), "schema_version": 1}, "schema version 1 is not one this tool reads"),
+                       ({k: v for k, v in h.to_dict().items() if k != "detail"}, "no detail")):
+        with pytest.raises(CkptVerifyError, match=match):
+            TraceHeader.from_dict(bad)
 
 
 def test_batched_appends_round_trip(tmp_path: Path) -> None:

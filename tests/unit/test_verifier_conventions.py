@@ -15,12 +15,12 @@ import torch
 from helpers import faults as inj
 
 import ckptverify as cv
-from ckptverify.errors import UsageError
+from ckptverify.errors import UsageError, VerifyFailedWarning
 from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles import events as ev
 from ckptverify.ownfiles.events import EVENTS_FILE, EVENTS_SCHEMA_VERSION, read_events
 from ckptverify.verifier import background
-from ckptverify.verifier.background import AfterSave, BackgroundVerifier, Task, VerifyFailedWarning
+from ckptverify.verifier.background import AfterSave, BackgroundVerifier, Task
 from ckptverify.verifier.jobs import CHECK_SAVED, JOBS
 from ckptverify.verifier.stamper import verify_and_stamp
 from ckptverify.verifier.verification import Verification, event_of, unverified

@@ -26,10 +26,11 @@ import torch.distributed.checkpoint as dcp
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.checks import dcp_pipeline
+from ckptverify.errors import FileChangedError, UnsafeFileError
 from ckptverify.ownfiles import manifest as manifest_mod
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
 from ckptverify.safeparse import readers
-from ckptverify.safeparse.readers import FileChangedError, ReadOnlyFile, UnsafeFileError, is_inside, open_regular
+from ckptverify.safeparse.readers import ReadOnlyFile, is_inside, open_regular
 
 
 def _save(path: Path, n: int, *, per_item: bool) -> None:
