@@ -121,6 +121,10 @@ def test_every_test_runs_under_a_timeout_and_the_readme_runs_the_suite_in_parall
     import conftest
 
     assert [n for n in conftest.START_FIRST if not list((REPO / "tests").rglob(n))] == []
+    # The install skips byte-compiling (--no-compile); the suite's processes cache what they import instead, also
+    # where the environment sets PYTHONDONTWRITEBYTECODE (conftest drops it).
+    assert "--no-compile" in blocks[1], blocks[1]
+    assert not sys.dont_write_bytecode and "PYTHONDONTWRITEBYTECODE" not in os.environ
 
 
 def test_test_file_basenames_are_unique_across_folders() -> None:
