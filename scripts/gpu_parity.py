@@ -35,6 +35,10 @@ from typing import Any
 
 import torch
 
+# The test helpers' rank teardown (tests/helpers/multiproc.py), as the other multi-rank scripts use them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from helpers.multiproc import exit_without_teardown
+
 from ckptverify import fingerprint as fp
 from ckptverify.fingerprint import kernels as kern
 from ckptverify.fingerprint import triton_kernel as tri
@@ -295,11 +299,7 @@ def _dtensor_rank(rank: int, world: int, init: str, dry: bool, out: str) -> None
         dist.barrier()  # no rank tears down while another is still in a collective
     finally:
         dist.destroy_process_group()
-    # DTensor's gloo group keeps worker threads alive past destroy_process_group; interpreter teardown around them
-    # now and then aborts a finished rank ("terminate called without an active exception"). The result is written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # DTensor's gloo threads outlive the group; the result is written
 
 
 def part_dtensor(dev: torch.device, dry: bool) -> int:
