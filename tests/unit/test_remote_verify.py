@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'ckptverify[s3]'): S3 tests skipped")
-pytest.importorskip("moto.server", reason="moto[server] is not installed (the `test` extra): S3 tests skipped")
+pytest.importorskip("moto.server", reason="moto's S3 server is not installed (the `test` extra): S3 tests skipped")
 
 import torch
 import torch.distributed.checkpoint as dcp

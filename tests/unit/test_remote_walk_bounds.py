@@ -34,7 +34,7 @@ BUCKET = "walkbounds"
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
     pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'ckptverify[s3]'): S3 tests skipped")
-    pytest.importorskip("moto.server", reason="moto[server] is not installed (the `test` extra): S3 tests skipped")
+    pytest.importorskip("moto.server", reason="moto's S3 server is not installed (the `test` extra): S3 tests skipped")
     pytest.importorskip("boto3", reason="boto3 is not installed (the `test` extra): S3 tests skipped")
     from helpers.remote_s3 import serve_bucket
 
