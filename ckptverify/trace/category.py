@@ -28,18 +28,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = [
-    "HostViews",
-    "combine",
-    "combine_digests",
-    "host_digest",
-    "host_view",
-    "locate",
-    "matches",
-    "subclass_digest",
-    "tensor_digests",
-    "weight",
-]
+__all__ = ["HostViews", "combine", "combine_digests", "host_digest", "host_view", "locate", "matches",
+           "subclass_digest", "tensor_digests", "weight"]
 
 _MASK64 = (1 << 64) - 1
 

@@ -22,19 +22,8 @@ from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageEr
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.trace.store import Trace, open_trace, step_ranges
 
-__all__ = [
-    "FirstDivergence",
-    "RankComparison",
-    "compare_runs",
-    "compare_traces",
-    "divergences",
-    "first_divergence",
-    "job_divergence",
-    "module_of",
-    "rank_comparisons",
-    "recompute_findings",
-    "run_stores",
-]
+__all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "divergences", "first_divergence",
+           "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores"]
 
 TraceLike = Trace | str | os.PathLike[str]
 
@@ -192,9 +181,6 @@ class _Aligned:
         differs = (pa != pb) | (pa & pb & (va != vb).any(axis=-1))
         return differs, (va, pa, vb, pb)
 
-    def value(self, trace: Trace, step: int, name: str) -> float | int | str | None:
-        return trace.value(step, name) if trace.has_site(name) else None
-
 
 _ALWAYS_IGNORED = ("run", "detail")
 
@@ -219,12 +205,9 @@ def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
         raise TraceHeaderMismatchError(diffs, ta, tb)
 
 
-def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool,
-                  ignore: Iterable[str], ignore_sites: tuple[str, ...] = ()) -> RankComparison:
-    diffs = ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))
-    _check_headers(ta, tb, diffs, force)
-    if diffs and not force:
-        raise TraceHeaderMismatchError(diffs, ta, tb)
+def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int] | None, force: bool,
+                  ignore_sites: tuple[str, ...]) -> RankComparison:
+    """Compare one rank's traces whose header differences ``diffs`` :func:`_check_headers` accepted."""
     rank = ta.header.rank if ta.header.rank is not None else 0
     sa, sb = ta.step_array, tb.step_array
     fa, fb = sa[_step_mask(sa, steps)], sb[_step_mask(sb, steps)]
@@ -311,7 +294,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
                 if aligned.kinds[k] in OWN_KINDS or aligned.names[k] in OWN_METRICS), None)
     base = {
         "step": step, "rank": rank, "site": name, "category": site.category, "kind": site.kind,
-        "expected": aligned.value(ta, step, name), "actual": aligned.value(tb, step, name),
+        "expected": ta.value(step, name), "actual": tb.value(step, name),
         "differing_sites": int(row.sum()), "own_site": own,
     }
     if site.encoding == "set128":
@@ -411,12 +394,16 @@ def _run_label(run: str, tag: str) -> str:
 def _location(site: str, kind: str, rank: int) -> Location:
     fqn = None
     if site.endswith(".*"):
-        fqn = None
+        pass  # a category cell: no one tensor
     elif kind in ("param", "grad"):
         fqn = site.split(".", 1)[1]
     elif kind in _MODULE_KINDS:
         fqn = module_of(site)
     return Location(rank=rank, record=site, fqn=fqn)
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
 
 
 def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
@@ -440,7 +427,7 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                 ))
         if comp.ignored_sites:
             names = comp.ignored_sites
-            shown = ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
+            shown = _listed(names)
             # Comparing nothing proves nothing: all sites ignored is an error.
             make = error if comp.compared_sites == 0 else info
             out.append(make("trace-ignored", f"rank {r}: {len(names)} sites matching --ignore were left out of the "
@@ -448,7 +435,7 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                             location=Location(rank=r), actual={"rank": r, "sites": list(names)}))
         for tag, names in (("A", comp.sites_only_a), ("B", comp.sites_only_b)):
             if names:
-                shown = ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
+                shown = _listed(names)
                 out.append(warning(
                     "trace-sites", f"rank {r}: {len(names)} sites are recorded only in trace {tag} and were not "
                     f"compared: {shown}", location=Location(rank=r),
@@ -487,7 +474,7 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
         ))
         if d.origin is not None:
             kind = f" ({d.origin_type})" if d.origin_type else ""
-            shown = ", ".join(d.receivers[:_SHOWN]) + (", …" if len(d.receivers) > _SHOWN else "")
+            shown = _listed(d.receivers)
             caveat = "" if d.inputs_verified else (
                 "; the parameters this step started from are not in both traces, so equal inputs are assumed")
             what = (f"its input is equal, but its own forward changed the input of {d.origin_fed} "
@@ -552,10 +539,11 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
                            missing="b" if r in stores_a else "a")
             for r in sorted(set(stores_a) ^ set(stores_b))
         ]
-    for ta, tb in pairs:
-        _check_headers(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore)), force)
+    checked = [(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))) for ta, tb in pairs]
+    for ta, tb, diffs in checked:
+        _check_headers(ta, tb, diffs, force)
     sites = tuple(ignore_sites)
-    comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore=ignore, ignore_sites=sites) for ta, tb in pairs]
+    comps = [_compare_pair(ta, tb, diffs, steps=steps, force=force, ignore_sites=sites) for ta, tb, diffs in checked]
     return sorted([*comps, *missing], key=lambda c: c.rank)
 
 

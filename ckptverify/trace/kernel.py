@@ -31,24 +31,9 @@ if TYPE_CHECKING:
 
     from ckptverify.trace.oplog import OpKey
 
-__all__ = [
-    "MAX_CAPTURE_BYTES",
-    "MAX_FLOPS",
-    "MECHANISMS",
-    "OUTPUT_FACTOR",
-    "OUTPUT_SLACK_BYTES",
-    "RERUN_TIMEOUT_S",
-    "Capture",
-    "KernelVerdict",
-    "check_op",
-    "load_capture",
-    "mechanism_of",
-    "nvtx_enabled",
-    "nvtx_site",
-    "rerun",
-    "resolve_op",
-    "site_name",
-]
+__all__ = ["MAX_CAPTURE_BYTES", "MAX_FLOPS", "MECHANISMS", "OUTPUT_FACTOR", "OUTPUT_SLACK_BYTES", "RERUN_TIMEOUT_S",
+           "Capture", "KernelVerdict", "check_op", "load_capture", "mechanism_of", "nvtx_enabled", "nvtx_site", "rerun",
+           "resolve_op", "site_name"]
 
 #: What a mechanism key means, as the verdict says it.
 MECHANISMS: dict[str, str] = {
@@ -117,22 +102,18 @@ def site_name(key: OpKey) -> str:
 
 
 @functools.cache
-def _nvtx_enabled() -> bool:
+def nvtx_enabled() -> bool:
+    """Whether :func:`nvtx_site` pushes ranges in this process (CUDA is there; asked once)."""
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def nvtx_enabled() -> bool:
-    """Whether :func:`nvtx_site` pushes ranges in this process (CUDA is there; asked once)."""
-    return _nvtx_enabled()
 
 
 @contextmanager
 def nvtx_site(name: str) -> Iterator[None]:
     """An NVTX range named ``name`` around the block on CUDA, for ``nsys``; nothing without CUDA (asked once per
     process: this wraps every op of a window)."""
-    if not _nvtx_enabled():
+    if not nvtx_enabled():
         yield
         return
     import torch

@@ -333,7 +333,13 @@ class TraceRecorder:
         hook._ckptverify_hook = True  # type: ignore[attr-defined]
         return hook
 
-    def _forget_calls(self) -> None:
+    def _forget_step(self) -> None:
+        """Drop what the hooks gathered for the step."""
+        self._module_cells = []
+        self._start_cells = []
+        self._grad_cells = None
+        self._hparam_cells = []
+        self._occurrences.clear()
         self._frames.clear()
         self._calls.clear()
         self._calls_of.clear()
@@ -346,12 +352,7 @@ class TraceRecorder:
     def skip_step(self) -> None:
         """End a step begun with :meth:`begin_skipped_step`: forget anything gathered for it."""
         self._paused -= 1
-        self._module_cells = []
-        self._start_cells = []
-        self._grad_cells = None
-        self._hparam_cells = []
-        self._occurrences.clear()
-        self._forget_calls()
+        self._forget_step()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -457,12 +458,7 @@ class TraceRecorder:
             if state is not None:
                 cells.extend(self._state_cells(step, state))
         cells.extend(op_items)
-        self._module_cells = []
-        self._start_cells = []
-        self._hparam_cells = []
-        self._occurrences.clear()
-        self._forget_calls()
-        self._grad_cells = None
+        self._forget_step()
         # Device values are read back once, when the next step is recorded (or at flush): nothing waits here.
         self._settle()
         if any(type(x) is _Deferred for x in cells):
@@ -600,17 +596,15 @@ class TraceRecorder:
         if found is None:
             return [None] * len(tensors)
         _, members, digests = found
-        index: dict[tuple[Any, ...], int] = {}
-        for t, d in zip(members, digests, strict=True):
+
+        def storage(t: Any) -> tuple[Any, ...] | None:
             local = t.to_local() if _is_dtensor(t) else t
-            if local.numel():
-                index[(local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())] = d
-        out: list[int | None] = []
-        for t in tensors:
-            local = t.to_local() if _is_dtensor(t) else t
-            key = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())
-            out.append(index.get(key) if local.numel() else None)
-        return out
+            return (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride()) \
+                if local.numel() else None
+
+        index = {storage(t): d for t, d in zip(members, digests, strict=True)}
+        index.pop(None, None)
+        return [index.get(storage(t)) for t in tensors]
 
     def flush(self) -> None:
         """Write the buffered rows and wait until they are committed."""

@@ -32,23 +32,8 @@ from ckptverify.errors import CkptVerifyError, JSONError, UsageError
 from ckptverify.ownfiles.names import own_folder
 from ckptverify.safeparse import safejson
 
-__all__ = [
-    "CATEGORIES",
-    "DIGEST_ENCODINGS",
-    "ENCODINGS",
-    "KINDS",
-    "LEVELS",
-    "TRACE_SCHEMA",
-    "TRACE_SCHEMA_VERSION",
-    "Cell",
-    "Site",
-    "Trace",
-    "TraceHeader",
-    "TraceRow",
-    "TraceWriter",
-    "open_trace",
-    "rank_store_path",
-]
+__all__ = ["CATEGORIES", "DIGEST_ENCODINGS", "ENCODINGS", "KINDS", "LEVELS", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION",
+           "Cell", "Site", "Trace", "TraceHeader", "TraceRow", "TraceWriter", "open_trace", "rank_store_path"]
 
 TRACE_SCHEMA = "ckptverify/trace"
 TRACE_SCHEMA_VERSION = 2
@@ -165,8 +150,7 @@ class TraceHeader:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         for name, value in values.items():
-            want = _HEADER_TYPES[name]
-            if not (isinstance(value, want) and not (isinstance(value, bool) and bool not in _as_tuple(want))):
+            if not isinstance(value, _HEADER_TYPES[name]) or isinstance(value, bool):
                 raise CkptVerifyError(f"damaged trace header: {name} is {type(value).__name__}")
         try:
             header = cls(**values)
@@ -196,10 +180,6 @@ _HEADER_TYPES: dict[str, Any] = {
 }
 
 
-def _as_tuple(t: Any) -> tuple[Any, ...]:
-    return t if isinstance(t, tuple) else (t,)
-
-
 @dataclass(frozen=True, slots=True)
 class Site:
     """One recorded quantity. ``order``: position in execution order; ``info``: a free note; ``group``: the category
@@ -224,10 +204,6 @@ class Cell:
     encoding: str = "fp128"
     info: str = ""
     group: str = ""
-
-    @classmethod
-    def from_hex(cls, site: str, kind: str, value: str, encoding: str = "fp128", info: str = "") -> Cell:
-        return cls(site, kind, hex_lanes(value), encoding, info)
 
     @classmethod
     def from_float(cls, site: str, kind: str, value: float) -> Cell:

@@ -19,16 +19,7 @@ from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.trace.oplog import OpEvent, OpKey
 
-__all__ = [
-    "ORIGIN_KINDS",
-    "Located",
-    "OpSite",
-    "Origin",
-    "Receiver",
-    "SideVariation",
-    "Via",
-    "locate",
-]
+__all__ = ["ORIGIN_KINDS", "Located", "OpSite", "Origin", "Receiver", "SideVariation", "Via", "locate"]
 
 ORIGIN_KINDS = ("op", "collective", "untraced", "state")
 
