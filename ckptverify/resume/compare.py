@@ -271,19 +271,16 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
     ta, tb = open_trace(run_stores(a_dir)[rank]), open_trace(run_stores(b_dir)[rank])
     names = [s.name for s in ta.sites] + [s.name for s in tb.sites if not ta.has_site(s.name)]
 
-    def val(trace: Any, at: int, name: str) -> Any:
-        return trace.value(at, name) if trace.has_site(name) and trace.row_index(at) is not None else None
-
-    differing = [n for n in names if val(ta, step, n) != val(tb, step, n)]
+    differing = [n for n in names if ta.value(step, n) != tb.value(step, n)]
 
     def moved(trace: Any, name: str, end_name: str, is_b: bool) -> bool | None:
-        now = val(trace, step, name)
+        now = trace.value(step, name)
         if is_b and first_resumed:
             before = restored.get(name)
         elif first_resumed and not is_b:
-            before = restored.get(name) if name in restored else val(trace, step - 1, end_name)
+            before = restored.get(name) if name in restored else trace.value(step - 1, end_name)
         else:
-            before = val(trace, step - 1, end_name)
+            before = trace.value(step - 1, end_name)
         if before is None or now is None:
             return None
         return bool(now != before)
@@ -293,20 +290,20 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
     hparams_step: list[HparamDiff] = []
     for n in differing:
         if n.startswith("start.rng."):
-            rng.append(StreamDiff(n[len("start."):], val(ta, step, n), val(tb, step, n),
+            rng.append(StreamDiff(n[len("start."):], ta.value(step, n), tb.value(step, n),
                                   a_moved=moved(ta, n, n[len("start."):], False),
                                   b_moved=moved(tb, n, n[len("start."):], True)))
         elif n.startswith("start.hparam."):
-            hparams_start.append(HparamDiff(n[len("start.hparam."):], val(ta, step, n), val(tb, step, n),
+            hparams_start.append(HparamDiff(n[len("start.hparam."):], ta.value(step, n), tb.value(step, n),
                                             a_moved=moved(ta, n, "", False), b_moved=moved(tb, n, "", True)))
         elif n.startswith("hparam."):
-            hparams_step.append(HparamDiff(n[len("hparam."):], val(ta, step, n), val(tb, step, n)))
+            hparams_step.append(HparamDiff(n[len("hparam."):], ta.value(step, n), tb.value(step, n)))
     return StepEvidence(step=step, rank=rank, rng=tuple(rng), hparams_start=tuple(hparams_start),
                         hparams_step=tuple(hparams_step),
                         buffers=tuple(n for n in differing if n.startswith("buffer.")),
                         batch=any(n == "batch" or n.startswith("batch.") for n in differing),
-                        indices=Indices(val(ta, step, "data.indices"), val(tb, step, "data.indices"),
-                                        val(ta, step + 1, "data.indices")))
+                        indices=Indices(ta.value(step, "data.indices"), tb.value(step, "data.indices"),
+                                        ta.value(step + 1, "data.indices")))
 
 
 def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) -> tuple[list[Finding], Any]:

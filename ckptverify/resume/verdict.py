@@ -297,7 +297,7 @@ class _Parted:
 
 def _pending(c: _Parted) -> Verdict | None:
     """A saved mid gradient accumulation: B starts that optimizer step from zero gradients."""
-    plan, div, forgotten = c.plan, c.div, c.forgotten
+    plan, div, forgotten, step, when = c.plan, c.div, c.forgotten, c.step, c.when
     pending = c.evidence.pending_gradients
     if not pending:
         return None
@@ -305,8 +305,6 @@ def _pending(c: _Parted) -> Verdict | None:
     ranks = sorted({x["rank"] for x in pending})
     on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     names = ", ".join(p.get("names") or []) + (", ..." if p.get("count", 0) > len(p.get("names") or []) else "")
-    step = _get(div, "step")
-    when = RESUME.first if step == plan.resume_at + 1 else f"step {step}"
     return Verdict("accumulated-gradients",
                    f"the checkpoint of step {plan.resume_at} was saved in the middle of gradient accumulation: "
                    f"{p.get('count')} parameter(s) held accumulated gradients ({names}; {on}), which a checkpoint "
@@ -329,10 +327,9 @@ _REBUILT = {"scheduler": "its schedule starts afresh in B while A's carries on f
 
 def _replaced(c: _Parted) -> Verdict | None:
     """A registered object was rebuilt after ``run.restore``: named as the cause, whatever value shows it first."""
-    plan, evidence, div, forgotten = c.plan, c.evidence, c.div, c.forgotten
+    evidence, div, forgotten, step = c.evidence, c.div, c.forgotten, c.step
     if not evidence.replaced:
         return None
-    step = _get(div, "step")
     origins = getattr(div, "origin_ranks", None) or ()
     ordered = sorted(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins,
                                                        r["rank"]))
@@ -341,9 +338,8 @@ def _replaced(c: _Parted) -> Verdict | None:
     on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     field = r["field"]
     effect = _REBUILT.get(field, "B trains with state that was not restored")
-    when = RESUME.first if step == plan.resume_at + 1 else f"step {step}"
     message = (f"the {r['type']} the loop uses is not the one in the TrainState: {r['name']} was rebuilt after "
-               f"run.restore() in run {r['run']} ({on}), so {effect}; the runs part at {when} ({_where(div)}) as a "
+               f"run.restore() in run {r['run']} ({on}), so {effect}; the runs part at {c.when} ({_where(div)}) as a "
                f"consequence.{receivers_said(div)}{forgotten}")
     return Verdict("changed-after-restore", message, step=step, rank=ranks[0] if len(ranks) == 1 else None,
                    site=r["name"], category=field if field in _REBUILT else "extras", origin=_get(div, "origin"),
