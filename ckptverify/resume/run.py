@@ -517,7 +517,7 @@ def _start_values(state: Any) -> dict[str, Any]:
     """The step-start sites as ``state`` holds them now, decoded as a trace reads them."""
     from ckptverify.state.digest import state_digest
     from ckptverify.state.rng import capture_rng
-    from ckptverify.trace.recorder import hparam_cells
+    from ckptverify.trace.hyperparams import hparam_cells
     from ckptverify.trace.store import decode
 
     out: dict[str, Any] = {f"start.rng.{kind}": state_digest(value)

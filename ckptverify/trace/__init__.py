@@ -13,32 +13,12 @@ from ckptverify.trace.compare import (
     compare_traces,
     divergences,
     first_divergence,
-    module_of,
     rank_comparisons,
     recompute_findings,
-    run_stores,
 )
-from ckptverify.trace.recorder import ROOT_MODULE, TraceRecorder, canonical_name, module_site
-from ckptverify.trace.store import (
-    CATEGORIES,
-    DETAILS,
-    ENCODINGS,
-    KINDS,
-    LEVELS,
-    TRACE_SCHEMA,
-    TRACE_SCHEMA_VERSION,
-    Cell,
-    Site,
-    Trace,
-    TraceHeader,
-    TraceRow,
-    TraceWriter,
-    open_trace,
-    rank_store_path,
-)
+from ckptverify.trace.recorder import TraceRecorder
+from ckptverify.trace.store import LEVELS, Cell, Trace, TraceHeader, TraceRow, TraceWriter, open_trace, rank_store_path
 
-__all__ = ["CATEGORIES", "DETAILS", "ENCODINGS", "KINDS", "LEVELS", "ROOT_MODULE", "TRACE_SCHEMA",
-           "TRACE_SCHEMA_VERSION", "Cell", "FirstDivergence", "RankComparison", "Site", "Trace", "TraceHeader",
-           "TraceRecorder", "TraceRow", "TraceWriter", "canonical_name", "compare_runs", "compare_traces",
-           "divergences", "first_divergence", "module_of", "module_site", "open_trace", "rank_comparisons",
-           "rank_store_path", "recompute_findings", "run_stores"]
+__all__ = ["LEVELS", "Cell", "FirstDivergence", "RankComparison", "Trace", "TraceHeader", "TraceRecorder", "TraceRow",
+           "TraceWriter", "compare_runs", "compare_traces", "divergences", "first_divergence", "open_trace",
+           "rank_comparisons", "rank_store_path", "recompute_findings"]

@@ -244,12 +244,6 @@ class StepTracer:
         self._flying: set[int] = set()
         self._nvtx = False
 
-    def _in_window(self, step: int) -> bool:
-        w = self.window
-        if w is None:
-            return False
-        return (w.steps is None or step in w.steps) and (w.ranks is None or self.rank in w.ranks)
-
     def _module_in_window(self, module: str) -> bool:
         mods = self.window.modules if self.window is not None else None
         if mods is None:
@@ -261,8 +255,9 @@ class StepTracer:
         :func:`_comm_kernels` to this tracer."""
         global _ACTIVE
 
-        self.step = step
-        self.ops_on = self._in_window(step)
+        self.step, w = step, self.window
+        self.ops_on = (w is not None and (w.steps is None or step in w.steps)
+                       and (w.ranks is None or self.rank in w.ranks))
         if self.ops_on:
             from ckptverify.trace.kernel import nvtx_enabled
 

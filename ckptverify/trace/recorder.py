@@ -34,11 +34,11 @@ from ckptverify.trace.cells import (
     _value_lanes,
 )
 from ckptverify.trace.flatten import _counters, _data_value, _layout_signature, _StateLayout, _Structure
-from ckptverify.trace.hyperparams import _HparamCells, hparam_cells
+from ckptverify.trace.hyperparams import _HparamCells
 from ckptverify.trace.members import _Gradients
 from ckptverify.trace.oplog import OpWindow
 from ckptverify.trace.ops import DEFAULT_CHUNK_ELEMENTS, OpContext, StepTracer, write_op_log
-from ckptverify.trace.readback import Item, _Deferred, _ReadBack, fingerprint_many
+from ckptverify.trace.readback import Item, _Deferred, _ReadBack
 from ckptverify.trace.sites import (
     _FIELD_ORDER,
     _WRAPPER_PARTS,
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from ckptverify.state.train_state import TrainState
 
-__all__ = ["ROOT_MODULE", "TraceRecorder", "canonical_name", "fingerprint_many", "hparam_cells", "module_site"]
+__all__ = ["TraceRecorder"]
 
 class TraceRecorder:
     """Records one row per training step into ``<path>/rank<r>`` (a :class:`~ckptverify.trace.TraceWriter`).

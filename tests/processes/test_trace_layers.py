@@ -35,18 +35,6 @@ def test_each_recorder_module_imports_only_the_ones_before_it(name: str) -> None
     assert not _trace_imports(name) & later, name
 
 
-def test_names_imported_from_the_recorder_module_are_the_ones_of_their_new_homes() -> None:
-    from ckptverify.trace import hyperparams, readback, recorder, sites
-
-    # Callers import these from ckptverify.trace.recorder (hparam_cells: Run; _is_dtensor: the replica check).
-    assert recorder.fingerprint_many is readback.fingerprint_many
-    assert recorder.hparam_cells is hyperparams.hparam_cells
-    assert recorder._is_dtensor is sites._is_dtensor
-    assert recorder.ROOT_MODULE == sites.ROOT_MODULE == "(root)"
-    for name in recorder.__all__:
-        assert hasattr(recorder, name), name
-
-
 def _plan(steps: int = 6, resume_at: int = 3):
     from ckptverify.resume.harness import Plan
 

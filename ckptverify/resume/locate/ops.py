@@ -348,12 +348,8 @@ def _differs(x: int | None, y: int | None) -> bool:
     return x is not None and y is not None and x != y
 
 
-def _seq_differs(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
-    return len(xs) != len(ys) or any(_differs(x, y) for x, y in zip(xs, ys, strict=True))
-
-
 def _inputs_differ(a: OpEvent, b: OpEvent) -> bool:
-    return _seq_differs(a.inputs, b.inputs)
+    return len(a.inputs) != len(b.inputs) or any(_differs(x, y) for x, y in zip(a.inputs, b.inputs, strict=True))
 
 
 def _argument_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any], ...]:
