@@ -136,8 +136,8 @@ def _step_mask(steps: np.ndarray, wanted: Iterable[int] | None) -> np.ndarray:
     return np.isin(steps, chosen)
 
 
-def _merged_order(a: Sequence[str], b: Sequence[str]) -> list[str]:
-    """A's execution order, with B's extra sites placed right after the site B records before them."""
+def merged_order(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
+    """A's execution order, with B's extra items placed right after the item B records before them."""
     in_a = set(a)
     after: dict[str | None, list[str]] = {}
     prev: str | None = None
@@ -231,7 +231,7 @@ def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int
         sites_only_a = tuple(n for n in names_a if not tb.has_site(n))
         sites_only_b = tuple(n for n in names_b if not ta.has_site(n))
     else:
-        names = _merged_order(names_a, names_b)
+        names = merged_order(names_a, names_b)
     # A per-tensor cell only one trace records is no difference: the category cell stands for it.
     names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
     aligned = _Aligned(ta, tb, names)

@@ -27,7 +27,7 @@ from ckptverify.trace import (
     first_divergence,
     open_trace,
 )
-from ckptverify.trace.compare import _merged_order, divergences
+from ckptverify.trace.compare import divergences, merged_order
 
 STEPS = 5
 
@@ -176,7 +176,7 @@ def test_presence_difference_is_a_divergence(tmp_path: Path) -> None:
 
 
 def test_merged_order() -> None:
-    assert _merged_order(["a", "b", "c"], ["x", "a", "c", "y"]) == ["x", "a", "b", "c", "y"]
+    assert merged_order(["a", "b", "c"], ["x", "a", "c", "y"]) == ["x", "a", "b", "c", "y"]
 
 
 # ------------------------------------------------------------------------------------------- runs
