@@ -16,28 +16,27 @@ from ckptverify.resume.run import RunConfig, checkpoint_path
 if TYPE_CHECKING:
     from ckptverify.trace.compare import FirstDivergence
 
-__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "HparamDiff", "Indices", "StepEvidence", "StreamDiff",
-           "compare", "rank_files", "restore_findings", "step_evidence"]
+__all__ = [
+    "FOLD_ABOVE",
+    "Evidence",
+    "HeldComparison",
+    "Indices",
+    "SiteDiff",
+    "StepEvidence",
+    "compare",
+    "rank_files",
+    "restore_findings",
+    "step_evidence",
+]
 
 
 @dataclass(frozen=True)
-class StreamDiff:
-    """A random stream differing when a step starts (``stream``: site without ``start.``), its digests in A and B,
-    and whether each run moved it since the previous step (B's first resumed step: since the restore)."""
+class SiteDiff:
+    """A random stream (``name``: its site without ``start.``) or hyperparameter (``<group>.<key>``) that differs,
+    its values in A and B (``a`` ``None`` when A has only the category cell) and, when a step starts, whether each
+    run moved it since the previous step (B's first resumed step: since the restore)."""
 
-    stream: str
-    a: Any
-    b: Any
-    a_moved: bool | None = None
-    b_moved: bool | None = None
-
-
-@dataclass(frozen=True)
-class HparamDiff:
-    """A differing hyperparameter (``<group>.<key>``), its values in A and B (``a`` ``None`` when A has only the
-    category cell) and, at step start, whether each run moved it."""
-
-    field: str
+    name: str
     a: Any
     b: Any
     a_moved: bool | None = None
@@ -60,9 +59,9 @@ class StepEvidence:
 
     step: int
     rank: int
-    rng: tuple[StreamDiff, ...] = ()
-    hparams_start: tuple[HparamDiff, ...] = ()
-    hparams_step: tuple[HparamDiff, ...] = ()
+    rng: tuple[SiteDiff, ...] = ()
+    hparams_start: tuple[SiteDiff, ...] = ()
+    hparams_step: tuple[SiteDiff, ...] = ()
     buffers: tuple[str, ...] = ()
     batch: bool = False
     indices: Indices = Indices()
@@ -285,19 +284,19 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
             return None
         return bool(now != before)
 
-    rng: list[StreamDiff] = []
-    hparams_start: list[HparamDiff] = []
-    hparams_step: list[HparamDiff] = []
+    rng: list[SiteDiff] = []
+    hparams_start: list[SiteDiff] = []
+    hparams_step: list[SiteDiff] = []
     for n in differing:
         if n.startswith("start.rng."):
-            rng.append(StreamDiff(n[len("start."):], ta.value(step, n), tb.value(step, n),
+            rng.append(SiteDiff(n[len("start."):], ta.value(step, n), tb.value(step, n),
                                   a_moved=moved(ta, n, n[len("start."):], False),
                                   b_moved=moved(tb, n, n[len("start."):], True)))
         elif n.startswith("start.hparam."):
-            hparams_start.append(HparamDiff(n[len("start.hparam."):], ta.value(step, n), tb.value(step, n),
+            hparams_start.append(SiteDiff(n[len("start.hparam."):], ta.value(step, n), tb.value(step, n),
                                             a_moved=moved(ta, n, "", False), b_moved=moved(tb, n, "", True)))
         elif n.startswith("hparam."):
-            hparams_step.append(HparamDiff(n[len("hparam."):], ta.value(step, n), tb.value(step, n)))
+            hparams_step.append(SiteDiff(n[len("hparam."):], ta.value(step, n), tb.value(step, n)))
     return StepEvidence(step=step, rank=rank, rng=tuple(rng), hparams_start=tuple(hparams_start),
                         hparams_step=tuple(hparams_step),
                         buffers=tuple(n for n in differing if n.startswith("buffer.")),

@@ -353,14 +353,14 @@ def _rng(c: _Parted) -> Verdict | None:
     if not rngs:
         return None
     step, site = c.step, c.site
-    names = ", ".join(r.stream for r in rngs)
-    cause, advice = causes.rng_cause(RESUME, b_moved=[r.stream for r in rngs if r.b_moved],
-                                     a_moved=[r.stream for r in rngs if r.a_moved], first_step=c.first_resumed,
+    names = ", ".join(r.name for r in rngs)
+    cause, advice = causes.rng_cause(RESUME, b_moved=[r.name for r in rngs if r.b_moved],
+                                     a_moved=[r.name for r in rngs if r.a_moved], first_step=c.first_resumed,
                                      step=step, saved_at=c.plan.resume_at)
     later = "" if site.startswith("start.") else f" What differs after it (first {site}) is a consequence."
     return Verdict("rng", causes.rng_sentence(names, when=c.when, step=step, rank=ranks_said(c.div), cause=cause)
                    + f".{later}" + c.said, advice=advice + ".",
-                   **{**c.common, "site": rngs[0].stream, "category": "rng"})
+                   **{**c.common, "site": rngs[0].name, "category": "rng"})
 
 
 def _hparam_start(c: _Parted) -> Verdict | None:
@@ -369,8 +369,8 @@ def _hparam_start(c: _Parted) -> Verdict | None:
     if not hstart:
         return None
     h = hstart[0]
-    fields = ", ".join(x.field for x in hstart)
-    name = f"param_groups[{h.field.split('.')[0]}].{'.'.join(h.field.split('.')[1:])}"
+    fields = ", ".join(x.name for x in hstart)
+    name = f"param_groups[{h.name.split('.')[0]}].{'.'.join(h.name.split('.')[1:])}"
     kind, text, advice = causes.hparam_start_cause(RESUME, name=name, a=h.a, b=h.b, first_step=c.first_resumed,
                                                    a_moved=h.a_moved, b_moved=h.b_moved, step=c.step,
                                                    saved_at=c.plan.resume_at, when=c.when)
@@ -387,8 +387,8 @@ def _step_hparams(c: _Parted) -> Verdict | None:
             or (unsaved and lr_moved)):
         return None
     if hstep:
-        h = next((x for x in hstep if x.field.endswith(".lr") or x.field == "lr"), hstep[0])
-        g, _, key = h.field.partition(".")
+        h = next((x for x in hstep if x.name.endswith(".lr") or x.name == "lr"), hstep[0])
+        g, _, key = h.name.partition(".")
         what = causes.step_hparam_what(RESUME, key=key, group=g, a=h.a, b=h.b, step=c.step)
         lr_site = f"optim.param_groups[{g}].{key}"
     else:

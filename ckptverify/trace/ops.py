@@ -63,8 +63,7 @@ class OpContext:
         #: Innermost last.
         self.forward: list[tuple[str, bool]] = []
         self.backward: list[str] = []
-        self.optimizer = 0
-        self.backward_seen = False
+        self.reset()
 
     def reset(self) -> None:
         self.forward.clear()

@@ -83,6 +83,9 @@ class TraceRecorder:
             raise UsageError(f"trace header says world size {header.world_size}, but the job has {world}")
         self.header = header.with_rank(rank, world)
         self.level = self.header.level
+        #: What the level records (each level includes the ones before it).
+        self.records_state, self.records_comm, self.records_modules, self.records_ops = (
+            LEVELS.index(self.level) >= LEVELS.index(x) for x in ("state", "comm", "module", "op"))
         self.detail = self.header.detail
         self.rank = rank
         self.run_dir = Path(path)
@@ -106,7 +109,6 @@ class TraceRecorder:
         self._hparams = _HparamCells("hparam.", self.detail)
         self._start_hparams = _HparamCells("start.hparam.", self.detail)
         self._grad_version = -1
-        self._field_kinds: dict[str, str] = {}
         self._last: tuple[int, list[Any], list[int]] | None = None
         self._kept: tuple[int, list[Any], list[int]] | None = None
         self._hook_warning = _HookWarningGuard()
@@ -131,22 +133,6 @@ class TraceRecorder:
             self._tracer = StepTracer(self._context, rank=rank, comm=True,
                                       window=window if self.records_ops else None, emit=self._emit,
                                       fill=self._fill, chunk_elements=chunk_elements)
-
-    @property
-    def records_state(self) -> bool:
-        return LEVELS.index(self.level) >= LEVELS.index("state")
-
-    @property
-    def records_comm(self) -> bool:
-        return LEVELS.index(self.level) >= LEVELS.index("comm")
-
-    @property
-    def records_modules(self) -> bool:
-        return LEVELS.index(self.level) >= LEVELS.index("module")
-
-    @property
-    def records_ops(self) -> bool:
-        return self.level == "op"
 
     def _emit(self, item: Any) -> int:
         """Append a step item (``None``: a slot to :meth:`_fill` later); returns its index."""
@@ -582,10 +568,7 @@ class TraceRecorder:
         return cells
 
     def _field_cell(self, name: str, value: Any) -> Cell:
-        kind = self._field_kinds.get(name)
-        if kind is None:
-            kind = self._field_kinds[name] = _field_kind(name)
-        return Cell(name, kind, _value_lanes(value), "digest128")
+        return Cell(name, _field_kind(name), _value_lanes(value), "digest128")
 
     def step_digests(self, step: int, tensors: list[Any]) -> list[int | None]:
         """The member digests the row of ``step`` (one of the last two) holds for ``tensors``, matched by storage;

@@ -312,10 +312,6 @@ class TraceWriter:
         """Rows appended so far (written or buffered)."""
         return self._rows + len(self._buffer)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def append(self, step: int, cells: Iterable[Cell]) -> None:
         """Add the row of ``step`` (larger than every step before); ``cells`` in execution order."""
         if self._closed:

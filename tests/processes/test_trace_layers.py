@@ -50,11 +50,11 @@ def _divergence(step: int, site: str, category: str):
 
 
 def test_the_verdict_reads_frozen_typed_evidence() -> None:
-    from ckptverify.resume.compare import Evidence, StepEvidence, StreamDiff
+    from ckptverify.resume.compare import Evidence, SiteDiff, StepEvidence
     from ckptverify.resume.verdict import decide
 
     ev = Evidence(resume=_divergence(4, "batch", "data"),
-                  step=StepEvidence(step=4, rank=0, rng=(StreamDiff("rng.torch_cpu", "a", "b", b_moved=True),)))
+                  step=StepEvidence(step=4, rank=0, rng=(SiteDiff("rng.torch_cpu", "a", "b", b_moved=True),)))
     with pytest.raises(dataclasses.FrozenInstanceError):
         ev.final = ()  # type: ignore[misc]
     v = decide(_plan(), ev)
@@ -64,7 +64,7 @@ def test_the_verdict_reads_frozen_typed_evidence() -> None:
     # Nothing found: a pass, and a stream that moved is not confused with one that did not.
     assert decide(_plan(), Evidence()).kind == "pass"
     still = decide(_plan(), Evidence(resume=_divergence(4, "start.rng.torch_cpu", "rng"),
-                                     step=StepEvidence(step=4, rank=0, rng=(StreamDiff("rng.torch_cpu", "a", "b"),))))
+                                     step=StepEvidence(step=4, rank=0, rng=(SiteDiff("rng.torch_cpu", "a", "b"),))))
     assert still.kind == "rng" and "not restored from the checkpoint" in still.message
     assert "re-seeded" not in still.message
 
@@ -74,10 +74,10 @@ def test_the_verdict_reads_frozen_typed_evidence() -> None:
                                                            (None, None, "scheduler")])
 def test_resume_check_and_replay_say_the_same_hyperparameter_cause(a_moved, b_moved, kind) -> None:
     from ckptverify.resume import causes
-    from ckptverify.resume.compare import Evidence, HparamDiff, StepEvidence
+    from ckptverify.resume.compare import Evidence, SiteDiff, StepEvidence
     from ckptverify.resume.verdict import decide
 
-    h = HparamDiff("0.lr", 0.1, 0.2, a_moved=a_moved, b_moved=b_moved)
+    h = SiteDiff("0.lr", 0.1, 0.2, a_moved=a_moved, b_moved=b_moved)
     v = decide(_plan(), Evidence(resume=_divergence(4, "start.hparam.0.lr", "hyperparameters"),
                                  step=StepEvidence(step=4, rank=0, hparams_start=(h,))))
     args = dict(name="param_groups[0].lr", a=0.1, b=0.2, first_step=True, a_moved=a_moved, b_moved=b_moved, step=4,
