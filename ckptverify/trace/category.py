@@ -127,9 +127,8 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
         else:
             by_device.setdefault(t.device, []).append(n)
     for members in by_device.values():
-        out_lanes = device_lanes([locals_[n] for n in members])
-        for n, (a, b) in zip(members, out_lanes, strict=True):
-            out[n] = (a & _MASK64) << 64 | (b & _MASK64)
+        for n, d in zip(members, device_digests([locals_[n] for n in members]), strict=True):
+            out[n] = d
     return out
 
 
@@ -148,12 +147,13 @@ def subclass_digest(t: torch.Tensor) -> int:
     return xxhash.xxh3_128_intdigest(b"S" + text.encode())
 
 
-def device_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """Fingerprint lanes of tensors on one device, computed there in one pass and read back once."""
+def device_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Member digests of tensors on one device (``lane0 << 64 | lane1`` of the fingerprint), computed there in one
+    pass and read back once."""
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace import hostread
 
-    return [(int(a), int(b)) for a, b in hostread.to_host(kern.lanes_many(tensors))]
+    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in hostread.to_host(kern.lanes_many(tensors))]
 
 
 def digest_lanes(d: int) -> tuple[int, int]:

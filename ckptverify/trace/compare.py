@@ -76,12 +76,8 @@ class FirstDivergence:
     receiver_ranks: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
-        out["receivers"] = list(self.receivers)
-        for name in ("origin_ranks", "receiver_ranks"):
-            value = getattr(self, name)
-            out[name] = None if value is None else list(value)
-        return out
+        return {name: list(v) if isinstance(v := getattr(self, name), tuple) else v
+                for name in self.__slots__}  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -444,9 +440,11 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
     divergent = [c for c in comparisons if c.first is not None]
     if not divergent:
         return out
-    first_step = min(c.first.step for c in divergent if c.first is not None)
-    job = job_divergence([c.first for c in divergent if c.first is not None])
-    receiving = set(job.receiver_ranks or ()) if job is not None else set()
+    firsts = [c.first for c in divergent if c.first is not None]
+    first_step = min(d.step for d in firsts)
+    job = job_divergence(firsts)
+    assert job is not None
+    receiving = set(job.receiver_ranks or ())
     for comp in divergent:
         d = comp.first
         assert d is not None
@@ -490,11 +488,11 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                         "receivers": list(d.receivers),
                         "inputs_verified": d.inputs_verified},
             ))
-    per_rank = {c.rank: c.first.category for c in divergent if c.first is not None}
-    ranks_first = sorted(c.rank for c in divergent if c.first is not None and c.first.step == first_step)
+    per_rank = {d.rank: d.category for d in firsts}
+    ranks_first = sorted(d.rank for d in firsts if d.step == first_step)
     text = ", ".join(f"rank {r}: {cat}" for r, cat in per_rank.items())
     roles = ""
-    if job is not None and len(ranks_first) + len(job.receiver_ranks) > 1:
+    if len(ranks_first) + len(job.receiver_ranks or ()) > 1:
         if job.origin_ranks:
             roles = (f"; born on rank{'s' if len(job.origin_ranks) > 1 else ''} "
                      f"{', '.join(map(str, job.origin_ranks))}")
@@ -509,10 +507,9 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
         f"traces first diverge at step {first_step} (ranks {', '.join(map(str, ranks_first))}); first divergent "
         f"category per rank: {text}{roles}",
         actual={"first_step": first_step, "ranks": ranks_first,
-                "origin_ranks": list(job.origin_ranks) if job is not None else [],
-                "receiver_ranks": list(job.receiver_ranks) if job is not None else [],
+                "origin_ranks": list(job.origin_ranks or ()), "receiver_ranks": list(job.receiver_ranks or ()),
                 "categories": {str(r): cat for r, cat in per_rank.items()},
-                "steps": {str(c.rank): c.first.step for c in divergent if c.first is not None}},
+                "steps": {str(d.rank): d.step for d in firsts}},
     ))
     return out
 

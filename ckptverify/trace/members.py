@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptverify.trace.category import device_digests
 from ckptverify.trace.readback import (
     _MASK64,
     Item,
-    _device_digests,
     _digests_later,
     _has_parts,
     _on_host,
@@ -72,7 +72,7 @@ class _Digester:
         if out is None:
             return None
         for members in self._device.values():
-            for i, d in zip(members, _device_digests([self._tensors[i] for i in members]), strict=True):
+            for i, d in zip(members, device_digests([self._tensors[i] for i in members]), strict=True):
                 out[i] = d
         return out
 

@@ -161,10 +161,3 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
 
     return [_Deferred(lanes, make)]
 
-
-def _device_digests(tensors: list[Any]) -> list[int]:
-    """Member digests of tensors on one device, computed there and read back once."""
-    from ckptverify.fingerprint import kernels as kern
-
-    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in hostread.to_host(kern.lanes_many(tensors))]
-
