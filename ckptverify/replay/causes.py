@@ -17,29 +17,10 @@ from typing import Any
 
 from ckptverify.resume import causes
 from ckptverify.resume.causes import REPLAY, first_verdict
-from ckptverify.resume.compare import SiteDiff, StepEvidence, rank_files, restore_findings
+from ckptverify.resume.compare import SiteDiff, StepEvidence, differing_sites, rank_files, restore_findings
 from ckptverify.resume.verdict import Verdict
 
 __all__ = ["RULES", "judge", "twin_cause"]
-
-
-def differing_sites(dir_a: str, dir_b: str, step: int) -> dict[int, list[str]]:
-    """Per rank with a store in both runs, the sites differing at ``step`` in execution order (per-tensor cells only
-    a ``tensor``-detail trace holds are left out)."""
-    from ckptverify.trace.compare import _member_of_finer, merged_order, run_stores
-    from ckptverify.trace.store import open_trace
-
-    stores_a, stores_b = run_stores(dir_a), run_stores(dir_b)
-    out: dict[int, list[str]] = {}
-    for rank in sorted(set(stores_a) & set(stores_b)):
-        ta, tb = open_trace(stores_a[rank]), open_trace(stores_b[rank])
-        if ta.row_index(step) is None or tb.row_index(step) is None:
-            out[rank] = []
-            continue
-        names = merged_order([s.name for s in ta.sites], [s.name for s in tb.sites])
-        names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
-        out[rank] = [n for n in names if ta.lanes(step, n) != tb.lanes(step, n)]
-    return out
 
 
 def _both(dir_a: str, dir_b: str) -> dict[int, tuple[Any, Any]]:
@@ -52,7 +33,7 @@ def _both(dir_a: str, dir_b: str) -> dict[int, tuple[Any, Any]]:
 
 def twin_cause(r1: str, r2: str, step: int) -> str:
     """Where the two replays' nondeterminism at ``step`` lies, and what to do."""
-    sites = sorted({s for names in differing_sites(r1, r2, step).values() for s in names})
+    sites = sorted({s for names in differing_sites(r1, r2, (step,)).values() for s in names})
     if any(s.startswith("start.rng.") for s in sites):
         names = ", ".join(s[len("start."):] for s in sites if s.startswith("start.rng."))
         return (f"random stream {names} differs between them when step {step} starts: the job seeds it from a "
@@ -198,7 +179,7 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
     s = min(d.step for d in found)
     case = _Case(prod=prod, replay=replay, start=start, world=world, production_start=production_start,
                  where=where, s=s, first={d.rank: d for d in found if d.step == s}, pairs=_both(prod, replay),
-                 sites=differing_sites(prod, replay, s), notes=rank_files(replay, "notes"))
+                 sites=differing_sites(prod, replay, (s,)), notes=rank_files(replay, "notes"))
     return first_verdict(RULES, case)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -16,18 +16,8 @@ from ckptverify.resume.run import RunConfig, checkpoint_path
 if TYPE_CHECKING:
     from ckptverify.trace.compare import FirstDivergence
 
-__all__ = [
-    "FOLD_ABOVE",
-    "Evidence",
-    "HeldComparison",
-    "Indices",
-    "SiteDiff",
-    "StepEvidence",
-    "compare",
-    "rank_files",
-    "restore_findings",
-    "step_evidence",
-]
+__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "Indices", "SiteDiff", "StepEvidence", "compare",
+           "differing_sites", "rank_files", "restore_findings", "step_evidence"]
 
 
 @dataclass(frozen=True)
@@ -355,23 +345,25 @@ def _idle_streams(dir_a: str, dir_b: str, steps: range | None, differing: set[st
     return [s for s in candidates if s in idle]
 
 
-def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:
-    from ckptverify.trace.compare import run_stores
+def differing_sites(dir_a: str, dir_b: str, steps: Iterable[int] | None) -> dict[int, list[str]]:
+    """Per rank with a store in both runs, the sites that differ at any of ``steps`` both record (``None``: all), in
+    execution order; per-tensor cells only a ``tensor``-detail trace holds are left out."""
+    from ckptverify.trace.compare import _member_of_finer, merged_order, run_stores
     from ckptverify.trace.store import open_trace
 
-    out: set[str] = set()
     stores_a, stores_b = run_stores(dir_a), run_stores(dir_b)
-    for rank in set(stores_a) & set(stores_b):
+    out: dict[int, list[str]] = {}
+    for rank in sorted(set(stores_a) & set(stores_b)):
         ta, tb = open_trace(stores_a[rank]), open_trace(stores_b[rank])
-        common = set(int(s) for s in ta.steps) & set(int(s) for s in tb.steps)
-        if steps is not None:
-            common &= set(steps)
-        names = {s.name for s in ta.sites} | {s.name for s in tb.sites}
-        for step in sorted(common):
-            for name in names - out:
-                if ta.value(step, name) != tb.value(step, name):
-                    out.add(name)
+        common = set(ta.steps) & set(tb.steps) & (set(ta.steps) if steps is None else {int(s) for s in steps})
+        names = merged_order([s.name for s in ta.sites], [s.name for s in tb.sites])
+        names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
+        out[rank] = [n for n in names if any(ta.lanes(s, n) != tb.lanes(s, n) for s in sorted(common))]
     return out
+
+
+def _differing_sites(dir_a: str, dir_b: str, steps: Iterable[int] | None) -> set[str]:
+    return {n for names in differing_sites(dir_a, dir_b, steps).values() for n in names}
 
 
 def rank_files(trace_dir: str | None, kind: str) -> dict[int, Any]:

@@ -209,12 +209,11 @@ class StepTracer:
     """The dispatch mode of one recorder, entered per traced step (:meth:`begin`) and left at :meth:`end`.
     ``emit(item) -> index`` appends a step item; ``fill(index, item)`` fills a slot ``emit(None)`` kept."""
 
-    def __init__(self, context: OpContext, *, rank: int, comm: bool, window: OpWindow | None,
+    def __init__(self, context: OpContext, *, rank: int, window: OpWindow | None,
                  emit: Callable[[Any], int], fill: Callable[[int, Any], None],
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
         self.context = context
         self.rank = rank
-        self.comm = comm
         self.window = window
         self.chunk_elements = chunk_elements
         self._emit, self._fill = emit, fill
@@ -288,7 +287,7 @@ class StepTracer:
         if self.ops_on:
             self._mode = _mode_class()(self)
             self._mode.__enter__()
-        elif self.comm:
+        else:
             if not self._kernels:
                 _comm_kernels(True)
                 self._kernels = True
@@ -336,7 +335,7 @@ class StepTracer:
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.quiet:
             return func(*args, **kwargs)
-        comm = self.comm and is_comm(func)
+        comm = is_comm(func)
         if func.namespace == "_c10d_functional" and _name(func) == "wait_tensor" and self._pending:
             out = func(*args, **kwargs)
             self._waited(args[0] if args else kwargs.get("tensor"))

@@ -130,7 +130,7 @@ class TraceRecorder:
                 raise UsageError(f"chunk_elements must be positive, got {chunk_elements}")
             if self.records_ops and window is None:
                 window = OpWindow()
-            self._tracer = StepTracer(self._context, rank=rank, comm=True,
+            self._tracer = StepTracer(self._context, rank=rank,
                                       window=window if self.records_ops else None, emit=self._emit,
                                       fill=self._fill, chunk_elements=chunk_elements)
 
