@@ -85,8 +85,6 @@ def checkpoint_path(checkpoint_dir: str, step: int) -> str:
 class _Progress:
     step: int = 0
     restored_from: str | None = None
-    restore_report: Any = None
-    records: int = 0
     saved: list[str] = field(default_factory=list)
 
 
@@ -269,7 +267,6 @@ class Run:
                     self._picked = picked
                     self.config = _production_config(self._production.options, self.config.workload, picked)
             self._p.restored_from = self.config.resume_from
-            self._p.restore_report = report
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
             notes["restored"] = _start_values(state)
         self._p.step = state.counters.step
@@ -354,7 +351,6 @@ class Run:
                                            batch_indices=self._batch_indices())
             else:
                 self._recorder.skip_step()
-        self._p.records += 1
         if self._production is not None:
             self._production.stepped(self._p.step, traced=traced)
         if self._p.step in self.config.save_at:

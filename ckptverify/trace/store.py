@@ -264,7 +264,6 @@ class TraceWriter:
             raise UsageError(f"trace store {self.path} already exists")
         self.header = header
         self.flush_every = flush_every
-        self.site_chunk = site_chunk
         # Made here first: zarr's "w" empties whatever the name leads to, so a link there is refused, not followed.
         own_folder(self.path)
         self._group = zarr.open_group(str(self.path), mode="w" if overwrite else "a")
