@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["HostViews", "combine", "combine_digests", "host_digest", "host_view", "locate", "matches",
-           "subclass_digest", "tensor_digests", "weight"]
+__all__ = ["HostViews", "combine", "host_digest", "host_view", "locate", "matches", "subclass_digest", "tensor_digests",
+           "weight"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -45,15 +45,10 @@ def weight(name: str) -> int:
     return w
 
 
-def combine(lows: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
-    """The two lanes of a category cell over members' low halves ``lows`` with ``weights`` (sums mod 2**64)."""
-    return sum(lows) & _MASK64, sum(map(_mul, lows, weights)) & _MASK64
-
-
-def combine_digests(digests: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
-    """:func:`combine` over whole 128-bit member digests (their low halves are what a category cell sums)."""
-    # Mod 2**64 only the low halves count: no need to build the list of them (a third of the cost).
-    return sum(digests) & _MASK64, sum(map(_mul, digests, weights)) & _MASK64
+def combine(members: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
+    """The two lanes of a category cell over its ``members`` with ``weights`` (sums mod 2**64): member digests of 128
+    bits or their low halves alike, since mod 2**64 only the low halves count."""
+    return sum(members) & _MASK64, sum(map(_mul, members, weights)) & _MASK64
 
 
 def locate(expected: Sequence[int], actual: Sequence[int]) -> tuple[int, int] | None:

@@ -113,13 +113,13 @@ class _Digester:
 def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
                     digests: list[int], detail: str) -> list[Cell]:
     """One cell per member at detail ``tensor``, then the category cell."""
-    from ckptverify.trace.category import combine_digests
+    from ckptverify.trace.category import combine
 
     cells: list[Cell] = []
     if detail == "tensor":
         cells = [Cell(n, kind, (d >> 64, d & _MASK64), e, "", group)
                  for n, d, e in zip(names, digests, encodings, strict=True)]
-    cells.append(Cell(group, kind, combine_digests(digests, weights), "set128"))
+    cells.append(Cell(group, kind, combine(digests, weights), "set128"))
     return cells
 
 
