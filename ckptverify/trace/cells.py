@@ -34,8 +34,7 @@ def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
     def finish(digests: list[int]) -> list[Cell]:
         return [Cell(site, kind, ((digests[0] >> 64), digests[0] & _MASK64), "fp128", info)]
 
-    items = _digests_later([local.detach()], finish)
-    return items[0]
+    return _digests_later([local.detach()], finish)[0]
 
 
 def _object_item(site: str, kind: str, obj: Any, info: str = "") -> Item:

@@ -142,10 +142,7 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
     from ckptverify.trace.category import tensor_digests
 
     device = [i for i, t in enumerate(tensors) if not _on_host(t) and not _has_parts(t)]
-    if not device:
-        return list(finish(tensor_digests(tensors)))
-    devices = {tensors[i].device for i in device}
-    if len(devices) > 1:  # several accelerators on one rank: read each back now
+    if len({tensors[i].device for i in device}) != 1:  # all on the host, or several accelerators: read now
         return list(finish(tensor_digests(tensors)))
     host = [i for i, t in enumerate(tensors) if _on_host(t) or _has_parts(t)]
     known = dict(zip(host, tensor_digests([tensors[i] for i in host]), strict=True))
