@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.findings import Finding, Location, Severity
+from ckptverify.findings import Finding, Location, error, info
 from ckptverify.resume import causes
 from ckptverify.resume.causes import RESUME
 from ckptverify.resume.compare import Evidence, StepEvidence
@@ -76,13 +76,8 @@ class Verdict:
 
     def finding(self, check: str) -> Finding:
         """The verdict as the report's finding ``check``: info when it passes, else an error."""
-        return Finding(
-            check=check,
-            severity=Severity.INFO if self.passed else Severity.ERROR,
-            message=self._said(),
-            location=Location(rank=self.rank, fqn=self.site),
-            actual=self.to_dict(),
-        )
+        make = info if self.passed else error
+        return make(check, self._said(), location=Location(rank=self.rank, fqn=self.site), actual=self.to_dict())
 
 
 def _get(div: Any, name: str) -> Any:
