@@ -16,11 +16,12 @@ import json
 import os
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from ckptverify.ownfiles.names import own_folder, write_atomic
-from ckptverify.trace.comm import CommCounter, _name, comm_info, comm_site, is_comm
+from ckptverify.trace.comm import _name, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
@@ -217,7 +218,7 @@ class StepTracer:
         self.window = window
         self.chunk_elements = chunk_elements
         self._emit, self._fill = emit, fill
-        self._counter = CommCounter()
+        self._counter: Counter[tuple[int, ...]] = Counter()
         self._digests = _Digests()
         self._mode: Any = None
         self._active = False
