@@ -337,7 +337,7 @@ def comm_costs(repeats: int = 2000, ops: int = 20000) -> tuple[float, float]:
 
     from ckptverify.trace.ops import OpContext, StepTracer
 
-    tracer = StepTracer(OpContext(), rank=0, comm=True, window=None, emit=lambda item: 0,
+    tracer = StepTracer(OpContext(), rank=0, window=None, emit=lambda item: 0,
                         fill=lambda index, item: None)
     times = []
     for _ in range(5):

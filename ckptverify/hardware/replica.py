@@ -310,7 +310,7 @@ class _Episode:
 
 def _replica_groups(p: Any, group: Any) -> list[tuple[tuple[Any, ...], Any]]:
     """``(key, process group)`` for each set of ranks that replicate ``p``; keys agree across ranks."""
-    from ckptverify.trace.recorder import _is_dtensor
+    from ckptverify.trace.sites import _is_dtensor
 
     if _is_dtensor(p):
         mesh = p.device_mesh
@@ -323,7 +323,7 @@ def _replica_groups(p: Any, group: Any) -> list[tuple[tuple[Any, ...], Any]]:
 
 
 def _local(t: Any) -> Any:
-    from ckptverify.trace.recorder import _is_dtensor
+    from ckptverify.trace.sites import _is_dtensor
 
     return t.to_local() if _is_dtensor(t) else t
 

@@ -17,29 +17,10 @@ from typing import Any
 
 from ckptverify.resume import causes
 from ckptverify.resume.causes import REPLAY, first_verdict
-from ckptverify.resume.compare import HparamDiff, StepEvidence, rank_files, restore_findings
+from ckptverify.resume.compare import SiteDiff, StepEvidence, differing_sites, rank_files, restore_findings
 from ckptverify.resume.verdict import Verdict
 
 __all__ = ["RULES", "judge", "twin_cause"]
-
-
-def differing_sites(dir_a: str, dir_b: str, step: int) -> dict[int, list[str]]:
-    """Per rank with a store in both runs, the sites differing at ``step`` in execution order (per-tensor cells only
-    a ``tensor``-detail trace holds are left out)."""
-    from ckptverify.trace.compare import _member_of_finer, _merged_order, run_stores
-    from ckptverify.trace.store import open_trace
-
-    stores_a, stores_b = run_stores(dir_a), run_stores(dir_b)
-    out: dict[int, list[str]] = {}
-    for rank in sorted(set(stores_a) & set(stores_b)):
-        ta, tb = open_trace(stores_a[rank]), open_trace(stores_b[rank])
-        if ta.row_index(step) is None or tb.row_index(step) is None:
-            out[rank] = []
-            continue
-        names = _merged_order([s.name for s in ta.sites], [s.name for s in tb.sites])
-        names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
-        out[rank] = [n for n in names if ta.lanes(step, n) != tb.lanes(step, n)]
-    return out
 
 
 def _both(dir_a: str, dir_b: str) -> dict[int, tuple[Any, Any]]:
@@ -52,7 +33,7 @@ def _both(dir_a: str, dir_b: str) -> dict[int, tuple[Any, Any]]:
 
 def twin_cause(r1: str, r2: str, step: int) -> str:
     """Where the two replays' nondeterminism at ``step`` lies, and what to do."""
-    sites = sorted({s for names in differing_sites(r1, r2, step).values() for s in names})
+    sites = sorted({s for names in differing_sites(r1, r2, (step,)).values() for s in names})
     if any(s.startswith("start.rng.") for s in sites):
         names = ", ".join(s[len("start."):] for s in sites if s.startswith("start.rng."))
         return (f"random stream {names} differs between them when step {step} starts: the job seeds it from a "
@@ -149,7 +130,7 @@ class _Case:
             mine = self.sites.get(r, [])
             # Only what both record is evidence: the replay's extra per-field cells are not differences.
             out[r] = replace(
-                ev, rng=tuple(x for x in ev.rng if f"start.{x.stream}" in mine),
+                ev, rng=tuple(x for x in ev.rng if f"start.{x.name}" in mine),
                 hparams_start=_hparams(ta, tb, self.s, "start.hparam.", mine, restored, self.first_replayed),
                 hparams_step=_hparams(ta, tb, self.s, "hparam.", mine, None, self.first_replayed),
                 buffers=tuple(n for n in mine if n.startswith("buffer.")),
@@ -198,7 +179,7 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
     s = min(d.step for d in found)
     case = _Case(prod=prod, replay=replay, start=start, world=world, production_start=production_start,
                  where=where, s=s, first={d.rank: d for d in found if d.step == s}, pairs=_both(prod, replay),
-                 sites=differing_sites(prod, replay, s), notes=rank_files(replay, "notes"))
+                 sites=differing_sites(prod, replay, (s,)), notes=rank_files(replay, "notes"))
     return first_verdict(RULES, case)
 
 
@@ -224,16 +205,16 @@ def _rng(c: _Case) -> Verdict | None:
     r, ev = _first_rank(c, lambda ev: bool(ev.rng))
     if ev is None:
         return None
-    names = ", ".join(x.stream for x in ev.rng)
-    b_moved = [x.stream for x in ev.rng if x.b_moved]
-    cause, advice = causes.rng_cause(REPLAY, b_moved=b_moved, a_moved=[x.stream for x in ev.rng if x.a_moved],
+    names = ", ".join(x.name for x in ev.rng)
+    b_moved = [x.name for x in ev.rng if x.b_moved]
+    cause, advice = causes.rng_cause(REPLAY, b_moved=b_moved, a_moved=[x.name for x in ev.rng if x.a_moved],
                                      first_step=c.first_replayed, step=c.s, saved_at=c.start)
     if b_moved and c.first_replayed:
         cause += f", which production, running on from step {c.start}, did not"
     sentence = causes.rng_sentence(names, when=c.when, step=c.s, rank=r, cause=cause,
                                    between=" between production and the replays")
     return Verdict("rng", f"{sentence}, and {_NONE_HW}.", advice=f"{advice}, then replay again.",
-                   step=c.s, rank=r, site=ev.rng[0].stream)
+                   step=c.s, rank=r, site=ev.rng[0].name)
 
 
 def _hparam_start(c: _Case) -> Verdict | None:
@@ -241,7 +222,7 @@ def _hparam_start(c: _Case) -> Verdict | None:
     if ev is None:
         return None
     h = ev.hparams_start[0]
-    g, _, key = h.field.partition(".")
+    g, _, key = h.name.partition(".")
     name = f"param_groups[{g}].{key}"
     kind, text, advice = causes.hparam_start_cause(REPLAY, name=name, a=h.a, b=h.b, first_step=c.first_replayed,
                                                    a_moved=h.a_moved, b_moved=h.b_moved, step=c.s,
@@ -259,8 +240,8 @@ def _step_hparams(c: _Case) -> Verdict | None:
     if ev is None:
         return None
     if ev.hparams_step:
-        h = next((x for x in ev.hparams_step if x.field.endswith(".lr")), ev.hparams_step[0])
-        g, _, key = h.field.partition(".")
+        h = next((x for x in ev.hparams_step if x.name.endswith(".lr")), ev.hparams_step[0])
+        g, _, key = h.name.partition(".")
         what = causes.step_hparam_what(REPLAY, key=key, group=g, a=h.a, b=h.b, step=c.s)
         site = f"optim.param_groups[{g}].{key}"
     else:
@@ -409,13 +390,13 @@ RULES: tuple[Callable[[_Case], Verdict | None], ...] = (
 
 
 def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], restored: Mapping[str, Any] | None,
-             first_replayed: bool) -> tuple[HparamDiff, ...]:
+             first_replayed: bool) -> tuple[SiteDiff, ...]:
     """Hyperparameters differing at ``step``, with ``a`` (``None``: category cell only) and ``b``; on the first
     replayed step's start cells ``b_moved`` (the replay changed it after the restore), else ``a_moved`` (production
     did after its save point: the restored value is production's)."""
     from ckptverify.trace.compare import _named_member
 
-    out: list[HparamDiff] = []
+    out: list[SiteDiff] = []
     for name in differing:
         if not name.startswith(prefix):
             continue
@@ -436,7 +417,7 @@ def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], res
         if restored is not None and first_replayed and member in restored:
             b_moved = b != restored[member]
             a_moved = not b_moved
-        out.append(HparamDiff(member[len(prefix):], a, b, a_moved=a_moved, b_moved=b_moved))
+        out.append(SiteDiff(member[len(prefix):], a, b, a_moved=a_moved, b_moved=b_moved))
     return tuple(out)
 
 

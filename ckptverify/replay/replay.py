@@ -269,7 +269,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     ``CkptVerifyError`` when the workload crashes."""
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.replay.causes import judge
-    from ckptverify.resume.harness import check_target
+    from ckptverify.resume.harness_target import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
     from ckptverify.resume.locate.walk import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path

@@ -135,9 +135,7 @@ def _cells(dirs: list[str], changed: str) -> list[_Cell]:
             names += [s.name for s in tc.sites if not first.has_site(s.name)]
 
         def val(trace: Any, step: int, name: str) -> Any:
-            if trace is None or not trace.has_site(name) or trace.row_index(step) is None:
-                return None
-            return trace.value(step, name)
+            return None if trace is None else trace.value(step, name)
 
         for step in sorted(int(s) for s in first.steps):
             for order, name in enumerate(names):
@@ -216,12 +214,11 @@ def _judge(plan: ChangePlan, cells: list[_Cell], work: str, say: Callable[[str],
                              "repeats": plan.repeats, "level": plan.level, "sites_compared": len(cells),
                              "sites_varying": len(varying), "sites_beyond": len(beyond),
                              "sites_undecided": len(undecided)}
-    if varying:
-        first = min(varying, key=lambda c: (c.step, c.rank, c.order))
+    if origin is not None:
         findings.append(info("compare-variation", f"the baseline is not deterministic: its {plan.repeats + 1} runs "
-                             f"differ at {len(varying)} site-step(s), first at step {first.step}, rank {first.rank}, "
-                             f"{first.site}; the change is judged against that spread", location=Location(
-                                 rank=first.rank, fqn=first.site), actual={"step": first.step}))
+                             f"differ at {len(varying)} site-step(s), first at step {origin.step}, rank {origin.rank}, "
+                             f"{origin.site}; the change is judged against that spread", location=Location(
+                                 rank=origin.rank, fqn=origin.site), actual={"step": origin.step}))
     if undecided:
         u = undecided[0]
         findings.append(info("compare-undecided", f"{plan.changed} differs at {len(undecided)} site-step(s) where "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -16,28 +16,17 @@ from ckptverify.resume.run import RunConfig, checkpoint_path
 if TYPE_CHECKING:
     from ckptverify.trace.compare import FirstDivergence
 
-__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "HparamDiff", "Indices", "StepEvidence", "StreamDiff",
-           "compare", "rank_files", "restore_findings", "step_evidence"]
+__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "Indices", "SiteDiff", "StepEvidence", "compare",
+           "differing_sites", "rank_files", "restore_findings", "step_evidence"]
 
 
 @dataclass(frozen=True)
-class StreamDiff:
-    """A random stream differing when a step starts (``stream``: site without ``start.``), its digests in A and B,
-    and whether each run moved it since the previous step (B's first resumed step: since the restore)."""
+class SiteDiff:
+    """A random stream (``name``: its site without ``start.``) or hyperparameter (``<group>.<key>``) that differs,
+    its values in A and B (``a`` ``None`` when A has only the category cell) and, when a step starts, whether each
+    run moved it since the previous step (B's first resumed step: since the restore)."""
 
-    stream: str
-    a: Any
-    b: Any
-    a_moved: bool | None = None
-    b_moved: bool | None = None
-
-
-@dataclass(frozen=True)
-class HparamDiff:
-    """A differing hyperparameter (``<group>.<key>``), its values in A and B (``a`` ``None`` when A has only the
-    category cell) and, at step start, whether each run moved it."""
-
-    field: str
+    name: str
     a: Any
     b: Any
     a_moved: bool | None = None
@@ -60,9 +49,9 @@ class StepEvidence:
 
     step: int
     rank: int
-    rng: tuple[StreamDiff, ...] = ()
-    hparams_start: tuple[HparamDiff, ...] = ()
-    hparams_step: tuple[HparamDiff, ...] = ()
+    rng: tuple[SiteDiff, ...] = ()
+    hparams_start: tuple[SiteDiff, ...] = ()
+    hparams_step: tuple[SiteDiff, ...] = ()
     buffers: tuple[str, ...] = ()
     batch: bool = False
     indices: Indices = Indices()
@@ -271,42 +260,39 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
     ta, tb = open_trace(run_stores(a_dir)[rank]), open_trace(run_stores(b_dir)[rank])
     names = [s.name for s in ta.sites] + [s.name for s in tb.sites if not ta.has_site(s.name)]
 
-    def val(trace: Any, at: int, name: str) -> Any:
-        return trace.value(at, name) if trace.has_site(name) and trace.row_index(at) is not None else None
-
-    differing = [n for n in names if val(ta, step, n) != val(tb, step, n)]
+    differing = [n for n in names if ta.value(step, n) != tb.value(step, n)]
 
     def moved(trace: Any, name: str, end_name: str, is_b: bool) -> bool | None:
-        now = val(trace, step, name)
+        now = trace.value(step, name)
         if is_b and first_resumed:
             before = restored.get(name)
         elif first_resumed and not is_b:
-            before = restored.get(name) if name in restored else val(trace, step - 1, end_name)
+            before = restored.get(name) if name in restored else trace.value(step - 1, end_name)
         else:
-            before = val(trace, step - 1, end_name)
+            before = trace.value(step - 1, end_name)
         if before is None or now is None:
             return None
         return bool(now != before)
 
-    rng: list[StreamDiff] = []
-    hparams_start: list[HparamDiff] = []
-    hparams_step: list[HparamDiff] = []
+    rng: list[SiteDiff] = []
+    hparams_start: list[SiteDiff] = []
+    hparams_step: list[SiteDiff] = []
     for n in differing:
         if n.startswith("start.rng."):
-            rng.append(StreamDiff(n[len("start."):], val(ta, step, n), val(tb, step, n),
+            rng.append(SiteDiff(n[len("start."):], ta.value(step, n), tb.value(step, n),
                                   a_moved=moved(ta, n, n[len("start."):], False),
                                   b_moved=moved(tb, n, n[len("start."):], True)))
         elif n.startswith("start.hparam."):
-            hparams_start.append(HparamDiff(n[len("start.hparam."):], val(ta, step, n), val(tb, step, n),
+            hparams_start.append(SiteDiff(n[len("start.hparam."):], ta.value(step, n), tb.value(step, n),
                                             a_moved=moved(ta, n, "", False), b_moved=moved(tb, n, "", True)))
         elif n.startswith("hparam."):
-            hparams_step.append(HparamDiff(n[len("hparam."):], val(ta, step, n), val(tb, step, n)))
+            hparams_step.append(SiteDiff(n[len("hparam."):], ta.value(step, n), tb.value(step, n)))
     return StepEvidence(step=step, rank=rank, rng=tuple(rng), hparams_start=tuple(hparams_start),
                         hparams_step=tuple(hparams_step),
                         buffers=tuple(n for n in differing if n.startswith("buffer.")),
                         batch=any(n == "batch" or n.startswith("batch.") for n in differing),
-                        indices=Indices(val(ta, step, "data.indices"), val(tb, step, "data.indices"),
-                                        val(ta, step + 1, "data.indices")))
+                        indices=Indices(ta.value(step, "data.indices"), tb.value(step, "data.indices"),
+                                        ta.value(step + 1, "data.indices")))
 
 
 def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) -> tuple[list[Finding], Any]:
@@ -359,23 +345,25 @@ def _idle_streams(dir_a: str, dir_b: str, steps: range | None, differing: set[st
     return [s for s in candidates if s in idle]
 
 
-def _differing_sites(dir_a: str, dir_b: str, steps: range | None) -> set[str]:
-    from ckptverify.trace.compare import run_stores
+def differing_sites(dir_a: str, dir_b: str, steps: Iterable[int] | None) -> dict[int, list[str]]:
+    """Per rank with a store in both runs, the sites that differ at any of ``steps`` both record (``None``: all), in
+    execution order; per-tensor cells only a ``tensor``-detail trace holds are left out."""
+    from ckptverify.trace.compare import _member_of_finer, merged_order, run_stores
     from ckptverify.trace.store import open_trace
 
-    out: set[str] = set()
     stores_a, stores_b = run_stores(dir_a), run_stores(dir_b)
-    for rank in set(stores_a) & set(stores_b):
+    out: dict[int, list[str]] = {}
+    for rank in sorted(set(stores_a) & set(stores_b)):
         ta, tb = open_trace(stores_a[rank]), open_trace(stores_b[rank])
-        common = set(int(s) for s in ta.steps) & set(int(s) for s in tb.steps)
-        if steps is not None:
-            common &= set(steps)
-        names = {s.name for s in ta.sites} | {s.name for s in tb.sites}
-        for step in sorted(common):
-            for name in names - out:
-                if ta.value(step, name) != tb.value(step, name):
-                    out.add(name)
+        common = set(ta.steps) & set(tb.steps) & (set(ta.steps) if steps is None else {int(s) for s in steps})
+        names = merged_order([s.name for s in ta.sites], [s.name for s in tb.sites])
+        names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
+        out[rank] = [n for n in names if any(ta.lanes(s, n) != tb.lanes(s, n) for s in sorted(common))]
     return out
+
+
+def _differing_sites(dir_a: str, dir_b: str, steps: Iterable[int] | None) -> set[str]:
+    return {n for names in differing_sites(dir_a, dir_b, steps).values() for n in names}
 
 
 def rank_files(trace_dir: str | None, kind: str) -> dict[int, Any]:

@@ -21,19 +21,13 @@ from typing import Protocol
 from ckptverify.errors import UsageError
 from ckptverify.findings import Report
 from ckptverify.resume.compare import Evidence, compare
-from ckptverify.resume.harness_target import check_target, load_target, split_target
-from ckptverify.resume.launch import (
-    at_once,
-    launch_jobs,
-    launches_at_once,
-    workload_logs,
-)
+from ckptverify.resume.harness_target import check_target, split_target
+from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
 from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Walked, for_resume
 from ckptverify.resume.run import RunConfig, checkpoint_path
 from ckptverify.resume.verdict import Verdict, decide
 
-__all__ = ["Evidence", "FigureWriter", "Outcome", "Plan", "check_target", "launch_jobs", "load_target", "resume_check",
-           "resume_check_many", "workload_logs"]
+__all__ = ["FigureWriter", "Outcome", "Plan", "resume_check", "resume_check_many"]
 
 RUN_NAMES = ("A", "A2", "B")
 

@@ -44,9 +44,7 @@ def to_log_file(path: str) -> None:
 def stdout_to_stderr() -> Iterator[None]:
     """Within the block, everything written to stdout (``sys.stdout`` and descriptor 1, C included) goes to stderr
     instead; stdout is restored afterwards (``--json`` promises one document on stdout)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to flush
-            stream.flush()
+    _flush()
     try:
         saved: int | None = os.dup(1)
     except OSError:  # no descriptor 1 (a daemon): nothing there to protect
@@ -63,6 +61,12 @@ def stdout_to_stderr() -> Iterator[None]:
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to flush
+            stream.flush()
 
 
 def _flush_c_stdio() -> None:
@@ -96,9 +100,7 @@ class LabelledOutput:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to flush
-                stream.flush()
+        _flush()
         for fd, original, _ in self._streams:
             os.dup2(original, fd)  # closes this process's end of the pipe: the pump sees the end of it
         for _, original, pump in self._streams:

@@ -15,6 +15,7 @@ processes the training function starts."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import warnings
@@ -84,8 +85,6 @@ def checkpoint_path(checkpoint_dir: str, step: int) -> str:
 class _Progress:
     step: int = 0
     restored_from: str | None = None
-    restore_report: Any = None
-    records: int = 0
     saved: list[str] = field(default_factory=list)
 
 
@@ -171,12 +170,12 @@ class Run:
 
     @classmethod
     def _for_production(cls, options: Any, target: str) -> Run:
-        from ckptverify.production.mode import Production
+        from ckptverify.production.mode import Production, resume_point
 
         owns = _init_group_from_env()
         rank, world = rank_world(env_fallback=True)
         try:
-            picked = _resume_point(options, rank=rank, world=world)
+            picked = resume_point(options, rank=rank, world=world)
         except BaseException:
             if owns:
                 import torch.distributed as dist
@@ -268,7 +267,6 @@ class Run:
                     self._picked = picked
                     self.config = _production_config(self._production.options, self.config.workload, picked)
             self._p.restored_from = self.config.resume_from
-            self._p.restore_report = report
             self._write_json(f"restore-rank{self._rank}.json", report.to_dict())
             notes["restored"] = _start_values(state)
         self._p.step = state.counters.step
@@ -298,7 +296,7 @@ class Run:
         if self._sampler is None and registered is not None:
             self._sampler = find_resumable_sampler(registered)
         if loader is None:
-            it: Iterator[Any] = _count(self._p.step + 1)
+            it: Iterator[Any] = itertools.count(self._p.step + 1)
         else:
             it = _epochs(loader, self.state)
             # Creating the iterator draws a base seed; the uninterrupted run drew it before the checkpoint, so
@@ -353,7 +351,6 @@ class Run:
                                            batch_indices=self._batch_indices())
             else:
                 self._recorder.skip_step()
-        self._p.records += 1
         if self._production is not None:
             self._production.stepped(self._p.step, traced=traced)
         if self._p.step in self.config.save_at:
@@ -501,12 +498,7 @@ def _epochs(loader: Iterable[Any], state: Any) -> Iterator[Any]:
         if first_epoch:
             yield _ITER_READY
             first_epoch = False
-        got = False
-        for batch in batches:
-            got = True
-            yield batch
-        if not got and sampler is None:
-            return
+        yield from batches
         if sampler is None:
             return  # a plain loader: one pass
         sampler.set_epoch(sampler.epoch + 1)
@@ -521,7 +513,7 @@ def _start_values(state: Any) -> dict[str, Any]:
     """The step-start sites as ``state`` holds them now, decoded as a trace reads them."""
     from ckptverify.state.digest import state_digest
     from ckptverify.state.rng import capture_rng
-    from ckptverify.trace.recorder import hparam_cells
+    from ckptverify.trace.hyperparams import hparam_cells
     from ckptverify.trace.store import decode
 
     out: dict[str, Any] = {f"start.rng.{kind}": state_digest(value)
@@ -567,23 +559,6 @@ def _production_config(options: Any, target: str, picked: Any) -> RunConfig:
         trace_every=options.trace_every)
 
 
-def _resume_point(options: Any, *, rank: int, world: int) -> Any:
-    """See :func:`ckptverify.production.mode.resume_point`."""
-    from ckptverify.production.mode import resume_point
-
-    return resume_point(options, rank=rank, world=world)
-
-
-def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
-    """``torch.distributed.init_process_group`` only when no group exists: the harness owns the group on several
-    ranks, so the same script runs plainly, under ``torchrun`` and under the harness."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    dist.init_process_group(backend, **kwargs)
-
-
 def unsaved_schedulers(state: Any) -> list[str]:
     """Optimizers of ``state`` wrapped by an LR scheduler (``_wrapped_by_lr_sched``) that ``state`` does not hold, so
     it will not be saved."""
@@ -591,13 +566,6 @@ def unsaved_schedulers(state: Any) -> list[str]:
         return []
     return [f"optimizer {i} ({type(opt).__name__})" for i, opt in enumerate(state.optimizers)
             if hasattr(getattr(opt, "step", None), "_wrapped_by_lr_sched")]
-
-
-def _count(start: int) -> Iterator[int]:
-    n = start
-    while True:
-        yield n
-        n += 1
 
 
 def _group_backend(device: str | None, cuda_available: bool) -> str:

@@ -213,9 +213,7 @@ _OPAQUE = ("torch", "numpy", "builtins", "ckptverify.resume", "ckptverify.state"
 
 def _storage_key(t: Any) -> tuple[str, int | None, int] | None:
     """Where ``t``'s memory lives (a ``DTensor``: its local shard), or ``None`` when it has none to compare."""
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None:
-        t = to_local()
+    t = t.to_local() if hasattr(t, "to_local") else t
     try:
         ptr = t.untyped_storage().data_ptr()
     except Exception:  # no storage (meta, sparse, a tensor subclass without one)
@@ -249,9 +247,7 @@ def _tensor_value(t: Any) -> str:
     """A tensor as ``dtype[shape]:fingerprint`` (a ``DTensor``: its local shard, so no rank waits)."""
     from ckptverify.fingerprint import tensor_fingerprint
 
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None:
-        t = to_local()
+    t = t.to_local() if hasattr(t, "to_local") else t
     fp = tensor_fingerprint(t.detach())
     return f"{fp.dtype}{list(fp.shape)}:{fp.value}"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.findings import Finding, Location, Severity
+from ckptverify.findings import Finding, Location, error, info
 from ckptverify.resume import causes
 from ckptverify.resume.causes import RESUME
 from ckptverify.resume.compare import Evidence, StepEvidence
@@ -76,13 +76,8 @@ class Verdict:
 
     def finding(self, check: str) -> Finding:
         """The verdict as the report's finding ``check``: info when it passes, else an error."""
-        return Finding(
-            check=check,
-            severity=Severity.INFO if self.passed else Severity.ERROR,
-            message=self._said(),
-            location=Location(rank=self.rank, fqn=self.site),
-            actual=self.to_dict(),
-        )
+        make = info if self.passed else error
+        return make(check, self._said(), location=Location(rank=self.rank, fqn=self.site), actual=self.to_dict())
 
 
 def _get(div: Any, name: str) -> Any:
@@ -297,7 +292,7 @@ class _Parted:
 
 def _pending(c: _Parted) -> Verdict | None:
     """A saved mid gradient accumulation: B starts that optimizer step from zero gradients."""
-    plan, div, forgotten = c.plan, c.div, c.forgotten
+    plan, div, forgotten, step, when = c.plan, c.div, c.forgotten, c.step, c.when
     pending = c.evidence.pending_gradients
     if not pending:
         return None
@@ -305,8 +300,6 @@ def _pending(c: _Parted) -> Verdict | None:
     ranks = sorted({x["rank"] for x in pending})
     on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     names = ", ".join(p.get("names") or []) + (", ..." if p.get("count", 0) > len(p.get("names") or []) else "")
-    step = _get(div, "step")
-    when = RESUME.first if step == plan.resume_at + 1 else f"step {step}"
     return Verdict("accumulated-gradients",
                    f"the checkpoint of step {plan.resume_at} was saved in the middle of gradient accumulation: "
                    f"{p.get('count')} parameter(s) held accumulated gradients ({names}; {on}), which a checkpoint "
@@ -329,10 +322,9 @@ _REBUILT = {"scheduler": "its schedule starts afresh in B while A's carries on f
 
 def _replaced(c: _Parted) -> Verdict | None:
     """A registered object was rebuilt after ``run.restore``: named as the cause, whatever value shows it first."""
-    plan, evidence, div, forgotten = c.plan, c.evidence, c.div, c.forgotten
+    evidence, div, forgotten, step = c.evidence, c.div, c.forgotten, c.step
     if not evidence.replaced:
         return None
-    step = _get(div, "step")
     origins = getattr(div, "origin_ranks", None) or ()
     ordered = sorted(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins,
                                                        r["rank"]))
@@ -341,9 +333,8 @@ def _replaced(c: _Parted) -> Verdict | None:
     on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     field = r["field"]
     effect = _REBUILT.get(field, "B trains with state that was not restored")
-    when = RESUME.first if step == plan.resume_at + 1 else f"step {step}"
     message = (f"the {r['type']} the loop uses is not the one in the TrainState: {r['name']} was rebuilt after "
-               f"run.restore() in run {r['run']} ({on}), so {effect}; the runs part at {when} ({_where(div)}) as a "
+               f"run.restore() in run {r['run']} ({on}), so {effect}; the runs part at {c.when} ({_where(div)}) as a "
                f"consequence.{receivers_said(div)}{forgotten}")
     return Verdict("changed-after-restore", message, step=step, rank=ranks[0] if len(ranks) == 1 else None,
                    site=r["name"], category=field if field in _REBUILT else "extras", origin=_get(div, "origin"),
@@ -357,14 +348,14 @@ def _rng(c: _Parted) -> Verdict | None:
     if not rngs:
         return None
     step, site = c.step, c.site
-    names = ", ".join(r.stream for r in rngs)
-    cause, advice = causes.rng_cause(RESUME, b_moved=[r.stream for r in rngs if r.b_moved],
-                                     a_moved=[r.stream for r in rngs if r.a_moved], first_step=c.first_resumed,
+    names = ", ".join(r.name for r in rngs)
+    cause, advice = causes.rng_cause(RESUME, b_moved=[r.name for r in rngs if r.b_moved],
+                                     a_moved=[r.name for r in rngs if r.a_moved], first_step=c.first_resumed,
                                      step=step, saved_at=c.plan.resume_at)
     later = "" if site.startswith("start.") else f" What differs after it (first {site}) is a consequence."
     return Verdict("rng", causes.rng_sentence(names, when=c.when, step=step, rank=ranks_said(c.div), cause=cause)
                    + f".{later}" + c.said, advice=advice + ".",
-                   **{**c.common, "site": rngs[0].stream, "category": "rng"})
+                   **{**c.common, "site": rngs[0].name, "category": "rng"})
 
 
 def _hparam_start(c: _Parted) -> Verdict | None:
@@ -373,8 +364,8 @@ def _hparam_start(c: _Parted) -> Verdict | None:
     if not hstart:
         return None
     h = hstart[0]
-    fields = ", ".join(x.field for x in hstart)
-    name = f"param_groups[{h.field.split('.')[0]}].{'.'.join(h.field.split('.')[1:])}"
+    fields = ", ".join(x.name for x in hstart)
+    name = f"param_groups[{h.name.split('.')[0]}].{'.'.join(h.name.split('.')[1:])}"
     kind, text, advice = causes.hparam_start_cause(RESUME, name=name, a=h.a, b=h.b, first_step=c.first_resumed,
                                                    a_moved=h.a_moved, b_moved=h.b_moved, step=c.step,
                                                    saved_at=c.plan.resume_at, when=c.when)
@@ -391,8 +382,8 @@ def _step_hparams(c: _Parted) -> Verdict | None:
             or (unsaved and lr_moved)):
         return None
     if hstep:
-        h = next((x for x in hstep if x.field.endswith(".lr") or x.field == "lr"), hstep[0])
-        g, _, key = h.field.partition(".")
+        h = next((x for x in hstep if x.name.endswith(".lr") or x.name == "lr"), hstep[0])
+        g, _, key = h.name.partition(".")
         what = causes.step_hparam_what(RESUME, key=key, group=g, a=h.a, b=h.b, step=c.step)
         lr_site = f"optim.param_groups[{g}].{key}"
     else:

@@ -28,18 +28,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = [
-    "HostViews",
-    "combine",
-    "combine_digests",
-    "host_digest",
-    "host_view",
-    "locate",
-    "matches",
-    "subclass_digest",
-    "tensor_digests",
-    "weight",
-]
+__all__ = ["HostViews", "combine", "host_digest", "host_view", "locate", "matches", "subclass_digest", "tensor_digests",
+           "weight"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -55,15 +45,10 @@ def weight(name: str) -> int:
     return w
 
 
-def combine(lows: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
-    """The two lanes of a category cell over members' low halves ``lows`` with ``weights`` (sums mod 2**64)."""
-    return sum(lows) & _MASK64, sum(map(_mul, lows, weights)) & _MASK64
-
-
-def combine_digests(digests: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
-    """:func:`combine` over whole 128-bit member digests (their low halves are what a category cell sums)."""
-    # Mod 2**64 only the low halves count: no need to build the list of them (a third of the cost).
-    return sum(digests) & _MASK64, sum(map(_mul, digests, weights)) & _MASK64
+def combine(members: Sequence[int], weights: Sequence[int]) -> tuple[int, int]:
+    """The two lanes of a category cell over its ``members`` with ``weights`` (sums mod 2**64): member digests of 128
+    bits or their low halves alike, since mod 2**64 only the low halves count."""
+    return sum(members) & _MASK64, sum(map(_mul, members, weights)) & _MASK64
 
 
 def locate(expected: Sequence[int], actual: Sequence[int]) -> tuple[int, int] | None:
@@ -137,9 +122,8 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
         else:
             by_device.setdefault(t.device, []).append(n)
     for members in by_device.values():
-        out_lanes = device_lanes([locals_[n] for n in members])
-        for n, (a, b) in zip(members, out_lanes, strict=True):
-            out[n] = (a & _MASK64) << 64 | (b & _MASK64)
+        for n, d in zip(members, device_digests([locals_[n] for n in members]), strict=True):
+            out[n] = d
     return out
 
 
@@ -158,12 +142,13 @@ def subclass_digest(t: torch.Tensor) -> int:
     return xxhash.xxh3_128_intdigest(b"S" + text.encode())
 
 
-def device_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """Fingerprint lanes of tensors on one device, computed there in one pass and read back once."""
+def device_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Member digests of tensors on one device (``lane0 << 64 | lane1`` of the fingerprint), computed there in one
+    pass and read back once."""
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace import hostread
 
-    return [(int(a), int(b)) for a, b in hostread.to_host(kern.lanes_many(tensors))]
+    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in hostread.to_host(kern.lanes_many(tensors))]
 
 
 def digest_lanes(d: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ckptverify.errors import UsageError
-from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, Item, _Deferred, _digests_later, _on_host
+from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
 from ckptverify.trace.sites import _is_dtensor
 from ckptverify.trace.store import Cell, hex_lanes
 
@@ -34,8 +34,7 @@ def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
     def finish(digests: list[int]) -> list[Cell]:
         return [Cell(site, kind, ((digests[0] >> 64), digests[0] & _MASK64), "fp128", info)]
 
-    items = _digests_later([local.detach()], finish)
-    return items[0]
+    return _digests_later([local.detach()], finish)[0]
 
 
 def _object_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
@@ -51,7 +50,7 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
 
     from ckptverify.trace.category import digest_lanes, host_digest, signature, tensor_digests
 
-    if t.is_cpu and not _HOST_AS_DEVICE and type(t).__name__ in _PLAIN:
+    if t.is_cpu and not _HOST_AS_DEVICE and type(t).__name__ in _PLAIN_TYPES:
         if not t.requires_grad and t.is_contiguous():
             try:  # the common case (a batch, a module output without grad): no copy, no detach
                 d = xxhash.xxh3_128_intdigest(t.numpy()) ^ signature(t.dtype, tuple(t.shape))
@@ -62,25 +61,11 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
     return Cell(site, kind, digest_lanes(tensor_digests([t])[0]), _encoding(t), info)
 
 
-#: Tensor types holding their own values (no subclass to unwrap).
-_PLAIN = frozenset({"Tensor", "Parameter", "Buffer"})
-
-
 def _summary(obj: Any) -> Any:
     """``obj`` with every tensor replaced by its member digest, dtype and shape (for composite digests)."""
-    import torch
-
-    from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace.category import tensor_digests
 
-    if isinstance(obj, torch.Tensor):
-        return {"digest": f"{tensor_digests([obj])[0]:032x}", "dtype": kern.dtype_name(obj.dtype),
-                "shape": list(obj.shape)}
-    if isinstance(obj, Mapping):
-        return {str(k): _summary(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_summary(v) for v in obj]
-    return obj
+    return _filled(_skeleton(obj), iter(tensor_digests(_tensor_leaves(obj, []))))
 
 
 def _tensor_leaves(obj: Any, out: list[Any]) -> list[Any]:
@@ -236,17 +221,12 @@ def _metric_item(name: str, value: Any) -> Item:
             and not _HOST_AS_DEVICE and value.numel() == 1):
         return Cell.from_float(f"metric.{name}", "metric", value.item())
     if (type(value) is torch.Tensor and not _on_host(value) and value.numel() == 1 and not value.is_complex()):
-        site = f"metric.{name}"
-        if value.dtype.is_floating_point:
-            bits = value.detach().reshape(1).to(torch.float64).view(torch.int64)
+        site, floating = f"metric.{name}", value.dtype.is_floating_point
+        bits = value.detach().reshape(1).to(torch.float64 if floating else torch.int64).view(torch.int64)
 
-            def make(values: list[int]) -> list[Cell]:
-                return [Cell(site, "metric", (values[0] & _MASK64, 0), "f64")]
-        else:
-            bits = value.detach().reshape(1).to(torch.int64)
+        def make(values: list[int]) -> list[Cell]:
+            return [Cell(site, "metric", (values[0] & _MASK64, 0), "f64" if floating else "i64")]
 
-            def make(values: list[int]) -> list[Cell]:
-                return [Cell(site, "metric", (values[0] & _MASK64, 0), "i64")]
         return _Deferred(bits, make)
     if isinstance(value, torch.Tensor) and not _is_dtensor(value) and value.numel() != 1:
         return _tensor_item(f"metric.{name}", "metric", value)

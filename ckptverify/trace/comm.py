@@ -4,13 +4,14 @@ objects; functional collectives name their group. Nothing here syncs with a devi
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import xxhash
 
 from ckptverify.trace.oplog import CommInfo
 
-__all__ = ["COMM_NAMESPACES", "CommCounter", "comm_info", "comm_site", "group_label", "is_comm"]
+__all__ = ["COMM_NAMESPACES", "comm_info", "comm_site", "group_label", "is_comm"]
 
 #: Dispatcher namespaces of collective and point-to-point ops.
 COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
@@ -87,22 +88,11 @@ def _peer(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], group: tuple
     return None
 
 
-class CommCounter:
-    """Per-group sequence numbers since the recorder started: equal on every member, as members issue a group's
-    collectives in one order."""
-
-    def __init__(self) -> None:
-        self._seq: dict[tuple[int, ...], int] = {}
-
-    def next(self, group: tuple[int, ...]) -> int:
-        seq = self._seq.get(group, 0)
-        self._seq[group] = seq + 1
-        return seq
-
-
-def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter: CommCounter) -> CommInfo | None:
-    """What collective ``func`` is, its sequence number taken from ``counter``; ``None`` when its process group
-    cannot be read (it is then traced as an ordinary op)."""
+def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter: Counter[tuple[int, ...]]
+              ) -> CommInfo | None:
+    """What collective ``func`` is; ``None`` when its process group cannot be read (it is then traced as an ordinary
+    op). ``counter`` counts each group's collectives since the recorder started: the sequence numbers, equal on every
+    member, as members issue a group's collectives in one order."""
     import torch
 
     name = _name(func)
@@ -122,7 +112,8 @@ def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter:
     if found is None:
         return None
     group = found[0]
-    return CommInfo(collective=name, group=group, seq=counter.next(group), peer=_peer(name, args, kwargs, group),
+    counter[group] += 1
+    return CommInfo(collective=name, group=group, seq=counter[group] - 1, peer=_peer(name, args, kwargs, group),
                     reduce_op=reduce_op)
 
 

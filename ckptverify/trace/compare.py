@@ -22,19 +22,8 @@ from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageEr
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.trace.store import Trace, open_trace, step_ranges
 
-__all__ = [
-    "FirstDivergence",
-    "RankComparison",
-    "compare_runs",
-    "compare_traces",
-    "divergences",
-    "first_divergence",
-    "job_divergence",
-    "module_of",
-    "rank_comparisons",
-    "recompute_findings",
-    "run_stores",
-]
+__all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "divergences", "first_divergence",
+           "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores"]
 
 TraceLike = Trace | str | os.PathLike[str]
 
@@ -87,12 +76,8 @@ class FirstDivergence:
     receiver_ranks: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
-        out["receivers"] = list(self.receivers)
-        for name in ("origin_ranks", "receiver_ranks"):
-            value = getattr(self, name)
-            out[name] = None if value is None else list(value)
-        return out
+        return {name: list(v) if isinstance(v := getattr(self, name), tuple) else v
+                for name in self.__slots__}  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,8 +132,8 @@ def _step_mask(steps: np.ndarray, wanted: Iterable[int] | None) -> np.ndarray:
     return np.isin(steps, chosen)
 
 
-def _merged_order(a: Sequence[str], b: Sequence[str]) -> list[str]:
-    """A's execution order, with B's extra sites placed right after the site B records before them."""
+def merged_order(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
+    """A's execution order, with B's extra items placed right after the item B records before them."""
     in_a = set(a)
     after: dict[str | None, list[str]] = {}
     prev: str | None = None
@@ -192,9 +177,6 @@ class _Aligned:
         differs = (pa != pb) | (pa & pb & (va != vb).any(axis=-1))
         return differs, (va, pa, vb, pb)
 
-    def value(self, trace: Trace, step: int, name: str) -> float | int | str | None:
-        return trace.value(step, name) if trace.has_site(name) else None
-
 
 _ALWAYS_IGNORED = ("run", "detail")
 
@@ -219,12 +201,9 @@ def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
         raise TraceHeaderMismatchError(diffs, ta, tb)
 
 
-def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: bool,
-                  ignore: Iterable[str], ignore_sites: tuple[str, ...] = ()) -> RankComparison:
-    diffs = ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))
-    _check_headers(ta, tb, diffs, force)
-    if diffs and not force:
-        raise TraceHeaderMismatchError(diffs, ta, tb)
+def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int] | None, force: bool,
+                  ignore_sites: tuple[str, ...]) -> RankComparison:
+    """Compare one rank's traces whose header differences ``diffs`` :func:`_check_headers` accepted."""
     rank = ta.header.rank if ta.header.rank is not None else 0
     sa, sb = ta.step_array, tb.step_array
     fa, fb = sa[_step_mask(sa, steps)], sb[_step_mask(sb, steps)]
@@ -248,7 +227,7 @@ def _compare_pair(ta: Trace, tb: Trace, *, steps: Iterable[int] | None, force: b
         sites_only_a = tuple(n for n in names_a if not tb.has_site(n))
         sites_only_b = tuple(n for n in names_b if not ta.has_site(n))
     else:
-        names = _merged_order(names_a, names_b)
+        names = merged_order(names_a, names_b)
     # A per-tensor cell only one trace records is no difference: the category cell stands for it.
     names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
     aligned = _Aligned(ta, tb, names)
@@ -311,7 +290,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
                 if aligned.kinds[k] in OWN_KINDS or aligned.names[k] in OWN_METRICS), None)
     base = {
         "step": step, "rank": rank, "site": name, "category": site.category, "kind": site.kind,
-        "expected": aligned.value(ta, step, name), "actual": aligned.value(tb, step, name),
+        "expected": ta.value(step, name), "actual": tb.value(step, name),
         "differing_sites": int(row.sum()), "own_site": own,
     }
     if site.encoding == "set128":
@@ -411,12 +390,16 @@ def _run_label(run: str, tag: str) -> str:
 def _location(site: str, kind: str, rank: int) -> Location:
     fqn = None
     if site.endswith(".*"):
-        fqn = None
+        pass  # a category cell: no one tensor
     elif kind in ("param", "grad"):
         fqn = site.split(".", 1)[1]
     elif kind in _MODULE_KINDS:
         fqn = module_of(site)
     return Location(rank=rank, record=site, fqn=fqn)
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
 
 
 def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
@@ -440,7 +423,7 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                 ))
         if comp.ignored_sites:
             names = comp.ignored_sites
-            shown = ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
+            shown = _listed(names)
             # Comparing nothing proves nothing: all sites ignored is an error.
             make = error if comp.compared_sites == 0 else info
             out.append(make("trace-ignored", f"rank {r}: {len(names)} sites matching --ignore were left out of the "
@@ -448,7 +431,7 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                             location=Location(rank=r), actual={"rank": r, "sites": list(names)}))
         for tag, names in (("A", comp.sites_only_a), ("B", comp.sites_only_b)):
             if names:
-                shown = ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
+                shown = _listed(names)
                 out.append(warning(
                     "trace-sites", f"rank {r}: {len(names)} sites are recorded only in trace {tag} and were not "
                     f"compared: {shown}", location=Location(rank=r),
@@ -457,9 +440,11 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
     divergent = [c for c in comparisons if c.first is not None]
     if not divergent:
         return out
-    first_step = min(c.first.step for c in divergent if c.first is not None)
-    job = job_divergence([c.first for c in divergent if c.first is not None])
-    receiving = set(job.receiver_ranks or ()) if job is not None else set()
+    firsts = [c.first for c in divergent if c.first is not None]
+    first_step = min(d.step for d in firsts)
+    job = job_divergence(firsts)
+    assert job is not None
+    receiving = set(job.receiver_ranks or ())
     for comp in divergent:
         d = comp.first
         assert d is not None
@@ -487,7 +472,7 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
         ))
         if d.origin is not None:
             kind = f" ({d.origin_type})" if d.origin_type else ""
-            shown = ", ".join(d.receivers[:_SHOWN]) + (", …" if len(d.receivers) > _SHOWN else "")
+            shown = _listed(d.receivers)
             caveat = "" if d.inputs_verified else (
                 "; the parameters this step started from are not in both traces, so equal inputs are assumed")
             what = (f"its input is equal, but its own forward changed the input of {d.origin_fed} "
@@ -503,11 +488,11 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
                         "receivers": list(d.receivers),
                         "inputs_verified": d.inputs_verified},
             ))
-    per_rank = {c.rank: c.first.category for c in divergent if c.first is not None}
-    ranks_first = sorted(c.rank for c in divergent if c.first is not None and c.first.step == first_step)
+    per_rank = {d.rank: d.category for d in firsts}
+    ranks_first = sorted(d.rank for d in firsts if d.step == first_step)
     text = ", ".join(f"rank {r}: {cat}" for r, cat in per_rank.items())
     roles = ""
-    if job is not None and len(ranks_first) + len(job.receiver_ranks) > 1:
+    if len(ranks_first) + len(job.receiver_ranks or ()) > 1:
         if job.origin_ranks:
             roles = (f"; born on rank{'s' if len(job.origin_ranks) > 1 else ''} "
                      f"{', '.join(map(str, job.origin_ranks))}")
@@ -522,10 +507,9 @@ def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
         f"traces first diverge at step {first_step} (ranks {', '.join(map(str, ranks_first))}); first divergent "
         f"category per rank: {text}{roles}",
         actual={"first_step": first_step, "ranks": ranks_first,
-                "origin_ranks": list(job.origin_ranks) if job is not None else [],
-                "receiver_ranks": list(job.receiver_ranks) if job is not None else [],
+                "origin_ranks": list(job.origin_ranks or ()), "receiver_ranks": list(job.receiver_ranks or ()),
                 "categories": {str(r): cat for r, cat in per_rank.items()},
-                "steps": {str(c.rank): c.first.step for c in divergent if c.first is not None}},
+                "steps": {str(d.rank): d.step for d in firsts}},
     ))
     return out
 
@@ -552,10 +536,11 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
                            missing="b" if r in stores_a else "a")
             for r in sorted(set(stores_a) ^ set(stores_b))
         ]
-    for ta, tb in pairs:
-        _check_headers(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore)), force)
+    checked = [(ta, tb, ta.header.differences(tb.header, ignore=(*_ALWAYS_IGNORED, *ignore))) for ta, tb in pairs]
+    for ta, tb, diffs in checked:
+        _check_headers(ta, tb, diffs, force)
     sites = tuple(ignore_sites)
-    comps = [_compare_pair(ta, tb, steps=steps, force=force, ignore=ignore, ignore_sites=sites) for ta, tb in pairs]
+    comps = [_compare_pair(ta, tb, diffs, steps=steps, force=force, ignore_sites=sites) for ta, tb, diffs in checked]
     return sorted([*comps, *missing], key=lambda c: c.rank)
 
 

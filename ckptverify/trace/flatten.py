@@ -18,6 +18,7 @@ from ckptverify.trace.store import Cell
 if TYPE_CHECKING:
     from ckptverify.state.train_state import TrainState
 
+
 def _live_value(groups: list[Any], index: int, head: str, rest: str) -> Any:
     value = groups[index].get(head)
     if rest:  # a sequence hyperparameter flattened per element (e.g. betas.0)
@@ -30,7 +31,6 @@ def _live_value(groups: list[Any], index: int, head: str, rest: str) -> Any:
 
 _MISSING = object()
 _UNCACHEABLE = object()
-
 
 
 def _snapshot(value: Any) -> Any:
@@ -69,8 +69,10 @@ class _Leaves:
             self.parents.setdefault(site, []).append((leaf, value, live))
         self.groups = groups or []
         self._cache: dict[str, tuple[Any, Cell]] = {}
-        # JSON of fixed leaves and live names made once: a step encodes the live values only.
+        # JSON of fixed leaves and live names made once: a step encodes the live values only. Param groups
+        # comparable as a whole (plain values): an unchanged group costs one tuple comparison.
         self._fixed: dict[str, bytes | None] = {}
+        self._reads: dict[str, list[int] | None] = {}
         for site, leaves in self.parents.items():
             fixed = {leaf: value for leaf, value, where in leaves if where is None}
             names = [leaf for leaf, _, where in leaves if where is not None]
@@ -78,9 +80,6 @@ class _Leaves:
                 self._fixed[site] = (_json(fixed) + "|" + _json(names) + "|").encode("utf-8", "surrogatepass")
             except (TypeError, ValueError):
                 self._fixed[site] = None
-        # Param groups comparable as a whole (plain values): an unchanged group costs one tuple comparison.
-        self._reads: dict[str, list[int] | None] = {}
-        for site, leaves in self.parents.items():
             read = sorted({where[0] for _, _, where in leaves if where is not None})
             plain = all(isinstance(v, (*_SCALARS, tuple)) or k == "params"
                         for g in read for k, v in self.groups[g].items())
@@ -108,7 +107,6 @@ class _Leaves:
             self._cache[site] = (snap, cell)
             out.append(cell)
         return out
-
 
     def _cell(self, site: str, leaves: list[tuple[str, Any, tuple[int, str, str] | None]], live: list[Any]) -> Cell:
         fixed = self._fixed[site]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckptverify.trace.category import combine, weight
 from ckptverify.trace.cells import _SCALARS
 from ckptverify.trace.readback import Item, _Deferred, _on_host
 from ckptverify.trace.sites import _is_dtensor
@@ -105,18 +106,22 @@ class _HparamCells:
             on_device = _on_device(values)
             if on_device:
                 return [self._later(values, on_device, spec, group)]
-            packed = struct.pack(spec.fmt, *values)
-            lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
-            names, weights = spec.names, spec.weights
-            encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
+            return self._packed(spec, values, group)
         except (struct.error, KeyError, IndexError, TypeError):
             self._spec = None  # the groups changed shape or types: find the entries again next time
             slow = hparam_cells(self.prefix, optimizers)
             names = [c.site for c in slow]
-            lows = [c.lanes[0] for c in slow]
-            weights = [_weight(n) for n in names]
-            encodings = [c.encoding for c in slow]
-        return self._cells_of(names, lows, weights, encodings, group)
+            return self._cells_of(names, [c.lanes[0] for c in slow], [weight(n) for n in names],
+                                  [c.encoding for c in slow], group)
+
+    def _packed(self, spec: _HparamSpec, values: list[Any], group: str) -> list[Cell]:
+        """The cells of ``values``, packed by ``spec``: each member's value is its 64 bits."""
+        import struct
+
+        packed = struct.pack(spec.fmt, *values)
+        lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
+        encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
+        return self._cells_of(spec.names, lows, spec.weights, encodings, group)
 
     def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec, group: str) -> Item:
         """:meth:`_make` when some hyperparameters are device tensors (a ``capturable`` optimizer's lr): those are
@@ -129,23 +134,17 @@ class _HparamCells:
         kept = list(values)
         for i in on_device:
             kept[i] = None  # not held: read back
-        names, weights = spec.names, spec.weights
-        encodings = ["f64" if k == "d" else "i64" for k in spec.fmt[1:]]
 
         def make(read: list[int]) -> list[Cell]:
             filled = list(kept)
             for i, b in zip(on_device, read, strict=True):
                 filled[i] = struct.unpack("<d", struct.pack("<q", b))[0]
-            packed = struct.pack(spec.fmt, *filled)
-            lows = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
-            return self._cells_of(names, lows, weights, encodings, group)
+            return self._packed(spec, filled, group)
 
         return _Deferred(bits, make)
 
     def _cells_of(self, names: list[str], lows: list[int], weights: list[int], encodings: list[str],
                   group: str) -> list[Cell]:
-        from ckptverify.trace.category import combine
-
         if not names:
             return []
         cells = []
@@ -194,13 +193,6 @@ class _HparamCells:
                 scalars.append(operator.itemgetter(*keys) if keys else None)
                 counts.append(len(keys))
                 sequences.append(seqs)
-        weights = [_weight(n) for n in names]
-        return _HparamSpec(scalars, counts, sequences, names, fmt, weights, comparable,
+        return _HparamSpec(scalars, counts, sequences, names, fmt, [weight(n) for n in names], comparable,
                            [*map(len, groups), len(optimizers)])
-
-
-def _weight(name: str) -> int:
-    from ckptverify.trace.category import weight
-
-    return weight(name)
 

@@ -31,24 +31,9 @@ if TYPE_CHECKING:
 
     from ckptverify.trace.oplog import OpKey
 
-__all__ = [
-    "MAX_CAPTURE_BYTES",
-    "MAX_FLOPS",
-    "MECHANISMS",
-    "OUTPUT_FACTOR",
-    "OUTPUT_SLACK_BYTES",
-    "RERUN_TIMEOUT_S",
-    "Capture",
-    "KernelVerdict",
-    "check_op",
-    "load_capture",
-    "mechanism_of",
-    "nvtx_enabled",
-    "nvtx_site",
-    "rerun",
-    "resolve_op",
-    "site_name",
-]
+__all__ = ["MAX_CAPTURE_BYTES", "MAX_FLOPS", "MECHANISMS", "OUTPUT_FACTOR", "OUTPUT_SLACK_BYTES", "RERUN_TIMEOUT_S",
+           "Capture", "KernelVerdict", "check_op", "load_capture", "mechanism_of", "nvtx_enabled", "nvtx_site", "rerun",
+           "resolve_op", "site_name"]
 
 #: What a mechanism key means, as the verdict says it.
 MECHANISMS: dict[str, str] = {
@@ -62,25 +47,23 @@ MECHANISMS: dict[str, str] = {
     "none": "no documented mechanism; a custom or extension kernel",
 }
 
-# Ops torch's use_deterministic_algorithms documentation lists as nondeterministic (atomics), by device.
-_ATOMICS: dict[str, frozenset[str]] = {}
-for _names, _devices in (
-    (("index_add", "scatter_add", "scatter_reduce", "scatter", "put", "index_put", "_index_put_impl",
-      "embedding_dense_backward", "_embedding_bag_backward", "_embedding_bag_dense_backward",
-      "_embedding_bag_per_sample_weights_backward", "histc", "bincount", "cumsum", "median", "gather_backward",
-      "index_select_backward", "repeat_interleave", "max_pool3d_with_indices_backward", "avg_pool3d_backward",
-      "adaptive_avg_pool2d_backward", "_adaptive_avg_pool2d_backward", "adaptive_avg_pool3d_backward",
-      "_adaptive_avg_pool3d_backward", "adaptive_max_pool2d_backward", "fractional_max_pool2d_backward",
-      "fractional_max_pool3d_backward", "max_unpool1d", "max_unpool2d", "max_unpool3d",
-      "upsample_linear1d_backward", "upsample_bilinear2d_backward", "upsample_bicubic2d_backward",
-      "upsample_trilinear3d_backward", "reflection_pad1d_backward", "reflection_pad2d_backward",
-      "reflection_pad3d_backward", "replication_pad1d_backward", "replication_pad2d_backward",
-      "replication_pad3d_backward", "nll_loss2d_forward", "nll_loss_forward", "_ctc_loss_backward",
-      "grid_sampler_2d_backward", "grid_sampler_3d_backward", "index_copy"), ("cuda",)),
-    (("index_put", "_index_put_impl", "put", "index_copy"), ("cpu",)),
-):
-    for _name in _names:
-        _ATOMICS[_name] = _ATOMICS.get(_name, frozenset()) | frozenset(_devices)
+# Ops torch's use_deterministic_algorithms documentation lists as nondeterministic (atomics), by device type.
+_ATOMICS: dict[str, frozenset[str]] = {
+    "cuda": frozenset({
+        "index_add", "scatter_add", "scatter_reduce", "scatter", "put", "index_put", "_index_put_impl",
+        "embedding_dense_backward", "_embedding_bag_backward", "_embedding_bag_dense_backward",
+        "_embedding_bag_per_sample_weights_backward", "histc", "bincount", "cumsum", "median", "gather_backward",
+        "index_select_backward", "repeat_interleave", "max_pool3d_with_indices_backward", "avg_pool3d_backward",
+        "adaptive_avg_pool2d_backward", "_adaptive_avg_pool2d_backward", "adaptive_avg_pool3d_backward",
+        "_adaptive_avg_pool3d_backward", "adaptive_max_pool2d_backward", "fractional_max_pool2d_backward",
+        "fractional_max_pool3d_backward", "max_unpool1d", "max_unpool2d", "max_unpool3d", "upsample_linear1d_backward",
+        "upsample_bilinear2d_backward", "upsample_bicubic2d_backward", "upsample_trilinear3d_backward",
+        "reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward",
+        "replication_pad1d_backward", "replication_pad2d_backward", "replication_pad3d_backward", "nll_loss2d_forward",
+        "nll_loss_forward", "_ctc_loss_backward", "grid_sampler_2d_backward", "grid_sampler_3d_backward",
+        "index_copy"}),
+    "cpu": frozenset({"index_put", "_index_put_impl", "put", "index_copy"}),
+}
 
 _MATMUL = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "addmv", "mv", "dot", "vdot",
                      "_scaled_mm", "_addmm_activation", "_int_mm", "_grouped_mm", "_scaled_grouped_mm"})
@@ -117,22 +100,18 @@ def site_name(key: OpKey) -> str:
 
 
 @functools.cache
-def _nvtx_enabled() -> bool:
+def nvtx_enabled() -> bool:
+    """Whether :func:`nvtx_site` pushes ranges in this process (CUDA is there; asked once)."""
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def nvtx_enabled() -> bool:
-    """Whether :func:`nvtx_site` pushes ranges in this process (CUDA is there; asked once)."""
-    return _nvtx_enabled()
 
 
 @contextmanager
 def nvtx_site(name: str) -> Iterator[None]:
     """An NVTX range named ``name`` around the block on CUDA, for ``nsys``; nothing without CUDA (asked once per
     process: this wraps every op of a window)."""
-    if not _nvtx_enabled():
+    if not nvtx_enabled():
         yield
         return
     import torch
@@ -353,7 +332,8 @@ def mechanism_of(op: torch._ops.OpOverload, device: str, settings: Mapping[str, 
     """The documented mechanism that makes ``op`` nondeterministic on ``device`` (a key of :data:`MECHANISMS`)."""
     name = _base_name(op)
     kind = device.split(":", 1)[0]
-    if kind in _ATOMICS.get(name, frozenset()) or kind in _ATOMICS.get(name.rstrip("_"), frozenset()):
+    atomics = _ATOMICS.get(kind, frozenset())
+    if name in atomics or name.rstrip("_") in atomics:
         return "atomics"
     if kind == "cuda" and name in _MATMUL:
         return "cublas-workspace"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptverify.trace.category import device_digests
 from ckptverify.trace.readback import (
     _MASK64,
     Item,
-    _device_digests,
     _digests_later,
     _has_parts,
     _on_host,
@@ -72,7 +72,7 @@ class _Digester:
         if out is None:
             return None
         for members in self._device.values():
-            for i, d in zip(members, _device_digests([self._tensors[i] for i in members]), strict=True):
+            for i, d in zip(members, device_digests([self._tensors[i] for i in members]), strict=True):
                 out[i] = d
         return out
 
@@ -113,13 +113,13 @@ class _Digester:
 def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
                     digests: list[int], detail: str) -> list[Cell]:
     """One cell per member at detail ``tensor``, then the category cell."""
-    from ckptverify.trace.category import combine_digests
+    from ckptverify.trace.category import combine
 
     cells: list[Cell] = []
     if detail == "tensor":
         cells = [Cell(n, kind, (d >> 64, d & _MASK64), e, "", group)
                  for n, d, e in zip(names, digests, encodings, strict=True)]
-    cells.append(Cell(group, kind, combine_digests(digests, weights), "set128"))
+    cells.append(Cell(group, kind, combine(digests, weights), "set128"))
     return cells
 
 

@@ -121,14 +121,20 @@ def make_event(step: int, index: int, raw: dict[str, Any], chunk_elements: int) 
 MAX_OP_LOG_BYTES = 1 << 30
 
 
-def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> tuple[Any, Path]:
-    """The parsed op log of ``step`` on ``rank`` (checked), and its path."""
-    from ckptverify.errors import CkptVerifyError
-    from ckptverify.safeparse import safejson
+def _store(trace_dir_or_store: str | os.PathLike[str], rank: int) -> Path:
+    """Rank ``rank``'s store: ``trace_dir_or_store`` itself when it is one, else its ``rank<r>``."""
     from ckptverify.trace.store import rank_store_path
 
     base = Path(trace_dir_or_store)
-    store = base if (base / "zarr.json").is_file() else rank_store_path(base, rank)
+    return base if (base / "zarr.json").is_file() else rank_store_path(base, rank)
+
+
+def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> Any:
+    """The parsed op log of ``step`` on ``rank``, checked."""
+    from ckptverify.errors import CkptVerifyError
+    from ckptverify.safeparse import safejson
+
+    store = _store(trace_dir_or_store, rank)
     path = op_log_path(store, step)
     try:
         with open(path, "rb") as f:
@@ -143,7 +149,7 @@ def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) ->
         _check_log(data, step)
     except (JSONError, ValueError, TypeError, KeyError) as exc:
         raise CkptVerifyError(f"{path}: damaged op log: {exc}"[:400]) from None
-    return data, path
+    return data
 
 
 def _check_log(data: Any, step: int) -> None:
@@ -193,25 +199,20 @@ def _check_log(data: Any, step: int) -> None:
 def read_ops(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> list[OpEvent]:
     """The op log of ``step`` on ``rank`` in execution order, from a run's trace directory or one rank's store.
     :class:`~ckptverify.errors.CkptVerifyError` when the step was not recorded (outside the window) or is damaged."""
-    data, _ = _op_log(trace_dir_or_store, rank, step)
+    data = _op_log(trace_dir_or_store, rank, step)
     return [make_event(step, i, e, data["chunk_elements"]) for i, e in enumerate(data["events"])]
 
 
 def ops_dropped(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> int:
     """How many ops of ``step`` on ``rank`` the window's ``max_ops`` left out of the op log (0: it is whole)."""
-    data, _ = _op_log(trace_dir_or_store, rank, step)
-    return int(data["dropped"])
+    return int(_op_log(trace_dir_or_store, rank, step)["dropped"])
 
 
 def op_steps(trace_dir_or_store: str | os.PathLike[str], rank: int) -> list[int]:
     """The steps of ``rank`` that have an op log, in order."""
-    from ckptverify.trace.store import rank_store_path
-
-    base = Path(trace_dir_or_store)
-    store = base if (base / "zarr.json").is_file() else rank_store_path(base, rank)
     out = []
     try:
-        names = os.listdir(store / "ops")
+        names = os.listdir(_store(trace_dir_or_store, rank) / "ops")
     except OSError:
         return []
     for name in names:

@@ -16,11 +16,12 @@ import json
 import os
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from ckptverify.ownfiles.names import own_folder, write_atomic
-from ckptverify.trace.comm import CommCounter, comm_info, comm_site, is_comm
+from ckptverify.trace.comm import _name, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
@@ -63,8 +64,7 @@ class OpContext:
         #: Innermost last.
         self.forward: list[tuple[str, bool]] = []
         self.backward: list[str] = []
-        self.optimizer = 0
-        self.backward_seen = False
+        self.reset()
 
     def reset(self) -> None:
         self.forward.clear()
@@ -111,7 +111,6 @@ class _Digests:
     def __call__(self, t: Any) -> Any:
         import torch
 
-        from ckptverify.trace.readback import _on_host
         from ckptverify.trace.sites import _is_dtensor
 
         if _is_dtensor(t):
@@ -126,14 +125,7 @@ class _Digests:
         hit = self._seen.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == version:
             return hit[2]
-        if _on_host(t):
-            from ckptverify.trace.category import host_digest
-
-            value: Any = host_digest(t)
-        else:
-            from ckptverify.fingerprint import kernels as kern
-
-            value = self._lane(kern.lanes_many([t.detach()]))
+        value = self._fresh(t)
         with contextlib.suppress(TypeError):
             self._seen[id(t)] = (weakref.ref(t), version, value)
         return value
@@ -166,7 +158,7 @@ class _Digests:
             return host_digest(t)
         from ckptverify.fingerprint import kernels as kern
 
-        return self._lane(kern.lanes_many([t]))
+        return self._lane(kern.lanes_many([t.detach()]))
 
 
 def _work_of(result: Any) -> Any:
@@ -201,8 +193,6 @@ def _after_read(tensors: list[Any]) -> tuple[Any, Any] | None:
 
 def _wait_for(events: list[tuple[Any, Any]]) -> None:
     """Make each device's current stream (where the row is read back) wait for ``events``, without a host wait."""
-    if not events:
-        return
     import torch
 
     for device, event in events:
@@ -216,24 +206,19 @@ def _leaves(obj: Any) -> list[Any]:
     return [x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)]
 
 
-def _short(func: Any) -> str:
-    return func._schema.name.split("::", 1)[-1]
-
-
 class StepTracer:
     """The dispatch mode of one recorder, entered per traced step (:meth:`begin`) and left at :meth:`end`.
     ``emit(item) -> index`` appends a step item; ``fill(index, item)`` fills a slot ``emit(None)`` kept."""
 
-    def __init__(self, context: OpContext, *, rank: int, comm: bool, window: OpWindow | None,
+    def __init__(self, context: OpContext, *, rank: int, window: OpWindow | None,
                  emit: Callable[[Any], int], fill: Callable[[int, Any], None],
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
         self.context = context
         self.rank = rank
-        self.comm = comm
         self.window = window
         self.chunk_elements = chunk_elements
         self._emit, self._fill = emit, fill
-        self._counter = CommCounter()
+        self._counter: Counter[tuple[int, ...]] = Counter()
         self._digests = _Digests()
         self._mode: Any = None
         self._active = False
@@ -258,12 +243,6 @@ class StepTracer:
         self._flying: set[int] = set()
         self._nvtx = False
 
-    def _in_window(self, step: int) -> bool:
-        w = self.window
-        if w is None:
-            return False
-        return (w.steps is None or step in w.steps) and (w.ranks is None or self.rank in w.ranks)
-
     def _module_in_window(self, module: str) -> bool:
         mods = self.window.modules if self.window is not None else None
         if mods is None:
@@ -275,8 +254,9 @@ class StepTracer:
         :func:`_comm_kernels` to this tracer."""
         global _ACTIVE
 
-        self.step = step
-        self.ops_on = self._in_window(step)
+        self.step, w = step, self.window
+        self.ops_on = (w is not None and (w.steps is None or step in w.steps)
+                       and (w.ranks is None or self.rank in w.ranks))
         if self.ops_on:
             from ckptverify.trace.kernel import nvtx_enabled
 
@@ -306,9 +286,9 @@ class StepTracer:
         self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
         self._active = True
         if self.ops_on:
-            self._mode = _Mode(self)
+            self._mode = _mode_class()(self)
             self._mode.__enter__()
-        elif self.comm:
+        else:
             if not self._kernels:
                 _comm_kernels(True)
                 self._kernels = True
@@ -356,8 +336,8 @@ class StepTracer:
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.quiet:
             return func(*args, **kwargs)
-        comm = self.comm and is_comm(func)
-        if func.namespace == "_c10d_functional" and _short(func) == "wait_tensor" and self._pending:
+        comm = is_comm(func)
+        if func.namespace == "_c10d_functional" and _name(func) == "wait_tensor" and self._pending:
             out = func(*args, **kwargs)
             self._waited(args[0] if args else kwargs.get("tensor"))
             if self.ops_on:
@@ -435,7 +415,7 @@ class StepTracer:
 
     def _comm_tensors(self, func: Any, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
         """The tensors a collective reads at issue and those it writes, by its kind."""
-        name = _short(func)
+        name = _name(func)
         if func.namespace != "c10d":
             return _leaves(args), []
         first = _leaves(args[0]) if args else []
@@ -485,7 +465,7 @@ class StepTracer:
         assert w is not None
         if w.capture is not None and tuple(w.capture) == (self.step, phase, module, op, occ):
             _capture(w.capture_path, op, args, kwargs)
-        name = _short(func)
+        name = _name(func)
         digest = self._digests
         if comm is not None and name in _RECV:
             ins: list[Any] = [None for _ in _leaves(args)]
@@ -695,14 +675,7 @@ def _capture(path: str | None, op: str, args: Any, kwargs: Any) -> None:
     write_atomic(path, data.getvalue(), prefix=".ckptverify-capture-", durable=False)
 
 
-class _Mode:
-    """Placeholder for a ``TorchDispatchMode`` subclass made on first use (importing this module must not import
-    torch)."""
-
-    def __new__(cls, tracer: StepTracer) -> Any:  # type: ignore[misc]
-        return _mode_class()(tracer)
-
-
+#: The ``TorchDispatchMode`` subclass, made on first use (importing this module must not import torch).
 _MODE_CLASS: Any = None
 
 #: The tracer the collectives' kernels hand calls to outside an op window; one recording loop per process.
@@ -724,7 +697,8 @@ def _comm_kernels(use: bool) -> None:
     if not use:
         _USERS = max(0, _USERS - 1)
         if _USERS == 0 and _LIBRARY is not None:
-            _LIBRARY._destroy()
+            for lib in _LIBRARY:
+                lib._destroy()
             _LIBRARY = None
         return
     _USERS += 1
@@ -750,16 +724,7 @@ def _comm_kernels(use: bool) -> None:
                                                                   else f"{full}.{overload}", key):
                     continue  # someone's kernel is there: leave it (the op is then seen at level op only)
                 libs[ns].impl(qualified, _kernel(func), key)
-    _LIBRARY = _Libraries(list(libs.values()))
-
-
-class _Libraries:
-    def __init__(self, libs: list[Any]) -> None:
-        self.libs = libs
-
-    def _destroy(self) -> None:
-        for lib in self.libs:
-            lib._destroy()
+    _LIBRARY = list(libs.values())
 
 
 def _kernel(func: Any) -> Callable[..., Any]:

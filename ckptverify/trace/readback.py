@@ -142,10 +142,7 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
     from ckptverify.trace.category import tensor_digests
 
     device = [i for i, t in enumerate(tensors) if not _on_host(t) and not _has_parts(t)]
-    if not device:
-        return list(finish(tensor_digests(tensors)))
-    devices = {tensors[i].device for i in device}
-    if len(devices) > 1:  # several accelerators on one rank: read each back now
+    if len({tensors[i].device for i in device}) != 1:  # all on the host, or several accelerators: read now
         return list(finish(tensor_digests(tensors)))
     host = [i for i, t in enumerate(tensors) if _on_host(t) or _has_parts(t)]
     known = dict(zip(host, tensor_digests([tensors[i] for i in host]), strict=True))
@@ -160,11 +157,4 @@ def _digests_later(tensors: list[Any], finish: Callable[[list[int]], list[Cell]]
         return finish(digests)
 
     return [_Deferred(lanes, make)]
-
-
-def _device_digests(tensors: list[Any]) -> list[int]:
-    """Member digests of tensors on one device, computed there and read back once."""
-    from ckptverify.fingerprint import kernels as kern
-
-    return [(a & _MASK64) << 64 | (b & _MASK64) for a, b in hostread.to_host(kern.lanes_many(tensors))]
 

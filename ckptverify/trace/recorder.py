@@ -34,11 +34,11 @@ from ckptverify.trace.cells import (
     _value_lanes,
 )
 from ckptverify.trace.flatten import _counters, _data_value, _layout_signature, _StateLayout, _Structure
-from ckptverify.trace.hyperparams import _HparamCells, hparam_cells
+from ckptverify.trace.hyperparams import _HparamCells
 from ckptverify.trace.members import _Gradients
 from ckptverify.trace.oplog import OpWindow
 from ckptverify.trace.ops import DEFAULT_CHUNK_ELEMENTS, OpContext, StepTracer, write_op_log
-from ckptverify.trace.readback import Item, _Deferred, _ReadBack, fingerprint_many
+from ckptverify.trace.readback import Item, _Deferred, _ReadBack
 from ckptverify.trace.sites import (
     _FIELD_ORDER,
     _WRAPPER_PARTS,
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from ckptverify.state.train_state import TrainState
 
-__all__ = ["ROOT_MODULE", "TraceRecorder", "canonical_name", "fingerprint_many", "hparam_cells", "module_site"]
+__all__ = ["TraceRecorder"]
 
 class TraceRecorder:
     """Records one row per training step into ``<path>/rank<r>`` (a :class:`~ckptverify.trace.TraceWriter`).
@@ -83,6 +83,9 @@ class TraceRecorder:
             raise UsageError(f"trace header says world size {header.world_size}, but the job has {world}")
         self.header = header.with_rank(rank, world)
         self.level = self.header.level
+        #: What the level records (each level includes the ones before it).
+        self.records_state, self.records_comm, self.records_modules, self.records_ops = (
+            LEVELS.index(self.level) >= LEVELS.index(x) for x in ("state", "comm", "module", "op"))
         self.detail = self.header.detail
         self.rank = rank
         self.run_dir = Path(path)
@@ -106,7 +109,6 @@ class TraceRecorder:
         self._hparams = _HparamCells("hparam.", self.detail)
         self._start_hparams = _HparamCells("start.hparam.", self.detail)
         self._grad_version = -1
-        self._field_kinds: dict[str, str] = {}
         self._last: tuple[int, list[Any], list[int]] | None = None
         self._kept: tuple[int, list[Any], list[int]] | None = None
         self._hook_warning = _HookWarningGuard()
@@ -128,25 +130,9 @@ class TraceRecorder:
                 raise UsageError(f"chunk_elements must be positive, got {chunk_elements}")
             if self.records_ops and window is None:
                 window = OpWindow()
-            self._tracer = StepTracer(self._context, rank=rank, comm=True,
+            self._tracer = StepTracer(self._context, rank=rank,
                                       window=window if self.records_ops else None, emit=self._emit,
                                       fill=self._fill, chunk_elements=chunk_elements)
-
-    @property
-    def records_state(self) -> bool:
-        return LEVELS.index(self.level) >= LEVELS.index("state")
-
-    @property
-    def records_comm(self) -> bool:
-        return LEVELS.index(self.level) >= LEVELS.index("comm")
-
-    @property
-    def records_modules(self) -> bool:
-        return LEVELS.index(self.level) >= LEVELS.index("module")
-
-    @property
-    def records_ops(self) -> bool:
-        return self.level == "op"
 
     def _emit(self, item: Any) -> int:
         """Append a step item (``None``: a slot to :meth:`_fill` later); returns its index."""
@@ -333,7 +319,13 @@ class TraceRecorder:
         hook._ckptverify_hook = True  # type: ignore[attr-defined]
         return hook
 
-    def _forget_calls(self) -> None:
+    def _forget_step(self) -> None:
+        """Drop what the hooks gathered for the step."""
+        self._module_cells = []
+        self._start_cells = []
+        self._grad_cells = None
+        self._hparam_cells = []
+        self._occurrences.clear()
         self._frames.clear()
         self._calls.clear()
         self._calls_of.clear()
@@ -346,12 +338,7 @@ class TraceRecorder:
     def skip_step(self) -> None:
         """End a step begun with :meth:`begin_skipped_step`: forget anything gathered for it."""
         self._paused -= 1
-        self._module_cells = []
-        self._start_cells = []
-        self._grad_cells = None
-        self._hparam_cells = []
-        self._occurrences.clear()
-        self._forget_calls()
+        self._forget_step()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -457,12 +444,7 @@ class TraceRecorder:
             if state is not None:
                 cells.extend(self._state_cells(step, state))
         cells.extend(op_items)
-        self._module_cells = []
-        self._start_cells = []
-        self._hparam_cells = []
-        self._occurrences.clear()
-        self._forget_calls()
-        self._grad_cells = None
+        self._forget_step()
         # Device values are read back once, when the next step is recorded (or at flush): nothing waits here.
         self._settle()
         if any(type(x) is _Deferred for x in cells):
@@ -586,10 +568,7 @@ class TraceRecorder:
         return cells
 
     def _field_cell(self, name: str, value: Any) -> Cell:
-        kind = self._field_kinds.get(name)
-        if kind is None:
-            kind = self._field_kinds[name] = _field_kind(name)
-        return Cell(name, kind, _value_lanes(value), "digest128")
+        return Cell(name, _field_kind(name), _value_lanes(value), "digest128")
 
     def step_digests(self, step: int, tensors: list[Any]) -> list[int | None]:
         """The member digests the row of ``step`` (one of the last two) holds for ``tensors``, matched by storage;
@@ -600,17 +579,15 @@ class TraceRecorder:
         if found is None:
             return [None] * len(tensors)
         _, members, digests = found
-        index: dict[tuple[Any, ...], int] = {}
-        for t, d in zip(members, digests, strict=True):
+
+        def storage(t: Any) -> tuple[Any, ...] | None:
             local = t.to_local() if _is_dtensor(t) else t
-            if local.numel():
-                index[(local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())] = d
-        out: list[int | None] = []
-        for t in tensors:
-            local = t.to_local() if _is_dtensor(t) else t
-            key = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())
-            out.append(index.get(key) if local.numel() else None)
-        return out
+            return (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride()) \
+                if local.numel() else None
+
+        index = {storage(t): d for t, d in zip(members, digests, strict=True)}
+        index.pop(None, None)
+        return [index.get(storage(t)) for t in tensors]
 
     def flush(self) -> None:
         """Write the buffered rows and wait until they are committed."""

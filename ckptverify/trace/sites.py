@@ -58,13 +58,10 @@ def non_persistent_buffers(model: Any) -> list[tuple[str, Any]]:
     return out
 
 
+_FIELD_KINDS = {"counters": "counter", "scaler": "optim", "data": "data", "scheduler": "scheduler", "rng": "rng"}
+
+
 def _field_kind(name: str) -> str:
-    if name == "counters":
-        return "counter"
-    if name == "scaler":
-        return "optim"
-    if name == "data":
-        return "data"
-    head = name.split(".", 1)[0]
-    return {"scheduler": "scheduler", "rng": "rng"}.get(head, "extra")
+    """The site kind of a TrainState field's cell (``scheduler.0``, ``extras.ema``, ...)."""
+    return _FIELD_KINDS.get(name) or _FIELD_KINDS.get(name.split(".", 1)[0], "extra")
 

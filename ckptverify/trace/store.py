@@ -18,7 +18,6 @@ import io
 import itertools
 import math
 import os
-import stat
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -31,24 +30,10 @@ import numpy as np
 from ckptverify.errors import CkptVerifyError, JSONError, UsageError
 from ckptverify.ownfiles.names import own_folder
 from ckptverify.safeparse import safejson
+from ckptverify.safeparse.readers import read_small_file
 
-__all__ = [
-    "CATEGORIES",
-    "DIGEST_ENCODINGS",
-    "ENCODINGS",
-    "KINDS",
-    "LEVELS",
-    "TRACE_SCHEMA",
-    "TRACE_SCHEMA_VERSION",
-    "Cell",
-    "Site",
-    "Trace",
-    "TraceHeader",
-    "TraceRow",
-    "TraceWriter",
-    "open_trace",
-    "rank_store_path",
-]
+__all__ = ["CATEGORIES", "DIGEST_ENCODINGS", "ENCODINGS", "KINDS", "LEVELS", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION",
+           "Cell", "Site", "Trace", "TraceHeader", "TraceRow", "TraceWriter", "open_trace", "rank_store_path"]
 
 TRACE_SCHEMA = "ckptverify/trace"
 TRACE_SCHEMA_VERSION = 2
@@ -165,8 +150,7 @@ class TraceHeader:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         for name, value in values.items():
-            want = _HEADER_TYPES[name]
-            if not (isinstance(value, want) and not (isinstance(value, bool) and bool not in _as_tuple(want))):
+            if not isinstance(value, _HEADER_TYPES[name]) or isinstance(value, bool):
                 raise CkptVerifyError(f"damaged trace header: {name} is {type(value).__name__}")
         try:
             header = cls(**values)
@@ -196,10 +180,6 @@ _HEADER_TYPES: dict[str, Any] = {
 }
 
 
-def _as_tuple(t: Any) -> tuple[Any, ...]:
-    return t if isinstance(t, tuple) else (t,)
-
-
 @dataclass(frozen=True, slots=True)
 class Site:
     """One recorded quantity. ``order``: position in execution order; ``info``: a free note; ``group``: the category
@@ -224,10 +204,6 @@ class Cell:
     encoding: str = "fp128"
     info: str = ""
     group: str = ""
-
-    @classmethod
-    def from_hex(cls, site: str, kind: str, value: str, encoding: str = "fp128", info: str = "") -> Cell:
-        return cls(site, kind, hex_lanes(value), encoding, info)
 
     @classmethod
     def from_float(cls, site: str, kind: str, value: float) -> Cell:
@@ -288,7 +264,6 @@ class TraceWriter:
             raise UsageError(f"trace store {self.path} already exists")
         self.header = header
         self.flush_every = flush_every
-        self.site_chunk = site_chunk
         # Made here first: zarr's "w" empties whatever the name leads to, so a link there is refused, not followed.
         own_folder(self.path)
         self._group = zarr.open_group(str(self.path), mode="w" if overwrite else "a")
@@ -298,13 +273,9 @@ class TraceWriter:
                                                 dtype="uint64", fill_value=0, compressors=None)
         self._present = self._group.create_array("present", shape=(0, 0), chunks=(flush_every, site_chunk),
                                                  dtype="bool", fill_value=False)
-        self._names: list[str] = []
+        #: The site table by column, each entry as the store holds it (``order`` filled in when written).
+        self._sites: list[dict[str, Any]] = []
         self._column: dict[str, int] = {}
-        self._kinds: list[str] = []
-        self._encodings: list[str] = []
-        self._infos: list[str] = []
-        self._groups: list[str] = []
-        self._first_row: list[int] = []
         self._order: list[int] = []
         self._position: dict[int, int] = {}
         self._rows = 0  # rows handed to the writing thread (written, or being written)
@@ -340,10 +311,6 @@ class TraceWriter:
         """Rows appended so far (written or buffered)."""
         return self._rows + len(self._buffer)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def append(self, step: int, cells: Iterable[Cell]) -> None:
         """Add the row of ``step`` (larger than every step before); ``cells`` in execution order."""
         if self._closed:
@@ -372,10 +339,11 @@ class TraceWriter:
             if col is None:
                 col = self._add_site(cell, after=prev)
             else:
-                if self._kinds[col] != cell.kind:
-                    raise UsageError(f"site {cell.site!r} changed kind from {self._kinds[col]} to {cell.kind}")
-                if self._encodings[col] != cell.encoding:
-                    raise UsageError(f"site {cell.site!r} changed encoding from {self._encodings[col]} to "
+                known = self._sites[col]
+                if known["kind"] != cell.kind:
+                    raise UsageError(f"site {cell.site!r} changed kind from {known['kind']} to {cell.kind}")
+                if known["encoding"] != cell.encoding:
+                    raise UsageError(f"site {cell.site!r} changed encoding from {known['encoding']} to "
                                      f"{cell.encoding}")
             if col in seen:
                 raise UsageError(f"site {cell.site!r} recorded twice at step {step}")
@@ -389,14 +357,11 @@ class TraceWriter:
             raise UsageError(f"site {cell.site!r}: unknown kind {cell.kind!r}")
         if cell.encoding not in ENCODINGS:
             raise UsageError(f"site {cell.site!r}: unknown encoding {cell.encoding!r}")
-        col = len(self._names)
-        self._names.append(cell.site)
+        col = len(self._sites)
+        self._sites.append({"name": cell.site, "kind": cell.kind, "category": KINDS[cell.kind],
+                            "encoding": cell.encoding, "order": 0, "first_row": self.rows, "info": cell.info,
+                            "group": cell.group})
         self._column[cell.site] = col
-        self._kinds.append(cell.kind)
-        self._encodings.append(cell.encoding)
-        self._infos.append(cell.info)
-        self._groups.append(cell.group)
-        self._first_row.append(self.rows)
         pos = 0 if after is None else self._position[after] + 1
         if pos == len(self._order):
             self._order.append(col)
@@ -420,7 +385,7 @@ class TraceWriter:
             start = self._rows
             self._rows += len(rows)
             sites = self._site_table() if self._sites_version != self._sites_written else None
-            job = (rows, start, len(self._names), sites, self._sites_version)
+            job = (rows, start, len(self._sites), sites, self._sites_version)
             if wait:
                 self._write(*job)
             else:
@@ -482,12 +447,7 @@ class TraceWriter:
         self._group.update_attributes({"rows": end})
 
     def _site_table(self) -> list[dict[str, Any]]:
-        return [
-            {"name": name, "kind": self._kinds[c], "category": KINDS[self._kinds[c]], "encoding": self._encodings[c],
-             "order": self._position[c], "first_row": self._first_row[c], "info": self._infos[c],
-             "group": self._groups[c]}
-            for c, name in enumerate(self._names)
-        ]
+        return [dict(site, order=self._position[c]) for c, site in enumerate(self._sites)]
 
     def _write_sites(self, sites: list[dict[str, Any]], version: int) -> None:
         """Store the site table in the attributes of the empty ``sites`` array."""
@@ -523,26 +483,13 @@ def _read_file(path: Path, limit: int) -> bytes | None:
     """The bytes of the regular file ``path`` (``None`` if absent); :class:`CkptVerifyError` past ``limit`` bytes or
     for a non-regular file (a FIFO would block the reader)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return read_small_file(str(path), limit)
     except FileNotFoundError:
         return None
+    except CkptVerifyError:
+        raise
     except OSError as exc:
         raise CkptVerifyError(f"{path}: cannot be read: {exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CkptVerifyError(f"{path}: not a regular file")
-        if info.st_size > limit:
-            raise CkptVerifyError(f"{path}: {info.st_size} bytes, more than the {limit} a trace store holds there")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise CkptVerifyError(f"{path}: cannot be read: {exc}") from None
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise CkptVerifyError(f"{path}: more than the {limit} bytes a trace store holds there")
-    return data
 
 
 def _read_json(path: Path) -> Any:

@@ -57,14 +57,11 @@ class _NumpyStream:
 
     def __init__(self) -> None:
         self.rs = np.random.get_state.__self__  # type: ignore[attr-defined]
-        self._bg: Any = None
-        self._raw: Any = None
         self._bind()
 
     def _bind(self) -> None:
-        self._raw = None
-        bg = getattr(self.rs, "_bit_generator", None)
-        self._bg = bg
+        self._raw: Any = None
+        self._bg = bg = getattr(self.rs, "_bit_generator", None)
         if bg is None or type(bg).__name__ != "MT19937":
             return
         raw = (ctypes.c_char * _MT_BYTES).from_address(bg.ctypes.state_address)

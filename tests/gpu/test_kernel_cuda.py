@@ -61,8 +61,8 @@ def test_custom_kernel_on_cuda_has_no_documented_mechanism():
 
 
 def test_nvtx_site_pushes_and_pops_on_cuda():
-    kernel._nvtx_enabled.cache_clear()
-    assert kernel._nvtx_enabled()
+    kernel.nvtx_enabled.cache_clear()
+    assert kernel.nvtx_enabled()
     x = torch.ones(4, device="cuda")
     with nvtx_site(site_name((1, "forward", "fc", "aten.mm.default", 0))):
         y = x * 2

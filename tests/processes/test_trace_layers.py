@@ -35,18 +35,6 @@ def test_each_recorder_module_imports_only_the_ones_before_it(name: str) -> None
     assert not _trace_imports(name) & later, name
 
 
-def test_names_imported_from_the_recorder_module_are_the_ones_of_their_new_homes() -> None:
-    from ckptverify.trace import hyperparams, readback, recorder, sites
-
-    # Callers import these from ckptverify.trace.recorder (hparam_cells: Run; _is_dtensor: the replica check).
-    assert recorder.fingerprint_many is readback.fingerprint_many
-    assert recorder.hparam_cells is hyperparams.hparam_cells
-    assert recorder._is_dtensor is sites._is_dtensor
-    assert recorder.ROOT_MODULE == sites.ROOT_MODULE == "(root)"
-    for name in recorder.__all__:
-        assert hasattr(recorder, name), name
-
-
 def _plan(steps: int = 6, resume_at: int = 3):
     from ckptverify.resume.harness import Plan
 
@@ -62,11 +50,11 @@ def _divergence(step: int, site: str, category: str):
 
 
 def test_the_verdict_reads_frozen_typed_evidence() -> None:
-    from ckptverify.resume.compare import Evidence, StepEvidence, StreamDiff
+    from ckptverify.resume.compare import Evidence, SiteDiff, StepEvidence
     from ckptverify.resume.verdict import decide
 
     ev = Evidence(resume=_divergence(4, "batch", "data"),
-                  step=StepEvidence(step=4, rank=0, rng=(StreamDiff("rng.torch_cpu", "a", "b", b_moved=True),)))
+                  step=StepEvidence(step=4, rank=0, rng=(SiteDiff("rng.torch_cpu", "a", "b", b_moved=True),)))
     with pytest.raises(dataclasses.FrozenInstanceError):
         ev.final = ()  # type: ignore[misc]
     v = decide(_plan(), ev)
@@ -76,7 +64,7 @@ def test_the_verdict_reads_frozen_typed_evidence() -> None:
     # Nothing found: a pass, and a stream that moved is not confused with one that did not.
     assert decide(_plan(), Evidence()).kind == "pass"
     still = decide(_plan(), Evidence(resume=_divergence(4, "start.rng.torch_cpu", "rng"),
-                                     step=StepEvidence(step=4, rank=0, rng=(StreamDiff("rng.torch_cpu", "a", "b"),))))
+                                     step=StepEvidence(step=4, rank=0, rng=(SiteDiff("rng.torch_cpu", "a", "b"),))))
     assert still.kind == "rng" and "not restored from the checkpoint" in still.message
     assert "re-seeded" not in still.message
 
@@ -86,10 +74,10 @@ def test_the_verdict_reads_frozen_typed_evidence() -> None:
                                                            (None, None, "scheduler")])
 def test_resume_check_and_replay_say_the_same_hyperparameter_cause(a_moved, b_moved, kind) -> None:
     from ckptverify.resume import causes
-    from ckptverify.resume.compare import Evidence, HparamDiff, StepEvidence
+    from ckptverify.resume.compare import Evidence, SiteDiff, StepEvidence
     from ckptverify.resume.verdict import decide
 
-    h = HparamDiff("0.lr", 0.1, 0.2, a_moved=a_moved, b_moved=b_moved)
+    h = SiteDiff("0.lr", 0.1, 0.2, a_moved=a_moved, b_moved=b_moved)
     v = decide(_plan(), Evidence(resume=_divergence(4, "start.hparam.0.lr", "hyperparameters"),
                                  step=StepEvidence(step=4, rank=0, hparams_start=(h,))))
     args = dict(name="param_groups[0].lr", a=0.1, b=0.2, first_step=True, a_moved=a_moved, b_moved=b_moved, step=4,

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent('''
     from ckptverify.fingerprint import kernels as kern
     from ckptverify.trace import TraceHeader, TraceRecorder, open_trace
     from ckptverify.trace.cells import _object_cell, _value_lanes
-    from ckptverify.trace.recorder import module_site
+    from ckptverify.trace.sites import module_site
 
     assert R._HOST_AS_DEVICE
     root = Path(sys.argv[1])

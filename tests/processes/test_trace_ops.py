@@ -331,7 +331,6 @@ import test_trace_ops as t
 from ckptverify.trace import kernel
 pushed, depth = [], []
 kernel.nvtx_enabled = lambda: True
-kernel._nvtx_enabled = lambda: True
 torch.cuda.nvtx.range_push = lambda name: (pushed.append(name), depth.append(1))
 torch.cuda.nvtx.range_pop = lambda: depth.pop()
 t._run(Path(sys.argv[1]), window={"steps": [2], "modules": ["blocks.1"]}, steps=2)

@@ -303,7 +303,7 @@ def train(run):
 
 
 def test_the_device_and_the_plan_reach_the_workload_as_arguments_not_through_the_environment(tmp_path: Path) -> None:
-    from ckptverify.resume.harness import launch_jobs
+    from ckptverify.resume.launch import launch_jobs
     from ckptverify.resume.run import Run, RunConfig
 
     out = tmp_path / "seen.json"

@@ -182,19 +182,19 @@ def test_nvtx_site_is_a_no_op_without_cuda_and_pairs_push_and_pop_with_it(monkey
     calls: list[tuple[str, str | None]] = []
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop", None)))
-    kernel._nvtx_enabled.cache_clear()
+    kernel.nvtx_enabled.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with nvtx_site("x"):
         pass
     assert calls == []
-    kernel._nvtx_enabled.cache_clear()
+    kernel.nvtx_enabled.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     name = site_name((3, "backward", "blocks.1.fc", "aten.mm.default", 2))
     assert name == "step3/backward/blocks.1.fc/aten.mm.default#2"
     with pytest.raises(RuntimeError), nvtx_site(name):
         raise RuntimeError("the range is closed all the same")
     assert calls == [("push", name), ("pop", None)]
-    kernel._nvtx_enabled.cache_clear()
+    kernel.nvtx_enabled.cache_clear()
 
 
 def test_kernel_findings():

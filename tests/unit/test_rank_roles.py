@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ckptverify.resume.compare import Evidence, StepEvidence, StreamDiff
+from ckptverify.resume.compare import Evidence, SiteDiff, StepEvidence
 from ckptverify.resume.verdict import decide
 from ckptverify.trace.compare import FirstDivergence, job_divergence
 
@@ -47,7 +47,7 @@ PLAN = SimpleNamespace(resume_at=2, steps=4, runs=("A", "B"), nproc=2, level="st
 
 
 def _rng_evidence(div: FirstDivergence) -> Evidence:
-    stream = StreamDiff("rng.torch_cpu", "a", "b", a_moved=False, b_moved=True)
+    stream = SiteDiff("rng.torch_cpu", "a", "b", a_moved=False, b_moved=True)
     return Evidence(resume=div, resume_sites=frozenset({div.site}),
                     step=StepEvidence(step=3, rank=div.rank, rng=(stream,)))
 

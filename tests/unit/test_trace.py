@@ -27,7 +27,7 @@ from ckptverify.trace import (
     first_divergence,
     open_trace,
 )
-from ckptverify.trace.compare import _merged_order, divergences
+from ckptverify.trace.compare import divergences, merged_order
 
 STEPS = 5
 
@@ -176,7 +176,7 @@ def test_presence_difference_is_a_divergence(tmp_path: Path) -> None:
 
 
 def test_merged_order() -> None:
-    assert _merged_order(["a", "b", "c"], ["x", "a", "c", "y"]) == ["x", "a", "b", "c", "y"]
+    assert merged_order(["a", "b", "c"], ["x", "a", "c", "y"]) == ["x", "a", "b", "c", "y"]
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -435,7 +435,7 @@ def test_batched_device_lanes_equal_the_fingerprint_of_each_tensor() -> None:
 
 
 def test_a_category_cell_names_the_one_member_that_changed() -> None:
-    from ckptverify.trace.category import combine, combine_digests, locate, matches, weight
+    from ckptverify.trace.category import combine, locate, matches, weight
 
     names = [f"param.layer{i}.weight" for i in range(50)]
     weights = [weight(n) for n in names]
@@ -459,8 +459,8 @@ def test_a_category_cell_names_the_one_member_that_changed() -> None:
     several[9] = (several[9] + 5) % 2**64
     found = locate(base, combine(several, weights))
     assert found is None or not any(matches(n, found) for n in names)
-    # combine_digests sums the low halves of whole 128-bit digests.
-    assert combine_digests([(12345 << 64) | lo for lo in lows], weights) == base
+    # combine sums the low halves of whole 128-bit digests.
+    assert combine([(12345 << 64) | lo for lo in lows], weights) == base
     assert locate(base, base) is None
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptverify.trace import Cell, TraceHeader, TraceWriter, open_trace
-from ckptverify.trace.category import combine_digests
+from ckptverify.trace.category import combine
 from ckptverify.trace.cells import _metric_cell, _metric_item
 
 _MASK64 = (1 << 64) - 1
@@ -32,7 +32,7 @@ def test_category_cell_lanes_are_the_sums_of_the_low_halves() -> None:
         weights = [rng.getrandbits(64) | 1 for _ in range(n)]
         lows = [d & _MASK64 for d in digests]
         expected = (sum(lows) & _MASK64, sum(lo * w for lo, w in zip(lows, weights, strict=True)) & _MASK64)
-        assert combine_digests(digests, weights) == expected
+        assert combine(digests, weights) == expected
 
 
 @pytest.mark.parametrize("value", [

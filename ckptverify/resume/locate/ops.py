@@ -17,18 +17,10 @@ from typing import Any
 
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
+from ckptverify.trace.compare import merged_order
 from ckptverify.trace.oplog import OpEvent, OpKey
 
-__all__ = [
-    "ORIGIN_KINDS",
-    "Located",
-    "OpSite",
-    "Origin",
-    "Receiver",
-    "SideVariation",
-    "Via",
-    "locate",
-]
+__all__ = ["ORIGIN_KINDS", "Located", "OpSite", "Origin", "Receiver", "SideVariation", "Via", "locate"]
 
 ORIGIN_KINDS = ("op", "collective", "untraced", "state")
 
@@ -357,12 +349,8 @@ def _differs(x: int | None, y: int | None) -> bool:
     return x is not None and y is not None and x != y
 
 
-def _seq_differs(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
-    return len(xs) != len(ys) or any(_differs(x, y) for x, y in zip(xs, ys, strict=True))
-
-
 def _inputs_differ(a: OpEvent, b: OpEvent) -> bool:
-    return _seq_differs(a.inputs, b.inputs)
+    return len(a.inputs) != len(b.inputs) or any(_differs(x, y) for x, y in zip(a.inputs, b.inputs, strict=True))
 
 
 def _argument_difference(a: OpEvent, b: OpEvent) -> tuple[dict[str, Any], ...]:
@@ -439,21 +427,10 @@ def _ordered(by_key: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, OpEvent]]:
 
 def _merged(a: list[tuple[OpKey, OpEvent]], b: list[tuple[OpKey, OpEvent]], in_a: Mapping[OpKey, OpEvent],
             in_b: Mapping[OpKey, OpEvent]) -> list[tuple[OpKey, str]]:
-    """Both logs in one execution order: A's, each B-only op right after the op B ran before it; entries ``(key,
-    side)`` with side ``ab``, ``a`` or ``b``."""
-    after: dict[OpKey | None, list[OpKey]] = {}
-    prev: OpKey | None = None
-    for key, _ in b:
-        if key in in_a:
-            prev = key
-        else:
-            after.setdefault(prev, []).append(key)
-    out: list[tuple[OpKey, str]] = [(k, "b") for k in after.get(None, [])]
-    for key, _ in a:
-        out.append((key, "ab" if key in in_b else "a"))
-        if after and key in after:
-            out.extend((k, "b") for k in after[key])
-    return out
+    """Both logs in one execution order (:func:`~ckptverify.trace.compare.merged_order`), each key with the side it
+    ran on: ``ab``, ``a`` or ``b``."""
+    order = merged_order([k for k, _ in a], [k for k, _ in b])
+    return [(k, ("a" if k in in_a else "") + ("b" if k in in_b else "")) for k in order]
 
 
 def _same(a: OpEvent, b: OpEvent) -> bool:
