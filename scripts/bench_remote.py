@@ -2,8 +2,8 @@
 
     python scripts/bench_remote.py [--mib 512] [--repeats 3]
 
-Starts moto's S3 server on a local port (``pip install 'ckptverify[s3]' 'moto[s3]' flask flask-cors``), writes a DCP checkpoint
-of about ``--mib`` MiB there with torch's fsspec writer, then times, alternating on every repeat:
+Starts moto's S3 server on a local port (``pip install -e '.[test]'`` brings it), writes a DCP checkpoint of
+about ``--mib`` MiB there with torch's fsspec writer, then times, alternating on every repeat:
 
 * ``download``: every object fetched with s3fs (``cat_file``, the client's own parallel ranged reads), bytes
   discarded: the read ceiling of this client against this server;
