@@ -22,7 +22,7 @@ from ckptverify.errors import ArchiveError
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader, item_header
-from ckptverify.safeparse.zipwalk import Archive, Record, TemplateCache, parse_archive, parse_item
+from ckptverify.safeparse.zipwalk import Archive, Record, TemplateCache, parse_archive, parse_item, range_reader
 
 #: Items up to this size are read whole, with their neighbours, and checked from memory while planning.
 SMALL_ITEM_BYTES = 1 << 20
@@ -131,7 +131,7 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
             small.append((n, item))
             continue
         try:
-            outcomes[n] = ItemPlan(item, parse_archive(_item_reader(f, item), item.length))
+            outcomes[n] = ItemPlan(item, parse_archive(range_reader(f, item.offset, item.length), item.length))
         except ArchiveError as exc:
             outcomes[n] = _structure_finding(item, exc)
     for start, end, batch in _windows(small):
@@ -248,7 +248,8 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
         ))
     elif item.kind == "tensor" and (intact or computed[pkl.name] == pkl.crc):
         try:
-            data_pkl = plan.pkl if plan.pkl is not None else _item_reader(f, item)(pkl.data_offset, pkl.size)
+            data_pkl = plan.pkl if plan.pkl is not None else \
+                range_reader(f, item.offset, item.length)(pkl.data_offset, pkl.size)
             plan.pkl = None  # read once; 100 000 plans need not keep theirs
             header = item_header(data_pkl)
         except pickle.UnpicklingError as exc:
@@ -269,14 +270,6 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
         result.findings.extend(_subclass_consistency(item, archive, header))
     elif header is not None:
         result.findings.extend(_tensor_consistency(item, archive, header))
-
-
-def _item_reader(f: ReadOnlyFile, item: Item):
-    def read(offset: int, n: int) -> bytes:
-        n = max(0, min(n, item.length - offset))
-        return f.pread(item.offset + offset, n) if offset >= 0 else b""
-
-    return read
 
 
 def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeader | SubclassHeader | None,

@@ -10,33 +10,17 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from collections import defaultdict
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.fingerprint.nonfinite import counts_kept
-from ckptverify.formats.describe import Description, is_own_file, stored_part, stored_payloads
+from ckptverify.formats.describe import Description, folder_files, stored_part, stored_payloads
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.readers import ReadOnlyFile
 
-__all__ = ["check_manifest", "deep_check", "folder_files", "judge_described", "manifest_entries", "manifests_of"]
-
-
-
-def folder_files(root: str) -> list[str]:
-    """Regular files directly in ``root`` except ckptverify's own (links and special files are folder-check findings).
-    """
-    out = []
-    with paths.scandir(root) as it:
-        for e in it:
-            try:
-                if not is_own_file(e.name) and stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
-                    out.append(e.name)
-            except OSError:
-                continue
-    return sorted(out)
+__all__ = ["check_manifest", "deep_check", "judge_described", "manifest_entries", "manifests_of"]
 
 
 def manifest_entries(desc: Description, files: list[str], digest: str,
@@ -222,10 +206,6 @@ def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Findi
     elif not desc.tensors:
         findings.append(info("fingerprint", "no tensors to rebuild"))
     return findings, [CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")]
-
-
-def describe_stats(desc: Description) -> dict[str, Any]:
-    return {"tensors": len(desc.tensors), "values": len(desc.values)}
 
 
 def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[str, Manifest]], list[Finding]]:

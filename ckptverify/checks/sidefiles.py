@@ -162,11 +162,8 @@ def _plain_name(name: str) -> bool:
 
 def _sha256(path: str, root: str) -> str:
     """SHA-256 of a regular file inside ``root`` (a FIFO, device or link out of it is refused unopened)."""
-    import hashlib
-
+    from ckptverify.fingerprint.digest import digest_reader
     from ckptverify.safeparse.readers import ReadOnlyFile
 
-    h = hashlib.sha256()
     with ReadOnlyFile(path, root=root) as f:
-        f.fold(0, f.size, h.update)
-    return h.hexdigest()
+        return digest_reader(f, INTEGRITY_ALGORITHM)

@@ -66,7 +66,7 @@ def check_json(path: str, *, name: str | None = None, root: str | None = None) -
     """Parse a JSON side file (bounded; ``json-invalid`` if it does not parse). ``root``: it must resolve inside it."""
     label = name or os.path.basename(path)
     try:
-        with (ReadOnlyFile(path, root=root) if root is not None else ReadOnlyFile(path)) as f:
+        with ReadOnlyFile(path, root=root) as f:
             if f.size > JSON_MAX_BYTES:
                 return [error("json-invalid", f"{label} is {f.size} bytes, more than a JSON side file may be "
                               f"({JSON_MAX_BYTES})", location=Location(file=label))], None

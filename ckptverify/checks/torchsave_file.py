@@ -16,7 +16,7 @@ from ckptverify.findings import CheckCoverage, Finding, Location, error, info, w
 from ckptverify.formats.single import sniff
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.zipwalk import looks_like_zip, parse_archive
+from ckptverify.safeparse.zipwalk import looks_like_zip, parse_archive, range_reader
 
 __all__ = ["verify_torchsave_file"]
 
@@ -30,7 +30,7 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
     coverage: list[CheckCoverage] = []
     facts: dict[str, Any] = {"tensors": {}, "bytes": 0}
     try:
-        f = ReadOnlyFile(path, root=root) if root is not None else ReadOnlyFile(path)
+        f = ReadOnlyFile(path, root=root)
     except OSError as exc:
         return [error("file-missing", f"{label} cannot be opened for reading: {exc}", location=Location(file=label))], \
             coverage, facts
@@ -47,12 +47,8 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
                                       f"{head[:4].hex() or 'nothing'})",
                                       location=Location(file=label, byte_range=(0, 4))))
             return findings, coverage, facts
-
-        def read(offset: int, n: int) -> bytes:
-            return f.pread(offset, max(0, min(n, f.size - offset))) if offset >= 0 else b""
-
         try:
-            archive = parse_archive(read, f.size)
+            archive = parse_archive(range_reader(f), f.size)
         except ArchiveError as exc:
             start = exc.start or 0
             end = exc.end if exc.end else f.size

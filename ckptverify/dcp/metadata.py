@@ -32,16 +32,8 @@ MAX_STRING = 1 << 16
 #: Most dimensions of a tensor.
 MAX_DIMS = 64
 
-_DCP_MD = "torch.distributed.checkpoint.metadata"
-_DCP_FS = "torch.distributed.checkpoint.filesystem"
-
-#: Field names of DCP's dataclasses, as pickled by torch (checked against torch by the tests).
+#: Field names of DCP's ``Metadata``, as pickled by torch (checked against torch by the tests).
 METADATA_FIELDS = sp.KINDS["Metadata"].fields
-TENSOR_STORAGE_FIELDS = sp.KINDS["TensorStorageMetadata"].fields
-CHUNK_FIELDS = sp.KINDS["ChunkStorageMetadata"].fields
-INDEX_FIELDS = sp.KINDS["MetadataIndex"].fields
-STORAGE_INFO_FIELDS = sp.KINDS["_StorageInfo"].fields
-STORAGE_META_FIELDS = sp.KINDS["StorageMeta"].fields
 
 #: Every global a DCP ``.metadata`` may name, as ``module.name`` (documented; checked by the tests).
 ALLOWED_GLOBALS = sp.ALLOWED_GLOBALS

@@ -28,13 +28,13 @@ from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.zipwalk import parse_archive
+from ckptverify.safeparse.zipwalk import parse_archive, range_reader
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
-           "describe", "is_own_file", "is_row_major", "iter_payload_blocks", "json_values", "read_parts",
+           "describe", "folder_files", "is_own_file", "is_row_major", "iter_payload_blocks", "read_parts",
            "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads", "view_span"]
 
 
@@ -185,20 +185,24 @@ def describe(path: str | os.PathLike[str]) -> Description:
         desc.format = desc.files.get(name, "unknown")
         return desc
     desc = Description(root=target, target=target, format="folder")
-    with paths.scandir(target) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for e in entries:
-        if is_own_file(e.name):
-            continue
-        try:
-            st = e.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue  # directories (DCP parts) are described apart; links and special files never opened
-        weights = e.name.endswith(".safetensors") or (e.name.startswith(_WEIGHT_PREFIXES) and e.name.endswith(".bin"))
-        _add_file(desc, e.name, prefix=f"{e.name}:", plain_tensors=weights)
+    for name in folder_files(target):  # directories (DCP parts) are described apart
+        weights = name.endswith(".safetensors") or (name.startswith(_WEIGHT_PREFIXES) and name.endswith(".bin"))
+        _add_file(desc, name, prefix=f"{name}:", plain_tensors=weights)
     return desc
+
+
+def folder_files(root: str) -> list[str]:
+    """Regular files directly in ``root`` except ckptverify's own, sorted (links and special files are never opened:
+    folder-check findings)."""
+    out = []
+    with paths.scandir(root) as it:
+        for e in it:
+            try:
+                if not is_own_file(e.name) and stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
+                    out.append(e.name)
+            except OSError:
+                continue
+    return sorted(out)
 
 
 def side_file_description(root: str, names: list[str]) -> Description:
@@ -233,11 +237,8 @@ def _tensor_name(desc: Description, name: str, path: str, prefix: str, plain: bo
 
 
 def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
-    def read(offset: int, n: int) -> bytes:
-        return f.pread(offset, max(0, min(n, f.size - offset))) if offset >= 0 else b""
-
     try:
-        archive = parse_archive(read, f.size)
+        archive = parse_archive(range_reader(f), f.size)
     except ArchiveError as exc:
         desc.unread[name] = f"not an intact torch.save archive: {exc}"
         return
@@ -261,10 +262,7 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
             if rec is None or ref.dtype is None:
                 t.unread.append(f"{tname}: no storage record for its {part!r} part")
                 break
-            stored.parts.append(SubclassPart(part, ref.dtype, ref.shape, Payload(
-                file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape,
-                stride=ref.stride, storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape),
-                checksum="crc32")))
+            stored.parts.append(SubclassPart(part, ref.dtype, ref.shape, _record_payload(name, rec, ref)))
         else:
             t.subclass = stored
     for path, ref in scan.tensors.items():
@@ -273,10 +271,15 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
             desc.unread.setdefault(name, f"tensor {path!r} has no storage record or dtype")
             continue
         tname = _tensor_name(desc, name, path, prefix, plain)
-        desc.tensors[tname] = TensorDesc(tname, ref.dtype, ref.shape, [Payload(
-            file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape, stride=ref.stride,
-            storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape), checksum="crc32")])
-    _values(desc, leaf_values(scan.root), prefix if prefix else "")
+        desc.tensors[tname] = TensorDesc(tname, ref.dtype, ref.shape, [_record_payload(name, rec, ref)])
+    _values(desc, leaf_values(scan.root), prefix)
+
+
+def _record_payload(name: str, rec: Any, ref: Any) -> Payload:
+    """The whole tensor ``ref`` (a :class:`~ckptverify.safeparse.pickle_scan.TensorRef`) in record ``rec`` of ``name``.
+    """
+    return Payload(file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape,
+                   stride=ref.stride, storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape), checksum="crc32")
 
 
 def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
@@ -322,12 +325,7 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
         return
     desc.files[name] = "json"
     if not name.endswith(".index.json"):  # a shard index is layout (which file holds what), not state
-        _values(desc, json_values(value), prefix)
-
-
-def json_values(value: Any) -> dict[str, str]:
-    """Every leaf of a parsed JSON document by path, in ``leaf_values``' format."""
-    return leaf_values(value)
+        _values(desc, leaf_values(value), prefix)
 
 
 def _values(desc: Description, values: dict[str, str], prefix: str) -> None:

@@ -210,16 +210,10 @@ def _store_call(url: str, what: str, fn: Any, *args: Any) -> Any:
                            f"{str(exc)[:300]})", url) from None
 
 
-def _info(url: str, *, fresh: bool = False) -> dict[str, Any]:
-    fs, path = filesystem(url)
-    if fresh:
-        fs.invalidate_cache(path)
-    return _store_call(url, "a request for the object's size and ETag", fs.info, path)
-
-
 def stat(url: str) -> os.stat_result:
     """``os.stat`` of an object (a regular file) or a prefix (a directory). Raises ``FileNotFoundError``."""
-    return _stat_result(_info(url))
+    fs, path = filesystem(url)
+    return _stat_result(_store_call(url, "a request for the object's size and ETag", fs.info, path))
 
 
 def forget(url: str) -> None:
@@ -349,28 +343,24 @@ def scandir(url: str) -> _Scan:
     return _Scan(url, [_Entry(url, e) for e in good], odd)
 
 
-def isdir(url: str) -> bool:
+def _probe(url: str, method: str) -> bool:
     fs, path = filesystem(url)
     try:
-        return bool(_store_call(url, "a request for the object or prefix", fs.isdir, path))
+        return bool(_store_call(url, "a request for the object or prefix", getattr(fs, method), path))
     except (FileNotFoundError, NotADirectoryError):
         return False
+
+
+def isdir(url: str) -> bool:
+    return _probe(url, "isdir")
 
 
 def isfile(url: str) -> bool:
-    fs, path = filesystem(url)
-    try:
-        return bool(_store_call(url, "a request for the object or prefix", fs.isfile, path))
-    except (FileNotFoundError, NotADirectoryError):
-        return False
+    return _probe(url, "isfile")
 
 
 def exists(url: str) -> bool:
-    fs, path = filesystem(url)
-    try:
-        return bool(_store_call(url, "a request for the object or prefix", fs.exists, path))
-    except (FileNotFoundError, NotADirectoryError):
-        return False
+    return _probe(url, "exists")
 
 
 def read_small(url: str, limit: int) -> bytes:
@@ -428,20 +418,6 @@ class RemoteFile(Folding):
                 if data is not None:
                     _blocks_held[0] -= len(data)
             self._indexes.clear()
-
-    @property
-    def kept(self) -> int:
-        """Always 0: small reads go through the block cache."""
-        return 0
-
-    def release_kept(self) -> None:
-        """Nothing to forget (:meth:`ReadOnlyFile.release_kept`)."""
-
-    def __enter__(self) -> RemoteFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _get(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` in one ranged request, exactly that many or :class:`FileChangedError`."""

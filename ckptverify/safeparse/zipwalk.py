@@ -67,6 +67,16 @@ class Archive:
         return None if n is None else self.records[n]
 
 
+def range_reader(f: Any, base: int = 0, length: int | None = None) -> Reader:
+    """The :data:`Reader` of bytes ``[base, base + length)`` of the opened file ``f`` (to its end by default)."""
+    length = f.size - base if length is None else length
+
+    def read(offset: int, n: int) -> bytes:
+        return f.pread(base + offset, max(0, min(n, length - offset))) if offset >= 0 else b""
+
+    return read
+
+
 def looks_like_zip(head: bytes) -> bool:
     return head[:4] == _LOCAL
 
