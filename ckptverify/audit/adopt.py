@@ -469,7 +469,7 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
     import math
 
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-    from ckptverify.formats.describe import is_row_major
+    from ckptverify.safeparse.dtypes import is_row_major
 
     picked: list[StoredRange] = []
     what: dict[str, tuple[str, int]] = {}

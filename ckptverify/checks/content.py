@@ -274,17 +274,22 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
 
 def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeader | SubclassHeader | None,
                   actual: int) -> list[Finding]:
-    """The ``zip-crc`` error for a record, plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
-    if isinstance(header, SubclassHeader):
-        return _subclass_crc_findings(item, archive, rec, header, actual)
+    """The ``zip-crc`` error for a record (of a tensor payload: the elements it holds; of a tensor subclass: the inner
+    tensor it holds), plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
     base = item.offset
     byte_range = (base + rec.data_offset, base + rec.data_end)
     expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
-    storage = header.storage_key if header is not None else "0"
-    is_payload = item.kind == "tensor" and rec.name == f"{archive.prefix}/data/{storage}"
+    subclass = isinstance(header, SubclassHeader)
+    storage = header.storage_key if isinstance(header, TensorHeader) else "0"
+    is_payload = not subclass and item.kind == "tensor" and rec.name == f"{archive.prefix}/data/{storage}"
     bit = locate_single_bit(rec.crc, actual, rec.size)
     if not is_payload:
-        role = "tensor header (data.pkl)" if rec.name.endswith("/data.pkl") else f"record {rec.name!r}"
+        part = next((name for name, h in header.parts if rec.name == f"{archive.prefix}/data/{h.storage_key}"),
+                    None) if isinstance(header, SubclassHeader) else None
+        if part is not None:
+            role = f"the {part!r} part of its {header.short_name}"  # type: ignore[union-attr]
+        else:
+            role = "tensor header (data.pkl)" if rec.name.endswith("/data.pkl") else f"record {rec.name!r}"
         out = [error(
             "zip-crc",
             f"{item_label(item)}: {role} is corrupt (CRC-32 {actual_hex}, recorded {expected_hex})",
@@ -356,45 +361,17 @@ def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> l
         out.append(error("tensor-record", f"{item_label(item)} holds a tensor of shape {list(header.size)} but the "
                          f"metadata says {list(item.chunk.sizes)}", location=loc,
                          expected=list(item.chunk.sizes), actual=list(header.size)))
-    storage = archive.record(f"data/{header.storage_key}")
     if storage is None:
         out.append(error("tensor-record", f"{item_label(item)} has no storage record data/{header.storage_key}",
                          location=loc))
         return out
-    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
     if itemsize is not None and storage.size != header.storage_numel * itemsize:
         out.append(error("tensor-record", f"{item_label(item)}: storage record is {storage.size} bytes but holds "
                          f"{header.storage_numel} {header.dtype} elements", location=loc,
                          expected=header.storage_numel * itemsize, actual=storage.size))
-    extent = header.storage_offset + sum((n - 1) * s for n, s in zip(header.size, header.stride, strict=True)) + 1
-    if math.prod(header.size) and extent > header.storage_numel:
+    if not _view_fits(header):
         out.append(error("tensor-record", f"{item_label(item)}: the tensor view reaches past its storage",
                          location=loc))
-    return out
-
-
-def _subclass_crc_findings(item: Item, archive: Archive, rec: Record, header: SubclassHeader,
-                           actual: int) -> list[Finding]:
-    """The ``zip-crc`` error for a tensor subclass's record, naming its inner tensor, plus ``zip-crc-bit`` if one
-    flipped bit explains it."""
-    byte_range = (item.offset + rec.data_offset, item.offset + rec.data_end)
-    expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
-    part = next((name for name, h in header.parts if rec.name == f"{archive.prefix}/data/{h.storage_key}"), None)
-    if part is not None:
-        role = f"the {part!r} part of its {header.short_name}"
-    elif rec.name.endswith("/data.pkl"):
-        role = "tensor header (data.pkl)"
-    else:
-        role = f"record {rec.name!r}"
-    out = [error(
-        "zip-crc", f"{item_label(item)}: {role} is corrupt (CRC-32 {actual_hex}, recorded {expected_hex})",
-        location=item_location(item, record=rec.name, byte_range=byte_range),
-        expected=expected_hex, actual=actual_hex,
-    )]
-    bit = locate_single_bit(rec.crc, actual, rec.size)
-    if bit is not None:
-        at = byte_range[0] + bit[0]
-        out.append(_bit_hint(item, rec, bit, item_location(item, record=rec.name, byte_range=(at, at + 1))))
     return out
 
 

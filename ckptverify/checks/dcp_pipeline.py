@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ckptverify.checks import item_label, item_location, manifest_check
+from ckptverify.checks import item_label, item_location, manifest_check, unopened
 from ckptverify.checks.commit import check_commit
 from ckptverify.checks.content import (
     FileResult,
@@ -380,8 +380,7 @@ class VerificationRun:
         except StorageError:
             raise
         except OSError as exc:
-            self._findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
-                                       location=Location(file=name)))
+            self._findings.append(unopened(name, exc))
         return None
 
     def _archives(self, layout: Layout) -> None:

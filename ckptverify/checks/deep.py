@@ -22,12 +22,12 @@ from ckptverify.formats.describe import (
     Description,
     Payload,
     TensorDesc,
-    is_row_major,
     iter_payload_blocks,
     stored_payloads,
     view_span,
 )
 from ckptverify.ownfiles.manifest import Manifest, read_manifest
+from ckptverify.safeparse.dtypes import is_row_major
 from ckptverify.safeparse.gcpause import paused_gc
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ckptverify.checks import unopened
 from ckptverify.errors import ArchiveError, BadPickle
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.single import sniff
@@ -32,8 +33,7 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
     try:
         f = ReadOnlyFile(path, root=root)
     except OSError as exc:
-        return [error("file-missing", f"{label} cannot be opened for reading: {exc}", location=Location(file=label))], \
-            coverage, facts
+        return [unopened(label, exc)], coverage, facts
     with f:
         facts["bytes"] = f.size
         head = f.pread(0, 16)
@@ -83,11 +83,10 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
         owners: dict[str, list[str]] = {}
         holds: dict[str, str] = {}  # storage key -> what its record holds, for a damaged record's message
         if scan is not None:
-            records = {r.name: r for r in archive.records}
             for tname, ref in scan.tensors.items():
                 facts["tensors"][tname] = {"dtype": ref.dtype, "shape": list(ref.shape)}
             for tname, sub in scan.subclasses.items():
-                facts["tensors"][tname] = {"dtype": sub.dtype, "shape": list(sub.shape), "stored_as": sub.short_name,
+                facts["tensors"][tname] = {"dtype": sub.dtype, "shape": list(sub.size), "stored_as": sub.short_name,
                                            "parts": {n: {"dtype": r.dtype, "shape": list(r.shape)}
                                                      for n, r in sub.parts}}
             views: dict[str, list[Any]] = {}
@@ -98,7 +97,7 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
                     holds.setdefault(ref.storage.key, f"the {part!r} part of tensor {tname!r}, a "
                                                       f"{scan.subclasses[tname].short_name}")
             for key in scan.storages:
-                rec = records.get(f"{archive.prefix}/data/{key}")
+                rec = archive.record(f"data/{key}")
                 where = Location(file=label, fqn=", ".join(owners.get(key, [])[:3]) or None,
                                  record=f"{archive.prefix}/data/{key}")
                 if rec is None:

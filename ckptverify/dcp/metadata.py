@@ -107,9 +107,14 @@ class ParsedMetadata:
 def metadata_files(root: str) -> list[str]:
     """Every metadata file DCP could read in ``root``: ``.metadata`` first, then each ``__N.metadata``."""
     names = paths.listdir(root)
-    ranked = sorted((n for n in names if RANK_METADATA_RE.match(n)),
-                    key=lambda n: int(RANK_METADATA_RE.match(n).group(1)))  # type: ignore[union-attr]
+    ranked = sorted((n for n in names if _rank(n) is not None), key=_rank)  # type: ignore[arg-type,return-value]
     return ([METADATA_FILE] if METADATA_FILE in names else []) + ranked
+
+
+def _rank(name: str) -> int | None:
+    """The rank of a ``__N.metadata`` file, else ``None``."""
+    match = RANK_METADATA_RE.match(name)
+    return int(match.group(1)) if match else None
 
 
 def read_metadata_bytes(path: str) -> bytes:
@@ -153,9 +158,7 @@ def _read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, Parsed
     findings: list[Finding] = []
     parsed: dict[str, ParsedMetadata] = {}
     for name in names:
-        match = RANK_METADATA_RE.match(name)
-        rank = int(match.group(1)) if match else None
-        result = _read_one(root, name, rank)
+        result = _read_one(root, name, _rank(name))
         if isinstance(result, ParsedMetadata):
             parsed[name] = result
         else:
@@ -177,8 +180,7 @@ def _read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, Parsed
     layout = Layout(metadata_files=names, per_rank=METADATA_FILE not in names)
     merger = _Merger(layout)
     for name in used:
-        match = RANK_METADATA_RE.match(name)
-        findings.extend(merger.add(parsed[name], int(match.group(1)) if match else None))
+        findings.extend(merger.add(parsed[name], _rank(name)))
     return layout, findings, parsed
 
 
@@ -639,8 +641,3 @@ class _Merger:
             items.append(Item(s.fqn, kind, s.relative_path, s.offset, s.length, chunk, dtype, s.transforms or (),
                               name, rank))
         return findings
-
-
-def field_names_for_tests() -> dict[str, tuple[str, ...]]:
-    """The DCP class fields this reader relies on, keyed by ``module.Class`` (used by the tests)."""
-    return {f"{k.module}.{k.name}": k.fields for k in sp.KINDS.values() if not k.module.startswith("megatron")}

@@ -26,6 +26,7 @@ from ckptverify.errors import ArchiveError, BadPickle, FindingError, JSONError
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
+from ckptverify.safeparse.dtypes import contiguous_strides, is_row_major
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.zipwalk import parse_archive, range_reader
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
-           "describe", "folder_files", "is_own_file", "is_row_major", "iter_payload_blocks", "read_parts",
+           "describe", "folder_files", "is_own_file", "iter_payload_blocks", "read_parts",
            "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads", "view_span"]
 
 
@@ -252,13 +253,12 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
     except BadPickle as exc:
         desc.unread[name] = f"data.pkl cannot be read safely: {exc}"
         return
-    records = {r.name: r for r in archive.records}
     for path, sub in scan.subclasses.items():
         tname = _tensor_name(desc, name, path, prefix, plain)
-        t = desc.tensors[tname] = TensorDesc(tname, sub.dtype, sub.shape)
+        t = desc.tensors[tname] = TensorDesc(tname, sub.dtype, sub.size)
         stored = SubclassDesc(sub.cls, sub.context)
         for part, ref in sub.parts:
-            rec = records.get(f"{archive.prefix}/data/{ref.storage.key}")
+            rec = archive.record(f"data/{ref.storage.key}")
             if rec is None or ref.dtype is None:
                 t.unread.append(f"{tname}: no storage record for its {part!r} part")
                 break
@@ -266,7 +266,7 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
         else:
             t.subclass = stored
     for path, ref in scan.tensors.items():
-        rec = records.get(f"{archive.prefix}/data/{ref.storage.key}")
+        rec = archive.record(f"data/{ref.storage.key}")
         if rec is None or ref.dtype is None:
             desc.unread.setdefault(name, f"tensor {path!r} has no storage record or dtype")
             continue
@@ -296,7 +296,7 @@ def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, pla
         full = _tensor_name(desc, name, tname, prefix, plain)
         desc.tensors[full] = TensorDesc(full, t.dtype, t.shape, [Payload(
             file=name, offset=blob.data_start + t.begin, length=t.end - t.begin, dtype=t.dtype, shape=t.shape,
-            stride=_contiguous(t.shape), chunk_offsets=(0,) * len(t.shape))])
+            stride=contiguous_strides(t.shape), chunk_offsets=(0,) * len(t.shape))])
 
 
 def _pickle(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
@@ -331,14 +331,6 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
 def _values(desc: Description, values: dict[str, str], prefix: str) -> None:
     for path, v in values.items():
         desc.values[f"{prefix}{path}" if prefix else path] = v
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
 
 
 # ------------------------------------------------------------------------------------------ reading tensors
@@ -477,9 +469,3 @@ def _boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int,
     for lead in itertools.product(*(range(n) for n in shape[:cut])):
         for s in range(0, shape[cut], per):
             yield (*lead, s, *(0,) * rest), (*(1,) * cut, min(per, shape[cut] - s), *shape[whole:])
-
-
-def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """``stride`` lays ``shape`` out row after row (a dimension of size 1 may have any stride)."""
-    return len(shape) == len(stride) and all(s == e or n == 1 for s, e, n in zip(stride, _contiguous(shape), shape,
-                                                                                strict=True))

@@ -28,8 +28,8 @@ from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, U
 from ckptverify.safeparse.fold import Folding
 
 __all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists",
-           "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
-           "reset_stats", "scandir", "stat", "stats", "storage_options"]
+           "filesystem", "forget", "isdir", "isfile", "listdir", "put_small", "read_small", "scandir", "stat", "stats",
+           "storage_options"]
 
 #: Bytes per ranged request of a pass over an object (:meth:`RemoteFile.fold_at`).
 RANGE_BYTES = 8 << 20
@@ -86,12 +86,6 @@ def stats() -> dict[str, int]:
     """Ranged requests made, bytes they returned, and retries botocore reported (throttling, errors)."""
     with _lock:
         return dict(_stats)
-
-
-def reset_stats() -> None:
-    with _lock:
-        for k in _stats:
-            _stats[k] = 0
 
 
 def _count(nbytes: int, retries: int) -> None:
@@ -264,14 +258,6 @@ def listdir(url: str) -> list[str]:
     return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _entries(url)[0]]
 
 
-def listdir_split(url: str) -> tuple[list[str], list[str]]:
-    """(prefixes, objects) directly under ``url``, by name (unaddressable keys left out, as by :func:`listdir`)."""
-    dirs, files = [], []
-    for e in _entries(url)[0]:
-        (dirs if e.get("type") == "directory" else files).append(e["name"].rstrip("/").rsplit("/", 1)[-1])
-    return dirs, files
-
-
 class _Entry:
     """One entry of :func:`scandir`: the interface of ``os.DirEntry`` (no links in an object store)."""
 
@@ -424,38 +410,34 @@ class RemoteFile(Folding):
         if end <= start:
             return b""
         retries = 0
-        if self._s3 and self._etag:
-            from fsspec.asyn import sync
+        if_match = self._s3 and bool(self._etag)
+        try:
+            if if_match:
+                from fsspec.asyn import sync
 
-            bucket, key, _ = self._fs.split_path(self._key)
+                bucket, key, _ = self._fs.split_path(self._key)
 
-            async def call() -> tuple[bytes, int]:
-                resp = await self._fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                                               IfMatch=self._etag, **self._fs.req_kw)
-                try:
-                    body = await resp["Body"].read()
-                finally:
-                    resp["Body"].close()
-                return body, int(resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
+                async def call() -> tuple[bytes, int]:
+                    resp = await self._fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                                   Range=f"bytes={start}-{end - 1}", IfMatch=self._etag,
+                                                   **self._fs.req_kw)
+                    try:
+                        body = await resp["Body"].read()
+                    finally:
+                        resp["Body"].close()
+                    return body, int(resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
 
-            try:
                 data, retries = sync(self._fs.loop, call)
-            except FileNotFoundError:
-                raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
-                                       self.path) from None
-            except Exception as exc:
-                if _precondition_failed(exc):
-                    raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
-                                           f"{self._etag} (the object was replaced)", self.path) from None
-                raise self._failed(start, end, exc) from None
-        else:
-            try:
+            else:
                 data = self._fs.cat_file(self._key, start=start, end=end)
-            except FileNotFoundError:
-                raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
-                                       self.path) from None
-            except Exception as exc:
-                raise self._failed(start, end, exc) from None
+        except FileNotFoundError:
+            raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
+                                   self.path) from None
+        except Exception as exc:
+            if if_match and _precondition_failed(exc):
+                raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
+                                       f"{self._etag} (the object was replaced)", self.path) from None
+            raise self._failed(start, end, exc) from None
         _count(len(data), retries)
         self._last_read = max(self._last_read, time.monotonic())
         if len(data) != end - start:

@@ -15,7 +15,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
+from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
 __all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "dtype_name", "item_header", "subclass_allowlist",
@@ -23,7 +23,8 @@ __all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "dtype_name", "item_h
 
 T = TypeVar("T")
 
-_LEGACY_STORAGE_DTYPES = {
+#: The legacy typed storage classes ``torch.<Name>Storage`` and their dtypes.
+LEGACY_STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
     "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
     "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
@@ -49,11 +50,7 @@ class TensorHeader:
 
     @property
     def is_row_major(self) -> bool:
-        expected, acc = [], 1
-        for n in reversed(self.size):
-            expected.append(acc)
-            acc *= n
-        return all(s == e or n == 1 for s, e, n in zip(self.stride, reversed(expected), self.size, strict=True))
+        return is_row_major(self.size, self.stride)
 
 
 class _StorageRef:
@@ -147,7 +144,7 @@ def _tensor_globals() -> dict[tuple[str, str], Any]:
                                                         lambda *a: ordered_dict(*a)),
         ("torch.storage", "UntypedStorage"): _StorageType("torch.storage.UntypedStorage", None),
     }
-    for cls, dtype in _LEGACY_STORAGE_DTYPES.items():
+    for cls, dtype in LEGACY_STORAGE_DTYPES.items():
         allowed[("torch", cls)] = _StorageType(f"torch.{cls}", dtype)
     for dtype in DTYPE_ITEMSIZE:
         allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
@@ -264,22 +261,20 @@ _ATTRIBUTES: dict[str, dict[str, tuple[str, bool]]] = {
 
 @dataclass(frozen=True, slots=True)
 class SubclassHeader:
-    """A tensor subclass record: class (``module.QualName``), outer dtype/shape/strides, inner headers by name (in
-    :data:`SUBCLASSES` order), ``context`` (canonical JSON, see :func:`ckptverify.fingerprint.subclass.canonical`)."""
+    """A tensor subclass record: class (``module.QualName``), outer dtype/shape/strides, inner tensors by name (in
+    :data:`SUBCLASSES` order: a :class:`TensorHeader` each in a DCP item, a ``pickle_scan.TensorRef`` in a whole
+    file), ``context`` (canonical JSON, see :func:`ckptverify.fingerprint.subclass.canonical`)."""
 
     cls: str
     dtype: str
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    parts: tuple[tuple[str, TensorHeader], ...]
+    parts: tuple[tuple[str, Any], ...]
     context: str
 
     @property
     def short_name(self) -> str:
         return self.cls.rsplit(".", 1)[-1]
-
-    def context_dict(self) -> dict[str, Any]:
-        return json.loads(self.context)
 
 
 class _SubclassType(_Global):
