@@ -233,8 +233,7 @@ class VerificationRun:
 
     def changed_files(self) -> list[Finding]:
         """A ``file-changed`` finding, once each, for every file that differs from when the run first saw it (opened
-        files
-        by ``fstat`` and name, metadata and manifest by ``stat``)."""
+        files by ``fstat`` and name, metadata and manifest by ``stat``)."""
         out: list[Finding] = []
         for name in sorted(self._opened):  # by name alone: sorting (name, file) pairs costs more
             f = self._opened[name]
@@ -419,8 +418,7 @@ class VerificationRun:
 
     def _hash(self, layout: Layout) -> None:
         """One pass over the bytes on all cores: CRC-32 of every record and, with a manifest, every block digest (items
-        it
-        covers as block-aligned tasks computing both; the rest as CRC-only segments)."""
+        it covers as block-aligned tasks computing both; the rest as CRC-only segments)."""
         manifest = self._manifest
         matched: dict[int, Item] = {}
         tasks: list[manifest_check.BlockTask] = []
@@ -535,8 +533,7 @@ class VerificationRun:
 
     def _untiled_files(self, manifest: Manifest, matched: dict[int, Item]) -> None:
         """Whole-file digests for files whose items do not cover every byte. A file its matched items tile exactly,
-        every
-        block matching, needs no second pass."""
+        every block matching, needs no second pass."""
         from ckptverify.fingerprint import digest_reader
 
         ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -588,9 +585,8 @@ class VerificationRun:
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:
         """What the run read as a format description (:mod:`ckptverify.formats.dcp`), through its opened files; empty if
-        the
-        metadata could not be read. Call after :meth:`execute`. ``values``: also plain values of non-tensor items (not
-        those in ``values_skip``); ``side_files``: side files merged in (``meta.pt:...``)."""
+        the metadata could not be read. Call after :meth:`execute`. ``values``: also plain values of non-tensor items
+        (not those in ``values_skip``); ``side_files``: side files merged in (``meta.pt:...``)."""
 
         from ckptverify.formats.describe import Description
 

@@ -125,18 +125,26 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
 def view_limited(p: Payload, view_limit: int | None, budget: int = MAX_VIEW_BYTES) -> str | None:
     """Why the view ``p`` is not read back (``None``: it is, damaged or not): it addresses more than ``view_limit``
     bytes (held whole: memory), or lays out more than ``budget`` bytes from fewer stored (work)."""
+    sizes = _view_sizes(p)
+    if sizes is None:
+        return None
+    stored, laid_out = sizes
+    view = f"a strided view (shape {list(p.shape)}, stride {list(p.stride)})"
+    if view_limit is not None and stored > view_limit:
+        return f"{view} over {stored} stored bytes, more than the {view_limit} the deep check holds at once"
+    if laid_out > max(stored, budget):
+        return (f"{view} of {laid_out} bytes once laid out from {stored} stored, past the {MAX_VIEW_BYTES} "
+                "bytes of such views the deep check reads back")
+    return None
+
+
+def _view_sizes(p: Payload) -> tuple[int, int] | None:
+    """Bytes of storage the view ``p`` addresses, and bytes it lays out; ``None`` for a damaged view."""
     try:
         start, end = view_span(p)
     except ValueError:
         return None
-    laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
-    view = f"a strided view (shape {list(p.shape)}, stride {list(p.stride)})"
-    if view_limit is not None and end - start > view_limit:
-        return f"{view} over {end - start} stored bytes, more than the {view_limit} the deep check holds at once"
-    if laid_out > max(end - start, budget):
-        return (f"{view} of {laid_out} bytes once laid out from {end - start} stored, past the {MAX_VIEW_BYTES} "
-                "bytes of such views the deep check reads back")
-    return None
+    return end - start, math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
 
 
 def _scan_piece(desc: Description, name: str, p: Payload, shape: tuple[int, ...],
@@ -153,12 +161,11 @@ def _view_budget(pieces: list[Payload]) -> dict[int, int]:
     order: such views of one scan share the bound, so many small records cannot add up to unbounded work."""
     left, out = MAX_VIEW_BYTES, {}
     for p in pieces:
-        try:
-            start, end = view_span(p)
-        except ValueError:
+        sizes = _view_sizes(p)
+        if sizes is None:
             continue
-        laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
-        if laid_out > end - start:
+        stored, laid_out = sizes
+        if laid_out > stored:
             out[id(p)] = left
             if laid_out <= left:
                 left -= laid_out

@@ -59,9 +59,8 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
 def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | None = None,
              why: dict[str, tuple[bool, str]] | None = None) -> dict[str, tuple[str | None, int | None, int | None]]:
     """Every tensor's fingerprint and NaN/Inf counts via :func:`~ckptverify.checks.deep.scan_description` (``None``
-    where
-    not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part fingerprints and
-    ``why`` with ``(size_limit, reason)`` per tensor without a fingerprint."""
+    where not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part fingerprints
+    and ``why`` with ``(size_limit, reason)`` per tensor without a fingerprint."""
     from ckptverify.checks.deep import scan_description
 
     scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)

@@ -424,8 +424,7 @@ class _HashingFileSystem(FileSystem):
 
     def take_fused(self, view: memoryview) -> BlockwiseFingerprint | None:
         """Take out of ``fused`` the fingerprint of the chunk whose memory is exactly ``view``: one write fingerprints
-        it,
-        even when the same memory is written twice (tied weights)."""
+        it, even when the same memory is written twice (tied weights)."""
         import numpy as np
 
         key = (int(np.frombuffer(view, dtype=np.uint8).ctypes.data), view.nbytes)

@@ -132,9 +132,8 @@ class StoredRange(NamedTuple):
 @dataclass(slots=True)
 class Description:
     """What a checkpoint holds. ``root``: base of file names; ``files``: name -> format; ``unread``: undescribable
-    files,
-    with why; ``metadata_files``; ``stored``: items a manifest digests singly (DCP). ``opener``: how bytes are read
-    (:meth:`open`; default read-only inside ``root``)."""
+    files, with why; ``metadata_files``; ``stored``: items a manifest digests singly (DCP). ``opener``: how bytes are
+    read (:meth:`open`; default read-only inside ``root``)."""
 
     root: str
     target: str
@@ -153,8 +152,7 @@ class Description:
 
     def open(self, what: Payload | str) -> AbstractContextManager[Any]:
         """A reader (``pread``, ``fold``, ``crc32``, ``size``) of a payload's bytes (decoded if encoded) or of a file by
-        name,
-        as a context manager. ``OSError`` if unopenable, ``ValueError`` for an encoding without decoder."""
+        name, as a context manager. ``OSError`` if unopenable, ``ValueError`` for an encoding without decoder."""
         if self.opener is not None:
             return nullcontext(self.opener(what))
         if isinstance(what, Payload) and what.encoding != "raw":
@@ -338,8 +336,7 @@ def _values(desc: Description, values: dict[str, str], prefix: str) -> None:
 
 def view_span(p: Payload) -> tuple[int, int]:
     """The storage bytes ``[start, end)`` ``p``'s view addresses (``(0, 0)`` if empty). ``ValueError`` for a damaged
-    view
-    (unknown dtype size, negative size/stride/offset, element outside the storage)."""
+    view (unknown dtype size, negative size/stride/offset, element outside the storage)."""
     itemsize = DTYPE_ITEMSIZE.get(p.dtype)
     if itemsize is None:
         raise ValueError(f"dtype {str(p.dtype)[:40]!r} has no known element size")
@@ -356,8 +353,7 @@ def view_span(p: Payload) -> tuple[int, int]:
 
 def read_payload(f: Any, p: Payload, limit: int = MAX_VIEW_BYTES) -> torch.Tensor:
     """Piece ``p`` as a tensor view onto the storage bytes it addresses (memory: those bytes). ``ValueError`` if the
-    bytes
-    cannot hold the view or it lays out more than ``limit`` bytes from fewer stored."""
+    bytes cannot hold the view or it lays out more than ``limit`` bytes from fewer stored."""
     import torch
 
     from ckptverify.dcp.tensors import torch_dtype

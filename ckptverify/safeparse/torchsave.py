@@ -184,22 +184,29 @@ def _exceeded() -> Exception:  # pragma: no cover - nothing charges the budget
 
 
 def tensor_header(data_pkl: bytes) -> TensorHeader:
-    """Read a tensor item's ``data.pkl`` safely; ``pickle.UnpicklingError`` on anything else. Small results are
-    cached by their bytes (a checkpoint has one header per dtype and shape)."""
+    """Read a plain tensor item's ``data.pkl`` safely; ``pickle.UnpicklingError`` on anything else."""
+    return _pkl_header(data_pkl, False)  # type: ignore[return-value]
+
+
+def _pkl_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
+    """``data_pkl`` read through the plain or the subclass allowlist. Small results are cached by their bytes (a
+    checkpoint has one header per dtype and shape)."""
     if len(data_pkl) <= _CACHED_HEADER_BYTES:
-        return _tensor_header_cached(bytes(data_pkl))
-    return _tensor_header(data_pkl)
+        return _cached_header(bytes(data_pkl), subclass)
+    return _read_header(data_pkl, subclass)
 
 
 _CACHED_HEADER_BYTES = 4096
 
 
-@functools.lru_cache(maxsize=1024)
-def _tensor_header_cached(data_pkl: bytes) -> TensorHeader:
-    return _tensor_header(data_pkl)
+@functools.lru_cache(maxsize=2048)
+def _cached_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
+    return _read_header(data_pkl, subclass)
 
 
-def _tensor_header(data_pkl: bytes) -> TensorHeader:
+def _read_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
+    if subclass:
+        return _load_record(_ItemHeaderUnpickler(data_pkl), SubclassHeader)
     return _load_record(_TensorHeaderUnpickler(data_pkl), TensorHeader)
 
 
@@ -483,18 +490,5 @@ class _ItemHeaderUnpickler(_TensorHeaderUnpickler):
 
 def item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
     """A tensor item's ``data.pkl``: a plain header or a :class:`SubclassHeader`; ``pickle.UnpicklingError`` otherwise.
-    """
-    if len(data_pkl) <= _CACHED_HEADER_BYTES:
-        return _item_header_cached(bytes(data_pkl))
-    return _item_header(data_pkl)
-
-
-@functools.lru_cache(maxsize=1024)
-def _item_header_cached(data_pkl: bytes) -> TensorHeader | SubclassHeader:
-    return _item_header(data_pkl)
-
-
-def _item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
-    if b"_rebuild_from_type_v2" not in data_pkl:
-        return _tensor_header(data_pkl)  # the plain record, through the plain allowlist
-    return _load_record(_ItemHeaderUnpickler(data_pkl), SubclassHeader)
+    A record naming no subclass rebuild goes through the plain allowlist."""
+    return _pkl_header(data_pkl, b"_rebuild_from_type_v2" in data_pkl)
