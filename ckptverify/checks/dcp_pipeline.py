@@ -578,7 +578,7 @@ class VerificationRun:
             return
         scans, found = deep_check.scan_description(desc, run_map, self.advance)
         # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
-        judged, rebuilt, _ = deep_check.judge_scans(desc, self._manifest, scans, found)
+        judged, rebuilt = deep_check.judge_scans(desc, self._manifest, scans, found)
         self._findings.extend(judged)
         self._coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
 

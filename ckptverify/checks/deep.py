@@ -271,11 +271,10 @@ class DeepPart:
 
     def judge(self) -> tuple[list[Finding], int]:
         """:func:`judge_parts` with every part's pieces added: the findings and the tensors rebuilt."""
-        found, rebuilt, _ = judge_parts(self)
-        return found, rebuilt
+        return judge_parts(self)
 
 
-def judge_parts(part: DeepPart) -> tuple[list[Finding], int, int]:
+def judge_parts(part: DeepPart) -> tuple[list[Finding], int]:
     """Findings of a deep scan made in parts, as one process's :func:`judge_scans` gives them."""
     wanted = [(t, p) for t, p, _ in part.pieces]
     scans, found = _merge(part.desc, wanted, [s for _, _, s in part.pieces], None)
@@ -284,9 +283,9 @@ def judge_parts(part: DeepPart) -> tuple[list[Finding], int, int]:
 
 
 def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan],
-                found: list[Finding]) -> tuple[list[Finding], int, int]:
-    """``found`` plus the manifest comparison: findings, tensors rebuilt, tensors to rebuild. Rebuilding nothing is an
-    error (``deep-nothing-rebuilt``): it never passes."""
+                found: list[Finding]) -> tuple[list[Finding], int]:
+    """``found`` plus the manifest comparison: findings and tensors rebuilt. Rebuilding nothing is an error
+    (``deep-nothing-rebuilt``): it never passes."""
     out = [*found, *judge(desc, manifest, scans)]
     rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
                   and scan.value(desc.tensors[fqn].shape) is not None)
@@ -297,7 +296,7 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
     elif rebuilt < wanted:
         out.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
                            "others could not be read back (see the findings above)"))
-    return out, rebuilt, wanted
+    return out, rebuilt
 
 
 def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None = None,

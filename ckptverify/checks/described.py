@@ -83,13 +83,12 @@ def _serial(fn: Any, items: list[Any]) -> list[Any]:
     return [fn(x) for x in items]
 
 
-def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage], set[str]]:
-    """Every pinned file against its digest; a changed file's payloads block by block. Returns findings, coverage and
-    the files whose bytes matched (now checked, whatever their format)."""
+def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage]]:
+    """Every pinned file against its digest; a changed file's payloads block by block. Returns findings and coverage.
+    """
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     findings: list[Finding] = []
-    matched: set[str] = set()
     by_file: dict[str, list[ItemEntry]] = defaultdict(list)
     for item in manifest.items:
         by_file[item.file].append(item)
@@ -117,7 +116,6 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
                 continue
             got = digest_reader(f, manifest.digest_algorithm)
             if got == entry.digest:
-                matched.add(name)
                 continue
             blamed = 0
             for item in by_file.get(name, []):
@@ -164,7 +162,7 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
     coverage = [CheckCoverage(check="manifest-digest", count=len(manifest.files), unit="whole files")]
     if blocks:
         coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
-    return findings, coverage, matched
+    return findings, coverage
 
 
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
@@ -298,7 +296,7 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
         desc = describe(target)
         if target == path and paths.isdir(path):
             folder_desc, folder_manifest = desc, manifest
-        checked, cov, _ = check_manifest(desc, manifest)
+        checked, cov = check_manifest(desc, manifest)
         findings.extend(checked)
         coverage.extend(cov)
         covered |= {n for n in manifest.files if paths.lexists(os.path.join(desc.root, n))}

@@ -138,13 +138,9 @@ def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
     return layout, findings
 
 
+@paused_gc()
 def read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, ParsedMetadata]]:
     """:func:`read_layout`, also returning each file that parsed, by name."""
-    with paused_gc():
-        return _read_all(root)
-
-
-def _read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, ParsedMetadata]]:
     names = metadata_files(root)
     if not names:
         return None, [
