@@ -17,6 +17,7 @@ import re
 import stat
 from typing import Any
 
+from ckptverify.checks import plain_name
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.safeparse import paths
 
@@ -149,15 +150,11 @@ def _integrity_problem(data: Any) -> str | None:
     if len(files) > INTEGRITY_MAX_FILES:
         return f"it lists {len(files)} files, more than one checkpoint folder holds ({INTEGRITY_MAX_FILES})"
     for listed, digest in files.items():
-        if not _plain_name(listed):
+        if not plain_name(listed):
             return f"it lists {listed[:80]!r}, which is not a plain file name inside the checkpoint folder"
         if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
             return f"the digest of {listed!r} is {str(digest)[:80]!r}, not 64 lowercase hex digits"
     return None
-
-
-def _plain_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def _sha256(path: str, root: str) -> str:
