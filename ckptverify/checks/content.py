@@ -210,14 +210,8 @@ def segments(plans: list[ItemPlan], first_plan: int, max_bytes: int) -> list[Seg
         base = plan.item.offset
         for r, rec in enumerate(plan.archive.records):
             start, end = base + rec.data_offset, base + rec.data_end
-            index = 0
-            while True:
-                stop = min(end, start + max_bytes)
-                out.append(Segment(plan.item.file, start, stop, p, r, index))
-                index += 1
-                start = stop
-                if start >= end:
-                    break
+            starts = range(start, end, max_bytes) or [start]  # an empty record is one empty segment
+            out.extend(Segment(plan.item.file, s, min(end, s + max_bytes), p, r, i) for i, s in enumerate(starts))
     return out
 
 

@@ -223,8 +223,9 @@ class VerificationRun:
         try:
             with paused_gc():  # the layout, plans and results of a large checkpoint form no cycles
                 self._stages(deep=deep, use_manifest=use_manifest)
-        except FileChangedError as exc:
-            self._findings.append(changed_finding(_changed_name(self.root, exc), str(exc)))
+        except FileChangedError as exc:  # named as the checkpoint names it
+            name = os.path.relpath(exc.path, self.root).replace(os.sep, "/") if isinstance(exc.path, str) else "?"
+            self._findings.append(changed_finding(name, str(exc)))
         self._findings.extend(self.changed_files())
 
     def _mine(self, name: str) -> bool:
@@ -722,12 +723,6 @@ def changed_finding(name: str, how: str) -> Finding:
     return error("file-changed", f"{name}: file changed during verification ({how}); what was read proves "
                  "nothing about what is on disk now: verify again once nothing writes to the checkpoint",
                  location=Location(file=name))
-
-
-def _changed_name(root: str, exc: FileChangedError) -> str:
-    """The checkpoint-relative name of the file an error is about."""
-    path = exc.path
-    return os.path.relpath(path, root).replace(os.sep, "/") if isinstance(path, str) else "?"
 
 
 def _name_signatures(root: str) -> dict[str, tuple[int, int, int, int] | None]:

@@ -228,10 +228,6 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def _opt_int(value: Any, what: str) -> int | None:
-    return None if value is None else _int(value, what)
-
-
 def _bool(value: Any, what: str) -> bool:
     if type(value) is not bool:
         raise BadPickle(f"{what} must be a bool, got {_short(value)}")
@@ -311,7 +307,7 @@ def _index(value: Any, what: str) -> tuple[str, tuple[int, ...] | None, int | No
     f = _obj(value, "MetadataIndex", what)
     fqn = _str(f["fqn"], f"fqn of {what}")
     offset = None if f["offset"] is None else _dims(f["offset"], f"offset of {fqn!r}")
-    return fqn, offset, _opt_int(f["index"], f"index hint of {fqn!r}")
+    return fqn, offset, None if f["index"] is None else _int(f["index"], f"index hint of {fqn!r}")
 
 
 def _storage_key(value: Any) -> tuple[str, tuple[int, ...] | None, int | None]:

@@ -949,6 +949,4 @@ def _combine_chunks(
             fp = whole.value
     nans = [i.nan_count for i in infos]
     infs = [i.inf_count for i in infos]
-    nan = sum(n for n in nans if n is not None) if all(n is not None for n in nans) else None
-    inf = sum(n for n in infs if n is not None) if all(n is not None for n in infs) else None
-    return fp, nan, inf
+    return fp, None if None in nans else sum(nans), None if None in infs else sum(infs)  # type: ignore[arg-type]

@@ -232,11 +232,6 @@ def _segment(own: str, info: dict[str, Any]) -> str | None:
     return None if seg == "" and not info.get("size") else seg
 
 
-def _unaddressable(seg: str) -> bool:
-    """A name no path reaches: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at."""
-    return seg in ("", ".", "..") or "/" in seg
-
-
 def _entries(url: str) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
     """One fresh listing of ``url``: (the entries a path reaches, the unaddressable ones with their names)."""
     fs, path = filesystem(url)
@@ -249,7 +244,8 @@ def _entries(url: str) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, 
     for e in entries:
         seg = _segment(own, e)
         if seg is not None:
-            (odd if _unaddressable(seg) else good).append((seg, e))
+            # Unaddressable: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at.
+            (odd if seg in ("", ".", "..") or "/" in seg else good).append((seg, e))
     return [e for _, e in good], odd
 
 
