@@ -469,7 +469,7 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
     import math
 
     from ckptverify.dcp.layout import DTYPE_ITEMSIZE
-    from ckptverify.formats.describe import is_row_major
+    from ckptverify.safeparse.dtypes import is_row_major
 
     picked: list[StoredRange] = []
     what: dict[str, tuple[str, int]] = {}
@@ -716,9 +716,9 @@ def _described_manifest(root: str, names: list[str] | None, own: str, digest: st
     """The manifest of one file (``names``) or a folder's top files (``None``), written as ``own``: path, manifest
     (``None`` if files came or went) and unfingerprinted count. Raises ``FileChangedError`` if a file changed."""
     from ckptverify._version import __version__
-    from ckptverify.checks.described import folder_files, manifest_entries
+    from ckptverify.checks.described import manifest_entries
     from ckptverify.fingerprint import FINGERPRINT_VERSION
-    from ckptverify.formats.describe import describe
+    from ckptverify.formats.describe import describe, folder_files
 
     desc = describe(root)
     listed = folder_files(root) if names is None else names

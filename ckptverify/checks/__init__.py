@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ckptverify.dcp.layout import Item
-from ckptverify.findings import Location
+from ckptverify.findings import Finding, Location, error
 
 
 def item_label(item: Item) -> str:
@@ -23,3 +23,13 @@ def item_location(item: Item, **kw: object) -> Location:
         rank=item.rank,
         **kw,  # type: ignore[arg-type]
     )
+
+
+def unopened(name: str, exc: OSError) -> Finding:
+    """The ``file-missing`` error for the file ``name``, which could not be opened."""
+    return error("file-missing", f"{name} cannot be opened for reading: {exc}", location=Location(file=name))
+
+
+def plain_name(name: str) -> bool:
+    """``name`` names a file directly inside a folder: no separator, NUL, ``.`` or ``..``, not empty."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name

@@ -22,7 +22,7 @@ from ckptverify.errors import ArchiveError
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader, item_header
-from ckptverify.safeparse.zipwalk import Archive, Record, TemplateCache, parse_archive, parse_item
+from ckptverify.safeparse.zipwalk import Archive, Record, TemplateCache, parse_archive, parse_item, range_reader
 
 #: Items up to this size are read whole, with their neighbours, and checked from memory while planning.
 SMALL_ITEM_BYTES = 1 << 20
@@ -131,7 +131,7 @@ def plan_file(f: ReadOnlyFile, name: str, items: list[Item], *, safetensors: boo
             small.append((n, item))
             continue
         try:
-            outcomes[n] = ItemPlan(item, parse_archive(_item_reader(f, item), item.length))
+            outcomes[n] = ItemPlan(item, parse_archive(range_reader(f, item.offset, item.length), item.length))
         except ArchiveError as exc:
             outcomes[n] = _structure_finding(item, exc)
     for start, end, batch in _windows(small):
@@ -210,14 +210,8 @@ def segments(plans: list[ItemPlan], first_plan: int, max_bytes: int) -> list[Seg
         base = plan.item.offset
         for r, rec in enumerate(plan.archive.records):
             start, end = base + rec.data_offset, base + rec.data_end
-            index = 0
-            while True:
-                stop = min(end, start + max_bytes)
-                out.append(Segment(plan.item.file, start, stop, p, r, index))
-                index += 1
-                start = stop
-                if start >= end:
-                    break
+            starts = range(start, end, max_bytes) or [start]  # an empty record is one empty segment
+            out.extend(Segment(plan.item.file, s, min(end, s + max_bytes), p, r, i) for i, s in enumerate(starts))
     return out
 
 
@@ -248,7 +242,8 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
         ))
     elif item.kind == "tensor" and (intact or computed[pkl.name] == pkl.crc):
         try:
-            data_pkl = plan.pkl if plan.pkl is not None else _item_reader(f, item)(pkl.data_offset, pkl.size)
+            data_pkl = plan.pkl if plan.pkl is not None else \
+                range_reader(f, item.offset, item.length)(pkl.data_offset, pkl.size)
             plan.pkl = None  # read once; 100 000 plans need not keep theirs
             header = item_header(data_pkl)
         except pickle.UnpicklingError as exc:
@@ -271,27 +266,24 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
         result.findings.extend(_tensor_consistency(item, archive, header))
 
 
-def _item_reader(f: ReadOnlyFile, item: Item):
-    def read(offset: int, n: int) -> bytes:
-        n = max(0, min(n, item.length - offset))
-        return f.pread(item.offset + offset, n) if offset >= 0 else b""
-
-    return read
-
-
 def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeader | SubclassHeader | None,
                   actual: int) -> list[Finding]:
-    """The ``zip-crc`` error for a record, plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
-    if isinstance(header, SubclassHeader):
-        return _subclass_crc_findings(item, archive, rec, header, actual)
+    """The ``zip-crc`` error for a record (of a tensor payload: the elements it holds; of a tensor subclass: the inner
+    tensor it holds), plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
     base = item.offset
     byte_range = (base + rec.data_offset, base + rec.data_end)
     expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
-    storage = header.storage_key if header is not None else "0"
-    is_payload = item.kind == "tensor" and rec.name == f"{archive.prefix}/data/{storage}"
+    subclass = isinstance(header, SubclassHeader)
+    storage = header.storage_key if isinstance(header, TensorHeader) else "0"
+    is_payload = not subclass and item.kind == "tensor" and rec.name == f"{archive.prefix}/data/{storage}"
     bit = locate_single_bit(rec.crc, actual, rec.size)
     if not is_payload:
-        role = "tensor header (data.pkl)" if rec.name.endswith("/data.pkl") else f"record {rec.name!r}"
+        part = next((name for name, h in header.parts if rec.name == f"{archive.prefix}/data/{h.storage_key}"),
+                    None) if isinstance(header, SubclassHeader) else None
+        if part is not None:
+            role = f"the {part!r} part of its {header.short_name}"  # type: ignore[union-attr]
+        else:
+            role = "tensor header (data.pkl)" if rec.name.endswith("/data.pkl") else f"record {rec.name!r}"
         out = [error(
             "zip-crc",
             f"{item_label(item)}: {role} is corrupt (CRC-32 {actual_hex}, recorded {expected_hex})",
@@ -363,45 +355,17 @@ def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> l
         out.append(error("tensor-record", f"{item_label(item)} holds a tensor of shape {list(header.size)} but the "
                          f"metadata says {list(item.chunk.sizes)}", location=loc,
                          expected=list(item.chunk.sizes), actual=list(header.size)))
-    storage = archive.record(f"data/{header.storage_key}")
     if storage is None:
         out.append(error("tensor-record", f"{item_label(item)} has no storage record data/{header.storage_key}",
                          location=loc))
         return out
-    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
     if itemsize is not None and storage.size != header.storage_numel * itemsize:
         out.append(error("tensor-record", f"{item_label(item)}: storage record is {storage.size} bytes but holds "
                          f"{header.storage_numel} {header.dtype} elements", location=loc,
                          expected=header.storage_numel * itemsize, actual=storage.size))
-    extent = header.storage_offset + sum((n - 1) * s for n, s in zip(header.size, header.stride, strict=True)) + 1
-    if math.prod(header.size) and extent > header.storage_numel:
+    if not _view_fits(header):
         out.append(error("tensor-record", f"{item_label(item)}: the tensor view reaches past its storage",
                          location=loc))
-    return out
-
-
-def _subclass_crc_findings(item: Item, archive: Archive, rec: Record, header: SubclassHeader,
-                           actual: int) -> list[Finding]:
-    """The ``zip-crc`` error for a tensor subclass's record, naming its inner tensor, plus ``zip-crc-bit`` if one
-    flipped bit explains it."""
-    byte_range = (item.offset + rec.data_offset, item.offset + rec.data_end)
-    expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
-    part = next((name for name, h in header.parts if rec.name == f"{archive.prefix}/data/{h.storage_key}"), None)
-    if part is not None:
-        role = f"the {part!r} part of its {header.short_name}"
-    elif rec.name.endswith("/data.pkl"):
-        role = "tensor header (data.pkl)"
-    else:
-        role = f"record {rec.name!r}"
-    out = [error(
-        "zip-crc", f"{item_label(item)}: {role} is corrupt (CRC-32 {actual_hex}, recorded {expected_hex})",
-        location=item_location(item, record=rec.name, byte_range=byte_range),
-        expected=expected_hex, actual=actual_hex,
-    )]
-    bit = locate_single_bit(rec.crc, actual, rec.size)
-    if bit is not None:
-        at = byte_range[0] + bit[0]
-        out.append(_bit_hint(item, rec, bit, item_location(item, record=rec.name, byte_range=(at, at + 1))))
     return out
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ckptverify.checks import item_label, item_location, manifest_check
+from ckptverify.checks import item_label, item_location, manifest_check, unopened
 from ckptverify.checks.commit import check_commit
 from ckptverify.checks.content import (
     FileResult,
@@ -223,8 +223,9 @@ class VerificationRun:
         try:
             with paused_gc():  # the layout, plans and results of a large checkpoint form no cycles
                 self._stages(deep=deep, use_manifest=use_manifest)
-        except FileChangedError as exc:
-            self._findings.append(changed_finding(_changed_name(self.root, exc), str(exc)))
+        except FileChangedError as exc:  # named as the checkpoint names it
+            name = os.path.relpath(exc.path, self.root).replace(os.sep, "/") if isinstance(exc.path, str) else "?"
+            self._findings.append(changed_finding(name, str(exc)))
         self._findings.extend(self.changed_files())
 
     def _mine(self, name: str) -> bool:
@@ -233,8 +234,7 @@ class VerificationRun:
 
     def changed_files(self) -> list[Finding]:
         """A ``file-changed`` finding, once each, for every file that differs from when the run first saw it (opened
-        files
-        by ``fstat`` and name, metadata and manifest by ``stat``)."""
+        files by ``fstat`` and name, metadata and manifest by ``stat``)."""
         out: list[Finding] = []
         for name in sorted(self._opened):  # by name alone: sorting (name, file) pairs costs more
             f = self._opened[name]
@@ -380,8 +380,7 @@ class VerificationRun:
         except StorageError:
             raise
         except OSError as exc:
-            self._findings.append(error("file-missing", f"{name} cannot be opened for reading: {exc}",
-                                       location=Location(file=name)))
+            self._findings.append(unopened(name, exc))
         return None
 
     def _archives(self, layout: Layout) -> None:
@@ -420,8 +419,7 @@ class VerificationRun:
 
     def _hash(self, layout: Layout) -> None:
         """One pass over the bytes on all cores: CRC-32 of every record and, with a manifest, every block digest (items
-        it
-        covers as block-aligned tasks computing both; the rest as CRC-only segments)."""
+        it covers as block-aligned tasks computing both; the rest as CRC-only segments)."""
         manifest = self._manifest
         matched: dict[int, Item] = {}
         tasks: list[manifest_check.BlockTask] = []
@@ -536,8 +534,7 @@ class VerificationRun:
 
     def _untiled_files(self, manifest: Manifest, matched: dict[int, Item]) -> None:
         """Whole-file digests for files whose items do not cover every byte. A file its matched items tile exactly,
-        every
-        block matching, needs no second pass."""
+        every block matching, needs no second pass."""
         from ckptverify.fingerprint import digest_reader
 
         ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -582,16 +579,15 @@ class VerificationRun:
             return
         scans, found = deep_check.scan_description(desc, run_map, self.advance)
         # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
-        judged, rebuilt, _ = deep_check.judge_scans(desc, self._manifest, scans, found)
+        judged, rebuilt = deep_check.judge_scans(desc, self._manifest, scans, found)
         self._findings.extend(judged)
         self._coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
 
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:
         """What the run read as a format description (:mod:`ckptverify.formats.dcp`), through its opened files; empty if
-        the
-        metadata could not be read. Call after :meth:`execute`. ``values``: also plain values of non-tensor items (not
-        those in ``values_skip``); ``side_files``: side files merged in (``meta.pt:...``)."""
+        the metadata could not be read. Call after :meth:`execute`. ``values``: also plain values of non-tensor items
+        (not those in ``values_skip``); ``side_files``: side files merged in (``meta.pt:...``)."""
 
         from ckptverify.formats.describe import Description
 
@@ -727,12 +723,6 @@ def changed_finding(name: str, how: str) -> Finding:
     return error("file-changed", f"{name}: file changed during verification ({how}); what was read proves "
                  "nothing about what is on disk now: verify again once nothing writes to the checkpoint",
                  location=Location(file=name))
-
-
-def _changed_name(root: str, exc: FileChangedError) -> str:
-    """The checkpoint-relative name of the file an error is about."""
-    path = exc.path
-    return os.path.relpath(path, root).replace(os.sep, "/") if isinstance(path, str) else "?"
 
 
 def _name_signatures(root: str) -> dict[str, tuple[int, int, int, int] | None]:

@@ -22,12 +22,12 @@ from ckptverify.formats.describe import (
     Description,
     Payload,
     TensorDesc,
-    is_row_major,
     iter_payload_blocks,
     stored_payloads,
     view_span,
 )
 from ckptverify.ownfiles.manifest import Manifest, read_manifest
+from ckptverify.safeparse.dtypes import is_row_major
 from ckptverify.safeparse.gcpause import paused_gc
 
 
@@ -65,6 +65,14 @@ class TensorScan:
                    inf=int(d["inf"]), uncounted=bool(d.get("uncounted")), unreadable=list(d["unreadable"]),
                    limited=list(d["limited"]), whole=d["whole"], part_values=dict(d["part_values"]))
 
+    def add(self, other: TensorScan) -> None:
+        """Add ``other``'s value counts and reasons (not its fingerprint parts) to this scan's."""
+        self.nan += other.nan
+        self.inf += other.inf
+        self.uncounted |= other.uncounted
+        self.unreadable.extend(other.unreadable)
+        self.limited.extend(other.limited)
+
     def value(self, shape: tuple[int, ...]) -> str | None:
         """The tensor's logical fingerprint if every element of ``shape`` was read back, else ``None``."""
         from ckptverify.fingerprint import combine
@@ -92,7 +100,7 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
     row_major = is_row_major(p.shape, p.stride)
     why = None if row_major else view_limited(p, view_limit, budget)
     if why is not None:
-        return _limited(name, p, why)
+        return TensorScan(limited=[f"{name} chunk {list(p.chunk_offsets)} is {why}"], chunks={p.chunk_offsets})
     try:
         for offsets, block in iter_payload_blocks(f, p, row_major=row_major):
             scan.parts.append(chunk_fingerprint(block, offsets, shape))
@@ -117,25 +125,35 @@ def scan_payload(f: Any, name: str, p: Payload, shape: tuple[int, ...],
 def view_limited(p: Payload, view_limit: int | None, budget: int = MAX_VIEW_BYTES) -> str | None:
     """Why the view ``p`` is not read back (``None``: it is, damaged or not): it addresses more than ``view_limit``
     bytes (held whole: memory), or lays out more than ``budget`` bytes from fewer stored (work)."""
-    try:
-        start, end = view_span(p)
-    except ValueError:
+    sizes = _view_sizes(p)
+    if sizes is None:
         return None
-    laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
+    stored, laid_out = sizes
     view = f"a strided view (shape {list(p.shape)}, stride {list(p.stride)})"
-    if view_limit is not None and end - start > view_limit:
-        return f"{view} over {end - start} stored bytes, more than the {view_limit} the deep check holds at once"
-    if laid_out > max(end - start, budget):
-        return (f"{view} of {laid_out} bytes once laid out from {end - start} stored, past the {MAX_VIEW_BYTES} "
+    if view_limit is not None and stored > view_limit:
+        return f"{view} over {stored} stored bytes, more than the {view_limit} the deep check holds at once"
+    if laid_out > max(stored, budget):
+        return (f"{view} of {laid_out} bytes once laid out from {stored} stored, past the {MAX_VIEW_BYTES} "
                 "bytes of such views the deep check reads back")
     return None
 
 
-def _limited(name: str, p: Payload, why: str) -> TensorScan:
-    scan = TensorScan()
-    scan.limited.append(f"{name} chunk {list(p.chunk_offsets)} is {why}")
-    scan.chunks.add(p.chunk_offsets)
-    return scan
+def _view_sizes(p: Payload) -> tuple[int, int] | None:
+    """Bytes of storage the view ``p`` addresses, and bytes it lays out; ``None`` for a damaged view."""
+    try:
+        start, end = view_span(p)
+    except ValueError:
+        return None
+    return end - start, math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
+
+
+def _scan_piece(desc: Description, name: str, p: Payload, shape: tuple[int, ...],
+                progress: Callable[[int], None] | None, view_limit: int | None, budget: int) -> TensorScan:
+    """:func:`scan_payload` of ``p`` through the description's open reader, or a file opened for it."""
+    if desc.opener is not None:  # readers the description holds open: no context to enter
+        return scan_payload(desc.opener(p), name, p, shape, progress, view_limit, budget)
+    with desc.open(p) as f:
+        return scan_payload(f, name, p, shape, progress, view_limit, budget)
 
 
 def _view_budget(pieces: list[Payload]) -> dict[int, int]:
@@ -143,12 +161,11 @@ def _view_budget(pieces: list[Payload]) -> dict[int, int]:
     order: such views of one scan share the bound, so many small records cannot add up to unbounded work."""
     left, out = MAX_VIEW_BYTES, {}
     for p in pieces:
-        try:
-            start, end = view_span(p)
-        except ValueError:
+        sizes = _view_sizes(p)
+        if sizes is None:
             continue
-        laid_out = math.prod(p.shape) * DTYPE_ITEMSIZE[p.dtype]
-        if laid_out > end - start:
+        stored, laid_out = sizes
+        if laid_out > stored:
             out[id(p)] = left
             if laid_out <= left:
                 left -= laid_out
@@ -168,7 +185,6 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
     :class:`~ckptverify.errors.FileChangedError`, else its piece is unreadable. ``mine`` (:class:`DeepPart`): only
     pieces in accepted files, appended to ``pieces`` unmerged; subclass tensors scanned whole when ``subclasses``.
     """
-    opener = desc.opener
     if mine is not None:
         wanted = [(t, p) for t in desc.tensors.values() for p in t.payloads if mine(p.file)]
     else:
@@ -179,24 +195,12 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
 
     def scan(pair: tuple[TensorDesc, Payload]) -> TensorScan:
         t, p = pair
-        budget = budgets.get(id(p), MAX_VIEW_BYTES)
         try:
-            if opener is not None:  # readers the description holds open: no context to enter
-                return scan_payload(opener(p), t.name, p, t.shape, progress, view_limit, budget)
-            with desc.open(p) as f:
-                return scan_payload(f, t.name, p, t.shape, progress, view_limit, budget)
-        except FileChangedError as exc:
-            if stop_on_change:
+            return _scan_piece(desc, t.name, p, t.shape, progress, view_limit, budgets.get(id(p), MAX_VIEW_BYTES))
+        except (OSError, ValueError, KeyError) as exc:  # FileChangedError is an OSError
+            if stop_on_change and isinstance(exc, FileChangedError):
                 raise
-            out = TensorScan()
-            out.unreadable.append(f"{t.name} chunk {list(p.chunk_offsets)}: {exc}")
-            out.chunks.add(p.chunk_offsets)
-            return out
-        except (OSError, ValueError, KeyError) as exc:
-            out = TensorScan()
-            out.unreadable.append(f"{t.name} chunk {list(p.chunk_offsets)}: {exc}")
-            out.chunks.add(p.chunk_offsets)
-            return out
+            return TensorScan(unreadable=[f"{t.name} chunk {list(p.chunk_offsets)}: {exc}"], chunks={p.chunk_offsets})
 
     def scan_subclass(t: TensorDesc) -> TensorScan:
         try:
@@ -204,9 +208,7 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
         except FileChangedError as exc:
             if stop_on_change:
                 raise
-            out = TensorScan()
-            out.unreadable.append(f"{t.name}: {exc}")
-            return out
+            return TensorScan(unreadable=[f"{t.name}: {exc}"])
 
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
         if mine is not None:
@@ -269,11 +271,10 @@ class DeepPart:
 
     def judge(self) -> tuple[list[Finding], int]:
         """:func:`judge_parts` with every part's pieces added: the findings and the tensors rebuilt."""
-        found, rebuilt, _ = judge_parts(self)
-        return found, rebuilt
+        return judge_parts(self)
 
 
-def judge_parts(part: DeepPart) -> tuple[list[Finding], int, int]:
+def judge_parts(part: DeepPart) -> tuple[list[Finding], int]:
     """Findings of a deep scan made in parts, as one process's :func:`judge_scans` gives them."""
     wanted = [(t, p) for t, p, _ in part.pieces]
     scans, found = _merge(part.desc, wanted, [s for _, _, s in part.pieces], None)
@@ -282,9 +283,9 @@ def judge_parts(part: DeepPart) -> tuple[list[Finding], int, int]:
 
 
 def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan],
-                found: list[Finding]) -> tuple[list[Finding], int, int]:
-    """``found`` plus the manifest comparison: findings, tensors rebuilt, tensors to rebuild. Rebuilding nothing is an
-    error (``deep-nothing-rebuilt``): it never passes."""
+                found: list[Finding]) -> tuple[list[Finding], int]:
+    """``found`` plus the manifest comparison: findings and tensors rebuilt. Rebuilding nothing is an error
+    (``deep-nothing-rebuilt``): it never passes."""
     out = [*found, *judge(desc, manifest, scans)]
     rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
                   and scan.value(desc.tensors[fqn].shape) is not None)
@@ -295,7 +296,7 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
     elif rebuilt < wanted:
         out.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
                            "others could not be read back (see the findings above)"))
-    return out, rebuilt, wanted
+    return out, rebuilt
 
 
 def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[int], None] | None = None,
@@ -315,20 +316,11 @@ def scan_subclass_parts(desc: Description, t: TensorDesc, progress: Callable[[in
         p = part.payload
         budget = MAX_VIEW_BYTES if budgets is None else budgets.get(id(p), MAX_VIEW_BYTES)
         try:
-            if desc.opener is not None:
-                got = scan_payload(desc.opener(p), f"{t.name}.{part.name}", p, part.shape, progress, view_limit,
-                                   budget)
-            else:
-                with desc.open(p) as f:
-                    got = scan_payload(f, f"{t.name}.{part.name}", p, part.shape, progress, view_limit, budget)
+            got = _scan_piece(desc, f"{t.name}.{part.name}", p, part.shape, progress, view_limit, budget)
         except (OSError, ValueError, KeyError) as exc:
             out.unreadable.append(f"{t.name} part {part.name!r}: {exc}")
             continue
-        out.unreadable.extend(got.unreadable)
-        out.limited.extend(got.limited)
-        out.nan += got.nan
-        out.inf += got.inf
-        out.uncounted |= got.uncounted
+        out.add(got)
         if got.unreadable or got.limited:
             continue
         if got.elements != math.prod(part.shape):
@@ -367,13 +359,9 @@ def _merge(desc: Description, wanted: list[tuple[TensorDesc, Payload]], results:
                         location=Location(fqn=fqn, chunk_offsets=offsets, file=p.file),
                     ))
         m = merged[fqn]
+        m.add(first)
         m.parts.extend(first.parts)
         m.elements += first.elements
-        m.nan += first.nan
-        m.inf += first.inf
-        m.uncounted |= first.uncounted
-        m.unreadable.extend(first.unreadable)
-        m.limited.extend(first.limited)
         m.chunks |= first.chunks
     for t in desc.tensors.values():
         if t.unread and (only is None or t.name in only):

@@ -10,33 +10,17 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from collections import defaultdict
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.fingerprint.nonfinite import counts_kept
-from ckptverify.formats.describe import Description, is_own_file, stored_part, stored_payloads
+from ckptverify.formats.describe import Description, folder_files, stored_part, stored_payloads
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.readers import ReadOnlyFile
 
-__all__ = ["check_manifest", "deep_check", "folder_files", "judge_described", "manifest_entries", "manifests_of"]
-
-
-
-def folder_files(root: str) -> list[str]:
-    """Regular files directly in ``root`` except ckptverify's own (links and special files are folder-check findings).
-    """
-    out = []
-    with paths.scandir(root) as it:
-        for e in it:
-            try:
-                if not is_own_file(e.name) and stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
-                    out.append(e.name)
-            except OSError:
-                continue
-    return sorted(out)
+__all__ = ["check_manifest", "deep_check", "judge_described", "manifest_entries", "manifests_of"]
 
 
 def manifest_entries(desc: Description, files: list[str], digest: str,
@@ -75,9 +59,8 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
 def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | None = None,
              why: dict[str, tuple[bool, str]] | None = None) -> dict[str, tuple[str | None, int | None, int | None]]:
     """Every tensor's fingerprint and NaN/Inf counts via :func:`~ckptverify.checks.deep.scan_description` (``None``
-    where
-    not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part fingerprints and
-    ``why`` with ``(size_limit, reason)`` per tensor without a fingerprint."""
+    where not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part fingerprints
+    and ``why`` with ``(size_limit, reason)`` per tensor without a fingerprint."""
     from ckptverify.checks.deep import scan_description
 
     scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
@@ -100,13 +83,12 @@ def _serial(fn: Any, items: list[Any]) -> list[Any]:
     return [fn(x) for x in items]
 
 
-def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage], set[str]]:
-    """Every pinned file against its digest; a changed file's payloads block by block. Returns findings, coverage and
-    the files whose bytes matched (now checked, whatever their format)."""
+def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage]]:
+    """Every pinned file against its digest; a changed file's payloads block by block. Returns findings and coverage.
+    """
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     findings: list[Finding] = []
-    matched: set[str] = set()
     by_file: dict[str, list[ItemEntry]] = defaultdict(list)
     for item in manifest.items:
         by_file[item.file].append(item)
@@ -134,7 +116,6 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
                 continue
             got = digest_reader(f, manifest.digest_algorithm)
             if got == entry.digest:
-                matched.add(name)
                 continue
             blamed = 0
             for item in by_file.get(name, []):
@@ -181,7 +162,7 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
     coverage = [CheckCoverage(check="manifest-digest", count=len(manifest.files), unit="whole files")]
     if blocks:
         coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
-    return findings, coverage, matched
+    return findings, coverage
 
 
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
@@ -222,10 +203,6 @@ def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Findi
     elif not desc.tensors:
         findings.append(info("fingerprint", "no tensors to rebuild"))
     return findings, [CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")]
-
-
-def describe_stats(desc: Description) -> dict[str, Any]:
-    return {"tensors": len(desc.tensors), "values": len(desc.values)}
 
 
 def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
@@ -319,7 +296,7 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
         desc = describe(target)
         if target == path and paths.isdir(path):
             folder_desc, folder_manifest = desc, manifest
-        checked, cov, _ = check_manifest(desc, manifest)
+        checked, cov = check_manifest(desc, manifest)
         findings.extend(checked)
         coverage.extend(cov)
         covered |= {n for n in manifest.files if paths.lexists(os.path.join(desc.root, n))}

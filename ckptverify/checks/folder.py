@@ -10,6 +10,7 @@ from __future__ import annotations
 import stat
 from typing import Any
 
+from ckptverify.checks import plain_name
 from ckptverify.checks.single import check_file, check_json
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.describe import is_own_file
@@ -88,7 +89,7 @@ def _check_index(root: str, name: str, index: Any, facts: dict[str, Any]) -> lis
     for tensor, shard in weight_map.items():
         by_shard.setdefault(shard, set()).add(tensor)
     for shard, mapped in sorted(by_shard.items()):
-        if "/" in shard or "\\" in shard or shard in ("", ".", "..") or "\x00" in shard:
+        if not plain_name(shard):
             out.append(error("index-invalid", f"{name} maps tensors to {shard[:200]!r}, which is not a file inside "
                              "the folder; it is not opened", location=where))
             continue

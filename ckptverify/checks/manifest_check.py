@@ -150,14 +150,10 @@ def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest,
               crc_ranges: Sequence[tuple[int, int]] = ()) -> tuple[list[str], list[int]]:
     """The task's block digests (or whole-item digest) and, in the same pass, the CRC-32 of each ``crc_ranges`` range.
     """
-    return _hash(f, task, manifest.digest_algorithm, manifest.block_bytes, crc_ranges)
-
-
-def _hash(f: ReadOnlyFile, task: BlockTask, algorithm: str, bb: int,
-          crc_ranges: Sequence[tuple[int, int]]) -> tuple[list[str], list[int]]:
     from ckptverify.fingerprint import new_digest
     from ckptverify.fingerprint.digest import hexdigest_of
 
+    algorithm, bb = manifest.digest_algorithm, manifest.block_bytes
     whole = task.last == task.first
     block_digest = hexdigest_of(algorithm)
     out: list[str] = []

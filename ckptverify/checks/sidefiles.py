@@ -17,6 +17,7 @@ import re
 import stat
 from typing import Any
 
+from ckptverify.checks import plain_name
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.safeparse import paths
 
@@ -92,6 +93,8 @@ def check_integrity_record(root: str, name: str = "integrity.json") -> tuple[lis
     """Check Megatron's integrity record ``name`` in ``root`` against each listed file. A malformed record is one
     ``integrity-invalid`` error, never an exception."""
     from ckptverify.checks.single import check_json
+    from ckptverify.fingerprint.digest import digest_reader
+    from ckptverify.safeparse.readers import ReadOnlyFile
 
     where = Location(file=name)
     found, data = check_json(os.path.join(root, name), name=name, root=root)
@@ -105,9 +108,9 @@ def check_integrity_record(root: str, name: str = "integrity.json") -> tuple[lis
     files: dict[str, str] = data["files"]
     checked = 0
     for listed, expected in sorted(files.items()):
-        path = os.path.join(root, listed)
-        try:
-            actual = _sha256(path, root)
+        try:  # only a regular file inside ``root``: a FIFO, device or link out of it is refused unopened
+            with ReadOnlyFile(os.path.join(root, listed), root=root) as f:
+                actual = digest_reader(f, INTEGRITY_ALGORITHM)
         except FileNotFoundError:
             findings.append(error("integrity-missing", f"{listed} is listed in {name} (Megatron's integrity record) "
                                   "but is absent: a file of the checkpoint as saved is gone",
@@ -149,24 +152,8 @@ def _integrity_problem(data: Any) -> str | None:
     if len(files) > INTEGRITY_MAX_FILES:
         return f"it lists {len(files)} files, more than one checkpoint folder holds ({INTEGRITY_MAX_FILES})"
     for listed, digest in files.items():
-        if not _plain_name(listed):
+        if not plain_name(listed):
             return f"it lists {listed[:80]!r}, which is not a plain file name inside the checkpoint folder"
         if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
             return f"the digest of {listed!r} is {str(digest)[:80]!r}, not 64 lowercase hex digits"
     return None
-
-
-def _plain_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
-
-
-def _sha256(path: str, root: str) -> str:
-    """SHA-256 of a regular file inside ``root`` (a FIFO, device or link out of it is refused unopened)."""
-    import hashlib
-
-    from ckptverify.safeparse.readers import ReadOnlyFile
-
-    h = hashlib.sha256()
-    with ReadOnlyFile(path, root=root) as f:
-        f.fold(0, f.size, h.update)
-    return h.hexdigest()

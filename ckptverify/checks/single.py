@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ckptverify.checks import unopened
 from ckptverify.checks.torchsave_file import verify_torchsave_file
 from ckptverify.dcp import safetensors
 from ckptverify.errors import ArchiveError, JSONError
@@ -26,8 +27,7 @@ def check_file(path: str, *, name: str | None = None,
         with ReadOnlyFile(path) as f:
             head = f.pread(0, 16)
     except OSError as exc:
-        return [error("file-missing", f"{label} cannot be opened for reading: {exc}",
-                      location=Location(file=label))], [], {"format": None, "bytes": 0}
+        return [unopened(label, exc)], [], {"format": None, "bytes": 0}
     kind = sniff(head)
     if kind in ("torch.save", "pickle"):
         found, cov, facts = verify_torchsave_file(path, name=label, root=root)
@@ -66,14 +66,13 @@ def check_json(path: str, *, name: str | None = None, root: str | None = None) -
     """Parse a JSON side file (bounded; ``json-invalid`` if it does not parse). ``root``: it must resolve inside it."""
     label = name or os.path.basename(path)
     try:
-        with (ReadOnlyFile(path, root=root) if root is not None else ReadOnlyFile(path)) as f:
+        with ReadOnlyFile(path, root=root) as f:
             if f.size > JSON_MAX_BYTES:
                 return [error("json-invalid", f"{label} is {f.size} bytes, more than a JSON side file may be "
                               f"({JSON_MAX_BYTES})", location=Location(file=label))], None
             raw = f.pread(0, f.size)
     except OSError as exc:
-        return [error("file-missing", f"{label} cannot be opened for reading: {exc}",
-                      location=Location(file=label))], None
+        return [unopened(label, exc)], None
     try:
         return [], safejson.loads(raw, nonfinite=True)
     except JSONError as exc:

@@ -72,16 +72,16 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
         for entry in entries:
             fname = entry.name
             rel = f"{folder}/{fname}" if folder else fname
-            if rel not in referenced and "/" not in rel and fname.startswith(PARTS_PREFIX):
+            if rel in referenced or (not folder and fname.startswith(PARTS_PREFIX)):
                 continue  # a part verdict of a verification shared out among nodes: ckptverify's own
-            if rel not in referenced and "/" not in rel and fname.startswith(STAMP_TEMP_PREFIX):
+            if not folder and fname.startswith(STAMP_TEMP_PREFIX):
                 findings.append(info(
                     "file-unreferenced",
                     f"{rel} is the temporary file of a verification stamp whose writing did not finish (the "
                     "process stopped); it is never read and can be deleted",
                     location=Location(file=rel),
                 ))
-            elif rel not in referenced:
+            else:
                 try:  # lstat: listed, never opened (it may be a FIFO or a link to a device)
                     st = entry.stat(follow_symlinks=False)
                 except OSError:

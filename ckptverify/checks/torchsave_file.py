@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ckptverify.checks import unopened
 from ckptverify.errors import ArchiveError, BadPickle
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.single import sniff
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.zipwalk import looks_like_zip, parse_archive
+from ckptverify.safeparse.zipwalk import looks_like_zip, parse_archive, range_reader
 
 __all__ = ["verify_torchsave_file"]
 
@@ -30,10 +31,9 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
     coverage: list[CheckCoverage] = []
     facts: dict[str, Any] = {"tensors": {}, "bytes": 0}
     try:
-        f = ReadOnlyFile(path, root=root) if root is not None else ReadOnlyFile(path)
+        f = ReadOnlyFile(path, root=root)
     except OSError as exc:
-        return [error("file-missing", f"{label} cannot be opened for reading: {exc}", location=Location(file=label))], \
-            coverage, facts
+        return [unopened(label, exc)], coverage, facts
     with f:
         facts["bytes"] = f.size
         head = f.pread(0, 16)
@@ -47,12 +47,8 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
                                       f"{head[:4].hex() or 'nothing'})",
                                       location=Location(file=label, byte_range=(0, 4))))
             return findings, coverage, facts
-
-        def read(offset: int, n: int) -> bytes:
-            return f.pread(offset, max(0, min(n, f.size - offset))) if offset >= 0 else b""
-
         try:
-            archive = parse_archive(read, f.size)
+            archive = parse_archive(range_reader(f), f.size)
         except ArchiveError as exc:
             start = exc.start or 0
             end = exc.end if exc.end else f.size
@@ -87,11 +83,10 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
         owners: dict[str, list[str]] = {}
         holds: dict[str, str] = {}  # storage key -> what its record holds, for a damaged record's message
         if scan is not None:
-            records = {r.name: r for r in archive.records}
             for tname, ref in scan.tensors.items():
                 facts["tensors"][tname] = {"dtype": ref.dtype, "shape": list(ref.shape)}
             for tname, sub in scan.subclasses.items():
-                facts["tensors"][tname] = {"dtype": sub.dtype, "shape": list(sub.shape), "stored_as": sub.short_name,
+                facts["tensors"][tname] = {"dtype": sub.dtype, "shape": list(sub.size), "stored_as": sub.short_name,
                                            "parts": {n: {"dtype": r.dtype, "shape": list(r.shape)}
                                                      for n, r in sub.parts}}
             views: dict[str, list[Any]] = {}
@@ -102,7 +97,7 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
                     holds.setdefault(ref.storage.key, f"the {part!r} part of tensor {tname!r}, a "
                                                       f"{scan.subclasses[tname].short_name}")
             for key in scan.storages:
-                rec = records.get(f"{archive.prefix}/data/{key}")
+                rec = archive.record(f"data/{key}")
                 where = Location(file=label, fqn=", ".join(owners.get(key, [])[:3]) or None,
                                  record=f"{archive.prefix}/data/{key}")
                 if rec is None:

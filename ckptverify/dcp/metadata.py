@@ -32,16 +32,8 @@ MAX_STRING = 1 << 16
 #: Most dimensions of a tensor.
 MAX_DIMS = 64
 
-_DCP_MD = "torch.distributed.checkpoint.metadata"
-_DCP_FS = "torch.distributed.checkpoint.filesystem"
-
-#: Field names of DCP's dataclasses, as pickled by torch (checked against torch by the tests).
+#: Field names of DCP's ``Metadata``, as pickled by torch (checked against torch by the tests).
 METADATA_FIELDS = sp.KINDS["Metadata"].fields
-TENSOR_STORAGE_FIELDS = sp.KINDS["TensorStorageMetadata"].fields
-CHUNK_FIELDS = sp.KINDS["ChunkStorageMetadata"].fields
-INDEX_FIELDS = sp.KINDS["MetadataIndex"].fields
-STORAGE_INFO_FIELDS = sp.KINDS["_StorageInfo"].fields
-STORAGE_META_FIELDS = sp.KINDS["StorageMeta"].fields
 
 #: Every global a DCP ``.metadata`` may name, as ``module.name`` (documented; checked by the tests).
 ALLOWED_GLOBALS = sp.ALLOWED_GLOBALS
@@ -115,9 +107,14 @@ class ParsedMetadata:
 def metadata_files(root: str) -> list[str]:
     """Every metadata file DCP could read in ``root``: ``.metadata`` first, then each ``__N.metadata``."""
     names = paths.listdir(root)
-    ranked = sorted((n for n in names if RANK_METADATA_RE.match(n)),
-                    key=lambda n: int(RANK_METADATA_RE.match(n).group(1)))  # type: ignore[union-attr]
+    ranked = sorted((n for n in names if _rank(n) is not None), key=_rank)  # type: ignore[arg-type,return-value]
     return ([METADATA_FILE] if METADATA_FILE in names else []) + ranked
+
+
+def _rank(name: str) -> int | None:
+    """The rank of a ``__N.metadata`` file, else ``None``."""
+    match = RANK_METADATA_RE.match(name)
+    return int(match.group(1)) if match else None
 
 
 def read_metadata_bytes(path: str) -> bytes:
@@ -141,13 +138,9 @@ def read_layout(root: str) -> tuple[Layout | None, list[Finding]]:
     return layout, findings
 
 
+@paused_gc()
 def read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, ParsedMetadata]]:
     """:func:`read_layout`, also returning each file that parsed, by name."""
-    with paused_gc():
-        return _read_all(root)
-
-
-def _read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, ParsedMetadata]]:
     names = metadata_files(root)
     if not names:
         return None, [
@@ -161,9 +154,7 @@ def _read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, Parsed
     findings: list[Finding] = []
     parsed: dict[str, ParsedMetadata] = {}
     for name in names:
-        match = RANK_METADATA_RE.match(name)
-        rank = int(match.group(1)) if match else None
-        result = _read_one(root, name, rank)
+        result = _read_one(root, name, _rank(name))
         if isinstance(result, ParsedMetadata):
             parsed[name] = result
         else:
@@ -185,8 +176,7 @@ def _read_all(root: str) -> tuple[Layout | None, list[Finding], dict[str, Parsed
     layout = Layout(metadata_files=names, per_rank=METADATA_FILE not in names)
     merger = _Merger(layout)
     for name in used:
-        match = RANK_METADATA_RE.match(name)
-        findings.extend(merger.add(parsed[name], int(match.group(1)) if match else None))
+        findings.extend(merger.add(parsed[name], _rank(name)))
     return layout, findings, parsed
 
 
@@ -236,10 +226,6 @@ def _int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0 or value >= 1 << 63:
         raise BadPickle(f"{what} must be an integer in [0, 2^63), got {_short(value)}")
     return value
-
-
-def _opt_int(value: Any, what: str) -> int | None:
-    return None if value is None else _int(value, what)
 
 
 def _bool(value: Any, what: str) -> bool:
@@ -321,7 +307,7 @@ def _index(value: Any, what: str) -> tuple[str, tuple[int, ...] | None, int | No
     f = _obj(value, "MetadataIndex", what)
     fqn = _str(f["fqn"], f"fqn of {what}")
     offset = None if f["offset"] is None else _dims(f["offset"], f"offset of {fqn!r}")
-    return fqn, offset, _opt_int(f["index"], f"index hint of {fqn!r}")
+    return fqn, offset, None if f["index"] is None else _int(f["index"], f"index hint of {fqn!r}")
 
 
 def _storage_key(value: Any) -> tuple[str, tuple[int, ...] | None, int | None]:
@@ -647,8 +633,3 @@ class _Merger:
             items.append(Item(s.fqn, kind, s.relative_path, s.offset, s.length, chunk, dtype, s.transforms or (),
                               name, rank))
         return findings
-
-
-def field_names_for_tests() -> dict[str, tuple[str, ...]]:
-    """The DCP class fields this reader relies on, keyed by ``module.Class`` (used by the tests)."""
-    return {f"{k.module}.{k.name}": k.fields for k in sp.KINDS.values() if not k.module.startswith("megatron")}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE
 from ckptverify.errors import ArchiveError, JSONError
 from ckptverify.safeparse import safejson
+from ckptverify.safeparse.dtypes import contiguous_strides
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import TensorHeader
 from ckptverify.safeparse.zipwalk import Archive, Record
@@ -112,12 +113,7 @@ def data_range(blob: Blob, name: str) -> tuple[int, int] | None:
 def raw_payload(dtype: str, shape: tuple[int, ...], length: int) -> tuple[Archive, TensorHeader]:
     """A raw payload as the one-record archive (``data/0``) and contiguous header the tensor readers take. It carries
     no CRC-32: never hand it to a CRC check."""
-    strides: list[int] = []
-    acc = 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
     record = Record(name="payload/data/0", header_offset=0, data_offset=0, size=length, crc=0)
     header = TensorHeader(dtype=dtype, storage_key="0", storage_numel=math.prod(shape), storage_offset=0,
-                          size=tuple(shape), stride=tuple(reversed(strides)))
+                          size=tuple(shape), stride=contiguous_strides(shape))
     return Archive(records=(record,), prefix="payload"), header

@@ -117,6 +117,7 @@ class ProvingFileSystemReader(SafeFileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         import torch
+        from torch.distributed._shard._utils import narrow_tensor_by_index
         from torch.distributed.checkpoint.planner import LoadItemType
         from torch.futures import Future
 
@@ -136,7 +137,7 @@ class ProvingFileSystemReader(SafeFileSystemReader):
                         planner.load_bytes(req, io.BytesIO(data))
                         continue
                     tensor = cast(torch.Tensor, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
-                    tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
                         raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs "
@@ -200,12 +201,6 @@ def _prove_crcs(data: bytes, fail: Any) -> None:
         if actual != rec.crc:
             raise fail("zip-crc", f"hold record {rec.name} whose payload is corrupt",
                        expected=f"{rec.crc:08x}", actual=f"{actual:08x}")
-
-
-def _narrow(tensor: Any, offsets: Any, lengths: Any) -> Any:
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-
-    return narrow_tensor_by_index(tensor, offsets, lengths)
 
 
 def build_metadata(parsed: md.ParsedMetadata) -> Metadata:

@@ -17,7 +17,7 @@ import threading
 import uuid
 import warnings
 from collections import deque
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
@@ -424,8 +424,7 @@ class _HashingFileSystem(FileSystem):
 
     def take_fused(self, view: memoryview) -> BlockwiseFingerprint | None:
         """Take out of ``fused`` the fingerprint of the chunk whose memory is exactly ``view``: one write fingerprints
-        it,
-        even when the same memory is written twice (tied weights)."""
+        it, even when the same memory is written twice (tied weights)."""
         import numpy as np
 
         key = (int(np.frombuffer(view, dtype=np.uint8).ctypes.data), view.nbytes)
@@ -631,9 +630,8 @@ class HashingFileSystemWriter(FileSystemWriter):
         lookup = getattr(planner, "lookup_object", None)
         if not callable(lookup):
             return out
-        for item in plan.items:
-            td = item.tensor_data
-            if item.type == WriteItemType.BYTE_IO or td is None or td.chunk.sizes.numel() < COMPILED_BLOCK:
+        for item, td in _tensor_items(plan):
+            if td.chunk.sizes.numel() < COMPILED_BLOCK:
                 continue
             data = planner.resolve_data(item)
             if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or is_wrapper_subclass(data):
@@ -738,8 +736,8 @@ class HashingFileSystemWriter(FileSystemWriter):
         facts: dict[MetadataIndex, _ChunkFacts] = {}
         large = _large_chunk_bytes(plan)
         with torch.no_grad(), kernels.thread_limit(FINGERPRINT_THREADS):
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None or item.index in skip:
+            for item, _ in _tensor_items(plan):
+                if item.index in skip:
                     continue
                 data = planner.resolve_data(item)
                 if isinstance(data, torch.Tensor):
@@ -862,13 +860,18 @@ class HashingFileSystemWriter(FileSystemWriter):
         )
 
 
+def _tensor_items(plan: SavePlan) -> Iterator[tuple[WriteItem, Any]]:
+    """The plan's tensor chunks, with their ``tensor_data``."""
+    for item in plan.items:
+        if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+            yield item, item.tensor_data
+
+
 def _chunk_devices(plan: SavePlan, planner: SavePlanner) -> set[torch.device]:
     """Devices of the plan's tensor chunks, via ``lookup_object`` where available (no copy), else ``resolve_data``."""
     lookup = getattr(planner, "lookup_object", None)
     devices: set[torch.device] = set()
-    for item in plan.items:
-        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-            continue
+    for item, _ in _tensor_items(plan):
         try:
             data = lookup(item.index) if callable(lookup) else planner.resolve_data(item)
         except Exception:  # a planner's own lookup: whatever it raises, resolve_data says where the chunk is
@@ -884,13 +887,8 @@ def _large_chunk_bytes(plan: SavePlan) -> dict[torch.dtype | None, int]:
     from ckptverify.fingerprint.kernels import COMPILED_BLOCK, cpu_kernel_dtype
 
     out: dict[torch.dtype | None, int] = {}
-    for item in plan.items:
-        td = item.tensor_data
-        if item.type == WriteItemType.BYTE_IO or td is None:
-            continue
-        numel = 1
-        for size in td.chunk.sizes:
-            numel *= int(size)
+    for _, td in _tensor_items(plan):
+        numel = td.chunk.sizes.numel()
         dtype = td.properties.dtype
         if numel * (2 if dtype.is_complex else 1) >= COMPILED_BLOCK:
             kernel = cpu_kernel_dtype(dtype)
@@ -951,6 +949,4 @@ def _combine_chunks(
             fp = whole.value
     nans = [i.nan_count for i in infos]
     infs = [i.inf_count for i in infos]
-    nan = sum(n for n in nans if n is not None) if all(n is not None for n in nans) else None
-    inf = sum(n for n in infs if n is not None) if all(n is not None for n in infs) else None
-    return fp, nan, inf
+    return fp, None if None in nans else sum(nans), None if None in infs else sum(infs)  # type: ignore[arg-type]

@@ -65,12 +65,7 @@ def describe_dcp(root: str, layout: Layout, read: Iterable[ReadItem], *, files: 
         if h is None or rec is None:
             t.unread.append(f"{item.fqn} chunk {list(chunk.offsets)}" + ("" if h is None else ": no storage record"))
             continue
-        encoded = bool(item.transforms)
-        t.payloads.append(Payload(
-            file=item.file, offset=r.base + rec.data_offset, length=rec.size, dtype=h.dtype, shape=h.size,
-            stride=h.stride, storage_offset=h.storage_offset, chunk_offsets=chunk.offsets,
-            encoding="+".join(item.transforms) if encoded else "raw", checksum=r.checksum,
-            stored=(item.offset, item.end) if encoded else None))
+        t.payloads.append(_payload(r, rec, h, chunk.offsets))
     desc.stored.extend(StoredRange(i.fqn, i.chunk.offsets if i.chunk else None, i.file, i.offset, i.length)
                        for i in layout.items if files.get(i.file) is not None)
     if values:
@@ -93,19 +88,24 @@ def _describe_subclass(t: TensorDesc, r: ReadItem, h: SubclassHeader) -> None:
     if any(chunk.offsets) or tuple(chunk.sizes) != tuple(t.shape) or t.subclass is not None:
         t.unread.append(f"{where}: a {h.short_name} stored as a chunk of a larger tensor")
         return
-    encoded = bool(item.transforms)
     desc = SubclassDesc(h.cls, h.context)
     for name, part in h.parts:
         rec = r.archive.record(f"data/{part.storage_key}")
         if rec is None:
             t.unread.append(f"{where}: no storage record for its {name!r} part")
             return
-        desc.parts.append(SubclassPart(name, part.dtype, part.size, Payload(
-            file=item.file, offset=r.base + rec.data_offset, length=rec.size, dtype=part.dtype, shape=part.size,
-            stride=part.stride, storage_offset=part.storage_offset, chunk_offsets=(0,) * len(part.size),
-            encoding="+".join(item.transforms) if encoded else "raw", checksum=r.checksum,
-            stored=(item.offset, item.end) if encoded else None)))
+        desc.parts.append(SubclassPart(name, part.dtype, part.size, _payload(r, rec, part, (0,) * len(part.size))))
     t.subclass = desc
+
+
+def _payload(r: ReadItem, rec: Record, view: TensorHeader, chunk_offsets: tuple[int, ...]) -> Payload:
+    """The piece of item ``r`` in storage record ``rec``, viewed as ``view`` says, at ``chunk_offsets``."""
+    item = r.item
+    encoded = bool(item.transforms)
+    return Payload(file=item.file, offset=r.base + rec.data_offset, length=rec.size, dtype=view.dtype,
+                   shape=view.size, stride=view.stride, storage_offset=view.storage_offset,
+                   chunk_offsets=chunk_offsets, encoding="+".join(item.transforms) if encoded else "raw",
+                   checksum=r.checksum, stored=(item.offset, item.end) if encoded else None)
 
 
 def _opener(files: dict[str, Any], readers: dict[tuple[str, int, int], Any]) -> Callable[[Payload | str], Any]:

@@ -26,15 +26,16 @@ from ckptverify.errors import ArchiveError, BadPickle, FindingError, JSONError
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
+from ckptverify.safeparse.dtypes import contiguous_strides, is_row_major
 from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.zipwalk import parse_archive
+from ckptverify.safeparse.zipwalk import parse_archive, range_reader
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
-           "describe", "is_own_file", "is_row_major", "iter_payload_blocks", "json_values", "read_parts",
+           "describe", "folder_files", "is_own_file", "iter_payload_blocks", "read_parts",
            "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads", "view_span"]
 
 
@@ -131,9 +132,8 @@ class StoredRange(NamedTuple):
 @dataclass(slots=True)
 class Description:
     """What a checkpoint holds. ``root``: base of file names; ``files``: name -> format; ``unread``: undescribable
-    files,
-    with why; ``metadata_files``; ``stored``: items a manifest digests singly (DCP). ``opener``: how bytes are read
-    (:meth:`open`; default read-only inside ``root``)."""
+    files, with why; ``metadata_files``; ``stored``: items a manifest digests singly (DCP). ``opener``: how bytes are
+    read (:meth:`open`; default read-only inside ``root``)."""
 
     root: str
     target: str
@@ -152,8 +152,7 @@ class Description:
 
     def open(self, what: Payload | str) -> AbstractContextManager[Any]:
         """A reader (``pread``, ``fold``, ``crc32``, ``size``) of a payload's bytes (decoded if encoded) or of a file by
-        name,
-        as a context manager. ``OSError`` if unopenable, ``ValueError`` for an encoding without decoder."""
+        name, as a context manager. ``OSError`` if unopenable, ``ValueError`` for an encoding without decoder."""
         if self.opener is not None:
             return nullcontext(self.opener(what))
         if isinstance(what, Payload) and what.encoding != "raw":
@@ -185,20 +184,24 @@ def describe(path: str | os.PathLike[str]) -> Description:
         desc.format = desc.files.get(name, "unknown")
         return desc
     desc = Description(root=target, target=target, format="folder")
-    with paths.scandir(target) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for e in entries:
-        if is_own_file(e.name):
-            continue
-        try:
-            st = e.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue  # directories (DCP parts) are described apart; links and special files never opened
-        weights = e.name.endswith(".safetensors") or (e.name.startswith(_WEIGHT_PREFIXES) and e.name.endswith(".bin"))
-        _add_file(desc, e.name, prefix=f"{e.name}:", plain_tensors=weights)
+    for name in folder_files(target):  # directories (DCP parts) are described apart
+        weights = name.endswith(".safetensors") or (name.startswith(_WEIGHT_PREFIXES) and name.endswith(".bin"))
+        _add_file(desc, name, prefix=f"{name}:", plain_tensors=weights)
     return desc
+
+
+def folder_files(root: str) -> list[str]:
+    """Regular files directly in ``root`` except ckptverify's own, sorted (links and special files are never opened:
+    folder-check findings)."""
+    out = []
+    with paths.scandir(root) as it:
+        for e in it:
+            try:
+                if not is_own_file(e.name) and stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
+                    out.append(e.name)
+            except OSError:
+                continue
+    return sorted(out)
 
 
 def side_file_description(root: str, names: list[str]) -> Description:
@@ -233,11 +236,8 @@ def _tensor_name(desc: Description, name: str, path: str, prefix: str, plain: bo
 
 
 def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
-    def read(offset: int, n: int) -> bytes:
-        return f.pread(offset, max(0, min(n, f.size - offset))) if offset >= 0 else b""
-
     try:
-        archive = parse_archive(read, f.size)
+        archive = parse_archive(range_reader(f), f.size)
     except ArchiveError as exc:
         desc.unread[name] = f"not an intact torch.save archive: {exc}"
         return
@@ -251,32 +251,33 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
     except BadPickle as exc:
         desc.unread[name] = f"data.pkl cannot be read safely: {exc}"
         return
-    records = {r.name: r for r in archive.records}
     for path, sub in scan.subclasses.items():
         tname = _tensor_name(desc, name, path, prefix, plain)
-        t = desc.tensors[tname] = TensorDesc(tname, sub.dtype, sub.shape)
+        t = desc.tensors[tname] = TensorDesc(tname, sub.dtype, sub.size)
         stored = SubclassDesc(sub.cls, sub.context)
         for part, ref in sub.parts:
-            rec = records.get(f"{archive.prefix}/data/{ref.storage.key}")
+            rec = archive.record(f"data/{ref.storage.key}")
             if rec is None or ref.dtype is None:
                 t.unread.append(f"{tname}: no storage record for its {part!r} part")
                 break
-            stored.parts.append(SubclassPart(part, ref.dtype, ref.shape, Payload(
-                file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape,
-                stride=ref.stride, storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape),
-                checksum="crc32")))
+            stored.parts.append(SubclassPart(part, ref.dtype, ref.shape, _record_payload(name, rec, ref)))
         else:
             t.subclass = stored
     for path, ref in scan.tensors.items():
-        rec = records.get(f"{archive.prefix}/data/{ref.storage.key}")
+        rec = archive.record(f"data/{ref.storage.key}")
         if rec is None or ref.dtype is None:
             desc.unread.setdefault(name, f"tensor {path!r} has no storage record or dtype")
             continue
         tname = _tensor_name(desc, name, path, prefix, plain)
-        desc.tensors[tname] = TensorDesc(tname, ref.dtype, ref.shape, [Payload(
-            file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape, stride=ref.stride,
-            storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape), checksum="crc32")])
-    _values(desc, leaf_values(scan.root), prefix if prefix else "")
+        desc.tensors[tname] = TensorDesc(tname, ref.dtype, ref.shape, [_record_payload(name, rec, ref)])
+    _values(desc, leaf_values(scan.root), prefix)
+
+
+def _record_payload(name: str, rec: Any, ref: Any) -> Payload:
+    """The whole tensor ``ref`` (a :class:`~ckptverify.safeparse.pickle_scan.TensorRef`) in record ``rec`` of ``name``.
+    """
+    return Payload(file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape,
+                   stride=ref.stride, storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape), checksum="crc32")
 
 
 def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
@@ -293,7 +294,7 @@ def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, pla
         full = _tensor_name(desc, name, tname, prefix, plain)
         desc.tensors[full] = TensorDesc(full, t.dtype, t.shape, [Payload(
             file=name, offset=blob.data_start + t.begin, length=t.end - t.begin, dtype=t.dtype, shape=t.shape,
-            stride=_contiguous(t.shape), chunk_offsets=(0,) * len(t.shape))])
+            stride=contiguous_strides(t.shape), chunk_offsets=(0,) * len(t.shape))])
 
 
 def _pickle(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
@@ -322,12 +323,7 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
         return
     desc.files[name] = "json"
     if not name.endswith(".index.json"):  # a shard index is layout (which file holds what), not state
-        _values(desc, json_values(value), prefix)
-
-
-def json_values(value: Any) -> dict[str, str]:
-    """Every leaf of a parsed JSON document by path, in ``leaf_values``' format."""
-    return leaf_values(value)
+        _values(desc, leaf_values(value), prefix)
 
 
 def _values(desc: Description, values: dict[str, str], prefix: str) -> None:
@@ -335,21 +331,12 @@ def _values(desc: Description, values: dict[str, str], prefix: str) -> None:
         desc.values[f"{prefix}{path}" if prefix else path] = v
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
-
-
 # ------------------------------------------------------------------------------------------ reading tensors
 
 
 def view_span(p: Payload) -> tuple[int, int]:
     """The storage bytes ``[start, end)`` ``p``'s view addresses (``(0, 0)`` if empty). ``ValueError`` for a damaged
-    view
-    (unknown dtype size, negative size/stride/offset, element outside the storage)."""
+    view (unknown dtype size, negative size/stride/offset, element outside the storage)."""
     itemsize = DTYPE_ITEMSIZE.get(p.dtype)
     if itemsize is None:
         raise ValueError(f"dtype {str(p.dtype)[:40]!r} has no known element size")
@@ -366,8 +353,7 @@ def view_span(p: Payload) -> tuple[int, int]:
 
 def read_payload(f: Any, p: Payload, limit: int = MAX_VIEW_BYTES) -> torch.Tensor:
     """Piece ``p`` as a tensor view onto the storage bytes it addresses (memory: those bytes). ``ValueError`` if the
-    bytes
-    cannot hold the view or it lays out more than ``limit`` bytes from fewer stored."""
+    bytes cannot hold the view or it lays out more than ``limit`` bytes from fewer stored."""
     import torch
 
     from ckptverify.dcp.tensors import torch_dtype
@@ -479,9 +465,3 @@ def _boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int,
     for lead in itertools.product(*(range(n) for n in shape[:cut])):
         for s in range(0, shape[cut], per):
             yield (*lead, s, *(0,) * rest), (*(1,) * cut, min(per, shape[cut] - s), *shape[whole:])
-
-
-def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """``stride`` lays ``shape`` out row after row (a dimension of size 1 may have any stride)."""
-    return len(shape) == len(stride) and all(s == e or n == 1 for s, e, n in zip(stride, _contiguous(shape), shape,
-                                                                                strict=True))

@@ -224,7 +224,7 @@ class _Walker:
             self._cache[path] = None  # gone since its parent was listed (retention): nothing hidden
             return None
         except OSError as exc:
-            self.notes.append(WalkNote("unlisted", self.rel(path), _os_error(exc)))
+            self.notes.append(WalkNote("unlisted", self.rel(path), f"{type(exc).__name__}: {exc.strerror or exc}"))
             if read == 0:
                 self._cache[path] = None
                 return None
@@ -266,10 +266,6 @@ class _Walker:
                 "budget", names[0],
                 f"{MAX_ENTRIES} entries examined; {len(self.unvisited)} folder(s) not looked into, nor anything "
                 f"below them: {shown}", len(self.unvisited)))
-
-
-def _os_error(exc: OSError) -> str:
-    return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:

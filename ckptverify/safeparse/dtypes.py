@@ -1,11 +1,11 @@
-"""The torch dtypes a checkpoint may name, and the bytes per element of each.
+"""The torch dtypes a checkpoint may name, the bytes per element of each, and row-major element layout.
 
 Readers accept ``torch.<dtype>`` globals only for these names and size storages by them.
 """
 
 from __future__ import annotations
 
-__all__ = ["DTYPE_ITEMSIZE"]
+__all__ = ["DTYPE_ITEMSIZE", "contiguous_strides", "is_row_major"]
 
 #: Bytes per element for every dtype torch can save, by the name torch gives the dtype.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -21,3 +21,18 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
     "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
 }  # fmt: skip
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides (in elements) that lay ``shape`` out row after row."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """``stride`` lays ``shape`` out row after row (a dimension of size 1 may have any stride)."""
+    return len(shape) == len(stride) and all(
+        s == e or n == 1 for s, e, n in zip(stride, contiguous_strides(shape), shape, strict=True))

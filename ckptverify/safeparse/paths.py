@@ -25,22 +25,20 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and "://" in path and _URL.match(path) is not None
 
 
+def _remote() -> Any:
+    from ckptverify.safeparse import remote  # fsspec is imported only for a URL
+
+    return remote
+
+
 def listdir(path: str) -> list[str]:
     """``os.listdir``; for a URL, the names directly under its prefix (read afresh, never from a cache)."""
-    if is_url(path):
-        from ckptverify.safeparse import remote
-
-        return remote.listdir(path)
-    return os.listdir(path)
+    return _remote().listdir(path) if is_url(path) else os.listdir(path)
 
 
 def scandir(path: str) -> Any:
     """``os.scandir``; for a URL, the entries of one fresh listing, their ``stat`` taken from it."""
-    if is_url(path):
-        from ckptverify.safeparse import remote
-
-        return remote.scandir(path)
-    return os.scandir(path)
+    return _remote().scandir(path) if is_url(path) else os.scandir(path)
 
 
 def normpath(path: str) -> str:
@@ -59,11 +57,7 @@ def abspath(path: str) -> str:
 def stat(path: str, *, follow_symlinks: bool = True) -> os.stat_result:
     """``os.stat``; for a URL, an object as a read-only regular file (its ETag folded into ``st_ino``, so a replaced
     object reads as another file) or a prefix as a directory."""
-    if is_url(path):
-        from ckptverify.safeparse import remote
-
-        return remote.stat(path)
-    return os.stat(path, follow_symlinks=follow_symlinks)
+    return _remote().stat(path) if is_url(path) else os.stat(path, follow_symlinks=follow_symlinks)
 
 
 def lstat(path: str) -> os.stat_result:
@@ -73,20 +67,12 @@ def lstat(path: str) -> os.stat_result:
 
 def isdir(path: str) -> bool:
     """``os.path.isdir``."""
-    if is_url(path):
-        from ckptverify.safeparse import remote
-
-        return remote.isdir(path)
-    return os.path.isdir(path)
+    return _remote().isdir(path) if is_url(path) else os.path.isdir(path)
 
 
 def isfile(path: str) -> bool:
     """``os.path.isfile``."""
-    if is_url(path):
-        from ckptverify.safeparse import remote
-
-        return remote.isfile(path)
-    return os.path.isfile(path)
+    return _remote().isfile(path) if is_url(path) else os.path.isfile(path)
 
 
 def islink(path: str) -> bool:
@@ -96,11 +82,7 @@ def islink(path: str) -> bool:
 
 def lexists(path: str) -> bool:
     """``os.path.lexists``."""
-    if is_url(path):
-        from ckptverify.safeparse import remote
-
-        return remote.exists(path)
-    return os.path.lexists(path)
+    return _remote().exists(path) if is_url(path) else os.path.lexists(path)
 
 
 def exists(path: str) -> bool:

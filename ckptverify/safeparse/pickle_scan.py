@@ -3,7 +3,8 @@
 Tensor machinery (rebuild functions, storage types, dtypes, ``torch.Size``) and plain containers resolve to
 inert stand-ins; every other global becomes an :class:`Opaque` placeholder that records its name and arguments
 and is **never imported or called**. Allowlisted tensor subclasses (torchao's ``MXTensor``, ``NVFP4Tensor``)
-become :class:`SubclassRef` via :mod:`ckptverify.safeparse.torchsave`; a malformed one is refused.
+become :class:`~ckptverify.safeparse.torchsave.SubclassHeader` s (inner tensors as :class:`TensorRef`); a
+malformed one is refused.
 
 Read by the C unpickler only after :func:`~ckptverify.safeparse.unpickler.check_opcodes` bounded tuple nesting
 and the memo. Work is bounded by size, :data:`MAX_OBJECTS`, and a walk visiting each object once.
@@ -19,7 +20,14 @@ import xxhash
 
 from ckptverify.errors import BadPickle
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
-from ckptverify.safeparse.torchsave import SUBCLASSES, dtype_name, subclass_allowlist, subclass_fields
+from ckptverify.safeparse.torchsave import (
+    LEGACY_STORAGE_DTYPES,
+    SUBCLASSES,
+    SubclassHeader,
+    dtype_name,
+    subclass_allowlist,
+    subclass_fields,
+)
 from ckptverify.safeparse.unpickler import Budget, FastUnpickler, Limits, check_opcodes
 
 __all__ = [
@@ -28,7 +36,6 @@ __all__ = [
     "MAX_VALUES",
     "Opaque",
     "PickleScan",
-    "SubclassRef",
     "TensorRef",
     "leaf_values",
     "scan_pickle",
@@ -45,12 +52,9 @@ MAX_TUPLE_DEPTH = 200
 MEMO_SLACK = 1024
 LIMITS = Limits(max_depth=MAX_TUPLE_DEPTH, memo_slack=MEMO_SLACK, max_bytes=MAX_PICKLE_BYTES)
 
-_STORAGE_DTYPES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
-    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8",
-}  # fmt: skip
+#: Storage classes read as storages: the legacy typed ones but the quantized (whose tensors are not rebuilt here).
+_STORAGE_DTYPES = {name: dtype for name, dtype in LEGACY_STORAGE_DTYPES.items() if not name.startswith("Q")} | {
+    "UntypedStorage": "uint8"}
 
 
 @dataclass(frozen=True)
@@ -89,24 +93,6 @@ class TensorRef:
         return None if itemsize is None else self.extent() * itemsize
 
 
-@dataclass(frozen=True)
-class SubclassRef:
-    """A tensor stored as an allowlisted subclass (:data:`~ckptverify.safeparse.torchsave.SUBCLASSES`): class
-    (``module.QualName``), outer dtype/shape/stride, inner tensors in flatten order, and ``context`` (canonical
-    JSON, as :mod:`ckptverify.fingerprint.subclass` fingerprints it)."""
-
-    cls: str
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    parts: tuple[tuple[str, TensorRef], ...]
-    context: str
-
-    @property
-    def short_name(self) -> str:
-        return self.cls.rsplit(".", 1)[-1]
-
-
 class Opaque:
     """An instance of a global outside the allowlist, recording what the pickle gives it. A class is made per name
     (``NEWOBJ`` needs one); nothing of the real global is imported or called."""
@@ -142,7 +128,7 @@ class PickleScan:
     tensors: dict[str, TensorRef] = field(default_factory=dict)
     storages: dict[str, StorageRef] = field(default_factory=dict)
     opaque: set[str] = field(default_factory=set)
-    subclasses: dict[str, SubclassRef] = field(default_factory=dict)
+    subclasses: dict[str, SubclassHeader] = field(default_factory=dict)
 
     def all_tensors(self) -> list[tuple[str, str | None, TensorRef]]:
         """Every stored tensor as ``(path, part, ref)``: plain ones (``part`` ``None``), then each subclass's inner
@@ -214,8 +200,8 @@ class _Unpickler(FastUnpickler):
         return TensorRef(ref.storage, ref.offset, ref.shape, ref.stride, elem_dtype=name)
 
     def _rebuild_from_type(self, func: Any, new_type: Any, args: Any, state: Any = None, *rest: Any) -> Any:
-        """``_rebuild_from_type_v2``: a :class:`SubclassRef` for an allowlisted subclass (malformed: refused), else an
-        inert :class:`Opaque` (nothing is called)."""
+        """``_rebuild_from_type_v2``: a :class:`SubclassHeader` for an allowlisted subclass (malformed: refused), else
+        an inert :class:`Opaque` (nothing is called)."""
         self.budget.charge()
         label = getattr(new_type, "_label", None)
         if label not in SUBCLASSES:
@@ -225,10 +211,9 @@ class _Unpickler(FastUnpickler):
         if rest:
             raise BadPickle(f"a {label} record with extra arguments")
         try:
-            cls, dtype, shape, stride, parts, context = subclass_fields(func, new_type, args, state, TensorRef)
+            return SubclassHeader(*subclass_fields(func, new_type, args, state, TensorRef))
         except pickle.UnpicklingError as exc:
             raise BadPickle(str(exc)) from None
-        return SubclassRef(cls, dtype, shape, stride, parts, context)
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
         self.budget.charge()
@@ -328,7 +313,7 @@ def _walk(scan: PickleScan, budget: Budget) -> None:
         budget.charge()
         if isinstance(obj, TensorRef):
             scan.tensors.setdefault(path or "<root>", obj)
-        elif isinstance(obj, SubclassRef):
+        elif isinstance(obj, SubclassHeader):
             scan.subclasses.setdefault(path or "<root>", obj)  # its inner tensors are its parts, not tensors
         elif isinstance(obj, dict):
             for k, v in reversed(list(obj.items())):
@@ -354,7 +339,7 @@ def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict
     stack: list[tuple[str, Any]] = [(prefix, root)]
     while stack and len(out) < limit:
         path, obj = stack.pop()
-        if isinstance(obj, TensorRef | StorageRef | SubclassRef):
+        if isinstance(obj, TensorRef | StorageRef | SubclassHeader):
             continue
         name = dtype_name(obj)
         if name is not None:

@@ -239,23 +239,14 @@ class ReadOnlyFile(Folding):
         _DESCRIPTORS.added(self)
 
     @property
-    def kept(self) -> int:
-        """Bytes of the file held in memory (read at open; reads inside them use no descriptor)."""
+    def kept(self) -> int:  # type: ignore[override]
         return len(self._kept) if self._kept is not None else 0
 
     def release_kept(self) -> None:
-        """Forget the bytes read at open; later reads go to the file (a change after open is found by :meth:`changed`).
-        """
         self._kept = None
 
     def close(self) -> None:
         _DESCRIPTORS.closed(self)
-
-    def __enter__(self) -> ReadOnlyFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @contextmanager
     def _descriptor(self) -> Iterator[int]:
@@ -314,22 +305,20 @@ class ReadOnlyFile(Folding):
     def changed(self) -> str | None:
         """How the file differs from open (size, mtime, or its name naming another file), or ``None``."""
         fd = _DESCRIPTORS.pin_if_open(self)
-        if fd is None:  # closed to stay under MAX_OPEN: what its name opens must be the file, unchanged
+        now = None  # closed to stay under MAX_OPEN: what its name opens must be the file, unchanged
+        if fd is not None:
             try:
-                named = os.stat(self.path)
-            except OSError as exc:
-                return f"its name no longer opens it ({exc.strerror})"
-            return None if _signature(named) == self._signature else self._describe(named)
-        try:
-            now = os.fstat(fd)
-        finally:
-            _DESCRIPTORS.unpin(self)
-        if _signature(now) != self._signature:
-            return self._describe(now)
+                now = os.fstat(fd)
+            finally:
+                _DESCRIPTORS.unpin(self)
+            if _signature(now) != self._signature:
+                return self._describe(now)
         try:
             named = os.stat(self.path)
         except OSError as exc:
             return f"its name no longer opens it ({exc.strerror})"
+        if now is None:
+            return None if _signature(named) == self._signature else self._describe(named)
         if (named.st_dev, named.st_ino) != (now.st_dev, now.st_ino):
             return "its name now names another file (replaced)"
         return None

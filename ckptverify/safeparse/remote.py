@@ -28,8 +28,8 @@ from ckptverify.errors import FileChangedError, StorageError, UnsafeFileError, U
 from ckptverify.safeparse.fold import Folding
 
 __all__ = ["CONCURRENCY", "JOBS", "OPTIONS_ENV", "RANGE_BYTES", "READ_AHEAD", "RemoteFile", "exists",
-           "filesystem", "forget", "isdir", "isfile", "listdir", "listdir_split", "put_small", "read_small",
-           "reset_stats", "scandir", "stat", "stats", "storage_options"]
+           "filesystem", "forget", "isdir", "isfile", "listdir", "put_small", "read_small", "scandir", "stat", "stats",
+           "storage_options"]
 
 #: Bytes per ranged request of a pass over an object (:meth:`RemoteFile.fold_at`).
 RANGE_BYTES = 8 << 20
@@ -86,12 +86,6 @@ def stats() -> dict[str, int]:
     """Ranged requests made, bytes they returned, and retries botocore reported (throttling, errors)."""
     with _lock:
         return dict(_stats)
-
-
-def reset_stats() -> None:
-    with _lock:
-        for k in _stats:
-            _stats[k] = 0
 
 
 def _count(nbytes: int, retries: int) -> None:
@@ -210,16 +204,10 @@ def _store_call(url: str, what: str, fn: Any, *args: Any) -> Any:
                            f"{str(exc)[:300]})", url) from None
 
 
-def _info(url: str, *, fresh: bool = False) -> dict[str, Any]:
-    fs, path = filesystem(url)
-    if fresh:
-        fs.invalidate_cache(path)
-    return _store_call(url, "a request for the object's size and ETag", fs.info, path)
-
-
 def stat(url: str) -> os.stat_result:
     """``os.stat`` of an object (a regular file) or a prefix (a directory). Raises ``FileNotFoundError``."""
-    return _stat_result(_info(url))
+    fs, path = filesystem(url)
+    return _stat_result(_store_call(url, "a request for the object's size and ETag", fs.info, path))
 
 
 def forget(url: str) -> None:
@@ -244,11 +232,6 @@ def _segment(own: str, info: dict[str, Any]) -> str | None:
     return None if seg == "" and not info.get("size") else seg
 
 
-def _unaddressable(seg: str) -> bool:
-    """A name no path reaches: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at."""
-    return seg in ("", ".", "..") or "/" in seg
-
-
 def _entries(url: str) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
     """One fresh listing of ``url``: (the entries a path reaches, the unaddressable ones with their names)."""
     fs, path = filesystem(url)
@@ -261,21 +244,14 @@ def _entries(url: str) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, 
     for e in entries:
         seg = _segment(own, e)
         if seg is not None:
-            (odd if _unaddressable(seg) else good).append((seg, e))
+            # Unaddressable: a ``.``, ``..`` or empty segment, or a ``/`` the listing should have split at.
+            (odd if seg in ("", ".", "..") or "/" in seg else good).append((seg, e))
     return [e for _, e in good], odd
 
 
 def listdir(url: str) -> list[str]:
     """Names directly under ``url``, listed afresh; unaddressable keys are left out (:meth:`_Scan.unaddressable`)."""
     return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _entries(url)[0]]
-
-
-def listdir_split(url: str) -> tuple[list[str], list[str]]:
-    """(prefixes, objects) directly under ``url``, by name (unaddressable keys left out, as by :func:`listdir`)."""
-    dirs, files = [], []
-    for e in _entries(url)[0]:
-        (dirs if e.get("type") == "directory" else files).append(e["name"].rstrip("/").rsplit("/", 1)[-1])
-    return dirs, files
 
 
 class _Entry:
@@ -349,28 +325,24 @@ def scandir(url: str) -> _Scan:
     return _Scan(url, [_Entry(url, e) for e in good], odd)
 
 
-def isdir(url: str) -> bool:
+def _probe(url: str, method: str) -> bool:
     fs, path = filesystem(url)
     try:
-        return bool(_store_call(url, "a request for the object or prefix", fs.isdir, path))
+        return bool(_store_call(url, "a request for the object or prefix", getattr(fs, method), path))
     except (FileNotFoundError, NotADirectoryError):
         return False
+
+
+def isdir(url: str) -> bool:
+    return _probe(url, "isdir")
 
 
 def isfile(url: str) -> bool:
-    fs, path = filesystem(url)
-    try:
-        return bool(_store_call(url, "a request for the object or prefix", fs.isfile, path))
-    except (FileNotFoundError, NotADirectoryError):
-        return False
+    return _probe(url, "isfile")
 
 
 def exists(url: str) -> bool:
-    fs, path = filesystem(url)
-    try:
-        return bool(_store_call(url, "a request for the object or prefix", fs.exists, path))
-    except (FileNotFoundError, NotADirectoryError):
-        return False
+    return _probe(url, "exists")
 
 
 def read_small(url: str, limit: int) -> bytes:
@@ -429,57 +401,39 @@ class RemoteFile(Folding):
                     _blocks_held[0] -= len(data)
             self._indexes.clear()
 
-    @property
-    def kept(self) -> int:
-        """Always 0: small reads go through the block cache."""
-        return 0
-
-    def release_kept(self) -> None:
-        """Nothing to forget (:meth:`ReadOnlyFile.release_kept`)."""
-
-    def __enter__(self) -> RemoteFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _get(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` in one ranged request, exactly that many or :class:`FileChangedError`."""
         if end <= start:
             return b""
         retries = 0
-        if self._s3 and self._etag:
-            from fsspec.asyn import sync
+        if_match = self._s3 and bool(self._etag)
+        try:
+            if if_match:
+                from fsspec.asyn import sync
 
-            bucket, key, _ = self._fs.split_path(self._key)
+                bucket, key, _ = self._fs.split_path(self._key)
 
-            async def call() -> tuple[bytes, int]:
-                resp = await self._fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                                               IfMatch=self._etag, **self._fs.req_kw)
-                try:
-                    body = await resp["Body"].read()
-                finally:
-                    resp["Body"].close()
-                return body, int(resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
+                async def call() -> tuple[bytes, int]:
+                    resp = await self._fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                                   Range=f"bytes={start}-{end - 1}", IfMatch=self._etag,
+                                                   **self._fs.req_kw)
+                    try:
+                        body = await resp["Body"].read()
+                    finally:
+                        resp["Body"].close()
+                    return body, int(resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
 
-            try:
                 data, retries = sync(self._fs.loop, call)
-            except FileNotFoundError:
-                raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
-                                       self.path) from None
-            except Exception as exc:
-                if _precondition_failed(exc):
-                    raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
-                                           f"{self._etag} (the object was replaced)", self.path) from None
-                raise self._failed(start, end, exc) from None
-        else:
-            try:
+            else:
                 data = self._fs.cat_file(self._key, start=start, end=end)
-            except FileNotFoundError:
-                raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
-                                       self.path) from None
-            except Exception as exc:
-                raise self._failed(start, end, exc) from None
+        except FileNotFoundError:
+            raise FileChangedError(f"{self.path} changed while it was verified: the object is gone",
+                                   self.path) from None
+        except Exception as exc:
+            if if_match and _precondition_failed(exc):
+                raise FileChangedError(f"{self.path} changed while it was verified: its ETag is no longer "
+                                       f"{self._etag} (the object was replaced)", self.path) from None
+            raise self._failed(start, end, exc) from None
         _count(len(data), retries)
         self._last_read = max(self._last_read, time.monotonic())
         if len(data) != end - start:

@@ -15,7 +15,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
+from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
 __all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "dtype_name", "item_header", "subclass_allowlist",
@@ -23,7 +23,8 @@ __all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "dtype_name", "item_h
 
 T = TypeVar("T")
 
-_LEGACY_STORAGE_DTYPES = {
+#: The legacy typed storage classes ``torch.<Name>Storage`` and their dtypes.
+LEGACY_STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
     "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
     "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
@@ -49,11 +50,7 @@ class TensorHeader:
 
     @property
     def is_row_major(self) -> bool:
-        expected, acc = [], 1
-        for n in reversed(self.size):
-            expected.append(acc)
-            acc *= n
-        return all(s == e or n == 1 for s, e, n in zip(self.stride, reversed(expected), self.size, strict=True))
+        return is_row_major(self.size, self.stride)
 
 
 class _StorageRef:
@@ -147,7 +144,7 @@ def _tensor_globals() -> dict[tuple[str, str], Any]:
                                                         lambda *a: ordered_dict(*a)),
         ("torch.storage", "UntypedStorage"): _StorageType("torch.storage.UntypedStorage", None),
     }
-    for cls, dtype in _LEGACY_STORAGE_DTYPES.items():
+    for cls, dtype in LEGACY_STORAGE_DTYPES.items():
         allowed[("torch", cls)] = _StorageType(f"torch.{cls}", dtype)
     for dtype in DTYPE_ITEMSIZE:
         allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
@@ -187,22 +184,29 @@ def _exceeded() -> Exception:  # pragma: no cover - nothing charges the budget
 
 
 def tensor_header(data_pkl: bytes) -> TensorHeader:
-    """Read a tensor item's ``data.pkl`` safely; ``pickle.UnpicklingError`` on anything else. Small results are
-    cached by their bytes (a checkpoint has one header per dtype and shape)."""
+    """Read a plain tensor item's ``data.pkl`` safely; ``pickle.UnpicklingError`` on anything else."""
+    return _pkl_header(data_pkl, False)  # type: ignore[return-value]
+
+
+def _pkl_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
+    """``data_pkl`` read through the plain or the subclass allowlist. Small results are cached by their bytes (a
+    checkpoint has one header per dtype and shape)."""
     if len(data_pkl) <= _CACHED_HEADER_BYTES:
-        return _tensor_header_cached(bytes(data_pkl))
-    return _tensor_header(data_pkl)
+        return _cached_header(bytes(data_pkl), subclass)
+    return _read_header(data_pkl, subclass)
 
 
 _CACHED_HEADER_BYTES = 4096
 
 
-@functools.lru_cache(maxsize=1024)
-def _tensor_header_cached(data_pkl: bytes) -> TensorHeader:
-    return _tensor_header(data_pkl)
+@functools.lru_cache(maxsize=2048)
+def _cached_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
+    return _read_header(data_pkl, subclass)
 
 
-def _tensor_header(data_pkl: bytes) -> TensorHeader:
+def _read_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
+    if subclass:
+        return _load_record(_ItemHeaderUnpickler(data_pkl), SubclassHeader)
     return _load_record(_TensorHeaderUnpickler(data_pkl), TensorHeader)
 
 
@@ -264,22 +268,20 @@ _ATTRIBUTES: dict[str, dict[str, tuple[str, bool]]] = {
 
 @dataclass(frozen=True, slots=True)
 class SubclassHeader:
-    """A tensor subclass record: class (``module.QualName``), outer dtype/shape/strides, inner headers by name (in
-    :data:`SUBCLASSES` order), ``context`` (canonical JSON, see :func:`ckptverify.fingerprint.subclass.canonical`)."""
+    """A tensor subclass record: class (``module.QualName``), outer dtype/shape/strides, inner tensors by name (in
+    :data:`SUBCLASSES` order: a :class:`TensorHeader` each in a DCP item, a ``pickle_scan.TensorRef`` in a whole
+    file), ``context`` (canonical JSON, see :func:`ckptverify.fingerprint.subclass.canonical`)."""
 
     cls: str
     dtype: str
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    parts: tuple[tuple[str, TensorHeader], ...]
+    parts: tuple[tuple[str, Any], ...]
     context: str
 
     @property
     def short_name(self) -> str:
         return self.cls.rsplit(".", 1)[-1]
-
-    def context_dict(self) -> dict[str, Any]:
-        return json.loads(self.context)
 
 
 class _SubclassType(_Global):
@@ -488,18 +490,5 @@ class _ItemHeaderUnpickler(_TensorHeaderUnpickler):
 
 def item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
     """A tensor item's ``data.pkl``: a plain header or a :class:`SubclassHeader`; ``pickle.UnpicklingError`` otherwise.
-    """
-    if len(data_pkl) <= _CACHED_HEADER_BYTES:
-        return _item_header_cached(bytes(data_pkl))
-    return _item_header(data_pkl)
-
-
-@functools.lru_cache(maxsize=1024)
-def _item_header_cached(data_pkl: bytes) -> TensorHeader | SubclassHeader:
-    return _item_header(data_pkl)
-
-
-def _item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
-    if b"_rebuild_from_type_v2" not in data_pkl:
-        return _tensor_header(data_pkl)  # the plain record, through the plain allowlist
-    return _load_record(_ItemHeaderUnpickler(data_pkl), SubclassHeader)
+    A record naming no subclass rebuild goes through the plain allowlist."""
+    return _pkl_header(data_pkl, b"_rebuild_from_type_v2" in data_pkl)

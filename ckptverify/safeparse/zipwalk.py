@@ -67,6 +67,16 @@ class Archive:
         return None if n is None else self.records[n]
 
 
+def range_reader(f: Any, base: int = 0, length: int | None = None) -> Reader:
+    """The :data:`Reader` of bytes ``[base, base + length)`` of the opened file ``f`` (to its end by default)."""
+    length = f.size - base if length is None else length
+
+    def read(offset: int, n: int) -> bytes:
+        return f.pread(base + offset, max(0, min(n, length - offset))) if offset >= 0 else b""
+
+    return read
+
+
 def looks_like_zip(head: bytes) -> bool:
     return head[:4] == _LOCAL
 
@@ -200,8 +210,10 @@ def parse_archive(read: Reader, length: int, *, crc_fields: dict[str, list[int]]
     if cursor != cd_offset:
         raise ArchiveError("bytes between the last record and the central directory are unaccounted for",
                            min(cursor, cd_offset), max(cursor, cd_offset))
-    prefix = _common_prefix(records)
-    return Archive(tuple(records), prefix)
+    prefixes = {r.name.split("/", 1)[0] for r in records if "/" in r.name}
+    if len(prefixes) != 1 or any("/" not in r.name for r in records):
+        raise ArchiveError("records do not share one top-level folder as torch.save writes them", 0, 0)
+    return Archive(tuple(records), prefixes.pop())
 
 
 class ArchiveTemplate:
@@ -416,10 +428,3 @@ def _check_descriptor(read: Reader, at: int, name: str, crc: int, size: int) -> 
         if len(blob) >= 24 and struct.unpack_from("<IQQ", blob, 4) == (crc, size, size):
             return at + 24
     raise ArchiveError(f"data descriptor of {name!r} disagrees with the central directory", at, at + 16)
-
-
-def _common_prefix(records: list[Record]) -> str:
-    prefixes = {r.name.split("/", 1)[0] for r in records if "/" in r.name}
-    if len(prefixes) != 1 or any("/" not in r.name for r in records):
-        raise ArchiveError("records do not share one top-level folder as torch.save writes them", 0, 0)
-    return prefixes.pop()
