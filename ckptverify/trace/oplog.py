@@ -18,7 +18,7 @@ __all__ = ["OP_LOG_VERSION", "PHASES", "CommInfo", "OpArgument", "OpEvent", "OpK
            "op_log_path", "op_steps", "ops_dropped", "read_ops", "window_from_dict"]
 
 #: Op log format version; a file of any other version is refused rather than half read.
-OP_LOG_VERSION = 2
+OP_LOG_VERSION = 1
 
 MAX_ARGUMENT_NAME = 64
 MAX_ARGUMENT_TEXT = 80

@@ -36,7 +36,7 @@ __all__ = ["CATEGORIES", "DIGEST_ENCODINGS", "ENCODINGS", "KINDS", "LEVELS", "TR
            "Cell", "Site", "Trace", "TraceHeader", "TraceRow", "TraceWriter", "open_trace", "rank_store_path"]
 
 TRACE_SCHEMA = "ckptverify/trace"
-TRACE_SCHEMA_VERSION = 2
+TRACE_SCHEMA_VERSION = 1
 
 #: Recording levels, each including the previous one: ``comm`` adds every collective and point-to-point op,
 #: ``module`` every module's inputs, outputs and input gradients, ``op`` the op log of a window

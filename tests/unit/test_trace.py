@@ -80,12 +80,12 @@ def _train(run_dir: Path, level: str, *, steps: int = STEPS, lr_change_at: int |
 def test_header_round_trip_and_validation() -> None:
     h = TraceHeader(run="a", level="module", workload="w", rank=1, world_size=2, extra={"k": [1, 2]})
     assert TraceHeader.from_dict(h.to_dict()) == h
-    assert h.to_dict()["schema"] == "ckptverify/trace" and h.to_dict()["schema_version"] == 2
+    assert h.to_dict()["schema"] == "ckptverify/trace" and h.to_dict()["schema_version"] == 1
     assert h.differences(TraceHeader.from_dict({**h.to_dict(), "run": "b", "workload": "v"})) == ["workload"]
     with pytest.raises(ValueError, match="unknown trace level"):
         TraceHeader(run="a", level="everything")
     # Only the version this tool writes reads, with every field present.
-    for bad, match in (({**h.to_dict(), "schema_version": 1}, "schema version 1 is not one this tool reads"),
+    for bad, match in (({**h.to_dict(), "schema_version": 2}, "schema version 2 is not one this tool reads"),
                        ({k: v for k, v in h.to_dict().items() if k != "detail"}, "no detail")):
         with pytest.raises(CkptVerifyError, match=match):
             TraceHeader.from_dict(bad)
