@@ -66,6 +66,11 @@ class Group:
     rank: int = 0
     gather: Callable[[Any], list[Any]] | None = None
 
+    def share(self, make: Callable[[], Any]) -> Any:
+        """``make()`` as the coordinator computes it, on every rank."""
+        value = make() if self.coordinator else None
+        return value if self.broadcast is None else self.broadcast(value)
+
 
 def _initialized_dist() -> Any:
     """``torch.distributed`` when its default process group is up with more than one rank, else ``None``."""
@@ -168,8 +173,7 @@ class Verifier:
         root = os.fspath(path)
         if group.barrier is not None:
             group.barrier()  # every rank's files are written before any is read
-        verdict = None
-        earlier = None
+        mine = None
         fingerprint = self.fingerprint if fingerprint is None else fingerprint
         hosts = self._node_hosts(root, group)
         if hosts is not None and not group.coordinator:
@@ -179,14 +183,10 @@ class Verifier:
                 verdict = self._submit(root, step, fingerprint, parts=True)
             else:
                 verdict = self._dispatch(root, step, fingerprint)
-            earlier = self._take_unraised()
-        if self.background:
-            verdict, earlier = self._agree_pair(verdict, earlier, group)
-        else:
-            verdict = self._agree(verdict, group)
-        if earlier is not None:
-            raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
-                                         f"saved at {earlier.message}", earlier.report)
+            mine = [self._take_unraised(), verdict]
+        earlier, verdict = _agree(mine, group)
+        assert verdict is not None
+        _refuse_earlier(earlier)
         if not verdict.passed and not verdict.pending:
             if self.on_failure == "raise":
                 raise CheckpointRefusedError(f"checkpoint saved at {verdict.message}", verdict.report)
@@ -201,39 +201,29 @@ class Verifier:
         :class:`~ckptverify.errors.CheckpointRefusedError` for an unraised failure with ``on_failure="raise"``."""
         if not self.background:
             return []
-        arrived: list[Verification] | None = None
-        earlier = None
+        mine = None
         if group.coordinator:
             from ckptverify.verifier.background import default_verifier, exit_timeout
 
             limit = exit_timeout() if timeout is None else timeout
             with self._lock:
-                mine = list(self._pending)
-            if mine and not default_verifier().wait_for(mine, limit):
+                queued = list(self._pending)
+            if queued and not default_verifier().wait_for(queued, limit):
                 with self._lock:
-                    left = [p for p in self._pending if p in mine]
+                    left = [p for p in self._pending if p in queued]
                 if left:
                     self._cut_short(left, f"not verified within the {limit} s waited")
             with self._lock:
                 arrived, self._arrived_verdicts = self._arrived_verdicts, []
-            earlier = self._take_unraised()
+            mine = [self._take_unraised(), *arrived]
         elif group.gather is not None:
             # This rank may verify its node's part of a save shared out among nodes (verifier.parts).
             from ckptverify.verifier.background import exit_timeout, wait_for_verifications
 
             wait_for_verifications(exit_timeout() if timeout is None else timeout)
-        if group.broadcast is not None:
-            data = group.broadcast(None if arrived is None else
-                                   {"arrived": [v.to_dict() for v in arrived],
-                                    "earlier": None if earlier is None else earlier.to_dict()})
-            if arrived is None:
-                arrived = [Verification.from_dict(v) for v in data["arrived"]]
-                earlier = None if data["earlier"] is None else Verification.from_dict(data["earlier"])
-        assert arrived is not None
-        if earlier is not None:
-            raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
-                                         f"saved at {earlier.message}", earlier.report)
-        return arrived
+        earlier, *arrived = _agree(mine, group)
+        _refuse_earlier(earlier)
+        return arrived  # type: ignore[return-value]
 
     def pending(self) -> list[str]:
         """The checkpoints handed to the background verifier and not finished yet (on the coordinator)."""
@@ -272,12 +262,14 @@ class Verifier:
         or
         ``{event}-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
         root = os.fspath(path)
-        verdict = None
+        mine = None
         if group.coordinator:
             _await_background(root)
             verdict = self._verify_only(root)
             self._emit(root, f"{event}-verified" if verdict.passed else f"{event}-refused", verdict, group.rank)
-        verdict = self._agree(verdict, group)
+            mine = [verdict]
+        verdict = _agree(mine, group)[0]
+        assert verdict is not None
         if warn and not verdict.passed and group.coordinator:
             warnings.warn(f"{event}: {verdict.message}", VerifyFailedWarning, stacklevel=3)
         return verdict
@@ -442,30 +434,22 @@ class Verifier:
             warnings.warn(f"ckptverify could not append to {folder}/events.jsonl: {exc}",
                           VerifyFailedWarning, stacklevel=4)
 
-    @staticmethod
-    def _agree(verdict: Verification | None, group: Group) -> Verification:
-        if group.broadcast is None:
-            assert verdict is not None
-            return verdict
-        data = group.broadcast(None if verdict is None else verdict.to_dict())
-        if verdict is not None:
-            return verdict
-        return Verification.from_dict(data)
 
-    @staticmethod
-    def _agree_pair(verdict: Verification | None, earlier: Verification | None,
-                    group: Group) -> tuple[Verification, Verification | None]:
-        """The coordinator's verdict of this save and earlier failure, on every rank (one broadcast)."""
-        if group.broadcast is None:
-            assert verdict is not None
-            return verdict, earlier
-        mine = None if verdict is None else {"verdict": verdict.to_dict(),
-                                             "earlier": None if earlier is None else earlier.to_dict()}
-        data = group.broadcast(mine)
-        if verdict is not None:
-            return verdict, earlier
-        first = data["earlier"]
-        return Verification.from_dict(data["verdict"]), None if first is None else Verification.from_dict(first)
+def _agree(mine: list[Verification | None] | None, group: Group) -> list[Verification | None]:
+    """The coordinator's verdicts (``mine``; ``None`` elsewhere) on every rank, in one broadcast."""
+    if group.broadcast is not None:
+        data = group.broadcast(None if mine is None else [None if v is None else v.to_dict() for v in mine])
+        if mine is None:
+            return [None if v is None else Verification.from_dict(v) for v in data]
+    assert mine is not None
+    return mine
+
+
+def _refuse_earlier(earlier: Verification | None) -> None:
+    """Raise for a failure the background verifier found since the last call (``on_failure="raise"``)."""
+    if earlier is not None:
+        raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
+                                     f"saved at {earlier.message}", earlier.report)
 
 
 def warn_if_accumulating(model: Any, path: str | os.PathLike[str]) -> None:

@@ -122,11 +122,7 @@ def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Veri
         raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")
     folder = os.path.join(accelerator.project_dir, "checkpoints")
-    names = [n for _, n in numbered_folders(folder, _LAST_NUMBER.search, plain_folder)] \
-        if group.coordinator else None
-    if group.broadcast is not None:
-        names = group.broadcast(names)
-    assert names is not None
+    names = group.share(lambda: [n for _, n in numbered_folders(folder, _LAST_NUMBER.search, plain_folder)])
     verdict = verifier.newest_verified([os.path.join(folder, n) for n in names], folder, group=group)
     if verdict is None:
         raise CheckpointRefusedError(f"no checkpoint to load under {folder}")

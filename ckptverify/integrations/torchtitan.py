@@ -146,10 +146,7 @@ class VerifiedCheckpointManager(CheckpointManager):
         verifies."""
         folder = folder or self.folder
         group = torch_group()
-        steps = self._candidates(folder) if group.coordinator else None
-        if group.broadcast is not None:
-            steps = group.broadcast(steps)
-        assert steps is not None
+        steps = group.share(lambda: self._candidates(folder))
         ids = {self._create_checkpoint_id(step, folder): step for step in steps}
         verdict = self.verifier.newest_verified(list(ids), folder, group=group)
         if verdict is None:
