@@ -226,25 +226,24 @@ class BackgroundVerifier:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every submitted checkpoint is verified; ``True`` if so. On ``timeout``, warn and log
         ``checkpoint-cut-short`` for each unfinished one (they stay queued) and return ``False``."""
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        with self._waited_for(), self._cond:
-            while self._pending:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+        if self._wait_while(lambda: bool(self._pending), timeout):
+            return True
+        with self._cond:
             left = list(self._pending)
         if left:
             self._cut_short(left, timeout)
-            return False
-        return True
+        return not left
 
     def wait_for(self, paths: list[str] | set[str], timeout: float | None = None) -> bool:
         """Wait until none of ``paths`` is pending; ``False`` on ``timeout`` (nothing reported)."""
         wanted = {os.path.abspath(os.fspath(p)) for p in paths}
+        return self._wait_while(lambda: any(j.path in wanted for j in self._pending), timeout)
+
+    def _wait_while(self, busy: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait (hurrying the verifications) while ``busy()`` holds; ``False`` on ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         with self._waited_for(), self._cond:
-            while any(j.path in wanted for j in self._pending):
+            while busy():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -320,11 +319,14 @@ class BackgroundVerifier:
         try:
             self._report(job, result)
         finally:
-            with self._cond:  # only now: a wait that returns has seen the events written
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(job)
-                self._cond.notify_all()
+            self._done(job)  # only now: a wait that returns has seen the events written
         return result
+
+    def _done(self, job: _Job) -> None:
+        with self._cond:
+            with contextlib.suppress(ValueError):
+                self._pending.remove(job)
+            self._cond.notify_all()
 
     def _run_task(self, job: _Job, task: Task, jobs: int | None, background: bool) -> None:
         result: Any = None
@@ -346,15 +348,9 @@ class BackgroundVerifier:
         finally:
             job.lock.release()
         try:
-            task.done(result, why)
-        except Exception as exc:  # the task's own reporting must not stop the verifier
-            warnings.warn(f"reporting the verification of {job.path} failed: {type(exc).__name__}: {exc}",
-                          CkptVerifyWarning, stacklevel=2)
+            _guarded(f"reporting the verification of {job.path}", task.done, result, why)
         finally:
-            with self._cond:
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(job)
-                self._cond.notify_all()
+            self._done(job)
 
     def _take_lock(self, job: _Job) -> bool:
         """Hold the job's verifying lock, waiting while another holder (``watch``) has it; ``False`` if the checkpoint
@@ -373,13 +369,8 @@ class BackgroundVerifier:
 
         if not job.lock.held:
             # Someone else (``ckptverify watch``) is verifying it: wait for them, then take their current stamp.
-            while True:
-                try:
-                    if job.lock.acquire():
-                        break
-                except OSError:
-                    return _unverified(job, "deleted", "removed before it was verified")
-                time.sleep(_LOCK_POLL_SECONDS)
+            if not self._take_lock(job):
+                return _unverified(job, "deleted", "removed before it was verified")
             stamp = read_stamp(job.path)
             if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.deep):
                 job.lock.release()
@@ -431,22 +422,14 @@ class BackgroundVerifier:
         elif result.verdict == "unverified":
             warnings.warn(f"{result.describe()}; it carries no stamp and is verified when a resume picks it",
                           CkptVerifyWarning, stacklevel=2)
-        callback = job.options.on_verified
-        if callback is not None:
-            try:
-                callback(result)
-            except Exception as exc:  # a user's callback must not stop the verifier
-                warnings.warn(f"on_verified callback raised {type(exc).__name__}: {exc}", CkptVerifyWarning,
-                              stacklevel=2)
+        if job.options.on_verified is not None:
+            _guarded("the on_verified callback", job.options.on_verified, result)
 
     def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
         for job in left:
             if job.task is not None and job.task.cut_short is not None:
-                try:
-                    job.task.cut_short(f"not verified within the {timeout} s waited")
-                except Exception as exc:  # reporting must not stop the wait
-                    warnings.warn(f"reporting the cut-short verification of {job.path} failed: "
-                                  f"{type(exc).__name__}: {exc}", CkptVerifyWarning, stacklevel=2)
+                _guarded(f"reporting the cut-short verification of {job.path}", job.task.cut_short,
+                         f"not verified within the {timeout} s waited")
         left = [j for j in left if j.task is None or j.task.cut_short is None]
         if not left:
             return
@@ -465,6 +448,15 @@ class BackgroundVerifier:
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _guarded(what: str, call: Callable[..., Any], *args: Any) -> None:
+    """``call(*args)``: reporting code (a task's, a user's callback) that must not stop the verifier; a failure is a
+    warning."""
+    try:
+        call(*args)
+    except Exception as exc:
+        warnings.warn(f"{what} failed: {type(exc).__name__}: {exc}", CkptVerifyWarning, stacklevel=3)
 
 
 def _unverified(job: _Job, no_verdict: str, reason: str) -> Verification:
