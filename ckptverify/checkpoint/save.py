@@ -274,37 +274,12 @@ def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, 
             hosts: list[str] | None, rank: int) -> None:
     """Queue the committed checkpoint: on the coordinator (all, or the whole plus its node's part) and on each other
     node's lowest rank (its part)."""
-    from ckptverify.verifier.background import default_verifier
+    from ckptverify.verifier.background import default_verifier, submit_part
 
-    if hosts is None:
-        if coordinator:
-            default_verifier().submit(path, step=step, options=options)
-        return
-    from ckptverify.ownfiles.partsplan import nodes_of
-
-    nodes = nodes_of(hosts)
     if coordinator:
-        default_verifier().submit(path, step=step, options=options, parts=True)
-        return
-    node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
-    if rank != nodes[node][1][0]:
-        return
-    from ckptverify.verifier.background import Task
-    from ckptverify.verifier.jobs import VERIFY_PART
-
-    where = os.path.abspath(os.fspath(path))
-    task = Task(job=VERIFY_PART, args={"root": where, "node": node}, locked=False,
-                done=lambda result, why: _part_done(where, node, result, why))
-    default_verifier().submit(where, step=step, task=task)
-
-
-def _part_done(path: str, node: int, result: Any, why: str | None) -> None:
-    """A node's part ended: the coordinator reports the verdict; here only a part that wrote none is said."""
-    if result is not None and result.get("written"):
-        return
-    reason = why if result is None else result.get("why")
-    warnings.warn(f"node {node}'s part of the verification of {path} was not verified: {reason}; the "
-                  "coordinator leaves the checkpoint unverified", CkptVerifyWarning, stacklevel=2)
+        default_verifier().submit(path, step=step, options=options, parts=hosts is not None)
+    elif hosts is not None:
+        submit_part(path, step, hosts, rank)
 
 
 def _group_rank(process_group: Any, no_dist: bool) -> int:
@@ -400,21 +375,15 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
-    options = _verify_options("save", verify, on_verified, events)
-    step = _step(state_dict, path)
-    state_dict = _plain(state_dict, path)
-    writer_kw, save_kw = _split_kwargs(dcp_kwargs, SAVE_KWARGS)
-    no_dist = bool(save_kw.get("no_dist"))
-    _raise_earlier_failures(options, process_group, no_dist)
-    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
-    writer.node_hosts = hosts = _node_hosts(options, process_group, no_dist)
-    writer.node_deep = options.deep
+    options, step, state_dict, save_kw, no_dist, writer = _prepare(
+        "save", SAVE_KWARGS, state_dict, path, digest, block_bytes, fingerprint, thread_count, process_group, verify,
+        on_verified, events, dcp_kwargs)
     with warnings.catch_warnings():
         # Saving in a single process without a process group is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
              writer, path)
-    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist, hosts)
+    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist, writer.node_hosts)
     return writer.manifest if writer.is_coordinator else None
 
 
@@ -443,20 +412,33 @@ def async_save(
     """
     import torch.distributed.checkpoint as dcp
 
-    options = _verify_options("async_save", verify, on_verified, events)
-    step = _step(state_dict, path)
-    state_dict = _plain(state_dict, path)
-    writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS)
-    no_dist = bool(save_kw.get("no_dist"))
-    _raise_earlier_failures(options, process_group, no_dist)
-    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
-    writer.node_hosts = hosts = _node_hosts(options, process_group, no_dist)
-    writer.node_deep = options.deep
-    after = _after_upload(options, path, step, _coordinator(process_group, no_dist), hosts,
+    options, step, state_dict, save_kw, no_dist, writer = _prepare(
+        "async_save", ASYNC_SAVE_KWARGS, state_dict, path, digest, block_bytes, fingerprint, thread_count,
+        process_group, verify, on_verified, events, dcp_kwargs)
+    after = _after_upload(options, path, step, _coordinator(process_group, no_dist), writer.node_hosts,
                           _group_rank(process_group, no_dist))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         return _start_async(dcp, state_dict, writer, path, process_group, save_kw, after)
+
+
+def _prepare(where: str, allowed: frozenset[str], state_dict: Any, path: str | os.PathLike[str], digest: str,
+             block_bytes: int, fingerprint: bool, thread_count: int, process_group: Any, verify: VerifyOptions | str,
+             on_verified: Any, events: Any,
+             dcp_kwargs: dict[str, Any]) -> tuple[AfterSave, int | None, Any, dict[str, Any], bool, Any]:
+    """What :func:`save` and :func:`async_save` check and set up before writing (``allowed``: their DCP keywords):
+    options, step, the plain state dict, DCP's keywords, ``no_dist`` and the writer; an earlier failure raised first.
+    """
+    options = _verify_options(where, verify, on_verified, events)
+    step = _step(state_dict, path)
+    state_dict = _plain(state_dict, path)
+    writer_kw, save_kw = _split_kwargs(dcp_kwargs, allowed)
+    no_dist = bool(save_kw.get("no_dist"))
+    _raise_earlier_failures(options, process_group, no_dist)
+    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
+    writer.node_hosts = _node_hosts(options, process_group, no_dist)
+    writer.node_deep = options.deep
+    return options, step, state_dict, save_kw, no_dist, writer
 
 
 def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],

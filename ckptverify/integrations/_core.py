@@ -177,7 +177,9 @@ class Verifier:
         fingerprint = self.fingerprint if fingerprint is None else fingerprint
         hosts = self._node_hosts(root, group)
         if hosts is not None and not group.coordinator:
-            self._submit_part(root, step, hosts, group.rank)
+            from ckptverify.verifier.background import submit_part
+
+            submit_part(root, step, hosts, group.rank)
         if group.coordinator:
             if hosts is not None and self._plan(root, hosts, fingerprint, self.deep):
                 verdict = self._submit(root, step, fingerprint, parts=True)
@@ -312,26 +314,6 @@ class Verifier:
                           f"{exc}); rank 0 verifies it whole", CkptVerifyWarning, stacklevel=3)
             return False
         return True
-
-    def _submit_part(self, root: str, step: int | None, hosts: list[str], rank: int) -> None:
-        """On the lowest rank of a node other than the coordinator's: queue that node's part."""
-        from ckptverify.ownfiles.partsplan import nodes_of
-        from ckptverify.verifier.background import Task, default_verifier
-        from ckptverify.verifier.jobs import VERIFY_PART
-
-        nodes = nodes_of(hosts)
-        node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
-        if rank != nodes[node][1][0]:
-            return
-        where = os.path.abspath(root)
-
-        def done(result: Any, why: str | None) -> None:
-            if result is None or not result.get("written"):
-                warnings.warn(f"node {node}'s part of the verification of {root} was not verified: "
-                              f"{why if result is None else result.get('why')}", CkptVerifyWarning, stacklevel=2)
-
-        default_verifier().submit(where, step=step, task=Task(job=VERIFY_PART, args={"root": where, "node": node},
-                                                              done=done, locked=False))
 
     def _submit(self, root: str, step: int | None, fingerprint: Fingerprint, parts: bool = False) -> Verification:
         """Queue ``root`` for the background verifier (``parts``: shared among nodes)."""

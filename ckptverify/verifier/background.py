@@ -45,6 +45,7 @@ __all__ = [
     "default_verifier",
     "exit_timeout",
     "last_verification",
+    "submit_part",
     "wait_for_checkpoint",
     "wait_for_verifications",
 ]
@@ -491,6 +492,29 @@ def default_verifier() -> BackgroundVerifier:
                 atexit.register(_at_exit)
                 _atexit_registered = True
         return _default
+
+
+def submit_part(path: str | os.PathLike[str], step: int | None, hosts: list[str], rank: int) -> None:
+    """On the lowest rank of a node other than the coordinator's (else nothing): queue that node's part of a
+    verification shared out among nodes (:mod:`~ckptverify.verifier.parts`); the coordinator reports the verdict, so
+    only a part that wrote none is said (a warning)."""
+    from ckptverify.ownfiles.partsplan import nodes_of
+    from ckptverify.verifier.jobs import VERIFY_PART
+
+    nodes = nodes_of(hosts)
+    node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
+    if rank != nodes[node][1][0]:
+        return
+    where = os.path.abspath(os.fspath(path))
+
+    def done(result: Any, why: str | None) -> None:
+        if result is None or not result.get("written"):
+            warnings.warn(f"node {node}'s part of the verification of {where} was not verified: "
+                          f"{why if result is None else result.get('why')}; the coordinator leaves the checkpoint "
+                          "unverified", CkptVerifyWarning, stacklevel=2)
+
+    default_verifier().submit(where, step=step, task=Task(job=VERIFY_PART, args={"root": where, "node": node},
+                                                          done=done, locked=False))
 
 
 def last_verification() -> Verification | None:
