@@ -572,8 +572,7 @@ def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, l
     BASE and CHANGED are FILE.py:FUNC training functions following the Run protocol (as resume-check's TARGET).
     Runs BASE, REPEATS control runs of BASE and CHANGED, each from scratch in fresh processes, traced, and
     judges: no-effect (exit 0), effect (the controls agree, CHANGED differs: the op where the change enters;
-    exit 1), within-variation (exit 0) or beyond-variation (exit 1) for a nondeterministic BASE. Exit 2: could
-    not run.
+    exit 1), within-variation (exit 0) or beyond-variation (exit 1) for a nondeterministic BASE. Exit 2: could not run.
     """
     from ckptverify.render.resume import render_compare
     from ckptverify.resume.change import ChangePlan, compare_change
@@ -750,8 +749,7 @@ def _launched() -> bool:
 
 
 def _render_ranks(report: Any, console: Any) -> None:
-    """One line per rank (the three that read most and a summary past eight) with the bytes it read, and the
-    balance."""
+    """One line per rank (the three that read most and a summary past eight) with the bytes it read, and the balance."""
     from ckptverify.render.report import human_bytes
 
     def say(text: str) -> None:

@@ -447,8 +447,7 @@ def warn_if_accumulating(model: Any, path: str | os.PathLike[str]) -> None:
 def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
                      keep: Callable[[str], bool]) -> list[tuple[int, str]]:
     """``(N, name)`` of ``root``'s entries ``number`` matches (group 1: ``N``) and ``keep`` accepts, newest first; none
-    if
-    unlistable."""
+    if unlistable."""
     try:
         names = os.listdir(root)
     except OSError:
