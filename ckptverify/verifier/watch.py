@@ -25,7 +25,7 @@ from ckptverify.runs.stamp import files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
 from ckptverify.verifier.stamper import GONE, SETTLE_SECONDS, committed, unmoved, verify_and_stamp
 
-__all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch", "watch_pass"]
+__all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch"]
 
 #: A format without commit marker is finished once its files stayed unchanged this long.
 QUIET_SECONDS = 5.0
@@ -249,7 +249,10 @@ def _count(state: RunState, event: str, step: int | None, stamped: bool = True) 
 
 def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: float,
           known: dict[str, _Known] | None, retry: float) -> tuple[list[dict[str, Any]], RunState]:
-    """One pass (see :func:`watch_pass`); ``known``: unstamped verdicts and errors remembered across passes."""
+    """One pass: verify and stamp every finished, unstamped (or stale) checkpoint; report failed stamps. One result per
+    checkpoint acted on: ``verified``, ``failed``, ``deleted``, ``changed`` or ``error``; ``verified``/``failed`` carry
+    ``stamped`` (``false`` with ``stamp_error`` when unwritable; the verdict stands). ``known``: unstamped verdicts and
+    errors remembered across passes."""
     out: list[dict[str, Any]] = []
     state = RunState()
     seen: set[str] = set()
@@ -294,16 +297,6 @@ def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: floa
         for gone in set(known) - seen:
             del known[gone]
     return out, state
-
-
-def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
-               settle: float = SETTLE_SECONDS, quiet: float = QUIET_SECONDS) -> list[dict[str, Any]]:
-    """One pass: verify and stamp every finished, unstamped (or stale) checkpoint; report failed stamps.
-
-    Returns one result per checkpoint acted on: ``verified``, ``failed``, ``deleted``, ``changed`` or ``error``;
-    ``verified``/``failed`` carry ``stamped`` (``false`` with ``stamp_error`` when unwritable; the verdict stands).
-    """
-    return _pass(os.fspath(run_dir), jobs=jobs, deep=deep, settle=settle, quiet=quiet, known=None, retry=0.0)[0]
 
 
 def _check_output(path: str, what: str) -> None:
