@@ -24,38 +24,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _RichProgress:
-    """Byte progress bar on a terminal (stderr), for the library's ``ProgressSink``."""
+    """The library's ``ProgressSink`` as a task of a rich ``Progress`` bar."""
 
-    def __init__(self, description: str) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        self._progress = Progress(
-            "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=Console(stderr=True), transient=True,
-        )
-        self._description = description
-        self._task: Any = None
-
-    def __enter__(self) -> _RichProgress:
-        self._progress.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.__exit__(None, None, None)
+    def __init__(self, bar: Any, description: str) -> None:
+        self._bar, self._description, self._task = bar, description, None
 
     def start(self, total_bytes: int) -> None:
-        self._task = self._progress.add_task(self._description, total=total_bytes)
+        self._task = self._bar.add_task(self._description, total=total_bytes)
 
     def advance(self, n: int) -> None:
         if self._task is not None:
-            self._progress.advance(self._task, n)
+            self._bar.advance(self._task, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -678,10 +657,14 @@ def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Ca
 def _with_progress(call: Any, progress: _Progress, json_out: bool, command: str, target: str) -> Any:
     """``call(bar)`` with a byte progress bar on stderr when progress is wanted (else ``None``), or exit 2."""
     try:
-        if progress.wanted(json_out):
-            with _RichProgress(command) as bar:
-                return call(bar)
-        return call(None)
+        if not progress.wanted(json_out):
+            return call(None)
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+            return call(_RichProgress(bar, command))
     except CkptVerifyError as exc:
         fail(command, target, exc, json_out)
 
