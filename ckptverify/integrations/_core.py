@@ -142,16 +142,13 @@ class Verifier:
         from ckptverify.state.train_state import watch_optimizer_steps
 
         watch_optimizer_steps()  # from now on a save can tell accumulated gradients from a step's
-        background, deep = options.when == "background", options.deep
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
-        self.verify = options
-        self.on_failure = options.on_failure
         if fingerprint not in (True, False, "auto"):
             raise UsageError(f"fingerprint must be True, False or 'auto', got {fingerprint!r}")
+        self.verify, self.on_failure, self.deep = options, options.on_failure, bool(options.deep)
+        self.background = options.when == "background"
         self.fingerprint: Fingerprint = fingerprint
-        self.background = background
-        self.deep = bool(deep)
         self.jobs = jobs
         self.events_dir = None if events_dir is None else os.fspath(events_dir)
         # Coordinator's background state (pending, arrived, unraised failures), filled from the verifier thread.
@@ -159,9 +156,6 @@ class Verifier:
         self._pending: list[str] = []
         self._arrived_verdicts: list[Verification] = []
         self._unraised: list[Verification] = []
-        # The one place a saved checkpoint is handed over: verified now, or queued for the background verifier.
-        self._dispatch: Callable[[str, int | None, Fingerprint], Verification] = \
-            self._submit if background else self._check_saved
 
     # -- the entry points
     def after_save(self, path: str | os.PathLike[str], *, step: int | None = None, group: Group = Group(),
@@ -183,8 +177,8 @@ class Verifier:
         if group.coordinator:
             if hosts is not None and self._plan(root, hosts, fingerprint, self.deep):
                 verdict = self._submit(root, step, fingerprint, parts=True)
-            else:
-                verdict = self._dispatch(root, step, fingerprint)
+            else:  # verified now, or queued for the background verifier
+                verdict = (self._submit if self.background else self._check_saved)(root, step, fingerprint)
             mine = [self._take_unraised(), verdict]
         earlier, verdict = _agree(mine, group)
         assert verdict is not None
