@@ -243,7 +243,7 @@ def _raise(verification: dict[str, Any] | None) -> None:
 def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: bool) -> None:
     """With ``on_failure="raise"``: raise on every rank an earlier save's verification failure (broadcast from the
     coordinator) before anything is written."""
-    if options.on_failure != "raise":
+    if options.verify.on_failure != "raise":
         return
     first = None
     if _coordinator(process_group, no_dist):
@@ -257,7 +257,7 @@ def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: boo
 def _node_hosts(options: AfterSave, process_group: Any, no_dist: bool) -> list[str] | None:
     """Node of each group rank when background verification is shared among nodes (more than one node), else ``None``.
     Every rank calls it (one small collective)."""
-    if options.mode != "background" or no_dist:
+    if options.verify.when != "background" or no_dist:
         return None
     import torch.distributed as dist
 
@@ -293,15 +293,15 @@ def _group_rank(process_group: Any, no_dist: bool) -> int:
 def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
                       process_group: Any, no_dist: bool, hosts: list[str] | None = None) -> None:
     """After a synchronous save committed: queue it, or verify now (and with ``raise``, raise on every rank)."""
-    if options.mode == "off":
+    if options.verify.when == "off":
         return
     from ckptverify.verifier.background import default_verifier
 
-    if options.mode == "background":
+    if options.verify.when == "background":
         _submit(options, path, step, coordinator, hosts, _group_rank(process_group, no_dist))
         return
     result = default_verifier().verify_now(path, step=step, options=options) if coordinator else None
-    if options.on_failure == "raise":
+    if options.verify.on_failure == "raise":
         failed = result.to_dict() if result is not None and result.verdict == "failed" else None
         failed = _broadcast(failed, process_group, no_dist)
         if failed is not None:
@@ -315,11 +315,11 @@ def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | 
                   coordinator: bool, hosts: list[str] | None = None, rank: int = 0) -> Callable[[], None] | None:
     """After an async upload committed: queue or verify before the future completes; a ``raise`` failure is raised by
     the next save."""
-    if options.mode == "off" or (not coordinator and hosts is None):
+    if options.verify.when == "off" or (not coordinator and hosts is None):
         return None
     from ckptverify.verifier.background import default_verifier
 
-    if options.mode == "background":
+    if options.verify.when == "background":
         return lambda: _submit(options, path, step, coordinator, hosts, rank)
     if not coordinator:
         return None
@@ -437,7 +437,7 @@ def _prepare(where: str, allowed: frozenset[str], state_dict: Any, path: str | o
     _raise_earlier_failures(options, process_group, no_dist)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
     writer.node_hosts = _node_hosts(options, process_group, no_dist)
-    writer.node_deep = options.deep
+    writer.node_deep = options.verify.deep
     return options, step, state_dict, save_kw, no_dist, writer
 
 

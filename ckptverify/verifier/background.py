@@ -80,19 +80,6 @@ class AfterSave:
         if self.on_verified is not None and not callable(self.on_verified):
             raise UsageError(f"on_verified must be callable, got {type(self.on_verified).__name__}")
 
-    @property
-    def mode(self) -> str:
-        """``"off"``, ``"background"`` or ``"inline"``: the options' ``when``."""
-        return self.verify.when
-
-    @property
-    def deep(self) -> bool:
-        return self.verify.deep
-
-    @property
-    def on_failure(self) -> str:
-        return self.verify.on_failure
-
     def event_log(self) -> Any:
         """The event log to append to, or ``None``."""
         if self.events is None or hasattr(self.events, "emit"):
@@ -315,7 +302,7 @@ class BackgroundVerifier:
             result = _unverified(job, "error", f"the verification itself failed: {type(exc).__name__}: {exc}")
         with self._cond:
             self._last = result
-            if result.verdict == "failed" and job.options.on_failure == "raise" and job.deliver_later:
+            if result.verdict == "failed" and job.options.verify.on_failure == "raise" and job.deliver_later:
                 self._unraised.append(result)
         try:
             self._report(job, result)
@@ -373,14 +360,14 @@ class BackgroundVerifier:
             if not self._take_lock(job):
                 return _unverified(job, "deleted", "removed before it was verified")
             stamp = read_stamp(job.path)
-            if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.deep):
+            if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.verify.deep):
                 job.lock.release()
                 return from_stamp(job.path, job.step, stamp.data)
         if self.before_verify is not None:
             self.before_verify(job.path)
         if background and self.isolation == "process":
             try:
-                return self._child.verify(job.path, job.step, job.options.deep, jobs or 1, self.settle,
+                return self._child.verify(job.path, job.step, job.options.verify.deep, jobs or 1, self.settle,
                                           throttle=self._throttled, urgent=self._urgent, parts=job.parts)
             finally:
                 job.lock.release()
@@ -396,11 +383,11 @@ class BackgroundVerifier:
                 from ckptverify.verifier.parts import stamp_parts_locked
 
                 try:
-                    return stamp_parts_locked(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
+                    return stamp_parts_locked(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep,
                                               settle=self.settle, throttle=throttle)
                 finally:
                     job.lock.release()
-            return verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
+            return verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep,
                                     settle=self.settle, lock=job.lock, throttle=throttle)
         finally:
             if throttle is not None:
@@ -461,7 +448,7 @@ def _guarded(what: str, call: Callable[..., Any], *args: Any) -> None:
 
 
 def _unverified(job: _Job, no_verdict: str, reason: str) -> Verification:
-    return unverified(job.path, job.step, no_verdict, reason, deep=job.options.deep)
+    return unverified(job.path, job.step, no_verdict, reason, deep=job.options.verify.deep)
 
 
 def _emit(log: Any, event: str, result: Verification) -> None:
