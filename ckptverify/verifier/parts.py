@@ -2,8 +2,9 @@
 (still in its page cache), and one stamp is written once every part reports (``docs/verify-after-save.md``).
 
 Ranks exchange node names before the save (one node: nothing here happens). As the save commits the coordinator
-writes the plan (:func:`make_plan`: per node its host, ranks and files). Each other node's lowest rank runs a
-part (:func:`part_job`): byte-level checks of its files only, verdict written beside the plan. The coordinator
+writes the plan (:func:`~ckptverify.ownfiles.partsplan.make_plan`: per node its host, ranks and files). Each other
+node's lowest rank runs a part (:func:`part_job`): byte-level checks of its files only, verdict written beside the
+plan. The coordinator
 checks the whole checkpoint and its node's files, waits for the parts (:func:`stamp_parts_locked`, up to
 :func:`part_timeout`), and stamps: passed if all passed; failed with a ``node-part-failed`` error per failed part;
 **unverified** naming nodes that never reported. With ``deep`` the coordinator judges all parts' tensor pieces
@@ -21,18 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
-from ckptverify.ownfiles.partsplan import (
-    PLAN_SCHEMA,
-    dcp_folders,
-    make_plan,
-    part_verdict_path,
-    read_json,
-    read_plan,
-    write_plan,
-)
+from ckptverify.ownfiles.partsplan import dcp_folders, part_verdict_path, read_json, read_plan
 
-__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "PLAN_SCHEMA", "make_plan", "node_name", "part_job",
-           "part_timeout", "part_verdict_path", "read_plan", "stamp_parts_locked", "write_plan"]
+__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "node_name", "part_job", "part_timeout",
+           "stamp_parts_locked"]
 
 PART_SCHEMA = "ckptverify/part"
 #: The node a rank runs on, when its host name does not say it (a container per rank; a test hook that
