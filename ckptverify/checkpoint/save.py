@@ -360,7 +360,7 @@ def save(
             every byte; :mod:`ckptverify.options.verify`). ``on_failure="raise"`` raises
             :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when inline, else from the
             next save called with ``"raise"``.
-        on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (coordinator).
+        on_verified: called with every :class:`~ckptverify.verifier.verification.Verification` (coordinator).
         events: an :class:`~ckptverify.ownfiles.events.EventLog` or run directory for ``events.jsonl``.
         **dcp_kwargs: ``FileSystemWriter`` options and ``dcp.save`` options (``planner``, ``no_dist``,
             ``use_collectives``).

@@ -46,8 +46,8 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, unverified
 
-__all__ = ["WHEN", "Group", "Verifier", "VerifyOptions", "check_saved", "integration_verify",
-           "numbered_folders", "plain_folder", "settle_verdicts", "torch_gather", "torch_group"]
+__all__ = ["WHEN", "Group", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts",
+           "torch_gather", "torch_group"]
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")

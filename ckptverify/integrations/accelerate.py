@@ -28,14 +28,13 @@ from ckptverify.integrations._core import (
     Fingerprint,
     Group,
     Verifier,
-    VerifyOptions,
     integration_verify,
     numbered_folders,
     plain_folder,
     torch_gather,
     warn_if_accumulating,
 )
-from ckptverify.options import verify_options
+from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["load_state", "save_state", "wait_for_verifications"]

@@ -30,12 +30,11 @@ from ckptverify.errors import UsageError
 from ckptverify.integrations._core import (
     WHEN,
     Verifier,
-    VerifyOptions,
     numbered_folders,
     settle_verdicts,
     torch_group,
 )
-from ckptverify.options import failure_policy
+from ckptverify.options import VerifyOptions, failure_policy
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifiedCheckpointManager"]

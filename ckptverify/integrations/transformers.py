@@ -28,7 +28,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ckptverify.integrations._core import (
     Fingerprint,
     Verifier,
-    VerifyOptions,
     integration_verify,
     numbered_folders,
     plain_folder,
@@ -36,6 +35,7 @@ from ckptverify.integrations._core import (
     torch_group,
     warn_if_accumulating,
 )
+from ckptverify.options import VerifyOptions
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]

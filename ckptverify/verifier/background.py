@@ -41,7 +41,6 @@ __all__ = [
     "AfterSave",
     "BackgroundVerifier",
     "Task",
-    "Verification",
     "default_verifier",
     "exit_timeout",
     "last_verification",

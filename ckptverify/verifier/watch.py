@@ -21,9 +21,9 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
-from ckptverify.runs.stamp import files_fingerprint, read_stamp
+from ckptverify.runs.stamp import committed, files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
-from ckptverify.verifier.stamper import GONE, SETTLE_SECONDS, committed, unmoved, verify_and_stamp
+from ckptverify.verifier.stamper import GONE, SETTLE_SECONDS, unmoved, verify_and_stamp
 
 __all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch"]
 

@@ -20,9 +20,10 @@ from helpers import faults as inj
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main
+from ckptverify.ownfiles.names import STAMP_FILE, VERIFYING_LOCK
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.prune import prune
-from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp, write_stamp
+from ckptverify.runs.stamp import read_stamp, write_stamp
 from ckptverify.verifier.watch import watch
 
 
