@@ -24,38 +24,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _RichProgress:
-    """Byte progress bar on a terminal (stderr), for the library's ``ProgressSink``."""
+    """The library's ``ProgressSink`` as a task of a rich ``Progress`` bar."""
 
-    def __init__(self, description: str) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        self._progress = Progress(
-            "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=Console(stderr=True), transient=True,
-        )
-        self._description = description
-        self._task: Any = None
-
-    def __enter__(self) -> _RichProgress:
-        self._progress.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.__exit__(None, None, None)
+    def __init__(self, bar: Any, description: str) -> None:
+        self._bar, self._description, self._task = bar, description, None
 
     def start(self, total_bytes: int) -> None:
-        self._task = self._progress.add_task(self._description, total=total_bytes)
+        self._task = self._bar.add_task(self._description, total=total_bytes)
 
     def advance(self, n: int) -> None:
         if self._task is not None:
-            self._progress.advance(self._task, n)
+            self._bar.advance(self._task, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,8 +551,7 @@ def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, l
     BASE and CHANGED are FILE.py:FUNC training functions following the Run protocol (as resume-check's TARGET).
     Runs BASE, REPEATS control runs of BASE and CHANGED, each from scratch in fresh processes, traced, and
     judges: no-effect (exit 0), effect (the controls agree, CHANGED differs: the op where the change enters;
-    exit 1), within-variation (exit 0) or beyond-variation (exit 1) for a nondeterministic BASE. Exit 2: could
-    not run.
+    exit 1), within-variation (exit 0) or beyond-variation (exit 1) for a nondeterministic BASE. Exit 2: could not run.
     """
     from ckptverify.render.resume import render_compare
     from ckptverify.resume.change import ChangePlan, compare_change
@@ -679,10 +657,14 @@ def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Ca
 def _with_progress(call: Any, progress: _Progress, json_out: bool, command: str, target: str) -> Any:
     """``call(bar)`` with a byte progress bar on stderr when progress is wanted (else ``None``), or exit 2."""
     try:
-        if progress.wanted(json_out):
-            with _RichProgress(command) as bar:
-                return call(bar)
-        return call(None)
+        if not progress.wanted(json_out):
+            return call(None)
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+            return call(_RichProgress(bar, command))
     except CkptVerifyError as exc:
         fail(command, target, exc, json_out)
 
@@ -750,8 +732,7 @@ def _launched() -> bool:
 
 
 def _render_ranks(report: Any, console: Any) -> None:
-    """One line per rank (the three that read most and a summary past eight) with the bytes it read, and the
-    balance."""
+    """One line per rank (the three that read most and a summary past eight) with the bytes it read, and the balance."""
     from ckptverify.render.report import human_bytes
 
     def say(text: str) -> None:

@@ -111,7 +111,7 @@ class VerifyFailedError(CkptVerifyError):
     """A checkpoint saved with ``verify=`` and ``VerifyOptions(on_failure="raise")`` failed its verification.
 
     Raised by the save that learns of it (see ``docs/verify-after-save.md``); ``verification`` is the
-    :class:`~ckptverify.verifier.background.Verification` of the checkpoint that failed.
+    :class:`~ckptverify.verifier.verification.Verification` of the checkpoint that failed.
     """
 
     exit_code = 1

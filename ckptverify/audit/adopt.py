@@ -29,7 +29,7 @@ from ckptverify.audit.verify import (
 from ckptverify.checks import deep as deep_check
 from ckptverify.checks.dcp_pipeline import KEEP_FILE_BYTES, KEEP_TOTAL_BYTES
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, FileChangedError, PartsOverlapError, UsageError
-from ckptverify.findings import CheckCoverage, Location, Report, error, info, merge_coverage, merge_reports
+from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, merge_reports
 from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.formats.describe import StoredRange
 from ckptverify.ownfiles.manifest import (
@@ -194,10 +194,7 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
                           "(e.g. safetensors format) and carry no logical fingerprint; their bytes are digested",
                           location=Location(file=MANIFEST_FILE)))
     coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(entries), unit="items"))
-    if uncheckable:
-        notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
-                          f"could check: {len(uncheckable)} uncheckable finding(s) above",
-                          location=Location(file=MANIFEST_FILE)))
+    notes.extend(_trusted(uncheckable, MANIFEST_FILE))
     findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
     return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
                   stats=checked.stats), manifest
@@ -640,6 +637,13 @@ def _refused(checked: Report, findings: list[Any], why: str) -> Report:
                   coverage=checked.coverage, stats=checked.stats)
 
 
+def _trusted(uncheckable: list[Any], where: str) -> list[Finding]:
+    """The note that content nothing could check was adopted as asked (none when there is none)."""
+    return [info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing could check: "
+                 f"{len(uncheckable)} uncheckable finding(s) above", location=Location(file=where))] if uncheckable \
+        else []
+
+
 def _metadata_entry(root: str, name: str, algorithm: str) -> FileEntry:
     """Size and digest of a metadata file, opened as a regular file inside the checkpoint only."""
     from ckptverify.fingerprint import digest_reader
@@ -700,10 +704,7 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
                   f"{len(tensors) - missing} of {len(tensors)} tensors fingerprinted"
                   + (f", and a manifest in each of {len(parts)} DCP part(s)" if parts else ""),
                   location=Location(file=own))]
-    if uncheckable:
-        notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
-                          f"could check: {len(uncheckable)} uncheckable finding(s) above",
-                          location=Location(file=own)))
+    notes.extend(_trusted(uncheckable, own))
     coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(files), unit="files"),
                 CheckCoverage(check="fingerprint", count=len(tensors) - missing, unit="tensors"))
     stats = {**checked.stats, "seconds": round(time.perf_counter() - started, 6)}
@@ -855,10 +856,7 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list
         note += (f"; none in {', '.join(unwritten)}: their shards, under CRC-32, were verified on the nodes that "
                  "wrote them")
     notes = [info("manifest-written", note, location=Location(file=MANIFEST_FILE))]
-    if uncheckable:
-        notes.append(info("fingerprint-trusted", f"adopted, as asked (--trust-uncheckable), content that nothing "
-                          f"could check: {len(uncheckable)} uncheckable finding(s) above",
-                          location=Location(file=MANIFEST_FILE)))
+    notes.extend(_trusted(uncheckable, MANIFEST_FILE))
     coverage = (*checked.coverage, CheckCoverage(check="manifest-digest", count=len(manifest.files), unit="files"),
                 CheckCoverage(check="fingerprint", count=len(manifest.tensors) - missing, unit="tensors"))
     return result((*checked.findings, *notes), coverage), manifest, unwritten

@@ -268,7 +268,9 @@ class _Side:
         return read_parts(self.desc, name)
 
     def load(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
+        from ckptverify.formats.describe import read_tensor
+
+        return read_tensor(self.desc, name)
 
     def changed(self) -> list[Finding]:
         return []
@@ -345,10 +347,6 @@ class _DescribedSide(_Side):
         return rebuilt_fingerprints(self.desc, names - self.damaged, _serial_map, view_limit=None,
                                     stop_on_change=False)
 
-    def load(self, name: str) -> torch.Tensor:
-        from ckptverify.formats.describe import read_tensor
-
-        return read_tensor(self.desc, name)
 
 
 def _serial_map(fn: Any, items: list[Any]) -> list[Any]:
@@ -439,11 +437,6 @@ class _DcpSide(_Side):
         out = {n: self.saved[n] for n in wanted if n in self.saved}
         out.update(rebuilt_fingerprints(self.desc, wanted - set(out), self.run.map))
         return out
-
-    def load(self, name: str) -> torch.Tensor:
-        from ckptverify.formats.describe import read_tensor
-
-        return read_tensor(self.desc, name)
 
     def changed(self) -> list[Finding]:
         return self.run.changed_files()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import (
@@ -56,19 +57,15 @@ def _verify_on_coordinator(path: str, deep: bool, full: bool = True) -> None:
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.checks.commit import check_commit
 
-    dist = _dist()
     report = None
-    if dist is None or dist.get_rank() == 0:
-        if full:
-            report = verify_checkpoint(path, deep=deep)
-        else:
-            report = Report(command="load", target=path, findings=tuple(check_commit(path)))
-    if dist is not None:
-        box = [None if report is None else [f.to_dict() for f in report.errors]]
-        dist.broadcast_object_list(box, src=0)
-        errors = box[0]
-    else:
-        errors = [f.to_dict() for f in report.errors]  # type: ignore[union-attr]
+
+    def errors_of() -> list[dict[str, Any]]:
+        nonlocal report
+        report = verify_checkpoint(path, deep=deep) if full else \
+            Report(command="load", target=path, findings=tuple(check_commit(path)))
+        return [f.to_dict() for f in report.errors]
+
+    errors = _on_coordinator(errors_of)
     if errors:
         first = errors[0]
         where = ", ".join(f"{k}={v}" for k, v in first.get("location", {}).items())
@@ -79,20 +76,26 @@ def _verify_on_coordinator(path: str, deep: bool, full: bool = True) -> None:
         )
 
 
-def _private_copy(obj: Any) -> Any:
-    """``obj`` with containers and tensors copied (detached, same device and DTensor layout): DCP loads into the copy.
-    """
+def _rebuild(obj: Any, tensor: Callable[[Any], Any], leaf: Callable[[Any], Any] = lambda o: o) -> Any:
+    """``obj`` with its containers (dicts, lists, plain tuples) copied, each tensor as ``tensor(t)`` and every other
+    leaf as ``leaf(o)``."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return tensor(obj)
     if isinstance(obj, dict):
-        return type(obj)((k, _private_copy(v)) for k, v in obj.items())  # dict, OrderedDict
+        return type(obj)((k, _rebuild(v, tensor, leaf)) for k, v in obj.items())  # dict, OrderedDict
     if isinstance(obj, list):
-        return [_private_copy(v) for v in obj]
+        return [_rebuild(v, tensor, leaf) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_private_copy(v) for v in obj)
-    return obj
+        return tuple(_rebuild(v, tensor, leaf) for v in obj)
+    return leaf(obj)
+
+
+def _private_copy(obj: Any) -> Any:
+    """``obj`` with containers and tensors copied (detached, same device and DTensor layout): DCP loads into the copy.
+    """
+    return _rebuild(obj, lambda t: t.detach().clone())
 
 
 def _load_template(sd: Any) -> Any:
@@ -114,17 +117,7 @@ def _in_place(t: Any) -> bool:
 
 def _containers_copy(obj: Any) -> Any:
     """``obj`` with containers copied, plain tensors shared, subclasses privately copied, other leaves shared."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj if _in_place(obj) else _private_copy(obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _containers_copy(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_containers_copy(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_containers_copy(v) for v in obj)
-    return obj
+    return _rebuild(obj, lambda t: t if _in_place(t) else t.detach().clone())
 
 
 def _to_host(t: Any) -> Any:
@@ -243,20 +236,19 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
     from ckptverify.runs.latest import Latest, latest_verified
 
     root = os.fspath(run_dir)
-    dist = _dist()
     found: Latest | None = None
-    box: list[Any] = [None]
-    if dist is None or dist.get_rank() == 0:
+
+    def pick() -> dict[str, Any]:
+        nonlocal found
         try:
             # What load restores: a DCP checkpoint holding a TrainState (a weights-only export is passed over).
             # Stamps trusted: the load proves the bytes as it reads them, and moves on from a pick that fails.
             found = latest_verified(root, formats={"dcp"}, train_state=True, trust_stamps=True)
-            box[0] = found.to_dict()
+            return found.to_dict()
         except CheckpointNotFoundError as exc:
-            box[0] = {"error": str(exc)}
-    if dist is not None and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    data = box[0]
+            return {"error": str(exc)}
+
+    data = _on_coordinator(pick)
     if "error" in data:
         raise CheckpointNotFoundError(data["error"])
     if found is not None:
@@ -376,20 +368,15 @@ def _stamp_failed(root: str, report: Report, fingerprint: str | None, step: int 
     dist = _dist()
     if dist is not None and dist.get_rank() != 0:
         return
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
     from ckptverify.runs.stamp import write_stamp
 
     verdict = Report(command="verify", target=root, findings=report.findings,
-                     stats={"manifest": paths.exists(os.path.join(root, _manifest_name())), "checked_by": "load"})
+                     stats={"manifest": paths.exists(os.path.join(root, MANIFEST_FILE)), "checked_by": "load"})
     try:
         write_stamp(root, verdict, step=step, fingerprint=fingerprint)
     except OSError as exc:
         _log.warning("could not write the failed stamp of %s: %s", root, exc)
-
-
-def _manifest_name() -> str:
-    from ckptverify.ownfiles.manifest import MANIFEST_FILE
-
-    return MANIFEST_FILE
 
 
 def _read_manifest_for_load(root: str) -> Any:
@@ -534,17 +521,7 @@ def _deepcopy_but_tensors(obj: Any) -> Any:
     """``obj`` with containers copied, tensors shared and every other leaf deep-copied."""
     import copy
 
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _deepcopy_but_tensors(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_deepcopy_but_tensors(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_deepcopy_but_tensors(v) for v in obj)
-    return copy.deepcopy(obj)
+    return _rebuild(obj, lambda t: t, copy.deepcopy)
 
 
 def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> None:

@@ -243,7 +243,7 @@ def _raise(verification: dict[str, Any] | None) -> None:
 def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: bool) -> None:
     """With ``on_failure="raise"``: raise on every rank an earlier save's verification failure (broadcast from the
     coordinator) before anything is written."""
-    if options.on_failure != "raise":
+    if options.verify.on_failure != "raise":
         return
     first = None
     if _coordinator(process_group, no_dist):
@@ -257,7 +257,7 @@ def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: boo
 def _node_hosts(options: AfterSave, process_group: Any, no_dist: bool) -> list[str] | None:
     """Node of each group rank when background verification is shared among nodes (more than one node), else ``None``.
     Every rank calls it (one small collective)."""
-    if options.mode != "background" or no_dist:
+    if options.verify.when != "background" or no_dist:
         return None
     import torch.distributed as dist
 
@@ -274,37 +274,12 @@ def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, 
             hosts: list[str] | None, rank: int) -> None:
     """Queue the committed checkpoint: on the coordinator (all, or the whole plus its node's part) and on each other
     node's lowest rank (its part)."""
-    from ckptverify.verifier.background import default_verifier
+    from ckptverify.verifier.background import default_verifier, submit_part
 
-    if hosts is None:
-        if coordinator:
-            default_verifier().submit(path, step=step, options=options)
-        return
-    from ckptverify.ownfiles.partsplan import nodes_of
-
-    nodes = nodes_of(hosts)
     if coordinator:
-        default_verifier().submit(path, step=step, options=options, parts=True)
-        return
-    node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
-    if rank != nodes[node][1][0]:
-        return
-    from ckptverify.verifier.background import Task
-    from ckptverify.verifier.jobs import VERIFY_PART
-
-    where = os.path.abspath(os.fspath(path))
-    task = Task(job=VERIFY_PART, args={"root": where, "node": node}, locked=False,
-                done=lambda result, why: _part_done(where, node, result, why))
-    default_verifier().submit(where, step=step, task=task)
-
-
-def _part_done(path: str, node: int, result: Any, why: str | None) -> None:
-    """A node's part ended: the coordinator reports the verdict; here only a part that wrote none is said."""
-    if result is not None and result.get("written"):
-        return
-    reason = why if result is None else result.get("why")
-    warnings.warn(f"node {node}'s part of the verification of {path} was not verified: {reason}; the "
-                  "coordinator leaves the checkpoint unverified", CkptVerifyWarning, stacklevel=2)
+        default_verifier().submit(path, step=step, options=options, parts=hosts is not None)
+    elif hosts is not None:
+        submit_part(path, step, hosts, rank)
 
 
 def _group_rank(process_group: Any, no_dist: bool) -> int:
@@ -318,15 +293,15 @@ def _group_rank(process_group: Any, no_dist: bool) -> int:
 def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
                       process_group: Any, no_dist: bool, hosts: list[str] | None = None) -> None:
     """After a synchronous save committed: queue it, or verify now (and with ``raise``, raise on every rank)."""
-    if options.mode == "off":
+    if options.verify.when == "off":
         return
     from ckptverify.verifier.background import default_verifier
 
-    if options.mode == "background":
+    if options.verify.when == "background":
         _submit(options, path, step, coordinator, hosts, _group_rank(process_group, no_dist))
         return
     result = default_verifier().verify_now(path, step=step, options=options) if coordinator else None
-    if options.on_failure == "raise":
+    if options.verify.on_failure == "raise":
         failed = result.to_dict() if result is not None and result.verdict == "failed" else None
         failed = _broadcast(failed, process_group, no_dist)
         if failed is not None:
@@ -340,11 +315,11 @@ def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | 
                   coordinator: bool, hosts: list[str] | None = None, rank: int = 0) -> Callable[[], None] | None:
     """After an async upload committed: queue or verify before the future completes; a ``raise`` failure is raised by
     the next save."""
-    if options.mode == "off" or (not coordinator and hosts is None):
+    if options.verify.when == "off" or (not coordinator and hosts is None):
         return None
     from ckptverify.verifier.background import default_verifier
 
-    if options.mode == "background":
+    if options.verify.when == "background":
         return lambda: _submit(options, path, step, coordinator, hosts, rank)
     if not coordinator:
         return None
@@ -385,7 +360,7 @@ def save(
             every byte; :mod:`ckptverify.options.verify`). ``on_failure="raise"`` raises
             :class:`~ckptverify.errors.VerifyFailedError` on every rank, from this save when inline, else from the
             next save called with ``"raise"``.
-        on_verified: called with every :class:`~ckptverify.verifier.background.Verification` (coordinator).
+        on_verified: called with every :class:`~ckptverify.verifier.verification.Verification` (coordinator).
         events: an :class:`~ckptverify.ownfiles.events.EventLog` or run directory for ``events.jsonl``.
         **dcp_kwargs: ``FileSystemWriter`` options and ``dcp.save`` options (``planner``, ``no_dist``,
             ``use_collectives``).
@@ -400,21 +375,15 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
-    options = _verify_options("save", verify, on_verified, events)
-    step = _step(state_dict, path)
-    state_dict = _plain(state_dict, path)
-    writer_kw, save_kw = _split_kwargs(dcp_kwargs, SAVE_KWARGS)
-    no_dist = bool(save_kw.get("no_dist"))
-    _raise_earlier_failures(options, process_group, no_dist)
-    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
-    writer.node_hosts = hosts = _node_hosts(options, process_group, no_dist)
-    writer.node_deep = options.deep
+    options, step, state_dict, save_kw, no_dist, writer = _prepare(
+        "save", SAVE_KWARGS, state_dict, path, digest, block_bytes, fingerprint, thread_count, process_group, verify,
+        on_verified, events, dcp_kwargs)
     with warnings.catch_warnings():
         # Saving in a single process without a process group is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
              writer, path)
-    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist, hosts)
+    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist, writer.node_hosts)
     return writer.manifest if writer.is_coordinator else None
 
 
@@ -443,20 +412,33 @@ def async_save(
     """
     import torch.distributed.checkpoint as dcp
 
-    options = _verify_options("async_save", verify, on_verified, events)
-    step = _step(state_dict, path)
-    state_dict = _plain(state_dict, path)
-    writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS)
-    no_dist = bool(save_kw.get("no_dist"))
-    _raise_earlier_failures(options, process_group, no_dist)
-    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
-    writer.node_hosts = hosts = _node_hosts(options, process_group, no_dist)
-    writer.node_deep = options.deep
-    after = _after_upload(options, path, step, _coordinator(process_group, no_dist), hosts,
+    options, step, state_dict, save_kw, no_dist, writer = _prepare(
+        "async_save", ASYNC_SAVE_KWARGS, state_dict, path, digest, block_bytes, fingerprint, thread_count,
+        process_group, verify, on_verified, events, dcp_kwargs)
+    after = _after_upload(options, path, step, _coordinator(process_group, no_dist), writer.node_hosts,
                           _group_rank(process_group, no_dist))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         return _start_async(dcp, state_dict, writer, path, process_group, save_kw, after)
+
+
+def _prepare(where: str, allowed: frozenset[str], state_dict: Any, path: str | os.PathLike[str], digest: str,
+             block_bytes: int, fingerprint: bool, thread_count: int, process_group: Any, verify: VerifyOptions | str,
+             on_verified: Any, events: Any,
+             dcp_kwargs: dict[str, Any]) -> tuple[AfterSave, int | None, Any, dict[str, Any], bool, Any]:
+    """What :func:`save` and :func:`async_save` check and set up before writing (``allowed``: their DCP keywords):
+    options, step, the plain state dict, DCP's keywords, ``no_dist`` and the writer; an earlier failure raised first.
+    """
+    options = _verify_options(where, verify, on_verified, events)
+    step = _step(state_dict, path)
+    state_dict = _plain(state_dict, path)
+    writer_kw, save_kw = _split_kwargs(dcp_kwargs, allowed)
+    no_dist = bool(save_kw.get("no_dist"))
+    _raise_earlier_failures(options, process_group, no_dist)
+    writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
+    writer.node_hosts = _node_hosts(options, process_group, no_dist)
+    writer.node_deep = options.verify.deep
+    return options, step, state_dict, save_kw, no_dist, writer
 
 
 def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import VerificationRun
 
 #: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
-DEFAULT_RANK_TIMEOUT = 120.0
 #: Test-only ``RANK:ACTION`` (rank not 0): ``kill``, ``exit`` (3) or ``stop`` at its first work, or after its first
 #: unit ``kill-reading`` or ``raise``: proves a failing rank is named and never passes without its share.
 FAULT_ENV = "CKPTVERIFY_TEST_RANK_FAULT"
@@ -65,7 +64,6 @@ def _join(env: ClusterEnv, command: str, path: str, timeout: float, jobs: int | 
     beat = connect(env.master_addr, env.master_port, env.world_size, timeout, server=False)
     group = CommandRanks(store, beat, env.rank, env.world_size, timeout, _namespace())
     session = Session(group, path, jobs or cores_per_rank(env.local_world_size), env.launcher, None)
-    session._server = server
     group.start(command, path)
     return session
 
@@ -75,7 +73,6 @@ class Session:
 
     def __init__(self, group: CommandRanks, path: str, jobs: int, launcher: str, local: Any) -> None:
         self.group, self.path, self.jobs, self.launcher, self._local = group, path, jobs, launcher, local
-        self._server: Any = None
         self.executor = RankExecutor(group) if group.rank == 0 else None
         self._closed = False
 

@@ -10,7 +10,5 @@ One module per framework, importing it only when imported itself: ``lightning`` 
 """
 
 from ckptverify.integrations._core import Group, Verifier, torch_group
-from ckptverify.options import VerifyOptions
-from ckptverify.verifier.verification import Verification
 
-__all__ = ["Group", "Verification", "Verifier", "VerifyOptions", "torch_group"]
+__all__ = ["Group", "Verifier", "torch_group"]

@@ -46,8 +46,8 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, unverified
 
-__all__ = ["WHEN", "Group", "Verifier", "VerifyOptions", "check_saved", "integration_verify",
-           "numbered_folders", "plain_folder", "settle_verdicts", "torch_gather", "torch_group"]
+__all__ = ["WHEN", "Group", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts",
+           "torch_gather", "torch_group"]
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
@@ -65,6 +65,11 @@ class Group:
     barrier: Callable[[], None] | None = None
     rank: int = 0
     gather: Callable[[Any], list[Any]] | None = None
+
+    def share(self, make: Callable[[], Any]) -> Any:
+        """``make()`` as the coordinator computes it, on every rank."""
+        value = make() if self.coordinator else None
+        return value if self.broadcast is None else self.broadcast(value)
 
 
 def _initialized_dist() -> Any:
@@ -137,16 +142,13 @@ class Verifier:
         from ckptverify.state.train_state import watch_optimizer_steps
 
         watch_optimizer_steps()  # from now on a save can tell accumulated gradients from a step's
-        background, deep = options.when == "background", options.deep
         if jobs is not None and jobs < 1:
             raise UsageError(f"jobs must be at least 1, got {jobs}")
-        self.verify = options
-        self.on_failure = options.on_failure
         if fingerprint not in (True, False, "auto"):
             raise UsageError(f"fingerprint must be True, False or 'auto', got {fingerprint!r}")
+        self.verify, self.on_failure, self.deep = options, options.on_failure, bool(options.deep)
+        self.background = options.when == "background"
         self.fingerprint: Fingerprint = fingerprint
-        self.background = background
-        self.deep = bool(deep)
         self.jobs = jobs
         self.events_dir = None if events_dir is None else os.fspath(events_dir)
         # Coordinator's background state (pending, arrived, unraised failures), filled from the verifier thread.
@@ -154,9 +156,6 @@ class Verifier:
         self._pending: list[str] = []
         self._arrived_verdicts: list[Verification] = []
         self._unraised: list[Verification] = []
-        # The one place a saved checkpoint is handed over: verified now, or queued for the background verifier.
-        self._dispatch: Callable[[str, int | None, Fingerprint], Verification] = \
-            self._submit if background else self._check_saved
 
     # -- the entry points
     def after_save(self, path: str | os.PathLike[str], *, step: int | None = None, group: Group = Group(),
@@ -168,25 +167,22 @@ class Verifier:
         root = os.fspath(path)
         if group.barrier is not None:
             group.barrier()  # every rank's files are written before any is read
-        verdict = None
-        earlier = None
+        mine = None
         fingerprint = self.fingerprint if fingerprint is None else fingerprint
         hosts = self._node_hosts(root, group)
         if hosts is not None and not group.coordinator:
-            self._submit_part(root, step, hosts, group.rank)
+            from ckptverify.verifier.background import submit_part
+
+            submit_part(root, step, hosts, group.rank)
         if group.coordinator:
             if hosts is not None and self._plan(root, hosts, fingerprint, self.deep):
                 verdict = self._submit(root, step, fingerprint, parts=True)
-            else:
-                verdict = self._dispatch(root, step, fingerprint)
-            earlier = self._take_unraised()
-        if self.background:
-            verdict, earlier = self._agree_pair(verdict, earlier, group)
-        else:
-            verdict = self._agree(verdict, group)
-        if earlier is not None:
-            raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
-                                         f"saved at {earlier.message}", earlier.report)
+            else:  # verified now, or queued for the background verifier
+                verdict = (self._submit if self.background else self._check_saved)(root, step, fingerprint)
+            mine = [self._take_unraised(), verdict]
+        earlier, verdict = _agree(mine, group)
+        assert verdict is not None
+        _refuse_earlier(earlier)
         if not verdict.passed and not verdict.pending:
             if self.on_failure == "raise":
                 raise CheckpointRefusedError(f"checkpoint saved at {verdict.message}", verdict.report)
@@ -201,39 +197,29 @@ class Verifier:
         :class:`~ckptverify.errors.CheckpointRefusedError` for an unraised failure with ``on_failure="raise"``."""
         if not self.background:
             return []
-        arrived: list[Verification] | None = None
-        earlier = None
+        mine = None
         if group.coordinator:
             from ckptverify.verifier.background import default_verifier, exit_timeout
 
             limit = exit_timeout() if timeout is None else timeout
             with self._lock:
-                mine = list(self._pending)
-            if mine and not default_verifier().wait_for(mine, limit):
+                queued = list(self._pending)
+            if queued and not default_verifier().wait_for(queued, limit):
                 with self._lock:
-                    left = [p for p in self._pending if p in mine]
+                    left = [p for p in self._pending if p in queued]
                 if left:
                     self._cut_short(left, f"not verified within the {limit} s waited")
             with self._lock:
                 arrived, self._arrived_verdicts = self._arrived_verdicts, []
-            earlier = self._take_unraised()
+            mine = [self._take_unraised(), *arrived]
         elif group.gather is not None:
             # This rank may verify its node's part of a save shared out among nodes (verifier.parts).
             from ckptverify.verifier.background import exit_timeout, wait_for_verifications
 
             wait_for_verifications(exit_timeout() if timeout is None else timeout)
-        if group.broadcast is not None:
-            data = group.broadcast(None if arrived is None else
-                                   {"arrived": [v.to_dict() for v in arrived],
-                                    "earlier": None if earlier is None else earlier.to_dict()})
-            if arrived is None:
-                arrived = [Verification.from_dict(v) for v in data["arrived"]]
-                earlier = None if data["earlier"] is None else Verification.from_dict(data["earlier"])
-        assert arrived is not None
-        if earlier is not None:
-            raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
-                                         f"saved at {earlier.message}", earlier.report)
-        return arrived
+        earlier, *arrived = _agree(mine, group)
+        _refuse_earlier(earlier)
+        return arrived  # type: ignore[return-value]
 
     def pending(self) -> list[str]:
         """The checkpoints handed to the background verifier and not finished yet (on the coordinator)."""
@@ -272,12 +258,14 @@ class Verifier:
         or
         ``{event}-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
         root = os.fspath(path)
-        verdict = None
+        mine = None
         if group.coordinator:
             _await_background(root)
             verdict = self._verify_only(root)
             self._emit(root, f"{event}-verified" if verdict.passed else f"{event}-refused", verdict, group.rank)
-        verdict = self._agree(verdict, group)
+            mine = [verdict]
+        verdict = _agree(mine, group)[0]
+        assert verdict is not None
         if warn and not verdict.passed and group.coordinator:
             warnings.warn(f"{event}: {verdict.message}", VerifyFailedWarning, stacklevel=3)
         return verdict
@@ -320,26 +308,6 @@ class Verifier:
                           f"{exc}); rank 0 verifies it whole", CkptVerifyWarning, stacklevel=3)
             return False
         return True
-
-    def _submit_part(self, root: str, step: int | None, hosts: list[str], rank: int) -> None:
-        """On the lowest rank of a node other than the coordinator's: queue that node's part."""
-        from ckptverify.ownfiles.partsplan import nodes_of
-        from ckptverify.verifier.background import Task, default_verifier
-        from ckptverify.verifier.jobs import VERIFY_PART
-
-        nodes = nodes_of(hosts)
-        node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
-        if rank != nodes[node][1][0]:
-            return
-        where = os.path.abspath(root)
-
-        def done(result: Any, why: str | None) -> None:
-            if result is None or not result.get("written"):
-                warnings.warn(f"node {node}'s part of the verification of {root} was not verified: "
-                              f"{why if result is None else result.get('why')}", CkptVerifyWarning, stacklevel=2)
-
-        default_verifier().submit(where, step=step, task=Task(job=VERIFY_PART, args={"root": where, "node": node},
-                                                              done=done, locked=False))
 
     def _submit(self, root: str, step: int | None, fingerprint: Fingerprint, parts: bool = False) -> Verification:
         """Queue ``root`` for the background verifier (``parts``: shared among nodes)."""
@@ -442,30 +410,22 @@ class Verifier:
             warnings.warn(f"ckptverify could not append to {folder}/events.jsonl: {exc}",
                           VerifyFailedWarning, stacklevel=4)
 
-    @staticmethod
-    def _agree(verdict: Verification | None, group: Group) -> Verification:
-        if group.broadcast is None:
-            assert verdict is not None
-            return verdict
-        data = group.broadcast(None if verdict is None else verdict.to_dict())
-        if verdict is not None:
-            return verdict
-        return Verification.from_dict(data)
 
-    @staticmethod
-    def _agree_pair(verdict: Verification | None, earlier: Verification | None,
-                    group: Group) -> tuple[Verification, Verification | None]:
-        """The coordinator's verdict of this save and earlier failure, on every rank (one broadcast)."""
-        if group.broadcast is None:
-            assert verdict is not None
-            return verdict, earlier
-        mine = None if verdict is None else {"verdict": verdict.to_dict(),
-                                             "earlier": None if earlier is None else earlier.to_dict()}
-        data = group.broadcast(mine)
-        if verdict is not None:
-            return verdict, earlier
-        first = data["earlier"]
-        return Verification.from_dict(data["verdict"]), None if first is None else Verification.from_dict(first)
+def _agree(mine: list[Verification | None] | None, group: Group) -> list[Verification | None]:
+    """The coordinator's verdicts (``mine``; ``None`` elsewhere) on every rank, in one broadcast."""
+    if group.broadcast is not None:
+        data = group.broadcast(None if mine is None else [None if v is None else v.to_dict() for v in mine])
+        if mine is None:
+            return [None if v is None else Verification.from_dict(v) for v in data]
+    assert mine is not None
+    return mine
+
+
+def _refuse_earlier(earlier: Verification | None) -> None:
+    """Raise for a failure the background verifier found since the last call (``on_failure="raise"``)."""
+    if earlier is not None:
+        raise CheckpointRefusedError(f"an earlier checkpoint failed verification in the background: checkpoint "
+                                     f"saved at {earlier.message}", earlier.report)
 
 
 def warn_if_accumulating(model: Any, path: str | os.PathLike[str]) -> None:
@@ -481,8 +441,7 @@ def warn_if_accumulating(model: Any, path: str | os.PathLike[str]) -> None:
 def numbered_folders(root: str, number: Callable[[str], re.Match[str] | None],
                      keep: Callable[[str], bool]) -> list[tuple[int, str]]:
     """``(N, name)`` of ``root``'s entries ``number`` matches (group 1: ``N``) and ``keep`` accepts, newest first; none
-    if
-    unlistable."""
+    if unlistable."""
     try:
         names = os.listdir(root)
     except OSError:

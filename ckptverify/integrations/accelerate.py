@@ -28,14 +28,13 @@ from ckptverify.integrations._core import (
     Fingerprint,
     Group,
     Verifier,
-    VerifyOptions,
     integration_verify,
     numbered_folders,
     plain_folder,
     torch_gather,
     warn_if_accumulating,
 )
-from ckptverify.options import verify_options
+from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["load_state", "save_state", "wait_for_verifications"]
@@ -122,11 +121,7 @@ def _newest_verified(accelerator: Any, verifier: Verifier, group: Group) -> Veri
         raise UsageError("load_state needs input_dir unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")
     folder = os.path.join(accelerator.project_dir, "checkpoints")
-    names = [n for _, n in numbered_folders(folder, _LAST_NUMBER.search, plain_folder)] \
-        if group.coordinator else None
-    if group.broadcast is not None:
-        names = group.broadcast(names)
-    assert names is not None
+    names = group.share(lambda: [n for _, n in numbered_folders(folder, _LAST_NUMBER.search, plain_folder)])
     verdict = verifier.newest_verified([os.path.join(folder, n) for n in names], folder, group=group)
     if verdict is None:
         raise CheckpointRefusedError(f"no checkpoint to load under {folder}")

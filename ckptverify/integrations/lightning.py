@@ -32,12 +32,12 @@ from ckptverify.integrations._core import (
     Fingerprint,
     Group,
     Verifier,
-    VerifyOptions,
     integration_verify,
     settle_verdicts,
     torch_gather,
     warn_if_accumulating,
 )
+from ckptverify.options import VerifyOptions
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifyCheckpointsCallback"]

@@ -30,12 +30,11 @@ from ckptverify.errors import UsageError
 from ckptverify.integrations._core import (
     WHEN,
     Verifier,
-    VerifyOptions,
     numbered_folders,
     settle_verdicts,
     torch_group,
 )
-from ckptverify.options import failure_policy
+from ckptverify.options import VerifyOptions, failure_policy
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifiedCheckpointManager"]
@@ -146,10 +145,7 @@ class VerifiedCheckpointManager(CheckpointManager):
         verifies."""
         folder = folder or self.folder
         group = torch_group()
-        steps = self._candidates(folder) if group.coordinator else None
-        if group.broadcast is not None:
-            steps = group.broadcast(steps)
-        assert steps is not None
+        steps = group.share(lambda: self._candidates(folder))
         ids = {self._create_checkpoint_id(step, folder): step for step in steps}
         verdict = self.verifier.newest_verified(list(ids), folder, group=group)
         if verdict is None:

@@ -28,7 +28,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ckptverify.integrations._core import (
     Fingerprint,
     Verifier,
-    VerifyOptions,
     integration_verify,
     numbered_folders,
     plain_folder,
@@ -36,6 +35,7 @@ from ckptverify.integrations._core import (
     torch_group,
     warn_if_accumulating,
 )
+from ckptverify.options import VerifyOptions
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]
@@ -81,10 +81,7 @@ def verified_resume_checkpoint(output_dir: str | os.PathLike[str], *, jobs: int 
     :class:`~ckptverify.errors.CheckpointRefusedError` if some exist and none verifies. Every rank calls it."""
     root = os.fspath(output_dir)
     group = torch_group()
-    found = [n for _, n in numbered_folders(root, _CHECKPOINT.match, plain_folder)] if group.coordinator else None
-    if group.broadcast is not None:
-        found = group.broadcast(found)
-    assert found is not None
+    found = group.share(lambda: [n for _, n in numbered_folders(root, _CHECKPOINT.match, plain_folder)])
     verifier = Verifier(jobs=jobs, events_dir=events_dir or root)
     verdict = verifier.newest_verified([os.path.join(root, n) for n in found], root, group=group)
     return None if verdict is None else verdict.path

@@ -139,10 +139,14 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
     elif options.resume == "required" and found.path is None:
         error = (f"resume='required': there is nothing to resume from: no checkpoint under {root}. Nothing was "
                  "changed.")
-    if error is not None:
+
+    def refuse(error: str) -> dict[str, Any]:
         _say(error)
         log.emit("resume-refused", resume=options.resume, reason=error, skipped=found.skipped)
         return {"error": error}
+
+    if error is not None:
+        return refuse(error)
     for s in present:
         # Skipped ones are newer than the pick: a save of this job may land on them.
         if not is_own_step_dir(s["path"]):
@@ -150,10 +154,7 @@ def _decide_writing(options: ProductionOptions, refused: list[dict[str, Any]]) -
         try:
             moved = move_aside(root, s["path"])
         except CkptVerifyError as exc:  # the job does not start over a checkpoint it cannot keep
-            error = f"{exc}. The job does not start: a save of it could land on {s['path']}."
-            _say(error)
-            log.emit("resume-refused", resume=options.resume, reason=error, skipped=found.skipped)
-            return {"error": error}
+            return refuse(f"{exc}. The job does not start: a save of it could land on {s['path']}.")
         _say(f"moved {s['path']} aside to {moved} ({s['state']}: {s['reason']}); it is kept as it is, never "
              "overwritten")
         log.emit("checkpoint-moved-aside", path=s["path"], to=moved, step=s["step"], state=s["state"],

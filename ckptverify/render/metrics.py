@@ -11,11 +11,9 @@ import os
 import time
 
 from ckptverify.findings import Report
-from ckptverify.ownfiles.gauges import format_value, render_gauges, write_gauges
-from ckptverify.verifier.watch import WATCH_HELP
+from ckptverify.ownfiles.gauges import render_gauges, write_gauges
 
-# Re-exported from below the core, which never imports render.
-__all__ = ["WATCH_HELP", "format_value", "render_gauges", "render_metrics", "write_gauges", "write_metrics"]
+__all__ = ["render_metrics", "write_metrics"]
 
 _HELP = {
     "passed": "1 when the last run passed (no error finding), else 0",

@@ -11,9 +11,10 @@ from typing import Any, NoReturn
 
 from ckptverify.findings import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Report, Severity, sort_findings
 
-__all__ = ["fail", "human_bytes", "number_width", "printable", "render_text", "to_json"]
+__all__ = ["SEVERITY_STYLE", "fail", "human_bytes", "number_width", "printable", "render_text", "to_json",
+           "verdict_text"]
 
-_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
 # Controls, DEL and bidi overrides (a name could read as something else); tabs/newlines too: one cell each.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
@@ -80,7 +81,6 @@ def _text(value: object, style: str = "") -> Any:
 def render_text(report: Report, console: Any, *, max_findings: int = 200) -> None:
     """Print ``report`` on a rich ``Console``: a findings table, what was covered, and the verdict."""
     from rich.table import Table
-    from rich.text import Text
 
     findings = sort_findings(report.findings)
     if findings:
@@ -96,7 +96,7 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
         table.add_column("what", overflow="fold", width=what_w)
         for f in shown:
             table.add_row(
-                _text(f.severity.value, _STYLE[f.severity]),
+                _text(f.severity.value, SEVERITY_STYLE[f.severity]),
                 _text(f.check),
                 _text(f.location.describe() or "-"),
                 _text(f.message),
@@ -116,12 +116,15 @@ def render_text(report: Report, console: Any, *, max_findings: int = 200) -> Non
             + (f" ({human_bytes(rate)}/s)" if rate else ""), "dim"))
     counts = report.summary()
     tail = f"{counts['error']} error(s), {counts['warning']} warning(s)"
-    if report.passed:
-        note = " — read the warnings" if counts["warning"] else ""
-        verdict = Text.assemble(("PASSED", "bold green"), " ", _text(f"{report.command} {report.target}: {tail}{note}"))
-    else:
-        verdict = Text.assemble(("FAILED", "bold red"), " ", _text(f"{report.command} {report.target}: {tail}"))
-    console.print(verdict)
+    note = " — read the warnings" if report.passed and counts["warning"] else ""
+    console.print(verdict_text(report.passed, f"{report.command} {report.target}: {tail}{note}"))
+
+
+def verdict_text(passed: bool, text: str) -> Any:
+    """The last line of a command's text output: ``PASSED``/``FAILED`` and ``text`` (made printable)."""
+    from rich.text import Text
+
+    return Text.assemble(("PASSED", "bold green") if passed else ("FAILED", "bold red"), " ", _text(text))
 
 
 def _text_widths(width: int, *fixed_and_text: list[str]) -> tuple[int | None, int | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptverify.findings import Report
-from ckptverify.render.report import human_bytes, number_width, printable
+from ckptverify.render.report import SEVERITY_STYLE, human_bytes, number_width, printable, verdict_text
 from ckptverify.runs.states import STATES
 
 __all__ = ["render_scan"]
@@ -40,14 +40,8 @@ def render_scan(report: Report, console: Any) -> None:
     # Show non-row findings, so the verdict never counts an error the page hides.
     for f in report.findings:
         if f.check != "scan":
-            console.print(Text.assemble((f"{f.severity.value}: ", _SEVERITY_STYLE[f.severity.value]),
+            console.print(Text.assemble((f"{f.severity.value}: ", SEVERITY_STYLE[f.severity]),
                                         printable(f"{f.check}: {f.message}")))
     by_state = [f"{n} {state}" for state in (*STATES, "deleted") if (n := sum(r["state"] == state for r in rows))]
-    verdict = ("PASSED", "bold green") if report.passed else ("FAILED", "bold red")
-    console.print(Text.assemble(verdict, " ", printable(
-        f"scan {report.target}: {len(rows)} checkpoint(s): {', '.join(by_state) or 'none'}")))
-
-
-_SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
-
-
+    console.print(verdict_text(report.passed, f"scan {report.target}: {len(rows)} checkpoint(s): "
+                                              f"{', '.join(by_state) or 'none'}"))

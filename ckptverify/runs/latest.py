@@ -28,10 +28,8 @@ from ckptverify.runs.states import GOOD_STATES, QUARANTINE_DIR, is_quarantined
 from ckptverify.safeparse import paths
 
 __all__ = [
-    "QUARANTINE_DIR",
     "TRAIN_STATE_KEYS",
     "Latest",
-    "is_quarantined",
     "latest_verified",
     "missing_train_state_keys",
     "move_aside",

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
-from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, STATES, judge_report
+from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, judge_report
 from ckptverify.safeparse import paths
 
 if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import Executor
 
-__all__ = ["GOOD_STATES", "SETTLE_SECONDS", "STATES", "judge", "judge_report", "scan_run_dir", "unseen_findings"]
+__all__ = ["SETTLE_SECONDS", "judge", "scan_run_dir", "unseen_findings"]
 
 def _judge_path(path: str, jobs: int | None, deep: bool = False) -> tuple[str, Report]:
     """A DCP checkpoint or a single file, through ``verify``'s own routing (``deep``: as ``verify --deep``)."""

@@ -29,9 +29,8 @@ from ckptverify.ownfiles.names import (
 )
 from ckptverify.safeparse import paths, safejson
 
-__all__ = ["STAMP_FILE", "SUSPECT_NOTE", "VERIFYING_LOCK", "Stamp", "committed", "describe_suspect",
-           "files_fingerprint", "read_stamp", "read_suspect", "removed", "stamp_path", "write_stamp",
-           "write_suspect_note"]
+__all__ = ["Stamp", "committed", "describe_suspect", "files_fingerprint", "read_stamp", "read_suspect", "removed",
+           "stamp_path", "write_stamp", "write_suspect_note"]
 
 STAMP_SCHEMA = "ckptverify/stamp"
 STAMP_VERSION = 2

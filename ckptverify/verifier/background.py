@@ -41,10 +41,10 @@ __all__ = [
     "AfterSave",
     "BackgroundVerifier",
     "Task",
-    "Verification",
     "default_verifier",
     "exit_timeout",
     "last_verification",
+    "submit_part",
     "wait_for_checkpoint",
     "wait_for_verifications",
 ]
@@ -78,19 +78,6 @@ class AfterSave:
             raise UsageError(f"verify must be a VerifyOptions, got {type(self.verify).__name__}")
         if self.on_verified is not None and not callable(self.on_verified):
             raise UsageError(f"on_verified must be callable, got {type(self.on_verified).__name__}")
-
-    @property
-    def mode(self) -> str:
-        """``"off"``, ``"background"`` or ``"inline"``: the options' ``when``."""
-        return self.verify.when
-
-    @property
-    def deep(self) -> bool:
-        return self.verify.deep
-
-    @property
-    def on_failure(self) -> str:
-        return self.verify.on_failure
 
     def event_log(self) -> Any:
         """The event log to append to, or ``None``."""
@@ -226,25 +213,24 @@ class BackgroundVerifier:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every submitted checkpoint is verified; ``True`` if so. On ``timeout``, warn and log
         ``checkpoint-cut-short`` for each unfinished one (they stay queued) and return ``False``."""
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        with self._waited_for(), self._cond:
-            while self._pending:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+        if self._wait_while(lambda: bool(self._pending), timeout):
+            return True
+        with self._cond:
             left = list(self._pending)
         if left:
             self._cut_short(left, timeout)
-            return False
-        return True
+        return not left
 
     def wait_for(self, paths: list[str] | set[str], timeout: float | None = None) -> bool:
         """Wait until none of ``paths`` is pending; ``False`` on ``timeout`` (nothing reported)."""
         wanted = {os.path.abspath(os.fspath(p)) for p in paths}
+        return self._wait_while(lambda: any(j.path in wanted for j in self._pending), timeout)
+
+    def _wait_while(self, busy: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait (hurrying the verifications) while ``busy()`` holds; ``False`` on ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         with self._waited_for(), self._cond:
-            while any(j.path in wanted for j in self._pending):
+            while busy():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -315,16 +301,19 @@ class BackgroundVerifier:
             result = _unverified(job, "error", f"the verification itself failed: {type(exc).__name__}: {exc}")
         with self._cond:
             self._last = result
-            if result.verdict == "failed" and job.options.on_failure == "raise" and job.deliver_later:
+            if result.verdict == "failed" and job.options.verify.on_failure == "raise" and job.deliver_later:
                 self._unraised.append(result)
         try:
             self._report(job, result)
         finally:
-            with self._cond:  # only now: a wait that returns has seen the events written
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(job)
-                self._cond.notify_all()
+            self._done(job)  # only now: a wait that returns has seen the events written
         return result
+
+    def _done(self, job: _Job) -> None:
+        with self._cond:
+            with contextlib.suppress(ValueError):
+                self._pending.remove(job)
+            self._cond.notify_all()
 
     def _run_task(self, job: _Job, task: Task, jobs: int | None, background: bool) -> None:
         result: Any = None
@@ -346,15 +335,9 @@ class BackgroundVerifier:
         finally:
             job.lock.release()
         try:
-            task.done(result, why)
-        except Exception as exc:  # the task's own reporting must not stop the verifier
-            warnings.warn(f"reporting the verification of {job.path} failed: {type(exc).__name__}: {exc}",
-                          CkptVerifyWarning, stacklevel=2)
+            _guarded(f"reporting the verification of {job.path}", task.done, result, why)
         finally:
-            with self._cond:
-                with contextlib.suppress(ValueError):
-                    self._pending.remove(job)
-                self._cond.notify_all()
+            self._done(job)
 
     def _take_lock(self, job: _Job) -> bool:
         """Hold the job's verifying lock, waiting while another holder (``watch``) has it; ``False`` if the checkpoint
@@ -373,22 +356,17 @@ class BackgroundVerifier:
 
         if not job.lock.held:
             # Someone else (``ckptverify watch``) is verifying it: wait for them, then take their current stamp.
-            while True:
-                try:
-                    if job.lock.acquire():
-                        break
-                except OSError:
-                    return _unverified(job, "deleted", "removed before it was verified")
-                time.sleep(_LOCK_POLL_SECONDS)
+            if not self._take_lock(job):
+                return _unverified(job, "deleted", "removed before it was verified")
             stamp = read_stamp(job.path)
-            if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.deep):
+            if stamp is not None and stamp.current and (bool(stamp.data.get("deep")) or not job.options.verify.deep):
                 job.lock.release()
                 return from_stamp(job.path, job.step, stamp.data)
         if self.before_verify is not None:
             self.before_verify(job.path)
         if background and self.isolation == "process":
             try:
-                return self._child.verify(job.path, job.step, job.options.deep, jobs or 1, self.settle,
+                return self._child.verify(job.path, job.step, job.options.verify.deep, jobs or 1, self.settle,
                                           throttle=self._throttled, urgent=self._urgent, parts=job.parts)
             finally:
                 job.lock.release()
@@ -404,11 +382,11 @@ class BackgroundVerifier:
                 from ckptverify.verifier.parts import stamp_parts_locked
 
                 try:
-                    return stamp_parts_locked(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
+                    return stamp_parts_locked(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep,
                                               settle=self.settle, throttle=throttle)
                 finally:
                     job.lock.release()
-            return verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.deep,
+            return verify_and_stamp(job.path, step=job.step, jobs=jobs, deep=job.options.verify.deep,
                                     settle=self.settle, lock=job.lock, throttle=throttle)
         finally:
             if throttle is not None:
@@ -431,22 +409,14 @@ class BackgroundVerifier:
         elif result.verdict == "unverified":
             warnings.warn(f"{result.describe()}; it carries no stamp and is verified when a resume picks it",
                           CkptVerifyWarning, stacklevel=2)
-        callback = job.options.on_verified
-        if callback is not None:
-            try:
-                callback(result)
-            except Exception as exc:  # a user's callback must not stop the verifier
-                warnings.warn(f"on_verified callback raised {type(exc).__name__}: {exc}", CkptVerifyWarning,
-                              stacklevel=2)
+        if job.options.on_verified is not None:
+            _guarded("the on_verified callback", job.options.on_verified, result)
 
     def _cut_short(self, left: list[_Job], timeout: float | None) -> None:
         for job in left:
             if job.task is not None and job.task.cut_short is not None:
-                try:
-                    job.task.cut_short(f"not verified within the {timeout} s waited")
-                except Exception as exc:  # reporting must not stop the wait
-                    warnings.warn(f"reporting the cut-short verification of {job.path} failed: "
-                                  f"{type(exc).__name__}: {exc}", CkptVerifyWarning, stacklevel=2)
+                _guarded(f"reporting the cut-short verification of {job.path}", job.task.cut_short,
+                         f"not verified within the {timeout} s waited")
         left = [j for j in left if j.task is None or j.task.cut_short is None]
         if not left:
             return
@@ -467,8 +437,17 @@ class BackgroundVerifier:
                     os.close(fd)
 
 
+def _guarded(what: str, call: Callable[..., Any], *args: Any) -> None:
+    """``call(*args)``: reporting code (a task's, a user's callback) that must not stop the verifier; a failure is a
+    warning."""
+    try:
+        call(*args)
+    except Exception as exc:
+        warnings.warn(f"{what} failed: {type(exc).__name__}: {exc}", CkptVerifyWarning, stacklevel=3)
+
+
 def _unverified(job: _Job, no_verdict: str, reason: str) -> Verification:
-    return unverified(job.path, job.step, no_verdict, reason, deep=job.options.deep)
+    return unverified(job.path, job.step, no_verdict, reason, deep=job.options.verify.deep)
 
 
 def _emit(log: Any, event: str, result: Verification) -> None:
@@ -499,6 +478,29 @@ def default_verifier() -> BackgroundVerifier:
                 atexit.register(_at_exit)
                 _atexit_registered = True
         return _default
+
+
+def submit_part(path: str | os.PathLike[str], step: int | None, hosts: list[str], rank: int) -> None:
+    """On the lowest rank of a node other than the coordinator's (else nothing): queue that node's part of a
+    verification shared out among nodes (:mod:`~ckptverify.verifier.parts`); the coordinator reports the verdict, so
+    only a part that wrote none is said (a warning)."""
+    from ckptverify.ownfiles.partsplan import nodes_of
+    from ckptverify.verifier.jobs import VERIFY_PART
+
+    nodes = nodes_of(hosts)
+    node = next(k for k, (_, ranks) in enumerate(nodes) if rank in ranks)
+    if rank != nodes[node][1][0]:
+        return
+    where = os.path.abspath(os.fspath(path))
+
+    def done(result: Any, why: str | None) -> None:
+        if result is None or not result.get("written"):
+            warnings.warn(f"node {node}'s part of the verification of {where} was not verified: "
+                          f"{why if result is None else result.get('why')}; the coordinator leaves the checkpoint "
+                          "unverified", CkptVerifyWarning, stacklevel=2)
+
+    default_verifier().submit(where, step=step, task=Task(job=VERIFY_PART, args={"root": where, "node": node},
+                                                          done=done, locked=False))
 
 
 def last_verification() -> Verification | None:

@@ -2,8 +2,9 @@
 (still in its page cache), and one stamp is written once every part reports (``docs/verify-after-save.md``).
 
 Ranks exchange node names before the save (one node: nothing here happens). As the save commits the coordinator
-writes the plan (:func:`make_plan`: per node its host, ranks and files). Each other node's lowest rank runs a
-part (:func:`part_job`): byte-level checks of its files only, verdict written beside the plan. The coordinator
+writes the plan (:func:`~ckptverify.ownfiles.partsplan.make_plan`: per node its host, ranks and files). Each other
+node's lowest rank runs a part (:func:`part_job`): byte-level checks of its files only, verdict written beside the
+plan. The coordinator
 checks the whole checkpoint and its node's files, waits for the parts (:func:`stamp_parts_locked`, up to
 :func:`part_timeout`), and stamps: passed if all passed; failed with a ``node-part-failed`` error per failed part;
 **unverified** naming nodes that never reported. With ``deep`` the coordinator judges all parts' tensor pieces
@@ -21,18 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.ownfiles.names import PARTS_PLAN, STAMP_TEMP_PREFIX, write_atomic
-from ckptverify.ownfiles.partsplan import (
-    PLAN_SCHEMA,
-    dcp_folders,
-    make_plan,
-    part_verdict_path,
-    read_json,
-    read_plan,
-    write_plan,
-)
+from ckptverify.ownfiles.partsplan import dcp_folders, part_verdict_path, read_json, read_plan
 
-__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "PLAN_SCHEMA", "make_plan", "node_name", "part_job",
-           "part_timeout", "part_verdict_path", "read_plan", "stamp_parts_locked", "write_plan"]
+__all__ = ["NODE_ENV", "PART_SCHEMA", "PART_TIMEOUT_ENV", "node_name", "part_job", "part_timeout",
+           "stamp_parts_locked"]
 
 PART_SCHEMA = "ckptverify/part"
 #: The node a rank runs on, when its host name does not say it (a container per rank; a test hook that
@@ -203,12 +196,11 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     without its pieces did not report.
     """
     from ckptverify.findings import Report
-    from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
+    from ckptverify.runs.stamp import files_fingerprint, removed
     from ckptverify.safeparse.readers import pacing
-    from ckptverify.verifier.stamper import stamp_locked
-    from ckptverify.verifier.verification import from_report, unverified
+    from ckptverify.verifier.stamper import GONE, stamp, stamp_locked, unmoved
+    from ckptverify.verifier.verification import unverified
 
-    gone = "removed while it was being verified"
     plan = read_plan(path)
     if plan is None or len(plan["nodes"]) < 2:
         if adopt:  # the caller checks it as on one node (fingerprinting it when needed)
@@ -242,7 +234,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             if not waiting or time.monotonic() >= deadline:
                 break
             if removed(path):
-                return unverified(path, step, "deleted", gone)
+                return unverified(path, step, "deleted", GONE)
             time.sleep(_POLL_SECONDS)
         missing = [waiting[k] for k in sorted(waiting)]
         changed = False
@@ -263,7 +255,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
                 != data.get("signatures")
             reports.append((data, report))
     except FileNotFoundError:  # CheckpointNotFoundError included
-        return unverified(path, step, "deleted", gone)
+        return unverified(path, step, "deleted", GONE)
     except OSError as exc:
         return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
     merged = parts = None
@@ -279,7 +271,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             with pacing(throttle):
                 adopted, note, written = _adopt(path, jobs, reports, read_all=adopt is True)
         except FileNotFoundError:
-            return unverified(path, step, "deleted", gone)
+            return unverified(path, step, "deleted", GONE)
         except OSError as exc:
             return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
         if notes is not None:
@@ -295,27 +287,16 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         # Not a pass: what those nodes wrote was not checked.
         _tidy_parts(path, [n["node"] for n in nodes])
         return unverified(path, step, "error", _silent(missing, wait_s))
-    if not merged.passed:
-        time.sleep(settle)  # a checkpoint being deleted file by file is not corrupt
-    if removed(path):
-        return unverified(path, step, "deleted", gone)
-    if changed or files_fingerprint(path) != before:
-        return unverified(path, step, "changed", "its files changed while it was being verified")
+    moved = unmoved(path, step, merged.passed, before, settle, changed=changed)
+    if moved is not None:
+        return moved
     for n in missing:  # a failed checkpoint is stamped failed; what was not checked is said with it
         parts.append({"node": n["node"], "host": n.get("host"), "ranks": n.get("ranks"), "files": n["files"],
                       "verdict": "unreported"})
-    throttled = None if throttle is None or getattr(throttle, "probe", None) is None else \
-        round(throttle.throttled_s, 6)
-    try:
-        write_stamp(path, merged, step=step, fingerprint=before, throttled_s=throttled, parts=parts)
-    except FileNotFoundError:
-        return unverified(path, step, "deleted", gone)
-    except OSError as exc:
-        return from_report(path, step, merged, seconds=time.perf_counter() - started, stamped=False,
-                           reason=f"not stamped: {type(exc).__name__}: {exc}", throttled_s=throttled or 0.0)
-    _tidy_parts(path, [n["node"] for n in nodes])
-    return from_report(path, step, merged, seconds=time.perf_counter() - started, stamped=True,
-                       stamp=stamp_path(path), throttled_s=throttled or 0.0)
+    verdict = stamp(path, step, merged, before, started, throttle, parts=parts)
+    if verdict.stamped:
+        _tidy_parts(path, [n["node"] for n in nodes])
+    return verdict
 
 
 def _judged(mine: Any, scanned: Any) -> Any:

@@ -11,17 +11,21 @@ import contextlib
 import fcntl
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 from ckptverify.ownfiles.names import VERIFYING_LOCK
-from ckptverify.runs.stamp import committed, files_fingerprint, removed, stamp_path, write_stamp
+from ckptverify.runs.stamp import files_fingerprint, removed, stamp_path, write_stamp
 from ckptverify.verifier.throttle import Throttle
 from ckptverify.verifier.verification import Verification, from_report, unverified
 
-__all__ = ["SETTLE_SECONDS", "VerifyingLock", "committed", "removed", "stamp_locked", "verify_and_stamp"]
+if TYPE_CHECKING:
+    from ckptverify.findings import Report
+
+__all__ = ["GONE", "SETTLE_SECONDS", "VerifyingLock", "stamp", "stamp_locked", "unmoved", "verify_and_stamp"]
 
 #: Wait after a failure before judging: a checkpoint being deleted file by file is not corrupt.
 SETTLE_SECONDS = 1.0
-_GONE = "removed while it was being verified"
+GONE = "removed while it was being verified"
 
 
 class VerifyingLock:
@@ -100,7 +104,7 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
             return unverified(path, step, "busy", "another process is verifying it", deep=deep)
         return stamp_locked(path, step=step, jobs=jobs, deep=deep, settle=settle, throttle=throttle)
     except FileNotFoundError:  # CheckpointNotFoundError included
-        return unverified(path, step, "deleted", _GONE, deep=deep)
+        return unverified(path, step, "deleted", GONE, deep=deep)
     except OSError as exc:
         # No lock possible (read-only, foreign file): verify anyway; the verdict stands unstamped.
         if own.held:
@@ -122,24 +126,39 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
         before = files_fingerprint(path)
         with pacing(throttle):
             report = verify_checkpoint(path, jobs=jobs, deep=deep)
-        if not report.passed:
-            # Retention deletes a checkpoint file by file: what looks torn may be on its way out. Let it
-            # settle, then judge only if nothing moved.
-            time.sleep(settle)
-        if removed(path):
-            return unverified(path, step, "deleted", _GONE, deep=deep)
-        if files_fingerprint(path) != before:
-            # Not a verdict on anything: the files verified are not the files there now.
-            return unverified(path, step, "changed", "its files changed while it was being verified", deep=deep)
-        throttled = None if throttle is None or throttle.probe is None else round(throttle.throttled_s, 6)
+        moved = unmoved(path, step, report.passed, before, settle, deep=deep)
     except FileNotFoundError:
-        return unverified(path, step, "deleted", _GONE, deep=deep)
+        return unverified(path, step, "deleted", GONE, deep=deep)
     except OSError as exc:  # it could not be read
         return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
+    return moved or stamp(path, step, report, before, started, throttle, deep=deep)
+
+
+def unmoved(path: str, step: int | None, passed: bool, before: str, settle: float, *, changed: bool = False,
+            deep: bool = False) -> Verification | None:
+    """``None`` when a verdict may be stamped on ``path``: its files are still those fingerprinted ``before`` (and not
+    ``changed``, as a caller saw); else why not. A failure is judged after ``settle`` seconds."""
+    if not passed:
+        # Retention deletes a checkpoint file by file: what looks torn may be on its way out. Let it
+        # settle, then judge only if nothing moved.
+        time.sleep(settle)
+    if removed(path):
+        return unverified(path, step, "deleted", GONE, deep=deep)
+    if changed or files_fingerprint(path) != before:
+        # Not a verdict on anything: the files verified are not the files there now.
+        return unverified(path, step, "changed", "its files changed while it was being verified", deep=deep)
+    return None
+
+
+def stamp(path: str, step: int | None, report: Report, before: str, started: float, throttle: Throttle | None, *,
+          deep: bool = False, **extra: Any) -> Verification:
+    """Stamp ``report`` on ``path`` (``extra``: more for :func:`~ckptverify.runs.stamp.write_stamp`); an unwritable
+    stamp leaves the verdict standing, unstamped."""
+    throttled = None if throttle is None or throttle.probe is None else round(throttle.throttled_s, 6)
     try:
-        write_stamp(path, report, step=step, fingerprint=before, throttled_s=throttled)
+        write_stamp(path, report, step=step, fingerprint=before, throttled_s=throttled, **extra)
     except FileNotFoundError:
-        return unverified(path, step, "deleted", _GONE, deep=deep)
+        return unverified(path, step, "deleted", GONE, deep=deep)
     except OSError as exc:  # e.g. a read-only run directory: the verdict stands, unstamped
         return from_report(path, step, report, seconds=time.perf_counter() - started, stamped=False,
                            reason=f"not stamped: {type(exc).__name__}: {exc}", throttled_s=throttled or 0.0)

@@ -21,11 +21,11 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
-from ckptverify.runs.stamp import files_fingerprint, read_stamp
+from ckptverify.runs.stamp import committed, files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
-from ckptverify.verifier.stamper import SETTLE_SECONDS, committed, removed, verify_and_stamp
+from ckptverify.verifier.stamper import GONE, SETTLE_SECONDS, unmoved, verify_and_stamp
 
-__all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch", "watch_pass"]
+__all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch"]
 
 #: A format without commit marker is finished once its files stayed unchanged this long.
 QUIET_SECONDS = 5.0
@@ -165,16 +165,11 @@ def _verify_unstamped(path: str, base: dict[str, Any], jobs: int | None, deep: b
     try:
         before = files_fingerprint(path)
         report = verify_checkpoint(path, jobs=jobs, deep=deep)
-        if not report.passed:
-            time.sleep(settle)  # a checkpoint being deleted file by file is not corrupt
-        if removed(path):
-            return {"event": "deleted", **base, "reason": "removed while it was being verified"}, before
-        if files_fingerprint(path) != before:
-            return {"event": "changed", **base,
-                    "reason": "its files changed while it was being verified; it is verified again in a later pass"
-                    }, before
+        moved = unmoved(path, None, report.passed, before, settle)
+        if moved is not None:
+            return _no_verdict(base, moved), before
     except FileNotFoundError:  # CheckpointNotFoundError included
-        return {"event": "deleted", **base, "reason": "removed while it was being verified"}, ""
+        return {"event": "deleted", **base, "reason": GONE}, ""
     except (OSError, CkptVerifyError) as exc:
         return {"event": "error", **base, "reason": f"{why}; verifying it without a stamp failed too: "
                 f"{type(exc).__name__}: {exc}"}, ""
@@ -182,6 +177,20 @@ def _verify_unstamped(path: str, base: dict[str, Any], jobs: int | None, deep: b
     out["stamped"] = False
     out["stamp_error"] = why
     return out, before
+
+
+def _no_verdict(base: dict[str, Any], outcome: Any) -> dict[str, Any]:
+    """The result of a verification that reached no verdict (a changed one is tried again)."""
+    later = "; it is verified again in a later pass" if outcome.no_verdict == "changed" else ""
+    return {"event": outcome.no_verdict, **base, "reason": f"{outcome.reason}{later}"}
+
+
+def _fingerprint(path: str) -> str:
+    """The files' fingerprint, ``""`` when they cannot be listed (then any later pass tries again)."""
+    try:
+        return files_fingerprint(path)
+    except OSError:
+        return ""
 
 
 def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
@@ -193,30 +202,19 @@ def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
     outcome = verify_and_stamp(path, step=cand.step, jobs=jobs, deep=deep, settle=settle)
     if outcome.no_verdict == "busy":
         return None, None  # another watcher is on it
-    if outcome.no_verdict == "changed":
-        return {"event": "changed", **base, "reason": f"{outcome.reason}; it is verified again in a later pass"}, None
     if outcome.no_verdict == "error":
         # It could not be verified here (the stamper could not read it): try once more without lock or stamp.
         result, fingerprint = _verify_unstamped(path, base, jobs, deep, settle, outcome.reason or "not stamped")
-        if result["event"] == "error":
-            try:
-                fingerprint = files_fingerprint(path)
-            except OSError:
-                fingerprint = ""
-        return result, fingerprint
+        return result, _fingerprint(path) if result["event"] == "error" else fingerprint
     if outcome.report is None:
-        return {"event": outcome.no_verdict, **base, "reason": outcome.reason}, None
+        return _no_verdict(base, outcome), None
     out = _outcome_result(base, "verified" if outcome.passed else "failed", outcome.report, outcome.seconds)
     out["stamped"] = outcome.stamped
     if outcome.stamped:
         return out, None
     # A verdict whose stamp could not be written stands all the same; remembered until its files change.
     out["stamp_error"] = outcome.reason or "not stamped"
-    try:
-        fingerprint = files_fingerprint(path)
-    except OSError:
-        fingerprint = ""
-    return out, fingerprint
+    return out, _fingerprint(path)
 
 
 def _ready(path: str, cand: Candidate, quiet: float) -> bool:
@@ -251,7 +249,10 @@ def _count(state: RunState, event: str, step: int | None, stamped: bool = True) 
 
 def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: float,
           known: dict[str, _Known] | None, retry: float) -> tuple[list[dict[str, Any]], RunState]:
-    """One pass (see :func:`watch_pass`); ``known``: unstamped verdicts and errors remembered across passes."""
+    """One pass: verify and stamp every finished, unstamped (or stale) checkpoint; report failed stamps. One result per
+    checkpoint acted on: ``verified``, ``failed``, ``deleted``, ``changed`` or ``error``; ``verified``/``failed`` carry
+    ``stamped`` (``false`` with ``stamp_error`` when unwritable; the verdict stands). ``known``: unstamped verdicts and
+    errors remembered across passes."""
     out: list[dict[str, Any]] = []
     state = RunState()
     seen: set[str] = set()
@@ -276,10 +277,7 @@ def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: floa
             continue
         memory = known.get(cand.path) if known is not None else None
         if memory is not None:
-            try:
-                unchanged = files_fingerprint(path) == memory.fingerprint
-            except OSError:
-                unchanged = False
+            unchanged = _fingerprint(path) == memory.fingerprint
             event = memory.result["event"]
             if unchanged and (event != "error" or time.monotonic() < memory.retry_at):
                 _count(state, event, cand.step, stamped=False)  # judged (or tried) already: nothing new
@@ -299,16 +297,6 @@ def _pass(root: str, *, jobs: int | None, deep: bool, settle: float, quiet: floa
         for gone in set(known) - seen:
             del known[gone]
     return out, state
-
-
-def watch_pass(run_dir: str, *, jobs: int | None = None, deep: bool = False,
-               settle: float = SETTLE_SECONDS, quiet: float = QUIET_SECONDS) -> list[dict[str, Any]]:
-    """One pass: verify and stamp every finished, unstamped (or stale) checkpoint; report failed stamps.
-
-    Returns one result per checkpoint acted on: ``verified``, ``failed``, ``deleted``, ``changed`` or ``error``;
-    ``verified``/``failed`` carry ``stamped`` (``false`` with ``stamp_error`` when unwritable; the verdict stands).
-    """
-    return _pass(os.fspath(run_dir), jobs=jobs, deep=deep, settle=settle, quiet=quiet, known=None, retry=0.0)[0]
 
 
 def _check_output(path: str, what: str) -> None:

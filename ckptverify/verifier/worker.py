@@ -34,7 +34,12 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
           priority: _Priority | None = None) -> None:
     """Answer each request line of ``requests`` with one line on ``replies``. ``hurried(seq)``: whether the parent asked
     for full speed; ``priority``: set per request."""
+    from ckptverify.verifier.parts import stamp_parts_locked
     from ckptverify.verifier.stamper import stamp_locked
+
+    def reply(answer: dict[str, Any]) -> None:
+        replies.write(json.dumps(answer, default=str) + "\n")
+        replies.flush()
 
     for line in requests:
         try:
@@ -43,30 +48,21 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
                 priority.for_request(bool(req.get("urgent")))
             if isinstance(req, dict) and "job" in req:
                 answer = _run_job(req["job"], req.get("args") or {}, _throttle(req, hurried, priority))
-                replies.write(json.dumps({**answer, "seq": req.get("seq")}, default=str) + "\n")
-                replies.flush()
+                reply({**answer, "seq": req.get("seq")})
                 continue
             path, step, deep = str(req["path"]), req.get("step"), bool(req.get("deep"))
         except (ValueError, KeyError, TypeError) as exc:
-            replies.write(json.dumps({"protocol_error": f"{type(exc).__name__}: {exc}"}) + "\n")
-            replies.flush()
+            reply({"protocol_error": f"{type(exc).__name__}: {exc}"})
             continue
+        # ``parts``: the coordinator's side of a verification shared out among nodes.
+        stamp = stamp_parts_locked if req.get("parts") else stamp_locked
         try:
-            if req.get("parts"):  # one part of a verification shared out among nodes
-                from ckptverify.verifier.parts import stamp_parts_locked
-
-                result = stamp_parts_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
-                                            settle=float(req.get("settle", 1.0)),
-                                            throttle=_throttle(req, hurried, priority))
-            else:
-                result = stamp_locked(path, step=step, jobs=req.get("jobs") or 1, deep=deep,
-                                      settle=float(req.get("settle", 1.0)),
-                                      throttle=_throttle(req, hurried, priority))
+            result = stamp(path, step=step, jobs=req.get("jobs") or 1, deep=deep, settle=float(req.get("settle", 1.0)),
+                           throttle=_throttle(req, hurried, priority))
         except Exception as exc:  # one request's failure is its result; the process serves the next one
             result = Verification(path=path, step=step, verdict="unverified", no_verdict="error", deep=deep,
                                   reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
-        replies.write(json.dumps({**result.to_dict(), "seq": req.get("seq")}, default=str) + "\n")
-        replies.flush()
+        reply({**result.to_dict(), "seq": req.get("seq")})
 
 
 def _arguments(argv: list[str]) -> tuple[str, int, str | None]:
@@ -237,19 +233,10 @@ class VerifierProcess:
     def verify(self, path: str, step: int | None, deep: bool, jobs: int, settle: float,
                throttle: Callable[[], bool] | None = None, urgent: Callable[[], bool] | None = None,
                parts: bool = False) -> Verification:
-        """Have ``path`` verified and stamped. ``throttle``/``urgent`` are asked once the process runs (so a
-        :meth:`hurry`
-        reaches it). ``parts``: see :func:`~ckptverify.verifier.parts.stamp_parts_locked`."""
-
-        def request() -> dict[str, Any]:
-            with self._hurry_lock:  # from now on a hurry names this request
-                self._seq += 1
-                seq = self._seq
-            return {"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
-                    "throttle": bool(throttle and throttle()), "urgent": bool(urgent and urgent()), "seq": seq,
-                    "parts": parts}
-
-        data, why = self._ask(request)
+        """Have ``path`` verified and stamped (``throttle``/``urgent``: see :meth:`_ask`; ``parts``: see
+        :func:`~ckptverify.verifier.parts.stamp_parts_locked`)."""
+        data, why = self._ask({"path": path, "step": step, "deep": deep, "jobs": jobs, "settle": settle,
+                               "parts": parts}, throttle, urgent)
         try:
             result = Verification.from_dict(data) if data is not None else None
         except TypeError:
@@ -262,27 +249,25 @@ class VerifierProcess:
             urgent: Callable[[], bool] | None = None) -> Any:
         """Run job ``job`` with ``args`` in the process and return its result; ``RuntimeError`` if no answer or it
         raised."""
-
-        def request() -> dict[str, Any]:
-            with self._hurry_lock:
-                self._seq += 1
-                seq = self._seq
-            return {"job": job, "args": args, "throttle": bool(throttle and throttle()),
-                    "urgent": bool(urgent and urgent()), "seq": seq}
-
-        data, why = self._ask(request)
+        data, why = self._ask({"job": job, "args": args}, throttle, urgent)
         if data is None:
             raise RuntimeError(why)
         if "result" not in data:
             raise RuntimeError(f"{job} failed in the verifier process: {data.get('call_error')}")
         return data["result"]
 
-    def _ask(self, request: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
-        """Send one request (built once the process runs) and read its answer: ``(answer, "")`` or ``(None, why)``."""
+    def _ask(self, request: dict[str, Any], throttle: Callable[[], bool] | None,
+             urgent: Callable[[], bool] | None) -> tuple[dict[str, Any] | None, str]:
+        """Send one request and read its answer: ``(answer, "")`` or ``(None, why)``. ``throttle``/``urgent`` are asked
+        once the process runs (so a :meth:`hurry` reaches it)."""
         try:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
-            sent = request()
+            with self._hurry_lock:  # from now on a hurry names this request
+                self._seq += 1
+                seq = self._seq
+            sent = {**request, "throttle": bool(throttle and throttle()), "urgent": bool(urgent and urgent()),
+                    "seq": seq}
             proc.stdin.write(json.dumps(sent) + "\n")
             proc.stdin.flush()
             line = proc.stdout.readline()

@@ -232,7 +232,7 @@ def test_a_folder_deleted_while_it_is_verified_or_stamped_is_deleted_not_failed(
 
     import ckptverify.audit.verify as verify_module
     import ckptverify.runs.stamp as stamp_module
-    from ckptverify.integrations._core import check_saved
+    from ckptverify.verifier.saved import check_saved
 
     real_verify, real_stamp = verify_module.verify_checkpoint, stamp_module.write_stamp
 

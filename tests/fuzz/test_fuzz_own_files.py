@@ -20,8 +20,9 @@ from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.errors import ManifestError
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, read_manifest
+from ckptverify.ownfiles.names import STAMP_FILE
 from ckptverify.runs.latest import latest_verified
-from ckptverify.runs.stamp import STAMP_FILE, read_stamp, read_suspect, write_stamp
+from ckptverify.runs.stamp import read_stamp, read_suspect, write_stamp
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
                     | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ckptverify.runs.stamp import STAMP_FILE
+from ckptverify.ownfiles.names import STAMP_FILE
 from helpers import faults as inj
 
 #: The DCP folders of a transformers FSDP ``checkpoint-N`` (``SHARDED_STATE_DICT``).

@@ -35,8 +35,8 @@ from helpers.nodeparts import stamp_of as _stamp
 import ckptverify as cv
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.ownfiles.events import read_events
-from ckptverify.ownfiles.names import PARTS_PREFIX
-from ckptverify.runs.stamp import STAMP_FILE, read_stamp
+from ckptverify.ownfiles.names import PARTS_PREFIX, STAMP_FILE
+from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier import parts as parts_mod
 
 pytestmark = pytest.mark.slow

@@ -24,10 +24,11 @@ from helpers.multiproc import spawn_ranks
 
 from ckptverify.hardware.inject import BitFlip
 from ckptverify.ownfiles.events import read_events
-from ckptverify.runs.latest import QUARANTINE_DIR, latest_verified
+from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.prune import prune
 from ckptverify.runs.scan import scan_run_dir
 from ckptverify.runs.stamp import read_stamp, read_suspect
+from ckptverify.runs.states import QUARANTINE_DIR
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 SCRIPT = SCRIPTS / "production_train.py"

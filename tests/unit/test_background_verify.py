@@ -31,8 +31,9 @@ from ckptverify.errors import (
 )
 from ckptverify.options import VerifyOptions
 from ckptverify.ownfiles.events import read_events
+from ckptverify.ownfiles.names import STAMP_FILE, VERIFYING_LOCK
 from ckptverify.runs.prune import prune
-from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp
+from ckptverify.runs.stamp import read_stamp
 from ckptverify.verifier import background
 from ckptverify.verifier.background import BackgroundVerifier
 

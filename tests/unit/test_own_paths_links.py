@@ -18,8 +18,9 @@ from ckptverify.ownfiles.events import read_events
 from ckptverify.ownfiles.names import own_dir
 from ckptverify.production import mode
 from ckptverify.runs import latest as latest_mod
-from ckptverify.runs.latest import QUARANTINE_DIR, Latest, move_aside
+from ckptverify.runs.latest import Latest, move_aside
 from ckptverify.runs.stamp import write_suspect_note
+from ckptverify.runs.states import QUARANTINE_DIR
 from ckptverify.trace.ops import _capture, write_op_log
 from ckptverify.trace.store import TraceHeader, TraceWriter
 

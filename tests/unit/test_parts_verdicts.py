@@ -24,8 +24,8 @@ from helpers.nodeparts import without_times as _without_times
 import ckptverify as cv
 from ckptverify.audit.verify import verify_checkpoint, verify_part
 from ckptverify.findings import Report
-from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX
-from ckptverify.runs.stamp import STAMP_FILE, read_stamp
+from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX, STAMP_FILE
+from ckptverify.runs.stamp import read_stamp
 from ckptverify.safeparse import readers
 from ckptverify.verifier import parts as parts_mod
 

@@ -19,8 +19,8 @@ from helpers import faults as inj
 import ckptverify as cv
 import ckptverify.ownfiles.names as names
 from ckptverify.ownfiles.events import read_events
-from ckptverify.runs.latest import QUARANTINE_DIR
 from ckptverify.runs.stamp import read_stamp
+from ckptverify.runs.states import QUARANTINE_DIR
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

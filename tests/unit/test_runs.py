@@ -20,10 +20,11 @@ from helpers import faults as inj
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
 from ckptverify.cli import main
+from ckptverify.ownfiles.names import STAMP_FILE, VERIFYING_LOCK
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.prune import prune
-from ckptverify.runs.stamp import STAMP_FILE, VERIFYING_LOCK, read_stamp, write_stamp
-from ckptverify.verifier.watch import watch, watch_pass
+from ckptverify.runs.stamp import read_stamp, write_stamp
+from ckptverify.verifier.watch import watch
 
 
 def _dcp(path: Path, value: float, manifest: bool = True) -> Path:
@@ -189,7 +190,7 @@ def test_watch_once_stamps_every_committed_checkpoint_and_fails_on_a_bad_one(run
         stamp = read_stamp(run / f"step_{step}")
         assert stamp is not None and stamp.current and stamp.passed == (step != 40)
     # A second pass verifies nothing again: the stamps are current (the failed one is reported again).
-    again = watch_pass(str(run))
+    again = watch(run, once=True, log=str(log)).results
     assert [(r["path"], r["event"], r.get("stamped")) for r in again] == [("step_40", "failed", True)]
     cli = CliRunner().invoke(main, ["watch", "--once", "--json", "--log", str(log), str(run)])
     assert cli.exit_code == 1 and '"step_40"' in cli.output

@@ -88,7 +88,10 @@ def test_watch_verifies_and_stamps_every_format_once_it_has_settled(tmp_path: Pa
     from safetensors.torch import save_file
 
     from ckptverify.runs.latest import latest_verified
-    from ckptverify.verifier.watch import watch_pass
+    from ckptverify.verifier.watch import watch
+
+    def watch_pass(root: Path, quiet: float) -> list[dict]:
+        return watch(root, once=True, quiet=quiet, log=str(tmp_path / "watch.jsonl")).results
 
     root = tmp_path / "run"
     _dcp(root / "step_10", 1.0)
@@ -96,13 +99,13 @@ def test_watch_verifies_and_stamps_every_format_once_it_has_settled(tmp_path: Pa
     save_file({"w": torch.full((32, 32), 2.0)}, str(root / "checkpoint-20" / "model.safetensors"))
     torch.save({"state_dict": {"w": torch.full((32, 32), 3.0)}, "global_step": 30}, root / "epoch=0-step=30.ckpt")
     # Just written, with no commit marker: not taken for finished until it has been quiet for a while.
-    early = {r["path"]: r["event"] for r in watch_pass(str(root), quiet=60)}
+    early = {r["path"]: r["event"] for r in watch_pass(root, quiet=60)}
     assert early == {"step_10": "verified"}
-    done = {r["path"]: r["event"] for r in watch_pass(str(root), quiet=0)}
+    done = {r["path"]: r["event"] for r in watch_pass(root, quiet=0)}
     assert done == {"checkpoint-20": "verified", "epoch=0-step=30.ckpt": "verified"}
     assert read_stamp(root / "checkpoint-20").current
     assert read_stamp(root / "epoch=0-step=30.ckpt").current  # beside the file
-    assert watch_pass(str(root), quiet=0) == []  # every stamp current: nothing to do
+    assert watch_pass(root, quiet=0) == []  # every stamp current: nothing to do
     assert latest_verified(root).path.endswith("epoch=0-step=30.ckpt")
     # A byte flipped in the file's payload: its stamp goes stale, the next pass verifies it again and fails it.
     ckpt = root / "epoch=0-step=30.ckpt"
@@ -111,7 +114,7 @@ def test_watch_verifies_and_stamps_every_format_once_it_has_settled(tmp_path: Pa
     assert at > 0
     data[at + 5] ^= 0x40
     ckpt.write_bytes(bytes(data))
-    again = watch_pass(str(root), quiet=0)
+    again = watch_pass(root, quiet=0)
     assert [(r["path"], r["event"]) for r in again] == [("epoch=0-step=30.ckpt", "failed")]
     assert not read_stamp(ckpt).passed
     # The bare safetensors folder passed, but nothing could check its content: its stamp ranks it no higher than
