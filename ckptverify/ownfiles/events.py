@@ -26,7 +26,7 @@ __all__ = ["CHECKPOINT_CUT_SHORT", "CHECKPOINT_DELETED", "CHECKPOINT_FAILED", "C
 
 EVENTS_FILE = "events.jsonl"
 #: Written into every event.
-EVENTS_SCHEMA_VERSION = 2
+EVENTS_SCHEMA_VERSION = 1
 #: Longest line read as an event (ckptverify writes at most a few hundred kB).
 MAX_LINE_BYTES = 8 << 20
 #: Deepest nesting of an event's JSON (an event nests four levels: a finding's location in a verification).

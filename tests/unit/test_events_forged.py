@@ -18,13 +18,13 @@ from ckptverify.ownfiles.events import EVENTS_FILE, MAX_LINE_BYTES, EventLog, re
 
 _ENVELOPE = {"time": "2025-01-01T00:00:00.000+00:00", "rank": 0, "host": "h"}
 #: A verification event as ckptverify writes it.
-_V2 = {"event": "checkpoint-failed", "schema_version": 2, **_ENVELOPE, "path": "step_2", "step": 2,
+_FAILED = {"event": "checkpoint-failed", "schema_version": 1, **_ENVELOPE, "path": "step_2", "step": 2,
        "verdict": "failed", "passed": False, "pending": False, "deleted": False, "no_verdict": None,
        "summary": {"error": 1}, "first_error": "zip-crc: corrupt", "errors": [], "coverage": [],
        "bytes_checked": 10, "manifest": False, "unchecked": [], "warnings": [], "deep": False, "seconds": 0.5,
        "throttled_s": 0.0, "stamped": True, "stamp": None, "reason": None, "message": "failed"}
-_BEFORE = {"event": "start", "schema_version": 2, **_ENVELOPE, "step": 0, "resumed_from": None, "world_size": 1}
-_AFTER = {"event": "end", "schema_version": 2, **_ENVELOPE, "step": 4}
+_BEFORE = {"event": "start", "schema_version": 1, **_ENVELOPE, "step": 0, "resumed_from": None, "world_size": 1}
+_AFTER = {"event": "end", "schema_version": 1, **_ENVELOPE, "step": 4}
 
 
 def _wrong(value: Any) -> Any:
@@ -51,32 +51,32 @@ def _read(run: Path, content: bytes) -> tuple[list[str], list[tuple[int, str]]]:
     return [e["event"] for e in read_events(run, on_bad=lambda n, why: bad.append((n, why)))], bad
 
 
-_WRONG_TYPES = [pytest.param(json.dumps({**_V2, field: _wrong(value)}).encode(), id=field)
-                for field, value in _V2.items() if field != "first_error"]  # free text
+_WRONG_TYPES = [pytest.param(json.dumps({**_FAILED, field: _wrong(value)}).encode(), id=field)
+                for field, value in _FAILED.items() if field != "first_error"]  # free text
 _HOSTILE = [
-    pytest.param(json.dumps({**_V2, "step": 1 << 64}).encode(), id="huge-step"),
-    pytest.param(json.dumps({**_V2, "rank": 1 << 40}).encode(), id="huge-rank"),
-    pytest.param(json.dumps({**_V2, "bytes_checked": 10 ** 30}).encode(), id="huge-bytes"),
-    pytest.param(json.dumps({**_V2, "step": -1}).encode(), id="negative-step"),
-    pytest.param(json.dumps({**_V2, "bytes_checked": 1}).encode().replace(b': 1,', b': 1' + b'0' * 5000 + b','),
+    pytest.param(json.dumps({**_FAILED, "step": 1 << 64}).encode(), id="huge-step"),
+    pytest.param(json.dumps({**_FAILED, "rank": 1 << 40}).encode(), id="huge-rank"),
+    pytest.param(json.dumps({**_FAILED, "bytes_checked": 10 ** 30}).encode(), id="huge-bytes"),
+    pytest.param(json.dumps({**_FAILED, "step": -1}).encode(), id="negative-step"),
+    pytest.param(json.dumps({**_FAILED, "bytes_checked": 1}).encode().replace(b': 1,', b': 1' + b'0' * 5000 + b','),
                  id="5000-digit-number"),
-    pytest.param(json.dumps({**_V2, "seconds": 0.5}).encode().replace(b"0.5", b"NaN"), id="nan"),
-    pytest.param(json.dumps({**_V2, "seconds": 0.5}).encode().replace(b"0.5", b"Infinity"), id="infinity"),
-    pytest.param(json.dumps({**_V2, "step": 2}).encode().replace(b'"step": 2', b'"step": 1e999'), id="1e999"),
-    pytest.param(json.dumps({**_V2, "summary": {}}).encode().replace(b'"summary": {}', b'"summary": '
+    pytest.param(json.dumps({**_FAILED, "seconds": 0.5}).encode().replace(b"0.5", b"NaN"), id="nan"),
+    pytest.param(json.dumps({**_FAILED, "seconds": 0.5}).encode().replace(b"0.5", b"Infinity"), id="infinity"),
+    pytest.param(json.dumps({**_FAILED, "step": 2}).encode().replace(b'"step": 2', b'"step": 1e999'), id="1e999"),
+    pytest.param(json.dumps({**_FAILED, "summary": {}}).encode().replace(b'"summary": {}', b'"summary": '
                                                                      + b"[" * 100 + b"]" * 100), id="nested"),
     pytest.param(b"[" * 200_000 + b"]" * 200_000, id="nested-past-the-recursion-limit"),
     pytest.param(b"[]", id="array"), pytest.param(b'"start"', id="string"), pytest.param(b"7", id="number"),
     pytest.param(b"null", id="null"),
-    pytest.param(json.dumps(_V2).encode()[:-1] + b', "event": "checkpoint-verified"}', id="duplicate-key"),
-    pytest.param(json.dumps({k: v for k, v in _V2.items() if k != "rank"}).encode(), id="no-rank"),
-    pytest.param(json.dumps({**_V2, "event": "checkpoint-verified"}).encode(), id="verified-with-verdict-failed"),
-    pytest.param(json.dumps({**_V2, "passed": True}).encode(), id="failed-with-passed-true"),
-    pytest.param(json.dumps({**_V2, "verdict": "maybe"}).encode(), id="unknown-verdict"),
-    pytest.param(json.dumps({k: v for k, v in _V2.items() if k != "verdict"}).encode(), id="no-verdict"),
-    pytest.param(json.dumps({**_V2, "host": "h\u00e9"}).encode().replace(b"\\u00e9", b"\xff\xfe"),
+    pytest.param(json.dumps(_FAILED).encode()[:-1] + b', "event": "checkpoint-verified"}', id="duplicate-key"),
+    pytest.param(json.dumps({k: v for k, v in _FAILED.items() if k != "rank"}).encode(), id="no-rank"),
+    pytest.param(json.dumps({**_FAILED, "event": "checkpoint-verified"}).encode(), id="verified-with-verdict-failed"),
+    pytest.param(json.dumps({**_FAILED, "passed": True}).encode(), id="failed-with-passed-true"),
+    pytest.param(json.dumps({**_FAILED, "verdict": "maybe"}).encode(), id="unknown-verdict"),
+    pytest.param(json.dumps({k: v for k, v in _FAILED.items() if k != "verdict"}).encode(), id="no-verdict"),
+    pytest.param(json.dumps({**_FAILED, "host": "h\u00e9"}).encode().replace(b"\\u00e9", b"\xff\xfe"),
                  id="invalid-utf-8"),
-    pytest.param(json.dumps(_V2).encode()[:40], id="torn"),
+    pytest.param(json.dumps(_FAILED).encode()[:40], id="torn"),
 ]
 
 
@@ -89,7 +89,7 @@ def test_a_line_that_is_not_an_event_is_skipped_and_reported(line: bytes, tmp_pa
 
 
 def test_a_good_line_is_read(tmp_path: Path) -> None:
-    names, bad = _read(tmp_path, _lines(json.dumps(_V2).encode()))
+    names, bad = _read(tmp_path, _lines(json.dumps(_FAILED).encode()))
     assert names == ["start", "checkpoint-failed", "end"] and bad == []
 
 
@@ -115,7 +115,7 @@ def test_an_enormous_unterminated_last_line_is_skipped(tmp_path: Path) -> None:
 
 
 def test_out_of_order_times_and_steps_are_read_in_file_order(tmp_path: Path) -> None:
-    lines = [{**_V2, "step": step, "path": f"step_{step}", "time": f"2025-01-0{day}T00:00:00.000+00:00"}
+    lines = [{**_FAILED, "step": step, "path": f"step_{step}", "time": f"2025-01-0{day}T00:00:00.000+00:00"}
              for step, day in ((6, 3), (2, 1), (6, 3), (4, 2))]
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in lines))
@@ -148,7 +148,7 @@ def test_no_consumer_acts_on_a_forged_event(tmp_path: Path) -> None:
     cv.save(_state(2), run / "step_2")
     _flip(run / "step_2")
     cv.save(_state(9), outside / "step_9")
-    forged = [{**_V2, "event": "checkpoint-verified", "verdict": "passed", "passed": True, "path": str(where),
+    forged = [{**_FAILED, "event": "checkpoint-verified", "verdict": "passed", "passed": True, "path": str(where),
                "step": step} for where, step in ((run / "step_2", 2), (outside / "step_9", 9),
                                                  ("../outside/step_9", 9))]
     log = "".join(json.dumps(e) + "\n" for e in forged) + "".join(
