@@ -18,7 +18,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ckptverify.audit.verify import (
+from ckptverify.checks import deep as deep_check
+from ckptverify.checks.dcp_pipeline import (
+    KEEP_FILE_BYTES,
+    KEEP_TOTAL_BYTES,
     UNCHECKABLE,
     Executor,
     ProgressSink,
@@ -26,8 +29,6 @@ from ckptverify.audit.verify import (
     changed_finding,
     default_jobs,
 )
-from ckptverify.checks import deep as deep_check
-from ckptverify.checks.dcp_pipeline import KEEP_FILE_BYTES, KEEP_TOTAL_BYTES
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, FileChangedError, PartsOverlapError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, merge_reports
 from ckptverify.fingerprint.nonfinite import counts_kept

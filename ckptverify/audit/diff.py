@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckptverify.audit.verify import ProgressSink, VerificationRun, cap_findings, default_jobs
 from ckptverify.checks import deep as deep_check
+from ckptverify.checks.dcp_pipeline import ProgressSink, VerificationRun, cap_findings, default_jobs
 from ckptverify.errors import FileChangedError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.safeparse import paths

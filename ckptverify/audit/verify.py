@@ -13,27 +13,19 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.checks.dcp_pipeline import (
-    MAX_FINDINGS_PER_CHECK,
-    SEGMENT_BYTES,
-    SMALL_RECORD_BYTES,
     UNCHECKABLE,
     Executor,
     ProgressSink,
     VerificationRun,
     cap_findings,
-    changed_finding,
     default_jobs,
 )
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import Finding, Report, info, merge_coverage
 from ckptverify.safeparse import paths
 
-# Re-exported: callers import these from here (the public face of ``verify``).
-__all__ = ["FINGERPRINT_ADVICE", "MAX_FINDINGS_PER_CHECK", "SEGMENT_BYTES", "SMALL_RECORD_BYTES", "UNCHECKABLE",
-           "Executor", "ProgressSink", "VerificationRun", "by_subfolder", "cap_findings", "changed_finding",
-           "default_jobs", "each_shard_folder",
-           "fail_uncheckable", "needs_manifest", "verify_checkpoint", "verify_folder_files", "verify_part",
-           "verify_part_deep"]
+__all__ = ["FINGERPRINT_ADVICE", "by_subfolder", "each_shard_folder", "fail_uncheckable", "needs_manifest",
+           "verify_checkpoint", "verify_folder_files", "verify_part", "verify_part_deep"]
 
 
 def _counts_requests(fn: Any) -> Any:

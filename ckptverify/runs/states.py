@@ -18,7 +18,7 @@ INCOMPLETE_CHECKS = frozenset({"metadata-missing", "save-uncommitted"})
 
 def judge_report(report: Report) -> str:
     """The state (one of :data:`STATES`) a ``verify`` report gives a DCP checkpoint."""
-    from ckptverify.audit.verify import UNCHECKABLE
+    from ckptverify.checks.dcp_pipeline import UNCHECKABLE
 
     checks = {f.check for f in report.errors}
     if checks & INCOMPLETE_CHECKS:

@@ -36,7 +36,7 @@ def first_error_line(path: str, errors: list[dict[str, Any]] | tuple[dict[str, A
 def verification_of(path: str, report: Report, step: int | None, seconds: float, stamp: str | None,
                     reason: str | None = None) -> Verification:
     """The :class:`~ckptverify.verifier.verification.Verification` of ``report``, with the integrations' message."""
-    from ckptverify.audit.verify import UNCHECKABLE
+    from ckptverify.checks.dcp_pipeline import UNCHECKABLE
 
     errors = report.errors
     unchecked = sorted({f.location.file or "?" for f in report.findings if f.check == UNCHECKABLE})

@@ -144,7 +144,7 @@ def from_report(path: str, step: int | None, report: Report, *, seconds: float, 
                 stamp: str | None = None, reason: str | None = None, throttled_s: float = 0.0,
                 message: str | None = None) -> Verification:
     """The :class:`Verification` of a verification that reached a verdict (``report``)."""
-    from ckptverify.audit.verify import UNCHECKABLE
+    from ckptverify.checks.dcp_pipeline import UNCHECKABLE
 
     errors = report.errors
     first = errors[0] if errors else None

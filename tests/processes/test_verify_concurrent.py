@@ -172,18 +172,18 @@ def test_truncation_between_open_and_read_is_reported(tmp_path: Path) -> None:
 def test_verify_reports_a_shard_rewritten_in_place_after_it_was_read(checkpoint: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A change that leaves the bytes read intact (it happens after they were hashed) is still reported."""
-    import ckptverify.audit.verify as v
+    from ckptverify.checks.dcp_pipeline import VerificationRun
 
     path = checkpoint
     shard = _largest(path)
-    real = v.VerificationRun._hash
+    real = VerificationRun._hash
 
-    def hash_then_touch(self: v.VerificationRun, layout: object) -> None:
+    def hash_then_touch(self: VerificationRun, layout: object) -> None:
         real(self, layout)
         st = shard.stat()
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
 
-    monkeypatch.setattr(v.VerificationRun, "_hash", hash_then_touch)
+    monkeypatch.setattr(VerificationRun, "_hash", hash_then_touch)
     report = verify_checkpoint(path)
     changed = [f for f in report.findings if f.check == "file-changed"]
     assert len(changed) == 1 and changed[0].location.file == shard.name, report.findings

@@ -23,7 +23,8 @@ from helpers.dcp_encodings import dcp_checkpoint, safetensors_ckpt, zstd_ckpt
 
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.diff import diff_checkpoints
-from ckptverify.audit.verify import VerificationRun, verify_checkpoint
+from ckptverify.audit.verify import verify_checkpoint
+from ckptverify.checks.dcp_pipeline import VerificationRun
 from ckptverify.checks.deep import scan_description
 from ckptverify.fingerprint import tensor_fingerprint
 from ckptverify.formats.describe import Description, read_tensor

@@ -277,7 +277,7 @@ def test_manifest_never_makes_verify_read_outside_the_checkpoint(fresh_ckpt):
 
 
 def test_findings_are_capped_per_check_with_a_count_of_the_rest(fresh_ckpt):
-    from ckptverify.audit.verify import MAX_FINDINGS_PER_CHECK
+    from ckptverify.checks.dcp_pipeline import MAX_FINDINGS_PER_CHECK
 
     path = _adopted(fresh_ckpt, "single")
 

@@ -551,7 +551,7 @@ def test_a_folder_is_fingerprinted_in_parts_as_one_process_would_and_no_node_ope
 
 def test_auto_writes_the_manifest_a_folder_s_own_files_need_and_leaves_shards_a_crc_protects_to_their_nodes(
         tmp_path: Path, opened_paths: list[str]) -> None:
-    from ckptverify.audit.verify import UNCHECKABLE
+    from ckptverify.checks.dcp_pipeline import UNCHECKABLE
 
     path = _fsdp_folder(tmp_path, weights=True)  # model.safetensors: content no checksum protects
     out = _folder_job(path, "auto", opened_paths)
