@@ -21,7 +21,6 @@ from ckptverify.errors import CkptVerifyError, FileChangedError, UsageError
 if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import VerificationRun
 
-#: Default seconds a rank may stay silent (no heartbeat) before the command fails naming it.
 #: Test-only ``RANK:ACTION`` (rank not 0): ``kill``, ``exit`` (3) or ``stop`` at its first work, or after its first
 #: unit ``kill-reading`` or ``raise``: proves a failing rank is named and never passes without its share.
 FAULT_ENV = "CKPTVERIFY_TEST_RANK_FAULT"
