@@ -144,21 +144,23 @@ class ReplicaCheck:
         return [] if step is None or not self.enabled else self.check(step)
 
     def _tensors(self, bucket: _Bucket, grads: bool) -> tuple[list[str], list[Any]]:
+        from ckptverify.trace.sites import local_view
+
         names: list[str] = []
         tensors: list[Any] = []
         for name, p in bucket.params:
             if grads:
                 names.append(name)
-                tensors.append(None if p.grad is None else _local(p.grad))
+                tensors.append(None if p.grad is None else local_view(p.grad))
                 continue
             names.append(name)
-            tensors.append(_local(p))
+            tensors.append(local_view(p))
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
             for key in sorted(state, key=str):
                 value = state[key]
                 if hasattr(value, "dtype") and hasattr(value, "device"):
                     names.append(f"optim:{name}.{key}")
-                    tensors.append(_local(value))
+                    tensors.append(local_view(value))
         return names, tensors
 
     def _digests_of(self, bucket: _Bucket, tensors: list[Any], step: int, *, reuse: bool) -> list[int | None]:
@@ -310,9 +312,9 @@ class _Episode:
 
 def _replica_groups(p: Any, group: Any) -> list[tuple[tuple[Any, ...], Any]]:
     """``(key, process group)`` for each set of ranks that replicate ``p``; keys agree across ranks."""
-    from ckptverify.trace.sites import _is_dtensor
+    from ckptverify.trace.sites import is_dtensor
 
-    if _is_dtensor(p):
+    if is_dtensor(p):
         mesh = p.device_mesh
         out = []
         for dim, placement in enumerate(p.placements):
@@ -320,12 +322,6 @@ def _replica_groups(p: Any, group: Any) -> list[tuple[tuple[Any, ...], Any]]:
                 out.append((("mesh", tuple(mesh.mesh.shape), mesh.mesh_dim_names, dim), mesh.get_group(dim)))
         return out
     return [(("plain",), group)]
-
-
-def _local(t: Any) -> Any:
-    from ckptverify.trace.sites import _is_dtensor
-
-    return t.to_local() if _is_dtensor(t) else t
 
 
 def _lanes(hex128: str) -> tuple[int, int]:

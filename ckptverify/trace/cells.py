@@ -11,7 +11,7 @@ import xxhash
 
 from ckptverify.errors import UsageError
 from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
-from ckptverify.trace.sites import _is_dtensor
+from ckptverify.trace.sites import is_dtensor, local_view
 from ckptverify.trace.store import Cell, hex_lanes
 
 if TYPE_CHECKING:
@@ -21,13 +21,13 @@ _SCALARS = (int, float, bool, str, type(None))
 
 def _encoding(t: Any) -> str:
     """How a tensor's member digest reads: bytes on the host, the logical fingerprint on a device."""
-    local = t.to_local() if _is_dtensor(t) else t
+    local = local_view(t)
     return "digest128" if _on_host(local) else "fp128"
 
 
 def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
     """:func:`_tensor_cell`, with a tensor on an accelerator read back with the rest of the step."""
-    local = t.to_local() if _is_dtensor(t) else t
+    local = local_view(t)
     if _on_host(local):
         return _tensor_cell(site, kind, t, info)
 
@@ -91,7 +91,7 @@ def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
     if isinstance(obj, torch.Tensor):
         return _tensor_item(site, kind, obj, info)
     leaves = _tensor_leaves(obj, [])
-    if not leaves or all(_on_host(t) for t in leaves) or any(_is_dtensor(t) for t in leaves):
+    if not leaves or all(_on_host(t) for t in leaves) or any(is_dtensor(t) for t in leaves):
         return _object_cell(site, kind, obj, info)
 
     skeleton = _skeleton(obj)
@@ -228,7 +228,7 @@ def _metric_item(name: str, value: Any) -> Item:
             return [Cell(site, "metric", (values[0] & _MASK64, 0), "f64" if floating else "i64")]
 
         return _Deferred(bits, make)
-    if isinstance(value, torch.Tensor) and not _is_dtensor(value) and value.numel() != 1:
+    if isinstance(value, torch.Tensor) and not is_dtensor(value) and value.numel() != 1:
         return _tensor_item(f"metric.{name}", "metric", value)
     return _metric_cell(name, value)
 
@@ -243,9 +243,9 @@ def _metric_cell(name: str, value: Any) -> Cell:
     if type(value) is torch.Tensor and value.is_cpu and not value.is_complex() and value.numel() == 1:
         value = value.item()  # the common case: a loss, a norm
     elif isinstance(value, torch.Tensor):
-        if _is_dtensor(value) and value.numel() == 1:
+        if is_dtensor(value) and value.numel() == 1:
             value = value.full_tensor()
-        if value.numel() == 1 and not value.is_complex() and not _is_dtensor(value):
+        if value.numel() == 1 and not value.is_complex() and not is_dtensor(value):
             value = value.detach().reshape(()).item()
         else:
             return _tensor_cell(site, "metric", value)

@@ -12,7 +12,7 @@ import xxhash
 from ckptverify.trace.cells import _SCALARS, _json, _value_lanes
 from ckptverify.trace.members import _Digester, _Members
 from ckptverify.trace.readback import _MASK64
-from ckptverify.trace.sites import _is_dtensor, _unwrap, non_persistent_buffers
+from ckptverify.trace.sites import _unwrap, local_view, non_persistent_buffers
 from ckptverify.trace.store import Cell
 
 if TYPE_CHECKING:
@@ -151,13 +151,13 @@ class _StateLayout:
         if state.model is not None:
             inner = _unwrap(state.model)
             for t in [*inner.parameters(), *inner.buffers()]:
-                local = t.to_local() if _is_dtensor(t) else t
+                local = local_view(t)
                 if local.device.type == "cpu" and local.numel():
                     owners.setdefault((local.data_ptr(), local.dtype, tuple(local.shape)), t)
         tensors = [(n, v) for n, v in param_flat.items() if _is_tensor(v)]
         live = []
         for _, v in tensors:
-            local = v.to_local() if _is_dtensor(v) else v
+            local = local_view(v)
             key = (local.data_ptr(), local.dtype, tuple(local.shape)) if local.device.type == "cpu" else None
             owner = owners.get(key) if key is not None else None
             live.append(owner if owner is not None else local)

@@ -8,7 +8,7 @@ from typing import Any
 from ckptverify.trace.category import combine, weight
 from ckptverify.trace.cells import _SCALARS
 from ckptverify.trace.readback import Item, _Deferred, _on_host
-from ckptverify.trace.sites import _is_dtensor
+from ckptverify.trace.sites import is_dtensor
 from ckptverify.trace.store import Cell
 
 
@@ -17,7 +17,7 @@ def _on_device(values: list[Any]) -> list[int]:
     import torch
 
     return [i for i, v in enumerate(values)
-            if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.numel() == 1 and not _on_host(v)]
+            if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.numel() == 1 and not _on_host(v)]
 
 
 def _hparam_cell(site: str, v: Any) -> Cell | None:
@@ -27,7 +27,7 @@ def _hparam_cell(site: str, v: Any) -> Cell | None:
         return Cell.from_int(site, "hparam", int(v))
     if isinstance(v, float | np.floating):
         return Cell.from_float(site, "hparam", float(v))
-    if hasattr(v, "numel") and v.numel() == 1 and not _is_dtensor(v):
+    if hasattr(v, "numel") and v.numel() == 1 and not is_dtensor(v):
         return Cell.from_float(site, "hparam", float(v.detach().reshape(()).item()))
     return None
 

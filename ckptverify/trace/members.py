@@ -14,7 +14,7 @@ from ckptverify.trace.readback import (
     _on_host,
     _pair_digests,
 )
-from ckptverify.trace.sites import _is_dtensor, _unwrap, canonical_name
+from ckptverify.trace.sites import _unwrap, canonical_name, is_dtensor, local_view
 from ckptverify.trace.store import Cell
 
 
@@ -27,7 +27,7 @@ class _Members:
         self.group, self.kind, self.names = group, kind, names
         self.weights = [weight(n) for n in names]
         self.tensors = tensors
-        self.locals = [t.to_local() if _is_dtensor(t) else t for t in tensors]
+        self.locals = [local_view(t) for t in tensors]
         self.encodings = ["digest128" if _on_host(t) else "fp128" for t in self.locals]
 
 
@@ -138,8 +138,8 @@ class _Gradients:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.weights = [weight(n) for n in self.names]
-        locals_ = [p.to_local() if _is_dtensor(p) else p for p in self.params]
-        self.dtensor = [_is_dtensor(p) for p in self.params]
+        locals_ = [local_view(p) for p in self.params]
+        self.dtensor = [is_dtensor(p) for p in self.params]
         self.host = [_on_host(t) for t in locals_]
         self.signatures = [signature(t.dtype, tuple(t.shape)) for t in locals_]
         self.encodings = ["digest128" if h else "fp128" for h in self.host]
@@ -174,7 +174,7 @@ class _Gradients:
         grads = []
         for i in present:
             g = self.params[i].grad
-            grads.append(g.to_local() if _is_dtensor(g) else g)
+            grads.append(local_view(g))
         names = [self.names[i] for i in present]
         weights = [self.weights[i] for i in present]
         encodings = [self.encodings[i] for i in present]

@@ -111,9 +111,9 @@ class _Digests:
     def __call__(self, t: Any) -> Any:
         import torch
 
-        from ckptverify.trace.sites import _is_dtensor
+        from ckptverify.trace.sites import is_dtensor
 
-        if _is_dtensor(t):
+        if is_dtensor(t):
             t = t.to_local()
         elif type(t).__name__ == "AsyncCollectiveTensor":
             # Waited on anyway; what was known while in flight is stale (no version bump).

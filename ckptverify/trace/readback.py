@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.trace import hostread
-from ckptverify.trace.sites import _is_dtensor
+from ckptverify.trace.sites import is_dtensor
 from ckptverify.trace.store import Cell
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
     out: list[str | None] = [None] * len(tensors)
     by_device: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
-        if _is_dtensor(t) or _has_parts(t):
+        if is_dtensor(t) or _has_parts(t):
             out[i] = tensor_fingerprint(t).value
         else:
             by_device.setdefault(t.device, []).append(i)

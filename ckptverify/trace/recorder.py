@@ -44,9 +44,9 @@ from ckptverify.trace.sites import (
     _WRAPPER_PARTS,
     ROOT_MODULE,
     _field_kind,
-    _is_dtensor,
     _unwrap,
     canonical_name,
+    local_view,
     module_site,
 )
 from ckptverify.trace.store import (
@@ -469,7 +469,7 @@ class TraceRecorder:
             found = next((t for t in _tensor_leaves(dict(metrics or {}), []) if t.numel() != 1), None)
         if found is None:
             return
-        local = found.to_local() if _is_dtensor(found) else found
+        local = local_view(found)
         host = "host-as-device" if _HOST_AS_DEVICE else "host"
         encoding = host if local.device.type == "cpu" else "device"
         self.header = replace(self.header, digest_encoding=encoding)
@@ -581,7 +581,7 @@ class TraceRecorder:
         _, members, digests = found
 
         def storage(t: Any) -> tuple[Any, ...] | None:
-            local = t.to_local() if _is_dtensor(t) else t
+            local = local_view(t)
             return (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride()) \
                 if local.numel() else None
 

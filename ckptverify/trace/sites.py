@@ -40,11 +40,16 @@ def _unwrap(model: Any) -> Any:
             return model
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     from ckptverify.fingerprint import _dtensor_type
 
     dtype = _dtensor_type()
     return dtype is not None and isinstance(t, dtype)
+
+
+def local_view(t: Any) -> Any:
+    """This rank's shard of a DTensor (``to_local()``), or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def non_persistent_buffers(model: Any) -> list[tuple[str, Any]]:
