@@ -4,11 +4,11 @@
 Ranks exchange node names before the save (one node: nothing here happens). As the save commits the coordinator
 writes the plan (:func:`~ckptverify.ownfiles.partsplan.make_plan`: per node its host, ranks and files). Each other
 node's lowest rank runs a part (:func:`part_job`): byte-level checks of its files only, verdict written beside the
-plan. The coordinator
-checks the whole checkpoint and its node's files, waits for the parts (:func:`stamp_parts_locked`, up to
-:func:`part_timeout`), and stamps: passed if all passed; failed with a ``node-part-failed`` error per failed part;
-**unverified** naming nodes that never reported. With ``deep`` the coordinator judges all parts' tensor pieces
-together; with a manifest to write, parts bring digests and scans (:func:`_adopt`).
+plan. The coordinator checks the whole checkpoint and its node's files, waits for the parts
+(:func:`stamp_parts_locked`, up to :func:`part_timeout`), and stamps: passed if all passed; failed with a
+``node-part-failed`` error per failed part; **unverified** naming nodes that never reported. With ``deep`` the
+coordinator judges all parts' tensor pieces together; with a manifest to write, parts bring digests and scans
+(:func:`_adopt`).
 """
 
 from __future__ import annotations
