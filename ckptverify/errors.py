@@ -18,7 +18,7 @@ attribute); anything else is raised as its parent, and the message says what hap
 - Runs: :class:`SaveFailedError` (``failures``), :class:`PartsOverlapError`.
 - :class:`FindingError`: raised by a reader and turned into a finding, never meant to reach a user
   (:class:`JSONError`, :class:`BadPickle`, :class:`UnsafeGlobal`, :class:`ArchiveError`,
-  :class:`TransformError`, :class:`ItemProofError`, :class:`ManifestError`).
+  :class:`TransformError`, :class:`ManifestError`).
 - Warnings: :class:`CkptVerifyWarning` (issued as itself too, a replica mismatch among them),
   :class:`VerifyFailedWarning`.
 
@@ -86,11 +86,18 @@ class CheckpointRefusedError(CkptVerifyError):
 
 class ProofFailedError(CheckpointRefusedError):
     """Bytes being loaded failed their proof (a manifest digest, a zip CRC-32, the archive structure) in the read
-    that loaded them; nothing was applied. ``info`` names the item and the check (see ``docs/state.md``)."""
+    that loaded them; nothing was applied. ``info`` names the item and the check (see ``docs/state.md``):
+    ``check`` (``manifest-digest``, ``manifest-mismatch``, ``zip-crc``, ``zip-structure``, ``item-bounds``,
+    ``manifest-invalid``), ``fqn``, ``chunk_offsets``, ``file``, ``byte_range``, ``expected``, ``actual``. Raised
+    by the reader on the rank that read the item, it crosses ranks inside DCP's ``CheckpointException``
+    (pickled, so ``info`` holds only plain values); ``load`` raises it again on every rank with the ``report``."""
 
     def __init__(self, message: str, report: object | None = None, info: dict | None = None) -> None:
         super().__init__(message, report)
         self.info = dict(info or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.report, self.info)
 
 
 class SaveFailedError(CkptVerifyError):
@@ -169,22 +176,6 @@ class TransformError(FindingError, ValueError):
     def __init__(self, message: str, *, unavailable: bool = False) -> None:
         super().__init__(message)
         self.unavailable = unavailable
-
-
-class ItemProofError(FindingError):
-    """An item (or metadata file) failed its proof while being loaded; nothing was copied out of it.
-
-    ``info``: ``check`` (``manifest-digest``, ``manifest-mismatch``, ``zip-crc``, ``zip-structure``,
-    ``item-bounds``), ``fqn``, ``chunk_offsets``, ``file``, ``byte_range``, ``expected``, ``actual``. It crosses
-    ranks inside DCP's ``CheckpointException`` (pickled), so it holds only plain values.
-    """
-
-    def __init__(self, message: str, info: dict[str, Any]) -> None:
-        super().__init__(message, info)
-        self.info = info
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class ManifestError(FindingError):

@@ -336,17 +336,15 @@ def _on_coordinator(fn: Any) -> Any:
 
 
 def _proof_failure(exc: BaseException) -> tuple[int, Any] | None:
-    """``(rank, ItemProofError)`` when DCP failed because an item failed its proof (the lowest such rank)."""
-    from ckptverify.errors import ItemProofError
-
-    if isinstance(exc, ItemProofError):
+    """``(rank, ProofFailedError)`` when DCP failed because an item failed its proof (the lowest such rank)."""
+    if isinstance(exc, ProofFailedError):
         return 0, exc
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return None
     for rank in sorted(failures):
         inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        if isinstance(inner, ItemProofError):
+        if isinstance(inner, ProofFailedError):
             return rank, inner
     return None
 
@@ -424,9 +422,9 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
             try:
                 dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner())
             except BaseException as exc:
-                if isinstance(exc, (KeyboardInterrupt, SystemExit)) or reported_as_itself(exc):
+                proof = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else _proof_failure(exc)
+                if proof is None and (isinstance(exc, (KeyboardInterrupt, SystemExit)) or reported_as_itself(exc)):
                     raise
-                proof = _proof_failure(exc)
                 if proof is not None:
                     report = _proof_report(root, proof[1], proof[0])
                     if stamp_on_failure:

@@ -7,7 +7,8 @@ Items are still read by ``read_data`` (``weights_only=True``), non-tensors via
 :class:`~ckptverify.dcp.loading.SafeLoadPlanner`.
 
 :class:`ProvingFileSystemReader` reads each item once into memory, proves it there (manifest digest, else every
-zip CRC-32) and only then deserializes that buffer; a failure raises :class:`ItemProofError` before any copy.
+zip CRC-32) and only then deserializes that buffer; a failure raises
+:class:`~ckptverify.errors.ProofFailedError` before any copy.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
-from ckptverify.errors import BadPickle, CheckpointRefusedError, ItemProofError, UnsafeGlobal
+from ckptverify.errors import BadPickle, CheckpointRefusedError, ProofFailedError, UnsafeGlobal
 from ckptverify.safeparse import paths
 
 if TYPE_CHECKING:
@@ -110,9 +111,9 @@ class ProvingFileSystemReader(SafeFileSystemReader):
         entry = self.manifest.metadata_files[name]
         actual = digest_bytes(raw, self.manifest.digest_algorithm)
         if len(raw) != entry.size or actual != entry.digest:
-            raise ItemProofError(
+            raise ProofFailedError(
                 f"{name} differs from the one written at save time (manifest-digest): the checkpoint's index was "
-                "replaced or edited", {"check": "manifest-digest", "file": name, "expected": entry.digest,
+                "replaced or edited", info={"check": "manifest-digest", "file": name, "expected": entry.digest,
                                        "actual": actual})
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
@@ -149,16 +150,16 @@ class ProvingFileSystemReader(SafeFileSystemReader):
         return fut
 
     def _prove(self, req: ReadItem, relative_path: str, info: Any, raw: bytes) -> bytes:
-        """The item's bytes with transforms undone, once proven; raises :class:`ItemProofError`."""
+        """The item's bytes with transforms undone, once proven; raises :class:`~ckptverify.errors.ProofFailedError`."""
         idx = req.storage_index
         offsets = None if idx.offset is None else tuple(int(x) for x in idx.offset)
         where = {"fqn": idx.fqn, "chunk_offsets": None if offsets is None else list(offsets), "file": relative_path,
                  "byte_range": [info.offset, info.offset + info.length]}
         label = f"{idx.fqn!r}" + (f" chunk {list(offsets)}" if offsets is not None else "") + f" in {relative_path}"
 
-        def fail(check: str, what: str, **values: Any) -> ItemProofError:
-            return ItemProofError(f"{label} bytes [{info.offset}, {info.offset + info.length}) {what} ({check})",
-                                  {"check": check, **where, **values})
+        def fail(check: str, what: str, **values: Any) -> ProofFailedError:
+            return ProofFailedError(f"{label} bytes [{info.offset}, {info.offset + info.length}) {what} ({check})",
+                                    info={"check": check, **where, **values})
 
         if len(raw) != info.length:
             raise fail("item-bounds", f"are cut short: {len(raw)} of {info.length} bytes could be read")
