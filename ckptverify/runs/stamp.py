@@ -33,7 +33,7 @@ __all__ = ["Stamp", "committed", "describe_suspect", "files_fingerprint", "read_
            "stamp_path", "write_stamp", "write_suspect_note"]
 
 STAMP_SCHEMA = "ckptverify/stamp"
-STAMP_VERSION = 2
+STAMP_VERSION = 1
 SUSPECT_SCHEMA = "ckptverify/suspect"
 #: The most of a stamp that is ever read.
 MAX_STAMP_BYTES = 1 << 20

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: Version of the :class:`RngState` state dict layout (2: one ``cuda`` stream, the rank's own device).
-RNG_STATE_VERSION = 2
+RNG_STATE_VERSION = 1
 
 _PYTHON = "python"
 _NUMPY = "numpy"
@@ -352,7 +352,7 @@ def rng_fingerprints(state: Mapping[str, Any]) -> dict[str, str]:
 class RngState:
     """This rank's random streams as a DCP ``Stateful``.
 
-    ``state_dict()`` is ``{"version": 2, "world_size": W, "rank{r}": capture_rng(generators)}``, so DCP keeps every
+    ``state_dict()`` is ``{"version": 1, "world_size": W, "rank{r}": capture_rng(generators)}``, so DCP keeps every
     rank's copy. On a different world size, loading raises :class:`UsageError`, or with ``allow_reseed=True``
     re-seeds from ``seed`` and rank (:func:`reseed_rng`) and appends to :attr:`warnings`. Growing worlds need DCP's
     ``allow_partial_load=True``; the world-size check still runs. ``rank``/``world_size`` default to the process group.
