@@ -228,8 +228,7 @@ class Verifier:
 
     def before_resume(self, path: str | os.PathLike[str], *, group: Group = Group()) -> Verification:
         """Verify ``path`` before it is loaded (after any pending background check), read-only; refuse on every rank if
-        it
-        fails or cannot be verified. Returns the verdict when it passed."""
+        it fails or cannot be verified. Returns the verdict when it passed."""
         verdict = self.check(path, group=group, event="resume", warn=False)
         if not verdict.passed:
             raise CheckpointRefusedError(f"refusing to resume: {verdict.message}", verdict.report)
@@ -237,8 +236,7 @@ class Verifier:
 
     def newest_verified(self, paths: list[str], folder: str, *, group: Group = Group()) -> Verification | None:
         """The verdict of the first of ``paths`` (newest first, same on every rank) that verifies; earlier ones are
-        skipped
-        with a warning and ``resume-refused`` event. ``None`` if ``paths`` is empty;
+        skipped with a warning and ``resume-refused`` event. ``None`` if ``paths`` is empty;
         :class:`~ckptverify.errors.CheckpointRefusedError` if none verifies (starting over would silently lose the run).
         """
         refused: list[Verification] = []
@@ -255,8 +253,7 @@ class Verifier:
     def check(self, path: str | os.PathLike[str], *, group: Group = Group(), event: str = "resume",
               warn: bool = True) -> Verification:
         """Verify ``path`` read-only on the coordinator (after any pending background check), log ``{event}-verified``
-        or
-        ``{event}-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
+        or ``{event}-refused``, and return the verdict on every rank. Never raises for a failing checkpoint."""
         root = os.fspath(path)
         mine = None
         if group.coordinator:
@@ -296,8 +293,7 @@ class Verifier:
     @staticmethod
     def _plan(root: str, hosts: list[str], fingerprint: Fingerprint, deep: bool = False) -> bool:
         """Write the parts plan (``fingerprint``, ``deep`` included); ``False`` if unwritable (the coordinator then
-        verifies
-        everything and the parts report finding no plan)."""
+        verifies everything and the parts report finding no plan)."""
         from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
 
         plan = {**plan_from_names(root, hosts), "fingerprint": fingerprint, **({"deep": True} if deep else {})}

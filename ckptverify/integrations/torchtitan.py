@@ -49,8 +49,7 @@ class VerifiedCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         """torchtitan's config plus ``verify_when``, ``verify_deep`` and ``verify_on_failure`` (flat, as torchtitan
-        configs
-        are); :meth:`verify_options` combines them."""
+        configs are); :meth:`verify_options` combines them."""
 
         verify_on_failure: Literal["warn", "raise"] = "warn"
         """A saved checkpoint that fails verification: ``warn`` (a warning and an event) or ``raise`` (stop)."""

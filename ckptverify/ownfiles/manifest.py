@@ -380,8 +380,7 @@ def write_manifest(root: str, manifest: Manifest, *, name: str = MANIFEST_FILE) 
 
 def _dumps_by_line(body: dict[str, Any]) -> str:
     """``body`` as JSON, one top-level field and one list/object entry per line (readable, diffable), each encoded by
-    the
-    C encoder (``indent=`` uses the pure-Python one, ten times slower)."""
+    the C encoder (``indent=`` uses the pure-Python one, ten times slower)."""
     enc = json.JSONEncoder(ensure_ascii=True, allow_nan=True).encode
     lines = []
     for key, value in body.items():
@@ -399,8 +398,7 @@ def _dumps_by_line(body: dict[str, Any]) -> str:
 
 def manifest_text(manifest: Manifest) -> str:
     """Exactly what :func:`write_manifest` writes (``_dumps_by_line(manifest.to_dict())``), built from string pieces
-    each
-    escaped once. Values of unexpected types, or tensors with ``parts``, go through :meth:`Manifest.to_dict` (same
+    each escaped once. Values of unexpected types, or tensors with ``parts``, go through :meth:`Manifest.to_dict` (same
     text)."""
     import hashlib
 

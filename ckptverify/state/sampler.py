@@ -307,9 +307,8 @@ class ResumableSampler(Sampler[int]):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume at the saved epoch and position. Length, ``shuffle``, ``seed`` and ``drop_last`` must match; same
-        replica
-        count requires the same rank, a different one is resharded when exact, else :class:`UsageError`. The saved
-        ``worker_seed`` (optional) seeds the resumed epoch's workers."""
+        replica count requires the same rank, a different one is resharded when exact, else :class:`UsageError`. The
+        saved ``worker_seed`` (optional) seeds the resumed epoch's workers."""
         if not isinstance(state_dict, Mapping):
             raise UsageError(f"sampler state must be a mapping, got {type(state_dict).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state_dict]

@@ -83,8 +83,7 @@ def _note_consumed(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def watch_optimizer_steps() -> None:
     """Install (once per process) a post-step hook so :func:`pending_gradients` can tell accumulated gradients from
-    those
-    a step consumed (loops that zero gradients at the next step save with stale ``.grad``: nothing lost)."""
+    those a step consumed (loops that zero gradients at the next step save with stale ``.grad``: nothing lost)."""
     global _watching
     if not _watching:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -95,10 +94,9 @@ def watch_optimizer_steps() -> None:
 
 def pending_gradients(model: Any, *, limit: int = 5) -> tuple[list[str], int]:
     """Parameters of ``model`` (module or list) whose nonzero ``.grad`` no optimizer step consumed: accumulated
-    gradients
-    a checkpoint does not save. Returns up to ``limit`` names and the count. Per rank, no collective. Only parameters a
-    step was seen to update are judged (so a save before the first step is not warned about); FSDP2's unsharded
-    gradients with sync off are not seen."""
+    gradients a checkpoint does not save. Returns up to ``limit`` names and the count. Per rank, no collective. Only
+    parameters a step was seen to update are judged (so a save before the first step is not warned about); FSDP2's
+    unsharded gradients with sync off are not seen."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not _watching:
@@ -270,9 +268,8 @@ class TrainState:
 
     def reapply_rng(self) -> None:
         """Put back the random streams as the last load restored them. A resumed run draws a new ``DataLoader``
-        iterator's
-        base seed after loading; call this right after creating that iterator so the next draws match the uninterrupted
-        run."""
+        iterator's base seed after loading; call this right after creating that iterator so the next draws match the
+        uninterrupted run."""
         if self._restored_rng is None:
             raise UsageError("reapply_rng() needs a state restored by ckptverify.load()")
         restore_rng(self._restored_rng, self.rng.generators)
@@ -286,9 +283,8 @@ class TrainState:
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore every field from ``sd``, or none: everything is checked first, then applied (model and optimizer
-        last);
-        on failure the applied fields are put back and :class:`~ckptverify.errors.CkptVerifyError` (or the explaining
-        :class:`~ckptverify.errors.UsageError`) is raised, the state unchanged."""
+        last); on failure the applied fields are put back and :class:`~ckptverify.errors.CkptVerifyError` (or the
+        explaining :class:`~ckptverify.errors.UsageError`) is raised, the state unchanged."""
         plan = self._check(sd)
         undo = self._snapshot()
         try:

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import hardware_worker as worker
 import pytest
 import torch
+from helpers import hardware_worker as worker
 from helpers.multiproc import spawn_ranks
 
 from ckptverify.errors import UsageError

@@ -165,7 +165,7 @@ def test_a_failed_restore_check_refuses_and_puts_everything_back(tmp_path: Path)
 
 
 def _job(run_dir: Path, steps: int) -> subprocess.CompletedProcess[str]:
-    script = Path(__file__).resolve().parents[1] / "production_workload.py"
+    script = Path(__file__).resolve().parents[1] / "user_scripts" / "production_workload.py"
     return subprocess.run([sys.executable, str(script), "--run-dir", str(run_dir), "--steps", str(steps),
                            "--save-every", "2"], capture_output=True, text=True, timeout=600, env=dict(os.environ))
 

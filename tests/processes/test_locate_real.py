@@ -8,8 +8,8 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from helpers.locate_worker import _load_script, run_logged
 from helpers.multiproc import spawn_ranks
-from locate_worker import _load_script, run_logged
 
 from ckptverify.resume.locate.ops import locate
 from ckptverify.trace.kernel import rerun

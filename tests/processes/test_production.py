@@ -1,7 +1,7 @@
 """Production mode and replay: a real job saves, traces and watches its replicas; replay judges the hardware.
 
-The job is `tests/production_workload.py`, a DDP script written the way users write one, started as users start
-it (`python` for 1 rank, `torchrun` for 2). Faults are planted with the documented `--fault` hook.
+The job is `tests/user_scripts/production_workload.py`, a DDP script written the way users write one, started as
+users start it (`python` for 1 rank, `torchrun` for 2). Faults are planted with the documented `--fault` hook.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ckptverify.ownfiles.events import read_events
 from ckptverify.replay.replay import replay
 from ckptverify.runs.stamp import read_stamp
 
-SCRIPT = Path(__file__).resolve().parents[1] / "production_workload.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "production_workload.py"
 #: What a replay runs: the function run.json records, named by the caller (a run directory is data).
 TARGET = f"{SCRIPT.resolve()}:train"
 SITE = "blocks.0.mlp.fc.weight"

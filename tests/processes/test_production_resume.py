@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import production_replica_worker as episode_worker
 import pytest
 from helpers import faults as inj
+from helpers import production_replica_worker as episode_worker
 from helpers.multiproc import spawn_ranks
 
 from ckptverify.hardware.inject import BitFlip

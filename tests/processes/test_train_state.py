@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-import train_state_worker as worker
+from helpers import train_state_worker as worker
 from helpers.multiproc import spawn_ranks
 
 import ckptverify

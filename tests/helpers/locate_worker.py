@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ckptverify.trace.category import host_digest
 from ckptverify.trace.oplog import CommInfo, OpEvent
 
-SCRIPT = Path(__file__).parent / "user_scripts" / "locate_ddp_train.py"
+SCRIPT = Path(__file__).parents[1] / "user_scripts" / "locate_ddp_train.py"
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
