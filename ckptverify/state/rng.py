@@ -40,7 +40,7 @@ __all__ = [
     "rng_fingerprints",
 ]
 
-#: Version of the :class:`RngState` state dict layout (2: one ``cuda`` stream, the rank's own device).
+#: Version of the :class:`RngState` state dict layout.
 RNG_STATE_VERSION = 1
 
 _PYTHON = "python"
