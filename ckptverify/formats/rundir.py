@@ -14,7 +14,6 @@ import contextlib
 import os
 import re
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckptverify.ownfiles.names import SAVE_MARKER
@@ -31,7 +30,6 @@ __all__ = [
     "file_format",
     "find_checkpoints",
     "step_of",
-    "walk_files",
 ]
 
 #: How deep below the run directory checkpoints are looked for.
@@ -121,24 +119,6 @@ def _scandir(path: str) -> list[os.DirEntry[str]]:
             return sorted(it, key=lambda e: e.name)
     except OSError:
         return []
-
-
-def walk_files(root: str, budget: list[int] | None = None) -> Iterator[tuple[os.DirEntry[str], os.stat_result]]:
-    """Every non-directory entry under ``root`` with its ``lstat`` (no link followed, nothing opened); ``budget`` (a
-    one-element list) counts down and stops the walk at zero."""
-    stack = [root]
-    while stack and (budget is None or budget[0] > 0):
-        for entry in _scandir(stack.pop()):
-            if budget is not None:
-                budget[0] -= 1
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                stack.append(entry.path)
-            else:
-                yield entry, st
 
 
 @dataclass(frozen=True)
@@ -247,13 +227,13 @@ class _Walker:
         """Bytes of regular files under checkpoint ``path`` (no links) and newest mtime; every entry charged to the
         budget."""
         total, newest = 0, 0
-        box = [self.budget]
-        for _, st in walk_files(path, box):
+        walk = paths.Walk(path, max_entries=max(self.budget, 0))
+        for _, st in walk.files():
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
                 newest = max(newest, st.st_mtime_ns)
-        self.budget = box[0]
-        if self.budget <= 0:
+        self.budget -= walk.seen
+        if any(p.kind == "entries" for p in walk.problems):
             self.notes.append(WalkNote("budget", self.rel(path), f"it ran out while measuring {self.rel(path)}, "
                                        "whose size and time are partial"))
         return total, newest

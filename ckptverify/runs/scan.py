@@ -74,12 +74,10 @@ def _moved_since_walk(path: str, cand: Candidate) -> bool:
     never counts as moved)."""
     import stat
 
-    from ckptverify.formats.rundir import walk_files
-
     if cand.path == ".":
         return False
     try:
-        files = [paths.lstat(path)] if cand.kind == "file" else [st for _, st in walk_files(path)]
+        files = [paths.lstat(path)] if cand.kind == "file" else [st for _, st in paths.Walk(path).files()]
     except OSError:
         return True
     regular = [st for st in files if stat.S_ISREG(st.st_mode)]

@@ -79,8 +79,6 @@ def files_fingerprint(root: str) -> str:
     the stamp, lock and part verdicts excluded; of ``root`` itself when not a directory."""
     import xxhash
 
-    from ckptverify.formats.rundir import walk_files
-
     h = xxhash.xxh3_128()
     entries: list[str] = []
     if not paths.isdir(root) or paths.islink(root):
@@ -90,11 +88,14 @@ def files_fingerprint(root: str) -> str:
             return h.hexdigest()
         h.update(f"{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
         return h.hexdigest()
-    for e, st in walk_files(root):
+    walk = paths.Walk(root)
+    for e, st in walk.files():
         rel = os.path.relpath(e.path, root)
         if rel in _IGNORED or e.name.startswith((STAMP_TEMP_PREFIX, PARTS_PREFIX)):
             continue
         entries.append(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
+    # What the bounded walk did not see changes the fingerprint too (the verification reports it as unseen).
+    entries.extend(f"\1{p.kind}\0{p.path}" for p in walk.problems)
     for line in sorted(entries):
         h.update(line.encode("utf-8", "surrogateescape") + b"\n")
     return h.hexdigest()

@@ -126,6 +126,15 @@ class Walk:
     def complete(self) -> bool:
         return not self.problems
 
+    def files(self) -> Iterator[tuple[Any, os.stat_result]]:
+        """Every entry that is not a folder, with its ``lstat`` (one that vanished since it was listed is skipped)."""
+        for _, _, files in self:
+            for entry in files:
+                try:
+                    yield entry, entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+
     def __iter__(self) -> Iterator[tuple[str, list[Any], list[Any]]]:
         visited: set[object] = set()
         stack: list[tuple[str, str, int]] = [(self.top, "", 0)]

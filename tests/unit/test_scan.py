@@ -197,3 +197,27 @@ def test_a_corrupt_checkpoint_outside_the_quarantine_fails_even_with_a_newer_goo
     assert report.exit_code == 1 and [f.location.file for f in report.errors] == ["step_4"]
     assert all(r["handled_by"] is None for r in report.stats["checkpoints"])
     assert CliRunner().invoke(main, ["scan", str(run)]).exit_code == 1
+
+
+def test_a_checkpoint_too_large_for_the_walks_budget_is_measured_in_part_and_says_so(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    import ckptverify.formats.rundir as rundir
+
+    big = tmp_path / "step_2"
+    (big / "a" / "b").mkdir(parents=True)
+    for i in range(6):
+        (big / "a" / "b" / f"{i}.distcp").write_bytes(b"x" * 10)
+    (big / ".metadata").write_bytes(b"m")
+    small = tmp_path / "step_1"
+    small.mkdir()
+    (small / ".metadata").write_bytes(b"m")
+    (small / "0.distcp").write_bytes(b"y" * 7)
+    notes: list = []
+    whole = {c.path: c.size for c in find_checkpoints(tmp_path, notes=notes)}
+    assert whole == {"step_1": 8, "step_2": 61} and notes == []
+
+    monkeypatch.setattr(rundir, "MAX_ENTRIES", 8)  # the run's folders and files, then a few entries of step_2
+    cut = {c.path: c.size for c in find_checkpoints(tmp_path, notes=notes)}
+    assert cut["step_1"] == 8 and cut["step_2"] < 61
+    assert [(n.kind, n.path) for n in notes] == [("budget", "step_2")]
+    assert "ran out while measuring step_2" in notes[0].detail
