@@ -67,7 +67,7 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     if not unreferenced:
         return findings
     referenced = set(stats) | set(others) | set(layout.metadata_files) | OWN_FILES
-    walk = paths.Walk(root)
+    walk = paths.FolderWalk(root)
     for folder, _, entries in walk:
         for entry in entries:
             fname = entry.name
@@ -96,7 +96,7 @@ def check_files(root: str, layout: Layout, stats: dict[str, os.stat_result | Non
     return findings + walk_findings(walk)
 
 
-def walk_findings(walk: paths.Walk) -> list[Finding]:
+def walk_findings(walk: paths.FolderWalk) -> list[Finding]:
     """What ``walk`` did not see, as errors: ``key-unaddressable`` per key no path reaches, ``walk-incomplete`` if cut
     short (unchecked content: the checkpoint cannot pass)."""
     out: list[Finding] = []

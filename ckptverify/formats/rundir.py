@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ckptverify.ownfiles.names import SAVE_MARKER
 from ckptverify.safeparse import paths
+from ckptverify.safeparse.paths import WalkNote
 
 __all__ = [
     "MAX_DEPTH",
@@ -25,7 +26,6 @@ __all__ = [
     "MAX_FOLDER_ENTRIES",
     "MAX_NAMES",
     "Candidate",
-    "WalkNote",
     "dir_format",
     "file_format",
     "find_checkpoints",
@@ -121,30 +121,6 @@ def _scandir(path: str) -> list[os.DirEntry[str]]:
         return []
 
 
-@dataclass(frozen=True)
-class WalkNote:
-    """What the walk could not see at ``path`` (relative; ``"."`` the run directory): ``unlisted`` (``detail``: the OS
-    error), ``folder-cap`` (only the first ``entries`` of a folder over :data:`MAX_FOLDER_ENTRIES`), ``budget`` (spent;
-    ``detail`` names the folders not looked into, ``entries`` how many)."""
-
-    kind: str
-    path: str
-    detail: str
-    entries: int | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        return {"kind": self.kind, "path": self.path, "detail": self.detail, "entries": self.entries}
-
-    def describe(self) -> str:
-        """One line: what was not seen."""
-        if self.kind == "unlisted":
-            return f"{self.path}: could not be listed ({self.detail}): a checkpoint in it was not seen"
-        if self.kind == "folder-cap":
-            return (f"{self.path}: holds more than {self.entries} entries; only the first {self.entries} were looked "
-                    "at: a checkpoint among the others was not seen")
-        return f"the walk's budget was spent: {self.detail}"
-
-
 @dataclass
 class _Listing:
     """One folder's entries as the walk needs them: its format, subfolders and checkpoint-named files, sorted."""
@@ -227,7 +203,7 @@ class _Walker:
         """Bytes of regular files under checkpoint ``path`` (no links) and newest mtime; every entry charged to the
         budget."""
         total, newest = 0, 0
-        walk = paths.Walk(path, max_entries=max(self.budget, 0))
+        walk = paths.FolderWalk(path, max_entries=max(self.budget, 0))
         for _, st in walk.files():
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size

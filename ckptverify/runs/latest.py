@@ -20,12 +20,13 @@ from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
-from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints, step_of
+from ckptverify.formats.rundir import Candidate, find_checkpoints, step_of
 from ckptverify.ownfiles.names import open_own_dir
 from ckptverify.runs.scan import judge, unseen_findings
 from ckptverify.runs.stamp import describe_suspect, read_stamp, read_suspect
 from ckptverify.runs.states import GOOD_STATES, QUARANTINE_DIR, is_quarantined
 from ckptverify.safeparse import paths
+from ckptverify.safeparse.paths import WalkNote
 
 __all__ = [
     "TRAIN_STATE_KEYS",

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
-from ckptverify.formats.rundir import WalkNote, find_checkpoints
+from ckptverify.formats.rundir import find_checkpoints
 from ckptverify.ownfiles.names import SAVE_MARKER, VERIFYING_LOCK
+from ckptverify.safeparse.paths import WalkNote
 
 __all__ = ["PruneResult", "is_locked", "prune"]
 

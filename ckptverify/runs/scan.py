@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import CheckpointNotFoundError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
-from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
+from ckptverify.formats.rundir import Candidate, find_checkpoints
 from ckptverify.runs.states import GOOD_STATES, INCOMPLETE_CHECKS, judge_report
 from ckptverify.safeparse import paths
+from ckptverify.safeparse.paths import WalkNote
 
 if TYPE_CHECKING:
     from ckptverify.checks.dcp_pipeline import Executor
@@ -77,7 +78,7 @@ def _moved_since_walk(path: str, cand: Candidate) -> bool:
     if cand.path == ".":
         return False
     try:
-        files = [paths.lstat(path)] if cand.kind == "file" else [st for _, st in paths.Walk(path).files()]
+        files = [paths.lstat(path)] if cand.kind == "file" else [st for _, st in paths.FolderWalk(path).files()]
     except OSError:
         return True
     regular = [st for st in files if stat.S_ISREG(st.st_mode)]

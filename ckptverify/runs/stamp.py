@@ -88,7 +88,7 @@ def files_fingerprint(root: str) -> str:
             return h.hexdigest()
         h.update(f"{stat.S_IFMT(st.st_mode)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
         return h.hexdigest()
-    walk = paths.Walk(root)
+    walk = paths.FolderWalk(root)
     for e, st in walk.files():
         rel = os.path.relpath(e.path, root)
         if rel in _IGNORED or e.name.startswith((STAMP_TEMP_PREFIX, PARTS_PREFIX)):

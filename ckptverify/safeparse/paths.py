@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_WALK_DEPTH", "MAX_WALK_ENTRIES", "Walk", "WalkProblem", "abspath", "exists", "is_url", "isdir",
+__all__ = ["MAX_WALK_DEPTH", "MAX_WALK_ENTRIES", "FolderWalk", "WalkNote", "abspath", "exists", "is_url", "isdir",
            "isfile", "islink", "lexists", "listdir", "lstat", "normpath", "scandir", "stat"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
@@ -90,24 +90,39 @@ def exists(path: str) -> bool:
     return lexists(path) if is_url(path) else os.path.exists(path)
 
 
-#: Folders below the top a :class:`Walk` descends at most (a checkpoint is a few levels deep).
+#: Folders below the top a :class:`FolderWalk` descends at most (a checkpoint is a few levels deep).
 MAX_WALK_DEPTH = 32
-#: Entries (files, folders, unaddressable keys) a :class:`Walk` looks at, at most.
+#: Entries (files, folders, unaddressable keys) a :class:`FolderWalk` looks at, at most.
 MAX_WALK_ENTRIES = 1_000_000
 
 
 @dataclass(frozen=True)
-class WalkProblem:
-    """What a :class:`Walk` did not see, at ``path`` (relative to the top; ``.`` for it). ``kind``: ``unaddressable``
-    (an object key with a ``.``, ``..`` or empty segment; ``path`` is the key as stored), ``unlisted``, ``depth``
-    (beyond the depth bound) or ``entries`` (the entry bound stopped the walk)."""
+class WalkNote:
+    """What a walk did not see at ``path`` (relative to the top; ``"."`` for it). A :class:`FolderWalk`'s kinds:
+    ``unaddressable`` (an object key with a ``.``, ``..`` or empty segment; ``path`` is the key as stored),
+    ``unlisted`` (``detail``: the OS error), ``depth`` (beyond the depth bound), ``entries`` (the entry bound stopped
+    the walk). The run walk's (:func:`~ckptverify.formats.rundir.find_checkpoints`) add ``folder-cap`` (only the
+    first ``entries`` of a folder were read) and ``budget`` (spent; ``entries``: the folders not looked into)."""
 
     kind: str
     path: str
     detail: str
+    entries: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, "path": self.path, "detail": self.detail, "entries": self.entries}
+
+    def describe(self) -> str:
+        """One line: what was not seen."""
+        if self.kind == "unlisted":
+            return f"{self.path}: could not be listed ({self.detail}): a checkpoint in it was not seen"
+        if self.kind == "folder-cap":
+            return (f"{self.path}: holds more than {self.entries} entries; only the first {self.entries} were looked "
+                    "at: a checkpoint among the others was not seen")
+        return f"the walk's budget was spent: {self.detail}"
 
 
-class Walk:
+class FolderWalk:
     """A bounded top-down walk of ``top`` (a folder, or a URL's prefix listed afresh).
 
     Yields ``(rel, dirs, files)`` per folder (``rel`` ``""`` for the top, entries sorted; ``dirs`` may be pruned in
@@ -119,7 +134,7 @@ class Walk:
         self.top = top
         self.max_depth = MAX_WALK_DEPTH if max_depth is None else max_depth
         self.max_entries = MAX_WALK_ENTRIES if max_entries is None else max_entries
-        self.problems: list[WalkProblem] = []
+        self.problems: list[WalkNote] = []
         self.seen = 0
 
     @property
@@ -204,4 +219,4 @@ class Walk:
         return dirs, files
 
     def _note(self, kind: str, rel: str, detail: str) -> None:
-        self.problems.append(WalkProblem(kind, rel or ".", detail))
+        self.problems.append(WalkNote(kind, rel or ".", detail))

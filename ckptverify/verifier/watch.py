@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
-from ckptverify.formats.rundir import Candidate, WalkNote, find_checkpoints
+from ckptverify.formats.rundir import Candidate, find_checkpoints
 from ckptverify.runs.stamp import committed, files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
+from ckptverify.safeparse.paths import WalkNote
 from ckptverify.verifier.stamper import GONE, SETTLE_SECONDS, unmoved, verify_and_stamp
 
 __all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch"]

@@ -36,6 +36,7 @@ from ckptverify.formats.rundir import find_checkpoints
 from ckptverify.runs.latest import latest_verified
 from ckptverify.runs.prune import prune
 from ckptverify.runs.scan import scan_run_dir
+from ckptverify.safeparse.paths import WalkNote
 
 
 def _dcp(path: Path, value: float) -> Path:
@@ -70,7 +71,7 @@ def test_a_sibling_folder_of_plain_files_beyond_the_budget_hides_nothing(tmp_pat
     report = scan_run_dir(run)
     assert report.passed and report.stats["newest_good"]["path"] == "checkpoint/step-20"
     assert latest_verified(run).step == 20
-    notes: list[rundir.WalkNote] = []
+    notes: list[WalkNote] = []
     found = find_checkpoints(run, notes=notes)
     assert [c.path for c in found] == ["checkpoint/step-10", "checkpoint/step-20"] and notes == []
 
@@ -83,7 +84,7 @@ def test_checkpoint_files_beyond_the_budget_fail_scan_and_stop_latest_and_prune(
     # 100 files whose names announce a checkpoint: each is examined, and they spend the budget.
     _empty_files(run / "exports" / "a", 100, suffix=".pt")
     _dcp(run / "exports" / "z" / "deeper" / "step_30", 30.0)  # below a folder the budget leaves unvisited
-    notes: list[rundir.WalkNote] = []
+    notes: list[WalkNote] = []
     find_checkpoints(run, notes=notes)
     assert [n.kind for n in notes] == ["budget"] and "exports/z" in notes[0].detail
 
@@ -109,7 +110,7 @@ def test_a_folder_with_more_entries_than_the_walk_reads_is_said(tmp_path: Path, 
     run = tmp_path / "run"
     _dcp(run / "step_10", 10.0)
     _empty_files(run / "cache", 400)  # > MAX_FOLDER_ENTRIES (300)
-    notes: list[rundir.WalkNote] = []
+    notes: list[WalkNote] = []
     assert [c.path for c in find_checkpoints(run, notes=notes)] == ["step_10"]
     assert [(n.kind, n.path, n.entries) for n in notes] == [("folder-cap", "cache", 300)]
     report = scan_run_dir(run)
@@ -148,7 +149,7 @@ def test_an_unlistable_checkpoint_folder_fails_scan_and_is_never_passed_over(tmp
     _dcp(run / "step_10", 10.0)
     _dcp(run / "step_20", 20.0)
     _unlistable(monkeypatch, run / "step_20")
-    notes: list[rundir.WalkNote] = []
+    notes: list[WalkNote] = []
     assert [c.path for c in find_checkpoints(run, notes=notes)] == ["step_10"]
     assert [(n.kind, n.path) for n in notes] == [("unlisted", "step_20")]
     assert "PermissionError" in notes[0].detail
@@ -184,7 +185,7 @@ def test_a_folder_without_read_permission_is_said(tmp_path: Path) -> None:
     _dcp(run / "step_20", 20.0)
     (run / "step_20").chmod(0)
     try:
-        notes: list[rundir.WalkNote] = []
+        notes: list[WalkNote] = []
         find_checkpoints(run, notes=notes)
         assert [(n.kind, n.path) for n in notes] == [("unlisted", "step_20")]
         assert not scan_run_dir(run).passed
@@ -197,7 +198,7 @@ def test_lost_and_found_is_not_entered(tmp_path: Path, monkeypatch: pytest.Monke
     _dcp(run / "step_10", 10.0)
     (run / "lost+found").mkdir()
     _unlistable(monkeypatch, run / "lost+found")  # root-only on a real file system
-    notes: list[rundir.WalkNote] = []
+    notes: list[WalkNote] = []
     assert [c.path for c in find_checkpoints(run, notes=notes)] == ["step_10"] and notes == []
 
 
