@@ -8,7 +8,6 @@ manifest written atomically. The only command that writes into a checkpoint, and
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import os
 import re
@@ -736,28 +735,6 @@ def _described_manifest(root: str, names: list[str] | None, own: str, digest: st
     return write_manifest(desc.root, manifest, name=own), manifest, missing
 
 
-def fingerprint_folder_files(path: str | os.PathLike[str], only: frozenset[str], *, jobs: int | None = None,
-                             digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
-                             ) -> tuple[Report, dict[str, AdoptionPart]]:
-    """One node's part of adopting a folder whose DCP folders several nodes wrote: :func:`fingerprint_files` of its
-    ``SUB/FILE`` shards (other names ignored: the coordinator's). Returns the shards' verification as the folder's
-    and each DCP folder's part. Writes nothing."""
-    from ckptverify.audit.verify import each_shard_folder
-
-    root = os.fspath(path)
-    if not paths.isdir(root):
-        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
-    started = time.perf_counter()
-
-    def run(where: str, names: frozenset[str]) -> tuple[Report, AdoptionPart]:
-        part = fingerprint_files(where, names, jobs=jobs, digest=digest, block_bytes=block_bytes)
-        return dataclasses.replace(part.report, stats={**part.report.stats, "opened": sorted(part.only)}), part
-
-    report, got = each_shard_folder(root, only, "fingerprint", run)
-    report.stats["seconds"] = round(time.perf_counter() - started, 6)
-    return report, got
-
-
 def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list[AdoptionPart]],
                              elsewhere: list[tuple[frozenset[str], Report]], *, read_elsewhere: bool,
                              digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
@@ -766,7 +743,7 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list
     """:func:`fingerprint_checkpoint` of a folder whose DCP folders several nodes wrote; top files and unclaimed shards
     are handled here.
 
-    ``parts``: other nodes' :func:`fingerprint_folder_files` per DCP folder (not read here). ``elsewhere``: shards
+    ``parts``: other nodes' :func:`fingerprint_files` per DCP folder (not read here). ``elsewhere``: shards
     of nodes that brought no digests, with their verification; such a folder is read whole and given a manifest
     when ``read_elsewhere`` or it holds a former manifest, else none (its shards are CRC-protected and were verified
     where written). Returns the report (``stats``: what was read here), the folder's manifest (``None`` if refused)

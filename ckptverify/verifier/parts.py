@@ -14,6 +14,7 @@ coordinator judges all parts' tensor pieces together; with a manifest to write, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -143,8 +144,8 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
     fingerprinted (plan's ``fingerprint``: ``True``, or ``"auto"`` with a former manifest or unprotected content),
     digests and scans via :func:`~ckptverify.audit.adopt.fingerprint_files`. A node with no files reports an empty part.
     """
-    from ckptverify.audit.adopt import fingerprint_files, fingerprint_folder_files
-    from ckptverify.audit.verify import by_subfolder, needs_manifest
+    from ckptverify.audit.adopt import fingerprint_files
+    from ckptverify.audit.verify import by_subfolder, each_shard_folder, needs_manifest
     from ckptverify.ownfiles.names import MANIFEST_FILE
 
     if not files:  # this node's ranks wrote nothing: nothing to check, and nothing found
@@ -161,8 +162,12 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
         report = checked if checked is not None else _verify(root, jobs, only=files)
         if fingerprint != "auto" or not needs_manifest(report):
             return report, None
-    if folder:
-        report, by_sub = fingerprint_folder_files(root, files, jobs=jobs)
+    if folder:  # each DCP folder's shards as a part of its own adoption; the folder's report merges theirs
+        started = time.perf_counter()
+        report, by_sub = each_shard_folder(root, files, "fingerprint", lambda where, names: (dataclasses.replace(
+            (part := fingerprint_files(where, names, jobs=jobs)).report,
+            stats={**part.report.stats, "opened": sorted(part.only)}), part))
+        report.stats["seconds"] = round(time.perf_counter() - started, 6)
         return report, {"folders": {sub: part.to_dict() for sub, part in by_sub.items()}}
     part = fingerprint_files(root, files, jobs=jobs)
     return part.report, part.to_dict()
