@@ -101,13 +101,34 @@ def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | 
     if kind == "payload":
         from ckptverify.formats.describe import Payload
 
-        return scan_to_json(scan_raw_payload(open_file, unit[1], tuple(unit[2]), Payload.from_json(unit[3])))
+        return scan_raw_payload(open_file, unit[1], tuple(unit[2]), Payload.from_json(unit[3])).to_json()
     raise ValueError(f"unknown work unit {kind!r}")
 
 
+def opened_in(run: Any) -> Callable[[str], Any]:
+    """``open_file`` over the files a ``VerificationRun`` opened (one it did not open: ``FileChangedError``)."""
+
+    def opened(name: str) -> Any:
+        f = run.file(name)
+        if f is None:
+            raise FileChangedError("it could not be opened again", os.path.join(run.root, name))
+        return f
+
+    return opened
+
+
 def payload_unit(name: str, shape: tuple[int, ...], p: Any) -> Unit:
-    """The ``payload`` unit of raw piece ``p`` of tensor ``name``."""
+    """The ``payload`` unit of piece ``p`` of tensor ``name``."""
     return ["payload", name, list(shape), p.to_json()]
+
+
+def is_raw(item: Any) -> bool:
+    """Whether a :func:`~ckptverify.checks.deep.scan_description` item is a raw file piece ``(tensor, payload)``, read
+    as a ``payload`` unit (the rest, transformed items and subclasses, are rebuilt where the run is)."""
+    from ckptverify.formats.describe import Payload
+
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Payload) \
+        and item[1].encoding == "raw" and item[1].stored is None
 
 
 def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[int, ...], p: Any) -> Any:
@@ -126,14 +147,29 @@ def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[in
         return out
 
 
-def scan_to_json(scan: Any) -> dict[str, Any]:
-    return scan.to_json()
+class UnitExecutor:
+    """What every executor of work units shares (:class:`~ckptverify.checks.dcp_pipeline.Executor`): the tensor scan
+    with raw pieces as ``payload`` units through its ``map_units``."""
 
+    def map_units(self, run: Any, units: list[Unit]) -> list[Any]:
+        raise NotImplementedError
 
-def scan_from_json(d: dict[str, Any]) -> Any:
-    from ckptverify.checks.deep import TensorScan
+    def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
+        """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description`: raw-file pieces as ``payload`` units,
+        the rest (transformed items, subclasses) here via ``run.map``; the same scans as computed locally."""
+        from ckptverify.checks.deep import TensorScan
 
-    return TensorScan.from_json(d)
+        def shared(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+            raw = [n for n, x in enumerate(items) if is_raw(x)]
+            if not raw:
+                return run.map(fn, items)
+            got = self.map_units(run, [payload_unit(items[n][0].name, items[n][0].shape, items[n][1]) for n in raw])
+            out: dict[int, Any] = {n: TensorScan.from_json(value) for n, value in zip(raw, got, strict=True)}
+            rest = [n for n in range(len(items)) if n not in out]
+            out.update(zip(rest, run.map(fn, [items[n] for n in rest]), strict=True))
+            return [out[n] for n in range(len(items))]
+
+        return shared
 
 
 class RankFiles:
