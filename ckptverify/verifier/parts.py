@@ -1,14 +1,15 @@
 """A save's verification shared among the nodes that wrote it: each node checks the files its ranks just wrote
 (still in its page cache), and one stamp is written once every part reports (``docs/verify-after-save.md``).
 
-Ranks exchange node names before the save (one node: nothing here happens). As the save commits the coordinator
-writes the plan (:func:`~ckptverify.ownfiles.partsplan.make_plan`: per node its host, ranks and files). Each other
+Ranks exchange node names before the save (one node: nothing here happens). Once the save committed the coordinator
+writes the plan (:func:`~ckptverify.ownfiles.partsplan.share_out`: per node its host, ranks and files). Each other
 node's lowest rank runs a part (:func:`part_job`): byte-level checks of its files only, verdict written beside the
 plan. The coordinator checks the whole checkpoint and its node's files, waits for the parts
 (:func:`stamp_parts_locked`, up to :func:`part_timeout`), and stamps: passed if all passed; failed with a
 ``node-part-failed`` error per failed part; **unverified** naming nodes that never reported. With ``deep`` the
-coordinator judges all parts' tensor pieces together; with a manifest to write, parts bring digests and scans
-(:func:`_adopt`).
+coordinator judges all parts' tensor pieces together; with a manifest to write, parts bring the adoption's work
+units with their results and the coordinator adopts as one process does (:func:`_adopt`,
+:mod:`ckptverify.cluster.recorded`).
 """
 
 from __future__ import annotations
