@@ -1,10 +1,8 @@
-"""Work units done ahead and written down: how the after-save parts share a save's adoption among nodes.
-
-A node's part runs the adoption's digest pass and tensor scan over its own files (:func:`record`) with
-:class:`Recorded` as executor: every work unit (:mod:`.units`) is read there and written down with its result, into
-the part verdict. The coordinator adopts the whole checkpoint as one process does, with :class:`Recorded` over the
-parts' records as executor: the same units, answered from the records instead of through the store (:mod:`.session`),
-judged and merged by the same code (:func:`~ckptverify.audit.adopt.fingerprint_checkpoint`).
+"""Work units done ahead and written down: the after-save parts' transport. A node's part runs the adoption's
+digest pass and tensor scan over its own files with :class:`Recorded` as executor (:func:`record`): each unit
+(:mod:`.units`) is read there and written, with its result, into its part verdict. The coordinator adopts as one
+process does with :class:`Recorded` over the parts' records: the same units as the store carries among ranks
+(:mod:`.session`), answered from the records, judged and merged by the same code.
 """
 
 from __future__ import annotations

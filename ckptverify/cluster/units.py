@@ -98,10 +98,18 @@ def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | 
         fields["parts"] = tuple(fields.get("parts") or ())
         state, reason, counts = judge(root, Candidate(**fields), jobs, deep=bool(unit[2]))
         return [state, reason, counts]
-    if kind == "payload":
+    if kind == "payload":  # a raw piece; unreadable, as scan_description has it (a changed file raises)
+        from ckptverify.checks.deep import TensorScan, scan_payload
         from ckptverify.formats.describe import Payload
 
-        return scan_raw_payload(open_file, unit[1], tuple(unit[2]), Payload.from_json(unit[3])).to_json()
+        name, shape, p = unit[1], tuple(unit[2]), Payload.from_json(unit[3])
+        try:
+            return scan_payload(open_file(p.file), name, p, shape).to_json()
+        except FileChangedError:
+            raise
+        except (OSError, ValueError, KeyError) as exc:
+            return TensorScan(unreadable=[f"{name} chunk {list(p.chunk_offsets)}: {exc}"],
+                              chunks={p.chunk_offsets}).to_json()
     raise ValueError(f"unknown work unit {kind!r}")
 
 
@@ -131,28 +139,9 @@ def is_raw(item: Any) -> bool:
         and item[1].encoding == "raw" and item[1].stored is None
 
 
-def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[int, ...], p: Any) -> Any:
-    """:func:`~ckptverify.checks.deep.scan_payload` of a raw payload, with ``scan_description``'s outcomes for an
-    unreadable piece (a changed file raises)."""
-    from ckptverify.checks.deep import TensorScan, scan_payload
-
-    try:
-        return scan_payload(open_file(p.file), name, p, shape)
-    except FileChangedError:
-        raise
-    except (OSError, ValueError, KeyError) as exc:
-        out = TensorScan()
-        out.unreadable.append(f"{name} chunk {list(p.chunk_offsets)}: {exc}")
-        out.chunks.add(p.chunk_offsets)
-        return out
-
-
 class UnitExecutor:
     """What every executor of work units shares (:class:`~ckptverify.checks.dcp_pipeline.Executor`): the tensor scan
     with raw pieces as ``payload`` units through its ``map_units``."""
-
-    def map_units(self, run: Any, units: list[Unit]) -> list[Any]:
-        raise NotImplementedError
 
     def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
         """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description`: raw-file pieces as ``payload`` units,

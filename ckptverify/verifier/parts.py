@@ -73,13 +73,6 @@ def _signatures(root: str, files: list[str]) -> dict[str, list[int] | None]:
     return out
 
 
-def _verify(root: str, jobs: int, *, only: frozenset[str] | None = None,
-            skip: frozenset[str] = frozenset()) -> Any:
-    from ckptverify.audit.verify import verify_part
-
-    return verify_part(root, jobs=jobs, only=only, skip=skip)
-
-
 def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -> dict[str, Any]:
     """The ``verify-part`` job: wait (up to ``wait_s``, default :func:`part_timeout`) for ``root`` to commit with a
     plan,
@@ -104,15 +97,13 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     files = list(mine["files"])
     started = time.perf_counter()
     before = _signatures(root, files)
-    deep = None
+    deep = checked = None
     if plan.get("deep") is True:  # the deep scan of its files, judged by the coordinator with the others'
         from ckptverify.audit.verify import verify_part_deep
 
-        report, scanned = verify_part_deep(root, jobs=jobs, only=frozenset(files))
+        checked, scanned = verify_part_deep(root, jobs=jobs, only=frozenset(files))
         deep = None if scanned is None else scanned.to_json()
-        report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False), report)
-    else:
-        report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False))
+    report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False), checked)
     changed = _signatures(root, files) != before
     data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], "node": node, "host": mine.get("host"),
             "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
@@ -146,7 +137,7 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
     the adoption's work units over them, with their results (:func:`~ckptverify.cluster.recorded.record`). A node
     with no files reports an empty part.
     """
-    from ckptverify.audit.verify import by_subfolder, each_shard_folder, needs_manifest
+    from ckptverify.audit.verify import by_subfolder, each_shard_folder, needs_manifest, verify_part
     from ckptverify.cluster.recorded import record
     from ckptverify.ownfiles.names import MANIFEST_FILE
 
@@ -161,7 +152,7 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
     manifests = [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)] if folder else [MANIFEST_FILE]
     stale = fingerprint == "auto" and any(os.path.lexists(os.path.join(root, m)) for m in manifests)
     if fingerprint is not True and not stale:
-        report = checked if checked is not None else _verify(root, jobs, only=files)
+        report = checked if checked is not None else verify_part(root, jobs=jobs, only=files)
         if fingerprint != "auto" or not needs_manifest(report):
             return report, None
     if folder:
@@ -200,6 +191,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     ``notes``. ``deep``: parts' tensor pieces are judged together (:func:`~ckptverify.checks.deep.judge_parts`); a part
     without its pieces did not report.
     """
+    from ckptverify.audit.verify import verify_part, verify_part_deep
     from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed
     from ckptverify.safeparse.readers import pacing
@@ -220,11 +212,9 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         scanned = None
         with pacing(throttle):
             if deep:
-                from ckptverify.audit.verify import verify_part_deep
-
                 mine, scanned = verify_part_deep(path, jobs=jobs or 1, skip=other_files)
             else:
-                mine = None if adopt is True else _verify(path, jobs or 1, skip=other_files)
+                mine = None if adopt is True else verify_part(path, jobs=jobs or 1, skip=other_files)
         reports: list[tuple[dict[str, Any], Report]] = []
         missing: list[dict[str, Any]] = []
         deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
