@@ -196,9 +196,9 @@ class StorageError(_FileError):
 
 
 class PartsOverlapError(CkptVerifyError, ValueError):
-    """The parts of a checkpoint's adoption shared out among nodes cannot be merged into one manifest: a chunk of
-    a tensor is held by two of them (a replica across nodes, whose copies only one reader can compare), or they
-    digested differently. The caller adopts the checkpoint whole instead."""
+    """The parts of a checkpoint's adoption shared out among nodes cannot be merged into one manifest: no part
+    brought a work unit the adoption asks of a file it did not open (a part digested otherwise, or was cut short),
+    or a tensor subclass is stored on another node. The caller adopts the checkpoint whole instead."""
 
 
 # ------------------------------------------------------------------ training state, traces, runs

@@ -8,14 +8,12 @@ manifest written atomically. The only command that writes into a checkpoint, and
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import os
 import re
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ckptverify.checks import deep as deep_check
@@ -29,7 +27,7 @@ from ckptverify.checks.dcp_pipeline import (
     changed_finding,
     default_jobs,
 )
-from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, FileChangedError, PartsOverlapError, UsageError
+from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, FileChangedError, UsageError
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, merge_coverage, merge_reports
 from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.formats.describe import StoredRange
@@ -54,13 +52,14 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
                            block_bytes: int = DEFAULT_BLOCK_BYTES, force: bool = False, jobs: int | None = None,
                            trust_uncheckable: bool = False, progress: ProgressSink | None = None,
                            executor: Executor | None = None,
-                           parts: list[AdoptionPart] | None = None) -> tuple[Report, Manifest | None]:
+                           parts: list[tuple[frozenset[str], Report]] | None = None) -> tuple[Report, Manifest | None]:
     """Verify the checkpoint at ``path`` and, if it passes, write its manifest. Returns the report and the manifest
     (``None`` when refused).
 
     Content verification could not check (no CRC-32) is refused unless ``trust_uncheckable`` (the report names it
     either way). ``executor``: share a DCP checkpoint's reads among ranks (:mod:`ckptverify.cluster`), same manifest.
-    ``parts``: other nodes' :func:`fingerprint_files` results, whose files are not read here.
+    ``parts``: other nodes' files (not opened here) with their verification; their tensor pieces and work units'
+    results come through ``executor`` (:class:`~ckptverify.cluster.recorded.Recorded`).
     Raises :class:`~ckptverify.errors.CkptVerifyError` (a manifest exists without ``force``, or its path is not a
     regular file), :class:`~ckptverify.errors.PartsOverlapError` (parts cannot be merged),
     :class:`~ckptverify.errors.UsageError` (bad arguments).
@@ -81,10 +80,6 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
             raise CkptVerifyError(f"{manifest_path} exists and is not a regular file (a directory, link or "
                                       "special file); it is not replaced: remove it by hand if it is yours")
 
-    for part in parts or ():
-        if part.complete and (part.digest, part.block_bytes) != (digest, block_bytes):
-            raise PartsOverlapError(f"a part digested with {part.digest} in blocks of {part.block_bytes} bytes, "
-                                    f"this adoption with {digest} in blocks of {block_bytes}")
     started = time.perf_counter()
     if single:
         return _fingerprint_described(root, digest=digest, block_bytes=block_bytes, force=force, jobs=jobs,
@@ -105,12 +100,12 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
 
 def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, trust_uncheckable: bool,
                progress: ProgressSink | None, executor: Executor | None, started: float,
-               parts: list[AdoptionPart] | None = None) -> tuple[Report, Manifest | None]:
+               parts: list[tuple[frozenset[str], Report]] | None = None) -> tuple[Report, Manifest | None]:
     """:func:`fingerprint_checkpoint` of a DCP checkpoint (see there)."""
     from ckptverify._version import __version__
     from ckptverify.fingerprint import FINGERPRINT_VERSION
 
-    skip = frozenset(f for part in parts or () for f in part.only)
+    skip = frozenset(f for files, _ in parts or () for f in files)
     # The digest pass and the scan read the small files again (hold_kept).
     run = VerificationRun(root, jobs or default_jobs(), progress, skip=skip, executor=executor,
                           hold_kept=HOLD_KEPT and executor is None)
@@ -119,7 +114,7 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
         checked = run.report("fingerprint", time.perf_counter() - started)
         if parts is not None:
             here, opened = checked.stats.get("bytes"), run.opened_files()
-            checked = merge_reports("fingerprint", root, [checked, *(part.report for part in parts)])
+            checked = merge_reports("fingerprint", root, [checked, *(report for _, report in parts)])
             # What this process read; the rest was read by the parts, each on its node.
             checked.stats.update(bytes_read_here=here, opened=opened)
         if not checked.passed:
@@ -137,18 +132,13 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
             return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
                           coverage=checked.coverage, stats=checked.stats), None
         desc = run.description()
+        if skip:  # other nodes' files, items and tensor pieces, as their parts described them
+            executor.describe(desc, skip)  # type: ignore[union-attr]
         if progress is not None:
             progress.start(sum(i.length for i in desc.stored))
-        entries, files, scans, replica_findings = _digests_and_scans(run, desc, digest=digest,
-                                                                     block_bytes=block_bytes, executor=executor)
+        entries, files, scans, replica_findings = digests_and_scans(run, desc, digest=digest,
+                                                                    block_bytes=block_bytes, executor=executor)
         metadata = {n: _metadata_entry(root, n, digest) for n in desc.metadata_files}
-        if parts:
-            # Other nodes' items, files and scans join this node's (:func:`_merge_scans`).
-            for part in parts:
-                entries += part.items
-                files.update(part.files)
-                replica_findings += list(part.replica_findings)
-            scans = _merge_scans(scans, [part.scans for part in parts])
         names = sorted(files)
         file_digests = [files[n] for n in names]
         if replica_findings:
@@ -201,105 +191,10 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
                   stats=checked.stats), manifest
 
 
-@dataclass(frozen=True, slots=True)
-class AdoptionPart:
-    """One node's share of an adoption in parts (:func:`fingerprint_files`): its files' verification (``report``) and,
-    when it passed (``complete``), their digests and tensor-chunk scans. JSON via :meth:`to_dict`."""
-
-    report: Report
-    #: The files this part was given (the ones it verified, and the only ones it opened).
-    only: tuple[str, ...]
-    files: dict[str, FileEntry] = field(default_factory=dict)
-    items: list[ItemEntry] = field(default_factory=list)
-    scans: dict[str, Any] = field(default_factory=dict)
-    replica_findings: tuple[Any, ...] = ()
-    digest: str = "xxh3-128"
-    block_bytes: int = DEFAULT_BLOCK_BYTES
-    complete: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"report": self.report.to_dict(), "only": list(self.only),
-                "files": {n: e.to_dict() for n, e in self.files.items()},
-                "items": [e.to_dict() for e in self.items],
-                "scans": {n: ({"small": [s.fingerprint, s.nan, s.inf]} if isinstance(s, SmallScan) else s.to_json())
-                          for n, s in self.scans.items()},
-                "replica_findings": [f.to_dict() for f in self.replica_findings], "digest": self.digest,
-                "block_bytes": self.block_bytes, "complete": self.complete}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AdoptionPart:
-        """The part :meth:`to_dict` gave; ``ValueError``, ``KeyError`` or ``TypeError`` for anything else."""
-        from ckptverify.findings import Finding
-
-        scans = {str(n): SmallScan(str(s["small"][0]), int(s["small"][1]), int(s["small"][2])) if "small" in s
-                 else deep_check.TensorScan.from_json(s) for n, s in dict(d["scans"]).items()}
-        return cls(report=Report.from_dict(d["report"]), only=tuple(str(n) for n in d["only"]),
-                   files={str(n): FileEntry.from_dict(e) for n, e in dict(d["files"]).items()},
-                   items=[ItemEntry.from_dict(e) for e in d["items"]], scans=scans,
-                   replica_findings=tuple(Finding.from_dict(f) for f in d["replica_findings"]),
-                   digest=str(d["digest"]), block_bytes=int(d["block_bytes"]), complete=bool(d["complete"]))
-
-
-def fingerprint_files(path: str | os.PathLike[str], only: frozenset[str], *, jobs: int | None = None,
-                      digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES) -> AdoptionPart:
-    """One node's part of adopting ``path`` (see :func:`fingerprint_checkpoint`'s ``parts``): byte-level verification of
-    ``only`` (no other file opened), then, if it passed, their digests and scans. Writes nothing."""
-    root = os.fspath(path)
-    if not paths.isdir(root):
-        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
-    started = time.perf_counter()
-    run = VerificationRun(root, jobs or default_jobs(), None, only=only, hold_kept=HOLD_KEPT)
-    checked = Report(command="fingerprint", target=root, findings=())
-    changed: list[Any] = []
-    mine = tuple(sorted(only))
-    try:
-        with paused_gc():
-            run.execute(deep=False, use_manifest=False)
-            checked = run.report("fingerprint", time.perf_counter() - started)
-            if not checked.passed:
-                return AdoptionPart(report=checked, only=mine, digest=digest, block_bytes=block_bytes, complete=False)
-            entries, files, scans, replicas = _digests_and_scans(run, run.description(), digest=digest,
-                                                                 block_bytes=block_bytes, executor=None)
-            changed = run.changed_files()
-    except FileChangedError as exc:
-        name = os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?"
-        changed = [changed_finding(name, str(exc))]
-    finally:
-        run.close()
-    if changed:
-        checked = Report(command="fingerprint", target=root, findings=(*checked.findings, *changed),
-                         coverage=checked.coverage, stats=checked.stats)
-        return AdoptionPart(report=checked, only=mine, digest=digest, block_bytes=block_bytes, complete=False)
-    checked.stats["seconds"] = round(time.perf_counter() - started, 6)
-    return AdoptionPart(report=checked, only=mine, files=files, items=entries, scans=scans,
-                        replica_findings=tuple(replicas), digest=digest, block_bytes=block_bytes)
-
-
-def _merge_scans(scans: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each tensor's scan merged over all nodes; :class:`~ckptverify.errors.PartsOverlapError` if two hold the same
-    chunk (or whole tensor)."""
-    out = dict(scans)
-    for part in others:
-        for name, got in part.items():
-            have = out.get(name)
-            if have is None:
-                out[name] = got
-                continue
-            if isinstance(have, SmallScan) or isinstance(got, SmallScan) or have.whole is not None \
-                    or got.whole is not None or have.chunks & got.chunks:
-                raise PartsOverlapError(f"{name!r} has a chunk stored on more than one node")
-            out[name] = deep_check.TensorScan(
-                parts=[*have.parts, *got.parts], chunks=have.chunks | got.chunks,
-                elements=have.elements + got.elements, nan=have.nan + got.nan, inf=have.inf + got.inf,
-                uncounted=have.uncounted or got.uncounted, unreadable=[*have.unreadable, *got.unreadable],
-                limited=[*have.limited, *got.limited])
-    return out
-
-
-def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_bytes: int, executor: Executor | None
-                       ) -> tuple[list[ItemEntry], dict[str, FileEntry], dict[str, Any], list[Any]]:
-    """Every item's and file's digests and every tensor's scan of what ``run`` verified: the manifest entries, scans and
-    any ``replica-mismatch`` findings."""
+def digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_bytes: int, executor: Executor | None
+                      ) -> tuple[list[ItemEntry], dict[str, FileEntry], dict[str, Any], list[Any]]:
+    """Every item's and file's digests and every tensor's scan of ``desc`` (what ``run`` verified, and what ``executor``
+    brings from elsewhere): the manifest entries, scans and any ``replica-mismatch`` findings."""
     from ckptverify.fingerprint import BlockDigest, digest_reader
     from ckptverify.fingerprint.digest import digest_bytes
 
@@ -347,14 +242,16 @@ def _digests_and_scans(run: VerificationRun, desc: Any, *, digest: str, block_by
             return FileEntry(size=f.size, digest=digest_reader(f, digest))
 
     names = sorted(desc.files)
-    if executor is not None:  # the item and file digests, read by the ranks (each its share), in order
+    if executor is not None:  # the item and file digests, read by the ranks or parts (each its share), in order
         ordered = sorted(desc.stored, key=lambda i: -i.length)
         got = executor.map_units(run, [["item", i.file, i.offset, i.length, digest, block_bytes] for i in ordered]
                                  + [["digest", n, digest] for n in names])
         entries = [ItemEntry(fqn=i.name, chunk_offsets=i.chunk_offsets, file=i.file, offset=i.offset,
                              length=i.length, digest=value[0], blocks=tuple(value[1]))
                    for i, value in zip(ordered, got, strict=False)]
-        file_digests = [FileEntry(size=run.file(n).size, digest=value)  # type: ignore[union-attr]
+        # A file another node's part digested is not opened here (its part's signature of it is compared apart).
+        file_digests = [FileEntry(size=f.size if (f := run.file(n)) is not None else
+                                  os.stat(os.path.join(root, n)).st_size, digest=value)
                         for n, value in zip(names, got[len(ordered):], strict=True)]
         scans, replica_findings = deep_check.scan_description(desc, executor.tensor_map(run))
     else:
@@ -736,38 +633,18 @@ def _described_manifest(root: str, names: list[str] | None, own: str, digest: st
     return write_manifest(desc.root, manifest, name=own), manifest, missing
 
 
-def fingerprint_folder_files(path: str | os.PathLike[str], only: frozenset[str], *, jobs: int | None = None,
-                             digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
-                             ) -> tuple[Report, dict[str, AdoptionPart]]:
-    """One node's part of adopting a folder whose DCP folders several nodes wrote: :func:`fingerprint_files` of its
-    ``SUB/FILE`` shards (other names ignored: the coordinator's). Returns the shards' verification as the folder's
-    and each DCP folder's part. Writes nothing."""
-    from ckptverify.audit.verify import each_shard_folder
-
-    root = os.fspath(path)
-    if not paths.isdir(root):
-        raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
-    started = time.perf_counter()
-
-    def run(where: str, names: frozenset[str]) -> tuple[Report, AdoptionPart]:
-        part = fingerprint_files(where, names, jobs=jobs, digest=digest, block_bytes=block_bytes)
-        return dataclasses.replace(part.report, stats={**part.report.stats, "opened": sorted(part.only)}), part
-
-    report, got = each_shard_folder(root, only, "fingerprint", run)
-    report.stats["seconds"] = round(time.perf_counter() - started, 6)
-    return report, got
-
-
-def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list[AdoptionPart]],
-                             elsewhere: list[tuple[frozenset[str], Report]], *, read_elsewhere: bool,
+def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tuple[frozenset[str], Executor]],
+                             brought: list[Report], elsewhere: list[tuple[frozenset[str], Report]], *,
+                             read_elsewhere: bool,
                              digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
                              jobs: int | None = None,
                              trust_uncheckable: bool = False) -> tuple[Report, Manifest | None, list[str]]:
     """:func:`fingerprint_checkpoint` of a folder whose DCP folders several nodes wrote; top files and unclaimed shards
     are handled here.
 
-    ``parts``: other nodes' :func:`fingerprint_folder_files` per DCP folder (not read here). ``elsewhere``: shards
-    of nodes that brought no digests, with their verification; such a folder is read whole and given a manifest
+    ``parts``: per DCP folder, the shards other nodes' parts read (not opened here) and the executor giving their
+    work units' results; ``brought``: those parts' verification (names ``SUB/FILE``). ``elsewhere``: shards of nodes
+    that brought no results, with their verification; such a folder is read whole and given a manifest
     when ``read_elsewhere`` or it holds a former manifest, else none (its shards are CRC-protected and were verified
     where written). Returns the report (``stats``: what was read here), the folder's manifest (``None`` if refused)
     and the DCP folders left without one.
@@ -781,7 +658,7 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list
     top, opened = _folder_files(root, False, False)
     dropped = ("manifest-absent", FINGERPRINT_ADVICE)
     reports = [Report(command="fingerprint", target=root, coverage=top.coverage, stats=top.stats,
-                      findings=tuple(f for f in top.findings if f.check not in dropped))]
+                      findings=tuple(f for f in top.findings if f.check not in dropped)), *brought]
     read_here = int(top.stats.get("bytes") or 0)
     subs = list(top.stats.get("parts") or [])
     theirs: dict[str, set[str]] = {}
@@ -793,14 +670,12 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list
     # Their own verification stands for the shards not read here.
     reports += [r for files, r in elsewhere if set(by_subfolder(files)) & set(unwritten)]
     for sub in unwritten:
-        brought = parts.get(sub, [])
-        skip = theirs[sub] | {f for p in brought for f in p.only}
+        skip = theirs[sub] | set(parts[sub][0] if sub in parts else ())
         got = verify_part(os.path.join(root, sub), jobs=jobs, skip=frozenset(skip), use_manifest=False)
         read_here += int(got.stats.get("bytes") or 0)
         opened.extend(f"{sub}/{n}" for n in got.stats.get("opened") or [])
-        both = merge_reports("fingerprint", root, [got, *(p.report for p in brought)])
-        reports.append(Report(command="fingerprint", target=root, coverage=both.coverage, stats=both.stats,
-                              findings=tuple(_under(sub, (f for f in both.findings if f.check not in dropped)))))
+        reports.append(Report(command="fingerprint", target=root, coverage=got.coverage, stats=got.stats,
+                              findings=tuple(_under(sub, (f for f in got.findings if f.check not in dropped)))))
 
     def result(findings: tuple[Any, ...], coverage: Any) -> Report:
         stats = {**reports[0].stats, "bytes_read_here": read_here, "opened": sorted(opened),
@@ -814,9 +689,7 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list
             file=MANIFEST_FILE))), merged.coverage), None, unwritten
 
     # Every part's verification before any manifest is written: a failed one refuses them all.
-    checked = merge_reports("fingerprint", root, [*reports, *(
-        Report(command="fingerprint", target=root, findings=tuple(_under(sub, p.report.findings)))
-        for sub, brought in parts.items() for p in brought)])
+    checked = merge_reports("fingerprint", root, reports)
     if not checked.passed:
         return result((*checked.findings, error(
             "fingerprint-refused", "the checkpoint fails verification; refusing to write a manifest that would "
@@ -824,9 +697,12 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, list
     for sub in subs:  # each other DCP folder gets its manifest, from its nodes' parts and what is read here
         if sub in unwritten:
             continue
+        # The parts' verification is the folder's (``brought``): here only their files, pieces and units.
+        files, executor = parts.get(sub, (frozenset(), None))
         got, manifest = fingerprint_checkpoint(os.path.join(root, sub), digest=digest, block_bytes=block_bytes,
                                                force=True, jobs=jobs, trust_uncheckable=trust_uncheckable,
-                                               parts=list(parts.get(sub, [])))
+                                               executor=executor, parts=[(files, Report(command="fingerprint",
+                                                                                        target=root, findings=()))])
         read_here += int(got.stats.get("bytes_read_here") or 0)
         opened.extend(f"{sub}/{n}" for n in got.stats.get("opened") or [])
         keep = tuple(_under(sub, (f for f in got.findings if f.check not in (*dropped, "manifest-written"))))

@@ -272,12 +272,15 @@ def _node_hosts(options: AfterSave, process_group: Any, no_dist: bool) -> list[s
 
 def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
             hosts: list[str] | None, rank: int) -> None:
-    """Queue the committed checkpoint: on the coordinator (all, or the whole plus its node's part) and on each other
-    node's lowest rank (its part)."""
+    """Queue the committed checkpoint: on the coordinator (all, or, its plan written, the whole plus its node's part)
+    and on each other node's lowest rank (its part)."""
     from ckptverify.verifier.background import default_verifier, submit_part
 
     if coordinator:
-        default_verifier().submit(path, step=step, options=options, parts=hosts is not None)
+        from ckptverify.ownfiles.partsplan import share_out
+
+        parts = hosts is not None and share_out(os.fspath(path), hosts, deep=options.verify.deep)
+        default_verifier().submit(path, step=step, options=options, parts=parts)
     elif hosts is not None:
         submit_part(path, step, hosts, rank)
 
@@ -375,7 +378,7 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
-    options, step, state_dict, save_kw, no_dist, writer = _prepare(
+    options, step, state_dict, save_kw, no_dist, writer, hosts = _prepare(
         "save", SAVE_KWARGS, state_dict, path, digest, block_bytes, fingerprint, thread_count, process_group, verify,
         on_verified, events, dcp_kwargs)
     with warnings.catch_warnings():
@@ -383,7 +386,7 @@ def save(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
              writer, path)
-    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist, writer.node_hosts)
+    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist, hosts)
     return writer.manifest if writer.is_coordinator else None
 
 
@@ -412,10 +415,10 @@ def async_save(
     """
     import torch.distributed.checkpoint as dcp
 
-    options, step, state_dict, save_kw, no_dist, writer = _prepare(
+    options, step, state_dict, save_kw, no_dist, writer, hosts = _prepare(
         "async_save", ASYNC_SAVE_KWARGS, state_dict, path, digest, block_bytes, fingerprint, thread_count,
         process_group, verify, on_verified, events, dcp_kwargs)
-    after = _after_upload(options, path, step, _coordinator(process_group, no_dist), writer.node_hosts,
+    after = _after_upload(options, path, step, _coordinator(process_group, no_dist), hosts,
                           _group_rank(process_group, no_dist))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -425,9 +428,10 @@ def async_save(
 def _prepare(where: str, allowed: frozenset[str], state_dict: Any, path: str | os.PathLike[str], digest: str,
              block_bytes: int, fingerprint: bool, thread_count: int, process_group: Any, verify: VerifyOptions | str,
              on_verified: Any, events: Any,
-             dcp_kwargs: dict[str, Any]) -> tuple[AfterSave, int | None, Any, dict[str, Any], bool, Any]:
+             dcp_kwargs: dict[str, Any]) -> tuple[AfterSave, int | None, Any, dict[str, Any], bool, Any, Any]:
     """What :func:`save` and :func:`async_save` check and set up before writing (``allowed``: their DCP keywords):
-    options, step, the plain state dict, DCP's keywords, ``no_dist`` and the writer; an earlier failure raised first.
+    options, step, the plain state dict, DCP's keywords, ``no_dist``, the writer and each rank's node when the
+    verification is shared among nodes (:func:`_node_hosts`); an earlier failure raised first.
     """
     options = _verify_options(where, verify, on_verified, events)
     step = _step(state_dict, path)
@@ -436,9 +440,7 @@ def _prepare(where: str, allowed: frozenset[str], state_dict: Any, path: str | o
     no_dist = bool(save_kw.get("no_dist"))
     _raise_earlier_failures(options, process_group, no_dist)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
-    writer.node_hosts = _node_hosts(options, process_group, no_dist)
-    writer.node_deep = options.verify.deep
-    return options, step, state_dict, save_kw, no_dist, writer
+    return options, step, state_dict, save_kw, no_dist, writer, _node_hosts(options, process_group, no_dist)
 
 
 def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],

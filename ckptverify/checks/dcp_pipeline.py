@@ -73,10 +73,12 @@ class ProgressSink(Protocol):
 
 
 class Executor(Protocol):
-    """Shares reads among ranks (:class:`ckptverify.cluster.session.RankExecutor`): ``map_units`` gives, in order,
+    """Shares reads among ranks or nodes (:class:`ckptverify.cluster.session.RankExecutor` through the store,
+    :class:`ckptverify.cluster.recorded.Recorded` from the after-save parts' records): ``map_units`` gives, in order,
     results of work units (:mod:`ckptverify.cluster.units`) over ``run``'s files, each read on some rank, advancing
-    ``run``'s progress; ``map_plain`` the same under ``root`` via ``open_file``; ``tensor_map`` a ``run_map`` for
-    :func:`~ckptverify.checks.deep.scan_description` sharing the raw tensor pieces."""
+    ``run``'s progress; ``tensor_map`` a ``run_map`` for :func:`~ckptverify.checks.deep.scan_description` sharing the
+    raw tensor pieces; ``world`` and ``map_plain`` (the units under ``root`` via ``open_file``: ``scan``) the ranks'.
+    """
 
     world: int
 

@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 from ckptverify.cluster.env import ClusterEnv, cores_per_rank, detect
 from ckptverify.cluster.group import CommandRanks, connect
 from ckptverify.cluster.split import assign, balance
-from ckptverify.cluster.units import RankFiles, Unit, execute, unit_bytes, unit_file, unit_range
+from ckptverify.cluster.units import (
+    RankFiles,
+    Unit,
+    UnitExecutor,
+    execute,
+    opened_in,
+    unit_bytes,
+    unit_file,
+    unit_range,
+)
 from ckptverify.errors import CkptVerifyError, FileChangedError, UsageError
 
 if TYPE_CHECKING:
@@ -153,7 +162,7 @@ class Session:
                 self._local.close()
 
 
-class RankExecutor:
+class RankExecutor(UnitExecutor):
     """Rank 0's side: shares work units among the ranks and returns their results in order."""
 
     def __init__(self, group: CommandRanks) -> None:
@@ -172,11 +181,7 @@ class RankExecutor:
         """Results of ``units`` for a ``VerificationRun``, read through its opened files on rank 0 (an unopened one:
         ``FileChangedError``), advancing its progress as results arrive."""
 
-        def opened(name: str) -> Any:
-            f = run.file(name)
-            if f is None:
-                raise FileChangedError("it could not be opened again", os.path.join(run.root, name))
-            return f
+        opened = opened_in(run)
 
         def size_of(name: str) -> int:
             return int(opened(name).size)
@@ -249,30 +254,6 @@ class RankExecutor:
         what = {"verify": "verification", "scan": "scan", "fingerprint": "fingerprint"}.get(self.group.command,
                                                                                         "command")
         return f"the {what} is incomplete: that rank's share was not checked, so nothing is concluded"
-
-    def tensor_map(self, run: VerificationRun) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
-        """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description`: raw-file pieces scanned on the ranks, the
-        rest
-        (transformed items, subclasses) here via ``run.map``; the same scans as computed locally."""
-        from ckptverify.cluster.units import payload_unit, scan_from_json
-        from ckptverify.formats.describe import Payload
-
-        def shared(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-            raw = [n for n, x in enumerate(items) if isinstance(x, tuple) and len(x) == 2
-                   and isinstance(x[1], Payload) and x[1].encoding == "raw" and x[1].stored is None]
-            if not raw:
-                return run.map(fn, items)
-            units = [payload_unit(items[n][0].name, items[n][0].shape, items[n][1]) for n in raw]
-            got = self.map_units(run, units)
-            out: list[Any] = [None] * len(items)
-            for n, value in zip(raw, got, strict=True):
-                out[n] = scan_from_json(value)
-            rest = [n for n in range(len(items)) if out[n] is None]
-            for n, value in zip(rest, run.map(fn, [items[n] for n in rest]), strict=True):
-                out[n] = value
-            return out
-
-        return shared
 
     def summary(self, total: int, *, deep: bool = False) -> dict[str, Any]:
         """``ranks`` (host, bytes, units each), ``world_size``, ``balance``; rank 0 is charged what no unit covered."""

@@ -98,42 +98,67 @@ def execute(unit: Unit, open_file: Callable[[str], Any], root: str, jobs: int | 
         fields["parts"] = tuple(fields.get("parts") or ())
         state, reason, counts = judge(root, Candidate(**fields), jobs, deep=bool(unit[2]))
         return [state, reason, counts]
-    if kind == "payload":
+    if kind == "payload":  # a raw piece; unreadable, as scan_description has it (a changed file raises)
+        from ckptverify.checks.deep import TensorScan, scan_payload
         from ckptverify.formats.describe import Payload
 
-        return scan_to_json(scan_raw_payload(open_file, unit[1], tuple(unit[2]), Payload.from_json(unit[3])))
+        name, shape, p = unit[1], tuple(unit[2]), Payload.from_json(unit[3])
+        try:
+            return scan_payload(open_file(p.file), name, p, shape).to_json()
+        except FileChangedError:
+            raise
+        except (OSError, ValueError, KeyError) as exc:
+            return TensorScan(unreadable=[f"{name} chunk {list(p.chunk_offsets)}: {exc}"],
+                              chunks={p.chunk_offsets}).to_json()
     raise ValueError(f"unknown work unit {kind!r}")
 
 
+def opened_in(run: Any) -> Callable[[str], Any]:
+    """``open_file`` over the files a ``VerificationRun`` opened (one it did not open: ``FileChangedError``)."""
+
+    def opened(name: str) -> Any:
+        f = run.file(name)
+        if f is None:
+            raise FileChangedError("it could not be opened again", os.path.join(run.root, name))
+        return f
+
+    return opened
+
+
 def payload_unit(name: str, shape: tuple[int, ...], p: Any) -> Unit:
-    """The ``payload`` unit of raw piece ``p`` of tensor ``name``."""
+    """The ``payload`` unit of piece ``p`` of tensor ``name``."""
     return ["payload", name, list(shape), p.to_json()]
 
 
-def scan_raw_payload(open_file: Callable[[str], Any], name: str, shape: tuple[int, ...], p: Any) -> Any:
-    """:func:`~ckptverify.checks.deep.scan_payload` of a raw payload, with ``scan_description``'s outcomes for an
-    unreadable piece (a changed file raises)."""
-    from ckptverify.checks.deep import TensorScan, scan_payload
+def is_raw(item: Any) -> bool:
+    """Whether a :func:`~ckptverify.checks.deep.scan_description` item is a raw file piece ``(tensor, payload)``, read
+    as a ``payload`` unit (the rest, transformed items and subclasses, are rebuilt where the run is)."""
+    from ckptverify.formats.describe import Payload
 
-    try:
-        return scan_payload(open_file(p.file), name, p, shape)
-    except FileChangedError:
-        raise
-    except (OSError, ValueError, KeyError) as exc:
-        out = TensorScan()
-        out.unreadable.append(f"{name} chunk {list(p.chunk_offsets)}: {exc}")
-        out.chunks.add(p.chunk_offsets)
-        return out
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Payload) \
+        and item[1].encoding == "raw" and item[1].stored is None
 
 
-def scan_to_json(scan: Any) -> dict[str, Any]:
-    return scan.to_json()
+class UnitExecutor:
+    """What every executor of work units shares (:class:`~ckptverify.checks.dcp_pipeline.Executor`): the tensor scan
+    with raw pieces as ``payload`` units through its ``map_units``."""
 
+    def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
+        """A ``run_map`` for :func:`~ckptverify.checks.deep.scan_description`: raw-file pieces as ``payload`` units,
+        the rest (transformed items, subclasses) here via ``run.map``; the same scans as computed locally."""
+        from ckptverify.checks.deep import TensorScan
 
-def scan_from_json(d: dict[str, Any]) -> Any:
-    from ckptverify.checks.deep import TensorScan
+        def shared(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+            raw = [n for n, x in enumerate(items) if is_raw(x)]
+            if not raw:
+                return run.map(fn, items)
+            got = self.map_units(run, [payload_unit(items[n][0].name, items[n][0].shape, items[n][1]) for n in raw])
+            out: dict[int, Any] = {n: TensorScan.from_json(value) for n, value in zip(raw, got, strict=True)}
+            rest = [n for n in range(len(items)) if n not in out]
+            out.update(zip(rest, run.map(fn, [items[n] for n in rest]), strict=True))
+            return [out[n] for n in range(len(items))]
 
-    return TensorScan.from_json(d)
+        return shared
 
 
 class RankFiles:

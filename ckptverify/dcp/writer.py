@@ -15,7 +15,6 @@ import logging
 import os
 import threading
 import uuid
-import warnings
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
-from ckptverify.errors import ArchiveError, CkptVerifyWarning, UsageError
+from ckptverify.errors import ArchiveError, UsageError
 from ckptverify.fingerprint import (
     ALGORITHMS,
     FINGERPRINT_VERSION,
@@ -538,11 +537,6 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.manifest: Manifest | None = None
         self.stats: dict[str, int] = {}
         self._lock: SaveLock | None = None
-        #: Node of each group rank, when verification is shared among nodes: the coordinator then writes the
-        #: parts plan (:mod:`ckptverify.verifier.parts`) before committing.
-        self.node_hosts: list[str] | None = None
-        #: Whether the parts' verification is deep (the plan says so to every node).
-        self.node_deep = False
 
     # -- set-up
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -791,15 +785,6 @@ class HashingFileSystemWriter(FileSystemWriter):
         manifest = self._build_manifest(metadata, hashed, len(results), metadata_files)
         write_manifest(root, manifest)
         self.manifest = manifest
-        if self.node_hosts is not None and len(set(self.node_hosts)) > 1:
-            from ckptverify.ownfiles.partsplan import make_plan, write_plan
-
-            try:
-                plan = make_plan(self.node_hosts, _files_of_ranks(results))
-                write_plan(root, {**plan, "deep": True} if self.node_deep else plan)
-            except OSError as exc:  # the save stands; without a plan the coordinator verifies it whole
-                warnings.warn(f"{root}: its verification cannot be shared out among nodes ({type(exc).__name__}: "
-                              f"{exc}); the coordinator verifies it whole", CkptVerifyWarning, stacklevel=2)
 
     def _build_manifest(
         self,
@@ -893,19 +878,6 @@ def _large_chunk_bytes(plan: SavePlan) -> dict[torch.dtype | None, int]:
         if numel * (2 if dtype.is_complex else 1) >= COMPILED_BLOCK:
             kernel = cpu_kernel_dtype(dtype)
             out[kernel] = out.get(kernel, 0) + numel * dtype.itemsize
-    return out
-
-
-def _files_of_ranks(results: list[list[WriteResult]]) -> list[list[str]]:
-    """Files each rank wrote: those holding its items and its ``extra_files``."""
-    out = []
-    for wr_list in results:
-        names: set[str] = set()
-        for wr in wr_list:
-            info = wr.storage_data
-            names.add(str(info.relative_path))
-            names.update(str(e[0]) for e in getattr(info, "extra_files", ()) or ())
-        out.append(sorted(names))
     return out
 
 

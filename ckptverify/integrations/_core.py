@@ -175,7 +175,9 @@ class Verifier:
 
             submit_part(root, step, hosts, group.rank)
         if group.coordinator:
-            if hosts is not None and self._plan(root, hosts, fingerprint, self.deep):
+            from ckptverify.ownfiles.partsplan import share_out
+
+            if hosts is not None and share_out(root, hosts, fingerprint=fingerprint, deep=self.deep):
                 verdict = self._submit(root, step, fingerprint, parts=True)
             else:  # verified now, or queued for the background verifier
                 verdict = (self._submit if self.background else self._check_saved)(root, step, fingerprint)
@@ -289,21 +291,6 @@ class Verifier:
 
         hosts = [str(h) for h in group.gather(node_name())]  # the same list on every rank: all take one way
         return hosts if len(set(hosts)) > 1 else None
-
-    @staticmethod
-    def _plan(root: str, hosts: list[str], fingerprint: Fingerprint, deep: bool = False) -> bool:
-        """Write the parts plan (``fingerprint``, ``deep`` included); ``False`` if unwritable (the coordinator then
-        verifies everything and the parts report finding no plan)."""
-        from ckptverify.ownfiles.partsplan import plan_from_names, write_plan
-
-        plan = {**plan_from_names(root, hosts), "fingerprint": fingerprint, **({"deep": True} if deep else {})}
-        try:
-            write_plan(os.path.abspath(root), plan)
-        except OSError as exc:
-            warnings.warn(f"{root}: the verification cannot be shared out among nodes ({type(exc).__name__}: "
-                          f"{exc}); rank 0 verifies it whole", CkptVerifyWarning, stacklevel=3)
-            return False
-        return True
 
     def _submit(self, root: str, step: int | None, fingerprint: Fingerprint, parts: bool = False) -> Verification:
         """Queue ``root`` for the background verifier (``parts``: shared among nodes)."""

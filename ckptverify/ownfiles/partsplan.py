@@ -1,6 +1,6 @@
 """The plan of a save's verification shared among its nodes, and where part verdicts go
-(:data:`~ckptverify.ownfiles.names.PARTS_PLAN`, ``.ckptverify-part-N.json``). Written by the coordinator at commit
-(or by an integration, :func:`plan_from_names`); read by every node's part and the coordinator's verifier."""
+(:data:`~ckptverify.ownfiles.names.PARTS_PLAN`, ``.ckptverify-part-N.json``). Written by the coordinator once the
+save committed (:func:`share_out`); read by every node's part and the coordinator's verifier."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from ckptverify.ownfiles.names import PARTS_PLAN, PARTS_PREFIX, STAMP_TEMP_PREFIX, write_atomic
 
 __all__ = ["PLAN_SCHEMA", "dcp_folders", "make_plan", "nodes_of", "part_verdict_path", "plan_from_names", "read_json",
-           "read_plan", "write_plan"]
+           "read_plan", "share_out", "write_plan"]
 
 PLAN_SCHEMA = "ckptverify/parts-plan"
 #: Most of a plan or part verdict ever read (a fingerprinted part carries digests and scans).
@@ -71,6 +71,23 @@ def plan_from_names(root: str, hosts: list[str]) -> dict[str, Any]:
 
 def write_plan(root: str, plan: dict[str, Any]) -> str:
     return write_atomic(os.path.join(root, PARTS_PLAN), json.dumps(plan, indent=1), prefix=STAMP_TEMP_PREFIX)
+
+
+def share_out(root: str, hosts: list[str], *, fingerprint: Any = False, deep: bool = False) -> bool:
+    """The coordinator's side as a save into ``root`` committed: write its plan (:func:`plan_from_names`, with the
+    after-save check's ``fingerprint`` and ``deep``). ``False``, with a warning, if unwritable: the coordinator then
+    verifies the checkpoint whole."""
+    import warnings
+
+    from ckptverify.errors import CkptVerifyWarning
+
+    try:
+        write_plan(os.path.abspath(root), {**plan_from_names(root, hosts), "fingerprint": fingerprint, "deep": deep})
+    except OSError as exc:  # the save stands
+        warnings.warn(f"{root}: its verification cannot be shared out among nodes ({type(exc).__name__}: {exc}); "
+                      "the coordinator verifies it whole", CkptVerifyWarning, stacklevel=3)
+        return False
+    return True
 
 
 def part_verdict_path(root: str, node: int) -> str:

@@ -1,19 +1,21 @@
 """A save's verification shared among the nodes that wrote it: each node checks the files its ranks just wrote
 (still in its page cache), and one stamp is written once every part reports (``docs/verify-after-save.md``).
 
-Ranks exchange node names before the save (one node: nothing here happens). As the save commits the coordinator
-writes the plan (:func:`~ckptverify.ownfiles.partsplan.make_plan`: per node its host, ranks and files). Each other
+Ranks exchange node names before the save (one node: nothing here happens). Once the save committed the coordinator
+writes the plan (:func:`~ckptverify.ownfiles.partsplan.share_out`: per node its host, ranks and files). Each other
 node's lowest rank runs a part (:func:`part_job`): byte-level checks of its files only, verdict written beside the
 plan. The coordinator checks the whole checkpoint and its node's files, waits for the parts
 (:func:`stamp_parts_locked`, up to :func:`part_timeout`), and stamps: passed if all passed; failed with a
 ``node-part-failed`` error per failed part; **unverified** naming nodes that never reported. With ``deep`` the
-coordinator judges all parts' tensor pieces together; with a manifest to write, parts bring digests and scans
-(:func:`_adopt`).
+coordinator judges all parts' tensor pieces together; with a manifest to write, parts bring the adoption's work
+units with their results and the coordinator adopts as one process does (:func:`_adopt`,
+:mod:`ckptverify.cluster.recorded`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -71,13 +73,6 @@ def _signatures(root: str, files: list[str]) -> dict[str, list[int] | None]:
     return out
 
 
-def _verify(root: str, jobs: int, *, only: frozenset[str] | None = None,
-            skip: frozenset[str] = frozenset()) -> Any:
-    from ckptverify.audit.verify import verify_part
-
-    return verify_part(root, jobs=jobs, only=only, skip=skip)
-
-
 def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -> dict[str, Any]:
     """The ``verify-part`` job: wait (up to ``wait_s``, default :func:`part_timeout`) for ``root`` to commit with a
     plan,
@@ -102,15 +97,13 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     files = list(mine["files"])
     started = time.perf_counter()
     before = _signatures(root, files)
-    deep = None
+    deep = checked = None
     if plan.get("deep") is True:  # the deep scan of its files, judged by the coordinator with the others'
         from ckptverify.audit.verify import verify_part_deep
 
-        report, scanned = verify_part_deep(root, jobs=jobs, only=frozenset(files))
+        checked, scanned = verify_part_deep(root, jobs=jobs, only=frozenset(files))
         deep = None if scanned is None else scanned.to_json()
-        report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False), report)
-    else:
-        report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False))
+    report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False), checked)
     changed = _signatures(root, files) != before
     data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], "node": node, "host": mine.get("host"),
             "ranks": mine.get("ranks"), "files": files, "passed": report.passed, "changed": changed,
@@ -138,13 +131,14 @@ def _committed(root: str) -> bool:
 
 
 def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
-                 checked: Any = None) -> tuple[Any, dict[str, Any] | None]:
+                 checked: Any = None) -> tuple[Any, Any]:
     """A node's checks of ``files``: their verification (``checked`` if done already) and, when the save is
     fingerprinted (plan's ``fingerprint``: ``True``, or ``"auto"`` with a former manifest or unprotected content),
-    digests and scans via :func:`~ckptverify.audit.adopt.fingerprint_files`. A node with no files reports an empty part.
+    the adoption's work units over them, with their results (:func:`~ckptverify.cluster.recorded.record`). A node
+    with no files reports an empty part.
     """
-    from ckptverify.audit.adopt import fingerprint_files, fingerprint_folder_files
-    from ckptverify.audit.verify import by_subfolder, needs_manifest
+    from ckptverify.audit.verify import by_subfolder, each_shard_folder, needs_manifest, verify_part
+    from ckptverify.cluster.recorded import record
     from ckptverify.ownfiles.names import MANIFEST_FILE
 
     if not files:  # this node's ranks wrote nothing: nothing to check, and nothing found
@@ -158,14 +152,16 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
     manifests = [f"{sub}/{MANIFEST_FILE}" for sub in by_subfolder(files)] if folder else [MANIFEST_FILE]
     stale = fingerprint == "auto" and any(os.path.lexists(os.path.join(root, m)) for m in manifests)
     if fingerprint is not True and not stale:
-        report = checked if checked is not None else _verify(root, jobs, only=files)
+        report = checked if checked is not None else verify_part(root, jobs=jobs, only=files)
         if fingerprint != "auto" or not needs_manifest(report):
             return report, None
     if folder:
-        report, by_sub = fingerprint_folder_files(root, files, jobs=jobs)
-        return report, {"folders": {sub: part.to_dict() for sub, part in by_sub.items()}}
-    part = fingerprint_files(root, files, jobs=jobs)
-    return part.report, part.to_dict()
+        started = time.perf_counter()
+        report, by_sub = each_shard_folder(root, files, "fingerprint", lambda where, names: (dataclasses.replace(
+            (got := record(where, names, jobs))[0], stats={**got[0].stats, "opened": sorted(names)}), got[1]))
+        report.stats["seconds"] = round(time.perf_counter() - started, 6)
+        return report, {"folders": by_sub}
+    return record(root, files, jobs)
 
 
 def _part_summary(data: dict[str, Any], report: Any) -> dict[str, Any]:
@@ -195,6 +191,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     ``notes``. ``deep``: parts' tensor pieces are judged together (:func:`~ckptverify.checks.deep.judge_parts`); a part
     without its pieces did not report.
     """
+    from ckptverify.audit.verify import verify_part, verify_part_deep
     from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed
     from ckptverify.safeparse.readers import pacing
@@ -215,11 +212,9 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         scanned = None
         with pacing(throttle):
             if deep:
-                from ckptverify.audit.verify import verify_part_deep
-
                 mine, scanned = verify_part_deep(path, jobs=jobs or 1, skip=other_files)
             else:
-                mine = None if adopt is True else _verify(path, jobs or 1, skip=other_files)
+                mine = None if adopt is True else verify_part(path, jobs=jobs or 1, skip=other_files)
         reports: list[tuple[dict[str, Any], Report]] = []
         missing: list[dict[str, Any]] = []
         deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
@@ -347,23 +342,25 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
 
 def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
            read_all: bool = True) -> tuple[Any, str, bool]:
-    """The manifest written from the parts' digests and scans (others' files read here; the whole when unmergeable).
-    Returns the adoption's report, what writing did, and whether written. Folders: :func:`_adopt_folder`."""
-    from ckptverify.audit.adopt import AdoptionPart, fingerprint_checkpoint
-    from ckptverify.errors import PartsOverlapError
+    """The manifest written as one process writes it, the parts' work units answered from their records (others'
+    files read here; the whole when unmergeable). Returns the adoption's report, what writing did, and whether
+    written. Folders: :func:`_adopt_folder`."""
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.cluster.recorded import Recorded, records_of
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return _adopt_folder(path, jobs, reports, read_all)
-    pieces = []
-    for data, _ in reports:
-        try:
-            pieces.append(AdoptionPart.from_dict(data["adoption"]))
-        except Exception:  # none, or not what a part writes (damaged, planted): its files are read here
-            continue
+    parts, records = [], []
+    for data, part in reports:
+        got = records_of(data.get("adoption"))
+        if got is not None:  # else none, or not what a part writes (damaged, planted): its files are read here
+            parts.append((frozenset(data["files"]), part))
+            records += got
     try:
-        report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=pieces)
-        how = f"the digests of {len(pieces)} other node(s) taken from their parts"
-    except PartsOverlapError as exc:
+        report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True,
+                                                  executor=Recorded(records), parts=parts)
+        how = f"the digests of {len(parts)} other node(s) taken from their parts"
+    except (ValueError, TypeError, LookupError) as exc:  # PartsOverlapError, or records no part writes
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=[])
         how = f"read whole here: {exc}"
     if manifest is None:
@@ -388,32 +385,37 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
     (:func:`~ckptverify.audit.adopt.fingerprint_folder_parts`). Shards of a part that brought no digests are read
     here when ``read_all`` or their folder holds a former manifest; else that folder gets no manifest and the part's
     verification stands."""
-    from ckptverify.audit.adopt import AdoptionPart, fingerprint_folder_parts
+    from ckptverify.audit.adopt import fingerprint_folder_parts
     from ckptverify.audit.verify import by_subfolder
-    from ckptverify.errors import PartsOverlapError
+    from ckptverify.cluster.recorded import Recorded, records_of
 
-    brought: dict[str, list[AdoptionPart]] = {}
+    files_of: dict[str, set[str]] = {}
+    records: dict[str, list[Any]] = {}
+    brought: list[Any] = []
     elsewhere: list[tuple[frozenset[str], Any]] = []
     for data, report in reports:
         files = frozenset(data.get("files") or ())
         mine = by_subfolder(files)
-        try:
-            got = {str(sub): AdoptionPart.from_dict(d) for sub, d in dict(data["adoption"]["folders"]).items()}
-            # Each of its folders exactly as the plan gives it, or it brought nothing usable.
-            if set(got) != set(mine) or any(frozenset(got[sub].only) != names for sub, names in mine.items()):
-                raise ValueError("not the files the plan gives the part")
-        except Exception:  # none, or not what a part writes: its files are read here or its report stands
+        folders = data.get("adoption", {}).get("folders") if isinstance(data.get("adoption"), dict) else None
+        got = {str(sub): records_of(d) for sub, d in folders.items()} if isinstance(folders, dict) else {}
+        # Each of its folders exactly as the plan gives it, or it brought nothing usable: its files are read here or
+        # its report stands.
+        if not got or set(got) != set(mine) or any(r is None for r in got.values()):
             elsewhere.append((files, report))
             continue
-        for sub, part in got.items():
-            brought.setdefault(sub, []).append(part)
+        brought.append(report)
+        for sub, names in mine.items():
+            files_of.setdefault(sub, set()).update(names)
+            records.setdefault(sub, []).extend(got[sub])  # type: ignore[arg-type]
+    parts = {sub: (frozenset(names), Recorded(records[sub])) for sub, names in files_of.items()}
     try:
-        report, manifest, unwritten = fingerprint_folder_parts(path, brought, elsewhere, read_elsewhere=read_all,
-                                                               jobs=jobs, trust_uncheckable=True)
+        report, manifest, unwritten = fingerprint_folder_parts(path, parts, brought, elsewhere,
+                                                               read_elsewhere=read_all, jobs=jobs,
+                                                               trust_uncheckable=True)
         overlap = None
-    except PartsOverlapError as exc:
+    except (ValueError, TypeError, LookupError) as exc:  # PartsOverlapError, or records no part writes
         every = [(frozenset(data.get("files") or ()), r) for data, r in reports]
-        report, manifest, unwritten = fingerprint_folder_parts(path, {}, every, read_elsewhere=True, jobs=jobs,
+        report, manifest, unwritten = fingerprint_folder_parts(path, {}, [], every, read_elsewhere=True, jobs=jobs,
                                                                trust_uncheckable=True)
         elsewhere, overlap = every, exc
     if manifest is None:

@@ -309,33 +309,25 @@ def test_a_damaged_part_refuses_the_manifest_and_names_its_node(tmp_path: Path) 
         {"__0_1.distcp"}
 
 
-def test_parts_that_cannot_be_merged_are_refused_by_the_merge() -> None:
-    from ckptverify.audit.adopt import SmallScan, _merge_scans
-    from ckptverify.checks.deep import TensorScan
-    from ckptverify.errors import PartsOverlapError
-
-    a = TensorScan(chunks={(0,)}, elements=4)
-    b = TensorScan(chunks={(4,)}, elements=4)
-    assert _merge_scans({"t": a}, [{"t": b}])["t"].elements == 8
-    with pytest.raises(PartsOverlapError, match="more than one node"):
-        _merge_scans({"t": a}, [{"t": TensorScan(chunks={(0,)}, elements=4)}])
-    with pytest.raises(PartsOverlapError):
-        _merge_scans({"t": SmallScan("0" * 32, 0, 0)}, [{"t": b}])
-
-
 def test_parts_that_cannot_be_merged_are_adopted_whole_here_and_the_stamp_says_what_was_opened(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptverify.audit import adopt
-    from ckptverify.errors import PartsOverlapError
+        tmp_path: Path) -> None:
+    """A part whose records lack a unit the adoption asks of its files (digested otherwise, cut short): the
+    coordinator cannot merge it and adopts the whole checkpoint itself."""
+    from ckptverify.ownfiles.partsplan import make_plan, write_plan
+    from ckptverify.verifier.saved import saved_job
 
-    def overlapping(scans: Any, others: Any) -> Any:
-        raise PartsOverlapError("'w0' has a chunk stored on more than one node")
-
-    monkeypatch.setattr(adopt, "_merge_scans", overlapping)
     path = _plain_dcp(tmp_path / "ckpt", _mixed_state())
-    out = _job_in_parts(path, True)
+    files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    write_plan(path, {**make_plan(["hostA", "hostB"], [files[:1], files[1:]]), "fingerprint": True})
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    verdict = Path(parts_mod.part_verdict_path(path, 1))
+    data = json.loads(verdict.read_text())
+    cut = [r for r in data["adoption"] if r[0][0] != "digest"]
+    verdict.write_text(json.dumps({**data, "adoption": cut}))
+    out = saved_job(path, 5, True, 1, False, 0.0, parts=True)
     assert out["event"] == "checkpoint-verified", out
-    assert out["extra"]["fingerprint"].endswith("; read whole here: 'w0' has a chunk stored on more than one node")
+    assert out["extra"]["fingerprint"].endswith("; read whole here: no part brought the digest of __0_1.distcp, a "
+                                                 "file not opened here"), out["extra"]
     assert "taken from their parts" not in out["extra"]["fingerprint"]
     stamp = _stamp(Path(path))
     # The coordinator read node 1's file too, and its part says so.

@@ -1,0 +1,133 @@
+"""Work units done ahead and written down: the after-save parts' transport. A node's part runs the adoption's
+digest pass and tensor scan over its own files with :class:`Recorded` as executor (:func:`record`): each unit
+(:mod:`.units`) is read there and written, with its result, into its part verdict. The coordinator adopts as one
+process does with :class:`Recorded` over the parts' records: the same units as the store carries among ranks
+(:mod:`.session`), answered from the records, judged and merged by the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptverify.cluster.units import Unit, UnitExecutor, execute, is_raw, opened_in, payload_unit, unit_file
+from ckptverify.errors import FileChangedError, PartsOverlapError
+
+#: ``[unit, result]``, as a part verdict holds it.
+Record = list[Any]
+
+
+def record(root: str, only: frozenset[str], jobs: int) -> tuple[Any, list[Record]]:
+    """One node's share of an adoption: the byte-level verification of ``only`` (no other file opened) and, if it
+    passed, the work units of the adoption's digest pass and tensor scan over those files, with their results
+    (none if it failed or a file changed: the report says why). Writes nothing."""
+    from ckptverify.audit.adopt import digests_and_scans
+    from ckptverify.checks.dcp_pipeline import VerificationRun, changed_finding
+    from ckptverify.findings import Report
+    from ckptverify.ownfiles.manifest import DEFAULT_BLOCK_BYTES
+    from ckptverify.safeparse.gcpause import paused_gc
+
+    started = time.perf_counter()
+    recorded = Recorded([])
+    run = VerificationRun(root, jobs, None, only=only)
+    report = Report(command="fingerprint", target=root, findings=())
+    try:
+        with paused_gc():
+            run.execute(deep=False, use_manifest=False)
+            report = run.report("fingerprint", time.perf_counter() - started)
+            if not report.passed:
+                return report, []
+            desc = run.description()
+            # The adoption's defaults (fingerprint_checkpoint): the coordinator asks for these very units.
+            digests_and_scans(run, desc, digest="xxh3-128", block_bytes=DEFAULT_BLOCK_BYTES, executor=recorded)
+            # What the coordinator cannot describe without opening these files: their items, unread pieces.
+            recorded.records += [[["stored", n, f], [[i.name, i.chunk_offsets, i.offset, i.length] for i in desc.stored
+                                                     if i.file == n]] for n, f in desc.files.items()]
+            recorded.records += [[["unread", t.name], t.unread] for t in desc.tensors.values() if t.unread]
+            changed = run.changed_files()
+    except FileChangedError as exc:
+        changed = [changed_finding(os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?", str(exc))]
+    finally:
+        run.close()
+    if changed:
+        return Report(command="fingerprint", target=root, findings=(*report.findings, *changed),
+                      coverage=report.coverage, stats=report.stats), []
+    report.stats["seconds"] = round(time.perf_counter() - started, 6)
+    return report, recorded.records
+
+
+def records_of(data: Any) -> list[Record] | None:
+    """The records a part verdict holds, or ``None`` when it holds none usable (damaged, planted)."""
+    ok = isinstance(data, list) and all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], list) and r[0]
+                                        and isinstance(r[0][0], str) for r in data)
+    return data if ok else None
+
+
+def _key(unit: Unit) -> str:
+    return json.dumps(unit, sort_keys=True)
+
+
+class Recorded(UnitExecutor):
+    """An executor that answers units from ``records`` and reads (and records) the others here, through the run's
+    files. A unit of a file the run did not open that no record answers raises
+    :class:`~ckptverify.errors.PartsOverlapError`: the caller adopts the checkpoint whole."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self.records = records
+        self._known = {_key(u): r for u, r in records}
+
+    def _missing(self, run: Any, unit: Unit) -> None:
+        if run.file(unit_file(unit)) is None:
+            raise PartsOverlapError(f"no part brought the {unit[0]} of {unit_file(unit)}, a file not opened here")
+
+    def map_units(self, run: Any, units: list[Unit]) -> list[Any]:
+        keys = [_key(u) for u in units]
+        todo = [n for n, k in enumerate(keys) if k not in self._known]
+        for n in todo:
+            self._missing(run, units[n])
+        got = dict(zip(todo, run.map(lambda n: execute(units[n], opened_in(run), run.root), todo), strict=True))
+        self.records += [[units[n], got[n]] for n in todo]
+        return [got[n] if n in got else self._known[k] for n, k in enumerate(keys)]
+
+    def tensor_map(self, run: Any) -> Callable[[Callable[[Any], Any], list[Any]], list[Any]]:
+        """:meth:`UnitExecutor.tensor_map` answering every piece the records hold (transformed ones too), recording
+        those scanned here; a tensor subclass is scanned where it is stored, never shared (:meth:`describe`)."""
+        from ckptverify.checks.deep import TensorScan
+
+        shared = super().tensor_map(run)
+
+        def recorded(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+            units = [payload_unit(x[0].name, x[0].shape, x[1]) if isinstance(x, tuple) else ["subclass", x.name]
+                     for x in items]
+            keys = [_key(u) for u in units]
+            rest = [n for n, k in enumerate(keys) if k not in self._known]
+            for n in rest:
+                if units[n][0] == "payload" and not is_raw(items[n]):  # a raw one: map_units
+                    self._missing(run, units[n])
+            got = dict(zip(rest, shared(fn, [items[n] for n in rest]), strict=True))
+            self.records += [[units[n], got[n].to_json()] for n in rest if not is_raw(items[n])]
+            return [got[n] if n in got else TensorScan.from_json(self._known[k]) for n, k in enumerate(keys)]
+
+        return recorded
+
+    def describe(self, desc: Any, files: frozenset[str]) -> None:
+        """Add to ``desc`` what the records describe of ``files`` (not opened here): the files, their items, the tensor
+        pieces in them and those that could not be read."""
+        from ckptverify.formats.describe import Payload, StoredRange
+
+        for unit, result in self.records:
+            kind, name = unit[0], unit[1] if len(unit) > 1 else None
+            tensor = desc.tensors.get(name) if isinstance(name, str) else None
+            if kind == "subclass":
+                raise PartsOverlapError(f"{name!r} is a tensor subclass stored on another node")
+            if kind == "stored" and name in files:
+                desc.files[name] = str(unit[2])
+                desc.stored += [StoredRange(str(n), None if c is None else tuple(c), name, int(o), int(k))
+                                for n, c, o, k in result]
+            elif kind == "unread" and tensor is not None:
+                tensor.unread.extend(str(why) for why in result)
+            elif kind == "payload" and tensor is not None and unit[3].get("file") in files:
+                tensor.payloads.append(Payload.from_json(unit[3]))
