@@ -1,6 +1,6 @@
 """A whole-file ``torch.save`` checkpoint (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output).
 
-Checked: zip structure, every record's CRC-32, and the pickle read inertly (:mod:`~ckptverify.safeparse.pickle_scan`):
+Checked: zip structure, every record's CRC-32, and the pickle read inertly (:mod:`~ckptverify.safeparse.torchsave`):
 every tensor's storage exists and covers its extent, no storage is orphaned; subclass tensors part by part. A pass
 guarantees the bytes as written (up to CRC-32), not the values in memory (no manifest), nor anything about
 objects outside the allowlist (named, not interpreted). Legacy non-zip files carry no checksum: uncheckable.
@@ -15,8 +15,8 @@ from ckptverify.checks import unopened
 from ckptverify.errors import ArchiveError, BadPickle
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.single import sniff
-from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, scan_pickle
 from ckptverify.safeparse.zipwalk import looks_like_zip, parse_archive, range_reader
 
 __all__ = ["verify_torchsave_file"]
