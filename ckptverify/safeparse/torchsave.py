@@ -49,6 +49,11 @@ LEGACY_STORAGE_DTYPES = {
 }  # fmt: skip
 
 
+def _refuse_build(self: Any, state: Any) -> None:
+    # A BUILD onto a checked record would rewrite it after its check (a frozen slots dataclass would allow it).
+    raise RefusedPickle(f"data.pkl modifies a {type(self).__name__}")
+
+
 @dataclass(frozen=True, slots=True)
 class TensorHeader:
     """A DCP tensor item's record: the storage record (``storage_numel`` in elements) and the view onto it."""
@@ -59,6 +64,8 @@ class TensorHeader:
     storage_offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+
+    __setstate__ = _refuse_build
 
     @property
     def is_row_major(self) -> bool:
@@ -73,6 +80,8 @@ class StorageRef:
     dtype: str | None
     numel: int
 
+    __setstate__ = _refuse_build
+
 
 @dataclass(frozen=True, slots=True)
 class TensorRef:
@@ -84,6 +93,8 @@ class TensorRef:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     elem_dtype: str | None = None
+
+    __setstate__ = _refuse_build
 
     @property
     def dtype(self) -> str | None:
@@ -275,6 +286,8 @@ class SubclassHeader:
     stride: tuple[int, ...]
     parts: tuple[tuple[str, Any], ...]
     context: str
+
+    __setstate__ = _refuse_build
 
     @property
     def short_name(self) -> str:

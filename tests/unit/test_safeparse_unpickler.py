@@ -124,3 +124,29 @@ def test_safeparse_imports_nothing_above_it():
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     assert not alias.name.startswith("ckptverify") or alias.name.startswith(allowed), path.name
+
+
+_STORAGE = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x06tQ"
+_TENSOR = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(" + _STORAGE + b"K\x00(K\x06t(K\x01ttR"
+
+
+@pytest.mark.parametrize("read, refused", [(item_header, pickle.UnpicklingError), (scan_pickle, BadPickle)])
+def test_a_checked_tensor_record_cannot_be_rewritten_by_build(read, refused):
+    # BUILD onto the record _rebuild_tensor_v2 returned, with a dict state (a shape past the storage) or a
+    # slot-tuple state (a shape of 2**127): both would replace fields after they were checked.
+    for state in (b"}X\x05\x00\x00\x00shape(K\x07ts", b"(NK\x00(\x8a\x10" + b"\xff" * 15 + b"\x7ft(K\x01tNt"):
+        with pytest.raises(refused, match="modifies a TensorRef"):
+            read(_TENSOR + state + b"b.")
+    assert read(_TENSOR + b".") is not None
+
+
+def test_a_tuple_key_of_shared_references_is_refused_before_it_is_hashed():
+    # Each level holds the previous one twice: 60 memo entries, 2**60 values for hash() to visit.
+    data = bytearray(b"\x80\x02K\x01\x94")
+    for i in range(60):
+        data += b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94"
+    data += b"}h" + bytes([60]) + b"K\x00s."
+    with pytest.raises(BadPickle, match="holds more than 1024 values"):
+        scan_pickle(bytes(data))
+    with pytest.raises(pickle.UnpicklingError, match="uses a tuple as a dict key"):
+        item_header(bytes(data))
