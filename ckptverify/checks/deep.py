@@ -293,8 +293,8 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
         scan = scans.get(fqn)
         if scan is None:
             continue  # not scanned here (no piece stored, or another part's): said by what left it out
-        stored = stored_payloads(t)
-        loc = Location(fqn=fqn, file=stored[0].file if stored else None)
+        files = {p.file for p in stored_payloads(t)}
+        loc = Location(fqn=fqn, file=files.pop() if len(files) == 1 else None)  # the file, when it is one
         if scan.nan or scan.inf:
             out.append(warning("nonfinite", f"{fqn!r} holds {scan.nan} NaN and {scan.inf} Inf values",
                                location=loc, actual={"nan": scan.nan, "inf": scan.inf}))
