@@ -8,6 +8,7 @@ are hashed later in segments on all cores.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import pickle
@@ -221,17 +222,13 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
     records = archive.records
     result.records += len(records)
     result.bytes_hashed += sum(r.size for r in records)
-    intact = all(c == r.crc for c, r in zip(crcs, records, strict=True))
-    computed = {} if intact else dict(zip((r.name for r in records), crcs, strict=True))
-    if not intact and all(r.crc == 0 for r in records) and any(computed.values()):
+    bad = bad_records(records, crcs)
+    if bad is None:
         result.uncheckable += 1
-        result.findings.append(warning(
-            "content-uncheckable",
-            f"{item_label(item)} was saved with CRC-32 disabled (torch.serialization.set_crc32_options(False)); "
-            "its structure is intact but its content cannot be checked without a manifest",
-            location=item_location(item, byte_range=(item.offset, item.end)),
-        ))
+        result.findings.append(crc_disabled(item_label(item), item_location(item, byte_range=(item.offset, item.end))))
         return
+    intact = not bad
+    computed = {} if intact else dict(zip((r.name for r in records), crcs, strict=True))
 
     header: TensorHeader | SubclassHeader | None = None
     pkl = archive.record("data.pkl")
@@ -266,17 +263,51 @@ def judge_item(f: ReadOnlyFile, plan: ItemPlan, crcs: list[int], result: FileRes
         result.findings.extend(_tensor_consistency(item, archive, header))
 
 
+def bad_records(records: list[Record], crcs: list[int]) -> list[Record] | None:
+    """The records whose bytes do not match their CRC-32 (``crcs``: computed, in record order); ``None`` when the
+    archive was saved with CRC-32 disabled (every recorded CRC-32 is 0, some computed one is not)."""
+    bad = [r for r, c in zip(records, crcs, strict=True) if c != r.crc]
+    if bad and all(r.crc == 0 for r in records) and any(crcs):
+        return None
+    return bad
+
+
+def crc_disabled(label: str, where: Location) -> Finding:
+    """The ``content-uncheckable`` warning for an archive :func:`bad_records` found saved with CRC-32 disabled."""
+    return warning(
+        "content-uncheckable",
+        f"{label} was saved with CRC-32 disabled (torch.serialization.set_crc32_options(False)); "
+        "its structure is intact but its content cannot be checked without a manifest",
+        location=where,
+    )
+
+
+def crc_findings(label: str, role: str, rec: Record, actual: int, where: Location, *, detail: str = "",
+                 hint_at: Any = None) -> list[Finding]:
+    """The ``zip-crc`` error for record ``rec`` (holding ``role``) of ``label``, at ``where`` (its byte range in the
+    file), plus a ``zip-crc-bit`` hint when one flipped bit explains it: at that byte, or where ``hint_at(byte in
+    record)`` says (``None``: no hint)."""
+    expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
+    out = [error("zip-crc", f"{label}: {role} is corrupt (CRC-32 {actual_hex}, recorded {expected_hex}){detail}",
+                 location=where, expected=expected_hex, actual=actual_hex)]
+    bit = locate_single_bit(rec.crc, actual, rec.size)
+    if bit is not None and where.byte_range is not None:
+        at = where.byte_range[0] + bit[0]
+        loc = hint_at(bit[0]) if hint_at is not None else dataclasses.replace(where, byte_range=(at, at + 1))
+        if loc is not None:
+            out.append(_bit_hint(label, rec, bit, loc))
+    return out
+
+
 def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeader | SubclassHeader | None,
                   actual: int) -> list[Finding]:
-    """The ``zip-crc`` error for a record (of a tensor payload: the elements it holds; of a tensor subclass: the inner
-    tensor it holds), plus a ``zip-crc-bit`` hint when one flipped bit explains it."""
+    """:func:`crc_findings` for a record of a DCP item: of a tensor payload, the elements it holds; of a tensor
+    subclass, the inner tensor it holds."""
     base = item.offset
     byte_range = (base + rec.data_offset, base + rec.data_end)
-    expected_hex, actual_hex = f"{rec.crc:08x}", f"{actual:08x}"
     subclass = isinstance(header, SubclassHeader)
     storage = header.storage_key if isinstance(header, TensorHeader) else "0"
     is_payload = not subclass and item.kind == "tensor" and rec.name == f"{archive.prefix}/data/{storage}"
-    bit = locate_single_bit(rec.crc, actual, rec.size)
     if not is_payload:
         part = next((name for name, h in header.parts if rec.name == f"{archive.prefix}/data/{h.storage_key}"),
                     None) if isinstance(header, SubclassHeader) else None
@@ -284,16 +315,8 @@ def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeade
             role = f"the {part!r} part of its {header.short_name}"  # type: ignore[union-attr]
         else:
             role = "tensor header (data.pkl)" if rec.name.endswith("/data.pkl") else f"record {rec.name!r}"
-        out = [error(
-            "zip-crc",
-            f"{item_label(item)}: {role} is corrupt (CRC-32 {actual_hex}, recorded {expected_hex})",
-            location=item_location(item, record=rec.name, byte_range=byte_range),
-            expected=expected_hex, actual=actual_hex,
-        )]
-        if bit is not None:
-            at = byte_range[0] + bit[0]
-            out.append(_bit_hint(item, rec, bit, item_location(item, record=rec.name, byte_range=(at, at + 1))))
-        return out
+        return crc_findings(item_label(item), role, rec, actual,
+                            item_location(item, record=rec.name, byte_range=byte_range))
     assert item.chunk is not None and item.dtype is not None
     itemsize = DTYPE_ITEMSIZE[item.dtype]
     offset = header.storage_offset if header is not None else 0
@@ -303,19 +326,17 @@ def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeade
     loc = item_location(item, record=rec.name, byte_range=byte_range, element_range=elements,
                         global_index_first=global_index(item, elements[0]) if numel else None,
                         global_index_last=global_index(item, elements[1] - 1) if numel else None)
-    out = [error(
-        "zip-crc",
-        f"{item_label(item)}: tensor payload is corrupt (CRC-32 {actual_hex}, recorded {expected_hex}); "
-        f"affected elements [{elements[0]}, {elements[1]}) of the chunk",
-        location=loc, expected=expected_hex, actual=actual_hex,
-    )]
-    if bit is not None and row_major and numel:
-        first, last = _elements(bit[0], bit[0] + 1, itemsize, offset, numel)
-        at = byte_range[0] + bit[0]
-        out.append(_bit_hint(item, rec, bit, item_location(
-            item, record=rec.name, byte_range=(at, at + 1), element_range=(first, last),
-            global_index_first=global_index(item, first), global_index_last=global_index(item, first))))
-    return out
+
+    def hint_at(byte: int) -> Location | None:
+        if not (row_major and numel):
+            return None
+        first, last = _elements(byte, byte + 1, itemsize, offset, numel)
+        at = byte_range[0] + byte
+        return item_location(item, record=rec.name, byte_range=(at, at + 1), element_range=(first, last),
+                             global_index_first=global_index(item, first), global_index_last=global_index(item, first))
+
+    return crc_findings(item_label(item), "tensor payload", rec, actual, loc, hint_at=hint_at,
+                        detail=f"; affected elements [{elements[0]}, {elements[1]}) of the chunk")
 
 
 def _elements(byte_start: int, byte_end: int, itemsize: int, storage_offset: int, numel: int) -> tuple[int, int]:
@@ -325,12 +346,12 @@ def _elements(byte_start: int, byte_end: int, itemsize: int, storage_offset: int
     return first, last + 1
 
 
-def _bit_hint(item: Item, rec: Record, bit: tuple[int, int], loc: Location) -> Finding:
+def _bit_hint(label: str, rec: Record, bit: tuple[int, int], loc: Location) -> Finding:
     chance = false_match_probability(rec.size)
     where = f"element {loc.element_range[0]} " if loc.element_range else ""
     return info(
         "zip-crc-bit",
-        f"{item_label(item)}: the CRC mismatch is exactly what one flipped bit would give: bit {bit[1]} of byte "
+        f"{label}: the CRC mismatch is exactly what one flipped bit would give: bit {bit[1]} of byte "
         f"{bit[0]} of record {rec.name!r} ({where}at file byte {loc.byte_range[0]}). If more than one bit "
         f"changed, this position matches by chance (probability {chance:.2%}) and the whole range above "
         "is suspect.",

@@ -284,18 +284,47 @@ def judge_parts(part: DeepPart) -> tuple[list[Finding], int]:
 
 def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan],
                 found: list[Finding]) -> tuple[list[Finding], int]:
-    """``found`` plus the manifest comparison: findings and tensors rebuilt. Rebuilding nothing is an error
-    (``deep-nothing-rebuilt``): it never passes."""
-    out = [*found, *judge(desc, manifest, scans)]
-    rebuilt = sum(1 for fqn, scan in scans.items() if fqn in desc.tensors
-                  and scan.value(desc.tensors[fqn].shape) is not None)
+    """``found`` plus each tensor's verdict (the ``--deep`` checks of docs/verify.md): non-finite counts, a size limit
+    (``deep-limit``), a tensor not rebuilt from its bytes or not the values fingerprinted (``fingerprint`` errors).
+    Returns the findings and the tensors rebuilt; rebuilding none is an error (``deep-nothing-rebuilt``)."""
+    out = list(found)
+    rebuilt = 0
+    for fqn, t in sorted(desc.tensors.items()):
+        scan = scans.get(fqn)
+        if scan is None:
+            continue  # not scanned here (no piece stored, or another part's): said by what left it out
+        files = {p.file for p in stored_payloads(t)}
+        loc = Location(fqn=fqn, file=files.pop() if len(files) == 1 else None)  # the file, when it is one
+        if scan.nan or scan.inf:
+            out.append(warning("nonfinite", f"{fqn!r} holds {scan.nan} NaN and {scan.inf} Inf values",
+                               location=loc, actual={"nan": scan.nan, "inf": scan.inf}))
+        if scan.limited:
+            out.append(warning("deep-limit", f"{fqn!r} was not read back: {scan.limited[0]}; its stored bytes are "
+                               "checked as any other's, its values are not", location=loc))
+            continue
+        value = scan.value(t.shape)
+        if value is None:
+            if scan.unreadable:
+                out.append(error("fingerprint", f"{fqn!r} cannot be rebuilt from its bytes ({scan.unreadable[0]})",
+                                 location=loc))
+            # else pieces are missing (or the tensor is empty): said by what left them out (item-missing,
+            # chunk-tiling, a part that did not report)
+            continue
+        rebuilt += 1
+        saved = manifest.tensors.get(fqn) if manifest is not None else None
+        if saved is not None and saved.fingerprint is not None and saved.fingerprint != value:
+            out.append(error(
+                "fingerprint",
+                f"{fqn!r}: the values read back from disk are not the values that were in memory at save time"
+                + parts_note(saved.parts, scan.part_values),
+                location=loc, expected=saved.fingerprint, actual=value,
+            ))
     wanted = sum(1 for t in desc.tensors.values() if 0 not in t.shape)
     if wanted and not rebuilt:
         out.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {wanted} tensor(s) from "
                          "their bytes: nothing was checked end to end"))
-    elif rebuilt < wanted:
-        out.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the "
-                           "others could not be read back (see the findings above)"))
+    elif not desc.tensors:
+        out.append(info("fingerprint", "no tensors to rebuild"))
     return out, rebuilt
 
 
@@ -380,43 +409,3 @@ def parts_note(saved: tuple[tuple[str, str], ...] | None, rebuilt: dict[str, str
         return " (each part matches: its attributes differ)"
     return f" (its {' and '.join(repr(n) for n in differ)} part{'s' if len(differ) > 1 else ''} differ" + \
         ("s" if len(differ) == 1 else "") + ")"
-
-
-def judge(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan]) -> list[Finding]:
-    """Compare rebuilt fingerprints with the manifest's; report non-finite counts."""
-
-    out: list[Finding] = []
-    for fqn, tinfo in sorted(desc.tensors.items()):
-        scan = scans.get(fqn)
-        if scan is None:
-            continue
-        loc = Location(fqn=fqn)
-        if scan.nan or scan.inf:
-            out.append(warning("nonfinite", f"{fqn!r} holds {scan.nan} NaN and {scan.inf} Inf values",
-                               location=loc, actual={"nan": scan.nan, "inf": scan.inf}))
-        if scan.limited:
-            out.append(warning("deep-limit", f"{fqn!r} was not read back: {scan.limited[0]}; its stored bytes are "
-                               "checked as any other's, its values are not", location=loc))
-            continue
-        if manifest is None:
-            continue
-        saved = manifest.tensors.get(fqn)
-        if saved is None or saved.fingerprint is None:
-            continue
-        if scan.unreadable:
-            out.append(info("fingerprint", f"{fqn!r} was not fingerprinted: {scan.unreadable[0]} "
-                            "(its corruption is reported above)", location=loc))
-            continue
-        rebuilt = scan.value(tinfo.shape)
-        if rebuilt is None:
-            out.append(info("fingerprint", f"{fqn!r}: only {scan.elements} of {math.prod(tinfo.shape)} elements "
-                            "could be read back; fingerprint not compared", location=loc))
-            continue
-        if rebuilt != saved.fingerprint:
-            out.append(error(
-                "fingerprint",
-                f"{fqn!r}: the values read back from disk are not the values that were in memory at save time"
-                + parts_note(saved.parts, scan.part_values),
-                location=loc, expected=saved.fingerprint, actual=rebuilt,
-            ))
-    return out

@@ -13,7 +13,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
 from ckptverify.fingerprint.nonfinite import counts_kept
 from ckptverify.formats.describe import Description, folder_files, stored_part, stored_payloads
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest, TensorEntry
@@ -56,11 +56,11 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
     return entries, items, tensors, missing
 
 
-def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | None = None,
-             why: dict[str, tuple[bool, str]] | None = None) -> dict[str, tuple[str | None, int | None, int | None]]:
+def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]]
+             ) -> dict[str, tuple[str | None, int | None, int | None]]:
     """Every tensor's fingerprint and NaN/Inf counts via :func:`~ckptverify.checks.deep.scan_description` (``None``
-    where not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part fingerprints
-    and ``why`` with ``(size_limit, reason)`` per tensor without a fingerprint."""
+    where not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part
+    fingerprints."""
     from ckptverify.checks.deep import scan_description
 
     scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
@@ -68,10 +68,8 @@ def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]] | 
     for name, t in desc.tensors.items():
         scan = scans.get(name)
         fp = scan.value(t.shape) if scan is not None else None
-        if parts is not None and fp is not None and scan is not None and scan.part_values:
+        if fp is not None and scan is not None and scan.part_values:
             parts[name] = tuple(scan.part_values.items())
-        if why is not None and fp is None and scan is not None and (scan.limited or scan.unreadable):
-            why[name] = (not scan.unreadable, (scan.unreadable or scan.limited)[0])
         if fp is None or scan is None or not counts_kept(t.dtype) or scan.uncounted or not math.prod(t.shape):
             out[name] = (fp, None, None)
         else:
@@ -166,42 +164,12 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
 
 
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
-    """Rebuild every tensor and compare fingerprints and NaN/Inf counts. Unrebuildable is an error, as is rebuilding
-    nothing; skipped for a size limit is a warning."""
-    from ckptverify.checks.deep import parts_note
+    """Rebuild every tensor and judge it as a DCP checkpoint's are (:func:`~ckptverify.checks.deep.judge_scans`).
+    Returns findings and coverage."""
+    from ckptverify.checks.deep import judge_scans, scan_description
 
-    findings: list[Finding] = []
-    rebuilt = 0
-    parts: dict[str, tuple[tuple[str, str], ...]] = {}
-    why: dict[str, tuple[bool, str]] = {}
-    scans = _rebuild(desc, parts, why)
-    for name, t in sorted(desc.tensors.items()):
-        stored = stored_payloads(t)
-        loc = Location(fqn=name, file=stored[0].file if stored else None)
-        fp, nan, inf = scans[name]
-        limited, reason = why.get(name, (False, ""))
-        if fp is None and limited:
-            findings.append(warning("deep-limit", f"{name!r} was not read back: {reason}; its stored bytes are "
-                                    "checked as any other's, its values are not", location=loc))
-            continue
-        if fp is None:
-            findings.append(error("fingerprint", f"{name!r} cannot be rebuilt from its bytes"
-                                  + (f" ({reason})" if reason else ""), location=loc))
-            continue
-        rebuilt += 1
-        if nan or inf:
-            findings.append(warning("nonfinite", f"{name!r} holds {nan} NaN and {inf} Inf values", location=loc,
-                                    actual={"nan": nan, "inf": inf}))
-        saved = manifest.tensors.get(name) if manifest is not None else None
-        if saved is not None and saved.fingerprint is not None and saved.fingerprint != fp:
-            findings.append(error("fingerprint", f"{name!r}: the values read back are not the values that were "
-                                  "fingerprinted" + parts_note(saved.parts, dict(parts.get(name, ()))),
-                                  location=loc, expected=saved.fingerprint, actual=fp))
-    if desc.tensors and not rebuilt:
-        findings.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {len(desc.tensors)} tensor(s): "
-                              "nothing was checked"))
-    elif not desc.tensors:
-        findings.append(info("fingerprint", "no tensors to rebuild"))
+    scans, found = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
+    findings, rebuilt = judge_scans(desc, manifest, scans, found)
     return findings, [CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")]
 
 

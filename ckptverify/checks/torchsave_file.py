@@ -1,6 +1,6 @@
 """A whole-file ``torch.save`` checkpoint (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output).
 
-Checked: zip structure, every record's CRC-32, and the pickle read inertly (:mod:`~ckptverify.safeparse.pickle_scan`):
+Checked: zip structure, every record's CRC-32, and the pickle read inertly (:mod:`~ckptverify.safeparse.torchsave`):
 every tensor's storage exists and covers its extent, no storage is orphaned; subclass tensors part by part. A pass
 guarantees the bytes as written (up to CRC-32), not the values in memory (no manifest), nor anything about
 objects outside the allowlist (named, not interpreted). Legacy non-zip files carry no checksum: uncheckable.
@@ -12,11 +12,12 @@ import os
 from typing import Any
 
 from ckptverify.checks import unopened
+from ckptverify.checks.content import bad_records, crc_disabled, crc_findings
 from ckptverify.errors import ArchiveError, BadPickle
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
 from ckptverify.formats.single import sniff
-from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, scan_pickle
 from ckptverify.safeparse.zipwalk import looks_like_zip, parse_archive, range_reader
 
 __all__ = ["verify_torchsave_file"]
@@ -56,15 +57,14 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
                                   location=Location(file=label, byte_range=(start, max(end, start + 1)))))
             return findings, coverage, facts
         coverage.append(CheckCoverage(check="zip-structure", count=1, unit="files"))
-        crcs = {rec.name: f.crc32(rec.data_offset, rec.data_end) for rec in archive.records}
+        computed = [f.crc32(rec.data_offset, rec.data_end) for rec in archive.records]
+        crcs = dict(zip((rec.name for rec in archive.records), computed, strict=True))
         coverage.append(CheckCoverage(check="zip-crc", count=len(crcs), unit="records"))
         facts["bytes_hashed"] = sum(r.size for r in archive.records)
-        if archive.records and all(r.crc == 0 for r in archive.records) and any(crcs.values()):
-            findings.append(warning("content-uncheckable", f"{label} was saved with CRC-32 disabled: its structure "
-                                    "is intact but its content cannot be checked", location=Location(file=label)))
+        bad = bad_records(archive.records, computed)
+        if bad is None:
+            findings.append(crc_disabled(label, Location(file=label)))
             bad = []
-        else:
-            bad = [r for r in archive.records if crcs[r.name] != r.crc]
         pkl = archive.record("data.pkl")
         scan = None
         if pkl is None:
@@ -123,12 +123,9 @@ def verify_torchsave_file(path: str, *, name: str | None = None,
             key = rec.name.rsplit("/", 1)[-1]
             names = owners.get(key, [])
             held = holds.get(key) if rec.name.startswith(f"{archive.prefix}/data/") else None
-            findings.append(error(
-                "zip-crc",
-                f"{label}: record {rec.name}"
-                + (f" ({held})" if held else f" (tensor {', '.join(repr(n) for n in names[:3])})" if names else "")
-                + f" is corrupt (CRC-32 {crcs[rec.name]:08x}, recorded {rec.crc:08x})",
-                location=Location(file=label, fqn=names[0] if names else None, record=rec.name,
-                                  byte_range=(rec.data_offset, rec.data_end)),
-                expected=f"{rec.crc:08x}", actual=f"{crcs[rec.name]:08x}"))
+            role = f"record {rec.name}" + (f" ({held})" if held else
+                                           f" (tensor {', '.join(repr(n) for n in names[:3])})" if names else "")
+            findings.extend(crc_findings(label, role, rec, crcs[rec.name], Location(
+                file=label, fqn=names[0] if names else None, record=rec.name,
+                byte_range=(rec.data_offset, rec.data_end))))
     return findings, coverage, facts

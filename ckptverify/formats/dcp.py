@@ -123,7 +123,7 @@ def _opener(files: dict[str, Any], readers: dict[tuple[str, int, int], Any]) -> 
 def _values(items: Iterable[ReadItem]) -> dict[str, str]:
     from ckptverify.errors import BadPickle
     from ckptverify.fingerprint import digest_bytes
-    from ckptverify.safeparse.pickle_scan import leaf_values, scan_pickle
+    from ckptverify.safeparse.torchsave import leaf_values, scan_pickle
 
     got: dict[str, str] = {}
     done: set[str] = set()

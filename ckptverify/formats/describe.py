@@ -3,7 +3,7 @@
 
 A :class:`Description` lists files (by content format), tensors (with a :class:`Payload` per stored piece, and
 what checksum protects it) and plain values. Readers here go by content (nothing unpickled, no link followed, no
-special file opened): ``torch.save`` (via :mod:`~ckptverify.safeparse.pickle_scan`; allowlisted subclasses by
+special file opened): ``torch.save`` (via :mod:`~ckptverify.safeparse.torchsave`; allowlisted subclasses by
 part), safetensors, plain and legacy pickles (values only), JSON. In a single file names are paths in the file;
 in a folder, weight files' tensors keep their own names (to compare with DCP), everything else is ``FILE:PATH``.
 """
@@ -27,8 +27,8 @@ from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
 from ckptverify.safeparse.dtypes import contiguous_strides, is_row_major
-from ckptverify.safeparse.pickle_scan import MAX_PICKLE_BYTES, leaf_values, scan_pickle
 from ckptverify.safeparse.readers import ReadOnlyFile
+from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, leaf_values, scan_pickle
 from ckptverify.safeparse.zipwalk import parse_archive, range_reader
 
 if TYPE_CHECKING:
@@ -274,7 +274,7 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
 
 
 def _record_payload(name: str, rec: Any, ref: Any) -> Payload:
-    """The whole tensor ``ref`` (a :class:`~ckptverify.safeparse.pickle_scan.TensorRef`) in record ``rec`` of ``name``.
+    """The whole tensor ``ref`` (a :class:`~ckptverify.safeparse.torchsave.TensorRef`) in record ``rec`` of ``name``.
     """
     return Payload(file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape,
                    stride=ref.stride, storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape), checksum="crc32")

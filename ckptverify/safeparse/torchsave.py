@@ -1,10 +1,15 @@
-"""Reading a DCP tensor item's ``data.pkl`` without executing anything.
+"""The one reader of ``torch.save`` pickles (``data.pkl``): nothing is imported or executed.
 
-:func:`tensor_header` reads dtype, shape, strides and offset through the reference unpickler with an allowlist
-of shared stand-ins (each refuses ``BUILD`` and attribute writes); no tuple may be hashed.
-:func:`item_header` also reads allowlisted tensor subclasses (:data:`SUBCLASSES`, torchao's ``MXTensor`` and
-``NVFP4Tensor``) as :class:`SubclassHeader`: the class, enums and attribute records are stand-ins by name, so
-nothing of torchao is imported or run, and any other global is refused.
+A fixed allowlist of shared, immutable stand-ins (rebuild functions, storage types, dtypes, ``torch.Size``,
+plain containers; allowlisted tensor subclasses, :data:`SUBCLASSES`, as :class:`SubclassHeader`, nothing of
+torchao imported) resolves what the pickle names. Any other global is, by the caller's policy, refused
+(:func:`item_header`: a DCP tensor item's record) or an :class:`Opaque` placeholder recording its name and
+arguments, never imported or called (:func:`scan_pickle`: a whole file, every tensor by its path).
+
+Read by the pure-Python :class:`~ckptverify.safeparse.unpickler.ReferenceUnpickler`, which bounds every opcode
+(memo index, hashed tuples) as it goes: on large pickles it is also faster than the C unpickler behind the
+opcode pass that would make the C one safe. Work is bounded by size, :data:`MAX_OBJECTS`, and walks visiting
+each object once.
 """
 
 from __future__ import annotations
@@ -12,16 +17,26 @@ from __future__ import annotations
 import functools
 import json
 import pickle
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+import xxhash
+
+from ckptverify.errors import BadPickle, RefusedPickle
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
-__all__ = ["SUBCLASSES", "SubclassHeader", "TensorHeader", "dtype_name", "item_header", "subclass_allowlist",
-           "subclass_fields", "tensor_header"]
+__all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "SUBCLASSES", "Opaque", "PickleScan", "StorageRef",
+           "SubclassHeader", "TensorHeader", "TensorRef", "item_header", "leaf_values", "scan_pickle"]
 
-T = TypeVar("T")
+#: Largest ``data.pkl`` read.
+MAX_PICKLE_BYTES = 256 << 20
+#: Most objects (globals resolved, calls, storages, objects walked) one pickle may make.
+MAX_OBJECTS = 2_000_000
+#: A whole file: hashed tuples at most 200 deep (``hash`` recurses in C without limit) and of bounded expansion;
+#: memo indices in order, with slack. A tensor item's record hashes no tuple at all.
+LIMITS = Limits(max_depth=200, memo_slack=1024)
+ITEM_LIMITS = Limits(max_depth=200, max_key_nodes=0, memo_slack=1024)
 
 #: The legacy typed storage classes ``torch.<Name>Storage`` and their dtypes.
 LEGACY_STORAGE_DTYPES = {
@@ -33,13 +48,15 @@ LEGACY_STORAGE_DTYPES = {
     "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
 }  # fmt: skip
 
-#: No tuple hashed, memo in order. No work budget: no stand-in copies or walks its input, so work is linear.
-LIMITS = Limits(max_key_nodes=0, memo_slack=0)
+
+def _refuse_build(self: Any, state: Any) -> None:
+    # A BUILD onto a checked record would rewrite it after its check (a frozen slots dataclass would allow it).
+    raise RefusedPickle(f"data.pkl modifies a {type(self).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
 class TensorHeader:
-    """What a tensor item's ``data.pkl`` says: the storage record and the view onto it."""
+    """A DCP tensor item's record: the storage record (``storage_numel`` in elements) and the view onto it."""
 
     dtype: str
     storage_key: str
@@ -48,32 +65,121 @@ class TensorHeader:
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
+    __setstate__ = _refuse_build
+
     @property
     def is_row_major(self) -> bool:
         return is_row_major(self.size, self.stride)
 
 
-class _StorageRef:
-    """A storage reference from a persistent id: immutable once made."""
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    """A storage record: ``dtype`` ``None`` for an untyped storage, whose ``numel`` counts bytes."""
 
-    __slots__ = ("dtype", "key", "numel")
+    key: str
+    dtype: str | None
+    numel: int
 
-    def __init__(self, dtype: str | None, key: str, numel: int) -> None:
-        object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "key", key)
-        object.__setattr__(self, "numel", numel)
+    __setstate__ = _refuse_build
 
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise pickle.UnpicklingError("data.pkl modifies a storage reference")
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor as the pickle describes it (storage offset in elements). ``elem_dtype``: the dtype
+    ``_rebuild_tensor_v3`` names over an untyped storage; otherwise the storage's dtype is the tensor's."""
+
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    elem_dtype: str | None = None
+
+    __setstate__ = _refuse_build
+
+    @property
+    def dtype(self) -> str | None:
+        return self.elem_dtype or self.storage.dtype
+
+    def extent(self) -> int:
+        """Elements of the storage this tensor reaches (0 when empty)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        return self.offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride, strict=False)) + 1
+
+    def extent_bytes(self) -> int | None:
+        """Bytes of the storage this tensor reaches, or ``None`` for a dtype of unknown size."""
+        itemsize = DTYPE_ITEMSIZE.get(self.dtype or "")
+        return None if itemsize is None else self.extent() * itemsize
+
+    def header(self) -> TensorHeader:
+        """This tensor as a :class:`TensorHeader`; :class:`RefusedPickle` without a dtype or over an untyped storage
+        that holds no whole number of its elements."""
+        dtype, numel = self.dtype, self.storage.numel
+        if dtype is None:
+            raise RefusedPickle("tensor without a storage or dtype")
+        if self.storage.dtype is None:
+            # torch.save writes dtypes without a legacy typed storage (uint16/32/64, complex32, float8, ...)
+            # as an UntypedStorage, whose size is counted in bytes.
+            if numel % DTYPE_ITEMSIZE[dtype]:
+                raise RefusedPickle(f"untyped storage of {numel} bytes does not hold whole {dtype} elements")
+            numel //= DTYPE_ITEMSIZE[dtype]
+        return TensorHeader(dtype, self.storage.key, numel, self.offset, self.shape, self.stride)
+
+
+class Opaque:
+    """An instance of a global outside the allowlist, recording what the pickle gives it. A class is made per name
+    (``NEWOBJ`` needs one); nothing of the real global is imported or called."""
+
+    name = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        obj = object.__new__(cls)
+        obj.args = args
+        obj.state = None
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def __setstate__(self, state: Any) -> None:
-        raise pickle.UnpicklingError("data.pkl modifies a storage reference")
+        self.state = state
+
+    def __reduce__(self) -> Any:  # pragma: no cover - never pickled again
+        raise TypeError("Opaque stand-ins are not picklable")
+
+
+def _opaque_class(qual: str) -> type[Opaque]:
+    return type("Opaque", (Opaque,), {"name": qual})
+
+
+@dataclass
+class PickleScan:
+    """What a pickle holds: tensors by path, allowlisted subclasses by path (their inner tensors are not in
+    ``tensors``), the storages they use, and the globals outside the allowlist it named."""
+
+    root: Any
+    tensors: dict[str, TensorRef] = field(default_factory=dict)
+    storages: dict[str, StorageRef] = field(default_factory=dict)
+    opaque: set[str] = field(default_factory=set)
+    subclasses: dict[str, SubclassHeader] = field(default_factory=dict)
+
+    def all_tensors(self) -> list[tuple[str, str | None, TensorRef]]:
+        """Every stored tensor as ``(path, part, ref)``: plain ones (``part`` ``None``), then each subclass's inner
+        ones."""
+        out: list[tuple[str, str | None, TensorRef]] = [(p, None, r) for p, r in self.tensors.items()]
+        for path, sub in self.subclasses.items():
+            out.extend((path, name, ref) for name, ref in sub.parts)
+        return out
+
+
+# ----------------------------------------------------------------------------------- shared stand-ins
 
 
 class _Global(FrozenGlobal):
-    """A global of the tensor allowlist (function, dtype, storage type): refuses ``BUILD``."""
+    """A global of the allowlist (function, dtype, storage type): refuses ``BUILD``."""
 
     __slots__ = ()
+    Refused: ClassVar[type[Exception]] = RefusedPickle
     modified: ClassVar[str] = "data.pkl modifies a global ({label})"
 
 
@@ -88,7 +194,7 @@ class _DType(_Global):
 
 
 def dtype_name(value: Any) -> str | None:
-    """The dtype a dtype stand-in of :func:`subclass_allowlist` names (``float32``), else ``None``."""
+    """The dtype a dtype stand-in names (``float32``), else ``None``."""
     return value.name if type(value) is _DType else None
 
 
@@ -102,125 +208,27 @@ class _StorageType(_Global):
         object.__setattr__(self, "dtype", dtype)
 
 
-def _header(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None) -> TensorHeader:
-    if not isinstance(storage, _StorageRef) or dtype is None:
-        raise pickle.UnpicklingError("tensor without a storage or dtype")
-    if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64:
-        raise pickle.UnpicklingError("tensor size or stride is not a short tuple")
-    ints = (offset, *size, *stride)
-    if not all(type(v) is int and 0 <= v < 1 << 63 for v in ints) or len(size) != len(stride):
-        raise pickle.UnpicklingError("tensor view fields are not small non-negative integers")
-    itemsize = DTYPE_ITEMSIZE.get(str(dtype))
-    if itemsize is None:
-        raise pickle.UnpicklingError(f"unknown dtype {str(dtype)[:40]!r}")
-    numel = storage.numel
-    if storage.dtype is None:
-        # torch.save writes dtypes without a legacy typed storage (uint16/32/64, complex32, float8, ...)
-        # as an UntypedStorage, whose size is counted in bytes.
-        if numel % itemsize:
-            raise pickle.UnpicklingError(f"untyped storage of {numel} bytes does not hold whole {dtype} elements")
-        numel //= itemsize
-    return TensorHeader(str(dtype), storage.key, numel, offset, tuple(size), tuple(stride))
+class _OrderedDict(dict):  # type: ignore[type-arg]
+    """``collections.OrderedDict`` without its methods beyond ``dict``'s. A state (a ``state_dict``'s
+    ``_metadata``) is kept, not walked."""
+
+    __slots__ = ("state",)
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
 
 
-def _tensor_globals() -> dict[tuple[str, str], Any]:
-    """The ``data.pkl`` allowlist, shared by every parse, so every member is immutable (the OrderedDict stand-in's
-    class is never handed out)."""
-
-    def rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorHeader:
-        return _header(storage, offset, size, stride, storage.dtype if isinstance(storage, _StorageRef) else None)
-
-    def rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, req: Any, hooks: Any, dtype: Any,
-                   *rest: Any) -> TensorHeader:
-        return _header(storage, offset, size, stride, dtype.name if type(dtype) is _DType else None)
-
-    ordered_dict = type("_OrderedDictStandIn", (dict,), {"__slots__": ()})
-    allowed: dict[tuple[str, str], Any] = {
-        ("torch._utils", "_rebuild_tensor_v2"): callable_global(_Global, "torch._utils._rebuild_tensor_v2",
-                                                                rebuild_v2),
-        ("torch._utils", "_rebuild_tensor_v3"): callable_global(_Global, "torch._utils._rebuild_tensor_v3",
-                                                                rebuild_v3),
-        ("collections", "OrderedDict"): callable_global(_Global, "collections.OrderedDict",
-                                                        lambda *a: ordered_dict(*a)),
-        ("torch.storage", "UntypedStorage"): _StorageType("torch.storage.UntypedStorage", None),
-    }
-    for cls, dtype in LEGACY_STORAGE_DTYPES.items():
-        allowed[("torch", cls)] = _StorageType(f"torch.{cls}", dtype)
-    for dtype in DTYPE_ITEMSIZE:
-        allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
-    return allowed
+def _ordered_dict(*args: Any) -> _OrderedDict:
+    # Pickled as a call without arguments, then SETITEMS: pairs given here would be hashed unchecked.
+    if args:
+        raise RefusedPickle("collections.OrderedDict called with arguments")
+    return _OrderedDict()
 
 
-_TENSOR_GLOBALS: dict[tuple[str, str], Any] | None = None
-
-
-class _TensorHeaderUnpickler(ReferenceUnpickler):
-    """Reference unpickler over the tensor allowlist: ``BUILD`` only onto stand-ins (which refuse it), storages from
-    persistent ids, no tuple hashed."""
-
-    noop_build = False
-    what = "data.pkl"
-
-    def __init__(self, data: bytes) -> None:
-        global _TENSOR_GLOBALS
-        if _TENSOR_GLOBALS is None:
-            _TENSOR_GLOBALS = _tensor_globals()
-        super().__init__(data, _TENSOR_GLOBALS, Budget(0, _exceeded, LIMITS))  # never charged: see LIMITS
-
-    def unknown_global(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor record"[:300])
-
-    def persistent(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unexpected persistent id")
-        _, stype, key, _location, numel = pid
-        if not isinstance(stype, _StorageType) or type(key) is not str or type(numel) is not int or numel < 0:
-            raise pickle.UnpicklingError("malformed storage reference")
-        return _StorageRef(stype.dtype, key, numel)
-
-
-def _exceeded() -> Exception:  # pragma: no cover - nothing charges the budget
-    return pickle.UnpicklingError("data.pkl asks for more work than its size allows")
-
-
-def tensor_header(data_pkl: bytes) -> TensorHeader:
-    """Read a plain tensor item's ``data.pkl`` safely; ``pickle.UnpicklingError`` on anything else."""
-    return _pkl_header(data_pkl, False)  # type: ignore[return-value]
-
-
-def _pkl_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
-    """``data_pkl`` read through the plain or the subclass allowlist. Small results are cached by their bytes (a
-    checkpoint has one header per dtype and shape)."""
-    if len(data_pkl) <= _CACHED_HEADER_BYTES:
-        return _cached_header(bytes(data_pkl), subclass)
-    return _read_header(data_pkl, subclass)
-
-
-_CACHED_HEADER_BYTES = 4096
-
-
-@functools.lru_cache(maxsize=2048)
-def _cached_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
-    return _read_header(data_pkl, subclass)
-
-
-def _read_header(data_pkl: bytes, subclass: bool) -> TensorHeader | SubclassHeader:
-    if subclass:
-        return _load_record(_ItemHeaderUnpickler(data_pkl), SubclassHeader)
-    return _load_record(_TensorHeaderUnpickler(data_pkl), TensorHeader)
-
-
-def _load_record(unpickler: Any, want: type[T]) -> T:
-    """What ``unpickler`` loads if it is a ``want``; any failure (hostile bytes) is an ``UnpicklingError``."""
-    try:
-        obj = unpickler.load()
-    except pickle.UnpicklingError:
-        raise
-    except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
-        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
-    if not isinstance(obj, want):
-        raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
-    return obj
+def _encode(text: Any, encoding: Any = "latin1") -> bytes:
+    if not isinstance(text, str) or encoding != "latin1":
+        raise RefusedPickle("_codecs.encode outside the bytes-in-protocol-2 form")
+    return text.encode("latin1")
 
 
 # ----------------------------------------------------------------------------------- tensor subclasses
@@ -269,8 +277,8 @@ _ATTRIBUTES: dict[str, dict[str, tuple[str, bool]]] = {
 @dataclass(frozen=True, slots=True)
 class SubclassHeader:
     """A tensor subclass record: class (``module.QualName``), outer dtype/shape/strides, inner tensors by name (in
-    :data:`SUBCLASSES` order: a :class:`TensorHeader` each in a DCP item, a ``pickle_scan.TensorRef`` in a whole
-    file), ``context`` (canonical JSON, see :func:`ckptverify.fingerprint.subclass.canonical`)."""
+    :data:`SUBCLASSES` order: a :class:`TensorHeader` each in a DCP item, a :class:`TensorRef` in a whole file),
+    ``context`` (canonical JSON, see :func:`ckptverify.fingerprint.subclass.canonical`)."""
 
     cls: str
     dtype: str
@@ -278,6 +286,8 @@ class SubclassHeader:
     stride: tuple[int, ...]
     parts: tuple[tuple[str, Any], ...]
     context: str
+
+    __setstate__ = _refuse_build
 
     @property
     def short_name(self) -> str:
@@ -310,7 +320,7 @@ _STRIDED = _Layout("torch.strided")
 def _enum_global(label: str, values: frozenset[str]) -> FrozenGlobal:
     def make(value: Any = None, *rest: Any) -> _EnumValue:
         if rest or type(value) is not str or value not in values:
-            raise pickle.UnpicklingError(f"{label} has no member {str(value)[:40]!r}")
+            raise RefusedPickle(f"{label} has no member {str(value)[:40]!r}")
         return _EnumValue(label, value)
 
     return callable_global(_Global, label, make)
@@ -327,12 +337,12 @@ def _record_class(label: str) -> type:
 
     def __setstate__(self: Any, state: Any) -> None:
         if self.fields is not None or type(state) is not dict or not all(type(k) is str for k in state):
-            raise pickle.UnpicklingError(f"data.pkl sets unexpected state on {label}")
+            raise RefusedPickle(f"data.pkl sets unexpected state on {label}")
         _check_attributes(label, state, None)
         object.__setattr__(self, "fields", {k: _canonical(v) for k, v in state.items()})
 
     def __setattr__(self: Any, key: str, value: Any) -> None:
-        raise pickle.UnpicklingError(f"data.pkl modifies {label}")
+        raise RefusedPickle(f"data.pkl modifies {label}")
 
     return type("_Record", (), {"__slots__": ("fields",), "__new__": __new__, "__setstate__": __setstate__,
                                 "__setattr__": __setattr__, "label": label})
@@ -350,7 +360,7 @@ def _canonical(value: Any) -> Any:
     label = getattr(type(value), "label", None)
     if label in _RECORDS and getattr(value, "fields", None) is not None:
         return {"class": label, "fields": value.fields}
-    raise pickle.UnpicklingError(f"a tensor subclass attribute of type {type(value).__name__} is not allowed")
+    raise RefusedPickle(f"a tensor subclass attribute of type {type(value).__name__} is not allowed")
 
 
 def _check_attributes(label: str, state: dict[str, Any], part_type: type | None) -> None:
@@ -361,14 +371,14 @@ def _check_attributes(label: str, state: dict[str, Any], part_type: type | None)
         if key not in kinds and not (key == "_is_param" and value is True and part_type is not None):
             # ``_is_param``: the mark ``nn.Parameter`` leaves on a subclass it wraps, nothing of the values.
             what = "inner tensor" if part_type is not None and isinstance(value, part_type) else "attribute"
-            raise pickle.UnpicklingError(f"{label} has no {what} {key[:40]!r}")
+            raise RefusedPickle(f"{label} has no {what} {key[:40]!r}")
     for key, (kind, optional) in kinds.items():
         if key not in state:
             if optional:
                 continue
-            raise pickle.UnpicklingError(f"{label} record without its {key!r}")
+            raise RefusedPickle(f"{label} record without its {key!r}")
         if not _is_kind(state[key], kind, part_type):
-            raise pickle.UnpicklingError(f"a tensor subclass attribute of type {type(state[key]).__name__} is not "
+            raise RefusedPickle(f"a tensor subclass attribute of type {type(state[key]).__name__} is not "
                                          f"what {label}.{key} holds ({kind.rsplit('.', 1)[-1]})")
 
 
@@ -391,63 +401,60 @@ def _is_kind(value: Any, kind: str, part_type: type | None) -> bool:
     return getattr(type(value), "label", None) == kind and getattr(value, "fields", None) is not None
 
 
-def subclass_fields(func: Any, new_type: Any, args: Any, state: Any, part_type: type,
-                    ) -> tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[tuple[str, Any], ...], str]:
-    """Check ``_rebuild_from_type_v2`` arguments for an allowlisted subclass; return class label, outer dtype, size,
-    stride, inner tensors (in :data:`SUBCLASSES` order) and canonical attributes. ``pickle.UnpicklingError`` otherwise.
-    """
+def _subclass_header(func: Any, new_type: Any, args: Any, state: Any, part_type: type) -> SubclassHeader:
+    """The :class:`SubclassHeader` of ``_rebuild_from_type_v2`` arguments for an allowlisted subclass whose inner
+    tensors are ``part_type`` records; :class:`RefusedPickle` otherwise."""
     if func is not _WRAPPER or type(new_type) is not _SubclassType:
-        raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
+        raise RefusedPickle("_rebuild_from_type_v2 of something other than an allowlisted tensor subclass")
     if type(args) is not tuple or len(args) != 8:
-        raise pickle.UnpicklingError("malformed wrapper subclass arguments")
+        raise RefusedPickle("malformed wrapper subclass arguments")
     cls, dtype, size, stride, offset, layout, _device, requires_grad = args
     if cls is not new_type or type(dtype) is not _DType or layout is not _STRIDED or type(requires_grad) is not bool:
-        raise pickle.UnpicklingError("wrapper subclass arguments name another class, no dtype or another layout")
+        raise RefusedPickle("wrapper subclass arguments name another class, no dtype or another layout")
     if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) > 64 or len(size) != len(stride):
-        raise pickle.UnpicklingError("wrapper subclass size or stride is not a short tuple")
+        raise RefusedPickle("wrapper subclass size or stride is not a short tuple")
     if not all(type(v) is int and 0 <= v < 1 << 63 for v in (offset, *size, *stride)):
-        raise pickle.UnpicklingError("wrapper subclass view fields are not small non-negative integers")
+        raise RefusedPickle("wrapper subclass view fields are not small non-negative integers")
     if type(state) is not dict or not all(type(k) is str for k in state):
-        raise pickle.UnpicklingError("wrapper subclass state is not a dict of attributes")
+        raise RefusedPickle("wrapper subclass state is not a dict of attributes")
     _check_attributes(new_type._label, state, part_type)
     if state["orig_dtype"].name != dtype.name:
-        raise pickle.UnpicklingError(f"{new_type._label} of {dtype.name} records another original dtype")
+        raise RefusedPickle(f"{new_type._label} of {dtype.name} records another original dtype")
     names = SUBCLASSES[new_type._label]
     parts = tuple((n, state[n]) for n in names if state.get(n) is not None)
     # ``_is_param`` (see _check_attributes) is not among the attributes the live tensor flattens to.
     context = {k: _canonical(v) for k, v in state.items()
                if k not in names and v is not None and not (k == "_is_param" and v is True)}
     text = json.dumps(context, sort_keys=True, separators=(",", ":"))
-    return new_type._label, dtype.name, tuple(size), tuple(stride), parts, text
+    return SubclassHeader(new_type._label, dtype.name, tuple(size), tuple(stride), parts, text)
 
 
-def _rebuild_subclass(func: Any, new_type: Any, args: Any, state: Any) -> SubclassHeader:
-    return SubclassHeader(*subclass_fields(func, new_type, args, state, TensorHeader))
+def _allowlist() -> dict[tuple[str, str], Any]:
+    """Every global a ``torch.save`` pickle may name -> its shared stand-in. The tensor rebuilds, the subclass
+    rebuild and the layout lookup are the reader's own (:data:`_READER_GLOBALS`)."""
 
+    def shared(label: str, call: Any) -> FrozenGlobal:
+        return callable_global(_Global, label, call)
 
-_WRAPPER = _Global("torch._utils._rebuild_wrapper_subclass")
-
-
-def _subclass_globals() -> dict[tuple[str, str], Any]:
-    """The tensor allowlist plus what a wrapper subclass record names (see :data:`SUBCLASSES`)."""
-
-    def layout(name: Any = None, *rest: Any) -> _Layout:
-        if rest or name != "torch.strided":
-            raise pickle.UnpicklingError(f"layout {str(name)[:40]!r} is not torch.strided")
-        return _STRIDED
-
-    def device(name: Any = None, *rest: Any) -> str:
-        if rest or type(name) is not str or len(name) > 64:
-            raise pickle.UnpicklingError("malformed device")
-        return name
-
-    allowed = dict(_tensor_globals())
-    allowed[("torch._tensor", "_rebuild_from_type_v2")] = callable_global(
-        _Global, "torch._tensor._rebuild_from_type_v2", _rebuild_subclass)
-    allowed[("torch._utils", "_rebuild_wrapper_subclass")] = _WRAPPER
-    allowed[("torch.serialization", "_get_layout")] = callable_global(_Global, "torch.serialization._get_layout",
-                                                                      layout)
-    allowed[("torch", "device")] = callable_global(_Global, "torch.device", device)
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
+        # A device (a subclass record names one; so does a Lightning hyperparameter) stays an inert placeholder,
+        # not reported as uninterpreted.
+        ("torch", "device"): _opaque_class("torch.device"),
+        ("torch.storage", "UntypedStorage"): _StorageType("torch.storage.UntypedStorage", None),
+        ("torch", "UntypedStorage"): _StorageType("torch.UntypedStorage", "uint8"),
+        ("torch", "Size"): shared("torch.Size", lambda dims=(): tuple(dims)),
+        ("collections", "OrderedDict"): shared("collections.OrderedDict", _ordered_dict),
+        ("_codecs", "encode"): shared("_codecs.encode", _encode),
+    }
+    for name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+        allowed[("torch._utils", name)] = shared(f"torch._utils.{name}", lambda data, *rest: data)
+    for name in ("set", "frozenset"):
+        allowed[("builtins", name)] = shared(f"builtins.{name}", lambda items=(): list(items))
+    for dtype in DTYPE_ITEMSIZE:
+        allowed[("torch", dtype)] = _DType(f"torch.{dtype}")
+    for cls, dtype in LEGACY_STORAGE_DTYPES.items():  # after the dtypes: a storage name is never a dtype name
+        allowed[("torch", cls)] = _StorageType(f"torch.{cls}", dtype)
     for label in SUBCLASSES:
         module, name = label.rsplit(".", 1)
         allowed[(module, name)] = _SubclassType(label)
@@ -460,35 +467,244 @@ def _subclass_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-_SUBCLASS_GLOBALS: dict[tuple[str, str], Any] | None = None
+_WRAPPER = _Global("torch._utils._rebuild_wrapper_subclass")
+_ALLOWED = _allowlist()
+#: Globals the reader resolves to its own methods (they record storages and tensors, and follow the policy).
+_READER_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor"): "_rebuild_tensor",
+    ("torch._utils", "_rebuild_tensor_v2"): "_rebuild_tensor",
+    ("torch._utils", "_rebuild_tensor_v3"): "_rebuild_tensor_v3",
+    ("torch._tensor", "_rebuild_from_type_v2"): "_rebuild_from_type",
+    ("torch.serialization", "_get_layout"): "_get_layout",
+}
 
 
-def subclass_allowlist() -> dict[tuple[str, str], Any]:
-    """A new dict of shared stand-ins for what a subclass record names beyond the plain tensor machinery (not the
-    rebuild functions or storage types, which each reader resolves its own way)."""
-    global _SUBCLASS_GLOBALS
-    if _SUBCLASS_GLOBALS is None:
-        _SUBCLASS_GLOBALS = _subclass_globals()
-    skip = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
-            ("collections", "OrderedDict"), ("torch._tensor", "_rebuild_from_type_v2")}
-    return {k: v for k, v in _SUBCLASS_GLOBALS.items()
-            if k not in skip and not isinstance(v, _StorageType)}
+class _Reader(ReferenceUnpickler):
+    """The reference unpickler over the allowlist. ``opaque``: a global outside it becomes an :class:`Opaque` class
+    (else it is refused). Every global, storage and tensor is charged to the budget."""
 
+    Refused = RefusedPickle
+    what = "data.pkl"
 
-class _ItemHeaderUnpickler(_TensorHeaderUnpickler):
-    """:class:`_TensorHeaderUnpickler` over :func:`_subclass_globals`."""
+    def __init__(self, data: bytes, scan: PickleScan, budget: Budget, opaque: bool) -> None:
+        super().__init__(data, _ALLOWED, budget)
+        self.scan = scan
+        self.opaque = opaque
+        self._classes: dict[str, type[Opaque]] = {}
 
-    def __init__(self, data: bytes) -> None:
-        global _SUBCLASS_GLOBALS
-        if _SUBCLASS_GLOBALS is None:
-            _SUBCLASS_GLOBALS = _subclass_globals()
-        ReferenceUnpickler.__init__(self, data, _SUBCLASS_GLOBALS, Budget(0, _exceeded, LIMITS))
+    def find_class(self, module: str, name: str) -> Any:
+        self._budget.charge()
+        own = _READER_GLOBALS.get((module, name))
+        return getattr(self, own) if own is not None else super().find_class(module, name)
 
     def unknown_global(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor record"[:300])
+        qual = f"{module}.{name}"
+        if not self.opaque:
+            raise RefusedPickle(f"{qual} is not part of a tensor record"[:300])
+        self.scan.opaque.add(qual)
+        if qual not in self._classes:
+            self._classes[qual] = _opaque_class(qual)
+        return self._classes[qual]
+
+    def persistent(self, pid: Any) -> Any:
+        self._budget.charge()
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise RefusedPickle("a persistent reference that is not a torch storage")
+        _, kind, key, _location, numel = pid
+        if type(kind) is not _StorageType and not self.opaque:
+            raise RefusedPickle("a storage reference without a storage type")
+        dtype = kind.dtype if type(kind) is _StorageType else None
+        if type(key) is not str or type(numel) is not int or numel < 0:
+            raise RefusedPickle("a storage reference with a bad key or size")
+        ref = self.scan.storages.get(key)
+        if ref is None:
+            ref = StorageRef(key, dtype, numel)
+            self.scan.storages[key] = ref
+        elif ref.dtype != dtype:
+            # One record read as two storage types would be sized two ways; torch.save never writes that.
+            raise RefusedPickle(f"storage {key[:40]!r} is referenced with two different types")
+        return ref
+
+    def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
+        self._budget.charge()
+        if not isinstance(storage, StorageRef):
+            if not self.opaque:
+                raise RefusedPickle("tensor without a storage or dtype")
+            return _opaque_class("torch._utils._rebuild_tensor_v2 (not over a storage)")()
+        if type(offset) is not int or not isinstance(size, tuple | list) or not isinstance(stride, tuple | list):
+            raise RefusedPickle("a tensor with a bad offset, shape or stride")
+        shape, strides = tuple(size), tuple(stride)
+        # Below 2**63: a LONG4 can carry millions of digits, and the extent multiplies them.
+        if len(shape) != len(strides) or len(shape) > 64 or not all(
+                type(v) is int and 0 <= v < 1 << 63 for v in (*shape, *strides, offset)):
+            raise RefusedPickle("a tensor with a bad offset, shape or stride")
+        return TensorRef(storage, offset, shape, strides)
+
+    def _rebuild_tensor_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
+                           hooks: Any = None, dtype: Any = None, *rest: Any) -> Any:
+        """As v2, with the element dtype given (over an untyped storage, sized in bytes)."""
+        name = dtype_name(dtype)
+        if name is None or name not in DTYPE_ITEMSIZE:
+            raise RefusedPickle("_rebuild_tensor_v3 without a dtype")
+        ref = self._rebuild_tensor(storage, offset, size, stride)
+        if not isinstance(ref, TensorRef):
+            return ref
+        if ref.storage.dtype is not None and ref.storage.dtype != name:
+            raise RefusedPickle(f"a {name} tensor over a {ref.storage.dtype} storage")
+        return TensorRef(ref.storage, ref.offset, ref.shape, ref.stride, elem_dtype=name)
+
+    def _rebuild_from_type(self, func: Any, new_type: Any, args: Any, state: Any = None, *rest: Any) -> Any:
+        """``_rebuild_from_type_v2``: a :class:`SubclassHeader` for an allowlisted subclass (malformed: refused), else
+        an inert :class:`Opaque` (nothing is called) or, refusing, a refusal."""
+        self._budget.charge()
+        label = getattr(new_type, "_label", None)
+        if label not in SUBCLASSES and self.opaque:
+            return self.unknown_global("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state, *rest)
+        if rest:
+            raise RefusedPickle(f"a {label} record with extra arguments")
+        return _subclass_header(func, new_type, args, state, TensorRef)
+
+    def _get_layout(self, *args: Any) -> Any:
+        if args == ("torch.strided",):
+            return _STRIDED
+        if not self.opaque:
+            raise RefusedPickle(f"layout {str(args[0] if args else None)[:40]!r} is not torch.strided")
+        return self.unknown_global("torch.serialization", "_get_layout")(*args)
+
+
+def _budget(max_objects: int, limits: Limits) -> Budget:
+    def exceeded() -> BadPickle:
+        return BadPickle(f"the pickle builds more than {max_objects} objects; refused (a decompression "
+                         "bomb, or not a checkpoint)")
+
+    return Budget(max_objects, exceeded, limits)
+
+
+def scan_pickle(data: bytes, *, max_objects: int = MAX_OBJECTS) -> PickleScan:
+    """Unpickle ``data`` into inert stand-ins (a global outside the allowlist: an :class:`Opaque`, named in
+    ``opaque``) and list its tensors; raises :class:`BadPickle`."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise BadPickle(f"data.pkl is {len(data)} bytes, more than this tool reads ({MAX_PICKLE_BYTES})")
+    scan = PickleScan(root=None)
+    budget = _budget(max_objects, LIMITS)
+    try:
+        scan.root = _Reader(data, scan, budget, opaque=True).load()
+    except BadPickle:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            RecursionError, MemoryError, OverflowError, UnicodeDecodeError, ImportError) as exc:
+        raise BadPickle(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
+    _walk(scan, budget)
+    return scan
 
 
 def item_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
-    """A tensor item's ``data.pkl``: a plain header or a :class:`SubclassHeader`; ``pickle.UnpicklingError`` otherwise.
-    A record naming no subclass rebuild goes through the plain allowlist."""
-    return _pkl_header(data_pkl, b"_rebuild_from_type_v2" in data_pkl)
+    """A DCP tensor item's ``data.pkl``: a :class:`TensorHeader`, or a :class:`SubclassHeader` whose parts are
+    :class:`TensorHeader` s; ``pickle.UnpicklingError`` for anything else (a global outside the allowlist is
+    refused, no tuple may be hashed). Small records are cached by their bytes (one per dtype and shape)."""
+    if len(data_pkl) <= _CACHED_HEADER_BYTES:
+        return _cached_header(bytes(data_pkl))
+    return _read_header(data_pkl)
+
+
+_CACHED_HEADER_BYTES = 4096
+
+
+@functools.lru_cache(maxsize=2048)
+def _cached_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
+    return _read_header(data_pkl)
+
+
+def _read_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
+    try:
+        obj = _Reader(data_pkl, PickleScan(root=None), _budget(MAX_OBJECTS, ITEM_LIMITS), opaque=False).load()
+        if isinstance(obj, TensorRef):
+            return obj.header()
+        if isinstance(obj, SubclassHeader):
+            parts = tuple((name, ref.header()) for name, ref in obj.parts)
+            return SubclassHeader(obj.cls, obj.dtype, obj.size, obj.stride, parts, obj.context)
+    except pickle.UnpicklingError:
+        raise
+    except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
+        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}"[:300]) from None
+    raise pickle.UnpicklingError(f"data.pkl holds {type(obj).__name__}, not a tensor")
+
+
+def _key(k: Any) -> str:
+    """A dict key as a path component; a dtype key as it read before dtypes had stand-ins of their own."""
+    name = dtype_name(k)
+    return str(k) if name is None else str(("dtype", name))
+
+
+def _walk(scan: PickleScan, budget: Budget) -> None:
+    """Name every tensor by its path of keys; each object is visited once (shared references stay linear)."""
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", scan.root)]
+    while stack:
+        path, obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        budget.charge()
+        if isinstance(obj, TensorRef):
+            scan.tensors.setdefault(path or "<root>", obj)
+        elif isinstance(obj, SubclassHeader):
+            scan.subclasses.setdefault(path or "<root>", obj)  # its inner tensors are its parts, not tensors
+        elif isinstance(obj, dict):
+            for k, v in reversed(list(obj.items())):
+                stack.append((f"{path}.{_key(k)}" if path else _key(k), v))
+        elif isinstance(obj, list | tuple):
+            for i in reversed(range(len(obj))):
+                stack.append((f"{path}.{i}" if path else str(i), obj[i]))
+        elif isinstance(obj, Opaque):
+            stack.append((path, obj.state))
+            stack.append((path, obj.args))
+
+
+#: Most plain values :func:`leaf_values` lists from one object tree.
+MAX_VALUES = 200_000
+
+
+def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict[str, str]:
+    """Every plain value of an object tree by path, as an exact canonical string (``int:4``; ``-0.0`` != ``0.0``).
+    Tensors are not values; an :class:`Opaque` contributes ``<path>.__class__`` and its arguments/state. Each object
+    is visited once; values past ``limit`` are left out."""
+    out: dict[str, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [(prefix, root)]
+    while stack and len(out) < limit:
+        path, obj = stack.pop()
+        if isinstance(obj, TensorRef | StorageRef | SubclassHeader):
+            continue
+        name = dtype_name(obj)
+        if name is not None:
+            out[path or "<root>"] = f"dtype:{name}"  # a torch dtype, as the unpickler resolved it
+            continue
+        if obj is None or isinstance(obj, bool | int | float | complex | str | bytes | bytearray):
+            out[path or "<root>"] = _value(obj)
+            continue
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            for k, v in reversed(list(obj.items())):
+                stack.append((f"{path}.{_key(k)}" if path else _key(k), v))
+        elif type(obj) is _StorageType:
+            out[path or "<root>"] = f"storage-type:{obj.dtype}"  # a storage type, as the unpickler resolved it
+        elif isinstance(obj, list | tuple):
+            for i in reversed(range(len(obj))):
+                stack.append((f"{path}.{i}" if path else str(i), obj[i]))
+        elif isinstance(obj, Opaque):
+            out[f"{path}.__class__" if path else "__class__"] = f"global:{obj.name}"
+            stack.append((f"{path}.state" if path else "state", obj.state))
+            stack.append((f"{path}.args" if path else "args", obj.args))
+    return out
+
+
+def _value(obj: Any) -> str:
+    """A plain value as an exact string; long strings and bytes by their length and digest."""
+    text = f"{type(obj).__name__}:{obj!r}"
+    if len(text) <= 512:
+        return text
+    raw = obj.encode("utf-8", "surrogatepass") if isinstance(obj, str) else bytes(obj)
+    return f"{type(obj).__name__}[{len(obj)}]:xxh3-128:{xxhash.xxh3_128_hexdigest(raw)}"

@@ -5,22 +5,19 @@ A pickle is a program: each global it names is imported and called. A configurat
 stand-in does when called or ``BUILD``-ed (shared ones derive from :class:`FrozenGlobal`), a :class:`Budget`
 with :class:`Limits`, and the refusal exception. :class:`ReferenceUnpickler` (pure Python) applies every bound
 per opcode and follows the C unpickler where it is more lenient. :class:`FastUnpickler` (C, no per-opcode hooks)
-is used only on pickles a byte pass admitted: ``pickle_subset.in_fast_subset`` or :func:`check_opcodes`.
+is used only on pickles a byte pass admitted (``pickle_subset.in_fast_subset``).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-import pickletools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ckptverify.errors import BadPickle
-
 __all__ = ["Allowlisted", "Budget", "FastUnpickler", "FrozenGlobal", "Limits", "ReferenceUnpickler",
-           "callable_global", "check_opcodes"]
+           "callable_global"]
 
 
 @dataclass(frozen=True)
@@ -36,8 +33,6 @@ class Limits:
     max_key_nodes: int = 1024
     #: How far past the entries made a memo index may reach (the C unpickler zero-fills to twice the index).
     memo_slack: int = 0
-    #: Largest pickle read (``None``: the caller bounds it).
-    max_bytes: int | None = None
 
     def work(self, size: int) -> int:
         """The work budget of a pickle of ``size`` bytes."""
@@ -315,6 +310,9 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
             raise self.Refused(f"memo index {index} is beyond the {len(self.memo)} objects memoized so far")
         self.memo[index] = self.stack[-1]
 
+    def load_put(self) -> None:
+        self._memo_put(int(self.readline()[:-1]))
+
     def load_binput(self) -> None:
         self._memo_put(self.read(1)[0])
 
@@ -333,8 +331,8 @@ class ReferenceUnpickler(Allowlisted, pickle._Unpickler):  # type: ignore[name-d
 _OVERRIDES = ((pickle.BUILD, "load_build"), (pickle.NEWOBJ, "load_newobj"), (pickle.NEWOBJ_EX, "load_newobj_ex"),
               (pickle.REDUCE, "load_reduce"), (pickle.APPENDS, "load_appends"), (pickle.SETITEM, "load_setitem"),
               (pickle.SETITEMS, "load_setitems"), (pickle.DICT, "load_dict"), (pickle.ADDITEMS, "load_additems"),
-              (pickle.FROZENSET, "load_frozenset"), (pickle.FRAME, "load_frame"), (pickle.BINPUT, "load_binput"),
-              (pickle.LONG_BINPUT, "load_long_binput"))
+              (pickle.FROZENSET, "load_frozenset"), (pickle.FRAME, "load_frame"), (pickle.PUT, "load_put"),
+              (pickle.BINPUT, "load_binput"), (pickle.LONG_BINPUT, "load_long_binput"))
 
 
 def _dispatch(cls: type[ReferenceUnpickler]) -> dict[int, Any]:
@@ -349,69 +347,3 @@ def _dispatch(cls: type[ReferenceUnpickler]) -> dict[int, Any]:
 
 
 ReferenceUnpickler.dispatch = _dispatch(ReferenceUnpickler)
-
-
-_MAKES_TUPLE = frozenset({"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"})
-#: Calls whose result may be (or hold) a tuple they were given: stand-ins may pass values through.
-_PASSES_THROUGH = frozenset({"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"})
-_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
-
-
-def check_opcodes(data: bytes, limits: Limits, refused: Callable[[str], Exception]) -> None:
-    """Refuse, before building anything, a pickle the C unpickler must not get: tuples nested past
-    :attr:`Limits.max_depth`, or a memo entry more than :attr:`Limits.memo_slack` past those made (keeps the memo
-    linear). One opcode pass; calls are charged their arguments' height (a stand-in may return a tuple argument)."""
-    try:
-        _check_opcodes(data, limits.max_depth, limits.memo_slack)
-    except BadPickle as refusal:
-        raise refused(str(refusal)) from None
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
-        raise refused(f"not a readable pickle: {type(exc).__name__}: {exc}"[:300]) from None
-
-
-def _check_opcodes(data: bytes, max_depth: int, slack: int) -> None:
-    stack: list[int] = []
-    marks: list[int] = []
-    memo: dict[int, int] = {}
-    puts = 0
-    for op, arg, _pos in pickletools.genops(data):
-        name = op.name
-        if name == "MARK":
-            marks.append(len(stack))
-            continue
-        if name == "DUP":
-            stack.append(stack[-1] if stack else 0)
-            continue
-        if name in _MEMO_PUT or name == "MEMOIZE":
-            index = int(arg) if name != "MEMOIZE" else len(memo)
-            if index < 0 or index > puts + slack:
-                raise BadPickle(f"the pickle stores memo entry {index} after {puts} entries; refused "
-                               "(the unpickler would allocate memory for every index below it)")
-            puts += 1
-            memo[index] = stack[-1] if stack else 0
-            continue
-        if name in _MEMO_GET:
-            stack.append(memo.get(int(arg), 0))
-            continue
-        before = op.stack_before
-        below = next((i for i, obj in enumerate(before) if obj is pickletools.markobject), None)
-        if below is None:
-            popped = [stack.pop() if stack else 0 for _ in before]  # the top first
-        else:  # everything above the mark, then the objects under it (SETITEMS' dict, say)
-            at = marks.pop() if marks else 0
-            popped = stack[at:]
-            del stack[at:]
-            popped += [stack.pop() if stack else 0 for _ in range(below)]
-        top = max(popped, default=0)
-        if name in _MAKES_TUPLE or name == "EMPTY_TUPLE":
-            height = top + 1
-        elif name in _PASSES_THROUGH:
-            height = top
-        elif name == "BUILD":
-            height = popped[-1] if popped else 0  # the object built upon stays (popped last)
-        else:
-            height = 0
-        if height > max_depth:
-            raise BadPickle(f"the pickle nests tuples deeper than {max_depth} levels; refused")
-        stack.extend([height] * len(op.stack_after))

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp.storage_reader import build_metadata
 from ckptverify.errors import ArchiveError, BadPickle, CheckpointRefusedError, UnsafeGlobal
-from ckptverify.safeparse.torchsave import tensor_header
+from ckptverify.safeparse.torchsave import item_header
 from ckptverify.safeparse.zipwalk import parse_archive
 
 EXPECTED = (UnsafeGlobal, BadPickle)
@@ -203,7 +203,7 @@ def _walk(data: bytes) -> str:
     if pkl is None:
         return "no data.pkl"
     try:
-        tensor_header(data[pkl.data_offset:pkl.data_end])
+        item_header(data[pkl.data_offset:pkl.data_end])
     except pickle.UnpicklingError:
         return "UnpicklingError"
     return "accepted"

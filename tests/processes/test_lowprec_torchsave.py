@@ -33,7 +33,7 @@ from ckptverify.checks.torchsave_file import verify_torchsave_file  # noqa: E402
 from ckptverify.errors import BadPickle  # noqa: E402
 from ckptverify.fingerprint import part_fingerprints, tensor_fingerprint  # noqa: E402
 from ckptverify.formats.describe import describe  # noqa: E402
-from ckptverify.safeparse.pickle_scan import leaf_values, scan_pickle  # noqa: E402
+from ckptverify.safeparse.torchsave import leaf_values, scan_pickle  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parents[1] / "user_scripts" / "lowprec_torchsave_train.py"

@@ -28,8 +28,7 @@ from ckptverify.errors import BadPickle
 from ckptverify.fingerprint import chunk_fingerprint, combine, tensor_fingerprint
 from ckptverify.formats import describe as describe_module
 from ckptverify.formats.describe import describe, iter_payload_blocks
-from ckptverify.safeparse.pickle_scan import scan_pickle
-from ckptverify.safeparse.torchsave import SubclassHeader, item_header
+from ckptverify.safeparse.torchsave import SubclassHeader, item_header, scan_pickle
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -142,11 +142,11 @@ def test_untyped_storage_size_is_counted_in_bytes():
     import io
     import zipfile
 
-    from ckptverify.safeparse.torchsave import tensor_header
+    from ckptverify.safeparse.torchsave import item_header
 
     for name in ("uint16", "uint64", "complex32", "float8_e5m2"):
         buf = io.BytesIO()
         torch.save(random_tensor(name, (5,), 0), buf)
         z = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
-        header = tensor_header(z.read(next(n for n in z.namelist() if n.endswith("data.pkl"))))
+        header = item_header(z.read(next(n for n in z.namelist() if n.endswith("data.pkl"))))
         assert header.dtype == name and header.storage_numel == 5

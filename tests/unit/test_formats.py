@@ -18,7 +18,7 @@ from helpers.dcp_encodings import safetensors_ckpt, zstd_ckpt
 from ckptverify.checks.folder import check_folder
 from ckptverify.checks.single import check_file
 from ckptverify.errors import BadPickle, TransformError
-from ckptverify.safeparse.pickle_scan import scan_pickle
+from ckptverify.safeparse.torchsave import scan_pickle
 
 
 @dataclasses.dataclass
@@ -439,7 +439,7 @@ def test_a_single_file_deep_check_rebuilds_its_tensors(pt_file: Path) -> None:
 
 
 def test_plain_values_of_a_pickle_are_listed_exactly() -> None:
-    from ckptverify.safeparse.pickle_scan import leaf_values
+    from ckptverify.safeparse.torchsave import leaf_values
 
     scan = scan_pickle(pickle.dumps({"a": [1, 2.5, -0.0], "b": {"c": None, "d": b"\x00" * 1000}, "e": "x"}))
     values = leaf_values(scan.root)

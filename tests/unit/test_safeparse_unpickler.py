@@ -1,10 +1,11 @@
-"""The one allowlist unpickler framework (``ckptverify.safeparse.unpickler``) and its three configurations.
+"""The one allowlist unpickler framework (``ckptverify.safeparse.unpickler``) and its configurations.
 
-Each configuration (DCP ``.metadata``, a tensor item's ``data.pkl``, a whole-file ``torch.save`` pickle) is an
-allowlist, what its globals resolve to, a budget and the exception its refusals raise. These tests hold every
-configuration to the framework's shared promises: nothing outside the allowlist is imported or called, a
-shared stand-in cannot be modified, a memo index far past the entries made is refused before anything is
-allocated, hashed tuples are bounded, and the work budget raises the configuration's own exception.
+Each configuration (DCP ``.metadata``; ``torch.save``'s ``data.pkl``, refusing unknown globals in a tensor item,
+recording them in a whole file) is an allowlist, what its globals resolve to, a budget and the exception its
+refusals raise. These tests hold every configuration to the framework's shared promises: nothing outside the
+allowlist is imported or called, a shared stand-in cannot be modified, a memo index far past the entries made is
+refused before anything is allocated, hashed tuples are bounded, and the work budget raises the configuration's
+own exception.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import ckptverify.safeparse
 from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.errors import BadPickle, UnsafeGlobal
 from ckptverify.safeparse import unpickler as up
-from ckptverify.safeparse.pickle_scan import scan_pickle
-from ckptverify.safeparse.torchsave import tensor_header
+from ckptverify.safeparse.torchsave import item_header, scan_pickle
 
 MD = b"torch.distributed.checkpoint.metadata"
 
@@ -52,8 +52,8 @@ def test_a_global_outside_each_allowlist_is_never_called(capsys):
         sp.parse(data)
     with pytest.raises(UnsafeGlobal):
         sp.parse_reference(data)
-    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print is not part of a plain tensor record"):
-        tensor_header(data)
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print is not part of a tensor record"):
+        item_header(data)
     scan = scan_pickle(data)  # the scan keeps it as an inert placeholder and reports its name
     assert scan.opaque == {"builtins.print"}
     assert type(scan.root).__name__ == "Opaque" and scan.root.args == ("called",)
@@ -63,7 +63,7 @@ def test_a_global_outside_each_allowlist_is_never_called(capsys):
 @pytest.mark.parametrize("read, refused", [
     (sp.parse_reference, BadPickle),
     (sp.parse, BadPickle),
-    (tensor_header, pickle.UnpicklingError),
+    (item_header, pickle.UnpicklingError),
 ])
 def test_a_shared_stand_in_cannot_be_modified(read, refused):
     # BUILD onto the dtype global with a state that would rename it: refused by the stand-in itself.
@@ -71,12 +71,12 @@ def test_a_shared_stand_in_cannot_be_modified(read, refused):
     with pytest.raises(refused):
         read(data)
     clean = _tensor_data_pkl(torch.ones(3))
-    assert tensor_header(clean).dtype == "float32"
+    assert item_header(clean).dtype == "float32"
 
 
 @pytest.mark.parametrize("read, refused", [
     (sp.parse_reference, BadPickle),
-    (tensor_header, pickle.UnpicklingError),
+    (item_header, pickle.UnpicklingError),
     (scan_pickle, BadPickle),
 ])
 def test_a_memo_index_far_past_the_entries_made_is_refused_at_once(read, refused):
@@ -91,11 +91,11 @@ def test_each_configuration_refuses_a_tuple_key_by_its_own_bound():
     with pytest.raises(BadPickle, match="nests deeper than 64"):
         sp.parse_reference(deep)
     with pytest.raises(pickle.UnpicklingError, match=r"data\.pkl uses a tuple as a dict key"):
-        tensor_header(deep)
+        item_header(deep)
     shallow = b"\x80\x02}" + b"N" + b"\x85" * 3 + b"Ns."
     assert scan_pickle(shallow).root == {(((None,),),): None}  # within the scan's nesting bound
     too_deep = b"\x80\x02}" + b"N" + b"\x85" * 300 + b"Ns."
-    with pytest.raises(BadPickle, match="nests tuples deeper than 200"):
+    with pytest.raises(BadPickle, match="nests deeper than 200"):
         scan_pickle(too_deep)
 
 
@@ -113,18 +113,6 @@ def test_the_budget_raises_its_configurations_exception():
     assert len(scan_pickle(data).root) == 1000
 
 
-def test_check_opcodes_bounds_what_it_is_told():
-    limits = up.Limits(max_depth=2, memo_slack=0)
-    up.check_opcodes(b"\x80\x02NN\x86\x85.", limits, ValueError)  # two deep
-    with pytest.raises(ValueError, match="deeper than 2"):
-        up.check_opcodes(b"\x80\x02N\x85\x85\x85.", limits, ValueError)
-    with pytest.raises(ValueError, match="memo entry 5 after 0"):
-        up.check_opcodes(b"\x80\x02Nq\x05.", limits, ValueError)
-    up.check_opcodes(b"\x80\x02Nq\x05.", up.Limits(memo_slack=5), ValueError)
-    with pytest.raises(ValueError, match="not a readable pickle"):
-        up.check_opcodes(b"\x80\x02\xff", limits, ValueError)
-
-
 def test_safeparse_imports_nothing_above_it():
     """The readers are the lowest layer: they import no other part of the package but the errors and findings."""
     folder = pathlib.Path(ckptverify.safeparse.__file__).parent
@@ -136,3 +124,29 @@ def test_safeparse_imports_nothing_above_it():
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     assert not alias.name.startswith("ckptverify") or alias.name.startswith(allowed), path.name
+
+
+_STORAGE = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x06tQ"
+_TENSOR = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(" + _STORAGE + b"K\x00(K\x06t(K\x01ttR"
+
+
+@pytest.mark.parametrize("read, refused", [(item_header, pickle.UnpicklingError), (scan_pickle, BadPickle)])
+def test_a_checked_tensor_record_cannot_be_rewritten_by_build(read, refused):
+    # BUILD onto the record _rebuild_tensor_v2 returned, with a dict state (a shape past the storage) or a
+    # slot-tuple state (a shape of 2**127): both would replace fields after they were checked.
+    for state in (b"}X\x05\x00\x00\x00shape(K\x07ts", b"(NK\x00(\x8a\x10" + b"\xff" * 15 + b"\x7ft(K\x01tNt"):
+        with pytest.raises(refused, match="modifies a TensorRef"):
+            read(_TENSOR + state + b"b.")
+    assert read(_TENSOR + b".") is not None
+
+
+def test_a_tuple_key_of_shared_references_is_refused_before_it_is_hashed():
+    # Each level holds the previous one twice: 60 memo entries, 2**60 values for hash() to visit.
+    data = bytearray(b"\x80\x02K\x01\x94")
+    for i in range(60):
+        data += b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94"
+    data += b"}h" + bytes([60]) + b"K\x00s."
+    with pytest.raises(BadPickle, match="holds more than 1024 values"):
+        scan_pickle(bytes(data))
+    with pytest.raises(pickle.UnpicklingError, match="uses a tuple as a dict key"):
+        item_header(bytes(data))

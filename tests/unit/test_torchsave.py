@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptverify.errors import ArchiveError
-from ckptverify.safeparse.torchsave import tensor_header
+from ckptverify.safeparse.torchsave import item_header
 from ckptverify.safeparse.zipwalk import parse_archive
 
 
@@ -53,7 +53,7 @@ def test_records_agree_with_zipfile_and_header_with_the_tensor(tensor):
         assert blob[rec.data_offset : rec.data_end] == zf.read(rec.name)
         assert zlib.crc32(blob[rec.data_offset : rec.data_end]) == rec.crc
     assert archive.prefix == "archive"
-    header = tensor_header(zf.read("archive/data.pkl"))
+    header = item_header(zf.read("archive/data.pkl"))
     assert header.dtype == str(tensor.dtype).removeprefix("torch.")
     assert header.size == tuple(tensor.shape)
     assert header.stride == tuple(tensor.stride())
@@ -90,17 +90,17 @@ def test_truncated_or_extended_archives_are_malformed():
             parse_archive(_reader(bad), len(bad))
 
 
-def test_tensor_header_refuses_anything_but_a_plain_tensor():
+def test_item_header_refuses_anything_but_a_tensor():
     evil = _saved({"a": 1})
     with pytest.raises(pickle.UnpicklingError):
-        tensor_header(zipfile.ZipFile(io.BytesIO(evil)).read("archive/data.pkl"))
+        item_header(zipfile.ZipFile(io.BytesIO(evil)).read("archive/data.pkl"))
 
     class Evil:
         def __reduce__(self):
             return (print, ("owned",))
 
     with pytest.raises(pickle.UnpicklingError, match="print"):
-        tensor_header(pickle.dumps(Evil(), protocol=2))
+        item_header(pickle.dumps(Evil(), protocol=2))
 
 
 def _data_pkl(value) -> bytes:
@@ -116,18 +116,18 @@ def _data_pkl(value) -> bytes:
 ])
 def test_hostile_data_pkl_cannot_change_how_the_next_is_read(hostile):
     clean = _data_pkl(torch.randn(4, 2))
-    before = tensor_header(clean)
+    before = item_header(clean)
     assert before.dtype == "float32" and before.storage_numel == 8
     with pytest.raises(pickle.UnpicklingError):
-        tensor_header(hostile)
-    assert tensor_header(clean) == before
+        item_header(hostile)
+    assert item_header(clean) == before
 
 
 def test_a_huge_memo_index_in_data_pkl_allocates_nothing():
     # LONG_BINPUT 2^30: the C unpickler would zero-fill 16 GiB of memo slots for this 30-byte record.
     data = b"\x80\x02ctorch\nFloatStorage\nr" + (2**30).to_bytes(4, "little") + b"0N."
     with pytest.raises(pickle.UnpicklingError):
-        tensor_header(data)
+        item_header(data)
 
 
 @pytest.mark.parametrize("hostile", [
@@ -138,9 +138,9 @@ def test_a_huge_memo_index_in_data_pkl_allocates_nothing():
 def test_data_pkl_hashing_a_tuple_is_refused_not_a_crash(hostile):
     # hash() of a tuple nested a million deep recursed in C until the process died (SIGSEGV); a plain
     # tensor's data.pkl hashes no tuple, so any tuple key is refused before it is hashed.
-    code = ("import pickle\nfrom ckptverify.safeparse.torchsave import tensor_header\n"
+    code = ("import pickle\nfrom ckptverify.safeparse.torchsave import item_header\n"
             f"data = {hostile}\n"
-            "try:\n    tensor_header(data)\nexcept pickle.UnpicklingError as exc:\n    print('refused:', exc)\n")
+            "try:\n    item_header(data)\nexcept pickle.UnpicklingError as exc:\n    print('refused:', exc)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused: data.pkl uses a tuple as a dict key or set member" in proc.stdout
