@@ -15,7 +15,7 @@ attribute); anything else is raised as its parent, and the message says what hap
   ``info``), :class:`VerifyFailedError` (``verification``), :class:`ReplicaMismatchError` (``mismatch``).
 - Files: :class:`CheckpointNotFoundError`, :class:`UnsafeFileError`, :class:`FileChangedError`,
   :class:`StorageError` (``path``), :class:`NotRegularFileError`.
-- Runs: :class:`SaveFailedError` (``failures``), :class:`PartsOverlapError`.
+- Runs: :class:`SaveFailedError` (``failures``).
 - :class:`FindingError`: raised by a reader and turned into a finding, never meant to reach a user
   (:class:`JSONError`, :class:`BadPickle` (:class:`RefusedPickle`), :class:`UnsafeGlobal`, :class:`ArchiveError`,
   :class:`TransformError`, :class:`ManifestError`).
@@ -198,12 +198,6 @@ class StorageError(_FileError):
     """An object store (or remote file system) did not serve a read or a listing after every retry (throttled
     too long, unreachable, access denied): nothing can be said about the checkpoint, so the command could not
     run (exit 2), naming the object. Never turned into a finding about the checkpoint."""
-
-
-class PartsOverlapError(CkptVerifyError, ValueError):
-    """The parts of a checkpoint's adoption shared out among nodes cannot be merged into one manifest: no part
-    brought a work unit the adoption asks of a file it did not open (a part digested otherwise, or was cut short),
-    or a tensor subclass is stored on another node. The caller adopts the checkpoint whole instead."""
 
 
 # ------------------------------------------------------------------ training state, traces, runs

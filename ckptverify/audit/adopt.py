@@ -61,7 +61,7 @@ def fingerprint_checkpoint(path: str | os.PathLike[str], *, digest: str = "xxh3-
     ``parts``: other nodes' files (not opened here) with their verification; their tensor pieces and work units'
     results come through ``executor`` (:class:`~ckptverify.cluster.recorded.Recorded`).
     Raises :class:`~ckptverify.errors.CkptVerifyError` (a manifest exists without ``force``, or its path is not a
-    regular file), :class:`~ckptverify.errors.PartsOverlapError` (parts cannot be merged),
+    regular file), ``ValueError`` (parts cannot be merged),
     :class:`~ckptverify.errors.UsageError` (bad arguments).
     """
     from ckptverify.fingerprint import ALGORITHMS

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.cluster.units import Unit, UnitExecutor, execute, is_raw, opened_in, payload_unit, unit_file
-from ckptverify.errors import FileChangedError, PartsOverlapError
+from ckptverify.errors import FileChangedError
 
 #: ``[unit, result]``, as a part verdict holds it.
 Record = list[Any]
@@ -73,7 +73,7 @@ def _key(unit: Unit) -> str:
 class Recorded(UnitExecutor):
     """An executor that answers units from ``records`` and reads (and records) the others here, through the run's
     files. A unit of a file the run did not open that no record answers raises
-    :class:`~ckptverify.errors.PartsOverlapError`: the caller adopts the checkpoint whole."""
+    ``ValueError`` (as does a tensor subclass stored on another node): the caller adopts the checkpoint whole."""
 
     def __init__(self, records: list[Record]) -> None:
         self.records = records
@@ -81,7 +81,7 @@ class Recorded(UnitExecutor):
 
     def _missing(self, run: Any, unit: Unit) -> None:
         if run.file(unit_file(unit)) is None:
-            raise PartsOverlapError(f"no part brought the {unit[0]} of {unit_file(unit)}, a file not opened here")
+            raise ValueError(f"no part brought the {unit[0]} of {unit_file(unit)}, a file not opened here")
 
     def map_units(self, run: Any, units: list[Unit]) -> list[Any]:
         keys = [_key(u) for u in units]
@@ -122,7 +122,7 @@ class Recorded(UnitExecutor):
             kind, name = unit[0], unit[1] if len(unit) > 1 else None
             tensor = desc.tensors.get(name) if isinstance(name, str) else None
             if kind == "subclass":
-                raise PartsOverlapError(f"{name!r} is a tensor subclass stored on another node")
+                raise ValueError(f"{name!r} is a tensor subclass stored on another node")
             if kind == "stored" and name in files:
                 desc.files[name] = str(unit[2])
                 desc.stored += [StoredRange(str(n), None if c is None else tuple(c), name, int(o), int(k))

@@ -360,7 +360,7 @@ def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True,
                                                   executor=Recorded(records), parts=parts)
         how = f"the digests of {len(parts)} other node(s) taken from their parts"
-    except (ValueError, TypeError, LookupError) as exc:  # PartsOverlapError, or records no part writes
+    except (ValueError, TypeError, LookupError) as exc:  # parts that cannot be merged, or records no part writes
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=[])
         how = f"read whole here: {exc}"
     if manifest is None:
@@ -413,7 +413,7 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
                                                                read_elsewhere=read_all, jobs=jobs,
                                                                trust_uncheckable=True)
         overlap = None
-    except (ValueError, TypeError, LookupError) as exc:  # PartsOverlapError, or records no part writes
+    except (ValueError, TypeError, LookupError) as exc:  # parts that cannot be merged, or records no part writes
         every = [(frozenset(data.get("files") or ()), r) for data, r in reports]
         report, manifest, unwritten = fingerprint_folder_parts(path, {}, [], every, read_elsewhere=True, jobs=jobs,
                                                                trust_uncheckable=True)
