@@ -286,7 +286,8 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
                 found: list[Finding]) -> tuple[list[Finding], int]:
     """``found`` plus each tensor's verdict (the ``--deep`` checks of docs/verify.md): non-finite counts, a size limit
     (``deep-limit``), a tensor not rebuilt from its bytes or not the values fingerprinted (``fingerprint`` errors).
-    Returns the findings and the tensors rebuilt; rebuilding none is an error (``deep-nothing-rebuilt``)."""
+    Returns the findings and the tensors rebuilt; rebuilding none is an error (``deep-nothing-rebuilt``), some a
+    warning (``deep-incomplete``): the report says how much of the check it made."""
     out = list(found)
     rebuilt = 0
     for fqn, t in sorted(desc.tensors.items()):
@@ -323,6 +324,9 @@ def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, T
     if wanted and not rebuilt:
         out.append(error("deep-nothing-rebuilt", f"--deep rebuilt none of the {wanted} tensor(s) from "
                          "their bytes: nothing was checked end to end"))
+    elif rebuilt < wanted:
+        out.append(warning("deep-incomplete", f"--deep rebuilt {rebuilt} of {wanted} tensor(s); the others were not "
+                           "read back (see the findings above)"))
     elif not desc.tensors:
         out.append(info("fingerprint", "no tensors to rebuild"))
     return out, rebuilt

@@ -127,8 +127,9 @@ def test_an_expanded_view_past_the_work_bound_is_a_limit_not_damage(tmp_path: Pa
     torch.save({"x": torch.zeros(1).expand(1 << 40), "y": torch.ones(3)}, path)
     report = verify_checkpoint(path, deep=True)
     assert report.exit_code == 0 and not _found(report, "error"), [f.message for f in report.findings]
-    (limit,) = _found(report, "warning")
+    limit, incomplete = _found(report, "warning")
     assert limit.check == "deep-limit" and limit.location.fqn == "x" and "stride [0]" in limit.message
+    assert incomplete.check == "deep-incomplete" and "rebuilt 1 of 2 tensor(s)" in incomplete.message
     assert _counted(report, "fingerprint") == 1
 
 

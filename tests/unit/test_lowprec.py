@@ -346,7 +346,7 @@ def test_plain_dcp_save_is_read_part_by_part(tmp_path: Path) -> None:
     report = verify_checkpoint(tmp_path / "ck", deep=True)
     assert report.exit_code == 0, _findings(report)
     assert {c.check: c.count for c in report.coverage}["fingerprint"] == 2
-    assert not [f for f in report.findings if f.check == "tensor-record"]
+    assert not [f for f in report.findings if f.check in ("tensor-record", "deep-incomplete")]
     adopted, _ = fingerprint_checkpoint(tmp_path / "ck")
     assert adopted.exit_code == 0, _findings(adopted)
     tensors = json.loads((tmp_path / "ck" / "ckptverify.manifest.json").read_text())["tensors"]
