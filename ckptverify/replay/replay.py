@@ -25,6 +25,7 @@ from ckptverify.production.mode import read_run_file, segments
 
 if TYPE_CHECKING:
     from ckptverify.resume.verdict import Verdict
+    from ckptverify.trace.compare import RankComparison
 
 __all__ = ["VERDICTS", "replay"]
 
@@ -139,13 +140,12 @@ def _final_differs(first: Finding, end: int, world: int) -> Verdict:
                    step=end, site=first.location.fqn, candidate_ranks=tuple(range(world)))
 
 
-def _twins_differ(r1: str, r2: str, steps: range) -> Verdict:
-    """The verdict when the two replays differ from each other, where they first do."""
+def _twins_differ(comparisons: list[RankComparison]) -> Verdict:
+    """The verdict when the two replays differ from each other (``comparisons``), where they first do."""
     from ckptverify.replay.causes import twin_cause
     from ckptverify.resume.verdict import Verdict
-    from ckptverify.trace.compare import divergences
 
-    first = divergences(r1, r2, steps=steps)
+    first = [c.first for c in comparisons if c.first is not None]
     if not first:
         return Verdict("nondeterministic", "the two replays differ from each other, so no judgement about the "
                        "hardware is possible: the job is not deterministic; make it deterministic "
@@ -153,7 +153,7 @@ def _twins_differ(r1: str, r2: str, steps: range) -> Verdict:
     d = min(first, key=lambda x: (x.step, x.rank))
     return Verdict("nondeterministic", f"the two replays differ from each other, first at step {d.step} on rank "
                    f"{d.rank}, site {d.site}, so no judgement about the hardware is possible: "
-                   f"{twin_cause(r1, r2, d.step)}.", step=d.step, rank=d.rank, site=d.site)
+                   f"{twin_cause(comparisons, d.step)}.", step=d.step, rank=d.rank, site=d.site)
 
 
 #: Default cap on ranks started: the (untrusted) run directory says how many.
@@ -274,7 +274,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.resume.locate.walk import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.resume.verdict import Verdict
-    from ckptverify.trace.compare import compare_runs
+    from ckptverify.trace.compare import compare_runs, comparison_findings, rank_comparisons
 
     if locate_repeats < 1:
         raise UsageError(f"--locate-repeats must be at least 1, got {locate_repeats}")
@@ -348,11 +348,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         at_once(run, ["R1", "R2"], launches_at_once(world, device))
         r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
         assert r1 is not None and r2 is not None
-        twin = [f for f in compare_runs(r1, r2, steps=steps) if f.severity.value == "error"]
+        twins = rank_comparisons(r1, r2, steps=steps)
+        twin = [f for f in comparison_findings(twins) if f.severity.value == "error"]
         coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
         if twin:
             findings.extend(twin[:20])
-            return done(_twins_differ(r1, r2, steps))
+            return done(_twins_differ(twins))
         say("compare production with the replay")
         prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
         coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))
