@@ -18,12 +18,15 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.ownfiles.names import own_dir
 from ckptverify.resume.locate.ops import locate
+
+if TYPE_CHECKING:
+    from ckptverify.trace.compare import FirstDivergence
 
 __all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
            "receiver_entries", "skipped", "state_origin", "walk", "walk_fields"]
@@ -130,11 +133,11 @@ def walk_fields(located: Walked | None, receivers: Sequence[Mapping[str, Any]] =
             "receivers": [dict(r) for r in walked], "locate": located.to_dict() if located is not None else None}
 
 
-def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None, divergence: Any = None
-                 ) -> Walked:
+def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None,
+                 divergence: FirstDivergence | None = None) -> Walked:
     """A ``state`` origin at ``site`` for a verdict ``kind`` in :data:`STATE_KINDS`, no re-run; ranks of
     ``divergence`` that only received the difference are listed as receivers."""
-    origins = getattr(divergence, "origin_ranks", None) or ()
+    origins = (divergence.origin_ranks or ()) if divergence is not None else ()
     origin = {"kind": "state", "rank": rank, "step": step, "phase": None, "module": None, "op": None,
               "occurrence": None, "repeats_differing": None, "site": site,
               "ranks": list(origins) if origins else ([rank] if rank is not None else [])}
@@ -147,15 +150,15 @@ def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | N
     return Walked(status="state", sentence=sentence, origin=origin, receivers=receivers, step=step)
 
 
-def receiver_entries(divergence: Any) -> tuple[dict[str, Any], ...]:
+def receiver_entries(divergence: FirstDivergence | None) -> tuple[dict[str, Any], ...]:
     """Ranks of the job's first divergence that only received the difference, as ``stats.verdict.receivers`` entries:
     the collective unknown at trace level, the senders being the origin ranks."""
-    origins = list(getattr(divergence, "origin_ranks", None) or ())
-    if not origins:
+    if divergence is None or not divergence.origin_ranks:
         return ()
-    return tuple({"rank": r, "step": getattr(divergence, "step", None), "op": None,
+    origins = list(divergence.origin_ranks)
+    return tuple({"rank": r, "step": divergence.step, "op": None,
                   "via": {"collective": None, "group": None, "seq": None, "senders": origins}}
-                 for r in (getattr(divergence, "receiver_ranks", None) or ()))
+                 for r in divergence.receiver_ranks or ())
 
 
 def skipped(reason: str, *, step: int | None = None) -> Walked:
