@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Any
 
 from ckptverify.resume import causes
-from ckptverify.resume.causes import REPLAY, first_verdict
+from ckptverify.resume.causes import REPLAY, first_verdict, ranks_text
 from ckptverify.resume.compare import SiteDiff, StepEvidence, rank_files, restore_findings
 from ckptverify.resume.verdict import Verdict
 from ckptverify.trace.compare import RankComparison, rank_comparisons, sites_at
@@ -300,7 +300,7 @@ def _metrics_level(c: _Case) -> Verdict | None:
         return None
     candidates, _, _, site = c.origin
     return Verdict("undetermined", f"production differs from two agreeing replays first at step {c.s} "
-                   f"({_ranks(candidates)}), site {site}, but the trace is at level metrics: it records no "
+                   f"({ranks_text(candidates)}), site {site}, but the trace is at level metrics: it records no "
                    "input of a step (batch, random streams, hyperparameters), so a data pipeline or restore "
                    "that does not reproduce production cannot be told from a fault. What would tell: trace "
                    "at level state (cv.Run.main(..., trace=\"state\")) and replay again.",
@@ -327,7 +327,7 @@ def _untraced_before(c: _Case) -> Verdict | None:
     candidates, _, _, site = c.origin
     s = c.s
     return Verdict("undetermined", f"production differs from two agreeing replays first at step {s} "
-                   f"({_ranks(candidates)}), site {site}, with the batch, random streams and hyperparameters "
+                   f"({ranks_text(candidates)}), site {site}, with the batch, random streams and hyperparameters "
                    f"of step {s} equal; but step {s - 1} is not traced, so the inputs of the untraced steps "
                    f"before it may already have differed. What would tell: trace every step (trace_every=1) "
                    "and replay again.", step=s, site=site, candidate_ranks=candidates)
@@ -338,7 +338,7 @@ def _ran_on_from_memory(c: _Case) -> Verdict | None:
         return None
     candidates, _, _, site = c.origin
     return Verdict("undetermined", f"production differs from two agreeing replays at the first replayed step "
-                   f"{c.s} ({_ranks(candidates)}), site {site}, with the batch, random streams and "
+                   f"{c.s} ({ranks_text(candidates)}), site {site}, with the batch, random streams and "
                    "hyperparameters equal and the restore exact; but production ran on from memory past its "
                    f"checkpoint of step {c.start}, so state that no checkpoint holds (a global counter, a cache) "
                    "would look the same as a fault. What would tell: `ckptverify resume-check` on the job (a "
@@ -372,9 +372,9 @@ def _every_rank(c: _Case) -> Verdict:
     return Verdict("hardware-fault-suspected",
                    f"production differs from two agreeing replays first at step {c.s}, site {site}, with the "
                    "step's inputs (batch, random streams, hyperparameters, the state it started from) equal; "
-                   f"every difference shows on {'every rank' if len(candidates) == c.world else _ranks(candidates)}"
+                   f"every difference shows on {'every rank' if len(candidates) == c.world else ranks_text(candidates)}"
                    " alike (values after a reduction: averaged gradients, a reduced loss, the gradient norm), so "
-                   f"the evidence cannot tell which rank computed it wrong: {_ranks(candidates)} could. What "
+                   f"the evidence cannot tell which rank computed it wrong: {ranks_text(candidates)} could. What "
                    "would tell: record each rank's own loss (before any all-reduce) or trace at level module "
                    "(cv.Run.main(..., trace=\"module\")) so that each rank's forward is compared, and replay "
                    "again.", step=c.s, site=site, candidate_ranks=candidates)
@@ -415,8 +415,4 @@ def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: tuple[str, ...
             a_moved = not b_moved
         out.append(SiteDiff(member[len(prefix):], a, b, a_moved=a_moved, b_moved=b_moved))
     return tuple(out)
-
-
-def _ranks(ranks: tuple[int, ...]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 

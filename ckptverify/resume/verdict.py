@@ -288,7 +288,7 @@ def _pending(c: _Parted) -> Verdict | None:
         return None
     p = pending[0]
     ranks = sorted({x["rank"] for x in pending})
-    on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    on = causes.ranks_text(ranks)
     names = ", ".join(p.get("names") or []) + (", ..." if p.get("count", 0) > len(p.get("names") or []) else "")
     return Verdict("accumulated-gradients",
                    f"the checkpoint of step {plan.resume_at} was saved in the middle of gradient accumulation: "
@@ -320,7 +320,7 @@ def _replaced(c: _Parted) -> Verdict | None:
                                                        r["rank"]))
     r = ordered[0]
     ranks = sorted({x["rank"] for x in evidence.replaced if x["name"] == r["name"] and x["run"] == r["run"]})
-    on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    on = causes.ranks_text(ranks)
     field = r["field"]
     effect = _REBUILT.get(field, "B trains with state that was not restored")
     message = (f"the {r['type']} the loop uses is not the one in the TrainState: {r['name']} was rebuilt after "
