@@ -10,7 +10,6 @@ the caller."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -87,18 +86,6 @@ def _first_unverified(ckpts: _Checkpoints) -> tuple[int, list[Finding]] | None:
             if not report.passed:
                 return step, list(report.errors)
     return None
-
-
-def _hosts(segment: str) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for name in os.listdir(segment) if os.path.isdir(segment) else []:
-        if name.startswith("host-rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(segment, name)) as f:
-                    out[int(name[len("host-rank"):-5])] = json.load(f)
-            except (OSError, ValueError):
-                continue
-    return out
 
 
 def _where(host: dict[str, Any] | None) -> str:
@@ -269,6 +256,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     ``CkptVerifyError`` when the workload crashes."""
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.replay.causes import judge
+    from ckptverify.resume.compare import rank_files
     from ckptverify.resume.harness_target import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
     from ckptverify.resume.locate.walk import for_replay
@@ -322,7 +310,10 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     seg_start, segment = max(segs)
     level = str(meta.get("level", "metrics"))
     comparable(segment, level=level, workload=meta["target"], world=world, device=device)
-    hosts = _hosts(segment)
+    try:
+        hosts = rank_files(segment, "host")
+    except (OSError, ValueError):  # production's files are data: a damaged one leaves the hosts unknown
+        hosts = {}
     steps = range(ckpts.start + 1, ckpts.end + 1)
     # For run.total_steps schedules: a replay stops early, they must not change.
     total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
