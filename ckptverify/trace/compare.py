@@ -22,7 +22,7 @@ from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageEr
 from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.trace.store import Trace, open_trace, step_ranges
 
-__all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings", "divergences",
+__all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings",
            "first_divergence", "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores",
            "sites_at"]
 
@@ -576,20 +576,13 @@ def compare_runs(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *
                                       ignore_sites=ignore_sites))
 
 
-def divergences(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
-                ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[FirstDivergence]:
-    """Each divergent rank's first divergence (traces or run directories), by rank."""
-    return [c.first for c in rank_comparisons(a, b, steps=steps, force=force, ignore=ignore,
-                                              ignore_sites=ignore_sites) if c.first is not None]
-
-
 def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
                      ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> FirstDivergence | None:
     """The job's first divergence: at the earliest divergent step, the (lowest) rank where it is born, with
     ``origin_ranks``/``receiver_ranks`` set; ``None`` when the traces agree. When several ranks differ and none in a
     value of its own, the lowest rank's divergence with no origin rank: the traces cannot tell."""
-    found = divergences(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites)
-    return job_divergence(found)
+    comps = rank_comparisons(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites)
+    return job_divergence([c.first for c in comps if c.first is not None])
 
 
 def sites_at(comparisons: Sequence[RankComparison], step: int) -> dict[int, list[str]]:

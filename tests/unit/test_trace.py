@@ -27,7 +27,7 @@ from ckptverify.trace import (
     first_divergence,
     open_trace,
 )
-from ckptverify.trace.compare import divergences, merged_order
+from ckptverify.trace.compare import merged_order, rank_comparisons
 
 STEPS = 5
 
@@ -382,11 +382,11 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     assert d is not None and (d.step, d.rank, d.category) == (2, 1, "data")
     assert (d.origin_ranks, d.receiver_ranks) == ((1,), (0,))
     assert "born on rank 1, received through a collective by rank 0" in summary.message
-    rank0 = {x.rank: x for x in divergences(tmp_path / "a", tmp_path / "c")}[0]
+    rank0 = {c.rank: c.first for c in rank_comparisons(tmp_path / "a", tmp_path / "c")}[0]
     assert (rank0.step, rank0.category, rank0.own_site) == (2, "gradients", None)
     # The same run traced with one cell per category compares with the per-tensor trace: same step, rank and
     # category; every gradient of rank 0 differs, so no single tensor is named.
-    rank0 = {x.rank: x for x in divergences(tmp_path / "a", tmp_path / "d")}[0]
+    rank0 = {c.rank: c.first for c in rank_comparisons(tmp_path / "a", tmp_path / "d")}[0]
     assert (rank0.step, rank0.category, rank0.site, rank0.tensors) == (2, "gradients", "grad.*", "several")
     d = first_divergence(tmp_path / "a", tmp_path / "d")
     assert d is not None and (d.step, d.rank, d.origin_ranks) == (2, 1, (1,))
