@@ -85,7 +85,7 @@ class Walk:
 class Walked:
     """What the walk found. ``status``: ``located``, ``clean`` (sides agree at op level), ``state``, ``skipped`` or
     ``failed`` (``reason``). ``origin``/``receivers`` in the JSON shapes; ``sentence`` for the text verdict;
-    ``kernel``: the origin op's re-run; ``within_side``: a side's own repeats differ."""
+    ``kernel``: the origin op's re-run; ``extra``: the analysis' other fields (:meth:`Located.to_dict`)."""
 
     status: str
     sentence: str = ""
@@ -95,7 +95,6 @@ class Walked:
     reason: str | None = None
     step: int | None = None
     repeats: int | None = None
-    within_side: bool | None = None
     seconds: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     found: tuple[Finding, ...] = ()
@@ -103,7 +102,7 @@ class Walked:
     def to_dict(self) -> dict[str, Any]:
         """The walk as ``stats.verdict.locate``; ``origin`` and ``receivers`` go to ``stats.verdict`` itself."""
         out = {"status": self.status, "sentence": self.sentence, "reason": self.reason, "step": self.step,
-               "repeats": self.repeats, "within_side": self.within_side, "kernel": dict(self.kernel) if self.kernel
+               "repeats": self.repeats, "within_side": None, "kernel": dict(self.kernel) if self.kernel
                else None, "seconds": self.seconds}
         out.update(self.extra)
         return out
@@ -241,18 +240,16 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     result = locate(a, b, step=s, state_equal=request.state_equal, names=names, deterministic=known)
     data = result.to_dict()
     origin, receivers = data.get("origin"), tuple(data.get("receivers") or ())
-    within = bool(result.within_side)
     extra = {k: data[k] for k in ("origins", "one_side", "output", "last_equal", "within_side", "missing",
                                   "arguments", "seen_in") if k in data}
     found = tuple(result.findings())
     if origin is None and not receivers:
         sentence = (f"At level op, the {n} re-run(s) of each side agree at step {s}: the difference does not "
                     f"reproduce when the step is re-run alone ({result.sentence()})")
-        return Walked(status="clean", sentence=sentence, step=s, repeats=n, within_side=within, extra=extra,
-                      found=found)
+        return Walked(status="clean", sentence=sentence, step=s, repeats=n, extra=extra, found=found)
     if origin is None:
         return Walked(status="located", sentence=result.sentence(), receivers=receivers, step=s, repeats=n,
-                      within_side=within, extra=extra, found=found)
+                      extra=extra, found=found)
     kernel = None
     if origin.get("kind") == "op" and origin.get("op"):
         side = request.sides[1] if data.get("one_side") == "b" or data.get("seen_in") == "b" else request.sides[0]
@@ -263,7 +260,7 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     if kernel and kernel.get("sentence"):
         sentence = f"{sentence} {kernel['sentence']}"
     return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
-                  step=s, repeats=n, within_side=within, extra=extra, found=found)
+                  step=s, repeats=n, extra=extra, found=found)
 
 
 def _estimate(request: Walk, width: int, count: int) -> str:
