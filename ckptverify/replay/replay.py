@@ -171,7 +171,7 @@ def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
     """``target`` resolved as every harness run resolves it, once known to name the function ``run.json`` records
     (same name, same file, however spelled); a ``module:FUNC`` target is imported to find its file, the recorded one
     never is. :class:`UsageError` when they differ (before any process starts) or ``target`` cannot load."""
-    from ckptverify.resume.harness_target import check_target, resolve_target, split_target
+    from ckptverify.resume.harness_target import check_target, resolve_target, same_file, split_target
 
     recorded = meta["target"]
     resolved = resolve_target(target)
@@ -183,7 +183,7 @@ def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
                          "FILE.py:FUNC or module:FUNC: the run directory does not say what production ran") from None
     file = where if is_file else check_target(resolved)
     # A recorded module is compared by name: importing it would run what the run directory names.
-    same = (file is not None and _same_path(file, r_where)) if r_is_file else (not is_file and where == r_where)
+    same = (file is not None and same_file(file, r_where)) if r_is_file else (not is_file and where == r_where)
     if same and name == r_name:
         return resolved
     named = f"{name} in {file}" if file else resolved
@@ -192,13 +192,6 @@ def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
     raise UsageError(f"--target {target} names {named}, but the job in {run_dir} ran {recorded} (its run.json): a "
                      "replay judges production only by running the function production ran, so nothing was "
                      f"started. Pass --target {recorded} (target= in Python){absent}.")
-
-
-def _same_path(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them is not here: only the same spelling is the same file
-        return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
 
 
 def comparable(segment: str, *, level: str, workload: str, world: int, device: str = "cpu") -> None:
