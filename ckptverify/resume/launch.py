@@ -32,7 +32,7 @@ from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
 T = TypeVar("T")
 
-__all__ = ["at_once", "launch_jobs", "launches_at_once", "start_method", "workload_logs"]
+__all__ = ["at_once", "launch_jobs", "launches_at_once", "log_files", "start_method", "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -245,6 +245,14 @@ def workload_logs(log_dir: str) -> Iterator[str]:
         yield _log_dir
     finally:
         _log_dir = previous
+
+
+def log_files() -> list[str] | None:
+    """The per-rank log files written so far in the :func:`workload_logs` block this is called in, sorted; ``None``
+    outside one, or when there are none."""
+    if _log_dir is None or not os.path.isdir(_log_dir):
+        return None
+    return sorted(os.path.join(_log_dir, n) for n in os.listdir(_log_dir)) or None
 
 
 def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
