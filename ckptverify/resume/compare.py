@@ -107,17 +107,18 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
 
     T, K = steps, resume_at
     findings: list[Finding] = []
-    notes_a = _read_notes(configs["A"])
+    notes = {name: rank_files(config.trace_dir, "notes") for name, config in configs.items()}
+    notes_a = notes["A"]
     found: dict[str, Any] = {"unsaved_schedulers": tuple(notes_a.get(0, {}).get("unsaved_schedulers", [])),
                              "unregistered": tuple(_unregistered(notes_a)),
                              "missing_optimizer": notes_a.get(0, {}).get("missing_optimizer")}
     findings.extend(_forgotten_findings(found["unregistered"], found["missing_optimizer"]))
-    replaced = [{**r, "run": name, "rank": rank} for name, config in configs.items()
-                for rank, notes in sorted(_read_notes(config).items()) for r in notes.get("replaced", []) or []]
+    replaced = [{**r, "run": name, "rank": rank} for name, by_rank in notes.items()
+                for rank, n in sorted(by_rank.items()) for r in n.get("replaced", []) or []]
     found["replaced"] = tuple(replaced)
     found["loader"] = notes_a.get(min(notes_a), {}).get("loader") if notes_a else None
-    found["pending_gradients"] = tuple({**p, "rank": rank} for rank, notes in sorted(_read_notes(configs["A"]).items())
-                                       for p in notes.get("pending_gradients", []) or [] if p.get("step") == K)
+    found["pending_gradients"] = tuple({**p, "rank": rank} for rank, n in sorted(notes_a.items())
+                                       for p in n.get("pending_gradients", []) or [] if p.get("step") == K)
     findings.extend(warning("replaced-after-restore", f"[{r['run']}] {r['name']} ({r['type']}) was rebuilt after "
                             f"run.restore() on rank {r['rank']}: the TrainState saves and restores the "
                             f"{r['registered_type']} registered as {r['field']}, not the one the loop uses",
@@ -141,7 +142,7 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
             from ckptverify.trace.compare import sites_at
 
             found["resume_sites"] = frozenset(n for names in sites_at(comps, div.step).values() for n in names)
-            restored = _read_notes(configs["B"]).get(div.rank, {}).get("restored", {})
+            restored = notes["B"].get(div.rank, {}).get("restored", {})
             found["step"] = step_evidence(next(c for c in comps if c.rank == div.rank),
                                           first_resumed=div.step == K + 1, restored=restored)
         # (d) final states
@@ -353,10 +354,6 @@ def restore_findings(trace_dir: str | None) -> list[Finding]:
     """A run's restore check, every rank in order: the restored fields that differ from the checkpoint."""
     return [Finding.from_dict(x) for data in rank_files(trace_dir, "restore").values()
             for x in data.get("findings") or [] if x.get("severity") == "error"]
-
-
-def _read_notes(config: RunConfig) -> dict[int, dict[str, Any]]:
-    return rank_files(config.trace_dir, "notes")
 
 
 def _tag(stage: str, findings: list[Finding]) -> list[Finding]:
