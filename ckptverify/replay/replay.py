@@ -199,7 +199,7 @@ def comparable(segment: str, *, level: str, workload: str, world: int, device: s
     (other versions, level, world size, or digest encoding than a replay on ``device`` gives): :class:`UsageError`
     naming what differs."""
     from ckptverify.trace.compare import run_stores
-    from ckptverify.trace.store import TraceHeader, open_trace
+    from ckptverify.trace.store import DIGEST_ENCODINGS, TraceHeader, open_trace
 
     stores = run_stores(segment)
     if not stores:
@@ -215,18 +215,15 @@ def comparable(segment: str, *, level: str, workload: str, world: int, device: s
                          "the versions production ran with installed.")
     want = replay_encoding(device)
     if prod.digest_encoding not in ("unknown", want):
-        raise UsageError(f"production's trace in {segment} has digest_encoding {prod.digest_encoding!r} (its tensors "
-                         f"were digested {_ENCODED.get(prod.digest_encoding, prod.digest_encoding)}), but a replay on "
-                         f"--device {device} records {want!r} ({_ENCODED[want]}): every tensor site would differ at "
+        raise UsageError(f"production's trace in {segment} has digest_encoding {prod.digest_encoding!r} "
+                         f"({DIGEST_ENCODINGS[prod.digest_encoding]}), but a replay on --device {device} records "
+                         f"{want!r} ({DIGEST_ENCODINGS[want]}): every tensor site would differ at "
                          "the first step, so nothing was started. Replay on the kind of device production ran on "
                          f"({_REPLAY_AS[prod.digest_encoding]}).")
 
 
 _REPLAY_AS = {"host": "--device cpu", "device": "--device cuda",
               "host-as-device": "--device cpu with CKPTVERIFY_TRACE_HOST_AS_DEVICE=1"}
-
-_ENCODED = {"host": "by their bytes in host memory", "device": "as logical fingerprints on an accelerator",
-            "host-as-device": "on the host down the accelerator path (CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)"}
 
 
 def replay_encoding(device: str) -> str:

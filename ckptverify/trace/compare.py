@@ -20,7 +20,7 @@ import numpy as np
 
 from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.trace.store import Trace, open_trace, step_ranges
+from ckptverify.trace.store import DIGEST_ENCODINGS, Trace, open_trace, step_ranges
 
 __all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings",
            "first_divergence", "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores",
@@ -186,22 +186,15 @@ class _Aligned:
 _ALWAYS_IGNORED = ("run", "detail")
 
 
-_ENCODING_WORDS = {
-    "host": "digest_encoding 'host', xxh3 of the bytes of tensors in host memory",
-    "device": "digest_encoding 'device', logical fingerprints computed on an accelerator",
-    "host-as-device": "digest_encoding 'host-as-device', host tensors sent down the accelerator path "
-                      "(CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)",
-}
-
-
 def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
     """Refuse differing headers unless ``force``, and differing digest encodings always (every tensor site would
     differ, which says nothing about the runs)."""
     if "digest_encoding" in diffs:
         ea, eb = ta.header.digest_encoding, tb.header.digest_encoding
-        raise UsageError(f"the traces digest tensors differently ({ta.path}: {_ENCODING_WORDS.get(ea, ea)}; "
-                         f"{tb.path}: {_ENCODING_WORDS.get(eb, eb)}), so every tensor site would differ and no "
-                         "step can be compared; record both on the same kind of device")
+        raise UsageError(f"the traces digest tensors differently ({ta.path}: digest_encoding {ea!r}, "
+                         f"{DIGEST_ENCODINGS[ea]}; {tb.path}: digest_encoding {eb!r}, {DIGEST_ENCODINGS[eb]}), so "
+                         "every tensor site would differ and no step can be compared; record both on the same kind "
+                         "of device")
     if diffs and not force:
         raise TraceHeaderMismatchError(diffs, ta, tb)
 

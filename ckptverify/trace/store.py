@@ -42,10 +42,14 @@ TRACE_SCHEMA_VERSION = 1
 #: (:mod:`ckptverify.trace.ops`).
 LEVELS = ("metrics", "state", "comm", "module", "op")
 
-#: How a trace's tensor digests read (header ``digest_encoding``): ``host`` xxh3-128 of host bytes, ``device`` the
-#: accelerator fingerprint, ``host-as-device`` host tensors on the accelerator path, ``unknown`` no tensor digested.
-#: Digests under two known encodings never match, so such traces cannot be compared site by site.
-DIGEST_ENCODINGS = ("unknown", "host", "device", "host-as-device")
+#: How a trace's tensor digests read (header ``digest_encoding``), in words. Digests under two known encodings never
+#: match, so such traces cannot be compared site by site.
+DIGEST_ENCODINGS = {
+    "unknown": "no tensor digested",
+    "host": "xxh3 of the bytes of tensors in host memory",
+    "device": "logical fingerprints computed on an accelerator",
+    "host-as-device": "host tensors sent down the accelerator path (CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)",
+}
 
 #: ``category``: one cell per tensor category per step; ``tensor``: one cell per tensor as well.
 DETAILS = ("category", "tensor")
