@@ -114,13 +114,13 @@ class TraceRecorder:
         self._hook_warning = _HookWarningGuard()
         self._pending: tuple[int, _ReadBack] | None = None
         self._pinned: dict[Any, Any] = {}
-        # Recompute pairing: running forwards [name, occurrence, call, recompute, cursor] (innermost last), the
-        # step's calls (name, occurrence, children), calls per module, calls already repeated.
-        self._frames: list[list[Any]] = []
+        # Running forwards are the context's frames (the tracer reads where an op runs from them). Recompute pairing:
+        # the step's calls (name, occurrence, children), calls per module, calls already repeated.
+        self._context = OpContext()
+        self._frames = self._context.forward
         self._calls: list[tuple[str, int, list[int]]] = []
         self._calls_of: dict[str, list[int]] = {}
         self._paired: set[int] = set()
-        self._context = OpContext()
         self._tracer: StepTracer | None = None
         self._step_started: int | None = None
         self._last_step = 0
@@ -242,7 +242,6 @@ class TraceRecorder:
                 # A forward while the autograd engine runs: activation checkpointing recomputes it.
                 call = self._repeated_call(name)
                 self._frames.append([name, None if call is None else self._calls[call][1], call, True, 0])
-            self._context.forward.append((name, self._frames[-1][3]))
 
         return hook
 
@@ -274,8 +273,6 @@ class TraceRecorder:
             if self._paused:
                 return
             frame = self._frames.pop() if self._frames else None
-            if self._context.forward:
-                self._context.forward.pop()
             if sys.exc_info()[0] is not None:
                 return  # called while the forward raises: it has no output
             with self._own_work():
