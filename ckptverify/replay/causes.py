@@ -77,7 +77,6 @@ class _Case:
     comparison (``first``: those diverging at ``s``) and restore notes; derived facts are computed once, when a rule
     first asks."""
 
-    prod: str
     replay: str
     start: int
     world: int
@@ -174,7 +173,7 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
                        "and every step both cover agrees: the steps not compared cannot be judged. What would tell: a "
                        "production trace of every replayed step on every rank (trace_every=1).")
     s = min(d.step for d in found)
-    case = _Case(prod=prod, replay=replay, start=start, world=world, production_start=production_start,
+    case = _Case(replay=replay, start=start, world=world, production_start=production_start,
                  where=where, s=s, comparisons=comps, notes=rank_files(replay, "notes"))
     return first_verdict(RULES, case)
 
