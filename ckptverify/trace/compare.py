@@ -566,7 +566,7 @@ def compare_runs(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *
         if _is_store(d):
             raise UsageError(f"{d} is a single trace store, not a run directory; use compare_traces")
     return comparison_findings(rank_comparisons(dir_a, dir_b, steps=steps, force=force, ignore=ignore,
-                                      ignore_sites=ignore_sites))
+                                                ignore_sites=ignore_sites))
 
 
 def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
