@@ -323,15 +323,15 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     if not found:
         raise CkptVerifyError(f"the workload crashed in run {jobs[0][1].name}: {type(exc).__name__}\n{exc}") from None
     run, kinds = next(iter(found.items()))
+    from ckptverify.resume.causes import ranks_text
+
     parts = []
     for text, ranks in kinds["error"].items():
-        ranks.sort()
         if len(kinds["error"]) > 1:
-            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}:")
+            parts.append(f"{ranks_text(ranks)}:")
         parts.append(text)
-    ranks = sorted(r for rs in kinds["error"].values() for r in rs)
-    raise CkptVerifyError(f"the workload crashed in run {run} (rank{'s' if len(ranks) > 1 else ''} "
-                          f"{', '.join(map(str, ranks))}):\n" + "\n".join(parts)) from None
+    ranks = [r for rs in kinds["error"].values() for r in rs]
+    raise CkptVerifyError(f"the workload crashed in run {run} ({ranks_text(ranks)}):\n" + "\n".join(parts)) from None
 
 def launches_at_once(nproc: int, device: str) -> int:
     """How many launches of ``nproc`` ranks fit side by side: a core per rank on CPU; one on CUDA (every launch uses
