@@ -230,21 +230,17 @@ def _passed(c: _Case) -> Verdict:
     return Verdict("pass", message)
 
 
-@dataclass(frozen=True)
-class _Parted:
+@dataclass
+class _Parted(_Case):
     """Where A and B first part after the resume (``div``) and what the step started from (``ev``), for the rules of
     :data:`PARTED`; ``said`` adds receivers and unregistered objects to a message."""
 
-    plan: Any
-    evidence: Evidence
-    forgotten: str
     div: FirstDivergence
     ev: StepEvidence
 
     @classmethod
     def of(cls, c: _Case, div: FirstDivergence) -> _Parted:
-        ev = c.evidence.step or StepEvidence(step=div.step, rank=div.rank)
-        return cls(c.plan, c.evidence, c.forgotten, div, ev)
+        return cls(c.plan, c.evidence, div, c.evidence.step or StepEvidence(step=div.step, rank=div.rank))
 
     @property
     def step(self) -> int:
