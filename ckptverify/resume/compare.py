@@ -74,7 +74,7 @@ class HeldComparison:
 class Evidence:
     """Everything the comparisons of one resume check found that the verdict reads: what ``run.restore`` noticed in A
     (``unsaved_schedulers``, ``unregistered``, ``missing_optimizer``), then (a) ``restore``, (b)
-    ``nondeterminism[_sites]``, (c) ``resume[_sites]`` and ``step``, (d) ``final``, and ``held`` (``None``: no B)."""
+    ``nondeterminism``, (c) ``resume[_sites]`` and ``step``, (d) ``final``, and ``held`` (``None``: no B)."""
 
     unsaved_schedulers: tuple[str, ...] = ()
     unregistered: tuple[Mapping[str, str], ...] = ()
