@@ -26,9 +26,7 @@ from ckptverify.errors import UsageError
 from ckptverify.state.distributed import rank_world
 from ckptverify.trace.cells import (
     _metric_item,
-    _object_item,
     _scaler_item,
-    _tensor_item,
     _tensor_leaves,
     _value_item,
     _value_lanes,
@@ -404,7 +402,6 @@ class TraceRecorder:
         the state's categories and fields; ``comm``/``module``/``op`` add their sites (site names:
         ``docs/trace.md``). Lower levels ignore what they do not record. Steps must increase; on several ranks every
         rank must call this for every step."""
-        import torch
 
         op_items: list[Item] = []
         if self._tracer is not None and self._tracer.active:
@@ -424,7 +421,7 @@ class TraceRecorder:
         if deep and batch_indices is not None:
             cells.append(Cell("data.indices", "data", _value_lanes(batch_indices), "digest128"))
         if deep and batch is not None:
-            cells.extend(self._batch_cells(batch, torch))
+            cells.extend(self._batch_cells(batch))
         cells.extend(x for x in self._module_cells if x is not None)
         for name, value in (metrics or {}).items():
             cells.append(_metric_item(str(name), value))
@@ -496,14 +493,12 @@ class TraceRecorder:
             self.writer.append(pending[0], pending[1].cells())
 
     @staticmethod
-    def _batch_cells(batch: Any, torch: Any) -> list[Item]:
-        if isinstance(batch, torch.Tensor):
-            return [_tensor_item("batch", "batch", batch)]
+    def _batch_cells(batch: Any) -> list[Item]:
         if isinstance(batch, Mapping):
-            return [_object_item(f"batch.{k}", "batch", v) for k, v in batch.items()]
+            return [_value_item(f"batch.{k}", "batch", v) for k, v in batch.items()]
         if isinstance(batch, list | tuple):
-            return [_object_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
-        return [_object_item("batch", "batch", batch)]
+            return [_value_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
+        return [_value_item("batch", "batch", batch)]
 
     def _state_cells(self, step: int, state: TrainState) -> list[Item]:
         rng = self._rng_cells("rng.", state)  # first, as TrainState.fields() does: reading the rest may draw
