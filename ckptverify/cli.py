@@ -485,13 +485,13 @@ def resume_check_cmd(target: str, steps: int, resume_at: int, nproc: int, level:
     from ckptverify.render.resume import emit_resume, resume_check
     from ckptverify.resume.harness import Plan
 
-    def run(log_dir: str | None) -> Any:
+    def run() -> Any:
         # The device travels to the workload's processes in the plan (Plan.device -> RunConfig.device -> run.device).
         plan = Plan(target=target, steps=steps, resume_at=resume_at, nproc=nproc, level=level,
                     runs=tuple(r.strip() for r in runs.split(",") if r.strip()), device=device, locate=locate,
                     locate_repeats=locate_repeats)
         return resume_check(plan, keep=keep, progress=_say(progress, json_out, emoji=False), verbose=verbose,
-                            log_dir=log_dir, report_dir=report_dir)
+                            report_dir=report_dir)
 
     outcome = _launch("resume-check", target, keep, json_out, run)
     _write_metrics(metrics_file, outcome.report, json_out)
@@ -526,7 +526,7 @@ def replay(run_dir: str, start: int | None, end: int | None, target: str | None,
 
     # What runs is what the command line names (never what the run directory says on its own): the replay
     # checks it is the function run.json records before anything is verified or launched.
-    report = _launch("replay", run_dir, keep, json_out, lambda log_dir: run_replay(
+    report = _launch("replay", run_dir, keep, json_out, lambda: run_replay(
         run_dir, target=target, start=start, end=end, device=device, keep=keep,
         progress=_say(progress, json_out, emoji=False), max_procs=max_procs, locate=locate,
         locate_repeats=locate_repeats))
@@ -556,10 +556,10 @@ def compare_cmd(base: str, changed: str, steps: int, nproc: int, repeats: int, l
     from ckptverify.render.resume import render_compare
     from ckptverify.resume.change import ChangePlan, compare_change
 
-    def run(log_dir: str | None) -> Any:
+    def run() -> Any:
         plan = ChangePlan(base=base, changed=changed, steps=steps, nproc=nproc, repeats=repeats, device=device,
                           level=level, locate=locate, locate_repeats=locate_repeats)
-        return compare_change(plan, keep=keep, progress=_say(progress, json_out, emoji=False), log_dir=log_dir)
+        return compare_change(plan, keep=keep, progress=_say(progress, json_out, emoji=False))
 
     report = _launch("compare", f"{base} vs {changed}", keep, json_out, run)
     _emit(report, json_out, render=render_compare, metrics_file=metrics_file)
@@ -621,36 +621,31 @@ def trace_diff(a: str, b: str, allow_header_mismatch: bool, ignore: tuple[str, .
           metrics_file=metrics_file)
 
 
-def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Callable[[str | None], Any]) -> Any:
-    """``run(log_dir)``: the training runs ``command`` launches; returns what it returns, or exits 2 when they
-    could not run. With ``--json`` every run writes each rank's output to a log file in ``log_dir``
-    (``KEEP/logs``, else a temporary folder, removed if nothing was launched), the locate walk's re-runs
-    included, so stdout holds the one JSON document (what the user's code prints when its target is checked in
-    this process goes to stderr: ``check_target``), and the report's ``stats.logs`` names the files. Without
-    ``--json`` (``log_dir`` None) the runs' output is labelled on the terminal."""
+def _launch(command: str, target: str, keep: str | None, json_out: bool, run: Callable[[], Any]) -> Any:
+    """``run()``: the training runs ``command`` launches; returns what it returns, or exits 2 when they could not
+    run. With ``--json`` every run writes each rank's output to a log file in a log folder (``KEEP/logs``, else a
+    temporary folder, removed if nothing was launched), the locate walk's re-runs included, so stdout holds the one
+    JSON document (what the user's code prints when its target is checked in this process goes to stderr:
+    ``check_target``), and the report's ``stats.logs`` names the files. Without ``--json`` the runs' output is
+    labelled on the terminal."""
     import contextlib
     import os
 
     from ckptverify.findings import Report
-    from ckptverify.render.resume import log_dir_for, workload_log_files
+    from ckptverify.render.resume import log_dir_for
+    from ckptverify.resume.launch import log_files, workload_logs
 
     log_dir = log_dir_for(keep) if json_out else None
     try:
-        if log_dir is None:
-            logs: Any = contextlib.nullcontext()
-        else:
-            from ckptverify.resume.launch import workload_logs
-
-            logs = workload_logs(log_dir)
-        with logs:
-            result = run(log_dir)
+        with workload_logs(log_dir) if log_dir else contextlib.nullcontext():
+            result = run()
+            if log_dir and isinstance(result, Report):  # resume-check's outcome names its logs itself
+                result.stats["logs"] = log_files()
     except CkptVerifyError as exc:
         fail(command, target, exc, json_out, lines=True)
     finally:
         if log_dir and not keep and os.path.isdir(log_dir) and not os.listdir(log_dir):
             os.rmdir(log_dir)
-    if log_dir and isinstance(result, Report):  # resume-check's outcome names its logs itself
-        result.stats["logs"] = workload_log_files(log_dir)
     return result
 
 

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckptverify.resume.harness import FigureWriter, Outcome, Plan
 
-__all__ = ["emit_resume", "log_dir_for", "render_compare", "resume_check", "workload_log_files"]
+__all__ = ["emit_resume", "log_dir_for", "render_compare", "resume_check"]
 
 
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
-                 verbose: bool = False, log_dir: str | None = None, report_dir: str | None = None,
-                 figures: FigureWriter | None = None) -> Outcome:
+                 verbose: bool = False, report_dir: str | None = None, figures: FigureWriter | None = None
+                 ) -> Outcome:
     """:func:`ckptverify.resume.harness.resume_check`, with ``report_dir`` drawn by
     :func:`ckptverify.render.figures.write_report` (an HTML page with PNG figures, its path in the report's stats
     as ``report_page``) unless ``figures`` names another writer. Without matplotlib, ``report_dir`` is refused
@@ -29,8 +29,7 @@ def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str
 
         _pyplot()  # refuse before the runs, not after them, when matplotlib is missing
         figures = write_report
-    return check(plan, keep=keep, progress=progress, verbose=verbose, log_dir=log_dir, report_dir=report_dir,
-                 figures=figures)
+    return check(plan, keep=keep, progress=progress, verbose=verbose, report_dir=report_dir, figures=figures)
 
 
 def log_dir_for(keep: str | None) -> str:
@@ -39,13 +38,6 @@ def log_dir_for(keep: str | None) -> str:
     if keep:
         return os.path.join(os.path.abspath(keep), "logs")
     return tempfile.mkdtemp(prefix="ckptverify-logs-")
-
-
-def workload_log_files(log_dir: str) -> list[str] | None:
-    """The per-rank log files under ``log_dir``, sorted (None when there are none)."""
-    if not os.path.isdir(log_dir):
-        return None
-    return sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) or None
 
 
 def emit_resume(outcome: Any, json_out: bool) -> int:

@@ -16,24 +16,18 @@ from functools import cached_property
 from typing import Any
 
 from ckptverify.resume import causes
-from ckptverify.resume.causes import REPLAY, first_verdict
-from ckptverify.resume.compare import SiteDiff, StepEvidence, differing_sites, rank_files, restore_findings
+from ckptverify.resume.causes import REPLAY, first_verdict, ranks_text
+from ckptverify.resume.compare import SiteDiff, StepEvidence, rank_files, restore_findings
 from ckptverify.resume.verdict import Verdict
+from ckptverify.trace.compare import RankComparison, rank_comparisons, sites_at
 
 __all__ = ["RULES", "judge", "twin_cause"]
 
 
-def _both(dir_a: str, dir_b: str) -> dict[int, tuple[Any, Any]]:
-    from ckptverify.trace.compare import run_stores
-    from ckptverify.trace.store import open_trace
-
-    stores_a, stores_b = run_stores(dir_a), run_stores(dir_b)
-    return {r: (open_trace(stores_a[r]), open_trace(stores_b[r])) for r in sorted(set(stores_a) & set(stores_b))}
-
-
-def twin_cause(r1: str, r2: str, step: int) -> str:
-    """Where the two replays' nondeterminism at ``step`` lies, and what to do."""
-    sites = sorted({s for names in differing_sites(r1, r2, (step,)).values() for s in names})
+def twin_cause(comparisons: list[RankComparison], step: int) -> str:
+    """Where the two replays' nondeterminism at ``step`` (their first divergent step, in ``comparisons``) lies, and
+    what to do."""
+    sites = sorted({s for names in sites_at(comparisons, step).values() for s in names})
     if any(s.startswith("start.rng.") for s in sites):
         names = ", ".join(s[len("start."):] for s in sites if s.startswith("start.rng."))
         return (f"random stream {names} differs between them when step {step} starts: the job seeds it from a "
@@ -79,21 +73,30 @@ def _origin(found: dict[int, list[str]], world: int, records: Callable[[int, str
 
 @dataclass
 class _Case:
-    """The evidence of a replay verdict: the first step ``s`` where production and ``R1`` differ, each differing
-    rank's first divergence, both traces per rank, differing sites and restore notes; derived facts are computed
-    once, when a rule first asks."""
+    """The evidence of a replay verdict: the first step ``s`` where production and ``R1`` differ, each rank's
+    comparison (``first``: those diverging at ``s``) and restore notes; derived facts are computed once, when a rule
+    first asks."""
 
-    prod: str
     replay: str
     start: int
     world: int
     production_start: int
     where: Callable[[int], str]
     s: int
-    first: dict[int, Any]
-    pairs: dict[int, tuple[Any, Any]]
-    sites: dict[int, list[str]]
+    comparisons: list[RankComparison]
     notes: dict[int, Any]
+
+    @cached_property
+    def first(self) -> dict[int, RankComparison]:
+        return {c.rank: c for c in self.comparisons if c.first is not None and c.first.step == self.s}
+
+    @cached_property
+    def pairs(self) -> dict[int, tuple[Any, Any]]:
+        return {c.rank: c.traces for c in self.comparisons if c.traces is not None}
+
+    @cached_property
+    def sites(self) -> dict[int, list[str]]:
+        return sites_at(self.comparisons, self.s)
 
     @property
     def first_replayed(self) -> bool:
@@ -105,7 +108,7 @@ class _Case:
 
     @property
     def lead(self) -> Any:
-        return min(self.first.values(), key=lambda d: d.rank)
+        return self.first[min(self.first)].first
 
     @property
     def level(self) -> str:
@@ -122,20 +125,14 @@ class _Case:
         from ckptverify.resume.compare import step_evidence
 
         out: dict[int, StepEvidence] = {}
-        for r in sorted(self.first):
+        for r, comp in sorted(self.first.items()):
             restored = (self.notes.get(r) or {}).get("restored") or {}
-            ev = step_evidence(self.prod, self.replay, r, self.s, first_resumed=self.first_replayed,
-                               restored=restored)
+            ev = step_evidence(comp, first_resumed=self.first_replayed, restored=restored)
             ta, tb = self.pairs[r]
-            mine = self.sites.get(r, [])
-            # Only what both record is evidence: the replay's extra per-field cells are not differences.
+            # Production's category cell against the replay's per-field cells: name the field.
             out[r] = replace(
-                ev, rng=tuple(x for x in ev.rng if f"start.{x.name}" in mine),
-                hparams_start=_hparams(ta, tb, self.s, "start.hparam.", mine, restored, self.first_replayed),
-                hparams_step=_hparams(ta, tb, self.s, "hparam.", mine, None, self.first_replayed),
-                buffers=tuple(n for n in mine if n.startswith("buffer.")),
-                batch=any(n == "batch" or n.startswith("batch.") for n in mine), position="data" in mine,
-                sites=tuple(mine))
+                ev, hparams_start=_hparams(ta, tb, self.s, "start.hparam.", ev.sites, restored, self.first_replayed),
+                hparams_step=_hparams(ta, tb, self.s, "hparam.", ev.sites, None, self.first_replayed))
         return out
 
     @cached_property
@@ -148,7 +145,7 @@ class _Case:
 
         candidates, rank, own_site = _origin(self.sites, self.world, records)
         if rank is not None:
-            d = self.first.get(rank)
+            d = self.first[rank].first if rank in self.first else None
             site = own_site if own_site is not None else (d.site if d is not None else None)
         else:
             site = self.lead.site
@@ -169,17 +166,15 @@ def judge(prod: str, replay: str, *, start: int, end: int, world: int, productio
     """Classify the first difference between production's segment ``prod`` and ``replay`` over ``start+1..end``: the
     first of :data:`RULES` that applies. ``production_start``: where production's segment (and process) started;
     ``where(rank)``: a rank's host and device in words."""
-    from ckptverify.trace.compare import divergences
-
-    found = divergences(prod, replay, steps=range(start + 1, end + 1))
+    comps = rank_comparisons(prod, replay, steps=range(start + 1, end + 1))
+    found = [c.first for c in comps if c.first is not None]
     if not found:
         return Verdict("undetermined", "production's trace and the replay's do not cover the same steps and ranks, "
                        "and every step both cover agrees: the steps not compared cannot be judged. What would tell: a "
                        "production trace of every replayed step on every rank (trace_every=1).")
     s = min(d.step for d in found)
-    case = _Case(prod=prod, replay=replay, start=start, world=world, production_start=production_start,
-                 where=where, s=s, first={d.rank: d for d in found if d.step == s}, pairs=_both(prod, replay),
-                 sites=differing_sites(prod, replay, (s,)), notes=rank_files(replay, "notes"))
+    case = _Case(replay=replay, start=start, world=world, production_start=production_start,
+                 where=where, s=s, comparisons=comps, notes=rank_files(replay, "notes"))
     return first_verdict(RULES, case)
 
 
@@ -304,7 +299,7 @@ def _metrics_level(c: _Case) -> Verdict | None:
         return None
     candidates, _, _, site = c.origin
     return Verdict("undetermined", f"production differs from two agreeing replays first at step {c.s} "
-                   f"({_ranks(candidates)}), site {site}, but the trace is at level metrics: it records no "
+                   f"({ranks_text(candidates)}), site {site}, but the trace is at level metrics: it records no "
                    "input of a step (batch, random streams, hyperparameters), so a data pipeline or restore "
                    "that does not reproduce production cannot be told from a fault. What would tell: trace "
                    "at level state (cv.Run.main(..., trace=\"state\")) and replay again.",
@@ -331,7 +326,7 @@ def _untraced_before(c: _Case) -> Verdict | None:
     candidates, _, _, site = c.origin
     s = c.s
     return Verdict("undetermined", f"production differs from two agreeing replays first at step {s} "
-                   f"({_ranks(candidates)}), site {site}, with the batch, random streams and hyperparameters "
+                   f"({ranks_text(candidates)}), site {site}, with the batch, random streams and hyperparameters "
                    f"of step {s} equal; but step {s - 1} is not traced, so the inputs of the untraced steps "
                    f"before it may already have differed. What would tell: trace every step (trace_every=1) "
                    "and replay again.", step=s, site=site, candidate_ranks=candidates)
@@ -342,7 +337,7 @@ def _ran_on_from_memory(c: _Case) -> Verdict | None:
         return None
     candidates, _, _, site = c.origin
     return Verdict("undetermined", f"production differs from two agreeing replays at the first replayed step "
-                   f"{c.s} ({_ranks(candidates)}), site {site}, with the batch, random streams and "
+                   f"{c.s} ({ranks_text(candidates)}), site {site}, with the batch, random streams and "
                    "hyperparameters equal and the restore exact; but production ran on from memory past its "
                    f"checkpoint of step {c.start}, so state that no checkpoint holds (a global counter, a cache) "
                    "would look the same as a fault. What would tell: `ckptverify resume-check` on the job (a "
@@ -376,9 +371,9 @@ def _every_rank(c: _Case) -> Verdict:
     return Verdict("hardware-fault-suspected",
                    f"production differs from two agreeing replays first at step {c.s}, site {site}, with the "
                    "step's inputs (batch, random streams, hyperparameters, the state it started from) equal; "
-                   f"every difference shows on {'every rank' if len(candidates) == c.world else _ranks(candidates)}"
+                   f"every difference shows on {'every rank' if len(candidates) == c.world else ranks_text(candidates)}"
                    " alike (values after a reduction: averaged gradients, a reduced loss, the gradient norm), so "
-                   f"the evidence cannot tell which rank computed it wrong: {_ranks(candidates)} could. What "
+                   f"the evidence cannot tell which rank computed it wrong: {ranks_text(candidates)} could. What "
                    "would tell: record each rank's own loss (before any all-reduce) or trace at level module "
                    "(cv.Run.main(..., trace=\"module\")) so that each rank's forward is compared, and replay "
                    "again.", step=c.s, site=site, candidate_ranks=candidates)
@@ -389,7 +384,7 @@ RULES: tuple[Callable[[_Case], Verdict | None], ...] = (
     _metrics_level, _unregistered, _untraced_before, _ran_on_from_memory, _one_rank, _every_rank)
 
 
-def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], restored: Mapping[str, Any] | None,
+def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: tuple[str, ...], restored: Mapping[str, Any] | None,
              first_replayed: bool) -> tuple[SiteDiff, ...]:
     """Hyperparameters differing at ``step``, with ``a`` (``None``: category cell only) and ``b``; on the first
     replayed step's start cells ``b_moved`` (the replay changed it after the restore), else ``a_moved`` (production
@@ -419,8 +414,4 @@ def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: list[str], res
             a_moved = not b_moved
         out.append(SiteDiff(member[len(prefix):], a, b, a_moved=a_moved, b_moved=b_moved))
     return tuple(out)
-
-
-def _ranks(ranks: tuple[int, ...]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 

@@ -10,7 +10,6 @@ the caller."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -25,6 +24,7 @@ from ckptverify.production.mode import read_run_file, segments
 
 if TYPE_CHECKING:
     from ckptverify.resume.verdict import Verdict
+    from ckptverify.trace.compare import RankComparison
 
 __all__ = ["VERDICTS", "replay"]
 
@@ -88,18 +88,6 @@ def _first_unverified(ckpts: _Checkpoints) -> tuple[int, list[Finding]] | None:
     return None
 
 
-def _hosts(segment: str) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for name in os.listdir(segment) if os.path.isdir(segment) else []:
-        if name.startswith("host-rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(segment, name)) as f:
-                    out[int(name[len("host-rank"):-5])] = json.load(f)
-            except (OSError, ValueError):
-                continue
-    return out
-
-
 def _where(host: dict[str, Any] | None) -> str:
     if not host:
         return "host unknown"
@@ -139,13 +127,12 @@ def _final_differs(first: Finding, end: int, world: int) -> Verdict:
                    step=end, site=first.location.fqn, candidate_ranks=tuple(range(world)))
 
 
-def _twins_differ(r1: str, r2: str, steps: range) -> Verdict:
-    """The verdict when the two replays differ from each other, where they first do."""
+def _twins_differ(comparisons: list[RankComparison]) -> Verdict:
+    """The verdict when the two replays differ from each other (``comparisons``), where they first do."""
     from ckptverify.replay.causes import twin_cause
     from ckptverify.resume.verdict import Verdict
-    from ckptverify.trace.compare import divergences
 
-    first = divergences(r1, r2, steps=steps)
+    first = [c.first for c in comparisons if c.first is not None]
     if not first:
         return Verdict("nondeterministic", "the two replays differ from each other, so no judgement about the "
                        "hardware is possible: the job is not deterministic; make it deterministic "
@@ -153,7 +140,7 @@ def _twins_differ(r1: str, r2: str, steps: range) -> Verdict:
     d = min(first, key=lambda x: (x.step, x.rank))
     return Verdict("nondeterministic", f"the two replays differ from each other, first at step {d.step} on rank "
                    f"{d.rank}, site {d.site}, so no judgement about the hardware is possible: "
-                   f"{twin_cause(r1, r2, d.step)}.", step=d.step, rank=d.rank, site=d.site)
+                   f"{twin_cause(comparisons, d.step)}.", step=d.step, rank=d.rank, site=d.site)
 
 
 #: Default cap on ranks started: the (untrusted) run directory says how many.
@@ -184,7 +171,7 @@ def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
     """``target`` resolved as every harness run resolves it, once known to name the function ``run.json`` records
     (same name, same file, however spelled); a ``module:FUNC`` target is imported to find its file, the recorded one
     never is. :class:`UsageError` when they differ (before any process starts) or ``target`` cannot load."""
-    from ckptverify.resume.harness_target import check_target, resolve_target, split_target
+    from ckptverify.resume.harness_target import check_target, resolve_target, same_file, split_target
 
     recorded = meta["target"]
     resolved = resolve_target(target)
@@ -196,7 +183,7 @@ def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
                          "FILE.py:FUNC or module:FUNC: the run directory does not say what production ran") from None
     file = where if is_file else check_target(resolved)
     # A recorded module is compared by name: importing it would run what the run directory names.
-    same = (file is not None and _same_path(file, r_where)) if r_is_file else (not is_file and where == r_where)
+    same = (file is not None and same_file(file, r_where)) if r_is_file else (not is_file and where == r_where)
     if same and name == r_name:
         return resolved
     named = f"{name} in {file}" if file else resolved
@@ -207,19 +194,12 @@ def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
                      f"started. Pass --target {recorded} (target= in Python){absent}.")
 
 
-def _same_path(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them is not here: only the same spelling is the same file
-        return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
-
-
 def comparable(segment: str, *, level: str, workload: str, world: int, device: str = "cpu") -> None:
     """Refuse before any process starts a replay whose traces could not be compared with production's ``segment``
     (other versions, level, world size, or digest encoding than a replay on ``device`` gives): :class:`UsageError`
     naming what differs."""
     from ckptverify.trace.compare import run_stores
-    from ckptverify.trace.store import TraceHeader, open_trace
+    from ckptverify.trace.store import DIGEST_ENCODINGS, TraceHeader, open_trace
 
     stores = run_stores(segment)
     if not stores:
@@ -235,18 +215,15 @@ def comparable(segment: str, *, level: str, workload: str, world: int, device: s
                          "the versions production ran with installed.")
     want = replay_encoding(device)
     if prod.digest_encoding not in ("unknown", want):
-        raise UsageError(f"production's trace in {segment} has digest_encoding {prod.digest_encoding!r} (its tensors "
-                         f"were digested {_ENCODED.get(prod.digest_encoding, prod.digest_encoding)}), but a replay on "
-                         f"--device {device} records {want!r} ({_ENCODED[want]}): every tensor site would differ at "
+        raise UsageError(f"production's trace in {segment} has digest_encoding {prod.digest_encoding!r} "
+                         f"({DIGEST_ENCODINGS[prod.digest_encoding]}), but a replay on --device {device} records "
+                         f"{want!r} ({DIGEST_ENCODINGS[want]}): every tensor site would differ at "
                          "the first step, so nothing was started. Replay on the kind of device production ran on "
                          f"({_REPLAY_AS[prod.digest_encoding]}).")
 
 
 _REPLAY_AS = {"host": "--device cpu", "device": "--device cuda",
               "host-as-device": "--device cpu with CKPTVERIFY_TRACE_HOST_AS_DEVICE=1"}
-
-_ENCODED = {"host": "by their bytes in host memory", "device": "as logical fingerprints on an accelerator",
-            "host-as-device": "on the host down the accelerator path (CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)"}
 
 
 def replay_encoding(device: str) -> str:
@@ -269,12 +246,13 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     ``CkptVerifyError`` when the workload crashes."""
     from ckptverify.audit.diff import diff_checkpoints
     from ckptverify.replay.causes import judge
+    from ckptverify.resume.compare import rank_files
     from ckptverify.resume.harness_target import check_target
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
     from ckptverify.resume.locate.walk import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.resume.verdict import Verdict
-    from ckptverify.trace.compare import compare_runs
+    from ckptverify.trace.compare import compare_runs, comparison_findings, rank_comparisons
 
     if locate_repeats < 1:
         raise UsageError(f"--locate-repeats must be at least 1, got {locate_repeats}")
@@ -322,7 +300,10 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     seg_start, segment = max(segs)
     level = str(meta.get("level", "metrics"))
     comparable(segment, level=level, workload=meta["target"], world=world, device=device)
-    hosts = _hosts(segment)
+    try:
+        hosts = rank_files(segment, "host")
+    except (OSError, ValueError):  # production's files are data: a damaged one leaves the hosts unknown
+        hosts = {}
     steps = range(ckpts.start + 1, ckpts.end + 1)
     # For run.total_steps schedules: a replay stops early, they must not change.
     total = meta["steps"] if type(meta.get("steps")) is int and meta["steps"] >= ckpts.end else None
@@ -348,11 +329,12 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
         at_once(run, ["R1", "R2"], launches_at_once(world, device))
         r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
         assert r1 is not None and r2 is not None
-        twin = [f for f in compare_runs(r1, r2, steps=steps) if f.severity.value == "error"]
+        twins = rank_comparisons(r1, r2, steps=steps)
+        twin = [f for f in comparison_findings(twins) if f.severity.value == "error"]
         coverage.append(CheckCoverage(check="replay-twins", count=len(steps), unit="steps"))
         if twin:
             findings.extend(twin[:20])
-            return done(_twins_differ(r1, r2, steps))
+            return done(_twins_differ(twins))
         say("compare production with the replay")
         prod = [f for f in compare_runs(segment, r1, steps=steps) if f.severity.value == "error"]
         coverage.append(CheckCoverage(check="replay-production", count=len(steps), unit="steps"))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = ["REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "Runs",
-           "buffer_cause", "first_verdict", "hparam_start_cause", "on_ranks", "rng_cause", "rng_sentence", "show",
-           "step_hparam_cause", "step_hparam_what", "values_in"]
+           "buffer_cause", "first_verdict", "hparam_start_cause", "on_ranks", "ranks_text", "rng_cause", "rng_sentence",
+           "show", "step_hparam_cause", "step_hparam_what", "values_in"]
 
 @dataclass(frozen=True)
 class Runs:
@@ -80,6 +80,12 @@ def rng_cause(runs: Runs, *, a_moved: list[str], b_moved: list[str], first_step:
                 "draw random numbers only inside the steps, the same way in every run")
     return ("the stream was not restored from the checkpoint",
             "register every generator the job draws from in TrainState(generators=...)")
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2`` (in order)."""
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def on_ranks(rank: int | str | None) -> str:

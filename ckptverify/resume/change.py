@@ -144,8 +144,8 @@ def _cells(dirs: list[str], changed: str) -> list[_Cell]:
     return out
 
 
-def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
-                   log_dir: str | None = None) -> Report:
+def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Callable[[str], None] | None = None
+                   ) -> Report:
     """Run ``plan`` and return its report; ``keep``: keep the runs' traces there. :class:`UsageError` for a target
     that cannot run, :class:`~ckptverify.errors.CkptVerifyError` when a workload raises."""
     from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
@@ -165,7 +165,7 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
                 shutil.rmtree(d)
             configs[name] = RunConfig(name=name, stop_step=plan.steps, trace_dir=os.path.join(d, "trace"),
                                       level=plan.level, workload=plan.changed if name == "changed" else plan.base,
-                                      log_dir=log_dir, trace_detail="tensor")
+                                      trace_detail="tensor")
         longest = 0.0
 
         def run(name: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -14,10 +14,10 @@ from ckptverify.findings import Finding, Location, error, warning
 from ckptverify.resume.run import RunConfig, checkpoint_path
 
 if TYPE_CHECKING:
-    from ckptverify.trace.compare import FirstDivergence
+    from ckptverify.trace.compare import FirstDivergence, RankComparison
 
-__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "Indices", "SiteDiff", "StepEvidence", "compare",
-           "differing_sites", "rank_files", "restore_findings", "step_evidence"]
+__all__ = ["FOLD_ABOVE", "Evidence", "HeldComparison", "Indices", "SiteDiff", "StepEvidence", "compare", "rank_files",
+           "restore_findings", "step_evidence"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class Indices:
 
 @dataclass(frozen=True)
 class StepEvidence:
-    """What differs at ``step`` on ``rank`` among the causes a step starts from (:func:`step_evidence`); ``position``
-    and ``sites`` are filled in by a replay."""
+    """What differs at ``step`` on ``rank`` among the causes a step starts from (:func:`step_evidence`): ``sites``
+    all that differ there, ``position`` whether the loader's position (``data``) is among them."""
 
     step: int
     rank: int
@@ -74,7 +74,7 @@ class HeldComparison:
 class Evidence:
     """Everything the comparisons of one resume check found that the verdict reads: what ``run.restore`` noticed in A
     (``unsaved_schedulers``, ``unregistered``, ``missing_optimizer``), then (a) ``restore``, (b)
-    ``nondeterminism[_sites]``, (c) ``resume[_sites]`` and ``step``, (d) ``final``, and ``held`` (``None``: no B)."""
+    ``nondeterminism``, (c) ``resume[_sites]`` and ``step``, (d) ``final``, and ``held`` (``None``: no B)."""
 
     unsaved_schedulers: tuple[str, ...] = ()
     unregistered: tuple[Mapping[str, str], ...] = ()
@@ -87,7 +87,6 @@ class Evidence:
     missing_optimizer: str | None = None
     restore: tuple[Finding, ...] = ()
     nondeterminism: FirstDivergence | None = None
-    nondeterminism_sites: frozenset[str] = frozenset()
     resume: FirstDivergence | None = None
     resume_sites: frozenset[str] = frozenset()
     step: StepEvidence | None = None
@@ -108,17 +107,18 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
 
     T, K = steps, resume_at
     findings: list[Finding] = []
-    notes_a = _read_notes(configs["A"])
+    notes = {name: rank_files(config.trace_dir, "notes") for name, config in configs.items()}
+    notes_a = notes["A"]
     found: dict[str, Any] = {"unsaved_schedulers": tuple(notes_a.get(0, {}).get("unsaved_schedulers", [])),
                              "unregistered": tuple(_unregistered(notes_a)),
                              "missing_optimizer": notes_a.get(0, {}).get("missing_optimizer")}
     findings.extend(_forgotten_findings(found["unregistered"], found["missing_optimizer"]))
-    replaced = [{**r, "run": name, "rank": rank} for name, config in configs.items()
-                for rank, notes in sorted(_read_notes(config).items()) for r in notes.get("replaced", []) or []]
+    replaced = [{**r, "run": name, "rank": rank} for name, by_rank in notes.items()
+                for rank, n in sorted(by_rank.items()) for r in n.get("replaced", []) or []]
     found["replaced"] = tuple(replaced)
     found["loader"] = notes_a.get(min(notes_a), {}).get("loader") if notes_a else None
-    found["pending_gradients"] = tuple({**p, "rank": rank} for rank, notes in sorted(_read_notes(configs["A"]).items())
-                                       for p in notes.get("pending_gradients", []) or [] if p.get("step") == K)
+    found["pending_gradients"] = tuple({**p, "rank": rank} for rank, n in sorted(notes_a.items())
+                                       for p in n.get("pending_gradients", []) or [] if p.get("step") == K)
     findings.extend(warning("replaced-after-restore", f"[{r['run']}] {r['name']} ({r['type']}) was rebuilt after "
                             f"run.restore() on rank {r['rank']}: the TrainState saves and restores the "
                             f"{r['registered_type']} registered as {r['field']}, not the one the loop uses",
@@ -131,24 +131,20 @@ def compare(configs: Mapping[str, RunConfig], *, steps: int, resume_at: int, ver
     # (b) A vs A2: nondeterminism
     a_trace = configs["A"].trace_dir
     if "A2" in configs:
-        nd, first = _trace_stage("A vs A2", a_trace, configs["A2"].trace_dir, None)
+        nd, found["nondeterminism"], _ = _trace_stage("A vs A2", a_trace, configs["A2"].trace_dir, None)
         findings.extend(nd)
-        found["nondeterminism"] = first
-        if first is not None:
-            found["nondeterminism_sites"] = frozenset(_differing_sites(a_trace, configs["A2"].trace_dir,  # type: ignore[arg-type]
-                                                                       range(first.step, first.step + 1)))
     # (c) A vs B after the resume
     if "B" in configs:
-        ab, div = _trace_stage("A vs B", a_trace, configs["B"].trace_dir, range(K + 1, T + 1))
+        ab, div, comps = _trace_stage("A vs B", a_trace, configs["B"].trace_dir, range(K + 1, T + 1))
         findings.extend(ab)
         found["resume"] = div
         if div is not None:
-            step = div.step
-            found["resume_sites"] = frozenset(_differing_sites(a_trace, configs["B"].trace_dir,  # type: ignore[arg-type]
-                                                               range(step, step + 1)))
-            restored = _read_notes(configs["B"]).get(div.rank, {}).get("restored", {})
-            found["step"] = step_evidence(a_trace, configs["B"].trace_dir, div.rank,  # type: ignore[arg-type]
-                                          step, first_resumed=step == K + 1, restored=restored)
+            from ckptverify.trace.compare import sites_at
+
+            found["resume_sites"] = frozenset(n for names in sites_at(comps, div.step).values() for n in names)
+            restored = notes["B"].get(div.rank, {}).get("restored", {})
+            found["step"] = step_evidence(next(c for c in comps if c.rank == div.rank),
+                                          first_resumed=div.step == K + 1, restored=restored)
         # (d) final states
         final = diff_checkpoints(checkpoint_path(configs["A"].checkpoint_dir, T),  # type: ignore[arg-type]
                                  checkpoint_path(configs["B"].checkpoint_dir, T))  # type: ignore[arg-type]
@@ -249,18 +245,14 @@ def _forgotten_findings(unregistered: tuple[Mapping[str, str], ...], missing_opt
     return out
 
 
-def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed: bool,
-                  restored: Mapping[str, Any]) -> StepEvidence:
-    """What differs at ``step`` on ``rank`` among the causes a step starts from (random streams and hyperparameters
-    at step start, hyperparameters as used, non-persistent buffers, batch, ``data.indices``), and for streams and
-    start hyperparameters whether each run moved them since the previous step (B's first step: since ``restored``)."""
-    from ckptverify.trace.compare import run_stores
-    from ckptverify.trace.store import open_trace
-
-    ta, tb = open_trace(run_stores(a_dir)[rank]), open_trace(run_stores(b_dir)[rank])
-    names = [s.name for s in ta.sites] + [s.name for s in tb.sites if not ta.has_site(s.name)]
-
-    differing = [n for n in names if ta.value(step, n) != tb.value(step, n)]
+def step_evidence(comparison: RankComparison, *, first_resumed: bool, restored: Mapping[str, Any]) -> StepEvidence:
+    """What differs at a rank's first divergent step (``comparison``) among the causes a step starts from (random
+    streams and hyperparameters at step start, hyperparameters as used, non-persistent buffers, batch,
+    ``data.indices``), and for streams and start hyperparameters whether each run moved them since the previous step
+    (B's first step: since ``restored``)."""
+    assert comparison.first is not None and comparison.traces is not None
+    ta, tb = comparison.traces
+    step, differing = comparison.first.step, comparison.first_differing
 
     def moved(trace: Any, name: str, end_name: str, is_b: bool) -> bool | None:
         now = trace.value(step, name)
@@ -287,83 +279,63 @@ def step_evidence(a_dir: str, b_dir: str, rank: int, step: int, *, first_resumed
                                             a_moved=moved(ta, n, "", False), b_moved=moved(tb, n, "", True)))
         elif n.startswith("hparam."):
             hparams_step.append(SiteDiff(n[len("hparam."):], ta.value(step, n), tb.value(step, n)))
-    return StepEvidence(step=step, rank=rank, rng=tuple(rng), hparams_start=tuple(hparams_start),
+    return StepEvidence(step=step, rank=comparison.rank, rng=tuple(rng), hparams_start=tuple(hparams_start),
                         hparams_step=tuple(hparams_step),
                         buffers=tuple(n for n in differing if n.startswith("buffer.")),
                         batch=any(n == "batch" or n.startswith("batch.") for n in differing),
                         indices=Indices(ta.value(step, "data.indices"), tb.value(step, "data.indices"),
-                                        ta.value(step + 1, "data.indices")))
+                                        ta.value(step + 1, "data.indices")),
+                        position="data" in differing, sites=differing)
 
 
-def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None) -> tuple[list[Finding], Any]:
-    """Compare two runs' traces. Random streams that differ while nothing computed from them does (an unseeded,
-    unused generator) are an info line, not a divergence."""
+def _trace_stage(stage: str, a: str | None, b: str | None, steps: range | None
+                 ) -> tuple[list[Finding], FirstDivergence | None, list[RankComparison]]:
+    """Compare two runs' traces: the findings, the job's first divergence and the comparisons. Random streams that
+    differ while nothing computed from them does (an unseeded, unused generator) are an info line, not a
+    divergence."""
     from ckptverify.findings import info
-    from ckptverify.trace.compare import compare_runs, first_divergence
+    from ckptverify.trace.compare import comparison_findings, job_divergence, rank_comparisons
 
-    found = compare_runs(a, b, steps=steps)  # type: ignore[arg-type]
+    comps = rank_comparisons(a, b, steps=steps)  # type: ignore[arg-type]
+    found = comparison_findings(comps)
     if not any(f.severity.value == "error" for f in found):
-        return _tag(stage, found), None
-    differing = _differing_sites(a, b, steps)  # type: ignore[arg-type]
+        return _tag(stage, found), None, comps
+    differing = {n for c in comps for n in c.differing}
     if differing and all(name.startswith(("rng.", "start.rng.")) for name in differing):
         names = ", ".join(sorted({n.removeprefix("start.") for n in differing}))
         return [info("trace-rng-unused", f"[{stage}] unused random stream(s) differ: {names} (no traced value "
-                     "depends on them: an unseeded generator the job does not draw from)")], None
-    idle = _idle_streams(a, b, steps, differing)  # type: ignore[arg-type]
-    if not idle:
-        return _tag(stage, found), first_divergence(a, b, steps=steps)  # type: ignore[arg-type]
-    # A stream no step drew from caused none of the other differences, however early its site comes.
-    sites = [name for s in idle for name in (s, f"start.{s}")]
-    found = compare_runs(a, b, steps=steps, ignore_sites=sites)  # type: ignore[arg-type]
-    first = first_divergence(a, b, steps=steps, ignore_sites=sites)  # type: ignore[arg-type]
-    note = info("trace-rng-unused", f"[{stage}] unused random stream(s) differ: {', '.join(idle)} (no step drew "
-                "from them in either run, so nothing that differs comes from them)")
-    return [*_tag(stage, [f for f in found if f.check != "trace-ignored"]), note], first
+                     "depends on them: an unseeded generator the job does not draw from)")], None, comps
+    idle = _idle_streams(comps, steps, differing)
+    note: list[Finding] = []
+    if idle:
+        # A stream no step drew from caused none of the other differences, however early its site comes.
+        comps = rank_comparisons(a, b, steps=steps,  # type: ignore[arg-type]
+                                 ignore_sites=[name for s in idle for name in (s, f"start.{s}")])
+        found = [f for f in comparison_findings(comps) if f.check != "trace-ignored"]
+        note = [info("trace-rng-unused", f"[{stage}] unused random stream(s) differ: {', '.join(idle)} (no step "
+                     "drew from them in either run, so nothing that differs comes from them)")]
+    return [*_tag(stage, found), *note], job_divergence([c.first for c in comps if c.first is not None]), comps
 
 
-def _idle_streams(dir_a: str, dir_b: str, steps: range | None, differing: set[str]) -> list[str]:
+def _idle_streams(comps: list[RankComparison], steps: range | None, differing: set[str]) -> list[str]:
     """Streams among ``differing`` that no compared step moved, in either run, on any rank (``start.rng.<s>`` equals
     ``rng.<s>`` every step)."""
-    from ckptverify.trace.compare import run_stores
     from ckptverify.trace.store import open_trace
 
     candidates = sorted({n.removeprefix("start.") for n in differing if n.startswith(("rng.", "start.rng."))})
     if not candidates:
         return []
     idle = set(candidates)
-    for stores in (run_stores(dir_a), run_stores(dir_b)):
-        for path in stores.values():
-            trace = open_trace(path)
-            names = {s.name for s in trace.sites}
-            recorded = [int(x) for x in trace.steps if steps is None or int(x) in steps]
-            for stream in list(idle):
-                if stream not in names or f"start.{stream}" not in names or not recorded:
-                    idle.discard(stream)  # cannot tell it stood still
-                    continue
-                if any(trace.value(step, f"start.{stream}") != trace.value(step, stream) for step in recorded):
-                    idle.discard(stream)
+    for trace in (t for c in comps for t in (c.traces or [open_trace(p) for p in (c.path_a, c.path_b) if p])):
+        names = {s.name for s in trace.sites}
+        recorded = [int(x) for x in trace.steps if steps is None or int(x) in steps]
+        for stream in list(idle):
+            if stream not in names or f"start.{stream}" not in names or not recorded:
+                idle.discard(stream)  # cannot tell it stood still
+                continue
+            if any(trace.value(step, f"start.{stream}") != trace.value(step, stream) for step in recorded):
+                idle.discard(stream)
     return [s for s in candidates if s in idle]
-
-
-def differing_sites(dir_a: str, dir_b: str, steps: Iterable[int] | None) -> dict[int, list[str]]:
-    """Per rank with a store in both runs, the sites that differ at any of ``steps`` both record (``None``: all), in
-    execution order; per-tensor cells only a ``tensor``-detail trace holds are left out."""
-    from ckptverify.trace.compare import _member_of_finer, merged_order, run_stores
-    from ckptverify.trace.store import open_trace
-
-    stores_a, stores_b = run_stores(dir_a), run_stores(dir_b)
-    out: dict[int, list[str]] = {}
-    for rank in sorted(set(stores_a) & set(stores_b)):
-        ta, tb = open_trace(stores_a[rank]), open_trace(stores_b[rank])
-        common = set(ta.steps) & set(tb.steps) & (set(ta.steps) if steps is None else {int(s) for s in steps})
-        names = merged_order([s.name for s in ta.sites], [s.name for s in tb.sites])
-        names = [n for n in names if (ta.has_site(n) and tb.has_site(n)) or not _member_of_finer(n, ta, tb)]
-        out[rank] = [n for n in names if any(ta.lanes(s, n) != tb.lanes(s, n) for s in sorted(common))]
-    return out
-
-
-def _differing_sites(dir_a: str, dir_b: str, steps: Iterable[int] | None) -> set[str]:
-    return {n for names in differing_sites(dir_a, dir_b, steps).values() for n in names}
 
 
 def rank_files(trace_dir: str | None, kind: str) -> dict[int, Any]:
@@ -382,10 +354,6 @@ def restore_findings(trace_dir: str | None) -> list[Finding]:
     """A run's restore check, every rank in order: the restored fields that differ from the checkpoint."""
     return [Finding.from_dict(x) for data in rank_files(trace_dir, "restore").values()
             for x in data.get("findings") or [] if x.get("severity") == "error"]
-
-
-def _read_notes(config: RunConfig) -> dict[int, dict[str, Any]]:
-    return rank_files(config.trace_dir, "notes")
 
 
 def _tag(stage: str, findings: list[Finding]) -> list[Finding]:

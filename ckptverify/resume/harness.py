@@ -22,7 +22,7 @@ from ckptverify.errors import UsageError
 from ckptverify.findings import Report
 from ckptverify.resume.compare import Evidence, compare
 from ckptverify.resume.harness_target import check_target, split_target
-from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
+from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once, log_files
 from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Walked, for_resume
 from ckptverify.resume.run import RunConfig, checkpoint_path
 from ckptverify.resume.verdict import Verdict, decide
@@ -78,22 +78,21 @@ class FigureWriter(Protocol):
 
 
 def resume_check(plan: Plan, *, keep: str | None = None, progress: Callable[[str], None] | None = None,
-                 verbose: bool = False, log_dir: str | None = None, report_dir: str | None = None,
-                 figures: FigureWriter | None = None) -> Outcome:
+                 verbose: bool = False, report_dir: str | None = None, figures: FigureWriter | None = None
+                 ) -> Outcome:
     """Run the resume-equivalence check of ``plan``; return findings and verdict. Workdir kept if ``keep``.
 
-    ``verbose`` lists every final-state difference; ``log_dir`` sends each rank's output to
-    ``<log_dir>/<run>-rank<r>.log``. With ``report_dir``, ``figures`` draws a report page there
-    (``ckptverify.resume_check`` passes :func:`ckptverify.render.figures.write_report`); ``report_dir`` without
-    ``figures`` is a :class:`UsageError`: this layer draws nothing itself."""
-    return resume_check_many([plan], keep=keep, progress=progress, verbose=verbose, log_dir=log_dir,
-                             report_dir=report_dir, figures=figures)[0]
+    ``verbose`` lists every final-state difference; inside :func:`~ckptverify.resume.launch.workload_logs` each
+    rank's output goes to a log file, named in the report's ``stats["logs"]``. With ``report_dir``, ``figures``
+    draws a report page there (``ckptverify.resume_check`` passes :func:`ckptverify.render.figures.write_report`);
+    ``report_dir`` without ``figures`` is a :class:`UsageError`: this layer draws nothing itself."""
+    return resume_check_many([plan], keep=keep, progress=progress, verbose=verbose, report_dir=report_dir,
+                             figures=figures)[0]
 
 
 def resume_check_many(plans: list[Plan], *, keep: str | None = None,
                       progress: Callable[[str], None] | None = None, verbose: bool = False,
-                      log_dir: str | None = None, report_dir: str | None = None,
-                      figures: FigureWriter | None = None) -> list[Outcome]:
+                      report_dir: str | None = None, figures: FigureWriter | None = None) -> list[Outcome]:
     """:func:`resume_check` of several plans sharing one launch per run (A, A2, B). Plans must agree on ``nproc`` and
     ``device``; each keeps its own checkpoints, traces and verdict, in ``<workdir>/<i>`` (and ``<report_dir>/<i>``)
     when there are several."""
@@ -110,10 +109,8 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
     workdir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="ckptverify-resume-")
     if keep:
         os.makedirs(workdir, exist_ok=True)
-    if log_dir:
-        log_dir = os.path.abspath(log_dir)
     roots = [workdir] if len(plans) == 1 else [os.path.join(workdir, str(i)) for i in range(len(plans))]
-    configs = [_configs(plan, root, log_dir) for plan, root in zip(plans, roots, strict=True)]
+    configs = [_configs(plan, root) for plan, root in zip(plans, roots, strict=True)]
     try:
         nproc, device = plans[0].nproc, plans[0].device
         jobs = {name: [(plan.target, c[name]) for plan, c in zip(plans, configs, strict=True) if name in c]
@@ -144,7 +141,7 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
         pages = [None] * len(plans) if not report_dir else (
             [os.path.abspath(report_dir)] if len(plans) == 1
             else [os.path.join(os.path.abspath(report_dir), str(i)) for i in range(len(plans))])
-        return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, log_dir=log_dir, report_dir=page,
+        return [_outcome(plan, c, root, keep=bool(keep), verbose=verbose, report_dir=page,
                          figures=figures, progress=say, run_seconds=run_seconds)
                 for plan, c, root, page in zip(plans, configs, roots, pages, strict=True)]
     finally:
@@ -152,14 +149,14 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]:
+def _configs(plan: Plan, root: str) -> dict[str, RunConfig]:
     T, K = plan.steps, plan.resume_at
     dirs = {name: os.path.join(root, name) for name in plan.runs}
     for d in dirs.values():
         if os.path.exists(d):
             shutil.rmtree(d)
     # Per-tensor cells: runs are short, and a divergence is named down to the tensor in one pass.
-    common = dict(stop_step=T, level=plan.level, workload=plan.target, log_dir=log_dir, trace_detail="tensor")
+    common = dict(stop_step=T, level=plan.level, workload=plan.target, trace_detail="tensor")
     configs = {"A": RunConfig(name="A", save_at=(K, T), checkpoint_dir=os.path.join(dirs["A"], "ckpt"),
                               trace_dir=os.path.join(dirs["A"], "trace"), **common)}  # type: ignore[arg-type]
     if "A2" in plan.runs:
@@ -172,7 +169,7 @@ def _configs(plan: Plan, root: str, log_dir: str | None) -> dict[str, RunConfig]
 
 
 def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool, verbose: bool,
-             log_dir: str | None, report_dir: str | None, figures: FigureWriter | None,
+             report_dir: str | None, figures: FigureWriter | None,
              progress: Callable[[str], None] | None = None, run_seconds: float = 0.0) -> Outcome:
     findings, evidence = compare(configs, steps=plan.steps, resume_at=plan.resume_at, verbose=verbose)
     verdict = decide(plan, evidence)
@@ -181,9 +178,9 @@ def _outcome(plan: Plan, configs: dict[str, RunConfig], root: str, *, keep: bool
         verdict = dataclasses.replace(verdict, located=located)
         findings.extend(located.findings())
     findings.append(verdict.finding("resume-verdict"))
-    logs = sorted(os.path.join(log_dir, n) for n in os.listdir(log_dir)) if log_dir and os.path.isdir(log_dir) else None
     stats = {"steps": plan.steps, "resume_at": plan.resume_at, "nproc": plan.nproc, "level": plan.level,
-             "runs": list(configs), "workdir": root if keep else None, "logs": logs, "verdict": verdict.to_dict()}
+             "runs": list(configs), "workdir": root if keep else None, "logs": log_files(),
+             "verdict": verdict.to_dict()}
     report = Report(command="resume-check", target=plan.target, findings=tuple(findings), stats=stats)
     if report_dir and figures is not None:
         stats["report_page"] = figures(report_dir, report=report, verdict=verdict,

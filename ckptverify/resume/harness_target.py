@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptverify.errors import UsageError
 
-__all__ = ["check_target", "load_target", "never_restored_message", "resolve_target", "usage_text",
+__all__ = ["check_target", "load_target", "never_restored_message", "resolve_target", "same_file", "usage_text",
            "user_traceback"]
 
 MAIN_NAME = "__mp_main__"
@@ -51,7 +51,7 @@ def load_target(target: str) -> Callable[[Any], None]:
         path = _existing_file(where)
         _path_first(os.path.dirname(path))
         current = sys.modules.get("__main__")
-        if current is not None and _same_file(getattr(current, "__file__", None), path):
+        if current is not None and same_file(getattr(current, "__file__", None), path):
             module = current
         else:
             sys.argv[:] = [path]  # as under `python FILE.py` with no arguments (its workers inherit it)
@@ -164,11 +164,15 @@ def _existing_file(where: str) -> str:
     return path
 
 
-def _same_file(a: str | None, b: str) -> bool:
-    try:
-        return a is not None and os.path.samefile(a, b)
-    except OSError:
+def same_file(a: str | None, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file, however spelled; when one is not here, only the same spelling
+    is."""
+    if a is None:
         return False
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
 
 
 def _path_first(folder: str) -> None:

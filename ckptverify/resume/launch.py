@@ -32,7 +32,7 @@ from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
 T = TypeVar("T")
 
-__all__ = ["at_once", "launch_jobs", "launches_at_once", "start_method", "workload_logs"]
+__all__ = ["at_once", "launch_jobs", "launches_at_once", "log_files", "start_method", "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -247,6 +247,14 @@ def workload_logs(log_dir: str) -> Iterator[str]:
         _log_dir = previous
 
 
+def log_files() -> list[str] | None:
+    """The per-rank log files written so far in the :func:`workload_logs` block this is called in, sorted; ``None``
+    outside one, or when there are none."""
+    if _log_dir is None or not os.path.isdir(_log_dir):
+        return None
+    return sorted(os.path.join(_log_dir, n) for n in os.listdir(_log_dir)) or None
+
+
 def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
                 timeout_s: float | None = None) -> None:
     """Run each ``(target, config)`` in turn in one set of ``nproc`` fresh processes; raise if any rank fails.
@@ -315,15 +323,15 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     if not found:
         raise CkptVerifyError(f"the workload crashed in run {jobs[0][1].name}: {type(exc).__name__}\n{exc}") from None
     run, kinds = next(iter(found.items()))
+    from ckptverify.resume.causes import ranks_text
+
     parts = []
     for text, ranks in kinds["error"].items():
-        ranks.sort()
         if len(kinds["error"]) > 1:
-            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}:")
+            parts.append(f"{ranks_text(ranks)}:")
         parts.append(text)
-    ranks = sorted(r for rs in kinds["error"].values() for r in rs)
-    raise CkptVerifyError(f"the workload crashed in run {run} (rank{'s' if len(ranks) > 1 else ''} "
-                          f"{', '.join(map(str, ranks))}):\n" + "\n".join(parts)) from None
+    ranks = [r for rs in kinds["error"].values() for r in rs]
+    raise CkptVerifyError(f"the workload crashed in run {run} ({ranks_text(ranks)}):\n" + "\n".join(parts)) from None
 
 def launches_at_once(nproc: int, device: str) -> int:
     """How many launches of ``nproc`` ranks fit side by side: a core per rank on CPU; one on CUDA (every launch uses

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptverify.trace.sites import local_view
+
 __all__ = ["Unregistered", "compare_held", "find_unregistered", "held_state", "missing_optimizer",
            "registered_bindings", "replaced_objects"]
 
@@ -213,7 +215,7 @@ _OPAQUE = ("torch", "numpy", "builtins", "ckptverify.resume", "ckptverify.state"
 
 def _storage_key(t: Any) -> tuple[str, int | None, int] | None:
     """Where ``t``'s memory lives (a ``DTensor``: its local shard), or ``None`` when it has none to compare."""
-    t = t.to_local() if hasattr(t, "to_local") else t
+    t = local_view(t)
     try:
         ptr = t.untyped_storage().data_ptr()
     except Exception:  # no storage (meta, sparse, a tensor subclass without one)
@@ -247,8 +249,7 @@ def _tensor_value(t: Any) -> str:
     """A tensor as ``dtype[shape]:fingerprint`` (a ``DTensor``: its local shard, so no rank waits)."""
     from ckptverify.fingerprint import tensor_fingerprint
 
-    t = t.to_local() if hasattr(t, "to_local") else t
-    fp = tensor_fingerprint(t.detach())
+    fp = tensor_fingerprint(local_view(t).detach())
     return f"{fp.dtype}{list(fp.shape)}:{fp.value}"
 
 

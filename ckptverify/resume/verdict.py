@@ -21,6 +21,7 @@ from ckptverify.resume.locate.walk import receiver_entries, walk_fields
 
 if TYPE_CHECKING:
     from ckptverify.resume.locate.walk import Walked
+    from ckptverify.trace.compare import FirstDivergence
 
 
 #: Kinds that pass: resume-check's, replay's and compare's (every other kind is an error).
@@ -80,39 +81,30 @@ class Verdict:
         return make(check, self._said(), location=Location(rank=self.rank, fqn=self.site), actual=self.to_dict())
 
 
-def _get(div: Any, name: str) -> Any:
-    return getattr(div, name, None) if div is not None else None
-
-
-def origin_rank(div: Any) -> int | None:
+def origin_rank(div: FirstDivergence) -> int | None:
     """The one rank the traces single out as where ``div`` is born; ``None`` when several are origins or all differ
     only in values a collective wrote."""
-    if div is None:
-        return None
-    origins = getattr(div, "origin_ranks", None)
-    if origins is None:  # one rank's own divergence: not judged across ranks
-        return _get(div, "rank")
-    return origins[0] if len(origins) == 1 else None
+    if div.origin_ranks is None:  # one rank's own divergence: not judged across ranks
+        return div.rank
+    return div.origin_ranks[0] if len(div.origin_ranks) == 1 else None
 
 
-def ranks_said(div: Any) -> str | None:
+def ranks_said(div: FirstDivergence) -> str:
     """Where ``div`` is born, for a sentence (``rank 1``, ``ranks 0, 1 (each on its own)``, or that it cannot be
-    told); ``None`` without a rank."""
+    told)."""
     one = origin_rank(div)
     if one is not None:
         return f"rank {one}"
-    origins = getattr(div, "origin_ranks", None) or ()
+    origins = div.origin_ranks or ()
     if len(origins) > 1:
         return f"ranks {', '.join(map(str, origins))} (each on its own)"
-    if _get(div, "rank") is None:
-        return None
-    return f"rank {_get(div, 'rank')} and others (which rank it is born on cannot be told)"
+    return f"rank {div.rank} and others (which rank it is born on cannot be told)"
 
 
-def receivers_said(div: Any) -> str:
+def receivers_said(div: FirstDivergence) -> str:
     """A sentence naming the ranks that differ only through a collective (``""`` when none)."""
-    receivers = getattr(div, "receiver_ranks", None) or ()
-    origins = getattr(div, "origin_ranks", None) or ()
+    receivers = div.receiver_ranks or ()
+    origins = div.origin_ranks or ()
     if not receivers or not origins:
         return ""
     many = len(receivers) > 1
@@ -123,36 +115,27 @@ def receivers_said(div: Any) -> str:
             "where it is born.")
 
 
-def _undetermined(div: Any) -> str:
+def _undetermined(div: FirstDivergence) -> str:
     """What would tell the rank when the traces cannot (all differ only downstream of a collective)."""
-    if div is None or getattr(div, "origin_ranks", None) != ():
+    if div.origin_ranks != ():
         return ""
     return (" Every differing rank differs only in values a collective wrote, so the rank it is born on cannot be "
             "told from this trace; --level module records each rank's own activations and input gradients, which "
             "tell.")
 
 
-def _site(div: Any) -> str | None:
+def _site(div: FirstDivergence) -> str:
     """The site a verdict names: on several ranks the origin's first own difference (its loss, not a post-reduction
     gradient norm that comes first in the row), else the first differing site."""
-    own = _get(div, "own_site")
-    several = bool(getattr(div, "receiver_ranks", None)) or len(getattr(div, "origin_ranks", None) or ()) > 1
-    return own if own and several else _get(div, "site")
+    several = bool(div.receiver_ranks) or len(div.origin_ranks or ()) > 1
+    return div.own_site if div.own_site and several else div.site
 
 
-def _where(div: Any) -> str:
-    parts = [f"step {_get(div, 'step')}"]
-    said = ranks_said(div)
-    if said:
-        parts.append(said)
-    site = _site(div)
-    if site:
-        parts.append(f"first at {site}")
-    origin = _get(div, "origin")
-    if origin:
-        fed = _get(div, "origin_fed")
-        parts.append(f"originating in module {origin}" + (
-            f" (its own forward changed the input of {fed})" if fed else ""))
+def _where(div: FirstDivergence) -> str:
+    parts = [f"step {div.step}", ranks_said(div), f"first at {_site(div)}"]
+    if div.origin:
+        parts.append(f"originating in module {div.origin}" + (
+            f" (its own forward changed the input of {div.origin_fed})" if div.origin_fed else ""))
     return ", ".join(parts)
 
 
@@ -205,8 +188,7 @@ def _nondeterministic(c: _Case) -> Verdict | None:
     return Verdict("nondeterministic", f"two continuous runs (A and A2) differ at {_where(nd)}: the "
                    f"computation is not deterministic, so no resume can be exact.{receivers_said(nd)}"
                    f"{_undetermined(nd)}",
-                   step=_get(nd, "step"), rank=origin_rank(nd), site=_site(nd),
-                   category=_get(nd, "category"), origin=_get(nd, "origin"),
+                   step=nd.step, rank=origin_rank(nd), site=_site(nd), category=nd.category, origin=nd.origin,
                    advice="fix the thread count, seeds and nondeterministic kernels "
                    "(torch.use_deterministic_algorithms) until A and A2 agree.", receivers=receiver_entries(nd))
 
@@ -248,30 +230,34 @@ def _passed(c: _Case) -> Verdict:
     return Verdict("pass", message)
 
 
-@dataclass(frozen=True)
-class _Parted:
+@dataclass
+class _Parted(_Case):
     """Where A and B first part after the resume (``div``) and what the step started from (``ev``), for the rules of
     :data:`PARTED`; ``said`` adds receivers and unregistered objects to a message."""
 
-    plan: Any
-    evidence: Evidence
-    forgotten: str
-    div: Any
-    step: Any
-    category: Any
-    site: str
+    div: FirstDivergence
     ev: StepEvidence
 
     @classmethod
-    def of(cls, c: _Case, div: Any) -> _Parted:
-        ev = c.evidence.step or StepEvidence(step=_get(div, "step"), rank=_get(div, "rank") or 0)
-        return cls(c.plan, c.evidence, c.forgotten, div, _get(div, "step"), _get(div, "category"), _site(div) or "",
-                   ev)
+    def of(cls, c: _Case, div: FirstDivergence) -> _Parted:
+        return cls(c.plan, c.evidence, div, c.evidence.step or StepEvidence(step=div.step, rank=div.rank))
+
+    @property
+    def step(self) -> int:
+        return self.div.step
+
+    @property
+    def category(self) -> str:
+        return self.div.category
+
+    @property
+    def site(self) -> str:
+        return _site(self.div)
 
     @property
     def common(self) -> dict[str, Any]:
         return dict(step=self.step, rank=origin_rank(self.div), site=self.site, category=self.category,
-                    origin=_get(self.div, "origin"))
+                    origin=self.div.origin)
 
     @property
     def said(self) -> str:
@@ -298,7 +284,7 @@ def _pending(c: _Parted) -> Verdict | None:
         return None
     p = pending[0]
     ranks = sorted({x["rank"] for x in pending})
-    on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    on = causes.ranks_text(ranks)
     names = ", ".join(p.get("names") or []) + (", ..." if p.get("count", 0) > len(p.get("names") or []) else "")
     return Verdict("accumulated-gradients",
                    f"the checkpoint of step {plan.resume_at} was saved in the middle of gradient accumulation: "
@@ -307,7 +293,7 @@ def _pending(c: _Parted) -> Verdict | None:
                    f"accumulated ones; the runs part at {when} (step {step}, first at {_site(div)}) as a "
                    f"consequence.{forgotten}",
                    step=step, rank=ranks[0] if len(ranks) == 1 else None, site="grad", category="gradients",
-                   origin=_get(div, "origin"),
+                   origin=div.origin,
                    advice="save at optimizer-step boundaries: take each optimizer step's micro-batches as one "
                    "step (for batches in run.steps(loader, micro_batches=K)), so run.record() and its save come "
                    "after optimizer.step() and zero_grad(); or keep the gradients in the state "
@@ -325,19 +311,19 @@ def _replaced(c: _Parted) -> Verdict | None:
     evidence, div, forgotten, step = c.evidence, c.div, c.forgotten, c.step
     if not evidence.replaced:
         return None
-    origins = getattr(div, "origin_ranks", None) or ()
+    origins = div.origin_ranks or ()
     ordered = sorted(evidence.replaced, key=lambda r: (r["run"] != "B", bool(origins) and r["rank"] not in origins,
                                                        r["rank"]))
     r = ordered[0]
     ranks = sorted({x["rank"] for x in evidence.replaced if x["name"] == r["name"] and x["run"] == r["run"]})
-    on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    on = causes.ranks_text(ranks)
     field = r["field"]
     effect = _REBUILT.get(field, "B trains with state that was not restored")
     message = (f"the {r['type']} the loop uses is not the one in the TrainState: {r['name']} was rebuilt after "
                f"run.restore() in run {r['run']} ({on}), so {effect}; the runs part at {c.when} ({_where(div)}) as a "
                f"consequence.{receivers_said(div)}{forgotten}")
     return Verdict("changed-after-restore", message, step=step, rank=ranks[0] if len(ranks) == 1 else None,
-                   site=r["name"], category=field if field in _REBUILT else "extras", origin=_get(div, "origin"),
+                   site=r["name"], category=field if field in _REBUILT else "extras", origin=div.origin,
                    advice=f"build {r['name']} before run.restore(state) and do not rebuild it after; to change it "
                    "on resume, change the registered object itself.")
 
@@ -440,7 +426,7 @@ def _hidden(c: _Parted) -> Verdict | None:
     div = c.div
     if c.category not in _COMPUTED:
         return None
-    origin, fed = _get(div, "origin"), _get(div, "origin_fed")
+    origin, fed = div.origin, div.origin_fed
     if origin and fed:
         advice = (f"look at what {origin}.forward computes before it calls {fed}: the state it reads (a global "
                   "counter, a cache) is not saved; keep it in the model as a persistent buffer or save it "

@@ -11,7 +11,6 @@ from ckptverify.trace.compare import (
     RankComparison,
     compare_runs,
     compare_traces,
-    divergences,
     first_divergence,
     rank_comparisons,
     recompute_findings,
@@ -20,5 +19,5 @@ from ckptverify.trace.recorder import TraceRecorder
 from ckptverify.trace.store import LEVELS, Cell, Trace, TraceHeader, TraceRow, TraceWriter, open_trace, rank_store_path
 
 __all__ = ["LEVELS", "Cell", "FirstDivergence", "RankComparison", "Trace", "TraceHeader", "TraceRecorder", "TraceRow",
-           "TraceWriter", "compare_runs", "compare_traces", "divergences", "first_divergence", "open_trace",
+           "TraceWriter", "compare_runs", "compare_traces", "first_divergence", "open_trace",
            "rank_comparisons", "rank_store_path", "recompute_findings"]

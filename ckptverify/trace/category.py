@@ -105,16 +105,13 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The member digest of each tensor (unsigned 128-bit), in order: :func:`host_digest` on the host; on a device
     ``lane0 << 64 | lane1`` of the fingerprint, one batched pass and read-back per device. A DTensor stands for its
     local shard."""
-    from ckptverify.fingerprint import _dtensor_type
     from ckptverify.fingerprint.subclass import is_wrapper_subclass
+    from ckptverify.trace.sites import local_view
 
-    dtensor = _dtensor_type()
     out: list[int] = [0] * len(tensors)
     by_device: dict[Any, list[int]] = {}
-    locals_: list[Any] = list(tensors)
-    for n, t in enumerate(tensors):
-        if dtensor is not None and isinstance(t, dtensor):
-            t = locals_[n] = t.to_local()
+    locals_ = [local_view(t) for t in tensors]
+    for n, t in enumerate(locals_):
         if is_wrapper_subclass(t):
             out[n] = subclass_digest(t)
         elif t.device.type == "cpu":

@@ -37,14 +37,6 @@ def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
     return _digests_later([local.detach()], finish)[0]
 
 
-def _object_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return _tensor_item(site, kind, obj, info)
-    return _object_cell(site, kind, obj, info)
-
-
 def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
     import xxhash
 
@@ -84,8 +76,8 @@ def _tensor_leaves(obj: Any, out: list[Any]) -> list[Any]:
 
 
 def _value_item(site: str, kind: str, obj: Any, info: str = "") -> Item:
-    """:func:`_object_cell` of what a module hook sees, with device tensors digested there in one pass and read back
-    with the step (a read per hook call would be thousands of syncs a step); same cell either way."""
+    """:func:`_object_cell` of what a module hook or a batch holds, with device tensors digested there in one pass and
+    read back with the step (a read per hook call would be thousands of syncs a step); same cell either way."""
     import torch
 
     if isinstance(obj, torch.Tensor):

@@ -20,10 +20,11 @@ import numpy as np
 
 from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.trace.store import Trace, open_trace, step_ranges
+from ckptverify.trace.store import DIGEST_ENCODINGS, Trace, open_trace, step_ranges
 
-__all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "divergences", "first_divergence",
-           "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores"]
+__all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings",
+           "first_divergence", "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores",
+           "sites_at"]
 
 TraceLike = Trace | str | os.PathLike[str]
 
@@ -82,7 +83,8 @@ class FirstDivergence:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankComparison:
-    """The comparison of one rank's two traces."""
+    """The comparison of one rank's two traces: ``differing`` the sites that differ at any compared step,
+    ``first_differing`` those at the first divergent step (execution order each), ``traces`` the two traces."""
 
     rank: int
     path_a: str
@@ -100,6 +102,9 @@ class RankComparison:
     header_differences: tuple[str, ...] = ()
     ignored_sites: tuple[str, ...] = ()
     missing: str | None = field(default=None)  # "a" or "b" when that run has no store for this rank
+    differing: tuple[str, ...] = ()
+    first_differing: tuple[str, ...] = ()
+    traces: tuple[Trace, Trace] | None = field(default=None, repr=False, compare=False)
 
 
 def _as_trace(x: TraceLike) -> Trace:
@@ -181,22 +186,15 @@ class _Aligned:
 _ALWAYS_IGNORED = ("run", "detail")
 
 
-_ENCODING_WORDS = {
-    "host": "digest_encoding 'host', xxh3 of the bytes of tensors in host memory",
-    "device": "digest_encoding 'device', logical fingerprints computed on an accelerator",
-    "host-as-device": "digest_encoding 'host-as-device', host tensors sent down the accelerator path "
-                      "(CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)",
-}
-
-
 def _check_headers(ta: Trace, tb: Trace, diffs: list[str], force: bool) -> None:
     """Refuse differing headers unless ``force``, and differing digest encodings always (every tensor site would
     differ, which says nothing about the runs)."""
     if "digest_encoding" in diffs:
         ea, eb = ta.header.digest_encoding, tb.header.digest_encoding
-        raise UsageError(f"the traces digest tensors differently ({ta.path}: {_ENCODING_WORDS.get(ea, ea)}; "
-                         f"{tb.path}: {_ENCODING_WORDS.get(eb, eb)}), so every tensor site would differ and no "
-                         "step can be compared; record both on the same kind of device")
+        raise UsageError(f"the traces digest tensors differently ({ta.path}: digest_encoding {ea!r}, "
+                         f"{DIGEST_ENCODINGS[ea]}; {tb.path}: digest_encoding {eb!r}, {DIGEST_ENCODINGS[eb]}), so "
+                         "every tensor site would differ and no step can be compared; record both on the same kind "
+                         "of device")
     if diffs and not force:
         raise TraceHeaderMismatchError(diffs, ta, tb)
 
@@ -235,22 +233,26 @@ def _compare_pair(ta: Trace, tb: Trace, diffs: list[str], *, steps: Iterable[int
     rows_b = np.searchsorted(sb, common)
 
     first: FirstDivergence | None = None
+    ever = at_first = np.zeros(len(names), dtype=bool)
     if names:
         widest = max(len(ta._by_column), len(tb._by_column), len(names), 1)
         block = max(1, min(_BLOCK, _BLOCK_BYTES // (17 * widest)))
         for i0 in range(0, common.shape[0], block):
             ra, rb = rows_a[i0 : i0 + block], rows_b[i0 : i0 + block]
             differs, _ = aligned.diff(ra, rb)
+            ever = ever | differs.any(axis=0)
             bad_rows = np.flatnonzero(differs.any(axis=1))
-            if bad_rows.size:
+            if first is None and bad_rows.size:
                 i = int(bad_rows[0])
-                first = _describe(aligned, rank, int(common[i0 + i]), differs[i])
-                break
-    level = ta.header.level
+                first, at_first = _describe(aligned, rank, int(common[i0 + i]), differs[i]), differs[i]
     return RankComparison(rank=rank, path_a=str(ta.path), path_b=str(tb.path), run_a=ta.header.run,
-                          run_b=tb.header.run, level=level, first=first, compared_steps=int(common.shape[0]),
-                          compared_sites=len(names), only_a=only_a, only_b=only_b, sites_only_a=sites_only_a,
-                          sites_only_b=sites_only_b, header_differences=tuple(diffs), ignored_sites=ignored)
+                          run_b=tb.header.run, level=ta.header.level, first=first,
+                          compared_steps=int(common.shape[0]), compared_sites=len(names), only_a=only_a,
+                          only_b=only_b, sites_only_a=sites_only_a, sites_only_b=sites_only_b,
+                          header_differences=tuple(diffs), ignored_sites=ignored,
+                          differing=tuple(n for n, d in zip(names, ever, strict=True) if d),
+                          first_differing=tuple(n for n, d in zip(names, at_first, strict=True) if d),
+                          traces=(ta, tb))
 
 
 def _member_of_finer(name: str, ta: Trace, tb: Trace) -> bool:
@@ -402,7 +404,9 @@ def _listed(names: Sequence[str]) -> str:
     return ", ".join(names[:_SHOWN]) + (", …" if len(names) > _SHOWN else "")
 
 
-def _findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
+def comparison_findings(comparisons: Sequence[RankComparison]) -> list[Finding]:
+    """The findings of :func:`rank_comparisons`' result: one-sided steps and sites, left-out sites, each divergent
+    rank's first divergence (and origin module), and the job's summary."""
     out: list[Finding] = []
     for comp in comparisons:
         r = comp.rank
@@ -548,7 +552,8 @@ def compare_traces(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = 
                    ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[Finding]:
     """Findings of comparing two traces (none when equal over the compared steps), plus each trace's
     :func:`recompute_findings`. Steps in ``steps`` recorded by only one trace are a ``trace-incomplete`` error."""
-    found = _findings(rank_comparisons(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites))
+    found = comparison_findings(rank_comparisons(a, b, steps=steps, force=force, ignore=ignore,
+                                                 ignore_sites=ignore_sites))
     return [*found, *recompute_findings(a, steps=steps), *recompute_findings(b, steps=steps)]
 
 
@@ -560,15 +565,8 @@ def compare_runs(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *
     for d in (dir_a, dir_b):
         if _is_store(d):
             raise UsageError(f"{d} is a single trace store, not a run directory; use compare_traces")
-    return _findings(rank_comparisons(dir_a, dir_b, steps=steps, force=force, ignore=ignore,
-                                      ignore_sites=ignore_sites))
-
-
-def divergences(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
-                ignore: Iterable[str] = (), ignore_sites: Iterable[str] = ()) -> list[FirstDivergence]:
-    """Each divergent rank's first divergence (traces or run directories), by rank."""
-    return [c.first for c in rank_comparisons(a, b, steps=steps, force=force, ignore=ignore,
-                                              ignore_sites=ignore_sites) if c.first is not None]
+    return comparison_findings(rank_comparisons(dir_a, dir_b, steps=steps, force=force, ignore=ignore,
+                                                ignore_sites=ignore_sites))
 
 
 def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None = None, force: bool = False,
@@ -576,8 +574,18 @@ def first_divergence(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
     """The job's first divergence: at the earliest divergent step, the (lowest) rank where it is born, with
     ``origin_ranks``/``receiver_ranks`` set; ``None`` when the traces agree. When several ranks differ and none in a
     value of its own, the lowest rank's divergence with no origin rank: the traces cannot tell."""
-    found = divergences(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites)
-    return job_divergence(found)
+    comps = rank_comparisons(a, b, steps=steps, force=force, ignore=ignore, ignore_sites=ignore_sites)
+    return job_divergence([c.first for c in comps if c.first is not None])
+
+
+def sites_at(comparisons: Sequence[RankComparison], step: int) -> dict[int, list[str]]:
+    """Per rank compared in both runs, the sites that differ at ``step``, which is no later than any rank's first
+    divergence (the job's first divergent step): a rank diverging later has none."""
+    out: dict[int, list[str]] = {}
+    for c in comparisons:
+        if c.missing is None:
+            out[c.rank] = list(c.first_differing) if c.first is not None and c.first.step == step else []
+    return out
 
 
 def job_divergence(found: Sequence[FirstDivergence]) -> FirstDivergence | None:

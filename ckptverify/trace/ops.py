@@ -61,8 +61,9 @@ class OpContext:
     read by the tracer."""
 
     def __init__(self) -> None:
-        #: Innermost last.
-        self.forward: list[tuple[str, bool]] = []
+        #: Running forwards, innermost last: ``[module, occurrence, call, recompute, cursor]`` (the recorder's
+        #: recompute pairing reads the rest).
+        self.forward: list[list[Any]] = []
         self.backward: list[str] = []
         self.reset()
 
@@ -78,7 +79,7 @@ class OpContext:
 
         if self.optimizer:
             return "optimizer", self.forward[-1][0] if self.forward else ""
-        if self.forward and self.forward[-1][1]:
+        if self.forward and self.forward[-1][3]:
             return "recompute", self.forward[-1][0]
         if torch._C._current_graph_task_id() != -1:
             self.backward_seen = True

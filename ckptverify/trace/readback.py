@@ -11,35 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.trace import hostread
-from ckptverify.trace.sites import is_dtensor
 from ckptverify.trace.store import Cell
 
 if TYPE_CHECKING:
     import torch
 
 _MASK64 = (1 << 64) - 1
-
-
-def fingerprint_many(tensors: list[torch.Tensor]) -> list[str]:
-    """:func:`~ckptverify.fingerprint.tensor_fingerprint` values of ``tensors``, in order: plain tensors batched per
-    device and read back once; DTensors one by one in list order (their fingerprints are collective: every rank
-    passes the same list)."""
-    from ckptverify.fingerprint import TensorFingerprint, tensor_fingerprint
-    from ckptverify.fingerprint import kernels as kern
-
-    out: list[str | None] = [None] * len(tensors)
-    by_device: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if is_dtensor(t) or _has_parts(t):
-            out[i] = tensor_fingerprint(t).value
-        else:
-            by_device.setdefault(t.device, []).append(i)
-    for members in by_device.values():
-        lanes = hostread.to_host(kern.lanes_many([tensors[i] for i in members]))
-        for i, (a, b) in zip(members, lanes, strict=True):
-            out[i] = TensorFingerprint.from_lanes((a & _MASK64, b & _MASK64), "", (), 0).value
-    return [v for v in out if v is not None]
-
 
 
 #: Host tensors take the device path, so CPU-only machines (the tests) run it; such traces compare only with

@@ -26,9 +26,7 @@ from ckptverify.errors import UsageError
 from ckptverify.state.distributed import rank_world
 from ckptverify.trace.cells import (
     _metric_item,
-    _object_item,
     _scaler_item,
-    _tensor_item,
     _tensor_leaves,
     _value_item,
     _value_lanes,
@@ -114,13 +112,13 @@ class TraceRecorder:
         self._hook_warning = _HookWarningGuard()
         self._pending: tuple[int, _ReadBack] | None = None
         self._pinned: dict[Any, Any] = {}
-        # Recompute pairing: running forwards [name, occurrence, call, recompute, cursor] (innermost last), the
-        # step's calls (name, occurrence, children), calls per module, calls already repeated.
-        self._frames: list[list[Any]] = []
+        # Running forwards are the context's frames (the tracer reads where an op runs from them). Recompute pairing:
+        # the step's calls (name, occurrence, children), calls per module, calls already repeated.
+        self._context = OpContext()
+        self._frames = self._context.forward
         self._calls: list[tuple[str, int, list[int]]] = []
         self._calls_of: dict[str, list[int]] = {}
         self._paired: set[int] = set()
-        self._context = OpContext()
         self._tracer: StepTracer | None = None
         self._step_started: int | None = None
         self._last_step = 0
@@ -242,7 +240,6 @@ class TraceRecorder:
                 # A forward while the autograd engine runs: activation checkpointing recomputes it.
                 call = self._repeated_call(name)
                 self._frames.append([name, None if call is None else self._calls[call][1], call, True, 0])
-            self._context.forward.append((name, self._frames[-1][3]))
 
         return hook
 
@@ -274,8 +271,6 @@ class TraceRecorder:
             if self._paused:
                 return
             frame = self._frames.pop() if self._frames else None
-            if self._context.forward:
-                self._context.forward.pop()
             if sys.exc_info()[0] is not None:
                 return  # called while the forward raises: it has no output
             with self._own_work():
@@ -407,7 +402,6 @@ class TraceRecorder:
         the state's categories and fields; ``comm``/``module``/``op`` add their sites (site names:
         ``docs/trace.md``). Lower levels ignore what they do not record. Steps must increase; on several ranks every
         rank must call this for every step."""
-        import torch
 
         op_items: list[Item] = []
         if self._tracer is not None and self._tracer.active:
@@ -427,7 +421,7 @@ class TraceRecorder:
         if deep and batch_indices is not None:
             cells.append(Cell("data.indices", "data", _value_lanes(batch_indices), "digest128"))
         if deep and batch is not None:
-            cells.extend(self._batch_cells(batch, torch))
+            cells.extend(self._batch_cells(batch))
         cells.extend(x for x in self._module_cells if x is not None)
         for name, value in (metrics or {}).items():
             cells.append(_metric_item(str(name), value))
@@ -499,14 +493,12 @@ class TraceRecorder:
             self.writer.append(pending[0], pending[1].cells())
 
     @staticmethod
-    def _batch_cells(batch: Any, torch: Any) -> list[Item]:
-        if isinstance(batch, torch.Tensor):
-            return [_tensor_item("batch", "batch", batch)]
+    def _batch_cells(batch: Any) -> list[Item]:
         if isinstance(batch, Mapping):
-            return [_object_item(f"batch.{k}", "batch", v) for k, v in batch.items()]
+            return [_value_item(f"batch.{k}", "batch", v) for k, v in batch.items()]
         if isinstance(batch, list | tuple):
-            return [_object_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
-        return [_object_item("batch", "batch", batch)]
+            return [_value_item(f"batch.{i}", "batch", v) for i, v in enumerate(batch)]
+        return [_value_item("batch", "batch", batch)]
 
     def _state_cells(self, step: int, state: TrainState) -> list[Item]:
         rng = self._rng_cells("rng.", state)  # first, as TrainState.fields() does: reading the rest may draw

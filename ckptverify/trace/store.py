@@ -14,7 +14,6 @@ them), so a store whose writer died mid-flush still opens with every committed r
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
 import os
@@ -43,10 +42,14 @@ TRACE_SCHEMA_VERSION = 1
 #: (:mod:`ckptverify.trace.ops`).
 LEVELS = ("metrics", "state", "comm", "module", "op")
 
-#: How a trace's tensor digests read (header ``digest_encoding``): ``host`` xxh3-128 of host bytes, ``device`` the
-#: accelerator fingerprint, ``host-as-device`` host tensors on the accelerator path, ``unknown`` no tensor digested.
-#: Digests under two known encodings never match, so such traces cannot be compared site by site.
-DIGEST_ENCODINGS = ("unknown", "host", "device", "host-as-device")
+#: How a trace's tensor digests read (header ``digest_encoding``), in words. Digests under two known encodings never
+#: match, so such traces cannot be compared site by site.
+DIGEST_ENCODINGS = {
+    "unknown": "no tensor digested",
+    "host": "xxh3 of the bytes of tensors in host memory",
+    "device": "logical fingerprints computed on an accelerator",
+    "host-as-device": "host tensors sent down the accelerator path (CKPTVERIFY_TRACE_HOST_AS_DEVICE=1)",
+}
 
 #: ``category``: one cell per tensor category per step; ``tensor``: one cell per tensor as well.
 DETAILS = ("category", "tensor")
@@ -658,23 +661,8 @@ class _Array:
 
 
 def _zstd(raw: bytes, size: int, where: Path) -> bytes:
-    """``raw`` decompressed, refused unless it is exactly ``size`` bytes; never produces more than ``size`` + 1,
-    whatever the frames claim."""
-    try:
-        import zstandard
-    except ImportError:
-        zstandard = None
-    if zstandard is not None:
-        try:
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as r:
-                out = r.read(size + 1)
-        except zstandard.ZstdError as exc:
-            raise CkptVerifyError(f"{where}: corrupt zstd chunk: {exc}") from None
-        if len(out) != size:
-            raise CkptVerifyError(f"{where}: the chunk decodes to {'more than ' if len(out) > size else ''}"
-                                   f"{min(len(out), size)} bytes, its array's chunks hold {size}")
-        return out
-    # numcodecs cannot say how much it wrote, so the frames must declare sizes adding up to the chunk's.
+    """``raw`` decompressed by numcodecs (zarr's own codec) into exactly ``size`` bytes: the frames must declare
+    sizes adding up to that (numcodecs cannot say how much it wrote), so no frame inflates past it."""
     from numcodecs import Zstd
 
     if _zstd_declared_size(raw, where) != size:

@@ -127,7 +127,7 @@ def test_an_unused_random_stream_is_one_info_line_naming_it(tmp_path):
 
     _write(tmp_path / "a", "A", 1)
     _write(tmp_path / "b", "A2", 2)
-    found, first = _trace_stage("A vs A2", str(tmp_path / "a"), str(tmp_path / "b"), None)
+    found, first, _ = _trace_stage("A vs A2", str(tmp_path / "a"), str(tmp_path / "b"), None)
     assert first is None
     assert [(f.check, f.severity.value) for f in found] == [("trace-rng-unused", "info")]
     assert "rng.python" in found[0].message

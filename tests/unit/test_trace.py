@@ -27,7 +27,7 @@ from ckptverify.trace import (
     first_divergence,
     open_trace,
 )
-from ckptverify.trace.compare import divergences, merged_order
+from ckptverify.trace.compare import merged_order, rank_comparisons
 
 STEPS = 5
 
@@ -141,21 +141,6 @@ def test_writer_refuses_misuse(tmp_path: Path) -> None:
             w.append(3, [Cell.from_float("b", "metric", 1.0), Cell.from_float("b", "metric", 2.0)])
     with pytest.raises(ValueError, match="already exists"):
         TraceWriter(tmp_path / "s", header=header)
-
-
-def test_fingerprint_many_matches_tensor_fingerprint() -> None:
-    from ckptverify.fingerprint import tensor_fingerprint
-    from ckptverify.trace.readback import fingerprint_many
-
-    g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(3, 4, generator=g), torch.randn((), generator=g), torch.zeros(0),
-               torch.randint(-5, 5, (7,), dtype=torch.int8, generator=g), torch.randn(5, generator=g).bfloat16(),
-               torch.randn(2, 3, dtype=torch.complex64, generator=g), torch.tensor([True, False]),
-               torch.randn(4, 5, generator=g).t(), torch.randn(4097, generator=g),
-               torch.randint(-(2**62), 2**62, (9,), dtype=torch.int64, generator=g),
-               torch.randn(6, dtype=torch.float64, generator=g)]
-    tensors += [torch.randn(4096, generator=g) for _ in range(40)]  # several batched passes
-    assert fingerprint_many(tensors) == [tensor_fingerprint(t).value for t in tensors]
 
 
 def test_presence_difference_is_a_divergence(tmp_path: Path) -> None:
@@ -382,11 +367,11 @@ def test_two_ranks_fsdp2(tmp_path: Path) -> None:
     assert d is not None and (d.step, d.rank, d.category) == (2, 1, "data")
     assert (d.origin_ranks, d.receiver_ranks) == ((1,), (0,))
     assert "born on rank 1, received through a collective by rank 0" in summary.message
-    rank0 = {x.rank: x for x in divergences(tmp_path / "a", tmp_path / "c")}[0]
+    rank0 = {c.rank: c.first for c in rank_comparisons(tmp_path / "a", tmp_path / "c")}[0]
     assert (rank0.step, rank0.category, rank0.own_site) == (2, "gradients", None)
     # The same run traced with one cell per category compares with the per-tensor trace: same step, rank and
     # category; every gradient of rank 0 differs, so no single tensor is named.
-    rank0 = {x.rank: x for x in divergences(tmp_path / "a", tmp_path / "d")}[0]
+    rank0 = {c.rank: c.first for c in rank_comparisons(tmp_path / "a", tmp_path / "d")}[0]
     assert (rank0.step, rank0.category, rank0.site, rank0.tensors) == (2, "gradients", "grad.*", "several")
     d = first_divergence(tmp_path / "a", tmp_path / "d")
     assert d is not None and (d.step, d.rank, d.origin_ranks) == (2, 1, (1,))

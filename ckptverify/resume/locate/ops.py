@@ -17,6 +17,7 @@ from typing import Any
 
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
+from ckptverify.resume.causes import ranks_text
 from ckptverify.trace.compare import merged_order
 from ckptverify.trace.oplog import OpEvent, OpKey
 
@@ -186,7 +187,7 @@ class Located:
             v = r.via
             out.append(info("locate-receiver", f"rank {r.rank} received the difference of step {r.step} through "
                             f"{v.collective} (group {list(v.group)}, seq {v.seq})"
-                            + (f" from {_ranks(v.senders)}" if v.senders else ""),
+                            + (f" from {ranks_text(v.senders)}" if v.senders else ""),
                             actual=r.to_dict(), location=Location(rank=r.rank, record=f"step {r.step} {r.op}")))
         for v in self.within_side:
             out.append(warning("locate-nondeterministic", f"the {v.repeats} repeats of {self._side(v.side)} differ "
@@ -200,7 +201,7 @@ class Located:
 
     def sentence(self) -> str:
         """The verdict in one sentence."""
-        ranks = _ranks(self.ranks)
+        ranks = ranks_text(self.ranks)
         if not self.diverged:
             text = (f"No divergence at step {self.step}: every op on {ranks} has equal inputs and outputs "
                     f"in {self.repeats} repeat pair{'s' if self.repeats != 1 else ''}")
@@ -211,10 +212,10 @@ class Located:
     def _origin_text(self) -> str:
         o = self.origin
         if o is None:
-            return f"Step {self.step} differs on {_ranks(tuple(r.rank for r in self.receivers))}, but no log here " \
-                   f"shows where it is born"
+            return f"Step {self.step} differs on {ranks_text([r.rank for r in self.receivers])}, but no log " \
+                   f"here shows where it is born"
         who = f"rank {o.rank}" if o.rank is not None else \
-            f"{_ranks(tuple(x.rank for x in self.origins if x.rank is not None))} (each on its own)"
+            f"{ranks_text(tuple(x.rank for x in self.origins if x.rank is not None))} (each on its own)"
         if o.op is None or o.occurrence is None:
             return (f"The divergence at step {self.step} is born on {who} at different ops: "
                     + "; ".join(f"rank {x.rank}: {x.op} (occurrence {x.occurrence})" for x in self.origins))
@@ -290,13 +291,13 @@ class Located:
         parts = []
         for r in self.receivers:
             v = r.via
-            senders = f"from {_ranks(v.senders)}" if v.senders else "from a member whose log is not here"
+            senders = f"from {ranks_text(v.senders)}" if v.senders else "from a member whose log is not here"
             through = f"{v.collective} (group {list(v.group)}, seq {v.seq})"
             if r.seen:
                 parts.append(f"rank {r.rank} received it through {through} {senders}")
             else:
                 parts.append(f"rank {r.rank} first reads it at {r.op} (occurrence {r.occurrence}), after {through}, "
-                             f"whose output was not fingerprinted and into which {_ranks(v.senders)} fed a "
+                             f"whose output was not fingerprinted and into which {ranks_text(v.senders)} fed a "
                              f"difference: it most likely arrived through it")
         return ("; " + "; ".join(parts)) if parts else ""
 
@@ -335,13 +336,6 @@ def _record(o: Origin) -> str:
     if o.occurrence is not None and o.op:
         parts[-1] += f"#{o.occurrence}"
     return " ".join(parts)
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    ranks = sorted(ranks)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(str(r) for r in ranks)
 
 
 def _differs(x: int | None, y: int | None) -> bool:

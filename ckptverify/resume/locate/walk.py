@@ -18,12 +18,15 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.ownfiles.names import own_dir
 from ckptverify.resume.locate.ops import locate
+
+if TYPE_CHECKING:
+    from ckptverify.trace.compare import FirstDivergence
 
 __all__ = ["DEFAULT_REPEATS", "STATE_KINDS", "WALK_KINDS", "Side", "Walk", "Walked", "for_replay", "for_resume",
            "receiver_entries", "skipped", "state_origin", "walk", "walk_fields"]
@@ -82,7 +85,7 @@ class Walk:
 class Walked:
     """What the walk found. ``status``: ``located``, ``clean`` (sides agree at op level), ``state``, ``skipped`` or
     ``failed`` (``reason``). ``origin``/``receivers`` in the JSON shapes; ``sentence`` for the text verdict;
-    ``kernel``: the origin op's re-run; ``within_side``: a side's own repeats differ."""
+    ``kernel``: the origin op's re-run; ``extra``: the analysis' other fields (:meth:`Located.to_dict`)."""
 
     status: str
     sentence: str = ""
@@ -92,7 +95,6 @@ class Walked:
     reason: str | None = None
     step: int | None = None
     repeats: int | None = None
-    within_side: bool | None = None
     seconds: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     found: tuple[Finding, ...] = ()
@@ -100,7 +102,7 @@ class Walked:
     def to_dict(self) -> dict[str, Any]:
         """The walk as ``stats.verdict.locate``; ``origin`` and ``receivers`` go to ``stats.verdict`` itself."""
         out = {"status": self.status, "sentence": self.sentence, "reason": self.reason, "step": self.step,
-               "repeats": self.repeats, "within_side": self.within_side, "kernel": dict(self.kernel) if self.kernel
+               "repeats": self.repeats, "within_side": None, "kernel": dict(self.kernel) if self.kernel
                else None, "seconds": self.seconds}
         out.update(self.extra)
         return out
@@ -130,11 +132,11 @@ def walk_fields(located: Walked | None, receivers: Sequence[Mapping[str, Any]] =
             "receivers": [dict(r) for r in walked], "locate": located.to_dict() if located is not None else None}
 
 
-def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None, divergence: Any = None
-                 ) -> Walked:
+def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | None,
+                 divergence: FirstDivergence | None = None) -> Walked:
     """A ``state`` origin at ``site`` for a verdict ``kind`` in :data:`STATE_KINDS`, no re-run; ranks of
     ``divergence`` that only received the difference are listed as receivers."""
-    origins = getattr(divergence, "origin_ranks", None) or ()
+    origins = (divergence.origin_ranks or ()) if divergence is not None else ()
     origin = {"kind": "state", "rank": rank, "step": step, "phase": None, "module": None, "op": None,
               "occurrence": None, "repeats_differing": None, "site": site,
               "ranks": list(origins) if origins else ([rank] if rank is not None else [])}
@@ -147,15 +149,15 @@ def state_origin(*, kind: str, step: int | None, rank: int | None, site: str | N
     return Walked(status="state", sentence=sentence, origin=origin, receivers=receivers, step=step)
 
 
-def receiver_entries(divergence: Any) -> tuple[dict[str, Any], ...]:
+def receiver_entries(divergence: FirstDivergence | None) -> tuple[dict[str, Any], ...]:
     """Ranks of the job's first divergence that only received the difference, as ``stats.verdict.receivers`` entries:
     the collective unknown at trace level, the senders being the origin ranks."""
-    origins = list(getattr(divergence, "origin_ranks", None) or ())
-    if not origins:
+    if divergence is None or not divergence.origin_ranks:
         return ()
-    return tuple({"rank": r, "step": getattr(divergence, "step", None), "op": None,
+    origins = list(divergence.origin_ranks)
+    return tuple({"rank": r, "step": divergence.step, "op": None,
                   "via": {"collective": None, "group": None, "seq": None, "senders": origins}}
-                 for r in (getattr(divergence, "receiver_ranks", None) or ()))
+                 for r in divergence.receiver_ranks or ())
 
 
 def skipped(reason: str, *, step: int | None = None) -> Walked:
@@ -238,18 +240,16 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     result = locate(a, b, step=s, state_equal=request.state_equal, names=names, deterministic=known)
     data = result.to_dict()
     origin, receivers = data.get("origin"), tuple(data.get("receivers") or ())
-    within = bool(result.within_side)
     extra = {k: data[k] for k in ("origins", "one_side", "output", "last_equal", "within_side", "missing",
                                   "arguments", "seen_in") if k in data}
     found = tuple(result.findings())
     if origin is None and not receivers:
         sentence = (f"At level op, the {n} re-run(s) of each side agree at step {s}: the difference does not "
                     f"reproduce when the step is re-run alone ({result.sentence()})")
-        return Walked(status="clean", sentence=sentence, step=s, repeats=n, within_side=within, extra=extra,
-                      found=found)
+        return Walked(status="clean", sentence=sentence, step=s, repeats=n, extra=extra, found=found)
     if origin is None:
         return Walked(status="located", sentence=result.sentence(), receivers=receivers, step=s, repeats=n,
-                      within_side=within, extra=extra, found=found)
+                      extra=extra, found=found)
     kernel = None
     if origin.get("kind") == "op" and origin.get("op"):
         side = request.sides[1] if data.get("one_side") == "b" or data.get("seen_in") == "b" else request.sides[0]
@@ -260,7 +260,7 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     if kernel and kernel.get("sentence"):
         sentence = f"{sentence} {kernel['sentence']}"
     return Walked(status="located", sentence=sentence, origin=origin, receivers=receivers, kernel=kernel,
-                  step=s, repeats=n, within_side=within, extra=extra, found=found)
+                  step=s, repeats=n, extra=extra, found=found)
 
 
 def _estimate(request: Walk, width: int, count: int) -> str:
