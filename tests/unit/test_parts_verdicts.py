@@ -714,6 +714,22 @@ def test_a_deep_part_without_its_own_pieces_did_not_report(tmp_path: Path, plant
     assert "node 1 (host hostB, ranks [1])" in result.reason and "__0_1.distcp" in result.reason
 
 
+def test_deep_records_that_cannot_be_merged_make_the_coordinator_read_every_piece_itself(
+        tmp_path: Path, opened_paths: list[str]) -> None:
+    path = _deep_planned(tmp_path)
+    whole = verify_checkpoint(path, deep=True)
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    verdict = Path(parts_mod.part_verdict_path(path, 1))
+    data = json.loads(verdict.read_text())
+    # Its pieces in its file, but of tensors shaped otherwise: no unit the coordinator asks for.
+    data["deep"] = [[[*u[:2], [n + 1 for n in u[2]], u[3]] if u[0] == "payload" else u, r] for u, r in data["deep"]]
+    verdict.write_text(json.dumps(data))
+    opened_paths.clear()
+    result = _gather_deep(path, wait_s=5)
+    assert result.verdict == "passed" and "__0_1.distcp" in opened_paths, opened_paths
+    assert _kinds(result.report.findings) == _kinds(whole.findings)
+
+
 def _deep_folder(root: Path) -> str:
     """:func:`_fsdp_folder` whose DCP folders hold NaNs and infinities in both nodes' shards, planned deep."""
     path = _fsdp_folder(root)
