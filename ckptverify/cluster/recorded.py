@@ -87,7 +87,7 @@ def _key(unit: Unit) -> str:
 class Recorded(UnitExecutor):
     """An executor that answers units from ``records`` and reads (and records) the others here, through the run's
     files. A unit of a file the run did not open that no record answers raises
-    ``ValueError`` (as does a tensor subclass stored on another node): the caller adopts the checkpoint whole."""
+    ``ValueError`` (as does a tensor subclass stored on another node): the caller reads the checkpoint whole."""
 
     def __init__(self, records: list[Record]) -> None:
         self.records = records
