@@ -213,7 +213,6 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     nodes = plan["nodes"]
     others = nodes[1:]
     other_files = frozenset(f for n in others for f in n["files"])
-    folder = not os.path.isfile(os.path.join(path, ".metadata"))
     records: dict[str, list[Any]] = {}  # the parts' deep records, by DCP folder ("" for the checkpoint itself)
     try:
         before = files_fingerprint(path)
@@ -246,7 +245,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             except Exception:  # a verdict file that is not one (damaged, planted): that part did not report
                 missing.append(node)
                 continue
-            theirs = _deep_records(got[k].get("deep"), node["files"], folder) if deep else {}
+            theirs = _deep_records(path, got[k].get("deep"), node["files"]) if deep else {}
             if theirs is None:  # not what a deep part writes: its pieces were not checked
                 missing.append(node)
                 continue
@@ -304,14 +303,16 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     return verdict
 
 
-def _deep_records(data: Any, files: list[str], folder: bool) -> dict[str, list[Any]] | None:
+def _deep_records(path: str, data: Any, files: list[str]) -> dict[str, list[Any]] | None:
     """A deep part's records by DCP folder (``""``: the checkpoint itself): exactly its files' folders, each piece in
     its files; ``None`` when they are not that (damaged, planted)."""
     from ckptverify.audit.verify import by_subfolder
     from ckptverify.cluster.recorded import records_of
 
-    mine = by_subfolder(frozenset(files)) if folder else {"": frozenset(files)}
-    got = (data.get("folders") if isinstance(data, dict) else None) if folder else {"": data}
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        mine, got = {"": frozenset(files)}, {"": data}
+    else:  # a folder of checkpoint files: by its DCP folders
+        mine, got = by_subfolder(frozenset(files)), data.get("folders") if isinstance(data, dict) else None
     if not isinstance(got, dict) or set(got) != set(mine):
         return None
     out = {sub: records_of(got[sub], names) for sub, names in mine.items()}
