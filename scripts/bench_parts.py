@@ -18,7 +18,8 @@ k gets file k of both), beside RNG states, a scheduler and a trainer state. Then
 - ``fingerprint`` in parts: each other node's part with the plan's ``fingerprint=True`` (verify, digest and scan
   its file) and the coordinator's adoption from the parts (:func:`~ckptverify.verifier.saved.saved_job`);
 - ``verify --deep`` whole, and in parts (the plan's ``deep``: each node also rebuilds and fingerprints the tensor
-  pieces in its file; the coordinator judges every node's pieces together). It checks that the deep check in
+  pieces in its file and records their scans; the coordinator verifies deeply as one process does, those pieces
+  answered from the records). It checks that the deep check in
   parts rebuilt as many tensors as the one made whole.
 
 The parts run one after another in this process: on a cluster they run at once, one per node, so the time a

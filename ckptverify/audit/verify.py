@@ -25,7 +25,7 @@ from ckptverify.findings import Finding, Report, info, merge_coverage
 from ckptverify.safeparse import paths
 
 __all__ = ["FINGERPRINT_ADVICE", "by_subfolder", "each_shard_folder", "fail_uncheckable", "needs_manifest",
-           "verify_checkpoint", "verify_folder_files", "verify_part", "verify_part_deep"]
+           "verify_checkpoint", "verify_folder_files", "verify_part"]
 
 
 def _counts_requests(fn: Any) -> Any:
@@ -75,7 +75,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, jobs: int | None = None, 
         raise UsageError(f"{root} is a run directory holding {held} (newest seen: {newest.path}), "
                          f"not a checkpoint: name one of them, or run `ckptverify scan {root}` for all")
     if other is not None:
-        report = _verify_folder(root, jobs, deep, use_manifest, started)[0]
+        report = _verify_folder(root, jobs, deep, use_manifest, started)
         return fail_uncheckable(report) if strict else report
     run = VerificationRun(root, jobs or _default_jobs(root), progress, executor=executor)
     try:
@@ -97,31 +97,24 @@ def needs_manifest(report: Report) -> bool:
 
 
 def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: frozenset[str] | None = None,
-                skip: frozenset[str] = frozenset(), use_manifest: bool = True) -> Report:
+                skip: frozenset[str] = frozenset(), use_manifest: bool = True, deep: bool = False,
+                executors: dict[str, Executor | None] | None = None) -> Report:
     """One part of a DCP verification shared among nodes: ``only`` (byte-level checks of those files) or ``skip`` (all
     but those); see :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`. ``stats["bytes"]``/``["opened"]``: this
-    part's files."""
-    return _part(path, jobs, only, skip, use_manifest, deep=False)[0]
-
-
-def verify_part_deep(path: str | os.PathLike[str], *, jobs: int | None = None, only: frozenset[str] | None = None,
-                     skip: frozenset[str] = frozenset()) -> tuple[Report, Any]:
-    """:func:`verify_part` plus the deep scan of this part's pieces, unjudged
-    (:class:`~ckptverify.checks.deep.DeepPart`;
-    ``None`` if stopped before); the whole's side judges all parts (:func:`~ckptverify.checks.deep.judge_parts`)."""
-    return _part(path, jobs, only, skip, True, deep=True)
+    part's files. ``deep`` with ``skip``: the ``skip`` files' tensor pieces come through ``executors`` (by DCP folder,
+    ``""`` for the checkpoint itself), every tensor judged as one process judges it."""
+    return _part(path, jobs, only, skip, use_manifest, deep, executors or {})
 
 
 def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
-          use_manifest: bool, *, deep: bool) -> tuple[Report, Any]:
+          use_manifest: bool, deep: bool, executors: dict[str, Executor | None]) -> Report:
     root = os.fspath(path)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
     if not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
-        return _folder_part(root, jobs, only, skip, use_manifest, started, deep)
-    # Judged after the merge (deep_in_parts), also when every other node's ranks wrote nothing.
-    run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip, deep_in_parts=deep)
+        return _folder_part(root, jobs, only, skip, use_manifest, started, deep, executors)
+    run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip, executor=executors.get(""))
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
     finally:
@@ -129,20 +122,20 @@ def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] |
     report = run.report("verify", time.perf_counter() - started)
     # Named also when this part skips nothing (every other node's ranks wrote no file).
     report.stats["opened"] = run.opened_files()
-    return report, run.deep_part
+    return report
 
 
 def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
-                 use_manifest: bool, started: float, deep: bool) -> tuple[Report, FolderDeepPart | None]:
-    """:func:`verify_part`/:func:`verify_part_deep` of a folder whose DCP sub-folders several nodes wrote (names
-    ``SUB/FILE``). ``only``: those files' byte checks; ``skip``: the whole folder but them. Top-level files always
-    belong to the ``skip`` side, so nothing goes unchecked. One deep scan per sub-folder."""
+                 use_manifest: bool, started: float, deep: bool, executors: dict[str, Executor | None]) -> Report:
+    """:func:`verify_part` of a folder whose DCP sub-folders several nodes wrote (names ``SUB/FILE``). ``only``: those
+    files' byte checks; ``skip``: the whole folder but them. Top-level files always belong to the ``skip`` side, so
+    nothing goes unchecked."""
     if only is None:
-        return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_subfolder(skip))
-    report, scanned = each_shard_folder(root, only, "verify", lambda where, names: _part(
-        where, jobs, names, frozenset(), use_manifest, deep=deep))
+        return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_subfolder(skip), executors=executors)
+    report, _ = each_shard_folder(root, only, "verify", lambda where, names: (_part(
+        where, jobs, names, frozenset(), use_manifest, deep, {}), None))
     report.stats.update({"seconds": round(time.perf_counter() - started, 6), "deep": deep})
-    return report, _folder_deep(deep, scanned)
+    return report
 
 
 def each_shard_folder(root: str, only: frozenset[str], command: str,
@@ -162,49 +155,6 @@ def each_shard_folder(root: str, only: frozenset[str], command: str,
     merged = merge_reports(command, root, reports)
     merged.stats.update({"format": "folder", "opened": sorted(n for r in reports for n in r.stats["opened"])})
     return merged, got
-
-
-@dataclasses.dataclass
-class FolderDeepPart:
-    """A folder's deep part: a :class:`~ckptverify.checks.deep.DeepPart` per DCP sub-folder, with the same contract
-    (:meth:`to_json`, :meth:`add_json`, :meth:`judge`); files named ``SUB/FILE``."""
-
-    parts: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"folders": {sub: part.to_json() for sub, part in self.parts.items()}}
-
-    def add_json(self, data: Any, files: set[str] | frozenset[str]) -> bool:
-        """Add another part's pieces; ``False`` unless it brings exactly its files' sub-folders and none is refused."""
-        try:
-            got = dict(data["folders"])
-        except (KeyError, TypeError, ValueError):
-            return False
-        mine = by_subfolder(frozenset(files))
-        if set(got) != set(mine) or not set(got) <= set(self.parts):
-            return False
-        return all(self.parts[sub].add_json(got[sub], mine[sub]) for sub in sorted(got))
-
-    def use_manifest(self, written: bool) -> None:
-        for part in self.parts.values():
-            part.use_manifest(written)
-
-    def judge(self) -> tuple[list[Finding], int]:
-        """Each sub-folder's pieces judged (findings named ``SUB/FILE``), and the tensors rebuilt in all."""
-        found: list[Finding] = []
-        rebuilt = 0
-        for sub, part in self.parts.items():
-            got, n = part.judge()
-            found.extend(_under(sub, got))
-            rebuilt += n
-        return found, rebuilt
-
-
-def _folder_deep(deep: bool, scanned: dict[str, Any]) -> FolderDeepPart | None:
-    """The folder's deep scan; ``None`` without ``deep``, or when a sub-folder's run stopped before its scan."""
-    if not deep or any(part is None for part in scanned.values()):
-        return None
-    return FolderDeepPart(scanned)
 
 
 def by_subfolder(names: frozenset[str]) -> dict[str, frozenset[str]]:
@@ -329,10 +279,11 @@ def _folder_files(root: str | os.PathLike[str], deep: bool, use_manifest: bool) 
 
 
 def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, started: float,
-                   skip: dict[str, frozenset[str]] | None = None) -> tuple[Report, FolderDeepPart | None]:
+                   skip: dict[str, frozenset[str]] | None = None,
+                   executors: dict[str, Executor | None] | None = None) -> Report:
     """A folder of files and its DCP sub-folders, each in full (part findings name the part). ``skip``: per sub-folder,
-    files other parts check; ``stats["opened"]`` then names what was opened, and the deep scan comes back too."""
-    scanned: dict[str, Any] = {}
+    files other parts check (their pieces through ``executors``, by sub-folder); ``stats["opened"]`` then names what
+    was opened."""
     files, opened = _folder_files(root, deep, use_manifest)
     findings = [f for f in files.findings if f.check != FINGERPRINT_ADVICE]  # one for the whole, below
     cover = list(files.coverage)
@@ -343,7 +294,8 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
         if skip is None:
             sub = verify_checkpoint(where, jobs=jobs, deep=deep, use_manifest=use_manifest)
         else:
-            sub, scanned[part] = _part(where, jobs, None, skip.get(part, frozenset()), use_manifest, deep=deep)
+            sub = _part(where, jobs, None, skip.get(part, frozenset()), use_manifest, deep,
+                        {"": (executors or {}).get(part)})
         findings.extend(_under(part, (f for f in sub.findings if f.check != FINGERPRINT_ADVICE)))
         opened.extend(f"{part}/{n}" for n in sub.stats.get("opened") or [])
         cover.extend(sub.coverage)
@@ -357,9 +309,8 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
              "parts": files.stats["parts"], "manifest": with_manifest, "deep": deep}
     if skip is not None:
         stats["opened"] = sorted(opened)
-    report = Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
-                    coverage=merge_coverage(cover), stats=stats)
-    return report, None if skip is None else _folder_deep(deep, scanned)
+    return Report(command="verify", target=root, findings=tuple(cap_findings(findings)),
+                  coverage=merge_coverage(cover), stats=stats)
 
 
 def _throughput(n: int, seconds: float) -> int | None:

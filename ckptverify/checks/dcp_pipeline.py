@@ -41,7 +41,6 @@ from ckptverify.safeparse.torchsave import SubclassHeader
 from ckptverify.safeparse.zipwalk import TemplateCache
 
 if TYPE_CHECKING:
-    from ckptverify.checks.deep import DeepPart
     from ckptverify.formats.describe import Description
 
 # Deep checks, descriptions and safetensors blobs are imported where used: a plain verify pays no import.
@@ -102,23 +101,22 @@ def default_jobs() -> int:
 class VerificationRun:
     """One verification of a DCP checkpoint, stage by stage; run once by :meth:`execute`, ended by :meth:`close`.
 
-    Afterwards it gives :meth:`report`, :meth:`description`, :attr:`manifest`, :attr:`deep_part`, and lends its
-    workers, progress and opened files (:meth:`map`, :meth:`advance`, :meth:`file`) to later passes.
-    ``executor`` shares hashing and the deep scan among ranks. ``hold_kept`` keeps small files read at open until
-    :meth:`release_kept`. ``deep_in_parts``: pieces go to :attr:`deep_part` for
-    :func:`~ckptverify.checks.deep.judge_parts`. ``only`` restricts the run to the byte-level checks of the named
-    files (the whole-checkpoint checks are another part's); ``skip`` names files another part checks. Files left
-    out are neither opened nor reported missing (``docs/verify-after-save.md``).
+    Afterwards it gives :meth:`report`, :meth:`description`, :attr:`manifest`, and lends its workers, progress and
+    opened files (:meth:`map`, :meth:`advance`, :meth:`file`) to later passes. ``executor`` shares hashing and the
+    deep scan among ranks, or brings the pieces of the ``skip`` files from their parts' records
+    (:class:`~ckptverify.cluster.recorded.Recorded`). ``hold_kept`` keeps small files read at open until
+    :meth:`release_kept`. ``only`` restricts the run to the byte-level checks of the named files (the
+    whole-checkpoint checks are another part's); ``skip`` names files another part checks. Files left out are
+    neither opened nor reported missing (``docs/verify-after-save.md``).
     """
 
     def __init__(self, root: str, jobs: int, progress: ProgressSink | None, *,
                  only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
-                 executor: Executor | None = None, hold_kept: bool = False, extension_registry: Any = None,
-                 deep_in_parts: bool = False) -> None:
+                 executor: Executor | None = None, hold_kept: bool = False, extension_registry: Any = None) -> None:
         self.root = root
         self._only, self._skip, self._whole = only, skip, only is None  # whole: also the whole-checkpoint checks
         self._jobs, self._progress, self._executor = jobs, progress, executor
-        self._hold_kept, self._extension_registry, self._deep_in_parts = hold_kept, extension_registry, deep_in_parts
+        self._hold_kept, self._extension_registry = hold_kept, extension_registry
         self._findings: list[Finding] = []
         self._coverage: list[CheckCoverage] = []
         self._layout: Layout | None = None
@@ -128,7 +126,6 @@ class VerificationRun:
         self._results: dict[str, FileResult] = {}
         self._bytes_hashed = 0
         self._deep = False
-        self._deep_part: DeepPart | None = None
         self._named: dict[str, tuple[int, int, int, int] | None] = {}
         self._reported_changed: set[str] = set()
         #: Plans with their own reader (transformed items, safetensors blobs): joined after the hashing pass.
@@ -147,12 +144,6 @@ class VerificationRun:
     def manifest(self) -> Manifest | None:
         """The manifest the run compared the checkpoint with (after :meth:`execute`), or ``None``."""
         return self._manifest
-
-    @property
-    def deep_part(self) -> DeepPart | None:
-        """With ``deep_in_parts``, this part's :class:`~ckptverify.checks.deep.DeepPart`; ``None`` if the run stopped
-        before."""
-        return self._deep_part
 
     def report(self, command: str, seconds: float, *, cap: bool = True) -> Report:
         """The findings so far as a report; ``cap``: at most :data:`MAX_FINDINGS_PER_CHECK` listed per check."""
@@ -569,16 +560,12 @@ class VerificationRun:
         from ckptverify.checks import deep as deep_check
 
         desc = self.description()
+        if self._skip and self._executor is not None:  # other nodes' pieces, as their parts recorded them
+            self._executor.describe(desc, self._skip)  # type: ignore[attr-defined]
         if self._progress is not None:
             self._progress.start(sum(p.item.length for p in self._plans
                                     if p.item.kind == "tensor" and p.item.chunk is not None))
         run_map = self.map if self._executor is None else self._executor.tensor_map(self)
-        if self._deep_in_parts:
-            # One part of a shared deep check: judged with the others (deep.judge_parts) by the whole's part.
-            part = self._deep_part = deep_check.DeepPart(desc, self._manifest)
-            part.scans, _ = deep_check.scan_description(desc, run_map, self.advance, mine=self._mine,
-                                                        pieces=part.pieces, subclasses=self._only is None)
-            return
         scans, found = deep_check.scan_description(desc, run_map, self.advance)
         # Never pass a deep check that rebuilt nothing; say how many were left out when some were.
         judged, rebuilt = deep_check.judge_scans(desc, self._manifest, scans, found)

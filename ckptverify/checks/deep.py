@@ -26,9 +26,12 @@ from ckptverify.formats.describe import (
     stored_payloads,
     view_span,
 )
-from ckptverify.ownfiles.manifest import Manifest, read_manifest
+from ckptverify.ownfiles.manifest import Manifest
 from ckptverify.safeparse.dtypes import is_row_major
 from ckptverify.safeparse.gcpause import paused_gc
+
+#: The checks whose findings the deep check (:func:`scan_description`, :func:`judge_scans`) gives.
+CHECKS = frozenset({"nonfinite", "deep-limit", "fingerprint", "deep-nothing-rebuilt", "replica-mismatch"})
 
 
 @dataclass(slots=True)
@@ -174,23 +177,17 @@ def _view_budget(pieces: list[Payload]) -> dict[int, int]:
 
 def scan_description(desc: Description, run_map: Callable[[Callable[[Any], TensorScan], list[Any]], list[TensorScan]],
                      progress: Callable[[int], None] | None = None, only: set[str] | None = None, *,
-                     view_limit: int | None = BLOCK_BYTES, stop_on_change: bool = True,
-                     mine: Callable[[str], bool] | None = None, pieces: list[Any] | None = None,
-                     subclasses: bool = True) -> tuple[dict[str, TensorScan], list[Finding]]:
+                     view_limit: int | None = BLOCK_BYTES, stop_on_change: bool = True
+                     ) -> tuple[dict[str, TensorScan], list[Finding]]:
     """Rebuild and fingerprint every stored piece of every tensor of ``desc`` (or of ``only``) through ``run_map``.
 
     A chunk stored more than once (a replicated tensor) is read in every copy: copies must match
     (``replica-mismatch``), and the fingerprint counts it once. An undescribed piece leaves its tensor without a
     fingerprint. ``view_limit``: see :func:`scan_payload`. ``stop_on_change``: a file changing under the scan raises
-    :class:`~ckptverify.errors.FileChangedError`, else its piece is unreadable. ``mine`` (:class:`DeepPart`): only
-    pieces in accepted files, appended to ``pieces`` unmerged; subclass tensors scanned whole when ``subclasses``.
+    :class:`~ckptverify.errors.FileChangedError`, else its piece is unreadable.
     """
-    if mine is not None:
-        wanted = [(t, p) for t in desc.tensors.values() for p in t.payloads if mine(p.file)]
-    else:
-        wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
-    subclassed = [t for t in desc.tensors.values() if t.subclass is not None and (only is None or t.name in only)
-                  and (mine is None or subclasses)]
+    wanted = [(t, p) for t in desc.tensors.values() if only is None or t.name in only for p in t.payloads]
+    subclassed = [t for t in desc.tensors.values() if t.subclass is not None and (only is None or t.name in only)]
     budgets = _view_budget([p for _, p in wanted] + [q for t in subclassed for q in stored_payloads(t)])
 
     def scan(pair: tuple[TensorDesc, Payload]) -> TensorScan:
@@ -211,75 +208,11 @@ def scan_description(desc: Description, run_map: Callable[[Callable[[Any], Tenso
             return TensorScan(unreadable=[f"{t.name}: {exc}"])
 
     with paused_gc():  # thousands of scans and blocks, no reference cycles (see gcpause)
-        if mine is not None:
-            got = run_map(scan, wanted)
-            pieces.extend((t, p, g) for (t, p), g in zip(wanted, got, strict=True))  # type: ignore[union-attr]
-            if not subclasses:
-                return {}, []
-            scans: dict[str, TensorScan] = {}
-            findings: list[Finding] = []
-        else:
-            scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
+        scans, findings = _merge(desc, wanted, run_map(scan, wanted), only)
         for t, got in zip(subclassed, run_map(scan_subclass, subclassed), strict=True):
             got.unreadable.extend(t.unread)
             scans[t.name] = got
         return scans, findings
-
-
-@dataclass
-class DeepPart:
-    """The deep scan of one part of the files in a verification shared among nodes (``pieces``: tensor, piece, scan),
-    plus on the whole-checkpoint part the subclass tensors (``scans``), description and manifest for
-    :func:`judge_parts`."""
-
-    desc: Description
-    manifest: Manifest | None
-    pieces: list[tuple[TensorDesc, Payload, TensorScan]] = field(default_factory=list)
-    scans: dict[str, TensorScan] = field(default_factory=dict)
-
-    def to_json(self) -> list[list[Any]]:
-        """The pieces as JSON values, for :meth:`add_json` on the side that judges."""
-        return [[t.name, p.to_json(), scan.to_json()] for t, p, scan in self.pieces]
-
-    def add_json(self, data: Any, files: set[str] | frozenset[str]) -> bool:
-        """Add another part's pieces in its ``files`` (:meth:`to_json`). ``False``, nothing added, if ``data`` is
-        malformed or names an unknown tensor, a piece outside it, or a file not that part's."""
-        try:
-            got = []
-            for name, p, scan in data:
-                t = self.desc.tensors[name]
-                piece = Payload.from_json(p)
-                if piece.file not in files or len(piece.chunk_offsets) != len(t.shape) or any(
-                        not 0 <= o < max(n, 1) for o, n in zip(piece.chunk_offsets, t.shape, strict=True)):
-                    return False
-                got.append((t, piece, TensorScan.from_json(scan)))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return False
-        self.pieces.extend(got)
-        return True
-
-
-    def use_manifest(self, written: bool) -> None:
-        """Judge against the manifest just written from the parts (``written``), or none: an older manifest left in the
-        folder no longer describes it."""
-        from ckptverify.errors import ManifestError
-
-        try:
-            self.manifest = read_manifest(self.desc.root) if written else None
-        except ManifestError:
-            self.manifest = None
-
-    def judge(self) -> tuple[list[Finding], int]:
-        """:func:`judge_parts` with every part's pieces added: the findings and the tensors rebuilt."""
-        return judge_parts(self)
-
-
-def judge_parts(part: DeepPart) -> tuple[list[Finding], int]:
-    """Findings of a deep scan made in parts, as one process's :func:`judge_scans` gives them."""
-    wanted = [(t, p) for t, p, _ in part.pieces]
-    scans, found = _merge(part.desc, wanted, [s for _, _, s in part.pieces], None)
-    scans.update(part.scans)
-    return judge_scans(part.desc, part.manifest, scans, found)
 
 
 def judge_scans(desc: Description, manifest: Manifest | None, scans: dict[str, TensorScan],

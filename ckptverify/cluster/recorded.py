@@ -1,8 +1,9 @@
 """Work units done ahead and written down: the after-save parts' transport. A node's part runs the adoption's
-digest pass and tensor scan over its own files with :class:`Recorded` as executor (:func:`record`): each unit
-(:mod:`.units`) is read there and written, with its result, into its part verdict. The coordinator adopts as one
-process does with :class:`Recorded` over the parts' records: the same units as the store carries among ranks
-(:mod:`.session`), answered from the records, judged and merged by the same code.
+digest pass and tensor scan (or, deep, the tensor scan) over its own files with :class:`Recorded` as executor
+(:func:`record`): each unit (:mod:`.units`) is read there and written, with its result, into its part verdict. The
+coordinator adopts, or verifies deeply, as one process does with :class:`Recorded` over the parts' records: the same
+units as the store carries among ranks (:mod:`.session`), answered from the records, judged and merged by the same
+code.
 """
 
 from __future__ import annotations
@@ -20,29 +21,34 @@ from ckptverify.errors import FileChangedError
 Record = list[Any]
 
 
-def record(root: str, only: frozenset[str], jobs: int) -> tuple[Any, list[Record]]:
+def record(root: str, only: frozenset[str], jobs: int, deep: bool = False) -> tuple[Any, list[Record]]:
     """One node's share of an adoption: the byte-level verification of ``only`` (no other file opened) and, if it
     passed, the work units of the adoption's digest pass and tensor scan over those files, with their results
-    (none if it failed or a file changed: the report says why). Writes nothing."""
+    (none if it failed or a file changed: the report says why). ``deep``: of a deep verification instead, the
+    verification against the manifest and the tensor scan's units, passed or not. Writes nothing."""
     from ckptverify.audit.adopt import digests_and_scans
     from ckptverify.checks.dcp_pipeline import VerificationRun, changed_finding
+    from ckptverify.checks.deep import scan_description
     from ckptverify.findings import Report
     from ckptverify.ownfiles.manifest import DEFAULT_BLOCK_BYTES
     from ckptverify.safeparse.gcpause import paused_gc
 
     started = time.perf_counter()
+    command = "verify" if deep else "fingerprint"
     recorded = Recorded([])
     run = VerificationRun(root, jobs, None, only=only)
-    report = Report(command="fingerprint", target=root, findings=())
+    report = Report(command=command, target=root, findings=())
     try:
         with paused_gc():
-            run.execute(deep=False, use_manifest=False)
-            report = run.report("fingerprint", time.perf_counter() - started)
-            if not report.passed:
+            run.execute(deep=False, use_manifest=deep)
+            report = run.report(command, time.perf_counter() - started)
+            if not report.passed and not deep:
                 return report, []
             desc = run.description()
-            # The adoption's defaults (fingerprint_checkpoint): the coordinator asks for these very units.
-            digests_and_scans(run, desc, digest="xxh3-128", block_bytes=DEFAULT_BLOCK_BYTES, executor=recorded)
+            if deep:
+                scan_description(desc, recorded.tensor_map(run))
+            else:  # the adoption's defaults (fingerprint_checkpoint): the coordinator asks for these very units
+                digests_and_scans(run, desc, digest="xxh3-128", block_bytes=DEFAULT_BLOCK_BYTES, executor=recorded)
             # What the coordinator cannot describe without opening these files: their items, unread pieces.
             recorded.records += [[["stored", n, f], [[i.name, i.chunk_offsets, i.offset, i.length] for i in desc.stored
                                                      if i.file == n]] for n, f in desc.files.items()]
@@ -53,16 +59,24 @@ def record(root: str, only: frozenset[str], jobs: int) -> tuple[Any, list[Record
     finally:
         run.close()
     if changed:
-        return Report(command="fingerprint", target=root, findings=(*report.findings, *changed),
+        return Report(command=command, target=root, findings=(*report.findings, *changed),
                       coverage=report.coverage, stats=report.stats), []
     report.stats["seconds"] = round(time.perf_counter() - started, 6)
     return report, recorded.records
 
 
-def records_of(data: Any) -> list[Record] | None:
-    """The records a part verdict holds, or ``None`` when it holds none usable (damaged, planted)."""
+def records_of(data: Any, files: set[str] | frozenset[str] | None = None) -> list[Record] | None:
+    """The records a part verdict holds, or ``None`` when it holds none usable (damaged, planted); with ``files``
+    (that part's), also when a tensor piece lies outside them or outside its tensor."""
     ok = isinstance(data, list) and all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], list) and r[0]
                                         and isinstance(r[0][0], str) for r in data)
+    if ok and files is not None:
+        try:
+            ok = all(u[3]["file"] in files and len(u[3]["chunk_offsets"]) == len(u[2]) and all(
+                0 <= o < max(n, 1) for o, n in zip(u[3]["chunk_offsets"], u[2], strict=True))
+                for u, _ in data if u[0] == "payload")
+        except (LookupError, TypeError, ValueError):
+            ok = False
     return data if ok else None
 
 
@@ -73,7 +87,7 @@ def _key(unit: Unit) -> str:
 class Recorded(UnitExecutor):
     """An executor that answers units from ``records`` and reads (and records) the others here, through the run's
     files. A unit of a file the run did not open that no record answers raises
-    ``ValueError`` (as does a tensor subclass stored on another node): the caller adopts the checkpoint whole."""
+    ``ValueError`` (as does a tensor subclass stored on another node): the caller reads the checkpoint whole."""
 
     def __init__(self, records: list[Record]) -> None:
         self.records = records

@@ -6,10 +6,10 @@ writes the plan (:func:`~ckptverify.ownfiles.partsplan.share_out`: per node its 
 node's lowest rank runs a part (:func:`part_job`): byte-level checks of its files only, verdict written beside the
 plan. The coordinator checks the whole checkpoint and its node's files, waits for the parts
 (:func:`stamp_parts_locked`, up to :func:`part_timeout`), and stamps: passed if all passed; failed with a
-``node-part-failed`` error per failed part; **unverified** naming nodes that never reported. With ``deep`` the
-coordinator judges all parts' tensor pieces together; with a manifest to write, parts bring the adoption's work
-units with their results and the coordinator adopts as one process does (:func:`_adopt`,
-:mod:`ckptverify.cluster.recorded`).
+``node-part-failed`` error per failed part; **unverified** naming nodes that never reported. With a manifest to
+write, parts bring the adoption's work units with their results and the coordinator adopts as one process does
+(:func:`_adopt`); with ``deep``, their tensor pieces' scans, and the coordinator verifies deeply as one process does
+(:func:`_deep`): both with :class:`~ckptverify.cluster.recorded.Recorded` as executor.
 """
 
 from __future__ import annotations
@@ -98,11 +98,8 @@ def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -
     started = time.perf_counter()
     before = _signatures(root, files)
     deep = checked = None
-    if plan.get("deep") is True:  # the deep scan of its files, judged by the coordinator with the others'
-        from ckptverify.audit.verify import verify_part_deep
-
-        checked, scanned = verify_part_deep(root, jobs=jobs, only=frozenset(files))
-        deep = None if scanned is None else scanned.to_json()
+    if plan.get("deep") is True:  # its tensor pieces' scans, judged by the coordinator with the others'
+        checked, deep = _recorded(root, frozenset(files), jobs, deep=True)
     report, adoption = _part_checks(root, frozenset(files), jobs, plan.get("fingerprint", False), checked)
     changed = _signatures(root, files) != before
     data = {"schema": PART_SCHEMA, "save_id": plan["save_id"], "node": node, "host": mine.get("host"),
@@ -137,8 +134,7 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
     the adoption's work units over them, with their results (:func:`~ckptverify.cluster.recorded.record`). A node
     with no files reports an empty part.
     """
-    from ckptverify.audit.verify import by_subfolder, each_shard_folder, needs_manifest, verify_part
-    from ckptverify.cluster.recorded import record
+    from ckptverify.audit.verify import by_subfolder, needs_manifest, verify_part
     from ckptverify.ownfiles.names import MANIFEST_FILE
 
     if not files:  # this node's ranks wrote nothing: nothing to check, and nothing found
@@ -155,13 +151,23 @@ def _part_checks(root: str, files: frozenset[str], jobs: int, fingerprint: Any,
         report = checked if checked is not None else verify_part(root, jobs=jobs, only=files)
         if fingerprint != "auto" or not needs_manifest(report):
             return report, None
-    if folder:
-        started = time.perf_counter()
-        report, by_sub = each_shard_folder(root, files, "fingerprint", lambda where, names: (dataclasses.replace(
-            (got := record(where, names, jobs))[0], stats={**got[0].stats, "opened": sorted(names)}), got[1]))
-        report.stats["seconds"] = round(time.perf_counter() - started, 6)
-        return report, {"folders": by_sub}
-    return record(root, files, jobs)
+    return _recorded(root, files, jobs, deep=False)
+
+
+def _recorded(root: str, files: frozenset[str], jobs: int, deep: bool) -> tuple[Any, Any]:
+    """:func:`~ckptverify.cluster.recorded.record` of ``files``; in a folder of checkpoint files, per DCP folder
+    (``{"folders": {SUB: records}}``)."""
+    from ckptverify.audit.verify import each_shard_folder
+    from ckptverify.cluster.recorded import record
+
+    if os.path.isfile(os.path.join(root, ".metadata")):
+        return record(root, files, jobs, deep)
+    started = time.perf_counter()
+    report, by_sub = each_shard_folder(root, files, "verify" if deep else "fingerprint", lambda where, names: (
+        dataclasses.replace((got := record(where, names, jobs, deep))[0], stats={**got[0].stats,
+                                                                                  "opened": sorted(names)}), got[1]))
+    report.stats["seconds"] = round(time.perf_counter() - started, 6)
+    return report, {"folders": by_sub}
 
 
 def _part_summary(data: dict[str, Any], report: Any) -> dict[str, Any]:
@@ -188,10 +194,10 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
 
     ``adopt``: write the manifest from the parts (always, or when the merged report needs it) via
     :func:`~ckptverify.audit.adopt.fingerprint_checkpoint`, reading files of parts that brought none; notes go to
-    ``notes``. ``deep``: parts' tensor pieces are judged together (:func:`~ckptverify.checks.deep.judge_parts`); a part
-    without its pieces did not report.
+    ``notes``. ``deep``: once the parts reported, the deep check of one process with their tensor pieces' scans
+    answered from their records (:func:`_deep`); a part without its records did not report.
     """
-    from ckptverify.audit.verify import verify_part, verify_part_deep
+    from ckptverify.audit.verify import verify_part
     from ckptverify.findings import Report
     from ckptverify.runs.stamp import files_fingerprint, removed
     from ckptverify.safeparse.readers import pacing
@@ -207,14 +213,13 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     nodes = plan["nodes"]
     others = nodes[1:]
     other_files = frozenset(f for n in others for f in n["files"])
+    records: dict[str, list[Any]] = {}  # the parts' deep records, by DCP folder ("" for the checkpoint itself)
     try:
         before = files_fingerprint(path)
-        scanned = None
-        with pacing(throttle):
-            if deep:
-                mine, scanned = verify_part_deep(path, jobs=jobs or 1, skip=other_files)
-            else:
-                mine = None if adopt is True else verify_part(path, jobs=jobs or 1, skip=other_files)
+        mine = None
+        if not deep and adopt is not True:  # while the parts run; deep, once they reported
+            with pacing(throttle):
+                mine = verify_part(path, jobs=jobs or 1, skip=other_files)
         reports: list[tuple[dict[str, Any], Report]] = []
         missing: list[dict[str, Any]] = []
         deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
@@ -240,22 +245,26 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             except Exception:  # a verdict file that is not one (damaged, planted): that part did not report
                 missing.append(node)
                 continue
-            if scanned is not None and not scanned.add_json(got[k].get("deep"), set(node["files"])):
-                missing.append(node)  # its pieces are not what a deep part writes: they were not checked
+            theirs = _deep_records(path, got[k].get("deep"), node["files"]) if deep else {}
+            if theirs is None:  # not what a deep part writes: its pieces were not checked
+                missing.append(node)
                 continue
+            for sub, r in theirs.items():
+                records.setdefault(sub, []).extend(r)
             # The plan, not the verdict file, says whose files these are.
             data = {**got[k], "node": k, "host": node.get("host"), "ranks": node.get("ranks"), "files": node["files"]}
             # A part read its files at another time than this side: they must be the files it read.
             changed = changed or bool(data.get("changed")) or _signatures(path, node["files"]) \
                 != data.get("signatures")
             reports.append((data, report))
+        if deep and adopt is not True:
+            with pacing(throttle):
+                mine = _deep(path, jobs, other_files, records, True)
     except FileNotFoundError:  # CheckpointNotFoundError included
         return unverified(path, step, "deleted", GONE)
     except OSError as exc:
         return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
     merged = parts = None
-    if scanned is not None and mine is not None:
-        mine = _judged(mine, scanned)
     if mine is not None:
         parts, merged = _summarize(path, nodes, mine, reports, mine.stats.get("bytes"))
     if adopt is True or (adopt and merged is not None and adopt(merged)):
@@ -265,15 +274,15 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
         try:
             with pacing(throttle):
                 adopted, note, written = _adopt(path, jobs, reports, read_all=adopt is True)
+                if deep:  # judged against the manifest just written from the parts, or none: an older one left
+                    # in the folder no longer describes it
+                    adopted = _judged(adopted, _deep(path, jobs, other_files, records, written))
         except FileNotFoundError:
             return unverified(path, step, "deleted", GONE)
         except OSError as exc:
             return unverified(path, step, "error", f"{type(exc).__name__}: {exc}")
         if notes is not None:
             notes.append(note)
-        if scanned is not None:  # every part's pieces judged against the manifest written from them (or none)
-            scanned.use_manifest(written)
-            adopted = _judged(adopted, scanned)
         # The fingerprint covers the new manifest; its files were change-checked by the adoption and signatures.
         before = files_fingerprint(path)
         parts, merged = _summarize(path, nodes, adopted, reports, adopted.stats.get("bytes_read_here"), whole=True)
@@ -294,15 +303,50 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     return verdict
 
 
-def _judged(mine: Any, scanned: Any) -> Any:
-    """The coordinator's report with the deep check of every part's pieces (``scanned``, the others' added)."""
-    from ckptverify.findings import CheckCoverage, Report, merge_coverage
+def _deep_records(path: str, data: Any, files: list[str]) -> dict[str, list[Any]] | None:
+    """A deep part's records by DCP folder (``""``: the checkpoint itself): exactly its files' folders, each piece in
+    its files; ``None`` when they are not that (damaged, planted)."""
+    from ckptverify.audit.verify import by_subfolder
+    from ckptverify.cluster.recorded import records_of
 
-    found, rebuilt = scanned.judge()
-    return Report(command=mine.command, target=mine.target, findings=(*mine.findings, *found),
-                  coverage=merge_coverage([*mine.coverage, CheckCoverage(check="fingerprint", count=rebuilt,
-                                                                         unit="tensors")]),
-                  stats={**mine.stats, "deep": True})
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        mine, got = {"": frozenset(files)}, {"": data}
+    else:  # a folder of checkpoint files: by its DCP folders
+        mine, got = by_subfolder(frozenset(files)), data.get("folders") if isinstance(data, dict) else None
+    if not isinstance(got, dict) or set(got) != set(mine):
+        return None
+    out = {sub: records_of(got[sub], names) for sub, names in mine.items()}
+    return None if any(r is None for r in out.values()) else out  # type: ignore[return-value]
+
+
+def _deep(path: str, jobs: int | None, skip: frozenset[str], records: dict[str, list[Any]],
+          use_manifest: bool) -> Any:
+    """The deep verification of the whole checkpoint and this node's files, the ``skip`` files' tensor pieces answered
+    from their parts' ``records`` (by DCP folder); every piece read here when they cannot be merged (a piece no part
+    brought, a tensor subclass stored on another node)."""
+    from ckptverify.audit.verify import verify_part
+    from ckptverify.cluster.recorded import Recorded
+
+    try:
+        return verify_part(path, jobs=jobs or 1, skip=skip, deep=True, use_manifest=use_manifest,
+                           executors={sub: Recorded(list(r)) for sub, r in records.items()})
+    except ValueError:
+        return verify_part(path, jobs=jobs or 1, deep=True, use_manifest=use_manifest)
+
+
+def _judged(adopted: Any, deep: Any) -> Any:
+    """The adoption's report with the deep check's findings (each once) and tensors rebuilt from ``deep``
+    (:func:`_deep`, which also judged a folder's top-level files)."""
+    from ckptverify.checks.deep import CHECKS
+    from ckptverify.findings import Report
+
+    seen = {json.dumps(f.to_dict(), sort_keys=True, default=str) for f in adopted.findings}
+    more = [f for f in deep.findings if (f.check in CHECKS or f.check == "file-changed")
+            and json.dumps(f.to_dict(), sort_keys=True, default=str) not in seen]
+    return Report(command=adopted.command, target=adopted.target, findings=(*adopted.findings, *more),
+                  coverage=(*(c for c in adopted.coverage if c.check != "fingerprint"),
+                            *(c for c in deep.coverage if c.check == "fingerprint")),
+                  stats={**adopted.stats, "deep": True})
 
 
 def _silent(missing: list[dict[str, Any]], wait_s: float | None) -> str:

@@ -661,6 +661,16 @@ def _gather_deep(path: str, wait_s: float) -> Any:
         lock.release()
 
 
+def _piece_files(records: list[Any]) -> set[str]:
+    """The files of the tensor pieces a deep part recorded (its ``payload`` units)."""
+    return {unit[3]["file"] for unit, _ in records if unit[0] == "payload"}
+
+
+def _moved(unit: list[Any], **piece: Any) -> list[Any]:
+    """A ``payload`` unit whose piece says ``piece`` instead."""
+    return [*unit[:3], {**unit[3], **piece}]
+
+
 def _kinds(findings: Any) -> list[tuple[str, str, str]]:
     return sorted((f.check, f.severity.value, f.message) for f in findings)
 
@@ -674,7 +684,7 @@ def test_a_deep_check_in_parts_gives_the_findings_of_one_process_and_each_node_r
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
     part_opened = set(opened_paths) - {".metadata", "ckptverify.manifest.json"}
     data = json.loads(Path(parts_mod.part_verdict_path(path, 1)).read_text())
-    assert data["deep"] and {p["file"] for _, p, _ in data["deep"]} == {"__0_1.distcp"}
+    assert _piece_files(data["deep"]) == {"__0_1.distcp"}
     opened_paths.clear()
     result = _gather_deep(path, wait_s=5)
     coordinator_opened = set(opened_paths)
@@ -694,14 +704,30 @@ def test_a_deep_part_without_its_own_pieces_did_not_report(tmp_path: Path, plant
     assert parts_mod.part_job(path, 1, wait_s=0)["written"]
     verdict = Path(parts_mod.part_verdict_path(path, 1))
     data = json.loads(verdict.read_text())
-    name, piece, scan = data["deep"][0]
+    unit, scan = next(r for r in data["deep"] if r[0][0] == "payload")
     data["deep"] = {"none": None, "garbage": [[1, 2]],
-                    "foreign": [[name, {**piece, "file": "__0_0.distcp"}, scan]],  # a file that is not its own
-                    "chunk-outside": [[name, {**piece, "chunk_offsets": [10**9]}, scan]]}[planted]
+                    "foreign": [[_moved(unit, file="__0_0.distcp"), scan]],  # a file that is not its own
+                    "chunk-outside": [[_moved(unit, chunk_offsets=[10**9]), scan]]}[planted]
     verdict.write_text(json.dumps(data))
     result = _gather_deep(path, wait_s=0.5)
     assert result.verdict == "unverified" and not (Path(path) / STAMP_FILE).exists()
     assert "node 1 (host hostB, ranks [1])" in result.reason and "__0_1.distcp" in result.reason
+
+
+def test_deep_records_that_cannot_be_merged_make_the_coordinator_read_every_piece_itself(
+        tmp_path: Path, opened_paths: list[str]) -> None:
+    path = _deep_planned(tmp_path)
+    whole = verify_checkpoint(path, deep=True)
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    verdict = Path(parts_mod.part_verdict_path(path, 1))
+    data = json.loads(verdict.read_text())
+    # Its pieces in its file, but of tensors shaped otherwise: no unit the coordinator asks for.
+    data["deep"] = [[[*u[:2], [n + 1 for n in u[2]], u[3]] if u[0] == "payload" else u, r] for u, r in data["deep"]]
+    verdict.write_text(json.dumps(data))
+    opened_paths.clear()
+    result = _gather_deep(path, wait_s=5)
+    assert result.verdict == "passed" and "__0_1.distcp" in opened_paths, opened_paths
+    assert _kinds(result.report.findings) == _kinds(whole.findings)
 
 
 def _deep_folder(root: Path) -> str:
@@ -727,7 +753,7 @@ def test_a_deep_check_of_a_folder_in_parts_gives_the_findings_of_one_process_and
     part_opened = set(opened_paths) - {".metadata", "ckptverify.manifest.json"}
     data = json.loads(Path(parts_mod.part_verdict_path(path, 1)).read_text())
     assert sorted(data["deep"]["folders"]) == list(_SUBS)
-    assert all({p["file"] for _, p, _ in pieces} == {"__0_1.distcp"} for pieces in data["deep"]["folders"].values())
+    assert all(_piece_files(records) == {"__0_1.distcp"} for records in data["deep"]["folders"].values())
     opened_paths.clear()
     result = _gather_deep(path, wait_s=5)
     assert part_opened == {"__0_1.distcp"} and "__0_1.distcp" not in opened_paths, opened_paths
@@ -751,11 +777,11 @@ def test_a_deep_folder_part_that_does_not_bring_each_of_its_folders_pieces_did_n
     verdict = Path(parts_mod.part_verdict_path(path, 1))
     data = json.loads(verdict.read_text())
     folders = data["deep"]["folders"]
-    name, piece, scan = folders[_SUBS[0]][0]
+    unit, scan = next(r for r in folders[_SUBS[0]] if r[0][0] == "payload")
     data["deep"] = {"flat": folders[_SUBS[0]],  # a DCP folder's pieces, not the folder's
                     "one-folder": {"folders": {_SUBS[0]: folders[_SUBS[0]]}},
                     "foreign-folder": {"folders": {**folders, "elsewhere_0": []}},
-                    "foreign-file": {"folders": {**folders, _SUBS[0]: [[name, {**piece, "file": "__0_0.distcp"},
+                    "foreign-file": {"folders": {**folders, _SUBS[0]: [[_moved(unit, file="__0_0.distcp"),
                                                                         scan]]}}}[planted]
     verdict.write_text(json.dumps(data))
     result = _gather_deep(path, wait_s=0.5)
