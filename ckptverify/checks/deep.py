@@ -31,7 +31,8 @@ from ckptverify.safeparse.dtypes import is_row_major
 from ckptverify.safeparse.gcpause import paused_gc
 
 #: The checks whose findings the deep check (:func:`scan_description`, :func:`judge_scans`) gives.
-CHECKS = frozenset({"nonfinite", "deep-limit", "fingerprint", "deep-nothing-rebuilt", "replica-mismatch"})
+CHECKS = frozenset({"nonfinite", "deep-limit", "fingerprint", "deep-incomplete", "deep-nothing-rebuilt",
+                    "replica-mismatch"})
 
 
 @dataclass(slots=True)
