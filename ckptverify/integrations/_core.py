@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ckptverify.errors import (
@@ -36,6 +36,7 @@ from ckptverify.errors import (
 )
 from ckptverify.findings import Report
 from ckptverify.options import VerifyOptions, verify_options
+from ckptverify.state.distributed import Group
 from ckptverify.verifier.saved import (
     Fingerprint,
     cannot_verify,
@@ -46,73 +47,12 @@ from ckptverify.verifier.saved import (
 )
 from ckptverify.verifier.verification import Verification, unverified
 
-__all__ = ["WHEN", "Group", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts",
-           "torch_gather", "torch_group"]
+__all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts"]
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
 #: Errors carried by a verdict (and broadcast): the first few suffice.
 _MAX_ERRORS = 5
-
-
-@dataclass(frozen=True)
-class Group:
-    """How ranks agree on a verdict: ``coordinator`` (this rank verifies), ``broadcast(obj)``, ``barrier()``, and
-    optionally ``gather(obj)`` (enables sharing a background verification among nodes). ``Group()``: one process."""
-
-    coordinator: bool = True
-    broadcast: Callable[[Any], Any] | None = None
-    barrier: Callable[[], None] | None = None
-    rank: int = 0
-    gather: Callable[[Any], list[Any]] | None = None
-
-    def share(self, make: Callable[[], Any]) -> Any:
-        """``make()`` as the coordinator computes it, on every rank."""
-        value = make() if self.coordinator else None
-        return value if self.broadcast is None else self.broadcast(value)
-
-
-def _initialized_dist() -> Any:
-    """``torch.distributed`` when its default process group is up with more than one rank, else ``None``."""
-    import sys
-
-    if "torch.distributed" not in sys.modules:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    return dist
-
-
-def torch_gather() -> Callable[[Any], list[Any]] | None:
-    """``Group.gather`` over the default process group (``all_gather_object``), or ``None`` without one (for frameworks
-    with a broadcast but no object gather: Lightning, accelerate)."""
-    dist = _initialized_dist()
-    if dist is None:
-        return None
-
-    def gather(obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-    return gather
-
-
-def torch_group() -> Group:
-    """The default ``torch.distributed`` process group (a single process when there is none)."""
-    dist = _initialized_dist()
-    if dist is None:
-        return Group()
-
-    def broadcast(obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    rank = dist.get_rank()
-    return Group(coordinator=rank == 0, broadcast=broadcast, barrier=dist.barrier, rank=rank, gather=torch_gather())
 
 
 def integration_verify(where: str, verify: VerifyOptions | str) -> VerifyOptions:
