@@ -248,8 +248,7 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
         raise CheckpointNotFoundError(data["error"])
     if found is not None:
         return found
-    return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
-                  quarantined=list(data.get("quarantined", [])), unseen=list(data.get("unseen", [])))
+    return Latest.from_dict(data)
 
 
 def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: bool = False,

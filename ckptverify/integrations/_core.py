@@ -41,7 +41,7 @@ from ckptverify.verifier.saved import (
     Fingerprint,
     cannot_verify,
     check_saved,
-    reason_of,
+    stopped_by,
     verification_of,
     was_deleted,
 )
@@ -314,7 +314,7 @@ class Verifier:
         try:
             report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
         except Exception as exc:  # a resume that cannot be checked is refused, with why
-            return cannot_verify(root, reason_of(exc), seconds=time.perf_counter() - started)
+            return cannot_verify(root, stopped_by(exc), seconds=time.perf_counter() - started)
         return verification_of(root, report, None, time.perf_counter() - started, None)
 
     def _events_folder(self, root: str) -> str:

@@ -187,8 +187,7 @@ def resume_point(options: ProductionOptions, *, rank: int, world: int,
     data = outcome["picked"]
     if data is None:
         return None
-    return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
-                  quarantined=list(data.get("quarantined", [])))
+    return Latest.from_dict(data)
 
 
 def segment_dir(run_dir: str, start: int) -> str:

@@ -110,6 +110,13 @@ class Latest:
         return {"path": self.path, "step": self.step, "skipped": self.skipped, "quarantined": self.quarantined,
                 "unseen": self.unseen, "trust_stamps": self.trust_stamps}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Latest:
+        """The pick :meth:`to_dict` gave (as another rank receives it: no report)."""
+        return cls(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
+                   quarantined=list(data.get("quarantined", [])), unseen=list(data.get("unseen", [])),
+                   trust_stamps=bool(data.get("trust_stamps")))
+
 
 def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool,
            trust_stamps: bool) -> tuple[str, str, str]:
