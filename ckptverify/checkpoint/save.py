@@ -235,17 +235,6 @@ def _raise_earlier_failures(options: AfterSave, group: Group) -> None:
     _raise(group.share(first))
 
 
-def _node_hosts(options: AfterSave, group: Group) -> list[str] | None:
-    """Node of each group rank when background verification is shared among nodes (more than one node), else ``None``.
-    Every rank calls it (one small collective)."""
-    if options.verify.when != "background" or group.gather is None:
-        return None
-    from ckptverify.verifier.parts import node_name
-
-    hosts = [str(h) for h in group.gather(node_name())]
-    return hosts if len(set(hosts)) > 1 else None
-
-
 def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, group: Group,
             hosts: list[str] | None) -> None:
     """Queue the committed checkpoint: on the coordinator (all, or, its plan written, the whole plus its node's part)
@@ -383,6 +372,8 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
     verification after commit."""
     import torch.distributed.checkpoint as dcp
 
+    from ckptverify.verifier.background import node_hosts
+
     options = _verify_options(where, verify, on_verified, events)
     step = _step(state_dict, path)
     state_dict = _plain(state_dict, path)
@@ -390,7 +381,8 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
     group = Group() if save_kw.get("no_dist") else torch_group(process_group)
     _raise_earlier_failures(options, group)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
-    hosts = _node_hosts(options, group)
+    # Each rank's node when the background verification is shared among nodes (more than one).
+    hosts = node_hosts(group) if options.verify.when == "background" else None
     with warnings.catch_warnings():
         # Saving in a single process without a process group is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

@@ -220,17 +220,12 @@ class Verifier:
         folder, or a folder with DCP folders inside, a group that can gather, and more than one node. Else ``None`` (the
         coordinator verifies everything). Parts rebuild pieces with ``deep`` and bring digests when fingerprinting
         (:func:`~ckptverify.verifier.saved.saved_job`)."""
-        if not self.background or group.gather is None or "://" in root:
+        if not self.background or "://" in root:
             return None
         from ckptverify.ownfiles.partsplan import dcp_folders
+        from ckptverify.verifier.background import node_hosts
 
-        where = dcp_folders(root)
-        if not where:
-            return None
-        from ckptverify.verifier.parts import node_name
-
-        hosts = [str(h) for h in group.gather(node_name())]  # the same list on every rank: all take one way
-        return hosts if len(set(hosts)) > 1 else None
+        return node_hosts(group) if dcp_folders(root) else None
 
     def _submit(self, root: str, step: int | None, fingerprint: Fingerprint, parts: bool = False) -> Verification:
         """Queue ``root`` for the background verifier (``parts``: shared among nodes)."""
