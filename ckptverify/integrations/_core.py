@@ -45,7 +45,7 @@ from ckptverify.verifier.saved import (
     verification_of,
     was_deleted,
 )
-from ckptverify.verifier.verification import Verification, unverified
+from ckptverify.verifier.verification import Verification, event_of, unverified
 
 __all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts"]
 
@@ -211,8 +211,8 @@ class Verifier:
 
     # -- coordinator side
     def _check_saved(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verification:
-        verdict, extra, event = check_saved(root, step, fingerprint, jobs=self.jobs, deep=self.deep)
-        self._emit(root, event, verdict, 0, **extra)
+        verdict, extra = check_saved(root, step, fingerprint, jobs=self.jobs, deep=self.deep)
+        self._emit(root, event_of(verdict), verdict, 0, **extra)
         return verdict
 
     def _node_hosts(self, root: str, group: Group) -> list[str] | None:

@@ -135,17 +135,11 @@ def _tidy(root: str) -> None:
 
 
 def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None = None,
-                deep: bool = False, settle: float | None = None) -> tuple[Verification, dict[str, Any], str]:
+                deep: bool = False, settle: float | None = None) -> tuple[Verification, dict[str, Any]]:
     """Fingerprint (when needed), verify and stamp the checkpoint just saved at ``root`` (see the module docstring).
-    Returns the verification, the event's extra fields (``fingerprint``, ``stamp_error``) and its name
-    (``checkpoint-verified``/``-failed``/``-deleted``); appends no event, warns of nothing. ``settle``: a failure or
-    change is judged only after that many seconds; a checkpoint gone by then is ``deleted``, its own files removed."""
-    verdict, extra = _check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
-    return verdict, extra, event_of(verdict)
-
-
-def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None,
-                 deep: bool, settle: float | None) -> tuple[Verification, dict[str, Any]]:
+    Returns the verification (its event: :func:`~ckptverify.verifier.verification.event_of`) and the event's extra
+    fields (``fingerprint``, ``stamp_error``); appends no event, warns of nothing. ``settle``: a failure or change is
+    judged only after that many seconds; a checkpoint gone by then is ``deleted``, its own files removed."""
     from ckptverify.audit.verify import needs_manifest, verify_checkpoint
     from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
 
@@ -239,6 +233,6 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
             if notes:
                 extra["fingerprint"] = notes[0]
     if result is None:
-        result, extra = _check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
+        result, extra = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
     return {"verification": result.to_dict(), "extra": extra, "event": event_of(result),
             "report": None if result.report is None else result.report.to_dict()}
