@@ -330,13 +330,10 @@ class Verifier:
 
 
 def _agree(mine: list[Verification | None] | None, group: Group) -> list[Verification | None]:
-    """The coordinator's verdicts (``mine``; ``None`` elsewhere) on every rank, in one broadcast."""
-    if group.broadcast is not None:
-        data = group.broadcast(None if mine is None else [None if v is None else v.to_dict() for v in mine])
-        if mine is None:
-            return [None if v is None else Verification.from_dict(v) for v in data]
-    assert mine is not None
-    return mine
+    """The coordinator's verdicts (``mine``; ``None`` elsewhere) on every rank, in one broadcast (the coordinator keeps
+    its own, reports included)."""
+    data = group.share(lambda: [None if v is None else v.to_dict() for v in mine or ()])
+    return mine if mine is not None else [None if v is None else Verification.from_dict(v) for v in data]
 
 
 def _refuse_earlier(earlier: Verification | None) -> None:
