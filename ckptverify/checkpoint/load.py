@@ -158,11 +158,12 @@ def _live_tensors(obj: Any) -> list[Any]:
 
 def _first_line(exc: BaseException) -> str:
     """The innermost failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
+    from ckptverify.checkpoint.save import dcp_failures
+
+    failures = dcp_failures(exc)
+    if failures:
         rank = min(failures)
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
+        return f"rank {rank}: {type(failures[rank]).__name__}: {failures[rank]}"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -322,16 +323,12 @@ def _refused_text(refused: list[dict[str, Any]]) -> str:
 
 def _proof_failure(exc: BaseException) -> tuple[int, Any] | None:
     """``(rank, ProofFailedError)`` when DCP failed because an item failed its proof (the lowest such rank)."""
+    from ckptverify.checkpoint.save import dcp_failures
+
     if isinstance(exc, ProofFailedError):
         return 0, exc
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict):
-        return None
-    for rank in sorted(failures):
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        if isinstance(inner, ProofFailedError):
-            return rank, inner
-    return None
+    return next(((rank, inner) for rank, inner in sorted(dcp_failures(exc).items())
+                 if isinstance(inner, ProofFailedError)), None)
 
 
 def _proof_report(root: str, inner: Any, rank: int) -> Report:

@@ -92,7 +92,7 @@ def _make_writer(
     )
 
 
-def _failures(exc: BaseException) -> dict[int, BaseException]:
+def dcp_failures(exc: BaseException) -> dict[int, BaseException]:
     """The per-rank exceptions DCP wrapped in a ``CheckpointException`` (``{rank: (exc, trace)}``)."""
     raw = getattr(exc, "failures", None)
     if not isinstance(raw, dict):
@@ -108,7 +108,7 @@ def _failures(exc: BaseException) -> dict[int, BaseException]:
 def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseException:
     """A failed DCP save as raised: a conflict or usage error as itself (the same type on every rank), anything else as
     :class:`SaveFailedError` naming the first failure."""
-    failures = _failures(exc)
+    failures = dcp_failures(exc)
     conflict = next((e for e in failures.values() if isinstance(e, SaveFailedError)), None)
     if conflict is not None:
         return SaveFailedError(str(conflict), failures)
