@@ -33,6 +33,7 @@ from ckptverify.errors import (
 from ckptverify.findings import CheckCoverage, Finding, Location, Report, error, info, warning
 from ckptverify.options import VerifyOptions, failure_policy, verify_options
 from ckptverify.safeparse import paths
+from ckptverify.state.distributed import torch_group
 from ckptverify.state.train_state import TrainState
 
 if TYPE_CHECKING:
@@ -43,12 +44,6 @@ PICKS = ("latest-verified",)
 #: The ``when`` of ``load(..., verify=)``: a load needs the verdict before it reads (no ``"background"``).
 LOAD_WHEN = ("inline", "off")
 _log = logging.getLogger(__name__)
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _verify_on_coordinator(path: str, deep: bool, full: bool = True) -> None:
@@ -65,7 +60,7 @@ def _verify_on_coordinator(path: str, deep: bool, full: bool = True) -> None:
             Report(command="load", target=path, findings=tuple(check_commit(path)))
         return [f.to_dict() for f in report.errors]
 
-    errors = _on_coordinator(errors_of)
+    errors = torch_group().share(errors_of)
     if errors:
         first = errors[0]
         where = ", ".join(f"{k}={v}" for k, v in first.get("location", {}).items())
@@ -163,11 +158,12 @@ def _live_tensors(obj: Any) -> list[Any]:
 
 def _first_line(exc: BaseException) -> str:
     """The innermost failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
+    from ckptverify.checkpoint.save import dcp_failures
+
+    failures = dcp_failures(exc)
+    if failures:
         rank = min(failures)
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
+        return f"rank {rank}: {type(failures[rank]).__name__}: {failures[rank]}"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -224,7 +220,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, verify: VerifyOptio
     from ckptverify.runs.stamp import read_stamp
 
     # A stamp beside it would keep vouching for bytes that fail their proof: it is replaced by a failed one.
-    stamped = _on_coordinator(lambda: read_stamp(root) is not None)
+    stamped = torch_group().share(lambda: read_stamp(root) is not None)
     return _load_verified(state, root, check, on_restore_mismatch, stamp_on_failure=stamped)
 
 
@@ -248,13 +244,12 @@ def pick_checkpoint(run_dir: str | os.PathLike[str]) -> Latest:
         except CheckpointNotFoundError as exc:
             return {"error": str(exc)}
 
-    data = _on_coordinator(pick)
+    data = torch_group().share(pick)
     if "error" in data:
         raise CheckpointNotFoundError(data["error"])
     if found is not None:
         return found
-    return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
-                  quarantined=list(data.get("quarantined", [])), unseen=list(data.get("unseen", [])))
+    return Latest.from_dict(data)
 
 
 def load_picked(state: TrainState, picked: Latest, *, check: bool = True, deep: bool = False,
@@ -326,27 +321,14 @@ def _refused_text(refused: list[dict[str, Any]]) -> str:
     return "refused while loading: " + "; ".join(f"{r['path']}: {r['reason']}" for r in refused)
 
 
-def _on_coordinator(fn: Any) -> Any:
-    """``fn()`` on the coordinator, its result broadcast to every rank."""
-    dist = _dist()
-    box = [fn() if dist is None or dist.get_rank() == 0 else None]
-    if dist is not None and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _proof_failure(exc: BaseException) -> tuple[int, Any] | None:
     """``(rank, ProofFailedError)`` when DCP failed because an item failed its proof (the lowest such rank)."""
+    from ckptverify.checkpoint.save import dcp_failures
+
     if isinstance(exc, ProofFailedError):
         return 0, exc
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict):
-        return None
-    for rank in sorted(failures):
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        if isinstance(inner, ProofFailedError):
-            return rank, inner
-    return None
+    return next(((rank, inner) for rank, inner in sorted(dcp_failures(exc).items())
+                 if isinstance(inner, ProofFailedError)), None)
 
 
 def _proof_report(root: str, inner: Any, rank: int) -> Report:
@@ -363,8 +345,7 @@ def _proof_report(root: str, inner: Any, rank: int) -> Report:
 def _stamp_failed(root: str, report: Report, fingerprint: str | None, step: int | None) -> None:
     """On the coordinator: a failed stamp beside ``root`` so no later pick trusts an earlier pass. Only the stamp is
     written; the checkpoint is evidence, kept."""
-    dist = _dist()
-    if dist is not None and dist.get_rank() != 0:
+    if not torch_group().coordinator:
         return
     from ckptverify.ownfiles.manifest import MANIFEST_FILE
     from ckptverify.runs.stamp import write_stamp
@@ -400,9 +381,8 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
     from ckptverify.dcp.storage_reader import ProvingFileSystemReader
     from ckptverify.runs.stamp import files_fingerprint
 
-    dist = _dist()
     # Taken before reading: a file that changes while it is loaded leaves the failed stamp already stale.
-    fingerprint = files_fingerprint(root) if stamp_on_failure and (dist is None or dist.get_rank() == 0) else None
+    fingerprint = files_fingerprint(root) if stamp_on_failure and torch_group().coordinator else None
     manifest = _read_manifest_for_load(root)
     reader = ProvingFileSystemReader(root, manifest)
     # All or nothing without a second device copy (which would cap resumable state at a third of device memory):
@@ -477,12 +457,7 @@ def _agree(errors: list[Finding]) -> list[dict[str, Any]]:
     """The restore check's errors of every rank (each rank refuses alike, none is left in a collective)."""
     mine = [{"rank": f.location.rank, "check": f.check, "fqn": f.location.fqn, "message": f.message}
             for f in errors]
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
-        return mine
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [e for part in everyone for e in part]
+    return [e for part in torch_group().gathered(mine) for e in part]
 
 
 def _restore_point(state: TrainState) -> Any:

@@ -25,6 +25,7 @@ from ckptverify.errors import (
 )
 from ckptverify.options import VerifyOptions, verify_options
 from ckptverify.ownfiles.manifest import DEFAULT_BLOCK_BYTES, Manifest
+from ckptverify.state.distributed import Group, torch_group
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -91,7 +92,7 @@ def _make_writer(
     )
 
 
-def _failures(exc: BaseException) -> dict[int, BaseException]:
+def dcp_failures(exc: BaseException) -> dict[int, BaseException]:
     """The per-rank exceptions DCP wrapped in a ``CheckpointException`` (``{rank: (exc, trace)}``)."""
     raw = getattr(exc, "failures", None)
     if not isinstance(raw, dict):
@@ -107,7 +108,7 @@ def _failures(exc: BaseException) -> dict[int, BaseException]:
 def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseException:
     """A failed DCP save as raised: a conflict or usage error as itself (the same type on every rank), anything else as
     :class:`SaveFailedError` naming the first failure."""
-    failures = _failures(exc)
+    failures = dcp_failures(exc)
     conflict = next((e for e in failures.values() if isinstance(e, SaveFailedError)), None)
     if conflict is not None:
         return SaveFailedError(str(conflict), failures)
@@ -210,27 +211,6 @@ def _verify_options(where: str, verify: VerifyOptions | str, on_verified: Callab
     return AfterSave(verify=verify_options(where, verify), on_verified=on_verified, events=events)
 
 
-def _coordinator(process_group: Any, no_dist: bool) -> bool:
-    """Whether this process is the save's coordinator (rank 0 of the group, or the only process)."""
-    import torch.distributed as dist
-
-    if no_dist or not (dist.is_available() and dist.is_initialized()):
-        return True
-    return dist.get_rank(process_group) == 0
-
-
-def _broadcast(value: Any, process_group: Any, no_dist: bool) -> Any:
-    """The coordinator's ``value`` on every rank of the save's group."""
-    import torch.distributed as dist
-
-    if no_dist or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
-        return value
-    box = [value]
-    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=process_group)
-    return box[0]
-
-
 def _raise(verification: dict[str, Any] | None) -> None:
     from ckptverify.verifier.verification import Verification
 
@@ -240,73 +220,49 @@ def _raise(verification: dict[str, Any] | None) -> None:
     raise VerifyFailedError(f"an earlier checkpoint failed verification: {failed.describe()}", failed)
 
 
-def _raise_earlier_failures(options: AfterSave, process_group: Any, no_dist: bool) -> None:
-    """With ``on_failure="raise"``: raise on every rank an earlier save's verification failure (broadcast from the
-    coordinator) before anything is written."""
+def _raise_earlier_failures(options: AfterSave, group: Group) -> None:
+    """With ``on_failure="raise"``: raise on every rank an earlier save's verification failure (the coordinator's)
+    before anything is written."""
     if options.verify.on_failure != "raise":
         return
-    first = None
-    if _coordinator(process_group, no_dist):
+
+    def first() -> dict[str, Any] | None:
         from ckptverify.verifier.background import default_verifier
 
         failures = default_verifier().take_failures()
-        first = failures[0].to_dict() if failures else None
-    _raise(_broadcast(first, process_group, no_dist))
+        return failures[0].to_dict() if failures else None
+
+    _raise(group.share(first))
 
 
-def _node_hosts(options: AfterSave, process_group: Any, no_dist: bool) -> list[str] | None:
-    """Node of each group rank when background verification is shared among nodes (more than one node), else ``None``.
-    Every rank calls it (one small collective)."""
-    if options.verify.when != "background" or no_dist:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
-        return None
-    from ckptverify.verifier.parts import node_name
-
-    hosts: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(hosts, node_name(), group=process_group)
-    return [str(h) for h in hosts] if len(set(hosts)) > 1 else None
-
-
-def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
-            hosts: list[str] | None, rank: int) -> None:
+def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, group: Group,
+            hosts: list[str] | None) -> None:
     """Queue the committed checkpoint: on the coordinator (all, or, its plan written, the whole plus its node's part)
     and on each other node's lowest rank (its part)."""
     from ckptverify.verifier.background import default_verifier, submit_part
 
-    if coordinator:
+    if group.coordinator:
         from ckptverify.ownfiles.partsplan import share_out
 
         parts = hosts is not None and share_out(os.fspath(path), hosts, deep=options.verify.deep)
         default_verifier().submit(path, step=step, options=options, parts=parts)
     elif hosts is not None:
-        submit_part(path, step, hosts, rank)
+        submit_part(path, step, hosts, group.rank)
 
 
-def _group_rank(process_group: Any, no_dist: bool) -> int:
-    import torch.distributed as dist
-
-    if no_dist or not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(process_group)
-
-
-def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: int | None, coordinator: bool,
-                      process_group: Any, no_dist: bool, hosts: list[str] | None = None) -> None:
+def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: int | None, group: Group,
+                      hosts: list[str] | None) -> None:
     """After a synchronous save committed: queue it, or verify now (and with ``raise``, raise on every rank)."""
     if options.verify.when == "off":
         return
+    if options.verify.when == "background":
+        _submit(options, path, step, group, hosts)
+        return
     from ckptverify.verifier.background import default_verifier
 
-    if options.verify.when == "background":
-        _submit(options, path, step, coordinator, hosts, _group_rank(process_group, no_dist))
-        return
-    result = default_verifier().verify_now(path, step=step, options=options) if coordinator else None
+    result = default_verifier().verify_now(path, step=step, options=options) if group.coordinator else None
     if options.verify.on_failure == "raise":
-        failed = result.to_dict() if result is not None and result.verdict == "failed" else None
-        failed = _broadcast(failed, process_group, no_dist)
+        failed = group.share(lambda: result.to_dict() if result is not None and result.verdict == "failed" else None)
         if failed is not None:
             from ckptverify.verifier.verification import Verification
 
@@ -314,17 +270,17 @@ def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: in
             raise VerifyFailedError(verification.describe(), verification)
 
 
-def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | None,
-                  coordinator: bool, hosts: list[str] | None = None, rank: int = 0) -> Callable[[], None] | None:
+def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | None, group: Group,
+                  hosts: list[str] | None) -> Callable[[], None] | None:
     """After an async upload committed: queue or verify before the future completes; a ``raise`` failure is raised by
     the next save."""
-    if options.verify.when == "off" or (not coordinator and hosts is None):
+    if options.verify.when == "off" or (not group.coordinator and hosts is None):
         return None
     from ckptverify.verifier.background import default_verifier
 
     if options.verify.when == "background":
-        return lambda: _submit(options, path, step, coordinator, hosts, rank)
-    if not coordinator:
+        return lambda: _submit(options, path, step, group, hosts)
+    if not group.coordinator:
         return None
 
     def inline() -> None:
@@ -376,18 +332,9 @@ def save(
         SaveFailedError: another save into ``path`` is in progress (nothing written), or the save did not commit.
         VerifyFailedError: ``on_failure="raise"`` and a verification failed.
     """
-    import torch.distributed.checkpoint as dcp
-
-    options, step, state_dict, save_kw, no_dist, writer, hosts = _prepare(
-        "save", SAVE_KWARGS, state_dict, path, digest, block_bytes, fingerprint, thread_count, process_group, verify,
-        on_verified, events, dcp_kwargs)
-    with warnings.catch_warnings():
-        # Saving in a single process without a process group is intended here, not a mistake.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
-             writer, path)
-    _verify_committed(options, path, step, writer.is_coordinator, process_group, no_dist, hosts)
-    return writer.manifest if writer.is_coordinator else None
+    return _save("save", state_dict, path, digest=digest, block_bytes=block_bytes, fingerprint=fingerprint,
+                 thread_count=thread_count, process_group=process_group, verify=verify, on_verified=on_verified,
+                 events=events, dcp_kwargs=dcp_kwargs)
 
 
 def async_save(
@@ -413,34 +360,39 @@ def async_save(
     (``"background"``) or done before the future completes (``"inline"``); a ``"raise"`` failure is raised on every rank
     by the next save called with ``"raise"``.
     """
+    return _save("async_save", state_dict, path, digest=digest, block_bytes=block_bytes, fingerprint=fingerprint,
+                 thread_count=thread_count, process_group=process_group, verify=verify, on_verified=on_verified,
+                 events=events, dcp_kwargs=dcp_kwargs)
+
+
+def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: str, block_bytes: int,
+          fingerprint: bool, thread_count: int, process_group: Any, verify: VerifyOptions | str, on_verified: Any,
+          events: Any, dcp_kwargs: dict[str, Any]) -> Any:
+    """:func:`save` (``where="save"``) or :func:`async_save`: checks, an earlier failure raised, the write, then the
+    verification after commit."""
     import torch.distributed.checkpoint as dcp
 
-    options, step, state_dict, save_kw, no_dist, writer, hosts = _prepare(
-        "async_save", ASYNC_SAVE_KWARGS, state_dict, path, digest, block_bytes, fingerprint, thread_count,
-        process_group, verify, on_verified, events, dcp_kwargs)
-    after = _after_upload(options, path, step, _coordinator(process_group, no_dist), hosts,
-                          _group_rank(process_group, no_dist))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        return _start_async(dcp, state_dict, writer, path, process_group, save_kw, after)
+    from ckptverify.verifier.background import node_hosts
 
-
-def _prepare(where: str, allowed: frozenset[str], state_dict: Any, path: str | os.PathLike[str], digest: str,
-             block_bytes: int, fingerprint: bool, thread_count: int, process_group: Any, verify: VerifyOptions | str,
-             on_verified: Any, events: Any,
-             dcp_kwargs: dict[str, Any]) -> tuple[AfterSave, int | None, Any, dict[str, Any], bool, Any, Any]:
-    """What :func:`save` and :func:`async_save` check and set up before writing (``allowed``: their DCP keywords):
-    options, step, the plain state dict, DCP's keywords, ``no_dist``, the writer and each rank's node when the
-    verification is shared among nodes (:func:`_node_hosts`); an earlier failure raised first.
-    """
     options = _verify_options(where, verify, on_verified, events)
     step = _step(state_dict, path)
     state_dict = _plain(state_dict, path)
-    writer_kw, save_kw = _split_kwargs(dcp_kwargs, allowed)
-    no_dist = bool(save_kw.get("no_dist"))
-    _raise_earlier_failures(options, process_group, no_dist)
+    writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS if where == "async_save" else SAVE_KWARGS)
+    group = Group() if save_kw.get("no_dist") else torch_group(process_group)
+    _raise_earlier_failures(options, group)
     writer = _make_writer(path, digest, block_bytes, fingerprint, thread_count, writer_kw)
-    return options, step, state_dict, save_kw, no_dist, writer, _node_hosts(options, process_group, no_dist)
+    # Each rank's node when the background verification is shared among nodes (more than one).
+    hosts = node_hosts(group) if options.verify.when == "background" else None
+    with warnings.catch_warnings():
+        # Saving in a single process without a process group is intended here, not a mistake.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        if where == "async_save":
+            return _start_async(dcp, state_dict, writer, path, process_group, save_kw,
+                                _after_upload(options, path, step, group, hosts))
+        _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
+             writer, path)
+    _verify_committed(options, path, step, group, hosts)
+    return writer.manifest if writer.is_coordinator else None
 
 
 def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],

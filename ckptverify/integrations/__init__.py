@@ -9,6 +9,7 @@ One module per framework, importing it only when imported itself: ``lightning`` 
 :class:`~ckptverify.errors.VerifyFailedWarning`, and results as :class:`~ckptverify.verifier.verification.Verification`.
 """
 
-from ckptverify.integrations._core import Group, Verifier, torch_group
+from ckptverify.integrations._core import Verifier
+from ckptverify.state.distributed import Group, torch_group
 
 __all__ = ["Group", "Verifier", "torch_group"]

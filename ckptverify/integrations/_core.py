@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ckptverify.errors import (
@@ -36,83 +36,23 @@ from ckptverify.errors import (
 )
 from ckptverify.findings import Report
 from ckptverify.options import VerifyOptions, verify_options
+from ckptverify.state.distributed import Group
 from ckptverify.verifier.saved import (
     Fingerprint,
     cannot_verify,
     check_saved,
-    reason_of,
+    stopped_by,
     verification_of,
     was_deleted,
 )
-from ckptverify.verifier.verification import Verification, unverified
+from ckptverify.verifier.verification import Verification, event_of, unverified
 
-__all__ = ["WHEN", "Group", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts",
-           "torch_gather", "torch_group"]
+__all__ = ["WHEN", "Verifier", "integration_verify", "numbered_folders", "plain_folder", "settle_verdicts"]
 
 #: When an integration verifies a saved checkpoint (every save is verified: ``"off"`` is not one).
 WHEN: tuple[str, ...] = ("inline", "background")
 #: Errors carried by a verdict (and broadcast): the first few suffice.
 _MAX_ERRORS = 5
-
-
-@dataclass(frozen=True)
-class Group:
-    """How ranks agree on a verdict: ``coordinator`` (this rank verifies), ``broadcast(obj)``, ``barrier()``, and
-    optionally ``gather(obj)`` (enables sharing a background verification among nodes). ``Group()``: one process."""
-
-    coordinator: bool = True
-    broadcast: Callable[[Any], Any] | None = None
-    barrier: Callable[[], None] | None = None
-    rank: int = 0
-    gather: Callable[[Any], list[Any]] | None = None
-
-    def share(self, make: Callable[[], Any]) -> Any:
-        """``make()`` as the coordinator computes it, on every rank."""
-        value = make() if self.coordinator else None
-        return value if self.broadcast is None else self.broadcast(value)
-
-
-def _initialized_dist() -> Any:
-    """``torch.distributed`` when its default process group is up with more than one rank, else ``None``."""
-    import sys
-
-    if "torch.distributed" not in sys.modules:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    return dist
-
-
-def torch_gather() -> Callable[[Any], list[Any]] | None:
-    """``Group.gather`` over the default process group (``all_gather_object``), or ``None`` without one (for frameworks
-    with a broadcast but no object gather: Lightning, accelerate)."""
-    dist = _initialized_dist()
-    if dist is None:
-        return None
-
-    def gather(obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-    return gather
-
-
-def torch_group() -> Group:
-    """The default ``torch.distributed`` process group (a single process when there is none)."""
-    dist = _initialized_dist()
-    if dist is None:
-        return Group()
-
-    def broadcast(obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    rank = dist.get_rank()
-    return Group(coordinator=rank == 0, broadcast=broadcast, barrier=dist.barrier, rank=rank, gather=torch_gather())
 
 
 def integration_verify(where: str, verify: VerifyOptions | str) -> VerifyOptions:
@@ -271,8 +211,8 @@ class Verifier:
 
     # -- coordinator side
     def _check_saved(self, root: str, step: int | None, fingerprint: Fingerprint) -> Verification:
-        verdict, extra, event = check_saved(root, step, fingerprint, jobs=self.jobs, deep=self.deep)
-        self._emit(root, event, verdict, 0, **extra)
+        verdict, extra = check_saved(root, step, fingerprint, jobs=self.jobs, deep=self.deep)
+        self._emit(root, event_of(verdict), verdict, 0, **extra)
         return verdict
 
     def _node_hosts(self, root: str, group: Group) -> list[str] | None:
@@ -280,17 +220,12 @@ class Verifier:
         folder, or a folder with DCP folders inside, a group that can gather, and more than one node. Else ``None`` (the
         coordinator verifies everything). Parts rebuild pieces with ``deep`` and bring digests when fingerprinting
         (:func:`~ckptverify.verifier.saved.saved_job`)."""
-        if not self.background or group.gather is None or "://" in root:
+        if not self.background or "://" in root:
             return None
         from ckptverify.ownfiles.partsplan import dcp_folders
+        from ckptverify.verifier.background import node_hosts
 
-        where = dcp_folders(root)
-        if not where:
-            return None
-        from ckptverify.verifier.parts import node_name
-
-        hosts = [str(h) for h in group.gather(node_name())]  # the same list on every rank: all take one way
-        return hosts if len(set(hosts)) > 1 else None
+        return node_hosts(group) if dcp_folders(root) else None
 
     def _submit(self, root: str, step: int | None, fingerprint: Fingerprint, parts: bool = False) -> Verification:
         """Queue ``root`` for the background verifier (``parts``: shared among nodes)."""
@@ -374,7 +309,7 @@ class Verifier:
         try:
             report = verify_checkpoint(root, jobs=self.jobs, deep=self.deep)
         except Exception as exc:  # a resume that cannot be checked is refused, with why
-            return cannot_verify(root, reason_of(exc), seconds=time.perf_counter() - started)
+            return cannot_verify(root, stopped_by(exc), seconds=time.perf_counter() - started)
         return verification_of(root, report, None, time.perf_counter() - started, None)
 
     def _events_folder(self, root: str) -> str:
@@ -395,13 +330,10 @@ class Verifier:
 
 
 def _agree(mine: list[Verification | None] | None, group: Group) -> list[Verification | None]:
-    """The coordinator's verdicts (``mine``; ``None`` elsewhere) on every rank, in one broadcast."""
-    if group.broadcast is not None:
-        data = group.broadcast(None if mine is None else [None if v is None else v.to_dict() for v in mine])
-        if mine is None:
-            return [None if v is None else Verification.from_dict(v) for v in data]
-    assert mine is not None
-    return mine
+    """The coordinator's verdicts (``mine``; ``None`` elsewhere) on every rank, in one broadcast (the coordinator keeps
+    its own, reports included)."""
+    data = group.share(lambda: [None if v is None else v.to_dict() for v in mine or ()])
+    return mine if mine is not None else [None if v is None else Verification.from_dict(v) for v in data]
 
 
 def _refuse_earlier(earlier: Verification | None) -> None:

@@ -26,15 +26,14 @@ from typing import Any
 from ckptverify.errors import CheckpointRefusedError, UsageError
 from ckptverify.integrations._core import (
     Fingerprint,
-    Group,
     Verifier,
     integration_verify,
     numbered_folders,
     plain_folder,
-    torch_gather,
     warn_if_accumulating,
 )
 from ckptverify.options import VerifyOptions, verify_options
+from ckptverify.state.distributed import Group, torch_group
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["load_state", "save_state", "wait_for_verifications"]
@@ -145,4 +144,4 @@ def _group(accelerator: Any) -> Group:
         return broadcast_object_list([obj], from_process=0)[0]
 
     return Group(coordinator=accelerator.is_main_process, broadcast=broadcast, barrier=accelerator.wait_for_everyone,
-                 rank=accelerator.process_index, gather=torch_gather())
+                 rank=accelerator.process_index, gather=torch_group().gather)

@@ -30,14 +30,13 @@ from pytorch_lightning.callbacks import Callback
 
 from ckptverify.integrations._core import (
     Fingerprint,
-    Group,
     Verifier,
     integration_verify,
     settle_verdicts,
-    torch_gather,
     warn_if_accumulating,
 )
 from ckptverify.options import VerifyOptions
+from ckptverify.state.distributed import Group, torch_group
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifyCheckpointsCallback"]
@@ -120,7 +119,7 @@ class VerifyCheckpointsCallback(Callback):
         if trainer.world_size == 1:
             return Group()
         return Group(coordinator=trainer.is_global_zero, broadcast=lambda obj: strategy.broadcast(obj, src=0),
-                     rank=trainer.global_rank, gather=torch_gather())
+                     rank=trainer.global_rank, gather=torch_group().gather)
 
     def _saving(self, trainer: pl.Trainer, save: Any) -> Any:
         def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

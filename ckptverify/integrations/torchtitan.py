@@ -32,9 +32,9 @@ from ckptverify.integrations._core import (
     Verifier,
     numbered_folders,
     settle_verdicts,
-    torch_group,
 )
 from ckptverify.options import VerifyOptions, failure_policy
+from ckptverify.state.distributed import torch_group
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifiedCheckpointManager"]

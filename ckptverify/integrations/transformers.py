@@ -32,10 +32,10 @@ from ckptverify.integrations._core import (
     numbered_folders,
     plain_folder,
     settle_verdicts,
-    torch_group,
     warn_if_accumulating,
 )
 from ckptverify.options import VerifyOptions
+from ckptverify.state.distributed import torch_group
 from ckptverify.verifier.verification import Verification
 
 __all__ = ["VerifyCheckpointsCallback", "verified_resume_checkpoint", "verify_before_resume"]

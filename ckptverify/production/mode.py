@@ -174,21 +174,17 @@ def resume_point(options: ProductionOptions, *, rank: int, world: int,
     or ``None`` for step 0. Decided on rank 0 (the run directory may exist only there) and broadcast;
     :class:`ResumeRefusedError` on every rank when refused."""
     from ckptverify.runs.latest import Latest
+    from ckptverify.state.distributed import torch_group
 
-    box: list[Any] = [_decide(options, refused) if rank == 0 else None]
-    if world > 1:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(box, src=0)
-    outcome = box[0]
+    mine = _decide(options, refused) if rank == 0 else None
+    broadcast = torch_group().broadcast if world > 1 else None
+    outcome = mine if broadcast is None else broadcast(mine)
     if "error" in outcome:
         raise ResumeRefusedError(outcome["error"])
     data = outcome["picked"]
     if data is None:
         return None
-    return Latest(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
-                  quarantined=list(data.get("quarantined", [])))
+    return Latest.from_dict(data)
 
 
 def segment_dir(run_dir: str, start: int) -> str:
@@ -387,10 +383,11 @@ class Production:
                 _say(f"{os.path.relpath(path, root)} is suspect: {describe_suspect(self._suspect)}; no resume "
                      "picks it")
         if self.world > 1:
-            import torch.distributed as dist
+            from ckptverify.state.distributed import torch_group
 
-            if dist.is_available() and dist.is_initialized():
-                dist.barrier()
+            barrier = torch_group().barrier
+            if barrier is not None:
+                barrier()
 
     def saved(self, step: int, path: str) -> None:
         if self.rank == 0:

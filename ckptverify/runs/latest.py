@@ -23,7 +23,7 @@ from ckptverify.findings import CheckCoverage, Finding, Location, Report, error,
 from ckptverify.formats.rundir import Candidate, find_checkpoints, step_of
 from ckptverify.ownfiles.names import open_own_dir
 from ckptverify.runs.scan import judge, unseen_findings
-from ckptverify.runs.stamp import describe_suspect, read_stamp, read_suspect
+from ckptverify.runs.stamp import describe_suspect, read_stamp
 from ckptverify.runs.states import GOOD_STATES, QUARANTINE_DIR, is_quarantined
 from ckptverify.safeparse import paths
 from ckptverify.safeparse.paths import WalkNote
@@ -110,6 +110,13 @@ class Latest:
         return {"path": self.path, "step": self.step, "skipped": self.skipped, "quarantined": self.quarantined,
                 "unseen": self.unseen, "trust_stamps": self.trust_stamps}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Latest:
+        """The pick :meth:`to_dict` gave (as another rank receives it: no report)."""
+        return cls(path=data["path"], step=data["step"], skipped=list(data["skipped"]),
+                   quarantined=list(data.get("quarantined", [])), unseen=list(data.get("unseen", [])),
+                   trust_stamps=bool(data.get("trust_stamps")))
+
 
 def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool,
            trust_stamps: bool) -> tuple[str, str, str]:
@@ -133,12 +140,9 @@ def _judge(root: str, cand: Candidate, jobs: int | None, use_stamps: bool,
                 if trust_stamps or stamp.state not in GOOD_STATES:
                     return stamp.state, why, "stamp"
                 vouched = f"; its current stamp ({checked_at}) said {stamp.state}: its bytes changed since"
-    state, reason, _ = judge(root, cand, jobs)
-    if state in GOOD_STATES:
-        suspect = read_suspect(path)
-        if suspect is not None:
-            return "suspect", describe_suspect(suspect), "suspect note"
-        return state, reason, "verified now"
+    state, reason, _ = judge(root, cand, jobs)  # a good one with a suspect note is "suspect"
+    if state == "suspect":
+        return state, reason, "suspect note"
     return state, reason + (vouched if state == "corrupt" else ""), "verified now"
 
 

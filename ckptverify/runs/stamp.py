@@ -66,12 +66,13 @@ def removed(path: str) -> bool:
     return not paths.isfile(path)
 
 
-def stamp_path(checkpoint: str | os.PathLike[str]) -> str:
-    """Where the stamp of ``checkpoint`` lives: inside a directory, beside a single file."""
+def stamp_path(checkpoint: str | os.PathLike[str], name: str = STAMP_FILE) -> str:
+    """Where the stamp (or another of ckptverify's files, ``name``) of ``checkpoint`` lives: inside a directory, beside
+    a single file."""
     path = os.fspath(checkpoint)
     if paths.isdir(path) and not paths.islink(path):
-        return os.path.join(path, STAMP_FILE)
-    return f"{path}.{STAMP_FILE}"
+        return os.path.join(path, name)
+    return f"{path}.{name}"
 
 
 def files_fingerprint(root: str) -> str:
@@ -225,14 +226,8 @@ def read_stamp(root: str | os.PathLike[str]) -> Stamp | None:
     return Stamp(passed=data["passed"], data=data, current=current)
 
 
-def _note_path(checkpoint: str) -> str:
-    if paths.isdir(checkpoint) and not paths.islink(checkpoint):
-        return os.path.join(checkpoint, SUSPECT_NOTE)
-    return f"{checkpoint}.{SUSPECT_NOTE}"
-
-
 def _read_note(checkpoint: str) -> dict[str, Any] | None:
-    raw = _read(_note_path(checkpoint), MAX_STAMP_BYTES)
+    raw = _read(stamp_path(checkpoint, SUSPECT_NOTE), MAX_STAMP_BYTES)
     if raw is None:
         return None
     try:
@@ -250,7 +245,8 @@ def write_suspect_note(checkpoint: str | os.PathLike[str], record: dict[str, Any
     folder = os.path.abspath(checkpoint)
     own_folder(folder)  # never written through a link at its name
     data = {"schema": SUSPECT_SCHEMA, **record}
-    return write_atomic(_note_path(folder), json.dumps(data, indent=1, default=str), prefix=STAMP_TEMP_PREFIX)
+    return write_atomic(stamp_path(folder, SUSPECT_NOTE), json.dumps(data, indent=1, default=str),
+                        prefix=STAMP_TEMP_PREFIX)
 
 
 def read_suspect(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from ckptverify.errors import CkptVerifyWarning, UsageError, VerifyFailedWarning
 from ckptverify.options import VerifyOptions
+from ckptverify.state.distributed import Group
 from ckptverify.verifier.stamper import SETTLE_SECONDS, VerifyingLock, verify_and_stamp
 from ckptverify.verifier.throttle import IdleProbe, Throttle, throttle_enabled
 from ckptverify.verifier.verification import Verification, event_of, from_stamp, unverified
@@ -44,6 +45,7 @@ __all__ = [
     "default_verifier",
     "exit_timeout",
     "last_verification",
+    "node_hosts",
     "submit_part",
     "wait_for_checkpoint",
     "wait_for_verifications",
@@ -478,6 +480,17 @@ def default_verifier() -> BackgroundVerifier:
                 atexit.register(_at_exit)
                 _atexit_registered = True
         return _default
+
+
+def node_hosts(group: Group) -> list[str] | None:
+    """Each rank's node (every rank calls it: one small collective) when ``group`` spans more than one node, else
+    ``None``."""
+    if group.gather is None:
+        return None
+    from ckptverify.verifier.parts import node_name
+
+    hosts = [str(h) for h in group.gather(node_name())]  # the same list on every rank: all take one way
+    return hosts if len(set(hosts)) > 1 else None
 
 
 def submit_part(path: str | os.PathLike[str], step: int | None, hosts: list[str], rank: int) -> None:

@@ -15,33 +15,23 @@ from ckptverify.errors import reported_as_itself
 from ckptverify.findings import Report
 from ckptverify.verifier.verification import Verification, event_of, from_report, unverified
 
-__all__ = ["Fingerprint", "cannot_verify", "check_saved", "first_error_line", "reason_of", "saved_job",
-           "verification_of", "was_deleted"]
+__all__ = ["Fingerprint", "cannot_verify", "check_saved", "saved_job", "stopped_by", "verification_of", "was_deleted"]
 
 Fingerprint = bool | Literal["auto"]
 
 
-def first_error_line(path: str, errors: list[dict[str, Any]] | tuple[dict[str, Any], ...], total: int) -> str:
-    """``PATH fails verification with N error(s); first: CHECK (WHERE): MESSAGE``."""
-    from ckptverify.findings import Location
-
-    if not errors:
-        return f"{path} fails verification"
-    first = errors[0]
-    where = Location.from_dict(first.get("location", {})).describe() or "?"
-    return (f"{path} fails verification with {total} error(s); first: {first.get('check')} ({where}): "
-            f"{first.get('message')}")
-
-
 def verification_of(path: str, report: Report, step: int | None, seconds: float, stamp: str | None,
                     reason: str | None = None) -> Verification:
-    """The :class:`~ckptverify.verifier.verification.Verification` of ``report``, with the integrations' message."""
+    """The :class:`~ckptverify.verifier.verification.Verification` of ``report``, with the integrations' message
+    (``PATH fails verification with N error(s); first: CHECK (WHERE): MESSAGE``, or what passed)."""
     from ckptverify.checks.dcp_pipeline import UNCHECKABLE
 
     errors = report.errors
     unchecked = sorted({f.location.file or "?" for f in report.findings if f.check == UNCHECKABLE})
     if errors:
-        message = first_error_line(path, [f.to_dict() for f in errors[:1]], report.summary().get("error", 0))
+        first = errors[0]
+        message = (f"{path} fails verification with {report.summary().get('error', 0)} error(s); first: {first.check} "
+                   f"({first.location.describe() or '?'}): {first.message}")
     else:
         against = " against its manifest" if report.stats.get("manifest") else ""
         message = f"{path} passed verification{against}: {_checked_text(report)}"
@@ -81,7 +71,7 @@ def _has_manifest(root: str) -> bool:
     return os.path.lexists(file_manifest_path(root))
 
 
-def reason_of(exc: Exception) -> str:
+def stopped_by(exc: Exception) -> str:
     """What stopped a verification: the message of a ckptverify error, the type too for anything else."""
     return str(exc) if reported_as_itself(exc) else f"the check stopped: {type(exc).__name__}: {exc}"
 
@@ -145,17 +135,11 @@ def _tidy(root: str) -> None:
 
 
 def check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None = None,
-                deep: bool = False, settle: float | None = None) -> tuple[Verification, dict[str, Any], str]:
+                deep: bool = False, settle: float | None = None) -> tuple[Verification, dict[str, Any]]:
     """Fingerprint (when needed), verify and stamp the checkpoint just saved at ``root`` (see the module docstring).
-    Returns the verification, the event's extra fields (``fingerprint``, ``stamp_error``) and its name
-    (``checkpoint-verified``/``-failed``/``-deleted``); appends no event, warns of nothing. ``settle``: a failure or
-    change is judged only after that many seconds; a checkpoint gone by then is ``deleted``, its own files removed."""
-    verdict, extra = _check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
-    return verdict, extra, event_of(verdict)
-
-
-def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs: int | None,
-                 deep: bool, settle: float | None) -> tuple[Verification, dict[str, Any]]:
+    Returns the verification (its event: :func:`~ckptverify.verifier.verification.event_of`) and the event's extra
+    fields (``fingerprint``, ``stamp_error``); appends no event, warns of nothing. ``settle``: a failure or change is
+    judged only after that many seconds; a checkpoint gone by then is ``deleted``, its own files removed."""
     from ckptverify.audit.verify import needs_manifest, verify_checkpoint
     from ckptverify.runs.stamp import files_fingerprint, stamp_path, write_stamp
 
@@ -191,7 +175,7 @@ def _check_saved(root: str, step: int | None, fingerprint: Fingerprint, *, jobs:
     except Exception as exc:  # whatever stops the check, training is told, not killed
         if deleted_now():
             return was_deleted(root, step, time.perf_counter() - started), {}
-        return cannot_verify(root, reason_of(exc), step, time.perf_counter() - started), {}
+        return cannot_verify(root, stopped_by(exc), step, time.perf_counter() - started), {}
     stamp: str | None = None
     stamp_error: str | None = None
     changed = files_fingerprint(root) != before
@@ -233,6 +217,7 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
     """:func:`check_saved` in the verifier process, as JSON values. ``parts``: shared among nodes
     (:func:`~ckptverify.verifier.parts.stamp_parts_locked`), with the manifest written from the parts' digests when
     fingerprinting; ``deep``: parts' tensor pieces judged together here."""
+    result = None
     if parts:
         from ckptverify.verifier.parts import stamp_parts_locked
 
@@ -247,8 +232,7 @@ def saved_job(root: str, step: int | None, fingerprint: Fingerprint, jobs: int |
             extra = {} if result.stamped or result.verdict == "unverified" else {"stamp_error": result.reason}
             if notes:
                 extra["fingerprint"] = notes[0]
-            return {"verification": result.to_dict(), "extra": extra, "event": event_of(result),
-                    "report": None if result.report is None else result.report.to_dict()}
-    verdict, extra, event = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
-    return {"verification": verdict.to_dict(), "extra": extra, "event": event,
-            "report": None if verdict.report is None else verdict.report.to_dict()}
+    if result is None:
+        result, extra = check_saved(root, step, fingerprint, jobs=jobs, deep=deep, settle=settle)
+    return {"verification": result.to_dict(), "extra": extra, "event": event_of(result),
+            "report": None if result.report is None else result.report.to_dict()}

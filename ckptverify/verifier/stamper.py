@@ -115,9 +115,11 @@ def verify_and_stamp(path: str, *, step: int | None, jobs: int | None = None, de
 
 
 def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: bool = False,
-                 settle: float = SETTLE_SECONDS, throttle: Throttle | None = None) -> Verification:
+                 settle: float = SETTLE_SECONDS, throttle: Throttle | None = None,
+                 unstamped: str | None = None) -> Verification:
     """:func:`verify_and_stamp` for a caller holding the verifying lock (here or in the parent). ``throttle`` paces this
-    thread's reads; its waits are recorded as ``throttled_s``."""
+    thread's reads; its waits are recorded as ``throttled_s``. ``unstamped``: why no stamp can be written; the verdict
+    on unmoved files is returned unstamped, with that reason."""
     from ckptverify.audit.verify import verify_checkpoint
     from ckptverify.safeparse.readers import pacing
 
@@ -131,6 +133,8 @@ def stamp_locked(path: str, *, step: int | None, jobs: int | None = None, deep: 
         return unverified(path, step, "deleted", GONE, deep=deep)
     except OSError as exc:  # it could not be read
         return unverified(path, step, "error", f"{type(exc).__name__}: {exc}", deep=deep)
+    if moved is None and unstamped is not None:
+        return from_report(path, step, report, seconds=time.perf_counter() - started, stamped=False, reason=unstamped)
     return moved or stamp(path, step, report, before, started, throttle, deep=deep)
 
 

@@ -16,7 +16,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptverify.errors import CheckpointNotFoundError, CkptVerifyError, UsageError
@@ -24,7 +24,8 @@ from ckptverify.formats.rundir import Candidate, find_checkpoints
 from ckptverify.runs.stamp import committed, files_fingerprint, read_stamp
 from ckptverify.runs.states import judge_report
 from ckptverify.safeparse.paths import WalkNote
-from ckptverify.verifier.stamper import GONE, SETTLE_SECONDS, unmoved, verify_and_stamp
+from ckptverify.verifier.stamper import SETTLE_SECONDS, stamp_locked, verify_and_stamp
+from ckptverify.verifier.verification import Verification, unverified
 
 __all__ = ["WATCH_HELP", "WATCH_LOG", "RunState", "WatchResult", "watch"]
 
@@ -147,43 +148,23 @@ class _Known:
     retry_at: float = 0.0
 
 
-def _outcome_result(base: dict[str, Any], event: str, report: Any, seconds: float) -> dict[str, Any]:
-    out = {"event": event, **base, "state": judge_report(report), "errors": len(report.errors),
-           "warnings": len(report.warnings), "bytes": report.stats.get("bytes"), "seconds": round(seconds, 3)}
+def _row(base: dict[str, Any], outcome: Verification) -> dict[str, Any]:
+    """The watch log's line for ``outcome``: its verdict (``stamped``, else ``stamp_error``) with counts, or why it has
+    none (a changed one is tried again)."""
+    report = outcome.report
+    if report is None:
+        later = "; it is verified again in a later pass" if outcome.no_verdict == "changed" else ""
+        return {"event": outcome.no_verdict, **base, "reason": f"{outcome.reason}{later}"}
+    out = {"event": "verified" if outcome.passed else "failed", **base, "state": judge_report(report),
+           "errors": len(report.errors), "warnings": len(report.warnings), "bytes": report.stats.get("bytes"),
+           "seconds": round(outcome.seconds, 3)}
     if report.errors:
         first = report.errors[0]
         out["first_error"] = {"check": first.check, "message": first.message}
+    out["stamped"] = outcome.stamped
+    if not outcome.stamped:
+        out["stamp_error"] = outcome.reason or "not stamped"
     return out
-
-
-def _verify_unstamped(path: str, base: dict[str, Any], jobs: int | None, deep: bool, settle: float,
-                      why: str) -> tuple[dict[str, Any], str]:
-    """Verify without lock or stamp (``why``), as the stamper would: a verdict only on unmoved files. Returns the result
-    and the judged files' fingerprint."""
-    from ckptverify.audit.verify import verify_checkpoint
-
-    started = time.perf_counter()
-    try:
-        before = files_fingerprint(path)
-        report = verify_checkpoint(path, jobs=jobs, deep=deep)
-        moved = unmoved(path, None, report.passed, before, settle)
-        if moved is not None:
-            return _no_verdict(base, moved), before
-    except FileNotFoundError:  # CheckpointNotFoundError included
-        return {"event": "deleted", **base, "reason": GONE}, ""
-    except (OSError, CkptVerifyError) as exc:
-        return {"event": "error", **base, "reason": f"{why}; verifying it without a stamp failed too: "
-                f"{type(exc).__name__}: {exc}"}, ""
-    out = _outcome_result(base, "verified" if report.passed else "failed", report, time.perf_counter() - started)
-    out["stamped"] = False
-    out["stamp_error"] = why
-    return out, before
-
-
-def _no_verdict(base: dict[str, Any], outcome: Any) -> dict[str, Any]:
-    """The result of a verification that reached no verdict (a changed one is tried again)."""
-    later = "; it is verified again in a later pass" if outcome.no_verdict == "changed" else ""
-    return {"event": outcome.no_verdict, **base, "reason": f"{outcome.reason}{later}"}
 
 
 def _fingerprint(path: str) -> str:
@@ -199,23 +180,21 @@ def _verify_one(root: str, cand: Candidate, jobs: int | None, deep: bool,
     """Verify and stamp one checkpoint: the result (``None`` if someone else is on it) and, for an unstamped verdict or
     an error, its files' fingerprint."""
     path = os.path.join(root, cand.path)
-    base = {"path": cand.path, "step": cand.step}
     outcome = verify_and_stamp(path, step=cand.step, jobs=jobs, deep=deep, settle=settle)
     if outcome.no_verdict == "busy":
         return None, None  # another watcher is on it
     if outcome.no_verdict == "error":
         # It could not be verified here (the stamper could not read it): try once more without lock or stamp.
-        result, fingerprint = _verify_unstamped(path, base, jobs, deep, settle, outcome.reason or "not stamped")
-        return result, _fingerprint(path) if result["event"] == "error" else fingerprint
-    if outcome.report is None:
-        return _no_verdict(base, outcome), None
-    out = _outcome_result(base, "verified" if outcome.passed else "failed", outcome.report, outcome.seconds)
-    out["stamped"] = outcome.stamped
-    if outcome.stamped:
-        return out, None
+        why = outcome.reason or "not stamped"
+        try:
+            outcome = stamp_locked(path, step=cand.step, jobs=jobs, deep=deep, settle=settle, unstamped=why)
+        except CkptVerifyError as exc:
+            outcome = unverified(path, cand.step, "error", f"{type(exc).__name__}: {exc}")
+        if outcome.no_verdict == "error":
+            outcome = replace(outcome, reason=f"{why}; verifying it without a stamp failed too: {outcome.reason}")
     # A verdict whose stamp could not be written stands all the same; remembered until its files change.
-    out["stamp_error"] = outcome.reason or "not stamped"
-    return out, _fingerprint(path)
+    remember = outcome.no_verdict == "error" or (outcome.report is not None and not outcome.stamped)
+    return _row({"path": cand.path, "step": cand.step}, outcome), _fingerprint(path) if remember else None
 
 
 def _ready(path: str, cand: Candidate, quiet: float) -> bool:

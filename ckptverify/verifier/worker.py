@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.verifier.throttle import IdleProbe, Throttle
-from ckptverify.verifier.verification import Verification
+from ckptverify.verifier.verification import Verification, unverified
 
 __all__ = ["PRIORITIES", "VerifierProcess", "lower_priority", "main", "restore_priority", "serve"]
 
@@ -60,8 +60,8 @@ def serve(requests: Any, replies: Any, hurried: Callable[[int], bool] | None = N
             result = stamp(path, step=step, jobs=req.get("jobs") or 1, deep=deep, settle=float(req.get("settle", 1.0)),
                            throttle=_throttle(req, hurried, priority))
         except Exception as exc:  # one request's failure is its result; the process serves the next one
-            result = Verification(path=path, step=step, verdict="unverified", no_verdict="error", deep=deep,
-                                  reason=f"the verification itself failed: {type(exc).__name__}: {exc}")
+            result = unverified(path, step, "error", f"the verification itself failed: {type(exc).__name__}: {exc}",
+                                deep=deep)
         reply({**result.to_dict(), "seq": req.get("seq")})
 
 
@@ -242,7 +242,7 @@ class VerifierProcess:
         except TypeError:
             result, why = None, "the verifier process gave an answer that is not a verification"
         if result is None:
-            return Verification(path=path, step=step, verdict="unverified", deep=deep, reason=why)
+            return unverified(path, step, "error", why, deep=deep)
         return result
 
     def run(self, job: str, args: dict[str, Any], throttle: Callable[[], bool] | None = None,

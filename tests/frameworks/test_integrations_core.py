@@ -233,6 +233,7 @@ def test_a_folder_deleted_while_it_is_verified_or_stamped_is_deleted_not_failed(
     import ckptverify.audit.verify as verify_module
     import ckptverify.runs.stamp as stamp_module
     from ckptverify.verifier.saved import check_saved
+    from ckptverify.verifier.verification import event_of
 
     real_verify, real_stamp = verify_module.verify_checkpoint, stamp_module.write_stamp
 
@@ -241,10 +242,10 @@ def test_a_folder_deleted_while_it_is_verified_or_stamped_is_deleted_not_failed(
         return real_verify(root, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(verify_module, "verify_checkpoint", verify_then_lose_it)
-    verdict, _, event = check_saved(str(_hf_folder(tmp_path / "checkpoint-1")), 1, False, settle=0.01)
-    assert event == "checkpoint-deleted" and verdict.deleted and not verdict.passed
-    _, _, inline_event = check_saved(str(_hf_folder(tmp_path / "checkpoint-2")), 2, False)
-    assert inline_event == "checkpoint-failed"  # inline, nothing deletes behind the check's back: it fails
+    verdict, _ = check_saved(str(_hf_folder(tmp_path / "checkpoint-1")), 1, False, settle=0.01)
+    assert event_of(verdict) == "checkpoint-deleted" and verdict.deleted and not verdict.passed
+    inline, _ = check_saved(str(_hf_folder(tmp_path / "checkpoint-2")), 2, False)
+    assert event_of(inline) == "checkpoint-failed"  # inline, nothing deletes behind the check's back: it fails
     monkeypatch.setattr(verify_module, "verify_checkpoint", real_verify)
 
     def stamp_as_rmtree_runs(root: str, *args: object, **kw: object) -> object:
@@ -255,8 +256,8 @@ def test_a_folder_deleted_while_it_is_verified_or_stamped_is_deleted_not_failed(
 
     monkeypatch.setattr(stamp_module, "write_stamp", stamp_as_rmtree_runs)
     folder = _hf_folder(tmp_path / "checkpoint-3")
-    verdict, _, event = check_saved(str(folder), 3, "auto", settle=0.01)
-    assert event == "checkpoint-deleted" and not folder.exists()  # ckptverify's stamp and manifest went too
+    verdict, _ = check_saved(str(folder), 3, "auto", settle=0.01)
+    assert event_of(verdict) == "checkpoint-deleted" and not folder.exists()  # ckptverify's stamp and manifest went too
 
 
 def test_a_job_that_ends_without_waiting_is_waited_for_at_exit(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def _as_node(rank: int, root: str, flip_in: str | None = None) -> Iterator[dict[
 
 
 def _integration_worker(rank: int, world: int, root: str) -> None:
-    from ckptverify.integrations._core import Verifier, torch_group
+    from ckptverify.integrations import Verifier, torch_group
 
     with _as_node(rank, root, flip_in="step_2") as out:
         verifier = Verifier(verify="background", fingerprint=False)
@@ -143,7 +143,7 @@ def _integration_deep_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from ckptverify.integrations._core import Verifier, torch_group
+    from ckptverify.integrations import Verifier, torch_group
     from ckptverify.options import VerifyOptions
 
     with _as_node(rank, root) as out:

@@ -340,7 +340,7 @@ def test_only_a_dcp_folder_is_shared_out_among_nodes(tmp_path: Path) -> None:
     coordinator verifies it whole; a DCP folder is shared out."""
     from safetensors.torch import save_file
 
-    from ckptverify.integrations._core import Group, Verifier
+    from ckptverify.integrations import Group, Verifier
 
     gathered: list[Any] = []
 
@@ -616,7 +616,7 @@ def test_a_folder_part_without_usable_digests_has_its_shards_read_here_and_the_n
 
 def test_a_folder_s_dcp_folders_are_shared_out_fingerprinted_or_not_deep_or_not(
         tmp_path: Path) -> None:
-    from ckptverify.integrations._core import Group, Verifier
+    from ckptverify.integrations import Group, Verifier
     from ckptverify.options import VerifyOptions
 
     group = Group(coordinator=True, broadcast=lambda obj: obj, barrier=lambda: None,
