@@ -1,9 +1,9 @@
 """Undoing DCP's stream transforms (``_extension``, e.g. ``stream.zstd/1``) to read an item's bytes.
 
 Stored bytes have no checksum of their own; the decoded archive has CRC-32s, so an item is decoded (in memory,
-bounded by :data:`MAX_DECODED_BYTES`: a bomb is an error, not a hang) and judged like any other. ZStandard uses
-``zstandard`` or ``pyzstd``; any other descriptor only via a caller's ``ExtensionRegistry``: the (untrusted)
-descriptor merely selects a registered class, and nothing is imported because a checkpoint names it.
+bounded by :data:`MAX_DECODED_BYTES`: a bomb is an error, not a hang) and judged like any other. ZStandard is
+decoded by :mod:`ckptverify.safeparse.zstd`; any other descriptor only via a caller's ``ExtensionRegistry``: the
+(untrusted) descriptor merely selects a registered class, and nothing is imported because a checkpoint names it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from ckptverify.dcp.layout import Item
 from ckptverify.errors import TransformError
+from ckptverify.safeparse import zstd
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 
 __all__ = ["MAX_DECODED_BYTES", "DecodedItem", "decode", "decoded_item"]
@@ -41,29 +42,9 @@ def _bounded_read(stream: Any, limit: int) -> bytes:
 
 def _zstd(raw: bytes, limit: int) -> bytes:
     try:
-        import zstandard
-    except ImportError:
-        zstandard = None
-    if zstandard is not None:
-        try:
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as r:
-                return _bounded_read(r, limit)
-        except zstandard.ZstdError as exc:
-            raise TransformError(f"the zstd stream is corrupt: {exc}") from None
-    try:
-        import pyzstd
-    except ImportError:
-        raise TransformError("decoding stream.zstd needs the zstandard package (pip install zstandard)",
-                             unavailable=True) from None
-    try:
-        d = pyzstd.EndlessZstdDecompressor()
-        out = d.decompress(raw, max_length=limit + 1)
-    except pyzstd.ZstdError as exc:
-        raise TransformError(f"the zstd stream is corrupt: {exc}") from None
-    if len(out) > limit or not d.at_frame_edge:
-        raise TransformError("the zstd stream is cut short" if d.at_frame_edge is False and len(out) <= limit
-                             else f"the stream decodes to more than {limit} bytes; refused")
-    return out
+        return zstd.decompress(raw, limit)
+    except ValueError as exc:
+        raise TransformError(str(exc)) from None
 
 
 def decode(raw: bytes, descriptors: Sequence[str], *, registry: Any = None,
