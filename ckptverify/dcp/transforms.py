@@ -17,7 +17,8 @@ from typing import Any
 from ckptverify.dcp.layout import Item
 from ckptverify.errors import TransformError
 from ckptverify.safeparse import zstd
-from ckptverify.safeparse.readers import ReadOnlyFile, crc32
+from ckptverify.safeparse.fold import Folding
+from ckptverify.safeparse.readers import ReadOnlyFile
 
 __all__ = ["MAX_DECODED_BYTES", "DecodedItem", "decode", "decoded_item"]
 
@@ -74,7 +75,7 @@ def decode(raw: bytes, descriptors: Sequence[str], *, registry: Any = None,
     return data
 
 
-class DecodedItem:
+class DecodedItem(Folding):
     """A transformed item's decoded bytes, read like a file; :meth:`drop` frees them (a later read decodes again).
     ``item``: as the decoded bytes see it (offset 0, no transforms)."""
 
@@ -108,12 +109,9 @@ class DecodedItem:
             return b""
         return self.data[offset:offset + n]
 
-    def crc32(self, start: int, end: int, progress: Any = None) -> int:
-        return crc32(memoryview(self.data)[start:end])
-
-    def fold(self, start: int, end: int, fn: Any, progress: Any = None) -> None:
-        with memoryview(self.data)[start:min(end, self.size)] as view:
-            fn(view)
+    def fold_at(self, start: int, end: int, fn: Any, progress: Any = None) -> None:
+        with memoryview(self.data)[start:end] as view:
+            fn(view, start)
 
     def changed(self) -> str | None:
         return self._f.changed()
