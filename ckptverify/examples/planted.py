@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptverify.examples.tinygpt import Block, TinyGPTConfig, Training, train_step
-from ckptverify.examples.workloads import BATCH, CONFIG, _loop, _setup, _step_without_scheduler
+from ckptverify.examples.workloads import BATCH, CONFIG, _loop, _setup
 from ckptverify.resume.run import Run
 from ckptverify.state.train_state import TrainState
 
@@ -83,7 +83,7 @@ def _full_state(training: Training) -> TrainState:
 def _manual_lr(training: Training) -> None:
     """Drop the built-in schedule: the loop sets lr itself."""
     training.optimizer = torch.optim.AdamW(training.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    training.scheduler = None  # type: ignore[assignment]
+    training.scheduler = None
 
 
 # ------------------------------------------------------------------------------------------- §1 causes
@@ -125,7 +125,7 @@ def counter_reset_lr(run: Run) -> None:
         if iter_num % 4 == 0:
             evaluate(training)  # the step-0 evaluation, re-triggered on resume: draws randomness
         batch = get_batch(training)
-        out = _step_without_scheduler(training, batch)
+        out = train_step(training, batch)
         iter_num += 1  # noqa: SIM113 (a hand-kept counter is the bug)
         run.record(loss=out["loss"], batch=batch, lr=out["lr"])
 
