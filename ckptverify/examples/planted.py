@@ -35,6 +35,7 @@ from ckptverify.examples.tinygpt import Block, TinyGPTConfig, Training, train_st
 from ckptverify.examples.workloads import BATCH, CONFIG, _loop, _setup
 from ckptverify.resume.run import Run
 from ckptverify.state.train_state import TrainState
+from ckptverify.trace.sites import local_view
 
 #: name -> (verdict kind, the site or variable the verdict or a warning must name).
 EXPECTED: dict[str, tuple[str, str]] = {
@@ -155,17 +156,12 @@ class EMA(nn.Module):
         super().__init__()
         self.decay = decay
         self.shadow = nn.ParameterList(
-            nn.Parameter(_local(p).detach().clone(), requires_grad=False) for p in model.parameters())
+            nn.Parameter(local_view(p).detach().clone(), requires_grad=False) for p in model.parameters())
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         for s, p in zip(self.shadow, model.parameters(), strict=True):
-            s.lerp_(_local(p), 1 - self.decay)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(p, "to_local", None)
-    return to_local() if to_local is not None else p
+            s.lerp_(local_view(p), 1 - self.decay)
 
 
 def ema_unregistered(run: Run) -> None:
