@@ -263,16 +263,6 @@ def _dict(value: Any, what: str) -> tuple[tuple[Any, Any], ...]:
     return value.items
 
 
-def safe_relative_path(value: Any) -> str | None:
-    """Return ``value`` if it names a file inside the checkpoint directory, else ``None``."""
-    if type(value) is not str or not value or "\x00" in value or "\\" in value or len(value) > 4096:
-        return None
-    parts = value.split("/")
-    if value.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        return None
-    return value
-
-
 def _properties(value: Any, what: str) -> TensorProps:
     f = _obj(value, "TensorProperties", what)
     dtype = f["dtype"]
@@ -384,7 +374,7 @@ class _Interned:
         try:
             return self.paths[value]
         except KeyError:
-            rel = self.paths[value] = safe_relative_path(value)
+            rel = self.paths[value] = paths.safe_relative_path(value)
             return rel
 
 
