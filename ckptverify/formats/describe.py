@@ -34,7 +34,7 @@ from ckptverify.safeparse.zipwalk import parse_archive, range_reader
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
+__all__ = ["Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
            "describe", "folder_files", "is_own_file", "iter_payload_blocks", "read_parts",
            "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads", "view_span"]
 
