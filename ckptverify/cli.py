@@ -694,11 +694,15 @@ def _session(command: str, path: str, cluster: _Cluster, jobs: int | None, json_
     if cluster.off and readers > 1:
         fail(command, path, UsageError(f"--readers {readers} and --no-cluster contradict each other: --no-cluster "
                                        "runs one process"), json_out)
-    if cluster.off or (readers < 2 and not _launched()):
+    if cluster.off:
         return None
-    from ckptverify.cluster.session import open_session
+    from ckptverify.cluster.env import detect  # cheap: the environment alone
 
     try:
+        if readers < 2 and detect() is None:
+            return None
+        from ckptverify.cluster.session import open_session
+
         session = open_session(command, path, readers=cluster.readers, rank_timeout=cluster.rank_timeout,
                                jobs=jobs, child_options={})
     except CkptVerifyError as exc:
@@ -715,15 +719,6 @@ def _session(command: str, path: str, cluster: _Cluster, jobs: int | None, json_
     if failure is not None:
         fail(command, path, failure, False)  # as text: only rank 0 prints the report
     sys.exit(code)
-
-
-def _launched() -> bool:
-    """Whether a launcher (torchrun, srun, --readers) may have started this process as one of several ranks."""
-    import os
-
-    env = os.environ
-    return env.get("CKPTVERIFY_CLUSTER") == "local" or bool(env.get("TORCHELASTIC_RUN_ID")) \
-        or env.get("SLURM_PROCID") is not None
 
 
 def _render_ranks(report: Any, console: Any) -> None:

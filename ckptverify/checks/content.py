@@ -21,6 +21,7 @@ from ckptverify.checks.crcflip import false_match_probability, locate_single_bit
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
 from ckptverify.errors import ArchiveError
 from ckptverify.findings import Finding, Location, error, info, warning
+from ckptverify.safeparse.dtypes import view_extent
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader, item_header
 from ckptverify.safeparse.zipwalk import Archive, Record, TemplateCache, parse_archive, parse_item, range_reader
@@ -422,8 +423,7 @@ def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) 
 @functools.lru_cache(maxsize=1024)
 def _view_fits(header: TensorHeader) -> bool:
     """The tensor view lies inside its storage (headers repeat: one per dtype and shape)."""
-    extent = header.storage_offset + sum((n - 1) * s for n, s in zip(header.size, header.stride, strict=True)) + 1
-    return not (math.prod(header.size) and extent > header.storage_numel)
+    return view_extent(header.size, header.stride, header.storage_offset) <= header.storage_numel
 
 
 def global_index(item: Item, linear: int) -> tuple[int, ...]:

@@ -150,12 +150,10 @@ def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest,
               crc_ranges: Sequence[tuple[int, int]] = ()) -> tuple[list[str], list[int]]:
     """The task's block digests (or whole-item digest) and, in the same pass, the CRC-32 of each ``crc_ranges`` range.
     """
-    from ckptverify.fingerprint import new_digest
-    from ckptverify.fingerprint.digest import hexdigest_of
+    from ckptverify.fingerprint import digest_bytes, new_digest
 
     algorithm, bb = manifest.digest_algorithm, manifest.block_bytes
     whole = task.last == task.first
-    block_digest = hexdigest_of(algorithm)
     out: list[str] = []
     crcs = [0] * len(crc_ranges)
     state = {"digest": new_digest(algorithm), "filled": 0}
@@ -171,7 +169,7 @@ def hash_task(f: ReadOnlyFile, task: BlockTask, manifest: Manifest,
             return
         if len(view) == bb and not state["filled"]:
             # Pieces are block-aligned: one digest per block, fed at construction (hashes without the GIL).
-            out.append(block_digest(view))
+            out.append(digest_bytes(view, algorithm))
             return
         pos = 0
         while pos < len(view):

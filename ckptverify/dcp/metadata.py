@@ -54,16 +54,6 @@ class TensorProps:
 
 
 @dataclass(frozen=True, slots=True)
-class TensorStorageMetadata:
-    """DCP's ``TensorStorageMetadata``: a tensor's dtype, global shape, chunks and properties."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
-    properties: TensorProps
-
-
-@dataclass(frozen=True, slots=True)
 class StorageEntry:
     """One ``MetadataIndex -> _StorageInfo`` entry of ``storage_data``."""
 
@@ -91,7 +81,9 @@ class ParsedMetadata:
     """One metadata file, validated; ``planner_data`` and ``extras`` values are the inert plain tree."""
 
     name: str
-    entries: dict[str, TensorStorageMetadata | None]  # None: a BytesStorageMetadata (a non-tensor value)
+    entries: dict[str, TensorInfo | None]  # None: a BytesStorageMetadata (a non-tensor value)
+    #: Each tensor entry's ``TensorProperties``, by fqn.
+    properties: dict[str, TensorProps]
     storage: list[StorageEntry]
     planner_data: Any
     storage_meta: StorageMetaInfo | None
@@ -271,16 +263,6 @@ def _dict(value: Any, what: str) -> tuple[tuple[Any, Any], ...]:
     return value.items
 
 
-def safe_relative_path(value: Any) -> str | None:
-    """Return ``value`` if it names a file inside the checkpoint directory, else ``None``."""
-    if type(value) is not str or not value or "\x00" in value or "\\" in value or len(value) > 4096:
-        return None
-    parts = value.split("/")
-    if value.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        return None
-    return value
-
-
 def _properties(value: Any, what: str) -> TensorProps:
     f = _obj(value, "TensorProperties", what)
     dtype = f["dtype"]
@@ -392,14 +374,15 @@ class _Interned:
         try:
             return self.paths[value]
         except KeyError:
-            rel = self.paths[value] = safe_relative_path(value)
+            rel = self.paths[value] = paths.safe_relative_path(value)
             return rel
 
 
 def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     fields = _obj(tree, "Metadata", "the top-level object")
     interned = _Interned()
-    entries: dict[str, TensorStorageMetadata | None] = {}
+    entries: dict[str, TensorInfo | None] = {}
+    properties: dict[str, TensorProps] = {}
     for fqn_raw, entry in _dict(fields["state_dict_metadata"], "state_dict_metadata"):
         fqn = fqn_raw if _ok_str(fqn_raw) else _str(fqn_raw, "a state dict key")
         if fqn in entries:
@@ -420,13 +403,14 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
         if type(chunks_raw) is not list and type(chunks_raw) is not tuple:
             chunks_raw = _seq(chunks_raw, f"chunks of {fqn!r}")
         chunks = tuple(interned.chunk(c, f"a chunk of {fqn!r}") for c in chunks_raw)
-        entries[fqn] = TensorStorageMetadata(props.dtype, shape, chunks, props)
+        entries[fqn] = TensorInfo(fqn, props.dtype, shape, chunks)
+        properties[fqn] = props
 
     storage_raw = fields["storage_data"]
     if not isinstance(storage_raw, sp.PDict):
         raise BadPickle("storage_data is not a dict (was the checkpoint written by FileSystemWriter?)")
-    parsed = ParsedMetadata(name=name, entries=entries, storage=[], planner_data=None, storage_meta=None,
-                            version=None)
+    parsed = ParsedMetadata(name=name, entries=entries, properties=properties, storage=[], planner_data=None,
+                            storage_meta=None, version=None)
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
     storage = parsed.storage
     for key, info in storage_raw.items:
@@ -571,7 +555,7 @@ class _Merger:
                 continue
             previous = layout.tensors.get(fqn)
             if previous is None:
-                layout.tensors[fqn] = TensorInfo(fqn, entry.dtype, entry.shape, entry.chunks)
+                layout.tensors[fqn] = entry
                 if len(entry.chunks) == 1:
                     self.by_offsets[fqn] = {entry.chunks[0].offsets: entry.chunks[0]}
                 else:

@@ -221,7 +221,7 @@ def build_metadata(parsed: md.ParsedMetadata) -> Metadata:
             sd[fqn] = BytesStorageMetadata()
             continue
         chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in entry.chunks]
-        sd[fqn] = TensorStorageMetadata(properties=_properties(entry.properties), size=torch.Size(entry.shape),
+        sd[fqn] = TensorStorageMetadata(properties=_properties(parsed.properties[fqn]), size=torch.Size(entry.shape),
                                         chunks=chunks)
     storage: dict[Any, Any] = {}
     for s in parsed.storage:

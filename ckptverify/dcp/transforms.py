@@ -1,9 +1,9 @@
 """Undoing DCP's stream transforms (``_extension``, e.g. ``stream.zstd/1``) to read an item's bytes.
 
 Stored bytes have no checksum of their own; the decoded archive has CRC-32s, so an item is decoded (in memory,
-bounded by :data:`MAX_DECODED_BYTES`: a bomb is an error, not a hang) and judged like any other. ZStandard uses
-``zstandard`` or ``pyzstd``; any other descriptor only via a caller's ``ExtensionRegistry``: the (untrusted)
-descriptor merely selects a registered class, and nothing is imported because a checkpoint names it.
+bounded by :data:`MAX_DECODED_BYTES`: a bomb is an error, not a hang) and judged like any other. ZStandard is
+decoded by :mod:`ckptverify.safeparse.zstd`; any other descriptor only via a caller's ``ExtensionRegistry``: the
+(untrusted) descriptor merely selects a registered class, and nothing is imported because a checkpoint names it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Any
 
 from ckptverify.dcp.layout import Item
 from ckptverify.errors import TransformError
-from ckptverify.safeparse.readers import ReadOnlyFile, crc32
+from ckptverify.safeparse import zstd
+from ckptverify.safeparse.fold import Folding
+from ckptverify.safeparse.readers import ReadOnlyFile
 
 __all__ = ["MAX_DECODED_BYTES", "DecodedItem", "decode", "decoded_item"]
 
@@ -41,29 +43,9 @@ def _bounded_read(stream: Any, limit: int) -> bytes:
 
 def _zstd(raw: bytes, limit: int) -> bytes:
     try:
-        import zstandard
-    except ImportError:
-        zstandard = None
-    if zstandard is not None:
-        try:
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as r:
-                return _bounded_read(r, limit)
-        except zstandard.ZstdError as exc:
-            raise TransformError(f"the zstd stream is corrupt: {exc}") from None
-    try:
-        import pyzstd
-    except ImportError:
-        raise TransformError("decoding stream.zstd needs the zstandard package (pip install zstandard)",
-                             unavailable=True) from None
-    try:
-        d = pyzstd.EndlessZstdDecompressor()
-        out = d.decompress(raw, max_length=limit + 1)
-    except pyzstd.ZstdError as exc:
-        raise TransformError(f"the zstd stream is corrupt: {exc}") from None
-    if len(out) > limit or not d.at_frame_edge:
-        raise TransformError("the zstd stream is cut short" if d.at_frame_edge is False and len(out) <= limit
-                             else f"the stream decodes to more than {limit} bytes; refused")
-    return out
+        return zstd.decompress(raw, limit)
+    except ValueError as exc:
+        raise TransformError(str(exc)) from None
 
 
 def decode(raw: bytes, descriptors: Sequence[str], *, registry: Any = None,
@@ -93,7 +75,7 @@ def decode(raw: bytes, descriptors: Sequence[str], *, registry: Any = None,
     return data
 
 
-class DecodedItem:
+class DecodedItem(Folding):
     """A transformed item's decoded bytes, read like a file; :meth:`drop` frees them (a later read decodes again).
     ``item``: as the decoded bytes see it (offset 0, no transforms)."""
 
@@ -127,12 +109,9 @@ class DecodedItem:
             return b""
         return self.data[offset:offset + n]
 
-    def crc32(self, start: int, end: int, progress: Any = None) -> int:
-        return crc32(memoryview(self.data)[start:end])
-
-    def fold(self, start: int, end: int, fn: Any, progress: Any = None) -> None:
-        with memoryview(self.data)[start:min(end, self.size)] as view:
-            fn(view)
+    def fold_at(self, start: int, end: int, fn: Any, progress: Any = None) -> None:
+        with memoryview(self.data)[start:end] as view:
+            fn(view, start)
 
     def changed(self) -> str | None:
         return self._f.changed()

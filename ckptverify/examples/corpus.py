@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ckptverify.fingerprint.spec import LANES, mix
+
 __all__ = ["TokenDataset", "generate_tokens"]
 
 # Stream tags keep the hash inputs of different uses apart.
@@ -29,14 +31,8 @@ _PROB_BITS = 32  # probabilities are compared as 32-bit integers: exact, no floa
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finalizer over a uint64 array (wrapping arithmetic)."""
-    x = x.astype(np.uint64, copy=True)
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
+    """SplitMix64 finalizer (the fingerprint's second lane mixer) over a uint64 array (wrapping arithmetic)."""
+    return mix(x.astype(np.uint64), LANES[1])
 
 
 def _hash(seed: int, tag: int, a: np.ndarray, b: np.ndarray | int = 0) -> np.ndarray:

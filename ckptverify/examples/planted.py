@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptverify.examples.tinygpt import Block, TinyGPTConfig, Training, train_step
-from ckptverify.examples.workloads import BATCH, CONFIG, _loop, _setup, _step_without_scheduler
+from ckptverify.examples.workloads import BATCH, CONFIG, _loop, _setup
 from ckptverify.resume.run import Run
 from ckptverify.state.train_state import TrainState
+from ckptverify.trace.sites import local_view
 
 #: name -> (verdict kind, the site or variable the verdict or a warning must name).
 EXPECTED: dict[str, tuple[str, str]] = {
@@ -83,7 +84,7 @@ def _full_state(training: Training) -> TrainState:
 def _manual_lr(training: Training) -> None:
     """Drop the built-in schedule: the loop sets lr itself."""
     training.optimizer = torch.optim.AdamW(training.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    training.scheduler = None  # type: ignore[assignment]
+    training.scheduler = None
 
 
 # ------------------------------------------------------------------------------------------- §1 causes
@@ -125,7 +126,7 @@ def counter_reset_lr(run: Run) -> None:
         if iter_num % 4 == 0:
             evaluate(training)  # the step-0 evaluation, re-triggered on resume: draws randomness
         batch = get_batch(training)
-        out = _step_without_scheduler(training, batch)
+        out = train_step(training, batch)
         iter_num += 1  # noqa: SIM113 (a hand-kept counter is the bug)
         run.record(loss=out["loss"], batch=batch, lr=out["lr"])
 
@@ -155,17 +156,12 @@ class EMA(nn.Module):
         super().__init__()
         self.decay = decay
         self.shadow = nn.ParameterList(
-            nn.Parameter(_local(p).detach().clone(), requires_grad=False) for p in model.parameters())
+            nn.Parameter(local_view(p).detach().clone(), requires_grad=False) for p in model.parameters())
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         for s, p in zip(self.shadow, model.parameters(), strict=True):
-            s.lerp_(_local(p), 1 - self.decay)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(p, "to_local", None)
-    return to_local() if to_local is not None else p
+            s.lerp_(local_view(p), 1 - self.decay)
 
 
 def ema_unregistered(run: Run) -> None:

@@ -192,7 +192,8 @@ class Training:
 
     model: nn.Module
     optimizer: torch.optim.AdamW
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    #: ``None`` when the loop sets the learning rate itself.
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None
     dataset: TokenDataset
     config: TinyGPTConfig
     device: torch.device
@@ -277,24 +278,32 @@ def make_loader(
 
 
 def train_step(training: Training, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float | torch.Tensor]:
-    """One optimizer step on ``batch = (input_ids, targets)``.
+    """One optimizer step on ``batch = (input_ids, targets)`` (:func:`optimizer_step` after the backward pass).
 
     Returns ``{"loss": 0-d tensor, "grad_norm": 0-d tensor (before clipping), "lr": float}``, where ``lr`` is the
     learning rate this step used (read before ``scheduler.step()``). Tensors stay on the device: nothing here
     forces a host synchronisation.
     """
-    model, optimizer = training.model, training.optimizer
+    model = training.model
     model.train()
     input_ids, targets = (z.to(training.device, non_blocking=True) for z in batch)
     logits = model(input_ids)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     loss.backward()
+    return optimizer_step(training, loss.detach())
+
+
+def optimizer_step(training: Training, loss: torch.Tensor) -> dict[str, float | torch.Tensor]:
+    """Clip the gradients, step the optimizer and the scheduler (when there is one), clear the gradients; returns
+    the step's ``loss``, ``grad_norm`` and ``lr`` as :func:`train_step` does."""
+    model, optimizer = training.model, training.optimizer
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
     full_tensor = getattr(grad_norm, "full_tensor", None)
     if full_tensor is not None:  # FSDP2: a DTensor norm over sharded gradients
         grad_norm = full_tensor()
     lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
-    training.scheduler.step()
+    if training.scheduler is not None:
+        training.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr}
+    return {"loss": loss, "grad_norm": grad_norm.detach(), "lr": lr}

@@ -26,7 +26,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ckptverify.examples.tinygpt import TinyGPTConfig, Training, build_training, make_loader, train_step
+from ckptverify.examples.tinygpt import (
+    TinyGPTConfig,
+    Training,
+    build_training,
+    make_loader,
+    optimizer_step,
+    train_step,
+)
 from ckptverify.resume.run import Run
 from ckptverify.state.train_state import TrainState
 
@@ -102,6 +109,7 @@ def hidden_counter(run: Run) -> None:
     training, loader = _setup(run)
     # Manual learning-rate control: no scheduler at all, the rate comes from a counter.
     training.optimizer = torch.optim.AdamW(training.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    training.scheduler = None
     state = TrainState(model=training.model, optimizer=training.optimizer, dataloader=loader)
     run.restore(state)
 
@@ -110,34 +118,9 @@ def hidden_counter(run: Run) -> None:
         for group in training.optimizer.param_groups:
             group["lr"] = 3e-3 * 0.8**_LR_COUNTER
         _LR_COUNTER += 1
-        return _step_without_scheduler(training, batch)
+        return train_step(training, batch)
 
     _loop(run, training, loader, step)
-
-
-def _step_without_scheduler(training: Training, batch: Any, loss_fn: Any = None) -> dict[str, Any]:
-    model = training.model
-    model.train()
-    input_ids, targets = (z.to(training.device) for z in batch)
-    logits = model(input_ids)
-    if loss_fn is None:
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    else:
-        loss = loss_fn(logits, targets)
-    loss.backward()
-    return _clip_and_step(training, loss.detach())
-
-
-def _clip_and_step(training: Training, loss: torch.Tensor) -> dict[str, Any]:
-    """Clip the gradients, take the optimizer step, clear the gradients; the step's loss, norm and lr."""
-    model, optimizer = training.model, training.optimizer
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": grad_norm.detach(), "lr": lr}
 
 
 def nondeterministic(run: Run) -> None:
@@ -162,8 +145,6 @@ def nondeterministic(run: Run) -> None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / len(parts)
             loss.backward()
             total += loss.detach()
-        out = _clip_and_step(training, total)
-        training.scheduler.step()
-        return out
+        return optimizer_step(training, total)
 
     _loop(run, training, loader, step)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -22,16 +22,10 @@ from ckptverify.errors import UsageError
 __all__ = ["FingerprintStreams", "check_fingerprintable", "device_scope", "is_capturing"]
 
 
-def _cuda_scope(device: torch.device, stream: Any | None) -> AbstractContextManager[Any]:
-    """Make ``device`` current and, if given, ``stream`` its current stream (``None``: leave it)."""
-    if stream is None:
-        return torch.cuda.device(device)
-    return _device_and_stream(device, stream)
-
-
 @contextmanager
-def _device_and_stream(device: torch.device, stream: Any) -> Iterator[None]:
-    with torch.cuda.device(device), torch.cuda.stream(stream):
+def _cuda_scope(device: torch.device, stream: Any | None) -> Iterator[None]:
+    """Make ``device`` current and, if given, ``stream`` its current stream (``None``: leave it)."""
+    with torch.cuda.device(device), nullcontext() if stream is None else torch.cuda.stream(stream):
         yield
 
 

@@ -14,7 +14,7 @@ from ckptverify.errors import CkptVerifyError, UsageError
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_BLOCK_SIZE", "BlockDigest", "ByteDigest", "RangeDigest",
            "block_digests", "digest_bytes", "digest_file_range",
-           "digest_reader", "hexdigest_of", "new_digest"]
+           "digest_reader", "new_digest"]
 
 DEFAULT_ALGORITHM = "xxh3-128"
 ALGORITHMS = ("xxh3-128", "sha256")
@@ -31,29 +31,24 @@ class ByteDigest(Protocol):
     def hexdigest(self) -> str: ...
 
 
+_MAKERS: dict[str, Any] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
 def new_digest(algorithm: str = DEFAULT_ALGORITHM) -> ByteDigest:
     """A fresh streaming digest: ``"xxh3-128"`` (xxhash ``xxh3_128``) or ``"sha256"`` (hashlib)."""
-    if algorithm == "xxh3-128":
-        return xxhash.xxh3_128()
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    raise UsageError(f"unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-
-
-def hexdigest_of(algorithm: str = DEFAULT_ALGORITHM) -> Any:
-    """A function giving one buffer's hex digest (as ``digest_bytes``), through the streaming constructor, which
-    releases the GIL (xxhash's one-shot functions do not)."""
-    make: Any = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}.get(algorithm)
+    make = _MAKERS.get(algorithm)
     if make is None:
-        new_digest(algorithm)  # raises the usual error
-    return lambda data: make(data).hexdigest()
+        raise UsageError(f"unknown digest algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return make()
 
 
 def digest_bytes(data: Any, algorithm: str = DEFAULT_ALGORITHM) -> str:
-    """Hex digest of a bytes-like object."""
-    digest = new_digest(algorithm)
-    digest.update(data)
-    return digest.hexdigest()
+    """Hex digest of a bytes-like object, fed at construction (which releases the GIL; xxhash's one-shot functions
+    do not)."""
+    make = _MAKERS.get(algorithm)
+    if make is None:
+        new_digest(algorithm)  # raises the usual error
+    return make(data).hexdigest()
 
 
 class BlockDigest:

@@ -26,7 +26,7 @@ from ckptverify.errors import ArchiveError, BadPickle, FindingError, JSONError
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
-from ckptverify.safeparse.dtypes import contiguous_strides, is_row_major
+from ckptverify.safeparse.dtypes import contiguous_strides, is_row_major, view_extent
 from ckptverify.safeparse.readers import ReadOnlyFile
 from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, leaf_values, scan_pickle
 from ckptverify.safeparse.zipwalk import parse_archive, range_reader
@@ -34,7 +34,7 @@ from ckptverify.safeparse.zipwalk import parse_archive, range_reader
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OWN_FILES", "Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
+__all__ = ["Description", "Payload", "StoredRange", "SubclassDesc", "SubclassPart", "TensorDesc",
            "describe", "folder_files", "is_own_file", "iter_payload_blocks", "read_parts",
            "read_payload", "read_tensor", "side_file_description", "stored_part", "stored_payloads", "view_span"]
 
@@ -343,9 +343,9 @@ def view_span(p: Payload) -> tuple[int, int]:
     if len(p.shape) != len(p.stride) or any(v < 0 for v in (*p.shape, *p.stride, p.storage_offset)):
         raise ValueError(f"the view (shape {list(p.shape)}, stride {list(p.stride)}, offset {p.storage_offset}) "
                          "is malformed")
-    if math.prod(p.shape) == 0:
+    extent = view_extent(p.shape, p.stride, p.storage_offset)
+    if extent == 0:
         return 0, 0
-    extent = p.storage_offset + sum((n - 1) * s for n, s in zip(p.shape, p.stride, strict=True)) + 1
     if extent * itemsize > p.length:
         raise ValueError(f"the view reaches element {extent} but the storage holds {p.length // itemsize}")
     return p.storage_offset * itemsize, extent * itemsize

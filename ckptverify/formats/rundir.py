@@ -113,14 +113,6 @@ def dir_format(names: list[str]) -> str | None:
     return _MARKER_FORMATS[min(ranks)] if ranks else None
 
 
-def _scandir(path: str) -> list[os.DirEntry[str]]:
-    try:
-        with paths.scandir(path) as it:
-            return sorted(it, key=lambda e: e.name)
-    except OSError:
-        return []
-
-
 @dataclass
 class _Listing:
     """One folder's entries as the walk needs them: its format, subfolders and checkpoint-named files, sorted."""

@@ -63,8 +63,9 @@ def flip_bit_(t: Any, element: int, bit: int) -> None:
     """Flip bit ``bit`` of element ``element`` of ``t`` in place, any dtype, through an integer view."""
     import torch
 
-    local = t.to_local() if hasattr(t, "to_local") else t
-    data = local.detach()
+    from ckptverify.trace.sites import local_view
+
+    data = local_view(t).detach()
     if data.is_complex():
         data = torch.view_as_real(data)
     if not data.is_contiguous():

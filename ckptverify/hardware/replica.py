@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import CkptVerifyWarning, ReplicaMismatchError
+from ckptverify.fingerprint.spec import signed
 from ckptverify.options import failure_policy
 
 __all__ = ["ReplicaCheck", "ReplicaMismatch"]
@@ -326,11 +327,7 @@ def _replica_groups(p: Any, group: Any) -> list[tuple[tuple[Any, ...], Any]]:
 
 def _lanes(hex128: str) -> tuple[int, int]:
     value = int(hex128, 16)
-    return _signed(value >> 64), _signed(value & ((1 << 64) - 1))
-
-
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
+    return signed(value >> 64), signed(value)
 
 
 def _bucket_digest(digests: list[int | None]) -> tuple[int, int]:
@@ -355,12 +352,6 @@ def _collective_device(group: Any) -> Any:
     return torch.device("cpu")
 
 
-def torch_tensor(rows: list[tuple[int, int]], device: Any) -> Any:
-    import torch
-
-    return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 2)
-
-
 #: One side stream per CUDA device (creating one costs a driver call).
 _SIDE_STREAMS: dict[Any, Any] = {}
 
@@ -380,7 +371,7 @@ def _all_gather(rows: list[tuple[int, int]], device: Any, group: Any, n: int) ->
             stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
         side = torch.cuda.stream(stream)
     with side:
-        t = torch_tensor(rows, device)
+        t = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 2)
         out = [torch.empty_like(t) for _ in range(n)]
         dist.all_gather(out, t, group=group)
         return [tuple(tuple(int(x) for x in row) for row in o.cpu().tolist()) for o in out]

@@ -18,6 +18,7 @@ from typing import Any
 from ckptverify.errors import ManifestError
 from ckptverify.ownfiles.names import MANIFEST_FILE, MANIFEST_TEMP_PREFIX, write_atomic
 from ckptverify.safeparse import safejson
+from ckptverify.safeparse.paths import safe_relative_path
 
 MANIFEST_SCHEMA = "ckptverify/manifest"
 MANIFEST_SCHEMA_VERSION = 1
@@ -220,7 +221,7 @@ def validate(manifest: Manifest) -> None:
             raise ManifestError(f"{what}: {value[:80]!r} is not a {manifest.digest_algorithm} hex digest")
 
     for name, entry in manifest.files.items():
-        if _relative_name(name) is None or name == MANIFEST_FILE:
+        if safe_relative_path(name) is None or name == MANIFEST_FILE:
             raise ManifestError(f"file name {name[:200]!r} does not name a file inside the checkpoint")
         digest(entry.digest, f"digest of {name}")
     for name, entry in manifest.metadata_files.items():
@@ -327,15 +328,6 @@ def _dict(v: Any) -> dict[str, Any]:
     if type(v) is not dict:
         raise ValueError(f"expected an object, got {type(v).__name__}")
     return v
-
-
-def _relative_name(value: str) -> str | None:
-    """``value`` if it names a file inside the checkpoint directory (plain relative path), else ``None``."""
-    if not value or len(value) > 4096 or "\x00" in value or "\\" in value or value.startswith("/"):
-        return None
-    if any(p in ("", ".", "..") for p in value.split("/")):
-        return None
-    return value
 
 
 def file_manifest_name(filename: str) -> str:

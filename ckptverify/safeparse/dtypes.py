@@ -1,11 +1,11 @@
-"""The torch dtypes a checkpoint may name, the bytes per element of each, and row-major element layout.
+"""The torch dtypes a checkpoint may name, the bytes per element of each, and the element layout of a view.
 
 Readers accept ``torch.<dtype>`` globals only for these names and size storages by them.
 """
 
 from __future__ import annotations
 
-__all__ = ["DTYPE_ITEMSIZE", "contiguous_strides", "is_row_major"]
+__all__ = ["DTYPE_ITEMSIZE", "contiguous_strides", "is_row_major", "view_extent"]
 
 #: Bytes per element for every dtype torch can save, by the name torch gives the dtype.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -36,3 +36,10 @@ def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     """``stride`` lays ``shape`` out row after row (a dimension of size 1 may have any stride)."""
     return len(shape) == len(stride) and all(
         s == e or n == 1 for s, e, n in zip(stride, contiguous_strides(shape), shape, strict=True))
+
+
+def view_extent(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> int:
+    """Elements of its storage a view reaches, from the storage's start (0 when the view is empty)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1

@@ -1,4 +1,4 @@
-"""``fold`` and ``crc32`` shared by the local and remote readers, kept apart so neither imports the other."""
+"""``fold`` and ``crc32`` shared by the readers (local, remote, a decoded item), kept apart so none imports another."""
 
 from __future__ import annotations
 
@@ -8,20 +8,7 @@ from typing import Self
 
 from isal.isal_zlib import crc32
 
-__all__ = ["Folding", "fold_crc32"]
-
-
-def fold_crc32(fold: Callable[..., None], start: int, end: int,
-               progress: Callable[[int], None] | None = None) -> int:
-    """CRC-32 (zip's) of bytes ``[start, end)`` through a reader's ``fold``."""
-    value = 0
-
-    def step(view: memoryview) -> None:
-        nonlocal value
-        value = crc32(view, value)
-
-    fold(start, end, step, progress)
-    return value
+__all__ = ["Folding"]
 
 
 class Folding(ABC):
@@ -54,4 +41,11 @@ class Folding(ABC):
 
     def crc32(self, start: int, end: int, progress: Callable[[int], None] | None = None) -> int:
         """CRC-32 (zip's) of bytes ``[start, end)``."""
-        return fold_crc32(self.fold, start, end, progress)
+        value = 0
+
+        def step(view: memoryview, _at: int) -> None:
+            nonlocal value
+            value = crc32(view, value)
+
+        self.fold_at(start, end, step, progress)
+        return value

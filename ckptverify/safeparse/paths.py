@@ -2,7 +2,8 @@
 
 Each function has the name and contract of the ``os`` function it stands for. A local path goes to that very
 function unchanged; a URL goes to :mod:`ckptverify.safeparse.remote` (fsspec imported only then), where prefixes
-are directories, objects regular files, and nothing is a link.
+are directories, objects regular files, and nothing is a link. Also the bounded folder walk, and
+:func:`safe_relative_path`, the one test that a name read from a checkpoint stays inside it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["MAX_WALK_DEPTH", "MAX_WALK_ENTRIES", "FolderWalk", "WalkNote", "abspath", "exists", "is_url", "isdir",
-           "isfile", "islink", "lexists", "listdir", "lstat", "normpath", "scandir", "stat"]
+           "isfile", "islink", "lexists", "listdir", "lstat", "normpath", "safe_relative_path", "scandir", "stat"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -23,6 +24,16 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 def is_url(path: object) -> bool:
     """True when ``path`` is a URL (``scheme://...``), read through fsspec rather than the local file system."""
     return isinstance(path, str) and "://" in path and _URL.match(path) is not None
+
+
+def safe_relative_path(value: object) -> str | None:
+    """``value`` if it is a plain relative path naming a file inside the folder (no empty, ``.`` or ``..`` segment,
+    no leading ``/``, backslash or NUL, at most 4096 characters), else ``None``."""
+    if type(value) is not str or not value or "\x00" in value or "\\" in value or len(value) > 4096:
+        return None
+    if value.startswith("/") or any(p in ("", ".", "..") for p in value.split("/")):
+        return None
+    return value
 
 
 def _remote() -> Any:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import xxhash
 
 from ckptverify.errors import BadPickle, RefusedPickle
-from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major
+from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major, view_extent
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
 __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "SUBCLASSES", "Opaque", "PickleScan", "StorageRef",
@@ -102,9 +102,7 @@ class TensorRef:
 
     def extent(self) -> int:
         """Elements of the storage this tensor reaches (0 when empty)."""
-        if any(s == 0 for s in self.shape):
-            return 0
-        return self.offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride, strict=False)) + 1
+        return view_extent(self.shape, self.stride, self.offset)
 
     def extent_bytes(self) -> int | None:
         """Bytes of the storage this tensor reaches, or ``None`` for a dtype of unknown size."""

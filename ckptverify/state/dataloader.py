@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptverify.errors import UsageError
+from ckptverify.fingerprint.spec import LANES, MASK64, mix
 from ckptverify.state.sampler import Drawn, ResumableSampler, _is_stateful_dataloader
 
 __all__ = [
@@ -89,20 +90,14 @@ def check_loader(loader: Any) -> None:
 
 # ------------------------------------------------------------------------------------ workers' random streams
 
-_MASK64 = (1 << 64) - 1
-
-
 def _mix(x: int) -> int:
-    """splitmix64's finalizer: a bijection of 64-bit words whose outputs look independent."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+    """splitmix64: the golden-ratio step, then its finalizer (the fingerprint's second lane mixer)."""
+    return mix((x + 0x9E3779B97F4A7C15) & MASK64, LANES[1])
 
 
 def batch_seed(base_seed: int, epoch: int, slot: int) -> int:
     """The 64-bit seed of the batch whose first sample is at ``slot`` of ``epoch``'s global order."""
-    return _mix(_mix(_mix(base_seed & _MASK64) ^ (epoch & _MASK64)) ^ (slot & _MASK64))
+    return _mix(_mix(_mix(base_seed & MASK64) ^ (epoch & MASK64)) ^ (slot & MASK64))
 
 
 def _seed_streams(seed: int) -> None:

@@ -16,7 +16,6 @@ index (launchers differ), so a new node layout resumes exactly.
 from __future__ import annotations
 
 import random
-import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 import xxhash
 
 from ckptverify.errors import UsageError
+from ckptverify.state.digest import state_digest
 from ckptverify.state.distributed import rank_world
 
 __all__ = [
@@ -297,53 +297,12 @@ def reseed_rng(seed: int, rank: int, generators: Mapping[str, torch.Generator] |
 # ------------------------------------------------------------------------------------------- fingerprints
 
 
-def _canonical(obj: Any, out: bytearray) -> None:
-    """Append an unambiguous, type-tagged byte encoding of ``obj``."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        dtype = str(t.dtype).encode()
-        out += b"T" + struct.pack("<I", len(dtype)) + dtype + struct.pack("<I", t.dim())
-        out += b"".join(struct.pack("<q", s) for s in t.shape)
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        out += struct.pack("<Q", len(raw)) + raw
-    elif isinstance(obj, bool):
-        out += b"B" + (b"\x01" if obj else b"\x00")
-    elif isinstance(obj, int):
-        raw = str(obj).encode()
-        out += b"I" + struct.pack("<I", len(raw)) + raw
-    elif isinstance(obj, float):
-        out += b"F" + struct.pack("<d", obj)
-    elif isinstance(obj, str):
-        raw = obj.encode()
-        out += b"S" + struct.pack("<Q", len(raw)) + raw
-    elif isinstance(obj, bytes):
-        out += b"Y" + struct.pack("<Q", len(obj)) + obj
-    elif obj is None:
-        out += b"N"
-    elif isinstance(obj, Mapping):
-        out += b"D" + struct.pack("<Q", len(obj))
-        for key in sorted(obj, key=str):
-            _canonical(str(key), out)
-            _canonical(obj[key], out)
-    elif isinstance(obj, list | tuple):
-        out += b"L" + struct.pack("<Q", len(obj))
-        for item in obj:
-            _canonical(item, out)
-    else:
-        raise UsageError(f"cannot fingerprint a {type(obj).__name__} in an RNG state")
-
-
 def rng_fingerprints(state: Mapping[str, Any]) -> dict[str, str]:
-    """A stable hex digest (xxh3-128, canonical serialization) per captured kind: equal digests mean equal states,
-    independent of strides, devices or dict order."""
+    """:func:`~ckptverify.state.digest.state_digest` per captured kind (the trace's digest of a stream): equal
+    digests mean equal states, independent of strides, devices or dict order."""
     if not isinstance(state, Mapping):
         raise UsageError(f"RNG state must be a mapping, got {type(state).__name__}")
-    out: dict[str, str] = {}
-    for kind in sorted(state, key=str):
-        buf = bytearray()
-        _canonical(state[kind], buf)
-        out[str(kind)] = xxhash.xxh3_128_hexdigest(bytes(buf))
-    return out
+    return {str(kind): state_digest(state[kind]) for kind in sorted(state, key=str)}
 
 
 # ------------------------------------------------------------------------------------------- Stateful

@@ -30,6 +30,7 @@ from ckptverify.errors import CkptVerifyError, JSONError, UsageError
 from ckptverify.ownfiles.names import own_folder
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import read_small_file
+from ckptverify.safeparse.zstd import decompress as zstd_decompress
 
 __all__ = ["CATEGORIES", "DIGEST_ENCODINGS", "ENCODINGS", "KINDS", "LEVELS", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION",
            "Cell", "Site", "Trace", "TraceHeader", "TraceRow", "TraceWriter", "open_trace", "rank_store_path"]
@@ -661,59 +662,11 @@ class _Array:
 
 
 def _zstd(raw: bytes, size: int, where: Path) -> bytes:
-    """``raw`` decompressed by numcodecs (zarr's own codec) into exactly ``size`` bytes: the frames must declare
-    sizes adding up to that (numcodecs cannot say how much it wrote), so no frame inflates past it."""
-    from numcodecs import Zstd
-
-    if _zstd_declared_size(raw, where) != size:
-        raise CkptVerifyError(f"{where}: the chunk's zstd frames do not declare {size} bytes")
-    out = np.empty(size, dtype=np.uint8)
+    """``raw`` decoded into exactly ``size`` bytes, which its frames must declare (so none inflates past it)."""
     try:
-        Zstd().decode(raw, out=out)
-    except (RuntimeError, ValueError) as exc:
-        raise CkptVerifyError(f"{where}: corrupt zstd chunk: {exc}") from None
-    return out.tobytes()
-
-
-def _zstd_declared_size(raw: bytes, where: Path) -> int:
-    """Sum of the content sizes the zstd frames of ``raw`` declare (RFC 8878); refused when a frame declares none or
-    uses a dictionary."""
-    at, total = 0, 0
-    bad = CkptVerifyError(f"{where}: not a zstd chunk with declared sizes")
-    while at < len(raw):
-        if len(raw) - at < 6:
-            raise bad
-        magic = int.from_bytes(raw[at:at + 4], "little")
-        if 0x184D2A50 <= magic <= 0x184D2A5F:  # a skippable frame
-            at += 8 + int.from_bytes(raw[at + 4:at + 8], "little")
-            continue
-        if magic != 0xFD2FB528:
-            raise bad
-        fhd = raw[at + 4]
-        fcs_flag, single, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
-        if dict_flag or fhd & 0x08:
-            raise bad
-        at += 5 + (0 if single else 1)
-        fcs_size = (1 if single else 0) if fcs_flag == 0 else (2, 4, 8)[fcs_flag - 1]
-        if fcs_size == 0 or at + fcs_size > len(raw):
-            raise bad
-        fcs = int.from_bytes(raw[at:at + fcs_size], "little") + (256 if fcs_size == 2 else 0)
-        total += fcs
-        at += fcs_size
-        while True:
-            if at + 3 > len(raw):
-                raise bad
-            head = int.from_bytes(raw[at:at + 3], "little")
-            last, kind, length = head & 1, (head >> 1) & 3, head >> 3
-            if kind == 3:
-                raise bad
-            at += 3 + (1 if kind == 1 else length)
-            if last:
-                break
-        at += 4 if checksum else 0
-    if at != len(raw):
-        raise bad
-    return total
+        return zstd_decompress(raw, size, exact=True)
+    except ValueError as exc:
+        raise CkptVerifyError(f"{where}: {exc}") from None
 
 
 class Trace:

@@ -245,6 +245,43 @@ def test_a_zstd_item_that_cannot_be_decoded_here_is_uncheckable_and_deep_does_no
     assert {c.check: c.count for c in deep.coverage}["fingerprint"] == 0
 
 
+def test_dcps_own_zstd_streams_decode_by_the_one_bounded_decoder() -> None:
+    """DCP's ZStandard extension writes frames that declare no size (a streaming writer, flushed mid-stream); they
+    decode exactly, and are bounded by their blocks before anything is inflated."""
+    import io
+
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from ckptverify.dcp.transforms import decode
+    from ckptverify.errors import TransformError
+
+    class Kept(io.BytesIO):
+        def close(self) -> None:  # the writer closes its output; its bytes are read after
+            pass
+
+    data = bytes(range(256)) * 5000 + b"\0" * (3 << 20)
+    out = Kept()
+    stream = ZStandard().transform_to(out)
+    stream.write(data[:700_000])
+    stream.flush()
+    stream.write(data[700_000:])
+    stream.close()
+    raw = out.getvalue()
+    assert decode(raw, ["stream.zstd/1"]) == data
+    assert decode(raw + raw, ["stream.zstd/1"]) == data + data
+    with pytest.raises(TransformError, match="more than"):
+        decode(raw, ["stream.zstd/1"], limit=len(data) // 2)
+    with pytest.raises(TransformError, match="corrupt"):
+        decode(raw[:-3], ["stream.zstd/1"])
+    # RLE blocks of 128 KiB from 4 bytes each, in a frame declaring no size: refused by its blocks' bound
+    block = 128 << 10
+    bomb = b"\x28\xb5\x2f\xfd\x00\x58" + b"".join(
+        ((block << 3) | 2 | (i == 8191)).to_bytes(3, "little") + b"\0" for i in range(8192))
+    with pytest.raises(TransformError, match="more than"):
+        decode(bomb, ["stream.zstd/1"], limit=1 << 20)
+
+
 def test_a_zstd_bomb_is_refused_within_its_bound() -> None:
     zstandard = pytest.importorskip("zstandard")
     from ckptverify.dcp.transforms import decode
