@@ -16,8 +16,8 @@ import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.ownfiles.names import own_folder, write_atomic
@@ -30,9 +30,7 @@ from ckptverify.resume.harness_target import (
 )
 from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
-T = TypeVar("T")
-
-__all__ = ["at_once", "launch_jobs", "launches_at_once", "log_files", "start_method", "workload_logs"]
+__all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "start_method", "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -333,6 +331,7 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     ranks = [r for rs in kinds["error"].values() for r in rs]
     raise CkptVerifyError(f"the workload crashed in run {run} ({ranks_text(ranks)}):\n" + "\n".join(parts)) from None
 
+
 def launches_at_once(nproc: int, device: str) -> int:
     """How many launches of ``nproc`` ranks fit side by side: a core per rank on CPU; one on CUDA (every launch uses
     devices ``0..nproc-1``)."""
@@ -342,16 +341,32 @@ def launches_at_once(nproc: int, device: str) -> int:
     return max(1, cores // max(1, nproc))
 
 
-def at_once(fn: Callable[[T], None], items: list[T], width: int) -> None:
-    """``fn(item)`` for each item, ``width`` at a time; after all end, raise the first failed item's error."""
-    if width <= 1:
-        for item in items:
-            fn(item)
-        return
+def launch_each(nproc: int, device: str, runs: Sequence[tuple[str, list[tuple[str, RunConfig]]]], *,
+                say: Callable[[str], None], timeout_s: float | None = None) -> float:
+    """:func:`launch_jobs` of each ``(message, jobs)`` of ``runs`` in fresh processes of its own (``message`` said as
+    it starts), as many side by side as :func:`launches_at_once` allows; after all end, raise the first failed run's
+    error. Returns the longest launch's seconds (what bounds a later re-run's time limit)."""
+    import time
+
+    longest = 0.0
+
+    def one(run: tuple[str, list[tuple[str, RunConfig]]]) -> None:
+        nonlocal longest
+        message, jobs = run
+        say(message)
+        began = time.perf_counter()
+        launch_jobs(nproc, device, jobs, timeout_s=timeout_s)
+        longest = max(longest, time.perf_counter() - began)
+
+    width = launches_at_once(nproc, device)
+    if width <= 1 or len(runs) <= 1:
+        for run in runs:
+            one(run)
+        return longest
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=width, thread_name_prefix="ckptverify-launch") as pool:
-        futures = [pool.submit(fn, item) for item in items]
+        futures = [pool.submit(one, run) for run in runs]
     for future in futures:
         future.result()
-
+    return longest
