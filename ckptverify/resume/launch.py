@@ -82,9 +82,9 @@ def _take_environment(env: dict[str, str]) -> None:
         torch.set_num_threads(int(threads))
 
 
-def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, str]], device: str,
+def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, RunConfig]], device: str,
             env: dict[str, str]) -> None:
-    """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn in this process with ``env``, meeting
+    """One rank: run each ``(target, RunConfig)`` of ``jobs`` in turn in this process with ``env``, meeting
     peers through the launch-private file store ``store``; on CUDA it uses ``cuda:{rank}``."""
     import torch
     import torch.distributed as dist
@@ -108,8 +108,8 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
                                 rank=rank, world_size=nproc, **bound)
         _tolerate_init(dist)
     try:
-        for target, config_json in jobs:
-            _run_job(rank, nproc, target, config_json)
+        for target, config in jobs:
+            _run_job(rank, nproc, target, config)
     except BaseException:
         if nproc > 1 and dist.is_initialized():
             _abandon_group(dist)
@@ -149,10 +149,9 @@ def _check_devices(nproc: int, device: str) -> None:
                          f"{'is' if count == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
 
 
-def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
+def _run_job(rank: int, nproc: int, target: str, config: RunConfig) -> None:
     from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
 
-    config = RunConfig.from_json(config_json)
     if config.log_dir:
         to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
         with harness_job(config):
@@ -272,8 +271,7 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
         jobs = [(t, c if c.log_dir else dataclasses.replace(c, log_dir=_log_dir)) for t, c in jobs]
     jobs = [(t, dataclasses.replace(c, device=device)) for t, c in jobs]
     with tempfile.TemporaryDirectory(prefix="ckptverify-rendezvous-") as rendezvous:
-        args = (nproc, os.path.join(rendezvous, "store"), _unused_port(),
-                [(target, config.to_json()) for target, config in jobs], device, dict(os.environ))
+        args = (nproc, os.path.join(rendezvous, "store"), _unused_port(), jobs, device, dict(os.environ))
         how = start_method()
         try:
             if timeout_s is None:
