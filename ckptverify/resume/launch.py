@@ -154,16 +154,14 @@ def _run_job(rank: int, nproc: int, target: str, config: RunConfig) -> None:
 
     if config.log_dir:
         to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
-        with harness_job(config):
+    with (contextlib.nullcontext() if config.log_dir else LabelledOutput(label(config.name, rank, nproc))), \
+            harness_job(config):
+        try:
             _call_target(rank, nproc, target, config)
-    else:
-        with LabelledOutput(label(config.name, rank, nproc)), harness_job(config):
-            try:
-                _call_target(rank, nproc, target, config)
-            finally:
-                # End the workload's objects now: DataLoader workers hold the output pipe.
-                gc.collect()
-                _end_loader_workers()
+        finally:
+            # End the workload's objects now: DataLoader workers hold the output pipe (or the next job's log).
+            gc.collect()
+            _end_loader_workers()
 
 
 def _end_loader_workers() -> None:
