@@ -162,9 +162,7 @@ def pinned(meta: dict[str, Any], run_dir: str, target: str | None, max_procs: in
         raise UsageError(f"{run_dir}/run.json records the training function {recorded!r} on {world} rank(s). A run "
                          "directory is data: a replay runs (imports and calls) only a function you name. To replay "
                          f"it, pass --target {recorded} (target= in Python).")
-    if ":" not in target:
-        raise UsageError(f"target must be FILE.py:FUNC or module:FUNC, got {target!r}")
-    return target, world
+    return target, world  # its shape is checked where it is resolved (same_function)
 
 
 def same_function(target: str, meta: dict[str, Any], run_dir: str) -> str:
@@ -248,7 +246,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
     from ckptverify.replay.causes import judge
     from ckptverify.resume.compare import rank_files
     from ckptverify.resume.harness_target import check_target
-    from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
+    from ckptverify.resume.launch import launch_each
     from ckptverify.resume.locate.walk import for_replay
     from ckptverify.resume.run import RunConfig, checkpoint_path
     from ckptverify.resume.verdict import Verdict
@@ -270,7 +268,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                              "recorded_target": meta["target"]}
 
     work: str | None = None
-    replayed_for = [0.0]  # bounds the walk's launches
+    replayed_for = 0.0  # bounds the walk's launches
 
     def done(verdict: Verdict, host: str | None = None) -> Report:
         findings.extend(verdict.findings)
@@ -279,7 +277,7 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
             located = for_replay(verdict.kind, step=verdict.step, rank=verdict.rank, site=verdict.site,
                                  target=workload, start_path=ckpts.start_path, total_steps=total, world=world,
                                  device=device, repeats=locate_repeats, workdir=os.path.join(work, "locate"),
-                                 progress=say, timeout_s=10 * replayed_for[0] + 60)
+                                 progress=say, timeout_s=10 * replayed_for + 60)
             findings.extend(located.findings())
             verdict = replace(verdict, located=located)
         stats.update(verdict={**verdict.to_dict(), "host": host}, seconds=round(time.perf_counter() - began, 3))
@@ -319,14 +317,10 @@ def replay(run_dir: str | os.PathLike[str], *, target: str | None = None, start:
                 # Per-tensor cells, so a differing category is traced back to its tensor.
                 trace_every=int(meta.get("trace_every", 1)), trace_detail="tensor")
 
-        def run(name: str) -> None:
-            say(f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)")
-            launched = time.perf_counter()
-            launch_jobs(world, device, [(workload, configs[name])])
-            replayed_for[0] = max(replayed_for[0], time.perf_counter() - launched)
-
         # Fresh processes each: process-dependent nondeterminism (hash seeds, allocation order) must show.
-        at_once(run, ["R1", "R2"], launches_at_once(world, device))
+        replayed_for = launch_each(world, device, [
+            (f"replay {name}: steps {steps.start}..{steps.stop - 1} on {world} rank(s)", [(workload, configs[name])])
+            for name in ("R1", "R2")], say=say)
         r1, r2 = configs["R1"].trace_dir, configs["R2"].trace_dir
         assert r1 is not None and r2 is not None
         twins = rank_comparisons(r1, r2, steps=steps)

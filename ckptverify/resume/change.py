@@ -148,7 +148,7 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
                    ) -> Report:
     """Run ``plan`` and return its report; ``keep``: keep the runs' traces there. :class:`UsageError` for a target
     that cannot run, :class:`~ckptverify.errors.CkptVerifyError` when a workload raises."""
-    from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once
+    from ckptverify.resume.launch import launch_each
 
     for target in dict.fromkeys((plan.base, plan.changed)):
         check_target(target)
@@ -166,18 +166,10 @@ def compare_change(plan: ChangePlan, *, keep: str | None = None, progress: Calla
             configs[name] = RunConfig(name=name, stop_step=plan.steps, trace_dir=os.path.join(d, "trace"),
                                       level=plan.level, workload=plan.changed if name == "changed" else plan.base,
                                       trace_detail="tensor")
-        longest = 0.0
-
-        def run(name: str) -> None:
-            nonlocal longest
-            target = plan.changed if name == "changed" else plan.base
-            say(f"run {name}: {target}, steps 1..{plan.steps} on {plan.nproc} rank(s)")
-            t0 = time.perf_counter()
-            # Fresh processes each: process-dependent variation must show.
-            launch_jobs(plan.nproc, plan.device, [(target, configs[name])])
-            longest = max(longest, time.perf_counter() - t0)
-
-        at_once(run, names, launches_at_once(plan.nproc, plan.device))
+        # Fresh processes each: process-dependent variation must show.
+        longest = launch_each(plan.nproc, plan.device, [
+            (f"run {name}: {target}, steps 1..{plan.steps} on {plan.nproc} rank(s)", [(target, configs[name])])
+            for name in names for target in [plan.changed if name == "changed" else plan.base]], say=say)
         say("comparing")
         controls = [configs[n].trace_dir or "" for n in names[:-1]]
         cells = _cells(controls, configs["changed"].trace_dir or "")

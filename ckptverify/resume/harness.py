@@ -13,7 +13,6 @@ import dataclasses
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,7 +21,7 @@ from ckptverify.errors import UsageError
 from ckptverify.findings import Report
 from ckptverify.resume.compare import Evidence, compare
 from ckptverify.resume.harness_target import check_target, split_target
-from ckptverify.resume.launch import at_once, launch_jobs, launches_at_once, log_files
+from ckptverify.resume.launch import launch_each, log_files
 from ckptverify.resume.locate.walk import DEFAULT_REPEATS, Walked, for_resume
 from ckptverify.resume.run import RunConfig, checkpoint_path
 from ckptverify.resume.verdict import Verdict, decide
@@ -116,27 +115,19 @@ def resume_check_many(plans: list[Plan], *, keep: str | None = None,
         jobs = {name: [(plan.target, c[name]) for plan, c in zip(plans, configs, strict=True) if name in c]
                 for name in ("A", "A2", "B")}
 
-        def announce(name: str) -> None:
+        def announce(name: str) -> str:
             if len(plans) == 1:
                 T, K = plans[0].steps, plans[0].resume_at
-                say({"A": f"run A: steps 1..{T} continuously, saving at step {K}",
-                     "A2": f"run A2: steps 1..{T} again (determinism)",
-                     "B": f"run B: resume from A's checkpoint at step {K}, steps {K + 1}..{T}"}[name])
-            else:
-                say(f"run {name} of {len(jobs[name])} checks")
+                return {"A": f"run A: steps 1..{T} continuously, saving at step {K}",
+                        "A2": f"run A2: steps 1..{T} again (determinism)",
+                        "B": f"run B: resume from A's checkpoint at step {K}, steps {K + 1}..{T}"}[name]
+            return f"run {name} of {len(jobs[name])} checks"
 
-        def run(name: str) -> None:
-            announce(name)
-            launch_jobs(nproc, device, jobs[name])
-
-        began = time.perf_counter()
         # A and A2 are independent: side by side they cost one start-up's wall time, not two.
-        at_once(run, [name for name in ("A", "A2") if jobs[name]], launches_at_once(nproc, device))
         # Walk launches far slower than run A have hung (ckptverify.resume.locate).
-        run_seconds = time.perf_counter() - began
+        run_seconds = launch_each(nproc, device, [(announce(n), jobs[n]) for n in ("A", "A2") if jobs[n]], say=say)
         if jobs["B"]:
-            announce("B")
-            launch_jobs(nproc, device, jobs["B"])
+            launch_each(nproc, device, [(announce("B"), jobs["B"])], say=say)
         say("comparing")
         pages = [None] * len(plans) if not report_dir else (
             [os.path.abspath(report_dir)] if len(plans) == 1

@@ -33,8 +33,7 @@ def to_log_file(path: str) -> None:
     """Send this process's stdout and stderr (descriptors 1 and 2) to ``path`` from now on."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
@@ -85,8 +84,7 @@ class LabelledOutput:
         self._streams: list[tuple[int, int, threading.Thread]] = []
 
     def __enter__(self) -> LabelledOutput:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
         for fd in (1, 2):
             original = os.dup(fd)
             read, write = os.pipe()

@@ -47,20 +47,28 @@ def load_target(target: str) -> Callable[[Any], None]:
     """Resolve the target to the training function in a rank: a file runs as ``__mp_main__`` (not again if it already
     is the main module). :class:`UsageError` when it cannot load or is not a one-argument function."""
     where, name, is_file = split_target(target)
-    if is_file:
-        path = _existing_file(where)
-        _path_first(os.path.dirname(path))
-        current = sys.modules.get("__main__")
-        if current is not None and same_file(getattr(current, "__file__", None), path):
-            module = current
-        else:
-            sys.argv[:] = [path]  # as under `python FILE.py` with no arguments (its workers inherit it)
-            module = _run_file(path, MAIN_NAME, target)
-            sys.modules["__main__"] = module
+    current = sys.modules.get("__main__")
+    if is_file and current is not None and same_file(getattr(current, "__file__", None), _existing_file(where)):
+        _path_first(os.path.dirname(_existing_file(where)))
+        module = current
     else:
-        _path_first(os.getcwd())
-        module = _import(where, target)
+        module = _module(where, is_file, target, MAIN_NAME)
+        if is_file:
+            sys.modules["__main__"] = module
     return _function(module, where, name, target)
+
+
+def _module(where: str, is_file: bool, target: str, module_name: str) -> types.ModuleType:
+    """The target's module: a file run as a script under ``module_name`` with its folder first on ``sys.path`` and
+    ``argv`` as under ``python FILE.py`` with no arguments (its workers inherit it); a module imported with the
+    working directory first."""
+    if not is_file:
+        _path_first(os.getcwd())
+        return _import(where, target)
+    path = _existing_file(where)
+    _path_first(os.path.dirname(path))
+    sys.argv[:] = [path]
+    return _run_file(path, module_name, target)
 
 
 def resolve_target(target: str) -> str:
@@ -85,20 +93,10 @@ def check_target(target: str) -> str | None:
             return _checked[key]
         saved_path, saved_argv, saved_env = list(sys.path), list(sys.argv), dict(os.environ)
         before = set(sys.modules)
-        folder = None
+        folder = os.path.dirname(os.path.abspath(where)) if is_file else os.getcwd()
         try:
             with stdout_to_stderr():
-                if is_file:
-                    path = _existing_file(where)
-                    folder = os.path.dirname(path)
-                    _path_first(folder)
-                    sys.argv[:] = [path]
-                    module = _run_file(path, _CHECK_NAME, target)
-                else:
-                    if os.getcwd() not in sys.path:
-                        folder = os.getcwd()
-                        _path_first(folder)
-                    module = _import(where, target)
+                module = _module(where, is_file, target, _CHECK_NAME)
             func = _function(module, where, name, target)
             if _never_restores(func):
                 raise UsageError(never_restored_message(target) + "\n" + _def_line(func))
@@ -112,11 +110,10 @@ def check_target(target: str) -> str | None:
                 os.environ.clear()
                 os.environ.update(saved_env)
             sys.modules.pop(_CHECK_NAME, None)
-            if folder is not None:
-                for mod_name in set(sys.modules) - before:
-                    file = getattr(sys.modules.get(mod_name), "__file__", None)
-                    if file and _found_only_in(mod_name, file, folder, saved_path):
-                        del sys.modules[mod_name]
+            for mod_name in set(sys.modules) - before:
+                file = getattr(sys.modules.get(mod_name), "__file__", None)
+                if file and _found_only_in(mod_name, file, folder, saved_path):
+                    del sys.modules[mod_name]
 
 
 def _found_only_in(mod_name: str, file: str, folder: str, path: list[str]) -> bool:

@@ -16,8 +16,8 @@ import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from ckptverify.errors import CkptVerifyError, UsageError
 from ckptverify.ownfiles.names import own_folder, write_atomic
@@ -30,9 +30,7 @@ from ckptverify.resume.harness_target import (
 )
 from ckptverify.resume.run import Run, RunConfig, _group_backend, harness_job
 
-T = TypeVar("T")
-
-__all__ = ["at_once", "launch_jobs", "launches_at_once", "log_files", "start_method", "workload_logs"]
+__all__ = ["launch_each", "launch_jobs", "launches_at_once", "log_files", "start_method", "workload_logs"]
 
 
 def _unused_port() -> int:
@@ -84,9 +82,9 @@ def _take_environment(env: dict[str, str]) -> None:
         torch.set_num_threads(int(threads))
 
 
-def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, str]], device: str,
+def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, RunConfig]], device: str,
             env: dict[str, str]) -> None:
-    """One rank: run each ``(target, RunConfig JSON)`` of ``jobs`` in turn in this process with ``env``, meeting
+    """One rank: run each ``(target, RunConfig)`` of ``jobs`` in turn in this process with ``env``, meeting
     peers through the launch-private file store ``store``; on CUDA it uses ``cuda:{rank}``."""
     import torch
     import torch.distributed as dist
@@ -110,8 +108,8 @@ def _worker(rank: int, nproc: int, store: str, port: int, jobs: list[tuple[str, 
                                 rank=rank, world_size=nproc, **bound)
         _tolerate_init(dist)
     try:
-        for target, config_json in jobs:
-            _run_job(rank, nproc, target, config_json)
+        for target, config in jobs:
+            _run_job(rank, nproc, target, config)
     except BaseException:
         if nproc > 1 and dist.is_initialized():
             _abandon_group(dist)
@@ -151,22 +149,19 @@ def _check_devices(nproc: int, device: str) -> None:
                          f"{'is' if count == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
 
 
-def _run_job(rank: int, nproc: int, target: str, config_json: str) -> None:
+def _run_job(rank: int, nproc: int, target: str, config: RunConfig) -> None:
     from ckptverify.resume.harness_output import LabelledOutput, label, to_log_file
 
-    config = RunConfig.from_json(config_json)
     if config.log_dir:
         to_log_file(os.path.join(config.log_dir, f"{config.name}-rank{rank}.log"))
-        with harness_job(config):
+    with (contextlib.nullcontext() if config.log_dir else LabelledOutput(label(config.name, rank, nproc))), \
+            harness_job(config):
+        try:
             _call_target(rank, nproc, target, config)
-    else:
-        with LabelledOutput(label(config.name, rank, nproc)), harness_job(config):
-            try:
-                _call_target(rank, nproc, target, config)
-            finally:
-                # End the workload's objects now: DataLoader workers hold the output pipe.
-                gc.collect()
-                _end_loader_workers()
+        finally:
+            # End the workload's objects now: DataLoader workers hold the output pipe (or the next job's log).
+            gc.collect()
+            _end_loader_workers()
 
 
 def _end_loader_workers() -> None:
@@ -274,8 +269,7 @@ def launch_jobs(nproc: int, device: str, jobs: list[tuple[str, RunConfig]], *,
         jobs = [(t, c if c.log_dir else dataclasses.replace(c, log_dir=_log_dir)) for t, c in jobs]
     jobs = [(t, dataclasses.replace(c, device=device)) for t, c in jobs]
     with tempfile.TemporaryDirectory(prefix="ckptverify-rendezvous-") as rendezvous:
-        args = (nproc, os.path.join(rendezvous, "store"), _unused_port(),
-                [(target, config.to_json()) for target, config in jobs], device, dict(os.environ))
+        args = (nproc, os.path.join(rendezvous, "store"), _unused_port(), jobs, device, dict(os.environ))
         how = start_method()
         try:
             if timeout_s is None:
@@ -333,6 +327,7 @@ def _raise_failure(jobs: list[tuple[str, RunConfig]], exc: Exception) -> None:
     ranks = [r for rs in kinds["error"].values() for r in rs]
     raise CkptVerifyError(f"the workload crashed in run {run} ({ranks_text(ranks)}):\n" + "\n".join(parts)) from None
 
+
 def launches_at_once(nproc: int, device: str) -> int:
     """How many launches of ``nproc`` ranks fit side by side: a core per rank on CPU; one on CUDA (every launch uses
     devices ``0..nproc-1``)."""
@@ -342,16 +337,32 @@ def launches_at_once(nproc: int, device: str) -> int:
     return max(1, cores // max(1, nproc))
 
 
-def at_once(fn: Callable[[T], None], items: list[T], width: int) -> None:
-    """``fn(item)`` for each item, ``width`` at a time; after all end, raise the first failed item's error."""
-    if width <= 1:
-        for item in items:
-            fn(item)
-        return
+def launch_each(nproc: int, device: str, runs: Sequence[tuple[str, list[tuple[str, RunConfig]]]], *,
+                say: Callable[[str], None], timeout_s: float | None = None) -> float:
+    """:func:`launch_jobs` of each ``(message, jobs)`` of ``runs`` in fresh processes of its own (``message`` said as
+    it starts), as many side by side as :func:`launches_at_once` allows; after all end, raise the first failed run's
+    error. Returns the longest launch's seconds (what bounds a later re-run's time limit)."""
+    import time
+
+    longest = 0.0
+
+    def one(run: tuple[str, list[tuple[str, RunConfig]]]) -> None:
+        nonlocal longest
+        message, jobs = run
+        say(message)
+        began = time.perf_counter()
+        launch_jobs(nproc, device, jobs, timeout_s=timeout_s)
+        longest = max(longest, time.perf_counter() - began)
+
+    width = launches_at_once(nproc, device)
+    if width <= 1 or len(runs) <= 1:
+        for run in runs:
+            one(run)
+        return longest
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=width, thread_name_prefix="ckptverify-launch") as pool:
-        futures = [pool.submit(fn, item) for item in items]
+        futures = [pool.submit(one, run) for run in runs]
     for future in futures:
         future.result()
-
+    return longest

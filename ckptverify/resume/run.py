@@ -20,7 +20,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptverify.errors import UsageError
@@ -66,15 +66,6 @@ class RunConfig:
             raise UsageError(f"trace_every must be at least 1, got {self.trace_every}")
         if self.save_at and not self.checkpoint_dir:
             raise UsageError("save_at needs checkpoint_dir")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> RunConfig:
-        data = json.loads(text)
-        data["save_at"] = tuple(data.get("save_at", ()))
-        return cls(**data)
 
 
 def checkpoint_path(checkpoint_dir: str, step: int) -> str:

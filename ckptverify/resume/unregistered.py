@@ -65,22 +65,27 @@ def _kind(obj: Any) -> str | None:
     return None
 
 
+def _fields(state: Any) -> dict[int, str]:
+    """The ``TrainState`` field of each object ``state`` is given: ``{id: "model" | "optimizer" | ...}``."""
+    fields: dict[int, str] = {}
+    for field, objs in (("model", [state.model]), ("optimizer", state.optimizers), ("scheduler", state.schedulers),
+                        ("dataloader", [state.dataloader]), ("scaler", [state.scaler])):
+        fields.update((id(obj), field) for obj in objs if obj is not None)
+    for key, obj in state.extras.items():
+        fields.setdefault(id(obj), f"extras[{key!r}]")
+    return fields
+
+
 def _registered(state: Any) -> tuple[set[int], list[Any]]:
-    """Ids of everything ``state`` holds (with a loader's sampler and generator), and its modules."""
+    """Ids of everything ``state`` holds (with its modules, generators and a loader's sampler), and its modules."""
     import torch
 
-    ids: set[int] = {id(state), id(torch.default_generator)}
-    modules: list[Any] = []
+    ids = {id(state), id(torch.default_generator), *_fields(state), *map(id, state.rng.generators.values())}
+    modules = [state.model] if state.model is not None else []
     if state.model is not None:
-        modules.append(state.model)
         ids.update(id(m) for m in state.model.modules())
-    for obj in [*state.optimizers, *state.schedulers, state.scaler, *state.extras.values(),
-                *state.rng.generators.values()]:
-        if obj is not None:
-            ids.add(id(obj))
     loader = state.dataloader
     if loader is not None:
-        ids.add(id(loader))
         dataset = getattr(loader, "dataset", None)
         if dataset is not None and _saves_dataset(loader):
             # StatefulDataLoader saves its dataset's state (per worker, where the moving copy lives).
@@ -157,19 +162,7 @@ def find_unregistered(local_vars: Mapping[str, Any], state: Any) -> list[Unregis
 def registered_bindings(local_vars: Mapping[str, Any], state: Any) -> dict[str, tuple[int, str, str]]:
     """Locals naming an object ``state`` registers: ``{name: (id, TrainState field, type)}``, taken at
     ``run.restore`` so :func:`replaced_objects` can tell a name was later rebound."""
-    fields: dict[int, str] = {}
-    if state.model is not None:
-        fields[id(state.model)] = "model"
-    for obj in state.optimizers:
-        fields[id(obj)] = "optimizer"
-    for obj in state.schedulers:
-        fields[id(obj)] = "scheduler"
-    if state.dataloader is not None:
-        fields[id(state.dataloader)] = "dataloader"
-    if state.scaler is not None:
-        fields[id(state.scaler)] = "scaler"
-    for key, obj in state.extras.items():
-        fields.setdefault(id(obj), f"extras[{key!r}]")
+    fields = _fields(state)
     out: dict[str, tuple[int, str, str]] = {}
     for name, obj in local_vars.items():
         if not name.startswith("_") and id(obj) in fields:

@@ -43,7 +43,7 @@ def _resume_check(func: str, *extra: str, cwd: Path) -> tuple[Done, dict]:
     return done, json.loads(done.stdout)
 
 
-def _no_launch(*_args: object) -> None:
+def _no_launch(*_args: object, **_kw: object) -> None:
     raise AssertionError("no run may be launched")
 
 
@@ -119,39 +119,43 @@ def _plan(**kw: object) -> Plan:
 
 @pytest.mark.parametrize("kind,site", [("data", "batch"), ("rng", "rng.torch_cpu"), ("scheduler", "optim.lr"),
                                        ("restore-mismatch", "model.w")])
-def test_a_cause_in_the_starting_state_is_a_state_origin_without_reruns(kind: str, site: str, tmp_path: Path) -> None:
+def test_a_cause_in_the_starting_state_is_a_state_origin_without_reruns(kind: str, site: str, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", _no_launch)
     verdict = SimpleNamespace(kind=kind, step=None if kind == "restore-mismatch" else 3, rank=0, site=site,
                               category=None)
-    walked = for_resume(_plan(), verdict, SimpleNamespace(nondeterminism=None), {}, str(tmp_path),
-                        launcher=_no_launch)
+    walked = for_resume(_plan(), verdict, SimpleNamespace(nondeterminism=None), {}, str(tmp_path))
     assert walked.status == "state" and walked.origin is not None
     assert (walked.origin["kind"], walked.origin["site"], walked.origin["rank"]) == ("state", site, 0)
     assert walked.origin["step"] == 3  # a restore: the state the first resumed step starts from
 
 
-def test_final_state_or_held_verdicts_are_not_walked(tmp_path: Path) -> None:
+def test_final_state_or_held_verdicts_are_not_walked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", _no_launch)
     for category in ("final", "held-state"):
         verdict = SimpleNamespace(kind="diverged", step=4, rank=None, site="x", category=category)
-        walked = for_resume(_plan(), verdict, SimpleNamespace(nondeterminism=None), {}, str(tmp_path),
-                            launcher=_no_launch)
+        walked = for_resume(_plan(), verdict, SimpleNamespace(nondeterminism=None), {}, str(tmp_path))
         assert walked.status == "skipped" and walked.origin is None and walked.reason
 
 
-def test_a_production_difference_is_not_walked_and_says_what_would_tell(tmp_path: Path) -> None:
+def test_a_production_difference_is_not_walked_and_says_what_would_tell(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", _no_launch)
     walked = for_replay("hardware-fault-suspected", step=5, rank=None, site="param.w", target=f"{SCRIPT}:train",
                         start_path=str(tmp_path), total_steps=8, world=2, device="cpu", repeats=2,
-                        workdir=str(tmp_path), launcher=_no_launch)
+                        workdir=str(tmp_path))
     assert walked.status == "skipped" and walked.origin is None and "op window" in walked.sentence
 
 
-def test_a_failing_walk_is_reported_not_raised(tmp_path: Path) -> None:
-    def crash(*_args: object) -> None:
+def test_a_failing_walk_is_reported_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def crash(*_args: object, **_kw: object) -> None:
         raise CkptVerifyError("the workload crashed in run A-0\nboom")
+
+    monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", crash)
 
     verdict = SimpleNamespace(kind="nondeterministic", step=3, rank=0, site="metric.loss", category="metric")
     configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
-    walked = for_resume(_plan(), verdict, SimpleNamespace(nondeterminism=None), configs, str(tmp_path),
-                        launcher=crash)
+    walked = for_resume(_plan(), verdict, SimpleNamespace(nondeterminism=None), configs, str(tmp_path))
     assert walked.status == "failed" and "crashed in run A-0" in (walked.reason or "")
     assert walked.origin is None and "verdict above stands" in walked.sentence
     assert [f.check for f in walked.findings()] == ["locate-failed"]
@@ -162,18 +166,19 @@ def test_walk_sides_start_where_the_state_is_proved_equal(tmp_path: Path, monkey
     monkeypatch.setattr("ckptverify.resume.launch.launches_at_once", lambda nproc, device: 1)  # one at a time
     launched: list[tuple[str, str | None, int]] = []
 
-    def record(nproc: int, device: str, jobs: list, timeout: float) -> None:
+    def record(nproc: int, device: str, jobs: list, timeout_s: float | None = None) -> None:
         for _, cfg in jobs:
             launched.append((cfg.name, cfg.resume_from, cfg.stop_step))
         raise CkptVerifyError("stop here")
 
+    monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", record)
     configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
     nd = SimpleNamespace(kind="nondeterministic", step=3, rank=0, site="x", category="metric")
-    for_resume(_plan(), nd, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w1"), launcher=record)
+    for_resume(_plan(), nd, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w1"))
     assert launched == [("A-0", str(tmp_path / "ckpt" / "step_2"), 3)]
     launched.clear()
     hidden = SimpleNamespace(kind="hidden-state", step=3, rank=0, site="x", category="parameters")
-    for_resume(_plan(), hidden, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w2"), launcher=record)
+    for_resume(_plan(), hidden, SimpleNamespace(nondeterminism=None), configs, str(tmp_path / "w2"))
     assert launched == [("A-0", None, 3)]
 
 
@@ -183,16 +188,18 @@ def test_the_walk_says_its_runs_and_time_before_it_starts_and_runs_them_side_by_
     both = threading.Barrier(2, timeout=60)  # broken (an error) unless two launches are in flight at once
     launched: list[str] = []
 
-    def together(nproc: int, device: str, jobs: list, timeout: float) -> None:
+    def together(nproc: int, device: str, jobs: list, timeout_s: float | None = None) -> None:
         launched.append(jobs[0][1].name)
         both.wait()
         raise CkptVerifyError("stop here")
+
+    monkeypatch.setattr("ckptverify.resume.launch.launch_jobs", together)
 
     said: list[str] = []
     configs = {"A": SimpleNamespace(checkpoint_dir=str(tmp_path / "ckpt"))}
     hidden = SimpleNamespace(kind="hidden-state", step=3, rank=0, site="x", category="parameters")
     walked = for_resume(_plan(), hidden, SimpleNamespace(nondeterminism=None), configs, str(tmp_path),
-                        launcher=together, progress=said.append, run_seconds=8.0)
+                        progress=said.append, run_seconds=8.0)
     assert sorted(launched) == ["A-0", "A-1", "B-0", "B-1"] and not both.broken
     assert walked.status == "failed" and "stop here" in (walked.reason or "")
     # A from scratch runs 3 of the job's 4 steps (6 s of the check's 8), B 1 (2 s): two waves and the capture.

@@ -164,23 +164,13 @@ def skipped(reason: str, *, step: int | None = None) -> Walked:
     return Walked(status="skipped", sentence=f"Not located: {reason}.", reason=reason, step=step)
 
 
-Launcher = Callable[[int, str, list[tuple[str, Any]], float], None]
-
-
-def _launch(nproc: int, device: str, jobs: list[tuple[str, Any]], timeout_s: float) -> None:
-    from ckptverify.resume.launch import launch_jobs
-
-    launch_jobs(nproc, device, jobs, timeout_s=timeout_s)
-
-
-def walk(request: Walk, workdir: str, *, progress: Callable[[str], None] | None = None,
-         launcher: Launcher | None = None) -> Walked:
+def walk(request: Walk, workdir: str, *, progress: Callable[[str], None] | None = None) -> Walked:
     """Re-run ``request.step`` of both sides at level ``op`` in ``workdir`` and locate where the difference is born.
-    Never raises for the walk's own failure (``status: "failed"``). ``launcher`` replaces ``launch_jobs``."""
+    Never raises for the walk's own failure (``status: "failed"``)."""
     say = progress or (lambda _msg: None)
     began = time.perf_counter()
     try:
-        located = _walk(request, workdir, say, launcher or _launch)
+        located = _walk(request, workdir, say)
     except Exception as exc:  # the verdict stands; the walk says why it stopped
         reason = _reason(exc)
         located = Walked(status="failed", reason=reason, step=request.step, repeats=request.repeats,
@@ -194,10 +184,10 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launcher) -> Walked:
+def _walk(request: Walk, workdir: str, say: Callable[[str], None]) -> Walked:
     from dataclasses import asdict
 
-    from ckptverify.resume.launch import at_once, launches_at_once
+    from ckptverify.resume.launch import launch_each, launches_at_once
     from ckptverify.resume.run import RunConfig
     from ckptverify.trace.oplog import OpWindow, read_ops
 
@@ -220,13 +210,11 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     say(f"locate: re-running step {s} at level op: {len(runs)} runs ({n} per side), {width} at a time"
         + _estimate(request, width, len(runs)))
 
-    def one(run: tuple[int, Side, Any]) -> None:
-        r, side, cfg = run
-        start = f"from {os.path.basename(side.resume_from)}" if side.resume_from else "from scratch"
-        say(f"locate: step {s} at level op, side {side.name} ({start}), repeat {r + 1} of {n}")
-        launch(request.nproc, request.device, [(side.target, cfg)], timeout)
-
-    at_once(one, runs, width)
+    starts = {side.name: f"from {os.path.basename(side.resume_from)}" if side.resume_from else "from scratch"
+              for side in request.sides}
+    launch_each(request.nproc, request.device, [
+        (f"locate: step {s} at level op, side {side.name} ({starts[side.name]}), repeat {r + 1} of {n}",
+         [(side.target, cfg)]) for r, side, cfg in runs], say=say, timeout_s=timeout)
     logs: dict[str, dict[int, list[list[Any]]]] = {side.name: {} for side in request.sides}
     for _r, side, cfg in runs:  # in repeat order, whatever order the launches finished in
         for rank in range(request.nproc):
@@ -253,7 +241,7 @@ def _walk(request: Walk, workdir: str, say: Callable[[str], None], launch: Launc
     kernel = None
     if origin.get("kind") == "op" and origin.get("op"):
         side = request.sides[1] if data.get("one_side") == "b" or data.get("seen_in") == "b" else request.sides[0]
-        kernel, kernel_finding = _kernel(request, side, origin, workdir, say, launch, timeout, config)
+        kernel, kernel_finding = _kernel(request, side, origin, workdir, say, timeout, config)
         if kernel_finding is not None:
             found += (kernel_finding,)
     sentence = result.sentence()
@@ -288,8 +276,7 @@ def _resumed_at(side: Side) -> int | None:
 
 
 def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, say: Callable[[str], None],
-            launch: Launcher, timeout: float, config: Callable[..., Any]
-            ) -> tuple[dict[str, Any] | None, Finding | None]:
+            timeout: float, config: Callable[..., Any]) -> tuple[dict[str, Any] | None, Finding | None]:
     """Capture the origin op's inputs in one more run of ``side`` and re-run it alone: the kernel entry and its
     finding. A failure here is a ``locate-kernel-failed`` warning; the origin stands."""
     from ckptverify.trace.oplog import OpWindow
@@ -304,7 +291,9 @@ def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, 
         f"{request.repeats} times")
     try:
         win = OpWindow(steps=(s,), ranks=(rank,), capture=key, capture_path=path)  # type: ignore[arg-type]
-        launch(request.nproc, request.device, [(side.target, config(side, "capture", win))], timeout)
+        from ckptverify.resume.launch import launch_jobs
+
+        launch_jobs(request.nproc, request.device, [(side.target, config(side, "capture", win))], timeout_s=timeout)
         if not os.path.exists(path):
             text = (f"The inputs of {origin.get('op')} were not captured in a further run (its key did not recur), "
                     "so the kernel was not re-run alone.")
@@ -322,7 +311,7 @@ def _kernel(request: Walk, side: Side, origin: Mapping[str, Any], workdir: str, 
 
 def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any], workdir: str, *,
                progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
-               launcher: Launcher | None = None, run_seconds: float | None = None) -> Walked:
+               run_seconds: float | None = None) -> Walked:
     """The walk of a failed ``resume-check`` ``verdict`` over its ``configs`` (A, A2, B); ``run_seconds``: run A's
     time, for the estimate."""
     kind = verdict.kind
@@ -350,13 +339,12 @@ def for_resume(plan: Any, verdict: Any, evidence: Any, configs: Mapping[str, Any
                  Side(name="B", target=plan.target, resume_from=checkpoint_path(a_ckpt, K), total_steps=T))
     request = Walk(step=s, sides=sides, nproc=plan.nproc, device=plan.device, repeats=plan.locate_repeats,
                    timeout_s=timeout_s, state_equal=state_equal, run_seconds=run_seconds)
-    return walk(request, workdir, progress=progress, launcher=launcher)
+    return walk(request, workdir, progress=progress)
 
 
 def for_replay(kind: str, *, step: int | None, rank: int | None, site: str | None, target: str,
                start_path: str, total_steps: int | None, world: int, device: str, repeats: int, workdir: str,
-               progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
-               launcher: Launcher | None = None) -> Walked:
+               progress: Callable[[str], None] | None = None, timeout_s: float | None = None) -> Walked:
     """The walk of a ``replay`` verdict ``kind``: differing replays re-run from ``start_path``; input causes are
     ``state`` origins; production vs replay cannot be walked (production has no op log)."""
     if kind in STATE_KINDS:
@@ -371,4 +359,4 @@ def for_replay(kind: str, *, step: int | None, rank: int | None, site: str | Non
              Side(name="R2", target=target, resume_from=start_path, total_steps=total_steps))
     request = Walk(step=step, sides=sides, nproc=world, device=device, repeats=repeats, timeout_s=timeout_s,
                    state_equal=True)
-    return walk(request, workdir, progress=progress, launcher=launcher)
+    return walk(request, workdir, progress=progress)
