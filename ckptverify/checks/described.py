@@ -84,6 +84,7 @@ def _serial(fn: Any, items: list[Any]) -> list[Any]:
 def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage]]:
     """Every pinned file against its digest; a changed file's payloads block by block. Returns findings and coverage.
     """
+    from ckptverify.checks.manifest_check import compare_tensors
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     findings: list[Finding] = []
@@ -146,17 +147,8 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
     for name in sorted(added):
         findings.append(warning("manifest-unlisted", f"{name} was not there when the folder was fingerprinted: "
                                 "added since (nothing vouches for it)", location=Location(file=name)))
-    for name, t in sorted(desc.tensors.items()):
-        saved = manifest.tensors.get(name)
-        if saved is None:
-            findings.append(error("manifest-mismatch", f"tensor {name!r} is not in the manifest",
-                                  location=Location(fqn=name)))
-        elif (saved.dtype, saved.shape) != (t.dtype, t.shape):
-            findings.append(error("manifest-mismatch", f"tensor {name!r} is {t.dtype}{list(t.shape)}; it was "
-                                  f"{saved.dtype}{list(saved.shape)} when fingerprinted", location=Location(fqn=name)))
-    for name in sorted(set(manifest.tensors) - set(desc.tensors)):
-        findings.append(error("manifest-mismatch", f"tensor {name!r} was fingerprinted but is no longer there",
-                              location=Location(fqn=name)))
+    findings.extend(compare_tensors(manifest, {name: (t.dtype, t.shape) for name, t in desc.tensors.items()},
+                                    when="fingerprinted"))
     coverage = [CheckCoverage(check="manifest-digest", count=len(manifest.files), unit="whole files")]
     if blocks:
         coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))

@@ -69,23 +69,30 @@ def compare_layout(manifest: Manifest, layout: Layout) -> tuple[list[Finding], d
                 "(metadata replaced or edited?)",
                 location=item_location(item),
             ))
-    for fqn, tinfo in layout.tensors.items():
-        entry_t = manifest.tensors.get(fqn)
-        if entry_t is None:
-            findings.append(error("manifest-mismatch", f"tensor {fqn!r} is not in the manifest",
-                                  location=Location(fqn=fqn)))
-        elif (entry_t.dtype, entry_t.shape) != (tinfo.dtype, tinfo.shape):
-            findings.append(error(
-                "manifest-mismatch",
-                f"tensor {fqn!r} is {tinfo.dtype}{list(tinfo.shape)} in the metadata but was saved as "
-                f"{entry_t.dtype}{list(entry_t.shape)}",
-                location=Location(fqn=fqn), expected=f"{entry_t.dtype}{list(entry_t.shape)}",
-                actual=f"{tinfo.dtype}{list(tinfo.shape)}",
-            ))
-    for fqn in set(manifest.tensors) - set(layout.tensors):
-        findings.append(error("manifest-mismatch", f"tensor {fqn!r} was saved but the metadata no longer lists it",
-                              location=Location(fqn=fqn)))
+    findings.extend(compare_tensors(manifest, {fqn: (t.dtype, t.shape) for fqn, t in layout.tensors.items()},
+                                    when="saved"))
     return findings, matched
+
+
+def compare_tensors(manifest: Manifest, tensors: dict[str, tuple[str, tuple[int, ...]]], *,
+                    when: str) -> list[Finding]:
+    """``manifest-mismatch`` per tensor (name -> dtype, shape) the manifest lacks or has with another dtype or shape,
+    and per tensor it has that ``tensors`` lacks. ``when``: how the manifest was made (``saved``, ``fingerprinted``)."""
+    findings: list[Finding] = []
+    for name, (dtype, shape) in sorted(tensors.items()):
+        saved = manifest.tensors.get(name)
+        if saved is None:
+            findings.append(error("manifest-mismatch", f"tensor {name!r} is not in the manifest",
+                                  location=Location(fqn=name)))
+        elif (saved.dtype, saved.shape) != (dtype, shape):
+            findings.append(error(
+                "manifest-mismatch", f"tensor {name!r} is {dtype}{list(shape)}; it was "
+                f"{saved.dtype}{list(saved.shape)} when {when}", location=Location(fqn=name),
+                expected=f"{saved.dtype}{list(saved.shape)}", actual=f"{dtype}{list(shape)}"))
+    for name in sorted(set(manifest.tensors) - set(tensors)):
+        findings.append(error("manifest-mismatch", f"tensor {name!r} was {when} but is no longer there",
+                              location=Location(fqn=name)))
+    return findings
 
 
 def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root: str) -> list[Finding]:
