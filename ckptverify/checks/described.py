@@ -44,41 +44,28 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
                     fqn = t.name if part is None else f"{t.name}.{part}"
                     items.append(ItemEntry(fqn=fqn, chunk_offsets=None, file=name, offset=p.offset,
                                            length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
+    # Fingerprints and NaN/Inf counts as the deep check rebuilds them; counts only for floating, non-empty tensors.
+    scans, _ = _scan(desc)
     tensors: dict[str, TensorEntry] = {}
     missing = 0
-    parts_of: dict[str, tuple[tuple[str, str], ...]] = {}
-    rebuilt = _rebuild(desc, parts_of)
-    for name, t in desc.tensors.items():
-        fp, nan, inf = rebuilt[name]
-        missing += fp is None and math.prod(t.shape) != 0
-        tensors[name] = TensorEntry(dtype=t.dtype, shape=t.shape, fingerprint=fp, nan_count=nan, inf_count=inf,
-                                    parts=parts_of.get(name))
-    return entries, items, tensors, missing
-
-
-def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]]
-             ) -> dict[str, tuple[str | None, int | None, int | None]]:
-    """Every tensor's fingerprint and NaN/Inf counts via :func:`~ckptverify.checks.deep.scan_description` (``None``
-    where not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part
-    fingerprints."""
-    from ckptverify.checks.deep import scan_description
-
-    scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
-    out: dict[str, tuple[str | None, int | None, int | None]] = {}
     for name, t in desc.tensors.items():
         scan = scans.get(name)
         fp = scan.value(t.shape) if scan is not None else None
-        if fp is not None and scan is not None and scan.part_values:
-            parts[name] = tuple(scan.part_values.items())
-        if fp is None or scan is None or not counts_kept(t.dtype) or scan.uncounted or not math.prod(t.shape):
-            out[name] = (fp, None, None)
-        else:
-            out[name] = (fp, scan.nan, scan.inf)
-    return out
+        missing += fp is None and math.prod(t.shape) != 0
+        counted = fp is not None and counts_kept(t.dtype) and not scan.uncounted and math.prod(t.shape) != 0
+        tensors[name] = TensorEntry(dtype=t.dtype, shape=t.shape, fingerprint=fp,
+                                    nan_count=scan.nan if counted else None, inf_count=scan.inf if counted else None,
+                                    parts=tuple(scan.part_values.items()) if fp is not None and scan.part_values
+                                    else None)
+    return entries, items, tensors, missing
 
 
-def _serial(fn: Any, items: list[Any]) -> list[Any]:
-    return [fn(x) for x in items]
+def _scan(desc: Description) -> tuple[dict[str, Any], list[Finding]]:
+    """Every tensor of ``desc`` rebuilt and fingerprinted in this process
+    (:func:`~ckptverify.checks.deep.scan_description`)."""
+    from ckptverify.checks.deep import scan_description
+
+    return scan_description(desc, lambda fn, items: [fn(x) for x in items], view_limit=None, stop_on_change=False)
 
 
 def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage]]:
@@ -158,9 +145,9 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
     """Rebuild every tensor and judge it as a DCP checkpoint's are (:func:`~ckptverify.checks.deep.judge_scans`).
     Returns findings and coverage."""
-    from ckptverify.checks.deep import judge_scans, scan_description
+    from ckptverify.checks.deep import judge_scans
 
-    scans, found = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
+    scans, found = _scan(desc)
     findings, rebuilt = judge_scans(desc, manifest, scans, found)
     return findings, [CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")]
 
