@@ -71,7 +71,7 @@ def _scan(desc: Description) -> tuple[dict[str, Any], list[Finding]]:
 def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage]]:
     """Every pinned file against its digest; a changed file's payloads block by block. Returns findings and coverage.
     """
-    from ckptverify.checks.manifest_check import compare_tensors
+    from ckptverify.checks.manifest_check import compare_tensors, size_changed
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     findings: list[Finding] = []
@@ -89,16 +89,15 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
         try:
             f = ReadOnlyFile(os.path.join(desc.root, name), root=desc.root)
         except FileNotFoundError:
-            findings.append(error("manifest-digest", f"{name} was fingerprinted but is gone", location=where))
+            findings.extend(size_changed(name, None, entry, when="fingerprinted"))
             continue
         except OSError as exc:
             findings.append(error("manifest-digest", f"{name} cannot be opened to compare with the manifest: {exc}",
                                   location=where))
             continue
         with f:
-            if f.size != entry.size:
-                findings.append(error("manifest-digest", f"{name} is {f.size} bytes; it was {entry.size} bytes when "
-                                      "fingerprinted", location=where, expected=entry.size, actual=f.size))
+            if changed := size_changed(name, f.size, entry, when="fingerprinted"):
+                findings.extend(changed)
                 continue
             got = digest_reader(f, manifest.digest_algorithm)
             if got == entry.digest:

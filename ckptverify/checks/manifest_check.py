@@ -13,7 +13,7 @@ from ckptverify.checks.content import ItemPlan
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
 from ckptverify.errors import FileChangedError
 from ckptverify.findings import Finding, Location, error
-from ckptverify.ownfiles.manifest import ItemEntry, Manifest
+from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader
 
@@ -102,17 +102,9 @@ def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root
     findings: list[Finding] = []
     for name, entry in sorted(manifest.files.items()):
         f = opened.get(name)
-        if f is None:
-            if not os.path.lexists(os.path.join(root, name)):
-                findings.append(error("manifest-digest", f"{name} was saved but is gone",
-                                      location=Location(file=name)))
-            continue
-        if f.size != entry.size:
-            findings.append(error(
-                "manifest-digest",
-                f"{name} is {f.size} bytes; it was {entry.size} bytes when saved",
-                location=Location(file=name), expected=entry.size, actual=f.size,
-            ))
+        # A file there but not opened is reported by the structural checks.
+        if f is not None or not os.path.lexists(os.path.join(root, name)):
+            findings.extend(size_changed(name, None if f is None else f.size, entry, when="saved"))
     for name, entry in sorted(manifest.metadata_files.items()):
         try:  # only a regular file inside the checkpoint (names are checked when the manifest is read)
             with ReadOnlyFile(os.path.join(root, name), root=root) as f:
@@ -129,6 +121,17 @@ def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root
                 location=Location(file=name), expected=entry.digest, actual=digest,
             ))
     return findings
+
+
+def size_changed(name: str, size: int | None, entry: FileEntry, *, when: str) -> list[Finding]:
+    """``manifest-digest`` if the file ``name`` the manifest pins is gone (``size`` ``None``) or not of its size.
+    ``when``: how the manifest was made (``saved``, ``fingerprinted``)."""
+    if size is None:
+        return [error("manifest-digest", f"{name} was {when} but is gone", location=Location(file=name))]
+    if size != entry.size:
+        return [error("manifest-digest", f"{name} is {size} bytes; it was {entry.size} bytes when {when}",
+                      location=Location(file=name), expected=entry.size, actual=size)]
+    return []
 
 
 def block_tasks(manifest: Manifest, matched: dict[int, Item], opened: dict[str, ReadOnlyFile | None],
