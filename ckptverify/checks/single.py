@@ -74,7 +74,6 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any]) -> tupl
     computed = [f.crc32(rec.data_offset, rec.data_end) for rec in archive.records]
     crcs = dict(zip((rec.name for rec in archive.records), computed, strict=True))
     coverage.append(CheckCoverage(check="zip-crc", count=len(crcs), unit="records"))
-    facts["bytes_hashed"] = sum(r.size for r in archive.records)
     bad = bad_records(archive.records, computed)
     if bad is None:
         findings.append(crc_disabled(label, Location(file=label)))
@@ -153,8 +152,7 @@ def _check_safetensors(f: ReadOnlyFile, label: str,
                       location=Location(file=label, byte_range=(exc.start, exc.end)))], []
     findings: list[Finding] = []
     for tname, t in blob.tensors.items():
-        facts["tensors"][tname] = {"dtype": t.dtype, "shape": list(t.shape),
-                                   "byte_range": [blob.data_start + t.begin, blob.data_start + t.end]}
+        facts["tensors"][tname] = {"dtype": t.dtype, "shape": list(t.shape)}
     if blob.end < f.size:
         findings.append(warning("bytes-unreferenced", f"{label} holds {f.size - blob.end} bytes after its last "
                                 "tensor", location=Location(file=label, byte_range=(blob.end, f.size))))
