@@ -33,7 +33,7 @@ Checked = tuple[list[Finding], list[CheckCoverage], dict[str, Any]]
 def check_file(path: str, *, name: str | None = None, root: str | None = None) -> Checked:
     """Check one file by content (``name``: as findings call it; ``root``: it must resolve inside it). Returns
     findings, coverage and facts (``format``; ``bytes``; ``tensors``: path -> dtype/shape, subclasses with
-    ``stored_as`` and ``parts``, safetensors with ``byte_range``)."""
+    ``stored_as`` and ``parts``)."""
     label = name or os.path.basename(path)
     try:
         f = ReadOnlyFile(path, root=root)
