@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptverify.checks import item_label, item_location
-from ckptverify.checks.content import ItemPlan
+from ckptverify.checks.content import ItemPlan, global_index, touched_elements
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
 from ckptverify.errors import FileChangedError
 from ckptverify.findings import Finding, Location, error
@@ -236,12 +236,9 @@ def _payload_elements(item: Item, plan: ItemPlan | None, start: int, end: int) -
     hi = min(end, item.offset + rec.data_end)
     if lo >= hi:
         return None
-    itemsize = DTYPE_ITEMSIZE[plan.header.dtype]
-    rel_lo, rel_hi = lo - item.offset - rec.data_offset, hi - item.offset - rec.data_offset
-    numel = item.chunk.numel
-    first = max(0, min(numel - 1, rel_lo // itemsize - plan.header.storage_offset))
-    last = max(0, min(numel - 1, math.ceil(rel_hi / itemsize) - 1 - plan.header.storage_offset))
-    return first, last + 1
+    base = item.offset + rec.data_offset
+    return touched_elements(lo - base, hi - base, DTYPE_ITEMSIZE[plan.header.dtype], plan.header.storage_offset,
+                            item.chunk.numel)
 
 
 def _element_note(item: Item, plan: ItemPlan | None, start: int, end: int) -> str:
@@ -266,8 +263,6 @@ def _subclass_note(item: Item, plan: ItemPlan, header: SubclassHeader, start: in
 
 
 def _block_location(item: Item, plan: ItemPlan | None, start: int, end: int) -> Location:
-    from ckptverify.checks.content import global_index
-
     span = _payload_elements(item, plan, start, end)
     if span is None:
         return item_location(item, byte_range=(start, end))
