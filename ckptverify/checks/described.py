@@ -34,16 +34,13 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
     for name in files:
         with ReadOnlyFile(os.path.join(desc.root, name), root=desc.root) as f:
             entries[name] = FileEntry(size=f.size, digest=digest_reader(f, digest))
-            for t in desc.tensors_in(name):
-                for p in stored_payloads(t):
-                    if p.file != name:
-                        continue
-                    d = BlockDigest(digest, block_bytes)
-                    f.fold(p.offset, p.offset + p.length, d.update)
-                    part = stored_part(t, p)  # each part of a tensor subclass is an item of its own
-                    fqn = t.name if part is None else f"{t.name}.{part}"
-                    items.append(ItemEntry(fqn=fqn, chunk_offsets=None, file=name, offset=p.offset,
-                                           length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
+            for t, p in ((tt, p) for tt in desc.tensors.values() for p in stored_payloads(tt) if p.file == name):
+                d = BlockDigest(digest, block_bytes)
+                f.fold(p.offset, p.offset + p.length, d.update)
+                part = stored_part(t, p)  # each part of a tensor subclass is an item of its own
+                fqn = t.name if part is None else f"{t.name}.{part}"
+                items.append(ItemEntry(fqn=fqn, chunk_offsets=None, file=name, offset=p.offset,
+                                       length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
     # Fingerprints and NaN/Inf counts as the deep check rebuilds them; counts only for floating, non-empty tensors.
     scans, _ = _scan(desc)
     tensors: dict[str, TensorEntry] = {}
