@@ -162,9 +162,9 @@ def _check_safetensors(f: ReadOnlyFile, label: str,
     return findings, [CheckCoverage(check="safetensors-header", count=len(blob.tensors), unit="tensors")]
 
 
-def check_json(path: str, *, name: str | None = None, root: str | None = None) -> tuple[list[Finding], Any]:
+def check_json(path: str, *, root: str | None = None) -> tuple[list[Finding], Any]:
     """Parse a JSON side file (bounded; ``json-invalid`` if it does not parse). ``root``: it must resolve inside it."""
-    label = name or os.path.basename(path)
+    label = os.path.basename(path)
     try:
         with ReadOnlyFile(path, root=root) as f:
             if f.size > JSON_MAX_BYTES:
