@@ -148,7 +148,7 @@ def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Findi
     return findings, [CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")]
 
 
-def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
+def manifests_of(path: str) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
     """Every manifest covering the file or folder at ``path`` (the rule of ``docs/manifest.md``): the folder's
     ``ckptverify.manifest.json``, and each file's own ``NAME.ckptverify.manifest.json``. Returns ``(target,
     manifest)`` pairs (orphan file manifests included: comparing reports the missing file) and a
@@ -156,8 +156,6 @@ def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[st
     from ckptverify.errors import ManifestError
     from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name, read_manifest
 
-    if not use_manifest:
-        return [], []
     wanted: list[tuple[str, str, str | None]] = []  # (folder the manifest lies in, its name, file it pins)
     if paths.isdir(path):
         wanted.append((path, MANIFEST_FILE, None))
@@ -228,7 +226,7 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
 
     findings = list(found)
     coverage: list[CheckCoverage] = []
-    manifests, invalid = manifests_of(path, use_manifest=use_manifest)
+    manifests, invalid = manifests_of(path) if use_manifest else ([], [])
     findings.extend(invalid)
     if not manifests and not deep:
         return findings, coverage, False
