@@ -323,7 +323,7 @@ def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeade
     offset = header.storage_offset if header is not None else 0
     row_major = header.is_row_major if header is not None else True
     numel = item.chunk.numel
-    elements = _elements(0, rec.size, itemsize, offset, numel) if row_major else (0, numel)
+    elements = touched_elements(0, rec.size, itemsize, offset, numel) if row_major else (0, numel)
     loc = item_location(item, record=rec.name, byte_range=byte_range, element_range=elements,
                         global_index_first=global_index(item, elements[0]) if numel else None,
                         global_index_last=global_index(item, elements[1] - 1) if numel else None)
@@ -331,7 +331,7 @@ def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeade
     def hint_at(byte: int) -> Location | None:
         if not (row_major and numel):
             return None
-        first, last = _elements(byte, byte + 1, itemsize, offset, numel)
+        first, last = touched_elements(byte, byte + 1, itemsize, offset, numel)
         at = byte_range[0] + byte
         return item_location(item, record=rec.name, byte_range=(at, at + 1), element_range=(first, last),
                              global_index_first=global_index(item, first), global_index_last=global_index(item, first))
@@ -340,7 +340,8 @@ def _crc_findings(item: Item, archive: Archive, rec: Record, header: TensorHeade
                         detail=f"; affected elements [{elements[0]}, {elements[1]}) of the chunk")
 
 
-def _elements(byte_start: int, byte_end: int, itemsize: int, storage_offset: int, numel: int) -> tuple[int, int]:
+def touched_elements(byte_start: int, byte_end: int, itemsize: int, storage_offset: int,
+                     numel: int) -> tuple[int, int]:
     """Chunk elements (row-major, half-open) touched by storage bytes ``[byte_start, byte_end)``."""
     first = max(0, min(numel - 1, byte_start // itemsize - storage_offset))
     last = max(0, min(numel - 1, math.ceil(byte_end / itemsize) - 1 - storage_offset))

@@ -34,56 +34,41 @@ def manifest_entries(desc: Description, files: list[str], digest: str,
     for name in files:
         with ReadOnlyFile(os.path.join(desc.root, name), root=desc.root) as f:
             entries[name] = FileEntry(size=f.size, digest=digest_reader(f, digest))
-            for t in desc.tensors_in(name):
-                for p in stored_payloads(t):
-                    if p.file != name:
-                        continue
-                    d = BlockDigest(digest, block_bytes)
-                    f.fold(p.offset, p.offset + p.length, d.update)
-                    part = stored_part(t, p)  # each part of a tensor subclass is an item of its own
-                    fqn = t.name if part is None else f"{t.name}.{part}"
-                    items.append(ItemEntry(fqn=fqn, chunk_offsets=None, file=name, offset=p.offset,
-                                           length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
+            for t, p in ((tt, p) for tt in desc.tensors.values() for p in stored_payloads(tt) if p.file == name):
+                d = BlockDigest(digest, block_bytes)
+                f.fold(p.offset, p.offset + p.length, d.update)
+                part = stored_part(t, p)  # each part of a tensor subclass is an item of its own
+                fqn = t.name if part is None else f"{t.name}.{part}"
+                items.append(ItemEntry(fqn=fqn, chunk_offsets=None, file=name, offset=p.offset,
+                                       length=p.length, digest=d.hexdigest(), blocks=tuple(d.block_hexdigests())))
+    # Fingerprints and NaN/Inf counts as the deep check rebuilds them; counts only for floating, non-empty tensors.
+    scans, _ = _scan(desc)
     tensors: dict[str, TensorEntry] = {}
     missing = 0
-    parts_of: dict[str, tuple[tuple[str, str], ...]] = {}
-    rebuilt = _rebuild(desc, parts_of)
-    for name, t in desc.tensors.items():
-        fp, nan, inf = rebuilt[name]
-        missing += fp is None and math.prod(t.shape) != 0
-        tensors[name] = TensorEntry(dtype=t.dtype, shape=t.shape, fingerprint=fp, nan_count=nan, inf_count=inf,
-                                    parts=parts_of.get(name))
-    return entries, items, tensors, missing
-
-
-def _rebuild(desc: Description, parts: dict[str, tuple[tuple[str, str], ...]]
-             ) -> dict[str, tuple[str | None, int | None, int | None]]:
-    """Every tensor's fingerprint and NaN/Inf counts via :func:`~ckptverify.checks.deep.scan_description` (``None``
-    where not rebuildable; counts ``None`` when not floating or empty). Fills ``parts`` with subclass part
-    fingerprints."""
-    from ckptverify.checks.deep import scan_description
-
-    scans, _ = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
-    out: dict[str, tuple[str | None, int | None, int | None]] = {}
     for name, t in desc.tensors.items():
         scan = scans.get(name)
         fp = scan.value(t.shape) if scan is not None else None
-        if fp is not None and scan is not None and scan.part_values:
-            parts[name] = tuple(scan.part_values.items())
-        if fp is None or scan is None or not counts_kept(t.dtype) or scan.uncounted or not math.prod(t.shape):
-            out[name] = (fp, None, None)
-        else:
-            out[name] = (fp, scan.nan, scan.inf)
-    return out
+        missing += fp is None and math.prod(t.shape) != 0
+        counted = fp is not None and counts_kept(t.dtype) and not scan.uncounted and math.prod(t.shape) != 0
+        tensors[name] = TensorEntry(dtype=t.dtype, shape=t.shape, fingerprint=fp,
+                                    nan_count=scan.nan if counted else None, inf_count=scan.inf if counted else None,
+                                    parts=tuple(scan.part_values.items()) if fp is not None and scan.part_values
+                                    else None)
+    return entries, items, tensors, missing
 
 
-def _serial(fn: Any, items: list[Any]) -> list[Any]:
-    return [fn(x) for x in items]
+def _scan(desc: Description) -> tuple[dict[str, Any], list[Finding]]:
+    """Every tensor of ``desc`` rebuilt and fingerprinted in this process
+    (:func:`~ckptverify.checks.deep.scan_description`)."""
+    from ckptverify.checks.deep import scan_description
+
+    return scan_description(desc, lambda fn, items: [fn(x) for x in items], view_limit=None, stop_on_change=False)
 
 
 def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding], list[CheckCoverage]]:
     """Every pinned file against its digest; a changed file's payloads block by block. Returns findings and coverage.
     """
+    from ckptverify.checks.manifest_check import compare_tensors, size_changed
     from ckptverify.fingerprint import BlockDigest, digest_reader
 
     findings: list[Finding] = []
@@ -101,16 +86,15 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
         try:
             f = ReadOnlyFile(os.path.join(desc.root, name), root=desc.root)
         except FileNotFoundError:
-            findings.append(error("manifest-digest", f"{name} was fingerprinted but is gone", location=where))
+            findings.extend(size_changed(name, None, entry, when="fingerprinted"))
             continue
         except OSError as exc:
             findings.append(error("manifest-digest", f"{name} cannot be opened to compare with the manifest: {exc}",
                                   location=where))
             continue
         with f:
-            if f.size != entry.size:
-                findings.append(error("manifest-digest", f"{name} is {f.size} bytes; it was {entry.size} bytes when "
-                                      "fingerprinted", location=where, expected=entry.size, actual=f.size))
+            if changed := size_changed(name, f.size, entry, when="fingerprinted"):
+                findings.extend(changed)
                 continue
             got = digest_reader(f, manifest.digest_algorithm)
             if got == entry.digest:
@@ -146,17 +130,8 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
     for name in sorted(added):
         findings.append(warning("manifest-unlisted", f"{name} was not there when the folder was fingerprinted: "
                                 "added since (nothing vouches for it)", location=Location(file=name)))
-    for name, t in sorted(desc.tensors.items()):
-        saved = manifest.tensors.get(name)
-        if saved is None:
-            findings.append(error("manifest-mismatch", f"tensor {name!r} is not in the manifest",
-                                  location=Location(fqn=name)))
-        elif (saved.dtype, saved.shape) != (t.dtype, t.shape):
-            findings.append(error("manifest-mismatch", f"tensor {name!r} is {t.dtype}{list(t.shape)}; it was "
-                                  f"{saved.dtype}{list(saved.shape)} when fingerprinted", location=Location(fqn=name)))
-    for name in sorted(set(manifest.tensors) - set(desc.tensors)):
-        findings.append(error("manifest-mismatch", f"tensor {name!r} was fingerprinted but is no longer there",
-                              location=Location(fqn=name)))
+    findings.extend(compare_tensors(manifest, {name: (t.dtype, t.shape) for name, t in desc.tensors.items()},
+                                    when="fingerprinted"))
     coverage = [CheckCoverage(check="manifest-digest", count=len(manifest.files), unit="whole files")]
     if blocks:
         coverage.append(CheckCoverage(check="manifest-digest", count=blocks, unit="blocks"))
@@ -166,14 +141,14 @@ def check_manifest(desc: Description, manifest: Manifest) -> tuple[list[Finding]
 def deep_check(desc: Description, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
     """Rebuild every tensor and judge it as a DCP checkpoint's are (:func:`~ckptverify.checks.deep.judge_scans`).
     Returns findings and coverage."""
-    from ckptverify.checks.deep import judge_scans, scan_description
+    from ckptverify.checks.deep import judge_scans
 
-    scans, found = scan_description(desc, _serial, view_limit=None, stop_on_change=False)
+    scans, found = _scan(desc)
     findings, rebuilt = judge_scans(desc, manifest, scans, found)
     return findings, [CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors")]
 
 
-def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
+def manifests_of(path: str) -> tuple[list[tuple[str, Manifest]], list[Finding]]:
     """Every manifest covering the file or folder at ``path`` (the rule of ``docs/manifest.md``): the folder's
     ``ckptverify.manifest.json``, and each file's own ``NAME.ckptverify.manifest.json``. Returns ``(target,
     manifest)`` pairs (orphan file manifests included: comparing reports the missing file) and a
@@ -181,8 +156,6 @@ def manifests_of(path: str, *, use_manifest: bool = True) -> tuple[list[tuple[st
     from ckptverify.errors import ManifestError
     from ckptverify.ownfiles.manifest import MANIFEST_FILE, file_manifest_name, read_manifest
 
-    if not use_manifest:
-        return [], []
     wanted: list[tuple[str, str, str | None]] = []  # (folder the manifest lies in, its name, file it pins)
     if paths.isdir(path):
         wanted.append((path, MANIFEST_FILE, None))
@@ -253,7 +226,7 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
 
     findings = list(found)
     coverage: list[CheckCoverage] = []
-    manifests, invalid = manifests_of(path, use_manifest=use_manifest)
+    manifests, invalid = manifests_of(path) if use_manifest else ([], [])
     findings.extend(invalid)
     if not manifests and not deep:
         return findings, coverage, False

@@ -53,7 +53,7 @@ def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[st
                                   "the folder (not opened)", location=Location(file=e.name)))
             continue
         if e.name.endswith(".json"):
-            found, value = check_json(e.path, name=e.name)
+            found, value = check_json(e.path)
             findings.extend(found)
             facts["files"][e.name] = "json"
             if e.name.endswith(".index.json") and value is not None:
@@ -62,7 +62,7 @@ def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[st
         if not e.name.endswith(CHECKPOINT_SUFFIXES):
             facts["unchecked"].append(e.name)
             continue
-        found, cov, file_facts = check_file(e.path, name=e.name)
+        found, cov, file_facts = check_file(e.path)
         findings.extend(found)
         coverage.extend(cov)
         facts["files"][e.name] = file_facts.get("format")

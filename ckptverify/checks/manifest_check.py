@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptverify.checks import item_label, item_location
-from ckptverify.checks.content import ItemPlan
+from ckptverify.checks.content import ItemPlan, global_index, touched_elements
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item, Layout
 from ckptverify.errors import FileChangedError
 from ckptverify.findings import Finding, Location, error
-from ckptverify.ownfiles.manifest import ItemEntry, Manifest
+from ckptverify.ownfiles.manifest import FileEntry, ItemEntry, Manifest
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader
 
@@ -69,23 +69,30 @@ def compare_layout(manifest: Manifest, layout: Layout) -> tuple[list[Finding], d
                 "(metadata replaced or edited?)",
                 location=item_location(item),
             ))
-    for fqn, tinfo in layout.tensors.items():
-        entry_t = manifest.tensors.get(fqn)
-        if entry_t is None:
-            findings.append(error("manifest-mismatch", f"tensor {fqn!r} is not in the manifest",
-                                  location=Location(fqn=fqn)))
-        elif (entry_t.dtype, entry_t.shape) != (tinfo.dtype, tinfo.shape):
-            findings.append(error(
-                "manifest-mismatch",
-                f"tensor {fqn!r} is {tinfo.dtype}{list(tinfo.shape)} in the metadata but was saved as "
-                f"{entry_t.dtype}{list(entry_t.shape)}",
-                location=Location(fqn=fqn), expected=f"{entry_t.dtype}{list(entry_t.shape)}",
-                actual=f"{tinfo.dtype}{list(tinfo.shape)}",
-            ))
-    for fqn in set(manifest.tensors) - set(layout.tensors):
-        findings.append(error("manifest-mismatch", f"tensor {fqn!r} was saved but the metadata no longer lists it",
-                              location=Location(fqn=fqn)))
+    findings.extend(compare_tensors(manifest, {fqn: (t.dtype, t.shape) for fqn, t in layout.tensors.items()},
+                                    when="saved"))
     return findings, matched
+
+
+def compare_tensors(manifest: Manifest, tensors: dict[str, tuple[str, tuple[int, ...]]], *,
+                    when: str) -> list[Finding]:
+    """``manifest-mismatch`` per tensor (name -> dtype, shape) the manifest lacks or has with another dtype or shape,
+    and per tensor it has that ``tensors`` lacks. ``when``: how the manifest was made (``saved``, ``fingerprinted``)."""
+    findings: list[Finding] = []
+    for name, (dtype, shape) in sorted(tensors.items()):
+        saved = manifest.tensors.get(name)
+        if saved is None:
+            findings.append(error("manifest-mismatch", f"tensor {name!r} is not in the manifest",
+                                  location=Location(fqn=name)))
+        elif (saved.dtype, saved.shape) != (dtype, shape):
+            findings.append(error(
+                "manifest-mismatch", f"tensor {name!r} is {dtype}{list(shape)}; it was "
+                f"{saved.dtype}{list(saved.shape)} when {when}", location=Location(fqn=name),
+                expected=f"{saved.dtype}{list(saved.shape)}", actual=f"{dtype}{list(shape)}"))
+    for name in sorted(set(manifest.tensors) - set(tensors)):
+        findings.append(error("manifest-mismatch", f"tensor {name!r} was {when} but is no longer there",
+                              location=Location(fqn=name)))
+    return findings
 
 
 def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root: str) -> list[Finding]:
@@ -95,17 +102,9 @@ def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root
     findings: list[Finding] = []
     for name, entry in sorted(manifest.files.items()):
         f = opened.get(name)
-        if f is None:
-            if not os.path.lexists(os.path.join(root, name)):
-                findings.append(error("manifest-digest", f"{name} was saved but is gone",
-                                      location=Location(file=name)))
-            continue
-        if f.size != entry.size:
-            findings.append(error(
-                "manifest-digest",
-                f"{name} is {f.size} bytes; it was {entry.size} bytes when saved",
-                location=Location(file=name), expected=entry.size, actual=f.size,
-            ))
+        # A file there but not opened is reported by the structural checks.
+        if f is not None or not os.path.lexists(os.path.join(root, name)):
+            findings.extend(size_changed(name, None if f is None else f.size, entry, when="saved"))
     for name, entry in sorted(manifest.metadata_files.items()):
         try:  # only a regular file inside the checkpoint (names are checked when the manifest is read)
             with ReadOnlyFile(os.path.join(root, name), root=root) as f:
@@ -122,6 +121,17 @@ def check_files(manifest: Manifest, opened: dict[str, ReadOnlyFile | None], root
                 location=Location(file=name), expected=entry.digest, actual=digest,
             ))
     return findings
+
+
+def size_changed(name: str, size: int | None, entry: FileEntry, *, when: str) -> list[Finding]:
+    """``manifest-digest`` if the file ``name`` the manifest pins is gone (``size`` ``None``) or not of its size.
+    ``when``: how the manifest was made (``saved``, ``fingerprinted``)."""
+    if size is None:
+        return [error("manifest-digest", f"{name} was {when} but is gone", location=Location(file=name))]
+    if size != entry.size:
+        return [error("manifest-digest", f"{name} is {size} bytes; it was {entry.size} bytes when {when}",
+                      location=Location(file=name), expected=entry.size, actual=size)]
+    return []
 
 
 def block_tasks(manifest: Manifest, matched: dict[int, Item], opened: dict[str, ReadOnlyFile | None],
@@ -226,12 +236,9 @@ def _payload_elements(item: Item, plan: ItemPlan | None, start: int, end: int) -
     hi = min(end, item.offset + rec.data_end)
     if lo >= hi:
         return None
-    itemsize = DTYPE_ITEMSIZE[plan.header.dtype]
-    rel_lo, rel_hi = lo - item.offset - rec.data_offset, hi - item.offset - rec.data_offset
-    numel = item.chunk.numel
-    first = max(0, min(numel - 1, rel_lo // itemsize - plan.header.storage_offset))
-    last = max(0, min(numel - 1, math.ceil(rel_hi / itemsize) - 1 - plan.header.storage_offset))
-    return first, last + 1
+    base = item.offset + rec.data_offset
+    return touched_elements(lo - base, hi - base, DTYPE_ITEMSIZE[plan.header.dtype], plan.header.storage_offset,
+                            item.chunk.numel)
 
 
 def _element_note(item: Item, plan: ItemPlan | None, start: int, end: int) -> str:
@@ -256,8 +263,6 @@ def _subclass_note(item: Item, plan: ItemPlan, header: SubclassHeader, start: in
 
 
 def _block_location(item: Item, plan: ItemPlan | None, start: int, end: int) -> Location:
-    from ckptverify.checks.content import global_index
-
     span = _payload_elements(item, plan, start, end)
     if span is None:
         return item_location(item, byte_range=(start, end))

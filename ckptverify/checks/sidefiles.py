@@ -72,13 +72,13 @@ def check_side_files(root: str, names: list[str]) -> tuple[list[Finding], list[C
             findings.extend(found)
             coverage.extend(cov)
         elif want == "json":
-            found, _ = check_json(path, name=name, root=root)
+            found, _ = check_json(path, root=root)
             findings.extend(found)
             if not found:
                 findings.append(info("side-file", f"{name} ({who}) is valid JSON; JSON carries no checksum, so only a "
                                      "manifest protects its bytes", location=Location(file=name)))
         else:
-            found, _cov, facts = check_file(path, name=name, root=root)
+            found, _cov, facts = check_file(path, root=root)
             if facts.get("format") != want and not any(f.severity.value == "error" for f in found):
                 found.append(error("side-file", f"{name} should be {who}'s {want} file, but its content is "
                                    f"{facts.get('format') or 'unknown'}", location=Location(file=name)))
@@ -97,7 +97,7 @@ def check_integrity_record(root: str, name: str = "integrity.json") -> tuple[lis
     from ckptverify.safeparse.readers import ReadOnlyFile
 
     where = Location(file=name)
-    found, data = check_json(os.path.join(root, name), name=name, root=root)
+    found, data = check_json(os.path.join(root, name), root=root)
     if found:
         return found, []
     problem = _integrity_problem(data)

@@ -146,10 +146,6 @@ class Description:
     stored: list[StoredRange] = field(default_factory=list)
     opener: Callable[[Payload | str], Any] | None = field(default=None, repr=False, compare=False)
 
-    def tensors_in(self, file: str) -> list[TensorDesc]:
-        """The tensors with a stored piece (a payload, or a tensor subclass's part) in ``file``."""
-        return [t for t in self.tensors.values() if any(p.file == file for p in stored_payloads(t))]
-
     def open(self, what: Payload | str) -> AbstractContextManager[Any]:
         """A reader (``pread``, ``fold``, ``crc32``, ``size``) of a payload's bytes (decoded if encoded) or of a file by
         name, as a context manager. ``OSError`` if unopenable, ``ValueError`` for an encoding without decoder."""

@@ -223,12 +223,11 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return False
 
 
-def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DEPTH,
-                     notes: list[WalkNote] | None = None) -> list[Candidate]:
+def find_checkpoints(run_dir: str | os.PathLike[str], *, notes: list[WalkNote] | None = None) -> list[Candidate]:
     """Every checkpoint under ``run_dir``, ordered by step (unknown first, by mtime), then path.
 
     ``run_dir`` itself is listed as ``"."`` when its own files make a checkpoint (with step-less DCP sub-folders as
-    parts); folders below are still searched. Breadth-first and bounded (:data:`MAX_ENTRIES`,
+    parts); folders below are still searched. Breadth-first and bounded (:data:`MAX_DEPTH`, :data:`MAX_ENTRIES`,
     :data:`MAX_FOLDER_ENTRIES`, :data:`MAX_NAMES`); other files are read by name only; ``lost+found`` is skipped.
     ``notes`` receives a :class:`WalkNote` per unseen part: a caller acting on the whole run (verdict, pick, deletion)
     must pass it.
@@ -282,7 +281,7 @@ def find_checkpoints(run_dir: str | os.PathLike[str], *, max_depth: int = MAX_DE
                 if parts and step_of(e.name) is not None:
                     fmt = "composite"
                 else:
-                    if depth + 1 < max_depth:
+                    if depth + 1 < MAX_DEPTH:
                         queue.append((e.path, depth + 1))
                     continue
             size, mtime = walker.size(e.path)

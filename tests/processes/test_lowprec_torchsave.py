@@ -29,7 +29,7 @@ from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor  # noqa: E402
 from ckptverify.audit.adopt import fingerprint_checkpoint  # noqa: E402
 from ckptverify.audit.diff import diff_checkpoints  # noqa: E402
 from ckptverify.audit.verify import verify_checkpoint  # noqa: E402
-from ckptverify.checks.torchsave_file import verify_torchsave_file  # noqa: E402
+from ckptverify.checks.single import check_file  # noqa: E402
 from ckptverify.errors import BadPickle  # noqa: E402
 from ckptverify.fingerprint import part_fingerprints, tensor_fingerprint  # noqa: E402
 from ckptverify.formats.describe import describe  # noqa: E402
@@ -151,7 +151,7 @@ def test_user_file_is_described_checked_and_fingerprinted_by_parts(saved: dict[s
         [("float8_e4m3fn", (4, 32)), ("float8_e5m2", (32, 4))]
     assert desc.values["step"] == "int:4" and desc.values["optimizer.param_groups.0.lr"].startswith("float:")
 
-    found, _, facts = verify_torchsave_file(str(path))
+    found, _, facts = check_file(str(path))
     assert not [f for f in found if f.severity.value != "info"], found
     assert not any(f.check == "pickle-opaque" for f in found)  # nothing of the subclass record is left unread
     assert facts["tensors"][BASE]["stored_as"] == "MXTensor"
@@ -312,7 +312,7 @@ def test_plain_float8_tensors_are_described_fingerprinted_verified_and_diffed(tm
     assert (desc.tensors["x"].dtype, desc.tensors["x"].shape) == (name, (6, 8))
     p = desc.tensors["view"].payloads[0]
     assert (p.dtype, p.shape, p.stride, p.storage_offset) == (name, (4, 4), (8, 1), 10)
-    found, _, facts = verify_torchsave_file(str(tmp_path / "a.pt"))
+    found, _, facts = check_file(str(tmp_path / "a.pt"))
     assert not [f for f in found if f.severity.value != "info"] and facts["tensors"]["x"]["dtype"] == name
 
     assert fingerprint_checkpoint(tmp_path / "a.pt")[0].exit_code == 0
@@ -348,7 +348,7 @@ def test_a_short_float8_record_is_a_tensor_record_error(tmp_path: Path) -> None:
     _patch(tmp_path / "a.pt", next(n for n in zipfile.ZipFile(tmp_path / "a.pt").namelist()
                                    if n.endswith("data.pkl")),
            lambda d: d.__setitem__(slice(None), crafted), fix_crc=True)
-    found, _, _ = verify_torchsave_file(str(tmp_path / "a.pt"))
+    found, _, _ = check_file(str(tmp_path / "a.pt"))
     (f,) = [f for f in found if f.severity.value == "error"]
     assert f.check == "tensor-record" and "reach 20 float8_e5m2 elements (20 bytes)" in f.message
     assert f.location.record == record
