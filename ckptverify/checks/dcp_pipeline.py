@@ -101,11 +101,15 @@ def default_jobs() -> int:
 class VerificationRun:
     """One verification of a DCP checkpoint, stage by stage; run once by :meth:`execute`, ended by :meth:`close`.
 
-    Afterwards it gives :meth:`report`, :meth:`description`, :attr:`manifest`, and lends its workers, progress and
-    opened files (:meth:`map`, :meth:`advance`, :meth:`file`) to later passes. ``executor`` shares hashing and the
-    deep scan among ranks, or brings the pieces of the ``skip`` files from their parts' records
-    (:class:`~ckptverify.cluster.recorded.Recorded`). ``hold_kept`` keeps small files read at open until
-    :meth:`release_kept`. ``only`` restricts the run to the byte-level checks of the named files (the
+    The interface, all that callers outside :mod:`ckptverify.checks` use: the constructor's options; :meth:`execute`;
+    then :meth:`report`, :meth:`description`, :attr:`manifest`, :meth:`opened_files`, :meth:`changed_files`, and two
+    passes over what was read on the run's workers: :meth:`scan` (tensors rebuilt and fingerprinted) and
+    :meth:`digests` (the adoption's digests and scans). An :class:`Executor` is lent the run itself (:attr:`root`,
+    :meth:`file`, :meth:`map`, :meth:`advance`): its opened files, workers and progress.
+
+    ``executor`` shares hashing and the deep scan among ranks, or brings the pieces of the ``skip`` files from their
+    parts' records (:class:`~ckptverify.cluster.recorded.Recorded`). ``hold_kept`` keeps the small files read at open
+    in memory through :meth:`digests`. ``only`` restricts the run to the byte-level checks of the named files (the
     whole-checkpoint checks are another part's); ``skip`` names files another part checks. Files left out are
     neither opened nor reported missing (``docs/verify-after-save.md``).
     """
@@ -189,7 +193,7 @@ class VerificationRun:
         """The names of the files this run opened (those whose bytes it checks), sorted."""
         return sorted(n for n, f in self._opened.items() if f is not None)
 
-    def release_kept(self) -> None:
+    def _release_kept(self) -> None:
         """Forget the bytes of the small files read whole at open: later reads go to the files."""
         for f in self._opened.values():  # what planning needed of the small files read whole: now read
             if f is not None:
@@ -389,7 +393,7 @@ class VerificationRun:
             self._results[name] = result
             self._plans.extend(file_plans)
         if not self._hold_kept:
-            self.release_kept()
+            self._release_kept()
         # Stream-transformed items are decoded and judged now; their plans join after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]
         decoded = self.map(lambda i: self._transformed(i), transformed)
@@ -571,6 +575,21 @@ class VerificationRun:
         judged, rebuilt = deep_check.judge_scans(desc, self._manifest, scans, found)
         self._findings.extend(judged)
         self._coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
+
+    def scan(self, desc: Description, only: set[str]) -> dict[str, Any]:
+        """The scans (:class:`~ckptverify.checks.deep.TensorScan`) by name of ``desc``'s tensors in ``only``, rebuilt on
+        the run's workers."""
+        from ckptverify.checks import deep as deep_check
+
+        return deep_check.scan_description(desc, self.map, only=only)[0]
+
+    def digests(self, desc: Description, *, digest: str, block_bytes: int, executor: Executor | None = None
+                ) -> tuple[list[Any], dict[str, Any], dict[str, Any], list[Finding]]:
+        """The adoption's pass over ``desc`` (:func:`~ckptverify.checks.adoption.digests_and_scans`): manifest item and
+        file entries, tensor scans, ``replica-mismatch`` findings; ``executor`` reads its share elsewhere."""
+        from ckptverify.checks.adoption import digests_and_scans
+
+        return digests_and_scans(self, desc, digest=digest, block_bytes=block_bytes, executor=executor)
 
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:
