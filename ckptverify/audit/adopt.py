@@ -95,9 +95,6 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
                progress: ProgressSink | None, executor: Executor | None, started: float,
                parts: list[tuple[frozenset[str], Report]] | None = None) -> tuple[Report, Manifest | None]:
     """:func:`fingerprint_checkpoint` of a DCP checkpoint (see there)."""
-    from ckptverify._version import __version__
-    from ckptverify.fingerprint import FINGERPRINT_VERSION
-
     skip = frozenset(f for files, _ in parts or () for f in files)
     # The digest pass and the scan read the small files again (hold_kept).
     run = VerificationRun(root, jobs or default_jobs(), progress, skip=skip, executor=executor,
@@ -111,19 +108,10 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
             # What this process read; the rest was read by the parts, each on its node.
             checked.stats.update(bytes_read_here=here, opened=opened)
         if not checked.passed:
-            refusal = error("fingerprint-refused", "the checkpoint fails verification; refusing to write a "
-                            "manifest that would bless it", location=Location(file=MANIFEST_FILE))
-            return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
-                          coverage=checked.coverage, stats=checked.stats), None
+            return _refusal(checked, _FAILS), None
         uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
         if uncheckable and not trust_uncheckable:
-            refusal = error(
-                "fingerprint-refused",
-                f"{len(uncheckable)} finding(s) name content that nothing could check (no CRC-32); a manifest "
-                "would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
-                location=Location(file=MANIFEST_FILE))
-            return Report(command="fingerprint", target=root, findings=(*checked.findings, refusal),
-                          coverage=checked.coverage, stats=checked.stats), None
+            return _refusal(checked, _unchecked(uncheckable, "no CRC-32")), None
         desc = run.description()
         if skip:  # other nodes' files, items and tensor pieces, as their parts described them
             executor.describe(desc, skip)  # type: ignore[union-attr]
@@ -135,10 +123,8 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
         names = sorted(files)
         file_digests = [files[n] for n in names]
         if replica_findings:
-            return Report(command="fingerprint", target=root, findings=(*checked.findings, *replica_findings, error(
-                "fingerprint-refused", "replicas of a chunk differ; refusing to write a manifest that would bless "
-                "the checkpoint", location=Location(file=MANIFEST_FILE))), coverage=checked.coverage,
-                stats=checked.stats), None
+            return _refusal(checked, "replicas of a chunk differ; refusing to write a manifest that would bless the "
+                            "checkpoint", *replica_findings), None
         tensors: dict[str, TensorEntry] = {}
         unfingerprinted = 0
         for fqn, tinfo in desc.tensors.items():
@@ -153,20 +139,17 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
                                        nan_count=scan.nan if counted else None,
                                        inf_count=scan.inf if counted else None, parts=inner)
         ranks = {int(m.group(1)) for n in names if (m := _RANK_FILE.match(n))}
-        manifest = Manifest(
-            digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
-            files=dict(zip(names, file_digests, strict=True)), tensors=tensors, metadata_files=metadata,
-            world_size=max(ranks) + 1 if ranks else 1, fingerprint_version=FINGERPRINT_VERSION,
-            created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
-            torch_version=torch_version(), source="fingerprint",
-        )
+        manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(entries),
+                             files=dict(zip(names, file_digests, strict=True)), tensors=tensors,
+                             metadata_files=metadata, world_size=max(ranks) + 1 if ranks else 1)
         changed = run.changed_files()
         if changed:
-            return _refused(checked, changed, "files changed while they were digested"), None
+            return _refusal(checked, f"files changed while they were digested; {_GONE}", *changed), None
         written = write_manifest(root, manifest)
     except FileChangedError as exc:
         name = os.path.relpath(exc.path, root) if isinstance(exc.path, str) else "?"
-        return _refused(checked, [changed_finding(name, str(exc))], "a file changed while it was digested"), None
+        return _refusal(checked, f"a file changed while it was digested; {_GONE}",
+                        changed_finding(name, str(exc))), None
     finally:
         run.close()
     notes = [info("manifest-written",
@@ -182,6 +165,16 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
     findings = tuple(f for f in checked.findings if f.check != "manifest-absent") + tuple(notes)
     return Report(command="fingerprint", target=root, findings=findings, coverage=merge_coverage(coverage),
                   stats=checked.stats), manifest
+
+
+def _manifest(**fields: Any) -> Manifest:
+    """A manifest of ``fields`` as ``fingerprint`` writes it now (versions, time, source)."""
+    from ckptverify._version import __version__
+    from ckptverify.fingerprint import FINGERPRINT_VERSION
+
+    return Manifest(**fields, fingerprint_version=FINGERPRINT_VERSION, tool_version=__version__,
+                    created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), torch_version=torch_version(),
+                    source="fingerprint")
 
 
 _TORCH_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"\\]+)['"]\s*$""", re.MULTILINE)
@@ -210,11 +203,24 @@ def torch_version() -> str:
     return str(loaded.__version__)
 
 
-def _refused(checked: Report, findings: list[Any], why: str) -> Report:
-    refusal = error("fingerprint-refused", f"{why}; refusing to write a manifest of bytes that are no longer "
-                    "on disk", location=Location(file=MANIFEST_FILE))
-    return Report(command="fingerprint", target=checked.target, findings=(*checked.findings, *findings, refusal),
-                  coverage=checked.coverage, stats=checked.stats)
+_NO_CHECKSUM = "no checksum: safetensors, pickles"
+_GONE = "refusing to write a manifest of bytes that are no longer on disk"
+
+
+_FAILS = "the checkpoint fails verification; refusing to write a manifest that would bless it"
+
+
+def _unchecked(uncheckable: list[Finding], unprotected: str) -> str:
+    """The refusal of content nothing could check (``unprotected``: why not)."""
+    return (f"{len(uncheckable)} finding(s) name content that nothing could check ({unprotected}); a manifest would "
+            "bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway")
+
+
+def _refusal(checked: Report, why: str, *more: Finding, where: str = MANIFEST_FILE) -> Report:
+    """``checked`` with ``more`` findings and the ``fingerprint-refused`` error saying ``why`` (about ``where``)."""
+    return Report(command="fingerprint", target=checked.target, findings=(
+        *checked.findings, *more, error("fingerprint-refused", why, location=Location(file=where))),
+        coverage=checked.coverage, stats=checked.stats)
 
 
 def _trusted(uncheckable: list[Any], where: str) -> list[Finding]:
@@ -251,19 +257,15 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
     single = not os.path.isdir(root)
     # Findings about the manifest name the file it is (beside a single file, inside a folder).
     own = os.path.basename(file_manifest_path(root)) if single else MANIFEST_FILE
-    checked = verify_checkpoint(root, jobs=jobs, use_manifest=False)
-    findings = [f for f in checked.findings if f.check != "manifest-absent"]
+    verified = verify_checkpoint(root, jobs=jobs, use_manifest=False)
+    findings = [f for f in verified.findings if f.check != "manifest-absent"]
+    checked = Report(command="fingerprint", target=root, findings=tuple(findings), coverage=verified.coverage,
+                     stats=verified.stats)
     if not checked.passed:
-        return Report(command="fingerprint", target=root, findings=(*findings, error(
-            "fingerprint-refused", "the checkpoint fails verification; refusing to write a manifest that would "
-            "bless it", location=Location(file=own))), coverage=checked.coverage, stats=checked.stats), None
+        return _refusal(checked, _FAILS, where=own), None
     uncheckable = [f for f in findings if f.check == UNCHECKABLE]
     if uncheckable and not trust_uncheckable:
-        return Report(command="fingerprint", target=root, findings=(*findings, error(
-            "fingerprint-refused",
-            f"{len(uncheckable)} finding(s) name content that nothing could check (no checksum: safetensors, "
-            "pickles); a manifest would bless it as it is now. Refused: pass --trust-uncheckable to adopt it anyway",
-            location=Location(file=own))), coverage=checked.coverage, stats=checked.stats), None
+        return _refusal(checked, _unchecked(uncheckable, _NO_CHECKSUM), where=own), None
     parts = list(checked.stats.get("parts") or [])
     for part in parts:  # each DCP part gets its own manifest, as `fingerprint PART` would write it
         sub, _ = fingerprint_checkpoint(os.path.join(root, part), digest=digest, block_bytes=block_bytes, force=force,
@@ -275,10 +277,10 @@ def _fingerprint_described(root: str, *, digest: str, block_bytes: int, force: b
     try:
         written, manifest, missing = _described_manifest(root, names, own, digest, block_bytes)
     except FileChangedError as exc:
-        return _refused(checked, [changed_finding(os.path.basename(str(exc.path)), str(exc))],
-                        "a file changed while it was digested"), None
+        return _refusal(verified, f"a file changed while it was digested; {_GONE}",
+                        changed_finding(os.path.basename(str(exc.path)), str(exc))), None
     if manifest is None:
-        return _refused(checked, [], "files were added or removed while they were digested"), None
+        return _refusal(verified, f"files were added or removed while they were digested; {_GONE}"), None
     files, items, tensors = manifest.files, manifest.items, manifest.tensors
     notes = [info("manifest-written", f"wrote {written}: {len(files)} files, {len(items)} tensor payloads, "
                   f"{len(tensors) - missing} of {len(tensors)} tensors fingerprinted"
@@ -296,20 +298,14 @@ def _described_manifest(root: str, names: list[str] | None, own: str, digest: st
                         block_bytes: int) -> tuple[str, Manifest | None, int]:
     """The manifest of one file (``names``) or a folder's top files (``None``), written as ``own``: path, manifest
     (``None`` if files came or went) and unfingerprinted count. Raises ``FileChangedError`` if a file changed."""
-    from ckptverify._version import __version__
     from ckptverify.checks.described import manifest_entries
-    from ckptverify.fingerprint import FINGERPRINT_VERSION
     from ckptverify.formats.describe import describe, folder_files
 
     desc = describe(root)
     listed = folder_files(root) if names is None else names
     files, items, tensors, missing = manifest_entries(desc, listed, digest, block_bytes)
-    import torch
-
-    manifest = Manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(items), files=files,
-                        tensors=tensors, world_size=1, fingerprint_version=FINGERPRINT_VERSION,
-                        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), tool_version=__version__,
-                        torch_version=str(torch.__version__), source="fingerprint")
+    manifest = _manifest(digest_algorithm=digest, block_bytes=block_bytes, items=tuple(items), files=files,
+                         tensors=tensors, world_size=1)
     if names is None and set(folder_files(root)) != set(listed):
         return "", None, missing
     return write_manifest(desc.root, manifest, name=own), manifest, missing
@@ -371,11 +367,8 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
             file=MANIFEST_FILE))), merged.coverage), None, unwritten
 
     # Every part's verification before any manifest is written: a failed one refuses them all.
-    checked = merge_reports("fingerprint", root, reports)
-    if not checked.passed:
-        return result((*checked.findings, error(
-            "fingerprint-refused", "the checkpoint fails verification; refusing to write a manifest that would "
-            "bless it", location=Location(file=MANIFEST_FILE))), checked.coverage), None, unwritten
+    if not merge_reports("fingerprint", root, reports).passed:
+        return refused(_FAILS)
     for sub in subs:  # each other DCP folder gets its manifest, from its nodes' parts and what is read here
         if sub in unwritten:
             continue
@@ -396,17 +389,14 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
     checked = merge_reports("fingerprint", root, reports)
     uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
     if uncheckable and not trust_uncheckable:
-        return refused(f"{len(uncheckable)} finding(s) name content that nothing could check (no checksum: "
-                       "safetensors, pickles); a manifest would bless it as it is now. Refused: pass "
-                       "--trust-uncheckable to adopt it anyway")
+        return refused(_unchecked(uncheckable, _NO_CHECKSUM))
     try:
         written, manifest, missing = _described_manifest(root, None, MANIFEST_FILE, digest, block_bytes)
     except FileChangedError as exc:
-        return refused("a file changed while it was digested; refusing to write a manifest of bytes that are no "
-                       "longer on disk", changed_finding(os.path.basename(str(exc.path)), str(exc)))
+        return refused(f"a file changed while it was digested; {_GONE}",
+                       changed_finding(os.path.basename(str(exc.path)), str(exc)))
     if manifest is None:
-        return refused("files were added or removed while they were digested; refusing to write a manifest of "
-                       "bytes that are no longer on disk")
+        return refused(f"files were added or removed while they were digested; {_GONE}")
     with_manifest = len(subs) - len(unwritten)
     note = (f"wrote {written}: {len(manifest.files)} files, {len(manifest.items)} tensor payloads, "
             f"{len(manifest.tensors) - missing} of {len(manifest.tensors)} tensors fingerprinted, and a manifest "
