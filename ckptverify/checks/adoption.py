@@ -23,8 +23,6 @@ def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, exe
     from ckptverify.fingerprint import BlockDigest, digest_reader
     from ckptverify.fingerprint.digest import digest_bytes
 
-    root = run.root
-
     def digest_item(item: StoredRange) -> ItemEntry:
         d = BlockDigest(digest, block_bytes)
         with desc.open(item.file) as f:
@@ -38,11 +36,7 @@ def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, exe
     def digest_batch(batch: _Batch) -> list[ItemEntry]:
         # A small item is one block: its digest and its block's are the same, taken once.
         name, start, end, items = batch
-        with desc.open(name) as f:
-            buf = f.pread(start, end - start)
-            size = f.size
-        if len(buf) != end - start:  # inside the size seen at open: the file changed
-            raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(root, name))
+        buf, size = _read_batch(desc, batch)
         out = []
         view = memoryview(buf)
         for item in items:
@@ -74,7 +68,7 @@ def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, exe
                    for i, value in zip(ordered, got, strict=False)]
         # A file another node's part digested is not opened here (its part's signature of it is compared apart).
         file_digests = [FileEntry(size=f.size if (f := run.file(n)) is not None else
-                                  os.stat(os.path.join(root, n)).st_size, digest=value)
+                                  os.stat(os.path.join(run.root, n)).st_size, digest=value)
                         for n, value in zip(names, got[len(ordered):], strict=True)]
         scans, replica_findings = deep_check.scan_description(desc, executor.tensor_map(run))
     else:
@@ -96,6 +90,16 @@ _Batch = tuple[str, int, int, list[StoredRange]]
 #: Most bytes read at once for consecutive small items, and the largest gap between two read over.
 BATCH_BYTES = 8 << 20
 BATCH_GAP = 64 << 10
+
+
+def _read_batch(desc: Any, batch: _Batch) -> tuple[bytes, int]:
+    """The bytes a batch spans, and its file's size; ``FileChangedError`` if the file ends before them now."""
+    name, start, end, _ = batch
+    with desc.open(name) as f:
+        buf, size = f.pread(start, end - start), f.size
+    if len(buf) != end - start:  # inside the size seen at open: the file changed
+        raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(desc.root, name))
+    return buf, size
 
 
 def _small_item_batches(stored: list[StoredRange], block_bytes: int) -> tuple[list[_Batch], list[StoredRange]]:
@@ -154,12 +158,8 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
     batches, _ = _small_item_batches(picked, BATCH_BYTES)
 
     def read(batch: _Batch) -> list[tuple[str, bytes]]:
-        name, start, end, ranges = batch
-        with desc.open(name) as f:
-            buf = f.pread(start, end - start)
-        if len(buf) != end - start:
-            raise FileChangedError(f"{name} ends before byte {end} now", os.path.join(desc.root, name))
-        return [(r.name, buf[r.offset - start:r.offset - start + r.length]) for r in ranges]
+        buf, _ = _read_batch(desc, batch)
+        return [(r.name, buf[r.offset - batch[1]:r.offset - batch[1] + r.length]) for r in batch[3]]
 
     scans: dict[str, SmallScan] = {}
     for group in _rounds(batches, ROUND_BYTES):
