@@ -52,8 +52,8 @@ SEGMENT_BYTES = 64 << 20
 SMALL_RECORD_BYTES = 64 << 10
 #: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
 UNCHECKABLE = "content-uncheckable"
-#: Files this small are read whole at open (within ``KEEP_TOTAL_BYTES``) until planned: one open per file. The
-#: fingerprint pass keeps the small files it reads within the same bounds.
+#: Files this small are read whole at open (within ``KEEP_TOTAL_BYTES``) until planned, or with ``hold_kept`` through
+#: :meth:`VerificationRun.digests`: one open and one read per file.
 KEEP_FILE_BYTES = 64 << 10
 KEEP_TOTAL_BYTES = 256 << 20
 #: Above this many tasks, :meth:`VerificationRun.map` pulls per worker (a future costs as much as a small item).
