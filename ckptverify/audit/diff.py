@@ -280,16 +280,9 @@ class _Side:
 
 
 def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
-    from ckptverify.formats.rundir import dir_format
+    from ckptverify.audit.verify import is_dcp
 
-    if paths.isdir(root):
-        try:
-            names = paths.listdir(root)
-        except OSError:
-            names = []
-        if dir_format(names) in ("dcp", "dcp-uncommitted"):
-            return _DcpSide(root, jobs, progress)
-    return _DescribedSide(root, jobs)
+    return _DcpSide(root, jobs, progress) if is_dcp(root) else _DescribedSide(root, jobs)
 
 
 class _DescribedSide(_Side):
