@@ -8,6 +8,7 @@ the same values as the general paths, which take everything else.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ckptverify.checks import deep as deep_check
@@ -16,10 +17,12 @@ from ckptverify.formats.describe import StoredRange
 from ckptverify.ownfiles.manifest import FileEntry, ItemEntry
 
 
-def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, executor: Any
-                      ) -> tuple[list[ItemEntry], dict[str, FileEntry], dict[str, Any], list[Any]]:
+def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, executor: Any,
+                      release_kept: Callable[[], None]) -> tuple[list[ItemEntry], dict[str, FileEntry], dict[str, Any],
+                                                              list[Any]]:
     """Every item's and file's digests and every tensor's scan of ``desc`` (what ``run`` verified, and what ``executor``
-    brings from elsewhere): the manifest entries, scans and any ``replica-mismatch`` findings."""
+    brings from elsewhere): the manifest entries, scans and any ``replica-mismatch`` findings. ``release_kept`` drops
+    the run's small files held in memory, once the small items and tensors are done."""
     from ckptverify.fingerprint import BlockDigest, digest_reader
     from ckptverify.fingerprint.digest import digest_bytes
 
@@ -78,7 +81,7 @@ def digests_and_scans(run: Any, desc: Any, *, digest: str, block_bytes: int, exe
         entries += run.map(digest_item, sorted(large, key=lambda i: -i.length))
         file_digests = run.map(digest_file, names)
         scans, batched = _scan_small_tensors(desc, run.map)
-        run._release_kept()  # the small files kept since open (hold_kept) served the passes above
+        release_kept()
         rest = {name for name in desc.tensors if name not in batched}
         more, replica_findings = deep_check.scan_description(desc, run.map, only=rest)
         scans.update(more)

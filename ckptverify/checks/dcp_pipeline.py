@@ -589,7 +589,8 @@ class VerificationRun:
         file entries, tensor scans, ``replica-mismatch`` findings; ``executor`` reads its share elsewhere."""
         from ckptverify.checks.adoption import digests_and_scans
 
-        return digests_and_scans(self, desc, digest=digest, block_bytes=block_bytes, executor=executor)
+        return digests_and_scans(self, desc, digest=digest, block_bytes=block_bytes, executor=executor,
+                                 release_kept=self._release_kept)
 
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:
