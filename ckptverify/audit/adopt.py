@@ -113,8 +113,6 @@ def _adopt_dcp(root: str, *, digest: str, block_bytes: int, jobs: int | None, tr
         if uncheckable and not trust_uncheckable:
             return _refusal(checked, _unchecked(uncheckable, "no CRC-32")), None
         desc = run.description()
-        if skip:  # other nodes' files, items and tensor pieces, as their parts described them
-            executor.describe(desc, skip)  # type: ignore[union-attr]
         if progress is not None:
             progress.start(sum(i.length for i in desc.stored))
         entries, files, scans, replica_findings = run.digests(desc, digest=digest, block_bytes=block_bytes,

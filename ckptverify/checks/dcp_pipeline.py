@@ -564,8 +564,6 @@ class VerificationRun:
         from ckptverify.checks import deep as deep_check
 
         desc = self.description()
-        if self._skip and self._executor is not None:  # other nodes' pieces, as their parts recorded them
-            self._executor.describe(desc, self._skip)  # type: ignore[attr-defined]
         if self._progress is not None:
             self._progress.start(sum(p.item.length for p in self._plans
                                     if p.item.kind == "tensor" and p.item.chunk is not None))
@@ -594,16 +592,20 @@ class VerificationRun:
 
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:
-        """What the run read as a format description (:mod:`ckptverify.formats.dcp`), through its opened files; empty if
-        the metadata could not be read. Call after :meth:`execute`. ``values``: also plain values of non-tensor items
-        (not those in ``values_skip``); ``side_files``: side files merged in (``meta.pt:...``)."""
+        """What the run read as a format description (:mod:`ckptverify.formats.dcp`), through its opened files, and the
+        ``skip`` files as the executor brings them; empty if the metadata could not be read. Call after
+        :meth:`execute`. ``values``: also plain values of non-tensor items (not those in ``values_skip``);
+        ``side_files``: side files merged in (``meta.pt:...``)."""
 
         from ckptverify.formats.describe import Description
 
         if self._layout is None:
             return Description(root=self.root, target=self.root, format="dcp")
         with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
-            return self._describe(values, values_skip, side_files)
+            desc = self._describe(values, values_skip, side_files)
+        if self._skip and self._executor is not None:  # other nodes' files, items and pieces, as their parts recorded
+            self._executor.describe(desc, self._skip)  # type: ignore[attr-defined]
+        return desc
 
     def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
         from ckptverify.formats.dcp import ReadItem, describe_dcp
