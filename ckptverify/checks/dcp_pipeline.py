@@ -101,7 +101,7 @@ def default_jobs() -> int:
 class VerificationRun:
     """One verification of a DCP checkpoint, stage by stage; run once by :meth:`execute`, ended by :meth:`close`.
 
-    The interface, all that callers outside :mod:`ckptverify.checks` use: the constructor's options; :meth:`execute`;
+    The interface, all that callers outside :mod:`ckptverify.checks` use: the constructor's options, :meth:`execute`;
     then :meth:`report`, :meth:`description`, :attr:`manifest`, :meth:`opened_files`, :meth:`changed_files`, and two
     passes over what was read on the run's workers: :meth:`scan` (tensors rebuilt and fingerprinted) and
     :meth:`digests` (the adoption's digests and scans). An :class:`Executor` is lent the run itself (:attr:`root`,
