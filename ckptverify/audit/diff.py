@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptverify.checks import deep as deep_check
@@ -280,16 +280,9 @@ class _Side:
 
 
 def _open_side(root: str, jobs: int, progress: ProgressSink | None) -> _Side:
-    from ckptverify.formats.rundir import dir_format
+    from ckptverify.audit.verify import is_dcp
 
-    if paths.isdir(root):
-        try:
-            names = paths.listdir(root)
-        except OSError:
-            names = []
-        if dir_format(names) in ("dcp", "dcp-uncommitted"):
-            return _DcpSide(root, jobs, progress)
-    return _DescribedSide(root, jobs)
+    return _DcpSide(root, jobs, progress) if is_dcp(root) else _DescribedSide(root, jobs)
 
 
 class _DescribedSide(_Side):
@@ -344,8 +337,8 @@ class _DescribedSide(_Side):
 
     def fingerprints(self, names: set[str]) -> dict[str, str]:
         # As read_tensor bounds a view, and a file changing here leaves its tensors uncompared.
-        return rebuilt_fingerprints(self.desc, names - self.damaged, _serial_map, view_limit=None,
-                                    stop_on_change=False)
+        return rebuilt_fingerprints(self.desc, names - self.damaged, lambda only: deep_check.scan_description(
+            self.desc, _serial_map, only=only, view_limit=None, stop_on_change=False)[0])
 
 
 
@@ -388,12 +381,13 @@ def _manifest_proven(root: str, desc: Description, files: set[str]) -> set[tuple
     return out
 
 
-def rebuilt_fingerprints(desc: Description, names: set[str], run_map: Any, **scan: Any) -> dict[str, str]:
-    """Fingerprints of ``desc``'s tensors in ``names``, rebuilt from payloads via ``run_map`` (``scan``: options of
-    :func:`~ckptverify.checks.deep.scan_description`); ``"empty"`` for no elements and nothing stored. Tensors not
-    fully rebuilt are left out (reported as not compared)."""
+def rebuilt_fingerprints(desc: Description, names: set[str], scan: Callable[[set[str]], dict[str, Any]]
+                         ) -> dict[str, str]:
+    """Fingerprints of ``desc``'s tensors in ``names``, rebuilt from payloads by ``scan`` (the tensors' scans by name,
+    as :func:`~ckptverify.checks.deep.scan_description` gives them); ``"empty"`` for no elements and nothing stored.
+    Tensors not fully rebuilt are left out (reported as not compared)."""
     wanted = {n for n in names if n in desc.tensors}
-    scans, _ = deep_check.scan_description(desc, run_map, only=wanted, **scan)
+    scans = scan(wanted)
     out: dict[str, str] = {}
     for name in sorted(wanted):
         shape = desc.tensors[name].shape
@@ -435,7 +429,7 @@ class _DcpSide(_Side):
     def fingerprints(self, names: set[str]) -> dict[str, str]:
         wanted = names - self.damaged
         out = {n: self.saved[n] for n in wanted if n in self.saved}
-        out.update(rebuilt_fingerprints(self.desc, wanted - set(out), self.run.map))
+        out.update(rebuilt_fingerprints(self.desc, wanted - set(out), lambda only: self.run.scan(self.desc, only)))
         return out
 
     def changed(self) -> list[Finding]:

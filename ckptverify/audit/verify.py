@@ -169,14 +169,8 @@ def by_subfolder(names: frozenset[str]) -> dict[str, frozenset[str]]:
 
 def _dcp_subfolders(root: str) -> list[str]:
     """The sub-folders of ``root`` that hold DCP checkpoints (not followed through links)."""
-    from ckptverify.formats.rundir import dir_format
-
-    out = []
-    for name in sorted(_listdir(root)):
-        sub = os.path.join(root, name)
-        if paths.isdir(sub) and not paths.islink(sub) and dir_format(_listdir(sub)) in ("dcp", "dcp-uncommitted"):
-            out.append(name)
-    return out
+    return [name for name in sorted(_listdir(root)) if not paths.islink(os.path.join(root, name))
+            and is_dcp(os.path.join(root, name))]
 
 
 def _under(sub: str, findings: Any) -> list[Finding]:
@@ -215,7 +209,7 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     if fmt is not None or any(n.endswith(CHECKPOINT_SUFFIXES) for n in names):
         return "folder", [], False
     subdirs = [n for n in names if paths.isdir(os.path.join(root, n)) and not paths.islink(os.path.join(root, n))]
-    if any(dir_format(_listdir(os.path.join(root, n))) in ("dcp", "dcp-uncommitted") for n in subdirs):
+    if any(is_dcp(os.path.join(root, n)) for n in subdirs):
         # DCP folders beside each other: the parts of one checkpoint (model + optimizer) when the folder's own
         # name carries a step, else a run directory.
         from ckptverify.formats.rundir import step_of
@@ -225,6 +219,13 @@ def _other_format(root: str) -> tuple[str | None, list[Any], bool]:
     notes: list[Any] = []
     found = find_checkpoints(root, notes=notes)
     return ("run-directory" if found else None), found, bool(notes)
+
+
+def is_dcp(path: str) -> bool:
+    """Whether ``path`` is a folder holding a DCP checkpoint (committed or not)."""
+    from ckptverify.formats.rundir import dir_format
+
+    return paths.isdir(path) and dir_format(_listdir(path)) in ("dcp", "dcp-uncommitted")
 
 
 def _listdir(path: str) -> list[str]:

@@ -52,8 +52,8 @@ SEGMENT_BYTES = 64 << 20
 SMALL_RECORD_BYTES = 64 << 10
 #: The check whose findings name content that nothing (no CRC-32, no manifest digest) could check.
 UNCHECKABLE = "content-uncheckable"
-#: Files this small are read whole at open (within ``KEEP_TOTAL_BYTES``) until planned: one open per file. The
-#: fingerprint pass keeps the small files it reads within the same bounds.
+#: Files this small are read whole at open (within ``KEEP_TOTAL_BYTES``) until planned, or with ``hold_kept`` through
+#: :meth:`VerificationRun.digests`: one open and one read per file.
 KEEP_FILE_BYTES = 64 << 10
 KEEP_TOTAL_BYTES = 256 << 20
 #: Above this many tasks, :meth:`VerificationRun.map` pulls per worker (a future costs as much as a small item).
@@ -101,11 +101,15 @@ def default_jobs() -> int:
 class VerificationRun:
     """One verification of a DCP checkpoint, stage by stage; run once by :meth:`execute`, ended by :meth:`close`.
 
-    Afterwards it gives :meth:`report`, :meth:`description`, :attr:`manifest`, and lends its workers, progress and
-    opened files (:meth:`map`, :meth:`advance`, :meth:`file`) to later passes. ``executor`` shares hashing and the
-    deep scan among ranks, or brings the pieces of the ``skip`` files from their parts' records
-    (:class:`~ckptverify.cluster.recorded.Recorded`). ``hold_kept`` keeps small files read at open until
-    :meth:`release_kept`. ``only`` restricts the run to the byte-level checks of the named files (the
+    The interface, all that callers outside :mod:`ckptverify.checks` use: the constructor's options, :meth:`execute`;
+    then :meth:`report`, :meth:`description`, :attr:`manifest`, :meth:`opened_files`, :meth:`changed_files`, and two
+    passes over what was read on the run's workers: :meth:`scan` (tensors rebuilt and fingerprinted) and
+    :meth:`digests` (the adoption's digests and scans). An :class:`Executor` is lent the run itself (:attr:`root`,
+    :meth:`file`, :meth:`map`, :meth:`advance`): its opened files, workers and progress.
+
+    ``executor`` shares hashing and the deep scan among ranks, or brings the pieces of the ``skip`` files from their
+    parts' records (:class:`~ckptverify.cluster.recorded.Recorded`). ``hold_kept`` keeps the small files read at open
+    in memory through :meth:`digests`. ``only`` restricts the run to the byte-level checks of the named files (the
     whole-checkpoint checks are another part's); ``skip`` names files another part checks. Files left out are
     neither opened nor reported missing (``docs/verify-after-save.md``).
     """
@@ -189,7 +193,7 @@ class VerificationRun:
         """The names of the files this run opened (those whose bytes it checks), sorted."""
         return sorted(n for n, f in self._opened.items() if f is not None)
 
-    def release_kept(self) -> None:
+    def _release_kept(self) -> None:
         """Forget the bytes of the small files read whole at open: later reads go to the files."""
         for f in self._opened.values():  # what planning needed of the small files read whole: now read
             if f is not None:
@@ -389,7 +393,7 @@ class VerificationRun:
             self._results[name] = result
             self._plans.extend(file_plans)
         if not self._hold_kept:
-            self.release_kept()
+            self._release_kept()
         # Stream-transformed items are decoded and judged now; their plans join after the hashing pass.
         transformed = [i for n in names for i in by_file[n] if i.transforms]
         decoded = self.map(lambda i: self._transformed(i), transformed)
@@ -560,8 +564,6 @@ class VerificationRun:
         from ckptverify.checks import deep as deep_check
 
         desc = self.description()
-        if self._skip and self._executor is not None:  # other nodes' pieces, as their parts recorded them
-            self._executor.describe(desc, self._skip)  # type: ignore[attr-defined]
         if self._progress is not None:
             self._progress.start(sum(p.item.length for p in self._plans
                                     if p.item.kind == "tensor" and p.item.chunk is not None))
@@ -572,18 +574,38 @@ class VerificationRun:
         self._findings.extend(judged)
         self._coverage.append(CheckCoverage(check="fingerprint", count=rebuilt, unit="tensors"))
 
+    def scan(self, desc: Description, only: set[str]) -> dict[str, Any]:
+        """The scans (:class:`~ckptverify.checks.deep.TensorScan`) by name of ``desc``'s tensors in ``only``, rebuilt on
+        the run's workers."""
+        from ckptverify.checks import deep as deep_check
+
+        return deep_check.scan_description(desc, self.map, only=only)[0]
+
+    def digests(self, desc: Description, *, digest: str, block_bytes: int, executor: Executor | None = None
+                ) -> tuple[list[Any], dict[str, Any], dict[str, Any], list[Finding]]:
+        """The adoption's pass over ``desc`` (:func:`~ckptverify.checks.adoption.digests_and_scans`): manifest item and
+        file entries, tensor scans, ``replica-mismatch`` findings; ``executor`` reads its share elsewhere."""
+        from ckptverify.checks.adoption import digests_and_scans
+
+        return digests_and_scans(self, desc, digest=digest, block_bytes=block_bytes, executor=executor,
+                                 release_kept=self._release_kept)
+
     def description(self, *, values: bool = False, values_skip: frozenset[str] | set[str] = frozenset(),
                     side_files: bool = False) -> Description:
-        """What the run read as a format description (:mod:`ckptverify.formats.dcp`), through its opened files; empty if
-        the metadata could not be read. Call after :meth:`execute`. ``values``: also plain values of non-tensor items
-        (not those in ``values_skip``); ``side_files``: side files merged in (``meta.pt:...``)."""
+        """What the run read as a format description (:mod:`ckptverify.formats.dcp`), through its opened files, and the
+        ``skip`` files as the executor brings them; empty if the metadata could not be read. Call after
+        :meth:`execute`. ``values``: also plain values of non-tensor items (not those in ``values_skip``);
+        ``side_files``: side files merged in (``meta.pt:...``)."""
 
         from ckptverify.formats.describe import Description
 
         if self._layout is None:
             return Description(root=self.root, target=self.root, format="dcp")
         with paused_gc():  # one object per item and payload, no reference cycles (see gcpause)
-            return self._describe(values, values_skip, side_files)
+            desc = self._describe(values, values_skip, side_files)
+        if self._skip and self._executor is not None:  # other nodes' files, items and pieces, as their parts recorded
+            self._executor.describe(desc, self._skip)  # type: ignore[attr-defined]
+        return desc
 
     def _describe(self, values: bool, values_skip: frozenset[str] | set[str], side_files: bool) -> Description:
         from ckptverify.formats.dcp import ReadItem, describe_dcp

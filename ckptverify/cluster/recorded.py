@@ -26,7 +26,6 @@ def record(root: str, only: frozenset[str], jobs: int, deep: bool = False) -> tu
     passed, the work units of the adoption's digest pass and tensor scan over those files, with their results
     (none if it failed or a file changed: the report says why). ``deep``: of a deep verification instead, the
     verification against the manifest and the tensor scan's units, passed or not. Writes nothing."""
-    from ckptverify.audit.adopt import digests_and_scans
     from ckptverify.checks.dcp_pipeline import VerificationRun, changed_finding
     from ckptverify.checks.deep import scan_description
     from ckptverify.findings import Report
@@ -48,7 +47,7 @@ def record(root: str, only: frozenset[str], jobs: int, deep: bool = False) -> tu
             if deep:
                 scan_description(desc, recorded.tensor_map(run))
             else:  # the adoption's defaults (fingerprint_checkpoint): the coordinator asks for these very units
-                digests_and_scans(run, desc, digest="xxh3-128", block_bytes=DEFAULT_BLOCK_BYTES, executor=recorded)
+                run.digests(desc, digest="xxh3-128", block_bytes=DEFAULT_BLOCK_BYTES, executor=recorded)
             # What the coordinator cannot describe without opening these files: their items, unread pieces.
             recorded.records += [[["stored", n, f], [[i.name, i.chunk_offsets, i.offset, i.length] for i in desc.stored
                                                      if i.file == n]] for n, f in desc.files.items()]

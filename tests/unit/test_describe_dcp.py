@@ -282,3 +282,14 @@ def test_only_the_dcp_pipeline_reaches_into_a_run() -> None:
                    and (getattr(n.value, "id", None) == "run" or getattr(n.value, "attr", None) == "run")
                    and (n.attr.startswith("_") or isinstance(n.ctx, ast.Store))]
         assert not reached, (path.name, reached)
+
+
+def test_audit_uses_a_run_through_its_interface_alone() -> None:
+    """``audit/`` calls only what ``VerificationRun``'s docstring names as its interface: never the workers, progress
+    or opened files it lends to executors (``map``, ``advance``, ``file``)."""
+    interface = {"execute", "report", "description", "manifest", "opened_files", "changed_files", "scan", "digests",
+                 "close"}
+    for path in (ROOT / "ckptverify" / "audit").glob("*.py"):
+        used = {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)
+                and (getattr(n.value, "id", None) == "run" or getattr(n.value, "attr", None) == "run")}
+        assert used <= interface, (path.name, used - interface)

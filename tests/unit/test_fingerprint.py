@@ -660,7 +660,7 @@ def test_every_path_computes_the_reference(dtype: torch.dtype, shape: tuple[int,
     offsets and non-contiguous views: numpy's one-shot formula and host path, eager torch, the many-tensor path,
     the adoption's batched numpy path, and the public entry under each CPU backend. (The compiled kernel: below;
     the Triton kernel: tests/processes/test_fingerprint_triton.py and, on a GPU, tests/gpu/test_cuda.py.)"""
-    from ckptverify.audit.adopt import _BATCHED_DTYPES, _whole_lanes
+    from ckptverify.checks.adoption import _BATCHED_DTYPES, _whole_lanes
 
     whole = make_tensor(dtype, shape, seed)
     if layout == "transposed" and whole.dim() >= 2:

@@ -1,9 +1,9 @@
 """``fingerprint`` of many small items: its fast paths give what the general paths give, on planted faults.
 
 The fast paths: small whole tensors fingerprinted a round of batched reads at a time by numpy alone (torch not
-imported), the verification pass's small files held in memory through the digest pass, the files the digest
-pass read whole kept for the scan (each file read once), the cyclic collector paused. The general path turns
-all of them off: every tensor by the general scan, every file opened and read again. Same manifest (byte for
+imported), the verification pass's small files held in memory through the digest pass and the scan (each file
+read once), the cyclic collector paused. The general path turns all of them off: every tensor by the general
+scan, every file opened and read again. Same manifest (byte for
 byte, but the time it was written), same refusals.
 """
 
@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from ckptverify.audit import adopt
 from ckptverify.audit.adopt import fingerprint_checkpoint
 from ckptverify.audit.verify import verify_checkpoint
-from ckptverify.checks import dcp_pipeline
+from ckptverify.checks import adoption, dcp_pipeline
 from ckptverify.ownfiles.manifest import MANIFEST_FILE, manifest_text, read_manifest
 
 
@@ -52,9 +52,7 @@ def _state(n: int) -> dict[str, Any]:
 
 def _general(m: pytest.MonkeyPatch) -> None:
     """Every fast path off: the general scan for every tensor, every file read again by each pass."""
-    m.setattr(adopt, "_scan_small_tensors", lambda desc, run_map: ({}, set()))
-    m.setattr(adopt, "KEEP_TOTAL_BYTES", 0)
-    m.setattr(adopt, "HOLD_KEPT", False)
+    m.setattr(adoption, "_scan_small_tensors", lambda desc, run_map: ({}, set()))
     m.setattr(dcp_pipeline, "KEEP_TOTAL_BYTES", 0)
 
 
@@ -63,7 +61,7 @@ def _fingerprint(path: Path, monkeypatch: pytest.MonkeyPatch, *, general: bool, 
         if general:
             _general(m)
         for name, value in patch.items():
-            m.setattr(adopt, name, value)
+            m.setattr(adoption if hasattr(adoption, name) else dcp_pipeline, name, value)
         return fingerprint_checkpoint(path, force=True, jobs=2)
 
 
@@ -89,7 +87,7 @@ def test_the_fast_paths_write_the_general_paths_manifest(tmp_path: Path, monkeyp
     assert general.passed and general_manifest is not None
     general_text = (path / MANIFEST_FILE).read_text()
     scanned: list[set[str]] = []
-    real = adopt._scan_small_tensors
+    real = adoption._scan_small_tensors
 
     def spy(desc: Any, run_map: Any) -> Any:
         scans, names = real(desc, run_map)
@@ -164,7 +162,7 @@ def test_a_file_rewritten_after_it_was_digested_is_refused(tmp_path: Path, monke
     path = tmp_path / "ckpt"
     _save(path, {f"w.{i}": torch.full((4,), float(i)) for i in range(40)}, per_item=True)
     target = sorted(p for p in path.iterdir() if p.suffix == ".distcp")[5]
-    real = adopt._scan_small_tensors
+    real = adoption._scan_small_tensors
 
     def rewrite_then_scan(desc: Any, run_map: Any) -> Any:
         data = bytearray(target.read_bytes())
@@ -176,7 +174,7 @@ def test_a_file_rewritten_after_it_was_digested_is_refused(tmp_path: Path, monke
     with monkeypatch.context() as m:
         if general:
             _general(m)
-        m.setattr(adopt, "_scan_small_tensors", rewrite_then_scan)
+        m.setattr(adoption, "_scan_small_tensors", rewrite_then_scan)
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=2)
     assert manifest is None and not (path / MANIFEST_FILE).exists()
     checks = {(f.check, f.location.file) for f in report.findings}

@@ -291,7 +291,7 @@ def test_the_manifest_is_written_one_entry_a_line_and_reads_back(tmp_path: Path)
 
 def test_small_tensors_fingerprinted_many_at_once_match_the_general_scan(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptverify.audit import adopt
+    from ckptverify.checks import adoption
     from ckptverify.fingerprint import tensor_fingerprint
 
     g = torch.Generator().manual_seed(3)
@@ -306,7 +306,7 @@ def test_small_tensors_fingerprinted_many_at_once_match_the_general_scan(tmp_pat
     })
     manifests = []
     scanned: list[set[str]] = []
-    real = adopt._scan_small_tensors
+    real = adoption._scan_small_tensors
 
     def spy(desc: Any, run_map: Any) -> Any:
         scans, names = real(desc, run_map)
@@ -319,7 +319,7 @@ def test_small_tensors_fingerprinted_many_at_once_match_the_general_scan(tmp_pat
             warnings.simplefilter("ignore")
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
         with monkeypatch.context() as m:
-            m.setattr(adopt, "_scan_small_tensors", (lambda desc, run_map: ({}, set())) if general else spy)
+            m.setattr(adoption, "_scan_small_tensors", (lambda desc, run_map: ({}, set())) if general else spy)
             report, manifest = fingerprint_checkpoint(path, jobs=2)
         assert report.passed and manifest is not None
         manifests.append(manifest)
