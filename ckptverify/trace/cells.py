@@ -19,12 +19,6 @@ if TYPE_CHECKING:
 
 _SCALARS = (int, float, bool, str, type(None))
 
-def _encoding(t: Any) -> str:
-    """How a tensor's member digest reads: bytes on the host, the logical fingerprint on a device."""
-    local = local_view(t)
-    return "digest128" if _on_host(local) else "fp128"
-
-
 def _tensor_item(site: str, kind: str, t: torch.Tensor, info: str = "") -> Item:
     """:func:`_tensor_cell`, with a tensor on an accelerator read back with the rest of the step."""
     local = local_view(t)
@@ -50,7 +44,9 @@ def _tensor_cell(site: str, kind: str, t: torch.Tensor, info: str = "") -> Cell:
             except TypeError:
                 pass  # a dtype numpy lacks
         return Cell(site, kind, digest_lanes(host_digest(t)), "digest128", info)
-    return Cell(site, kind, digest_lanes(tensor_digests([t])[0]), _encoding(t), info)
+    # A tensor's member digest reads as bytes on the host, as its logical fingerprint on a device.
+    encoding = "digest128" if _on_host(local_view(t)) else "fp128"
+    return Cell(site, kind, digest_lanes(tensor_digests([t])[0]), encoding, info)
 
 
 def _summary(obj: Any) -> Any:

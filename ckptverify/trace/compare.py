@@ -20,7 +20,7 @@ import numpy as np
 
 from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.trace.store import DIGEST_ENCODINGS, Trace, open_trace, step_ranges
+from ckptverify.trace.store import DIGEST_ENCODINGS, Trace, is_store, open_trace, step_ranges
 
 __all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings",
            "first_divergence", "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores",
@@ -111,10 +111,6 @@ def _as_trace(x: TraceLike) -> Trace:
     return x if isinstance(x, Trace) else open_trace(x)
 
 
-def _is_store(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / "zarr.json").is_file()
-
-
 def run_stores(run_dir: str | os.PathLike[str]) -> dict[int, Path]:
     """``{rank: store path}`` of a run's trace directory (its ``rank<r>/`` stores)."""
     root = Path(run_dir)
@@ -123,7 +119,7 @@ def run_stores(run_dir: str | os.PathLike[str]) -> dict[int, Path]:
     out: dict[int, Path] = {}
     for child in root.iterdir():
         name = child.name
-        if name.startswith("rank") and name[4:].isdigit() and _is_store(child):
+        if name.startswith("rank") and name[4:].isdigit() and is_store(child):
             out[int(name[4:])] = child
     return dict(sorted(out.items()))
 
@@ -526,7 +522,7 @@ def rank_comparisons(a: TraceLike, b: TraceLike, *, steps: Iterable[int] | None 
     :class:`TraceHeaderMismatchError` unless ``force``; differing ``digest_encoding`` is a :class:`UsageError` even
     with ``force``. ``ignore_sites``: case-sensitive ``fnmatch`` globs of site names left out on both sides."""
     ignore = tuple(ignore)
-    if isinstance(a, Trace) or isinstance(b, Trace) or _is_store(a) or _is_store(b):
+    if isinstance(a, Trace) or isinstance(b, Trace) or is_store(a) or is_store(b):
         pairs = [(_as_trace(a), _as_trace(b))]
         missing: list[RankComparison] = []
     else:
@@ -563,7 +559,7 @@ def compare_runs(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *
     """:func:`compare_traces` over all ranks of two run directories (``rank<r>/`` stores). A rank with a
     store in only one run is a ``trace-incomplete`` error."""
     for d in (dir_a, dir_b):
-        if _is_store(d):
+        if is_store(d):
             raise UsageError(f"{d} is a single trace store, not a run directory; use compare_traces")
     return comparison_findings(rank_comparisons(dir_a, dir_b, steps=steps, force=force, ignore=ignore,
                                                 ignore_sites=ignore_sites))
@@ -605,7 +601,7 @@ def recompute_findings(trace: TraceLike, *, steps: Iterable[int] | None = None) 
     """``recompute-mismatch`` errors of one run: per rank and module, the first step where a forward recomputed by
     activation checkpointing (``recompute#k``) differs from the forward it repeats (``fwd#k``), so backward used
     activations the forward never produced. ``steps`` narrows the steps."""
-    if isinstance(trace, Trace) or _is_store(trace):
+    if isinstance(trace, Trace) or is_store(trace):
         traces = [_as_trace(trace)]
     else:
         traces = [open_trace(p) for p in run_stores(trace).values()]

@@ -123,10 +123,9 @@ MAX_OP_LOG_BYTES = 1 << 30
 
 def _store(trace_dir_or_store: str | os.PathLike[str], rank: int) -> Path:
     """Rank ``rank``'s store: ``trace_dir_or_store`` itself when it is one, else its ``rank<r>``."""
-    from ckptverify.trace.store import rank_store_path
+    from ckptverify.trace.store import is_store, rank_store_path
 
-    base = Path(trace_dir_or_store)
-    return base if (base / "zarr.json").is_file() else rank_store_path(base, rank)
+    return Path(trace_dir_or_store) if is_store(trace_dir_or_store) else rank_store_path(trace_dir_or_store, rank)
 
 
 def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) -> Any:

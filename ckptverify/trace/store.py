@@ -247,6 +247,11 @@ def rank_store_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}"
 
 
+def is_store(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is one rank's trace store (rather than a run's trace directory)."""
+    return (Path(path) / "zarr.json").is_file()
+
+
 # ------------------------------------------------------------------------------------------- writer
 
 
@@ -678,7 +683,7 @@ class Trace:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        if not (self.path / "zarr.json").is_file():
+        if not is_store(self.path):
             hint = ""
             if self.path.is_dir() and any(c.name.startswith("rank") for c in self.path.iterdir()):
                 hint = f" (it is a run directory: its stores are {self.path}/rank<r>)"
