@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -93,43 +93,34 @@ class StreamDigests:
 
     def current(self) -> dict[str, str]:
         """Every stream's digest now (the kinds and order of :func:`~ckptverify.state.rng.capture_rng`)."""
-        out: dict[str, str] = {}
-        key = self._python.key()
-        if key != self._keys.get("python") or "python" not in self._digests:
-            self._keys["python"] = key
-            self._digests["python"] = state_digest(_python_state())
-        out["python"] = self._digests["python"]
-
-        key = self._numpy.key(self._numpy_gauss)
-        if key is None or key != self._keys.get("numpy") or "numpy" not in self._digests:
-            value = _numpy_state()
-            self._numpy_gauss = bool(value["has_gauss"])
-            self._keys["numpy"] = key
-            self._digests["numpy"] = state_digest(value)
-        out["numpy"] = self._digests["numpy"]
-
-        out["torch_cpu"] = _byte_state_digest(torch.get_rng_state())
+        out = {"python": self._cached("python", self._python.key(), lambda: state_digest(_python_state())),
+               "numpy": self._cached("numpy", self._numpy.key(self._numpy_gauss), self._numpy_digest),
+               "torch_cpu": _byte_state_digest(torch.get_rng_state())}
         if cuda_in_use():
             # ``cuda_device`` is left out: it is no stream, and may differ between equal runs.
             out["cuda"] = self._tensor("cuda", torch.cuda.get_rng_state(torch.cuda.current_device()))
         for name, gen in self.generators.items():
-            kind = f"gen.{name}"
-            st = gen.get_state()
-            k = (str(gen.device), xxhash.xxh3_64_intdigest(st.numpy()))
-            if k != self._keys.get(kind) or kind not in self._digests:
-                self._keys[kind] = k
-                self._digests[kind] = state_digest({"device": str(gen.device), "state": st})
-            out[kind] = self._digests[kind]
+            st, device = gen.get_state(), str(gen.device)
+            out[f"gen.{name}"] = self._cached(f"gen.{name}", (device, xxhash.xxh3_64_intdigest(st.numpy())),
+                                              lambda d=device, s=st: state_digest({"device": d, "state": s}))
         return out
+
+    def _cached(self, kind: str, key: Any, make: Callable[[], str]) -> str:
+        """``kind``'s digest, remade by ``make`` when its change key moved (``None``: no cheap key, always remade)."""
+        if key is None or key != self._keys.get(kind) or kind not in self._digests:
+            self._keys[kind] = key
+            self._digests[kind] = make()
+        return self._digests[kind]
+
+    def _numpy_digest(self) -> str:
+        value = _numpy_state()
+        self._numpy_gauss = bool(value["has_gauss"])
+        return state_digest(value)
 
     def _tensor(self, kind: str, t: Any) -> str:
         if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1:
             return _byte_state_digest(t)
-        k = xxhash.xxh3_64_intdigest(t.numpy())
-        if k != self._keys.get(kind) or kind not in self._digests:
-            self._keys[kind] = k
-            self._digests[kind] = state_digest(t)
-        return self._digests[kind]
+        return self._cached(kind, xxhash.xxh3_64_intdigest(t.numpy()), lambda: state_digest(t))
 
 
 _BYTE_STATE_HEAD = b"T" + len(b"torch.uint8").to_bytes(4, "little") + b"torch.uint8" + (1).to_bytes(4, "little")
