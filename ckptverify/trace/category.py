@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from ckptverify.fingerprint.spec import MASK64 as _MASK64
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["HostViews", "combine", "host_digest", "host_view", "locate", "matches", "subclass_digest", "tensor_digests",
            "weight"]
 
-_MASK64 = (1 << 64) - 1
 
 _weights: dict[str, int] = {}
 _signatures: dict[tuple[Any, tuple[int, ...]], int] = {}

@@ -37,9 +37,9 @@ def _name(func: Any) -> str:
     return func._schema.name.split("::", 1)[-1]
 
 
-def _group_of(obj: Any) -> tuple[tuple[int, ...], Any] | None:
-    """The global ranks of a process-group argument (a ProcessGroup script object or a functional group name), and
-    the group; ``None`` if unreadable."""
+def _group_of(obj: Any) -> tuple[int, ...] | None:
+    """The global ranks of a process-group argument (a ProcessGroup script object or a functional group name);
+    ``None`` if unreadable."""
     import torch
     import torch.distributed as dist
 
@@ -58,7 +58,7 @@ def _group_of(obj: Any) -> tuple[tuple[int, ...], Any] | None:
     else:
         return None
     try:
-        return tuple(int(r) for r in dist.get_process_group_ranks(group)), group
+        return tuple(int(r) for r in dist.get_process_group_ranks(group))
     except (RuntimeError, ValueError):
         return None
 
@@ -96,11 +96,10 @@ def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter:
     import torch
 
     name = _name(func)
-    found = None
-    reduce_op = None
+    group = reduce_op = None
     for value in (*args, *kwargs.values()):
-        if found is None:
-            found = _group_of(value)
+        if group is None:
+            group = _group_of(value)
         if reduce_op is None and isinstance(value, torch.ScriptObject) and "ReduceOp" in str(value._type()):
             reduce_op = _reduce_op(value)
     if func.namespace == "_c10d_functional" and reduce_op is None:
@@ -109,9 +108,8 @@ def comm_info(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], counter:
             i = schema_args.index("reduce_op")
             value = args[i] if i < len(args) else kwargs.get("reduce_op")
             reduce_op = _reduce_op(value)
-    if found is None:
+    if group is None:
         return None
-    group = found[0]
     counter[group] += 1
     return CommInfo(collective=name, group=group, seq=counter[group] - 1, peer=_peer(name, args, kwargs, group),
                     reduce_op=reduce_op)

@@ -20,13 +20,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.ownfiles.names import own_folder, write_atomic
-from ckptverify.trace.comm import _name, comm_info, comm_site, is_comm
-from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
+from ckptverify.trace.comm import COMM_NAMESPACES, _name, comm_info, comm_site, is_comm
+from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, MAX_ARGUMENT_TEXT, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
 
-_MASK64 = (1 << 64) - 1
 
 #: Ops whose integer outputs are orders or positions: also chunk-wise cells, so a difference names its chunk.
 ORDER_SENSITIVE = frozenset({
@@ -48,7 +48,6 @@ _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "norma
 #: Ops that resize ``self``: grown, it holds memory no op wrote.
 _RESIZE = frozenset({"resize_", "resize_as_"})
 
-_ARGUMENT_TEXT = 80
 
 #: c10d ops that read and write their first tensor list in place; point-to-point.
 _INPLACE_COMM = frozenset({"allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_"})
@@ -636,7 +635,7 @@ def _encode(value: Any, parts: list[str]) -> bool:
 def _text(value: Any) -> str | None:
     text = repr(value) if isinstance(value, float | int | bool | complex | str | list | tuple) or value is None \
         else str(value)
-    return text if len(text) <= _ARGUMENT_TEXT else None
+    return text if len(text) <= MAX_ARGUMENT_TEXT else None
 
 
 def _out_arguments(func: Any) -> frozenset[str]:
@@ -707,7 +706,7 @@ def _comm_kernels(use: bool) -> None:
         return
     import torch.distributed  # registers the c10d ops
 
-    libs = {ns: torch.library.Library(ns, "IMPL") for ns in ("c10d", "_c10d_functional")}
+    libs = {ns: torch.library.Library(ns, "IMPL") for ns in COMM_NAMESPACES}
     for full in torch._C._dispatch_get_all_op_names():
         ns, _, name = full.partition("::")
         if ns not in libs or "." in name:

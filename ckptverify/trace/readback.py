@@ -10,13 +10,12 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.trace import hostread
 from ckptverify.trace.store import Cell
 
 if TYPE_CHECKING:
     import torch
-
-_MASK64 = (1 << 64) - 1
 
 
 #: Host tensors take the device path, so CPU-only machines (the tests) run it; such traces compare only with

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ckptverify.errors import CkptVerifyError, JSONError, UsageError
+from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.ownfiles.names import own_folder
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import read_small_file
@@ -82,7 +83,6 @@ CATEGORIES = tuple(dict.fromkeys(KINDS.values()))
 #: lane 0 (lane 1 is 0), ``set128`` a category cell (:mod:`ckptverify.trace.category`).
 ENCODINGS = ("fp128", "digest128", "f64", "i64", "set128")
 
-_MASK64 = (1 << 64) - 1
 DEFAULT_FLUSH_EVERY = 64
 DEFAULT_SITE_CHUNK = 512
 
