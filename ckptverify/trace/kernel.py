@@ -25,6 +25,7 @@ from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.safeparse.readers import open_regular
 from ckptverify.trace.category import tensor_digests
+from ckptverify.trace.comm import _name
 
 if TYPE_CHECKING:
     import torch
@@ -324,7 +325,7 @@ def _settings() -> dict[str, Any]:
 
 def _base_name(op: torch._ops.OpOverload) -> str:
     """The op's name without namespace and overload, and without the in-place ``_`` of ``index_add_``."""
-    name = op._schema.name.split("::", 1)[-1]
+    name = _name(op)
     return name[:-1] if name.endswith("_") and not name.endswith("__") and name[:-1] else name
 
 
