@@ -20,7 +20,7 @@ import numpy as np
 
 from ckptverify.errors import CkptVerifyError, TraceHeaderMismatchError, UsageError
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.trace.store import DIGEST_ENCODINGS, Trace, is_store, open_trace, step_ranges
+from ckptverify.trace.store import DIGEST_ENCODINGS, Site, Trace, is_store, open_trace, step_ranges
 
 __all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings",
            "first_divergence", "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores",
@@ -155,10 +155,14 @@ class _Aligned:
 
     def __init__(self, ta: Trace, tb: Trace, names: list[str]) -> None:
         self.ta, self.tb, self.names = ta, tb, names
-        self.kinds = [(ta.site(n) if ta.has_site(n) else tb.site(n)).kind for n in names]
+        self.kinds = [self.site(n).kind for n in names]
         pad_a, pad_b = len(ta._by_column), len(tb._by_column)
         self.col_a = np.asarray([c if (c := ta.column(n)) is not None else pad_a for n in names], dtype=np.int64)
         self.col_b = np.asarray([c if (c := tb.column(n)) is not None else pad_b for n in names], dtype=np.int64)
+
+    def site(self, name: str) -> Site:
+        """``name``'s site as trace A records it, else as trace B does."""
+        return self.ta.site(name) if self.ta.has_site(name) else self.tb.site(name)
 
     @staticmethod
     def _take(trace: Trace, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -283,7 +287,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
     ta, tb = aligned.ta, aligned.tb
     j = int(np.argmax(row))
     name = aligned.names[j]
-    site = ta.site(name) if ta.has_site(name) else tb.site(name)
+    site = aligned.site(name)
     own = next((aligned.names[k] for k in np.flatnonzero(row)
                 if aligned.kinds[k] in OWN_KINDS or aligned.names[k] in OWN_METRICS), None)
     base = {
@@ -309,7 +313,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         return FirstDivergence(**base, receivers=receivers, inputs_verified=inputs_verified)
     k0 = differing_modules[0]
     origin_name = aligned.names[k0]
-    origin_site = ta.site(origin_name) if ta.has_site(origin_name) else tb.site(origin_name)
+    origin_site = aligned.site(origin_name)
     origin, fed, origin_type = module_of(origin_name), None, origin_site.info or None
     if origin_site.kind == "module_in":
         fed = origin
@@ -337,8 +341,7 @@ def parent_module(name: str) -> str:
 def _module_type(aligned: _Aligned, module: str) -> str | None:
     for name in aligned.names:
         if name.startswith("module.") and module_of(name) == module:
-            site = aligned.ta.site(name) if aligned.ta.has_site(name) else aligned.tb.site(name)
-            return site.info or None
+            return aligned.site(name).info or None
     return None
 
 
