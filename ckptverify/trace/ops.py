@@ -20,10 +20,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from ckptverify.fingerprint.spec import MASK64 as _MASK64
 from ckptverify.ownfiles.names import own_folder, write_atomic
 from ckptverify.trace.comm import COMM_NAMESPACES, _name, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, MAX_ARGUMENT_TEXT, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
+from ckptverify.trace.readback import _pair_digests
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "ORDER_SENSITIVE", "OpContext", "StepTracer", "write_op_log"]
 
@@ -762,13 +762,10 @@ def _mode_class() -> Any:
 def write_op_log(store: str | os.PathLike[str], step: int, records: list[dict[str, Any]], dropped: int,
                  values: list[int], chunk_elements: int) -> None:
     """Write the op log of ``step``, resolving device handles from ``values`` (flattened lane pairs)."""
+    digests = _pair_digests(values)
+
     def resolve(v: Any) -> str | None:
-        if v is None:
-            return None
-        if isinstance(v, tuple):
-            i = v[1]
-            v = (values[2 * i] & _MASK64) << 64 | (values[2 * i + 1] & _MASK64)
-        return f"{v:032x}"
+        return None if v is None else f"{digests[v[1]] if isinstance(v, tuple) else v:032x}"
 
     events = []
     for r in records:
