@@ -132,17 +132,14 @@ def _op_log(trace_dir_or_store: str | os.PathLike[str], rank: int, step: int) ->
     """The parsed op log of ``step`` on ``rank``, checked."""
     from ckptverify.errors import CkptVerifyError
     from ckptverify.safeparse import safejson
+    from ckptverify.trace.store import _read_file
 
     store = _store(trace_dir_or_store, rank)
     path = op_log_path(store, step)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_OP_LOG_BYTES + 1)
-    except FileNotFoundError:
+    raw = _read_file(path, MAX_OP_LOG_BYTES)  # as the store's own files: a regular file, size capped
+    if raw is None:
         raise CkptVerifyError(f"no op log of step {step} in {store} (level op records only the steps and "
-                                 "ranks of its window)") from None
-    except OSError as exc:
-        raise CkptVerifyError(f"{path}: cannot read the op log: {exc}") from None
+                              "ranks of its window)")
     try:
         data = safejson.loads(raw, max_bytes=MAX_OP_LOG_BYTES)
         _check_log(data, step)
