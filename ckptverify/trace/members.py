@@ -108,8 +108,6 @@ class _Digester:
         return out
 
 
-
-
 def _category_cells(group: str, kind: str, names: list[str], weights: list[int], encodings: list[str],
                     digests: list[int], detail: str) -> list[Cell]:
     """One cell per member at detail ``tensor``, then the category cell."""

@@ -411,7 +411,7 @@ class TraceRecorder:
                 if started != step:
                     raise UsageError(f"the step began as step {started} (record_step_start) but is recorded as "
                                      f"step {step}")
-                op_items = self._op_log_items(step, lanes, records, dropped)
+                op_items = self._op_log_items(step, lanes, records, dropped, self._tracer.chunk_elements)
         self._last_step = int(step)
         if self.header.digest_encoding == "unknown" and not self._encoding_seen:
             self._encoding_seen = True
@@ -469,10 +469,10 @@ class TraceRecorder:
         self.header = replace(self.header, digest_encoding=encoding)
         self.writer.set_header(self.header)
 
-    def _op_log_items(self, step: int, lanes: list[Any], records: list[dict[str, Any]], dropped: int) -> list[Item]:
+    def _op_log_items(self, step: int, lanes: list[Any], records: list[dict[str, Any]], dropped: int,
+                      chunk: int) -> list[Item]:
         """Write the op log of ``step`` now (all digests on the host), or return the item that writes it once the
         device digests are read back with the row."""
-        chunk = self._tracer.chunk_elements if self._tracer is not None else DEFAULT_CHUNK_ELEMENTS
         if not lanes:
             write_op_log(self.store_path, step, records, dropped, [], chunk)
             return []
