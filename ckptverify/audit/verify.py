@@ -102,18 +102,23 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
     """One part of a DCP verification shared among nodes: ``only`` (byte-level checks of those files) or ``skip`` (all
     but those); see :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`. ``stats["bytes"]``/``["opened"]``: this
     part's files. ``deep`` with ``skip``: the ``skip`` files' tensor pieces come through ``executors`` (by DCP folder,
-    ``""`` for the checkpoint itself), every tensor judged as one process judges it."""
-    return _part(path, jobs, only, skip, use_manifest, deep, executors or {})
+    ``""`` for the checkpoint itself), every tensor judged as one process judges it.
 
-
-def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
-          use_manifest: bool, deep: bool, executors: dict[str, Executor | None]) -> Report:
+    In a folder whose DCP sub-folders several nodes wrote, names are ``SUB/FILE``; its top-level files belong to the
+    ``skip`` side, so nothing goes unchecked."""
     root = os.fspath(path)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
+    executors = executors or {}
     if not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
-        return _folder_part(root, jobs, only, skip, use_manifest, started, deep, executors)
+        if only is None:
+            return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_subfolder(skip),
+                                  executors=executors)
+        report, _ = each_shard_folder(root, only, "verify", lambda where, names: (verify_part(
+            where, jobs=jobs, only=names, use_manifest=use_manifest, deep=deep), None))
+        report.stats.update({"seconds": round(time.perf_counter() - started, 6), "deep": deep})
+        return report
     run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip, executor=executors.get(""))
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
@@ -122,19 +127,6 @@ def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] |
     report = run.report("verify", time.perf_counter() - started)
     # Named also when this part skips nothing (every other node's ranks wrote no file).
     report.stats["opened"] = run.opened_files()
-    return report
-
-
-def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
-                 use_manifest: bool, started: float, deep: bool, executors: dict[str, Executor | None]) -> Report:
-    """:func:`verify_part` of a folder whose DCP sub-folders several nodes wrote (names ``SUB/FILE``). ``only``: those
-    files' byte checks; ``skip``: the whole folder but them. Top-level files always belong to the ``skip`` side, so
-    nothing goes unchecked."""
-    if only is None:
-        return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_subfolder(skip), executors=executors)
-    report, _ = each_shard_folder(root, only, "verify", lambda where, names: (_part(
-        where, jobs, names, frozenset(), use_manifest, deep, {}), None))
-    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "deep": deep})
     return report
 
 
@@ -295,8 +287,8 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
         if skip is None:
             sub = verify_checkpoint(where, jobs=jobs, deep=deep, use_manifest=use_manifest)
         else:
-            sub = _part(where, jobs, None, skip.get(part, frozenset()), use_manifest, deep,
-                        {"": (executors or {}).get(part)})
+            sub = verify_part(where, jobs=jobs, skip=skip.get(part, frozenset()), use_manifest=use_manifest, deep=deep,
+                              executors={"": (executors or {}).get(part)})
         findings.extend(_under(part, (f for f in sub.findings if f.check != FINGERPRINT_ADVICE)))
         opened.extend(f"{part}/{n}" for n in sub.stats.get("opened") or [])
         cover.extend(sub.coverage)

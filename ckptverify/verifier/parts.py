@@ -454,13 +454,11 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
     parts = {sub: (frozenset(names), Recorded(records[sub])) for sub, names in files_of.items()}
     try:
         report, manifest, unwritten = fingerprint_folder_parts(path, parts, brought, elsewhere,
-                                                               read_elsewhere=read_all, jobs=jobs,
-                                                               trust_uncheckable=True)
+                                                               read_elsewhere=read_all, jobs=jobs)
         overlap = None
     except (ValueError, TypeError, LookupError) as exc:  # parts that cannot be merged, or records no part writes
         every = [(frozenset(data.get("files") or ()), r) for data, r in reports]
-        report, manifest, unwritten = fingerprint_folder_parts(path, {}, [], every, read_elsewhere=True, jobs=jobs,
-                                                               trust_uncheckable=True)
+        report, manifest, unwritten = fingerprint_folder_parts(path, {}, [], every, read_elsewhere=True, jobs=jobs)
         elsewhere, overlap = every, exc
     if manifest is None:
         return (*_refusal(report), False)
