@@ -92,8 +92,7 @@ class Session:
 
     def serve(self) -> int:
         """Read rank 0's units until it says done; returns this rank's exit code (2 when rank 0 could not be heard, with
-        a
-        :class:`CkptVerifyError` for the caller to print)."""
+        a :class:`CkptVerifyError` for the caller to print)."""
         group, files = self.group, RankFiles(self.path)
         at, fault = _fault(group.rank)
 
@@ -141,8 +140,7 @@ class Session:
 
     def close(self, *, failed: bool = False) -> None:
         """Tell the other ranks to stop (rank 0) and, unless ``failed``, wait until each heard it; stop the heartbeat
-        and
-        end the ranks started here."""
+        and end the ranks started here."""
         if self._closed:
             return
         self._closed = True
@@ -197,9 +195,8 @@ class RankExecutor(UnitExecutor):
                   size_of: Callable[[str], int], local_map: Callable[..., list[Any]],
                   advance: Callable[[int], None] | None = None, jobs: int | None = 1) -> list[Any]:
         """Results of ``units`` in order: rank 0's share read here via ``open_file`` (``local_map``, ``jobs``), the
-        others' sent
-        out. A rank's ``file-changed`` raises :class:`~ckptverify.errors.FileChangedError`, other failures
-        :class:`CkptVerifyError` naming it."""
+        others' sent out. A rank's ``file-changed`` raises :class:`~ckptverify.errors.FileChangedError`, other
+        failures :class:`CkptVerifyError` naming it."""
         sizes = [unit_bytes(u, size_of) for u in units]
         owner = assign(sizes, self.loads)
         k, self.round = self.round, self.round + 1
@@ -317,8 +314,7 @@ def _relative(path: Any, root: str) -> str:
 
 def _fault(rank: int) -> tuple[str | None, Callable[[], None]]:
     """The test-only fault of :data:`FAULT_ENV` on this rank: when it strikes (``"work"``, ``"read"``, ``None``) and
-    what
-    it does."""
+    what it does."""
     spec = os.environ.get(FAULT_ENV, "")
     who, _, action = spec.partition(":")
     if not who.strip().isdigit() or int(who) != rank or rank == 0:
