@@ -186,7 +186,9 @@ class RankExecutor(UnitExecutor):
 
         if self._rank0_own is None:  # rank 0 read the rest itself: metadata, headers, small items
             total = sum(size_of(n) for n in run.opened_files())
-            self._rank0_own = max(0, total - _union(units, size_of))
+            ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+            _spans(units, size_of, ranges)
+            self._rank0_own = max(0, total - sum(_merged(r) for r in ranges.values()))
             self.loads[0] += self._rank0_own
         return self.map_plain(units, root=run.root, open_file=opened, size_of=size_of, local_map=run.map,
                               advance=run.advance)
@@ -238,12 +240,7 @@ class RankExecutor(UnitExecutor):
             self.read[r] += sum(sizes[n] for n in share[r])
             self.units[r] += len(share[r])
         self.largest_unit = max([self.largest_unit, *sizes])
-        for u in units:
-            got = unit_range(u, size_of)
-            if got is None:
-                self._unranged += unit_bytes(u, size_of)
-            else:
-                self._ranges[got[0]].append((got[1], got[2]))
+        self._unranged += _spans(units, size_of, self._ranges)
         return out
 
     def _incomplete(self) -> str:
@@ -288,13 +285,16 @@ def _signature(root: str, name: str, size_of: Callable[[str], int]) -> list[int]
     return [size_of(name), mtime]
 
 
-def _union(units: Sequence[Unit], size_of: Callable[[str], int]) -> int:
-    ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+def _spans(units: Sequence[Unit], size_of: Callable[[str], int], ranges: dict[str, list[tuple[int, int]]]) -> int:
+    """Add each unit's byte range to ``ranges`` (by file); returns the bytes of the units with none."""
+    loose = 0
     for u in units:
         got = unit_range(u, size_of)
-        if got is not None:
+        if got is None:
+            loose += unit_bytes(u, size_of)
+        else:
             ranges[got[0]].append((got[1], got[2]))
-    return sum(_merged(r) for r in ranges.values())
+    return loose
 
 
 def _merged(ranges: list[tuple[int, int]]) -> int:
