@@ -75,8 +75,8 @@ def _signatures(root: str, files: list[str]) -> dict[str, list[int] | None]:
 
 def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -> dict[str, Any]:
     """The ``verify-part`` job: wait (up to ``wait_s``, default :func:`part_timeout`) for ``root`` to commit with a
-    plan,
-    verify node ``node``'s files only, write its verdict. Returns what was written, or ``{"written": False, "why"}``."""
+    plan, verify node ``node``'s files only, write its verdict. Returns what was written, or ``{"written": False,
+    "why"}``."""
     deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
     plan = None
     while True:
