@@ -324,13 +324,13 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
     where written). Returns the report (``stats``: what was read here), the folder's manifest (``None`` if refused)
     and the DCP folders left without one.
     """
-    from ckptverify.audit.verify import FINGERPRINT_ADVICE, _folder_files, _under, by_subfolder, verify_part
+    from ckptverify.audit.verify import FINGERPRINT_ADVICE, _under, by_subfolder, verify_folder_files, verify_part
 
     root = os.fspath(path)
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
-    top, opened = _folder_files(root, False, False)
+    top, opened = verify_folder_files(root, use_manifest=False)
     dropped = ("manifest-absent", FINGERPRINT_ADVICE)
     reports = [Report(command="fingerprint", target=root, coverage=top.coverage, stats=top.stats,
                       findings=tuple(f for f in top.findings if f.check not in dropped)), *brought]

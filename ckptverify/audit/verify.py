@@ -246,14 +246,10 @@ def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bo
                   coverage=merge_coverage(coverage), stats=stats)
 
 
-def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False, use_manifest: bool = True) -> Report:
+def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False,
+                        use_manifest: bool = True) -> tuple[Report, list[str]]:
     """A folder of checkpoint files without its DCP sub-folders (named in ``stats["parts"]``): each file by content,
-    against the folder's manifest and its own (``docs/manifest.md``)."""
-    return _folder_files(root, deep, use_manifest)[0]
-
-
-def _folder_files(root: str | os.PathLike[str], deep: bool, use_manifest: bool) -> tuple[Report, list[str]]:
-    """:func:`verify_folder_files`, and the names of the files it checked."""
+    against the folder's manifest and its own (``docs/manifest.md``); and the names of the files it checked."""
     from ckptverify.checks.described import judge_described
     from ckptverify.checks.folder import check_folder
 
@@ -277,7 +273,7 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
     """A folder of files and its DCP sub-folders, each in full (part findings name the part). ``skip``: per sub-folder,
     files other parts check (their pieces through ``executors``, by sub-folder); ``stats["opened"]`` then names what
     was opened."""
-    files, opened = _folder_files(root, deep, use_manifest)
+    files, opened = verify_folder_files(root, deep=deep, use_manifest=use_manifest)
     findings = [f for f in files.findings if f.check != FINGERPRINT_ADVICE]  # one for the whole, below
     cover = list(files.coverage)
     total = int(files.stats.get("bytes", 0) or 0)
