@@ -117,7 +117,7 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
                                   executors=executors)
         report, _ = each_shard_folder(root, only, "verify", lambda where, names: (verify_part(
             where, jobs=jobs, only=names, use_manifest=use_manifest, deep=deep), None))
-        report.stats.update({"seconds": round(time.perf_counter() - started, 6), "deep": deep})
+        report.stats["deep"] = deep
         return report
     run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip, executor=executors.get(""))
     try:
@@ -133,9 +133,11 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
 def each_shard_folder(root: str, only: frozenset[str], command: str,
                       run: Callable[[str, frozenset[str]], tuple[Report, Any]]) -> tuple[Report, dict[str, Any]]:
     """``run(SUB_PATH, FILES)`` on each DCP sub-folder ``only`` gives files in (other names ignored). Returns the merged
-    report as the folder's (names ``SUB/FILE``, ``stats["format"]`` ``"folder"``) and ``run``'s extras by sub-folder."""
+    report as the folder's (names ``SUB/FILE``, ``stats["format"]`` ``"folder"``, ``["seconds"]`` of the whole) and
+    ``run``'s extras by sub-folder."""
     from ckptverify.findings import merge_reports
 
+    started = time.perf_counter()
     by_sub = by_subfolder(only)
     reports = []
     got: dict[str, Any] = {}
@@ -145,7 +147,8 @@ def each_shard_folder(root: str, only: frozenset[str], command: str,
             reports.append(dataclasses.replace(report, findings=tuple(_under(sub, report.findings)), stats={
                 **report.stats, "opened": [f"{sub}/{n}" for n in report.stats.get("opened") or []]}))
     merged = merge_reports(command, root, reports)
-    merged.stats.update({"format": "folder", "opened": sorted(n for r in reports for n in r.stats["opened"])})
+    merged.stats.update({"format": "folder", "opened": sorted(n for r in reports for n in r.stats["opened"]),
+                         "seconds": round(time.perf_counter() - started, 6)})
     return merged, got
 
 

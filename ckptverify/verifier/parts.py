@@ -162,11 +162,9 @@ def _recorded(root: str, files: frozenset[str], jobs: int, deep: bool) -> tuple[
 
     if os.path.isfile(os.path.join(root, ".metadata")):
         return record(root, files, jobs, deep)
-    started = time.perf_counter()
     report, by_sub = each_shard_folder(root, files, "verify" if deep else "fingerprint", lambda where, names: (
         dataclasses.replace((got := record(where, names, jobs, deep))[0], stats={**got[0].stats,
                                                                                   "opened": sorted(names)}), got[1]))
-    report.stats["seconds"] = round(time.perf_counter() - started, 6)
     return report, {"folders": by_sub}
 
 
