@@ -312,11 +312,10 @@ def _described_manifest(root: str, names: list[str] | None, own: str, digest: st
 def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tuple[frozenset[str], Executor]],
                              brought: list[Report], elsewhere: list[tuple[frozenset[str], Report]], *,
                              read_elsewhere: bool,
-                             digest: str = "xxh3-128", block_bytes: int = DEFAULT_BLOCK_BYTES,
-                             jobs: int | None = None,
-                             trust_uncheckable: bool = False) -> tuple[Report, Manifest | None, list[str]]:
-    """:func:`fingerprint_checkpoint` of a folder whose DCP folders several nodes wrote; top files and unclaimed shards
-    are handled here.
+                             jobs: int | None = None) -> tuple[Report, Manifest | None, list[str]]:
+    """:func:`fingerprint_checkpoint` of a folder whose DCP folders several nodes wrote (default digest and blocks,
+    uncheckable content trusted and noted, as the parts' records were made); top files and unclaimed shards are
+    handled here.
 
     ``parts``: per DCP folder, the shards other nodes' parts read (not opened here) and the executor giving their
     work units' results; ``brought``: those parts' verification (names ``SUB/FILE``). ``elsewhere``: shards of nodes
@@ -325,13 +324,13 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
     where written). Returns the report (``stats``: what was read here), the folder's manifest (``None`` if refused)
     and the DCP folders left without one.
     """
-    from ckptverify.audit.verify import FINGERPRINT_ADVICE, _folder_files, _under, by_subfolder, verify_part
+    from ckptverify.audit.verify import FINGERPRINT_ADVICE, _under, by_subfolder, verify_folder_files, verify_part
 
     root = os.fspath(path)
     if not paths.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
-    top, opened = _folder_files(root, False, False)
+    top, opened = verify_folder_files(root, use_manifest=False)
     dropped = ("manifest-absent", FINGERPRINT_ADVICE)
     reports = [Report(command="fingerprint", target=root, coverage=top.coverage, stats=top.stats,
                       findings=tuple(f for f in top.findings if f.check not in dropped)), *brought]
@@ -372,8 +371,7 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
             continue
         # The parts' verification is the folder's (``brought``): here only their files, pieces and units.
         files, executor = parts.get(sub, (frozenset(), None))
-        got, manifest = fingerprint_checkpoint(os.path.join(root, sub), digest=digest, block_bytes=block_bytes,
-                                               force=True, jobs=jobs, trust_uncheckable=trust_uncheckable,
+        got, manifest = fingerprint_checkpoint(os.path.join(root, sub), force=True, jobs=jobs, trust_uncheckable=True,
                                                executor=executor, parts=[(files, Report(command="fingerprint",
                                                                                         target=root, findings=()))])
         read_here += int(got.stats.get("bytes_read_here") or 0)
@@ -386,10 +384,8 @@ def fingerprint_folder_parts(path: str | os.PathLike[str], parts: dict[str, tupl
             return result(merged.findings, merged.coverage), None, unwritten
     checked = merge_reports("fingerprint", root, reports)
     uncheckable = [f for f in checked.findings if f.check == UNCHECKABLE]
-    if uncheckable and not trust_uncheckable:
-        return refused(_unchecked(uncheckable, _NO_CHECKSUM))
     try:
-        written, manifest, missing = _described_manifest(root, None, MANIFEST_FILE, digest, block_bytes)
+        written, manifest, missing = _described_manifest(root, None, MANIFEST_FILE, "xxh3-128", DEFAULT_BLOCK_BYTES)
     except FileChangedError as exc:
         return refused(f"a file changed while it was digested; {_GONE}",
                        changed_finding(os.path.basename(str(exc.path)), str(exc)))

@@ -102,18 +102,23 @@ def verify_part(path: str | os.PathLike[str], *, jobs: int | None = None, only: 
     """One part of a DCP verification shared among nodes: ``only`` (byte-level checks of those files) or ``skip`` (all
     but those); see :class:`~ckptverify.checks.dcp_pipeline.VerificationRun`. ``stats["bytes"]``/``["opened"]``: this
     part's files. ``deep`` with ``skip``: the ``skip`` files' tensor pieces come through ``executors`` (by DCP folder,
-    ``""`` for the checkpoint itself), every tensor judged as one process judges it."""
-    return _part(path, jobs, only, skip, use_manifest, deep, executors or {})
+    ``""`` for the checkpoint itself), every tensor judged as one process judges it.
 
-
-def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
-          use_manifest: bool, deep: bool, executors: dict[str, Executor | None]) -> Report:
+    In a folder whose DCP sub-folders several nodes wrote, names are ``SUB/FILE``; its top-level files belong to the
+    ``skip`` side, so nothing goes unchecked."""
     root = os.fspath(path)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"not a checkpoint directory: {root}")
     started = time.perf_counter()
+    executors = executors or {}
     if not os.path.isfile(os.path.join(root, ".metadata")) and _other_format(root)[0] == "folder":
-        return _folder_part(root, jobs, only, skip, use_manifest, started, deep, executors)
+        if only is None:
+            return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_subfolder(skip),
+                                  executors=executors)
+        report, _ = each_shard_folder(root, only, "verify", lambda where, names: (verify_part(
+            where, jobs=jobs, only=names, use_manifest=use_manifest, deep=deep), None))
+        report.stats["deep"] = deep
+        return report
     run = VerificationRun(root, jobs or default_jobs(), None, only=only, skip=skip, executor=executors.get(""))
     try:
         run.execute(deep=deep, use_manifest=use_manifest)
@@ -125,25 +130,14 @@ def _part(path: str | os.PathLike[str], jobs: int | None, only: frozenset[str] |
     return report
 
 
-def _folder_part(root: str, jobs: int | None, only: frozenset[str] | None, skip: frozenset[str],
-                 use_manifest: bool, started: float, deep: bool, executors: dict[str, Executor | None]) -> Report:
-    """:func:`verify_part` of a folder whose DCP sub-folders several nodes wrote (names ``SUB/FILE``). ``only``: those
-    files' byte checks; ``skip``: the whole folder but them. Top-level files always belong to the ``skip`` side, so
-    nothing goes unchecked."""
-    if only is None:
-        return _verify_folder(root, jobs, deep, use_manifest, started, skip=by_subfolder(skip), executors=executors)
-    report, _ = each_shard_folder(root, only, "verify", lambda where, names: (_part(
-        where, jobs, names, frozenset(), use_manifest, deep, {}), None))
-    report.stats.update({"seconds": round(time.perf_counter() - started, 6), "deep": deep})
-    return report
-
-
 def each_shard_folder(root: str, only: frozenset[str], command: str,
                       run: Callable[[str, frozenset[str]], tuple[Report, Any]]) -> tuple[Report, dict[str, Any]]:
     """``run(SUB_PATH, FILES)`` on each DCP sub-folder ``only`` gives files in (other names ignored). Returns the merged
-    report as the folder's (names ``SUB/FILE``, ``stats["format"]`` ``"folder"``) and ``run``'s extras by sub-folder."""
+    report as the folder's (names ``SUB/FILE``, ``stats["format"]`` ``"folder"``, ``["seconds"]`` of the whole) and
+    ``run``'s extras by sub-folder."""
     from ckptverify.findings import merge_reports
 
+    started = time.perf_counter()
     by_sub = by_subfolder(only)
     reports = []
     got: dict[str, Any] = {}
@@ -153,7 +147,8 @@ def each_shard_folder(root: str, only: frozenset[str], command: str,
             reports.append(dataclasses.replace(report, findings=tuple(_under(sub, report.findings)), stats={
                 **report.stats, "opened": [f"{sub}/{n}" for n in report.stats.get("opened") or []]}))
     merged = merge_reports(command, root, reports)
-    merged.stats.update({"format": "folder", "opened": sorted(n for r in reports for n in r.stats["opened"])})
+    merged.stats.update({"format": "folder", "opened": sorted(n for r in reports for n in r.stats["opened"]),
+                         "seconds": round(time.perf_counter() - started, 6)})
     return merged, got
 
 
@@ -254,14 +249,10 @@ def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bo
                   coverage=merge_coverage(coverage), stats=stats)
 
 
-def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False, use_manifest: bool = True) -> Report:
+def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False,
+                        use_manifest: bool = True) -> tuple[Report, list[str]]:
     """A folder of checkpoint files without its DCP sub-folders (named in ``stats["parts"]``): each file by content,
-    against the folder's manifest and its own (``docs/manifest.md``)."""
-    return _folder_files(root, deep, use_manifest)[0]
-
-
-def _folder_files(root: str | os.PathLike[str], deep: bool, use_manifest: bool) -> tuple[Report, list[str]]:
-    """:func:`verify_folder_files`, and the names of the files it checked."""
+    against the folder's manifest and its own (``docs/manifest.md``); and the names of the files it checked."""
     from ckptverify.checks.described import judge_described
     from ckptverify.checks.folder import check_folder
 
@@ -285,7 +276,7 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
     """A folder of files and its DCP sub-folders, each in full (part findings name the part). ``skip``: per sub-folder,
     files other parts check (their pieces through ``executors``, by sub-folder); ``stats["opened"]`` then names what
     was opened."""
-    files, opened = _folder_files(root, deep, use_manifest)
+    files, opened = verify_folder_files(root, deep=deep, use_manifest=use_manifest)
     findings = [f for f in files.findings if f.check != FINGERPRINT_ADVICE]  # one for the whole, below
     cover = list(files.coverage)
     total = int(files.stats.get("bytes", 0) or 0)
@@ -295,8 +286,8 @@ def _verify_folder(root: str, jobs: int | None, deep: bool, use_manifest: bool, 
         if skip is None:
             sub = verify_checkpoint(where, jobs=jobs, deep=deep, use_manifest=use_manifest)
         else:
-            sub = _part(where, jobs, None, skip.get(part, frozenset()), use_manifest, deep,
-                        {"": (executors or {}).get(part)})
+            sub = verify_part(where, jobs=jobs, skip=skip.get(part, frozenset()), use_manifest=use_manifest, deep=deep,
+                              executors={"": (executors or {}).get(part)})
         findings.extend(_under(part, (f for f in sub.findings if f.check != FINGERPRINT_ADVICE)))
         opened.extend(f"{part}/{n}" for n in sub.stats.get("opened") or [])
         cover.extend(sub.coverage)

@@ -177,15 +177,10 @@ def _scan_small_tensors(desc: Any, run_map: Any) -> tuple[dict[str, Any], set[st
         for dtype, (names, chunks, counts) in by_dtype.items():
             joined = b"".join(chunks)
             values = _lane_values(_whole_lanes(joined, DTYPE_ITEMSIZE[dtype], counts, dtype))
-            nan = inf = None
-            if dtype in _FLOAT_DTYPES:
-                nan, inf = _nonfinite_counts(joined, dtype, counts)
-            if nan is None or inf is None:
-                for fqn, value in zip(names, values, strict=True):
-                    scans[fqn] = SmallScan(value, 0, 0)
-            else:
-                for fqn, value, a, b in zip(names, values, nan, inf, strict=True):
-                    scans[fqn] = SmallScan(value, a, b)
+            nan, inf = _nonfinite_counts(joined, dtype, counts) if dtype in _FLOAT_DTYPES else (None, None)
+            none = [0] * len(names)
+            for fqn, value, a, b in zip(names, values, nan or none, inf or none, strict=True):
+                scans[fqn] = SmallScan(value, a, b)
     return scans, set(scans)  # type: ignore[return-value]
 
 

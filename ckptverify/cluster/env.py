@@ -30,8 +30,7 @@ class ClusterEnv:
 
 def detect(environ: dict[str, str] | None = None) -> ClusterEnv | None:
     """The cluster this process is a rank of, or ``None``. :class:`~ckptverify.errors.UsageError` naming what to set
-    when
-    a recognised launcher lacks a needed variable."""
+    when a recognised launcher lacks a needed variable."""
     env = os.environ if environ is None else environ
     if env.get("CKPTVERIFY_CLUSTER") == "off":
         return None

@@ -113,8 +113,7 @@ class CommandRanks:
 
     def collect(self, keys: dict[int, str], what: str, topic: str | None = None) -> dict[int, Any]:
         """Every rank's message (rank -> key), waiting while each heartbeat moves. With ``topic`` (sent by
-        :meth:`send`),
-        keys are read only when its count moved: one request per poll."""
+        :meth:`send`), keys are read only when its count moved: one request per poll."""
         return self._await(keys, what, topic=topic)
 
     # ---- internals

@@ -21,7 +21,7 @@ from ckptverify.errors import FileChangedError
 Record = list[Any]
 
 
-def record(root: str, only: frozenset[str], jobs: int, deep: bool = False) -> tuple[Any, list[Record]]:
+def record(root: str, only: frozenset[str], jobs: int, deep: bool) -> tuple[Any, list[Record]]:
     """One node's share of an adoption: the byte-level verification of ``only`` (no other file opened) and, if it
     passed, the work units of the adoption's digest pass and tensor scan over those files, with their results
     (none if it failed or a file changed: the report says why). ``deep``: of a deep verification instead, the

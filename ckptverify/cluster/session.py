@@ -92,8 +92,7 @@ class Session:
 
     def serve(self) -> int:
         """Read rank 0's units until it says done; returns this rank's exit code (2 when rank 0 could not be heard, with
-        a
-        :class:`CkptVerifyError` for the caller to print)."""
+        a :class:`CkptVerifyError` for the caller to print)."""
         group, files = self.group, RankFiles(self.path)
         at, fault = _fault(group.rank)
 
@@ -141,8 +140,7 @@ class Session:
 
     def close(self, *, failed: bool = False) -> None:
         """Tell the other ranks to stop (rank 0) and, unless ``failed``, wait until each heard it; stop the heartbeat
-        and
-        end the ranks started here."""
+        and end the ranks started here."""
         if self._closed:
             return
         self._closed = True
@@ -188,7 +186,9 @@ class RankExecutor(UnitExecutor):
 
         if self._rank0_own is None:  # rank 0 read the rest itself: metadata, headers, small items
             total = sum(size_of(n) for n in run.opened_files())
-            self._rank0_own = max(0, total - _union(units, size_of))
+            ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+            _spans(units, size_of, ranges)
+            self._rank0_own = max(0, total - sum(_merged(r) for r in ranges.values()))
             self.loads[0] += self._rank0_own
         return self.map_plain(units, root=run.root, open_file=opened, size_of=size_of, local_map=run.map,
                               advance=run.advance)
@@ -197,9 +197,8 @@ class RankExecutor(UnitExecutor):
                   size_of: Callable[[str], int], local_map: Callable[..., list[Any]],
                   advance: Callable[[int], None] | None = None, jobs: int | None = 1) -> list[Any]:
         """Results of ``units`` in order: rank 0's share read here via ``open_file`` (``local_map``, ``jobs``), the
-        others' sent
-        out. A rank's ``file-changed`` raises :class:`~ckptverify.errors.FileChangedError`, other failures
-        :class:`CkptVerifyError` naming it."""
+        others' sent out. A rank's ``file-changed`` raises :class:`~ckptverify.errors.FileChangedError`, other
+        failures :class:`CkptVerifyError` naming it."""
         sizes = [unit_bytes(u, size_of) for u in units]
         owner = assign(sizes, self.loads)
         k, self.round = self.round, self.round + 1
@@ -241,12 +240,7 @@ class RankExecutor(UnitExecutor):
             self.read[r] += sum(sizes[n] for n in share[r])
             self.units[r] += len(share[r])
         self.largest_unit = max([self.largest_unit, *sizes])
-        for u in units:
-            got = unit_range(u, size_of)
-            if got is None:
-                self._unranged += unit_bytes(u, size_of)
-            else:
-                self._ranges[got[0]].append((got[1], got[2]))
+        self._unranged += _spans(units, size_of, self._ranges)
         return out
 
     def _incomplete(self) -> str:
@@ -291,13 +285,16 @@ def _signature(root: str, name: str, size_of: Callable[[str], int]) -> list[int]
     return [size_of(name), mtime]
 
 
-def _union(units: Sequence[Unit], size_of: Callable[[str], int]) -> int:
-    ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+def _spans(units: Sequence[Unit], size_of: Callable[[str], int], ranges: dict[str, list[tuple[int, int]]]) -> int:
+    """Add each unit's byte range to ``ranges`` (by file); returns the bytes of the units with none."""
+    loose = 0
     for u in units:
         got = unit_range(u, size_of)
-        if got is not None:
+        if got is None:
+            loose += unit_bytes(u, size_of)
+        else:
             ranges[got[0]].append((got[1], got[2]))
-    return sum(_merged(r) for r in ranges.values())
+    return loose
 
 
 def _merged(ranges: list[tuple[int, int]]) -> int:
@@ -317,8 +314,7 @@ def _relative(path: Any, root: str) -> str:
 
 def _fault(rank: int) -> tuple[str | None, Callable[[], None]]:
     """The test-only fault of :data:`FAULT_ENV` on this rank: when it strikes (``"work"``, ``"read"``, ``None``) and
-    what
-    it does."""
+    what it does."""
     spec = os.environ.get(FAULT_ENV, "")
     who, _, action = spec.partition(":")
     if not who.strip().isdigit() or int(who) != rank or rank == 0:

@@ -26,8 +26,7 @@ def assign(sizes: Sequence[int], loads: list[int]) -> list[int]:
 
 def balance(per_rank: Sequence[int], total: int, units: int, largest_unit: int, rank0_own: int) -> dict[str, Any]:
     """How even the shares are: the largest as a fraction of ``total``, the limit (:data:`BALANCE_LIMIT` / ranks),
-    whether
-    met, and if not why the work did not allow it."""
+    whether met, and if not why the work did not allow it."""
     world = len(per_rank)
     largest = max(per_rank) if per_rank else 0
     limit = BALANCE_LIMIT / world if world else 1.0

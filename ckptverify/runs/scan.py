@@ -93,7 +93,7 @@ def _judge_bytes(root: str, cand: Candidate, jobs: int | None, deep: bool) -> tu
         return state, reason_of(state, report), counts_of(report)
     from ckptverify.audit.verify import verify_folder_files
 
-    folder = verify_folder_files(path, deep=deep)
+    folder = verify_folder_files(path, deep=deep)[0]
     states, reasons = [judge_report(folder)], []
     counts = counts_of(folder)
     # The run directory itself: only the parts the walk gave it (step folders are checkpoints of their own).

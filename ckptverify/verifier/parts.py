@@ -75,8 +75,8 @@ def _signatures(root: str, files: list[str]) -> dict[str, list[int] | None]:
 
 def part_job(root: str, node: int, jobs: int = 1, wait_s: float | None = None) -> dict[str, Any]:
     """The ``verify-part`` job: wait (up to ``wait_s``, default :func:`part_timeout`) for ``root`` to commit with a
-    plan,
-    verify node ``node``'s files only, write its verdict. Returns what was written, or ``{"written": False, "why"}``."""
+    plan, verify node ``node``'s files only, write its verdict. Returns what was written, or ``{"written": False,
+    "why"}``."""
     deadline = time.monotonic() + (part_timeout() if wait_s is None else wait_s)
     plan = None
     while True:
@@ -162,11 +162,9 @@ def _recorded(root: str, files: frozenset[str], jobs: int, deep: bool) -> tuple[
 
     if os.path.isfile(os.path.join(root, ".metadata")):
         return record(root, files, jobs, deep)
-    started = time.perf_counter()
     report, by_sub = each_shard_folder(root, files, "verify" if deep else "fingerprint", lambda where, names: (
         dataclasses.replace((got := record(where, names, jobs, deep))[0], stats={**got[0].stats,
                                                                                   "opened": sorted(names)}), got[1]))
-    report.stats["seconds"] = round(time.perf_counter() - started, 6)
     return report, {"folders": by_sub}
 
 
@@ -245,7 +243,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             except Exception:  # a verdict file that is not one (damaged, planted): that part did not report
                 missing.append(node)
                 continue
-            theirs = _deep_records(path, got[k].get("deep"), node["files"]) if deep else {}
+            theirs = _part_records(path, got[k].get("deep"), node["files"]) if deep else {}
             if theirs is None:  # not what a deep part writes: its pieces were not checked
                 missing.append(node)
                 continue
@@ -303,9 +301,10 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     return verdict
 
 
-def _deep_records(path: str, data: Any, files: list[str]) -> dict[str, list[Any]] | None:
-    """A deep part's records by DCP folder (``""``: the checkpoint itself): exactly its files' folders, each piece in
-    its files; ``None`` when they are not that (damaged, planted)."""
+def _part_records(path: str, data: Any, files: list[str] | frozenset[str],
+                  pieces: bool = True) -> dict[str, list[Any]] | None:
+    """A part's records (its ``"deep"`` or ``"adoption"``) by DCP folder (``""``: the checkpoint itself): exactly its
+    files' folders, with ``pieces`` each piece in its files; ``None`` when they are not that (damaged, planted)."""
     from ckptverify.audit.verify import by_subfolder
     from ckptverify.cluster.recorded import records_of
 
@@ -315,7 +314,7 @@ def _deep_records(path: str, data: Any, files: list[str]) -> dict[str, list[Any]
         mine, got = by_subfolder(frozenset(files)), data.get("folders") if isinstance(data, dict) else None
     if not isinstance(got, dict) or set(got) != set(mine):
         return None
-    out = {sub: records_of(got[sub], names) for sub, names in mine.items()}
+    out = {sub: records_of(got[sub], names if pieces else None) for sub, names in mine.items()}
     return None if any(r is None for r in out.values()) else out  # type: ignore[return-value]
 
 
@@ -390,16 +389,16 @@ def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]
     files read here; the whole when unmergeable). Returns the adoption's report, what writing did, and whether
     written. Folders: :func:`_adopt_folder`."""
     from ckptverify.audit.adopt import fingerprint_checkpoint
-    from ckptverify.cluster.recorded import Recorded, records_of
+    from ckptverify.cluster.recorded import Recorded
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return _adopt_folder(path, jobs, reports, read_all)
     parts, records = [], []
     for data, part in reports:
-        got = records_of(data.get("adoption"))
+        got = _part_records(path, data.get("adoption"), data["files"], pieces=False)
         if got is not None:  # else none, or not what a part writes (damaged, planted): its files are read here
             parts.append((frozenset(data["files"]), part))
-            records += got
+            records += got[""]
     try:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True,
                                                   executor=Recorded(records), parts=parts)
@@ -431,7 +430,7 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
     verification stands."""
     from ckptverify.audit.adopt import fingerprint_folder_parts
     from ckptverify.audit.verify import by_subfolder
-    from ckptverify.cluster.recorded import Recorded, records_of
+    from ckptverify.cluster.recorded import Recorded
 
     files_of: dict[str, set[str]] = {}
     records: dict[str, list[Any]] = {}
@@ -439,28 +438,24 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
     elsewhere: list[tuple[frozenset[str], Any]] = []
     for data, report in reports:
         files = frozenset(data.get("files") or ())
-        mine = by_subfolder(files)
-        folders = data.get("adoption", {}).get("folders") if isinstance(data.get("adoption"), dict) else None
-        got = {str(sub): records_of(d) for sub, d in folders.items()} if isinstance(folders, dict) else {}
+        got = _part_records(path, data.get("adoption"), files, pieces=False)
         # Each of its folders exactly as the plan gives it, or it brought nothing usable: its files are read here or
         # its report stands.
-        if not got or set(got) != set(mine) or any(r is None for r in got.values()):
+        if not got:
             elsewhere.append((files, report))
             continue
         brought.append(report)
-        for sub, names in mine.items():
+        for sub, names in by_subfolder(files).items():
             files_of.setdefault(sub, set()).update(names)
-            records.setdefault(sub, []).extend(got[sub])  # type: ignore[arg-type]
+            records.setdefault(sub, []).extend(got[sub])
     parts = {sub: (frozenset(names), Recorded(records[sub])) for sub, names in files_of.items()}
     try:
         report, manifest, unwritten = fingerprint_folder_parts(path, parts, brought, elsewhere,
-                                                               read_elsewhere=read_all, jobs=jobs,
-                                                               trust_uncheckable=True)
+                                                               read_elsewhere=read_all, jobs=jobs)
         overlap = None
     except (ValueError, TypeError, LookupError) as exc:  # parts that cannot be merged, or records no part writes
         every = [(frozenset(data.get("files") or ()), r) for data, r in reports]
-        report, manifest, unwritten = fingerprint_folder_parts(path, {}, [], every, read_elsewhere=True, jobs=jobs,
-                                                               trust_uncheckable=True)
+        report, manifest, unwritten = fingerprint_folder_parts(path, {}, [], every, read_elsewhere=True, jobs=jobs)
         elsewhere, overlap = every, exc
     if manifest is None:
         return (*_refusal(report), False)
