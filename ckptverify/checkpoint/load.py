@@ -402,8 +402,10 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
             try:
                 dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner())
             except BaseException as exc:
-                proof = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else _proof_failure(exc)
-                if proof is None and (isinstance(exc, (KeyboardInterrupt, SystemExit)) or reported_as_itself(exc)):
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                proof = _proof_failure(exc)  # the reader's ProofFailedError, raised as itself or inside DCP's
+                if proof is None and reported_as_itself(exc):
                     raise
                 if proof is not None:
                     report = _proof_report(root, proof[1], proof[0])

@@ -49,8 +49,10 @@ def record(root: str, only: frozenset[str], jobs: int, deep: bool) -> tuple[Any,
             else:  # the adoption's defaults (fingerprint_checkpoint): the coordinator asks for these very units
                 run.digests(desc, digest="xxh3-128", block_bytes=DEFAULT_BLOCK_BYTES, executor=recorded)
             # What the coordinator cannot describe without opening these files: their items, unread pieces.
-            recorded.records += [[["stored", n, f], [[i.name, i.chunk_offsets, i.offset, i.length] for i in desc.stored
-                                                     if i.file == n]] for n, f in desc.files.items()]
+            items: dict[str, list[Any]] = {n: [] for n in desc.files}
+            for i in desc.stored:  # grouped in one pass: a layout of one file per item has as many files as items
+                items.setdefault(i.file, []).append([i.name, i.chunk_offsets, i.offset, i.length])
+            recorded.records += [[["stored", n, f], items[n]] for n, f in desc.files.items()]
             recorded.records += [[["unread", t.name], t.unread] for t in desc.tensors.values() if t.unread]
             changed = run.changed_files()
     except FileChangedError as exc:
