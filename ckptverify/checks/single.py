@@ -27,6 +27,7 @@ from ckptverify.safeparse.zipwalk import parse_archive, range_reader
 
 __all__ = ["check_file", "check_json"]
 
+
 def check_file(path: str, *, name: str | None = None,
                root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
     """Check one file by content (``name``: as findings call it; ``root``: it must resolve inside it). Returns
