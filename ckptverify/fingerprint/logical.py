@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["FINGERPRINT_VERSION", "BlockwiseFingerprint", "TensorFingerprint", "blockwise_fingerprint",
-           "chunk_fingerprint", "chunk_fingerprint_counted", "combine",
+           "chunk_fingerprint", "chunk_fingerprint_counted", "collective_device", "combine",
            "get_fingerprint_backend", "part_fingerprints", "set_fingerprint_backend", "tensor_fingerprint"]
 
 
@@ -313,7 +313,7 @@ def _dtensor_fingerprint(t: Any) -> TensorFingerprint:
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         size = dist.get_world_size(group)
-        device = _collective_device(group, local.device, mesh.device_type)
+        device = collective_device(group, local.device, mesh.device_type)
         mine = torch.tensor(values, dtype=torch.int64, device=device)
         gathered = torch.empty(size * 3, dtype=torch.int64, device=device)
         with warnings.catch_warnings():
@@ -397,17 +397,18 @@ def _boxes(index: list[Any]) -> list[tuple[tuple[slice, ...], list[int]]]:
     return out
 
 
-def _collective_device(group: Any, local_device: Any, mesh_device_type: str) -> Any:
-    """The device lane sums travel on over ``group``: the shard's, if the backend serves it; else one it serves (NCCL
-    never receives a CPU tensor)."""
+def collective_device(group: Any, local_device: Any, fallback_type: str = "cpu") -> Any:
+    """The device a tensor on ``local_device`` travels on over ``group``: its own, if the backend serves it; else the
+    CPU if served; else ``fallback_type``'s or one it serves (NCCL never receives a CPU tensor). ``fallback_type``
+    also stands for an unknown backend's."""
     import torch
 
-    served = _backend_device_types(group) or {mesh_device_type}
+    served = _backend_device_types(group) or {fallback_type}
     if local_device.type in served:
         return local_device
     if "cpu" in served:
         return torch.device("cpu")
-    kind = mesh_device_type if mesh_device_type in served else sorted(served)[0]
+    kind = fallback_type if fallback_type in served else sorted(served)[0]
     return torch.device(kind, _current_index(kind))
 
 

@@ -200,7 +200,11 @@ class ReplicaCheck:
 
     def _check_bucket(self, bucket: _Bucket, names: list[str], digests: list[int | None], step: int,
                       kind: str) -> ReplicaMismatch | None:
-        device = _collective_device(bucket.group)
+        import torch
+
+        from ckptverify.fingerprint.logical import collective_device
+
+        device = collective_device(bucket.group, torch.device("cpu"))  # host rows: over gloo where served
         gathered = _all_gather([_bucket_digest(digests)], device, bucket.group, len(bucket.ranks))
         if all(g == gathered[0] for g in gathered):
             return None
@@ -340,16 +344,6 @@ def _bucket_digest(digests: list[int | None]) -> tuple[int, int]:
     for n, d in enumerate(digests):
         h.update(struct.pack("<qq", n, -1) if d is None else d.to_bytes(16, "little"))
     return _lanes(h.hexdigest())
-
-
-def _collective_device(group: Any) -> Any:
-    import torch
-    import torch.distributed as dist
-
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 #: One side stream per CUDA device (creating one costs a driver call).

@@ -555,7 +555,7 @@ def test_the_lane_sums_of_a_cpu_offloaded_shard_travel_on_the_gpu_over_nccl_and_
         ("cpu:gloo,cuda:nccl", torch.device("cuda", 1), torch.device("cuda", 1)),
     ]:
         monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
-        assert logical._collective_device(object(), local, "cuda") == want, backend
+        assert logical.collective_device(object(), local, "cuda") == want, backend
 
 
 def _strided_worker(rank: int, world: int, out_dir: str) -> None:
