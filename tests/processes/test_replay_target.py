@@ -123,6 +123,17 @@ def test_another_function_is_refused_before_any_process_starts_naming_both(
     _advice_is_replays_own(message)
 
 
+@pytest.mark.parametrize("named", ["prod.py", "prod.py:", ":train"])
+def test_a_malformed_target_is_refused_before_any_process_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_processes: None, named: str) -> None:
+    script = tmp_path / "prod.py"
+    script.write_text("def train(run):\n    run.restore(None)\n")
+    run = _recorded_run(tmp_path, script)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"target must be FILE\.py:FUNC or module:FUNC, got " + repr(named)):
+        replay(run, target=named, start=3, end=6)
+
+
 def test_a_recorded_file_that_is_not_on_this_machine_is_said_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 no_processes: None) -> None:
     script = tmp_path / "prod.py"
