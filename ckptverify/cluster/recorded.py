@@ -84,7 +84,7 @@ def records_of(data: Any, files: set[str] | frozenset[str] | None = None) -> lis
 def _key(unit: Unit) -> str:
     """The unit as records answer it. A piece's scan does not depend on how its bytes are protected (its
     ``checksum``, which a manifest written in between changes): that is left out."""
-    if unit[0] == "payload" and isinstance(unit[3], dict) and "checksum" in unit[3]:
+    if unit[0] == "payload" and len(unit) > 3 and isinstance(unit[3], dict) and "checksum" in unit[3]:
         unit = [*unit[:3], {k: v for k, v in unit[3].items() if k != "checksum"}]
     return json.dumps(unit, sort_keys=True)
 
@@ -100,8 +100,9 @@ class Recorded(UnitExecutor):
         self._known = {_key(u): r for u, r in records}
 
     def scanned_here(self) -> list[Record]:
-        """The tensor pieces scanned here (their ``payload`` records): given to a later run over the same files with
-        the records it is given, those pieces are not read again (a subclass's scan is not: :meth:`describe`)."""
+        """The records of the tensor pieces scanned here (``payload`` units): handed to a later run over the same files
+        with the records it is given, it reads none of those pieces again. A subclass's scan is left out (in records,
+        :meth:`describe` takes it for one stored on another node)."""
         return [r for r in self.records[self._given:] if r[0][0] == "payload"]
 
     def _missing(self, run: Any, unit: Unit) -> None:

@@ -9,7 +9,8 @@ plan. The coordinator checks the whole checkpoint and its node's files, waits fo
 ``node-part-failed`` error per failed part; **unverified** naming nodes that never reported. With a manifest to
 write, parts bring the adoption's work units with their results and the coordinator adopts as one process does
 (:func:`_adopt`); with ``deep``, their tensor pieces' scans, and the coordinator verifies deeply as one process does
-(:func:`_deep`): both with :class:`~ckptverify.cluster.recorded.Recorded` as executor.
+(:func:`_deep`): both with :class:`~ckptverify.cluster.recorded.Recorded` as executor, which also carries the scans
+of the coordinator's own DCP tensor pieces from one of these runs to the next: each is scanned once.
 """
 
 from __future__ import annotations
@@ -323,8 +324,8 @@ def _deep(path: str, jobs: int | None, skip: frozenset[str], records: dict[str, 
           use_manifest: bool, scanned: dict[str, list[Any]]) -> Any:
     """The deep verification of the whole checkpoint and this node's files, the ``skip`` files' tensor pieces answered
     from their parts' ``records`` (by DCP folder) and this node's from ``scanned``, to which those scanned here are
-    added: a second judgement (against the manifest just written) reads none again. Every piece read here when they
-    cannot be merged (a piece no part brought, a tensor subclass stored on another node)."""
+    added: a later judgement (against the manifest just written) scans none of them again. Every piece read here when
+    they cannot be merged (a piece no part brought, a tensor subclass stored on another node)."""
     from ckptverify.audit.verify import verify_part
 
     executors = _executors(records, scanned)
