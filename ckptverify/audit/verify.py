@@ -136,12 +136,13 @@ def each_shard_folder(root: str, only: frozenset[str], command: str,
     report as the folder's (names ``SUB/FILE``, ``stats["format"]`` ``"folder"``, ``["seconds"]`` of the whole) and
     ``run``'s extras by sub-folder."""
     from ckptverify.findings import merge_reports
+    from ckptverify.ownfiles.partsplan import dcp_folders
 
     started = time.perf_counter()
     by_sub = by_subfolder(only)
     reports = []
     got: dict[str, Any] = {}
-    for sub in _dcp_subfolders(root):  # only these: a name cannot lead a part out of the folder
+    for sub in dcp_folders(root):  # only these: a name cannot lead a part out of the folder
         if sub in by_sub:
             report, got[sub] = run(os.path.join(root, sub), by_sub[sub])
             reports.append(dataclasses.replace(report, findings=tuple(_under(sub, report.findings)), stats={
@@ -160,12 +161,6 @@ def by_subfolder(names: frozenset[str]) -> dict[str, frozenset[str]]:
         if sep and sub and rest and "/" not in rest:
             out.setdefault(sub, set()).add(rest)
     return {sub: frozenset(files) for sub, files in out.items()}
-
-
-def _dcp_subfolders(root: str) -> list[str]:
-    """The sub-folders of ``root`` that hold DCP checkpoints (not followed through links)."""
-    return [name for name in sorted(_listdir(root)) if not paths.islink(os.path.join(root, name))
-            and is_dcp(os.path.join(root, name))]
 
 
 def _under(sub: str, findings: Any) -> list[Finding]:

@@ -82,6 +82,10 @@ def records_of(data: Any, files: set[str] | frozenset[str] | None = None) -> lis
 
 
 def _key(unit: Unit) -> str:
+    """The unit as records answer it. A piece's scan does not depend on how its bytes are protected (its
+    ``checksum``, which a manifest written in between changes): that is left out."""
+    if unit[0] == "payload" and len(unit) > 3 and isinstance(unit[3], dict) and "checksum" in unit[3]:
+        unit = [*unit[:3], {k: v for k, v in unit[3].items() if k != "checksum"}]
     return json.dumps(unit, sort_keys=True)
 
 
@@ -92,7 +96,14 @@ class Recorded(UnitExecutor):
 
     def __init__(self, records: list[Record]) -> None:
         self.records = records
+        self._given = len(records)
         self._known = {_key(u): r for u, r in records}
+
+    def scanned_here(self) -> list[Record]:
+        """The records of the tensor pieces scanned here (``payload`` units): handed to a later run over the same files
+        with the records it is given, it reads none of those pieces again. A subclass's scan is left out (in records,
+        :meth:`describe` takes it for one stored on another node)."""
+        return [r for r in self.records[self._given:] if r[0][0] == "payload"]
 
     def _missing(self, run: Any, unit: Unit) -> None:
         if run.file(unit_file(unit)) is None:

@@ -40,8 +40,14 @@ def make_plan(hosts: list[str], files_of_rank: list[list[str]]) -> dict[str, Any
 
 
 def dcp_folders(root: str) -> list[str]:
-    """DCP checkpoints in a framework save at ``root``: ``[""]`` if it is one, else its DCP sub-folders, else ``[]``.
-    Links not followed."""
+    """The committed DCP checkpoints of the local save at ``root``: ``[""]`` if it is one, else its sub-folders that
+    are (a ``.metadata`` regular file; links not followed), else ``[]``.
+
+    The one answer to which DCP folders a save's verification is shared out by: the plan gives nodes the files of
+    these (:func:`plan_from_names`), a part's files are split by them
+    (:func:`~ckptverify.audit.verify.each_shard_folder`), and a folder of them is committed when they are. Committed
+    ones only: a save is shared out once committed, so an uncommitted DCP folder beside them is no node's, and stays
+    with the coordinator's check of the whole (which reports it)."""
     if os.path.isfile(os.path.join(root, ".metadata")):
         return [""]
     out = []

@@ -9,7 +9,8 @@ plan. The coordinator checks the whole checkpoint and its node's files, waits fo
 ``node-part-failed`` error per failed part; **unverified** naming nodes that never reported. With a manifest to
 write, parts bring the adoption's work units with their results and the coordinator adopts as one process does
 (:func:`_adopt`); with ``deep``, their tensor pieces' scans, and the coordinator verifies deeply as one process does
-(:func:`_deep`): both with :class:`~ckptverify.cluster.recorded.Recorded` as executor.
+(:func:`_deep`): both with :class:`~ckptverify.cluster.recorded.Recorded` as executor, which also carries the scans
+of the coordinator's own DCP tensor pieces from one of these runs to the next: each is scanned once.
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
     others = nodes[1:]
     other_files = frozenset(f for n in others for f in n["files"])
     records: dict[str, list[Any]] = {}  # the parts' deep records, by DCP folder ("" for the checkpoint itself)
+    scanned: dict[str, list[Any]] = {}  # this node's tensor pieces as scanned here, by DCP folder: scanned once
     try:
         before = files_fingerprint(path)
         mine = None
@@ -257,7 +259,7 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             reports.append((data, report))
         if deep and adopt is not True:
             with pacing(throttle):
-                mine = _deep(path, jobs, other_files, records, True)
+                mine = _deep(path, jobs, other_files, records, True, scanned)
     except FileNotFoundError:  # CheckpointNotFoundError included
         return unverified(path, step, "deleted", GONE)
     except OSError as exc:
@@ -271,10 +273,10 @@ def stamp_parts_locked(path: str, *, step: int | None, jobs: int | None = None, 
             return unverified(path, step, "error", _silent(missing, wait_s))
         try:
             with pacing(throttle):
-                adopted, note, written = _adopt(path, jobs, reports, read_all=adopt is True)
+                adopted, note, written = _adopt(path, jobs, reports, scanned, read_all=adopt is True)
                 if deep:  # judged against the manifest just written from the parts, or none: an older one left
                     # in the folder no longer describes it
-                    adopted = _judged(adopted, _deep(path, jobs, other_files, records, written))
+                    adopted = _judged(adopted, _deep(path, jobs, other_files, records, written, scanned))
         except FileNotFoundError:
             return unverified(path, step, "deleted", GONE)
         except OSError as exc:
@@ -319,18 +321,36 @@ def _part_records(path: str, data: Any, files: list[str] | frozenset[str],
 
 
 def _deep(path: str, jobs: int | None, skip: frozenset[str], records: dict[str, list[Any]],
-          use_manifest: bool) -> Any:
+          use_manifest: bool, scanned: dict[str, list[Any]]) -> Any:
     """The deep verification of the whole checkpoint and this node's files, the ``skip`` files' tensor pieces answered
-    from their parts' ``records`` (by DCP folder); every piece read here when they cannot be merged (a piece no part
-    brought, a tensor subclass stored on another node)."""
+    from their parts' ``records`` (by DCP folder) and this node's from ``scanned``, to which those scanned here are
+    added: a later judgement (against the manifest just written) scans none of them again. Every piece read here when
+    they cannot be merged (a piece no part brought, a tensor subclass stored on another node)."""
     from ckptverify.audit.verify import verify_part
-    from ckptverify.cluster.recorded import Recorded
 
+    executors = _executors(records, scanned)
     try:
-        return verify_part(path, jobs=jobs or 1, skip=skip, deep=True, use_manifest=use_manifest,
-                           executors={sub: Recorded(list(r)) for sub, r in records.items()})
+        report = verify_part(path, jobs=jobs or 1, skip=skip, deep=True, use_manifest=use_manifest,
+                             executors=executors)
     except ValueError:
         return verify_part(path, jobs=jobs or 1, deep=True, use_manifest=use_manifest)
+    _keep_scans(executors, scanned)
+    return report
+
+
+def _executors(records: dict[str, list[Any]], scanned: dict[str, list[Any]]) -> dict[str, Any]:
+    """A :class:`~ckptverify.cluster.recorded.Recorded` per DCP folder of ``records``, answering also this node's
+    pieces ``scanned`` there already."""
+    from ckptverify.cluster.recorded import Recorded
+
+    return {sub: Recorded([*r, *scanned.get(sub, ())]) for sub, r in records.items()}
+
+
+def _keep_scans(executors: dict[str, Any], scanned: dict[str, list[Any]]) -> None:
+    """Add to ``scanned`` the pieces ``executors`` scanned here
+    (:meth:`~ckptverify.cluster.recorded.Recorded.scanned_here`), for the next run over this node's files."""
+    for sub, executor in executors.items():
+        scanned.setdefault(sub, []).extend(executor.scanned_here())
 
 
 def _judged(adopted: Any, deep: Any) -> Any:
@@ -383,25 +403,27 @@ def _summarize(path: str, nodes: list[dict[str, Any]], mine: Any, reports: list[
     return parts, merged
 
 
-def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
+def _adopt(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]], scanned: dict[str, list[Any]],
            read_all: bool = True) -> tuple[Any, str, bool]:
     """The manifest written as one process writes it, the parts' work units answered from their records (others'
-    files read here; the whole when unmergeable). Returns the adoption's report, what writing did, and whether
-    written. Folders: :func:`_adopt_folder`."""
+    files read here; the whole when unmergeable) and this node's pieces from ``scanned`` (:func:`_deep`), to which
+    those scanned here are added. Returns the adoption's report, what writing did, and whether written. Folders:
+    :func:`_adopt_folder`."""
     from ckptverify.audit.adopt import fingerprint_checkpoint
-    from ckptverify.cluster.recorded import Recorded
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        return _adopt_folder(path, jobs, reports, read_all)
+        return _adopt_folder(path, jobs, reports, scanned, read_all)
     parts, records = [], []
     for data, part in reports:
         got = _part_records(path, data.get("adoption"), data["files"], pieces=False)
         if got is not None:  # else none, or not what a part writes (damaged, planted): its files are read here
             parts.append((frozenset(data["files"]), part))
             records += got[""]
+    executors = _executors({"": records}, scanned)
     try:
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True,
-                                                  executor=Recorded(records), parts=parts)
+                                                  executor=executors[""], parts=parts)
+        _keep_scans(executors, scanned)
         how = f"the digests of {len(parts)} other node(s) taken from their parts"
     except (ValueError, TypeError, LookupError) as exc:  # parts that cannot be merged, or records no part writes
         report, manifest = fingerprint_checkpoint(path, force=True, jobs=jobs, trust_uncheckable=True, parts=[])
@@ -423,14 +445,13 @@ def _refusal(report: Any) -> tuple[Any, str]:
 
 
 def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any], Any]],
-                  read_all: bool) -> tuple[Any, str, bool]:
+                  scanned: dict[str, list[Any]], read_all: bool) -> tuple[Any, str, bool]:
     """:func:`_adopt` for a folder whose DCP folders several nodes wrote
     (:func:`~ckptverify.audit.adopt.fingerprint_folder_parts`). Shards of a part that brought no digests are read
     here when ``read_all`` or their folder holds a former manifest; else that folder gets no manifest and the part's
     verification stands."""
     from ckptverify.audit.adopt import fingerprint_folder_parts
     from ckptverify.audit.verify import by_subfolder
-    from ckptverify.cluster.recorded import Recorded
 
     files_of: dict[str, set[str]] = {}
     records: dict[str, list[Any]] = {}
@@ -448,10 +469,12 @@ def _adopt_folder(path: str, jobs: int | None, reports: list[tuple[dict[str, Any
         for sub, names in by_subfolder(files).items():
             files_of.setdefault(sub, set()).update(names)
             records.setdefault(sub, []).extend(got[sub])
-    parts = {sub: (frozenset(names), Recorded(records[sub])) for sub, names in files_of.items()}
+    executors = _executors(records, scanned)
+    parts = {sub: (frozenset(names), executors[sub]) for sub, names in files_of.items()}
     try:
         report, manifest, unwritten = fingerprint_folder_parts(path, parts, brought, elsewhere,
                                                                read_elsewhere=read_all, jobs=jobs)
+        _keep_scans(executors, scanned)
         overlap = None
     except (ValueError, TypeError, LookupError) as exc:  # parts that cannot be merged, or records no part writes
         every = [(frozenset(data.get("files") or ()), r) for data, r in reports]

@@ -862,3 +862,79 @@ def test_a_deep_check_whose_manifest_was_refused_is_not_judged_against_a_former_
     # The pieces of every tensor were judged against no manifest: the former save's zeros are not "what was in
     # memory at save time", so no tensor is said to differ from them.
     assert not [e for e in stamp["errors"] if e["check"] == "fingerprint"], stamp["errors"]
+
+
+
+@pytest.fixture
+def scanned_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
+    """Every tensor piece fingerprinted (``scan_payload``: the one read of a piece's values), as (tensor, file,
+    offset)."""
+    from ckptverify.checks import deep
+
+    seen: list[tuple[str, str, int]] = []
+    original = deep.scan_payload
+
+    def counting(f: Any, name: str, p: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((name, p.file, p.offset))
+        return original(f, name, p, *args, **kwargs)
+
+    monkeypatch.setattr(deep, "scan_payload", counting)
+    return seen
+
+
+@pytest.mark.parametrize(("layout", "fingerprint"), [("dcp", "auto"), ("dcp", True), ("folder", "auto"),
+                                                     ("folder", True)])
+def test_a_deep_check_fingerprinted_in_parts_scans_each_of_the_coordinator_s_pieces_once(
+        tmp_path: Path, scanned_pieces: list[tuple[str, str, int]], layout: str, fingerprint: Any) -> None:
+    import shutil
+    from collections import Counter
+
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.checks.deep import CHECKS
+    from ckptverify.ownfiles.manifest import MANIFEST_FILE
+    from ckptverify.verifier.saved import saved_job
+
+    def state(prefix: str = "") -> dict[str, Any]:  # each DCP folder's tensors named apart: pieces told apart
+        return {f"{prefix}{k}": t for k, t in _nonfinite({f"w{i}": torch.randn(4096 * (i + 1))
+                                                          for i in range(6)}).items()}
+
+    if layout == "dcp":  # in safetensors: content no CRC-32 protects, which "auto" fingerprints
+        path = _plain_dcp(tmp_path / "ckpt", state(), safetensors=True)
+        files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+        nodes = [files[:1], files[1:]]
+        _plan_folder(path, nodes, fingerprint, deep=True)
+    else:  # a model.safetensors beside the DCP folders: the same
+        path = _fsdp_folder(tmp_path, weights=True)
+        for sub in _SUBS:
+            _plain_dcp(Path(path) / sub, state(f"{sub}."))
+        nodes = _folder_nodes(path)
+        _plan_folder(path, nodes, fingerprint, deep=True)
+    alone = str(tmp_path / "alone")
+    shutil.copytree(path, alone)
+    for name in os.listdir(alone):
+        if name.startswith(PARTS_PREFIX):
+            os.unlink(os.path.join(alone, name))
+    assert parts_mod.part_job(path, 1, wait_s=0)["written"]
+    scanned_pieces.clear()
+    out = saved_job(path, 5, fingerprint, 1, True, 0.0, parts=True)
+    assert out["event"] == "checkpoint-verified" and out["extra"]["fingerprint"].startswith("manifest written"), out
+    # Judged against the former manifest (none here) when "auto", adopted, judged against the manifest written:
+    # each of this node's pieces read once for all three, none of the other node's.
+    shards = Counter((name, file, offset) for name, file, offset in scanned_pieces if file.endswith(".distcp"))
+    assert {file for _, file, _ in shards} == {n.rpartition("/")[2] for n in nodes[0]}
+    assert set(shards.values()) == {1}, shards
+    # The manifest one process writes, and the deep check one process makes with it.
+    assert fingerprint_checkpoint(alone, force=True, trust_uncheckable=True)[1] is not None
+    want = _manifests(alone)
+    if layout == "folder" and fingerprint == "auto":  # its DCP folders, under CRC-32, are left without one
+        want = {"": want[""]}
+        for sub in _SUBS:
+            os.unlink(os.path.join(alone, sub, MANIFEST_FILE))
+    assert _manifests(path) == want
+    whole = verify_checkpoint(alone, deep=True)
+    report = Report.from_dict(out["report"])
+    assert report.passed and any(f.check == "nonfinite" for f in whole.findings)
+    assert _kinds(f for f in report.findings if f.check in CHECKS) == _kinds(f for f in whole.findings
+                                                                            if f.check in CHECKS)
+    assert [c.count for c in report.coverage if c.check == "fingerprint"] == \
+        [c.count for c in whole.coverage if c.check == "fingerprint"]
