@@ -352,4 +352,3 @@ def _every_rank(c: _Case) -> Verdict:
 RULES: tuple[Callable[[_Case], Verdict | None], ...] = (
     _restore, _rng, _hparam_start, _step_hparams, _data, _buffer,
     _metrics_level, _unregistered, _untraced_before, _ran_on_from_memory, _one_rank, _every_rank)
-

@@ -22,7 +22,7 @@ __all__ = ["REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERE
 @dataclass(frozen=True)
 class Runs:
     """How a sentence names the two runs: ``saved``, ``restored``, the ``checkpoint`` restored, ``first`` (the
-    first step after the restore), and ``between`` them when a sentence says where values differ."""
+    first step after the restore), and ``between`` (which runs a value differs between; ``""``: the two)."""
 
     saved: str
     restored: str
@@ -54,6 +54,7 @@ class At:
     @property
     def when(self) -> str:
         return self.runs.first if self.first else f"step {self.step}"
+
 
 RESTORE_ADVICE = "make the object's load_state_dict restore exactly what its state_dict saved"
 UNREGISTERED_ADVICE = ("register it in the TrainState (optimizer=, scheduler=, scaler=, generators=, extras= for "
