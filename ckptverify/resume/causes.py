@@ -131,17 +131,11 @@ def on_ranks(rank: int | str | None) -> str:
     return f"rank {rank}" if isinstance(rank, int) else rank
 
 
-def _field(h: SiteDiff) -> tuple[str, str]:
-    """A hyperparameter ``<group>.<key>``: its group and key."""
-    group, _, key = h.name.partition(".")
-    return group, key
-
-
 def hparam_start_cause(at: At, h: SiteDiff) -> tuple[str, str, str, str]:
     """Hyperparameter ``h`` differs when ``at.step`` starts: ``(kind, sentence, advice, site)``: changed after the
     restore, changed after the save point, or an unrestored scheduler or counter."""
     runs, step = at.runs, at.step
-    group, key = _field(h)
+    group, _, key = h.name.partition(".")
     name = f"param_groups[{group}].{key}"
     values = values_in(runs, h.a, h.b)
     if at.first and h.b_moved:
@@ -164,7 +158,7 @@ def hparam_start_cause(at: At, h: SiteDiff) -> tuple[str, str, str, str]:
 def step_hparam_what(at: At, hparams: Sequence[SiteDiff]) -> tuple[str, str]:
     """Of the hyperparameters the optimizer step used that differ (``lr`` first): what differs, and its site."""
     h = next((x for x in hparams if x.name.endswith(".lr")), hparams[0])
-    group, key = _field(h)
+    group, _, key = h.name.partition(".")
     return (f"the {key} the optimizer used at step {at.step} differs (param group {group}: "
             f"{values_in(at.runs, h.a, h.b)}) although the step started from equal state",
             f"optim.param_groups[{group}].{key}")
