@@ -10,14 +10,14 @@ through a reduction, and ``candidate_ranks`` lists who could hold them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from ckptverify.resume import causes
 from ckptverify.resume.causes import REPLAY, first_verdict, ranks_text
-from ckptverify.resume.compare import SiteDiff, StepEvidence, rank_files, restore_findings
+from ckptverify.resume.compare import StepEvidence, rank_files, restore_findings, step_evidence
 from ckptverify.resume.verdict import Verdict
 from ckptverify.trace.compare import RankComparison, rank_comparisons, sites_at
 
@@ -102,9 +102,9 @@ class _Case:
     def first_replayed(self) -> bool:
         return self.s == self.start + 1
 
-    @property
-    def when(self) -> str:
-        return REPLAY.first if self.first_replayed else f"step {self.s}"
+    def at(self, rank: int) -> causes.At:
+        """Step ``s`` on ``rank``, as the shared cause sentences name it."""
+        return causes.At(REPLAY, self.s, self.start, rank)
 
     @property
     def lead(self) -> Any:
@@ -122,18 +122,9 @@ class _Case:
     @cached_property
     def evidence(self) -> dict[int, StepEvidence]:
         """The step's inputs on every differing rank (one rank's input difference reaches the others)."""
-        from ckptverify.resume.compare import step_evidence
-
-        out: dict[int, StepEvidence] = {}
-        for r, comp in sorted(self.first.items()):
-            restored = (self.notes.get(r) or {}).get("restored") or {}
-            ev = step_evidence(comp, first_resumed=self.first_replayed, restored=restored)
-            ta, tb = self.pairs[r]
-            # Production's category cell against the replay's per-field cells: name the field.
-            out[r] = replace(
-                ev, hparams_start=_hparams(ta, tb, self.s, "start.hparam.", ev.sites, restored, self.first_replayed),
-                hparams_step=_hparams(ta, tb, self.s, "hparam.", ev.sites, None, self.first_replayed))
-        return out
+        return {r: step_evidence(comp, first_resumed=self.first_replayed,
+                                 restored=(self.notes.get(r) or {}).get("restored") or {})
+                for r, comp in sorted(self.first.items())}
 
     @cached_property
     def origin(self) -> tuple[tuple[int, ...], int | None, str | None, str | None]:
@@ -200,14 +191,7 @@ def _rng(c: _Case) -> Verdict | None:
     r, ev = _first_rank(c, lambda ev: bool(ev.rng))
     if ev is None:
         return None
-    names = ", ".join(x.name for x in ev.rng)
-    b_moved = [x.name for x in ev.rng if x.b_moved]
-    cause, advice = causes.rng_cause(REPLAY, b_moved=b_moved, a_moved=[x.name for x in ev.rng if x.a_moved],
-                                     first_step=c.first_replayed, step=c.s, saved_at=c.start)
-    if b_moved and c.first_replayed:
-        cause += f", which production, running on from step {c.start}, did not"
-    sentence = causes.rng_sentence(names, when=c.when, step=c.s, rank=r, cause=cause,
-                                   between=" between production and the replays")
+    sentence, advice = causes.rng_cause(c.at(r), ev.rng)
     return Verdict("rng", f"{sentence}, and {_NONE_HW}.", advice=f"{advice}, then replay again.",
                    step=c.s, rank=r, site=ev.rng[0].name)
 
@@ -216,13 +200,8 @@ def _hparam_start(c: _Case) -> Verdict | None:
     r, ev = _first_rank(c, lambda ev: bool(ev.hparams_start))
     if ev is None:
         return None
-    h = ev.hparams_start[0]
-    g, _, key = h.name.partition(".")
-    name = f"param_groups[{g}].{key}"
-    kind, text, advice = causes.hparam_start_cause(REPLAY, name=name, a=h.a, b=h.b, first_step=c.first_replayed,
-                                                   a_moved=h.a_moved, b_moved=h.b_moved, step=c.s,
-                                                   saved_at=c.start, when=c.when)
-    return Verdict(kind, f"{text}; {_NONE_HW}.", advice=f"{advice}.", step=c.s, rank=r, site=f"optim.{name}")
+    kind, text, advice, site = causes.hparam_start_cause(c.at(r), ev.hparams_start[0])
+    return Verdict(kind, f"{text}; {_NONE_HW}.", advice=f"{advice}.", step=c.s, rank=r, site=site)
 
 
 _LR_SITES = ("optim.param_groups", "metric.lr", "scheduler")
@@ -235,12 +214,9 @@ def _step_hparams(c: _Case) -> Verdict | None:
     if ev is None:
         return None
     if ev.hparams_step:
-        h = next((x for x in ev.hparams_step if x.name.endswith(".lr")), ev.hparams_step[0])
-        g, _, key = h.name.partition(".")
-        what = causes.step_hparam_what(REPLAY, key=key, group=g, a=h.a, b=h.b, step=c.s)
-        site = f"optim.param_groups[{g}].{key}"
+        what, site = causes.step_hparam_what(c.at(r), ev.hparams_step)
     else:
-        what = f"the learning rate differs at {c.when}"
+        what = f"the learning rate differs at {c.at(r).when}"
         site = next(x for x in ev.sites if x.startswith(_LR_SITES))
     cause, advice = causes.step_hparam_cause(unsaved)
     return Verdict("scheduler", f"{what} on rank {r}: {cause}; {_NONE_HW}.", advice=f"{advice}, then replay again.",
@@ -275,15 +251,9 @@ def _buffer(c: _Case) -> Verdict | None:
     r, ev = _first_rank(c, lambda ev: bool(ev.buffers))
     if ev is None:
         return None
-    name = ev.buffers[0]
-    if name == "buffer.*":
-        from ckptverify.trace.compare import _named_member
-
-        ta, tb = c.pairs[r]
-        member, _ = _named_member(ta, tb, c.s, ta.site(name))
-        name = member or name
-    text, advice = causes.buffer_cause(REPLAY, name=name.removeprefix("buffer."), when=c.when, rank=r)
-    return Verdict("hidden-state", f"{text}; {_NONE_HW}.", advice=f"{advice}.", step=c.s, rank=r, site=name)
+    text, advice = causes.buffer_cause(c.at(r), ev.buffers[0])
+    return Verdict("hidden-state", f"{text}; {_NONE_HW}.", advice=f"{advice}.", step=c.s, rank=r,
+                   site=ev.buffers[0])
 
 
 def _first_rank(c: _Case, differs: Callable[[StepEvidence], bool]) -> tuple[int, StepEvidence | None]:
@@ -382,36 +352,3 @@ def _every_rank(c: _Case) -> Verdict:
 RULES: tuple[Callable[[_Case], Verdict | None], ...] = (
     _restore, _rng, _hparam_start, _step_hparams, _data, _buffer,
     _metrics_level, _unregistered, _untraced_before, _ran_on_from_memory, _one_rank, _every_rank)
-
-
-def _hparams(ta: Any, tb: Any, step: int, prefix: str, differing: tuple[str, ...], restored: Mapping[str, Any] | None,
-             first_replayed: bool) -> tuple[SiteDiff, ...]:
-    """Hyperparameters differing at ``step``, with ``a`` (``None``: category cell only) and ``b``; on the first
-    replayed step's start cells ``b_moved`` (the replay changed it after the restore), else ``a_moved`` (production
-    did after its save point: the restored value is production's)."""
-    from ckptverify.trace.compare import _named_member
-
-    out: list[SiteDiff] = []
-    for name in differing:
-        if not name.startswith(prefix):
-            continue
-        if name == prefix + "*":
-            member, _ = _named_member(ta, tb, step, ta.site(name) if ta.has_site(name) else tb.site(name))
-            if member is None:
-                # Unnamed: the replay's own cells against the restore still tell whether it moved them.
-                fields = [x.name for x in tb.sites if x.group == name] or [name]
-                member = fields[0]
-                if restored is not None and first_replayed:
-                    moved = [f for f in fields if f in restored and tb.value(step, f) != restored[f]]
-                    member = moved[0] if moved else member
-        else:
-            member = name
-        a = ta.value(step, member) if ta.has_site(member) else None
-        b = tb.value(step, member) if tb.has_site(member) else None
-        b_moved = a_moved = None
-        if restored is not None and first_replayed and member in restored:
-            b_moved = b != restored[member]
-            a_moved = not b_moved
-        out.append(SiteDiff(member[len(prefix):], a, b, a_moved=a_moved, b_moved=b_moved))
-    return tuple(out)
-

@@ -1,5 +1,7 @@
 """The causes a step can differ by, in words, shared by ``resume-check`` (:mod:`ckptverify.resume.verdict`) and
-``replay`` (:mod:`ckptverify.replay.causes`). :class:`Runs` names the run that saved and the one that restored.
+``replay`` (:mod:`ckptverify.replay.causes`). :class:`Runs` names the run that saved and the one that restored,
+:class:`At` the step a cause is said of; each sentence builder reads the evidence
+(:class:`~ckptverify.resume.compare.SiteDiff`) itself, so a command's rule only picks it and frames the verdict.
 Sentences carry no final period and advice no "What to do:", so each command frames them. Both verdicts use
 :func:`first_verdict`: an ordered table of rules, the first that applies decides."""
 
@@ -7,26 +9,52 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ["REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "Runs",
-           "buffer_cause", "first_verdict", "hparam_start_cause", "on_ranks", "ranks_text", "rng_cause", "rng_sentence",
-           "show", "step_hparam_cause", "step_hparam_what", "values_in"]
+if TYPE_CHECKING:
+    from ckptverify.resume.compare import SiteDiff
+
+__all__ = ["REGISTER_LOADER", "REPLAY", "RESTORE_ADVICE", "RESUME", "UNREGISTERED_ADVICE", "At", "Runs",
+           "buffer_cause", "first_verdict", "hparam_start_cause", "on_ranks", "ranks_text", "rng_cause", "show",
+           "step_hparam_cause", "step_hparam_what", "values_in"]
+
 
 @dataclass(frozen=True)
 class Runs:
-    """How a sentence names the two runs: ``saved``, ``restored``, the ``checkpoint`` restored, and ``first`` (the
-    first step after the restore)."""
+    """How a sentence names the two runs: ``saved``, ``restored``, the ``checkpoint`` restored, ``first`` (the
+    first step after the restore), and ``between`` (which runs a value differs between; ``""``: the two)."""
 
     saved: str
     restored: str
     checkpoint: str
     first: str
+    between: str = ""
 
 
 RESUME = Runs(saved="A", restored="B", checkpoint="the checkpoint", first="the first resumed step")
 REPLAY = Runs(saved="production", restored="the replay", checkpoint="production's checkpoint",
-              first="the first replayed step")
+              first="the first replayed step", between=" between production and the replays")
+
+
+@dataclass(frozen=True)
+class At:
+    """The step a cause is said of: the ``runs``' naming, the ``step``, the step ``saved_at`` whose checkpoint the
+    second run restored, and where, in words (:func:`on_ranks`)."""
+
+    runs: Runs
+    step: int
+    saved_at: int
+    rank: int | str | None = None
+
+    @property
+    def first(self) -> bool:
+        """``step`` is the first after the restore."""
+        return self.step == self.saved_at + 1
+
+    @property
+    def when(self) -> str:
+        return self.runs.first if self.first else f"step {self.step}"
+
 
 RESTORE_ADVICE = "make the object's load_state_dict restore exactly what its state_dict saved"
 UNREGISTERED_ADVICE = ("register it in the TrainState (optimizer=, scheduler=, scaler=, generators=, extras= for "
@@ -61,25 +89,33 @@ def values_in(runs: Runs, a: Any, b: Any) -> str:
     return f"{show(a)} in {runs.saved}, {show(b)} in {runs.restored}"
 
 
-def rng_cause(runs: Runs, *, a_moved: list[str], b_moved: list[str], first_step: bool, step: int,
-              saved_at: int) -> tuple[str, str]:
-    """Why random streams differ when ``step`` starts, and what to do: re-seeded after the restore, drawn by the
-    first run after its save point, drawn between steps, or not restored."""
-    if b_moved and first_step:
-        return (f"{runs.restored} re-seeded or drew from {', '.join(b_moved)} after run.restore() and before step "
-                f"{step} (e.g. torch.manual_seed after the restore)",
-                "seed before run.restore(state), never after it; draw nothing between restore and the loop")
-    if a_moved and first_step:
-        return (f"{runs.saved} drew from {', '.join(a_moved)} after its save point (between run.record() of step "
-                f"{saved_at}, which saved, and step {step}: e.g. an evaluation placed after the end-of-step save)",
-                "do that work inside the step, before run.record(), or draw it from its own generator registered "
-                "in TrainState(generators=...)")
-    if b_moved or a_moved:
+def rng_cause(at: At, rng: Sequence[SiteDiff]) -> tuple[str, str]:
+    """Random streams ``rng`` differ when ``at.step`` starts: the sentence, with its cause (re-seeded after the
+    restore, drawn by the first run after its save point, drawn between steps, or not restored), and what to do."""
+    runs, step = at.runs, at.step
+    names = ", ".join(x.name for x in rng)
+    a_moved, b_moved = [x.name for x in rng if x.a_moved], [x.name for x in rng if x.b_moved]
+    if b_moved and at.first:
+        cause, advice = (f"{runs.restored} re-seeded or drew from {', '.join(b_moved)} after run.restore() and "
+                         f"before step {step} (e.g. torch.manual_seed after the restore), which {runs.saved}, "
+                         f"running on from step {at.saved_at}, did not",
+                         "seed before run.restore(state), never after it; draw nothing between restore and the loop")
+    elif a_moved and at.first:
+        cause, advice = (f"{runs.saved} drew from {', '.join(a_moved)} after its save point (between run.record() "
+                         f"of step {at.saved_at}, which saved, and step {step}: e.g. an evaluation placed after the "
+                         "end-of-step save)",
+                         "do that work inside the step, before run.record(), or draw it from its own generator "
+                         "registered in TrainState(generators=...)")
+    elif b_moved or a_moved:
         side = runs.restored if b_moved else runs.saved
-        return (f"{side} drew from {', '.join(b_moved or a_moved)} between steps {step - 1} and {step}",
-                "draw random numbers only inside the steps, the same way in every run")
-    return ("the stream was not restored from the checkpoint",
-            "register every generator the job draws from in TrainState(generators=...)")
+        cause, advice = (f"{side} drew from {', '.join(b_moved or a_moved)} between steps {step - 1} and {step}",
+                         "draw random numbers only inside the steps, the same way in every run")
+    else:
+        cause, advice = ("the stream was not restored from the checkpoint",
+                         "register every generator the job draws from in TrainState(generators=...)")
+    where = ", ".join(x for x in (f"step {step}", on_ranks(at.rank)) if x)
+    return (f"random stream {names} differs{runs.between} when {at.when} begins ({where}): {cause}; the batch and "
+            "values computed from it differ as a consequence", advice)
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
@@ -95,40 +131,37 @@ def on_ranks(rank: int | str | None) -> str:
     return f"rank {rank}" if isinstance(rank, int) else rank
 
 
-def rng_sentence(names: str, *, when: str, step: int, rank: int | str | None, cause: str,
-                 between: str = "") -> str:
-    """Random streams ``names`` differ when a step begins: the cause and its consequence."""
-    where = ", ".join(x for x in (f"step {step}", on_ranks(rank)) if x)
-    return (f"random stream {names} differs{between} when {when} begins ({where}): {cause}; the "
-            "batch and values computed from it differ as a consequence")
-
-
-def hparam_start_cause(runs: Runs, *, name: str, a: Any, b: Any, first_step: bool, a_moved: bool | None,
-                       b_moved: bool | None, step: int, saved_at: int, when: str) -> tuple[str, str, str]:
-    """A hyperparameter differs when ``step`` starts: ``(kind, sentence, advice)``: changed after the restore,
-    changed after the save point, or an unrestored scheduler or counter."""
-    values = values_in(runs, a, b)
-    if first_step and b_moved:
+def hparam_start_cause(at: At, h: SiteDiff) -> tuple[str, str, str, str]:
+    """Hyperparameter ``h`` differs when ``at.step`` starts: ``(kind, sentence, advice, site)``: changed after the
+    restore, changed after the save point, or an unrestored scheduler or counter."""
+    runs, step = at.runs, at.step
+    group, _, key = h.name.partition(".")
+    name = f"param_groups[{group}].{key}"
+    values = values_in(runs, h.a, h.b)
+    if at.first and h.b_moved:
         return ("changed-after-restore",
                 f"{name} was restored exactly from {runs.checkpoint}, then changed after run.restore() in "
                 f"{runs.restored}: step {step} starts with {values}",
                 "do not re-apply configuration values to restored objects after run.restore(state); apply them "
-                "only on a fresh start (run.step == 0)")
-    if first_step and a_moved:
+                "only on a fresh start (run.step == 0)", f"optim.{name}")
+    if at.first and h.a_moved:
         return ("changed-after-save",
-                f"{runs.saved} changed {name} after its save point (between run.record() of step {saved_at} and "
-                f"step {step}): step {step} starts with {values}",
-                "change hyperparameters (scheduler.step()) inside the step, before run.record()")
-    return ("scheduler", f"{name} differs when {when} begins ({values}): the LR scheduler or the step counter it "
+                f"{runs.saved} changed {name} after its save point (between run.record() of step {at.saved_at} "
+                f"and step {step}): step {step} starts with {values}",
+                "change hyperparameters (scheduler.step()) inside the step, before run.record()", f"optim.{name}")
+    return ("scheduler", f"{name} differs when {at.when} begins ({values}): the LR scheduler or the step counter it "
             "follows was not restored",
             "register the LR scheduler in the TrainState (TrainState(scheduler=...)) and derive schedules from "
-            "run.step")
+            "run.step", f"optim.{name}")
 
 
-def step_hparam_what(runs: Runs, *, key: str, group: str, a: Any, b: Any, step: int) -> str:
-    """The hyperparameter ``key`` of param group ``group`` the optimizer step used differs."""
-    return (f"the {key} the optimizer used at step {step} differs (param group {group}: {values_in(runs, a, b)}) "
-            "although the step started from equal state")
+def step_hparam_what(at: At, hparams: Sequence[SiteDiff]) -> tuple[str, str]:
+    """Of the hyperparameters the optimizer step used that differ (``lr`` first): what differs, and its site."""
+    h = next((x for x in hparams if x.name.endswith(".lr")), hparams[0])
+    group, _, key = h.name.partition(".")
+    return (f"the {key} the optimizer used at step {at.step} differs (param group {group}: "
+            f"{values_in(at.runs, h.a, h.b)}) although the step started from equal state",
+            f"optim.param_groups[{group}].{key}")
 
 
 def step_hparam_cause(unsaved: list[str]) -> tuple[str, str]:
@@ -142,9 +175,10 @@ def step_hparam_cause(unsaved: list[str]) -> tuple[str, str]:
             "compute it from run.step (restored with the checkpoint), or register the scheduler")
 
 
-def buffer_cause(runs: Runs, *, name: str, when: str, rank: int | str | None) -> tuple[str, str]:
-    """A ``persistent=False`` buffer ``name`` differs: the sentence and the advice."""
-    where = f" ({on_ranks(rank)})" if rank is not None else ""
-    return (f"buffer {name} differs at {when}{where}; it is registered with persistent=False, so no "
+def buffer_cause(at: At, site: str) -> tuple[str, str]:
+    """A ``persistent=False`` buffer (``site``: ``buffer.<name>``) differs: the sentence and the advice."""
+    runs, name = at.runs, site.removeprefix("buffer.")
+    where = f" ({on_ranks(at.rank)})" if at.rank is not None else ""
+    return (f"buffer {name} differs at {at.when}{where}; it is registered with persistent=False, so no "
             f"checkpoint holds it, and {runs.restored} starts it afresh while {runs.saved} carried it on",
             f"register {name} as a persistent buffer, or recompute it from saved state")

@@ -249,39 +249,50 @@ def step_evidence(comparison: RankComparison, *, first_resumed: bool, restored: 
     """What differs at a rank's first divergent step (``comparison``) among the causes a step starts from (random
     streams and hyperparameters at step start, hyperparameters as used, non-persistent buffers, batch,
     ``data.indices``), and for streams and start hyperparameters whether each run moved them since the previous step
-    (B's first step: since ``restored``)."""
+    (B's first step: since ``restored``). A category cell (``buffer.*``) that differs alone, as production's does
+    against a replay's finer trace, stands for the member its bits name; a hyperparameter's, else for B's field that
+    moved since the restore, else B's first."""
+    from ckptverify.trace.compare import named_member
+
     assert comparison.first is not None and comparison.traces is not None
     ta, tb = comparison.traces
     step, differing = comparison.first.step, comparison.first_differing
 
-    def moved(trace: Any, name: str, end_name: str, is_b: bool) -> bool | None:
-        now = trace.value(step, name)
-        if is_b and first_resumed:
-            before = restored.get(name)
-        elif first_resumed and not is_b:
-            before = restored.get(name) if name in restored else trace.value(step - 1, end_name)
-        else:
-            before = trace.value(step - 1, end_name)
-        if before is None or now is None:
-            return None
-        return bool(now != before)
+    def changed(now: Any, before: Any) -> bool | None:
+        return None if now is None or before is None else bool(now != before)
 
-    rng: list[SiteDiff] = []
-    hparams_start: list[SiteDiff] = []
-    hparams_step: list[SiteDiff] = []
-    for n in differing:
-        if n.startswith("start.rng."):
-            rng.append(SiteDiff(n[len("start."):], ta.value(step, n), tb.value(step, n),
-                                  a_moved=moved(ta, n, n[len("start."):], False),
-                                  b_moved=moved(tb, n, n[len("start."):], True)))
-        elif n.startswith("start.hparam."):
-            hparams_start.append(SiteDiff(n[len("start.hparam."):], ta.value(step, n), tb.value(step, n),
-                                            a_moved=moved(ta, n, "", False), b_moved=moved(tb, n, "", True)))
-        elif n.startswith("hparam."):
-            hparams_step.append(SiteDiff(n[len("hparam."):], ta.value(step, n), tb.value(step, n)))
-    return StepEvidence(step=step, rank=comparison.rank, rng=tuple(rng), hparams_start=tuple(hparams_start),
-                        hparams_step=tuple(hparams_step),
-                        buffers=tuple(n for n in differing if n.startswith("buffer.")),
+    def stream(n: str) -> SiteDiff:
+        name = n[len("start."):]
+        b_before = restored.get(n) if first_resumed else tb.value(step - 1, name)
+        a_before = restored[n] if first_resumed and n in restored else ta.value(step - 1, name)
+        return SiteDiff(name, ta.value(step, n), tb.value(step, n), a_moved=changed(ta.value(step, n), a_before),
+                        b_moved=changed(tb.value(step, n), b_before))
+
+    def named(prefix: str) -> list[str]:
+        names = [n for n in differing if n.startswith(prefix)]
+        whole = prefix + "*"
+        if names != [whole]:
+            return [n for n in names if n != whole]  # the members that differ name it
+        member, _ = named_member(ta, tb, step, (ta if ta.has_site(whole) else tb).site(whole))
+        if member is None and prefix.endswith("hparam."):
+            fields = [x.name for x in tb.sites if x.group == whole]
+            member = next((f for f in fields if first_resumed and f in restored and tb.value(step, f) != restored[f]),
+                          fields[0] if fields else None)
+        return [member or whole]
+
+    def hparam(prefix: str, name: str) -> SiteDiff:
+        a, b = ta.value(step, name), tb.value(step, name)
+        before = restored.get(name) if first_resumed else None
+        b_moved = changed(b, before)
+        # A holds only the category cell, which differs from B's: A moved the field exactly when B did not.
+        a_moved = changed(a, before) if a is not None or b_moved is None else not b_moved
+        return SiteDiff(name[len(prefix):], a, b, a_moved=a_moved, b_moved=b_moved)
+
+    return StepEvidence(step=step, rank=comparison.rank,
+                        rng=tuple(stream(n) for n in differing if n.startswith("start.rng.")),
+                        hparams_start=tuple(hparam("start.hparam.", n) for n in named("start.hparam.")),
+                        hparams_step=tuple(hparam("hparam.", n) for n in named("hparam.")),
+                        buffers=tuple(named("buffer.")),
                         batch=any(n == "batch" or n.startswith("batch.") for n in differing),
                         indices=Indices(ta.value(step, "data.indices"), tb.value(step, "data.indices"),
                                         ta.value(step + 1, "data.indices")),

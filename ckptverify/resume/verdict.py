@@ -264,12 +264,9 @@ class _Parted(_Case):
         return receivers_said(self.div) + _undetermined(self.div) + self.forgotten
 
     @property
-    def first_resumed(self) -> bool:
-        return self.step == self.plan.resume_at + 1
-
-    @property
-    def when(self) -> str:
-        return RESUME.first if self.first_resumed else f"step {self.step}"
+    def at(self) -> causes.At:
+        """The step, as the shared cause sentences name it."""
+        return causes.At(RESUME, self.step, self.plan.resume_at, ranks_said(self.div))
 
     @property
     def sites(self) -> set[str]:
@@ -278,7 +275,7 @@ class _Parted(_Case):
 
 def _pending(c: _Parted) -> Verdict | None:
     """A saved mid gradient accumulation: B starts that optimizer step from zero gradients."""
-    plan, div, forgotten, step, when = c.plan, c.div, c.forgotten, c.step, c.when
+    plan, div, forgotten, step, when = c.plan, c.div, c.forgotten, c.step, c.at.when
     pending = c.evidence.pending_gradients
     if not pending:
         return None
@@ -320,8 +317,8 @@ def _replaced(c: _Parted) -> Verdict | None:
     field = r["field"]
     effect = _REBUILT.get(field, "B trains with state that was not restored")
     message = (f"the {r['type']} the loop uses is not the one in the TrainState: {r['name']} was rebuilt after "
-               f"run.restore() in run {r['run']} ({on}), so {effect}; the runs part at {c.when} ({_where(div)}) as a "
-               f"consequence.{receivers_said(div)}{forgotten}")
+               f"run.restore() in run {r['run']} ({on}), so {effect}; the runs part at {c.at.when} ({_where(div)}) "
+               f"as a consequence.{receivers_said(div)}{forgotten}")
     return Verdict("changed-after-restore", message, step=step, rank=ranks[0] if len(ranks) == 1 else None,
                    site=r["name"], category=field if field in _REBUILT else "extras", origin=div.origin,
                    advice=f"build {r['name']} before run.restore(state) and do not rebuild it after; to change it "
@@ -333,14 +330,9 @@ def _rng(c: _Parted) -> Verdict | None:
     rngs = c.ev.rng
     if not rngs:
         return None
-    step, site = c.step, c.site
-    names = ", ".join(r.name for r in rngs)
-    cause, advice = causes.rng_cause(RESUME, b_moved=[r.name for r in rngs if r.b_moved],
-                                     a_moved=[r.name for r in rngs if r.a_moved], first_step=c.first_resumed,
-                                     step=step, saved_at=c.plan.resume_at)
-    later = "" if site.startswith("start.") else f" What differs after it (first {site}) is a consequence."
-    return Verdict("rng", causes.rng_sentence(names, when=c.when, step=step, rank=ranks_said(c.div), cause=cause)
-                   + f".{later}" + c.said, advice=advice + ".",
+    sentence, advice = causes.rng_cause(c.at, rngs)
+    later = "" if c.site.startswith("start.") else f" What differs after it (first {c.site}) is a consequence."
+    return Verdict("rng", f"{sentence}.{later}{c.said}", advice=advice + ".",
                    **{**c.common, "site": rngs[0].name, "category": "rng"})
 
 
@@ -349,14 +341,9 @@ def _hparam_start(c: _Parted) -> Verdict | None:
     hstart = c.ev.hparams_start
     if not hstart:
         return None
-    h = hstart[0]
-    fields = ", ".join(x.name for x in hstart)
-    name = f"param_groups[{h.name.split('.')[0]}].{'.'.join(h.name.split('.')[1:])}"
-    kind, text, advice = causes.hparam_start_cause(RESUME, name=name, a=h.a, b=h.b, first_step=c.first_resumed,
-                                                   a_moved=h.a_moved, b_moved=h.b_moved, step=c.step,
-                                                   saved_at=c.plan.resume_at, when=c.when)
-    return Verdict(kind, f"{text} (fields: {fields}).{c.said}", advice=advice + ".",
-                   **{**c.common, "site": f"optim.{name}", "category": "hyperparameters"})
+    kind, text, advice, site = causes.hparam_start_cause(c.at, hstart[0])
+    return Verdict(kind, f"{text} (fields: {', '.join(x.name for x in hstart)}).{c.said}", advice=advice + ".",
+                   **{**c.common, "site": site, "category": "hyperparameters"})
 
 
 def _step_hparams(c: _Parted) -> Verdict | None:
@@ -368,17 +355,12 @@ def _step_hparams(c: _Parted) -> Verdict | None:
             or (unsaved and lr_moved)):
         return None
     if hstep:
-        h = next((x for x in hstep if x.name.endswith(".lr") or x.name == "lr"), hstep[0])
-        g, _, key = h.name.partition(".")
-        what = causes.step_hparam_what(RESUME, key=key, group=g, a=h.a, b=h.b, step=c.step)
-        lr_site = f"optim.param_groups[{g}].{key}"
+        what, site = causes.step_hparam_what(c.at, hstep)
     else:
-        what = f"the learning rate differs at {c.when} ({_where(c.div)})"
-        lr_site = c.site
+        what, site = f"the learning rate differs at {c.at.when} ({_where(c.div)})", c.site
     cause, advice = causes.step_hparam_cause(unsaved)
     return Verdict("scheduler", f"{what}: {cause}. A batch or value that differs in the same step is a "
-                   f"consequence.{c.said}", advice=advice + ".",
-                   **{**c.common, "site": lr_site, "category": "scheduler"})
+                   f"consequence.{c.said}", advice=advice + ".", **{**c.common, "site": site, "category": "scheduler"})
 
 
 def _data(c: _Parted) -> Verdict | None:
@@ -387,7 +369,7 @@ def _data(c: _Parted) -> Verdict | None:
     if not (c.ev.batch or c.category == "data" or "data.indices" in sites
             or any(s.startswith("batch") for s in sites)):
         return None
-    message, advice = _data_cause(c.evidence, c.ev, c.step, c.first_resumed, c.plan.resume_at)
+    message, advice = _data_cause(c.evidence, c.ev, c.step, c.at.first, c.plan.resume_at)
     return Verdict("data", f"the batch of step {c.step} differs ({_where(c.div)}) while the random streams and "
                    f"hyperparameters it started from are equal: {message}{c.said}", advice=advice, **c.common)
 
@@ -397,8 +379,7 @@ def _buffer(c: _Parted) -> Verdict | None:
     buffers = c.ev.buffers
     if not buffers:
         return None
-    text, advice = causes.buffer_cause(RESUME, name=buffers[0][len("buffer."):], when=c.when,
-                                       rank=ranks_said(c.div))
+    text, advice = causes.buffer_cause(c.at, buffers[0])
     return Verdict("hidden-state", f"{text}.{c.said}", advice=advice + ".",
                    **{**c.common, "site": buffers[0], "category": "buffers"})
 
@@ -417,7 +398,7 @@ def _unregistered(c: _Parted) -> Verdict | None:
     lead = ("no optimizer is registered in the TrainState, so B starts its moments from zero"
             if evidence.missing_optimizer else "state the TrainState does not hold drives the run")
     listed = _forgotten(items) + receivers_said(div) + _undetermined(div)
-    return Verdict("unregistered-state", f"the runs part at {c.when} ({_where(div)}): {lead}.{listed}",
+    return Verdict("unregistered-state", f"the runs part at {c.at.when} ({_where(div)}): {lead}.{listed}",
                    advice=causes.UNREGISTERED_ADVICE + ".",
                    **{**c.common, "site": named["name"] if named else "optimizer"})
 
@@ -437,7 +418,7 @@ def _hidden(c: _Parted) -> Verdict | None:
     else:
         advice = ("find the value the first differing site reads and save it (TrainState(extras=...)); "
                   "trace with --level module to name the module.")
-    return Verdict("hidden-state", f"the runs part at {c.when} ({_where(div)}) although every saved field was "
+    return Verdict("hidden-state", f"the runs part at {c.at.when} ({_where(div)}) although every saved field was "
                    "restored exactly: state outside the TrainState (a global counter, a cache, an "
                    f"unregistered generator) drives the computation.{receivers_said(div)}{_undetermined(div)}",
                    advice=advice, **c.common)

@@ -23,8 +23,8 @@ from ckptverify.findings import Finding, Location, error, info, warning
 from ckptverify.trace.store import DIGEST_ENCODINGS, Site, Trace, is_store, open_trace, step_ranges
 
 __all__ = ["FirstDivergence", "RankComparison", "compare_runs", "compare_traces", "comparison_findings",
-           "first_divergence", "job_divergence", "module_of", "rank_comparisons", "recompute_findings", "run_stores",
-           "sites_at"]
+           "first_divergence", "job_divergence", "module_of", "named_member", "rank_comparisons", "recompute_findings",
+           "run_stores", "sites_at"]
 
 TraceLike = Trace | str | os.PathLike[str]
 
@@ -263,7 +263,7 @@ def _member_of_finer(name: str, ta: Trace, tb: Trace) -> bool:
     return False
 
 
-def _named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | None, str]:
+def named_member(ta: Trace, tb: Trace, step: int, site: Any) -> tuple[str | None, str]:
     """The one tensor of category cell ``site`` that explains its difference at ``step``, and what is known:
     ``"one"``, ``"several"`` or ``"unnamed"``."""
     from ckptverify.trace.category import locate, matches
@@ -296,7 +296,7 @@ def _describe(aligned: _Aligned, rank: int, step: int, row: np.ndarray) -> First
         "differing_sites": int(row.sum()), "own_site": own,
     }
     if site.encoding == "set128":
-        member, known = _named_member(ta, tb, step, site)
+        member, known = named_member(ta, tb, step, site)
         base["tensors"] = known
         if member is not None:
             base["site"], base["via"] = member, name

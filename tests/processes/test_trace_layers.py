@@ -80,12 +80,11 @@ def test_resume_check_and_replay_say_the_same_hyperparameter_cause(a_moved, b_mo
     h = SiteDiff("0.lr", 0.1, 0.2, a_moved=a_moved, b_moved=b_moved)
     v = decide(_plan(), Evidence(resume=_divergence(4, "start.hparam.0.lr", "hyperparameters"),
                                  step=StepEvidence(step=4, rank=0, hparams_start=(h,))))
-    args = dict(name="param_groups[0].lr", a=0.1, b=0.2, first_step=True, a_moved=a_moved, b_moved=b_moved, step=4,
-                saved_at=3)
-    want_kind, text, advice = causes.hparam_start_cause(causes.RESUME, when="the first resumed step", **args)
+    want_kind, text, advice, site = causes.hparam_start_cause(causes.At(causes.RESUME, step=4, saved_at=3), h)
     assert v.kind == want_kind == kind and v.message.startswith(text) and v.advice == advice + "."
-    replay_kind, replay_text, replay_advice = causes.hparam_start_cause(causes.REPLAY,
-                                                                        when="the first replayed step", **args)
+    assert v.site == site == "optim.param_groups[0].lr"
+    replay_kind, replay_text, replay_advice, _ = causes.hparam_start_cause(causes.At(causes.REPLAY, step=4,
+                                                                                     saved_at=3), h)
     assert replay_kind == kind and replay_advice == advice  # one cause, one piece of advice, two namings
     assert "production" in replay_text and "the replay" in replay_text and "in B" not in replay_text
 
