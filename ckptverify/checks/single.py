@@ -2,11 +2,12 @@
 
 A zip is a whole-file ``torch.save`` (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output):
 checked are its zip structure, every record's CRC-32, and the pickle read inertly
-(:mod:`~ckptverify.safeparse.torchsave`): every tensor's storage exists and covers its extent, no storage is
-orphaned; subclass tensors part by part. A pass guarantees the bytes as written (up to CRC-32), not the values in
-memory (no manifest), nor anything about objects outside the allowlist (named, not interpreted). A length-prefixed
-JSON header is safetensors, and a pickle protocol byte legacy ``torch.save``: neither carries a checksum
-(``content-uncheckable`` until a manifest covers it).
+(:mod:`~ckptverify.safeparse.torchsave`): every tensor's storage record exists, is the size the pickle records and
+holds the tensor's view (:func:`~ckptverify.checks.content.storage_findings`, as a DCP item's); subclass tensors part
+by part. A pass guarantees the bytes as written (up to CRC-32), not the values in memory (no manifest), nor anything
+about objects outside the allowlist (named, not interpreted). A length-prefixed JSON header is safetensors, and a
+pickle protocol byte legacy ``torch.save``: neither carries a checksum (``content-uncheckable`` until a manifest
+covers it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from typing import Any
 
 from ckptverify.checks import unopened
-from ckptverify.checks.content import bad_records, crc_disabled, crc_findings
+from ckptverify.checks.content import bad_records, crc_disabled, crc_findings, storage_findings
 from ckptverify.dcp import safetensors
 from ckptverify.errors import ArchiveError, BadPickle, JSONError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
@@ -106,21 +107,11 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any],
                 holds.setdefault(ref.storage_key, f"the {part!r} part of tensor {tname!r}, a "
                                                   f"{scan.subclasses[tname].short_name}")
         for key in scan.storages:
-            rec = archive.record(f"data/{key}")
-            where = Location(file=label, fqn=", ".join(owners.get(key, [])[:3]) or None,
-                             record=f"{archive.prefix}/data/{key}")
-            if rec is None:
-                findings.append(error("tensor-record", f"{label}: storage {key!r} has no record: the bytes of "
-                                      f"{owners.get(key, ['a tensor'])[0]!r} are missing", location=where))
-                continue
-            known = [(n, t) for t in views.get(key, []) if (n := t.extent_bytes()) is not None]
-            if known:
-                need, widest = max(known, key=lambda nt: nt[0])
-                if need > rec.size:
-                    findings.append(error(
-                        "tensor-record", f"{label}: record {rec.name} holds {rec.size} bytes, but its tensors "
-                        f"reach {widest.extent()} {widest.dtype} elements ({need} bytes)", location=where,
-                        expected=need, actual=rec.size))
+            names = owners.get(key, [])
+            who = f"{label}: " + (holds.get(key) or (f"tensor {names[0]!r}" if names else f"storage {key!r}"))
+            where = Location(file=label, fqn=", ".join(names[:3]) or None, record=f"{archive.prefix}/data/{key}")
+            findings.extend(storage_findings(archive, key, views.get(key, []),
+                                             lambda who=who, where=where: (who, where)))
         coverage.append(CheckCoverage(check="tensor-record", count=len(scan.tensors) + len(scan.subclasses),
                                       unit="tensors"))
         if scan.opaque:

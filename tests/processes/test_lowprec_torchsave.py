@@ -333,6 +333,24 @@ def test_plain_float8_tensors_are_described_fingerprinted_verified_and_diffed(tm
         {"x", "view"}
 
 
+def test_a_record_shorter_than_its_storage_is_a_tensor_record_error(tmp_path: Path) -> None:
+    """A storage the pickle records as larger than its record, though the view fits the bytes there: torch.load
+    refuses it, and the check judges it as it does a DCP item's."""
+    torch.save({"x": torch.zeros(4)}, tmp_path / "a.pt")
+    pkl = _data_pkl(tmp_path / "a.pt")
+    crafted = pkl.replace(b"K\x04tq", b"K\x08tq", 1)
+    assert crafted != pkl
+    _patch(tmp_path / "a.pt", next(n for n in zipfile.ZipFile(tmp_path / "a.pt").namelist()
+                                   if n.endswith("data.pkl")),
+           lambda d: d.__setitem__(slice(None), crafted), fix_crc=True)
+    with pytest.raises(RuntimeError):
+        torch.load(tmp_path / "a.pt")
+    found, _, _ = check_file(str(tmp_path / "a.pt"))
+    (f,) = [f for f in found if f.severity.value == "error"]
+    assert f.check == "tensor-record" and "storage record is 16 bytes but holds 8 float32 elements" in f.message
+    assert f.location.record == _record_of(tmp_path / "a.pt", "x")
+
+
 def test_a_short_float8_record_is_a_tensor_record_error(tmp_path: Path) -> None:
     """A float8 tensor's extent is counted in its own element size over an untyped (byte-sized) storage."""
     torch.save({"x": torch.zeros(4, 4, dtype=torch.float8_e5m2)}, tmp_path / "a.pt")
