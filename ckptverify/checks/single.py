@@ -112,8 +112,7 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any],
             where = Location(file=label, fqn=", ".join(names[:3]) or None, record=f"{archive.prefix}/data/{key}")
             findings.extend(storage_findings(archive, key, views.get(key, []),
                                              lambda who=who, where=where: (who, where)))
-        coverage.append(CheckCoverage(check="tensor-record", count=len(scan.tensors) + len(scan.subclasses),
-                                      unit="tensors"))
+        coverage.append(CheckCoverage(check="tensor-record", count=len(facts["tensors"]), unit="tensors"))
         if scan.opaque:
             findings.append(info("pickle-opaque", f"{label}: objects of {len(scan.opaque)} type(s) outside the "
                                  f"tensor allowlist were named, not interpreted: {sorted(scan.opaque)[:8]}",
