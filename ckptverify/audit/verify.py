@@ -231,7 +231,8 @@ def _verify_file(path: str, started: float, deep: bool = False, use_manifest: bo
     from ckptverify.checks.single import check_file
 
     found, coverage, facts = check_file(path, name=os.path.basename(path), root=os.path.dirname(os.path.abspath(path)))
-    found, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest)
+    found, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest,
+                                                 described=facts.get("description"))
     coverage = [*coverage, *more]
     if use_manifest:
         found.extend(_fingerprint_advice(path, found, with_manifest))

@@ -13,6 +13,7 @@ import functools
 import math
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,6 @@ from ckptverify.checks.crcflip import false_match_probability, locate_single_bit
 from ckptverify.dcp.layout import DTYPE_ITEMSIZE, Item
 from ckptverify.errors import ArchiveError
 from ckptverify.findings import Finding, Location, error, info, warning
-from ckptverify.safeparse.dtypes import view_extent
 from ckptverify.safeparse.readers import ReadOnlyFile, crc32
 from ckptverify.safeparse.torchsave import SubclassHeader, TensorHeader, item_header
 from ckptverify.safeparse.zipwalk import Archive, Record, TemplateCache, parse_archive, parse_item, range_reader
@@ -363,14 +363,15 @@ def _bit_hint(label: str, rec: Record, bit: tuple[int, int], loc: Location) -> F
 
 
 def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> list[Finding]:
+    """A tensor record against the metadata (dtype, shape) and its storage record (:func:`storage_findings`)."""
     assert item.chunk is not None and item.dtype is not None
-    storage = archive.record(f"data/{header.storage_key}")
-    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
-    if (header.dtype == item.dtype and header.size == item.chunk.sizes and storage is not None
-            and (itemsize is None or storage.size == header.storage_numel * itemsize) and _view_fits(header)):
+    record = f"{archive.prefix}/data.pkl"
+    stored = storage_findings(archive, header.storage_key, [header],
+                              lambda: (item_label(item), item_location(item, record=record)))
+    if header.dtype == item.dtype and header.size == item.chunk.sizes and not stored:
         return []
     out: list[Finding] = []
-    loc = item_location(item, record=f"{archive.prefix}/data.pkl")
+    loc = item_location(item, record=record)
     if header.dtype != item.dtype:
         out.append(error("tensor-record", f"{item_label(item)} holds {header.dtype} values but the metadata says "
                          f"{item.dtype}", location=loc, expected=item.dtype, actual=header.dtype))
@@ -378,18 +379,7 @@ def _tensor_consistency(item: Item, archive: Archive, header: TensorHeader) -> l
         out.append(error("tensor-record", f"{item_label(item)} holds a tensor of shape {list(header.size)} but the "
                          f"metadata says {list(item.chunk.sizes)}", location=loc,
                          expected=list(item.chunk.sizes), actual=list(header.size)))
-    if storage is None:
-        out.append(error("tensor-record", f"{item_label(item)} has no storage record data/{header.storage_key}",
-                         location=loc))
-        return out
-    if itemsize is not None and storage.size != header.storage_numel * itemsize:
-        out.append(error("tensor-record", f"{item_label(item)}: storage record is {storage.size} bytes but holds "
-                         f"{header.storage_numel} {header.dtype} elements", location=loc,
-                         expected=header.storage_numel * itemsize, actual=storage.size))
-    if not _view_fits(header):
-        out.append(error("tensor-record", f"{item_label(item)}: the tensor view reaches past its storage",
-                         location=loc))
-    return out
+    return out + stored
 
 
 def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) -> list[Finding]:
@@ -405,26 +395,42 @@ def _subclass_consistency(item: Item, archive: Archive, header: SubclassHeader) 
                          f"{list(header.size)} but the metadata says {list(item.chunk.sizes)}", location=loc,
                          expected=list(item.chunk.sizes), actual=list(header.size)))
     for name, part in header.parts:
-        storage = archive.record(f"data/{part.storage_key}")
-        if storage is None:
-            out.append(error("tensor-record", f"{item_label(item)}: the {name!r} part of its {header.short_name} "
-                             f"has no storage record data/{part.storage_key}", location=loc))
-            continue
-        itemsize = DTYPE_ITEMSIZE.get(part.dtype)
-        if itemsize is not None and storage.size != part.storage_numel * itemsize:
-            out.append(error("tensor-record", f"{item_label(item)}: the {name!r} part's storage record is "
-                             f"{storage.size} bytes but holds {part.storage_numel} {part.dtype} elements",
-                             location=loc, expected=part.storage_numel * itemsize, actual=storage.size))
-        if not _view_fits(part):
-            out.append(error("tensor-record", f"{item_label(item)}: the {name!r} part's view reaches past its "
-                             "storage", location=loc))
+        who = f"{item_label(item)}: the {name!r} part of its {header.short_name}"
+        out.extend(storage_findings(archive, part.storage_key, [part], lambda who=who: (who, loc)))
+    return out
+
+
+def storage_findings(archive: Archive, key: str, views: list[TensorHeader],
+                     at: Callable[[], tuple[str, Location]]) -> list[Finding]:
+    """The ``tensor-record`` errors of storage ``key`` of ``archive`` and the tensors ``views`` onto it: its record is
+    missing, holds other than the elements the pickle records, or a view reaches past it. ``at``: what names the
+    tensors in a message, and where (asked only for an error)."""
+    rec = archive.record(f"data/{key}")
+    if rec is None:
+        who, where = at()
+        return [error("tensor-record", f"{who} has no storage record data/{key}", location=where)]
+    out: list[Finding] = []
+    # torch.save gives all the views of a storage one dtype, so one storage size.
+    itemsize = DTYPE_ITEMSIZE.get(views[0].dtype or "") if views else None
+    if itemsize is not None and rec.size != views[0].storage_numel * itemsize:
+        who, where = at()
+        out.append(error("tensor-record", f"{who}: storage record is {rec.size} bytes but holds "
+                         f"{views[0].storage_numel} {views[0].dtype} elements", location=where,
+                         expected=views[0].storage_numel * itemsize, actual=rec.size))
+    past = [h for h in views if h.dtype is not None and not _view_fits(h)]
+    if past:
+        widest = max(past, key=TensorHeader.extent)
+        who, where = at()
+        out.append(error("tensor-record", f"{who}: the tensor view reaches past its storage of {widest.storage_numel} "
+                         f"elements: views reach {widest.extent()} {widest.dtype} elements ({widest.extent_bytes()} "
+                         "bytes)", location=where, expected=widest.extent_bytes(), actual=rec.size))
     return out
 
 
 @functools.lru_cache(maxsize=1024)
 def _view_fits(header: TensorHeader) -> bool:
     """The tensor view lies inside its storage (headers repeat: one per dtype and shape)."""
-    return view_extent(header.size, header.stride, header.storage_offset) <= header.storage_numel
+    return header.extent() <= header.storage_numel
 
 
 def global_index(item: Item, linear: int) -> tuple[int, ...]:

@@ -8,9 +8,11 @@ their own checksum are protected from the moment it is written.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
@@ -218,10 +220,13 @@ def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
         tensors={own(f): t for f, t in manifest.tensors.items() if f in fqns})
 
 
-def judge_described(path: str, found: list[Finding], *, deep: bool,
-                    use_manifest: bool) -> tuple[list[Finding], list[CheckCoverage], bool]:
+def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest: bool,
+                    described: Callable[[], Description] | None = None,
+                    ) -> tuple[list[Finding], list[CheckCoverage], bool]:
     """The manifest and deep stages of ``verify`` for a file or folder, after ``found``. Content a manifest checked is
-    no longer ``content-uncheckable``. Returns findings, added coverage, and whether manifests cover every file."""
+    no longer ``content-uncheckable``. ``described``: a single file's description from the read that checked it
+    (else the file is described here, once). Returns findings, added coverage, and whether manifests cover every
+    file."""
     from ckptverify.formats.describe import describe
 
     findings = list(found)
@@ -231,17 +236,19 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
     if not manifests and not deep:
         return findings, coverage, False
     covered: set[str] = set()
-    folder_desc = None
+    folder = paths.isdir(path)
+    # A single file's manifests all pin that file: one description of it serves them and the deep check.
+    whole = None if folder else (described or functools.partial(describe, path))()
     folder_manifest = None
     for target, manifest in manifests:
-        desc = describe(target)
-        if target == path and paths.isdir(path):
-            folder_desc, folder_manifest = desc, manifest
+        desc = describe(target) if folder else whole
+        if folder and target == path:
+            whole, folder_manifest = desc, manifest
         checked, cov = check_manifest(desc, manifest)
         findings.extend(checked)
         coverage.extend(cov)
         covered |= {n for n in manifest.files if paths.lexists(os.path.join(desc.root, n))}
-        if deep and target != path:
+        if deep and folder and target != path:
             # A file's own manifest in a folder: fingerprints compared here; the folder's deep check rebuilds.
             more, _ = deep_check(desc, manifest)
             findings.extend(f for f in more if f.check == "fingerprint" and f.expected is not None)
@@ -250,10 +257,10 @@ def judge_described(path: str, found: list[Finding], *, deep: bool,
     findings = [f for f in findings if not (f.check in ("content-uncheckable", "manifest-unlisted")
                                             and f.location.file in covered)]
     if deep:
-        desc = folder_desc if folder_desc is not None else describe(path)
-        own = folder_manifest if paths.isdir(path) else next((m for _, m in manifests), None)
+        desc = whole if whole is not None else describe(path)
+        own = folder_manifest if folder else next((m for _, m in manifests), None)
         checked, cov = deep_check(desc, own)
         findings.extend(checked)
         coverage.extend(cov)
-    every = set(folder_files(path)) if paths.isdir(path) else {os.path.basename(paths.abspath(path))}
+    every = set(folder_files(path)) if folder else {os.path.basename(paths.abspath(path))}
     return findings, coverage, bool(manifests) and every <= covered

@@ -66,7 +66,7 @@ def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[st
         findings.extend(found)
         coverage.extend(cov)
         facts["files"][e.name] = file_facts.get("format")
-        facts["tensors"][e.name] = file_facts.get("tensors", {})
+        facts["tensors"][e.name] = file_facts.get("tensors", [])
         facts["bytes"] += file_facts.get("bytes", 0)
     for name, index in sorted(indexes.items()):
         findings.extend(_check_index(root, name, index, facts))

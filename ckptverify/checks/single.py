@@ -2,28 +2,31 @@
 
 A zip is a whole-file ``torch.save`` (``.pt``, ``.pth``, ``.bin``, ``.ckpt``; ``dcp_to_torch_save`` output):
 checked are its zip structure, every record's CRC-32, and the pickle read inertly
-(:mod:`~ckptverify.safeparse.torchsave`): every tensor's storage exists and covers its extent, no storage is
-orphaned; subclass tensors part by part. A pass guarantees the bytes as written (up to CRC-32), not the values in
-memory (no manifest), nor anything about objects outside the allowlist (named, not interpreted). A length-prefixed
-JSON header is safetensors, and a pickle protocol byte legacy ``torch.save``: neither carries a checksum
-(``content-uncheckable`` until a manifest covers it).
+(:mod:`~ckptverify.safeparse.torchsave`): every tensor's storage record exists, is the size the pickle records and
+holds the tensor's view (:func:`~ckptverify.checks.content.storage_findings`, as a DCP item's); subclass tensors part
+by part. A pass guarantees the bytes as written (up to CRC-32), not the values in memory (no manifest), nor anything
+about objects outside the allowlist (named, not interpreted). A length-prefixed JSON header is safetensors, and a
+pickle protocol byte legacy ``torch.save``: neither carries a checksum (``content-uncheckable`` until a manifest
+covers it).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 from ckptverify.checks import unopened
-from ckptverify.checks.content import bad_records, crc_disabled, crc_findings
+from ckptverify.checks.content import bad_records, crc_disabled, crc_findings, storage_findings
 from ckptverify.dcp import safetensors
 from ckptverify.errors import ArchiveError, BadPickle, JSONError
 from ckptverify.findings import CheckCoverage, Finding, Location, error, info, warning
+from ckptverify.formats.describe import describe
 from ckptverify.formats.single import JSON_MAX_BYTES, sniff
 from ckptverify.safeparse import safejson
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, scan_pickle
-from ckptverify.safeparse.zipwalk import parse_archive, range_reader
+from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, PickleScan, scan_pickle
+from ckptverify.safeparse.zipwalk import Archive, parse_archive, range_reader
 
 __all__ = ["check_file", "check_json"]
 
@@ -31,8 +34,9 @@ __all__ = ["check_file", "check_json"]
 def check_file(path: str, *, name: str | None = None,
                root: str | None = None) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
     """Check one file by content (``name``: as findings call it; ``root``: it must resolve inside it). Returns
-    findings, coverage and facts (``format``; ``bytes``; ``tensors``: path -> dtype/shape, subclasses with
-    ``stored_as`` and ``parts``)."""
+    findings, coverage and facts (``format``; ``bytes``; ``tensors``: the paths of the tensors it holds;
+    ``description``, where the check read the tensors: a call giving the file's
+    :func:`~ckptverify.formats.describe.describe` from this same read)."""
     label = name or os.path.basename(path)
     try:
         f = ReadOnlyFile(path, root=root)
@@ -41,26 +45,25 @@ def check_file(path: str, *, name: str | None = None,
     with f:
         head = f.pread(0, 16)
         kind = sniff(head)
-        facts: dict[str, Any] = {"format": None, "bytes": f.size, "tensors": {}}
+        facts: dict[str, Any] = {"format": None, "bytes": f.size, "tensors": []}
         if kind == "pickle":
             facts["format"] = "torch.save"
             return [warning("content-uncheckable", f"{label} is in the legacy (non-zip) torch.save format, which "
                             "carries no checksum: its content cannot be checked", location=Location(file=label))], \
                 [], facts
-        if kind == "torch.save":
-            facts["format"] = "torch.save"
-            found, cov = _check_torchsave(f, label, facts)
-            return found, cov, facts
-        if kind == "safetensors":
-            facts["format"] = "safetensors"
-            found, cov = _check_safetensors(f, label, facts)
+        if kind in ("torch.save", "safetensors"):
+            facts["format"] = kind
+            found, cov, read = (_check_torchsave if kind == "torch.save" else _check_safetensors)(f, label, facts)
+            if read is not None:
+                facts["description"] = functools.partial(describe, path, read=read)
             return found, cov, facts
     return [error("format-unknown", f"{label} is neither a torch.save archive nor a safetensors file (it starts "
                   f"with {head[:8].hex() or 'nothing'})", location=Location(file=label, byte_range=(0, 8)))], [], \
         {"format": None, "bytes": 0}
 
 
-def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any]) -> tuple[list[Finding], list[CheckCoverage]]:
+def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any],
+                     ) -> tuple[list[Finding], list[CheckCoverage], tuple[Archive, PickleScan] | None]:
     findings: list[Finding] = []
     try:
         archive = parse_archive(range_reader(f), f.size)
@@ -68,7 +71,7 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any]) -> tupl
         start = exc.start or 0
         end = exc.end if exc.end else f.size
         return [error("zip-structure", f"{label} is not an intact torch.save archive: {exc}",
-                      location=Location(file=label, byte_range=(start, max(end, start + 1))))], []
+                      location=Location(file=label, byte_range=(start, max(end, start + 1))))], [], None
     coverage = [CheckCoverage(check="zip-structure", count=1, unit="files")]
     computed = [f.crc32(rec.data_offset, rec.data_end) for rec in archive.records]
     crcs = dict(zip((rec.name for rec in archive.records), computed, strict=True))
@@ -95,37 +98,21 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any]) -> tupl
     owners: dict[str, list[str]] = {}
     holds: dict[str, str] = {}  # storage key -> what its record holds, for a damaged record's message
     if scan is not None:
-        for tname, ref in scan.tensors.items():
-            facts["tensors"][tname] = {"dtype": ref.dtype, "shape": list(ref.shape)}
-        for tname, sub in scan.subclasses.items():
-            facts["tensors"][tname] = {"dtype": sub.dtype, "shape": list(sub.size), "stored_as": sub.short_name,
-                                       "parts": {n: {"dtype": r.dtype, "shape": list(r.shape)}
-                                                 for n, r in sub.parts}}
+        facts["tensors"] = [*scan.tensors, *scan.subclasses]
         views: dict[str, list[Any]] = {}
         for tname, part, ref in scan.all_tensors():
-            owners.setdefault(ref.storage.key, []).append(tname)
-            views.setdefault(ref.storage.key, []).append(ref)
+            owners.setdefault(ref.storage_key, []).append(tname)
+            views.setdefault(ref.storage_key, []).append(ref)
             if part is not None:
-                holds.setdefault(ref.storage.key, f"the {part!r} part of tensor {tname!r}, a "
+                holds.setdefault(ref.storage_key, f"the {part!r} part of tensor {tname!r}, a "
                                                   f"{scan.subclasses[tname].short_name}")
         for key in scan.storages:
-            rec = archive.record(f"data/{key}")
-            where = Location(file=label, fqn=", ".join(owners.get(key, [])[:3]) or None,
-                             record=f"{archive.prefix}/data/{key}")
-            if rec is None:
-                findings.append(error("tensor-record", f"{label}: storage {key!r} has no record: the bytes of "
-                                      f"{owners.get(key, ['a tensor'])[0]!r} are missing", location=where))
-                continue
-            known = [(n, t) for t in views.get(key, []) if (n := t.extent_bytes()) is not None]
-            if known:
-                need, widest = max(known, key=lambda nt: nt[0])
-                if need > rec.size:
-                    findings.append(error(
-                        "tensor-record", f"{label}: record {rec.name} holds {rec.size} bytes, but its tensors "
-                        f"reach {widest.extent()} {widest.dtype} elements ({need} bytes)", location=where,
-                        expected=need, actual=rec.size))
-        coverage.append(CheckCoverage(check="tensor-record", count=len(scan.tensors) + len(scan.subclasses),
-                                      unit="tensors"))
+            names = owners.get(key, [])
+            who = f"{label}: " + (holds.get(key) or (f"tensor {names[0]!r}" if names else f"storage {key!r}"))
+            where = Location(file=label, fqn=", ".join(names[:3]) or None, record=f"{archive.prefix}/data/{key}")
+            findings.extend(storage_findings(archive, key, views.get(key, []),
+                                             lambda who=who, where=where: (who, where)))
+        coverage.append(CheckCoverage(check="tensor-record", count=len(facts["tensors"]), unit="tensors"))
         if scan.opaque:
             findings.append(info("pickle-opaque", f"{label}: objects of {len(scan.opaque)} type(s) outside the "
                                  f"tensor allowlist were named, not interpreted: {sorted(scan.opaque)[:8]}",
@@ -139,26 +126,25 @@ def _check_torchsave(f: ReadOnlyFile, label: str, facts: dict[str, Any]) -> tupl
         findings.extend(crc_findings(label, role, rec, crcs[rec.name], Location(
             file=label, fqn=names[0] if names else None, record=rec.name,
             byte_range=(rec.data_offset, rec.data_end))))
-    return findings, coverage
+    return findings, coverage, None if scan is None else (archive, scan)
 
 
 def _check_safetensors(f: ReadOnlyFile, label: str,
-                       facts: dict[str, Any]) -> tuple[list[Finding], list[CheckCoverage]]:
+                       facts: dict[str, Any]) -> tuple[list[Finding], list[CheckCoverage], safetensors.Blob | None]:
     try:
         blob = safetensors.read_blob(f, 0)
     except ArchiveError as exc:
         return [error("blob-structure", f"{label} is not a well-formed safetensors file: {exc}",
-                      location=Location(file=label, byte_range=(exc.start, exc.end)))], []
+                      location=Location(file=label, byte_range=(exc.start, exc.end)))], [], None
     findings: list[Finding] = []
-    for tname, t in blob.tensors.items():
-        facts["tensors"][tname] = {"dtype": t.dtype, "shape": list(t.shape)}
+    facts["tensors"] = list(blob.tensors)
     if blob.end < f.size:
         findings.append(warning("bytes-unreferenced", f"{label} holds {f.size - blob.end} bytes after its last "
                                 "tensor", location=Location(file=label, byte_range=(blob.end, f.size))))
     findings.append(warning("content-uncheckable", f"{label} is safetensors, which carries no checksum: its "
                             f"{len(blob.tensors)} tensor(s) are well placed, but their values cannot be checked "
                             "without a manifest", location=Location(file=label)))
-    return findings, [CheckCoverage(check="safetensors-header", count=len(blob.tensors), unit="tensors")]
+    return findings, [CheckCoverage(check="safetensors-header", count=len(blob.tensors), unit="tensors")], blob
 
 
 def check_json(path: str, *, root: str | None = None) -> tuple[list[Finding], Any]:

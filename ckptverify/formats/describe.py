@@ -28,8 +28,8 @@ from ckptverify.ownfiles.names import MANIFEST_FILE, OWN_FILES, PARTS_PREFIX
 from ckptverify.safeparse import paths, safejson
 from ckptverify.safeparse.dtypes import contiguous_strides, is_row_major, view_extent
 from ckptverify.safeparse.readers import ReadOnlyFile
-from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, leaf_values, scan_pickle
-from ckptverify.safeparse.zipwalk import parse_archive, range_reader
+from ckptverify.safeparse.torchsave import MAX_PICKLE_BYTES, PickleScan, leaf_values, scan_pickle
+from ckptverify.safeparse.zipwalk import Archive, parse_archive, range_reader
 
 if TYPE_CHECKING:
     import torch
@@ -170,13 +170,21 @@ def stored_part(t: TensorDesc, p: Payload) -> str | None:
     return next((part.name for part in t.subclass.parts if part.payload == p), None)
 
 
-def describe(path: str | os.PathLike[str]) -> Description:
-    """Describe a single checkpoint file, or a folder's own regular files (DCP sub-folders are not part of it)."""
+def describe(path: str | os.PathLike[str], *,
+             read: tuple[Archive, PickleScan] | safetensors.Blob | None = None) -> Description:
+    """Describe a single checkpoint file, or a folder's own regular files (DCP sub-folders are not part of it).
+    ``read``: the single file's archive and pickle (``torch.save``) or blob (safetensors) as its check read them: the
+    file is not read again."""
     target = os.fspath(path)
-    if not paths.isdir(target):
+    if read is not None or not paths.isdir(target):
         root, name = os.path.split(paths.abspath(target))
         desc = Description(root=root, target=target, format="file")
-        _add_file(desc, name, prefix="", plain_tensors=True)
+        if read is None:
+            _add_file(desc, name, prefix="", plain_tensors=True)
+        elif isinstance(read, tuple):
+            _torch_save_read(desc, name, *read, "", True)
+        else:
+            _safetensors_read(desc, name, read, "", True)
         desc.format = desc.files.get(name, "unknown")
         return desc
     desc = Description(root=target, target=target, format="folder")
@@ -247,33 +255,40 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
     except BadPickle as exc:
         desc.unread[name] = f"data.pkl cannot be read safely: {exc}"
         return
+    _torch_save_read(desc, name, archive, scan, prefix, plain)
+
+
+def _torch_save_read(desc: Description, name: str, archive: Archive, scan: PickleScan, prefix: str,
+                     plain: bool) -> None:
+    desc.files[name] = "torch.save"
     for path, sub in scan.subclasses.items():
         tname = _tensor_name(desc, name, path, prefix, plain)
         t = desc.tensors[tname] = TensorDesc(tname, sub.dtype, sub.size)
         stored = SubclassDesc(sub.cls, sub.context)
         for part, ref in sub.parts:
-            rec = archive.record(f"data/{ref.storage.key}")
+            rec = archive.record(f"data/{ref.storage_key}")
             if rec is None or ref.dtype is None:
                 t.unread.append(f"{tname}: no storage record for its {part!r} part")
                 break
-            stored.parts.append(SubclassPart(part, ref.dtype, ref.shape, _record_payload(name, rec, ref)))
+            stored.parts.append(SubclassPart(part, ref.dtype, ref.size, _record_payload(name, rec, ref)))
         else:
             t.subclass = stored
     for path, ref in scan.tensors.items():
-        rec = archive.record(f"data/{ref.storage.key}")
+        rec = archive.record(f"data/{ref.storage_key}")
         if rec is None or ref.dtype is None:
             desc.unread.setdefault(name, f"tensor {path!r} has no storage record or dtype")
             continue
         tname = _tensor_name(desc, name, path, prefix, plain)
-        desc.tensors[tname] = TensorDesc(tname, ref.dtype, ref.shape, [_record_payload(name, rec, ref)])
+        desc.tensors[tname] = TensorDesc(tname, ref.dtype, ref.size, [_record_payload(name, rec, ref)])
     _values(desc, leaf_values(scan.root), prefix)
 
 
 def _record_payload(name: str, rec: Any, ref: Any) -> Payload:
-    """The whole tensor ``ref`` (a :class:`~ckptverify.safeparse.torchsave.TensorRef`) in record ``rec`` of ``name``.
+    """The whole tensor ``ref`` (a :class:`~ckptverify.safeparse.torchsave.TensorHeader`) in record ``rec`` of ``name``.
     """
-    return Payload(file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.shape,
-                   stride=ref.stride, storage_offset=ref.offset, chunk_offsets=(0,) * len(ref.shape), checksum="crc32")
+    return Payload(file=name, offset=rec.data_offset, length=rec.size, dtype=ref.dtype, shape=ref.size,
+                   stride=ref.stride, storage_offset=ref.storage_offset, chunk_offsets=(0,) * len(ref.size),
+                   checksum="crc32")
 
 
 def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
@@ -282,6 +297,10 @@ def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, pla
     except ArchiveError as exc:
         desc.unread[name] = f"not a well-formed safetensors file: {exc}"
         return
+    _safetensors_read(desc, name, blob, prefix, plain)
+
+
+def _safetensors_read(desc: Description, name: str, blob: safetensors.Blob, prefix: str, plain: bool) -> None:
     desc.files[name] = "safetensors"
     for tname, t in blob.tensors.items():
         if t.dtype is None:

@@ -27,7 +27,7 @@ from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE, is_row_major, view_exten
 from ckptverify.safeparse.unpickler import Budget, FrozenGlobal, Limits, ReferenceUnpickler, callable_global
 
 __all__ = ["MAX_OBJECTS", "MAX_PICKLE_BYTES", "MAX_VALUES", "SUBCLASSES", "Opaque", "PickleScan", "StorageRef",
-           "SubclassHeader", "TensorHeader", "TensorRef", "item_header", "leaf_values", "scan_pickle"]
+           "SubclassHeader", "TensorHeader", "item_header", "leaf_values", "scan_pickle"]
 
 #: Largest ``data.pkl`` read.
 MAX_PICKLE_BYTES = 256 << 20
@@ -55,10 +55,24 @@ def _refuse_build(self: Any, state: Any) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class TensorHeader:
-    """A DCP tensor item's record: the storage record (``storage_numel`` in elements) and the view onto it."""
+class StorageRef:
+    """A storage record as the pickle references it: ``dtype`` ``None`` for an untyped storage, whose ``numel`` counts
+    bytes."""
 
-    dtype: str
+    key: str
+    dtype: str | None
+    numel: int
+
+    __setstate__ = _refuse_build
+
+
+@dataclass(frozen=True, slots=True)
+class TensorHeader:
+    """A tensor as a pickle records it: its storage record (``storage_numel`` in whole elements) and the view onto it
+    (offset in elements). ``dtype`` is ``None`` only in a whole file (:func:`scan_pickle`), for a storage of no known
+    dtype (``storage_numel`` then counts bytes)."""
+
+    dtype: str | None
     storage_key: str
     storage_numel: int
     storage_offset: int
@@ -71,57 +85,14 @@ class TensorHeader:
     def is_row_major(self) -> bool:
         return is_row_major(self.size, self.stride)
 
-
-@dataclass(frozen=True, slots=True)
-class StorageRef:
-    """A storage record: ``dtype`` ``None`` for an untyped storage, whose ``numel`` counts bytes."""
-
-    key: str
-    dtype: str | None
-    numel: int
-
-    __setstate__ = _refuse_build
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """A tensor as the pickle describes it (storage offset in elements). ``elem_dtype``: the dtype
-    ``_rebuild_tensor_v3`` names over an untyped storage; otherwise the storage's dtype is the tensor's."""
-
-    storage: StorageRef
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    elem_dtype: str | None = None
-
-    __setstate__ = _refuse_build
-
-    @property
-    def dtype(self) -> str | None:
-        return self.elem_dtype or self.storage.dtype
-
     def extent(self) -> int:
         """Elements of the storage this tensor reaches (0 when empty)."""
-        return view_extent(self.shape, self.stride, self.offset)
+        return view_extent(self.size, self.stride, self.storage_offset)
 
     def extent_bytes(self) -> int | None:
         """Bytes of the storage this tensor reaches, or ``None`` for a dtype of unknown size."""
         itemsize = DTYPE_ITEMSIZE.get(self.dtype or "")
         return None if itemsize is None else self.extent() * itemsize
-
-    def header(self) -> TensorHeader:
-        """This tensor as a :class:`TensorHeader`; :class:`RefusedPickle` without a dtype or over an untyped storage
-        that holds no whole number of its elements."""
-        dtype, numel = self.dtype, self.storage.numel
-        if dtype is None:
-            raise RefusedPickle("tensor without a storage or dtype")
-        if self.storage.dtype is None:
-            # torch.save writes dtypes without a legacy typed storage (uint16/32/64, complex32, float8, ...)
-            # as an UntypedStorage, whose size is counted in bytes.
-            if numel % DTYPE_ITEMSIZE[dtype]:
-                raise RefusedPickle(f"untyped storage of {numel} bytes does not hold whole {dtype} elements")
-            numel //= DTYPE_ITEMSIZE[dtype]
-        return TensorHeader(dtype, self.storage.key, numel, self.offset, self.shape, self.stride)
 
 
 class Opaque:
@@ -156,15 +127,15 @@ class PickleScan:
     ``tensors``), the storages they use, and the globals outside the allowlist it named."""
 
     root: Any
-    tensors: dict[str, TensorRef] = field(default_factory=dict)
+    tensors: dict[str, TensorHeader] = field(default_factory=dict)
     storages: dict[str, StorageRef] = field(default_factory=dict)
     opaque: set[str] = field(default_factory=set)
     subclasses: dict[str, SubclassHeader] = field(default_factory=dict)
 
-    def all_tensors(self) -> list[tuple[str, str | None, TensorRef]]:
+    def all_tensors(self) -> list[tuple[str, str | None, TensorHeader]]:
         """Every stored tensor as ``(path, part, ref)``: plain ones (``part`` ``None``), then each subclass's inner
         ones."""
-        out: list[tuple[str, str | None, TensorRef]] = [(p, None, r) for p, r in self.tensors.items()]
+        out: list[tuple[str, str | None, TensorHeader]] = [(p, None, r) for p, r in self.tensors.items()]
         for path, sub in self.subclasses.items():
             out.extend((path, name, ref) for name, ref in sub.parts)
         return out
@@ -275,7 +246,7 @@ _ATTRIBUTES: dict[str, dict[str, tuple[str, bool]]] = {
 @dataclass(frozen=True, slots=True)
 class SubclassHeader:
     """A tensor subclass record: class (``module.QualName``), outer dtype/shape/strides, inner tensors by name (in
-    :data:`SUBCLASSES` order: a :class:`TensorHeader` each in a DCP item, a :class:`TensorRef` in a whole file),
+    :data:`SUBCLASSES` order, a :class:`TensorHeader` each),
     ``context`` (canonical JSON, see :func:`ckptverify.fingerprint.subclass.canonical`)."""
 
     cls: str
@@ -524,6 +495,18 @@ class _Reader(ReferenceUnpickler):
         return ref
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
+        return self._tensor(storage, offset, size, stride, None)
+
+    def _rebuild_tensor_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
+                           hooks: Any = None, dtype: Any = None, *rest: Any) -> Any:
+        """As v2, with the element dtype given (over an untyped storage, sized in bytes)."""
+        name = dtype_name(dtype)
+        if name is None or name not in DTYPE_ITEMSIZE:
+            raise RefusedPickle("_rebuild_tensor_v3 without a dtype")
+        return self._tensor(storage, offset, size, stride, name)
+
+    def _tensor(self, storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None) -> Any:
+        """A :class:`TensorHeader` over ``storage``; ``dtype``: the element dtype v3 names (else the storage's)."""
         self._budget.charge()
         if not isinstance(storage, StorageRef):
             if not self.opaque:
@@ -536,20 +519,19 @@ class _Reader(ReferenceUnpickler):
         if len(shape) != len(strides) or len(shape) > 64 or not all(
                 type(v) is int and 0 <= v < 1 << 63 for v in (*shape, *strides, offset)):
             raise RefusedPickle("a tensor with a bad offset, shape or stride")
-        return TensorRef(storage, offset, shape, strides)
-
-    def _rebuild_tensor_v3(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
-                           hooks: Any = None, dtype: Any = None, *rest: Any) -> Any:
-        """As v2, with the element dtype given (over an untyped storage, sized in bytes)."""
-        name = dtype_name(dtype)
-        if name is None or name not in DTYPE_ITEMSIZE:
-            raise RefusedPickle("_rebuild_tensor_v3 without a dtype")
-        ref = self._rebuild_tensor(storage, offset, size, stride)
-        if not isinstance(ref, TensorRef):
-            return ref
-        if ref.storage.dtype is not None and ref.storage.dtype != name:
-            raise RefusedPickle(f"a {name} tensor over a {ref.storage.dtype} storage")
-        return TensorRef(ref.storage, ref.offset, ref.shape, ref.stride, elem_dtype=name)
+        if dtype is not None and storage.dtype is not None and storage.dtype != dtype:
+            raise RefusedPickle(f"a {dtype} tensor over a {storage.dtype} storage")
+        numel = storage.numel
+        if dtype is not None and storage.dtype is None:
+            # torch.save writes dtypes without a legacy typed storage (uint16/32/64, complex32, float8, ...)
+            # as an UntypedStorage, whose size is counted in bytes.
+            if numel % DTYPE_ITEMSIZE[dtype] and not self.opaque:
+                raise RefusedPickle(f"untyped storage of {numel} bytes does not hold whole {dtype} elements")
+            numel //= DTYPE_ITEMSIZE[dtype]
+        dtype = dtype or storage.dtype
+        if dtype is None and not self.opaque:
+            raise RefusedPickle("tensor without a storage or dtype")
+        return TensorHeader(dtype, storage.key, numel, offset, shape, strides)
 
     def _rebuild_from_type(self, func: Any, new_type: Any, args: Any, state: Any = None, *rest: Any) -> Any:
         """``_rebuild_from_type_v2``: a :class:`SubclassHeader` for an allowlisted subclass (malformed: refused), else
@@ -560,7 +542,7 @@ class _Reader(ReferenceUnpickler):
             return self.unknown_global("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state, *rest)
         if rest:
             raise RefusedPickle(f"a {label} record with extra arguments")
-        return _subclass_header(func, new_type, args, state, TensorRef)
+        return _subclass_header(func, new_type, args, state, TensorHeader)
 
     def _get_layout(self, *args: Any) -> Any:
         if args == ("torch.strided",):
@@ -616,11 +598,8 @@ def _cached_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
 def _read_header(data_pkl: bytes) -> TensorHeader | SubclassHeader:
     try:
         obj = _Reader(data_pkl, PickleScan(root=None), _budget(MAX_OBJECTS, ITEM_LIMITS), opaque=False).load()
-        if isinstance(obj, TensorRef):
-            return obj.header()
-        if isinstance(obj, SubclassHeader):
-            parts = tuple((name, ref.header()) for name, ref in obj.parts)
-            return SubclassHeader(obj.cls, obj.dtype, obj.size, obj.stride, parts, obj.context)
+        if isinstance(obj, TensorHeader | SubclassHeader):
+            return obj
     except pickle.UnpicklingError:
         raise
     except Exception as exc:  # hostile bytes: any failure is "not a tensor record", never a traceback
@@ -644,7 +623,7 @@ def _walk(scan: PickleScan, budget: Budget) -> None:
             continue
         seen.add(id(obj))
         budget.charge()
-        if isinstance(obj, TensorRef):
+        if isinstance(obj, TensorHeader):
             scan.tensors.setdefault(path or "<root>", obj)
         elif isinstance(obj, SubclassHeader):
             scan.subclasses.setdefault(path or "<root>", obj)  # its inner tensors are its parts, not tensors
@@ -672,7 +651,7 @@ def leaf_values(root: Any, *, prefix: str = "", limit: int = MAX_VALUES) -> dict
     stack: list[tuple[str, Any]] = [(prefix, root)]
     while stack and len(out) < limit:
         path, obj = stack.pop()
-        if isinstance(obj, TensorRef | StorageRef | SubclassHeader):
+        if isinstance(obj, TensorHeader | StorageRef | SubclassHeader):
             continue
         name = dtype_name(obj)
         if name is not None:

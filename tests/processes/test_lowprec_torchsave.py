@@ -76,7 +76,7 @@ def _record_of(path: Path, tensor: str, part: str | None = None) -> str:
     """The zip record that holds ``tensor`` (its ``part``, for a tensor subclass)."""
     scan = scan_pickle(_data_pkl(path))
     ref = dict(scan.subclasses[tensor].parts)[part] if part else scan.tensors[tensor]
-    return next(n for n in zipfile.ZipFile(path).namelist() if n.endswith(f"/data/{ref.storage.key}"))
+    return next(n for n in zipfile.ZipFile(path).namelist() if n.endswith(f"/data/{ref.storage_key}"))
 
 
 def _patch(path: Path, record: str, edit, *, fix_crc: bool) -> None:
@@ -154,9 +154,7 @@ def test_user_file_is_described_checked_and_fingerprinted_by_parts(saved: dict[s
     found, _, facts = check_file(str(path))
     assert not [f for f in found if f.severity.value != "info"], found
     assert not any(f.check == "pickle-opaque" for f in found)  # nothing of the subclass record is left unread
-    assert facts["tensors"][BASE]["stored_as"] == "MXTensor"
-    assert facts["tensors"][BASE]["parts"]["scale"] == {"dtype": "float8_e8m0fnu", "shape": [32, 2]}
-    assert facts["tensors"]["export.up.weight"] == {"dtype": "float8_e5m2", "shape": [32, 4]}
+    assert facts["description"]() == desc  # the check's read describes the file as describe does
 
     adopted, _ = fingerprint_checkpoint(path)
     assert adopted.exit_code == 0, adopted.findings
@@ -313,7 +311,7 @@ def test_plain_float8_tensors_are_described_fingerprinted_verified_and_diffed(tm
     p = desc.tensors["view"].payloads[0]
     assert (p.dtype, p.shape, p.stride, p.storage_offset) == (name, (4, 4), (8, 1), 10)
     found, _, facts = check_file(str(tmp_path / "a.pt"))
-    assert not [f for f in found if f.severity.value != "info"] and facts["tensors"]["x"]["dtype"] == name
+    assert not [f for f in found if f.severity.value != "info"] and facts["description"]() == desc
 
     assert fingerprint_checkpoint(tmp_path / "a.pt")[0].exit_code == 0
     tensors = json.loads((tmp_path / "a.pt.ckptverify.manifest.json").read_text())["tensors"]
@@ -335,16 +333,34 @@ def test_plain_float8_tensors_are_described_fingerprinted_verified_and_diffed(tm
         {"x", "view"}
 
 
+def test_a_record_shorter_than_its_storage_is_a_tensor_record_error(tmp_path: Path) -> None:
+    """A storage the pickle records as larger than its record, though the view fits the bytes there: torch.load
+    refuses it, and the check judges it as it does a DCP item's."""
+    torch.save({"x": torch.zeros(4)}, tmp_path / "a.pt")
+    pkl = _data_pkl(tmp_path / "a.pt")
+    crafted = pkl.replace(b"K\x04tq", b"K\x08tq", 1)
+    assert crafted != pkl
+    _patch(tmp_path / "a.pt", next(n for n in zipfile.ZipFile(tmp_path / "a.pt").namelist()
+                                   if n.endswith("data.pkl")),
+           lambda d: d.__setitem__(slice(None), crafted), fix_crc=True)
+    with pytest.raises(RuntimeError):
+        torch.load(tmp_path / "a.pt")
+    found, _, _ = check_file(str(tmp_path / "a.pt"))
+    (f,) = [f for f in found if f.severity.value == "error"]
+    assert f.check == "tensor-record" and "storage record is 16 bytes but holds 8 float32 elements" in f.message
+    assert f.location.record == _record_of(tmp_path / "a.pt", "x")
+
+
 def test_a_short_float8_record_is_a_tensor_record_error(tmp_path: Path) -> None:
     """A float8 tensor's extent is counted in its own element size over an untyped (byte-sized) storage."""
     torch.save({"x": torch.zeros(4, 4, dtype=torch.float8_e5m2)}, tmp_path / "a.pt")
     record = _record_of(tmp_path / "a.pt", "x")
     pkl = _data_pkl(tmp_path / "a.pt")
     scan = scan_pickle(pkl)
-    assert scan.storages[scan.tensors["x"].storage.key].numel == 16
+    assert scan.storages[scan.tensors["x"].storage_key].numel == 16
     # The same record read as 4x8: past the 16 bytes stored.
     crafted = pkl.replace(b"K\x04K\x04\x86", b"K\x04K\x08\x86", 1)
-    assert crafted != pkl and scan_pickle(crafted).tensors["x"].shape == (4, 8)
+    assert crafted != pkl and scan_pickle(crafted).tensors["x"].size == (4, 8)
     _patch(tmp_path / "a.pt", next(n for n in zipfile.ZipFile(tmp_path / "a.pt").namelist()
                                    if n.endswith("data.pkl")),
            lambda d: d.__setitem__(slice(None), crafted), fix_crc=True)

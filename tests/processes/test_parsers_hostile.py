@@ -284,7 +284,7 @@ def test_tensor_sizes_must_be_64_bit_integers() -> None:
     from ckptverify.errors import BadPickle
     from ckptverify.safeparse.torchsave import scan_pickle
 
-    assert scan_pickle(_tensor_pkl((2, 3), (3, 1))).tensors["<root>"].shape == (2, 3)
+    assert scan_pickle(_tensor_pkl((2, 3), (3, 1))).tensors["<root>"].size == (2, 3)
     for size, stride in (((1 << 64,), (1,)), ((2, 2), (1,)), ((2,), (1 << 70,))):
         with pytest.raises(BadPickle, match="offset, shape or stride"):
             scan_pickle(_tensor_pkl(size, stride))

@@ -91,6 +91,25 @@ def test_a_damaged_pickle_or_a_truncated_file_is_an_error(pt_file: Path, tmp_pat
     assert "zip-crc" in {f.check for f in _errors(check_file(str(pt_file))[0])}
 
 
+def test_a_file_verified_with_its_manifest_and_deep_has_its_pickle_read_once(pt_file: Path, monkeypatch) -> None:
+    """The check's read of data.pkl describes the file for its manifest and for the deep check; named by a relative
+    path too, the file is rebuilt once (one fingerprint error for the one changed tensor)."""
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.safeparse import torchsave
+
+    assert fingerprint_checkpoint(pt_file)[0].exit_code == 0
+    start, end = _record_span(pt_file, "data/0")
+    _flip(pt_file, start + (end - start) // 2)
+    reads = []
+    load = torchsave._Reader.load
+    monkeypatch.setattr(torchsave._Reader, "load", lambda self: reads.append(self) or load(self))
+    monkeypatch.chdir(pt_file.parent)
+    report = verify_checkpoint(pt_file.name, deep=True)
+    assert len(reads) == 1 and report.stats["manifest"]
+    assert [f.location.fqn for f in report.errors if f.check == "fingerprint"] == ["state_dict.0.weight"]
+
+
 def test_nothing_in_a_hostile_pickle_runs(tmp_path: Path) -> None:
     canary = tmp_path / "pwned"
 

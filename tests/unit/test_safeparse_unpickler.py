@@ -135,7 +135,7 @@ def test_a_checked_tensor_record_cannot_be_rewritten_by_build(read, refused):
     # BUILD onto the record _rebuild_tensor_v2 returned, with a dict state (a shape past the storage) or a
     # slot-tuple state (a shape of 2**127): both would replace fields after they were checked.
     for state in (b"}X\x05\x00\x00\x00shape(K\x07ts", b"(NK\x00(\x8a\x10" + b"\xff" * 15 + b"\x7ft(K\x01tNt"):
-        with pytest.raises(refused, match="modifies a TensorRef"):
+        with pytest.raises(refused, match="modifies a TensorHeader"):
             read(_TENSOR + state + b"b.")
     assert read(_TENSOR + b".") is not None
 
