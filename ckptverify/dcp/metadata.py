@@ -22,6 +22,7 @@ from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import read_small_file
 
+#: DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
 METADATA_FILE = ".metadata"
 #: ``__{rank}.metadata``, written per rank when DCP saves with ``use_collectives=False``.
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")

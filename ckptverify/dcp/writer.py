@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
+from ckptverify.dcp.metadata import METADATA_FILE
 from ckptverify.errors import ArchiveError, UsageError
 from ckptverify.fingerprint import (
     ALGORITHMS,
@@ -66,9 +67,6 @@ from ckptverify.safeparse.gcpause import paused_gc
 __all__ = ["HashedStorageInfo", "HashingFileSystemWriter", "validate_digest_options"]
 
 _log = logging.getLogger(__name__)
-
-#: Name of DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
-METADATA_FILE = ".metadata"
 
 
 def validate_digest_options(digest: str, block_bytes: int) -> None:
