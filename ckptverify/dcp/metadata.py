@@ -30,14 +30,8 @@ RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 MAX_METADATA_BYTES = 1 << 30
 #: Longest state dict key, storage path or other string the reader accepts.
 MAX_STRING = 1 << 16
-#: Most dimensions of a tensor.
-MAX_DIMS = 64
-
-#: Field names of DCP's ``Metadata``, as pickled by torch (checked against torch by the tests).
-METADATA_FIELDS = sp.KINDS["Metadata"].fields
-
-#: Every global a DCP ``.metadata`` may name, as ``module.name`` (documented; checked by the tests).
-ALLOWED_GLOBALS = sp.ALLOWED_GLOBALS
+#: Most dimensions of a tensor (the unpickler's bound on a ``torch.Size``).
+MAX_DIMS = sp.MAX_DIMS
 
 
 # -------- What a validated metadata file says.
@@ -442,7 +436,7 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     parsed.planner_data = _inert(fields["planner_data"], "planner_data")
     parsed.storage_meta = _storage_meta(fields["storage_meta"])
     parsed.version = _opt_str(fields["version"], "version", 64)
-    for extra in sorted(set(fields) - set(METADATA_FIELDS)):
+    for extra in sorted(set(fields) - sp.KINDS["Metadata"].field_set):
         parsed.extras[extra] = _inert(fields[extra], extra)
     return parsed
 
