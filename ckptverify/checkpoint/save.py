@@ -116,13 +116,16 @@ def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseExceptio
         return usage
     if reported_as_itself(exc):
         return exc
+    return SaveFailedError(f"the save into {os.fspath(path)} did not commit; {first_failure(exc)}", failures)
+
+
+def first_failure(exc: BaseException) -> str:
+    """The lowest rank's failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
+    failures = dcp_failures(exc)
     if failures:
         rank = min(failures)
-        first = failures[rank]
-        what = f"rank {rank} failed: {type(first).__name__}: {first}"
-    else:
-        what = f"{type(exc).__name__}: {exc}"
-    return SaveFailedError(f"the save into {os.fspath(path)} did not commit; {what}", failures)
+        return f"rank {rank} failed: {type(failures[rank]).__name__}: {failures[rank]}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _run(fn: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str], *, upload: bool = False) -> Any:
