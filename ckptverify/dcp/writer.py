@@ -64,21 +64,9 @@ from ckptverify.ownfiles.manifest import (
 )
 from ckptverify.safeparse.gcpause import paused_gc
 
-__all__ = ["HashedStorageInfo", "HashingFileSystemWriter", "validate_digest_options"]
+__all__ = ["HashedStorageInfo", "HashingFileSystemWriter"]
 
 _log = logging.getLogger(__name__)
-
-
-def validate_digest_options(digest: str, block_bytes: int) -> None:
-    """Raise :class:`UsageError` unless ``digest`` is known and ``block_bytes`` an int in [``MIN_BLOCK_BYTES``,
-    ``MAX_BLOCK_BYTES``] (what verify accepts)."""
-    if digest not in ALGORITHMS:
-        raise UsageError(f"unknown digest algorithm {digest!r}; choose one of {', '.join(ALGORITHMS)}")
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
-        raise UsageError(f"block size must be a positive number of bytes, got {block_bytes!r}")
-    if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
-        # verify refuses a manifest with other block sizes: never write one
-        raise UsageError(f"block size must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}] bytes, got {block_bytes}")
 
 
 # ------------------------------------------------------------------------------------------ the stream
@@ -507,7 +495,8 @@ class HashingFileSystemWriter(FileSystemWriter):
     Args:
         path: the checkpoint directory.
         digest: ``"xxh3-128"`` (default) or ``"sha256"``.
-        block_bytes: block size each item is also digested in (from the item's first byte).
+        block_bytes: block size each item is also digested in (from the item's first byte), in [``MIN_BLOCK_BYTES``,
+            ``MAX_BLOCK_BYTES``] (what verify accepts).
         fingerprint: also fingerprint (with NaN/Inf counts) each tensor chunk on its device, large CPU chunks
             beside their writes (``stats["fingerprinted_beside_writes"]``).
         **kwargs: passed to :class:`FileSystemWriter`.
@@ -525,7 +514,13 @@ class HashingFileSystemWriter(FileSystemWriter):
         fingerprint: bool = True,
         **kwargs: Any,
     ) -> None:
-        validate_digest_options(digest, block_bytes)
+        if digest not in ALGORITHMS:
+            raise UsageError(f"unknown digest algorithm {digest!r}; choose one of {', '.join(ALGORITHMS)}")
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise UsageError(f"block size must be a positive number of bytes, got {block_bytes!r}")
+        if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+            # verify refuses a manifest with other block sizes: never write one
+            raise UsageError(f"block size must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}] bytes, got {block_bytes}")
         super().__init__(path, **kwargs)
         self.digest = digest
         self.block_bytes = block_bytes
