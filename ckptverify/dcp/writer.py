@@ -16,7 +16,7 @@ import os
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
@@ -466,6 +466,8 @@ class _ChunkFacts:
     parts: tuple[tuple[str, str], ...] | None = None
 
 
+_NO_FACTS = _ChunkFacts(None, None, None)
+
 def _chunk_facts(t: torch.Tensor, item: WriteItem,
                  taken: tuple[TensorFingerprint, int | None] | None = None) -> _ChunkFacts:
     """The chunk's fingerprint and NaN/Inf counts; ``taken``: its fingerprint and count, taken beside its write."""
@@ -671,7 +673,6 @@ class HashingFileSystemWriter(FileSystemWriter):
                 rd = block_digests(path, span[0], span[1], self.digest, self.block_bytes)
                 segment = _Segment(rd.digest, rd.blocks)
                 rereads += 1
-            f = facts.get(wr.index)
             hashed = HashedStorageInfo(
                 info.relative_path,
                 info.offset,
@@ -681,11 +682,8 @@ class HashingFileSystemWriter(FileSystemWriter):
                 blocks=segment.blocks,
                 file_size=record.size,
                 file_digest=record.digest,
-                fingerprint=None if f is None else f.fingerprint,
-                nan_count=None if f is None else f.nan_count,
-                inf_count=None if f is None else f.inf_count,
-                parts=None if f is None else f.parts,
                 span=span,
+                **vars(facts.get(wr.index, _NO_FACTS)),  # fingerprint, nan_count, inf_count, parts
             )
             out.append(dataclasses.replace(wr, storage_data=hashed))
 
@@ -899,11 +897,10 @@ def _add_file(files: dict[str, FileEntry], name: str, size: int, digest: str) ->
 
 
 def _combine_chunks(
-    infos: Iterable[HashedStorageInfo], shape: tuple[int, ...]
+    infos: list[HashedStorageInfo], shape: tuple[int, ...]
 ) -> tuple[str | None, int | None, int | None]:
     """The tensor's fingerprint and NaN/Inf counts from its unique chunks; ``None`` if any chunk lacks one or they do
     not cover the tensor."""
-    infos = list(infos)
     if not infos:
         return None, None, None
     fps = [i.fingerprint for i in infos]
