@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
+from ckptverify.dcp.tensors import torch_dtype
 from ckptverify.errors import BadPickle, CheckpointRefusedError, ProofFailedError, UnsafeGlobal
 from ckptverify.safeparse import paths
 
@@ -235,15 +236,6 @@ def build_metadata(parsed: md.ParsedMetadata) -> Metadata:
     return metadata
 
 
-def _dtype(name: str) -> Any:
-    import torch
-
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointRefusedError(f"this torch has no dtype {name!r}")
-    return dtype
-
-
 def _layout(name: str) -> Any:
     import torch
 
@@ -258,8 +250,8 @@ def _properties(p: md.TensorProps) -> Any:
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     memory_format = (torch.contiguous_format, torch.channels_last, torch.preserve_format)[p.memory_format]
-    return TensorProperties(dtype=_dtype(p.dtype), layout=_layout(p.layout), requires_grad=p.requires_grad,
-                            memory_format=memory_format, pin_memory=p.pin_memory)
+    return TensorProperties(dtype=torch_dtype(p.dtype, CheckpointRefusedError), layout=_layout(p.layout),
+                            requires_grad=p.requires_grad, memory_format=memory_format, pin_memory=p.pin_memory)
 
 
 def _storage_meta(info: md.StorageMetaInfo | None) -> Any:
@@ -293,7 +285,7 @@ def _real(value: Any) -> Any:
     if t is sp.Size:
         return torch.Size(value)
     if t is sp.DType:
-        return _dtype(value.name)
+        return torch_dtype(value.name, CheckpointRefusedError)
     if t is sp.TorchLayout:
         return _layout(value.name)
     if t is sp.Path:
