@@ -38,6 +38,7 @@ from ckptverify.state.train_state import TrainState
 
 if TYPE_CHECKING:
     from ckptverify.dcp.layout import Layout
+    from ckptverify.ownfiles.manifest import Manifest
     from ckptverify.runs.latest import Latest
 
 #: What ``load(..., pick=)`` can pick from a run directory.
@@ -340,7 +341,7 @@ def _stamp_failed(root: str, report: Report, fingerprint: str | None, step: int 
         _log.warning("could not write the failed stamp of %s: %s", root, exc)
 
 
-def _read_manifest_for_load(root: str) -> Any:
+def _read_manifest_for_load(root: str) -> Manifest | None:
     """The manifest that proves the items (``None`` if none); an untrustworthy one refuses the load."""
     from ckptverify.errors import ManifestError
     from ckptverify.ownfiles.manifest import read_manifest
@@ -416,7 +417,7 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
                                                    count=int(reader.proven["items"]), unit="items")]
     if check:
         try:
-            found, cov = restore_check(state, root)
+            found, cov = restore_check(state, manifest)
             failed = _agree([f for f in found if f.severity.value == "error"])
         except BaseException:
             undo(before)
@@ -514,34 +515,12 @@ def _match_saved_cuda_kinds(template: dict[str, Any], layout: Layout | None, ran
                 digests[name[len(dprefix):]] = ""  # loaded over
 
 
-def _rng_field_findings(state: TrainState, saved: dict[str, str], now: dict[str, str]) -> tuple[
-        dict[str, str], list[Finding]]:
-    """Saved RNG digests to compare ``now`` with, and warnings: a differing ``rng.cuda_device`` is only a warning."""
-    findings: list[Finding] = []
-    saved = dict(saved)
-    where = Location(fqn="rng.cuda", rank=state.rank)
-    if "rng.cuda_device" in saved and "rng.cuda_device" in now and saved["rng.cuda_device"] != now["rng.cuda_device"]:
-        saved["rng.cuda_device"] = now["rng.cuda_device"]
-        findings.append(warning(
-            "restore-device", "this rank's CUDA random stream was saved on another device (index or UUID) than the "
-            "one it uses now; the stream was restored into the device it uses now (checked as rng.cuda)",
-            location=where))
-    return saved, findings
-
-
-def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[CheckCoverage]]:
-    """Compare the restored state with what was saved: tensors by fingerprint against the manifest, other fields by
-    digest."""
-    from ckptverify.errors import ManifestError
+def restore_check(state: TrainState, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
+    """Compare the restored state with what was saved: tensors by fingerprint against ``manifest`` (``None``: the
+    checkpoint has none), other fields by digest."""
     from ckptverify.fingerprint import tensor_fingerprint
-    from ckptverify.ownfiles.manifest import read_manifest
 
     findings: list[Finding] = []
-    try:
-        manifest = read_manifest(root)
-    except ManifestError as exc:
-        manifest = None
-        findings.append(error("manifest-invalid", f"cannot check restored tensors: {exc}"))
     tensors_checked = 0
     if manifest is not None:
         import torch
@@ -569,9 +548,15 @@ def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[Che
                 ))
     now = state.digests()
     skip_rng = bool(state.warnings)
-    saved_digests, device_notes = _rng_field_findings(state, state.saved_digests, now)
-    if not skip_rng:
-        findings.extend(device_notes)
+    saved_digests = dict(state.saved_digests)
+    device = "rng.cuda_device"
+    if device in saved_digests and device in now and saved_digests[device] != now[device]:
+        saved_digests[device] = now[device]  # a differing device is only a warning
+        if not skip_rng:
+            findings.append(warning(
+                "restore-device", "this rank's CUDA random stream was saved on another device (index or UUID) than "
+                "the one it uses now; the stream was restored into the device it uses now (checked as rng.cuda)",
+                location=Location(fqn="rng.cuda", rank=state.rank)))
     for field, saved_digest in sorted(saved_digests.items()):
         if skip_rng and field.startswith("rng."):
             continue
