@@ -268,19 +268,13 @@ def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | 
                   hosts: list[str] | None) -> Callable[[], None] | None:
     """After an async upload committed: queue or verify before the future completes; a ``raise`` failure is raised by
     the next save."""
-    if options.verify.when == "off" or (not group.coordinator and hosts is None):
-        return None
     from ckptverify.verifier.background import default_verifier
 
-    if options.verify.when == "background":
+    if options.verify.when == "background" and (group.coordinator or hosts is not None):
         return lambda: _submit(options, path, step, group, hosts)
-    if not group.coordinator:
-        return None
-
-    def inline() -> None:
-        default_verifier().verify_now(path, step=step, options=options, deliver_later=True)
-
-    return inline
+    if options.verify.when == "inline" and group.coordinator:
+        return lambda: default_verifier().verify_now(path, step=step, options=options, deliver_later=True)
+    return None
 
 
 def save(
