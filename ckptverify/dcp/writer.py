@@ -583,10 +583,11 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.fs.fused_jobs = jobs = []
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptverify-fingerprint") as pool:
-                skip = {item.index for item, _, _ in fused.values()}
-                streams = FingerprintStreams.capture(_chunk_devices(plan, planner)) if self.fingerprint else None
-                fp_job = (pool.submit(self._fingerprint_items, plan, planner, skip, streams) if self.fingerprint
-                          else None)
+                fp_job = None
+                if self.fingerprint:
+                    skip = {item.index for item, _, _ in fused.values()}
+                    streams = FingerprintStreams.capture(_chunk_devices(plan, planner))
+                    fp_job = pool.submit(self._fingerprint_items, plan, planner, skip, streams)
                 results = super().write_data(plan, planner).wait()
                 facts = fp_job.result() if fp_job is not None else {}
         finally:
@@ -711,13 +712,11 @@ class HashingFileSystemWriter(FileSystemWriter):
         return fut
 
     @staticmethod
-    def _fingerprint_items(plan: SavePlan, planner: SavePlanner,
-                           skip: frozenset[MetadataIndex] | set[MetadataIndex] = frozenset(),
-                           streams: FingerprintStreams | None = None) -> dict[MetadataIndex, _ChunkFacts]:
+    def _fingerprint_items(plan: SavePlan, planner: SavePlanner, skip: set[MetadataIndex],
+                           streams: FingerprintStreams) -> dict[MetadataIndex, _ChunkFacts]:
         """Facts of every tensor chunk of ``plan`` not in ``skip``, each on its device and ``streams``' side stream."""
         from ckptverify.fingerprint import kernels
 
-        streams = streams if streams is not None else FingerprintStreams.capture(_chunk_devices(plan, planner))
         facts: dict[MetadataIndex, _ChunkFacts] = {}
         large = _large_chunk_bytes(plan)
         with torch.no_grad(), kernels.thread_limit(FINGERPRINT_THREADS):
