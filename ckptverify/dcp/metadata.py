@@ -551,13 +551,7 @@ class _Merger:
             previous = layout.tensors.get(fqn)
             if previous is None:
                 layout.tensors[fqn] = entry
-                if len(entry.chunks) == 1:
-                    self.by_offsets[fqn] = {entry.chunks[0].offsets: entry.chunks[0]}
-                else:
-                    index: dict[tuple[int, ...], Chunk] = {}
-                    for c in entry.chunks:
-                        index.setdefault(c.offsets, c)
-                    self.by_offsets[fqn] = index
+                self.by_offsets[fqn] = {c.offsets: c for c in reversed(entry.chunks)}  # the first chunk at an offset
             elif previous.dtype != entry.dtype or previous.shape != entry.shape:
                 findings.append(error(
                     "metadata-inconsistent",
