@@ -380,17 +380,11 @@ class _HashingFileSystem(FileSystem):
         self.fused_jobs: list[Any] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        del state["_lock"]
-        state["_records"] = {}
-        state["_tell_calls"] = 0
-        state["fused"] = {}
-        state["fused_jobs"] = []
-        return state
+        # The lock, records and fused chunks belong to this process: a copy starts afresh.
+        return {"algorithm": self.algorithm, "block_bytes": self.block_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self.__init__(**state)  # type: ignore[misc]
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
