@@ -73,7 +73,6 @@ class Layout:
     items: list[Item] = field(default_factory=list)
     metadata_files: list[str] = field(default_factory=list)
     dcp_version: str | None = None
-    save_id: str | None = None
     #: True when DCP wrote one metadata file per rank (``use_collectives=False``).
     per_rank: bool = False
 

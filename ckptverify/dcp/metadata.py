@@ -542,8 +542,6 @@ class _Merger:
         findings: list[Finding] = []
         if parsed.version is not None:
             layout.dcp_version = parsed.version
-        if parsed.storage_meta is not None and parsed.storage_meta.save_id is not None:
-            layout.save_id = parsed.storage_meta.save_id
         for fqn, entry in parsed.entries.items():
             if entry is None:
                 layout.byte_values.add(fqn)
