@@ -602,5 +602,5 @@ class _Merger:
                     continue
                 dtype = tinfo.dtype  # type: ignore[union-attr]
             items.append(Item(s.fqn, kind, s.relative_path, s.offset, s.length, chunk, dtype, s.transforms or (),
-                              name, rank))
+                              rank))
         return findings
