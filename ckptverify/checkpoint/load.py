@@ -37,6 +37,8 @@ from ckptverify.state.distributed import torch_group
 from ckptverify.state.train_state import TrainState
 
 if TYPE_CHECKING:
+    from ckptverify.dcp.layout import Layout
+    from ckptverify.ownfiles.manifest import Manifest
     from ckptverify.runs.latest import Latest
 
 #: What ``load(..., pick=)`` can pick from a run directory.
@@ -87,17 +89,12 @@ def _rebuild(obj: Any, tensor: Callable[[Any], Any], leaf: Callable[[Any], Any] 
     return leaf(obj)
 
 
-def _private_copy(obj: Any) -> Any:
-    """``obj`` with containers and tensors copied (detached, same device and DTensor layout): DCP loads into the copy.
-    """
-    return _rebuild(obj, lambda t: t.detach().clone())
-
-
 def _load_template(sd: Any) -> Any:
     """The state dict DCP loads into: model and optimizer tensors are the live ones (in place, no second device copy;
-    :func:`_restore_point` keeps a host copy), everything else a private copy (DCP replaces non-tensor values, and
-    state dicts may share lists and tensors with live objects)."""
-    return {k: (_containers_copy(v) if k in ("model", "optim") else _private_copy(v)) for k, v in sd.items()}
+    :func:`_restore_point` keeps a host copy), everything else a private copy, tensors detached on their device and
+    DTensor layout (DCP replaces non-tensor values, and state dicts may share lists and tensors with live objects)."""
+    return {k: _containers_copy(v) if k in ("model", "optim") else _rebuild(v, lambda t: t.detach().clone())
+            for k, v in sd.items()}
 
 
 def _in_place(t: Any) -> bool:
@@ -156,24 +153,10 @@ def _live_tensors(obj: Any) -> list[Any]:
     return list(out.values())
 
 
-def _first_line(exc: BaseException) -> str:
-    """The innermost failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
-    from ckptverify.checkpoint.save import dcp_failures
-
-    failures = dcp_failures(exc)
-    if failures:
-        rank = min(failures)
-        return f"rank {rank}: {type(failures[rank]).__name__}: {failures[rank]}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def saved_world_size(path: str) -> int | None:
-    """The world size a TrainState checkpoint was saved with (from its rank-keyed entries), read safely."""
+def saved_world_size(layout: Layout | None) -> int | None:
+    """The world size a TrainState checkpoint was saved with (from its rank-keyed entries)."""
     import re
 
-    from ckptverify.dcp.metadata import read_layout
-
-    layout, _ = read_layout(path)
     if layout is None:
         return None
     ranks = {int(m.group(1)) for name in (*layout.tensors, *layout.byte_values)
@@ -358,7 +341,7 @@ def _stamp_failed(root: str, report: Report, fingerprint: str | None, step: int 
         _log.warning("could not write the failed stamp of %s: %s", root, exc)
 
 
-def _read_manifest_for_load(root: str) -> Any:
+def _read_manifest_for_load(root: str) -> Manifest | None:
     """The manifest that proves the items (``None`` if none); an untrustworthy one refuses the load."""
     from ckptverify.errors import ManifestError
     from ckptverify.ownfiles.manifest import read_manifest
@@ -378,6 +361,7 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
     import torch.distributed.checkpoint as dcp
 
     from ckptverify.dcp.loading import SafeLoadPlanner
+    from ckptverify.dcp.metadata import read_layout
     from ckptverify.dcp.storage_reader import ProvingFileSystemReader
     from ckptverify.runs.stamp import files_fingerprint
 
@@ -392,9 +376,10 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
     refuse = check and on_restore_mismatch == "raise"
     undo = None
     try:
-        state.saved_world_size = saved_world_size(root)
+        layout, _ = read_layout(root)  # read safely
+        state.saved_world_size = saved_world_size(layout)
         template = _load_template(state.state_dict())
-        _match_saved_cuda_kinds(template, root, state.rank)
+        _match_saved_cuda_kinds(template, layout, state.rank)
         undo = _restore_point(state)
         with warnings.catch_warnings():
             # Loading in a single process without a process group is intended here, not a mistake.
@@ -415,24 +400,24 @@ def _load_verified(state: TrainState, root: str, check: bool, on_restore_mismatc
                         f"refusing to load {root}: rank {proof[0]}: {proof[1]}; nothing was changed"
                         + ("; it is stamped failed" if stamp_on_failure else ""), report, proof[1].info) from None
                 # DCP's CheckpointException is a BaseException, which `except Exception` would miss.
+                from ckptverify.checkpoint.save import first_failure
+
                 raise CkptVerifyError(f"DCP could not load {root} into this state; nothing was changed: "
-                                      f"{_first_line(exc)}") from exc
+                                      f"{first_failure(exc)}") from exc
         state.load_state_dict(template)
         del template
     except BaseException:
         if undo is not None:
             undo(before)
-        state.saved_world_size = before[0]
-        for opt, was_fresh in zip(state.optimizers, before[1], strict=True):
-            if was_fresh:
-                opt.state.clear()
+        else:
+            _reset(state, before)
         raise
     findings: list[Finding] = [warning("restore-inexact", w) for w in state.warnings]
     coverage: list[CheckCoverage] = [CheckCoverage(check=f"load-proof ({reader.proven['method']})",
                                                    count=int(reader.proven["items"]), unit="items")]
     if check:
         try:
-            found, cov = restore_check(state, root)
+            found, cov = restore_check(state, manifest)
             failed = _agree([f for f in found if f.severity.value == "error"])
         except BaseException:
             undo(before)
@@ -465,6 +450,8 @@ def _agree(errors: list[Finding]) -> list[dict[str, Any]]:
 def _restore_point(state: TrainState) -> Any:
     """A function putting ``state`` back as now: model and optimizer tensors from a host copy into the same live
     tensors, then their structure re-applied; other fields via the state's own snapshot."""
+    import copy
+
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     fields = state._snapshot()
@@ -472,7 +459,7 @@ def _restore_point(state: TrainState) -> Any:
     # The structure as it is now, tensors shared (they get their values back in place), everything else copied.
     kept = _containers_copy({"model": model_sd, "optim": optim_sd})
     live = _live_tensors(kept)
-    kept = _deepcopy_but_tensors(kept)
+    kept = _rebuild(kept, lambda t: t, copy.deepcopy)  # tensors shared, every other leaf deep-copied
     host = [_to_host(t) for t in live]
     digests = dict(state.saved_digests)
 
@@ -482,39 +469,33 @@ def _restore_point(state: TrainState) -> Any:
         if state.model is not None:
             set_state_dict(state.model, state.optimizers, model_state_dict=kept["model"],
                            optim_state_dict=kept["optim"])
-        for opt, was_fresh in zip(state.optimizers, before[1], strict=True):
-            if was_fresh:
-                opt.state.clear()
         fields()
         state.saved_digests = digests
-        state.saved_world_size = before[0]
+        _reset(state, before)
 
     return undo
 
 
-def _deepcopy_but_tensors(obj: Any) -> Any:
-    """``obj`` with containers copied, tensors shared and every other leaf deep-copied."""
-    import copy
+def _reset(state: TrainState, before: tuple[int | None, list[bool]]) -> None:
+    """Put back the saved world size and empty the optimizers that were fresh (getting a template initializes them)."""
+    state.saved_world_size = before[0]
+    for opt, was_fresh in zip(state.optimizers, before[1], strict=True):
+        if was_fresh:
+            opt.state.clear()
 
-    return _rebuild(obj, lambda t: t, copy.deepcopy)
 
-
-def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> None:
+def _match_saved_cuda_kinds(template: dict[str, Any], layout: Layout | None, rank: int) -> None:
     """Make this rank's CUDA stream entries of ``template`` (and their digests) match the checkpoint's, so DCP neither
     refuses a missing key nor skips a saved one: a process may have initialised CUDA at save but not now, or the
     reverse (see :mod:`ckptverify.state.rng`)."""
     import torch
 
-    from ckptverify.dcp.metadata import read_layout
     from ckptverify.state.rng import rank_key
 
     me = rank_key(rank)
     mine = template.get("rng", {}).get(me)
     digests = template.get("digests", {}).get(me)
-    if not isinstance(mine, dict):
-        return
-    layout, _ = read_layout(root)
-    if layout is None:
+    if not isinstance(mine, dict) or layout is None:
         return
     mine.pop("cuda", None)
     mine.pop("cuda_device", None)
@@ -534,34 +515,12 @@ def _match_saved_cuda_kinds(template: dict[str, Any], root: str, rank: int) -> N
                 digests[name[len(dprefix):]] = ""  # loaded over
 
 
-def _rng_field_findings(state: TrainState, saved: dict[str, str], now: dict[str, str]) -> tuple[
-        dict[str, str], list[Finding]]:
-    """Saved RNG digests to compare ``now`` with, and warnings: a differing ``rng.cuda_device`` is only a warning."""
-    findings: list[Finding] = []
-    saved = dict(saved)
-    where = Location(fqn="rng.cuda", rank=state.rank)
-    if "rng.cuda_device" in saved and "rng.cuda_device" in now and saved["rng.cuda_device"] != now["rng.cuda_device"]:
-        saved["rng.cuda_device"] = now["rng.cuda_device"]
-        findings.append(warning(
-            "restore-device", "this rank's CUDA random stream was saved on another device (index or UUID) than the "
-            "one it uses now; the stream was restored into the device it uses now (checked as rng.cuda)",
-            location=where))
-    return saved, findings
-
-
-def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[CheckCoverage]]:
-    """Compare the restored state with what was saved: tensors by fingerprint against the manifest, other fields by
-    digest."""
-    from ckptverify.errors import ManifestError
+def restore_check(state: TrainState, manifest: Manifest | None) -> tuple[list[Finding], list[CheckCoverage]]:
+    """Compare the restored state with what was saved: tensors by fingerprint against ``manifest`` (``None``: the
+    checkpoint has none), other fields by digest."""
     from ckptverify.fingerprint import tensor_fingerprint
-    from ckptverify.ownfiles.manifest import read_manifest
 
     findings: list[Finding] = []
-    try:
-        manifest = read_manifest(root)
-    except ManifestError as exc:
-        manifest = None
-        findings.append(error("manifest-invalid", f"cannot check restored tensors: {exc}"))
     tensors_checked = 0
     if manifest is not None:
         import torch
@@ -589,9 +548,15 @@ def restore_check(state: TrainState, root: str) -> tuple[list[Finding], list[Che
                 ))
     now = state.digests()
     skip_rng = bool(state.warnings)
-    saved_digests, device_notes = _rng_field_findings(state, state.saved_digests, now)
-    if not skip_rng:
-        findings.extend(device_notes)
+    saved_digests = dict(state.saved_digests)
+    device = "rng.cuda_device"
+    if device in saved_digests and device in now and saved_digests[device] != now[device]:
+        saved_digests[device] = now[device]  # a differing device is only a warning
+        if not skip_rng:
+            findings.append(warning(
+                "restore-device", "this rank's CUDA random stream was saved on another device (index or UUID) than "
+                "the one it uses now; the stream was restored into the device it uses now (checked as rng.cuda)",
+                location=Location(fqn="rng.cuda", rank=state.rank)))
     for field, saved_digest in sorted(saved_digests.items()):
         if skip_rng and field.startswith("rng."):
             continue

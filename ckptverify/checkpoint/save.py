@@ -75,14 +75,13 @@ def _make_writer(
     thread_count: int,
     writer_kw: dict[str, Any],
 ) -> HashingFileSystemWriter:
-    from ckptverify.dcp.writer import HashingFileSystemWriter, validate_digest_options
+    from ckptverify.dcp.writer import HashingFileSystemWriter
 
-    validate_digest_options(digest, block_bytes)
     if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
         raise UsageError(f"thread_count must be a positive integer, got {thread_count!r}")
     if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
         raise UsageError(f"path must be a local directory path, got {path!r}")
-    return HashingFileSystemWriter(
+    return HashingFileSystemWriter(  # checks digest and block size
         os.fspath(path),
         digest=digest,
         block_bytes=block_bytes,
@@ -117,24 +116,31 @@ def save_error(exc: BaseException, path: str | os.PathLike[str]) -> BaseExceptio
         return usage
     if reported_as_itself(exc):
         return exc
+    return SaveFailedError(f"the save into {os.fspath(path)} did not commit; {first_failure(exc)}", failures)
+
+
+def first_failure(exc: BaseException) -> str:
+    """The lowest rank's failure DCP reported (its ``CheckpointException`` text is a traceback per rank)."""
+    failures = dcp_failures(exc)
     if failures:
         rank = min(failures)
-        first = failures[rank]
-        what = f"rank {rank} failed: {type(first).__name__}: {first}"
-    else:
-        what = f"{type(exc).__name__}: {exc}"
-    return SaveFailedError(f"the save into {os.fspath(path)} did not commit; {what}", failures)
+        return f"rank {rank} failed: {type(failures[rank]).__name__}: {failures[rank]}"
+    return f"{type(exc).__name__}: {exc}"
 
 
-def _run(fn: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str]) -> Any:
+def _run(fn: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str], *, upload: bool = False) -> Any:
+    """``fn()``, a failure raised as :func:`save_error`'s. The lock is dropped after (normally at commit; here also when
+    any rank failed), except while an async ``upload`` still writes."""
     try:
-        return fn()
+        out = fn()
     except BaseException as exc:
+        writer._release_lock()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise save_error(exc, path) from exc
-    finally:
-        writer._release_lock()  # normally released at commit; here also when any rank failed
+    if not upload:
+        writer._release_lock()
+    return out
 
 
 def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
@@ -203,21 +209,14 @@ def _step(state: Any, path: str | os.PathLike[str]) -> int | None:
     return step_of(os.path.basename(os.path.normpath(os.fspath(path))))
 
 
-def _verify_options(where: str, verify: VerifyOptions | str, on_verified: Callable[[Verification], None] | None,
-                    events: EventLog | str | os.PathLike[str] | None) -> AfterSave:
-    """``verify=`` as what the background verifier is handed."""
-    from ckptverify.verifier.background import AfterSave
-
-    return AfterSave(verify=verify_options(where, verify), on_verified=on_verified, events=events)
-
-
-def _raise(verification: dict[str, Any] | None) -> None:
+def _raise(verification: dict[str, Any] | None, prefix: str = "") -> None:
+    """Raise :class:`VerifyFailedError` for a failed verification shared by the coordinator (``None``: none)."""
     from ckptverify.verifier.verification import Verification
 
     if verification is None:
         return
     failed = Verification.from_dict(verification)
-    raise VerifyFailedError(f"an earlier checkpoint failed verification: {failed.describe()}", failed)
+    raise VerifyFailedError(prefix + failed.describe(), failed)
 
 
 def _raise_earlier_failures(options: AfterSave, group: Group) -> None:
@@ -232,7 +231,7 @@ def _raise_earlier_failures(options: AfterSave, group: Group) -> None:
         failures = default_verifier().take_failures()
         return failures[0].to_dict() if failures else None
 
-    _raise(group.share(first))
+    _raise(group.share(first), "an earlier checkpoint failed verification: ")
 
 
 def _submit(options: AfterSave, path: str | os.PathLike[str], step: int | None, group: Group,
@@ -262,31 +261,20 @@ def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: in
 
     result = default_verifier().verify_now(path, step=step, options=options) if group.coordinator else None
     if options.verify.on_failure == "raise":
-        failed = group.share(lambda: result.to_dict() if result is not None and result.verdict == "failed" else None)
-        if failed is not None:
-            from ckptverify.verifier.verification import Verification
-
-            verification = Verification.from_dict(failed)
-            raise VerifyFailedError(verification.describe(), verification)
+        _raise(group.share(lambda: result.to_dict() if result is not None and result.verdict == "failed" else None))
 
 
 def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | None, group: Group,
                   hosts: list[str] | None) -> Callable[[], None] | None:
     """After an async upload committed: queue or verify before the future completes; a ``raise`` failure is raised by
     the next save."""
-    if options.verify.when == "off" or (not group.coordinator and hosts is None):
-        return None
     from ckptverify.verifier.background import default_verifier
 
-    if options.verify.when == "background":
+    if options.verify.when == "background" and (group.coordinator or hosts is not None):
         return lambda: _submit(options, path, step, group, hosts)
-    if not group.coordinator:
-        return None
-
-    def inline() -> None:
-        default_verifier().verify_now(path, step=step, options=options, deliver_later=True)
-
-    return inline
+    if options.verify.when == "inline" and group.coordinator:
+        return lambda: default_verifier().verify_now(path, step=step, options=options, deliver_later=True)
+    return None
 
 
 def save(
@@ -372,9 +360,9 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
     verification after commit."""
     import torch.distributed.checkpoint as dcp
 
-    from ckptverify.verifier.background import node_hosts
+    from ckptverify.verifier.background import AfterSave, node_hosts
 
-    options = _verify_options(where, verify, on_verified, events)
+    options = AfterSave(verify=verify_options(where, verify), on_verified=on_verified, events=events)
     step = _step(state_dict, path)
     state_dict = _plain(state_dict, path)
     writer_kw, save_kw = _split_kwargs(dcp_kwargs, ASYNC_SAVE_KWARGS if where == "async_save" else SAVE_KWARGS)
@@ -397,13 +385,8 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
 
 def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
                  process_group: Any, save_kw: dict[str, Any], after_commit: Callable[[], None] | None) -> Any:
-    try:
-        response = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group, **save_kw)
-    except BaseException as exc:
-        writer._release_lock()
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise save_error(exc, path) from exc
+    response = _run(lambda: dcp.async_save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
+                    writer, path, upload=True)
     upload = getattr(response, "upload_completion", None)
     if upload is not None:
         return dataclasses.replace(response, upload_completion=_translated(upload, writer, path, after_commit))

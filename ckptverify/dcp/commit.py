@@ -139,18 +139,17 @@ def begin_save(root: str, save_id: str) -> SaveLock:
     return SaveLock(root, fd, save_id)
 
 
-def invalidate_previous(root: str, manifest_file: str) -> list[str]:
+def invalidate_previous(root: str, manifest_file: str) -> None:
     """Remove the manifest and every DCP metadata file (and killed writes' temporaries) from ``root`` so it reads as
-    no checkpoint until this save commits. Returns the names removed."""
-    removed = []
+    no checkpoint until this save commits."""
+    removed = False
     for name in sorted(os.listdir(root)):
         if name == manifest_file or _METADATA_NAME.match(name):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, name))
-                removed.append(name)
+                removed = True
     if removed:
         _fsync_dir(root)
-    return removed
 
 
 def _parse_marker(data: bytes) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-# The dtype table is the readers' (the lowest layer); the layout sizes its tensors by it.
+# The dtype table is the readers' (the lowest layer), named here with the layout whose dtypes it sizes.
 from ckptverify.safeparse.dtypes import DTYPE_ITEMSIZE
 
 __all__ = ["DTYPE_ITEMSIZE", "Chunk", "Item", "ItemKind", "Layout", "TensorInfo"]
@@ -34,10 +34,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
 
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_ITEMSIZE[self.dtype]
-
 
 ItemKind = Literal["tensor", "bytes"]
 
@@ -45,8 +41,8 @@ ItemKind = Literal["tensor", "bytes"]
 @dataclass(frozen=True, slots=True)
 class Item:
     """One stored item: bytes ``[offset, offset + length)`` of ``file``. ``chunk``: the box a tensor chunk covers
-    (``None`` for a non-tensor); ``transforms``: stream transforms applied on write; ``source``: the metadata file
-    that listed it."""
+    (``None`` for a non-tensor); ``transforms``: stream transforms applied on write; ``rank``: of the per-rank
+    metadata file that listed it."""
 
     fqn: str
     kind: ItemKind
@@ -56,7 +52,6 @@ class Item:
     chunk: Chunk | None = None
     dtype: str | None = None
     transforms: tuple[str, ...] = ()
-    source: str = ".metadata"
     rank: int | None = None
 
     @property
@@ -73,7 +68,6 @@ class Layout:
     items: list[Item] = field(default_factory=list)
     metadata_files: list[str] = field(default_factory=list)
     dcp_version: str | None = None
-    save_id: str | None = None
     #: True when DCP wrote one metadata file per rank (``use_collectives=False``).
     per_rank: bool = False
 

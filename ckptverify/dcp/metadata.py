@@ -22,6 +22,7 @@ from ckptverify.safeparse import paths
 from ckptverify.safeparse.gcpause import paused_gc
 from ckptverify.safeparse.readers import read_small_file
 
+#: DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
 METADATA_FILE = ".metadata"
 #: ``__{rank}.metadata``, written per rank when DCP saves with ``use_collectives=False``.
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
@@ -29,14 +30,8 @@ RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 MAX_METADATA_BYTES = 1 << 30
 #: Longest state dict key, storage path or other string the reader accepts.
 MAX_STRING = 1 << 16
-#: Most dimensions of a tensor.
-MAX_DIMS = 64
-
-#: Field names of DCP's ``Metadata``, as pickled by torch (checked against torch by the tests).
-METADATA_FIELDS = sp.KINDS["Metadata"].fields
-
-#: Every global a DCP ``.metadata`` may name, as ``module.name`` (documented; checked by the tests).
-ALLOWED_GLOBALS = sp.ALLOWED_GLOBALS
+#: Most dimensions of a tensor (the unpickler's bound on a ``torch.Size``).
+MAX_DIMS = sp.MAX_DIMS
 
 
 # -------- What a validated metadata file says.
@@ -441,7 +436,7 @@ def _validate_metadata(tree: Any, name: str) -> ParsedMetadata:
     parsed.planner_data = _inert(fields["planner_data"], "planner_data")
     parsed.storage_meta = _storage_meta(fields["storage_meta"])
     parsed.version = _opt_str(fields["version"], "version", 64)
-    for extra in sorted(set(fields) - set(METADATA_FIELDS)):
+    for extra in sorted(set(fields) - sp.KINDS["Metadata"].field_set):
         parsed.extras[extra] = _inert(fields[extra], extra)
     return parsed
 
@@ -547,8 +542,6 @@ class _Merger:
         findings: list[Finding] = []
         if parsed.version is not None:
             layout.dcp_version = parsed.version
-        if parsed.storage_meta is not None and parsed.storage_meta.save_id is not None:
-            layout.save_id = parsed.storage_meta.save_id
         for fqn, entry in parsed.entries.items():
             if entry is None:
                 layout.byte_values.add(fqn)
@@ -556,13 +549,7 @@ class _Merger:
             previous = layout.tensors.get(fqn)
             if previous is None:
                 layout.tensors[fqn] = entry
-                if len(entry.chunks) == 1:
-                    self.by_offsets[fqn] = {entry.chunks[0].offsets: entry.chunks[0]}
-                else:
-                    index: dict[tuple[int, ...], Chunk] = {}
-                    for c in entry.chunks:
-                        index.setdefault(c.offsets, c)
-                    self.by_offsets[fqn] = index
+                self.by_offsets[fqn] = {c.offsets: c for c in reversed(entry.chunks)}  # the first chunk at an offset
             elif previous.dtype != entry.dtype or previous.shape != entry.shape:
                 findings.append(error(
                     "metadata-inconsistent",
@@ -615,5 +602,5 @@ class _Merger:
                     continue
                 dtype = tinfo.dtype  # type: ignore[union-attr]
             items.append(Item(s.fqn, kind, s.relative_path, s.offset, s.length, chunk, dtype, s.transforms or (),
-                              name, rank))
+                              rank))
         return findings

@@ -217,12 +217,6 @@ def _budget_exceeded() -> BadPickle:
                      f"the budget; limit: {BUDGET_PER_BYTE} per byte + {BUDGET_BASE})")
 
 
-def _check_hashable(value: Any, budget: Budget) -> None:
-    """:meth:`Budget.check_hashable` with this module's bounds (a ``torch.Size`` holds ints only)."""
-    if isinstance(value, tuple) and type(value) is not Size:
-        budget.check_hashable(value, BadPickle, Size)
-
-
 class _Global(FrozenGlobal):
     """A shared global (function, enum, dtype) that refuses ``BUILD``. Callable ones come from
     :func:`_callable_global` (one Python call per ``REDUCE``)."""
@@ -320,7 +314,8 @@ class _Record:
                 value = kind.default_map[name]
             else:
                 raise BadPickle(f"{kind.name} is hashed before its field {name!r} is set")
-            _check_hashable(value, budget)
+            if isinstance(value, tuple) and type(value) is not Size:  # a Size holds ints only
+                budget.check_hashable(value, BadPickle, Size)
             values.append(value)
         try:
             return hash(tuple(values))

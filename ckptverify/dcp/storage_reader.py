@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptverify.dcp import metadata as md
 from ckptverify.dcp import metadata_pickle as sp
+from ckptverify.dcp.tensors import torch_dtype
 from ckptverify.errors import BadPickle, CheckpointRefusedError, ProofFailedError, UnsafeGlobal
 from ckptverify.safeparse import paths
 
@@ -235,15 +236,6 @@ def build_metadata(parsed: md.ParsedMetadata) -> Metadata:
     return metadata
 
 
-def _dtype(name: str) -> Any:
-    import torch
-
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointRefusedError(f"this torch has no dtype {name!r}")
-    return dtype
-
-
 def _layout(name: str) -> Any:
     import torch
 
@@ -258,8 +250,8 @@ def _properties(p: md.TensorProps) -> Any:
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     memory_format = (torch.contiguous_format, torch.channels_last, torch.preserve_format)[p.memory_format]
-    return TensorProperties(dtype=_dtype(p.dtype), layout=_layout(p.layout), requires_grad=p.requires_grad,
-                            memory_format=memory_format, pin_memory=p.pin_memory)
+    return TensorProperties(dtype=torch_dtype(p.dtype, CheckpointRefusedError), layout=_layout(p.layout),
+                            requires_grad=p.requires_grad, memory_format=memory_format, pin_memory=p.pin_memory)
 
 
 def _storage_meta(info: md.StorageMetaInfo | None) -> Any:
@@ -293,7 +285,7 @@ def _real(value: Any) -> Any:
     if t is sp.Size:
         return torch.Size(value)
     if t is sp.DType:
-        return _dtype(value.name)
+        return torch_dtype(value.name, CheckpointRefusedError)
     if t is sp.TorchLayout:
         return _layout(value.name)
     if t is sp.Path:
@@ -308,39 +300,20 @@ def _real(value: Any) -> Any:
 
 
 def _real_obj(obj: sp.Obj) -> Any:
-    import torch
-    from torch.distributed.checkpoint import planner
-    from torch.distributed.checkpoint.filesystem import _StoragePrefix
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    """The real DCP dataclass (Megatron's plan where Megatron is installed, else DCP's) for a validated one."""
+    import importlib
 
-    f = obj.fields
-    if obj.kind in ("SavePlan", "MCoreSavePlan"):
-        args = {"items": _real(f["items"]), "storage_data": _real(f["storage_data"]),
-                "planner_data": _real(f["planner_data"]), "usable": f["usable"]}
-        if obj.kind == "MCoreSavePlan":
-            try:  # Megatron's subclass when Megatron is installed; the plain DCP plan otherwise
-                from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlan
-            except ImportError:
-                return planner.SavePlan(**args)
-            return MCoreSavePlan(**args, mcore_data=_real(f["mcore_data"]))
-        return planner.SavePlan(**args)
-    if obj.kind == "WriteItem":
-        return planner.WriteItem(index=_real(f["index"]), type=_real(f["type"]),
-                                 bytes_io_data=_real(f["bytes_io_data"]), tensor_data=_real(f["tensor_data"]))
-    if obj.kind == "TensorWriteData":
-        chunk = f["chunk"].fields
-        return planner.TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=_real(chunk["offsets"]), sizes=_real(chunk["sizes"])),
-            properties=_properties(md._properties(f["properties"], "a write item")),
-            size=torch.Size(f["size"]))
-    if obj.kind == "BytesIOWriteData":
-        return planner.BytesIOWriteData(nbytes=f["nbytes"])
-    if obj.kind == "MetadataIndex":
-        return MetadataIndex(fqn=f["fqn"], offset=_real(f["offset"]), index=f["index"])
-    if obj.kind == "ChunkStorageMetadata":
-        return ChunkStorageMetadata(offsets=_real(f["offsets"]), sizes=_real(f["sizes"]))
-    if obj.kind == "_StoragePrefix":
-        return _StoragePrefix(prefix=f["prefix"])
+    if obj.kind == "TensorProperties":
+        return _properties(md._properties(obj, "a write item"))
     if obj.kind == "StorageMeta":
         return _storage_meta(md._storage_meta(obj))
-    raise CheckpointRefusedError(f"unexpected {obj.kind} in validated metadata")
+    kind = sp.KINDS[obj.kind]
+    fields = {name: _real(value) for name, value in obj.fields.items()}
+    try:
+        cls = getattr(importlib.import_module(kind.module), kind.name)
+    except (ImportError, AttributeError):  # only Megatron's module may be absent (or lack the plan)
+        from torch.distributed.checkpoint.planner import SavePlan
+
+        cls = SavePlan
+        del fields["mcore_data"]
+    return cls(**fields)

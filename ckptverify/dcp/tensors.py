@@ -16,11 +16,11 @@ __all__ = ["BLOCK_BYTES", "torch_dtype"]
 BLOCK_BYTES = 64 << 20
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype named ``name``; :class:`FindingError` if this torch has none."""
+def torch_dtype(name: str, error: type[Exception] = FindingError) -> torch.dtype:
+    """The torch dtype named ``name``; ``error`` if this torch has none."""
     import torch
 
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise FindingError(f"this torch has no dtype {name!r}")
+        raise error(f"this torch has no dtype {name!r}")
     return dtype

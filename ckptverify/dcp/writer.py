@@ -16,7 +16,7 @@ import os
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptverify.dcp.commit import SaveLock, begin_save, invalidate_previous
+from ckptverify.dcp.metadata import METADATA_FILE
 from ckptverify.errors import ArchiveError, UsageError
 from ckptverify.fingerprint import (
     ALGORITHMS,
@@ -63,24 +64,9 @@ from ckptverify.ownfiles.manifest import (
 )
 from ckptverify.safeparse.gcpause import paused_gc
 
-__all__ = ["HashedStorageInfo", "HashingFileSystemWriter", "validate_digest_options"]
+__all__ = ["HashedStorageInfo", "HashingFileSystemWriter"]
 
 _log = logging.getLogger(__name__)
-
-#: Name of DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
-METADATA_FILE = ".metadata"
-
-
-def validate_digest_options(digest: str, block_bytes: int) -> None:
-    """Raise :class:`UsageError` unless ``digest`` is known and ``block_bytes`` an int in [``MIN_BLOCK_BYTES``,
-    ``MAX_BLOCK_BYTES``] (what verify accepts)."""
-    if digest not in ALGORITHMS:
-        raise UsageError(f"unknown digest algorithm {digest!r}; choose one of {', '.join(ALGORITHMS)}")
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
-        raise UsageError(f"block size must be a positive number of bytes, got {block_bytes!r}")
-    if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
-        # verify refuses a manifest with other block sizes: never write one
-        raise UsageError(f"block size must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}] bytes, got {block_bytes}")
 
 
 # ------------------------------------------------------------------------------------------ the stream
@@ -394,17 +380,11 @@ class _HashingFileSystem(FileSystem):
         self.fused_jobs: list[Any] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        del state["_lock"]
-        state["_records"] = {}
-        state["_tell_calls"] = 0
-        state["fused"] = {}
-        state["fused_jobs"] = []
-        return state
+        # The lock, records and fused chunks belong to this process: a copy starts afresh.
+        return {"algorithm": self.algorithm, "block_bytes": self.block_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self.__init__(**state)  # type: ignore[misc]
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -480,6 +460,8 @@ class _ChunkFacts:
     parts: tuple[tuple[str, str], ...] | None = None
 
 
+_NO_FACTS = _ChunkFacts(None, None, None)
+
 def _chunk_facts(t: torch.Tensor, item: WriteItem,
                  taken: tuple[TensorFingerprint, int | None] | None = None) -> _ChunkFacts:
     """The chunk's fingerprint and NaN/Inf counts; ``taken``: its fingerprint and count, taken beside its write."""
@@ -509,7 +491,8 @@ class HashingFileSystemWriter(FileSystemWriter):
     Args:
         path: the checkpoint directory.
         digest: ``"xxh3-128"`` (default) or ``"sha256"``.
-        block_bytes: block size each item is also digested in (from the item's first byte).
+        block_bytes: block size each item is also digested in (from the item's first byte), in [``MIN_BLOCK_BYTES``,
+            ``MAX_BLOCK_BYTES``] (what verify accepts).
         fingerprint: also fingerprint (with NaN/Inf counts) each tensor chunk on its device, large CPU chunks
             beside their writes (``stats["fingerprinted_beside_writes"]``).
         **kwargs: passed to :class:`FileSystemWriter`.
@@ -527,7 +510,13 @@ class HashingFileSystemWriter(FileSystemWriter):
         fingerprint: bool = True,
         **kwargs: Any,
     ) -> None:
-        validate_digest_options(digest, block_bytes)
+        if digest not in ALGORITHMS:
+            raise UsageError(f"unknown digest algorithm {digest!r}; choose one of {', '.join(ALGORITHMS)}")
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise UsageError(f"block size must be a positive number of bytes, got {block_bytes!r}")
+        if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+            # verify refuses a manifest with other block sizes: never write one
+            raise UsageError(f"block size must be in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}] bytes, got {block_bytes}")
         super().__init__(path, **kwargs)
         self.digest = digest
         self.block_bytes = block_bytes
@@ -588,10 +577,11 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.fs.fused_jobs = jobs = []
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptverify-fingerprint") as pool:
-                skip = {item.index for item, _, _ in fused.values()}
-                streams = FingerprintStreams.capture(_chunk_devices(plan, planner)) if self.fingerprint else None
-                fp_job = (pool.submit(self._fingerprint_items, plan, planner, skip, streams) if self.fingerprint
-                          else None)
+                fp_job = None
+                if self.fingerprint:
+                    skip = {item.index for item, _, _ in fused.values()}
+                    streams = FingerprintStreams.capture(_chunk_devices(plan, planner))
+                    fp_job = pool.submit(self._fingerprint_items, plan, planner, skip, streams)
                 results = super().write_data(plan, planner).wait()
                 facts = fp_job.result() if fp_job is not None else {}
         finally:
@@ -678,7 +668,6 @@ class HashingFileSystemWriter(FileSystemWriter):
                 rd = block_digests(path, span[0], span[1], self.digest, self.block_bytes)
                 segment = _Segment(rd.digest, rd.blocks)
                 rereads += 1
-            f = facts.get(wr.index)
             hashed = HashedStorageInfo(
                 info.relative_path,
                 info.offset,
@@ -688,11 +677,8 @@ class HashingFileSystemWriter(FileSystemWriter):
                 blocks=segment.blocks,
                 file_size=record.size,
                 file_digest=record.digest,
-                fingerprint=None if f is None else f.fingerprint,
-                nan_count=None if f is None else f.nan_count,
-                inf_count=None if f is None else f.inf_count,
-                parts=None if f is None else f.parts,
                 span=span,
+                **vars(facts.get(wr.index, _NO_FACTS)),  # fingerprint, nan_count, inf_count, parts
             )
             out.append(dataclasses.replace(wr, storage_data=hashed))
 
@@ -720,13 +706,11 @@ class HashingFileSystemWriter(FileSystemWriter):
         return fut
 
     @staticmethod
-    def _fingerprint_items(plan: SavePlan, planner: SavePlanner,
-                           skip: frozenset[MetadataIndex] | set[MetadataIndex] = frozenset(),
-                           streams: FingerprintStreams | None = None) -> dict[MetadataIndex, _ChunkFacts]:
+    def _fingerprint_items(plan: SavePlan, planner: SavePlanner, skip: set[MetadataIndex],
+                           streams: FingerprintStreams) -> dict[MetadataIndex, _ChunkFacts]:
         """Facts of every tensor chunk of ``plan`` not in ``skip``, each on its device and ``streams``' side stream."""
         from ckptverify.fingerprint import kernels
 
-        streams = streams if streams is not None else FingerprintStreams.capture(_chunk_devices(plan, planner))
         facts: dict[MetadataIndex, _ChunkFacts] = {}
         large = _large_chunk_bytes(plan)
         with torch.no_grad(), kernels.thread_limit(FINGERPRINT_THREADS):
@@ -906,11 +890,10 @@ def _add_file(files: dict[str, FileEntry], name: str, size: int, digest: str) ->
 
 
 def _combine_chunks(
-    infos: Iterable[HashedStorageInfo], shape: tuple[int, ...]
+    infos: list[HashedStorageInfo], shape: tuple[int, ...]
 ) -> tuple[str | None, int | None, int | None]:
     """The tensor's fingerprint and NaN/Inf counts from its unique chunks; ``None`` if any chunk lacks one or they do
     not cover the tensor."""
-    infos = list(infos)
     if not infos:
         return None, None, None
     fps = [i.fingerprint for i in infos]

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptverify.dcp import metadata as md
+from ckptverify.dcp import metadata_pickle as sp
 from ckptverify.dcp.storage_reader import build_metadata
 from ckptverify.errors import ArchiveError, BadPickle, CheckpointRefusedError, UnsafeGlobal
 from ckptverify.safeparse.torchsave import item_header
@@ -45,7 +46,7 @@ class _RealAllowlist(pickle.Unpickler):
     """Real unpickling, but resolving only the allowlisted names (to torch's real objects)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if f"{module}.{name}" not in md.ALLOWED_GLOBALS or module.startswith("megatron"):
+        if f"{module}.{name}" not in sp.ALLOWED_GLOBALS or module.startswith("megatron"):
             raise pickle.UnpicklingError(f"{module}.{name}")
         return super().find_class(module, name)
 

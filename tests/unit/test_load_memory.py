@@ -132,7 +132,7 @@ def test_a_refused_restore_check_puts_the_in_place_load_back_from_the_host_copy(
     before = {k: v.clone() for k, v in state.model.state_dict().items()}
     optim_before = {k: v.clone() for s in state.optimizers[0].state.values() for k, v in s.items()}
     fail = [load_mod.error("restore-mismatch", "planted by the test")]
-    monkeypatch.setattr(load_mod, "restore_check", lambda st, root: (fail, []))
+    monkeypatch.setattr(load_mod, "restore_check", lambda st, manifest: (fail, []))
     with pytest.raises(CheckpointRefusedError, match="planted by the test"):
         ckptverify.load(state, saved)
     after = state.model.state_dict()
