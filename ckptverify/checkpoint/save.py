@@ -144,7 +144,7 @@ def _run(fn: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
 
 
 def _translated(future: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
-                after_commit: Callable[[], None] | None = None) -> Any:
+                after_commit: Callable[[], object] | None = None) -> Any:
     """A future completing with ``future``, failures as :class:`SaveFailedError`; the lock is dropped when the upload
     ends; ``after_commit`` runs after commit, before completion."""
     from concurrent.futures import Future
@@ -265,7 +265,7 @@ def _verify_committed(options: AfterSave, path: str | os.PathLike[str], step: in
 
 
 def _after_upload(options: AfterSave, path: str | os.PathLike[str], step: int | None, group: Group,
-                  hosts: list[str] | None) -> Callable[[], None] | None:
+                  hosts: list[str] | None) -> Callable[[], object] | None:
     """After an async upload committed: queue or verify before the future completes; a ``raise`` failure is raised by
     the next save."""
     from ckptverify.verifier.background import default_verifier
@@ -384,7 +384,7 @@ def _save(where: str, state_dict: Any, path: str | os.PathLike[str], *, digest: 
 
 
 def _start_async(dcp: Any, state_dict: Any, writer: HashingFileSystemWriter, path: str | os.PathLike[str],
-                 process_group: Any, save_kw: dict[str, Any], after_commit: Callable[[], None] | None) -> Any:
+                 process_group: Any, save_kw: dict[str, Any], after_commit: Callable[[], object] | None) -> Any:
     response = _run(lambda: dcp.async_save(state_dict, storage_writer=writer, process_group=process_group, **save_kw),
                     writer, path, upload=True)
     upload = getattr(response, "upload_completion", None)
