@@ -186,7 +186,7 @@ def describe(path: str | os.PathLike[str], *,
     desc = Description(root=target, target=target, format="folder")
     for name in folder_files(target):  # directories (DCP parts) are described apart
         weights = name.endswith(".safetensors") or (name.startswith(_WEIGHT_PREFIXES) and name.endswith(".bin"))
-        own = files[name]() if name in files else _file(target, name, os.path.join(target, name))
+        own = files[name]() if name in files else _file(target, name)
         _add_named(desc, name, own, plain=weights)
     return desc
 
@@ -209,14 +209,14 @@ def side_file_description(root: str, names: list[str]) -> Description:
     """The side files ``names`` beside a DCP checkpoint in ``root``, every name prefixed by its file."""
     desc = Description(root=root, target=root, format="side-files")
     for name in names:
-        _add_named(desc, name, _file(root, name, os.path.join(root, name)), plain=False)
+        _add_named(desc, name, _file(root, name), plain=False)
     return desc
 
 
-def _file(root: str, name: str, target: str,
+def _file(root: str, name: str, target: str | None = None,
           read: tuple[Archive, PickleScan] | safetensors.Blob | None = None) -> Description:
     """File ``name`` of ``root`` in its own terms (tensors and values by their paths in it), from ``read`` if given."""
-    desc = Description(root=root, target=target, format="file")
+    desc = Description(root=root, target=target or os.path.join(root, name), format="file")
     if read is None:
         _add_file(desc, name)
     elif isinstance(read, tuple):
