@@ -255,7 +255,8 @@ def verify_folder_files(root: str | os.PathLike[str], *, deep: bool = False,
     started = time.perf_counter()
     path = os.fspath(root)
     found, coverage, facts = check_folder(path)
-    findings, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest)
+    findings, more, with_manifest = judge_described(path, found, deep=deep, use_manifest=use_manifest,
+                                                    described=facts["description"])
     if use_manifest:
         findings.extend(_fingerprint_advice(path, findings, with_manifest))
     seconds = time.perf_counter() - started

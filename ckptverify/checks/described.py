@@ -12,7 +12,7 @@ import functools
 import math
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptverify.findings import CheckCoverage, Finding, Location, error, warning
@@ -221,12 +221,12 @@ def _for_one_file(manifest: Manifest, name: str) -> Manifest | None:
 
 
 def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest: bool,
-                    described: Callable[[], Description] | None = None,
+                    described: Callable[[], Description] | Mapping[str, Callable[[], Description]] | None = None,
                     ) -> tuple[list[Finding], list[CheckCoverage], bool]:
     """The manifest and deep stages of ``verify`` for a file or folder, after ``found``. Content a manifest checked is
-    no longer ``content-uncheckable``. ``described``: a single file's description from the read that checked it
-    (else the file is described here, once). Returns findings, added coverage, and whether manifests cover every
-    file."""
+    no longer ``content-uncheckable``. ``described``, from the reads that checked them: a single file's description,
+    or a folder's files' by name (else each file is described here); each file is described once. Returns findings,
+    added coverage, and whether manifests cover every file."""
     from ckptverify.formats.describe import describe
 
     findings = list(found)
@@ -237,13 +237,20 @@ def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest
         return findings, coverage, False
     covered: set[str] = set()
     folder = paths.isdir(path)
-    # A single file's manifests all pin that file: one description of it serves them and the deep check.
-    whole = None if folder else (described or functools.partial(describe, path))()
+    # One description of each file serves every manifest and the deep check: in a folder, the folder's and the file's
+    # own (its tensors named in the file's terms).
+    files = {n: functools.cache(d) for n, d in described.items()} if isinstance(described, Mapping) else {}
+    if folder:
+        whole = functools.cache(functools.partial(describe, path, read=files))
+    else:
+        whole = functools.cache(described if callable(described) else functools.partial(describe, path))
     folder_manifest = None
     for target, manifest in manifests:
-        desc = describe(target) if folder else whole
-        if folder and target == path:
-            whole, folder_manifest = desc, manifest
+        if folder and target != path:
+            desc = (files.get(os.path.basename(target)) or functools.partial(describe, target))()
+        else:
+            desc = whole()
+            folder_manifest = manifest if folder else None
         checked, cov = check_manifest(desc, manifest)
         findings.extend(checked)
         coverage.extend(cov)
@@ -257,7 +264,7 @@ def judge_described(path: str, found: list[Finding], *, deep: bool, use_manifest
     findings = [f for f in findings if not (f.check in ("content-uncheckable", "manifest-unlisted")
                                             and f.location.file in covered)]
     if deep:
-        desc = whole if whole is not None else describe(path)
+        desc = whole()
         own = folder_manifest if folder else next((m for _, m in manifests), None)
         checked, cov = deep_check(desc, own)
         findings.extend(checked)

@@ -23,10 +23,12 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[str, Any]]:
-    """Check every file of the non-DCP folder ``root``. Facts: ``files``, ``tensors``, ``dcp_parts``, ``bytes``."""
+    """Check every file of the non-DCP folder ``root``. Facts: ``files``, ``tensors``, ``dcp_parts``, ``bytes``,
+    ``description`` (each file's from its check's read, by name: see :func:`~ckptverify.checks.single.check_file`)."""
     findings: list[Finding] = []
     coverage: list[CheckCoverage] = []
-    facts: dict[str, Any] = {"files": {}, "tensors": {}, "dcp_parts": [], "bytes": 0, "unchecked": []}
+    facts: dict[str, Any] = {"files": {}, "tensors": {}, "dcp_parts": [], "bytes": 0, "unchecked": [],
+                             "description": {}}
     indexes: dict[str, Any] = {}
     with paths.scandir(root) as it:
         entries = sorted(it, key=lambda e: e.name)
@@ -68,6 +70,8 @@ def check_folder(root: str) -> tuple[list[Finding], list[CheckCoverage], dict[st
         facts["files"][e.name] = file_facts.get("format")
         facts["tensors"][e.name] = file_facts.get("tensors", [])
         facts["bytes"] += file_facts.get("bytes", 0)
+        if "description" in file_facts:
+            facts["description"][e.name] = file_facts["description"]
     for name, index in sorted(indexes.items()):
         findings.extend(_check_index(root, name, index, facts))
     if indexes:

@@ -10,11 +10,12 @@ in a folder, weight files' tensors keep their own names (to compare with DCP), e
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -171,26 +172,22 @@ def stored_part(t: TensorDesc, p: Payload) -> str | None:
 
 
 def describe(path: str | os.PathLike[str], *,
-             read: tuple[Archive, PickleScan] | safetensors.Blob | None = None) -> Description:
+             read: tuple[Archive, PickleScan] | safetensors.Blob | Mapping[str, Callable[[], Description]] | None
+             = None) -> Description:
     """Describe a single checkpoint file, or a folder's own regular files (DCP sub-folders are not part of it).
-    ``read``: the single file's archive and pickle (``torch.save``) or blob (safetensors) as its check read them: the
-    file is not read again."""
+    ``read``, what the checks already read, so that it is not read again: a single file's archive and pickle
+    (``torch.save``) or blob (safetensors); a folder's files' descriptions by name, each a call (a file not named is
+    read here)."""
     target = os.fspath(path)
-    if read is not None or not paths.isdir(target):
+    if not isinstance(read, Mapping) and (read is not None or not paths.isdir(target)):
         root, name = os.path.split(paths.abspath(target))
-        desc = Description(root=root, target=target, format="file")
-        if read is None:
-            _add_file(desc, name, prefix="", plain_tensors=True)
-        elif isinstance(read, tuple):
-            _torch_save_read(desc, name, *read, "", True)
-        else:
-            _safetensors_read(desc, name, read, "", True)
-        desc.format = desc.files.get(name, "unknown")
-        return desc
+        return _file(root, name, target, read)
+    files = read or {}
     desc = Description(root=target, target=target, format="folder")
     for name in folder_files(target):  # directories (DCP parts) are described apart
         weights = name.endswith(".safetensors") or (name.startswith(_WEIGHT_PREFIXES) and name.endswith(".bin"))
-        _add_file(desc, name, prefix=f"{name}:", plain_tensors=weights)
+        own = files[name]() if name in files else _file(target, name)
+        _add_named(desc, name, own, plain=weights)
     return desc
 
 
@@ -212,34 +209,58 @@ def side_file_description(root: str, names: list[str]) -> Description:
     """The side files ``names`` beside a DCP checkpoint in ``root``, every name prefixed by its file."""
     desc = Description(root=root, target=root, format="side-files")
     for name in names:
-        _add_file(desc, name, prefix=f"{name}:", plain_tensors=False)
+        _add_named(desc, name, _file(root, name), plain=False)
     return desc
 
 
-def _add_file(desc: Description, name: str, *, prefix: str, plain_tensors: bool) -> None:
+def _file(root: str, name: str, target: str | None = None,
+          read: tuple[Archive, PickleScan] | safetensors.Blob | None = None) -> Description:
+    """File ``name`` of ``root`` in its own terms (tensors and values by their paths in it), from ``read`` if given."""
+    desc = Description(root=root, target=target or os.path.join(root, name), format="file")
+    if read is None:
+        _add_file(desc, name)
+    elif isinstance(read, tuple):
+        _torch_save_read(desc, name, *read)
+    else:
+        _safetensors_read(desc, name, read)
+    desc.format = desc.files.get(name, "unknown")
+    return desc
+
+
+def _add_named(desc: Description, name: str, own: Description, *, plain: bool) -> None:
+    """File ``name``'s own description ``own`` into ``desc``, of the files beside it: its tensors keep their names if
+    ``plain`` (and no other file took them first), else are ``NAME:PATH``, as its values always are."""
+    desc.files.update(own.files)
+    desc.unread.update(own.unread)
+    for path, t in own.tensors.items():
+        tname = path if plain and path not in desc.tensors else f"{name}:{path}"
+        desc.tensors[tname] = dataclasses.replace(t, name=tname)
+    desc.values.update((f"{name}:{path}", v) for path, v in own.values.items())
+
+
+def _add_file(desc: Description, name: str) -> None:
     try:
         with ReadOnlyFile(os.path.join(desc.root, name), root=desc.root) as f:
             kind = "json" if name.endswith(".json") else sniff(f.pread(0, 16))
             if kind == "torch.save":
-                _torch_save(desc, f, name, prefix, plain_tensors)
+                _torch_save(desc, f, name)
             elif kind == "safetensors":
-                _safetensors(desc, f, name, prefix, plain_tensors)
+                _safetensors(desc, f, name)
             elif kind == "pickle":
-                _pickle(desc, f, name, prefix)
+                _pickle(desc, f, name)
             elif kind == "json":
-                _json(desc, f, name, prefix)
+                _json(desc, f, name)
             else:
                 desc.unread[name] = "not a checkpoint file (unknown content)"
     except OSError as exc:
         desc.unread[name] = f"cannot be read: {exc}"
 
 
-def _tensor_name(desc: Description, name: str, path: str, prefix: str, plain: bool) -> str:
-    plain_name = path if plain else f"{prefix}{path}"
-    return plain_name if plain_name not in desc.tensors else f"{name}:{path}"
+def _tensor_name(desc: Description, name: str, path: str) -> str:
+    return path if path not in desc.tensors else f"{name}:{path}"
 
 
-def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
+def _torch_save(desc: Description, f: ReadOnlyFile, name: str) -> None:
     try:
         archive = parse_archive(range_reader(f), f.size)
     except ArchiveError as exc:
@@ -255,14 +276,13 @@ def _torch_save(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plai
     except BadPickle as exc:
         desc.unread[name] = f"data.pkl cannot be read safely: {exc}"
         return
-    _torch_save_read(desc, name, archive, scan, prefix, plain)
+    _torch_save_read(desc, name, archive, scan)
 
 
-def _torch_save_read(desc: Description, name: str, archive: Archive, scan: PickleScan, prefix: str,
-                     plain: bool) -> None:
+def _torch_save_read(desc: Description, name: str, archive: Archive, scan: PickleScan) -> None:
     desc.files[name] = "torch.save"
     for path, sub in scan.subclasses.items():
-        tname = _tensor_name(desc, name, path, prefix, plain)
+        tname = _tensor_name(desc, name, path)
         t = desc.tensors[tname] = TensorDesc(tname, sub.dtype, sub.size)
         stored = SubclassDesc(sub.cls, sub.context)
         for part, ref in sub.parts:
@@ -278,9 +298,9 @@ def _torch_save_read(desc: Description, name: str, archive: Archive, scan: Pickl
         if rec is None or ref.dtype is None:
             desc.unread.setdefault(name, f"tensor {path!r} has no storage record or dtype")
             continue
-        tname = _tensor_name(desc, name, path, prefix, plain)
+        tname = _tensor_name(desc, name, path)
         desc.tensors[tname] = TensorDesc(tname, ref.dtype, ref.size, [_record_payload(name, rec, ref)])
-    _values(desc, leaf_values(scan.root), prefix)
+    desc.values.update(leaf_values(scan.root))
 
 
 def _record_payload(name: str, rec: Any, ref: Any) -> Payload:
@@ -291,28 +311,28 @@ def _record_payload(name: str, rec: Any, ref: Any) -> Payload:
                    checksum="crc32")
 
 
-def _safetensors(desc: Description, f: ReadOnlyFile, name: str, prefix: str, plain: bool) -> None:
+def _safetensors(desc: Description, f: ReadOnlyFile, name: str) -> None:
     try:
         blob = safetensors.read_blob(f, 0)
     except ArchiveError as exc:
         desc.unread[name] = f"not a well-formed safetensors file: {exc}"
         return
-    _safetensors_read(desc, name, blob, prefix, plain)
+    _safetensors_read(desc, name, blob)
 
 
-def _safetensors_read(desc: Description, name: str, blob: safetensors.Blob, prefix: str, plain: bool) -> None:
+def _safetensors_read(desc: Description, name: str, blob: safetensors.Blob) -> None:
     desc.files[name] = "safetensors"
     for tname, t in blob.tensors.items():
         if t.dtype is None:
             desc.unread.setdefault(name, f"tensor {tname!r} has a dtype this tool does not read")
             continue
-        full = _tensor_name(desc, name, tname, prefix, plain)
+        full = _tensor_name(desc, name, tname)
         desc.tensors[full] = TensorDesc(full, t.dtype, t.shape, [Payload(
             file=name, offset=blob.data_start + t.begin, length=t.end - t.begin, dtype=t.dtype, shape=t.shape,
             stride=contiguous_strides(t.shape), chunk_offsets=(0,) * len(t.shape))])
 
 
-def _pickle(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
+def _pickle(desc: Description, f: ReadOnlyFile, name: str) -> None:
     if f.size > MAX_PICKLE_BYTES:
         desc.unread[name] = f"a pickle of {f.size} bytes, more than this tool reads"
         return
@@ -324,10 +344,10 @@ def _pickle(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
         return
     # A legacy (pre-1.6) torch.save starts with the pickled magic number; its tensors follow in raw form.
     desc.files[name] = "legacy" if isinstance(scan.root, int) and scan.root == 0x1950A86A20F9469CFC6C else "pickle"
-    _values(desc, leaf_values(scan.root), prefix)
+    desc.values.update(leaf_values(scan.root))
 
 
-def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
+def _json(desc: Description, f: ReadOnlyFile, name: str) -> None:
     if f.size > JSON_MAX_BYTES:
         desc.unread[name] = f"JSON of {f.size} bytes, more than this tool parses"
         return
@@ -338,12 +358,7 @@ def _json(desc: Description, f: ReadOnlyFile, name: str, prefix: str) -> None:
         return
     desc.files[name] = "json"
     if not name.endswith(".index.json"):  # a shard index is layout (which file holds what), not state
-        _values(desc, leaf_values(value), prefix)
-
-
-def _values(desc: Description, values: dict[str, str], prefix: str) -> None:
-    for path, v in values.items():
-        desc.values[f"{prefix}{path}" if prefix else path] = v
+        desc.values.update(leaf_values(value))
 
 
 # ------------------------------------------------------------------------------------------ reading tensors

@@ -484,6 +484,36 @@ def flip_safetensors(path: Path) -> str:
     return name
 
 
+def test_a_folder_verified_with_manifests_and_deep_has_each_file_read_once(tmp_path: Path, monkeypatch) -> None:
+    """Each file's check read describes it for the folder's manifest, a file's own manifest and the deep check: two
+    torch.save pickles unpickled twice in all, one safetensors header read once; the findings name the changed
+    tensor as before."""
+    from safetensors.torch import save_file
+
+    from ckptverify.audit.adopt import fingerprint_checkpoint
+    from ckptverify.audit.verify import verify_checkpoint
+    from ckptverify.dcp import safetensors
+    from ckptverify.safeparse import torchsave
+
+    root = tmp_path / "checkpoint-10"
+    root.mkdir()
+    torch.manual_seed(0)
+    save_file({"w": torch.randn(32, 32), "b": torch.zeros(32)}, str(root / "model.safetensors"))
+    torch.save({"state": {0: {"exp_avg": torch.randn(32, 32)}}, "param_groups": [{"lr": 1e-3}]}, root / "optimizer.pt")
+    torch.save({"python": [1, 2], "torch": torch.get_rng_state()}, root / "rng_state_0.pth")
+    assert fingerprint_checkpoint(root, trust_uncheckable=True)[0].exit_code == 0
+    assert fingerprint_checkpoint(root / "optimizer.pt")[0].exit_code == 0
+    tensor = flip_safetensors(root / "model.safetensors")
+    reads: list[object] = []
+    load, read_blob = torchsave._Reader.load, safetensors.read_blob
+    monkeypatch.setattr(torchsave._Reader, "load", lambda self: reads.append(self) or load(self))
+    monkeypatch.setattr(safetensors, "read_blob", lambda *a, **k: reads.append(a) or read_blob(*a, **k))
+    report = verify_checkpoint(root, deep=True)
+    assert len(reads) == 3 and report.stats["manifest"]
+    assert {f.location.fqn for f in report.errors if f.check == "fingerprint"} == {tensor}
+    assert {f.location.file for f in report.errors} == {"model.safetensors"}
+
+
 def test_a_single_file_deep_check_rebuilds_its_tensors(pt_file: Path) -> None:
     from ckptverify.audit.verify import verify_checkpoint
 
