@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptverify.ownfiles.names import own_folder, write_atomic
-from ckptverify.trace.comm import COMM_NAMESPACES, _name, comm_info, comm_site, is_comm
+from ckptverify.trace.comm import COMM_NAMESPACES, RECV, UNSET, _name, argument, bound, comm_info, comm_site, is_comm
 from ckptverify.trace.oplog import MAX_ARGUMENT_NAME, MAX_ARGUMENT_TEXT, OP_LOG_VERSION, CommInfo, OpWindow, op_log_path
 from ckptverify.trace.readback import _pair_digests
 
@@ -49,10 +49,8 @@ _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "norma
 _RESIZE = frozenset({"resize_", "resize_as_"})
 
 
-#: c10d ops that read and write their first tensor list in place; point-to-point.
+#: c10d ops that read and write their first tensor list in place.
 _INPLACE_COMM = frozenset({"allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_"})
-_SEND = frozenset({"send"})
-_RECV = frozenset({"recv_", "recv_any_source_"})
 
 
 class OpContext:
@@ -369,7 +367,7 @@ class StepTracer:
             index = before if len(self.events) > before else -1
             places = [self._emit(None) for _ in outs]
             entry = (outs, sites, note, index, places)
-            if functional or not self._at_completion(result, entry, _argument(func, args, kwargs, "async_op")):
+            if functional or not self._at_completion(result, entry, argument(func, args, kwargs, "async_op")):
                 self._pending.append(entry)
         return result
 
@@ -421,9 +419,9 @@ class StepTracer:
         first = _leaves(args[0]) if args else []
         if name in _INPLACE_COMM:
             return first, first
-        if name in _SEND:
+        if name == "send":
             return first, []
-        if name in _RECV:
+        if name in RECV:
             return [], first
         return (_leaves(args[1]) if len(args) > 1 else []), first
 
@@ -467,7 +465,7 @@ class StepTracer:
             _capture(w.capture_path, op, args, kwargs)
         name = _name(func)
         digest = self._digests
-        if comm is not None and name in _RECV:
+        if comm is not None and name in RECV:
             ins: list[Any] = [None for _ in _leaves(args)]
         else:
             # Not inputs: out= buffers, collective buffers in flight, a self the op overwrites whole.
@@ -501,7 +499,7 @@ class StepTracer:
             outs = [None] * len(results)
             for t in results:
                 digest.uninitialised(t)
-        elif name in ("copy_", "_to_copy", "to") and _argument(func, args, kwargs, "non_blocking"):
+        elif name in ("copy_", "_to_copy", "to") and argument(func, args, kwargs, "non_blocking"):
             outs = [None] * len(results)
         else:
             returns = func._schema.returns
@@ -542,23 +540,10 @@ def _allocates(name: str) -> bool:
     return name in _EMPTY or name.startswith(("empty_", "new_empty", "_empty"))
 
 
-def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    """The value of argument ``name`` of an op call, by position or name; ``None`` if not passed."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == name:
-            return args[i] if i < len(args) and not a.kwarg_only else kwargs.get(name)
-    return None
-
-
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The tensors an op writes through its arguments (``Tensor(a!)``), in schema order."""
-    out: list[Any] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        out.extend(_leaves(value))
-    return out
+    return [t for a, value in bound(func, args, kwargs) if a.alias_info is not None and a.alias_info.is_write
+            for t in _leaves(value)]
 
 
 def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
@@ -568,17 +553,13 @@ def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list
     import xxhash
 
     out: list[list[Any]] = []
-    for i, a in enumerate(func._schema.arguments):
+    for a, value in bound(func, args, kwargs):
         if getattr(a, "is_out", False):
             continue
-        if i < len(args) and not a.kwarg_only:
-            value = args[i]
-        elif a.name in kwargs:
-            value = kwargs[a.name]
-        elif a.has_default_value():
+        if value is UNSET:
+            if not a.has_default_value():
+                continue
             value = a.default_value
-        else:
-            continue
         if isinstance(value, torch.Tensor):
             continue
         parts: list[str] = []

@@ -18,6 +18,7 @@ from typing import Any
 from ckptverify.errors import UsageError
 from ckptverify.findings import Finding, Location, info, warning
 from ckptverify.resume.causes import ranks_text
+from ckptverify.trace.comm import RECV
 from ckptverify.trace.compare import merged_order
 from ckptverify.trace.oplog import OpEvent, OpKey
 
@@ -471,7 +472,7 @@ class _Pair:
     def sends_to(self, peer: int) -> list[tuple[OpEvent, OpEvent | None]]:
         """This rank's sends to ``peer`` in A's order, each with B's event of the same key."""
         return [(e, self.kb.get(e.key)) for e in self.a
-                if e.comm is not None and e.comm.peer == peer and not _is_recv(e.comm.collective)]
+                if e.comm is not None and e.comm.peer == peer and e.comm.collective not in RECV]
 
     def first(self) -> _First | None:
         if self._first is False:
@@ -520,10 +521,6 @@ class _Pair:
         return produced, seen
 
 
-def _is_recv(name: str) -> bool:
-    return name.startswith("recv") or name in ("irecv",)
-
-
 def _site(rank: int, e: OpEvent) -> OpSite:
     return OpSite(rank=rank, step=e.step, phase=e.phase, module=e.module, op=e.op, occurrence=e.occurrence)
 
@@ -560,7 +557,7 @@ def _classify(rank: int, pairs: Mapping[int, _Pair], state_equal: bool | None) -
     comm = first.event.comm
     if comm is None:
         return _Verdict("op", first)
-    if comm.peer is not None and _is_recv(comm.collective):
+    if comm.peer is not None and comm.collective in RECV:
         via = Via(collective=comm.collective, group=comm.group, seq=comm.seq, senders=(comm.peer,))
         if _peer_sent_differently(rank, first.event, pairs) is False:
             return _Verdict("collective", first)
@@ -601,7 +598,7 @@ def _peer_sent_differently(rank: int, event: OpEvent, pairs: Mapping[int, _Pair]
     peer = pairs.get(comm.peer)
     if peer is None:
         return None
-    mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and _is_recv(e.comm.collective)]
+    mine = [e for e in pairs[rank].a if e.comm is not None and e.comm.peer == comm.peer and e.comm.collective in RECV]
     k = next((i for i, e in enumerate(mine) if e.key == event.key), None)
     sends = peer.sends_to(rank)
     if k is None or k >= len(sends) or sends[k][1] is None:
@@ -626,7 +623,7 @@ def _through_unseen_output(rank: int, first: _First, pairs: Mapping[int, _Pair])
         if e.comm is None or other is None or not (_unseen(e) or _unseen(other)):
             continue
         c = e.comm
-        if c.peer is not None and _is_recv(c.collective):
+        if c.peer is not None and c.collective in RECV:
             if _peer_sent_differently(rank, e, pairs):
                 return Via(collective=c.collective, group=c.group, seq=c.seq, senders=(c.peer,))
             continue
