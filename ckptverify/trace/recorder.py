@@ -303,10 +303,8 @@ class TraceRecorder:
             if self._paused:
                 return
             stack = self._context.backward
-            for i in range(len(stack) - 1, -1, -1):
-                if stack[i] == name:
-                    del stack[i]
-                    break
+            if name in stack:
+                del stack[len(stack) - 1 - stack[::-1].index(name)]
             with self._own_work():
                 site = module_site(name, "bwd", self._next(name, "bwd"))
                 self._module_cells.append(_value_item(site, "module_grad_in", grad_input, cls))
@@ -547,20 +545,13 @@ class TraceRecorder:
 
     def _field_cells(self, state: TrainState, rng: list[Cell]) -> list[Cell]:
         """One digest cell per non-tensor field of ``state``, exactly ``state_digest`` of what
-        ``TrainState.fields()`` returns for it (random streams come in ``rng``)."""
+        ``TrainState.fields()`` returns for it (random streams come in ``rng``); the caller orders them by kind."""
         values: dict[str, Any] = {"counters": _counters(state.counters)}
-        for i, sched in enumerate(state.schedulers):
-            values[f"scheduler.{i}"] = sched.state_dict()
+        values.update((f"scheduler.{i}", sched.state_dict()) for i, sched in enumerate(state.schedulers))
         if state.dataloader is not None:
             values["data"] = _data_value(state)
-        cells = [self._field_cell(name, value) for name, value in values.items()]
-        cells.extend(rng)
-        for name, obj in state.extras.items():
-            cells.append(self._field_cell(f"extras.{name}", obj.state_dict()))
-        return cells
-
-    def _field_cell(self, name: str, value: Any) -> Cell:
-        return Cell(name, _field_kind(name), _value_lanes(value), "digest128")
+        values.update((f"extras.{name}", obj.state_dict()) for name, obj in state.extras.items())
+        return [*(Cell(name, _field_kind(name), _value_lanes(v), "digest128") for name, v in values.items()), *rng]
 
     def step_digests(self, step: int, tensors: list[Any]) -> list[int | None]:
         """The member digests the row of ``step`` (one of the last two) holds for ``tensors``, matched by storage;
