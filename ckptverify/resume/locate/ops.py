@@ -373,15 +373,13 @@ def _output_difference(a: OpEvent, b: OpEvent) -> dict[str, Any] | None:
     """The first differing output of two events of one key (``None``: outputs equal)."""
     if len(a.outputs) != len(b.outputs):
         return {"index": min(len(a.outputs), len(b.outputs))}
+    def at(values: Sequence[Any], i: int) -> Any:
+        return values[i] if i < len(values) else None
+
     for i, (x, y) in enumerate(zip(a.outputs, b.outputs, strict=True)):
-        shape_a = a.shapes[i] if i < len(a.shapes) else None
-        shape_b = b.shapes[i] if i < len(b.shapes) else None
-        dtype_a = a.dtypes[i] if i < len(a.dtypes) else None
-        dtype_b = b.dtypes[i] if i < len(b.dtypes) else None
-        chunks_a = a.chunks[i] if i < len(a.chunks) else None
-        chunks_b = b.chunks[i] if i < len(b.chunks) else None
-        chunk = _chunk_difference(chunks_a, chunks_b)
-        if _differs(x, y) or shape_a != shape_b or dtype_a != dtype_b or chunk is not None:
+        chunk = _chunk_difference(at(a.chunks, i), at(b.chunks, i))
+        if (_differs(x, y) or at(a.shapes, i) != at(b.shapes, i) or at(a.dtypes, i) != at(b.dtypes, i)
+                or chunk is not None):
             out: dict[str, Any] = {"index": i}
             if chunk is not None and a.chunk_elements > 0:
                 start = chunk * a.chunk_elements
@@ -676,18 +674,19 @@ def locate(a: RankLogs, b: RankLogs, *, step: int | None = None, state_equal: bo
 
     # ("ab", i): A's repeat i vs B's; ("a"/"b", i): that side's repeat i vs its repeat 0.
     compared: list[tuple[str, int, dict[int, _Verdict], Callable[[int], tuple[Sequence[OpEvent], ...]]]] = []
+
+    def compare(source: str, i: int, logs_of: Callable[[int], tuple[Sequence[OpEvent], ...]], what: str) -> None:
+        pairs = {r: _Pair(*logs_of(r), what=f"{what}rank {r}, repeat {i}") for r in ranks}
+        compared.append((source, i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
+                         logs_of))
+
     for i in range(repeats):
-        pairs = {r: _Pair(la[r][i], lb[r][i], what=f"rank {r}, repeat {i}") for r in ranks}
-        compared.append(("ab", i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
-                         lambda r, i=i: (la[r][i], lb[r][i])))
+        compare("ab", i, lambda r, i=i: (la[r][i], lb[r][i]), "")
     per_side: dict[str, int] = {}
     for side, logs in (("a", la), ("b", lb)):
-        n = per_side[side] = min(len(logs[r]) for r in ranks)
-        for i in range(1, n):
-            pairs = {r: _Pair(logs[r][0], logs[r][i], what=f"side {side.upper()}, rank {r}, repeat {i}")
-                     for r in ranks}
-            compared.append((side, i, {r: v for r in ranks if (v := _classify(r, pairs, state_equal)) is not None},
-                             lambda r, i=i, logs=logs: (logs[r][0], logs[r][i])))
+        per_side[side] = min(len(logs[r]) for r in ranks)
+        for i in range(1, per_side[side]):
+            compare(side, i, lambda r, i=i, logs=logs: (logs[r][0], logs[r][i]), f"side {side.upper()}, ")
 
     origins: list[Origin] = []
     receivers: list[Receiver] = []
