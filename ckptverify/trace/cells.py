@@ -12,7 +12,7 @@ import xxhash
 from ckptverify.errors import UsageError
 from ckptverify.trace.readback import _HOST_AS_DEVICE, _MASK64, _PLAIN_TYPES, Item, _Deferred, _digests_later, _on_host
 from ckptverify.trace.sites import is_dtensor, local_view
-from ckptverify.trace.store import Cell, hex_lanes
+from ckptverify.trace.store import Cell, bits_float, hex_lanes
 
 if TYPE_CHECKING:
     import torch
@@ -188,10 +188,7 @@ def _scaler_item(site: str, kind: str, scaler: Any) -> Item:
             "growth_interval": scaler._growth_interval}
 
     def make(values: list[int]) -> list[Cell]:
-        import struct
-
-        value = float(struct.unpack("<d", struct.pack("<q", values[0]))[0])
-        state = {"scale": value, **rest, "_growth_tracker": int(values[1])}
+        state = {"scale": bits_float(values[0]), **rest, "_growth_tracker": int(values[1])}
         return [Cell(site, kind, _value_lanes(state), "digest128")]
 
     return _Deferred(bits, make)

@@ -9,7 +9,7 @@ from ckptverify.trace.category import combine, weight
 from ckptverify.trace.cells import _SCALARS
 from ckptverify.trace.readback import Item, _Deferred, _on_host
 from ckptverify.trace.sites import is_dtensor
-from ckptverify.trace.store import Cell
+from ckptverify.trace.store import Cell, bits_float
 
 
 def _on_device(values: list[Any]) -> list[int]:
@@ -126,8 +126,6 @@ class _HparamCells:
     def _later(self, values: list[Any], on_device: list[int], spec: _HparamSpec, group: str) -> Item:
         """:meth:`_make` when some hyperparameters are device tensors (a ``capturable`` optimizer's lr): those are
         widened to float64 there, exactly as ``float(tensor)``, and read back with the step."""
-        import struct
-
         import torch
 
         bits = torch.cat([values[i].detach().reshape(1).to(torch.float64).view(torch.int64) for i in on_device])
@@ -138,7 +136,7 @@ class _HparamCells:
         def make(read: list[int]) -> list[Cell]:
             filled = list(kept)
             for i, b in zip(on_device, read, strict=True):
-                filled[i] = struct.unpack("<d", struct.pack("<q", b))[0]
+                filled[i] = bits_float(b)
             return self._packed(spec, filled, group)
 
         return _Deferred(bits, make)

@@ -169,10 +169,7 @@ class _Gradients:
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not present:
             return []
-        grads = []
-        for i in present:
-            g = self.params[i].grad
-            grads.append(local_view(g))
+        grads = [local_view(self.params[i].grad) for i in present]
         names = [self.names[i] for i in present]
         weights = [self.weights[i] for i in present]
         encodings = [self.encodings[i] for i in present]

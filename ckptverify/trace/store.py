@@ -128,13 +128,10 @@ class TraceHeader:
     digest_encoding: str = "unknown"
 
     def __post_init__(self) -> None:
-        if self.digest_encoding not in DIGEST_ENCODINGS:
-            raise UsageError(f"unknown digest encoding {self.digest_encoding!r}; choose one of "
-                             f"{', '.join(DIGEST_ENCODINGS)}")
-        if self.level not in LEVELS:
-            raise UsageError(f"unknown trace level {self.level!r}; choose one of {', '.join(LEVELS)}")
-        if self.detail not in DETAILS:
-            raise UsageError(f"unknown trace detail {self.detail!r}; choose one of {', '.join(DETAILS)}")
+        for what, value, known in (("digest encoding", self.digest_encoding, DIGEST_ENCODINGS),
+                                   ("trace level", self.level, LEVELS), ("trace detail", self.detail, DETAILS)):
+            if value not in known:
+                raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(known)}")
         if self.schema != TRACE_SCHEMA:
             raise CkptVerifyError(f"not a trace header: schema {self.schema!r}")
         if self.schema_version != TRACE_SCHEMA_VERSION:
@@ -232,10 +229,15 @@ def lanes_hex(lanes: Sequence[int]) -> str:
     return f"{int(lanes[0]) & _MASK64:016x}{int(lanes[1]) & _MASK64:016x}"
 
 
+def bits_float(bits: int) -> float:
+    """The float64 whose bits are ``bits`` (signed or unsigned 64-bit)."""
+    return struct.unpack("<d", struct.pack("<Q", int(bits) & _MASK64))[0]
+
+
 def decode(lanes: Sequence[int], encoding: str) -> float | int | str:
     """A cell's value: a float (``f64``), an int (``i64``) or 32 hex digits (fingerprints, digests)."""
     if encoding == "f64":
-        return struct.unpack("<d", struct.pack("<Q", int(lanes[0]) & _MASK64))[0]
+        return bits_float(lanes[0])
     if encoding == "i64":
         v = int(lanes[0]) & _MASK64
         return v - (1 << 64) if v >= 1 << 63 else v
