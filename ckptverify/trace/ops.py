@@ -97,11 +97,6 @@ class _Digests:
         # Collective outputs are digested on gloo's worker thread: append and index must be atomic.
         self._lock = threading.Lock()
 
-    def _lane(self, lanes: Any) -> tuple[str, int]:
-        with self._lock:
-            self.lanes.append(lanes)
-            return "dev", len(self.lanes) - 1
-
     def reset(self) -> None:
         self.lanes = []
         self._seen.clear()
@@ -156,7 +151,10 @@ class _Digests:
             return host_digest(t)
         from ckptverify.fingerprint import kernels as kern
 
-        return self._lane(kern.lanes_many([t.detach()]))
+        lanes = kern.lanes_many([t.detach()])
+        with self._lock:
+            self.lanes.append(lanes)
+            return "dev", len(self.lanes) - 1
 
 
 def _work_of(result: Any) -> Any:
@@ -190,7 +188,7 @@ def _after_read(tensors: list[Any]) -> tuple[Any, Any] | None:
 
 
 def _wait_for(events: list[tuple[Any, Any]]) -> None:
-    """Make each device's current stream (where the row is read back) wait for ``events``, without a host wait."""
+    """Make each device's current stream wait for ``events``, without a host wait."""
     import torch
 
     for device, event in events:
@@ -240,12 +238,6 @@ class StepTracer:
         #: ``Work`` is waited on out of sight, so later readers read them complete.
         self._flying: set[int] = set()
         self._nvtx = False
-
-    def _module_in_window(self, module: str) -> bool:
-        mods = self.window.modules if self.window is not None else None
-        if mods is None:
-            return True
-        return any(module == m or module.startswith(m + ".") for m in mods)
 
     def begin(self, step: int) -> None:
         """Start traced step ``step``: enter the dispatch mode in the op window, else route collectives through
@@ -375,8 +367,6 @@ class StepTracer:
                        async_op: Any) -> bool:
         """Take the c10d op's outputs when its work completes (a future callback holding weak references only);
         ``False`` when the work has no future, so the caller keeps them until the step ends."""
-        import torch
-
         work = _work_of(result)
         if work is None:
             return False
@@ -404,11 +394,10 @@ class StepTracer:
                 self._read_events.append(after)
 
         self._callbacks.append(future.then(taken))
-        if read and async_op is False:
+        if async_op is False:
             # NCCL runs the callback inline at enqueue: the issuing stream must not overwrite the output (FSDP2's
             # division) before the fingerprint has read it.
-            device, event = read[0]
-            torch.cuda.current_stream(device).wait_event(event)
+            _wait_for(read)
         return True
 
     def _comm_tensors(self, func: Any, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
@@ -450,17 +439,17 @@ class StepTracer:
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, comm: CommInfo | None = None,
                 already: Any = None) -> Any:
         phase, module = self.context.where()
-        if not self._module_in_window(module):
+        w = self.window
+        assert w is not None
+        if w.modules is not None and not any(module == m or module.startswith(m + ".") for m in w.modules):
             return func(*args, **kwargs) if already is None else already
-        if len(self.events) >= self.window.max_ops:  # type: ignore[union-attr]
+        if len(self.events) >= w.max_ops:
             self.dropped += 1
             return func(*args, **kwargs) if already is None else already
         op = str(func)
         key3 = (phase, module, op)
         occ = self._occ.get(key3, 0)
         self._occ[key3] = occ + 1
-        w = self.window
-        assert w is not None
         if w.capture is not None and tuple(w.capture) == (self.step, phase, module, op, occ):
             _capture(w.capture_path, op, args, kwargs)
         name = _name(func)
